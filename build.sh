@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Builds and tests mpt.h.
+#   ./build.sh          build the tests, examples and benchmarks (gcc -O2) into build/
+#   ./build.sh test     install what is missing (as root), build with warnings as
+#                       errors, run every test under AddressSanitizer + UBSan, and
+#                       end with "N passed, N failed, N skipped"
+#   ./build.sh bench    build and run the CPU benchmarks (results: bench/RESULTS.md)
+set -uo pipefail
+cd "$(dirname "$0")"
+
+CC=${CC:-gcc}
+CXX=${CXX:-g++}
+WARN="-Wall -Wextra -Werror"
+OPT="-O2 -g"
+LIBS="-lpthread -lm"
+SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+B=build
+mkdir -p "$B"
+
+# Debian packages the tests and examples need; installed only when missing and root.
+DEB_PACKAGES="zlib1g-dev"
+
+install_packages() {
+    local missing=()
+    for p in $DEB_PACKAGES; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+            missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "build.sh: missing packages: ${missing[*]} (run as root to install them)" >&2
+        return 0
+    fi
+    echo "build.sh: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null ||
+        echo "build.sh: apt-get install failed; tests that need those packages will fail" >&2
+}
+
+# cc_prog NAME SOURCE EXTRA_FLAGS...: compile one single-file program.
+cc_prog() {
+    local name=$1 src=$2
+    shift 2
+    $CC -std=c99 $WARN $OPT "$@" -I. "$src" -o "$B/$name" $LIBS
+}
+
+build_all() {
+    local ok=0
+    for t in tests/test_*.c; do
+        cc_prog "$(basename "$t" .c)" "$t" || ok=1
+    done
+    for b in bench/*.c; do
+        [ -e "$b" ] || continue
+        cc_prog "$(basename "$b" .c)" "$b" || ok=1
+    done
+    for e in examples/*.c; do
+        [ -e "$e" ] || continue
+        cc_prog "$(basename "$e" .c)" "$e" || ok=1
+    done
+    return $ok
+}
+
+passed=0
+failed=0
+skipped=0
+
+# record NAME STATUS [WHY]: a check that build.sh itself runs.
+record() {
+    case $2 in
+    pass) passed=$((passed + 1)); echo "PASS $1" ;;
+    skip) skipped=$((skipped + 1)); echo "SKIP $1: $3" ;;
+    *) failed=$((failed + 1)); echo "FAIL $1: $3" ;;
+    esac
+}
+
+# Builds mpt.h as C99, C11 and C++17, in two translation units (one with
+# MPT_IMPLEMENTATION), with every warning an error.
+compile_checks() {
+    local d=$B/compile && mkdir -p "$d"
+    cat >"$d/impl.c" <<'SRC'
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+SRC
+    cat >"$d/use.c" <<'SRC'
+#include "mpt.h"
+int main(void) {
+    mpt_context *ctx = 0;
+    if (mpt_context_create(0, &ctx) != MPT_OK) return 1;
+    mpt_context_destroy(ctx);
+    return mpt_float_to_half(1.0f) == 0x3c00 ? 0 : 1;
+}
+SRC
+    local std
+    for std in c99 c11; do
+        if $CC -std=$std $WARN -pedantic -O1 -I. -c "$d/impl.c" -o "$d/impl_$std.o" 2>"$d/$std.log" &&
+            $CC -std=$std $WARN -pedantic -O1 -I. -c "$d/use.c" -o "$d/use_$std.o" 2>>"$d/$std.log" &&
+            $CC "$d/impl_$std.o" "$d/use_$std.o" -o "$d/prog_$std" $LIBS 2>>"$d/$std.log" &&
+            "$d/prog_$std"; then
+            record "compile mpt.h as $std, two translation units" pass
+        else
+            record "compile mpt.h as $std, two translation units" fail "see $d/$std.log"
+            cat "$d/$std.log"
+        fi
+    done
+    cp "$d/impl.c" "$d/impl.cpp" && cp "$d/use.c" "$d/use.cpp"
+    if $CXX -std=c++17 $WARN -O1 -I. -c "$d/impl.cpp" -o "$d/impl_cxx.o" 2>"$d/cxx.log" &&
+        $CXX -std=c++17 $WARN -O1 -I. -c "$d/use.cpp" -o "$d/use_cxx.o" 2>>"$d/cxx.log" &&
+        $CXX "$d/impl_cxx.o" "$d/use_cxx.o" -o "$d/prog_cxx" $LIBS 2>>"$d/cxx.log" &&
+        "$d/prog_cxx"; then
+        record "compile mpt.h as C++17, two translation units" pass
+    else
+        record "compile mpt.h as C++17, two translation units" fail "see $d/cxx.log"
+        cat "$d/cxx.log"
+    fi
+}
+
+run_tests() {
+    install_packages
+    compile_checks
+    local t name out
+    for t in tests/test_*.c; do
+        name=$(basename "$t" .c)
+        if ! cc_prog "$name" "$t" $SAN 2>"$B/$name.build.log"; then
+            cat "$B/$name.build.log"
+            record "build $name" fail "compile error (see above)"
+            continue
+        fi
+        out=$B/$name.out
+        ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "./$B/$name" >"$out" 2>&1
+        local rc=$?
+        cat "$out"
+        passed=$((passed + $(grep -c '^PASS ' "$out")))
+        failed=$((failed + $(grep -c '^FAIL ' "$out")))
+        skipped=$((skipped + $(grep -c '^SKIP ' "$out")))
+        if [ $rc -ne 0 ] && ! grep -q '^FAIL ' "$out"; then
+            record "$name exits cleanly" fail "exit status $rc"
+        fi
+    done
+    echo "$passed passed, $failed failed, $skipped skipped"
+    [ $failed -eq 0 ]
+}
+
+case ${1:-all} in
+all) build_all ;;
+test) run_tests ;;
+bench)
+    build_all || exit 1
+    for b in bench/*.c; do "./$B/$(basename "$b" .c)"; done
+    ;;
+*) echo "usage: ./build.sh [all|test|bench]" >&2; exit 2 ;;
+esac

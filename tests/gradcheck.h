@@ -1,0 +1,228 @@
+/* Gradient checking for layers, against an independent reference in double.
+
+   A test describes a model (one layer or a few) and writes the same
+   computation as a plain double-precision function, `ref_forward`. Then
+   gc_check():
+     1. fills the input and every parameter with fresh random values,
+     2. runs the library's forward and compares it with ref_forward,
+     3. takes a random upstream gradient r, runs the library's backward,
+     4. differentiates Σ r·ref_forward(x, params) by central differences in
+        double precision (h = 1e-6, so the numerical gradient is good to
+        about 1e-9) for every input element and every trainable parameter,
+     5. compares, as relative norm errors ‖lib − ref‖ / ‖ref‖, against
+        tolerances that depend on the compute dtype.
+   Inputs and weights are first rounded to the compute dtype, so the
+   reference sees exactly the values the library computes with. */
+#ifndef MPT_GRADCHECK_H
+#define MPT_GRADCHECK_H
+
+#include "test.h"
+
+#define GC_MAX_PARAMS 16
+
+typedef struct gc_case gc_case;
+struct gc_case {
+    mpt_model *model;     /* built, with max_batch ≥ batch                        */
+    int64_t batch;
+    int training;         /* forward mode checked (backward needs 1)              */
+    /* y (batch × out_count) from x (batch × in_count) and every parameter
+       (in mpt_model_param order, trainable or not), all in double. */
+    void (*ref_forward)(const gc_case *c, const double *x, double *const *params, double *y);
+    void *user;           /* for ref_forward                                      */
+    double x_lo, x_hi;    /* input range (default 0, 0: [-1, 1))                  */
+    double tol_forward;   /* default 0: by dtype (see gc_tolerance)               */
+    double tol_grad;
+};
+
+/* Relative norm error ‖a − b‖ / max(‖b‖, 1e-30). */
+static double gc_rel_err(const double *a, const double *b, int64_t n) {
+    double num = 0, den = 0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        num += (a[i] - b[i]) * (a[i] - b[i]);
+        den += b[i] * b[i];
+    }
+    return sqrt(num) / (sqrt(den) > 1e-30 ? sqrt(den) : 1e-30);
+}
+
+/* A value rounded as the library would store it in dtype. */
+static double gc_round(mpt_dtype dtype, double v) {
+    if (dtype == MPT_FLOAT16) return mpt_half_to_float(mpt_float_to_half((float)v));
+    if (dtype == MPT_BFLOAT16) return mpt_bf16_to_float(mpt_float_to_bf16((float)v));
+    return (float)v;
+}
+
+/* Default tolerances: float32 products accumulate in float32 (≈1e-6
+   relative per step); float16 stores every activation with an 11-bit
+   significand (≈5e-4) and bfloat16 with an 8-bit one (≈4e-3), and these
+   roundings compound across a layer's forward and backward. */
+static void gc_tolerance(mpt_dtype dtype, double *fwd, double *grad) {
+    switch (dtype) {
+    case MPT_FLOAT16: *fwd = 5e-3; *grad = 1e-2; break;
+    case MPT_BFLOAT16: *fwd = 3e-2; *grad = 6e-2; break;
+    default: *fwd = 1e-5; *grad = 1e-4; break;
+    }
+}
+
+static double gc_dot_forward(const gc_case *c, const double *x, double *const *params,
+                             double *y, const double *r, int64_t n_out) {
+    double s = 0;
+    int64_t i;
+    c->ref_forward(c, x, params, y);
+    for (i = 0; i < n_out; i++) s += r[i] * y[i];
+    return s;
+}
+
+/* A random value for parameter `name`: variances and scales positive. */
+static double gc_param_value(const char *name) {
+    if (strstr(name, "moving_variance") || strstr(name, "gamma")) return test_uniform(0.5, 1.5);
+    return test_uniform(-0.5, 0.5);
+}
+
+/* Runs the check; failures are reported through CHECK with `label`. */
+static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
+    mpt_model *m = c->model;
+    int n_layers = mpt_model_layer_count(m);
+    mpt_dtype in_dtype = mpt_model_layer_dtype(m, 0);
+    mpt_dtype out_dtype = mpt_model_layer_dtype(m, n_layers - 1);
+    mpt_dtype worst = MPT_FLOAT32; /* the least precise compute dtype used */
+    int64_t in_shape[4], out_shape[4], in_count = 1, out_count = 1, i, j;
+    int in_rank, out_rank, n_params = mpt_model_param_count(m), p;
+    double tol_fwd, tol_grad, *x, *y_ref, *y_tmp, *r, *dx_num, *dx_lib;
+    double *params[GC_MAX_PARAMS];
+    float *xf, *rf;
+    mpt_tensor tx, ty, tr, tdx;
+    mpt_param_info info[GC_MAX_PARAMS];
+    const double h = 1e-6;
+
+    in_rank = mpt_model_input_shape(m, in_shape);
+    for (i = 0; i < in_rank; i++) in_count *= in_shape[i];
+    out_rank = mpt_model_layer_output_shape(m, n_layers - 1, out_shape);
+    for (i = 0; i < out_rank; i++) out_count *= out_shape[i];
+    for (i = 0; i < n_layers; i++) {
+        mpt_dtype d = mpt_model_layer_dtype(m, (int)i);
+        if (d == MPT_BFLOAT16 || (d == MPT_FLOAT16 && worst == MPT_FLOAT32)) worst = d;
+    }
+    gc_tolerance(worst, &tol_fwd, &tol_grad);
+    if (c->tol_forward > 0) tol_fwd = c->tol_forward;
+    if (c->tol_grad > 0) tol_grad = c->tol_grad;
+    if (n_params > GC_MAX_PARAMS) {
+        CHECK(0, "%s: more than %d parameters", label, GC_MAX_PARAMS);
+        return;
+    }
+    x = (double *)calloc((size_t)(c->batch * in_count), sizeof(double));
+    xf = (float *)calloc((size_t)(c->batch * in_count), sizeof(float));
+    dx_num = (double *)calloc((size_t)(c->batch * in_count), sizeof(double));
+    dx_lib = (double *)calloc((size_t)(c->batch * in_count), sizeof(double));
+    y_ref = (double *)calloc((size_t)(c->batch * out_count), sizeof(double));
+    y_tmp = (double *)calloc((size_t)(c->batch * out_count), sizeof(double));
+    r = (double *)calloc((size_t)(c->batch * out_count), sizeof(double));
+    rf = (float *)calloc((size_t)(c->batch * out_count), sizeof(float));
+
+    /* 1. Fresh random inputs and parameters, rounded to what the layers see
+          (a value rounded to the least precise dtype is exact in the others). */
+    for (i = 0; i < c->batch * in_count; i++) {
+        double lo = c->x_lo, hi = c->x_hi;
+        if (lo == 0 && hi == 0) lo = -1, hi = 1;
+        x[i] = gc_round(in_dtype, test_uniform(lo, hi));
+        xf[i] = (float)x[i];
+    }
+    for (p = 0; p < n_params; p++) {
+        float *v;
+        int64_t n;
+        mpt_model_param(m, p, &info[p]);
+        v = (float *)info[p].value.data;
+        n = mpt_tensor_count(&info[p].value);
+        params[p] = (double *)calloc((size_t)n, sizeof(double));
+        for (j = 0; j < n; j++) {
+            v[j] = (float)gc_round(worst, gc_param_value(info[p].name));
+            params[p][j] = v[j];
+        }
+    }
+    mpt_model_refresh_weights(m);
+
+    /* 2. Forward against the reference. */
+    {
+        int64_t xs[4];
+        xs[0] = c->batch;
+        memcpy(xs + 1, in_shape, sizeof(int64_t) * (size_t)in_rank);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, in_rank + 1, xs, xf);
+    }
+    CHECK(mpt_model_forward(m, &tx, c->training, &ty) == MPT_OK, "%s: forward: %s", label,
+          mpt_context_error(ctx));
+    c->ref_forward(c, x, params, y_ref);
+    {
+        double *y_lib = (double *)calloc((size_t)(c->batch * out_count), sizeof(double));
+        float *yf = (float *)calloc((size_t)(c->batch * out_count), sizeof(float));
+        double e;
+        mpt_convert(ctx, MPT_FLOAT32, yf, ty.dtype, ty.data, c->batch * out_count);
+        for (i = 0; i < c->batch * out_count; i++) y_lib[i] = yf[i];
+        e = gc_rel_err(y_lib, y_ref, c->batch * out_count);
+        CHECK(e <= tol_fwd, "%s: forward relative error %.3g > %.3g", label, e, tol_fwd);
+        free(y_lib);
+        free(yf);
+    }
+    if (!c->training) goto done;
+
+    /* 3. Backward with a random upstream gradient. */
+    for (i = 0; i < c->batch * out_count; i++) {
+        r[i] = gc_round(out_dtype, test_uniform(-1, 1));
+        rf[i] = (float)r[i];
+    }
+    {
+        int64_t ys[4];
+        ys[0] = c->batch;
+        memcpy(ys + 1, out_shape, sizeof(int64_t) * (size_t)out_rank);
+        mpt_tensor_wrap(ctx, &tr, MPT_FLOAT32, out_rank + 1, ys, rf);
+    }
+    CHECK(mpt_model_backward(m, &tr, &tdx) == MPT_OK, "%s: backward: %s", label,
+          mpt_context_error(ctx));
+    {
+        float *f = (float *)calloc((size_t)(c->batch * in_count), sizeof(float));
+        mpt_convert(ctx, MPT_FLOAT32, f, tdx.dtype, tdx.data, c->batch * in_count);
+        for (i = 0; i < c->batch * in_count; i++) dx_lib[i] = f[i];
+        free(f);
+    }
+
+    /* 4. Central differences of Σ r·y in double. */
+    for (i = 0; i < c->batch * in_count; i++) {
+        double keep = x[i], plus, minus;
+        x[i] = keep + h;
+        plus = gc_dot_forward(c, x, params, y_tmp, r, c->batch * out_count);
+        x[i] = keep - h;
+        minus = gc_dot_forward(c, x, params, y_tmp, r, c->batch * out_count);
+        x[i] = keep;
+        dx_num[i] = (plus - minus) / (2 * h);
+    }
+    {
+        double e = gc_rel_err(dx_lib, dx_num, c->batch * in_count);
+        CHECK(e <= tol_grad, "%s: input gradient relative error %.3g > %.3g", label, e, tol_grad);
+    }
+    for (p = 0; p < n_params; p++) {
+        int64_t n = mpt_tensor_count(&info[p].value);
+        double *num, *lib, e;
+        if (!info[p].trainable) continue;
+        num = (double *)calloc((size_t)n, sizeof(double));
+        lib = (double *)calloc((size_t)n, sizeof(double));
+        for (j = 0; j < n; j++) {
+            double keep = params[p][j], plus, minus;
+            params[p][j] = keep + h;
+            plus = gc_dot_forward(c, x, params, y_tmp, r, c->batch * out_count);
+            params[p][j] = keep - h;
+            minus = gc_dot_forward(c, x, params, y_tmp, r, c->batch * out_count);
+            params[p][j] = keep;
+            num[j] = (plus - minus) / (2 * h);
+            lib[j] = ((float *)info[p].grad.data)[j];
+        }
+        e = gc_rel_err(lib, num, n);
+        CHECK(e <= tol_grad, "%s: gradient of %s relative error %.3g > %.3g", label,
+              info[p].name, e, tol_grad);
+        free(num);
+        free(lib);
+    }
+done:
+    for (p = 0; p < n_params; p++) free(params[p]);
+    free(x); free(xf); free(dx_num); free(dx_lib); free(y_ref); free(y_tmp); free(r); free(rf);
+}
+
+#endif

@@ -1,0 +1,112 @@
+/* A very small test harness shared by the test programs.
+
+   Each test program includes this file, runs named tests with TEST_RUN(),
+   and ends with test_summary(). Every test prints one line,
+       PASS <name>   |   FAIL <name>: <why>   |   SKIP <name>: <why>
+   which ./build.sh test counts over all programs. A failed CHECK inside a
+   test records the first failure's file, line and message, and the test
+   goes on (so its cleanup still runs). */
+#ifndef MPT_TEST_H
+#define MPT_TEST_H
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int test__passed, test__failed, test__skipped;
+static int test__current_failed;
+static char test__why[512];
+static const char *test__skip_reason;
+
+static void test__fail(const char *file, int line, const char *fmt, ...) {
+    if (!test__current_failed) {
+        int n = snprintf(test__why, sizeof test__why, "%s:%d: ", file, line);
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(test__why + n, sizeof test__why - (size_t)n, fmt, ap);
+        va_end(ap);
+    }
+    test__current_failed = 1;
+}
+
+/* CHECK(cond, "format", ...) records a failure with the message when cond is false. */
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        if (!(cond)) test__fail(__FILE__, __LINE__, __VA_ARGS__);          \
+    } while (0)
+
+/* Marks the running test as skipped (counted apart, never as passed). */
+#define SKIP(reason) (test__skip_reason = (reason))
+
+static void test__run(const char *name, void (*fn)(void)) {
+    test__current_failed = 0;
+    test__skip_reason = NULL;
+    test__why[0] = 0;
+    fn();
+    if (test__current_failed) {
+        test__failed++;
+        printf("FAIL %s: %s\n", name, test__why);
+    } else if (test__skip_reason) {
+        test__skipped++;
+        printf("SKIP %s: %s\n", name, test__skip_reason);
+    } else {
+        test__passed++;
+        printf("PASS %s\n", name);
+    }
+    fflush(stdout);
+}
+
+#define TEST_RUN(fn) test__run(#fn, fn)
+
+/* For tests that loop over cases: run a case under its own name. */
+static void test__begin(void) {
+    test__current_failed = 0;
+    test__skip_reason = NULL;
+    test__why[0] = 0;
+}
+static void test__end(const char *fmt, ...) {
+    char name[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof name, fmt, ap);
+    va_end(ap);
+    if (test__current_failed) {
+        test__failed++;
+        printf("FAIL %s: %s\n", name, test__why);
+    } else if (test__skip_reason) {
+        test__skipped++;
+        printf("SKIP %s: %s\n", name, test__skip_reason);
+    } else {
+        test__passed++;
+        printf("PASS %s\n", name);
+    }
+    fflush(stdout);
+}
+
+/* Prints this program's totals and returns the exit status. */
+static int test_summary(const char *program) {
+    printf("# %s: %d passed, %d failed, %d skipped\n", program, test__passed, test__failed,
+           test__skipped);
+    return test__failed ? 1 : 0;
+}
+
+/* Deterministic random numbers for test inputs (never all zeros). */
+static unsigned long long test__rng_state = 0x9e3779b97f4a7c15ull;
+static void test_seed(unsigned long long seed) { test__rng_state = seed * 0x9e3779b97f4a7c15ull + 1; }
+static unsigned long long test_next(void) {
+    unsigned long long z = (test__rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+/* Uniform in [lo, hi). */
+static double test_uniform(double lo, double hi) {
+    return lo + (hi - lo) * (double)(test_next() >> 11) * (1.0 / 9007199254740992.0);
+}
+static int test_randint(int lo, int hi) { /* inclusive */
+    return lo + (int)(test_next() % (unsigned long long)(hi - lo + 1));
+}
+
+#endif

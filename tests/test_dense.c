@@ -1,0 +1,371 @@
+/* Dense, Flatten and Activation: gradients against finite differences in
+   double, known answers, and bad input. */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "gradcheck.h"
+
+static mpt_context *ctx;
+
+static double ref_act(mpt_activation act, double z) {
+    switch (act) {
+    case MPT_ACT_RELU: return z > 0 ? z : 0;
+    case MPT_ACT_GELU: return 0.5 * z * (1 + erf(z / sqrt(2.0)));
+    case MPT_ACT_SIGMOID: return 1 / (1 + exp(-z));
+    case MPT_ACT_TANH: return tanh(z);
+    default: return z;
+    }
+}
+
+/* Softmax (if asked) over each row of y (rows × cols), in place. */
+static void ref_softmax_rows(double *y, int64_t rows, int64_t cols) {
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        double mx = y[r * cols], s = 0;
+        for (c = 1; c < cols; c++) mx = y[r * cols + c] > mx ? y[r * cols + c] : mx;
+        for (c = 0; c < cols; c++) s += (y[r * cols + c] = exp(y[r * cols + c] - mx));
+        for (c = 0; c < cols; c++) y[r * cols + c] /= s;
+    }
+}
+
+typedef struct dense_ref {
+    int64_t in, units;
+    mpt_activation act;
+    int bias;
+} dense_ref;
+
+static void dense_forward_ref(const gc_case *c, const double *x, double *const *params, double *y) {
+    const dense_ref *d = (const dense_ref *)c->user;
+    int64_t b, i, u;
+    for (b = 0; b < c->batch; b++)
+        for (u = 0; u < d->units; u++) {
+            double z = d->bias ? params[1][u] : 0;
+            for (i = 0; i < d->in; i++) z += x[b * d->in + i] * params[0][i * d->units + u];
+            y[b * d->units + u] = ref_act(d->act, z);
+        }
+    if (d->act == MPT_ACT_SOFTMAX) ref_softmax_rows(y, c->batch, d->units);
+}
+
+static mpt_context *quiet_ctx(void);
+
+static void check_dense(int64_t batch, int64_t in, int64_t units, mpt_activation act, int bias,
+                        mpt_dtype dtype) {
+    mpt_model *m;
+    dense_ref d;
+    gc_case c;
+    char label[160];
+    test__begin();
+    d.in = in;
+    d.units = units;
+    d.act = act;
+    d.bias = bias;
+    snprintf(label, sizeof label, "dense B=%lld in=%lld units=%lld %s%s %s", (long long)batch,
+             (long long)in, (long long)units, mpt__activation_name(act), bias ? "" : " no-bias",
+             mpt_dtype_name(dtype));
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {in}, .input_rank = 1, .seed = 7},
+                           &m) == MPT_OK, "create");
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = units, .activation = act,
+                                                   .no_bias = !bias, .dtype = dtype}) == MPT_OK,
+          "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, batch + 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    memset(&c, 0, sizeof c);
+    c.model = m;
+    c.batch = batch;
+    c.training = 1;
+    c.ref_forward = dense_forward_ref;
+    c.user = &d;
+    gc_check(ctx, &c, label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+static void test_dense_gradients(void) {
+    static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                          MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_SOFTMAX};
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    int a, t, k;
+    for (t = 0; t < 3; t++)
+        for (a = 0; a < 6; a++) check_dense(3, 7, 5, acts[a], 1, dtypes[t]);
+    /* random shapes, batch 1, sizes not multiples of 8 */
+    for (k = 0; k < 6; k++)
+        check_dense(k == 0 ? 1 : test_randint(1, 9), test_randint(1, 40), test_randint(1, 37),
+                    acts[test_randint(0, 5)], k & 1, dtypes[k % 3]);
+}
+
+/* Flatten + Activation chained behind a Dense, so the input gradient of
+   each is exercised. */
+typedef struct chain_ref {
+    int64_t h, w, ch, units;
+    mpt_activation act;
+} chain_ref;
+
+static void chain_forward_ref(const gc_case *c, const double *x, double *const *params, double *y) {
+    const chain_ref *d = (const chain_ref *)c->user;
+    int64_t in = d->h * d->w * d->ch, b, i, u;
+    for (b = 0; b < c->batch; b++)
+        for (u = 0; u < d->units; u++) {
+            double z = params[1][u];
+            for (i = 0; i < in; i++) z += x[b * in + i] * params[0][i * d->units + u];
+            y[b * d->units + u] = ref_act(d->act, z);
+        }
+    if (d->act == MPT_ACT_SOFTMAX) ref_softmax_rows(y, c->batch, d->units);
+}
+
+static void test_flatten_activation_gradients(void) {
+    static const mpt_activation acts[] = {MPT_ACT_RELU, MPT_ACT_GELU, MPT_ACT_SIGMOID,
+                                          MPT_ACT_TANH, MPT_ACT_SOFTMAX, MPT_ACT_NONE};
+    int a;
+    for (a = 0; a < 6; a++) {
+        mpt_model *m;
+        chain_ref d = {3, 2, 2, 5, acts[a]};
+        gc_case c;
+        test__begin();
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 2, 2}, .input_rank = 3}, &m);
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 5});
+        mpt_model_add_activation(m, &(mpt_activation_desc){.activation = acts[a]});
+        CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        memset(&c, 0, sizeof c);
+        c.model = m;
+        c.batch = 4;
+        c.training = 1;
+        c.ref_forward = chain_forward_ref;
+        c.user = &d;
+        gc_check(ctx, &c, "flatten+dense+activation");
+        mpt_model_destroy(m);
+        test__end("gradcheck flatten -> dense -> activation(%s)", mpt__activation_name(acts[a]));
+    }
+}
+
+/* A hand-computed case: x = [1, 2], kernel = [[1, -1, 0.5], [2, 0, -3]],
+   bias = [0.5, 0, 1]: x·k + b = [5.5, -1, -4.5]; relu → [5.5, 0, 0]. */
+static void test_dense_known_answer(void) {
+    mpt_model *m;
+    mpt_param_info k, b;
+    float x[2] = {1, 2}, kv[6] = {1, -1, 0.5f, 2, 0, -3}, bv[3] = {0.5f, 0, 1};
+    int64_t xs[2] = {1, 2};
+    mpt_tensor tx, ty;
+    float *y;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .activation = MPT_ACT_RELU});
+    CHECK(mpt_model_build(m, 1) == MPT_OK, "build");
+    mpt_model_param(m, 0, &k);
+    mpt_model_param(m, 1, &b);
+    CHECK(strcmp(k.name, "dense/kernel") == 0 && strcmp(b.name, "dense/bias") == 0,
+          "names %s %s", k.name, b.name);
+    CHECK(k.value.rank == 2 && k.value.shape[0] == 2 && k.value.shape[1] == 3, "kernel shape");
+    memcpy(k.value.data, kv, sizeof kv);
+    memcpy(b.value.data, bv, sizeof bv);
+    mpt_model_refresh_weights(m);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, xs, x);
+    CHECK(mpt_model_forward(m, &tx, 0, &ty) == MPT_OK, "forward");
+    y = (float *)ty.data;
+    CHECK(ty.rank == 2 && ty.shape[0] == 1 && ty.shape[1] == 3, "output shape");
+    CHECK(y[0] == 5.5f && y[1] == 0 && y[2] == 0, "y = %g %g %g", y[0], y[1], y[2]);
+    mpt_model_destroy(m);
+}
+
+/* Keras' glorot_uniform bound and zeros for the bias; he_normal's spread. */
+static void test_initializers(void) {
+    mpt_model *m;
+    mpt_param_info k, b, h;
+    int64_t i, n;
+    double limit = sqrt(6.0 / (300 + 200)), mx = 0, sum = 0, sq = 0;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {300}, .input_rank = 1, .seed = 3}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 200});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 400, .kernel_initializer = MPT_INIT_HE_NORMAL,
+                                             .bias_initializer = MPT_INIT_ONES});
+    CHECK(mpt_model_build(m, 1) == MPT_OK, "build");
+    mpt_model_param(m, 0, &k);
+    mpt_model_param(m, 1, &b);
+    mpt_model_param(m, 2, &h);
+    n = mpt_tensor_count(&k.value);
+    for (i = 0; i < n; i++) {
+        double v = ((float *)k.value.data)[i];
+        mx = fabs(v) > mx ? fabs(v) : mx;
+        sum += v;
+        sq += v * v;
+    }
+    CHECK(mx <= limit && mx > 0.99 * limit, "glorot max %g, limit %g", mx, limit);
+    CHECK(fabs(sq / n - limit * limit / 3) < 0.02 * limit * limit, "glorot variance %g", sq / n);
+    for (i = 0; i < 200; i++) CHECK(((float *)b.value.data)[i] == 0, "bias not zero");
+    n = mpt_tensor_count(&h.value);
+    sum = sq = mx = 0;
+    for (i = 0; i < n; i++) {
+        double v = ((float *)h.value.data)[i];
+        sum += v;
+        sq += v * v;
+        mx = fabs(v) > mx ? fabs(v) : mx;
+    }
+    /* Truncated at 2 stddev of the underlying normal: |v| ≤ 2·sqrt(2/200)/0.8796. */
+    CHECK(fabs(sq / n - 2.0 / 200) < 0.05 * 2.0 / 200, "he_normal variance %g want %g", sq / n,
+          2.0 / 200);
+    CHECK(mx <= 2 * sqrt(2.0 / 200) / 0.87962566103423978 + 1e-6, "he_normal max %g", mx);
+    CHECK(fabs(sum / n) < 0.01, "he_normal mean %g", sum / n);
+    mpt_model_destroy(m);
+}
+
+/* The same seed gives the same weights; another seed other weights. */
+static void test_seeded_init(void) {
+    float first[4], again[4], other[4];
+    uint64_t seeds[3] = {11, 11, 12};
+    float *dst[3] = {first, again, other};
+    int s;
+    for (s = 0; s < 3; s++) {
+        mpt_model *m;
+        mpt_param_info k;
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2}, .input_rank = 1,
+                                                .seed = seeds[s]}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+        mpt_model_build(m, 1);
+        mpt_model_param(m, 0, &k);
+        memcpy(dst[s], k.value.data, sizeof first);
+        mpt_model_destroy(m);
+    }
+    CHECK(memcmp(first, again, sizeof first) == 0, "same seed, different weights");
+    CHECK(memcmp(first, other, sizeof first) != 0, "different seeds, same weights");
+}
+
+static int count_errors;
+static void quiet_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    if (level == MPT_LOG_ERROR) count_errors++;
+}
+
+static mpt_context *quiet_ctx(void) {
+    mpt_context *q;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.logger.fn = quiet_logger;
+    d.num_threads = 1;
+    mpt_context_create(&d, &q);
+    return q;
+}
+
+static void test_bad_input(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m;
+    mpt_tensor t, out;
+    int64_t shape[2] = {3, 5};
+    float data[15] = {0};
+    CHECK(mpt_model_create(q, &(mpt_model_desc){.input_rank = 0}, &m) == MPT_ERR_INVALID_ARGUMENT,
+          "input_rank 0 accepted");
+    CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, -1}, .input_rank = 2}, &m) ==
+              MPT_ERR_SHAPE, "negative input dim accepted");
+    CHECK(strstr(mpt_context_error(q), "(4, -1)") != NULL, "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_create(q, NULL, &m) == MPT_ERR_INVALID_ARGUMENT, "NULL desc accepted");
+    CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1,
+                                                .policy = (mpt_policy)9}, &m) ==
+              MPT_ERR_INVALID_ARGUMENT, "unknown policy accepted");
+
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 4, 2}, .input_rank = 3}, &m);
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 0}) == MPT_ERR_INVALID_ARGUMENT,
+          "units 0 accepted");
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .activation = (mpt_activation)42}) ==
+              MPT_ERR_INVALID_ARGUMENT, "unknown activation accepted");
+    CHECK(strstr(mpt_context_error(q), "42") != NULL, "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .dtype = MPT_INT32}) ==
+              MPT_ERR_DTYPE, "int32 compute dtype accepted");
+    CHECK(mpt_model_add_dense(m, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL desc accepted");
+    CHECK(mpt_model_add_activation(m, &(mpt_activation_desc){.activation = (mpt_activation)-1}) ==
+              MPT_ERR_INVALID_ARGUMENT, "activation -1 accepted");
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .name = "a/b"}) ==
+              MPT_ERR_INVALID_ARGUMENT, "name with / accepted");
+    CHECK(mpt_model_build(m, 4) == MPT_ERR_STATE, "built with no layers");
+    /* Dense straight after an image input: a shape mismatch naming both. */
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .name = "head"}) == MPT_OK, "add");
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .name = "head"}) ==
+              MPT_ERR_INVALID_ARGUMENT, "duplicate name accepted");
+    CHECK(mpt_model_build(m, 4) == MPT_ERR_SHAPE, "Dense on a 3-D sample accepted");
+    CHECK(strstr(mpt_context_error(q), "head") && strstr(mpt_context_error(q), "4, 4, 2"),
+          "message: %s", mpt_context_error(q));
+    mpt_model_destroy(m);
+
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {5}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_forward(m, NULL, 0, &out) == MPT_ERR_STATE, "forward before build");
+    CHECK(mpt_model_build(m, 0) == MPT_ERR_INVALID_ARGUMENT, "max_batch 0 accepted");
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build");
+    CHECK(mpt_model_build(m, 2) == MPT_ERR_STATE, "built twice");
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2}) == MPT_ERR_STATE, "add after build");
+    CHECK(mpt_model_backward(m, NULL, NULL) == MPT_ERR_STATE, "backward before forward");
+    mpt_tensor_wrap(q, &t, MPT_FLOAT32, 2, shape, data);
+    CHECK(mpt_model_forward(m, &t, 1, &out) == MPT_ERR_SHAPE, "batch 3 > max_batch 2 accepted");
+    shape[0] = 2;
+    shape[1] = 4;
+    mpt_tensor_wrap(q, &t, MPT_FLOAT32, 2, shape, data);
+    CHECK(mpt_model_forward(m, &t, 1, &out) == MPT_ERR_SHAPE, "4 features for 5 accepted");
+    CHECK(strstr(mpt_context_error(q), "(2, 4)") && strstr(mpt_context_error(q), "5"),
+          "message: %s", mpt_context_error(q));
+    shape[1] = 5;
+    mpt_tensor_wrap(q, &t, MPT_INT32, 2, shape, data);
+    CHECK(mpt_model_forward(m, &t, 1, &out) == MPT_ERR_DTYPE, "int32 input accepted");
+    mpt_tensor_wrap(q, &t, MPT_FLOAT32, 2, shape, data);
+    CHECK(mpt_model_forward(m, &t, 0, &out) == MPT_OK, "forward");
+    CHECK(mpt_model_backward(m, NULL, NULL) == MPT_ERR_STATE, "backward after inference forward");
+    CHECK(mpt_model_param(m, 99, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL info accepted");
+    mpt_model_destroy(m);
+
+    {   /* tensors */
+        int64_t bad[2] = {INT64_MAX / 2, 4};
+        int64_t neg[2] = {2, 0};
+        CHECK(mpt_tensor_alloc(q, &t, MPT_FLOAT32, 2, bad) == MPT_ERR_OVERFLOW, "overflow accepted");
+        CHECK(mpt_tensor_alloc(q, &t, MPT_FLOAT32, 2, neg) == MPT_ERR_SHAPE, "zero dim accepted");
+        CHECK(mpt_tensor_alloc(q, &t, (mpt_dtype)99, 2, shape) == MPT_ERR_INVALID_ARGUMENT,
+              "dtype 99 accepted");
+        CHECK(mpt_tensor_alloc(q, &t, MPT_FLOAT32, 5, shape) == MPT_ERR_INVALID_ARGUMENT,
+              "rank 5 accepted");
+        CHECK(mpt_tensor_wrap(q, &t, MPT_FLOAT32, 2, shape, NULL) == MPT_ERR_INVALID_ARGUMENT,
+              "NULL data accepted");
+        CHECK(mpt_tensor_alloc(q, &t, MPT_UINT8, 2, shape) == MPT_OK, "alloc");
+        CHECK(t.owns_data && mpt_tensor_bytes(&t) == 10, "bytes %zu", mpt_tensor_bytes(&t));
+        mpt_tensor_free(q, &t);
+    }
+    CHECK(count_errors > 10, "errors were not all logged (%d)", count_errors);
+    mpt_context_destroy(q);
+}
+
+/* Mixed dtypes in one model: a float16 Dense feeding a float32 one, the
+   casts between them in both directions. */
+static void test_mixed_chain(void) {
+    mpt_model *m;
+    gc_case c;
+    chain_ref d = {1, 1, 6, 4, MPT_ACT_NONE};
+    (void)d;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .dtype = MPT_FLOAT32});
+    CHECK(mpt_model_build(m, 3) == MPT_OK, "build");
+    CHECK(mpt_model_layer_dtype(m, 0) == MPT_FLOAT32, "override ignored");
+    mpt_model_destroy(m);
+    {
+        dense_ref dr = {6, 4, MPT_ACT_TANH, 1};
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                                .policy = MPT_POLICY_MIXED_BFLOAT16}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_TANH});
+        CHECK(mpt_model_build(m, 3) == MPT_OK, "build");
+        CHECK(mpt_model_layer_dtype(m, 0) == MPT_BFLOAT16, "policy ignored");
+        memset(&c, 0, sizeof c);
+        c.model = m;
+        c.batch = 3;
+        c.training = 1;
+        c.ref_forward = dense_forward_ref;
+        c.user = &dr;
+        gc_check(ctx, &c, "mixed_bfloat16 dense");
+        mpt_model_destroy(m);
+    }
+}
+
+int main(void) {
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+    test_seed(2);
+    TEST_RUN(test_dense_known_answer);
+    test_dense_gradients();
+    test_flatten_activation_gradients();
+    TEST_RUN(test_initializers);
+    TEST_RUN(test_seeded_init);
+    TEST_RUN(test_mixed_chain);
+    TEST_RUN(test_bad_input);
+    mpt_context_destroy(ctx);
+    return test_summary("test_dense");
+}

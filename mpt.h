@@ -546,6 +546,9 @@ typedef struct mpt__pool {
     void *arg;
     int64_t n_tasks, next_task;
     int busy;               /* workers still inside the current job */
+    int in_job;             /* a parallel-for is running; only the caller
+                               writes it, before waking and after joining
+                               the workers */
 } mpt__pool;
 
 typedef struct mpt__worker_arg {
@@ -690,12 +693,15 @@ static void *mpt__pool_worker(void *p) {
 static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn, void *arg) {
     mpt__pool *pool = &ctx->pool;
     if (n_tasks <= 0) return;
-    if (pool->started == 0 || n_tasks == 1) {
+    /* A parallel-for inside a task (a GEMM called per image, say) runs on
+       the thread that asked: the pool serves one job at a time. */
+    if (pool->started == 0 || n_tasks == 1 || pool->in_job) {
         int64_t t;
         for (t = 0; t < n_tasks; t++) fn(arg, t, 0);
         return;
     }
     pthread_mutex_lock(&pool->mutex);
+    pool->in_job = 1;
     pool->fn = fn;
     pool->arg = arg;
     pool->n_tasks = n_tasks;
@@ -707,6 +713,7 @@ static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn
     mpt__pool_run_tasks(pool, 0);
     pthread_mutex_lock(&pool->mutex);
     while (pool->busy > 0) pthread_cond_wait(&pool->done, &pool->mutex);
+    pool->in_job = 0;
     pthread_mutex_unlock(&pool->mutex);
 }
 
@@ -1110,3 +1117,27 @@ static uint64_t mpt__mix64(uint64_t z) {
 
 #endif /* MPT__IMPLEMENTED */
 #endif /* MPT_IMPLEMENTATION */
+
+/*
+MIT License
+
+Copyright (c) 2026 the mpt.h authors
+
+Permission is hereby granted, free of charge, to any person obtaining a copy
+of this software and associated documentation files (the "Software"), to deal
+in the Software without restriction, including without limitation the rights
+to use, copy, modify, merge, publish, distribute, sublicense, and/or sell
+copies of the Software, and to permit persons to whom the Software is
+furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all
+copies or substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR
+IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY,
+FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER
+LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
+OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
+SOFTWARE.
+*/

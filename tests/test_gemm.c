@@ -1,0 +1,463 @@
+/* Tests of the CPU GEMM (mpt_gemm): every transpose, dtype, epilogue and
+   SIMD path against a double-precision reference, determinism across
+   thread counts, and the errors of bad arguments.
+
+   TOLERANCE. The inputs are rounded to their dtype first and the reference
+   is computed in double from those rounded values, so the only error left
+   is float32 accumulation. A sum of K products accumulated in float32 (in
+   any order, with or without FMA, in blocks or in bfloat16 pairs) is within
+   γ = (K + 2)·u·S of the exact value, u = 2^-24, S = |alpha|·Σ|a·b| +
+   |beta·c| + |bias| (the classic bound for recursive summation, plus the
+   epilogue's few roundings). We allow 2·γ, a bound that holds for every
+   input rather than a typical (√K) error, so no seed can make it flaky,
+   and it is still tight enough to catch a wrong element, a missed k or a
+   swapped index (those are errors of order S/K or more). After an
+   activation, whose slope is at most 1.13 (GELU), we allow 1.2× that plus
+   8 ulps of the result and of the input for the float32 erff/expf/tanhf. */
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+#include "test.h"
+
+static void quiet_logger(void *user, mpt_log_level level, const char *message) {
+    (void)user;
+    (void)level;
+    (void)message;
+}
+
+static mpt_context *make_ctx(int threads, int disable) {
+    mpt_context *ctx = NULL;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.num_threads = threads;
+    d.disable_cpu_features = disable;
+    d.logger.fn = quiet_logger;
+    if (mpt_context_create(&d, &ctx) != MPT_OK) return NULL;
+    return ctx;
+}
+
+static const char *path_name(int cpu) {
+    if (cpu & MPT_CPU_AVX512_BF16) return "avx512bf16";
+    if (cpu & MPT_CPU_AVX512) return "avx512";
+    if (cpu & MPT_CPU_AVX2) return "avx2";
+    return "scalar";
+}
+
+static double act_ref(mpt_activation act, double x) {
+    switch (act) {
+    case MPT_ACT_RELU: return x > 0 ? x : 0;
+    case MPT_ACT_GELU: return 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
+    case MPT_ACT_SIGMOID: return 1.0 / (1.0 + exp(-x));
+    case MPT_ACT_TANH: return tanh(x);
+    default: return x;
+    }
+}
+
+/* Random matrix of rows × ld elements in dtype; vals receives the values
+   as float (already rounded to dtype). */
+static void *rand_matrix(mpt_dtype dt, int64_t rows, int64_t ld, float **vals) {
+    int64_t i, n = rows * ld;
+    void *p = malloc((size_t)(n > 0 ? n : 1) * 4);
+    float *v = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    for (i = 0; i < n; i++) {
+        float f = (float)test_uniform(-1, 1);
+        if (dt == MPT_FLOAT16) {
+            ((mpt_half *)p)[i] = mpt_float_to_half(f);
+            f = mpt_half_to_float(((mpt_half *)p)[i]);
+        } else if (dt == MPT_BFLOAT16) {
+            ((mpt_bf16 *)p)[i] = mpt_float_to_bf16(f);
+            f = mpt_bf16_to_float(((mpt_bf16 *)p)[i]);
+        } else {
+            ((float *)p)[i] = f;
+        }
+        v[i] = f;
+    }
+    *vals = v;
+    return p;
+}
+
+typedef struct gemm_case {
+    int64_t m, n, k;
+    int ta, tb;
+    mpt_dtype dt;
+    int64_t pad_a, pad_b, pad_c; /* extra elements per row beyond the stored width */
+    float alpha;
+    int alpha_is_zero;
+    float beta;
+    int bias;
+    mpt_activation act;
+} gemm_case;
+
+/* Runs one case on ctx and checks it against the reference. Optionally
+   returns C (malloc'ed, m × ldc) for determinism comparisons. */
+static void run_case(mpt_context *ctx, const gemm_case *g, float **c_out) {
+    int64_t m = g->m, n = g->n, k = g->k;
+    int64_t ar = g->ta ? k : m, ac = g->ta ? m : k, br = g->tb ? n : k, bc = g->tb ? k : n;
+    int64_t lda = ac + g->pad_a, ldb = bc + g->pad_b, ldc = n + g->pad_c;
+    float *av, *bv, *c0v, *bias = NULL, *c;
+    void *a = rand_matrix(g->dt, ar, lda, &av);
+    void *b = rand_matrix(g->dt, br, ldb, &bv);
+    void *c0 = rand_matrix(MPT_FLOAT32, m, ldc, &c0v);
+    int64_t i, j, p, bad = 0;
+    double alpha = g->alpha_is_zero ? 0.0 : (g->alpha == 0 ? 1.0 : g->alpha);
+    const float sentinel = 12345.0f;
+    mpt_gemm_desc d;
+    mpt_status s;
+    free(c0);
+    c = (float *)malloc((size_t)(m * ldc > 0 ? m * ldc : 1) * sizeof(float));
+    for (i = 0; i < m; i++)
+        for (j = 0; j < ldc; j++)
+            /* beta = 0: poison C, so an output that is not written (or is
+               computed as 0·old) shows up as NaN. Padding: a sentinel. */
+            c[i * ldc + j] = j >= n ? sentinel : g->beta == 0 ? NAN : c0v[i * ldc + j];
+    if (g->bias) {
+        bias = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+        for (j = 0; j < n; j++) bias[j] = (float)test_uniform(-1, 1);
+    }
+    memset(&d, 0, sizeof d);
+    d.trans_a = g->ta;
+    d.trans_b = g->tb;
+    d.m = m;
+    d.n = n;
+    d.k = k;
+    d.ab_dtype = g->dt;
+    d.a = a;
+    d.lda = lda;
+    d.b = b;
+    d.ldb = ldb;
+    d.c = c;
+    d.ldc = ldc;
+    d.alpha = g->alpha;
+    d.alpha_is_zero = g->alpha_is_zero;
+    d.beta = g->beta;
+    d.bias = bias;
+    d.activation = g->act;
+    s = mpt_gemm(ctx, &d);
+    CHECK(s == MPT_OK, "mpt_gemm returned %d: %s", (int)s, mpt_context_error(ctx));
+    for (i = 0; i < m && s == MPT_OK; i++) {
+        for (j = 0; j < ldc; j++) {
+            double sum = 0, mag = 0, x, want, tol, got = c[i * ldc + j];
+            if (j >= n) {
+                if (got != sentinel && bad++ == 0)
+                    CHECK(0, "padding C[%lld][%lld] was written (%g)", (long long)i,
+                          (long long)j, got);
+                continue;
+            }
+            for (p = 0; p < k && alpha != 0; p++) {
+                double x1 = av[g->ta ? p * lda + i : i * lda + p];
+                double x2 = bv[g->tb ? j * ldb + p : p * ldb + j];
+                sum += x1 * x2;
+                mag += fabs(x1 * x2);
+            }
+            x = alpha * sum;
+            mag *= fabs(alpha);
+            if (g->beta != 0) {
+                x += (double)g->beta * c0v[i * ldc + j];
+                mag += fabs((double)g->beta * c0v[i * ldc + j]);
+            }
+            if (bias) {
+                x += bias[j];
+                mag += fabs(bias[j]);
+            }
+            want = act_ref(g->act, x);
+            tol = 2.0 * (double)(k + 2) * ldexp(1.0, -24) * mag;
+            if (g->act != MPT_ACT_NONE)
+                tol = 1.2 * tol + 8 * ldexp(1.0, -24) * (fabs(want) + fabs(x)) + 1e-30;
+            if (!(fabs(got - want) <= tol) && bad++ == 0)
+                CHECK(0, "C[%lld][%lld] = %.9g, want %.9g (tolerance %.3g)", (long long)i,
+                      (long long)j, got, want, tol);
+        }
+    }
+    CHECK(bad == 0, "%lld bad elements", (long long)bad);
+    if (c_out)
+        *c_out = c;
+    else
+        free(c);
+    free(a);
+    free(b);
+    free(av);
+    free(bv);
+    free(c0v);
+    free(bias);
+}
+
+static const char *dt_name(mpt_dtype dt) { return mpt_dtype_name(dt ? dt : MPT_FLOAT32); }
+
+/* ---------------------------------------------------------------------------------- */
+
+/* The paths to run: each a set of disabled features. A path the CPU does not
+   have is reported as SKIP. */
+static const struct {
+    const char *name;
+    int disable;
+    int needs;
+} paths[] = {
+    {"all features", 0, 0},
+    {"avx512 without bf16", MPT_CPU_AVX512_BF16, MPT_CPU_AVX512},
+    {"avx2 (no avx512)", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16, MPT_CPU_AVX2},
+    {"avx2 without f16c", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16 | MPT_CPU_F16C, MPT_CPU_AVX2},
+    {"scalar", ~0, 0},
+};
+#define N_PATHS ((int)(sizeof paths / sizeof paths[0]))
+
+/* Random shapes (with 1, primes, non-multiples of 8/16, N = 10 and 32),
+   every transpose and dtype, padded leading dimensions, on every path. */
+static void test_random_shapes(void) {
+    static const int64_t dims[] = {1, 2, 3, 5, 7, 8, 10, 13, 16, 17, 31, 32, 33, 47, 64, 97};
+    const int n_dims = (int)(sizeof dims / sizeof dims[0]);
+    static const mpt_dtype dts[] = {MPT_DTYPE_DEFAULT, MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    int pi, rep;
+    for (pi = 0; pi < N_PATHS; pi++) {
+        mpt_context *ctx = make_ctx(2, paths[pi].disable);
+        int have = ctx && (mpt_context_cpu_features(ctx) & paths[pi].needs) == paths[pi].needs;
+        int di;
+        for (di = 0; di < 4; di++) {
+            test__begin();
+            test_seed(1000 + (unsigned)(pi * 10 + di));
+            if (!ctx) {
+                CHECK(0, "context creation failed");
+            } else if (!have) {
+                SKIP("this CPU lacks the path");
+            } else {
+                for (rep = 0; rep < 40 && !test__current_failed; rep++) {
+                    gemm_case g;
+                    memset(&g, 0, sizeof g);
+                    g.m = dims[test_randint(0, n_dims - 1)];
+                    g.n = dims[test_randint(0, n_dims - 1)];
+                    g.k = dims[test_randint(0, n_dims - 1)];
+                    g.ta = rep & 1;
+                    g.tb = (rep >> 1) & 1;
+                    g.dt = dts[di];
+                    g.pad_a = rep % 3 == 0 ? test_randint(1, 9) : 0;
+                    g.pad_b = rep % 5 == 0 ? test_randint(1, 9) : 0;
+                    g.pad_c = rep % 4 == 1 ? test_randint(1, 9) : 0;
+                    g.beta = rep % 3 == 1 ? 0.5f : 0.0f;
+                    g.alpha = rep % 7 == 3 ? -1.5f : 0.0f;
+                    g.bias = rep % 2;
+                    run_case(ctx, &g, NULL);
+                    if (test__current_failed)
+                        printf("  (case %d: m %lld n %lld k %lld ta %d tb %d)\n", rep,
+                               (long long)g.m, (long long)g.n, (long long)g.k, g.ta, g.tb);
+                }
+            }
+            test__end("gemm random shapes, %s, %s (%s path)", dt_name(dts[di]), paths[pi].name,
+                      ctx ? path_name(mpt_context_cpu_features(ctx)) : "?");
+        }
+        mpt_context_destroy(ctx);
+    }
+}
+
+/* Larger shapes: several K blocks (K > 256, odd K for the bfloat16 pairs),
+   several column blocks and tasks, the model shapes in small. */
+static void test_large_shapes(void) {
+    static const struct { int64_t m, n, k; } shapes[] = {
+        {257, 513, 129}, {65, 600, 777}, {128, 10, 1024}, {300, 32, 9}, {9, 32, 2000},
+    };
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    int pi, si, di;
+    for (pi = 0; pi < N_PATHS; pi++) {
+        mpt_context *ctx = make_ctx(2, paths[pi].disable);
+        int have = ctx && (mpt_context_cpu_features(ctx) & paths[pi].needs) == paths[pi].needs;
+        if (pi == 3) { /* f16c off only changes the float16 packing; covered above */
+            mpt_context_destroy(ctx);
+            continue;
+        }
+        for (di = 0; di < 3; di++) {
+            test__begin();
+            test_seed(77 + (unsigned)(pi * 10 + di));
+            if (!have) SKIP("this CPU lacks the path");
+            for (si = 0; have && si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+                gemm_case g;
+                memset(&g, 0, sizeof g);
+                g.m = shapes[si].m;
+                g.n = shapes[si].n;
+                g.k = shapes[si].k;
+                g.ta = si & 1;
+                g.tb = (si + di) & 1;
+                g.dt = dts[di];
+                g.pad_c = si == 1 ? 3 : 0;
+                g.beta = si == 2 ? 1.0f : 0.0f;
+                g.bias = 1;
+                g.act = si == 0 ? MPT_ACT_RELU : MPT_ACT_NONE;
+                run_case(ctx, &g, NULL);
+            }
+            test__end("gemm large shapes (K blocks, tasks), %s, %s", dt_name(dts[di]),
+                      paths[pi].name);
+        }
+        mpt_context_destroy(ctx);
+    }
+}
+
+/* Every activation, alpha/beta combinations, alpha_is_zero, K = 0, M or
+   N = 0, on the best and the scalar path. */
+static void test_epilogue(void) {
+    static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                          MPT_ACT_SIGMOID, MPT_ACT_TANH};
+    int pi, ai;
+    for (pi = 0; pi < N_PATHS; pi += N_PATHS - 1) {
+        mpt_context *ctx = make_ctx(2, paths[pi].disable);
+        for (ai = 0; ai < 5; ai++) {
+            int rep;
+            test__begin();
+            test_seed(500 + (unsigned)ai);
+            for (rep = 0; rep < 6; rep++) {
+                gemm_case g;
+                memset(&g, 0, sizeof g);
+                g.m = 37;
+                g.n = 45;
+                g.k = rep == 5 ? 0 : 300;
+                g.ta = rep & 1;
+                g.tb = rep >> 1 & 1;
+                g.act = acts[ai];
+                g.alpha = rep == 1 ? 2.5f : 0.0f;
+                g.alpha_is_zero = rep == 4;
+                g.beta = rep >= 2 ? -0.75f : 0.0f;
+                g.bias = rep != 3;
+                g.dt = MPT_FLOAT32;
+                run_case(ctx, &g, NULL);
+            }
+            test__end("gemm epilogue %s (alpha, beta, bias, alpha_is_zero, k = 0), %s",
+                      acts[ai] == MPT_ACT_NONE ? "linear"
+                      : acts[ai] == MPT_ACT_RELU ? "relu"
+                      : acts[ai] == MPT_ACT_GELU ? "gelu"
+                      : acts[ai] == MPT_ACT_SIGMOID ? "sigmoid" : "tanh",
+                      paths[pi].name);
+        }
+        mpt_context_destroy(ctx);
+    }
+}
+
+static void test_empty(void) {
+    mpt_context *ctx = make_ctx(2, 0);
+    float c[4] = {1, 2, 3, 4};
+    mpt_gemm_desc d;
+    memset(&d, 0, sizeof d);
+    d.m = 0;
+    d.n = 2;
+    d.k = 3;
+    d.c = c;
+    d.ldc = 2;
+    CHECK(mpt_gemm(ctx, &d) == MPT_OK, "m = 0: %s", mpt_context_error(ctx));
+    d.m = 2;
+    d.n = 0;
+    d.ldc = 0;
+    CHECK(mpt_gemm(ctx, &d) == MPT_OK, "n = 0: %s", mpt_context_error(ctx));
+    CHECK(c[0] == 1 && c[3] == 4, "C changed by an empty product");
+    mpt_context_destroy(ctx);
+}
+
+/* Each path on 1, 2 and 3 threads gives bit-identical C (work is split
+   over C only, never over K). Shapes big enough to be split. */
+static void test_determinism(void) {
+    static const struct { int64_t m, n, k; int ta, tb; } shapes[] = {
+        {300, 200, 700, 0, 0}, {128, 10, 1024, 0, 1}, {784, 100, 128, 1, 0}, {40, 600, 300, 1, 1},
+    };
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16};
+    int pi, si, di, t;
+    for (pi = 0; pi < N_PATHS; pi++) {
+        mpt_context *ctx[3];
+        int have;
+        if (pi == 3) continue;
+        for (t = 0; t < 3; t++) ctx[t] = make_ctx(t + 1, paths[pi].disable);
+        have = ctx[0] && (mpt_context_cpu_features(ctx[0]) & paths[pi].needs) == paths[pi].needs;
+        test__begin();
+        if (!have) SKIP("this CPU lacks the path");
+        for (si = 0; have && si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+            for (di = 0; di < 2; di++) {
+                float *c[3];
+                gemm_case g;
+                memset(&g, 0, sizeof g);
+                g.m = shapes[si].m;
+                g.n = shapes[si].n;
+                g.k = shapes[si].k;
+                g.ta = shapes[si].ta;
+                g.tb = shapes[si].tb;
+                g.dt = dts[di];
+                g.bias = 1;
+                for (t = 0; t < 3; t++) {
+                    test_seed(99 + (unsigned)si);
+                    run_case(ctx[t], &g, &c[t]);
+                }
+                CHECK(memcmp(c[0], c[1], sizeof(float) * (size_t)(g.m * g.n)) == 0,
+                      "%lldx%lldx%lld %s: 1 and 2 threads differ", (long long)g.m,
+                      (long long)g.n, (long long)g.k, dt_name(g.dt));
+                CHECK(memcmp(c[0], c[2], sizeof(float) * (size_t)(g.m * g.n)) == 0,
+                      "%lldx%lldx%lld %s: 1 and 3 threads differ", (long long)g.m,
+                      (long long)g.n, (long long)g.k, dt_name(g.dt));
+                for (t = 0; t < 3; t++) free(c[t]);
+            }
+        }
+        test__end("gemm determinism, 1/2/3 threads bit-identical, %s", paths[pi].name);
+        for (t = 0; t < 3; t++) mpt_context_destroy(ctx[t]);
+    }
+}
+
+/* Bad arguments: a status and a message that names the value. */
+static void expect_error(mpt_context *ctx, const mpt_gemm_desc *d, mpt_status want,
+                         const char *needle, const char *what) {
+    mpt_status s = mpt_gemm(ctx, d);
+    CHECK(s == want, "%s: status %d, want %d", what, (int)s, (int)want);
+    CHECK(strstr(mpt_context_error(ctx), needle) != NULL, "%s: message \"%s\" lacks \"%s\"", what,
+          mpt_context_error(ctx), needle);
+}
+
+static void test_bad_arguments(void) {
+    mpt_context *ctx = make_ctx(1, 0);
+    float a[64], b[64], c[64];
+    mpt_gemm_desc d, good;
+    memset(a, 0, sizeof a);
+    memset(b, 0, sizeof b);
+    memset(&good, 0, sizeof good);
+    good.m = 4;
+    good.n = 5;
+    good.k = 6;
+    good.a = a;
+    good.lda = 6;
+    good.b = b;
+    good.ldb = 5;
+    good.c = c;
+    good.ldc = 5;
+    CHECK(mpt_gemm(ctx, &good) == MPT_OK, "good call failed: %s", mpt_context_error(ctx));
+    CHECK(mpt_gemm(NULL, &good) == MPT_ERR_INVALID_ARGUMENT, "NULL context accepted");
+    expect_error(ctx, NULL, MPT_ERR_INVALID_ARGUMENT, "NULL", "NULL desc");
+    d = good; d.a = NULL;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "a is NULL", "NULL a");
+    d = good; d.b = NULL;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "b is NULL", "NULL b");
+    d = good; d.c = NULL;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "c is NULL", "NULL c");
+    d = good; d.m = -3;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "m = -3", "negative m");
+    d = good; d.k = -7;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "k = -7", "negative k");
+    d = good; d.lda = 5;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "lda = 5", "lda < k");
+    d = good; d.trans_a = 1; d.lda = 3; /* A stored 6×4 */
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "lda = 3", "lda < m with trans_a");
+    d = good; d.ldb = 4;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "ldb = 4", "ldb < n");
+    d = good; d.trans_b = 1; d.ldb = 5; /* B stored 5×6 */
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "ldb = 5", "ldb < k with trans_b");
+    d = good; d.ldc = 2;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "ldc = 2", "ldc < n");
+    d = good; d.ab_dtype = (mpt_dtype)42;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "42", "unknown dtype");
+    d = good; d.ab_dtype = MPT_INT32;
+    expect_error(ctx, &d, MPT_ERR_DTYPE, "int32", "int32 dtype");
+    d = good; d.activation = (mpt_activation)17;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "17", "unknown activation");
+    d = good; d.activation = MPT_ACT_SOFTMAX;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "softmax", "softmax activation");
+    d = good; d.m = (int64_t)1 << 40; d.n = (int64_t)1 << 40; d.ldc = d.n;
+    expect_error(ctx, &d, MPT_ERR_OVERFLOW, "overflow", "m·n overflow");
+    mpt_context_destroy(ctx);
+}
+
+int main(void) {
+    TEST_RUN(test_bad_arguments);
+    TEST_RUN(test_empty);
+    test_random_shapes();
+    test_large_shapes();
+    test_epilogue();
+    test_determinism();
+    return test_summary("test_gemm");
+}

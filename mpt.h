@@ -786,15 +786,18 @@ MPTDEF void mpt_context_destroy(mpt_context *ctx) {
 
 MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context **out) {
     mpt_context_desc d;
-    mpt_context *ctx;
+    mpt_context *ctx, early;
     int i;
     mpt_status s;
     if (!out) return MPT_ERR_INVALID_ARGUMENT;
     *out = NULL;
     memset(&d, 0, sizeof d);
     if (desc) d = *desc;
+    /* Until the context exists, messages go to the descriptor's logger. */
+    memset(&early, 0, sizeof early);
+    early.logger = d.logger;
     if ((d.allocator.alloc == NULL) != (d.allocator.free == NULL)) {
-        mpt__log(NULL, MPT_LOG_ERROR, "context: allocator needs both alloc and free");
+        mpt__log(&early, MPT_LOG_ERROR, "context: allocator needs both alloc and free");
         return MPT_ERR_INVALID_ARGUMENT;
     }
     if (!d.allocator.alloc) {
@@ -802,7 +805,7 @@ MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context *
         d.allocator.free = mpt__default_free;
     }
     if (d.num_threads < 0 || d.num_threads > 1024) {
-        mpt__log(NULL, MPT_LOG_ERROR, "context: num_threads %d is not in 0..1024",
+        mpt__log(&early, MPT_LOG_ERROR, "context: num_threads %d is not in 0..1024",
                  d.num_threads);
         return MPT_ERR_INVALID_ARGUMENT;
     }

@@ -127,6 +127,12 @@ static void mpt__convert_scalar(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dt
    the scalar composition. One generic loop is forced inline into a kernel
    per dtype pair, so the dtype switches fold away at compile time. */
 #define MPT__ALWAYS_INLINE __attribute__((always_inline)) inline
+#if defined(__GNUC__) && !defined(__clang__)
+/* GCC 12's AVX-512 headers start "undefined" vectors as `__Y = __Y`, which
+   g++ reports as maybe-uninitialized once they are inlined here. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 /* bfloat16 rounding in integer arithmetic, the scalar function lane by lane.
    (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
@@ -271,6 +277,9 @@ static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *ds
     else
         mpt__avx512_loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif /* MPT__X86 */
 
 /* The fastest kernel the CPU bits allow for this dtype pair. */

@@ -1,0 +1,276 @@
+/* GEMM benchmark: GFLOP/s of mpt_gemm on the shapes the models use, for
+   float32, bfloat16 and float16 inputs on 1 and 2 threads, and this CPU's
+   measured float32 FMA peak for comparison.
+
+       gcc -std=c99 -O2 -I. bench/bench_gemm.c -o build/bench_gemm -lpthread -lm
+       ./build/bench_gemm            (all shapes; about a minute)
+       ./build/bench_gemm quick      (1024³ only)
+
+   Prints a Markdown table and one JSON line per result. Each result is the
+   best of several timed runs after a warm-up (the best, not the mean:
+   interference only ever makes a run slower).
+
+   PEAK. Each thread runs 16 independent FMA chains (vfmadd on zmm or ymm
+   registers; 16 chains cover 4 cycles of latency × 2 pipes) for a fixed
+   count; peak = 2 · lanes · FMAs / seconds, summed over threads. The clock
+   is measured with a chain of dependent integer adds (one per cycle), so
+   the theoretical peak (Zen 4: two 256-bit FMA pipes = 32 float32 FLOP per
+   cycle per core) can be stated for the clock actually running. */
+#define _POSIX_C_SOURCE 200809L
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+
+#include <time.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- clock and FMA peak -------------------------------------------------- */
+
+#define PEAK_ITERS 20000000L
+
+static volatile float peak_sink;
+
+#if MPT__X86
+#define PEAK_BODY(T, SET1, FMA, ADD, RED)                                              \
+    T x = SET1(0.9999999f), y = SET1(1e-7f);                                           \
+    T c0 = SET1(0), c1 = SET1(1), c2 = SET1(2), c3 = SET1(3), c4 = SET1(4), c5 = SET1(5), \
+      c6 = SET1(6), c7 = SET1(7), c8 = SET1(8), c9 = SET1(9), c10 = SET1(10),          \
+      c11 = SET1(11), c12 = SET1(12), c13 = SET1(13), c14 = SET1(14), c15 = SET1(15);  \
+    long i;                                                                            \
+    for (i = 0; i < PEAK_ITERS; i++) {                                                 \
+        c0 = FMA(c0, x, y); c1 = FMA(c1, x, y); c2 = FMA(c2, x, y); c3 = FMA(c3, x, y); \
+        c4 = FMA(c4, x, y); c5 = FMA(c5, x, y); c6 = FMA(c6, x, y); c7 = FMA(c7, x, y); \
+        c8 = FMA(c8, x, y); c9 = FMA(c9, x, y); c10 = FMA(c10, x, y);                 \
+        c11 = FMA(c11, x, y); c12 = FMA(c12, x, y); c13 = FMA(c13, x, y);             \
+        c14 = FMA(c14, x, y); c15 = FMA(c15, x, y);                                    \
+        __asm__ __volatile__("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3));             \
+    }                                                                                  \
+    c0 = ADD(ADD(ADD(c0, c1), ADD(c2, c3)), ADD(ADD(c4, c5), ADD(c6, c7)));            \
+    c8 = ADD(ADD(ADD(c8, c9), ADD(c10, c11)), ADD(ADD(c12, c13), ADD(c14, c15)));      \
+    peak_sink = RED(ADD(c0, c8));
+
+MPT__TARGET_AVX512 static void peak_avx512(void) {
+    PEAK_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_reduce_add_ps)
+}
+MPT__TARGET_AVX2 static float peak_red256(__m256 v) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    return f[0] + f[7];
+}
+MPT__TARGET_AVX2 static void peak_avx2(void) {
+    PEAK_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, peak_red256)
+}
+#endif
+
+static void peak_task(void *arg, int64_t task, int thread) {
+    int which = *(const int *)arg;
+    (void)task;
+    (void)thread;
+#if MPT__X86
+    if (which == 16) peak_avx512();
+    else peak_avx2();
+#else
+    (void)which;
+#endif
+}
+
+/* GFLOP/s of `threads` threads each running the peak loop. */
+static double measure_peak(mpt_context *ctx, int lanes) {
+    double best = 0;
+    int rep;
+    for (rep = 0; rep < 3; rep++) {
+        double t = now(), s;
+        mpt__parallel_for(ctx, ctx->num_threads, peak_task, &lanes);
+        s = now() - t;
+        if (rep > 0 || ctx->num_threads == 1) {
+            double g = 2.0 * lanes * 16.0 * PEAK_ITERS * ctx->num_threads / s * 1e-9;
+            if (g > best) best = g;
+        }
+    }
+    return best;
+}
+
+/* The core clock in GHz: 10 dependent one-cycle adds per iteration. */
+static double measure_clock(void) {
+    double best = 0;
+    int rep;
+    for (rep = 0; rep < 5; rep++) {
+        unsigned long x = 0;
+        long i, n = 50000000L;
+        double t = now(), s;
+        for (i = 0; i < n; i++) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+            __asm__ __volatile__("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+                                 "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+                                 "add $1, %0\n\tadd $1, %0"
+                                 : "+r"(x));
+#else
+            x += 10;
+#endif
+        }
+        s = now() - t;
+        if (x != (unsigned long)n * 10) return 0;
+        if (10.0 * (double)n / s * 1e-9 > best) best = 10.0 * (double)n / s * 1e-9;
+    }
+    return best;
+}
+
+/* ---- the GEMM shapes ----------------------------------------------------- */
+
+typedef struct shape {
+    const char *what;
+    int64_t m, n, k;
+    int ta, tb;
+} shape;
+
+static const shape shapes[] = {
+    {"mlp fwd 1", 128, 1024, 784, 0, 0},
+    {"mlp bwd 1 dX", 128, 784, 1024, 0, 1},
+    {"mlp bwd 1 dW", 784, 1024, 128, 1, 0},
+    {"mlp fwd 2", 128, 10, 1024, 0, 0},
+    {"mlp bwd 2 dX", 128, 1024, 10, 0, 1},
+    {"mlp bwd 2 dW", 1024, 10, 128, 1, 0},
+    {"conv1 fwd", 128 * 26 * 26, 32, 9, 0, 0},
+    {"conv1 bwd dW", 9, 32, 128 * 26 * 26, 1, 0},
+    {"conv2 fwd", 128 * 24 * 24, 32, 288, 0, 0},
+    {"conv2 bwd dX", 128 * 24 * 24, 288, 32, 0, 1},
+    {"conv2 bwd dW", 288, 32, 128 * 24 * 24, 1, 0},
+    {"conv3 fwd", 128 * 10 * 10, 64, 288, 0, 0},
+    {"conv4 fwd", 128 * 8 * 8, 64, 576, 0, 0},
+    {"conv4 bwd dX", 128 * 8 * 8, 576, 64, 0, 1},
+    {"square", 1024, 1024, 1024, 0, 0},
+    {"square", 2048, 2048, 2048, 0, 0},
+};
+
+static void *rand_buf(mpt_dtype dt, int64_t n) {
+    void *p = malloc((size_t)n * mpt_dtype_size(dt));
+    int64_t i;
+    uint32_t s = 12345;
+    for (i = 0; i < n; i++) {
+        float f;
+        s = s * 1664525u + 1013904223u;
+        f = (float)((s >> 8) * (1.0 / 16777216.0) * 2.0 - 1.0);
+        if (dt == MPT_FLOAT32) ((float *)p)[i] = f;
+        else if (dt == MPT_FLOAT16) ((mpt_half *)p)[i] = mpt_float_to_half(f);
+        else ((mpt_bf16 *)p)[i] = mpt_float_to_bf16(f);
+    }
+    return p;
+}
+
+/* Best seconds of mpt_gemm over repetitions (at least 3, and ~0.3 s). */
+static double time_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
+    double best = 1e30, total = 0;
+    int rep;
+    mpt_gemm(ctx, d); /* warm-up: caches, pages, pool */
+    for (rep = 0; rep < 50 && (rep < 3 || total < 0.3); rep++) {
+        double t = now(), s;
+        mpt_gemm(ctx, d);
+        s = now() - t;
+        total += s;
+        if (s < best) best = s;
+    }
+    return best;
+}
+
+int main(int argc, char **argv) {
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
+    int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    mpt_context *ctx[2];
+    double ghz, peak512[2] = {0, 0}, peak256[2] = {0, 0}, sq_f32[2] = {0, 0};
+    int t, si, di;
+    char cpu[256] = "?";
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f) {
+        char line[512];
+        while (fgets(line, sizeof line, f))
+            if (strncmp(line, "model name", 10) == 0) {
+                char *p = strchr(line, ':');
+                if (p) {
+                    snprintf(cpu, sizeof cpu, "%s", p + 2);
+                    cpu[strcspn(cpu, "\n")] = 0;
+                }
+                break;
+            }
+        fclose(f);
+    }
+    for (t = 0; t < 2; t++) {
+        mpt_context_desc cd;
+        memset(&cd, 0, sizeof cd);
+        cd.num_threads = t + 1;
+        if (mpt_context_create(&cd, &ctx[t]) != MPT_OK) return 1;
+    }
+    printf("# CPU: %s, features 0x%x (%s%s%s)\n", cpu, mpt_context_cpu_features(ctx[0]),
+           mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX2 ? "avx2 " : "",
+           mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX512 ? "avx512 " : "",
+           mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX512_BF16 ? "avx512bf16" : "");
+    ghz = measure_clock();
+    for (t = 0; t < 2; t++) {
+        if (mpt_context_cpu_features(ctx[t]) & MPT_CPU_AVX512) peak512[t] = measure_peak(ctx[t], 16);
+        if (mpt_context_cpu_features(ctx[t]) & MPT_CPU_AVX2) peak256[t] = measure_peak(ctx[t], 8);
+        printf("# fp32 FMA peak, %d thread%s: %.1f GFLOP/s (zmm), %.1f GFLOP/s (ymm); "
+               "theoretical 32 FLOP/cycle/core x %.2f GHz x %d = %.1f GFLOP/s\n",
+               t + 1, t ? "s" : "", peak512[t], peak256[t], ghz, t + 1, 32.0 * ghz * (t + 1));
+        printf("{\"bench\":\"fma_peak\",\"threads\":%d,\"zmm_gflops\":%.1f,\"ymm_gflops\":%.1f,"
+               "\"clock_ghz\":%.3f,\"theoretical_gflops\":%.1f}\n",
+               t + 1, peak512[t], peak256[t], ghz, 32.0 * ghz * (t + 1));
+    }
+    printf("\n| shape | M×N×K | op | dtype | 1 thread GFLOP/s | 2 threads GFLOP/s |\n");
+    printf("|---|---|---|---|---:|---:|\n");
+    for (si = 0; si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+        const shape *s = &shapes[si];
+        if (quick && s->m != 1024) continue;
+        for (di = 0; di < 3; di++) {
+            mpt_dtype dt = dts[di];
+            int64_t ar = s->ta ? s->k : s->m, ac = s->ta ? s->m : s->k;
+            int64_t br = s->tb ? s->n : s->k, bc = s->tb ? s->k : s->n;
+            void *a = rand_buf(dt, ar * ac), *b = rand_buf(dt, br * bc);
+            float *c = (float *)calloc((size_t)(s->m * s->n), sizeof(float));
+            double gf[2];
+            char tr[3] = {s->ta ? 't' : 'n', s->tb ? 't' : 'n', 0};
+            mpt_gemm_desc d;
+            memset(&d, 0, sizeof d);
+            d.m = s->m;
+            d.n = s->n;
+            d.k = s->k;
+            d.trans_a = s->ta;
+            d.trans_b = s->tb;
+            d.ab_dtype = dt;
+            d.a = a;
+            d.lda = ac;
+            d.b = b;
+            d.ldb = bc;
+            d.c = c;
+            d.ldc = s->n;
+            for (t = 0; t < 2; t++) {
+                double sec = time_gemm(ctx[t], &d);
+                gf[t] = 2.0 * (double)s->m * (double)s->n * (double)s->k / sec * 1e-9;
+                printf("{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,"
+                       "\"trans\":\"%s\",\"dtype\":\"%s\",\"threads\":%d,\"gflops\":%.2f,"
+                       "\"seconds\":%.6f}\n",
+                       s->what, (long long)s->m, (long long)s->n, (long long)s->k, tr,
+                       mpt_dtype_name(dt), t + 1, gf[t], sec);
+                if (s->m == 1024 && dt == MPT_FLOAT32) sq_f32[t] = gf[t];
+            }
+            printf("| %s | %lld×%lld×%lld | %s | %s | %.1f | %.1f |\n", s->what, (long long)s->m,
+                   (long long)s->n, (long long)s->k, tr, mpt_dtype_name(dt), gf[0], gf[1]);
+            fflush(stdout);
+            free(a);
+            free(b);
+            free(c);
+        }
+    }
+    for (t = 0; t < 2; t++) {
+        double pk = peak512[t] > 0 ? peak512[t] : peak256[t];
+        if (pk > 0)
+            printf("# 1024^3 float32, %d thread%s: %.1f GFLOP/s = %.1f%% of the measured FMA "
+                   "peak (%.1f), %.1f%% of the theoretical (%.1f at %.2f GHz)\n",
+                   t + 1, t ? "s" : "", sq_f32[t], 100.0 * sq_f32[t] / pk, pk,
+                   100.0 * sq_f32[t] / (32.0 * ghz * (t + 1)), 32.0 * ghz * (t + 1), ghz);
+    }
+    for (t = 0; t < 2; t++) mpt_context_destroy(ctx[t]);
+    return 0;
+}

@@ -1,0 +1,213 @@
+/* The context: threads, the allocator hook (and that a built model's
+   forward and backward allocate nothing), the logger, errors, tensors. */
+#define _POSIX_C_SOURCE 200809L /* setenv, posix_memalign */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "test.h"
+
+typedef struct counting_alloc {
+    long allocs, frees, fail_after; /* fail_after < 0: never fail */
+} counting_alloc;
+
+static void *count_alloc(void *user, size_t bytes, size_t alignment) {
+    counting_alloc *c = (counting_alloc *)user;
+    void *p;
+    if (c->fail_after >= 0 && c->allocs >= c->fail_after) return NULL;
+    if (posix_memalign(&p, alignment, bytes) != 0) return NULL;
+    c->allocs++;
+    return p;
+}
+
+static void count_free(void *user, void *ptr) {
+    counting_alloc *c = (counting_alloc *)user;
+    if (ptr) c->frees++;
+    free(ptr);
+}
+
+static void quiet(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)level;
+    (void)msg;
+}
+
+/* A forward and backward pass of a built model allocate nothing, and every
+   allocation is freed by destroy. */
+static void test_no_allocation_in_a_step(void) {
+    counting_alloc c = {0, 0, -1};
+    mpt_context *ctx;
+    mpt_model *m;
+    float x[4 * 12];
+    int64_t shape[2] = {4, 12};
+    mpt_tensor tx, ty, dx;
+    long before;
+    int i;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.num_threads = 2;
+    d.allocator.alloc = count_alloc;
+    d.allocator.free = count_free;
+    d.allocator.user_data = &c;
+    CHECK(mpt_context_create(&d, &ctx) == MPT_OK, "create");
+    for (i = 0; i < 48; i++) x[i] = (float)test_uniform(-1, 1);
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {12}, .input_rank = 1,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 9, .activation = MPT_ACT_GELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .dtype = MPT_FLOAT32});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, shape, x);
+    before = c.allocs;
+    for (i = 0; i < 3; i++) {
+        CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+        CHECK(mpt_model_backward(m, NULL, &dx) == MPT_OK, "backward");
+    }
+    CHECK(c.allocs == before, "a step allocated %ld times", c.allocs - before);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+    CHECK(c.allocs == c.frees, "%ld allocations, %ld frees", c.allocs, c.frees);
+}
+
+/* Every allocation failing in turn gives an out-of-memory status and no
+   leak (the sanitizer's leak check covers the frees). */
+static void test_out_of_memory_everywhere(void) {
+    long k;
+    int saw_oom = 0;
+    for (k = 0; k < 40; k++) {
+        counting_alloc c = {0, 0, k};
+        mpt_context *ctx = NULL;
+        mpt_model *m = NULL;
+        mpt_context_desc d;
+        mpt_status s;
+        memset(&d, 0, sizeof d);
+        d.num_threads = 2;
+        d.allocator.alloc = count_alloc;
+        d.allocator.free = count_free;
+        d.allocator.user_data = &c;
+        d.logger.fn = quiet;
+        s = mpt_context_create(&d, &ctx);
+        if (s == MPT_OK) {
+            s = mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {5}, .input_rank = 1}, &m);
+            if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4});
+            if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+            if (s == MPT_OK) s = mpt_model_build(m, 3);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
+        CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "allocation %ld failing gave %s", k,
+              mpt_status_string(s));
+        saw_oom |= s == MPT_ERR_OUT_OF_MEMORY;
+        CHECK(c.allocs == c.frees, "allocation %ld failing: %ld allocs, %ld frees", k, c.allocs,
+              c.frees);
+    }
+    CHECK(saw_oom, "no allocation failure was ever reported");
+}
+
+typedef struct count_tasks {
+    int hits[1000];
+    int threads_seen[8];
+} count_tasks;
+
+static void mark_task(void *arg, int64_t task, int thread) {
+    count_tasks *c = (count_tasks *)arg;
+    c->hits[task]++; /* each task has its own slot: no race */
+    c->threads_seen[thread] = 1;
+}
+
+static void nested_task(void *arg, int64_t task, int thread);
+static mpt_context *nested_ctx;
+
+static void nested_task(void *arg, int64_t task, int thread) {
+    count_tasks *c = (count_tasks *)arg;
+    (void)thread;
+    /* A parallel-for inside a task runs inline on this thread. */
+    mpt__parallel_for(nested_ctx, 1, mark_task, c);
+    c->hits[100 + task]++;
+}
+
+static void test_parallel_for(void) {
+    static count_tasks c;
+    mpt_context *ctx;
+    int i;
+    memset(&c, 0, sizeof c);
+    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = 3}, &ctx) == MPT_OK, "create");
+    CHECK(mpt_context_num_threads(ctx) == 3, "threads %d", mpt_context_num_threads(ctx));
+    for (i = 0; i < 20; i++) mpt__parallel_for(ctx, 1000, mark_task, &c);
+    for (i = 0; i < 1000; i++) CHECK(c.hits[i] == 20, "task %d ran %d times", i, c.hits[i]);
+    memset(&c, 0, sizeof c);
+    nested_ctx = ctx;
+    mpt__parallel_for(ctx, 50, nested_task, &c);
+    for (i = 0; i < 50; i++) CHECK(c.hits[100 + i] == 1, "nested task %d ran %d times", i, c.hits[100 + i]);
+    CHECK(c.hits[0] == 50, "inner tasks ran %d times", c.hits[0]);
+    mpt_context_destroy(ctx);
+}
+
+static void test_threads_from_environment(void) {
+    mpt_context *ctx;
+    setenv("MPT_NUM_THREADS", "3", 1);
+    CHECK(mpt_context_create(NULL, &ctx) == MPT_OK, "create");
+    CHECK(mpt_context_num_threads(ctx) == 3, "MPT_NUM_THREADS=3 gave %d", mpt_context_num_threads(ctx));
+    mpt_context_destroy(ctx);
+    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &ctx) == MPT_OK, "create");
+    CHECK(mpt_context_num_threads(ctx) == 1, "the descriptor did not win over the environment");
+    mpt_context_destroy(ctx);
+    unsetenv("MPT_NUM_THREADS");
+    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = -1}, &ctx) == MPT_ERR_INVALID_ARGUMENT,
+          "num_threads -1 accepted");
+}
+
+static char last_message[256];
+static int messages;
+static void remember(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    if (level == MPT_LOG_ERROR) {
+        snprintf(last_message, sizeof last_message, "%s", msg);
+        messages++;
+    }
+}
+
+static void test_errors_reach_logger_and_context(void) {
+    mpt_context *ctx;
+    mpt_context_desc d;
+    mpt_tensor t;
+    int64_t shape[2] = {3, -2};
+    memset(&d, 0, sizeof d);
+    d.logger.fn = remember;
+    mpt_context_create(&d, &ctx);
+    CHECK(strcmp(mpt_context_error(ctx), "") == 0, "fresh context has an error");
+    CHECK(mpt_tensor_alloc(ctx, &t, MPT_FLOAT16, 2, shape) == MPT_ERR_SHAPE, "bad shape accepted");
+    CHECK(strstr(mpt_context_error(ctx), "(3, -2)") != NULL, "error: %s", mpt_context_error(ctx));
+    CHECK(messages == 1 && strstr(last_message, "(3, -2)") != NULL, "logger got: %s", last_message);
+    CHECK(strcmp(mpt_status_string(MPT_ERR_SHAPE), "shape mismatch") == 0, "status string");
+    mpt_context_destroy(ctx);
+}
+
+static void test_cpu_features_can_be_disabled(void) {
+    mpt_context *ctx;
+    mpt_context_create(&(mpt_context_desc){.disable_cpu_features = ~0}, &ctx);
+    CHECK(mpt_context_cpu_features(ctx) == 0, "features left: %x", mpt_context_cpu_features(ctx));
+    mpt_context_destroy(ctx);
+}
+
+static void test_dtypes_and_shapes(void) {
+    char buf[64];
+    CHECK(mpt_dtype_size(MPT_BFLOAT16) == 2 && mpt_dtype_size(MPT_INT8) == 1 &&
+              mpt_dtype_size(MPT_INT32) == 4 && mpt_dtype_size((mpt_dtype)0) == 0, "sizes");
+    CHECK(strcmp(mpt_dtype_name(MPT_FLOAT16), "float16") == 0, "name");
+    CHECK(strcmp(mpt_shape_format(buf, sizeof buf, 4, (int64_t[]){128, 28, 28, 1}),
+                 "(128, 28, 28, 1)") == 0, "format: %s", buf);
+    CHECK(strcmp(mpt_shape_format(buf, sizeof buf, 1, (int64_t[]){784}), "(784,)") == 0,
+          "format: %s", buf);
+    CHECK(strcmp(mpt_shape_format(buf, 6, 2, (int64_t[]){1000, 1000}), "(1000") == 0,
+          "truncated format: %s", buf);
+}
+
+int main(void) {
+    test_seed(5);
+    TEST_RUN(test_no_allocation_in_a_step);
+    TEST_RUN(test_out_of_memory_everywhere);
+    TEST_RUN(test_parallel_for);
+    TEST_RUN(test_threads_from_environment);
+    TEST_RUN(test_errors_reach_logger_and_context);
+    TEST_RUN(test_cpu_features_can_be_disabled);
+    TEST_RUN(test_dtypes_and_shapes);
+    return test_summary("test_context");
+}

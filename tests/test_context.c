@@ -150,7 +150,8 @@ static void test_threads_from_environment(void) {
     CHECK(mpt_context_num_threads(ctx) == 1, "the descriptor did not win over the environment");
     mpt_context_destroy(ctx);
     unsetenv("MPT_NUM_THREADS");
-    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = -1}, &ctx) == MPT_ERR_INVALID_ARGUMENT,
+    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = -1, .logger = {quiet, NULL}},
+                             &ctx) == MPT_ERR_INVALID_ARGUMENT,
           "num_threads -1 accepted");
 }
 

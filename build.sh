@@ -22,6 +22,7 @@ DEB_PACKAGES="zlib1g-dev"
 
 install_packages() {
     local missing=()
+    command -v "$CC" >/dev/null && command -v "$CXX" >/dev/null || missing+=(gcc g++ libc6-dev)
     for p in $DEB_PACKAGES; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
             missing+=("$p")
@@ -114,9 +115,25 @@ SRC
     fi
 }
 
+# The CUDA backend, where there is one, must at least compile wherever nvcc is.
+cuda_compile_check() {
+    [ -e mpt_cuda.cu ] || return 0
+    local nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    if [ ! -x "$nvcc" ]; then
+        record "compile mpt_cuda.cu with nvcc" skip "no nvcc on this machine"
+    elif "$nvcc" -std=c++17 -arch=sm_90 -Werror all-warnings -DMPT_CUDA -I. -c mpt_cuda.cu \
+        -o "$B/mpt_cuda.o" 2>"$B/nvcc.log"; then
+        record "compile mpt_cuda.cu with nvcc" pass
+    else
+        cat "$B/nvcc.log"
+        record "compile mpt_cuda.cu with nvcc" fail "see $B/nvcc.log"
+    fi
+}
+
 run_tests() {
     install_packages
     compile_checks
+    cuda_compile_check
     local t name out
     for t in tests/test_*.c; do
         name=$(basename "$t" .c)

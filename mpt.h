@@ -184,7 +184,10 @@ MPTDEF size_t mpt_dtype_size(mpt_dtype dtype);      /* bytes; 0 if unknown      
 MPTDEF int mpt_dtype_is_float(mpt_dtype dtype);
 
 /* IEEE binary16 and bfloat16 bit patterns. Conversions from float round to
-   nearest even, keep subnormals, ±inf and NaN, and overflow to ±inf. */
+   nearest even, keep subnormals, ±inf and NaN, and overflow to ±inf. A NaN
+   keeps its sign, gets the quiet bit, and keeps its leading payload bits
+   (cut when narrowing, zero-filled when widening), as the F16C and AVX-512
+   instructions do; bfloat16 -> float is exact, bits and all. */
 typedef uint16_t mpt_half;
 typedef uint16_t mpt_bf16;
 
@@ -195,7 +198,8 @@ MPTDEF float mpt_bf16_to_float(mpt_bf16 b);
 
 /* Converts n floating-point elements between any two of float32, float16
    and bfloat16 (vectorised where the context's CPU allows; bit-identical to
-   the scalar functions above). */
+   the scalar functions above). dst and src must not overlap, unless they
+   are the same buffer and the same dtype. */
 MPTDEF mpt_status mpt_convert(mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
                               mpt_dtype src_dtype, const void *src, int64_t n);
 

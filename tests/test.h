@@ -94,18 +94,18 @@ static int test_summary(const char *program) {
 
 /* Deterministic random numbers for test inputs (never all zeros). */
 static unsigned long long test__rng_state = 0x9e3779b97f4a7c15ull;
-static void test_seed(unsigned long long seed) { test__rng_state = seed * 0x9e3779b97f4a7c15ull + 1; }
-static unsigned long long test_next(void) {
+static inline void test_seed(unsigned long long seed) { test__rng_state = seed * 0x9e3779b97f4a7c15ull + 1; }
+static inline unsigned long long test_next(void) {
     unsigned long long z = (test__rng_state += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 /* Uniform in [lo, hi). */
-static double test_uniform(double lo, double hi) {
+static inline double test_uniform(double lo, double hi) {
     return lo + (hi - lo) * (double)(test_next() >> 11) * (1.0 / 9007199254740992.0);
 }
-static int test_randint(int lo, int hi) { /* inclusive */
+static inline int test_randint(int lo, int hi) { /* inclusive */
     return lo + (int)(test_next() % (unsigned long long)(hi - lo + 1));
 }
 

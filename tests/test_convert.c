@@ -400,9 +400,10 @@ static void test_vector_paths_bit_identical(void) {
 /* Odd lengths, pointers off vector alignment, and nothing written outside
    [dst, dst + n): vector tails and chunk edges. */
 static void test_vector_paths_lengths_offsets(void) {
-    static const int64_t lengths[] = { 0, 1, 7, 8, 15, 16, 17, 33, 1000003 };
+    /* (1 << 20) + 17: split over the pool, with a short last chunk. */
+    static const int64_t lengths[] = { 0, 1, 7, 8, 15, 16, 17, 33, 1000003, (1 << 20) + 17 };
     static const int offsets[] = { 0, 1, 3 };
-    const size_t max_n = 1000003 + 3;
+    const size_t max_n = (1 << 20) + 17 + 3;
     int c, k, li, oi;
     uint32_t *src32 = (uint32_t *)malloc(max_n * 4);
     uint16_t *src16 = (uint16_t *)malloc(max_n * 2);
@@ -489,7 +490,7 @@ static void nested_task(void *arg, int64_t task, int thread) {
 }
 
 static void test_convert_inside_parallel_task(void) {
-    const int64_t per_task = (int64_t)1 << 17, tasks = 6;
+    const int64_t per_task = ((int64_t)1 << 20) + 5, tasks = 4; /* each big enough to split */
     const size_t n = (size_t)(per_task * tasks);
     float *src = (float *)malloc(n * sizeof(float));
     mpt_half *dst = (mpt_half *)malloc(n * sizeof(mpt_half));

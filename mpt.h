@@ -339,8 +339,9 @@ typedef struct mpt_pool2d_desc {
 
 typedef struct mpt_batchnorm_desc {
     MPT_LAYER_COMMON_FIELDS;
-    float momentum;                     /* default 0.99                     */
-    float epsilon;                      /* default 1e-3                     */
+    float momentum;                     /* default (0) 0.99; for a momentum of
+                                           exactly 0 give a tiny value       */
+    float epsilon;                      /* default (0) 1e-3; must be > 0     */
     int no_center;                      /* default 0: beta is used          */
     int no_scale;                       /* default 0: gamma is used         */
 } mpt_batchnorm_desc;
@@ -348,7 +349,9 @@ typedef struct mpt_batchnorm_desc {
 typedef struct mpt_dropout_desc {
     MPT_LAYER_COMMON_FIELDS;
     float rate;                         /* required, in [0, 1)              */
-    uint64_t seed;                      /* default 0: derived from the model's seed */
+    uint64_t seed;                      /* default 0: derived from the model's seed.
+                                           The mask is a function of the seed,
+                                           the model's step and the element. */
 } mpt_dropout_desc;
 
 typedef struct mpt_activation_desc {
@@ -457,8 +460,9 @@ typedef struct mpt_loss_desc {
 } mpt_loss_desc;
 
 /* The mean loss over the batch (Keras' sum_over_batch_size), computed in
-   float32 whatever the prediction dtype. If dpred is not NULL it receives
-   grad_scale · d(loss)/d(pred), in dpred's dtype and pred's shape. */
+   float32 whatever the prediction dtype, into *loss (required). If dpred is
+   not NULL it receives grad_scale · d(loss)/d(pred), in dpred's dtype and
+   pred's shape; dpred may be pred itself. */
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred);

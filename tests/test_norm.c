@@ -1,0 +1,605 @@
+/* BatchNormalization and Dropout: gradients against finite differences in
+   double, the moving statistics against a hand computation, known answers,
+   the dropout mask's rule and statistics, thread-count independence, and
+   bad input. */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "gradcheck.h"
+
+static mpt_context *ctx;
+
+static int count_errors;
+static void quiet_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    if (level == MPT_LOG_ERROR) count_errors++;
+}
+
+static mpt_context *quiet_ctx(void) {
+    mpt_context *q;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.logger.fn = quiet_logger;
+    d.num_threads = 1;
+    mpt_context_create(&d, &q);
+    return q;
+}
+
+static mpt_context *threads_ctx(int n) {
+    mpt_context *c;
+    mpt_context_create(&(mpt_context_desc){.num_threads = n}, &c);
+    return c;
+}
+
+/* A float32 input tensor over `data` of shape (batch, sample shape of m). */
+static void wrap_input(mpt_model *m, int64_t batch, float *data, mpt_tensor *t) {
+    int64_t shape[4];
+    int rank = mpt_model_input_shape(m, shape + 1);
+    shape[0] = batch;
+    mpt_tensor_wrap(ctx, t, MPT_FLOAT32, rank + 1, shape, data);
+}
+
+static float *random_floats(int64_t n, double lo, double hi) {
+    float *v = (float *)malloc(sizeof(float) * (size_t)n);
+    int64_t i;
+    for (i = 0; i < n; i++) v[i] = (float)test_uniform(lo, hi);
+    return v;
+}
+
+/* Output of the last forward as float32 (n elements). */
+static void output_f32(const mpt_tensor *y, float *out) {
+    mpt_convert(ctx, MPT_FLOAT32, out, y->dtype, y->data, mpt_tensor_count(y));
+}
+
+/* ======================================================================
+   BatchNormalization
+   ====================================================================== */
+
+typedef struct bn_ref {
+    int64_t in_count, C; /* one sample's elements; channels (last axis) */
+    int center, scale, training;
+    double eps;
+} bn_ref;
+
+/* y = gamma·(x − mean)/sqrt(var + eps) + beta per channel, with the batch
+   statistics (biased variance) in training, the moving ones otherwise.
+   Parameters come in Keras order, gamma and beta only when used. */
+static void bn_forward_ref(const gc_case *c, const double *x, double *const *params, double *y) {
+    const bn_ref *d = (const bn_ref *)c->user;
+    int64_t C = d->C, rows = c->batch * d->in_count / C, r, ch;
+    const double *gamma = d->scale ? params[0] : NULL;
+    const double *beta = d->center ? params[d->scale] : NULL;
+    const double *mm = params[d->scale + d->center], *mv = params[d->scale + d->center + 1];
+    for (ch = 0; ch < C; ch++) {
+        double mean = 0, var = 0;
+        if (d->training) {
+            for (r = 0; r < rows; r++) mean += x[r * C + ch];
+            mean /= (double)rows;
+            for (r = 0; r < rows; r++) var += (x[r * C + ch] - mean) * (x[r * C + ch] - mean);
+            var /= (double)rows;
+        } else {
+            mean = mm[ch];
+            var = mv[ch];
+        }
+        for (r = 0; r < rows; r++)
+            y[r * C + ch] = (gamma ? gamma[ch] : 1) * (x[r * C + ch] - mean) / sqrt(var + d->eps) +
+                            (beta ? beta[ch] : 0);
+    }
+}
+
+static void check_bn(int64_t batch, int rank, const int64_t *shape, mpt_dtype dtype, int center,
+                     int scale, int training) {
+    mpt_model *m;
+    mpt_model_desc md;
+    bn_ref d;
+    gc_case c;
+    char label[160], s[64];
+    int i;
+    test__begin();
+    memset(&md, 0, sizeof md);
+    md.input_rank = rank;
+    memcpy(md.input_shape, shape, sizeof(int64_t) * (size_t)rank);
+    d.in_count = 1;
+    for (i = 0; i < rank; i++) d.in_count *= shape[i];
+    d.C = shape[rank - 1];
+    d.center = center;
+    d.scale = scale;
+    d.training = training;
+    d.eps = 1e-3f;
+    snprintf(label, sizeof label, "batchnorm B=%lld sample %s %s%s%s %s", (long long)batch,
+             mpt_shape_format(s, sizeof s, rank, shape), mpt_dtype_name(dtype),
+             center ? "" : " no-center", scale ? "" : " no-scale",
+             training ? "training" : "inference");
+    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){
+              .dtype = dtype, .no_center = !center, .no_scale = !scale}) == MPT_OK,
+          "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, batch + 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_param_count(m) == 2 + center + scale, "%d parameters",
+          mpt_model_param_count(m));
+    memset(&c, 0, sizeof c);
+    c.model = m;
+    c.batch = batch;
+    c.training = training;
+    c.ref_forward = bn_forward_ref;
+    c.user = &d;
+    gc_check(ctx, &c, label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+static void test_bn_gradients(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    static const int64_t vec[1] = {7}, img[3] = {3, 2, 5}, img1[3] = {2, 3, 13};
+    int t, k;
+    for (t = 0; t < 3; t++) {
+        for (k = 0; k < 4; k++) check_bn(5, 1, vec, dtypes[t], k & 1, k >> 1, 1);
+        check_bn(3, 3, img, dtypes[t], 1, 1, 1);
+        check_bn(1, 3, img1, dtypes[t], 1, 1, 1);  /* batch 1: statistics over H·W */
+        check_bn(2, 3, img1, dtypes[t], 0, 1, 1);
+        check_bn(4, 3, img, dtypes[t], 1, 0, 0);   /* inference: the moving statistics */
+        check_bn(6, 1, vec, dtypes[t], 1, 1, 0);
+    }
+}
+
+/* Parameters: Keras names and order, shapes, trainable flags, initial values. */
+static void test_bn_params(void) {
+    static const char *names[] = {"bn/gamma", "bn/beta", "bn/moving_mean", "bn/moving_variance"};
+    static const float init[] = {1, 0, 0, 1};
+    mpt_model *m;
+    mpt_param_info info;
+    int p, k;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4, 4, 3}, .input_rank = 3,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16}, &m);
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.name = "bn"});
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.no_center = 1});
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.no_scale = 1, .no_center = 1});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_param_count(m) == 4 + 3 + 2, "%d parameters", mpt_model_param_count(m));
+    CHECK(mpt_model_layer_dtype(m, 0) == MPT_FLOAT16, "compute dtype %d",
+          mpt_model_layer_dtype(m, 0));
+    for (p = 0; p < 4; p++) {
+        mpt_model_param(m, p, &info);
+        CHECK(strcmp(info.name, names[p]) == 0, "param %d is %s", p, info.name);
+        CHECK(info.trainable == (p < 2), "%s trainable %d", info.name, info.trainable);
+        CHECK(info.value.rank == 1 && info.value.shape[0] == 3 && info.value.dtype == MPT_FLOAT32,
+              "%s shape", info.name);
+        CHECK((info.grad.data != NULL) == (p < 2), "%s grad", info.name);
+        for (k = 0; k < 3; k++)
+            CHECK(((float *)info.value.data)[k] == init[p], "%s[%d] = %g", info.name, k,
+                  ((float *)info.value.data)[k]);
+    }
+    mpt_model_param(m, 4, &info);
+    CHECK(strcmp(info.name, "batch_normalization/gamma") == 0, "%s", info.name);
+    mpt_model_param(m, 5, &info);
+    CHECK(strcmp(info.name, "batch_normalization/moving_mean") == 0, "%s", info.name);
+    mpt_model_param(m, 7, &info);
+    CHECK(strcmp(info.name, "batch_normalization_1/moving_mean") == 0, "%s", info.name);
+    mpt_model_destroy(m);
+}
+
+static float *param_values(mpt_model *m, int index) {
+    mpt_param_info info;
+    mpt_model_param(m, index, &info);
+    return (float *)info.value.data;
+}
+
+/* By hand: x = [[1, 2], [3, 6]] (B = 2, C = 2): channel 0 has mean 2 and
+   variance 1, channel 1 mean 4 and variance 4. With gamma = [2, 1], beta =
+   [0.5, −1] and eps = 1e-3: y[0][0] = 2·(−1)/sqrt(1.001) + 0.5, ...
+   Then moving_mean = 0.01·[2, 4] = [0.02, 0.04] and moving_variance =
+   0.99·1 + 0.01·[1, 4] = [1, 1.03] (momentum 0.99, biased variance), up to
+   the float32 rounding of 0.99 that Keras' float32 arithmetic has too
+   (1 − 0.99f = 0.0099999905: a relative 1e-6). */
+static void test_bn_known_answer(void) {
+    mpt_model *m;
+    float x[4] = {1, 2, 3, 6}, y[4], moving[4];
+    mpt_tensor tx, ty;
+    double want[4], e = 1e-3f;
+    int i;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2}, .input_rank = 1}, &m);
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build");
+    param_values(m, 0)[0] = 2;
+    param_values(m, 1)[0] = 0.5f;
+    param_values(m, 1)[1] = -1;
+    wrap_input(m, 2, x, &tx);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+    output_f32(&ty, y);
+    want[0] = 2 * -1 / sqrt(1 + e) + 0.5;
+    want[1] = -2 / sqrt(4 + e) - 1;
+    want[2] = 2 * 1 / sqrt(1 + e) + 0.5;
+    want[3] = 2 / sqrt(4 + e) - 1;
+    for (i = 0; i < 4; i++) CHECK(fabs(y[i] - want[i]) < 1e-6, "y[%d] = %.8g, want %.8g", i, y[i], want[i]);
+    CHECK(fabs(param_values(m, 2)[0] - 0.02) < 1e-7 && fabs(param_values(m, 2)[1] - 0.04) < 1e-7,
+          "moving_mean %.8g %.8g", param_values(m, 2)[0], param_values(m, 2)[1]);
+    CHECK(fabs(param_values(m, 3)[0] - 1.0) < 1e-7 && fabs(param_values(m, 3)[1] - 1.03) < 1e-7,
+          "moving_variance %.8g %.8g", param_values(m, 3)[0], param_values(m, 3)[1]);
+    /* Inference: the moving statistics, unchanged by the pass. */
+    memcpy(moving, param_values(m, 2), sizeof(float) * 2);
+    memcpy(moving + 2, param_values(m, 3), sizeof(float) * 2);
+    CHECK(mpt_model_forward(m, &tx, 0, &ty) == MPT_OK, "forward");
+    output_f32(&ty, y);
+    want[0] = 2 * (1 - 0.02) / sqrt(1 + e) + 0.5;
+    want[1] = (2 - 0.04) / sqrt(1.03 + e) - 1;
+    want[2] = 2 * (3 - 0.02) / sqrt(1 + e) + 0.5;
+    want[3] = (6 - 0.04) / sqrt(1.03 + e) - 1;
+    for (i = 0; i < 4; i++)
+        CHECK(fabs(y[i] - want[i]) < 1e-6, "inference y[%d] = %.8g, want %.8g", i, y[i], want[i]);
+    CHECK(memcmp(moving, param_values(m, 2), sizeof(float) * 2) == 0 &&
+              memcmp(moving + 2, param_values(m, 3), sizeof(float) * 2) == 0,
+          "inference changed the moving statistics");
+    mpt_model_destroy(m);
+}
+
+/* Several training forwards (rank 3, momentum 0.9, epsilon 1e-2) against the
+   recurrence computed here in double; inference forwards change nothing. */
+static void test_bn_moving_statistics(void) {
+    enum { B = 3, H = 2, W = 2, C = 5, N = B * H * W * C };
+    mpt_model *m;
+    mpt_tensor tx, ty;
+    double mm[C], mv[C], mom = 0.9f;
+    float *x;
+    int step, c, r, ok = 1;
+    for (c = 0; c < C; c++) mm[c] = 0, mv[c] = 1;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                            .policy = MPT_POLICY_MIXED_BFLOAT16}, &m);
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.momentum = 0.9f,
+                                                               .epsilon = 1e-2f});
+    CHECK(mpt_model_build(m, B) == MPT_OK, "build");
+    for (step = 0; step < 4; step++) {
+        x = random_floats(N, -2 + step, 3 + 2 * step);
+        for (r = 0; r < N; r++) x[r] = mpt_bf16_to_float(mpt_float_to_bf16(x[r])); /* as the layer sees it */
+        wrap_input(m, B, x, &tx);
+        CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+        CHECK(mpt_model_forward(m, &tx, 0, &ty) == MPT_OK, "inference forward");
+        for (c = 0; c < C; c++) {
+            double mean = 0, var = 0;
+            for (r = 0; r < N / C; r++) mean += x[r * C + c];
+            mean /= N / C;
+            for (r = 0; r < N / C; r++) var += (x[r * C + c] - mean) * (x[r * C + c] - mean);
+            var /= N / C; /* biased, as Keras */
+            mm[c] = mm[c] * mom + mean * (1 - mom);
+            mv[c] = mv[c] * mom + var * (1 - mom);
+        }
+        for (c = 0; c < C; c++) {
+            ok &= fabs(param_values(m, 2)[c] - mm[c]) <= 1e-6 * (1 + fabs(mm[c]));
+            ok &= fabs(param_values(m, 3)[c] - mv[c]) <= 1e-6 * (1 + fabs(mv[c]));
+        }
+        CHECK(ok, "step %d: moving_mean[0] %.8g want %.8g, moving_variance[0] %.8g want %.8g",
+              step, param_values(m, 2)[0], mm[0], param_values(m, 3)[0], mv[0]);
+        free(x);
+    }
+    mpt_model_destroy(m);
+}
+
+/* A large common offset: the two-pass variance keeps its precision. */
+static void test_bn_offset_precision(void) {
+    enum { B = 64, C = 3, N = B * C };
+    mpt_model *m;
+    mpt_tensor tx, ty;
+    float *x = random_floats(N, 999, 1001), y[N];
+    double yr[N];
+    gc_case c;
+    bn_ref d = {C, C, 1, 1, 1, 1e-3f};
+    double *params[4], ones[C] = {1, 1, 1}, zeros[C] = {0, 0, 0}, e;
+    int i;
+    params[0] = ones, params[1] = zeros, params[2] = zeros, params[3] = ones;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {C}, .input_rank = 1}, &m);
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    mpt_model_build(m, B);
+    wrap_input(m, B, x, &tx);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+    output_f32(&ty, y);
+    memset(&c, 0, sizeof c);
+    c.batch = B;
+    c.user = &d;
+    {
+        double xd[N];
+        for (i = 0; i < N; i++) xd[i] = x[i];
+        bn_forward_ref(&c, xd, params, yr);
+    }
+    for (i = 0; i < N; i++) yr[i] -= y[i];
+    e = 0;
+    for (i = 0; i < N; i++) e = fabs(yr[i]) > e ? fabs(yr[i]) : e;
+    CHECK(e < 2e-4, "max error %g with mean 1000", e);
+    free(x);
+    mpt_model_destroy(m);
+}
+
+/* The same result, to the bit, with 1 and 3 threads (several chunks). */
+static void test_bn_threads(void) {
+    enum { B = 40, H = 8, W = 8, C = 13, N = B * H * W * C };
+    float *x = random_floats(N, -1, 2), *dy = random_floats(N, -1, 1);
+    float *y[2], *dx[2], *dgamma[2];
+    int t;
+    for (t = 0; t < 2; t++) {
+        mpt_context *c = threads_ctx(t == 0 ? 1 : 3);
+        mpt_model *m;
+        mpt_tensor tx, ty, tdy, tdx;
+        mpt_param_info g;
+        int64_t shape[4] = {B, H, W, C};
+        memset(&tdx, 0, sizeof tdx);
+        mpt_model_create(c, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                              .policy = MPT_POLICY_MIXED_FLOAT16}, &m);
+        mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+        CHECK(mpt_model_build(m, B) == MPT_OK, "build");
+        mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, shape, x);
+        mpt_tensor_wrap(c, &tdy, MPT_FLOAT32, 4, shape, dy);
+        CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+        y[t] = (float *)malloc(sizeof(float) * N);
+        mpt_convert(c, MPT_FLOAT32, y[t], ty.dtype, ty.data, N);
+        CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+        dx[t] = (float *)malloc(sizeof(float) * N);
+        mpt_convert(c, MPT_FLOAT32, dx[t], tdx.dtype, tdx.data, N);
+        mpt_model_param(m, 0, &g);
+        dgamma[t] = (float *)malloc(sizeof(float) * C);
+        memcpy(dgamma[t], g.grad.data, sizeof(float) * C);
+        mpt_model_destroy(m);
+        mpt_context_destroy(c);
+    }
+    CHECK(memcmp(y[0], y[1], sizeof(float) * N) == 0, "y differs between 1 and 3 threads");
+    CHECK(memcmp(dx[0], dx[1], sizeof(float) * N) == 0, "dx differs between 1 and 3 threads");
+    CHECK(memcmp(dgamma[0], dgamma[1], sizeof(float) * C) == 0, "dgamma differs");
+    for (t = 0; t < 2; t++) free(y[t]), free(dx[t]), free(dgamma[t]);
+    free(x);
+    free(dy);
+}
+
+/* ======================================================================
+   Dropout
+   ====================================================================== */
+
+/* The documented rule: element i is kept when word i % 4 of
+   Philox(key, (step, i / 4)), as a 24-bit uniform, is ≥ rate. */
+static int ref_keep(uint64_t key, uint64_t step, int64_t i, float rate) {
+    uint32_t r[4];
+    mpt_philox4x32(key, step, (uint64_t)i / 4, r);
+    return (float)(r[i % 4] >> 8) / 16777216.0f >= rate;
+}
+
+typedef struct dropout_ref {
+    mpt_model *m;
+    float rate;
+} dropout_ref;
+
+static void dropout_forward_ref(const gc_case *c, const double *x, double *const *params,
+                                double *y) {
+    const dropout_ref *d = (const dropout_ref *)c->user;
+    int64_t n = c->batch * d->m->layers[0].in_count, i;
+    double scale = 1.0f / (1.0f - d->rate);
+    (void)params;
+    for (i = 0; i < n; i++)
+        y[i] = ref_keep(d->m->layers[0].seed, d->m->step, i, d->rate) ? x[i] * scale : 0;
+}
+
+static void check_dropout(mpt_dtype dtype, float rate, int rank) {
+    mpt_model *m;
+    dropout_ref d;
+    gc_case c;
+    char label[96];
+    test__begin();
+    snprintf(label, sizeof label, "dropout rate %g rank %d %s", (double)rate, rank,
+             mpt_dtype_name(dtype));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 2, 5}, .input_rank = rank,
+                                            .seed = 9}, &m);
+    CHECK(mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = rate, .dtype = dtype}) == MPT_OK,
+          "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build");
+    m->step = 17;
+    d.m = m;
+    d.rate = rate;
+    memset(&c, 0, sizeof c);
+    c.model = m;
+    c.batch = 4;
+    c.training = 1;
+    c.ref_forward = dropout_forward_ref;
+    c.user = &d;
+    gc_check(ctx, &c, label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+static void test_dropout_gradients(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    int t;
+    for (t = 0; t < 3; t++) {
+        check_dropout(dtypes[t], 0.5f, 1);
+        check_dropout(dtypes[t], 0.2f, 3);
+    }
+    check_dropout(MPT_FLOAT32, 0, 1);
+}
+
+/* A model with one Dropout layer on (n) vectors. */
+static mpt_model *dropout_model(mpt_context *c, int64_t n, float rate, uint64_t model_seed,
+                                uint64_t layer_seed, mpt_dtype dtype) {
+    mpt_model *m;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {n}, .input_rank = 1,
+                                          .seed = model_seed}, &m);
+    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = rate, .seed = layer_seed, .dtype = dtype});
+    if (mpt_model_build(m, 4) != MPT_OK) {
+        mpt_model_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* Forward (training) on x (4 × n) at `step`; y as float32 into out. */
+static void dropout_run(mpt_model *m, uint64_t step, float *x, float *out, int training) {
+    mpt_tensor tx, ty;
+    m->step = step;
+    wrap_input(m, 4, x, &tx);
+    CHECK(mpt_model_forward(m, &tx, training, &ty) == MPT_OK, "forward");
+    output_f32(&ty, out);
+}
+
+/* A fixed step gives the same mask; another step another; backward uses
+   the mask of the forward it follows, even if the step moved since. */
+static void test_dropout_mask_and_step(void) {
+    enum { n = 1000, N = 4 * n };
+    mpt_model *m = dropout_model(ctx, n, 0.4f, 5, 0, MPT_FLOAT32);
+    float *x = random_floats(N, 0.5, 1.5), *dy = random_floats(N, 0.5, 1.5);
+    float *a = (float *)malloc(sizeof(float) * N), *b = (float *)malloc(sizeof(float) * N);
+    mpt_tensor tdy, tdx;
+    int64_t i, shape[2] = {4, n}, same = 0, mismatch = 0;
+    dropout_run(m, 3, x, a, 1);
+    dropout_run(m, 3, x, b, 1);
+    CHECK(memcmp(a, b, sizeof(float) * N) == 0, "step 3 twice: different masks");
+    dropout_run(m, 4, x, b, 1);
+    for (i = 0; i < N; i++) same += (a[i] == 0) == (b[i] == 0);
+    CHECK(same < N * 3 / 4, "steps 3 and 4 agree on %lld of %d elements", (long long)same, N);
+    dropout_run(m, 3, x, a, 1);
+    m->step = 4; /* the training loop moved on before backward */
+    mpt_tensor_wrap(ctx, &tdy, MPT_FLOAT32, 2, shape, dy);
+    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+    for (i = 0; i < N; i++) {
+        float g = ((float *)tdx.data)[i];
+        mismatch += (g == 0) != (a[i] == 0);
+        if (g != 0) mismatch += g != dy[i] * (1.0f / (1.0f - 0.4f));
+    }
+    CHECK(mismatch == 0, "backward mask differs from forward's in %lld elements", (long long)mismatch);
+    free(x), free(dy), free(a), free(b);
+    mpt_model_destroy(m);
+}
+
+/* Over 2^20 elements at rate 0.3, the kept fraction is within 6 standard
+   deviations (sqrt(0.3·0.7 / 2^20) ≈ 4.5e-4, so 2.7e-3) of 0.7; every kept
+   value is x · (1 / (1 − rate)) exactly, and the mask follows the rule. */
+static void test_dropout_statistics(void) {
+    enum { n = 1 << 18, N = 4 * n };
+    const float rate = 0.3f, scale = 1.0f / (1.0f - rate);
+    mpt_model *m = dropout_model(ctx, n, rate, 1, 0, MPT_FLOAT32);
+    float *x = random_floats(N, -1, 1), *y = (float *)malloc(sizeof(float) * N);
+    int64_t i, kept = 0, wrong = 0, rule = 0;
+    double frac;
+    dropout_run(m, 12, x, y, 1);
+    for (i = 0; i < N; i++) {
+        int keep = ref_keep(m->layers[0].seed, 12, i, rate);
+        rule += keep != (y[i] != 0);
+        kept += y[i] != 0;
+        if (y[i] != 0) wrong += y[i] != x[i] * scale;
+    }
+    frac = (double)kept / N;
+    CHECK(fabs(frac - 0.7) < 2.7e-3, "kept fraction %.5f, want 0.7 ± 0.0027", frac);
+    CHECK(wrong == 0, "%lld kept values not scaled by exactly 1/(1 - rate)", (long long)wrong);
+    CHECK(rule == 0, "%lld elements differ from the Philox rule", (long long)rule);
+    free(x), free(y);
+    mpt_model_destroy(m);
+}
+
+/* Several chunks: 1 and 2 threads give the same mask (float16 too). */
+static void test_dropout_threads(void) {
+    enum { n = 50000, N = 4 * n };
+    float *x = random_floats(N, -1, 1), *y[2][2];
+    int t, h;
+    for (t = 0; t < 2; t++) {
+        mpt_context *c = threads_ctx(t + 1);
+        for (h = 0; h < 2; h++) {
+            mpt_model *m = dropout_model(c, n, 0.5f, 3, 0, h ? MPT_FLOAT16 : MPT_FLOAT32);
+            mpt_tensor tx, ty;
+            int64_t shape[2] = {4, n};
+            m->step = 2;
+            mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, shape, x);
+            CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+            y[t][h] = (float *)malloc(sizeof(float) * N);
+            mpt_convert(c, MPT_FLOAT32, y[t][h], ty.dtype, ty.data, N);
+            mpt_model_destroy(m);
+        }
+        mpt_context_destroy(c);
+    }
+    CHECK(memcmp(y[0][0], y[1][0], sizeof(float) * N) == 0, "float32 masks differ by threads");
+    CHECK(memcmp(y[0][1], y[1][1], sizeof(float) * N) == 0, "float16 masks differ by threads");
+    for (t = 0; t < 2; t++) free(y[t][0]), free(y[t][1]);
+    free(x);
+}
+
+/* Inference and rate 0 are the identity; desc.seed overrides the model's. */
+static void test_dropout_identity_and_seed(void) {
+    enum { n = 300, N = 4 * n };
+    float *x = random_floats(N, -1, 1), *y = (float *)malloc(sizeof(float) * N);
+    float *z = (float *)malloc(sizeof(float) * N);
+    mpt_model *m = dropout_model(ctx, n, 0.5f, 1, 0, MPT_FLOAT32), *k;
+    int64_t i, same = 0;
+    dropout_run(m, 1, x, y, 0);
+    CHECK(memcmp(x, y, sizeof(float) * N) == 0, "inference is not the identity");
+    mpt_model_destroy(m);
+    m = dropout_model(ctx, n, 0, 1, 0, MPT_FLOAT32);
+    dropout_run(m, 1, x, y, 1);
+    CHECK(memcmp(x, y, sizeof(float) * N) == 0, "rate 0 is not the identity in training");
+    mpt_model_destroy(m);
+    m = dropout_model(ctx, n, 0.5f, 1, 99, MPT_FLOAT32);
+    k = dropout_model(ctx, n, 0.5f, 2, 99, MPT_FLOAT32);
+    dropout_run(m, 6, x, y, 1);
+    dropout_run(k, 6, x, z, 1);
+    CHECK(memcmp(y, z, sizeof(float) * N) == 0, "same desc.seed, different masks");
+    mpt_model_destroy(k);
+    k = dropout_model(ctx, n, 0.5f, 1, 98, MPT_FLOAT32);
+    dropout_run(k, 6, x, z, 1);
+    for (i = 0; i < N; i++) same += (y[i] == 0) == (z[i] == 0);
+    CHECK(same < N * 3 / 4, "desc.seed 98 and 99 agree on %lld of %d", (long long)same, N);
+    mpt_model_destroy(k);
+    mpt_model_destroy(m);
+    free(x), free(y), free(z);
+}
+
+/* ======================================================================
+   Bad input
+   ====================================================================== */
+
+static void test_bad_input(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL;
+    CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m) == MPT_OK,
+          "create");
+    CHECK(mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 1}) == MPT_ERR_INVALID_ARGUMENT,
+          "rate 1 accepted");
+    CHECK(strstr(mpt_context_error(q), "rate 1") != NULL, "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = -0.1f}) == MPT_ERR_INVALID_ARGUMENT,
+          "rate -0.1 accepted");
+    CHECK(mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = NAN}) == MPT_ERR_INVALID_ARGUMENT,
+          "rate NaN accepted");
+    CHECK(mpt_model_add_dropout(m, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL dropout desc accepted");
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.momentum = 2}) ==
+              MPT_ERR_INVALID_ARGUMENT, "momentum 2 accepted");
+    CHECK(strstr(mpt_context_error(q), "momentum 2") != NULL, "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.momentum = -0.5f}) ==
+              MPT_ERR_INVALID_ARGUMENT, "momentum -0.5 accepted");
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.epsilon = -1e-3f}) ==
+              MPT_ERR_INVALID_ARGUMENT, "epsilon -1e-3 accepted");
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.epsilon = NAN}) ==
+              MPT_ERR_INVALID_ARGUMENT, "epsilon NaN accepted");
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.epsilon = INFINITY}) ==
+              MPT_ERR_INVALID_ARGUMENT, "epsilon inf accepted");
+    CHECK(mpt_model_add_batch_normalization(m, NULL) == MPT_ERR_INVALID_ARGUMENT,
+          "NULL batchnorm desc accepted");
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.dtype = MPT_INT8}) ==
+              MPT_ERR_DTYPE, "int8 compute dtype accepted");
+    CHECK(mpt_model_add_batch_normalization(NULL, &(mpt_batchnorm_desc){0}) ==
+              MPT_ERR_INVALID_ARGUMENT, "NULL model accepted");
+    /* epsilon 0 and momentum 0 are the zero-initialised defaults (1e-3, 0.99). */
+    CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.epsilon = 0}) == MPT_OK,
+          "default descriptor refused: %s", mpt_context_error(q));
+    CHECK(mpt_model_layer_count(m) == 1, "%d layers after the failures", mpt_model_layer_count(m));
+    CHECK(count_errors == 11, "errors were not all logged (%d)", count_errors);
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
+int main(void) {
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+    test_seed(5);
+    TEST_RUN(test_bn_known_answer);
+    TEST_RUN(test_bn_params);
+    test_bn_gradients();
+    TEST_RUN(test_bn_moving_statistics);
+    TEST_RUN(test_bn_offset_precision);
+    TEST_RUN(test_bn_threads);
+    test_dropout_gradients();
+    TEST_RUN(test_dropout_mask_and_step);
+    TEST_RUN(test_dropout_statistics);
+    TEST_RUN(test_dropout_threads);
+    TEST_RUN(test_dropout_identity_and_seed);
+    TEST_RUN(test_bad_input);
+    mpt_context_destroy(ctx);
+    return test_summary("test_norm");
+}

@@ -130,10 +130,30 @@ cuda_compile_check() {
     fi
 }
 
+# The examples build with -Werror; the hand-written SGD loop must learn its
+# toy problem (two rings, not linearly separable) under every policy.
+example_checks() {
+    local p acc
+    if ! cc_prog hand_sgd examples/hand_sgd.c $SAN 2>"$B/hand_sgd.log"; then
+        cat "$B/hand_sgd.log"
+        record "build examples/hand_sgd.c" fail "compile error (see above)"
+        return
+    fi
+    for p in float32 mixed_float16 mixed_bfloat16; do
+        acc=$("./$B/hand_sgd" $p | sed -n 's/.*"train_accuracy":\([0-9.]*\).*/\1/p')
+        if [ -n "$acc" ] && awk "BEGIN{exit !($acc >= 0.98)}"; then
+            record "examples/hand_sgd $p learns the rings (train accuracy $acc >= 0.98)" pass
+        else
+            record "examples/hand_sgd $p learns the rings" fail "train accuracy '${acc}' < 0.98"
+        fi
+    done
+}
+
 run_tests() {
     install_packages
     compile_checks
     cuda_compile_check
+    example_checks
     local t name out
     for t in tests/test_*.c; do
         name=$(basename "$t" .c)

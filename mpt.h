@@ -264,7 +264,7 @@ typedef struct mpt_gemm_desc {
     const void *b; int64_t ldb;
     float *c; int64_t ldc;
     float alpha;               /* default 0 is taken as 1 unless alpha_is_zero */
-    int alpha_is_zero;
+    int alpha_is_zero;         /* with it (or k = 0) A and B are not read  */
     float beta;                /* default 0: C is overwritten              */
     const float *bias;         /* default NULL; else n values added per row */
     mpt_activation activation; /* default none; softmax is not allowed here */
@@ -507,9 +507,10 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
 #define MPT__MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MPT__MAX(a, b) ((a) > (b) ? (a) : (b))
 #define MPT__ALIGN 64
-/* Scratch memory each pool thread owns for the length of the context (GEMM
-   packing buffers and the like), so a training step allocates nothing. */
-#define MPT__THREAD_SCRATCH_BYTES ((size_t)8 << 20)
+/* Scratch memory each pool thread owns for the length of the context, so
+   that a training step allocates nothing. The GEMM packs its panels there
+   (about 1 MiB); a caller must not keep a GEMM operand in it. */
+#define MPT__THREAD_SCRATCH_BYTES ((size_t)2 << 20)
 
 /* =============================================================================
    @impl-status
@@ -697,15 +698,27 @@ static void *mpt__pool_worker(void *p) {
     }
 }
 
+/* The pool index of the calling thread: 0 for the thread that created the
+   context (or any other), i + 1 for worker i. */
+static int mpt__pool_thread_index(const mpt__pool *pool) {
+    pthread_t self = pthread_self();
+    int i;
+    for (i = 0; i < pool->started; i++)
+        if (pthread_equal(pool->threads[i], self)) return i + 1;
+    return 0;
+}
+
 /* Runs fn(arg, task, thread) for task = 0..n_tasks-1 on the pool. */
 static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn, void *arg) {
     mpt__pool *pool = &ctx->pool;
     if (n_tasks <= 0) return;
     /* A parallel-for inside a task (a GEMM called per image, say) runs on
-       the thread that asked: the pool serves one job at a time. */
+       the thread that asked, under that thread's index, so that it uses
+       that thread's scratch: the pool serves one job at a time. */
     if (pool->started == 0 || n_tasks == 1 || pool->in_job) {
         int64_t t;
-        for (t = 0; t < n_tasks; t++) fn(arg, t, 0);
+        int self = pool->in_job ? mpt__pool_thread_index(pool) : 0;
+        for (t = 0; t < n_tasks; t++) fn(arg, t, self);
         return;
     }
     pthread_mutex_lock(&pool->mutex);
@@ -956,7 +969,7 @@ static mpt_status mpt__tensor_init(mpt_context *ctx, mpt_tensor *t, mpt_dtype dt
 
 MPTDEF mpt_status mpt_tensor_alloc(mpt_context *ctx, mpt_tensor *t, mpt_dtype dtype, int rank,
                                    const int64_t *shape) {
-    int64_t bytes;
+    int64_t bytes = 0;
     MPT__CHECK(mpt__tensor_init(ctx, t, dtype, rank, shape, &bytes));
     t->data = mpt__calloc(ctx, (size_t)bytes);
     if (!t->data)
@@ -968,7 +981,7 @@ MPTDEF mpt_status mpt_tensor_alloc(mpt_context *ctx, mpt_tensor *t, mpt_dtype dt
 
 MPTDEF mpt_status mpt_tensor_wrap(mpt_context *ctx, mpt_tensor *t, mpt_dtype dtype, int rank,
                                   const int64_t *shape, void *data) {
-    int64_t bytes;
+    int64_t bytes = 0;
     MPT__CHECK(mpt__tensor_init(ctx, t, dtype, rank, shape, &bytes));
     if (!data) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "tensor: NULL data to wrap");
     t->data = data;

@@ -115,11 +115,20 @@ static void mark_task(void *arg, int64_t task, int thread) {
 static void nested_task(void *arg, int64_t task, int thread);
 static mpt_context *nested_ctx;
 
+static int inner_thread[50];
+
+static void record_inner_thread(void *arg, int64_t task, int thread) {
+    (void)task;
+    *(int *)arg = thread;
+}
+
 static void nested_task(void *arg, int64_t task, int thread) {
     count_tasks *c = (count_tasks *)arg;
-    (void)thread;
-    /* A parallel-for inside a task runs inline on this thread. */
-    mpt__parallel_for(nested_ctx, 1, mark_task, c);
+    /* A parallel-for inside a task runs inline on this thread, under this
+       thread's index (so it uses this thread's scratch). */
+    inner_thread[task] = -1;
+    mpt__parallel_for(nested_ctx, 3, record_inner_thread, &inner_thread[task]);
+    if (inner_thread[task] != thread) c->hits[200 + task]++;
     c->hits[100 + task]++;
 }
 
@@ -135,8 +144,10 @@ static void test_parallel_for(void) {
     memset(&c, 0, sizeof c);
     nested_ctx = ctx;
     mpt__parallel_for(ctx, 50, nested_task, &c);
-    for (i = 0; i < 50; i++) CHECK(c.hits[100 + i] == 1, "nested task %d ran %d times", i, c.hits[100 + i]);
-    CHECK(c.hits[0] == 50, "inner tasks ran %d times", c.hits[0]);
+    for (i = 0; i < 50; i++) {
+        CHECK(c.hits[100 + i] == 1, "nested task %d ran %d times", i, c.hits[100 + i]);
+        CHECK(c.hits[200 + i] == 0, "nested task %d ran its inner tasks under another index", i);
+    }
     mpt_context_destroy(ctx);
 }
 

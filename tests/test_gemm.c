@@ -180,7 +180,7 @@ static void run_case(mpt_context *ctx, const gemm_case *g, float **c_out) {
     free(bias);
 }
 
-static const char *dt_name(mpt_dtype dt) { return mpt_dtype_name(dt ? dt : MPT_FLOAT32); }
+static const char *dt_name(mpt_dtype dt) { return dt ? mpt_dtype_name(dt) : "default (float32)"; }
 
 /* ---------------------------------------------------------------------------------- */
 
@@ -239,7 +239,7 @@ static void test_random_shapes(void) {
                                (long long)g.m, (long long)g.n, (long long)g.k, g.ta, g.tb);
                 }
             }
-            test__end("gemm random shapes, %s, %s (%s path)", dt_name(dts[di]), paths[pi].name,
+            test__end("gemm random shapes, %s, %s (best: %s)", dt_name(dts[di]), paths[pi].name,
                       ctx ? path_name(mpt_context_cpu_features(ctx)) : "?");
         }
         mpt_context_destroy(ctx);

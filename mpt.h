@@ -256,6 +256,9 @@ typedef enum mpt_activation {
    or bfloat16 (both the same dtype); accumulation and C are float32.
    Work is split over rows and columns of C, never over K, so the result is
    the same whatever the thread count. */
+/* "relu", "softmax", ...: the Keras name; "?" if unknown. */
+MPTDEF const char *mpt_activation_name(mpt_activation act);
+
 typedef struct mpt_gemm_desc {
     int trans_a, trans_b;      /* default 0: A is M×K, B is K×N            */
     int64_t m, n, k;
@@ -1079,7 +1082,7 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
 
 static int mpt__activation_valid(mpt_activation act) { return act >= 0 && act < MPT_ACT_COUNT_; }
 
-static const char *mpt__activation_name(mpt_activation act) {
+MPTDEF const char *mpt_activation_name(mpt_activation act) {
     static const char *names[] = {"linear", "relu", "gelu", "sigmoid", "tanh", "softmax"};
     return mpt__activation_valid(act) ? names[act] : "?";
 }

@@ -61,12 +61,12 @@ static void test__run(const char *name, void (*fn)(void)) {
 #define TEST_RUN(fn) test__run(#fn, fn)
 
 /* For tests that loop over cases: run a case under its own name. */
-static void test__begin(void) {
+static inline void test__begin(void) {
     test__current_failed = 0;
     test__skip_reason = NULL;
     test__why[0] = 0;
 }
-static void test__end(const char *fmt, ...) {
+static inline void test__end(const char *fmt, ...) {
     char name[256];
     va_list ap;
     va_start(ap, fmt);

@@ -59,7 +59,7 @@ static void check_dense(int64_t batch, int64_t in, int64_t units, mpt_activation
     d.act = act;
     d.bias = bias;
     snprintf(label, sizeof label, "dense B=%lld in=%lld units=%lld %s%s %s", (long long)batch,
-             (long long)in, (long long)units, mpt__activation_name(act), bias ? "" : " no-bias",
+             (long long)in, (long long)units, mpt_activation_name(act), bias ? "" : " no-bias",
              mpt_dtype_name(dtype));
     CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {in}, .input_rank = 1, .seed = 7},
                            &m) == MPT_OK, "create");
@@ -132,7 +132,7 @@ static void test_flatten_activation_gradients(void) {
         c.user = &d;
         gc_check(ctx, &c, "flatten+dense+activation");
         mpt_model_destroy(m);
-        test__end("gradcheck flatten -> dense -> activation(%s)", mpt__activation_name(acts[a]));
+        test__end("gradcheck flatten -> dense -> activation(%s)", mpt_activation_name(acts[a]));
     }
 }
 

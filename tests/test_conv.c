@@ -1,0 +1,1016 @@
+/* Conv2D, MaxPooling2D, AveragePooling2D and GlobalAveragePooling2D:
+   gradients against finite differences of plain double-precision loops,
+   known answers worked by hand, output shapes against TensorFlow's
+   formulas, bad input, and bit-identical results on 1, 2 or 3 threads. */
+
+/* A small im2col budget, so that most batches are cut into several chunks
+   (and the kernel gradient is summed over chunks) even at test sizes. */
+#define MPT__CONV_COLS_BUDGET 300
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "gradcheck.h"
+
+static mpt_context *ctx;
+
+/* ---- the reference: naive loops in double ----------------------------------- */
+
+static double ref_act(mpt_activation act, double z) {
+    switch (act) {
+    case MPT_ACT_RELU: return z > 0 ? z : 0;
+    case MPT_ACT_GELU: return 0.5 * z * (1 + erf(z / sqrt(2.0)));
+    case MPT_ACT_SIGMOID: return 1 / (1 + exp(-z));
+    case MPT_ACT_TANH: return tanh(z);
+    default: return z;
+    }
+}
+
+/* Softmax over each row of y (rows × cols), in place. */
+static void ref_softmax_rows(double *y, int64_t rows, int64_t cols) {
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        double mx = y[r * cols], s = 0;
+        for (c = 1; c < cols; c++) mx = y[r * cols + c] > mx ? y[r * cols + c] : mx;
+        for (c = 0; c < cols; c++) s += (y[r * cols + c] = exp(y[r * cols + c] - mx));
+        for (c = 0; c < cols; c++) y[r * cols + c] /= s;
+    }
+}
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* TensorFlow's documented output size and padding before the first pixel:
+   valid: ceil((in − k + 1) / s);  same: ceil(in / s), padded by
+   max((out − 1)·s + k − in, 0), the smaller half first. */
+static int64_t tf_out(int64_t in, int64_t k, int64_t s, mpt_padding pad, int64_t *before) {
+    int64_t out, total;
+    *before = 0;
+    if (pad == MPT_PADDING_VALID) return in >= k ? ceil_div(in - k + 1, s) : 0;
+    out = ceil_div(in, s);
+    total = (out - 1) * s + k - in;
+    if (total < 0) total = 0;
+    *before = total / 2;
+    return out;
+}
+
+/* One window layer: input (h, w, c), window kh × kw, strides, padding. */
+typedef struct geom {
+    int64_t h, w, c, kh, kw, sh, sw;
+    mpt_padding pad;
+} geom;
+
+static void geom_out(const geom *g, int64_t *oh, int64_t *ow, int64_t *top, int64_t *left) {
+    *oh = tf_out(g->h, g->kh, g->sh, g->pad, top);
+    *ow = tf_out(g->w, g->kw, g->sw, g->pad, left);
+}
+
+/* y (batch, oh, ow, f) = act(conv(x, kernel) + bias); kernel (kh, kw, c, f). */
+static void ref_conv(const geom *g, int64_t f, mpt_activation act, int64_t batch, const double *x,
+                     const double *kernel, const double *bias, double *y) {
+    int64_t oh, ow, top, left, b, oy, ox, o, i, j, ch;
+    geom_out(g, &oh, &ow, &top, &left);
+    for (b = 0; b < batch; b++)
+        for (oy = 0; oy < oh; oy++)
+            for (ox = 0; ox < ow; ox++) {
+                double *out = y + ((b * oh + oy) * ow + ox) * f;
+                for (o = 0; o < f; o++) {
+                    double z = bias ? bias[o] : 0;
+                    for (i = 0; i < g->kh; i++)
+                        for (j = 0; j < g->kw; j++) {
+                            int64_t yy = oy * g->sh - top + i, xx = ox * g->sw - left + j;
+                            if (yy < 0 || yy >= g->h || xx < 0 || xx >= g->w) continue;
+                            for (ch = 0; ch < g->c; ch++)
+                                z += x[((b * g->h + yy) * g->w + xx) * g->c + ch] *
+                                     kernel[((i * g->kw + j) * g->c + ch) * f + o];
+                        }
+                    out[o] = ref_act(act, z);
+                }
+                if (act == MPT_ACT_SOFTMAX) ref_softmax_rows(out, 1, f);
+            }
+}
+
+/* Max (first largest wins) or mean of the pixels of each window inside the
+   image; y (batch, oh, ow, c). */
+static void ref_pool(const geom *g, int is_max, int64_t batch, const double *x, double *y) {
+    int64_t oh, ow, top, left, b, oy, ox, ch, i, j;
+    geom_out(g, &oh, &ow, &top, &left);
+    for (b = 0; b < batch; b++)
+        for (oy = 0; oy < oh; oy++)
+            for (ox = 0; ox < ow; ox++)
+                for (ch = 0; ch < g->c; ch++) {
+                    double best = -HUGE_VAL, sum = 0;
+                    int n = 0;
+                    for (i = 0; i < g->kh; i++)
+                        for (j = 0; j < g->kw; j++) {
+                            int64_t yy = oy * g->sh - top + i, xx = ox * g->sw - left + j;
+                            double v;
+                            if (yy < 0 || yy >= g->h || xx < 0 || xx >= g->w) continue;
+                            v = x[((b * g->h + yy) * g->w + xx) * g->c + ch];
+                            if (v > best) best = v;
+                            sum += v;
+                            n++;
+                        }
+                    y[((b * oh + oy) * ow + ox) * g->c + ch] = is_max ? best : sum / n;
+                }
+}
+
+/* ---- gradient checks of single layers ---------------------------------------- */
+
+typedef struct layer_ref {
+    geom g;
+    int64_t f;
+    mpt_activation act;
+    int bias;
+    int kind; /* 0 conv, 1 max pool, 2 average pool, 3 global average pool */
+} layer_ref;
+
+static void layer_forward_ref(const gc_case *c, const double *x, double *const *params,
+                              double *y) {
+    const layer_ref *d = (const layer_ref *)c->user;
+    if (d->kind == 0) {
+        ref_conv(&d->g, d->f, d->act, c->batch, x, params[0], d->bias ? params[1] : NULL, y);
+    } else if (d->kind == 3) {
+        geom whole = d->g;
+        whole.kh = whole.sh = d->g.h;
+        whole.kw = whole.sw = d->g.w;
+        whole.pad = MPT_PADDING_VALID;
+        ref_pool(&whole, 0, c->batch, x, y);
+    } else {
+        ref_pool(&d->g, d->kind == 1, c->batch, x, y);
+    }
+}
+
+static const char *pad_name(mpt_padding p) { return p == MPT_PADDING_SAME ? "same" : "valid"; }
+
+static void add_layer(mpt_model *m, const layer_ref *d, mpt_dtype dtype) {
+    mpt_status s = MPT_OK;
+    if (d->kind == 0) {
+        s = mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+            .filters = d->f, .kernel_size = {d->g.kh, d->g.kw}, .strides = {d->g.sh, d->g.sw},
+            .padding = d->g.pad, .activation = d->act, .no_bias = !d->bias, .dtype = dtype});
+    } else if (d->kind == 3) {
+        s = mpt_model_add_global_average_pooling2d(m, &(mpt_flatten_desc){.dtype = dtype});
+    } else {
+        mpt_pool2d_desc p;
+        memset(&p, 0, sizeof p);
+        p.pool_size[0] = d->g.kh;
+        p.pool_size[1] = d->g.kw;
+        p.strides[0] = d->g.sh;
+        p.strides[1] = d->g.sw;
+        p.padding = d->g.pad;
+        p.dtype = dtype;
+        s = d->kind == 1 ? mpt_model_add_max_pooling2d(m, &p)
+                         : mpt_model_add_average_pooling2d(m, &p);
+    }
+    CHECK(s == MPT_OK, "add: %s", mpt_context_error(ctx));
+}
+
+static void check_layer(int64_t batch, layer_ref d, mpt_dtype dtype) {
+    static const char *kinds[] = {"conv2d", "max_pool", "avg_pool", "global_avg_pool"};
+    mpt_model *m;
+    gc_case c;
+    char label[200];
+    test__begin();
+    if (d.kind == 0)
+        snprintf(label, sizeof label,
+                 "conv2d B=%lld in=(%lld,%lld,%lld) f=%lld k=(%lld,%lld) s=(%lld,%lld) %s %s%s %s",
+                 (long long)batch, (long long)d.g.h, (long long)d.g.w, (long long)d.g.c,
+                 (long long)d.f, (long long)d.g.kh, (long long)d.g.kw, (long long)d.g.sh,
+                 (long long)d.g.sw, pad_name(d.g.pad), mpt_activation_name(d.act),
+                 d.bias ? "" : " no-bias", mpt_dtype_name(dtype));
+    else if (d.kind == 3)
+        snprintf(label, sizeof label, "%s B=%lld in=(%lld,%lld,%lld) %s", kinds[d.kind],
+                 (long long)batch, (long long)d.g.h, (long long)d.g.w, (long long)d.g.c,
+                 mpt_dtype_name(dtype));
+    else
+        snprintf(label, sizeof label, "%s B=%lld in=(%lld,%lld,%lld) k=(%lld,%lld) s=(%lld,%lld) %s %s",
+                 kinds[d.kind], (long long)batch, (long long)d.g.h, (long long)d.g.w,
+                 (long long)d.g.c, (long long)d.g.kh, (long long)d.g.kw, (long long)d.g.sh,
+                 (long long)d.g.sw, pad_name(d.g.pad), mpt_dtype_name(dtype));
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {d.g.h, d.g.w, d.g.c},
+                                                  .input_rank = 3, .seed = 5}, &m) == MPT_OK,
+          "create");
+    add_layer(m, &d, dtype);
+    CHECK(mpt_model_build(m, batch + 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    memset(&c, 0, sizeof c);
+    c.model = m;
+    c.batch = batch;
+    c.training = 1;
+    c.ref_forward = layer_forward_ref;
+    c.user = &d;
+    if (!test__current_failed) gc_check(ctx, &c, label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+static layer_ref conv_case(int64_t h, int64_t w, int64_t c, int64_t f, int64_t kh, int64_t kw,
+                           int64_t sh, int64_t sw, mpt_padding pad, mpt_activation act, int bias) {
+    layer_ref d;
+    memset(&d, 0, sizeof d);
+    d.g.h = h, d.g.w = w, d.g.c = c, d.g.kh = kh, d.g.kw = kw, d.g.sh = sh, d.g.sw = sw;
+    d.g.pad = pad;
+    d.f = f;
+    d.act = act;
+    d.bias = bias;
+    return d;
+}
+
+static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                      MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_SOFTMAX};
+
+/* A random window that fits the image (for 'valid') or not (for 'same'). */
+static void random_geom(geom *g, int max_side, int max_c, int max_k) {
+    g->h = test_randint(1, max_side);
+    g->w = test_randint(1, max_side);
+    g->c = test_randint(1, max_c);
+    g->pad = test_randint(0, 1) ? MPT_PADDING_SAME : MPT_PADDING_VALID;
+    g->kh = test_randint(1, g->pad == MPT_PADDING_VALID ? (int)MPT__MIN(max_k, g->h) : max_k);
+    g->kw = test_randint(1, g->pad == MPT_PADDING_VALID ? (int)MPT__MIN(max_k, g->w) : max_k);
+    g->sh = test_randint(1, 3);
+    g->sw = test_randint(1, 3);
+}
+
+static void test_conv_gradients(void) {
+    int a, t, k;
+    /* every activation in every dtype, a rectangular kernel, strides (1, 2) */
+    for (t = 0; t < 3; t++)
+        for (a = 0; a < 6; a++)
+            check_layer(3, conv_case(6, 5, 3, 4, 3, 2, 1, 2, (a & 1) ? MPT_PADDING_SAME
+                                                                     : MPT_PADDING_VALID,
+                                     acts[a], 1), dtypes[t]);
+    /* 1×1 kernels: stride 1 (no im2col), stride 2 (im2col) */
+    for (t = 0; t < 3; t++) {
+        check_layer(4, conv_case(5, 3, 5, 3, 1, 1, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 1),
+                    dtypes[t]);
+        check_layer(2, conv_case(5, 4, 3, 2, 1, 1, 2, 2, MPT_PADDING_SAME, MPT_ACT_TANH, 0),
+                    dtypes[t]);
+    }
+    /* stride 3, a kernel larger than the image under 'same', batch 1 */
+    check_layer(1, conv_case(7, 7, 2, 3, 3, 3, 3, 3, MPT_PADDING_SAME, MPT_ACT_NONE, 1),
+                MPT_FLOAT32);
+    check_layer(2, conv_case(2, 3, 2, 3, 4, 5, 1, 2, MPT_PADDING_SAME, MPT_ACT_SIGMOID, 1),
+                MPT_FLOAT32);
+    check_layer(5, conv_case(4, 4, 1, 9, 4, 4, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 1),
+                MPT_FLOAT16);
+    /* larger: the CNN's 3×3 'valid' and 'same' layers, 8+ channels */
+    check_layer(2, conv_case(9, 8, 9, 10, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1),
+                MPT_FLOAT32);
+    check_layer(3, conv_case(10, 9, 8, 12, 3, 3, 2, 2, MPT_PADDING_SAME, MPT_ACT_TANH, 1),
+                MPT_BFLOAT16);
+    /* random shapes: odd sizes, channels not multiples of 8 */
+    for (k = 0; k < 14; k++) {
+        layer_ref d;
+        memset(&d, 0, sizeof d);
+        random_geom(&d.g, 7, 5, 4);
+        d.f = test_randint(1, 6);
+        d.act = acts[test_randint(0, 5)];
+        d.bias = k % 4 != 3;
+        check_layer(k < 3 ? 1 : test_randint(1, 4), d, dtypes[k % 3]);
+    }
+}
+
+static void test_pool_gradients(void) {
+    int t, k, kind;
+    for (t = 0; t < 3; t++) {
+        /* average pooling: 'same' windows cut by the border, overlapping windows */
+        layer_ref d = conv_case(7, 5, 3, 0, 3, 2, 2, 1, MPT_PADDING_SAME, MPT_ACT_NONE, 0);
+        d.kind = 2;
+        check_layer(3, d, dtypes[t]);
+        d = conv_case(6, 6, 10, 0, 2, 2, 2, 2, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
+        d.kind = 2;
+        check_layer(1, d, dtypes[t]);
+        d = conv_case(5, 3, 9, 0, 0, 0, 0, 0, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
+        d.kind = 3;
+        check_layer(2, d, dtypes[t]);
+    }
+    /* Max pooling by finite differences in float32 only: random float32
+       inputs are distinct (near-ties have probability ~1e-6). The half
+       dtypes round inputs into many exact ties; test_max_pool_exact covers
+       them with the exact gradient. */
+    for (k = 0; k < 8; k++) {
+        layer_ref d;
+        memset(&d, 0, sizeof d);
+        random_geom(&d.g, 8, 4, 3);
+        kind = k < 5 ? 1 : 2;
+        d.kind = kind;
+        check_layer(test_randint(1, 3), d, kind == 1 ? MPT_FLOAT32 : dtypes[k % 3]);
+    }
+}
+
+/* Max pooling's exact gradient in each dtype: dy goes to the first largest
+   pixel of each window (TF's choice among ties), added where windows overlap.
+   bfloat16 inputs in [-1, 1) hold many exact ties. */
+static void check_max_pool_exact(int64_t batch, geom g, mpt_dtype dtype) {
+    mpt_model *m;
+    mpt_pool2d_desc p;
+    int64_t oh, ow, top, left, n_in = batch * g.h * g.w * g.c, n_out, i, b, oy, ox, ch, u, v;
+    int64_t xs[4];
+    float *xf, *dyf, *got;
+    double *x, *dx_ref, *dx_lib, *y_ref;
+    mpt_tensor tx, ty, tdy, tdx;
+    test__begin();
+    geom_out(&g, &oh, &ow, &top, &left);
+    n_out = batch * oh * ow * g.c;
+    memset(&p, 0, sizeof p);
+    p.pool_size[0] = g.kh, p.pool_size[1] = g.kw, p.strides[0] = g.sh, p.strides[1] = g.sw;
+    p.padding = g.pad;
+    p.dtype = dtype;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {g.h, g.w, g.c}, .input_rank = 3}, &m);
+    CHECK(mpt_model_add_max_pooling2d(m, &p) == MPT_OK, "add");
+    CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    xf = (float *)calloc((size_t)n_in, sizeof(float));
+    got = (float *)calloc((size_t)(n_in > n_out ? n_in : n_out), sizeof(float));
+    dyf = (float *)calloc((size_t)n_out, sizeof(float));
+    x = (double *)calloc((size_t)n_in, sizeof(double));
+    dx_ref = (double *)calloc((size_t)n_in, sizeof(double));
+    dx_lib = (double *)calloc((size_t)n_in, sizeof(double));
+    y_ref = (double *)calloc((size_t)n_out, sizeof(double));
+    for (i = 0; i < n_in; i++) xf[i] = (float)(x[i] = gc_round(dtype, test_uniform(-1, 1)));
+    for (i = 0; i < n_out; i++) dyf[i] = (float)gc_round(dtype, test_uniform(-1, 1));
+    xs[0] = batch, xs[1] = g.h, xs[2] = g.w, xs[3] = g.c;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, xf);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+    mpt_convert(ctx, MPT_FLOAT32, got, dtype, ty.data, n_out);
+    ref_pool(&g, 1, batch, x, y_ref);
+    for (i = 0; i < n_out; i++) CHECK(got[i] == y_ref[i], "y[%lld] %g != %g", (long long)i, got[i], y_ref[i]);
+    /* the reference gradient: first maximum of each window, in scan order */
+    for (b = 0; b < batch; b++)
+        for (oy = 0; oy < oh; oy++)
+            for (ox = 0; ox < ow; ox++)
+                for (ch = 0; ch < g.c; ch++) {
+                    int64_t at = -1;
+                    for (u = 0; u < g.kh; u++)
+                        for (v = 0; v < g.kw; v++) {
+                            int64_t yy = oy * g.sh - top + u, xx = ox * g.sw - left + v, k;
+                            if (yy < 0 || yy >= g.h || xx < 0 || xx >= g.w) continue;
+                            k = ((b * g.h + yy) * g.w + xx) * g.c + ch;
+                            if (at < 0 || x[k] > x[at]) at = k;
+                        }
+                    dx_ref[at] += dyf[((b * oh + oy) * ow + ox) * g.c + ch];
+                }
+    tdy = ty;
+    tdy.dtype = MPT_FLOAT32;
+    tdy.data = dyf;
+    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+    mpt_convert(ctx, MPT_FLOAT32, got, dtype, tdx.data, n_in);
+    for (i = 0; i < n_in; i++) dx_lib[i] = got[i];
+    {
+        double e = gc_rel_err(dx_lib, dx_ref, n_in);
+        double tol = dtype == MPT_FLOAT32 ? 1e-6 : dtype == MPT_FLOAT16 ? 1e-3 : 8e-3;
+        CHECK(e <= tol, "dx relative error %.3g > %.3g", e, tol);
+    }
+    free(xf); free(got); free(dyf); free(x); free(dx_ref); free(dx_lib); free(y_ref);
+    mpt_model_destroy(m);
+    test__end("max_pool exact B=%lld in=(%lld,%lld,%lld) k=(%lld,%lld) s=(%lld,%lld) %s %s",
+              (long long)batch, (long long)g.h, (long long)g.w, (long long)g.c,
+              (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.sw,
+              pad_name(g.pad), mpt_dtype_name(dtype));
+}
+
+static void test_max_pool_exact(void) {
+    int t, k;
+    for (t = 0; t < 3; t++) {
+        geom a = {9, 7, 5, 3, 3, 2, 2, MPT_PADDING_SAME};  /* overlapping windows */
+        geom b = {8, 8, 16, 2, 2, 2, 2, MPT_PADDING_VALID}; /* the CNN's pooling */
+        check_max_pool_exact(3, a, dtypes[t]);
+        check_max_pool_exact(2, b, dtypes[t]);
+        for (k = 0; k < 3; k++) {
+            geom g;
+            random_geom(&g, 9, 6, 4);
+            check_max_pool_exact(test_randint(1, 3), g, dtypes[t]);
+        }
+    }
+}
+
+/* ---- a chain: Conv2D -> MaxPooling2D -> Flatten -> Dense ------------------------ */
+
+typedef struct chain_ref {
+    geom conv, pool;
+    int64_t f, units;
+    mpt_activation act;
+} chain_ref;
+
+static void chain_forward_ref(const gc_case *c, const double *x, double *const *params,
+                              double *y) {
+    const chain_ref *d = (const chain_ref *)c->user;
+    int64_t oh, ow, ph, pw, t, l, b, u, i, n_flat;
+    double *h1, *h2;
+    geom_out(&d->conv, &oh, &ow, &t, &l);
+    geom_out(&d->pool, &ph, &pw, &t, &l);
+    n_flat = ph * pw * d->f;
+    h1 = (double *)malloc(sizeof(double) * (size_t)(c->batch * oh * ow * d->f));
+    h2 = (double *)malloc(sizeof(double) * (size_t)(c->batch * n_flat));
+    ref_conv(&d->conv, d->f, d->act, c->batch, x, params[0], params[1], h1);
+    ref_pool(&d->pool, 1, c->batch, h1, h2);
+    for (b = 0; b < c->batch; b++)
+        for (u = 0; u < d->units; u++) {
+            double z = params[3][u];
+            for (i = 0; i < n_flat; i++) z += h2[b * n_flat + i] * params[2][i * d->units + u];
+            y[b * d->units + u] = z;
+        }
+    free(h1);
+    free(h2);
+}
+
+static void test_chain_gradients(void) {
+    int k;
+    for (k = 0; k < 3; k++) {
+        mpt_model *m;
+        gc_case c;
+        chain_ref d;
+        int64_t oh, ow, t, l;
+        memset(&d, 0, sizeof d);
+        d.conv.h = 7 + k, d.conv.w = 6, d.conv.c = 2 + k;
+        d.conv.kh = 3, d.conv.kw = 2 + k % 2, d.conv.sh = 1, d.conv.sw = 1 + k % 2;
+        d.conv.pad = k == 1 ? MPT_PADDING_VALID : MPT_PADDING_SAME;
+        d.f = 3 + k;
+        d.act = k == 2 ? MPT_ACT_GELU : MPT_ACT_TANH;
+        geom_out(&d.conv, &oh, &ow, &t, &l);
+        d.pool.h = oh, d.pool.w = ow, d.pool.c = d.f;
+        d.pool.kh = d.pool.kw = d.pool.sh = d.pool.sw = 2;
+        d.pool.pad = k == 0 ? MPT_PADDING_SAME : MPT_PADDING_VALID;
+        d.units = 4;
+        test__begin();
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {d.conv.h, d.conv.w, d.conv.c},
+                                                .input_rank = 3}, &m);
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+            .filters = d.f, .kernel_size = {d.conv.kh, d.conv.kw},
+            .strides = {d.conv.sh, d.conv.sw}, .padding = d.conv.pad, .activation = d.act});
+        mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.padding = d.pool.pad});
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = d.units});
+        CHECK(mpt_model_build(m, 3) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        memset(&c, 0, sizeof c);
+        c.model = m;
+        c.batch = 3;
+        c.training = 1;
+        c.ref_forward = chain_forward_ref;
+        c.user = &d;
+        gc_check(ctx, &c, "conv2d -> max_pool -> flatten -> dense");
+        mpt_model_destroy(m);
+        test__end("gradcheck conv2d(%s, %s) -> max_pool(%s) -> flatten -> dense",
+                  pad_name(d.conv.pad), mpt_activation_name(d.act), pad_name(d.pool.pad));
+    }
+}
+
+/* Two Conv2D layers in float16 around an average pooling, ending in a
+   global average pooling: input gradients through every pooling kind in
+   a half dtype. */
+typedef struct half_chain_ref {
+    geom c1, pool, c2;
+    int64_t f1, f2;
+} half_chain_ref;
+
+static void half_chain_forward_ref(const gc_case *c, const double *x, double *const *params,
+                                   double *y) {
+    const half_chain_ref *d = (const half_chain_ref *)c->user;
+    int64_t h, w, t, l, ph, pw, oh, ow;
+    double *a, *b, *e;
+    geom whole;
+    geom_out(&d->c1, &h, &w, &t, &l);
+    geom_out(&d->pool, &ph, &pw, &t, &l);
+    geom_out(&d->c2, &oh, &ow, &t, &l);
+    a = (double *)malloc(sizeof(double) * (size_t)(c->batch * h * w * d->f1));
+    b = (double *)malloc(sizeof(double) * (size_t)(c->batch * ph * pw * d->f1));
+    e = (double *)malloc(sizeof(double) * (size_t)(c->batch * oh * ow * d->f2));
+    ref_conv(&d->c1, d->f1, MPT_ACT_TANH, c->batch, x, params[0], params[1], a);
+    ref_pool(&d->pool, 0, c->batch, a, b);
+    ref_conv(&d->c2, d->f2, MPT_ACT_SIGMOID, c->batch, b, params[2], params[3], e);
+    whole = d->c2;
+    whole.h = whole.kh = whole.sh = oh;
+    whole.w = whole.kw = whole.sw = ow;
+    whole.c = d->f2;
+    whole.pad = MPT_PADDING_VALID;
+    ref_pool(&whole, 0, c->batch, e, y);
+    free(a);
+    free(b);
+    free(e);
+}
+
+static void test_half_chain_gradients(void) {
+    int t;
+    for (t = 1; t < 3; t++) {
+        mpt_model *m;
+        gc_case c;
+        half_chain_ref d = {{7, 6, 2, 3, 3, 1, 1, MPT_PADDING_SAME},
+                            {7, 6, 5, 2, 2, 2, 2, MPT_PADDING_SAME},
+                            {4, 3, 5, 2, 2, 1, 1, MPT_PADDING_VALID}, 5, 3};
+        test__begin();
+        mpt_model_create(ctx, &(mpt_model_desc){
+            .input_shape = {7, 6, 2}, .input_rank = 3,
+            .policy = t == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_MIXED_BFLOAT16}, &m);
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {3, 3},
+                                                   .padding = MPT_PADDING_SAME,
+                                                   .activation = MPT_ACT_TANH});
+        mpt_model_add_average_pooling2d(m, &(mpt_pool2d_desc){.padding = MPT_PADDING_SAME});
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 3, .kernel_size = {2, 2},
+                                                   .activation = MPT_ACT_SIGMOID});
+        mpt_model_add_global_average_pooling2d(m, NULL);
+        CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        memset(&c, 0, sizeof c);
+        c.model = m;
+        c.batch = 2;
+        c.training = 1;
+        c.ref_forward = half_chain_forward_ref;
+        c.user = &d;
+        gc_check(ctx, &c, "half chain");
+        mpt_model_destroy(m);
+        test__end("gradcheck conv2d -> avg_pool -> conv2d -> global_avg_pool %s",
+                  mpt_dtype_name(dtypes[t]));
+    }
+}
+
+/* ---- known answers ------------------------------------------------------------- */
+
+/* Runs a built one-layer model on x (1, h, w, 1) and backward with dy;
+   returns the model (for its parameters) with y and dx copied out. */
+static mpt_model *run_one(mpt_model *m, const float *x, int64_t h, int64_t w, const float *dy,
+                          float *y, float *dx) {
+    int64_t xs[4] = {1, h, w, 1};
+    mpt_tensor tx, ty, tdy, tdx;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, (void *)x);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+    memcpy(y, ty.data, sizeof(float) * (size_t)mpt_tensor_count(&ty));
+    tdy = ty;
+    tdy.data = (void *)dy;
+    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+    memcpy(dx, tdx.data, sizeof(float) * (size_t)(h * w));
+    return m;
+}
+
+static int same_floats(const float *a, const float *b, int n) {
+    int i;
+    for (i = 0; i < n; i++)
+        if (a[i] != b[i]) return 0;
+    return 1;
+}
+
+/* x = [[1,2,3],[4,5,6],[7,8,9]], kernel [[1,2],[3,4]], bias 0.5. */
+static mpt_model *conv_3x3(mpt_padding pad, int64_t stride) {
+    mpt_model *m;
+    mpt_param_info k, b;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 3, 1}, .input_rank = 3}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 1, .kernel_size = {2, 2},
+                                               .strides = {stride, stride}, .padding = pad});
+    CHECK(mpt_model_build(m, 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_model_param(m, 0, &k);
+    mpt_model_param(m, 1, &b);
+    CHECK(strcmp(k.name, "conv2d/kernel") == 0 && strcmp(b.name, "conv2d/bias") == 0,
+          "names %s %s", k.name, b.name);
+    CHECK(k.value.rank == 4 && k.value.shape[0] == 2 && k.value.shape[1] == 2 &&
+          k.value.shape[2] == 1 && k.value.shape[3] == 1, "kernel shape");
+    {
+        float kv[4] = {1, 2, 3, 4};
+        memcpy(k.value.data, kv, sizeof kv);
+        ((float *)b.value.data)[0] = 0.5f;
+    }
+    mpt_model_refresh_weights(m);
+    return m;
+}
+
+static void test_conv_known_answer(void) {
+    const float x[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9}, ones[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+    float y[9], dx[9];
+    mpt_param_info k, b;
+    mpt_model *m = conv_3x3(MPT_PADDING_VALID, 1);
+    {   /* valid: 2×2 outputs; dy = 1 gives dkernel = window sums, dx = kernel overlaps */
+        const float want_y[4] = {37.5f, 47.5f, 67.5f, 77.5f}, want_dk[4] = {12, 16, 24, 28};
+        const float want_dx[9] = {1, 3, 2, 4, 10, 6, 3, 7, 4};
+        int64_t xs[4] = {1, 3, 3, 1};
+        mpt_tensor tx, ty, tdy, tdx;
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, (void *)x);
+        CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+        CHECK(ty.rank == 4 && ty.shape[1] == 2 && ty.shape[2] == 2 && ty.shape[3] == 1, "shape");
+        CHECK(same_floats((const float *)ty.data, want_y, 4), "valid y");
+        tdy = ty;
+        tdy.data = (void *)ones;
+        CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+        /* twice: gradients are overwritten, not accumulated */
+        CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+        mpt_model_param(m, 0, &k);
+        mpt_model_param(m, 1, &b);
+        CHECK(same_floats((const float *)k.grad.data, want_dk, 4), "dkernel");
+        CHECK(((float *)b.grad.data)[0] == 4, "dbias %g", ((float *)b.grad.data)[0]);
+        CHECK(same_floats((const float *)tdx.data, want_dx, 9), "dx");
+    }
+    mpt_model_destroy(m);
+    {   /* same, stride 1: padded by one row and column at the bottom/right */
+        const float want[9] = {37.5f, 47.5f, 21.5f, 67.5f, 77.5f, 33.5f, 23.5f, 26.5f, 9.5f};
+        m = run_one(conv_3x3(MPT_PADDING_SAME, 1), x, 3, 3, ones, y, dx);
+        CHECK(same_floats(y, want, 9), "same y = %g %g %g / %g %g %g / %g %g %g", y[0], y[1],
+              y[2], y[3], y[4], y[5], y[6], y[7], y[8]);
+        mpt_model_destroy(m);
+    }
+    {   /* same, stride 2: 2×2 outputs from windows at rows/columns 0 and 2 */
+        const float want[4] = {37.5f, 21.5f, 23.5f, 9.5f}, want_dx[9] = {1, 2, 1, 3, 4, 3, 1, 2, 1};
+        m = run_one(conv_3x3(MPT_PADDING_SAME, 2), x, 3, 3, ones, y, dx);
+        CHECK(same_floats(y, want, 4), "same/2 y = %g %g %g %g", y[0], y[1], y[2], y[3]);
+        CHECK(same_floats(dx, want_dx, 9), "same/2 dx");
+        mpt_model_destroy(m);
+    }
+}
+
+/* x (4×4):  1 3 2 0     with ties: 3 twice in the first window, 4 twice in
+             3 1 0 2     the third, 5 twice in the last.
+             4 4 5 1
+             0 6 1 5 */
+static const float pool_x[16] = {1, 3, 2, 0, 3, 1, 0, 2, 4, 4, 5, 1, 0, 6, 1, 5};
+
+static mpt_model *pool_model(int is_max, int64_t k, int64_t s, mpt_padding pad) {
+    mpt_model *m;
+    mpt_pool2d_desc d;
+    memset(&d, 0, sizeof d);
+    d.pool_size[0] = d.pool_size[1] = k;
+    d.strides[0] = d.strides[1] = s;
+    d.padding = pad;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4, 4, 1}, .input_rank = 3}, &m);
+    if (is_max)
+        mpt_model_add_max_pooling2d(m, &d);
+    else
+        mpt_model_add_average_pooling2d(m, &d);
+    CHECK(mpt_model_build(m, 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+static void test_pool_known_answer(void) {
+    const float dy[4] = {1, 2, 3, 4};
+    float y[4], dx[16];
+    mpt_model *m;
+    {   /* max 2×2 (the defaults): the first 3 of the tie wins */
+        const float want_y[4] = {3, 2, 6, 5};
+        const float want_dx[16] = {0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 3, 0, 0};
+        m = run_one(pool_model(1, 0, 0, MPT_PADDING_VALID), pool_x, 4, 4, dy, y, dx);
+        CHECK(same_floats(y, want_y, 4), "max y = %g %g %g %g", y[0], y[1], y[2], y[3]);
+        CHECK(same_floats(dx, want_dx, 16), "max dx");
+        mpt_model_destroy(m);
+    }
+    {   /* max 3×3, stride 2, same: one padded row/column at the bottom/right;
+           three windows share the 5 at (2, 2), whose gradients add up */
+        const float want_y[4] = {5, 5, 6, 5};
+        const float want_dx[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 3, 0, 0};
+        m = run_one(pool_model(1, 3, 2, MPT_PADDING_SAME), pool_x, 4, 4, dy, y, dx);
+        CHECK(same_floats(y, want_y, 4), "max same y = %g %g %g %g", y[0], y[1], y[2], y[3]);
+        CHECK(same_floats(dx, want_dx, 16), "max same dx");
+        mpt_model_destroy(m);
+    }
+    {   /* a NaN wins its window (so that it reaches the loss); a number elsewhere */
+        float xn[16];
+        memcpy(xn, pool_x, sizeof xn);
+        xn[5] = NAN;
+        m = run_one(pool_model(1, 0, 0, MPT_PADDING_VALID), xn, 4, 4, dy, y, dx);
+        CHECK(y[0] != y[0] && y[1] == 2 && y[2] == 6 && y[3] == 5, "max NaN y = %g %g %g %g",
+              y[0], y[1], y[2], y[3]);
+        CHECK(dx[5] == 1 && dx[1] == 0, "max NaN dx");
+        mpt_model_destroy(m);
+    }
+    {   /* average 2×2 */
+        const float want_y[4] = {2, 1, 3.5f, 3};
+        m = run_one(pool_model(0, 2, 2, MPT_PADDING_VALID), pool_x, 4, 4, dy, y, dx);
+        CHECK(same_floats(y, want_y, 4), "avg y = %g %g %g %g", y[0], y[1], y[2], y[3]);
+        CHECK(dx[0] == 0.25f && dx[3] == 0.5f && dx[12] == 0.75f && dx[15] == 1, "avg dx");
+        mpt_model_destroy(m);
+    }
+    {   /* average 3×3, stride 2, same: padding is not counted (23/9, 10/6, 20/6, 12/4) */
+        m = run_one(pool_model(0, 3, 2, MPT_PADDING_SAME), pool_x, 4, 4, dy, y, dx);
+        CHECK(fabs(y[0] - 23.0 / 9) < 1e-6 && fabs(y[1] - 10.0 / 6) < 1e-6 &&
+                  fabs(y[2] - 20.0 / 6) < 1e-6 && y[3] == 3,
+              "avg same y = %g %g %g %g", y[0], y[1], y[2], y[3]);
+        /* pixel (2, 2) is in all four windows: 1/9 + 2/6 + 3/6 + 4/4 */
+        CHECK(fabs(dx[10] - (1.0 / 9 + 2.0 / 6 + 3.0 / 6 + 1)) < 1e-6, "avg same dx %g", dx[10]);
+        CHECK(fabs(dx[0] - 1.0 / 9) < 1e-7 && fabs(dx[15] - 1) < 1e-7, "avg same dx corners");
+        mpt_model_destroy(m);
+    }
+    {   /* global average: (1, 4, 4, 1) -> (1, 1), mean 38 / 16 */
+        int64_t xs[4] = {1, 4, 4, 1}, os[1];
+        mpt_tensor tx, ty;
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4, 4, 1}, .input_rank = 3}, &m);
+        mpt_model_add_global_average_pooling2d(m, NULL);
+        CHECK(mpt_model_build(m, 1) == MPT_OK, "build");
+        CHECK(mpt_model_layer_output_shape(m, 0, os) == 1 && os[0] == 1, "global shape");
+        CHECK(strcmp(mpt_model_layer_name(m, 0), "global_average_pooling2d") == 0, "name %s",
+              mpt_model_layer_name(m, 0));
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, (void *)pool_x);
+        CHECK(mpt_model_forward(m, &tx, 0, &ty) == MPT_OK, "forward");
+        CHECK(ty.rank == 2 && ((float *)ty.data)[0] == 2.375f, "global y %g", ((float *)ty.data)[0]);
+        mpt_model_destroy(m);
+    }
+}
+
+/* ---- output shapes against TensorFlow's formulas --------------------------------- */
+
+static int count_errors;
+static void quiet_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    if (level == MPT_LOG_ERROR) count_errors++;
+}
+
+static mpt_context *quiet_ctx(void) {
+    mpt_context *q;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.logger.fn = quiet_logger;
+    d.num_threads = 1;
+    mpt_context_create(&d, &q);
+    return q;
+}
+
+/* Builds one window layer on an (h, w, 3) input; returns the build status
+   and the output shape. */
+static mpt_status build_window_layer(mpt_context *q, int is_pool, int64_t h, int64_t w,
+                                     const int64_t k[2], const int64_t s[2], mpt_padding pad,
+                                     int64_t out[3]) {
+    mpt_model *m;
+    mpt_status st;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {h, w, 3}, .input_rank = 3}, &m);
+    if (is_pool)
+        mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {k[0], k[1]},
+                                                          .strides = {s[0], s[1]},
+                                                          .padding = pad});
+    else
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {k[0], k[1]},
+                                                   .strides = {s[0], s[1]}, .padding = pad});
+    st = mpt_model_build(m, 1);
+    if (st == MPT_OK) mpt_model_layer_output_shape(m, 0, out);
+    mpt_model_destroy(m);
+    return st;
+}
+
+/* TF's documented sizes: valid ceil((in − k + 1) / s), same ceil(in / s). */
+static void test_output_shapes(void) {
+    mpt_context *q = quiet_ctx();
+    int64_t in, kk, ss;
+    int pad, is_pool;
+    for (is_pool = 0; is_pool < 2; is_pool++)
+        for (pad = 0; pad < 2; pad++)
+            for (in = 1; in <= 9; in++)
+                for (kk = 1; kk <= 4; kk++)
+                    for (ss = 1; ss <= 3; ss++) {
+                        /* rows (in, kk, ss); columns (in + 2, 2, ss + 1) */
+                        const int64_t k[2] = {kk, 2}, s[2] = {ss, ss + 1}, w = in + 2;
+                        int64_t want_h = pad ? ceil_div(in, ss)
+                                             : in >= kk ? ceil_div(in - kk + 1, ss) : 0;
+                        int64_t want_w = pad ? ceil_div(w, ss + 1) : ceil_div(w - 1, ss + 1);
+                        int64_t out[3] = {0, 0, 0};
+                        mpt_status st = build_window_layer(q, is_pool, in, w, k, s,
+                                                           (mpt_padding)pad, out);
+                        if (want_h == 0) {
+                            CHECK(st == MPT_ERR_SHAPE, "in %lld k %lld valid: status %d",
+                                  (long long)in, (long long)kk, (int)st);
+                            continue;
+                        }
+                        CHECK(st == MPT_OK, "build: %s", mpt_context_error(q));
+                        CHECK(out[0] == want_h && out[1] == want_w &&
+                                  out[2] == (is_pool ? 3 : 2),
+                              "%s in (%lld, %lld) k (%lld, 2) s (%lld, %lld) %s: got (%lld, "
+                              "%lld), want (%lld, %lld)",
+                              is_pool ? "pool" : "conv", (long long)in, (long long)w,
+                              (long long)kk, (long long)ss, (long long)ss + 1,
+                              pad_name((mpt_padding)pad), (long long)out[0], (long long)out[1],
+                              (long long)want_h, (long long)want_w);
+                    }
+    mpt_context_destroy(q);
+}
+
+/* ---- defaults: names, pooling defaults, initializers ----------------------------- */
+
+static void test_defaults(void) {
+    mpt_model *m;
+    mpt_param_info k, b;
+    int64_t shape[3] = {0, 0, 0}, i, n;
+    double limit = sqrt(6.0 / (3 * 3 * 16 + 3 * 3 * 32)), mx = 0;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {12, 10, 16}, .input_rank = 3}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 32, .kernel_size = {3, 3}});
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {1, 1}});
+    mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){0});
+    mpt_model_add_average_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {3, 1}});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(strcmp(mpt_model_layer_name(m, 0), "conv2d") == 0 &&
+              strcmp(mpt_model_layer_name(m, 1), "conv2d_1") == 0 &&
+              strcmp(mpt_model_layer_name(m, 2), "max_pooling2d") == 0 &&
+              strcmp(mpt_model_layer_name(m, 3), "average_pooling2d") == 0, "default names");
+    mpt_model_layer_output_shape(m, 0, shape);
+    CHECK(shape[0] == 10 && shape[1] == 8 && shape[2] == 32, "conv shape");
+    mpt_model_layer_output_shape(m, 2, shape); /* pool (2, 2), strides = pool_size */
+    CHECK(shape[0] == 5 && shape[1] == 4 && shape[2] == 4, "max pool shape");
+    mpt_model_layer_output_shape(m, 3, shape); /* pool (3, 1), strides (3, 1) */
+    CHECK(shape[0] == 1 && shape[1] == 4 && shape[2] == 4, "avg pool shape (%lld, %lld, %lld)",
+          (long long)shape[0], (long long)shape[1], (long long)shape[2]);
+    /* glorot_uniform with fan_in = 3·3·16 and fan_out = 3·3·32; bias zeros */
+    mpt_model_param(m, 0, &k);
+    mpt_model_param(m, 1, &b);
+    n = mpt_tensor_count(&k.value);
+    for (i = 0; i < n; i++) {
+        double v = fabs(((float *)k.value.data)[i]);
+        mx = v > mx ? v : mx;
+    }
+    CHECK(mx <= limit && mx > 0.99 * limit, "glorot max %g, limit %g", mx, limit);
+    for (i = 0; i < 32; i++) CHECK(((float *)b.value.data)[i] == 0, "bias not zero");
+    mpt_model_destroy(m);
+}
+
+/* ---- bad input ---------------------------------------------------------------- */
+
+static void test_bad_input(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m;
+    const char *e;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {5, 5, 2}, .input_rank = 3}, &m);
+    CHECK(mpt_model_add_conv2d(m, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL desc accepted");
+    CHECK(mpt_model_add_conv2d(NULL, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL model accepted");
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 0, .kernel_size = {3, 3}}) ==
+              MPT_ERR_INVALID_ARGUMENT, "filters 0 accepted");
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = -2, .kernel_size = {3, 3}}) ==
+              MPT_ERR_INVALID_ARGUMENT, "filters -2 accepted");
+    CHECK(strstr(mpt_context_error(q), "-2") != NULL, "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {3, 0}}) ==
+              MPT_ERR_INVALID_ARGUMENT, "kernel_size 0 accepted");
+    CHECK(strstr(mpt_context_error(q), "(3, 0)") != NULL, "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {3, 3},
+                                                     .strides = {1, -1}}) ==
+              MPT_ERR_INVALID_ARGUMENT, "strides -1 accepted");
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {3, 3},
+                                                     .padding = (mpt_padding)7}) ==
+              MPT_ERR_INVALID_ARGUMENT, "padding 7 accepted");
+    CHECK(strstr(mpt_context_error(q), "7") != NULL, "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {3, 3},
+                                                     .activation = (mpt_activation)42}) ==
+              MPT_ERR_INVALID_ARGUMENT, "activation 42 accepted");
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+              .filters = 2, .kernel_size = {3, 3},
+              .kernel_initializer = (mpt_initializer)99}) == MPT_ERR_INVALID_ARGUMENT,
+          "initializer 99 accepted");
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {3, 3},
+                                                     .dtype = MPT_INT8}) == MPT_ERR_DTYPE,
+          "int8 compute dtype accepted");
+    CHECK(mpt_model_add_max_pooling2d(m, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL pool desc");
+    CHECK(mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {-1, 2}}) ==
+              MPT_ERR_INVALID_ARGUMENT, "pool_size -1 accepted");
+    CHECK(mpt_model_add_average_pooling2d(m, &(mpt_pool2d_desc){.strides = {2, -3}}) ==
+              MPT_ERR_INVALID_ARGUMENT, "pool strides -3 accepted");
+    CHECK(mpt_model_add_average_pooling2d(m, &(mpt_pool2d_desc){.padding = (mpt_padding)-1}) ==
+              MPT_ERR_INVALID_ARGUMENT, "pool padding -1 accepted");
+    CHECK(mpt_model_layer_count(m) == 0, "a bad layer was added");
+    /* a kernel larger than the image under 'valid' */
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {6, 3},
+                                                     .name = "big"}) == MPT_OK, "add");
+    CHECK(mpt_model_build(m, 2) == MPT_ERR_SHAPE, "kernel 6 on 5 rows accepted");
+    e = mpt_context_error(q);
+    CHECK(strstr(e, "Conv2D 'big'") && strstr(e, "(6, 3)") && strstr(e, "(5, 5, 2)"),
+          "message: %s", e);
+    mpt_model_destroy(m);
+
+    /* the same under 'same' is fine */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {5, 5, 2}, .input_rank = 3}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {6, 3},
+                                               .padding = MPT_PADDING_SAME});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "same with a big kernel: %s", mpt_context_error(q));
+    mpt_model_destroy(m);
+
+    /* a pool window larger than the image */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {3, 8, 1}, .input_rank = 3}, &m);
+    mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {4, 4}, .name = "pool"});
+    CHECK(mpt_model_build(m, 2) == MPT_ERR_SHAPE, "pool 4 on 3 rows accepted");
+    e = mpt_context_error(q);
+    CHECK(strstr(e, "MaxPooling2D 'pool'") && strstr(e, "(4, 4)") && strstr(e, "(3, 8, 1)"),
+          "message: %s", e);
+    mpt_model_destroy(m);
+
+    /* image layers on vectors */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {784}, .input_rank = 1}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 2, .kernel_size = {3, 3}});
+    CHECK(mpt_model_build(m, 2) == MPT_ERR_SHAPE, "Conv2D on vectors accepted");
+    e = mpt_context_error(q);
+    CHECK(strstr(e, "Conv2D 'conv2d' expects one sample to be (height, width, channels), "
+                    "got (batch, 784,)") != NULL, "message: %s", e);
+    mpt_model_destroy(m);
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {6, 4}, .input_rank = 2}, &m);
+    mpt_model_add_global_average_pooling2d(m, NULL);
+    CHECK(mpt_model_build(m, 2) == MPT_ERR_SHAPE, "GlobalAveragePooling2D on (6, 4) accepted");
+    e = mpt_context_error(q);
+    CHECK(strstr(e, "GlobalAveragePooling2D 'global_average_pooling2d'") &&
+              strstr(e, "(batch, 6, 4)"), "message: %s", e);
+    mpt_model_destroy(m);
+    CHECK(count_errors >= 18, "errors were not all logged (%d)", count_errors);
+    mpt_context_destroy(q);
+}
+
+/* ---- determinism: 1, 2 and 3 threads give the same bits -------------------------- */
+
+typedef struct run_result {
+    float *y, *dx, *grads;
+    int64_t ny, nx, ng;
+} run_result;
+
+static void run_cnn(int threads, mpt_policy policy, run_result *r) {
+    mpt_context *c;
+    mpt_model *m;
+    const int64_t batch = 7, in[3] = {13, 11, 3};
+    int64_t xs[4] = {batch, in[0], in[1], in[2]}, i;
+    int p, n_params;
+    float *x;
+    mpt_tensor tx, ty, tdy, tdx;
+    mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c);
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {in[0], in[1], in[2]},
+                                          .input_rank = 3, .policy = policy, .seed = 9}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 8, .kernel_size = {3, 3},
+                                               .padding = MPT_PADDING_SAME,
+                                               .activation = MPT_ACT_RELU});
+    mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.padding = MPT_PADDING_SAME});
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {3, 2},
+                                               .strides = {2, 1}, .activation = MPT_ACT_GELU});
+    mpt_model_add_average_pooling2d(m, &(mpt_pool2d_desc){.padding = MPT_PADDING_SAME});
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {1, 1},
+                                               .activation = MPT_ACT_SOFTMAX});
+    mpt_model_add_global_average_pooling2d(m, NULL);
+    CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(c));
+    x = (float *)malloc(sizeof(float) * (size_t)(batch * in[0] * in[1] * in[2]));
+    test_seed(77);
+    for (i = 0; i < batch * in[0] * in[1] * in[2]; i++) x[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, xs, x);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+    r->ny = mpt_tensor_count(&ty);
+    r->y = (float *)malloc(sizeof(float) * (size_t)r->ny);
+    mpt_convert(c, MPT_FLOAT32, r->y, ty.dtype, ty.data, r->ny);
+    mpt_model_output_grad(m, &tdy);
+    {
+        float *dy = (float *)malloc(sizeof(float) * (size_t)r->ny);
+        for (i = 0; i < r->ny; i++) dy[i] = (float)test_uniform(-1, 1);
+        tdy.dtype = MPT_FLOAT32;
+        tdy.data = dy;
+        CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+        free(dy);
+    }
+    r->nx = mpt_tensor_count(&tdx);
+    r->dx = (float *)malloc(sizeof(float) * (size_t)r->nx);
+    mpt_convert(c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, r->nx);
+    n_params = mpt_model_param_count(m);
+    r->ng = 0;
+    for (p = 0; p < n_params; p++) {
+        mpt_param_info info;
+        mpt_model_param(m, p, &info);
+        r->ng += mpt_tensor_count(&info.grad);
+    }
+    r->grads = (float *)malloc(sizeof(float) * (size_t)r->ng);
+    r->ng = 0;
+    for (p = 0; p < n_params; p++) {
+        mpt_param_info info;
+        int64_t n;
+        mpt_model_param(m, p, &info);
+        n = mpt_tensor_count(&info.grad);
+        memcpy(r->grads + r->ng, info.grad.data, sizeof(float) * (size_t)n);
+        r->ng += n;
+    }
+    free(x);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+}
+
+static void free_result(run_result *r) {
+    free(r->y);
+    free(r->dx);
+    free(r->grads);
+}
+
+static void test_determinism(void) {
+    static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                          MPT_POLICY_MIXED_BFLOAT16};
+    int p, t;
+    for (p = 0; p < 3; p++) {
+        run_result one, many;
+        double norm = 0;
+        int64_t i;
+        run_cnn(1, policies[p], &one);
+        for (i = 0; i < one.ng; i++) norm += fabs(one.grads[i]);
+        CHECK(norm > 0 && one.ny == 7 * 6 && one.nx == 7 * 13 * 11 * 3, "policy %d: sizes", p);
+        for (t = 2; t <= 3; t++) {
+            run_cnn(t, policies[p], &many);
+            CHECK(memcmp(one.y, many.y, sizeof(float) * (size_t)one.ny) == 0,
+                  "policy %d: y differs on %d threads", p, t);
+            CHECK(memcmp(one.dx, many.dx, sizeof(float) * (size_t)one.nx) == 0,
+                  "policy %d: dx differs on %d threads", p, t);
+            CHECK(one.ng == many.ng &&
+                      memcmp(one.grads, many.grads, sizeof(float) * (size_t)one.ng) == 0,
+                  "policy %d: gradients differ on %d threads", p, t);
+            free_result(&many);
+        }
+        free_result(&one);
+    }
+}
+
+int main(void) {
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+    test_seed(3);
+    TEST_RUN(test_conv_known_answer);
+    TEST_RUN(test_pool_known_answer);
+    TEST_RUN(test_output_shapes);
+    TEST_RUN(test_defaults);
+    TEST_RUN(test_bad_input);
+    TEST_RUN(test_determinism);
+    test_conv_gradients();
+    test_pool_gradients();
+    test_max_pool_exact();
+    test_chain_gradients();
+    test_half_chain_gradients();
+    mpt_context_destroy(ctx);
+    return test_summary("test_conv");
+}

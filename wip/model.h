@@ -165,7 +165,7 @@ static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const
 /* Bytes for `per_sample` bytes times max_batch plus `fixed`, overflow-checked. */
 static mpt_status mpt__batch_bytes(struct mpt_model *m, mpt__layer *L, int64_t per_sample,
                                    int64_t fixed, int64_t *out) {
-    int64_t b;
+    int64_t b = 0;
     if (!mpt__mul_ok(per_sample, m->max_batch, &b) || !mpt__add_ok(b, fixed, out))
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
                          "%s '%s': buffers for a batch of %lld overflow", L->ops->class_name,
@@ -403,7 +403,7 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
     *grad_buf_bytes = *workspace_bytes = 0;
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
-        int64_t grad_bytes;
+        int64_t grad_bytes = 0;
         L->in_rank = rank;
         memcpy(L->in_shape, shape, sizeof shape);
         L->in_count = mpt__shape_count(rank, shape);

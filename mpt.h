@@ -58,7 +58,13 @@
        @rng          the counter-based random numbers
        @layers       layer descriptors and the sequential model
        @losses       loss functions
-       @impl-*       the same sections again, implemented
+     implementation, in the same order:
+       @impl-status @impl-context @impl-dtypes @impl-tensors
+       @impl-activations @impl-gemm @impl-rng
+       @impl-layers (the layer interface, the plan, forward and backward)
+       @impl-dense @impl-flatten @impl-activation @impl-windows
+       @impl-conv2d @impl-pooling @impl-batchnorm @impl-dropout
+       @impl-losses
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum
@@ -2968,7 +2974,7 @@ static mpt_status mpt__check_add(mpt_model *m, const void *desc, const char *wha
 }
 
 /* =============================================================================
-   Dense: y = act(x · kernel + bias)                x: (B, in)  y: (B, units)
+   @impl-dense  Dense: y = act(x · kernel + bias)                x: (B, in)  y: (B, units)
    ============================================================================= */
 
 static mpt_status mpt__dense_build(mpt_model *m, mpt__layer *L) {
@@ -3101,7 +3107,7 @@ MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
 }
 
 /* =============================================================================
-   Flatten: (B, h, w, c) -> (B, h·w·c), the same memory seen as vectors
+   @impl-flatten  Flatten: (B, h, w, c) -> (B, h·w·c), the same memory as vectors
    ============================================================================= */
 
 static mpt_status mpt__flatten_build(mpt_model *m, mpt__layer *L) {
@@ -3132,7 +3138,7 @@ MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d)
 }
 
 /* =============================================================================
-   Activation: y = act(x), elementwise (softmax: over the last axis)
+   @impl-activation  Activation: y = act(x) (softmax: over the last axis)
    ============================================================================= */
 
 static mpt_status mpt__activation_build(mpt_model *m, mpt__layer *L) {
@@ -3176,7 +3182,7 @@ MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_de
     MPT__ADD_LAYER(m, mpt__activation_ops, activation, d);
 }
 /* =============================================================================
-   Windows over images: the geometry Conv2D and the pooling layers share
+   @impl-windows  the geometry Conv2D and the pooling layers share
    =============================================================================
 
    One sample is (H, W, C), NHWC. A window of kh × kw pixels slides with
@@ -3299,7 +3305,7 @@ static void mpt__acc_mul(int64_t *acc, int64_t a, int64_t b) {
 }
 
 /* =============================================================================
-   Conv2D: y = act(conv(x, kernel) + bias)
+   @impl-conv2d  Conv2D: y = act(conv(x, kernel) + bias)
            x: (B, H, W, C)  kernel: (kh, kw, C, F)  y: (B, OH, OW, F)
    =============================================================================
 
@@ -3674,7 +3680,7 @@ MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
 }
 
 /* =============================================================================
-   MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
+   @impl-pooling  MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
            x: (B, H, W, C)  y: (B, OH, OW, C)   (global: y (B, C))
    =============================================================================
 
@@ -3944,8 +3950,9 @@ MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
     MPT__ADD_LAYER(m, mpt__global_pool_ops, flatten, d ? d : &none);
 }
 /* =============================================================================
-   BatchNormalization: each channel (the last axis) normalised over the batch
-   and every spatial position            x, y: (B, ..., C)   parameters: (C)
+   @impl-batchnorm  BatchNormalization: each channel (the last axis)
+   normalised over the batch and every spatial position
+                                         x, y: (B, ..., C)   parameters: (C)
    =============================================================================
 
    As Keras 3: the statistics and the arithmetic are float32 whatever the
@@ -4288,7 +4295,7 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batc
 }
 
 /* =============================================================================
-   Dropout: inverted dropout                               x, y: (B, ...)
+   @impl-dropout  Dropout: inverted dropout                  x, y: (B, ...)
    =============================================================================
 
    In training each element is kept with probability 1 − rate and scaled by

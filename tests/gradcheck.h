@@ -16,7 +16,7 @@
 #ifndef MPT_GRADCHECK_H
 #define MPT_GRADCHECK_H
 
-#include "test.h"
+#include "helpers.h"
 
 #define GC_MAX_PARAMS 16
 
@@ -34,23 +34,6 @@ struct gc_case {
     double tol_grad;
 };
 
-/* Relative norm error ‖a − b‖ / max(‖b‖, 1e-30). */
-static double gc_rel_err(const double *a, const double *b, int64_t n) {
-    double num = 0, den = 0;
-    int64_t i;
-    for (i = 0; i < n; i++) {
-        num += (a[i] - b[i]) * (a[i] - b[i]);
-        den += b[i] * b[i];
-    }
-    return sqrt(num) / (sqrt(den) > 1e-30 ? sqrt(den) : 1e-30);
-}
-
-/* A value rounded as the library would store it in dtype. */
-static double gc_round(mpt_dtype dtype, double v) {
-    if (dtype == MPT_FLOAT16) return mpt_half_to_float(mpt_float_to_half((float)v));
-    if (dtype == MPT_BFLOAT16) return mpt_bf16_to_float(mpt_float_to_bf16((float)v));
-    return (float)v;
-}
 
 /* Default tolerances: float32 products accumulate in float32 (≈1e-6
    relative per step); float16 stores every activation with an 11-bit
@@ -124,7 +107,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
     for (i = 0; i < c->batch * in_count; i++) {
         double lo = c->x_lo, hi = c->x_hi;
         if (lo == 0 && hi == 0) lo = -1, hi = 1;
-        x[i] = gc_round(in_dtype, test_uniform(lo, hi));
+        x[i] = round_to(in_dtype, test_uniform(lo, hi));
         xf[i] = (float)x[i];
     }
     for (p = 0; p < n_params; p++) {
@@ -135,7 +118,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
         n = mpt_tensor_count(&info[p].value);
         params[p] = (double *)calloc((size_t)n, sizeof(double));
         for (j = 0; j < n; j++) {
-            v[j] = (float)gc_round(worst, gc_param_value(info[p].name));
+            v[j] = (float)round_to(worst, gc_param_value(info[p].name));
             params[p][j] = v[j];
         }
     }
@@ -157,7 +140,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
         double e;
         mpt_convert(ctx, MPT_FLOAT32, yf, ty.dtype, ty.data, c->batch * out_count);
         for (i = 0; i < c->batch * out_count; i++) y_lib[i] = yf[i];
-        e = gc_rel_err(y_lib, y_ref, c->batch * out_count);
+        e = rel_err(y_lib, y_ref, c->batch * out_count);
         CHECK(e <= tol_fwd, "%s: forward relative error %.3g > %.3g", label, e, tol_fwd);
         free(y_lib);
         free(yf);
@@ -166,7 +149,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
 
     /* 3. Backward with a random upstream gradient. */
     for (i = 0; i < c->batch * out_count; i++) {
-        r[i] = gc_round(out_dtype, test_uniform(-1, 1));
+        r[i] = round_to(out_dtype, test_uniform(-1, 1));
         rf[i] = (float)r[i];
     }
     {
@@ -195,7 +178,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
         dx_num[i] = (plus - minus) / (2 * h);
     }
     {
-        double e = gc_rel_err(dx_lib, dx_num, c->batch * in_count);
+        double e = rel_err(dx_lib, dx_num, c->batch * in_count);
         CHECK(e <= tol_grad, "%s: input gradient relative error %.3g > %.3g", label, e, tol_grad);
     }
     for (p = 0; p < n_params; p++) {
@@ -214,7 +197,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
             num[j] = (plus - minus) / (2 * h);
             lib[j] = ((float *)info[p].grad.data)[j];
         }
-        e = gc_rel_err(lib, num, n);
+        e = rel_err(lib, num, n);
         CHECK(e <= tol_grad, "%s: gradient of %s relative error %.3g > %.3g", label,
               info[p].name, e, tol_grad);
         free(num);

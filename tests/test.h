@@ -40,11 +40,15 @@ static void test__fail(const char *file, int line, const char *fmt, ...) {
 /* Marks the running test as skipped (counted apart, never as passed). */
 #define SKIP(reason) (test__skip_reason = (reason))
 
-static void test__run(const char *name, void (*fn)(void)) {
+/* Starts a test: no failure, no skip yet. */
+static inline void test__begin(void) {
     test__current_failed = 0;
     test__skip_reason = NULL;
     test__why[0] = 0;
-    fn();
+}
+
+/* Ends the running test: counts it and prints its line. */
+static inline void test__report(const char *name) {
     if (test__current_failed) {
         test__failed++;
         printf("FAIL %s: %s\n", name, test__why);
@@ -58,31 +62,23 @@ static void test__run(const char *name, void (*fn)(void)) {
     fflush(stdout);
 }
 
+static inline void test__run(const char *name, void (*fn)(void)) {
+    test__begin();
+    fn();
+    test__report(name);
+}
+
 #define TEST_RUN(fn) test__run(#fn, fn)
 
-/* For tests that loop over cases: run a case under its own name. */
-static inline void test__begin(void) {
-    test__current_failed = 0;
-    test__skip_reason = NULL;
-    test__why[0] = 0;
-}
+/* For tests that loop over cases: test__begin(), the checks, then
+   test__end("name %d", ...) names the case. */
 static inline void test__end(const char *fmt, ...) {
     char name[256];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(name, sizeof name, fmt, ap);
     va_end(ap);
-    if (test__current_failed) {
-        test__failed++;
-        printf("FAIL %s: %s\n", name, test__why);
-    } else if (test__skip_reason) {
-        test__skipped++;
-        printf("SKIP %s: %s\n", name, test__skip_reason);
-    } else {
-        test__passed++;
-        printf("PASS %s\n", name);
-    }
-    fflush(stdout);
+    test__report(name);
 }
 
 /* Prints this program's totals and returns the exit status. */

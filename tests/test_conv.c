@@ -14,26 +14,7 @@ static mpt_context *ctx;
 
 /* ---- the reference: naive loops in double ----------------------------------- */
 
-static double ref_act(mpt_activation act, double z) {
-    switch (act) {
-    case MPT_ACT_RELU: return z > 0 ? z : 0;
-    case MPT_ACT_GELU: return 0.5 * z * (1 + erf(z / sqrt(2.0)));
-    case MPT_ACT_SIGMOID: return 1 / (1 + exp(-z));
-    case MPT_ACT_TANH: return tanh(z);
-    default: return z;
-    }
-}
 
-/* Softmax over each row of y (rows × cols), in place. */
-static void ref_softmax_rows(double *y, int64_t rows, int64_t cols) {
-    int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        double mx = y[r * cols], s = 0;
-        for (c = 1; c < cols; c++) mx = y[r * cols + c] > mx ? y[r * cols + c] : mx;
-        for (c = 0; c < cols; c++) s += (y[r * cols + c] = exp(y[r * cols + c] - mx));
-        for (c = 0; c < cols; c++) y[r * cols + c] /= s;
-    }
-}
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -324,8 +305,8 @@ static void check_max_pool_exact(int64_t batch, geom g, mpt_dtype dtype) {
     dx_ref = (double *)calloc((size_t)n_in, sizeof(double));
     dx_lib = (double *)calloc((size_t)n_in, sizeof(double));
     y_ref = (double *)calloc((size_t)n_out, sizeof(double));
-    for (i = 0; i < n_in; i++) xf[i] = (float)(x[i] = gc_round(dtype, test_uniform(-1, 1)));
-    for (i = 0; i < n_out; i++) dyf[i] = (float)gc_round(dtype, test_uniform(-1, 1));
+    for (i = 0; i < n_in; i++) xf[i] = (float)(x[i] = round_to(dtype, test_uniform(-1, 1)));
+    for (i = 0; i < n_out; i++) dyf[i] = (float)round_to(dtype, test_uniform(-1, 1));
     xs[0] = batch, xs[1] = g.h, xs[2] = g.w, xs[3] = g.c;
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, xf);
     CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
@@ -354,7 +335,7 @@ static void check_max_pool_exact(int64_t batch, geom g, mpt_dtype dtype) {
     mpt_convert(ctx, MPT_FLOAT32, got, dtype, tdx.data, n_in);
     for (i = 0; i < n_in; i++) dx_lib[i] = got[i];
     {
-        double e = gc_rel_err(dx_lib, dx_ref, n_in);
+        double e = rel_err(dx_lib, dx_ref, n_in);
         double tol = dtype == MPT_FLOAT32 ? 1e-6 : dtype == MPT_FLOAT16 ? 1e-3 : 8e-3;
         CHECK(e <= tol, "dx relative error %.3g > %.3g", e, tol);
     }
@@ -697,22 +678,6 @@ static void test_pool_known_answer(void) {
 
 /* ---- output shapes against TensorFlow's formulas --------------------------------- */
 
-static int count_errors;
-static void quiet_logger(void *user, mpt_log_level level, const char *msg) {
-    (void)user;
-    (void)msg;
-    if (level == MPT_LOG_ERROR) count_errors++;
-}
-
-static mpt_context *quiet_ctx(void) {
-    mpt_context *q;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.logger.fn = quiet_logger;
-    d.num_threads = 1;
-    mpt_context_create(&d, &q);
-    return q;
-}
 
 /* Builds one window layer on an (h, w, 3) input; returns the build status
    and the output shape. */

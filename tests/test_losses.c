@@ -4,26 +4,10 @@
    thread-count independence, and bad input. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
-#include "test.h"
+#include "helpers.h"
 
 static mpt_context *ctx;
 
-static int count_errors;
-static void quiet_logger(void *user, mpt_log_level level, const char *msg) {
-    (void)user;
-    (void)msg;
-    if (level == MPT_LOG_ERROR) count_errors++;
-}
-
-static mpt_context *quiet_ctx(void) {
-    mpt_context *q;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.logger.fn = quiet_logger;
-    d.num_threads = 1;
-    mpt_context_create(&d, &q);
-    return q;
-}
 
 /* ======================================================================
    The reference, in double
@@ -123,21 +107,6 @@ static double ref_loss(const ref_case *c, const double *pred, double *grad) {
     return sum / count;
 }
 
-static double rel_err(const double *a, const double *b, int64_t n) {
-    double num = 0, den = 0;
-    int64_t i;
-    for (i = 0; i < n; i++) {
-        num += (a[i] - b[i]) * (a[i] - b[i]);
-        den += b[i] * b[i];
-    }
-    return sqrt(num) / (sqrt(den) > 1e-30 ? sqrt(den) : 1e-30);
-}
-
-static double round_to(mpt_dtype dtype, double v) {
-    if (dtype == MPT_FLOAT16) return mpt_half_to_float(mpt_float_to_half((float)v));
-    if (dtype == MPT_BFLOAT16) return mpt_bf16_to_float(mpt_float_to_bf16((float)v));
-    return (float)v;
-}
 
 /* A tensor of `dtype` holding the doubles v (n of them), shape (rank, shape). */
 static void make_tensor(mpt_tensor *t, mpt_dtype dtype, int rank, const int64_t *shape,

@@ -8,22 +8,6 @@
 
 static mpt_context *ctx;
 
-static int count_errors;
-static void quiet_logger(void *user, mpt_log_level level, const char *msg) {
-    (void)user;
-    (void)msg;
-    if (level == MPT_LOG_ERROR) count_errors++;
-}
-
-static mpt_context *quiet_ctx(void) {
-    mpt_context *q;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.logger.fn = quiet_logger;
-    d.num_threads = 1;
-    mpt_context_create(&d, &q);
-    return q;
-}
 
 static mpt_context *threads_ctx(int n) {
     mpt_context *c;

@@ -1,0 +1,67 @@
+/* What several test programs share: a context whose expected errors are
+   counted instead of printed, and the double-precision references of the
+   activations. Include after mpt.h. */
+#ifndef MPT_TEST_HELPERS_H
+#define MPT_TEST_HELPERS_H
+
+#include "test.h"
+
+static int count_errors; /* errors the quiet contexts have logged */
+
+static inline void quiet_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    if (level == MPT_LOG_ERROR) count_errors++;
+}
+
+/* A one-thread context for bad-input tests: errors are counted, not printed. */
+static inline mpt_context *quiet_ctx(void) {
+    mpt_context *q;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.logger.fn = quiet_logger;
+    d.num_threads = 1;
+    mpt_context_create(&d, &q);
+    return q;
+}
+
+static inline double ref_act(mpt_activation act, double z) {
+    switch (act) {
+    case MPT_ACT_RELU: return z > 0 ? z : 0;
+    case MPT_ACT_GELU: return 0.5 * z * (1 + erf(z / sqrt(2.0)));
+    case MPT_ACT_SIGMOID: return 1 / (1 + exp(-z));
+    case MPT_ACT_TANH: return tanh(z);
+    default: return z;
+    }
+}
+
+/* Softmax over each row of y (rows × cols), in place. */
+static inline void ref_softmax_rows(double *y, int64_t rows, int64_t cols) {
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        double mx = y[r * cols], s = 0;
+        for (c = 1; c < cols; c++) mx = y[r * cols + c] > mx ? y[r * cols + c] : mx;
+        for (c = 0; c < cols; c++) s += (y[r * cols + c] = exp(y[r * cols + c] - mx));
+        for (c = 0; c < cols; c++) y[r * cols + c] /= s;
+    }
+}
+
+/* Relative norm error ‖a − b‖ / max(‖b‖, 1e-30). */
+static inline double rel_err(const double *a, const double *b, int64_t n) {
+    double num = 0, den = 0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        num += (a[i] - b[i]) * (a[i] - b[i]);
+        den += b[i] * b[i];
+    }
+    return sqrt(num) / (sqrt(den) > 1e-30 ? sqrt(den) : 1e-30);
+}
+
+/* A value rounded as the library stores it in dtype. */
+static inline double round_to(mpt_dtype dtype, double v) {
+    if (dtype == MPT_FLOAT16) return mpt_half_to_float(mpt_float_to_half((float)v));
+    if (dtype == MPT_BFLOAT16) return mpt_bf16_to_float(mpt_float_to_bf16((float)v));
+    return (float)v;
+}
+
+#endif

@@ -35,7 +35,7 @@ static void quiet(void *user, mpt_log_level level, const char *msg) {
 static void test_no_allocation_in_a_step(void) {
     counting_alloc c = {0, 0, -1};
     mpt_context *ctx;
-    mpt_model *m;
+    mpt_model *m = NULL;
     float x[4 * 12];
     int64_t shape[2] = {4, 12};
     mpt_tensor tx, ty, dx;

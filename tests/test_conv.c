@@ -146,7 +146,7 @@ static void add_layer(mpt_model *m, const layer_ref *d, mpt_dtype dtype) {
 
 static void check_layer(int64_t batch, layer_ref d, mpt_dtype dtype) {
     static const char *kinds[] = {"conv2d", "max_pool", "avg_pool", "global_avg_pool"};
-    mpt_model *m;
+    mpt_model *m = NULL;
     gc_case c;
     char label[200];
     test__begin();
@@ -281,7 +281,7 @@ static void test_pool_gradients(void) {
    pixel of each window (TF's choice among ties), added where windows overlap.
    bfloat16 inputs in [-1, 1) hold many exact ties. */
 static void check_max_pool_exact(int64_t batch, geom g, mpt_dtype dtype) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_pool2d_desc p;
     int64_t oh, ow, top, left, n_in = batch * g.h * g.w * g.c, n_out, i, b, oy, ox, ch, u, v;
     int64_t xs[4];
@@ -395,7 +395,7 @@ static void chain_forward_ref(const gc_case *c, const double *x, double *const *
 static void test_chain_gradients(void) {
     int k;
     for (k = 0; k < 3; k++) {
-        mpt_model *m;
+        mpt_model *m = NULL;
         gc_case c;
         chain_ref d;
         int64_t oh, ow, t, l;
@@ -470,7 +470,7 @@ static void half_chain_forward_ref(const gc_case *c, const double *x, double *co
 static void test_half_chain_gradients(void) {
     int t;
     for (t = 1; t < 3; t++) {
-        mpt_model *m;
+        mpt_model *m = NULL;
         gc_case c;
         half_chain_ref d = {{7, 6, 2, 3, 3, 1, 1, MPT_PADDING_SAME},
                             {7, 6, 5, 2, 2, 2, 2, MPT_PADDING_SAME},
@@ -527,7 +527,7 @@ static int same_floats(const float *a, const float *b, int n) {
 
 /* x = [[1,2,3],[4,5,6],[7,8,9]], kernel [[1,2],[3,4]], bias 0.5. */
 static mpt_model *conv_3x3(mpt_padding pad, int64_t stride) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_param_info k, b;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 3, 1}, .input_rank = 3}, &m);
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 1, .kernel_size = {2, 2},
@@ -597,7 +597,7 @@ static void test_conv_known_answer(void) {
 static const float pool_x[16] = {1, 3, 2, 0, 3, 1, 0, 2, 4, 4, 5, 1, 0, 6, 1, 5};
 
 static mpt_model *pool_model(int is_max, int64_t k, int64_t s, mpt_padding pad) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_pool2d_desc d;
     memset(&d, 0, sizeof d);
     d.pool_size[0] = d.pool_size[1] = k;
@@ -615,7 +615,7 @@ static mpt_model *pool_model(int is_max, int64_t k, int64_t s, mpt_padding pad) 
 static void test_pool_known_answer(void) {
     const float dy[4] = {1, 2, 3, 4};
     float y[4], dx[16];
-    mpt_model *m;
+    mpt_model *m = NULL;
     {   /* max 2×2 (the defaults): the first 3 of the tie wins */
         const float want_y[4] = {3, 2, 6, 5};
         const float want_dx[16] = {0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 3, 0, 0};
@@ -684,7 +684,7 @@ static void test_pool_known_answer(void) {
 static mpt_status build_window_layer(mpt_context *q, int is_pool, int64_t h, int64_t w,
                                      const int64_t k[2], const int64_t s[2], mpt_padding pad,
                                      int64_t out[3]) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_status st;
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {h, w, 3}, .input_rank = 3}, &m);
     if (is_pool)
@@ -739,7 +739,7 @@ static void test_output_shapes(void) {
 /* ---- defaults: names, pooling defaults, initializers ----------------------------- */
 
 static void test_defaults(void) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_param_info k, b;
     int64_t shape[3] = {0, 0, 0}, i, n;
     double limit = sqrt(6.0 / (3 * 3 * 16 + 3 * 3 * 32)), mx = 0;
@@ -777,7 +777,7 @@ static void test_defaults(void) {
 
 static void test_bad_input(void) {
     mpt_context *q = quiet_ctx();
-    mpt_model *m;
+    mpt_model *m = NULL;
     const char *e;
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {5, 5, 2}, .input_rank = 3}, &m);
     CHECK(mpt_model_add_conv2d(m, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL desc accepted");
@@ -868,7 +868,7 @@ typedef struct run_result {
 
 static void run_cnn(int threads, mpt_policy policy, run_result *r) {
     mpt_context *c;
-    mpt_model *m;
+    mpt_model *m = NULL;
     const int64_t batch = 7, in[3] = {13, 11, 3};
     int64_t xs[4] = {batch, in[0], in[1], in[2]}, i;
     int p, n_params;

@@ -29,7 +29,7 @@ static void dense_forward_ref(const gc_case *c, const double *x, double *const *
 
 static void check_dense(int64_t batch, int64_t in, int64_t units, mpt_activation act, int bias,
                         mpt_dtype dtype) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     dense_ref d;
     gc_case c;
     char label[160];
@@ -95,7 +95,7 @@ static void test_flatten_activation_gradients(void) {
                                           MPT_ACT_TANH, MPT_ACT_SOFTMAX, MPT_ACT_NONE};
     int a;
     for (a = 0; a < 6; a++) {
-        mpt_model *m;
+        mpt_model *m = NULL;
         chain_ref d = {3, 2, 2, 5, acts[a]};
         gc_case c;
         test__begin();
@@ -119,7 +119,7 @@ static void test_flatten_activation_gradients(void) {
 /* A hand-computed case: x = [1, 2], kernel = [[1, -1, 0.5], [2, 0, -3]],
    bias = [0.5, 0, 1]: x·k + b = [5.5, -1, -4.5]; relu → [5.5, 0, 0]. */
 static void test_dense_known_answer(void) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_param_info k, b;
     float x[2] = {1, 2}, kv[6] = {1, -1, 0.5f, 2, 0, -3}, bv[3] = {0.5f, 0, 1};
     int64_t xs[2] = {1, 2};
@@ -161,7 +161,7 @@ static void test_activation_known_answers(void) {
     };
     size_t i;
     for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        mpt_model *m;
+        mpt_model *m = NULL;
         mpt_tensor tx, ty;
         float x[2];
         const float *y;
@@ -181,7 +181,7 @@ static void test_activation_known_answers(void) {
 
 /* Keras' glorot_uniform bound and zeros for the bias; he_normal's spread. */
 static void test_initializers(void) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_param_info k, b, h;
     int64_t i, n;
     double limit = sqrt(6.0 / (300 + 200)), mx = 0, sum = 0, sq = 0;
@@ -226,7 +226,7 @@ static void test_seeded_init(void) {
     float *dst[3] = {first, again, other};
     int s;
     for (s = 0; s < 3; s++) {
-        mpt_model *m;
+        mpt_model *m = NULL;
         mpt_param_info k;
         mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2}, .input_rank = 1,
                                                 .seed = seeds[s]}, &m);
@@ -243,7 +243,7 @@ static void test_seeded_init(void) {
 
 static void test_bad_input(void) {
     mpt_context *q = quiet_ctx();
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_tensor t, out;
     int64_t shape[2] = {3, 5};
     float data[15] = {0};
@@ -327,7 +327,7 @@ static void test_bad_input(void) {
 /* Mixed dtypes in one model: a float16 Dense feeding a float32 one, the
    casts between them in both directions. */
 static void test_mixed_chain(void) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     gc_case c;
     chain_ref d = {1, 1, 6, 4, MPT_ACT_NONE};
     (void)d;

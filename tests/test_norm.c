@@ -73,7 +73,7 @@ static void bn_forward_ref(const gc_case *c, const double *x, double *const *par
 
 static void check_bn(int64_t batch, int rank, const int64_t *shape, mpt_dtype dtype, int center,
                      int scale, int training) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_model_desc md;
     bn_ref d;
     gc_case c;
@@ -130,7 +130,7 @@ static void test_bn_gradients(void) {
 static void test_bn_params(void) {
     static const char *names[] = {"bn/gamma", "bn/beta", "bn/moving_mean", "bn/moving_variance"};
     static const float init[] = {1, 0, 0, 1};
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_param_info info;
     int p, k;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4, 4, 3}, .input_rank = 3,
@@ -176,7 +176,7 @@ static float *param_values(mpt_model *m, int index) {
    the float32 rounding of 0.99 that Keras' float32 arithmetic has too
    (1 − 0.99f = 0.0099999905: a relative 1e-6). */
 static void test_bn_known_answer(void) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     float x[4] = {1, 2, 3, 6}, y[4], moving[4];
     mpt_tensor tx, ty;
     double want[4], e = 1e-3f;
@@ -220,7 +220,7 @@ static void test_bn_known_answer(void) {
    recurrence computed here in double; inference forwards change nothing. */
 static void test_bn_moving_statistics(void) {
     enum { B = 3, H = 2, W = 2, C = 5, N = B * H * W * C };
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_tensor tx, ty;
     double mm[C], mv[C], mom = 0.9f;
     float *x;
@@ -260,7 +260,7 @@ static void test_bn_moving_statistics(void) {
 /* A large common offset: the two-pass variance keeps its precision. */
 static void test_bn_offset_precision(void) {
     enum { B = 64, C = 3, N = B * C };
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_tensor tx, ty;
     float *x = random_floats(N, 999, 1001), y[N];
     double yr[N];
@@ -299,7 +299,7 @@ static void test_bn_threads(void) {
     int t;
     for (t = 0; t < 2; t++) {
         mpt_context *c = threads_ctx(t == 0 ? 1 : 3);
-        mpt_model *m;
+        mpt_model *m = NULL;
         mpt_tensor tx, ty, tdy, tdx;
         mpt_param_info g;
         int64_t shape[4] = {B, H, W, C};
@@ -358,7 +358,7 @@ static void dropout_forward_ref(const gc_case *c, const double *x, double *const
 }
 
 static void check_dropout(mpt_dtype dtype, float rate, int rank) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     dropout_ref d;
     gc_case c;
     char label[96];
@@ -397,7 +397,7 @@ static void test_dropout_gradients(void) {
 /* A model with one Dropout layer on (n) vectors. */
 static mpt_model *dropout_model(mpt_context *c, int64_t n, float rate, uint64_t model_seed,
                                 uint64_t layer_seed, mpt_dtype dtype) {
-    mpt_model *m;
+    mpt_model *m = NULL;
     mpt_model_create(c, &(mpt_model_desc){.input_shape = {n}, .input_rank = 1,
                                           .seed = model_seed}, &m);
     mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = rate, .seed = layer_seed, .dtype = dtype});

@@ -12,7 +12,7 @@ CC=${CC:-gcc}
 CXX=${CXX:-g++}
 WARN="-Wall -Wextra -Werror"
 OPT="-O2 -g"
-LIBS="-lpthread -lm"
+LIBS="-lpthread -lm -lz"
 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 B=build
 mkdir -p "$B"

@@ -58,6 +58,11 @@
        @rng          the counter-based random numbers
        @layers       layer descriptors and the sequential model
        @losses       loss functions
+       @optimizers   optimizers, learning-rate schedules, loss scaling
+       @training     compile, fit, evaluate, predict, summary, history
+       @data         datasets: caller arrays, IDX files
+       @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
+       @checkpoints  safetensors weights and full training state
      implementation, in the same order:
        @impl-status @impl-context @impl-dtypes @impl-tensors
        @impl-activations @impl-gemm @impl-rng
@@ -475,6 +480,316 @@ typedef struct mpt_loss_desc {
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred);
+
+/* =============================================================================
+   @optimizers: optimizers, learning-rate schedules, loss scaling
+   ============================================================================= */
+
+typedef enum mpt_optimizer_type {
+    MPT_OPTIMIZER_ADAM = 0, /* the default */
+    MPT_OPTIMIZER_SGD = 1,
+    MPT_OPTIMIZER_ADAMW = 2,
+    MPT_OPTIMIZER_COUNT_
+} mpt_optimizer_type;
+
+typedef enum mpt_lr_schedule_type {
+    MPT_LR_CONSTANT = 0,
+    MPT_LR_EXPONENTIAL_DECAY, /* lr · rate^(t / decay_steps)                  */
+    MPT_LR_STEP_DECAY,        /* lr · rate^floor(t / decay_steps)             */
+    MPT_LR_COSINE_DECAY,      /* lr · ((1 − α)·½(1 + cos(π·min(t, D)/D)) + α) */
+    MPT_LR_SCHEDULE_COUNT_
+} mpt_lr_schedule_type;
+
+/* t counts optimizer steps taken (skipped steps do not count). With
+   warmup_steps W > 0 the rate rises linearly from lr/W at t = 0 to lr at
+   t = W − 1, and the schedule then runs on t − W. */
+typedef struct mpt_lr_schedule {
+    mpt_lr_schedule_type type; /* default constant                          */
+    int64_t decay_steps;       /* required > 0 for the decays                 */
+    float decay_rate;          /* exponential/step: required, in (0, 1]       */
+    float alpha;               /* cosine: the floor, a fraction of lr; default 0 */
+    int64_t warmup_steps;      /* default 0                                   */
+} mpt_lr_schedule;
+
+typedef struct mpt_optimizer_desc {
+    mpt_optimizer_type type;   /* default Adam                                */
+    float learning_rate;       /* default 0.001 (Adam, AdamW), 0.01 (SGD)     */
+    float momentum;            /* SGD; default 0                              */
+    int nesterov;              /* SGD; default 0                              */
+    float beta_1, beta_2;      /* Adam(W); default 0.9, 0.999                 */
+    float epsilon;             /* Adam(W); default 1e-7 (Keras)               */
+    float weight_decay;        /* decoupled (w -= lr·wd·w); AdamW default 0.004
+                                  (Keras), others 0                          */
+    float l2;                  /* L2 penalty: wd·w added to the gradient;
+                                  default 0                                  */
+    float clip_global_norm;    /* default 0: none; else the gradients are
+                                  scaled so that their global norm is at most
+                                  this (after unscaling)                     */
+    mpt_lr_schedule schedule;
+} mpt_optimizer_desc;
+
+typedef enum mpt_loss_scale_mode {
+    MPT_LOSS_SCALE_DEFAULT = 0, /* dynamic when any layer computes in float16,
+                                   none otherwise (bfloat16 needs none)      */
+    MPT_LOSS_SCALE_DYNAMIC,
+    MPT_LOSS_SCALE_FIXED,
+    MPT_LOSS_SCALE_NONE,
+    MPT_LOSS_SCALE_COUNT_
+} mpt_loss_scale_mode;
+
+/* Dynamic loss scaling as Keras' LossScaleOptimizer: the loss is multiplied
+   by the scale before backward and the gradients divided by it before the
+   update; a step whose gradients hold inf or NaN is skipped (no weight,
+   moment or statistic changes), the scale is multiplied by backoff_factor;
+   after growth_interval finite steps in a row it is multiplied by
+   growth_factor. */
+typedef struct mpt_loss_scale_desc {
+    mpt_loss_scale_mode mode;
+    float initial_scale;        /* default 32768 (2^15); fixed mode: the scale */
+    int64_t growth_interval;    /* default 2000                                 */
+    float growth_factor;        /* default 2                                    */
+    float backoff_factor;       /* default 0.5                                  */
+} mpt_loss_scale_desc;
+
+/* =============================================================================
+   @training: compile, fit, evaluate, predict, summary, history
+   ============================================================================= */
+
+enum {
+    MPT_METRIC_ACCURACY = 1 << 0,         /* "accuracy": argmax == label (sparse
+                                              labels) or == argmax of target     */
+    MPT_METRIC_SPARSE_TOP_K = 1 << 1      /* "sparse_top_k_categorical_accuracy" */
+};
+
+typedef struct mpt_compile_desc {
+    mpt_optimizer_desc optimizer;
+    mpt_loss_desc loss;                  /* required: loss.type               */
+    int metrics;                         /* MPT_METRIC_* bits; default none    */
+    int top_k;                           /* default 5                          */
+    mpt_loss_scale_desc loss_scale;
+} mpt_compile_desc;
+
+/* Sets the optimizer, loss, metrics and loss scaling. May be called before
+   or after build; the optimizer state is allocated with the other buffers. */
+MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc);
+
+/* Up to MPT_MAX_LOGS named values: one epoch's results, or one batch's. */
+#define MPT_MAX_LOGS 16
+typedef struct mpt_logs {
+    int count;
+    const char *names[MPT_MAX_LOGS];   /* "loss", "accuracy", "val_loss", ... */
+    double values[MPT_MAX_LOGS];
+} mpt_logs;
+
+/* The value named `name`, or NAN when it is not there. */
+MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name);
+
+/* A callback: any of the functions may be NULL. Setting *stop asks fit to
+   end after this batch or epoch (as Keras' model.stop_training). A status
+   other than MPT_OK ends fit with that status. Epochs count from 0. */
+typedef struct mpt_callback {
+    mpt_status (*on_train_begin)(void *user_data, mpt_model *m);
+    mpt_status (*on_epoch_begin)(void *user_data, mpt_model *m, int epoch);
+    mpt_status (*on_batch_end)(void *user_data, mpt_model *m, int64_t batch,
+                               const mpt_logs *logs, int *stop);
+    mpt_status (*on_epoch_end)(void *user_data, mpt_model *m, int epoch,
+                               const mpt_logs *logs, int *stop);
+    mpt_status (*on_train_end)(void *user_data, mpt_model *m, const mpt_logs *logs);
+    void *user_data;
+} mpt_callback;
+
+/* Where progress and summaries go. Default (fn NULL): stdout. */
+typedef struct mpt_printer {
+    void (*fn)(void *user_data, const char *text);
+    void *user_data;
+} mpt_printer;
+
+typedef struct mpt_dataset mpt_dataset;
+
+typedef struct mpt_fit_desc {
+    int epochs;                         /* default 1                           */
+    int initial_epoch;                  /* default 0; resuming: the first epoch */
+    int64_t batch_size;                 /* default 32: the global batch        */
+    int no_shuffle;                     /* default 0: reshuffled every epoch   */
+    const mpt_dataset *validation_data; /* default none                        */
+    float validation_split;             /* default 0; the last fraction of the
+                                           training data, taken before shuffling */
+    int verbose;                        /* 0 silent (default), 1 progress bar,
+                                           2 one line per epoch (Keras)        */
+    const mpt_callback *callbacks;      /* default none                        */
+    int n_callbacks;
+    mpt_printer printer;                /* default stdout                      */
+} mpt_fit_desc;
+
+/* Trains on `train` (builds the model for batch_size first if it is not
+   built). Shuffling follows the model's seed and the epoch, so a run is
+   reproducible. The history of every epoch is kept (mpt_model_history). */
+MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
+                                const mpt_fit_desc *desc);
+
+typedef struct mpt_evaluate_desc {
+    int64_t batch_size;                 /* default 32                          */
+    int verbose;                        /* default 0                           */
+    mpt_printer printer;
+} mpt_evaluate_desc;
+
+/* The loss and the compiled metrics over a whole dataset, into *logs. */
+MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
+                                     const mpt_evaluate_desc *desc, mpt_logs *logs);
+
+/* The model's float32 outputs for every sample of `data`, in order, into
+   out (an owned tensor of shape (n, output shape...); free it with
+   mpt_tensor_free). batch_size 0 means 32. */
+MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
+                                    int64_t batch_size, mpt_tensor *out);
+
+/* Writes a Keras-like table (layer, output shape, parameters, compute dtype,
+   then memory per category) into buf; returns the length it needs, like
+   snprintf. The model must be built. */
+MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
+
+/* The per-epoch history of the last fit: for each key ("loss", "accuracy",
+   "val_loss", "val_accuracy", "learning_rate", "loss_scale",
+   "skipped_steps", "epoch_seconds", "samples_per_second", ...), one value
+   per epoch. */
+typedef struct mpt_history {
+    int epochs;                       /* epochs recorded                */
+    int n_keys;
+    const char *keys[MPT_MAX_LOGS];
+    const double *values[MPT_MAX_LOGS]; /* values[k][e]: key k, epoch e  */
+} mpt_history;
+
+MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out);
+
+/* The learning rate's base value (what the schedule scales), e.g. for a
+   callback that lowers it; and the rate the next step will use. */
+MPTDEF float mpt_model_learning_rate(const mpt_model *m);
+MPTDEF mpt_status mpt_model_set_learning_rate(mpt_model *m, float learning_rate);
+MPTDEF float mpt_model_loss_scale(const mpt_model *m);
+
+/* =============================================================================
+   @data: datasets
+   ============================================================================= */
+
+typedef struct mpt_dataset_desc {
+    const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
+                              float16 or bfloat16                         */
+    const mpt_tensor *y;   /* required: (n,) int32 class ids, or (n, ...)
+                              float32 targets                              */
+    float scale;           /* uint8 x becomes x·scale + offset as it is
+                              batched; default (0) 1/255                  */
+    float offset;          /* default 0                                   */
+    int copy;              /* default 0: x and y are borrowed and must
+                              outlive the dataset; 1: copied               */
+} mpt_dataset_desc;
+
+/* A dataset over caller arrays. Float inputs are checked for NaN and inf,
+   and the counts of x and y must agree. */
+MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
+                                     mpt_dataset **out);
+/* Reads an IDX (MNIST-format) image file and label file, plain or gzip
+   (zlib): uint8 images (n, rows, cols, 1), int32 labels; checks the magic
+   numbers, dimensions, counts and truncation. */
+MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
+                                       const char *labels_path, mpt_dataset **out);
+/* The training or test part of an MNIST-format directory (Fashion-MNIST's
+   train-images-idx3-ubyte.gz, t10k-..., with or without .gz). */
+MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int test,
+                                         mpt_dataset **out);
+MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
+/* One sample's shape; returns its rank. */
+MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
+/* Two views sharing d's data: samples [0, first) and [first, n). Destroy
+   them before d. */
+MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                    mpt_dataset **head, mpt_dataset **tail);
+MPTDEF void mpt_dataset_destroy(mpt_dataset *d);
+
+/* =============================================================================
+   @callbacks: EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
+   ============================================================================= */
+
+typedef enum mpt_monitor_mode {
+    MPT_MODE_AUTO = 0, /* min for names ending in "loss", max otherwise */
+    MPT_MODE_MIN,
+    MPT_MODE_MAX
+} mpt_monitor_mode;
+
+typedef struct mpt_early_stopping_desc {
+    const char *monitor;        /* default "val_loss"                      */
+    float min_delta;            /* default 0                               */
+    int patience;               /* default 0                               */
+    mpt_monitor_mode mode;
+    int restore_best_weights;   /* default 0                               */
+    double baseline;            /* used when has_baseline                  */
+    int has_baseline;
+    int start_from_epoch;       /* default 0                               */
+    int verbose;                /* default 0; 1 prints "Epoch N: early stopping" */
+} mpt_early_stopping_desc;
+
+typedef struct mpt_reduce_lr_desc {
+    const char *monitor;        /* default "val_loss"                      */
+    float factor;               /* default 0.1; must be < 1                */
+    int patience;               /* default 10 (0 is taken as the default;
+                                   use has_patience for 0)                 */
+    int has_patience;
+    float min_delta;            /* default 1e-4                            */
+    int cooldown;               /* default 0                               */
+    float min_lr;               /* default 0                               */
+    mpt_monitor_mode mode;
+    int verbose;
+} mpt_reduce_lr_desc;
+
+typedef struct mpt_model_checkpoint_desc {
+    const char *filepath;       /* required; "{epoch}" becomes the 1-based epoch
+                                   (e.g. "ckpt-{epoch}.safetensors")        */
+    const char *monitor;        /* default "val_loss"                      */
+    int save_best_only;         /* default 0                               */
+    int save_weights_only;      /* default 0: the full training state      */
+    mpt_monitor_mode mode;
+    int verbose;                /* 1: Keras' "Epoch 3: val_loss improved from
+                                   0.51234 to 0.49000, saving model to ..." */
+} mpt_model_checkpoint_desc;
+
+typedef struct mpt_csv_logger_desc {
+    const char *filename;       /* required                                 */
+    char separator;             /* default ','                              */
+    int append;                 /* default 0                                */
+} mpt_csv_logger_desc;
+
+/* Each creates a callback whose state it owns; pass *out in fit's callbacks
+   and free it with mpt_callback_destroy. Messages go to the printer. */
+MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
+                                              mpt_callback *out);
+MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
+                                                    const mpt_reduce_lr_desc *d,
+                                                    mpt_callback *out);
+MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
+                                                const mpt_model_checkpoint_desc *d,
+                                                mpt_callback *out);
+MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger_desc *d,
+                                          mpt_callback *out);
+MPTDEF void mpt_callback_destroy(mpt_callback *cb);
+
+/* =============================================================================
+   @checkpoints: safetensors files
+   ============================================================================= */
+
+/* The float32 weights (every parameter, trainable or not) as a safetensors
+   file, written to a temporary file, fsync'ed, then renamed into place. */
+MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path);
+/* Loads weights saved by save_weights or save_checkpoint; every name,
+   dtype and shape must match the model (the model is left unchanged if
+   anything does not). */
+MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
+/* The full training state: weights, optimizer moments, step counters, loss
+   scale and its counter, learning rate, epoch, the data order's seed, and
+   the model's description in __metadata__. fit continues from it
+   bit-identically on the CPU (pass initial_epoch = the saved epoch). */
+MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
+MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
+/* Epochs completed, as recorded by fit and restored by load_checkpoint. */
+MPTDEF int mpt_model_epoch(const mpt_model *m);
 
 #ifdef __cplusplus
 }
@@ -2330,6 +2645,8 @@ typedef struct mpt__param {
     float *value;            /* (count) float32 master copy                   */
     float *grad;             /* (count) float32; NULL when not trainable      */
     void *compute;           /* (count) compute_dtype copy; == value if float32 */
+    float *slot[2];          /* (count) optimizer state: SGD's momentum, or
+                                Adam's m and v; NULL where unused             */
 } mpt__param;
 
 typedef union mpt__layer_desc {
@@ -2366,9 +2683,17 @@ struct mpt__layer {
     void *y;                                /* output of the last forward     */
 };
 
+/* fit's per-epoch history: values[k][e] for key k, epoch e. */
+typedef struct mpt__history_store {
+    int epochs, cap, n_keys;
+    char keys[MPT_MAX_LOGS][40];
+    double *values[MPT_MAX_LOGS];        /* [cap] each */
+} mpt__history_store;
+
 typedef enum mpt__category {
     MPT__MEM_PARAMS,      /* float32 master weights             */
     MPT__MEM_GRADS,       /* float32 gradients                  */
+    MPT__MEM_OPTIMIZER,   /* float32 optimizer state (slots)    */
     MPT__MEM_WEIGHT_COPY, /* compute-dtype copies of weights    */
     MPT__MEM_ACTIVATIONS, /* outputs, saved buffers, gradients  */
     MPT__MEM_WORKSPACE,   /* scratch shared by all layers       */
@@ -2391,6 +2716,17 @@ struct mpt_model {
     void *grad_buf[2];                   /* ping-pong activation gradients */
     int64_t last_batch;                  /* of the last forward, 0 if none */
     int last_training;
+    /* Training: set by compile, advanced by fit, saved in checkpoints. */
+    int compiled;
+    mpt_compile_desc compile;            /* every default resolved          */
+    int n_slots;                         /* optimizer state per parameter   */
+    int64_t optimizer_steps;             /* updates applied (Adam's t)      */
+    float learning_rate;                 /* base rate the schedule scales   */
+    float loss_scale;                    /* 1 when not scaling              */
+    int64_t good_steps;                  /* finite steps in a row           */
+    int64_t skipped_steps;               /* steps skipped for inf/NaN       */
+    int epoch;                           /* epochs completed                */
+    mpt__history_store history;
 };
 
 /* ---- declaring what a layer needs (called from its build) ---------------- */
@@ -2505,6 +2841,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     int c;
     if (!m) return;
     for (c = 0; c < MPT__MEM_COUNT_; c++) mpt__free(m->ctx, m->arena[c]);
+    for (c = 0; c < MPT_MAX_LOGS; c++) mpt__free(m->ctx, m->history.values[c]);
     mpt__free(m->ctx, m->layers);
     mpt__free(m->ctx, m->params);
     mpt__free(m->ctx, m);
@@ -2697,6 +3034,39 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
     return MPT_OK;
 }
 
+/* The optimizer's state, m->n_slots float32 tensors per trainable
+   parameter, zero-filled: allocated by build when the model is compiled
+   first, or by compile when it is built first (and again on recompiling,
+   which starts the optimizer afresh, as in Keras). */
+static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
+    int64_t floats = 0;
+    float *next;
+    int i, s;
+    mpt__free(m->ctx, m->arena[MPT__MEM_OPTIMIZER]);
+    m->arena[MPT__MEM_OPTIMIZER] = NULL;
+    m->arena_bytes[MPT__MEM_OPTIMIZER] = 0;
+    for (i = 0; i < m->n_params; i++) {
+        m->params[i].slot[0] = m->params[i].slot[1] = NULL;
+        if (m->params[i].trainable) floats += m->params[i].count * m->n_slots;
+    }
+    if (floats == 0) return MPT_OK;
+    next = (float *)mpt__calloc(m->ctx, (size_t)floats * sizeof(float));
+    if (!next)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "model: cannot allocate %lld bytes of optimizer state",
+                         (long long)floats * 4);
+    m->arena[MPT__MEM_OPTIMIZER] = next;
+    m->arena_bytes[MPT__MEM_OPTIMIZER] = floats * 4;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        for (s = 0; P->trainable && s < m->n_slots; s++) {
+            P->slot[s] = next;
+            next += P->count;
+        }
+    }
+    return MPT_OK;
+}
+
 MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     mpt__carver c[MPT__MEM_COUNT_];
     int64_t grad_buf_bytes, workspace_bytes;
@@ -2714,6 +3084,7 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     mpt__layout(m, c, grad_buf_bytes);
     c[MPT__MEM_WORKSPACE].used = workspace_bytes;
     for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        if (i == MPT__MEM_OPTIMIZER) continue; /* mpt__alloc_optimizer_state's */
         m->arena_bytes[i] = c[i].used;
         m->arena[i] = mpt__calloc(m->ctx, (size_t)c[i].used);
         if (!m->arena[i]) {
@@ -2733,7 +3104,7 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     for (i = 0; i < m->n_params; i++) mpt__init_param(m, i);
     m->built = 1;
     mpt_model_refresh_weights(m);
-    return MPT_OK;
+    return m->compiled ? mpt__alloc_optimizer_state(m) : MPT_OK;
 }
 
 /* ---- running a model ------------------------------------------------------ */
@@ -2770,23 +3141,37 @@ static void mpt__layer_view(const mpt_model *m, const mpt__layer *L, void *data,
     t->data = data;
 }
 
-MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
-                                    mpt_tensor *out) {
-    const void *cur;
-    mpt_dtype cur_dtype;
+static void mpt__pass_init(mpt_model *m, int64_t batch, int training, mpt__pass *p) {
+    memset(p, 0, sizeof *p);
+    p->ctx = m->ctx;
+    p->model = m;
+    p->batch = batch;
+    p->training = training != 0;
+    p->workspace = m->arena[MPT__MEM_WORKSPACE];
+}
+
+/* Folds what the last training forward measured into each layer's state
+   (BatchNormalization's moving statistics). fit calls it only for steps
+   that are applied, so a skipped step leaves every statistic as it was. */
+static void mpt__model_commit(mpt_model *m) {
     mpt__pass p;
     int i;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: forward before build");
-    MPT__CHECK(mpt__check_input(m, x));
-    memset(&p, 0, sizeof p);
-    p.ctx = m->ctx;
-    p.model = m;
-    p.batch = x->shape[0];
-    p.training = training != 0;
-    p.workspace = m->arena[MPT__MEM_WORKSPACE];
-    cur = x->data;
-    cur_dtype = x->dtype;
+    mpt__pass_init(m, m->last_batch, 1, &p);
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = &m->layers[i];
+        p.x = L->x;
+        p.y = L->y;
+        if (L->ops->commit) L->ops->commit(L, &p);
+    }
+}
+
+/* Forward without the checks and without committing layer state. */
+static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) {
+    const void *cur = x->data;
+    mpt_dtype cur_dtype = x->dtype;
+    mpt__pass p;
+    int i;
+    mpt__pass_init(m, x->shape[0], training, &p);
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
         if (cur_dtype != L->dtype) {
@@ -2798,12 +3183,20 @@ MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int train
         p.x = L->x;
         p.y = L->y;
         L->ops->forward(L, &p);
-        if (p.training && L->ops->commit) L->ops->commit(L, &p);
         cur = L->y;
         cur_dtype = L->dtype;
     }
     m->last_batch = p.batch;
     m->last_training = p.training;
+}
+
+MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
+                                    mpt_tensor *out) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: forward before build");
+    MPT__CHECK(mpt__check_input(m, x));
+    mpt__model_forward(m, x, training);
+    if (training) mpt__model_commit(m);
     if (out) mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, out);
     return MPT_OK;
 }
@@ -2844,12 +3237,7 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
             mpt__convert(m->ctx, last->dtype, m->grad_buf[0], dout->dtype, dout->data,
                          mpt_tensor_count(dout));
     }
-    memset(&p, 0, sizeof p);
-    p.ctx = m->ctx;
-    p.model = m;
-    p.batch = m->last_batch;
-    p.training = 1;
-    p.workspace = m->arena[MPT__MEM_WORKSPACE];
+    mpt__pass_init(m, m->last_batch, 1, &p);
     for (i = m->n_layers - 1; i >= 0; i--) {
         mpt__layer *L = &m->layers[i];
         p.x = L->x;
@@ -4779,6 +5167,12 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
     *loss = sum / count;
     return MPT_OK;
 }
+
+#include "wip/optim.h"
+#include "wip/data.h"
+#include "wip/train.h"
+#include "wip/callbacks.h"
+#include "wip/checkpoint.h"
 
 #endif /* MPT__IMPLEMENTED */
 #endif /* MPT_IMPLEMENTATION */

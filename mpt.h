@@ -2727,7 +2727,31 @@ struct mpt_model {
     int64_t skipped_steps;               /* steps skipped for inf/NaN       */
     int epoch;                           /* epochs completed                */
     mpt__history_store history;
+    mpt_printer printer;                 /* progress and messages (fit's)   */
 };
+
+/* Prints through the model's printer (stdout by default): progress bars,
+   summaries, callbacks' messages. */
+static void mpt__print(const mpt_model *m, const char *fmt, ...) {
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    if (m->printer.fn) {
+        m->printer.fn(m->printer.user_data, text);
+    } else {
+        fputs(text, stdout);
+        fflush(stdout);
+    }
+}
+
+MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name) {
+    int i;
+    for (i = 0; logs && name && i < logs->count; i++)
+        if (strcmp(logs->names[i], name) == 0) return logs->values[i];
+    return NAN;
+}
 
 /* ---- declaring what a layer needs (called from its build) ---------------- */
 

@@ -5,6 +5,8 @@
 #                       errors, run every test under AddressSanitizer + UBSan, and
 #                       end with "N passed, N failed, N skipped"
 #   ./build.sh bench    build and run the CPU benchmarks (results: bench/RESULTS.md)
+#   ./build.sh run      install Fashion-MNIST if missing (as root) and train
+#                       examples/mlp.c with the progress bar
 set -uo pipefail
 cd "$(dirname "$0")"
 
@@ -18,7 +20,7 @@ B=build
 mkdir -p "$B"
 
 # Debian packages the tests and examples need; installed only when missing and root.
-DEB_PACKAGES="zlib1g-dev"
+DEB_PACKAGES="zlib1g-dev dataset-fashion-mnist"
 
 install_packages() {
     local missing=()
@@ -163,7 +165,9 @@ run_tests() {
             continue
         fi
         out=$B/$name.out
-        ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "./$B/$name" >"$out" 2>&1
+        # A hung test (a deadlocked loader thread, say) fails instead of stalling CI.
+        ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+            timeout 900 "./$B/$name" >"$out" 2>&1
         local rc=$?
         cat "$out"
         passed=$((passed + $(grep -c '^PASS ' "$out")))
@@ -180,9 +184,15 @@ run_tests() {
 case ${1:-all} in
 all) build_all ;;
 test) run_tests ;;
+run)
+    install_packages
+    cc_prog mlp examples/mlp.c || exit 1
+    shift
+    "./$B/mlp" --verbose 1 "$@"
+    ;;
 bench)
     build_all || exit 1
     for b in bench/*.c; do "./$B/$(basename "$b" .c)"; done
     ;;
-*) echo "usage: ./build.sh [all|test|bench]" >&2; exit 2 ;;
+*) echo "usage: ./build.sh [all|test|bench|run]" >&2; exit 2 ;;
 esac

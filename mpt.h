@@ -12,13 +12,15 @@
        #define MPT_IMPLEMENTATION
        #include "mpt.h"
 
-   Build line (pthreads, libm):
-       cc -O2 my_trainer.c -lpthread -lm -o my_trainer
+   Build line (pthreads, libm, zlib):
+       cc -O2 my_trainer.c -lpthread -lm -lz -o my_trainer
 
    OPTIONAL DEFINES
        MPT_STATIC     make every function static to the implementing file.
        MPT_NO_SIMD    compile only the portable paths (no AVX2/AVX-512/F16C);
                       without it those paths are chosen at run time by CPUID.
+       MPT_NO_ZLIB    build without zlib (no -lz): gzip-compressed IDX files
+                      then give MPT_ERR_UNSUPPORTED; plain ones still load.
 
    ENVIRONMENT
        MPT_NUM_THREADS   threads of a context whose descriptor leaves
@@ -520,7 +522,7 @@ typedef struct mpt_optimizer_desc {
     float epsilon;             /* Adam(W); default 1e-7 (Keras)               */
     float weight_decay;        /* decoupled (w -= lr·wd·w); AdamW default 0.004
                                   (Keras), others 0                          */
-    float l2;                  /* L2 penalty: wd·w added to the gradient;
+    float l2;                  /* L2 penalty: l2·w added to the gradient;
                                   default 0                                  */
     float clip_global_norm;    /* default 0: none; else the gradients are
                                   scaled so that their global norm is at most
@@ -662,7 +664,8 @@ typedef struct mpt_history {
 MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out);
 
 /* The learning rate's base value (what the schedule scales), e.g. for a
-   callback that lowers it; and the rate the next step will use. */
+   callback that lowers it. The history's "learning_rate" is the rate the
+   schedule gave at the end of each epoch. */
 MPTDEF float mpt_model_learning_rate(const mpt_model *m);
 MPTDEF mpt_status mpt_model_set_learning_rate(mpt_model *m, float learning_rate);
 MPTDEF float mpt_model_loss_scale(const mpt_model *m);
@@ -699,8 +702,9 @@ MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int 
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
 /* One sample's shape; returns its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
-/* Two views sharing d's data: samples [0, first) and [first, n). Destroy
-   them before d. */
+/* Two views sharing d's data: samples [0, first) and [first, n), with
+   first in 1..n-1; head or tail may be NULL. The views and d may be
+   destroyed in any order. */
 MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                     mpt_dataset **head, mpt_dataset **tail);
 MPTDEF void mpt_dataset_destroy(mpt_dataset *d);
@@ -782,10 +786,15 @@ MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path);
    dtype and shape must match the model (the model is left unchanged if
    anything does not). */
 MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
-/* The full training state: weights, optimizer moments, step counters, loss
-   scale and its counter, learning rate, epoch, the data order's seed, and
-   the model's description in __metadata__. fit continues from it
-   bit-identically on the CPU (pass initial_epoch = the saved epoch). */
+/* The full training state: weights ("dense/kernel", ...), optimizer moments
+   ("optimizer/dense/kernel/m", ...), step counters, loss scale and its
+   counter, learning rate and epoch ("train/..."), and the model's
+   description, policy and seed in __metadata__. Loaded into a model built
+   the same way with the same seed (a different seed is only warned about:
+   the seed orders the data and keys dropout), fit continues from it
+   bit-identically on the CPU (pass initial_epoch = mpt_model_epoch). The
+   model is unchanged when a check fails; only a read error after every
+   check has passed can leave the weights partly loaded, and says so. */
 MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
 MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
 /* Epochs completed, as recorded by fit and restored by load_checkpoint. */
@@ -811,6 +820,7 @@ MPTDEF int mpt_model_epoch(const mpt_model *m);
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #if !defined(MPT_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && \
@@ -2615,6 +2625,9 @@ typedef struct mpt__pass {
     const void *dy;  /* backward: (batch, out_shape)                        */
     void *dx;        /* backward: (batch, in_shape); NULL when nobody needs it */
     void *workspace; /* L->workspace_bytes, free for this call's use          */
+    int logits_only; /* the last layer's softmax is left to the loss (fit
+                        fuses softmax and crossentropy): forward and
+                        backward skip it                                     */
 } mpt__pass;
 
 typedef struct mpt__layer_ops {
@@ -2716,6 +2729,7 @@ struct mpt_model {
     void *grad_buf[2];                   /* ping-pong activation gradients */
     int64_t last_batch;                  /* of the last forward, 0 if none */
     int last_training;
+    int emit_logits;                     /* the last layer skips its softmax */
     /* Training: set by compile, advanced by fit, saved in checkpoints. */
     int compiled;
     mpt_compile_desc compile;            /* every default resolved          */
@@ -3091,6 +3105,22 @@ static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
     return MPT_OK;
 }
 
+/* The activation a layer ends with (Dense's and Activation's; none else). */
+static mpt_activation mpt__layer_activation(const mpt__layer *L) {
+    if (strcmp(L->ops->class_name, "Dense") == 0) return L->desc.dense.activation;
+    if (strcmp(L->ops->class_name, "Activation") == 0) return L->desc.activation.activation;
+    return MPT_ACT_NONE;
+}
+
+/* Keras' advice for mixed precision, followed by default: the final
+   softmax computes in float32, so the probabilities (and the logits the
+   loss reads) are float32. A dtype given for that layer wins. */
+static void mpt__final_softmax_in_float32(mpt_model *m) {
+    mpt__layer *L = &m->layers[m->n_layers - 1];
+    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.flatten.dtype == MPT_DTYPE_DEFAULT)
+        L->dtype = MPT_FLOAT32;
+}
+
 MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     mpt__carver c[MPT__MEM_COUNT_];
     int64_t grad_buf_bytes, workspace_bytes;
@@ -3103,6 +3133,7 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
                          (long long)max_batch);
     m->max_batch = max_batch;
     m->n_params = 0;
+    mpt__final_softmax_in_float32(m);
     MPT__CHECK(mpt__build_layers(m, &grad_buf_bytes, &workspace_bytes));
     memset(c, 0, sizeof c);
     mpt__layout(m, c, grad_buf_bytes);
@@ -3206,6 +3237,7 @@ static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) 
         if (L->output_is_input) L->y = (void *)cur;
         p.x = L->x;
         p.y = L->y;
+        p.logits_only = m->emit_logits && i == m->n_layers - 1;
         L->ops->forward(L, &p);
         cur = L->y;
         cur_dtype = L->dtype;
@@ -3268,6 +3300,7 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
         p.y = L->y;
         p.dy = m->grad_buf[cur];
         p.dx = (i > 0 || dinput) ? m->grad_buf[1 - cur] : NULL;
+        p.logits_only = m->emit_logits && i == m->n_layers - 1;
         L->ops->backward(L, &p);
         if (i > 0 && m->layers[i - 1].dtype != L->dtype) {
             /* dy is spent: the converted gradient goes back into its buffer. */
@@ -3420,10 +3453,16 @@ static mpt_status mpt__dense_build(mpt_model *m, mpt__layer *L) {
     return mpt__layer_set_workspace(m, L, 12 * units + 2 * units + 4 * in, 5 * MPT__ALIGN);
 }
 
+/* The activation a pass applies: none where the loss takes the logits. */
+static mpt_activation mpt__pass_activation(const mpt__pass *p, mpt_activation act) {
+    return p->logits_only && act == MPT_ACT_SOFTMAX ? MPT_ACT_NONE : act;
+}
+
 static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     const mpt_dense_desc *d = &L->desc.dense;
     int64_t B = p->batch, in = L->in_count, units = d->units, n = B * units;
-    int fused = d->activation != MPT_ACT_GELU && d->activation != MPT_ACT_SOFTMAX;
+    mpt_activation act = mpt__pass_activation(p, d->activation);
+    int fused = act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX;
     mpt__ws w = {(unsigned char *)p->workspace};
     float *acc = (L->dtype == MPT_FLOAT32 && fused) ? (float *)p->y
                                                     : (float *)mpt__ws_take(&w, 4 * n);
@@ -3440,12 +3479,12 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     g.c = acc;
     g.ldc = units;
     g.bias = d->no_bias ? NULL : mpt__pv(L, 1);
-    g.activation = fused ? d->activation : MPT_ACT_NONE;
+    g.activation = fused ? act : MPT_ACT_NONE;
     mpt__gemm(p->ctx, &g);
-    if (d->activation == MPT_ACT_GELU) {
+    if (act == MPT_ACT_GELU) {
         mpt__convert(p->ctx, L->dtype, L->saved[0], MPT_FLOAT32, acc, n);
         mpt__activation_forward(MPT_ACT_GELU, acc, n);
-    } else if (d->activation == MPT_ACT_SOFTMAX) {
+    } else if (act == MPT_ACT_SOFTMAX) {
         mpt__softmax_rows(acc, B, units);
     }
     if (acc != p->y) mpt__convert(p->ctx, L->dtype, p->y, MPT_FLOAT32, acc, n);
@@ -3459,8 +3498,8 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     float *tmp = (float *)mpt__ws_take(&w, 4 * n);
     void *dz_c = L->dtype == MPT_FLOAT32 ? (void *)dz : mpt__ws_take(&w, mpt__dbytes(L->dtype, n));
     mpt_gemm_desc g;
-    mpt__activation_grad(p->ctx, d->activation, L->dtype, L->saved[0], p->y, p->dy, dz, tmp, n,
-                         units);
+    mpt__activation_grad(p->ctx, mpt__pass_activation(p, d->activation), L->dtype, L->saved[0],
+                         p->y, p->dy, dz, tmp, n, units);
     if (!d->no_bias) mpt__column_sums(dz, B, units, mpt__pg(L, 1));
     /* The weight and input gradients are products in the compute dtype,
        as the forward was: dz is rounded to it once. */
@@ -3562,11 +3601,12 @@ static mpt_status mpt__activation_build(mpt_model *m, mpt__layer *L) {
 static void mpt__activation_layer_forward(mpt__layer *L, const mpt__pass *p) {
     int64_t n = p->batch * L->in_count, cols = L->in_shape[L->in_rank - 1];
     float *t = (float *)p->workspace;
+    mpt_activation act = mpt__pass_activation(p, L->desc.activation.activation);
     mpt__convert(p->ctx, MPT_FLOAT32, t, L->dtype, p->x, n);
-    if (L->desc.activation.activation == MPT_ACT_SOFTMAX)
+    if (act == MPT_ACT_SOFTMAX)
         mpt__softmax_rows(t, n / cols, cols);
     else
-        mpt__activation_forward(L->desc.activation.activation, t, n);
+        mpt__activation_forward(act, t, n);
     mpt__convert(p->ctx, L->dtype, p->y, MPT_FLOAT32, t, n);
 }
 
@@ -3576,8 +3616,8 @@ static void mpt__activation_layer_backward(mpt__layer *L, const mpt__pass *p) {
     float *dz = (float *)mpt__ws_take(&w, 4 * n);
     float *tmp = (float *)mpt__ws_take(&w, 4 * n);
     if (!p->dx) return;
-    mpt__activation_grad(p->ctx, L->desc.activation.activation, L->dtype, p->x, p->y, p->dy, dz,
-                         tmp, n, cols);
+    mpt__activation_grad(p->ctx, mpt__pass_activation(p, L->desc.activation.activation),
+                         L->dtype, p->x, p->y, p->dy, dz, tmp, n, cols);
     mpt__convert(p->ctx, L->dtype, p->dx, MPT_FLOAT32, dz, n);
 }
 

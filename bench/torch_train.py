@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""PyTorch twin of bench/bench_train.c: samples/s of one training epoch of the
+seed MLP and the CNN on Fashion-MNIST on the CPU, for comparison with mpt.h.
+
+    /usr/bin/python3 bench/torch_train.py                 # both models, float32
+    /usr/bin/python3 bench/torch_train.py --model mlp --repeat 3 --bf16
+
+Same models, data, batch size (128), optimizer (Adam, lr 1e-3, eps 1e-7 as
+Keras), loss (CrossEntropyLoss on logits: the softmax fused into the loss, as
+mpt.h's fit fuses it), shuffling every epoch, and thread count
+(torch.set_num_threads(2), one inter-op thread). The MLP trains on all
+60,000 training images, the CNN on the first 6,400, as bench_train does.
+Each measured epoch follows a warm-up pass over the first 1,280 images.
+
+The time per step is split as bench_train splits it: forward = the model and
+the loss, backward = loss.backward(), update = optimizer.step() (with
+zero_grad(set_to_none=True) before the forward, counted in "other", with
+batching the data). The data is a float32 tensor in memory (/255 once), and
+a batch is gathered by indexing with the epoch's permutation.
+
+--bf16 also measures torch.autocast("cpu", dtype=torch.bfloat16) where the
+installed torch supports it (the model's weights stay float32, as mpt.h's
+mixed_bfloat16). Prints a Markdown table and one JSON line per result.
+"""
+import argparse
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+def read_idx(path):
+    """An IDX file (plain or .gz) as a numpy array."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    dtype_code, rank = data[2], data[3]
+    if data[0] != 0 or data[1] != 0 or dtype_code != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte IDX file")
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(rank)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * rank).reshape(dims)
+
+
+def find(data_dir, name):
+    for candidate in (name + ".gz", name):
+        path = os.path.join(data_dir, candidate)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(os.path.join(data_dir, name + "[.gz]"))
+
+
+def load_train(data_dir):
+    x = read_idx(find(data_dir, "train-images-idx3-ubyte"))
+    y = read_idx(find(data_dir, "train-labels-idx1-ubyte"))
+    x = torch.from_numpy(x.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)  # NCHW
+    y = torch.from_numpy(y.astype(np.int64))
+    return x, y
+
+
+def mlp():
+    """Flatten -> Dense(1024, relu) -> Dense(10) (softmax fused into the loss)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def cnn():
+    """examples/cnn.c. Keras' BatchNormalization: momentum 0.99 (PyTorch's
+    momentum is 1 - that), epsilon 1e-3."""
+    def block(cin, cout):
+        return [nn.Conv2d(cin, cout, 3), nn.ReLU(), nn.BatchNorm2d(cout, eps=1e-3, momentum=0.01),
+                nn.Conv2d(cout, cout, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25)]
+    return nn.Sequential(*block(1, 32), *block(32, 64), nn.Flatten(),
+                         nn.Linear(64 * 4 * 4, 512), nn.ReLU(),
+                         nn.BatchNorm1d(512, eps=1e-3, momentum=0.01), nn.Dropout(0.5),
+                         nn.Linear(512, 10))
+
+
+def epoch(model, opt, loss_fn, x, y, batch, autocast, generator):
+    """One shuffled epoch; returns (seconds, forward, backward, update seconds, steps)."""
+    n = x.shape[0]
+    order = torch.randperm(n, generator=generator)
+    fwd = bwd = upd = 0.0
+    steps = 0
+    total = 0.0
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        idx = order[i:i + batch]
+        xb, yb = x[idx], y[idx]
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        if autocast is not None:
+            with torch.autocast("cpu", dtype=autocast):
+                loss = loss_fn(model(xb), yb)
+        else:
+            loss = loss_fn(model(xb), yb)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        total += loss.item()
+        fwd += t1 - t0
+        bwd += t2 - t1
+        upd += t3 - t2
+        steps += 1
+    return time.perf_counter() - start, fwd, bwd, upd, steps
+
+
+def blas_info():
+    try:
+        cfg = torch.__config__.show()
+    except Exception:  # noqa: BLE001 - older or stripped builds
+        return "?"
+    m = re.search(r"BLAS_INFO=([^,\s]+)", cfg)
+    info = m.group(1) if m else "?"
+    if "MKL-DNN" in cfg or "oneDNN" in cfg:
+        info += "+onednn"
+    # Debian's torch says BLAS_INFO=generic and calls libblas.so.3, which is
+    # OpenBLAS where libopenblas0-pthread is installed; name what is loaded.
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {os.path.basename(line.split()[-1]) for line in f
+                    if "blas" in line.lower() and line.split()[-1].startswith("/")}
+        loaded = sorted({re.sub(r"\.so.*", "", lib) for lib in libs})
+        real = [os.path.realpath(p) for p in ("/usr/lib/x86_64-linux-gnu/libblas.so.3",)
+                if os.path.exists(p)]
+        if loaded:
+            info += " (" + ",".join(loaded)
+            if real and "libblas" in loaded:
+                info += ": " + real[0]
+            info += ")"
+    except OSError:
+        pass
+    return info
+
+
+def matmul_gflops():
+    """A 1024³ float32 matmul's GFLOP/s: tells a fast BLAS from the reference one."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 1024 ** 3 / best / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="all", choices=["mlp", "cnn", "all"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--mlp-samples", type=int, default=60000)
+    ap.add_argument("--cnn-samples", type=int, default=6400)
+    ap.add_argument("--warmup-samples", type=int, default=1280)
+    ap.add_argument("--repeat", type=int, default=1, help="measured epochs; the median is reported")
+    ap.add_argument("--bf16", action="store_true", help="also bfloat16 autocast, if supported")
+    ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    torch.manual_seed(42)
+    x, y = load_train(args.data)
+    blas = blas_info()
+    gflops = matmul_gflops()
+    # How idle OpenMP threads wait decides a lot on a shared host: libgomp's
+    # default spins, and spinning threads starve the working ones when other
+    # processes hold cores. compare_torch.sh runs both settings.
+    config = "omp_wait=" + os.environ.get("OMP_WAIT_POLICY", "default").lower()
+    print(f"# PyTorch {torch.__version__} ({blas}), {torch.get_num_threads()} threads, "
+          f"batch {args.batch_size}, {config}, 1024^3 matmul {gflops:.1f} GFLOP/s, "
+          f"python {sys.version.split()[0]}")
+
+    policies = [("float32", None)]
+    if args.bf16:
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                torch.ones(2, 2) @ torch.ones(2, 2)
+            policies.append(("autocast_bfloat16", torch.bfloat16))
+        except Exception as e:  # noqa: BLE001
+            print(f"# bfloat16 autocast unsupported: {e}")
+
+    print("\n| model | policy | samples/s | min..max | forward ms | backward ms | update ms | other ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    lines = []
+    for name, build, samples in (("mlp", mlp, args.mlp_samples), ("cnn", cnn, args.cnn_samples)):
+        if args.model not in ("all", name):
+            continue
+        xs, ys = x[:samples], y[:samples]
+        for policy, dtype in policies:
+            torch.manual_seed(42)
+            gen = torch.Generator().manual_seed(42)
+            model = build()
+            model.train()
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
+            loss_fn = nn.CrossEntropyLoss()
+            epoch(model, opt, loss_fn, x[:args.warmup_samples], y[:args.warmup_samples],
+                  args.batch_size, dtype, gen)
+            runs = [epoch(model, opt, loss_fn, xs, ys, args.batch_size, dtype, gen)
+                    for _ in range(args.repeat)]
+            sps = [samples / r[0] for r in runs]
+            med = lambda k: statistics.median(1e3 * r[k] / r[4] for r in runs)  # noqa: E731
+            fwd, bwd, upd = med(1), med(2), med(3)
+            other = statistics.median(1e3 * (r[0] - r[1] - r[2] - r[3]) / r[4] for r in runs)
+            s = statistics.median(sps)
+            print(f"| {name} | {policy} | {s:.0f} | {min(sps):.0f}..{max(sps):.0f} | {fwd:.2f} "
+                  f"| {bwd:.2f} | {upd:.2f} | {other:.2f} |", flush=True)
+            lines.append(json.dumps({
+                "bench": "train", "framework": "pytorch", "version": torch.__version__,
+                "blas": blas, "config": config, "matmul_gflops": round(gflops, 1), "model": name,
+                "policy": policy, "threads": torch.get_num_threads(), "batch": args.batch_size,
+                "samples": samples, "repeats": args.repeat, "samples_per_s": round(s, 1),
+                "samples_per_s_min": round(min(sps), 1), "samples_per_s_max": round(max(sps), 1),
+                "forward_ms": round(fwd, 3), "backward_ms": round(bwd, 3),
+                "update_ms": round(upd, 3), "other_ms": round(other, 3)},
+                separators=(",", ":")))
+    print()
+    for line in lines:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+/* What the Fashion-MNIST examples share: their command-line flags and the
+   JSON line they end with. Include after mpt.h. */
+#ifndef MPT_EXAMPLES_COMMON_H
+#define MPT_EXAMPLES_COMMON_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct options {
+    mpt_policy policy;
+    const char *policy_name;
+    const char *data;       /* an MNIST-format directory */
+    int epochs;
+    int64_t batch_size;
+    int threads;            /* 0: MPT_NUM_THREADS, else every CPU */
+    int verbose;            /* as Keras' fit: 0, 1 or 2 */
+    uint64_t seed;
+} options;
+
+/* Reads --policy, --epochs, --batch-size, --threads, --data, --seed and
+   --verbose over the defaults already in *o; returns 0 after printing
+   the usage when something is wrong. */
+static int parse_options(int argc, char **argv, options *o) {
+    int i;
+    for (i = 1; i + 1 < argc; i += 2) {
+        const char *flag = argv[i], *value = argv[i + 1];
+        if (!strcmp(flag, "--policy")) o->policy_name = value;
+        else if (!strcmp(flag, "--epochs")) o->epochs = atoi(value);
+        else if (!strcmp(flag, "--batch-size")) o->batch_size = atoll(value);
+        else if (!strcmp(flag, "--threads")) o->threads = atoi(value);
+        else if (!strcmp(flag, "--data")) o->data = value;
+        else if (!strcmp(flag, "--seed")) o->seed = strtoull(value, NULL, 10);
+        else if (!strcmp(flag, "--verbose")) o->verbose = atoi(value);
+        else break;
+    }
+    if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
+    else if (!strcmp(o->policy_name, "mixed_float16")) o->policy = MPT_POLICY_MIXED_FLOAT16;
+    else if (!strcmp(o->policy_name, "mixed_bfloat16")) o->policy = MPT_POLICY_MIXED_BFLOAT16;
+    else i = -1;
+    if (i != argc) {
+        fprintf(stderr, "usage: %s [--policy float32|mixed_float16|mixed_bfloat16] [--epochs N]\n"
+                        "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
+                        "          [--verbose 0|1|2]\n", argv[0]);
+        return 0;
+    }
+    return 1;
+}
+
+/* The last epoch's training speed from the model's history. */
+static double last_samples_per_second(const mpt_model *model) {
+    mpt_history h;
+    int k;
+    mpt_model_history(model, &h);
+    for (k = 0; k < h.n_keys; k++)
+        if (!strcmp(h.keys[k], "samples_per_second") && h.epochs > 0)
+            return h.values[k][h.epochs - 1];
+    return 0;
+}
+
+static void print_result(const char *model_name, const options *o, const mpt_model *model,
+                         mpt_context *ctx, const mpt_logs *test) {
+    mpt_history h;
+    mpt_model_history(model, &h);
+    printf("{\"model\":\"%s\",\"policy\":\"%s\",\"epochs\":%d,\"batch_size\":%lld,"
+           "\"threads\":%d,\"test_loss\":%.4f,\"test_accuracy\":%.4f,"
+           "\"train_samples_per_s\":%.0f}\n",
+           model_name, o->policy_name, h.epochs, (long long)o->batch_size,
+           mpt_context_num_threads(ctx), mpt_logs_get(test, "loss"),
+           mpt_logs_get(test, "accuracy"), last_samples_per_second(model));
+}
+
+#define TRY(call)                                                          \
+    do {                                                                   \
+        if ((call) != MPT_OK) {                                            \
+            fprintf(stderr, "%s: %s\n", argv[0], mpt_context_error(ctx));  \
+            return 1;                                                      \
+        }                                                                  \
+    } while (0)
+
+#endif

@@ -1,0 +1,51 @@
+/* The seed MLP on Fashion-MNIST: Flatten -> Dense(1024, relu) ->
+   Dense(10, softmax), Adam, batch 128, mixed_float16 by default.
+
+   Build: cc -O2 mlp.c -lpthread -lm -lz -o mlp          (in examples/)
+   Run:   ./mlp [--policy float32|mixed_float16|mixed_bfloat16] [--epochs 10]
+                [--batch-size 128] [--threads N] [--data DIR] [--verbose 1]
+
+   Shows Keras' progress bar, then one JSON line with the results. */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "common.h"
+
+int main(int argc, char **argv) {
+    options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
+                 10, 128, 0, 1, 1};
+    mpt_context *ctx;
+    mpt_model *model;
+    mpt_dataset *train, *test;
+    mpt_logs result;
+    char summary[4096];
+    if (!parse_options(argc, argv, &o)) return 2;
+    if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
+        return 1;
+    TRY(mpt_dataset_load_mnist(ctx, o.data, 0, &train));
+    TRY(mpt_dataset_load_mnist(ctx, o.data, 1, &test));
+
+    TRY(mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 }, .input_rank = 3,
+                                                 .policy = o.policy, .seed = o.seed }, &model));
+    TRY(mpt_model_add_flatten(model, NULL));
+    TRY(mpt_model_add_dense(model, &(mpt_dense_desc){ .units = 1024, .activation = MPT_ACT_RELU }));
+    TRY(mpt_model_add_dense(model, &(mpt_dense_desc){ .units = 10, .activation = MPT_ACT_SOFTMAX }));
+    TRY(mpt_model_compile(model, &(mpt_compile_desc){
+        .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-3f },
+        .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
+        .metrics = MPT_METRIC_ACCURACY }));
+    TRY(mpt_model_build(model, o.batch_size));
+    if (o.verbose && mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
+
+    TRY(mpt_model_fit(model, train, &(mpt_fit_desc){ .epochs = o.epochs,
+                                                     .batch_size = o.batch_size,
+                                                     .verbose = o.verbose }));
+    TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
+                           &result));
+    print_result("mlp", &o, model, ctx, &result);
+
+    mpt_model_destroy(model);
+    mpt_dataset_destroy(test);
+    mpt_dataset_destroy(train);
+    mpt_context_destroy(ctx);
+    return 0;
+}

@@ -1,0 +1,1094 @@
+/* Checkpoints in safetensors format: round trips of the weights and of the
+   full training state, the exact bytes of a file, models that do not match
+   a file, malformed files, crash safety of saving, and (where Python has
+   safetensors and numpy) files that the reference library reads and writes. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, opendir */
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* >= 0: saving fails with ENOSPC after this many bytes (see checkpoint.h). */
+static long long fail_after = -1;
+#define MPT__CHECKPOINT_FAIL_AFTER_BYTES fail_after
+
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "helpers.h"
+
+static mpt_context *ctx; /* one thread; errors counted, warnings kept */
+static char dir[64];     /* a fresh directory for this run's files */
+static char last_warning[1024];
+
+static void test_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    if (level == MPT_LOG_ERROR) count_errors++;
+    if (level == MPT_LOG_WARNING) snprintf(last_warning, sizeof last_warning, "%s", msg);
+}
+
+/* ---- files ------------------------------------------------------------------- */
+
+static const char *path_of(char *buf, const char *name) {
+    snprintf(buf, 256, "%s/%s", dir, name);
+    return buf;
+}
+
+/* The whole file (malloc'd; NULL if it cannot be read), its size in *n. */
+static unsigned char *slurp(const char *path, long *n) {
+    FILE *f = fopen(path, "rb");
+    unsigned char *buf;
+    *n = -1;
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    *n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    buf = (unsigned char *)malloc((size_t)*n + 1);
+    if (buf && fread(buf, 1, (size_t)*n, f) != (size_t)*n) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    return buf;
+}
+
+static void spit(const char *path, const void *bytes, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (f) {
+        fwrite(bytes, 1, n, f);
+        fclose(f);
+    }
+}
+
+/* A safetensors file from its JSON (padded with spaces to a multiple of 8)
+   and its data. */
+static void write_st(const char *path, const char *json, const void *data, size_t data_len) {
+    size_t len = strlen(json), n = (len + 7) / 8 * 8, i;
+    unsigned char *buf = (unsigned char *)calloc(1, 8 + n + data_len + 1);
+    for (i = 0; i < 8; i++) buf[i] = (unsigned char)((unsigned long long)n >> (8 * i));
+    memcpy(buf + 8, json, len);
+    memset(buf + 8 + len, ' ', n - len);
+    if (data_len) memcpy(buf + 8 + n, data, data_len);
+    spit(path, buf, 8 + n + data_len);
+    free(buf);
+}
+
+/* The header's JSON of a safetensors file (malloc'd), or NULL. */
+static char *header_of(const char *path) {
+    long n;
+    unsigned char *b = slurp(path, &n);
+    unsigned long long len = 0;
+    char *json = NULL;
+    int i;
+    if (b && n >= 8) {
+        for (i = 0; i < 8; i++) len |= (unsigned long long)b[i] << (8 * i);
+        if (len <= (unsigned long long)n - 8) {
+            json = (char *)malloc(len + 1);
+            memcpy(json, b + 8, len);
+            json[len] = 0;
+        }
+    }
+    free(b);
+    return json;
+}
+
+/* How many files in dir have a name starting with prefix. */
+static int files_starting(const char *prefix) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int n = 0;
+    if (!d) return -1;
+    while ((e = readdir(d)) != NULL) n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+    closedir(d);
+    return n;
+}
+
+static void remove_dir(void) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char p[512];
+    if (!d) return;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+        remove(p);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
+/* ---- models ------------------------------------------------------------------ */
+
+typedef struct arch {
+    mpt_policy policy;
+    uint64_t seed;
+    int64_t units;   /* of the Dense; default 5 */
+    int no_bn;       /* leave BatchNormalization out */
+    int extra_dense; /* a second Dense (3 units) at the end */
+} arch;
+
+/* Conv2D -> BatchNormalization -> Flatten -> Dense (-> Dense) on 6x6x2 images. */
+static mpt_model *make_model(arch a) {
+    mpt_model *m = NULL;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6, 6, 2}, .input_rank = 3,
+                                                  .policy = a.policy, .seed = a.seed},
+                           &m) == MPT_OK, "create: %s", mpt_context_error(ctx));
+    if (!m) return NULL;
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
+                                               .padding = MPT_PADDING_SAME,
+                                               .activation = MPT_ACT_RELU});
+    if (!a.no_bn) mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.momentum = 0.9f});
+    mpt_model_add_flatten(m, &(mpt_flatten_desc){0});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = a.units ? a.units : 5});
+    if (a.extra_dense) mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* Dense(2) on 3 inputs: dense/kernel (3, 2) and dense/bias (2,). */
+static mpt_model *make_tiny(void) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1}, &m);
+    if (!m) return NULL;
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build tiny: %s", mpt_context_error(ctx));
+    return m;
+}
+
+static mpt_status compile_with(mpt_model *m, mpt_optimizer_type type, float momentum) {
+    mpt_compile_desc c;
+    memset(&c, 0, sizeof c);
+    c.optimizer.type = type;
+    c.optimizer.momentum = momentum;
+    c.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    c.loss.from_logits = 1;
+    return mpt_model_compile(m, &c);
+}
+
+/* Recognisable values in every parameter (BatchNormalization's moving
+   statistics too, the variance kept positive) and every optimizer slot. */
+static void fill_model(mpt_model *m, float salt) {
+    int i, k;
+    int64_t j;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        int positive = strstr(P->name, "moving_variance") != NULL;
+        for (j = 0; j < P->count; j++) {
+            float v = salt + 0.01f * (float)i + (float)sin(0.37 * (double)j + i);
+            P->value[j] = positive ? fabsf(v) + 0.5f : v;
+            for (k = 0; k < 2; k++)
+                if (P->slot[k])
+                    P->slot[k][j] = 1000.0f * (float)(k + 1) + salt + (float)i + 0.125f * (float)j;
+        }
+    }
+    mpt_model_refresh_weights(m);
+}
+
+static void fill_train_state(mpt_model *m) {
+    m->optimizer_steps = 123456789012LL;
+    m->step = 98765;
+    m->epoch = 7;
+    m->learning_rate = 0.00123f;
+    m->loss_scale = 4096.0f;
+    m->good_steps = 1999;
+    m->skipped_steps = 3;
+}
+
+/* Everything a load may change: masters, compute copies, slots, scalars. */
+typedef struct snapshot {
+    unsigned char *bytes;
+    size_t n;
+} snapshot;
+
+static void snap_put(snapshot *s, const void *p, size_t n) {
+    s->bytes = (unsigned char *)realloc(s->bytes, s->n + n);
+    memcpy(s->bytes + s->n, p, n);
+    s->n += n;
+}
+
+static snapshot snap_take(const mpt_model *m) {
+    snapshot s = {NULL, 0};
+    int i, k;
+    for (i = 0; i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        snap_put(&s, P->value, 4 * (size_t)P->count);
+        snap_put(&s, P->compute, mpt_dtype_size(P->compute_dtype) * (size_t)P->count);
+        for (k = 0; k < 2; k++)
+            if (P->slot[k]) snap_put(&s, P->slot[k], 4 * (size_t)P->count);
+    }
+    snap_put(&s, &m->optimizer_steps, sizeof m->optimizer_steps);
+    snap_put(&s, &m->step, sizeof m->step);
+    snap_put(&s, &m->epoch, sizeof m->epoch);
+    snap_put(&s, &m->learning_rate, sizeof m->learning_rate);
+    snap_put(&s, &m->loss_scale, sizeof m->loss_scale);
+    snap_put(&s, &m->good_steps, sizeof m->good_steps);
+    snap_put(&s, &m->skipped_steps, sizeof m->skipped_steps);
+    return s;
+}
+
+static int snap_same(const mpt_model *m, snapshot before) {
+    snapshot now = snap_take(m);
+    int same = now.n == before.n && memcmp(now.bytes, before.bytes, now.n) == 0;
+    free(now.bytes);
+    return same;
+}
+
+static const mpt__param *param_named(const mpt_model *m, const char *name) {
+    int i;
+    for (i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i].name, name) == 0) return &m->params[i];
+    return &m->params[0];
+}
+
+/* Masters (and, with slots, the optimizer state) of two models bit for bit. */
+static int same_state(const mpt_model *a, const mpt_model *b, int slots) {
+    int i, k;
+    if (a->n_params != b->n_params) return 0;
+    for (i = 0; i < a->n_params; i++) {
+        const mpt__param *P = &a->params[i], *Q = &b->params[i];
+        if (strcmp(P->name, Q->name) != 0 || P->count != Q->count ||
+            memcmp(P->value, Q->value, 4 * (size_t)P->count) != 0)
+            return 0;
+        for (k = 0; slots && k < 2; k++)
+            if ((P->slot[k] == NULL) != (Q->slot[k] == NULL) ||
+                (P->slot[k] && memcmp(P->slot[k], Q->slot[k], 4 * (size_t)P->count) != 0))
+                return 0;
+    }
+    return 1;
+}
+
+/* Each compute-dtype copy is the conversion of its master. */
+static int copies_fresh(const mpt_model *m) {
+    int i;
+    int64_t j;
+    for (i = 0; i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        const uint16_t *h = (const uint16_t *)P->compute;
+        if (P->compute == (void *)P->value) continue;
+        for (j = 0; j < P->count; j++) {
+            uint16_t want = P->compute_dtype == MPT_FLOAT16 ? mpt_float_to_half(P->value[j])
+                                                             : mpt_float_to_bf16(P->value[j]);
+            if (h[j] != want) return 0;
+        }
+    }
+    return 1;
+}
+
+/* Inference outputs of two models on the same input, bit for bit. */
+static int same_outputs(mpt_model *a, mpt_model *b) {
+    float x[2 * 6 * 6 * 2];
+    mpt_tensor t, ya, yb;
+    int i, same;
+    test_seed(11);
+    for (i = 0; i < 2 * 6 * 6 * 2; i++) x[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(ctx, &t, MPT_FLOAT32, 4, (int64_t[]){2, 6, 6, 2}, x);
+    if (mpt_model_forward(a, &t, 0, &ya) != MPT_OK) return 0;
+    if (mpt_model_forward(b, &t, 0, &yb) != MPT_OK) return 0;
+    same = ya.dtype == yb.dtype && memcmp(ya.data, yb.data, mpt_tensor_bytes(&ya)) == 0;
+    return same;
+}
+
+/* ---- round trips ----------------------------------------------------------------- */
+
+static void test_weights_round_trip(void) {
+    static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                          MPT_POLICY_MIXED_BFLOAT16};
+    char p[256];
+    int k;
+    for (k = 0; k < 3; k++) {
+        arch a = {policies[k], 1, 0, 0, 0}, b = a;
+        mpt_model *ma, *mb;
+        test__begin();
+        b.seed = 2; /* other initial weights, which the load must replace */
+        ma = make_model(a);
+        mb = make_model(b);
+        fill_model(ma, 0.5f);
+        CHECK(mpt_model_save_weights(ma, path_of(p, "w.safetensors")) == MPT_OK, "save: %s",
+              mpt_context_error(ctx));
+        CHECK(!same_state(ma, mb, 0), "the two models start out different");
+        CHECK(mpt_model_load_weights(mb, p) == MPT_OK, "load: %s", mpt_context_error(ctx));
+        CHECK(same_state(ma, mb, 0), "masters (BatchNormalization's moving statistics "
+              "included) are bit-identical after the round trip");
+        CHECK(copies_fresh(mb), "the compute-dtype copies were refreshed from the masters");
+        CHECK(same_outputs(ma, mb), "the loaded model computes the same outputs");
+        CHECK(files_starting("w.safetensors.tmp") == 0, "no temporary file is left behind");
+        mpt_model_destroy(ma);
+        mpt_model_destroy(mb);
+        test__end("weights round trip (Conv2D, BatchNormalization, Dense), policy %s",
+                  k == 0 ? "float32" : k == 1 ? "mixed_float16" : "mixed_bfloat16");
+    }
+}
+
+static void check_full_round_trip(mpt_optimizer_type type, float momentum, const char *slot_key,
+                                  const char *label) {
+    arch a = {MPT_POLICY_MIXED_FLOAT16, 3, 0, 0, 0}, b = a;
+    mpt_model *ma, *mb, *mc;
+    snapshot before;
+    char p[256], *json;
+    test__begin();
+    b.seed = 4;
+    ma = make_model(a);
+    mb = make_model(b);
+    mc = make_model(b);
+    CHECK(compile_with(ma, type, momentum) == MPT_OK && compile_with(mb, type, momentum) == MPT_OK
+              && compile_with(mc, type, momentum) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    fill_model(ma, 0.25f);
+    fill_train_state(ma);
+    CHECK(mpt_model_save_checkpoint(ma, path_of(p, "full.safetensors")) == MPT_OK, "save: %s",
+          mpt_context_error(ctx));
+    last_warning[0] = 0;
+    CHECK(mpt_model_load_checkpoint(mb, p) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    CHECK(same_state(ma, mb, 1), "masters and optimizer slots bit-identical");
+    CHECK(copies_fresh(mb), "compute-dtype copies refreshed");
+    CHECK(mb->optimizer_steps == 123456789012LL && mb->step == 98765 && mb->epoch == 7 &&
+          mb->good_steps == 1999 && mb->skipped_steps == 3,
+          "counters restored: %lld %llu %d %lld %lld", (long long)mb->optimizer_steps,
+          (unsigned long long)mb->step, mb->epoch, (long long)mb->good_steps,
+          (long long)mb->skipped_steps);
+    CHECK(memcmp(&mb->learning_rate, &ma->learning_rate, 4) == 0 &&
+          memcmp(&mb->loss_scale, &ma->loss_scale, 4) == 0, "learning rate %g, loss scale %g",
+          (double)mb->learning_rate, (double)mb->loss_scale);
+    CHECK(mpt_model_epoch(mb) == 7, "mpt_model_epoch %d", mpt_model_epoch(mb));
+    CHECK(strstr(last_warning, "seed 3") != NULL, "a warning says the seeds differ: '%s'",
+          last_warning);
+    json = header_of(p);
+    CHECK(json && strstr(json, "\"kind\":\"checkpoint\""), "metadata kind checkpoint");
+    CHECK(json && (slot_key ? strstr(json, slot_key) != NULL
+                            : strstr(json, "\"optimizer/") == NULL),
+          "optimizer entries: want %s", slot_key ? slot_key : "none");
+    CHECK(json && strstr(json, "\"train/loss_scale\":{\"dtype\":\"F32\",\"shape\":[]"),
+          "train/loss_scale is a rank-0 F32");
+    free(json);
+    /* load_weights takes the weights out of a full checkpoint and nothing else */
+    before = snap_take(mc);
+    CHECK(mpt_model_load_weights(mc, p) == MPT_OK, "load_weights of a checkpoint: %s",
+          mpt_context_error(ctx));
+    CHECK(same_state(ma, mc, 0), "load_weights: masters bit-identical");
+    CHECK(mc->epoch == 0 && mc->optimizer_steps == 0 && mc->step == 0,
+          "load_weights leaves the training scalars alone");
+    CHECK(mc->n_slots == 0 || mc->params[0].slot[0][0] == 0.0f,
+          "load_weights leaves the optimizer state alone");
+    free(before.bytes);
+    mpt_model_destroy(ma);
+    mpt_model_destroy(mb);
+    mpt_model_destroy(mc);
+    test__end("full checkpoint round trip, %s", label);
+}
+
+static void test_full_round_trip(void) {
+    check_full_round_trip(MPT_OPTIMIZER_ADAM, 0, "\"optimizer/dense/kernel/v\"", "adam");
+    check_full_round_trip(MPT_OPTIMIZER_ADAMW, 0, "\"optimizer/conv2d/bias/m\"", "adamw");
+    check_full_round_trip(MPT_OPTIMIZER_SGD, 0.9f,
+                          "\"optimizer/batch_normalization/gamma/momentum\"", "sgd, momentum");
+    check_full_round_trip(MPT_OPTIMIZER_SGD, 0, NULL, "sgd, no momentum (no slots)");
+}
+
+/* ---- the bytes of a file ------------------------------------------------------------ */
+
+static void check_layout(const char *path, const char *json, const unsigned char *data,
+                         size_t data_len) {
+    long n;
+    unsigned char *b = slurp(path, &n);
+    size_t len = strlen(json), padded = (len + 7) / 8 * 8, i;
+    unsigned long long N = 0;
+    CHECK(b != NULL, "read %s", path);
+    if (!b) return;
+    for (i = 0; i < 8; i++) N |= (unsigned long long)b[i] << (8 * i);
+    CHECK(N == padded && N % 8 == 0, "header length %llu, want %zu (a multiple of 8)", N, padded);
+    CHECK((size_t)n == 8 + padded + data_len, "file size %ld, want 8 + %zu + %zu", n, padded,
+          data_len);
+    if ((size_t)n == 8 + padded + data_len) {
+        CHECK(memcmp(b + 8, json, len) == 0, "header:\n got  %.*s\n want %s", (int)len, b + 8,
+              json);
+        for (i = len; i < padded; i++) CHECK(b[8 + i] == ' ', "padding byte %zu is a space", i);
+        CHECK(memcmp(b + 8 + padded, data, data_len) == 0, "data bytes");
+    }
+    free(b);
+}
+
+static void put_f32(unsigned char *p, float v) {
+    uint32_t u;
+    int i;
+    memcpy(&u, &v, 4);
+    for (i = 0; i < 4; i++) p[i] = (unsigned char)(u >> (8 * i));
+}
+
+static void put_i64(unsigned char *p, long long v) {
+    int i;
+    for (i = 0; i < 8; i++) p[i] = (unsigned char)((unsigned long long)v >> (8 * i));
+}
+
+static void test_file_layout(void) {
+    static const float kernel[6] = {1, 2, 3, 4, 5, 6.5f}, bias[2] = {0.5f, -0.25f};
+    static const char *weights_json =
+        "{\"__metadata__\":{\"format\":\"mpt\",\"mpt_version\":\"" MPT_VERSION "\","
+        "\"kind\":\"weights\",\"policy\":\"float32\",\"seed\":\"0\",\"input_shape\":\"(3,)\","
+        "\"model\":\"Dense dense float32 (2,)\"},"
+        "\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]},"
+        "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[24,32]}}";
+    static const char *full_json =
+        "{\"__metadata__\":{\"format\":\"mpt\",\"mpt_version\":\"" MPT_VERSION "\","
+        "\"kind\":\"checkpoint\",\"optimizer\":\"sgd\",\"policy\":\"float32\",\"seed\":\"0\","
+        "\"input_shape\":\"(3,)\",\"model\":\"Dense dense float32 (2,)\"},"
+        "\"train/optimizer_steps\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[0,8]},"
+        "\"train/step\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[8,16]},"
+        "\"train/epoch\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[16,24]},"
+        "\"train/good_steps\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[24,32]},"
+        "\"train/skipped_steps\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[32,40]},"
+        "\"train/learning_rate\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[40,44]},"
+        "\"train/loss_scale\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[44,48]},"
+        "\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[48,72]},"
+        "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[72,80]},"
+        "\"optimizer/dense/kernel/momentum\":{\"dtype\":\"F32\",\"shape\":[3,2],"
+        "\"data_offsets\":[80,104]},"
+        "\"optimizer/dense/bias/momentum\":{\"dtype\":\"F32\",\"shape\":[2],"
+        "\"data_offsets\":[104,112]}}";
+    unsigned char data[112];
+    mpt_model *m = make_tiny();
+    char p[256];
+    int i;
+    if (!m) return;
+    memcpy(m->params[0].value, kernel, sizeof kernel);
+    memcpy(m->params[1].value, bias, sizeof bias);
+    for (i = 0; i < 6; i++) put_f32(data + 4 * i, kernel[i]);
+    for (i = 0; i < 2; i++) put_f32(data + 24 + 4 * i, bias[i]);
+    CHECK(mpt_model_save_weights(m, path_of(p, "tiny.safetensors")) == MPT_OK, "save: %s",
+          mpt_context_error(ctx));
+    check_layout(p, weights_json, data, 32);
+
+    CHECK(compile_with(m, MPT_OPTIMIZER_SGD, 0.5f) == MPT_OK, "compile: %s",
+          mpt_context_error(ctx));
+    fill_train_state(m);
+    for (i = 0; i < 6; i++) m->params[0].slot[0][i] = -1.0f - (float)i;
+    for (i = 0; i < 2; i++) m->params[1].slot[0][i] = 100.0f + (float)i;
+    put_i64(data + 0, 123456789012LL);
+    put_i64(data + 8, 98765);
+    put_i64(data + 16, 7);
+    put_i64(data + 24, 1999);
+    put_i64(data + 32, 3);
+    put_f32(data + 40, 0.00123f);
+    put_f32(data + 44, 4096.0f);
+    for (i = 0; i < 6; i++) put_f32(data + 48 + 4 * i, kernel[i]);
+    for (i = 0; i < 2; i++) put_f32(data + 72 + 4 * i, bias[i]);
+    for (i = 0; i < 6; i++) put_f32(data + 80 + 4 * i, -1.0f - (float)i);
+    for (i = 0; i < 2; i++) put_f32(data + 104 + 4 * i, 100.0f + (float)i);
+    CHECK(mpt_model_save_checkpoint(m, path_of(p, "tiny_full.safetensors")) == MPT_OK, "save: %s",
+          mpt_context_error(ctx));
+    check_layout(p, full_json, data, 112);
+    mpt_model_destroy(m);
+}
+
+/* ---- models that do not fit a file ----------------------------------------------- */
+
+/* Loads `path` into m (full: as a checkpoint) and expects `want`, a message
+   containing each of the `needles`, and m exactly as it was. */
+static void expect_refused(mpt_model *m, const char *path, int full, mpt_status want,
+                           const char *needle1, const char *needle2, const char *label) {
+    snapshot before;
+    mpt_status s;
+    test__begin();
+    if (m) {
+        fill_model(m, -3.0f);
+        before = snap_take(m);
+        s = full ? mpt_model_load_checkpoint(m, path) : mpt_model_load_weights(m, path);
+        CHECK(s == want, "status %s, want %s (%s)", mpt_status_string(s), mpt_status_string(want),
+              mpt_context_error(ctx));
+        CHECK(!needle1 || strstr(mpt_context_error(ctx), needle1), "message '%s' names '%s'",
+              mpt_context_error(ctx), needle1);
+        CHECK(!needle2 || strstr(mpt_context_error(ctx), needle2), "message '%s' names '%s'",
+              mpt_context_error(ctx), needle2);
+        CHECK(snap_same(m, before), "the model is unchanged");
+        free(before.bytes);
+    }
+    test__end("%s is refused", label);
+}
+
+static void test_mismatches(void) {
+    arch base = {MPT_POLICY_MIXED_BFLOAT16, 5, 0, 0, 0}, a;
+    mpt_model *src = make_model(base), *m;
+    char w[256], c[256], p[256];
+    long n;
+    unsigned char *bytes;
+    test__begin();
+    CHECK(src && compile_with(src, MPT_OPTIMIZER_ADAM, 0) == MPT_OK, "compile");
+    if (src) {
+        fill_model(src, 1.0f);
+        fill_train_state(src);
+    }
+    CHECK(mpt_model_save_weights(src, path_of(w, "base_w.safetensors")) == MPT_OK, "save");
+    CHECK(mpt_model_save_checkpoint(src, path_of(c, "base_c.safetensors")) == MPT_OK, "save");
+    test__end("mismatches: the reference files are saved");
+    if (!src) return;
+
+    a = base, a.units = 6;
+    m = make_model(a);
+    expect_refused(m, w, 0, MPT_ERR_SHAPE, "dense/kernel", "(144, 6)", "a Dense with other units");
+    mpt_model_destroy(m);
+
+    a = base, a.extra_dense = 1;
+    m = make_model(a);
+    expect_refused(m, w, 0, MPT_ERR_SHAPE, "dense_1/kernel", w, "a file missing a layer");
+    mpt_model_destroy(m);
+
+    a = base, a.no_bn = 1;
+    m = make_model(a);
+    expect_refused(m, w, 0, MPT_ERR_SHAPE, "batch_normalization/", "does not have",
+                   "a file with a layer the model lacks");
+    mpt_model_destroy(m);
+
+    m = make_model(base);
+    compile_with(m, MPT_OPTIMIZER_ADAM, 0);
+    expect_refused(m, w, 1, MPT_ERR_SHAPE, "load_weights", NULL,
+                   "load_checkpoint of a weights file");
+    mpt_model_destroy(m);
+
+    m = make_model(base);
+    compile_with(m, MPT_OPTIMIZER_SGD, 0.9f);
+    expect_refused(m, c, 1, MPT_ERR_SHAPE, "adam", "sgd", "an Adam checkpoint into an SGD model");
+    mpt_model_destroy(m);
+
+    /* The same checkpoint without its metadata: the slot entries decide. */
+    m = make_model(base);
+    compile_with(m, MPT_OPTIMIZER_SGD, 0.9f);
+    bytes = slurp(c, &n);
+    if (bytes) {
+        char *json = header_of(c), *meta_end = json ? strstr(json, "},\"train/") : NULL;
+        unsigned long long N = 0;
+        int i;
+        for (i = 0; i < 8; i++) N |= (unsigned long long)bytes[i] << (8 * i);
+        if (meta_end) {
+            char *stripped = (char *)malloc(strlen(json) + 1);
+            sprintf(stripped, "{%s", meta_end + 2);
+            write_st(path_of(p, "no_meta.safetensors"), stripped, bytes + 8 + N,
+                     (size_t)n - 8 - (size_t)N);
+            free(stripped);
+        }
+        free(json);
+        free(bytes);
+    }
+    expect_refused(m, p, 1, MPT_ERR_SHAPE, "optimizer/", NULL,
+                   "an Adam checkpoint without metadata into an SGD model");
+    mpt_model_destroy(m);
+
+    /* A checkpoint whose loss scale is negative: every scalar is checked
+       before the weights are read. */
+    bytes = slurp(c, &n);
+    if (bytes) {
+        unsigned long long N = 0;
+        int i;
+        for (i = 0; i < 8; i++) N |= (unsigned long long)bytes[i] << (8 * i);
+        put_f32(bytes + 8 + N + 44, -1.0f);
+        spit(path_of(p, "bad_scale.safetensors"), bytes, (size_t)n);
+        free(bytes);
+    }
+    m = make_model(base);
+    compile_with(m, MPT_OPTIMIZER_ADAM, 0);
+    expect_refused(m, p, 1, MPT_ERR_FORMAT, "train/loss_scale", NULL,
+                   "a checkpoint with a negative loss scale");
+    mpt_model_destroy(m);
+
+    /* A file whose dense/bias is F16: the right shape, the wrong dtype. */
+    {
+        unsigned char data[28];
+        memset(data, 0, sizeof data);
+        write_st(path_of(p, "f16.safetensors"),
+                 "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]},"
+                 "\"dense/bias\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[24,28]}}",
+                 data, sizeof data);
+        m = make_tiny();
+        expect_refused(m, p, 0, MPT_ERR_FORMAT, "dense/bias", "F16 (2,)", "a dtype other than F32");
+        mpt_model_destroy(m);
+        memset(data, 0, sizeof data);
+        write_st(path_of(p, "transposed.safetensors"),
+                 "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]},"
+                 "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[24,28]}}",
+                 data, sizeof data);
+        m = make_tiny();
+        expect_refused(m, p, 0, MPT_ERR_SHAPE, "(2, 3)", "(3, 2)", "a transposed kernel");
+        mpt_model_destroy(m);
+    }
+
+    /* The wrong order of calls. */
+    test__begin();
+    {
+        mpt_model *unbuilt = NULL, *uncompiled = make_tiny();
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1}, &unbuilt);
+        mpt_model_add_dense(unbuilt, &(mpt_dense_desc){.units = 2});
+        CHECK(mpt_model_load_weights(unbuilt, w) == MPT_ERR_STATE, "load into an unbuilt model");
+        CHECK(mpt_model_save_weights(unbuilt, p) == MPT_ERR_STATE, "save an unbuilt model");
+        CHECK(mpt_model_save_checkpoint(uncompiled, p) == MPT_ERR_STATE &&
+                  strstr(mpt_context_error(ctx), "compile"),
+              "save_checkpoint of an uncompiled model: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_load_checkpoint(uncompiled, c) == MPT_ERR_STATE,
+              "load_checkpoint into an uncompiled model");
+        CHECK(mpt_model_save_weights(NULL, p) == MPT_ERR_INVALID_ARGUMENT, "NULL model");
+        CHECK(mpt_model_save_weights(uncompiled, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL path");
+        CHECK(mpt_model_load_weights(uncompiled, "") == MPT_ERR_INVALID_ARGUMENT, "empty path");
+        CHECK(mpt_model_epoch(NULL) == 0, "mpt_model_epoch(NULL)");
+        mpt_model_destroy(unbuilt);
+        mpt_model_destroy(uncompiled);
+    }
+    test__end("checkpoints need a built (and, for the full state, compiled) model");
+    mpt_model_destroy(src);
+}
+
+/* ---- malformed files ---------------------------------------------------------------- */
+
+#define K_OK "\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]}"
+#define B_OK "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[24,32]}"
+
+typedef struct bad_json {
+    const char *label, *json;
+    size_t data_len;
+    const char *needle; /* in the message, besides the path */
+} bad_json;
+
+static void test_malformed(void) {
+    static const bad_json cases[] = {
+        {"no closing brace", "{" K_OK "," B_OK, 32, "byte"},
+        {"a trailing comma", "{" K_OK "," B_OK ",}", 32, "byte"},
+        {"a missing colon", "{\"dense/kernel\" {\"dtype\":\"F32\"}}", 32, "':'"},
+        {"an unterminated string", "{\"dense/kernel", 32, "unterminated"},
+        {"a bad escape", "{\"dense\\q/kernel\":{}}", 32, "escape"},
+        {"a lone surrogate", "{\"dense\\ud800/kernel\":{}}", 32, "surrogate"},
+        {"a raw control character", "{\"dense\n/kernel\":{}}", 32, "control"},
+        {"invalid UTF-8", "{\"dense\xff/kernel\":{}}", 32, "UTF-8"},
+        {"an overlong UTF-8 form", "{\"dense\xc0\xaf/kernel\":{}}", 32, "UTF-8"},
+        {"a leading zero", "{" K_OK ",\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],"
+                           "\"data_offsets\":[024,32]}}", 32, "leading zero"},
+        {"a negative offset", "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],"
+                              "\"data_offsets\":[-1,24]}}", 32, "negative"},
+        {"a fractional offset", "{" K_OK ",\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],"
+                                "\"data_offsets\":[24,32.0]}}", 32, "integer"},
+        {"a huge number", "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],"
+                          "\"data_offsets\":[0,99999999999999999999]}}", 32, "too large"},
+        {"garbage after the object", "{" K_OK "," B_OK "}x", 32, "after"},
+        {"a dtype that is a number", "{\"dense/kernel\":{\"dtype\":5}}", 32, "string"},
+        {"a metadata value that is a number", "{\"__metadata__\":{\"a\":1}," K_OK "," B_OK "}", 32,
+         "not a string"},
+        {"two metadata objects", "{\"__metadata__\":{},\"__metadata__\":{}," K_OK "," B_OK "}", 32,
+         "twice"},
+        {"an array at the top", "[1,2]", 32, "'{'"},
+        {"an empty header", "", 32, "'{'"},
+        {"an unknown key", "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],"
+                           "\"data_offsets\":[0,24],\"strides\":[2,1]}," B_OK "}", 32, "strides"},
+        {"a repeated key", "{\"dense/kernel\":{\"dtype\":\"F32\",\"dtype\":\"F32\"}}", 32, "twice"},
+        {"no data_offsets", "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2]}," B_OK "}", 32,
+         "data_offsets"},
+        {"three data_offsets", "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],"
+                               "\"data_offsets\":[0,12,24]}}", 32, "more than 2"},
+        {"a shape that does not fill its bytes",
+         "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,3],\"data_offsets\":[0,24]}," B_OK "}",
+         32, "(3, 3)"},
+        {"offsets that end before they begin", "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[0],"
+                                               "\"data_offsets\":[24,0]}}", 32, "end before"},
+        {"an unknown dtype", "{\"dense/kernel\":{\"dtype\":\"F33\",\"shape\":[3,2],"
+                             "\"data_offsets\":[0,24]}," B_OK "}", 32, "F33"},
+        {"duplicate names", "{" K_OK "," B_OK ",\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],"
+                            "\"data_offsets\":[32,40]}}", 40, "duplicate"},
+        {"a gap between tensors", "{" K_OK ",\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],"
+                                  "\"data_offsets\":[28,36]}}", 36, "gap"},
+        {"overlapping tensors", "{" K_OK ",\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],"
+                                "\"data_offsets\":[20,28]}}", 28, "overlap"},
+        {"data that does not start at 0", "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],"
+                                          "\"data_offsets\":[8,32]}," B_OK "}", 32, "gap"},
+        {"a byte too many at the end", "{" K_OK "," B_OK "}", 33, "but its size is"},
+        {"truncated data", "{" K_OK "," B_OK "}", 28, "truncated"},
+    };
+    unsigned char data[64], raw[64];
+    char p[256];
+    mpt_model *m;
+    size_t i;
+    test__begin();
+    m = make_tiny();
+    test__end("malformed: the tiny model builds");
+    if (!m) return;
+    memset(data, 0x3f, sizeof data);
+
+    /* A valid file that uses what JSON allows: whitespace, escapes,
+       another key order, metadata last, no padding needed by the reader. */
+    test__begin();
+    {
+        float vals[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+        int k;
+        write_st(path_of(p, "fancy.safetensors"),
+                 " {\r\n \"\\u0064ense\\/kernel\" : { \"shape\" : [ 3 , 2 ] , \"data_offsets\":"
+                 "[0, 24], \"dtype\" : \"F32\" },\t\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[2],"
+                 "\"data_offsets\":[24,32]}, \"__metadata__\":{\"note\":"
+                 "\"caf\\u00e9 \\ud83d\\ude00 "
+                 "\xc3\xa9\\n\\\"q\\\"\"} } ",
+                 vals, sizeof vals);
+        CHECK(mpt_model_load_weights(m, p) == MPT_OK, "load: %s", mpt_context_error(ctx));
+        for (k = 0; k < 6; k++) CHECK(m->params[0].value[k] == vals[k], "kernel[%d]", k);
+        CHECK(m->params[1].value[0] == 7 && m->params[1].value[1] == 8, "bias");
+    }
+    test__end("a valid header with whitespace, escapes and metadata last loads");
+
+    for (i = 0; i < sizeof cases / sizeof *cases; i++) {
+        snapshot before;
+        mpt_status s;
+        test__begin();
+        write_st(path_of(p, "bad.safetensors"), cases[i].json, data, cases[i].data_len);
+        fill_model(m, 2.0f);
+        before = snap_take(m);
+        s = mpt_model_load_weights(m, p);
+        CHECK(s == MPT_ERR_FORMAT, "status %s, want malformed file (%s)", mpt_status_string(s),
+              mpt_context_error(ctx));
+        CHECK(strstr(mpt_context_error(ctx), p) != NULL, "message names the file: %s",
+              mpt_context_error(ctx));
+        CHECK(strstr(mpt_context_error(ctx), cases[i].needle) != NULL, "message '%s' says '%s'",
+              mpt_context_error(ctx), cases[i].needle);
+        CHECK(snap_same(m, before), "the model is unchanged");
+        free(before.bytes);
+        test__end("malformed: %s", cases[i].label);
+    }
+
+    /* Where the reader stopped: the 'x' after the object. */
+    test__begin();
+    {
+        const char *json = "{" K_OK "," B_OK "}";
+        char want[64];
+        write_st(path_of(p, "bad.safetensors"),
+                 "{" K_OK "," B_OK "}x", data, 32);
+        snprintf(want, sizeof want, "at byte %d:", 8 + (int)strlen(json));
+        CHECK(mpt_model_load_weights(m, p) == MPT_ERR_FORMAT &&
+                  strstr(mpt_context_error(ctx), want),
+              "message '%s' has '%s'", mpt_context_error(ctx), want);
+    }
+    test__end("malformed: the message gives the byte offset in the file");
+
+    /* The length field itself. */
+    {
+        static const struct {
+            const char *label;
+            unsigned long long n;
+            size_t file_len;
+            const char *needle;
+        } heads[] = {{"an empty file", 0, 0, "too short"},
+                     {"a file shorter than 8 bytes", 0, 5, "too short"},
+                     {"a header length past the end of the file", 1000, 40, "past the end"},
+                     {"a header over 100 MB", 100000001ull, 40, "limit"},
+                     {"a header length near 2^64", ~0ull, 40, "limit"}};
+        for (i = 0; i < sizeof heads / sizeof *heads; i++) {
+            snapshot before;
+            int k;
+            test__begin();
+            memset(raw, '{', sizeof raw);
+            for (k = 0; k < 8; k++) raw[k] = (unsigned char)(heads[i].n >> (8 * k));
+            spit(path_of(p, "bad.safetensors"), raw, heads[i].file_len);
+            before = snap_take(m);
+            CHECK(mpt_model_load_weights(m, p) == MPT_ERR_FORMAT, "status (%s)",
+                  mpt_context_error(ctx));
+            CHECK(strstr(mpt_context_error(ctx), heads[i].needle) &&
+                      strstr(mpt_context_error(ctx), p),
+                  "message '%s' says '%s'", mpt_context_error(ctx), heads[i].needle);
+            CHECK(snap_same(m, before), "the model is unchanged");
+            free(before.bytes);
+            test__end("malformed: %s", heads[i].label);
+        }
+    }
+    mpt_model_destroy(m);
+}
+
+/* ---- crash safety and I/O errors ------------------------------------------------ */
+
+static void test_crash_safety(void) {
+    arch a = {MPT_POLICY_MIXED_FLOAT16, 9, 0, 0, 0};
+    mpt_model *m = make_model(a), *check;
+    char p[256], q[256];
+    unsigned char *v1, *now;
+    long n1, n;
+    long long cuts[8];
+    char *json;
+    size_t k;
+    test__begin();
+    CHECK(m && compile_with(m, MPT_OPTIMIZER_ADAM, 0) == MPT_OK, "compile");
+    if (m) fill_model(m, 0.0f);
+    CHECK(mpt_model_save_weights(m, path_of(p, "safe.safetensors")) == MPT_OK, "save v1");
+    v1 = slurp(p, &n1);
+    json = header_of(p);
+    CHECK(v1 && json, "read v1");
+    test__end("crash safety: the first version is saved");
+    if (!m || !v1) {
+        free(json);
+        free(v1);
+        mpt_model_destroy(m);
+        return;
+    }
+    /* In the length, the header, the padding's end, the data, the last byte. */
+    cuts[0] = 0, cuts[1] = 3, cuts[2] = 8, cuts[3] = 40;
+    cuts[4] = 8 + (json ? (long long)strlen(json) : 0) - 1;
+    cuts[5] = cuts[4] + 1 + 100, cuts[6] = n1 - 1, cuts[7] = n1 / 2;
+    free(json);
+    fill_model(m, 5.0f);
+    for (k = 0; k < 8; k++) {
+        test__begin();
+        fail_after = cuts[k];
+        CHECK(mpt_model_save_weights(m, p) == MPT_ERR_IO, "the write fails (%s)",
+              mpt_context_error(ctx));
+        CHECK(strstr(mpt_context_error(ctx), p) && strstr(mpt_context_error(ctx), "No space"),
+              "message names the file and the cause: %s", mpt_context_error(ctx));
+        fail_after = -1;
+        now = slurp(p, &n);
+        CHECK(now && n == n1 && memcmp(now, v1, (size_t)n) == 0, "the old file is intact");
+        CHECK(files_starting("safe.safetensors.tmp") == 0, "no temporary file is left");
+        free(now);
+        test__end("crash safety: a write failing after %lld of %ld bytes", cuts[k], n1);
+    }
+
+    test__begin();
+    fail_after = 100;
+    CHECK(mpt_model_save_checkpoint(m, path_of(q, "new.safetensors")) == MPT_ERR_IO,
+          "the write fails");
+    fail_after = -1;
+    CHECK(access(q, F_OK) != 0, "no file appears at the target");
+    CHECK(files_starting("new.safetensors") == 0, "no temporary file is left");
+    test__end("crash safety: a failed first save leaves nothing behind");
+
+    test__begin();
+    CHECK(mpt_model_save_weights(m, p) == MPT_OK, "save v2: %s", mpt_context_error(ctx));
+    check = make_model(a);
+    CHECK(check && mpt_model_load_weights(check, p) == MPT_OK && same_state(m, check, 0),
+          "the new file replaced the old one");
+    CHECK(files_starting("safe.safetensors") == 1, "one file, no temporary one");
+    mpt_model_destroy(check);
+    test__end("crash safety: the next save replaces the file");
+
+    test__begin();
+    {
+        char missing[300];
+        snprintf(missing, sizeof missing, "%s/no/such/dir/w.safetensors", dir);
+        CHECK(mpt_model_save_weights(m, missing) == MPT_ERR_IO, "save into a missing directory");
+        CHECK(strstr(mpt_context_error(ctx), missing) &&
+                  strstr(mpt_context_error(ctx), "No such file"),
+              "message names the path and the cause: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_load_weights(m, missing) == MPT_ERR_IO &&
+                  strstr(mpt_context_error(ctx), missing),
+              "loading a missing file: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_load_weights(m, dir) == MPT_ERR_IO &&
+                  strstr(mpt_context_error(ctx), "not a regular file"),
+              "loading a directory: %s", mpt_context_error(ctx));
+    }
+    test__end("I/O errors name the path: a missing directory, a missing file, a directory");
+    free(v1);
+    mpt_model_destroy(m);
+}
+
+/* ---- running out of memory ------------------------------------------------------------ */
+
+static int allocs_left = -1; /* >= 0: allocations that succeed before one fails */
+
+static void *failing_alloc(void *user, size_t bytes, size_t alignment) {
+    (void)user;
+    if (allocs_left == 0) return NULL;
+    if (allocs_left > 0) allocs_left--;
+    return mpt__default_alloc(NULL, bytes, alignment);
+}
+
+static void failing_free(void *user, void *p) {
+    (void)user;
+    mpt__default_free(NULL, p);
+}
+
+/* Every allocation of a save and of a load fails in turn: each call either
+   works or says out of memory, leaks nothing (ASan), leaves no temporary
+   file, and leaves the model as it was. */
+static void test_out_of_memory(void) {
+    mpt_context_desc d;
+    mpt_context *c = NULL;
+    mpt_model *m = NULL;
+    char p[256], q[256];
+    int k, saves_ok = 0, loads_ok = 0;
+    memset(&d, 0, sizeof d);
+    d.num_threads = 1;
+    d.logger.fn = test_logger;
+    d.allocator.alloc = failing_alloc;
+    d.allocator.free = failing_free;
+    CHECK(mpt_context_create(&d, &c) == MPT_OK, "context");
+    if (!c) return;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1}, &m);
+    if (m) mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    CHECK(m && mpt_model_build(m, 2) == MPT_OK && compile_with(m, MPT_OPTIMIZER_ADAM, 0) == MPT_OK,
+          "model");
+    if (m) {
+        fill_model(m, 1.0f);
+        CHECK(mpt_model_save_checkpoint(m, path_of(q, "oom_src.safetensors")) == MPT_OK, "save");
+    }
+    for (k = 0; m && k < 40; k++) {
+        snapshot before = snap_take(m);
+        mpt_status s;
+        allocs_left = k;
+        s = mpt_model_save_checkpoint(m, path_of(p, "oom.safetensors"));
+        allocs_left = -1;
+        CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "save with allocation %d failing: %s", k,
+              mpt_status_string(s));
+        CHECK(files_starting("oom.safetensors.tmp") == 0, "no temporary file (allocation %d)", k);
+        saves_ok += s == MPT_OK;
+        allocs_left = k;
+        s = mpt_model_load_checkpoint(m, q);
+        allocs_left = -1;
+        CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "load with allocation %d failing: %s", k,
+              mpt_status_string(s));
+        CHECK(s == MPT_OK || snap_same(m, before), "a failed load changes nothing (allocation %d)",
+              k);
+        loads_ok += s == MPT_OK;
+        free(before.bytes);
+    }
+    CHECK(saves_ok > 0 && saves_ok < 40 && loads_ok > 0 && loads_ok < 40,
+          "some calls failed and some got through (%d saves, %d loads)", saves_ok, loads_ok);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+}
+
+/* ---- resuming fit from a checkpoint --------------------------------------------------- */
+
+/* Two epochs in one go, and one epoch + save + load into a fresh model + one
+   more epoch, must end bit-identical (dropout, shuffling, Adam's t and the
+   loss scale all carried by the checkpoint). */
+static mpt_model *make_fit_model(void) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 21}, &m);
+    if (!m) return NULL;
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    compile_with(m, MPT_OPTIMIZER_ADAM, 0);
+    return m;
+}
+
+static void test_resume_fit(void) {
+    float x[40 * 6];
+    int32_t y[40];
+    mpt_tensor tx, ty;
+    mpt_dataset *data = NULL;
+    mpt_model *once = make_fit_model(), *first = make_fit_model(), *second = make_fit_model();
+    char p[256];
+    int i;
+    test_seed(5);
+    for (i = 0; i < 40 * 6; i++) x[i] = (float)test_uniform(-2, 2);
+    for (i = 0; i < 40; i++) y[i] = (x[6 * i] > 0) + (x[6 * i + 1] > 0);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){40, 6}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){40}, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    if (data && once && first && second) {
+        CHECK(mpt_model_fit(once, data, &(mpt_fit_desc){.epochs = 2, .batch_size = 8}) == MPT_OK,
+              "fit 2 epochs: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(first, data, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
+              "fit 1 epoch: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_save_checkpoint(first, path_of(p, "resume.safetensors")) == MPT_OK,
+              "save: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_build(second, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_load_checkpoint(second, p) == MPT_OK, "load: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_epoch(second) == 1, "epoch %d after loading", mpt_model_epoch(second));
+        CHECK(mpt_model_fit(second, data, &(mpt_fit_desc){.epochs = 2, .initial_epoch = 1,
+                                                          .batch_size = 8}) == MPT_OK,
+              "fit the second epoch: %s", mpt_context_error(ctx));
+        CHECK(once->step == second->step && once->optimizer_steps == second->optimizer_steps &&
+                  once->epoch == second->epoch,
+              "counters: step %llu vs %llu, optimizer steps %lld vs %lld",
+              (unsigned long long)once->step, (unsigned long long)second->step,
+              (long long)once->optimizer_steps, (long long)second->optimizer_steps);
+        CHECK(same_state(once, second, 1), "weights and moments bit-identical to an unbroken run");
+    }
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(once);
+    mpt_model_destroy(first);
+    mpt_model_destroy(second);
+}
+
+/* ---- interoperability with the safetensors library ------------------------------------ */
+
+static void test_python_interop(void) {
+    arch a = {MPT_POLICY_MIXED_BFLOAT16, 13, 0, 0, 0};
+    mpt_model *m;
+    char p[256], script[256], py_file[256], cmd[1024];
+    FILE *f;
+    if (system("python3 -c 'import safetensors.numpy, numpy' >/dev/null 2>&1") != 0) {
+        SKIP("python3 with safetensors and numpy is not installed");
+        return;
+    }
+    m = make_model(a);
+    if (!m) return;
+    compile_with(m, MPT_OPTIMIZER_ADAM, 0);
+    fill_model(m, 0.75f);
+    fill_train_state(m);
+    CHECK(mpt_model_save_checkpoint(m, path_of(p, "py.safetensors")) == MPT_OK, "save: %s",
+          mpt_context_error(ctx));
+    /* The reference reader must see our names, dtypes, shapes, values and metadata. */
+    f = fopen(path_of(script, "check.py"), "w");
+    if (f) {
+        fprintf(f,
+                "import sys, numpy as np\n"
+                "from safetensors import safe_open\n"
+                "from safetensors.numpy import load_file, save_file\n"
+                "d = load_file(sys.argv[1])\n"
+                "k = d['dense/kernel']\n"
+                "assert k.dtype == np.float32 and k.shape == (144, 5), (k.dtype, k.shape)\n"
+                "assert float(k[1, 2]) == float.fromhex(sys.argv[2]), (k[1, 2], sys.argv[2])\n"
+                "v = d['optimizer/conv2d/kernel/v']\n"
+                "assert float(v[2, 1, 0, 3]) == float.fromhex(sys.argv[3])\n"
+                "assert d['batch_normalization/moving_variance'].shape == (4,)\n"
+                "assert d['train/epoch'].shape == () and int(d['train/epoch']) == 7\n"
+                "t = d['train/optimizer_steps']\n"
+                "assert t.dtype == np.int64 and int(t) == 123456789012\n"
+                "assert float(d['train/loss_scale']) == 4096.0\n"
+                "assert len(d) == 7 + 8 + 2 * 6, sorted(d)\n"
+                "with safe_open(sys.argv[1], framework='np') as g:\n"
+                "    meta = g.metadata()\n"
+                "assert meta['kind'] == 'checkpoint' and meta['optimizer'] == 'adam', meta\n"
+                "assert meta['policy'] == 'mixed_bfloat16', meta\n"
+                "assert 'Conv2D conv2d bfloat16 (6, 6, 4)' in meta['model'], meta\n"
+                "save_file({'dense/kernel': np.arange(6, dtype=np.float32).reshape(3, 2) * 0.5,\n"
+                "           'dense/bias': np.array([1.5, -2.0], dtype=np.float32)}, sys.argv[4],\n"
+                "          metadata={'format': 'np'})\n");
+        fclose(f);
+    }
+    {
+        const mpt__param *K = param_named(m, "dense/kernel"), *C = param_named(m, "conv2d/kernel");
+        float k12 = K->value[1 * K->shape[1] + 2];
+        float v = C->slot[1][((2 * C->shape[1] + 1) * C->shape[2] + 0) * C->shape[3] + 3];
+        snprintf(cmd, sizeof cmd, "python3 %s %s %a %a %s", script, p, (double)k12, (double)v,
+                 path_of(py_file, "from_py.safetensors"));
+    }
+    CHECK(system(cmd) == 0, "the safetensors library reads our checkpoint (%s)", cmd);
+    {
+        mpt_model *tiny = make_tiny();
+        int i;
+        CHECK(tiny && mpt_model_load_weights(tiny, py_file) == MPT_OK, "load what Python wrote: %s",
+              mpt_context_error(ctx));
+        for (i = 0; tiny && i < 6; i++)
+            CHECK(tiny->params[0].value[i] == 0.5f * (float)i, "kernel[%d] = %g", i,
+                  (double)tiny->params[0].value[i]);
+        CHECK(tiny && tiny->params[1].value[0] == 1.5f && tiny->params[1].value[1] == -2.0f,
+              "bias from Python");
+        mpt_model_destroy(tiny);
+    }
+    mpt_model_destroy(m);
+}
+
+int main(void) {
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.num_threads = 1;
+    d.logger.fn = test_logger;
+    if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
+    snprintf(dir, sizeof dir, "/tmp/mpt_ckpt_XXXXXX");
+    if (!mkdtemp(dir)) {
+        printf("FAIL cannot create a temporary directory\n");
+        return 1;
+    }
+    test_weights_round_trip();
+    test_full_round_trip();
+    TEST_RUN(test_file_layout);
+    test_mismatches();
+    test_malformed();
+    test_crash_safety();
+    TEST_RUN(test_out_of_memory);
+    TEST_RUN(test_resume_fit);
+    TEST_RUN(test_python_interop);
+    remove_dir();
+    mpt_context_destroy(ctx);
+    return test_summary("test_checkpoint");
+}

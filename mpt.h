@@ -3061,9 +3061,15 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
                              L->ops->class_name, L->name,
                              mpt_shape_format(s, sizeof s, L->out_rank, L->out_shape));
         }
-        /* Gradient buffers hold float32 (the widest dtype) of the larger side. */
-        MPT__CHECK(mpt__batch_bytes(m, L, 4 * MPT__MAX(L->in_count, L->out_count), 0,
-                                    &grad_bytes));
+        /* The gradient buffers hold this layer's dy and dx in its dtype, and
+           dx again in the previous layer's dtype when the two differ. */
+        {
+            int64_t size = (int64_t)mpt_dtype_size(L->dtype);
+            int64_t prev = i > 0 ? (int64_t)mpt_dtype_size(m->layers[i - 1].dtype) : size;
+            MPT__CHECK(mpt__batch_bytes(m, L, MPT__MAX(size * L->out_count,
+                                                       MPT__MAX(size, prev) * L->in_count),
+                                        0, &grad_bytes));
+        }
         *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
         *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
         rank = L->out_rank;

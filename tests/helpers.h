@@ -25,6 +25,41 @@ static inline mpt_context *quiet_ctx(void) {
     return q;
 }
 
+/* An allocator that counts, and from allocation fail_after on (when it is
+   not negative) fails. */
+typedef struct counting_alloc {
+    long allocs, frees, fail_after;
+} counting_alloc;
+
+static inline void *count_alloc(void *user, size_t bytes, size_t alignment) {
+    counting_alloc *c = (counting_alloc *)user;
+    void *p;
+    if (c->fail_after >= 0 && c->allocs >= c->fail_after) return NULL;
+    p = mpt__default_alloc(NULL, bytes, alignment);
+    if (p) c->allocs++;
+    return p;
+}
+
+static inline void count_free(void *user, void *ptr) {
+    counting_alloc *c = (counting_alloc *)user;
+    if (ptr) c->frees++;
+    mpt__default_free(NULL, ptr);
+}
+
+/* A two-thread context with a counting allocator and the quiet logger. */
+static inline mpt_context *counting_ctx(counting_alloc *c) {
+    mpt_context_desc d;
+    mpt_context *cc = NULL;
+    memset(&d, 0, sizeof d);
+    d.num_threads = 2;
+    d.logger.fn = quiet_logger;
+    d.allocator.alloc = count_alloc;
+    d.allocator.free = count_free;
+    d.allocator.user_data = c;
+    mpt_context_create(&d, &cc);
+    return cc;
+}
+
 static inline double ref_act(mpt_activation act, double z) {
     switch (act) {
     case MPT_ACT_RELU: return z > 0 ? z : 0;

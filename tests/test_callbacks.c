@@ -7,6 +7,7 @@
 #include "../mpt.h"
 #include "helpers.h"
 
+#include <dirent.h>
 #include <sys/stat.h>
 
 static mpt_context *ctx;
@@ -120,8 +121,9 @@ static int drive(mpt_callback *cb, mpt_model *m, const char *monitor, const doub
     int e, stopped = -1;
     mpt_logs logs;
     memset(&logs, 0, sizeof logs);
-    if (cb->on_train_begin) CHECK(cb->on_train_begin(cb->user_data, m) == MPT_OK, "on_train_begin: %s",
-                                  mpt_context_error(ctx));
+    if (cb->on_train_begin)
+        CHECK(cb->on_train_begin(cb->user_data, m) == MPT_OK, "on_train_begin: %s",
+              mpt_context_error(ctx));
     for (e = 0; e < n && stopped < 0; e++) {
         int stop = 0;
         set_epoch_weights(m, e);
@@ -131,8 +133,9 @@ static int drive(mpt_callback *cb, mpt_model *m, const char *monitor, const doub
         if (lr) lr[e] = m->learning_rate;
         if (stop) stopped = e;
     }
-    if (cb->on_train_end) CHECK(cb->on_train_end(cb->user_data, m, &logs) == MPT_OK,
-                                "on_train_end: %s", mpt_context_error(ctx));
+    if (cb->on_train_end)
+        CHECK(cb->on_train_end(cb->user_data, m, &logs) == MPT_OK, "on_train_end: %s",
+              mpt_context_error(ctx));
     return stopped;
 }
 
@@ -496,7 +499,8 @@ static void test_repr(void) {
     static const struct { double v; const char *want; } cases[] = {
         {0.1, "0.1"}, {1.0, "1.0"}, {-2.5, "-2.5"}, {0.0, "0.0"}, {100.0, "100.0"},
         {1e-05, "1e-05"}, {0.0001, "0.0001"}, {1.0 / 3, "0.3333333333333333"},
-        {2.0 / 3, "0.6666666666666666"}, {1e16, "1e+16"}, {1234567890123456.0, "1234567890123456.0"},
+        {2.0 / 3, "0.6666666666666666"}, {1e16, "1e+16"},
+        {1234567890123456.0, "1234567890123456.0"},
         {1.5e-7, "1.5e-07"}, {123.456, "123.456"}, {1e300, "1e+300"}, {5e-324, "5e-324"},
         {0.30000000000000004, "0.30000000000000004"},
     };
@@ -665,7 +669,8 @@ static void test_checkpoint_best_only(void) {
                   path, e - 1, mpt_context_error(ctx));
     }
     snprintf(want, sizeof want,
-             "Epoch 1: val_loss improved from inf to 0.50000, saving model to %s/best-1.safetensors\n"
+             "Epoch 1: val_loss improved from inf to 0.50000, saving model to "
+             "%s/best-1.safetensors\n"
              "Epoch 2: val_loss did not improve from 0.50000\n"
              "Epoch 3: val_loss improved from 0.50000 to 0.40000, saving model to "
              "%s/best-3.safetensors\n"
@@ -898,7 +903,8 @@ static void test_csv_logger_io(void) {
     CHECK(cb.on_train_begin(cb.user_data, m) == MPT_ERR_IO, "opened %s", path);
     CHECK(strstr(mpt_context_error(ctx), path) && strstr(mpt_context_error(ctx), "CSVLogger"),
           "error: %s", mpt_context_error(ctx));
-    CHECK(cb.on_epoch_end(cb.user_data, m, 0, &l, &stop) == MPT_ERR_STATE, "epoch end without file");
+    CHECK(cb.on_epoch_end(cb.user_data, m, 0, &l, &stop) == MPT_ERR_STATE,
+          "epoch end without a file");
     mpt_callback_destroy(&cb);
     tmp_path(path, sizeof path, "open.csv");
     mpt_callback_csv_logger(ctx, &(mpt_csv_logger_desc){.filename = path}, &cb);
@@ -1046,17 +1052,17 @@ static void test_through_fit(void) {
 
 /* ---- files this test wrote ---------------------------------------------------------- */
 
+/* Removes the directory and everything in it, whatever a failing run left. */
 static void remove_tmpdir(void) {
-    static const char *names[] = {
-        "every-01.safetensors", "every-02.safetensors", "every-03.safetensors",
-        "best-1.safetensors", "best-3.safetensors", "acc.safetensors", "nomon.safetensors",
-        "log.csv", "new.csv", "semi.csv", "open.csv", "fit.csv"};
-    char path[256];
-    size_t i;
-    for (i = 0; i < sizeof names / sizeof names[0]; i++) {
-        tmp_path(path, sizeof path, names[i]);
+    DIR *dir = opendir(tmpdir);
+    struct dirent *e;
+    char path[512];
+    while (dir && (e = readdir(dir)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        snprintf(path, sizeof path, "%s/%s", tmpdir, e->d_name);
         remove(path);
     }
+    if (dir) closedir(dir);
     rmdir(tmpdir);
 }
 

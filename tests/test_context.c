@@ -1,28 +1,9 @@
 /* The context: threads, the allocator hook (and that a built model's
    forward and backward allocate nothing), the logger, errors, tensors. */
-#define _POSIX_C_SOURCE 200809L /* setenv, posix_memalign */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
-#include "test.h"
-
-typedef struct counting_alloc {
-    long allocs, frees, fail_after; /* fail_after < 0: never fail */
-} counting_alloc;
-
-static void *count_alloc(void *user, size_t bytes, size_t alignment) {
-    counting_alloc *c = (counting_alloc *)user;
-    void *p;
-    if (c->fail_after >= 0 && c->allocs >= c->fail_after) return NULL;
-    if (posix_memalign(&p, alignment, bytes) != 0) return NULL;
-    c->allocs++;
-    return p;
-}
-
-static void count_free(void *user, void *ptr) {
-    counting_alloc *c = (counting_alloc *)user;
-    if (ptr) c->frees++;
-    free(ptr);
-}
+#include "helpers.h"
 
 static void quiet(void *user, mpt_log_level level, const char *msg) {
     (void)user;

@@ -1230,39 +1230,6 @@ static void test_loader_destroy_mid_epoch(void) {
     fixture_free(&f);
 }
 
-/* Counting allocator (as tests/test_context.c's). */
-typedef struct counting_alloc {
-    long allocs, frees, fail_after; /* fail_after < 0: never fail */
-} counting_alloc;
-
-static void *count_alloc(void *user, size_t bytes, size_t alignment) {
-    counting_alloc *c = (counting_alloc *)user;
-    void *p;
-    if (c->fail_after >= 0 && c->allocs >= c->fail_after) return NULL;
-    if (posix_memalign(&p, alignment, bytes) != 0) return NULL;
-    c->allocs++;
-    return p;
-}
-
-static void count_free(void *user, void *ptr) {
-    counting_alloc *c = (counting_alloc *)user;
-    if (ptr) c->frees++;
-    free(ptr);
-}
-
-static mpt_context *counting_ctx(counting_alloc *c) {
-    mpt_context_desc d;
-    mpt_context *cc = NULL;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = quiet_logger;
-    d.allocator.alloc = count_alloc;
-    d.allocator.free = count_free;
-    d.allocator.user_data = c;
-    mpt_context_create(&d, &cc);
-    return cc;
-}
-
 static void test_loader_no_allocation_per_batch(void) {
     counting_alloc c = {0, 0, -1};
     mpt_context *cc = counting_ctx(&c);

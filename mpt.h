@@ -737,7 +737,7 @@ typedef struct mpt_reduce_lr_desc {
     int patience;               /* default 10 (0 is taken as the default;
                                    use has_patience for 0)                 */
     int has_patience;
-    float min_delta;            /* default 1e-4                            */
+    float min_delta;            /* default (0) 1e-4; for 0 give a tiny value */
     int cooldown;               /* default 0                               */
     float min_lr;               /* default 0                               */
     mpt_monitor_mode mode;
@@ -745,8 +745,9 @@ typedef struct mpt_reduce_lr_desc {
 } mpt_reduce_lr_desc;
 
 typedef struct mpt_model_checkpoint_desc {
-    const char *filepath;       /* required; "{epoch}" becomes the 1-based epoch
-                                   (e.g. "ckpt-{epoch}.safetensors")        */
+    const char *filepath;       /* required; "{epoch}" or "{epoch:02d}" becomes
+                                   the 1-based epoch, "{val_loss:.2f}" any log
+                                   value (e.g. "ckpt-{epoch:02d}.safetensors") */
     const char *monitor;        /* default "val_loss"                      */
     int save_best_only;         /* default 0                               */
     int save_weights_only;      /* default 0: the full training state      */
@@ -762,7 +763,9 @@ typedef struct mpt_csv_logger_desc {
 } mpt_csv_logger_desc;
 
 /* Each creates a callback whose state it owns; pass *out in fit's callbacks
-   and free it with mpt_callback_destroy. Messages go to the printer. */
+   and free it with mpt_callback_destroy (which takes only callbacks made by
+   these four functions, or zeroed ones). Messages go to fit's printer.
+   Auto mode minimises names ending in "loss" and maximises the others. */
 MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
                                               mpt_callback *out);
 MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,

@@ -2,7 +2,7 @@
    Dense(10, softmax), Adam, batch 128, mixed_float16 by default.
 
    Build: cc -O2 mlp.c -lpthread -lm -lz -o mlp          (in examples/)
-   Run:   ./mlp [--policy float32|mixed_float16|mixed_bfloat16] [--epochs 10]
+   Run:   ./mlp [--policy float32|mixed_float16|mixed_bfloat16] [--epochs 20]
                 [--batch-size 128] [--threads N] [--data DIR] [--verbose 1]
 
    Shows Keras' progress bar, then one JSON line with the results. */
@@ -12,7 +12,7 @@
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 10, 128, 0, 1, 1};
+                 20, 128, 0, 1, 1};
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *train, *test;

@@ -103,7 +103,8 @@ static mpt_status mpt__cb_monitor_init(mpt_context *ctx, const char *what, const
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: min_delta %g must be finite", what,
                          min_delta);
     strcpy(mon->name, name);
-    mon->minimize = mode == MPT_MODE_MIN || (mode == MPT_MODE_AUTO && mpt__cb_ends_with(name, "loss"));
+    mon->minimize =
+        mode == MPT_MODE_MIN || (mode == MPT_MODE_AUTO && mpt__cb_ends_with(name, "loss"));
     mon->min_delta = fabs(min_delta);
     return MPT_OK;
 }
@@ -115,7 +116,9 @@ static int mpt__cb_improves(const mpt__cb_monitor *mon, double current, double r
 }
 
 /* The worst value: anything finite improves on it. */
-static double mpt__cb_worst(const mpt__cb_monitor *mon) { return mon->minimize ? INFINITY : -INFINITY; }
+static double mpt__cb_worst(const mpt__cb_monitor *mon) {
+    return mon->minimize ? INFINITY : -INFINITY;
+}
 
 /* Finds `name` in logs. Unlike mpt_logs_get, tells a logged NaN from a
    missing name. */
@@ -278,7 +281,7 @@ static void mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model *m, in
    epoch; an improvement records the best (and its weights) and resets the
    wait only if it also beats the baseline, and never stops training. */
 static mpt_status mpt__cb_es_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                    int *stop) {
+                                       int *stop) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
     double current;
     if (!mpt__cb_monitored(m, &es->mon, "Early stopping", logs, &current) ||
@@ -355,7 +358,8 @@ MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_
     if (!d) d = &defaults; /* every field has a usable default */
     MPT__CHECK(mpt__cb_es_check(ctx, d));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "EarlyStopping", d->monitor, d->mode, d->min_delta, &mon));
-    es = (mpt__cb_early_stopping *)mpt__cb_new(ctx, sizeof *es, "EarlyStopping", mpt__cb_es_release, &s);
+    es = (mpt__cb_early_stopping *)mpt__cb_new(ctx, sizeof *es, "EarlyStopping",
+                                               mpt__cb_es_release, &s);
     if (!es) return s;
     es->mon = mon;
     es->patience = d->patience;
@@ -417,7 +421,7 @@ static void mpt__cb_rlr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
    improvement resets the wait; otherwise, outside cooldown, the wait grows
    and reaching patience lowers the rate. */
 static mpt_status mpt__cb_rlr_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                     int *stop) {
+                                        int *stop) {
     mpt__cb_reduce_lr *r = (mpt__cb_reduce_lr *)user;
     double current;
     (void)stop;
@@ -651,7 +655,7 @@ static void mpt__cb_ckpt_release(mpt__cb_head *h) {
 /* Keras' _should_save_model: with save_best_only, only an improvement (or
    a missing monitor, after a warning) is saved. */
 static int mpt__cb_ckpt_should_save(mpt__cb_model_checkpoint *c, mpt_model *m, int epoch,
-                                 const mpt_logs *logs) {
+                                    const mpt_logs *logs) {
     double current;
     if (!c->save_best_only) {
         if (c->verbose > 0) mpt__print(m, "Epoch %d: saving model to %s\n", epoch + 1, c->path);
@@ -675,7 +679,7 @@ static int mpt__cb_ckpt_should_save(mpt__cb_model_checkpoint *c, mpt_model *m, i
 }
 
 static mpt_status mpt__cb_ckpt_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                      int *stop) {
+                                         int *stop) {
     mpt__cb_model_checkpoint *c = (mpt__cb_model_checkpoint *)user;
     (void)stop;
     MPT__CHECK(mpt__cb_format_path(m->ctx, c->filepath, epoch + 1, logs, c->path, sizeof c->path));
@@ -698,8 +702,8 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
                          d->filepath ? "empty" : "NULL");
     MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
-    c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint", mpt__cb_ckpt_release,
-                                             &s);
+    c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
+                                                mpt__cb_ckpt_release, &s);
     if (!c) return s;
     c->filepath = mpt__cb_strdup(ctx, d->filepath);
     if (!c->filepath) {
@@ -740,7 +744,8 @@ static void mpt__cb_csv_release(mpt__cb_head *h) {
     c->filename = NULL;
 }
 
-static mpt_status mpt__cb_csv_io_error(mpt_context *ctx, const mpt__cb_csv_logger *c, const char *what) {
+static mpt_status mpt__cb_csv_io_error(mpt_context *ctx, const mpt__cb_csv_logger *c,
+                                       const char *what) {
     return mpt__fail(ctx, MPT_ERR_IO, "CSVLogger: cannot %s \"%s\": %s", what, c->filename,
                      strerror(errno));
 }
@@ -761,7 +766,8 @@ static mpt_status mpt__cb_csv_train_begin(void *user, mpt_model *m) {
     c->write_header = !(c->append && mpt__cb_csv_has_content(c->filename));
     c->n_keys = -1;
     c->file = fopen(c->filename, c->append ? "a" : "w");
-    if (!c->file) return mpt__cb_csv_io_error(m->ctx, c, c->append ? "open for appending" : "create");
+    if (!c->file)
+        return mpt__cb_csv_io_error(m->ctx, c, c->append ? "open for appending" : "create");
     return MPT_OK;
 }
 
@@ -834,7 +840,7 @@ static void mpt__cb_csv_write_row(const mpt__cb_csv_logger *c, int epoch, const 
 }
 
 static mpt_status mpt__cb_csv_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                     int *stop) {
+                                        int *stop) {
     mpt__cb_csv_logger *c = (mpt__cb_csv_logger *)user;
     (void)stop;
     if (!c->file)

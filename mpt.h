@@ -71,7 +71,8 @@
        @impl-layers (the layer interface, the plan, forward and backward)
        @impl-dense @impl-flatten @impl-activation @impl-windows
        @impl-conv2d @impl-pooling @impl-batchnorm @impl-dropout
-       @impl-losses
+       @impl-losses @impl-optimizers @impl-data @impl-training
+       @impl-callbacks @impl-checkpoints
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum
@@ -817,14 +818,23 @@ MPTDEF int mpt_model_epoch(const mpt_model *m);
 #ifndef MPT__IMPLEMENTED
 #define MPT__IMPLEMENTED
 
+#include <errno.h>
+#include <fcntl.h>
+#include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/time.h>
+#include <sys/types.h>
 #include <unistd.h>
+#ifndef MPT_NO_ZLIB
+#include <zlib.h> /* gzip-compressed IDX files */
+#endif
 
 #if !defined(MPT_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && \
     (defined(__x86_64__) || defined(__i386__))
@@ -5241,11 +5251,4648 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
     return MPT_OK;
 }
 
-#include "wip/optim.h"
-#include "wip/data.h"
-#include "wip/train.h"
-#include "wip/callbacks.h"
-#include "wip/checkpoint.h"
+/* =============================================================================
+   @impl-optimizers  optimizers, learning-rate schedules, loss scaling, compile
+   =============================================================================
+
+   One optimizer step, given the float32 gradients backward left in P->grad
+   (multiplied by the loss scale):
+
+     pass 1  reads every gradient once and sums the squares in double. The
+             sum is finite exactly when every gradient is: a float squared
+             is at most ~1.2e77, so no realistic count of finite gradients
+             overflows a double, while one inf or NaN makes the sum inf or
+             NaN. So the one read gives both the overflow test of loss
+             scaling and the global norm for clipping.
+     pass 2  (only when the gradients are finite) one fused sweep per piece
+             of parameter memory: unscale and clip (one multiplier), add the
+             L2 term, decay the weight, update the slots and the float32
+             master, and write the compute-dtype copy from the new master
+             while it is still in cache.
+
+   A step whose gradients are not finite changes nothing: no weight, slot,
+   compute copy or counter (pytorch #88474 is what happens otherwise).
+
+   Both passes split the trainable parameters, seen as one concatenated
+   vector, into the same fixed ranges, which depend on the element count
+   only. Pass 1 keeps one partial sum per range and adds them in range
+   order, so the norm, and with it every result, is the same whatever the
+   thread count. Nothing is allocated: the partial sums live in the job on
+   the stack. The element loops have AVX2 versions that give the same bits
+   as the portable ones (about 2 ns per Adam parameter on one core, near
+   memory speed; the portable loops take 3 times as long).
+
+   Keras 3 is followed where the spec is silent: decoupled weight decay
+   (w −= lr·wd·w, with the scheduled rate) is applied by every optimizer
+   that has one, to every trainable variable, before the update; clipping
+   is applied to the unscaled gradients, and the L2 term added after it. */
+
+
+#define MPT__OPT_TASKS 256 /* ranges the parameters are split into, at most       */
+/* Elements per range, at least: a smaller piece is not worth waking the pool. */
+#define MPT__OPT_MIN_RANGE ((int64_t)1 << 15)
+/* Elements updated before their compute copy is written (they are still in L1). */
+#define MPT__OPT_BLOCK 512
+
+/* ---- resolving the descriptors -------------------------------------------- */
+
+/* x in [lo, hi) (NaN is never in range). */
+static int mpt__in_range(double x, double lo, double hi) { return x >= lo && x < hi; }
+
+static mpt_status mpt__schedule_resolve(mpt_context *ctx, mpt_lr_schedule *s) {
+    int decays = s->type != MPT_LR_CONSTANT;
+    int rated = s->type == MPT_LR_EXPONENTIAL_DECAY || s->type == MPT_LR_STEP_DECAY;
+    if (s->type < MPT_LR_CONSTANT || s->type >= MPT_LR_SCHEDULE_COUNT_)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: schedule.type %d is not a known learning-rate schedule "
+                         "(0 constant, 1 exponential, 2 step, 3 cosine)", (int)s->type);
+    if (decays && s->decay_steps <= 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: schedule.decay_steps %lld must be > 0 for a decay",
+                         (long long)s->decay_steps);
+    if (rated && !(s->decay_rate > 0 && s->decay_rate <= 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: schedule.decay_rate %g is not in (0, 1]",
+                         (double)s->decay_rate);
+    if (!(s->alpha >= 0 && s->alpha <= 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: schedule.alpha %g is not in [0, 1]", (double)s->alpha);
+    if (s->warmup_steps < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: schedule.warmup_steps %lld must be >= 0",
+                         (long long)s->warmup_steps);
+    return MPT_OK;
+}
+
+/* A field that must be finite and >= 0. */
+static mpt_status mpt__check_nonneg(mpt_context *ctx, const char *field, float v) {
+    if (!mpt__in_range(v, 0, INFINITY))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: %s %g must be finite and >= 0", field, (double)v);
+    return MPT_OK;
+}
+
+/* Checks an optimizer descriptor and fills in the documented defaults
+   (zero fields), so that *out holds every value a step uses. */
+static mpt_status mpt__optimizer_resolve(mpt_context *ctx, const mpt_optimizer_desc *in,
+                                         mpt_optimizer_desc *out) {
+    mpt_optimizer_desc d = *in;
+    int adamw = d.type == MPT_OPTIMIZER_ADAMW;
+    if (d.type < 0 || d.type >= MPT_OPTIMIZER_COUNT_)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: type %d is not a known optimizer (0 Adam, 1 SGD, 2 AdamW)",
+                         (int)d.type);
+    MPT__CHECK(mpt__check_nonneg(ctx, "learning_rate", d.learning_rate));
+    if (!mpt__in_range(d.momentum, 0, 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "optimizer: momentum %g is not in [0, 1)",
+                         (double)d.momentum);
+    if (!mpt__in_range(d.beta_1, 0, 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "optimizer: beta_1 %g is not in [0, 1)",
+                         (double)d.beta_1);
+    if (!mpt__in_range(d.beta_2, 0, 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "optimizer: beta_2 %g is not in [0, 1)",
+                         (double)d.beta_2);
+    MPT__CHECK(mpt__check_nonneg(ctx, "weight_decay", d.weight_decay));
+    MPT__CHECK(mpt__check_nonneg(ctx, "l2", d.l2));
+    MPT__CHECK(mpt__check_nonneg(ctx, "clip_global_norm", d.clip_global_norm));
+    if (d.learning_rate == 0) d.learning_rate = d.type == MPT_OPTIMIZER_SGD ? 0.01f : 0.001f;
+    if (d.beta_1 == 0) d.beta_1 = 0.9f;
+    if (d.beta_2 == 0) d.beta_2 = 0.999f;
+    if (d.epsilon == 0) d.epsilon = 1e-7f;
+    if (adamw && d.weight_decay == 0) d.weight_decay = 0.004f;
+    if (!(d.epsilon > 0 && d.epsilon < INFINITY))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: epsilon %g must be finite and > 0", (double)d.epsilon);
+    MPT__CHECK(mpt__schedule_resolve(ctx, &d.schedule));
+    *out = d;
+    return MPT_OK;
+}
+
+/* Checks a loss-scale descriptor and fills its defaults; DEFAULT becomes
+   DYNAMIC when some layer computes in float16 (its range is what needs
+   the scale) and NONE otherwise (bfloat16 has float32's range). */
+static mpt_status mpt__loss_scale_resolve(mpt_context *ctx, const mpt_loss_scale_desc *in,
+                                          int any_float16, mpt_loss_scale_desc *out) {
+    mpt_loss_scale_desc d = *in;
+    if (d.mode < MPT_LOSS_SCALE_DEFAULT || d.mode >= MPT_LOSS_SCALE_COUNT_)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loss_scale: mode %d is not known (0 default, 1 dynamic, 2 fixed, 3 none)",
+                         (int)d.mode);
+    if (d.mode == MPT_LOSS_SCALE_DEFAULT)
+        d.mode = any_float16 ? MPT_LOSS_SCALE_DYNAMIC : MPT_LOSS_SCALE_NONE;
+    if (d.initial_scale == 0) d.initial_scale = 32768.0f;
+    if (d.growth_interval == 0) d.growth_interval = 2000;
+    if (d.growth_factor == 0) d.growth_factor = 2.0f;
+    if (d.backoff_factor == 0) d.backoff_factor = 0.5f;
+    /* A subnormal scale would make 1/scale inf. */
+    if (!mpt__in_range(d.initial_scale, FLT_MIN, INFINITY))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loss_scale: initial_scale %g must be finite and > 0 (at least %g)",
+                         (double)d.initial_scale, (double)FLT_MIN);
+    if (d.growth_interval < 1)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loss_scale: growth_interval %lld must be >= 1",
+                         (long long)d.growth_interval);
+    if (!(d.growth_factor > 1 && d.growth_factor < INFINITY))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loss_scale: growth_factor %g must be finite and > 1",
+                         (double)d.growth_factor);
+    if (!(d.backoff_factor > 0 && d.backoff_factor < 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loss_scale: backoff_factor %g is not in (0, 1)",
+                         (double)d.backoff_factor);
+    *out = d;
+    return MPT_OK;
+}
+
+/* Float32 tensors of optimizer state per trainable parameter. Keras' SGD
+   keeps a velocity only when it has a momentum. */
+static int mpt__optimizer_slot_count(const mpt_optimizer_desc *d) {
+    if (d->type == MPT_OPTIMIZER_SGD) return d->momentum != 0 ? 1 : 0;
+    return 2;
+}
+
+/* ---- learning-rate schedules ---------------------------------------------- */
+
+/* The rate at optimizer step t (steps taken so far) for a base rate: a
+   linear warm-up over the first W steps, lr·(t + 1)/W, then the decay run
+   on t − W, as the header's mpt_lr_schedule describes. */
+static double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr, int64_t t) {
+    const mpt_lr_schedule *s = &d->schedule;
+    double D = (double)s->decay_steps;
+    int64_t W = s->warmup_steps;
+    if (t < 0) t = 0;
+    if (t < W) return base_lr * (double)(t + 1) / (double)W;
+    t -= W;
+    switch (s->type) {
+    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow(s->decay_rate, (double)t / D);
+    case MPT_LR_STEP_DECAY: return base_lr * pow(s->decay_rate, (double)(t / s->decay_steps));
+    case MPT_LR_COSINE_DECAY: {
+        double progress = (double)MPT__MIN(t, s->decay_steps) / D; /* 0..1 */
+        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
+        return base_lr * ((1.0 - s->alpha) * cosine + s->alpha);
+    }
+    default: return base_lr;
+    }
+}
+
+/* The rate the model's next step will use. */
+static double mpt__current_learning_rate(const mpt_model *m) {
+    return mpt__learning_rate_at(&m->compile.optimizer, m->learning_rate, m->optimizer_steps);
+}
+
+/* ---- walking the trainable parameters as one vector ----------------------- */
+
+typedef void (*mpt__span_fn)(void *arg, mpt__param *P, int64_t begin, int64_t end);
+
+/* Calls fn on each trainable parameter's part of the elements [begin, end)
+   of all trainable parameters laid end to end, in parameter order. */
+static void mpt__for_spans(mpt_model *m, int64_t begin, int64_t end, mpt__span_fn fn, void *arg) {
+    int64_t offset = 0;
+    int i;
+    for (i = 0; i < m->n_params && offset < end; i++) {
+        mpt__param *P = &m->params[i];
+        int64_t lo, hi;
+        if (!P->trainable) continue;
+        lo = MPT__MAX(begin, offset);
+        hi = MPT__MIN(end, offset + P->count);
+        if (lo < hi) fn(arg, P, lo - offset, hi - offset);
+        offset += P->count;
+    }
+}
+
+static int64_t mpt__trainable_count(const mpt_model *m) {
+    int64_t n = 0;
+    int i;
+    for (i = 0; i < m->n_params; i++)
+        if (m->params[i].trainable) n += m->params[i].count;
+    return n;
+}
+
+/* ---- the ranges ------------------------------------------------------------ */
+
+/* The split of the trainable parameters (end to end) into ranges, one task
+   each: a function of the element count only, never of the thread count. */
+typedef struct mpt__ranges {
+    int64_t total;   /* trainable elements                          */
+    int64_t n_tasks; /* ranges: 1..MPT__OPT_TASKS                   */
+    int64_t range;   /* elements per range (the last may be short)  */
+} mpt__ranges;
+
+static mpt__ranges mpt__opt_ranges(const mpt_model *m) {
+    mpt__ranges r;
+    r.total = mpt__trainable_count(m);
+    r.n_tasks = MPT__MIN((int64_t)MPT__OPT_TASKS,
+                         (r.total + MPT__OPT_MIN_RANGE - 1) / MPT__OPT_MIN_RANGE);
+    r.n_tasks = MPT__MAX(r.n_tasks, 1);
+    r.range = (r.total + r.n_tasks - 1) / r.n_tasks;
+    return r;
+}
+
+/* The element loops below come in a portable version and an AVX2 one that
+   does the same float operations in the same order, without FMA, so both
+   give the same bits (unless the compiler fuses multiply-adds itself, as
+   GNU dialects such as gnu99 allow and ISO ones such as -std=c99 do not:
+   then they may differ in the last bit, each still deterministic). The
+   AVX2 one is chosen when the context's CPU has it. The pointers are
+   restrict-qualified: a store to w[i] changes nothing else, so the
+   portable loops keep everything in registers. */
+#ifdef __cplusplus
+#define MPT__RESTRICT __restrict
+#else
+#define MPT__RESTRICT restrict
+#endif
+
+/* ---- pass 1: the sum of squares (finiteness and the global norm) ---------- */
+
+/* Σ g² over n floats in double. Eight running sums, not one (a single
+   chain of dependent adds runs at a fraction of memory speed): element k
+   goes to sum k mod 8 and the sums are combined in one fixed order. */
+static double mpt__sum8(const double s[8]) {
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+static double mpt__sum_squares(const float *MPT__RESTRICT g, int64_t n) {
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i;
+    int k;
+    for (i = 0; i + 8 <= n; i += 8)
+        for (k = 0; k < 8; k++) s[k] += (double)g[i + k] * (double)g[i + k];
+    for (k = 0; i < n; i++, k++) s[k] += (double)g[i] * (double)g[i];
+    return mpt__sum8(s);
+}
+
+#if MPT__X86
+static MPT__TARGET_AVX2 double mpt__sum_squares_avx2(const float *g, int64_t n) {
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd(); /* sums 0-3, 4-7 */
+    double s[8];
+    int64_t i;
+    int k;
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(g + i));
+        __m256d b = _mm256_cvtps_pd(_mm_loadu_ps(g + i + 4));
+        lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+        hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    }
+    _mm256_storeu_pd(s, lo);
+    _mm256_storeu_pd(s + 4, hi);
+    for (k = 0; i < n; i++, k++) s[k] += (double)g[i] * (double)g[i];
+    return mpt__sum8(s);
+}
+#endif
+
+typedef double (*mpt__sum_squares_fn)(const float *g, int64_t n);
+
+typedef struct mpt__norm_job {
+    mpt_model *m;
+    mpt__ranges r;
+    mpt__sum_squares_fn sum_squares;
+    double partial[MPT__OPT_TASKS]; /* (n_tasks) each range's sum of g² */
+} mpt__norm_job;
+
+/* One task's running sum over the spans of its range. */
+typedef struct mpt__norm_acc {
+    mpt__sum_squares_fn sum_squares;
+    double sum;
+} mpt__norm_acc;
+
+static void mpt__norm_span(void *arg, mpt__param *P, int64_t begin, int64_t end) {
+    mpt__norm_acc *a = (mpt__norm_acc *)arg;
+    a->sum += a->sum_squares(P->grad + begin, end - begin);
+}
+
+static void mpt__norm_task(void *arg, int64_t task, int thread) {
+    mpt__norm_job *j = (mpt__norm_job *)arg;
+    int64_t begin = task * j->r.range;
+    mpt__norm_acc a;
+    (void)thread;
+    a.sum_squares = j->sum_squares;
+    a.sum = 0;
+    mpt__for_spans(j->m, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__norm_span, &a);
+    j->partial[task] = a.sum;
+}
+
+/* Σ g² over every trainable gradient as it stands (loss scale included), in
+   double, the ranges' sums added in range order: inf or NaN exactly when
+   some gradient is, and the same bits for any thread count. */
+static double mpt__gradient_sum_squares(mpt_model *m, const mpt__ranges *r) {
+    mpt__norm_job j;
+    double sum = 0;
+    int64_t t;
+    j.m = m;
+    j.r = *r;
+    j.sum_squares = mpt__sum_squares;
+#if MPT__X86
+    if (m->ctx->cpu & MPT_CPU_AVX2) j.sum_squares = mpt__sum_squares_avx2;
+#endif
+    mpt__parallel_for(m->ctx, r->n_tasks, mpt__norm_task, &j);
+    for (t = 0; t < r->n_tasks; t++) sum += j.partial[t];
+    return sum;
+}
+
+/* ---- pass 2: the fused update --------------------------------------------- */
+
+typedef struct mpt__update_job mpt__update_job;
+
+/* Updates n elements of the master w from the gradient g and the slots s0,
+   s1 (NULL where the optimizer has none). */
+typedef void (*mpt__block_fn)(const mpt__update_job *j, float *w, const float *g, float *s0,
+                              float *s1, int64_t n);
+
+/* Every number the element loops use, in float32 as Keras computes. */
+struct mpt__update_job {
+    mpt_model *m;
+    mpt__ranges r;
+    mpt__block_fn block; /* the optimizer's loop, for this CPU           */
+    int nesterov;
+    float gscale;        /* 1 / loss scale × the clipping factor            */
+    float l2;            /* coupled: added to the gradient as l2·w           */
+    float decay;         /* decoupled: w −= w·(lr·weight_decay)              */
+    float lr;            /* this step's scheduled rate                       */
+    float momentum;      /* SGD                                              */
+    float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)             */
+};
+
+/* SGD (Keras 3): with a momentum, velocity = momentum·velocity − lr·g and
+   w += velocity (nesterov: w += momentum·velocity − lr·g); without one,
+   w −= lr·g. s0 is the velocity (NULL without momentum). */
+static void mpt__sgd_block(const mpt__update_job *j, float *MPT__RESTRICT w,
+                           const float *MPT__RESTRICT g, float *MPT__RESTRICT s0, float *s1,
+                           int64_t n) {
+    const float gscale = j->gscale, l2 = j->l2, decay = j->decay, lr = j->lr;
+    const float mu = j->momentum;
+    int64_t i;
+    (void)s1;
+    if (!s0) {
+        for (i = 0; i < n; i++) {
+            float gi = g[i] * gscale + l2 * w[i];
+            float wi = w[i] - w[i] * decay;
+            w[i] = wi - gi * lr;
+        }
+    } else if (!j->nesterov) {
+        for (i = 0; i < n; i++) {
+            float gi = g[i] * gscale + l2 * w[i];
+            float wi = w[i] - w[i] * decay;
+            float v = s0[i] * mu - gi * lr;
+            s0[i] = v;
+            w[i] = wi + v;
+        }
+    } else {
+        for (i = 0; i < n; i++) {
+            float gi = g[i] * gscale + l2 * w[i];
+            float wi = w[i] - w[i] * decay;
+            float v = s0[i] * mu - gi * lr;
+            s0[i] = v;
+            w[i] = wi + (v * mu - gi * lr);
+        }
+    }
+}
+
+/* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
+   m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g² in the order Keras
+   rounds them; w −= α·m / (sqrt(v) + ε) with the bias correction folded
+   into α. s0 is m, s1 is v. */
+static void mpt__adam_block(const mpt__update_job *j, float *MPT__RESTRICT w,
+                            const float *MPT__RESTRICT g, float *MPT__RESTRICT s0,
+                            float *MPT__RESTRICT s1, int64_t n) {
+    const float gscale = j->gscale, l2 = j->l2, decay = j->decay;
+    const float c1 = j->one_minus_b1, c2 = j->one_minus_b2, alpha = j->alpha, eps = j->epsilon;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        float gi = g[i] * gscale + l2 * w[i];
+        float mi = s0[i] + (gi - s0[i]) * c1;
+        float vi = s1[i] + (gi * gi - s1[i]) * c2;
+        float wi = w[i] - w[i] * decay;
+        s0[i] = mi;
+        s1[i] = vi;
+        w[i] = wi - (mi * alpha) / (sqrtf(vi) + eps);
+    }
+}
+
+#if MPT__X86
+/* The loops above, 8 lanes at a time; the last n % 8 elements go through
+   the portable loop. */
+static MPT__TARGET_AVX2 void mpt__sgd_block_avx2(const mpt__update_job *j, float *w,
+                                                 const float *g, float *s0, float *s1,
+                                                 int64_t n) {
+    const __m256 gscale = _mm256_set1_ps(j->gscale), l2 = _mm256_set1_ps(j->l2);
+    const __m256 decay = _mm256_set1_ps(j->decay), lr = _mm256_set1_ps(j->lr);
+    const __m256 mu = _mm256_set1_ps(j->momentum);
+    int64_t i;
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 w0 = _mm256_loadu_ps(w + i);
+        __m256 gi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(g + i), gscale),
+                                  _mm256_mul_ps(l2, w0));
+        __m256 wi = _mm256_sub_ps(w0, _mm256_mul_ps(w0, decay));
+        __m256 step = _mm256_mul_ps(gi, lr);
+        if (!s0) {
+            wi = _mm256_sub_ps(wi, step);
+        } else {
+            __m256 v = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(s0 + i), mu), step);
+            _mm256_storeu_ps(s0 + i, v);
+            wi = _mm256_add_ps(wi, j->nesterov ? _mm256_sub_ps(_mm256_mul_ps(v, mu), step) : v);
+        }
+        _mm256_storeu_ps(w + i, wi);
+    }
+    if (i < n) mpt__sgd_block(j, w + i, g + i, s0 ? s0 + i : NULL, s1, n - i);
+}
+
+static MPT__TARGET_AVX2 void mpt__adam_block_avx2(const mpt__update_job *j, float *w,
+                                                  const float *g, float *s0, float *s1,
+                                                  int64_t n) {
+    const __m256 gscale = _mm256_set1_ps(j->gscale), l2 = _mm256_set1_ps(j->l2);
+    const __m256 decay = _mm256_set1_ps(j->decay), alpha = _mm256_set1_ps(j->alpha);
+    const __m256 c1 = _mm256_set1_ps(j->one_minus_b1), c2 = _mm256_set1_ps(j->one_minus_b2);
+    const __m256 eps = _mm256_set1_ps(j->epsilon);
+    int64_t i;
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 w0 = _mm256_loadu_ps(w + i), m0 = _mm256_loadu_ps(s0 + i);
+        __m256 v0 = _mm256_loadu_ps(s1 + i);
+        __m256 gi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(g + i), gscale),
+                                  _mm256_mul_ps(l2, w0));
+        __m256 mi = _mm256_add_ps(m0, _mm256_mul_ps(_mm256_sub_ps(gi, m0), c1));
+        __m256 vi = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(gi, gi), v0), c2));
+        __m256 wi = _mm256_sub_ps(w0, _mm256_mul_ps(w0, decay));
+        __m256 den = _mm256_add_ps(_mm256_sqrt_ps(vi), eps);
+        _mm256_storeu_ps(s0 + i, mi);
+        _mm256_storeu_ps(s1 + i, vi);
+        _mm256_storeu_ps(w + i, _mm256_sub_ps(wi, _mm256_div_ps(_mm256_mul_ps(mi, alpha), den)));
+    }
+    if (i < n) mpt__adam_block(j, w + i, g + i, s0 + i, s1 + i, n - i);
+}
+#endif
+
+/* Updates elements [begin, end) of P, a block at a time, and converts each
+   updated block of the master into the compute copy right away. */
+static void mpt__update_span(void *arg, mpt__param *P, int64_t begin, int64_t end) {
+    const mpt__update_job *j = (const mpt__update_job *)arg;
+    int copy = P->compute != (void *)P->value;
+    mpt__convert_fn convert = mpt__convert_kernel(j->m->ctx->cpu, P->compute_dtype, MPT_FLOAT32);
+    size_t csize = mpt_dtype_size(P->compute_dtype);
+    int64_t b;
+    for (b = begin; b < end; b += MPT__OPT_BLOCK) {
+        int64_t n = MPT__MIN((int64_t)MPT__OPT_BLOCK, end - b);
+        j->block(j, P->value + b, P->grad + b, P->slot[0] ? P->slot[0] + b : NULL,
+                 P->slot[1] ? P->slot[1] + b : NULL, n);
+        if (copy)
+            convert(P->compute_dtype, (char *)P->compute + (size_t)b * csize, MPT_FLOAT32,
+                    P->value + b, n);
+    }
+}
+
+static void mpt__update_task(void *arg, int64_t task, int thread) {
+    mpt__update_job *j = (mpt__update_job *)arg;
+    int64_t begin = task * j->r.range;
+    (void)thread;
+    mpt__for_spans(j->m, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__update_span, j);
+}
+
+/* The per-step numbers of the update: the scheduled rate, Adam's α with
+   its bias correction for t = optimizer_steps + 1, and the gradient
+   multiplier, 1/scale (a reciprocal in double, as PyTorch; exact for a
+   power of two) times min(1, c/‖g‖), ‖g‖ the global norm after unscaling. */
+static void mpt__update_job_init(mpt_model *m, double sum_sq, mpt__update_job *j) {
+    const mpt_optimizer_desc *d = &m->compile.optimizer;
+    double lr = mpt__current_learning_rate(m);
+    double inv_scale = 1.0 / (double)m->loss_scale;
+    double norm = sqrt(sum_sq) * inv_scale, clip = 1.0;
+    double t = (double)(m->optimizer_steps + 1);
+    int sgd = d->type == MPT_OPTIMIZER_SGD;
+    if (d->clip_global_norm > 0 && norm > d->clip_global_norm) clip = d->clip_global_norm / norm;
+    j->block = sgd ? mpt__sgd_block : mpt__adam_block;
+#if MPT__X86
+    if (m->ctx->cpu & MPT_CPU_AVX2) j->block = sgd ? mpt__sgd_block_avx2 : mpt__adam_block_avx2;
+#endif
+    j->nesterov = d->nesterov != 0;
+    j->gscale = (float)(inv_scale * clip);
+    j->l2 = d->l2;
+    j->decay = (float)(lr * d->weight_decay);
+    j->lr = (float)lr;
+    j->momentum = d->momentum;
+    j->one_minus_b1 = (float)(1.0 - d->beta_1);
+    j->one_minus_b2 = (float)(1.0 - d->beta_2);
+    j->alpha = (float)(lr * sqrt(1.0 - pow(d->beta_2, t)) / (1.0 - pow(d->beta_1, t)));
+    j->epsilon = d->epsilon;
+}
+
+/* One update of every trainable parameter from P->grad (the model must be
+   built and compiled). Returns 1 when applied; 0 when some gradient is
+   inf or NaN, and then nothing at all has changed. Allocates nothing. */
+static int mpt__optimizer_step(mpt_model *m) {
+    mpt__ranges r = mpt__opt_ranges(m);
+    mpt__update_job j;
+    double sum_sq = mpt__gradient_sum_squares(m, &r);
+    if (!isfinite(sum_sq)) return 0;
+    memset(&j, 0, sizeof j);
+    j.m = m;
+    j.r = r;
+    mpt__update_job_init(m, sum_sq, &j);
+    mpt__parallel_for(m->ctx, r.n_tasks, mpt__update_task, &j);
+    m->optimizer_steps++;
+    return 1;
+}
+
+/* ---- loss scaling ----------------------------------------------------------- */
+
+/* After each step, with finite = what mpt__optimizer_step returned. A
+   non-finite step has been skipped whatever the mode (an update from inf
+   or NaN gradients would destroy the weights), so skipped_steps counts it
+   in every mode. Dynamic mode, as Keras' LossScaleOptimizer: a skipped
+   step multiplies the scale by backoff_factor and restarts the count of
+   finite steps; growth_interval finite steps in a row multiply it by
+   growth_factor. Power-of-two factors keep a power-of-two scale exact.
+   Two guards Keras lacks: the scale never grows to inf (as PyTorch's
+   newer kernels) nor shrinks below FLT_MIN, where 1/scale would be inf. */
+static void mpt__loss_scale_update(mpt_model *m, int finite) {
+    const mpt_loss_scale_desc *d = &m->compile.loss_scale;
+    int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
+    if (!finite) {
+        m->skipped_steps++;
+        if (!dynamic) return;
+        {
+            float old = m->loss_scale, scaled = old * d->backoff_factor;
+            m->good_steps = 0;
+            if (scaled >= FLT_MIN) m->loss_scale = scaled;
+            /* Warned on the way down through 1, so once per collapse. */
+            if (old >= 1 && m->loss_scale < 1)
+                mpt__log(m->ctx, MPT_LOG_WARNING,
+                         "loss scale collapsed to %g: gradients overflow even unscaled — "
+                         "check for inf/NaN in the model or data", (double)m->loss_scale);
+        }
+        return;
+    }
+    if (!dynamic) return;
+    if (++m->good_steps >= d->growth_interval) {
+        float grown = m->loss_scale * d->growth_factor;
+        if (grown < INFINITY) m->loss_scale = grown;
+        m->good_steps = 0;
+    }
+}
+
+/* ---- compile and the public accessors --------------------------------------- */
+
+/* Whether a float16 layer will need loss scaling: the policy says so, or a
+   layer added so far overrides its dtype to float16. */
+static int mpt__model_any_float16(const mpt_model *m) {
+    int i;
+    if (m->policy_dtype == MPT_FLOAT16) return 1;
+    for (i = 0; i < m->n_layers; i++)
+        if (m->layers[i].dtype == MPT_FLOAT16) return 1;
+    return 0;
+}
+
+static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
+    const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K;
+    if (d->loss.type == MPT_LOSS_NONE)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: loss.type is required (MPT_LOSS_NONE given)");
+    MPT__CHECK(mpt__loss_check_desc(m->ctx, &d->loss));
+    if (d->metrics & ~known_metrics)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: metrics 0x%x has unknown bits 0x%x (known: 0x%x)",
+                         (unsigned)d->metrics, (unsigned)(d->metrics & ~known_metrics),
+                         (unsigned)known_metrics);
+    if (d->top_k < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: top_k %d must be >= 0 (0: 5)",
+                         d->top_k);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) {
+    mpt_compile_desc r;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: NULL desc");
+    /* Everything is checked before anything changes: a failed compile
+       leaves the model as it was. */
+    MPT__CHECK(mpt__compile_check(m, desc));
+    r = *desc;
+    if (r.top_k == 0) r.top_k = 5;
+    MPT__CHECK(mpt__optimizer_resolve(m->ctx, &desc->optimizer, &r.optimizer));
+    MPT__CHECK(mpt__loss_scale_resolve(m->ctx, &desc->loss_scale, mpt__model_any_float16(m),
+                                       &r.loss_scale));
+    m->compile = r;
+    m->n_slots = mpt__optimizer_slot_count(&r.optimizer);
+    m->learning_rate = r.optimizer.learning_rate;
+    m->loss_scale = r.loss_scale.mode == MPT_LOSS_SCALE_NONE ? 1.0f : r.loss_scale.initial_scale;
+    m->optimizer_steps = m->good_steps = m->skipped_steps = 0;
+    m->compiled = 1;
+    /* Recompiling starts the optimizer afresh (zeroed slots), as in Keras. */
+    if (m->built && mpt__alloc_optimizer_state(m) != MPT_OK) {
+        m->compiled = 0; /* no slots to step with */
+        return MPT_ERR_OUT_OF_MEMORY;
+    }
+    return MPT_OK;
+}
+
+MPTDEF float mpt_model_learning_rate(const mpt_model *m) { return m ? m->learning_rate : 0.0f; }
+
+MPTDEF mpt_status mpt_model_set_learning_rate(mpt_model *m, float learning_rate) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!m->compiled)
+        return mpt__fail(m->ctx, MPT_ERR_STATE,
+                         "set_learning_rate: compile the model first (compile sets the rate)");
+    if (!mpt__in_range(learning_rate, 0, INFINITY))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "set_learning_rate: learning_rate %g must be finite and >= 0",
+                         (double)learning_rate);
+    m->learning_rate = learning_rate;
+    return MPT_OK;
+}
+
+/* 1 before compile and when not scaling. */
+MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
+    if (!m) return 0.0f;
+    return m->compiled ? m->loss_scale : 1.0f;
+}
+/* =============================================================================
+   @impl-data: datasets over caller arrays and IDX files, and the batch loader
+   =============================================================================
+
+   A dataset is x (n, sample shape...) in uint8, float32, float16 or
+   bfloat16, and y: int32 class ids (n,) or float32 targets (n, ...). uint8
+   images stay uint8 in memory (a quarter of float32) and are normalised
+   (x·scale + offset) only when a batch is gathered, through a 256-entry
+   table per dtype, so every value is rounded exactly once, as mpt__convert
+   rounds it.
+
+   A view (mpt_dataset_split) points into its root's buffers. The root
+   counts its live views and frees its buffers when the last of itself and
+   its views is destroyed, so destroying them in any order is safe. (The
+   count is not atomic: a dataset and its views are split and destroyed on
+   one thread at a time, as a context is used.)
+
+   The loader gathers batch i + 1 on its own thread (not the pool, which
+   serves one job at a time and is busy with batch i) into the second of
+   two buffers allocated up front: fit allocates nothing per batch.
+
+   Internal API for the training loop (train.h):
+     mpt__dataset_label_dtype / _label_range / _label_shape
+     mpt__dataset_gather                   samples in any order, normalised
+     mpt__loader_create / _start_epoch / _next / _destroy   prefetching */
+
+
+
+struct mpt_dataset {
+    mpt_context *ctx;             /* allocated this struct                       */
+    mpt_dataset *root;            /* owner of the buffers: itself, or a view's root */
+    int refs;                     /* root: itself + its live views               */
+    int64_t n;                    /* samples                                     */
+    mpt_dtype x_dtype;            /* uint8, float32, float16 or bfloat16         */
+    int x_rank;                   /* one sample's rank, 1..3                     */
+    int64_t x_shape[MPT_MAX_RANK - 1];
+    int64_t x_count;              /* elements of one sample                      */
+    const void *x;                /* (n, x_shape) x_dtype, this dataset's sample 0 */
+    mpt_dtype y_dtype;            /* int32 class ids or float32 targets          */
+    int y_rank;                   /* one target's rank: 0 for class ids          */
+    int64_t y_shape[MPT_MAX_RANK - 1];
+    int64_t y_count;              /* elements of one target: 1 for class ids     */
+    const void *y;                /* (n, y_shape) y_dtype                        */
+    int32_t label_min, label_max; /* class ids: their range over these n samples */
+    float scale, offset;          /* uint8 x: x·scale + offset                   */
+    float u8_f32[256];            /* uint8 x: each byte value normalised         */
+    mpt_half u8_f16[256];         /*   the same, rounded to float16              */
+    mpt_bf16 u8_bf16[256];        /*   the same, rounded to bfloat16             */
+    void *owned_x, *owned_y;      /* root: buffers freed with it; NULL if borrowed */
+};
+
+/* ---- the dataset object --------------------------------------------------- */
+
+static mpt_dataset *mpt__dataset_new(mpt_context *ctx) {
+    mpt_dataset *d = (mpt_dataset *)mpt__calloc(ctx, sizeof *d);
+    if (!d) return NULL;
+    d->ctx = ctx;
+    d->root = d;
+    d->refs = 1;
+    return d;
+}
+
+/* The normalisation tables. fmaf rounds x·scale + offset once, whatever
+   the compiler's contraction settings, so every build agrees. */
+static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
+    int i;
+    d->scale = scale;
+    d->offset = offset;
+    for (i = 0; i < 256; i++) {
+        d->u8_f32[i] = fmaf((float)i, scale, offset);
+        d->u8_f16[i] = mpt_float_to_half(d->u8_f32[i]);
+        d->u8_bf16[i] = mpt_float_to_bf16(d->u8_f32[i]);
+    }
+}
+
+static void mpt__dataset_find_label_range(mpt_dataset *d) {
+    const int32_t *y = (const int32_t *)d->y; /* (n) */
+    int64_t i;
+    if (d->y_dtype != MPT_INT32) return;
+    d->label_min = d->label_max = y[0];
+    for (i = 1; i < d->n; i++) {
+        d->label_min = MPT__MIN(d->label_min, y[i]);
+        d->label_max = MPT__MAX(d->label_max, y[i]);
+    }
+}
+
+static void mpt__dataset_release(mpt_dataset *root) {
+    if (--root->refs > 0) return;
+    mpt__free(root->ctx, root->owned_x);
+    mpt__free(root->ctx, root->owned_y);
+    mpt__free(root->ctx, root);
+}
+
+MPTDEF void mpt_dataset_destroy(mpt_dataset *d) {
+    mpt_dataset *root;
+    if (!d) return;
+    root = d->root;
+    if (d != root) mpt__free(d->ctx, d);
+    mpt__dataset_release(root);
+}
+
+MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d) { return d ? d->n : 0; }
+
+MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape) {
+    if (!d) return 0;
+    if (shape) memcpy(shape, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
+    return d->x_rank;
+}
+
+/* ---- mpt_dataset_create: checking caller arrays --------------------------- */
+
+/* Index of the first NaN or inf among n elements of a float dtype, or -1. */
+static int64_t mpt__first_nonfinite(mpt_dtype dtype, const void *data, int64_t n) {
+    int64_t i;
+    if (dtype == MPT_FLOAT32) {
+        /* The bits, through memcpy (one load): no aliasing question, and
+           no -ffast-math that could fold isfinite() to 1. */
+        const float *f = (const float *)data; /* (n) */
+        for (i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, f + i, 4);
+            if ((u & 0x7f800000u) == 0x7f800000u) return i;
+        }
+    } else {
+        /* float16: exponent 0x7c00; bfloat16: 0x7f80 */
+        const uint16_t *u = (const uint16_t *)data; /* (n) half bits */
+        uint16_t e = dtype == MPT_FLOAT16 ? 0x7c00u : 0x7f80u;
+        for (i = 0; i < n; i++)
+            if ((u[i] & e) == e) return i;
+    }
+    return -1;
+}
+
+static float mpt__element_f32(mpt_dtype dtype, const void *data, int64_t i) {
+    if (dtype == MPT_FLOAT16) return mpt_half_to_float(((const mpt_half *)data)[i]);
+    if (dtype == MPT_BFLOAT16) return mpt_bf16_to_float(((const mpt_bf16 *)data)[i]);
+    return ((const float *)data)[i];
+}
+
+/* NaN and inf in x or y, named by sample and element. */
+static mpt_status mpt__check_finite(mpt_context *ctx, const char *what, const mpt_tensor *t) {
+    int64_t n = mpt_tensor_count(t), per = n / t->shape[0];
+    int64_t bad = mpt__first_nonfinite(t->dtype, t->data, n);
+    if (bad < 0) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_NUMERIC,
+                     "dataset: %s sample %lld holds %g (element %lld of the sample, %s)", what,
+                     (long long)(bad / per), (double)mpt__element_f32(t->dtype, t->data, bad),
+                     (long long)(bad % per), mpt_dtype_name(t->dtype));
+}
+
+static mpt_status mpt__check_dataset_tensor(mpt_context *ctx, const char *what,
+                                            const mpt_tensor *t) {
+    char s[96];
+    int64_t count, bytes;
+    int i;
+    if (!t) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL %s", what);
+    if (mpt_dtype_size(t->dtype) == 0)
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "dataset: %s has unknown dtype %d", what,
+                         (int)t->dtype);
+    if (t->rank < 1 || t->rank > MPT_MAX_RANK)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: %s has rank %d, not 1..%d", what, t->rank,
+                         MPT_MAX_RANK);
+    mpt_shape_format(s, sizeof s, t->rank, t->shape);
+    for (i = 0; i < t->rank; i++)
+        if (t->shape[i] <= 0)
+            return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: %s shape %s has a dimension <= 0",
+                             what, s);
+    count = mpt__shape_count(t->rank, t->shape);
+    if (count < 0 || !mpt__mul_ok(count, (int64_t)mpt_dtype_size(t->dtype), &bytes) ||
+        (uint64_t)bytes > (uint64_t)SIZE_MAX)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "dataset: %s shape %s is too large", what, s);
+    if (!t->data)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: %s has NULL data", what);
+    if (t->device != MPT_DEVICE_CPU)
+        return mpt__fail(ctx, MPT_ERR_UNSUPPORTED, "dataset: %s must be in CPU memory", what);
+    return MPT_OK;
+}
+
+static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
+    char s[96];
+    if (x->dtype != MPT_UINT8 && !mpt_dtype_is_float(x->dtype))
+        return mpt__fail(ctx, MPT_ERR_DTYPE,
+                         "dataset: x dtype %s is not uint8, float32, float16 or bfloat16",
+                         mpt_dtype_name(x->dtype));
+    if (x->rank < 2)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "dataset: x shape %s needs rank >= 2: (n, sample...)",
+                         mpt_shape_format(s, sizeof s, x->rank, x->shape));
+    return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, "x", x) : MPT_OK;
+}
+
+/* y: int32 class ids (n,) or (n, 1), each >= 0; or float32 targets (n, ...). */
+static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
+    char s[96];
+    int64_t i;
+    mpt_shape_format(s, sizeof s, y->rank, y->shape);
+    if (y->dtype == MPT_FLOAT32) {
+        if (y->rank < 2)
+            return mpt__fail(ctx, MPT_ERR_SHAPE,
+                             "dataset: float32 targets y %s need rank >= 2: (n, ...), e.g. (n, 1)",
+                             s);
+        return mpt__check_finite(ctx, "y", y);
+    }
+    if (y->dtype != MPT_INT32)
+        return mpt__fail(ctx, MPT_ERR_DTYPE,
+                         "dataset: y dtype %s is neither int32 (class ids) nor float32 (targets)",
+                         mpt_dtype_name(y->dtype));
+    if (y->rank > 2 || (y->rank == 2 && y->shape[1] != 1))
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "dataset: int32 class ids y %s must be (n,) or (n, 1); one-hot or "
+                         "other targets are float32", s);
+    for (i = 0; i < y->shape[0]; i++)
+        if (((const int32_t *)y->data)[i] < 0)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "dataset: y sample %lld is class id %d, which is negative",
+                             (long long)i, (int)((const int32_t *)y->data)[i]);
+    return MPT_OK;
+}
+
+static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc) {
+    char sx[96], sy[96];
+    if (!desc) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL descriptor");
+    MPT__CHECK(mpt__check_dataset_tensor(ctx, "x", desc->x));
+    MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
+    if (desc->x->shape[0] != desc->y->shape[0])
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "dataset: x %s has %lld samples but y %s has %lld",
+                         mpt_shape_format(sx, sizeof sx, desc->x->rank, desc->x->shape),
+                         (long long)desc->x->shape[0],
+                         mpt_shape_format(sy, sizeof sy, desc->y->rank, desc->y->shape),
+                         (long long)desc->y->shape[0]);
+    if (!isfinite(desc->scale) || !isfinite(desc->offset))
+        return mpt__fail(ctx, MPT_ERR_NUMERIC, "dataset: scale %g and offset %g must be finite",
+                         (double)desc->scale, (double)desc->offset);
+    MPT__CHECK(mpt__check_dataset_x(ctx, desc->x));
+    return mpt__check_dataset_y(ctx, desc->y);
+}
+
+/* d->x or d->y: the caller's buffer, or an owned copy of it. */
+static mpt_status mpt__dataset_take(mpt_context *ctx, const mpt_tensor *t, int copy,
+                                    const void **data, void **owned) {
+    size_t bytes = mpt_tensor_bytes(t);
+    *data = t->data;
+    if (!copy) return MPT_OK;
+    *owned = mpt__alloc(ctx, bytes);
+    if (!*owned)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset: cannot allocate %zu bytes to copy",
+                         bytes);
+    memcpy(*owned, t->data, bytes);
+    *data = *owned;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
+                                     mpt_dataset **out) {
+    mpt_dataset *d;
+    mpt_status s;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL out");
+    *out = NULL;
+    MPT__CHECK(mpt__check_dataset_desc(ctx, desc));
+    d = mpt__dataset_new(ctx);
+    if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset: out of memory");
+    d->n = desc->x->shape[0];
+    d->x_dtype = desc->x->dtype;
+    d->x_rank = desc->x->rank - 1;
+    memcpy(d->x_shape, desc->x->shape + 1, sizeof(int64_t) * (size_t)d->x_rank);
+    d->x_count = mpt__shape_count(d->x_rank, d->x_shape);
+    d->y_dtype = desc->y->dtype;
+    d->y_rank = d->y_dtype == MPT_INT32 ? 0 : desc->y->rank - 1;
+    memcpy(d->y_shape, desc->y->shape + 1, sizeof(int64_t) * (size_t)d->y_rank);
+    d->y_count = mpt__shape_count(d->y_rank, d->y_shape);
+    s = mpt__dataset_take(ctx, desc->x, desc->copy, &d->x, &d->owned_x);
+    if (s == MPT_OK) s = mpt__dataset_take(ctx, desc->y, desc->copy, &d->y, &d->owned_y);
+    if (s != MPT_OK) {
+        mpt_dataset_destroy(d);
+        return s;
+    }
+    mpt__dataset_set_scale(d, desc->scale != 0 ? desc->scale : 1.0f / 255.0f, desc->offset);
+    mpt__dataset_find_label_range(d);
+    *out = d;
+    return MPT_OK;
+}
+
+/* ---- views ---------------------------------------------------------------- */
+
+static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                      int64_t n) {
+    mpt_dataset *v = (mpt_dataset *)mpt__alloc(ctx, sizeof *v);
+    if (!v) return NULL;
+    *v = *d;
+    v->ctx = ctx;
+    v->refs = 0;
+    v->owned_x = v->owned_y = NULL;
+    v->n = n;
+    v->x = (const char *)d->x +
+           (size_t)first * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
+    v->y = (const char *)d->y +
+           (size_t)first * (size_t)d->y_count * mpt_dtype_size(d->y_dtype);
+    mpt__dataset_find_label_range(v);
+    /* The one change split makes to its const argument: the root counts
+       the view, so that it outlives it whatever the order of destroys. */
+    v->root->refs++;
+    return v;
+}
+
+MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                    mpt_dataset **head, mpt_dataset **tail) {
+    mpt_dataset *h = NULL, *t = NULL;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (head) *head = NULL;
+    if (tail) *tail = NULL;
+    if (!d || (!head && !tail))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset split: NULL %s",
+                         d ? "head and tail" : "dataset");
+    if (first <= 0 || first >= d->n)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "dataset split: first %lld leaves a part empty (the dataset has %lld "
+                         "samples; first must be in 1..%lld)",
+                         (long long)first, (long long)d->n, (long long)d->n - 1);
+    if (head && !(h = mpt__dataset_view(ctx, d, 0, first)))
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset split: out of memory");
+    if (tail && !(t = mpt__dataset_view(ctx, d, first, d->n - first))) {
+        mpt_dataset_destroy(h);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset split: out of memory");
+    }
+    if (head) *head = h;
+    if (tail) *tail = t;
+    return MPT_OK;
+}
+
+/* ---- what the training loop reads ----------------------------------------- */
+
+/* MPT_INT32 (class ids) or MPT_FLOAT32 (targets). */
+static mpt_dtype mpt__dataset_label_dtype(const mpt_dataset *d) { return d->y_dtype; }
+
+/* 1 and the smallest and largest class id for class ids; 0 for targets. */
+static int mpt__dataset_label_range(const mpt_dataset *d, int32_t *min, int32_t *max) {
+    if (d->y_dtype != MPT_INT32) return 0;
+    if (min) *min = d->label_min;
+    if (max) *max = d->label_max;
+    return 1;
+}
+
+/* One sample's target shape (for comparing with the model's output); returns
+   its rank, 0 for class ids. */
+static int mpt__dataset_label_shape(const mpt_dataset *d, int64_t *shape) {
+    if (shape && d->y_rank > 0) memcpy(shape, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
+    return d->y_rank;
+}
+
+/* n uint8 values normalised into dtype through the dataset's tables. */
+static void mpt__expand_u8(const mpt_dataset *d, mpt_dtype dtype, void *dst, const uint8_t *src,
+                           int64_t n) {
+    int64_t i;
+    if (dtype == MPT_FLOAT32) {
+        float *o = (float *)dst; /* (n) */
+        for (i = 0; i < n; i++) o[i] = d->u8_f32[src[i]];
+    } else {
+        const uint16_t *table = dtype == MPT_FLOAT16 ? d->u8_f16 : d->u8_bf16;
+        uint16_t *o = (uint16_t *)dst; /* (n) */
+        for (i = 0; i < n; i++) o[i] = table[src[i]];
+    }
+}
+
+/* Writes samples indices[0..n) (each in [0, count)) of d, in that order,
+   into x (n, sample shape) in x_dtype (float32, float16 or bfloat16) and y
+   (n, label count) int32 or float32; either may be NULL when not wanted.
+   Serial and never uses the pool, so the loader's thread may call it while
+   the pool works; ctx only picks the vector conversion (NULL: portable). */
+static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
+                                       const int64_t *indices, int64_t n, mpt_dtype x_dtype,
+                                       void *x, void *y) {
+    size_t x_in = (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
+    size_t x_out = (size_t)d->x_count * mpt_dtype_size(x_dtype);
+    size_t y_bytes = (size_t)d->y_count * 4; /* int32 or float32 */
+    mpt__convert_fn convert = NULL;
+    int64_t i;
+    if (d->x_dtype != MPT_UINT8 && d->x_dtype != x_dtype)
+        convert = mpt__convert_kernel(ctx ? ctx->cpu : 0, x_dtype, d->x_dtype);
+    for (i = 0; x && i < n; i++) {
+        const char *src = (const char *)d->x + (size_t)indices[i] * x_in;
+        char *dst = (char *)x + (size_t)i * x_out;
+        if (d->x_dtype == MPT_UINT8)
+            mpt__expand_u8(d, x_dtype, dst, (const uint8_t *)src, d->x_count);
+        else if (convert)
+            convert(x_dtype, dst, d->x_dtype, src, d->x_count);
+        else
+            memcpy(dst, src, x_in);
+    }
+    for (i = 0; y && i < n; i++)
+        memcpy((char *)y + (size_t)i * y_bytes, (const char *)d->y + (size_t)indices[i] * y_bytes,
+               y_bytes);
+}
+
+/* ---- files: gzip through zlib, or plain ----------------------------------- */
+
+typedef struct mpt__file {
+    const char *path;
+    int cut;      /* the gzip stream ended early: a truncated .gz file */
+#ifndef MPT_NO_ZLIB
+    gzFile gz;
+#else
+    FILE *f;
+#endif
+} mpt__file;
+
+static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *path) {
+    struct stat st;
+    f->path = path;
+    /* open() succeeds on a directory; say what it is rather than "read error". */
+    if (stat(path, &st) != 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode))
+        return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': it is a directory", path);
+    errno = 0;
+#ifndef MPT_NO_ZLIB
+    f->gz = gzopen(path, "rb");
+    if (f->gz) gzbuffer(f->gz, 1u << 17); /* fewer, larger reads of a 26 MB file */
+    if (!f->gz)
+#else
+    f->f = fopen(path, "rb");
+    if (!f->f)
+#endif
+        return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path,
+                         errno ? strerror(errno) : "out of memory");
+    return MPT_OK;
+}
+
+static void mpt__file_close(mpt__file *f) {
+#ifndef MPT_NO_ZLIB
+    if (f->gz) gzclose(f->gz);
+    f->gz = NULL;
+#else
+    if (f->f) fclose(f->f);
+    f->f = NULL;
+#endif
+}
+
+/* Why the last read stopped short: MPT_OK at the end of the file, where
+   f->cut tells a gzip stream cut short (the caller, which knows how many
+   bytes it expected, words that error). */
+static mpt_status mpt__file_error(mpt_context *ctx, mpt__file *f) {
+#ifndef MPT_NO_ZLIB
+    int err = Z_OK;
+    const char *msg = gzerror(f->gz, &err);
+    size_t len = strlen(f->path);
+    if (err == Z_OK) return MPT_OK;
+    /* zlib's message starts with the path, which ours names already. */
+    if (strncmp(msg, f->path, len) == 0 && strncmp(msg + len, ": ", 2) == 0) msg += len + 2;
+    if (err == Z_BUF_ERROR) {
+        f->cut = 1;
+        return MPT_OK;
+    }
+    if (err == Z_ERRNO)
+        return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, msg);
+    if (err == Z_MEM_ERROR)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
+                         f->path);
+    /* zlib decompresses ahead of what was asked, so where the damage is
+       cannot be told. */
+    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is corrupted: bad gzip data (zlib: %s)", f->path,
+                     msg);
+#else
+    if (!ferror(f->f)) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, strerror(errno));
+#endif
+}
+
+/* Reads up to n bytes; *got is less than n only at the end of the file. */
+static mpt_status mpt__file_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                                 int64_t *got) {
+    *got = 0;
+    while (*got < n) {
+        /* gzread counts in unsigned int: ask for at most 1 GiB at a time. */
+        unsigned ask = (unsigned)MPT__MIN(n - *got, (int64_t)1 << 30);
+#ifndef MPT_NO_ZLIB
+        int r = gzread(f->gz, (char *)buf + *got, ask);
+#else
+        long r = (long)fread((char *)buf + *got, 1, ask, f->f);
+#endif
+        if (r > 0) *got += r;
+        if (r < (int64_t)ask) return mpt__file_error(ctx, f);
+    }
+    return MPT_OK;
+}
+
+/* ---- IDX (MNIST-format) files --------------------------------------------
+
+   Big-endian: bytes 0 and 1 zero, byte 2 the element type (0x08 unsigned
+   byte), byte 3 the number of dimensions; then each dimension as a u32;
+   then the elements, row-major. Images are 0x00000803 (n, rows, cols),
+   labels 0x00000801 (n). */
+
+typedef struct mpt__idx {
+    mpt__file file;
+    int n_dims;
+    int64_t dims[3];
+    int64_t header_bytes;  /* 4 + 4 · n_dims                   */
+    int64_t data_bytes;    /* the product of dims (uint8 data) */
+} mpt__idx;
+
+static uint32_t mpt__be32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+static const char *mpt__idx_type_name(int code) {
+    switch (code) {
+    case 0x08: return "unsigned byte";
+    case 0x09: return "signed byte";
+    case 0x0b: return "int16";
+    case 0x0c: return "int32";
+    case 0x0d: return "float32";
+    case 0x0e: return "float64";
+    default: return NULL;
+    }
+}
+
+static mpt_status mpt__idx_check_magic(mpt_context *ctx, const mpt__idx *idx,
+                                       const unsigned char *m, const char *what, int dims) {
+    const char *path = idx->file.path;
+    const char *type = mpt__idx_type_name(m[2]);
+#ifdef MPT_NO_ZLIB
+    if (m[0] == 0x1f && m[1] == 0x8b)
+        return mpt__fail(ctx, MPT_ERR_UNSUPPORTED,
+                         "'%s' is gzip-compressed, and this build has no zlib (MPT_NO_ZLIB): "
+                         "gunzip it first", path);
+#endif
+    if (m[0] != 0 || m[1] != 0 || !type)
+        return mpt__fail(ctx, MPT_ERR_FORMAT,
+                         "'%s' is not an IDX file: magic number 0x%08x (an IDX %s file starts "
+                         "with 0x%08x)",
+                         path, (unsigned)mpt__be32(m), what, 0x800u + (unsigned)dims);
+    if (m[2] != 0x08)
+        return mpt__fail(ctx, MPT_ERR_UNSUPPORTED,
+                         "'%s' holds IDX elements of type 0x%02x (%s); only 0x08 (unsigned "
+                         "byte) is supported", path, m[2], type);
+    if (m[3] != dims)
+        return mpt__fail(ctx, MPT_ERR_FORMAT,
+                         "'%s' has %d dimension%s (magic 0x%08x); an IDX %s file has %d (0x%08x)",
+                         path, m[3], m[3] == 1 ? "" : "s", (unsigned)mpt__be32(m), what, dims,
+                         0x800u + (unsigned)dims);
+    return MPT_OK;
+}
+
+/* The header's sizes: each > 0, and their product (the data bytes) must
+   fit in memory's sizes. */
+static mpt_status mpt__idx_check_dims(mpt_context *ctx, mpt__idx *idx) {
+    int i;
+    idx->data_bytes = 1;
+    for (i = 0; i < idx->n_dims; i++) {
+        if (idx->dims[i] == 0)
+            return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s': IDX dimension %d of %d is 0",
+                             idx->file.path, i, idx->n_dims);
+        if (!mpt__mul_ok(idx->data_bytes, idx->dims[i], &idx->data_bytes) ||
+            (uint64_t)idx->data_bytes > (uint64_t)SIZE_MAX / 4)
+            return mpt__fail(ctx, MPT_ERR_OVERFLOW,
+                             "'%s': IDX dimensions %lld x %lld x %lld are too large",
+                             idx->file.path, (long long)idx->dims[0],
+                             (long long)(idx->n_dims > 1 ? idx->dims[1] : 1),
+                             (long long)(idx->n_dims > 2 ? idx->dims[2] : 1));
+    }
+    return MPT_OK;
+}
+
+/* "'f' is truncated: its IDX header promises 7856 bytes, the file has 7000". */
+static mpt_status mpt__idx_truncated(mpt_context *ctx, const mpt__idx *idx, const char *part,
+                                     int64_t expected, int64_t actual) {
+    const char *how = "";
+#ifndef MPT_NO_ZLIB
+    if (idx->file.cut)
+        how = " (uncompressed; its gzip stream is cut short)";
+    else if (!gzdirect(idx->file.gz))
+        how = " (uncompressed)";
+#endif
+    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is truncated: %s %lld bytes, the file has %lld%s",
+                     idx->file.path, part, (long long)expected, (long long)actual, how);
+}
+
+/* Opens path and reads its header: `dims` dimensions of IDX unsigned bytes. */
+static mpt_status mpt__idx_open(mpt_context *ctx, mpt__idx *idx, const char *path,
+                                const char *what, int dims) {
+    unsigned char h[16]; /* magic + up to 3 dimensions */
+    int64_t got;
+    int i;
+    memset(idx, 0, sizeof *idx);
+    MPT__CHECK(mpt__file_open(ctx, &idx->file, path));
+    MPT__CHECK(mpt__file_read(ctx, &idx->file, h, 4, &got));
+    if (got < 4) return mpt__idx_truncated(ctx, idx, "an IDX magic number needs", 4, got);
+    MPT__CHECK(mpt__idx_check_magic(ctx, idx, h, what, dims));
+    idx->n_dims = dims;
+    idx->header_bytes = 4 + 4 * (int64_t)dims;
+    MPT__CHECK(mpt__file_read(ctx, &idx->file, h + 4, 4 * (int64_t)dims, &got));
+    if (got < 4 * dims)
+        return mpt__idx_truncated(ctx, idx, "its IDX header needs", idx->header_bytes, 4 + got);
+    for (i = 0; i < dims; i++) idx->dims[i] = mpt__be32(h + 4 + 4 * i);
+    return mpt__idx_check_dims(ctx, idx);
+}
+
+/* After the data: anything left is an error (a file that does not match its
+   header); reading on also makes zlib check the gzip CRC and length. */
+static mpt_status mpt__idx_expect_end(mpt_context *ctx, mpt__idx *idx) {
+    unsigned char rest[4096];
+    int64_t got, extra = 0, end = idx->header_bytes + idx->data_bytes;
+    do {
+        MPT__CHECK(mpt__file_read(ctx, &idx->file, rest, sizeof rest, &got));
+        extra += got;
+    } while (got == (int64_t)sizeof rest && extra < ((int64_t)1 << 20));
+    if (extra == 0 && idx->file.cut) /* all the data, but no CRC to check it by */
+        return mpt__fail(ctx, MPT_ERR_FORMAT,
+                         "'%s' is truncated: its gzip stream ends before its CRC and length",
+                         idx->file.path);
+    if (extra == 0) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_FORMAT,
+                     "'%s' has %s%lld trailing byte%s after the %lld bytes its IDX header "
+                     "describes",
+                     idx->file.path, got == (int64_t)sizeof rest ? "more than " : "",
+                     (long long)extra, extra == 1 ? "" : "s", (long long)end);
+}
+
+/* The first buffer for the data; it doubles as data arrives, up to what
+   the header promises, so a corrupted header that promises terabytes ends
+   as a truncated file rather than as a huge allocation. */
+#define MPT__IDX_FIRST_CHUNK ((int64_t)64 << 20)
+
+static mpt_status mpt__idx_grow(mpt_context *ctx, const mpt__idx *idx, unsigned char **buf,
+                                int64_t have, int64_t *cap) {
+    int64_t next = MPT__MIN(*cap * 2, idx->data_bytes);
+    unsigned char *bigger = (unsigned char *)mpt__alloc(ctx, (size_t)next);
+    if (!bigger)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "reading '%s': cannot allocate %lld bytes", idx->file.path,
+                         (long long)next);
+    memcpy(bigger, *buf, (size_t)have);
+    mpt__free(ctx, *buf);
+    *buf = bigger;
+    *cap = next;
+    return MPT_OK;
+}
+
+/* Reads the data (idx->data_bytes) into *out, a new buffer, and checks that
+   the file ends there. */
+static mpt_status mpt__idx_read_data(mpt_context *ctx, mpt__idx *idx, unsigned char **out) {
+    int64_t cap = MPT__MIN(idx->data_bytes, MPT__IDX_FIRST_CHUNK), have = 0, got;
+    unsigned char *buf = (unsigned char *)mpt__alloc(ctx, (size_t)cap); /* (data_bytes) */
+    mpt_status s = MPT_OK;
+    if (!buf)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': cannot allocate %lld bytes",
+                         idx->file.path, (long long)cap);
+    for (;;) {
+        s = mpt__file_read(ctx, &idx->file, buf + have, cap - have, &got);
+        have += got;
+        if (s != MPT_OK) break;
+        if (have < cap) {
+            s = mpt__idx_truncated(ctx, idx, "its IDX header promises",
+                                   idx->header_bytes + idx->data_bytes, idx->header_bytes + have);
+            break;
+        }
+        if (have == idx->data_bytes) {
+            s = mpt__idx_expect_end(ctx, idx);
+            break;
+        }
+        s = mpt__idx_grow(ctx, idx, &buf, have, &cap);
+        if (s != MPT_OK) break;
+    }
+    if (s != MPT_OK) {
+        mpt__free(ctx, buf);
+        return s;
+    }
+    *out = buf;
+    return MPT_OK;
+}
+
+/* Labels: n unsigned bytes widened to int32 class ids. */
+static mpt_status mpt__idx_read_labels(mpt_context *ctx, mpt__idx *idx, int32_t **out) {
+    unsigned char *bytes = NULL; /* (n) */
+    int32_t *labels;             /* (n) */
+    int64_t i;
+    MPT__CHECK(mpt__idx_read_data(ctx, idx, &bytes));
+    labels = (int32_t *)mpt__alloc(ctx, (size_t)idx->data_bytes * sizeof(int32_t));
+    if (!labels) {
+        mpt__free(ctx, bytes);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory",
+                         idx->file.path);
+    }
+    for (i = 0; i < idx->data_bytes; i++) labels[i] = bytes[i];
+    mpt__free(ctx, bytes);
+    *out = labels;
+    return MPT_OK;
+}
+
+/* Both headers first, so that a count mismatch is found before any data is
+   read; then images, then labels. */
+static mpt_status mpt__load_idx(mpt_context *ctx, mpt__idx *img, mpt__idx *lab,
+                                const char *images_path, const char *labels_path,
+                                mpt_dataset *d) {
+    unsigned char *x = NULL;
+    int32_t *y = NULL;
+    MPT__CHECK(mpt__idx_open(ctx, img, images_path, "image", 3));
+    MPT__CHECK(mpt__idx_open(ctx, lab, labels_path, "label", 1));
+    if (img->dims[0] != lab->dims[0])
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "'%s' holds %lld images but '%s' holds %lld labels",
+                         images_path, (long long)img->dims[0], labels_path,
+                         (long long)lab->dims[0]);
+    MPT__CHECK(mpt__idx_read_data(ctx, img, &x));
+    d->owned_x = x;
+    MPT__CHECK(mpt__idx_read_labels(ctx, lab, &y));
+    d->owned_y = y;
+    d->n = img->dims[0];
+    d->x_dtype = MPT_UINT8;
+    d->x_rank = 3;
+    d->x_shape[0] = img->dims[1];
+    d->x_shape[1] = img->dims[2];
+    d->x_shape[2] = 1;
+    d->x_count = img->dims[1] * img->dims[2];
+    d->x = x;
+    d->y_dtype = MPT_INT32;
+    d->y_count = 1;
+    d->y = y;
+    mpt__dataset_set_scale(d, 1.0f / 255.0f, 0.0f);
+    mpt__dataset_find_label_range(d);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
+                                       const char *labels_path, mpt_dataset **out) {
+    mpt__idx img, lab;
+    mpt_dataset *d;
+    mpt_status s;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !images_path || !labels_path)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_idx: NULL %s",
+                         !out ? "out" : !images_path ? "images_path" : "labels_path");
+    *out = NULL;
+    d = mpt__dataset_new(ctx);
+    if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "load_idx: out of memory");
+    memset(&img, 0, sizeof img);
+    memset(&lab, 0, sizeof lab);
+    s = mpt__load_idx(ctx, &img, &lab, images_path, labels_path, d);
+    mpt__file_close(&img.file);
+    mpt__file_close(&lab.file);
+    if (s != MPT_OK) {
+        mpt_dataset_destroy(d);
+        return s;
+    }
+    *out = d;
+    return MPT_OK;
+}
+
+/* dir/name, compressed first (then plain) where zlib is there, plain
+   first otherwise so that a plain copy beside a .gz one still loads. */
+static mpt_status mpt__mnist_path(mpt_context *ctx, const char *dir, const char *name,
+                                  char *path, size_t size) {
+    struct stat st;
+    int k;
+    for (k = 0; k < 2; k++) {
+#ifndef MPT_NO_ZLIB
+        int gz = k == 0;
+#else
+        int gz = k == 1;
+#endif
+        int len = snprintf(path, size, "%s/%s%s", dir, name, gz ? ".gz" : "");
+        if (len < 0 || (size_t)len >= size)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_mnist: directory name '%s' is "
+                             "too long", dir);
+        if (stat(path, &st) == 0) return MPT_OK;
+    }
+    return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: neither '%s/%s.gz' nor '%s/%s' exists", dir,
+                     name, dir, name);
+}
+
+MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int test,
+                                         mpt_dataset **out) {
+    char images[4096], labels[4096];
+    const char *part = test ? "t10k" : "train";
+    char name[64];
+    struct stat st;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !dir)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_mnist: NULL %s", dir ? "out" : "dir");
+    *out = NULL;
+    if (stat(dir, &st) != 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: cannot open directory '%s': %s", dir,
+                         strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: '%s' is not a directory", dir);
+    snprintf(name, sizeof name, "%s-images-idx3-ubyte", part);
+    MPT__CHECK(mpt__mnist_path(ctx, dir, name, images, sizeof images));
+    snprintf(name, sizeof name, "%s-labels-idx1-ubyte", part);
+    MPT__CHECK(mpt__mnist_path(ctx, dir, name, labels, sizeof labels));
+    return mpt_dataset_load_idx(ctx, images, labels, out);
+}
+
+/* ---- the prefetching batch loader -----------------------------------------
+
+   Two slots, batch b in slot b % 2. The consumer (fit's thread) holds the
+   batch it last received until its next call; meanwhile the loader thread
+   fills the other slot with the batch after. So loading b + 1 overlaps
+   computing on b, and a slot is never written while it is being read. */
+
+typedef struct mpt__loader {
+    mpt_context *ctx;
+    const mpt_dataset *d;
+    mpt_dtype x_dtype;
+    int64_t max_batch;
+    void *block;            /* the one allocation behind the four buffers */
+    void *x_buf[2];         /* (max_batch, sample shape) x_dtype          */
+    void *y_buf[2];         /* (max_batch, label count) int32 or float32  */
+    pthread_t thread;
+    pthread_mutex_t mutex;
+    pthread_cond_t cond;    /* any change of the state below              */
+    int stop;
+    /* The epoch; reset only while no batch is being loaded. */
+    const int64_t *order;   /* (n) sample indices, borrowed               */
+    int64_t n, batch_size, n_batches;
+    int64_t produce;        /* next batch the thread loads                */
+    int64_t consume;        /* next batch next() returns                  */
+    int64_t held;           /* batch the consumer holds, -1 if none       */
+    int64_t slot_batch[2];  /* batch ready in each slot, -1 if free       */
+    int loading;            /* the thread is filling slot produce % 2     */
+} mpt__loader;
+
+static int mpt__loader_can_load(const mpt__loader *l) {
+    return l->produce < l->n_batches && l->slot_batch[l->produce & 1] < 0;
+}
+
+static void *mpt__loader_main(void *arg) {
+    mpt__loader *l = (mpt__loader *)arg;
+    pthread_mutex_lock(&l->mutex);
+    for (;;) {
+        int64_t b, first, count;
+        const int64_t *indices;
+        int slot;
+        while (!l->stop && !mpt__loader_can_load(l)) pthread_cond_wait(&l->cond, &l->mutex);
+        if (l->stop) break;
+        b = l->produce;
+        slot = (int)(b & 1);
+        first = b * l->batch_size;
+        count = MPT__MIN(l->batch_size, l->n - first);
+        indices = l->order + first;
+        l->loading = 1; /* start_epoch waits for this to clear */
+        pthread_mutex_unlock(&l->mutex);
+        mpt__dataset_gather(l->ctx, l->d, indices, count, l->x_dtype, l->x_buf[slot],
+                            l->y_buf[slot]);
+        pthread_mutex_lock(&l->mutex);
+        l->loading = 0;
+        l->slot_batch[slot] = b;
+        l->produce = b + 1;
+        pthread_cond_broadcast(&l->cond);
+    }
+    pthread_mutex_unlock(&l->mutex);
+    return NULL;
+}
+
+/* Carves the four batch buffers out of one block, each 64-byte aligned. */
+static mpt_status mpt__loader_alloc(mpt__loader *l) {
+    int64_t xb, yb, total;
+    int k;
+    if (!mpt__mul_ok(l->max_batch, l->d->x_count * (int64_t)mpt_dtype_size(l->x_dtype), &xb) ||
+        !mpt__mul_ok(l->max_batch, l->d->y_count * 4, &yb) ||
+        !mpt__add_ok(xb, yb, &total) || !mpt__add_ok(total, 2 * MPT__ALIGN, &total) ||
+        !mpt__mul_ok(total, 2, &total) || (uint64_t)total > (uint64_t)SIZE_MAX)
+        return mpt__fail(l->ctx, MPT_ERR_OVERFLOW, "loader: batches of %lld samples are too large",
+                         (long long)l->max_batch);
+    xb = (xb + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
+    yb = (yb + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
+    l->block = mpt__alloc(l->ctx, (size_t)total);
+    if (!l->block)
+        return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "loader: cannot allocate %lld bytes for two batches of %lld samples",
+                         (long long)total, (long long)l->max_batch);
+    for (k = 0; k < 2; k++) {
+        l->x_buf[k] = (char *)l->block + (size_t)k * (size_t)(xb + yb);
+        l->y_buf[k] = (char *)l->x_buf[k] + (size_t)xb;
+    }
+    return MPT_OK;
+}
+
+/* A loader of batches of up to max_batch samples of d, x in x_dtype (a
+   float dtype), with its thread started and no epoch yet. d must outlive it. */
+static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
+                                            int64_t max_batch, mpt_dtype x_dtype,
+                                            mpt__loader **out) {
+    mpt__loader *l;
+    mpt_status s;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !d)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: NULL %s", d ? "out" : "dataset");
+    *out = NULL;
+    if (max_batch <= 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: max_batch %lld must be > 0",
+                         (long long)max_batch);
+    if (!mpt_dtype_is_float(x_dtype))
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "loader: batch dtype %s is not a float dtype",
+                         mpt_dtype_name(x_dtype));
+    l = (mpt__loader *)mpt__calloc(ctx, sizeof *l);
+    if (!l) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "loader: out of memory");
+    l->ctx = ctx;
+    l->d = d;
+    l->x_dtype = x_dtype;
+    l->max_batch = max_batch;
+    l->held = l->slot_batch[0] = l->slot_batch[1] = -1;
+    s = mpt__loader_alloc(l);
+    if (s != MPT_OK) {
+        mpt__free(ctx, l);
+        return s;
+    }
+    pthread_mutex_init(&l->mutex, NULL);
+    pthread_cond_init(&l->cond, NULL);
+    if (pthread_create(&l->thread, NULL, mpt__loader_main, l) != 0) {
+        pthread_mutex_destroy(&l->mutex);
+        pthread_cond_destroy(&l->cond);
+        mpt__free(ctx, l->block);
+        mpt__free(ctx, l);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot start its thread");
+    }
+    *out = l;
+    return MPT_OK;
+}
+
+/* Every index must name a sample: a wrong one would read outside x. */
+static int mpt__loader_epoch_ok(mpt__loader *l, const int64_t *order, int64_t n,
+                                int64_t batch_size) {
+    int64_t i;
+    if (n < 0 || (n > 0 && !order) || batch_size <= 0 || batch_size > l->max_batch) {
+        mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
+                  "loader: epoch of %lld samples in batches of %lld (max %lld)%s", (long long)n,
+                  (long long)batch_size, (long long)l->max_batch, order ? "" : ", NULL order");
+        return 0;
+    }
+    for (i = 0; i < n; i++)
+        if (order[i] < 0 || order[i] >= l->d->n) {
+            mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
+                      "loader: order[%lld] = %lld is not a sample of this dataset (0..%lld)",
+                      (long long)i, (long long)order[i], (long long)l->d->n - 1);
+            return 0;
+        }
+    return 1;
+}
+
+/* Starts an epoch over order[0..n) (kept by pointer until the next epoch or
+   destroy) in batches of batch_size, the last one partial; loading batch 0
+   begins now. Ends any epoch in progress. Bad arguments (recorded in the
+   context's error) give an epoch with no batches. */
+static void mpt__loader_start_epoch(mpt__loader *l, const int64_t *order, int64_t n,
+                                           int64_t batch_size) {
+    int ok = mpt__loader_epoch_ok(l, order, n, batch_size);
+    pthread_mutex_lock(&l->mutex);
+    while (l->loading) pthread_cond_wait(&l->cond, &l->mutex);
+    l->order = order;
+    l->n = ok ? n : 0;
+    l->batch_size = ok ? batch_size : 1;
+    l->n_batches = ok ? (n + batch_size - 1) / batch_size : 0;
+    l->produce = l->consume = 0;
+    l->held = l->slot_batch[0] = l->slot_batch[1] = -1;
+    pthread_cond_broadcast(&l->cond);
+    pthread_mutex_unlock(&l->mutex);
+}
+
+/* Waits for the next batch and points x (b, sample shape...) in x_dtype
+   and y ((b,) int32 or (b, target shape...) float32) at it: borrowed,
+   valid until the next call. Returns 0 when the epoch has no more. */
+static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
+    const mpt_dataset *d = l->d;
+    int64_t b, count;
+    int slot;
+    pthread_mutex_lock(&l->mutex);
+    if (l->held >= 0) { /* the caller is done with it: the thread may refill it */
+        l->slot_batch[l->held & 1] = -1;
+        l->held = -1;
+        pthread_cond_broadcast(&l->cond);
+    }
+    if (l->consume >= l->n_batches) {
+        pthread_mutex_unlock(&l->mutex);
+        return 0;
+    }
+    b = l->consume++;
+    slot = (int)(b & 1);
+    while (l->slot_batch[slot] != b) pthread_cond_wait(&l->cond, &l->mutex);
+    l->held = b;
+    count = MPT__MIN(l->batch_size, l->n - b * l->batch_size);
+    pthread_mutex_unlock(&l->mutex);
+    memset(x, 0, sizeof *x);
+    x->dtype = l->x_dtype;
+    x->rank = d->x_rank + 1;
+    x->shape[0] = count;
+    memcpy(x->shape + 1, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
+    x->data = l->x_buf[slot];
+    memset(y, 0, sizeof *y);
+    y->dtype = d->y_dtype;
+    y->rank = d->y_rank + 1;
+    y->shape[0] = count;
+    memcpy(y->shape + 1, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
+    y->data = l->y_buf[slot];
+    return 1;
+}
+
+/* Stops and joins the thread (at once, also mid-epoch) and frees the loader. */
+static void mpt__loader_destroy(mpt__loader *l) {
+    if (!l) return;
+    pthread_mutex_lock(&l->mutex);
+    l->stop = 1;
+    pthread_cond_broadcast(&l->cond);
+    pthread_mutex_unlock(&l->mutex);
+    pthread_join(l->thread, NULL);
+    pthread_mutex_destroy(&l->mutex);
+    pthread_cond_destroy(&l->cond);
+    mpt__free(l->ctx, l->block);
+    mpt__free(l->ctx, l);
+}
+/* =============================================================================
+   @impl-training: the training loop, evaluate, predict, summary, history
+   =============================================================================
+
+   One training step is, in order:
+     forward (training mode, layer state not yet committed)
+     loss and its gradient, multiplied by the loss scale, in float32
+     backward: every parameter's gradient
+     optimizer step: unscale, check finiteness, update — or skip the step
+     loss-scale bookkeeping; commit BatchNormalization's statistics only if
+     the step was applied
+   so a skipped step changes no state at all. When the model ends in a
+   softmax and the loss is a crossentropy on probabilities, the softmax is
+   fused into the loss: the last layer hands over its logits and the loss
+   computes log-softmax, which is exact where log(softmax) would underflow. */
+
+static double mpt__now(void) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
+}
+
+/* ---- logs and history ------------------------------------------------------ */
+
+static void mpt__logs_set(mpt_logs *logs, const char *name, double value) {
+    int i;
+    for (i = 0; i < logs->count; i++)
+        if (strcmp(logs->names[i], name) == 0) break;
+    if (i == MPT_MAX_LOGS) return;
+    logs->names[i] = name;
+    logs->values[i] = value;
+    if (i == logs->count) logs->count++;
+}
+
+static void mpt__history_reset(mpt_model *m) {
+    m->history.epochs = 0;
+    m->history.n_keys = 0;
+}
+
+static mpt_status mpt__history_append(mpt_model *m, const mpt_logs *logs) {
+    mpt__history_store *h = &m->history;
+    int i, k;
+    if (h->epochs == h->cap) {
+        int cap = h->cap ? 2 * h->cap : 16;
+        for (k = 0; k < MPT_MAX_LOGS; k++) {
+            double *grown = (double *)mpt__alloc(m->ctx, sizeof(double) * (size_t)cap);
+            if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: history");
+            if (h->values[k]) memcpy(grown, h->values[k], sizeof(double) * (size_t)h->epochs);
+            mpt__free(m->ctx, h->values[k]);
+            h->values[k] = grown;
+        }
+        h->cap = cap;
+    }
+    for (i = 0; i < logs->count; i++) {
+        for (k = 0; k < h->n_keys; k++)
+            if (strcmp(h->keys[k], logs->names[i]) == 0) break;
+        if (k == h->n_keys) {
+            int e;
+            if (k == MPT_MAX_LOGS) continue;
+            snprintf(h->keys[k], sizeof h->keys[k], "%s", logs->names[i]);
+            for (e = 0; e < h->epochs; e++) h->values[k][e] = NAN;
+            h->n_keys++;
+        }
+        h->values[k][h->epochs] = logs->values[i];
+    }
+    for (k = 0; k < h->n_keys; k++) { /* keys this epoch did not report */
+        for (i = 0; i < logs->count; i++)
+            if (strcmp(h->keys[k], logs->names[i]) == 0) break;
+        if (i == logs->count) h->values[k][h->epochs] = NAN;
+    }
+    h->epochs++;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out) {
+    int k;
+    if (!m || !out) return MPT_ERR_INVALID_ARGUMENT;
+    memset(out, 0, sizeof *out);
+    out->epochs = m->history.epochs;
+    out->n_keys = m->history.n_keys;
+    for (k = 0; k < m->history.n_keys; k++) {
+        out->keys[k] = m->history.keys[k];
+        out->values[k] = m->history.values[k];
+    }
+    return MPT_OK;
+}
+
+/* ---- metrics ----------------------------------------------------------------- */
+
+/* Running sums of one pass over data. */
+typedef struct mpt__tally {
+    double loss_sum;     /* Σ batch mean loss · batch size */
+    int64_t samples;
+    int64_t correct;     /* accuracy                       */
+    int64_t top_k;       /* sparse top-k accuracy          */
+} mpt__tally;
+
+static int64_t mpt__argmax(mpt_dtype dtype, const void *row0, int64_t offset, int64_t n) {
+    int64_t j, best = 0;
+    float bv = mpt__load_f32(dtype, row0, offset);
+    for (j = 1; j < n; j++) {
+        float v = mpt__load_f32(dtype, row0, offset + j);
+        if (v > bv) bv = v, best = j;
+    }
+    return best;
+}
+
+/* Accuracy as Keras counts it: for sparse labels argmax == label, for
+   one-hot targets argmax == argmax(target), for one output unit (binary)
+   prediction > threshold (0.5 for probabilities, 0 for logits). */
+static void mpt__tally_batch(const mpt_model *m, const mpt_tensor *out, const mpt_tensor *y,
+                             double loss, mpt__tally *t) {
+    int64_t b, B = out->shape[0], classes = mpt_tensor_count(out) / B;
+    const mpt_compile_desc *c = &m->compile;
+    int k = c->top_k;
+    t->loss_sum += loss * (double)B;
+    t->samples += B;
+    if (!(c->metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))) return;
+    for (b = 0; b < B; b++) {
+        int64_t guess, truth, j, above = 0;
+        if (classes == 1) {
+            float v = mpt__load_f32(out->dtype, out->data, b);
+            float threshold = (c->loss.from_logits || m->emit_logits) ? 0.0f : 0.5f;
+            float target = y->dtype == MPT_INT32 ? (float)((const int32_t *)y->data)[b]
+                                                 : ((const float *)y->data)[b];
+            t->correct += (v > threshold) == (target > 0.5f);
+            continue;
+        }
+        guess = mpt__argmax(out->dtype, out->data, b * classes, classes);
+        truth = y->dtype == MPT_INT32 ? ((const int32_t *)y->data)[b]
+                                      : mpt__argmax(MPT_FLOAT32, y->data, b * classes, classes);
+        t->correct += guess == truth;
+        if (c->metrics & MPT_METRIC_SPARSE_TOP_K) {
+            /* In the top k when fewer than k classes score strictly higher. */
+            float tv = mpt__load_f32(out->dtype, out->data, b * classes + truth);
+            for (j = 0; j < classes; j++)
+                above += mpt__load_f32(out->dtype, out->data, b * classes + j) > tv;
+            t->top_k += above < k;
+        }
+    }
+}
+
+/* Loss, accuracy and top-k of a tally into logs, names prefixed ("val_"). */
+static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validation,
+                            mpt_logs *logs) {
+    double n = t->samples ? (double)t->samples : 1.0;
+    mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
+    if (m->compile.metrics & MPT_METRIC_ACCURACY)
+        mpt__logs_set(logs, validation ? "val_accuracy" : "accuracy", (double)t->correct / n);
+    if (m->compile.metrics & MPT_METRIC_SPARSE_TOP_K)
+        mpt__logs_set(logs,
+                      validation ? "val_sparse_top_k_categorical_accuracy"
+                                 : "sparse_top_k_categorical_accuracy",
+                      (double)t->top_k / n);
+}
+
+/* ---- one step ------------------------------------------------------------------ */
+
+/* The loss the model is trained with: the compiled one, from logits when
+   the final softmax is fused into it. */
+static mpt_loss_desc mpt__step_loss(const mpt_model *m, float grad_scale) {
+    mpt_loss_desc loss = m->compile.loss;
+    if (m->emit_logits) loss.from_logits = 1;
+    loss.grad_scale = grad_scale;
+    return loss;
+}
+
+/* Whether the final softmax can be fused into the compiled loss. */
+static int mpt__can_fuse_softmax(const mpt_model *m) {
+    const mpt_loss_desc *l = &m->compile.loss;
+    return !l->from_logits &&
+           (l->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
+            l->type == MPT_LOSS_CATEGORICAL_CROSSENTROPY) &&
+           mpt__layer_activation(&m->layers[m->n_layers - 1]) == MPT_ACT_SOFTMAX;
+}
+
+typedef struct mpt__step_times {
+    double forward, backward, update; /* seconds, summed over an epoch */
+} mpt__step_times;
+
+/* One training step on a batch. *loss is NaN when the forward pass itself
+   produced inf or NaN (the step is then skipped like an overflow). */
+static mpt_status mpt__train_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                                  double *loss, mpt__tally *tally, mpt__step_times *times) {
+    mpt_tensor out, dout;
+    mpt_loss_desc loss_desc = mpt__step_loss(m, m->loss_scale);
+    mpt_status s;
+    int applied = 0;
+    double t0 = mpt__now(), t1, t2;
+    mpt__model_forward(m, x, 1);
+    mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, &out);
+    mpt__layer_view(m, &m->layers[m->n_layers - 1], m->grad_buf[0], 0, &dout);
+    s = mpt_loss_compute(m->ctx, &loss_desc, &out, y, loss, &dout);
+    t1 = mpt__now();
+    if (s == MPT_OK) {
+        mpt__tally_batch(m, &out, y, *loss, tally);
+        mpt_model_backward(m, NULL, NULL);
+        t2 = mpt__now();
+        applied = mpt__optimizer_step(m);
+    } else if (s == MPT_ERR_NUMERIC) {
+        *loss = NAN; /* overflow in the forward pass: skip, as for gradients */
+        mpt__tally_batch(m, &out, y, NAN, tally);
+        t2 = t1;
+    } else {
+        return s;
+    }
+    mpt__loss_scale_update(m, applied);
+    if (applied) mpt__model_commit(m);
+    m->step++;
+    times->forward += t1 - t0;
+    times->backward += t2 - t1;
+    times->update += mpt__now() - t2;
+    return MPT_OK;
+}
+
+/* ---- progress output, as Keras 2 prints it ---------------------------------------- */
+
+static void mpt__format_value(char *buf, size_t size, double v) {
+    snprintf(buf, size, fabs(v) > 1e-3 || v == 0 ? "%.4f" : "%.4e", v);
+}
+
+static void mpt__format_seconds(char *buf, size_t size, double s) {
+    if (s >= 3600)
+        snprintf(buf, size, "%d:%02d:%02d", (int)(s / 3600), (int)fmod(s / 60, 60), (int)fmod(s, 60));
+    else if (s >= 60)
+        snprintf(buf, size, "%d:%02d", (int)(s / 60), (int)fmod(s, 60));
+    else
+        snprintf(buf, size, "%.0fs", s);
+}
+
+static void mpt__format_logs(char *buf, size_t size, const mpt_logs *logs, int skip_extras) {
+    size_t used = 0;
+    int i;
+    buf[0] = 0;
+    for (i = 0; i < logs->count && used < size; i++) {
+        char v[32];
+        const char *n = logs->names[i];
+        if (skip_extras && (!strcmp(n, "learning_rate") || !strcmp(n, "loss_scale") ||
+                            !strcmp(n, "skipped_steps") || !strcmp(n, "epoch_seconds") ||
+                            !strcmp(n, "samples_per_second")))
+            continue;
+        mpt__format_value(v, sizeof v, logs->values[i]);
+        used += (size_t)snprintf(buf + used, size - used, " - %s: %s", n, v);
+    }
+}
+
+/* "123/469 [=====>........................] - ETA: 3s - loss: 0.5000" while
+   running, "469/469 [==============================] - 2s 4ms/step - ..." at
+   the end (verbose 1); verbose 2 prints only "469/469 - 2s - 4ms/step - ...". */
+static void mpt__progress(const mpt_model *m, int verbose, int64_t done, int64_t total,
+                          double elapsed, const mpt_logs *logs, int final) {
+    char bar[40], values[512], t[32], per[32];
+    double per_step = done ? elapsed / (double)done : 0;
+    int width = 30, filled = total ? (int)(width * done / total) : width, i;
+    mpt__format_logs(values, sizeof values, logs, 1);
+    if (per_step >= 1)
+        snprintf(per, sizeof per, "%.0fs/step", per_step);
+    else if (per_step >= 1e-3)
+        snprintf(per, sizeof per, "%.0fms/step", per_step * 1e3);
+    else
+        snprintf(per, sizeof per, "%.0fus/step", per_step * 1e6);
+    if (verbose == 2) {
+        if (!final) return;
+        mpt__format_seconds(t, sizeof t, elapsed);
+        mpt__print(m, "%lld/%lld - %s - %s%s\n", (long long)done, (long long)total, t, per,
+                   values);
+        return;
+    }
+    for (i = 0; i < width; i++)
+        bar[i] = i < filled - 1 ? '=' : (i == filled - 1 ? (done < total ? '>' : '=') : '.');
+    bar[width] = 0;
+    if (final) {
+        mpt__format_seconds(t, sizeof t, elapsed);
+        mpt__print(m, "\r%lld/%lld [%s] - %s %s%s\n", (long long)done, (long long)total, bar, t,
+                   per, values);
+    } else {
+        mpt__format_seconds(t, sizeof t, per_step * (double)(total - done));
+        mpt__print(m, "\r%lld/%lld [%s] - ETA: %s%s", (long long)done, (long long)total, bar, t,
+                   values);
+    }
+}
+
+/* ---- fit ------------------------------------------------------------------------------ */
+
+/* The order of epoch e: a Fisher–Yates shuffle drawn from Philox keyed by
+   the model's seed, so epoch e's order is the same in a resumed run. */
+static void mpt__epoch_order(const mpt_model *m, int epoch, int shuffle, int64_t *order,
+                             int64_t n) {
+    uint64_t key = mpt__mix64(m->desc.seed ^ 0x5AFF1E5ull);
+    int64_t i;
+    for (i = 0; i < n; i++) order[i] = i;
+    if (!shuffle) return;
+    for (i = n - 1; i > 0; i--) {
+        uint32_t r[4];
+        uint64_t draw;
+        int64_t j, tmp;
+        mpt_philox4x32(key, (uint64_t)epoch, (uint64_t)i, r);
+        draw = ((uint64_t)r[0] << 32) | r[1];
+        j = (int64_t)(draw % (uint64_t)(i + 1));
+        tmp = order[i];
+        order[i] = order[j];
+        order[j] = tmp;
+    }
+}
+
+/* Checks that data fits the model: sample shape, target kind and labels. */
+static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
+    int64_t shape[MPT_MAX_RANK], want[MPT_MAX_RANK], out_count = 1;
+    int rank = mpt_dataset_sample_shape(d, shape), i, ok;
+    int want_rank = mpt_model_input_shape(m, want);
+    int32_t lo, hi;
+    const mpt__layer *last = &m->layers[m->n_layers - 1];
+    char a[96], b[96];
+    ok = rank == want_rank;
+    for (i = 0; ok && i < rank; i++) ok = shape[i] == want[i];
+    if (!ok)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: samples of shape %s do not fit the model's "
+                         "input %s", what, mpt_shape_format(a, sizeof a, rank, shape),
+                         mpt_shape_format(b, sizeof b, want_rank, want));
+    for (i = 0; i < last->out_rank; i++) out_count *= last->out_shape[i];
+    if (mpt__dataset_label_dtype(d) == MPT_INT32) {
+        mpt__dataset_label_range(d, &lo, &hi);
+        if (m->compile.loss.type != MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY && out_count > 1)
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "%s: integer class labels need the sparse categorical "
+                             "crossentropy loss (or one-hot float targets)", what);
+        if (out_count > 1 && (lo < 0 || hi >= out_count))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "%s: labels range over %d..%d but the model has %lld classes "
+                             "(0..%lld)", what, (int)lo, (int)hi, (long long)out_count,
+                             (long long)out_count - 1);
+        return MPT_OK;
+    }
+    rank = mpt__dataset_label_shape(d, shape);
+    ok = rank == last->out_rank;
+    for (i = 0; ok && i < rank; i++) ok = shape[i] == last->out_shape[i];
+    if (!ok)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: targets of shape %s for a model output of "
+                         "shape %s", what, mpt_shape_format(a, sizeof a, rank, shape),
+                         mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape));
+    return MPT_OK;
+}
+
+/* Makes the model ready to train or run on batches of batch_size. */
+static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compile,
+                               const char *what) {
+    if (!need_compile && m->built && batch_size > m->max_batch) batch_size = m->max_batch;
+    if (batch_size <= 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: batch_size %lld must be > 0",
+                         what, (long long)batch_size);
+    if (need_compile && !m->compiled)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "%s: compile the model first", what);
+    if (!m->built) MPT__CHECK(mpt_model_build(m, batch_size));
+    if (batch_size > m->max_batch)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: batch_size %lld is larger than the %lld the model was built for",
+                         what, (long long)batch_size, (long long)m->max_batch);
+    return MPT_OK;
+}
+
+/* Loss and metrics over a whole dataset, in order (evaluate, validation). */
+static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batch_size,
+                                int verbose, mpt__tally *t) {
+    mpt__loader *loader = NULL;
+    int64_t n = mpt_dataset_count(d), done = 0, *order;
+    mpt_tensor x, y, out;
+    mpt_loss_desc loss_desc = mpt__step_loss(m, 1.0f);
+    double start = mpt__now(), last_print = 0;
+    mpt_status s = MPT_OK;
+    memset(t, 0, sizeof *t);
+    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n);
+    if (!order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
+    mpt__epoch_order(m, 0, 0, order, n);
+    s = mpt__loader_create(m->ctx, d, batch_size, m->layers[0].dtype, &loader);
+    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
+        double loss;
+        mpt__model_forward(m, &x, 0);
+        mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, &out);
+        s = mpt_loss_compute(m->ctx, &loss_desc, &out, &y, &loss, NULL);
+        if (s != MPT_OK) break;
+        mpt__tally_batch(m, &out, &y, loss, t);
+        done++;
+        if (verbose == 1 && (mpt__now() - last_print > 0.1 || done * batch_size >= n)) {
+            mpt_logs logs;
+            memset(&logs, 0, sizeof logs);
+            mpt__tally_logs(m, t, 0, &logs);
+            mpt__progress(m, 1, done, (n + batch_size - 1) / batch_size, mpt__now() - start,
+                          &logs, done * batch_size >= n);
+            last_print = mpt__now();
+        }
+    }
+    mpt__loader_destroy(loader);
+    mpt__free(m->ctx, order);
+    return s;
+}
+
+/* Calls one function of every callback in turn, while the status `s` of
+   the calling function is MPT_OK: the first error ends the round. */
+#define MPT__EACH_CALLBACK(d, fn, ...)                                           \
+    do {                                                                         \
+        int cb_;                                                                 \
+        for (cb_ = 0; s == MPT_OK && cb_ < (d)->n_callbacks; cb_++)              \
+            if ((d)->callbacks[cb_].fn)                                          \
+                s = (d)->callbacks[cb_].fn((d)->callbacks[cb_].user_data, __VA_ARGS__); \
+    } while (0)
+
+typedef struct mpt__fit_run {
+    mpt_model *m;
+    const mpt_fit_desc *d;
+    const mpt_dataset *train, *val;
+    int64_t n, steps;            /* samples and batches per epoch */
+    int64_t *order;              /* (n) this epoch's sample order */
+    mpt__loader *loader;
+} mpt__fit_run;
+
+/* One epoch: every batch, then validation; fills the epoch's logs. */
+static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int *stop) {
+    mpt_model *m = r->m;
+    const mpt_fit_desc *d = r->d;
+    mpt__tally tally;
+    mpt__step_times times = {0, 0, 0};
+    int64_t batch = 0;
+    int64_t skipped_before = m->skipped_steps;
+    double start = mpt__now(), last_print = 0, seconds;
+    mpt_tensor x, y;
+    mpt_status s = MPT_OK;
+    memset(&tally, 0, sizeof tally);
+    memset(logs, 0, sizeof *logs);
+    if (d->verbose) mpt__print(m, "Epoch %d/%d\n", epoch + 1, d->epochs);
+    mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
+    mpt__loader_start_epoch(r->loader, r->order, r->n, d->batch_size);
+    while (s == MPT_OK && !*stop && mpt__loader_next(r->loader, &x, &y)) {
+        double loss;
+        mpt_logs batch_logs;
+        s = mpt__train_step(m, &x, &y, &loss, &tally, &times);
+        if (s != MPT_OK) break;
+        batch++;
+        memset(&batch_logs, 0, sizeof batch_logs);
+        mpt__tally_logs(m, &tally, 0, &batch_logs);
+        MPT__EACH_CALLBACK(d, on_batch_end, m, batch - 1, &batch_logs, stop);
+        if (d->verbose == 1 && batch < r->steps && mpt__now() - last_print > 0.1) {
+            mpt__progress(m, 1, batch, r->steps, mpt__now() - start, &batch_logs, 0);
+            last_print = mpt__now();
+        }
+    }
+    if (s != MPT_OK) return s;
+    seconds = mpt__now() - start;
+    mpt__tally_logs(m, &tally, 0, logs);
+    if (r->val) {
+        mpt__tally vt;
+        MPT__CHECK(mpt__evaluate(m, r->val, d->batch_size, 0, &vt));
+        mpt__tally_logs(m, &vt, 1, logs);
+    }
+    if (d->verbose) mpt__progress(m, d->verbose, batch, r->steps, seconds, logs, 1);
+    mpt__logs_set(logs, "learning_rate",
+                  mpt__learning_rate_at(&m->compile.optimizer, m->learning_rate,
+                                        m->optimizer_steps));
+    mpt__logs_set(logs, "loss_scale", m->loss_scale);
+    mpt__logs_set(logs, "skipped_steps", (double)(m->skipped_steps - skipped_before));
+    mpt__logs_set(logs, "epoch_seconds", seconds);
+    mpt__logs_set(logs, "samples_per_second", seconds > 0 ? (double)tally.samples / seconds : 0);
+    mpt__logs_set(logs, "forward_ms_per_step", batch ? 1e3 * times.forward / (double)batch : 0);
+    mpt__logs_set(logs, "backward_ms_per_step", batch ? 1e3 * times.backward / (double)batch : 0);
+    mpt__logs_set(logs, "update_ms_per_step", batch ? 1e3 * times.update / (double)batch : 0);
+    return MPT_OK;
+}
+
+static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *d) {
+    if (!train) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL training data");
+    if (!d) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL descriptor");
+    if (d->epochs < 0 || d->initial_epoch < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: epochs %d and initial_epoch %d "
+                         "must not be negative", d->epochs, d->initial_epoch);
+    if (!(d->validation_split >= 0 && d->validation_split < 1))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: validation_split %g is not in [0, 1)", d->validation_split);
+    if (d->validation_split > 0 && d->validation_data)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: give validation_data or validation_split, not both");
+    if (d->verbose < 0 || d->verbose > 2)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: verbose %d is not 0, 1 or 2",
+                         d->verbose);
+    if (d->n_callbacks < 0 || (d->n_callbacks > 0 && !d->callbacks))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: %d callbacks but no array",
+                         d->n_callbacks);
+    return mpt__prepare(m, d->batch_size, 1, "fit");
+}
+
+MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *desc) {
+    mpt_fit_desc d;
+    mpt__fit_run r;
+    mpt_dataset *head = NULL, *tail = NULL;
+    mpt_logs logs;
+    mpt_status s = MPT_OK;
+    int epoch, stop = 0;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__fit_check(m, train, desc));
+    d = *desc;
+    if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
+    memset(&r, 0, sizeof r);
+    r.m = m;
+    r.d = &d;
+    r.train = train;
+    r.val = d.validation_data;
+    if (d.validation_split > 0) { /* Keras: the last part, before shuffling */
+        int64_t n = mpt_dataset_count(train);
+        int64_t keep = (int64_t)((double)n * (1.0 - (double)d.validation_split));
+        if (keep <= 0 || keep >= n)
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "fit: validation_split %g of %lld samples leaves one side empty",
+                             d.validation_split, (long long)n);
+        MPT__CHECK(mpt_dataset_split(m->ctx, train, keep, &head, &tail));
+        r.train = head;
+        r.val = tail;
+    }
+    s = mpt__check_data(m, r.train, "fit");
+    if (s == MPT_OK && r.val) s = mpt__check_data(m, r.val, "fit: validation data");
+    r.n = mpt_dataset_count(r.train);
+    r.steps = (r.n + d.batch_size - 1) / d.batch_size;
+    r.order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n) : NULL;
+    if (s == MPT_OK && !r.order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    if (s == MPT_OK) s = mpt__loader_create(m->ctx, r.train, d.batch_size, m->layers[0].dtype,
+                                            &r.loader);
+    if (s == MPT_OK) {
+        m->printer = d.printer;
+        m->emit_logits = mpt__can_fuse_softmax(m);
+        mpt__history_reset(m);
+        MPT__EACH_CALLBACK(&d, on_train_begin, m);
+    }
+    memset(&logs, 0, sizeof logs);
+    for (epoch = d.initial_epoch; s == MPT_OK && !stop && epoch < d.epochs; epoch++) {
+        MPT__EACH_CALLBACK(&d, on_epoch_begin, m, epoch);
+        if (s == MPT_OK) s = mpt__fit_epoch(&r, epoch, &logs, &stop);
+        if (s != MPT_OK) break;
+        m->epoch = epoch + 1;
+        s = mpt__history_append(m, &logs);
+        MPT__EACH_CALLBACK(&d, on_epoch_end, m, epoch, &logs, &stop);
+    }
+    if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);
+    m->emit_logits = 0;
+    mpt__loader_destroy(r.loader);
+    mpt__free(m->ctx, r.order);
+    mpt_dataset_destroy(head);
+    mpt_dataset_destroy(tail);
+    return s;
+}
+
+/* ---- evaluate, predict --------------------------------------------------------------- */
+
+MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
+                                     const mpt_evaluate_desc *desc, mpt_logs *logs) {
+    mpt__tally t;
+    mpt_status s;
+    int64_t batch;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!data || !desc || !logs)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
+                         !data ? "data" : !desc ? "descriptor" : "logs");
+    memset(logs, 0, sizeof *logs);
+    MPT__CHECK(mpt__prepare(m, desc->batch_size, 0, "evaluate"));
+    if (!m->compiled) return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first");
+    /* Larger batches than the model was built for run in pieces: the
+       result is the same, the loss being a mean over samples. */
+    batch = MPT__MIN(desc->batch_size, m->max_batch);
+    MPT__CHECK(mpt__check_data(m, data, "evaluate"));
+    m->printer = desc->printer;
+    m->emit_logits = mpt__can_fuse_softmax(m);
+    s = mpt__evaluate(m, data, batch, desc->verbose, &t);
+    m->emit_logits = 0;
+    if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
+    return s;
+}
+
+MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64_t batch_size,
+                                    mpt_tensor *out) {
+    const mpt__layer *last;
+    mpt__loader *loader = NULL;
+    int64_t n, shape[MPT_MAX_RANK], per_sample, done = 0, *order;
+    mpt_tensor x, y;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!data || !out)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
+                         data ? "out" : "data");
+    memset(out, 0, sizeof *out);
+    MPT__CHECK(mpt__prepare(m, batch_size, 0, "predict"));
+    batch_size = MPT__MIN(batch_size, m->max_batch); /* in pieces, as evaluate */
+    last = &m->layers[m->n_layers - 1];
+    n = mpt_dataset_count(data);
+    shape[0] = n;
+    memcpy(shape + 1, last->out_shape, sizeof(int64_t) * (size_t)last->out_rank);
+    per_sample = last->out_count;
+    MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, last->out_rank + 1, shape));
+    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n);
+    if (!order) {
+        mpt_tensor_free(m->ctx, out);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
+    }
+    mpt__epoch_order(m, 0, 0, order, n);
+    s = mpt__loader_create(m->ctx, data, batch_size, m->layers[0].dtype, &loader);
+    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
+        int64_t b = x.shape[0];
+        mpt__model_forward(m, &x, 0);
+        mpt__convert(m->ctx, MPT_FLOAT32, (float *)out->data + done * per_sample, last->dtype,
+                     last->y, b * per_sample);
+        done += b;
+    }
+    mpt__loader_destroy(loader);
+    mpt__free(m->ctx, order);
+    if (s != MPT_OK) mpt_tensor_free(m->ctx, out);
+    return s;
+}
+
+/* ---- summary -------------------------------------------------------------------------- */
+
+static const char *mpt__bytes_text(char *buf, size_t size, double bytes) {
+    if (bytes >= 1 << 30) snprintf(buf, size, "%.2f GB", bytes / (1 << 30));
+    else if (bytes >= 1 << 20) snprintf(buf, size, "%.2f MB", bytes / (1 << 20));
+    else if (bytes >= 1 << 10) snprintf(buf, size, "%.2f KB", bytes / (1 << 10));
+    else snprintf(buf, size, "%.0f B", bytes);
+    return buf;
+}
+
+/* snprintf that keeps counting past the end of buf (for the needed size). */
+static void mpt__append(char *buf, size_t size, size_t *used, const char *fmt, ...) {
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(*used < size ? buf + *used : NULL, *used < size ? size - *used : 0, fmt, ap);
+    va_end(ap);
+    if (n > 0) *used += (size_t)n;
+}
+
+MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
+    static const char *const category[MPT__MEM_COUNT_] = {
+        "parameters (float32)", "gradients", "optimizer state", "weight copies",
+        "activations", "workspace"};
+    const char *rule = "__________________________________________________________________________________\n";
+    const char *bold = "==================================================================================\n";
+    size_t used = 0;
+    int64_t total = 0, trainable = 0, bytes = 0;
+    int i, k;
+    char a[96], b[96], c[96];
+    if (!m || !m->built) return 0;
+    if (size) buf[0] = 0;
+    mpt__append(buf, size, &used, "Model: \"sequential\"\n%s", rule);
+    mpt__append(buf, size, &used, " %-32s %-24s %-12s %s\n%s", "Layer (type)", "Output Shape",
+                "Param #", "Dtype", bold);
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        int64_t count = 0, shape[MPT_MAX_RANK];
+        for (k = 0; k < L->n_params; k++) {
+            count += L->param[k]->count;
+            if (L->param[k]->trainable) trainable += L->param[k]->count;
+        }
+        total += count;
+        snprintf(a, sizeof a, "%s (%s)", L->name, L->ops->class_name);
+        /* "(None, 26, 26, 32)": Keras' way of saying "any batch size" */
+        shape[0] = 1;
+        memcpy(shape + 1, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
+        mpt_shape_format(b, sizeof b, L->out_rank + 1, shape);
+        snprintf(c, sizeof c, "(None%s", strchr(b, ','));
+        mpt__append(buf, size, &used, " %-32s %-24s %-12lld %s\n", a, c, (long long)count,
+                    mpt_dtype_name(L->dtype));
+    }
+    mpt__append(buf, size, &used, "%s", bold);
+    mpt__append(buf, size, &used, "Total params: %lld (%s)\n", (long long)total,
+                mpt__bytes_text(c, sizeof c, 4.0 * (double)total));
+    mpt__append(buf, size, &used, "Trainable params: %lld (%s)\n", (long long)trainable,
+                mpt__bytes_text(c, sizeof c, 4.0 * (double)trainable));
+    mpt__append(buf, size, &used, "Non-trainable params: %lld (%s)\n%s",
+                (long long)(total - trainable),
+                mpt__bytes_text(c, sizeof c, 4.0 * (double)(total - trainable)), rule);
+    mpt__append(buf, size, &used, "Memory for batches of %lld:\n", (long long)m->max_batch);
+    for (k = 0; k < MPT__MEM_COUNT_; k++) {
+        bytes += m->arena_bytes[k];
+        mpt__append(buf, size, &used, "  %-22s %s\n", category[k],
+                    mpt__bytes_text(c, sizeof c, (double)m->arena_bytes[k]));
+    }
+    mpt__append(buf, size, &used, "  %-22s %s\n%s", "total",
+                mpt__bytes_text(c, sizeof c, (double)bytes), rule);
+    return used;
+}
+/* =============================================================================
+   @impl-callbacks  EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
+   =============================================================================
+
+   Each callback is a state struct behind mpt_callback.user_data. Every
+   state begins with the same head (a magic number, the context that
+   allocated it, and what else it owns), so that one mpt_callback_destroy
+   frees any of them.
+
+   The rules are Keras 3's (keras/src/callbacks/), named where they are
+   not obvious:
+   - A quantity improves on a reference when current < reference − |min_delta|
+     in min mode (current > reference + |min_delta| in max mode). Auto mode
+     minimises names that end in "loss" and maximises every other name.
+   - A monitored name missing from an epoch's logs logs a warning (as Keras
+     warns) and the callback does nothing that epoch.
+   - EarlyStopping, ReduceLROnPlateau and CSVLogger reset their state in
+     on_train_begin, so one callback serves several fits. ModelCheckpoint
+     keeps its best value from creation on, as Keras does: a second fit only
+     overwrites a best-only file with something better.
+   - EarlyStopping restores the best weights in on_train_end whenever
+     restore_best_weights is set and some epoch was monitored, whether or not
+     it stopped training (Keras 3; Keras 2 restored only when it stopped).
+
+   Where Keras' own behaviour does not carry over, mpt.h chooses:
+   - ReduceLROnPlateau works on the model's base learning rate (float32)
+     and prints the new rate with the fewest digits that read back as that
+     float32 ("0.001"; Keras prints the float64 product, 0.0009999999776482583).
+   - ModelCheckpoint formats its filepath with the part of Python's
+     str.format a file name needs: {epoch}, {epoch:02d}, {val_loss:.2f},
+     {loss:.3e}, {{ and }}. It does not create missing directories.
+   - CSVLogger writes the first epoch's keys, sorted, with "\n" line ends
+     (Python's csv module writes "\r\n"), and does not add the empty val_
+     columns Keras adds when the first epoch has no validation keys: fit
+     validates every epoch or never. Values are written as Python's repr.
+
+   Messages go through the model's printer as whole lines ("Epoch 3: ...\n");
+   fit ends its progress line before it calls on_epoch_end. */
+
+
+#define MPT__CB_MAGIC 0x6d707443u /* "mptC": a live callback state       */
+#define MPT__CB_NAME_MAX 64       /* a monitored name or a CSV column     */
+#define MPT__CB_PATH_MAX 4096     /* a formatted checkpoint path          */
+
+/* ---- what every callback state shares ------------------------------------- */
+
+typedef struct mpt__cb_head {
+    uint32_t magic;                           /* MPT__CB_MAGIC while alive      */
+    mpt_context *ctx;                         /* allocated the state; frees it  */
+    void (*release)(struct mpt__cb_head *h);  /* frees what the state owns, or NULL */
+} mpt__cb_head;
+
+/* Allocates a zeroed state of `bytes` whose first member is a head. */
+static void *mpt__cb_new(mpt_context *ctx, size_t bytes, const char *what,
+                         void (*release)(mpt__cb_head *), mpt_status *status) {
+    mpt__cb_head *h = (mpt__cb_head *)mpt__calloc(ctx, bytes);
+    *status = MPT_OK;
+    if (!h) {
+        *status = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+        return NULL;
+    }
+    h->magic = MPT__CB_MAGIC;
+    h->ctx = ctx;
+    h->release = release;
+    return h;
+}
+
+/* Copies a string the caller owns into the state; NULL on failure. */
+static char *mpt__cb_strdup(mpt_context *ctx, const char *s) {
+    size_t n = strlen(s) + 1;
+    char *copy = (char *)mpt__alloc(ctx, n);
+    if (copy) memcpy(copy, s, n);
+    return copy;
+}
+
+/* The quantity a callback watches and which way is better. */
+typedef struct mpt__cb_monitor {
+    char name[MPT__CB_NAME_MAX];
+    int minimize;             /* 1: lower is better                     */
+    double min_delta;         /* |min_delta|                            */
+} mpt__cb_monitor;
+
+static int mpt__cb_ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+/* Resolves the monitor's name (default "val_loss") and direction. */
+static mpt_status mpt__cb_monitor_init(mpt_context *ctx, const char *what, const char *monitor,
+                                       mpt_monitor_mode mode, double min_delta,
+                                       mpt__cb_monitor *mon) {
+    const char *name = monitor ? monitor : "val_loss";
+    if (strlen(name) == 0 || strlen(name) >= sizeof mon->name)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: monitor \"%s\" must have 1..%d characters", what, name,
+                         (int)sizeof mon->name - 1);
+    if (mode != MPT_MODE_AUTO && mode != MPT_MODE_MIN && mode != MPT_MODE_MAX)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: mode %d is not MPT_MODE_AUTO, MPT_MODE_MIN or MPT_MODE_MAX", what,
+                         (int)mode);
+    if (!isfinite(min_delta))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: min_delta %g must be finite", what,
+                         min_delta);
+    strcpy(mon->name, name);
+    mon->minimize =
+        mode == MPT_MODE_MIN || (mode == MPT_MODE_AUTO && mpt__cb_ends_with(name, "loss"));
+    mon->min_delta = fabs(min_delta);
+    return MPT_OK;
+}
+
+/* Whether `current` beats `reference` by more than min_delta. */
+static int mpt__cb_improves(const mpt__cb_monitor *mon, double current, double reference) {
+    return mon->minimize ? current < reference - mon->min_delta
+                         : current > reference + mon->min_delta;
+}
+
+/* The worst value: anything finite improves on it. */
+static double mpt__cb_worst(const mpt__cb_monitor *mon) {
+    return mon->minimize ? INFINITY : -INFINITY;
+}
+
+/* Finds `name` in logs. Unlike mpt_logs_get, tells a logged NaN from a
+   missing name. */
+static int mpt__cb_find(const mpt_logs *logs, const char *name, double *value) {
+    int i;
+    for (i = 0; logs && i < logs->count; i++)
+        if (logs->names[i] && strcmp(logs->names[i], name) == 0) {
+            *value = logs->values[i];
+            return 1;
+        }
+    return 0;
+}
+
+/* "loss,accuracy,val_loss": the names in logs, for a warning. */
+static void mpt__cb_names(const mpt_logs *logs, char *buf, size_t size) {
+    size_t used = 0;
+    int i;
+    buf[0] = 0;
+    for (i = 0; logs && i < logs->count && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%s", i ? "," : "",
+                                 logs->names[i] ? logs->names[i] : "?");
+}
+
+/* The monitored value, or 0 after a warning (as Keras's) when the epoch's
+   logs lack it. `why` completes "<why> conditioned on metric `x`". */
+static int mpt__cb_monitored(const mpt_model *m, const mpt__cb_monitor *mon, const char *why,
+                             const mpt_logs *logs, double *value) {
+    char names[512];
+    if (mpt__cb_find(logs, mon->name, value)) return 1;
+    mpt__cb_names(logs, names, sizeof names);
+    mpt__log(m->ctx, MPT_LOG_WARNING,
+             "%s conditioned on metric `%s` which is not available. Available metrics are: %s",
+             why, mon->name, names);
+    return 0;
+}
+
+/* v as Python's repr writes a float: the fewest significant digits that
+   read back as the same value ("0.1", "1.0", "1e-05", "0.3333333333333333",
+   "1e+16", "nan", "inf"). single: the fewest that read back as the same
+   float32 (a learning rate is stored as float32). */
+static void mpt__cb_repr(char *buf, size_t size, double v, int single) {
+    char sci[40];
+    int digits, exp10, max_digits = single ? 9 : 17;
+    if (isnan(v)) {
+        snprintf(buf, size, "nan");
+        return;
+    }
+    if (isinf(v)) {
+        snprintf(buf, size, v < 0 ? "-inf" : "inf");
+        return;
+    }
+    for (digits = 1; digits < max_digits; digits++) {
+        double back;
+        snprintf(sci, sizeof sci, "%.*e", digits - 1, v);
+        back = strtod(sci, NULL);
+        if (single ? (float)back == (float)v : back == v) break;
+    }
+    snprintf(sci, sizeof sci, "%.*e", digits - 1, v);
+    exp10 = atoi(strchr(sci, 'e') + 1);
+    if (exp10 < -4 || exp10 >= 16) { /* Python's repr switches to exponents there */
+        snprintf(buf, size, "%s", sci);
+    } else {                         /* fixed point, at least one decimal: "100.0" */
+        int decimals = digits - 1 - exp10;
+        snprintf(buf, size, "%.*f", decimals < 1 ? 1 : decimals, v);
+    }
+}
+
+/* =============================================================================
+   EarlyStopping
+   ============================================================================= */
+
+typedef struct mpt__cb_early_stopping {
+    mpt__cb_head head;
+    mpt__cb_monitor mon;
+    int patience, start_from_epoch, restore_best_weights, verbose;
+    int has_baseline;
+    double baseline;
+    /* Reset by on_train_begin: */
+    int wait;                 /* epochs since the wait was last reset        */
+    int stopped_epoch;        /* 0-based epoch that stopped training; 0: none */
+    int has_best;             /* Keras' best is None until the first epoch   */
+    double best;
+    int best_epoch;           /* 0-based                                     */
+    int has_best_weights;
+    /* Owned, sized by on_train_begin: */
+    float *best_weights;      /* (weights_count) float32: every parameter's
+                                 value, in parameter order                   */
+    int64_t weights_count;
+} mpt__cb_early_stopping;
+
+static void mpt__cb_es_release(mpt__cb_head *h) {
+    mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)h;
+    mpt__free(h->ctx, es->best_weights);
+    es->best_weights = NULL;
+}
+
+/* Elements over every parameter of a built model. */
+static int64_t mpt__cb_weights_count(const mpt_model *m) {
+    int64_t n = 0;
+    int i;
+    for (i = 0; i < m->n_params; i++) n += m->params[i].count;
+    return n;
+}
+
+/* Copies every parameter's float32 value into best_weights (to = 1) or
+   back from it (to = 0). */
+static void mpt__cb_es_copy_weights(mpt__cb_early_stopping *es, mpt_model *m, int to_best) {
+    float *at = es->best_weights;
+    int i;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        if (to_best)
+            memcpy(at, P->value, sizeof(float) * (size_t)P->count);
+        else
+            memcpy(P->value, at, sizeof(float) * (size_t)P->count);
+        at += P->count;
+    }
+}
+
+/* Sizes the weight copy for this model: a callback may serve another model
+   in a later fit. A new copy holds no best weights yet. */
+static mpt_status mpt__cb_es_prepare_weights(mpt__cb_early_stopping *es, mpt_model *m) {
+    int64_t n;
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE,
+                         "EarlyStopping: restore_best_weights needs a built model at "
+                         "on_train_begin");
+    n = mpt__cb_weights_count(m);
+    if (n == es->weights_count && es->best_weights) return MPT_OK;
+    mpt__free(es->head.ctx, es->best_weights);
+    es->weights_count = 0;
+    es->has_best_weights = 0;
+    es->best_weights = (float *)mpt__alloc(es->head.ctx, sizeof(float) * (size_t)n);
+    if (!es->best_weights)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "EarlyStopping: cannot allocate %lld bytes for the best weights",
+                         (long long)n * 4);
+    es->weights_count = n;
+    return MPT_OK;
+}
+
+static mpt_status mpt__cb_es_train_begin(void *user, mpt_model *m) {
+    mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
+    es->wait = 0;
+    es->stopped_epoch = 0;
+    es->has_best = 0;
+    es->best = 0;
+    es->best_epoch = 0;
+    es->has_best_weights = 0;
+    return es->restore_best_weights ? mpt__cb_es_prepare_weights(es, m) : MPT_OK;
+}
+
+static void mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model *m, int epoch) {
+    mpt__cb_es_copy_weights(es, m, 1);
+    es->has_best_weights = 1;
+    es->best_epoch = epoch;
+}
+
+/* Keras 3's on_epoch_end, step by step: the wait grows every monitored
+   epoch; an improvement records the best (and its weights) and resets the
+   wait only if it also beats the baseline, and never stops training. */
+static mpt_status mpt__cb_es_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
+                                       int *stop) {
+    mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
+    double current;
+    if (!mpt__cb_monitored(m, &es->mon, "Early stopping", logs, &current) ||
+        epoch < es->start_from_epoch)
+        return MPT_OK;
+    /* A no-op after on_train_begin; guards a caller who skipped it. */
+    if (es->restore_best_weights) MPT__CHECK(mpt__cb_es_prepare_weights(es, m));
+    if (es->restore_best_weights && !es->has_best_weights) mpt__cb_es_keep_weights(es, m, epoch);
+    es->wait++;
+    if (!es->has_best || mpt__cb_improves(&es->mon, current, es->best)) {
+        es->has_best = 1;
+        es->best = current;
+        es->best_epoch = epoch;
+        if (es->restore_best_weights) mpt__cb_es_keep_weights(es, m, epoch);
+        if (!es->has_baseline || mpt__cb_improves(&es->mon, current, es->baseline)) es->wait = 0;
+        return MPT_OK;
+    }
+    if (es->wait >= es->patience && epoch > 0) {
+        es->stopped_epoch = epoch;
+        if (stop) *stop = 1;
+    }
+    return MPT_OK;
+}
+
+static mpt_status mpt__cb_es_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+    mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
+    (void)logs;
+    if (es->stopped_epoch > 0 && es->verbose > 0)
+        mpt__print(m, "Epoch %d: early stopping\n", es->stopped_epoch + 1);
+    if (!es->restore_best_weights || !es->has_best_weights) return MPT_OK;
+    if (!m->built || mpt__cb_weights_count(m) != es->weights_count)
+        return mpt__fail(m->ctx, MPT_ERR_STATE,
+                         "EarlyStopping: the model's parameters changed since on_train_begin "
+                         "(%lld elements kept); cannot restore the best weights",
+                         (long long)es->weights_count);
+    if (es->verbose > 0)
+        mpt__print(m, "Restoring model weights from the end of the best epoch: %d.\n",
+                   es->best_epoch + 1);
+    mpt__cb_es_copy_weights(es, m, 0);
+    mpt_model_refresh_weights(m);
+    return MPT_OK;
+}
+
+static mpt_status mpt__cb_es_check(mpt_context *ctx, const mpt_early_stopping_desc *d) {
+    if (d->patience < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "EarlyStopping: patience %d must be >= 0", d->patience);
+    if (d->start_from_epoch < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "EarlyStopping: start_from_epoch %d must be >= 0", d->start_from_epoch);
+    if (d->has_baseline && isnan(d->baseline))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "EarlyStopping: baseline is NaN; nothing could ever beat it");
+    return MPT_OK;
+}
+
+/* Starts every created callback from a zeroed struct: the caller's *out
+   is all zeros after a failure. */
+static mpt_status mpt__cb_check_out(mpt_context *ctx, const char *what, mpt_callback *out) {
+    if (out) memset(out, 0, sizeof *out);
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: NULL out", what);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
+                                              mpt_callback *out) {
+    mpt_early_stopping_desc defaults;
+    mpt__cb_early_stopping *es;
+    mpt__cb_monitor mon;
+    mpt_status s;
+    MPT__CHECK(mpt__cb_check_out(ctx, "EarlyStopping", out));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* every field has a usable default */
+    MPT__CHECK(mpt__cb_es_check(ctx, d));
+    MPT__CHECK(mpt__cb_monitor_init(ctx, "EarlyStopping", d->monitor, d->mode, d->min_delta, &mon));
+    es = (mpt__cb_early_stopping *)mpt__cb_new(ctx, sizeof *es, "EarlyStopping",
+                                               mpt__cb_es_release, &s);
+    if (!es) return s;
+    es->mon = mon;
+    es->patience = d->patience;
+    es->start_from_epoch = d->start_from_epoch;
+    es->restore_best_weights = d->restore_best_weights != 0;
+    es->verbose = d->verbose;
+    es->has_baseline = d->has_baseline != 0;
+    es->baseline = d->baseline;
+    out->on_train_begin = mpt__cb_es_train_begin;
+    out->on_epoch_end = mpt__cb_es_epoch_end;
+    out->on_train_end = mpt__cb_es_train_end;
+    out->user_data = es;
+    return MPT_OK;
+}
+
+/* =============================================================================
+   ReduceLROnPlateau
+   ============================================================================= */
+
+typedef struct mpt__cb_reduce_lr {
+    mpt__cb_head head;
+    mpt__cb_monitor mon;
+    double factor;
+    float min_lr;
+    int patience, cooldown, verbose;
+    /* Reset by on_train_begin: */
+    double best;
+    int wait;                 /* epochs without improvement, outside cooldown */
+    int cooldown_counter;     /* epochs of cooldown left                      */
+} mpt__cb_reduce_lr;
+
+static mpt_status mpt__cb_rlr_train_begin(void *user, mpt_model *m) {
+    mpt__cb_reduce_lr *r = (mpt__cb_reduce_lr *)user;
+    (void)m;
+    r->best = mpt__cb_worst(&r->mon);
+    r->wait = 0;
+    r->cooldown_counter = 0;
+    return MPT_OK;
+}
+
+/* Multiplies the model's base learning rate by factor, not below min_lr
+   (the rate fit's schedule then scales). */
+static void mpt__cb_rlr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
+    float old_lr = m->learning_rate, new_lr;
+    char text[40];
+    if (!(old_lr > r->min_lr)) return;
+    new_lr = (float)MPT__MAX((double)old_lr * r->factor, (double)r->min_lr);
+    m->learning_rate = new_lr;
+    if (r->verbose > 0) {
+        mpt__cb_repr(text, sizeof text, new_lr, 1);
+        mpt__print(m, "Epoch %d: ReduceLROnPlateau reducing learning rate to %s.\n", epoch + 1,
+                   text);
+    }
+    r->cooldown_counter = r->cooldown;
+    r->wait = 0;
+}
+
+/* Keras 3's order: a cooldown epoch counts down and clears the wait; an
+   improvement resets the wait; otherwise, outside cooldown, the wait grows
+   and reaching patience lowers the rate. */
+static mpt_status mpt__cb_rlr_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
+                                        int *stop) {
+    mpt__cb_reduce_lr *r = (mpt__cb_reduce_lr *)user;
+    double current;
+    (void)stop;
+    if (!mpt__cb_monitored(m, &r->mon, "Learning rate reduction is", logs, &current))
+        return MPT_OK;
+    if (r->cooldown_counter > 0) {
+        r->cooldown_counter--;
+        r->wait = 0;
+    }
+    if (mpt__cb_improves(&r->mon, current, r->best)) {
+        r->best = current;
+        r->wait = 0;
+    } else if (r->cooldown_counter == 0) {
+        r->wait++;
+        if (r->wait >= r->patience) mpt__cb_rlr_reduce(r, m, epoch);
+    }
+    return MPT_OK;
+}
+
+static mpt_status mpt__cb_rlr_check(mpt_context *ctx, const mpt_reduce_lr_desc *d) {
+    if (!(d->factor >= 0 && d->factor < 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ReduceLROnPlateau: factor %g must be in (0, 1) (0: the default 0.1); "
+                         "a factor >= 1 would not reduce the rate", (double)d->factor);
+    if (d->patience < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ReduceLROnPlateau: patience %d must be >= 0", d->patience);
+    if (d->cooldown < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ReduceLROnPlateau: cooldown %d must be >= 0", d->cooldown);
+    if (!(d->min_lr >= 0 && d->min_lr < INFINITY))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ReduceLROnPlateau: min_lr %g must be finite and >= 0", (double)d->min_lr);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
+                                                    const mpt_reduce_lr_desc *d,
+                                                    mpt_callback *out) {
+    mpt_reduce_lr_desc defaults;
+    mpt__cb_reduce_lr *r;
+    mpt__cb_monitor mon;
+    mpt_status s;
+    MPT__CHECK(mpt__cb_check_out(ctx, "ReduceLROnPlateau", out));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults;
+    MPT__CHECK(mpt__cb_rlr_check(ctx, d));
+    MPT__CHECK(mpt__cb_monitor_init(ctx, "ReduceLROnPlateau", d->monitor, d->mode,
+                                    d->min_delta != 0 ? (double)d->min_delta : 1e-4, &mon));
+    r = (mpt__cb_reduce_lr *)mpt__cb_new(ctx, sizeof *r, "ReduceLROnPlateau", NULL, &s);
+    if (!r) return s;
+    r->mon = mon;
+    /* 0.1f, not 0.1: the same rate as a factor given as 0.1f */
+    r->factor = (double)(d->factor != 0 ? d->factor : 0.1f);
+    r->min_lr = d->min_lr;
+    r->patience = d->patience != 0 || d->has_patience ? d->patience : 10;
+    r->cooldown = d->cooldown;
+    r->verbose = d->verbose;
+    r->best = mpt__cb_worst(&mon);
+    out->on_train_begin = mpt__cb_rlr_train_begin;
+    out->on_epoch_end = mpt__cb_rlr_epoch_end;
+    out->user_data = r;
+    return MPT_OK;
+}
+
+/* =============================================================================
+   ModelCheckpoint
+   ============================================================================= */
+
+/* A replacement field's format spec, the part of Python's mini-language a
+   file name needs: [0][width][.precision][type], type one of d f F e E g G
+   or none. */
+typedef struct mpt__cb_spec {
+    int zero, width, precision; /* precision -1: none given */
+    char type;                  /* 0: none                  */
+} mpt__cb_spec;
+
+static const char *mpt__cb_digits(const char *s, int *value) {
+    *value = 0;
+    while (*s >= '0' && *s <= '9' && *value < 100000) *value = *value * 10 + (*s++ - '0');
+    return s;
+}
+
+static int mpt__cb_parse_spec(const char *s, const char *end, mpt__cb_spec *spec) {
+    const char *after;
+    spec->zero = *s == '0';
+    spec->precision = -1;
+    spec->type = 0;
+    s = mpt__cb_digits(s, &spec->width);
+    if (s < end && *s == '.') {
+        after = mpt__cb_digits(s + 1, &spec->precision);
+        if (after == s + 1 || spec->precision > 50) return 0;
+        s = after;
+    }
+    if (s < end && strchr("dfFeEgG", *s)) spec->type = *s++;
+    return s == end && spec->width <= 200;
+}
+
+/* One field's text: value is the epoch (is_int) or a log value. Returns
+   snprintf's count, or -1 for a float given the integer type 'd'. */
+static int mpt__cb_put_field(char *dst, size_t room, const mpt__cb_spec *spec, double value,
+                             int is_int) {
+    char repr[40];
+    int w = spec->width, p = spec->precision < 0 ? 6 : spec->precision;
+    switch (spec->type) {
+    case 'd':
+        if (!is_int) return -1;
+        return snprintf(dst, room, spec->zero ? "%0*d" : "%*d", w, (int)value);
+    case 'f': case 'F': return snprintf(dst, room, spec->zero ? "%0*.*f" : "%*.*f", w, p, value);
+    case 'e': return snprintf(dst, room, spec->zero ? "%0*.*e" : "%*.*e", w, p, value);
+    case 'E': return snprintf(dst, room, spec->zero ? "%0*.*E" : "%*.*E", w, p, value);
+    case 'g': return snprintf(dst, room, spec->zero ? "%0*.*g" : "%*.*g", w, p, value);
+    case 'G': return snprintf(dst, room, spec->zero ? "%0*.*G" : "%*.*G", w, p, value);
+    default: break;
+    }
+    if (is_int) return snprintf(dst, room, spec->zero ? "%0*d" : "%*d", w, (int)value);
+    if (spec->precision >= 0)
+        return snprintf(dst, room, spec->zero ? "%0*.*g" : "%*.*g", w, p, value);
+    mpt__cb_repr(repr, sizeof repr, value, 0); /* Python's str(float) */
+    return snprintf(dst, room, "%*s", w, repr);
+}
+
+/* The value a field names: "epoch" (1-based) or a log's. */
+static int mpt__cb_field_value(const char *name, int epoch1, const mpt_logs *logs, double *value,
+                               int *is_int) {
+    *is_int = strcmp(name, "epoch") == 0;
+    if (*is_int) {
+        *value = epoch1;
+        return 1;
+    }
+    return mpt__cb_find(logs, name, value);
+}
+
+/* Parses the field that starts at the '{' at p: its name and spec, and
+   where the text after its '}' starts. */
+static mpt_status mpt__cb_parse_field(mpt_context *ctx, const char *pattern, const char *p,
+                                      char *name, mpt__cb_spec *spec, const char **next) {
+    const char *close = strchr(p, '}'), *colon;
+    ptrdiff_t len;
+    if (!close)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ModelCheckpoint: filepath \"%s\" has an unclosed '{' at offset %d "
+                         "(write \"{{\" for the character)", pattern, (int)(p - pattern));
+    colon = (const char *)memchr(p, ':', (size_t)(close - p));
+    if (!colon) colon = close;
+    len = colon - (p + 1);
+    if (len < 1 || len >= MPT__CB_NAME_MAX || memchr(p + 1, '{', (size_t)len) ||
+        !mpt__cb_parse_spec(colon + (colon < close), close, spec))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ModelCheckpoint: filepath \"%s\": field \"%.*s\" is not {name} or "
+                         "{name:spec} with spec [0][width][.precision][dfeg]", pattern,
+                         (int)(close - p + 1), p);
+    memcpy(name, p + 1, (size_t)len);
+    name[len] = 0;
+    *next = close + 1;
+    return MPT_OK;
+}
+
+/* Appends one field's text at out + *n (counting what does not fit). */
+static mpt_status mpt__cb_put_named(mpt_context *ctx, const char *pattern, const char *name,
+                                    const mpt__cb_spec *spec, int epoch1, const mpt_logs *logs,
+                                    char *out, size_t size, size_t *n) {
+    char names[512];
+    double value;
+    int is_int, len;
+    size_t at = MPT__MIN(*n, size - 1);
+    if (!mpt__cb_field_value(name, epoch1, logs, &value, &is_int)) {
+        mpt__cb_names(logs, names, sizeof names);
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ModelCheckpoint: filepath \"%s\" names {%s}, which is neither epoch "
+                         "nor in the logs (%s)", pattern, name, names);
+    }
+    len = mpt__cb_put_field(out + at, size - at, spec, value, is_int);
+    if (len < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ModelCheckpoint: filepath \"%s\": {%s} is a float; 'd' is for the "
+                         "epoch", pattern, name);
+    *n += (size_t)len;
+    return MPT_OK;
+}
+
+/* Writes pattern with each "{name}" or "{name:spec}" replaced, as Python's
+   pattern.format(epoch=epoch1, **logs) does ("{{" and "}}" are braces).
+   With out NULL it only checks the syntax, whatever the names. */
+static mpt_status mpt__cb_format_path(mpt_context *ctx, const char *pattern, int epoch1,
+                                      const mpt_logs *logs, char *out, size_t size) {
+    const char *p = pattern;
+    size_t n = 0;
+    while (*p) {
+        if (*p == '{' && p[1] != '{') {
+            char name[MPT__CB_NAME_MAX];
+            mpt__cb_spec spec = {0, 0, -1, 0};
+            MPT__CHECK(mpt__cb_parse_field(ctx, pattern, p, name, &spec, &p));
+            if (out)
+                MPT__CHECK(mpt__cb_put_named(ctx, pattern, name, &spec, epoch1, logs, out, size,
+                                             &n));
+            continue;
+        }
+        if (*p == '}' && p[1] != '}')
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "ModelCheckpoint: filepath \"%s\" has a single '}' at offset %d "
+                             "(write \"}}\" for the character)", pattern, (int)(p - pattern));
+        /* a character, or a doubled brace that stands for one */
+        if (out && n + 1 < size) out[n] = *p;
+        n++;
+        p += (*p == '{' || *p == '}') ? 2 : 1;
+    }
+    if (out && n >= size)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "ModelCheckpoint: filepath \"%s\" becomes %zu characters, more than %zu",
+                         pattern, n, size - 1);
+    if (out) out[n] = 0;
+    return MPT_OK;
+}
+
+typedef struct mpt__cb_model_checkpoint {
+    mpt__cb_head head;
+    mpt__cb_monitor mon;      /* min_delta 0, as Keras                     */
+    char *filepath;           /* owned copy of the pattern                 */
+    int save_best_only, save_weights_only, verbose;
+    double best;              /* from creation on: Keras never resets it   */
+    char path[MPT__CB_PATH_MAX]; /* this epoch's formatted filepath        */
+} mpt__cb_model_checkpoint;
+
+static void mpt__cb_ckpt_release(mpt__cb_head *h) {
+    mpt__cb_model_checkpoint *c = (mpt__cb_model_checkpoint *)h;
+    mpt__free(h->ctx, c->filepath);
+    c->filepath = NULL;
+}
+
+/* Keras' _should_save_model: with save_best_only, only an improvement (or
+   a missing monitor, after a warning) is saved. */
+static int mpt__cb_ckpt_should_save(mpt__cb_model_checkpoint *c, mpt_model *m, int epoch,
+                                    const mpt_logs *logs) {
+    double current;
+    if (!c->save_best_only) {
+        if (c->verbose > 0) mpt__print(m, "Epoch %d: saving model to %s\n", epoch + 1, c->path);
+        return 1;
+    }
+    if (!mpt__cb_find(logs, c->mon.name, &current)) {
+        mpt__log(m->ctx, MPT_LOG_WARNING, "Can save best model only with %s available.",
+                 c->mon.name);
+        return 1;
+    }
+    if (mpt__cb_improves(&c->mon, current, c->best)) {
+        if (c->verbose > 0)
+            mpt__print(m, "Epoch %d: %s improved from %.5f to %.5f, saving model to %s\n",
+                       epoch + 1, c->mon.name, c->best, current, c->path);
+        c->best = current;
+        return 1;
+    }
+    if (c->verbose > 0)
+        mpt__print(m, "Epoch %d: %s did not improve from %.5f\n", epoch + 1, c->mon.name, c->best);
+    return 0;
+}
+
+static mpt_status mpt__cb_ckpt_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
+                                         int *stop) {
+    mpt__cb_model_checkpoint *c = (mpt__cb_model_checkpoint *)user;
+    (void)stop;
+    MPT__CHECK(mpt__cb_format_path(m->ctx, c->filepath, epoch + 1, logs, c->path, sizeof c->path));
+    if (!mpt__cb_ckpt_should_save(c, m, epoch, logs)) return MPT_OK;
+    return c->save_weights_only ? mpt_model_save_weights(m, c->path)
+                                : mpt_model_save_checkpoint(m, c->path);
+}
+
+MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
+                                                const mpt_model_checkpoint_desc *d,
+                                                mpt_callback *out) {
+    mpt__cb_model_checkpoint *c;
+    mpt__cb_monitor mon;
+    mpt_status s;
+    MPT__CHECK(mpt__cb_check_out(ctx, "ModelCheckpoint", out));
+    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: NULL descriptor");
+    if (!d->filepath || !d->filepath[0])
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is %s; it is "
+                         "required (e.g. \"ckpt-{epoch}.safetensors\")",
+                         d->filepath ? "empty" : "NULL");
+    MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
+    MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
+    c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
+                                                mpt__cb_ckpt_release, &s);
+    if (!c) return s;
+    c->filepath = mpt__cb_strdup(ctx, d->filepath);
+    if (!c->filepath) {
+        mpt__free(ctx, c);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "ModelCheckpoint: out of memory");
+    }
+    c->mon = mon;
+    c->save_best_only = d->save_best_only != 0;
+    c->save_weights_only = d->save_weights_only != 0;
+    c->verbose = d->verbose;
+    c->best = mpt__cb_worst(&mon);
+    out->on_epoch_end = mpt__cb_ckpt_epoch_end;
+    out->user_data = c;
+    return MPT_OK;
+}
+
+/* =============================================================================
+   CSVLogger
+   ============================================================================= */
+
+typedef struct mpt__cb_csv_logger {
+    mpt__cb_head head;
+    char *filename;           /* owned copy                                */
+    char separator;
+    int append;
+    /* Set by on_train_begin and the first on_epoch_end: */
+    FILE *file;               /* open from on_train_begin to on_train_end  */
+    int write_header;         /* not when appending to a non-empty file    */
+    int n_keys;               /* -1 until the first epoch's logs           */
+    char keys[MPT_MAX_LOGS][MPT__CB_NAME_MAX]; /* the columns after "epoch", sorted */
+} mpt__cb_csv_logger;
+
+static void mpt__cb_csv_release(mpt__cb_head *h) {
+    mpt__cb_csv_logger *c = (mpt__cb_csv_logger *)h;
+    if (c->file) fclose(c->file); /* a fit that failed never called on_train_end */
+    c->file = NULL;
+    mpt__free(h->ctx, c->filename);
+    c->filename = NULL;
+}
+
+static mpt_status mpt__cb_csv_io_error(mpt_context *ctx, const mpt__cb_csv_logger *c,
+                                       const char *what) {
+    return mpt__fail(ctx, MPT_ERR_IO, "CSVLogger: cannot %s \"%s\": %s", what, c->filename,
+                     strerror(errno));
+}
+
+/* Whether the file exists and holds at least one byte. */
+static int mpt__cb_csv_has_content(const char *filename) {
+    FILE *f = fopen(filename, "rb");
+    int c;
+    if (!f) return 0;
+    c = fgetc(f);
+    fclose(f);
+    return c != EOF;
+}
+
+static mpt_status mpt__cb_csv_train_begin(void *user, mpt_model *m) {
+    mpt__cb_csv_logger *c = (mpt__cb_csv_logger *)user;
+    if (c->file) fclose(c->file); /* the last fit ended without on_train_end */
+    c->write_header = !(c->append && mpt__cb_csv_has_content(c->filename));
+    c->n_keys = -1;
+    c->file = fopen(c->filename, c->append ? "a" : "w");
+    if (!c->file)
+        return mpt__cb_csv_io_error(m->ctx, c, c->append ? "open for appending" : "create");
+    return MPT_OK;
+}
+
+/* A field as Python's csv module (excel dialect, minimal quoting) writes
+   it: quoted, with quotes doubled, when it holds the separator, a quote or
+   a line break. */
+static void mpt__cb_csv_field(FILE *f, const char *text, char separator) {
+    if (!strchr(text, separator) && !strpbrk(text, "\"\r\n")) {
+        fputs(text, f);
+        return;
+    }
+    fputc('"', f);
+    for (; *text; text++) {
+        if (*text == '"') fputc('"', f);
+        fputc(*text, f);
+    }
+    fputc('"', f);
+}
+
+/* Fixes the columns from the first epoch's logs: their names, sorted as
+   Python's sorted() sorts strings (by code point, which strcmp gives for
+   UTF-8). */
+static mpt_status mpt__cb_csv_set_keys(mpt__cb_csv_logger *c, mpt_model *m, const mpt_logs *logs) {
+    int i, j, n = logs ? MPT__MIN(logs->count, MPT_MAX_LOGS) : 0;
+    char tmp[MPT__CB_NAME_MAX];
+    for (i = 0; i < n; i++) {
+        const char *name = logs->names[i] ? logs->names[i] : "";
+        if (strlen(name) >= MPT__CB_NAME_MAX)
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "CSVLogger \"%s\": log name \"%s\" is longer than %d characters",
+                             c->filename, name, MPT__CB_NAME_MAX - 1);
+        strcpy(c->keys[i], name);
+        for (j = i; j > 0 && strcmp(c->keys[j - 1], c->keys[j]) > 0; j--) {
+            strcpy(tmp, c->keys[j]);
+            strcpy(c->keys[j], c->keys[j - 1]);
+            strcpy(c->keys[j - 1], tmp);
+        }
+    }
+    c->n_keys = n;
+    return MPT_OK;
+}
+
+static void mpt__cb_csv_write_header(const mpt__cb_csv_logger *c) {
+    int k;
+    fputs("epoch", c->file);
+    for (k = 0; k < c->n_keys; k++) {
+        fputc(c->separator, c->file);
+        mpt__cb_csv_field(c->file, c->keys[k], c->separator);
+    }
+    fputc('\n', c->file);
+}
+
+/* One row: the 0-based epoch, then each column's value as Python's repr
+   writes it, or "NA" when this epoch's logs lack it (as Keras). */
+static void mpt__cb_csv_write_row(const mpt__cb_csv_logger *c, int epoch, const mpt_logs *logs) {
+    char text[40];
+    int k;
+    fprintf(c->file, "%d", epoch);
+    for (k = 0; k < c->n_keys; k++) {
+        double v;
+        fputc(c->separator, c->file);
+        if (mpt__cb_find(logs, c->keys[k], &v)) {
+            mpt__cb_repr(text, sizeof text, v, 0);
+            fputs(text, c->file);
+        } else {
+            fputs("NA", c->file);
+        }
+    }
+    fputc('\n', c->file);
+}
+
+static mpt_status mpt__cb_csv_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
+                                        int *stop) {
+    mpt__cb_csv_logger *c = (mpt__cb_csv_logger *)user;
+    (void)stop;
+    if (!c->file)
+        return mpt__fail(m->ctx, MPT_ERR_STATE,
+                         "CSVLogger \"%s\": on_epoch_end before on_train_begin", c->filename);
+    if (c->n_keys < 0) {
+        MPT__CHECK(mpt__cb_csv_set_keys(c, m, logs));
+        if (c->write_header) mpt__cb_csv_write_header(c);
+    }
+    mpt__cb_csv_write_row(c, epoch, logs);
+    /* Flushed every epoch, so the file shows a run that is still going or
+       that crashed. */
+    if (fflush(c->file) != 0 || ferror(c->file)) return mpt__cb_csv_io_error(m->ctx, c, "write to");
+    return MPT_OK;
+}
+
+static mpt_status mpt__cb_csv_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+    mpt__cb_csv_logger *c = (mpt__cb_csv_logger *)user;
+    int failed;
+    (void)logs;
+    if (!c->file) return MPT_OK;
+    failed = fclose(c->file) != 0;
+    c->file = NULL;
+    return failed ? mpt__cb_csv_io_error(m->ctx, c, "close") : MPT_OK;
+}
+
+MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger_desc *d,
+                                          mpt_callback *out) {
+    mpt__cb_csv_logger *c;
+    mpt_status s;
+    char sep;
+    MPT__CHECK(mpt__cb_check_out(ctx, "CSVLogger", out));
+    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: NULL descriptor");
+    if (!d->filename || !d->filename[0])
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: filename is %s; it is required",
+                         d->filename ? "empty" : "NULL");
+    sep = d->separator ? d->separator : ',';
+    if (sep == '"' || sep == '\n' || sep == '\r')
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "CSVLogger \"%s\": separator 0x%02x cannot be a quote or a line break",
+                         d->filename, (unsigned)(unsigned char)sep);
+    c = (mpt__cb_csv_logger *)mpt__cb_new(ctx, sizeof *c, "CSVLogger", mpt__cb_csv_release, &s);
+    if (!c) return s;
+    c->filename = mpt__cb_strdup(ctx, d->filename);
+    if (!c->filename) {
+        mpt__free(ctx, c);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "CSVLogger: out of memory");
+    }
+    c->separator = sep;
+    c->append = d->append != 0;
+    c->n_keys = -1;
+    out->on_train_begin = mpt__cb_csv_train_begin;
+    out->on_epoch_end = mpt__cb_csv_epoch_end;
+    out->on_train_end = mpt__cb_csv_train_end;
+    out->user_data = c;
+    return MPT_OK;
+}
+
+/* =============================================================================
+   Destroying any of them
+   ============================================================================= */
+
+/* Frees a callback made by the functions above and zeroes *cb. A zeroed
+   callback, or one already destroyed through this pointer, is left alone;
+   so is a caller's own callback whose user_data does not start with the
+   head (its first 4 bytes would have to be the magic number). */
+MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
+    mpt__cb_head *h;
+    if (!cb) return;
+    h = (mpt__cb_head *)cb->user_data;
+    if (h && h->magic == MPT__CB_MAGIC) {
+        h->magic = 0; /* a stale copy of *cb then finds no live state */
+        if (h->release) h->release(h);
+        mpt__free(h->ctx, h);
+    }
+    memset(cb, 0, sizeof *cb);
+}
+/* =============================================================================
+   @impl-checkpoints  safetensors files: the weights and the full training state
+   =============================================================================
+
+   The format (safetensors, as the Hugging Face library writes and reads it):
+       u64 N, little-endian | N bytes of JSON, space-padded to a multiple of 8 | data
+   The JSON maps each tensor's name to {"dtype", "shape", "data_offsets":
+   [begin, end]}, byte offsets into the data, which the tensors tile from 0
+   without gaps; "__metadata__" is a map of strings. Tensors are
+   little-endian and row-major.
+
+   What mpt.h stores, in this order in the data:
+       train/optimizer_steps, train/step, train/epoch,       I64, rank 0  } full
+       train/good_steps, train/skipped_steps                              } checkpoints
+       train/learning_rate, train/loss_scale                 F32, rank 0  } only
+       <layer>/<param>                  F32   every parameter, trainable or not
+       optimizer/<layer>/<param>/<slot> F32   full checkpoints: "momentum" (SGD),
+                                              "m" and "v" (Adam, AdamW)
+   The 8-byte scalars come first so that every tensor starts at a multiple of
+   its element size (the data starts at 8 + N, a multiple of 8), as a reader
+   that maps the file in place wants.
+
+   Saving writes "<path>.tmp-<pid>" beside the target, fsyncs it, renames it
+   over the target (atomic on POSIX) and fsyncs the directory, so a crash
+   leaves the old file or the new one, never a mix of both. Any failure
+   removes the temporary file and leaves the target as it was.
+
+   Loading reads the whole header with a strict JSON reader (a malformed byte
+   is reported with its offset in the file), checks the layout of the data,
+   then every name, dtype and shape against the model, and the training
+   scalars' values, before it writes anything into the model; only then are
+   the tensors read into place. A read that fails after all that (the file
+   shrank while being read, a disk error) can leave the tensors partly
+   loaded; the error says so. */
+
+
+#define MPT__ST_MAX_HEADER 100000000     /* bytes: the safetensors library's limit */
+#define MPT__ST_MAX_RANK 8               /* dimensions a tensor in a file may have  */
+#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
+#define MPT__CKPT_NAME 192               /* "optimizer/" + parameter name + "/momentum" */
+
+/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
+   an expression: while it is >= 0, saving fails with ENOSPC once that many
+   bytes of the temporary file are written, as a full disk would. */
+
+/* ---- dtypes a safetensors file may name ----------------------------------- */
+
+typedef enum mpt__st_dtype {
+    MPT__ST_BOOL, MPT__ST_U8, MPT__ST_I8, MPT__ST_F8_E5M2, MPT__ST_F8_E4M3,
+    MPT__ST_I16, MPT__ST_U16, MPT__ST_F16, MPT__ST_BF16,
+    MPT__ST_I32, MPT__ST_U32, MPT__ST_F32,
+    MPT__ST_F64, MPT__ST_I64, MPT__ST_U64,
+    MPT__ST_DTYPE_COUNT_
+} mpt__st_dtype;
+
+static const struct {
+    const char *name;
+    int size; /* bytes per element */
+} mpt__st_dtypes[MPT__ST_DTYPE_COUNT_] = {
+    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1},
+    {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},
+    {"I32", 4},  {"U32", 4}, {"F32", 4},
+    {"F64", 8},  {"I64", 8}, {"U64", 8}};
+
+/* The dtype named `name`, or -1. */
+static int mpt__st_dtype_find(const char *name) {
+    int i;
+    for (i = 0; i < MPT__ST_DTYPE_COUNT_; i++)
+        if (strcmp(mpt__st_dtypes[i].name, name) == 0) return i;
+    return -1;
+}
+
+/* ---- small shared pieces ----------------------------------------------------- */
+
+static int mpt__ckpt_little_endian(void) {
+    const uint16_t one = 1;
+    unsigned char first;
+    memcpy(&first, &one, 1);
+    return first == 1;
+}
+
+/* Reverses the bytes of each `elem`-byte element: host order <-> little-endian
+   on a big-endian host. */
+static void mpt__ckpt_swap(void *data, int64_t bytes, int elem) {
+    unsigned char *p = (unsigned char *)data, t;
+    int64_t i;
+    int k;
+    for (i = 0; i + elem <= bytes; i += elem)
+        for (k = 0; k < elem / 2; k++) {
+            t = p[i + k];
+            p[i + k] = p[i + elem - 1 - k];
+            p[i + elem - 1 - k] = t;
+        }
+}
+
+/* Length (1..4) of the well-formed UTF-8 sequence at p, or 0 when it is not
+   one (a stray continuation byte, an overlong form, a surrogate, a code
+   point past U+10FFFF, or a sequence cut by the end at p + avail). */
+static int mpt__st_utf8_len(const unsigned char *p, int64_t avail) {
+    unsigned char lo = 0x80, hi = 0xbf;
+    int len, i;
+    if (p[0] < 0x80) return 1;
+    if (p[0] >= 0xc2 && p[0] <= 0xdf) {
+        len = 2;
+    } else if (p[0] >= 0xe0 && p[0] <= 0xef) {
+        len = 3;
+        if (p[0] == 0xe0) lo = 0xa0; /* overlong below U+0800 */
+        if (p[0] == 0xed) hi = 0x9f; /* surrogates U+D800..DFFF */
+    } else if (p[0] >= 0xf0 && p[0] <= 0xf4) {
+        len = 4;
+        if (p[0] == 0xf0) lo = 0x90; /* overlong below U+10000 */
+        if (p[0] == 0xf4) hi = 0x8f; /* past U+10FFFF */
+    } else {
+        return 0;
+    }
+    if (avail < len) return 0;
+    for (i = 1; i < len; i++, lo = 0x80, hi = 0xbf)
+        if (p[i] < lo || p[i] > hi) return 0;
+    return len;
+}
+
+/* Room for one more item in a growing array of `size`-byte items: returns
+   the array to use from now on (items itself while there is room), or NULL
+   when memory runs out (items is then still valid and still the caller's). */
+static void *mpt__ckpt_grow(const mpt_context *ctx, void *items, int n, int *cap, size_t size) {
+    void *grown;
+    int want;
+    if (n < *cap) return items;
+    if (*cap > INT_MAX / 2) return NULL;
+    want = *cap ? 2 * *cap : 16;
+    grown = mpt__alloc(ctx, size * (size_t)want);
+    if (!grown) return NULL;
+    if (items) memcpy(grown, items, size * (size_t)n);
+    mpt__free(ctx, items);
+    *cap = want;
+    return grown;
+}
+
+static const char *mpt__ckpt_optimizer_name(mpt_optimizer_type type) {
+    switch (type) {
+    case MPT_OPTIMIZER_ADAM: return "adam";
+    case MPT_OPTIMIZER_SGD: return "sgd";
+    case MPT_OPTIMIZER_ADAMW: return "adamw";
+    default: return "?";
+    }
+}
+
+/* The name of optimizer slot k, as it appears in "optimizer/<param>/<slot>". */
+static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k) {
+    static const char *const adam[2] = {"m", "v"};
+    static const char *const other[2] = {"slot0", "slot1"};
+    if (k < 0 || k > 1) return "slot";
+    if (type == MPT_OPTIMIZER_SGD && k == 0) return "momentum";
+    if (type == MPT_OPTIMIZER_ADAM || type == MPT_OPTIMIZER_ADAMW) return adam[k];
+    return other[k];
+}
+
+static const char *mpt__ckpt_policy_name(mpt_policy policy) {
+    switch (policy) {
+    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
+    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
+    default: return "float32";
+    }
+}
+
+/* ---- what the model stores: one entry per tensor ------------------------------ */
+
+/* The training scalars, staged: saving copies them out of the model first,
+   loading reads and checks them here before any reaches the model. */
+typedef struct mpt__ckpt_train {
+    int64_t optimizer_steps, step, epoch, good_steps, skipped_steps;
+    float learning_rate, loss_scale;
+} mpt__ckpt_train;
+
+typedef struct mpt__ckpt_entry {
+    char name[MPT__CKPT_NAME];
+    mpt__st_dtype dtype;            /* F32 or I64                                */
+    int rank;
+    int64_t shape[MPT_MAX_RANK];
+    void *data;                     /* (bytes): in the model, or in plan->train  */
+    int64_t bytes;
+    int64_t begin;                  /* offset in the file's data                 */
+    int staged;                     /* data points into plan->train              */
+} mpt__ckpt_entry;
+
+/* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
+   in file order. The entries point into `train`: never copy a plan. */
+typedef struct mpt__ckpt_plan {
+    mpt__ckpt_entry *e; /* [n] */
+    int n;
+    int64_t data_bytes; /* the file's data: the entries' bytes, back to back */
+    mpt__ckpt_train train;
+} mpt__ckpt_plan;
+
+static mpt_status mpt__ckpt_add(mpt_model *m, mpt__ckpt_plan *pl, const char *prefix,
+                                const char *name, const char *suffix, mpt__st_dtype dtype,
+                                int rank, const int64_t *shape, void *data, int64_t count) {
+    mpt__ckpt_entry *e = &pl->e[pl->n];
+    int len = snprintf(e->name, sizeof e->name, "%s%s%s", prefix, name, suffix);
+    if (len < 0 || (size_t)len >= sizeof e->name)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "checkpoint: tensor name \"%s%s%s\" is longer than %d bytes", prefix,
+                         name, suffix, (int)sizeof e->name - 1);
+    e->dtype = dtype;
+    e->rank = rank;
+    if (rank > 0) memcpy(e->shape, shape, sizeof(int64_t) * (size_t)rank);
+    e->data = data;
+    e->bytes = count * mpt__st_dtypes[dtype].size;
+    e->begin = pl->data_bytes;
+    pl->data_bytes += e->bytes;
+    pl->n++;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl) {
+    mpt__ckpt_train *t = &pl->train;
+    int first = pl->n, i;
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "optimizer_steps", "", MPT__ST_I64, 0, NULL,
+                             &t->optimizer_steps, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "step", "", MPT__ST_I64, 0, NULL, &t->step, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "epoch", "", MPT__ST_I64, 0, NULL, &t->epoch, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "good_steps", "", MPT__ST_I64, 0, NULL,
+                             &t->good_steps, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "skipped_steps", "", MPT__ST_I64, 0, NULL,
+                             &t->skipped_steps, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
+                             &t->learning_rate, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
+                             &t->loss_scale, 1));
+    for (i = first; i < pl->n; i++) pl->e[i].staged = 1;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_add_slots(mpt_model *m, mpt__ckpt_plan *pl) {
+    mpt_optimizer_type type = m->compile.optimizer.type;
+    char suffix[32];
+    int i, k;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        for (k = 0; P->trainable && k < m->n_slots; k++) {
+            if (!P->slot[k])
+                return mpt__fail(m->ctx, MPT_ERR_STATE,
+                                 "checkpoint: %s has no optimizer state (slot %d of %d)",
+                                 P->name, k, m->n_slots);
+            snprintf(suffix, sizeof suffix, "/%s", mpt__ckpt_slot_name(type, k));
+            MPT__CHECK(mpt__ckpt_add(m, pl, "optimizer/", P->name, suffix, MPT__ST_F32, P->rank,
+                                     P->shape, P->slot[k], P->count));
+        }
+    }
+    return MPT_OK;
+}
+
+/* Lists the tensors of the model's file; pl must be zeroed, and is freed by
+   mpt__ckpt_plan_free whatever this returns. */
+static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, mpt__ckpt_plan *pl) {
+    int i, n = m->n_params;
+    if (full) {
+        if (m->n_slots < 0 || m->n_slots > 2)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %d optimizer slots per "
+                             "parameter (at most 2 are supported)", m->n_slots);
+        for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->n_slots : 0;
+        n += 7; /* the train/ scalars */
+    }
+    pl->e = (mpt__ckpt_entry *)mpt__calloc(m->ctx, sizeof *pl->e * (size_t)n);
+    if (!pl->e) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl));
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        MPT__CHECK(mpt__ckpt_add(m, pl, "", P->name, "", MPT__ST_F32, P->rank, P->shape,
+                                 P->value, P->count));
+    }
+    return full ? mpt__ckpt_add_slots(m, pl) : MPT_OK;
+}
+
+static void mpt__ckpt_plan_free(mpt_model *m, mpt__ckpt_plan *pl) {
+    mpt__free(m->ctx, pl->e);
+    pl->e = NULL;
+}
+
+/* ---- writing the header ------------------------------------------------------- */
+
+/* A growing string (for the JSON header). Out of memory is remembered and
+   reported once, at the end. */
+typedef struct mpt__ckpt_text {
+    const mpt_context *ctx;
+    char *s;       /* (cap) NUL-terminated */
+    size_t len, cap;
+    int oom;
+} mpt__ckpt_text;
+
+static void mpt__ckpt_put(mpt__ckpt_text *t, const char *s, size_t n) {
+    if (t->oom) return;
+    if (t->len + n + 1 > t->cap) {
+        size_t cap = t->cap ? t->cap : 1024;
+        char *grown;
+        while (cap < t->len + n + 1) cap *= 2;
+        grown = (char *)mpt__alloc(t->ctx, cap);
+        if (!grown) {
+            t->oom = 1;
+            return;
+        }
+        if (t->s) memcpy(grown, t->s, t->len);
+        mpt__free(t->ctx, t->s);
+        t->s = grown;
+        t->cap = cap;
+    }
+    memcpy(t->s + t->len, s, n);
+    t->len += n;
+    t->s[t->len] = 0;
+}
+
+static void mpt__ckpt_puts(mpt__ckpt_text *t, const char *s) { mpt__ckpt_put(t, s, strlen(s)); }
+
+/* s as a JSON string: quotes, backslashes and control characters escaped;
+   other bytes as they are (the caller has checked they are UTF-8). */
+static void mpt__ckpt_put_json(mpt__ckpt_text *t, const char *s) {
+    const unsigned char *p = (const unsigned char *)s;
+    char esc[8];
+    mpt__ckpt_puts(t, "\"");
+    for (; *p; p++) {
+        if (*p == '"' || *p == '\\') {
+            esc[0] = '\\';
+            esc[1] = (char)*p;
+            mpt__ckpt_put(t, esc, 2);
+        } else if (*p == '\n') {
+            mpt__ckpt_puts(t, "\\n");
+        } else if (*p < 0x20) {
+            snprintf(esc, sizeof esc, "\\u%04x", (unsigned)*p);
+            mpt__ckpt_puts(t, esc);
+        } else {
+            mpt__ckpt_put(t, (const char *)p, 1);
+        }
+    }
+    mpt__ckpt_puts(t, "\"");
+}
+
+static void mpt__ckpt_put_pair(mpt__ckpt_text *t, const char *key, const char *value, int first) {
+    if (!first) mpt__ckpt_puts(t, ",");
+    mpt__ckpt_put_json(t, key);
+    mpt__ckpt_puts(t, ":");
+    mpt__ckpt_put_json(t, value);
+}
+
+/* The model in a few lines, one per layer: class, name, compute dtype and
+   one sample's output shape ("Dense dense_1 float16 (10,)"). */
+static void mpt__ckpt_put_model(mpt__ckpt_text *t, const mpt_model *m) {
+    mpt__ckpt_text lines;
+    char line[256], shape[96];
+    int i;
+    memset(&lines, 0, sizeof lines);
+    lines.ctx = t->ctx;
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        snprintf(line, sizeof line, "%s%s %s %s %s", i ? "\n" : "", L->ops->class_name, L->name,
+                 mpt_dtype_name(L->dtype), mpt_shape_format(shape, sizeof shape, L->out_rank,
+                                                            L->out_shape));
+        mpt__ckpt_puts(&lines, line);
+    }
+    mpt__ckpt_put_pair(t, "model", lines.s ? lines.s : "", 0);
+    t->oom |= lines.oom;
+    mpt__free(t->ctx, lines.s);
+}
+
+static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int full) {
+    char seed[32], shape[96];
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->desc.seed);
+    mpt_shape_format(shape, sizeof shape, m->desc.input_rank, m->desc.input_shape);
+    mpt__ckpt_puts(t, "\"__metadata__\":{");
+    mpt__ckpt_put_pair(t, "format", "mpt", 1);
+    mpt__ckpt_put_pair(t, "mpt_version", MPT_VERSION, 0);
+    mpt__ckpt_put_pair(t, "kind", full ? "checkpoint" : "weights", 0);
+    if (full)
+        mpt__ckpt_put_pair(t, "optimizer", mpt__ckpt_optimizer_name(m->compile.optimizer.type), 0);
+    mpt__ckpt_put_pair(t, "policy", mpt__ckpt_policy_name(m->desc.policy), 0);
+    mpt__ckpt_put_pair(t, "seed", seed, 0);
+    mpt__ckpt_put_pair(t, "input_shape", shape, 0);
+    mpt__ckpt_put_model(t, m);
+    mpt__ckpt_puts(t, "}");
+}
+
+static void mpt__ckpt_put_entry(mpt__ckpt_text *t, const mpt__ckpt_entry *e) {
+    char num[64];
+    int d;
+    mpt__ckpt_puts(t, ",");
+    mpt__ckpt_put_json(t, e->name);
+    mpt__ckpt_puts(t, ":{\"dtype\":\"");
+    mpt__ckpt_puts(t, mpt__st_dtypes[e->dtype].name);
+    mpt__ckpt_puts(t, "\",\"shape\":[");
+    for (d = 0; d < e->rank; d++) {
+        snprintf(num, sizeof num, "%s%lld", d ? "," : "", (long long)e->shape[d]);
+        mpt__ckpt_puts(t, num);
+    }
+    snprintf(num, sizeof num, "],\"data_offsets\":[%lld,%lld]}", (long long)e->begin,
+             (long long)(e->begin + e->bytes));
+    mpt__ckpt_puts(t, num);
+}
+
+/* Layer names come from the caller; a reader rejects a header that is not
+   UTF-8, so a name that is not is refused before anything is written. */
+static mpt_status mpt__ckpt_check_names(mpt_model *m) {
+    int i;
+    for (i = 0; i < m->n_layers; i++) {
+        const unsigned char *p = (const unsigned char *)m->layers[i].name;
+        int64_t left = (int64_t)strlen(m->layers[i].name);
+        while (left > 0) {
+            int len = mpt__st_utf8_len(p, left);
+            if (!len)
+                return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                 "checkpoint: layer %d's name is not valid UTF-8 (byte 0x%02x)",
+                                 i, (unsigned)*p);
+            p += len;
+            left -= len;
+        }
+    }
+    return MPT_OK;
+}
+
+/* The JSON header, space-padded to a multiple of 8 bytes. */
+static mpt_status mpt__ckpt_header(mpt_model *m, const mpt__ckpt_plan *pl, int full,
+                                   mpt__ckpt_text *t) {
+    int i;
+    MPT__CHECK(mpt__ckpt_check_names(m));
+    mpt__ckpt_puts(t, "{");
+    mpt__ckpt_put_metadata(t, m, full);
+    for (i = 0; i < pl->n; i++) mpt__ckpt_put_entry(t, &pl->e[i]);
+    mpt__ckpt_puts(t, "}");
+    while (!t->oom && t->len % 8) mpt__ckpt_puts(t, " ");
+    if (t->oom) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    return MPT_OK;
+}
+
+/* ---- writing the file -------------------------------------------------------- */
+
+typedef struct mpt__ckpt_writer {
+    mpt_context *ctx;
+    const char *path;      /* the target                              */
+    char *tmp;             /* "<path>.tmp-<pid>"                      */
+    int created;           /* tmp exists and is ours to remove        */
+    int fd;                /* the temporary file; -1 when closed      */
+    int64_t written;       /* bytes written to it                     */
+    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
+} mpt__ckpt_writer;
+
+static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
+    int err = errno;
+    return mpt__fail(w->ctx, MPT_ERR_IO, "checkpoint: cannot %s '%s' (for '%s'): %s", what,
+                     w->tmp, w->path, strerror(err));
+}
+
+/* Creates the temporary file next to the target; O_EXCL so that nothing
+   already there (another writer's file, a link) is ever written through. */
+static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *path) {
+    size_t size = strlen(path) + 48;
+    int k;
+    memset(w, 0, sizeof *w);
+    w->ctx = ctx;
+    w->path = path;
+    w->fd = -1;
+    w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
+    w->tmp = (char *)mpt__alloc(ctx, size);
+    if (!w->chunk || !w->tmp)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    for (k = 0; k < 100; k++) {
+        if (k == 0)
+            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
+        else
+            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
+        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (w->fd >= 0 || errno != EEXIST) break;
+    }
+    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
+    w->created = 1;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
+    const unsigned char *p = (const unsigned char *)src;
+    while (n > 0) {
+        size_t part = MPT__MIN(n, (size_t)1 << 30);
+        ssize_t got;
+#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
+        {
+            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
+            if (limit >= 0 && w->written + (int64_t)part > limit) {
+                if (limit <= w->written) {
+                    errno = ENOSPC;
+                    return mpt__ckpt_write_fail(w, "write");
+                }
+                part = (size_t)(limit - w->written);
+            }
+        }
+#endif
+        got = write(w->fd, p, part);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return mpt__ckpt_write_fail(w, "write");
+        }
+        p += got;
+        n -= (size_t)got;
+        w->written += got;
+    }
+    return MPT_OK;
+}
+
+/* Writes `bytes` of `elem`-byte elements in little-endian order, a chunk at
+   a time. */
+static mpt_status mpt__ckpt_write_le(mpt__ckpt_writer *w, const void *src, int64_t bytes,
+                                     int elem) {
+    const unsigned char *p = (const unsigned char *)src;
+    int swap = !mpt__ckpt_little_endian();
+    while (bytes > 0) {
+        size_t part = (size_t)MPT__MIN(bytes, (int64_t)MPT__CKPT_CHUNK);
+        memcpy(w->chunk, p, part);
+        if (swap) mpt__ckpt_swap(w->chunk, (int64_t)part, elem);
+        MPT__CHECK(mpt__ckpt_write_raw(w, w->chunk, part));
+        p += part;
+        bytes -= (int64_t)part;
+    }
+    return MPT_OK;
+}
+
+/* Makes the rename durable. The new file is already in place, so a failure
+   here is a warning, not an error. */
+static void mpt__ckpt_sync_dir(mpt_context *ctx, const char *path) {
+    const char *slash = strrchr(path, '/');
+    size_t len = slash ? (size_t)(slash - path) : 0;
+    char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) the directory's path */
+    int fd;
+    if (!dir) return;
+    if (!slash)
+        strcpy(dir, ".");
+    else if (len == 0)
+        strcpy(dir, "/");
+    else {
+        memcpy(dir, path, len);
+        dir[len] = 0;
+    }
+    fd = open(dir, O_RDONLY);
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
+        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory "
+                 "'%s': %s", path, dir, strerror(errno));
+    if (fd >= 0) close(fd);
+    mpt__free(ctx, dir);
+}
+
+/* fsync, close, and rename the temporary file over the target. */
+static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
+    int failed;
+    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
+    failed = close(w->fd) != 0;
+    w->fd = -1;
+    if (failed) return mpt__ckpt_write_fail(w, "close");
+    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
+    w->created = 0; /* renamed: nothing left to remove */
+    mpt__ckpt_sync_dir(w->ctx, w->path);
+    return MPT_OK;
+}
+
+/* Closes and removes the temporary file unless it was committed. */
+static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
+    if (w->fd >= 0) close(w->fd);
+    if (w->created) remove(w->tmp);
+    mpt__free(w->ctx, w->tmp);
+    mpt__free(w->ctx, w->chunk);
+    w->fd = -1;
+    w->created = 0;
+    w->tmp = NULL;
+    w->chunk = NULL;
+}
+
+static mpt_status mpt__ckpt_write_file(mpt__ckpt_writer *w, const mpt__ckpt_plan *pl,
+                                       const mpt__ckpt_text *header) {
+    unsigned char n8[8];
+    int i;
+    for (i = 0; i < 8; i++) n8[i] = (unsigned char)((uint64_t)header->len >> (8 * i));
+    MPT__CHECK(mpt__ckpt_write_raw(w, n8, 8));
+    MPT__CHECK(mpt__ckpt_write_raw(w, header->s, header->len));
+    for (i = 0; i < pl->n; i++)
+        MPT__CHECK(mpt__ckpt_write_le(w, pl->e[i].data, pl->e[i].bytes,
+                                      mpt__st_dtypes[pl->e[i].dtype].size));
+    return mpt__ckpt_writer_commit(w);
+}
+
+static mpt_status mpt__ckpt_check_model(mpt_model *m, const char *path, int full,
+                                        const char *what) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!path || !*path)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "checkpoint: %s needs a path", what);
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a built model "
+                         "(mpt_model_build, or fit)", what, path);
+    if (full && !m->compiled)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a compiled model "
+                         "(mpt_model_compile): the optimizer state is part of it", what, path);
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const char *what) {
+    mpt__ckpt_plan pl;
+    mpt__ckpt_text header;
+    mpt__ckpt_writer w;
+    mpt_status s;
+    MPT__CHECK(mpt__ckpt_check_model(m, path, full, what));
+    memset(&pl, 0, sizeof pl);
+    memset(&header, 0, sizeof header);
+    memset(&w, 0, sizeof w);
+    w.fd = -1;
+    w.ctx = m->ctx;
+    header.ctx = m->ctx;
+    pl.train.optimizer_steps = m->optimizer_steps;
+    pl.train.step = (int64_t)m->step;
+    pl.train.epoch = m->epoch;
+    pl.train.good_steps = m->good_steps;
+    pl.train.skipped_steps = m->skipped_steps;
+    pl.train.learning_rate = m->learning_rate;
+    pl.train.loss_scale = m->loss_scale;
+    s = mpt__ckpt_plan_init(m, full, &pl);
+    if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
+    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, path);
+    if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
+    mpt__ckpt_writer_close(&w);
+    mpt__free(m->ctx, header.s);
+    mpt__ckpt_plan_free(m, &pl);
+    return s;
+}
+
+/* ---- reading a file: the header ------------------------------------------------ */
+
+typedef struct mpt__st_tensor {
+    const char *name;                 /* decoded, in the header buffer        */
+    int64_t at;                       /* file offset of its name (messages)   */
+    mpt__st_dtype dtype;
+    int rank;
+    int64_t shape[MPT__ST_MAX_RANK];
+    int64_t begin, end;               /* data_offsets: bytes [begin, end) of the data */
+    int used;                         /* claimed by one of the model's entries */
+} mpt__st_tensor;
+
+typedef struct mpt__st_meta {
+    const char *key, *value;
+    int64_t at;
+} mpt__st_meta;
+
+typedef struct mpt__st_file {
+    mpt_context *ctx;
+    const char *path;
+    int fd;                  /* -1 when closed                              */
+    int64_t size;            /* of the file                                 */
+    int64_t n;               /* of the header                               */
+    char *json;              /* (n + 1) the header; strings decoded in place */
+    int64_t pos;             /* the reader's position in json               */
+    mpt__st_tensor *t;       /* [n_t], sorted by name once read             */
+    int n_t, cap_t;
+    mpt__st_meta *meta;      /* [n_meta]                                    */
+    int n_meta, cap_meta, has_meta;
+} mpt__st_file;
+
+/* A malformed header: names the file and the byte (counted from the file's
+   start) where reading stopped. */
+static mpt_status mpt__st_bad(mpt__st_file *f, int64_t pos, const char *fmt, ...) {
+    char why[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    return mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': malformed header at byte %lld: %s",
+                     f->path, (long long)(8 + pos), why);
+}
+
+static int mpt__st_peek(const mpt__st_file *f) {
+    return f->pos < f->n ? (unsigned char)f->json[f->pos] : -1;
+}
+
+/* What is at the reader's position, for messages: "'x'", "byte 0x07", "the end". */
+static const char *mpt__st_found(const mpt__st_file *f, char *buf, size_t size) {
+    int c = mpt__st_peek(f);
+    if (c < 0)
+        snprintf(buf, size, "the end of the header");
+    else if (c > 0x20 && c < 0x7f)
+        snprintf(buf, size, "'%c'", c);
+    else
+        snprintf(buf, size, "byte 0x%02x", (unsigned)c);
+    return buf;
+}
+
+static void mpt__st_ws(mpt__st_file *f) {
+    int c;
+    while ((c = mpt__st_peek(f)) == ' ' || c == '\t' || c == '\n' || c == '\r') f->pos++;
+}
+
+static mpt_status mpt__st_expect(mpt__st_file *f, char c, const char *where) {
+    char found[32];
+    mpt__st_ws(f);
+    if (mpt__st_peek(f) != (unsigned char)c)
+        return mpt__st_bad(f, f->pos, "expected '%c' %s, found %s", c, where,
+                           mpt__st_found(f, found, sizeof found));
+    f->pos++;
+    return MPT_OK;
+}
+
+static int mpt__st_hex4(const char *p, uint32_t *out) {
+    int i;
+    *out = 0;
+    for (i = 0; i < 4; i++) {
+        char c = p[i];
+        int d = c >= '0' && c <= '9' ? c - '0'
+                : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return 0;
+        *out = *out << 4 | (uint32_t)d;
+    }
+    return 1;
+}
+
+static int mpt__st_put_utf8(char *w, uint32_t cp) {
+    if (cp < 0x80) {
+        w[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        w[0] = (char)(0xc0 | cp >> 6);
+        w[1] = (char)(0x80 | (cp & 0x3f));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        w[0] = (char)(0xe0 | cp >> 12);
+        w[1] = (char)(0x80 | (cp >> 6 & 0x3f));
+        w[2] = (char)(0x80 | (cp & 0x3f));
+        return 3;
+    }
+    w[0] = (char)(0xf0 | cp >> 18);
+    w[1] = (char)(0x80 | (cp >> 12 & 0x3f));
+    w[2] = (char)(0x80 | (cp >> 6 & 0x3f));
+    w[3] = (char)(0x80 | (cp & 0x3f));
+    return 4;
+}
+
+/* Decodes the \u escape at json[r] (the backslash) into *cp; *len gets the
+   bytes it took (6, or 12 for a surrogate pair). */
+static mpt_status mpt__st_unicode_escape(mpt__st_file *f, int64_t r, uint32_t *cp, int *len) {
+    const char *j = f->json;
+    uint32_t lo;
+    if (r + 6 > f->n || !mpt__st_hex4(j + r + 2, cp))
+        return mpt__st_bad(f, r, "\\u must be followed by 4 hex digits");
+    *len = 6;
+    if (*cp >= 0xdc00 && *cp <= 0xdfff)
+        return mpt__st_bad(f, r, "\\u%04x is a low surrogate without a high one", (unsigned)*cp);
+    if (*cp >= 0xd800 && *cp <= 0xdbff) {
+        if (r + 12 > f->n || j[r + 6] != '\\' || j[r + 7] != 'u' || !mpt__st_hex4(j + r + 8, &lo) ||
+            lo < 0xdc00 || lo > 0xdfff)
+            return mpt__st_bad(f, r, "\\u%04x is a high surrogate without a low one after it",
+                               (unsigned)*cp);
+        *cp = 0x10000 + ((*cp - 0xd800) << 10) + (lo - 0xdc00);
+        *len = 12;
+    }
+    if (*cp == 0) return mpt__st_bad(f, r, "\\u0000 in a string is not supported");
+    return MPT_OK;
+}
+
+/* Decodes the escape at json[*r] (the backslash) to json[*w...]. Decoding
+   never lengthens a string, so it happens in place: *w stays behind *r. */
+static mpt_status mpt__st_escape(mpt__st_file *f, int64_t *r, int64_t *w) {
+    char *j = f->json;
+    int c = *r + 1 < f->n ? (unsigned char)j[*r + 1] : -1;
+    char plain;
+    uint32_t cp = 0;
+    int len = 0;
+    switch (c) {
+    case '"': case '\\': case '/': plain = (char)c; break;
+    case 'b': plain = '\b'; break;
+    case 'f': plain = '\f'; break;
+    case 'n': plain = '\n'; break;
+    case 'r': plain = '\r'; break;
+    case 't': plain = '\t'; break;
+    case 'u':
+        MPT__CHECK(mpt__st_unicode_escape(f, *r, &cp, &len));
+        *w += mpt__st_put_utf8(j + *w, cp);
+        *r += len;
+        return MPT_OK;
+    case -1: return mpt__st_bad(f, *r, "unterminated escape at the end of the header");
+    default:
+        return mpt__st_bad(f, *r, "invalid escape '\\%c'", c > 0x20 && c < 0x7f ? c : '?');
+    }
+    j[(*w)++] = plain;
+    *r += 2;
+    return MPT_OK;
+}
+
+/* A JSON string at the reader's position, decoded in place: *out points at
+   it, NUL-terminated, inside json. */
+static mpt_status mpt__st_string(mpt__st_file *f, const char **out) {
+    char *j = f->json, found[32];
+    int64_t start, r, w;
+    mpt__st_ws(f);
+    if (mpt__st_peek(f) != '"')
+        return mpt__st_bad(f, f->pos, "expected a string, found %s",
+                           mpt__st_found(f, found, sizeof found));
+    start = w = f->pos;
+    r = start + 1;
+    for (;;) {
+        unsigned char c;
+        int len;
+        if (r >= f->n) return mpt__st_bad(f, start, "unterminated string");
+        c = (unsigned char)j[r];
+        if (c == '"') break;
+        if (c == '\\') {
+            MPT__CHECK(mpt__st_escape(f, &r, &w));
+        } else if (c < 0x20) {
+            return mpt__st_bad(f, r, "control character 0x%02x in a string (it must be escaped)",
+                               (unsigned)c);
+        } else {
+            len = mpt__st_utf8_len((const unsigned char *)j + r, f->n - r);
+            if (!len)
+                return mpt__st_bad(f, r, "invalid UTF-8 byte 0x%02x in a string", (unsigned)c);
+            memmove(j + w, j + r, (size_t)len);
+            w += len;
+            r += len;
+        }
+    }
+    j[w] = 0;
+    f->pos = r + 1;
+    *out = j + start;
+    return MPT_OK;
+}
+
+/* A non-negative JSON integer (shape dimensions and offsets are nothing else). */
+static mpt_status mpt__st_uint(mpt__st_file *f, int64_t *out, const char *what) {
+    char found[32];
+    int64_t v = 0, start;
+    int c;
+    mpt__st_ws(f);
+    start = f->pos;
+    c = mpt__st_peek(f);
+    if (c == '-') return mpt__st_bad(f, start, "%s must not be negative", what);
+    if (c < '0' || c > '9')
+        return mpt__st_bad(f, start, "expected an integer in %s, found %s", what,
+                           mpt__st_found(f, found, sizeof found));
+    if (c == '0' && f->pos + 1 < f->n && f->json[f->pos + 1] >= '0' && f->json[f->pos + 1] <= '9')
+        return mpt__st_bad(f, start, "a number in %s has a leading zero", what);
+    while ((c = mpt__st_peek(f)) >= '0' && c <= '9') {
+        if (v > (INT64_MAX - (c - '0')) / 10)
+            return mpt__st_bad(f, start, "a number in %s is too large", what);
+        v = v * 10 + (c - '0');
+        f->pos++;
+    }
+    if (c == '.' || c == 'e' || c == 'E')
+        return mpt__st_bad(f, start, "a number in %s is not an integer", what);
+    *out = v;
+    return MPT_OK;
+}
+
+/* [n, n, ...] with at most max values into out; *count gets how many. */
+static mpt_status mpt__st_uint_array(mpt__st_file *f, int64_t *out, int max, int *count,
+                                     const char *what) {
+    char found[32];
+    int c;
+    *count = 0;
+    MPT__CHECK(mpt__st_expect(f, '[', what));
+    mpt__st_ws(f);
+    if (mpt__st_peek(f) == ']') {
+        f->pos++;
+        return MPT_OK;
+    }
+    for (;;) {
+        if (*count == max) return mpt__st_bad(f, f->pos, "%s has more than %d values", what, max);
+        MPT__CHECK(mpt__st_uint(f, &out[(*count)++], what));
+        mpt__st_ws(f);
+        c = mpt__st_peek(f);
+        if (c != ',' && c != ']')
+            return mpt__st_bad(f, f->pos, "expected ',' or ']' in %s, found %s", what,
+                               mpt__st_found(f, found, sizeof found));
+        f->pos++;
+        if (c == ']') return MPT_OK;
+    }
+}
+
+/* Steps to the next member of an object whose '{' has been read: *key is
+   its name (NULL at the closing '}'), *at where the name starts; the ':'
+   after it has been read. */
+static mpt_status mpt__st_member(mpt__st_file *f, int first, const char **key, int64_t *at) {
+    char found[32];
+    int c;
+    mpt__st_ws(f);
+    c = mpt__st_peek(f);
+    if (c == '}') {
+        f->pos++;
+        *key = NULL;
+        return MPT_OK;
+    }
+    if (!first) {
+        if (c != ',')
+            return mpt__st_bad(f, f->pos, "expected ',' or '}' after a member, found %s",
+                               mpt__st_found(f, found, sizeof found));
+        f->pos++;
+        mpt__st_ws(f);
+    }
+    *at = f->pos;
+    MPT__CHECK(mpt__st_string(f, key));
+    return mpt__st_expect(f, ':', "after a key");
+}
+
+/* The bytes [begin, end) must hold exactly the shape's elements. */
+static mpt_status mpt__st_check_extent(mpt__st_file *f, const mpt__st_tensor *T) {
+    char s[96];
+    int64_t count = 1, bytes = 0;
+    int d, ok = 1;
+    for (d = 0; d < T->rank && ok; d++) ok = mpt__mul_ok(count, T->shape[d], &count);
+    ok = ok && mpt__mul_ok(count, mpt__st_dtypes[T->dtype].size, &bytes);
+    if (T->begin > T->end)
+        return mpt__st_bad(f, T->at, "tensor \"%s\": data_offsets [%lld, %lld] end before they "
+                           "begin", T->name, (long long)T->begin, (long long)T->end);
+    if (!ok || bytes != T->end - T->begin)
+        return mpt__st_bad(f, T->at, "tensor \"%s\": %s %s is %s bytes, but data_offsets "
+                           "[%lld, %lld] hold %lld", T->name, mpt__st_dtypes[T->dtype].name,
+                           mpt_shape_format(s, sizeof s, T->rank, T->shape),
+                           ok ? "a different number of" : "too many", (long long)T->begin,
+                           (long long)T->end, (long long)(T->end - T->begin));
+    return MPT_OK;
+}
+
+/* One tensor's {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
+static mpt_status mpt__st_tensor_entry(mpt__st_file *f, const char *name, int64_t at) {
+    static const char *const keys[3] = {"dtype", "shape", "data_offsets"};
+    mpt__st_tensor *T, *grown;
+    const char *key, *dtype;
+    int64_t key_at = at, offsets[2] = {0, 0};
+    int seen = 0, first, k, n_offsets = 0;
+    grown = (mpt__st_tensor *)mpt__ckpt_grow(f->ctx, f->t, f->n_t, &f->cap_t, sizeof *f->t);
+    if (!grown) return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    f->t = grown;
+    T = &f->t[f->n_t];
+    memset(T, 0, sizeof *T);
+    T->name = name;
+    T->at = at;
+    MPT__CHECK(mpt__st_expect(f, '{', "to open a tensor's entry"));
+    for (first = 1;; first = 0) {
+        MPT__CHECK(mpt__st_member(f, first, &key, &key_at));
+        if (!key) break;
+        for (k = 0; k < 3 && strcmp(key, keys[k]) != 0; k++) continue;
+        if (k == 3)
+            return mpt__st_bad(f, key_at, "tensor \"%s\": unexpected key \"%s\" (a tensor has "
+                               "dtype, shape and data_offsets)", name, key);
+        if (seen & (1 << k))
+            return mpt__st_bad(f, key_at, "tensor \"%s\": \"%s\" given twice", name, key);
+        seen |= 1 << k;
+        if (k == 0) {
+            int found;
+            MPT__CHECK(mpt__st_string(f, &dtype));
+            found = mpt__st_dtype_find(dtype);
+            if (found < 0)
+                return mpt__st_bad(f, key_at, "tensor \"%s\": unknown dtype \"%s\"", name, dtype);
+            T->dtype = (mpt__st_dtype)found;
+        } else if (k == 1) {
+            MPT__CHECK(mpt__st_uint_array(f, T->shape, MPT__ST_MAX_RANK, &T->rank, "shape"));
+        } else {
+            MPT__CHECK(mpt__st_uint_array(f, offsets, 2, &n_offsets, "data_offsets"));
+            if (n_offsets != 2)
+                return mpt__st_bad(f, key_at, "tensor \"%s\": data_offsets must hold 2 values",
+                                   name);
+        }
+    }
+    if (seen != 7)
+        return mpt__st_bad(f, at, "tensor \"%s\" has no \"%s\"", name,
+                           keys[!(seen & 1) ? 0 : !(seen & 2) ? 1 : 2]);
+    T->begin = offsets[0];
+    T->end = offsets[1];
+    MPT__CHECK(mpt__st_check_extent(f, T));
+    f->n_t++;
+    return MPT_OK;
+}
+
+/* "__metadata__": {"key": "value", ...}, strings only. */
+static mpt_status mpt__st_metadata(mpt__st_file *f, int64_t at) {
+    mpt__st_meta *grown;
+    const char *key, *value;
+    int64_t key_at = at;
+    int first = 1;
+    if (f->has_meta) return mpt__st_bad(f, at, "\"__metadata__\" given twice");
+    f->has_meta = 1;
+    MPT__CHECK(mpt__st_expect(f, '{', "to open \"__metadata__\""));
+    for (;; first = 0) {
+        MPT__CHECK(mpt__st_member(f, first, &key, &key_at));
+        if (!key) return MPT_OK;
+        mpt__st_ws(f);
+        if (mpt__st_peek(f) != '"')
+            return mpt__st_bad(f, f->pos, "\"__metadata__\" value of \"%s\" is not a string", key);
+        MPT__CHECK(mpt__st_string(f, &value));
+        grown = (mpt__st_meta *)mpt__ckpt_grow(f->ctx, f->meta, f->n_meta, &f->cap_meta,
+                                               sizeof *f->meta);
+        if (!grown) return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+        f->meta = grown;
+        f->meta[f->n_meta].key = key;
+        f->meta[f->n_meta].value = value;
+        f->meta[f->n_meta].at = key_at;
+        f->n_meta++;
+    }
+}
+
+static mpt_status mpt__st_parse(mpt__st_file *f) {
+    char found[32];
+    const char *key;
+    int64_t at = 0;
+    int first;
+    f->pos = 0;
+    MPT__CHECK(mpt__st_expect(f, '{', "at the start of the header"));
+    for (first = 1;; first = 0) {
+        MPT__CHECK(mpt__st_member(f, first, &key, &at));
+        if (!key) break;
+        if (strcmp(key, "__metadata__") == 0)
+            MPT__CHECK(mpt__st_metadata(f, at));
+        else
+            MPT__CHECK(mpt__st_tensor_entry(f, key, at));
+    }
+    mpt__st_ws(f);
+    if (f->pos != f->n)
+        return mpt__st_bad(f, f->pos, "%s after the header's closing '}'",
+                           mpt__st_found(f, found, sizeof found));
+    return MPT_OK;
+}
+
+/* ---- reading a file: the layout of the data ----------------------------------- */
+
+static int mpt__st_by_name(const void *a, const void *b) {
+    return strcmp(((const mpt__st_tensor *)a)->name, ((const mpt__st_tensor *)b)->name);
+}
+
+static int mpt__st_meta_by_key(const void *a, const void *b) {
+    return strcmp(((const mpt__st_meta *)a)->key, ((const mpt__st_meta *)b)->key);
+}
+
+static int mpt__st_by_offset(const void *a, const void *b) {
+    const mpt__st_tensor *x = *(const mpt__st_tensor *const *)a;
+    const mpt__st_tensor *y = *(const mpt__st_tensor *const *)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    if (x->end != y->end) return x->end < y->end ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* Names unique (tensors and metadata keys), sorted by name for lookups. */
+static mpt_status mpt__st_check_names(mpt__st_file *f) {
+    int i;
+    if (f->n_t > 1) qsort(f->t, (size_t)f->n_t, sizeof *f->t, mpt__st_by_name);
+    for (i = 1; i < f->n_t; i++)
+        if (strcmp(f->t[i - 1].name, f->t[i].name) == 0)
+            return mpt__st_bad(f, MPT__MAX(f->t[i - 1].at, f->t[i].at),
+                               "duplicate tensor name \"%s\" (also at byte %lld)", f->t[i].name,
+                               (long long)(8 + MPT__MIN(f->t[i - 1].at, f->t[i].at)));
+    if (f->n_meta > 1) qsort(f->meta, (size_t)f->n_meta, sizeof *f->meta, mpt__st_meta_by_key);
+    for (i = 1; i < f->n_meta; i++)
+        if (strcmp(f->meta[i - 1].key, f->meta[i].key) == 0)
+            return mpt__st_bad(f, MPT__MAX(f->meta[i - 1].at, f->meta[i].at),
+                               "duplicate \"__metadata__\" key \"%s\"", f->meta[i].key);
+    return MPT_OK;
+}
+
+/* The tensors tile the data from 0 without gaps or overlaps, and the data
+   ends where the file does (8 + N + end == file size). */
+static mpt_status mpt__st_check_layout(mpt__st_file *f) {
+    mpt__st_tensor **order; /* [n_t] the tensors by offset */
+    int64_t data = f->size - 8 - f->n, expect = 0;
+    mpt_status s = MPT_OK;
+    int i;
+    order = (mpt__st_tensor **)mpt__alloc(f->ctx, sizeof *order * (size_t)(f->n_t + 1));
+    if (!order) return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    for (i = 0; i < f->n_t; i++) order[i] = &f->t[i];
+    if (f->n_t > 1) qsort(order, (size_t)f->n_t, sizeof *order, mpt__st_by_offset);
+    for (i = 0; i < f->n_t && s == MPT_OK; i++) {
+        if (order[i]->begin != expect)
+            s = mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': tensor \"%s\" (header byte "
+                          "%lld) has data_offsets [%lld, %lld], but the data must be contiguous "
+                          "from 0: %s at %lld", f->path, order[i]->name,
+                          (long long)(8 + order[i]->at), (long long)order[i]->begin,
+                          (long long)order[i]->end,
+                          order[i]->begin > expect ? "a gap" : "an overlap", (long long)expect);
+        expect = order[i]->end;
+    }
+    mpt__free(f->ctx, order);
+    if (s == MPT_OK && expect != data)
+        s = mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': the tensors end at byte %lld of "
+                      "the data, so the file should have 8 + %lld + %lld = %lld bytes, but its "
+                      "size is %lld%s", f->path, (long long)expect, (long long)f->n,
+                      (long long)expect, (long long)(8 + f->n + expect), (long long)f->size,
+                      expect > data ? " (truncated?)" : "");
+    return s;
+}
+
+/* ---- reading a file: opening, reading, closing ----------------------------------- */
+
+/* Reads bytes [offset, offset + bytes) of the file into dst. */
+static mpt_status mpt__st_read_at(mpt__st_file *f, int64_t offset, void *dst, int64_t bytes) {
+    unsigned char *p = (unsigned char *)dst;
+    if (lseek(f->fd, (off_t)offset, SEEK_SET) < 0)
+        return mpt__fail(f->ctx, MPT_ERR_IO, "checkpoint: cannot seek in '%s': %s", f->path,
+                         strerror(errno));
+    while (bytes > 0) {
+        ssize_t got = read(f->fd, p, (size_t)MPT__MIN(bytes, (int64_t)1 << 30));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0)
+            return mpt__fail(f->ctx, MPT_ERR_IO, "checkpoint: cannot read '%s': %s", f->path,
+                             strerror(errno));
+        if (got == 0)
+            return mpt__fail(f->ctx, MPT_ERR_IO, "checkpoint: '%s' ended %lld bytes early: it "
+                             "changed while being read", f->path, (long long)bytes);
+        p += got;
+        bytes -= got;
+    }
+    return MPT_OK;
+}
+
+static void mpt__st_close(mpt__st_file *f) {
+    if (f->fd >= 0) close(f->fd);
+    mpt__free(f->ctx, f->json);
+    mpt__free(f->ctx, f->t);
+    mpt__free(f->ctx, f->meta);
+    f->fd = -1;
+    f->json = NULL;
+    f->t = NULL;
+    f->meta = NULL;
+}
+
+/* The length, the header, and their checks. */
+static mpt_status mpt__st_read_header(mpt__st_file *f) {
+    unsigned char n8[8];
+    uint64_t n = 0;
+    int i;
+    if (f->size < 8)
+        return mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': %lld bytes is too short for a "
+                         "safetensors file (it starts with an 8-byte header length)", f->path,
+                         (long long)f->size);
+    MPT__CHECK(mpt__st_read_at(f, 0, n8, 8));
+    for (i = 0; i < 8; i++) n |= (uint64_t)n8[i] << (8 * i);
+    if (n > MPT__ST_MAX_HEADER)
+        return mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': header length %llu is over "
+                         "the limit of %d bytes", f->path, (unsigned long long)n,
+                         MPT__ST_MAX_HEADER);
+    if (n > (uint64_t)(f->size - 8))
+        return mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': header length %llu runs past "
+                         "the end of the file (%lld bytes)", f->path, (unsigned long long)n,
+                         (long long)f->size);
+    f->n = (int64_t)n;
+    f->json = (char *)mpt__alloc(f->ctx, (size_t)n + 1);
+    if (!f->json)
+        return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: cannot allocate %llu bytes "
+                         "for the header of '%s'", (unsigned long long)n + 1, f->path);
+    MPT__CHECK(mpt__st_read_at(f, 8, f->json, f->n));
+    f->json[f->n] = 0;
+    return MPT_OK;
+}
+
+/* Opens a safetensors file and checks everything about it that does not
+   depend on the model. On failure the caller still closes f. */
+static mpt_status mpt__st_open(mpt__st_file *f, mpt_context *ctx, const char *path) {
+    struct stat st;
+    memset(f, 0, sizeof *f);
+    f->ctx = ctx;
+    f->path = path;
+    f->fd = open(path, O_RDONLY);
+    if (f->fd < 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "checkpoint: cannot open '%s': %s", path,
+                         strerror(errno));
+    if (fstat(f->fd, &st) != 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "checkpoint: cannot stat '%s': %s", path,
+                         strerror(errno));
+    if (!S_ISREG(st.st_mode))
+        return mpt__fail(ctx, MPT_ERR_IO, "checkpoint: '%s' is not a regular file", path);
+    f->size = (int64_t)st.st_size;
+    MPT__CHECK(mpt__st_read_header(f));
+    MPT__CHECK(mpt__st_parse(f));
+    MPT__CHECK(mpt__st_check_names(f));
+    return mpt__st_check_layout(f);
+}
+
+static mpt__st_tensor *mpt__st_find(const mpt__st_file *f, const char *name) {
+    mpt__st_tensor key;
+    if (f->n_t == 0) return NULL;
+    key.name = name;
+    return (mpt__st_tensor *)bsearch(&key, f->t, (size_t)f->n_t, sizeof *f->t, mpt__st_by_name);
+}
+
+static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
+    int i;
+    for (i = 0; i < f->n_meta; i++)
+        if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
+    return NULL;
+}
+
+/* ---- loading into a model ---------------------------------------------------- */
+
+/* "F32 (3, 2)" */
+static const char *mpt__ckpt_describe(char *buf, size_t size, mpt__st_dtype dtype, int rank,
+                                      const int64_t *shape) {
+    char s[96];
+    snprintf(buf, size, "%s %s", mpt__st_dtypes[dtype].name, mpt_shape_format(s, sizeof s, rank,
+                                                                              shape));
+    return buf;
+}
+
+/* Finds each of the model's entries in the file, with its dtype and shape. */
+static mpt_status mpt__ckpt_match(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
+                                  mpt__st_tensor **found) {
+    char want[128], got[128];
+    int i, d, same;
+    for (i = 0; i < pl->n; i++) {
+        const mpt__ckpt_entry *e = &pl->e[i];
+        mpt__st_tensor *T = mpt__st_find(f, e->name);
+        mpt__ckpt_describe(want, sizeof want, e->dtype, e->rank, e->shape);
+        if (!T)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has no tensor \"%s\" (the "
+                             "model's is %s)", f->path, e->name, want);
+        mpt__ckpt_describe(got, sizeof got, T->dtype, T->rank, T->shape);
+        if (T->dtype != e->dtype)
+            return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': tensor \"%s\" is %s in the "
+                             "file, but the model's is %s", f->path, e->name, got, want);
+        same = T->rank == e->rank;
+        for (d = 0; same && d < e->rank; d++) same = T->shape[d] == e->shape[d];
+        if (!same)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s': tensor \"%s\" is %s in the "
+                             "file, but the model's is %s", f->path, e->name, got, want);
+        T->used = 1;
+        found[i] = T;
+    }
+    return MPT_OK;
+}
+
+/* Every tensor of the file must be the model's; load_weights passes over
+   the optimizer state and training scalars of a full checkpoint. */
+static mpt_status mpt__ckpt_check_unused(mpt_model *m, const mpt__st_file *f, int full) {
+    char got[128];
+    int i;
+    for (i = 0; i < f->n_t; i++) {
+        const mpt__st_tensor *T = &f->t[i];
+        int extra_state = strncmp(T->name, "optimizer/", 10) == 0 ||
+                          strncmp(T->name, "train/", 6) == 0;
+        if (T->used || (!full && extra_state)) continue;
+        mpt__ckpt_describe(got, sizeof got, T->dtype, T->rank, T->shape);
+        if (full && strncmp(T->name, "optimizer/", 10) == 0)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has optimizer state \"%s\" "
+                             "%s that the model's optimizer (%s, %d slot%s per parameter) "
+                             "does not", f->path, T->name, got,
+                             mpt__ckpt_optimizer_name(m->compile.optimizer.type), m->n_slots,
+                             m->n_slots == 1 ? "" : "s");
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has a tensor \"%s\" %s that "
+                         "the model does not have", f->path, T->name, got);
+    }
+    return MPT_OK;
+}
+
+/* A full checkpoint's metadata, where it has any, must be about this
+   model's kind of training state. */
+static mpt_status mpt__ckpt_check_metadata(mpt_model *m, const mpt__st_file *f) {
+    const char *kind = mpt__st_meta_get(f, "kind");
+    const char *opt = mpt__st_meta_get(f, "optimizer");
+    const char *seed = mpt__st_meta_get(f, "seed");
+    const char *mine = mpt__ckpt_optimizer_name(m->compile.optimizer.type);
+    char want[32];
+    if (kind && strcmp(kind, "checkpoint") != 0)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds \"%s\", not a full "
+                         "checkpoint: load it with mpt_model_load_weights", f->path, kind);
+    if (opt && strcmp(opt, mine) != 0)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds %s state, but the model "
+                         "is compiled with %s", f->path, opt, mine);
+    snprintf(want, sizeof want, "%llu", (unsigned long long)m->desc.seed);
+    if (seed && strcmp(seed, want) != 0)
+        mpt__log(m->ctx, MPT_LOG_WARNING, "checkpoint '%s' was saved by a model with seed %s; "
+                 "this one's is %s, so the data order and dropout masks will differ from "
+                 "the original run", f->path, seed, want);
+    return MPT_OK;
+}
+
+/* The training scalars' values, before any of them reaches the model. */
+static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mpt__ckpt_train *t) {
+    const char *bad = NULL;
+    double v = 0;
+    if (t->optimizer_steps < 0) bad = "optimizer_steps", v = (double)t->optimizer_steps;
+    if (t->step < 0) bad = "step", v = (double)t->step;
+    if (t->epoch < 0 || t->epoch > INT_MAX) bad = "epoch", v = (double)t->epoch;
+    if (t->good_steps < 0) bad = "good_steps", v = (double)t->good_steps;
+    if (t->skipped_steps < 0) bad = "skipped_steps", v = (double)t->skipped_steps;
+    if (!(t->learning_rate >= 0 && t->learning_rate < INFINITY))
+        bad = "learning_rate", v = t->learning_rate;
+    if (!(t->loss_scale > 0 && t->loss_scale < INFINITY)) bad = "loss_scale", v = t->loss_scale;
+    if (bad)
+        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/%s is %g (counters must "
+                         "be >= 0, the learning rate finite and >= 0, the loss scale finite "
+                         "and > 0)", path, bad, v);
+    return MPT_OK;
+}
+
+/* Reads the entries with staged == want_staged into place. */
+static mpt_status mpt__ckpt_read(mpt__st_file *f, const mpt__ckpt_plan *pl,
+                                 mpt__st_tensor *const *found, int want_staged) {
+    int i, swap = !mpt__ckpt_little_endian();
+    for (i = 0; i < pl->n; i++) {
+        const mpt__ckpt_entry *e = &pl->e[i];
+        if (e->staged != want_staged) continue;
+        MPT__CHECK(mpt__st_read_at(f, 8 + f->n + found[i]->begin, e->data, e->bytes));
+        if (swap) mpt__ckpt_swap(e->data, e->bytes, mpt__st_dtypes[e->dtype].size);
+    }
+    return MPT_OK;
+}
+
+static void mpt__ckpt_apply_train(mpt_model *m, const mpt__ckpt_train *t) {
+    m->optimizer_steps = t->optimizer_steps;
+    m->step = (uint64_t)t->step;
+    m->epoch = (int)t->epoch;
+    m->good_steps = t->good_steps;
+    m->skipped_steps = t->skipped_steps;
+    m->learning_rate = t->learning_rate;
+    m->loss_scale = t->loss_scale;
+}
+
+/* Everything checked, the small scalars read and checked; then the tensors. */
+static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
+                                         mpt__st_tensor **found, int full) {
+    mpt_status s;
+    if (full) MPT__CHECK(mpt__ckpt_check_metadata(m, f));
+    MPT__CHECK(mpt__ckpt_match(m, f, pl, found));
+    MPT__CHECK(mpt__ckpt_check_unused(m, f, full));
+    if (full) {
+        MPT__CHECK(mpt__ckpt_read(f, pl, found, 1));
+        MPT__CHECK(mpt__ckpt_check_train(m, f->path, &pl->train));
+    }
+    s = mpt__ckpt_read(f, pl, found, 0);
+    if (s != MPT_OK) {
+        /* Only an I/O failure after every check gets here. */
+        char why[sizeof m->ctx->error];
+        snprintf(why, sizeof why, "%s", mpt_context_error(m->ctx));
+        mpt_model_refresh_weights(m);
+        return mpt__fail(m->ctx, s, "%s; the model's weights%s may be partly loaded", why,
+                         full ? " and optimizer state" : "");
+    }
+    if (full) mpt__ckpt_apply_train(m, &pl->train);
+    mpt_model_refresh_weights(m);
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_load(mpt_model *m, const char *path, int full, const char *what) {
+    mpt__st_file f;
+    mpt__ckpt_plan pl;
+    mpt__st_tensor **found = NULL; /* [pl.n] the file's tensor for each entry */
+    mpt_status s;
+    MPT__CHECK(mpt__ckpt_check_model(m, path, full, what));
+    memset(&pl, 0, sizeof pl);
+    s = mpt__st_open(&f, m->ctx, path);
+    if (s == MPT_OK) s = mpt__ckpt_plan_init(m, full, &pl);
+    if (s == MPT_OK) {
+        found = (mpt__st_tensor **)mpt__calloc(m->ctx, sizeof *found * (size_t)(pl.n + 1));
+        if (!found) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    }
+    if (s == MPT_OK) s = mpt__ckpt_load_checked(m, &f, &pl, found, full);
+    mpt__free(m->ctx, found);
+    mpt__ckpt_plan_free(m, &pl);
+    mpt__st_close(&f);
+    return s;
+}
+
+/* ---- the public functions -------------------------------------------------------- */
+
+MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path) {
+    return mpt__ckpt_save(m, path, 0, "save_weights");
+}
+
+MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path) {
+    return mpt__ckpt_load(m, path, 0, "load_weights");
+}
+
+MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path) {
+    return mpt__ckpt_save(m, path, 1, "save_checkpoint");
+}
+
+MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path) {
+    return mpt__ckpt_load(m, path, 1, "load_checkpoint");
+}
+
+MPTDEF int mpt_model_epoch(const mpt_model *m) { return m ? m->epoch : 0; }
 
 #endif /* MPT__IMPLEMENTED */
 #endif /* MPT_IMPLEMENTATION */

@@ -202,7 +202,7 @@ static void check_contents(const mpt_dataset *d, int64_t n, int64_t rows, int64_
           "%s: sample shape rank %d (%lld, %lld, %lld)", what, rank, (long long)shape[0],
           (long long)shape[1], (long long)shape[2]);
     CHECK(d->x_dtype == MPT_UINT8 && mpt__dataset_label_dtype(d) == MPT_INT32 &&
-              mpt__dataset_label_count(d) == 1,
+              d->y_count == 1,
           "%s: x %s, y %s", what, mpt_dtype_name(d->x_dtype),
           mpt_dtype_name(mpt__dataset_label_dtype(d)));
     for (i = 0; i < n; i++) all[i] = i;
@@ -693,12 +693,12 @@ static void test_create_validation(void) {
     mpt_dataset_destroy(d);
     y = tensor(MPT_INT32, 2, 6, 1, 0, yi);
     CHECK(create(ctx, &x, &y, 0, &d) == MPT_OK, "(n, 1) class ids: %s", mpt_context_error(ctx));
-    CHECK(d && mpt__dataset_label_dtype(d) == MPT_INT32 && mpt__dataset_label_count(d) == 1 &&
+    CHECK(d && mpt__dataset_label_dtype(d) == MPT_INT32 && d->y_count == 1 &&
               mpt__dataset_label_shape(d, NULL) == 0, "(n, 1) ids are sparse labels");
     mpt_dataset_destroy(d);
     y = tensor(MPT_FLOAT32, 2, 6, 2, 0, yf);
     CHECK(create(ctx, &x, &y, 0, &d) == MPT_OK, "float targets: %s", mpt_context_error(ctx));
-    CHECK(d && mpt__dataset_label_dtype(d) == MPT_FLOAT32 && mpt__dataset_label_count(d) == 2 &&
+    CHECK(d && mpt__dataset_label_dtype(d) == MPT_FLOAT32 && d->y_count == 2 &&
               !mpt__dataset_label_range(d, NULL, NULL), "float targets' label queries");
     mpt_dataset_destroy(d);
     test__end("create: valid x and y of each kind");

@@ -7553,8 +7553,8 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     static const char *const category[MPT__MEM_COUNT_] = {
         "parameters (float32)", "gradients", "optimizer state", "weight copies",
         "activations", "workspace"};
-    const char *rule = "__________________________________________________________________________________\n";
-    const char *bold = "==================================================================================\n";
+    const char *rule = "______________________________________________________________________________________________\n";
+    const char *bold = "==============================================================================================\n";
     size_t used = 0;
     int64_t total = 0, trainable = 0, bytes = 0;
     int i, k;
@@ -7562,7 +7562,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     if (!m || !m->built) return 0;
     if (size) buf[0] = 0;
     mpt__append(buf, size, &used, "Model: \"sequential\"\n%s", rule);
-    mpt__append(buf, size, &used, " %-32s %-24s %-12s %s\n%s", "Layer (type)", "Output Shape",
+    mpt__append(buf, size, &used, " %-44s %-24s %-12s %s\n%s", "Layer (type)", "Output Shape",
                 "Param #", "Dtype", bold);
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
@@ -7578,7 +7578,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
         memcpy(shape + 1, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
         mpt_shape_format(b, sizeof b, L->out_rank + 1, shape);
         snprintf(c, sizeof c, "(None%s", strchr(b, ','));
-        mpt__append(buf, size, &used, " %-32s %-24s %-12lld %s\n", a, c, (long long)count,
+        mpt__append(buf, size, &used, " %-44s %-24s %-12lld %s\n", a, c, (long long)count,
                     mpt_dtype_name(L->dtype));
     }
     mpt__append(buf, size, &used, "%s", bold);

@@ -1,7 +1,8 @@
 /* mpt.h — mixed-precision training of neural networks in one C header.
 
-   FP16/BF16 compute, FP32 master weights and Keras-style layers on the CPU,
-   with a CUDA backend and a mirrored (data-parallel) strategy to come.
+   FP16/BF16 compute, FP32 master weights, dynamic loss scaling, Keras-style
+   layers, fit, callbacks and safetensors checkpoints on the CPU, with a CUDA
+   backend and a mirrored (data-parallel) strategy to come.
 
    Do this:
        #define MPT_IMPLEMENTATION
@@ -26,30 +27,36 @@
        MPT_NUM_THREADS   threads of a context whose descriptor leaves
                          num_threads at 0 (default: the online CPUs).
 
-   ONE COMPLETE EXAMPLE (a forward and backward pass of a small MLP)
+   ONE COMPLETE EXAMPLE (an MLP on Fashion-MNIST, in mixed precision)
 
        mpt_context *ctx;
        mpt_context_create(&(mpt_context_desc){ 0 }, &ctx);
+       mpt_dataset *train;
+       mpt_dataset_load_mnist(ctx, "/usr/share/datasets/fashion-mnist", 0, &train);
        mpt_model *m;
        mpt_model_create(ctx, &(mpt_model_desc){
-           .input_shape = { 784 }, .input_rank = 1,
-           .policy = MPT_POLICY_MIXED_BFLOAT16, .seed = 42 }, &m);
+           .input_shape = { 28, 28, 1 }, .input_rank = 3,
+           .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 42 }, &m);
+       mpt_model_add_flatten(m, NULL);
        mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 1024,
                                                  .activation = MPT_ACT_RELU });
-       mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10 });
-       if (mpt_model_build(m, 128) != MPT_OK)
+       mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10,
+                                                 .activation = MPT_ACT_SOFTMAX });
+       mpt_model_compile(m, &(mpt_compile_desc){
+           .optimizer = { .type = MPT_OPTIMIZER_ADAM },
+           .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
+           .metrics = MPT_METRIC_ACCURACY });
+       if (mpt_model_fit(m, train, &(mpt_fit_desc){
+               .epochs = 20, .batch_size = 128, .verbose = 1 }) != MPT_OK)
            fprintf(stderr, "%s\n", mpt_context_error(ctx));
-       mpt_tensor logits;
-       mpt_model_forward(m, &images, 1, &logits);   // images: (128, 784) float32
-       double loss;
-       mpt_tensor dlogits;
-       mpt_model_output_grad(m, &dlogits);           // where the loss gradient goes
-       mpt_loss_compute(ctx, &(mpt_loss_desc){
-           .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = 1 },
-           &logits, &labels, &loss, &dlogits);
-       mpt_model_backward(m, NULL);                  // gradients of every parameter
+       mpt_model_save_weights(m, "mlp.safetensors");
        mpt_model_destroy(m);
+       mpt_dataset_destroy(train);
        mpt_context_destroy(ctx);
+
+   Underneath fit, the same steps are public: mpt_model_forward,
+   mpt_loss_compute, mpt_model_backward, and every parameter's float32
+   master and gradient (mpt_model_param).
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging

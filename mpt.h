@@ -3292,9 +3292,18 @@ MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout) {
     return MPT_OK;
 }
 
+/* The first layer with a trainable parameter (n_layers if none). */
+static int mpt__first_trainable_layer(const mpt_model *m) {
+    int i, k;
+    for (i = 0; i < m->n_layers; i++)
+        for (k = 0; k < m->layers[i].n_params; k++)
+            if (m->layers[i].param[k]->trainable) return i;
+    return m->n_layers;
+}
+
 MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_tensor *dinput) {
     mpt__pass p;
-    int i, cur = 0;
+    int i, first, cur = 0;
     mpt__layer *last;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!m->last_batch || !m->last_training)
@@ -3319,16 +3328,21 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
             mpt__convert(m->ctx, last->dtype, m->grad_buf[0], dout->dtype, dout->data,
                          mpt_tensor_count(dout));
     }
+    /* Unless the caller wants the input's gradient, the backward pass ends
+       at the first layer with trainable parameters, and that layer skips
+       its input gradient: below it nothing needs one (a Flatten in front of
+       a Dense, say, would otherwise cost a third of the Dense's backward). */
+    first = dinput ? 0 : mpt__first_trainable_layer(m);
     mpt__pass_init(m, m->last_batch, 1, &p);
-    for (i = m->n_layers - 1; i >= 0; i--) {
+    for (i = m->n_layers - 1; i >= first; i--) {
         mpt__layer *L = &m->layers[i];
         p.x = L->x;
         p.y = L->y;
         p.dy = m->grad_buf[cur];
-        p.dx = (i > 0 || dinput) ? m->grad_buf[1 - cur] : NULL;
+        p.dx = (i > first || dinput) ? m->grad_buf[1 - cur] : NULL;
         p.logits_only = m->emit_logits && i == m->n_layers - 1;
         L->ops->backward(L, &p);
-        if (i > 0 && m->layers[i - 1].dtype != L->dtype) {
+        if (i > first && m->layers[i - 1].dtype != L->dtype) {
             /* dy is spent: the converted gradient goes back into its buffer. */
             mpt__convert(m->ctx, m->layers[i - 1].dtype, m->grad_buf[cur], L->dtype,
                          m->grad_buf[1 - cur], p.batch * L->in_count);

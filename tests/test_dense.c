@@ -179,6 +179,36 @@ static void test_activation_known_answers(void) {
     }
 }
 
+/* Without a request for the input gradient, backward stops at the first
+   trainable layer; the parameter gradients are the same either way. */
+static void test_backward_stops_early(void) {
+    mpt_model *m = NULL;
+    mpt_param_info k;
+    mpt_tensor tx, out, dx;
+    float x[3 * 12], *first;
+    int i;
+    for (i = 0; i < 36; i++) x[i] = (float)test_uniform(-1, 1);
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2, 3, 2}, .input_rank = 3}, &m);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_TANH});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_build(m, 3) == MPT_OK, "build");
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){3, 2, 3, 2}, x);
+    mpt_model_param(m, 0, &k);
+    first = (float *)malloc(sizeof(float) * 48);
+    mpt_model_forward(m, &tx, 1, &out);
+    for (i = 0; i < 6; i++) ((float *)out.data)[i] = (float)i - 2.5f; /* any dy */
+    CHECK(mpt_model_backward(m, &out, &dx) == MPT_OK, "backward to the input");
+    memcpy(first, k.grad.data, sizeof(float) * 48);
+    memset(k.grad.data, 0, sizeof(float) * 48);
+    mpt_model_forward(m, &tx, 1, &out);
+    for (i = 0; i < 6; i++) ((float *)out.data)[i] = (float)i - 2.5f;
+    CHECK(mpt_model_backward(m, &out, NULL) == MPT_OK, "backward");
+    CHECK(memcmp(first, k.grad.data, sizeof(float) * 48) == 0, "kernel gradients differ");
+    free(first);
+    mpt_model_destroy(m);
+}
+
 /* Keras' glorot_uniform bound and zeros for the bias; he_normal's spread. */
 static void test_initializers(void) {
     mpt_model *m = NULL;
@@ -360,6 +390,7 @@ int main(void) {
     test_seed(2);
     TEST_RUN(test_dense_known_answer);
     TEST_RUN(test_activation_known_answers);
+    TEST_RUN(test_backward_stops_early);
     test_dense_gradients();
     test_flatten_activation_gradients();
     TEST_RUN(test_initializers);

@@ -3428,11 +3428,17 @@ static int mpt__initializer_valid(mpt_initializer init) {
 static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
                                  const void *z, const void *y, const void *dy, float *dz,
                                  float *tmp, int64_t n, int64_t cols) {
-    mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
-    if (act == MPT_ACT_NONE) return;
-    mpt__convert(ctx, MPT_FLOAT32, tmp, dtype, act == MPT_ACT_GELU ? z : y, n);
-    mpt__activation_backward(act, act == MPT_ACT_GELU ? tmp : NULL,
-                             act == MPT_ACT_GELU ? NULL : tmp, dz, dz, n, cols);
+    const float *dyf = (const float *)dy, *kept = (const float *)(act == MPT_ACT_GELU ? z : y);
+    if (dtype != MPT_FLOAT32) { /* float32 is read in place, halves are widened */
+        mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
+        dyf = dz;
+        if (act != MPT_ACT_NONE) {
+            mpt__convert(ctx, MPT_FLOAT32, tmp, dtype, act == MPT_ACT_GELU ? z : y, n);
+            kept = tmp;
+        }
+    }
+    mpt__activation_backward(act, act == MPT_ACT_GELU ? kept : NULL,
+                             act == MPT_ACT_GELU ? NULL : kept, dyf, dz, n, cols);
 }
 
 /* The bias gradient: sums of the rows of dz (rows × cols), in a fixed order. */

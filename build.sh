@@ -135,7 +135,15 @@ cuda_compile_check() {
 # The examples build with -Werror; the hand-written SGD loop must learn its
 # toy problem (two rings, not linearly separable) under every policy.
 example_checks() {
-    local p acc
+    local p acc e
+    for e in examples/mlp.c examples/cnn.c examples/cnn_small.c; do
+        if cc_prog "$(basename "$e" .c)" "$e" 2>"$B/example.log"; then
+            record "build $e" pass
+        else
+            cat "$B/example.log"
+            record "build $e" fail "compile error (see above)"
+        fi
+    done
     if ! cc_prog hand_sgd examples/hand_sgd.c $SAN 2>"$B/hand_sgd.log"; then
         cat "$B/hand_sgd.log"
         record "build examples/hand_sgd.c" fail "compile error (see above)"

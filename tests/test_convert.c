@@ -1,4 +1,4 @@
-/* Tests of the float16 / bfloat16 conversions (wip/convert.h).
+/* Tests of the float16 / bfloat16 conversions (the @impl-dtypes section of mpt.h).
 
    The scalar functions are checked against an independent reference that
    works in double: every half/bfloat16 value is computed as m · 2^k with

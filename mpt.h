@@ -5309,7 +5309,7 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
    as the portable ones (about 2 ns per Adam parameter on one core, near
    memory speed; the portable loops take 3 times as long).
 
-   Where Keras says nothing more, Keras 3 is followed: decoupled weight decay
+   Keras 3 is followed in the details: decoupled weight decay
    (w −= lr·wd·w, with the scheduled rate) is applied by every optimizer
    that has one, to every trainable variable, before the update; clipping
    is applied to the unscaled gradients, and the L2 term added after it. */

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # mpt.h against PyTorch on the CPU: the same models, data, batch size and
-# thread count, run back to back, and the MLP's samples/s ratio mpt/pytorch.
+# thread count, run back to back, and the samples/s ratios mpt/pytorch.
 #
 #   bench/compare_torch.sh                      # MLP, 2 threads, 3 rounds
 #   bench/compare_torch.sh --model all --rounds 2 --threads 2 --batch-size 128
 #   bench/compare_torch.sh --rounds 5 --quiet-wait 120   # on a shared host
 #
 # Each round runs build/bench_train (every policy) and bench/torch_train.py
-# (float32, and bfloat16 autocast where supported) once each, alternating
-# which goes first, so that a noisy host hurts both sides alike. For each
+# (float32 with libgomp's default OpenMP wait policy; float32 and bfloat16
+# autocast, where supported, with OMP_WAIT_POLICY=PASSIVE), alternating which
+# goes first, so that a noisy host hurts both sides alike. For each
 # result it prints the median samples/s over the rounds with the min..max,
 # then one JSON line per ratio:
 #   float32_vs_float32  mpt float32 / PyTorch float32
@@ -27,7 +28,7 @@
 # PyPI's wheel). As root, missing Debian packages are installed first.
 # Raw JSON lines are kept in build/compare/.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 ROUNDS=3
 THREADS=2
@@ -60,8 +61,10 @@ if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ]; then
         echo "compare_torch.sh: installing ${need[*]}" >&2
         export DEBIAN_FRONTEND=noninteractive
-        apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null ||
-            { echo "compare_torch.sh: apt-get install failed" >&2; exit 1; }
+        if ! { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }; then
+            echo "compare_torch.sh: apt-get install failed" >&2
+            exit 1
+        fi
     else
         echo "compare_torch.sh: missing packages: ${need[*]} (run as root to install them)" >&2
         exit 1
@@ -94,7 +97,7 @@ others_cores() { # busy0 busy1 self0 self1 wall0 wall1 (HZ = getconf CLK_TCK)
 }
 HZ=$(getconf CLK_TCK 2>/dev/null || echo 100)
 wait_quiet() {
-    local waited=0 b0 b1 busy=?
+    local waited=0 b0 b1 busy='?'
     while [ "$waited" -lt "$QUIET_WAIT" ]; do
         b0=$(busy_jiffies); sleep 2; b1=$(busy_jiffies)
         busy=$(awk -v a="$b0" -v b="$b1" -v hz="$HZ" 'BEGIN { printf "%.2f", (b - a) / hz / 2 }')

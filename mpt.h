@@ -3423,6 +3423,22 @@ static int mpt__initializer_valid(mpt_initializer init) {
     return init >= MPT_INIT_DEFAULT && init < MPT_INIT_COUNT_;
 }
 
+#if MPT__X86
+/* ReLU's gradient 16 lanes at a time: dy where y > 0, else 0 (a NaN y gives
+   0, as the scalar loop does). The compiler does not vectorise that loop
+   itself, and it is a tenth of an MLP's step. */
+MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const float *dy,
+                                                        float *dz, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __mmask16 positive = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_setzero_ps(),
+                                                _CMP_GT_OQ);
+        _mm512_storeu_ps(dz + i, _mm512_maskz_mov_ps(positive, _mm512_loadu_ps(dy + i)));
+    }
+    for (; i < n; i++) dz[i] = y[i] > 0 ? dy[i] : 0;
+}
+#endif
+
 /* dz = dy · act'(...) in float32, reading dy, the output y and (for GELU)
    the pre-activation z in `dtype`. tmp holds n floats. */
 static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
@@ -3437,6 +3453,12 @@ static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype
             kept = tmp;
         }
     }
+#if MPT__X86
+    if (act == MPT_ACT_RELU && (ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__relu_backward_avx512(kept, dyf, dz, n);
+        return;
+    }
+#endif
     mpt__activation_backward(act, act == MPT_ACT_GELU ? kept : NULL,
                              act == MPT_ACT_GELU ? NULL : kept, dyf, dz, n, cols);
 }

@@ -209,6 +209,31 @@ static void test_backward_stops_early(void) {
     mpt_model_destroy(m);
 }
 
+/* The vector ReLU gradient gives the scalar loop's bits, NaN and ±0 too. */
+static void test_relu_gradient_paths_agree(void) {
+    enum { N = 1000 + 7 };
+    static float y[N], dy[N], fast[N], slow[N], tmp[N];
+    mpt_context *plain;
+    int i;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1, .disable_cpu_features = ~0}, &plain);
+    for (i = 0; i < N; i++) {
+        y[i] = (float)test_uniform(-1, 1);
+        dy[i] = (float)test_uniform(-3, 3);
+    }
+    y[3] = 0.0f;
+    y[4] = -0.0f;
+    y[5] = NAN;
+    y[6] = INFINITY;
+    dy[7] = NAN;
+    y[7] = 1.0f;
+    mpt__activation_grad(ctx, MPT_ACT_RELU, MPT_FLOAT32, NULL, y, dy, fast, tmp, N, N);
+    mpt__activation_grad(plain, MPT_ACT_RELU, MPT_FLOAT32, NULL, y, dy, slow, tmp, N, N);
+    CHECK(memcmp(fast, slow, sizeof fast) == 0, "the ReLU gradient paths differ");
+    CHECK(fast[5] == 0 && fast[3] == 0 && fast[6] == dy[6] && isnan(fast[7]), "special values");
+    if (!(mpt_context_cpu_features(ctx) & MPT_CPU_AVX512)) SKIP("no AVX-512 on this CPU");
+    mpt_context_destroy(plain);
+}
+
 /* Keras' glorot_uniform bound and zeros for the bias; he_normal's spread. */
 static void test_initializers(void) {
     mpt_model *m = NULL;
@@ -391,6 +416,7 @@ int main(void) {
     TEST_RUN(test_dense_known_answer);
     TEST_RUN(test_activation_known_answers);
     TEST_RUN(test_backward_stops_early);
+    TEST_RUN(test_relu_gradient_paths_agree);
     test_dense_gradients();
     test_flatten_activation_gradients();
     TEST_RUN(test_initializers);

@@ -105,6 +105,18 @@ SRC
             cat "$d/$std.log"
         fi
     done
+    # The portable build: no SIMD paths, no zlib (and no -lz).
+    if $CC -std=c99 $WARN -pedantic -O2 -DMPT_NO_SIMD -DMPT_NO_ZLIB -I. -c "$d/impl.c" \
+        -o "$d/impl_portable.o" 2>"$d/portable.log" &&
+        $CC -std=c99 $WARN -pedantic -O2 -I. -c "$d/use.c" -o "$d/use_portable.o" \
+            2>>"$d/portable.log" &&
+        $CC "$d/impl_portable.o" "$d/use_portable.o" -o "$d/prog_portable" -lpthread -lm \
+            2>>"$d/portable.log" && "$d/prog_portable"; then
+        record "compile mpt.h with MPT_NO_SIMD and MPT_NO_ZLIB, linked without zlib" pass
+    else
+        record "compile mpt.h with MPT_NO_SIMD and MPT_NO_ZLIB" fail "see $d/portable.log"
+        cat "$d/portable.log"
+    fi
     cp "$d/impl.c" "$d/impl.cpp" && cp "$d/use.c" "$d/use.cpp"
     if $CXX -std=c++17 $WARN -O1 -I. -c "$d/impl.cpp" -o "$d/impl_cxx.o" 2>"$d/cxx.log" &&
         $CXX -std=c++17 $WARN -O1 -I. -c "$d/use.cpp" -o "$d/use_cxx.o" 2>>"$d/cxx.log" &&

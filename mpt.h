@@ -1637,6 +1637,24 @@ MPTDEF mpt_status mpt_convert(mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
     return MPT_OK;
 }
 
+/* Element i of an array of any float dtype, as float32, and back (for the
+   few places that touch single elements; bulk work uses mpt__convert). */
+static float mpt__load_f32(mpt_dtype dtype, const void *data, int64_t i) {
+    switch (dtype) {
+    case MPT_FLOAT16: return mpt_half_to_float(((const mpt_half *)data)[i]);
+    case MPT_BFLOAT16: return mpt_bf16_to_float(((const mpt_bf16 *)data)[i]);
+    default: return ((const float *)data)[i];
+    }
+}
+
+static void mpt__store_f32(mpt_dtype dtype, void *data, int64_t i, float v) {
+    switch (dtype) {
+    case MPT_FLOAT16: ((mpt_half *)data)[i] = mpt_float_to_half(v); break;
+    case MPT_BFLOAT16: ((mpt_bf16 *)data)[i] = mpt_float_to_bf16(v); break;
+    default: ((float *)data)[i] = v; break;
+    }
+}
+
 /* =============================================================================
    @impl-tensors
    ============================================================================= */
@@ -1870,14 +1888,6 @@ MPTDEF const char *mpt_activation_name(mpt_activation act) {
    add alpha·AB, and the last also adds the bias and applies the
    activation, while the tile is still in cache. alpha = 0 (alpha_is_zero)
    or K = 0 reads neither A nor B, as BLAS does. */
-
-static float mpt__load_f32(mpt_dtype dtype, const void *p, int64_t i) {
-    switch (dtype) {
-    case MPT_FLOAT16: return mpt_half_to_float(((const mpt_half *)p)[i]);
-    case MPT_BFLOAT16: return mpt_bf16_to_float(((const mpt_bf16 *)p)[i]);
-    default: return ((const float *)p)[i];
-    }
-}
 
 #define MPT__GEMM_KC 512 /* depth block (max)                    */
 #define MPT__GEMM_NC 512 /* columns of C per packed B block (max) */
@@ -4961,23 +4971,6 @@ static const char *mpt__loss_name(mpt_loss_type type) {
     }
 }
 
-/* Element i of a float tensor of any float dtype, as float32, and back. */
-static float mpt__getf(mpt_dtype dtype, const void *data, int64_t i) {
-    switch (dtype) {
-    case MPT_FLOAT16: return mpt_half_to_float(((const mpt_half *)data)[i]);
-    case MPT_BFLOAT16: return mpt_bf16_to_float(((const mpt_bf16 *)data)[i]);
-    default: return ((const float *)data)[i];
-    }
-}
-
-static void mpt__setf(mpt_dtype dtype, void *data, int64_t i, float v) {
-    switch (dtype) {
-    case MPT_FLOAT16: ((mpt_half *)data)[i] = mpt_float_to_half(v); break;
-    case MPT_BFLOAT16: ((mpt_bf16 *)data)[i] = mpt_float_to_bf16(v); break;
-    default: ((float *)data)[i] = v; break;
-    }
-}
-
 typedef struct mpt__loss_job {
     mpt_loss_type type;
     int from_logits;
@@ -4997,15 +4990,15 @@ static int mpt__loss_sparse(const mpt__loss_job *j) {
 /* The target of row r, class c: one-hot for class ids. */
 static float mpt__loss_target(const mpt__loss_job *j, int64_t r, int64_t c) {
     if (mpt__loss_sparse(j)) return ((const int32_t *)j->target->data)[r] == c ? 1.0f : 0.0f;
-    return mpt__getf(j->target->dtype, j->target->data, r * j->K + c);
+    return mpt__load_f32(j->target->dtype, j->target->data, r * j->K + c);
 }
 
 static float mpt__loss_pred(const mpt__loss_job *j, int64_t i) {
-    return mpt__getf(j->pred->dtype, j->pred->data, i);
+    return mpt__load_f32(j->pred->dtype, j->pred->data, i);
 }
 
 static void mpt__loss_grad(const mpt__loss_job *j, int64_t i, float g) {
-    mpt__setf(j->dpred->dtype, j->dpred->data, i, g * j->gscale);
+    mpt__store_f32(j->dpred->dtype, j->dpred->data, i, g * j->gscale);
 }
 
 /* Crossentropy of softmax(z) for row r: Σ t·(lse − z), lse = log Σ exp z
@@ -5211,7 +5204,7 @@ static mpt_status mpt__loss_check_finite(mpt_context *ctx, const char *name, con
                                          const mpt_tensor *t) {
     int64_t n = mpt_tensor_count(t), per_sample = t->rank ? n / t->shape[0] : 1, i;
     for (i = 0; i < n; i++) {
-        float v = mpt__getf(t->dtype, t->data, i);
+        float v = mpt__load_f32(t->dtype, t->data, i);
         if (!isfinite(v))
             return mpt__fail(ctx, MPT_ERR_NUMERIC,
                              "%s: %s element %lld (sample %lld) is %g; it must be finite", name,
@@ -6086,12 +6079,6 @@ static int64_t mpt__first_nonfinite(mpt_dtype dtype, const void *data, int64_t n
     return -1;
 }
 
-static float mpt__element_f32(mpt_dtype dtype, const void *data, int64_t i) {
-    if (dtype == MPT_FLOAT16) return mpt_half_to_float(((const mpt_half *)data)[i]);
-    if (dtype == MPT_BFLOAT16) return mpt_bf16_to_float(((const mpt_bf16 *)data)[i]);
-    return ((const float *)data)[i];
-}
-
 /* NaN and inf in x or y, named by sample and element. */
 static mpt_status mpt__check_finite(mpt_context *ctx, const char *what, const mpt_tensor *t) {
     int64_t n = mpt_tensor_count(t), per = n / t->shape[0];
@@ -6099,7 +6086,7 @@ static mpt_status mpt__check_finite(mpt_context *ctx, const char *what, const mp
     if (bad < 0) return MPT_OK;
     return mpt__fail(ctx, MPT_ERR_NUMERIC,
                      "dataset: %s sample %lld holds %g (element %lld of the sample, %s)", what,
-                     (long long)(bad / per), (double)mpt__element_f32(t->dtype, t->data, bad),
+                     (long long)(bad / per), (double)mpt__load_f32(t->dtype, t->data, bad),
                      (long long)(bad % per), mpt_dtype_name(t->dtype));
 }
 

@@ -922,7 +922,7 @@ static void test_split(void) {
 /* ---- gather ------------------------------------------------------------------ */
 
 static double as_double(mpt_dtype dtype, const void *p, int64_t i) {
-    return mpt__element_f32(dtype, p, i);
+    return mpt__load_f32(dtype, p, i);
 }
 
 /* uint8 through scale and offset, and every float dtype into every float

@@ -3473,12 +3473,25 @@ static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype
                              act == MPT_ACT_GELU ? NULL : kept, dyf, dz, n, cols);
 }
 
-/* The bias gradient: sums of the rows of dz (rows × cols), in a fixed order. */
-static void mpt__column_sums(const float *dz, int64_t rows, int64_t cols, float *out) {
-    int64_t r, c;
-    for (c = 0; c < cols; c++) out[c] = 0;
-    for (r = 0; r < rows; r++)
-        for (c = 0; c < cols; c++) out[c] += dz[r * cols + c];
+/* to[0..n) += from[0..n). In blocks of 16 through a local array, which
+   tells the compiler the two do not overlap: at -O2 its cheap cost model
+   vectorises only loops like these (fixed length, no overlap checks). */
+static void mpt__add_f32(float *to, const float *from, int64_t n) {
+    int64_t i = 0;
+    int k;
+    for (; i + 16 <= n; i += 16) {
+        float t[16];
+        for (k = 0; k < 16; k++) t[k] = to[i + k] + from[i + k];
+        for (k = 0; k < 16; k++) to[i + k] = t[k];
+    }
+    for (; i < n; i++) to[i] += from[i];
+}
+
+/* out[j] += Σ_r dz[r][j]: a bias gradient, rows in order
+   (Conv2D adds chunk after chunk; Dense zeroes out first). */
+static void mpt__add_column_sums(const float *dz, int64_t rows, int64_t cols, float *out) {
+    int64_t r;
+    for (r = 0; r < rows; r++) mpt__add_f32(out, dz + r * cols, cols);
 }
 
 /* Adds a layer after checking what every layer descriptor shares. */
@@ -3578,7 +3591,10 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     mpt_gemm_desc g;
     mpt__activation_grad(p->ctx, mpt__pass_activation(p, d->activation), L->dtype, L->saved[0],
                          p->y, p->dy, dz, tmp, n, units);
-    if (!d->no_bias) mpt__column_sums(dz, B, units, mpt__pg(L, 1));
+    if (!d->no_bias) {
+        memset(mpt__pg(L, 1), 0, sizeof(float) * (size_t)units);
+        mpt__add_column_sums(dz, B, units, mpt__pg(L, 1));
+    }
     /* The weight and input gradients are products in the compute dtype,
        as the forward was: dz is rounded to it once. */
     if (dz_c != (void *)dz) mpt__convert(p->ctx, L->dtype, dz_c, MPT_FLOAT32, dz, n);
@@ -3814,19 +3830,6 @@ static mpt_status mpt__check_window_desc(mpt_model *m, const char *cls, const ch
     return MPT_OK;
 }
 
-/* to[0..n) += from[0..n). In blocks of 16 through a local array, which
-   tells the compiler the two do not overlap: at -O2 its cheap cost model
-   vectorises only loops like these (fixed length, no overlap checks). */
-static void mpt__add_f32(float *to, const float *from, int64_t n) {
-    int64_t i = 0;
-    int k;
-    for (; i + 16 <= n; i += 16) {
-        float t[16];
-        for (k = 0; k < 16; k++) t[k] = to[i + k] + from[i + k];
-        for (k = 0; k < 16; k++) to[i + k] = t[k];
-    }
-    for (; i < n; i++) to[i] += from[i];
-}
 
 /* *acc += a·b, overflow-checked; *acc stays -1 once anything overflowed. */
 static void mpt__acc_mul(int64_t *acc, int64_t a, int64_t b) {
@@ -4091,11 +4094,6 @@ static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
         mpt__conv2d_forward_chunk(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
 }
 
-/* out[j] += Σ_r dz[r][j]: the bias gradient, rows in order. */
-static void mpt__add_column_sums(const float *dz, int64_t rows, int64_t cols, float *out) {
-    int64_t r;
-    for (r = 0; r < rows; r++) mpt__add_f32(out, dz + r * cols, cols);
-}
 
 /* dkernel (kk, F) = colsᵀ · dz, added to what the earlier chunks left
    unless this is the first. cols (rows, kk) and dz (rows, F) in dtype. */

@@ -353,6 +353,56 @@ static void test_user_callback(void) {
     mpt_dataset_destroy(d);
 }
 
+/* ---- a training step allocates nothing -------------------------------------------------- */
+
+typedef struct alloc_watch {
+    const counting_alloc *counts;
+    long at_first_batch;
+    int batches, grew;
+} alloc_watch;
+
+static mpt_status watch_batch(void *user, mpt_model *m, int64_t batch, const mpt_logs *logs,
+                              int *stop) {
+    alloc_watch *w = (alloc_watch *)user;
+    (void)m;
+    (void)logs;
+    (void)stop;
+    if (batch == 0) w->at_first_batch = w->counts->allocs;
+    else w->grew |= w->counts->allocs != w->at_first_batch;
+    w->batches++;
+    return MPT_OK;
+}
+
+/* Between the first and the last batch of an epoch — forward, loss,
+   backward, optimizer, loss scaling, loader — nothing is allocated. */
+static void test_steps_allocate_nothing(void) {
+    static float x[N_SYN * FEATURES];
+    static int32_t y[N_SYN];
+    counting_alloc counts = {0, 0, -1};
+    mpt_context *saved = ctx;
+    alloc_watch w = {&counts, 0, 0, 0};
+    mpt_callback cb;
+    mpt_dataset *d;
+    mpt_model *m;
+    ctx = counting_ctx(&counts);
+    memset(&cb, 0, sizeof cb);
+    cb.on_batch_end = watch_batch;
+    cb.user_data = &w;
+    make_blobs(x, y, N_SYN, 7);
+    d = blob_dataset(x, y, N_SYN);
+    m = blob_model(MPT_POLICY_MIXED_FLOAT16, 2);
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32, .callbacks = &cb,
+                                              .n_callbacks = 1}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(w.batches == 14 && !w.grew, "%d batches; allocations during an epoch: %s", w.batches,
+          w.grew ? "yes" : "none");
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+    CHECK(counts.allocs == counts.frees, "%ld allocations, %ld frees", counts.allocs, counts.frees);
+    ctx = saved;
+}
+
 /* ---- bad input ------------------------------------------------------------------------ */
 
 static void test_bad_input(void) {
@@ -454,6 +504,7 @@ int main(void) {
     TEST_RUN(test_default_loss_scale);
     TEST_RUN(test_summary_and_progress);
     TEST_RUN(test_user_callback);
+    TEST_RUN(test_steps_allocate_nothing);
     TEST_RUN(test_bad_input);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);

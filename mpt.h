@@ -3494,14 +3494,16 @@ static void mpt__add_column_sums(const float *dz, int64_t rows, int64_t cols, fl
     for (r = 0; r < rows; r++) mpt__add_f32(out, dz + r * cols, cols);
 }
 
-/* Adds a layer after checking what every layer descriptor shares. */
-#define MPT__ADD_LAYER(m, ops, field, d)                                   \
-    do {                                                                   \
-        mpt__layer_desc ld_;                                               \
-        memset(&ld_, 0, sizeof ld_);                                       \
-        ld_.field = *(d);                                                  \
-        return mpt__model_add((m), &(ops), &ld_, (d)->name, (d)->dtype);   \
-    } while (0)
+/* Appends a layer of `ops` described by desc (one of the descriptor
+   structs, `size` bytes; each starts with the common name and dtype). */
+static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc,
+                                 size_t size) {
+    mpt__layer_desc ld;
+    memset(&ld, 0, sizeof ld);
+    memcpy(&ld, desc, size);
+    /* The members share their first fields, so any one names them. */
+    return mpt__model_add(m, ops, &ld, ld.flatten.name, ld.flatten.dtype);
+}
 
 static mpt_status mpt__check_add(mpt_model *m, const void *desc, const char *what) {
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
@@ -3648,7 +3650,7 @@ MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
                          (int)(mpt__initializer_valid(d->kernel_initializer)
                                    ? d->bias_initializer
                                    : d->kernel_initializer));
-    MPT__ADD_LAYER(m, mpt__dense_ops, dense, d);
+    return mpt__add_layer(m, &mpt__dense_ops, d, sizeof(mpt_dense_desc));
 }
 
 /* =============================================================================
@@ -3679,7 +3681,7 @@ MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d)
     mpt_flatten_desc none;
     MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
     memset(&none, 0, sizeof none);
-    MPT__ADD_LAYER(m, mpt__flatten_ops, flatten, d ? d : &none);
+    return mpt__add_layer(m, &mpt__flatten_ops, d ? d : &none, sizeof(mpt_flatten_desc));
 }
 
 /* =============================================================================
@@ -3725,7 +3727,7 @@ MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_de
     if (!mpt__activation_valid(d->activation))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
                          (int)d->activation);
-    MPT__ADD_LAYER(m, mpt__activation_ops, activation, d);
+    return mpt__add_layer(m, &mpt__activation_ops, d, sizeof(mpt_activation_desc));
 }
 /* =============================================================================
    @impl-windows  the geometry Conv2D and the pooling layers share
@@ -4204,7 +4206,7 @@ MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
                          (int)(mpt__initializer_valid(d->kernel_initializer)
                                    ? d->bias_initializer
                                    : d->kernel_initializer));
-    MPT__ADD_LAYER(m, mpt__conv2d_ops, conv2d, d);
+    return mpt__add_layer(m, &mpt__conv2d_ops, d, sizeof(mpt_conv2d_desc));
 }
 
 /* =============================================================================
@@ -4462,12 +4464,12 @@ static mpt_status mpt__check_pool_desc(mpt_model *m, const mpt_pool2d_desc *d, c
 
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
     MPT__CHECK(mpt__check_pool_desc(m, d, "MaxPooling2D"));
-    MPT__ADD_LAYER(m, mpt__max_pool_ops, pool2d, d);
+    return mpt__add_layer(m, &mpt__max_pool_ops, d, sizeof(mpt_pool2d_desc));
 }
 
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
     MPT__CHECK(mpt__check_pool_desc(m, d, "AveragePooling2D"));
-    MPT__ADD_LAYER(m, mpt__avg_pool_ops, pool2d, d);
+    return mpt__add_layer(m, &mpt__avg_pool_ops, d, sizeof(mpt_pool2d_desc));
 }
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
@@ -4475,7 +4477,7 @@ MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
     mpt_flatten_desc none;
     MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
     memset(&none, 0, sizeof none);
-    MPT__ADD_LAYER(m, mpt__global_pool_ops, flatten, d ? d : &none);
+    return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none, sizeof(mpt_flatten_desc));
 }
 /* =============================================================================
    @impl-batchnorm  BatchNormalization: each channel (the last axis)
@@ -4819,7 +4821,7 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batc
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: epsilon %g must be > 0 and finite (0: 1e-3)",
                          (double)d->epsilon);
-    MPT__ADD_LAYER(m, mpt__bn_ops, batchnorm, d);
+    return mpt__add_layer(m, &mpt__bn_ops, d, sizeof(mpt_batchnorm_desc));
 }
 
 /* =============================================================================
@@ -4933,7 +4935,7 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
     if (!(d->rate >= 0 && d->rate < 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dropout: rate %g is not in [0, 1)",
                          (double)d->rate);
-    MPT__ADD_LAYER(m, mpt__dropout_ops, dropout, d);
+    return mpt__add_layer(m, &mpt__dropout_ops, d, sizeof(mpt_dropout_desc));
 }
 /* =============================================================================
    @impl-losses

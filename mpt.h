@@ -1,8 +1,9 @@
 /* mpt.h — mixed-precision training of neural networks in one C header.
 
    FP16/BF16 compute, FP32 master weights, dynamic loss scaling, Keras-style
-   layers, fit, callbacks and safetensors checkpoints on the CPU, with a CUDA
-   backend and a mirrored (data-parallel) strategy to come.
+   layers, fit, callbacks and safetensors checkpoints, on the CPU or, with
+   mpt_cuda.cu, on an NVIDIA GPU; a mirrored (data-parallel) strategy is to
+   come.
 
    Do this:
        #define MPT_IMPLEMENTATION
@@ -15,6 +16,11 @@
 
    Build line (pthreads, libm, zlib):
        cc -O2 my_trainer.c -lpthread -lm -lz -o my_trainer
+   and for an NVIDIA GPU (compute capability 8.0 or later), the same file
+   with the CUDA backend:
+       nvcc -O3 -arch=sm_90 -DMPT_CUDA my_trainer.c mpt_cuda.cu \
+            -lcublasLt -lcublas -lz -o my_trainer
+   A program built so that finds no GPU says so and trains on the CPU.
 
    OPTIONAL DEFINES
        MPT_STATIC     make every function static to the implementing file.
@@ -26,6 +32,11 @@
    ENVIRONMENT
        MPT_NUM_THREADS   threads of a context whose descriptor leaves
                          num_threads at 0 (default: the online CPUs).
+       MPT_DEVICE        "cpu": train on the CPU even in a CUDA build.
+       MPT_GEMM          "mpt" or "cublaslt": the GEMM a CUDA context runs
+                         (default: per shape, the faster of the two).
+       MPT_CUDA_GRAPHS   "0": fit queues every step's kernels instead of
+                         recording the step once and replaying it.
 
    ONE COMPLETE EXAMPLE (an MLP on Fashion-MNIST, in mixed precision)
 
@@ -68,6 +79,7 @@
        @layers       layer descriptors and the sequential model
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
+       @backend      the table a compute backend implements (CPU, CUDA)
        @training     compile, fit, evaluate, predict, summary, history
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
@@ -79,7 +91,7 @@
        @impl-dense @impl-flatten @impl-activation @impl-windows
        @impl-conv2d @impl-pooling @impl-batchnorm @impl-dropout
        @impl-losses @impl-optimizers @impl-data @impl-training
-       @impl-callbacks @impl-checkpoints
+       @impl-callbacks @impl-checkpoints @impl-cpu-backend
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum
@@ -165,12 +177,30 @@ enum {
     MPT_CPU_AVX512_BF16 = 1 << 3  /* AVX-512 BF16 dot products      */
 };
 
+/* Which GEMM a CUDA context runs: the hand-written tensor-core kernel in
+   mpt_cuda.cu, or cuBLASLt's. */
+typedef enum mpt_gemm_engine {
+    MPT_GEMM_AUTO = 0,
+    MPT_GEMM_MPT = 1,
+    MPT_GEMM_CUBLASLT = 2
+} mpt_gemm_engine;
+
 typedef struct mpt_context_desc {
     int num_threads;         /* default 0: $MPT_NUM_THREADS, else the online CPUs */
     int disable_cpu_features;/* default 0: MPT_CPU_* bits never to use (tests use
                                 this to run the portable paths)                */
     mpt_allocator allocator; /* default: malloc/free                          */
     mpt_logger logger;       /* default: errors and warnings to stderr        */
+    /* Where models train. A build with -DMPT_CUDA takes a CUDA device unless
+       use_cpu is set or $MPT_DEVICE is "cpu"; finding none, it says so and
+       uses the CPU. Other builds always use the CPU. */
+    int use_cpu;             /* default 0                                     */
+    int cuda_device;         /* default 0: the first device                   */
+    int64_t device_memory_limit; /* default 0: no limit but the device's;
+                                    else bytes a context may allocate there   */
+    mpt_gemm_engine gemm;    /* CUDA GEMMs; default (auto): $MPT_GEMM
+                                ("mpt" or "cublaslt"), else per shape the
+                                faster of the two, measured once           */
 } mpt_context_desc;
 
 /* A context owns the thread pool, the allocator, the logger and the last
@@ -562,6 +592,238 @@ typedef struct mpt_loss_scale_desc {
 } mpt_loss_scale_desc;
 
 /* =============================================================================
+   @backend: the table of functions a compute backend implements
+   =============================================================================
+
+   A built model keeps every buffer (weights, gradients, optimizer state,
+   activations, workspace) in the memory of one backend: the CPU's, built
+   into this file, or one CUDA device's, in mpt_cuda.cu (compiled with
+   -DMPT_CUDA). The layers, losses and optimizers in this file reach that
+   memory only through the functions below, so one piece of code drives
+   both, and a test can run each function on both backends and compare.
+
+   Rules every function keeps:
+   - Pointers point into the backend's memory, except where a name says
+     `host`. `impl` is the backend's own state (for the CPU: the context).
+   - Compute functions are queued in call order (on a GPU: on one stream)
+     and return at once; only download, sync and the capture functions wait.
+     Their arguments were checked when the model was built, so they return
+     nothing; a GPU backend reports a failed kernel at the next sync.
+   - Reductions are done in a fixed order (no atomics), so a result depends
+     only on the inputs: a training run repeats bit for bit on the same
+     device, whatever the thread count.
+   - A failing function returns a status and leaves a message naming the
+     call, the file and line and the library's own words in error(impl).
+   - Scalars that change from step to step (learning rate, loss scale,
+     step counter, the finiteness of the gradients) live in the backend's
+     memory, in mpt_step_state: a step reads and writes them there, so a
+     whole training step can be recorded once and replayed (CUDA graphs). */
+
+/* A window sliding over (H, W, C) samples (Conv2D, pooling). Padding is
+   TensorFlow's; pixels outside the image are zeros for a convolution and
+   absent for pooling. */
+typedef struct mpt_window {
+    int64_t h, w, c;     /* one input sample (H, W, C)                  */
+    int64_t kh, kw;      /* window size                                 */
+    int64_t sh, sw;      /* strides                                     */
+    int64_t top, left;   /* padding before the first row / column       */
+    int64_t oh, ow;      /* output rows and columns                     */
+} mpt_window;
+
+typedef enum mpt_pool_kind {
+    MPT_POOL_MAX = 0,     /* first largest wins, a NaN wins over numbers; int32
+                             argmax within the sample saved for backward   */
+    MPT_POOL_AVERAGE = 1  /* mean over the window's pixels inside the image */
+} mpt_pool_kind;
+
+/* BatchNormalization over rows × channels (rows = batch · positions).
+   Statistics and arithmetic in float32; x, y, dy, dx in dtype. */
+typedef struct mpt_batchnorm_args {
+    mpt_dtype dtype;
+    int64_t rows, channels;
+    float epsilon;
+    float momentum;             /* commit: moving = moving·m + batch·(1 − m) */
+    int training;               /* forward: batch statistics (saved into
+                                   mean/variance) or the moving ones          */
+    const void *x;              /* (rows, C)                                  */
+    void *y;                    /* forward: (rows, C)                         */
+    const void *dy;             /* backward: (rows, C)                        */
+    void *dx;                   /* backward: (rows, C); NULL: not wanted      */
+    const float *gamma, *beta;  /* (C) each; NULL: 1 and 0                    */
+    float *dgamma, *dbeta;      /* backward: (C) each, overwritten; NULL: none */
+    float *mean, *variance;     /* (C) each: the batch statistics (biased
+                                   variance) a training forward measured      */
+    float *moving_mean, *moving_variance; /* (C) each                         */
+    void *workspace;            /* batchnorm_workspace bytes                  */
+} mpt_batchnorm_args;
+
+/* The numbers a training step reads and writes in the backend's memory.
+   The host reads them back (download) only to print or decide between
+   epochs, and writes learning_rate or loss_scale when a callback or a
+   checkpoint changes them. */
+typedef struct mpt_step_state {
+    double loss_sum;          /* Σ over samples of this epoch's batch losses */
+    double correct;           /* samples whose prediction was right        */
+    double top_k;             /* samples whose label was in the top k      */
+    double samples;           /* samples tallied                           */
+    double sum_squares;       /* Σ g² of the last step's gradients (scaled) */
+    int64_t step;             /* training steps taken (keys dropout masks)  */
+    int64_t optimizer_steps;  /* updates applied (Adam's t, the schedule's) */
+    int64_t good_steps;       /* finite steps in a row (dynamic scaling)    */
+    int64_t skipped_steps;    /* steps skipped for inf/NaN gradients        */
+    float learning_rate;      /* the base rate the schedule scales          */
+    float loss_scale;         /* 1 when not scaling                         */
+    int32_t finite;           /* whether the last step's gradients were     */
+    int32_t pad_;
+} mpt_step_state;
+
+/* One loss over a batch: the mean over rows of the row losses, float32
+   math whatever pred's dtype. Adds the batch's Σ row losses to
+   state->loss_sum, its rows to state->samples, and (metrics) its correct
+   and top-k counts; writes grad_scale_by_state · d(mean loss)/d(pred) into
+   dpred (which may be pred). Sparse targets are int32 class ids, checked
+   in range beforehand. */
+typedef struct mpt_loss_args {
+    mpt_loss_type type;
+    int from_logits;            /* softmax/sigmoid fused into the loss      */
+    mpt_dtype pred_dtype;
+    const void *pred;           /* (rows, K)                                */
+    mpt_dtype target_dtype;     /* int32 (sparse) or float32                */
+    const void *target;         /* (rows) or (rows, K)                      */
+    void *dpred;                /* (rows, K) pred_dtype; NULL: no gradient  */
+    int64_t rows, K;
+    int metrics;                /* MPT_METRIC_* bits to tally               */
+    int top_k;
+    int scale_by_loss_scale;    /* multiply dpred by state->loss_scale      */
+    mpt_step_state *state;
+} mpt_loss_args;
+
+/* The trainable parameters, as arrays of n pointers (host arrays of
+   backend pointers), for the optimizer's two passes. */
+typedef struct mpt_update_args {
+    int n;
+    float *const *value;        /* float32 masters                          */
+    const float *const *grad;   /* float32 gradients (times the loss scale) */
+    float *const *slot0;        /* SGD's velocity or Adam's m; NULL: none   */
+    float *const *slot1;        /* Adam's v; NULL: none                     */
+    void *const *compute;       /* compute-dtype copies; == value if float32 */
+    const mpt_dtype *compute_dtype;
+    const int64_t *count;
+    mpt_optimizer_desc optimizer; /* every default resolved                 */
+    mpt_step_state *state;
+} mpt_update_args;
+
+typedef struct mpt_backend {
+    const char *name;           /* "cpu", "cuda"                           */
+    int gemm_rounds_c;          /* gemm can store C in float16/bfloat16    */
+    int can_capture;            /* capture_begin/end and replay work       */
+
+    /* -- memory: `category` is one of MPT_MEMORY_* (accounting and limit) */
+    mpt_status (*alloc)(void *impl, int category, size_t bytes, void **out);
+    void (*free)(void *impl, int category, void *ptr);
+    mpt_status (*alloc_host)(void *impl, size_t bytes, void **out); /* pinned */
+    void (*free_host)(void *impl, void *ptr);
+    mpt_status (*upload)(void *impl, void *dst, const void *host_src, size_t bytes);
+    mpt_status (*download)(void *impl, void *host_dst, const void *src, size_t bytes);
+    /* Starts a copy from pinned host memory on a second queue; the next
+       compute call waits for it (upload_wait). The host buffer must stay
+       untouched until upload_done returns. */
+    void (*upload_async)(void *impl, void *dst, const void *host_src, size_t bytes);
+    void (*upload_wait)(void *impl);
+    mpt_status (*upload_done)(void *impl);
+    void (*copy)(void *impl, void *dst, const void *src, size_t bytes);
+    void (*zero)(void *impl, void *dst, size_t bytes);
+    mpt_status (*sync)(void *impl);
+    const char *(*error)(void *impl);
+    void (*destroy)(void *impl);
+
+    /* -- recording a step once and replaying it (CUDA graphs) */
+    mpt_status (*capture_begin)(void *impl);
+    mpt_status (*capture_end)(void *impl, void **graph);
+    mpt_status (*replay)(void *impl, void *graph);
+    void (*graph_free)(void *impl, void *graph);
+
+    /* -- compute. gemm: as mpt_gemm; with gemm_rounds_c, c_dtype may be
+       float16/bfloat16 (C then holds that dtype and beta must be 0). */
+    void (*gemm)(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype);
+    /* Before a model's first step: the GEMM shapes it will run, so a
+       backend can choose and cache an algorithm per shape (may be NULL). */
+    mpt_status (*gemm_plan)(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype);
+    void (*convert)(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
+                    const void *src, int64_t n);
+    /* x (rows, cols) float32, in place: act(x); softmax over each row. */
+    void (*activation)(void *impl, mpt_activation act, float *x, int64_t rows, int64_t cols);
+    /* dz = dy · act'(z) in float32 for n = rows·cols elements; dy, y and
+       (GELU) z in dtype; tmp holds n floats. */
+    void (*activation_grad)(void *impl, mpt_activation act, mpt_dtype dtype, const void *z,
+                            const void *y, const void *dy, float *dz, float *tmp, int64_t rows,
+                            int64_t cols);
+    /* out[j] (+)= Σ_r dz[r][j], rows in order: a bias gradient. */
+    void (*column_sums)(void *impl, const float *dz, int64_t rows, int64_t cols, float *out,
+                        int accumulate);
+    /* cols (n·OH·OW, kh·kw·C) from x (n, H, W, C), both in dtype. */
+    void (*im2col)(void *impl, const mpt_window *g, mpt_dtype dtype, const void *x, int64_t n,
+                   void *cols);
+    /* dx (n, H, W, C) in dtype = the entries of dcols (float32) added back
+       to the pixels they came from; dxf (n, H, W, C) float32 scratch
+       (unused when dtype is float32). */
+    void (*col2im)(void *impl, const mpt_window *g, mpt_dtype dtype, const float *dcols,
+                   int64_t n, float *dxf, void *dx);
+    /* y (n, OH, OW, C) from x (n, H, W, C), in dtype; argmax (n, OH, OW, C)
+       int32 for max pooling; ws: pool_workspace bytes. */
+    void (*pool_forward)(void *impl, mpt_pool_kind kind, const mpt_window *g, mpt_dtype dtype,
+                         const void *x, void *y, int32_t *argmax, int64_t n, void *ws);
+    void (*pool_backward)(void *impl, mpt_pool_kind kind, const mpt_window *g, mpt_dtype dtype,
+                          const void *dy, void *dx, const int32_t *argmax, int64_t n, void *ws);
+    int64_t (*pool_workspace)(void *impl, const mpt_window *g, int64_t n);
+    void (*batchnorm_forward)(void *impl, const mpt_batchnorm_args *a);
+    void (*batchnorm_backward)(void *impl, const mpt_batchnorm_args *a);
+    /* The moving statistics from the batch ones, when state->finite. */
+    void (*batchnorm_commit)(void *impl, const mpt_batchnorm_args *a,
+                             const mpt_step_state *state);
+    int64_t (*batchnorm_workspace)(void *impl, mpt_dtype dtype, int64_t rows, int64_t channels);
+    /* Inverted dropout of n elements in dtype: out[i] = in[i]/(1 − rate)
+       where uniform01(philox(key, step, i/4)[i%4]) ≥ rate, else 0.
+       forward: step = state->step, saved into *saved_step; backward
+       (state NULL): step = *saved_step. */
+    void (*dropout)(void *impl, uint64_t key, float rate, mpt_dtype dtype, const void *in,
+                    void *out, int64_t n, const mpt_step_state *state, int64_t *saved_step,
+                    void *ws);
+    void (*loss)(void *impl, const mpt_loss_args *a);
+    /* Pass 1: state->sum_squares = Σ g² (double, fixed order) and
+       state->finite. Pass 2: if finite, the fused update of every
+       parameter (unscale, clip, l2, decay, SGD/Adam(W)), the compute copies
+       rewritten, optimizer_steps + 1. */
+    void (*grad_stats)(void *impl, const mpt_update_args *u);
+    void (*update)(void *impl, const mpt_update_args *u);
+    /* Dynamic or fixed loss scaling after a step, from state->finite; then
+       state->step + 1. */
+    void (*loss_scale_update)(void *impl, const mpt_loss_scale_desc *d, mpt_step_state *state);
+} mpt_backend;
+
+/* Memory categories (the model's arenas). */
+enum {
+    MPT_MEMORY_PARAMS = 0,      /* float32 master weights                    */
+    MPT_MEMORY_GRADS,           /* float32 gradients                         */
+    MPT_MEMORY_OPTIMIZER,       /* optimizer state                           */
+    MPT_MEMORY_WEIGHT_COPY,     /* compute-dtype copies of the weights       */
+    MPT_MEMORY_ACTIVATIONS,     /* outputs, saved buffers, gradients         */
+    MPT_MEMORY_WORKSPACE,       /* scratch shared by all layers              */
+    MPT_MEMORY_COUNT_
+};
+
+/* The backend a context's models use (the CPU's unless a CUDA device was
+   taken), and its implementation state. */
+MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **impl);
+
+/* The CUDA backend (mpt_cuda.cu, built with -DMPT_CUDA): takes the device
+   desc->cuda_device, or fails with MPT_ERR_UNSUPPORTED and a message when
+   there is none (mpt_context_create then falls back to the CPU). */
+extern mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc,
+                                          const mpt_backend **table, void **impl,
+                                          char *message, size_t message_size);
+
+/* =============================================================================
    @training: compile, fit, evaluate, predict, summary, history
    ============================================================================= */
 
@@ -920,6 +1182,8 @@ typedef struct mpt__worker_arg {
 } mpt__worker_arg;
 
 struct mpt_context {
+    const mpt_backend *backend; /* where models train (@impl-cpu-backend) */
+    void *backend_impl;         /* its state; the context itself for the CPU */
     mpt_allocator allocator;
     mpt_logger logger;
     int num_threads;
@@ -1147,9 +1411,47 @@ static mpt_status mpt__pool_start(mpt_context *ctx) {
     return MPT_OK;
 }
 
+static const mpt_backend *mpt__cpu_backend(void);
+
+/* The CUDA device when this build has one and the descriptor and
+   $MPT_DEVICE allow it; the CPU otherwise (saying why when a GPU was
+   wanted but not found). */
+static mpt_status mpt__choose_backend(mpt_context *ctx, const mpt_context_desc *d) {
+    const char *env = getenv("MPT_DEVICE");
+    ctx->backend = mpt__cpu_backend();
+    ctx->backend_impl = ctx;
+    if (env && *env && strcmp(env, "cpu") != 0 && strcmp(env, "cuda") != 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "context: MPT_DEVICE=\"%s\" is neither \"cpu\" nor \"cuda\"", env);
+    if (d->use_cpu || (env && strcmp(env, "cpu") == 0)) return MPT_OK;
+#ifdef MPT_CUDA
+    {
+        char message[512] = "";
+        const mpt_backend *table = NULL;
+        void *impl = NULL;
+        mpt_status s = mpt_cuda_backend_create(d, &table, &impl, message, sizeof message);
+        if (s == MPT_ERR_UNSUPPORTED) {
+            mpt__log(ctx, MPT_LOG_WARNING, "%s: training on the CPU", message);
+            return MPT_OK;
+        }
+        if (s != MPT_OK) return mpt__fail(ctx, s, "context: %s", message);
+        ctx->backend = table;
+        ctx->backend_impl = impl;
+        mpt__log(ctx, MPT_LOG_INFO, "%s", message);
+    }
+#endif
+    return MPT_OK;
+}
+
+MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **impl) {
+    if (impl) *impl = ctx ? ctx->backend_impl : NULL;
+    return ctx ? ctx->backend : NULL;
+}
+
 MPTDEF void mpt_context_destroy(mpt_context *ctx) {
     int i;
     if (!ctx) return;
+    if (ctx->backend && ctx->backend_impl != (void *)ctx) ctx->backend->destroy(ctx->backend_impl);
     mpt__pool_stop(ctx);
     mpt__free(ctx, ctx->worker_args);
     if (ctx->scratch) {
@@ -1206,6 +1508,8 @@ MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context *
         }
     }
     s = mpt__pool_start(ctx);
+    if (s != MPT_OK) goto fail;
+    s = mpt__choose_backend(ctx, &d);
     if (s != MPT_OK) goto fail;
     *out = ctx;
     return MPT_OK;
@@ -2648,6 +2952,9 @@ typedef struct mpt__layer mpt__layer;
 typedef struct mpt__pass {
     mpt_context *ctx;
     struct mpt_model *model;
+    const mpt_backend *be; /* every buffer below is in its memory         */
+    void *impl;            /* the backend's state                         */
+    mpt_step_state *state; /* the step's scalars, in the backend's memory */
     int64_t batch;
     int training;
     const void *x;   /* (batch, in_shape)                                   */
@@ -2733,18 +3040,21 @@ typedef struct mpt__history_store {
     double *values[MPT_MAX_LOGS];        /* [cap] each */
 } mpt__history_store;
 
-typedef enum mpt__category {
-    MPT__MEM_PARAMS,      /* float32 master weights             */
-    MPT__MEM_GRADS,       /* float32 gradients                  */
-    MPT__MEM_OPTIMIZER,   /* float32 optimizer state (slots)    */
-    MPT__MEM_WEIGHT_COPY, /* compute-dtype copies of weights    */
-    MPT__MEM_ACTIVATIONS, /* outputs, saved buffers, gradients  */
-    MPT__MEM_WORKSPACE,   /* scratch shared by all layers       */
-    MPT__MEM_COUNT_
-} mpt__category;
+/* The arenas, one per memory category (@backend's MPT_MEMORY_*). */
+enum {
+    MPT__MEM_PARAMS = MPT_MEMORY_PARAMS,
+    MPT__MEM_GRADS = MPT_MEMORY_GRADS,
+    MPT__MEM_OPTIMIZER = MPT_MEMORY_OPTIMIZER,
+    MPT__MEM_WEIGHT_COPY = MPT_MEMORY_WEIGHT_COPY,
+    MPT__MEM_ACTIVATIONS = MPT_MEMORY_ACTIVATIONS,
+    MPT__MEM_WORKSPACE = MPT_MEMORY_WORKSPACE,
+    MPT__MEM_COUNT_ = MPT_MEMORY_COUNT_
+};
 
 struct mpt_model {
     mpt_context *ctx;
+    const mpt_backend *be;               /* the context's: holds every buffer */
+    void *impl;
     mpt_model_desc desc;
     mpt_dtype policy_dtype;
     mpt__layer *layers;
@@ -2757,9 +3067,19 @@ struct mpt_model {
     void *arena[MPT__MEM_COUNT_];
     int64_t arena_bytes[MPT__MEM_COUNT_];
     void *grad_buf[2];                   /* ping-pong activation gradients */
+    void *input_buf[2];                  /* (max_batch, in) batches copied in from
+                                            the host (two: one is filled while
+                                            the other is read); NULL on the CPU */
+    void *target_buf[2];                 /* (max_batch, out) float32 or int32
+                                            targets, likewise                */
+    mpt_step_state *state;               /* [2] in the backend's memory: the
+                                            training step's, evaluation's     */
+    mpt_update_args update;              /* the trainable parameters' buffers */
     int64_t last_batch;                  /* of the last forward, 0 if none */
     int last_training;
     int emit_logits;                     /* the last layer skips its softmax */
+    int planning;                        /* GEMMs are being timed (fit's first step) */
+    int64_t planned_batch;               /* the batch size they were timed at */
     /* Training: set by compile, advanced by fit, saved in checkpoints. */
     int compiled;
     mpt_compile_desc compile;            /* every default resolved          */
@@ -2773,6 +3093,11 @@ struct mpt_model {
     mpt__history_store history;
     mpt_printer printer;                 /* progress and messages (fit's)   */
 };
+
+/* Where a model's buffers are, for the tensors that show them. */
+static mpt_device mpt__model_device(const mpt_model *m) {
+    return m->be == mpt__cpu_backend() ? MPT_DEVICE_CPU : MPT_DEVICE_CUDA;
+}
 
 /* Prints through the model's printer (stdout by default): progress bars,
    summaries, callbacks' messages. */
@@ -2897,6 +3222,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
     if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
+    m->be = mpt_context_backend(ctx, &m->impl);
     m->desc = *desc;
     m->policy_dtype = desc->policy == MPT_POLICY_MIXED_FLOAT16    ? MPT_FLOAT16
                       : desc->policy == MPT_POLICY_MIXED_BFLOAT16 ? MPT_BFLOAT16
@@ -2905,10 +3231,14 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     return MPT_OK;
 }
 
+static void mpt__free_update_args(mpt_model *m);
+
 MPTDEF void mpt_model_destroy(mpt_model *m) {
     int c;
     if (!m) return;
-    for (c = 0; c < MPT__MEM_COUNT_; c++) mpt__free(m->ctx, m->arena[c]);
+    for (c = 0; c < MPT__MEM_COUNT_; c++) m->be->free(m->impl, c, m->arena[c]);
+    m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
+    mpt__free_update_args(m);
     for (c = 0; c < MPT_MAX_LOGS; c++) mpt__free(m->ctx, m->history.values[c]);
     mpt__free(m->ctx, m->layers);
     mpt__free(m->ctx, m->params);
@@ -2970,20 +3300,20 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
 
 /* Initial values, keyed by (model seed, parameter index, element), so they
    do not depend on threads or on the order of anything else. */
-static void mpt__init_param(const mpt_model *m, int index) {
+static void mpt__init_param(const mpt_model *m, int index, float *value) {
     const mpt__param *P = &m->params[index];
     uint64_t key = mpt__mix64(m->desc.seed ^ (0x5EEDull << 32) ^ (uint64_t)index);
     int64_t i;
     uint32_t r[4];
     switch (P->init) {
     case MPT_INIT_ONES:
-        for (i = 0; i < P->count; i++) P->value[i] = 1.0f;
+        for (i = 0; i < P->count; i++) value[i] = 1.0f;
         break;
     case MPT_INIT_GLOROT_UNIFORM: {
         double limit = sqrt(6.0 / (double)(P->fan_in + P->fan_out));
         for (i = 0; i < P->count; i++) {
             mpt_philox4x32(key, 0, (uint64_t)i, r);
-            P->value[i] = (float)((2.0 * mpt__uniform01(r[0]) - 1.0) * limit);
+            value[i] = (float)((2.0 * mpt__uniform01(r[0]) - 1.0) * limit);
         }
         break;
     }
@@ -3004,13 +3334,32 @@ static void mpt__init_param(const mpt_model *m, int index) {
                 if (fabs(z) <= 2.0) break;
             }
             if (fabs(z) > 2.0) z = 0; /* 64 rejections in a row: p < 1e-80 */
-            P->value[i] = (float)(z * stddev);
+            value[i] = (float)(z * stddev);
         }
         break;
     }
-    default: /* zeros: the arena is zero-filled */
+    default: /* zeros */
+        memset(value, 0, sizeof(float) * (size_t)P->count);
         break;
     }
+}
+
+/* Every parameter's initial value, made on the host and copied in. */
+static mpt_status mpt__init_params(mpt_model *m) {
+    int64_t most = 1;
+    float *host;
+    int i;
+    mpt_status s = MPT_OK;
+    for (i = 0; i < m->n_params; i++) most = MPT__MAX(most, m->params[i].count);
+    host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)most);
+    if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    for (i = 0; i < m->n_params && s == MPT_OK; i++) {
+        mpt__init_param(m, i, host);
+        s = m->be->upload(m->impl, m->params[i].value, host,
+                          sizeof(float) * (size_t)m->params[i].count);
+    }
+    mpt__free(m->ctx, host);
+    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
 }
 
 MPTDEF void mpt_model_refresh_weights(mpt_model *m) {
@@ -3019,7 +3368,8 @@ MPTDEF void mpt_model_refresh_weights(mpt_model *m) {
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
         if (P->compute != (void *)P->value)
-            mpt__convert(m->ctx, P->compute_dtype, P->compute, MPT_FLOAT32, P->value, P->count);
+            m->be->convert(m->impl, P->compute_dtype, P->compute, MPT_FLOAT32, P->value,
+                           P->count);
     }
 }
 
@@ -3066,6 +3416,15 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
     }
     m->grad_buf[0] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
     m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
+    if (mpt__model_device(m) != MPT_DEVICE_CPU) { /* the CPU reads the host's batches in place */
+        const mpt__layer *last = &m->layers[m->n_layers - 1];
+        for (i = 0; i < 2; i++) {
+            m->input_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                         4 * m->layers[0].in_count * m->max_batch);
+            m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                          4 * last->out_count * m->max_batch);
+        }
+    }
 }
 
 /* Checks each layer against its input shape and declares its buffers. */
@@ -3108,6 +3467,56 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
     return MPT_OK;
 }
 
+static void mpt__free_update_args(mpt_model *m) {
+    mpt__free(m->ctx, (void *)m->update.value);
+    memset(&m->update, 0, sizeof m->update);
+}
+
+/* The arrays of pointers the backend's optimizer walks (one allocation:
+   value, grad, slot0, slot1, compute, then compute_dtype and count). */
+static mpt_status mpt__build_update_args(mpt_model *m) {
+    mpt_update_args *u = &m->update;
+    size_t n = 0, ptrs;
+    unsigned char *block;
+    int i;
+    mpt__free_update_args(m);
+    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
+    ptrs = 5 * n * sizeof(void *);
+    block = (unsigned char *)mpt__calloc(m->ctx, ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t)) + 1);
+    if (!block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    {
+        float **value = (float **)block, **grad = value + n, **slot0 = grad + n;
+        float **slot1 = slot0 + n;
+        void **compute = (void **)(slot1 + n);
+        int64_t *count = (int64_t *)(block + ptrs);
+        mpt_dtype *dtype = (mpt_dtype *)(count + n);
+        int k = 0;
+        for (i = 0; i < m->n_params; i++) {
+            const mpt__param *P = &m->params[i];
+            if (!P->trainable) continue;
+            value[k] = P->value;
+            grad[k] = P->grad;
+            slot0[k] = P->slot[0];
+            slot1[k] = P->slot[1];
+            compute[k] = P->compute;
+            count[k] = P->count;
+            dtype[k] = P->compute_dtype;
+            k++;
+        }
+        u->n = (int)n;
+        u->value = value;
+        u->grad = (const float *const *)grad;
+        u->slot0 = slot0;
+        u->slot1 = slot1;
+        u->compute = compute;
+        u->compute_dtype = dtype;
+        u->count = count;
+    }
+    u->optimizer = m->compile.optimizer;
+    u->state = m->state;
+    return MPT_OK;
+}
+
 /* The optimizer's state, m->n_slots float32 tensors per trainable
    parameter, zero-filled: allocated by build when the model is compiled
    first, or by compile when it is built first (and again on recompiling,
@@ -3115,20 +3524,22 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
 static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
     int64_t floats = 0;
     float *next;
+    void *block = NULL;
     int i, s;
-    mpt__free(m->ctx, m->arena[MPT__MEM_OPTIMIZER]);
+    m->be->free(m->impl, MPT__MEM_OPTIMIZER, m->arena[MPT__MEM_OPTIMIZER]);
     m->arena[MPT__MEM_OPTIMIZER] = NULL;
     m->arena_bytes[MPT__MEM_OPTIMIZER] = 0;
     for (i = 0; i < m->n_params; i++) {
         m->params[i].slot[0] = m->params[i].slot[1] = NULL;
         if (m->params[i].trainable) floats += m->params[i].count * m->n_slots;
     }
-    if (floats == 0) return MPT_OK;
-    next = (float *)mpt__calloc(m->ctx, (size_t)floats * sizeof(float));
-    if (!next)
+    if (floats == 0) return mpt__build_update_args(m);
+    if (m->be->alloc(m->impl, MPT__MEM_OPTIMIZER, (size_t)floats * sizeof(float), &block) != MPT_OK)
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                         "model: cannot allocate %lld bytes of optimizer state",
-                         (long long)floats * 4);
+                         "model: cannot allocate %lld bytes of optimizer state: %s",
+                         (long long)floats * 4, m->be->error(m->impl));
+    m->be->zero(m->impl, block, (size_t)floats * sizeof(float));
+    next = (float *)block;
     m->arena[MPT__MEM_OPTIMIZER] = next;
     m->arena_bytes[MPT__MEM_OPTIMIZER] = floats * 4;
     for (i = 0; i < m->n_params; i++) {
@@ -3138,7 +3549,7 @@ static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
             next += P->count;
         }
     }
-    return MPT_OK;
+    return mpt__build_update_args(m);
 }
 
 /* The activation a layer ends with (Dense's and Activation's; none else). */
@@ -3155,6 +3566,17 @@ static void mpt__final_softmax_in_float32(mpt_model *m) {
     mpt__layer *L = &m->layers[m->n_layers - 1];
     if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.flatten.dtype == MPT_DTYPE_DEFAULT)
         L->dtype = MPT_FLOAT32;
+}
+
+/* Gives back every buffer of a build that failed half-way. */
+static void mpt__free_arenas(mpt_model *m) {
+    int i;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        m->be->free(m->impl, i, m->arena[i]);
+        m->arena[i] = NULL;
+    }
+    m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
+    m->state = NULL;
 }
 
 MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
@@ -3177,22 +3599,30 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     for (i = 0; i < MPT__MEM_COUNT_; i++) {
         if (i == MPT__MEM_OPTIMIZER) continue; /* mpt__alloc_optimizer_state's */
         m->arena_bytes[i] = c[i].used;
-        m->arena[i] = mpt__calloc(m->ctx, (size_t)c[i].used);
-        if (!m->arena[i]) {
-            int j;
-            for (j = 0; j < i; j++) {
-                mpt__free(m->ctx, m->arena[j]);
-                m->arena[j] = NULL;
-            }
+        if (m->be->alloc(m->impl, i, (size_t)c[i].used, &m->arena[i]) != MPT_OK) {
+            mpt__free_arenas(m);
             return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                             "model: cannot allocate %lld bytes for batches of %lld",
-                             (long long)c[i].used, (long long)max_batch);
+                             "model: cannot allocate %lld bytes for batches of %lld: %s",
+                             (long long)c[i].used, (long long)max_batch,
+                             m->be->error(m->impl));
         }
+        /* Zeroed, so that nothing ever reads garbage (a gradient buffer
+           read before it is written would turn into NaN in a product). */
+        m->be->zero(m->impl, m->arena[i], (size_t)c[i].used);
         c[i].base = (unsigned char *)m->arena[i];
         c[i].used = 0;
     }
+    if (m->be->alloc(m->impl, MPT__MEM_WORKSPACE, 2 * sizeof(mpt_step_state),
+                     (void **)&m->state) != MPT_OK) {
+        mpt__free_arenas(m);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: %s", m->be->error(m->impl));
+    }
+    m->be->zero(m->impl, m->state, 2 * sizeof(mpt_step_state));
     mpt__layout(m, c, grad_buf_bytes);
-    for (i = 0; i < m->n_params; i++) mpt__init_param(m, i);
+    if (mpt__init_params(m) != MPT_OK) {
+        mpt__free_arenas(m);
+        return MPT_ERR_OUT_OF_MEMORY;
+    }
     m->built = 1;
     mpt_model_refresh_weights(m);
     return m->compiled ? mpt__alloc_optimizer_state(m) : MPT_OK;
@@ -3221,9 +3651,65 @@ static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
     return MPT_OK;
 }
 
+/* Copies host memory into the backend's, turning a failure into a status. */
+static mpt_status mpt__upload(mpt_model *m, void *dst, const void *src, size_t bytes) {
+    mpt_status s = m->be->upload(m->impl, dst, src, bytes);
+    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
+}
+
+static mpt_status mpt__download(mpt_model *m, void *dst, const void *src, size_t bytes) {
+    mpt_status s = m->be->download(m->impl, dst, src, bytes);
+    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
+}
+
+/* x as the layers can read it: itself on the CPU backend or when it is
+   already in the device's memory, else copied into input_buf[0]. */
+static mpt_status mpt__input_on_backend(mpt_model *m, const mpt_tensor *x, mpt_tensor *in) {
+    *in = *x;
+    if (mpt__model_device(m) == MPT_DEVICE_CPU || x->device != MPT_DEVICE_CPU) return MPT_OK;
+    in->data = m->input_buf[0];
+    in->device = MPT_DEVICE_CUDA;
+    return mpt__upload(m, m->input_buf[0], x->data, mpt_tensor_bytes(x));
+}
+
+/* The training scalars: the model keeps the host's copy (what checkpoints,
+   callbacks and accessors read), the backend the one a step updates.
+   push copies the host's over both of the backend's records (their
+   tallies zeroed); pull copies the training record back. */
+static mpt_status mpt__state_push(mpt_model *m) {
+    mpt_step_state st[2];
+    memset(st, 0, sizeof st);
+    st[0].step = (int64_t)m->step;
+    st[0].optimizer_steps = m->optimizer_steps;
+    st[0].good_steps = m->good_steps;
+    st[0].skipped_steps = m->skipped_steps;
+    st[0].learning_rate = m->learning_rate;
+    st[0].loss_scale = m->compiled ? m->loss_scale : 1.0f;
+    st[0].finite = 1;
+    st[1] = st[0];
+    return mpt__upload(m, m->state, st, sizeof st);
+}
+
+static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
+    float scale_before = m->loss_scale;
+    MPT__CHECK(mpt__download(m, st, m->state, sizeof *st));
+    m->step = (uint64_t)st->step;
+    m->optimizer_steps = st->optimizer_steps;
+    m->good_steps = st->good_steps;
+    m->skipped_steps = st->skipped_steps;
+    m->loss_scale = st->loss_scale;
+    /* Warned on the way down through 1, so once per collapse. */
+    if (scale_before >= 1 && m->loss_scale < 1)
+        mpt__log(m->ctx, MPT_LOG_WARNING,
+                 "loss scale collapsed to %g: gradients overflow even unscaled — "
+                 "check for inf/NaN in the model or data", (double)m->loss_scale);
+    return MPT_OK;
+}
+
 static void mpt__layer_view(const mpt_model *m, const mpt__layer *L, void *data, int use_input,
                             mpt_tensor *t) {
     memset(t, 0, sizeof *t);
+    t->device = mpt__model_device(m);
     t->dtype = L->dtype;
     t->rank = (use_input ? L->in_rank : L->out_rank) + 1;
     t->shape[0] = m->last_batch;
@@ -3236,6 +3722,9 @@ static void mpt__pass_init(mpt_model *m, int64_t batch, int training, mpt__pass 
     memset(p, 0, sizeof *p);
     p->ctx = m->ctx;
     p->model = m;
+    p->be = m->be;
+    p->impl = m->impl;
+    p->state = m->state;
     p->batch = batch;
     p->training = training != 0;
     p->workspace = m->arena[MPT__MEM_WORKSPACE];
@@ -3266,7 +3755,7 @@ static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) 
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
         if (cur_dtype != L->dtype) {
-            mpt__convert(m->ctx, L->dtype, L->x_cast, cur_dtype, cur, p.batch * L->in_count);
+            m->be->convert(m->impl, L->dtype, L->x_cast, cur_dtype, cur, p.batch * L->in_count);
             cur = L->x_cast;
         }
         L->x = cur;
@@ -3284,10 +3773,13 @@ static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) 
 
 MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
                                     mpt_tensor *out) {
+    mpt_tensor in;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: forward before build");
     MPT__CHECK(mpt__check_input(m, x));
-    mpt__model_forward(m, x, training);
+    MPT__CHECK(mpt__input_on_backend(m, x, &in));
+    if (training) MPT__CHECK(mpt__state_push(m)); /* the step keys dropout's masks */
+    mpt__model_forward(m, &in, training);
     if (training) mpt__model_commit(m);
     if (out) mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, out);
     return MPT_OK;
@@ -3334,9 +3826,15 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
                              mpt_shape_format(got, sizeof got, dout->rank, dout->shape),
                              mpt_shape_format(exp, sizeof exp, want.rank, want.shape));
         }
-        if (dout->data != m->grad_buf[0])
-            mpt__convert(m->ctx, last->dtype, m->grad_buf[0], dout->dtype, dout->data,
-                         mpt_tensor_count(dout));
+        if (dout->data != m->grad_buf[0]) {
+            const void *src = dout->data;
+            if (dout->device != mpt__model_device(m)) { /* in from the host */
+                MPT__CHECK(mpt__upload(m, m->target_buf[0], src, mpt_tensor_bytes(dout)));
+                src = m->target_buf[0];
+            }
+            m->be->convert(m->impl, last->dtype, m->grad_buf[0], dout->dtype, src,
+                           mpt_tensor_count(dout));
+        }
     }
     /* Unless the caller wants the input's gradient, the backward pass ends
        at the first layer with trainable parameters, and that layer skips
@@ -3354,8 +3852,8 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
         L->ops->backward(L, &p);
         if (i > first && m->layers[i - 1].dtype != L->dtype) {
             /* dy is spent: the converted gradient goes back into its buffer. */
-            mpt__convert(m->ctx, m->layers[i - 1].dtype, m->grad_buf[cur], L->dtype,
-                         m->grad_buf[1 - cur], p.batch * L->in_count);
+            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[cur], L->dtype,
+                           m->grad_buf[1 - cur], p.batch * L->in_count);
         } else if (p.dx) {
             cur = 1 - cur;
         }
@@ -3387,6 +3885,7 @@ MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info)
     memcpy(info->grad.shape, P->shape, sizeof P->shape);
     info->value.data = P->value;
     info->grad.data = P->grad;
+    info->value.device = info->grad.device = mpt__model_device(m);
     return MPT_OK;
 }
 
@@ -3494,6 +3993,15 @@ static void mpt__add_column_sums(const float *dz, int64_t rows, int64_t cols, fl
     for (r = 0; r < rows; r++) mpt__add_f32(out, dz + r * cols, cols);
 }
 
+/* Every layer's GEMM goes through here. While a model is planned (before
+   its first training step on a backend that measures its GEMM engines),
+   the backend first times each engine on the shape and keeps the faster;
+   a shape it cannot time keeps the default engine. */
+static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtype c_dtype) {
+    if (p->model->planning && p->be->gemm_plan) (void)p->be->gemm_plan(p->impl, g, c_dtype);
+    p->be->gemm(p->impl, g, c_dtype);
+}
+
 /* Appends a layer of `ops` described by desc (one of the descriptor
    structs, `size` bytes; each starts with the common name and dtype). */
 static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc,
@@ -3556,9 +4064,13 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     int64_t B = p->batch, in = L->in_count, units = d->units, n = B * units;
     mpt_activation act = mpt__pass_activation(p, d->activation);
     int fused = act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX;
+    /* A backend that rounds C in its epilogue writes y in the compute
+       dtype directly; otherwise the product lands in float32 first. */
+    int rounds_c = fused && L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c;
     mpt__ws w = {(unsigned char *)p->workspace};
-    float *acc = (L->dtype == MPT_FLOAT32 && fused) ? (float *)p->y
-                                                    : (float *)mpt__ws_take(&w, 4 * n);
+    float *acc = ((L->dtype == MPT_FLOAT32 || rounds_c) && fused)
+                     ? (float *)p->y
+                     : (float *)mpt__ws_take(&w, 4 * n);
     mpt_gemm_desc g;
     memset(&g, 0, sizeof g);
     g.m = B;
@@ -3573,14 +4085,14 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     g.ldc = units;
     g.bias = d->no_bias ? NULL : mpt__pv(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
-    mpt__gemm(p->ctx, &g);
+    mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
     if (act == MPT_ACT_GELU) {
-        mpt__convert(p->ctx, L->dtype, L->saved[0], MPT_FLOAT32, acc, n);
-        mpt__activation_forward(MPT_ACT_GELU, acc, n);
+        p->be->convert(p->impl, L->dtype, L->saved[0], MPT_FLOAT32, acc, n);
+        p->be->activation(p->impl, MPT_ACT_GELU, acc, B, units);
     } else if (act == MPT_ACT_SOFTMAX) {
-        mpt__softmax_rows(acc, B, units);
+        p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, B, units);
     }
-    if (acc != p->y) mpt__convert(p->ctx, L->dtype, p->y, MPT_FLOAT32, acc, n);
+    if (acc != p->y) p->be->convert(p->impl, L->dtype, p->y, MPT_FLOAT32, acc, n);
 }
 
 static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
@@ -3591,15 +4103,12 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     float *tmp = (float *)mpt__ws_take(&w, 4 * n);
     void *dz_c = L->dtype == MPT_FLOAT32 ? (void *)dz : mpt__ws_take(&w, mpt__dbytes(L->dtype, n));
     mpt_gemm_desc g;
-    mpt__activation_grad(p->ctx, mpt__pass_activation(p, d->activation), L->dtype, L->saved[0],
-                         p->y, p->dy, dz, tmp, n, units);
-    if (!d->no_bias) {
-        memset(mpt__pg(L, 1), 0, sizeof(float) * (size_t)units);
-        mpt__add_column_sums(dz, B, units, mpt__pg(L, 1));
-    }
+    p->be->activation_grad(p->impl, mpt__pass_activation(p, d->activation), L->dtype,
+                           L->saved[0], p->y, p->dy, dz, tmp, B, units);
+    if (!d->no_bias) p->be->column_sums(p->impl, dz, B, units, mpt__pg(L, 1), 0);
     /* The weight and input gradients are products in the compute dtype,
        as the forward was: dz is rounded to it once. */
-    if (dz_c != (void *)dz) mpt__convert(p->ctx, L->dtype, dz_c, MPT_FLOAT32, dz, n);
+    if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, n);
     memset(&g, 0, sizeof g); /* dkernel (in, units) = xᵀ · dz */
     g.trans_a = 1;
     g.m = in;
@@ -3612,7 +4121,7 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     g.ldb = units;
     g.c = mpt__pg(L, 0);
     g.ldc = units;
-    mpt__gemm(p->ctx, &g);
+    mpt__layer_gemm(p, &g, MPT_FLOAT32);
     if (p->dx) { /* dx (B, in) = dz · kernelᵀ */
         float *dxf = L->dtype == MPT_FLOAT32 ? (float *)p->dx
                                              : (float *)mpt__ws_take(&w, 4 * B * in);
@@ -3628,8 +4137,9 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
         g.ldb = units;
         g.c = dxf;
         g.ldc = in;
-        mpt__gemm(p->ctx, &g);
-        if ((void *)dxf != p->dx) mpt__convert(p->ctx, L->dtype, p->dx, MPT_FLOAT32, dxf, B * in);
+        mpt__layer_gemm(p, &g, MPT_FLOAT32);
+        if ((void *)dxf != p->dx)
+            p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dxf, B * in);
     }
 }
 
@@ -3671,7 +4181,8 @@ static void mpt__flatten_forward(mpt__layer *L, const mpt__pass *p) {
 }
 
 static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
-    if (p->dx) memcpy(p->dx, p->dy, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
+    if (p->dx)
+        p->be->copy(p->impl, p->dx, p->dy, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
 }
 
 static const mpt__layer_ops mpt__flatten_ops = {"Flatten", "flatten", mpt__flatten_build,
@@ -3698,12 +4209,9 @@ static void mpt__activation_layer_forward(mpt__layer *L, const mpt__pass *p) {
     int64_t n = p->batch * L->in_count, cols = L->in_shape[L->in_rank - 1];
     float *t = (float *)p->workspace;
     mpt_activation act = mpt__pass_activation(p, L->desc.activation.activation);
-    mpt__convert(p->ctx, MPT_FLOAT32, t, L->dtype, p->x, n);
-    if (act == MPT_ACT_SOFTMAX)
-        mpt__softmax_rows(t, n / cols, cols);
-    else
-        mpt__activation_forward(act, t, n);
-    mpt__convert(p->ctx, L->dtype, p->y, MPT_FLOAT32, t, n);
+    p->be->convert(p->impl, MPT_FLOAT32, t, L->dtype, p->x, n);
+    p->be->activation(p->impl, act, t, n / cols, cols);
+    p->be->convert(p->impl, L->dtype, p->y, MPT_FLOAT32, t, n);
 }
 
 static void mpt__activation_layer_backward(mpt__layer *L, const mpt__pass *p) {
@@ -3712,9 +4220,9 @@ static void mpt__activation_layer_backward(mpt__layer *L, const mpt__pass *p) {
     float *dz = (float *)mpt__ws_take(&w, 4 * n);
     float *tmp = (float *)mpt__ws_take(&w, 4 * n);
     if (!p->dx) return;
-    mpt__activation_grad(p->ctx, mpt__pass_activation(p, L->desc.activation.activation),
-                         L->dtype, p->x, p->y, p->dy, dz, tmp, n, cols);
-    mpt__convert(p->ctx, L->dtype, p->dx, MPT_FLOAT32, dz, n);
+    p->be->activation_grad(p->impl, mpt__pass_activation(p, L->desc.activation.activation),
+                           L->dtype, p->x, p->y, p->dy, dz, tmp, n / cols, cols);
+    p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dz, n);
 }
 
 static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
@@ -3742,13 +4250,7 @@ MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_de
    Padding is never materialised: the loops skip pixels outside the image
    (zeros for a convolution, "not there" for pooling). */
 
-typedef struct mpt__win {
-    int64_t h, w, c;     /* one input sample (H, W, C)              */
-    int64_t kh, kw;      /* window (kernel or pool) size            */
-    int64_t sh, sw;      /* strides                                 */
-    int64_t top, left;   /* padding before the first row / column   */
-    int64_t oh, ow;      /* output rows and columns (0: no window fits) */
-} mpt__win;
+typedef mpt_window mpt__win; /* (0 output rows or columns: no window fits) */
 
 /* Outputs along one axis, and the padding before the first input. */
 static int64_t mpt__win_axis(int64_t in, int64_t k, int64_t s, mpt_padding padding,
@@ -3975,33 +4477,36 @@ static void mpt__col2im_task(void *arg, int64_t task, int thread) {
                      MPT_FLOAT32, dx, n_row);
 }
 
-/* cols (n·OH·OW, kh·kw·C) from x (n, H, W, C), both in the compute dtype. */
-static void mpt__im2col(mpt_context *ctx, const mpt__conv_plan *c, const void *x, int64_t n,
-                        void *cols) {
+/* The CPU backend's im2col (mpt_backend.im2col). */
+static void mpt__cpu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, const void *x,
+                            int64_t n, void *cols) {
+    mpt_context *ctx = (mpt_context *)impl;
     mpt__im2col_job j;
     memset(&j, 0, sizeof j);
     j.ctx = ctx;
-    j.g = &c->g;
-    j.es = c->es;
+    j.g = g;
+    j.es = mpt_dtype_size(dtype);
     j.x = (const unsigned char *)x;
     j.cols = (unsigned char *)cols;
-    mpt__parallel_for(ctx, n * c->g.oh, mpt__im2col_task, &j);
+    mpt__parallel_for(ctx, n * g->oh, mpt__im2col_task, &j);
 }
 
-/* dx (n, H, W, C) in dtype from dcols (n·OH·OW, kh·kw·C) float32; dxf
-   (n, H, W, C) float32 is where the sums are made (dx itself if float32). */
-static void mpt__col2im(mpt_context *ctx, const mpt__conv_plan *c, mpt_dtype dtype,
-                        const float *dcols, int64_t n, float *dxf, void *dx) {
+/* The CPU backend's col2im: dx (n, H, W, C) in dtype from dcols
+   (n·OH·OW, kh·kw·C) float32; dxf (n, H, W, C) float32 is where the sums
+   are made (dx itself if float32). */
+static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, const float *dcols,
+                            int64_t n, float *dxf, void *dx) {
+    mpt_context *ctx = (mpt_context *)impl;
     mpt__im2col_job j;
     memset(&j, 0, sizeof j);
     j.ctx = ctx;
-    j.g = &c->g;
-    j.es = c->es;
+    j.g = g;
+    j.es = mpt_dtype_size(dtype);
     j.dcols = dcols;
     j.dx = dtype == MPT_FLOAT32 ? (float *)dx : dxf;
     j.dtype = dtype;
     j.out = dx;
-    mpt__parallel_for(ctx, n * c->g.h, mpt__col2im_task, &j);
+    mpt__parallel_for(ctx, n * g->h, mpt__col2im_task, &j);
 }
 
 /* ---- Conv2D build, forward, backward -------------------------------------- */
@@ -4060,10 +4565,12 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     unsigned char *y = (unsigned char *)p->y + (size_t)(b0 * c->pix * c->f) * c->es;
     mpt__ws w = {(unsigned char *)p->workspace};
     void *cols = c->identity ? NULL : mpt__ws_take(&w, rows * c->kk * (int64_t)c->es);
-    float *acc = (L->dtype == MPT_FLOAT32 && fused) ? (float *)y
-                                                    : (float *)mpt__ws_take(&w, 4 * ny);
+    const int rounds_c = fused && L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c;
+    float *acc = ((L->dtype == MPT_FLOAT32 || rounds_c) && fused)
+                     ? (float *)y
+                     : (float *)mpt__ws_take(&w, 4 * ny);
     mpt_gemm_desc g;
-    if (cols) mpt__im2col(p->ctx, c, x, n, cols); /* (rows, kk) */
+    if (cols) p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols); /* (rows, kk) */
     memset(&g, 0, sizeof g);                      /* acc (rows, F) = cols · kernel */
     g.m = rows;
     g.n = c->f;
@@ -4077,15 +4584,16 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     g.ldc = c->f;
     g.bias = d->no_bias ? NULL : mpt__pv(L, 1);
     g.activation = fused ? d->activation : MPT_ACT_NONE;
-    mpt__gemm(p->ctx, &g);
+    mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
     if (d->activation == MPT_ACT_GELU) {
         unsigned char *z = (unsigned char *)L->saved[0] + (size_t)(b0 * c->pix * c->f) * c->es;
-        mpt__convert(p->ctx, L->dtype, z, MPT_FLOAT32, acc, ny);
-        mpt__activation_forward(MPT_ACT_GELU, acc, ny);
+        p->be->convert(p->impl, L->dtype, z, MPT_FLOAT32, acc, ny);
+        p->be->activation(p->impl, MPT_ACT_GELU, acc, rows, c->f);
     } else if (d->activation == MPT_ACT_SOFTMAX) {
-        mpt__softmax_rows(acc, rows, c->f); /* over the channels of each pixel */
+        /* over the channels of each pixel */
+        p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, rows, c->f);
     }
-    if ((void *)acc != (void *)y) mpt__convert(p->ctx, L->dtype, y, MPT_FLOAT32, acc, ny);
+    if ((void *)acc != (void *)y) p->be->convert(p->impl, L->dtype, y, MPT_FLOAT32, acc, ny);
 }
 
 static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
@@ -4115,7 +4623,7 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
     g.c = mpt__pg(L, 0);
     g.ldc = c->f;
     g.beta = first ? 0.0f : 1.0f;
-    mpt__gemm(p->ctx, &g);
+    mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
 
 /* dcols (rows, kk) float32 = dz · kernelᵀ; dz (rows, F) in dtype. */
@@ -4134,7 +4642,7 @@ static void mpt__conv2d_cols_grad(mpt__layer *L, const mpt__pass *p, const mpt__
     g.ldb = c->f;
     g.c = dcols;
     g.ldc = c->kk;
-    mpt__gemm(p->ctx, &g);
+    mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
 
 /* Adds this chunk's share to the kernel and bias gradients (the first
@@ -4155,27 +4663,26 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     void *cols = c->identity ? NULL : mpt__ws_take(&w, rows * c->kk * (int64_t)c->es);
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
-    mpt__activation_grad(p->ctx, d->activation, L->dtype, z,
-                         (const unsigned char *)p->y + (size_t)y_off * c->es,
-                         (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, ny, c->f);
-    if (!d->no_bias) {
-        if (b0 == 0) memset(mpt__pg(L, 1), 0, sizeof(float) * (size_t)c->f);
-        mpt__add_column_sums(dz, rows, c->f, mpt__pg(L, 1));
-    }
+    p->be->activation_grad(p->impl, d->activation, L->dtype, z,
+                           (const unsigned char *)p->y + (size_t)y_off * c->es,
+                           (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
+                           c->f);
+    if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__pg(L, 1), b0 != 0);
     /* The products run in the compute dtype, as the forward did. */
-    if (dz_c != (void *)dz) mpt__convert(p->ctx, L->dtype, dz_c, MPT_FLOAT32, dz, ny);
-    if (cols) mpt__im2col(p->ctx, c, x, n, cols); /* recomputed: cheaper than keeping it */
+    if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, ny);
+    if (cols) /* recomputed: cheaper than keeping it */
+        p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
     mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
                             b0 == 0);
     if (!dx) return;
     if (!c->identity) {
         mpt__conv2d_cols_grad(L, p, c, dz_c, rows, dcols);
-        mpt__col2im(p->ctx, c, L->dtype, dcols, n, dxf, dx);
+        p->be->col2im(p->impl, &c->g, L->dtype, dcols, n, dxf, dx);
     } else if (f32) { /* dcols is dx */
         mpt__conv2d_cols_grad(L, p, c, dz_c, rows, (float *)dx);
     } else {
         mpt__conv2d_cols_grad(L, p, c, dz_c, rows, dcols);
-        mpt__convert(p->ctx, L->dtype, dx, MPT_FLOAT32, dcols, n * L->in_count);
+        p->be->convert(p->impl, L->dtype, dx, MPT_FLOAT32, dcols, n * L->in_count);
     }
 }
 
@@ -4265,8 +4772,12 @@ static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt__pool_kind ki
                              "indices it saves", L->name, (long long)L->in_count);
         MPT__CHECK(mpt__layer_add_saved(m, L, 4 * out_count, 0)); /* argmax (B, OH, OW, C) */
     }
-    /* Per sample, float32: forward x and y, backward dy and dx. */
-    return mpt__layer_set_workspace(m, L, 4 * (L->in_count + out_count), MPT__ALIGN);
+    {
+        void *impl;
+        const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
+        /* the backend's need for one sample, times the batch (overflow-checked) */
+        return mpt__layer_set_workspace(m, L, be->pool_workspace(impl, &g, 1), 0);
+    }
 }
 
 static mpt_status mpt__max_pool_build(mpt_model *m, mpt__layer *L) {
@@ -4282,7 +4793,7 @@ static mpt_status mpt__global_pool_build(mpt_model *m, mpt__layer *L) {
 typedef struct mpt__pool_job {
     const mpt_context *ctx;
     mpt__win g;
-    mpt__pool_kind kind;
+    mpt_pool_kind kind;
     mpt_dtype dtype;
     size_t es;
     int64_t n_in, n_out;     /* elements of one input / output sample      */
@@ -4294,22 +4805,18 @@ typedef struct mpt__pool_job {
     float *ws;               /* (B, n_in + n_out) float32                   */
 } mpt__pool_job;
 
-static void mpt__pool_job_init(mpt__pool_job *j, const mpt__layer *L, const mpt__pass *p,
-                               mpt__pool_kind kind) {
+static void mpt__pool_job_init(mpt__pool_job *j, void *impl, mpt_pool_kind kind,
+                               const mpt_window *g, mpt_dtype dtype, int32_t *argmax, void *ws) {
     memset(j, 0, sizeof *j);
-    j->ctx = p->ctx;
-    mpt__pool_win(&j->g, L, kind);
+    j->ctx = (const mpt_context *)impl;
+    j->g = *g;
     j->kind = kind;
-    j->dtype = L->dtype;
-    j->es = mpt_dtype_size(L->dtype);
-    j->n_in = L->in_count;
-    j->n_out = L->out_count;
-    j->x = p->x;
-    j->y = p->y;
-    j->dy = p->dy;
-    j->dx = p->dx;
-    j->argmax = kind == MPT__POOL_MAX ? (int32_t *)L->saved[0] : NULL;
-    j->ws = (float *)p->workspace;
+    j->dtype = dtype;
+    j->es = mpt_dtype_size(dtype);
+    j->n_in = g->h * g->w * g->c;
+    j->n_out = g->oh * g->ow * g->c;
+    j->argmax = kind == MPT_POOL_MAX ? argmax : NULL;
+    j->ws = (float *)ws;
 }
 
 /* Element `at` of a dtype array, as a byte pointer. */
@@ -4373,7 +4880,7 @@ static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
         for (ox = 0; ox < g->ow; ox++) {
             const int64_t at = (oy * g->ow + ox) * g->c;
             mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
-            if (j->kind == MPT__POOL_MAX)
+            if (j->kind == MPT_POOL_MAX)
                 mpt__max_window(g, x, r0, r1, c0, c1, y + at, j->argmax + b * j->n_out + at);
             else
                 mpt__avg_window(g, x, r0, r1, c0, c1, y + at);
@@ -4395,7 +4902,7 @@ static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
     int64_t oy, ox, r0, r1, c0, c1, r, q, e;
     (void)thread;
     memset(dx, 0, sizeof(float) * (size_t)j->n_in);
-    if (j->kind == MPT__POOL_MAX) {
+    if (j->kind == MPT_POOL_MAX) {
         const int32_t *arg_b = j->argmax + b * j->n_out;
         for (e = 0; e < j->n_out; e++) dx[arg_b[e]] += dy[e];
     } else {
@@ -4415,17 +4922,50 @@ static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
                      MPT_FLOAT32, dxbuf, j->n_in);
 }
 
-static void mpt__pool_forward(mpt__layer *L, const mpt__pass *p, mpt__pool_kind kind) {
+/* The CPU backend's pooling (mpt_backend.pool_forward, pool_backward,
+   pool_workspace): one task per sample. */
+static void mpt__cpu_pool_forward(void *impl, mpt_pool_kind kind, const mpt_window *g,
+                                  mpt_dtype dtype, const void *x, void *y, int32_t *argmax,
+                                  int64_t n, void *ws) {
     mpt__pool_job j;
-    mpt__pool_job_init(&j, L, p, kind);
-    mpt__parallel_for(p->ctx, p->batch, mpt__pool_forward_task, &j);
+    mpt__pool_job_init(&j, impl, kind, g, dtype, argmax, ws);
+    j.x = x;
+    j.y = y;
+    mpt__parallel_for((mpt_context *)impl, n, mpt__pool_forward_task, &j);
+}
+
+static void mpt__cpu_pool_backward(void *impl, mpt_pool_kind kind, const mpt_window *g,
+                                   mpt_dtype dtype, const void *dy, void *dx,
+                                   const int32_t *argmax, int64_t n, void *ws) {
+    mpt__pool_job j;
+    mpt__pool_job_init(&j, impl, kind, g, dtype, (int32_t *)argmax, ws);
+    j.dy = dy;
+    j.dx = dx;
+    mpt__parallel_for((mpt_context *)impl, n, mpt__pool_backward_task, &j);
+}
+
+/* Per sample, float32: forward x and y, backward dy and dx. */
+static int64_t mpt__cpu_pool_workspace(void *impl, const mpt_window *g, int64_t n) {
+    (void)impl;
+    return 4 * n * (g->h * g->w * g->c + g->oh * g->ow * g->c) + MPT__ALIGN;
+}
+
+static void mpt__pool_forward(mpt__layer *L, const mpt__pass *p, mpt__pool_kind kind) {
+    mpt__win g;
+    mpt__pool_win(&g, L, kind);
+    p->be->pool_forward(p->impl, kind == MPT__POOL_MAX ? MPT_POOL_MAX : MPT_POOL_AVERAGE, &g,
+                        L->dtype, p->x, p->y, kind == MPT__POOL_MAX ? (int32_t *)L->saved[0] : NULL,
+                        p->batch, p->workspace);
 }
 
 static void mpt__pool_backward(mpt__layer *L, const mpt__pass *p, mpt__pool_kind kind) {
-    mpt__pool_job j;
+    mpt__win g;
     if (!p->dx) return; /* no parameters: only dx to compute */
-    mpt__pool_job_init(&j, L, p, kind);
-    mpt__parallel_for(p->ctx, p->batch, mpt__pool_backward_task, &j);
+    mpt__pool_win(&g, L, kind);
+    p->be->pool_backward(p->impl, kind == MPT__POOL_MAX ? MPT_POOL_MAX : MPT_POOL_AVERAGE, &g,
+                         L->dtype, p->dy, p->dx,
+                         kind == MPT__POOL_MAX ? (const int32_t *)L->saved[0] : NULL, p->batch,
+                         p->workspace);
 }
 
 static void mpt__max_pool_forward(mpt__layer *L, const mpt__pass *p) {
@@ -4518,8 +5058,8 @@ static float mpt__bn_epsilon(const mpt__layer *L) {
 }
 
 /* 1 / sqrt(var + eps), the same in forward and backward. */
-static float mpt__bn_inv_std(const mpt__layer *L, double var) {
-    return (float)(1.0 / sqrt(var + (double)mpt__bn_epsilon(L)));
+static float mpt__bn_inv_std(double var, float epsilon) {
+    return (float)(1.0 / sqrt(var + (double)epsilon));
 }
 
 /* How the rows of one batch are split into tasks. */
@@ -4530,10 +5070,10 @@ typedef struct mpt__bn_plan {
     int64_t n_chunks;
 } mpt__bn_plan;
 
-static mpt__bn_plan mpt__bn_plan_rows(const mpt__layer *L, int64_t batch) {
+static mpt__bn_plan mpt__bn_plan_rows(int64_t rows, int64_t channels) {
     mpt__bn_plan pl;
-    pl.channels = L->in_shape[L->in_rank - 1];
-    pl.rows = batch * (L->in_count / pl.channels);
+    pl.channels = channels;
+    pl.rows = rows;
     pl.chunk_rows = MPT__MAX(1, MPT__BN_CHUNK / pl.channels);
     pl.n_chunks = (pl.rows + pl.chunk_rows - 1) / pl.chunk_rows;
     return pl;
@@ -4550,14 +5090,13 @@ typedef struct mpt__bn_ws {
 
 #define MPT__BN_WS_PIECES 5
 
-static mpt__bn_ws mpt__bn_ws_carve(const mpt__layer *L, const mpt__pass *p,
-                                   const mpt__bn_plan *pl) {
-    mpt__ws w = {(unsigned char *)p->workspace};
+static mpt__bn_ws mpt__bn_ws_carve(const mpt_batchnorm_args *a, const mpt__bn_plan *pl) {
+    mpt__ws w = {(unsigned char *)a->workspace};
     int64_t n = pl->rows * pl->channels;
-    int copy = L->dtype != MPT_FLOAT32; /* float32 is read where it lies (never written) */
+    int copy = a->dtype != MPT_FLOAT32; /* float32 is read where it lies (never written) */
     mpt__bn_ws b;
-    b.xf = copy ? (float *)mpt__ws_take(&w, 4 * n) : (float *)p->x;
-    b.dyf = copy ? (float *)mpt__ws_take(&w, 4 * n) : (float *)p->dy;
+    b.xf = copy ? (float *)mpt__ws_take(&w, 4 * n) : (float *)a->x;
+    b.dyf = copy ? (float *)mpt__ws_take(&w, 4 * n) : (float *)a->dy;
     b.part = (double *)mpt__ws_take(&w, 16 * pl->n_chunks * pl->channels);
     b.sum = (double *)mpt__ws_take(&w, 16 * pl->channels);
     b.coef = (float *)mpt__ws_take(&w, 16 * pl->channels);
@@ -4664,127 +5203,164 @@ static void mpt__bn_combine(const mpt__bn_plan *pl, const double *part, int whic
         for (c = 0; c < C; c++) sum[c] += part[(2 * k + which) * C + c];
 }
 
-static float mpt__bn_param(const mpt__layer *L, int slot, int64_t c, float absent) {
-    return slot < 0 ? absent : mpt__pv(L, slot)[c];
-}
-
-/* The batch mean and biased variance into saved[0] and saved[1]. */
-static void mpt__bn_batch_stats(mpt__layer *L, const mpt__pass *p, mpt__bn_job *j,
+/* The batch mean and biased variance into a->mean and a->variance. */
+static void mpt__bn_batch_stats(mpt_context *ctx, const mpt_batchnorm_args *a, mpt__bn_job *j,
                                 const mpt__bn_ws *w) {
-    float *mean = (float *)L->saved[0], *var = (float *)L->saved[1]; /* (C) each */
     int64_t C = j->plan.channels, c;
-    mpt__parallel_for(p->ctx, j->plan.n_chunks, mpt__bn_sum_task, j);
+    mpt__parallel_for(ctx, j->plan.n_chunks, mpt__bn_sum_task, j);
     mpt__bn_combine(&j->plan, w->part, 0, w->sum);
-    for (c = 0; c < C; c++) mean[c] = (float)(w->sum[c] / (double)j->plan.rows);
-    j->mean = mean;
-    mpt__parallel_for(p->ctx, j->plan.n_chunks, mpt__bn_sqdev_task, j);
+    for (c = 0; c < C; c++) a->mean[c] = (float)(w->sum[c] / (double)j->plan.rows);
+    j->mean = a->mean;
+    mpt__parallel_for(ctx, j->plan.n_chunks, mpt__bn_sqdev_task, j);
     mpt__bn_combine(&j->plan, w->part, 1, w->sum + C);
-    for (c = 0; c < C; c++) var[c] = (float)(w->sum[C + c] / (double)j->plan.rows);
+    for (c = 0; c < C; c++) a->variance[c] = (float)(w->sum[C + c] / (double)j->plan.rows);
 }
 
-static void mpt__bn_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__bn_plan pl = mpt__bn_plan_rows(L, p->batch);
-    mpt__bn_ws w = mpt__bn_ws_carve(L, p, &pl);
+/* The CPU backend's BatchNormalization forward (mpt_backend.batchnorm_forward). */
+static void mpt__cpu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__bn_plan pl = mpt__bn_plan_rows(a->rows, a->channels);
+    mpt__bn_ws w = mpt__bn_ws_carve(a, &pl);
     int64_t C = pl.channels, n = pl.rows * C, c;
-    int moving = mpt__bn_moving_slot(L);
     float *scale = w.coef, *beta = w.coef + C; /* (C) each */
     const float *mean, *var;
     mpt__bn_job j;
     memset(&j, 0, sizeof j);
     j.plan = pl;
     j.part = w.part;
-    if ((void *)w.xf != p->x) mpt__convert(p->ctx, MPT_FLOAT32, w.xf, L->dtype, p->x, n);
+    if ((void *)w.xf != a->x) mpt__convert(ctx, MPT_FLOAT32, w.xf, a->dtype, a->x, n);
     j.x = w.xf;
-    if (p->training) {
-        mpt__bn_batch_stats(L, p, &j, &w);
-        mean = (const float *)L->saved[0];
-        var = (const float *)L->saved[1];
+    if (a->training) {
+        mpt__bn_batch_stats(ctx, a, &j, &w);
+        mean = a->mean;
+        var = a->variance;
     } else {
-        mean = mpt__pv(L, moving);
-        var = mpt__pv(L, moving + 1);
+        mean = a->moving_mean;
+        var = a->moving_variance;
     }
     for (c = 0; c < C; c++) {
-        scale[c] = mpt__bn_param(L, mpt__bn_gamma_slot(L), c, 1.0f) * mpt__bn_inv_std(L, var[c]);
-        beta[c] = mpt__bn_param(L, mpt__bn_beta_slot(L), c, 0.0f);
+        scale[c] = (a->gamma ? a->gamma[c] : 1.0f) * mpt__bn_inv_std(var[c], a->epsilon);
+        beta[c] = a->beta ? a->beta[c] : 0.0f;
     }
     j.mean = mean;
     j.scale = scale;
     j.beta = beta;
     /* float32 writes y directly; otherwise y goes over the float32 copy of
        x (backward reads the layer's input, not this copy) and is rounded. */
-    j.out = L->dtype == MPT_FLOAT32 ? (float *)p->y : w.xf;
-    mpt__parallel_for(p->ctx, pl.n_chunks, mpt__bn_normalize_task, &j);
-    if ((void *)j.out != p->y) mpt__convert(p->ctx, L->dtype, p->y, MPT_FLOAT32, j.out, n);
+    j.out = a->dtype == MPT_FLOAT32 ? (float *)a->y : w.xf;
+    mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_normalize_task, &j);
+    if ((void *)j.out != a->y) mpt__convert(ctx, a->dtype, a->y, MPT_FLOAT32, j.out, n);
 }
 
 /* Folds the batch statistics of the last training forward into the moving
-   ones (Keras: the biased batch variance, as measured). */
-static void mpt__bn_commit(mpt__layer *L, const mpt__pass *p) {
-    const float *mean = (const float *)L->saved[0], *var = (const float *)L->saved[1];
-    int slot = mpt__bn_moving_slot(L);
-    float *moving_mean = mpt__pv(L, slot), *moving_var = mpt__pv(L, slot + 1); /* (C) */
-    double mom = mpt__bn_momentum(L);
-    int64_t C = L->in_shape[L->in_rank - 1], c;
-    (void)p;
-    for (c = 0; c < C; c++) {
-        moving_mean[c] = (float)(moving_mean[c] * mom + mean[c] * (1 - mom));
-        moving_var[c] = (float)(moving_var[c] * mom + var[c] * (1 - mom));
+   ones (Keras: the biased batch variance, as measured), if the step that
+   measured them was applied. */
+static void mpt__cpu_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
+                                      const mpt_step_state *state) {
+    double mom = a->momentum;
+    int64_t c;
+    (void)impl;
+    if (!state->finite) return;
+    for (c = 0; c < a->channels; c++) {
+        a->moving_mean[c] = (float)(a->moving_mean[c] * mom + a->mean[c] * (1 - mom));
+        a->moving_variance[c] = (float)(a->moving_variance[c] * mom + a->variance[c] * (1 - mom));
     }
 }
 
-static void mpt__bn_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__bn_plan pl = mpt__bn_plan_rows(L, p->batch);
-    mpt__bn_ws w = mpt__bn_ws_carve(L, p, &pl);
+static void mpt__cpu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__bn_plan pl = mpt__bn_plan_rows(a->rows, a->channels);
+    mpt__bn_ws w = mpt__bn_ws_carve(a, &pl);
     int64_t C = pl.channels, n = pl.rows * C, c;
-    int gamma = mpt__bn_gamma_slot(L), beta = mpt__bn_beta_slot(L);
-    const float *var = (const float *)L->saved[1];                            /* (C) */
     float *scale = w.coef, *inv_std = w.coef + C, *mdy = inv_std + C, *mdyx = mdy + C; /* (C) */
     mpt__bn_job j;
     memset(&j, 0, sizeof j);
     j.plan = pl;
     j.part = w.part;
-    if ((void *)w.xf != p->x) mpt__convert(p->ctx, MPT_FLOAT32, w.xf, L->dtype, p->x, n);
-    if ((void *)w.dyf != p->dy) mpt__convert(p->ctx, MPT_FLOAT32, w.dyf, L->dtype, p->dy, n);
+    if ((void *)w.xf != a->x) mpt__convert(ctx, MPT_FLOAT32, w.xf, a->dtype, a->x, n);
+    if ((void *)w.dyf != a->dy) mpt__convert(ctx, MPT_FLOAT32, w.dyf, a->dtype, a->dy, n);
     j.x = w.xf;
     j.dy = w.dyf;
-    j.mean = (const float *)L->saved[0];
+    j.mean = a->mean;
     for (c = 0; c < C; c++) {
-        inv_std[c] = mpt__bn_inv_std(L, var[c]);
-        scale[c] = mpt__bn_param(L, gamma, c, 1.0f) * inv_std[c];
+        inv_std[c] = mpt__bn_inv_std(a->variance[c], a->epsilon);
+        scale[c] = (a->gamma ? a->gamma[c] : 1.0f) * inv_std[c];
     }
     j.inv_std = inv_std;
-    mpt__parallel_for(p->ctx, pl.n_chunks, mpt__bn_grad_sums_task, &j);
+    mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_grad_sums_task, &j);
     mpt__bn_combine(&pl, w.part, 0, w.sum);
     mpt__bn_combine(&pl, w.part, 1, w.sum + C);
     for (c = 0; c < C; c++) { /* dbeta = Σ dy, dgamma = Σ dy · x̂ */
-        if (beta >= 0) mpt__pg(L, beta)[c] = (float)w.sum[c];
-        if (gamma >= 0) mpt__pg(L, gamma)[c] = (float)w.sum[C + c];
+        if (a->dbeta) a->dbeta[c] = (float)w.sum[c];
+        if (a->dgamma) a->dgamma[c] = (float)w.sum[C + c];
         mdy[c] = (float)(w.sum[c] / (double)pl.rows);
         mdyx[c] = (float)(w.sum[C + c] / (double)pl.rows);
     }
-    if (!p->dx) return;
+    if (!a->dx) return;
     j.scale = scale;
     j.mean_dy = mdy;
     j.mean_dy_xhat = mdyx;
-    j.out = L->dtype == MPT_FLOAT32 ? (float *)p->dx : w.dyf; /* in place over dy's copy */
-    mpt__parallel_for(p->ctx, pl.n_chunks, mpt__bn_dx_task, &j);
-    if ((void *)j.out != p->dx) mpt__convert(p->ctx, L->dtype, p->dx, MPT_FLOAT32, j.out, n);
+    j.out = a->dtype == MPT_FLOAT32 ? (float *)a->dx : w.dyf; /* in place over dy's copy */
+    mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_dx_task, &j);
+    if ((void *)j.out != a->dx) mpt__convert(ctx, a->dtype, a->dx, MPT_FLOAT32, j.out, n);
 }
 
-/* Workspace bytes beyond the per-sample float32 copies: the chunk sums for
-   a batch of max_batch (at most rows / chunk_rows + 1 chunks), sum and coef. */
-static mpt_status mpt__bn_fixed_workspace(mpt_model *m, mpt__layer *L, int64_t *bytes) {
-    mpt__bn_plan pl = mpt__bn_plan_rows(L, 1);
-    int64_t rows, elems;
-    *bytes = 0;
-    if (!mpt__mul_ok(m->max_batch, pl.rows, &rows) ||
-        !mpt__mul_ok(rows / pl.chunk_rows + 1 + 2, pl.channels, &elems) ||
-        !mpt__mul_ok(elems, 16, bytes) ||
-        !mpt__add_ok(*bytes, MPT__BN_WS_PIECES * MPT__ALIGN, bytes))
-        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
-                         "BatchNormalization '%s': workspace for a batch of %lld overflows",
-                         L->name, (long long)m->max_batch);
-    return MPT_OK;
+/* Workspace: float32 copies of x and dy for the half dtypes, the chunk
+   sums (at most rows / chunk_rows + 1 chunks), sum and coef; -1 on
+   overflow. */
+static int64_t mpt__cpu_batchnorm_workspace(void *impl, mpt_dtype dtype, int64_t rows,
+                                            int64_t channels) {
+    mpt__bn_plan pl = mpt__bn_plan_rows(rows, channels);
+    int64_t elems, sums, copies = 0;
+    (void)impl;
+    if (!mpt__mul_ok(rows / pl.chunk_rows + 1 + 2, channels, &elems) ||
+        !mpt__mul_ok(elems, 16, &sums) ||
+        (dtype != MPT_FLOAT32 && !mpt__mul_ok(rows, 8 * channels, &copies)) ||
+        !mpt__add_ok(sums, copies, &sums) || !mpt__add_ok(sums, MPT__BN_WS_PIECES * MPT__ALIGN, &sums))
+        return -1;
+    return sums;
+}
+
+/* The arguments of a BatchNormalization layer's pass. */
+static mpt_batchnorm_args mpt__bn_args(const mpt__layer *L, const mpt__pass *p) {
+    mpt_batchnorm_args a;
+    int gamma = mpt__bn_gamma_slot(L), beta = mpt__bn_beta_slot(L), moving = mpt__bn_moving_slot(L);
+    memset(&a, 0, sizeof a);
+    a.dtype = L->dtype;
+    a.channels = L->in_shape[L->in_rank - 1];
+    a.rows = p->batch * (L->in_count / a.channels);
+    a.epsilon = mpt__bn_epsilon(L);
+    a.momentum = mpt__bn_momentum(L);
+    a.training = p->training;
+    a.x = p->x;
+    a.y = p->y;
+    a.dy = p->dy;
+    a.dx = p->dx;
+    a.gamma = gamma >= 0 ? mpt__pv(L, gamma) : NULL;
+    a.beta = beta >= 0 ? mpt__pv(L, beta) : NULL;
+    a.dgamma = gamma >= 0 ? mpt__pg(L, gamma) : NULL;
+    a.dbeta = beta >= 0 ? mpt__pg(L, beta) : NULL;
+    a.mean = (float *)L->saved[0];
+    a.variance = (float *)L->saved[1];
+    a.moving_mean = mpt__pv(L, moving);
+    a.moving_variance = mpt__pv(L, moving + 1);
+    a.workspace = p->workspace;
+    return a;
+}
+
+static void mpt__bn_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt_batchnorm_args a = mpt__bn_args(L, p);
+    p->be->batchnorm_forward(p->impl, &a);
+}
+
+static void mpt__bn_commit(mpt__layer *L, const mpt__pass *p) {
+    mpt_batchnorm_args a = mpt__bn_args(L, p);
+    p->be->batchnorm_commit(p->impl, &a, p->state);
+}
+
+static void mpt__bn_backward(mpt__layer *L, const mpt__pass *p) {
+    mpt_batchnorm_args a = mpt__bn_args(L, p);
+    p->be->batchnorm_backward(p->impl, &a);
 }
 
 static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
@@ -4803,9 +5379,19 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
                                     MPT_FLOAT32));
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C)); /* batch mean (C) f32     */
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C)); /* batch variance (C) f32 */
-    MPT__CHECK(mpt__bn_fixed_workspace(m, L, &fixed));
-    /* half dtypes: x and dy in float32, (B, ...) each */
-    return mpt__layer_set_workspace(m, L, L->dtype == MPT_FLOAT32 ? 0 : 8 * L->in_count, fixed);
+    {
+        void *impl;
+        const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
+        int64_t rows = 0;
+        fixed = mpt__mul_ok(m->max_batch, L->in_count / C, &rows)
+                    ? be->batchnorm_workspace(impl, L->dtype, rows, C)
+                    : -1;
+        if (fixed < 0)
+            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                             "BatchNormalization '%s': workspace for a batch of %lld overflows",
+                             L->name, (long long)m->max_batch);
+    }
+    return mpt__layer_set_workspace(m, L, 0, fixed);
 }
 
 static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normalization",
@@ -4843,12 +5429,14 @@ static uint64_t mpt__dropout_key(const mpt__layer *L) {
 }
 
 typedef struct mpt__dropout_job {
-    const mpt__layer *L;
     mpt_context *ctx;
+    uint64_t key;      /* the layer's random key                    */
     uint64_t step;     /* the training step the mask belongs to      */
-    const void *in;    /* (n) x (forward) or dy (backward), L->dtype */
-    void *out;         /* (n) y or dx, L->dtype                      */
-    float *tmp;        /* (n) float32 scratch; NULL when L->dtype is */
+    float rate;
+    mpt_dtype dtype;
+    const void *in;    /* (n) x (forward) or dy (backward), dtype    */
+    void *out;         /* (n) y or dx, dtype                         */
+    float *tmp;        /* (n) float32 scratch; NULL when dtype is    */
     int64_t n;
 } mpt__dropout_job;
 
@@ -4868,54 +5456,61 @@ static void mpt__dropout_mask(uint64_t key, uint64_t step, float rate, const flo
 
 static void mpt__dropout_task(void *arg, int64_t chunk, int thread) {
     const mpt__dropout_job *j = (const mpt__dropout_job *)arg;
-    mpt_dtype dt = j->L->dtype;
+    mpt_dtype dt = j->dtype;
     int64_t i0 = chunk * MPT__DROPOUT_CHUNK, i1 = MPT__MIN(j->n, i0 + MPT__DROPOUT_CHUNK);
     size_t offset = (size_t)i0 * mpt_dtype_size(dt);
     const void *in = (const char *)j->in + offset; /* (i1 − i0) this chunk's part */
     void *out = (char *)j->out + offset;
-    uint64_t key = mpt__dropout_key(j->L);
-    float rate = j->L->desc.dropout.rate;
     (void)thread;
     if (j->tmp) { /* half dtypes: through this chunk's float32 slice */
         float *t = j->tmp + i0;
         mpt__convert(j->ctx, MPT_FLOAT32, t, dt, in, i1 - i0);
-        mpt__dropout_mask(key, j->step, rate, t, t, i0, i1);
+        mpt__dropout_mask(j->key, j->step, j->rate, t, t, i0, i1);
         mpt__convert(j->ctx, dt, out, MPT_FLOAT32, t, i1 - i0);
     } else {
-        mpt__dropout_mask(key, j->step, rate, (const float *)in, (float *)out, i0, i1);
+        mpt__dropout_mask(j->key, j->step, j->rate, (const float *)in, (float *)out, i0, i1);
     }
 }
 
-static void mpt__dropout_run(mpt__layer *L, const mpt__pass *p, uint64_t step, const void *in,
-                             void *out) {
+/* The CPU backend's dropout (mpt_backend.dropout). ws: n floats for the
+   half dtypes. */
+static void mpt__cpu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype,
+                             const void *in, void *out, int64_t n, const mpt_step_state *state,
+                             int64_t *saved_step, void *ws) {
     mpt__dropout_job j;
-    j.L = L;
-    j.ctx = p->ctx;
-    j.step = step;
-    j.in = in;
-    j.out = out;
-    j.tmp = L->dtype == MPT_FLOAT32 ? NULL : (float *)p->workspace;
-    j.n = p->batch * L->in_count;
-    if (L->desc.dropout.rate == 0) { /* the identity, in training too */
-        if (out != in) memcpy(out, in, (size_t)mpt__dbytes(L->dtype, j.n));
+    if (state) *saved_step = state->step;
+    if (rate == 0) { /* the identity, in training too */
+        if (out != in) memcpy(out, in, (size_t)mpt__dbytes(dtype, n));
         return;
     }
-    mpt__parallel_for(p->ctx, (j.n + MPT__DROPOUT_CHUNK - 1) / MPT__DROPOUT_CHUNK,
-                      mpt__dropout_task, &j);
+    j.ctx = (mpt_context *)impl;
+    j.key = key;
+    j.step = (uint64_t)*saved_step;
+    j.rate = rate;
+    j.dtype = dtype;
+    j.in = in;
+    j.out = out;
+    j.tmp = dtype == MPT_FLOAT32 ? NULL : (float *)ws;
+    j.n = n;
+    mpt__parallel_for(j.ctx, (n + MPT__DROPOUT_CHUNK - 1) / MPT__DROPOUT_CHUNK, mpt__dropout_task,
+                      &j);
 }
 
 static void mpt__dropout_forward(mpt__layer *L, const mpt__pass *p) {
-    uint64_t *step = (uint64_t *)L->saved[0]; /* (1) the step of this mask */
+    int64_t n = p->batch * L->in_count;
     if (!p->training) {
-        memcpy(p->y, p->x, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
+        p->be->copy(p->impl, p->y, p->x, (size_t)mpt__dbytes(L->dtype, n));
         return;
     }
-    *step = p->model->step;
-    mpt__dropout_run(L, p, *step, p->x, p->y);
+    /* saved[0]: the step of this mask (1) int64, for backward */
+    p->be->dropout(p->impl, mpt__dropout_key(L), L->desc.dropout.rate, L->dtype, p->x, p->y, n,
+                   p->state, (int64_t *)L->saved[0], p->workspace);
 }
 
 static void mpt__dropout_backward(mpt__layer *L, const mpt__pass *p) {
-    if (p->dx) mpt__dropout_run(L, p, *(const uint64_t *)L->saved[0], p->dy, p->dx);
+    if (p->dx)
+        p->be->dropout(p->impl, mpt__dropout_key(L), L->desc.dropout.rate, L->dtype, p->dy, p->dx,
+                       p->batch * L->in_count, NULL, (int64_t *)L->saved[0], p->workspace);
 }
 
 static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
@@ -5263,12 +5858,67 @@ static mpt_status mpt__loss_check(mpt_context *ctx, const mpt_loss_desc *d, cons
     return MPT_OK;
 }
 
+/* The mean loss of a checked job, its gradient (times grad_scale) written
+   when j->dpred is set. */
+static double mpt__loss_run(mpt_context *ctx, mpt__loss_job *j, double grad_scale) {
+    int categorical = j->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
+                      j->type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
+    /* The mean is over rows for crossentropies, over elements otherwise. */
+    double count = categorical ? (double)j->rows : (double)j->rows * (double)j->K, sum = 0;
+    int t;
+    j->gscale = (float)(grad_scale / count);
+    j->n_tasks = (int)MPT__MIN(j->rows, (int64_t)MPT__LOSS_TASKS);
+    mpt__parallel_for(ctx, j->n_tasks, mpt__loss_task, j);
+    for (t = 0; t < j->n_tasks; t++) sum += j->partial[t];
+    return sum / count;
+}
+
+static int64_t mpt__argmax(mpt_dtype dtype, const void *row0, int64_t offset, int64_t n) {
+    int64_t j, best = 0;
+    float bv = mpt__load_f32(dtype, row0, offset);
+    for (j = 1; j < n; j++) {
+        float v = mpt__load_f32(dtype, row0, offset + j);
+        if (v > bv) bv = v, best = j;
+    }
+    return best;
+}
+
+/* Accuracy as Keras counts it: for sparse labels argmax == label, for
+   one-hot targets argmax == argmax(target), for one output unit (binary)
+   prediction > threshold (0.5 for probabilities, 0 for logits). Top k:
+   fewer than k classes score strictly higher than the true one. */
+static void mpt__count_hits(int metrics, int k, int from_logits, const mpt_tensor *out,
+                            const mpt_tensor *y, int64_t *correct, int64_t *top_k) {
+    int64_t b, B = out->shape[0], classes = mpt_tensor_count(out) / B;
+    if (!(metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))) return;
+    for (b = 0; b < B; b++) {
+        int64_t guess, truth, j, above = 0;
+        if (classes == 1) {
+            float v = mpt__load_f32(out->dtype, out->data, b);
+            float threshold = from_logits ? 0.0f : 0.5f;
+            float target = y->dtype == MPT_INT32 ? (float)((const int32_t *)y->data)[b]
+                                                 : ((const float *)y->data)[b];
+            *correct += (v > threshold) == (target > 0.5f);
+            continue;
+        }
+        guess = mpt__argmax(out->dtype, out->data, b * classes, classes);
+        truth = y->dtype == MPT_INT32 ? ((const int32_t *)y->data)[b]
+                                      : mpt__argmax(MPT_FLOAT32, y->data, b * classes, classes);
+        *correct += guess == truth;
+        if (metrics & MPT_METRIC_SPARSE_TOP_K) {
+            float tv = mpt__load_f32(out->dtype, out->data, b * classes + truth);
+            for (j = 0; j < classes; j++)
+                above += mpt__load_f32(out->dtype, out->data, b * classes + j) > tv;
+            *top_k += above < k;
+        }
+    }
+}
+
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred) {
     mpt__loss_job j;
-    int categorical, t;
-    double sum = 0, count;
+    int categorical;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     MPT__CHECK(mpt__loss_check(ctx, desc, pred, target, loss, dpred));
     memset(&j, 0, sizeof j);
@@ -5283,14 +5933,38 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                   j.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
     if (j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY) MPT__CHECK(mpt__loss_check_labels(ctx, &j));
     if (categorical && !j.from_logits) MPT__CHECK(mpt__loss_check_prob_rows(ctx, &j));
-    /* The mean is over rows for crossentropies, over elements otherwise. */
-    count = categorical ? (double)j.rows : (double)j.rows * (double)j.K;
-    j.gscale = (float)((desc->grad_scale != 0 ? desc->grad_scale : 1.0) / count);
-    j.n_tasks = (int)MPT__MIN(j.rows, (int64_t)MPT__LOSS_TASKS);
-    mpt__parallel_for(ctx, j.n_tasks, mpt__loss_task, &j);
-    for (t = 0; t < j.n_tasks; t++) sum += j.partial[t];
-    *loss = sum / count;
+    *loss = mpt__loss_run(ctx, &j, desc->grad_scale != 0 ? desc->grad_scale : 1.0);
     return MPT_OK;
+}
+
+/* The CPU backend's loss (mpt_backend.loss): as mpt_loss_compute without
+   the checks (fit made them once), and the batch tallied into the state. */
+static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt_tensor pred, target, dpred;
+    int64_t shape[2], correct = 0, top_k = 0;
+    mpt__loss_job j;
+    double loss;
+    shape[0] = a->rows;
+    shape[1] = a->K;
+    mpt_tensor_wrap(ctx, &pred, a->pred_dtype, 2, shape, (void *)a->pred);
+    mpt_tensor_wrap(ctx, &target, a->target_dtype, a->target_dtype == MPT_INT32 ? 1 : 2, shape,
+                    (void *)a->target);
+    if (a->dpred) mpt_tensor_wrap(ctx, &dpred, a->pred_dtype, 2, shape, a->dpred);
+    memset(&j, 0, sizeof j);
+    j.type = a->type;
+    j.from_logits = a->from_logits != 0;
+    j.pred = &pred;
+    j.target = &target;
+    j.dpred = a->dpred ? &dpred : NULL;
+    j.K = a->K;
+    j.rows = a->rows;
+    loss = mpt__loss_run(ctx, &j, a->scale_by_loss_scale ? a->state->loss_scale : 1.0);
+    a->state->loss_sum += loss * (double)a->rows;
+    a->state->samples += (double)a->rows;
+    mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
+    a->state->correct += (double)correct;
+    a->state->top_k += (double)top_k;
 }
 
 /* =============================================================================
@@ -5478,36 +6152,29 @@ static double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr,
     }
 }
 
-/* The rate the model's next step will use. */
-static double mpt__current_learning_rate(const mpt_model *m) {
-    return mpt__learning_rate_at(&m->compile.optimizer, m->learning_rate, m->optimizer_steps);
-}
 
 /* ---- walking the trainable parameters as one vector ----------------------- */
 
-typedef void (*mpt__span_fn)(void *arg, mpt__param *P, int64_t begin, int64_t end);
+typedef void (*mpt__span_fn)(void *arg, const mpt_update_args *u, int k, int64_t begin,
+                             int64_t end);
 
-/* Calls fn on each trainable parameter's part of the elements [begin, end)
-   of all trainable parameters laid end to end, in parameter order. */
-static void mpt__for_spans(mpt_model *m, int64_t begin, int64_t end, mpt__span_fn fn, void *arg) {
+/* Calls fn on each parameter's part of the elements [begin, end) of all
+   the trainable parameters of u laid end to end, in order. */
+static void mpt__for_spans(const mpt_update_args *u, int64_t begin, int64_t end, mpt__span_fn fn,
+                           void *arg) {
     int64_t offset = 0;
-    int i;
-    for (i = 0; i < m->n_params && offset < end; i++) {
-        mpt__param *P = &m->params[i];
-        int64_t lo, hi;
-        if (!P->trainable) continue;
-        lo = MPT__MAX(begin, offset);
-        hi = MPT__MIN(end, offset + P->count);
-        if (lo < hi) fn(arg, P, lo - offset, hi - offset);
-        offset += P->count;
+    int k;
+    for (k = 0; k < u->n && offset < end; k++) {
+        int64_t lo = MPT__MAX(begin, offset), hi = MPT__MIN(end, offset + u->count[k]);
+        if (lo < hi) fn(arg, u, k, lo - offset, hi - offset);
+        offset += u->count[k];
     }
 }
 
-static int64_t mpt__trainable_count(const mpt_model *m) {
+static int64_t mpt__trainable_count(const mpt_update_args *u) {
     int64_t n = 0;
-    int i;
-    for (i = 0; i < m->n_params; i++)
-        if (m->params[i].trainable) n += m->params[i].count;
+    int k;
+    for (k = 0; k < u->n; k++) n += u->count[k];
     return n;
 }
 
@@ -5521,9 +6188,9 @@ typedef struct mpt__ranges {
     int64_t range;   /* elements per range (the last may be short)  */
 } mpt__ranges;
 
-static mpt__ranges mpt__opt_ranges(const mpt_model *m) {
+static mpt__ranges mpt__opt_ranges(const mpt_update_args *u) {
     mpt__ranges r;
-    r.total = mpt__trainable_count(m);
+    r.total = mpt__trainable_count(u);
     r.n_tasks = MPT__MIN((int64_t)MPT__OPT_TASKS,
                          (r.total + MPT__OPT_MIN_RANGE - 1) / MPT__OPT_MIN_RANGE);
     r.n_tasks = MPT__MAX(r.n_tasks, 1);
@@ -5586,7 +6253,7 @@ static MPT__TARGET_AVX2 double mpt__sum_squares_avx2(const float *g, int64_t n) 
 typedef double (*mpt__sum_squares_fn)(const float *g, int64_t n);
 
 typedef struct mpt__norm_job {
-    mpt_model *m;
+    const mpt_update_args *u;
     mpt__ranges r;
     mpt__sum_squares_fn sum_squares;
     double partial[MPT__OPT_TASKS]; /* (n_tasks) each range's sum of g² */
@@ -5598,9 +6265,10 @@ typedef struct mpt__norm_acc {
     double sum;
 } mpt__norm_acc;
 
-static void mpt__norm_span(void *arg, mpt__param *P, int64_t begin, int64_t end) {
+static void mpt__norm_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
+                           int64_t end) {
     mpt__norm_acc *a = (mpt__norm_acc *)arg;
-    a->sum += a->sum_squares(P->grad + begin, end - begin);
+    a->sum += a->sum_squares(u->grad[k] + begin, end - begin);
 }
 
 static void mpt__norm_task(void *arg, int64_t task, int thread) {
@@ -5610,26 +6278,35 @@ static void mpt__norm_task(void *arg, int64_t task, int thread) {
     (void)thread;
     a.sum_squares = j->sum_squares;
     a.sum = 0;
-    mpt__for_spans(j->m, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__norm_span, &a);
+    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__norm_span, &a);
     j->partial[task] = a.sum;
 }
 
 /* Σ g² over every trainable gradient as it stands (loss scale included), in
    double, the ranges' sums added in range order: inf or NaN exactly when
    some gradient is, and the same bits for any thread count. */
-static double mpt__gradient_sum_squares(mpt_model *m, const mpt__ranges *r) {
+static double mpt__gradient_sum_squares(mpt_context *ctx, const mpt_update_args *u,
+                                        const mpt__ranges *r) {
     mpt__norm_job j;
     double sum = 0;
     int64_t t;
-    j.m = m;
+    j.u = u;
     j.r = *r;
     j.sum_squares = mpt__sum_squares;
 #if MPT__X86
-    if (m->ctx->cpu & MPT_CPU_AVX2) j.sum_squares = mpt__sum_squares_avx2;
+    if (ctx->cpu & MPT_CPU_AVX2) j.sum_squares = mpt__sum_squares_avx2;
 #endif
-    mpt__parallel_for(m->ctx, r->n_tasks, mpt__norm_task, &j);
+    mpt__parallel_for(ctx, r->n_tasks, mpt__norm_task, &j);
     for (t = 0; t < r->n_tasks; t++) sum += j.partial[t];
     return sum;
+}
+
+/* The CPU backend's first pass (mpt_backend.grad_stats). */
+static void mpt__cpu_grad_stats(void *impl, const mpt_update_args *u) {
+    mpt__ranges r = mpt__opt_ranges(u);
+    double sum = mpt__gradient_sum_squares((mpt_context *)impl, u, &r);
+    u->state->sum_squares = sum;
+    u->state->finite = isfinite(sum) != 0;
 }
 
 /* ---- pass 2: the fused update --------------------------------------------- */
@@ -5643,7 +6320,8 @@ typedef void (*mpt__block_fn)(const mpt__update_job *j, float *w, const float *g
 
 /* Every number the element loops use, in float32 as Keras computes. */
 struct mpt__update_job {
-    mpt_model *m;
+    const mpt_context *ctx;
+    const mpt_update_args *u;
     mpt__ranges r;
     mpt__block_fn block; /* the optimizer's loop, for this CPU           */
     int nesterov;
@@ -5766,19 +6444,20 @@ static MPT__TARGET_AVX2 void mpt__adam_block_avx2(const mpt__update_job *j, floa
 
 /* Updates elements [begin, end) of P, a block at a time, and converts each
    updated block of the master into the compute copy right away. */
-static void mpt__update_span(void *arg, mpt__param *P, int64_t begin, int64_t end) {
+static void mpt__update_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
+                             int64_t end) {
     const mpt__update_job *j = (const mpt__update_job *)arg;
-    int copy = P->compute != (void *)P->value;
-    mpt__convert_fn convert = mpt__convert_kernel(j->m->ctx->cpu, P->compute_dtype, MPT_FLOAT32);
-    size_t csize = mpt_dtype_size(P->compute_dtype);
+    float *value = u->value[k], *s0 = u->slot0[k], *s1 = u->slot1[k];
+    mpt_dtype cdt = u->compute_dtype[k];
+    int copy = u->compute[k] != (void *)value;
+    mpt__convert_fn convert = mpt__convert_kernel(j->ctx->cpu, cdt, MPT_FLOAT32);
+    size_t csize = mpt_dtype_size(cdt);
     int64_t b;
     for (b = begin; b < end; b += MPT__OPT_BLOCK) {
         int64_t n = MPT__MIN((int64_t)MPT__OPT_BLOCK, end - b);
-        j->block(j, P->value + b, P->grad + b, P->slot[0] ? P->slot[0] + b : NULL,
-                 P->slot[1] ? P->slot[1] + b : NULL, n);
+        j->block(j, value + b, u->grad[k] + b, s0 ? s0 + b : NULL, s1 ? s1 + b : NULL, n);
         if (copy)
-            convert(P->compute_dtype, (char *)P->compute + (size_t)b * csize, MPT_FLOAT32,
-                    P->value + b, n);
+            convert(cdt, (char *)u->compute[k] + (size_t)b * csize, MPT_FLOAT32, value + b, n);
     }
 }
 
@@ -5786,24 +6465,25 @@ static void mpt__update_task(void *arg, int64_t task, int thread) {
     mpt__update_job *j = (mpt__update_job *)arg;
     int64_t begin = task * j->r.range;
     (void)thread;
-    mpt__for_spans(j->m, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__update_span, j);
+    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__update_span, j);
 }
 
 /* The per-step numbers of the update: the scheduled rate, Adam's α with
    its bias correction for t = optimizer_steps + 1, and the gradient
    multiplier, 1/scale (a reciprocal in double, as PyTorch; exact for a
    power of two) times min(1, c/‖g‖), ‖g‖ the global norm after unscaling. */
-static void mpt__update_job_init(mpt_model *m, double sum_sq, mpt__update_job *j) {
-    const mpt_optimizer_desc *d = &m->compile.optimizer;
-    double lr = mpt__current_learning_rate(m);
-    double inv_scale = 1.0 / (double)m->loss_scale;
-    double norm = sqrt(sum_sq) * inv_scale, clip = 1.0;
-    double t = (double)(m->optimizer_steps + 1);
+static void mpt__update_job_init(const mpt_update_args *u, mpt__update_job *j) {
+    const mpt_optimizer_desc *d = &u->optimizer;
+    const mpt_step_state *st = u->state;
+    double lr = mpt__learning_rate_at(d, st->learning_rate, st->optimizer_steps);
+    double inv_scale = 1.0 / (double)st->loss_scale;
+    double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
+    double t = (double)(st->optimizer_steps + 1);
     int sgd = d->type == MPT_OPTIMIZER_SGD;
     if (d->clip_global_norm > 0 && norm > d->clip_global_norm) clip = d->clip_global_norm / norm;
     j->block = sgd ? mpt__sgd_block : mpt__adam_block;
 #if MPT__X86
-    if (m->ctx->cpu & MPT_CPU_AVX2) j->block = sgd ? mpt__sgd_block_avx2 : mpt__adam_block_avx2;
+    if (j->ctx->cpu & MPT_CPU_AVX2) j->block = sgd ? mpt__sgd_block_avx2 : mpt__adam_block_avx2;
 #endif
     j->nesterov = d->nesterov != 0;
     j->gscale = (float)(inv_scale * clip);
@@ -5817,57 +6497,50 @@ static void mpt__update_job_init(mpt_model *m, double sum_sq, mpt__update_job *j
     j->epsilon = d->epsilon;
 }
 
-/* One update of every trainable parameter from P->grad (the model must be
-   built and compiled). Returns 1 when applied; 0 when some gradient is
-   inf or NaN, and then nothing at all has changed. Allocates nothing. */
-static int mpt__optimizer_step(mpt_model *m) {
-    mpt__ranges r = mpt__opt_ranges(m);
+/* The CPU backend's second pass (mpt_backend.update): when the first found
+   every gradient finite, one update of every parameter, else nothing at
+   all changes. Allocates nothing. */
+static void mpt__cpu_update(void *impl, const mpt_update_args *u) {
     mpt__update_job j;
-    double sum_sq = mpt__gradient_sum_squares(m, &r);
-    if (!isfinite(sum_sq)) return 0;
+    if (!u->state->finite) return;
     memset(&j, 0, sizeof j);
-    j.m = m;
-    j.r = r;
-    mpt__update_job_init(m, sum_sq, &j);
-    mpt__parallel_for(m->ctx, r.n_tasks, mpt__update_task, &j);
-    m->optimizer_steps++;
-    return 1;
+    j.ctx = (const mpt_context *)impl;
+    j.u = u;
+    j.r = mpt__opt_ranges(u);
+    mpt__update_job_init(u, &j);
+    mpt__parallel_for((mpt_context *)impl, j.r.n_tasks, mpt__update_task, &j);
+    u->state->optimizer_steps++;
 }
 
 /* ---- loss scaling ----------------------------------------------------------- */
 
-/* After each step, with finite = what mpt__optimizer_step returned. A
-   non-finite step has been skipped whatever the mode (an update from inf
-   or NaN gradients would destroy the weights), so skipped_steps counts it
-   in every mode. Dynamic mode, as Keras' LossScaleOptimizer: a skipped
-   step multiplies the scale by backoff_factor and restarts the count of
-   finite steps; growth_interval finite steps in a row multiply it by
-   growth_factor. Power-of-two factors keep a power-of-two scale exact.
-   Two guards Keras lacks: the scale never grows to inf (as PyTorch's
-   newer kernels) nor shrinks below FLT_MIN, where 1/scale would be inf. */
-static void mpt__loss_scale_update(mpt_model *m, int finite) {
-    const mpt_loss_scale_desc *d = &m->compile.loss_scale;
+/* After each step, from state->finite. A non-finite step has been skipped
+   whatever the mode (an update from inf or NaN gradients would destroy the
+   weights), so skipped_steps counts it in every mode. Dynamic mode, as
+   Keras' LossScaleOptimizer: a skipped step multiplies the scale by
+   backoff_factor and restarts the count of finite steps; growth_interval
+   finite steps in a row multiply it by growth_factor. Power-of-two factors
+   keep a power-of-two scale exact. Two guards Keras lacks: the scale never
+   grows to inf (as PyTorch's newer kernels) nor shrinks below FLT_MIN,
+   where 1/scale would be inf. The step counter then moves on. */
+static void mpt__cpu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
+                                       mpt_step_state *st) {
     int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
-    if (!finite) {
-        m->skipped_steps++;
+    (void)impl;
+    st->step++;
+    if (!st->finite) {
+        float scaled = st->loss_scale * d->backoff_factor;
+        st->skipped_steps++;
         if (!dynamic) return;
-        {
-            float old = m->loss_scale, scaled = old * d->backoff_factor;
-            m->good_steps = 0;
-            if (scaled >= FLT_MIN) m->loss_scale = scaled;
-            /* Warned on the way down through 1, so once per collapse. */
-            if (old >= 1 && m->loss_scale < 1)
-                mpt__log(m->ctx, MPT_LOG_WARNING,
-                         "loss scale collapsed to %g: gradients overflow even unscaled — "
-                         "check for inf/NaN in the model or data", (double)m->loss_scale);
-        }
+        st->good_steps = 0;
+        if (scaled >= FLT_MIN) st->loss_scale = scaled;
         return;
     }
     if (!dynamic) return;
-    if (++m->good_steps >= d->growth_interval) {
-        float grown = m->loss_scale * d->growth_factor;
-        if (grown < INFINITY) m->loss_scale = grown;
-        m->good_steps = 0;
+    if (++st->good_steps >= d->growth_interval) {
+        float grown = st->loss_scale * d->growth_factor;
+        if (grown < INFINITY) st->loss_scale = grown;
+        st->good_steps = 0;
     }
 }
 
@@ -7047,49 +7720,12 @@ typedef struct mpt__tally {
     int64_t top_k;       /* sparse top-k accuracy          */
 } mpt__tally;
 
-static int64_t mpt__argmax(mpt_dtype dtype, const void *row0, int64_t offset, int64_t n) {
-    int64_t j, best = 0;
-    float bv = mpt__load_f32(dtype, row0, offset);
-    for (j = 1; j < n; j++) {
-        float v = mpt__load_f32(dtype, row0, offset + j);
-        if (v > bv) bv = v, best = j;
-    }
-    return best;
-}
-
-/* Accuracy as Keras counts it: for sparse labels argmax == label, for
-   one-hot targets argmax == argmax(target), for one output unit (binary)
-   prediction > threshold (0.5 for probabilities, 0 for logits). */
-static void mpt__tally_batch(const mpt_model *m, const mpt_tensor *out, const mpt_tensor *y,
-                             double loss, mpt__tally *t) {
-    int64_t b, B = out->shape[0], classes = mpt_tensor_count(out) / B;
-    const mpt_compile_desc *c = &m->compile;
-    int k = c->top_k;
-    t->loss_sum += loss * (double)B;
-    t->samples += B;
-    if (!(c->metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))) return;
-    for (b = 0; b < B; b++) {
-        int64_t guess, truth, j, above = 0;
-        if (classes == 1) {
-            float v = mpt__load_f32(out->dtype, out->data, b);
-            float threshold = (c->loss.from_logits || m->emit_logits) ? 0.0f : 0.5f;
-            float target = y->dtype == MPT_INT32 ? (float)((const int32_t *)y->data)[b]
-                                                 : ((const float *)y->data)[b];
-            t->correct += (v > threshold) == (target > 0.5f);
-            continue;
-        }
-        guess = mpt__argmax(out->dtype, out->data, b * classes, classes);
-        truth = y->dtype == MPT_INT32 ? ((const int32_t *)y->data)[b]
-                                      : mpt__argmax(MPT_FLOAT32, y->data, b * classes, classes);
-        t->correct += guess == truth;
-        if (c->metrics & MPT_METRIC_SPARSE_TOP_K) {
-            /* In the top k when fewer than k classes score strictly higher. */
-            float tv = mpt__load_f32(out->dtype, out->data, b * classes + truth);
-            for (j = 0; j < classes; j++)
-                above += mpt__load_f32(out->dtype, out->data, b * classes + j) > tv;
-            t->top_k += above < k;
-        }
-    }
+/* A tally from the backend's record of it. */
+static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
+    t->loss_sum = st->loss_sum;
+    t->samples = (int64_t)st->samples;
+    t->correct = (int64_t)st->correct;
+    t->top_k = (int64_t)st->top_k;
 }
 
 /* Loss, accuracy and top-k of a tally into logs, names prefixed ("val_"). */
@@ -7108,15 +7744,6 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
 
 /* ---- one step ------------------------------------------------------------------ */
 
-/* The loss the model is trained with: the compiled one, from logits when
-   the final softmax is fused into it. */
-static mpt_loss_desc mpt__step_loss(const mpt_model *m, float grad_scale) {
-    mpt_loss_desc loss = m->compile.loss;
-    if (m->emit_logits) loss.from_logits = 1;
-    loss.grad_scale = grad_scale;
-    return loss;
-}
-
 /* Whether the final softmax can be fused into the compiled loss. */
 static int mpt__can_fuse_softmax(const mpt_model *m) {
     const mpt_loss_desc *l = &m->compile.loss;
@@ -7130,38 +7757,199 @@ typedef struct mpt__step_times {
     double forward, backward, update; /* seconds, summed over an epoch */
 } mpt__step_times;
 
-/* One training step on a batch. *loss is NaN when the forward pass itself
-   produced inf or NaN (the step is then skipped like an overflow). */
-static mpt_status mpt__train_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                                  double *loss, mpt__tally *tally, mpt__step_times *times) {
-    mpt_tensor out, dout;
-    mpt_loss_desc loss_desc = mpt__step_loss(m, m->loss_scale);
-    mpt_status s;
-    int applied = 0;
+/* y as the backend can read it: itself on the CPU backend, else copied
+   into target_buf[0]. */
+static mpt_status mpt__target_on_backend(mpt_model *m, const mpt_tensor *y, mpt_tensor *t) {
+    *t = *y;
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
+    t->data = m->target_buf[0];
+    t->device = MPT_DEVICE_CUDA;
+    return mpt__upload(m, m->target_buf[0], y->data, mpt_tensor_bytes(y));
+}
+
+/* The compiled loss of the last forward's output against y (in the
+   backend's memory), tallied into the training record (with its gradient,
+   times the loss scale) or into evaluation's. */
+static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int training) {
+    const mpt__layer *last = &m->layers[m->n_layers - 1];
+    mpt_loss_args a;
+    memset(&a, 0, sizeof a);
+    a.type = m->compile.loss.type;
+    a.from_logits = m->compile.loss.from_logits || m->emit_logits;
+    a.pred_dtype = last->dtype;
+    a.pred = last->y;
+    a.target_dtype = y->dtype;
+    a.target = y->data;
+    a.dpred = training ? m->grad_buf[0] : NULL;
+    a.rows = m->last_batch;
+    a.K = last->out_count;
+    a.metrics = m->compile.metrics;
+    a.top_k = m->compile.top_k;
+    a.scale_by_loss_scale = training;
+    a.state = &m->state[training ? 0 : 1];
+    return a;
+}
+
+/* One training step on a batch, queued on the backend: forward, loss,
+   backward, the finiteness check, the update and the loss-scale
+   bookkeeping, with no decision taken on the host. A step whose forward
+   pass or gradients hold inf or NaN changes nothing but the loss scale
+   and the count of skipped steps. */
+static void mpt__queue_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                            mpt__step_times *times) {
+    mpt_loss_args loss;
     double t0 = mpt__now(), t1, t2;
     mpt__model_forward(m, x, 1);
-    mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, &out);
-    mpt__layer_view(m, &m->layers[m->n_layers - 1], m->grad_buf[0], 0, &dout);
-    s = mpt_loss_compute(m->ctx, &loss_desc, &out, y, loss, &dout);
+    loss = mpt__loss_args(m, y, 1);
+    m->be->loss(m->impl, &loss);
     t1 = mpt__now();
-    if (s == MPT_OK) {
-        mpt__tally_batch(m, &out, y, *loss, tally);
-        mpt_model_backward(m, NULL, NULL);
-        t2 = mpt__now();
-        applied = mpt__optimizer_step(m);
-    } else if (s == MPT_ERR_NUMERIC) {
-        *loss = NAN; /* overflow in the forward pass: skip, as for gradients */
-        mpt__tally_batch(m, &out, y, NAN, tally);
-        t2 = t1;
-    } else {
-        return s;
-    }
-    mpt__loss_scale_update(m, applied);
-    if (applied) mpt__model_commit(m);
-    m->step++;
+    mpt_model_backward(m, NULL, NULL); /* cannot fail after a training forward */
+    t2 = mpt__now();
+    m->be->grad_stats(m->impl, &m->update);
+    m->be->update(m->impl, &m->update);
+    m->be->loss_scale_update(m->impl, &m->compile.loss_scale, m->state);
+    mpt__model_commit(m); /* only if the step was applied (state->finite) */
     times->forward += t1 - t0;
     times->backward += t2 - t1;
     times->update += mpt__now() - t2;
+}
+
+/* A step on a batch in host memory (copied in first on a GPU). */
+static mpt_status mpt__train_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                                  mpt__step_times *times) {
+    mpt_tensor in, target;
+    MPT__CHECK(mpt__input_on_backend(m, x, &in));
+    MPT__CHECK(mpt__target_on_backend(m, y, &target));
+    mpt__queue_step(m, &in, &target, times);
+    return MPT_OK;
+}
+
+/* Before the first step at a batch size, on a backend that chooses its
+   GEMM engine per shape: one forward and backward pass on whatever the
+   input buffer holds, with every GEMM timed. Nothing is committed or
+   updated, so the model is unchanged (the gradients are overwritten by
+   the next step anyway). */
+static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
+    mpt_tensor x;
+    mpt_status s;
+    if (!m->be->gemm_plan || m->planned_batch == batch) return MPT_OK;
+    memset(&x, 0, sizeof x);
+    x.dtype = m->layers[0].dtype;
+    x.rank = m->desc.input_rank + 1;
+    x.shape[0] = batch;
+    memcpy(x.shape + 1, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
+    x.data = m->input_buf[0];
+    x.device = mpt__model_device(m);
+    m->planning = 1;
+    mpt__model_forward(m, &x, 1);
+    mpt_model_backward(m, NULL, NULL);
+    m->planning = 0;
+    s = m->be->sync(m->impl);
+    if (s != MPT_OK) return mpt__fail(m->ctx, s, "fit: timing the GEMMs: %s", m->be->error(m->impl));
+    m->planned_batch = batch;
+    return MPT_OK;
+}
+
+/* ---- feeding a GPU: uploads that overlap the steps, steps replayed -------------- */
+
+/* On a GPU, batch i+1's copy to the device runs while step i computes:
+   it is staged in pinned host memory and copied on the backend's second
+   queue into the other of two device buffers. Each full-size step is
+   recorded once per buffer (a CUDA graph) and then replayed, so a small
+   model is not held back by hundreds of kernel launches per step.
+   MPT_CUDA_GRAPHS=0 in the environment turns the recording off. */
+typedef struct mpt__feed {
+    int on;                  /* the model is on a GPU                       */
+    int graphs;              /* steps are recorded and replayed             */
+    void *host[2][2];        /* [buffer][x, y] pinned staging, a full batch  */
+    void *graph[2];          /* the step recorded over buffer k, or NULL     */
+    int next;                /* the buffer the next upload fills            */
+    mpt_tensor x, y;         /* the uploaded batch the next step reads      */
+    int have;                /* whether there is one                        */
+} mpt__feed;
+
+static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
+    int k;
+    if (!f->on) return;
+    m->be->sync(m->impl); /* nothing may still read what is freed below */
+    for (k = 0; k < 2; k++) {
+        m->be->free_host(m->impl, f->host[k][0]);
+        m->be->free_host(m->impl, f->host[k][1]);
+        if (f->graph[k]) m->be->graph_free(m->impl, f->graph[k]);
+    }
+    memset(f, 0, sizeof *f);
+}
+
+static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
+    const char *env = getenv("MPT_CUDA_GRAPHS");
+    size_t bytes[2];
+    int k, j;
+    memset(f, 0, sizeof *f);
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
+    f->on = 1;
+    f->graphs = m->be->can_capture && !(env && strcmp(env, "0") == 0);
+    bytes[0] = (size_t)(4 * m->layers[0].in_count * m->max_batch);
+    bytes[1] = (size_t)(4 * m->layers[m->n_layers - 1].out_count * m->max_batch);
+    for (k = 0; k < 2; k++)
+        for (j = 0; j < 2; j++)
+            if (m->be->alloc_host(m->impl, bytes[j], &f->host[k][j]) != MPT_OK) {
+                mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
+                                         m->be->error(m->impl));
+                mpt__feed_close(m, f);
+                return s;
+            }
+    return MPT_OK;
+}
+
+/* Starts copying a batch to the device: into pinned memory once the
+   upload before last (which read it) is done, then on the copy queue. */
+static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor *x,
+                                   const mpt_tensor *y) {
+    int k = f->next;
+    mpt_status s = m->be->upload_done(m->impl);
+    if (s != MPT_OK) return mpt__fail(m->ctx, s, "fit: %s", m->be->error(m->impl));
+    memcpy(f->host[k][0], x->data, mpt_tensor_bytes(x));
+    memcpy(f->host[k][1], y->data, mpt_tensor_bytes(y));
+    m->be->upload_async(m->impl, m->input_buf[k], f->host[k][0], mpt_tensor_bytes(x));
+    m->be->upload_async(m->impl, m->target_buf[k], f->host[k][1], mpt_tensor_bytes(y));
+    f->x = *x;
+    f->y = *y;
+    f->x.data = m->input_buf[k];
+    f->y.data = m->target_buf[k];
+    f->x.device = f->y.device = MPT_DEVICE_CUDA;
+    f->have = 1;
+    f->next = 1 - k;
+    return MPT_OK;
+}
+
+/* Queues the step on the uploaded batch: replays its recording, records
+   it first when there is none (full batches only; the last, shorter one
+   runs as it is). */
+static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int k, const mpt_tensor *x,
+                                 const mpt_tensor *y, mpt__step_times *times) {
+    mpt_status s = MPT_OK;
+    if (!f->graphs || x->shape[0] != m->max_batch) {
+        mpt__queue_step(m, x, y, times);
+        return MPT_OK;
+    }
+    if (!f->graph[k]) {
+        s = m->be->capture_begin(m->impl);
+        if (s == MPT_OK) {
+            mpt__queue_step(m, x, y, times);
+            s = m->be->capture_end(m->impl, &f->graph[k]);
+        }
+    }
+    if (s == MPT_OK) s = m->be->replay(m->impl, f->graph[k]);
+    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "fit: recording a step: %s",
+                                        m->be->error(m->impl));
+}
+
+/* The tally of the steps since the last push, and the host's copy of the
+   training scalars brought up to date. */
+static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
+    mpt_step_state st;
+    MPT__CHECK(mpt__state_pull(m, &st));
+    mpt__tally_from_state(&st, t);
     return MPT_OK;
 }
 
@@ -7310,13 +8098,25 @@ static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compil
     return MPT_OK;
 }
 
+/* Evaluation's record on the backend: tallies zeroed. */
+static mpt_status mpt__state_reset_evaluation(mpt_model *m) {
+    m->be->zero(m->impl, &m->state[1], 4 * sizeof(double)); /* loss_sum .. samples */
+    return MPT_OK;
+}
+
+static mpt_status mpt__evaluation_tally(mpt_model *m, mpt__tally *t) {
+    mpt_step_state st;
+    MPT__CHECK(mpt__download(m, &st, &m->state[1], sizeof st));
+    mpt__tally_from_state(&st, t);
+    return MPT_OK;
+}
+
 /* Loss and metrics over a whole dataset, in order (evaluate, validation). */
 static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batch_size,
                                 int verbose, mpt__tally *t) {
     mpt__loader *loader = NULL;
     int64_t n = mpt_dataset_count(d), done = 0, *order;
-    mpt_tensor x, y, out;
-    mpt_loss_desc loss_desc = mpt__step_loss(m, 1.0f);
+    mpt_tensor x, y;
     double start = mpt__now(), last_print = 0;
     mpt_status s = MPT_OK;
     memset(t, 0, sizeof *t);
@@ -7325,17 +8125,23 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     mpt__epoch_order(m, 0, 0, order, n);
     s = mpt__loader_create(m->ctx, d, batch_size, m->layers[0].dtype, &loader);
     if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    if (s == MPT_OK) s = mpt__state_reset_evaluation(m);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
-        double loss;
-        mpt__model_forward(m, &x, 0);
-        mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, &out);
-        s = mpt_loss_compute(m->ctx, &loss_desc, &out, &y, &loss, NULL);
+        mpt_tensor in, target;
+        mpt_loss_args loss;
+        s = mpt__input_on_backend(m, &x, &in);
+        if (s == MPT_OK) s = mpt__target_on_backend(m, &y, &target);
         if (s != MPT_OK) break;
-        mpt__tally_batch(m, &out, &y, loss, t);
+        mpt__model_forward(m, &in, 0);
+        loss = mpt__loss_args(m, &target, 0);
+        m->be->loss(m->impl, &loss);
         done++;
-        if (verbose == 1 && (mpt__now() - last_print > 0.1 || done * batch_size >= n)) {
+        if (done * batch_size >= n) s = mpt__evaluation_tally(m, t);
+        if (s == MPT_OK && verbose == 1 &&
+            (mpt__now() - last_print > 0.1 || done * batch_size >= n)) {
             mpt_logs logs;
             memset(&logs, 0, sizeof logs);
+            if (done * batch_size < n) s = mpt__evaluation_tally(m, t);
             mpt__tally_logs(m, t, 0, &logs);
             mpt__progress(m, 1, done, (n + batch_size - 1) / batch_size, mpt__now() - start,
                           &logs, done * batch_size >= n);
@@ -7364,7 +8170,21 @@ typedef struct mpt__fit_run {
     int64_t n, steps;            /* samples and batches per epoch */
     int64_t *order;              /* (n) this epoch's sample order */
     mpt__loader *loader;
+    int batch_callbacks;         /* some callback has on_batch_end */
+    mpt__feed feed;              /* a model on a GPU: its uploads  */
 } mpt__fit_run;
+
+/* The next step on a GPU: the compute queue waits for its batch's upload,
+   the batch after it starts uploading, then the step is queued. */
+static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
+    mpt_model *m = r->m;
+    mpt_tensor x = r->feed.x, y = r->feed.y, nx, ny;
+    int k = 1 - r->feed.next; /* the buffer x and y are in */
+    m->be->upload_wait(m->impl);
+    r->feed.have = 0;
+    if (mpt__loader_next(r->loader, &nx, &ny)) MPT__CHECK(mpt__feed_upload(m, &r->feed, &nx, &ny));
+    return mpt__feed_step(m, &r->feed, k, &x, &y, times);
+}
 
 /* One epoch: every batch, then validation; fills the epoch's logs. */
 static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int *stop) {
@@ -7382,21 +8202,31 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     if (d->verbose) mpt__print(m, "Epoch %d/%d\n", epoch + 1, d->epochs);
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
     mpt__loader_start_epoch(r->loader, r->order, r->n, d->batch_size);
-    while (s == MPT_OK && !*stop && mpt__loader_next(r->loader, &x, &y)) {
-        double loss;
+    MPT__CHECK(mpt__state_push(m));
+    if (r->feed.on && mpt__loader_next(r->loader, &x, &y))
+        MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y));
+    while (s == MPT_OK && !*stop &&
+           (r->feed.on ? r->feed.have : mpt__loader_next(r->loader, &x, &y))) {
         mpt_logs batch_logs;
-        s = mpt__train_step(m, &x, &y, &loss, &tally, &times);
+        int print = d->verbose == 1 && mpt__now() - last_print > 0.1;
+        s = r->feed.on ? mpt__fit_feed_step(r, &times) : mpt__train_step(m, &x, &y, &times);
         if (s != MPT_OK) break;
         batch++;
+        /* The running values are read back only when someone looks at
+           them: on a GPU each read waits for the queued steps. */
+        if (!print && !r->batch_callbacks) continue;
+        s = mpt__training_tally(m, &tally);
+        if (s != MPT_OK) break;
         memset(&batch_logs, 0, sizeof batch_logs);
         mpt__tally_logs(m, &tally, 0, &batch_logs);
         MPT__EACH_CALLBACK(d, on_batch_end, m, batch - 1, &batch_logs, stop);
-        if (d->verbose == 1 && batch < r->steps && mpt__now() - last_print > 0.1) {
+        if (print && batch < r->steps) {
             mpt__progress(m, 1, batch, r->steps, mpt__now() - start, &batch_logs, 0);
             last_print = mpt__now();
         }
     }
     if (s != MPT_OK) return s;
+    MPT__CHECK(mpt__training_tally(m, &tally));
     seconds = mpt__now() - start;
     mpt__tally_logs(m, &tally, 0, logs);
     if (r->val) {
@@ -7445,7 +8275,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt_dataset *head = NULL, *tail = NULL;
     mpt_logs logs;
     mpt_status s = MPT_OK;
-    int epoch, stop = 0;
+    int epoch, i, stop = 0;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     MPT__CHECK(mpt__fit_check(m, train, desc));
     d = *desc;
@@ -7455,6 +8285,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     r.d = &d;
     r.train = train;
     r.val = d.validation_data;
+    for (i = 0; i < d.n_callbacks; i++) r.batch_callbacks |= d.callbacks[i].on_batch_end != NULL;
     if (d.validation_split > 0) { /* Keras: the last part, before shuffling */
         int64_t n = mpt_dataset_count(train);
         int64_t keep = (int64_t)((double)n * (1.0 - (double)d.validation_split));
@@ -7474,6 +8305,8 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (s == MPT_OK && !r.order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
     if (s == MPT_OK) s = mpt__loader_create(m->ctx, r.train, d.batch_size, m->layers[0].dtype,
                                             &r.loader);
+    if (s == MPT_OK) s = mpt__feed_open(m, &r.feed);
+    if (s == MPT_OK && r.feed.on) s = mpt__plan_gemms(m, MPT__MIN(d.batch_size, r.n));
     if (s == MPT_OK) {
         m->printer = d.printer;
         m->emit_logits = mpt__can_fuse_softmax(m);
@@ -7491,6 +8324,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     }
     if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);
     m->emit_logits = 0;
+    mpt__feed_close(m, &r.feed);
     mpt__loader_destroy(r.loader);
     mpt__free(m->ctx, r.order);
     mpt_dataset_destroy(head);
@@ -7524,6 +8358,18 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
     return s;
 }
 
+/* The last forward's first n outputs, as float32, into host memory. */
+static mpt_status mpt__output_to_host(mpt_model *m, float *dst, int64_t n) {
+    const mpt__layer *last = &m->layers[m->n_layers - 1];
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) { /* in place */
+        mpt__convert(m->ctx, MPT_FLOAT32, dst, last->dtype, last->y, n);
+        return MPT_OK;
+    }
+    /* through the target buffer, which holds a batch of float32 outputs */
+    m->be->convert(m->impl, MPT_FLOAT32, m->target_buf[0], last->dtype, last->y, n);
+    return mpt__download(m, dst, m->target_buf[0], sizeof(float) * (size_t)n);
+}
+
 MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64_t batch_size,
                                     mpt_tensor *out) {
     const mpt__layer *last;
@@ -7554,9 +8400,11 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
     if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         int64_t b = x.shape[0];
-        mpt__model_forward(m, &x, 0);
-        mpt__convert(m->ctx, MPT_FLOAT32, (float *)out->data + done * per_sample, last->dtype,
-                     last->y, b * per_sample);
+        mpt_tensor in;
+        s = mpt__input_on_backend(m, &x, &in);
+        if (s != MPT_OK) break;
+        mpt__model_forward(m, &in, 0);
+        s = mpt__output_to_host(m, (float *)out->data + done * per_sample, b * per_sample);
         done += b;
     }
     mpt__loader_destroy(loader);
@@ -7861,17 +8709,18 @@ static int64_t mpt__cb_weights_count(const mpt_model *m) {
 
 /* Copies every parameter's float32 value into best_weights (to = 1) or
    back from it (to = 0). */
-static void mpt__cb_es_copy_weights(mpt__cb_early_stopping *es, mpt_model *m, int to_best) {
+static mpt_status mpt__cb_es_copy_weights(mpt__cb_early_stopping *es, mpt_model *m,
+                                          int to_best) {
     float *at = es->best_weights;
     int i;
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
-        if (to_best)
-            memcpy(at, P->value, sizeof(float) * (size_t)P->count);
-        else
-            memcpy(P->value, at, sizeof(float) * (size_t)P->count);
+        size_t bytes = sizeof(float) * (size_t)P->count;
+        MPT__CHECK(to_best ? mpt__download(m, at, P->value, bytes)
+                           : mpt__upload(m, P->value, at, bytes));
         at += P->count;
     }
+    return MPT_OK;
 }
 
 /* Sizes the weight copy for this model: a callback may serve another model
@@ -7907,10 +8756,11 @@ static mpt_status mpt__cb_es_train_begin(void *user, mpt_model *m) {
     return es->restore_best_weights ? mpt__cb_es_prepare_weights(es, m) : MPT_OK;
 }
 
-static void mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model *m, int epoch) {
-    mpt__cb_es_copy_weights(es, m, 1);
+static mpt_status mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model *m, int epoch) {
+    MPT__CHECK(mpt__cb_es_copy_weights(es, m, 1));
     es->has_best_weights = 1;
     es->best_epoch = epoch;
+    return MPT_OK;
 }
 
 /* Keras 3's on_epoch_end, step by step: the wait grows every monitored
@@ -7925,13 +8775,14 @@ static mpt_status mpt__cb_es_epoch_end(void *user, mpt_model *m, int epoch, cons
         return MPT_OK;
     /* A no-op after on_train_begin; guards a caller who skipped it. */
     if (es->restore_best_weights) MPT__CHECK(mpt__cb_es_prepare_weights(es, m));
-    if (es->restore_best_weights && !es->has_best_weights) mpt__cb_es_keep_weights(es, m, epoch);
+    if (es->restore_best_weights && !es->has_best_weights)
+        MPT__CHECK(mpt__cb_es_keep_weights(es, m, epoch));
     es->wait++;
     if (!es->has_best || mpt__cb_improves(&es->mon, current, es->best)) {
         es->has_best = 1;
         es->best = current;
         es->best_epoch = epoch;
-        if (es->restore_best_weights) mpt__cb_es_keep_weights(es, m, epoch);
+        if (es->restore_best_weights) MPT__CHECK(mpt__cb_es_keep_weights(es, m, epoch));
         if (!es->has_baseline || mpt__cb_improves(&es->mon, current, es->baseline)) es->wait = 0;
         return MPT_OK;
     }
@@ -7956,7 +8807,7 @@ static mpt_status mpt__cb_es_train_end(void *user, mpt_model *m, const mpt_logs 
     if (es->verbose > 0)
         mpt__print(m, "Restoring model weights from the end of the best epoch: %d.\n",
                    es->best_epoch + 1);
-    mpt__cb_es_copy_weights(es, m, 0);
+    MPT__CHECK(mpt__cb_es_copy_weights(es, m, 0));
     mpt_model_refresh_weights(m);
     return MPT_OK;
 }
@@ -8746,7 +9597,42 @@ typedef struct mpt__ckpt_plan {
     int n;
     int64_t data_bytes; /* the file's data: the entries' bytes, back to back */
     mpt__ckpt_train train;
+    unsigned char *mirror; /* a model on a GPU: its parameter and optimizer
+                              arenas copied to the host, which the entries
+                              point into; NULL on the CPU backend           */
 } mpt__ckpt_plan;
+
+/* Where the file's bytes for a parameter buffer are: in place on the CPU
+   backend, else at the same offset in the plan's host mirror. */
+static void *mpt__ckpt_host(const mpt_model *m, const mpt__ckpt_plan *pl, int arena, void *p) {
+    size_t at;
+    if (!pl->mirror) return p;
+    at = (size_t)((unsigned char *)p - (unsigned char *)m->arena[arena]);
+    return pl->mirror + (arena == MPT__MEM_OPTIMIZER ? (size_t)m->arena_bytes[MPT__MEM_PARAMS] : 0) +
+           at;
+}
+
+/* The mirror of a model on a GPU, downloaded (both arenas, back to back). */
+static mpt_status mpt__ckpt_mirror(mpt_model *m, mpt__ckpt_plan *pl) {
+    size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
+    size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
+    pl->mirror = (unsigned char *)mpt__alloc(m->ctx, params + slots + 1);
+    if (!pl->mirror) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    MPT__CHECK(mpt__download(m, pl->mirror, m->arena[MPT__MEM_PARAMS], params));
+    return slots ? mpt__download(m, pl->mirror + params, m->arena[MPT__MEM_OPTIMIZER], slots)
+                 : MPT_OK;
+}
+
+/* After a load into the mirror: the arenas take its contents. */
+static mpt_status mpt__ckpt_unmirror(mpt_model *m, const mpt__ckpt_plan *pl) {
+    size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
+    size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
+    if (!pl->mirror) return MPT_OK;
+    MPT__CHECK(mpt__upload(m, m->arena[MPT__MEM_PARAMS], pl->mirror, params));
+    return slots ? mpt__upload(m, m->arena[MPT__MEM_OPTIMIZER], pl->mirror + params, slots)
+                 : MPT_OK;
+}
 
 static mpt_status mpt__ckpt_add(mpt_model *m, mpt__ckpt_plan *pl, const char *prefix,
                                 const char *name, const char *suffix, mpt__st_dtype dtype,
@@ -8800,7 +9686,8 @@ static mpt_status mpt__ckpt_add_slots(mpt_model *m, mpt__ckpt_plan *pl) {
                                  P->name, k, m->n_slots);
             snprintf(suffix, sizeof suffix, "/%s", mpt__ckpt_slot_name(type, k));
             MPT__CHECK(mpt__ckpt_add(m, pl, "optimizer/", P->name, suffix, MPT__ST_F32, P->rank,
-                                     P->shape, P->slot[k], P->count));
+                                     P->shape, mpt__ckpt_host(m, pl, MPT__MEM_OPTIMIZER, P->slot[k]),
+                                     P->count));
         }
     }
     return MPT_OK;
@@ -8819,18 +9706,21 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, mpt__ckpt_plan *pl
     }
     pl->e = (mpt__ckpt_entry *)mpt__calloc(m->ctx, sizeof *pl->e * (size_t)n);
     if (!pl->e) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    MPT__CHECK(mpt__ckpt_mirror(m, pl));
     if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl));
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
         MPT__CHECK(mpt__ckpt_add(m, pl, "", P->name, "", MPT__ST_F32, P->rank, P->shape,
-                                 P->value, P->count));
+                                 mpt__ckpt_host(m, pl, MPT__MEM_PARAMS, P->value), P->count));
     }
     return full ? mpt__ckpt_add_slots(m, pl) : MPT_OK;
 }
 
 static void mpt__ckpt_plan_free(mpt_model *m, mpt__ckpt_plan *pl) {
     mpt__free(m->ctx, pl->e);
+    mpt__free(m->ctx, pl->mirror);
     pl->e = NULL;
+    pl->mirror = NULL;
 }
 
 /* ---- writing the header ------------------------------------------------------- */
@@ -9877,6 +10767,7 @@ static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mp
         MPT__CHECK(mpt__ckpt_check_train(m, f->path, &pl->train));
     }
     s = mpt__ckpt_read(f, pl, found, 0);
+    if (s == MPT_OK) s = mpt__ckpt_unmirror(m, pl);
     if (s != MPT_OK) {
         /* Only an I/O failure after every check gets here. */
         char why[sizeof m->ctx->error];
@@ -9929,6 +10820,136 @@ MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path) {
 }
 
 MPTDEF int mpt_model_epoch(const mpt_model *m) { return m ? m->epoch : 0; }
+
+/* =============================================================================
+   @impl-cpu-backend  the CPU's implementation of @backend's table
+   =============================================================================
+
+   Memory is the context's allocator's; "copies" between host and backend
+   are memcpy; every compute function runs at once on the context's thread
+   pool (the reference code lives with its layer, loss or optimizer above).
+   Nothing is queued, so sync has nothing to wait for, and there is nothing
+   to record for a replay. */
+
+static mpt_status mpt__cpu_alloc(void *impl, int category, size_t bytes, void **out) {
+    mpt_context *ctx = (mpt_context *)impl;
+    (void)category;
+    *out = NULL;
+    if (bytes == 0) return MPT_OK;
+    *out = mpt__alloc(ctx, bytes);
+    if (*out) return MPT_OK;
+    snprintf(ctx->error, sizeof ctx->error, "cannot allocate %zu bytes", bytes);
+    return MPT_ERR_OUT_OF_MEMORY;
+}
+
+static void mpt__cpu_free(void *impl, int category, void *ptr) {
+    (void)category;
+    mpt__free((mpt_context *)impl, ptr);
+}
+
+static mpt_status mpt__cpu_alloc_host(void *impl, size_t bytes, void **out) {
+    return mpt__cpu_alloc(impl, 0, bytes, out);
+}
+
+static void mpt__cpu_free_host(void *impl, void *ptr) { mpt__free((mpt_context *)impl, ptr); }
+
+static mpt_status mpt__cpu_upload(void *impl, void *dst, const void *src, size_t bytes) {
+    (void)impl;
+    if (bytes) memmove(dst, src, bytes);
+    return MPT_OK;
+}
+
+static void mpt__cpu_upload_async(void *impl, void *dst, const void *src, size_t bytes) {
+    mpt__cpu_upload(impl, dst, src, bytes);
+}
+
+static void mpt__cpu_copy(void *impl, void *dst, const void *src, size_t bytes) {
+    mpt__cpu_upload(impl, dst, src, bytes);
+}
+
+static void mpt__cpu_zero(void *impl, void *dst, size_t bytes) {
+    (void)impl;
+    if (bytes) memset(dst, 0, bytes);
+}
+
+static mpt_status mpt__cpu_ok(void *impl) {
+    (void)impl;
+    return MPT_OK;
+}
+
+static void mpt__cpu_nothing(void *impl) { (void)impl; }
+
+static const char *mpt__cpu_error(void *impl) { return ((mpt_context *)impl)->error; }
+
+static mpt_status mpt__cpu_no_capture(void *impl) {
+    snprintf(((mpt_context *)impl)->error, sizeof ((mpt_context *)impl)->error,
+             "the CPU backend records no graphs");
+    return MPT_ERR_UNSUPPORTED;
+}
+
+static mpt_status mpt__cpu_capture_end(void *impl, void **graph) {
+    *graph = NULL;
+    return mpt__cpu_no_capture(impl);
+}
+
+static mpt_status mpt__cpu_replay(void *impl, void *graph) {
+    (void)graph;
+    return mpt__cpu_no_capture(impl);
+}
+
+static void mpt__cpu_graph_free(void *impl, void *graph) {
+    (void)impl;
+    (void)graph;
+}
+
+/* The CPU's GEMM stores C in float32 only (gemm_rounds_c is 0). */
+static void mpt__cpu_gemm(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
+    (void)c_dtype;
+    mpt__gemm((mpt_context *)impl, d);
+}
+
+static void mpt__cpu_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
+                             const void *src, int64_t n) {
+    mpt__convert((const mpt_context *)impl, dst_dtype, dst, src_dtype, src, n);
+}
+
+static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
+                                int64_t cols) {
+    (void)impl;
+    if (act == MPT_ACT_SOFTMAX)
+        mpt__softmax_rows(x, rows, cols);
+    else
+        mpt__activation_forward(act, x, rows * cols);
+}
+
+static void mpt__cpu_activation_grad(void *impl, mpt_activation act, mpt_dtype dtype,
+                                     const void *z, const void *y, const void *dy, float *dz,
+                                     float *tmp, int64_t rows, int64_t cols) {
+    mpt__activation_grad((mpt_context *)impl, act, dtype, z, y, dy, dz, tmp, rows * cols, cols);
+}
+
+static void mpt__cpu_column_sums(void *impl, const float *dz, int64_t rows, int64_t cols,
+                                 float *out, int accumulate) {
+    (void)impl;
+    if (!accumulate) memset(out, 0, sizeof(float) * (size_t)cols);
+    mpt__add_column_sums(dz, rows, cols, out);
+}
+
+static const mpt_backend mpt__cpu_table = {
+    "cpu", 0, 0,
+    mpt__cpu_alloc, mpt__cpu_free, mpt__cpu_alloc_host, mpt__cpu_free_host,
+    mpt__cpu_upload, mpt__cpu_upload /* download: the same memmove */,
+    mpt__cpu_upload_async, mpt__cpu_nothing, mpt__cpu_ok,
+    mpt__cpu_copy, mpt__cpu_zero, mpt__cpu_ok, mpt__cpu_error, mpt__cpu_nothing,
+    mpt__cpu_no_capture, mpt__cpu_capture_end, mpt__cpu_replay, mpt__cpu_graph_free,
+    mpt__cpu_gemm, NULL, mpt__cpu_convert, mpt__cpu_activation, mpt__cpu_activation_grad,
+    mpt__cpu_column_sums, mpt__cpu_im2col, mpt__cpu_col2im,
+    mpt__cpu_pool_forward, mpt__cpu_pool_backward, mpt__cpu_pool_workspace,
+    mpt__cpu_batchnorm_forward, mpt__cpu_batchnorm_backward, mpt__cpu_batchnorm_commit,
+    mpt__cpu_batchnorm_workspace, mpt__cpu_dropout, mpt__cpu_loss,
+    mpt__cpu_grad_stats, mpt__cpu_update, mpt__cpu_loss_scale_update};
+
+static const mpt_backend *mpt__cpu_backend(void) { return &mpt__cpu_table; }
 
 #endif /* MPT__IMPLEMENTED */
 #endif /* MPT_IMPLEMENTATION */

@@ -1,0 +1,3744 @@
+/* mpt_cuda.cu — the CUDA backend of mpt.h.
+
+   mpt.h keeps a model's buffers in one backend's memory and reaches them
+   only through the function table `mpt_backend` (mpt.h, @backend). This
+   file implements that table for one NVIDIA GPU of compute capability 8.0
+   or newer (bfloat16 tensor cores): device memory with per-category
+   accounting, host<->device copies, CUDA-graph capture and replay of a
+   training step, and the compute functions (GEMMs, layers, losses,
+   optimizers) as CUDA kernels. Every compute call is queued on one stream
+   and returns at once; a failed launch is reported by the next sync.
+
+   Build: compile this file next to the one C file that defines
+   MPT_IMPLEMENTATION, with -DMPT_CUDA there so that mpt_context_create
+   takes a CUDA device:
+
+       nvcc -O3 -arch=sm_90 -DMPT_CUDA examples/mlp.c mpt_cuda.cu \
+            -lcublasLt -lcublas -lz
+
+   This file includes mpt.h for its API alone (no MPT_IMPLEMENTATION).
+
+   How it is organised:
+       the shared state     mpt__cuda (the `impl` of every table function),
+                            the checked-call macros MPT__CU / MPT__LT
+       GEMMs                the tensor-core kernel, cuBLASLt, per-shape plans,
+                            column sums (bias gradients)
+       layers               dtype conversion, activations, im2col/col2im,
+                            pooling, batch normalization, dropout
+       training             losses, gradient statistics, optimizer updates,
+                            loss scaling
+       the core             memory, copies, synchronisation, graphs, the
+                            table and mpt_cuda_backend_create */
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cublasLt.h>
+#include <float.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mpt.h"
+
+/* =============================================================================
+   The shared state and the checks
+   ============================================================================= */
+
+struct mpt__gemm_cache; /* the GEMM part's: chosen engine + cuBLASLt plan per shape */
+
+/* The CUDA backend's state: the `impl` every table function receives. */
+typedef struct mpt__cuda {
+    int device;
+    int sm_count;
+    cudaStream_t stream;        /* every compute call, in order          */
+    cudaStream_t copy_stream;   /* upload_async                          */
+    cudaEvent_t copy_done;      /* recorded after each upload_async       */
+    int capturing;              /* inside capture_begin/capture_end      */
+    cublasLtHandle_t lt;
+    void *lt_workspace;         /* 32 MiB for cuBLASLt                    */
+    size_t lt_workspace_bytes;
+    mpt_gemm_engine gemm_engine;        /* from the context desc / $MPT_GEMM */
+    struct mpt__gemm_cache *gemm_cache; /* the GEMM part's                  */
+    int64_t used[MPT_MEMORY_COUNT_];    /* bytes allocated per category     */
+    int64_t peak[MPT_MEMORY_COUNT_];
+    int64_t limit;                      /* 0: none                          */
+    cudaError_t pending;        /* first failed launch, reported at sync  */
+    char pending_what[128];     /* which kernel                           */
+    char error[512];            /* error()'s message                      */
+    /* The live device allocations (free needs each one's size and
+       category); a model has a handful, so a plain array. */
+    struct mpt__cuda_allocation *allocations;
+    int allocation_count, allocation_capacity;
+    cudaEvent_t compute_mark;   /* upload_async: the copy waits for it    */
+    struct mpt__cuda_train_scratch *train_scratch; /* the training part's  */
+} mpt__cuda;
+
+/* Records a failure in c->error ("<what> failed at file:line: message")
+   and returns status. */
+static mpt_status mpt__cuda_fail(mpt__cuda *c, mpt_status status, const char *file, int line,
+                                 const char *fmt, ...) {
+    char what[384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    snprintf(c->error, sizeof c->error, "%s (%s:%d)", what, file, line);
+    return status;
+}
+
+/* Runs a CUDA runtime call; on failure returns an mpt status from the
+   enclosing function with the call, file, line and CUDA's message. */
+#define MPT__CU(c, call)                                                                  \
+    do {                                                                                  \
+        cudaError_t e_ = (call);                                                          \
+        if (e_ != cudaSuccess)                                                            \
+            return (void)cudaGetLastError(), /* not to be blamed on the next launch */     \
+                   mpt__cuda_fail((c), e_ == cudaErrorMemoryAllocation                    \
+                                           ? MPT_ERR_OUT_OF_MEMORY : MPT_ERR_UNSUPPORTED, \
+                                  __FILE__, __LINE__, "%s: %s", #call,                   \
+                                  cudaGetErrorString(e_));                                \
+    } while (0)
+
+/* The same for cuBLASLt calls. */
+#define MPT__LT(c, call)                                                                  \
+    do {                                                                                  \
+        cublasStatus_t e_ = (call);                                                       \
+        if (e_ != CUBLAS_STATUS_SUCCESS)                                                  \
+            return mpt__cuda_fail((c), e_ == CUBLAS_STATUS_ALLOC_FAILED                   \
+                                           ? MPT_ERR_OUT_OF_MEMORY : MPT_ERR_UNSUPPORTED, \
+                                  __FILE__, __LINE__, "%s: %s (%d)", #call,              \
+                                  cublasGetStatusString(e_), (int)e_);                    \
+    } while (0)
+
+/* After a kernel launch inside a function that returns nothing: keeps the
+   first launch error, which sync() then reports with the kernel's name. */
+static void mpt__cuda_launched(mpt__cuda *c, const char *what) {
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess && c->pending == cudaSuccess) {
+        c->pending = e;
+        snprintf(c->pending_what, sizeof c->pending_what, "%s", what);
+    }
+}
+
+/* Blocks of `threads` covering n items, capped for grid-stride loops. */
+static unsigned mpt__cuda_blocks(int64_t n, int threads) {
+    int64_t b = (n + threads - 1) / threads;
+    if (b < 1) b = 1;
+    if (b > 65535LL * 32) b = 65535LL * 32;
+    return (unsigned)b;
+}
+/* The CUDA backend's matrix products: a hand-written tensor-core GEMM for
+   float16/bfloat16, cuBLASLt for the same products, a plain FP32 kernel,
+   the per-shape choice between the engines, and the bias-gradient column
+   sums. (Included by mpt_cuda.cu after cuda_common.cuh.)
+
+   Every engine computes, for C (M×N, row-major, leading dimension ldc):
+       C = act(alpha·op(A)·op(B) + beta·C + bias)
+   accumulating in float32 and rounding once when C is float16/bfloat16. */
+
+/* -----------------------------------------------------------------------------
+   The epilogue shared by every kernel
+   ----------------------------------------------------------------------------- */
+
+/* What a GEMM kernel needs, passed by value. */
+typedef struct mpt__cuda_gemm_args {
+    const void *a, *b;
+    void *c;                  /* float, __half or __nv_bfloat16 (c_dtype)  */
+    const float *bias;        /* NULL or n floats                          */
+    int64_t m, n, k, lda, ldb, ldc;
+    float alpha, beta;        /* alpha already resolved (0 → 1)            */
+    int act;                  /* mpt_activation, never softmax             */
+    int c_dtype;              /* MPT_FLOAT32, MPT_FLOAT16 or MPT_BFLOAT16   */
+    int c_pairs;              /* C's pairs (even column) are vector-aligned */
+} mpt__cuda_gemm_args;
+
+/* The elementwise activations, with the CPU's formulas. */
+static __device__ __forceinline__ float mpt__cuda_gemm_activate(int act, float v) {
+    switch (act) {
+    case MPT_ACT_RELU: return v > 0 ? v : 0.0f;
+    case MPT_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case MPT_ACT_SIGMOID:
+        if (v >= 0) return 1.0f / (1.0f + expf(-v));
+        {
+            float e = expf(v); /* two forms, so that exp never overflows */
+            return e / (1.0f + e);
+        }
+    case MPT_ACT_TANH: return tanhf(v);
+    default: return v;
+    }
+}
+
+static __device__ __forceinline__ float mpt__cuda_gemm_load_c(const mpt__cuda_gemm_args &p,
+                                                              int64_t i) {
+    if (p.c_dtype == MPT_FLOAT16) return __half2float(((const __half *)p.c)[i]);
+    if (p.c_dtype == MPT_BFLOAT16) return __bfloat162float(((const __nv_bfloat16 *)p.c)[i]);
+    return ((const float *)p.c)[i];
+}
+
+static __device__ __forceinline__ void mpt__cuda_gemm_store_c(const mpt__cuda_gemm_args &p,
+                                                              int64_t i, float v) {
+    if (p.c_dtype == MPT_FLOAT16) ((__half *)p.c)[i] = __float2half_rn(v);
+    else if (p.c_dtype == MPT_BFLOAT16) ((__nv_bfloat16 *)p.c)[i] = __float2bfloat16_rn(v);
+    else ((float *)p.c)[i] = v;
+}
+
+/* Two adjacent columns at once (i even, c_pairs set). */
+static __device__ __forceinline__ void mpt__cuda_gemm_store_c2(const mpt__cuda_gemm_args &p,
+                                                               int64_t i, float v0, float v1) {
+    if (p.c_dtype == MPT_FLOAT16)
+        *(__half2 *)((__half *)p.c + i) = __floats2half2_rn(v0, v1);
+    else if (p.c_dtype == MPT_BFLOAT16)
+        *(__nv_bfloat162 *)((__nv_bfloat16 *)p.c + i) = __floats2bfloat162_rn(v0, v1);
+    else *(float2 *)((float *)p.c + i) = make_float2(v0, v1);
+}
+
+/* act(alpha·acc + beta·C + bias) for element i (column col) of C; the old
+   C is read only when beta != 0, as on the CPU. */
+static __device__ __forceinline__ float mpt__cuda_gemm_epilogue(const mpt__cuda_gemm_args &p,
+                                                                float acc, int64_t i,
+                                                                int64_t col) {
+    float v = p.alpha * acc;
+    if (p.beta != 0.0f) v = fmaf(p.beta, mpt__cuda_gemm_load_c(p, i), v);
+    if (p.bias) v += p.bias[col];
+    return mpt__cuda_gemm_activate(p.act, v);
+}
+
+/* Finishes C[row][col] and C[row][col + 1] (the latter when inside C). */
+static __device__ __forceinline__ void mpt__cuda_gemm_finish2(const mpt__cuda_gemm_args &p,
+                                                              int64_t row, int64_t col,
+                                                              float acc0, float acc1) {
+    const int64_t i = row * p.ldc + col;
+    const float v0 = mpt__cuda_gemm_epilogue(p, acc0, i, col);
+    if (col + 1 < p.n) {
+        const float v1 = mpt__cuda_gemm_epilogue(p, acc1, i + 1, col + 1);
+        if (p.c_pairs) {
+            mpt__cuda_gemm_store_c2(p, i, v0, v1);
+        } else {
+            mpt__cuda_gemm_store_c(p, i, v0);
+            mpt__cuda_gemm_store_c(p, i + 1, v1);
+        }
+    } else {
+        mpt__cuda_gemm_store_c(p, i, v0);
+    }
+}
+
+/* K = 0 or alpha = 0: C = act(beta·C + bias), A and B unread. One thread
+   per element of C, grid-stride. */
+static __global__ void mpt__cuda_gemm_scale_c_kernel(mpt__cuda_gemm_args p) {
+    const int64_t total = p.m * p.n;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = e / p.n, col = e % p.n, i = row * p.ldc + col;
+        float v = p.beta != 0.0f ? p.beta * mpt__cuda_gemm_load_c(p, i) : 0.0f;
+        if (p.bias) v += p.bias[col];
+        mpt__cuda_gemm_store_c(p, i, mpt__cuda_gemm_activate(p.act, v));
+    }
+}
+
+/* After cuBLASLt (float32 C): C = act(C) in place, for the activations its
+   epilogues do not compute exactly. */
+static __global__ void mpt__cuda_gemm_activate_kernel(float *c, int64_t m, int64_t n, int64_t ldc,
+                                                      int act) {
+    const int64_t total = m * n;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        float *x = c + (e / n) * ldc + e % n;
+        *x = mpt__cuda_gemm_activate(act, *x);
+    }
+}
+
+/* -----------------------------------------------------------------------------
+   The plain FP32-arithmetic kernel (float32 A and B, and the fallback on GPUs
+   without mma.sync for 16-bit types)
+   ----------------------------------------------------------------------------- */
+
+static __device__ __forceinline__ float mpt__cuda_gemm_f32(float x) { return x; }
+static __device__ __forceinline__ float mpt__cuda_gemm_f32(__half x) { return __half2float(x); }
+static __device__ __forceinline__ float mpt__cuda_gemm_f32(__nv_bfloat16 x) {
+    return __bfloat162float(x);
+}
+
+/* Tiling: a block of 256 threads owns a 64×64 tile of C and walks K in
+   steps of 16, staging op(A) (16×64, k-major) and op(B) (16×64) in shared
+   memory. Loads are guarded element by element (any alignment, any tail);
+   consecutive threads read along whichever dimension is contiguous in
+   memory. Thread (tx, ty) of the 16×16 grid computes the 4×4 outputs at
+   rows ty + 16·i and columns tx + 16·j, summing k in order. */
+template <typename T>
+static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cuda_gemm_args p,
+                                                                         int trans_a,
+                                                                         int trans_b) {
+    __shared__ float as[16][64 + 4], bs[16][64 + 4];
+    const T *a = (const T *)p.a, *b = (const T *)p.b;
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int64_t tiles_m = (p.m + 63) / 64;
+    const int64_t m0 = (blockIdx.x % tiles_m) * 64, n0 = (blockIdx.x / tiles_m) * 64;
+    float acc[4][4] = {};
+    for (int64_t k0 = 0; k0 < p.k; k0 += 16) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int e = tid + 256 * r;
+            /* op(A)(mm, kk): k contiguous unless A is stored transposed. */
+            const int mm = trans_a ? e & 63 : e >> 4, ka = trans_a ? e >> 6 : e & 15;
+            /* op(B)(kk, nn): n contiguous unless B is stored transposed. */
+            const int nn = trans_b ? e >> 4 : e & 63, kb = trans_b ? e & 15 : e >> 6;
+            const int64_t gm = m0 + mm, gka = k0 + ka, gn = n0 + nn, gkb = k0 + kb;
+            float va = 0.0f, vb = 0.0f;
+            if (gm < p.m && gka < p.k)
+                va = mpt__cuda_gemm_f32(trans_a ? a[gka * p.lda + gm] : a[gm * p.lda + gka]);
+            if (gn < p.n && gkb < p.k)
+                vb = mpt__cuda_gemm_f32(trans_b ? b[gn * p.ldb + gkb] : b[gkb * p.ldb + gn]);
+            as[ka][mm] = va;
+            bs[kb][nn] = vb;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++) {
+            float av[4], bv[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) av[i] = as[kk][ty + 16 * i];
+#pragma unroll
+            for (int j = 0; j < 4; j++) bv[j] = bs[kk][tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t row = m0 + ty + 16 * i;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int64_t col = n0 + tx + 16 * j;
+            if (row < p.m && col < p.n) {
+                const int64_t ci = row * p.ldc + col;
+                mpt__cuda_gemm_store_c(p, ci, mpt__cuda_gemm_epilogue(p, acc[i][j], ci, col));
+            }
+        }
+    }
+}
+
+/* -----------------------------------------------------------------------------
+   The tensor-core kernel (float16/bfloat16 A and B, sm_80 and later)
+   ----------------------------------------------------------------------------- */
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define MPT__CUDA_GEMM_MMA 1 /* mma.sync m16n8k16, ldmatrix and cp.async exist */
+#else
+#define MPT__CUDA_GEMM_MMA 0
+#endif
+
+/* A block tile: BM×BN of C, BK of depth per stage, WARPS_M×WARPS_N warps,
+   STAGES buffers in flight. Shared-memory rows are padded by 8 elements
+   (16 bytes) so that the 8 rows one ldmatrix phase reads fall in 8
+   different 16-byte bank groups: the row pitch is 80 bytes (BK = 32) or
+   16 mod 128 bytes (64 or 128 wide), never a multiple of 128. */
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, int MIN_BLOCKS_>
+struct mpt__cuda_gemm_tile {
+    static constexpr int BM = BM_, BN = BN_, BK = 32, PAD = 8;
+    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
+    static constexpr int THREADS = 32 * WARPS_M * WARPS_N, MIN_BLOCKS = MIN_BLOCKS_;
+    static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N; /* warp tile */
+    static constexpr int MT = WTM / 16, NT = WTN / 8;            /* mma tiles */
+    static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile: 16-row mma, pairs of 8-col mma");
+    /* One operand tile: MN×BK stored K-contiguous, or BK×MN MN-contiguous. */
+    __host__ __device__ static constexpr int a_elems(bool k_contiguous) {
+        return k_contiguous ? BM * (BK + PAD) : BK * (BM + PAD);
+    }
+    __host__ __device__ static constexpr int b_elems(bool k_contiguous) {
+        return k_contiguous ? BN * (BK + PAD) : BK * (BN + PAD);
+    }
+};
+/* Large problems: 128×128 tiles, 8 warps of 64×32, 4 stages (80 KiB). */
+typedef mpt__cuda_gemm_tile<128, 128, 2, 4, 4, 2> mpt__cuda_gemm_tile_big;
+/* Small problems (more blocks to fill the GPU) and the unaligned path:
+   64×64 tiles, 4 warps of 32×32, 3 stages (30 KiB). */
+typedef mpt__cuda_gemm_tile<64, 64, 2, 2, 3, 4> mpt__cuda_gemm_tile_small;
+
+/* Copies 16 bytes global → shared without going through registers; only
+   `bytes` (0..16) are read, the rest of the 16 is zero-filled. */
+static __device__ __forceinline__ void mpt__cuda_gemm_cp_async(void *smem, const void *global,
+                                                               int bytes) {
+#if MPT__CUDA_GEMM_MMA
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(global),
+                 "r"(bytes)
+                 : "memory");
+#else
+    (void)smem, (void)global, (void)bytes;
+#endif
+}
+
+static __device__ __forceinline__ void mpt__cuda_gemm_cp_commit() {
+#if MPT__CUDA_GEMM_MMA
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+/* Waits until at most N of this thread's copy groups are still in flight. */
+template <int N>
+static __device__ __forceinline__ void mpt__cuda_gemm_cp_wait() {
+#if MPT__CUDA_GEMM_MMA
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* Four 8×8 b16 matrices from shared memory; lane l gives the address of
+   row l % 8 of matrix l / 8. Without .trans thread t receives, of each
+   matrix, row t/4, elements 2(t%4) and 2(t%4)+1; with .trans the same of
+   the transposed matrix. */
+template <bool TRANS>
+static __device__ __forceinline__ void mpt__cuda_gemm_ldmatrix4(uint32_t r[4], const void *smem) {
+#if MPT__CUDA_GEMM_MMA
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s)
+                     : "memory");
+#else
+    (void)smem;
+    r[0] = r[1] = r[2] = r[3] = 0;
+#endif
+}
+
+/* d += a·b for one 16×8×16 step, float32 accumulators. */
+template <bool BF16>
+static __device__ __forceinline__ void mpt__cuda_gemm_mma(float d[4], const uint32_t a[4],
+                                                          const uint32_t b[2]) {
+#if MPT__CUDA_GEMM_MMA
+    if (BF16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    (void)d, (void)a, (void)b;
+#endif
+}
+
+/* Loads a ROWS×COLS tile of a stored row-major matrix (rows × cols, leading
+   dimension ld) starting at (row0, col0) into shared memory with row pitch
+   COLS + PAD, in 16-byte chunks of 8 elements. Outside the matrix reads as
+   zero, so K tails add nothing and M/N tails compute unused values.
+   ASYNC: cp.async (pointer and ld 16-byte aligned); else guarded 2-byte
+   loads, for any alignment. */
+template <int ROWS, int COLS, int PAD, int THREADS, bool ASYNC>
+static __device__ __forceinline__ void mpt__cuda_gemm_load_tile(uint16_t *smem,
+                                                                const uint16_t *g, int64_t ld,
+                                                                int64_t row0, int64_t col0,
+                                                                int64_t rows, int64_t cols,
+                                                                int tid) {
+    constexpr int CHUNKS_PER_ROW = COLS / 8, CHUNKS = ROWS * CHUNKS_PER_ROW;
+    static_assert(CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; i++) {
+        const int chunk = tid + i * THREADS;
+        const int r = chunk / CHUNKS_PER_ROW, cc = (chunk % CHUNKS_PER_ROW) * 8;
+        const int64_t gr = row0 + r, gc = col0 + cc;
+        uint16_t *dst = smem + r * (COLS + PAD) + cc;
+        const int64_t valid = gr < rows && gc < cols ? (cols - gc < 8 ? cols - gc : 8) : 0;
+        if (ASYNC) {
+            /* With nothing to read, the source is never dereferenced but must
+               still be a valid address: the matrix's first element. */
+            mpt__cuda_gemm_cp_async(dst, valid ? g + gr * ld + gc : g, (int)valid * 2);
+        } else {
+            uint16_t v[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = e < valid ? g[gr * ld + gc + e] : (uint16_t)0;
+            uint4 packed;
+            packed.x = v[0] | (uint32_t)v[1] << 16;
+            packed.y = v[2] | (uint32_t)v[3] << 16;
+            packed.z = v[4] | (uint32_t)v[5] << 16;
+            packed.w = v[6] | (uint32_t)v[7] << 16;
+            *(uint4 *)dst = packed;
+        }
+    }
+}
+
+/* The A fragment of one 16×16 mma tile (rows m, depths kk..kk+15) as
+   mma.m16n8k16 wants it: a0 = rows 0-7 × k 0-7, a1 = rows 8-15 × k 0-7,
+   a2 = rows 0-7 × k 8-15, a3 = rows 8-15 × k 8-15.
+   K-contiguous tile [m][k]: matrix j = lane/8 starts at row 8(j%2), k 8(j/2).
+   M-contiguous tile [k][m] (A stored transposed): the same four matrices
+   read as k-rows and transposed by ldmatrix.trans. */
+template <class TILE, bool A_K_CONTIGUOUS>
+static __device__ __forceinline__ void mpt__cuda_gemm_frag_a(uint32_t r[4], const uint16_t *sa,
+                                                             int m, int kk, int lane) {
+    if (A_K_CONTIGUOUS) {
+        const int row = m + (lane & 15), k = kk + (lane >> 4) * 8;
+        mpt__cuda_gemm_ldmatrix4<false>(r, sa + row * (TILE::BK + TILE::PAD) + k);
+    } else {
+        const int k = kk + (lane & 7) + ((lane >> 4) & 1) * 8, col = m + ((lane >> 3) & 1) * 8;
+        mpt__cuda_gemm_ldmatrix4<true>(r, sa + k * (TILE::BM + TILE::PAD) + col);
+    }
+}
+
+/* The B fragments of two adjacent 16×8 mma tiles (columns n..n+15): each
+   thread holds b0 = B[k 2(t%4), +1][n t/4] and b1 the same 8 deeper.
+   r[0], r[1] serve columns n..n+7 and r[2], r[3] columns n+8..n+15.
+   N-contiguous tile [k][n]: matrix j covers k 8(j%2), n 8(j/2), transposed.
+   K-contiguous tile [n][k] (B stored transposed): matrix j covers n 8(j/2),
+   k 8(j%2), read as is (its rows are columns of B). */
+template <class TILE, bool B_K_CONTIGUOUS>
+static __device__ __forceinline__ void mpt__cuda_gemm_frag_b(uint32_t r[4], const uint16_t *sb,
+                                                             int n, int kk, int lane) {
+    if (B_K_CONTIGUOUS) {
+        const int row = n + (lane & 7) + ((lane >> 4) & 1) * 8, k = kk + ((lane >> 3) & 1) * 8;
+        mpt__cuda_gemm_ldmatrix4<false>(r, sb + row * (TILE::BK + TILE::PAD) + k);
+    } else {
+        const int k = kk + (lane & 7) + ((lane >> 3) & 1) * 8, col = n + ((lane >> 4) & 1) * 8;
+        mpt__cuda_gemm_ldmatrix4<true>(r, sb + k * (TILE::BN + TILE::PAD) + col);
+    }
+}
+
+/* One stage: the A and B tiles for depth k0. A is stored M×K (K contiguous)
+   or, transposed, K×M; B is stored K×N or, transposed, N×K. */
+template <class TILE, bool TA, bool TB, bool ASYNC>
+static __device__ __forceinline__ void mpt__cuda_gemm_load_stage(const mpt__cuda_gemm_args &p,
+                                                                 uint16_t *sa, uint16_t *sb,
+                                                                 int64_t m0, int64_t n0,
+                                                                 int64_t k0, int tid) {
+    const uint16_t *a = (const uint16_t *)p.a, *b = (const uint16_t *)p.b;
+    constexpr int BM = TILE::BM, BN = TILE::BN, BK = TILE::BK, PAD = TILE::PAD;
+    constexpr int TH = TILE::THREADS;
+    if (!TA) mpt__cuda_gemm_load_tile<BM, BK, PAD, TH, ASYNC>(sa, a, p.lda, m0, k0, p.m, p.k, tid);
+    else mpt__cuda_gemm_load_tile<BK, BM, PAD, TH, ASYNC>(sa, a, p.lda, k0, m0, p.k, p.m, tid);
+    if (TB) mpt__cuda_gemm_load_tile<BN, BK, PAD, TH, ASYNC>(sb, b, p.ldb, n0, k0, p.n, p.k, tid);
+    else mpt__cuda_gemm_load_tile<BK, BN, PAD, TH, ASYNC>(sb, b, p.ldb, k0, n0, p.k, p.n, tid);
+}
+
+/* C = act(alpha·op(A)·op(B) + beta·C + bias) with mma.sync tensor cores.
+
+   Tiling. Block b owns the BM×BN tile of C at (m0, n0) (M tiles vary
+   fastest, so neighbouring blocks share B's columns in L2). Its depth loop
+   walks K in BK = 32 steps through a ring of STAGES shared-memory buffers:
+   cp.async fills buffer (t + STAGES-1) % STAGES while the warps multiply
+   buffer t % STAGES, so up to STAGES-1 tiles are in flight. Each operand
+   tile is kept as it lies in memory ([mn][k] when K is contiguous, [k][mn]
+   when the operand is stored transposed) and ldmatrix (.trans for [k][mn])
+   turns either layout into mma fragments, so one kernel with two template
+   flags serves all four transpose cases. Warps form a WARPS_M×WARPS_N grid;
+   each owns a WTM×WTN sub-tile = MT×NT mma tiles of 16×8, whose float32
+   accumulators stay in registers (thread t holds rows t/4 and t/4 + 8,
+   columns 2(t%4) and +1 of each), and each BK step issues 2·MT·NT mmas.
+   The epilogue applies alpha, beta·C, bias and the activation to the
+   registers and stores C (float32 or rounded once to 16 bits). */
+template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC>
+static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
+    mpt__cuda_gemm_tc_kernel(mpt__cuda_gemm_args p) {
+#if MPT__CUDA_GEMM_MMA
+    constexpr int BM = TILE::BM, BN = TILE::BN, BK = TILE::BK, STAGES = TILE::STAGES;
+    constexpr int MT = TILE::MT, NT = TILE::NT;
+    constexpr int A_ELEMS = TILE::a_elems(!TA), B_ELEMS = TILE::b_elems(TB);
+    extern __shared__ uint4 mpt__cuda_gemm_smem[];
+    uint16_t *const sa = (uint16_t *)mpt__cuda_gemm_smem;
+    uint16_t *const sb = sa + STAGES * A_ELEMS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = (warp % TILE::WARPS_M) * TILE::WTM, wn = (warp / TILE::WARPS_M) * TILE::WTN;
+    const int64_t tiles_m = (p.m + BM - 1) / BM;
+    const int64_t m0 = (blockIdx.x % tiles_m) * BM, n0 = (blockIdx.x / tiles_m) * BN;
+    const int64_t ktiles = (p.k + BK - 1) / BK;
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0;
+
+    /* Prologue: the first STAGES-1 tiles (one commit group each, empty
+       past the end, so the group count stays in step with t). */
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ktiles)
+            mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
+                                                           m0, n0, (int64_t)s * BK, tid);
+        mpt__cuda_gemm_cp_commit();
+    }
+    for (int64_t t = 0; t < ktiles; t++) {
+        /* Tile t has landed (this thread's copies), and after the barrier
+           everyone's has; the barrier also ends every warp's reads of the
+           buffer refilled next, which held tile t - 1. */
+        mpt__cuda_gemm_cp_wait<STAGES - 2>();
+        __syncthreads();
+        const int64_t next = t + STAGES - 1;
+        if (next < ktiles) {
+            const int s = (int)(next % STAGES);
+            mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
+                                                           m0, n0, next * BK, tid);
+        }
+        mpt__cuda_gemm_cp_commit();
+
+        const uint16_t *a = sa + (int)(t % STAGES) * A_ELEMS;
+        const uint16_t *b = sb + (int)(t % STAGES) * B_ELEMS;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            uint32_t af[MT][4], bf[NT][2];
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+                mpt__cuda_gemm_frag_a<TILE, !TA>(af[i], a, wm + i * 16, kk, lane);
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+                uint32_t r[4];
+                mpt__cuda_gemm_frag_b<TILE, TB>(r, b, wn + j * 8, kk, lane);
+                bf[j][0] = r[0];
+                bf[j][1] = r[1];
+                bf[j + 1][0] = r[2];
+                bf[j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++) mpt__cuda_gemm_mma<BF16>(acc[i][j], af[i], bf[j]);
+        }
+    }
+    mpt__cuda_gemm_cp_wait<0>();
+
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int64_t row = m0 + wm + i * 16 + g + h * 8;
+                const int64_t col = n0 + wn + j * 8 + q * 2;
+                if (row < p.m && col < p.n)
+                    mpt__cuda_gemm_finish2(p, row, col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+            }
+#else
+    (void)p;
+#endif
+}
+
+template <class TILE, bool TA, bool TB>
+static constexpr int mpt__cuda_gemm_tc_smem() {
+    return TILE::STAGES * (TILE::a_elems(!TA) + TILE::b_elems(TB)) * 2;
+}
+
+/* Launches one instantiation, or (prepare) raises its shared-memory limit,
+   which the 4-stage tiles need above the default 48 KiB. */
+template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC>
+static cudaError_t mpt__cuda_gemm_tc_go(const mpt__cuda_gemm_args *p, cudaStream_t stream,
+                                        int prepare) {
+    constexpr int smem = mpt__cuda_gemm_tc_smem<TILE, TA, TB>();
+    if (prepare)
+        return cudaFuncSetAttribute(mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const int64_t tiles = ((p->m + TILE::BM - 1) / TILE::BM) * ((p->n + TILE::BN - 1) / TILE::BN);
+    mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>
+        <<<(unsigned)tiles, TILE::THREADS, smem, stream>>>(*p);
+    return cudaSuccess;
+}
+
+template <class TILE, bool BF16, bool ASYNC>
+static cudaError_t mpt__cuda_gemm_tc_trans(int ta, int tb, const mpt__cuda_gemm_args *p,
+                                           cudaStream_t stream, int prepare) {
+    if (ta) {
+        if (tb) return mpt__cuda_gemm_tc_go<TILE, BF16, true, true, ASYNC>(p, stream, prepare);
+        return mpt__cuda_gemm_tc_go<TILE, BF16, true, false, ASYNC>(p, stream, prepare);
+    }
+    if (tb) return mpt__cuda_gemm_tc_go<TILE, BF16, false, true, ASYNC>(p, stream, prepare);
+    return mpt__cuda_gemm_tc_go<TILE, BF16, false, false, ASYNC>(p, stream, prepare);
+}
+
+/* The tensor-core variants: big tiles (aligned only), small tiles aligned,
+   small tiles with guarded loads. */
+enum { MPT__CUDA_GEMM_BIG = 0, MPT__CUDA_GEMM_SMALL = 1, MPT__CUDA_GEMM_SMALL_GUARDED = 2 };
+
+static cudaError_t mpt__cuda_gemm_tc_dispatch(int variant, int bf16, int ta, int tb,
+                                              const mpt__cuda_gemm_args *p, cudaStream_t stream,
+                                              int prepare) {
+    typedef mpt__cuda_gemm_tile_big big;
+    typedef mpt__cuda_gemm_tile_small small;
+    switch (variant) {
+    case MPT__CUDA_GEMM_BIG:
+        return bf16 ? mpt__cuda_gemm_tc_trans<big, true, true>(ta, tb, p, stream, prepare)
+                    : mpt__cuda_gemm_tc_trans<big, false, true>(ta, tb, p, stream, prepare);
+    case MPT__CUDA_GEMM_SMALL:
+        return bf16 ? mpt__cuda_gemm_tc_trans<small, true, true>(ta, tb, p, stream, prepare)
+                    : mpt__cuda_gemm_tc_trans<small, false, true>(ta, tb, p, stream, prepare);
+    default:
+        return bf16 ? mpt__cuda_gemm_tc_trans<small, true, false>(ta, tb, p, stream, prepare)
+                    : mpt__cuda_gemm_tc_trans<small, false, false>(ta, tb, p, stream, prepare);
+    }
+}
+
+/* -----------------------------------------------------------------------------
+   The per-shape cache: chosen engine and cuBLASLt plan
+   ----------------------------------------------------------------------------- */
+
+/* Everything that changes the chosen algorithm. All fields are 8 or 4 bytes
+   with no padding, so keys hash and compare as bytes. */
+typedef struct mpt__cuda_gemm_key {
+    int64_t m, n, k, lda, ldb, ldc;
+    int32_t trans_a, trans_b, ab_dtype, c_dtype;
+    int32_t act, has_bias, beta_nonzero;
+    int32_t align; /* log2 of the alignment of a, b, c, bias (≤ 256 B), a byte each */
+} mpt__cuda_gemm_key;
+
+/* A cuBLASLt plan: descriptors, layouts, and the heuristic's algorithm. */
+typedef struct mpt__cuda_gemm_lt {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc; /* Lt's A (our B), Lt's B (our A), C = D */
+    cublasLtMatmulAlgo_t algo;
+    int post_act; /* float32 C: our kernel applies the activation after */
+} mpt__cuda_gemm_lt;
+
+typedef struct mpt__cuda_gemm_entry {
+    int used;
+    int lt_state;  /* 0: not built; 1: ready; -1: cuBLASLt cannot (or failed) */
+    int timed;     /* AUTO: engine was measured on this shape            */
+    int engine;    /* MPT_GEMM_MPT or MPT_GEMM_CUBLASLT, when timed       */
+    mpt__cuda_gemm_key key;
+    mpt__cuda_gemm_lt lt;
+} mpt__cuda_gemm_entry;
+
+struct mpt__gemm_cache {
+    mpt__cuda_gemm_entry *entries; /* open addressing, linear probing     */
+    int64_t capacity, count;       /* capacity: a power of two            */
+    int tensor_cores;              /* sm_80+: the mma.sync kernel runs    */
+    int big_tiles;                 /* the 80 KiB configuration fits       */
+};
+
+static int mpt__cuda_gemm_log2_align(const void *ptr) {
+    uintptr_t x = (uintptr_t)ptr;
+    int l = 0;
+    while (l < 8 && !(x & ((uintptr_t)1 << l))) l++;
+    return l; /* NULL (no bias) counts as 256-byte aligned */
+}
+
+static mpt__cuda_gemm_key mpt__cuda_gemm_make_key(const mpt_gemm_desc *d, mpt_dtype c_dtype) {
+    mpt__cuda_gemm_key k;
+    memset(&k, 0, sizeof k);
+    k.m = d->m, k.n = d->n, k.k = d->k;
+    k.lda = d->lda, k.ldb = d->ldb, k.ldc = d->ldc;
+    k.trans_a = d->trans_a != 0, k.trans_b = d->trans_b != 0;
+    k.ab_dtype = d->ab_dtype ? (int32_t)d->ab_dtype : (int32_t)MPT_FLOAT32;
+    k.c_dtype = (int32_t)c_dtype;
+    k.act = (int32_t)d->activation;
+    k.has_bias = d->bias != NULL;
+    k.beta_nonzero = d->beta != 0.0f;
+    k.align = mpt__cuda_gemm_log2_align(d->a) | mpt__cuda_gemm_log2_align(d->b) << 8 |
+              mpt__cuda_gemm_log2_align(d->c) << 16 | mpt__cuda_gemm_log2_align(d->bias) << 24;
+    return k;
+}
+
+static uint64_t mpt__cuda_gemm_hash(const mpt__cuda_gemm_key *k) {
+    const unsigned char *p = (const unsigned char *)k;
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (size_t i = 0; i < sizeof *k; i++) h = (h ^ p[i]) * 1099511628211ULL;
+    return h;
+}
+
+static mpt__cuda_gemm_entry *mpt__cuda_gemm_find(struct mpt__gemm_cache *cache,
+                                                 const mpt__cuda_gemm_key *k) {
+    const uint64_t mask = (uint64_t)cache->capacity - 1;
+    for (uint64_t i = mpt__cuda_gemm_hash(k) & mask;; i = (i + 1) & mask) {
+        mpt__cuda_gemm_entry *e = &cache->entries[i];
+        if (!e->used) return NULL;
+        if (!memcmp(&e->key, k, sizeof *k)) return e;
+    }
+}
+
+/* The slot for k, which must not be in the table (the table never fills:
+   it doubles at half load). */
+static mpt__cuda_gemm_entry *mpt__cuda_gemm_slot(mpt__cuda_gemm_entry *entries, int64_t capacity,
+                                                 const mpt__cuda_gemm_key *k) {
+    const uint64_t mask = (uint64_t)capacity - 1;
+    uint64_t i = mpt__cuda_gemm_hash(k) & mask;
+    while (entries[i].used) i = (i + 1) & mask;
+    return &entries[i];
+}
+
+/* Adds a fresh entry for k (not present); NULL when out of host memory.
+   Earlier entry pointers are invalid afterwards. */
+static mpt__cuda_gemm_entry *mpt__cuda_gemm_insert(struct mpt__gemm_cache *cache,
+                                                   const mpt__cuda_gemm_key *k) {
+    mpt__cuda_gemm_entry *e;
+    if ((cache->count + 1) * 2 > cache->capacity) {
+        const int64_t capacity = cache->capacity * 2;
+        mpt__cuda_gemm_entry *grown =
+            (mpt__cuda_gemm_entry *)calloc((size_t)capacity, sizeof *grown);
+        if (!grown) return NULL;
+        for (int64_t i = 0; i < cache->capacity; i++)
+            if (cache->entries[i].used)
+                *mpt__cuda_gemm_slot(grown, capacity, &cache->entries[i].key) = cache->entries[i];
+        free(cache->entries);
+        cache->entries = grown;
+        cache->capacity = capacity;
+    }
+    e = mpt__cuda_gemm_slot(cache->entries, cache->capacity, k);
+    memset(e, 0, sizeof *e);
+    e->used = 1;
+    e->key = *k;
+    cache->count++;
+    return e;
+}
+
+/* -----------------------------------------------------------------------------
+   cuBLASLt
+   ----------------------------------------------------------------------------- */
+
+static cudaDataType_t mpt__cuda_gemm_lt_type(mpt_dtype t) {
+    return t == MPT_FLOAT16 ? CUDA_R_16F : t == MPT_BFLOAT16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+/* Whether cuBLASLt can give exactly our result: its GELU is the tanh
+   approximation and it has no sigmoid or tanh, so those run as a second
+   pass over C, which must then be float32 to round only once. */
+static int mpt__cuda_gemm_lt_can(const mpt_gemm_desc *d, mpt_dtype c_dtype) {
+    return c_dtype == MPT_FLOAT32 || d->activation == MPT_ACT_NONE ||
+           d->activation == MPT_ACT_RELU;
+}
+
+static void mpt__cuda_gemm_lt_free(mpt__cuda_gemm_lt *lt) {
+    if (lt->op) cublasLtMatmulDescDestroy(lt->op);
+    if (lt->la) cublasLtMatrixLayoutDestroy(lt->la);
+    if (lt->lb) cublasLtMatrixLayoutDestroy(lt->lb);
+    if (lt->lc) cublasLtMatrixLayoutDestroy(lt->lc);
+    memset(lt, 0, sizeof *lt);
+}
+
+/* Builds lt for d's shape.
+
+   cuBLASLt is column-major; our matrices are row-major. A row-major X
+   (r×c, leading dimension ld) is the same memory as a column-major X^T
+   (c×r, same ld). So our C = op(A)·op(B) (M×N) is, read column-major,
+   C^T = op(B)^T · op(A)^T (N×M): cuBLASLt's "A" is our B, its "B" our A,
+   its m = N, n = M, k = K, and it needs no transposition of C.
+   - Our B untransposed is stored K×N row-major = N×K column-major, which
+     already is op(B)^T: Lt's A, op N, layout N×K (ld ldb). Transposed
+     (stored N×K) it is K×N column-major: op T, layout K×N.
+   - Our A untransposed is stored M×K = K×M column-major = op(A)^T: Lt's
+     B, op N, layout K×M (ld lda). Transposed: op T, layout M×K.
+   - D = C: N×M column-major, ld ldc. Lt's bias has one value per row of
+     D, i.e. per column of our C: exactly our per-column bias. */
+static mpt_status mpt__cuda_gemm_lt_build(mpt__cuda *c, mpt__cuda_gemm_lt *lt,
+                                          const mpt_gemm_desc *d, mpt_dtype c_dtype) {
+    const mpt_dtype ab = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
+    const cudaDataType_t ab_type = mpt__cuda_gemm_lt_type(ab);
+    const cudaDataType_t c_type = mpt__cuda_gemm_lt_type(c_dtype);
+    const cublasOperation_t op_b = d->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_a = d->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const uint64_t m = (uint64_t)d->m, n = (uint64_t)d->n, k = (uint64_t)d->k;
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t found;
+    int count = 0;
+    mpt_status st = MPT_OK;
+    memset(lt, 0, sizeof *lt);
+    memset(&found, 0, sizeof found);
+    if (d->activation == MPT_ACT_RELU) epi = d->bias ? CUBLASLT_EPILOGUE_RELU_BIAS
+                                                     : CUBLASLT_EPILOGUE_RELU;
+    else if (d->bias) epi = CUBLASLT_EPILOGUE_BIAS;
+    lt->post_act = d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU;
+    do {
+        const cublasLtPointerMode_t host = CUBLASLT_POINTER_MODE_HOST;
+        const uint64_t workspace = c->lt_workspace_bytes;
+        const cudaDataType_t bias_type = CUDA_R_32F; /* our bias is float32 for every C */
+        const uint32_t align_a = 1u << mpt__cuda_gemm_log2_align(d->b); /* Lt's A is our B */
+        const uint32_t align_b = 1u << mpt__cuda_gemm_log2_align(d->a);
+        const uint32_t align_c = 1u << mpt__cuda_gemm_log2_align(d->c);
+#define MPT__LT_TRY(call)                                                                   \
+    {                                                                                       \
+        cublasStatus_t e_ = (call);                                                         \
+        if (e_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+            st = mpt__cuda_fail(c, e_ == CUBLAS_STATUS_ALLOC_FAILED ? MPT_ERR_OUT_OF_MEMORY \
+                                                                    : MPT_ERR_UNSUPPORTED,  \
+                                __FILE__, __LINE__, "%s: %s (%d)", #call,                   \
+                                cublasGetStatusString(e_), (int)e_);                        \
+            break;                                                                          \
+        }                                                                                   \
+    }
+        MPT__LT_TRY(cublasLtMatmulDescCreate(&lt->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        MPT__LT_TRY(cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_POINTER_MODE,
+                                                   &host, sizeof host));
+        MPT__LT_TRY(cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_b,
+                                                   sizeof op_b));
+        MPT__LT_TRY(cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_a,
+                                                   sizeof op_a));
+        MPT__LT_TRY(cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                                   sizeof epi));
+        if (d->bias) {
+            /* The heuristic reads the pointer's alignment (part of the key). */
+            MPT__LT_TRY(cublasLtMatmulDescSetAttribute(
+                lt->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+            MPT__LT_TRY(cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                       &d->bias, sizeof d->bias));
+        }
+        MPT__LT_TRY(cublasLtMatrixLayoutCreate(&lt->la, ab_type, d->trans_b ? k : n,
+                                               d->trans_b ? n : k, d->ldb));
+        MPT__LT_TRY(cublasLtMatrixLayoutCreate(&lt->lb, ab_type, d->trans_a ? m : k,
+                                               d->trans_a ? k : m, d->lda));
+        MPT__LT_TRY(cublasLtMatrixLayoutCreate(&lt->lc, c_type, n, m, d->ldc));
+        MPT__LT_TRY(cublasLtMatmulPreferenceCreate(&pref));
+        MPT__LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace));
+        /* The default assumes 256-byte aligned matrices; ours may be views. */
+        MPT__LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a));
+        MPT__LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b));
+        MPT__LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c));
+        MPT__LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c));
+        MPT__LT_TRY(cublasLtMatmulAlgoGetHeuristic(c->lt, lt->op, lt->la, lt->lb, lt->lc, lt->lc,
+                                                   pref, 1, &found, &count));
+#undef MPT__LT_TRY
+        if (count < 1 || found.state != CUBLAS_STATUS_SUCCESS)
+            st = mpt__cuda_fail(c, MPT_ERR_UNSUPPORTED, __FILE__, __LINE__,
+                                "cuBLASLt has no algorithm for gemm m=%lld n=%lld k=%lld",
+                                (long long)d->m, (long long)d->n, (long long)d->k);
+    } while (0);
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (st != MPT_OK) mpt__cuda_gemm_lt_free(lt);
+    else lt->algo = found.algo;
+    return st;
+}
+
+/* Builds the entry's plan once; 1 if cuBLASLt can run it. */
+static int mpt__cuda_gemm_lt_ready(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mpt_gemm_desc *d,
+                                   mpt_dtype c_dtype) {
+    if (e->lt_state == 0) {
+        /* Keep error() as it was: a shape cuBLASLt declines is not an error,
+           the hand-written engine runs it. */
+        char saved[sizeof c->error];
+        memcpy(saved, c->error, sizeof saved);
+        e->lt_state = mpt__cuda_gemm_lt_build(c, &e->lt, d, c_dtype) == MPT_OK ? 1 : -1;
+        memcpy(c->error, saved, sizeof saved);
+    }
+    return e->lt_state == 1;
+}
+
+/* Runs the plan into cptr (d->c or a scratch copy); 0 if cuBLASLt refused
+   (nothing was queued; the caller runs the hand-written engine). */
+static int mpt__cuda_gemm_lt_run(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mpt_gemm_desc *d,
+                                 void *cptr) {
+    mpt__cuda_gemm_lt *lt = &e->lt;
+    const float alpha = d->alpha == 0.0f ? 1.0f : d->alpha, beta = d->beta;
+    if (d->bias && cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                  &d->bias, sizeof d->bias) !=
+                       CUBLAS_STATUS_SUCCESS) {
+        e->lt_state = -1;
+        return 0;
+    }
+    if (cublasLtMatmul(c->lt, lt->op, &alpha, d->b, lt->la, d->a, lt->lb, &beta, cptr, lt->lc,
+                       cptr, lt->lc, &lt->algo, c->lt_workspace, c->lt_workspace_bytes,
+                       c->stream) != CUBLAS_STATUS_SUCCESS) {
+        e->lt_state = -1;
+        return 0;
+    }
+    if (lt->post_act) {
+        mpt__cuda_gemm_activate_kernel<<<mpt__cuda_blocks(d->m * d->n, 256), 256, 0,
+                                         c->stream>>>((float *)cptr, d->m, d->n, d->ldc,
+                                                      (int)d->activation);
+        mpt__cuda_launched(c, "mpt__cuda_gemm_activate_kernel");
+    }
+    return 1;
+}
+
+/* -----------------------------------------------------------------------------
+   The hand-written engine
+   ----------------------------------------------------------------------------- */
+
+static mpt__cuda_gemm_args mpt__cuda_gemm_make_args(const mpt_gemm_desc *d, mpt_dtype c_dtype,
+                                                    void *cptr) {
+    mpt__cuda_gemm_args p;
+    const uintptr_t pair_bytes = c_dtype == MPT_FLOAT32 ? 8 : 4;
+    memset(&p, 0, sizeof p);
+    p.a = d->a, p.b = d->b, p.c = cptr, p.bias = d->bias;
+    p.m = d->m, p.n = d->n, p.k = d->k;
+    p.lda = d->lda, p.ldb = d->ldb, p.ldc = d->ldc;
+    p.alpha = d->alpha == 0.0f ? 1.0f : d->alpha;
+    p.beta = d->beta;
+    p.act = (int)d->activation;
+    p.c_dtype = (int)c_dtype;
+    p.c_pairs = (uintptr_t)cptr % pair_bytes == 0 && d->ldc % 2 == 0;
+    return p;
+}
+
+static void mpt__cuda_gemm_run_mpt(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
+                                   void *cptr) {
+    const mpt__cuda_gemm_args p = mpt__cuda_gemm_make_args(d, c_dtype, cptr);
+    const mpt_dtype ab = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
+    if (ab != MPT_FLOAT32 && c->gemm_cache->tensor_cores) {
+        /* cp.async copies 16 bytes: every row start of A and B must be 16-byte
+           aligned, i.e. the pointers and the leading dimensions (×2 bytes). */
+        const int aligned = (uintptr_t)d->a % 16 == 0 && (uintptr_t)d->b % 16 == 0 &&
+                            d->lda % 8 == 0 && d->ldb % 8 == 0;
+        /* Big tiles once they alone give about a wave of blocks. */
+        const int64_t big_tiles = ((d->m + 127) / 128) * ((d->n + 127) / 128);
+        int variant = MPT__CUDA_GEMM_SMALL_GUARDED;
+        if (aligned)
+            variant = c->gemm_cache->big_tiles && big_tiles >= c->sm_count ? MPT__CUDA_GEMM_BIG
+                                                                            : MPT__CUDA_GEMM_SMALL;
+        mpt__cuda_gemm_tc_dispatch(variant, ab == MPT_BFLOAT16, d->trans_a != 0, d->trans_b != 0,
+                                   &p, c->stream, 0);
+        mpt__cuda_launched(c, "mpt__cuda_gemm_tc_kernel");
+        return;
+    }
+    {
+        const unsigned tiles = (unsigned)(((d->m + 63) / 64) * ((d->n + 63) / 64));
+        const int ta = d->trans_a != 0, tb = d->trans_b != 0;
+        if (ab == MPT_FLOAT16)
+            mpt__cuda_gemm_simt_kernel<__half><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
+        else if (ab == MPT_BFLOAT16)
+            mpt__cuda_gemm_simt_kernel<__nv_bfloat16><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
+        else mpt__cuda_gemm_simt_kernel<float><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
+        mpt__cuda_launched(c, "mpt__cuda_gemm_simt_kernel");
+    }
+}
+
+/* -----------------------------------------------------------------------------
+   Engine choice and the table functions
+   ----------------------------------------------------------------------------- */
+
+/* C's dtype as stored: float16/bfloat16 when asked, else float32. */
+static mpt_dtype mpt__cuda_gemm_c_dtype(mpt_dtype c_dtype) {
+    return c_dtype == MPT_FLOAT16 || c_dtype == MPT_BFLOAT16 ? c_dtype : MPT_FLOAT32;
+}
+
+/* The engine for d: forced, measured by gemm_plan, or (never planned) the
+   hand-written kernel for 16-bit types and cuBLASLt for float32. Returns
+   the entry holding a ready cuBLASLt plan, or NULL for the hand-written
+   engine. Never measures; may build a plan (host work only). */
+static mpt__cuda_gemm_entry *mpt__cuda_gemm_pick(mpt__cuda *c, const mpt_gemm_desc *d,
+                                                 mpt_dtype c_dtype) {
+    const mpt__cuda_gemm_key key = mpt__cuda_gemm_make_key(d, c_dtype);
+    mpt__cuda_gemm_entry *e = mpt__cuda_gemm_find(c->gemm_cache, &key);
+    mpt_gemm_engine engine = c->gemm_engine;
+    if (engine == MPT_GEMM_AUTO) {
+        if (e && e->timed) engine = (mpt_gemm_engine)e->engine;
+        else engine = key.ab_dtype == MPT_FLOAT32 ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+    }
+    if (engine != MPT_GEMM_CUBLASLT || !mpt__cuda_gemm_lt_can(d, c_dtype)) return NULL;
+    if (!e && !(e = mpt__cuda_gemm_insert(c->gemm_cache, &key))) return NULL;
+    return mpt__cuda_gemm_lt_ready(c, e, d, c_dtype) ? e : NULL;
+}
+
+static void mpt__cuda_gemm_scale_c(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
+    const mpt__cuda_gemm_args p = mpt__cuda_gemm_make_args(d, c_dtype, d->c);
+    mpt__cuda_gemm_scale_c_kernel<<<mpt__cuda_blocks(d->m * d->n, 256), 256, 0, c->stream>>>(p);
+    mpt__cuda_launched(c, "mpt__cuda_gemm_scale_c_kernel");
+}
+
+static void mpt__cuda_gemm(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_gemm_entry *e;
+    if (d->m <= 0 || d->n <= 0) return;
+    c_dtype = mpt__cuda_gemm_c_dtype(c_dtype);
+    if (d->k <= 0 || d->alpha_is_zero) {
+        mpt__cuda_gemm_scale_c(c, d, c_dtype);
+        return;
+    }
+    e = mpt__cuda_gemm_pick(c, d, c_dtype);
+    if (e && mpt__cuda_gemm_lt_run(c, e, d, d->c)) return;
+    mpt__cuda_gemm_run_mpt(c, d, c_dtype, d->c);
+}
+
+/* Milliseconds per run of one engine into d->c (a scratch C), after warm-up
+   runs; *refused when cuBLASLt declined. */
+static mpt_status mpt__cuda_gemm_time(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
+                                      mpt__cuda_gemm_entry *e, int use_lt, cudaEvent_t start,
+                                      cudaEvent_t stop, float *ms, int *refused) {
+    enum { WARM = 2, RUNS = 5 };
+    *refused = 0;
+    for (int i = 0; i < WARM + RUNS; i++) {
+        if (i == WARM) MPT__CU(c, cudaEventRecord(start, c->stream));
+        if (!use_lt) mpt__cuda_gemm_run_mpt(c, d, c_dtype, d->c);
+        else if (!mpt__cuda_gemm_lt_run(c, e, d, d->c)) {
+            *refused = 1;
+            return MPT_OK;
+        }
+    }
+    MPT__CU(c, cudaEventRecord(stop, c->stream));
+    MPT__CU(c, cudaEventSynchronize(stop));
+    if (c->pending != cudaSuccess)
+        return mpt__cuda_fail(c, MPT_ERR_UNSUPPORTED, __FILE__, __LINE__, "%s failed: %s",
+                              c->pending_what, cudaGetErrorString(c->pending));
+    MPT__CU(c, cudaEventElapsedTime(ms, start, stop));
+    *ms /= RUNS;
+    return MPT_OK;
+}
+
+/* Measures both engines on d's shape and records the faster in e. The
+   runs write a scratch copy of C (a copy, so that beta·C reads real
+   values), never the caller's C. */
+static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
+                                      mpt__cuda_gemm_entry *e) {
+    const size_t c_bytes = (size_t)((d->m - 1) * d->ldc + d->n) * mpt_dtype_size(c_dtype);
+    mpt_gemm_desc t = *d;
+    cudaEvent_t start = NULL, stop = NULL;
+    void *scratch = NULL;
+    float ms_mpt = 0, ms_lt = 0;
+    int refused = 0;
+    mpt_status st = MPT_OK;
+    if (cudaMalloc(&scratch, c_bytes) != cudaSuccess) {
+        /* No room to measure: keep the hand-written engine, not an error. */
+        (void)cudaGetLastError();
+        e->engine = MPT_GEMM_MPT;
+        e->timed = 1;
+        return MPT_OK;
+    }
+    t.c = (float *)scratch;
+    if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess)
+        st = mpt__cuda_fail(c, MPT_ERR_UNSUPPORTED, __FILE__, __LINE__, "cudaEventCreate failed");
+    else if (d->beta != 0.0f &&
+             cudaMemcpyAsync(scratch, d->c, c_bytes, cudaMemcpyDeviceToDevice, c->stream) !=
+                 cudaSuccess)
+        st = mpt__cuda_fail(c, MPT_ERR_UNSUPPORTED, __FILE__, __LINE__, "cudaMemcpyAsync failed");
+    if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 0, start, stop, &ms_mpt, &refused);
+    if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 1, start, stop, &ms_lt, &refused);
+    if (st == MPT_OK) {
+        e->engine = !refused && ms_lt < ms_mpt ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+        e->timed = 1;
+    }
+    /* The scratch C may still be in use by a refused or failed run's queue. */
+    cudaStreamSynchronize(c->stream);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    cudaFree(scratch);
+    return st;
+}
+
+static mpt_status mpt__cuda_gemm_plan(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_gemm_key key;
+    mpt__cuda_gemm_entry *e;
+    if (d->m <= 0 || d->n <= 0 || d->k <= 0 || d->alpha_is_zero) return MPT_OK; /* no product */
+    c_dtype = mpt__cuda_gemm_c_dtype(c_dtype);
+    if (c->gemm_engine == MPT_GEMM_MPT || !mpt__cuda_gemm_lt_can(d, c_dtype)) return MPT_OK;
+    key = mpt__cuda_gemm_make_key(d, c_dtype);
+    e = mpt__cuda_gemm_find(c->gemm_cache, &key);
+    if (!e && !(e = mpt__cuda_gemm_insert(c->gemm_cache, &key)))
+        return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                              "gemm_plan: no host memory for the plan cache");
+    mpt__cuda_gemm_lt_ready(c, e, d, c_dtype);
+    if (c->gemm_engine == MPT_GEMM_CUBLASLT || e->timed || c->capturing) return MPT_OK;
+    if (e->lt_state != 1) {
+        e->engine = MPT_GEMM_MPT;
+        e->timed = 1;
+        return MPT_OK;
+    }
+    return mpt__cuda_gemm_race(c, d, c_dtype, e);
+}
+
+static void mpt__cuda_gemm_destroy(mpt__cuda *c) {
+    struct mpt__gemm_cache *cache = c->gemm_cache;
+    if (cache) {
+        for (int64_t i = 0; i < cache->capacity; i++)
+            if (cache->entries[i].used) mpt__cuda_gemm_lt_free(&cache->entries[i].lt);
+        free(cache->entries);
+        free(cache);
+        c->gemm_cache = NULL;
+    }
+    if (c->lt_workspace) cudaFree(c->lt_workspace);
+    c->lt_workspace = NULL;
+    c->lt_workspace_bytes = 0;
+    if (c->lt) cublasLtDestroy(c->lt);
+    c->lt = NULL;
+}
+
+/* Raises the shared-memory limit of every tensor-core kernel (host setup,
+   so that launches inside a graph capture need nothing more). */
+static void mpt__cuda_gemm_prepare_kernels(struct mpt__gemm_cache *cache) {
+    for (int variant = 0; variant < 3; variant++)
+        for (int combo = 0; combo < 8; combo++) {
+            cudaError_t e = mpt__cuda_gemm_tc_dispatch(variant, combo & 1, (combo >> 1) & 1,
+                                                       (combo >> 2) & 1, NULL, 0, 1);
+            if (e != cudaSuccess) {
+                (void)cudaGetLastError(); /* not a sticky error: clear it */
+                if (variant == MPT__CUDA_GEMM_BIG) cache->big_tiles = 0;
+                else cache->tensor_cores = 0;
+            }
+        }
+}
+
+static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
+    struct mpt__gemm_cache *cache;
+    int major = 0;
+    c->gemm_cache = cache = (struct mpt__gemm_cache *)calloc(1, sizeof *cache);
+    if (!cache)
+        return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                              "no host memory for the GEMM plan cache");
+    cache->capacity = 64;
+    cache->entries = (mpt__cuda_gemm_entry *)calloc((size_t)cache->capacity, sizeof *cache->entries);
+    if (!cache->entries)
+        return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                              "no host memory for the GEMM plan cache");
+    MPT__CU(c, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
+    cache->tensor_cores = major >= 8;
+    cache->big_tiles = 1;
+    if (cache->tensor_cores) mpt__cuda_gemm_prepare_kernels(cache);
+    MPT__LT(c, cublasLtCreate(&c->lt));
+    c->lt_workspace_bytes = (size_t)32 << 20;
+    MPT__CU(c, cudaMalloc(&c->lt_workspace, c->lt_workspace_bytes));
+    return MPT_OK;
+}
+
+static mpt_status mpt__cuda_gemm_init(mpt__cuda *c) {
+    mpt_status st;
+    c->gemm_cache = NULL;
+    c->lt = NULL;
+    c->lt_workspace = NULL;
+    c->lt_workspace_bytes = 0;
+    st = mpt__cuda_gemm_init_parts(c);
+    if (st != MPT_OK) mpt__cuda_gemm_destroy(c);
+    return st;
+}
+
+/* -----------------------------------------------------------------------------
+   Column sums (bias gradients)
+   ----------------------------------------------------------------------------- */
+
+/* out[j] (+)= Σ_r dz[r][j]. Block (32, 32) owns 32 columns and all rows:
+   thread (x, y) reads column x of rows y, y + 32, y + 64, ... (a warp reads
+   128 contiguous bytes of one row), into four accumulators in turn (rows
+   y + 128·i + 32·s go to accumulator s) to keep four loads in flight; then
+   the 32 partial sums of each column are added in a fixed tree in shared
+   memory. The order depends only on rows, so results repeat bit for bit. */
+static __global__ void __launch_bounds__(1024)
+    mpt__cuda_colsum_kernel(const float *dz, int64_t rows, int64_t cols, float *out,
+                            int accumulate) {
+    __shared__ float partial[32][33];
+    const int x = threadIdx.x, y = threadIdx.y;
+    const int64_t col = blockIdx.x * (int64_t)32 + x;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (col < cols) {
+        int64_t r = y;
+        for (; r + 96 < rows; r += 128) {
+#pragma unroll
+            for (int u = 0; u < 4; u++) s[u] += dz[(r + 32 * u) * cols + col];
+        }
+#pragma unroll
+        for (int u = 0; u < 3; u++) /* the rest: fewer than 4 rows of 32 */
+            if (r + 32 * u < rows) s[u] += dz[(r + 32 * u) * cols + col];
+    }
+    partial[y][x] = (s[0] + s[1]) + (s[2] + s[3]);
+    __syncthreads();
+    for (int half = 16; half > 0; half >>= 1) {
+        if (y < half) partial[y][x] += partial[y + half][x];
+        __syncthreads();
+    }
+    if (y == 0 && col < cols) out[col] = accumulate ? out[col] + partial[0][x] : partial[0][x];
+}
+
+static void mpt__cuda_column_sums(void *impl, const float *dz, int64_t rows, int64_t cols,
+                                  float *out, int accumulate) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (cols <= 0) return;
+    mpt__cuda_colsum_kernel<<<(unsigned)((cols + 31) / 32), dim3(32, 32), 0, c->stream>>>(
+        dz, rows < 0 ? 0 : rows, cols, out, accumulate);
+    mpt__cuda_launched(c, "mpt__cuda_colsum_kernel");
+}
+/* The CUDA backend's layer kernels: dtype conversion, activations and their
+   gradients, im2col/col2im, pooling, BatchNormalization and Dropout.
+
+   Each follows the CPU code in mpt.h (same formulas, same rounding points:
+   float32 arithmetic, one rounding to the storage dtype at the end).
+   Where the CPU multiplies and then adds, the kernels use __fmul_rn /
+   __fadd_rn so that nvcc does not fuse them into an FMA (which rounds
+   once instead of twice and would change the last bit). Sums that are not
+   reductions (col2im, pooling backward, average pooling) are gathers in the
+   CPU's own order, so they repeat the CPU's results bit for bit; the
+   BatchNormalization statistics are reductions in a fixed tree order.
+
+   Memory-bound kernels move 8 elements per thread (two or one 128-bit
+   accesses) when every pointer involved is 16-byte aligned; the elements
+   past the last full group of 8 are done one by one. */
+
+/* ---- element types ----------------------------------------------------- */
+
+/* float32 <-> storage dtype: widening is exact, narrowing rounds to nearest
+   even (NaN payloads may differ from the CPU's, NaN stays NaN). */
+template <typename T> struct mpt__cuda_layers_num;
+template <> struct mpt__cuda_layers_num<float> {
+    static __device__ __forceinline__ float widen(float v) { return v; }
+    static __device__ __forceinline__ float narrow(float v) { return v; }
+};
+template <> struct mpt__cuda_layers_num<__half> {
+    static __device__ __forceinline__ float widen(__half v) { return __half2float(v); }
+    static __device__ __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
+};
+template <> struct mpt__cuda_layers_num<__nv_bfloat16> {
+    static __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+    static __device__ __forceinline__ __nv_bfloat16 narrow(float v) {
+        return __float2bfloat16_rn(v);
+    }
+};
+
+template <typename T> static __device__ __forceinline__ float mpt__cuda_layers_widen(T v) {
+    return mpt__cuda_layers_num<T>::widen(v);
+}
+template <typename T> static __device__ __forceinline__ T mpt__cuda_layers_narrow(float v) {
+    return mpt__cuda_layers_num<T>::narrow(v);
+}
+
+/* N consecutive elements moved as one access: a 16-byte pack compiles to
+   one 128-bit load/store, a 32-byte one (8 floats) to two. The alignment
+   is capped at 16 bytes, the most the callers check for. */
+template <typename T, int N>
+struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) mpt__cuda_layers_pack {
+    T v[N];
+};
+
+template <int N, typename T>
+static __device__ __forceinline__ mpt__cuda_layers_pack<T, N> mpt__cuda_layers_load(const T *p) {
+    return *reinterpret_cast<const mpt__cuda_layers_pack<T, N> *>(p);
+}
+template <int N, typename T>
+static __device__ __forceinline__ void mpt__cuda_layers_store(
+    T *p, const mpt__cuda_layers_pack<T, N> &v) {
+    *reinterpret_cast<mpt__cuda_layers_pack<T, N> *>(p) = v;
+}
+
+/* Elements per thread in the elementwise kernels. */
+static const int mpt__cuda_layers_vec = 8;
+static const int mpt__cuda_layers_threads = 256;
+
+static bool mpt__cuda_layers_aligned(const void *p, size_t bytes) {
+    return (uintptr_t)p % bytes == 0;
+}
+
+/* Calls f with a value of the C++ type of a float dtype (float32 for
+   anything else, which the model never passes here). */
+template <typename F> static void mpt__cuda_layers_dispatch(mpt_dtype dtype, F &&f) {
+    switch (dtype) {
+    case MPT_FLOAT16: f(__half()); break;
+    case MPT_BFLOAT16: f(__nv_bfloat16()); break;
+    default: f(0.0f); break;
+    }
+}
+
+/* A device-to-device copy on the compute stream (failures reported at sync). */
+static void mpt__cuda_layers_copy(mpt__cuda *c, void *dst, const void *src, size_t bytes,
+                                  const char *what) {
+    if (dst == src || bytes == 0) return;
+    (void)cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream);
+    mpt__cuda_launched(c, what);
+}
+
+/* ---- the elementwise driver --------------------------------------------- */
+
+/* Grid-stride loop over n elements: op.run<8>(i) for each full group of 8
+   when `vectorized` (every pointer 16-byte aligned), then op.run<1>(i) for
+   the rest (everything when not vectorized). */
+template <typename Op>
+static __device__ __forceinline__ void mpt__cuda_layers_for_each(const Op &op, int64_t n,
+                                                                 int vectorized) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int64_t start = 0;
+    if (vectorized) {
+        const int64_t groups = n / mpt__cuda_layers_vec;
+        for (int64_t g = tid; g < groups; g += stride)
+            op.template run<mpt__cuda_layers_vec>(g * mpt__cuda_layers_vec);
+        start = groups * mpt__cuda_layers_vec;
+    }
+    for (int64_t i = start + tid; i < n; i += stride) op.template run<1>(i);
+}
+
+template <typename Op>
+__global__ void __launch_bounds__(256) mpt__cuda_layers_elementwise_kernel(Op op, int64_t n,
+                                                                           int vectorized) {
+    mpt__cuda_layers_for_each(op, n, vectorized);
+}
+
+/* Launches op over n elements; `vectorized`: all its pointers are aligned. */
+template <typename Op>
+static void mpt__cuda_layers_launch(mpt__cuda *c, const Op &op, int64_t n, bool vectorized,
+                                    const char *what) {
+    int64_t units = vectorized ? n / mpt__cuda_layers_vec + n % mpt__cuda_layers_vec : n;
+    if (n <= 0) return;
+    mpt__cuda_layers_elementwise_kernel<Op>
+        <<<mpt__cuda_blocks(units, mpt__cuda_layers_threads), mpt__cuda_layers_threads, 0,
+           c->stream>>>(op, n, vectorized ? 1 : 0);
+    mpt__cuda_launched(c, what);
+}
+
+/* ---- convert ------------------------------------------------------------ */
+
+/* dst = src through float32: at most one rounding (float16 <-> bfloat16
+   widens exactly, then rounds once), as the CPU. */
+template <typename D, typename S> struct mpt__cuda_convert_op {
+    D *dst;
+    const S *src;
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<S, N> in = mpt__cuda_layers_load<N>(src + i);
+        mpt__cuda_layers_pack<D, N> out;
+#pragma unroll
+        for (int e = 0; e < N; e++)
+            out.v[e] = mpt__cuda_layers_narrow<D>(mpt__cuda_layers_widen(in.v[e]));
+        mpt__cuda_layers_store<N>(dst + i, out);
+    }
+};
+
+template <typename D, typename S>
+static void mpt__cuda_layers_convert_typed(mpt__cuda *c, D *dst, const S *src, int64_t n) {
+    mpt__cuda_convert_op<D, S> op = {dst, src};
+    bool vec = mpt__cuda_layers_aligned(dst, 16) && mpt__cuda_layers_aligned(src, 16);
+    mpt__cuda_layers_launch(c, op, n, vec, "convert");
+}
+
+static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
+                              const void *src, int64_t n) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (n <= 0) return;
+    if (dst_dtype == src_dtype) {
+        mpt__cuda_layers_copy(c, dst, src, (size_t)n * mpt_dtype_size(src_dtype), "convert (copy)");
+        return;
+    }
+    mpt__cuda_layers_dispatch(dst_dtype, [&](auto d) {
+        typedef decltype(d) D;
+        mpt__cuda_layers_dispatch(src_dtype, [&](auto s) {
+            typedef decltype(s) S;
+            mpt__cuda_layers_convert_typed(c, (D *)dst, (const S *)src, n);
+        });
+    });
+}
+
+/* ---- activations -------------------------------------------------------- */
+
+static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
+    switch (act) {
+    case MPT_ACT_RELU: return x > 0 ? x : 0.0f; /* NaN -> 0, as the CPU */
+    case MPT_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case MPT_ACT_SIGMOID:
+        if (x >= 0) return 1.0f / (1.0f + expf(-x)); /* two forms: exp never overflows */
+        {
+            float e = expf(x);
+            return e / (1.0f + e);
+        }
+    case MPT_ACT_TANH: return tanhf(x);
+    default: return x;
+    }
+}
+
+/* dy · act'(.) where `kept` is z for GELU and y for the others. */
+static __device__ __forceinline__ float mpt__cuda_act_derivative(int act, float dy, float kept) {
+    switch (act) {
+    case MPT_ACT_RELU: return kept > 0 ? dy : 0.0f;
+    case MPT_ACT_GELU: {
+        float x = kept;
+        float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+        float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
+        return dy * __fadd_rn(cdf, __fmul_rn(x, pdf));
+    }
+    case MPT_ACT_SIGMOID: return dy * kept * (1 - kept);
+    case MPT_ACT_TANH: return dy * __fsub_rn(1.0f, __fmul_rn(kept, kept));
+    default: return dy;
+    }
+}
+
+/* In place on float32; ACT is a template argument so the switch folds. */
+template <int ACT> struct mpt__cuda_act_forward_op {
+    float *x;
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<float, N> v = mpt__cuda_layers_load<N>(x + i);
+#pragma unroll
+        for (int e = 0; e < N; e++) v.v[e] = mpt__cuda_act_apply(ACT, v.v[e]);
+        mpt__cuda_layers_store<N>(x + i, v);
+    }
+};
+
+template <int ACT, typename T> struct mpt__cuda_act_grad_op {
+    const T *kept, *dy;
+    float *dz;
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<T, N> k = mpt__cuda_layers_load<N>(kept + i);
+        mpt__cuda_layers_pack<T, N> d = mpt__cuda_layers_load<N>(dy + i);
+        mpt__cuda_layers_pack<float, N> out;
+#pragma unroll
+        for (int e = 0; e < N; e++)
+            out.v[e] = mpt__cuda_act_derivative(ACT, mpt__cuda_layers_widen(d.v[e]),
+                                                mpt__cuda_layers_widen(k.v[e]));
+        mpt__cuda_layers_store<N>(dz + i, out);
+    }
+};
+
+/* Warp reductions by xor butterfly: a fixed order, and every lane ends with
+   the same value (each pairwise sum is the same two operands). The max
+   keeps the CPU's comparison (a NaN makes the whole row NaN either way). */
+static __device__ __forceinline__ float mpt__cuda_layers_warp_max(float v) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+        float o = __shfl_xor_sync(0xffffffffu, v, m);
+        v = o > v ? o : v;
+    }
+    return v;
+}
+static __device__ __forceinline__ float mpt__cuda_layers_warp_sum(float v) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+/* Softmax over each row: one warp per row (grid-stride over rows); lane l
+   handles columns l, l + 32, ...; max and sum are warp reductions. */
+__global__ void __launch_bounds__(256) mpt__cuda_act_softmax_kernel(float *x, int64_t rows,
+                                                                    int64_t cols) {
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        float *row = x + r * cols, max = row[0], sum = 0;
+        for (int64_t k = lane; k < cols; k += 32) max = row[k] > max ? row[k] : max;
+        max = mpt__cuda_layers_warp_max(max);
+        for (int64_t k = lane; k < cols; k += 32) sum += (row[k] = expf(row[k] - max));
+        sum = mpt__cuda_layers_warp_sum(sum);
+        for (int64_t k = lane; k < cols; k += 32) row[k] = row[k] / sum;
+    }
+}
+
+/* Softmax backward, one warp per row: dz = y · (dy − Σ dy·y). Each lane
+   writes only the columns it read, so dz may be dy (float32). */
+template <typename T>
+__global__ void __launch_bounds__(256) mpt__cuda_act_softmax_grad_kernel(const T *y, const T *dy,
+                                                                         float *dz, int64_t rows,
+                                                                         int64_t cols) {
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        const int64_t at = r * cols;
+        float dot = 0;
+        for (int64_t k = lane; k < cols; k += 32)
+            dot = __fadd_rn(dot, __fmul_rn(mpt__cuda_layers_widen(dy[at + k]),
+                                           mpt__cuda_layers_widen(y[at + k])));
+        dot = mpt__cuda_layers_warp_sum(dot);
+        for (int64_t k = lane; k < cols; k += 32)
+            dz[at + k] = mpt__cuda_layers_widen(y[at + k]) *
+                         (mpt__cuda_layers_widen(dy[at + k]) - dot);
+    }
+}
+
+static unsigned mpt__cuda_layers_row_blocks(int64_t rows) {
+    return mpt__cuda_blocks(rows, mpt__cuda_layers_threads / 32); /* a warp per row */
+}
+
+static void mpt__cuda_activation(void *impl, mpt_activation act, float *x, int64_t rows,
+                                 int64_t cols) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    int64_t n = rows * cols;
+    bool vec = mpt__cuda_layers_aligned(x, 16);
+    if (n <= 0) return;
+    switch (act) {
+    case MPT_ACT_RELU:
+        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_RELU>{x}, n, vec, "relu");
+        break;
+    case MPT_ACT_GELU:
+        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_GELU>{x}, n, vec, "gelu");
+        break;
+    case MPT_ACT_SIGMOID:
+        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_SIGMOID>{x}, n, vec,
+                                "sigmoid");
+        break;
+    case MPT_ACT_TANH:
+        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_TANH>{x}, n, vec, "tanh");
+        break;
+    case MPT_ACT_SOFTMAX:
+        mpt__cuda_act_softmax_kernel<<<mpt__cuda_layers_row_blocks(rows), mpt__cuda_layers_threads,
+                                       0, c->stream>>>(x, rows, cols);
+        mpt__cuda_launched(c, "softmax");
+        break;
+    default: break;
+    }
+}
+
+template <int ACT, typename T>
+static void mpt__cuda_act_grad_typed(mpt__cuda *c, const T *kept, const T *dy, float *dz,
+                                     int64_t n, const char *what) {
+    mpt__cuda_act_grad_op<ACT, T> op = {kept, dy, dz};
+    bool vec = mpt__cuda_layers_aligned(kept, 16) && mpt__cuda_layers_aligned(dy, 16) &&
+               mpt__cuda_layers_aligned(dz, 16);
+    mpt__cuda_layers_launch(c, op, n, vec, what);
+}
+
+/* tmp is not needed: the kernels read dy, y and z in their dtype. */
+static void mpt__cuda_activation_grad(void *impl, mpt_activation act, mpt_dtype dtype,
+                                      const void *z, const void *y, const void *dy, float *dz,
+                                      float *tmp, int64_t rows, int64_t cols) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    int64_t n = rows * cols;
+    (void)tmp;
+    if (n <= 0) return;
+    if (act != MPT_ACT_RELU && act != MPT_ACT_GELU && act != MPT_ACT_SIGMOID &&
+        act != MPT_ACT_TANH && act != MPT_ACT_SOFTMAX) { /* linear: dz = dy */
+        mpt__cuda_convert(impl, MPT_FLOAT32, dz, dtype, dy, n);
+        return;
+    }
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        const T *kept = (const T *)y, *d = (const T *)dy;
+        switch (act) {
+        case MPT_ACT_RELU:
+            mpt__cuda_act_grad_typed<MPT_ACT_RELU>(c, kept, d, dz, n, "relu backward");
+            break;
+        case MPT_ACT_GELU:
+            mpt__cuda_act_grad_typed<MPT_ACT_GELU>(c, (const T *)z, d, dz, n, "gelu backward");
+            break;
+        case MPT_ACT_SIGMOID:
+            mpt__cuda_act_grad_typed<MPT_ACT_SIGMOID>(c, kept, d, dz, n, "sigmoid backward");
+            break;
+        case MPT_ACT_TANH:
+            mpt__cuda_act_grad_typed<MPT_ACT_TANH>(c, kept, d, dz, n, "tanh backward");
+            break;
+        default: /* softmax */
+            mpt__cuda_act_softmax_grad_kernel<T><<<mpt__cuda_layers_row_blocks(rows),
+                                                   mpt__cuda_layers_threads, 0, c->stream>>>(
+                kept, d, dz, rows, cols);
+            mpt__cuda_launched(c, "softmax backward");
+            break;
+        }
+    });
+}
+
+/* ---- im2col / col2im ---------------------------------------------------- */
+
+/* The output rows (or columns) whose windows cover input row y:
+   o·s − pad ≤ y < o·s − pad + k, clipped to [0, out). Empty when o0 > o1. */
+static __device__ __forceinline__ void mpt__cuda_layers_covering(int64_t y, int64_t k, int64_t s,
+                                                                 int64_t pad, int64_t out,
+                                                                 int64_t *o0, int64_t *o1) {
+    const int64_t lo = y + pad - k + 1;
+    const int64_t hi = (y + pad) / s; /* y + pad >= 0 */
+    *o0 = lo <= 0 ? 0 : (lo + s - 1) / s;
+    *o1 = hi < out - 1 ? hi : out - 1;
+}
+
+/* im2col is a copy: the kernel moves units U (2 to 16 bytes) of a pixel's
+   C·es bytes. One thread per unit of cols, index (b, oy, ox, i, j, q) with
+   q (the unit within the pixel) fastest, so a warp reads and writes
+   consecutive bytes; pixels outside the image are zeros. */
+template <typename U>
+__global__ void __launch_bounds__(256) mpt__cuda_im2col_kernel(mpt_window g, const U *x, U *cols,
+                                                               int64_t units_per_pixel,
+                                                               int64_t total) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        int64_t t = u / units_per_pixel;
+        const int64_t q = u - t * units_per_pixel;
+        const int64_t j = t % g.kw;
+        t /= g.kw;
+        const int64_t i = t % g.kh;
+        t /= g.kh;
+        const int64_t ox = t % g.ow;
+        t /= g.ow;
+        const int64_t oy = t % g.oh;
+        const int64_t b = t / g.oh;
+        const int64_t y = oy * g.sh - g.top + i, xx = ox * g.sw - g.left + j;
+        U v = U();
+        if (y >= 0 && y < g.h && xx >= 0 && xx < g.w)
+            v = x[((b * g.h + y) * g.w + xx) * units_per_pixel + q];
+        cols[u] = v;
+    }
+}
+
+template <typename U>
+static void mpt__cuda_im2col_units(mpt__cuda *c, const mpt_window *g, const void *x, void *cols,
+                                   int64_t pixel_bytes, int64_t n) {
+    const int64_t upp = pixel_bytes / (int64_t)sizeof(U);
+    const int64_t total = n * g->oh * g->ow * g->kh * g->kw * upp;
+    if (total <= 0) return;
+    mpt__cuda_im2col_kernel<U><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
+                                 mpt__cuda_layers_threads, 0, c->stream>>>(
+        *g, (const U *)x, (U *)cols, upp, total);
+    mpt__cuda_launched(c, "im2col");
+}
+
+static void mpt__cuda_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, const void *x,
+                             int64_t n, void *cols) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const int64_t pb = g->c * (int64_t)mpt_dtype_size(dtype); /* bytes of one pixel */
+    /* The widest unit that divides a pixel and that both buffers are aligned to. */
+    auto fits = [&](int64_t bytes) {
+        return pb % bytes == 0 && mpt__cuda_layers_aligned(x, (size_t)bytes) &&
+               mpt__cuda_layers_aligned(cols, (size_t)bytes);
+    };
+    if (fits(16))
+        mpt__cuda_im2col_units<uint4>(c, g, x, cols, pb, n);
+    else if (fits(8))
+        mpt__cuda_im2col_units<uint2>(c, g, x, cols, pb, n);
+    else if (fits(4))
+        mpt__cuda_im2col_units<uint32_t>(c, g, x, cols, pb, n);
+    else
+        mpt__cuda_im2col_units<uint16_t>(c, g, x, cols, pb, n);
+}
+
+/* col2im as a gather: one thread per V channels of one input pixel
+   (b, y, x), index with the channels fastest. It adds the dcols entries
+   that came from it, output row by output row and within a row output
+   column by column, from 0: the CPU's order, so the same float sums. Then
+   one rounding to dtype; no atomics, every output written once. */
+template <typename T, int V>
+__global__ void __launch_bounds__(256) mpt__cuda_col2im_kernel(mpt_window g, const float *dcols,
+                                                               T *dx, int64_t total) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, cv = g.c / V;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        int64_t t = u / cv;
+        const int64_t ch = (u - t * cv) * V;
+        const int64_t x = t % g.w;
+        t /= g.w;
+        const int64_t y = t % g.h;
+        const int64_t b = t / g.h;
+        int64_t oy0, oy1, ox0, ox1;
+        float sum[V];
+#pragma unroll
+        for (int e = 0; e < V; e++) sum[e] = 0.0f;
+        mpt__cuda_layers_covering(y, g.kh, g.sh, g.top, g.oh, &oy0, &oy1);
+        mpt__cuda_layers_covering(x, g.kw, g.sw, g.left, g.ow, &ox0, &ox1);
+        for (int64_t oy = oy0; oy <= oy1; oy++) {
+            const int64_t i = y - (oy * g.sh - g.top); /* the window row y is */
+            for (int64_t ox = ox0; ox <= ox1; ox++) {
+                const int64_t j = x - (ox * g.sw - g.left);
+                const int64_t row = (b * g.oh + oy) * g.ow + ox; /* the row of cols */
+                const int64_t at = ((row * g.kh + i) * g.kw + j) * g.c + ch;
+                mpt__cuda_layers_pack<float, V> d = mpt__cuda_layers_load<V>(dcols + at);
+#pragma unroll
+                for (int e = 0; e < V; e++) sum[e] += d.v[e];
+            }
+        }
+        mpt__cuda_layers_pack<T, V> out;
+#pragma unroll
+        for (int e = 0; e < V; e++) out.v[e] = mpt__cuda_layers_narrow<T>(sum[e]);
+        mpt__cuda_layers_store<V>(dx + u * V, out);
+    }
+}
+
+template <typename T, int V>
+static void mpt__cuda_col2im_typed(mpt__cuda *c, const mpt_window *g, const float *dcols,
+                                   int64_t n, T *dx) {
+    const int64_t total = n * g->h * g->w * (g->c / V);
+    if (total <= 0) return;
+    mpt__cuda_col2im_kernel<T, V><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
+                                    mpt__cuda_layers_threads, 0, c->stream>>>(*g, dcols, dx,
+                                                                              total);
+    mpt__cuda_launched(c, "col2im");
+}
+
+/* dxf is not needed: the gather rounds each sum straight into dx. */
+static void mpt__cuda_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, const float *dcols,
+                             int64_t n, float *dxf, void *dx) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    (void)dxf;
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        /* 4 channels a thread: dcols in 16 bytes, dx in 4 elements. */
+        if (g->c % 4 == 0 && mpt__cuda_layers_aligned(dcols, 16) &&
+            mpt__cuda_layers_aligned(dx, 4 * sizeof(T)))
+            mpt__cuda_col2im_typed<T, 4>(c, g, dcols, n, (T *)dx);
+        else
+            mpt__cuda_col2im_typed<T, 1>(c, g, dcols, n, (T *)dx);
+    });
+}
+
+/* ---- pooling ------------------------------------------------------------ */
+
+/* Pooling kernels give each thread V consecutive channels of one pixel
+   (V = 16 bytes of the dtype when the channels and pointers allow, else
+   1), index with the channel groups fastest so a warp's accesses are
+   contiguous. Forward: one thread per output pixel's channel group, the
+   window's pixels in the CPU's order (rows, then columns). */
+
+/* The input rows [r0, r1) and columns [c0, c1) of output (oy, ox)'s window
+   inside the image. */
+static __device__ __forceinline__ void mpt__cuda_pool_span(const mpt_window &g, int64_t oy,
+                                                           int64_t ox, int64_t *r0, int64_t *r1,
+                                                           int64_t *c0, int64_t *c1) {
+    const int64_t y = oy * g.sh - g.top, x = ox * g.sw - g.left;
+    *r0 = y > 0 ? y : 0;
+    *r1 = y + g.kh < g.h ? y + g.kh : g.h;
+    *c0 = x > 0 ? x : 0;
+    *c1 = x + g.kw < g.w ? x + g.kw : g.w;
+}
+
+/* 1 / (pixels of the window inside the image), as the CPU. */
+static __device__ __forceinline__ float mpt__cuda_pool_inv_count(int64_t r0, int64_t r1,
+                                                                 int64_t c0, int64_t c1) {
+    return 1.0f / (float)((r1 - r0) * (c1 - c0));
+}
+
+/* Splits thread unit u of a (b, row, col, channel group) grid. */
+static __device__ __forceinline__ void mpt__cuda_pool_unit(int64_t u, int64_t groups,
+                                                           int64_t cols, int64_t rows,
+                                                           int64_t *b, int64_t *row,
+                                                           int64_t *col, int64_t *group) {
+    int64_t t = u / groups;
+    *group = u - t * groups;
+    *col = t % cols;
+    t /= cols;
+    *row = t % rows;
+    *b = t / rows;
+}
+
+/* Max: the first largest wins, a NaN wins over numbers; argmax is the
+   index within the sample. Average: Σ in window order, times 1/count. */
+template <typename T, int V, bool MAX>
+__global__ void __launch_bounds__(256) mpt__cuda_pool_forward_kernel(mpt_window g, const T *x,
+                                                                     T *y, int32_t *argmax,
+                                                                     int64_t total) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, groups = g.c / V;
+    const int64_t n_in = g.h * g.w * g.c, n_out = g.oh * g.ow * g.c;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        int64_t b, oy, ox, grp, r0, r1, c0, c1;
+        mpt__cuda_pool_unit(u, groups, g.ow, g.oh, &b, &oy, &ox, &grp);
+        mpt__cuda_pool_span(g, oy, ox, &r0, &r1, &c0, &c1);
+        const int64_t ch = grp * V;
+        const T *xs = x + b * n_in;
+        float acc[V];
+        int32_t arg[V];
+#pragma unroll
+        for (int e = 0; e < V; e++) {
+            acc[e] = MAX ? -INFINITY : 0.0f;
+            arg[e] = (int32_t)((r0 * g.w + c0) * g.c + ch + e);
+        }
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t q = c0; q < c1; q++) {
+                const int64_t at = (r * g.w + q) * g.c + ch;
+                mpt__cuda_layers_pack<T, V> p = mpt__cuda_layers_load<V>(xs + at);
+#pragma unroll
+                for (int e = 0; e < V; e++) {
+                    const float v = mpt__cuda_layers_widen(p.v[e]);
+                    if (!MAX) {
+                        acc[e] += v;
+                    } else if (v > acc[e] || (v != v && acc[e] == acc[e])) {
+                        acc[e] = v;
+                        arg[e] = (int32_t)(at + e);
+                    }
+                }
+            }
+        const int64_t out_at = b * n_out + (oy * g.ow + ox) * g.c + ch;
+        const float inv = MAX ? 1.0f : mpt__cuda_pool_inv_count(r0, r1, c0, c1);
+        mpt__cuda_layers_pack<T, V> out;
+#pragma unroll
+        for (int e = 0; e < V; e++)
+            out.v[e] = mpt__cuda_layers_narrow<T>(MAX ? acc[e] : acc[e] * inv);
+        mpt__cuda_layers_store<V>(y + out_at, out);
+        if (MAX) {
+            mpt__cuda_layers_pack<int32_t, V> a;
+#pragma unroll
+            for (int e = 0; e < V; e++) a.v[e] = arg[e];
+            mpt__cuda_layers_store<V>(argmax + out_at, a);
+        }
+    }
+}
+
+/* Backward as a gather: one thread per input pixel's channel group sums
+   the gradients of the outputs whose windows cover it, output rows then
+   columns, from 0: the CPU's order. Max takes dy where that output's argmax
+   is this element; average takes dy · 1/count. Windows may overlap (stride
+   < size) or leave pixels out (stride > size: their dx is 0). */
+template <typename T, int V, bool MAX>
+__global__ void __launch_bounds__(256) mpt__cuda_pool_backward_kernel(mpt_window g, const T *dy,
+                                                                      T *dx,
+                                                                      const int32_t *argmax,
+                                                                      int64_t total) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, groups = g.c / V;
+    const int64_t n_out = g.oh * g.ow * g.c;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        int64_t b, y, x, grp, oy0, oy1, ox0, ox1;
+        mpt__cuda_pool_unit(u, groups, g.w, g.h, &b, &y, &x, &grp);
+        mpt__cuda_layers_covering(y, g.kh, g.sh, g.top, g.oh, &oy0, &oy1);
+        mpt__cuda_layers_covering(x, g.kw, g.sw, g.left, g.ow, &ox0, &ox1);
+        const int64_t ch = grp * V;
+        const int32_t self = (int32_t)((y * g.w + x) * g.c + ch); /* index within the sample */
+        float sum[V];
+#pragma unroll
+        for (int e = 0; e < V; e++) sum[e] = 0.0f;
+        for (int64_t oy = oy0; oy <= oy1; oy++)
+            for (int64_t ox = ox0; ox <= ox1; ox++) {
+                const int64_t at = b * n_out + (oy * g.ow + ox) * g.c + ch;
+                mpt__cuda_layers_pack<T, V> d = mpt__cuda_layers_load<V>(dy + at);
+                if (MAX) {
+                    mpt__cuda_layers_pack<int32_t, V> a = mpt__cuda_layers_load<V>(argmax + at);
+#pragma unroll
+                    for (int e = 0; e < V; e++)
+                        if (a.v[e] == self + e) sum[e] += mpt__cuda_layers_widen(d.v[e]);
+                } else {
+                    int64_t r0, r1, c0, c1;
+                    mpt__cuda_pool_span(g, oy, ox, &r0, &r1, &c0, &c1);
+                    const float inv = mpt__cuda_pool_inv_count(r0, r1, c0, c1);
+#pragma unroll
+                    for (int e = 0; e < V; e++)
+                        sum[e] = __fadd_rn(sum[e], __fmul_rn(mpt__cuda_layers_widen(d.v[e]), inv));
+                }
+            }
+        mpt__cuda_layers_pack<T, V> out;
+#pragma unroll
+        for (int e = 0; e < V; e++) out.v[e] = mpt__cuda_layers_narrow<T>(sum[e]);
+        mpt__cuda_layers_store<V>(dx + u * V, out);
+    }
+}
+
+/* Whether V channels a thread fit: C a multiple of V, every pointer aligned
+   to its pack (argmax packs are V int32s, capped at 16 bytes). */
+template <typename T>
+static bool mpt__cuda_pool_vectorizable(const mpt_window *g, const void *a, const void *b,
+                                        const int32_t *argmax) {
+    const int v = 16 / (int)sizeof(T);
+    return g->c % v == 0 && mpt__cuda_layers_aligned(a, 16) && mpt__cuda_layers_aligned(b, 16) &&
+           mpt__cuda_layers_aligned(argmax, 16);
+}
+
+template <typename T, int V, bool MAX>
+static void mpt__cuda_pool_forward_typed(mpt__cuda *c, const mpt_window *g, const T *x, T *y,
+                                         int32_t *argmax, int64_t n) {
+    const int64_t total = n * g->oh * g->ow * (g->c / V);
+    if (total <= 0) return;
+    mpt__cuda_pool_forward_kernel<T, V, MAX><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
+                                               mpt__cuda_layers_threads, 0, c->stream>>>(
+        *g, x, y, argmax, total);
+    mpt__cuda_launched(c, MAX ? "max pooling" : "average pooling");
+}
+
+template <typename T, int V, bool MAX>
+static void mpt__cuda_pool_backward_typed(mpt__cuda *c, const mpt_window *g, const T *dy, T *dx,
+                                          const int32_t *argmax, int64_t n) {
+    const int64_t total = n * g->h * g->w * (g->c / V);
+    if (total <= 0) return;
+    mpt__cuda_pool_backward_kernel<T, V, MAX><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
+                                                mpt__cuda_layers_threads, 0, c->stream>>>(
+        *g, dy, dx, argmax, total);
+    mpt__cuda_launched(c, MAX ? "max pooling backward" : "average pooling backward");
+}
+
+/* ws is not needed (pool_workspace is 0). */
+static void mpt__cuda_pool_forward(void *impl, mpt_pool_kind kind, const mpt_window *g,
+                                   mpt_dtype dtype, const void *x, void *y, int32_t *argmax,
+                                   int64_t n, void *ws) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    (void)ws;
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        const int V = 16 / (int)sizeof(T);
+        const T *xt = (const T *)x;
+        T *yt = (T *)y;
+        const bool vec = mpt__cuda_pool_vectorizable<T>(g, x, y, argmax);
+        if (kind == MPT_POOL_MAX) {
+            if (vec) mpt__cuda_pool_forward_typed<T, V, true>(c, g, xt, yt, argmax, n);
+            else mpt__cuda_pool_forward_typed<T, 1, true>(c, g, xt, yt, argmax, n);
+        } else {
+            if (vec) mpt__cuda_pool_forward_typed<T, V, false>(c, g, xt, yt, NULL, n);
+            else mpt__cuda_pool_forward_typed<T, 1, false>(c, g, xt, yt, NULL, n);
+        }
+    });
+}
+
+static void mpt__cuda_pool_backward(void *impl, mpt_pool_kind kind, const mpt_window *g,
+                                    mpt_dtype dtype, const void *dy, void *dx,
+                                    const int32_t *argmax, int64_t n, void *ws) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    (void)ws;
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        const int V = 16 / (int)sizeof(T);
+        const T *dyt = (const T *)dy;
+        T *dxt = (T *)dx;
+        const bool vec = mpt__cuda_pool_vectorizable<T>(g, dy, dx, argmax);
+        if (kind == MPT_POOL_MAX) {
+            if (vec) mpt__cuda_pool_backward_typed<T, V, true>(c, g, dyt, dxt, argmax, n);
+            else mpt__cuda_pool_backward_typed<T, 1, true>(c, g, dyt, dxt, argmax, n);
+        } else {
+            if (vec) mpt__cuda_pool_backward_typed<T, V, false>(c, g, dyt, dxt, NULL, n);
+            else mpt__cuda_pool_backward_typed<T, 1, false>(c, g, dyt, dxt, NULL, n);
+        }
+    });
+}
+
+static int64_t mpt__cuda_pool_workspace(void *impl, const mpt_window *g, int64_t n) {
+    (void)impl;
+    (void)g;
+    (void)n;
+    return 0;
+}
+
+/* ---- BatchNormalization ------------------------------------------------- */
+
+/* Per-channel sums over the rows in two fixed-order stages: the rows are
+   cut into chunks (their number depends only on `rows`); a block of 32
+   channels × 8 row-threads sums one chunk (each thread its rows in order,
+   then a tree over the 8 in shared memory) into part[chunk]; a second
+   kernel adds the chunks in order, one thread per channel. Sums in double,
+   as the CPU.
+
+   Workspace: part (n_chunks, 2, C) doubles, then 4 (C) floats: scale
+   (gamma · inv_std), inv_std, mean(dy), mean(dy · x̂). */
+
+static const int64_t mpt__cuda_bn_chunk_rows_min = 256;
+static const int64_t mpt__cuda_bn_chunks_max = 512;
+static const int mpt__cuda_bn_tile_channels = 32;
+static const int mpt__cuda_bn_tile_rows = 8;
+
+static int64_t mpt__cuda_bn_chunks(int64_t rows) { /* non-decreasing in rows */
+    int64_t k = (rows + mpt__cuda_bn_chunk_rows_min - 1) / mpt__cuda_bn_chunk_rows_min;
+    return k < 1 ? 1 : k > mpt__cuda_bn_chunks_max ? mpt__cuda_bn_chunks_max : k;
+}
+
+typedef struct mpt__cuda_bn_ws {
+    int64_t n_chunks, chunk_rows;
+    double *part;
+    float *scale, *inv_std, *mean_dy, *mean_dy_xhat;
+} mpt__cuda_bn_ws;
+
+static mpt__cuda_bn_ws mpt__cuda_bn_carve(const mpt_batchnorm_args *a) {
+    mpt__cuda_bn_ws w;
+    const int64_t C = a->channels;
+    w.n_chunks = mpt__cuda_bn_chunks(a->rows);
+    w.chunk_rows = (a->rows + w.n_chunks - 1) / w.n_chunks;
+    w.part = (double *)a->workspace;
+    w.scale = (float *)(w.part + 2 * w.n_chunks * C);
+    w.inv_std = w.scale + C;
+    w.mean_dy = w.inv_std + C;
+    w.mean_dy_xhat = w.mean_dy + C;
+    return w;
+}
+
+static int64_t mpt__cuda_batchnorm_workspace(void *impl, mpt_dtype dtype, int64_t rows,
+                                             int64_t channels) {
+    (void)impl;
+    (void)dtype;
+    return 16 * mpt__cuda_bn_chunks(rows) * channels + 16 * channels;
+}
+
+enum { MPT__CUDA_BN_SUM_X, MPT__CUDA_BN_SUM_SQDEV, MPT__CUDA_BN_SUM_GRADS };
+
+/* part[chunk][0][c] and (SUM_GRADS) part[chunk][1][c] for one chunk and 32
+   channels: SUM_X Σ x into slot 0; SUM_SQDEV Σ (x − mean)² into slot 1;
+   SUM_GRADS Σ dy into 0 and Σ dy · x̂ into 1 (x̂ in float32, as the CPU).
+   grid (channel tiles, chunks), block (32, 8). */
+template <typename T, int MODE>
+__global__ void __launch_bounds__(256) mpt__cuda_bn_partials_kernel(
+    const T *x, const T *dy, int64_t rows, int64_t C, int64_t chunk_rows, const float *mean,
+    const float *inv_std, double *part) {
+    __shared__ double s0[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
+    __shared__ double s1[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int64_t c = (int64_t)blockIdx.x * mpt__cuda_bn_tile_channels + tx;
+    const int64_t chunk = blockIdx.y;
+    const int64_t r_end = (chunk + 1) * chunk_rows < rows ? (chunk + 1) * chunk_rows : rows;
+    double a0 = 0, a1 = 0;
+    if (c < C) {
+        const float m = MODE == MPT__CUDA_BN_SUM_X ? 0.0f : mean[c];
+        const float is = MODE == MPT__CUDA_BN_SUM_GRADS ? inv_std[c] : 0.0f;
+        for (int64_t r = chunk * chunk_rows + ty; r < r_end; r += mpt__cuda_bn_tile_rows) {
+            const float v = mpt__cuda_layers_widen(x[r * C + c]);
+            if (MODE == MPT__CUDA_BN_SUM_X) {
+                a0 += (double)v;
+            } else if (MODE == MPT__CUDA_BN_SUM_SQDEV) {
+                const double d = (double)v - (double)m;
+                a1 = __dadd_rn(a1, __dmul_rn(d, d));
+            } else {
+                const float g = mpt__cuda_layers_widen(dy[r * C + c]);
+                const float xhat = __fmul_rn(v - m, is);
+                a0 += (double)g;
+                a1 = __dadd_rn(a1, __dmul_rn((double)g, (double)xhat));
+            }
+        }
+    }
+    s0[ty][tx] = a0;
+    s1[ty][tx] = a1;
+    __syncthreads();
+    for (int half = mpt__cuda_bn_tile_rows / 2; half > 0; half >>= 1) {
+        if (ty < half) {
+            s0[ty][tx] += s0[ty + half][tx];
+            s1[ty][tx] += s1[ty + half][tx];
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && c < C) {
+        double *p = part + 2 * chunk * C;
+        if (MODE != MPT__CUDA_BN_SUM_SQDEV) p[c] = s0[0][tx];
+        if (MODE != MPT__CUDA_BN_SUM_X) p[C + c] = s1[0][tx];
+    }
+}
+
+/* Σ over chunks, in order, of part[chunk][which][c]. */
+static __device__ __forceinline__ double mpt__cuda_bn_total(const double *part, int64_t n_chunks,
+                                                            int which, int64_t C, int64_t c) {
+    double s = 0;
+    for (int64_t k = 0; k < n_chunks; k++) s += part[(2 * k + which) * C + c];
+    return s;
+}
+
+/* out[c] = (float)(Σ part[.][which][c] / rows): the batch mean (which 0)
+   or the biased variance (which 1). One thread per channel. */
+__global__ void __launch_bounds__(256) mpt__cuda_bn_stat_kernel(const double *part,
+                                                                int64_t n_chunks, int which,
+                                                                int64_t rows, int64_t C,
+                                                                float *out) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < C) out[c] = (float)(mpt__cuda_bn_total(part, n_chunks, which, C, c) / (double)rows);
+}
+
+/* inv_std = 1 / sqrt(var + eps) in double, rounded to float (as the CPU, in
+   forward and backward); scale = gamma · inv_std in float32. */
+__global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *var,
+                                                                 const float *gamma, float eps,
+                                                                 int64_t C, float *inv_std,
+                                                                 float *scale) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const float is = (float)(1.0 / sqrt((double)var[c] + (double)eps));
+    inv_std[c] = is;
+    scale[c] = (gamma ? gamma[c] : 1.0f) * is;
+}
+
+/* dbeta = Σ dy, dgamma = Σ dy · x̂ (each when wanted), and their means. */
+__global__ void __launch_bounds__(256) mpt__cuda_bn_grad_stats_kernel(
+    const double *part, int64_t n_chunks, int64_t rows, int64_t C, float *dbeta, float *dgamma,
+    float *mean_dy, float *mean_dy_xhat) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const double sdy = mpt__cuda_bn_total(part, n_chunks, 0, C, c);
+    const double sdyx = mpt__cuda_bn_total(part, n_chunks, 1, C, c);
+    if (dbeta) dbeta[c] = (float)sdy;
+    if (dgamma) dgamma[c] = (float)sdyx;
+    mean_dy[c] = (float)(sdy / (double)rows);
+    mean_dy_xhat[c] = (float)(sdyx / (double)rows);
+}
+
+/* Elementwise passes over (rows, C): channel = index % C, stepped with a
+   wrap inside a pack. */
+
+/* y = (x − mean) · scale + beta, each step rounded in float32. */
+template <typename T> struct mpt__cuda_bn_normalize_op {
+    const T *x;
+    T *y;
+    int64_t C;
+    const float *mean, *scale, *beta;
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<T, N> in = mpt__cuda_layers_load<N>(x + i);
+        mpt__cuda_layers_pack<T, N> out;
+        int64_t c = i % C;
+#pragma unroll
+        for (int e = 0; e < N; e++) {
+            const float v = __fmul_rn(mpt__cuda_layers_widen(in.v[e]) - mean[c], scale[c]);
+            out.v[e] = mpt__cuda_layers_narrow<T>(__fadd_rn(v, beta ? beta[c] : 0.0f));
+            if (++c == C) c = 0;
+        }
+        mpt__cuda_layers_store<N>(y + i, out);
+    }
+};
+
+/* dx = scale · (dy − mean(dy) − x̂ · mean(dy · x̂)), x̂ = (x − mean) · inv_std. */
+template <typename T> struct mpt__cuda_bn_dx_op {
+    const T *x, *dy;
+    T *dx;
+    int64_t C;
+    const float *mean, *inv_std, *scale, *mean_dy, *mean_dy_xhat;
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<T, N> xv = mpt__cuda_layers_load<N>(x + i);
+        mpt__cuda_layers_pack<T, N> dv = mpt__cuda_layers_load<N>(dy + i);
+        mpt__cuda_layers_pack<T, N> out;
+        int64_t c = i % C;
+#pragma unroll
+        for (int e = 0; e < N; e++) {
+            const float xhat = __fmul_rn(mpt__cuda_layers_widen(xv.v[e]) - mean[c], inv_std[c]);
+            const float t = mpt__cuda_layers_widen(dv.v[e]) - mean_dy[c];
+            const float g = __fsub_rn(t, __fmul_rn(xhat, mean_dy_xhat[c]));
+            out.v[e] = mpt__cuda_layers_narrow<T>(scale[c] * g);
+            if (++c == C) c = 0;
+        }
+        mpt__cuda_layers_store<N>(dx + i, out);
+    }
+};
+
+/* Launches the partial sums of one mode for a's rows. */
+template <typename T, int MODE>
+static void mpt__cuda_bn_partials(mpt__cuda *c, const mpt_batchnorm_args *a,
+                                  const mpt__cuda_bn_ws *w, const float *mean,
+                                  const float *inv_std, const char *what) {
+    const int64_t tiles =
+        (a->channels + mpt__cuda_bn_tile_channels - 1) / mpt__cuda_bn_tile_channels;
+    dim3 grid((unsigned)tiles, (unsigned)w->n_chunks);
+    dim3 block(mpt__cuda_bn_tile_channels, mpt__cuda_bn_tile_rows);
+    mpt__cuda_bn_partials_kernel<T, MODE><<<grid, block, 0, c->stream>>>(
+        (const T *)a->x, (const T *)a->dy, a->rows, a->channels, w->chunk_rows, mean, inv_std,
+        w->part);
+    mpt__cuda_launched(c, what);
+}
+
+static unsigned mpt__cuda_bn_channel_blocks(int64_t C) {
+    return mpt__cuda_blocks(C, mpt__cuda_layers_threads);
+}
+
+/* Training: the batch mean into a->mean, then Σ (x − mean)² with that
+   (float) mean for the biased variance in a->variance (two passes, as the
+   CPU); inference: the moving statistics. Then y. */
+static void mpt__cuda_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const mpt__cuda_bn_ws w = mpt__cuda_bn_carve(a);
+    const int64_t C = a->channels, n = a->rows * a->channels;
+    const unsigned cb = mpt__cuda_bn_channel_blocks(C);
+    if (a->rows <= 0 || C <= 0) return;
+    mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        const float *mean = a->moving_mean, *var = a->moving_variance;
+        if (a->training) {
+            mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_X>(c, a, &w, NULL, NULL,
+                                                         "batchnorm sum");
+            mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+                w.part, w.n_chunks, 0, a->rows, C, a->mean);
+            mpt__cuda_launched(c, "batchnorm mean");
+            mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_SQDEV>(c, a, &w, a->mean, NULL,
+                                                             "batchnorm squared deviations");
+            mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+                w.part, w.n_chunks, 1, a->rows, C, a->variance);
+            mpt__cuda_launched(c, "batchnorm variance");
+            mean = a->mean;
+            var = a->variance;
+        }
+        mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+            var, a->gamma, a->epsilon, C, w.inv_std, w.scale);
+        mpt__cuda_launched(c, "batchnorm scale");
+        mpt__cuda_bn_normalize_op<T> op = {(const T *)a->x, (T *)a->y, C, mean, w.scale, a->beta};
+        bool vec = mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->y, 16);
+        mpt__cuda_layers_launch(c, op, n, vec, "batchnorm normalize");
+    });
+}
+
+/* With the batch statistics of forward (a->mean, a->variance). */
+static void mpt__cuda_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const mpt__cuda_bn_ws w = mpt__cuda_bn_carve(a);
+    const int64_t C = a->channels, n = a->rows * a->channels;
+    const unsigned cb = mpt__cuda_bn_channel_blocks(C);
+    if (a->rows <= 0 || C <= 0) return;
+    mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+            a->variance, a->gamma, a->epsilon, C, w.inv_std, w.scale);
+        mpt__cuda_launched(c, "batchnorm scale");
+        mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a, &w, a->mean, w.inv_std,
+                                                         "batchnorm gradient sums");
+        mpt__cuda_bn_grad_stats_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+            w.part, w.n_chunks, a->rows, C, a->dbeta, a->dgamma, w.mean_dy, w.mean_dy_xhat);
+        mpt__cuda_launched(c, "batchnorm gradient statistics");
+        if (!a->dx) return;
+        mpt__cuda_bn_dx_op<T> op = {(const T *)a->x, (const T *)a->dy, (T *)a->dx, C,
+                                    a->mean, w.inv_std, w.scale, w.mean_dy, w.mean_dy_xhat};
+        bool vec = mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->dy, 16) &&
+                   mpt__cuda_layers_aligned(a->dx, 16);
+        mpt__cuda_layers_launch(c, op, n, vec, "batchnorm dx");
+    });
+}
+
+/* moving = moving · m + batch · (1 − m) in double, rounded to float; only
+   after a step whose gradients were finite (read here, on the device). */
+__global__ void __launch_bounds__(256) mpt__cuda_bn_commit_kernel(
+    const float *mean, const float *var, float *moving_mean, float *moving_var, double momentum,
+    int64_t C, const mpt_step_state *state) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C || !state->finite) return;
+    const double keep = 1 - momentum;
+    moving_mean[c] = (float)__dadd_rn(__dmul_rn((double)moving_mean[c], momentum),
+                                      __dmul_rn((double)mean[c], keep));
+    moving_var[c] = (float)__dadd_rn(__dmul_rn((double)moving_var[c], momentum),
+                                     __dmul_rn((double)var[c], keep));
+}
+
+static void mpt__cuda_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
+                                       const mpt_step_state *state) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (a->channels <= 0) return;
+    mpt__cuda_bn_commit_kernel<<<mpt__cuda_bn_channel_blocks(a->channels),
+                                 mpt__cuda_layers_threads, 0, c->stream>>>(
+        a->mean, a->variance, a->moving_mean, a->moving_variance, (double)a->momentum,
+        a->channels, state);
+    mpt__cuda_launched(c, "batchnorm commit");
+}
+
+/* ---- Dropout ------------------------------------------------------------ */
+
+/* mpt_philox4x32 (Philox4x32-10), the same rounds and constants: the high
+   halves of the 32×32 products from __umulhi, the low halves by wrapping. */
+static __device__ __forceinline__ void mpt__cuda_dropout_philox(uint64_t key, uint64_t counter_hi,
+                                                                uint64_t counter_lo,
+                                                                uint32_t out[4]) {
+    uint32_t c0 = (uint32_t)counter_lo, c1 = (uint32_t)(counter_lo >> 32);
+    uint32_t c2 = (uint32_t)counter_hi, c3 = (uint32_t)(counter_hi >> 32);
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+#pragma unroll
+    for (int round = 0; round < 10; round++) {
+        const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c1 = lo1;
+        c3 = lo0;
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+/* out[i] = in[i] · scale where uniform01(word i%4 of philox(key, step, i/4))
+   ≥ rate, else 0. The step is read on the device: from state->step in
+   forward, which one thread also saves into *step_save for backward; from
+   the saved step in backward (step_save NULL). */
+template <typename T> struct mpt__cuda_dropout_op {
+    uint64_t key, step;
+    float rate, scale;
+    const T *in;
+    T *out;
+    __device__ __forceinline__ T keep_or_drop(uint32_t bits, T v) const {
+        const float u = (float)(bits >> 8) * (1.0f / 16777216.0f);
+        return mpt__cuda_layers_narrow<T>(u >= rate ? mpt__cuda_layers_widen(v) * scale : 0.0f);
+    }
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<T, N> v = mpt__cuda_layers_load<N>(in + i);
+        uint32_t r[4];
+        if constexpr (N == 1) {
+            mpt__cuda_dropout_philox(key, step, (uint64_t)i / 4, r);
+            const int w = (int)(i & 3);
+            v.v[0] = keep_or_drop(w == 0 ? r[0] : w == 1 ? r[1] : w == 2 ? r[2] : r[3], v.v[0]);
+        } else { /* i is a multiple of N, N of 4: whole groups of four */
+#pragma unroll
+            for (int g = 0; g < N / 4; g++) {
+                mpt__cuda_dropout_philox(key, step, (uint64_t)i / 4 + g, r);
+#pragma unroll
+                for (int k = 0; k < 4; k++) v.v[4 * g + k] = keep_or_drop(r[k], v.v[4 * g + k]);
+            }
+        }
+        mpt__cuda_layers_store<N>(out + i, v);
+    }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(256) mpt__cuda_dropout_kernel(mpt__cuda_dropout_op<T> op,
+                                                                int64_t n, int vectorized,
+                                                                const int64_t *step_src,
+                                                                int64_t *step_save) {
+    op.step = (uint64_t)*step_src;
+    if (step_save && blockIdx.x == 0 && threadIdx.x == 0) *step_save = (int64_t)op.step;
+    mpt__cuda_layers_for_each(op, n, vectorized);
+}
+
+static void mpt__cuda_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype,
+                              const void *in, void *out, int64_t n, const mpt_step_state *state,
+                              int64_t *saved_step, void *ws) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    (void)ws;
+    if (rate == 0 || n <= 0) { /* the identity; forward still saves the step, as the CPU */
+        if (state)
+            mpt__cuda_layers_copy(c, saved_step, &state->step, sizeof(int64_t), "dropout (step)");
+        if (n > 0)
+            mpt__cuda_layers_copy(c, out, in, (size_t)n * mpt_dtype_size(dtype), "dropout (copy)");
+        return;
+    }
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        mpt__cuda_dropout_op<T> op;
+        op.key = key;
+        op.step = 0; /* read on the device */
+        op.rate = rate;
+        op.scale = 1.0f / (1.0f - rate); /* in float, as the CPU */
+        op.in = (const T *)in;
+        op.out = (T *)out;
+        const bool vec = mpt__cuda_layers_aligned(in, 16) && mpt__cuda_layers_aligned(out, 16);
+        const int64_t units = vec ? n / mpt__cuda_layers_vec + n % mpt__cuda_layers_vec : n;
+        const int64_t *step_src = state ? &state->step : saved_step;
+        mpt__cuda_dropout_kernel<T><<<mpt__cuda_blocks(units, mpt__cuda_layers_threads),
+                                      mpt__cuda_layers_threads, 0, c->stream>>>(
+            op, n, vec ? 1 : 0, step_src, state ? saved_step : NULL);
+        mpt__cuda_launched(c, state ? "dropout" : "dropout backward");
+    });
+}
+/* The training kernels of the CUDA backend: the loss with its metrics, the
+   optimizer's two passes (sum of squares, fused update) and loss scaling.
+
+   Everything a step decides (the learning rate, the clipping factor, Adam's
+   bias correction, whether the gradients are finite, the new loss scale)
+   is computed on the device from the mpt_step_state the backend keeps
+   there, so a whole step can be recorded once in a CUDA graph and replayed:
+   the host never reads a device value here, and nothing is allocated after
+   mpt__cuda_train_init.
+
+   Determinism: no atomics. Every reduction has a fixed shape (grids sized
+   from the element counts alone, fixed per-thread strides, fixed trees),
+   so a result repeats bit for bit on the same GPU. The element-wise float
+   math uses the round-to-nearest intrinsics (__fmul_rn, __fadd_rn, ...) so
+   that the compiler cannot contract a multiply and an add into an FMA:
+   each operation rounds where the CPU's does, and an update gives the CPU's
+   bits (the transcendental functions of the loss may differ in the last
+   place from the C library's, and sums are taken in another order). */
+
+
+/* ---- sizes ---------------------------------------------------------------- */
+
+static constexpr int mpt__cuda_train_threads = 256;                       /* every kernel's block */
+static constexpr int mpt__cuda_train_warps = mpt__cuda_train_threads / 32;
+static constexpr int mpt__cuda_loss_max_blocks = 1024;      /* loss partials               */
+static constexpr int64_t mpt__cuda_norm_min_per_block = 8192; /* gradients per norm block  */
+static constexpr int64_t mpt__cuda_norm_max_blocks = 1024;  /* norm blocks per tensor      */
+static constexpr int mpt__cuda_norm_slots = 8192;           /* norm partials held at once  */
+
+#define MPT__CUDA_LOSS_EPS 1e-7f /* Keras' backend.epsilon(), as the CPU loss */
+
+/* ---- device scratch -------------------------------------------------------- */
+
+/* One loss block's sums over its rows. */
+typedef struct mpt__cuda_loss_partial {
+    double loss, correct, top_k;
+} mpt__cuda_loss_partial;
+
+/* The per-step numbers of the update, in float32 as the CPU's job. */
+typedef struct mpt__cuda_update_coefs {
+    float gscale;       /* 1 / loss scale × the clipping factor */
+    float l2, decay, lr, momentum;
+    float one_minus_b1, one_minus_b2, alpha, epsilon;
+} mpt__cuda_update_coefs;
+
+/* Device buffers of the training kernels, allocated once per backend. */
+typedef struct mpt__cuda_train_scratch {
+    void *base;                            /* the one allocation              */
+    double *norm_partials;                 /* (mpt__cuda_norm_slots)          */
+    double *norm_carry;                    /* Σ of partials already folded    */
+    mpt__cuda_loss_partial *loss_partials; /* (mpt__cuda_loss_max_blocks)     */
+    mpt__cuda_update_coefs *coefs;
+} mpt__cuda_train_scratch;
+
+/* The scratch of c, or NULL (and a pending error) if init never ran. */
+static mpt__cuda_train_scratch *mpt__cuda_train_scratch_of(mpt__cuda *c, const char *what) {
+    if (!c->train_scratch && c->pending == cudaSuccess) {
+        c->pending = cudaErrorInvalidValue;
+        snprintf(c->pending_what, sizeof c->pending_what,
+                 "%s: training scratch missing (mpt__cuda_train_init not run)", what);
+    }
+    return c->train_scratch;
+}
+
+static size_t mpt__cuda_train_round_up(size_t n) { return (n + 255) & ~(size_t)255; }
+
+static mpt_status mpt__cuda_train_init(mpt__cuda *c) {
+    size_t norm = mpt__cuda_train_round_up(sizeof(double) * mpt__cuda_norm_slots);
+    size_t carry = mpt__cuda_train_round_up(sizeof(double));
+    size_t loss = mpt__cuda_train_round_up(sizeof(mpt__cuda_loss_partial) * mpt__cuda_loss_max_blocks);
+    size_t coefs = mpt__cuda_train_round_up(sizeof(mpt__cuda_update_coefs));
+    size_t bytes = norm + carry + loss + coefs;
+    mpt__cuda_train_scratch *s = (mpt__cuda_train_scratch *)calloc(1, sizeof *s);
+    char *p;
+    cudaError_t e;
+    if (!s) return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__, "out of memory");
+    e = cudaMalloc(&s->base, bytes);
+    /* on the backend's stream: it does not wait for the legacy default one */
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->base, 0, bytes, c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaFree(s->base);
+        free(s);
+        return mpt__cuda_fail(c, e == cudaErrorMemoryAllocation ? MPT_ERR_OUT_OF_MEMORY
+                                                                : MPT_ERR_UNSUPPORTED,
+                              __FILE__, __LINE__, "training scratch (%zu bytes): %s", bytes,
+                              cudaGetErrorString(e));
+    }
+    p = (char *)s->base;
+    s->norm_partials = (double *)p;
+    s->norm_carry = (double *)(p + norm);
+    s->loss_partials = (mpt__cuda_loss_partial *)(p + norm + carry);
+    s->coefs = (mpt__cuda_update_coefs *)(p + norm + carry + loss);
+    c->train_scratch = s;
+    return MPT_OK;
+}
+
+static void mpt__cuda_train_destroy(mpt__cuda *c) {
+    if (!c->train_scratch) return;
+    cudaFree(c->train_scratch->base);
+    free(c->train_scratch);
+    c->train_scratch = NULL;
+}
+
+/* ---- float conversions, bit for bit as mpt.h's ---------------------------- */
+
+/* float16 bits -> float; a NaN gets the quiet bit, as the CPU's. */
+static __device__ __forceinline__ float mpt__cuda_train_half_to_float(uint16_t h) {
+    if ((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu))
+        return __uint_as_float(((uint32_t)(h & 0x8000u) << 16) | 0x7fc00000u |
+                               ((uint32_t)(h & 0x3ffu) << 13));
+    return __half2float(__ushort_as_half(h));
+}
+
+/* float -> float16 bits, nearest even; a NaN keeps its sign and top payload. */
+static __device__ __forceinline__ uint16_t mpt__cuda_train_float_to_half(float f) {
+    uint32_t x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)(((x >> 16) & 0x8000u) | 0x7e00u | (((x & 0x7fffffffu) >> 13) & 0x3ffu));
+    return __half_as_ushort(__float2half_rn(f));
+}
+
+/* float -> bfloat16 bits, nearest even; a NaN gets the quiet bit. */
+static __device__ __forceinline__ uint16_t mpt__cuda_train_float_to_bf16(float f) {
+    uint32_t x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static __device__ __forceinline__ float mpt__cuda_train_load(mpt_dtype dtype, const void *data,
+                                                             int64_t i) {
+    switch (dtype) {
+    case MPT_FLOAT16: return mpt__cuda_train_half_to_float(((const uint16_t *)data)[i]);
+    case MPT_BFLOAT16: return __uint_as_float((uint32_t)((const uint16_t *)data)[i] << 16);
+    default: return ((const float *)data)[i];
+    }
+}
+
+static __device__ __forceinline__ void mpt__cuda_train_store(mpt_dtype dtype, void *data,
+                                                             int64_t i, float v) {
+    switch (dtype) {
+    case MPT_FLOAT16: ((uint16_t *)data)[i] = mpt__cuda_train_float_to_half(v); break;
+    case MPT_BFLOAT16: ((uint16_t *)data)[i] = mpt__cuda_train_float_to_bf16(v); break;
+    default: ((float *)data)[i] = v; break;
+    }
+}
+
+/* ---- warp and block reductions ------------------------------------------- */
+
+/* Butterfly sums: lane i adds lane i^m's value and lane i^m adds lane i's,
+   the same two numbers, so every lane ends with the same bits. */
+static __device__ __forceinline__ double mpt__cuda_train_warp_sum(double v) {
+    for (int m = 16; m; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+static __device__ __forceinline__ int mpt__cuda_train_warp_sum_int(int v) {
+    for (int m = 16; m; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+/* The row maximum, lane 0's taken so that every lane has the same (even
+   the same sign of a zero maximum). */
+static __device__ __forceinline__ float mpt__cuda_train_warp_max(float v) {
+    for (int m = 16; m; m >>= 1) {
+        float o = __shfl_xor_sync(0xffffffffu, v, m);
+        v = o > v ? o : v;
+    }
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+/* Argmax with the first maximum winning (the CPU's sequential `v > best`):
+   the larger value, or on a tie the smaller index. */
+static __device__ __forceinline__ int64_t mpt__cuda_train_warp_argmax(float v, int64_t i) {
+    for (int m = 16; m; m >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, m);
+        int64_t oi = __shfl_xor_sync(0xffffffffu, i, m);
+        if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+    }
+    return __shfl_sync(0xffffffffu, i, 0);
+}
+
+/* A block's sum of one double per thread, in a fixed tree; the result is
+   valid in thread 0. The block has mpt__cuda_train_threads threads. */
+static __device__ double mpt__cuda_train_block_sum(double v) {
+    __shared__ double warp_sums[mpt__cuda_train_warps];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int m = 16; m; m >>= 1) v += __shfl_down_sync(0xffffffffu, v, m);
+    __syncthreads(); /* warp_sums may still be read by a previous call */
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        v = 0;
+        for (int w = 0; w < mpt__cuda_train_warps; w++) v += warp_sums[w];
+    }
+    return v;
+}
+
+/* ---- the loss ------------------------------------------------------------- */
+
+/* Everything the loss kernel reads, by value. */
+typedef struct mpt__cuda_loss_params {
+    mpt_loss_type type;
+    int from_logits, metrics, top_k, scale_by_loss_scale;
+    mpt_dtype pred_dtype, target_dtype; /* dpred has pred's dtype */
+    const void *pred, *target;
+    void *dpred;
+    int64_t rows, K;
+    double count; /* the loss is a mean over rows (crossentropy) or elements */
+    mpt_step_state *state; /* loss_scale read, the tallies written        */
+    mpt__cuda_loss_partial *partials;
+} mpt__cuda_loss_params;
+
+static __device__ __forceinline__ bool mpt__cuda_loss_sparse(const mpt__cuda_loss_params &p) {
+    return p.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+}
+
+/* The target of row r, class c: one-hot for a class id (`label`). */
+static __device__ __forceinline__ float mpt__cuda_loss_target(const mpt__cuda_loss_params &p,
+                                                              int64_t r, int64_t c, int label) {
+    if (mpt__cuda_loss_sparse(p)) return label == c ? 1.0f : 0.0f;
+    return mpt__cuda_train_load(p.target_dtype, p.target, r * p.K + c);
+}
+
+static __device__ __forceinline__ float mpt__cuda_loss_pred(const mpt__cuda_loss_params &p,
+                                                            int64_t i) {
+    return mpt__cuda_train_load(p.pred_dtype, p.pred, i);
+}
+
+static __device__ __forceinline__ void mpt__cuda_loss_grad(const mpt__cuda_loss_params &p,
+                                                           int64_t i, float g, float gscale) {
+    mpt__cuda_train_store(p.pred_dtype, p.dpred, i, __fmul_rn(g, gscale));
+}
+
+/* Crossentropy of softmax(z) for row r, one warp: Σ t·(lse − z) with lse
+   taken around the row's max; gradient softmax(z)·Σt − t. */
+static __device__ double mpt__cuda_xent_logits_row(const mpt__cuda_loss_params &p, int64_t r,
+                                                   int label, int lane, float gscale) {
+    const int64_t K = p.K, base = r * K;
+    float mx = -INFINITY;
+    double sum = 0, loss = 0, tsum = 0, lse;
+    for (int64_t c = lane; c < K; c += 32) {
+        float x = mpt__cuda_loss_pred(p, base + c);
+        mx = x > mx ? x : mx;
+    }
+    mx = mpt__cuda_train_warp_max(mx);
+    for (int64_t c = lane; c < K; c += 32)
+        sum += (double)expf(__fsub_rn(mpt__cuda_loss_pred(p, base + c), mx));
+    sum = mpt__cuda_train_warp_sum(sum);
+    lse = __dadd_rn((double)mx, log(sum));
+    for (int64_t c = lane; c < K; c += 32) {
+        float t = mpt__cuda_loss_target(p, r, c, label);
+        if (t != 0)
+            loss = __dadd_rn(loss, __dmul_rn((double)t,
+                                             __dsub_rn(lse, (double)mpt__cuda_loss_pred(p, base + c))));
+        tsum += (double)t;
+    }
+    loss = mpt__cuda_train_warp_sum(loss);
+    tsum = mpt__cuda_train_warp_sum(tsum);
+    if (p.dpred)
+        for (int64_t c = lane; c < K; c += 32) {
+            float x = mpt__cuda_loss_pred(p, base + c);
+            float q = expf((float)__dsub_rn((double)x, lse));
+            float g = __fsub_rn(__fmul_rn(q, (float)tsum), mpt__cuda_loss_target(p, r, c, label));
+            mpt__cuda_loss_grad(p, base + c, g, gscale);
+        }
+    return loss;
+}
+
+/* One class of a probability row: q = p / S clipped; −t·log(clip) and the
+   gradient with respect to q, zero where the clip holds q. */
+static __device__ __forceinline__ float mpt__cuda_xent_prob_term(float x, float S, float t,
+                                                                 float *g) {
+    const float lo = MPT__CUDA_LOSS_EPS, hi = 1.0f - MPT__CUDA_LOSS_EPS;
+    float q = __fdiv_rn(x, S), m = q > lo ? q : lo, c = m < hi ? m : hi;
+    *g = (q < lo || q > hi) ? 0.0f : __fdiv_rn(-t, c);
+    return t != 0 ? __fmul_rn(-t, logf(c)) : 0.0f;
+}
+
+/* Crossentropy of a probability row (divided by its sum, clipped), one
+   warp; dL/dp_k = (g_k − Σ_c g_c·q_c) / S. */
+static __device__ double mpt__cuda_xent_probs_row(const mpt__cuda_loss_params &p, int64_t r,
+                                                  int label, int lane, float gscale) {
+    const int64_t K = p.K, base = r * K;
+    double sum = 0, loss = 0, dot = 0;
+    float S, g;
+    for (int64_t c = lane; c < K; c += 32) sum += (double)mpt__cuda_loss_pred(p, base + c);
+    S = (float)mpt__cuda_train_warp_sum(sum);
+    for (int64_t c = lane; c < K; c += 32) {
+        float x = mpt__cuda_loss_pred(p, base + c);
+        loss += (double)mpt__cuda_xent_prob_term(x, S, mpt__cuda_loss_target(p, r, c, label), &g);
+        dot = __dadd_rn(dot, __dmul_rn((double)g, (double)__fdiv_rn(x, S)));
+    }
+    loss = mpt__cuda_train_warp_sum(loss);
+    dot = mpt__cuda_train_warp_sum(dot);
+    if (p.dpred)
+        for (int64_t c = lane; c < K; c += 32) {
+            mpt__cuda_xent_prob_term(mpt__cuda_loss_pred(p, base + c), S,
+                                     mpt__cuda_loss_target(p, r, c, label), &g);
+            mpt__cuda_loss_grad(p, base + c, (float)__ddiv_rn(__dsub_rn((double)g, dot), (double)S),
+                                gscale);
+        }
+    return loss;
+}
+
+/* mpt.h's sigmoid: two forms, so that exp never overflows. */
+static __device__ __forceinline__ float mpt__cuda_train_sigmoid(float x) {
+    if (x >= 0) return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+    float e = expf(x);
+    return __fdiv_rn(e, __fadd_rn(1.0f, e));
+}
+
+/* Binary crossentropy of one element, and d/dpred into *g. */
+static __device__ __forceinline__ float mpt__cuda_bce_term(int from_logits, float x, float t,
+                                                           float *g) {
+    if (from_logits) { /* max(x, 0) − x·t + log(1 + exp(−|x|)) */
+        *g = __fsub_rn(mpt__cuda_train_sigmoid(x), t);
+        return __fadd_rn(__fsub_rn(x > 0.0f ? x : 0.0f, __fmul_rn(x, t)), log1pf(expf(-fabsf(x))));
+    }
+    const float lo = MPT__CUDA_LOSS_EPS, hi = 1.0f - MPT__CUDA_LOSS_EPS;
+    float m = x > lo ? x : lo, c = m < hi ? m : hi, u = __fsub_rn(1.0f, t);
+    *g = (x < lo || x > hi) ? 0.0f
+                            : __fsub_rn(__fdiv_rn(u, __fsub_rn(1.0f, c)), __fdiv_rn(t, c));
+    return -__fadd_rn(__fmul_rn(t, logf(c)), __fmul_rn(u, logf(__fsub_rn(1.0f, c))));
+}
+
+/* Binary crossentropy or squared error summed over row r, one warp. */
+static __device__ double mpt__cuda_elementwise_row(const mpt__cuda_loss_params &p, int64_t r,
+                                                   int lane, float gscale) {
+    const int64_t K = p.K, base = r * K;
+    double loss = 0;
+    for (int64_t c = lane; c < K; c += 32) {
+        float x = mpt__cuda_loss_pred(p, base + c), t = mpt__cuda_loss_target(p, r, c, 0), g;
+        if (p.type == MPT_LOSS_BINARY_CROSSENTROPY) {
+            loss += (double)mpt__cuda_bce_term(p.from_logits, x, t, &g);
+        } else {
+            float d = __fsub_rn(x, t);
+            loss = __dadd_rn(loss, __dmul_rn((double)d, (double)d));
+            g = __fmul_rn(2.0f, d);
+        }
+        if (p.dpred) mpt__cuda_loss_grad(p, base + c, g, gscale);
+    }
+    return mpt__cuda_train_warp_sum(loss);
+}
+
+/* Accuracy and top-k of row r, one warp, as the CPU's tally: one output
+   unit is a binary prediction against a threshold; otherwise argmax ==
+   label (or == argmax of the target), and the label is in the top k when
+   fewer than k classes score strictly higher. Reads pred only. */
+static __device__ void mpt__cuda_loss_tally_row(const mpt__cuda_loss_params &p, int64_t r,
+                                                int label, int lane, int *correct, int *top_k) {
+    const int64_t K = p.K, base = r * K;
+    if (K == 1) {
+        float v = mpt__cuda_loss_pred(p, base);
+        float threshold = p.from_logits ? 0.0f : 0.5f;
+        float t = mpt__cuda_loss_sparse(p) ? (float)label
+                                           : mpt__cuda_train_load(p.target_dtype, p.target, r);
+        *correct = (v > threshold) == (t > 0.5f);
+        return;
+    }
+    float best = -INFINITY, best_t = -INFINITY;
+    int64_t guess = INT64_MAX, truth = INT64_MAX;
+    for (int64_t c = lane; c < K; c += 32) {
+        float v = mpt__cuda_loss_pred(p, base + c);
+        if (guess == INT64_MAX || v > best) best = v, guess = c;
+        if (!mpt__cuda_loss_sparse(p)) {
+            float t = mpt__cuda_train_load(p.target_dtype, p.target, base + c);
+            if (truth == INT64_MAX || t > best_t) best_t = t, truth = c;
+        }
+    }
+    guess = mpt__cuda_train_warp_argmax(best, guess);
+    truth = mpt__cuda_loss_sparse(p) ? (int64_t)label : mpt__cuda_train_warp_argmax(best_t, truth);
+    *correct = guess == truth;
+    if (p.metrics & MPT_METRIC_SPARSE_TOP_K) {
+        float tv = mpt__cuda_loss_pred(p, base + truth);
+        int above = 0;
+        for (int64_t c = lane; c < K; c += 32) above += mpt__cuda_loss_pred(p, base + c) > tv;
+        *top_k = mpt__cuda_train_warp_sum_int(above) < p.top_k;
+    }
+}
+
+/* The row losses and gradients. One warp per row; block b takes the rows
+   [rows·b/G, rows·(b+1)/G) of a grid of G blocks (G depends on rows only)
+   and its warps take every 8th of them. Each warp's lane 0 adds its rows'
+   losses in row order; thread 0 adds the warps' sums in warp order into
+   the block's partial. dpred may be pred: every lane reads the whole row's
+   values it needs before the __syncwarp that precedes the first write. */
+static __global__ void __launch_bounds__(mpt__cuda_train_threads)
+mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
+    __shared__ double warp_loss[mpt__cuda_train_warps];
+    __shared__ int warp_correct[mpt__cuda_train_warps], warp_top_k[mpt__cuda_train_warps];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t r0 = p.rows * blockIdx.x / gridDim.x, r1 = p.rows * (blockIdx.x + 1) / gridDim.x;
+    const bool tally = (p.metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K)) != 0;
+    const bool categorical = p.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
+                             p.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
+    float scale = p.scale_by_loss_scale ? p.state->loss_scale : 1.0f;
+    const float gscale = (float)((scale != 0 ? (double)scale : 1.0) / p.count);
+    double loss_sum = 0;
+    int correct_sum = 0, top_k_sum = 0;
+    for (int64_t r = r0 + warp; r < r1; r += mpt__cuda_train_warps) {
+        int label = mpt__cuda_loss_sparse(p) ? ((const int32_t *)p.target)[r] : 0;
+        int correct = 0, top_k = 0;
+        double loss;
+        if (tally) mpt__cuda_loss_tally_row(p, r, label, lane, &correct, &top_k);
+        __syncwarp(); /* the tally's reads of other lanes' classes come before any write */
+        if (!categorical) loss = mpt__cuda_elementwise_row(p, r, lane, gscale);
+        else if (p.from_logits) loss = mpt__cuda_xent_logits_row(p, r, label, lane, gscale);
+        else loss = mpt__cuda_xent_probs_row(p, r, label, lane, gscale);
+        loss_sum += loss;
+        correct_sum += correct;
+        top_k_sum += top_k;
+    }
+    if (lane == 0) {
+        warp_loss[warp] = loss_sum;
+        warp_correct[warp] = correct_sum;
+        warp_top_k[warp] = top_k_sum;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mpt__cuda_loss_partial out = {0, 0, 0};
+        for (int w = 0; w < mpt__cuda_train_warps; w++) {
+            out.loss += warp_loss[w];
+            out.correct += (double)warp_correct[w];
+            out.top_k += (double)warp_top_k[w];
+        }
+        p.partials[blockIdx.x] = out;
+    }
+}
+
+/* One block: the blocks' partials added in a fixed tree (thread t takes
+   partials t, t + 256, ... in order), then the batch into the step state
+   as the CPU tallies it: loss_sum += mean loss × rows. */
+static __global__ void __launch_bounds__(mpt__cuda_train_threads)
+mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
+    double loss = 0, correct = 0, top_k = 0;
+    for (int i = threadIdx.x; i < n_partials; i += blockDim.x) {
+        loss += p.partials[i].loss;
+        correct += p.partials[i].correct;
+        top_k += p.partials[i].top_k;
+    }
+    loss = mpt__cuda_train_block_sum(loss);
+    correct = mpt__cuda_train_block_sum(correct);
+    top_k = mpt__cuda_train_block_sum(top_k);
+    if (threadIdx.x == 0) {
+        mpt_step_state *s = p.state;
+        s->loss_sum = __dadd_rn(s->loss_sum, __dmul_rn(loss / p.count, (double)p.rows));
+        s->samples += (double)p.rows;
+        if (p.metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K)) s->correct += correct;
+        if (p.metrics & MPT_METRIC_SPARSE_TOP_K) s->top_k += top_k;
+    }
+}
+
+static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "loss");
+    mpt__cuda_loss_params p;
+    int categorical = a->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
+                      a->type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
+    int64_t blocks;
+    if (!s || a->rows <= 0 || a->K <= 0) return;
+    p.type = a->type;
+    p.from_logits = a->from_logits != 0;
+    p.metrics = a->metrics;
+    p.top_k = a->top_k;
+    p.scale_by_loss_scale = a->scale_by_loss_scale;
+    p.pred_dtype = a->pred_dtype;
+    p.target_dtype = a->target_dtype;
+    p.pred = a->pred;
+    p.target = a->target;
+    p.dpred = a->dpred;
+    p.rows = a->rows;
+    p.K = a->K;
+    /* The mean is over rows for crossentropies, over elements otherwise. */
+    p.count = categorical ? (double)a->rows : (double)a->rows * (double)a->K;
+    p.state = a->state;
+    p.partials = s->loss_partials;
+    blocks = (a->rows + mpt__cuda_train_warps - 1) / mpt__cuda_train_warps;
+    if (blocks > mpt__cuda_loss_max_blocks) blocks = mpt__cuda_loss_max_blocks;
+    mpt__cuda_loss_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(p);
+    mpt__cuda_launched(c, "mpt__cuda_loss_kernel");
+    mpt__cuda_loss_finish_kernel<<<1, mpt__cuda_train_threads, 0, c->stream>>>(p, (int)blocks);
+    mpt__cuda_launched(c, "mpt__cuda_loss_finish_kernel");
+}
+
+/* ---- pass 1: the sum of squares of the gradients --------------------------- */
+
+/* Σ g² in double over one chunk of a gradient per block: block b takes
+   [b·chunk, min(n, (b + 1)·chunk)) (chunk a multiple of 4), thread t every
+   256th float4 of it from the t-th (vec: g is 16-byte aligned) or every
+   256th float, then the block's fixed tree; partial b receives it. */
+static __global__ void __launch_bounds__(mpt__cuda_train_threads)
+mpt__cuda_norm_kernel(const float *g, int64_t n, int64_t chunk, int vec, double *partials) {
+    const int64_t begin = (int64_t)blockIdx.x * chunk;
+    const int64_t end = begin + chunk < n ? begin + chunk : n;
+    double sum = 0; /* a float's square is exact in double: fused or not, the same sum */
+    int64_t i = begin + threadIdx.x;
+    if (vec && begin < end) {
+        const float4 *g4 = (const float4 *)(g + begin);
+        const int64_t n4 = (end - begin) / 4;
+        for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
+            float4 v = g4[k];
+            sum += (double)v.x * (double)v.x;
+            sum += (double)v.y * (double)v.y;
+            sum += (double)v.z * (double)v.z;
+            sum += (double)v.w * (double)v.w;
+        }
+        i = begin + n4 * 4 + threadIdx.x;
+    }
+    for (; i < end; i += blockDim.x) sum += (double)g[i] * (double)g[i];
+    sum = mpt__cuda_train_block_sum(sum);
+    if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+/* One block: partials[0, n) added in a fixed tree onto what earlier folds
+   carried (none when first); the last fold writes the step state's
+   sum_squares and finite. */
+static __global__ void __launch_bounds__(mpt__cuda_train_threads)
+mpt__cuda_norm_fold_kernel(const double *partials, int n, double *carry, int first, int last,
+                           mpt_step_state *state) {
+    double sum = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += partials[i];
+    sum = mpt__cuda_train_block_sum(sum);
+    if (threadIdx.x == 0) {
+        double total = (first ? 0.0 : *carry) + sum;
+        if (last) {
+            state->sum_squares = total;
+            state->finite = isfinite(total) ? 1 : 0;
+        } else {
+            *carry = total;
+        }
+    }
+}
+
+static void mpt__cuda_norm_fold(mpt__cuda *c, mpt__cuda_train_scratch *s, int n, int first,
+                                int last, mpt_step_state *state) {
+    mpt__cuda_norm_fold_kernel<<<1, mpt__cuda_train_threads, 0, c->stream>>>(
+        s->norm_partials, n, s->norm_carry, first, last, state);
+    mpt__cuda_launched(c, "mpt__cuda_norm_fold_kernel");
+}
+
+/* One kernel per gradient, each writing its blocks' partials into the next
+   slots; when the slots would run out, the ones filled are folded into a
+   carried sum first. The grid of each tensor depends on its count only. */
+static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "grad_stats");
+    int used = 0, first = 1;
+    if (!s) return;
+    for (int i = 0; i < u->n; i++) {
+        int64_t n = u->count[i], blocks, chunk;
+        if (n <= 0) continue;
+        blocks = (n + mpt__cuda_norm_min_per_block - 1) / mpt__cuda_norm_min_per_block;
+        if (blocks > mpt__cuda_norm_max_blocks) blocks = mpt__cuda_norm_max_blocks;
+        chunk = ((n + blocks - 1) / blocks + 3) & ~(int64_t)3;
+        blocks = (n + chunk - 1) / chunk;
+        if (used + blocks > mpt__cuda_norm_slots) {
+            mpt__cuda_norm_fold(c, s, used, first, 0, u->state);
+            used = 0;
+            first = 0;
+        }
+        mpt__cuda_norm_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(
+            u->grad[i], n, chunk, ((uintptr_t)u->grad[i] & 15) == 0, s->norm_partials + used);
+        mpt__cuda_launched(c, "mpt__cuda_norm_kernel");
+        used += (int)blocks;
+    }
+    mpt__cuda_norm_fold(c, s, used, first, 1, u->state);
+}
+
+/* ---- pass 2: the fused update ---------------------------------------------- */
+
+/* The learning-rate schedule at optimizer step t, as mpt.h's. */
+static __device__ double mpt__cuda_learning_rate_at(const mpt_optimizer_desc &d, double base_lr,
+                                                    int64_t t) {
+    const mpt_lr_schedule &s = d.schedule;
+    double D = (double)s.decay_steps;
+    int64_t W = s.warmup_steps;
+    if (t < 0) t = 0;
+    if (t < W) return base_lr * (double)(t + 1) / (double)W;
+    t -= W;
+    switch (s.type) {
+    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow((double)s.decay_rate, (double)t / D);
+    case MPT_LR_STEP_DECAY:
+        return base_lr * pow((double)s.decay_rate, (double)(t / s.decay_steps));
+    case MPT_LR_COSINE_DECAY: {
+        double progress = (double)(t < s.decay_steps ? t : s.decay_steps) / D;
+        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
+        return base_lr * __dadd_rn(__dmul_rn(1.0 - (double)s.alpha, cosine), (double)s.alpha);
+    }
+    default: return base_lr;
+    }
+}
+
+/* One thread: the step's coefficients from the state (as the CPU's
+   mpt__update_job_init, in double, rounded to float once), and, the step
+   being applied, optimizer_steps + 1 (the update kernels after it read
+   only the coefficients, so counting it here saves a launch). Nothing when
+   the gradients are not finite. */
+static __global__ void mpt__cuda_update_coefs_kernel(mpt_optimizer_desc d, mpt_step_state *state,
+                                                     mpt__cuda_update_coefs *out) {
+    if (!state->finite) return;
+    double lr = mpt__cuda_learning_rate_at(d, (double)state->learning_rate, state->optimizer_steps);
+    double inv_scale = 1.0 / (double)state->loss_scale;
+    double norm = sqrt(state->sum_squares) * inv_scale, clip = 1.0;
+    double t = (double)(state->optimizer_steps + 1);
+    mpt__cuda_update_coefs k;
+    if (d.clip_global_norm > 0 && norm > (double)d.clip_global_norm)
+        clip = (double)d.clip_global_norm / norm;
+    k.gscale = (float)(inv_scale * clip);
+    k.l2 = d.l2;
+    k.decay = (float)(lr * (double)d.weight_decay);
+    k.lr = (float)lr;
+    k.momentum = d.momentum;
+    k.one_minus_b1 = (float)(1.0 - (double)d.beta_1);
+    k.one_minus_b2 = (float)(1.0 - (double)d.beta_2);
+    k.alpha = (float)(lr * sqrt(1.0 - pow((double)d.beta_2, t)) / (1.0 - pow((double)d.beta_1, t)));
+    k.epsilon = d.epsilon;
+    *out = k;
+    state->optimizer_steps += 1;
+}
+
+/* The update rules, chosen per launch. */
+enum {
+    MPT__CUDA_RULE_ADAM = 0,     /* Adam and AdamW: s0 = m, s1 = v      */
+    MPT__CUDA_RULE_SGD,          /* no momentum: no slot               */
+    MPT__CUDA_RULE_MOMENTUM,     /* s0 = velocity                      */
+    MPT__CUDA_RULE_NESTEROV
+};
+
+/* One element, the CPU's block loops' operations in their order (Keras 3):
+   unscale and clip, the coupled L2 term, the decoupled decay, then the
+   rule. Returns the new master; s0/s1 are updated in place. */
+template <int RULE>
+static __device__ __forceinline__ float mpt__cuda_update_one(const mpt__cuda_update_coefs &k,
+                                                             float w, float g, float &s0,
+                                                             float &s1) {
+    float gi = __fadd_rn(__fmul_rn(g, k.gscale), __fmul_rn(k.l2, w));
+    float wi = __fsub_rn(w, __fmul_rn(w, k.decay));
+    if (RULE == MPT__CUDA_RULE_ADAM) {
+        float mi = __fadd_rn(s0, __fmul_rn(__fsub_rn(gi, s0), k.one_minus_b1));
+        float vi = __fadd_rn(s1, __fmul_rn(__fsub_rn(__fmul_rn(gi, gi), s1), k.one_minus_b2));
+        s0 = mi;
+        s1 = vi;
+        return __fsub_rn(wi, __fdiv_rn(__fmul_rn(mi, k.alpha), __fadd_rn(__fsqrt_rn(vi), k.epsilon)));
+    }
+    float step = __fmul_rn(gi, k.lr);
+    if (RULE == MPT__CUDA_RULE_SGD) return __fsub_rn(wi, step);
+    float v = __fsub_rn(__fmul_rn(s0, k.momentum), step);
+    s0 = v;
+    if (RULE == MPT__CUDA_RULE_MOMENTUM) return __fadd_rn(wi, v);
+    return __fadd_rn(wi, __fsub_rn(__fmul_rn(v, k.momentum), step));
+}
+
+/* One parameter tensor's pointers, by value. */
+typedef struct mpt__cuda_update_tensor {
+    float *w;
+    const float *g;
+    float *s0, *s1;   /* NULL where the rule has none              */
+    void *compute;    /* NULL: no separate compute copy            */
+    mpt_dtype compute_dtype;
+    int64_t n;
+} mpt__cuda_update_tensor;
+
+/* Element i, scalar. */
+template <int RULE>
+static __device__ __forceinline__ void mpt__cuda_update_scalar(const mpt__cuda_update_tensor &T,
+                                                               const mpt__cuda_update_coefs &k,
+                                                               int64_t i) {
+    float s0 = RULE == MPT__CUDA_RULE_SGD ? 0.0f : T.s0[i];
+    float s1 = RULE == MPT__CUDA_RULE_ADAM ? T.s1[i] : 0.0f;
+    float w = mpt__cuda_update_one<RULE>(k, T.w[i], T.g[i], s0, s1);
+    T.w[i] = w;
+    if (RULE != MPT__CUDA_RULE_SGD) T.s0[i] = s0;
+    if (RULE == MPT__CUDA_RULE_ADAM) T.s1[i] = s1;
+    if (T.compute) mpt__cuda_train_store(T.compute_dtype, T.compute, i, w);
+}
+
+/* Elements 4q .. 4q+3 with 128-bit loads and stores (the compute copy:
+   128 bits in float32, 64 in float16/bfloat16). */
+template <int RULE>
+static __device__ __forceinline__ void mpt__cuda_update_vec4(const mpt__cuda_update_tensor &T,
+                                                             const mpt__cuda_update_coefs &k,
+                                                             int64_t q) {
+    float4 w = ((const float4 *)T.w)[q], g = ((const float4 *)T.g)[q];
+    float4 s0 = make_float4(0, 0, 0, 0), s1 = make_float4(0, 0, 0, 0);
+    if (RULE != MPT__CUDA_RULE_SGD) s0 = ((const float4 *)T.s0)[q];
+    if (RULE == MPT__CUDA_RULE_ADAM) s1 = ((const float4 *)T.s1)[q];
+    w.x = mpt__cuda_update_one<RULE>(k, w.x, g.x, s0.x, s1.x);
+    w.y = mpt__cuda_update_one<RULE>(k, w.y, g.y, s0.y, s1.y);
+    w.z = mpt__cuda_update_one<RULE>(k, w.z, g.z, s0.z, s1.z);
+    w.w = mpt__cuda_update_one<RULE>(k, w.w, g.w, s0.w, s1.w);
+    ((float4 *)T.w)[q] = w;
+    if (RULE != MPT__CUDA_RULE_SGD) ((float4 *)T.s0)[q] = s0;
+    if (RULE == MPT__CUDA_RULE_ADAM) ((float4 *)T.s1)[q] = s1;
+    if (!T.compute) return;
+    if (T.compute_dtype == MPT_FLOAT16 || T.compute_dtype == MPT_BFLOAT16) {
+        bool h = T.compute_dtype == MPT_FLOAT16;
+        uint16_t a = h ? mpt__cuda_train_float_to_half(w.x) : mpt__cuda_train_float_to_bf16(w.x);
+        uint16_t b = h ? mpt__cuda_train_float_to_half(w.y) : mpt__cuda_train_float_to_bf16(w.y);
+        uint16_t c = h ? mpt__cuda_train_float_to_half(w.z) : mpt__cuda_train_float_to_bf16(w.z);
+        uint16_t d = h ? mpt__cuda_train_float_to_half(w.w) : mpt__cuda_train_float_to_bf16(w.w);
+        ((uint2 *)T.compute)[q] = make_uint2((uint32_t)a | ((uint32_t)b << 16),
+                                             (uint32_t)c | ((uint32_t)d << 16));
+    } else {
+        ((float4 *)T.compute)[q] = w;
+    }
+}
+
+/* The fused update of one tensor, a grid-stride loop: with vec, over its
+   n/4 float4s and then the last n % 4 elements by the first threads; else
+   element by element. Returns at once when the step is skipped. */
+template <int RULE>
+static __global__ void __launch_bounds__(mpt__cuda_train_threads)
+mpt__cuda_update_kernel(mpt__cuda_update_tensor T, const mpt__cuda_update_coefs *coefs,
+                        const mpt_step_state *state, int vec) {
+    if (!state->finite) return;
+    const mpt__cuda_update_coefs k = *coefs;
+    const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    if (vec) {
+        const int64_t n4 = T.n / 4;
+        for (int64_t q = first; q < n4; q += stride) mpt__cuda_update_vec4<RULE>(T, k, q);
+        if (first < T.n - n4 * 4) mpt__cuda_update_scalar<RULE>(T, k, n4 * 4 + first);
+    } else {
+        for (int64_t i = first; i < T.n; i += stride) mpt__cuda_update_scalar<RULE>(T, k, i);
+    }
+}
+
+static bool mpt__cuda_train_aligned(const void *p, uintptr_t bytes) {
+    return ((uintptr_t)p & (bytes - 1)) == 0;
+}
+
+static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "update");
+    const mpt_optimizer_desc *d = &u->optimizer;
+    if (!s) return;
+    mpt__cuda_update_coefs_kernel<<<1, 1, 0, c->stream>>>(*d, u->state, s->coefs);
+    mpt__cuda_launched(c, "mpt__cuda_update_coefs_kernel");
+    for (int i = 0; i < u->n; i++) {
+        mpt__cuda_update_tensor T;
+        int rule, vec;
+        int64_t items;
+        unsigned blocks;
+        if (u->count[i] <= 0) continue;
+        T.w = u->value[i];
+        T.g = u->grad[i];
+        T.s0 = u->slot0 ? u->slot0[i] : NULL;
+        T.s1 = u->slot1 ? u->slot1[i] : NULL;
+        T.compute = u->compute && u->compute[i] != (void *)u->value[i] ? u->compute[i] : NULL;
+        T.compute_dtype = u->compute_dtype ? u->compute_dtype[i] : MPT_FLOAT32;
+        T.n = u->count[i];
+        if (d->type != MPT_OPTIMIZER_SGD) rule = MPT__CUDA_RULE_ADAM;
+        else if (!T.s0) rule = MPT__CUDA_RULE_SGD;
+        else rule = d->nesterov ? MPT__CUDA_RULE_NESTEROV : MPT__CUDA_RULE_MOMENTUM;
+        vec = mpt__cuda_train_aligned(T.w, 16) && mpt__cuda_train_aligned(T.g, 16) &&
+              mpt__cuda_train_aligned(T.s0, 16) && mpt__cuda_train_aligned(T.s1, 16) &&
+              mpt__cuda_train_aligned(T.compute, T.compute_dtype == MPT_FLOAT32 ? 16 : 8);
+        items = vec ? (T.n + 3) / 4 : T.n;
+        blocks = mpt__cuda_blocks(items, mpt__cuda_train_threads);
+        switch (rule) {
+        case MPT__CUDA_RULE_ADAM:
+            mpt__cuda_update_kernel<MPT__CUDA_RULE_ADAM>
+                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
+            break;
+        case MPT__CUDA_RULE_SGD:
+            mpt__cuda_update_kernel<MPT__CUDA_RULE_SGD>
+                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
+            break;
+        case MPT__CUDA_RULE_MOMENTUM:
+            mpt__cuda_update_kernel<MPT__CUDA_RULE_MOMENTUM>
+                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
+            break;
+        default:
+            mpt__cuda_update_kernel<MPT__CUDA_RULE_NESTEROV>
+                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
+            break;
+        }
+        mpt__cuda_launched(c, "mpt__cuda_update_kernel");
+    }
+}
+
+/* ---- loss scaling ------------------------------------------------------------ */
+
+/* One thread, as mpt.h's mpt__loss_scale_update: a skipped step counts in
+   every mode; dynamic mode backs the scale off (never below FLT_MIN, where
+   1/scale would be inf) and restarts the count of finite steps, or grows
+   it after growth_interval finite steps in a row (never to inf). Then the
+   step count, always. */
+static __global__ void mpt__cuda_loss_scale_kernel(mpt_loss_scale_desc d, mpt_step_state *state) {
+    const bool dynamic = d.mode == MPT_LOSS_SCALE_DYNAMIC;
+    if (!state->finite) {
+        state->skipped_steps += 1;
+        if (dynamic) {
+            float scaled = __fmul_rn(state->loss_scale, d.backoff_factor);
+            state->good_steps = 0;
+            if (scaled >= FLT_MIN) state->loss_scale = scaled;
+        }
+    } else if (dynamic && ++state->good_steps >= d.growth_interval) {
+        float grown = __fmul_rn(state->loss_scale, d.growth_factor);
+        if (grown < INFINITY) state->loss_scale = grown;
+        state->good_steps = 0;
+    }
+    state->step += 1;
+}
+
+static void mpt__cuda_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
+                                        mpt_step_state *state) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_loss_scale_kernel<<<1, 1, 0, c->stream>>>(*d, state);
+    mpt__cuda_launched(c, "mpt__cuda_loss_scale_kernel");
+}
+
+/* =============================================================================
+   The core: memory, copies, synchronisation, graphs
+   ============================================================================= */
+
+/* One live device allocation: free() needs its size and category. */
+struct mpt__cuda_allocation {
+    void *ptr;
+    size_t bytes;
+    int category;
+};
+
+static const char *const mpt__cuda_category_name[MPT_MEMORY_COUNT_] = {
+    "parameters", "gradients", "optimizer state", "weight copies", "activations", "workspace"};
+
+/* "1.50 GiB", "12.0 MiB", "512 B": sizes in messages. */
+static const char *mpt__cuda_bytes_text(char *buf, size_t size, double bytes) {
+    const double kib = 1024.0, mib = kib * 1024, gib = mib * 1024;
+    if (bytes >= gib) snprintf(buf, size, "%.2f GiB", bytes / gib);
+    else if (bytes >= mib) snprintf(buf, size, "%.1f MiB", bytes / mib);
+    else if (bytes >= kib) snprintf(buf, size, "%.1f KiB", bytes / kib);
+    else snprintf(buf, size, "%.0f B", bytes);
+    return buf;
+}
+
+/* A failed runtime call outside MPT__CU: the call's error is also CUDA's
+   "last error", which would otherwise be blamed on the next kernel launch,
+   so it is cleared here. */
+static mpt_status mpt__cuda_call_failed(mpt__cuda *c, cudaError_t e, const char *call, int line) {
+    (void)cudaGetLastError();
+    return mpt__cuda_fail(c, e == cudaErrorMemoryAllocation ? MPT_ERR_OUT_OF_MEMORY
+                                                            : MPT_ERR_UNSUPPORTED,
+                          __FILE__, line, "%s: %s", call, cudaGetErrorString(e));
+}
+
+/* For the functions that return nothing (they only queue work): keeps the
+   first failure for sync() to report, as a failed launch is kept. */
+static void mpt__cuda_keep_error(mpt__cuda *c, cudaError_t e, const char *what) {
+    if (e == cudaSuccess) return;
+    (void)cudaGetLastError();
+    if (c->pending == cudaSuccess) {
+        c->pending = e;
+        snprintf(c->pending_what, sizeof c->pending_what, "%s", what);
+    }
+}
+
+/* Reports, once, the first failure kept since the last report. */
+static mpt_status mpt__cuda_take_pending(mpt__cuda *c) {
+    cudaError_t e = c->pending;
+    if (e == cudaSuccess) return MPT_OK;
+    c->pending = cudaSuccess;
+    return mpt__cuda_fail(c, e == cudaErrorMemoryAllocation ? MPT_ERR_OUT_OF_MEMORY
+                                                            : MPT_ERR_UNSUPPORTED,
+                          __FILE__, __LINE__, "%s failed: %s", c->pending_what,
+                          cudaGetErrorString(e));
+}
+
+/* Calls that wait for the device or allocate cannot be recorded in a graph. */
+static mpt_status mpt__cuda_not_capturing(mpt__cuda *c, const char *what) {
+    if (!c->capturing) return MPT_OK;
+    return mpt__cuda_fail(c, MPT_ERR_STATE, __FILE__, __LINE__,
+                          "%s: not allowed while a step is being captured", what);
+}
+
+static int64_t mpt__cuda_total_used(const mpt__cuda *c) {
+    int64_t total = 0;
+    for (int i = 0; i < MPT_MEMORY_COUNT_; i++) total += c->used[i];
+    return total;
+}
+
+/* Whether `bytes` more stay within c->limit (0: no limit). */
+static int mpt__cuda_within_limit(const mpt__cuda *c, size_t bytes) {
+    int64_t headroom = c->limit - mpt__cuda_total_used(c);
+    return c->limit <= 0 || (headroom >= 0 && (uint64_t)bytes <= (uint64_t)headroom);
+}
+
+/* MPT_ERR_OUT_OF_MEMORY with what was asked for, for what, and what is
+   left: free device memory and, with a limit, the limit's headroom. */
+static mpt_status mpt__cuda_out_of_memory(mpt__cuda *c, int category, size_t bytes, int line) {
+    size_t free_bytes = 0, total_bytes = 0;
+    char want[32], free_text[32], left[32], limit[32], limit_part[128] = "";
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+    if (c->limit > 0) {
+        int64_t headroom = c->limit - mpt__cuda_total_used(c);
+        snprintf(limit_part, sizeof limit_part, "; %s left of the %s device_memory_limit",
+                 mpt__cuda_bytes_text(left, sizeof left, (double)(headroom > 0 ? headroom : 0)),
+                 mpt__cuda_bytes_text(limit, sizeof limit, (double)c->limit));
+    }
+    return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, line,
+                          "out of memory on CUDA device %d: %s asked for %s (%llu bytes); "
+                          "%s free on the device%s",
+                          c->device, mpt__cuda_category_name[category],
+                          mpt__cuda_bytes_text(want, sizeof want, (double)bytes),
+                          (unsigned long long)bytes,
+                          mpt__cuda_bytes_text(free_text, sizeof free_text, (double)free_bytes),
+                          limit_part);
+}
+
+/* Room for one more entry in the allocation table (before cudaMalloc, so
+   that a failure here leaves nothing allocated). */
+static int mpt__cuda_reserve_entry(mpt__cuda *c) {
+    if (c->allocation_count < c->allocation_capacity) return 1;
+    int capacity = c->allocation_capacity ? 2 * c->allocation_capacity : 16;
+    void *grown = realloc(c->allocations, sizeof(mpt__cuda_allocation) * (size_t)capacity);
+    if (!grown) return 0;
+    c->allocations = (mpt__cuda_allocation *)grown;
+    c->allocation_capacity = capacity;
+    return 1;
+}
+
+static int mpt__cuda_find_entry(const mpt__cuda *c, const void *ptr) {
+    for (int i = 0; i < c->allocation_count; i++)
+        if (c->allocations[i].ptr == ptr) return i;
+    return -1;
+}
+
+static mpt_status mpt__cuda_alloc(void *impl, int category, size_t bytes, void **out) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    void *ptr = NULL;
+    *out = NULL;
+    if (category < 0 || category >= MPT_MEMORY_COUNT_)
+        return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "alloc: unknown memory category %d", category);
+    if (bytes == 0) return MPT_OK;
+    mpt_status s = mpt__cuda_not_capturing(c, "alloc");
+    if (s != MPT_OK) return s;
+    if (!mpt__cuda_within_limit(c, bytes))
+        return mpt__cuda_out_of_memory(c, category, bytes, __LINE__);
+    if (!mpt__cuda_reserve_entry(c))
+        return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                              "alloc: no host memory for the table of device allocations");
+    MPT__CU(c, cudaSetDevice(c->device));
+    cudaError_t e = cudaMalloc(&ptr, bytes); /* 256-byte aligned */
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        return mpt__cuda_out_of_memory(c, category, bytes, __LINE__);
+    }
+    if (e != cudaSuccess) return mpt__cuda_call_failed(c, e, "cudaMalloc", __LINE__);
+    mpt__cuda_allocation *entry = &c->allocations[c->allocation_count++];
+    entry->ptr = ptr;
+    entry->bytes = bytes;
+    entry->category = category;
+    c->used[category] += (int64_t)bytes;
+    if (c->used[category] > c->peak[category]) c->peak[category] = c->used[category];
+    *out = ptr;
+    return MPT_OK;
+}
+
+/* Frees what alloc returned (NULL and unknown pointers are ignored). The
+   category of the allocation itself is the one credited back. While
+   capturing, freeing would break the capture: the buffer is kept (destroy
+   frees it) and capture_end reports the mistake. */
+static void mpt__cuda_free(void *impl, int category, void *ptr) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    (void)category;
+    int i = ptr ? mpt__cuda_find_entry(c, ptr) : -1;
+    if (i < 0) return;
+    if (c->capturing) {
+        mpt__cuda_keep_error(c, cudaErrorStreamCaptureUnsupported, "free while capturing");
+        return;
+    }
+    /* Work still queued may read the buffer: let it finish first. */
+    mpt__cuda_keep_error(c, cudaStreamSynchronize(c->stream), "free (waiting for the stream)");
+    mpt__cuda_keep_error(c, cudaStreamSynchronize(c->copy_stream), "free (waiting for copies)");
+    mpt__cuda_keep_error(c, cudaFree(ptr), "cudaFree");
+    c->used[c->allocations[i].category] -= (int64_t)c->allocations[i].bytes;
+    c->allocations[i] = c->allocations[--c->allocation_count];
+}
+
+/* Pinned host memory: upload_async copies from it while the host goes on. */
+static mpt_status mpt__cuda_alloc_host(void *impl, size_t bytes, void **out) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    *out = NULL;
+    if (bytes == 0) return MPT_OK;
+    mpt_status s = mpt__cuda_not_capturing(c, "alloc_host");
+    if (s != MPT_OK) return s;
+    MPT__CU(c, cudaSetDevice(c->device));
+    cudaError_t e = cudaMallocHost(out, bytes);
+    if (e == cudaSuccess) return MPT_OK;
+    *out = NULL;
+    (void)cudaGetLastError();
+    char want[32];
+    return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                          "cudaMallocHost of %s (%llu bytes) of pinned host memory: %s",
+                          mpt__cuda_bytes_text(want, sizeof want, (double)bytes),
+                          (unsigned long long)bytes, cudaGetErrorString(e));
+}
+
+static void mpt__cuda_free_host(void *impl, void *ptr) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (!ptr) return;
+    if (c->capturing) { /* as in free: not freed, reported by capture_end */
+        mpt__cuda_keep_error(c, cudaErrorStreamCaptureUnsupported, "free_host while capturing");
+        return;
+    }
+    mpt__cuda_keep_error(c, cudaFreeHost(ptr), "cudaFreeHost");
+}
+
+/* Synchronous: returns once host_src may be reused (it may be pageable). */
+static mpt_status mpt__cuda_upload(void *impl, void *dst, const void *host_src, size_t bytes) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (bytes == 0) return MPT_OK;
+    mpt_status s = mpt__cuda_not_capturing(c, "upload");
+    if (s != MPT_OK) return s;
+    MPT__CU(c, cudaSetDevice(c->device));
+    MPT__CU(c, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c->stream));
+    MPT__CU(c, cudaStreamSynchronize(c->stream));
+    return MPT_OK;
+}
+
+/* Waits for everything queued before it, so it also reports a failed
+   launch, as sync does: the bytes would not mean anything otherwise. */
+static mpt_status mpt__cuda_download(void *impl, void *host_dst, const void *src, size_t bytes) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (bytes == 0) return MPT_OK;
+    mpt_status s = mpt__cuda_not_capturing(c, "download");
+    if (s != MPT_OK) return s;
+    MPT__CU(c, cudaSetDevice(c->device));
+    MPT__CU(c, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+    MPT__CU(c, cudaStreamSynchronize(c->stream));
+    return mpt__cuda_take_pending(c);
+}
+
+/* A copy on the second stream, overlapping with compute queued after it.
+   It is ordered after every compute call queued before it (the copy
+   stream waits on a mark recorded on the compute stream), so it never
+   overwrites a buffer an earlier kernel still reads. Not while capturing:
+   the copy would not be part of the graph. */
+static void mpt__cuda_upload_async(void *impl, void *dst, const void *host_src, size_t bytes) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (bytes == 0) return;
+    if (c->capturing) {
+        mpt__cuda_keep_error(c, cudaErrorStreamCaptureUnsupported, "upload_async while capturing");
+        return;
+    }
+    mpt__cuda_keep_error(c, cudaEventRecord(c->compute_mark, c->stream), "upload_async");
+    mpt__cuda_keep_error(c, cudaStreamWaitEvent(c->copy_stream, c->compute_mark, 0),
+                         "upload_async");
+    mpt__cuda_keep_error(c, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice,
+                                            c->copy_stream),
+                         "upload_async");
+    mpt__cuda_keep_error(c, cudaEventRecord(c->copy_done, c->copy_stream), "upload_async");
+}
+
+/* Compute queued after this waits for the last upload_async. Inside a
+   capture the wait becomes an event-wait node of the graph, so that each
+   replay waits for the upload_async issued before it. */
+static void mpt__cuda_upload_wait(void *impl) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    unsigned flags = c->capturing ? cudaEventWaitExternal : cudaEventWaitDefault;
+    mpt__cuda_keep_error(c, cudaStreamWaitEvent(c->stream, c->copy_done, flags), "upload_wait");
+}
+
+/* The host waits until the last upload_async has read its host buffer. */
+static mpt_status mpt__cuda_upload_done(void *impl) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    MPT__CU(c, cudaEventSynchronize(c->copy_done));
+    return MPT_OK;
+}
+
+static void mpt__cuda_copy(void *impl, void *dst, const void *src, size_t bytes) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (bytes == 0) return;
+    mpt__cuda_keep_error(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream),
+                         "copy (cudaMemcpyAsync)");
+}
+
+static void mpt__cuda_zero(void *impl, void *dst, size_t bytes) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (bytes == 0) return;
+    mpt__cuda_keep_error(c, cudaMemsetAsync(dst, 0, bytes, c->stream), "zero (cudaMemsetAsync)");
+}
+
+/* Waits for the stream, then reports the first failed launch since the
+   last report, by the kernel's name. */
+static mpt_status mpt__cuda_sync(void *impl) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt_status s = mpt__cuda_not_capturing(c, "sync");
+    if (s != MPT_OK) return s;
+    MPT__CU(c, cudaSetDevice(c->device));
+    MPT__CU(c, cudaStreamSynchronize(c->stream));
+    return mpt__cuda_take_pending(c);
+}
+
+static const char *mpt__cuda_error(void *impl) {
+    return ((mpt__cuda *)impl)->error;
+}
+
+/* ---- graphs: a training step recorded once, replayed every step --------------------------
+
+   capture_begin..capture_end records what the compute calls queue on the
+   stream instead of running it (thread-local mode: this thread may not
+   allocate, free or synchronise meanwhile, which the not-capturing checks
+   above turn into errors). upload_async must not be called inside. */
+
+static mpt_status mpt__cuda_capture_begin(void *impl) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt_status s = mpt__cuda_not_capturing(c, "capture_begin");
+    if (s != MPT_OK) return s;
+    s = mpt__cuda_take_pending(c); /* an earlier failure is not the graph's */
+    if (s != MPT_OK) return s;
+    MPT__CU(c, cudaSetDevice(c->device));
+    MPT__CU(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    c->capturing = 1;
+    return MPT_OK;
+}
+
+/* Ends the capture (whatever fails, the stream is no longer capturing),
+   and returns the instantiated graph (cudaGraphExec_t) as *graph. */
+static mpt_status mpt__cuda_capture_end(void *impl, void **graph) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    cudaGraph_t recorded = NULL;
+    cudaGraphExec_t exec = NULL;
+    *graph = NULL;
+    if (!c->capturing)
+        return mpt__cuda_fail(c, MPT_ERR_STATE, __FILE__, __LINE__,
+                              "capture_end: no capture_begin before it");
+    cudaError_t e = cudaStreamEndCapture(c->stream, &recorded);
+    c->capturing = 0;
+    /* A launch that failed while recording invalidates the capture; its
+       name says more than "capture invalidated". */
+    if (c->pending != cudaSuccess || e != cudaSuccess) {
+        if (recorded) cudaGraphDestroy(recorded);
+        (void)cudaGetLastError();
+        if (c->pending != cudaSuccess) return mpt__cuda_take_pending(c);
+        return mpt__cuda_call_failed(c, e, "cudaStreamEndCapture", __LINE__);
+    }
+    e = cudaGraphInstantiate(&exec, recorded, 0);
+    cudaGraphDestroy(recorded); /* the executable graph keeps its own copy */
+    if (e != cudaSuccess) return mpt__cuda_call_failed(c, e, "cudaGraphInstantiate", __LINE__);
+    *graph = (void *)exec;
+    return MPT_OK;
+}
+
+static mpt_status mpt__cuda_replay(void *impl, void *graph) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (!graph)
+        return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "replay: no graph (NULL)");
+    MPT__CU(c, cudaSetDevice(c->device));
+    MPT__CU(c, cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    return MPT_OK;
+}
+
+/* A graph still running is freed when it finishes. */
+static void mpt__cuda_graph_free(void *impl, void *graph) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (graph) mpt__cuda_keep_error(c, cudaGraphExecDestroy((cudaGraphExec_t)graph), "graph_free");
+}
+
+/* ---- creation and destruction ------------------------------------------------------------ */
+
+/* Frees what mpt__cuda_open created, the live allocations and c itself
+   (the GEMM and training parts are torn down before). */
+static void mpt__cuda_release(mpt__cuda *c) {
+    for (int i = 0; i < c->allocation_count; i++) cudaFree(c->allocations[i].ptr);
+    free(c->allocations);
+    if (c->compute_mark) cudaEventDestroy(c->compute_mark);
+    if (c->copy_done) cudaEventDestroy(c->copy_done);
+    if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
+    if (c->stream) cudaStreamDestroy(c->stream);
+    (void)cudaGetLastError();
+    free(c);
+}
+
+static void mpt__cuda_destroy(void *impl) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (!c) return;
+    cudaSetDevice(c->device);
+    if (c->capturing) { /* abandoned mid-capture: end it, drop the graph */
+        cudaGraph_t recorded = NULL;
+        if (cudaStreamEndCapture(c->stream, &recorded) == cudaSuccess && recorded)
+            cudaGraphDestroy(recorded);
+        c->capturing = 0;
+    }
+    cudaStreamSynchronize(c->stream);
+    cudaStreamSynchronize(c->copy_stream);
+    mpt__cuda_train_destroy(c);
+    mpt__cuda_gemm_destroy(c);
+    mpt__cuda_release(c);
+}
+
+/* Formats a message into the caller's buffer (which may be absent). */
+static void mpt__cuda_say(char *message, size_t size, const char *fmt, ...) {
+    va_list ap;
+    if (!message || size == 0) return;
+    va_start(ap, fmt);
+    vsnprintf(message, size, fmt, ap);
+    va_end(ap);
+}
+
+/* Checks that desc->cuda_device exists and has bfloat16 tensor cores,
+   makes it current and reads its properties. */
+static mpt_status mpt__cuda_find_device(const mpt_context_desc *desc, cudaDeviceProp *prop,
+                                        char *message, size_t size) {
+    int count = 0, dev = desc->cuda_device;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+        (void)cudaGetLastError();
+        mpt__cuda_say(message, size, "no CUDA device (%s)",
+                      e != cudaSuccess ? cudaGetErrorString(e) : "the driver reports none");
+        return MPT_ERR_UNSUPPORTED;
+    }
+    if (dev < 0 || dev >= count) {
+        mpt__cuda_say(message, size, "cuda_device %d does not exist: %d CUDA device%s (0..%d)",
+                      dev, count, count == 1 ? "" : "s", count - 1);
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    if ((e = cudaSetDevice(dev)) != cudaSuccess ||
+        (e = cudaGetDeviceProperties(prop, dev)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mpt__cuda_say(message, size, "CUDA device %d cannot be used (%s)", dev,
+                      cudaGetErrorString(e));
+        return MPT_ERR_UNSUPPORTED;
+    }
+    if (prop->major < 8) {
+        mpt__cuda_say(message, size,
+                      "CUDA device %d (%s) has compute capability %d.%d; the CUDA backend "
+                      "needs 8.0 or newer (bfloat16 tensor cores)",
+                      dev, prop->name, prop->major, prop->minor);
+        return MPT_ERR_UNSUPPORTED;
+    }
+    return MPT_OK;
+}
+
+/* desc->gemm, unless $MPT_GEMM names another engine. */
+static mpt_status mpt__cuda_choose_gemm(const mpt_context_desc *desc, mpt_gemm_engine *engine,
+                                        char *message, size_t size) {
+    const char *env = getenv("MPT_GEMM");
+    if (desc->gemm != MPT_GEMM_AUTO && desc->gemm != MPT_GEMM_MPT &&
+        desc->gemm != MPT_GEMM_CUBLASLT) {
+        mpt__cuda_say(message, size, "unknown gemm engine %d in the context descriptor",
+                      (int)desc->gemm);
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    *engine = desc->gemm;
+    if (!env || !*env) return MPT_OK;
+    if (strcmp(env, "mpt") == 0) *engine = MPT_GEMM_MPT;
+    else if (strcmp(env, "cublaslt") == 0) *engine = MPT_GEMM_CUBLASLT;
+    else if (strcmp(env, "auto") == 0) *engine = MPT_GEMM_AUTO;
+    else {
+        mpt__cuda_say(message, size, "MPT_GEMM=\"%s\": expected \"mpt\", \"cublaslt\" or \"auto\"",
+                      env);
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    return MPT_OK;
+}
+
+/* The state, its two streams (neither synchronises with the legacy
+   default stream) and its two events; on failure, why not in *message. */
+static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceProp *prop,
+                                 mpt_gemm_engine engine, mpt__cuda **out, char *message,
+                                 size_t size) {
+    mpt__cuda *c = (mpt__cuda *)calloc(1, sizeof(mpt__cuda));
+    cudaError_t e;
+    *out = NULL;
+    if (!c) {
+        mpt__cuda_say(message, size, "no host memory for the CUDA backend's state");
+        return MPT_ERR_OUT_OF_MEMORY;
+    }
+    c->device = desc->cuda_device;
+    c->sm_count = prop->multiProcessorCount;
+    c->gemm_engine = engine;
+    c->limit = desc->device_memory_limit;
+    if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&c->compute_mark, cudaEventDisableTiming)) != cudaSuccess) {
+        mpt_status s = mpt__cuda_call_failed(c, e, "creating the streams and events", __LINE__);
+        mpt__cuda_say(message, size, "CUDA device %d: %s", c->device, c->error);
+        mpt__cuda_release(c);
+        return s;
+    }
+    *out = c;
+    return MPT_OK;
+}
+
+static const mpt_backend mpt__cuda_backend = {
+    /* name */ "cuda",
+    /* gemm_rounds_c */ 1,
+    /* can_capture */ 1,
+    mpt__cuda_alloc,
+    mpt__cuda_free,
+    mpt__cuda_alloc_host,
+    mpt__cuda_free_host,
+    mpt__cuda_upload,
+    mpt__cuda_download,
+    mpt__cuda_upload_async,
+    mpt__cuda_upload_wait,
+    mpt__cuda_upload_done,
+    mpt__cuda_copy,
+    mpt__cuda_zero,
+    mpt__cuda_sync,
+    mpt__cuda_error,
+    mpt__cuda_destroy,
+    mpt__cuda_capture_begin,
+    mpt__cuda_capture_end,
+    mpt__cuda_replay,
+    mpt__cuda_graph_free,
+    mpt__cuda_gemm,
+    mpt__cuda_gemm_plan,
+    mpt__cuda_convert,
+    mpt__cuda_activation,
+    mpt__cuda_activation_grad,
+    mpt__cuda_column_sums,
+    mpt__cuda_im2col,
+    mpt__cuda_col2im,
+    mpt__cuda_pool_forward,
+    mpt__cuda_pool_backward,
+    mpt__cuda_pool_workspace,
+    mpt__cuda_batchnorm_forward,
+    mpt__cuda_batchnorm_backward,
+    mpt__cuda_batchnorm_commit,
+    mpt__cuda_batchnorm_workspace,
+    mpt__cuda_dropout,
+    mpt__cuda_loss,
+    mpt__cuda_grad_stats,
+    mpt__cuda_update,
+    mpt__cuda_loss_scale_update,
+};
+
+/* Takes desc->cuda_device. On success *message holds one line about the
+   device for the log; on failure, why not (MPT_ERR_UNSUPPORTED: no usable
+   device, the caller may fall back to the CPU). */
+mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backend **table,
+                                   void **impl, char *message, size_t message_size) {
+    static const mpt_context_desc defaults = {};
+    cudaDeviceProp prop;
+    mpt_gemm_engine engine = MPT_GEMM_AUTO;
+    mpt__cuda *c = NULL;
+    mpt_status s;
+    mpt__cuda_say(message, message_size, "%s", "");
+    if (!table || !impl) {
+        mpt__cuda_say(message, message_size, "mpt_cuda_backend_create: table or impl is NULL");
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    *table = NULL;
+    *impl = NULL;
+    if (!desc) desc = &defaults;
+    if (desc->device_memory_limit < 0) {
+        mpt__cuda_say(message, message_size, "device_memory_limit %lld is negative",
+                      (long long)desc->device_memory_limit);
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    if ((s = mpt__cuda_find_device(desc, &prop, message, message_size)) != MPT_OK) return s;
+    if ((s = mpt__cuda_choose_gemm(desc, &engine, message, message_size)) != MPT_OK) return s;
+    if ((s = mpt__cuda_open(desc, &prop, engine, &c, message, message_size)) != MPT_OK)
+        return s;
+    if ((s = mpt__cuda_gemm_init(c)) != MPT_OK) {
+        mpt__cuda_say(message, message_size, "%s", c->error);
+        mpt__cuda_release(c);
+        return s;
+    }
+    if ((s = mpt__cuda_train_init(c)) != MPT_OK) {
+        mpt__cuda_say(message, message_size, "%s", c->error);
+        mpt__cuda_gemm_destroy(c);
+        mpt__cuda_release(c);
+        return s;
+    }
+    mpt__cuda_say(message, message_size, "CUDA device %d: %s (sm_%d%d, %d SMs, %.1f GiB)",
+                  c->device, prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+                  (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));
+    *table = &mpt__cuda_backend;
+    *impl = c;
+    return MPT_OK;
+}

@@ -1271,9 +1271,10 @@ static int mpt__detect_cpu(void) {
     {
         /* F16C: CPUID leaf 1, ECX bit 29 (needs the OS to save AVX state,
            which avx2 above already implies where it is set). */
-        unsigned a, b, c, d;
-        __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
-        if ((c >> 29) & 1u && (f & MPT_CPU_AVX2)) f |= MPT_CPU_F16C;
+        unsigned r[4]; /* eax, ebx, ecx, edx */
+        __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                             : "a"(1), "c"(0));
+        if ((r[2] >> 29) & 1u && (f & MPT_CPU_AVX2)) f |= MPT_CPU_F16C;
     }
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -2750,13 +2751,11 @@ static void mpt__gemm_plan_tasks(mpt__gemm_job *job, int threads) {
     else fmas *= d->k;
     if (fmas < MPT__GEMM_SERIAL_FMAS || threads <= 1) target = 1;
     for (tm = 1; tm <= target; tm++) {
-        int64_t tn = target / tm, rows, cols, nblocks;
+        int64_t tn = target / tm, cols, nblocks;
         double cost;
         if (target % tm || tm > units_m || tn > units_n) continue;
-        rows = (units_m + tm - 1) / tm;
         cols = ((units_n + tn - 1) / tn) * job->nr;
         nblocks = (cols + job->nc - 1) / job->nc;
-        (void)rows;
         cost = (double)d->m * (double)d->k * (double)(tn * nblocks) +
                (double)d->n * (double)d->k * (double)tm; /* elements packed */
         if (best < 0 || cost < best) {

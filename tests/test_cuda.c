@@ -1,0 +1,1902 @@
+/* The CUDA backend (mpt_cuda.cu) against the CPU backend: every function of
+   the mpt_backend table run on both with the same fresh random inputs, and
+   whole models trained on the GPU (CUDA graphs on and off, Fashion-MNIST
+   accuracy, running out of device memory, run-to-run determinism).
+
+   Two builds:
+       gcc  -std=c99 -I. tests/test_cuda.c -o test_cuda -lpthread -lm -lz
+           no MPT_CUDA: every context trains on the CPU; one SKIP.
+       nvcc -x cu -DMPT_CUDA -I. tests/test_cuda.c mpt_cuda.cu -o test_cuda \
+            -lcublasLt -lcublas -lz
+           with a device: the comparisons below. Without one, the context
+           falls back to the CPU: that fallback (a warning, and a model that
+           still trains) is checked, and the comparisons are one SKIP.
+   So this file is C99 and C++17 at once (nvcc compiles it as C++).
+
+   METHOD. Each output buffer is poisoned (every byte 0xFF: a NaN in each
+   float dtype) before the function runs on each backend, so an element a
+   backend forgets to write compares as NaN and fails. Inputs go in with
+   table->upload and results come out with table->download.
+
+   TOLERANCES (relative norm error ‖gpu − cpu‖ / ‖cpu‖, or exact):
+   - float32 results: ≤ 1e-5. Both backends compute the same formulas in
+     float32 (sums in a different but fixed order on the GPU, and CUDA's
+     expf/erff/tanhf within 2 ulps of glibc's), an error of a few 1e-7.
+   - GEMM with float16/bfloat16 operands or C: ≤ 1e-2 (tensor-core
+     accumulation order and, for a half C, one rounding of a float32 that
+     may differ in its last bits).
+   - other functions with a float16 result: ≤ 2^-10; bfloat16: ≤ 2^-7.
+     Both backends compute in float32 and round once to nearest even; when
+     the float32 values differ in their last bits, a rounding can go the
+     other way, by one ulp of the half dtype: at most 2^-10 (float16) or
+     2^-7 (bfloat16) of the value, so of the norm too.
+   - exact: convert (both round to nearest even, keep NaN payloads as the
+     header says), im2col (a copy), max pooling forward (values and
+     argmax), dropout (the same Philox mask), the loss's sample, correct
+     and top-k counts, and loss_scale_update (a few float multiplications
+     by powers of two and integer counters).
+   - the optimizer's Σ g² in double: ≤ 1e-12 (each g² is exact in double;
+     only the order of the additions differs). */
+#define _POSIX_C_SOURCE 200809L
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+#include "helpers.h"
+
+#include <unistd.h>
+
+/* ---- the backends under test --------------------------------------------------- */
+
+#define MAX_BUFS 64
+
+/* One context and its table, with the buffers a case allocated there. */
+typedef struct backend {
+    const char *label;
+    mpt_context *ctx;
+    const mpt_backend *t;
+    void *impl;
+    void *bufs[MAX_BUFS];
+    int n_bufs;
+} backend;
+
+enum { GPU_AUTO = 0, GPU_MPT = 1, GPU_CUBLASLT = 2, N_GPU = 3 };
+
+static backend cpu_be;        /* the reference: a context with use_cpu        */
+static backend gpu_be[N_GPU]; /* CUDA contexts, one per GEMM engine           */
+
+static const mpt_dtype float_dtypes[3] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+
+/* The harness has no way to stop a test half-way; a backend that cannot
+   even allocate a test buffer ends the program, counted as a failure. */
+static void fatal(const char *what, const backend *b) {
+    printf("FAIL %s on %s: %s\n", what, b->label, b->t->error(b->impl));
+    printf("# test_cuda: stopped\n");
+    fflush(stdout);
+    exit(1);
+}
+
+static void *be_alloc(backend *b, size_t bytes) {
+    void *p = NULL;
+    if (b->n_bufs == MAX_BUFS) fatal("too many test buffers", b);
+    if (b->t->alloc(b->impl, MPT_MEMORY_WORKSPACE, bytes < 64 ? 64 : bytes, &p) != MPT_OK || !p)
+        fatal("allocating a test buffer", b);
+    b->bufs[b->n_bufs++] = p;
+    return p;
+}
+
+/* Frees every buffer of the case. */
+static void be_release(backend *b) {
+    while (b->n_bufs > 0) {
+        b->n_bufs--;
+        b->t->free(b->impl, MPT_MEMORY_WORKSPACE, b->bufs[b->n_bufs]);
+    }
+}
+
+static void be_put(backend *b, void *dst, const void *host, size_t bytes) {
+    mpt_status s;
+    if (bytes == 0) return;
+    s = b->t->upload(b->impl, dst, host, bytes);
+    CHECK(s == MPT_OK, "upload of %zu bytes to %s: %s", bytes, b->label, b->t->error(b->impl));
+}
+
+static void *be_upload(backend *b, const void *host, size_t bytes) {
+    void *p = be_alloc(b, bytes);
+    be_put(b, p, host, bytes);
+    return p;
+}
+
+/* Fills a buffer with 0xFF bytes: NaN in float32, float16 and bfloat16. */
+static void be_poison(backend *b, void *dst, size_t bytes) {
+    unsigned char *host;
+    if (bytes == 0) return;
+    host = (unsigned char *)malloc(bytes);
+    memset(host, 0xFF, bytes);
+    be_put(b, dst, host, bytes);
+    free(host);
+}
+
+static void *be_poisoned(backend *b, size_t bytes) {
+    void *p = be_alloc(b, bytes);
+    be_poison(b, p, bytes);
+    return p;
+}
+
+/* Waits for the queued work; a failed kernel shows here. */
+static int be_sync(backend *b, const char *what) {
+    mpt_status s = b->t->sync(b->impl);
+    CHECK(s == MPT_OK, "%s on %s: %s: %s", what, b->label, mpt_status_string(s),
+          b->t->error(b->impl));
+    return s == MPT_OK;
+}
+
+/* A malloc'ed host copy of `bytes` of backend memory (after a sync). */
+static void *be_fetch(backend *b, const void *src, size_t bytes, const char *what) {
+    void *host = malloc(bytes ? bytes : 1);
+    mpt_status s;
+    memset(host, 0xFF, bytes);
+    be_sync(b, what);
+    if (bytes == 0) return host;
+    s = b->t->download(b->impl, host, src, bytes);
+    CHECK(s == MPT_OK, "%s: download from %s: %s", what, b->label, b->t->error(b->impl));
+    return host;
+}
+
+static int open_backend(backend *b, const char *label, int use_cpu, mpt_gemm_engine gemm) {
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    memset(b, 0, sizeof *b);
+    d.use_cpu = use_cpu;
+    d.gemm = gemm;
+    d.logger.fn = quiet_logger; /* failures are read from the table's error() */
+    b->label = label;
+    if (mpt_context_create(&d, &b->ctx) != MPT_OK) return 0;
+    b->t = mpt_context_backend(b->ctx, &b->impl);
+    return b->t != NULL;
+}
+
+static void close_backend(backend *b) {
+    if (b->t) be_release(b);
+    mpt_context_destroy(b->ctx);
+    memset(b, 0, sizeof *b);
+}
+
+/* ---- host values in any dtype ------------------------------------------------------ */
+
+static double load_value(mpt_dtype dt, const void *p, int64_t i) {
+    switch (dt) {
+    case MPT_FLOAT16: return mpt_half_to_float(((const mpt_half *)p)[i]);
+    case MPT_BFLOAT16: return mpt_bf16_to_float(((const mpt_bf16 *)p)[i]);
+    case MPT_INT32: return ((const int32_t *)p)[i];
+    default: return ((const float *)p)[i];
+    }
+}
+
+static void store_value(mpt_dtype dt, void *p, int64_t i, double v) {
+    switch (dt) {
+    case MPT_FLOAT16: ((mpt_half *)p)[i] = mpt_float_to_half((float)v); break;
+    case MPT_BFLOAT16: ((mpt_bf16 *)p)[i] = mpt_float_to_bf16((float)v); break;
+    case MPT_INT32: ((int32_t *)p)[i] = (int32_t)v; break;
+    default: ((float *)p)[i] = (float)v; break;
+    }
+}
+
+static size_t nbytes(mpt_dtype dt, int64_t n) { return (size_t)n * mpt_dtype_size(dt); }
+
+/* n values uniform in [lo, hi), rounded to dtype (malloc'ed). */
+static void *random_values(mpt_dtype dt, int64_t n, double lo, double hi) {
+    void *p = malloc(nbytes(dt, n > 0 ? n : 1));
+    int64_t i;
+    for (i = 0; i < n; i++) store_value(dt, p, i, test_uniform(lo, hi));
+    return p;
+}
+
+/* ‖a − b‖ / ‖b‖ over n elements of two buffers. Equal values (the same
+   infinity, or NaN in both: an overflow both backends saw) count as no
+   error; a NaN or infinity in one only gives NaN, a failure. */
+static double rel_error(mpt_dtype dta, const void *a, mpt_dtype dtb, const void *b, int64_t n) {
+    double num = 0, den = 0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        double x = load_value(dta, a, i), y = load_value(dtb, b, i);
+        if (x == y || (x != x && y != y)) {
+            if (isfinite(y)) den += y * y;
+            continue;
+        }
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    if (num != num) return NAN;
+    return sqrt(num) / (sqrt(den) > 1e-30 ? sqrt(den) : 1e-30);
+}
+
+/* The tolerance of a non-GEMM result in dtype (see the top of the file). */
+static double tolerance(mpt_dtype dt) {
+    if (dt == MPT_FLOAT16) return 1.0 / 1024;  /* 2^-10 */
+    if (dt == MPT_BFLOAT16) return 1.0 / 128;  /* 2^-7  */
+    return 1e-5;
+}
+
+/* The first index where two buffers differ in their bytes, or -1. */
+static int64_t first_difference(const void *a, const void *b, int64_t n, size_t elem) {
+    int64_t i;
+    for (i = 0; i < n; i++)
+        if (memcmp((const char *)a + (size_t)i * elem, (const char *)b + (size_t)i * elem, elem))
+            return i;
+    return -1;
+}
+
+/* Elements of float32 arrays whose bits differ, and the largest distance in ulps. */
+static int64_t bit_differences(const float *a, const float *b, int64_t n, int64_t *max_ulps) {
+    int64_t i, count = 0;
+    *max_ulps = 0;
+    for (i = 0; i < n; i++) {
+        int32_t x, y;
+        int64_t d;
+        memcpy(&x, a + i, 4);
+        memcpy(&y, b + i, 4);
+        if (x == y) continue;
+        count++;
+        if (x < 0) x = (int32_t)(0x80000000u - (uint32_t)x); /* sign-magnitude -> ordered */
+        if (y < 0) y = (int32_t)(0x80000000u - (uint32_t)y);
+        d = (int64_t)x - (int64_t)y;
+        if (d < 0) d = -d;
+        if (d > *max_ulps) *max_ulps = d;
+    }
+    return count;
+}
+
+/* ---- the GEMM, with each engine --------------------------------------------------- */
+
+typedef struct gemm_case {
+    int64_t m, n, k;
+    int ta, tb;
+    mpt_dtype ab, c_dtype;
+    int64_t pad;             /* extra elements at the end of every row of A, B, C */
+    float alpha, beta;
+    int alpha_is_zero, bias;
+    mpt_activation act;
+} gemm_case;
+
+static void describe_gemm(char *buf, size_t size, const gemm_case *g) {
+    snprintf(buf, size, "%lldx%lldx%lld %c%c %s->%s pad %lld alpha %g%s beta %g bias %d %s",
+             (long long)g->m, (long long)g->n, (long long)g->k, g->ta ? 't' : 'n',
+             g->tb ? 't' : 'n', mpt_dtype_name(g->ab), mpt_dtype_name(g->c_dtype),
+             (long long)g->pad, (double)g->alpha, g->alpha_is_zero ? " (is zero)" : "",
+             (double)g->beta, g->bias, mpt_activation_name(g->act));
+}
+
+/* The host inputs of a case. */
+typedef struct gemm_inputs {
+    void *a, *b;
+    float *c0, *bias;
+    int64_t lda, ldb, ldc, a_rows, b_rows;
+} gemm_inputs;
+
+static gemm_inputs gemm_make_inputs(const gemm_case *g) {
+    gemm_inputs in;
+    int64_t ac = g->ta ? g->m : g->k, bc = g->tb ? g->k : g->n;
+    in.a_rows = g->ta ? g->k : g->m;
+    in.b_rows = g->tb ? g->n : g->k;
+    in.lda = (ac > 0 ? ac : 1) + g->pad;
+    in.ldb = (bc > 0 ? bc : 1) + g->pad;
+    in.ldc = g->n + g->pad;
+    in.a = random_values(g->ab, in.a_rows * in.lda, -1, 1);
+    in.b = random_values(g->ab, in.b_rows * in.ldb, -1, 1);
+    in.c0 = (float *)random_values(MPT_FLOAT32, g->m * in.ldc, -1, 1);
+    in.bias = (float *)random_values(MPT_FLOAT32, g->n, -1, 1);
+    return in;
+}
+
+static void gemm_free_inputs(gemm_inputs *in) {
+    free(in->a);
+    free(in->b);
+    free(in->c0);
+    free(in->bias);
+}
+
+/* Runs a case on a backend (gemm_plan first, as a model does); returns C
+   (m × ldc in c_dtype, malloc'ed). */
+static void *gemm_run(backend *be, const gemm_case *g, mpt_dtype c_dtype, const gemm_inputs *in) {
+    size_t c_bytes = nbytes(c_dtype, g->m * in->ldc);
+    mpt_gemm_desc d;
+    void *c;
+    memset(&d, 0, sizeof d);
+    d.trans_a = g->ta;
+    d.trans_b = g->tb;
+    d.m = g->m;
+    d.n = g->n;
+    d.k = g->k;
+    d.ab_dtype = g->ab;
+    d.a = be_upload(be, in->a, nbytes(g->ab, in->a_rows * in->lda));
+    d.lda = in->lda;
+    d.b = be_upload(be, in->b, nbytes(g->ab, in->b_rows * in->ldb));
+    d.ldb = in->ldb;
+    c = be_alloc(be, c_bytes);
+    d.c = (float *)c;
+    d.ldc = in->ldc;
+    d.alpha = g->alpha;
+    d.alpha_is_zero = g->alpha_is_zero;
+    d.beta = g->beta;
+    d.bias = g->bias ? (const float *)be_upload(be, in->bias, nbytes(MPT_FLOAT32, g->n)) : NULL;
+    d.activation = g->act;
+    if (be->t->gemm_plan) {
+        mpt_status s = be->t->gemm_plan(be->impl, &d, c_dtype);
+        CHECK(s == MPT_OK, "gemm_plan on %s: %s", be->label, be->t->error(be->impl));
+    }
+    /* after the plan, which may have run the product to time it */
+    if (g->beta != 0) be_put(be, c, in->c0, c_bytes);
+    else be_poison(be, c, c_bytes);
+    be->t->gemm(be->impl, &d, c_dtype);
+    c = be_fetch(be, c, c_bytes, "gemm");
+    be_release(be);
+    return c;
+}
+
+/* One case: the CPU in float32 against the GPU engine in the case's C dtype. */
+static void gemm_compare(backend *gpu, const gemm_case *g) {
+    gemm_inputs in = gemm_make_inputs(g);
+    void *ref = gemm_run(&cpu_be, g, MPT_FLOAT32, &in);
+    void *got = gemm_run(gpu, g, g->c_dtype, &in);
+    int64_t i, j, mn = g->m * g->n;
+    double *r = (double *)malloc(sizeof(double) * (size_t)(mn > 0 ? mn : 1));
+    double *o = (double *)malloc(sizeof(double) * (size_t)(mn > 0 ? mn : 1));
+    double err, tol = g->ab == MPT_FLOAT32 && g->c_dtype == MPT_FLOAT32 ? 1e-5 : 1e-2;
+    int padding_kept = 1;
+    char what[160];
+    for (i = 0; i < g->m; i++) {
+        for (j = 0; j < g->n; j++) {
+            r[i * g->n + j] = round_to(g->c_dtype, load_value(MPT_FLOAT32, ref, i * in.ldc + j));
+            o[i * g->n + j] = load_value(g->c_dtype, got, i * in.ldc + j);
+        }
+        for (j = g->n; j < in.ldc; j++) { /* C's padding is never written */
+            unsigned char poison[4] = {0xFF, 0xFF, 0xFF, 0xFF};
+            if (g->beta == 0 && memcmp((char *)got + nbytes(g->c_dtype, i * in.ldc + j), poison,
+                                       mpt_dtype_size(g->c_dtype)))
+                padding_kept = 0;
+        }
+    }
+    err = rel_err(o, r, mn);
+    describe_gemm(what, sizeof what, g);
+    CHECK(err <= tol, "gemm %s on %s: relative error %.3g > %g (CPU float32%s)", what,
+          gpu->label, err, tol, g->c_dtype == MPT_FLOAT32 ? "" : ", rounded");
+    CHECK(padding_kept, "gemm %s on %s wrote into C's padding columns", what, gpu->label);
+    free(r);
+    free(o);
+    free(ref);
+    free(got);
+    gemm_free_inputs(&in);
+}
+
+/* Sizes that are odd, aligned, one below and above a tile, and big. */
+static const int64_t gemm_sizes[8] = {1, 7, 33, 64, 127, 128, 255, 1000};
+
+/* Every engine: 24 shapes × 4 transposes × 3 operand dtypes, with the
+   epilogue, C dtype, alpha, beta and padding varied from case to case,
+   plus k = 0 and alpha_is_zero. */
+static void test_gemm_engine(backend *gpu) {
+    static const mpt_activation acts[7] = {MPT_ACT_NONE, MPT_ACT_NONE, MPT_ACT_RELU,
+                                           MPT_ACT_GELU, MPT_ACT_GELU, MPT_ACT_SIGMOID,
+                                           MPT_ACT_TANH};
+    static const int with_bias[7] = {0, 1, 1, 0, 1, 1, 0};
+    static const float alphas[3] = {0.0f, 0.5f, -2.0f};
+    int si, tr, di, cases = 0;
+    unsigned v = 0;
+    gemm_case g;
+    test__begin();
+    for (si = 0; si < 24; si++) {
+        int i = si % 8;
+        int64_t m = gemm_sizes[i], n = gemm_sizes[i], k = gemm_sizes[i];
+        if (si >= 8 && si < 16) {
+            n = gemm_sizes[(i + 3) % 8];
+            k = gemm_sizes[(i + 5) % 8];
+        } else if (si >= 16) {
+            m = gemm_sizes[(i + 6) % 8];
+            k = gemm_sizes[(i + 1) % 8];
+        }
+        for (tr = 0; tr < 4; tr++)
+            for (di = 0; di < 3; di++, v++) {
+                memset(&g, 0, sizeof g);
+                g.m = m;
+                g.n = n;
+                g.k = k;
+                g.ta = tr & 1;
+                g.tb = tr >> 1;
+                g.ab = float_dtypes[di];
+                g.act = acts[v % 7];
+                g.bias = with_bias[v % 7];
+                g.alpha = alphas[v % 3];
+                g.c_dtype = gpu->t->gemm_rounds_c ? float_dtypes[(v / 7) % 3] : MPT_FLOAT32;
+                g.beta = g.c_dtype == MPT_FLOAT32 && v % 4 == 1 ? 0.75f : 0.0f;
+                g.pad = v % 5 == 2 ? 3 : 0;
+                gemm_compare(gpu, &g);
+                cases++;
+            }
+    }
+    /* k = 0: C = beta·C, then the epilogue; A and B are not read */
+    memset(&g, 0, sizeof g);
+    g.m = 7;
+    g.n = 33;
+    g.ab = MPT_FLOAT16;
+    g.c_dtype = MPT_FLOAT32;
+    g.beta = 0.5f;
+    g.bias = 1;
+    g.act = MPT_ACT_RELU;
+    gemm_compare(gpu, &g);
+    /* alpha_is_zero */
+    g.m = 33;
+    g.n = 7;
+    g.k = 64;
+    g.ab = MPT_BFLOAT16;
+    g.alpha_is_zero = 1;
+    g.beta = 0.25f;
+    gemm_compare(gpu, &g);
+    test__end("gemm on %s against the CPU: %d cases (float32 <= 1e-5, halves <= 1e-2)",
+              gpu->label, cases + 2);
+}
+
+/* ---- column sums, convert ------------------------------------------------------------ */
+
+static void test_column_sums(void) {
+    static const int64_t shapes[6][2] = {{1, 1}, {7, 33}, {128, 10}, {1000, 127}, {4096, 64},
+                                         {33, 1000}};
+    int si, acc;
+    backend *gpu = &gpu_be[GPU_AUTO];
+    for (si = 0; si < 6; si++)
+        for (acc = 0; acc < 2; acc++) {
+            int64_t rows = shapes[si][0], cols = shapes[si][1];
+            float *dz = (float *)random_values(MPT_FLOAT32, rows * cols, -1, 1);
+            float *out0 = (float *)random_values(MPT_FLOAT32, cols, -1, 1);
+            void *res[2];
+            int w;
+            for (w = 0; w < 2; w++) {
+                backend *b = w ? gpu : &cpu_be;
+                const float *d = (const float *)be_upload(b, dz, nbytes(MPT_FLOAT32, rows * cols));
+                float *out = (float *)(acc ? be_upload(b, out0, nbytes(MPT_FLOAT32, cols))
+                                           : be_poisoned(b, nbytes(MPT_FLOAT32, cols)));
+                b->t->column_sums(b->impl, d, rows, cols, out, acc);
+                res[w] = be_fetch(b, out, nbytes(MPT_FLOAT32, cols), "column_sums");
+                be_release(b);
+            }
+            {
+                double err = rel_error(MPT_FLOAT32, res[1], MPT_FLOAT32, res[0], cols);
+                CHECK(err <= 1e-5, "column_sums %lldx%lld accumulate %d: relative error %.3g > 1e-5",
+                      (long long)rows, (long long)cols, acc, err);
+            }
+            free(res[0]);
+            free(res[1]);
+            free(dz);
+            free(out0);
+        }
+}
+
+/* Source values: random bits, so every class of float appears (NaNs with
+   payloads, infinities, subnormals, zeros, halfway cases); 16-bit sources
+   walk through all 65536 patterns. */
+static void *convert_source(mpt_dtype dt, int64_t n) {
+    void *p = malloc(nbytes(dt, n));
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        if (dt == MPT_FLOAT32) {
+            uint32_t bits = (uint32_t)test_next();
+            /* float16's range and below it, then halfway cases */
+            if (i % 4 == 1) bits = (bits & 0x807FFFFFu) | ((uint32_t)test_randint(100, 150) << 23);
+            if (i % 16 == 3) bits = (bits & 0xFFFF0000u) | 0x8000u; /* bfloat16 */
+            if (i % 16 == 5) /* float16, normal */
+                bits = (bits & 0x807FE000u) | ((uint32_t)test_randint(103, 142) << 23) | 0x1000u;
+            memcpy((float *)p + i, &bits, 4);
+        } else {
+            ((uint16_t *)p)[i] = (uint16_t)(i * 40503u + 7u); /* odd step: a permutation */
+        }
+    }
+    return p;
+}
+
+static void test_convert(void) {
+    static const int64_t counts[5] = {1, 7, 33, 1000, 65536 + 5};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int si, di, ci, off;
+    for (si = 0; si < 3; si++)
+        for (di = 0; di < 3; di++)
+            for (ci = 0; ci < 5; ci++)
+                for (off = 0; off < 2; off++) { /* off: both pointers one element in */
+                    mpt_dtype sd = float_dtypes[si], dd = float_dtypes[di];
+                    int64_t n = counts[ci], bad;
+                    void *src = convert_source(sd, n + off), *res[2];
+                    int w;
+                    for (w = 0; w < 2; w++) {
+                        backend *b = w ? gpu : &cpu_be;
+                        char *s = (char *)be_upload(b, src, nbytes(sd, n + off));
+                        char *d = (char *)be_poisoned(b, nbytes(dd, n + off));
+                        b->t->convert(b->impl, dd, d + nbytes(dd, off), sd, s + nbytes(sd, off), n);
+                        res[w] = be_fetch(b, d, nbytes(dd, n + off), "convert");
+                        be_release(b);
+                    }
+                    bad = first_difference(res[1], res[0], n + off, mpt_dtype_size(dd));
+                    if (bad >= 0) {
+                        uint32_t sb = 0, g = 0, c = 0;
+                        memcpy(&sb, (char *)src + nbytes(sd, bad), mpt_dtype_size(sd));
+                        memcpy(&g, (char *)res[1] + nbytes(dd, bad), mpt_dtype_size(dd));
+                        memcpy(&c, (char *)res[0] + nbytes(dd, bad), mpt_dtype_size(dd));
+                        CHECK(0, "convert %s->%s n %lld offset %d: element %lld (source bits "
+                                 "0x%x): GPU 0x%x, CPU 0x%x",
+                              mpt_dtype_name(sd), mpt_dtype_name(dd), (long long)n, off,
+                              (long long)bad - off, sb, g, c);
+                    }
+                    free(src);
+                    free(res[0]);
+                    free(res[1]);
+                }
+}
+
+/* ---- activations ---------------------------------------------------------------------- */
+
+static const int64_t act_shapes[5][2] = {{1, 1}, {7, 33}, {128, 10}, {33, 1000}, {255, 127}};
+
+static void test_activation(void) {
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int a, si;
+    for (a = 0; a < MPT_ACT_COUNT_; a++)
+        for (si = 0; si < 5; si++) {
+            int64_t rows = act_shapes[si][0], cols = act_shapes[si][1], n = rows * cols;
+            float *x = (float *)random_values(MPT_FLOAT32, n, -6, 6);
+            void *res[2];
+            double err;
+            int w;
+            for (w = 0; w < 2; w++) {
+                backend *b = w ? gpu : &cpu_be;
+                float *d = (float *)be_upload(b, x, nbytes(MPT_FLOAT32, n));
+                b->t->activation(b->impl, (mpt_activation)a, d, rows, cols);
+                res[w] = be_fetch(b, d, nbytes(MPT_FLOAT32, n), "activation");
+                be_release(b);
+            }
+            err = rel_error(MPT_FLOAT32, res[1], MPT_FLOAT32, res[0], n);
+            CHECK(err <= 1e-5, "activation %s %lldx%lld: relative error %.3g > 1e-5",
+                  mpt_activation_name((mpt_activation)a), (long long)rows, (long long)cols, err);
+            free(res[0]);
+            free(res[1]);
+            free(x);
+        }
+}
+
+/* dz from z, y = act(z) and dy, all in dtype; dz is float32 arithmetic on
+   the same inputs, so 1e-5 whatever the dtype. */
+static void test_activation_grad(void) {
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int a, si, di;
+    for (a = 0; a < MPT_ACT_COUNT_; a++)
+        for (di = 0; di < 3; di++)
+            for (si = 0; si < 5; si++) {
+                mpt_dtype dt = float_dtypes[di];
+                int64_t rows = act_shapes[si][0], cols = act_shapes[si][1], n = rows * cols, i;
+                void *z = random_values(dt, n, -4, 4), *dy = random_values(dt, n, -1, 1);
+                void *y = malloc(nbytes(dt, n)), *res[2];
+                double *t = (double *)malloc(sizeof(double) * (size_t)n), err;
+                int w;
+                for (i = 0; i < n; i++) t[i] = ref_act((mpt_activation)a, load_value(dt, z, i));
+                if (a == MPT_ACT_SOFTMAX) {
+                    for (i = 0; i < n; i++) t[i] = load_value(dt, z, i);
+                    ref_softmax_rows(t, rows, cols);
+                }
+                for (i = 0; i < n; i++) store_value(dt, y, i, t[i]);
+                for (w = 0; w < 2; w++) {
+                    backend *b = w ? gpu : &cpu_be;
+                    const void *dz_ = be_upload(b, z, nbytes(dt, n));
+                    const void *dy_ = be_upload(b, dy, nbytes(dt, n));
+                    const void *y_ = be_upload(b, y, nbytes(dt, n));
+                    float *out = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, n));
+                    float *tmp = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, n));
+                    b->t->activation_grad(b->impl, (mpt_activation)a, dt, dz_, y_, dy_, out, tmp,
+                                          rows, cols);
+                    res[w] = be_fetch(b, out, nbytes(MPT_FLOAT32, n), "activation_grad");
+                    be_release(b);
+                }
+                err = rel_error(MPT_FLOAT32, res[1], MPT_FLOAT32, res[0], n);
+                CHECK(err <= 1e-5, "activation_grad %s %s %lldx%lld: relative error %.3g > 1e-5",
+                      mpt_activation_name((mpt_activation)a), mpt_dtype_name(dt),
+                      (long long)rows, (long long)cols, err);
+                free(res[0]);
+                free(res[1]);
+                free(z);
+                free(dy);
+                free(y);
+                free(t);
+            }
+}
+
+/* ---- windows: im2col, col2im, pooling ---------------------------------------------------- */
+
+/* A window with TensorFlow's padding (same: out = ceil(in / stride), the
+   padding split with the extra pixel after). */
+static mpt_window make_window(int64_t h, int64_t w, int64_t c, int64_t k, int64_t s, int same) {
+    mpt_window g;
+    memset(&g, 0, sizeof g);
+    g.h = h;
+    g.w = w;
+    g.c = c;
+    g.kh = g.kw = k;
+    g.sh = g.sw = s;
+    if (same) {
+        int64_t ph, pw;
+        g.oh = (h + s - 1) / s;
+        g.ow = (w + s - 1) / s;
+        ph = (g.oh - 1) * s + k - h;
+        pw = (g.ow - 1) * s + k - w;
+        g.top = ph > 0 ? ph / 2 : 0;
+        g.left = pw > 0 ? pw / 2 : 0;
+    } else {
+        g.oh = (h - k) / s + 1;
+        g.ow = (w - k) / s + 1;
+    }
+    return g;
+}
+
+#define N_WINDOWS 7
+static mpt_window window_case(int i) {
+    switch (i) {
+    case 0: return make_window(28, 28, 1, 3, 1, 0);  /* the CNN's first conv */
+    case 1: return make_window(13, 11, 3, 3, 2, 1);
+    case 2: return make_window(7, 7, 5, 2, 2, 0);
+    case 3: return make_window(5, 6, 7, 3, 1, 1);
+    case 4: return make_window(12, 12, 32, 3, 1, 0);
+    case 5: return make_window(1, 1, 3, 1, 1, 0);
+    default: return make_window(4, 4, 2, 5, 3, 1);   /* window beyond the image */
+    }
+}
+
+static void describe_window(char *buf, size_t size, const mpt_window *g, int64_t n, mpt_dtype dt) {
+    snprintf(buf, size, "n %lld (%lld,%lld,%lld) window %lldx%lld stride %lld pad %lld,%lld -> %lldx%lld %s",
+             (long long)n, (long long)g->h, (long long)g->w, (long long)g->c, (long long)g->kh,
+             (long long)g->kw, (long long)g->sh, (long long)g->top, (long long)g->left,
+             (long long)g->oh, (long long)g->ow, mpt_dtype_name(dt));
+}
+
+static void test_im2col(void) {
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int wi, di, ni;
+    for (wi = 0; wi < N_WINDOWS; wi++)
+        for (di = 0; di < 3; di++)
+            for (ni = 1; ni <= 3; ni += 2) {
+                mpt_window g = window_case(wi);
+                mpt_dtype dt = float_dtypes[di];
+                int64_t n = ni, xn = n * g.h * g.w * g.c, cn = n * g.oh * g.ow * g.kh * g.kw * g.c;
+                void *x = random_values(dt, xn, -1, 1), *res[2];
+                char what[160];
+                int w;
+                for (w = 0; w < 2; w++) {
+                    backend *b = w ? gpu : &cpu_be;
+                    const void *xd = be_upload(b, x, nbytes(dt, xn));
+                    void *cols = be_poisoned(b, nbytes(dt, cn));
+                    b->t->im2col(b->impl, &g, dt, xd, n, cols);
+                    res[w] = be_fetch(b, cols, nbytes(dt, cn), "im2col");
+                    be_release(b);
+                }
+                describe_window(what, sizeof what, &g, n, dt);
+                CHECK(memcmp(res[0], res[1], nbytes(dt, cn)) == 0,
+                      "im2col %s: element %lld differs (exact)", what,
+                      (long long)first_difference(res[1], res[0], cn, mpt_dtype_size(dt)));
+                free(res[0]);
+                free(res[1]);
+                free(x);
+            }
+}
+
+static void test_col2im(void) {
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int wi, di, ni;
+    for (wi = 0; wi < N_WINDOWS; wi++)
+        for (di = 0; di < 3; di++)
+            for (ni = 1; ni <= 3; ni += 2) {
+                mpt_window g = window_case(wi);
+                mpt_dtype dt = float_dtypes[di];
+                int64_t n = ni, xn = n * g.h * g.w * g.c, cn = n * g.oh * g.ow * g.kh * g.kw * g.c;
+                float *dcols = (float *)random_values(MPT_FLOAT32, cn, -1, 1);
+                void *res[2];
+                char what[160];
+                double err;
+                int w;
+                for (w = 0; w < 2; w++) {
+                    backend *b = w ? gpu : &cpu_be;
+                    const float *dc = (const float *)be_upload(b, dcols, nbytes(MPT_FLOAT32, cn));
+                    float *dxf = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, xn));
+                    void *dx = be_poisoned(b, nbytes(dt, xn));
+                    b->t->col2im(b->impl, &g, dt, dc, n, dxf, dx);
+                    res[w] = be_fetch(b, dx, nbytes(dt, xn), "col2im");
+                    be_release(b);
+                }
+                describe_window(what, sizeof what, &g, n, dt);
+                err = rel_error(dt, res[1], dt, res[0], xn);
+                CHECK(err <= tolerance(dt), "col2im %s: relative error %.3g > %g", what, err,
+                      tolerance(dt));
+                free(res[0]);
+                free(res[1]);
+                free(dcols);
+            }
+}
+
+/* Pooling inputs: random, or (ties) drawn from four values so that windows
+   hold equal maxima (the first one wins), or with a NaN (it wins). */
+static void *pool_input(mpt_dtype dt, int64_t n, int variant) {
+    static const double few[4] = {-1, 0, 0.5, 1};
+    void *x = random_values(dt, n, -2, 2);
+    int64_t i;
+    if (variant == 1)
+        for (i = 0; i < n; i++) store_value(dt, x, i, few[test_randint(0, 3)]);
+    if (variant == 2) store_value(dt, x, n / 2, NAN);
+    return x;
+}
+
+static void test_pool(void) {
+    static const mpt_window windows[6] = {
+        {8, 8, 3, 2, 2, 2, 2, 0, 0, 4, 4},       /* the CNN's pooling, small  */
+        {7, 9, 5, 3, 3, 2, 2, 1, 1, 4, 5},       /* same padding              */
+        {5, 5, 16, 3, 3, 1, 1, 1, 1, 5, 5},      /* overlapping windows       */
+        {24, 24, 32, 2, 2, 2, 2, 0, 0, 12, 12},  /* the CNN's first pooling   */
+        {1, 1, 7, 1, 1, 1, 1, 0, 0, 1, 1},
+        {6, 6, 1, 6, 6, 1, 1, 0, 0, 1, 1}};      /* one window: global        */
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int wi, di, ni, kind, variant;
+    for (kind = 0; kind < 2; kind++)
+        for (wi = 0; wi < 6; wi++)
+            for (di = 0; di < 3; di++)
+                for (ni = 1; ni <= 5; ni += 4)
+                    for (variant = 0; variant < 3; variant++) {
+                        const mpt_window *g = &windows[wi];
+                        mpt_dtype dt = float_dtypes[di];
+                        mpt_pool_kind pk = (mpt_pool_kind)kind;
+                        int64_t n = ni, xn = n * g->h * g->w * g->c, yn = n * g->oh * g->ow * g->c;
+                        void *x = pool_input(dt, xn, variant), *dy = random_values(dt, yn, -1, 1);
+                        void *y[2], *am[2], *dx[2];
+                        int32_t *argmax_host = NULL;
+                        char what[200];
+                        int w;
+                        if (variant == 2 && pk == MPT_POOL_AVERAGE) {
+                            free(x);
+                            free(dy);
+                            continue;
+                        }
+                        for (w = 0; w < 2; w++) {
+                            backend *b = w ? gpu : &cpu_be;
+                            int64_t wsb = b->t->pool_workspace(b->impl, g, n);
+                            void *ws = be_poisoned(b, (size_t)(wsb > 0 ? wsb : 0));
+                            const void *xd = be_upload(b, x, nbytes(dt, xn));
+                            void *yd = be_poisoned(b, nbytes(dt, yn));
+                            int32_t *ad = pk == MPT_POOL_MAX
+                                              ? (int32_t *)be_poisoned(b, nbytes(MPT_INT32, yn))
+                                              : NULL;
+                            b->t->pool_forward(b->impl, pk, g, dt, xd, yd, ad, n, ws);
+                            y[w] = be_fetch(b, yd, nbytes(dt, yn), "pool_forward");
+                            am[w] = ad ? be_fetch(b, ad, nbytes(MPT_INT32, yn), "pool_forward")
+                                       : NULL;
+                            /* backward from the CPU's argmax on both */
+                            if (ad && w == 1) be_put(b, ad, argmax_host, nbytes(MPT_INT32, yn));
+                            if (ad && w == 0) argmax_host = (int32_t *)am[0];
+                            if (variant != 2) {
+                                const void *dyd = be_upload(b, dy, nbytes(dt, yn));
+                                void *dxd = be_poisoned(b, nbytes(dt, xn));
+                                be_poison(b, ws, (size_t)(wsb > 0 ? wsb : 0));
+                                b->t->pool_backward(b->impl, pk, g, dt, dyd, dxd, ad, n, ws);
+                                dx[w] = be_fetch(b, dxd, nbytes(dt, xn), "pool_backward");
+                            } else {
+                                dx[w] = NULL;
+                            }
+                            be_release(b);
+                        }
+                        describe_window(what, sizeof what, g, n, dt);
+                        if (pk == MPT_POOL_MAX) {
+                            CHECK(memcmp(y[0], y[1], nbytes(dt, yn)) == 0,
+                                  "max pool forward %s (inputs %d): y element %lld differs (exact)",
+                                  what, variant,
+                                  (long long)first_difference(y[1], y[0], yn, mpt_dtype_size(dt)));
+                            CHECK(memcmp(am[0], am[1], nbytes(MPT_INT32, yn)) == 0,
+                                  "max pool forward %s (inputs %d): argmax %lld differs (exact)",
+                                  what, variant,
+                                  (long long)first_difference(am[1], am[0], yn, 4));
+                        } else {
+                            double err = rel_error(dt, y[1], dt, y[0], yn);
+                            CHECK(err <= tolerance(dt),
+                                  "average pool forward %s: relative error %.3g > %g", what, err,
+                                  tolerance(dt));
+                        }
+                        if (dx[0]) {
+                            double err = rel_error(dt, dx[1], dt, dx[0], xn);
+                            CHECK(err <= tolerance(dt),
+                                  "%s pool backward %s (inputs %d): relative error %.3g > %g",
+                                  pk == MPT_POOL_MAX ? "max" : "average", what, variant, err,
+                                  tolerance(dt));
+                        }
+                        free(y[0]);
+                        free(y[1]);
+                        free(am[0]);
+                        free(am[1]);
+                        free(dx[0]);
+                        free(dx[1]);
+                        free(x);
+                        free(dy);
+                    }
+}
+
+/* ---- batch normalization ------------------------------------------------------------- */
+
+typedef struct bn_host {
+    void *x, *dy;
+    float *gamma, *beta, *mean, *variance, *moving_mean, *moving_variance;
+} bn_host;
+
+/* The outputs one backend gave, all on the host. */
+typedef struct bn_result {
+    void *y, *dx;
+    float *mean, *variance, *dgamma, *dbeta, *moving_mean, *moving_variance;
+} bn_result;
+
+static void bn_result_free(bn_result *r) {
+    free(r->y);
+    free(r->dx);
+    free(r->mean);
+    free(r->variance);
+    free(r->dgamma);
+    free(r->dbeta);
+    free(r->moving_mean);
+    free(r->moving_variance);
+}
+
+/* 0: training forward, 1: inference forward, 2: backward (with the host's
+   batch statistics), 3: commit with state->finite 0, 4: commit with 1. */
+static bn_result bn_run(backend *b, int what, mpt_dtype dt, int64_t rows, int64_t C,
+                        const bn_host *h, int with_affine, int with_dx) {
+    mpt_batchnorm_args a;
+    bn_result r;
+    size_t cb = nbytes(MPT_FLOAT32, C), xb = nbytes(dt, rows * C);
+    int64_t wsb = b->t->batchnorm_workspace(b->impl, dt, rows, C);
+    memset(&a, 0, sizeof a);
+    memset(&r, 0, sizeof r);
+    a.dtype = dt;
+    a.rows = rows;
+    a.channels = C;
+    a.epsilon = 1e-3f;
+    a.momentum = 0.99f;
+    a.training = what == 0;
+    a.x = be_upload(b, h->x, xb);
+    a.y = be_poisoned(b, xb);
+    a.dy = be_upload(b, h->dy, xb);
+    a.dx = with_dx ? be_poisoned(b, xb) : NULL;
+    a.gamma = with_affine ? (const float *)be_upload(b, h->gamma, cb) : NULL;
+    a.beta = with_affine ? (const float *)be_upload(b, h->beta, cb) : NULL;
+    a.dgamma = with_affine ? (float *)be_poisoned(b, cb) : NULL;
+    a.dbeta = with_affine ? (float *)be_poisoned(b, cb) : NULL;
+    a.mean = (float *)(what == 0 ? be_poisoned(b, cb) : be_upload(b, h->mean, cb));
+    a.variance = (float *)(what == 0 ? be_poisoned(b, cb) : be_upload(b, h->variance, cb));
+    a.moving_mean = (float *)be_upload(b, h->moving_mean, cb);
+    a.moving_variance = (float *)be_upload(b, h->moving_variance, cb);
+    a.workspace = be_poisoned(b, (size_t)(wsb > 0 ? wsb : 0));
+    if (what <= 1) {
+        b->t->batchnorm_forward(b->impl, &a);
+        r.y = be_fetch(b, a.y, xb, "batchnorm_forward");
+        if (what == 0) {
+            r.mean = (float *)be_fetch(b, a.mean, cb, "batchnorm_forward");
+            r.variance = (float *)be_fetch(b, a.variance, cb, "batchnorm_forward");
+        }
+    } else if (what == 2) {
+        b->t->batchnorm_backward(b->impl, &a);
+        if (a.dx) r.dx = be_fetch(b, a.dx, xb, "batchnorm_backward");
+        if (a.dgamma) {
+            r.dgamma = (float *)be_fetch(b, a.dgamma, cb, "batchnorm_backward");
+            r.dbeta = (float *)be_fetch(b, a.dbeta, cb, "batchnorm_backward");
+        }
+    } else {
+        mpt_step_state st;
+        memset(&st, 0, sizeof st);
+        st.finite = what == 4;
+        st.loss_scale = 1;
+        b->t->batchnorm_commit(b->impl, &a,
+                               (const mpt_step_state *)be_upload(b, &st, sizeof st));
+        r.moving_mean = (float *)be_fetch(b, a.moving_mean, cb, "batchnorm_commit");
+        r.moving_variance = (float *)be_fetch(b, a.moving_variance, cb, "batchnorm_commit");
+    }
+    be_release(b);
+    return r;
+}
+
+static void check_close(const char *what, mpt_dtype dt, const void *gpu, const void *cpu,
+                        int64_t n, double tol) {
+    double err = rel_error(dt, gpu, dt, cpu, n);
+    CHECK(err <= tol, "%s: relative error %.3g > %g", what, err, tol);
+}
+
+static void test_batchnorm(void) {
+    static const int64_t shapes[6][2] = {{1, 3}, {7, 1}, {128, 32}, {1000, 64}, {4096, 5},
+                                         {33, 512}};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int si, di, what;
+    for (si = 0; si < 6; si++)
+        for (di = 0; di < 3; di++) {
+            mpt_dtype dt = float_dtypes[di];
+            int64_t rows = shapes[si][0], C = shapes[si][1];
+            int affine = si != 1, with_dx = si != 4;
+            bn_host h;
+            char name[160];
+            h.x = random_values(dt, rows * C, 1, 5); /* mean 3: the variance must subtract it */
+            h.dy = random_values(dt, rows * C, -1, 1);
+            h.gamma = (float *)random_values(MPT_FLOAT32, C, 0.5, 1.5);
+            h.beta = (float *)random_values(MPT_FLOAT32, C, -1, 1);
+            h.mean = (float *)random_values(MPT_FLOAT32, C, 2.5, 3.5);
+            h.variance = (float *)random_values(MPT_FLOAT32, C, 1, 1.7);
+            h.moving_mean = (float *)random_values(MPT_FLOAT32, C, -1, 1);
+            h.moving_variance = (float *)random_values(MPT_FLOAT32, C, 0.5, 2);
+            for (what = 0; what < 5; what++) {
+                bn_result c = bn_run(&cpu_be, what, dt, rows, C, &h, affine, with_dx);
+                bn_result g = bn_run(gpu, what, dt, rows, C, &h, affine, with_dx);
+                snprintf(name, sizeof name, "batchnorm %s %lldx%lld %s%s",
+                         what == 0 ? "forward (training)" : what == 1 ? "forward (inference)"
+                         : what == 2 ? "backward" : what == 3 ? "commit (not finite)"
+                                                              : "commit (finite)",
+                         (long long)rows, (long long)C, mpt_dtype_name(dt),
+                         affine ? "" : " without gamma/beta");
+                if (what <= 1) check_close(name, dt, g.y, c.y, rows * C, tolerance(dt));
+                if (what == 0) {
+                    check_close(name, MPT_FLOAT32, g.mean, c.mean, C, 1e-5);
+                    check_close(name, MPT_FLOAT32, g.variance, c.variance, C, 1e-5);
+                }
+                if (what == 2 && with_dx) check_close(name, dt, g.dx, c.dx, rows * C, tolerance(dt));
+                if (what == 2 && affine) {
+                    check_close(name, MPT_FLOAT32, g.dgamma, c.dgamma, C, 1e-5);
+                    check_close(name, MPT_FLOAT32, g.dbeta, c.dbeta, C, 1e-5);
+                }
+                if (what == 3) { /* a skipped step leaves the moving statistics alone */
+                    CHECK(!memcmp(g.moving_mean, h.moving_mean, nbytes(MPT_FLOAT32, C)) &&
+                              !memcmp(g.moving_variance, h.moving_variance, nbytes(MPT_FLOAT32, C)),
+                          "%s: the moving statistics changed", name);
+                }
+                if (what == 4) {
+                    check_close(name, MPT_FLOAT32, g.moving_mean, c.moving_mean, C, 1e-5);
+                    check_close(name, MPT_FLOAT32, g.moving_variance, c.moving_variance, C, 1e-5);
+                }
+                bn_result_free(&c);
+                bn_result_free(&g);
+            }
+            free(h.x);
+            free(h.dy);
+            free(h.gamma);
+            free(h.beta);
+            free(h.mean);
+            free(h.variance);
+            free(h.moving_mean);
+            free(h.moving_variance);
+        }
+}
+
+/* ---- dropout --------------------------------------------------------------------------- */
+
+/* Forward (step from the state, saved) and backward (the saved step):
+   both bit-exact, since the mask is Philox on both backends and the
+   scaling one float32 multiplication (rounded once for the halves). */
+static void test_dropout(void) {
+    static const float rates[4] = {0.0f, 0.25f, 0.5f, 0.9f};
+    static const int64_t counts[5] = {1, 7, 1000, 4099, 65536 + 3};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int ri, di, ci, pass;
+    for (ri = 0; ri < 4; ri++)
+        for (di = 0; di < 3; di++)
+            for (ci = 0; ci < 5; ci++) {
+                mpt_dtype dt = float_dtypes[di];
+                int64_t n = counts[ci], dropped = 0, i;
+                uint64_t key = test_next();
+                void *in = random_values(dt, n, -2, 2), *out[2][2];
+                int64_t saved[2] = {-1, -1};
+                mpt_step_state st;
+                int w;
+                memset(&st, 0, sizeof st);
+                st.step = 12345 + ci;
+                st.loss_scale = 1;
+                for (w = 0; w < 2; w++) {
+                    backend *b = w ? gpu : &cpu_be;
+                    const void *ind = be_upload(b, in, nbytes(dt, n));
+                    const mpt_step_state *sd = (const mpt_step_state *)be_upload(b, &st, sizeof st);
+                    int64_t *saved_d = (int64_t *)be_poisoned(b, sizeof(int64_t));
+                    void *ws = be_poisoned(b, nbytes(MPT_FLOAT32, n));
+                    for (pass = 0; pass < 2; pass++) { /* forward, then backward on the same in */
+                        void *o = be_poisoned(b, nbytes(dt, n));
+                        b->t->dropout(b->impl, key, rates[ri], dt, ind, o, n, pass ? NULL : sd,
+                                      saved_d, ws);
+                        out[w][pass] = be_fetch(b, o, nbytes(dt, n), "dropout");
+                    }
+                    {
+                        int64_t *s = (int64_t *)be_fetch(b, saved_d, sizeof(int64_t), "dropout");
+                        saved[w] = *s;
+                        free(s);
+                    }
+                    be_release(b);
+                }
+                for (pass = 0; pass < 2; pass++)
+                    CHECK(memcmp(out[0][pass], out[1][pass], nbytes(dt, n)) == 0,
+                          "dropout %s rate %g n %lld %s: element %lld differs (exact)",
+                          mpt_dtype_name(dt), (double)rates[ri], (long long)n,
+                          pass ? "backward" : "forward",
+                          (long long)first_difference(out[1][pass], out[0][pass], n,
+                                                      mpt_dtype_size(dt)));
+                CHECK(saved[0] == st.step && saved[1] == st.step,
+                      "dropout saved step: CPU %lld, GPU %lld, want %lld", (long long)saved[0],
+                      (long long)saved[1], (long long)st.step);
+                for (i = 0; i < n; i++) dropped += load_value(dt, out[0][0], i) == 0;
+                if (n >= 1000 && rates[ri] > 0)
+                    CHECK(dropped > 0 && dropped < n, "dropout rate %g dropped %lld of %lld",
+                          (double)rates[ri], (long long)dropped, (long long)n);
+                free(out[0][0]);
+                free(out[0][1]);
+                free(out[1][0]);
+                free(out[1][1]);
+                free(in);
+            }
+}
+
+/* ---- losses ------------------------------------------------------------------------------- */
+
+static const char *loss_name(mpt_loss_type type) {
+    switch (type) {
+    case MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY: return "sparse categorical crossentropy";
+    case MPT_LOSS_CATEGORICAL_CROSSENTROPY: return "categorical crossentropy";
+    case MPT_LOSS_BINARY_CROSSENTROPY: return "binary crossentropy";
+    default: return "mean squared error";
+    }
+}
+
+/* pred for a loss: logits, probability rows (softmax, some exactly at the
+   clip bounds for binary crossentropy), or plain values for MSE. */
+static void *loss_pred(mpt_loss_type type, int from_logits, mpt_dtype dt, int64_t rows, int64_t K) {
+    void *p = malloc(nbytes(dt, rows * K));
+    double *row = (double *)malloc(sizeof(double) * (size_t)K);
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        for (c = 0; c < K; c++) row[c] = test_uniform(-4, 4);
+        if (!from_logits && type != MPT_LOSS_MEAN_SQUARED_ERROR) {
+            if (type == MPT_LOSS_BINARY_CROSSENTROPY)
+                for (c = 0; c < K; c++) row[c] = c % 11 == 3 ? (double)(r % 2) : 1 / (1 + exp(-row[c]));
+            else
+                ref_softmax_rows(row, 1, K);
+        }
+        for (c = 0; c < K; c++) store_value(dt, p, r * K + c, row[c]);
+    }
+    free(row);
+    return p;
+}
+
+/* Targets: class ids (sparse), soft probability rows (categorical), 0..1
+   (binary) or values (MSE); float32 except the ids. */
+static void *loss_target(mpt_loss_type type, int64_t rows, int64_t K) {
+    int64_t r, c;
+    if (type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY) {
+        int32_t *t = (int32_t *)malloc(sizeof(int32_t) * (size_t)rows);
+        for (r = 0; r < rows; r++) t[r] = (int32_t)test_randint(0, (int)K - 1);
+        return t;
+    } else {
+        float *t = (float *)malloc(sizeof(float) * (size_t)(rows * K));
+        for (r = 0; r < rows; r++) {
+            double sum = 0;
+            for (c = 0; c < K; c++) sum += (t[r * K + c] = (float)test_uniform(0, 1));
+            if (type == MPT_LOSS_CATEGORICAL_CROSSENTROPY)
+                for (c = 0; c < K; c++) t[r * K + c] = (float)(t[r * K + c] / sum);
+            if (type == MPT_LOSS_MEAN_SQUARED_ERROR)
+                for (c = 0; c < K; c++) t[r * K + c] = 4 * t[r * K + c] - 2;
+        }
+        return t;
+    }
+}
+
+static void test_loss(void) {
+    static const int64_t shapes[4][2] = {{1, 2}, {7, 10}, {128, 10}, {1000, 33}};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int type, logits, di, si;
+    unsigned v = 0;
+    for (type = 1; type < MPT_LOSS_COUNT_; type++)
+        for (logits = 0; logits < 2; logits++)
+            for (di = 0; di < 3; di++)
+                for (si = 0; si < 4; si++, v++) {
+                    mpt_loss_type lt = (mpt_loss_type)type;
+                    mpt_dtype dt = float_dtypes[di];
+                    int64_t rows = shapes[si][0], K = shapes[si][1];
+                    int sparse = lt == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+                    int grad = v % 3; /* 0: its own buffer, 1: none, 2: into pred */
+                    mpt_dtype tdt = sparse ? MPT_INT32 : MPT_FLOAT32;
+                    size_t tb = sparse ? nbytes(MPT_INT32, rows) : nbytes(MPT_FLOAT32, rows * K);
+                    void *pred, *target, *dpred[2] = {NULL, NULL};
+                    mpt_step_state st, *res[2];
+                    char what[160];
+                    int w;
+                    if (logits && lt == MPT_LOSS_MEAN_SQUARED_ERROR) continue;
+                    pred = loss_pred(lt, logits, dt, rows, K);
+                    target = loss_target(lt, rows, K);
+                    memset(&st, 0, sizeof st);
+                    st.loss_sum = 5; /* the batch adds to what is there */
+                    st.correct = 3;
+                    st.top_k = 4;
+                    st.samples = 10;
+                    st.loss_scale = 1024;
+                    st.learning_rate = 0.001f;
+                    for (w = 0; w < 2; w++) {
+                        backend *b = w ? gpu : &cpu_be;
+                        mpt_loss_args a;
+                        memset(&a, 0, sizeof a);
+                        a.type = lt;
+                        a.from_logits = logits;
+                        a.pred_dtype = dt;
+                        a.pred = be_upload(b, pred, nbytes(dt, rows * K));
+                        a.target_dtype = tdt;
+                        a.target = be_upload(b, target, tb);
+                        a.dpred = grad == 0 ? be_poisoned(b, nbytes(dt, rows * K))
+                                  : grad == 2 ? (void *)a.pred : NULL;
+                        a.rows = rows;
+                        a.K = K;
+                        a.metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K;
+                        a.top_k = 5;
+                        a.scale_by_loss_scale = (int)(v % 2);
+                        a.state = (mpt_step_state *)be_upload(b, &st, sizeof st);
+                        b->t->loss(b->impl, &a);
+                        res[w] = (mpt_step_state *)be_fetch(b, a.state, sizeof st, "loss");
+                        if (a.dpred) dpred[w] = be_fetch(b, a.dpred, nbytes(dt, rows * K), "loss");
+                        be_release(b);
+                    }
+                    snprintf(what, sizeof what, "loss %s%s %s %lldx%lld dpred %s",
+                             loss_name(lt), logits ? " from logits" : "", mpt_dtype_name(dt),
+                             (long long)rows, (long long)K,
+                             grad == 0 ? "apart" : grad == 1 ? "none" : "in pred");
+                    CHECK(fabs(res[1]->loss_sum - res[0]->loss_sum) <= 1e-5 * fabs(res[0]->loss_sum),
+                          "%s: loss_sum GPU %.9g, CPU %.9g (1e-5 relative)", what,
+                          res[1]->loss_sum, res[0]->loss_sum);
+                    CHECK(res[1]->samples == res[0]->samples && res[1]->correct == res[0]->correct &&
+                              res[1]->top_k == res[0]->top_k,
+                          "%s: samples/correct/top_k GPU %g/%g/%g, CPU %g/%g/%g (exact)", what,
+                          res[1]->samples, res[1]->correct, res[1]->top_k, res[0]->samples,
+                          res[0]->correct, res[0]->top_k);
+                    if (dpred[0]) {
+                        double err = rel_error(dt, dpred[1], dt, dpred[0], rows * K);
+                        CHECK(err <= tolerance(dt), "%s: dpred relative error %.3g > %g", what, err,
+                              tolerance(dt));
+                    }
+                    free(res[0]);
+                    free(res[1]);
+                    free(dpred[0]);
+                    free(dpred[1]);
+                    free(pred);
+                    free(target);
+                }
+}
+
+/* ---- the optimizer: grad_stats + update --------------------------------------------------- */
+
+#define N_PARAMS 5
+
+typedef struct opt_case {
+    const char *name;
+    mpt_optimizer_type type;
+    float momentum;
+    int nesterov;
+    float weight_decay, l2, clip;
+    int cosine; /* a cosine schedule with warm-up */
+    int overflow; /* an inf among the gradients: nothing may change */
+} opt_case;
+
+/* Everything an update reads and writes, on the host. */
+typedef struct opt_host {
+    int64_t count[N_PARAMS];
+    mpt_dtype dtype[N_PARAMS];
+    float *value[N_PARAMS], *grad[N_PARAMS], *slot0[N_PARAMS], *slot1[N_PARAMS];
+    void *compute[N_PARAMS]; /* the half copies (float32 parameters have none) */
+    mpt_step_state state;
+} opt_host;
+
+static mpt_optimizer_desc opt_desc(const opt_case *oc) {
+    mpt_optimizer_desc d;
+    memset(&d, 0, sizeof d);
+    d.type = oc->type;
+    d.learning_rate = oc->type == MPT_OPTIMIZER_SGD ? 0.01f : 0.001f;
+    d.momentum = oc->momentum;
+    d.nesterov = oc->nesterov;
+    d.beta_1 = 0.9f;
+    d.beta_2 = 0.999f;
+    d.epsilon = 1e-7f;
+    d.weight_decay = oc->weight_decay;
+    d.l2 = oc->l2;
+    d.clip_global_norm = oc->clip;
+    if (oc->cosine) {
+        d.schedule.type = MPT_LR_COSINE_DECAY;
+        d.schedule.decay_steps = 10;
+        d.schedule.alpha = 0.1f;
+        d.schedule.warmup_steps = 3;
+    }
+    return d;
+}
+
+/* Runs two steps (grad_stats, update) on a backend and downloads every
+   buffer into *out (which starts as a copy of the inputs' shape). */
+static void opt_run(backend *b, const opt_case *oc, const opt_host *in, opt_host *out) {
+    float *value[N_PARAMS], *slot0[N_PARAMS], *slot1[N_PARAMS];
+    const float *grad[N_PARAMS];
+    void *compute[N_PARAMS];
+    mpt_update_args u;
+    mpt_step_state *st;
+    int i, step, slots = oc->type == MPT_OPTIMIZER_SGD ? (oc->momentum != 0) : 2;
+    for (i = 0; i < N_PARAMS; i++) {
+        size_t fb = nbytes(MPT_FLOAT32, in->count[i]);
+        value[i] = (float *)be_upload(b, in->value[i], fb);
+        grad[i] = (const float *)be_upload(b, in->grad[i], fb);
+        slot0[i] = slots >= 1 ? (float *)be_upload(b, in->slot0[i], fb) : NULL;
+        slot1[i] = slots >= 2 ? (float *)be_upload(b, in->slot1[i], fb) : NULL;
+        compute[i] = in->dtype[i] == MPT_FLOAT32
+                         ? (void *)value[i]
+                         : be_upload(b, in->compute[i], nbytes(in->dtype[i], in->count[i]));
+    }
+    st = (mpt_step_state *)be_upload(b, &in->state, sizeof in->state);
+    memset(&u, 0, sizeof u);
+    u.n = N_PARAMS;
+    u.value = value;
+    u.grad = grad;
+    u.slot0 = slot0; /* as a model passes them: NULL entries where there is no slot */
+    u.slot1 = slot1;
+    u.compute = compute;
+    u.compute_dtype = in->dtype;
+    u.count = in->count;
+    u.optimizer = opt_desc(oc);
+    u.state = st;
+    for (step = 0; step < 2; step++) {
+        b->t->grad_stats(b->impl, &u);
+        b->t->update(b->impl, &u);
+    }
+    *out = *in;
+    for (i = 0; i < N_PARAMS; i++) {
+        size_t fb = nbytes(MPT_FLOAT32, in->count[i]);
+        out->value[i] = (float *)be_fetch(b, value[i], fb, "update");
+        out->grad[i] = NULL;
+        out->slot0[i] = slots >= 1 ? (float *)be_fetch(b, slot0[i], fb, "update") : NULL;
+        out->slot1[i] = slots >= 2 ? (float *)be_fetch(b, slot1[i], fb, "update") : NULL;
+        out->compute[i] = in->dtype[i] == MPT_FLOAT32
+                              ? NULL
+                              : be_fetch(b, compute[i], nbytes(in->dtype[i], in->count[i]), "update");
+    }
+    {
+        mpt_step_state *s = (mpt_step_state *)be_fetch(b, st, sizeof *st, "update");
+        out->state = *s;
+        free(s);
+    }
+    be_release(b);
+}
+
+static void opt_host_free(opt_host *h) {
+    int i;
+    for (i = 0; i < N_PARAMS; i++) {
+        free(h->value[i]);
+        free(h->grad[i]);
+        free(h->slot0[i]);
+        free(h->slot1[i]);
+        free(h->compute[i]);
+    }
+}
+
+static void test_update(void) {
+    static const opt_case cases[8] = {
+        {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0},
+        {"sgd momentum, weight decay", MPT_OPTIMIZER_SGD, 0.9f, 0, 0.01f, 0, 1.0f, 0, 0},
+        {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0},
+        {"adam", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 0, 0, 0},
+        {"adam clipped, cosine schedule", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0.0005f, 0.5f, 1, 0},
+        {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0},
+        {"adam, an inf gradient", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 1.0f, 0, 1},
+        {"sgd momentum, a NaN gradient", MPT_OPTIMIZER_SGD, 0.9f, 0, 0, 0, 0, 0, 2}};
+    static const int64_t counts[N_PARAMS] = {1, 7, 1000, 4099, 65536 + 3};
+    static const mpt_dtype dtypes[N_PARAMS] = {MPT_FLOAT32, MPT_FLOAT16, MPT_FLOAT16,
+                                               MPT_BFLOAT16, MPT_FLOAT16};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int ci, i;
+    for (ci = 0; ci < 8; ci++) {
+        const opt_case *oc = &cases[ci];
+        opt_host in, cpu, got;
+        int64_t total = 0, differing = 0, worst = 0;
+        memset(&in, 0, sizeof in);
+        for (i = 0; i < N_PARAMS; i++) {
+            in.count[i] = counts[i];
+            in.dtype[i] = dtypes[i];
+            in.value[i] = (float *)random_values(MPT_FLOAT32, counts[i], -1, 1);
+            /* gradients times the loss scale (128) */
+            in.grad[i] = (float *)random_values(MPT_FLOAT32, counts[i], -128, 128);
+            in.slot0[i] = (float *)random_values(MPT_FLOAT32, counts[i], -0.1, 0.1);
+            in.slot1[i] = (float *)random_values(MPT_FLOAT32, counts[i], 0, 0.01);
+            in.compute[i] = NULL;
+            if (dtypes[i] != MPT_FLOAT32) { /* poisoned: an update rewrites all of it */
+                in.compute[i] = malloc(nbytes(dtypes[i], counts[i]));
+                memset(in.compute[i], 0xFF, nbytes(dtypes[i], counts[i]));
+            }
+            if (oc->overflow && i == 3) in.grad[i][counts[i] / 2] = oc->overflow == 1 ? INFINITY : NAN;
+        }
+        in.state.learning_rate = oc->type == MPT_OPTIMIZER_SGD ? 0.01f : 0.001f;
+        in.state.loss_scale = 128;
+        in.state.optimizer_steps = 5;
+        in.state.step = 7;
+        in.state.finite = 1;
+        opt_run(&cpu_be, oc, &in, &cpu);
+        opt_run(gpu, oc, &in, &got);
+        CHECK(got.state.finite == cpu.state.finite && cpu.state.finite == !oc->overflow,
+              "%s: finite GPU %d, CPU %d", oc->name, (int)got.state.finite, (int)cpu.state.finite);
+        CHECK(got.state.optimizer_steps == cpu.state.optimizer_steps,
+              "%s: optimizer_steps GPU %lld, CPU %lld", oc->name,
+              (long long)got.state.optimizer_steps, (long long)cpu.state.optimizer_steps);
+        if (!oc->overflow)
+            CHECK(fabs(got.state.sum_squares - cpu.state.sum_squares) <=
+                      1e-12 * cpu.state.sum_squares,
+                  "%s: sum_squares GPU %.17g, CPU %.17g (1e-12 relative)", oc->name,
+                  got.state.sum_squares, cpu.state.sum_squares);
+        for (i = 0; i < N_PARAMS; i++) {
+            char what[160];
+            int64_t n = counts[i], ulps;
+            snprintf(what, sizeof what, "%s: parameter %d (%lld, %s)", oc->name, i, (long long)n,
+                     mpt_dtype_name(dtypes[i]));
+            if (oc->overflow) { /* a skipped step changes nothing at all */
+                CHECK(!memcmp(got.value[i], in.value[i], nbytes(MPT_FLOAT32, n)) &&
+                          (!got.slot0[i] || !memcmp(got.slot0[i], in.slot0[i], nbytes(MPT_FLOAT32, n))) &&
+                          (!got.slot1[i] || !memcmp(got.slot1[i], in.slot1[i], nbytes(MPT_FLOAT32, n))) &&
+                          (!got.compute[i] || !memcmp(got.compute[i], in.compute[i], nbytes(dtypes[i], n))),
+                      "%s: changed by a step with non-finite gradients", what);
+                continue;
+            }
+            check_close(what, MPT_FLOAT32, got.value[i], cpu.value[i], n, 1e-5);
+            if (got.slot0[i]) check_close(what, MPT_FLOAT32, got.slot0[i], cpu.slot0[i], n, 1e-5);
+            if (got.slot1[i]) check_close(what, MPT_FLOAT32, got.slot1[i], cpu.slot1[i], n, 1e-5);
+            if (got.compute[i])
+                check_close(what, dtypes[i], got.compute[i], cpu.compute[i], n, tolerance(dtypes[i]));
+            differing += bit_differences(got.value[i], cpu.value[i], n, &ulps);
+            worst = ulps > worst ? ulps : worst;
+            total += n;
+        }
+        if (!oc->overflow) { /* informational: without FMA contraction the bits agree */
+            if (differing == 0)
+                printf("# update %s: every master weight bit-identical to the CPU's\n", oc->name);
+            else
+                printf("# update %s: %lld of %lld master weights differ from the CPU's "
+                       "(at most %lld ulps)\n", oc->name, (long long)differing, (long long)total,
+                       (long long)worst);
+        }
+        opt_host_free(&in);
+        opt_host_free(&cpu);
+        opt_host_free(&got);
+    }
+}
+
+/* ---- loss scaling ---------------------------------------------------------------------------- */
+
+static void test_loss_scale_update(void) {
+    /* mode, finite, scale, good_steps: growth, plain good step, backoff,
+       the FLT_MIN floor, no growth to inf, fixed, none */
+    static const struct {
+        mpt_loss_scale_mode mode;
+        int finite;
+        float scale;
+        int64_t good;
+    } cases[9] = {{MPT_LOSS_SCALE_DYNAMIC, 1, 1024, 2},  {MPT_LOSS_SCALE_DYNAMIC, 1, 1024, 0},
+                  {MPT_LOSS_SCALE_DYNAMIC, 0, 1024, 2},  {MPT_LOSS_SCALE_DYNAMIC, 0, 2e-38f, 1},
+                  {MPT_LOSS_SCALE_DYNAMIC, 1, 3e38f, 2}, {MPT_LOSS_SCALE_FIXED, 1, 64, 2},
+                  {MPT_LOSS_SCALE_FIXED, 0, 64, 2},      {MPT_LOSS_SCALE_NONE, 1, 1, 0},
+                  {MPT_LOSS_SCALE_NONE, 0, 1, 0}};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int ci, w;
+    for (ci = 0; ci < 9; ci++) {
+        mpt_loss_scale_desc d;
+        mpt_step_state st, *res[2];
+        memset(&d, 0, sizeof d);
+        d.mode = cases[ci].mode;
+        d.initial_scale = 32768;
+        d.growth_interval = 3;
+        d.growth_factor = 2;
+        d.backoff_factor = 0.5f;
+        memset(&st, 0, sizeof st);
+        st.loss_scale = cases[ci].scale;
+        st.good_steps = cases[ci].good;
+        st.finite = cases[ci].finite;
+        st.step = 41;
+        st.skipped_steps = 2;
+        st.optimizer_steps = 39;
+        st.learning_rate = 0.001f;
+        for (w = 0; w < 2; w++) {
+            backend *b = w ? gpu : &cpu_be;
+            mpt_step_state *sd = (mpt_step_state *)be_upload(b, &st, sizeof st);
+            b->t->loss_scale_update(b->impl, &d, sd);
+            res[w] = (mpt_step_state *)be_fetch(b, sd, sizeof st, "loss_scale_update");
+            be_release(b);
+        }
+        CHECK(!memcmp(res[0], res[1], sizeof st),
+              "loss_scale_update case %d: GPU scale %g good %lld skipped %lld step %lld, CPU "
+              "scale %g good %lld skipped %lld step %lld (exact)", ci, (double)res[1]->loss_scale,
+              (long long)res[1]->good_steps, (long long)res[1]->skipped_steps,
+              (long long)res[1]->step, (double)res[0]->loss_scale, (long long)res[0]->good_steps,
+              (long long)res[0]->skipped_steps, (long long)res[0]->step);
+        free(res[0]);
+        free(res[1]);
+    }
+}
+
+/* ---- CUDA graphs -------------------------------------------------------------------------------- */
+
+/* convert (float32 -> float16), gemm (bias + relu, float32 C), softmax over
+   C's rows: recorded once and replayed twice, against the same calls run
+   directly, bit for bit. */
+static void test_graph_capture(void) {
+    enum { M = 96, N = 40, K = 72 };
+    backend *b = &gpu_be[GPU_AUTO];
+    float *a32 = (float *)random_values(MPT_FLOAT32, M * K, -1, 1);
+    void *b16 = random_values(MPT_FLOAT16, K * N, -1, 1);
+    float *bias = (float *)random_values(MPT_FLOAT32, N, -1, 1);
+    float *ad = (float *)be_upload(b, a32, nbytes(MPT_FLOAT32, M * K));
+    void *a16 = be_poisoned(b, nbytes(MPT_FLOAT16, M * K));
+    float *c = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, M * N));
+    void *direct, *graph = NULL;
+    mpt_gemm_desc d;
+    mpt_status s;
+    int replay;
+    CHECK(b->t->can_capture, "the CUDA backend says it cannot capture");
+    memset(&d, 0, sizeof d);
+    d.m = M;
+    d.n = N;
+    d.k = K;
+    d.ab_dtype = MPT_FLOAT16;
+    d.a = a16;
+    d.lda = K;
+    d.b = be_upload(b, b16, nbytes(MPT_FLOAT16, K * N));
+    d.ldb = N;
+    d.c = c;
+    d.ldc = N;
+    d.bias = (const float *)be_upload(b, bias, nbytes(MPT_FLOAT32, N));
+    d.activation = MPT_ACT_RELU;
+    if (b->t->gemm_plan) {
+        s = b->t->gemm_plan(b->impl, &d, MPT_FLOAT32);
+        CHECK(s == MPT_OK, "gemm_plan: %s", b->t->error(b->impl));
+    }
+    be_poison(b, c, nbytes(MPT_FLOAT32, M * N));
+    b->t->convert(b->impl, MPT_FLOAT16, a16, MPT_FLOAT32, ad, M * K);
+    b->t->gemm(b->impl, &d, MPT_FLOAT32);
+    b->t->activation(b->impl, MPT_ACT_SOFTMAX, c, M, N);
+    direct = be_fetch(b, c, nbytes(MPT_FLOAT32, M * N), "the direct run");
+    be_poison(b, a16, nbytes(MPT_FLOAT16, M * K));
+    be_poison(b, c, nbytes(MPT_FLOAT32, M * N));
+    be_sync(b, "before capture");
+    s = b->t->capture_begin(b->impl);
+    CHECK(s == MPT_OK, "capture_begin: %s", b->t->error(b->impl));
+    if (s == MPT_OK) {
+        b->t->convert(b->impl, MPT_FLOAT16, a16, MPT_FLOAT32, ad, M * K);
+        b->t->gemm(b->impl, &d, MPT_FLOAT32);
+        b->t->activation(b->impl, MPT_ACT_SOFTMAX, c, M, N);
+        s = b->t->capture_end(b->impl, &graph);
+        CHECK(s == MPT_OK && graph, "capture_end: %s", b->t->error(b->impl));
+    }
+    for (replay = 0; s == MPT_OK && graph && replay < 2; replay++) {
+        void *got;
+        be_poison(b, a16, nbytes(MPT_FLOAT16, M * K));
+        be_poison(b, c, nbytes(MPT_FLOAT32, M * N));
+        s = b->t->replay(b->impl, graph);
+        CHECK(s == MPT_OK, "replay: %s", b->t->error(b->impl));
+        got = be_fetch(b, c, nbytes(MPT_FLOAT32, M * N), "replay");
+        CHECK(!memcmp(got, direct, nbytes(MPT_FLOAT32, M * N)),
+              "replay %d: element %lld differs from the direct run (exact)", replay + 1,
+              (long long)first_difference(got, direct, M * N, 4));
+        free(got);
+    }
+    if (graph) b->t->graph_free(b->impl, graph);
+    be_release(b);
+    free(direct);
+    free(a32);
+    free(b16);
+    free(bias);
+}
+
+/* ---- whole models ---------------------------------------------------------------------------------- */
+
+enum { N_BLOBS = 1024, FEATURES = 12, CLASSES = 4 };
+static float blob_x[N_BLOBS * FEATURES];
+static int32_t blob_y[N_BLOBS];
+
+/* Four classes separated along different feature directions. */
+static void make_blobs(void) {
+    int i, j;
+    for (i = 0; i < N_BLOBS; i++) {
+        uint32_t r[4];
+        blob_y[i] = i % CLASSES;
+        for (j = 0; j < FEATURES; j++) {
+            mpt_philox4x32(7, (uint64_t)i, (uint64_t)j, r);
+            blob_x[i * FEATURES + j] =
+                (float)(r[0] / 4294967296.0 - 0.5) + (j == blob_y[i] ? 1.5f : 0.0f);
+        }
+    }
+}
+
+static mpt_dataset *blob_dataset(mpt_context *ctx) {
+    mpt_tensor tx, ty;
+    mpt_dataset_desc d;
+    mpt_dataset *out = NULL;
+    int64_t xs[2] = {N_BLOBS, FEATURES}, ys[1] = {N_BLOBS};
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, xs, blob_x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, blob_y);
+    memset(&d, 0, sizeof d);
+    d.x = &tx;
+    d.y = &ty;
+    CHECK(mpt_dataset_create(ctx, &d, &out) == MPT_OK, "dataset: %s", mpt_context_error(ctx));
+    return out;
+}
+
+/* Dense(64, relu) -> BatchNormalization -> Dropout(0.2) -> Dense(4, softmax),
+   Adam, built for batches of 64. */
+static mpt_model *blob_model(mpt_context *ctx, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc dd;
+    mpt_batchnorm_desc bd;
+    mpt_dropout_desc od;
+    mpt_compile_desc cd;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = FEATURES;
+    md.input_rank = 1;
+    md.policy = policy;
+    md.seed = 5;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) {
+        CHECK(0, "model: %s", mpt_context_error(ctx));
+        return NULL;
+    }
+    memset(&dd, 0, sizeof dd);
+    dd.units = 64;
+    dd.activation = MPT_ACT_RELU;
+    mpt_model_add_dense(m, &dd);
+    memset(&bd, 0, sizeof bd);
+    mpt_model_add_batch_normalization(m, &bd);
+    memset(&od, 0, sizeof od);
+    od.rate = 0.2f;
+    mpt_model_add_dropout(m, &od);
+    dd.units = CLASSES;
+    dd.activation = MPT_ACT_SOFTMAX;
+    mpt_model_add_dense(m, &dd);
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.learning_rate = 0.01f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.metrics = MPT_METRIC_ACCURACY;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 64) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+static double history_last(const mpt_model *m, const char *key) {
+    mpt_history h;
+    int k;
+    if (mpt_model_history(m, &h) != MPT_OK || h.epochs < 1) return NAN;
+    for (k = 0; k < h.n_keys; k++)
+        if (!strcmp(h.keys[k], key)) return h.values[k][h.epochs - 1];
+    return NAN;
+}
+
+/* Trains the blob model for `epochs` on a fresh context with
+   MPT_CUDA_GRAPHS set to `graphs` (unset for NULL) throughout, saves its
+   weights to path; returns the last epoch's accuracy (NAN on failure). */
+static double train_blobs(const char *graphs, mpt_policy policy, int epochs, const char *path,
+                          const char **device) {
+    mpt_context *ctx = NULL;
+    mpt_context_desc cd;
+    mpt_dataset *data;
+    mpt_model *m;
+    mpt_fit_desc fd;
+    double acc = NAN;
+    if (graphs) setenv("MPT_CUDA_GRAPHS", graphs, 1);
+    else unsetenv("MPT_CUDA_GRAPHS");
+    memset(&cd, 0, sizeof cd);
+    cd.logger.fn = quiet_logger;
+    if (mpt_context_create(&cd, &ctx) != MPT_OK) {
+        CHECK(0, "context: cannot be created");
+        unsetenv("MPT_CUDA_GRAPHS");
+        return NAN;
+    }
+    if (device) *device = mpt_context_backend(ctx, NULL)->name;
+    data = blob_dataset(ctx);
+    m = data ? blob_model(ctx, policy) : NULL;
+    if (m) {
+        memset(&fd, 0, sizeof fd);
+        fd.epochs = epochs;
+        fd.batch_size = 64;
+        if (mpt_model_fit(m, data, &fd) == MPT_OK) acc = history_last(m, "accuracy");
+        else CHECK(0, "fit: %s", mpt_context_error(ctx));
+        if (path)
+            CHECK(mpt_model_save_weights(m, path) == MPT_OK, "save_weights: %s",
+                  mpt_context_error(ctx));
+    }
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(ctx);
+    unsetenv("MPT_CUDA_GRAPHS"); /* read by fit, so set until here */
+    return acc;
+}
+
+/* Whether two files hold the same bytes. */
+static int same_file(const char *a, const char *b) {
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    int same = fa && fb, ca, cb;
+    while (same) {
+        ca = getc(fa);
+        cb = getc(fb);
+        if (ca != cb) same = 0;
+        if (ca == EOF) break;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
+static void temp_path(char *buf, size_t size, const char *name) {
+    const char *dir = getenv("TMPDIR");
+    snprintf(buf, size, "%s/mpt_test_cuda_%ld_%s.safetensors", dir && *dir ? dir : "/tmp",
+             (long)getpid(), name);
+}
+
+/* (a) CUDA graphs change nothing: the same fit with capture off
+   (MPT_CUDA_GRAPHS=0) and on gives the same weights, bit for bit;
+   (d) and two runs with graphs give the same weights. */
+static void test_model_graphs_and_determinism(void) {
+    char off[512], on[512], again[512];
+    double acc_off, acc_on;
+    const char *dev = "?";
+    temp_path(off, sizeof off, "graphs_off");
+    temp_path(on, sizeof on, "graphs_on");
+    temp_path(again, sizeof again, "graphs_on_again");
+    make_blobs();
+    acc_off = train_blobs("0", MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
+    acc_on = train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, &dev);
+    train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, again, NULL);
+    CHECK(!strcmp(dev, "cuda"), "the model trained on '%s'", dev);
+    CHECK(acc_on >= 0.9, "the blobs are not learnt: accuracy %g", acc_on);
+    CHECK(acc_on == acc_off, "accuracy with graphs %.9g, without %.9g", acc_on, acc_off);
+    CHECK(same_file(off, on), "weights with CUDA graphs differ from those without (%s, %s)", on,
+          off);
+    CHECK(same_file(on, again), "two runs on the GPU gave different weights (%s, %s)", on, again);
+    if (!test__current_failed) {
+        remove(off);
+        remove(on);
+        remove(again);
+    }
+}
+
+/* (b) examples/mlp.c on the GPU: Flatten -> Dense(1024, relu) ->
+   Dense(10, softmax), Adam 1e-3, batch 128, mixed_float16, seed 1, the
+   example's default 20 epochs. bench/RESULTS.md ("Fashion-MNIST accuracy
+   (CPU)") records a test accuracy of 0.8939 for this run on the CPU; the
+   GPU sums in another order, so it trains along a slightly different path
+   and must land within ±0.5 points of that. */
+static void test_model_mlp_fashion_mnist(void) {
+    const double cpu_accuracy = 0.8939;
+    const char *dir = "/usr/share/datasets/fashion-mnist";
+    mpt_context *ctx = gpu_be[GPU_AUTO].ctx;
+    mpt_dataset *train = NULL, *test = NULL;
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc dd;
+    mpt_compile_desc cd;
+    mpt_fit_desc fd;
+    mpt_evaluate_desc ed;
+    mpt_logs logs;
+    double acc;
+    if (mpt_dataset_load_mnist(ctx, dir, 0, &train) != MPT_OK ||
+        mpt_dataset_load_mnist(ctx, dir, 1, &test) != MPT_OK) {
+        SKIP("Fashion-MNIST is not in /usr/share/datasets/fashion-mnist");
+        mpt_dataset_destroy(train);
+        return;
+    }
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 28;
+    md.input_shape[1] = 28;
+    md.input_shape[2] = 1;
+    md.input_rank = 3;
+    md.policy = MPT_POLICY_MIXED_FLOAT16;
+    md.seed = 1;
+    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "model: %s", mpt_context_error(ctx));
+    if (m) {
+        mpt_model_add_flatten(m, NULL);
+        memset(&dd, 0, sizeof dd);
+        dd.units = 1024;
+        dd.activation = MPT_ACT_RELU;
+        mpt_model_add_dense(m, &dd);
+        dd.units = 10;
+        dd.activation = MPT_ACT_SOFTMAX;
+        mpt_model_add_dense(m, &dd);
+        memset(&cd, 0, sizeof cd);
+        cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+        cd.optimizer.learning_rate = 1e-3f;
+        cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+        cd.metrics = MPT_METRIC_ACCURACY;
+        CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_build(m, 128) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        memset(&fd, 0, sizeof fd);
+        fd.epochs = 20;
+        fd.batch_size = 128;
+        CHECK(mpt_model_fit(m, train, &fd) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        memset(&ed, 0, sizeof ed);
+        ed.batch_size = 128;
+        CHECK(mpt_model_evaluate(m, test, &ed, &logs) == MPT_OK, "evaluate: %s",
+              mpt_context_error(ctx));
+        acc = mpt_logs_get(&logs, "accuracy");
+        printf("# mlp mixed_float16 on the GPU: test accuracy %.4f (CPU: %.4f), %.0f samples/s\n",
+               acc, cpu_accuracy, history_last(m, "samples_per_second"));
+        CHECK(fabs(acc - cpu_accuracy) <= 0.005,
+              "test accuracy %.4f is not within 0.5 points of the CPU's %.4f", acc, cpu_accuracy);
+    }
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(test);
+    mpt_dataset_destroy(train);
+}
+
+/* (c) A context allowed 1 MiB of device memory: building a model that
+   needs far more fails with MPT_ERR_OUT_OF_MEMORY and a message giving
+   the bytes, and everything is still released cleanly. */
+static void test_model_out_of_memory(void) {
+    mpt_context *ctx = NULL;
+    mpt_context_desc cd;
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc dd;
+    mpt_compile_desc cpl;
+    mpt_status s;
+    int i;
+    memset(&cd, 0, sizeof cd);
+    cd.device_memory_limit = (int64_t)1 << 20;
+    cd.logger.fn = quiet_logger; /* the error is expected */
+    if (mpt_context_create(&cd, &ctx) != MPT_OK) {
+        CHECK(0, "a context with a 1 MiB limit cannot be created");
+        return;
+    }
+    CHECK(!strcmp(mpt_context_backend(ctx, NULL)->name, "cuda"), "the context is on '%s'",
+          mpt_context_backend(ctx, NULL)->name);
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 784;
+    md.input_rank = 1;
+    md.policy = MPT_POLICY_MIXED_FLOAT16;
+    s = mpt_model_create(ctx, &md, &m);
+    CHECK(s == MPT_OK, "model: %s", mpt_context_error(ctx));
+    if (s == MPT_OK) {
+        memset(&dd, 0, sizeof dd);
+        dd.units = 4096;
+        dd.activation = MPT_ACT_RELU;
+        for (i = 0; i < 2; i++) mpt_model_add_dense(m, &dd);
+        dd.units = 10;
+        dd.activation = MPT_ACT_SOFTMAX;
+        mpt_model_add_dense(m, &dd);
+        memset(&cpl, 0, sizeof cpl);
+        cpl.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+        mpt_model_compile(m, &cpl);
+        s = mpt_model_build(m, 1024);
+        CHECK(s == MPT_ERR_OUT_OF_MEMORY, "build under a 1 MiB limit returned %s, not out of "
+              "memory", mpt_status_string(s));
+        CHECK(strstr(mpt_context_error(ctx), "bytes") != NULL,
+              "the message does not give the bytes: \"%s\"", mpt_context_error(ctx));
+        printf("# out of device memory says: %s\n", mpt_context_error(ctx));
+    }
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- choosing the device ---------------------------------------------------------------------------- */
+
+#ifdef MPT_CUDA
+static char last_warning[1024];
+static void keep_warning(void *user, mpt_log_level level, const char *message) {
+    (void)user;
+    if (level == MPT_LOG_WARNING) snprintf(last_warning, sizeof last_warning, "%s", message);
+}
+
+static mpt_context *context_with_warnings(void) {
+    mpt_context *ctx = NULL;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.logger.fn = keep_warning;
+    last_warning[0] = 0;
+    if (mpt_context_create(&d, &ctx) != MPT_OK) return NULL;
+    return ctx;
+}
+
+/* A CUDA build on a machine without a device: the context says so (a
+   warning) and uses the CPU. */
+static void test_fallback_warns(void) {
+    mpt_context *ctx = context_with_warnings();
+    CHECK(ctx != NULL, "the context was not created");
+    if (!ctx) return;
+    CHECK(!strcmp(mpt_context_backend(ctx, NULL)->name, "cpu"), "backend '%s'",
+          mpt_context_backend(ctx, NULL)->name);
+    CHECK(strstr(last_warning, "CPU") != NULL, "no warning about training on the CPU (got \"%s\")",
+          last_warning);
+    mpt_context_destroy(ctx);
+}
+
+/* ... and a model still trains there. */
+static void test_fallback_trains(void) {
+    double acc;
+    const char *dev = "?";
+    make_blobs();
+    acc = train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 4, NULL, &dev);
+    CHECK(!strcmp(dev, "cpu"), "trained on '%s'", dev);
+    CHECK(acc >= 0.9, "the blobs are not learnt on the CPU: accuracy %g", acc);
+}
+
+/* With a device, $MPT_DEVICE=cpu still chooses the CPU, without a warning. */
+static void test_device_env_cpu(void) {
+    mpt_context *ctx;
+    setenv("MPT_DEVICE", "cpu", 1);
+    ctx = context_with_warnings();
+    unsetenv("MPT_DEVICE");
+    CHECK(ctx != NULL, "the context was not created");
+    if (!ctx) return;
+    CHECK(!strcmp(mpt_context_backend(ctx, NULL)->name, "cpu"), "MPT_DEVICE=cpu gave '%s'",
+          mpt_context_backend(ctx, NULL)->name);
+    CHECK(last_warning[0] == 0, "unexpected warning \"%s\"", last_warning);
+    mpt_context_destroy(ctx);
+}
+#endif
+
+#ifdef MPT_CUDA
+#define PROGRAM "test_cuda (MPT_CUDA)"
+#else
+#define PROGRAM "test_cuda (without MPT_CUDA)"
+#endif
+
+/* ---- main ---------------------------------------------------------------------------------------------- */
+
+/* Opens the CPU reference and the CUDA contexts; 0 when there is no CUDA
+   device (then nothing is left open). */
+static int open_backends(void) {
+    const char *env = getenv("MPT_DEVICE");
+    if (env && !strcmp(env, "cpu")) return 0;
+    if (!open_backend(&gpu_be[GPU_AUTO], "cuda (gemm auto)", 0, MPT_GEMM_AUTO)) return 0;
+    if (strcmp(gpu_be[GPU_AUTO].t->name, "cuda") != 0) {
+        close_backend(&gpu_be[GPU_AUTO]);
+        return 0;
+    }
+    if (!open_backend(&cpu_be, "cpu", 1, MPT_GEMM_AUTO) ||
+        !open_backend(&gpu_be[GPU_MPT], "cuda (gemm mpt)", 0, MPT_GEMM_MPT) ||
+        !open_backend(&gpu_be[GPU_CUBLASLT], "cuda (gemm cublaslt)", 0, MPT_GEMM_CUBLASLT)) {
+        printf("FAIL opening the CPU and CUDA contexts\n");
+        exit(1);
+    }
+    return 1;
+}
+
+int main(void) {
+    int e, have_gpu;
+    test_seed(2024);
+    have_gpu = open_backends();
+#ifdef MPT_CUDA
+    if (!have_gpu && !(getenv("MPT_DEVICE") && !strcmp(getenv("MPT_DEVICE"), "cpu"))) {
+        test__run("no CUDA device: the context warns and uses the CPU", test_fallback_warns);
+        test__run("no CUDA device: a model still trains on the CPU", test_fallback_trains);
+    }
+    if (have_gpu) test__run("MPT_DEVICE=cpu chooses the CPU", test_device_env_cpu);
+#endif
+    if (!have_gpu) {
+        test__begin();
+#ifdef MPT_CUDA
+        SKIP("no CUDA device");
+#else
+        SKIP("no CUDA device (built without MPT_CUDA)");
+#endif
+        test__end("the CUDA backend against the CPU backend");
+        return test_summary(PROGRAM);
+    }
+    printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
+           gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
+    for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
+    test__run("column_sums (float32 <= 1e-5)", test_column_sums);
+    test__run("convert: every pair of float dtypes (exact)", test_convert);
+    test__run("activation: each one incl. softmax (<= 1e-5)", test_activation);
+    test__run("activation_grad: each one, each dtype (<= 1e-5)", test_activation_grad);
+    test__run("im2col (exact)", test_im2col);
+    test__run("col2im (float32 <= 1e-5, float16 <= 2^-10, bfloat16 <= 2^-7)", test_col2im);
+    test__run("pool forward and backward, max and average (max forward exact)", test_pool);
+    test__run("batchnorm forward, backward, commit", test_batchnorm);
+    test__run("dropout forward and backward (bit-exact mask)", test_dropout);
+    test__run("loss: every type, logits and probabilities, with metrics", test_loss);
+    test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
+    test__run("loss_scale_update (exact)", test_loss_scale_update);
+    test__run("graph capture and replay: bit-identical to direct calls", test_graph_capture);
+    test__run("model: graphs on and off, and two runs, give identical weights",
+              test_model_graphs_and_determinism);
+    test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of the CPU",
+              test_model_mlp_fashion_mnist);
+    test__run("model: a 1 MiB device limit gives out of memory, with the bytes",
+              test_model_out_of_memory);
+    for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
+    close_backend(&cpu_be);
+    return test_summary(PROGRAM);
+}

@@ -1,0 +1,542 @@
+/* CUDA benchmarks: the hand-written GEMM against cuBLASLt's, training speed
+   of the example models on the GPU, and a large MLP in float32 against
+   mixed_float16 (speed and memory).
+
+       nvcc -std=c++17 -O2 -arch=native -DMPT_CUDA -x cu -I. bench/bench_cuda.c mpt_cuda.cu \
+            -o build/bench_cuda -lcublasLt -lcublas -lz
+       ./build/bench_cuda                 (everything; a few minutes)
+       ./build/bench_cuda gemm|train|large   (one part)
+
+   Built without MPT_CUDA, or run where there is no CUDA device, it prints
+   one line saying that it needs one and exits with 0.
+
+   (a) GEMM. Two contexts, one with gemm = MPT_GEMM_MPT and one with
+       MPT_GEMM_CUBLASLT, run the same products: 4096³ and the shapes the
+       mlp and cnn train with (batch 128), for float16 and bfloat16 operands.
+       C is in the operands' dtype where training stores it so (forward and
+       input gradients), float32 for the weight gradients. Each product is
+       planned (gemm_plan), run 3 times to warm up, then N times between two
+       syncs, timed with clock_gettime; N is chosen so that the timed run
+       takes about 0.2 s. TFLOP/s = 2·M·N·K / seconds per product.
+   (b) Training. samples/s of mpt_model_fit (verbose 0) over one epoch, the
+       history's "samples_per_second" (wall time of the epoch), median of 3
+       epochs after a warm-up fit (which also records the CUDA graphs), for
+       the examples' mlp and cnn at batch 128 and 1024, float32 and
+       mixed_float16, on Fashion-MNIST (synthetic images of the same shape
+       when it is not installed). Sample counts are whole batches: mlp
+       59,392 (58 × 1024), cnn 25,600 (25 × 1024).
+   (c) Large MLP. Flatten -> 4 × Dense(4096, relu) -> Dense(10, softmax) at
+       batch 4096: samples/s in float32 and mixed_float16, the ratio, and
+       the device memory of each category as mpt_model_summary reports it.
+
+   Prints Markdown tables and one JSON line per result. */
+#define _POSIX_C_SOURCE 200809L
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(MPT_CUDA) && defined(__CUDACC__)
+#include <cuda_runtime.h>
+#endif
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int open_context(mpt_gemm_engine gemm, mpt_context **ctx) {
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.gemm = gemm;
+    *ctx = NULL;
+    if (mpt_context_create(&d, ctx) != MPT_OK) return 0;
+    return !strcmp(mpt_context_backend(*ctx, NULL)->name, "cuda");
+}
+
+static void device_name(char *buf, size_t size) {
+    snprintf(buf, size, "?");
+#if defined(MPT_CUDA) && defined(__CUDACC__)
+    {
+        cudaDeviceProp p;
+        int dev = 0;
+        if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&p, dev) == cudaSuccess)
+            snprintf(buf, size, "%s (sm_%d%d, %d SMs, %.0f GiB)", p.name, p.major, p.minor,
+                     p.multiProcessorCount, (double)p.totalGlobalMem / (1 << 30));
+    }
+#endif
+}
+
+/* ---- (a) GEMM: hand-written against cuBLASLt ------------------------------------ */
+
+typedef struct shape {
+    const char *what;
+    int64_t m, n, k;
+    int ta, tb;
+    int c_half; /* C in the operands' dtype (else float32) */
+} shape;
+
+static const shape gemm_shapes[] = {
+    {"square", 4096, 4096, 4096, 0, 0, 1},
+    {"mlp fwd 1", 128, 1024, 784, 0, 0, 1},
+    {"mlp bwd 1 dX", 128, 784, 1024, 0, 1, 1},
+    {"mlp bwd 1 dW", 784, 1024, 128, 1, 0, 0},
+    {"mlp fwd 2", 128, 10, 1024, 0, 0, 1},
+    {"mlp bwd 2 dX", 128, 1024, 10, 0, 1, 1},
+    {"mlp bwd 2 dW", 1024, 10, 128, 1, 0, 0},
+    {"mlp fwd 1, batch 1024", 1024, 1024, 784, 0, 0, 1},
+    {"cnn conv1 fwd", 128 * 26 * 26, 32, 9, 0, 0, 1},
+    {"cnn conv1 bwd dW", 9, 32, 128 * 26 * 26, 1, 0, 0},
+    {"cnn conv2 fwd", 128 * 24 * 24, 32, 288, 0, 0, 1},
+    {"cnn conv2 bwd dX", 128 * 24 * 24, 288, 32, 0, 1, 1},
+    {"cnn conv2 bwd dW", 288, 32, 128 * 24 * 24, 1, 0, 0},
+    {"cnn conv3 fwd", 128 * 10 * 10, 64, 288, 0, 0, 1},
+    {"cnn conv4 fwd", 128 * 8 * 8, 64, 576, 0, 0, 1},
+    {"cnn conv4 bwd dX", 128 * 8 * 8, 576, 64, 0, 1, 1},
+    {"cnn dense fwd", 128, 512, 1024, 0, 0, 1},
+    {"cnn dense bwd dW", 1024, 512, 128, 1, 0, 0},
+    {"large mlp fwd", 4096, 4096, 4096, 0, 0, 1},
+    {"large mlp bwd dW", 4096, 4096, 4096, 1, 0, 0},
+};
+
+/* Random values in [-1, 1) in dtype, uploaded to a new buffer. */
+static void *device_random(const mpt_backend *t, void *impl, mpt_dtype dt, int64_t n) {
+    size_t bytes = (size_t)n * mpt_dtype_size(dt);
+    void *host = malloc(bytes), *dev = NULL;
+    uint32_t s = 12345;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        float f;
+        s = s * 1664525u + 1013904223u;
+        f = (float)((s >> 8) * (1.0 / 16777216.0) * 2.0 - 1.0);
+        if (dt == MPT_FLOAT16) ((mpt_half *)host)[i] = mpt_float_to_half(f);
+        else ((mpt_bf16 *)host)[i] = mpt_float_to_bf16(f);
+    }
+    if (t->alloc(impl, MPT_MEMORY_WORKSPACE, bytes, &dev) != MPT_OK ||
+        t->upload(impl, dev, host, bytes) != MPT_OK) {
+        if (dev) t->free(impl, MPT_MEMORY_WORKSPACE, dev);
+        dev = NULL;
+    }
+    free(host);
+    return dev;
+}
+
+/* Seconds per product on ctx's GEMM engine; a negative value on failure
+   (the message then printed). */
+static double time_gemm(mpt_context *ctx, const shape *s, mpt_dtype dt) {
+    void *impl;
+    const mpt_backend *t = mpt_context_backend(ctx, &impl);
+    mpt_dtype c_dtype = s->c_half ? dt : MPT_FLOAT32;
+    int64_t ar = s->ta ? s->k : s->m, ac = s->ta ? s->m : s->k;
+    int64_t br = s->tb ? s->n : s->k, bc = s->tb ? s->k : s->n;
+    void *a = device_random(t, impl, dt, ar * ac), *b = device_random(t, impl, dt, br * bc);
+    void *c = NULL;
+    double seconds = -1;
+    int reps = 10, i;
+    mpt_gemm_desc d;
+    memset(&d, 0, sizeof d);
+    if (a && b && t->alloc(impl, MPT_MEMORY_WORKSPACE, (size_t)(s->m * s->n) * 4, &c) == MPT_OK) {
+        d.trans_a = s->ta;
+        d.trans_b = s->tb;
+        d.m = s->m;
+        d.n = s->n;
+        d.k = s->k;
+        d.ab_dtype = dt;
+        d.a = a;
+        d.lda = ac;
+        d.b = b;
+        d.ldb = bc;
+        d.c = (float *)c;
+        d.ldc = s->n;
+        if (!t->gemm_plan || t->gemm_plan(impl, &d, c_dtype) == MPT_OK) {
+            double t0, dt_s;
+            for (i = 0; i < 3; i++) t->gemm(impl, &d, c_dtype);
+            t->sync(impl);
+            t0 = now();
+            for (i = 0; i < reps; i++) t->gemm(impl, &d, c_dtype);
+            t->sync(impl);
+            dt_s = (now() - t0) / reps;
+            /* the timed run: about 0.2 s */
+            reps = dt_s > 0 ? (int)(0.2 / dt_s) : 1000;
+            reps = reps < 10 ? 10 : reps > 100000 ? 100000 : reps;
+            t0 = now();
+            for (i = 0; i < reps; i++) t->gemm(impl, &d, c_dtype);
+            if (t->sync(impl) == MPT_OK) seconds = (now() - t0) / reps;
+        }
+    }
+    if (seconds < 0) fprintf(stderr, "bench_cuda: gemm %s: %s\n", s->what, t->error(impl));
+    if (a) t->free(impl, MPT_MEMORY_WORKSPACE, a);
+    if (b) t->free(impl, MPT_MEMORY_WORKSPACE, b);
+    if (c) t->free(impl, MPT_MEMORY_WORKSPACE, c);
+    return seconds;
+}
+
+static void bench_gemm(mpt_context *mpt_ctx, mpt_context *lt_ctx) {
+    static const mpt_dtype dts[2] = {MPT_FLOAT16, MPT_BFLOAT16};
+    char json[64][512];
+    int n_json = 0, si, di;
+    printf("\n## GEMM: hand-written (mpt) against cuBLASLt\n\n");
+    printf("| shape | M×N×K | op | dtype | C | mpt TFLOP/s | cuBLASLt TFLOP/s | mpt / cuBLASLt |\n");
+    printf("|---|---|---|---|---|---:|---:|---:|\n");
+    for (si = 0; si < (int)(sizeof gemm_shapes / sizeof gemm_shapes[0]); si++)
+        for (di = 0; di < 2; di++) {
+            const shape *s = &gemm_shapes[si];
+            double flop = 2.0 * (double)s->m * (double)s->n * (double)s->k;
+            double tm = time_gemm(mpt_ctx, s, dts[di]), tl = time_gemm(lt_ctx, s, dts[di]);
+            double fm = tm > 0 ? flop / tm * 1e-12 : 0, fl = tl > 0 ? flop / tl * 1e-12 : 0;
+            char tr[3] = {s->ta ? 't' : 'n', s->tb ? 't' : 'n', 0};
+            const char *c_name = s->c_half ? mpt_dtype_name(dts[di]) : "float32";
+            printf("| %s | %lld×%lld×%lld | %s | %s | %s | %.2f | %.2f | %.2f |\n", s->what,
+                   (long long)s->m, (long long)s->n, (long long)s->k, tr,
+                   mpt_dtype_name(dts[di]), c_name, fm, fl, fl > 0 ? fm / fl : 0);
+            fflush(stdout);
+            if (n_json < 64)
+                snprintf(json[n_json++], sizeof json[0],
+                         "{\"bench\":\"cuda_gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,"
+                         "\"k\":%lld,\"trans\":\"%s\",\"dtype\":\"%s\",\"c_dtype\":\"%s\","
+                         "\"mpt_tflops\":%.3f,\"cublaslt_tflops\":%.3f,\"ratio\":%.3f,"
+                         "\"mpt_seconds\":%.6g,\"cublaslt_seconds\":%.6g}",
+                         s->what, (long long)s->m, (long long)s->n, (long long)s->k, tr,
+                         mpt_dtype_name(dts[di]), c_name, fm, fl, fl > 0 ? fm / fl : 0, tm, tl);
+        }
+    printf("\n");
+    for (si = 0; si < n_json; si++) printf("%s\n", json[si]);
+}
+
+/* ---- models ------------------------------------------------------------------------- */
+
+typedef enum model_kind { MLP = 0, CNN = 1, LARGE_MLP = 2 } model_kind;
+static const char *const model_names[3] = {"mlp", "cnn", "large_mlp"};
+
+static mpt_status add_dense(mpt_model *m, int64_t units, mpt_activation act) {
+    mpt_dense_desc d;
+    memset(&d, 0, sizeof d);
+    d.units = units;
+    d.activation = act;
+    return mpt_model_add_dense(m, &d);
+}
+
+/* Conv2D(f, 3, relu) -> BN -> Conv2D(f, 3, relu) -> MaxPool(2) -> Dropout(0.25) */
+static mpt_status add_conv_block(mpt_model *m, int64_t filters) {
+    mpt_conv2d_desc c;
+    mpt_batchnorm_desc bn;
+    mpt_pool2d_desc p;
+    mpt_dropout_desc dr;
+    mpt_status s;
+    memset(&c, 0, sizeof c);
+    c.filters = filters;
+    c.kernel_size[0] = c.kernel_size[1] = 3;
+    c.activation = MPT_ACT_RELU;
+    memset(&bn, 0, sizeof bn);
+    memset(&p, 0, sizeof p);
+    p.pool_size[0] = p.pool_size[1] = 2;
+    memset(&dr, 0, sizeof dr);
+    dr.rate = 0.25f;
+    s = mpt_model_add_conv2d(m, &c);
+    if (s == MPT_OK) s = mpt_model_add_batch_normalization(m, &bn);
+    if (s == MPT_OK) s = mpt_model_add_conv2d(m, &c);
+    if (s == MPT_OK) s = mpt_model_add_max_pooling2d(m, &p);
+    if (s == MPT_OK) s = mpt_model_add_dropout(m, &dr);
+    return s;
+}
+
+/* examples/mlp.c, examples/cnn.c, or the large MLP; Adam 1e-3, sparse
+   categorical crossentropy, no metrics (as bench_train.c). */
+static mpt_status make_model(mpt_context *ctx, model_kind kind, mpt_policy policy, int64_t batch,
+                             mpt_model **out) {
+    mpt_model_desc md;
+    mpt_compile_desc cd;
+    mpt_batchnorm_desc bn;
+    mpt_dropout_desc dr;
+    mpt_model *m = NULL;
+    mpt_status s;
+    int i;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 28;
+    md.input_shape[1] = 28;
+    md.input_shape[2] = 1;
+    md.input_rank = 3;
+    md.policy = policy;
+    md.seed = 42;
+    s = mpt_model_create(ctx, &md, &m);
+    if (s != MPT_OK) return s;
+    if (kind == CNN) {
+        memset(&bn, 0, sizeof bn);
+        memset(&dr, 0, sizeof dr);
+        dr.rate = 0.5f;
+        s = add_conv_block(m, 32);
+        if (s == MPT_OK) s = add_conv_block(m, 64);
+        if (s == MPT_OK) s = mpt_model_add_flatten(m, NULL);
+        if (s == MPT_OK) s = add_dense(m, 512, MPT_ACT_RELU);
+        if (s == MPT_OK) s = mpt_model_add_batch_normalization(m, &bn);
+        if (s == MPT_OK) s = mpt_model_add_dropout(m, &dr);
+    } else {
+        s = mpt_model_add_flatten(m, NULL);
+        for (i = 0; s == MPT_OK && i < (kind == LARGE_MLP ? 4 : 1); i++)
+            s = add_dense(m, kind == LARGE_MLP ? 4096 : 1024, MPT_ACT_RELU);
+    }
+    if (s == MPT_OK) s = add_dense(m, 10, MPT_ACT_SOFTMAX);
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.optimizer.learning_rate = 1e-3f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    if (s == MPT_OK) s = mpt_model_compile(m, &cd);
+    if (s == MPT_OK) s = mpt_model_build(m, batch);
+    if (s != MPT_OK) {
+        mpt_model_destroy(m);
+        m = NULL;
+    }
+    *out = m;
+    return s;
+}
+
+static double history_last(const mpt_model *m, const char *key) {
+    mpt_history h;
+    int k;
+    if (mpt_model_history(m, &h) != MPT_OK || h.epochs < 1) return 0;
+    for (k = 0; k < h.n_keys; k++)
+        if (!strcmp(h.keys[k], key)) return h.values[k][h.epochs - 1];
+    return 0;
+}
+
+static int compare_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+#define REPEATS 3
+
+/* Fits the model on `warmup`, then REPEATS one-epoch fits on `data`:
+   their samples/s, sorted, into sps[]. */
+static mpt_status measure(mpt_model *m, const mpt_dataset *warmup, const mpt_dataset *data,
+                          int64_t batch, double *sps) {
+    mpt_fit_desc fd;
+    mpt_status s;
+    int r;
+    for (r = 0; r < REPEATS; r++) sps[r] = 0;
+    memset(&fd, 0, sizeof fd);
+    fd.epochs = 1;
+    fd.batch_size = batch;
+    s = mpt_model_fit(m, warmup, &fd);
+    for (r = 0; s == MPT_OK && r < REPEATS; r++) {
+        s = mpt_model_fit(m, data, &fd);
+        sps[r] = history_last(m, "samples_per_second");
+    }
+    qsort(sps, REPEATS, sizeof *sps, compare_double);
+    return s;
+}
+
+/* The first n samples of d (a view, or d itself when n covers it). */
+static const mpt_dataset *first_samples(mpt_context *ctx, const mpt_dataset *d, int64_t n,
+                                        mpt_dataset **view) {
+    *view = NULL;
+    if (n >= mpt_dataset_count(d)) return d;
+    if (mpt_dataset_split(ctx, d, n, view, NULL) != MPT_OK) return d;
+    return *view;
+}
+
+/* Fashion-MNIST's training images, or n synthetic ones of the same shape. */
+static mpt_dataset *training_data(mpt_context *ctx, const char *dir, int *synthetic) {
+    mpt_dataset *d = NULL;
+    mpt_tensor x, y;
+    mpt_dataset_desc dd;
+    int64_t n = 60000, xs[4] = {60000, 28, 28, 1}, ys[1] = {60000}, i;
+    *synthetic = 0;
+    if (mpt_dataset_load_mnist(ctx, dir, 0, &d) == MPT_OK) return d;
+    *synthetic = 1;
+    if (mpt_tensor_alloc(ctx, &x, MPT_UINT8, 4, xs) != MPT_OK) return NULL;
+    if (mpt_tensor_alloc(ctx, &y, MPT_INT32, 1, ys) != MPT_OK) {
+        mpt_tensor_free(ctx, &x);
+        return NULL;
+    }
+    for (i = 0; i < n * 784; i++) ((uint8_t *)x.data)[i] = (uint8_t)((i * 2654435761u) >> 24);
+    for (i = 0; i < n; i++) ((int32_t *)y.data)[i] = (int32_t)(i % 10);
+    memset(&dd, 0, sizeof dd);
+    dd.x = &x;
+    dd.y = &y;
+    dd.copy = 1;
+    if (mpt_dataset_create(ctx, &dd, &d) != MPT_OK) d = NULL;
+    mpt_tensor_free(ctx, &x);
+    mpt_tensor_free(ctx, &y);
+    return d;
+}
+
+/* ---- (b) training speed --------------------------------------------------------------- */
+
+static void bench_train(mpt_context *ctx, const mpt_dataset *all, int synthetic) {
+    static const int64_t batches[2] = {128, 1024};
+    static const mpt_policy policies[2] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16};
+    static const char *const policy_names[2] = {"float32", "mixed_float16"};
+    static const int64_t samples[2] = {59392, 25600}; /* mlp, cnn: whole batches */
+    char json[8][512];
+    int n_json = 0, mi, bi, pi, j;
+    printf("\n## Training speed on the GPU (%s, one epoch, median of %d)\n\n",
+           synthetic ? "synthetic 28×28 images" : "Fashion-MNIST", REPEATS);
+    printf("| model | policy | batch | samples | samples/s | min..max |\n");
+    printf("|---|---|---:|---:|---:|---:|\n");
+    for (mi = 0; mi < 2; mi++)
+        for (bi = 0; bi < 2; bi++)
+            for (pi = 0; pi < 2; pi++) {
+                mpt_dataset *view = NULL, *warm_view = NULL;
+                const mpt_dataset *data = first_samples(ctx, all, samples[mi], &view);
+                const mpt_dataset *warmup = first_samples(ctx, all, 8 * batches[bi], &warm_view);
+                mpt_model *m = NULL;
+                double sps[REPEATS];
+                mpt_status s = make_model(ctx, (model_kind)mi, policies[pi], batches[bi], &m);
+                if (s == MPT_OK) s = measure(m, warmup, data, batches[bi], sps);
+                if (s != MPT_OK) {
+                    fprintf(stderr, "bench_cuda: %s %s batch %lld: %s\n", model_names[mi],
+                            policy_names[pi], (long long)batches[bi], mpt_context_error(ctx));
+                    for (j = 0; j < REPEATS; j++) sps[j] = 0;
+                }
+                printf("| %s | %s | %lld | %lld | %.0f | %.0f..%.0f |\n", model_names[mi],
+                       policy_names[pi], (long long)batches[bi],
+                       (long long)mpt_dataset_count(data), sps[REPEATS / 2], sps[0],
+                       sps[REPEATS - 1]);
+                fflush(stdout);
+                snprintf(json[n_json++], sizeof json[0],
+                         "{\"bench\":\"cuda_train\",\"framework\":\"mpt\",\"model\":\"%s\","
+                         "\"policy\":\"%s\",\"batch\":%lld,\"samples\":%lld,\"data\":\"%s\","
+                         "\"repeats\":%d,\"samples_per_s\":%.1f,\"samples_per_s_min\":%.1f,"
+                         "\"samples_per_s_max\":%.1f}",
+                         model_names[mi], policy_names[pi], (long long)batches[bi],
+                         (long long)mpt_dataset_count(data),
+                         synthetic ? "synthetic" : "fashion-mnist", REPEATS, sps[REPEATS / 2],
+                         sps[0], sps[REPEATS - 1]);
+                mpt_model_destroy(m);
+                mpt_dataset_destroy(view);
+                mpt_dataset_destroy(warm_view);
+            }
+    printf("\n");
+    for (j = 0; j < n_json; j++) printf("%s\n", json[j]);
+}
+
+/* ---- (c) the large MLP: speed and memory ------------------------------------------------- */
+
+#define MAX_CATEGORIES 8
+
+/* The "Memory for batches of N:" lines of a model's summary: names and sizes. */
+static int memory_lines(const mpt_model *m, char names[][32], char sizes[][32]) {
+    char buf[16384], *p, *line;
+    int n = 0;
+    if (mpt_model_summary(m, buf, sizeof buf) == 0) return 0;
+    p = strstr(buf, "Memory for batches");
+    if (!p) return 0;
+    p = strchr(p, '\n');
+    while (p && n < MAX_CATEGORIES) {
+        char *end, *gap;
+        line = p + 1;
+        end = strchr(line, '\n');
+        if (!end || strncmp(line, "  ", 2) != 0) break;
+        *end = 0;
+        while (*line == ' ') line++;
+        gap = strstr(line, "  "); /* the name ends at a run of spaces */
+        if (gap) {
+            *gap = 0;
+            gap += 2;
+            while (*gap == ' ') gap++;
+            snprintf(names[n], 32, "%s", line);
+            snprintf(sizes[n], 32, "%s", gap);
+            n++;
+        }
+        p = end;
+    }
+    return n;
+}
+
+static void bench_large(mpt_context *ctx, const mpt_dataset *all) {
+    static const mpt_policy policies[2] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16};
+    static const char *const policy_names[2] = {"float32", "mixed_float16"};
+    const int64_t batch = 4096;
+    char names[2][MAX_CATEGORIES][32], sizes[2][MAX_CATEGORIES][32];
+    double sps[2][REPEATS];
+    int n_lines[2] = {0, 0}, pi, i;
+    mpt_dataset *view = NULL, *warm_view = NULL;
+    const mpt_dataset *data = first_samples(ctx, all, 10 * batch, &view);
+    const mpt_dataset *warmup = first_samples(ctx, all, 2 * batch, &warm_view);
+    for (pi = 0; pi < 2; pi++) {
+        mpt_model *m = NULL;
+        mpt_status s = make_model(ctx, LARGE_MLP, policies[pi], batch, &m);
+        if (s == MPT_OK) {
+            n_lines[pi] = memory_lines(m, names[pi], sizes[pi]);
+            s = measure(m, warmup, data, batch, sps[pi]);
+        }
+        if (s != MPT_OK) {
+            fprintf(stderr, "bench_cuda: large mlp %s: %s\n", policy_names[pi],
+                    mpt_context_error(ctx));
+            for (i = 0; i < REPEATS; i++) sps[pi][i] = 0;
+        }
+        mpt_model_destroy(m);
+    }
+    printf("\n## Large MLP: Flatten -> 4 × Dense(4096, relu) -> Dense(10), batch %lld, %lld "
+           "samples per epoch\n\n", (long long)batch, (long long)mpt_dataset_count(data));
+    printf("| | float32 | mixed_float16 | mixed / float32 |\n|---|---:|---:|---:|\n");
+    printf("| samples/s (median of %d) | %.0f | %.0f | %.2f |\n", REPEATS, sps[0][REPEATS / 2],
+           sps[1][REPEATS / 2],
+           sps[0][REPEATS / 2] > 0 ? sps[1][REPEATS / 2] / sps[0][REPEATS / 2] : 0);
+    for (i = 0; i < n_lines[0] && i < n_lines[1]; i++)
+        printf("| device memory: %s | %s | %s | |\n", names[0][i], sizes[0][i], sizes[1][i]);
+    printf("\n");
+    for (pi = 0; pi < 2; pi++) {
+        printf("{\"bench\":\"cuda_large_mlp\",\"policy\":\"%s\",\"batch\":%lld,"
+               "\"samples_per_s\":%.1f,\"samples_per_s_min\":%.1f,\"samples_per_s_max\":%.1f,"
+               "\"speedup_vs_float32\":%.3f,\"memory\":{",
+               policy_names[pi], (long long)batch, sps[pi][REPEATS / 2], sps[pi][0],
+               sps[pi][REPEATS - 1],
+               sps[0][REPEATS / 2] > 0 ? sps[pi][REPEATS / 2] / sps[0][REPEATS / 2] : 0);
+        for (i = 0; i < n_lines[pi]; i++)
+            printf("%s\"%s\":\"%s\"", i ? "," : "", names[pi][i], sizes[pi][i]);
+        printf("}}\n");
+    }
+    mpt_dataset_destroy(view);
+    mpt_dataset_destroy(warm_view);
+}
+
+int main(int argc, char **argv) {
+    const char *part = argc > 1 ? argv[1] : "all";
+    const char *dir = "/usr/share/datasets/fashion-mnist";
+    mpt_context *ctx = NULL, *mpt_ctx = NULL, *lt_ctx = NULL;
+    mpt_dataset *all = NULL;
+    char dev[256];
+    int synthetic = 0;
+    if (strcmp(part, "all") && strcmp(part, "gemm") && strcmp(part, "train") &&
+        strcmp(part, "large")) {
+        fprintf(stderr, "usage: %s [all|gemm|train|large]\n", argv[0]);
+        return 2;
+    }
+    if (!open_context(MPT_GEMM_AUTO, &ctx)) {
+#ifdef MPT_CUDA
+        printf("# bench_cuda: needs a CUDA device (none was found); nothing measured\n");
+#else
+        printf("# bench_cuda: needs a CUDA device (this build has no MPT_CUDA); nothing measured\n");
+#endif
+        mpt_context_destroy(ctx);
+        return 0;
+    }
+    device_name(dev, sizeof dev);
+    printf("# mpt.h %s CUDA benchmarks: %s\n", MPT_VERSION, dev);
+    if (!strcmp(part, "all") || !strcmp(part, "gemm")) {
+        if (open_context(MPT_GEMM_MPT, &mpt_ctx) && open_context(MPT_GEMM_CUBLASLT, &lt_ctx))
+            bench_gemm(mpt_ctx, lt_ctx);
+        else
+            fprintf(stderr, "bench_cuda: cannot open the GEMM contexts\n");
+        mpt_context_destroy(mpt_ctx);
+        mpt_context_destroy(lt_ctx);
+    }
+    if (strcmp(part, "gemm")) {
+        all = training_data(ctx, dir, &synthetic);
+        if (!all) {
+            fprintf(stderr, "bench_cuda: no training data: %s\n", mpt_context_error(ctx));
+            mpt_context_destroy(ctx);
+            return 1;
+        }
+        if (!strcmp(part, "all") || !strcmp(part, "train")) bench_train(ctx, all, synthetic);
+        if (!strcmp(part, "all") || !strcmp(part, "large")) bench_large(ctx, all);
+    }
+    mpt_dataset_destroy(all);
+    mpt_context_destroy(ctx);
+    return 0;
+}

@@ -7,6 +7,10 @@
 #   ./build.sh bench    build and run the CPU benchmarks (results: bench/RESULTS.md)
 #   ./build.sh run      install Fashion-MNIST if missing (as root) and train
 #                       examples/mlp.c with the progress bar
+#   ./build.sh gpu      on a machine with nvcc and a CUDA device: build with the
+#                       CUDA backend, run tests/test_cuda.c, bench/bench_cuda.c,
+#                       examples/mlp.c and (where PyTorch sees the GPU)
+#                       bench/torch_gpu_train.py, and end with a summary table
 set -uo pipefail
 cd "$(dirname "$0")"
 
@@ -171,6 +175,48 @@ example_checks() {
     done
 }
 
+# nvcc from $NVCC, the PATH or /usr/local/cuda; fails when there is none.
+find_nvcc() {
+    local nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    [ -x "$nvcc" ] && echo "$nvcc"
+}
+
+CUDA_LIBS="-lcublasLt -lcublas"
+
+# count_output NAME OUT RC: adds a test program's PASS/FAIL/SKIP lines (in
+# the file OUT) to the totals; a crash without a FAIL line is a failure.
+count_output() {
+    passed=$((passed + $(grep -c '^PASS ' "$2")))
+    failed=$((failed + $(grep -c '^FAIL ' "$2")))
+    skipped=$((skipped + $(grep -c '^SKIP ' "$2")))
+    if [ "$3" -ne 0 ] && ! grep -q '^FAIL ' "$2"; then
+        record "$1 exits cleanly" fail "exit status $3"
+    fi
+}
+
+# tests/test_cuda.c once more, built by nvcc with the CUDA backend (the loop
+# in run_tests builds it with gcc, without MPT_CUDA, where it only skips).
+# Not under AddressSanitizer, which does not run with the CUDA runtime. On a
+# machine without a device it checks the fallback to the CPU and skips the
+# comparisons. Nothing to do before mpt_cuda.cu exists, or without nvcc.
+cuda_test() {
+    local nvcc name=test_cuda_nvcc out rc
+    nvcc=$(find_nvcc) || return 0
+    [ -e mpt_cuda.cu ] || return 0
+    if ! "$nvcc" -std=c++17 -O2 -arch=sm_90 -Werror all-warnings -DMPT_CUDA -I. \
+        -x cu tests/test_cuda.c mpt_cuda.cu -o "$B/$name" $LIBS $CUDA_LIBS \
+        2>"$B/$name.build.log"; then
+        cat "$B/$name.build.log"
+        record "build tests/test_cuda.c with nvcc" fail "compile error (see above)"
+        return
+    fi
+    out=$B/$name.out
+    timeout 1800 "./$B/$name" >"$out" 2>&1
+    rc=$?
+    cat "$out"
+    count_output "$name" "$out" $rc
+}
+
 run_tests() {
     install_packages
     compile_checks
@@ -197,8 +243,95 @@ run_tests() {
             record "$name exits cleanly" fail "exit status $rc"
         fi
     done
+    cuda_test
     echo "$passed passed, $failed failed, $skipped skipped"
     [ $failed -eq 0 ]
+}
+
+# A Python whose torch sees a CUDA device: $TORCH_PYTHON, python3 or
+# /usr/bin/python3 (Debian's torch), the first that does.
+find_torch_gpu_python() {
+    local py
+    for py in ${TORCH_PYTHON:-} python3 /usr/bin/python3; do
+        command -v "$py" >/dev/null 2>&1 || continue
+        "$py" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1 &&
+            { echo "$py"; return 0; }
+    done
+    return 1
+}
+
+# ./build.sh gpu. Every program is built with -arch=native where nvcc can
+# ask the device (else sm_90), mpt_cuda.cu compiled once and linked into
+# each. examples/mlp.c is C99 (compound literals), so gcc compiles it, with
+# MPT_CUDA, and nvcc links it. The summary lists the test counts and every
+# JSON line the benchmarks printed.
+run_gpu() {
+    local nvcc arch flags py p rc=0 out line
+    local -a results=()
+    nvcc=$(find_nvcc) || { echo "build.sh gpu: needs nvcc (set NVCC=...)" >&2; return 1; }
+    [ -e mpt_cuda.cu ] || { echo "build.sh gpu: mpt_cuda.cu is missing" >&2; return 1; }
+    if ! nvidia-smi -L >"$B/gpu.devices" 2>&1 || ! grep -q '^GPU ' "$B/gpu.devices"; then
+        cat "$B/gpu.devices" >&2
+        echo "build.sh gpu: no CUDA device (nvidia-smi -L lists none)" >&2
+        return 1
+    fi
+    install_packages
+    echo '__global__ void k(void) {}' >"$B/arch_check.cu"
+    arch=sm_90 # nvcc falls back to a default, with only a warning, when it finds no GPU
+    "$nvcc" -arch=native -c "$B/arch_check.cu" -o "$B/arch_check.o" >"$B/arch_check.log" 2>&1 &&
+        ! grep -qi "cannot find valid GPU" "$B/arch_check.log" && arch=native
+    flags="-std=c++17 -O2 -arch=$arch -Werror all-warnings -DMPT_CUDA -I."
+    echo "build.sh gpu: $(head -1 "$B/gpu.devices"), nvcc -arch=$arch"
+    if ! "$nvcc" $flags -c mpt_cuda.cu -o "$B/mpt_cuda_gpu.o" 2>"$B/gpu_build.log" ||
+        ! "$nvcc" $flags -x cu -c tests/test_cuda.c -o "$B/test_cuda_gpu.o" 2>>"$B/gpu_build.log" ||
+        ! "$nvcc" $flags -x cu -c bench/bench_cuda.c -o "$B/bench_cuda_gpu.o" 2>>"$B/gpu_build.log" ||
+        ! $CC -std=c99 $WARN $OPT -DMPT_CUDA -I. -c examples/mlp.c -o "$B/mlp_gpu.o" \
+            2>>"$B/gpu_build.log"; then
+        cat "$B/gpu_build.log"
+        echo "build.sh gpu: compile error (see above)" >&2
+        return 1
+    fi
+    for p in test_cuda bench_cuda mlp; do
+        if ! "$nvcc" -arch=$arch "$B/${p}_gpu.o" "$B/mpt_cuda_gpu.o" -o "$B/${p}_gpu" \
+            $LIBS $CUDA_LIBS 2>>"$B/gpu_build.log"; then
+            cat "$B/gpu_build.log"
+            echo "build.sh gpu: link error (see above)" >&2
+            return 1
+        fi
+    done
+
+    out=$B/test_cuda_gpu.out
+    "./$B/test_cuda_gpu" 2>&1 | tee "$out"
+    count_output test_cuda_gpu "$out" "${PIPESTATUS[0]}"
+    [ $failed -eq 0 ] || rc=1
+
+    "./$B/mlp_gpu" --verbose 2 2>&1 | tee "$B/mlp_gpu.out"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    "./$B/bench_cuda_gpu" 2>&1 | tee "$B/bench_cuda_gpu.out"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    if py=$(find_torch_gpu_python); then
+        "$py" bench/torch_gpu_train.py 2>&1 | tee "$B/torch_gpu_train.out"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    else
+        echo "build.sh gpu: no Python with a CUDA-enabled torch; bench/torch_gpu_train.py not run" |
+            tee "$B/torch_gpu_train.out"
+    fi
+
+    echo
+    echo "## ./build.sh gpu: $(head -1 "$B/gpu.devices")"
+    echo
+    echo "| step | result |"
+    echo "|---|---|"
+    echo "| tests/test_cuda.c | $passed passed, $failed failed, $skipped skipped |"
+    while IFS= read -r line; do results+=("| examples/mlp.c | $line |"); done \
+        < <(grep '^{' "$B/mlp_gpu.out")
+    while IFS= read -r line; do results+=("| bench/bench_cuda.c | $line |"); done \
+        < <(grep '^{' "$B/bench_cuda_gpu.out")
+    while IFS= read -r line; do results+=("| bench/torch_gpu_train.py | $line |"); done \
+        < <(grep '^{' "$B/torch_gpu_train.out")
+    [ ${#results[@]} -gt 0 ] && printf '%s\n' "${results[@]}"
+    grep -q '^{' "$B/torch_gpu_train.out" || echo "| bench/torch_gpu_train.py | not run |"
+    return $rc
 }
 
 case ${1:-all} in
@@ -214,5 +347,6 @@ bench)
     build_all || exit 1
     for b in bench/*.c; do "./$B/$(basename "$b" .c)"; done
     ;;
-*) echo "usage: ./build.sh [all|test|bench|run]" >&2; exit 2 ;;
+gpu) run_gpu ;;
+*) echo "usage: ./build.sh [all|test|bench|run|gpu]" >&2; exit 2 ;;
 esac

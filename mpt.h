@@ -417,6 +417,9 @@ typedef struct mpt_flatten_desc {
     MPT_LAYER_COMMON_FIELDS;
 } mpt_flatten_desc;
 
+/* Data parallelism (@strategy). */
+typedef struct mpt_strategy mpt_strategy;
+
 typedef struct mpt_model_desc {
     int64_t input_shape[MPT_MAX_RANK - 1]; /* required: one sample's shape,
                                               e.g. {28, 28, 1} (HWC)         */
@@ -424,6 +427,7 @@ typedef struct mpt_model_desc {
     mpt_policy policy;                      /* default float32                */
     uint64_t seed;                          /* default 0; weights and dropout
                                                masks follow from it          */
+    mpt_strategy *strategy;                 /* default NULL: one replica      */
 } mpt_model_desc;
 
 typedef struct mpt_model mpt_model;
@@ -695,6 +699,10 @@ typedef struct mpt_loss_args {
     int metrics;                /* MPT_METRIC_* bits to tally               */
     int top_k;
     int scale_by_loss_scale;    /* multiply dpred by state->loss_scale      */
+    float grad_weight;          /* and by this: a replica's share of the
+                                   global batch (its rows / all rows, so
+                                   that the replicas' gradients sum to the
+                                   mean's); default 0: 1                    */
     mpt_step_state *state;
 } mpt_loss_args;
 
@@ -799,6 +807,10 @@ typedef struct mpt_backend {
     /* Dynamic or fixed loss scaling after a step, from state->finite; then
        state->step + 1. */
     void (*loss_scale_update)(void *impl, const mpt_loss_scale_desc *d, mpt_step_state *state);
+    /* dst[i] += src[i] for n floats (replicas' gradients summed in order). */
+    void (*add)(void *impl, float *dst, const float *src, int64_t n);
+    /* x[i] *= alpha for n floats (a sum over replicas made a mean). */
+    void (*scale)(void *impl, float *x, float alpha, int64_t n);
 } mpt_backend;
 
 /* Memory categories (the model's arenas). */
@@ -1073,6 +1085,62 @@ MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
 /* Epochs completed, as recorded by fit and restored by load_checkpoint. */
 MPTDEF int mpt_model_epoch(const mpt_model *m);
 
+/* =============================================================================
+   @strategy: synchronous data parallelism, as TensorFlow's MirroredStrategy
+   =============================================================================
+
+   A model created with a strategy is replicated: every replica holds the
+   same weights (replica 0's, copied to the others when the model is built)
+   and takes an equal share of each batch that fit, evaluate and predict
+   are given (the global batch). After the backward pass the gradients are
+   summed over the replicas, each replica's loss having been divided by
+   the global batch, so the sum is the gradient of the mean; every replica
+   then applies the same update and the replicas stay identical. A step
+   that is not finite on one replica is not finite on any (the check runs
+   on the summed gradients), so loss scaling decides the same everywhere.
+   BatchNormalization uses each replica's own batch statistics. Loss and
+   metrics are summed over the replicas before anything reads them, so
+   progress, history and every callback's decision are the same on every
+   worker; progress is printed and files are written by worker 0 alone.
+
+   Mirrored: replicas inside this process — num_replicas logical replicas
+   sharing the context's device (the CPU, or one GPU), as TensorFlow's
+   virtual devices. Multi-worker: one replica per process, the processes
+   started by mpirun on one or many nodes; the gradients are summed with
+   MPI_Allreduce, in buckets started as soon as the layers that fill them
+   have finished their backward pass, so that the exchange overlaps the
+   rest of it. Multi-worker needs a build with -DMPT_MPI (and mpicc); every
+   worker runs the same program, and building a model checks that all of
+   them built the same one. A worker that stops answering makes the others
+   fail with MPT_ERR_STATE after timeout_seconds instead of waiting
+   forever. */
+
+typedef enum mpt_strategy_type {
+    MPT_STRATEGY_DEFAULT = 0,      /* one replica                              */
+    MPT_STRATEGY_MIRRORED = 1,     /* num_replicas replicas in this process    */
+    MPT_STRATEGY_MULTI_WORKER = 2  /* one replica per MPI process              */
+} mpt_strategy_type;
+
+typedef struct mpt_strategy_desc {
+    mpt_strategy_type type;
+    int num_replicas;         /* mirrored: replicas on the context's device;
+                                 default 0: 1                               */
+    double timeout_seconds;   /* multi-worker: how long a collective may wait
+                                 for the others; default 0: 60 s           */
+    int64_t bucket_bytes;     /* multi-worker: gradient bytes per all-reduce;
+                                 default 0: 4 MiB                          */
+} mpt_strategy_desc;
+
+MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc *desc,
+                                      mpt_strategy **out);
+/* After every model that uses it. Ends MPI if creating the strategy began it. */
+MPTDEF void mpt_strategy_destroy(mpt_strategy *s);
+/* Replicas over every worker. */
+MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s);
+/* This process's worker index (0 without MPI) and the number of workers. */
+MPTDEF int mpt_strategy_worker(const mpt_strategy *s);
+MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
+
 #ifdef __cplusplus
 }
 #endif
@@ -1103,6 +1171,10 @@ MPTDEF int mpt_model_epoch(const mpt_model *m);
 #include <unistd.h>
 #ifndef MPT_NO_ZLIB
 #include <zlib.h> /* gzip-compressed IDX files */
+#endif
+#ifdef MPT_MPI
+#include <mpi.h> /* multi-worker strategies */
+#include <sched.h>
 #endif
 
 #if !defined(MPT_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && \
@@ -3091,7 +3163,34 @@ struct mpt_model {
     int epoch;                           /* epochs completed                */
     mpt__history_store history;
     mpt_printer printer;                 /* progress and messages (fit's)   */
+    /* Data parallelism (@impl-strategy): */
+    mpt_strategy *strategy;              /* NULL: one replica                */
+    int n_replicas;                      /* replicas in this process (>= 1)  */
+    struct mpt_model **replica;          /* [n_replicas]: [0] is this model; the
+                                            others are built and compiled with it */
+    int replica_index;                   /* over every worker: keys dropout  */
+    struct mpt__exchange *exchange;      /* gradients in flight between workers
+                                            during fit's backward passes       */
 };
+
+/* The strategy's side (@impl-strategy). */
+struct mpt_strategy {
+    mpt_context *ctx;
+    mpt_strategy_type type;
+    int local;              /* replicas in this process                   */
+    int worker, workers;    /* this process's index, and how many         */
+    double timeout;         /* seconds a collective may wait              */
+    int64_t bucket_bytes;   /* gradient bytes per all-reduce              */
+    int began_mpi;          /* MPI_Finalize at destroy                    */
+};
+
+static int mpt__strategy_total(const mpt_strategy *s);
+static int mpt__strategy_is_chief(const mpt_strategy *s);
+static mpt_status mpt__replicas_build(mpt_model *m);
+static mpt_status mpt__workers_agree(mpt_model *m);
+static void mpt__exchange_layer_done(mpt_model *m, int layer);
+static mpt_status mpt__exchange_open(mpt_model *m);
+static void mpt__exchange_free(mpt_model *m);
 
 /* Where a model's buffers are, for the tensors that show them. */
 static mpt_device mpt__model_device(const mpt_model *m) {
@@ -3223,6 +3322,8 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     m->ctx = ctx;
     m->be = mpt_context_backend(ctx, &m->impl);
     m->desc = *desc;
+    m->strategy = desc->strategy;
+    m->n_replicas = 1;
     m->policy_dtype = desc->policy == MPT_POLICY_MIXED_FLOAT16    ? MPT_FLOAT16
                       : desc->policy == MPT_POLICY_MIXED_BFLOAT16 ? MPT_BFLOAT16
                                                                   : MPT_FLOAT32;
@@ -3235,6 +3336,8 @@ static void mpt__free_update_args(mpt_model *m);
 MPTDEF void mpt_model_destroy(mpt_model *m) {
     int c;
     if (!m) return;
+    for (c = 1; c < m->n_replicas; c++) mpt_model_destroy(m->replica[c]);
+    mpt__free(m->ctx, m->replica);
     for (c = 0; c < MPT__MEM_COUNT_; c++) m->be->free(m->impl, c, m->arena[c]);
     m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
     mpt__free_update_args(m);
@@ -3578,16 +3681,11 @@ static void mpt__free_arenas(mpt_model *m) {
     m->state = NULL;
 }
 
-MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
+/* Builds this replica for batches of max_batch. */
+static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
     mpt__carver c[MPT__MEM_COUNT_];
     int64_t grad_buf_bytes, workspace_bytes;
     int i;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: already built");
-    if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
-    if (max_batch <= 0)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
-                         (long long)max_batch);
     m->max_batch = max_batch;
     m->n_params = 0;
     mpt__final_softmax_in_float32(m);
@@ -3625,6 +3723,21 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     m->built = 1;
     mpt_model_refresh_weights(m);
     return m->compiled ? mpt__alloc_optimizer_state(m) : MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
+    int replicas;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: already built");
+    if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
+    if (max_batch <= 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
+                         (long long)max_batch);
+    /* With a strategy, max_batch is the global batch: each replica is
+       built for its share. */
+    replicas = m->strategy ? mpt__strategy_total(m->strategy) : 1;
+    MPT__CHECK(mpt__build_one(m, (max_batch + replicas - 1) / replicas));
+    return m->strategy ? mpt__replicas_build(m) : MPT_OK;
 }
 
 /* ---- running a model ------------------------------------------------------ */
@@ -3849,6 +3962,7 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
         p.dx = (i > first || dinput) ? m->grad_buf[1 - cur] : NULL;
         p.logits_only = m->emit_logits && i == m->n_layers - 1;
         L->ops->backward(L, &p);
+        if (m->exchange) mpt__exchange_layer_done(m, i);
         if (i > first && m->layers[i - 1].dtype != L->dtype) {
             /* dy is spent: the converted gradient goes back into its buffer. */
             m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[cur], L->dtype,
@@ -5423,8 +5537,10 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batc
 
 #define MPT__DROPOUT_CHUNK ((int64_t)1 << 14) /* elements per task; a multiple of 4 */
 
-static uint64_t mpt__dropout_key(const mpt__layer *L) {
-    return L->desc.dropout.seed ? mpt__mix64(L->desc.dropout.seed) : L->seed;
+/* Replicas draw different masks: each mixes its index into the key. */
+static uint64_t mpt__dropout_key(const mpt__layer *L, int replica) {
+    uint64_t key = L->desc.dropout.seed ? mpt__mix64(L->desc.dropout.seed) : L->seed;
+    return replica ? mpt__mix64(key ^ (uint64_t)replica) : key;
 }
 
 typedef struct mpt__dropout_job {
@@ -5502,14 +5618,15 @@ static void mpt__dropout_forward(mpt__layer *L, const mpt__pass *p) {
         return;
     }
     /* saved[0]: the step of this mask (1) int64, for backward */
-    p->be->dropout(p->impl, mpt__dropout_key(L), L->desc.dropout.rate, L->dtype, p->x, p->y, n,
-                   p->state, (int64_t *)L->saved[0], p->workspace);
+    p->be->dropout(p->impl, mpt__dropout_key(L, p->model->replica_index), L->desc.dropout.rate,
+                   L->dtype, p->x, p->y, n, p->state, (int64_t *)L->saved[0], p->workspace);
 }
 
 static void mpt__dropout_backward(mpt__layer *L, const mpt__pass *p) {
     if (p->dx)
-        p->be->dropout(p->impl, mpt__dropout_key(L), L->desc.dropout.rate, L->dtype, p->dy, p->dx,
-                       p->batch * L->in_count, NULL, (int64_t *)L->saved[0], p->workspace);
+        p->be->dropout(p->impl, mpt__dropout_key(L, p->model->replica_index),
+                       L->desc.dropout.rate, L->dtype, p->dy, p->dx, p->batch * L->in_count,
+                       NULL, (int64_t *)L->saved[0], p->workspace);
 }
 
 static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
@@ -5958,7 +6075,9 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     j.dpred = a->dpred ? &dpred : NULL;
     j.K = a->K;
     j.rows = a->rows;
-    loss = mpt__loss_run(ctx, &j, a->scale_by_loss_scale ? a->state->loss_scale : 1.0);
+    loss = mpt__loss_run(ctx, &j,
+                         (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
+                             (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
     a->state->loss_sum += loss * (double)a->rows;
     a->state->samples += (double)a->rows;
     mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
@@ -6594,6 +6713,10 @@ MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) 
     if (m->built && mpt__alloc_optimizer_state(m) != MPT_OK) {
         m->compiled = 0; /* no slots to step with */
         return MPT_ERR_OUT_OF_MEMORY;
+    }
+    {
+        int k;
+        for (k = 1; k < m->n_replicas; k++) MPT__CHECK(mpt_model_compile(m->replica[k], &r));
     }
     return MPT_OK;
 }
@@ -7743,6 +7866,13 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
 
 /* ---- one step ------------------------------------------------------------------ */
 
+/* During fit the last layer leaves its softmax to the loss, on every replica. */
+static void mpt__set_emit_logits(mpt_model *m, int on) {
+    int k;
+    m->emit_logits = on;
+    for (k = 1; k < m->n_replicas; k++) m->replica[k]->emit_logits = on;
+}
+
 /* Whether the final softmax can be fused into the compiled loss. */
 static int mpt__can_fuse_softmax(const mpt_model *m) {
     const mpt_loss_desc *l = &m->compile.loss;
@@ -7945,8 +8075,11 @@ static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int k, const mpt_te
 
 /* The tally of the steps since the last push, and the host's copy of the
    training scalars brought up to date. */
+static mpt_status mpt__replicas_tally(mpt_model *m, mpt__tally *t);
+
 static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     mpt_step_state st;
+    if (m->strategy) return mpt__replicas_tally(m, t); /* summed over replicas */
     MPT__CHECK(mpt__state_pull(m, &st));
     mpt__tally_from_state(&st, t);
     return MPT_OK;
@@ -8083,17 +8216,20 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
 /* Makes the model ready to train or run on batches of batch_size. */
 static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compile,
                                const char *what) {
-    if (!need_compile && m->built && batch_size > m->max_batch) batch_size = m->max_batch;
+    /* with a strategy, the global batch: every replica's share */
+    int64_t per = m->strategy ? mpt__strategy_total(m->strategy) : 1;
+    if (!need_compile && m->built && batch_size > m->max_batch * per)
+        batch_size = m->max_batch * per;
     if (batch_size <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: batch_size %lld must be > 0",
                          what, (long long)batch_size);
     if (need_compile && !m->compiled)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "%s: compile the model first", what);
     if (!m->built) MPT__CHECK(mpt_model_build(m, batch_size));
-    if (batch_size > m->max_batch)
+    if (batch_size > m->max_batch * per)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "%s: batch_size %lld is larger than the %lld the model was built for",
-                         what, (long long)batch_size, (long long)m->max_batch);
+                         what, (long long)batch_size, (long long)(m->max_batch * per));
     return MPT_OK;
 }
 
@@ -8119,6 +8255,8 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     double start = mpt__now(), last_print = 0;
     mpt_status s = MPT_OK;
     memset(t, 0, sizeof *t);
+    /* a replicated model evaluates on replica 0, in pieces it was built for */
+    batch_size = MPT__MIN(batch_size, m->max_batch);
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n);
     if (!order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     mpt__epoch_order(m, 0, 0, order, n);
@@ -8171,7 +8309,49 @@ typedef struct mpt__fit_run {
     mpt__loader *loader;
     int batch_callbacks;         /* some callback has on_batch_end */
     mpt__feed feed;              /* a model on a GPU: its uploads  */
+    int64_t *mine;               /* (n) with several workers: this one's share */
+    int64_t step;                /* the epoch's next global batch  */
+    int64_t rows, global_rows;   /* of the batch fit_next gave      */
 } mpt__fit_run;
+
+static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                                       int64_t rows, int64_t global_rows,
+                                       mpt__step_times *times);
+static mpt_status mpt__replicas_push(mpt_model *m);
+static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64_t n,
+                                 int64_t batch, int64_t *mine);
+
+/* The epoch's next batch, 0 at its end. On a GPU: the one uploaded; with
+   a strategy: this worker's rows of the next global batch (there may be
+   none when the last batch is shorter than the workers are many); else
+   the loader's. */
+static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
+    const mpt_strategy *st = r->m->strategy;
+    int64_t g;
+    if (r->feed.on) return r->feed.have;
+    if (!st) return mpt__loader_next(r->loader, x, y);
+    if (r->step >= r->steps) return 0;
+    g = MPT__MIN(r->d->batch_size, r->n - r->step * r->d->batch_size);
+    r->step++;
+    r->global_rows = g;
+    r->rows = g * (st->worker + 1) / st->workers - g * st->worker / st->workers;
+    if (r->rows > 0) return mpt__loader_next(r->loader, x, y);
+    memset(x, 0, sizeof *x);
+    memset(y, 0, sizeof *y);
+    return 1;
+}
+
+/* Starts an epoch's order on the loader: this worker's share of it. */
+static void mpt__fit_start_epoch(mpt__fit_run *r) {
+    const mpt_strategy *st = r->m->strategy;
+    r->step = 0;
+    if (st && st->workers > 1) {
+        int64_t n = mpt__worker_order(r->m, r->order, r->n, r->d->batch_size, r->mine);
+        mpt__loader_start_epoch(r->loader, r->mine, n, r->d->batch_size / st->workers);
+    } else {
+        mpt__loader_start_epoch(r->loader, r->order, r->n, r->d->batch_size);
+    }
+}
 
 /* The next step on a GPU: the compute queue waits for its batch's upload,
    the batch after it starts uploading, then the step is queued. */
@@ -8200,15 +8380,19 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     memset(logs, 0, sizeof *logs);
     if (d->verbose) mpt__print(m, "Epoch %d/%d\n", epoch + 1, d->epochs);
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
-    mpt__loader_start_epoch(r->loader, r->order, r->n, d->batch_size);
-    MPT__CHECK(mpt__state_push(m));
+    mpt__fit_start_epoch(r);
+    MPT__CHECK(m->strategy ? mpt__replicas_push(m) : mpt__state_push(m));
     if (r->feed.on && mpt__loader_next(r->loader, &x, &y))
         MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y));
-    while (s == MPT_OK && !*stop &&
-           (r->feed.on ? r->feed.have : mpt__loader_next(r->loader, &x, &y))) {
+    while (s == MPT_OK && !*stop && mpt__fit_next(r, &x, &y)) {
         mpt_logs batch_logs;
         int print = d->verbose == 1 && mpt__now() - last_print > 0.1;
-        s = r->feed.on ? mpt__fit_feed_step(r, &times) : mpt__train_step(m, &x, &y, &times);
+        if (r->feed.on)
+            s = mpt__fit_feed_step(r, &times);
+        else if (m->strategy)
+            s = mpt__replicated_step(m, &x, &y, r->rows, r->global_rows, &times);
+        else
+            s = mpt__train_step(m, &x, &y, &times);
         if (s != MPT_OK) break;
         batch++;
         /* The running values are read back only when someone looks at
@@ -8265,6 +8449,11 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     if (d->n_callbacks < 0 || (d->n_callbacks > 0 && !d->callbacks))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: %d callbacks but no array",
                          d->n_callbacks);
+    if (m->strategy && d->batch_size % mpt__strategy_total(m->strategy) != 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: batch_size %lld (the global batch) does not split evenly over "
+                         "%d replicas", (long long)d->batch_size,
+                         mpt__strategy_total(m->strategy));
     return mpt__prepare(m, d->batch_size, 1, "fit");
 }
 
@@ -8274,11 +8463,13 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt_dataset *head = NULL, *tail = NULL;
     mpt_logs logs;
     mpt_status s = MPT_OK;
-    int epoch, i, stop = 0;
+    int epoch, i, stop = 0, workers;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     MPT__CHECK(mpt__fit_check(m, train, desc));
+    workers = m->strategy ? m->strategy->workers : 1;
     d = *desc;
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
+    if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
     r.m = m;
     r.d = &d;
@@ -8302,13 +8493,18 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     r.steps = (r.n + d.batch_size - 1) / d.batch_size;
     r.order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n) : NULL;
     if (s == MPT_OK && !r.order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
-    if (s == MPT_OK) s = mpt__loader_create(m->ctx, r.train, d.batch_size, m->layers[0].dtype,
-                                            &r.loader);
-    if (s == MPT_OK) s = mpt__feed_open(m, &r.feed);
+    if (s == MPT_OK && workers > 1) {
+        r.mine = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n);
+        if (!r.mine) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    }
+    if (s == MPT_OK) s = mpt__loader_create(m->ctx, r.train, d.batch_size / workers,
+                                            m->layers[0].dtype, &r.loader);
+    if (s == MPT_OK && !m->strategy) s = mpt__feed_open(m, &r.feed);
     if (s == MPT_OK && r.feed.on) s = mpt__plan_gemms(m, MPT__MIN(d.batch_size, r.n));
+    if (s == MPT_OK) s = mpt__exchange_open(m);
     if (s == MPT_OK) {
         m->printer = d.printer;
-        m->emit_logits = mpt__can_fuse_softmax(m);
+        mpt__set_emit_logits(m, mpt__can_fuse_softmax(m));
         mpt__history_reset(m);
         MPT__EACH_CALLBACK(&d, on_train_begin, m);
     }
@@ -8322,10 +8518,12 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         MPT__EACH_CALLBACK(&d, on_epoch_end, m, epoch, &logs, &stop);
     }
     if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);
-    m->emit_logits = 0;
+    mpt__set_emit_logits(m, 0);
     mpt__feed_close(m, &r.feed);
+    mpt__exchange_free(m);
     mpt__loader_destroy(r.loader);
     mpt__free(m->ctx, r.order);
+    mpt__free(m->ctx, r.mine);
     mpt_dataset_destroy(head);
     mpt_dataset_destroy(tail);
     return s;
@@ -10046,6 +10244,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     mpt__ckpt_writer w;
     mpt_status s;
     MPT__CHECK(mpt__ckpt_check_model(m, path, full, what));
+    if (!mpt__strategy_is_chief(m->strategy)) return MPT_OK; /* worker 0 writes the file */
     memset(&pl, 0, sizeof pl);
     memset(&header, 0, sizeof header);
     memset(&w, 0, sizeof w);
@@ -10821,6 +11020,525 @@ MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path) {
 MPTDEF int mpt_model_epoch(const mpt_model *m) { return m ? m->epoch : 0; }
 
 /* =============================================================================
+   @impl-strategy  data parallelism: replicas in this process, workers over MPI
+   =============================================================================
+
+   A replicated model is replica 0; the others (m->replica[1..]) are
+   ordinary models with the same layers, built and compiled with it, whose
+   weights are copied from it once built. fit gives each replica its rows
+   of the batch, sums the gradients (replica by replica, in order, then
+   across workers), and has every replica apply the same update. */
+
+static int mpt__strategy_total(const mpt_strategy *s) { return s->local * s->workers; }
+static int mpt__strategy_is_chief(const mpt_strategy *s) { return !s || s->worker == 0; }
+
+MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s) { return s ? mpt__strategy_total(s) : 0; }
+MPTDEF int mpt_strategy_worker(const mpt_strategy *s) { return s ? s->worker : 0; }
+MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s) { return s ? s->workers : 0; }
+
+/* Joins the processes mpirun started (MPI begun here unless the program
+   began it). */
+static mpt_status mpt__strategy_join_workers(mpt_strategy *s) {
+#ifdef MPT_MPI
+    int ready = 0, provided;
+    MPI_Initialized(&ready);
+    if (!ready) {
+        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+            return mpt__fail(s->ctx, MPT_ERR_STATE, "strategy: MPI_Init_thread failed");
+        s->began_mpi = 1;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &s->worker);
+    MPI_Comm_size(MPI_COMM_WORLD, &s->workers);
+    return MPT_OK;
+#else
+    return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED,
+                     "strategy: multi-worker needs a build with -DMPT_MPI (mpicc)");
+#endif
+}
+
+MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc *desc,
+                                      mpt_strategy **out) {
+    mpt_strategy *s;
+    mpt_status st = MPT_OK;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!desc || !out)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: NULL %s", desc ? "out" : "desc");
+    *out = NULL;
+    if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
+                         (int)desc->type);
+    if (desc->num_replicas < 0 || desc->num_replicas > 64 ||
+        (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: num_replicas %d (1..64, and only for mirrored)",
+                         desc->num_replicas);
+    if (!(desc->timeout_seconds >= 0 && desc->timeout_seconds < 1e9) || desc->bucket_bytes < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: timeout_seconds %g and bucket_bytes %lld must be >= 0",
+                         desc->timeout_seconds, (long long)desc->bucket_bytes);
+    s = (mpt_strategy *)mpt__calloc(ctx, sizeof *s);
+    if (!s) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    s->ctx = ctx;
+    s->type = desc->type;
+    s->local = desc->num_replicas ? desc->num_replicas : 1;
+    s->workers = 1;
+    s->timeout = desc->timeout_seconds ? desc->timeout_seconds : 60;
+    s->bucket_bytes = desc->bucket_bytes ? desc->bucket_bytes : (int64_t)4 << 20;
+    if (s->type == MPT_STRATEGY_MULTI_WORKER) st = mpt__strategy_join_workers(s);
+    if (st != MPT_OK) {
+        mpt__free(ctx, s);
+        return st;
+    }
+    *out = s;
+    return MPT_OK;
+}
+
+MPTDEF void mpt_strategy_destroy(mpt_strategy *s) {
+    if (!s) return;
+#ifdef MPT_MPI
+    if (s->began_mpi) MPI_Finalize();
+#endif
+    mpt__free(s->ctx, s);
+}
+
+/* ---- waiting for the other workers, never forever --------------------------- */
+
+#ifdef MPT_MPI
+/* Completes n requests, polling, or fails after the strategy's timeout
+   naming what was awaited: another worker has died or is stuck. */
+static mpt_status mpt__mpi_wait(mpt_model *m, MPI_Request *req, int n, const char *what) {
+    double start = mpt__now();
+    int done = 0;
+    while (!done) {
+        if (MPI_Testall(n, req, &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "worker %d: %s: MPI failed",
+                             m->strategy->worker, what);
+        if (done) break;
+        if (mpt__now() - start > m->strategy->timeout)
+            return mpt__fail(m->ctx, MPT_ERR_STATE,
+                             "worker %d: %s: no answer from the other workers in %g s "
+                             "(one has stopped or is stuck); giving up",
+                             m->strategy->worker, what, m->strategy->timeout);
+        sched_yield();
+    }
+    return MPT_OK;
+}
+#endif
+
+/* Σ over the workers of n doubles, in place (the tallies). */
+static mpt_status mpt__workers_sum(mpt_model *m, double *v, int n, const char *what) {
+#ifdef MPT_MPI
+    if (m->strategy && m->strategy->workers > 1) {
+        MPI_Request r;
+        MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, &r);
+        return mpt__mpi_wait(m, &r, 1, what);
+    }
+#endif
+    (void)m;
+    (void)v;
+    (void)n;
+    (void)what;
+    return MPT_OK;
+}
+
+/* Σ over the workers of n floats in the backend's memory (the CPU's: MPI
+   needs host memory), in place. */
+static mpt_status mpt__workers_sum_floats(mpt_model *m, float *v, int64_t n, const char *what) {
+#ifdef MPT_MPI
+    if (m->strategy && m->strategy->workers > 1) {
+        MPI_Request r;
+        MPI_Iallreduce(MPI_IN_PLACE, v, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r);
+        return mpt__mpi_wait(m, &r, 1, what);
+    }
+#endif
+    (void)m;
+    (void)v;
+    (void)n;
+    (void)what;
+    return MPT_OK;
+}
+
+/* ---- building the replicas ---------------------------------------------------- */
+
+#ifdef MPT_MPI
+/* A hash of everything that must match between workers: the input, the
+   policy and seed, each layer's class, name, dtype and output shape, every
+   parameter's shape, and the batch each replica is built for. */
+static uint64_t mpt__model_signature(const mpt_model *m) {
+    uint64_t h = 0xcbf29ce484222325ull;
+#define MPT__MIX(v) (h = mpt__mix64(h ^ (uint64_t)(v)))
+    int i, k;
+    const char *c;
+    for (i = 0; i < m->desc.input_rank; i++) MPT__MIX(m->desc.input_shape[i]);
+    MPT__MIX(m->desc.policy);
+    MPT__MIX(m->desc.seed);
+    MPT__MIX(m->max_batch);
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        for (c = L->ops->class_name; *c; c++) MPT__MIX(*c);
+        for (c = L->name; *c; c++) MPT__MIX(*c);
+        MPT__MIX(L->dtype);
+        for (k = 0; k < L->out_rank; k++) MPT__MIX(L->out_shape[k]);
+    }
+    for (i = 0; i < m->n_params; i++)
+        for (k = 0; k < m->params[i].rank; k++) MPT__MIX(m->params[i].shape[k]);
+#undef MPT__MIX
+    return h;
+}
+#endif
+
+/* Multi-worker: every worker built the same model (else all fail, naming
+   the workers that differ), and all take worker 0's weights. */
+static mpt_status mpt__workers_agree(mpt_model *m) {
+#ifdef MPT_MPI
+    mpt_strategy *s = m->strategy;
+    uint64_t mine = mpt__model_signature(m), *all;
+    MPI_Request r;
+    int w, bad = 0;
+    char which[256] = "";
+    size_t used = 0;
+    if (s->workers <= 1) return MPT_OK;
+    all = (uint64_t *)mpt__alloc(m->ctx, sizeof(uint64_t) * (size_t)s->workers);
+    if (!all) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    MPI_Iallgather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, MPI_COMM_WORLD, &r);
+    if (mpt__mpi_wait(m, &r, 1, "comparing the workers' models") != MPT_OK) {
+        mpt__free(m->ctx, all);
+        return MPT_ERR_STATE;
+    }
+    for (w = 1; w < s->workers; w++)
+        if (all[w] != all[0]) {
+            bad++;
+            if (used < sizeof which)
+                used += (size_t)snprintf(which + used, sizeof which - used, " %d", w);
+        }
+    mpt__free(m->ctx, all);
+    if (bad)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: workers built different models (layers, shapes, policy, "
+                         "seed or batch): worker%s%s differ%s from worker 0",
+                         bad > 1 ? "s" : "", which, bad > 1 ? "" : "s");
+    {
+        /* worker 0's weights, in pieces that fit MPI's int counts */
+        unsigned char *p = (unsigned char *)m->arena[MPT__MEM_PARAMS];
+        int64_t left = m->arena_bytes[MPT__MEM_PARAMS];
+        while (left > 0) {
+            int piece = (int)MPT__MIN(left, (int64_t)1 << 30);
+            MPI_Ibcast(p, piece, MPI_BYTE, 0, MPI_COMM_WORLD, &r);
+            MPT__CHECK(mpt__mpi_wait(m, &r, 1, "receiving worker 0's weights"));
+            p += piece;
+            left -= piece;
+        }
+        mpt_model_refresh_weights(m);
+    }
+#else
+    (void)m;
+#endif
+    return MPT_OK;
+}
+
+static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
+    mpt_model_desc d = m->desc;
+    mpt_model *r = NULL;
+    int i;
+    mpt_status s;
+    d.strategy = NULL;
+    MPT__CHECK(mpt_model_create(m->ctx, &d, &r));
+    r->replica_index = m->replica_index + k;
+    for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++)
+        s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
+                           m->layers[i].desc.flatten.dtype);
+    if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
+    if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
+    if (s == MPT_OK) { /* replica 0's weights */
+        r->be->copy(r->impl, r->arena[MPT__MEM_PARAMS], m->arena[MPT__MEM_PARAMS],
+                    (size_t)m->arena_bytes[MPT__MEM_PARAMS]);
+        mpt_model_refresh_weights(r);
+    }
+    if (s != MPT_OK) {
+        mpt_model_destroy(r);
+        return s;
+    }
+    *out = r;
+    return MPT_OK;
+}
+
+/* After replica 0 is built: the other replicas of this process, then the
+   agreement between workers. A failure leaves the model unbuilt. */
+static mpt_status mpt__replicas_build(mpt_model *m) {
+    mpt_strategy *s = m->strategy;
+    mpt_status st = MPT_OK;
+    int k;
+    m->replica = (mpt_model **)mpt__calloc(m->ctx, sizeof(mpt_model *) * (size_t)s->local);
+    if (!m->replica) st = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    if (st == MPT_OK && s->workers > 1 && mpt__model_device(m) != MPT_DEVICE_CPU)
+        st = mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                       "strategy: several workers on GPUs need NCCL, which this build does not "
+                       "use yet; train the workers on the CPU (MPT_DEVICE=cpu)");
+    if (st == MPT_OK) {
+        m->replica[0] = m;
+        m->replica_index = s->worker * s->local;
+    }
+    for (k = 1; st == MPT_OK && k < s->local; k++) {
+        st = mpt__replica_new(m, k, &m->replica[k]);
+        if (st == MPT_OK) m->n_replicas = k + 1;
+    }
+    if (st == MPT_OK) st = mpt__workers_agree(m);
+    if (st != MPT_OK) {
+        for (k = 1; k < m->n_replicas; k++) mpt_model_destroy(m->replica[k]);
+        mpt__free(m->ctx, m->replica);
+        m->replica = NULL;
+        m->n_replicas = 1;
+        mpt__free_arenas(m);
+        m->built = 0;
+    }
+    return st;
+}
+
+/* ---- the gradients between workers, bucket by bucket ---------------------------- */
+
+/* One step's all-reduce of the gradient arena (float32 sums), cut into
+   buckets that start as soon as the layers filling them are done with
+   their backward pass: the layers' gradients lie in layer order in the
+   arena, and backward runs from the last layer, so what is finished is
+   always the arena's tail [offset of layer i, end). */
+typedef struct mpt__exchange {
+    int64_t pending;        /* floats [0, pending) not yet sent            */
+    int64_t bucket;         /* floats per bucket                           */
+    int n, cap;
+#ifdef MPT_MPI
+    MPI_Request *req;       /* [cap]                                       */
+#endif
+} mpt__exchange;
+
+static void mpt__exchange_free(mpt_model *m) {
+    if (!m->exchange) return;
+#ifdef MPT_MPI
+    mpt__free(m->ctx, m->exchange->req);
+#endif
+    mpt__free(m->ctx, m->exchange);
+    m->exchange = NULL;
+}
+
+/* Allocated when fit starts (a step allocates nothing); only with workers. */
+static mpt_status mpt__exchange_open(mpt_model *m) {
+    mpt__exchange *x;
+    int64_t floats = m->arena_bytes[MPT__MEM_GRADS] / 4;
+    if (!m->strategy || m->strategy->workers <= 1 || m->n_replicas > 1) return MPT_OK;
+    x = (mpt__exchange *)mpt__calloc(m->ctx, sizeof *x);
+    if (!x) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    m->exchange = x;
+    x->bucket = MPT__MAX(m->strategy->bucket_bytes / 4, 1);
+    /* a bucket per layer at most, each in pieces below 2^30 floats */
+    x->cap = 2 * m->n_layers + (int)(floats >> 30) + 4;
+#ifdef MPT_MPI
+    x->req = (MPI_Request *)mpt__calloc(m->ctx, sizeof(MPI_Request) * (size_t)x->cap);
+    if (!x->req) {
+        mpt__exchange_free(m);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    }
+#endif
+    return MPT_OK;
+}
+
+/* Starts the all-reduce of floats [from, pending). */
+static void mpt__exchange_send(mpt_model *m, int64_t from) {
+    mpt__exchange *x = m->exchange;
+#ifdef MPT_MPI
+    float *g = (float *)m->arena[MPT__MEM_GRADS];
+    while (x->pending > from && x->n < x->cap) {
+        int64_t piece = MPT__MIN(x->pending - from, (int64_t)1 << 30);
+        MPI_Iallreduce(MPI_IN_PLACE, g + x->pending - piece, (int)piece, MPI_FLOAT, MPI_SUM,
+                       MPI_COMM_WORLD, &x->req[x->n++]);
+        x->pending -= piece;
+    }
+#else
+    (void)m;
+#endif
+    x->pending = MPT__MIN(x->pending, from);
+}
+
+/* Called by backward after each layer: sends the finished tail once it
+   holds a bucket, and lets MPI progress what is in flight. */
+static void mpt__exchange_layer_done(mpt_model *m, int layer) {
+    mpt__exchange *x = m->exchange;
+    const mpt__layer *L = &m->layers[layer];
+    int k;
+    for (k = 0; k < L->n_params; k++)
+        if (L->param[k]->trainable) {
+            int64_t at = L->param[k]->grad - (float *)m->arena[MPT__MEM_GRADS];
+            if (x->pending - at >= x->bucket) mpt__exchange_send(m, at);
+            break;
+        }
+#ifdef MPT_MPI
+    if (x->n) {
+        int done;
+        MPI_Testall(x->n, x->req, &done, MPI_STATUSES_IGNORE);
+    }
+#endif
+}
+
+/* The step's exchange: before backward, arm it; after, send the rest and
+   wait (with the strategy's timeout) for every bucket. */
+static void mpt__exchange_arm(mpt_model *m) {
+    m->exchange->pending = m->arena_bytes[MPT__MEM_GRADS] / 4;
+    m->exchange->n = 0;
+}
+
+static mpt_status mpt__exchange_finish(mpt_model *m) {
+    mpt__exchange_send(m, 0);
+#ifdef MPT_MPI
+    return mpt__mpi_wait(m, m->exchange->req, m->exchange->n, "summing the gradients");
+#else
+    return MPT_OK;
+#endif
+}
+
+/* ---- one replicated training step --------------------------------------------- */
+
+/* Rows [b0, b1) of a batch tensor, as a view. */
+static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
+    mpt_tensor v = *t;
+    v.shape[0] = b1 - b0;
+    v.data = (unsigned char *)t->data + (size_t)b0 * (mpt_tensor_bytes(t) / (size_t)t->shape[0]);
+    return v;
+}
+
+/* BatchNormalization's batch statistics made the mean over the replicas
+   that had rows (here and on every worker) before every replica commits
+   them: the moving statistics, an average of linear updates, then equal
+   the mean of per-replica moving statistics, which is what TensorFlow
+   reads from its per-replica (ON_READ, MEAN) variables. They stay the
+   same on every replica. */
+static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int *had_rows) {
+    int n = m->n_replicas, i, j, k;
+    double contributors = 0;
+    for (k = 0; k < n; k++) contributors += had_rows[k] != 0;
+    MPT__CHECK(mpt__workers_sum(m, &contributors, 1, "counting the replicas with rows"));
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = &m->layers[i];
+        int64_t C = L->in_shape[L->in_rank - 1];
+        if (L->ops != &mpt__bn_ops) continue;
+        for (j = 0; j < 2; j++) { /* saved[0]: mean, saved[1]: variance, (C) each */
+            float *sum = (float *)L->saved[j];
+            if (!had_rows[0]) m->be->zero(m->impl, sum, sizeof(float) * (size_t)C);
+            for (k = 1; k < n; k++)
+                if (had_rows[k])
+                    m->be->add(m->impl, sum, (const float *)m->replica[k]->layers[i].saved[j], C);
+            MPT__CHECK(mpt__workers_sum_floats(m, sum, C, "averaging the batch statistics"));
+            m->be->scale(m->impl, sum, (float)(1.0 / MPT__MAX(contributors, 1)), C);
+            for (k = 1; k < n; k++)
+                m->be->copy(m->impl, m->replica[k]->layers[i].saved[j], sum,
+                            sizeof(float) * (size_t)C);
+        }
+    }
+    return MPT_OK;
+}
+
+/* Every replica's forward, loss and backward on its rows of this worker's
+   batch (rows may be 0: then its gradients are zero), each loss divided
+   by the global batch; the gradients summed over the replicas and the
+   workers; the same update on every replica. */
+static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
+    int n = m->n_replicas, k;
+    int64_t grads = m->arena_bytes[MPT__MEM_GRADS];
+    int had_rows[64]; /* n <= 64 */
+    double t0 = mpt__now(), t1;
+    for (k = 0; k < n; k++) {
+        mpt_model *r = m->replica[k];
+        int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
+        had_rows[k] = b1 > b0;
+        if (k == 0 && m->exchange) mpt__exchange_arm(m);
+        if (b1 > b0) {
+            mpt_tensor xs = mpt__rows(x, b0, b1), ys = mpt__rows(y, b0, b1), in, target;
+            mpt_loss_args loss;
+            MPT__CHECK(mpt__input_on_backend(r, &xs, &in));
+            MPT__CHECK(mpt__target_on_backend(r, &ys, &target));
+            mpt__model_forward(r, &in, 1);
+            loss = mpt__loss_args(r, &target, 1);
+            loss.grad_weight = (float)((double)(b1 - b0) / (double)global_rows);
+            r->be->loss(r->impl, &loss);
+            mpt_model_backward(r, NULL, NULL);
+        } else {
+            r->be->zero(r->impl, r->arena[MPT__MEM_GRADS], (size_t)grads);
+        }
+    }
+    /* replica 0 sums the others' gradients in order, then the workers' */
+    for (k = 1; k < n; k++)
+        m->be->add(m->impl, (float *)m->arena[MPT__MEM_GRADS],
+                   (const float *)m->replica[k]->arena[MPT__MEM_GRADS], grads / 4);
+    if (m->exchange) MPT__CHECK(mpt__exchange_finish(m));
+    for (k = 1; k < n; k++)
+        m->be->copy(m->impl, m->replica[k]->arena[MPT__MEM_GRADS], m->arena[MPT__MEM_GRADS],
+                    (size_t)grads);
+    t1 = mpt__now();
+    MPT__CHECK(mpt__replicas_average_statistics(m, had_rows));
+    for (k = 0; k < n; k++) {
+        mpt_model *r = m->replica[k];
+        r->be->grad_stats(r->impl, &r->update);
+        r->be->update(r->impl, &r->update);
+        r->be->loss_scale_update(r->impl, &r->compile.loss_scale, r->state);
+        mpt__model_commit(r); /* the averaged batch statistics, if applied */
+    }
+    times->backward += t1 - t0;
+    times->update += mpt__now() - t1;
+    return MPT_OK;
+}
+
+/* The host's training scalars onto every replica's record (tallies
+   zeroed), and back: the tallies summed over replicas and workers. */
+static mpt_status mpt__replicas_push(mpt_model *m) {
+    int k;
+    for (k = 1; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        r->step = m->step;
+        r->optimizer_steps = m->optimizer_steps;
+        r->good_steps = m->good_steps;
+        r->skipped_steps = m->skipped_steps;
+        r->learning_rate = m->learning_rate;
+        r->loss_scale = m->loss_scale;
+        MPT__CHECK(mpt__state_push(r));
+    }
+    return mpt__state_push(m);
+}
+
+static mpt_status mpt__replicas_tally(mpt_model *m, mpt__tally *t) {
+    mpt_step_state st;
+    double sum[4] = {0, 0, 0, 0};
+    int k;
+    for (k = m->n_replicas - 1; k >= 0; k--) { /* replica 0 last: its scalars stay */
+        MPT__CHECK(mpt__state_pull(m->replica[k], &st));
+        sum[0] += st.loss_sum;
+        sum[1] += st.correct;
+        sum[2] += st.top_k;
+        sum[3] += st.samples;
+    }
+    MPT__CHECK(mpt__workers_sum(m, sum, 4, "summing the metrics"));
+    st.loss_sum = sum[0];
+    st.correct = sum[1];
+    st.top_k = sum[2];
+    st.samples = sum[3];
+    mpt__tally_from_state(&st, t);
+    return MPT_OK;
+}
+
+/* This worker's share of an epoch's order: of each global batch of
+   `batch` samples (the last may be shorter), its contiguous slice.
+   Returns how many samples that is. */
+static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64_t n,
+                                 int64_t batch, int64_t *mine) {
+    int64_t g, used = 0;
+    int w = m->strategy->worker, W = m->strategy->workers;
+    for (g = 0; g < n; g += batch) {
+        int64_t rows = MPT__MIN(batch, n - g);
+        int64_t b0 = rows * w / W, b1 = rows * (w + 1) / W;
+        memcpy(mine + used, order + g + b0, sizeof(int64_t) * (size_t)(b1 - b0));
+        used += b1 - b0;
+    }
+    return used;
+}
+
+/* =============================================================================
    @impl-cpu-backend  the CPU's implementation of @backend's table
    =============================================================================
 
@@ -10934,6 +11652,36 @@ static void mpt__cpu_column_sums(void *impl, const float *dz, int64_t rows, int6
     mpt__add_column_sums(dz, rows, cols, out);
 }
 
+typedef struct mpt__add_job {
+    float *dst;
+    const float *src;
+    int64_t n;
+} mpt__add_job;
+
+enum { MPT__ADD_CHUNK = 1 << 16 };
+
+static void mpt__add_task(void *arg, int64_t task, int thread) {
+    const mpt__add_job *j = (const mpt__add_job *)arg;
+    int64_t i0 = task * MPT__ADD_CHUNK;
+    (void)thread;
+    mpt__add_f32(j->dst + i0, j->src + i0, MPT__MIN((int64_t)MPT__ADD_CHUNK, j->n - i0));
+}
+
+static void mpt__cpu_add(void *impl, float *dst, const float *src, int64_t n) {
+    mpt__add_job j;
+    j.dst = dst;
+    j.src = src;
+    j.n = n;
+    mpt__parallel_for((mpt_context *)impl, (n + MPT__ADD_CHUNK - 1) / MPT__ADD_CHUNK, mpt__add_task,
+                      &j);
+}
+
+static void mpt__cpu_scale(void *impl, float *x, float alpha, int64_t n) {
+    int64_t i;
+    (void)impl;
+    for (i = 0; i < n; i++) x[i] *= alpha;
+}
+
 static const mpt_backend mpt__cpu_table = {
     "cpu", 0, 0,
     mpt__cpu_alloc, mpt__cpu_free, mpt__cpu_alloc_host, mpt__cpu_free_host,
@@ -10946,7 +11694,8 @@ static const mpt_backend mpt__cpu_table = {
     mpt__cpu_pool_forward, mpt__cpu_pool_backward, mpt__cpu_pool_workspace,
     mpt__cpu_batchnorm_forward, mpt__cpu_batchnorm_backward, mpt__cpu_batchnorm_commit,
     mpt__cpu_batchnorm_workspace, mpt__cpu_dropout, mpt__cpu_loss,
-    mpt__cpu_grad_stats, mpt__cpu_update, mpt__cpu_loss_scale_update};
+    mpt__cpu_grad_stats, mpt__cpu_update, mpt__cpu_loss_scale_update, mpt__cpu_add,
+    mpt__cpu_scale};
 
 static const mpt_backend *mpt__cpu_backend(void) { return &mpt__cpu_table; }
 

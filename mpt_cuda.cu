@@ -2568,6 +2568,7 @@ static __device__ double mpt__cuda_train_block_sum(double v) {
 typedef struct mpt__cuda_loss_params {
     mpt_loss_type type;
     int from_logits, metrics, top_k, scale_by_loss_scale;
+    float grad_weight; /* a replica's share of the global batch (1 alone) */
     mpt_dtype pred_dtype, target_dtype; /* dpred has pred's dtype */
     const void *pred, *target;
     void *dpred;
@@ -2761,7 +2762,8 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
     const bool categorical = p.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
                              p.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
     float scale = p.scale_by_loss_scale ? p.state->loss_scale : 1.0f;
-    const float gscale = (float)((scale != 0 ? (double)scale : 1.0) / p.count);
+    const float gscale =
+        (float)((scale != 0 ? (double)scale : 1.0) * (double)p.grad_weight / p.count);
     double loss_sum = 0;
     int correct_sum = 0, top_k_sum = 0;
     for (int64_t r = r0 + warp; r < r1; r += mpt__cuda_train_warps) {
@@ -2830,6 +2832,7 @@ static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
     p.metrics = a->metrics;
     p.top_k = a->top_k;
     p.scale_by_loss_scale = a->scale_by_loss_scale;
+    p.grad_weight = a->grad_weight != 0 ? a->grad_weight : 1.0f;
     p.pred_dtype = a->pred_dtype;
     p.target_dtype = a->target_dtype;
     p.pred = a->pred;
@@ -3175,6 +3178,48 @@ static void mpt__cuda_loss_scale_update(void *impl, const mpt_loss_scale_desc *d
     mpt__cuda *c = (mpt__cuda *)impl;
     mpt__cuda_loss_scale_kernel<<<1, 1, 0, c->stream>>>(*d, state);
     mpt__cuda_launched(c, "mpt__cuda_loss_scale_kernel");
+}
+
+/* dst += src: four floats per thread and step where both are 16-byte
+   aligned (a grid-stride loop), one at a time otherwise. */
+static __global__ void mpt__cuda_add_kernel(float *dst, const float *src, int64_t n, int vec) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        for (; i < n / 4; i += stride) {
+            float4 a = ((const float4 *)dst)[i], b = ((const float4 *)src)[i];
+            a.x = __fadd_rn(a.x, b.x);
+            a.y = __fadd_rn(a.y, b.y);
+            a.z = __fadd_rn(a.z, b.z);
+            a.w = __fadd_rn(a.w, b.w);
+            ((float4 *)dst)[i] = a;
+        }
+        i = n / 4 * 4 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    }
+    for (; i < n; i += stride) dst[i] = __fadd_rn(dst[i], src[i]);
+}
+
+/* x *= alpha, one float per thread and step. */
+static __global__ void mpt__cuda_scale_kernel(float *x, float alpha, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        x[i] = __fmul_rn(x[i], alpha);
+}
+
+static void mpt__cuda_scale(void *impl, float *x, float alpha, int64_t n) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (n <= 0) return;
+    mpt__cuda_scale_kernel<<<mpt__cuda_blocks(n, 256), 256, 0, c->stream>>>(x, alpha, n);
+    mpt__cuda_launched(c, "mpt__cuda_scale_kernel");
+}
+
+static void mpt__cuda_add(void *impl, float *dst, const float *src, int64_t n) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    int vec = ((uintptr_t)dst % 16 == 0) && ((uintptr_t)src % 16 == 0);
+    if (n <= 0) return;
+    mpt__cuda_add_kernel<<<mpt__cuda_blocks(vec ? (n + 3) / 4 : n, 256), 256, 0, c->stream>>>(
+        dst, src, n, vec);
+    mpt__cuda_launched(c, "mpt__cuda_add_kernel");
 }
 
 /* =============================================================================
@@ -3695,6 +3740,8 @@ static const mpt_backend mpt__cuda_backend = {
     mpt__cuda_grad_stats,
     mpt__cuda_update,
     mpt__cuda_loss_scale_update,
+    mpt__cuda_add,
+    mpt__cuda_scale,
 };
 
 /* Takes desc->cuda_device. On success *message holds one line about the

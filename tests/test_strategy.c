@@ -1,0 +1,276 @@
+/* The mirrored strategy on the CPU: N logical replicas against one replica
+   with the same global batch, replicas that stay identical, loss scaling
+   decided alike everywhere, and bad input. (Several processes under MPI:
+   tests/mpi_strategy.c, run by build.sh with mpirun.) */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "helpers.h"
+
+static mpt_context *ctx;
+
+enum { N_SYN = 200, FEATURES = 6, CLASSES = 3 };
+
+static float xs[N_SYN * FEATURES];
+static int32_t ys[N_SYN];
+
+/* Three classes, each lifted along its own feature. */
+static void make_blobs(void) {
+    int i, j;
+    test_seed(3);
+    for (i = 0; i < N_SYN; i++) {
+        ys[i] = i % CLASSES;
+        for (j = 0; j < FEATURES; j++)
+            xs[i * FEATURES + j] = (float)test_uniform(-0.5, 0.5) + (j == ys[i] ? 1.5f : 0.0f);
+    }
+}
+
+static mpt_dataset *blobs(void) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, xs);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, ys);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+/* Dense(16, relu) [-> BatchNormalization -> Dropout] -> Dense(3, softmax). */
+static mpt_model *model(mpt_strategy *s, mpt_policy policy, int extras, mpt_optimizer_type opt) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .policy = policy, .seed = 5, .strategy = s}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    if (extras) {
+        mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+        mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.2f});
+    }
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = opt, .learning_rate = 0.05f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* The last epoch's value of a history key. */
+static double history_of(const mpt_model *m, const char *key) {
+    mpt_history h;
+    int k;
+    mpt_model_history(m, &h);
+    for (k = 0; k < h.n_keys; k++)
+        if (!strcmp(h.keys[k], key) && h.epochs > 0) return h.values[k][h.epochs - 1];
+    return NAN;
+}
+
+static mpt_strategy *mirrored(int replicas) {
+    mpt_strategy *s = NULL;
+    CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                        .num_replicas = replicas}, &s) == MPT_OK,
+          "strategy: %s", mpt_context_error(ctx));
+    return s;
+}
+
+/* ‖a − b‖ / ‖b‖ over every weight (NaN if either has one). */
+static double weight_diff(const mpt_model *a, const mpt_model *b) {
+    double num = 0, den = 0;
+    int i;
+    int64_t e;
+    for (i = 0; i < a->n_params; i++)
+        for (e = 0; e < a->params[i].count; e++) {
+            double x = a->params[i].value[e], y = b->params[i].value[e];
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+    return sqrt(num / den);
+}
+
+static int replicas_identical(const mpt_model *m) {
+    int k;
+    for (k = 1; k < m->n_replicas; k++)
+        if (memcmp(m->arena[MPT__MEM_PARAMS], m->replica[k]->arena[MPT__MEM_PARAMS],
+                   (size_t)m->arena_bytes[MPT__MEM_PARAMS]) ||
+            (m->arena_bytes[MPT__MEM_OPTIMIZER] &&
+             memcmp(m->arena[MPT__MEM_OPTIMIZER], m->replica[k]->arena[MPT__MEM_OPTIMIZER],
+                    (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER])))
+            return 0;
+    return 1;
+}
+
+/* N replicas, global batch 32 (the epoch's last batch has 8 samples: 2 or
+   4 per replica, or 0 for some of 4 in a batch of 2), give after three
+   epochs the weights one replica gets with the same global batch. The
+   only difference is the order of the float32 additions that sum the
+   gradients (per replica, then across replicas, instead of over the whole
+   batch): allowed 1e-5 relative norm error, the project's float32
+   tolerance (measured: below 1e-6). */
+static void test_replicas_match_one(void) {
+    int counts[2] = {2, 4}, c, o;
+    mpt_optimizer_type opts[2] = {MPT_OPTIMIZER_SGD, MPT_OPTIMIZER_ADAM};
+    mpt_dataset *d = blobs();
+    for (o = 0; o < 2; o++)
+        for (c = 0; c < 2; c++) {
+            mpt_strategy *s = mirrored(counts[c]);
+            mpt_model *one = model(NULL, MPT_POLICY_FLOAT32, 0, opts[o]);
+            mpt_model *many = model(s, MPT_POLICY_FLOAT32, 0, opts[o]);
+            mpt_fit_desc fit;
+            double diff;
+            memset(&fit, 0, sizeof fit);
+            fit.epochs = 3;
+            fit.batch_size = 32;
+            CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+            CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", counts[c],
+                  mpt_context_error(ctx));
+            CHECK(many->n_replicas == counts[c] && mpt_strategy_num_replicas(s) == counts[c],
+                  "%d replicas built, %d in the strategy", many->n_replicas,
+                  mpt_strategy_num_replicas(s));
+            diff = weight_diff(many, one);
+            CHECK(diff <= 1e-5, "optimizer %d, %d replicas: relative norm error %.3g",
+                  (int)opts[o], counts[c], diff);
+            printf("# optimizer %d, %d replicas vs 1: relative norm error of the weights %.3g\n",
+                   (int)opts[o], counts[c], diff);
+            CHECK(replicas_identical(many), "%d replicas drifted apart", counts[c]);
+            CHECK(fabs(history_of(many, "loss") - history_of(one, "loss")) < 1e-5,
+                  "%d replicas: loss %.8f, one replica %.8f", counts[c],
+                  history_of(many, "loss"), history_of(one, "loss"));
+            CHECK(history_of(many, "accuracy") == history_of(one, "accuracy"),
+                  "%d replicas: accuracy %.6f, one replica %.6f", counts[c],
+                  history_of(many, "accuracy"), history_of(one, "accuracy"));
+            mpt_model_destroy(one);
+            mpt_model_destroy(many);
+            mpt_strategy_destroy(s);
+        }
+    mpt_dataset_destroy(d);
+}
+
+/* With BatchNormalization (per-replica statistics) and Dropout (a mask per
+   replica), in mixed_float16: the replicas stay bit-identical, their
+   masks differ, and the model learns. */
+static void test_replicas_stay_identical(void) {
+    mpt_dataset *d = blobs();
+    mpt_strategy *s = mirrored(3);
+    mpt_model *m = model(s, MPT_POLICY_MIXED_FLOAT16, 1, MPT_OPTIMIZER_ADAM);
+    mpt_fit_desc fit;
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 5;
+    fit.batch_size = 30;
+    CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(replicas_identical(m), "replicas drifted apart");
+    CHECK(history_of(m, "accuracy") > 0.9, "accuracy %.3f after 5 epochs",
+          history_of(m, "accuracy"));
+    CHECK(mpt__dropout_key(&m->layers[2], m->replica_index) !=
+              mpt__dropout_key(&m->replica[1]->layers[2], m->replica[1]->replica_index),
+          "replicas share a dropout key");
+    mpt_model_destroy(m);
+    mpt_strategy_destroy(s);
+    mpt_dataset_destroy(d);
+}
+
+/* A loss scale that overflows float16 skips the step on every replica:
+   the decision is taken on the summed gradients. */
+static void test_skips_are_global(void) {
+    mpt_dataset *d = blobs();
+    mpt_strategy *s = mirrored(2);
+    mpt_model *m = model(s, MPT_POLICY_MIXED_FLOAT16, 0, MPT_OPTIMIZER_SGD);
+    mpt_fit_desc fit;
+    int k;
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 1;
+    fit.batch_size = 40;
+    CHECK(mpt_model_build(m, 40) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    m->loss_scale = 1e38f; /* float16 gradients overflow: every step skips until it falls */
+    CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(m->skipped_steps == 5, "%lld of 5 steps skipped", (long long)m->skipped_steps);
+    for (k = 1; k < m->n_replicas; k++)
+        CHECK(m->replica[k]->skipped_steps == m->skipped_steps &&
+                  m->replica[k]->loss_scale == m->loss_scale,
+              "replica %d: %lld skipped, scale %g; replica 0: %lld, %g", k,
+              (long long)m->replica[k]->skipped_steps, m->replica[k]->loss_scale,
+              (long long)m->skipped_steps, m->loss_scale);
+    CHECK(replicas_identical(m), "replicas drifted apart");
+    mpt_model_destroy(m);
+    mpt_strategy_destroy(s);
+    mpt_dataset_destroy(d);
+}
+
+/* Evaluate, predict and checkpoints of a replicated model use replica 0. */
+static void test_evaluate_predict_checkpoint(void) {
+    const char *path = "build/test_strategy.safetensors";
+    mpt_dataset *d = blobs();
+    mpt_strategy *s = mirrored(2);
+    mpt_model *m = model(s, MPT_POLICY_FLOAT32, 1, MPT_OPTIMIZER_ADAM);
+    mpt_model *single = model(NULL, MPT_POLICY_FLOAT32, 1, MPT_OPTIMIZER_ADAM);
+    mpt_fit_desc fit;
+    mpt_logs a, b;
+    mpt_tensor pa, pb;
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = 50;
+    CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_save_checkpoint(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(single, 50) == MPT_OK && mpt_model_load_checkpoint(single, path) == MPT_OK,
+          "load: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 50}, &a) == MPT_OK &&
+              mpt_model_evaluate(single, d, &(mpt_evaluate_desc){.batch_size = 25}, &b) == MPT_OK,
+          "evaluate: %s", mpt_context_error(ctx));
+    CHECK(mpt_logs_get(&a, "accuracy") == mpt_logs_get(&b, "accuracy") &&
+              fabs(mpt_logs_get(&a, "loss") - mpt_logs_get(&b, "loss")) < 1e-6,
+          "evaluate: %g/%g vs %g/%g", mpt_logs_get(&a, "loss"), mpt_logs_get(&a, "accuracy"),
+          mpt_logs_get(&b, "loss"), mpt_logs_get(&b, "accuracy"));
+    CHECK(mpt_model_predict(m, d, 50, &pa) == MPT_OK && mpt_model_predict(single, d, 25, &pb) == MPT_OK,
+          "predict: %s", mpt_context_error(ctx));
+    CHECK(!memcmp(pa.data, pb.data, mpt_tensor_bytes(&pa)), "predictions differ");
+    mpt_tensor_free(ctx, &pa);
+    mpt_tensor_free(ctx, &pb);
+    remove(path);
+    mpt_model_destroy(m);
+    mpt_model_destroy(single);
+    mpt_strategy_destroy(s);
+    mpt_dataset_destroy(d);
+}
+
+static void test_bad_input(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_strategy *s = NULL;
+    mpt_model *m = NULL;
+    mpt_dataset *d = blobs();
+    mpt_fit_desc fit;
+    mpt_status st;
+    CHECK(mpt_strategy_create(q, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                      .num_replicas = 65}, &s) ==
+              MPT_ERR_INVALID_ARGUMENT,
+          "65 replicas accepted");
+    CHECK(mpt_strategy_create(q, &(mpt_strategy_desc){.type = (mpt_strategy_type)7}, &s) ==
+              MPT_ERR_INVALID_ARGUMENT,
+          "unknown type accepted");
+#ifndef MPT_MPI
+    st = mpt_strategy_create(q, &(mpt_strategy_desc){.type = MPT_STRATEGY_MULTI_WORKER}, &s);
+    CHECK(st == MPT_ERR_UNSUPPORTED && strstr(mpt_context_error(q), "MPT_MPI"),
+          "multi-worker without MPI: %d %s", (int)st, mpt_context_error(q));
+#endif
+    s = mirrored(3);
+    m = model(s, MPT_POLICY_FLOAT32, 0, MPT_OPTIMIZER_SGD);
+    memset(&fit, 0, sizeof fit);
+    fit.batch_size = 32; /* not a multiple of 3 */
+    st = mpt_model_fit(m, d, &fit);
+    CHECK(st == MPT_ERR_INVALID_ARGUMENT && strstr(mpt_context_error(ctx), "3 replicas") &&
+              strstr(mpt_context_error(ctx), "32"),
+          "batch 32 over 3 replicas: %d %s", (int)st, mpt_context_error(ctx));
+    CHECK(!m->built, "a refused fit built the model");
+    mpt_model_destroy(m);
+    mpt_strategy_destroy(s);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(q);
+}
+
+int main(void) {
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+    make_blobs();
+    TEST_RUN(test_replicas_match_one);
+    TEST_RUN(test_replicas_stay_identical);
+    TEST_RUN(test_skips_are_global);
+    TEST_RUN(test_evaluate_predict_checkpoint);
+    TEST_RUN(test_bad_input);
+    mpt_context_destroy(ctx);
+    return test_summary("test_strategy");
+}

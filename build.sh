@@ -24,7 +24,7 @@ B=build
 mkdir -p "$B"
 
 # Debian packages the tests and examples need; installed only when missing and root.
-DEB_PACKAGES="zlib1g-dev dataset-fashion-mnist"
+DEB_PACKAGES="zlib1g-dev dataset-fashion-mnist openmpi-bin libopenmpi-dev"
 
 install_packages() {
     local missing=()
@@ -217,6 +217,48 @@ cuda_test() {
     count_output "$name" "$out" $rc
 }
 
+# The multi-worker strategy: tests/mpi_strategy.c built with mpicc
+# -DMPT_MPI and run by mpirun as two processes on this machine, one
+# scenario at a time (see the file). "dies" kills a worker: passing means
+# mpirun ended the job, with an error, well inside its time limit.
+mpi_tests() {
+    local sc out rc start secs
+    if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+        record "multi-worker strategy (mpirun -np 2)" skip "no mpicc/mpirun (openmpi-bin, libopenmpi-dev)"
+        return
+    fi
+    if ! mpicc -std=c99 $WARN $OPT -DMPT_MPI -I. tests/mpi_strategy.c -o "$B/mpi_strategy" \
+        -lpthread -lm -lz 2>"$B/mpi_strategy.build.log"; then
+        cat "$B/mpi_strategy.build.log"
+        record "build tests/mpi_strategy.c with mpicc" fail "compile error (see above)"
+        return
+    fi
+    for sc in match differ stuck dies; do
+        out=$B/mpi_strategy.$sc.out
+        start=$(date +%s)
+        timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 \
+            "./$B/mpi_strategy" "$sc" >"$out" 2>&1
+        rc=$?
+        secs=$(($(date +%s) - start))
+        grep -E '^(PASS|FAIL|SKIP|#) ' "$out"
+        if [ "$sc" = dies ]; then
+            if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $secs -lt 60 ]; then
+                record "mpi dies: the job ends when a worker exits mid-step (${secs}s)" pass
+            else
+                record "mpi dies: the job ends when a worker exits mid-step" fail \
+                    "exit status $rc after ${secs}s"
+            fi
+            continue
+        fi
+        passed=$((passed + $(grep -c '^PASS ' "$out")))
+        failed=$((failed + $(grep -c '^FAIL ' "$out")))
+        if [ $rc -eq 124 ] || ! grep -q '^PASS ' "$out"; then
+            cat "$out"
+            record "mpi $sc" fail "exit status $rc after ${secs}s, no PASS line"
+        fi
+    done
+}
+
 run_tests() {
     install_packages
     compile_checks
@@ -244,6 +286,7 @@ run_tests() {
         fi
     done
     cuda_test
+    mpi_tests
     echo "$passed passed, $failed failed, $skipped skipped"
     [ $failed -eq 0 ]
 }

@@ -1,0 +1,228 @@
+/* The multi-worker strategy over MPI, on the CPU. Built with
+       mpicc -DMPT_MPI tests/mpi_strategy.c -lpthread -lm -lz
+   and run by build.sh as
+       mpirun -np 2 --oversubscribe ./mpi_strategy SCENARIO
+   SCENARIO:
+     match    two workers end with identical weights, equal (to 1e-5
+              relative norm error) to one process given the global batch;
+     differ   worker 1 builds another model: both fail, naming worker 1;
+     stuck    worker 1 stops answering mid-epoch: worker 0 fails with a
+              clear error after the strategy's timeout (2 s) instead of
+              waiting forever (then leaves without MPI_Finalize, so that
+              mpirun ends the job);
+     dies     worker 1 exits mid-epoch: mpirun ends the job (build.sh checks
+              that it ends, with an error, within its time limit).
+   Worker 0 prints the PASS/FAIL lines; the others' stdout is discarded and
+   their results reach worker 0 through MPI. */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "helpers.h"
+
+#include <mpi.h>
+#include <unistd.h>
+
+static mpt_context *ctx;
+static int rank;
+static int leave_without_finalize; /* a collective in flight can never complete */
+
+enum { N_SYN = 200, FEATURES = 6, CLASSES = 3 };
+static float xs[N_SYN * FEATURES];
+static int32_t ys[N_SYN];
+
+static void make_blobs(void) {
+    int i, j;
+    test_seed(3);
+    for (i = 0; i < N_SYN; i++) {
+        ys[i] = i % CLASSES;
+        for (j = 0; j < FEATURES; j++)
+            xs[i * FEATURES + j] = (float)test_uniform(-0.5, 0.5) + (j == ys[i] ? 1.5f : 0.0f);
+    }
+}
+
+static mpt_dataset *blobs(void) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, xs);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, ys);
+    mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d);
+    return d;
+}
+
+/* Dense(units, relu) [-> BatchNormalization] -> Dense(3, softmax). Batch
+   normalization (per-replica statistics) makes replicas differ from one
+   process on the global batch, so the comparison leaves it out. */
+static mpt_model *model(mpt_strategy *s, int64_t units, int bn) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .seed = 5, .strategy = s}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = units, .activation = MPT_ACT_RELU});
+    if (bn) mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = {.learning_rate = 0.05f},
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+        .metrics = MPT_METRIC_ACCURACY});
+    return m;
+}
+
+static mpt_strategy *workers(double timeout) {
+    mpt_strategy *s = NULL;
+    mpt_status st = mpt_strategy_create(
+        ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MULTI_WORKER, .timeout_seconds = timeout,
+                                  .bucket_bytes = 256}, /* several buckets for a small model */
+        &s);
+    CHECK(st == MPT_OK, "strategy: %s", mpt_context_error(ctx));
+    return s;
+}
+
+static double weight_diff(const mpt_model *a, const mpt_model *b) {
+    double num = 0, den = 0;
+    int i;
+    int64_t e;
+    for (i = 0; i < a->n_params; i++)
+        for (e = 0; e < a->params[i].count; e++) {
+            double x = a->params[i].value[e], y = b->params[i].value[e];
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+    return sqrt(num / den);
+}
+
+/* Two workers, global batch 32 (16 each; the last batch of 8: 4 each):
+   identical weights on both, and the same as one process trained on the
+   global batch. */
+static void test_match(void) {
+    mpt_strategy *s = workers(60);
+    mpt_model *m = model(s, 16, 0), *one = model(NULL, 16, 0);
+    mpt_dataset *d = blobs();
+    mpt_fit_desc fit;
+    mpt_status st;
+    uint64_t sum = 0, sums[2] = {0, 0};
+    int n = mpt_strategy_num_workers(s);
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 3;
+    fit.batch_size = 32;
+    CHECK(n == 2 && mpt_strategy_num_replicas(s) == 2, "%d workers, %d replicas", n,
+          mpt_strategy_num_replicas(s));
+    st = mpt_model_fit(m, d, &fit);
+    CHECK(st == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    if (st == MPT_OK) {
+        int i;
+        int64_t e;
+        for (i = 0; i < m->n_params; i++)
+            for (e = 0; e < m->params[i].count; e++) {
+                uint32_t bits;
+                memcpy(&bits, &m->params[i].value[e], 4);
+                sum = mpt__mix64(sum ^ bits);
+            }
+    }
+    MPI_Allgather(&sum, 1, MPI_UINT64_T, sums, 1, MPI_UINT64_T, MPI_COMM_WORLD);
+    CHECK(sums[0] == sums[1] && sums[0] != 0, "the workers' weights differ (%llx, %llx)",
+          (unsigned long long)sums[0], (unsigned long long)sums[1]);
+    if (rank == 0) {
+        double diff;
+        CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit alone: %s", mpt_context_error(ctx));
+        diff = weight_diff(m, one);
+        printf("# 2 workers vs 1 process: relative norm error of the weights %.3g\n", diff);
+        CHECK(diff <= 1e-5, "2 workers vs 1 process: relative norm error %.3g", diff);
+    }
+    mpt_model_destroy(m);
+    mpt_model_destroy(one);
+    mpt_dataset_destroy(d);
+    mpt_strategy_destroy(s);
+}
+
+static void test_differ(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_context *keep = ctx;
+    mpt_strategy *s;
+    mpt_model *m;
+    mpt_status st;
+    int bad[2] = {0, 0}, mine;
+    ctx = q;
+    s = workers(30);
+    m = model(s, rank == 1 ? 17 : 16, 1);
+    st = mpt_model_build(m, 32);
+    mine = st == MPT_ERR_INVALID_ARGUMENT && strstr(mpt_context_error(q), "worker 1") &&
+           strstr(mpt_context_error(q), "different models");
+    MPI_Allgather(&mine, 1, MPI_INT, bad, 1, MPI_INT, MPI_COMM_WORLD);
+    CHECK(bad[0] && bad[1], "workers with different models: worker 0 %s, worker 1 %s (%s)",
+          bad[0] ? "refused" : "accepted", bad[1] ? "refused" : "accepted",
+          mpt_context_error(q));
+    mpt_model_destroy(m);
+    mpt_strategy_destroy(s);
+    ctx = keep;
+    mpt_context_destroy(q);
+}
+
+/* Worker 1 sleeps in a batch callback: worker 0 must give up. */
+static mpt_status sleep_on_worker_1(void *user, mpt_model *m, int64_t batch, const mpt_logs *logs,
+                                    int *stop) {
+    (void)user, (void)m, (void)logs, (void)stop;
+    if (rank == 1 && batch == 2) sleep(1000);
+    return MPT_OK;
+}
+
+static mpt_status exit_on_worker_1(void *user, mpt_model *m, int64_t batch, const mpt_logs *logs,
+                                   int *stop) {
+    (void)user, (void)m, (void)logs, (void)stop;
+    if (rank == 1 && batch == 2) _exit(3);
+    return MPT_OK;
+}
+
+static void run_until_a_worker_stops(int dies) {
+    mpt_context *q = quiet_ctx();
+    mpt_context *keep = ctx;
+    mpt_strategy *s;
+    mpt_model *m;
+    mpt_dataset *d;
+    mpt_callback cb;
+    mpt_fit_desc fit;
+    mpt_status st;
+    double start;
+    ctx = q;
+    s = workers(2);
+    m = model(s, 16, 1);
+    d = blobs();
+    memset(&cb, 0, sizeof cb);
+    cb.on_batch_end = dies ? exit_on_worker_1 : sleep_on_worker_1;
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 5;
+    fit.batch_size = 32;
+    fit.callbacks = &cb;
+    fit.n_callbacks = 1;
+    start = mpt__now();
+    st = mpt_model_fit(m, d, &fit);
+    CHECK(st == MPT_ERR_STATE && strstr(mpt_context_error(q), "no answer"),
+          "a stuck worker: status %d: %s", (int)st, mpt_context_error(q));
+    CHECK(mpt__now() - start < 30, "gave up after %.1f s (timeout 2 s)", mpt__now() - start);
+    printf("# gave up after %.1f s: %s\n", mpt__now() - start, mpt_context_error(q));
+    ctx = keep;
+    leave_without_finalize = 1;
+}
+
+static void test_stuck(void) { run_until_a_worker_stops(0); }
+static void test_dies(void) { run_until_a_worker_stops(1); }
+
+int main(int argc, char **argv) {
+    const char *scenario = argc > 1 ? argv[1] : "match";
+    int provided, ok;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank != 0 && !freopen("/dev/null", "w", stdout)) return 1;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &ctx);
+    make_blobs();
+    if (!strcmp(scenario, "match")) TEST_RUN(test_match);
+    else if (!strcmp(scenario, "differ")) TEST_RUN(test_differ);
+    else if (!strcmp(scenario, "stuck")) TEST_RUN(test_stuck);
+    else if (!strcmp(scenario, "dies")) TEST_RUN(test_dies);
+    else fprintf(stderr, "unknown scenario %s\n", scenario);
+    ok = test_summary(scenario);
+    if (leave_without_finalize) { /* mpirun then ends the other worker */
+        fflush(stdout);
+        _exit(ok);
+    }
+    mpt_context_destroy(ctx);
+    MPI_Finalize();
+    return ok;
+}

@@ -1853,6 +1853,101 @@ static int open_backends(void) {
     return 1;
 }
 
+/* Issue 5 (c): the mirrored strategy on a GPU — over all visible GPUs
+   (one replica per GPU: here the lent machine's one) and over two logical
+   replicas on one GPU — ends where the same strategy ends on the CPU.
+   float32, SGD, one epoch: the GPU sums in another order, so the weights
+   may differ by rounding only; allowed 1e-4 relative norm error. */
+static mpt_model *mirrored_model(mpt_context *ctx, mpt_strategy *s) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc dd;
+    mpt_batchnorm_desc bd;
+    mpt_compile_desc cd;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = FEATURES;
+    md.input_rank = 1;
+    md.seed = 9;
+    md.strategy = s;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) return NULL;
+    memset(&dd, 0, sizeof dd);
+    dd.units = 32;
+    dd.activation = MPT_ACT_RELU;
+    mpt_model_add_dense(m, &dd);
+    memset(&bd, 0, sizeof bd);
+    mpt_model_add_batch_normalization(m, &bd);
+    dd.units = CLASSES;
+    dd.activation = MPT_ACT_SOFTMAX;
+    mpt_model_add_dense(m, &dd);
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_SGD;
+    cd.optimizer.learning_rate = 0.05f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    mpt_model_compile(m, &cd);
+    return m;
+}
+
+static void test_mirrored_on_the_gpu(void) {
+    int counts[2] = {1, 2}, c;
+    make_blobs();
+    for (c = 0; c < 2; c++) {
+        mpt_context *ctxs[2] = {cpu_be.ctx, gpu_be[GPU_AUTO].ctx};
+        float *w[2] = {NULL, NULL};
+        int64_t n = 0;
+        int k;
+        for (k = 0; k < 2; k++) {
+            mpt_strategy *s = NULL;
+            mpt_strategy_desc sd;
+            mpt_dataset *data = blob_dataset(ctxs[k]);
+            mpt_model *m;
+            mpt_fit_desc fd;
+            int i;
+            memset(&sd, 0, sizeof sd);
+            sd.type = MPT_STRATEGY_MIRRORED;
+            sd.num_replicas = counts[c];
+            CHECK(mpt_strategy_create(ctxs[k], &sd, &s) == MPT_OK, "strategy: %s",
+                  mpt_context_error(ctxs[k]));
+            m = mirrored_model(ctxs[k], s);
+            memset(&fd, 0, sizeof fd);
+            fd.epochs = 1;
+            fd.batch_size = 64;
+            CHECK(m && mpt_model_fit(m, data, &fd) == MPT_OK, "%d replicas on %s: %s", counts[c],
+                  k ? "the GPU" : "the CPU", mpt_context_error(ctxs[k]));
+            n = 0;
+            for (i = 0; m && i < mpt_model_param_count(m); i++) {
+                mpt_param_info info;
+                mpt_model_param(m, i, &info);
+                n += mpt_tensor_count(&info.value);
+            }
+            w[k] = (float *)malloc(sizeof(float) * (size_t)(n + 1));
+            for (i = 0, n = 0; m && w[k] && i < mpt_model_param_count(m); i++) {
+                mpt_param_info info;
+                const mpt_backend *t = mpt_context_backend(ctxs[k], NULL);
+                void *impl;
+                mpt_context_backend(ctxs[k], &impl);
+                mpt_model_param(m, i, &info);
+                t->download(impl, w[k] + n, info.value.data, mpt_tensor_bytes(&info.value));
+                n += mpt_tensor_count(&info.value);
+            }
+            mpt_model_destroy(m);
+            mpt_dataset_destroy(data);
+            mpt_strategy_destroy(s);
+        }
+        if (w[0] && w[1]) {
+            double num = 0, den = 0;
+            int64_t e;
+            for (e = 0; e < n; e++) {
+                num += ((double)w[1][e] - w[0][e]) * ((double)w[1][e] - w[0][e]);
+                den += (double)w[0][e] * w[0][e];
+            }
+            CHECK(sqrt(num / den) <= 1e-4, "%d replicas: GPU vs CPU weights, relative norm "
+                  "error %.3g (allowed 1e-4)", counts[c], sqrt(num / den));
+        }
+        free(w[0]);
+        free(w[1]);
+    }
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
@@ -1896,6 +1991,8 @@ int main(void) {
               test_model_mlp_fashion_mnist);
     test__run("model: a 1 MiB device limit gives out of memory, with the bytes",
               test_model_out_of_memory);
+    test__run("mirrored: 1 and 2 replicas on the GPU end where they end on the CPU (<= 1e-4)",
+              test_mirrored_on_the_gpu);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

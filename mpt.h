@@ -811,7 +811,27 @@ typedef struct mpt_backend {
     void (*add)(void *impl, float *dst, const float *src, int64_t n);
     /* x[i] *= alpha for n floats (a sum over replicas made a mean). */
     void (*scale)(void *impl, float *x, float alpha, int64_t n);
+
+    /* -- collectives between replicas on different devices, NULL where the
+       backend has none (mpt_cuda.cu built with -DMPT_NCCL has them, over
+       NCCL). A communicator joins `members` replicas in all: this
+       process's backends impls[0..n) are members first .. first + n − 1.
+       Several processes share one id, made by comm_id on the process of
+       member 0 and sent to the others (the strategy sends it by MPI); a
+       single process passes id NULL. */
+    mpt_status (*comm_id)(void *impl, void *id /* MPT_COMM_ID_BYTES */);
+    mpt_status (*comm_create)(void *const *impls, int n, int first, int members,
+                              const void *id, void **comm);
+    void (*comm_destroy)(void *comm);
+    /* bufs[k] (count floats in impls[k]'s memory) replaced by their sum
+       over every member, queued on each backend's queue like any compute
+       call. Fails (with the library's message) only when the call cannot
+       be queued. */
+    mpt_status (*allreduce_sum)(void *comm, float *const *bufs, int64_t count);
+    const char *(*comm_error)(void *comm);
 } mpt_backend;
+
+#define MPT_COMM_ID_BYTES 128
 
 /* Memory categories (the model's arenas). */
 enum {
@@ -3858,29 +3878,53 @@ static void mpt__model_commit(mpt_model *m) {
 }
 
 /* Forward without the checks and without committing layer state. */
-static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) {
-    const void *cur = x->data;
-    mpt_dtype cur_dtype = x->dtype;
+/* A forward pass in progress, one layer at a time (replicas run theirs in
+   step, layer by layer, when a layer synchronizes them). */
+typedef struct mpt__forward_walk {
     mpt__pass p;
-    int i;
-    mpt__pass_init(m, x->shape[0], training, &p);
-    for (i = 0; i < m->n_layers; i++) {
-        mpt__layer *L = &m->layers[i];
-        if (cur_dtype != L->dtype) {
-            m->be->convert(m->impl, L->dtype, L->x_cast, cur_dtype, cur, p.batch * L->in_count);
-            cur = L->x_cast;
-        }
-        L->x = cur;
-        if (L->output_is_input) L->y = (void *)cur;
-        p.x = L->x;
-        p.y = L->y;
-        p.logits_only = m->emit_logits && i == m->n_layers - 1;
-        L->ops->forward(L, &p);
-        cur = L->y;
-        cur_dtype = L->dtype;
+    const void *cur;     /* the next layer's input  */
+    mpt_dtype cur_dtype;
+} mpt__forward_walk;
+
+static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
+                               mpt__forward_walk *w) {
+    mpt__pass_init(m, x->shape[0], training, &w->p);
+    w->cur = x->data;
+    w->cur_dtype = x->dtype;
+    m->last_batch = w->p.batch;
+    m->last_training = w->p.training;
+}
+
+/* Layer i's input in its dtype, and its pass set up (not yet run). */
+static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    if (w->cur_dtype != L->dtype) {
+        m->be->convert(m->impl, L->dtype, L->x_cast, w->cur_dtype, w->cur,
+                       w->p.batch * L->in_count);
+        w->cur = L->x_cast;
     }
-    m->last_batch = p.batch;
-    m->last_training = p.training;
+    L->x = w->cur;
+    if (L->output_is_input) L->y = (void *)w->cur;
+    w->p.x = L->x;
+    w->p.y = L->y;
+    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    return L;
+}
+
+static void mpt__forward_finish(mpt__layer *L, mpt__forward_walk *w) {
+    w->cur = L->y;
+    w->cur_dtype = L->dtype;
+}
+
+static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) {
+    mpt__forward_walk w;
+    int i;
+    mpt__forward_begin(m, x, training, &w);
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = mpt__forward_prepare(m, i, &w);
+        L->ops->forward(L, &w.p);
+        mpt__forward_finish(L, &w);
+    }
 }
 
 MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
@@ -3915,9 +3959,50 @@ static int mpt__first_trainable_layer(const mpt_model *m) {
     return m->n_layers;
 }
 
-MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_tensor *dinput) {
+/* A backward pass in progress, one layer at a time, from the last. Unless
+   the caller wants the input's gradient, it ends at the first layer with
+   trainable parameters, and that layer skips its input gradient: below it
+   nothing needs one (a Flatten in front of a Dense, say, would otherwise
+   cost a third of the Dense's backward). */
+typedef struct mpt__backward_walk {
     mpt__pass p;
-    int i, first, cur = 0;
+    int first;     /* the last layer to run      */
+    int cur;       /* grad_buf[cur] holds dy     */
+    int want_dinput;
+} mpt__backward_walk;
+
+static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_walk *w) {
+    w->first = want_dinput ? 0 : mpt__first_trainable_layer(m);
+    w->cur = 0;
+    w->want_dinput = want_dinput;
+    mpt__pass_init(m, m->last_batch, 1, &w->p);
+}
+
+static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    w->p.x = L->x;
+    w->p.y = L->y;
+    w->p.dy = m->grad_buf[w->cur];
+    w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
+    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    return L;
+}
+
+static void mpt__backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    if (m->exchange) mpt__exchange_layer_done(m, i);
+    if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
+        /* dy is spent: the converted gradient goes back into its buffer. */
+        m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[w->cur], L->dtype,
+                       m->grad_buf[1 - w->cur], w->p.batch * L->in_count);
+    } else if (w->p.dx) {
+        w->cur = 1 - w->cur;
+    }
+}
+
+MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_tensor *dinput) {
+    mpt__backward_walk w;
+    int i;
     mpt__layer *last;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!m->last_batch || !m->last_training)
@@ -3948,30 +4033,13 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
                            mpt_tensor_count(dout));
         }
     }
-    /* Unless the caller wants the input's gradient, the backward pass ends
-       at the first layer with trainable parameters, and that layer skips
-       its input gradient: below it nothing needs one (a Flatten in front of
-       a Dense, say, would otherwise cost a third of the Dense's backward). */
-    first = dinput ? 0 : mpt__first_trainable_layer(m);
-    mpt__pass_init(m, m->last_batch, 1, &p);
-    for (i = m->n_layers - 1; i >= first; i--) {
-        mpt__layer *L = &m->layers[i];
-        p.x = L->x;
-        p.y = L->y;
-        p.dy = m->grad_buf[cur];
-        p.dx = (i > first || dinput) ? m->grad_buf[1 - cur] : NULL;
-        p.logits_only = m->emit_logits && i == m->n_layers - 1;
-        L->ops->backward(L, &p);
-        if (m->exchange) mpt__exchange_layer_done(m, i);
-        if (i > first && m->layers[i - 1].dtype != L->dtype) {
-            /* dy is spent: the converted gradient goes back into its buffer. */
-            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[cur], L->dtype,
-                           m->grad_buf[1 - cur], p.batch * L->in_count);
-        } else if (p.dx) {
-            cur = 1 - cur;
-        }
+    mpt__backward_begin(m, dinput != NULL, &w);
+    for (i = m->n_layers - 1; i >= w.first; i--) {
+        mpt__layer *L = mpt__backward_prepare(m, i, &w);
+        L->ops->backward(L, &w.p);
+        mpt__backward_finish(m, i, &w);
     }
-    if (dinput) mpt__layer_view(m, &m->layers[0], m->grad_buf[cur], 1, dinput);
+    if (dinput) mpt__layer_view(m, &m->layers[0], m->grad_buf[w.cur], 1, dinput);
     return MPT_OK;
 }
 
@@ -11695,7 +11763,7 @@ static const mpt_backend mpt__cpu_table = {
     mpt__cpu_batchnorm_forward, mpt__cpu_batchnorm_backward, mpt__cpu_batchnorm_commit,
     mpt__cpu_batchnorm_workspace, mpt__cpu_dropout, mpt__cpu_loss,
     mpt__cpu_grad_stats, mpt__cpu_update, mpt__cpu_loss_scale_update, mpt__cpu_add,
-    mpt__cpu_scale};
+    mpt__cpu_scale, NULL, NULL, NULL, NULL, NULL /* no collectives: replicas share memory */};
 
 static const mpt_backend *mpt__cpu_backend(void) { return &mpt__cpu_table; }
 

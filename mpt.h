@@ -398,6 +398,11 @@ typedef struct mpt_batchnorm_desc {
     float epsilon;                      /* default (0) 1e-3; must be > 0     */
     int no_center;                      /* default 0: beta is used          */
     int no_scale;                       /* default 0: gamma is used         */
+    int synchronized;                   /* default 0: under a strategy, each
+                                           replica normalises with its own
+                                           batch's statistics; 1: with those
+                                           of the global batch (Keras'
+                                           synchronized=True)              */
 } mpt_batchnorm_desc;
 
 typedef struct mpt_dropout_desc {
@@ -659,6 +664,11 @@ typedef struct mpt_batchnorm_args {
                                    variance) a training forward measured      */
     float *moving_mean, *moving_variance; /* (C) each                         */
     void *workspace;            /* batchnorm_workspace bytes                  */
+    /* backward over several replicas (synchronized statistics): Σ dy and
+       Σ dy·x̂ (C each) over all their rows, total_rows of them, replace
+       this call's own in dx; NULL: this call's rows alone */
+    const float *sum_dy, *sum_dy_xhat;
+    int64_t total_rows;
 } mpt_batchnorm_args;
 
 /* The numbers a training step reads and writes in the backend's memory.
@@ -3191,6 +3201,9 @@ struct mpt_model {
     int replica_index;                   /* over every worker: keys dropout  */
     struct mpt__exchange *exchange;      /* gradients in flight between workers
                                             during fit's backward passes       */
+    double *sync_scratch;                /* host sums of synchronized statistics:
+                                            (2·C + 1) doubles, then 2·C floats,
+                                            C the widest such layer's          */
 };
 
 /* The strategy's side (@impl-strategy). */
@@ -3358,6 +3371,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     if (!m) return;
     for (c = 1; c < m->n_replicas; c++) mpt_model_destroy(m->replica[c]);
     mpt__free(m->ctx, m->replica);
+    mpt__free(m->ctx, m->sync_scratch);
     for (c = 0; c < MPT__MEM_COUNT_; c++) m->be->free(m->impl, c, m->arena[c]);
     m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
     mpt__free_update_args(m);
@@ -5474,8 +5488,13 @@ static void mpt__cpu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a)
     for (c = 0; c < C; c++) { /* dbeta = Σ dy, dgamma = Σ dy · x̂ */
         if (a->dbeta) a->dbeta[c] = (float)w.sum[c];
         if (a->dgamma) a->dgamma[c] = (float)w.sum[C + c];
-        mdy[c] = (float)(w.sum[c] / (double)pl.rows);
-        mdyx[c] = (float)(w.sum[C + c] / (double)pl.rows);
+        if (a->sum_dy) { /* the means over every replica's rows */
+            mdy[c] = (float)((double)a->sum_dy[c] / (double)a->total_rows);
+            mdyx[c] = (float)((double)a->sum_dy_xhat[c] / (double)a->total_rows);
+        } else {
+            mdy[c] = (float)(w.sum[c] / (double)pl.rows);
+            mdyx[c] = (float)(w.sum[C + c] / (double)pl.rows);
+        }
     }
     if (!a->dx) return;
     j.scale = scale;
@@ -5560,6 +5579,10 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
                                     MPT_FLOAT32));
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C)); /* batch mean (C) f32     */
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C)); /* batch variance (C) f32 */
+    if (d->synchronized) { /* Σ dy, Σ dy·x̂ over the replicas (C) f32 each */
+        MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C));
+        MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C));
+    }
     {
         void *impl;
         const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
@@ -11226,6 +11249,24 @@ static mpt_status mpt__workers_sum_floats(mpt_model *m, float *v, int64_t n, con
     return MPT_OK;
 }
 
+static int mpt__is_sync_bn(const mpt__layer *L) {
+    return L->ops == &mpt__bn_ops && L->desc.batchnorm.synchronized;
+}
+
+/* Host room for the widest synchronized layer's sums (none: nothing). */
+static mpt_status mpt__sync_scratch_alloc(mpt_model *m) {
+    int64_t widest = 0;
+    int i;
+    for (i = 0; i < m->n_layers; i++)
+        if (mpt__is_sync_bn(&m->layers[i]))
+            widest = MPT__MAX(widest, m->layers[i].in_shape[m->layers[i].in_rank - 1]);
+    if (!widest) return MPT_OK;
+    m->sync_scratch = (double *)mpt__alloc(m->ctx, (size_t)(2 * widest + 1) * sizeof(double) +
+                                                       (size_t)(2 * widest) * sizeof(float));
+    return m->sync_scratch ? MPT_OK
+                           : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+}
+
 /* ---- building the replicas ---------------------------------------------------- */
 
 #ifdef MPT_MPI
@@ -11350,11 +11391,14 @@ static mpt_status mpt__replicas_build(mpt_model *m) {
         st = mpt__replica_new(m, k, &m->replica[k]);
         if (st == MPT_OK) m->n_replicas = k + 1;
     }
+    if (st == MPT_OK) st = mpt__sync_scratch_alloc(m);
     if (st == MPT_OK) st = mpt__workers_agree(m);
     if (st != MPT_OK) {
         for (k = 1; k < m->n_replicas; k++) mpt_model_destroy(m->replica[k]);
         mpt__free(m->ctx, m->replica);
+        mpt__free(m->ctx, m->sync_scratch);
         m->replica = NULL;
+        m->sync_scratch = NULL;
         m->n_replicas = 1;
         mpt__free_arenas(m);
         m->built = 0;
@@ -11461,23 +11505,13 @@ static mpt_status mpt__exchange_finish(mpt_model *m) {
 #endif
 }
 
-/* ---- one replicated training step --------------------------------------------- */
-
-/* Rows [b0, b1) of a batch tensor, as a view. */
-static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
-    mpt_tensor v = *t;
-    v.shape[0] = b1 - b0;
-    v.data = (unsigned char *)t->data + (size_t)b0 * (mpt_tensor_bytes(t) / (size_t)t->shape[0]);
-    return v;
-}
-
 /* BatchNormalization's batch statistics made the mean over the replicas
    that had rows (here and on every worker) before every replica commits
    them: the moving statistics, an average of linear updates, then equal
    the mean of per-replica moving statistics, which is what TensorFlow
    reads from its per-replica (ON_READ, MEAN) variables. They stay the
    same on every replica. */
-static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int *had_rows) {
+static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *had_rows) {
     int n = m->n_replicas, i, j, k;
     double contributors = 0;
     for (k = 0; k < n; k++) contributors += had_rows[k] != 0;
@@ -11485,7 +11519,7 @@ static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int *had_
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
         int64_t C = L->in_shape[L->in_rank - 1];
-        if (L->ops != &mpt__bn_ops) continue;
+        if (L->ops != &mpt__bn_ops || mpt__is_sync_bn(L)) continue; /* synchronized: equal */
         for (j = 0; j < 2; j++) { /* saved[0]: mean, saved[1]: variance, (C) each */
             float *sum = (float *)L->saved[j];
             if (!had_rows[0]) m->be->zero(m->impl, sum, sizeof(float) * (size_t)C);
@@ -11502,35 +11536,214 @@ static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int *had_
     return MPT_OK;
 }
 
+/* ---- BatchNormalization synchronized over the replicas ------------------------ */
+
+/* sums[0..C) += Σ rows·a[c] and sums[C..2C) += Σ rows·(b[c] + a[c]²)
+   (square = 1), or += rows-free sums of a and b (square = 0), from the
+   replicas' C floats at offsets of their layer i; then the workers'. The
+   total of rows lands in sums[2C]. */
+static mpt_status mpt__sync_gather(mpt_model *m, int i, const int64_t *rows, int which_a,
+                                   int which_b, int square, double *sums, int64_t C) {
+    float *fa = (float *)(sums + 2 * C + 1), *fb = fa + C;
+    int64_t c;
+    int k;
+    for (c = 0; c <= 2 * C; c++) sums[c] = 0;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        const mpt__layer *L = &r->layers[i];
+        if (!rows[k]) continue;
+        MPT__CHECK(mpt__download(r, fa, L->saved[which_a], sizeof(float) * (size_t)C));
+        MPT__CHECK(mpt__download(r, fb, L->saved[which_b], sizeof(float) * (size_t)C));
+        for (c = 0; c < C; c++) {
+            double n = square ? (double)rows[k] : 1.0;
+            sums[c] += n * fa[c];
+            sums[C + c] += square ? n * ((double)fb[c] + (double)fa[c] * fa[c]) : fb[c];
+        }
+        sums[2 * C] += (double)rows[k];
+    }
+    return mpt__workers_sum(m, sums, (int)(2 * C + 1), "synchronizing BatchNormalization");
+}
+
+/* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
+   on every replica. */
+static mpt_status mpt__sync_scatter(mpt_model *m, int i, int ia, int ib, const float *a,
+                                    const float *b, int64_t C) {
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ia], a, sizeof(float) * (size_t)C));
+        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ib], b, sizeof(float) * (size_t)C));
+    }
+    return MPT_OK;
+}
+
+/* Forward of synchronized layer i: each replica measures its batch, the
+   statistics of the union (mean, biased variance: Σx/N and Σx²/N − mean²
+   from each part's mean and variance, in double) go to every replica's
+   saved mean and variance, and each normalises with them. */
+static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *fw,
+                                       const int64_t *rows) {
+    const mpt__layer *L0 = &m->layers[i];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    double *sums = m->sync_scratch, N;
+    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_batchnorm_args a;
+        bn_rows[k] = 0;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(&r->layers[i], &fw[k].p);
+        bn_rows[k] = a.rows;
+        r->be->batchnorm_forward(r->impl, &a);
+    }
+    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 0, 1, 1, sums, C));
+    N = MPT__MAX(sums[2 * C], 1);
+    for (c = 0; c < C; c++) {
+        double mu = sums[c] / N;
+        mean[c] = (float)mu;
+        var[c] = (float)MPT__MAX(sums[C + c] / N - mu * mu, 0.0);
+    }
+    MPT__CHECK(mpt__sync_scatter(m, i, 0, 1, mean, var, C));
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_batchnorm_args a;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(&r->layers[i], &fw[k].p);
+        a.training = 0; /* normalise with the union's statistics, just saved */
+        a.moving_mean = a.mean;
+        a.moving_variance = a.variance;
+        r->be->batchnorm_forward(r->impl, &a);
+    }
+    return MPT_OK;
+}
+
+/* Backward of synchronized layer i: each replica sums dy and dy·x̂ over its
+   rows (into dbeta and dgamma, or saved[2] and saved[3] where the layer
+   has no beta or gamma), the sums over every replica go to each, and dx
+   subtracts their means. */
+static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk *bw,
+                                        const int64_t *rows) {
+    const mpt__layer *L0 = &m->layers[i];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    double *sums = m->sync_scratch;
+    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt__layer *L = &r->layers[i];
+        mpt_batchnorm_args a;
+        bn_rows[k] = 0;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(L, &bw[k].p);
+        bn_rows[k] = a.rows;
+        a.dx = NULL;
+        a.dbeta = (float *)L->saved[2];
+        a.dgamma = (float *)L->saved[3];
+        r->be->batchnorm_backward(r->impl, &a);
+    }
+    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 2, 3, 0, sums, C));
+    for (c = 0; c < C; c++) {
+        sum_dy[c] = (float)sums[c];
+        sum_dyx[c] = (float)sums[C + c];
+    }
+    MPT__CHECK(mpt__sync_scatter(m, i, 2, 3, sum_dy, sum_dyx, C));
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt__layer *L = &r->layers[i];
+        mpt_batchnorm_args a;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(L, &bw[k].p);
+        a.sum_dy = (const float *)L->saved[2];
+        a.sum_dy_xhat = (const float *)L->saved[3];
+        a.total_rows = (int64_t)sums[2 * C];
+        r->be->batchnorm_backward(r->impl, &a);
+    }
+    return MPT_OK;
+}
+
+/* ---- one replicated training step --------------------------------------------- */
+
+/* Rows [b0, b1) of a batch tensor, as a view. */
+static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
+    mpt_tensor v = *t;
+    v.shape[0] = b1 - b0;
+    v.data = (unsigned char *)t->data + (size_t)b0 * (mpt_tensor_bytes(t) / (size_t)t->shape[0]);
+    return v;
+}
+
 /* Every replica's forward, loss and backward on its rows of this worker's
-   batch (rows may be 0: then its gradients are zero), each loss divided
-   by the global batch; the gradients summed over the replicas and the
-   workers; the same update on every replica. */
-static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
-    int n = m->n_replicas, k;
-    int64_t grads = m->arena_bytes[MPT__MEM_GRADS];
-    int had_rows[64]; /* n <= 64 */
-    double t0 = mpt__now(), t1;
+   batch (rows may be 0: then its gradients are zero), layer by layer in
+   step (a synchronized layer needs every replica at the same layer), each
+   loss divided by the global batch. */
+static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor *x,
+                                                 const mpt_tensor *y, int64_t rows,
+                                                 int64_t global_rows, int64_t *had) {
+    int n = m->n_replicas, k, i, first = m->n_layers;
+    mpt__forward_walk fw[64];
+    mpt__backward_walk bw[64];
+    mpt_tensor target[64];
     for (k = 0; k < n; k++) {
         mpt_model *r = m->replica[k];
         int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
-        had_rows[k] = b1 > b0;
-        if (k == 0 && m->exchange) mpt__exchange_arm(m);
+        had[k] = b1 - b0;
         if (b1 > b0) {
-            mpt_tensor xs = mpt__rows(x, b0, b1), ys = mpt__rows(y, b0, b1), in, target;
-            mpt_loss_args loss;
+            mpt_tensor xs = mpt__rows(x, b0, b1), ys = mpt__rows(y, b0, b1), in;
             MPT__CHECK(mpt__input_on_backend(r, &xs, &in));
-            MPT__CHECK(mpt__target_on_backend(r, &ys, &target));
-            mpt__model_forward(r, &in, 1);
-            loss = mpt__loss_args(r, &target, 1);
-            loss.grad_weight = (float)((double)(b1 - b0) / (double)global_rows);
-            r->be->loss(r->impl, &loss);
-            mpt_model_backward(r, NULL, NULL);
+            MPT__CHECK(mpt__target_on_backend(r, &ys, &target[k]));
+            mpt__forward_begin(r, &in, 1, &fw[k]);
         } else {
-            r->be->zero(r->impl, r->arena[MPT__MEM_GRADS], (size_t)grads);
+            r->be->zero(r->impl, r->arena[MPT__MEM_GRADS], (size_t)r->arena_bytes[MPT__MEM_GRADS]);
         }
     }
+    for (i = 0; i < m->n_layers; i++) {
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__forward_prepare(m->replica[k], i, &fw[k]);
+        if (mpt__is_sync_bn(&m->layers[i])) {
+            MPT__CHECK(mpt__sync_bn_forward(m, i, fw, had));
+        } else {
+            for (k = 0; k < n; k++)
+                if (had[k]) m->replica[k]->layers[i].ops->forward(&m->replica[k]->layers[i], &fw[k].p);
+        }
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__forward_finish(&m->replica[k]->layers[i], &fw[k]);
+    }
+    for (k = 0; k < n; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_loss_args loss;
+        if (!had[k]) continue;
+        loss = mpt__loss_args(r, &target[k], 1);
+        loss.grad_weight = (float)((double)had[k] / (double)global_rows);
+        r->be->loss(r->impl, &loss);
+        mpt__backward_begin(r, 0, &bw[k]);
+        first = bw[k].first;
+    }
+    for (i = m->n_layers - 1; i >= first; i--) {
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__backward_prepare(m->replica[k], i, &bw[k]);
+        if (mpt__is_sync_bn(&m->layers[i])) {
+            MPT__CHECK(mpt__sync_bn_backward(m, i, bw, had));
+        } else {
+            for (k = 0; k < n; k++)
+                if (had[k])
+                    m->replica[k]->layers[i].ops->backward(&m->replica[k]->layers[i], &bw[k].p);
+        }
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__backward_finish(m->replica[k], i, &bw[k]);
+    }
+    return MPT_OK;
+}
+
+/* The step: forward and backward on every replica, the gradients summed
+   over the replicas (in order) and the workers, the same update on every
+   replica. */
+static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
+    int n = m->n_replicas, k;
+    int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[64]; /* n <= 64 */
+    double t0 = mpt__now(), t1;
+    if (m->exchange) mpt__exchange_arm(m);
+    MPT__CHECK(mpt__replicas_forward_backward(m, x, y, rows, global_rows, had));
     /* replica 0 sums the others' gradients in order, then the workers' */
     for (k = 1; k < n; k++)
         m->be->add(m->impl, (float *)m->arena[MPT__MEM_GRADS],
@@ -11540,7 +11753,7 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
         m->be->copy(m->impl, m->replica[k]->arena[MPT__MEM_GRADS], m->arena[MPT__MEM_GRADS],
                     (size_t)grads);
     t1 = mpt__now();
-    MPT__CHECK(mpt__replicas_average_statistics(m, had_rows));
+    MPT__CHECK(mpt__replicas_average_statistics(m, had));
     for (k = 0; k < n; k++) {
         mpt_model *r = m->replica[k];
         r->be->grad_stats(r->impl, &r->update);

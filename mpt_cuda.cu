@@ -2101,15 +2101,21 @@ __global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *va
 /* dbeta = Σ dy, dgamma = Σ dy · x̂ (each when wanted), and their means. */
 __global__ void __launch_bounds__(256) mpt__cuda_bn_grad_stats_kernel(
     const double *part, int64_t n_chunks, int64_t rows, int64_t C, float *dbeta, float *dgamma,
-    float *mean_dy, float *mean_dy_xhat) {
+    float *mean_dy, float *mean_dy_xhat, const float *sum_dy, const float *sum_dy_xhat,
+    int64_t total_rows) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const double sdy = mpt__cuda_bn_total(part, n_chunks, 0, C, c);
     const double sdyx = mpt__cuda_bn_total(part, n_chunks, 1, C, c);
     if (dbeta) dbeta[c] = (float)sdy;
     if (dgamma) dgamma[c] = (float)sdyx;
-    mean_dy[c] = (float)(sdy / (double)rows);
-    mean_dy_xhat[c] = (float)(sdyx / (double)rows);
+    if (sum_dy) { /* synchronized: the means over every replica's rows */
+        mean_dy[c] = (float)((double)sum_dy[c] / (double)total_rows);
+        mean_dy_xhat[c] = (float)((double)sum_dy_xhat[c] / (double)total_rows);
+    } else {
+        mean_dy[c] = (float)(sdy / (double)rows);
+        mean_dy_xhat[c] = (float)(sdyx / (double)rows);
+    }
 }
 
 /* Elementwise passes over (rows, C): channel = index % C, stepped with a
@@ -2227,7 +2233,8 @@ static void mpt__cuda_batchnorm_backward(void *impl, const mpt_batchnorm_args *a
         mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a, &w, a->mean, w.inv_std,
                                                          "batchnorm gradient sums");
         mpt__cuda_bn_grad_stats_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-            w.part, w.n_chunks, a->rows, C, a->dbeta, a->dgamma, w.mean_dy, w.mean_dy_xhat);
+            w.part, w.n_chunks, a->rows, C, a->dbeta, a->dgamma, w.mean_dy, w.mean_dy_xhat,
+            a->sum_dy, a->sum_dy_xhat, a->total_rows);
         mpt__cuda_launched(c, "batchnorm gradient statistics");
         if (!a->dx) return;
         mpt__cuda_bn_dx_op<T> op = {(const T *)a->x, (const T *)a->dy, (T *)a->dx, C,

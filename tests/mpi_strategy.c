@@ -48,15 +48,15 @@ static mpt_dataset *blobs(void) {
     return d;
 }
 
-/* Dense(units, relu) [-> BatchNormalization] -> Dense(3, softmax). Batch
-   normalization (per-replica statistics) makes replicas differ from one
-   process on the global batch, so the comparison leaves it out. */
+/* Dense(units, relu) [-> BatchNormalization (bn 1), synchronized (bn 2)]
+   -> Dense(3, softmax). Per-replica statistics make replicas differ from
+   one process on the global batch; synchronized ones do not. */
 static mpt_model *model(mpt_strategy *s, int64_t units, int bn) {
     mpt_model *m = NULL;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
                                             .seed = 5, .strategy = s}, &m);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = units, .activation = MPT_ACT_RELU});
-    if (bn) mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    if (bn) mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.synchronized = bn == 2});
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
     mpt_model_compile(m, &(mpt_compile_desc){
         .optimizer = {.learning_rate = 0.05f},
@@ -90,10 +90,11 @@ static double weight_diff(const mpt_model *a, const mpt_model *b) {
 
 /* Two workers, global batch 32 (16 each; the last batch of 8: 4 each):
    identical weights on both, and the same as one process trained on the
-   global batch. */
-static void test_match(void) {
+   global batch — without BatchNormalization (bn 0) and with a
+   synchronized one (bn 2). */
+static void match(int bn) {
     mpt_strategy *s = workers(60);
-    mpt_model *m = model(s, 16, 0), *one = model(NULL, 16, 0);
+    mpt_model *m = model(s, 16, bn), *one = model(NULL, 16, bn);
     mpt_dataset *d = blobs();
     mpt_fit_desc fit;
     mpt_status st;
@@ -123,13 +124,20 @@ static void test_match(void) {
         double diff;
         CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit alone: %s", mpt_context_error(ctx));
         diff = weight_diff(m, one);
-        printf("# 2 workers vs 1 process: relative norm error of the weights %.3g\n", diff);
-        CHECK(diff <= 1e-5, "2 workers vs 1 process: relative norm error %.3g", diff);
+        printf("# 2 workers vs 1 process (bn %d): relative norm error of the weights %.3g\n",
+               bn, diff);
+        CHECK(diff <= 1e-5, "2 workers vs 1 process (bn %d): relative norm error %.3g", bn,
+              diff);
     }
     mpt_model_destroy(m);
     mpt_model_destroy(one);
     mpt_dataset_destroy(d);
     mpt_strategy_destroy(s);
+}
+
+static void test_match(void) {
+    match(0);
+    match(2);
 }
 
 static void test_differ(void) {

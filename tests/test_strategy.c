@@ -34,15 +34,18 @@ static mpt_dataset *blobs(void) {
     return d;
 }
 
-/* Dense(16, relu) [-> BatchNormalization -> Dropout] -> Dense(3, softmax). */
+/* Dense(16, relu) [-> BatchNormalization -> Dropout (extras 1) or a
+   synchronized BatchNormalization (extras 2)] -> Dense(3, softmax). */
 static mpt_model *model(mpt_strategy *s, mpt_policy policy, int extras, mpt_optimizer_type opt) {
     mpt_model *m = NULL;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
                                             .policy = policy, .seed = 5, .strategy = s}, &m);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
-    if (extras) {
+    if (extras == 1) {
         mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
         mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.2f});
+    } else if (extras == 2) {
+        mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.synchronized = 1});
     }
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_compile(m, &(mpt_compile_desc){
@@ -140,6 +143,37 @@ static void test_replicas_match_one(void) {
             mpt_model_destroy(many);
             mpt_strategy_destroy(s);
         }
+    mpt_dataset_destroy(d);
+}
+
+/* A synchronized BatchNormalization normalises every replica's rows with
+   the global batch's statistics and backpropagates through them, so N
+   replicas again match one replica given the global batch (its moving
+   statistics too): 1e-5 relative norm error over every parameter. */
+static void test_synchronized_batchnorm(void) {
+    int counts[2] = {2, 4}, c;
+    mpt_dataset *d = blobs();
+    for (c = 0; c < 2; c++) {
+        mpt_strategy *s = mirrored(counts[c]);
+        mpt_model *one = model(NULL, MPT_POLICY_FLOAT32, 2, MPT_OPTIMIZER_ADAM);
+        mpt_model *many = model(s, MPT_POLICY_FLOAT32, 2, MPT_OPTIMIZER_ADAM);
+        mpt_fit_desc fit;
+        double diff;
+        memset(&fit, 0, sizeof fit);
+        fit.epochs = 3;
+        fit.batch_size = 32;
+        CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", counts[c],
+              mpt_context_error(ctx));
+        diff = weight_diff(many, one);
+        printf("# synchronized BatchNormalization, %d replicas vs 1: relative norm error %.3g\n",
+               counts[c], diff);
+        CHECK(diff <= 1e-5, "%d replicas: relative norm error %.3g", counts[c], diff);
+        CHECK(replicas_identical(many), "%d replicas drifted apart", counts[c]);
+        mpt_model_destroy(one);
+        mpt_model_destroy(many);
+        mpt_strategy_destroy(s);
+    }
     mpt_dataset_destroy(d);
 }
 
@@ -267,6 +301,7 @@ int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     make_blobs();
     TEST_RUN(test_replicas_match_one);
+    TEST_RUN(test_synchronized_batchnorm);
     TEST_RUN(test_replicas_stay_identical);
     TEST_RUN(test_skips_are_global);
     TEST_RUN(test_evaluate_predict_checkpoint);

@@ -1153,8 +1153,15 @@ typedef enum mpt_strategy_type {
 
 typedef struct mpt_strategy_desc {
     mpt_strategy_type type;
-    int num_replicas;         /* mirrored: replicas on the context's device;
-                                 default 0: 1                               */
+    int num_replicas;         /* mirrored: logical replicas sharing the
+                                 context's device; default 0: 1 (on a GPU
+                                 context: one per device, below)           */
+    const int *devices;       /* mirrored on a GPU context: the CUDA devices
+                                 to put one replica on each, the context's
+                                 first; default NULL: every visible one.
+                                 Needs mpt_cuda.cu built with -DMPT_NCCL
+                                 when more than one                        */
+    int n_devices;
     double timeout_seconds;   /* multi-worker: how long a collective may wait
                                  for the others; default 0: 60 s           */
     int64_t bucket_bytes;     /* multi-worker: gradient bytes per all-reduce;
@@ -1293,6 +1300,7 @@ struct mpt_context {
     mpt__pool pool;
     mpt__worker_arg *worker_args;
     void **scratch;             /* [num_threads] × MPT__THREAD_SCRATCH_BYTES */
+    mpt_context_desc desc;      /* as given: a strategy opens the other GPUs so */
     char error[1024];
 };
 
@@ -1612,6 +1620,7 @@ MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context *
     }
     s = mpt__pool_start(ctx);
     if (s != MPT_OK) goto fail;
+    ctx->desc = d;
     s = mpt__choose_backend(ctx, &d);
     if (s != MPT_OK) goto fail;
     *out = ctx;
@@ -3215,6 +3224,12 @@ struct mpt_strategy {
     double timeout;         /* seconds a collective may wait              */
     int64_t bucket_bytes;   /* gradient bytes per all-reduce              */
     int began_mpi;          /* MPI_Finalize at destroy                    */
+    /* Replicas on several GPUs (or GPU workers): the backend of replica k,
+       [0] the context's, and the communicator over them (NCCL). */
+    int n_backends;
+    const mpt_backend *backend[64];
+    void *impl[64];
+    void *comm;
 };
 
 static int mpt__strategy_total(const mpt_strategy *s);
@@ -11147,6 +11162,90 @@ static mpt_status mpt__strategy_join_workers(mpt_strategy *s) {
 #endif
 }
 
+#ifdef MPT_CUDA
+/* Another CUDA device's backend, made as the context made its own. */
+static mpt_status mpt__strategy_add_device(mpt_strategy *s, int device) {
+    mpt_context_desc d = s->ctx->desc;
+    char message[512] = "";
+    mpt_status st;
+    d.cuda_device = device;
+    st = mpt_cuda_backend_create(&d, &s->backend[s->n_backends], &s->impl[s->n_backends], message,
+                                 sizeof message);
+    if (st != MPT_OK) return mpt__fail(s->ctx, st, "strategy: CUDA device %d: %s", device, message);
+    s->n_backends++;
+    return MPT_OK;
+}
+
+/* The devices of a mirrored strategy on a GPU context: the listed ones, or
+   every visible one (devices are tried in order until one is not there). */
+static mpt_status mpt__strategy_mirror_devices(mpt_strategy *s, const mpt_strategy_desc *desc) {
+    int own = s->ctx->desc.cuda_device, k;
+    if (desc->n_devices > 0) {
+        if (desc->devices[0] != own)
+            return mpt__fail(s->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "strategy: devices[0] is %d, not the context's device %d",
+                             desc->devices[0], own);
+        for (k = 1; k < desc->n_devices; k++) MPT__CHECK(mpt__strategy_add_device(s, desc->devices[k]));
+        return MPT_OK;
+    }
+    for (k = 0; k < 64 && s->n_backends < 64; k++) {
+        mpt_context_desc d = s->ctx->desc;
+        char message[512];
+        if (k == own) continue;
+        d.cuda_device = k;
+        if (mpt_cuda_backend_create(&d, &s->backend[s->n_backends], &s->impl[s->n_backends],
+                                    message, sizeof message) != MPT_OK)
+            break; /* no device k */
+        s->n_backends++;
+    }
+    return MPT_OK;
+}
+#endif
+
+/* On a GPU context: a mirrored strategy puts one replica on each of its
+   devices (unless num_replicas asks for logical replicas on the context's
+   one), a multi-worker one joins the workers' devices; either way a
+   communicator (NCCL) sums the gradients between devices. */
+static mpt_status mpt__strategy_open_devices(mpt_strategy *s, const mpt_strategy_desc *desc) {
+    const mpt_backend *be = mpt_context_backend(s->ctx, &s->impl[0]);
+    s->backend[0] = be;
+    s->n_backends = 1;
+    if (be == mpt__cpu_backend()) {
+        if (desc->n_devices > 0)
+            return mpt__fail(s->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "strategy: a list of CUDA devices, but the context is on the CPU");
+        return MPT_OK;
+    }
+#ifdef MPT_CUDA
+    if (s->type == MPT_STRATEGY_MIRRORED && desc->num_replicas == 0) {
+        MPT__CHECK(mpt__strategy_mirror_devices(s, desc));
+        s->local = s->n_backends;
+    }
+#endif
+    if (s->n_backends == 1 && s->workers == 1) return MPT_OK; /* one device: nothing to join */
+    if (!be->comm_create)
+        return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED,
+                         "strategy: replicas on %d GPUs need mpt_cuda.cu built with -DMPT_NCCL "
+                         "(and -lnccl)", s->n_backends * s->workers);
+    if (s->workers == 1) {
+        if (be->comm_create(s->impl, s->n_backends, 0, s->n_backends, NULL, &s->comm) != MPT_OK)
+            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
+        return MPT_OK;
+    }
+#ifdef MPT_MPI
+    {
+        unsigned char id[MPT_COMM_ID_BYTES];
+        memset(id, 0, sizeof id);
+        if (s->worker == 0 && be->comm_id(s->impl[0], id) != MPT_OK)
+            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
+        MPI_Bcast(id, MPT_COMM_ID_BYTES, MPI_BYTE, 0, MPI_COMM_WORLD);
+        if (be->comm_create(s->impl, 1, s->worker, s->workers, id, &s->comm) != MPT_OK)
+            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
+    }
+#endif
+    return MPT_OK;
+}
+
 MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc *desc,
                                       mpt_strategy **out) {
     mpt_strategy *s;
@@ -11158,6 +11257,9 @@ MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc 
     if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
                          (int)desc->type);
+    if (desc->n_devices < 0 || desc->n_devices > 64 || (desc->n_devices > 0 && !desc->devices))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: %d devices (0..64, with a list)",
+                         desc->n_devices);
     if (desc->num_replicas < 0 || desc->num_replicas > 64 ||
         (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -11176,8 +11278,9 @@ MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc 
     s->timeout = desc->timeout_seconds ? desc->timeout_seconds : 60;
     s->bucket_bytes = desc->bucket_bytes ? desc->bucket_bytes : (int64_t)4 << 20;
     if (s->type == MPT_STRATEGY_MULTI_WORKER) st = mpt__strategy_join_workers(s);
+    if (st == MPT_OK) st = mpt__strategy_open_devices(s, desc);
     if (st != MPT_OK) {
-        mpt__free(ctx, s);
+        mpt_strategy_destroy(s);
         return st;
     }
     *out = s;
@@ -11185,7 +11288,10 @@ MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc 
 }
 
 MPTDEF void mpt_strategy_destroy(mpt_strategy *s) {
+    int k;
     if (!s) return;
+    if (s->comm) s->backend[0]->comm_destroy(s->comm);
+    for (k = 1; k < s->n_backends; k++) s->backend[k]->destroy(s->impl[k]);
 #ifdef MPT_MPI
     if (s->began_mpi) MPI_Finalize();
 #endif
@@ -11327,22 +11433,51 @@ static mpt_status mpt__workers_agree(mpt_model *m) {
                          "seed or batch): worker%s%s differ%s from worker 0",
                          bad > 1 ? "s" : "", which, bad > 1 ? "" : "s");
     {
-        /* worker 0's weights, in pieces that fit MPI's int counts */
-        unsigned char *p = (unsigned char *)m->arena[MPT__MEM_PARAMS];
-        int64_t left = m->arena_bytes[MPT__MEM_PARAMS];
-        while (left > 0) {
+        /* worker 0's weights, in pieces that fit MPI's int counts (through
+           the host from a GPU) */
+        int64_t bytes = m->arena_bytes[MPT__MEM_PARAMS], left = bytes;
+        int on_host = mpt__model_device(m) == MPT_DEVICE_CPU;
+        unsigned char *host = on_host ? (unsigned char *)m->arena[MPT__MEM_PARAMS]
+                                      : (unsigned char *)mpt__alloc(m->ctx, (size_t)bytes + 1);
+        unsigned char *p = host;
+        mpt_status st = host ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "out of memory");
+        if (st == MPT_OK && !on_host) st = mpt__download(m, host, m->arena[MPT__MEM_PARAMS], bytes);
+        while (st == MPT_OK && left > 0) {
             int piece = (int)MPT__MIN(left, (int64_t)1 << 30);
             MPI_Ibcast(p, piece, MPI_BYTE, 0, MPI_COMM_WORLD, &r);
-            MPT__CHECK(mpt__mpi_wait(m, &r, 1, "receiving worker 0's weights"));
+            st = mpt__mpi_wait(m, &r, 1, "receiving worker 0's weights");
             p += piece;
             left -= piece;
         }
+        if (st == MPT_OK && !on_host) st = mpt__upload(m, m->arena[MPT__MEM_PARAMS], host, bytes);
+        if (!on_host) mpt__free(m->ctx, host);
+        MPT__CHECK(st);
         mpt_model_refresh_weights(m);
     }
 #else
     (void)m;
 #endif
     return MPT_OK;
+}
+
+/* to's parameters (values and moving statistics) become from's: in place
+   on one device, through the host between devices. */
+static mpt_status mpt__copy_params(mpt_model *to, mpt_model *from) {
+    size_t bytes = (size_t)from->arena_bytes[MPT__MEM_PARAMS];
+    void *host;
+    mpt_status s;
+    if (to->impl == from->impl) {
+        to->be->copy(to->impl, to->arena[MPT__MEM_PARAMS], from->arena[MPT__MEM_PARAMS], bytes);
+        mpt_model_refresh_weights(to);
+        return MPT_OK;
+    }
+    host = mpt__alloc(to->ctx, bytes + 1);
+    if (!host) return mpt__fail(to->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    s = mpt__download(from, host, from->arena[MPT__MEM_PARAMS], bytes);
+    if (s == MPT_OK) s = mpt__upload(to, to->arena[MPT__MEM_PARAMS], host, bytes);
+    mpt__free(to->ctx, host);
+    if (s == MPT_OK) mpt_model_refresh_weights(to);
+    return s;
 }
 
 static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
@@ -11353,16 +11488,16 @@ static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
     d.strategy = NULL;
     MPT__CHECK(mpt_model_create(m->ctx, &d, &r));
     r->replica_index = m->replica_index + k;
+    if (m->strategy->n_backends > 1) { /* its own GPU */
+        r->be = m->strategy->backend[k];
+        r->impl = m->strategy->impl[k];
+    }
     for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++)
         s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
                            m->layers[i].desc.flatten.dtype);
     if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
     if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
-    if (s == MPT_OK) { /* replica 0's weights */
-        r->be->copy(r->impl, r->arena[MPT__MEM_PARAMS], m->arena[MPT__MEM_PARAMS],
-                    (size_t)m->arena_bytes[MPT__MEM_PARAMS]);
-        mpt_model_refresh_weights(r);
-    }
+    if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */
     if (s != MPT_OK) {
         mpt_model_destroy(r);
         return s;
@@ -11379,10 +11514,9 @@ static mpt_status mpt__replicas_build(mpt_model *m) {
     int k;
     m->replica = (mpt_model **)mpt__calloc(m->ctx, sizeof(mpt_model *) * (size_t)s->local);
     if (!m->replica) st = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
-    if (st == MPT_OK && s->workers > 1 && mpt__model_device(m) != MPT_DEVICE_CPU)
+    if (st == MPT_OK && s->workers > 1 && mpt__model_device(m) != MPT_DEVICE_CPU && !s->comm)
         st = mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                       "strategy: several workers on GPUs need NCCL, which this build does not "
-                       "use yet; train the workers on the CPU (MPT_DEVICE=cpu)");
+                       "strategy: several workers on GPUs need mpt_cuda.cu built with -DMPT_NCCL");
     if (st == MPT_OK) {
         m->replica[0] = m;
         m->replica_index = s->worker * s->local;
@@ -11435,7 +11569,8 @@ static void mpt__exchange_free(mpt_model *m) {
 static mpt_status mpt__exchange_open(mpt_model *m) {
     mpt__exchange *x;
     int64_t floats = m->arena_bytes[MPT__MEM_GRADS] / 4;
-    if (!m->strategy || m->strategy->workers <= 1 || m->n_replicas > 1) return MPT_OK;
+    if (!m->strategy || m->strategy->workers <= 1 || m->n_replicas > 1 || m->strategy->comm)
+        return MPT_OK; /* (a communicator sums GPUs' gradients itself) */
     x = (mpt__exchange *)mpt__calloc(m->ctx, sizeof *x);
     if (!x) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
     m->exchange = x;
@@ -11505,6 +11640,23 @@ static mpt_status mpt__exchange_finish(mpt_model *m) {
 #endif
 }
 
+/* count floats summed over every replica on every device and worker,
+   through the strategy's communicator, in place on each: each replica's
+   arena `arena` (layer < 0) or layer `layer`'s saved[which]. */
+static mpt_status mpt__comm_sum(mpt_model *m, int arena, int layer, int which, int64_t count) {
+    float *bufs[64];
+    mpt_status st;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        bufs[k] = layer < 0 ? (float *)r->arena[arena] : (float *)r->layers[layer].saved[which];
+    }
+    st = m->be->allreduce_sum(m->strategy->comm, bufs, count);
+    return st == MPT_OK ? st
+                        : mpt__fail(m->ctx, st, "strategy: %s",
+                                    m->be->comm_error(m->strategy->comm));
+}
+
 /* BatchNormalization's batch statistics made the mean over the replicas
    that had rows (here and on every worker) before every replica commits
    them: the moving statistics, an average of linear updates, then equal
@@ -11522,6 +11674,19 @@ static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *
         if (L->ops != &mpt__bn_ops || mpt__is_sync_bn(L)) continue; /* synchronized: equal */
         for (j = 0; j < 2; j++) { /* saved[0]: mean, saved[1]: variance, (C) each */
             float *sum = (float *)L->saved[j];
+            if (m->strategy->comm) { /* several devices: through the communicator */
+                float inv = (float)(1.0 / MPT__MAX(contributors, 1));
+                for (k = 0; k < n; k++)
+                    if (!had_rows[k])
+                        m->replica[k]->be->zero(m->replica[k]->impl,
+                                                m->replica[k]->layers[i].saved[j],
+                                                sizeof(float) * (size_t)C);
+                MPT__CHECK(mpt__comm_sum(m, 0, i, j, C));
+                for (k = 0; k < n; k++)
+                    m->replica[k]->be->scale(m->replica[k]->impl,
+                                             (float *)m->replica[k]->layers[i].saved[j], inv, C);
+                continue;
+            }
             if (!had_rows[0]) m->be->zero(m->impl, sum, sizeof(float) * (size_t)C);
             for (k = 1; k < n; k++)
                 if (had_rows[k])
@@ -11737,6 +11902,21 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
 /* The step: forward and backward on every replica, the gradients summed
    over the replicas (in order) and the workers, the same update on every
    replica. */
+/* The replicas' gradients summed on one device: replica 0 adds the others'
+   in order, the workers' sum follows (MPI, in buckets), and every replica
+   takes the result. */
+static mpt_status mpt__local_sum_grads(mpt_model *m, int64_t grads) {
+    int k;
+    for (k = 1; k < m->n_replicas; k++)
+        m->be->add(m->impl, (float *)m->arena[MPT__MEM_GRADS],
+                   (const float *)m->replica[k]->arena[MPT__MEM_GRADS], grads / 4);
+    if (m->exchange) MPT__CHECK(mpt__exchange_finish(m));
+    for (k = 1; k < m->n_replicas; k++)
+        m->be->copy(m->impl, m->replica[k]->arena[MPT__MEM_GRADS], m->arena[MPT__MEM_GRADS],
+                    (size_t)grads);
+    return MPT_OK;
+}
+
 static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
                                        int64_t rows, int64_t global_rows, mpt__step_times *times) {
     int n = m->n_replicas, k;
@@ -11744,14 +11924,11 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
     double t0 = mpt__now(), t1;
     if (m->exchange) mpt__exchange_arm(m);
     MPT__CHECK(mpt__replicas_forward_backward(m, x, y, rows, global_rows, had));
-    /* replica 0 sums the others' gradients in order, then the workers' */
-    for (k = 1; k < n; k++)
-        m->be->add(m->impl, (float *)m->arena[MPT__MEM_GRADS],
-                   (const float *)m->replica[k]->arena[MPT__MEM_GRADS], grads / 4);
-    if (m->exchange) MPT__CHECK(mpt__exchange_finish(m));
-    for (k = 1; k < n; k++)
-        m->be->copy(m->impl, m->replica[k]->arena[MPT__MEM_GRADS], m->arena[MPT__MEM_GRADS],
-                    (size_t)grads);
+    if (m->strategy->comm) { /* GPUs: the communicator sums them, on every device */
+        MPT__CHECK(mpt__comm_sum(m, MPT__MEM_GRADS, -1, 0, grads / 4));
+    } else {
+        MPT__CHECK(mpt__local_sum_grads(m, grads));
+    }
     t1 = mpt__now();
     MPT__CHECK(mpt__replicas_average_statistics(m, had));
     for (k = 0; k < n; k++) {

@@ -1128,14 +1128,16 @@ MPTDEF int mpt_model_epoch(const mpt_model *m);
    then applies the same update and the replicas stay identical. A step
    that is not finite on one replica is not finite on any (the check runs
    on the summed gradients), so loss scaling decides the same everywhere.
-   BatchNormalization uses each replica's own batch statistics. Loss and
-   metrics are summed over the replicas before anything reads them, so
+   BatchNormalization uses each replica's own batch statistics (their
+   moving averages averaged over the replicas), or with `synchronized` set
+   those of the whole global batch. Loss and metrics are summed over the replicas before anything reads them, so
    progress, history and every callback's decision are the same on every
    worker; progress is printed and files are written by worker 0 alone.
 
    Mirrored: replicas inside this process — num_replicas logical replicas
    sharing the context's device (the CPU, or one GPU), as TensorFlow's
-   virtual devices. Multi-worker: one replica per process, the processes
+   virtual devices; or, on a GPU context, one replica on each of the listed
+   (default: every visible) GPUs, summed by NCCL. Multi-worker: one replica per process, the processes
    started by mpirun on one or many nodes; the gradients are summed with
    MPI_Allreduce, in buckets started as soon as the layers that fill them
    have finished their backward pass, so that the exchange overlaps the

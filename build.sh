@@ -146,6 +146,16 @@ cuda_compile_check() {
         cat "$B/nvcc.log"
         record "compile mpt_cuda.cu with nvcc" fail "see $B/nvcc.log"
     fi
+    # with the NCCL collectives (several GPUs), where NCCL's header is
+    if [ -x "$nvcc" ] && echo '#include <nccl.h>' | "$nvcc" -x cu -E - >/dev/null 2>&1; then
+        if "$nvcc" -std=c++17 -arch=sm_90 -Werror all-warnings -DMPT_CUDA -DMPT_NCCL -I. \
+            -c mpt_cuda.cu -o "$B/mpt_cuda_nccl.o" 2>"$B/nvcc_nccl.log"; then
+            record "compile mpt_cuda.cu with nvcc -DMPT_NCCL" pass
+        else
+            cat "$B/nvcc_nccl.log"
+            record "compile mpt_cuda.cu with nvcc -DMPT_NCCL" fail "see $B/nvcc_nccl.log"
+        fi
+    fi
 }
 
 # The examples build with -Werror; the hand-written SGD loop must learn its
@@ -226,6 +236,14 @@ mpi_tests() {
     if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
         record "multi-worker strategy (mpirun -np 2)" skip "no mpicc/mpirun (openmpi-bin, libopenmpi-dev)"
         return
+    fi
+    # the implementation as a CUDA and MPI build compiles it (GPU workers)
+    if mpicc -std=c99 $WARN -DMPT_MPI -DMPT_CUDA -DMPT_IMPLEMENTATION -x c -c mpt.h \
+        -o "$B/mpt_mpi_cuda.o" 2>"$B/mpt_mpi_cuda.log"; then
+        record "compile mpt.h with MPT_MPI and MPT_CUDA" pass
+    else
+        cat "$B/mpt_mpi_cuda.log"
+        record "compile mpt.h with MPT_MPI and MPT_CUDA" fail "see above"
     fi
     if ! mpicc -std=c99 $WARN $OPT -DMPT_MPI -I. tests/mpi_strategy.c -o "$B/mpi_strategy" \
         -lpthread -lm -lz 2>"$B/mpi_strategy.build.log"; then

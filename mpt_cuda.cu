@@ -16,6 +16,12 @@
        nvcc -O3 -arch=sm_90 -DMPT_CUDA examples/mlp.c mpt_cuda.cu \
             -lcublasLt -lcublas -lz
 
+   Several GPUs, in one process or across processes, sum their replicas'
+   gradients over NCCL: add -DMPT_NCCL (for this file) and -lnccl:
+
+       nvcc -O3 -arch=sm_90 -DMPT_CUDA -DMPT_NCCL examples/mlp.c mpt_cuda.cu \
+            -lcublasLt -lcublas -lnccl -lz
+
    This file includes mpt.h for its API alone (no MPT_IMPLEMENTATION).
 
    How it is organised:
@@ -28,7 +34,9 @@
        training             losses, gradient statistics, optimizer updates,
                             loss scaling
        the core             memory, copies, synchronisation, graphs, the
-                            table and mpt_cuda_backend_create */
+                            table and mpt_cuda_backend_create
+       collectives          (-DMPT_NCCL) communicators and the all-reduce
+                            over NCCL, just before the table */
 
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -3705,6 +3713,322 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
     return MPT_OK;
 }
 
+/* =============================================================================
+   Collectives over NCCL (built with -DMPT_NCCL, linked with -lnccl)
+   =============================================================================
+
+   A communicator joins replicas on different devices, in this process and
+   possibly in others: each of this process's backends is one NCCL rank of
+   its own (NCCL wants one device per rank). The all-reduce is queued on
+   each backend's stream like any compute call, so it takes its place
+   between the backward pass and the update, and it can be recorded in a
+   CUDA graph: NCCL's collectives are capturable (all members must then be
+   captured alike, and each replay runs them again on all of them).
+
+   The sum is done in the order NCCL's algorithm (ring or tree, chosen by
+   size and topology) takes; for one communicator and one count that
+   choice is the same on every call, so a step repeats bit for bit. Every
+   member receives the same bits. */
+
+#ifdef MPT_NCCL
+#include <nccl.h>
+
+static_assert(sizeof(ncclUniqueId) == MPT_COMM_ID_BYTES,
+              "mpt.h's MPT_COMM_ID_BYTES must hold NCCL's ncclUniqueId");
+
+/* This process's part of a communicator: member first + k is impls[k],
+   with its NCCL communicator comms[k]. */
+typedef struct mpt__cuda_comm {
+    int n;                      /* this process's members                  */
+    int first;                  /* the member number of impls[0]           */
+    int members;                /* members in all                          */
+    mpt__cuda **impls;          /* (n)                                     */
+    ncclComm_t *comms;          /* (n)                                     */
+    char error[512];            /* comm_error()'s message                  */
+} mpt__cuda_comm;
+
+/* NCCL's result as an mpt status: a misuse is the caller's, the rest
+   (CUDA, system, network, internal errors) the platform's. */
+static mpt_status mpt__cuda_nccl_status(ncclResult_t r) {
+    return r == ncclInvalidArgument || r == ncclInvalidUsage ? MPT_ERR_INVALID_ARGUMENT
+                                                             : MPT_ERR_UNSUPPORTED;
+}
+
+/* Writes "<what>: <NCCL's words>; NCCL's last message: <...> (file:line)"
+   into error and returns the matching status. NCCL's generic words for a
+   result ("unhandled system error") say little; its last message names
+   the cause, though it may be left over from an earlier failure. */
+static mpt_status mpt__cuda_nccl_failed(char *error, size_t size, ncclResult_t r, int line,
+                                        const char *what) {
+    const char *last = ncclGetLastError(NULL);
+    int has_last = last && *last;
+    snprintf(error, size, "%s: %s%s%s (%s:%d)", what, ncclGetErrorString(r),
+             has_last ? "; NCCL's last message: " : "", has_last ? last : "", __FILE__, line);
+    (void)cudaGetLastError(); /* a CUDA failure inside NCCL: not the next kernel's */
+    return mpt__cuda_nccl_status(r);
+}
+
+/* A failure found before NCCL was called, into the communicator's message. */
+static mpt_status mpt__cuda_comm_fail(mpt__cuda_comm *m, mpt_status status, int line,
+                                      const char *fmt, ...) {
+    char what[384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    snprintf(m->error, sizeof m->error, "%s (%s:%d)", what, __FILE__, line);
+    return status;
+}
+
+/* Made on the process of member 0 and sent to the others: NCCL's unique id,
+   whose bytes also name where that process listens for the others. */
+static mpt_status mpt__cuda_comm_id(void *impl, void *id) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    ncclUniqueId unique;
+    if (!id)
+        return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "comm_id: id is NULL");
+    ncclResult_t r = ncclGetUniqueId(&unique);
+    if (r != ncclSuccess)
+        return mpt__cuda_nccl_failed(c->error, sizeof c->error, r, __LINE__, "ncclGetUniqueId");
+    memcpy(id, &unique, sizeof unique);
+    return MPT_OK;
+}
+
+/* The arguments of comm_create that NCCL would otherwise reject with a
+   vaguer message (or a hang: two ranks on one device). */
+static mpt_status mpt__cuda_comm_check(const mpt__cuda_comm *m, const void *id) {
+    mpt__cuda *c0 = m->impls[0];
+    if (!id && (m->first != 0 || m->members != m->n))
+        return mpt__cuda_fail(c0, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "comm_create without an id joins this process's %d backends "
+                              "alone (first 0, members %d), not members %d..%d of %d",
+                              m->n, m->n, m->first, m->first + m->n - 1, m->members);
+    for (int k = 0; k < m->n; k++) {
+        const mpt__cuda *c = m->impls[k];
+        if (c->capturing)
+            return mpt__cuda_fail(c0, MPT_ERR_STATE, __FILE__, __LINE__,
+                                  "comm_create: not allowed while a step is being captured "
+                                  "(on CUDA device %d)",
+                                  c->device);
+        for (int j = 0; j < k; j++)
+            if (m->impls[j]->device == c->device)
+                return mpt__cuda_fail(c0, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                                      "comm_create: impls[%d] and impls[%d] are both CUDA "
+                                      "device %d; each member needs a device of its own",
+                                      j, k, c->device);
+        /* Here, not inside the NCCL group below, where a failure would
+           leave the ranks already queued waiting for the missing ones. */
+        MPT__CU(c0, cudaSetDevice(c->device));
+    }
+    return MPT_OK;
+}
+
+/* Frees the object; its NCCL communicators are already gone or NULL. */
+static void mpt__cuda_comm_free(mpt__cuda_comm *m) {
+    if (!m) return;
+    free(m->impls);
+    free(m->comms);
+    free(m);
+}
+
+/* The object for impls[0..n) (each an mpt__cuda *), comms all NULL. */
+static mpt__cuda_comm *mpt__cuda_comm_new(void *const *impls, int n, int first, int members) {
+    mpt__cuda_comm *m = (mpt__cuda_comm *)calloc(1, sizeof(mpt__cuda_comm));
+    if (!m) return NULL;
+    m->impls = (mpt__cuda **)calloc((size_t)n, sizeof(mpt__cuda *));
+    m->comms = (ncclComm_t *)calloc((size_t)n, sizeof(ncclComm_t));
+    if (!m->impls || !m->comms) {
+        mpt__cuda_comm_free(m);
+        return NULL;
+    }
+    m->n = n;
+    m->first = first;
+    m->members = members;
+    for (int k = 0; k < n; k++) m->impls[k] = (mpt__cuda *)impls[k];
+    return m;
+}
+
+/* One process alone: ncclCommInitAll makes the n ranks over the n devices
+   at once (it needs no id). */
+static mpt_status mpt__cuda_comm_init_all(mpt__cuda_comm *m) {
+    mpt__cuda *c0 = m->impls[0];
+    int *devices = (int *)malloc(sizeof(int) * (size_t)m->n);
+    if (!devices)
+        return mpt__cuda_fail(c0, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                              "comm_create: no host memory for the device list");
+    for (int k = 0; k < m->n; k++) devices[k] = m->impls[k]->device;
+    ncclResult_t r = ncclCommInitAll(m->comms, m->n, devices);
+    free(devices);
+    if (r == ncclSuccess) return MPT_OK;
+    char what[96];
+    snprintf(what, sizeof what, "ncclCommInitAll over %d devices", m->n);
+    return mpt__cuda_nccl_failed(c0->error, sizeof c0->error, r, __LINE__, what);
+}
+
+/* Several processes: this process's ranks first .. first + n − 1, each
+   created on its device. ncclCommInitRank blocks until every rank has
+   joined, so this process's ranks are created together in one group. */
+static mpt_status mpt__cuda_comm_init_ranks(mpt__cuda_comm *m, const void *id) {
+    mpt__cuda *c0 = m->impls[0];
+    ncclUniqueId unique;
+    char what[128];
+    memcpy(&unique, id, sizeof unique);
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess)
+        return mpt__cuda_nccl_failed(c0->error, sizeof c0->error, r, __LINE__, "ncclGroupStart");
+    snprintf(what, sizeof what, "ncclCommInitRank (members %d..%d of %d)", m->first,
+             m->first + m->n - 1, m->members);
+    cudaError_t e = cudaSuccess;
+    for (int k = 0; k < m->n && r == ncclSuccess; k++) {
+        /* NCCL takes the rank's device from the current one. */
+        e = cudaSetDevice(m->impls[k]->device);
+        if (e != cudaSuccess) break;
+        r = ncclCommInitRank(&m->comms[k], m->members, unique, m->first + k);
+        if (r != ncclSuccess)
+            snprintf(what, sizeof what, "ncclCommInitRank (member %d of %d, CUDA device %d)",
+                     m->first + k, m->members, m->impls[k]->device);
+    }
+    /* Always ends the group: after a failure inside it, the group is
+       cancelled and reports that failure. */
+    ncclResult_t end = ncclGroupEnd();
+    if (e != cudaSuccess) return mpt__cuda_call_failed(c0, e, "cudaSetDevice", __LINE__);
+    if (r == ncclSuccess) r = end;
+    if (r == ncclSuccess) return MPT_OK;
+    return mpt__cuda_nccl_failed(c0->error, sizeof c0->error, r, __LINE__, what);
+}
+
+/* impls[k] (mpt__cuda *) becomes member first + k of `members`. id NULL:
+   this process's backends are all the members. On failure nothing is
+   left behind and the message is in impls[0]'s error(). The current
+   device is the caller's again on return. */
+static mpt_status mpt__cuda_comm_create(void *const *impls, int n, int first, int members,
+                                        const void *id, void **comm) {
+    int caller_device = 0;
+    if (comm) *comm = NULL;
+    if (!impls || n < 1 || !impls[0]) return MPT_ERR_INVALID_ARGUMENT; /* nowhere to say why */
+    mpt__cuda *c0 = (mpt__cuda *)impls[0];
+    if (!comm)
+        return mpt__cuda_fail(c0, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "comm_create: comm is NULL");
+    if (first < 0 || members < 1 || n > members || first > members - n)
+        return mpt__cuda_fail(c0, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "comm_create: members %d..%d of %d do not exist", first,
+                              first + n - 1, members);
+    for (int k = 1; k < n; k++)
+        if (!impls[k])
+            return mpt__cuda_fail(c0, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                                  "comm_create: impls[%d] is NULL", k);
+    MPT__CU(c0, cudaGetDevice(&caller_device));
+    mpt__cuda_comm *m = mpt__cuda_comm_new(impls, n, first, members);
+    if (!m)
+        return mpt__cuda_fail(c0, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                              "comm_create: no host memory for the communicator");
+    mpt_status s = mpt__cuda_comm_check(m, id);
+    if (s == MPT_OK) s = id ? mpt__cuda_comm_init_ranks(m, id) : mpt__cuda_comm_init_all(m);
+    if (s != MPT_OK) {
+        /* Ranks NCCL created before the failure (a failed group may leave
+           some) are torn down without waiting for the others. */
+        for (int k = 0; k < n; k++)
+            if (m->comms[k]) (void)ncclCommAbort(m->comms[k]);
+        mpt__cuda_comm_free(m);
+        m = NULL;
+    }
+    if (cudaSetDevice(caller_device) != cudaSuccess) (void)cudaGetLastError();
+    *comm = m;
+    return s;
+}
+
+/* Waits for the work queued on every member (an all-reduce may still run),
+   then finalises the ranks together (a single thread finalising its ranks
+   one by one could wait on the next) and frees them; if finalising fails,
+   they are aborted instead. */
+static void mpt__cuda_comm_destroy(void *comm) {
+    mpt__cuda_comm *m = (mpt__cuda_comm *)comm;
+    int caller_device = 0;
+    if (!m) return;
+    if (cudaGetDevice(&caller_device) != cudaSuccess) (void)cudaGetLastError();
+    for (int k = 0; k < m->n; k++)
+        if (!m->impls[k]->capturing) (void)cudaStreamSynchronize(m->impls[k]->stream);
+    ncclResult_t r = ncclGroupStart();
+    if (r == ncclSuccess) {
+        for (int k = 0; k < m->n && r == ncclSuccess; k++)
+            if (m->comms[k]) r = ncclCommFinalize(m->comms[k]);
+        ncclResult_t end = ncclGroupEnd();
+        if (r == ncclSuccess) r = end;
+    }
+    for (int k = 0; k < m->n; k++) {
+        if (!m->comms[k]) continue;
+        if (r == ncclSuccess) (void)ncclCommDestroy(m->comms[k]);
+        else (void)ncclCommAbort(m->comms[k]);
+    }
+    (void)cudaGetLastError();
+    if (cudaSetDevice(caller_device) != cudaSuccess) (void)cudaGetLastError();
+    mpt__cuda_comm_free(m);
+}
+
+/* bufs[k] (count floats on impls[k]'s device) becomes the sum over all
+   members, in place, queued on impls[k]'s stream: one group, so that NCCL
+   launches this process's ranks together. Every member must call it with
+   the same count. Returns once queued; a failure while running shows at
+   the next sync. Inside a capture it becomes part of each member's graph
+   (every member of this process must then be capturing). With several
+   devices in one process, NCCL's manual warns that replaying graphs that
+   hold collectives from one thread can deadlock (NCCL_GRAPH_MIXING_SUPPORT);
+   one process per device is the safe way to combine the two. */
+static mpt_status mpt__cuda_allreduce_sum(void *comm, float *const *bufs, int64_t count) {
+    mpt__cuda_comm *m = (mpt__cuda_comm *)comm;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT; /* nowhere to say why */
+    if (!bufs || count < 0)
+        return mpt__cuda_comm_fail(m, MPT_ERR_INVALID_ARGUMENT, __LINE__,
+                                   "allreduce_sum: %s", !bufs ? "bufs is NULL"
+                                                              : "count is negative");
+    if (count == 0) return MPT_OK; /* the same on every member: none calls NCCL */
+    for (int k = 0; k < m->n; k++) {
+        if (!bufs[k])
+            return mpt__cuda_comm_fail(m, MPT_ERR_INVALID_ARGUMENT, __LINE__,
+                                       "allreduce_sum: bufs[%d] is NULL", k);
+        if (m->impls[k]->capturing != m->impls[0]->capturing)
+            return mpt__cuda_comm_fail(m, MPT_ERR_STATE, __LINE__,
+                                       "allreduce_sum: CUDA device %d is capturing a step and "
+                                       "CUDA device %d is not; this process's members must "
+                                       "be captured alike",
+                                       m->impls[0]->capturing ? m->impls[0]->device
+                                                              : m->impls[k]->device,
+                                       m->impls[0]->capturing ? m->impls[k]->device
+                                                              : m->impls[0]->device);
+    }
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess)
+        return mpt__cuda_nccl_failed(m->error, sizeof m->error, r, __LINE__, "ncclGroupStart");
+    int failed = -1;
+    for (int k = 0; k < m->n; k++) {
+        /* Count is a size_t for NCCL: no 2^31 limit. */
+        r = ncclAllReduce(bufs[k], bufs[k], (size_t)count, ncclFloat, ncclSum, m->comms[k],
+                          m->impls[k]->stream);
+        if (r != ncclSuccess) {
+            failed = k;
+            break;
+        }
+    }
+    ncclResult_t end = ncclGroupEnd(); /* cancels the group after a failure */
+    if (r == ncclSuccess) r = end;
+    if (r == ncclSuccess) return MPT_OK;
+    char what[160];
+    if (failed >= 0)
+        snprintf(what, sizeof what, "ncclAllReduce of %lld floats (member %d, CUDA device %d)",
+                 (long long)count, m->first + failed, m->impls[failed]->device);
+    else
+        snprintf(what, sizeof what, "ncclGroupEnd (all-reduce of %lld floats over %d members)",
+                 (long long)count, m->members);
+    return mpt__cuda_nccl_failed(m->error, sizeof m->error, r, __LINE__, what);
+}
+
+static const char *mpt__cuda_comm_error(void *comm) {
+    return comm ? ((mpt__cuda_comm *)comm)->error : "no communicator (NULL)";
+}
+#endif /* MPT_NCCL */
+
 static const mpt_backend mpt__cuda_backend = {
     /* name */ "cuda",
     /* gemm_rounds_c */ 1,
@@ -3749,6 +4073,13 @@ static const mpt_backend mpt__cuda_backend = {
     mpt__cuda_loss_scale_update,
     mpt__cuda_add,
     mpt__cuda_scale,
+#ifdef MPT_NCCL
+    mpt__cuda_comm_id,
+    mpt__cuda_comm_create,
+    mpt__cuda_comm_destroy,
+    mpt__cuda_allreduce_sum,
+    mpt__cuda_comm_error,
+#endif
 };
 
 /* Takes desc->cuda_device. On success *message holds one line about the

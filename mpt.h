@@ -9523,6 +9523,7 @@ typedef struct mpt__cb_csv_logger {
     int append;
     /* Set by on_train_begin and the first on_epoch_end: */
     FILE *file;               /* open from on_train_begin to on_train_end  */
+    int elsewhere;            /* another worker writes the file            */
     int write_header;         /* not when appending to a non-empty file    */
     int n_keys;               /* -1 until the first epoch's logs           */
     char keys[MPT_MAX_LOGS][MPT__CB_NAME_MAX]; /* the columns after "epoch", sorted */
@@ -9555,6 +9556,9 @@ static int mpt__cb_csv_has_content(const char *filename) {
 static mpt_status mpt__cb_csv_train_begin(void *user, mpt_model *m) {
     mpt__cb_csv_logger *c = (mpt__cb_csv_logger *)user;
     if (c->file) fclose(c->file); /* the last fit ended without on_train_end */
+    c->file = NULL;
+    c->elsewhere = !mpt__strategy_is_chief(m->strategy); /* worker 0 writes files */
+    if (c->elsewhere) return MPT_OK;
     c->write_header = !(c->append && mpt__cb_csv_has_content(c->filename));
     c->n_keys = -1;
     c->file = fopen(c->filename, c->append ? "a" : "w");
@@ -9635,6 +9639,7 @@ static mpt_status mpt__cb_csv_epoch_end(void *user, mpt_model *m, int epoch, con
                                         int *stop) {
     mpt__cb_csv_logger *c = (mpt__cb_csv_logger *)user;
     (void)stop;
+    if (c->elsewhere) return MPT_OK;
     if (!c->file)
         return mpt__fail(m->ctx, MPT_ERR_STATE,
                          "CSVLogger \"%s\": on_epoch_end before on_train_begin", c->filename);

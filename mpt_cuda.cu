@@ -1186,11 +1186,13 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     if (!cache)
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
                               "no host memory for the GEMM plan cache");
-    cache->capacity = 64;
-    cache->entries = (mpt__cuda_gemm_entry *)calloc((size_t)cache->capacity, sizeof *cache->entries);
+    /* The capacity is set only once the entries exist: on failure destroy()
+       walks `capacity` entries. */
+    cache->entries = (mpt__cuda_gemm_entry *)calloc(64, sizeof *cache->entries);
     if (!cache->entries)
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
                               "no host memory for the GEMM plan cache");
+    cache->capacity = 64;
     MPT__CU(c, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
     cache->tensor_cores = major >= 8;
     cache->big_tiles = 1;

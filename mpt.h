@@ -6183,12 +6183,13 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     j.dpred = a->dpred ? &dpred : NULL;
     j.K = a->K;
     j.rows = a->rows;
+    /* counted first: dpred may be pred, which the gradient then replaces */
+    mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
     loss = mpt__loss_run(ctx, &j,
                          (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
                              (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
     a->state->loss_sum += loss * (double)a->rows;
     a->state->samples += (double)a->rows;
-    mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
     a->state->correct += (double)correct;
     a->state->top_k += (double)top_k;
 }

@@ -3216,17 +3216,31 @@ static __global__ void mpt__cuda_add_kernel(float *dst, const float *src, int64_
     for (; i < n; i += stride) dst[i] = __fadd_rn(dst[i], src[i]);
 }
 
-/* x *= alpha, one float per thread and step. */
-static __global__ void mpt__cuda_scale_kernel(float *x, float alpha, int64_t n) {
+/* x *= alpha: four floats per thread and step where x is 16-byte aligned
+   (a grid-stride loop), one at a time otherwise. */
+static __global__ void mpt__cuda_scale_kernel(float *x, float alpha, int64_t n, int vec) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        x[i] = __fmul_rn(x[i], alpha);
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        for (; i < n / 4; i += stride) {
+            float4 a = ((const float4 *)x)[i];
+            a.x = __fmul_rn(a.x, alpha);
+            a.y = __fmul_rn(a.y, alpha);
+            a.z = __fmul_rn(a.z, alpha);
+            a.w = __fmul_rn(a.w, alpha);
+            ((float4 *)x)[i] = a;
+        }
+        i = n / 4 * 4 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    }
+    for (; i < n; i += stride) x[i] = __fmul_rn(x[i], alpha);
 }
 
 static void mpt__cuda_scale(void *impl, float *x, float alpha, int64_t n) {
     mpt__cuda *c = (mpt__cuda *)impl;
+    int vec = (uintptr_t)x % 16 == 0;
     if (n <= 0) return;
-    mpt__cuda_scale_kernel<<<mpt__cuda_blocks(n, 256), 256, 0, c->stream>>>(x, alpha, n);
+    mpt__cuda_scale_kernel<<<mpt__cuda_blocks(vec ? (n + 3) / 4 : n, 256), 256, 0, c->stream>>>(
+        x, alpha, n, vec);
     mpt__cuda_launched(c, "mpt__cuda_scale_kernel");
 }
 

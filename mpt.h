@@ -2,8 +2,8 @@
 
    FP16/BF16 compute, FP32 master weights, dynamic loss scaling, Keras-style
    layers, fit, callbacks and safetensors checkpoints, on the CPU or, with
-   mpt_cuda.cu, on an NVIDIA GPU; a mirrored (data-parallel) strategy is to
-   come.
+   mpt_cuda.cu, on NVIDIA GPUs, and a mirrored (synchronous data-parallel)
+   strategy over replicas, GPUs and MPI processes.
 
    Do this:
        #define MPT_IMPLEMENTATION
@@ -28,6 +28,8 @@
                       without it those paths are chosen at run time by CPUID.
        MPT_NO_ZLIB    build without zlib (no -lz): gzip-compressed IDX files
                       then give MPT_ERR_UNSUPPORTED; plain ones still load.
+       MPT_CUDA       with mpt_cuda.cu: contexts take a CUDA device.
+       MPT_MPI        multi-worker strategies over MPI (build with mpicc).
 
    ENVIRONMENT
        MPT_NUM_THREADS   threads of a context whose descriptor leaves
@@ -84,6 +86,7 @@
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
        @checkpoints  safetensors weights and full training state
+       @strategy     data parallelism: mirrored replicas, MPI workers
      implementation, in the same order:
        @impl-status @impl-context @impl-dtypes @impl-tensors
        @impl-activations @impl-gemm @impl-rng
@@ -91,7 +94,7 @@
        @impl-dense @impl-flatten @impl-activation @impl-windows
        @impl-conv2d @impl-pooling @impl-batchnorm @impl-dropout
        @impl-losses @impl-optimizers @impl-data @impl-training
-       @impl-callbacks @impl-checkpoints @impl-cpu-backend
+       @impl-callbacks @impl-checkpoints @impl-strategy @impl-cpu-backend
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum

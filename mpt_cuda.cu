@@ -717,11 +717,16 @@ typedef struct mpt__cuda_gemm_entry {
     mpt__cuda_gemm_lt lt;
 } mpt__cuda_gemm_entry;
 
+/* The column sums' scratch: 1 MiB of float partial sums (see "Column sums"). */
+#define MPT__CUDA_COLSUM_PARTIALS ((int64_t)1 << 18)
+
 struct mpt__gemm_cache {
     mpt__cuda_gemm_entry *entries; /* open addressing, linear probing     */
     int64_t capacity, count;       /* capacity: a power of two            */
     int tensor_cores;              /* sm_80+: the mma.sync kernel runs    */
     int big_tiles;                 /* the 80 KiB configuration fits       */
+    float *colsum_partials;        /* column sums' per-chunk partial sums */
+    int64_t colsum_partials_count; /* its size in floats                  */
 };
 
 static int mpt__cuda_gemm_log2_align(const void *ptr) {
@@ -1153,6 +1158,7 @@ static void mpt__cuda_gemm_destroy(mpt__cuda *c) {
     if (cache) {
         for (int64_t i = 0; i < cache->capacity; i++)
             if (cache->entries[i].used) mpt__cuda_gemm_lt_free(&cache->entries[i].lt);
+        if (cache->colsum_partials) cudaFree(cache->colsum_partials);
         free(cache->entries);
         free(cache);
         c->gemm_cache = NULL;
@@ -1200,6 +1206,11 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     MPT__LT(c, cublasLtCreate(&c->lt));
     c->lt_workspace_bytes = (size_t)32 << 20;
     MPT__CU(c, cudaMalloc(&c->lt_workspace, c->lt_workspace_bytes));
+    /* The column sums' scratch, allocated here once because column_sums
+       may run inside a graph capture. */
+    MPT__CU(c, cudaMalloc((void **)&cache->colsum_partials,
+                          sizeof(float) * MPT__CUDA_COLSUM_PARTIALS));
+    cache->colsum_partials_count = MPT__CUDA_COLSUM_PARTIALS;
     return MPT_OK;
 }
 
@@ -1218,28 +1229,48 @@ static mpt_status mpt__cuda_gemm_init(mpt__cuda *c) {
    Column sums (bias gradients)
    ----------------------------------------------------------------------------- */
 
-/* out[j] (+)= Σ_r dz[r][j]. Block (32, 32) owns 32 columns and all rows:
-   thread (x, y) reads column x of rows y, y + 32, y + 64, ... (a warp reads
-   128 contiguous bytes of one row), into four accumulators in turn (rows
-   y + 128·i + 32·s go to accumulator s) to keep four loads in flight; then
-   the 32 partial sums of each column are added in a fixed tree in shared
-   memory. The order depends only on rows, so results repeat bit for bit. */
-static __global__ void __launch_bounds__(1024)
-    mpt__cuda_colsum_kernel(const float *dz, int64_t rows, int64_t cols, float *out,
-                            int accumulate) {
+/* out[j] (+)= Σ_r dz[r][j], in a fixed order chosen from rows and cols only
+   (never from the GPU), so results repeat bit for bit, with no atomics.
+
+   One block sums 32 columns over a run of rows; one block per 32 columns
+   would put a tall, narrow matrix (a convolution's bias gradient: ~10^5
+   rows, 32 columns) on one SM. So tall matrices take two passes: first
+   the rows are cut into chunks, one block per (32 columns, chunk), each
+   writing its chunk's sums into row `chunk` of a chunks×cols scratch
+   matrix; then the same kernel sums that matrix's rows (one chunk per
+   row, all rows in one block) into out. Short matrices take one pass.
+   The scratch (c->gemm_cache->colsum_partials, allocated with the
+   backend) is shared by every call: they are ordered on c->stream. */
+#define MPT__CUDA_COLSUM_CHUNK_ROWS 512 /* the fewest rows worth a block     */
+#define MPT__CUDA_COLSUM_MAX_CHUNKS 256 /* about two blocks per SM on H100  */
+
+/* Block (32, 32) owns 32 columns and rows [chunk·chunk_rows, +chunk_rows)
+   of dz, chunk = blockIdx.y: thread (x, y) reads column x of the chunk's
+   rows y, y + 32, y + 64, ... (a warp reads 128 contiguous bytes of one
+   row), into four accumulators in turn (rows y + 128·i + 32·s go to
+   accumulator s) to keep four loads in flight; then the 32 partial sums
+   of each column are added in a fixed tree in shared memory and written
+   to sums[chunk·cols + column] (added to it when accumulate). Two blocks
+   fit on an SM (32 registers a thread). */
+static __global__ void __launch_bounds__(1024, 2)
+    mpt__cuda_colsum_kernel(const float *dz, int64_t rows, int64_t cols, int64_t chunk_rows,
+                            float *sums, int accumulate) {
     __shared__ float partial[32][33];
     const int x = threadIdx.x, y = threadIdx.y;
     const int64_t col = blockIdx.x * (int64_t)32 + x;
+    const int64_t first = blockIdx.y * chunk_rows;
+    const int64_t n = rows - first < chunk_rows ? rows - first : chunk_rows;
+    const float *chunk = dz + first * cols;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (col < cols) {
         int64_t r = y;
-        for (; r + 96 < rows; r += 128) {
+        for (; r + 96 < n; r += 128) {
 #pragma unroll
-            for (int u = 0; u < 4; u++) s[u] += dz[(r + 32 * u) * cols + col];
+            for (int u = 0; u < 4; u++) s[u] += chunk[(r + 32 * u) * cols + col];
         }
 #pragma unroll
         for (int u = 0; u < 3; u++) /* the rest: fewer than 4 rows of 32 */
-            if (r + 32 * u < rows) s[u] += dz[(r + 32 * u) * cols + col];
+            if (r + 32 * u < n) s[u] += chunk[(r + 32 * u) * cols + col];
     }
     partial[y][x] = (s[0] + s[1]) + (s[2] + s[3]);
     __syncthreads();
@@ -1247,16 +1278,45 @@ static __global__ void __launch_bounds__(1024)
         if (y < half) partial[y][x] += partial[y + half][x];
         __syncthreads();
     }
-    if (y == 0 && col < cols) out[col] = accumulate ? out[col] + partial[0][x] : partial[0][x];
+    if (y == 0 && col < cols) {
+        float *to = sums + blockIdx.y * cols + col;
+        *to = accumulate ? *to + partial[0][x] : partial[0][x];
+    }
+}
+
+/* How many chunks the rows are cut into: one per CHUNK_ROWS rows, at most
+   MAX_CHUNKS, and no more than the scratch holds (fewer, longer chunks
+   instead). 1: a single pass. */
+static int64_t mpt__cuda_colsum_chunks(int64_t rows, int64_t cols, int64_t capacity) {
+    int64_t chunks = (rows + MPT__CUDA_COLSUM_CHUNK_ROWS - 1) / MPT__CUDA_COLSUM_CHUNK_ROWS;
+    if (chunks > MPT__CUDA_COLSUM_MAX_CHUNKS) chunks = MPT__CUDA_COLSUM_MAX_CHUNKS;
+    if (chunks > capacity / cols) chunks = capacity / cols;
+    return chunks < 1 ? 1 : chunks;
 }
 
 static void mpt__cuda_column_sums(void *impl, const float *dz, int64_t rows, int64_t cols,
                                   float *out, int accumulate) {
     mpt__cuda *c = (mpt__cuda *)impl;
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
     if (cols <= 0) return;
-    mpt__cuda_colsum_kernel<<<(unsigned)((cols + 31) / 32), dim3(32, 32), 0, c->stream>>>(
-        dz, rows < 0 ? 0 : rows, cols, out, accumulate);
-    mpt__cuda_launched(c, "mpt__cuda_colsum_kernel");
+    if (rows < 0) rows = 0;
+    const unsigned col_blocks = (unsigned)((cols + 31) / 32);
+    int64_t chunks = mpt__cuda_colsum_chunks(rows, cols, cache->colsum_partials_count);
+    if (chunks == 1) {
+        mpt__cuda_colsum_kernel<<<col_blocks, dim3(32, 32), 0, c->stream>>>(dz, rows, cols, rows,
+                                                                             out, accumulate);
+        mpt__cuda_launched(c, "mpt__cuda_colsum_kernel");
+        return;
+    }
+    /* Equal chunks (the last one shorter), none of them empty. */
+    const int64_t chunk_rows = (rows + chunks - 1) / chunks;
+    chunks = (rows + chunk_rows - 1) / chunk_rows;
+    mpt__cuda_colsum_kernel<<<dim3(col_blocks, (unsigned)chunks), dim3(32, 32), 0, c->stream>>>(
+        dz, rows, cols, chunk_rows, cache->colsum_partials, 0);
+    mpt__cuda_launched(c, "mpt__cuda_colsum_kernel (chunks)");
+    mpt__cuda_colsum_kernel<<<col_blocks, dim3(32, 32), 0, c->stream>>>(
+        cache->colsum_partials, chunks, cols, chunks, out, accumulate);
+    mpt__cuda_launched(c, "mpt__cuda_colsum_kernel (chunk sums)");
 }
 /* The CUDA backend's layer kernels: dtype conversion, activations and their
    gradients, im2col/col2im, pooling, BatchNormalization and Dropout.

@@ -11333,35 +11333,22 @@ static mpt_status mpt__mpi_wait(mpt_model *m, MPI_Request *req, int n, const cha
 }
 #endif
 
-/* Σ over the workers of n doubles, in place (the tallies). */
-static mpt_status mpt__workers_sum(mpt_model *m, double *v, int n, const char *what) {
+/* Σ over the workers, in place, of n values in host memory: doubles (the
+   tallies) when `doubles`, else floats (on the CPU backend, its buffers). */
+static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles,
+                                   const char *what) {
 #ifdef MPT_MPI
     if (m->strategy && m->strategy->workers > 1) {
         MPI_Request r;
-        MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, &r);
+        MPI_Iallreduce(MPI_IN_PLACE, v, (int)n, doubles ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM,
+                       MPI_COMM_WORLD, &r);
         return mpt__mpi_wait(m, &r, 1, what);
     }
 #endif
     (void)m;
     (void)v;
     (void)n;
-    (void)what;
-    return MPT_OK;
-}
-
-/* Σ over the workers of n floats in the backend's memory (the CPU's: MPI
-   needs host memory), in place. */
-static mpt_status mpt__workers_sum_floats(mpt_model *m, float *v, int64_t n, const char *what) {
-#ifdef MPT_MPI
-    if (m->strategy && m->strategy->workers > 1) {
-        MPI_Request r;
-        MPI_Iallreduce(MPI_IN_PLACE, v, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r);
-        return mpt__mpi_wait(m, &r, 1, what);
-    }
-#endif
-    (void)m;
-    (void)v;
-    (void)n;
+    (void)doubles;
     (void)what;
     return MPT_OK;
 }
@@ -11678,7 +11665,7 @@ static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *
     int n = m->n_replicas, i, j, k;
     double contributors = 0;
     for (k = 0; k < n; k++) contributors += had_rows[k] != 0;
-    MPT__CHECK(mpt__workers_sum(m, &contributors, 1, "counting the replicas with rows"));
+    MPT__CHECK(mpt__workers_sum(m, &contributors, 1, 1, "counting the replicas with rows"));
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
         int64_t C = L->in_shape[L->in_rank - 1];
@@ -11702,7 +11689,7 @@ static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *
             for (k = 1; k < n; k++)
                 if (had_rows[k])
                     m->be->add(m->impl, sum, (const float *)m->replica[k]->layers[i].saved[j], C);
-            MPT__CHECK(mpt__workers_sum_floats(m, sum, C, "averaging the batch statistics"));
+            MPT__CHECK(mpt__workers_sum(m, sum, C, 0, "averaging the batch statistics"));
             m->be->scale(m->impl, sum, (float)(1.0 / MPT__MAX(contributors, 1)), C);
             for (k = 1; k < n; k++)
                 m->be->copy(m->impl, m->replica[k]->layers[i].saved[j], sum,
@@ -11737,7 +11724,7 @@ static mpt_status mpt__sync_gather(mpt_model *m, int i, const int64_t *rows, int
         }
         sums[2 * C] += (double)rows[k];
     }
-    return mpt__workers_sum(m, sums, (int)(2 * C + 1), "synchronizing BatchNormalization");
+    return mpt__workers_sum(m, sums, 2 * C + 1, 1, "synchronizing BatchNormalization");
 }
 
 /* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
@@ -11982,7 +11969,7 @@ static mpt_status mpt__replicas_tally(mpt_model *m, mpt__tally *t) {
         sum[2] += st.top_k;
         sum[3] += st.samples;
     }
-    MPT__CHECK(mpt__workers_sum(m, sum, 4, "summing the metrics"));
+    MPT__CHECK(mpt__workers_sum(m, sum, 4, 1, "summing the metrics"));
     st.loss_sum = sum[0];
     st.correct = sum[1];
     st.top_k = sum[2];

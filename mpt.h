@@ -8613,6 +8613,11 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
                                             m->layers[0].dtype, &r.loader);
     if (s == MPT_OK && !m->strategy) s = mpt__feed_open(m, &r.feed);
     if (s == MPT_OK && r.feed.on) s = mpt__plan_gemms(m, MPT__MIN(d.batch_size, r.n));
+    if (s == MPT_OK && m->strategy && mpt__model_device(m) != MPT_DEVICE_CPU) {
+        int64_t share = MPT__MIN(d.batch_size, r.n) / mpt__strategy_total(m->strategy);
+        for (i = 0; s == MPT_OK && i < m->n_replicas && share > 0; i++) /* each its device */
+            s = mpt__plan_gemms(m->replica[i], share);
+    }
     if (s == MPT_OK) s = mpt__exchange_open(m);
     if (s == MPT_OK) {
         m->printer = d.printer;

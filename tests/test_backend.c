@@ -183,10 +183,10 @@ static mpt_dataset *image_dataset(mpt_context *c) {
 
 /* Conv2D(4, 3, relu) -> BatchNormalization -> MaxPooling2D -> Flatten ->
    Dropout(0.25) -> Dense(4, softmax), compiled with Adam. */
-static mpt_model *image_model(mpt_context *c, mpt_policy policy) {
+static mpt_model *image_model_with(mpt_context *c, mpt_policy policy, mpt_strategy *s) {
     mpt_model *m = NULL;
     mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
-                                          .policy = policy, .seed = 11}, &m);
+                                          .policy = policy, .seed = 11, .strategy = s}, &m);
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
                                                .activation = MPT_ACT_RELU});
     mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
@@ -200,6 +200,10 @@ static mpt_model *image_model(mpt_context *c, mpt_policy policy) {
               .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
           "compile: %s", mpt_context_error(c));
     return m;
+}
+
+static mpt_model *image_model(mpt_context *c, mpt_policy policy) {
+    return image_model_with(c, policy, NULL);
 }
 
 static int same_params(const mpt_model *a, const mpt_model *b) {
@@ -427,6 +431,47 @@ static void test_public_steps_on_the_device(void) {
     mpt_context_destroy(dc);
 }
 
+/* Two mirrored replicas on the device (each with its own staging buffers,
+   uploads and GEMM timing) end bit for bit where two replicas end on the
+   CPU. */
+static void test_mirrored_on_the_device(void) {
+    mpt_context *dc = NULL;
+    mpt_strategy *s_cpu = NULL, *s_dev = NULL;
+    mpt_model *cpu, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_fit_desc fit;
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                        .num_replicas = 2}, &s_cpu) == MPT_OK &&
+              mpt_strategy_create(dc, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                           .num_replicas = 2}, &s_dev) == MPT_OK,
+          "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    d_cpu = image_dataset(ctx);
+    d_gpu = image_dataset(dc);
+    cpu = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, s_cpu);
+    gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s_dev);
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH;
+    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(dc));
+    CHECK(same_params(cpu, gpu) && same_params(cpu->replica[1], gpu->replica[1]),
+          "replicated weights differ between the CPU and the device");
+    CHECK(same_history(cpu, gpu), "histories differ");
+    CHECK(dev.plans > 0, "the replicas' GEMMs were not timed");
+    CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
+    mpt_model_destroy(gpu);
+    mpt_model_destroy(cpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    mpt_strategy_destroy(s_cpu);
+    mpt_strategy_destroy(s_dev);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     make_images();
@@ -434,6 +479,7 @@ int main(void) {
     TEST_RUN(test_checkpoints_cross);
     TEST_RUN(test_early_stopping_restores);
     TEST_RUN(test_public_steps_on_the_device);
+    TEST_RUN(test_mirrored_on_the_device);
     mpt_context_destroy(ctx);
     return test_summary("test_backend");
 }

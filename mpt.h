@@ -3242,6 +3242,8 @@ static int mpt__strategy_is_chief(const mpt_strategy *s);
 static mpt_status mpt__replicas_build(mpt_model *m);
 static mpt_status mpt__workers_agree(mpt_model *m);
 static void mpt__exchange_layer_done(mpt_model *m, int layer);
+static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles,
+                                   const char *what);
 static mpt_status mpt__exchange_open(mpt_model *m);
 static void mpt__exchange_free(mpt_model *m);
 
@@ -3828,22 +3830,30 @@ static mpt_status mpt__download(mpt_model *m, void *dst, const void *src, size_t
     return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
 }
 
-/* x as the layers can read it: itself on the CPU backend or when it is
-   already in the device's memory, else copied into input_buf[0]. */
+/* A batch tensor (inputs or targets) as the backend can read it: itself on
+   the CPU backend or when it is already in the device's memory, else
+   copied into buf (input_buf[0] or target_buf[0]). */
+static mpt_status mpt__batch_on_backend(mpt_model *m, const mpt_tensor *t, void *buf,
+                                        mpt_tensor *out) {
+    *out = *t;
+    if (mpt__model_device(m) == MPT_DEVICE_CPU || t->device != MPT_DEVICE_CPU) return MPT_OK;
+    out->data = buf;
+    out->device = MPT_DEVICE_CUDA;
+    return mpt__upload(m, buf, t->data, mpt_tensor_bytes(t));
+}
+
 static mpt_status mpt__input_on_backend(mpt_model *m, const mpt_tensor *x, mpt_tensor *in) {
-    *in = *x;
-    if (mpt__model_device(m) == MPT_DEVICE_CPU || x->device != MPT_DEVICE_CPU) return MPT_OK;
-    in->data = m->input_buf[0];
-    in->device = MPT_DEVICE_CUDA;
-    return mpt__upload(m, m->input_buf[0], x->data, mpt_tensor_bytes(x));
+    return mpt__batch_on_backend(m, x, m->input_buf[0], in);
 }
 
 /* The training scalars: the model keeps the host's copy (what checkpoints,
    callbacks and accessors read), the backend the one a step updates.
-   push copies the host's over both of the backend's records (their
-   tallies zeroed); pull copies the training record back. */
+   push copies the host's over both of the backend's records of every
+   replica (their tallies zeroed); pull copies the training record back,
+   with the tallies summed over the replicas of this process. */
 static mpt_status mpt__state_push(mpt_model *m) {
     mpt_step_state st[2];
+    int k;
     memset(st, 0, sizeof st);
     st[0].step = (int64_t)m->step;
     st[0].optimizer_steps = m->optimizer_steps;
@@ -3853,17 +3863,35 @@ static mpt_status mpt__state_push(mpt_model *m) {
     st[0].loss_scale = m->compiled ? m->loss_scale : 1.0f;
     st[0].finite = 1;
     st[1] = st[0];
+    for (k = 1; k < m->n_replicas; k++)
+        MPT__CHECK(mpt__upload(m->replica[k], m->replica[k]->state, st, sizeof st));
     return mpt__upload(m, m->state, st, sizeof st);
 }
 
-static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
-    float scale_before = m->loss_scale;
-    MPT__CHECK(mpt__download(m, st, m->state, sizeof *st));
+/* The host's copy of the scalars from a training record. */
+static void mpt__state_to_host(mpt_model *m, const mpt_step_state *st) {
     m->step = (uint64_t)st->step;
     m->optimizer_steps = st->optimizer_steps;
     m->good_steps = st->good_steps;
     m->skipped_steps = st->skipped_steps;
     m->loss_scale = st->loss_scale;
+}
+
+static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
+    float scale_before = m->loss_scale;
+    int k;
+    MPT__CHECK(mpt__download(m, st, m->state, sizeof *st));
+    for (k = 1; k < m->n_replicas; k++) { /* the same scalars; their tallies add up */
+        mpt_model *r = m->replica[k];
+        mpt_step_state rs;
+        MPT__CHECK(mpt__download(r, &rs, r->state, sizeof rs));
+        mpt__state_to_host(r, &rs);
+        st->loss_sum += rs.loss_sum;
+        st->correct += rs.correct;
+        st->top_k += rs.top_k;
+        st->samples += rs.samples;
+    }
+    mpt__state_to_host(m, st);
     /* Warned on the way down through 1, so once per collapse. */
     if (scale_before >= 1 && m->loss_scale < 1)
         mpt__log(m->ctx, MPT_LOG_WARNING,
@@ -7998,14 +8026,8 @@ typedef struct mpt__step_times {
     double forward, backward, update; /* seconds, summed over an epoch */
 } mpt__step_times;
 
-/* y as the backend can read it: itself on the CPU backend, else copied
-   into target_buf[0]. */
 static mpt_status mpt__target_on_backend(mpt_model *m, const mpt_tensor *y, mpt_tensor *t) {
-    *t = *y;
-    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
-    t->data = m->target_buf[0];
-    t->device = MPT_DEVICE_CUDA;
-    return mpt__upload(m, m->target_buf[0], y->data, mpt_tensor_bytes(y));
+    return mpt__batch_on_backend(m, y, m->target_buf[0], t);
 }
 
 /* The compiled loss of the last forward's output against y (in the
@@ -8187,12 +8209,19 @@ static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int k, const mpt_te
 
 /* The tally of the steps since the last push, and the host's copy of the
    training scalars brought up to date. */
-static mpt_status mpt__replicas_tally(mpt_model *m, mpt__tally *t);
-
 static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     mpt_step_state st;
-    if (m->strategy) return mpt__replicas_tally(m, t); /* summed over replicas */
-    MPT__CHECK(mpt__state_pull(m, &st));
+    double sum[4];
+    MPT__CHECK(mpt__state_pull(m, &st)); /* summed over this process's replicas */
+    sum[0] = st.loss_sum;
+    sum[1] = st.correct;
+    sum[2] = st.top_k;
+    sum[3] = st.samples;
+    MPT__CHECK(mpt__workers_sum(m, sum, 4, 1, "summing the metrics")); /* and the workers' */
+    st.loss_sum = sum[0];
+    st.correct = sum[1];
+    st.top_k = sum[2];
+    st.samples = sum[3];
     mpt__tally_from_state(&st, t);
     return MPT_OK;
 }
@@ -8429,7 +8458,6 @@ typedef struct mpt__fit_run {
 static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
                                        int64_t rows, int64_t global_rows,
                                        mpt__step_times *times);
-static mpt_status mpt__replicas_push(mpt_model *m);
 static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64_t n,
                                  int64_t batch, int64_t *mine);
 
@@ -8493,7 +8521,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     if (d->verbose) mpt__print(m, "Epoch %d/%d\n", epoch + 1, d->epochs);
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
     mpt__fit_start_epoch(r);
-    MPT__CHECK(m->strategy ? mpt__replicas_push(m) : mpt__state_push(m));
+    MPT__CHECK(mpt__state_push(m));
     if (r->feed.on && mpt__loader_next(r->loader, &x, &y))
         MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y));
     while (s == MPT_OK && !*stop && mpt__fit_next(r, &x, &y)) {
@@ -11358,6 +11386,8 @@ static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles
     return MPT_OK;
 }
 
+/* ---- BatchNormalization synchronized over the replicas ------------------------ */
+
 static int mpt__is_sync_bn(const mpt__layer *L) {
     return L->ops == &mpt__bn_ops && L->desc.batchnorm.synchronized;
 }
@@ -11374,6 +11404,131 @@ static mpt_status mpt__sync_scratch_alloc(mpt_model *m) {
                                                        (size_t)(2 * widest) * sizeof(float));
     return m->sync_scratch ? MPT_OK
                            : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+}
+
+
+/* sums[0..C) += Σ rows·a[c] and sums[C..2C) += Σ rows·(b[c] + a[c]²)
+   (square = 1), or += rows-free sums of a and b (square = 0), from the
+   replicas' C floats at offsets of their layer i; then the workers'. The
+   total of rows lands in sums[2C]. */
+static mpt_status mpt__sync_gather(mpt_model *m, int i, const int64_t *rows, int which_a,
+                                   int which_b, int square, double *sums, int64_t C) {
+    float *fa = (float *)(sums + 2 * C + 1), *fb = fa + C;
+    int64_t c;
+    int k;
+    for (c = 0; c <= 2 * C; c++) sums[c] = 0;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        const mpt__layer *L = &r->layers[i];
+        if (!rows[k]) continue;
+        MPT__CHECK(mpt__download(r, fa, L->saved[which_a], sizeof(float) * (size_t)C));
+        MPT__CHECK(mpt__download(r, fb, L->saved[which_b], sizeof(float) * (size_t)C));
+        for (c = 0; c < C; c++) {
+            double n = square ? (double)rows[k] : 1.0;
+            sums[c] += n * fa[c];
+            sums[C + c] += square ? n * ((double)fb[c] + (double)fa[c] * fa[c]) : fb[c];
+        }
+        sums[2 * C] += (double)rows[k];
+    }
+    return mpt__workers_sum(m, sums, 2 * C + 1, 1, "synchronizing BatchNormalization");
+}
+
+/* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
+   on every replica. */
+static mpt_status mpt__sync_scatter(mpt_model *m, int i, int ia, int ib, const float *a,
+                                    const float *b, int64_t C) {
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ia], a, sizeof(float) * (size_t)C));
+        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ib], b, sizeof(float) * (size_t)C));
+    }
+    return MPT_OK;
+}
+
+/* Forward of synchronized layer i: each replica measures its batch, the
+   statistics of the union (mean, biased variance: Σx/N and Σx²/N − mean²
+   from each part's mean and variance, in double) go to every replica's
+   saved mean and variance, and each normalises with them. */
+static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *fw,
+                                       const int64_t *rows) {
+    const mpt__layer *L0 = &m->layers[i];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    double *sums = m->sync_scratch, N;
+    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_batchnorm_args a;
+        bn_rows[k] = 0;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(&r->layers[i], &fw[k].p);
+        bn_rows[k] = a.rows;
+        r->be->batchnorm_forward(r->impl, &a);
+    }
+    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 0, 1, 1, sums, C));
+    N = MPT__MAX(sums[2 * C], 1);
+    for (c = 0; c < C; c++) {
+        double mu = sums[c] / N;
+        mean[c] = (float)mu;
+        var[c] = (float)MPT__MAX(sums[C + c] / N - mu * mu, 0.0);
+    }
+    MPT__CHECK(mpt__sync_scatter(m, i, 0, 1, mean, var, C));
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_batchnorm_args a;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(&r->layers[i], &fw[k].p);
+        a.training = 0; /* normalise with the union's statistics, just saved */
+        a.moving_mean = a.mean;
+        a.moving_variance = a.variance;
+        r->be->batchnorm_forward(r->impl, &a);
+    }
+    return MPT_OK;
+}
+
+/* Backward of synchronized layer i: each replica sums dy and dy·x̂ over its
+   rows (into dbeta and dgamma, or saved[2] and saved[3] where the layer
+   has no beta or gamma), the sums over every replica go to each, and dx
+   subtracts their means. */
+static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk *bw,
+                                        const int64_t *rows) {
+    const mpt__layer *L0 = &m->layers[i];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    double *sums = m->sync_scratch;
+    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt__layer *L = &r->layers[i];
+        mpt_batchnorm_args a;
+        bn_rows[k] = 0;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(L, &bw[k].p);
+        bn_rows[k] = a.rows;
+        a.dx = NULL;
+        a.dbeta = (float *)L->saved[2];
+        a.dgamma = (float *)L->saved[3];
+        r->be->batchnorm_backward(r->impl, &a);
+    }
+    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 2, 3, 0, sums, C));
+    for (c = 0; c < C; c++) {
+        sum_dy[c] = (float)sums[c];
+        sum_dyx[c] = (float)sums[C + c];
+    }
+    MPT__CHECK(mpt__sync_scatter(m, i, 2, 3, sum_dy, sum_dyx, C));
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt__layer *L = &r->layers[i];
+        mpt_batchnorm_args a;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(L, &bw[k].p);
+        a.sum_dy = (const float *)L->saved[2];
+        a.sum_dy_xhat = (const float *)L->saved[3];
+        a.total_rows = (int64_t)sums[2 * C];
+        r->be->batchnorm_backward(r->impl, &a);
+    }
+    return MPT_OK;
 }
 
 /* ---- building the replicas ---------------------------------------------------- */
@@ -11667,8 +11822,11 @@ static mpt_status mpt__comm_sum(mpt_model *m, int arena, int layer, int which, i
    reads from its per-replica (ON_READ, MEAN) variables. They stay the
    same on every replica. */
 static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *had_rows) {
-    int n = m->n_replicas, i, j, k;
+    int n = m->n_replicas, i, j, k, any = 0;
     double contributors = 0;
+    for (i = 0; i < m->n_layers; i++)
+        any |= m->layers[i].ops == &mpt__bn_ops && !mpt__is_sync_bn(&m->layers[i]);
+    if (!any) return MPT_OK; /* nothing to average: no collective either */
     for (k = 0; k < n; k++) contributors += had_rows[k] != 0;
     MPT__CHECK(mpt__workers_sum(m, &contributors, 1, 1, "counting the replicas with rows"));
     for (i = 0; i < m->n_layers; i++) {
@@ -11700,132 +11858,6 @@ static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *
                 m->be->copy(m->impl, m->replica[k]->layers[i].saved[j], sum,
                             sizeof(float) * (size_t)C);
         }
-    }
-    return MPT_OK;
-}
-
-/* ---- BatchNormalization synchronized over the replicas ------------------------ */
-
-/* sums[0..C) += Σ rows·a[c] and sums[C..2C) += Σ rows·(b[c] + a[c]²)
-   (square = 1), or += rows-free sums of a and b (square = 0), from the
-   replicas' C floats at offsets of their layer i; then the workers'. The
-   total of rows lands in sums[2C]. */
-static mpt_status mpt__sync_gather(mpt_model *m, int i, const int64_t *rows, int which_a,
-                                   int which_b, int square, double *sums, int64_t C) {
-    float *fa = (float *)(sums + 2 * C + 1), *fb = fa + C;
-    int64_t c;
-    int k;
-    for (c = 0; c <= 2 * C; c++) sums[c] = 0;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        const mpt__layer *L = &r->layers[i];
-        if (!rows[k]) continue;
-        MPT__CHECK(mpt__download(r, fa, L->saved[which_a], sizeof(float) * (size_t)C));
-        MPT__CHECK(mpt__download(r, fb, L->saved[which_b], sizeof(float) * (size_t)C));
-        for (c = 0; c < C; c++) {
-            double n = square ? (double)rows[k] : 1.0;
-            sums[c] += n * fa[c];
-            sums[C + c] += square ? n * ((double)fb[c] + (double)fa[c] * fa[c]) : fb[c];
-        }
-        sums[2 * C] += (double)rows[k];
-    }
-    return mpt__workers_sum(m, sums, 2 * C + 1, 1, "synchronizing BatchNormalization");
-}
-
-/* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
-   on every replica. */
-static mpt_status mpt__sync_scatter(mpt_model *m, int i, int ia, int ib, const float *a,
-                                    const float *b, int64_t C) {
-    int k;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ia], a, sizeof(float) * (size_t)C));
-        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ib], b, sizeof(float) * (size_t)C));
-    }
-    return MPT_OK;
-}
-
-/* Forward of synchronized layer i: each replica measures its batch, the
-   statistics of the union (mean, biased variance: Σx/N and Σx²/N − mean²
-   from each part's mean and variance, in double) go to every replica's
-   saved mean and variance, and each normalises with them. */
-static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *fw,
-                                       const int64_t *rows) {
-    const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
-    double *sums = m->sync_scratch, N;
-    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
-    int k;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt_batchnorm_args a;
-        bn_rows[k] = 0;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(&r->layers[i], &fw[k].p);
-        bn_rows[k] = a.rows;
-        r->be->batchnorm_forward(r->impl, &a);
-    }
-    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 0, 1, 1, sums, C));
-    N = MPT__MAX(sums[2 * C], 1);
-    for (c = 0; c < C; c++) {
-        double mu = sums[c] / N;
-        mean[c] = (float)mu;
-        var[c] = (float)MPT__MAX(sums[C + c] / N - mu * mu, 0.0);
-    }
-    MPT__CHECK(mpt__sync_scatter(m, i, 0, 1, mean, var, C));
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt_batchnorm_args a;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(&r->layers[i], &fw[k].p);
-        a.training = 0; /* normalise with the union's statistics, just saved */
-        a.moving_mean = a.mean;
-        a.moving_variance = a.variance;
-        r->be->batchnorm_forward(r->impl, &a);
-    }
-    return MPT_OK;
-}
-
-/* Backward of synchronized layer i: each replica sums dy and dy·x̂ over its
-   rows (into dbeta and dgamma, or saved[2] and saved[3] where the layer
-   has no beta or gamma), the sums over every replica go to each, and dx
-   subtracts their means. */
-static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk *bw,
-                                        const int64_t *rows) {
-    const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
-    double *sums = m->sync_scratch;
-    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
-    int k;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt__layer *L = &r->layers[i];
-        mpt_batchnorm_args a;
-        bn_rows[k] = 0;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(L, &bw[k].p);
-        bn_rows[k] = a.rows;
-        a.dx = NULL;
-        a.dbeta = (float *)L->saved[2];
-        a.dgamma = (float *)L->saved[3];
-        r->be->batchnorm_backward(r->impl, &a);
-    }
-    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 2, 3, 0, sums, C));
-    for (c = 0; c < C; c++) {
-        sum_dy[c] = (float)sums[c];
-        sum_dyx[c] = (float)sums[C + c];
-    }
-    MPT__CHECK(mpt__sync_scatter(m, i, 2, 3, sum_dy, sum_dyx, C));
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt__layer *L = &r->layers[i];
-        mpt_batchnorm_args a;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(L, &bw[k].p);
-        a.sum_dy = (const float *)L->saved[2];
-        a.sum_dy_xhat = (const float *)L->saved[3];
-        a.total_rows = (int64_t)sums[2 * C];
-        r->be->batchnorm_backward(r->impl, &a);
     }
     return MPT_OK;
 }
@@ -11943,43 +11975,6 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
     }
     times->backward += t1 - t0;
     times->update += mpt__now() - t1;
-    return MPT_OK;
-}
-
-/* The host's training scalars onto every replica's record (tallies
-   zeroed), and back: the tallies summed over replicas and workers. */
-static mpt_status mpt__replicas_push(mpt_model *m) {
-    int k;
-    for (k = 1; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        r->step = m->step;
-        r->optimizer_steps = m->optimizer_steps;
-        r->good_steps = m->good_steps;
-        r->skipped_steps = m->skipped_steps;
-        r->learning_rate = m->learning_rate;
-        r->loss_scale = m->loss_scale;
-        MPT__CHECK(mpt__state_push(r));
-    }
-    return mpt__state_push(m);
-}
-
-static mpt_status mpt__replicas_tally(mpt_model *m, mpt__tally *t) {
-    mpt_step_state st;
-    double sum[4] = {0, 0, 0, 0};
-    int k;
-    for (k = m->n_replicas - 1; k >= 0; k--) { /* replica 0 last: its scalars stay */
-        MPT__CHECK(mpt__state_pull(m->replica[k], &st));
-        sum[0] += st.loss_sum;
-        sum[1] += st.correct;
-        sum[2] += st.top_k;
-        sum[3] += st.samples;
-    }
-    MPT__CHECK(mpt__workers_sum(m, sum, 4, 1, "summing the metrics"));
-    st.loss_sum = sum[0];
-    st.correct = sum[1];
-    st.top_k = sum[2];
-    st.samples = sum[3];
-    mpt__tally_from_state(&st, t);
     return MPT_OK;
 }
 

@@ -17,6 +17,7 @@
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
+#include "blobs.h"
 
 #include <mpi.h>
 #include <unistd.h>
@@ -25,28 +26,7 @@ static mpt_context *ctx;
 static int rank;
 static int leave_without_finalize; /* a collective in flight can never complete */
 
-enum { N_SYN = 200, FEATURES = 6, CLASSES = 3 };
-static float xs[N_SYN * FEATURES];
-static int32_t ys[N_SYN];
-
-static void make_blobs(void) {
-    int i, j;
-    test_seed(3);
-    for (i = 0; i < N_SYN; i++) {
-        ys[i] = i % CLASSES;
-        for (j = 0; j < FEATURES; j++)
-            xs[i * FEATURES + j] = (float)test_uniform(-0.5, 0.5) + (j == ys[i] ? 1.5f : 0.0f);
-    }
-}
-
-static mpt_dataset *blobs(void) {
-    mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, xs);
-    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, ys);
-    mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d);
-    return d;
-}
+static mpt_dataset *blobs(void) { return blobs_in(ctx); }
 
 /* Dense(units, relu) [-> BatchNormalization (bn 1), synchronized (bn 2)]
    -> Dense(3, softmax). Per-replica statistics make replicas differ from

@@ -5,34 +5,11 @@
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
+#include "blobs.h"
 
 static mpt_context *ctx;
 
-enum { N_SYN = 200, FEATURES = 6, CLASSES = 3 };
-
-static float xs[N_SYN * FEATURES];
-static int32_t ys[N_SYN];
-
-/* Three classes, each lifted along its own feature. */
-static void make_blobs(void) {
-    int i, j;
-    test_seed(3);
-    for (i = 0; i < N_SYN; i++) {
-        ys[i] = i % CLASSES;
-        for (j = 0; j < FEATURES; j++)
-            xs[i * FEATURES + j] = (float)test_uniform(-0.5, 0.5) + (j == ys[i] ? 1.5f : 0.0f);
-    }
-}
-
-static mpt_dataset *blobs(void) {
-    mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, xs);
-    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, ys);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    return d;
-}
+static mpt_dataset *blobs(void) { return blobs_in(ctx); }
 
 /* Dense(16, relu) [-> BatchNormalization -> Dropout (extras 1) or a
    synchronized BatchNormalization (extras 2)] -> Dense(3, softmax). */

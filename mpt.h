@@ -3778,7 +3778,14 @@ static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
     }
     m->built = 1;
     mpt_model_refresh_weights(m);
-    return m->compiled ? mpt__alloc_optimizer_state(m) : MPT_OK;
+    if (m->compiled && mpt__alloc_optimizer_state(m) != MPT_OK) {
+        /* unbuilt again: a model without its optimizer state must not train */
+        mpt__free_update_args(m);
+        mpt__free_arenas(m);
+        m->built = 0;
+        return MPT_ERR_OUT_OF_MEMORY;
+    }
+    return MPT_OK;
 }
 
 MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {

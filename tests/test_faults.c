@@ -1,0 +1,623 @@
+/* Faults the library must survive: every allocation of a save, a load, a
+   build, a fit, an evaluate and a predict failing in turn; a process killed
+   while it writes a checkpoint; and training resumed from a checkpoint in
+   a fresh process, which must end bit for bit where an unbroken run ends.
+
+   The program re-executes itself (through /proc/self/exe) for the
+   processes of the resume test: "test_faults resume <phase> <policy> <dir>". */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, kill, nanosleep */
+#include <dirent.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "helpers.h"
+
+static char dir[64]; /* a fresh directory for this run's files */
+
+/* ---- files ------------------------------------------------------------------- */
+
+static const char *path_of(char *buf, const char *name) {
+    snprintf(buf, 256, "%s/%s", dir, name);
+    return buf;
+}
+
+/* The bytes of a file or of a model's state (malloc'd, not the library's). */
+typedef struct blob {
+    unsigned char *bytes;
+    size_t n;
+} blob;
+
+static void blob_put(blob *b, const void *p, size_t n) {
+    b->bytes = (unsigned char *)realloc(b->bytes, b->n + n + 1);
+    memcpy(b->bytes + b->n, p, n);
+    b->n += n;
+}
+
+static int blob_same(blob a, blob b) {
+    return a.bytes && b.bytes && a.n == b.n && memcmp(a.bytes, b.bytes, a.n) == 0;
+}
+
+static void blob_free(blob *b) {
+    free(b->bytes);
+    b->bytes = NULL;
+    b->n = 0;
+}
+
+/* The whole file; bytes NULL if there is none. */
+static blob slurp(const char *path) {
+    blob b = {NULL, 0};
+    unsigned char buf[65536];
+    size_t got;
+    FILE *f = fopen(path, "rb");
+    if (!f) return b;
+    blob_put(&b, "", 0);
+    while ((got = fread(buf, 1, sizeof buf, f)) > 0) blob_put(&b, buf, got);
+    fclose(f);
+    return b;
+}
+
+static void spit(const char *path, blob b) {
+    FILE *f = fopen(path, "wb");
+    if (f) {
+        fwrite(b.bytes, 1, b.n, f);
+        fclose(f);
+    }
+}
+
+/* Files in dir whose name starts with prefix and goes on with ".tmp-"
+   (a save's temporary file); prefix "" counts every temporary file. */
+static int temporaries(const char *prefix) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int n = 0;
+    size_t len = strlen(prefix);
+    if (!d) return -1;
+    while ((e = readdir(d)) != NULL)
+        n += strncmp(e->d_name, prefix, len) == 0 && strstr(e->d_name + len, ".tmp-") != NULL;
+    closedir(d);
+    return n;
+}
+
+static void remove_dir(void) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char p[512];
+    if (!d) return;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+        remove(p);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
+static double now_seconds(void) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
+}
+
+/* ---- models and data ------------------------------------------------------------ */
+
+/* Dense -> BatchNormalization -> Dropout -> Dense on 6 features, 3 classes,
+   compiled with Adam (and, under mixed_float16, a dynamic loss scale that
+   starts far too high and grows every other step, so that steps are
+   skipped and the scale moves in a short run). */
+static mpt_model *make_model(mpt_context *c, mpt_policy policy, uint64_t seed) {
+    mpt_model *m = NULL;
+    mpt_compile_desc cd;
+    if (mpt_model_create(c, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                              .policy = policy, .seed = seed},
+                         &m) != MPT_OK)
+        return NULL;
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss.from_logits = 1;
+    cd.metrics = MPT_METRIC_ACCURACY;
+    if (policy == MPT_POLICY_MIXED_FLOAT16) {
+        cd.loss_scale.mode = MPT_LOSS_SCALE_DYNAMIC;
+        cd.loss_scale.initial_scale = 1048576.0f;
+        cd.loss_scale.growth_interval = 2;
+    }
+    if (mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU}) !=
+            MPT_OK ||
+        mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0}) != MPT_OK ||
+        mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f}) != MPT_OK ||
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3}) != MPT_OK ||
+        mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 8) != MPT_OK) {
+        mpt_model_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* n samples of 6 features and their class (0..2), fresh random values. */
+typedef struct toy_data {
+    float x[40 * 6];
+    int32_t y[40];
+    mpt_tensor tx, ty;
+    mpt_dataset *d;
+} toy_data;
+
+static mpt_status toy_data_make(mpt_context *c, toy_data *t, int n, uint64_t seed) {
+    int i;
+    test_seed(seed);
+    for (i = 0; i < n * 6; i++) t->x[i] = (float)test_uniform(-2, 2);
+    for (i = 0; i < n; i++) t->y[i] = (t->x[6 * i] > 0) + (t->x[6 * i + 1] > 0.5f);
+    mpt_tensor_wrap(c, &t->tx, MPT_FLOAT32, 2, (int64_t[]){n, 6}, t->x);
+    mpt_tensor_wrap(c, &t->ty, MPT_INT32, 1, (int64_t[]){n}, t->y);
+    return mpt_dataset_create(c, &(mpt_dataset_desc){.x = &t->tx, .y = &t->ty}, &t->d);
+}
+
+/* Everything a load may change: every float32 master (through the public
+   API), the compute copies and the optimizer slots, and the training
+   scalars (the loss scale, epoch and learning rate through the public API). */
+static blob model_state(mpt_model *m) {
+    blob b = {NULL, 0};
+    int i, k, n = mpt_model_param_count(m);
+    float lr = mpt_model_learning_rate(m), scale = mpt_model_loss_scale(m);
+    int epoch = mpt_model_epoch(m);
+    for (i = 0; i < n; i++) {
+        mpt_param_info info;
+        const mpt__param *P = &m->params[i];
+        if (mpt_model_param(m, i, &info) != MPT_OK) continue;
+        blob_put(&b, info.value.data, mpt_tensor_bytes(&info.value));
+        blob_put(&b, P->compute, mpt_dtype_size(P->compute_dtype) * (size_t)P->count);
+        for (k = 0; k < 2; k++)
+            if (P->slot[k]) blob_put(&b, P->slot[k], 4 * (size_t)P->count);
+    }
+    blob_put(&b, &lr, sizeof lr);
+    blob_put(&b, &scale, sizeof scale);
+    blob_put(&b, &epoch, sizeof epoch);
+    blob_put(&b, &m->optimizer_steps, sizeof m->optimizer_steps);
+    blob_put(&b, &m->step, sizeof m->step);
+    blob_put(&b, &m->good_steps, sizeof m->good_steps);
+    blob_put(&b, &m->skipped_steps, sizeof m->skipped_steps);
+    return b;
+}
+
+/* ==== 1. every allocation failing in turn ========================================== */
+
+/* The context's allocator: counts the requests and the live blocks (from
+   any thread), and refuses request number fail_at. */
+static struct {
+    pthread_mutex_t mutex;
+    long calls;   /* requests so far                     */
+    long live;    /* blocks allocated and not yet freed  */
+    long fail_at; /* the request to refuse; -1: none     */
+    long refused; /* requests refused                    */
+} heap = {PTHREAD_MUTEX_INITIALIZER, 0, 0, -1, 0};
+
+static void *fault_alloc(void *user, size_t bytes, size_t alignment) {
+    void *p = NULL;
+    int refuse;
+    (void)user;
+    pthread_mutex_lock(&heap.mutex);
+    refuse = ++heap.calls == heap.fail_at;
+    heap.refused += refuse;
+    if (!refuse) p = mpt__default_alloc(NULL, bytes, alignment);
+    heap.live += p != NULL;
+    pthread_mutex_unlock(&heap.mutex);
+    return p;
+}
+
+static void fault_free(void *user, void *p) {
+    (void)user;
+    if (!p) return;
+    pthread_mutex_lock(&heap.mutex);
+    heap.live--;
+    pthread_mutex_unlock(&heap.mutex);
+    mpt__default_free(NULL, p);
+}
+
+static long heap_read(const long *field) {
+    long v;
+    pthread_mutex_lock(&heap.mutex);
+    v = *field;
+    pthread_mutex_unlock(&heap.mutex);
+    return v;
+}
+
+/* Arms the k-th request from now (k >= 1) to fail; 0 disarms. */
+static void fail_request(long k) {
+    pthread_mutex_lock(&heap.mutex);
+    heap.fail_at = k > 0 ? heap.calls + k : -1;
+    heap.refused = 0;
+    pthread_mutex_unlock(&heap.mutex);
+}
+
+/* What the operations share: a two-thread context on the counting
+   allocator, a trained model, another model's files to load, and data. */
+typedef struct fixture {
+    mpt_context *c;
+    mpt_model *m;        /* the model saved, loaded, evaluated, run          */
+    toy_data train, val; /* 24 and 8 samples                                 */
+    char start[256];     /* m's full checkpoint: where each load test starts */
+    char other_w[256];   /* another model's weights                          */
+    char other_c[256];   /* another model's full checkpoint                  */
+    char target[256];    /* where the save tests write                       */
+} fixture;
+
+/* One operation under test. setup and teardown run with no failure armed;
+   run is the operation; check looks at its result (k: the failed request,
+   0 for the first run, which fails nothing and is the reference). */
+typedef struct fault_op {
+    const char *name;
+    void (*setup)(fixture *fx, long k);
+    mpt_status (*run)(fixture *fx);
+    void (*check)(fixture *fx, mpt_status s, long k);
+    void (*teardown)(fixture *fx);
+} fault_op;
+
+/* Runs op once to count its requests (N), then N more times with request
+   k = 1..N refused. Each must fail with MPT_ERR_OUT_OF_MEMORY and a
+   message (or succeed, if the refusal was tolerated: check then requires
+   the full result), and leave the live blocks as they were. */
+static void run_fault_op(fixture *fx, const fault_op *op) {
+    long n, k, base, oom = 0, tolerated = 0;
+    mpt_status s;
+    test__begin();
+    base = heap_read(&heap.live);
+    if (op->setup) op->setup(fx, 0);
+    n = heap_read(&heap.calls);
+    s = op->run(fx);
+    n = heap_read(&heap.calls) - n;
+    CHECK(s == MPT_OK, "%s without a failure: %s", op->name, mpt_context_error(fx->c));
+    op->check(fx, s, 0);
+    if (op->teardown) op->teardown(fx);
+    CHECK(heap_read(&heap.live) == base, "%s leaves %ld blocks more than it found", op->name,
+          heap_read(&heap.live) - base);
+    for (k = 1; k <= n; k++) {
+        if (op->setup) op->setup(fx, k);
+        fx->c->error[0] = 0;
+        fail_request(k);
+        s = op->run(fx);
+        fail_request(0);
+        if (s != MPT_OK) {
+            oom += s == MPT_ERR_OUT_OF_MEMORY;
+            CHECK(s == MPT_ERR_OUT_OF_MEMORY, "%s with request %ld of %ld refused: %s (%s)",
+                  op->name, k, n, mpt_status_string(s), mpt_context_error(fx->c));
+            CHECK(fx->c->error[0] != 0, "%s with request %ld refused: no message", op->name, k);
+        } else {
+            tolerated++;
+        }
+        op->check(fx, s, k);
+        if (op->teardown) op->teardown(fx);
+        CHECK(heap_read(&heap.live) == base, "%s with request %ld refused leaves %ld blocks",
+              op->name, k, heap_read(&heap.live) - base);
+        if (test__current_failed) break;
+    }
+    test__end("out of memory: each of the %ld allocations of %s refused in turn (%ld gave "
+              "out of memory, %ld were tolerated), nothing leaked",
+              n, op->name, oom, tolerated);
+}
+
+/* ---- saving --------------------------------------------------------------------- */
+
+static blob saved_before; /* what is at the target before the save (odd k)     */
+static blob saved_after;  /* what the save writes (the reference run's file)   */
+
+/* Odd k: the target holds another model's complete file; even k: nothing. */
+static void save_setup(fixture *fx, long k) {
+    remove(fx->target);
+    if (k % 2 == 1) spit(fx->target, saved_before);
+}
+
+static mpt_status save_weights_run(fixture *fx) { return mpt_model_save_weights(fx->m, fx->target); }
+static mpt_status save_checkpoint_run(fixture *fx) {
+    return mpt_model_save_checkpoint(fx->m, fx->target);
+}
+
+static void save_check(fixture *fx, mpt_status s, long k) {
+    blob now = slurp(fx->target);
+    if (k == 0) {
+        blob_free(&saved_after);
+        saved_after = slurp(fx->target);
+        CHECK(saved_after.bytes && !blob_same(saved_after, saved_before),
+              "the reference save wrote a new file");
+    } else if (s == MPT_OK) {
+        CHECK(blob_same(now, saved_after), "request %ld refused, save succeeded: the file is "
+              "the complete new one", k);
+    } else if (k % 2 == 1) {
+        CHECK(blob_same(now, saved_before), "request %ld refused: the previous file is intact",
+              k);
+    } else {
+        CHECK(now.bytes == NULL, "request %ld refused: no file appears where there was none", k);
+    }
+    CHECK(temporaries("") == 0, "request %ld refused: %d temporary files left", k,
+          temporaries(""));
+    blob_free(&now);
+}
+
+/* ---- loading -------------------------------------------------------------------- */
+
+static blob state_before, state_loaded;
+
+static void load_setup(fixture *fx, long k) {
+    (void)k;
+    CHECK(mpt_model_load_checkpoint(fx->m, fx->start) == MPT_OK, "reset: %s",
+          mpt_context_error(fx->c));
+    blob_free(&state_before);
+    state_before = model_state(fx->m);
+}
+
+static mpt_status load_weights_run(fixture *fx) { return mpt_model_load_weights(fx->m, fx->other_w); }
+static mpt_status load_checkpoint_run(fixture *fx) {
+    return mpt_model_load_checkpoint(fx->m, fx->other_c);
+}
+
+static void load_check(fixture *fx, mpt_status s, long k) {
+    blob now = model_state(fx->m);
+    if (k == 0) {
+        blob_free(&state_loaded);
+        state_loaded = model_state(fx->m);
+        CHECK(!blob_same(state_loaded, state_before), "the reference load changed the model");
+    } else if (s == MPT_OK) {
+        CHECK(blob_same(now, state_loaded), "request %ld refused, load succeeded: fully loaded",
+              k);
+    } else {
+        CHECK(blob_same(now, state_before), "request %ld refused: the model is exactly as before "
+              "(masters, compute copies, optimizer slots, training scalars)", k);
+    }
+    blob_free(&now);
+}
+
+/* ---- building ------------------------------------------------------------------- */
+
+static mpt_model *built;      /* the model the build tests make */
+static int compile_first = 1; /* compile before build, or after */
+
+static mpt_status build_run(fixture *fx) {
+    mpt_compile_desc cd;
+    mpt_status s;
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss.from_logits = 1;
+    built = NULL;
+    s = mpt_model_create(fx->c, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                                  .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 3},
+                         &built);
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    if (s == MPT_OK) s = mpt_model_add_batch_normalization(built, &(mpt_batchnorm_desc){0});
+    if (s == MPT_OK) s = mpt_model_add_dropout(built, &(mpt_dropout_desc){.rate = 0.25f});
+    if (s == MPT_OK) s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 3});
+    if (s == MPT_OK && compile_first) s = mpt_model_compile(built, &cd);
+    if (s == MPT_OK) s = mpt_model_build(built, 8);
+    if (s == MPT_OK && !compile_first) s = mpt_model_compile(built, &cd);
+    return s;
+}
+
+/* After a failed step the same model must still be usable: what did not
+   happen can be done again, and the model then trains. */
+static void build_check(fixture *fx, mpt_status s, long k) {
+    mpt_compile_desc cd;
+    mpt_status again = MPT_OK;
+    (void)s;
+    if (!built) return; /* mpt_model_create itself failed */
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss.from_logits = 1;
+    if (mpt_model_layer_count(built) < 4) return; /* adding a layer failed: nothing to build */
+    if (!built->compiled) again = mpt_model_compile(built, &cd);
+    if (again == MPT_OK && !built->built) again = mpt_model_build(built, 8);
+    CHECK(again == MPT_OK, "request %ld refused: compile or build again: %s", k,
+          mpt_context_error(fx->c));
+    if (again == MPT_OK)
+        again = mpt_model_fit(built, fx->train.d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8});
+    CHECK(again == MPT_OK, "request %ld refused: the model then trains: %s", k,
+          mpt_context_error(fx->c));
+    CHECK(built->optimizer_steps > 0, "request %ld refused: the model then takes steps "
+          "(%lld optimizer steps)", k, (long long)built->optimizer_steps);
+}
+
+static void build_teardown(fixture *fx) {
+    (void)fx;
+    mpt_model_destroy(built);
+    built = NULL;
+}
+
+/* ---- fit ------------------------------------------------------------------------- */
+
+static mpt_model *fitted;
+static blob fit_result; /* the reference run's final state */
+
+static void fit_setup(fixture *fx, long k) {
+    (void)k;
+    fitted = make_model(fx->c, MPT_POLICY_MIXED_FLOAT16, 7);
+    CHECK(fitted && mpt_model_load_checkpoint(fitted, fx->start) == MPT_OK, "fit setup: %s",
+          mpt_context_error(fx->c));
+}
+
+/* Two epochs with validation data, a ModelCheckpoint saving every epoch
+   and a CSVLogger: the callbacks are made inside, so their allocations
+   fail too. */
+static mpt_status fit_run(fixture *fx) {
+    mpt_callback cbs[2];
+    char ckpt[256], csv[256];
+    mpt_status s;
+    memset(cbs, 0, sizeof cbs);
+    if (!fitted) return MPT_ERR_STATE;
+    s = mpt_callback_model_checkpoint(
+        fx->c, &(mpt_model_checkpoint_desc){.filepath = path_of(ckpt, "fit-{epoch}.safetensors")},
+        &cbs[0]);
+    if (s == MPT_OK)
+        s = mpt_callback_csv_logger(fx->c, &(mpt_csv_logger_desc){.filename = path_of(csv,
+                                                                                    "fit.csv")},
+                                    &cbs[1]);
+    if (s == MPT_OK)
+        s = mpt_model_fit(fitted, fx->train.d,
+                          &(mpt_fit_desc){.epochs = 2, .batch_size = 8,
+                                          .validation_data = fx->val.d, .callbacks = cbs,
+                                          .n_callbacks = 2});
+    mpt_callback_destroy(&cbs[0]);
+    mpt_callback_destroy(&cbs[1]);
+    return s;
+}
+
+static void fit_check(fixture *fx, mpt_status s, long k) {
+    char p[256];
+    blob now;
+    if (!fitted) return;
+    now = model_state(fitted);
+    if (k == 0) {
+        blob_free(&fit_result);
+        fit_result = model_state(fitted);
+    } else if (s == MPT_OK) {
+        CHECK(blob_same(now, fit_result), "request %ld refused, fit succeeded: the same "
+              "training as without the failure", k);
+    }
+    blob_free(&now);
+    CHECK(temporaries("") == 0, "request %ld refused: %d temporary files left", k,
+          temporaries(""));
+    s = mpt_model_fit(fitted, fx->train.d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8,
+                                                           .validation_data = fx->val.d});
+    CHECK(s == MPT_OK, "request %ld refused: the model fits again: %s", k,
+          mpt_context_error(fx->c));
+    CHECK(mpt_model_save_checkpoint(fitted, path_of(p, "after_fit.safetensors")) == MPT_OK,
+          "request %ld refused: the model saves again: %s", k, mpt_context_error(fx->c));
+}
+
+static void fit_teardown(fixture *fx) {
+    (void)fx;
+    mpt_model_destroy(fitted);
+    fitted = NULL;
+}
+
+/* ---- evaluate and predict ------------------------------------------------------ */
+
+static mpt_logs eval_logs, eval_reference;
+
+static mpt_status evaluate_run(fixture *fx) {
+    return mpt_model_evaluate(fx->m, fx->val.d, &(mpt_evaluate_desc){.batch_size = 4}, &eval_logs);
+}
+
+static void evaluate_check(fixture *fx, mpt_status s, long k) {
+    (void)fx;
+    if (k == 0) eval_reference = eval_logs;
+    if (s == MPT_OK)
+        CHECK(eval_logs.count == eval_reference.count &&
+                  memcmp(eval_logs.values, eval_reference.values,
+                         sizeof(double) * (size_t)eval_logs.count) == 0,
+              "request %ld refused, evaluate succeeded: the same loss and accuracy", k);
+}
+
+static mpt_tensor predicted;
+static blob predict_reference;
+
+static mpt_status predict_run(fixture *fx) {
+    return mpt_model_predict(fx->m, fx->val.d, 4, &predicted);
+}
+
+static void predict_check(fixture *fx, mpt_status s, long k) {
+    blob now = {NULL, 0};
+    if (s == MPT_OK) blob_put(&now, predicted.data, mpt_tensor_bytes(&predicted));
+    if (k == 0) {
+        blob_free(&predict_reference);
+        predict_reference = now;
+        now.bytes = NULL;
+    } else if (s == MPT_OK) {
+        CHECK(blob_same(now, predict_reference), "request %ld refused, predict succeeded: the "
+              "same outputs", k);
+    } else {
+        CHECK(predicted.data == NULL, "request %ld refused: predict hands back no tensor", k);
+    }
+    blob_free(&now);
+    mpt_tensor_free(fx->c, &predicted);
+}
+
+static void test_out_of_memory(void) {
+    static const fault_op ops[] = {
+        {"save_weights", save_setup, save_weights_run, save_check, NULL},
+        {"save_checkpoint", save_setup, save_checkpoint_run, save_check, NULL},
+        {"load_weights", load_setup, load_weights_run, load_check, NULL},
+        {"load_checkpoint", load_setup, load_checkpoint_run, load_check, NULL},
+        {"create, add, compile, build", NULL, build_run, build_check, build_teardown},
+        {"create, add, build, compile", NULL, build_run, build_check, build_teardown},
+        {"fit (2 epochs, validation, ModelCheckpoint, CSVLogger)", fit_setup, fit_run, fit_check,
+         fit_teardown},
+        {"evaluate", NULL, evaluate_run, evaluate_check, NULL},
+        {"predict", NULL, predict_run, predict_check, NULL}};
+    fixture fx;
+    mpt_context_desc d;
+    mpt_model *other;
+    size_t i;
+    long base = heap_read(&heap.live);
+    memset(&fx, 0, sizeof fx);
+    memset(&d, 0, sizeof d);
+    d.num_threads = 2;
+    d.logger.fn = quiet_logger;
+    d.allocator.alloc = fault_alloc;
+    d.allocator.free = fault_free;
+    test__begin();
+    CHECK(mpt_context_create(&d, &fx.c) == MPT_OK, "context");
+    if (!fx.c) return;
+    fx.m = make_model(fx.c, MPT_POLICY_MIXED_FLOAT16, 7);
+    other = make_model(fx.c, MPT_POLICY_MIXED_FLOAT16, 8);
+    CHECK(fx.m && other, "models: %s", mpt_context_error(fx.c));
+    CHECK(toy_data_make(fx.c, &fx.train, 24, 1) == MPT_OK &&
+              toy_data_make(fx.c, &fx.val, 8, 2) == MPT_OK,
+          "data: %s", mpt_context_error(fx.c));
+    if (fx.m && other && fx.train.d && fx.val.d) {
+        CHECK(mpt_model_fit(fx.m, fx.train.d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) ==
+                      MPT_OK &&
+                  mpt_model_fit(other, fx.train.d, &(mpt_fit_desc){.epochs = 2, .batch_size = 8}) ==
+                      MPT_OK,
+              "fit: %s", mpt_context_error(fx.c));
+        CHECK(mpt_model_save_checkpoint(fx.m, path_of(fx.start, "start.safetensors")) == MPT_OK &&
+                  mpt_model_save_weights(other, path_of(fx.other_w, "other_w.safetensors")) ==
+                      MPT_OK &&
+                  mpt_model_save_checkpoint(other, path_of(fx.other_c, "other_c.safetensors")) ==
+                      MPT_OK,
+              "save: %s", mpt_context_error(fx.c));
+    }
+    path_of(fx.target, "target.safetensors");
+    test__end("out of memory: the models and files the tests start from");
+    for (i = 0; !test__current_failed && i < sizeof ops / sizeof *ops; i++) {
+        if (i < 2) {
+            blob_free(&saved_before);
+            saved_before = slurp(i == 0 ? fx.other_w : fx.other_c);
+        }
+        compile_first = i != 5;
+        run_fault_op(&fx, &ops[i]);
+    }
+    blob_free(&saved_before);
+    blob_free(&saved_after);
+    blob_free(&state_before);
+    blob_free(&state_loaded);
+    blob_free(&fit_result);
+    blob_free(&predict_reference);
+    mpt_model_destroy(other);
+    mpt_model_destroy(fx.m);
+    mpt_dataset_destroy(fx.train.d);
+    mpt_dataset_destroy(fx.val.d);
+    mpt_context_destroy(fx.c);
+    test__begin();
+    CHECK(heap_read(&heap.live) == base, "%ld blocks still live after everything was destroyed",
+          heap_read(&heap.live) - base);
+    test__end("out of memory: every block the context gave out came back");
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    snprintf(dir, sizeof dir, "/tmp/mpt_faults_XXXXXX");
+    if (!mkdtemp(dir)) {
+        printf("FAIL cannot create a temporary directory\n");
+        return 1;
+    }
+    test_out_of_memory();
+    remove_dir();
+    return test_summary("test_faults");
+}

@@ -10326,7 +10326,11 @@ static void mpt__ckpt_sync_dir(mpt_context *ctx, const char *path) {
     size_t len = slash ? (size_t)(slash - path) : 0;
     char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) the directory's path */
     int fd;
-    if (!dir) return;
+    if (!dir) {
+        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory: "
+                 "out of memory", path);
+        return;
+    }
     if (!slash)
         strcpy(dir, ".");
     else if (len == 0)

@@ -235,6 +235,14 @@ static void fail_request(long k) {
     pthread_mutex_unlock(&heap.mutex);
 }
 
+static int warnings; /* warnings the fault context has logged */
+
+static void fault_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    warnings += level == MPT_LOG_WARNING;
+}
+
 /* What the operations share: a two-thread context on the counting
    allocator, a trained model, another model's files to load, and data. */
 typedef struct fixture {
@@ -261,7 +269,8 @@ typedef struct fault_op {
 /* Runs op once to count its requests (N), then N more times with request
    k = 1..N refused. Each must fail with MPT_ERR_OUT_OF_MEMORY and a
    message (or succeed, if the refusal was tolerated: check then requires
-   the full result), and leave the live blocks as they were. */
+   the full result, and a warning must say what was given up), and leave
+   the live blocks as they were. */
 static void run_fault_op(fixture *fx, const fault_op *op) {
     long n, k, base, oom = 0, tolerated = 0;
     mpt_status s;
@@ -277,8 +286,10 @@ static void run_fault_op(fixture *fx, const fault_op *op) {
     CHECK(heap_read(&heap.live) == base, "%s leaves %ld blocks more than it found", op->name,
           heap_read(&heap.live) - base);
     for (k = 1; k <= n; k++) {
+        int warned;
         if (op->setup) op->setup(fx, k);
         fx->c->error[0] = 0;
+        warned = warnings;
         fail_request(k);
         s = op->run(fx);
         fail_request(0);
@@ -289,6 +300,8 @@ static void run_fault_op(fixture *fx, const fault_op *op) {
             CHECK(fx->c->error[0] != 0, "%s with request %ld refused: no message", op->name, k);
         } else {
             tolerated++;
+            CHECK(warnings > warned, "%s with request %ld refused succeeds without a warning",
+                  op->name, k);
         }
         op->check(fx, s, k);
         if (op->teardown) op->teardown(fx);
@@ -557,7 +570,7 @@ static void test_out_of_memory(void) {
     memset(&fx, 0, sizeof fx);
     memset(&d, 0, sizeof d);
     d.num_threads = 2;
-    d.logger.fn = quiet_logger;
+    d.logger.fn = fault_logger;
     d.allocator.alloc = fault_alloc;
     d.allocator.free = fault_free;
     test__begin();
@@ -609,15 +622,303 @@ static void test_out_of_memory(void) {
     test__end("out of memory: every block the context gave out came back");
 }
 
+/* ==== 2. a process killed while it saves a checkpoint ================================== */
+
+/* Dense(256) -> Dense(10) on 64 features with Adam: a checkpoint of some
+   230 KB, so that a save takes long enough to be killed half-way. */
+static mpt_model *make_kill_model(mpt_context *c) {
+    mpt_model *m = NULL;
+    mpt_compile_desc cd;
+    if (mpt_model_create(c, &(mpt_model_desc){.input_shape = {64}, .input_rank = 1, .seed = 5},
+                         &m) != MPT_OK)
+        return NULL;
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss.from_logits = 1;
+    if (mpt_model_add_dense(m, &(mpt_dense_desc){.units = 256, .activation = MPT_ACT_RELU}) !=
+            MPT_OK ||
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10}) != MPT_OK ||
+        mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK) {
+        mpt_model_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* Version v of the model: every master, optimizer slot and counter is a
+   function of v, and the first weight is v itself (exact below 2^24). */
+static void set_version(mpt_model *m, int64_t v) {
+    int i, k;
+    int64_t j;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        for (j = 0; j < P->count; j++) {
+            P->value[j] = sinf(0.001f * (float)(j + 7 * i) + 0.37f * (float)(v % 1000));
+            for (k = 0; k < 2; k++)
+                if (P->slot[k]) P->slot[k][j] = (float)(k + 1) * P->value[j] + 0.5f;
+        }
+    }
+    m->params[0].value[0] = (float)v;
+    m->optimizer_steps = v;
+    m->step = (uint64_t)v;
+    m->epoch = (int)(v % 1000);
+    mpt_model_refresh_weights(m);
+}
+
+static int64_t version_of(const mpt_model *m) { return (int64_t)m->params[0].value[0]; }
+
+/* The child: saves versions base + 1, base + 2, ... to path, writing each
+   version to fd once its save has returned, until it is killed. */
+static void saver_child(int fd, const char *path, int64_t base) {
+    mpt_context *c = quiet_ctx();
+    mpt_model *m = c ? make_kill_model(c) : NULL;
+    int64_t v, failed = -1;
+    if (!m || write(fd, "r", 1) != 1) _exit(2);
+    for (v = base + 1; v < base + 10000; v++) {
+        set_version(m, v);
+        if (mpt_model_save_checkpoint(m, path) != MPT_OK) {
+            if (write(fd, &failed, sizeof failed) < 0) _exit(4);
+            _exit(3);
+        }
+        if (write(fd, &v, sizeof v) != (ssize_t)sizeof v) _exit(4);
+    }
+    _exit(0);
+}
+
+/* What the parent knows of the file at the path. */
+typedef struct kill_tally {
+    int64_t on_disk;           /* the version the file holds; 0: no file yet  */
+    int kills, saves, absent, earlier, last_done, in_flight;
+} kill_tally;
+
+/* The file after a kill: absent only if no save ever completed, else it
+   loads and is, bit for bit, the last save that completed or the one the
+   child was killed in (renamed into place before it could say so). */
+static void check_after_kill(mpt_model *pm, const char *path, const char *ref, int64_t base,
+                             int64_t done, kill_tally *t) {
+    blob file = slurp(path), want;
+    int64_t v, in_flight = (done ? done : base) + 1;
+    if (!file.bytes) {
+        CHECK(t->on_disk == 0 && done == 0, "the file is gone after version %lld was saved",
+              (long long)(done ? done : t->on_disk));
+        t->absent++;
+        return;
+    }
+    CHECK(mpt_model_load_checkpoint(pm, path) == MPT_OK, "the file loads after a kill: %s",
+          mpt_context_error(pm->ctx));
+    v = version_of(pm);
+    CHECK(v == in_flight || v == (done ? done : t->on_disk),
+          "the file holds version %lld; the last completed save was %lld, the one in flight %lld",
+          (long long)v, (long long)(done ? done : t->on_disk), (long long)in_flight);
+    set_version(pm, v);
+    CHECK(mpt_model_save_checkpoint(pm, ref) == MPT_OK, "reference save: %s",
+          mpt_context_error(pm->ctx));
+    want = slurp(ref);
+    CHECK(blob_same(file, want), "the file is bit for bit the complete save of version %lld",
+          (long long)v);
+    t->earlier += v != in_flight && !done;
+    t->last_done += v != in_flight && done;
+    t->in_flight += v == in_flight;
+    t->on_disk = v;
+    blob_free(&want);
+    blob_free(&file);
+}
+
+/* A child that saves checkpoints in a loop, killed with SIGKILL after a
+   random delay (1 us to 4 saves' time), 150 times or for 25 s. */
+static void test_killed_while_saving(void) {
+    mpt_context *c = quiet_ctx();
+    mpt_model *pm = c ? make_kill_model(c) : NULL;
+    char path[256], ref[256];
+    kill_tally t;
+    double start, save_us, us;
+    int run, i, left;
+    memset(&t, 0, sizeof t);
+    CHECK(pm != NULL, "model: %s", mpt_context_error(c));
+    path_of(path, "kill.safetensors");
+    path_of(ref, "kill_reference.safetensors");
+    start = now_seconds();
+    for (i = 0; pm && i < 4; i++) mpt_model_save_checkpoint(pm, ref);
+    save_us = 1e6 * (now_seconds() - start) / 4;
+    test_seed(17);
+    start = now_seconds();
+    for (run = 0; pm && run < 150 && now_seconds() - start < 25 && !test__current_failed; run++) {
+        int64_t base = (int64_t)(run + 1) * 10000, v, done = 0;
+        struct timespec delay;
+        int fds[2], status = 0, bad = 0;
+        char ready;
+        pid_t pid;
+        if (pipe(fds) != 0) break;
+        fflush(stdout);
+        pid = fork();
+        if (pid == 0) {
+            close(fds[0]);
+            saver_child(fds[1], path, base);
+        }
+        close(fds[1]);
+        if (pid < 0 || read(fds[0], &ready, 1) != 1) {
+            CHECK(0, "the saving process did not start");
+            close(fds[0]);
+            if (pid > 0) waitpid(pid, &status, 0);
+            break;
+        }
+        /* log-uniform: as many kills within the first microseconds as in the last ms */
+        us = exp(test_uniform(0, log(4 * save_us)));
+        delay.tv_sec = (time_t)(us / 1e6);
+        delay.tv_nsec = 1000L * ((long)us % 1000000L);
+        nanosleep(&delay, NULL);
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        while (read(fds[0], &v, sizeof v) == (ssize_t)sizeof v) {
+            bad |= v < 0;
+            done = v;
+            t.saves++;
+        }
+        close(fds[0]);
+        CHECK(!bad && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+              "the saving process failed on its own (status 0x%x)", (unsigned)status);
+        t.kills++;
+        check_after_kill(pm, path, ref, base, done, &t);
+    }
+    left = temporaries("kill.safetensors");
+    CHECK(t.kills >= 30, "only %d kills in the time allowed", t.kills);
+    if (pm) {
+        set_version(pm, 42);
+        CHECK(mpt_model_save_checkpoint(pm, path) == MPT_OK, "a normal save after the kills: %s",
+              mpt_context_error(c));
+        set_version(pm, 7);
+        CHECK(mpt_model_load_checkpoint(pm, path) == MPT_OK && version_of(pm) == 42,
+              "and it loads: %s", mpt_context_error(c));
+    }
+    test__end("killed while saving: %d SIGKILLs 1..%.0f us into saves of %.0f us; the file "
+              "loads, bit for bit the last save done (%d), the killed one (%d), an earlier "
+              "run's (%d), none (%d); %d temporaries left",
+              t.kills, 4 * save_us, save_us, t.last_done, t.in_flight, t.earlier, t.absent, left);
+    mpt_model_destroy(pm);
+    mpt_context_destroy(c);
+}
+
+/* ==== 3. resuming in a fresh process ================================================== */
+
+static const char *const policy_names[3] = {"float32", "mixed_float16", "mixed_bfloat16"};
+static const mpt_policy policies[3] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                       MPT_POLICY_MIXED_BFLOAT16};
+
+/* One process of the resume test: "straight" trains 4 epochs, "first" 2;
+   "rest" loads first's checkpoint into a fresh model and trains epochs 3
+   and 4. Each saves its full checkpoint as <where>/<phase>.safetensors.
+   Returns the exit status. */
+static int resume_phase(const char *phase, const char *policy, const char *where) {
+    mpt_context *c = NULL;
+    mpt_context_desc d;
+    mpt_model *m = NULL;
+    toy_data data;
+    char in[300], out[300];
+    int p, epochs = strcmp(phase, "first") == 0 ? 2 : 4, initial = 0;
+    mpt_status s = MPT_ERR_INVALID_ARGUMENT;
+    memset(&d, 0, sizeof d);
+    memset(&data, 0, sizeof data);
+    d.num_threads = 2;
+    for (p = 0; p < 3 && strcmp(policy, policy_names[p]) != 0; p++) continue;
+    if (p < 3 && mpt_context_create(&d, &c) == MPT_OK) {
+        m = make_model(c, policies[p], 21);
+        s = m ? toy_data_make(c, &data, 40, 5) : MPT_ERR_STATE;
+    }
+    if (s == MPT_OK && strcmp(phase, "rest") == 0) {
+        snprintf(in, sizeof in, "%s/first.safetensors", where);
+        s = mpt_model_load_checkpoint(m, in);
+        initial = mpt_model_epoch(m);
+    }
+    if (s == MPT_OK)
+        s = mpt_model_fit(m, data.d, &(mpt_fit_desc){.epochs = epochs, .initial_epoch = initial,
+                                                     .batch_size = 8});
+    snprintf(out, sizeof out, "%s/%s.safetensors", where, phase);
+    if (s == MPT_OK) s = mpt_model_save_checkpoint(m, out);
+    if (s != MPT_OK)
+        fprintf(stderr, "resume %s %s: %s\n", phase, policy, c ? mpt_context_error(c) : "context");
+    mpt_dataset_destroy(data.d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+    return s == MPT_OK ? 0 : 1;
+}
+
+/* This program again, as one process of the resume test: its exit status. */
+static int run_phase(const char *phase, const char *policy) {
+    int status = 0;
+    pid_t pid;
+    fflush(stdout);
+    pid = fork();
+    if (pid == 0) {
+        execl("/proc/self/exe", "test_faults", "resume", phase, policy, dir, (char *)NULL);
+        _exit(127);
+    }
+    if (pid < 0 || waitpid(pid, &status, 0) != pid) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static void test_resume_across_processes(void) {
+    mpt_context *c = quiet_ctx();
+    int p;
+    for (p = 0; p < 3; p++) {
+        char a_path[256], b_path[256], c_path[256];
+        blob a, b, resumed;
+        mpt_model *straight = make_model(c, policies[p], 21), *first = make_model(c, policies[p], 21);
+        int ra, rb, rc;
+        test__begin();
+        ra = run_phase("straight", policy_names[p]);
+        rb = run_phase("first", policy_names[p]);
+        rc = rb == 0 ? run_phase("rest", policy_names[p]) : -1;
+        CHECK(ra == 0 && rb == 0 && rc == 0, "the processes exit with %d, %d, %d", ra, rb, rc);
+        a = slurp(path_of(a_path, "straight.safetensors"));
+        b = slurp(path_of(b_path, "first.safetensors"));
+        resumed = slurp(path_of(c_path, "rest.safetensors"));
+        CHECK(a.bytes && resumed.bytes && blob_same(a, resumed),
+              "the resumed run's checkpoint (masters, BatchNormalization statistics, Adam "
+              "moments, step counters, loss scale) is bit for bit the unbroken run's");
+        CHECK(straight && first && mpt_model_load_checkpoint(straight, a_path) == MPT_OK &&
+                  mpt_model_load_checkpoint(first, b_path) == MPT_OK,
+              "load: %s", mpt_context_error(c));
+        if (straight && first) {
+            CHECK(mpt_model_epoch(first) == 2 && mpt_model_epoch(straight) == 4 &&
+                      first->optimizer_steps > 0 &&
+                      straight->optimizer_steps > first->optimizer_steps &&
+                      memcmp(straight->params[0].value, first->params[0].value,
+                             4 * (size_t)first->params[0].count) != 0,
+                  "the last two epochs trained (epochs %d, %d; optimizer steps %lld, %lld)",
+                  mpt_model_epoch(first), mpt_model_epoch(straight),
+                  (long long)first->optimizer_steps, (long long)straight->optimizer_steps);
+            if (policies[p] == MPT_POLICY_MIXED_FLOAT16)
+                CHECK(first->skipped_steps > 0 && straight->skipped_steps > first->skipped_steps &&
+                          mpt_model_loss_scale(first) < 1048576.0f,
+                      "the dynamic loss scale skipped steps on both sides of the split (%lld, "
+                      "%lld; scale %g at the split)", (long long)first->skipped_steps,
+                      (long long)straight->skipped_steps, (double)mpt_model_loss_scale(first));
+        }
+        test__end("resume across processes, policy %s: 4 epochs in one process == 2 epochs, "
+                  "checkpoint, exit, 2 more in a fresh process, bit for bit (loss scale %g, "
+                  "%lld steps skipped)", policy_names[p],
+                  straight ? (double)mpt_model_loss_scale(straight) : 0.0,
+                  straight ? (long long)straight->skipped_steps : 0LL);
+        blob_free(&a);
+        blob_free(&b);
+        blob_free(&resumed);
+        mpt_model_destroy(straight);
+        mpt_model_destroy(first);
+    }
+    mpt_context_destroy(c);
+}
+
 int main(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
+    if (argc == 5 && strcmp(argv[1], "resume") == 0) return resume_phase(argv[2], argv[3], argv[4]);
     snprintf(dir, sizeof dir, "/tmp/mpt_faults_XXXXXX");
     if (!mkdtemp(dir)) {
         printf("FAIL cannot create a temporary directory\n");
         return 1;
     }
     test_out_of_memory();
+    test_resume_across_processes();
+    test_killed_while_saving();
     remove_dir();
     return test_summary("test_faults");
 }

@@ -1361,13 +1361,17 @@ static void mpt__log(const mpt_context *ctx, mpt_log_level level, const char *fm
 }
 
 /* Records why a call failed, tells the logger, and returns the status, so
-   that error paths read `return mpt__fail(ctx, MPT_ERR_SHAPE, "...", ...);`. */
+   that error paths read `return mpt__fail(ctx, MPT_ERR_SHAPE, "...", ...);`.
+   The arguments may be the context's own message (the CPU backend's error
+   is): it is formatted aside first, as vsnprintf must not read what it writes. */
 static mpt_status mpt__fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
+    char message[sizeof ctx->error];
     va_list ap;
     if (!ctx) return status;
     va_start(ap, fmt);
-    vsnprintf(ctx->error, sizeof ctx->error, fmt, ap);
+    vsnprintf(message, sizeof message, fmt, ap);
     va_end(ap);
+    memcpy(ctx->error, message, sizeof message);
     mpt__log(ctx, MPT_LOG_ERROR, "%s (%s)", ctx->error, mpt_status_string(status));
     return status;
 }
@@ -7938,7 +7942,9 @@ static mpt_status mpt__history_append(mpt_model *m, const mpt_logs *logs) {
         int cap = h->cap ? 2 * h->cap : 16;
         for (k = 0; k < MPT_MAX_LOGS; k++) {
             double *grown = (double *)mpt__alloc(m->ctx, sizeof(double) * (size_t)cap);
-            if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: history");
+            if (!grown)
+                return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                                 "fit: out of memory for the history of %d epochs", cap);
             if (h->values[k]) memcpy(grown, h->values[k], sizeof(double) * (size_t)h->epochs);
             mpt__free(m->ctx, h->values[k]);
             h->values[k] = grown;

@@ -503,6 +503,28 @@ static mpt_status fit_run(fixture *fx) {
     return s;
 }
 
+/* Three epochs on the first 75% of the data, validated on the rest
+   (split inside fit), with EarlyStopping keeping the best weights to
+   restore and ReduceLROnPlateau. */
+static mpt_status fit_split_run(fixture *fx) {
+    mpt_callback cbs[2];
+    mpt_status s;
+    memset(cbs, 0, sizeof cbs);
+    if (!fitted) return MPT_ERR_STATE;
+    s = mpt_callback_early_stopping(
+        fx->c, &(mpt_early_stopping_desc){.patience = 2, .restore_best_weights = 1}, &cbs[0]);
+    if (s == MPT_OK)
+        s = mpt_callback_reduce_lr_on_plateau(
+            fx->c, &(mpt_reduce_lr_desc){.factor = 0.5f, .has_patience = 1}, &cbs[1]);
+    if (s == MPT_OK)
+        s = mpt_model_fit(fitted, fx->train.d,
+                          &(mpt_fit_desc){.epochs = 3, .batch_size = 8, .validation_split = 0.25f,
+                                          .callbacks = cbs, .n_callbacks = 2});
+    mpt_callback_destroy(&cbs[0]);
+    mpt_callback_destroy(&cbs[1]);
+    return s;
+}
+
 static void fit_check(fixture *fx, mpt_status s, long k) {
     char p[256];
     blob now;
@@ -530,6 +552,66 @@ static void fit_teardown(fixture *fx) {
     (void)fx;
     mpt_model_destroy(fitted);
     fitted = NULL;
+}
+
+/* ---- a mirrored strategy --------------------------------------------------------- */
+
+static mpt_strategy *mirrored;
+
+/* Two replicas in this process: the strategy, the model, its build (the
+   second replica's buffers), a fit and a checkpoint's round trip. */
+static mpt_status mirrored_run(fixture *fx) {
+    char p[256];
+    mpt_status s;
+    built = NULL;
+    mirrored = NULL;
+    s = mpt_strategy_create(fx->c, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                        .num_replicas = 2},
+                            &mirrored);
+    if (s == MPT_OK)
+        s = mpt_model_create(fx->c, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                                      .policy = MPT_POLICY_MIXED_FLOAT16,
+                                                      .seed = 3, .strategy = mirrored},
+                             &built);
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    if (s == MPT_OK) s = mpt_model_add_batch_normalization(built, &(mpt_batchnorm_desc){0});
+    if (s == MPT_OK) s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 3});
+    if (s == MPT_OK) {
+        mpt_compile_desc cd;
+        memset(&cd, 0, sizeof cd);
+        cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+        cd.loss.from_logits = 1;
+        s = mpt_model_compile(built, &cd);
+    }
+    if (s == MPT_OK) s = mpt_model_build(built, 8);
+    if (s == MPT_OK)
+        s = mpt_model_fit(built, fx->train.d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8,
+                                                              .validation_data = fx->val.d});
+    if (s == MPT_OK) s = mpt_model_save_checkpoint(built, path_of(p, "mirrored.safetensors"));
+    if (s == MPT_OK) s = mpt_model_load_checkpoint(built, p);
+    return s;
+}
+
+/* A replicated model that failed to build builds again and trains. */
+static void mirrored_check(fixture *fx, mpt_status s, long k) {
+    mpt_status again = MPT_OK;
+    (void)s;
+    CHECK(temporaries("") == 0, "request %ld refused: %d temporary files left", k,
+          temporaries(""));
+    if (!built || mpt_model_layer_count(built) < 3 || !built->compiled) return;
+    if (!built->built) again = mpt_model_build(built, 8);
+    if (again == MPT_OK)
+        again = mpt_model_fit(built, fx->train.d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8});
+    CHECK(again == MPT_OK && built->n_replicas == 2,
+          "request %ld refused: the model then builds and trains on %d replicas: %s", k,
+          built->n_replicas, mpt_context_error(fx->c));
+}
+
+static void mirrored_teardown(fixture *fx) {
+    build_teardown(fx);
+    mpt_strategy_destroy(mirrored);
+    mirrored = NULL;
 }
 
 /* ---- evaluate and predict ------------------------------------------------------ */
@@ -584,6 +666,10 @@ static void test_out_of_memory(void) {
         {"create, add, build, compile", NULL, build_run, build_check, build_teardown},
         {"fit (2 epochs, validation, ModelCheckpoint, CSVLogger)", fit_setup, fit_run, fit_check,
          fit_teardown},
+        {"fit (validation_split, EarlyStopping restoring the best weights, "
+         "ReduceLROnPlateau)", fit_setup, fit_split_run, fit_check, fit_teardown},
+        {"mirrored strategy (2 replicas): build, fit, save and load", NULL, mirrored_run,
+         mirrored_check, mirrored_teardown},
         {"evaluate", NULL, evaluate_run, evaluate_check, NULL},
         {"predict", NULL, predict_run, predict_check, NULL}};
     fixture fx;

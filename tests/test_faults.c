@@ -428,10 +428,9 @@ static void load_check(fixture *fx, mpt_status s, long k) {
 
 /* ---- building ------------------------------------------------------------------- */
 
-static mpt_model *built;      /* the model the build tests make */
-static int compile_first = 1; /* compile before build, or after */
+static mpt_model *built; /* the model the build tests make */
 
-static mpt_status build_run(fixture *fx) {
+static mpt_status build_run(fixture *fx, int compile_first) {
     mpt_compile_desc cd;
     mpt_status s;
     memset(&cd, 0, sizeof cd);
@@ -452,6 +451,9 @@ static mpt_status build_run(fixture *fx) {
     if (s == MPT_OK && !compile_first) s = mpt_model_compile(built, &cd);
     return s;
 }
+
+static mpt_status build_compiled_run(fixture *fx) { return build_run(fx, 1); }
+static mpt_status compile_built_run(fixture *fx) { return build_run(fx, 0); }
 
 /* After a failed step the same model must still be usable: what did not
    happen can be done again, and the model then trains. */
@@ -572,6 +574,42 @@ static void fit_teardown(fixture *fx) {
     fitted = NULL;
 }
 
+/* ---- compiling a trained model again ----------------------------------------------- */
+
+static mpt_compile_desc sgd_momentum(void) {
+    mpt_compile_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_SGD;
+    cd.optimizer.momentum = 0.9f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss.from_logits = 1;
+    return cd;
+}
+
+static mpt_status recompile_run(fixture *fx) {
+    mpt_compile_desc cd = sgd_momentum();
+    (void)fx;
+    return fitted ? mpt_model_compile(fitted, &cd) : MPT_ERR_STATE;
+}
+
+/* A compile that failed leaves the model compiled as before or not
+   compiled (fit then says so); compiling again works, and it trains. */
+static void recompile_check(fixture *fx, mpt_status s, long k) {
+    mpt_compile_desc cd = sgd_momentum();
+    if (!fitted) return;
+    if (s != MPT_OK && !fitted->compiled) {
+        CHECK(mpt_model_fit(fitted, fx->train.d, &(mpt_fit_desc){.batch_size = 8}) ==
+                      MPT_ERR_STATE &&
+                  strstr(mpt_context_error(fx->c), "compile"),
+              "request %ld refused: fit on the uncompiled model says so: %s", k,
+              mpt_context_error(fx->c));
+        CHECK(mpt_model_compile(fitted, &cd) == MPT_OK, "request %ld refused: compile again: %s",
+              k, mpt_context_error(fx->c));
+    }
+    CHECK(mpt_model_fit(fitted, fx->train.d, &(mpt_fit_desc){.batch_size = 8}) == MPT_OK,
+          "request %ld refused: the model then trains: %s", k, mpt_context_error(fx->c));
+}
+
 /* ---- a mirrored strategy --------------------------------------------------------- */
 
 static mpt_strategy *mirrored;
@@ -680,12 +718,14 @@ static void test_out_of_memory(void) {
         {"save_checkpoint", save_setup, save_checkpoint_run, save_check, NULL},
         {"load_weights", load_setup, load_weights_run, load_check, NULL},
         {"load_checkpoint", load_setup, load_checkpoint_run, load_check, NULL},
-        {"create, add, compile, build", NULL, build_run, build_check, build_teardown},
-        {"create, add, build, compile", NULL, build_run, build_check, build_teardown},
+        {"create, add, compile, build", NULL, build_compiled_run, build_check, build_teardown},
+        {"create, add, build, compile", NULL, compile_built_run, build_check, build_teardown},
         {"fit (2 epochs, validation, ModelCheckpoint, CSVLogger)", fit_setup, fit_run, fit_check,
          fit_teardown},
         {"fit (validation_split, EarlyStopping restoring the best weights, "
          "ReduceLROnPlateau)", fit_setup, fit_split_run, fit_check, fit_teardown},
+        {"compile (SGD with momentum) of a model trained with Adam", fit_setup, recompile_run,
+         recompile_check, fit_teardown},
         {"mirrored strategy (2 replicas): build, fit, save and load", NULL, mirrored_run,
          mirrored_check, mirrored_teardown},
         {"evaluate", NULL, evaluate_run, evaluate_check, NULL},
@@ -730,7 +770,6 @@ static void test_out_of_memory(void) {
             blob_free(&saved_before);
             saved_before = slurp(i == 0 ? fx.other_w : fx.other_c);
         }
-        compile_first = i != 5;
         run_fault_op(&fx, &ops[i]);
     }
     blob_free(&saved_before);

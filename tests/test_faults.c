@@ -9,7 +9,6 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
-#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -1085,8 +1084,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     test_out_of_memory();
-    test_resume_across_processes();
     test_killed_while_saving();
+    test_resume_across_processes();
     remove_dir();
     return test_summary("test_faults");
 }

@@ -3798,25 +3798,35 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
 
 /* ---- running a model ------------------------------------------------------ */
 
-static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
+/* The one rule for data given to a model (forward, fit, evaluate, predict):
+   each sample's shape is the model's input shape. A wrong one would make
+   the layers read past the end of the batch or misalign its samples. */
+static mpt_status mpt__check_sample_shape(mpt_model *m, int rank, const int64_t *shape,
+                                          const char *what) {
     char got[96], want[96];
-    int i, ok;
+    int i, ok = rank == m->desc.input_rank;
+    for (i = 0; ok && i < rank; i++) ok = shape[i] == m->desc.input_shape[i];
+    if (ok) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                     "%s: samples of shape %s do not fit the model's input %s", what,
+                     mpt_shape_format(got, sizeof got, rank, shape),
+                     mpt_shape_format(want, sizeof want, m->desc.input_rank, m->desc.input_shape));
+}
+
+static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
+    char got[96];
     if (!x || !x->data)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL input tensor%s",
                          x ? " data" : "");
     if (!mpt_dtype_is_float(x->dtype))
         return mpt__fail(m->ctx, MPT_ERR_DTYPE, "model: input dtype %s is not a float dtype",
                          mpt_dtype_name(x->dtype));
-    ok = x->rank == m->desc.input_rank + 1;
-    for (i = 0; ok && i < m->desc.input_rank; i++) ok = x->shape[i + 1] == m->desc.input_shape[i];
-    if (!ok || x->shape[0] < 1 || x->shape[0] > m->max_batch) {
-        mpt_shape_format(want, sizeof want, m->desc.input_rank, m->desc.input_shape);
+    if (x->rank < 1 || x->rank > MPT_MAX_RANK || x->shape[0] < 1 || x->shape[0] > m->max_batch)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE,
-                         "model: input shape %s does not match (batch, %s) with batch in 1..%lld",
-                         mpt_shape_format(got, sizeof got, x->rank, x->shape), want + 1,
+                         "model: input shape %s is not (batch, sample...) with batch in 1..%lld",
+                         mpt_shape_format(got, sizeof got, x->rank, x->shape),
                          (long long)m->max_batch);
-    }
-    return MPT_OK;
+    return mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, "model: input");
 }
 
 /* Copies host memory into the backend's, turning a failure into a status. */
@@ -8316,20 +8326,21 @@ static void mpt__epoch_order(const mpt_model *m, int epoch, int shuffle, int64_t
     }
 }
 
+/* A dataset's samples fit the model (predict needs no more). */
+static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const char *what) {
+    int64_t shape[MPT_MAX_RANK];
+    int rank = mpt_dataset_sample_shape(d, shape);
+    return mpt__check_sample_shape(m, rank, shape, what);
+}
+
 /* Checks that data fits the model: sample shape, target kind and labels. */
 static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
-    int64_t shape[MPT_MAX_RANK], want[MPT_MAX_RANK], out_count = 1;
-    int rank = mpt_dataset_sample_shape(d, shape), i, ok;
-    int want_rank = mpt_model_input_shape(m, want);
+    int64_t shape[MPT_MAX_RANK], out_count = 1;
+    int rank, i, ok;
     int32_t lo, hi;
     const mpt__layer *last = &m->layers[m->n_layers - 1];
     char a[96], b[96];
-    ok = rank == want_rank;
-    for (i = 0; ok && i < rank; i++) ok = shape[i] == want[i];
-    if (!ok)
-        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: samples of shape %s do not fit the model's "
-                         "input %s", what, mpt_shape_format(a, sizeof a, rank, shape),
-                         mpt_shape_format(b, sizeof b, want_rank, want));
+    MPT__CHECK(mpt__check_samples(m, d, what));
     for (i = 0; i < last->out_rank; i++) out_count *= last->out_shape[i];
     if (mpt__dataset_label_dtype(d) == MPT_INT32) {
         mpt__dataset_label_range(d, &lo, &hi);
@@ -8352,6 +8363,13 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
                          "shape %s", what, mpt_shape_format(a, sizeof a, rank, shape),
                          mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape));
     return MPT_OK;
+}
+
+/* batch_size 0 means Keras' default, 32, in fit, evaluate and predict. */
+#define MPT__DEFAULT_BATCH_SIZE 32
+
+static int64_t mpt__batch_size_or_default(int64_t batch_size) {
+    return batch_size == 0 ? MPT__DEFAULT_BATCH_SIZE : batch_size;
 }
 
 /* Makes the model ready to train or run on batches of batch_size. */
@@ -8571,9 +8589,31 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     return MPT_OK;
 }
 
+/* The decimal a float was written as: the shortest that rounds to it (0.1
+   for 0.1f, not 0.100000001490116). */
+static double mpt__float_as_written(float f) {
+    char text[32];
+    int digits;
+    for (digits = 1; digits < 9; digits++) {
+        double v;
+        snprintf(text, sizeof text, "%.*g", digits, (double)f);
+        v = strtod(text, NULL);
+        if ((float)v == f) return v;
+    }
+    return (double)f; /* 9 digits always round-trip */
+}
+
+/* Where validation_split cuts n samples: Keras' split_at = int(n · (1 −
+   validation_split)), the training part truncated and the validation part
+   the rest, in double on the split as written. Widening the float itself
+   would take one sample too many: 0.1f of 60,000 would give 6,001. */
+static int64_t mpt__validation_split_at(int64_t n, float validation_split) {
+    return (int64_t)((double)n * (1.0 - mpt__float_as_written(validation_split)));
+}
+
+/* d: the caller's descriptor with its defaults filled in. */
 static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *d) {
     if (!train) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL training data");
-    if (!d) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL descriptor");
     if (d->epochs < 0 || d->initial_epoch < 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: epochs %d and initial_epoch %d "
                          "must not be negative", d->epochs, d->initial_epoch);
@@ -8605,10 +8645,12 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt_status s = MPT_OK;
     int epoch, i, stop = 0, workers;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    MPT__CHECK(mpt__fit_check(m, train, desc));
-    workers = m->strategy ? m->strategy->workers : 1;
+    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL descriptor");
     d = *desc;
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
+    d.batch_size = mpt__batch_size_or_default(d.batch_size);
+    MPT__CHECK(mpt__fit_check(m, train, &d));
+    workers = m->strategy ? m->strategy->workers : 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
     r.m = m;
@@ -8618,7 +8660,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     for (i = 0; i < d.n_callbacks; i++) r.batch_callbacks |= d.callbacks[i].on_batch_end != NULL;
     if (d.validation_split > 0) { /* Keras: the last part, before shuffling */
         int64_t n = mpt_dataset_count(train);
-        int64_t keep = (int64_t)((double)n * (1.0 - (double)d.validation_split));
+        int64_t keep = mpt__validation_split_at(n, d.validation_split);
         if (keep <= 0 || keep >= n)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "fit: validation_split %g of %lld samples leaves one side empty",
@@ -8686,11 +8728,12 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
                          !data ? "data" : !desc ? "descriptor" : "logs");
     memset(logs, 0, sizeof *logs);
-    MPT__CHECK(mpt__prepare(m, desc->batch_size, 0, "evaluate"));
+    batch = mpt__batch_size_or_default(desc->batch_size);
+    MPT__CHECK(mpt__prepare(m, batch, 0, "evaluate"));
     if (!m->compiled) return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first");
     /* Larger batches than the model was built for run in pieces: the
        result is the same, the loss being a mean over samples. */
-    batch = MPT__MIN(desc->batch_size, m->max_batch);
+    batch = MPT__MIN(batch, m->max_batch);
     MPT__CHECK(mpt__check_data(m, data, "evaluate"));
     m->printer = desc->printer;
     m->emit_logits = mpt__can_fuse_softmax(m);
@@ -8724,7 +8767,9 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
                          data ? "out" : "data");
     memset(out, 0, sizeof *out);
+    batch_size = mpt__batch_size_or_default(batch_size);
     MPT__CHECK(mpt__prepare(m, batch_size, 0, "predict"));
+    MPT__CHECK(mpt__check_samples(m, data, "predict"));
     batch_size = MPT__MIN(batch_size, m->max_batch); /* in pieces, as evaluate */
     last = &m->layers[m->n_layers - 1];
     n = mpt_dataset_count(data);

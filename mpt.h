@@ -511,8 +511,9 @@ typedef enum mpt_loss_type {
     MPT_LOSS_NONE = 0,
     MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, /* target: int32 class ids (batch) */
     MPT_LOSS_CATEGORICAL_CROSSENTROPY,        /* target: one-hot/probabilities   */
-    MPT_LOSS_BINARY_CROSSENTROPY,             /* target: 0..1, same shape        */
-    MPT_LOSS_MEAN_SQUARED_ERROR,              /* target: same shape              */
+    MPT_LOSS_BINARY_CROSSENTROPY,             /* target: 0..1, same shape (or
+                                                 without a last axis of 1)      */
+    MPT_LOSS_MEAN_SQUARED_ERROR,              /* target: as binary crossentropy */
     MPT_LOSS_COUNT_
 } mpt_loss_type;
 
@@ -993,7 +994,8 @@ typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
                               float16 or bfloat16                         */
     const mpt_tensor *y;   /* required: (n,) int32 class ids, or (n, ...)
-                              float32 targets                              */
+                              float32 targets; (n,) targets fit an output
+                              of one unit, as (n, 1) do (Keras)            */
     float scale;           /* uint8 x becomes x·scale + offset as it is
                               batched; default (0) 1/255                  */
     float offset;          /* default 0                                   */
@@ -6015,6 +6017,20 @@ static mpt_status mpt__loss_check_labels_shape(mpt_context *ctx, const char *nam
     return MPT_OK;
 }
 
+/* A float target has pred's shape, or pred's without a last axis of 1:
+   (n,) targets for an (n, 1) output, as Keras expands them. The memory is
+   the same either way. Also the rule fit applies to one sample's shapes. */
+static int mpt__target_shape_fits(int target_rank, const int64_t *target_shape, int pred_rank,
+                                  const int64_t *pred_shape) {
+    int i;
+    if (target_rank == pred_rank - 1 && pred_rank >= 1 && pred_shape[pred_rank - 1] == 1)
+        pred_rank--;
+    if (target_rank != pred_rank) return 0;
+    for (i = 0; i < pred_rank; i++)
+        if (target_shape[i] != pred_shape[i]) return 0;
+    return 1;
+}
+
 static mpt_status mpt__loss_check_target(mpt_context *ctx, const mpt_loss_desc *d,
                                          const mpt_tensor *pred, const mpt_tensor *target) {
     const char *name = mpt__loss_name(d->type);
@@ -6025,8 +6041,9 @@ static mpt_status mpt__loss_check_target(mpt_context *ctx, const mpt_loss_desc *
     if (!mpt_dtype_is_float(target->dtype))
         return mpt__fail(ctx, MPT_ERR_DTYPE, "%s: target must be float32, float16 or bfloat16, "
                          "not %s", name, mpt_dtype_name(target->dtype));
-    if (!mpt__same_shape(pred, target))
-        return mpt__fail(ctx, MPT_ERR_SHAPE, "%s: target shape %s is not pred's %s", name,
+    if (!mpt__target_shape_fits(target->rank, target->shape, pred->rank, pred->shape))
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "%s: target shape %s is not pred's %s (or pred's "
+                         "without a last axis of 1)", name,
                          mpt_shape_format(t, sizeof t, target->rank, target->shape),
                          mpt_shape_format(p, sizeof p, pred->rank, pred->shape));
     return MPT_OK;
@@ -7076,18 +7093,13 @@ static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
     return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, "x", x) : MPT_OK;
 }
 
-/* y: int32 class ids (n,) or (n, 1), each >= 0; or float32 targets (n, ...). */
+/* y: int32 class ids (n,) or (n, 1), each >= 0; or float32 targets (n, ...),
+   (n,) being one number per sample (for an output of one unit). */
 static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
     char s[96];
     int64_t i;
     mpt_shape_format(s, sizeof s, y->rank, y->shape);
-    if (y->dtype == MPT_FLOAT32) {
-        if (y->rank < 2)
-            return mpt__fail(ctx, MPT_ERR_SHAPE,
-                             "dataset: float32 targets y %s need rank >= 2: (n, ...), e.g. (n, 1)",
-                             s);
-        return mpt__check_finite(ctx, "y", y);
-    }
+    if (y->dtype == MPT_FLOAT32) return mpt__check_finite(ctx, "y", y);
     if (y->dtype != MPT_INT32)
         return mpt__fail(ctx, MPT_ERR_DTYPE,
                          "dataset: y dtype %s is neither int32 (class ids) nor float32 (targets)",
@@ -8336,7 +8348,7 @@ static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const c
 /* Checks that data fits the model: sample shape, target kind and labels. */
 static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
     int64_t shape[MPT_MAX_RANK], out_count = 1;
-    int rank, i, ok;
+    int rank, i;
     int32_t lo, hi;
     const mpt__layer *last = &m->layers[m->n_layers - 1];
     char a[96], b[96];
@@ -8356,9 +8368,7 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
         return MPT_OK;
     }
     rank = mpt__dataset_label_shape(d, shape);
-    ok = rank == last->out_rank;
-    for (i = 0; ok && i < rank; i++) ok = shape[i] == last->out_shape[i];
-    if (!ok)
+    if (!mpt__target_shape_fits(rank, shape, last->out_rank, last->out_shape))
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: targets of shape %s for a model output of "
                          "shape %s", what, mpt_shape_format(a, sizeof a, rank, shape),
                          mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape));

@@ -701,6 +701,11 @@ static void test_create_validation(void) {
     CHECK(d && mpt__dataset_label_dtype(d) == MPT_FLOAT32 && d->y_count == 2 &&
               !mpt__dataset_label_range(d, NULL, NULL), "float targets' label queries");
     mpt_dataset_destroy(d);
+    y = tensor(MPT_FLOAT32, 1, 6, 0, 0, yf);
+    CHECK(create(ctx, &x, &y, 0, &d) == MPT_OK, "(n,) float targets: %s", mpt_context_error(ctx));
+    CHECK(d && mpt__dataset_label_dtype(d) == MPT_FLOAT32 && d->y_count == 1 &&
+              mpt__dataset_label_shape(d, NULL) == 0, "(n,) float targets: one number a sample");
+    mpt_dataset_destroy(d);
     test__end("create: valid x and y of each kind");
 
     test__begin();
@@ -785,9 +790,6 @@ static void test_create_validation(void) {
     x = tensor(MPT_FLOAT32, 2, 6, 4, 0, xf);
     y = tensor(MPT_INT32, 2, 6, 3, 0, yi);
     expect_error(create(q, &x, &y, 0, &d), MPT_ERR_SHAPE, "y int32 (6, 3)", "(6, 3)", "float32",
-                 NULL);
-    y = tensor(MPT_FLOAT32, 1, 6, 0, 0, yf);
-    expect_error(create(q, &x, &y, 0, &d), MPT_ERR_SHAPE, "y float32 rank 1", "(6,)", "(n, 1)",
                  NULL);
     y = tensor(MPT_FLOAT16, 2, 6, 1, 0, xh);
     expect_error(create(q, &x, &y, 0, &d), MPT_ERR_DTYPE, "y float16", "float16", NULL, NULL);

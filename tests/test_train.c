@@ -628,6 +628,79 @@ static void test_validation_split_as_keras(void) {
     mpt_dataset_destroy(d);
 }
 
+/* ---- float targets (n,) for an output of one unit ---------------------------------- */
+
+/* Trains Dense(8, relu) -> Dense(1, act) on y of shape ty_rank == 1 ? (n,)
+   : (n, 1) for two epochs and returns the model. */
+static mpt_model *fit_one_unit(const float *x, const float *y, int ty_rank, mpt_loss_type loss,
+                               mpt_activation act, mpt_policy policy) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, (void *)x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, ty_rank, (int64_t[]){N_SYN, 1}, (void *)y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset with y of rank %d: %s", ty_rank, mpt_context_error(ctx));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .policy = policy, .seed = 9}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = act});
+    mpt_model_compile(m, &(mpt_compile_desc){.optimizer = {.learning_rate = 0.01f},
+                                             .loss = {.type = loss},
+                                             .metrics = MPT_METRIC_ACCURACY});
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16,
+                                              .validation_split = 0.2f}) == MPT_OK,
+          "fit with y of rank %d: %s", ty_rank, mpt_context_error(ctx));
+    mpt_dataset_destroy(d);
+    return m;
+}
+
+/* As Keras: targets (n,) train a one-unit output under binary crossentropy
+   and mean squared error exactly as targets (n, 1) do; (n,) targets for an
+   output of 3 units are refused. */
+static void test_targets_of_shape_n(void) {
+    static float x[N_SYN * FEATURES], y[N_SYN];
+    static int32_t ids[N_SYN];
+    mpt_context *saved = ctx;
+    int k, i;
+    make_blobs(x, ids, N_SYN, 13);
+    for (i = 0; i < N_SYN; i++) y[i] = ids[i] == 1 ? 0.9f : (float)(i % 5) * 0.05f;
+    for (k = 0; k < 3; k++) {
+        mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
+        mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+        mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
+        mpt_model *a = fit_one_unit(x, y, 2, loss, act, policy);
+        mpt_model *b = fit_one_unit(x, y, 1, loss, act, policy);
+        CHECK(same_state(a, b), "%s: (n,) targets train otherwise than (n, 1)",
+              mpt__loss_name(loss));
+        CHECK(history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
+                  history_value(a, "accuracy", 1) == history_value(b, "accuracy", 1),
+              "val_loss %.17g vs %.17g", history_value(a, "val_loss", 1),
+              history_value(b, "val_loss", 1));
+        mpt_model_destroy(a);
+        mpt_model_destroy(b);
+    }
+    {
+        mpt_tensor tx, ty;
+        mpt_dataset *d = NULL;
+        mpt_model *m;
+        ctx = quiet_ctx();
+        m = blob_model_for(MPT_POLICY_FLOAT32, 1, 32);
+        mpt_model_compile(m, &(mpt_compile_desc){.loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR}});
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 1, (int64_t[]){N_SYN}, y);
+        mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d);
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32}) == MPT_ERR_SHAPE,
+              "(n,) targets for 3 output units accepted");
+        CHECK(strstr(mpt_context_error(ctx), "(3,)") != NULL, "message: %s",
+              mpt_context_error(ctx));
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+        ctx = saved;
+    }
+}
+
 /* ---- a short real run on Fashion-MNIST ------------------------------------------------ */
 
 /* An MLP (Flatten -> Dense(128, relu) -> Dense(10, softmax)) trained for
@@ -678,6 +751,7 @@ int main(void) {
     TEST_RUN(test_sample_shape_checked_everywhere);
     TEST_RUN(test_batch_size_zero_means_32);
     TEST_RUN(test_validation_split_as_keras);
+    TEST_RUN(test_targets_of_shape_n);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);
     return test_summary("test_train");

@@ -1019,6 +1019,24 @@ MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int 
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
 /* One sample's shape; returns its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
+/* Gives d's samples a new shape (rank 1..3) with the same number of
+   elements, e.g. IDX images (28, 28, 1) -> (784,) for a model whose input
+   is (784,). The data is not touched; views split from d keep theirs. */
+MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
+                                      const int64_t *shape);
+/* One sample's target shape: its rank, 0 for class ids and for (n,) float
+   targets. */
+MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
+/* The class ids of samples [first, first + count), e.g. all of them
+   (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
+   labels (count int32). For a dataset of class ids only. */
+MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                     int64_t count, int32_t *labels);
+/* The float32 targets of samples [first, first + count) into targets
+   (count times the elements of one target). For a dataset of float
+   targets only. */
+MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                      int64_t count, float *targets);
 /* Two views sharing d's data: samples [0, first) and [first, n), with
    first in 1..n-1; head or tail may be NULL. The views and d may be
    destroyed in any order. */
@@ -7228,6 +7246,75 @@ MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int6
     return MPT_OK;
 }
 
+/* ---- reshape, and reading the labels back ---------------------------------- */
+
+MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
+                                      const int64_t *shape) {
+    char want[96], got[96];
+    int64_t count;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d || !shape)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset reshape: NULL %s",
+                         d ? "shape" : "dataset");
+    if (rank < 1 || rank > MPT_MAX_RANK - 1)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset reshape: rank %d is not 1..%d", rank,
+                         MPT_MAX_RANK - 1);
+    mpt_shape_format(want, sizeof want, rank, shape);
+    mpt_shape_format(got, sizeof got, d->x_rank, d->x_shape);
+    count = mpt__shape_count(rank, shape); /* -1 for a dimension <= 0 or an overflow */
+    if (count != d->x_count)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "dataset reshape: samples of shape %s (%lld elements) cannot become %s",
+                         got, (long long)d->x_count, want);
+    d->x_rank = rank;
+    memcpy(d->x_shape, shape, sizeof(int64_t) * (size_t)rank);
+    return MPT_OK;
+}
+
+MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape) {
+    if (!d) return 0;
+    if (shape) memcpy(shape, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
+    return d->y_rank;
+}
+
+/* The checks mpt_dataset_labels and _targets share: d holds `dtype`
+   targets (the other kind is named), and [first, first + count) are
+   samples of d. */
+static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
+                                         const mpt_dataset *d, mpt_dtype dtype, int64_t first,
+                                         int64_t count, const void *out) {
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d || !out)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset %s: NULL %s", what,
+                         d ? what : "dataset");
+    if (d->y_dtype != dtype)
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "dataset %s: the dataset holds %s; use "
+                         "mpt_dataset_%s", what,
+                         d->y_dtype == MPT_INT32 ? "int32 class ids" : "float32 targets",
+                         d->y_dtype == MPT_INT32 ? "labels" : "targets");
+    if (first < 0 || first >= d->n || count < 0 || count > d->n - first)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "dataset %s: %lld samples from sample %lld are not all there (the "
+                         "dataset has %lld: 0..%lld)", what, (long long)count, (long long)first,
+                         (long long)d->n, (long long)d->n - 1);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                     int64_t count, int32_t *labels) {
+    MPT__CHECK(mpt__check_label_range(ctx, "labels", d, MPT_INT32, first, count, labels));
+    memcpy(labels, (const int32_t *)d->y + first, sizeof(int32_t) * (size_t)count);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                      int64_t count, float *targets) {
+    MPT__CHECK(mpt__check_label_range(ctx, "targets", d, MPT_FLOAT32, first, count, targets));
+    memcpy(targets, (const float *)d->y + first * d->y_count,
+           sizeof(float) * (size_t)(count * d->y_count));
+    return MPT_OK;
+}
+
 /* ---- what the training loop reads ----------------------------------------- */
 
 /* MPT_INT32 (class ids) or MPT_FLOAT32 (targets). */
@@ -7244,8 +7331,7 @@ static int mpt__dataset_label_range(const mpt_dataset *d, int32_t *min, int32_t 
 /* One sample's target shape (for comparing with the model's output); returns
    its rank, 0 for class ids. */
 static int mpt__dataset_label_shape(const mpt_dataset *d, int64_t *shape) {
-    if (shape && d->y_rank > 0) memcpy(shape, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
-    return d->y_rank;
+    return mpt_dataset_target_shape(d, shape);
 }
 
 /* n uint8 values normalised into dtype through the dataset's tables. */

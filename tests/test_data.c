@@ -921,6 +921,147 @@ static void test_split(void) {
     test__end("split: bad arguments; one side only");
 }
 
+/* ---- reshape; reading labels and targets back -------------------------------- */
+
+/* IDX images (5, 4, 1) become (20,) for a model whose input is (20,): the
+   samples gathered are the same bytes, and predict takes them (it refused
+   them before). A count that differs, a bad rank or dimension, NULLs fail. */
+static void test_reshape(void) {
+    static const int64_t flat[1] = {20}, grid[2] = {4, 5}, wrong[1] = {21}, zero[2] = {0, 20},
+                         four[4] = {1, 5, 4, 1};
+    const char *img, *lab;
+    mpt_dataset *d = NULL, *view = NULL;
+    mpt_model *m = NULL;
+    mpt_tensor out;
+    int64_t shape[3], all[12], i;
+    float before[12 * 20], after[12 * 20];
+    test__begin();
+    write_pair("r-img", "r-lab", 12, 5, 4, HAVE_ZLIB, 0, &img, &lab);
+    CHECK(mpt_dataset_load_idx(ctx, img, lab, &d) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (!d) {
+        test__end("reshape: IDX images (5, 4, 1) to (20,)");
+        return;
+    }
+    mpt_dataset_split(ctx, d, 3, NULL, &view);
+    for (i = 0; i < 12; i++) all[i] = 11 - i;
+    mpt__dataset_gather(ctx, d, all, 12, MPT_FLOAT32, before, NULL);
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {20}, .input_rank = 1, .seed = 2}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_predict(m, d, 4, &out) == MPT_ERR_SHAPE, "(5, 4, 1) samples for (20,)");
+    CHECK(mpt_dataset_reshape(ctx, d, 1, flat) == MPT_OK, "reshape: %s", mpt_context_error(ctx));
+    CHECK(mpt_dataset_sample_shape(d, shape) == 1 && shape[0] == 20, "shape after reshape");
+    mpt__dataset_gather(ctx, d, all, 12, MPT_FLOAT32, after, NULL);
+    CHECK(!memcmp(before, after, sizeof before), "reshape changed the samples");
+    CHECK(mpt_model_predict(m, d, 4, &out) == MPT_OK && out.shape[0] == 12,
+          "predict after reshape: %s", mpt_context_error(q));
+    mpt_tensor_free(q, &out);
+    CHECK(mpt_dataset_sample_shape(view, shape) == 3 && shape[0] == 5 && shape[1] == 4,
+          "a view split before keeps its shape");
+    CHECK(mpt_dataset_reshape(ctx, d, 2, grid) == MPT_OK &&
+              mpt_dataset_sample_shape(d, shape) == 2 && shape[0] == 4 && shape[1] == 5,
+          "reshape to (4, 5): %s", mpt_context_error(ctx));
+    test__end("reshape: IDX images (5, 4, 1) to (20,) and (4, 5)");
+
+    test__begin();
+    expect_error(mpt_dataset_reshape(q, d, 1, wrong), MPT_ERR_SHAPE, "21 elements for 20",
+                 "(4, 5)", "(21,)", "20 elements");
+    expect_error(mpt_dataset_reshape(q, d, 2, zero), MPT_ERR_SHAPE, "(0, 20)", "(0, 20)", NULL,
+                 NULL);
+    expect_error(mpt_dataset_reshape(q, d, 4, four), MPT_ERR_SHAPE, "rank 4", "rank 4", "1..3",
+                 NULL);
+    expect_error(mpt_dataset_reshape(q, d, 0, flat), MPT_ERR_SHAPE, "rank 0", "rank 0", NULL,
+                 NULL);
+    expect_error(mpt_dataset_reshape(q, d, 1, NULL), MPT_ERR_INVALID_ARGUMENT, "NULL shape",
+                 "NULL shape", NULL, NULL);
+    expect_error(mpt_dataset_reshape(q, NULL, 1, flat), MPT_ERR_INVALID_ARGUMENT, "NULL dataset",
+                 "NULL dataset", NULL, NULL);
+    CHECK(mpt_dataset_reshape(NULL, d, 1, flat) == MPT_ERR_INVALID_ARGUMENT, "NULL ctx");
+    CHECK(mpt_dataset_sample_shape(d, shape) == 2 && shape[0] == 4 && shape[1] == 5,
+          "a failed reshape changed the shape");
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(view);
+    mpt_dataset_destroy(d);
+    test__end("reshape: element counts that differ, bad ranks, NULLs");
+}
+
+/* Class ids of every sample, of a range, of a view; float targets alike;
+   each kind refuses the other's function; ranges outside the dataset and
+   NULLs fail. */
+static void test_labels_and_targets(void) {
+    const char *img, *lab;
+    mpt_dataset *d = NULL, *tail = NULL, *fd = NULL, *ftail = NULL;
+    int32_t labels[40], one = -1;
+    float xf[9 * 2], yf[9 * 3], targets[9 * 3];
+    mpt_tensor x, y;
+    int64_t i, shape[3];
+    int bad = 0;
+    test__begin();
+    write_pair("l-img", "l-lab", 37, 2, 3, 0, HAVE_ZLIB, &img, &lab);
+    CHECK(mpt_dataset_load_idx(ctx, img, lab, &d) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (!d) {
+        test__end("labels: all, a range, a view");
+        return;
+    }
+    for (i = 0; i < 40; i++) labels[i] = -7;
+    CHECK(mpt_dataset_labels(ctx, d, 0, 37, labels) == MPT_OK, "%s", mpt_context_error(ctx));
+    for (i = 0; i < 37; i++) bad += labels[i] != label_at(i);
+    CHECK(bad == 0 && labels[37] == -7, "%d labels differ, or more were written", bad);
+    CHECK(mpt_dataset_labels(ctx, d, 36, 1, &one) == MPT_OK && one == label_at(36), "the last: %d",
+          (int)one);
+    CHECK(mpt_dataset_split(ctx, d, 30, NULL, &tail) == MPT_OK, "%s", mpt_context_error(ctx));
+    CHECK(mpt_dataset_labels(ctx, tail, 2, 5, labels) == MPT_OK, "%s", mpt_context_error(ctx));
+    for (i = 0, bad = 0; i < 5; i++) bad += labels[i] != label_at(32 + i);
+    CHECK(bad == 0, "%d labels of the view differ", bad);
+    CHECK(mpt_dataset_target_shape(d, shape) == 0, "class ids have target rank 0");
+    test__end("labels: all, a range, a view");
+
+    test__begin();
+    expect_error(mpt_dataset_labels(q, tail, 0, 8, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "8 of a view of 7", "8 samples", "has 7", NULL);
+    expect_error(mpt_dataset_labels(q, d, 37, 1, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "sample 37 of 37", "sample 37", "0..36", NULL);
+    expect_error(mpt_dataset_labels(q, d, -1, 2, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "sample -1", "sample -1", NULL, NULL);
+    expect_error(mpt_dataset_labels(q, d, 3, -1, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "count -1", "-1 samples", NULL, NULL);
+    expect_error(mpt_dataset_labels(q, d, 0, INT64_MAX, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "a huge count", NULL, NULL, NULL);
+    expect_error(mpt_dataset_labels(q, d, 0, 1, NULL), MPT_ERR_INVALID_ARGUMENT, "NULL labels",
+                 "NULL labels", NULL, NULL);
+    expect_error(mpt_dataset_labels(q, NULL, 0, 1, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "NULL dataset", "NULL dataset", NULL, NULL);
+    CHECK(mpt_dataset_labels(NULL, d, 0, 1, labels) == MPT_ERR_INVALID_ARGUMENT, "NULL ctx");
+    expect_error(mpt_dataset_targets(q, d, 0, 1, targets), MPT_ERR_DTYPE, "targets of class ids",
+                 "int32 class ids", "mpt_dataset_labels", NULL);
+    test__end("labels: ranges outside the dataset, NULLs, the wrong kind");
+
+    test__begin();
+    for (i = 0; i < 18; i++) xf[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < 27; i++) yf[i] = (float)test_uniform(-2, 2);
+    x = tensor(MPT_FLOAT32, 2, 9, 2, 0, xf);
+    y = tensor(MPT_FLOAT32, 2, 9, 3, 0, yf);
+    CHECK(create(ctx, &x, &y, 0, &fd) == MPT_OK, "%s", mpt_context_error(ctx));
+    CHECK(mpt_dataset_target_shape(fd, shape) == 1 && shape[0] == 3, "target shape (3,)");
+    CHECK(mpt_dataset_targets(ctx, fd, 0, 9, targets) == MPT_OK &&
+              !memcmp(targets, yf, sizeof yf), "all targets: %s", mpt_context_error(ctx));
+    mpt_dataset_split(ctx, fd, 4, NULL, &ftail);
+    CHECK(mpt_dataset_targets(ctx, ftail, 1, 2, targets) == MPT_OK &&
+              !memcmp(targets, yf + 5 * 3, 6 * sizeof(float)), "a view's targets: %s",
+          mpt_context_error(ctx));
+    expect_error(mpt_dataset_labels(q, fd, 0, 1, labels), MPT_ERR_DTYPE, "labels of targets",
+                 "float32 targets", "mpt_dataset_targets", NULL);
+    expect_error(mpt_dataset_targets(q, fd, 9, 1, targets), MPT_ERR_INVALID_ARGUMENT,
+                 "target 9 of 9", "sample 9", NULL, NULL);
+    expect_error(mpt_dataset_targets(q, fd, 0, 1, NULL), MPT_ERR_INVALID_ARGUMENT,
+                 "NULL targets", "NULL targets", NULL, NULL);
+    CHECK(mpt_dataset_target_shape(NULL, shape) == 0, "NULL dataset's target rank");
+    test__end("targets: all, a view's range; the wrong kind, a range outside, NULL");
+    mpt_dataset_destroy(ftail);
+    mpt_dataset_destroy(fd);
+    mpt_dataset_destroy(tail);
+    mpt_dataset_destroy(d);
+}
+
 /* ---- gather ------------------------------------------------------------------ */
 
 static double as_double(mpt_dtype dtype, const void *p, int64_t i) {
@@ -1367,6 +1508,8 @@ int main(void) {
     test_create_validation();
     TEST_RUN(test_create_copy);
     test_split();
+    test_reshape();
+    test_labels_and_targets();
     test_gather_dtypes();
     test_loader_batches();
     TEST_RUN(test_loader_epochs);

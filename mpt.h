@@ -7378,15 +7378,31 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
                y_bytes);
 }
 
-/* ---- files: gzip through zlib, or plain ----------------------------------- */
+/* ---- files: gzip through zlib, or plain -----------------------------------
+
+   A file that starts with gzip's magic bytes (1f 8b) is inflated member
+   after member (concatenated members are one stream, as gzip -d reads
+   them); any other file is read as it is. After the last member the file
+   must end: zlib's gzread would skip bytes there that do not start another
+   member ("trailing garbage"), so a damaged .gz file would load where the
+   same damage to a plain one is refused. */
+
+#define MPT__FILE_CHUNK ((size_t)1 << 17) /* bytes read at a time: fewer reads of 26 MB */
 
 typedef struct mpt__file {
     const char *path;
-    int cut;      /* the gzip stream ended early: a truncated .gz file */
-#ifndef MPT_NO_ZLIB
-    gzFile gz;
-#else
     FILE *f;
+    int cut;              /* the gzip stream ended early: a truncated .gz file */
+#ifndef MPT_NO_ZLIB
+    mpt_context *ctx;     /* allocated `in`                                 */
+    int started;          /* the first bytes were looked at                 */
+    int gz;               /* gzip: read through inflate                     */
+    int inflating;        /* inflateInit2 succeeded: inflateEnd is due      */
+    int member_ended;     /* a member's CRC and length checked, no next yet */
+    int eof;              /* fread reached the end of the file              */
+    int64_t file_bytes;   /* bytes read from the file so far                */
+    z_stream z;           /* z.next_in, z.avail_in: the unused part of in   */
+    unsigned char *in;    /* (MPT__FILE_CHUNK) the file's bytes read ahead  */
 #endif
 } mpt__file;
 
@@ -7399,14 +7415,8 @@ static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *pat
     if (S_ISDIR(st.st_mode))
         return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': it is a directory", path);
     errno = 0;
-#ifndef MPT_NO_ZLIB
-    f->gz = gzopen(path, "rb");
-    if (f->gz) gzbuffer(f->gz, 1u << 17); /* fewer, larger reads of a 26 MB file */
-    if (!f->gz)
-#else
     f->f = fopen(path, "rb");
     if (!f->f)
-#endif
         return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path,
                          errno ? strerror(errno) : "out of memory");
     return MPT_OK;
@@ -7414,60 +7424,146 @@ static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *pat
 
 static void mpt__file_close(mpt__file *f) {
 #ifndef MPT_NO_ZLIB
-    if (f->gz) gzclose(f->gz);
-    f->gz = NULL;
-#else
+    if (f->inflating) inflateEnd(&f->z);
+    f->inflating = 0;
+    if (f->in) mpt__free(f->ctx, f->in);
+    f->in = NULL;
+#endif
     if (f->f) fclose(f->f);
     f->f = NULL;
-#endif
 }
 
-/* Why the last read stopped short: MPT_OK at the end of the file, where
-   f->cut tells a gzip stream cut short (the caller, which knows how many
-   bytes it expected, words that error). */
-static mpt_status mpt__file_error(mpt_context *ctx, mpt__file *f) {
+static mpt_status mpt__file_read_error(mpt_context *ctx, const mpt__file *f) {
+    return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, strerror(errno));
+}
+
+/* Up to n bytes as they are in the file (what was read ahead first). */
+static mpt_status mpt__file_read_plain(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                                       int64_t *got) {
+    size_t r;
 #ifndef MPT_NO_ZLIB
-    int err = Z_OK;
-    const char *msg = gzerror(f->gz, &err);
-    size_t len = strlen(f->path);
-    if (err == Z_OK) return MPT_OK;
-    /* zlib's message starts with the path, which ours names already. */
-    if (strncmp(msg, f->path, len) == 0 && strncmp(msg + len, ": ", 2) == 0) msg += len + 2;
-    if (err == Z_BUF_ERROR) {
-        f->cut = 1;
+    size_t ahead = (size_t)MPT__MIN(n, (int64_t)f->z.avail_in);
+    memcpy(buf, f->z.next_in, ahead);
+    f->z.next_in += ahead;
+    f->z.avail_in -= (uInt)ahead;
+    *got = (int64_t)ahead;
+#endif
+    r = fread((char *)buf + *got, 1, (size_t)(n - *got), f->f);
+    *got += (int64_t)r;
+    if (*got < n && ferror(f->f)) return mpt__file_read_error(ctx, f);
+    return MPT_OK;
+}
+
+#ifndef MPT_NO_ZLIB
+
+/* Reads more of the file behind the bytes inflate has not used yet. */
+static mpt_status mpt__gz_fill(mpt_context *ctx, mpt__file *f) {
+    size_t keep = f->z.avail_in, r;
+    if (f->eof) return MPT_OK;
+    memmove(f->in, f->z.next_in, keep);
+    r = fread(f->in + keep, 1, MPT__FILE_CHUNK - keep, f->f);
+    if (r < MPT__FILE_CHUNK - keep) {
+        if (ferror(f->f)) return mpt__file_read_error(ctx, f);
+        f->eof = 1;
+    }
+    f->file_bytes += (int64_t)r;
+    f->z.next_in = f->in;
+    f->z.avail_in = (uInt)(keep + r);
+    return MPT_OK;
+}
+
+/* The first read: the buffer, and gzip or not by the first two bytes. */
+static mpt_status mpt__file_start(mpt_context *ctx, mpt__file *f) {
+    f->started = 1;
+    f->ctx = ctx;
+    f->in = (unsigned char *)mpt__alloc(ctx, MPT__FILE_CHUNK);
+    if (!f->in) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory", f->path);
+    f->z.next_in = f->in;
+    f->z.avail_in = 0;
+    MPT__CHECK(mpt__gz_fill(ctx, f));
+    f->gz = f->z.avail_in >= 2 && f->in[0] == 0x1f && f->in[1] == 0x8b;
+    if (!f->gz) return MPT_OK;
+    if (inflateInit2(&f->z, 16 + MAX_WBITS) != Z_OK) /* 16: the gzip wrapper only */
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
+                         f->path);
+    f->inflating = 1;
+    return MPT_OK;
+}
+
+/* After a member: the end of the file, or the next member (*more). */
+static mpt_status mpt__gz_next_member(mpt_context *ctx, mpt__file *f, int *more) {
+    struct stat st;
+    int64_t at;
+    *more = 0;
+    if (f->z.avail_in < 2) MPT__CHECK(mpt__gz_fill(ctx, f));
+    if (f->z.avail_in == 0) return MPT_OK;
+    if (f->z.avail_in >= 2 && f->z.next_in[0] == 0x1f && f->z.next_in[1] == 0x8b) {
+        inflateReset(&f->z);
+        *more = 1;
         return MPT_OK;
     }
-    if (err == Z_ERRNO)
-        return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, msg);
+    at = f->file_bytes - (int64_t)f->z.avail_in;
+    if (stat(f->path, &st) != 0 || (int64_t)st.st_size <= at)
+        return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has bytes after the end of its gzip data "
+                         "(at byte %lld) that are not another gzip member", f->path,
+                         (long long)at);
+    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has %lld byte%s after the end of its gzip data "
+                     "(at byte %lld of %lld) that %s not another gzip member", f->path,
+                     (long long)(st.st_size - at), st.st_size - at == 1 ? "" : "s",
+                     (long long)at, (long long)st.st_size, st.st_size - at == 1 ? "is" : "are");
+}
+
+static mpt_status mpt__gz_error(mpt_context *ctx, const mpt__file *f, int err) {
     if (err == Z_MEM_ERROR)
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
                          f->path);
     /* zlib decompresses ahead of what was asked, so where the damage is
        cannot be told. */
     return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is corrupted: bad gzip data (zlib: %s)", f->path,
-                     msg);
-#else
-    if (!ferror(f->f)) return MPT_OK;
-    return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, strerror(errno));
-#endif
+                     f->z.msg ? f->z.msg : "inflate failed");
 }
 
-/* Reads up to n bytes; *got is less than n only at the end of the file. */
+/* Up to n decompressed bytes; fewer at the end of the last member, or
+   where the file ends inside a member (f->cut). */
+static mpt_status mpt__gz_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                               int64_t *got) {
+    while (*got < n) {
+        int more, err;
+        /* avail_out counts in unsigned int: at most 1 GiB at a time */
+        uInt ask = (uInt)MPT__MIN(n - *got, (int64_t)1 << 30);
+        if (f->member_ended) {
+            MPT__CHECK(mpt__gz_next_member(ctx, f, &more));
+            if (!more) return MPT_OK;
+            f->member_ended = 0;
+        }
+        if (f->z.avail_in == 0) MPT__CHECK(mpt__gz_fill(ctx, f));
+        if (f->z.avail_in == 0) {
+            f->cut = 1;
+            return MPT_OK;
+        }
+        f->z.next_out = (Bytef *)buf + *got;
+        f->z.avail_out = ask;
+        err = inflate(&f->z, Z_NO_FLUSH);
+        *got += (int64_t)(ask - f->z.avail_out);
+        if (err == Z_STREAM_END) f->member_ended = 1;
+        else if (err != Z_OK) return mpt__gz_error(ctx, f, err);
+    }
+    return MPT_OK;
+}
+
+#endif /* MPT_NO_ZLIB */
+
+/* Reads up to n bytes; *got is less than n only at the end of the file,
+   where f->cut tells a gzip stream cut short (the caller, which knows how
+   many bytes it expected, words that error). */
 static mpt_status mpt__file_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
                                  int64_t *got) {
     *got = 0;
-    while (*got < n) {
-        /* gzread counts in unsigned int: ask for at most 1 GiB at a time. */
-        unsigned ask = (unsigned)MPT__MIN(n - *got, (int64_t)1 << 30);
 #ifndef MPT_NO_ZLIB
-        int r = gzread(f->gz, (char *)buf + *got, ask);
-#else
-        long r = (long)fread((char *)buf + *got, 1, ask, f->f);
+    if (!f->started) MPT__CHECK(mpt__file_start(ctx, f));
+    if (f->gz) return mpt__gz_read(ctx, f, buf, n, got);
 #endif
-        if (r > 0) *got += r;
-        if (r < (int64_t)ask) return mpt__file_error(ctx, f);
-    }
-    return MPT_OK;
+    return mpt__file_read_plain(ctx, f, buf, n, got);
 }
 
 /* ---- IDX (MNIST-format) files --------------------------------------------
@@ -7555,7 +7651,7 @@ static mpt_status mpt__idx_truncated(mpt_context *ctx, const mpt__idx *idx, cons
 #ifndef MPT_NO_ZLIB
     if (idx->file.cut)
         how = " (uncompressed; its gzip stream is cut short)";
-    else if (!gzdirect(idx->file.gz))
+    else if (idx->file.gz)
         how = " (uncompressed)";
 #endif
     return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is truncated: %s %lld bytes, the file has %lld%s",

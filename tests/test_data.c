@@ -487,6 +487,74 @@ static void test_idx_trailing_bytes(void) {
     test__end("idx: a megabyte of trailing bytes");
 }
 
+/* The gzip-compressed bytes of src (n bytes) into out; returns their count. */
+static size_t gzip_bytes(const char *name, const void *src, size_t n, unsigned char *out,
+                         size_t cap) {
+    return read_raw(write_file(name, src, n, 1), out, cap);
+}
+
+/* After the end of the gzip data the file must end, or another member
+   begin: raw bytes there (zlib's gzread skips them as "trailing garbage")
+   are an error naming the file, few or many, of an image or a label file.
+   Concatenated members are one stream; a second member that holds more
+   than the header describes is trailing data as any other. */
+static void test_idx_gzip_trailing_garbage(void) {
+    static unsigned char plain[4096], gz[(1 << 19) + 4096], tail[1 << 19];
+    const char *img, *lab, *path;
+    size_t len, n, i, half;
+    mpt_dataset *d = NULL;
+    static const struct {
+        size_t count;
+        const char *bytes, *why;
+    } junk[] = {{7, "garbage", "7 bytes after"}, {1, "", "1 byte after"},
+                {2, "\x1f" "x", "2 bytes after"}, {sizeof tail, NULL, "524288 bytes after"}};
+    unsigned k;
+    test_seed(21);
+    write_pair("t-img", "t-lab", 6, 4, 4, 0, 0, &img, &lab);
+    len = idx_images(plain, 0x803, 6, 4, 4);
+    n = gzip_bytes("t-img-ok.gz", plain, len, gz, sizeof gz);
+    for (i = 0; i < sizeof tail; i++) tail[i] = (unsigned char)test_next();
+    for (k = 0; k < sizeof junk / sizeof junk[0]; k++) {
+        char name[64];
+        test__begin();
+        memcpy(gz + n, junk[k].bytes ? (const void *)junk[k].bytes : tail, junk[k].count);
+        snprintf(name, sizeof name, "t-img-%u.gz", k);
+        path = write_file(name, gz, n + junk[k].count, 0);
+        expect_load_error(path, lab, MPT_ERR_FORMAT, junk[k].why, path, junk[k].why,
+                          "gzip data");
+        test__end("idx: gzip image file with %zu raw bytes after its gzip data", junk[k].count);
+    }
+
+    test__begin();
+    len = idx_labels(plain, 0x801, 6);
+    n = gzip_bytes("t-lab-ok.gz", plain, len, gz, sizeof gz);
+    gz[n] = 0;
+    path = write_file("t-lab-zero.gz", gz, n + 1, 0);
+    expect_load_error(img, path, MPT_ERR_FORMAT, "labels", path, "1 byte after", NULL);
+    memcpy(gz + n, "\x1f\x8b\x08junk", 7); /* a member's magic, then no valid member */
+    path = write_file("t-lab-badmember.gz", gz, n + 7, 0);
+    expect_load_error(img, path, MPT_ERR_FORMAT, "a broken second member", path, NULL, NULL);
+    test__end("idx: gzip label file with a zero byte or a broken member after its gzip data");
+
+    test__begin(); /* the header and half the pixels, then the rest, as two members */
+    len = idx_images(plain, 0x803, 6, 4, 4);
+    half = 16 + 40;
+    n = gzip_bytes("t-first.gz", plain, half, gz, sizeof gz);
+    n += gzip_bytes("t-second.gz", plain + half, len - half, gz + n, sizeof gz - n);
+    path = write_file("t-img-two.gz", gz, n, 0);
+    if (HAVE_ZLIB) {
+        CHECK(mpt_dataset_load_idx(ctx, path, lab, &d) == MPT_OK, "two members: %s",
+              mpt_context_error(ctx));
+        if (d) check_contents(d, 6, 4, 4, "two members");
+        mpt_dataset_destroy(d);
+    }
+    n += gzip_bytes("t-third.gz", "more", 4, gz + n, sizeof gz - n);
+    path = write_file("t-img-three.gz", gz, n, 0);
+    expect_load_error(path, lab, MPT_ERR_FORMAT, "a third member", path, "4 trailing bytes",
+                      "after the 112");
+    test__end("idx: gzip members concatenated; one too many");
+}
+
 static void test_idx_missing(void) {
     const char *img, *lab;
     mpt_dataset *d = NULL;
@@ -1499,6 +1567,7 @@ int main(void) {
     test_idx_bad_headers();
     TEST_RUN(test_idx_count_mismatch);
     test_idx_trailing_bytes();
+    test_idx_gzip_trailing_garbage();
     test_idx_missing();
     TEST_RUN(test_load_mnist_dir);
 #ifdef MPT_NO_ZLIB

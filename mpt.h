@@ -3834,7 +3834,7 @@ static mpt_status mpt__check_sample_shape(mpt_model *m, int rank, const int64_t 
 }
 
 static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
-    char got[96];
+    char got[96], what[128];
     if (!x || !x->data)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL input tensor%s",
                          x ? " data" : "");
@@ -3846,7 +3846,9 @@ static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
                          "model: input shape %s is not (batch, sample...) with batch in 1..%lld",
                          mpt_shape_format(got, sizeof got, x->rank, x->shape),
                          (long long)m->max_batch);
-    return mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, "model: input");
+    snprintf(what, sizeof what, "model: input %s",
+             mpt_shape_format(got, sizeof got, x->rank, x->shape));
+    return mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what);
 }
 
 /* Copies host memory into the backend's, turning a failure into a status. */

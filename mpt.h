@@ -1009,7 +1009,9 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
                                      mpt_dataset **out);
 /* Reads an IDX (MNIST-format) image file and label file, plain or gzip
    (zlib): uint8 images (n, rows, cols, 1), int32 labels; checks the magic
-   numbers, dimensions, counts and truncation. */
+   numbers, dimensions, counts, truncation, and that nothing follows the
+   data (nor a gzip file's last member). mpt_dataset_reshape flattens the
+   images for a model whose input is (rows·cols,). */
 MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
                                        const char *labels_path, mpt_dataset **out);
 /* The training or test part of an MNIST-format directory (Fashion-MNIST's

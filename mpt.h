@@ -931,7 +931,10 @@ typedef struct mpt_fit_desc {
     int no_shuffle;                     /* default 0: reshuffled every epoch   */
     const mpt_dataset *validation_data; /* default none                        */
     float validation_split;             /* default 0; the last fraction of the
-                                           training data, taken before shuffling */
+                                           training data, taken before shuffling;
+                                           Keras' cut: training keeps
+                                           int(n · (1 − split)) for the split as
+                                           written (0.1 of 60,000: 6,000 left) */
     int verbose;                        /* 0 silent (default), 1 progress bar,
                                            2 one line per epoch (Keras)        */
     const mpt_callback *callbacks;      /* default none                        */

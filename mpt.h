@@ -511,8 +511,9 @@ typedef enum mpt_loss_type {
     MPT_LOSS_NONE = 0,
     MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, /* target: int32 class ids (batch) */
     MPT_LOSS_CATEGORICAL_CROSSENTROPY,        /* target: one-hot/probabilities   */
-    MPT_LOSS_BINARY_CROSSENTROPY,             /* target: 0..1, same shape        */
-    MPT_LOSS_MEAN_SQUARED_ERROR,              /* target: same shape              */
+    MPT_LOSS_BINARY_CROSSENTROPY,             /* target: 0..1, same shape (or
+                                                 without a last axis of 1)      */
+    MPT_LOSS_MEAN_SQUARED_ERROR,              /* target: as binary crossentropy */
     MPT_LOSS_COUNT_
 } mpt_loss_type;
 
@@ -930,7 +931,10 @@ typedef struct mpt_fit_desc {
     int no_shuffle;                     /* default 0: reshuffled every epoch   */
     const mpt_dataset *validation_data; /* default none                        */
     float validation_split;             /* default 0; the last fraction of the
-                                           training data, taken before shuffling */
+                                           training data, taken before shuffling;
+                                           Keras' cut: training keeps
+                                           int(n · (1 − split)) for the split as
+                                           written (0.1 of 60,000: 6,000 left) */
     int verbose;                        /* 0 silent (default), 1 progress bar,
                                            2 one line per epoch (Keras)        */
     const mpt_callback *callbacks;      /* default none                        */
@@ -993,7 +997,8 @@ typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
                               float16 or bfloat16                         */
     const mpt_tensor *y;   /* required: (n,) int32 class ids, or (n, ...)
-                              float32 targets                              */
+                              float32 targets; (n,) targets fit an output
+                              of one unit, as (n, 1) do (Keras)            */
     float scale;           /* uint8 x becomes x·scale + offset as it is
                               batched; default (0) 1/255                  */
     float offset;          /* default 0                                   */
@@ -1007,7 +1012,9 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
                                      mpt_dataset **out);
 /* Reads an IDX (MNIST-format) image file and label file, plain or gzip
    (zlib): uint8 images (n, rows, cols, 1), int32 labels; checks the magic
-   numbers, dimensions, counts and truncation. */
+   numbers, dimensions, counts, truncation, and that nothing follows the
+   data (nor a gzip file's last member). mpt_dataset_reshape flattens the
+   images for a model whose input is (rows·cols,). */
 MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
                                        const char *labels_path, mpt_dataset **out);
 /* The training or test part of an MNIST-format directory (Fashion-MNIST's
@@ -1017,6 +1024,24 @@ MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int 
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
 /* One sample's shape; returns its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
+/* Gives d's samples a new shape (rank 1..3) with the same number of
+   elements, e.g. IDX images (28, 28, 1) -> (784,) for a model whose input
+   is (784,). The data is not touched; views split from d keep theirs. */
+MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
+                                      const int64_t *shape);
+/* One sample's target shape: its rank, 0 for class ids and for (n,) float
+   targets. */
+MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
+/* The class ids of samples [first, first + count), e.g. all of them
+   (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
+   labels (count int32). For a dataset of class ids only. */
+MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                     int64_t count, int32_t *labels);
+/* The float32 targets of samples [first, first + count) into targets
+   (count times the elements of one target). For a dataset of float
+   targets only. */
+MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                      int64_t count, float *targets);
 /* Two views sharing d's data: samples [0, first) and [first, n), with
    first in 1..n-1; head or tail may be NULL. The views and d may be
    destroyed in any order. */
@@ -3809,25 +3834,37 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
 
 /* ---- running a model ------------------------------------------------------ */
 
-static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
+/* The one rule for data given to a model (forward, fit, evaluate, predict):
+   each sample's shape is the model's input shape. A wrong one would make
+   the layers read past the end of the batch or misalign its samples. */
+static mpt_status mpt__check_sample_shape(mpt_model *m, int rank, const int64_t *shape,
+                                          const char *what) {
     char got[96], want[96];
-    int i, ok;
+    int i, ok = rank == m->desc.input_rank;
+    for (i = 0; ok && i < rank; i++) ok = shape[i] == m->desc.input_shape[i];
+    if (ok) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                     "%s: samples of shape %s do not fit the model's input %s", what,
+                     mpt_shape_format(got, sizeof got, rank, shape),
+                     mpt_shape_format(want, sizeof want, m->desc.input_rank, m->desc.input_shape));
+}
+
+static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
+    char got[96], what[128];
     if (!x || !x->data)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL input tensor%s",
                          x ? " data" : "");
     if (!mpt_dtype_is_float(x->dtype))
         return mpt__fail(m->ctx, MPT_ERR_DTYPE, "model: input dtype %s is not a float dtype",
                          mpt_dtype_name(x->dtype));
-    ok = x->rank == m->desc.input_rank + 1;
-    for (i = 0; ok && i < m->desc.input_rank; i++) ok = x->shape[i + 1] == m->desc.input_shape[i];
-    if (!ok || x->shape[0] < 1 || x->shape[0] > m->max_batch) {
-        mpt_shape_format(want, sizeof want, m->desc.input_rank, m->desc.input_shape);
+    if (x->rank < 1 || x->rank > MPT_MAX_RANK || x->shape[0] < 1 || x->shape[0] > m->max_batch)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE,
-                         "model: input shape %s does not match (batch, %s) with batch in 1..%lld",
-                         mpt_shape_format(got, sizeof got, x->rank, x->shape), want + 1,
+                         "model: input shape %s is not (batch, sample...) with batch in 1..%lld",
+                         mpt_shape_format(got, sizeof got, x->rank, x->shape),
                          (long long)m->max_batch);
-    }
-    return MPT_OK;
+    snprintf(what, sizeof what, "model: input %s",
+             mpt_shape_format(got, sizeof got, x->rank, x->shape));
+    return mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what);
 }
 
 /* Copies host memory into the backend's, turning a failure into a status. */
@@ -6016,6 +6053,20 @@ static mpt_status mpt__loss_check_labels_shape(mpt_context *ctx, const char *nam
     return MPT_OK;
 }
 
+/* A float target has pred's shape, or pred's without a last axis of 1:
+   (n,) targets for an (n, 1) output, as Keras expands them. The memory is
+   the same either way. Also the rule fit applies to one sample's shapes. */
+static int mpt__target_shape_fits(int target_rank, const int64_t *target_shape, int pred_rank,
+                                  const int64_t *pred_shape) {
+    int i;
+    if (target_rank == pred_rank - 1 && pred_rank >= 1 && pred_shape[pred_rank - 1] == 1)
+        pred_rank--;
+    if (target_rank != pred_rank) return 0;
+    for (i = 0; i < pred_rank; i++)
+        if (target_shape[i] != pred_shape[i]) return 0;
+    return 1;
+}
+
 static mpt_status mpt__loss_check_target(mpt_context *ctx, const mpt_loss_desc *d,
                                          const mpt_tensor *pred, const mpt_tensor *target) {
     const char *name = mpt__loss_name(d->type);
@@ -6026,8 +6077,9 @@ static mpt_status mpt__loss_check_target(mpt_context *ctx, const mpt_loss_desc *
     if (!mpt_dtype_is_float(target->dtype))
         return mpt__fail(ctx, MPT_ERR_DTYPE, "%s: target must be float32, float16 or bfloat16, "
                          "not %s", name, mpt_dtype_name(target->dtype));
-    if (!mpt__same_shape(pred, target))
-        return mpt__fail(ctx, MPT_ERR_SHAPE, "%s: target shape %s is not pred's %s", name,
+    if (!mpt__target_shape_fits(target->rank, target->shape, pred->rank, pred->shape))
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "%s: target shape %s is not pred's %s (or pred's "
+                         "without a last axis of 1)", name,
                          mpt_shape_format(t, sizeof t, target->rank, target->shape),
                          mpt_shape_format(p, sizeof p, pred->rank, pred->shape));
     return MPT_OK;
@@ -7077,18 +7129,13 @@ static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
     return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, "x", x) : MPT_OK;
 }
 
-/* y: int32 class ids (n,) or (n, 1), each >= 0; or float32 targets (n, ...). */
+/* y: int32 class ids (n,) or (n, 1), each >= 0; or float32 targets (n, ...),
+   (n,) being one number per sample (for an output of one unit). */
 static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
     char s[96];
     int64_t i;
     mpt_shape_format(s, sizeof s, y->rank, y->shape);
-    if (y->dtype == MPT_FLOAT32) {
-        if (y->rank < 2)
-            return mpt__fail(ctx, MPT_ERR_SHAPE,
-                             "dataset: float32 targets y %s need rank >= 2: (n, ...), e.g. (n, 1)",
-                             s);
-        return mpt__check_finite(ctx, "y", y);
-    }
+    if (y->dtype == MPT_FLOAT32) return mpt__check_finite(ctx, "y", y);
     if (y->dtype != MPT_INT32)
         return mpt__fail(ctx, MPT_ERR_DTYPE,
                          "dataset: y dtype %s is neither int32 (class ids) nor float32 (targets)",
@@ -7217,6 +7264,75 @@ MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int6
     return MPT_OK;
 }
 
+/* ---- reshape, and reading the labels back ---------------------------------- */
+
+MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
+                                      const int64_t *shape) {
+    char want[96], got[96];
+    int64_t count;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d || !shape)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset reshape: NULL %s",
+                         d ? "shape" : "dataset");
+    if (rank < 1 || rank > MPT_MAX_RANK - 1)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset reshape: rank %d is not 1..%d", rank,
+                         MPT_MAX_RANK - 1);
+    mpt_shape_format(want, sizeof want, rank, shape);
+    mpt_shape_format(got, sizeof got, d->x_rank, d->x_shape);
+    count = mpt__shape_count(rank, shape); /* -1 for a dimension <= 0 or an overflow */
+    if (count != d->x_count)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "dataset reshape: samples of shape %s (%lld elements) cannot become %s",
+                         got, (long long)d->x_count, want);
+    d->x_rank = rank;
+    memcpy(d->x_shape, shape, sizeof(int64_t) * (size_t)rank);
+    return MPT_OK;
+}
+
+MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape) {
+    if (!d) return 0;
+    if (shape) memcpy(shape, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
+    return d->y_rank;
+}
+
+/* The checks mpt_dataset_labels and _targets share: d holds `dtype`
+   targets (the other kind is named), and [first, first + count) are
+   samples of d. */
+static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
+                                         const mpt_dataset *d, mpt_dtype dtype, int64_t first,
+                                         int64_t count, const void *out) {
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d || !out)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset %s: NULL %s", what,
+                         d ? what : "dataset");
+    if (d->y_dtype != dtype)
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "dataset %s: the dataset holds %s; use "
+                         "mpt_dataset_%s", what,
+                         d->y_dtype == MPT_INT32 ? "int32 class ids" : "float32 targets",
+                         d->y_dtype == MPT_INT32 ? "labels" : "targets");
+    if (first < 0 || first >= d->n || count < 0 || count > d->n - first)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "dataset %s: %lld samples from sample %lld are not all there (the "
+                         "dataset has %lld: 0..%lld)", what, (long long)count, (long long)first,
+                         (long long)d->n, (long long)d->n - 1);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                     int64_t count, int32_t *labels) {
+    MPT__CHECK(mpt__check_label_range(ctx, "labels", d, MPT_INT32, first, count, labels));
+    memcpy(labels, (const int32_t *)d->y + first, sizeof(int32_t) * (size_t)count);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                      int64_t count, float *targets) {
+    MPT__CHECK(mpt__check_label_range(ctx, "targets", d, MPT_FLOAT32, first, count, targets));
+    memcpy(targets, (const float *)d->y + first * d->y_count,
+           sizeof(float) * (size_t)(count * d->y_count));
+    return MPT_OK;
+}
+
 /* ---- what the training loop reads ----------------------------------------- */
 
 /* MPT_INT32 (class ids) or MPT_FLOAT32 (targets). */
@@ -7233,8 +7349,7 @@ static int mpt__dataset_label_range(const mpt_dataset *d, int32_t *min, int32_t 
 /* One sample's target shape (for comparing with the model's output); returns
    its rank, 0 for class ids. */
 static int mpt__dataset_label_shape(const mpt_dataset *d, int64_t *shape) {
-    if (shape && d->y_rank > 0) memcpy(shape, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
-    return d->y_rank;
+    return mpt_dataset_target_shape(d, shape);
 }
 
 /* n uint8 values normalised into dtype through the dataset's tables. */
@@ -7281,15 +7396,31 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
                y_bytes);
 }
 
-/* ---- files: gzip through zlib, or plain ----------------------------------- */
+/* ---- files: gzip through zlib, or plain -----------------------------------
+
+   A file that starts with gzip's magic bytes (1f 8b) is inflated member
+   after member (concatenated members are one stream, as gzip -d reads
+   them); any other file is read as it is. After the last member the file
+   must end: zlib's gzread would skip bytes there that do not start another
+   member ("trailing garbage"), so a damaged .gz file would load where the
+   same damage to a plain one is refused. */
+
+#define MPT__FILE_CHUNK ((size_t)1 << 17) /* bytes read at a time: fewer reads of 26 MB */
 
 typedef struct mpt__file {
     const char *path;
-    int cut;      /* the gzip stream ended early: a truncated .gz file */
-#ifndef MPT_NO_ZLIB
-    gzFile gz;
-#else
     FILE *f;
+    int cut;              /* the gzip stream ended early: a truncated .gz file */
+#ifndef MPT_NO_ZLIB
+    mpt_context *ctx;     /* allocated `in`                                 */
+    int started;          /* the first bytes were looked at                 */
+    int gz;               /* gzip: read through inflate                     */
+    int inflating;        /* inflateInit2 succeeded: inflateEnd is due      */
+    int member_ended;     /* a member's CRC and length checked, no next yet */
+    int eof;              /* fread reached the end of the file              */
+    int64_t file_bytes;   /* bytes read from the file so far                */
+    z_stream z;           /* z.next_in, z.avail_in: the unused part of in   */
+    unsigned char *in;    /* (MPT__FILE_CHUNK) the file's bytes read ahead  */
 #endif
 } mpt__file;
 
@@ -7302,14 +7433,8 @@ static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *pat
     if (S_ISDIR(st.st_mode))
         return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': it is a directory", path);
     errno = 0;
-#ifndef MPT_NO_ZLIB
-    f->gz = gzopen(path, "rb");
-    if (f->gz) gzbuffer(f->gz, 1u << 17); /* fewer, larger reads of a 26 MB file */
-    if (!f->gz)
-#else
     f->f = fopen(path, "rb");
     if (!f->f)
-#endif
         return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path,
                          errno ? strerror(errno) : "out of memory");
     return MPT_OK;
@@ -7317,60 +7442,146 @@ static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *pat
 
 static void mpt__file_close(mpt__file *f) {
 #ifndef MPT_NO_ZLIB
-    if (f->gz) gzclose(f->gz);
-    f->gz = NULL;
-#else
+    if (f->inflating) inflateEnd(&f->z);
+    f->inflating = 0;
+    if (f->in) mpt__free(f->ctx, f->in);
+    f->in = NULL;
+#endif
     if (f->f) fclose(f->f);
     f->f = NULL;
-#endif
 }
 
-/* Why the last read stopped short: MPT_OK at the end of the file, where
-   f->cut tells a gzip stream cut short (the caller, which knows how many
-   bytes it expected, words that error). */
-static mpt_status mpt__file_error(mpt_context *ctx, mpt__file *f) {
+static mpt_status mpt__file_read_error(mpt_context *ctx, const mpt__file *f) {
+    return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, strerror(errno));
+}
+
+/* Up to n bytes as they are in the file (what was read ahead first). */
+static mpt_status mpt__file_read_plain(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                                       int64_t *got) {
+    size_t r;
 #ifndef MPT_NO_ZLIB
-    int err = Z_OK;
-    const char *msg = gzerror(f->gz, &err);
-    size_t len = strlen(f->path);
-    if (err == Z_OK) return MPT_OK;
-    /* zlib's message starts with the path, which ours names already. */
-    if (strncmp(msg, f->path, len) == 0 && strncmp(msg + len, ": ", 2) == 0) msg += len + 2;
-    if (err == Z_BUF_ERROR) {
-        f->cut = 1;
+    size_t ahead = (size_t)MPT__MIN(n, (int64_t)f->z.avail_in);
+    memcpy(buf, f->z.next_in, ahead);
+    f->z.next_in += ahead;
+    f->z.avail_in -= (uInt)ahead;
+    *got = (int64_t)ahead;
+#endif
+    r = fread((char *)buf + *got, 1, (size_t)(n - *got), f->f);
+    *got += (int64_t)r;
+    if (*got < n && ferror(f->f)) return mpt__file_read_error(ctx, f);
+    return MPT_OK;
+}
+
+#ifndef MPT_NO_ZLIB
+
+/* Reads more of the file behind the bytes inflate has not used yet. */
+static mpt_status mpt__gz_fill(mpt_context *ctx, mpt__file *f) {
+    size_t keep = f->z.avail_in, r;
+    if (f->eof) return MPT_OK;
+    memmove(f->in, f->z.next_in, keep);
+    r = fread(f->in + keep, 1, MPT__FILE_CHUNK - keep, f->f);
+    if (r < MPT__FILE_CHUNK - keep) {
+        if (ferror(f->f)) return mpt__file_read_error(ctx, f);
+        f->eof = 1;
+    }
+    f->file_bytes += (int64_t)r;
+    f->z.next_in = f->in;
+    f->z.avail_in = (uInt)(keep + r);
+    return MPT_OK;
+}
+
+/* The first read: the buffer, and gzip or not by the first two bytes. */
+static mpt_status mpt__file_start(mpt_context *ctx, mpt__file *f) {
+    f->started = 1;
+    f->ctx = ctx;
+    f->in = (unsigned char *)mpt__alloc(ctx, MPT__FILE_CHUNK);
+    if (!f->in) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory", f->path);
+    f->z.next_in = f->in;
+    f->z.avail_in = 0;
+    MPT__CHECK(mpt__gz_fill(ctx, f));
+    f->gz = f->z.avail_in >= 2 && f->in[0] == 0x1f && f->in[1] == 0x8b;
+    if (!f->gz) return MPT_OK;
+    if (inflateInit2(&f->z, 16 + MAX_WBITS) != Z_OK) /* 16: the gzip wrapper only */
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
+                         f->path);
+    f->inflating = 1;
+    return MPT_OK;
+}
+
+/* After a member: the end of the file, or the next member (*more). */
+static mpt_status mpt__gz_next_member(mpt_context *ctx, mpt__file *f, int *more) {
+    struct stat st;
+    int64_t at;
+    *more = 0;
+    if (f->z.avail_in < 2) MPT__CHECK(mpt__gz_fill(ctx, f));
+    if (f->z.avail_in == 0) return MPT_OK;
+    if (f->z.avail_in >= 2 && f->z.next_in[0] == 0x1f && f->z.next_in[1] == 0x8b) {
+        inflateReset(&f->z);
+        *more = 1;
         return MPT_OK;
     }
-    if (err == Z_ERRNO)
-        return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, msg);
+    at = f->file_bytes - (int64_t)f->z.avail_in;
+    if (stat(f->path, &st) != 0 || (int64_t)st.st_size <= at)
+        return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has bytes after the end of its gzip data "
+                         "(at byte %lld) that are not another gzip member", f->path,
+                         (long long)at);
+    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has %lld byte%s after the end of its gzip data "
+                     "(at byte %lld of %lld) that %s not another gzip member", f->path,
+                     (long long)(st.st_size - at), st.st_size - at == 1 ? "" : "s",
+                     (long long)at, (long long)st.st_size, st.st_size - at == 1 ? "is" : "are");
+}
+
+static mpt_status mpt__gz_error(mpt_context *ctx, const mpt__file *f, int err) {
     if (err == Z_MEM_ERROR)
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
                          f->path);
     /* zlib decompresses ahead of what was asked, so where the damage is
        cannot be told. */
     return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is corrupted: bad gzip data (zlib: %s)", f->path,
-                     msg);
-#else
-    if (!ferror(f->f)) return MPT_OK;
-    return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, strerror(errno));
-#endif
+                     f->z.msg ? f->z.msg : "inflate failed");
 }
 
-/* Reads up to n bytes; *got is less than n only at the end of the file. */
+/* Up to n decompressed bytes; fewer at the end of the last member, or
+   where the file ends inside a member (f->cut). */
+static mpt_status mpt__gz_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                               int64_t *got) {
+    while (*got < n) {
+        int more, err;
+        /* avail_out counts in unsigned int: at most 1 GiB at a time */
+        uInt ask = (uInt)MPT__MIN(n - *got, (int64_t)1 << 30);
+        if (f->member_ended) {
+            MPT__CHECK(mpt__gz_next_member(ctx, f, &more));
+            if (!more) return MPT_OK;
+            f->member_ended = 0;
+        }
+        if (f->z.avail_in == 0) MPT__CHECK(mpt__gz_fill(ctx, f));
+        if (f->z.avail_in == 0) {
+            f->cut = 1;
+            return MPT_OK;
+        }
+        f->z.next_out = (Bytef *)buf + *got;
+        f->z.avail_out = ask;
+        err = inflate(&f->z, Z_NO_FLUSH);
+        *got += (int64_t)(ask - f->z.avail_out);
+        if (err == Z_STREAM_END) f->member_ended = 1;
+        else if (err != Z_OK) return mpt__gz_error(ctx, f, err);
+    }
+    return MPT_OK;
+}
+
+#endif /* MPT_NO_ZLIB */
+
+/* Reads up to n bytes; *got is less than n only at the end of the file,
+   where f->cut tells a gzip stream cut short (the caller, which knows how
+   many bytes it expected, words that error). */
 static mpt_status mpt__file_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
                                  int64_t *got) {
     *got = 0;
-    while (*got < n) {
-        /* gzread counts in unsigned int: ask for at most 1 GiB at a time. */
-        unsigned ask = (unsigned)MPT__MIN(n - *got, (int64_t)1 << 30);
 #ifndef MPT_NO_ZLIB
-        int r = gzread(f->gz, (char *)buf + *got, ask);
-#else
-        long r = (long)fread((char *)buf + *got, 1, ask, f->f);
+    if (!f->started) MPT__CHECK(mpt__file_start(ctx, f));
+    if (f->gz) return mpt__gz_read(ctx, f, buf, n, got);
 #endif
-        if (r > 0) *got += r;
-        if (r < (int64_t)ask) return mpt__file_error(ctx, f);
-    }
-    return MPT_OK;
+    return mpt__file_read_plain(ctx, f, buf, n, got);
 }
 
 /* ---- IDX (MNIST-format) files --------------------------------------------
@@ -7458,7 +7669,7 @@ static mpt_status mpt__idx_truncated(mpt_context *ctx, const mpt__idx *idx, cons
 #ifndef MPT_NO_ZLIB
     if (idx->file.cut)
         how = " (uncompressed; its gzip stream is cut short)";
-    else if (!gzdirect(idx->file.gz))
+    else if (idx->file.gz)
         how = " (uncompressed)";
 #endif
     return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is truncated: %s %lld bytes, the file has %lld%s",
@@ -8329,20 +8540,21 @@ static void mpt__epoch_order(const mpt_model *m, int epoch, int shuffle, int64_t
     }
 }
 
+/* A dataset's samples fit the model (predict needs no more). */
+static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const char *what) {
+    int64_t shape[MPT_MAX_RANK];
+    int rank = mpt_dataset_sample_shape(d, shape);
+    return mpt__check_sample_shape(m, rank, shape, what);
+}
+
 /* Checks that data fits the model: sample shape, target kind and labels. */
 static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
-    int64_t shape[MPT_MAX_RANK], want[MPT_MAX_RANK], out_count = 1;
-    int rank = mpt_dataset_sample_shape(d, shape), i, ok;
-    int want_rank = mpt_model_input_shape(m, want);
+    int64_t shape[MPT_MAX_RANK], out_count = 1;
+    int rank, i;
     int32_t lo, hi;
     const mpt__layer *last = &m->layers[m->n_layers - 1];
     char a[96], b[96];
-    ok = rank == want_rank;
-    for (i = 0; ok && i < rank; i++) ok = shape[i] == want[i];
-    if (!ok)
-        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: samples of shape %s do not fit the model's "
-                         "input %s", what, mpt_shape_format(a, sizeof a, rank, shape),
-                         mpt_shape_format(b, sizeof b, want_rank, want));
+    MPT__CHECK(mpt__check_samples(m, d, what));
     for (i = 0; i < last->out_rank; i++) out_count *= last->out_shape[i];
     if (mpt__dataset_label_dtype(d) == MPT_INT32) {
         mpt__dataset_label_range(d, &lo, &hi);
@@ -8358,13 +8570,18 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
         return MPT_OK;
     }
     rank = mpt__dataset_label_shape(d, shape);
-    ok = rank == last->out_rank;
-    for (i = 0; ok && i < rank; i++) ok = shape[i] == last->out_shape[i];
-    if (!ok)
+    if (!mpt__target_shape_fits(rank, shape, last->out_rank, last->out_shape))
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: targets of shape %s for a model output of "
                          "shape %s", what, mpt_shape_format(a, sizeof a, rank, shape),
                          mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape));
     return MPT_OK;
+}
+
+/* batch_size 0 means Keras' default, 32, in fit, evaluate and predict. */
+#define MPT__DEFAULT_BATCH_SIZE 32
+
+static int64_t mpt__batch_size_or_default(int64_t batch_size) {
+    return batch_size == 0 ? MPT__DEFAULT_BATCH_SIZE : batch_size;
 }
 
 /* Makes the model ready to train or run on batches of batch_size. */
@@ -8584,9 +8801,31 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     return MPT_OK;
 }
 
+/* The decimal a float was written as: the shortest that rounds to it (0.1
+   for 0.1f, not 0.100000001490116). */
+static double mpt__float_as_written(float f) {
+    char text[32];
+    int digits;
+    for (digits = 1; digits < 9; digits++) {
+        double v;
+        snprintf(text, sizeof text, "%.*g", digits, (double)f);
+        v = strtod(text, NULL);
+        if ((float)v == f) return v;
+    }
+    return (double)f; /* 9 digits always round-trip */
+}
+
+/* Where validation_split cuts n samples: Keras' split_at = int(n · (1 −
+   validation_split)), the training part truncated and the validation part
+   the rest, in double on the split as written. Widening the float itself
+   would take one sample too many: 0.1f of 60,000 would give 6,001. */
+static int64_t mpt__validation_split_at(int64_t n, float validation_split) {
+    return (int64_t)((double)n * (1.0 - mpt__float_as_written(validation_split)));
+}
+
+/* d: the caller's descriptor with its defaults filled in. */
 static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *d) {
     if (!train) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL training data");
-    if (!d) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL descriptor");
     if (d->epochs < 0 || d->initial_epoch < 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: epochs %d and initial_epoch %d "
                          "must not be negative", d->epochs, d->initial_epoch);
@@ -8618,10 +8857,12 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt_status s = MPT_OK;
     int epoch, i, stop = 0, workers;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    MPT__CHECK(mpt__fit_check(m, train, desc));
-    workers = m->strategy ? m->strategy->workers : 1;
+    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL descriptor");
     d = *desc;
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
+    d.batch_size = mpt__batch_size_or_default(d.batch_size);
+    MPT__CHECK(mpt__fit_check(m, train, &d));
+    workers = m->strategy ? m->strategy->workers : 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
     r.m = m;
@@ -8631,7 +8872,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     for (i = 0; i < d.n_callbacks; i++) r.batch_callbacks |= d.callbacks[i].on_batch_end != NULL;
     if (d.validation_split > 0) { /* Keras: the last part, before shuffling */
         int64_t n = mpt_dataset_count(train);
-        int64_t keep = (int64_t)((double)n * (1.0 - (double)d.validation_split));
+        int64_t keep = mpt__validation_split_at(n, d.validation_split);
         if (keep <= 0 || keep >= n)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "fit: validation_split %g of %lld samples leaves one side empty",
@@ -8699,11 +8940,12 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
                          !data ? "data" : !desc ? "descriptor" : "logs");
     memset(logs, 0, sizeof *logs);
-    MPT__CHECK(mpt__prepare(m, desc->batch_size, 0, "evaluate"));
+    batch = mpt__batch_size_or_default(desc->batch_size);
+    MPT__CHECK(mpt__prepare(m, batch, 0, "evaluate"));
     if (!m->compiled) return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first");
     /* Larger batches than the model was built for run in pieces: the
        result is the same, the loss being a mean over samples. */
-    batch = MPT__MIN(desc->batch_size, m->max_batch);
+    batch = MPT__MIN(batch, m->max_batch);
     MPT__CHECK(mpt__check_data(m, data, "evaluate"));
     m->printer = desc->printer;
     m->emit_logits = mpt__can_fuse_softmax(m);
@@ -8737,7 +8979,9 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
                          data ? "out" : "data");
     memset(out, 0, sizeof *out);
+    batch_size = mpt__batch_size_or_default(batch_size);
     MPT__CHECK(mpt__prepare(m, batch_size, 0, "predict"));
+    MPT__CHECK(mpt__check_samples(m, data, "predict"));
     batch_size = MPT__MIN(batch_size, m->max_batch); /* in pieces, as evaluate */
     last = &m->layers[m->n_layers - 1];
     n = mpt_dataset_count(data);

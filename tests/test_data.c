@@ -487,6 +487,74 @@ static void test_idx_trailing_bytes(void) {
     test__end("idx: a megabyte of trailing bytes");
 }
 
+/* The gzip-compressed bytes of src (n bytes) into out; returns their count. */
+static size_t gzip_bytes(const char *name, const void *src, size_t n, unsigned char *out,
+                         size_t cap) {
+    return read_raw(write_file(name, src, n, 1), out, cap);
+}
+
+/* After the end of the gzip data the file must end, or another member
+   begin: raw bytes there (zlib's gzread skips them as "trailing garbage")
+   are an error naming the file, few or many, of an image or a label file.
+   Concatenated members are one stream; a second member that holds more
+   than the header describes is trailing data as any other. */
+static void test_idx_gzip_trailing_garbage(void) {
+    static unsigned char plain[4096], gz[(1 << 19) + 4096], tail[1 << 19];
+    const char *img, *lab, *path;
+    size_t len, n, i, half;
+    mpt_dataset *d = NULL;
+    static const struct {
+        size_t count;
+        const char *bytes, *why;
+    } junk[] = {{7, "garbage", "7 bytes after"}, {1, "", "1 byte after"},
+                {2, "\x1f" "x", "2 bytes after"}, {sizeof tail, NULL, "524288 bytes after"}};
+    unsigned k;
+    test_seed(21);
+    write_pair("t-img", "t-lab", 6, 4, 4, 0, 0, &img, &lab);
+    len = idx_images(plain, 0x803, 6, 4, 4);
+    n = gzip_bytes("t-img-ok.gz", plain, len, gz, sizeof gz);
+    for (i = 0; i < sizeof tail; i++) tail[i] = (unsigned char)test_next();
+    for (k = 0; k < sizeof junk / sizeof junk[0]; k++) {
+        char name[64];
+        test__begin();
+        memcpy(gz + n, junk[k].bytes ? (const void *)junk[k].bytes : tail, junk[k].count);
+        snprintf(name, sizeof name, "t-img-%u.gz", k);
+        path = write_file(name, gz, n + junk[k].count, 0);
+        expect_load_error(path, lab, MPT_ERR_FORMAT, junk[k].why, path, junk[k].why,
+                          "gzip data");
+        test__end("idx: gzip image file with %zu raw bytes after its gzip data", junk[k].count);
+    }
+
+    test__begin();
+    len = idx_labels(plain, 0x801, 6);
+    n = gzip_bytes("t-lab-ok.gz", plain, len, gz, sizeof gz);
+    gz[n] = 0;
+    path = write_file("t-lab-zero.gz", gz, n + 1, 0);
+    expect_load_error(img, path, MPT_ERR_FORMAT, "labels", path, "1 byte after", NULL);
+    memcpy(gz + n, "\x1f\x8b\x08junk", 7); /* a member's magic, then no valid member */
+    path = write_file("t-lab-badmember.gz", gz, n + 7, 0);
+    expect_load_error(img, path, MPT_ERR_FORMAT, "a broken second member", path, NULL, NULL);
+    test__end("idx: gzip label file with a zero byte or a broken member after its gzip data");
+
+    test__begin(); /* the header and half the pixels, then the rest, as two members */
+    len = idx_images(plain, 0x803, 6, 4, 4);
+    half = 16 + 40;
+    n = gzip_bytes("t-first.gz", plain, half, gz, sizeof gz);
+    n += gzip_bytes("t-second.gz", plain + half, len - half, gz + n, sizeof gz - n);
+    path = write_file("t-img-two.gz", gz, n, 0);
+    if (HAVE_ZLIB) {
+        CHECK(mpt_dataset_load_idx(ctx, path, lab, &d) == MPT_OK, "two members: %s",
+              mpt_context_error(ctx));
+        if (d) check_contents(d, 6, 4, 4, "two members");
+        mpt_dataset_destroy(d);
+    }
+    n += gzip_bytes("t-third.gz", "more", 4, gz + n, sizeof gz - n);
+    path = write_file("t-img-three.gz", gz, n, 0);
+    expect_load_error(path, lab, MPT_ERR_FORMAT, "a third member", path, "4 trailing bytes",
+                      "after the 112");
+    test__end("idx: gzip members concatenated; one too many");
+}
+
 static void test_idx_missing(void) {
     const char *img, *lab;
     mpt_dataset *d = NULL;
@@ -701,6 +769,11 @@ static void test_create_validation(void) {
     CHECK(d && mpt__dataset_label_dtype(d) == MPT_FLOAT32 && d->y_count == 2 &&
               !mpt__dataset_label_range(d, NULL, NULL), "float targets' label queries");
     mpt_dataset_destroy(d);
+    y = tensor(MPT_FLOAT32, 1, 6, 0, 0, yf);
+    CHECK(create(ctx, &x, &y, 0, &d) == MPT_OK, "(n,) float targets: %s", mpt_context_error(ctx));
+    CHECK(d && mpt__dataset_label_dtype(d) == MPT_FLOAT32 && d->y_count == 1 &&
+              mpt__dataset_label_shape(d, NULL) == 0, "(n,) float targets: one number a sample");
+    mpt_dataset_destroy(d);
     test__end("create: valid x and y of each kind");
 
     test__begin();
@@ -785,9 +858,6 @@ static void test_create_validation(void) {
     x = tensor(MPT_FLOAT32, 2, 6, 4, 0, xf);
     y = tensor(MPT_INT32, 2, 6, 3, 0, yi);
     expect_error(create(q, &x, &y, 0, &d), MPT_ERR_SHAPE, "y int32 (6, 3)", "(6, 3)", "float32",
-                 NULL);
-    y = tensor(MPT_FLOAT32, 1, 6, 0, 0, yf);
-    expect_error(create(q, &x, &y, 0, &d), MPT_ERR_SHAPE, "y float32 rank 1", "(6,)", "(n, 1)",
                  NULL);
     y = tensor(MPT_FLOAT16, 2, 6, 1, 0, xh);
     expect_error(create(q, &x, &y, 0, &d), MPT_ERR_DTYPE, "y float16", "float16", NULL, NULL);
@@ -917,6 +987,147 @@ static void test_split(void) {
     mpt_dataset_destroy(tail);
     mpt_dataset_destroy(d);
     test__end("split: bad arguments; one side only");
+}
+
+/* ---- reshape; reading labels and targets back -------------------------------- */
+
+/* IDX images (5, 4, 1) become (20,) for a model whose input is (20,): the
+   samples gathered are the same bytes, and predict takes them (it refused
+   them before). A count that differs, a bad rank or dimension, NULLs fail. */
+static void test_reshape(void) {
+    static const int64_t flat[1] = {20}, grid[2] = {4, 5}, wrong[1] = {21}, zero[2] = {0, 20},
+                         four[4] = {1, 5, 4, 1};
+    const char *img, *lab;
+    mpt_dataset *d = NULL, *view = NULL;
+    mpt_model *m = NULL;
+    mpt_tensor out;
+    int64_t shape[3], all[12], i;
+    float before[12 * 20], after[12 * 20];
+    test__begin();
+    write_pair("r-img", "r-lab", 12, 5, 4, HAVE_ZLIB, 0, &img, &lab);
+    CHECK(mpt_dataset_load_idx(ctx, img, lab, &d) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (!d) {
+        test__end("reshape: IDX images (5, 4, 1) to (20,)");
+        return;
+    }
+    mpt_dataset_split(ctx, d, 3, NULL, &view);
+    for (i = 0; i < 12; i++) all[i] = 11 - i;
+    mpt__dataset_gather(ctx, d, all, 12, MPT_FLOAT32, before, NULL);
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {20}, .input_rank = 1, .seed = 2}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_predict(m, d, 4, &out) == MPT_ERR_SHAPE, "(5, 4, 1) samples for (20,)");
+    CHECK(mpt_dataset_reshape(ctx, d, 1, flat) == MPT_OK, "reshape: %s", mpt_context_error(ctx));
+    CHECK(mpt_dataset_sample_shape(d, shape) == 1 && shape[0] == 20, "shape after reshape");
+    mpt__dataset_gather(ctx, d, all, 12, MPT_FLOAT32, after, NULL);
+    CHECK(!memcmp(before, after, sizeof before), "reshape changed the samples");
+    CHECK(mpt_model_predict(m, d, 4, &out) == MPT_OK && out.shape[0] == 12,
+          "predict after reshape: %s", mpt_context_error(q));
+    mpt_tensor_free(q, &out);
+    CHECK(mpt_dataset_sample_shape(view, shape) == 3 && shape[0] == 5 && shape[1] == 4,
+          "a view split before keeps its shape");
+    CHECK(mpt_dataset_reshape(ctx, d, 2, grid) == MPT_OK &&
+              mpt_dataset_sample_shape(d, shape) == 2 && shape[0] == 4 && shape[1] == 5,
+          "reshape to (4, 5): %s", mpt_context_error(ctx));
+    test__end("reshape: IDX images (5, 4, 1) to (20,) and (4, 5)");
+
+    test__begin();
+    expect_error(mpt_dataset_reshape(q, d, 1, wrong), MPT_ERR_SHAPE, "21 elements for 20",
+                 "(4, 5)", "(21,)", "20 elements");
+    expect_error(mpt_dataset_reshape(q, d, 2, zero), MPT_ERR_SHAPE, "(0, 20)", "(0, 20)", NULL,
+                 NULL);
+    expect_error(mpt_dataset_reshape(q, d, 4, four), MPT_ERR_SHAPE, "rank 4", "rank 4", "1..3",
+                 NULL);
+    expect_error(mpt_dataset_reshape(q, d, 0, flat), MPT_ERR_SHAPE, "rank 0", "rank 0", NULL,
+                 NULL);
+    expect_error(mpt_dataset_reshape(q, d, 1, NULL), MPT_ERR_INVALID_ARGUMENT, "NULL shape",
+                 "NULL shape", NULL, NULL);
+    expect_error(mpt_dataset_reshape(q, NULL, 1, flat), MPT_ERR_INVALID_ARGUMENT, "NULL dataset",
+                 "NULL dataset", NULL, NULL);
+    CHECK(mpt_dataset_reshape(NULL, d, 1, flat) == MPT_ERR_INVALID_ARGUMENT, "NULL ctx");
+    CHECK(mpt_dataset_sample_shape(d, shape) == 2 && shape[0] == 4 && shape[1] == 5,
+          "a failed reshape changed the shape");
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(view);
+    mpt_dataset_destroy(d);
+    test__end("reshape: element counts that differ, bad ranks, NULLs");
+}
+
+/* Class ids of every sample, of a range, of a view; float targets alike;
+   each kind refuses the other's function; ranges outside the dataset and
+   NULLs fail. */
+static void test_labels_and_targets(void) {
+    const char *img, *lab;
+    mpt_dataset *d = NULL, *tail = NULL, *fd = NULL, *ftail = NULL;
+    int32_t labels[40], one = -1;
+    float xf[9 * 2], yf[9 * 3], targets[9 * 3];
+    mpt_tensor x, y;
+    int64_t i, shape[3];
+    int bad = 0;
+    test__begin();
+    write_pair("l-img", "l-lab", 37, 2, 3, 0, HAVE_ZLIB, &img, &lab);
+    CHECK(mpt_dataset_load_idx(ctx, img, lab, &d) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (!d) {
+        test__end("labels: all, a range, a view");
+        return;
+    }
+    for (i = 0; i < 40; i++) labels[i] = -7;
+    CHECK(mpt_dataset_labels(ctx, d, 0, 37, labels) == MPT_OK, "%s", mpt_context_error(ctx));
+    for (i = 0; i < 37; i++) bad += labels[i] != label_at(i);
+    CHECK(bad == 0 && labels[37] == -7, "%d labels differ, or more were written", bad);
+    CHECK(mpt_dataset_labels(ctx, d, 36, 1, &one) == MPT_OK && one == label_at(36), "the last: %d",
+          (int)one);
+    CHECK(mpt_dataset_split(ctx, d, 30, NULL, &tail) == MPT_OK, "%s", mpt_context_error(ctx));
+    CHECK(mpt_dataset_labels(ctx, tail, 2, 5, labels) == MPT_OK, "%s", mpt_context_error(ctx));
+    for (i = 0, bad = 0; i < 5; i++) bad += labels[i] != label_at(32 + i);
+    CHECK(bad == 0, "%d labels of the view differ", bad);
+    CHECK(mpt_dataset_target_shape(d, shape) == 0, "class ids have target rank 0");
+    test__end("labels: all, a range, a view");
+
+    test__begin();
+    expect_error(mpt_dataset_labels(q, tail, 0, 8, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "8 of a view of 7", "8 samples", "has 7", NULL);
+    expect_error(mpt_dataset_labels(q, d, 37, 1, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "sample 37 of 37", "sample 37", "0..36", NULL);
+    expect_error(mpt_dataset_labels(q, d, -1, 2, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "sample -1", "sample -1", NULL, NULL);
+    expect_error(mpt_dataset_labels(q, d, 3, -1, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "count -1", "-1 samples", NULL, NULL);
+    expect_error(mpt_dataset_labels(q, d, 0, INT64_MAX, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "a huge count", NULL, NULL, NULL);
+    expect_error(mpt_dataset_labels(q, d, 0, 1, NULL), MPT_ERR_INVALID_ARGUMENT, "NULL labels",
+                 "NULL labels", NULL, NULL);
+    expect_error(mpt_dataset_labels(q, NULL, 0, 1, labels), MPT_ERR_INVALID_ARGUMENT,
+                 "NULL dataset", "NULL dataset", NULL, NULL);
+    CHECK(mpt_dataset_labels(NULL, d, 0, 1, labels) == MPT_ERR_INVALID_ARGUMENT, "NULL ctx");
+    expect_error(mpt_dataset_targets(q, d, 0, 1, targets), MPT_ERR_DTYPE, "targets of class ids",
+                 "int32 class ids", "mpt_dataset_labels", NULL);
+    test__end("labels: ranges outside the dataset, NULLs, the wrong kind");
+
+    test__begin();
+    for (i = 0; i < 18; i++) xf[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < 27; i++) yf[i] = (float)test_uniform(-2, 2);
+    x = tensor(MPT_FLOAT32, 2, 9, 2, 0, xf);
+    y = tensor(MPT_FLOAT32, 2, 9, 3, 0, yf);
+    CHECK(create(ctx, &x, &y, 0, &fd) == MPT_OK, "%s", mpt_context_error(ctx));
+    CHECK(mpt_dataset_target_shape(fd, shape) == 1 && shape[0] == 3, "target shape (3,)");
+    CHECK(mpt_dataset_targets(ctx, fd, 0, 9, targets) == MPT_OK &&
+              !memcmp(targets, yf, sizeof yf), "all targets: %s", mpt_context_error(ctx));
+    mpt_dataset_split(ctx, fd, 4, NULL, &ftail);
+    CHECK(mpt_dataset_targets(ctx, ftail, 1, 2, targets) == MPT_OK &&
+              !memcmp(targets, yf + 5 * 3, 6 * sizeof(float)), "a view's targets: %s",
+          mpt_context_error(ctx));
+    expect_error(mpt_dataset_labels(q, fd, 0, 1, labels), MPT_ERR_DTYPE, "labels of targets",
+                 "float32 targets", "mpt_dataset_targets", NULL);
+    expect_error(mpt_dataset_targets(q, fd, 9, 1, targets), MPT_ERR_INVALID_ARGUMENT,
+                 "target 9 of 9", "sample 9", NULL, NULL);
+    expect_error(mpt_dataset_targets(q, fd, 0, 1, NULL), MPT_ERR_INVALID_ARGUMENT,
+                 "NULL targets", "NULL targets", NULL, NULL);
+    CHECK(mpt_dataset_target_shape(NULL, shape) == 0, "NULL dataset's target rank");
+    test__end("targets: all, a view's range; the wrong kind, a range outside, NULL");
+    mpt_dataset_destroy(ftail);
+    mpt_dataset_destroy(fd);
+    mpt_dataset_destroy(tail);
+    mpt_dataset_destroy(d);
 }
 
 /* ---- gather ------------------------------------------------------------------ */
@@ -1356,6 +1567,7 @@ int main(void) {
     test_idx_bad_headers();
     TEST_RUN(test_idx_count_mismatch);
     test_idx_trailing_bytes();
+    test_idx_gzip_trailing_garbage();
     test_idx_missing();
     TEST_RUN(test_load_mnist_dir);
 #ifdef MPT_NO_ZLIB
@@ -1365,6 +1577,8 @@ int main(void) {
     test_create_validation();
     TEST_RUN(test_create_copy);
     test_split();
+    test_reshape();
+    test_labels_and_targets();
     test_gather_dtypes();
     test_loader_batches();
     TEST_RUN(test_loader_epochs);

@@ -388,6 +388,47 @@ static void test_in_place(void) {
     CHECK(a == b && memcmp(g, zc, sizeof g) == 0, "in place differs: loss %g vs %g", a, b);
 }
 
+/* Targets (R,) for pred (R, 1), as Keras takes them for binary
+   crossentropy and mean squared error: the same loss and gradient, to the
+   bit, as targets (R, 1); a missing axis other than a last 1 is refused. */
+static void test_targets_without_last_axis(void) {
+    enum { R = 37 };
+    static const mpt_loss_type types[3] = {MPT_LOSS_BINARY_CROSSENTROPY,
+                                           MPT_LOSS_BINARY_CROSSENTROPY,
+                                           MPT_LOSS_MEAN_SQUARED_ERROR};
+    int64_t s_r1[2] = {R, 1}, s_r[1] = {R}, s_r3[2] = {R, 3}, s_short[1] = {R - 1}, i;
+    float p[R * 3], t[R * 3], g1[R], g2[R];
+    mpt_context *q = quiet_ctx();
+    mpt_tensor tp, tt, tg, tp3;
+    double a, b;
+    int k;
+    for (i = 0; i < R * 3; i++) p[i] = (float)test_uniform(0.02, 0.98), t[i] = (float)test_uniform(0, 1);
+    mpt_tensor_wrap(ctx, &tp, MPT_FLOAT32, 2, s_r1, p);
+    for (k = 0; k < 3; k++) {
+        mpt_loss_desc d = {types[k], k == 1, 0};
+        mpt_tensor_wrap(ctx, &tt, MPT_FLOAT32, 2, s_r1, t);
+        mpt_tensor_wrap(ctx, &tg, MPT_FLOAT32, 2, s_r1, g1);
+        CHECK(mpt_loss_compute(ctx, &d, &tp, &tt, &a, &tg) == MPT_OK, "(R, 1) targets: %s",
+              mpt_context_error(ctx));
+        mpt_tensor_wrap(ctx, &tt, MPT_FLOAT32, 1, s_r, t);
+        mpt_tensor_wrap(ctx, &tg, MPT_FLOAT32, 2, s_r1, g2);
+        CHECK(mpt_loss_compute(ctx, &d, &tp, &tt, &b, &tg) == MPT_OK, "%s: (R,) targets: %s",
+              mpt__loss_name(types[k]), mpt_context_error(ctx));
+        CHECK(a == b && !memcmp(g1, g2, sizeof g1), "%s (from_logits %d): loss %.17g vs %.17g",
+              mpt__loss_name(types[k]), k == 1, a, b);
+    }
+    mpt_tensor_wrap(q, &tp3, MPT_FLOAT32, 2, s_r3, p);
+    mpt_tensor_wrap(q, &tt, MPT_FLOAT32, 1, s_r, t);
+    CHECK(mpt_loss_compute(q, &(mpt_loss_desc){MPT_LOSS_MEAN_SQUARED_ERROR, 0, 0}, &tp3, &tt, &a,
+                           NULL) == MPT_ERR_SHAPE, "(R,) targets for pred (R, 3) accepted");
+    CHECK(strstr(mpt_context_error(q), "(37,)") && strstr(mpt_context_error(q), "(37, 3)"),
+          "message: %s", mpt_context_error(q));
+    mpt_tensor_wrap(q, &tt, MPT_FLOAT32, 1, s_short, t);
+    CHECK(mpt_loss_compute(q, &(mpt_loss_desc){MPT_LOSS_BINARY_CROSSENTROPY, 0, 0}, &tp, &tt, &a,
+                           NULL) == MPT_ERR_SHAPE, "(R - 1,) targets for pred (R, 1) accepted");
+    mpt_context_destroy(q);
+}
+
 /* The same loss, to the bit, with 1 and 4 threads. */
 static void test_threads(void) {
     enum { R = 1000, K = 10 };
@@ -544,6 +585,7 @@ int main(void) {
     TEST_RUN(test_large_logits);
     TEST_RUN(test_in_place);
     TEST_RUN(test_threads);
+    TEST_RUN(test_targets_without_last_axis);
     TEST_RUN(test_bad_input);
     mpt_context_destroy(ctx);
     return test_summary("test_losses");

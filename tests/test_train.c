@@ -35,8 +35,9 @@ static mpt_dataset *blob_dataset(float *x, int32_t *y, int n) {
     return d;
 }
 
-/* Dense(16, relu) -> BatchNormalization -> Dropout -> Dense(3, softmax). */
-static mpt_model *blob_model(mpt_policy policy, uint64_t seed) {
+/* Dense(16, relu) -> BatchNormalization -> Dropout -> Dense(3, softmax),
+   built for max_batch (0: not built). */
+static mpt_model *blob_model_for(mpt_policy policy, uint64_t seed, int64_t max_batch) {
     mpt_model *m = NULL;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
                                             .policy = policy, .seed = seed}, &m);
@@ -49,8 +50,13 @@ static mpt_model *blob_model(mpt_policy policy, uint64_t seed) {
               .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
               .metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K, .top_k = 2}) == MPT_OK,
           "compile: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    if (max_batch > 0)
+        CHECK(mpt_model_build(m, max_batch) == MPT_OK, "build: %s", mpt_context_error(ctx));
     return m;
+}
+
+static mpt_model *blob_model(mpt_policy policy, uint64_t seed) {
+    return blob_model_for(policy, seed, 32);
 }
 
 static double history_value(const mpt_model *m, const char *key, int epoch) {
@@ -432,8 +438,8 @@ static void test_bad_input(void) {
     CHECK(strstr(mpt_context_error(ctx), "0..3") && strstr(mpt_context_error(ctx), "3 classes"),
           "message: %s", mpt_context_error(ctx));
     y[17] = 2;
-    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 0}) == MPT_ERR_INVALID_ARGUMENT,
-          "batch size 0 accepted");
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = -1}) == MPT_ERR_INVALID_ARGUMENT,
+          "batch size -1 accepted");
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 64}) == MPT_ERR_INVALID_ARGUMENT,
           "batch 64 for a model built for 32 accepted");
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32, .validation_split = 1.5f}) ==
@@ -444,7 +450,7 @@ static void test_bad_input(void) {
           "NULL data accepted");
     CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = -1}, &logs) ==
               MPT_ERR_INVALID_ARGUMENT, "batch -1 accepted");
-    CHECK(mpt_model_predict(m, d, 0, &out) == MPT_ERR_INVALID_ARGUMENT, "predict batch 0");
+    CHECK(mpt_model_predict(m, d, -1, &out) == MPT_ERR_INVALID_ARGUMENT, "predict batch -1");
     /* samples of the wrong shape */
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){10, 7}, wide);
     mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){10}, few);
@@ -464,6 +470,235 @@ static void test_bad_input(void) {
     mpt_dataset_destroy(d);
     mpt_context_destroy(ctx);
     ctx = saved;
+}
+
+/* ---- every entry point checks the samples' shape ------------------------------------- */
+
+/* Samples narrower (a read past the batch) or wider (misaligned samples)
+   than the model's input (784,) are refused by forward, fit (training and
+   validation data), evaluate and predict, the message naming both shapes. */
+static void test_sample_shape_checked_everywhere(void) {
+    static const int64_t widths[2] = {100, 1000};
+    static float x[8 * 1000], right[8 * 784];
+    static int32_t y[8];
+    mpt_context *saved = ctx;
+    mpt_model *m = NULL;
+    mpt_dataset *good = NULL;
+    mpt_tensor tx, ty, out;
+    mpt_logs logs;
+    char want[32];
+    int w, i;
+    ctx = quiet_ctx();
+    for (i = 0; i < 8 * 1000; i++) x[i] = (float)(i % 97) / 97.0f - 0.3f;
+    for (i = 0; i < 8 * 784; i++) right[i] = (float)(i % 89) / 89.0f - 0.4f;
+    for (i = 0; i < 8; i++) y[i] = (i * 7) % 10;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {784}, .input_rank = 1, .seed = 5},
+                     &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){8, 784}, right);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){8}, y);
+    mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &good);
+    for (w = 0; w < 2; w++) {
+        mpt_dataset *bad = NULL;
+        snprintf(want, sizeof want, "(%lld,)", (long long)widths[w]);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){8, widths[w]}, x);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &bad) == MPT_OK,
+              "dataset: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(m, bad, 4, &out) == MPT_ERR_SHAPE, "predict on %s accepted",
+              want);
+        CHECK(out.data == NULL, "predict left an output behind");
+        CHECK(strstr(mpt_context_error(ctx), want) && strstr(mpt_context_error(ctx), "(784,)"),
+              "predict message: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_evaluate(m, bad, &(mpt_evaluate_desc){.batch_size = 4}, &logs) ==
+                  MPT_ERR_SHAPE, "evaluate on %s accepted", want);
+        CHECK(mpt_model_fit(m, bad, &(mpt_fit_desc){.batch_size = 4}) == MPT_ERR_SHAPE,
+              "fit on %s accepted", want);
+        CHECK(mpt_model_fit(m, good, &(mpt_fit_desc){.batch_size = 4, .validation_data = bad}) ==
+                  MPT_ERR_SHAPE, "fit with validation data %s accepted", want);
+        CHECK(strstr(mpt_context_error(ctx), "validation") && strstr(mpt_context_error(ctx), want),
+              "validation message: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_forward(m, &tx, 0, &out) == MPT_ERR_SHAPE, "forward on %s accepted", want);
+        CHECK(strstr(mpt_context_error(ctx), want) && strstr(mpt_context_error(ctx), "(784,)"),
+              "forward message: %s", mpt_context_error(ctx));
+        mpt_dataset_destroy(bad);
+    }
+    CHECK(mpt_model_predict(m, good, 4, &out) == MPT_OK, "predict on (784,): %s",
+          mpt_context_error(ctx));
+    mpt_tensor_free(ctx, &out);
+    mpt_dataset_destroy(good);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+    ctx = saved;
+}
+
+/* ---- batch_size 0 means 32 ------------------------------------------------------------- */
+
+static mpt_status count_steps(void *user, mpt_model *m, int64_t batch, const mpt_logs *logs,
+                              int *stop) {
+    (void)m;
+    (void)batch;
+    (void)logs;
+    (void)stop;
+    ++*(int *)user;
+    return MPT_OK;
+}
+
+/* As in Keras: 200 samples are 7 batches (the model, built for 64, would
+   take 4), and evaluate and predict give exactly what batches of 32 give. */
+static void test_batch_size_zero_means_32(void) {
+    static float x[N_SYN * FEATURES];
+    static int32_t y[N_SYN];
+    mpt_callback cb;
+    mpt_dataset *d;
+    mpt_model *m = blob_model_for(MPT_POLICY_FLOAT32, 4, 64), *fresh;
+    mpt_logs with0, with32;
+    mpt_tensor p0, p32;
+    int steps = 0;
+    memset(&cb, 0, sizeof cb);
+    cb.on_batch_end = count_steps;
+    cb.user_data = &steps;
+    make_blobs(x, y, N_SYN, 11);
+    d = blob_dataset(x, y, N_SYN);
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.callbacks = &cb, .n_callbacks = 1}) == MPT_OK,
+          "fit with batch_size 0: %s", mpt_context_error(ctx));
+    CHECK(steps == 7, "%d batches for 200 samples (batches of 32: 7)", steps);
+    CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){0}, &with0) == MPT_OK,
+          "evaluate with batch_size 0: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 32}, &with32) == MPT_OK,
+          "evaluate: %s", mpt_context_error(ctx));
+    CHECK(mpt_logs_get(&with0, "loss") == mpt_logs_get(&with32, "loss"), "loss %.17g vs %.17g",
+          mpt_logs_get(&with0, "loss"), mpt_logs_get(&with32, "loss"));
+    CHECK(mpt_model_predict(m, d, 0, &p0) == MPT_OK, "predict with batch_size 0: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_model_predict(m, d, 32, &p32) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+    CHECK(p0.data && p32.data && !memcmp(p0.data, p32.data, mpt_tensor_bytes(&p32)),
+          "predict with batch_size 0 differs from 32");
+    mpt_tensor_free(ctx, &p0);
+    mpt_tensor_free(ctx, &p32);
+    /* an unbuilt model is built for the default batch */
+    fresh = blob_model_for(MPT_POLICY_FLOAT32, 4, 0);
+    CHECK(mpt_model_fit(fresh, d, &(mpt_fit_desc){0}) == MPT_OK, "fit: %s",
+          mpt_context_error(ctx));
+    CHECK(fresh->max_batch == 32, "built for %lld", (long long)fresh->max_batch);
+    mpt_model_destroy(fresh);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+}
+
+/* ---- validation_split as Keras cuts it ---------------------------------------------- */
+
+/* Keras: split_at = int(n · (1 − validation_split)) in double on the split
+   as written; 0.1 of 60,000 leaves 6,000 for validation. fit, with a
+   batch per sample, trains on exactly split_at samples. */
+static void test_validation_split_as_keras(void) {
+    static const double splits[] = {0.1, 0.2, 0.25, 0.3, 0.15, 0.05, 0.33, 0.5, 0.7, 0.9, 0.01};
+    static const int64_t sizes[] = {10, 100, 1000, 6000, 60000, 50000, 12345, 7, 999, 70000};
+    static float x[N_SYN * FEATURES];
+    static int32_t y[N_SYN];
+    size_t i, j;
+    mpt_callback cb;
+    mpt_dataset *d, *ten;
+    mpt_model *m;
+    int steps = 0;
+    for (i = 0; i < sizeof splits / sizeof *splits; i++)
+        for (j = 0; j < sizeof sizes / sizeof *sizes; j++) {
+            int64_t keras = (int64_t)((double)sizes[j] * (1. - splits[i]));
+            int64_t ours = mpt__validation_split_at(sizes[j], (float)splits[i]);
+            CHECK(ours == keras, "validation_split %g of %lld: training on %lld, Keras %lld",
+                  splits[i], (long long)sizes[j], (long long)ours, (long long)keras);
+        }
+    CHECK(60000 - mpt__validation_split_at(60000, 0.1f) == 6000, "0.1 of 60,000: %lld",
+          (long long)(60000 - mpt__validation_split_at(60000, 0.1f)));
+    make_blobs(x, y, N_SYN, 12);
+    d = blob_dataset(x, y, N_SYN);
+    mpt_dataset_split(ctx, d, 10, &ten, NULL);
+    m = blob_model_for(MPT_POLICY_FLOAT32, 4, 1);
+    memset(&cb, 0, sizeof cb);
+    cb.on_batch_end = count_steps;
+    cb.user_data = &steps;
+    CHECK(mpt_model_fit(m, ten, &(mpt_fit_desc){.batch_size = 1, .validation_split = 0.1f,
+                                                .callbacks = &cb, .n_callbacks = 1}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(steps == 9, "0.1 of 10 samples trained on %d (Keras: 9)", steps);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(ten);
+    mpt_dataset_destroy(d);
+}
+
+/* ---- float targets (n,) for an output of one unit ---------------------------------- */
+
+/* Trains Dense(8, relu) -> Dense(1, act) on y of shape ty_rank == 1 ? (n,)
+   : (n, 1) for two epochs and returns the model. */
+static mpt_model *fit_one_unit(const float *x, const float *y, int ty_rank, mpt_loss_type loss,
+                               mpt_activation act, mpt_policy policy) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, (void *)x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, ty_rank, (int64_t[]){N_SYN, 1}, (void *)y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset with y of rank %d: %s", ty_rank, mpt_context_error(ctx));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .policy = policy, .seed = 9}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = act});
+    mpt_model_compile(m, &(mpt_compile_desc){.optimizer = {.learning_rate = 0.01f},
+                                             .loss = {.type = loss},
+                                             .metrics = MPT_METRIC_ACCURACY});
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16,
+                                              .validation_split = 0.2f}) == MPT_OK,
+          "fit with y of rank %d: %s", ty_rank, mpt_context_error(ctx));
+    mpt_dataset_destroy(d);
+    return m;
+}
+
+/* As Keras: targets (n,) train a one-unit output under binary crossentropy
+   and mean squared error exactly as targets (n, 1) do; (n,) targets for an
+   output of 3 units are refused. */
+static void test_targets_of_shape_n(void) {
+    static float x[N_SYN * FEATURES], y[N_SYN];
+    static int32_t ids[N_SYN];
+    mpt_context *saved = ctx;
+    int k, i;
+    make_blobs(x, ids, N_SYN, 13);
+    for (i = 0; i < N_SYN; i++) y[i] = ids[i] == 1 ? 0.9f : (float)(i % 5) * 0.05f;
+    for (k = 0; k < 3; k++) {
+        mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
+        mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+        mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
+        mpt_model *a = fit_one_unit(x, y, 2, loss, act, policy);
+        mpt_model *b = fit_one_unit(x, y, 1, loss, act, policy);
+        CHECK(same_state(a, b), "%s: (n,) targets train otherwise than (n, 1)",
+              mpt__loss_name(loss));
+        CHECK(history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
+                  history_value(a, "accuracy", 1) == history_value(b, "accuracy", 1),
+              "val_loss %.17g vs %.17g", history_value(a, "val_loss", 1),
+              history_value(b, "val_loss", 1));
+        mpt_model_destroy(a);
+        mpt_model_destroy(b);
+    }
+    {
+        mpt_tensor tx, ty;
+        mpt_dataset *d = NULL;
+        mpt_model *m;
+        ctx = quiet_ctx();
+        m = blob_model_for(MPT_POLICY_FLOAT32, 1, 32);
+        mpt_model_compile(m, &(mpt_compile_desc){.loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR}});
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 1, (int64_t[]){N_SYN}, y);
+        mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d);
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32}) == MPT_ERR_SHAPE,
+              "(n,) targets for 3 output units accepted");
+        CHECK(strstr(mpt_context_error(ctx), "(3,)") != NULL, "message: %s",
+              mpt_context_error(ctx));
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+        ctx = saved;
+    }
 }
 
 /* ---- a short real run on Fashion-MNIST ------------------------------------------------ */
@@ -513,6 +748,10 @@ int main(void) {
     TEST_RUN(test_user_callback);
     TEST_RUN(test_steps_allocate_nothing);
     TEST_RUN(test_bad_input);
+    TEST_RUN(test_sample_shape_checked_everywhere);
+    TEST_RUN(test_batch_size_zero_means_32);
+    TEST_RUN(test_validation_split_as_keras);
+    TEST_RUN(test_targets_of_shape_n);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);
     return test_summary("test_train");

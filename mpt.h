@@ -1654,6 +1654,53 @@ static int mpt__add_ok(int64_t a, int64_t b, int64_t *out) {
     return 1;
 }
 
+/* What a file that is not a regular one is, for messages. */
+static const char *mpt__file_kind(mode_t mode) {
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    return "a socket or another special file";
+}
+
+/* Opens a file the caller named (a checkpoint, a dataset) for reading, and
+   only a regular file: a plain open() of a FIFO waits for a writer, maybe
+   forever, and a device or directory is never what was meant. So the open
+   does not wait (O_NONBLOCK), fstat says what was opened, and only then
+   does the descriptor go back to blocking reads. prefix starts messages
+   ("checkpoint: " or ""); *size, when wanted, gets the file's size. On
+   failure *fd is -1 and nothing is left open. */
+static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const char *path,
+                                    int *fd, int64_t *size) {
+    struct stat st;
+    int flags;
+    *fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY);
+    if (*fd < 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot open '%s': %s", prefix, path,
+                         strerror(errno));
+    if (fstat(*fd, &st) != 0) {
+        int err = errno;
+        close(*fd);
+        *fd = -1;
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot stat '%s': %s", prefix, path, strerror(err));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot read '%s': it is %s, not a regular file",
+                         prefix, path, mpt__file_kind(st.st_mode));
+    }
+    flags = fcntl(*fd, F_GETFL);
+    if (flags < 0 || fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        int err = errno;
+        close(*fd);
+        *fd = -1;
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot read '%s': %s", prefix, path, strerror(err));
+    }
+    if (size) *size = (int64_t)st.st_size;
+    return MPT_OK;
+}
+
 /* =============================================================================
    @impl-dtypes
    ============================================================================= */
@@ -7283,24 +7330,27 @@ typedef struct mpt__file {
 } mpt__file;
 
 static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *path) {
-    struct stat st;
+    int fd;
     f->path = path;
-    /* open() succeeds on a directory; say what it is rather than "read error". */
-    if (stat(path, &st) != 0)
-        return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    if (S_ISDIR(st.st_mode))
-        return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': it is a directory", path);
+    MPT__CHECK(mpt__open_regular(ctx, "", path, &fd, NULL));
     errno = 0;
 #ifndef MPT_NO_ZLIB
-    f->gz = gzopen(path, "rb");
+    f->gz = gzdopen(fd, "rb");
     if (f->gz) gzbuffer(f->gz, 1u << 17); /* fewer, larger reads of a 26 MB file */
     if (!f->gz)
 #else
+    /* ISO C has no fdopen: the path is opened again, now known to be a
+       regular file (only a rename in between could swap it). */
+    close(fd);
     f->f = fopen(path, "rb");
+    fd = -1;
     if (!f->f)
 #endif
+    {
+        if (fd >= 0) close(fd);
         return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path,
                          errno ? strerror(errno) : "out of memory");
+    }
     return MPT_OK;
 }
 
@@ -10944,20 +10994,10 @@ static mpt_status mpt__st_read_header(mpt__st_file *f) {
 /* Opens a safetensors file and checks everything about it that does not
    depend on the model. On failure the caller still closes f. */
 static mpt_status mpt__st_open(mpt__st_file *f, mpt_context *ctx, const char *path) {
-    struct stat st;
     memset(f, 0, sizeof *f);
     f->ctx = ctx;
     f->path = path;
-    f->fd = open(path, O_RDONLY);
-    if (f->fd < 0)
-        return mpt__fail(ctx, MPT_ERR_IO, "checkpoint: cannot open '%s': %s", path,
-                         strerror(errno));
-    if (fstat(f->fd, &st) != 0)
-        return mpt__fail(ctx, MPT_ERR_IO, "checkpoint: cannot stat '%s': %s", path,
-                         strerror(errno));
-    if (!S_ISREG(st.st_mode))
-        return mpt__fail(ctx, MPT_ERR_IO, "checkpoint: '%s' is not a regular file", path);
-    f->size = (int64_t)st.st_size;
+    MPT__CHECK(mpt__open_regular(ctx, "checkpoint: ", path, &f->fd, &f->size));
     MPT__CHECK(mpt__st_read_header(f));
     MPT__CHECK(mpt__st_parse(f));
     MPT__CHECK(mpt__st_check_names(f));

@@ -1101,8 +1101,10 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb);
    file, written to a temporary file, fsync'ed, then renamed into place. */
 MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path);
 /* Loads weights saved by save_weights or save_checkpoint; every name,
-   dtype and shape must match the model (the model is left unchanged if
-   anything does not). */
+   dtype and shape must match the model, and every value must be finite
+   (the model is left unchanged if anything does not). The file holds the
+   float32 masters, so it loads into a model of any policy: this is how a
+   mixed_float16 run's weights go on in mixed_bfloat16 or float32. */
 MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
 /* The full training state: weights ("dense/kernel", ...), optimizer moments
    ("optimizer/dense/kernel/m", ...), step counters, loss scale and its
@@ -1110,9 +1112,16 @@ MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
    description, policy and seed in __metadata__. Loaded into a model built
    the same way with the same seed (a different seed is only warned about:
    the seed orders the data and keys dropout), fit continues from it
-   bit-identically on the CPU (pass initial_epoch = mpt_model_epoch). The
-   model is unchanged when a check fails; only a read error after every
-   check has passed can leave the weights partly loaded, and says so. */
+   bit-identically on the CPU (pass initial_epoch = mpt_model_epoch).
+   load_checkpoint refuses (MPT_ERR_DTYPE) a checkpoint saved under another
+   policy than the model's: its loss scale and optimizer state belong to
+   that policy's arithmetic; mpt_model_load_weights takes the weights alone
+   into any policy. It also refuses values training cannot produce: a step
+   counter past 2^62, an epoch past INT_MAX, a negative or non-finite
+   learning rate, a loss scale that the model's loss-scale mode does not
+   allow (dynamic: a finite float >= FLT_MIN; fixed: compile's; none: 1),
+   a non-finite weight or moment, a negative second moment. The model is
+   unchanged when anything fails, a read error included. */
 MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
 MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
 /* Epochs completed, as recorded by fit and restored by load_checkpoint. */
@@ -9831,11 +9840,12 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
 
    Loading reads the whole header with a strict JSON reader (a malformed byte
    is reported with its offset in the file), checks the layout of the data,
-   then every name, dtype and shape against the model, and the training
-   scalars' values, before it writes anything into the model; only then are
-   the tensors read into place. A read that fails after all that (the file
-   shrank while being read, a disk error) can leave the tensors partly
-   loaded; the error says so. */
+   then every name, dtype and shape against the model, a full checkpoint's
+   policy and optimizer, and the training scalars' ranges; then it reads
+   the tensors into a host copy of the model's arenas and checks their
+   values (finite; Adam's second moments >= 0). Only when all of that has
+   passed does the model take the copy, so a failed load, a read error
+   included, leaves the model as it was. */
 
 
 #define MPT__ST_MAX_HEADER 100000000     /* bytes: the safetensors library's limit */
@@ -9985,6 +9995,8 @@ typedef struct mpt__ckpt_entry {
     int64_t bytes;
     int64_t begin;                  /* offset in the file's data                 */
     int staged;                     /* data points into plan->train              */
+    int non_negative;               /* loading: its F32 values must be >= 0 too
+                                       (Adam's second moment)                    */
 } mpt__ckpt_entry;
 
 /* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
@@ -9994,13 +10006,15 @@ typedef struct mpt__ckpt_plan {
     int n;
     int64_t data_bytes; /* the file's data: the entries' bytes, back to back */
     mpt__ckpt_train train;
-    unsigned char *mirror; /* a model on a GPU: its parameter and optimizer
-                              arenas copied to the host, which the entries
-                              point into; NULL on the CPU backend           */
+    unsigned char *mirror; /* the model's parameter and optimizer arenas
+                              copied to the host, which the entries point
+                              into: always when loading, and when saving a
+                              model on a GPU; else NULL (a save on the CPU
+                              reads the model in place)                    */
 } mpt__ckpt_plan;
 
-/* Where the file's bytes for a parameter buffer are: in place on the CPU
-   backend, else at the same offset in the plan's host mirror. */
+/* Where the file's bytes for a parameter buffer are: in place when the
+   plan has no mirror, else at the same offset in the mirror. */
 static void *mpt__ckpt_host(const mpt_model *m, const mpt__ckpt_plan *pl, int arena, void *p) {
     size_t at;
     if (!pl->mirror) return p;
@@ -10009,11 +10023,14 @@ static void *mpt__ckpt_host(const mpt_model *m, const mpt__ckpt_plan *pl, int ar
            at;
 }
 
-/* The mirror of a model on a GPU, downloaded (both arenas, back to back). */
-static mpt_status mpt__ckpt_mirror(mpt_model *m, mpt__ckpt_plan *pl) {
+/* The mirror (both arenas, back to back), downloaded. A load always reads
+   into one, even on the CPU, so that the file's values are checked before
+   any reaches the model and a failed load leaves it as it was; a save
+   needs one only to see a GPU's memory. */
+static mpt_status mpt__ckpt_mirror(mpt_model *m, int loading, mpt__ckpt_plan *pl) {
     size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
     size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
-    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
+    if (!loading && mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
     pl->mirror = (unsigned char *)mpt__alloc(m->ctx, params + slots + 1);
     if (!pl->mirror) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     MPT__CHECK(mpt__download(m, pl->mirror, m->arena[MPT__MEM_PARAMS], params));
@@ -10021,7 +10038,8 @@ static mpt_status mpt__ckpt_mirror(mpt_model *m, mpt__ckpt_plan *pl) {
                  : MPT_OK;
 }
 
-/* After a load into the mirror: the arenas take its contents. */
+/* After a load into the mirror, once every value is checked: the arenas
+   take its contents. */
 static mpt_status mpt__ckpt_unmirror(mpt_model *m, const mpt__ckpt_plan *pl) {
     size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
     size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
@@ -10085,14 +10103,17 @@ static mpt_status mpt__ckpt_add_slots(mpt_model *m, mpt__ckpt_plan *pl) {
             MPT__CHECK(mpt__ckpt_add(m, pl, "optimizer/", P->name, suffix, MPT__ST_F32, P->rank,
                                      P->shape, mpt__ckpt_host(m, pl, MPT__MEM_OPTIMIZER, P->slot[k]),
                                      P->count));
+            /* Adam's v is a mean of squares: sqrt(v) of a negative one is NaN. */
+            pl->e[pl->n - 1].non_negative = type != MPT_OPTIMIZER_SGD && k == 1;
         }
     }
     return MPT_OK;
 }
 
-/* Lists the tensors of the model's file; pl must be zeroed, and is freed by
-   mpt__ckpt_plan_free whatever this returns. */
-static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, mpt__ckpt_plan *pl) {
+/* Lists the tensors of the model's file (loading: pointing into a mirror);
+   pl must be zeroed, and is freed by mpt__ckpt_plan_free whatever this
+   returns. */
+static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__ckpt_plan *pl) {
     int i, n = m->n_params;
     if (full) {
         if (m->n_slots < 0 || m->n_slots > 2)
@@ -10103,7 +10124,7 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, mpt__ckpt_plan *pl
     }
     pl->e = (mpt__ckpt_entry *)mpt__calloc(m->ctx, sizeof *pl->e * (size_t)n);
     if (!pl->e) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-    MPT__CHECK(mpt__ckpt_mirror(m, pl));
+    MPT__CHECK(mpt__ckpt_mirror(m, loading, pl));
     if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl));
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
@@ -10458,7 +10479,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.skipped_steps = m->skipped_steps;
     pl.train.learning_rate = m->learning_rate;
     pl.train.loss_scale = m->loss_scale;
-    s = mpt__ckpt_plan_init(m, full, &pl);
+    s = mpt__ckpt_plan_init(m, full, 0, &pl);
     if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
     if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, path);
     if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
@@ -10921,9 +10942,10 @@ static mpt_status mpt__st_check_layout(mpt__st_file *f) {
     mpt__free(f->ctx, order);
     if (s == MPT_OK && expect != data)
         s = mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': the tensors end at byte %lld of "
-                      "the data, so the file should have 8 + %lld + %lld = %lld bytes, but its "
+                      "the data, so the file should have 8 + %lld + %lld = %llu bytes, but its "
                       "size is %lld%s", f->path, (long long)expect, (long long)f->n,
-                      (long long)expect, (long long)(8 + f->n + expect), (long long)f->size,
+                      (long long)expect, 8ull + (unsigned long long)f->n + (unsigned long long)expect,
+                      (long long)f->size,
                       expect > data ? " (truncated?)" : "");
     return s;
 }
@@ -11080,12 +11102,19 @@ static mpt_status mpt__ckpt_check_unused(mpt_model *m, const mpt__st_file *f, in
 }
 
 /* A full checkpoint's metadata, where it has any, must be about this
-   model's kind of training state. */
+   model's kind of training state. Its policy too: the loss scale and the
+   moments were shaped by that policy's arithmetic (a float16 run's scale
+   of 32768 means nothing to a bfloat16 one, which does not scale). Every
+   file mpt.h writes names its policy; one without (another program's,
+   or stripped) is taken as it is, its loss scale still bounded by this
+   model's loss-scale mode (mpt__ckpt_check_loss_scale). */
 static mpt_status mpt__ckpt_check_metadata(mpt_model *m, const mpt__st_file *f) {
     const char *kind = mpt__st_meta_get(f, "kind");
     const char *opt = mpt__st_meta_get(f, "optimizer");
+    const char *policy = mpt__st_meta_get(f, "policy");
     const char *seed = mpt__st_meta_get(f, "seed");
     const char *mine = mpt__ckpt_optimizer_name(m->compile.optimizer.type);
+    const char *my_policy = mpt__ckpt_policy_name(m->desc.policy);
     char want[32];
     if (kind && strcmp(kind, "checkpoint") != 0)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds \"%s\", not a full "
@@ -11093,6 +11122,11 @@ static mpt_status mpt__ckpt_check_metadata(mpt_model *m, const mpt__st_file *f) 
     if (opt && strcmp(opt, mine) != 0)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds %s state, but the model "
                          "is compiled with %s", f->path, opt, mine);
+    if (policy && strcmp(policy, my_policy) != 0)
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "checkpoint '%s' holds the training state "
+                         "(optimizer, loss scale) of a %s model, but this model's policy is %s; "
+                         "mpt_model_load_weights loads its float32 weights into a model of any "
+                         "policy", f->path, policy, my_policy);
     snprintf(want, sizeof want, "%llu", (unsigned long long)m->desc.seed);
     if (seed && strcmp(seed, want) != 0)
         mpt__log(m->ctx, MPT_LOG_WARNING, "checkpoint '%s' was saved by a model with seed %s; "
@@ -11101,22 +11135,85 @@ static mpt_status mpt__ckpt_check_metadata(mpt_model *m, const mpt__st_file *f) 
     return MPT_OK;
 }
 
-/* The training scalars' values, before any of them reaches the model. */
+/* The training scalars' values, before any of them reaches the model: each
+   within what training can reach, so that nothing computed from them
+   overflows.
+   - Step counters (optimizer_steps, step, good_steps, skipped_steps): 0 to
+     2^62. No run gets there (at a billion steps a second: 146 years), and
+     from there another 2^62 steps fit in an int64_t, so the "+ 1" of each
+     step that follows never overflows.
+   - epoch: 0 to INT_MAX, fit's range (its epochs are ints).
+   - learning_rate: finite and >= 0, as mpt_model_set_learning_rate.
+   - loss_scale: what the model's loss-scale mode allows (below). */
+#define MPT__CKPT_MAX_STEPS ((int64_t)1 << 62)
+
+static mpt_status mpt__ckpt_check_counter(mpt_model *m, const char *path, const char *name,
+                                          int64_t v, int64_t max) {
+    if (v >= 0 && v <= max) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/%s is %lld, outside 0..%lld "
+                     "(what training can reach)", path, name, (long long)v, (long long)max);
+}
+
+/* Dynamic scaling keeps the scale a normal float: it never grows to inf
+   and never shrinks below FLT_MIN, where 1/scale would be inf. A fixed
+   scale is the one compile was given, and a model that does not scale has
+   1: a file with another one was saved by a model that scaled otherwise. */
+static mpt_status mpt__ckpt_check_loss_scale(mpt_model *m, const char *path, float scale) {
+    const mpt_loss_scale_desc *d = &m->compile.loss_scale;
+    if (d->mode == MPT_LOSS_SCALE_DYNAMIC && !(scale >= FLT_MIN && scale <= FLT_MAX))
+        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/loss_scale is %g; a "
+                         "dynamic loss scale is finite and at least %g", path, (double)scale,
+                         (double)FLT_MIN);
+    if (d->mode == MPT_LOSS_SCALE_FIXED && !(scale == d->initial_scale))
+        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/loss_scale is %g, but "
+                         "the model's loss scale is fixed at %g", path, (double)scale,
+                         (double)d->initial_scale);
+    if (d->mode == MPT_LOSS_SCALE_NONE && !(scale == 1.0f))
+        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/loss_scale is %g, but "
+                         "the model does not scale its loss (loss-scale mode none: 1)", path,
+                         (double)scale);
+    return MPT_OK;
+}
+
 static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mpt__ckpt_train *t) {
-    const char *bad = NULL;
-    double v = 0;
-    if (t->optimizer_steps < 0) bad = "optimizer_steps", v = (double)t->optimizer_steps;
-    if (t->step < 0) bad = "step", v = (double)t->step;
-    if (t->epoch < 0 || t->epoch > INT_MAX) bad = "epoch", v = (double)t->epoch;
-    if (t->good_steps < 0) bad = "good_steps", v = (double)t->good_steps;
-    if (t->skipped_steps < 0) bad = "skipped_steps", v = (double)t->skipped_steps;
-    if (!(t->learning_rate >= 0 && t->learning_rate < INFINITY))
-        bad = "learning_rate", v = t->learning_rate;
-    if (!(t->loss_scale > 0 && t->loss_scale < INFINITY)) bad = "loss_scale", v = t->loss_scale;
-    if (bad)
-        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/%s is %g (counters must "
-                         "be >= 0, the learning rate finite and >= 0, the loss scale finite "
-                         "and > 0)", path, bad, v);
+    MPT__CHECK(mpt__ckpt_check_counter(m, path, "optimizer_steps", t->optimizer_steps,
+                                       MPT__CKPT_MAX_STEPS));
+    MPT__CHECK(mpt__ckpt_check_counter(m, path, "step", t->step, MPT__CKPT_MAX_STEPS));
+    MPT__CHECK(mpt__ckpt_check_counter(m, path, "epoch", t->epoch, INT_MAX));
+    MPT__CHECK(mpt__ckpt_check_counter(m, path, "good_steps", t->good_steps,
+                                       MPT__CKPT_MAX_STEPS));
+    MPT__CHECK(mpt__ckpt_check_counter(m, path, "skipped_steps", t->skipped_steps,
+                                       MPT__CKPT_MAX_STEPS));
+    if (!(t->learning_rate >= 0 && t->learning_rate <= FLT_MAX))
+        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/learning_rate is %g; it "
+                         "must be finite and >= 0", path, (double)t->learning_rate);
+    return mpt__ckpt_check_loss_scale(m, path, t->loss_scale);
+}
+
+/* Every float32 value read (weights, moving statistics, optimizer state)
+   must be finite, and Adam's second moments >= 0: one NaN would spread to
+   every weight at the first step, silently. The test is on the bits, so
+   no -ffast-math can fold it away. */
+static mpt_status mpt__ckpt_check_values(mpt_model *m, const char *path,
+                                         const mpt__ckpt_entry *e) {
+    const unsigned char *p = (const unsigned char *)e->data;
+    int64_t i, n = e->bytes / 4;
+    for (i = 0; e->dtype == MPT__ST_F32 && i < n; i++) {
+        uint32_t u;
+        float v;
+        memcpy(&u, p + 4 * i, 4);
+        memcpy(&v, &u, 4);
+        if ((u & 0x7f800000u) == 0x7f800000u)
+            return mpt__fail(m->ctx, MPT_ERR_NUMERIC, "checkpoint '%s': tensor \"%s\" holds %s "
+                             "at element %lld; weights and optimizer state must be finite (was "
+                             "it saved from a run that diverged?)", path, e->name,
+                             (u & 0x007fffffu) ? "NaN" : (u >> 31) ? "-inf" : "inf",
+                             (long long)i);
+        if (e->non_negative && v < 0)
+            return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': tensor \"%s\" holds %g at "
+                             "element %lld; a second moment (a mean of squares) is never "
+                             "negative", path, e->name, (double)v, (long long)i);
+    }
     return MPT_OK;
 }
 
@@ -11143,10 +11240,12 @@ static void mpt__ckpt_apply_train(mpt_model *m, const mpt__ckpt_train *t) {
     m->loss_scale = t->loss_scale;
 }
 
-/* Everything checked, the small scalars read and checked; then the tensors. */
+/* Everything checked, the small scalars read and checked; then the tensors
+   into the mirror, checked; only then does the model take them. */
 static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
                                          mpt__st_tensor **found, int full) {
     mpt_status s;
+    int i;
     if (full) MPT__CHECK(mpt__ckpt_check_metadata(m, f));
     MPT__CHECK(mpt__ckpt_match(m, f, pl, found));
     MPT__CHECK(mpt__ckpt_check_unused(m, f, full));
@@ -11154,10 +11253,12 @@ static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mp
         MPT__CHECK(mpt__ckpt_read(f, pl, found, 1));
         MPT__CHECK(mpt__ckpt_check_train(m, f->path, &pl->train));
     }
-    s = mpt__ckpt_read(f, pl, found, 0);
-    if (s == MPT_OK) s = mpt__ckpt_unmirror(m, pl);
+    MPT__CHECK(mpt__ckpt_read(f, pl, found, 0));
+    for (i = 0; i < pl->n; i++)
+        if (!pl->e[i].staged) MPT__CHECK(mpt__ckpt_check_values(m, f->path, &pl->e[i]));
+    s = mpt__ckpt_unmirror(m, pl);
     if (s != MPT_OK) {
-        /* Only an I/O failure after every check gets here. */
+        /* Only a device's failure to take the checked values gets here. */
         char why[sizeof m->ctx->error];
         snprintf(why, sizeof why, "%s", mpt_context_error(m->ctx));
         mpt_model_refresh_weights(m);
@@ -11177,7 +11278,7 @@ static mpt_status mpt__ckpt_load(mpt_model *m, const char *path, int full, const
     MPT__CHECK(mpt__ckpt_check_model(m, path, full, what));
     memset(&pl, 0, sizeof pl);
     s = mpt__st_open(&f, m->ctx, path);
-    if (s == MPT_OK) s = mpt__ckpt_plan_init(m, full, &pl);
+    if (s == MPT_OK) s = mpt__ckpt_plan_init(m, full, 1, &pl);
     if (s == MPT_OK) {
         found = (mpt__st_tensor **)mpt__calloc(m->ctx, sizeof *found * (size_t)(pl.n + 1));
         if (!found) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");

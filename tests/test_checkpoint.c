@@ -2,14 +2,20 @@
    full training state, the exact bytes of a file, models that do not match
    a file, malformed files, crash safety of saving, and (where Python has
    safetensors and numpy) files that the reference library reads and writes. */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp, opendir */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, opendir, fork, kill */
 #include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 /* >= 0: saving fails with ENOSPC after this many bytes (see checkpoint.h). */
 static long long fail_after = -1;
-#define MPT__CHECKPOINT_FAIL_AFTER_BYTES fail_after
+/* Called at each write of a save: returns fail_after (and may look at the
+   save in progress from another process). */
+static long long during_save(void);
+#define MPT__CHECKPOINT_FAIL_AFTER_BYTES during_save()
 
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
@@ -26,6 +32,8 @@ static void test_logger(void *user, mpt_log_level level, const char *msg) {
 }
 
 /* ---- files ------------------------------------------------------------------- */
+
+static int exists(const char *path) { return access(path, F_OK) == 0; }
 
 static const char *path_of(char *buf, const char *name) {
     snprintf(buf, 256, "%s/%s", dir, name);
@@ -1222,6 +1230,145 @@ static void test_crash_safety(void) {
     mpt_model_destroy(m);
 }
 
+/* ---- temporary files of saves that were killed ------------------------------------------ */
+
+/* A process that writes "<target>.tmp-<its pid>" and holds a write lock on
+   it, as a save in progress does, until it is killed; -1 if it could not
+   be started. */
+static pid_t start_writer(const char *target) {
+    int ready[2];
+    char c = 0;
+    pid_t pid;
+    if (pipe(ready) != 0) return -1;
+    pid = fork();
+    if (pid == 0) {
+        char name[320];
+        struct flock l;
+        int fd;
+        snprintf(name, sizeof name, "%s.tmp-%ld", target, (long)getpid());
+        fd = open(name, O_WRONLY | O_CREAT | O_EXCL, 0600);
+        memset(&l, 0, sizeof l);
+        l.l_type = F_WRLCK;
+        l.l_whence = SEEK_SET;
+        c = fd >= 0 && write(fd, "partial", 7) == 7 && fcntl(fd, F_SETLK, &l) == 0 ? 'y' : 'n';
+        if (write(ready[1], &c, 1) != 1) _exit(1);
+        for (;;) pause();
+    }
+    close(ready[1]);
+    if (pid > 0 && (read(ready[0], &c, 1) != 1 || c != 'y')) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        pid = -1;
+    }
+    close(ready[0]);
+    return pid;
+}
+
+/* A save in another process while this one's save is writing: set, the
+   next write of a save here forks a process that saves `probe_model` to
+   the same target; probe_result is 1 if that save worked and left this
+   one's temporary file alone. */
+static mpt_model *probe_model;
+static const char *probe_target;
+static int probe_result = -1;
+
+static long long during_save(void) {
+    if (probe_model) {
+        mpt_model *m = probe_model;
+        char mine[320];
+        pid_t pid;
+        int status = 0;
+        probe_model = NULL;
+        snprintf(mine, sizeof mine, "%s.tmp-%ld", probe_target, (long)getpid());
+        pid = fork();
+        if (pid == 0)
+            _exit(exists(mine) && mpt_model_save_weights(m, probe_target) == MPT_OK &&
+                          exists(mine)
+                      ? 0
+                      : 1);
+        probe_result = pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+                       WEXITSTATUS(status) == 0;
+    }
+    return fail_after;
+}
+
+/* The pid of a process that has ended. */
+static pid_t dead_pid(void) {
+    pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    if (pid > 0) waitpid(pid, NULL, 0);
+    return pid;
+}
+
+/* A save removes the temporary files of its target that saves killed
+   mid-write left (nobody holds their lock), and nothing else: not a save
+   in progress in another process (it holds the lock), not this process's
+   own, not other targets' or names that only look alike. */
+static void test_stale_temporaries(void) {
+    mpt_model *m = make_tiny(), *check = make_tiny();
+    char target[256], stale[320], stale_k[320], live[320], mine[320], other[320], alike[320];
+    char alike2[320];
+    unsigned char junk[4096];
+    pid_t dead = dead_pid(), holder;
+    size_t i;
+    CHECK(m && check && dead > 0, "setup");
+    if (!m || !check || dead <= 0) {
+        mpt_model_destroy(m);
+        mpt_model_destroy(check);
+        return;
+    }
+    test_seed(61);
+    for (i = 0; i < sizeof junk; i++) junk[i] = (unsigned char)test_uniform(0, 256);
+    path_of(target, "swept.safetensors");
+    snprintf(stale, sizeof stale, "%s.tmp-%ld", target, (long)dead);
+    snprintf(stale_k, sizeof stale_k, "%s.tmp-%ld-3", target, (long)dead);
+    snprintf(mine, sizeof mine, "%s.tmp-%ld-7", target, (long)getpid());
+    snprintf(other, sizeof other, "%s/other.safetensors.tmp-%ld", dir, (long)dead);
+    snprintf(alike, sizeof alike, "%s.tmp-%ldx", target, (long)dead);
+    snprintf(alike2, sizeof alike2, "%s.tmpx-%ld", target, (long)dead);
+    spit(stale, junk, sizeof junk);
+    spit(stale_k, junk, 100);
+    spit(mine, junk, 10);
+    spit(other, junk, 10);
+    spit(alike, junk, 10);
+    spit(alike2, junk, 10);
+    /* The live one: a file another process is writing, its pid alive. */
+    holder = start_writer(target);
+    CHECK(holder > 0, "a process writes a temporary file of %s", target);
+    snprintf(live, sizeof live, "%s.tmp-%ld", target, (long)holder);
+    fill_model(m, 0.5f);
+    CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(!exists(stale), "the stale temporary file of a dead process is gone");
+    CHECK(!exists(stale_k), "the stale \"-<k>\" temporary file is gone");
+    CHECK(exists(live), "the temporary file a live process holds is kept");
+    CHECK(exists(mine), "this process's own temporary file is kept");
+    CHECK(exists(other) && exists(alike) && exists(alike2),
+          "another target's file and files that only look alike are kept");
+    CHECK(mpt_model_load_weights(check, target) == MPT_OK && same_state(m, check, 0),
+          "the save itself worked: %s", mpt_context_error(ctx));
+    if (holder > 0) {
+        kill(holder, SIGKILL);
+        waitpid(holder, NULL, 0);
+    }
+    /* Killed, the holder's lock is gone: the next save sweeps its file. */
+    CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(!exists(live), "the file of the killed writer is gone after the next save");
+    CHECK(exists(mine), "this process's own temporary file is still kept");
+    /* Two processes saving to one target: neither sweeps the other's. */
+    probe_model = check;
+    probe_target = target;
+    CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(probe_result == 1, "a save in another process kept this one's temporary file");
+    CHECK(mpt_model_load_weights(check, target) == MPT_OK && same_state(m, check, 0),
+          "the last save to finish is the file: %s", mpt_context_error(ctx));
+    remove(mine);
+    remove(other);
+    remove(alike);
+    remove(alike2);
+    mpt_model_destroy(m);
+    mpt_model_destroy(check);
+}
+
 /* ---- running out of memory ------------------------------------------------------------ */
 
 static int allocs_left = -1; /* >= 0: allocations that succeed before one fails */
@@ -1437,6 +1584,7 @@ int main(void) {
     test_policies();
     test_malformed();
     test_crash_safety();
+    TEST_RUN(test_stale_temporaries);
     TEST_RUN(test_out_of_memory);
     TEST_RUN(test_resume_fit);
     TEST_RUN(test_python_interop);

@@ -1123,7 +1123,9 @@ MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
    learning rate, a loss scale that the model's loss-scale mode does not
    allow (dynamic: a finite float >= FLT_MIN; fixed: compile's; none: 1),
    a non-finite weight or moment, a negative second moment. The model is
-   unchanged when anything fails, a read error included. */
+   unchanged when anything fails, a read error included (only a device
+   failing as it takes the checked values can leave it partly loaded, and
+   the error says so). */
 MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
 MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
 /* Epochs completed, as recorded by fit and restored by load_checkpoint. */
@@ -9851,7 +9853,8 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
    the tensors into a host copy of the model's arenas and checks their
    values (finite; Adam's second moments >= 0). Only when all of that has
    passed does the model take the copy, so a failed load, a read error
-   included, leaves the model as it was. */
+   included, leaves the model as it was; only a device that fails while
+   taking the copy can leave it partly loaded, and the error says so. */
 
 
 #define MPT__ST_MAX_HEADER 100000000     /* bytes: the safetensors library's limit */
@@ -11049,9 +11052,9 @@ static mpt_status mpt__st_check_layout(mpt__st_file *f) {
         s = mpt__fail(f->ctx, MPT_ERR_FORMAT, "checkpoint '%s': the tensors end at byte %lld of "
                       "the data, so the file should have 8 + %lld + %lld = %llu bytes, but its "
                       "size is %lld%s", f->path, (long long)expect, (long long)f->n,
-                      (long long)expect, 8ull + (unsigned long long)f->n + (unsigned long long)expect,
-                      (long long)f->size,
-                      expect > data ? " (truncated?)" : "");
+                      (long long)expect, /* unsigned: expect may be near INT64_MAX */
+                      8ull + (unsigned long long)f->n + (unsigned long long)expect,
+                      (long long)f->size, expect > data ? " (truncated?)" : "");
     return s;
 }
 

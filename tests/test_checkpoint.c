@@ -860,8 +860,8 @@ static void test_bad_values(void) {
         test__end("values: %s is in the reference file", cases[i].tensor);
         patch_f32(file, path_of(p, "bad_value.safetensors"), begin + 4 * 3, cases[i].v);
         m = make_f16_adam(41);
-        snprintf(label, sizeof label, "%s with %g in %s", cases[i].full ? "a checkpoint" : "weights",
-                 (double)cases[i].v, cases[i].tensor);
+        snprintf(label, sizeof label, "%s with %g in %s",
+                 cases[i].full ? "a checkpoint" : "weights", (double)cases[i].v, cases[i].tensor);
         expect_refused(m, p, cases[i].full, cases[i].want, cases[i].tensor, cases[i].says, label);
         mpt_model_destroy(m);
     }

@@ -1050,6 +1050,9 @@ static void test_malformed(void) {
                                           "\"data_offsets\":[8,32]}," B_OK "}", 32, "gap"},
         {"a byte too many at the end", "{" K_OK "," B_OK "}", 33, "but its size is"},
         {"truncated data", "{" K_OK "," B_OK "}", 28, "truncated"},
+        {"a tensor of almost 2^63 bytes", "{\"dense/kernel\":{\"dtype\":\"U8\","
+                                          "\"shape\":[9223372036854775807],\"data_offsets\":"
+                                          "[0,9223372036854775807]}}", 32, "truncated"},
     };
     unsigned char data[64], raw[64];
     char p[256];

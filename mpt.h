@@ -1104,9 +1104,11 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb);
 MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path);
 /* Loads weights saved by save_weights or save_checkpoint; every name,
    dtype and shape must match the model, and every value must be finite
-   (the model is left unchanged if anything does not). The file holds the
-   float32 masters, so it loads into a model of any policy: this is how a
-   mixed_float16 run's weights go on in mixed_bfloat16 or float32. */
+   (the model is left unchanged if anything does not). path must name a
+   regular file: a FIFO or a device is refused, never waited on. The file
+   holds the float32 masters, so it loads into a model of any policy: this
+   is how a mixed_float16 run's weights go on in mixed_bfloat16 or
+   float32. */
 MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
 /* The full training state: weights ("dense/kernel", ...), optimizer moments
    ("optimizer/dense/kernel/m", ...), step counters, loss scale and its
@@ -10362,11 +10364,12 @@ static int mpt__ckpt_lock(int fd) {
 /* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
    of a pid other than this process's. */
 static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
-    const char *p = name + base_len + 5;
+    const char *p;
     long long pid = 0;
     int digits = 0, k_digits = 0;
     if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
-    for (; *p >= '0' && *p <= '9' && digits < 18; p++, digits++) pid = pid * 10 + (*p - '0');
+    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
+        pid = pid * 10 + (*p - '0');
     if (digits == 0) return 0;
     if (*p == '-') {
         for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;

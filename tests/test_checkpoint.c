@@ -1274,8 +1274,10 @@ static pid_t start_writer(const char *target) {
 static mpt_model *probe_model;
 static const char *probe_target;
 static int probe_result = -1;
+static int die_during_save; /* set: the next write of a save kills the process */
 
 static long long during_save(void) {
+    if (die_during_save) raise(SIGKILL);
     if (probe_model) {
         mpt_model *m = probe_model;
         char mine[320];
@@ -1357,6 +1359,24 @@ static void test_stale_temporaries(void) {
     CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
     CHECK(!exists(live), "the file of the killed writer is gone after the next save");
     CHECK(exists(mine), "this process's own temporary file is still kept");
+    /* A save killed mid-write, for real: its file stays until the next save. */
+    {
+        pid_t killed = fork();
+        int status = 0;
+        char left[320];
+        if (killed == 0) {
+            die_during_save = 1;
+            mpt_model_save_weights(m, target);
+            _exit(3);
+        }
+        CHECK(killed > 0 && waitpid(killed, &status, 0) == killed && WIFSIGNALED(status) &&
+                  WTERMSIG(status) == SIGKILL,
+              "a save was killed mid-write");
+        snprintf(left, sizeof left, "%s.tmp-%ld", target, (long)killed);
+        CHECK(exists(left), "the killed save left %s", left);
+        CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+        CHECK(!exists(left), "the next save removed what the killed one left");
+    }
     /* Two processes saving to one target: neither sweeps the other's. */
     probe_model = check;
     probe_target = target;

@@ -2,14 +2,20 @@
    full training state, the exact bytes of a file, models that do not match
    a file, malformed files, crash safety of saving, and (where Python has
    safetensors and numpy) files that the reference library reads and writes. */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp, opendir */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, opendir, fork, kill */
 #include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 /* >= 0: saving fails with ENOSPC after this many bytes (see checkpoint.h). */
 static long long fail_after = -1;
-#define MPT__CHECKPOINT_FAIL_AFTER_BYTES fail_after
+/* Called at each write of a save: returns fail_after (and may look at the
+   save in progress from another process). */
+static long long during_save(void);
+#define MPT__CHECKPOINT_FAIL_AFTER_BYTES during_save()
 
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
@@ -26,6 +32,8 @@ static void test_logger(void *user, mpt_log_level level, const char *msg) {
 }
 
 /* ---- files ------------------------------------------------------------------- */
+
+static int exists(const char *path) { return access(path, F_OK) == 0; }
 
 static const char *path_of(char *buf, const char *name) {
     snprintf(buf, 256, "%s/%s", dir, name);
@@ -631,6 +639,355 @@ static void test_mismatches(void) {
     mpt_model_destroy(src);
 }
 
+/* ---- values training cannot produce ------------------------------------------------ */
+
+/* src with n bytes at `at` of its data (after the header) replaced, as dst. */
+static void patch_data(const char *src, const char *dst, long long at, const void *bytes,
+                       size_t n) {
+    long len;
+    unsigned char *b = slurp(src, &len);
+    unsigned long long N = 0;
+    int i;
+    if (!b) return;
+    for (i = 0; i < 8; i++) N |= (unsigned long long)b[i] << (8 * i);
+    if ((long long)(8 + N) + at + (long long)n <= len) memcpy(b + 8 + N + at, bytes, n);
+    spit(dst, b, (size_t)len);
+    free(b);
+}
+
+static void patch_i64(const char *src, const char *dst, long long at, long long v) {
+    unsigned char b[8];
+    put_i64(b, v);
+    patch_data(src, dst, at, b, 8);
+}
+
+static void patch_f32(const char *src, const char *dst, long long at, float v) {
+    unsigned char b[4];
+    put_f32(b, v);
+    patch_data(src, dst, at, b, 4);
+}
+
+/* Where tensor `name` starts in the data of the file at path, or -1. */
+static long long tensor_begin(const char *path, const char *name) {
+    char *json = header_of(path), key[256], *at;
+    long long begin = -1;
+    snprintf(key, sizeof key, "\"%s\":{", name);
+    at = json ? strstr(json, key) : NULL;
+    at = at ? strstr(at, "\"data_offsets\":[") : NULL;
+    if (at) begin = strtoll(at + strlen("\"data_offsets\":["), NULL, 10);
+    free(json);
+    return begin;
+}
+
+/* The file at src without its __metadata__, as dst. */
+static void strip_metadata(const char *src, const char *dst) {
+    long n;
+    unsigned char *bytes = slurp(src, &n);
+    char *json = header_of(src), *meta_end = json ? strstr(json, "},\"") : NULL;
+    unsigned long long N = 0;
+    int i;
+    if (bytes && meta_end) {
+        char *stripped = (char *)malloc(strlen(json) + 1);
+        for (i = 0; i < 8; i++) N |= (unsigned long long)bytes[i] << (8 * i);
+        sprintf(stripped, "{%s", meta_end + 2);
+        write_st(dst, stripped, bytes + 8 + N, (size_t)n - 8 - (size_t)N);
+        free(stripped);
+    }
+    free(json);
+    free(bytes);
+}
+
+/* A mixed_float16 model (dynamic loss scaling) with Adam, its state filled. */
+static mpt_model *make_f16_adam(uint64_t seed) {
+    arch a = {MPT_POLICY_MIXED_FLOAT16, seed, 0, 0, 0};
+    mpt_model *m = make_model(a);
+    CHECK(m && compile_with(m, MPT_OPTIMIZER_ADAM, 0) == MPT_OK, "compile: %s",
+          mpt_context_error(ctx));
+    return m;
+}
+
+/* Each training scalar is bounded to what training can reach: counters
+   past 2^62 (INT64_MAX overflowed the next step's "+ 1"), an epoch past
+   INT_MAX, a learning rate or loss scale that is not a finite float in
+   range. The limits themselves load, and training goes on from them. */
+static void test_counter_bounds(void) {
+    static const struct {
+        const char *name;
+        long long at, v;
+    } counters[] = {
+        {"train/optimizer_steps", 0, 9223372036854775807LL},
+        {"train/optimizer_steps", 0, (1LL << 62) + 1},
+        {"train/optimizer_steps", 0, -1},
+        {"train/step", 8, 9223372036854775807LL},
+        {"train/step", 8, (1LL << 62) + 1},
+        {"train/epoch", 16, 2147483648LL},
+        {"train/epoch", 16, -5},
+        {"train/good_steps", 24, 9223372036854775807LL},
+        {"train/skipped_steps", 32, 9223372036854775807LL},
+        {"train/skipped_steps", 32, (1LL << 62) + 1},
+    };
+    static const struct {
+        const char *name;
+        long long at;
+        float v;
+    } floats[] = {
+        {"train/learning_rate", 40, -0.001f}, {"train/learning_rate", 40, INFINITY},
+        {"train/learning_rate", 40, NAN},     {"train/loss_scale", 44, INFINITY},
+        {"train/loss_scale", 44, NAN},        {"train/loss_scale", 44, 0.0f},
+        {"train/loss_scale", 44, -32768.0f},  {"train/loss_scale", 44, 1e-40f /* subnormal */},
+    };
+    mpt_model *src = make_f16_adam(31), *m;
+    char c[256], p[256], label[128];
+    size_t i;
+    test__begin();
+    if (src) {
+        fill_model(src, 0.5f);
+        fill_train_state(src);
+    }
+    CHECK(mpt_model_save_checkpoint(src, path_of(c, "bounds.safetensors")) == MPT_OK, "save: %s",
+          mpt_context_error(ctx));
+    CHECK(tensor_begin(c, "train/loss_scale") == 44 && tensor_begin(c, "train/epoch") == 16,
+          "the scalars are where this test patches them");
+    test__end("bounds: the reference checkpoint is saved");
+    if (!src) return;
+    for (i = 0; i < sizeof counters / sizeof *counters; i++) {
+        patch_i64(c, path_of(p, "bad_counter.safetensors"), counters[i].at, counters[i].v);
+        m = make_f16_adam(31);
+        snprintf(label, sizeof label, "a checkpoint with %s = %lld", counters[i].name,
+                 counters[i].v);
+        expect_refused(m, p, 1, MPT_ERR_FORMAT, counters[i].name, "outside", label);
+        mpt_model_destroy(m);
+    }
+    for (i = 0; i < sizeof floats / sizeof *floats; i++) {
+        patch_f32(c, path_of(p, "bad_float.safetensors"), floats[i].at, floats[i].v);
+        m = make_f16_adam(31);
+        snprintf(label, sizeof label, "a checkpoint with %s = %g", floats[i].name,
+                 (double)floats[i].v);
+        expect_refused(m, p, 1, MPT_ERR_FORMAT, floats[i].name, NULL, label);
+        mpt_model_destroy(m);
+    }
+
+    /* The largest values allowed load; training goes on from near them
+       and saves a checkpoint that loads again. */
+    test__begin();
+    m = make_f16_adam(31);
+    patch_i64(c, path_of(p, "at_limit.safetensors"), 0, 1LL << 62);
+    patch_i64(p, p, 8, 1LL << 62);
+    patch_i64(p, p, 16, 2147483647LL);
+    patch_i64(p, p, 24, 1LL << 62);
+    patch_i64(p, p, 32, 1LL << 62);
+    patch_f32(p, p, 44, FLT_MAX);
+    CHECK(m && mpt_model_load_checkpoint(m, p) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    CHECK(m && m->optimizer_steps == 1LL << 62 && m->step == 1ull << 62 &&
+              m->good_steps == 1LL << 62 && m->skipped_steps == 1LL << 62 &&
+              m->epoch == 2147483647 && m->loss_scale == FLT_MAX,
+          "the limits were loaded");
+    patch_f32(p, p, 44, FLT_MIN);
+    CHECK(m && mpt_model_load_checkpoint(m, p) == MPT_OK && m->loss_scale == FLT_MIN,
+          "a loss scale of FLT_MIN loads: %s", mpt_context_error(ctx));
+    patch_i64(c, path_of(p, "near_limit.safetensors"), 0, (1LL << 62) - 1000);
+    patch_i64(p, p, 8, (1LL << 62) - 1000);
+    patch_i64(p, p, 24, (1LL << 62) - 1000);
+    CHECK(m && mpt_model_load_checkpoint(m, p) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (m) {
+        float x[4 * 6 * 6 * 2];
+        int32_t y[4];
+        mpt_tensor tx, ty;
+        mpt_dataset *data = NULL;
+        int j, finite = 1;
+        int64_t k;
+        test_seed(33);
+        for (j = 0; j < 4 * 6 * 6 * 2; j++) x[j] = (float)test_uniform(-1, 1);
+        for (j = 0; j < 4; j++) y[j] = (int32_t)test_uniform(0, 5);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){4, 6, 6, 2}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){4}, y);
+        mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data);
+        CHECK(mpt_model_fit(m, data, &(mpt_fit_desc){.epochs = 1, .batch_size = 1}) == MPT_OK,
+              "fit from the limits: %s", mpt_context_error(ctx));
+        for (j = 0; j < m->n_params; j++)
+            for (k = 0; k < m->params[j].count; k++) finite &= isfinite(m->params[j].value[k]) != 0;
+        CHECK(finite, "every weight is still finite");
+        CHECK(m->step == (1ull << 62) - 1000 + 4 && m->optimizer_steps > (1LL << 62) - 1000,
+              "the counters went on: step %llu, optimizer steps %lld",
+              (unsigned long long)m->step, (long long)m->optimizer_steps);
+        CHECK(mpt_model_save_checkpoint(m, path_of(p, "after_limit.safetensors")) == MPT_OK,
+              "save: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+        m = make_f16_adam(31);
+        CHECK(m && mpt_model_load_checkpoint(m, p) == MPT_OK,
+              "the model's own checkpoint loads again: %s", mpt_context_error(ctx));
+        mpt_dataset_destroy(data);
+    }
+    mpt_model_destroy(m);
+    test__end("bounds: counters at their limits load, train and save a loadable checkpoint");
+    mpt_model_destroy(src);
+}
+
+/* Non-finite weights or moments, and negative second moments, are refused
+   by both loaders, with the tensor's name; the last tensor of the file
+   being the bad one shows that nothing read before it reached the model. */
+static void test_bad_values(void) {
+    static const struct {
+        const char *tensor;
+        float v;
+        int full; /* 0: the weights file */
+        mpt_status want;
+        const char *says;
+    } cases[] = {
+        {"dense/kernel", NAN, 0, MPT_ERR_NUMERIC, "NaN"},
+        {"conv2d/bias", INFINITY, 0, MPT_ERR_NUMERIC, "inf"},
+        {"batch_normalization/moving_mean", -INFINITY, 0, MPT_ERR_NUMERIC, "-inf"},
+        {"dense/bias", NAN, 1, MPT_ERR_NUMERIC, "NaN"},
+        {"optimizer/conv2d/kernel/m", NAN, 1, MPT_ERR_NUMERIC, "NaN"},
+        {"optimizer/dense/kernel/v", INFINITY, 1, MPT_ERR_NUMERIC, "inf"},
+        {"optimizer/dense/bias/v", -0.5f, 1, MPT_ERR_FORMAT, "negative"},
+    };
+    mpt_model *src = make_f16_adam(41), *m, *sgd;
+    char w[256], c[256], p[256], label[160];
+    size_t i;
+    test__begin();
+    if (src) fill_model(src, 0.75f);
+    CHECK(mpt_model_save_weights(src, path_of(w, "values_w.safetensors")) == MPT_OK &&
+              mpt_model_save_checkpoint(src, path_of(c, "values_c.safetensors")) == MPT_OK,
+          "save: %s", mpt_context_error(ctx));
+    test__end("values: the reference files are saved");
+    if (!src) return;
+    for (i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const char *file = cases[i].full ? c : w;
+        long long begin = tensor_begin(file, cases[i].tensor);
+        test__begin();
+        CHECK(begin >= 0, "%s is in the file", cases[i].tensor);
+        test__end("values: %s is in the reference file", cases[i].tensor);
+        patch_f32(file, path_of(p, "bad_value.safetensors"), begin + 4 * 3, cases[i].v);
+        m = make_f16_adam(41);
+        snprintf(label, sizeof label, "%s with %g in %s",
+                 cases[i].full ? "a checkpoint" : "weights", (double)cases[i].v, cases[i].tensor);
+        expect_refused(m, p, cases[i].full, cases[i].want, cases[i].tensor, cases[i].says, label);
+        mpt_model_destroy(m);
+    }
+    /* load_weights of a checkpoint reads no optimizer state: a bad moment
+       there is not its business. */
+    test__begin();
+    m = make_f16_adam(42);
+    CHECK(m && mpt_model_load_weights(m, p) == MPT_OK && same_state(src, m, 0),
+          "load_weights of a checkpoint with a negative v: %s", mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    test__end("values: load_weights ignores the optimizer state it does not load");
+
+    /* SGD's momentum must be finite too. */
+    test__begin();
+    sgd = make_model((arch){MPT_POLICY_FLOAT32, 43, 0, 0, 0});
+    CHECK(sgd && compile_with(sgd, MPT_OPTIMIZER_SGD, 0.9f) == MPT_OK, "compile");
+    if (sgd) fill_model(sgd, 0.25f);
+    CHECK(mpt_model_save_checkpoint(sgd, path_of(c, "values_sgd.safetensors")) == MPT_OK, "save");
+    patch_f32(c, path_of(p, "bad_momentum.safetensors"),
+              tensor_begin(c, "optimizer/dense/kernel/momentum") + 4, NAN);
+    test__end("values: the SGD checkpoint is saved");
+    expect_refused(sgd, p, 1, MPT_ERR_NUMERIC, "optimizer/dense/kernel/momentum", "NaN",
+                   "a checkpoint with a NaN momentum");
+    mpt_model_destroy(sgd);
+    mpt_model_destroy(src);
+}
+
+/* ---- policies ---------------------------------------------------------------------- */
+
+static mpt_status compile_fixed(mpt_model *m, float scale) {
+    mpt_compile_desc c;
+    memset(&c, 0, sizeof c);
+    c.optimizer.type = MPT_OPTIMIZER_ADAM;
+    c.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    c.loss.from_logits = 1;
+    c.loss_scale.mode = MPT_LOSS_SCALE_FIXED;
+    c.loss_scale.initial_scale = scale;
+    return mpt_model_compile(m, &c);
+}
+
+/* A full checkpoint carries its policy's training state (a float16 run's
+   loss scale): another policy's model refuses it, and load_weights moves
+   the weights across policies. */
+static void test_policies(void) {
+    static const mpt_policy others[] = {MPT_POLICY_MIXED_BFLOAT16, MPT_POLICY_FLOAT32};
+    static const char *const names[] = {"mixed_bfloat16", "float32"};
+    mpt_model *src = make_f16_adam(51), *m;
+    char c[256], w[256], p[256], label[128];
+    int k;
+    test__begin();
+    if (src) {
+        fill_model(src, -0.5f);
+        fill_train_state(src); /* a loss scale of 4096 */
+    }
+    CHECK(mpt_model_save_checkpoint(src, path_of(c, "policy_c.safetensors")) == MPT_OK &&
+              mpt_model_save_weights(src, path_of(w, "policy_w.safetensors")) == MPT_OK,
+          "save: %s", mpt_context_error(ctx));
+    test__end("policies: the mixed_float16 files are saved");
+    if (!src) return;
+    for (k = 0; k < 2; k++) {
+        arch a = {others[k], 52, 0, 0, 0};
+        m = make_model(a);
+        if (m) compile_with(m, MPT_OPTIMIZER_ADAM, 0);
+        snprintf(label, sizeof label, "a mixed_float16 checkpoint into a %s model", names[k]);
+        expect_refused(m, c, 1, MPT_ERR_DTYPE, "mixed_float16", names[k], label);
+        CHECK(strstr(mpt_context_error(ctx), "mpt_model_load_weights") != NULL,
+              "the message points to load_weights: %s", mpt_context_error(ctx));
+
+        test__begin();
+        CHECK(m && mpt_model_load_weights(m, c) == MPT_OK && same_state(src, m, 0) &&
+                  copies_fresh(m),
+              "load_weights of the checkpoint: %s", mpt_context_error(ctx));
+        fill_model(m, 3.0f);
+        CHECK(m && mpt_model_load_weights(m, w) == MPT_OK && same_state(src, m, 0) &&
+                  copies_fresh(m),
+              "load_weights of the weights: %s", mpt_context_error(ctx));
+        CHECK(m && m->loss_scale == 1.0f && m->optimizer_steps == 0,
+              "the training state stays the model's own");
+        test__end("policies: load_weights takes mixed_float16 weights into %s", names[k]);
+
+        /* A checkpoint without metadata (not written by mpt.h, or stripped)
+           is not known to be another policy's; its loss scale still is not
+           one this model can have. */
+        strip_metadata(c, path_of(p, "policy_no_meta.safetensors"));
+        snprintf(label, sizeof label, "a mixed_float16 checkpoint without metadata into %s",
+                 names[k]);
+        expect_refused(m, p, 1, MPT_ERR_FORMAT, "train/loss_scale", "does not scale", label);
+        mpt_model_destroy(m);
+    }
+
+    test__begin();
+    m = make_f16_adam(53);
+    CHECK(m && mpt_model_load_checkpoint(m, p) == MPT_OK,
+          "the stripped checkpoint loads into a mixed_float16 model: %s", mpt_context_error(ctx));
+    CHECK(m && same_state(src, m, 1) && m->loss_scale == 4096.0f, "state restored");
+    mpt_model_destroy(m);
+    test__end("policies: a checkpoint without metadata loads into a model it fits");
+
+    /* A fixed loss scale is compile's; a bfloat16 model's is 1. */
+    m = make_model((arch){MPT_POLICY_MIXED_FLOAT16, 54, 0, 0, 0});
+    if (m) compile_fixed(m, 1024.0f);
+    expect_refused(m, c, 1, MPT_ERR_FORMAT, "train/loss_scale", "fixed at 1024",
+                   "a dynamic checkpoint's scale into a model with a fixed one");
+    test__begin();
+    CHECK(m && mpt_model_save_checkpoint(m, path_of(p, "fixed.safetensors")) == MPT_OK, "save");
+    mpt_model_destroy(m);
+    m = make_model((arch){MPT_POLICY_MIXED_FLOAT16, 54, 0, 0, 0});
+    CHECK(m && compile_fixed(m, 1024.0f) == MPT_OK && mpt_model_load_checkpoint(m, p) == MPT_OK &&
+              m->loss_scale == 1024.0f,
+          "a fixed-scale checkpoint loads into its own kind of model: %s", mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    m = make_model((arch){MPT_POLICY_MIXED_BFLOAT16, 55, 0, 0, 0});
+    CHECK(m && compile_with(m, MPT_OPTIMIZER_ADAM, 0) == MPT_OK, "compile");
+    if (m) fill_model(m, 1.5f);
+    CHECK(m && mpt_model_save_checkpoint(m, path_of(p, "bf16.safetensors")) == MPT_OK, "save");
+    mpt_model_destroy(m);
+    m = make_model((arch){MPT_POLICY_MIXED_BFLOAT16, 55, 0, 0, 0});
+    CHECK(m && compile_with(m, MPT_OPTIMIZER_ADAM, 0) == MPT_OK &&
+              mpt_model_load_checkpoint(m, p) == MPT_OK && m->loss_scale == 1.0f,
+          "a mixed_bfloat16 checkpoint loads into a mixed_bfloat16 model: %s",
+          mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    test__end("policies: fixed-scale and unscaled checkpoints load into their own kind");
+    mpt_model_destroy(src);
+}
+
 /* ---- malformed files ---------------------------------------------------------------- */
 
 #define K_OK "\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]}"
@@ -693,6 +1050,9 @@ static void test_malformed(void) {
                                           "\"data_offsets\":[8,32]}," B_OK "}", 32, "gap"},
         {"a byte too many at the end", "{" K_OK "," B_OK "}", 33, "but its size is"},
         {"truncated data", "{" K_OK "," B_OK "}", 28, "truncated"},
+        {"a tensor of almost 2^63 bytes", "{\"dense/kernel\":{\"dtype\":\"U8\","
+                                          "\"shape\":[9223372036854775807],\"data_offsets\":"
+                                          "[0,9223372036854775807]}}", 32, "truncated"},
     };
     unsigned char data[64], raw[64];
     char p[256];
@@ -871,6 +1231,165 @@ static void test_crash_safety(void) {
     test__end("I/O errors name the path: a missing directory, a missing file, a directory");
     free(v1);
     mpt_model_destroy(m);
+}
+
+/* ---- temporary files of saves that were killed ------------------------------------------ */
+
+/* A process that writes "<target>.tmp-<its pid>" and holds a write lock on
+   it, as a save in progress does, until it is killed; -1 if it could not
+   be started. */
+static pid_t start_writer(const char *target) {
+    int ready[2];
+    char c = 0;
+    pid_t pid;
+    if (pipe(ready) != 0) return -1;
+    pid = fork();
+    if (pid == 0) {
+        char name[320];
+        struct flock l;
+        int fd;
+        snprintf(name, sizeof name, "%s.tmp-%ld", target, (long)getpid());
+        fd = open(name, O_WRONLY | O_CREAT | O_EXCL, 0600);
+        memset(&l, 0, sizeof l);
+        l.l_type = F_WRLCK;
+        l.l_whence = SEEK_SET;
+        c = fd >= 0 && write(fd, "partial", 7) == 7 && fcntl(fd, F_SETLK, &l) == 0 ? 'y' : 'n';
+        if (write(ready[1], &c, 1) != 1) _exit(1);
+        for (;;) pause();
+    }
+    close(ready[1]);
+    if (pid > 0 && (read(ready[0], &c, 1) != 1 || c != 'y')) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        pid = -1;
+    }
+    close(ready[0]);
+    return pid;
+}
+
+/* A save in another process while this one's save is writing: set, the
+   next write of a save here forks a process that saves `probe_model` to
+   the same target; probe_result is 1 if that save worked and left this
+   one's temporary file alone. */
+static mpt_model *probe_model;
+static const char *probe_target;
+static int probe_result = -1;
+static int die_during_save; /* set: the next write of a save kills the process */
+
+static long long during_save(void) {
+    if (die_during_save) raise(SIGKILL);
+    if (probe_model) {
+        mpt_model *m = probe_model;
+        char mine[320];
+        pid_t pid;
+        int status = 0;
+        probe_model = NULL;
+        snprintf(mine, sizeof mine, "%s.tmp-%ld", probe_target, (long)getpid());
+        pid = fork();
+        if (pid == 0)
+            _exit(exists(mine) && mpt_model_save_weights(m, probe_target) == MPT_OK &&
+                          exists(mine)
+                      ? 0
+                      : 1);
+        probe_result = pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+                       WEXITSTATUS(status) == 0;
+    }
+    return fail_after;
+}
+
+/* The pid of a process that has ended. */
+static pid_t dead_pid(void) {
+    pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    if (pid > 0) waitpid(pid, NULL, 0);
+    return pid;
+}
+
+/* A save removes the temporary files of its target that saves killed
+   mid-write left (nobody holds their lock), and nothing else: not a save
+   in progress in another process (it holds the lock), not this process's
+   own, not other targets' or names that only look alike. */
+static void test_stale_temporaries(void) {
+    mpt_model *m = make_tiny(), *check = make_tiny();
+    char target[256], stale[320], stale_k[320], live[320], mine[320], other[320], alike[320];
+    char alike2[320];
+    unsigned char junk[4096];
+    pid_t dead = dead_pid(), holder;
+    size_t i;
+    CHECK(m && check && dead > 0, "setup");
+    if (!m || !check || dead <= 0) {
+        mpt_model_destroy(m);
+        mpt_model_destroy(check);
+        return;
+    }
+    test_seed(61);
+    for (i = 0; i < sizeof junk; i++) junk[i] = (unsigned char)test_uniform(0, 256);
+    path_of(target, "swept.safetensors");
+    snprintf(stale, sizeof stale, "%s.tmp-%ld", target, (long)dead);
+    snprintf(stale_k, sizeof stale_k, "%s.tmp-%ld-3", target, (long)dead);
+    snprintf(mine, sizeof mine, "%s.tmp-%ld-7", target, (long)getpid());
+    snprintf(other, sizeof other, "%s/other.safetensors.tmp-%ld", dir, (long)dead);
+    snprintf(alike, sizeof alike, "%s.tmp-%ldx", target, (long)dead);
+    snprintf(alike2, sizeof alike2, "%s.tmpx-%ld", target, (long)dead);
+    spit(stale, junk, sizeof junk);
+    spit(stale_k, junk, 100);
+    spit(mine, junk, 10);
+    spit(other, junk, 10);
+    spit(alike, junk, 10);
+    spit(alike2, junk, 10);
+    /* The live one: a file another process is writing, its pid alive. */
+    holder = start_writer(target);
+    CHECK(holder > 0, "a process writes a temporary file of %s", target);
+    snprintf(live, sizeof live, "%s.tmp-%ld", target, (long)holder);
+    fill_model(m, 0.5f);
+    CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(!exists(stale), "the stale temporary file of a dead process is gone");
+    CHECK(!exists(stale_k), "the stale \"-<k>\" temporary file is gone");
+    CHECK(exists(live), "the temporary file a live process holds is kept");
+    CHECK(exists(mine), "this process's own temporary file is kept");
+    CHECK(exists(other) && exists(alike) && exists(alike2),
+          "another target's file and files that only look alike are kept");
+    CHECK(mpt_model_load_weights(check, target) == MPT_OK && same_state(m, check, 0),
+          "the save itself worked: %s", mpt_context_error(ctx));
+    if (holder > 0) {
+        kill(holder, SIGKILL);
+        waitpid(holder, NULL, 0);
+    }
+    /* Killed, the holder's lock is gone: the next save sweeps its file. */
+    CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(!exists(live), "the file of the killed writer is gone after the next save");
+    CHECK(exists(mine), "this process's own temporary file is still kept");
+    /* A save killed mid-write, for real: its file stays until the next save. */
+    {
+        pid_t killed = fork();
+        int status = 0;
+        char left[320];
+        if (killed == 0) {
+            die_during_save = 1;
+            mpt_model_save_weights(m, target);
+            _exit(3);
+        }
+        CHECK(killed > 0 && waitpid(killed, &status, 0) == killed && WIFSIGNALED(status) &&
+                  WTERMSIG(status) == SIGKILL,
+              "a save was killed mid-write");
+        snprintf(left, sizeof left, "%s.tmp-%ld", target, (long)killed);
+        CHECK(exists(left), "the killed save left %s", left);
+        CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+        CHECK(!exists(left), "the next save removed what the killed one left");
+    }
+    /* Two processes saving to one target: neither sweeps the other's. */
+    probe_model = check;
+    probe_target = target;
+    CHECK(mpt_model_save_weights(m, target) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(probe_result == 1, "a save in another process kept this one's temporary file");
+    CHECK(mpt_model_load_weights(check, target) == MPT_OK && same_state(m, check, 0),
+          "the last save to finish is the file: %s", mpt_context_error(ctx));
+    remove(mine);
+    remove(other);
+    remove(alike);
+    remove(alike2);
+    mpt_model_destroy(m);
+    mpt_model_destroy(check);
 }
 
 /* ---- running out of memory ------------------------------------------------------------ */
@@ -1083,8 +1602,12 @@ int main(void) {
     test_full_round_trip();
     TEST_RUN(test_file_layout);
     test_mismatches();
+    test_counter_bounds();
+    test_bad_values();
+    test_policies();
     test_malformed();
     test_crash_safety();
+    TEST_RUN(test_stale_temporaries);
     TEST_RUN(test_out_of_memory);
     TEST_RUN(test_resume_fit);
     TEST_RUN(test_python_interop);

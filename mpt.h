@@ -69,7 +69,9 @@
 
    Underneath fit, the same steps are public: mpt_model_forward,
    mpt_loss_compute, mpt_model_backward, and every parameter's float32
-   master and gradient (mpt_model_param).
+   master and gradient (mpt_model_param); and, in the model's own memory
+   (so on a GPU too), the pieces of fit's step: mpt_model_compute_loss,
+   mpt_model_grad_stats, mpt_model_scale_grads, mpt_model_sgd_step.
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
@@ -4205,32 +4207,39 @@ static mpt_status mpt__hand_check(mpt_model *m, const char *what) {
 static mpt_status mpt__hand_update_args(mpt_model *m, mpt_update_args *u, void **block) {
     size_t n = 0;
     int i, k = 0;
-    float **value;
+    float **value, **grad, **no_slot;
+    void **compute;
+    int64_t *count;
+    mpt_dtype *dtype;
     for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
-    memset(u, 0, sizeof *u);
-    /* value, grad, slot0, slot1 (all NULL), compute; then count, dtype */
-    *block = mpt__calloc(m->ctx, 5 * n * sizeof(void *) +
+    /* value, grad, the slots (all NULL), compute; then count and dtype */
+    *block = mpt__calloc(m->ctx, 4 * n * sizeof(void *) +
                                      n * (sizeof(int64_t) + sizeof(mpt_dtype)) + 1);
     if (!*block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     value = (float **)*block;
-    u->value = value;
-    u->grad = (const float *const *)(value + n);
-    u->slot0 = value + 2 * n;
-    u->slot1 = value + 3 * n;
-    u->compute = (void *const *)(value + 4 * n);
-    u->count = (const int64_t *)(value + 5 * n);
-    u->compute_dtype = (const mpt_dtype *)(u->count + n);
+    grad = value + n;
+    no_slot = grad + n;
+    compute = (void **)(no_slot + n);
+    count = (int64_t *)(compute + n);
+    dtype = (mpt_dtype *)(count + n);
     for (i = 0; i < m->n_params; i++) {
         const mpt__param *P = &m->params[i];
         if (!P->trainable) continue;
         value[k] = P->value;
-        value[n + k] = P->grad;
-        ((void **)u->compute)[k] = P->compute;
-        ((int64_t *)u->count)[k] = P->count;
-        ((mpt_dtype *)u->compute_dtype)[k] = P->compute_dtype;
+        grad[k] = P->grad;
+        compute[k] = P->compute;
+        count[k] = P->count;
+        dtype[k] = P->compute_dtype;
         k++;
     }
+    memset(u, 0, sizeof *u);
     u->n = (int)n;
+    u->value = value;
+    u->grad = (const float *const *)grad;
+    u->slot0 = u->slot1 = no_slot;
+    u->compute = compute;
+    u->compute_dtype = dtype;
+    u->count = count;
     u->state = &m->state[1];
     return MPT_OK;
 }

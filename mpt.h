@@ -510,7 +510,7 @@ MPTDEF void mpt_model_refresh_weights(mpt_model *m);
    to skip a step and back the loss scale off. */
 MPTDEF mpt_status mpt_model_grad_stats(mpt_model *m, int *all_finite, double *global_norm);
 /* Every trainable gradient multiplied by factor (finite): 1/scale unscales
-   them. fit folds this into its update. */
+   them. fit folds this into its fused update, on the device. */
 MPTDEF mpt_status mpt_model_scale_grads(mpt_model *m, float factor);
 /* Plain SGD on every trainable parameter: w −= learning_rate · g on the
    float32 master (learning_rate finite, >= 0), then its compute-dtype copy

@@ -183,6 +183,42 @@ example_checks() {
             record "examples/hand_sgd $p learns the rings" fail "train accuracy '${acc}' < 0.98"
         fi
     done
+    hand_loss_scaling_checks
+}
+
+# The field NAME of a JSON line (numbers only).
+json_number() { sed -n "s/.*\"$1\":\([-0-9.e+]*\).*/\1/p"; }
+
+# The loss-scaling loop by hand: it learns the rings, and in float16 its
+# scale (2^32 at first) overflows, backs off and grows again.
+hand_loss_scaling_checks() {
+    local p out acc skipped shrinks growths final
+    if ! cc_prog hand_loss_scaling examples/hand_loss_scaling.c $SAN 2>"$B/hand_ls.log"; then
+        cat "$B/hand_ls.log"
+        record "build examples/hand_loss_scaling.c" fail "compile error (see above)"
+        return
+    fi
+    for p in mixed_float16 float32 mixed_bfloat16; do
+        out=$("./$B/hand_loss_scaling" $p | tail -n 1)
+        acc=$(echo "$out" | json_number train_accuracy)
+        if [ -n "$acc" ] && awk "BEGIN{exit !($acc >= 0.98)}"; then
+            record "examples/hand_loss_scaling $p learns the rings (train accuracy $acc >= 0.98)" pass
+        else
+            record "examples/hand_loss_scaling $p learns the rings" fail "train accuracy '${acc}' < 0.98"
+        fi
+    done
+    out=$("./$B/hand_loss_scaling" mixed_float16 | tail -n 1)
+    skipped=$(echo "$out" | json_number skipped_steps)
+    shrinks=$(echo "$out" | json_number scale_shrinks)
+    growths=$(echo "$out" | json_number scale_growths)
+    final=$(echo "$out" | json_number final_loss_scale)
+    if [ "${skipped:-0}" -ge 1 ] && [ "${shrinks:-0}" -ge 1 ] && [ "${growths:-0}" -ge 1 ] &&
+        awk "BEGIN{exit !(${final:-0} > 0 && ${final:-0} < 4294967296)}"; then
+        record "examples/hand_loss_scaling mixed_float16 skips $skipped steps, shrinks the scale $shrinks times, grows it $growths times" pass
+    else
+        record "examples/hand_loss_scaling mixed_float16 adjusts its scale" fail \
+            "skipped '$skipped', shrinks '$shrinks', growths '$growths', final scale '$final' in: $out"
+    fi
 }
 
 # nvcc from $NVCC, the PATH or /usr/local/cuda; fails when there is none.

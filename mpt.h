@@ -69,7 +69,9 @@
 
    Underneath fit, the same steps are public: mpt_model_forward,
    mpt_loss_compute, mpt_model_backward, and every parameter's float32
-   master and gradient (mpt_model_param).
+   master and gradient (mpt_model_param); and, in the model's own memory
+   (so on a GPU too), the pieces of fit's step: mpt_model_compute_loss,
+   mpt_model_grad_stats, mpt_model_scale_grads, mpt_model_sgd_step.
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
@@ -494,6 +496,28 @@ MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info)
    read. Call after changing a value tensor by hand. */
 MPTDEF void mpt_model_refresh_weights(mpt_model *m);
 
+/* A training step by hand, in the model's own memory (so also on a GPU):
+   the pieces fit runs fused on the device, one call each, for a loop that
+   shows them (examples/hand_loss_scaling.c). Each waits for the device
+   where it returns a number (a host sync: fine for teaching, slow for a
+   real loop). Not under a strategy (MPT_ERR_UNSUPPORTED). The loss is
+   mpt_model_compute_loss (@losses).
+
+   Whether every trainable gradient is finite (*all_finite, 1 or 0) and
+   their global L2 norm √Σg² (*global_norm, inf or NaN when one is not),
+   as they stand: with a loss scale in them, the norm is scale × the true
+   one. Either output may be NULL. fit makes the same test, on the device,
+   to skip a step and back the loss scale off. */
+MPTDEF mpt_status mpt_model_grad_stats(mpt_model *m, int *all_finite, double *global_norm);
+/* Every trainable gradient multiplied by factor (finite): 1/scale unscales
+   them. fit folds this into its fused update, on the device. */
+MPTDEF mpt_status mpt_model_scale_grads(mpt_model *m, float factor);
+/* Plain SGD on every trainable parameter: w −= learning_rate · g on the
+   float32 master (learning_rate finite, >= 0), then its compute-dtype copy
+   rewritten from it. fit's update does this fused with the unscaling, the
+   clipping and the other optimizers; this one takes no optimizer state. */
+MPTDEF mpt_status mpt_model_sgd_step(mpt_model *m, float learning_rate);
+
 /* One sample's input shape (as given to mpt_model_create); returns its rank. */
 MPTDEF int mpt_model_input_shape(const mpt_model *m, int64_t *shape);
 MPTDEF int mpt_model_layer_count(const mpt_model *m);
@@ -533,6 +557,14 @@ typedef struct mpt_loss_desc {
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred);
+/* The same on a model's last forward output, in the model's memory (so on a
+   GPU too): the loss against target (host memory, as above) into *loss,
+   and grad_scale · d(loss)/d(output) into the buffer of
+   mpt_model_output_grad, ready for mpt_model_backward(m, NULL, NULL). fit
+   runs the same loss on the device, with the loss scale read there. A step
+   by hand (see mpt_model_grad_stats); not under a strategy. */
+MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc,
+                                         const mpt_tensor *target, double *loss);
 
 /* =============================================================================
    @optimizers: optimizers, learning-rate schedules, loss scaling
@@ -4216,6 +4248,118 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
     return MPT_OK;
 }
 
+/* ---- a training step by hand: fit's step, one public piece at a time ---------
+   The pieces reach the weights and gradients through the backend, as fit
+   does, so a hand-written loop runs on a GPU too. The numbers a piece
+   hands back pass through the evaluation record (m->state[1]): fit and
+   evaluate reset what they read of it before they read it. */
+
+/* A model a hand step can run on: built, and one replica. */
+static mpt_status mpt__hand_check(mpt_model *m, const char *what) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "%s: build the model first", what);
+    if (m->n_replicas > 1 || m->strategy)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "%s: not under a strategy (use fit, which sums the replicas' gradients)",
+                         what);
+    return MPT_OK;
+}
+
+/* The trainable parameters as the backend's optimizer passes take them,
+   with no optimizer slots (one allocation, *block, for the caller to free). */
+static mpt_status mpt__hand_update_args(mpt_model *m, mpt_update_args *u, void **block) {
+    size_t n = 0;
+    int i, k = 0;
+    float **value, **grad, **no_slot;
+    void **compute;
+    int64_t *count;
+    mpt_dtype *dtype;
+    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
+    /* value, grad, the slots (all NULL), compute; then count and dtype */
+    *block = mpt__calloc(m->ctx, 4 * n * sizeof(void *) +
+                                     n * (sizeof(int64_t) + sizeof(mpt_dtype)) + 1);
+    if (!*block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    value = (float **)*block;
+    grad = value + n;
+    no_slot = grad + n;
+    compute = (void **)(no_slot + n);
+    count = (int64_t *)(compute + n);
+    dtype = (mpt_dtype *)(count + n);
+    for (i = 0; i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        if (!P->trainable) continue;
+        value[k] = P->value;
+        grad[k] = P->grad;
+        compute[k] = P->compute;
+        count[k] = P->count;
+        dtype[k] = P->compute_dtype;
+        k++;
+    }
+    memset(u, 0, sizeof *u);
+    u->n = (int)n;
+    u->value = value;
+    u->grad = (const float *const *)grad;
+    u->slot0 = u->slot1 = no_slot;
+    u->compute = compute;
+    u->compute_dtype = dtype;
+    u->count = count;
+    u->state = &m->state[1];
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_grad_stats(mpt_model *m, int *all_finite, double *global_norm) {
+    mpt_update_args u;
+    mpt_step_state st;
+    void *block;
+    mpt_status s;
+    MPT__CHECK(mpt__hand_check(m, "grad_stats"));
+    MPT__CHECK(mpt__hand_update_args(m, &u, &block));
+    m->be->grad_stats(m->impl, &u); /* Σg² and its finiteness, into state[1] */
+    s = mpt__download(m, &st, &m->state[1], sizeof st);
+    mpt__free(m->ctx, block);
+    if (s != MPT_OK) return s;
+    if (all_finite) *all_finite = st.finite != 0;
+    if (global_norm) *global_norm = sqrt(st.sum_squares);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_scale_grads(mpt_model *m, float factor) {
+    int i;
+    MPT__CHECK(mpt__hand_check(m, "scale_grads"));
+    if (!isfinite(factor))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "scale_grads: factor %g must be finite",
+                         (double)factor);
+    for (i = 0; i < m->n_params; i++)
+        if (m->params[i].trainable)
+            m->be->scale(m->impl, m->params[i].grad, factor, m->params[i].count);
+    return MPT_OK;
+}
+
+/* The backend's fused update with plain SGD at this rate, on a record that
+   says: gradients finite, no loss scale, optimizer step 0. */
+MPTDEF mpt_status mpt_model_sgd_step(mpt_model *m, float learning_rate) {
+    mpt_update_args u;
+    mpt_step_state st;
+    void *block;
+    MPT__CHECK(mpt__hand_check(m, "sgd_step"));
+    if (!(learning_rate >= 0 && learning_rate < INFINITY))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "sgd_step: learning_rate %g must be finite and >= 0",
+                         (double)learning_rate);
+    memset(&st, 0, sizeof st);
+    st.learning_rate = learning_rate;
+    st.loss_scale = 1;
+    st.finite = 1;
+    MPT__CHECK(mpt__upload(m, &m->state[1], &st, sizeof st));
+    MPT__CHECK(mpt__hand_update_args(m, &u, &block));
+    u.optimizer.type = MPT_OPTIMIZER_SGD; /* no momentum, decay, L2 or clipping */
+    u.optimizer.learning_rate = learning_rate;
+    m->be->update(m->impl, &u);
+    /* the backend reads u's arrays while queueing, not after */
+    mpt__free(m->ctx, block);
+    return MPT_OK;
+}
+
 /* ---- looking inside a model ------------------------------------------------ */
 
 MPTDEF int mpt_model_param_count(const mpt_model *m) { return m && m->built ? m->n_params : 0; }
@@ -6349,6 +6493,69 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     a->state->samples += (double)a->rows;
     a->state->correct += (double)correct;
     a->state->top_k += (double)top_k;
+}
+
+/* ---- the loss of a model's output, for a step by hand ---------------------
+   mpt_loss_compute on the model's own buffers: the backend's loss (fit's),
+   tallied into the evaluation record, whose two sums give the mean back. */
+
+/* The target of mpt_model_compute_loss: pred's rows, in host memory,
+   class ids in range or float32 values that are finite. */
+static mpt_status mpt__check_model_target(mpt_model *m, const mpt_loss_desc *d,
+                                          const mpt_tensor *pred, const mpt_tensor *target) {
+    const char *name = mpt__loss_name(d->type);
+    MPT__CHECK(mpt__loss_check_target(m->ctx, d, pred, target));
+    if (target->device != MPT_DEVICE_CPU)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: target must be in host memory", name);
+    if (d->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY) {
+        mpt__loss_job j;
+        memset(&j, 0, sizeof j);
+        j.type = d->type;
+        j.target = target;
+        j.rows = mpt_tensor_count(target);
+        j.K = pred->shape[pred->rank - 1];
+        return mpt__loss_check_labels(m->ctx, &j);
+    }
+    if (target->dtype != MPT_FLOAT32)
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: target must be float32, not %s", name,
+                         mpt_dtype_name(target->dtype));
+    return mpt__loss_check_finite(m->ctx, name, "target", target);
+}
+
+MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc,
+                                         const mpt_tensor *target, double *loss) {
+    const mpt__layer *last;
+    mpt_tensor pred, on_backend;
+    mpt_loss_args a;
+    mpt_step_state st;
+    MPT__CHECK(mpt__hand_check(m, "compute_loss"));
+    if (!desc || !target || !loss)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compute_loss: NULL %s",
+                         !desc ? "desc" : !target ? "target" : "loss");
+    if (!m->last_batch)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "compute_loss: before a forward pass");
+    MPT__CHECK(mpt__loss_check_desc(m->ctx, desc));
+    last = &m->layers[m->n_layers - 1];
+    mpt__layer_view(m, last, last->y, 0, &pred);
+    MPT__CHECK(mpt__check_model_target(m, desc, &pred, target));
+    MPT__CHECK(mpt__batch_on_backend(m, target, m->target_buf[0], &on_backend));
+    memset(&a, 0, sizeof a);
+    a.type = desc->type;
+    a.from_logits = desc->from_logits || m->emit_logits;
+    a.pred_dtype = last->dtype;
+    a.pred = last->y;
+    a.target_dtype = target->dtype;
+    a.target = on_backend.data;
+    a.dpred = m->grad_buf[0];
+    a.rows = m->last_batch;
+    a.K = last->out_count;
+    a.grad_weight = desc->grad_scale; /* the gradient's multiplier; 0: 1 */
+    a.state = &m->state[1];
+    m->be->zero(m->impl, &m->state[1], 4 * sizeof(double)); /* loss_sum .. samples */
+    m->be->loss(m->impl, &a);
+    MPT__CHECK(mpt__download(m, &st, &m->state[1], sizeof st));
+    *loss = st.loss_sum / st.samples;
+    return MPT_OK;
 }
 
 /* =============================================================================

@@ -1948,6 +1948,118 @@ static void test_mirrored_on_the_gpu(void) {
     }
 }
 
+/* The hand step functions (mpt_model_compute_loss, _grad_stats,
+   _scale_grads, _sgd_step) on the GPU against the CPU: the same model
+   (seed), batch and calls on both; float32, so that both run the same
+   formulas and differ by the order of their sums only (<= 1e-4 relative
+   over a whole forward, backward and update). Then an inf and a NaN put
+   into one gradient on the GPU make grad_stats report them. */
+typedef struct hand_run {
+    mpt_model *m;
+    double loss, norm;
+    int finite;
+} hand_run;
+
+static mpt_model *hand_model(mpt_context *ctx) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc dd;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = FEATURES;
+    md.input_rank = 1;
+    md.seed = 9;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) {
+        CHECK(0, "model: %s", mpt_context_error(ctx));
+        return NULL;
+    }
+    memset(&dd, 0, sizeof dd);
+    dd.units = 32;
+    dd.activation = MPT_ACT_RELU;
+    mpt_model_add_dense(m, &dd);
+    dd.units = CLASSES;
+    dd.activation = MPT_ACT_NONE;
+    mpt_model_add_dense(m, &dd);
+    CHECK(mpt_model_build(m, 64) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* forward, loss (times scale), backward, grad_stats, unscale, SGD. */
+static void hand_step(backend *b, hand_run *r, float scale, float lr) {
+    mpt_tensor x, y;
+    mpt_loss_desc d;
+    int64_t xs[2] = {64, FEATURES}, ys[1] = {64};
+    memset(r, 0, sizeof *r);
+    r->m = hand_model(b->ctx);
+    if (!r->m) return;
+    mpt_tensor_wrap(b->ctx, &x, MPT_FLOAT32, 2, xs, blob_x);
+    mpt_tensor_wrap(b->ctx, &y, MPT_INT32, 1, ys, blob_y);
+    memset(&d, 0, sizeof d);
+    d.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    d.from_logits = 1;
+    d.grad_scale = scale;
+    CHECK(mpt_model_forward(r->m, &x, 1, NULL) == MPT_OK &&
+              mpt_model_compute_loss(r->m, &d, &y, &r->loss) == MPT_OK &&
+              mpt_model_backward(r->m, NULL, NULL) == MPT_OK &&
+              mpt_model_grad_stats(r->m, &r->finite, &r->norm) == MPT_OK &&
+              mpt_model_scale_grads(r->m, 1.0f / scale) == MPT_OK &&
+              mpt_model_sgd_step(r->m, lr) == MPT_OK,
+          "hand step on %s: %s", b->label, mpt_context_error(b->ctx));
+}
+
+/* An inf, then a NaN, uploaded into one element of the first gradient. */
+static void hand_bad_gradient(backend *b, mpt_model *m) {
+    const float bad[2] = {INFINITY, NAN};
+    mpt_param_info w;
+    int k;
+    if (mpt_model_param(m, 0, &w) != MPT_OK) {
+        CHECK(0, "param: %s", mpt_context_error(b->ctx));
+        return;
+    }
+    for (k = 0; k < 2; k++) {
+        int finite = -1;
+        double norm = 0;
+        int64_t at = test_randint(0, (int)mpt_tensor_count(&w.grad) - 1);
+        be_put(b, (float *)w.grad.data + at, &bad[k], sizeof(float));
+        CHECK(mpt_model_grad_stats(m, &finite, &norm) == MPT_OK, "grad_stats: %s",
+              mpt_context_error(b->ctx));
+        CHECK(finite == 0 && (k == 0 ? norm == INFINITY : norm != norm),
+              "%g in %s[%lld] on %s: finite %d, norm %g", (double)bad[k], w.name, (long long)at,
+              b->label, finite, norm);
+    }
+}
+
+static void test_hand_step_functions(void) {
+    hand_run cpu, gpu;
+    int p;
+    make_blobs();
+    hand_step(&cpu_be, &cpu, 1024.0f, 0.1f);
+    hand_step(&gpu_be[GPU_AUTO], &gpu, 1024.0f, 0.1f);
+    if (!cpu.m || !gpu.m) {
+        mpt_model_destroy(cpu.m);
+        mpt_model_destroy(gpu.m);
+        return;
+    }
+    CHECK(fabs(gpu.loss - cpu.loss) <= 1e-5 * cpu.loss, "loss %.9g on the GPU, %.9g on the CPU",
+          gpu.loss, cpu.loss);
+    CHECK(gpu.finite == 1 && cpu.finite == 1, "finite: GPU %d, CPU %d", gpu.finite, cpu.finite);
+    CHECK(fabs(gpu.norm - cpu.norm) <= 1e-4 * cpu.norm,
+          "gradient norm %.9g on the GPU, %.9g on the CPU", gpu.norm, cpu.norm);
+    for (p = 0; p < mpt_model_param_count(cpu.m); p++) {
+        mpt_param_info wc, wg;
+        void *host;
+        double err;
+        mpt_model_param(cpu.m, p, &wc);
+        mpt_model_param(gpu.m, p, &wg);
+        host = be_fetch(&gpu_be[GPU_AUTO], wg.value.data, mpt_tensor_bytes(&wg.value), "sgd_step");
+        err = rel_error(MPT_FLOAT32, host, MPT_FLOAT32, wc.value.data, mpt_tensor_count(&wc.value));
+        CHECK(err <= 1e-4, "%s after the step: GPU against CPU %g", wc.name, err);
+        free(host);
+    }
+    hand_bad_gradient(&gpu_be[GPU_AUTO], gpu.m);
+    mpt_model_destroy(cpu.m);
+    mpt_model_destroy(gpu.m);
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
@@ -1993,6 +2105,8 @@ int main(void) {
               test_model_out_of_memory);
     test__run("mirrored: 1 and 2 replicas on the GPU end where they end on the CPU (<= 1e-4)",
               test_mirrored_on_the_gpu);
+    test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
+              test_hand_step_functions);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

@@ -2176,6 +2176,13 @@ MPTDEF size_t mpt_tensor_bytes(const mpt_tensor *t) {
    @impl-activations (shared by the GEMM epilogue, Dense, Conv2D, Activation)
    ============================================================================= */
 
+/* ReLU and its gradient, written so that NaN passes through (x <= 0 is
+   false for NaN), as in PyTorch and TensorFlow: a NaN in a weight or an
+   activation must show, not turn into 0. -0 gives +0. Every SIMD path and
+   the CUDA kernels compute the same. */
+static float mpt__relu(float x) { return x <= 0 ? 0.0f : x; }
+static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
+
 static float mpt__gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
 
 static float mpt__sigmoid(float x) {
@@ -2202,7 +2209,7 @@ static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols) {
 static void mpt__activation_forward(mpt_activation act, float *x, int64_t n) {
     int64_t i;
     switch (act) {
-    case MPT_ACT_RELU: for (i = 0; i < n; i++) x[i] = x[i] > 0 ? x[i] : 0; break;
+    case MPT_ACT_RELU: for (i = 0; i < n; i++) x[i] = mpt__relu(x[i]); break;
     case MPT_ACT_GELU: for (i = 0; i < n; i++) x[i] = mpt__gelu(x[i]); break;
     case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) x[i] = mpt__sigmoid(x[i]); break;
     case MPT_ACT_TANH: for (i = 0; i < n; i++) x[i] = tanhf(x[i]); break;
@@ -2221,7 +2228,7 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
     case MPT_ACT_NONE:
         if (dz != dy) memcpy(dz, dy, sizeof(float) * (size_t)n);
         break;
-    case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = y[i] > 0 ? dy[i] : 0; break;
+    case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
     case MPT_ACT_GELU:
         for (i = 0; i < n; i++) {
             float x = z[i];
@@ -2618,7 +2625,7 @@ static void mpt__gemm_kernel_scalar(int64_t kc, const void *av, const void *bv, 
             float v = e->alpha * acc[i][j];
             if (e->load_c) v += e->beta * ci[j];
             if (e->bias) v += e->bias[j];
-            if (e->relu) v = v > 0 ? v : 0;
+            if (e->relu) v = mpt__relu(v);
             ci[j] = v;
         }
     }
@@ -2637,7 +2644,9 @@ MPT__TARGET_AVX2 static inline void mpt__gemm_store_avx2(float *c, __m256 acc, _
     if (e->load_c)
         v = _mm256_fmadd_ps(_mm256_maskload_ps(c, mask), _mm256_set1_ps(e->beta), v);
     if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias, mask));
-    if (e->relu) v = _mm256_max_ps(v, _mm256_setzero_ps());
+    /* mpt__relu: zero where v <= 0 (ordered, so NaN stays); max_ps would
+       turn NaN into 0. */
+    if (e->relu) v = _mm256_andnot_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LE_OQ), v);
     _mm256_maskstore_ps(c, mask, v);
 }
 
@@ -2691,8 +2700,8 @@ MPT__TARGET_AVX512 static inline void mpt__gemm_store_avx512(float *c, __m512 ac
     if (e->load_c)
         v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, c), _mm512_set1_ps(e->beta), v);
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-    /* (x > 0 ? x : 0, as the scalar ReLU: NaN and -0 give +0.) */
-    if (e->relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), v);
+    /* mpt__relu: keep v where !(v <= 0), so NaN stays and -0 gives +0. */
+    if (e->relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
     _mm512_mask_storeu_ps(c, mask, v);
 }
 
@@ -4176,18 +4185,18 @@ static int mpt__initializer_valid(mpt_initializer init) {
 }
 
 #if MPT__X86
-/* ReLU's gradient 16 lanes at a time: dy where y > 0, else 0 (a NaN y gives
-   0, as the scalar loop does). The compiler does not vectorise that loop
+/* ReLU's gradient 16 lanes at a time: mpt__relu_grad, dy where !(y <= 0)
+   (a NaN y passes dy, as the scalar loop does). The compiler does not vectorise that loop
    itself, and it is a tenth of an MLP's step. */
 MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const float *dy,
                                                         float *dz, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __mmask16 positive = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_setzero_ps(),
-                                                _CMP_GT_OQ);
-        _mm512_storeu_ps(dz + i, _mm512_maskz_mov_ps(positive, _mm512_loadu_ps(dy + i)));
+        __mmask16 passed = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_setzero_ps(),
+                                              _CMP_NLE_UQ);
+        _mm512_storeu_ps(dz + i, _mm512_maskz_mov_ps(passed, _mm512_loadu_ps(dy + i)));
     }
-    for (; i < n; i++) dz[i] = y[i] > 0 ? dy[i] : 0;
+    for (; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]);
 }
 #endif
 

@@ -940,7 +940,10 @@ typedef struct mpt_fit_desc {
 
 /* Trains on `train` (builds the model for batch_size first if it is not
    built). Shuffling follows the model's seed and the epoch, so a run is
-   reproducible. The history of every epoch is kept (mpt_model_history). */
+   reproducible. The history of every epoch is kept (mpt_model_history).
+   After an epoch whose loss or trainable weights hold inf or NaN, fit
+   stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
+   names the epoch and the first such weight's layer, tensor and element. */
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
                                 const mpt_fit_desc *desc);
 
@@ -8606,6 +8609,74 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     return mpt__prepare(m, d->batch_size, 1, "fit");
 }
 
+/* The first trainable weight holding inf or NaN: its index in m->params
+   and element, read back one tensor at a time (only once something is
+   known to be wrong). *param is -1 when every one is finite. */
+static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int *param, int64_t *element,
+                                              float *value) {
+    int i;
+    *param = -1;
+    for (i = 0; i < m->n_params && *param < 0; i++) {
+        const mpt__param *P = &m->params[i];
+        float *host;
+        int64_t e;
+        mpt_status s;
+        if (!P->trainable || P->count <= 0) continue;
+        host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)P->count);
+        if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+        s = mpt__download(m, host, P->value, sizeof(float) * (size_t)P->count);
+        for (e = 0; s == MPT_OK && e < P->count && *param < 0; e++)
+            if (!isfinite(host[e])) *param = i, *element = e, *value = host[e];
+        mpt__free(m->ctx, host);
+        MPT__CHECK(s);
+    }
+    return MPT_OK;
+}
+
+/* After each epoch of fit: training stops with MPT_ERR_NUMERIC once a
+   trainable weight or the epoch's loss is inf or NaN, since no later step
+   can recover (every step after it is skipped, or it goes on from a broken
+   model) and callbacks would save it. A step skipped for overflowing
+   gradients (dynamic loss scaling) changes no weight and its loss is
+   finite, so it never stops training. The weights are checked by the
+   backend's grad_stats pass run over the masters instead of the
+   gradients, into evaluation's record of the scalars (unused between
+   evaluations). */
+static void mpt__cb_repr(char *buf, size_t size, double v, int single);
+
+static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
+                                        const mpt_logs *logs) {
+    const double loss = mpt_logs_get(logs, "loss");
+    mpt_update_args u = m->update;
+    mpt_step_state st;
+    int param = -1;
+    int64_t element = 0;
+    float value = 0;
+    char loss_text[40], value_text[40];
+    u.grad = (const float *const *)u.value;
+    u.state = &m->state[1];
+    m->be->grad_stats(m->impl, &u);
+    MPT__CHECK(mpt__download(m, &st, u.state, sizeof st));
+    if (st.finite && isfinite(loss)) return MPT_OK;
+    if (!st.finite) MPT__CHECK(mpt__first_nonfinite_weight(m, &param, &element, &value));
+    mpt__cb_repr(loss_text, sizeof loss_text, loss, 0);
+    mpt__cb_repr(value_text, sizeof value_text, value, 1);
+    if (param >= 0) {
+        const mpt__param *P = &m->params[param];
+        const char *slash = strrchr(P->name, '/');
+        return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
+                         "fit: epoch %d/%d: the weights became non-finite: layer %s, tensor "
+                         "%s, element %lld is %s (loss %s); training stopped — lower the "
+                         "learning rate, clip the gradients, or check the data",
+                         epoch + 1, epochs, m->layers[P->layer].name, slash ? slash + 1 : P->name,
+                         (long long)element, value_text, loss_text);
+    }
+    return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
+                     "fit: epoch %d/%d: the loss is %s (the weights are finite); training "
+                     "stopped — lower the learning rate, or check the data and the model's "
+                     "outputs for overflow", epoch + 1, epochs, loss_text);
+}
+
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *desc) {
     mpt_fit_desc d;
     mpt__fit_run r;
@@ -8669,6 +8740,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         if (s != MPT_OK) break;
         m->epoch = epoch + 1;
         s = mpt__history_append(m, &logs);
+        if (s == MPT_OK) s = mpt__fit_check_finite(m, epoch, d.epochs, &logs);
         MPT__EACH_CALLBACK(&d, on_epoch_end, m, epoch, &logs, &stop);
     }
     if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);

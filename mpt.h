@@ -103,7 +103,8 @@
        (mpt_context_error) and the logger has been told. Nothing aborts or
        exits on a caller's mistake. Sizes are int64_t. Images are NHWC.
        Descriptor structs are zero-initialised for defaults; each field's
-       comment gives its default.
+       comment gives its default. A NULL descriptor means all defaults,
+       everywhere; where a field is required, the error names it.
 
    LICENSE: MIT, at the end of this file.
 */
@@ -2971,7 +2972,7 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt_dtype dt;
     int64_t fmas;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: NULL descriptor");
+    if (!d) return MPT_OK; /* NULL: every default, the empty product */
     if (d->m < 0 || d->n < 0 || d->k < 0)
         return mpt__fail(ctx, MPT_ERR_SHAPE, "gemm: m = %lld, n = %lld, k = %lld (negative)",
                          (long long)d->m, (long long)d->n, (long long)d->k);
@@ -3367,13 +3368,15 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     int i;
     char s[96];
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc || !out)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL %s", desc ? "out" : "desc");
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL out");
     *out = NULL;
+    if (!desc) /* NULL: every default, but the input's shape is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: input_shape and input_rank are "
+                         "required (NULL descriptor)");
     if (desc->input_rank < 1 || desc->input_rank > MPT_MAX_RANK - 1)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "model: input_rank %d is not in 1..%d (one sample, without the batch)",
-                         desc->input_rank, MPT_MAX_RANK - 1);
+                         "model: input_rank %d is not in 1..%d (one sample, without the batch; "
+                         "required)", desc->input_rank, MPT_MAX_RANK - 1);
     for (i = 0; i < desc->input_rank; i++)
         if (desc->input_shape[i] <= 0)
             return mpt__fail(ctx, MPT_ERR_SHAPE, "model: input_shape %s has a dimension <= 0",
@@ -4268,11 +4271,9 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
     return mpt__model_add(m, ops, &ld, ld.flatten.name, ld.flatten.dtype);
 }
 
-static mpt_status mpt__check_add(mpt_model *m, const void *desc, const char *what) {
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: NULL descriptor", what);
-    return MPT_OK;
-}
+/* Before the checks of a layer's descriptor, which the caller has made
+   its zero defaults when NULL (a required field's own check names it). */
+static mpt_status mpt__check_add(mpt_model *m) { return m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT; }
 
 /* =============================================================================
    @impl-dense  Dense: y = act(x · kernel + bias)                x: (B, in)  y: (B, units)
@@ -4402,7 +4403,10 @@ static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", mpt__dense_build
                                               mpt__dense_forward, mpt__dense_backward, NULL};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Dense"));
+    mpt_dense_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (d->units <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: units %lld must be > 0",
                          (long long)d->units);
@@ -4486,7 +4490,10 @@ static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
                                                    mpt__activation_layer_backward, NULL};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Activation"));
+    mpt_activation_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (!mpt__activation_valid(d->activation))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
                          (int)d->activation);
@@ -4953,7 +4960,10 @@ static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_b
                                                mpt__conv2d_forward, mpt__conv2d_backward, NULL};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Conv2D"));
+    mpt_conv2d_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (d->filters <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Conv2D: filters %lld must be > 0",
                          (long long)d->filters);
@@ -5253,16 +5263,22 @@ static const mpt__layer_ops mpt__global_pool_ops = {
     mpt__global_pool_forward, mpt__global_pool_backward, NULL};
 
 static mpt_status mpt__check_pool_desc(mpt_model *m, const mpt_pool2d_desc *d, const char *cls) {
-    MPT__CHECK(mpt__check_add(m, d, cls));
+    MPT__CHECK(mpt__check_add(m));
     return mpt__check_window_desc(m, cls, "pool_size", d->pool_size, 0, d->strides, d->padding);
 }
 
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
+    mpt_pool2d_desc defaults;
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_pool_desc(m, d, "MaxPooling2D"));
     return mpt__add_layer(m, &mpt__max_pool_ops, d, sizeof(mpt_pool2d_desc));
 }
 
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
+    mpt_pool2d_desc defaults;
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_pool_desc(m, d, "AveragePooling2D"));
     return mpt__add_layer(m, &mpt__avg_pool_ops, d, sizeof(mpt_pool2d_desc));
 }
@@ -5663,7 +5679,10 @@ static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normaliz
                                            mpt__bn_commit};
 
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "BatchNormalization"));
+    mpt_batchnorm_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (!(d->momentum >= 0 && d->momentum <= 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: momentum %g is not in [0, 1]", (double)d->momentum);
@@ -5793,7 +5812,10 @@ static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", mpt__dropo
                                                 NULL};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Dropout"));
+    mpt_dropout_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (!(d->rate >= 0 && d->rate < 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dropout: rate %g is not in [0, 1)",
                          (double)d->rate);
@@ -5964,7 +5986,10 @@ static void mpt__loss_task(void *arg, int64_t task, int thread) {
 
 static mpt_status mpt__loss_check_desc(mpt_context *ctx, const mpt_loss_desc *d) {
     const char *name = mpt__loss_name(d->type);
-    if (d->type <= MPT_LOSS_NONE || d->type >= MPT_LOSS_COUNT_)
+    if (d->type == MPT_LOSS_NONE)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loss: type is required (MPT_LOSS_NONE given)");
+    if (d->type < MPT_LOSS_NONE || d->type >= MPT_LOSS_COUNT_)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loss: unknown loss type %d", (int)d->type);
     if (d->from_logits && d->type == MPT_LOSS_MEAN_SQUARED_ERROR)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -6108,9 +6133,9 @@ static mpt_status mpt__loss_check(mpt_context *ctx, const mpt_loss_desc *d, cons
                                   const mpt_tensor *target, const double *loss,
                                   const mpt_tensor *dpred) {
     const char *name;
-    if (!d || !pred || !target || !loss)
+    if (!pred || !target || !loss)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loss: NULL %s",
-                         !d ? "desc" : !pred ? "pred" : !target ? "target" : "loss");
+                         !pred ? "pred" : !target ? "target" : "loss");
     MPT__CHECK(mpt__loss_check_desc(ctx, d));
     name = mpt__loss_name(d->type);
     MPT__CHECK(mpt__loss_check_tensor(ctx, name, "pred", pred, 1));
@@ -6186,7 +6211,10 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    double *loss, mpt_tensor *dpred) {
     mpt__loss_job j;
     int categorical;
+    mpt_loss_desc defaults;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    memset(&defaults, 0, sizeof defaults);
+    if (!desc) desc = &defaults; /* NULL: every default; type is required */
     MPT__CHECK(mpt__loss_check(ctx, desc, pred, target, loss, dpred));
     memset(&j, 0, sizeof j);
     j.type = desc->type;
@@ -6844,9 +6872,10 @@ static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
 }
 
 MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) {
-    mpt_compile_desc r;
+    mpt_compile_desc r, defaults;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: NULL desc");
+    memset(&defaults, 0, sizeof defaults);
+    if (!desc) desc = &defaults; /* NULL: every default; loss.type is required */
     /* Everything is checked before anything changes: a failed compile
        leaves the model as it was. */
     MPT__CHECK(mpt__compile_check(m, desc));
@@ -7108,7 +7137,9 @@ static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
 
 static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc) {
     char sx[96], sy[96];
-    if (!desc) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL descriptor");
+    if (!desc) /* NULL: every default, but x and y are required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x and y are required (NULL "
+                         "descriptor)");
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "x", desc->x));
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
     if (desc->x->shape[0] != desc->y->shape[0])
@@ -8367,6 +8398,11 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
 }
 
 /* Makes the model ready to train or run on batches of batch_size. */
+/* fit's and evaluate's batch_size: 0 means Keras' default, 32. */
+static int64_t mpt__batch_size_or_default(int64_t batch_size) {
+    return batch_size ? batch_size : 32;
+}
+
 static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compile,
                                const char *what) {
     /* with a strategy, the global batch: every replica's share */
@@ -8585,7 +8621,6 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
 
 static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *d) {
     if (!train) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL training data");
-    if (!d) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL descriptor");
     if (d->epochs < 0 || d->initial_epoch < 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: epochs %d and initial_epoch %d "
                          "must not be negative", d->epochs, d->initial_epoch);
@@ -8685,9 +8720,11 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt_status s = MPT_OK;
     int epoch, i, stop = 0, workers;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    MPT__CHECK(mpt__fit_check(m, train, desc));
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    d.batch_size = mpt__batch_size_or_default(d.batch_size);
+    MPT__CHECK(mpt__fit_check(m, train, &d));
     workers = m->strategy ? m->strategy->workers : 1;
-    d = *desc;
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
@@ -8759,23 +8796,27 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
 
 MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
                                      const mpt_evaluate_desc *desc, mpt_logs *logs) {
+    mpt_evaluate_desc d;
     mpt__tally t;
     mpt_status s;
     int64_t batch;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!data || !desc || !logs)
+    if (!data || !logs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
-                         !data ? "data" : !desc ? "descriptor" : "logs");
+                         !data ? "data" : "logs");
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    d.batch_size = mpt__batch_size_or_default(d.batch_size);
     memset(logs, 0, sizeof *logs);
-    MPT__CHECK(mpt__prepare(m, desc->batch_size, 0, "evaluate"));
+    MPT__CHECK(mpt__prepare(m, d.batch_size, 0, "evaluate"));
     if (!m->compiled) return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first");
     /* Larger batches than the model was built for run in pieces: the
        result is the same, the loss being a mean over samples. */
-    batch = MPT__MIN(desc->batch_size, m->max_batch);
+    batch = MPT__MIN(d.batch_size, m->max_batch);
     MPT__CHECK(mpt__check_data(m, data, "evaluate"));
-    m->printer = desc->printer;
+    m->printer = d.printer;
     m->emit_logits = mpt__can_fuse_softmax(m);
-    s = mpt__evaluate(m, data, batch, desc->verbose, &t);
+    s = mpt__evaluate(m, data, batch, d.verbose, &t);
     m->emit_logits = 0;
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
@@ -9605,7 +9646,9 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     mpt__cb_monitor mon;
     mpt_status s;
     MPT__CHECK(mpt__cb_check_out(ctx, "ModelCheckpoint", out));
-    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: NULL descriptor");
+    if (!d) /* NULL: every default, but filepath is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is NULL (NULL "
+                         "descriptor); it is required (e.g. \"ckpt-{epoch}.safetensors\")");
     if (!d->filepath || !d->filepath[0])
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is %s; it is "
                          "required (e.g. \"ckpt-{epoch}.safetensors\")",
@@ -9788,7 +9831,9 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
     mpt_status s;
     char sep;
     MPT__CHECK(mpt__cb_check_out(ctx, "CSVLogger", out));
-    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: NULL descriptor");
+    if (!d) /* NULL: every default, but filename is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "CSVLogger: filename is NULL (NULL descriptor); it is required");
     if (!d->filename || !d->filename[0])
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: filename is %s; it is required",
                          d->filename ? "empty" : "NULL");
@@ -11375,10 +11420,12 @@ MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc 
                                       mpt_strategy **out) {
     mpt_strategy *s;
     mpt_status st = MPT_OK;
+    mpt_strategy_desc defaults;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc || !out)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: NULL %s", desc ? "out" : "desc");
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: NULL out");
     *out = NULL;
+    memset(&defaults, 0, sizeof defaults);
+    if (!desc) desc = &defaults; /* NULL: every default */
     if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
                          (int)desc->type);

@@ -102,12 +102,139 @@ static void test_fit_goes_on_after_skipped_steps(void) {
     mpt_context_destroy(q);
 }
 
+
+/* ---- a NULL descriptor means all defaults ------------------------------------------- */
+
+/* Every layer whose fields all have defaults takes NULL: pooling (2, 2),
+   BatchNormalization, Dropout (rate 0), Activation (identity), Flatten,
+   GlobalAveragePooling2D; Dense and Conv2D name their required field. */
+static void test_null_layer_descriptors(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL, *g = NULL;
+    int64_t shape[MPT_MAX_RANK];
+    CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {8, 8, 3}, .input_rank = 3}, &m) ==
+              MPT_OK, "create");
+    CHECK(mpt_model_add_max_pooling2d(m, NULL) == MPT_OK, "MaxPooling2D: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_average_pooling2d(m, NULL) == MPT_OK, "AveragePooling2D: %s",
+          mpt_context_error(q));
+    CHECK(mpt_model_add_batch_normalization(m, NULL) == MPT_OK, "BatchNormalization: %s",
+          mpt_context_error(q));
+    CHECK(mpt_model_add_dropout(m, NULL) == MPT_OK, "Dropout: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_activation(m, NULL) == MPT_OK, "Activation: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_flatten(m, NULL) == MPT_OK, "Flatten: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_dense(m, NULL) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(q), "units"),
+          "Dense: %s", mpt_context_error(q));
+    CHECK(mpt_model_add_conv2d(m, NULL) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(q), "filters"),
+          "Conv2D: %s", mpt_context_error(q));
+    CHECK(mpt_model_layer_count(m) == 6, "%d layers", mpt_model_layer_count(m));
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
+    CHECK(mpt_model_layer_output_shape(m, 1, shape) == 3 && shape[0] == 2 && shape[1] == 2 &&
+              shape[2] == 3, "pooling twice by the default (2, 2) gave (%lld, %lld, %lld)",
+          (long long)shape[0], (long long)shape[1], (long long)shape[2]);
+    CHECK(mpt_model_layer_output_shape(m, 5, shape) == 1 && shape[0] == 12, "flatten %lld",
+          (long long)shape[0]);
+    CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 4, 5}, .input_rank = 3}, &g) ==
+              MPT_OK && mpt_model_add_global_average_pooling2d(g, NULL) == MPT_OK,
+          "GlobalAveragePooling2D: %s", mpt_context_error(q));
+    mpt_model_destroy(g);
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
+/* The model's, the loss's, compile's and the dataset's required fields
+   are named when the descriptor is NULL; the GEMM's defaults are the empty
+   product. */
+static void test_null_descriptors_with_required_fields(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL;
+    mpt_dataset *d = NULL;
+    float p[6] = {0.2f, 0.3f, 0.5f, 0.1f, 0.1f, 0.8f}, t[6] = {0, 0, 1, 0, 1, 0};
+    mpt_tensor tp, tt;
+    double loss = 0;
+    CHECK(mpt_gemm(q, NULL) == MPT_OK, "gemm: %s", mpt_context_error(q));
+    CHECK(mpt_model_create(q, NULL, &m) == MPT_ERR_INVALID_ARGUMENT && !m &&
+              strstr(mpt_context_error(q), "input_shape and input_rank are required"),
+          "model: %s", mpt_context_error(q));
+    mpt_tensor_wrap(q, &tp, MPT_FLOAT32, 2, (int64_t[]){2, 3}, p);
+    mpt_tensor_wrap(q, &tt, MPT_FLOAT32, 2, (int64_t[]){2, 3}, t);
+    CHECK(mpt_loss_compute(q, NULL, &tp, &tt, &loss, NULL) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(q), "type is required"),
+          "loss: %s", mpt_context_error(q));
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_compile(m, NULL) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(q), "loss.type is required"),
+          "compile: %s", mpt_context_error(q));
+    CHECK(mpt_dataset_create(q, NULL, &d) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(q), "x and y are required"),
+          "dataset: %s", mpt_context_error(q));
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
+/* fit and evaluate with NULL: one epoch at batch_size 32 (the header's
+   default, which a zero batch_size now gets too), as the explicit values. */
+static void test_null_fit_and_evaluate(void) {
+    mpt_dataset *d = blobs_in(ctx);
+    mpt_model *a = blob_model(ctx, MPT_POLICY_FLOAT32, 0.05f, (mpt_loss_scale_desc){0});
+    mpt_model *b = blob_model(ctx, MPT_POLICY_FLOAT32, 0.05f, (mpt_loss_scale_desc){0});
+    mpt_logs la, lb;
+    mpt_param_info pa, pb;
+    CHECK(mpt_model_fit(a, d, NULL) == MPT_OK, "fit NULL: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(b, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 32}) == MPT_OK, "fit");
+    CHECK(history_epochs(a) == 1, "%d epochs", history_epochs(a));
+    CHECK(mpt_model_param(a, 0, &pa) == MPT_OK && mpt_model_param(b, 0, &pb) == MPT_OK &&
+              !memcmp(pa.value.data, pb.value.data, mpt_tensor_bytes(&pa.value)),
+          "fit(NULL) trained otherwise than batch_size 32, 1 epoch");
+    CHECK(mpt_model_evaluate(a, d, NULL, &la) == MPT_OK, "evaluate NULL: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(a, d, &(mpt_evaluate_desc){.batch_size = 32}, &lb) == MPT_OK,
+          "evaluate");
+    CHECK(mpt_logs_get(&la, "loss") == mpt_logs_get(&lb, "loss") &&
+              isfinite(mpt_logs_get(&la, "loss")),
+          "evaluate NULL: loss %g, batch 32: %g", mpt_logs_get(&la, "loss"),
+          mpt_logs_get(&lb, "loss"));
+    mpt_model_destroy(a);
+    mpt_model_destroy(b);
+    mpt_dataset_destroy(d);
+}
+
+/* Callbacks and the strategy: NULL where every field has a default;
+   ModelCheckpoint and CSVLogger name the path they require. */
+static void test_null_callback_and_strategy_descriptors(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_callback cb;
+    mpt_strategy *st = NULL;
+    CHECK(mpt_callback_early_stopping(q, NULL, &cb) == MPT_OK, "EarlyStopping");
+    mpt_callback_destroy(&cb);
+    CHECK(mpt_callback_reduce_lr_on_plateau(q, NULL, &cb) == MPT_OK, "ReduceLROnPlateau");
+    mpt_callback_destroy(&cb);
+    CHECK(mpt_callback_model_checkpoint(q, NULL, &cb) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(q), "filepath is NULL") &&
+              strstr(mpt_context_error(q), "required"),
+          "ModelCheckpoint: %s", mpt_context_error(q));
+    CHECK(mpt_callback_csv_logger(q, NULL, &cb) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(q), "filename is NULL") &&
+              strstr(mpt_context_error(q), "required"),
+          "CSVLogger: %s", mpt_context_error(q));
+    CHECK(mpt_strategy_create(q, NULL, &st) == MPT_OK && st && mpt_strategy_num_replicas(st) >= 1,
+          "strategy: %s", mpt_context_error(q));
+    mpt_strategy_destroy(st);
+    mpt_context_destroy(q);
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     make_blobs();
     TEST_RUN(test_fit_stops_on_nan_loss);
     TEST_RUN(test_fit_names_the_nonfinite_weight);
     TEST_RUN(test_fit_goes_on_after_skipped_steps);
+    TEST_RUN(test_null_layer_descriptors);
+    TEST_RUN(test_null_descriptors_with_required_fields);
+    TEST_RUN(test_null_fit_and_evaluate);
+    TEST_RUN(test_null_callback_and_strategy_descriptors);
     mpt_context_destroy(ctx);
     return test_summary("test_api");
 }

@@ -432,8 +432,8 @@ static void test_bad_input(void) {
     CHECK(strstr(mpt_context_error(ctx), "0..3") && strstr(mpt_context_error(ctx), "3 classes"),
           "message: %s", mpt_context_error(ctx));
     y[17] = 2;
-    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 0}) == MPT_ERR_INVALID_ARGUMENT,
-          "batch size 0 accepted");
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = -1}) == MPT_ERR_INVALID_ARGUMENT,
+          "batch size -1 accepted");
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 64}) == MPT_ERR_INVALID_ARGUMENT,
           "batch 64 for a model built for 32 accepted");
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32, .validation_split = 1.5f}) ==

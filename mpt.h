@@ -503,6 +503,17 @@ MPTDEF const char *mpt_model_layer_name(const mpt_model *m, int index);
 MPTDEF mpt_dtype mpt_model_layer_dtype(const mpt_model *m, int index);
 /* One sample's output shape of a layer (after build); returns its rank. */
 MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *shape);
+/* A layer's Keras class name ("Dense", "Conv2D", ...); NULL if no such layer. */
+MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index);
+/* The dtype of a layer's variables (Keras' variable_dtype): float32, the
+   masters', under every policy; MPT_DTYPE_DEFAULT if no such layer. The
+   compute dtype is mpt_model_layer_dtype's. */
+MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index);
+/* The model's precision policy, as given to mpt_model_create. */
+MPTDEF mpt_policy mpt_model_policy(const mpt_model *m);
+/* The policy's Keras name: "float32", "mixed_float16", "mixed_bfloat16";
+   "?" if unknown. */
+MPTDEF const char *mpt_policy_name(mpt_policy policy);
 
 /* =============================================================================
    @losses: loss functions
@@ -964,9 +975,9 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
 MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
 
-/* Writes a Keras-like table (layer, output shape, parameters, compute dtype,
-   then memory per category) into buf; returns the length it needs, like
-   snprintf. The model must be built. */
+/* Writes a Keras-like table (the dtype policy, then per layer its output
+   shape, parameters and compute dtype, then memory per category) into buf;
+   returns the length it needs, like snprintf. The model must be built. */
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
 
 /* The per-epoch history of the last fit: for each key ("loss", "accuracy",
@@ -4169,6 +4180,27 @@ MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *
     L = &m->layers[index];
     memcpy(shape, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
     return L->out_rank;
+}
+
+MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].ops->class_name : NULL;
+}
+
+MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? MPT_FLOAT32 : MPT_DTYPE_DEFAULT;
+}
+
+MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
+    return m ? m->desc.policy : MPT_POLICY_FLOAT32;
+}
+
+MPTDEF const char *mpt_policy_name(mpt_policy policy) {
+    switch (policy) {
+    case MPT_POLICY_FLOAT32: return "float32";
+    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
+    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
+    }
+    return "?";
 }
 /* ---- helpers shared by the layers ----------------------------------------- */
 
@@ -8909,7 +8941,9 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     char a[96], b[96], c[96];
     if (!m || !m->built) return 0;
     if (size) buf[0] = 0;
-    mpt__append(buf, size, &used, "Model: \"sequential\"\n%s", rule);
+    mpt__append(buf, size, &used, "Model: \"sequential\"\n");
+    mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s",
+                mpt_policy_name(m->desc.policy), mpt_dtype_name(m->policy_dtype), rule);
     mpt__append(buf, size, &used, " %-44s %-24s %-12s %s\n%s", "Layer (type)", "Output Shape",
                 "Param #", "Dtype", bold);
     for (i = 0; i < m->n_layers; i++) {

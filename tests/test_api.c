@@ -225,6 +225,63 @@ static void test_null_callback_and_strategy_descriptors(void) {
     mpt_context_destroy(q);
 }
 
+/* ---- getters and the summary --------------------------------------------------------- */
+
+/* Dense(relu) -> Flatten -> Dense(softmax) under mixed_float16, built. */
+static mpt_model *mixed_model(mpt_context *c, int build) {
+    mpt_model *m = NULL;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                          .policy = MPT_POLICY_MIXED_FLOAT16}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .activation = MPT_ACT_SOFTMAX});
+    if (build) CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(c));
+    return m;
+}
+
+/* The model's policy, each layer's class name, variable and compute dtype. */
+static void test_policy_and_layer_getters(void) {
+    static const char *const classes[3] = {"Dense", "Flatten", "Dense"};
+    static const mpt_dtype compute[3] = {MPT_FLOAT16, MPT_FLOAT16, MPT_FLOAT32};
+    mpt_model *m = mixed_model(ctx, 1), *plain = NULL;
+    int i;
+    CHECK(mpt_model_policy(m) == MPT_POLICY_MIXED_FLOAT16, "policy %d", (int)mpt_model_policy(m));
+    CHECK(!strcmp(mpt_policy_name(mpt_model_policy(m)), "mixed_float16") &&
+              !strcmp(mpt_policy_name(MPT_POLICY_FLOAT32), "float32") &&
+              !strcmp(mpt_policy_name(MPT_POLICY_MIXED_BFLOAT16), "mixed_bfloat16") &&
+              !strcmp(mpt_policy_name((mpt_policy)9), "?"),
+          "policy names");
+    for (i = 0; i < 3; i++) {
+        const char *cls = mpt_model_layer_class_name(m, i);
+        CHECK(cls && !strcmp(cls, classes[i]), "layer %d: class %s", i, cls ? cls : "NULL");
+        CHECK(mpt_model_layer_variable_dtype(m, i) == MPT_FLOAT32, "layer %d: variables %s", i,
+              mpt_dtype_name(mpt_model_layer_variable_dtype(m, i)));
+        CHECK(mpt_model_layer_dtype(m, i) == compute[i], "layer %d: compute %s", i,
+              mpt_dtype_name(mpt_model_layer_dtype(m, i)));
+    }
+    CHECK(!mpt_model_layer_class_name(m, 3) && !mpt_model_layer_class_name(m, -1) &&
+              !mpt_model_layer_class_name(NULL, 0) &&
+              mpt_model_layer_variable_dtype(m, 3) == MPT_DTYPE_DEFAULT,
+          "a layer that does not exist");
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2}, .input_rank = 1}, &plain);
+    CHECK(mpt_model_policy(plain) == MPT_POLICY_FLOAT32, "default policy");
+    mpt_model_destroy(plain);
+    mpt_model_destroy(m);
+}
+
+/* The summary names the policy and each layer's compute dtype. */
+static void test_summary_shows_the_policy(void) {
+    char text[4096];
+    mpt_model *m = mixed_model(ctx, 1);
+    size_t n = mpt_model_summary(m, text, sizeof text);
+    CHECK(n > 0 && n < sizeof text, "length %zu", n);
+    CHECK(strstr(text, "Dtype policy: \"mixed_float16\" (variables float32, compute float16)") &&
+              strstr(text, "dense (Dense)") && strstr(text, "float16") &&
+              strstr(text, "float32"),
+          "summary:\n%s", text);
+    mpt_model_destroy(m);
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     make_blobs();
@@ -235,6 +292,8 @@ int main(void) {
     TEST_RUN(test_null_descriptors_with_required_fields);
     TEST_RUN(test_null_fit_and_evaluate);
     TEST_RUN(test_null_callback_and_strategy_descriptors);
+    TEST_RUN(test_policy_and_layer_getters);
+    TEST_RUN(test_summary_shows_the_policy);
     mpt_context_destroy(ctx);
     return test_summary("test_api");
 }

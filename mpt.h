@@ -977,7 +977,8 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
 
 /* Writes a Keras-like table (the dtype policy, then per layer its output
    shape, parameters and compute dtype, then memory per category) into buf;
-   returns the length it needs, like snprintf. The model must be built. */
+   returns the length it needs, like snprintf. Before build the text is, as
+   Keras raises, that the model has not yet been built and what builds it. */
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
 
 /* The per-epoch history of the last fit: for each key ("loss", "accuracy",
@@ -3836,9 +3837,13 @@ static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
     ok = x->rank == m->desc.input_rank + 1;
     for (i = 0; ok && i < m->desc.input_rank; i++) ok = x->shape[i + 1] == m->desc.input_shape[i];
     if (!ok || x->shape[0] < 1 || x->shape[0] > m->max_batch) {
-        mpt_shape_format(want, sizeof want, m->desc.input_rank, m->desc.input_shape);
+        /* "(batch, 28, 28, 1)": the sample's shape after "(batch, ", and
+           "(6,)" read as "6)" */
+        char *one = want + strlen(mpt_shape_format(want, sizeof want, m->desc.input_rank,
+                                                   m->desc.input_shape)) - 2;
+        if (m->desc.input_rank == 1 && one > want && one[0] == ',') memmove(one, one + 1, 2);
         return mpt__fail(m->ctx, MPT_ERR_SHAPE,
-                         "model: input shape %s does not match (batch, %s) with batch in 1..%lld",
+                         "model: input shape %s does not match (batch, %s with batch in 1..%lld",
                          mpt_shape_format(got, sizeof got, x->rank, x->shape), want + 1,
                          (long long)m->max_batch);
     }
@@ -8939,8 +8944,15 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     int64_t total = 0, trainable = 0, bytes = 0;
     int i, k;
     char a[96], b[96], c[96];
-    if (!m || !m->built) return 0;
+    if (!m) return 0;
     if (size) buf[0] = 0;
+    if (!m->built) {
+        mpt__append(buf, size, &used,
+                    "Model: \"sequential\": this model has not yet been built. Build it "
+                    "first with mpt_model_build(), or train it with mpt_model_fit() (which "
+                    "builds it for its batch size).\n");
+        return used;
+    }
     mpt__append(buf, size, &used, "Model: \"sequential\"\n");
     mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s",
                 mpt_policy_name(m->desc.policy), mpt_dtype_name(m->policy_dtype), rule);

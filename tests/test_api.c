@@ -282,6 +282,45 @@ static void test_summary_shows_the_policy(void) {
     mpt_model_destroy(m);
 }
 
+/* Before build, the summary says why it has no table, as Keras raises. */
+static void test_summary_before_build(void) {
+    char text[512];
+    mpt_model *m = mixed_model(ctx, 0);
+    size_t n = mpt_model_summary(m, text, sizeof text);
+    CHECK(n > 0 && n < sizeof text && strlen(text) == n, "length %zu", n);
+    CHECK(strstr(text, "has not yet been built") && strstr(text, "mpt_model_build") &&
+              strstr(text, "mpt_model_fit"),
+          "summary: %s", text);
+    CHECK(mpt_model_summary(m, text, 8) == n && strlen(text) == 7, "truncated");
+    mpt_model_destroy(m);
+}
+
+/* A wrong input shape: the expected one reads "(batch, 6)", no stray ")". */
+static void test_forward_shape_message(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = mixed_model(q, 1), *img = NULL;
+    float x[4 * 48];
+    mpt_tensor t, out;
+    int i;
+    for (i = 0; i < 4 * 48; i++) x[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(q, &t, MPT_FLOAT32, 2, (int64_t[]){2, 5}, x);
+    CHECK(mpt_model_forward(m, &t, 0, &out) == MPT_ERR_SHAPE, "(2, 5) for (6,) accepted");
+    CHECK(strstr(mpt_context_error(q), "(2, 5) does not match (batch, 6) with batch in 1..4") &&
+              !strstr(mpt_context_error(q), "))"),
+          "message: %s", mpt_context_error(q));
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 4, 3}, .input_rank = 3}, &img);
+    mpt_model_add_flatten(img, NULL);
+    CHECK(mpt_model_build(img, 2) == MPT_OK, "build");
+    mpt_tensor_wrap(q, &t, MPT_FLOAT32, 4, (int64_t[]){3, 4, 4, 3}, x);
+    CHECK(mpt_model_forward(img, &t, 0, &out) == MPT_ERR_SHAPE, "batch 3 for 2 accepted");
+    CHECK(strstr(mpt_context_error(q), "does not match (batch, 4, 4, 3) with batch in 1..2") &&
+              !strstr(mpt_context_error(q), "))"),
+          "message: %s", mpt_context_error(q));
+    mpt_model_destroy(img);
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     make_blobs();
@@ -294,6 +333,8 @@ int main(void) {
     TEST_RUN(test_null_callback_and_strategy_descriptors);
     TEST_RUN(test_policy_and_layer_getters);
     TEST_RUN(test_summary_shows_the_policy);
+    TEST_RUN(test_summary_before_build);
+    TEST_RUN(test_forward_shape_message);
     mpt_context_destroy(ctx);
     return test_summary("test_api");
 }

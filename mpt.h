@@ -4229,8 +4229,8 @@ static int mpt__initializer_valid(mpt_initializer init) {
 
 #if MPT__X86
 /* ReLU's gradient 16 lanes at a time: mpt__relu_grad, dy where !(y <= 0)
-   (a NaN y passes dy, as the scalar loop does). The compiler does not vectorise that loop
-   itself, and it is a tenth of an MLP's step. */
+   (a NaN y passes dy, as the scalar loop does). The compiler does not
+   vectorise that loop itself, and it is a tenth of an MLP's step. */
 MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const float *dy,
                                                         float *dz, int64_t n) {
     int64_t i = 0;
@@ -8434,12 +8434,12 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
     return MPT_OK;
 }
 
-/* Makes the model ready to train or run on batches of batch_size. */
-/* fit's and evaluate's batch_size: 0 means Keras' default, 32. */
+/* fit's, evaluate's and predict's batch_size: 0 means Keras' default, 32. */
 static int64_t mpt__batch_size_or_default(int64_t batch_size) {
     return batch_size ? batch_size : 32;
 }
 
+/* Makes the model ready to train or run on batches of batch_size. */
 static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compile,
                                const char *what) {
     /* with a strategy, the global batch: every replica's share */
@@ -8883,6 +8883,7 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
                          data ? "out" : "data");
     memset(out, 0, sizeof *out);
+    batch_size = mpt__batch_size_or_default(batch_size);
     MPT__CHECK(mpt__prepare(m, batch_size, 0, "predict"));
     batch_size = MPT__MIN(batch_size, m->max_batch); /* in pieces, as evaluate */
     last = &m->layers[m->n_layers - 1];

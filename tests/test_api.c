@@ -175,7 +175,8 @@ static void test_null_descriptors_with_required_fields(void) {
 }
 
 /* fit and evaluate with NULL: one epoch at batch_size 32 (the header's
-   default, which a zero batch_size now gets too), as the explicit values. */
+   default, which a zero batch_size now gets too), as the explicit values;
+   predict's batch_size 0 is 32 too. */
 static void test_null_fit_and_evaluate(void) {
     mpt_dataset *d = blobs_in(ctx);
     mpt_model *a = blob_model(ctx, MPT_POLICY_FLOAT32, 0.05f, (mpt_loss_scale_desc){0});
@@ -196,6 +197,13 @@ static void test_null_fit_and_evaluate(void) {
               isfinite(mpt_logs_get(&la, "loss")),
           "evaluate NULL: loss %g, batch 32: %g", mpt_logs_get(&la, "loss"),
           mpt_logs_get(&lb, "loss"));
+    CHECK(mpt_model_predict(a, d, 0, &pa.value) == MPT_OK &&
+              mpt_model_predict(a, d, 32, &pb.value) == MPT_OK &&
+              mpt_tensor_bytes(&pa.value) == mpt_tensor_bytes(&pb.value) &&
+              !memcmp(pa.value.data, pb.value.data, mpt_tensor_bytes(&pa.value)),
+          "predict with batch_size 0 (32): %s", mpt_context_error(ctx));
+    mpt_tensor_free(ctx, &pa.value);
+    mpt_tensor_free(ctx, &pb.value);
     mpt_model_destroy(a);
     mpt_model_destroy(b);
     mpt_dataset_destroy(d);

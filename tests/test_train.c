@@ -444,7 +444,7 @@ static void test_bad_input(void) {
           "NULL data accepted");
     CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = -1}, &logs) ==
               MPT_ERR_INVALID_ARGUMENT, "batch -1 accepted");
-    CHECK(mpt_model_predict(m, d, 0, &out) == MPT_ERR_INVALID_ARGUMENT, "predict batch 0");
+    CHECK(mpt_model_predict(m, d, -1, &out) == MPT_ERR_INVALID_ARGUMENT, "predict batch -1");
     /* samples of the wrong shape */
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){10, 7}, wide);
     mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){10}, few);

@@ -105,7 +105,8 @@
        (mpt_context_error) and the logger has been told. Nothing aborts or
        exits on a caller's mistake. Sizes are int64_t. Images are NHWC.
        Descriptor structs are zero-initialised for defaults; each field's
-       comment gives its default.
+       comment gives its default. A NULL descriptor means all defaults,
+       everywhere; where a field is required, the error names it.
 
    LICENSE: MIT, at the end of this file.
 */
@@ -526,6 +527,17 @@ MPTDEF const char *mpt_model_layer_name(const mpt_model *m, int index);
 MPTDEF mpt_dtype mpt_model_layer_dtype(const mpt_model *m, int index);
 /* One sample's output shape of a layer (after build); returns its rank. */
 MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *shape);
+/* A layer's Keras class name ("Dense", "Conv2D", ...); NULL if no such layer. */
+MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index);
+/* The dtype of a layer's variables (Keras' variable_dtype): float32, the
+   masters', under every policy; MPT_DTYPE_DEFAULT if no such layer. The
+   compute dtype is mpt_model_layer_dtype's. */
+MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index);
+/* The model's precision policy, as given to mpt_model_create. */
+MPTDEF mpt_policy mpt_model_policy(const mpt_model *m);
+/* The policy's Keras name: "float32", "mixed_float16", "mixed_bfloat16";
+   "?" if unknown. */
+MPTDEF const char *mpt_policy_name(mpt_policy policy);
 
 /* =============================================================================
    @losses: loss functions
@@ -976,7 +988,10 @@ typedef struct mpt_fit_desc {
 
 /* Trains on `train` (builds the model for batch_size first if it is not
    built). Shuffling follows the model's seed and the epoch, so a run is
-   reproducible. The history of every epoch is kept (mpt_model_history). */
+   reproducible. The history of every epoch is kept (mpt_model_history).
+   After an epoch whose loss or trainable weights hold inf or NaN, fit
+   stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
+   names the epoch and the first such weight's layer, tensor and element. */
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
                                 const mpt_fit_desc *desc);
 
@@ -996,9 +1011,10 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
 MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
 
-/* Writes a Keras-like table (layer, output shape, parameters, compute dtype,
-   then memory per category) into buf; returns the length it needs, like
-   snprintf. The model must be built. */
+/* Writes a Keras-like table (the dtype policy, then per layer its output
+   shape, parameters and compute dtype, then memory per category) into buf;
+   returns the length it needs, like snprintf. Before build the text is, as
+   Keras raises, that the model has not yet been built and what builds it. */
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
 
 /* The per-epoch history of the last fit: for each key ("loss", "accuracy",
@@ -2300,6 +2316,13 @@ MPTDEF size_t mpt_tensor_bytes(const mpt_tensor *t) {
    @impl-activations (shared by the GEMM epilogue, Dense, Conv2D, Activation)
    ============================================================================= */
 
+/* ReLU and its gradient, written so that NaN passes through (x <= 0 is
+   false for NaN), as in PyTorch and TensorFlow: a NaN in a weight or an
+   activation must show, not turn into 0. -0 gives +0. Every SIMD path and
+   the CUDA kernels compute the same. */
+static float mpt__relu(float x) { return x <= 0 ? 0.0f : x; }
+static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
+
 static float mpt__gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
 
 static float mpt__sigmoid(float x) {
@@ -2326,7 +2349,7 @@ static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols) {
 static void mpt__activation_forward(mpt_activation act, float *x, int64_t n) {
     int64_t i;
     switch (act) {
-    case MPT_ACT_RELU: for (i = 0; i < n; i++) x[i] = x[i] > 0 ? x[i] : 0; break;
+    case MPT_ACT_RELU: for (i = 0; i < n; i++) x[i] = mpt__relu(x[i]); break;
     case MPT_ACT_GELU: for (i = 0; i < n; i++) x[i] = mpt__gelu(x[i]); break;
     case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) x[i] = mpt__sigmoid(x[i]); break;
     case MPT_ACT_TANH: for (i = 0; i < n; i++) x[i] = tanhf(x[i]); break;
@@ -2345,7 +2368,7 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
     case MPT_ACT_NONE:
         if (dz != dy) memcpy(dz, dy, sizeof(float) * (size_t)n);
         break;
-    case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = y[i] > 0 ? dy[i] : 0; break;
+    case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
     case MPT_ACT_GELU:
         for (i = 0; i < n; i++) {
             float x = z[i];
@@ -2742,7 +2765,7 @@ static void mpt__gemm_kernel_scalar(int64_t kc, const void *av, const void *bv, 
             float v = e->alpha * acc[i][j];
             if (e->load_c) v += e->beta * ci[j];
             if (e->bias) v += e->bias[j];
-            if (e->relu) v = v > 0 ? v : 0;
+            if (e->relu) v = mpt__relu(v);
             ci[j] = v;
         }
     }
@@ -2761,7 +2784,9 @@ MPT__TARGET_AVX2 static inline void mpt__gemm_store_avx2(float *c, __m256 acc, _
     if (e->load_c)
         v = _mm256_fmadd_ps(_mm256_maskload_ps(c, mask), _mm256_set1_ps(e->beta), v);
     if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias, mask));
-    if (e->relu) v = _mm256_max_ps(v, _mm256_setzero_ps());
+    /* mpt__relu: zero where v <= 0 (ordered, so NaN stays); max_ps would
+       turn NaN into 0. */
+    if (e->relu) v = _mm256_andnot_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LE_OQ), v);
     _mm256_maskstore_ps(c, mask, v);
 }
 
@@ -2815,8 +2840,8 @@ MPT__TARGET_AVX512 static inline void mpt__gemm_store_avx512(float *c, __m512 ac
     if (e->load_c)
         v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, c), _mm512_set1_ps(e->beta), v);
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-    /* (x > 0 ? x : 0, as the scalar ReLU: NaN and -0 give +0.) */
-    if (e->relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), v);
+    /* mpt__relu: keep v where !(v <= 0), so NaN stays and -0 gives +0. */
+    if (e->relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
     _mm512_mask_storeu_ps(c, mask, v);
 }
 
@@ -3083,7 +3108,7 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt_dtype dt;
     int64_t fmas;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: NULL descriptor");
+    if (!d) return MPT_OK; /* NULL: every default, the empty product */
     if (d->m < 0 || d->n < 0 || d->k < 0)
         return mpt__fail(ctx, MPT_ERR_SHAPE, "gemm: m = %lld, n = %lld, k = %lld (negative)",
                          (long long)d->m, (long long)d->n, (long long)d->k);
@@ -3479,13 +3504,15 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     int i;
     char s[96];
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc || !out)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL %s", desc ? "out" : "desc");
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL out");
     *out = NULL;
+    if (!desc) /* NULL: every default, but the input's shape is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: input_shape and input_rank are "
+                         "required (NULL descriptor)");
     if (desc->input_rank < 1 || desc->input_rank > MPT_MAX_RANK - 1)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "model: input_rank %d is not in 1..%d (one sample, without the batch)",
-                         desc->input_rank, MPT_MAX_RANK - 1);
+                         "model: input_rank %d is not in 1..%d (one sample, without the batch; "
+                         "required)", desc->input_rank, MPT_MAX_RANK - 1);
     for (i = 0; i < desc->input_rank; i++)
         if (desc->input_shape[i] <= 0)
             return mpt__fail(ctx, MPT_ERR_SHAPE, "model: input_shape %s has a dimension <= 0",
@@ -4410,6 +4437,27 @@ MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *
     memcpy(shape, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
     return L->out_rank;
 }
+
+MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].ops->class_name : NULL;
+}
+
+MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? MPT_FLOAT32 : MPT_DTYPE_DEFAULT;
+}
+
+MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
+    return m ? m->desc.policy : MPT_POLICY_FLOAT32;
+}
+
+MPTDEF const char *mpt_policy_name(mpt_policy policy) {
+    switch (policy) {
+    case MPT_POLICY_FLOAT32: return "float32";
+    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
+    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
+    }
+    return "?";
+}
 /* ---- helpers shared by the layers ----------------------------------------- */
 
 /* Carves 64-byte-aligned pieces out of a pass's workspace, in order. */
@@ -4431,18 +4479,18 @@ static int mpt__initializer_valid(mpt_initializer init) {
 }
 
 #if MPT__X86
-/* ReLU's gradient 16 lanes at a time: dy where y > 0, else 0 (a NaN y gives
-   0, as the scalar loop does). The compiler does not vectorise that loop
-   itself, and it is a tenth of an MLP's step. */
+/* ReLU's gradient 16 lanes at a time: mpt__relu_grad, dy where !(y <= 0)
+   (a NaN y passes dy, as the scalar loop does). The compiler does not
+   vectorise that loop itself, and it is a tenth of an MLP's step. */
 MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const float *dy,
                                                         float *dz, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __mmask16 positive = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_setzero_ps(),
-                                                _CMP_GT_OQ);
-        _mm512_storeu_ps(dz + i, _mm512_maskz_mov_ps(positive, _mm512_loadu_ps(dy + i)));
+        __mmask16 passed = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_setzero_ps(),
+                                              _CMP_NLE_UQ);
+        _mm512_storeu_ps(dz + i, _mm512_maskz_mov_ps(passed, _mm512_loadu_ps(dy + i)));
     }
-    for (; i < n; i++) dz[i] = y[i] > 0 ? dy[i] : 0;
+    for (; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]);
 }
 #endif
 
@@ -4511,11 +4559,9 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
     return mpt__model_add(m, ops, &ld, ld.flatten.name, ld.flatten.dtype);
 }
 
-static mpt_status mpt__check_add(mpt_model *m, const void *desc, const char *what) {
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: NULL descriptor", what);
-    return MPT_OK;
-}
+/* Before the checks of a layer's descriptor, which the caller has made
+   its zero defaults when NULL (a required field's own check names it). */
+static mpt_status mpt__check_add(mpt_model *m) { return m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT; }
 
 /* =============================================================================
    @impl-dense  Dense: y = act(x · kernel + bias)                x: (B, in)  y: (B, units)
@@ -4645,7 +4691,10 @@ static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", mpt__dense_build
                                               mpt__dense_forward, mpt__dense_backward, NULL};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Dense"));
+    mpt_dense_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (d->units <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: units %lld must be > 0",
                          (long long)d->units);
@@ -4729,7 +4778,10 @@ static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
                                                    mpt__activation_layer_backward, NULL};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Activation"));
+    mpt_activation_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (!mpt__activation_valid(d->activation))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
                          (int)d->activation);
@@ -5196,7 +5248,10 @@ static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_b
                                                mpt__conv2d_forward, mpt__conv2d_backward, NULL};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Conv2D"));
+    mpt_conv2d_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (d->filters <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Conv2D: filters %lld must be > 0",
                          (long long)d->filters);
@@ -5496,16 +5551,22 @@ static const mpt__layer_ops mpt__global_pool_ops = {
     mpt__global_pool_forward, mpt__global_pool_backward, NULL};
 
 static mpt_status mpt__check_pool_desc(mpt_model *m, const mpt_pool2d_desc *d, const char *cls) {
-    MPT__CHECK(mpt__check_add(m, d, cls));
+    MPT__CHECK(mpt__check_add(m));
     return mpt__check_window_desc(m, cls, "pool_size", d->pool_size, 0, d->strides, d->padding);
 }
 
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
+    mpt_pool2d_desc defaults;
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_pool_desc(m, d, "MaxPooling2D"));
     return mpt__add_layer(m, &mpt__max_pool_ops, d, sizeof(mpt_pool2d_desc));
 }
 
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
+    mpt_pool2d_desc defaults;
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_pool_desc(m, d, "AveragePooling2D"));
     return mpt__add_layer(m, &mpt__avg_pool_ops, d, sizeof(mpt_pool2d_desc));
 }
@@ -5906,7 +5967,10 @@ static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normaliz
                                            mpt__bn_commit};
 
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "BatchNormalization"));
+    mpt_batchnorm_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (!(d->momentum >= 0 && d->momentum <= 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: momentum %g is not in [0, 1]", (double)d->momentum);
@@ -6036,7 +6100,10 @@ static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", mpt__dropo
                                                 NULL};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
-    MPT__CHECK(mpt__check_add(m, d, "Dropout"));
+    mpt_dropout_desc defaults;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     if (!(d->rate >= 0 && d->rate < 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dropout: rate %g is not in [0, 1)",
                          (double)d->rate);
@@ -6207,7 +6274,10 @@ static void mpt__loss_task(void *arg, int64_t task, int thread) {
 
 static mpt_status mpt__loss_check_desc(mpt_context *ctx, const mpt_loss_desc *d) {
     const char *name = mpt__loss_name(d->type);
-    if (d->type <= MPT_LOSS_NONE || d->type >= MPT_LOSS_COUNT_)
+    if (d->type == MPT_LOSS_NONE)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loss: type is required (MPT_LOSS_NONE given)");
+    if (d->type < MPT_LOSS_NONE || d->type >= MPT_LOSS_COUNT_)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loss: unknown loss type %d", (int)d->type);
     if (d->from_logits && d->type == MPT_LOSS_MEAN_SQUARED_ERROR)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -6366,9 +6436,9 @@ static mpt_status mpt__loss_check(mpt_context *ctx, const mpt_loss_desc *d, cons
                                   const mpt_tensor *target, const double *loss,
                                   const mpt_tensor *dpred) {
     const char *name;
-    if (!d || !pred || !target || !loss)
+    if (!pred || !target || !loss)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loss: NULL %s",
-                         !d ? "desc" : !pred ? "pred" : !target ? "target" : "loss");
+                         !pred ? "pred" : !target ? "target" : "loss");
     MPT__CHECK(mpt__loss_check_desc(ctx, d));
     name = mpt__loss_name(d->type);
     MPT__CHECK(mpt__loss_check_tensor(ctx, name, "pred", pred, 1));
@@ -6444,7 +6514,10 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    double *loss, mpt_tensor *dpred) {
     mpt__loss_job j;
     int categorical;
+    mpt_loss_desc defaults;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    memset(&defaults, 0, sizeof defaults);
+    if (!desc) desc = &defaults; /* NULL: every default; type is required */
     MPT__CHECK(mpt__loss_check(ctx, desc, pred, target, loss, dpred));
     memset(&j, 0, sizeof j);
     j.type = desc->type;
@@ -7165,9 +7238,10 @@ static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
 }
 
 MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) {
-    mpt_compile_desc r;
+    mpt_compile_desc r, defaults;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: NULL desc");
+    memset(&defaults, 0, sizeof defaults);
+    if (!desc) desc = &defaults; /* NULL: every default; loss.type is required */
     /* Everything is checked before anything changes: a failed compile
        leaves the model as it was. */
     MPT__CHECK(mpt__compile_check(m, desc));
@@ -7424,7 +7498,9 @@ static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
 
 static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc) {
     char sx[96], sy[96];
-    if (!desc) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL descriptor");
+    if (!desc) /* NULL: every default, but x and y are required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x and y are required (NULL "
+                         "descriptor)");
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "x", desc->x));
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
     if (desc->x->shape[0] != desc->y->shape[0])
@@ -9118,6 +9194,74 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     return mpt__prepare(m, d->batch_size, 1, "fit");
 }
 
+/* The first trainable weight holding inf or NaN: its index in m->params
+   and element, read back one tensor at a time (only once something is
+   known to be wrong). *param is -1 when every one is finite. */
+static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int *param, int64_t *element,
+                                              float *value) {
+    int i;
+    *param = -1;
+    for (i = 0; i < m->n_params && *param < 0; i++) {
+        const mpt__param *P = &m->params[i];
+        float *host;
+        int64_t e;
+        mpt_status s;
+        if (!P->trainable || P->count <= 0) continue;
+        host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)P->count);
+        if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+        s = mpt__download(m, host, P->value, sizeof(float) * (size_t)P->count);
+        for (e = 0; s == MPT_OK && e < P->count && *param < 0; e++)
+            if (!isfinite(host[e])) *param = i, *element = e, *value = host[e];
+        mpt__free(m->ctx, host);
+        MPT__CHECK(s);
+    }
+    return MPT_OK;
+}
+
+/* After each epoch of fit: training stops with MPT_ERR_NUMERIC once a
+   trainable weight or the epoch's loss is inf or NaN, since no later step
+   can recover (every step after it is skipped, or it goes on from a broken
+   model) and callbacks would save it. A step skipped for overflowing
+   gradients (dynamic loss scaling) changes no weight and its loss is
+   finite, so it never stops training. The weights are checked by the
+   backend's grad_stats pass run over the masters instead of the
+   gradients, into evaluation's record of the scalars (unused between
+   evaluations). */
+static void mpt__cb_repr(char *buf, size_t size, double v, int single);
+
+static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
+                                        const mpt_logs *logs) {
+    const double loss = mpt_logs_get(logs, "loss");
+    mpt_update_args u = m->update;
+    mpt_step_state st;
+    int param = -1;
+    int64_t element = 0;
+    float value = 0;
+    char loss_text[40], value_text[40];
+    u.grad = (const float *const *)u.value;
+    u.state = &m->state[1];
+    m->be->grad_stats(m->impl, &u);
+    MPT__CHECK(mpt__download(m, &st, u.state, sizeof st));
+    if (st.finite && isfinite(loss)) return MPT_OK;
+    if (!st.finite) MPT__CHECK(mpt__first_nonfinite_weight(m, &param, &element, &value));
+    mpt__cb_repr(loss_text, sizeof loss_text, loss, 0);
+    mpt__cb_repr(value_text, sizeof value_text, value, 1);
+    if (param >= 0) {
+        const mpt__param *P = &m->params[param];
+        const char *slash = strrchr(P->name, '/');
+        return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
+                         "fit: epoch %d/%d: the weights became non-finite: layer %s, tensor "
+                         "%s, element %lld is %s (loss %s); training stopped — lower the "
+                         "learning rate, clip the gradients, or check the data",
+                         epoch + 1, epochs, m->layers[P->layer].name, slash ? slash + 1 : P->name,
+                         (long long)element, value_text, loss_text);
+    }
+    return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
+                     "fit: epoch %d/%d: the loss is %s (the weights are finite); training "
+                     "stopped — lower the learning rate, or check the data and the model's "
+                     "outputs for overflow", epoch + 1, epochs, loss_text);
+}
+
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *desc) {
     mpt_fit_desc d;
     mpt__fit_run r;
@@ -9126,8 +9270,8 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt_status s = MPT_OK;
     int epoch, i, stop = 0, workers;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL descriptor");
-    d = *desc;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
     MPT__CHECK(mpt__fit_check(m, train, &d));
@@ -9183,6 +9327,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         if (s != MPT_OK) break;
         m->epoch = epoch + 1;
         s = mpt__history_append(m, &logs);
+        if (s == MPT_OK) s = mpt__fit_check_finite(m, epoch, d.epochs, &logs);
         MPT__EACH_CALLBACK(&d, on_epoch_end, m, epoch, &logs, &stop);
     }
     if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);
@@ -9201,24 +9346,27 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
 
 MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
                                      const mpt_evaluate_desc *desc, mpt_logs *logs) {
+    mpt_evaluate_desc d;
     mpt__tally t;
     mpt_status s;
     int64_t batch;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!data || !desc || !logs)
+    if (!data || !logs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
-                         !data ? "data" : !desc ? "descriptor" : "logs");
+                         !data ? "data" : "logs");
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    d.batch_size = mpt__batch_size_or_default(d.batch_size);
     memset(logs, 0, sizeof *logs);
-    batch = mpt__batch_size_or_default(desc->batch_size);
-    MPT__CHECK(mpt__prepare(m, batch, 0, "evaluate"));
+    MPT__CHECK(mpt__prepare(m, d.batch_size, 0, "evaluate"));
     if (!m->compiled) return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first");
     /* Larger batches than the model was built for run in pieces: the
        result is the same, the loss being a mean over samples. */
-    batch = MPT__MIN(batch, m->max_batch);
+    batch = MPT__MIN(d.batch_size, m->max_batch);
     MPT__CHECK(mpt__check_data(m, data, "evaluate"));
-    m->printer = desc->printer;
+    m->printer = d.printer;
     m->emit_logits = mpt__can_fuse_softmax(m);
-    s = mpt__evaluate(m, data, batch, desc->verbose, &t);
+    s = mpt__evaluate(m, data, batch, d.verbose, &t);
     m->emit_logits = 0;
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
@@ -9311,9 +9459,18 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     int64_t total = 0, trainable = 0, bytes = 0;
     int i, k;
     char a[96], b[96], c[96];
-    if (!m || !m->built) return 0;
+    if (!m) return 0;
     if (size) buf[0] = 0;
-    mpt__append(buf, size, &used, "Model: \"sequential\"\n%s", rule);
+    if (!m->built) {
+        mpt__append(buf, size, &used,
+                    "Model: \"sequential\": this model has not yet been built. Build it "
+                    "first with mpt_model_build(), or train it with mpt_model_fit() (which "
+                    "builds it for its batch size).\n");
+        return used;
+    }
+    mpt__append(buf, size, &used, "Model: \"sequential\"\n");
+    mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s",
+                mpt_policy_name(m->desc.policy), mpt_dtype_name(m->policy_dtype), rule);
     mpt__append(buf, size, &used, " %-44s %-24s %-12s %s\n%s", "Layer (type)", "Output Shape",
                 "Param #", "Dtype", bold);
     for (i = 0; i < m->n_layers; i++) {
@@ -10050,7 +10207,9 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     mpt__cb_monitor mon;
     mpt_status s;
     MPT__CHECK(mpt__cb_check_out(ctx, "ModelCheckpoint", out));
-    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: NULL descriptor");
+    if (!d) /* NULL: every default, but filepath is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is NULL (NULL "
+                         "descriptor); it is required (e.g. \"ckpt-{epoch}.safetensors\")");
     if (!d->filepath || !d->filepath[0])
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is %s; it is "
                          "required (e.g. \"ckpt-{epoch}.safetensors\")",
@@ -10233,7 +10392,9 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
     mpt_status s;
     char sep;
     MPT__CHECK(mpt__cb_check_out(ctx, "CSVLogger", out));
-    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: NULL descriptor");
+    if (!d) /* NULL: every default, but filename is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "CSVLogger: filename is NULL (NULL descriptor); it is required");
     if (!d->filename || !d->filename[0])
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: filename is %s; it is required",
                          d->filename ? "empty" : "NULL");
@@ -12017,10 +12178,12 @@ MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc 
                                       mpt_strategy **out) {
     mpt_strategy *s;
     mpt_status st = MPT_OK;
+    mpt_strategy_desc defaults;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!desc || !out)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: NULL %s", desc ? "out" : "desc");
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: NULL out");
     *out = NULL;
+    memset(&defaults, 0, sizeof defaults);
+    if (!desc) desc = &defaults; /* NULL: every default */
     if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
                          (int)desc->type);

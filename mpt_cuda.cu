@@ -167,7 +167,7 @@ typedef struct mpt__cuda_gemm_args {
 /* The elementwise activations, with the CPU's formulas. */
 static __device__ __forceinline__ float mpt__cuda_gemm_activate(int act, float v) {
     switch (act) {
-    case MPT_ACT_RELU: return v > 0 ? v : 0.0f;
+    case MPT_ACT_RELU: return v <= 0 ? 0.0f : v; /* NaN passes, -0 gives +0, as the CPU */
     case MPT_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     case MPT_ACT_SIGMOID:
         if (v >= 0) return 1.0f / (1.0f + expf(-v));
@@ -247,15 +247,15 @@ static __global__ void mpt__cuda_gemm_scale_c_kernel(mpt__cuda_gemm_args p) {
     }
 }
 
-/* After cuBLASLt (float32 C): C = act(C) in place, for the activations its
-   epilogues do not compute exactly. */
-static __global__ void mpt__cuda_gemm_activate_kernel(float *c, int64_t m, int64_t n, int64_t ldc,
-                                                      int act) {
-    const int64_t total = m * n;
+/* After cuBLASLt: C = act(C) in place, for the activations its epilogues
+   do not compute exactly (p.c, p.m, p.n, p.ldc, p.act, p.c_dtype used). C
+   is float32, or 16-bit for ReLU alone, which commutes with rounding. */
+static __global__ void mpt__cuda_gemm_activate_kernel(mpt__cuda_gemm_args p) {
+    const int64_t total = p.m * p.n;
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
          e += (int64_t)gridDim.x * blockDim.x) {
-        float *x = c + (e / n) * ldc + e % n;
-        *x = mpt__cuda_gemm_activate(act, *x);
+        const int64_t i = (e / p.n) * p.ldc + e % p.n;
+        mpt__cuda_gemm_store_c(p, i, mpt__cuda_gemm_activate(p.act, mpt__cuda_gemm_load_c(p, i)));
     }
 }
 
@@ -705,7 +705,7 @@ typedef struct mpt__cuda_gemm_lt {
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc; /* Lt's A (our B), Lt's B (our A), C = D */
     cublasLtMatmulAlgo_t algo;
-    int post_act; /* float32 C: our kernel applies the activation after */
+    int post_act; /* our kernel applies the activation after (see lt_can) */
 } mpt__cuda_gemm_lt;
 
 typedef struct mpt__cuda_gemm_entry {
@@ -814,7 +814,9 @@ static cudaDataType_t mpt__cuda_gemm_lt_type(mpt_dtype t) {
 
 /* Whether cuBLASLt can give exactly our result: its GELU is the tanh
    approximation and it has no sigmoid or tanh, so those run as a second
-   pass over C, which must then be float32 to round only once. */
+   pass over C, which must then be float32 to round only once. Its ReLU is
+   max(x, 0), which need not keep NaN, so ReLU too runs as a second pass;
+   ReLU commutes with rounding, so that pass may read a 16-bit C. */
 static int mpt__cuda_gemm_lt_can(const mpt_gemm_desc *d, mpt_dtype c_dtype) {
     return c_dtype == MPT_FLOAT32 || d->activation == MPT_ACT_NONE ||
            d->activation == MPT_ACT_RELU;
@@ -857,10 +859,8 @@ static mpt_status mpt__cuda_gemm_lt_build(mpt__cuda *c, mpt__cuda_gemm_lt *lt,
     mpt_status st = MPT_OK;
     memset(lt, 0, sizeof *lt);
     memset(&found, 0, sizeof found);
-    if (d->activation == MPT_ACT_RELU) epi = d->bias ? CUBLASLT_EPILOGUE_RELU_BIAS
-                                                     : CUBLASLT_EPILOGUE_RELU;
-    else if (d->bias) epi = CUBLASLT_EPILOGUE_BIAS;
-    lt->post_act = d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU;
+    if (d->bias) epi = CUBLASLT_EPILOGUE_BIAS;
+    lt->post_act = d->activation != MPT_ACT_NONE;
     do {
         const cublasLtPointerMode_t host = CUBLASLT_POINTER_MODE_HOST;
         const uint64_t workspace = c->lt_workspace_bytes;
@@ -959,9 +959,13 @@ static int mpt__cuda_gemm_lt_run(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mp
         return 0;
     }
     if (lt->post_act) {
+        mpt__cuda_gemm_args p;
+        memset(&p, 0, sizeof p);
+        p.c = cptr, p.m = d->m, p.n = d->n, p.ldc = d->ldc;
+        p.act = (int)d->activation;
+        p.c_dtype = e->key.c_dtype;
         mpt__cuda_gemm_activate_kernel<<<mpt__cuda_blocks(d->m * d->n, 256), 256, 0,
-                                         c->stream>>>((float *)cptr, d->m, d->n, d->ldc,
-                                                      (int)d->activation);
+                                         c->stream>>>(p);
         mpt__cuda_launched(c, "mpt__cuda_gemm_activate_kernel");
     }
     return 1;
@@ -1488,7 +1492,7 @@ static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dt
 
 static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
     switch (act) {
-    case MPT_ACT_RELU: return x > 0 ? x : 0.0f; /* NaN -> 0, as the CPU */
+    case MPT_ACT_RELU: return x <= 0 ? 0.0f : x; /* NaN passes, -0 gives +0, as the CPU */
     case MPT_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
     case MPT_ACT_SIGMOID:
         if (x >= 0) return 1.0f / (1.0f + expf(-x)); /* two forms: exp never overflows */
@@ -1504,7 +1508,7 @@ static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
 /* dy · act'(.) where `kept` is z for GELU and y for the others. */
 static __device__ __forceinline__ float mpt__cuda_act_derivative(int act, float dy, float kept) {
     switch (act) {
-    case MPT_ACT_RELU: return kept > 0 ? dy : 0.0f;
+    case MPT_ACT_RELU: return kept <= 0 ? 0.0f : dy; /* a NaN y passes dy, as the CPU */
     case MPT_ACT_GELU: {
         float x = kept;
         float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));

@@ -965,7 +965,7 @@ static void test_bad_descriptors(void) {
     expect_bad(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){.filepath = ""},
                                              &cb), &cb, "empty filepath", "filepath is empty");
     expect_bad(mpt_callback_model_checkpoint(ctx, NULL, &cb), &cb, "NULL checkpoint desc",
-               "NULL descriptor");
+               "filepath is NULL");
     expect_bad(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){
                    .filepath = "ckpt-{epoch.st"}, &cb), &cb, "unclosed brace", "ckpt-{epoch.st");
     expect_bad(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){
@@ -973,7 +973,7 @@ static void test_bad_descriptors(void) {
                "mode -1");
     expect_bad(mpt_callback_csv_logger(ctx, &(mpt_csv_logger_desc){0}, &cb), &cb,
                "NULL filename", "filename is NULL");
-    expect_bad(mpt_callback_csv_logger(ctx, NULL, &cb), &cb, "NULL csv desc", "NULL descriptor");
+    expect_bad(mpt_callback_csv_logger(ctx, NULL, &cb), &cb, "NULL csv desc", "filename is NULL");
     expect_bad(mpt_callback_csv_logger(ctx, &(mpt_csv_logger_desc){.filename = "a.csv",
                                                                    .separator = '"'}, &cb),
                &cb, "quote separator", "separator");

@@ -433,6 +433,85 @@ static void test_gemm_engine(backend *gpu) {
               gpu->label, cases + 2);
 }
 
+/* ReLU keeps NaN (x <= 0 ? 0 : x, as the CPU) in every engine's epilogue
+   and C dtype: NaN in a bias, in A and in C (beta) reaches the same
+   elements as on the CPU, and nothing else is below +0. */
+static void test_gemm_relu_keeps_nan(backend *gpu) {
+    int di, kept = 1, nans = 0;
+    gemm_case g;
+    test__begin();
+    for (di = 0; di < 3; di++) {
+        gemm_inputs in;
+        void *ref, *got;
+        int64_t i, j;
+        memset(&g, 0, sizeof g);
+        g.m = 37, g.n = 70, g.k = 24;
+        g.ab = MPT_FLOAT16;
+        g.c_dtype = gpu->t->gemm_rounds_c ? float_dtypes[di] : MPT_FLOAT32;
+        g.alpha = -1.0f;
+        g.beta = g.c_dtype == MPT_FLOAT32 ? 1.0f : 0.0f;
+        g.bias = 1;
+        g.act = MPT_ACT_RELU;
+        in = gemm_make_inputs(&g);
+        in.bias[3] = NAN;
+        in.bias[5] = INFINITY;
+        in.bias[6] = -INFINITY;
+        store_value(g.ab, in.a, 9 * in.lda + 2, NAN);
+        in.c0[20 * in.ldc + 40] = NAN;
+        in.c0[21 * in.ldc + 41] = -0.0f;
+        ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
+        got = gemm_run(gpu, &g, g.c_dtype, &in);
+        for (i = 0; i < g.m; i++)
+            for (j = 0; j < g.n; j++) {
+                double r = load_value(MPT_FLOAT32, ref, i * in.ldc + j);
+                double o = load_value(g.c_dtype, got, i * in.ldc + j);
+                nans += o != o;
+                if ((r != r) != (o != o) || o < 0 || (o == 0 && signbit(o))) kept = 0;
+            }
+        free(ref);
+        free(got);
+        gemm_free_inputs(&in);
+    }
+    CHECK(kept, "relu on %s: NaN lost or added, or a result below +0", gpu->label);
+    CHECK(nans >= 3 * (37 + 70), "relu on %s: only %d NaNs", gpu->label, nans);
+    test__end("gemm on %s: ReLU keeps NaN in every C dtype", gpu->label);
+}
+
+/* The elementwise ReLU and its gradient give the CPU's bits on special
+   values: NaN passes, ±0 gives +0, a NaN y or dy passes dy. */
+static void test_relu_special_values(void) {
+    static const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f,
+                                      1e-40f, -1e-40f, 2.5f, -2.5f};
+    enum { S = (int)(sizeof specials / sizeof specials[0]), N = S * S };
+    backend *gpu = &gpu_be[GPU_AUTO];
+    float x[N], dy[N];
+    void *res[2][2];
+    int i, w;
+    for (i = 0; i < N; i++) {
+        x[i] = specials[i % S];
+        dy[i] = specials[i / S];
+    }
+    for (w = 0; w < 2; w++) {
+        backend *b = w ? gpu : &cpu_be;
+        float *d = (float *)be_upload(b, x, sizeof x);
+        const void *d_dy = be_upload(b, dy, sizeof dy);
+        float *dz = (float *)be_poisoned(b, sizeof x), *tmp = (float *)be_poisoned(b, sizeof x);
+        b->t->activation(b->impl, MPT_ACT_RELU, d, 1, N);
+        b->t->activation_grad(b->impl, MPT_ACT_RELU, MPT_FLOAT32, NULL, d, d_dy, dz, tmp, 1, N);
+        res[w][0] = be_fetch(b, d, sizeof x, "relu");
+        res[w][1] = be_fetch(b, dz, sizeof x, "relu backward");
+        be_release(b);
+    }
+    CHECK(!memcmp(res[0][0], res[1][0], sizeof x), "relu forward differs from the CPU's bits");
+    CHECK(!memcmp(res[0][1], res[1][1], sizeof x), "relu backward differs from the CPU's bits");
+    CHECK(isnan(((float *)res[1][0])[0]) && isnan(((float *)res[1][1])[8]),
+          "NaN did not pass");
+    for (w = 0; w < 2; w++) {
+        free(res[w][0]);
+        free(res[w][1]);
+    }
+}
+
 /* ---- column sums, convert ------------------------------------------------------------ */
 
 static void test_column_sums(void) {
@@ -2084,6 +2163,9 @@ int main(void) {
     printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
            gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
     for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
+    for (e = 0; e < N_GPU; e++) test_gemm_relu_keeps_nan(&gpu_be[e]);
+    test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",
+              test_relu_special_values);
     test__run("column_sums (float32 <= 1e-5)", test_column_sums);
     test__run("convert: every pair of float dtypes (exact)", test_convert);
     test__run("activation: each one incl. softmax (<= 1e-5)", test_activation);

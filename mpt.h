@@ -82,6 +82,7 @@
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @backend      the table a compute backend implements (CPU, CUDA)
+       @backend-shared  the rules both backends run: Philox, loss scaling (internal)
        @training     compile, fit, evaluate, predict, summary, history
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
@@ -867,6 +868,91 @@ MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **imp
 extern mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc,
                                           const mpt_backend **table, void **impl,
                                           char *message, size_t message_size);
+
+/* =============================================================================
+   @backend-shared: the rules both backends run (internal)
+   =============================================================================
+
+   What the CPU backend (below, in MPT_IMPLEMENTATION) and the CUDA one
+   (mpt_cuda.cu, which includes this header without MPT_IMPLEMENTATION)
+   must compute alike, bit for bit, written once here: plain C99 that
+   also compiles as C++17 and, marked MPT__HD, as CUDA host and device
+   code. Not part of the API. */
+
+#include <float.h> /* FLT_MIN, FLT_MAX */
+
+#if defined(__CUDACC__)
+#define MPT__HD __host__ __device__
+#else
+#define MPT__HD
+#endif
+
+/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
+   3", SC 2011): ten rounds of multiply-xor over a 128-bit counter keyed by
+   64 bits; mpt_philox4x32's words. The counter is Random123's ctr[0..3] =
+   the low and high halves of counter_lo, then of counter_hi; the key's
+   halves are key[0..1]; out[0..3] is Random123's result. The high halves
+   of the 32×32 products come from a 64-bit product (a GPU's mul.hi). */
+static inline MPT__HD void mpt__philox4x32_10(uint64_t key, uint64_t counter_hi,
+                                              uint64_t counter_lo, uint32_t out[4]) {
+    uint32_t c0 = (uint32_t)counter_lo, c1 = (uint32_t)(counter_lo >> 32);
+    uint32_t c2 = (uint32_t)counter_hi, c3 = (uint32_t)(counter_hi >> 32);
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    int round;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (round = 0; round < 10; round++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c1 = (uint32_t)p1;
+        c3 = (uint32_t)p0;
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+/* A uniform float in [0, 1) from the top 24 of 32 random bits. */
+static inline MPT__HD float mpt__uniform01(uint32_t bits) {
+    return (float)(bits >> 8) * (1.0f / 16777216.0f);
+}
+
+/* The loss scale after a step, from state->finite; then state->step + 1.
+   A non-finite step has been skipped whatever the mode (an update from
+   inf or NaN gradients would destroy the weights), so skipped_steps
+   counts it in every mode. Dynamic mode, as Keras' LossScaleOptimizer: a
+   skipped step multiplies the scale by backoff_factor and restarts the
+   count of finite steps; growth_interval finite steps in a row multiply
+   it by growth_factor. Power-of-two factors keep a power-of-two scale
+   exact. Two guards Keras lacks: the scale never grows to inf (as
+   PyTorch's newer kernels) nor shrinks below FLT_MIN, where 1/scale would
+   be inf. Each product is one rounding (no fused multiply-add can form),
+   so both backends get the same bits. */
+static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
+                                                mpt_step_state *state) {
+    int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
+    state->step++;
+    if (!state->finite) {
+        float scaled = state->loss_scale * d->backoff_factor;
+        state->skipped_steps++;
+        if (!dynamic) return;
+        state->good_steps = 0;
+        if (scaled >= FLT_MIN) state->loss_scale = scaled;
+        return;
+    }
+    if (!dynamic) return;
+    if (++state->good_steps >= d->growth_interval) {
+        float grown = state->loss_scale * d->growth_factor;
+        if (grown <= FLT_MAX) state->loss_scale = grown; /* not inf */
+        state->good_steps = 0;
+    }
+}
 
 /* =============================================================================
    @training: compile, fit, evaluate, predict, summary, history
@@ -3007,34 +3093,12 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    @impl-rng
    ============================================================================= */
 
-/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
-   3", 2011): ten rounds of multiply-xor over a 128-bit counter keyed by 64
-   bits. Counter-based, so element i of a dropout mask or of an initial
-   weight tensor is the same however the work is split. */
+/* Counter-based, so element i of a dropout mask or of an initial weight
+   tensor is the same however the work is split (@backend-shared). */
 MPTDEF void mpt_philox4x32(uint64_t key, uint64_t counter_hi, uint64_t counter_lo,
                            uint32_t out[4]) {
-    uint32_t c0 = (uint32_t)counter_lo, c1 = (uint32_t)(counter_lo >> 32);
-    uint32_t c2 = (uint32_t)counter_hi, c3 = (uint32_t)(counter_hi >> 32);
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-    int round;
-    for (round = 0; round < 10; round++) {
-        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
-        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
-        c1 = (uint32_t)p1;
-        c3 = (uint32_t)p0;
-        c0 = n0;
-        c2 = n2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    out[0] = c0;
-    out[1] = c1;
-    out[2] = c2;
-    out[3] = c3;
+    mpt__philox4x32_10(key, counter_hi, counter_lo, out);
 }
-
-/* A uniform float in [0, 1) from 24 random bits. */
-static float mpt__uniform01(uint32_t bits) { return (float)(bits >> 8) * (1.0f / 16777216.0f); }
 
 /* SplitMix64, to derive independent keys (one per parameter, per layer) from
    the model's seed. */
@@ -6783,34 +6847,11 @@ static void mpt__cpu_update(void *impl, const mpt_update_args *u) {
 
 /* ---- loss scaling ----------------------------------------------------------- */
 
-/* After each step, from state->finite. A non-finite step has been skipped
-   whatever the mode (an update from inf or NaN gradients would destroy the
-   weights), so skipped_steps counts it in every mode. Dynamic mode, as
-   Keras' LossScaleOptimizer: a skipped step multiplies the scale by
-   backoff_factor and restarts the count of finite steps; growth_interval
-   finite steps in a row multiply it by growth_factor. Power-of-two factors
-   keep a power-of-two scale exact. Two guards Keras lacks: the scale never
-   grows to inf (as PyTorch's newer kernels) nor shrinks below FLT_MIN,
-   where 1/scale would be inf. The step counter then moves on. */
+/* @backend-shared's mpt__loss_scale_next, the rule the CUDA backend runs too. */
 static void mpt__cpu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
                                        mpt_step_state *st) {
-    int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
     (void)impl;
-    st->step++;
-    if (!st->finite) {
-        float scaled = st->loss_scale * d->backoff_factor;
-        st->skipped_steps++;
-        if (!dynamic) return;
-        st->good_steps = 0;
-        if (scaled >= FLT_MIN) st->loss_scale = scaled;
-        return;
-    }
-    if (!dynamic) return;
-    if (++st->good_steps >= d->growth_interval) {
-        float grown = st->loss_scale * d->growth_factor;
-        if (grown < INFINITY) st->loss_scale = grown;
-        st->good_steps = 0;
-    }
+    mpt__loss_scale_next(d, st);
 }
 
 /* ---- compile and the public accessors --------------------------------------- */

@@ -2342,32 +2342,6 @@ static void mpt__cuda_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
 
 /* ---- Dropout ------------------------------------------------------------ */
 
-/* mpt_philox4x32 (Philox4x32-10), the same rounds and constants: the high
-   halves of the 32×32 products from __umulhi, the low halves by wrapping. */
-static __device__ __forceinline__ void mpt__cuda_dropout_philox(uint64_t key, uint64_t counter_hi,
-                                                                uint64_t counter_lo,
-                                                                uint32_t out[4]) {
-    uint32_t c0 = (uint32_t)counter_lo, c1 = (uint32_t)(counter_lo >> 32);
-    uint32_t c2 = (uint32_t)counter_hi, c3 = (uint32_t)(counter_hi >> 32);
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-#pragma unroll
-    for (int round = 0; round < 10; round++) {
-        const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c1 = lo1;
-        c3 = lo0;
-        c0 = n0;
-        c2 = n2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    out[0] = c0;
-    out[1] = c1;
-    out[2] = c2;
-    out[3] = c3;
-}
-
 /* out[i] = in[i] · scale where uniform01(word i%4 of philox(key, step, i/4))
    ≥ rate, else 0. The step is read on the device: from state->step in
    forward, which one thread also saves into *step_save for backward; from
@@ -2378,20 +2352,20 @@ template <typename T> struct mpt__cuda_dropout_op {
     const T *in;
     T *out;
     __device__ __forceinline__ T keep_or_drop(uint32_t bits, T v) const {
-        const float u = (float)(bits >> 8) * (1.0f / 16777216.0f);
+        const float u = mpt__uniform01(bits);
         return mpt__cuda_layers_narrow<T>(u >= rate ? mpt__cuda_layers_widen(v) * scale : 0.0f);
     }
     template <int N> __device__ __forceinline__ void run(int64_t i) const {
         mpt__cuda_layers_pack<T, N> v = mpt__cuda_layers_load<N>(in + i);
         uint32_t r[4];
         if constexpr (N == 1) {
-            mpt__cuda_dropout_philox(key, step, (uint64_t)i / 4, r);
+            mpt__philox4x32_10(key, step, (uint64_t)i / 4, r);
             const int w = (int)(i & 3);
             v.v[0] = keep_or_drop(w == 0 ? r[0] : w == 1 ? r[1] : w == 2 ? r[2] : r[3], v.v[0]);
         } else { /* i is a multiple of N, N of 4: whole groups of four */
 #pragma unroll
             for (int g = 0; g < N / 4; g++) {
-                mpt__cuda_dropout_philox(key, step, (uint64_t)i / 4 + g, r);
+                mpt__philox4x32_10(key, step, (uint64_t)i / 4 + g, r);
 #pragma unroll
                 for (int k = 0; k < 4; k++) v.v[4 * g + k] = keep_or_drop(r[k], v.v[4 * g + k]);
             }
@@ -3228,26 +3202,10 @@ static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
 
 /* ---- loss scaling ------------------------------------------------------------ */
 
-/* One thread, as mpt.h's mpt__loss_scale_update: a skipped step counts in
-   every mode; dynamic mode backs the scale off (never below FLT_MIN, where
-   1/scale would be inf) and restarts the count of finite steps, or grows
-   it after growth_interval finite steps in a row (never to inf). Then the
-   step count, always. */
+/* One thread: mpt.h's mpt__loss_scale_next (@backend-shared), the rule the
+   CPU backend runs too. */
 static __global__ void mpt__cuda_loss_scale_kernel(mpt_loss_scale_desc d, mpt_step_state *state) {
-    const bool dynamic = d.mode == MPT_LOSS_SCALE_DYNAMIC;
-    if (!state->finite) {
-        state->skipped_steps += 1;
-        if (dynamic) {
-            float scaled = __fmul_rn(state->loss_scale, d.backoff_factor);
-            state->good_steps = 0;
-            if (scaled >= FLT_MIN) state->loss_scale = scaled;
-        }
-    } else if (dynamic && ++state->good_steps >= d.growth_interval) {
-        float grown = __fmul_rn(state->loss_scale, d.growth_factor);
-        if (grown < INFINITY) state->loss_scale = grown;
-        state->good_steps = 0;
-    }
-    state->step += 1;
+    mpt__loss_scale_next(&d, state);
 }
 
 static void mpt__cuda_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,

@@ -630,7 +630,13 @@ typedef struct mpt_loss_scale_desc {
    - Scalars that change from step to step (learning rate, loss scale,
      step counter, the finiteness of the gradients) live in the backend's
      memory, in mpt_step_state: a step reads and writes them there, so a
-     whole training step can be recorded once and replayed (CUDA graphs). */
+     whole training step can be recorded once and replayed (CUDA graphs).
+   - Every slot is required except these, NULL where a backend has nothing
+     to offer: gemm_plan (no algorithms to choose between) and the
+     collectives comm_id, comm_create, comm_destroy, allreduce_sum and
+     comm_error (all five or none: no replicas on other devices). A table
+     is filled member by member, by name, so that a member added here
+     cannot shift the others. */
 
 /* A window sliding over (H, W, C) samples (Conv2D, pooling). Padding is
    TensorFlow's; pixels outside the image are zeros for a convolution and
@@ -12196,22 +12202,68 @@ static void mpt__cpu_scale(void *impl, float *x, float alpha, int64_t n) {
     for (i = 0; i < n; i++) x[i] *= alpha;
 }
 
-static const mpt_backend mpt__cpu_table = {
-    "cpu", 0, 0,
-    mpt__cpu_alloc, mpt__cpu_free, mpt__cpu_alloc_host, mpt__cpu_free_host,
-    mpt__cpu_upload, mpt__cpu_upload /* download: the same memmove */,
-    mpt__cpu_upload_async, mpt__cpu_nothing, mpt__cpu_ok,
-    mpt__cpu_copy, mpt__cpu_zero, mpt__cpu_ok, mpt__cpu_error, mpt__cpu_nothing,
-    mpt__cpu_no_capture, mpt__cpu_capture_end, mpt__cpu_replay, mpt__cpu_graph_free,
-    mpt__cpu_gemm, NULL, mpt__cpu_convert, mpt__cpu_activation, mpt__cpu_activation_grad,
-    mpt__cpu_column_sums, mpt__cpu_im2col, mpt__cpu_col2im,
-    mpt__cpu_pool_forward, mpt__cpu_pool_backward, mpt__cpu_pool_workspace,
-    mpt__cpu_batchnorm_forward, mpt__cpu_batchnorm_backward, mpt__cpu_batchnorm_commit,
-    mpt__cpu_batchnorm_workspace, mpt__cpu_dropout, mpt__cpu_loss,
-    mpt__cpu_grad_stats, mpt__cpu_update, mpt__cpu_loss_scale_update, mpt__cpu_add,
-    mpt__cpu_scale, NULL, NULL, NULL, NULL, NULL /* no collectives: replicas share memory */};
+/* The table, filled by name (C++17, which mpt.h also compiles as, has no
+   designated initializers): a member added to mpt_backend cannot shift the
+   others. The slots left NULL are the optional ones (@backend). */
+static void mpt__cpu_table_fill(mpt_backend *t) {
+    memset(t, 0, sizeof *t);
+    t->name = "cpu";
+    t->gemm_rounds_c = 0;
+    t->can_capture = 0;
+    t->alloc = mpt__cpu_alloc;
+    t->free = mpt__cpu_free;
+    t->alloc_host = mpt__cpu_alloc_host;
+    t->free_host = mpt__cpu_free_host;
+    t->upload = mpt__cpu_upload;
+    t->download = mpt__cpu_upload; /* the same memmove */
+    t->upload_async = mpt__cpu_upload_async;
+    t->upload_wait = mpt__cpu_nothing;
+    t->upload_done = mpt__cpu_ok;
+    t->copy = mpt__cpu_copy;
+    t->zero = mpt__cpu_zero;
+    t->sync = mpt__cpu_ok;
+    t->error = mpt__cpu_error;
+    t->destroy = mpt__cpu_nothing;
+    t->capture_begin = mpt__cpu_no_capture;
+    t->capture_end = mpt__cpu_capture_end;
+    t->replay = mpt__cpu_replay;
+    t->graph_free = mpt__cpu_graph_free;
+    t->gemm = mpt__cpu_gemm;
+    t->gemm_plan = NULL; /* nothing to choose */
+    t->convert = mpt__cpu_convert;
+    t->activation = mpt__cpu_activation;
+    t->activation_grad = mpt__cpu_activation_grad;
+    t->column_sums = mpt__cpu_column_sums;
+    t->im2col = mpt__cpu_im2col;
+    t->col2im = mpt__cpu_col2im;
+    t->pool_forward = mpt__cpu_pool_forward;
+    t->pool_backward = mpt__cpu_pool_backward;
+    t->pool_workspace = mpt__cpu_pool_workspace;
+    t->batchnorm_forward = mpt__cpu_batchnorm_forward;
+    t->batchnorm_backward = mpt__cpu_batchnorm_backward;
+    t->batchnorm_commit = mpt__cpu_batchnorm_commit;
+    t->batchnorm_workspace = mpt__cpu_batchnorm_workspace;
+    t->dropout = mpt__cpu_dropout;
+    t->loss = mpt__cpu_loss;
+    t->grad_stats = mpt__cpu_grad_stats;
+    t->update = mpt__cpu_update;
+    t->loss_scale_update = mpt__cpu_loss_scale_update;
+    t->add = mpt__cpu_add;
+    t->scale = mpt__cpu_scale;
+    /* no collectives (comm_*, allreduce_sum): the replicas share memory */
+}
 
-static const mpt_backend *mpt__cpu_backend(void) { return &mpt__cpu_table; }
+static mpt_backend mpt__cpu_table;
+static pthread_once_t mpt__cpu_table_once = PTHREAD_ONCE_INIT;
+
+static void mpt__cpu_table_init(void) { mpt__cpu_table_fill(&mpt__cpu_table); }
+
+/* The one CPU table every context shares (models tell the CPU by its
+   address), filled once, before any thread reads it. */
+static const mpt_backend *mpt__cpu_backend(void) {
+    pthread_once(&mpt__cpu_table_once, mpt__cpu_table_init);
+    return &mpt__cpu_table;
+}
 
 #endif /* MPT__IMPLEMENTED */
 #endif /* MPT_IMPLEMENTATION */

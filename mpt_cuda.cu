@@ -4063,58 +4063,70 @@ static const char *mpt__cuda_comm_error(void *comm) {
 }
 #endif /* MPT_NCCL */
 
-static const mpt_backend mpt__cuda_backend = {
-    /* name */ "cuda",
-    /* gemm_rounds_c */ 1,
-    /* can_capture */ 1,
-    mpt__cuda_alloc,
-    mpt__cuda_free,
-    mpt__cuda_alloc_host,
-    mpt__cuda_free_host,
-    mpt__cuda_upload,
-    mpt__cuda_download,
-    mpt__cuda_upload_async,
-    mpt__cuda_upload_wait,
-    mpt__cuda_upload_done,
-    mpt__cuda_copy,
-    mpt__cuda_zero,
-    mpt__cuda_sync,
-    mpt__cuda_error,
-    mpt__cuda_destroy,
-    mpt__cuda_capture_begin,
-    mpt__cuda_capture_end,
-    mpt__cuda_replay,
-    mpt__cuda_graph_free,
-    mpt__cuda_gemm,
-    mpt__cuda_gemm_plan,
-    mpt__cuda_convert,
-    mpt__cuda_activation,
-    mpt__cuda_activation_grad,
-    mpt__cuda_column_sums,
-    mpt__cuda_im2col,
-    mpt__cuda_col2im,
-    mpt__cuda_pool_forward,
-    mpt__cuda_pool_backward,
-    mpt__cuda_pool_workspace,
-    mpt__cuda_batchnorm_forward,
-    mpt__cuda_batchnorm_backward,
-    mpt__cuda_batchnorm_commit,
-    mpt__cuda_batchnorm_workspace,
-    mpt__cuda_dropout,
-    mpt__cuda_loss,
-    mpt__cuda_grad_stats,
-    mpt__cuda_update,
-    mpt__cuda_loss_scale_update,
-    mpt__cuda_add,
-    mpt__cuda_scale,
+/* The table, filled by name (C++17 has no designated initializers), so
+   that a member added to mpt_backend cannot shift the others. */
+static mpt_backend mpt__cuda_table_filled(void) {
+    mpt_backend t;
+    memset(&t, 0, sizeof t);
+    t.name = "cuda";
+    t.gemm_rounds_c = 1;
+    t.can_capture = 1;
+    t.alloc = mpt__cuda_alloc;
+    t.free = mpt__cuda_free;
+    t.alloc_host = mpt__cuda_alloc_host;
+    t.free_host = mpt__cuda_free_host;
+    t.upload = mpt__cuda_upload;
+    t.download = mpt__cuda_download;
+    t.upload_async = mpt__cuda_upload_async;
+    t.upload_wait = mpt__cuda_upload_wait;
+    t.upload_done = mpt__cuda_upload_done;
+    t.copy = mpt__cuda_copy;
+    t.zero = mpt__cuda_zero;
+    t.sync = mpt__cuda_sync;
+    t.error = mpt__cuda_error;
+    t.destroy = mpt__cuda_destroy;
+    t.capture_begin = mpt__cuda_capture_begin;
+    t.capture_end = mpt__cuda_capture_end;
+    t.replay = mpt__cuda_replay;
+    t.graph_free = mpt__cuda_graph_free;
+    t.gemm = mpt__cuda_gemm;
+    t.gemm_plan = mpt__cuda_gemm_plan;
+    t.convert = mpt__cuda_convert;
+    t.activation = mpt__cuda_activation;
+    t.activation_grad = mpt__cuda_activation_grad;
+    t.column_sums = mpt__cuda_column_sums;
+    t.im2col = mpt__cuda_im2col;
+    t.col2im = mpt__cuda_col2im;
+    t.pool_forward = mpt__cuda_pool_forward;
+    t.pool_backward = mpt__cuda_pool_backward;
+    t.pool_workspace = mpt__cuda_pool_workspace;
+    t.batchnorm_forward = mpt__cuda_batchnorm_forward;
+    t.batchnorm_backward = mpt__cuda_batchnorm_backward;
+    t.batchnorm_commit = mpt__cuda_batchnorm_commit;
+    t.batchnorm_workspace = mpt__cuda_batchnorm_workspace;
+    t.dropout = mpt__cuda_dropout;
+    t.loss = mpt__cuda_loss;
+    t.grad_stats = mpt__cuda_grad_stats;
+    t.update = mpt__cuda_update;
+    t.loss_scale_update = mpt__cuda_loss_scale_update;
+    t.add = mpt__cuda_add;
+    t.scale = mpt__cuda_scale;
 #ifdef MPT_NCCL
-    mpt__cuda_comm_id,
-    mpt__cuda_comm_create,
-    mpt__cuda_comm_destroy,
-    mpt__cuda_allreduce_sum,
-    mpt__cuda_comm_error,
-#endif
-};
+    t.comm_id = mpt__cuda_comm_id;
+    t.comm_create = mpt__cuda_comm_create;
+    t.comm_destroy = mpt__cuda_comm_destroy;
+    t.allreduce_sum = mpt__cuda_allreduce_sum;
+    t.comm_error = mpt__cuda_comm_error;
+#endif /* without NCCL the collectives stay NULL */
+    return t;
+}
+
+/* One table for every device, filled once (a function-local static is
+   initialized once even when several threads ask at the same time). */
+static const mpt_backend *mpt__cuda_backend(void) {
+    static const mpt_backend table = mpt__cuda_table_filled();
+    return &table;
+}
 
 /* Takes desc->cuda_device. On success *message holds one line about the
    device for the log; on failure, why not (MPT_ERR_UNSUPPORTED: no usable
@@ -4157,7 +4169,7 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
     mpt__cuda_say(message, message_size, "CUDA device %d: %s (sm_%d%d, %d SMs, %.1f GiB)",
                   c->device, prop.name, prop.major, prop.minor, prop.multiProcessorCount,
                   (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));
-    *table = &mpt__cuda_backend;
+    *table = mpt__cuda_backend();
     *impl = c;
     return MPT_OK;
 }

@@ -498,10 +498,20 @@ static void test_philox_known_answers(void) {
     }
 }
 
+/* Every required slot of the CPU's table is filled (@backend). */
+static void test_cpu_table_is_complete(void) {
+    const mpt_backend *t = mpt_context_backend(ctx, NULL);
+    const char *gap = backend_table_gap(t);
+    CHECK(!strcmp(t->name, "cpu"), "the context's backend is \"%s\", not the CPU's", t->name);
+    CHECK(!gap, "the CPU's table: %s", gap);
+    CHECK(!t->comm_create, "the CPU's table has collectives");
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     make_images();
     TEST_RUN(test_philox_known_answers);
+    TEST_RUN(test_cpu_table_is_complete);
     TEST_RUN(test_fit_matches_the_cpu);
     TEST_RUN(test_checkpoints_cross);
     TEST_RUN(test_early_stopping_restores);

@@ -1948,6 +1948,17 @@ static void test_mirrored_on_the_gpu(void) {
     }
 }
 
+/* Every required slot of the CUDA table is filled (@backend), and the
+   collectives are there exactly when mpt_cuda.cu was built with NCCL. */
+static void test_table_is_complete(void) {
+    const mpt_backend *t = gpu_be[GPU_AUTO].t;
+    const char *gap = backend_table_gap(t);
+    CHECK(!gap, "the CUDA table: %s", gap);
+#ifdef MPT_NCCL
+    CHECK(t->comm_create != NULL, "built with MPT_NCCL, but the table has no collectives");
+#endif
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
@@ -1971,6 +1982,7 @@ int main(void) {
     }
     printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
            gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
+    test__run("the table: every required slot filled", test_table_is_complete);
     for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
     test__run("column_sums (float32 <= 1e-5)", test_column_sums);
     test__run("convert: every pair of float dtypes (exact)", test_convert);

@@ -893,6 +893,10 @@ extern mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc,
 #define MPT__HD
 #endif
 
+/* Replicas a model can have (in this process or over every worker): the
+   size of the strategy's per-replica arrays. */
+#define MPT__MAX_REPLICAS 64
+
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
    3", SC 2011): ten rounds of multiply-xor over a 128-bit counter keyed by
    64 bits; mpt_philox4x32's words. The counter is Random123's ctr[0..3] =
@@ -1251,8 +1255,9 @@ typedef enum mpt_strategy_type {
 typedef struct mpt_strategy_desc {
     mpt_strategy_type type;
     int num_replicas;         /* mirrored: logical replicas sharing the
-                                 context's device; default 0: 1 (on a GPU
-                                 context: one per device, below)           */
+                                 context's device, at most 64
+                                 (MPT__MAX_REPLICAS); default 0: 1 (on a
+                                 GPU context: one per device, below)       */
     const int *devices;       /* mirrored on a GPU context: the CUDA devices
                                  to put one replica on each, the context's
                                  first; default NULL: every visible one.
@@ -3306,8 +3311,8 @@ struct mpt_strategy {
     /* Replicas on several GPUs (or GPU workers): the backend of replica k,
        [0] the context's, and the communicator over them (NCCL). */
     int n_backends;
-    const mpt_backend *backend[64];
-    void *impl[64];
+    const mpt_backend *backend[MPT__MAX_REPLICAS];
+    void *impl[MPT__MAX_REPLICAS];
     void *comm;
 };
 
@@ -11296,7 +11301,7 @@ static mpt_status mpt__strategy_mirror_devices(mpt_strategy *s, const mpt_strate
         for (k = 1; k < desc->n_devices; k++) MPT__CHECK(mpt__strategy_add_device(s, desc->devices[k]));
         return MPT_OK;
     }
-    for (k = 0; k < 64 && s->n_backends < 64; k++) {
+    for (k = 0; k < MPT__MAX_REPLICAS && s->n_backends < MPT__MAX_REPLICAS; k++) {
         mpt_context_desc d = s->ctx->desc;
         char message[512];
         if (k == own) continue;
@@ -11365,14 +11370,21 @@ MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc 
     if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
                          (int)desc->type);
-    if (desc->n_devices < 0 || desc->n_devices > 64 || (desc->n_devices > 0 && !desc->devices))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: %d devices (0..64, with a list)",
-                         desc->n_devices);
-    if (desc->num_replicas < 0 || desc->num_replicas > 64 ||
-        (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
+    if (desc->num_replicas > MPT__MAX_REPLICAS)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "strategy: num_replicas %d (1..64, and only for mirrored)",
-                         desc->num_replicas);
+                         "strategy: num_replicas %d: a model can have at most %d replicas",
+                         desc->num_replicas, MPT__MAX_REPLICAS);
+    if (desc->n_devices > MPT__MAX_REPLICAS)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: %d devices: a model can have at most %d replicas, one a device",
+                         desc->n_devices, MPT__MAX_REPLICAS);
+    if (desc->n_devices < 0 || (desc->n_devices > 0 && !desc->devices))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: %d devices (0..%d, with a list)",
+                         desc->n_devices, MPT__MAX_REPLICAS);
+    if (desc->num_replicas < 0 || (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: num_replicas %d (0..%d, and above 1 only for mirrored)",
+                         desc->num_replicas, MPT__MAX_REPLICAS);
     if (!(desc->timeout_seconds >= 0 && desc->timeout_seconds < 1e9) || desc->bucket_bytes < 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "strategy: timeout_seconds %g and bucket_bytes %lld must be >= 0",
@@ -11517,7 +11529,7 @@ static mpt_status mpt__sync_scatter(mpt_model *m, int i, int ia, int ib, const f
 static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *fw,
                                        const int64_t *rows) {
     const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
     double *sums = m->sync_scratch, N;
     float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
     int k;
@@ -11558,7 +11570,7 @@ static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *f
 static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk *bw,
                                         const int64_t *rows) {
     const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
     double *sums = m->sync_scratch;
     float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
     int k;
@@ -11866,7 +11878,7 @@ static mpt_status mpt__exchange_finish(mpt_model *m) {
    through the strategy's communicator, in place on each: each replica's
    arena `arena` (layer < 0) or layer `layer`'s saved[which]. */
 static mpt_status mpt__comm_sum(mpt_model *m, int arena, int layer, int which, int64_t count) {
-    float *bufs[64];
+    float *bufs[MPT__MAX_REPLICAS];
     mpt_status st;
     int k;
     for (k = 0; k < m->n_replicas; k++) {
@@ -11944,9 +11956,9 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
                                                  const mpt_tensor *y, int64_t rows,
                                                  int64_t global_rows, int64_t *had) {
     int n = m->n_replicas, k, i, first = m->n_layers;
-    mpt__forward_walk fw[64];
-    mpt__backward_walk bw[64];
-    mpt_tensor target[64];
+    mpt__forward_walk fw[MPT__MAX_REPLICAS];
+    mpt__backward_walk bw[MPT__MAX_REPLICAS];
+    mpt_tensor target[MPT__MAX_REPLICAS];
     for (k = 0; k < n; k++) {
         mpt_model *r = m->replica[k];
         int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
@@ -12019,7 +12031,7 @@ static mpt_status mpt__local_sum_grads(mpt_model *m, int64_t grads) {
 static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
                                        int64_t rows, int64_t global_rows, mpt__step_times *times) {
     int n = m->n_replicas, k;
-    int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[64]; /* n <= 64 */
+    int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[MPT__MAX_REPLICAS];
     double t0 = mpt__now(), t1;
     if (m->exchange) mpt__exchange_arm(m);
     MPT__CHECK(mpt__replicas_forward_backward(m, x, y, rows, global_rows, had));

@@ -1975,22 +1975,31 @@ static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE void mpt__avx2_loop(mpt_dtype dt, voi
                             (const char *)src + (size_t)i * ss, n - i);
 }
 
+/* Calls loop(dst_dtype, dst, src_dtype, src, n) with the pair's dtypes as
+   constants, so that each always-inline loop is compiled once per pair of
+   different dtypes with its loads' and stores' switches folded away; the
+   one list of pairs for the AVX2 and the AVX-512 kernels. */
+#define MPT__CONVERT_PAIRS(loop, dst_dtype, dst, src_dtype, src, n)                                \
+    do {                                                                                           \
+        if ((src_dtype) == MPT_FLOAT32 && (dst_dtype) == MPT_FLOAT16)                              \
+            loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);                                           \
+        else if ((src_dtype) == MPT_FLOAT32)                                                       \
+            loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);                                          \
+        else if ((src_dtype) == MPT_FLOAT16 && (dst_dtype) == MPT_FLOAT32)                         \
+            loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);                                           \
+        else if ((src_dtype) == MPT_FLOAT16)                                                       \
+            loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);                                          \
+        else if ((dst_dtype) == MPT_FLOAT32)                                                       \
+            loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);                                          \
+        else                                                                                       \
+            loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);                                          \
+    } while (0)
+
 /* Needs AVX2, and F16C for the pairs that involve float16. */
 static MPT__TARGET_AVX2 void mpt__convert_avx2(mpt_dtype dst_dtype, void *dst,
                                               mpt_dtype src_dtype, const void *src,
                                               int64_t n) {
-    if (src_dtype == MPT_FLOAT32 && dst_dtype == MPT_FLOAT16)
-        mpt__avx2_loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT32)
-        mpt__avx2_loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT16 && dst_dtype == MPT_FLOAT32)
-        mpt__avx2_loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);
-    else if (src_dtype == MPT_FLOAT16)
-        mpt__avx2_loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);
-    else if (dst_dtype == MPT_FLOAT32)
-        mpt__avx2_loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);
-    else
-        mpt__avx2_loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);
+    MPT__CONVERT_PAIRS(mpt__avx2_loop, dst_dtype, dst, src_dtype, src, n);
 }
 
 static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512i mpt__avx512_bf16_bits(__m512 v) {
@@ -2050,19 +2059,9 @@ static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE void mpt__avx512_loop(mpt_dtype dt,
 static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *dst,
                                                   mpt_dtype src_dtype, const void *src,
                                                   int64_t n) {
-    if (src_dtype == MPT_FLOAT32 && dst_dtype == MPT_FLOAT16)
-        mpt__avx512_loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT32)
-        mpt__avx512_loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT16 && dst_dtype == MPT_FLOAT32)
-        mpt__avx512_loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);
-    else if (src_dtype == MPT_FLOAT16)
-        mpt__avx512_loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);
-    else if (dst_dtype == MPT_FLOAT32)
-        mpt__avx512_loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);
-    else
-        mpt__avx512_loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);
+    MPT__CONVERT_PAIRS(mpt__avx512_loop, dst_dtype, dst, src_dtype, src, n);
 }
+#undef MPT__CONVERT_PAIRS
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif

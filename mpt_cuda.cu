@@ -85,16 +85,23 @@ typedef struct mpt__cuda {
     struct mpt__cuda_train_scratch *train_scratch; /* the training part's  */
 } mpt__cuda;
 
-/* Records a failure in c->error ("<what> failed at file:line: message")
-   and returns status. */
+/* "<what> (file:line)" into error: the form of every message this
+   backend leaves. */
+static void mpt__cuda_vsay_at(char *error, size_t size, const char *file, int line,
+                              const char *fmt, va_list ap) {
+    char what[384];
+    vsnprintf(what, sizeof what, fmt, ap);
+    snprintf(error, size, "%s (%s:%d)", what, file, line);
+}
+
+/* Records a failure in c->error ("<what> (file:line)") and returns
+   status. */
 static mpt_status mpt__cuda_fail(mpt__cuda *c, mpt_status status, const char *file, int line,
                                  const char *fmt, ...) {
-    char what[384];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
+    mpt__cuda_vsay_at(c->error, sizeof c->error, file, line, fmt, ap);
     va_end(ap);
-    snprintf(c->error, sizeof c->error, "%s (%s:%d)", what, file, line);
     return status;
 }
 
@@ -3805,12 +3812,10 @@ static mpt_status mpt__cuda_nccl_failed(char *error, size_t size, ncclResult_t r
 /* A failure found before NCCL was called, into the communicator's message. */
 static mpt_status mpt__cuda_comm_fail(mpt__cuda_comm *m, mpt_status status, int line,
                                       const char *fmt, ...) {
-    char what[384];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
+    mpt__cuda_vsay_at(m->error, sizeof m->error, __FILE__, line, fmt, ap);
     va_end(ap);
-    snprintf(m->error, sizeof m->error, "%s (%s:%d)", what, __FILE__, line);
     return status;
 }
 

@@ -84,6 +84,7 @@
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @backend      the table a compute backend implements (CPU, CUDA)
+       @backend-shared  the rules both backends run: Philox, loss scaling (internal)
        @training     compile, fit, evaluate, predict, summary, history
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
@@ -674,7 +675,13 @@ typedef struct mpt_loss_scale_desc {
    - Scalars that change from step to step (learning rate, loss scale,
      step counter, the finiteness of the gradients) live in the backend's
      memory, in mpt_step_state: a step reads and writes them there, so a
-     whole training step can be recorded once and replayed (CUDA graphs). */
+     whole training step can be recorded once and replayed (CUDA graphs).
+   - Every slot is required except these, NULL where a backend has nothing
+     to offer: gemm_plan (no algorithms to choose between) and the
+     collectives comm_id, comm_create, comm_destroy, allreduce_sum and
+     comm_error (all five or none: no replicas on other devices). A table
+     is filled member by member, by name, so that a member added here
+     cannot shift the others. */
 
 /* A window sliding over (H, W, C) samples (Conv2D, pooling). Padding is
    TensorFlow's; pixels outside the image are zeros for a convolution and
@@ -912,6 +919,95 @@ MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **imp
 extern mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc,
                                           const mpt_backend **table, void **impl,
                                           char *message, size_t message_size);
+
+/* =============================================================================
+   @backend-shared: the rules both backends run (internal)
+   =============================================================================
+
+   What the CPU backend (below, in MPT_IMPLEMENTATION) and the CUDA one
+   (mpt_cuda.cu, which includes this header without MPT_IMPLEMENTATION)
+   must compute alike, bit for bit, written once here: plain C99 that
+   also compiles as C++17 and, marked MPT__HD, as CUDA host and device
+   code. Not part of the API. */
+
+#include <float.h> /* FLT_MIN, FLT_MAX */
+
+#if defined(__CUDACC__)
+#define MPT__HD __host__ __device__
+#else
+#define MPT__HD
+#endif
+
+/* Replicas a model can have (in this process or over every worker): the
+   size of the strategy's per-replica arrays. */
+#define MPT__MAX_REPLICAS 64
+
+/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
+   3", SC 2011): ten rounds of multiply-xor over a 128-bit counter keyed by
+   64 bits; mpt_philox4x32's words. The counter is Random123's ctr[0..3] =
+   the low and high halves of counter_lo, then of counter_hi; the key's
+   halves are key[0..1]; out[0..3] is Random123's result. The high halves
+   of the 32×32 products come from a 64-bit product (a GPU's mul.hi). */
+static inline MPT__HD void mpt__philox4x32_10(uint64_t key, uint64_t counter_hi,
+                                              uint64_t counter_lo, uint32_t out[4]) {
+    uint32_t c0 = (uint32_t)counter_lo, c1 = (uint32_t)(counter_lo >> 32);
+    uint32_t c2 = (uint32_t)counter_hi, c3 = (uint32_t)(counter_hi >> 32);
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    int round;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (round = 0; round < 10; round++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c1 = (uint32_t)p1;
+        c3 = (uint32_t)p0;
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+/* A uniform float in [0, 1) from the top 24 of 32 random bits. */
+static inline MPT__HD float mpt__uniform01(uint32_t bits) {
+    return (float)(bits >> 8) * (1.0f / 16777216.0f);
+}
+
+/* The loss scale after a step, from state->finite; then state->step + 1.
+   A non-finite step has been skipped whatever the mode (an update from
+   inf or NaN gradients would destroy the weights), so skipped_steps
+   counts it in every mode. Dynamic mode, as Keras' LossScaleOptimizer: a
+   skipped step multiplies the scale by backoff_factor and restarts the
+   count of finite steps; growth_interval finite steps in a row multiply
+   it by growth_factor. Power-of-two factors keep a power-of-two scale
+   exact. Two guards Keras lacks: the scale never grows to inf (as
+   PyTorch's newer kernels) nor shrinks below FLT_MIN, where 1/scale would
+   be inf. Each product is one rounding (no fused multiply-add can form),
+   so both backends get the same bits. */
+static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
+                                                mpt_step_state *state) {
+    int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
+    state->step++;
+    if (!state->finite) {
+        float scaled = state->loss_scale * d->backoff_factor;
+        state->skipped_steps++;
+        if (!dynamic) return;
+        state->good_steps = 0;
+        if (scaled >= FLT_MIN) state->loss_scale = scaled;
+        return;
+    }
+    if (!dynamic) return;
+    if (++state->good_steps >= d->growth_interval) {
+        float grown = state->loss_scale * d->growth_factor;
+        if (grown <= FLT_MAX) state->loss_scale = grown; /* not inf */
+        state->good_steps = 0;
+    }
+}
 
 /* =============================================================================
    @training: compile, fit, evaluate, predict, summary, history
@@ -1247,8 +1343,9 @@ typedef enum mpt_strategy_type {
 typedef struct mpt_strategy_desc {
     mpt_strategy_type type;
     int num_replicas;         /* mirrored: logical replicas sharing the
-                                 context's device; default 0: 1 (on a GPU
-                                 context: one per device, below)           */
+                                 context's device, at most 64
+                                 (MPT__MAX_REPLICAS); default 0: 1 (on a
+                                 GPU context: one per device, below)       */
     const int *devices;       /* mirrored on a GPU context: the CUDA devices
                                  to put one replica on each, the context's
                                  first; default NULL: every visible one.
@@ -2014,22 +2111,31 @@ static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE void mpt__avx2_loop(mpt_dtype dt, voi
                             (const char *)src + (size_t)i * ss, n - i);
 }
 
+/* Calls loop(dst_dtype, dst, src_dtype, src, n) with the pair's dtypes as
+   constants, so that each always-inline loop is compiled once per pair of
+   different dtypes with its loads' and stores' switches folded away; the
+   one list of pairs for the AVX2 and the AVX-512 kernels. */
+#define MPT__CONVERT_PAIRS(loop, dst_dtype, dst, src_dtype, src, n)                                \
+    do {                                                                                           \
+        if ((src_dtype) == MPT_FLOAT32 && (dst_dtype) == MPT_FLOAT16)                              \
+            loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);                                           \
+        else if ((src_dtype) == MPT_FLOAT32)                                                       \
+            loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);                                          \
+        else if ((src_dtype) == MPT_FLOAT16 && (dst_dtype) == MPT_FLOAT32)                         \
+            loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);                                           \
+        else if ((src_dtype) == MPT_FLOAT16)                                                       \
+            loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);                                          \
+        else if ((dst_dtype) == MPT_FLOAT32)                                                       \
+            loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);                                          \
+        else                                                                                       \
+            loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);                                          \
+    } while (0)
+
 /* Needs AVX2, and F16C for the pairs that involve float16. */
 static MPT__TARGET_AVX2 void mpt__convert_avx2(mpt_dtype dst_dtype, void *dst,
                                               mpt_dtype src_dtype, const void *src,
                                               int64_t n) {
-    if (src_dtype == MPT_FLOAT32 && dst_dtype == MPT_FLOAT16)
-        mpt__avx2_loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT32)
-        mpt__avx2_loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT16 && dst_dtype == MPT_FLOAT32)
-        mpt__avx2_loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);
-    else if (src_dtype == MPT_FLOAT16)
-        mpt__avx2_loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);
-    else if (dst_dtype == MPT_FLOAT32)
-        mpt__avx2_loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);
-    else
-        mpt__avx2_loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);
+    MPT__CONVERT_PAIRS(mpt__avx2_loop, dst_dtype, dst, src_dtype, src, n);
 }
 
 static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512i mpt__avx512_bf16_bits(__m512 v) {
@@ -2089,19 +2195,9 @@ static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE void mpt__avx512_loop(mpt_dtype dt,
 static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *dst,
                                                   mpt_dtype src_dtype, const void *src,
                                                   int64_t n) {
-    if (src_dtype == MPT_FLOAT32 && dst_dtype == MPT_FLOAT16)
-        mpt__avx512_loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT32)
-        mpt__avx512_loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);
-    else if (src_dtype == MPT_FLOAT16 && dst_dtype == MPT_FLOAT32)
-        mpt__avx512_loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);
-    else if (src_dtype == MPT_FLOAT16)
-        mpt__avx512_loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);
-    else if (dst_dtype == MPT_FLOAT32)
-        mpt__avx512_loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);
-    else
-        mpt__avx512_loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);
+    MPT__CONVERT_PAIRS(mpt__avx512_loop, dst_dtype, dst, src_dtype, src, n);
 }
+#undef MPT__CONVERT_PAIRS
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -3152,34 +3248,12 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    @impl-rng
    ============================================================================= */
 
-/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
-   3", 2011): ten rounds of multiply-xor over a 128-bit counter keyed by 64
-   bits. Counter-based, so element i of a dropout mask or of an initial
-   weight tensor is the same however the work is split. */
+/* Counter-based, so element i of a dropout mask or of an initial weight
+   tensor is the same however the work is split (@backend-shared). */
 MPTDEF void mpt_philox4x32(uint64_t key, uint64_t counter_hi, uint64_t counter_lo,
                            uint32_t out[4]) {
-    uint32_t c0 = (uint32_t)counter_lo, c1 = (uint32_t)(counter_lo >> 32);
-    uint32_t c2 = (uint32_t)counter_hi, c3 = (uint32_t)(counter_hi >> 32);
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-    int round;
-    for (round = 0; round < 10; round++) {
-        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
-        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
-        c1 = (uint32_t)p1;
-        c3 = (uint32_t)p0;
-        c0 = n0;
-        c2 = n2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    out[0] = c0;
-    out[1] = c1;
-    out[2] = c2;
-    out[3] = c3;
+    mpt__philox4x32_10(key, counter_hi, counter_lo, out);
 }
-
-/* A uniform float in [0, 1) from 24 random bits. */
-static float mpt__uniform01(uint32_t bits) { return (float)(bits >> 8) * (1.0f / 16777216.0f); }
 
 /* SplitMix64, to derive independent keys (one per parameter, per layer) from
    the model's seed. */
@@ -3381,8 +3455,8 @@ struct mpt_strategy {
     /* Replicas on several GPUs (or GPU workers): the backend of replica k,
        [0] the context's, and the communicator over them (NCCL). */
     int n_backends;
-    const mpt_backend *backend[64];
-    void *impl[64];
+    const mpt_backend *backend[MPT__MAX_REPLICAS];
+    void *impl[MPT__MAX_REPLICAS];
     void *comm;
 };
 
@@ -7178,34 +7252,11 @@ static void mpt__cpu_update(void *impl, const mpt_update_args *u) {
 
 /* ---- loss scaling ----------------------------------------------------------- */
 
-/* After each step, from state->finite. A non-finite step has been skipped
-   whatever the mode (an update from inf or NaN gradients would destroy the
-   weights), so skipped_steps counts it in every mode. Dynamic mode, as
-   Keras' LossScaleOptimizer: a skipped step multiplies the scale by
-   backoff_factor and restarts the count of finite steps; growth_interval
-   finite steps in a row multiply it by growth_factor. Power-of-two factors
-   keep a power-of-two scale exact. Two guards Keras lacks: the scale never
-   grows to inf (as PyTorch's newer kernels) nor shrinks below FLT_MIN,
-   where 1/scale would be inf. The step counter then moves on. */
+/* @backend-shared's mpt__loss_scale_next, the rule the CUDA backend runs too. */
 static void mpt__cpu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
                                        mpt_step_state *st) {
-    int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
     (void)impl;
-    st->step++;
-    if (!st->finite) {
-        float scaled = st->loss_scale * d->backoff_factor;
-        st->skipped_steps++;
-        if (!dynamic) return;
-        st->good_steps = 0;
-        if (scaled >= FLT_MIN) st->loss_scale = scaled;
-        return;
-    }
-    if (!dynamic) return;
-    if (++st->good_steps >= d->growth_interval) {
-        float grown = st->loss_scale * d->growth_factor;
-        if (grown < INFINITY) st->loss_scale = grown;
-        st->good_steps = 0;
-    }
+    mpt__loss_scale_next(d, st);
 }
 
 /* ---- compile and the public accessors --------------------------------------- */
@@ -12116,7 +12167,7 @@ static mpt_status mpt__strategy_mirror_devices(mpt_strategy *s, const mpt_strate
         for (k = 1; k < desc->n_devices; k++) MPT__CHECK(mpt__strategy_add_device(s, desc->devices[k]));
         return MPT_OK;
     }
-    for (k = 0; k < 64 && s->n_backends < 64; k++) {
+    for (k = 0; k < MPT__MAX_REPLICAS && s->n_backends < MPT__MAX_REPLICAS; k++) {
         mpt_context_desc d = s->ctx->desc;
         char message[512];
         if (k == own) continue;
@@ -12187,14 +12238,21 @@ MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc 
     if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
                          (int)desc->type);
-    if (desc->n_devices < 0 || desc->n_devices > 64 || (desc->n_devices > 0 && !desc->devices))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: %d devices (0..64, with a list)",
-                         desc->n_devices);
-    if (desc->num_replicas < 0 || desc->num_replicas > 64 ||
-        (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
+    if (desc->num_replicas > MPT__MAX_REPLICAS)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "strategy: num_replicas %d (1..64, and only for mirrored)",
-                         desc->num_replicas);
+                         "strategy: num_replicas %d: a model can have at most %d replicas",
+                         desc->num_replicas, MPT__MAX_REPLICAS);
+    if (desc->n_devices > MPT__MAX_REPLICAS)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: %d devices: a model can have at most %d replicas, one a device",
+                         desc->n_devices, MPT__MAX_REPLICAS);
+    if (desc->n_devices < 0 || (desc->n_devices > 0 && !desc->devices))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: %d devices (0..%d, with a list)",
+                         desc->n_devices, MPT__MAX_REPLICAS);
+    if (desc->num_replicas < 0 || (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: num_replicas %d (0..%d, and above 1 only for mirrored)",
+                         desc->num_replicas, MPT__MAX_REPLICAS);
     if (!(desc->timeout_seconds >= 0 && desc->timeout_seconds < 1e9) || desc->bucket_bytes < 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "strategy: timeout_seconds %g and bucket_bytes %lld must be >= 0",
@@ -12339,7 +12397,7 @@ static mpt_status mpt__sync_scatter(mpt_model *m, int i, int ia, int ib, const f
 static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *fw,
                                        const int64_t *rows) {
     const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
     double *sums = m->sync_scratch, N;
     float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
     int k;
@@ -12380,7 +12438,7 @@ static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *f
 static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk *bw,
                                         const int64_t *rows) {
     const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[64];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
     double *sums = m->sync_scratch;
     float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
     int k;
@@ -12688,7 +12746,7 @@ static mpt_status mpt__exchange_finish(mpt_model *m) {
    through the strategy's communicator, in place on each: each replica's
    arena `arena` (layer < 0) or layer `layer`'s saved[which]. */
 static mpt_status mpt__comm_sum(mpt_model *m, int arena, int layer, int which, int64_t count) {
-    float *bufs[64];
+    float *bufs[MPT__MAX_REPLICAS];
     mpt_status st;
     int k;
     for (k = 0; k < m->n_replicas; k++) {
@@ -12766,9 +12824,9 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
                                                  const mpt_tensor *y, int64_t rows,
                                                  int64_t global_rows, int64_t *had) {
     int n = m->n_replicas, k, i, first = m->n_layers;
-    mpt__forward_walk fw[64];
-    mpt__backward_walk bw[64];
-    mpt_tensor target[64];
+    mpt__forward_walk fw[MPT__MAX_REPLICAS];
+    mpt__backward_walk bw[MPT__MAX_REPLICAS];
+    mpt_tensor target[MPT__MAX_REPLICAS];
     for (k = 0; k < n; k++) {
         mpt_model *r = m->replica[k];
         int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
@@ -12841,7 +12899,7 @@ static mpt_status mpt__local_sum_grads(mpt_model *m, int64_t grads) {
 static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
                                        int64_t rows, int64_t global_rows, mpt__step_times *times) {
     int n = m->n_replicas, k;
-    int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[64]; /* n <= 64 */
+    int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[MPT__MAX_REPLICAS];
     double t0 = mpt__now(), t1;
     if (m->exchange) mpt__exchange_arm(m);
     MPT__CHECK(mpt__replicas_forward_backward(m, x, y, rows, global_rows, had));
@@ -13024,22 +13082,68 @@ static void mpt__cpu_scale(void *impl, float *x, float alpha, int64_t n) {
     for (i = 0; i < n; i++) x[i] *= alpha;
 }
 
-static const mpt_backend mpt__cpu_table = {
-    "cpu", 0, 0,
-    mpt__cpu_alloc, mpt__cpu_free, mpt__cpu_alloc_host, mpt__cpu_free_host,
-    mpt__cpu_upload, mpt__cpu_upload /* download: the same memmove */,
-    mpt__cpu_upload_async, mpt__cpu_nothing, mpt__cpu_ok,
-    mpt__cpu_copy, mpt__cpu_zero, mpt__cpu_ok, mpt__cpu_error, mpt__cpu_nothing,
-    mpt__cpu_no_capture, mpt__cpu_capture_end, mpt__cpu_replay, mpt__cpu_graph_free,
-    mpt__cpu_gemm, NULL, mpt__cpu_convert, mpt__cpu_activation, mpt__cpu_activation_grad,
-    mpt__cpu_column_sums, mpt__cpu_im2col, mpt__cpu_col2im,
-    mpt__cpu_pool_forward, mpt__cpu_pool_backward, mpt__cpu_pool_workspace,
-    mpt__cpu_batchnorm_forward, mpt__cpu_batchnorm_backward, mpt__cpu_batchnorm_commit,
-    mpt__cpu_batchnorm_workspace, mpt__cpu_dropout, mpt__cpu_loss,
-    mpt__cpu_grad_stats, mpt__cpu_update, mpt__cpu_loss_scale_update, mpt__cpu_add,
-    mpt__cpu_scale, NULL, NULL, NULL, NULL, NULL /* no collectives: replicas share memory */};
+/* The table, filled by name (C++17, which mpt.h also compiles as, has no
+   designated initializers): a member added to mpt_backend cannot shift the
+   others. The slots left NULL are the optional ones (@backend). */
+static void mpt__cpu_table_fill(mpt_backend *t) {
+    memset(t, 0, sizeof *t);
+    t->name = "cpu";
+    t->gemm_rounds_c = 0;
+    t->can_capture = 0;
+    t->alloc = mpt__cpu_alloc;
+    t->free = mpt__cpu_free;
+    t->alloc_host = mpt__cpu_alloc_host;
+    t->free_host = mpt__cpu_free_host;
+    t->upload = mpt__cpu_upload;
+    t->download = mpt__cpu_upload; /* the same memmove */
+    t->upload_async = mpt__cpu_upload_async;
+    t->upload_wait = mpt__cpu_nothing;
+    t->upload_done = mpt__cpu_ok;
+    t->copy = mpt__cpu_copy;
+    t->zero = mpt__cpu_zero;
+    t->sync = mpt__cpu_ok;
+    t->error = mpt__cpu_error;
+    t->destroy = mpt__cpu_nothing;
+    t->capture_begin = mpt__cpu_no_capture;
+    t->capture_end = mpt__cpu_capture_end;
+    t->replay = mpt__cpu_replay;
+    t->graph_free = mpt__cpu_graph_free;
+    t->gemm = mpt__cpu_gemm;
+    t->gemm_plan = NULL; /* nothing to choose */
+    t->convert = mpt__cpu_convert;
+    t->activation = mpt__cpu_activation;
+    t->activation_grad = mpt__cpu_activation_grad;
+    t->column_sums = mpt__cpu_column_sums;
+    t->im2col = mpt__cpu_im2col;
+    t->col2im = mpt__cpu_col2im;
+    t->pool_forward = mpt__cpu_pool_forward;
+    t->pool_backward = mpt__cpu_pool_backward;
+    t->pool_workspace = mpt__cpu_pool_workspace;
+    t->batchnorm_forward = mpt__cpu_batchnorm_forward;
+    t->batchnorm_backward = mpt__cpu_batchnorm_backward;
+    t->batchnorm_commit = mpt__cpu_batchnorm_commit;
+    t->batchnorm_workspace = mpt__cpu_batchnorm_workspace;
+    t->dropout = mpt__cpu_dropout;
+    t->loss = mpt__cpu_loss;
+    t->grad_stats = mpt__cpu_grad_stats;
+    t->update = mpt__cpu_update;
+    t->loss_scale_update = mpt__cpu_loss_scale_update;
+    t->add = mpt__cpu_add;
+    t->scale = mpt__cpu_scale;
+    /* no collectives (comm_*, allreduce_sum): the replicas share memory */
+}
 
-static const mpt_backend *mpt__cpu_backend(void) { return &mpt__cpu_table; }
+static mpt_backend mpt__cpu_table;
+static pthread_once_t mpt__cpu_table_once = PTHREAD_ONCE_INIT;
+
+static void mpt__cpu_table_init(void) { mpt__cpu_table_fill(&mpt__cpu_table); }
+
+/* The one CPU table every context shares (models tell the CPU by its
+   address), filled once, before any thread reads it. */
+static const mpt_backend *mpt__cpu_backend(void) {
+    pthread_once(&mpt__cpu_table_once, mpt__cpu_table_init);
+    return &mpt__cpu_table;
+}
 
 #endif /* MPT__IMPLEMENTED */
 #endif /* MPT_IMPLEMENTATION */

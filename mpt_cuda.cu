@@ -85,16 +85,23 @@ typedef struct mpt__cuda {
     struct mpt__cuda_train_scratch *train_scratch; /* the training part's  */
 } mpt__cuda;
 
-/* Records a failure in c->error ("<what> failed at file:line: message")
-   and returns status. */
+/* "<what> (file:line)" into error: the form of every message this
+   backend leaves. */
+static void mpt__cuda_vsay_at(char *error, size_t size, const char *file, int line,
+                              const char *fmt, va_list ap) {
+    char what[384];
+    vsnprintf(what, sizeof what, fmt, ap);
+    snprintf(error, size, "%s (%s:%d)", what, file, line);
+}
+
+/* Records a failure in c->error ("<what> (file:line)") and returns
+   status. */
 static mpt_status mpt__cuda_fail(mpt__cuda *c, mpt_status status, const char *file, int line,
                                  const char *fmt, ...) {
-    char what[384];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
+    mpt__cuda_vsay_at(c->error, sizeof c->error, file, line, fmt, ap);
     va_end(ap);
-    snprintf(c->error, sizeof c->error, "%s (%s:%d)", what, file, line);
     return status;
 }
 
@@ -2346,32 +2353,6 @@ static void mpt__cuda_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
 
 /* ---- Dropout ------------------------------------------------------------ */
 
-/* mpt_philox4x32 (Philox4x32-10), the same rounds and constants: the high
-   halves of the 32×32 products from __umulhi, the low halves by wrapping. */
-static __device__ __forceinline__ void mpt__cuda_dropout_philox(uint64_t key, uint64_t counter_hi,
-                                                                uint64_t counter_lo,
-                                                                uint32_t out[4]) {
-    uint32_t c0 = (uint32_t)counter_lo, c1 = (uint32_t)(counter_lo >> 32);
-    uint32_t c2 = (uint32_t)counter_hi, c3 = (uint32_t)(counter_hi >> 32);
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-#pragma unroll
-    for (int round = 0; round < 10; round++) {
-        const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c1 = lo1;
-        c3 = lo0;
-        c0 = n0;
-        c2 = n2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    out[0] = c0;
-    out[1] = c1;
-    out[2] = c2;
-    out[3] = c3;
-}
-
 /* out[i] = in[i] · scale where uniform01(word i%4 of philox(key, step, i/4))
    ≥ rate, else 0. The step is read on the device: from state->step in
    forward, which one thread also saves into *step_save for backward; from
@@ -2382,20 +2363,20 @@ template <typename T> struct mpt__cuda_dropout_op {
     const T *in;
     T *out;
     __device__ __forceinline__ T keep_or_drop(uint32_t bits, T v) const {
-        const float u = (float)(bits >> 8) * (1.0f / 16777216.0f);
+        const float u = mpt__uniform01(bits);
         return mpt__cuda_layers_narrow<T>(u >= rate ? mpt__cuda_layers_widen(v) * scale : 0.0f);
     }
     template <int N> __device__ __forceinline__ void run(int64_t i) const {
         mpt__cuda_layers_pack<T, N> v = mpt__cuda_layers_load<N>(in + i);
         uint32_t r[4];
         if constexpr (N == 1) {
-            mpt__cuda_dropout_philox(key, step, (uint64_t)i / 4, r);
+            mpt__philox4x32_10(key, step, (uint64_t)i / 4, r);
             const int w = (int)(i & 3);
             v.v[0] = keep_or_drop(w == 0 ? r[0] : w == 1 ? r[1] : w == 2 ? r[2] : r[3], v.v[0]);
         } else { /* i is a multiple of N, N of 4: whole groups of four */
 #pragma unroll
             for (int g = 0; g < N / 4; g++) {
-                mpt__cuda_dropout_philox(key, step, (uint64_t)i / 4 + g, r);
+                mpt__philox4x32_10(key, step, (uint64_t)i / 4 + g, r);
 #pragma unroll
                 for (int k = 0; k < 4; k++) v.v[4 * g + k] = keep_or_drop(r[k], v.v[4 * g + k]);
             }
@@ -3232,26 +3213,10 @@ static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
 
 /* ---- loss scaling ------------------------------------------------------------ */
 
-/* One thread, as mpt.h's mpt__loss_scale_update: a skipped step counts in
-   every mode; dynamic mode backs the scale off (never below FLT_MIN, where
-   1/scale would be inf) and restarts the count of finite steps, or grows
-   it after growth_interval finite steps in a row (never to inf). Then the
-   step count, always. */
+/* One thread: mpt.h's mpt__loss_scale_next (@backend-shared), the rule the
+   CPU backend runs too. */
 static __global__ void mpt__cuda_loss_scale_kernel(mpt_loss_scale_desc d, mpt_step_state *state) {
-    const bool dynamic = d.mode == MPT_LOSS_SCALE_DYNAMIC;
-    if (!state->finite) {
-        state->skipped_steps += 1;
-        if (dynamic) {
-            float scaled = __fmul_rn(state->loss_scale, d.backoff_factor);
-            state->good_steps = 0;
-            if (scaled >= FLT_MIN) state->loss_scale = scaled;
-        }
-    } else if (dynamic && ++state->good_steps >= d.growth_interval) {
-        float grown = __fmul_rn(state->loss_scale, d.growth_factor);
-        if (grown < INFINITY) state->loss_scale = grown;
-        state->good_steps = 0;
-    }
-    state->step += 1;
+    mpt__loss_scale_next(&d, state);
 }
 
 static void mpt__cuda_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
@@ -3851,12 +3816,10 @@ static mpt_status mpt__cuda_nccl_failed(char *error, size_t size, ncclResult_t r
 /* A failure found before NCCL was called, into the communicator's message. */
 static mpt_status mpt__cuda_comm_fail(mpt__cuda_comm *m, mpt_status status, int line,
                                       const char *fmt, ...) {
-    char what[384];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
+    mpt__cuda_vsay_at(m->error, sizeof m->error, __FILE__, line, fmt, ap);
     va_end(ap);
-    snprintf(m->error, sizeof m->error, "%s (%s:%d)", what, __FILE__, line);
     return status;
 }
 
@@ -4109,58 +4072,70 @@ static const char *mpt__cuda_comm_error(void *comm) {
 }
 #endif /* MPT_NCCL */
 
-static const mpt_backend mpt__cuda_backend = {
-    /* name */ "cuda",
-    /* gemm_rounds_c */ 1,
-    /* can_capture */ 1,
-    mpt__cuda_alloc,
-    mpt__cuda_free,
-    mpt__cuda_alloc_host,
-    mpt__cuda_free_host,
-    mpt__cuda_upload,
-    mpt__cuda_download,
-    mpt__cuda_upload_async,
-    mpt__cuda_upload_wait,
-    mpt__cuda_upload_done,
-    mpt__cuda_copy,
-    mpt__cuda_zero,
-    mpt__cuda_sync,
-    mpt__cuda_error,
-    mpt__cuda_destroy,
-    mpt__cuda_capture_begin,
-    mpt__cuda_capture_end,
-    mpt__cuda_replay,
-    mpt__cuda_graph_free,
-    mpt__cuda_gemm,
-    mpt__cuda_gemm_plan,
-    mpt__cuda_convert,
-    mpt__cuda_activation,
-    mpt__cuda_activation_grad,
-    mpt__cuda_column_sums,
-    mpt__cuda_im2col,
-    mpt__cuda_col2im,
-    mpt__cuda_pool_forward,
-    mpt__cuda_pool_backward,
-    mpt__cuda_pool_workspace,
-    mpt__cuda_batchnorm_forward,
-    mpt__cuda_batchnorm_backward,
-    mpt__cuda_batchnorm_commit,
-    mpt__cuda_batchnorm_workspace,
-    mpt__cuda_dropout,
-    mpt__cuda_loss,
-    mpt__cuda_grad_stats,
-    mpt__cuda_update,
-    mpt__cuda_loss_scale_update,
-    mpt__cuda_add,
-    mpt__cuda_scale,
+/* The table, filled by name (C++17 has no designated initializers), so
+   that a member added to mpt_backend cannot shift the others. */
+static mpt_backend mpt__cuda_table_filled(void) {
+    mpt_backend t;
+    memset(&t, 0, sizeof t);
+    t.name = "cuda";
+    t.gemm_rounds_c = 1;
+    t.can_capture = 1;
+    t.alloc = mpt__cuda_alloc;
+    t.free = mpt__cuda_free;
+    t.alloc_host = mpt__cuda_alloc_host;
+    t.free_host = mpt__cuda_free_host;
+    t.upload = mpt__cuda_upload;
+    t.download = mpt__cuda_download;
+    t.upload_async = mpt__cuda_upload_async;
+    t.upload_wait = mpt__cuda_upload_wait;
+    t.upload_done = mpt__cuda_upload_done;
+    t.copy = mpt__cuda_copy;
+    t.zero = mpt__cuda_zero;
+    t.sync = mpt__cuda_sync;
+    t.error = mpt__cuda_error;
+    t.destroy = mpt__cuda_destroy;
+    t.capture_begin = mpt__cuda_capture_begin;
+    t.capture_end = mpt__cuda_capture_end;
+    t.replay = mpt__cuda_replay;
+    t.graph_free = mpt__cuda_graph_free;
+    t.gemm = mpt__cuda_gemm;
+    t.gemm_plan = mpt__cuda_gemm_plan;
+    t.convert = mpt__cuda_convert;
+    t.activation = mpt__cuda_activation;
+    t.activation_grad = mpt__cuda_activation_grad;
+    t.column_sums = mpt__cuda_column_sums;
+    t.im2col = mpt__cuda_im2col;
+    t.col2im = mpt__cuda_col2im;
+    t.pool_forward = mpt__cuda_pool_forward;
+    t.pool_backward = mpt__cuda_pool_backward;
+    t.pool_workspace = mpt__cuda_pool_workspace;
+    t.batchnorm_forward = mpt__cuda_batchnorm_forward;
+    t.batchnorm_backward = mpt__cuda_batchnorm_backward;
+    t.batchnorm_commit = mpt__cuda_batchnorm_commit;
+    t.batchnorm_workspace = mpt__cuda_batchnorm_workspace;
+    t.dropout = mpt__cuda_dropout;
+    t.loss = mpt__cuda_loss;
+    t.grad_stats = mpt__cuda_grad_stats;
+    t.update = mpt__cuda_update;
+    t.loss_scale_update = mpt__cuda_loss_scale_update;
+    t.add = mpt__cuda_add;
+    t.scale = mpt__cuda_scale;
 #ifdef MPT_NCCL
-    mpt__cuda_comm_id,
-    mpt__cuda_comm_create,
-    mpt__cuda_comm_destroy,
-    mpt__cuda_allreduce_sum,
-    mpt__cuda_comm_error,
-#endif
-};
+    t.comm_id = mpt__cuda_comm_id;
+    t.comm_create = mpt__cuda_comm_create;
+    t.comm_destroy = mpt__cuda_comm_destroy;
+    t.allreduce_sum = mpt__cuda_allreduce_sum;
+    t.comm_error = mpt__cuda_comm_error;
+#endif /* without NCCL the collectives stay NULL */
+    return t;
+}
+
+/* One table for every device, filled once (a function-local static is
+   initialized once even when several threads ask at the same time). */
+static const mpt_backend *mpt__cuda_backend(void) {
+    static const mpt_backend table = mpt__cuda_table_filled();
+    return &table;
+}
 
 /* Takes desc->cuda_device. On success *message holds one line about the
    device for the log; on failure, why not (MPT_ERR_UNSUPPORTED: no usable
@@ -4203,7 +4178,7 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
     mpt__cuda_say(message, message_size, "CUDA device %d: %s (sm_%d%d, %d SMs, %.1f GiB)",
                   c->device, prop.name, prop.major, prop.minor, prop.multiProcessorCount,
                   (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));
-    *table = &mpt__cuda_backend;
+    *table = mpt__cuda_backend();
     *impl = c;
     return MPT_OK;
 }

@@ -99,4 +99,41 @@ static inline double round_to(mpt_dtype dtype, double v) {
     return (float)v;
 }
 
+/* Why backend table t is not complete, or NULL when it is: a required
+   slot (every one but those @backend names optional) that is NULL, the
+   collectives neither all there nor all absent, or a function slot of
+   mpt_backend that this list does not name (one added to the struct and
+   not here). */
+static inline const char *backend_table_gap(const mpt_backend *t) {
+    const size_t slots = (sizeof(mpt_backend) - offsetof(mpt_backend, alloc)) / sizeof t->alloc;
+    size_t named = 0;
+    int collectives;
+    if (!t->name) return "name is NULL";
+#define REQUIRED(slot)                                                                             \
+    do {                                                                                           \
+        named++;                                                                                   \
+        if (!t->slot) return #slot " is NULL";                                                     \
+    } while (0)
+    REQUIRED(alloc); REQUIRED(free); REQUIRED(alloc_host); REQUIRED(free_host);
+    REQUIRED(upload); REQUIRED(download); REQUIRED(upload_async); REQUIRED(upload_wait);
+    REQUIRED(upload_done); REQUIRED(copy); REQUIRED(zero); REQUIRED(sync); REQUIRED(error);
+    REQUIRED(destroy); REQUIRED(capture_begin); REQUIRED(capture_end); REQUIRED(replay);
+    REQUIRED(graph_free); REQUIRED(gemm); REQUIRED(convert); REQUIRED(activation);
+    REQUIRED(activation_grad); REQUIRED(column_sums); REQUIRED(im2col); REQUIRED(col2im);
+    REQUIRED(pool_forward); REQUIRED(pool_backward); REQUIRED(pool_workspace);
+    REQUIRED(batchnorm_forward); REQUIRED(batchnorm_backward); REQUIRED(batchnorm_commit);
+    REQUIRED(batchnorm_workspace); REQUIRED(dropout); REQUIRED(loss); REQUIRED(grad_stats);
+    REQUIRED(update); REQUIRED(loss_scale_update); REQUIRED(add); REQUIRED(scale);
+#undef REQUIRED
+    named++; /* gemm_plan: optional */
+    collectives = !!t->comm_id + !!t->comm_create + !!t->comm_destroy + !!t->allreduce_sum +
+                  !!t->comm_error;
+    named += 5;
+    if (collectives != 0 && collectives != 5)
+        return "comm_id, comm_create, comm_destroy, allreduce_sum, comm_error: some NULL, some not";
+    if (named != slots)
+        return "mpt_backend has a function slot that backend_table_gap does not name";
+    return NULL;
+}
+
 #endif

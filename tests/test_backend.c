@@ -472,9 +472,46 @@ static void test_mirrored_on_the_device(void) {
     mpt_context_destroy(dc);
 }
 
+/* ---- what both backends run: @backend-shared --------------------------------- */
+
+/* Philox4x32-10 against Random123's known-answer vectors (kat_vectors:
+   ctr[0..3], key[0..1] -> out[0..3]). mpt_philox4x32's counter_lo holds
+   ctr[0] (low half) and ctr[1], counter_hi ctr[2] and ctr[3], the key
+   key[0] and key[1]. */
+static void test_philox_known_answers(void) {
+    static const uint32_t kat[3][10] = {
+        {0, 0, 0, 0, 0, 0, 0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
+        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d,
+         0x41c83b0e, 0xa20bc7c6, 0x6d5451fd},
+        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09,
+         0x94fdcceb, 0x5001e420, 0x24126ea1}};
+    int v, w;
+    for (v = 0; v < 3; v++) {
+        const uint32_t *t = kat[v];
+        uint64_t lo = t[0] | (uint64_t)t[1] << 32, hi = t[2] | (uint64_t)t[3] << 32;
+        uint64_t key = t[4] | (uint64_t)t[5] << 32;
+        uint32_t out[4];
+        mpt_philox4x32(key, hi, lo, out);
+        for (w = 0; w < 4; w++)
+            CHECK(out[w] == t[6 + w], "vector %d word %d: %08x, Random123 says %08x", v, w,
+                  (unsigned)out[w], (unsigned)t[6 + w]);
+    }
+}
+
+/* Every required slot of the CPU's table is filled (@backend). */
+static void test_cpu_table_is_complete(void) {
+    const mpt_backend *t = mpt_context_backend(ctx, NULL);
+    const char *gap = backend_table_gap(t);
+    CHECK(!strcmp(t->name, "cpu"), "the context's backend is \"%s\", not the CPU's", t->name);
+    CHECK(!gap, "the CPU's table: %s", gap);
+    CHECK(!t->comm_create, "the CPU's table has collectives");
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     make_images();
+    TEST_RUN(test_philox_known_answers);
+    TEST_RUN(test_cpu_table_is_complete);
     TEST_RUN(test_fit_matches_the_cpu);
     TEST_RUN(test_checkpoints_cross);
     TEST_RUN(test_early_stopping_restores);

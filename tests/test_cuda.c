@@ -2139,6 +2139,17 @@ static void test_hand_step_functions(void) {
     mpt_model_destroy(gpu.m);
 }
 
+/* Every required slot of the CUDA table is filled (@backend), and the
+   collectives are there exactly when mpt_cuda.cu was built with NCCL. */
+static void test_table_is_complete(void) {
+    const mpt_backend *t = gpu_be[GPU_AUTO].t;
+    const char *gap = backend_table_gap(t);
+    CHECK(!gap, "the CUDA table: %s", gap);
+#ifdef MPT_NCCL
+    CHECK(t->comm_create != NULL, "built with MPT_NCCL, but the table has no collectives");
+#endif
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
@@ -2162,6 +2173,7 @@ int main(void) {
     }
     printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
            gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
+    test__run("the table: every required slot filled", test_table_is_complete);
     for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
     for (e = 0; e < N_GPU; e++) test_gemm_relu_keeps_nan(&gpu_be[e]);
     test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",

@@ -247,10 +247,23 @@ static void test_bad_input(void) {
     mpt_dataset *d = blobs();
     mpt_fit_desc fit;
     mpt_status st;
-    CHECK(mpt_strategy_create(q, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
-                                                      .num_replicas = 65}, &s) ==
-              MPT_ERR_INVALID_ARGUMENT,
-          "65 replicas accepted");
+    st = mpt_strategy_create(q, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                     .num_replicas = MPT__MAX_REPLICAS + 1}, &s);
+    CHECK(st == MPT_ERR_INVALID_ARGUMENT && !s && strstr(mpt_context_error(q), "num_replicas 65") &&
+              strstr(mpt_context_error(q), "at most 64 replicas"),
+          "65 replicas: %d %s", (int)st, mpt_context_error(q));
+    st = mpt_strategy_create(q, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                     .devices = (const int[]){0},
+                                                     .n_devices = MPT__MAX_REPLICAS + 1}, &s);
+    CHECK(st == MPT_ERR_INVALID_ARGUMENT && !s && strstr(mpt_context_error(q), "65 devices") &&
+              strstr(mpt_context_error(q), "at most 64 replicas"),
+          "65 devices: %d %s", (int)st, mpt_context_error(q));
+    st = mpt_strategy_create(q, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                     .num_replicas = MPT__MAX_REPLICAS}, &s);
+    CHECK(st == MPT_OK && s && mpt_strategy_num_replicas(s) == MPT__MAX_REPLICAS,
+          "64 replicas: %d %s", (int)st, mpt_context_error(q));
+    mpt_strategy_destroy(s);
+    s = NULL;
     CHECK(mpt_strategy_create(q, &(mpt_strategy_desc){.type = (mpt_strategy_type)7}, &s) ==
               MPT_ERR_INVALID_ARGUMENT,
           "unknown type accepted");

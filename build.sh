@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Builds and tests mpt.h.
-#   ./build.sh          build the tests, examples and benchmarks (gcc -O2) into build/
-#   ./build.sh test     install what is missing (as root), build with warnings as
-#                       errors, run every test under AddressSanitizer + UBSan, and
-#                       end with "N passed, N failed, N skipped"
+#   ./build.sh          build the tests, examples and benchmarks (gcc -O2 -g,
+#                       warnings as errors) into build/
+#   ./build.sh test     install what is missing (as root; Python packages into
+#                       build/venv), build as ./build.sh does and with warnings as
+#                       errors, run every test under AddressSanitizer + UBSan,
+#                       fuzz each loader for 30 s, and end with
+#                       "N passed, N failed, N skipped"
+#   ./build.sh fuzz [seconds]
+#                       fuzz each file loader (tests/fuzz/, libFuzzer with
+#                       clang) for that long (default 60 s) after replaying
+#                       tests/fuzz/findings/
 #   ./build.sh bench    build and run the CPU benchmarks (results: bench/RESULTS.md)
 #   ./build.sh run      install Fashion-MNIST if missing (as root) and train
 #                       examples/mlp.c with the progress bar
@@ -24,7 +31,15 @@ B=build
 mkdir -p "$B"
 
 # Debian packages the tests and examples need; installed only when missing and root.
-DEB_PACKAGES="zlib1g-dev dataset-fashion-mnist openmpi-bin libopenmpi-dev"
+# python3-venv: the interop tests' virtual environment; clang and its runtime
+# libraries (libFuzzer): the fuzz harnesses.
+DEB_PACKAGES="zlib1g-dev dataset-fashion-mnist openmpi-bin libopenmpi-dev python3-venv
+clang libclang-rt-14-dev"
+
+# Python packages (PyPI names) the interoperability tests import; pip installs
+# them into PY_VENV when one is missing (python_env).
+PY_PACKAGES="safetensors numpy"
+PY_VENV=$B/venv
 
 install_packages() {
     local missing=()
@@ -51,18 +66,24 @@ cc_prog() {
     $CC -std=c99 $WARN $OPT "$@" -I. "$src" -o "$B/$name" $LIBS
 }
 
+# Every test, benchmark and example, without sanitizers (what ./build.sh
+# builds), one compiler per CPU; prints the errors, fails if any program
+# does not build.
 build_all() {
-    local ok=0
-    for t in tests/test_*.c; do
-        cc_prog "$(basename "$t" .c)" "$t" || ok=1
+    local src name ok=0
+    rm -f "$B"/*.plain.failed
+    for src in tests/test_*.c bench/*.c examples/*.c; do
+        [ -e "$src" ] || continue
+        name=$(basename "$src" .c)
+        while [ "$(jobs -rp | wc -l)" -ge "$(nproc)" ]; do wait -n; done
+        { cc_prog "$name" "$src" 2>"$B/$name.plain.log" || touch "$B/$name.plain.failed"; } &
     done
-    for b in bench/*.c; do
-        [ -e "$b" ] || continue
-        cc_prog "$(basename "$b" .c)" "$b" || ok=1
-    done
-    for e in examples/*.c; do
-        [ -e "$e" ] || continue
-        cc_prog "$(basename "$e" .c)" "$e" || ok=1
+    wait
+    for src in tests/test_*.c bench/*.c examples/*.c; do
+        name=$(basename "$src" .c)
+        [ -e "$B/$name.plain.failed" ] || continue
+        echo "$src:" && cat "$B/$name.plain.log"
+        ok=1
     done
     return $ok
 }
@@ -158,18 +179,39 @@ cuda_compile_check() {
     fi
 }
 
-# The examples build with -Werror; the hand-written SGD loop must learn its
-# toy problem (two rings, not linearly separable) under every policy.
-example_checks() {
-    local p acc e
-    for e in examples/mlp.c examples/cnn.c examples/cnn_small.c; do
-        if cc_prog "$(basename "$e" .c)" "$e" 2>"$B/example.log"; then
-            record "build $e" pass
+# What ./build.sh builds (-O2 -g, warnings as errors, no sanitizers: gcc
+# warns of other things there than under them), checked here so that the
+# README's first command keeps working.
+build_all_check() {
+    if build_all >"$B/build_all.log" 2>&1; then
+        record "./build.sh: every test, benchmark and example builds at $OPT with $WARN" pass
+    else
+        cat "$B/build_all.log"
+        record "./build.sh: every test, benchmark and example builds" fail "see above"
+    fi
+}
+
+# Each example as the README's table builds it (run in examples/, the
+# output into build/readme/): the line a reader copies must work.
+readme_example_checks() {
+    local line cmd name
+    mkdir -p "$B/readme"
+    while IFS= read -r line; do
+        cmd=${line%% && *}
+        name=${cmd##* -o }
+        if (cd examples && eval "${cmd% -o *} -o ../$B/readme/$name") >"$B/readme/$name.log" 2>&1; then
+            record "README: (cd examples && $cmd)" pass
         else
-            cat "$B/example.log"
-            record "build $e" fail "compile error (see above)"
+            cat "$B/readme/$name.log"
+            record "README: (cd examples && $cmd)" fail "see above"
         fi
-    done
+    done < <(grep -o '`cc -O2 [^`]*`' README.md | tr -d '`' | grep ' -o ')
+}
+
+# The hand-written SGD loop must learn its toy problem (two rings, not
+# linearly separable) under every policy.
+example_checks() {
+    local p acc
     if ! cc_prog hand_sgd examples/hand_sgd.c $SAN 2>"$B/hand_sgd.log"; then
         cat "$B/hand_sgd.log"
         record "build examples/hand_sgd.c" fail "compile error (see above)"
@@ -219,6 +261,47 @@ hand_loss_scaling_checks() {
         record "examples/hand_loss_scaling mixed_float16 adjusts its scale" fail \
             "skipped '$skipped', shrinks '$shrinks', growths '$growths', final scale '$final' in: $out"
     fi
+}
+
+# True when PY_VENV's Python has every package of PY_PACKAGES (read from
+# their metadata: no import, no network).
+python_env_complete() {
+    [ -x "$PY_VENV/bin/python" ] &&
+        "$PY_VENV/bin/python" -c 'import sys, importlib.metadata as m
+for p in sys.argv[1:]: m.version(p)' $PY_PACKAGES >/dev/null 2>&1
+}
+
+# The Python of the interoperability tests: a virtual environment (PY_VENV)
+# with PY_PACKAGES from PyPI, made and filled only when something is missing,
+# so a re-run costs one Python start. The tests run $MPT_TEST_PYTHON; with
+# MPT_TEST_PYTHON_REQUIRED=1 (everything installed) a test that cannot import
+# a package fails instead of skipping. Where PyPI cannot be reached the tests
+# skip, and this says why.
+python_env() {
+    local index=${PIP_INDEX_URL:-https://pypi.org/simple}
+    if ! python_env_complete; then
+        if [ ! -x "$PY_VENV/bin/python" ] && ! python3 -m venv "$PY_VENV" >"$B/venv.log" 2>&1; then
+            cat "$B/venv.log"
+            record "Python environment for the interop tests ($PY_VENV)" fail \
+                "python3 -m venv failed (Debian: apt-get install python3-venv)"
+            return
+        fi
+        echo "build.sh: installing $PY_PACKAGES into $PY_VENV"
+        if ! "$PY_VENV/bin/python" -m pip install -q --retries 1 --timeout 30 $PY_PACKAGES \
+            >>"$B/venv.log" 2>&1; then
+            if ! "$PY_VENV/bin/python" -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=20)' "$index/" >/dev/null 2>&1; then
+                echo "build.sh: cannot reach $index: the Python packages ($PY_PACKAGES) are" \
+                    "not installed and the interop tests that need them skip" >&2
+                return
+            fi
+            cat "$B/venv.log"
+            record "Python environment for the interop tests ($PY_VENV)" fail \
+                "pip could not install $PY_PACKAGES (see above)"
+            return
+        fi
+    fi
+    export MPT_TEST_PYTHON=$PWD/$PY_VENV/bin/python MPT_TEST_PYTHON_REQUIRED=1
 }
 
 # nvcc from $NVCC, the PATH or /usr/local/cuda; fails when there is none.
@@ -313,10 +396,112 @@ mpi_tests() {
     done
 }
 
+# ---- fuzzing: tests/fuzz/, libFuzzer with clang ---------------------------
+#
+# One harness per file loader: fuzz_<name>.c for each name below. Seed
+# corpora are files mpt.h itself writes, made by tests/fuzz/seeds.c into
+# $FUZZ/seeds/<name>; what a run finds to be new is kept in
+# $FUZZ/corpus/<name> for the next run. Inputs that once crashed a harness
+# live in tests/fuzz/findings/<name>/ and are replayed before every run.
+
+FUZZ_HARNESSES="idx idx_gzip weights checkpoint"
+FUZZ=$B/fuzz
+FUZZ_CC=${FUZZ_CC:-clang}
+FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -g -O1"
+FUZZ_TEST_SECONDS=30 # per harness, in ./build.sh test
+
+fuzz_dict() {
+    case $1 in
+    idx*) echo tests/fuzz/idx.dict ;;
+    *) echo tests/fuzz/safetensors.dict ;;
+    esac
+}
+
+# The seeds, then every harness (in parallel: each is a whole mpt.h under
+# three sanitizers). Records a failure for what does not build.
+fuzz_build() {
+    local name
+    mkdir -p "$FUZZ"
+    if ! command -v "$FUZZ_CC" >/dev/null; then
+        record "fuzz harnesses" fail "no $FUZZ_CC (Debian: clang libclang-rt-14-dev)"
+        return 1
+    fi
+    rm -rf "$FUZZ/seeds" "$FUZZ"/*.build.failed
+    for name in $FUZZ_HARNESSES; do mkdir -p "$FUZZ/seeds/$name" "$FUZZ/corpus/$name"; done
+    if ! $CC -std=c99 $WARN -O1 -g -I. tests/fuzz/seeds.c -o "$FUZZ/seeds_gen" $LIBS \
+        2>"$FUZZ/seeds.log" || ! "./$FUZZ/seeds_gen" "$FUZZ/seeds" 2>>"$FUZZ/seeds.log"; then
+        cat "$FUZZ/seeds.log"
+        record "fuzz seed corpora (tests/fuzz/seeds.c)" fail "see above"
+        return 1
+    fi
+    for name in $FUZZ_HARNESSES; do
+        while [ "$(jobs -rp | wc -l)" -ge "$(nproc)" ]; do wait -n; done
+        { "$FUZZ_CC" -std=c99 $WARN $FUZZ_FLAGS -I. "tests/fuzz/fuzz_$name.c" \
+            -o "$FUZZ/fuzz_$name" $LIBS 2>"$FUZZ/$name.build.log" ||
+            touch "$FUZZ/$name.build.failed"; } &
+    done
+    wait
+    for name in $FUZZ_HARNESSES; do
+        [ -e "$FUZZ/$name.build.failed" ] || continue
+        cat "$FUZZ/$name.build.log"
+        record "build tests/fuzz/fuzz_$name.c with $FUZZ_CC" fail "compile error (see above)"
+    done
+}
+
+# fuzz_replay NAME: every committed finding of NAME's harness, once.
+fuzz_replay() {
+    local name=$1 dir=tests/fuzz/findings/$1 log=$FUZZ/$1.replay.log
+    local -a inputs
+    mapfile -t inputs < <(find "$dir" -type f ! -name .gitkeep 2>/dev/null | sort)
+    [ ${#inputs[@]} -gt 0 ] || return 0
+    if "./$FUZZ/fuzz_$name" "${inputs[@]}" >"$log" 2>&1; then
+        record "fuzz_$name: the ${#inputs[@]} past finding(s) in $dir load or fail cleanly" pass
+    else
+        tail -40 "$log"
+        record "fuzz_$name: replaying $dir" fail "$(grep -m1 -E 'ERROR|^fuzz: ' "$log")"
+    fi
+}
+
+# fuzz_run NAME SECONDS: NAME's harness for SECONDS on its corpus and seeds,
+# with its dictionary. An input that crashes it is left in
+# $FUZZ/artifacts/NAME/ (fix mpt.h, then add it to tests/fuzz/findings/NAME/).
+fuzz_run() {
+    local name=$1 secs=$2 log=$FUZZ/$1.log runs rc why input
+    mkdir -p "$FUZZ/artifacts/$name"
+    UBSAN_OPTIONS=print_stacktrace=1 "./$FUZZ/fuzz_$name" -max_total_time="$secs" -timeout=10 \
+        -dict="$(fuzz_dict "$name")" -print_final_stats=1 \
+        -artifact_prefix="$FUZZ/artifacts/$name/" "$FUZZ/corpus/$name" "$FUZZ/seeds/$name" \
+        >"$log" 2>&1
+    rc=$?
+    runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+    if [ $rc -eq 0 ] && [ -n "$runs" ]; then
+        record "fuzz_$name for ${secs}s: $runs inputs, no crash" pass
+    else
+        tail -60 "$log"
+        why=$(grep -m1 -E 'ERROR|^fuzz: ' "$log")
+        input=$(sed -n 's/.*Test unit written to //p' "$log" | head -1)
+        record "fuzz_$name for ${secs}s" fail "$why (the input: ${input:-none written})"
+    fi
+}
+
+# fuzz_all SECONDS: build, replay the findings, then fuzz each harness.
+fuzz_all() {
+    local name
+    fuzz_build || return
+    for name in $FUZZ_HARNESSES; do
+        [ -x "$FUZZ/fuzz_$name" ] && [ ! -e "$FUZZ/$name.build.failed" ] || continue
+        fuzz_replay "$name"
+        fuzz_run "$name" "$1"
+    done
+}
+
 run_tests() {
     install_packages
+    python_env
+    build_all_check
     compile_checks
     cuda_compile_check
+    readme_example_checks
     example_checks
     local t name out
     for t in tests/test_*.c; do
@@ -341,6 +526,7 @@ run_tests() {
     done
     cuda_test
     mpi_tests
+    fuzz_all $FUZZ_TEST_SECONDS
     echo "$passed passed, $failed failed, $skipped skipped"
     [ $failed -eq 0 ]
 }
@@ -445,5 +631,11 @@ bench)
     for b in bench/*.c; do "./$B/$(basename "$b" .c)"; done
     ;;
 gpu) run_gpu ;;
-*) echo "usage: ./build.sh [all|test|bench|run|gpu]" >&2; exit 2 ;;
+fuzz)
+    install_packages
+    fuzz_all "${2:-60}"
+    echo "$passed passed, $failed failed"
+    [ $failed -eq 0 ]
+    ;;
+*) echo "usage: ./build.sh [all|test|bench|run|gpu|fuzz [seconds]]" >&2; exit 2 ;;
 esac

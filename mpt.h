@@ -9139,6 +9139,10 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt__step_times times = {0, 0, 0};
     int64_t batch = 0;
     int64_t skipped_before = m->skipped_steps;
+    /* A tally sums over the workers, so all must take part in each: the
+       live bar (worker 0's alone, on a timer) is left out with several
+       workers; the epoch's line still ends every epoch. */
+    int live_bar = d->verbose == 1 && mpt_strategy_num_workers(m->strategy) <= 1;
     double start = mpt__now(), last_print = 0, seconds;
     mpt_tensor x, y;
     mpt_status s = MPT_OK;
@@ -9152,7 +9156,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
         MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y));
     while (s == MPT_OK && !*stop && mpt__fit_next(r, &x, &y)) {
         mpt_logs batch_logs;
-        int print = d->verbose == 1 && mpt__now() - last_print > 0.1;
+        int print = live_bar && mpt__now() - last_print > 0.1;
         if (r->feed.on)
             s = mpt__fit_feed_step(r, &times);
         else if (m->strategy)

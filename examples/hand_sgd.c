@@ -3,8 +3,9 @@
    master weight. (The optimizers, loss scaling and fit() come later; this
    shows what they are made of.)
 
-   Build: cc -O2 -I.. hand_sgd.c -lpthread -lm -lz -o hand_sgd
+   Build: cc -O2 hand_sgd.c -lpthread -lm -o hand_sgd          (in examples/)
    Run:   ./hand_sgd [float32|mixed_float16|mixed_bfloat16] */
+#define MPT_NO_ZLIB /* it reads no files: no zlib, no -lz */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include <stdio.h>

@@ -105,4 +105,34 @@ static inline int test_randint(int lo, int hi) { /* inclusive */
     return lo + (int)(test_next() % (unsigned long long)(hi - lo + 1));
 }
 
+/* ---- Python, for the interoperability tests ---------------------------------- */
+
+/* The Python the interoperability tests run: $MPT_TEST_PYTHON (./build.sh
+   test points it at the virtual environment it filled), else python3. */
+static inline const char *test_python(void) {
+    const char *py = getenv("MPT_TEST_PYTHON");
+    return py && *py ? py : "python3";
+}
+
+/* 1 when test_python() imports `modules` ("numpy, safetensors.numpy").
+   Else 0, and the running test is skipped, or fails where build.sh has
+   installed the packages (MPT_TEST_PYTHON_REQUIRED=1): there a missing
+   module is a broken setup, not an optional one. */
+static inline int test_python_imports(const char *modules) {
+    static char why[512];
+    const char *required = getenv("MPT_TEST_PYTHON_REQUIRED");
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "'%s' -c 'import %s' >/dev/null 2>&1", test_python(), modules);
+    if (system(cmd) == 0) return 1;
+    if (required && strcmp(required, "1") == 0) {
+        test__fail(__FILE__, __LINE__, "%s cannot import %s, which build.sh installed "
+                   "(MPT_TEST_PYTHON_REQUIRED=1)", test_python(), modules);
+    } else {
+        snprintf(why, sizeof why, "%s cannot import %s (./build.sh test installs them)",
+                 test_python(), modules);
+        SKIP(why);
+    }
+    return 0;
+}
+
 #endif

@@ -1524,10 +1524,7 @@ static void test_python_interop(void) {
     mpt_model *m;
     char p[256], script[256], py_file[256], cmd[1024];
     FILE *f;
-    if (system("python3 -c 'import safetensors.numpy, numpy' >/dev/null 2>&1") != 0) {
-        SKIP("python3 with safetensors and numpy is not installed");
-        return;
-    }
+    if (!test_python_imports("safetensors.numpy, numpy")) return;
     m = make_model(a);
     if (!m) return;
     compile_with(m, MPT_OPTIMIZER_ADAM, 0);
@@ -1568,8 +1565,8 @@ static void test_python_interop(void) {
         const mpt__param *K = param_named(m, "dense/kernel"), *C = param_named(m, "conv2d/kernel");
         float k12 = K->value[1 * K->shape[1] + 2];
         float v = C->slot[1][((2 * C->shape[1] + 1) * C->shape[2] + 0) * C->shape[3] + 3];
-        snprintf(cmd, sizeof cmd, "python3 %s %s %a %a %s", script, p, (double)k12, (double)v,
-                 path_of(py_file, "from_py.safetensors"));
+        snprintf(cmd, sizeof cmd, "'%s' %s %s %a %a %s", test_python(), script, p, (double)k12,
+                 (double)v, path_of(py_file, "from_py.safetensors"));
     }
     CHECK(system(cmd) == 0, "the safetensors library reads our checkpoint (%s)", cmd);
     {

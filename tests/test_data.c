@@ -189,7 +189,7 @@ static void expect_load_error(const char *images, const char *labels, mpt_status
 /* Every pixel (as stored and as normalised to float32) and every label. */
 static void check_contents(const mpt_dataset *d, int64_t n, int64_t rows, int64_t cols,
                            const char *what) {
-    int64_t shape[4], i, r, c, bad = 0;
+    int64_t shape[4] = {0}, i, r, c, bad = 0; /* printed even when rank < 3 */
     int rank = mpt_dataset_sample_shape(d, shape);
     float *x = (float *)malloc((size_t)(n * rows * cols) * sizeof(float)); /* (n, rows, cols) */
     int32_t *y = (int32_t *)malloc((size_t)n * sizeof(int32_t));           /* (n) */

@@ -342,7 +342,7 @@ static void test_optimizers(void) {
    a check that does not depend on ref_step. */
 static void test_adam_first_step(void) {
     mpt_model *m = tiny_model(ctx, MPT_POLICY_FLOAT32);
-    double w0[MAXN], g[MAXN], w[MAXN];
+    double w0[MAXN], g[MAXN] = {0}, w[MAXN]; /* put reads as many as the model holds */
     int n, i;
     compile(m, (mpt_optimizer_desc){.learning_rate = 0.01f}, (mpt_loss_scale_desc){0});
     n = get(m, w0, 0);

@@ -1,0 +1,116 @@
+/* Writes the fuzz harnesses' first corpora into DIR/<harness>/ (./build.sh
+   makes them at fuzz time, into build/fuzz/seeds): files mpt.h itself
+   writes, and small IDX files with their gzip.
+       idx, idx_gzip   images and labels files in one input (fuzz_idx_split):
+                       a few samples, one sample of one pixel; gzip'd too
+       weights         the weights and the full checkpoint of fuzz_model
+       checkpoint      the same two files
+   Usage: seeds DIR (DIR/<harness> must exist). */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
+#define MPT_IMPLEMENTATION
+#include "../../mpt.h"
+#include "fuzz.h"
+
+static const char *out_dir;
+
+static void put(const char *harness, const char *name, const void *data, size_t size) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s/%s", out_dir, harness, name);
+    fuzz_write(path, data, size);
+}
+
+/* An IDX header: magic 0x0000080<dims>, then each size big-endian. */
+static size_t idx_header(unsigned char *p, int dims, const uint32_t *sizes) {
+    int i;
+    p[0] = p[1] = 0;
+    p[2] = 0x08;
+    p[3] = (unsigned char)dims;
+    for (i = 0; i < dims; i++) {
+        p[4 + 4 * i] = (unsigned char)(sizes[i] >> 24);
+        p[5 + 4 * i] = (unsigned char)(sizes[i] >> 16);
+        p[6 + 4 * i] = (unsigned char)(sizes[i] >> 8);
+        p[7 + 4 * i] = (unsigned char)sizes[i];
+    }
+    return 4 + 4 * (size_t)dims;
+}
+
+/* gzip of data[0..size) into out (room for size + 64), its size. */
+static size_t gzip(unsigned char *out, const unsigned char *data, size_t size) {
+    z_stream z;
+    size_t n;
+    memset(&z, 0, sizeof z);
+    if (deflateInit2(&z, 9, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) != Z_OK)
+        fuzz_die("deflateInit2");
+    z.next_in = (unsigned char *)data;
+    z.avail_in = (uInt)size;
+    z.next_out = out;
+    z.avail_out = (uInt)(size + 64);
+    if (deflate(&z, Z_FINISH) != Z_STREAM_END) fuzz_die("deflate");
+    n = z.total_out;
+    deflateEnd(&z);
+    return n;
+}
+
+/* One IDX input (n images of rows x cols, pixels and labels varied), plain
+   in "idx" and "idx_gzip", both parts gzip'd in "idx_gzip". */
+static void idx_seed(const char *name, uint32_t n, uint32_t rows, uint32_t cols) {
+    static unsigned char images[4096], labels[512], input[8192], gz_img[4096 + 64],
+        gz_lab[512 + 64];
+    uint32_t dims[3] = {n, rows, cols};
+    size_t ni = idx_header(images, 3, dims), nl = idx_header(labels, 1, dims), i, len, at;
+    char gz_name[64];
+    for (i = 0; i < (size_t)n * rows * cols; i++) images[ni++] = (unsigned char)(37 * i + 11);
+    for (i = 0; i < n; i++) labels[nl++] = (unsigned char)((7 * i + 3) % 10);
+    len = ni;
+    input[0] = (unsigned char)(len >> 24), input[1] = (unsigned char)(len >> 16);
+    input[2] = (unsigned char)(len >> 8), input[3] = (unsigned char)len;
+    memcpy(input + 4, images, ni);
+    memcpy(input + 4 + ni, labels, nl);
+    put("idx", name, input, 4 + ni + nl);
+    put("idx_gzip", name, input, 4 + ni + nl);
+    len = gzip(gz_img, images, ni);
+    input[0] = (unsigned char)(len >> 24), input[1] = (unsigned char)(len >> 16);
+    input[2] = (unsigned char)(len >> 8), input[3] = (unsigned char)len;
+    memcpy(input + 4, gz_img, len);
+    at = 4 + len;
+    len = gzip(gz_lab, labels, nl);
+    memcpy(input + at, gz_lab, len);
+    snprintf(gz_name, sizeof gz_name, "%s.gz", name);
+    put("idx_gzip", gz_name, input, at + len);
+}
+
+/* The model's weights and checkpoint, as files of both harnesses. */
+static void model_seeds(mpt_context *ctx) {
+    mpt_model *m = fuzz_model(ctx, 1); /* other values than the harness's model */
+    char path[512];
+    unsigned char *bytes;
+    size_t size;
+    if (mpt_model_save_weights(m, fuzz_path(path, "input.safetensors")) != MPT_OK)
+        fuzz_die(mpt_context_error(ctx));
+    bytes = fuzz_read(path, &size);
+    put("weights", "weights.safetensors", bytes, size);
+    put("checkpoint", "weights.safetensors", bytes, size);
+    free(bytes);
+    if (mpt_model_save_checkpoint(m, path) != MPT_OK) fuzz_die(mpt_context_error(ctx));
+    bytes = fuzz_read(path, &size);
+    put("weights", "checkpoint.safetensors", bytes, size);
+    put("checkpoint", "checkpoint.safetensors", bytes, size);
+    free(bytes);
+    mpt_model_destroy(m);
+}
+
+int main(int argc, char **argv) {
+    mpt_context *ctx;
+    if (argc != 2) {
+        fprintf(stderr, "usage: seeds DIR\n");
+        return 2;
+    }
+    out_dir = argv[1];
+    ctx = fuzz_context();
+    idx_seed("three_4x5", 3, 4, 5);
+    idx_seed("one_1x1", 1, 1, 1);
+    idx_seed("ten_7x3", 10, 7, 3);
+    model_seeds(ctx);
+    mpt_context_destroy(ctx);
+    return 0;
+}

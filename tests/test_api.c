@@ -111,7 +111,7 @@ static void test_fit_goes_on_after_skipped_steps(void) {
 static void test_null_layer_descriptors(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL, *g = NULL;
-    int64_t shape[MPT_MAX_RANK];
+    int64_t shape[MPT_MAX_RANK] = {0};
     CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {8, 8, 3}, .input_rank = 3}, &m) ==
               MPT_OK, "create");
     CHECK(mpt_model_add_max_pooling2d(m, NULL) == MPT_OK, "MaxPooling2D: %s", mpt_context_error(q));

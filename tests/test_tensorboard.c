@@ -119,6 +119,41 @@ static void test_bucket_limits(void) {
           "limit %d differs from 1e-12 * 1.1^k", i);
 }
 
+/* TensorFlow's Histogram::Add: a value goes to the first bucket whose
+   limit is above it, so one equal to a limit goes to the next bucket. NaN
+   is left out; inf lands in the outermost bucket on its side. */
+static void test_histogram_buckets(void) {
+    static mpt__tb_hist h;
+    double limit[MPT__TB_BUCKETS];
+    const float one = 1.0f, zero = 0.0f;
+    float special[3];
+    int i, filled = 0;
+    mpt__tb_bucket_limits(limit);
+    special[0] = NAN;
+    special[1] = INFINITY;
+    special[2] = -INFINITY;
+    mpt__tb_hist_clear(&h);
+    CHECK(h.min == DBL_MAX && h.max == -DBL_MAX, "empty: min %g max %g", h.min, h.max);
+    mpt__tb_hist_add(&h, limit, &one, 1, limit[800]);     /* exactly a limit */
+    mpt__tb_hist_add(&h, limit, &one, 1, limit[900] * 1.01); /* inside a bucket */
+    mpt__tb_hist_add(&h, limit, &zero, 1, 1.0);
+    mpt__tb_hist_add(&h, limit, &one, 1, -DBL_MAX);
+    CHECK(h.count[801] == 1 && h.count[901] == 1 && h.count[776] == 1 && h.count[1] == 1,
+          "buckets %g %g %g %g", h.count[801], h.count[901], h.count[776], h.count[1]);
+    CHECK(h.num == 4 && h.min == -DBL_MAX && h.max == limit[900] * 1.01, "num %g min %g max %g",
+          h.num, h.min, h.max);
+    mpt__tb_hist_add(&h, limit, special, 3, 1.0);
+    CHECK(h.num == 6 && h.count[MPT__TB_BUCKETS - 1] == 1 && h.count[0] == 1,
+          "inf and -inf counted at the ends, NaN left out: num %g", h.num);
+    /* collapsed: empty runs become one bucket ending at the run's last limit */
+    mpt__tb_hist_collapse(&h, limit);
+    for (i = 0; i < h.n_out; i++) filled += h.out_count[i] > 0;
+    CHECK(filled == 6 && h.n_out == 6 + 4 && h.out_limit[h.n_out - 1] == DBL_MAX &&
+              h.out_limit[1] == limit[1] && h.out_limit[2] == limit[775] &&
+              h.out_limit[3] == limit[776],
+          "%d buckets, %d filled", h.n_out, filled);
+}
+
 /* ---- a short fit, read back by TensorBoard -------------------------------------- */
 
 #define N_TRAIN 16
@@ -540,6 +575,74 @@ static void test_write_failure(void) {
     mpt_dataset_destroy(train);
 }
 
+/* Run names' event files in log_dir/run. */
+static int count_files(const char *log_dir, const char *run) {
+    char dir[512];
+    DIR *d;
+    struct dirent *e;
+    int n = 0;
+    snprintf(dir, sizeof dir, "%s/%s", log_dir, run);
+    d = opendir(dir);
+    while (d && (e = readdir(d)) != NULL) n += strncmp(e->d_name, "events.out.tfevents.", 20) == 0;
+    if (d) closedir(d);
+    return n;
+}
+
+/* The callback driven by hand as fit drives it: a worker other than 0
+   writes nothing; a callback used before on_train_begin says so; each fit
+   starts new files (a validation file only once there are val_ logs). */
+static void test_workers_and_fits(void) {
+    mpt_model *m = small_model(5);
+    mpt_strategy other;
+    mpt_callback cb;
+    mpt_logs logs;
+    char log_dir[256];
+    int fit;
+    memset(&logs, 0, sizeof logs);
+    logs.count = 2;
+    logs.names[0] = "loss";
+    logs.values[0] = test_uniform(0.1, 2);
+    logs.names[1] = "val_loss";
+    logs.values[1] = test_uniform(0.1, 2);
+    if (!m || mpt_model_build(m, BATCH) != MPT_OK) {
+        CHECK(0, "model: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+        return;
+    }
+    tmp_path(log_dir, sizeof log_dir, "by_hand");
+    CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = log_dir}, &cb) ==
+              MPT_OK, "create: %s", mpt_context_error(ctx));
+    CHECK(cb.on_batch_end == NULL, "no batch hook without update_freq_batches: fit would "
+          "read the running values back every batch");
+    CHECK(cb.on_epoch_end(cb.user_data, m, 0, &logs, NULL) == MPT_ERR_STATE &&
+              strstr(mpt_context_error(ctx), "before on_train_begin"),
+          "before on_train_begin: %s", mpt_context_error(ctx));
+    memset(&other, 0, sizeof other);
+    other.worker = 1;
+    other.workers = 2;
+    m->strategy = &other;
+    CHECK(cb.on_train_begin(cb.user_data, m) == MPT_OK &&
+              cb.on_epoch_end(cb.user_data, m, 0, &logs, NULL) == MPT_OK &&
+              cb.on_train_end(cb.user_data, m, &logs) == MPT_OK,
+          "worker 1: %s", mpt_context_error(ctx));
+    CHECK(count_files(log_dir, "train") == 0 && count_files(log_dir, "validation") == 0,
+          "worker 1 wrote files");
+    m->strategy = NULL;
+    for (fit = 1; fit <= 2; fit++) {
+        CHECK(cb.on_train_begin(cb.user_data, m) == MPT_OK, "%s", mpt_context_error(ctx));
+        CHECK(count_files(log_dir, "train") == fit && count_files(log_dir, "validation") == fit - 1,
+              "fit %d: before its first epoch, %d train and %d validation files", fit,
+              count_files(log_dir, "train"), count_files(log_dir, "validation"));
+        CHECK(cb.on_epoch_end(cb.user_data, m, 0, &logs, NULL) == MPT_OK &&
+                  cb.on_train_end(cb.user_data, m, &logs) == MPT_OK,
+              "%s", mpt_context_error(ctx));
+        CHECK(count_files(log_dir, "validation") == fit, "fit %d: %d validation files", fit,
+              count_files(log_dir, "validation"));
+    }
+    mpt_callback_destroy(&cb);
+    mpt_model_destroy(m);
+}
+
 /* ---- files this test wrote ----------------------------------------------------------- */
 
 static void remove_tree(const char *path) {
@@ -568,9 +671,11 @@ int main(void) {
     TEST_RUN(test_framing);
     TEST_RUN(test_nested_lengths);
     TEST_RUN(test_bucket_limits);
+    TEST_RUN(test_histogram_buckets);
     TEST_RUN(test_fit_read_by_tensorboard);
     TEST_RUN(test_bad_descriptors);
     TEST_RUN(test_write_failure);
+    TEST_RUN(test_workers_and_fits);
     remove_tree(tmpdir);
     mpt_context_destroy(ctx);
     return test_summary("test_tensorboard");

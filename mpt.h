@@ -1264,7 +1264,7 @@ typedef struct mpt_tensorboard_desc {
 
 /* Each creates a callback whose state it owns; pass *out in fit's callbacks
    and free it with mpt_callback_destroy (which takes only callbacks made by
-   these four functions, or zeroed ones). Messages go to fit's printer.
+   these functions, or zeroed ones). Messages go to fit's printer.
    Auto mode minimises names ending in "loss" and maximises the others. */
 MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
                                               mpt_callback *out);
@@ -10906,7 +10906,10 @@ static int mpt__tb_create(mpt__tb_file *f, const char *log_dir, const char *run)
         f->fd = open(f->path, O_WRONLY | O_CREAT | O_EXCL | O_APPEND, 0666);
         if (f->fd >= 0 || errno != EEXIST) break;
     }
-    return f->fd >= 0 ? 0 : errno;
+    if (f->fd >= 0) return 0;
+    err = errno;
+    snprintf(f->path, sizeof f->path, "%s", dir); /* the message names the directory */
+    return err;
 }
 
 /* Closes f after syncing it. 0 or an errno. */
@@ -10982,14 +10985,11 @@ static mpt_status mpt__tb_write(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_fi
     return MPT_OK;
 }
 
-/* Opens a run's new file with its first event, the file version. */
-static int mpt__tb_start(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f,
-                         const char *run) {
-    int err = mpt__tb_create(f, t->log_dir, run);
-    if (err) return err;
+/* A file's first event: the version of the format. */
+static mpt_status mpt__tb_file_version(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f) {
     mpt__tb_event_begin(&t->event, 0);
     mpt__pb_string(&t->event, 3, "brain.Event:2");
-    return mpt__tb_write(t, m, f) == MPT_OK && !f->failed ? 0 : EIO;
+    return mpt__tb_write(t, m, f);
 }
 
 /* mpt_model_summary's table as the text "model_summary" at step 0. */
@@ -11015,12 +11015,11 @@ static mpt_status mpt__cb_tb_train_begin(void *user, mpt_model *m) {
     t->elsewhere = !mpt__strategy_is_chief(m->strategy); /* worker 0 writes files */
     t->batches = 0;
     if (t->elsewhere) return MPT_OK;
-    err = mpt__tb_start(t, m, &t->train, "train");
-    if (err) {
-        mpt__tb_close(&t->train);
-        return mpt__fail(m->ctx, MPT_ERR_IO, "TensorBoard: cannot write an event file in \"%s\": %s",
-                         t->train.path, strerror(err));
-    }
+    err = mpt__tb_create(&t->train, t->log_dir, "train");
+    if (err) /* before training: the log directory is unusable */
+        return mpt__fail(m->ctx, MPT_ERR_IO, "TensorBoard: cannot create an event file in \"%s\": "
+                         "%s", t->train.path, strerror(err));
+    MPT__CHECK(mpt__tb_file_version(t, m, &t->train));
     return mpt__tb_model_summary(t, m);
 }
 
@@ -11055,10 +11054,9 @@ static int mpt__tb_has_val(const mpt_logs *logs) {
 static mpt_status mpt__tb_open_validation(mpt__cb_tensorboard *t, mpt_model *m) {
     int err;
     if (t->validation.fd >= 0 || t->validation.failed) return MPT_OK;
-    err = mpt__tb_start(t, m, &t->validation, "validation");
-    if (!err || t->validation.failed) return MPT_OK; /* a failed write has spoken */
-    mpt__tb_close(&t->validation);
-    return mpt__tb_failed(t, m, &t->validation, err, "create an event file in");
+    err = mpt__tb_create(&t->validation, t->log_dir, "validation");
+    if (err) return mpt__tb_failed(t, m, &t->validation, err, "create an event file in");
+    return mpt__tb_file_version(t, m, &t->validation);
 }
 
 /* A parameter's float32 values in host memory: the tensor itself on the

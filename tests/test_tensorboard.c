@@ -643,6 +643,55 @@ static void test_workers_and_fits(void) {
     mpt_model_destroy(m);
 }
 
+/* A run's directory that cannot be made (a regular file holds its name):
+   the train run's fails fit before training, naming it; the validation
+   run's, found mid-training, warns and training goes on. */
+static void test_unusable_runs(void) {
+    mpt_model *m = small_model(9);
+    mpt_callback cb;
+    mpt_logs logs;
+    char log_dir[256], blocker[300];
+    FILE *f;
+    int run;
+    memset(&logs, 0, sizeof logs);
+    logs.count = 2;
+    logs.names[0] = "loss";
+    logs.values[0] = test_uniform(0.1, 2);
+    logs.names[1] = "val_loss";
+    logs.values[1] = test_uniform(0.1, 2);
+    if (!m || mpt_model_build(m, BATCH) != MPT_OK) {
+        CHECK(0, "model: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+        return;
+    }
+    for (run = 0; run < 2; run++) {
+        const char *name = run ? "validation" : "train";
+        snprintf(log_dir, sizeof log_dir, "%s/blocked_%s", tmpdir, name);
+        CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = log_dir}, &cb) ==
+                  MPT_OK, "create: %s", mpt_context_error(ctx));
+        snprintf(blocker, sizeof blocker, "%s/%s", log_dir, name);
+        f = fopen(blocker, "w");
+        if (f) fclose(f);
+        warnings = 0;
+        last_warning[0] = 0;
+        if (!run) {
+            CHECK(cb.on_train_begin(cb.user_data, m) == MPT_ERR_IO &&
+                      strstr(mpt_context_error(ctx), blocker),
+                  "train run: %s", mpt_context_error(ctx));
+        } else {
+            CHECK(cb.on_train_begin(cb.user_data, m) == MPT_OK &&
+                      cb.on_epoch_end(cb.user_data, m, 0, &logs, NULL) == MPT_OK &&
+                      cb.on_epoch_end(cb.user_data, m, 1, &logs, NULL) == MPT_OK &&
+                      cb.on_train_end(cb.user_data, m, &logs) == MPT_OK,
+                  "validation run: %s", mpt_context_error(ctx));
+            CHECK(warnings == 1 && strstr(last_warning, blocker) && count_files(log_dir, "train") == 1,
+                  "one warning naming %s (%d): %s", blocker, warnings, last_warning);
+        }
+        mpt_callback_destroy(&cb);
+    }
+    mpt_model_destroy(m);
+}
+
 /* ---- files this test wrote ----------------------------------------------------------- */
 
 static void remove_tree(const char *path) {
@@ -676,6 +725,7 @@ int main(void) {
     TEST_RUN(test_bad_descriptors);
     TEST_RUN(test_write_failure);
     TEST_RUN(test_workers_and_fits);
+    TEST_RUN(test_unusable_runs);
     remove_tree(tmpdir);
     mpt_context_destroy(ctx);
     return test_summary("test_tensorboard");

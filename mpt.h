@@ -10526,8 +10526,9 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
        SummaryMetadata { PluginData plugin_data = 1 { string plugin_name = 1; } }
    A file's first record is the Event whose file_version is "brain.Event:2".
    Each record is assembled in memory and handed to the kernel in one
-   write(), so a killed process leaves whole records only; a record cut by a
-   full disk or a machine crash ends the file, and readers stop there.
+   write(), and the files are synced every epoch: a killed process, a full
+   disk or a machine that goes down leave at most the last record cut
+   short, and readers stop before it.
 
    As Keras' TensorBoard callback: the runs train/ and validation/ under
    log_dir, each file named events.out.tfevents.<10-digit unix seconds>.

@@ -38,7 +38,7 @@ clang libclang-rt-14-dev"
 
 # Python packages (PyPI names) the interoperability tests import; pip installs
 # them into PY_VENV when one is missing (python_env).
-PY_PACKAGES="safetensors numpy"
+PY_PACKAGES="safetensors numpy tensorboard"
 PY_VENV=$B/venv
 
 install_packages() {

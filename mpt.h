@@ -1246,9 +1246,25 @@ typedef struct mpt_csv_logger_desc {
     int append;                 /* default 0                                */
 } mpt_csv_logger_desc;
 
+typedef struct mpt_tensorboard_desc {
+    const char *log_dir;        /* required; created with its parents
+                                   (mkdir -p); the events go to
+                                   log_dir/train and log_dir/validation   */
+    int histogram_freq;         /* default 0: no histograms; N: every N
+                                   epochs, each parameter's values
+                                   ("dense/kernel") and its last batch's
+                                   gradient ("dense/kernel_grad")         */
+    int64_t update_freq_batches; /* default 0: scalars once per epoch; N:
+                                   also every N batches ("batch_loss", ...,
+                                   at the fit's 1-based batch count)      */
+    int fail_on_error;          /* default 0: a write that fails during
+                                   training logs a warning and the events
+                                   stop; 1: fit stops with MPT_ERR_IO     */
+} mpt_tensorboard_desc;
+
 /* Each creates a callback whose state it owns; pass *out in fit's callbacks
    and free it with mpt_callback_destroy (which takes only callbacks made by
-   these four functions, or zeroed ones). Messages go to fit's printer.
+   these functions, or zeroed ones). Messages go to fit's printer.
    Auto mode minimises names ending in "loss" and maximises the others. */
 MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
                                               mpt_callback *out);
@@ -1260,6 +1276,16 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
                                                 mpt_callback *out);
 MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger_desc *d,
                                           mpt_callback *out);
+/* TensorBoard event files as Keras' TensorBoard callback writes them, read
+   by `tensorboard --logdir log_dir`: every epoch, each training log as
+   "epoch_<name>" (epoch_loss, epoch_accuracy, epoch_learning_rate,
+   epoch_loss_scale, ...) in train/ and each "val_<name>" as "epoch_<name>"
+   in validation/, at step = the 0-based epoch; the model summary as the
+   text "model_summary" at step 0; histograms and batch scalars as the
+   descriptor asks. Worker 0 writes; a killed run leaves files that read up
+   to its last whole event. Freed by mpt_callback_destroy like the others. */
+MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
+                                           mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);
 
 /* =============================================================================
@@ -1396,6 +1422,7 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/types.h>
+#include <sys/utsname.h> /* TensorBoard's file names: the host */
 #include <unistd.h>
 #ifndef MPT_NO_ZLIB
 #include <zlib.h> /* gzip-compressed IDX files */
@@ -10472,6 +10499,741 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
     out->on_epoch_end = mpt__cb_csv_epoch_end;
     out->on_train_end = mpt__cb_csv_train_end;
     out->user_data = c;
+    return MPT_OK;
+}
+
+/* =============================================================================
+   TensorBoard
+   =============================================================================
+
+   The event files TensorBoard reads, encoded here without TensorFlow or a
+   protobuf library. A file is a sequence of TFRecords, little-endian:
+       uint64 length | uint32 masked CRC-32C of those 8 bytes |
+       data          | uint32 masked CRC-32C of the data
+   whose data is one serialized Event (tensorboard/compat/proto: event.proto,
+   summary.proto, tensor.proto; the field numbers are theirs):
+       Event          { double wall_time = 1; int64 step = 2;
+                        string file_version = 3; Summary summary = 5; }
+       Summary        { repeated Value value = 1; }
+       Value          { string tag = 1; float simple_value = 2;
+                        HistogramProto histo = 5; TensorProto tensor = 8;
+                        SummaryMetadata metadata = 9; }
+       HistogramProto { double min = 1, max = 2, num = 3, sum = 4,
+                        sum_squares = 5; repeated double bucket_limit = 6,
+                        bucket = 7 (packed); }
+       TensorProto    { DataType dtype = 1; TensorShapeProto tensor_shape = 2;
+                        repeated bytes string_val = 8; }
+       SummaryMetadata { PluginData plugin_data = 1 { string plugin_name = 1; } }
+   A file's first record is the Event whose file_version is "brain.Event:2".
+   Each record is assembled in memory and handed to the kernel in one
+   write(), and the files are synced every epoch: a killed process, a full
+   disk or a machine that goes down leave at most the last record cut
+   short, and readers stop before it.
+
+   As Keras' TensorBoard callback: the runs train/ and validation/ under
+   log_dir, each file named events.out.tfevents.<10-digit unix seconds>.
+   <host>.<pid>.<n> (tensorboard's EventFileWriter; n counts past names
+   already taken); each epoch's logs as "epoch_<name>" at step = the 0-based
+   epoch, the "val_" ones in validation/ without the prefix; with
+   update_freq_batches N, "batch_<name>" every N batches at step = the
+   batches since on_train_begin, 1-based (Keras 2's train counter after the
+   step); histograms at the epochs where epoch % histogram_freq == 0.
+   Where mpt.h chooses:
+   - Scalars are simple_value (float32), which every TensorBoard reads; one
+     Event carries all of a step's scalars.
+   - Histograms are HistogramProto over TensorFlow's default buckets
+     (tensorflow/core/lib/histogram/histogram.cc), runs of empty buckets
+     collapsed as its EncodeToProto does; tag "<layer>/<param>". Gradients
+     are the last batch's, divided by the loss scale that batch ran with,
+     tag "<layer>/<param>_grad" (Keras 2's write_grads name); an epoch
+     whose last step was skipped (inf or NaN gradients) has none.
+   - Keras writes the model as a graph ("keras", graph_keras_model); mpt.h
+     writes mpt_model_summary's table as the text "model_summary" (the text
+     plugin's markdown; indented, so it shows as a fixed-width block). */
+
+#define MPT__TB_BUCKETS 1551   /* TensorFlow's default bucket count          */
+#define MPT__TB_DT_STRING 7    /* DataType DT_STRING (types.proto)            */
+#define MPT__TB_HEADER 12      /* a record's length and its masked CRC       */
+
+/* ---- CRC-32C and the record framing ----------------------------------------- */
+
+/* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), bit by bit: a
+   few records an epoch do not need a table. */
+static uint32_t mpt__crc32c(const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    uint32_t crc = 0xFFFFFFFFu;
+    int k;
+    while (n--) {
+        crc ^= *p++;
+        for (k = 0; k < 8; k++) crc = (crc >> 1) ^ (0x82F63B78u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+
+/* TFRecord stores CRCs rotated and offset, so that the CRC of data that
+   holds CRCs stays meaningful. */
+static uint32_t mpt__tb_masked_crc(const void *data, size_t n) {
+    uint32_t crc = mpt__crc32c(data, n);
+    return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+static void mpt__tb_put_le(unsigned char *dst, uint64_t v, int bytes) {
+    int i;
+    for (i = 0; i < bytes; i++) dst[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* ---- protobuf encoding --------------------------------------------------------- */
+
+/* A growing buffer a message is encoded into. A failed allocation sets
+   `failed`, and every later append does nothing. */
+typedef struct mpt__pb {
+    const mpt_context *ctx;
+    unsigned char *data;
+    size_t size, cap;
+    int failed;
+} mpt__pb;
+
+enum { MPT__PB_VARINT = 0, MPT__PB_FIXED64 = 1, MPT__PB_LEN = 2, MPT__PB_FIXED32 = 5 };
+
+static int mpt__pb_reserve(mpt__pb *b, size_t more) {
+    unsigned char *grown;
+    size_t cap;
+    if (b->failed) return 0;
+    if (b->size + more <= b->cap) return 1;
+    cap = MPT__MAX(2 * b->cap, b->size + more + 256);
+    grown = (unsigned char *)mpt__alloc(b->ctx, cap);
+    if (!grown) {
+        b->failed = 1;
+        return 0;
+    }
+    if (b->size) memcpy(grown, b->data, b->size);
+    mpt__free(b->ctx, b->data);
+    b->data = grown;
+    b->cap = cap;
+    return 1;
+}
+
+static void mpt__pb_bytes(mpt__pb *b, const void *src, size_t n) {
+    if (!mpt__pb_reserve(b, n)) return;
+    if (n) memcpy(b->data + b->size, src, n);
+    b->size += n;
+}
+
+/* v as a varint into out (at most 10 bytes); returns its length. */
+static size_t mpt__pb_varint_bytes(uint64_t v, unsigned char *out) {
+    size_t n = 0;
+    do {
+        unsigned char low = (unsigned char)(v & 0x7f);
+        v >>= 7;
+        out[n++] = (unsigned char)(low | (v ? 0x80 : 0));
+    } while (v);
+    return n;
+}
+
+static void mpt__pb_varint(mpt__pb *b, uint64_t v) {
+    unsigned char bytes[10];
+    mpt__pb_bytes(b, bytes, mpt__pb_varint_bytes(v, bytes));
+}
+
+static void mpt__pb_key(mpt__pb *b, int field, int wire) {
+    mpt__pb_varint(b, ((uint64_t)field << 3) | (uint64_t)wire);
+}
+
+static void mpt__pb_fixed(mpt__pb *b, uint64_t bits, int bytes) {
+    unsigned char le[8];
+    mpt__tb_put_le(le, bits, bytes);
+    mpt__pb_bytes(b, le, (size_t)bytes);
+}
+
+static void mpt__pb_double(mpt__pb *b, int field, double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    mpt__pb_key(b, field, MPT__PB_FIXED64);
+    mpt__pb_fixed(b, bits, 8);
+}
+
+static void mpt__pb_float(mpt__pb *b, int field, float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    mpt__pb_key(b, field, MPT__PB_FIXED32);
+    mpt__pb_fixed(b, bits, 4);
+}
+
+/* int64 and enum fields: a negative value is its 64-bit two's complement. */
+static void mpt__pb_int64(mpt__pb *b, int field, int64_t v) {
+    mpt__pb_key(b, field, MPT__PB_VARINT);
+    mpt__pb_varint(b, (uint64_t)v);
+}
+
+static void mpt__pb_string(mpt__pb *b, int field, const char *s) {
+    size_t n = strlen(s);
+    mpt__pb_key(b, field, MPT__PB_LEN);
+    mpt__pb_varint(b, n);
+    mpt__pb_bytes(b, s, n);
+}
+
+/* Starts a length-delimited field whose length is not known yet (an
+   embedded message); returns where its body starts, for pb_end. */
+static size_t mpt__pb_begin(mpt__pb *b, int field) {
+    mpt__pb_key(b, field, MPT__PB_LEN);
+    return b->size;
+}
+
+/* Ends the field whose body starts at `body`: its length goes in front. */
+static void mpt__pb_end(mpt__pb *b, size_t body) {
+    unsigned char len[10];
+    size_t n, k;
+    if (b->failed) return;
+    n = b->size - body;
+    k = mpt__pb_varint_bytes(n, len);
+    if (!mpt__pb_reserve(b, k)) return;
+    memmove(b->data + body + k, b->data + body, n);
+    memcpy(b->data + body, len, k);
+    b->size += k;
+}
+
+/* A packed repeated double. */
+static void mpt__pb_doubles(mpt__pb *b, int field, const double *v, int n) {
+    size_t body = mpt__pb_begin(b, field);
+    int i;
+    for (i = 0; i < n; i++) {
+        uint64_t bits;
+        memcpy(&bits, &v[i], sizeof bits);
+        mpt__pb_fixed(b, bits, 8);
+    }
+    mpt__pb_end(b, body);
+}
+
+/* ---- events -------------------------------------------------------------------------- */
+
+/* Starts an event in b, after room for its record header: wall_time and
+   step, then whatever the caller adds. */
+static void mpt__tb_event_begin(mpt__pb *b, int64_t step) {
+    static const unsigned char header[MPT__TB_HEADER] = {0};
+    b->size = 0;
+    b->failed = 0;
+    mpt__pb_bytes(b, header, sizeof header); /* filled by mpt__tb_frame */
+    mpt__pb_double(b, 1, mpt__now());
+    mpt__pb_int64(b, 2, step);
+}
+
+/* Frames the event in b as a TFRecord: the header before it, the data's
+   CRC after it. */
+static void mpt__tb_frame(mpt__pb *b) {
+    unsigned char crc[4];
+    size_t n;
+    if (b->failed) return;
+    n = b->size - MPT__TB_HEADER;
+    mpt__tb_put_le(b->data, n, 8);
+    mpt__tb_put_le(b->data + 8, mpt__tb_masked_crc(b->data, 8), 4);
+    mpt__tb_put_le(crc, mpt__tb_masked_crc(b->data + MPT__TB_HEADER, n), 4);
+    mpt__pb_bytes(b, crc, sizeof crc);
+}
+
+static void mpt__tb_scalar(mpt__pb *b, const char *prefix, const char *name, double value) {
+    size_t body = mpt__pb_begin(b, 1), n = strlen(prefix) + strlen(name);
+    mpt__pb_key(b, 1, MPT__PB_LEN); /* the tag, in two pieces */
+    mpt__pb_varint(b, n);
+    mpt__pb_bytes(b, prefix, strlen(prefix));
+    mpt__pb_bytes(b, name, strlen(name));
+    mpt__pb_float(b, 2, (float)value);
+    mpt__pb_end(b, body);
+}
+
+/* text with every line indented by four spaces: markdown's code block. */
+static void mpt__tb_indented(mpt__pb *b, const char *text) {
+    while (*text) {
+        const char *end = strchr(text, '\n');
+        size_t n = end ? (size_t)(end - text) + 1 : strlen(text);
+        mpt__pb_bytes(b, "    ", 4);
+        mpt__pb_bytes(b, text, n);
+        text += n;
+    }
+}
+
+/* A text summary: a scalar DT_STRING tensor for the "text" plugin. */
+static void mpt__tb_text(mpt__pb *b, const char *tag, const char *text) {
+    size_t value = mpt__pb_begin(b, 1), tensor, string, metadata, plugin;
+    mpt__pb_string(b, 1, tag);
+    tensor = mpt__pb_begin(b, 8);
+    mpt__pb_int64(b, 1, MPT__TB_DT_STRING);
+    mpt__pb_end(b, mpt__pb_begin(b, 2)); /* tensor_shape {}: a scalar */
+    string = mpt__pb_begin(b, 8);
+    mpt__tb_indented(b, text);
+    mpt__pb_end(b, string);
+    mpt__pb_end(b, tensor);
+    metadata = mpt__pb_begin(b, 9);
+    plugin = mpt__pb_begin(b, 1);
+    mpt__pb_string(b, 1, "text");
+    mpt__pb_end(b, plugin);
+    mpt__pb_end(b, metadata);
+    mpt__pb_end(b, value);
+}
+
+/* ---- histograms ------------------------------------------------------------------------ */
+
+typedef struct mpt__tb_hist {
+    double min, max, num, sum, sum_squares;
+    double count[MPT__TB_BUCKETS];      /* bucket i: [limit[i-1], limit[i])  */
+    int n_out;                          /* after collapsing empty runs        */
+    double out_limit[MPT__TB_BUCKETS], out_count[MPT__TB_BUCKETS];
+} mpt__tb_hist;
+
+/* TensorFlow's default bucket limits, ascending: -DBL_MAX, the negatives
+   of the positive ones, 0, the positive ones, DBL_MAX; the positive ones
+   start at 1e-12 and grow by 10% (by repeated multiplication, as there)
+   while below 1e20. */
+static void mpt__tb_bucket_limits(double *limit) {
+    const int half = (MPT__TB_BUCKETS - 1) / 2; /* 774 positive, then DBL_MAX */
+    double v = 1.0e-12;
+    int i;
+    limit[half] = 0;
+    for (i = 1; i < half; i++, v *= 1.1) {
+        limit[half + i] = v;
+        limit[half - i] = -v;
+    }
+    limit[MPT__TB_BUCKETS - 1] = DBL_MAX;
+    limit[0] = -DBL_MAX;
+}
+
+static void mpt__tb_hist_clear(mpt__tb_hist *h) {
+    memset(h, 0, sizeof *h);
+    h->min = DBL_MAX; /* as TensorFlow's Clear: the last limit */
+    h->max = -DBL_MAX;
+}
+
+/* Adds n values, each times `factor`, as TensorFlow's Histogram::Add
+   (the bucket: the first limit above the value). NaN has no bucket and is
+   left out; inf goes to the outermost bucket on its side. */
+static void mpt__tb_hist_add(mpt__tb_hist *h, const double *limit, const float *values,
+                             int64_t n, double factor) {
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        double v = (double)values[i] * factor;
+        int lo = 0, hi = MPT__TB_BUCKETS - 1;
+        if (isnan(v)) continue;
+        while (lo < hi) { /* upper_bound, clamped to the last bucket */
+            int mid = (lo + hi) / 2;
+            if (v < limit[mid]) hi = mid;
+            else lo = mid + 1;
+        }
+        h->count[lo] += 1;
+        h->min = MPT__MIN(h->min, v);
+        h->max = MPT__MAX(h->max, v);
+        h->num += 1;
+        h->sum += v;
+        h->sum_squares += v * v;
+    }
+}
+
+/* TensorFlow's EncodeToProto without preserve_zero_buckets: a run of empty
+   buckets becomes one, ending at the run's last limit. */
+static void mpt__tb_hist_collapse(mpt__tb_hist *h, const double *limit) {
+    int i = 0;
+    h->n_out = 0;
+    while (i < MPT__TB_BUCKETS) {
+        double end = limit[i], count = h->count[i];
+        i++;
+        if (count <= 0)
+            for (; i < MPT__TB_BUCKETS && h->count[i] <= 0; i++) end = limit[i];
+        h->out_limit[h->n_out] = end;
+        h->out_count[h->n_out] = count;
+        h->n_out++;
+    }
+}
+
+static void mpt__tb_histo(mpt__pb *b, const char *name, const char *suffix,
+                          const mpt__tb_hist *h) {
+    size_t value = mpt__pb_begin(b, 1), histo;
+    mpt__pb_key(b, 1, MPT__PB_LEN);
+    mpt__pb_varint(b, strlen(name) + strlen(suffix));
+    mpt__pb_bytes(b, name, strlen(name));
+    mpt__pb_bytes(b, suffix, strlen(suffix));
+    histo = mpt__pb_begin(b, 5);
+    mpt__pb_double(b, 1, h->min);
+    mpt__pb_double(b, 2, h->max);
+    mpt__pb_double(b, 3, h->num);
+    mpt__pb_double(b, 4, h->sum);
+    mpt__pb_double(b, 5, h->sum_squares);
+    mpt__pb_doubles(b, 6, h->out_limit, h->n_out);
+    mpt__pb_doubles(b, 7, h->out_count, h->n_out);
+    mpt__pb_end(b, histo);
+    mpt__pb_end(b, value);
+}
+
+/* ---- files ------------------------------------------------------------------------------- */
+
+typedef struct mpt__tb_file {
+    int fd;                             /* -1: not open                       */
+    int failed;                         /* a write failed: warned, no more    */
+    char path[MPT__CB_PATH_MAX];        /* the file, or the directory it was
+                                           to go in when it could not open    */
+} mpt__tb_file;
+
+/* mkdir -p: creates each missing directory of path. 0 or an errno. */
+static int mpt__tb_mkdirs(const char *path) {
+    char dir[MPT__CB_PATH_MAX];
+    size_t n = strlen(path), i;
+    struct stat st;
+    if (n >= sizeof dir) return ENAMETOOLONG;
+    memcpy(dir, path, n + 1);
+    for (i = 1; i <= n; i++) {
+        if (dir[i] != '/' && dir[i] != 0) continue;
+        dir[i] = 0;
+        if (mkdir(dir, 0777) != 0 && errno != EEXIST) return errno;
+        dir[i] = path[i];
+    }
+    if (stat(path, &st) != 0) return errno;
+    return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
+}
+
+/* Creates a new event file in log_dir/run. 0 or an errno. */
+static int mpt__tb_create(mpt__tb_file *f, const char *log_dir, const char *run) {
+    char dir[MPT__CB_PATH_MAX];
+    const char *host = "localhost";
+    struct utsname names;
+    int n, err;
+    f->fd = -1;
+    f->failed = 0;
+    snprintf(dir, sizeof dir, "%s/%s", log_dir, run);
+    snprintf(f->path, sizeof f->path, "%s", dir);
+    if ((err = mpt__tb_mkdirs(dir)) != 0) return err;
+    if (uname(&names) == 0 && names.nodename[0]) host = names.nodename;
+    for (n = 0; n < 1000; n++) { /* O_EXCL: never another writer's file */
+        if ((size_t)snprintf(f->path, sizeof f->path, "%s/events.out.tfevents.%010lld.%s.%ld.%d",
+                             dir, (long long)mpt__now(), host, (long)getpid(),
+                             n) >= sizeof f->path)
+            return ENAMETOOLONG;
+        f->fd = open(f->path, O_WRONLY | O_CREAT | O_EXCL | O_APPEND, 0666);
+        if (f->fd >= 0 || errno != EEXIST) break;
+    }
+    if (f->fd >= 0) return 0;
+    err = errno;
+    snprintf(f->path, sizeof f->path, "%s", dir); /* the message names the directory */
+    return err;
+}
+
+/* Closes f after syncing it. 0 or an errno. */
+static int mpt__tb_close(mpt__tb_file *f) {
+    int err = 0;
+    if (f->fd < 0) return 0;
+    if (fsync(f->fd) != 0 && errno != EINVAL) err = errno;
+    if (close(f->fd) != 0 && !err) err = errno;
+    f->fd = -1;
+    return err;
+}
+
+/* =============================================================================
+   TensorBoard: the callback
+   ============================================================================= */
+
+typedef struct mpt__cb_tensorboard {
+    mpt__cb_head head;
+    char *log_dir;            /* owned copy                                 */
+    int histogram_freq, fail_on_error;
+    int64_t update_freq;      /* batches; 0: epochs only                    */
+    /* Set by on_train_begin: */
+    int elsewhere;            /* another worker writes the files            */
+    int64_t batches;          /* batches since on_train_begin               */
+    mpt__tb_file train, validation;
+    /* Owned, reused from event to event: */
+    mpt__pb event;            /* the record being encoded                   */
+    float *host;              /* a parameter copied out of device memory    */
+    int64_t host_count;
+    double limit[MPT__TB_BUCKETS];
+    mpt__tb_hist hist;
+} mpt__cb_tensorboard;
+
+static void mpt__cb_tb_release(mpt__cb_head *h) {
+    mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)h;
+    mpt__tb_close(&t->train); /* a fit that failed never called on_train_end */
+    mpt__tb_close(&t->validation);
+    mpt__free(h->ctx, t->log_dir);
+    mpt__free(h->ctx, t->event.data);
+    mpt__free(h->ctx, t->host);
+    t->log_dir = NULL;
+    t->event.data = NULL;
+    t->host = NULL;
+}
+
+/* A file that failed during training: with fail_on_error, fit's error;
+   else a warning, and the file takes no more events. */
+static mpt_status mpt__tb_failed(const mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f,
+                                 int err, const char *what) {
+    f->failed = 1;
+    if (t->fail_on_error)
+        return mpt__fail(m->ctx, MPT_ERR_IO, "TensorBoard: cannot %s \"%s\": %s", what, f->path,
+                         strerror(err));
+    mpt__log(m->ctx, MPT_LOG_WARNING,
+             "TensorBoard: cannot %s \"%s\": %s; training goes on without these events", what,
+             f->path, strerror(err));
+    return MPT_OK;
+}
+
+/* Frames the event being encoded and appends it to f in one write. */
+static mpt_status mpt__tb_write(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f) {
+    mpt__pb *b = &t->event;
+    size_t done = 0;
+    if (f->fd < 0 || f->failed) return MPT_OK;
+    mpt__tb_frame(b);
+    if (b->failed) return mpt__tb_failed(t, m, f, ENOMEM, "encode an event for");
+    while (done < b->size) {
+        ssize_t n = write(f->fd, b->data + done, b->size - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return mpt__tb_failed(t, m, f, n < 0 ? errno : EIO, "write to");
+        done += (size_t)n;
+    }
+    return MPT_OK;
+}
+
+/* A file's first event: the version of the format. */
+static mpt_status mpt__tb_file_version(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f) {
+    mpt__tb_event_begin(&t->event, 0);
+    mpt__pb_string(&t->event, 3, "brain.Event:2");
+    return mpt__tb_write(t, m, f);
+}
+
+/* mpt_model_summary's table as the text "model_summary" at step 0. */
+static mpt_status mpt__tb_model_summary(mpt__cb_tensorboard *t, mpt_model *m) {
+    size_t n = mpt_model_summary(m, NULL, 0) + 1, summary;
+    char *table = (char *)mpt__alloc(m->ctx, n);
+    if (!table) return mpt__tb_failed(t, m, &t->train, ENOMEM, "summarize the model for");
+    mpt_model_summary(m, table, n);
+    mpt__tb_event_begin(&t->event, 0);
+    summary = mpt__pb_begin(&t->event, 5);
+    mpt__tb_text(&t->event, "model_summary", table);
+    mpt__pb_end(&t->event, summary);
+    mpt__free(m->ctx, table);
+    return mpt__tb_write(t, m, &t->train);
+}
+
+static mpt_status mpt__cb_tb_train_begin(void *user, mpt_model *m) {
+    mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
+    int err;
+    mpt__tb_close(&t->train); /* the last fit ended without on_train_end */
+    mpt__tb_close(&t->validation);
+    t->validation.failed = 0;
+    t->elsewhere = !mpt__strategy_is_chief(m->strategy); /* worker 0 writes files */
+    t->batches = 0;
+    if (t->elsewhere) return MPT_OK;
+    err = mpt__tb_create(&t->train, t->log_dir, "train");
+    if (err) /* before training: the log directory is unusable */
+        return mpt__fail(m->ctx, MPT_ERR_IO, "TensorBoard: cannot create an event file in \"%s\": "
+                         "%s", t->train.path, strerror(err));
+    MPT__CHECK(mpt__tb_file_version(t, m, &t->train));
+    return mpt__tb_model_summary(t, m);
+}
+
+/* One event of the logs whose names start with "val_" (val = 1; written
+   without the prefix) or do not (val = 0), each tagged prefix + name. */
+static mpt_status mpt__tb_scalars(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f,
+                                  const char *prefix, int64_t step, const mpt_logs *logs,
+                                  int val) {
+    size_t summary;
+    int i, any = 0;
+    mpt__tb_event_begin(&t->event, step);
+    summary = mpt__pb_begin(&t->event, 5);
+    for (i = 0; logs && i < logs->count; i++) {
+        const char *name = logs->names[i];
+        if (!name || (strncmp(name, "val_", 4) == 0) != val) continue;
+        mpt__tb_scalar(&t->event, prefix, val ? name + 4 : name, logs->values[i]);
+        any = 1;
+    }
+    mpt__pb_end(&t->event, summary);
+    return any ? mpt__tb_write(t, m, f) : MPT_OK;
+}
+
+static int mpt__tb_has_val(const mpt_logs *logs) {
+    int i;
+    for (i = 0; logs && i < logs->count; i++)
+        if (logs->names[i] && strncmp(logs->names[i], "val_", 4) == 0) return 1;
+    return 0;
+}
+
+/* The validation run's file, opened at the first epoch with validation
+   logs (Keras creates it as lazily: a fit without validation has none). */
+static mpt_status mpt__tb_open_validation(mpt__cb_tensorboard *t, mpt_model *m) {
+    int err;
+    if (t->validation.fd >= 0 || t->validation.failed) return MPT_OK;
+    err = mpt__tb_create(&t->validation, t->log_dir, "validation");
+    if (err) return mpt__tb_failed(t, m, &t->validation, err, "create an event file in");
+    return mpt__tb_file_version(t, m, &t->validation);
+}
+
+/* A parameter's float32 values in host memory: the tensor itself on the
+   CPU, else a copy from the device (as checkpoints read it). */
+static mpt_status mpt__tb_host_values(mpt__cb_tensorboard *t, mpt_model *m, const mpt_tensor *v,
+                                      const float **values) {
+    int64_t n = mpt_tensor_count(v);
+    if (v->device == MPT_DEVICE_CPU) {
+        *values = (const float *)v->data;
+        return MPT_OK;
+    }
+    if (n > t->host_count) {
+        mpt__free(t->head.ctx, t->host);
+        t->host_count = 0;
+        t->host = (float *)mpt__alloc(t->head.ctx, sizeof(float) * (size_t)n);
+        if (!t->host)
+            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                             "TensorBoard: cannot allocate %lld bytes for a histogram",
+                             (long long)n * 4);
+        t->host_count = n;
+    }
+    *values = t->host;
+    return mpt__download(m, t->host, v->data, sizeof(float) * (size_t)n);
+}
+
+/* One histogram event: v's values times factor, tagged name + suffix. */
+static mpt_status mpt__tb_histogram(mpt__cb_tensorboard *t, mpt_model *m, const char *name,
+                                    const char *suffix, const mpt_tensor *v, double factor,
+                                    int epoch) {
+    const float *values = NULL;
+    size_t summary;
+    MPT__CHECK(mpt__tb_host_values(t, m, v, &values));
+    mpt__tb_hist_clear(&t->hist);
+    mpt__tb_hist_add(&t->hist, t->limit, values, mpt_tensor_count(v), factor);
+    mpt__tb_hist_collapse(&t->hist, t->limit);
+    mpt__tb_event_begin(&t->event, epoch);
+    summary = mpt__pb_begin(&t->event, 5);
+    mpt__tb_histo(&t->event, name, suffix, &t->hist);
+    mpt__pb_end(&t->event, summary);
+    return mpt__tb_write(t, m, &t->train);
+}
+
+/* The loss scale the last step's gradients were multiplied by, or 0 when
+   that step was skipped (its gradients hold inf or NaN). The model's
+   scale is the one after the step: dynamic scaling grows it after
+   growth_interval finite steps in a row, good_steps then back at 0 (unless
+   growing would have passed FLT_MAX). */
+static mpt_status mpt__tb_last_scale(mpt_model *m, double *scale) {
+    const mpt_loss_scale_desc *d = &m->compile.loss_scale;
+    mpt_step_state st;
+    MPT__CHECK(mpt__download(m, &st, m->state, sizeof st));
+    *scale = st.finite ? st.loss_scale : 0;
+    if (st.finite && d->mode == MPT_LOSS_SCALE_DYNAMIC && st.good_steps == 0 &&
+        (double)st.loss_scale * d->growth_factor <= FLT_MAX)
+        *scale = (double)st.loss_scale / d->growth_factor;
+    return MPT_OK;
+}
+
+/* Every parameter's values and every trainable one's gradient. */
+static mpt_status mpt__tb_histograms(mpt__cb_tensorboard *t, mpt_model *m, int epoch) {
+    double scale;
+    int i;
+    MPT__CHECK(mpt__tb_last_scale(m, &scale));
+    for (i = 0; i < mpt_model_param_count(m) && !t->train.failed; i++) {
+        mpt_param_info info;
+        MPT__CHECK(mpt_model_param(m, i, &info));
+        MPT__CHECK(mpt__tb_histogram(t, m, info.name, "", &info.value, 1.0, epoch));
+        if (info.grad.data && scale > 0)
+            MPT__CHECK(mpt__tb_histogram(t, m, info.name, "_grad", &info.grad, 1.0 / scale,
+                                         epoch));
+    }
+    return MPT_OK;
+}
+
+/* Syncs a file at the end of an epoch, so that a machine that goes down
+   keeps the epochs before. */
+static mpt_status mpt__tb_sync(const mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f) {
+    if (f->fd < 0 || f->failed || fsync(f->fd) == 0 || errno == EINVAL) return MPT_OK;
+    return mpt__tb_failed(t, m, f, errno, "sync");
+}
+
+static mpt_status mpt__cb_tb_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
+                                       int *stop) {
+    mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
+    (void)stop;
+    if (t->elsewhere) return MPT_OK;
+    if (t->train.fd < 0 && !t->train.failed)
+        return mpt__fail(m->ctx, MPT_ERR_STATE,
+                         "TensorBoard \"%s\": on_epoch_end before on_train_begin", t->log_dir);
+    MPT__CHECK(mpt__tb_scalars(t, m, &t->train, "epoch_", epoch, logs, 0));
+    if (mpt__tb_has_val(logs)) {
+        MPT__CHECK(mpt__tb_open_validation(t, m));
+        MPT__CHECK(mpt__tb_scalars(t, m, &t->validation, "epoch_", epoch, logs, 1));
+    }
+    if (t->histogram_freq > 0 && epoch % t->histogram_freq == 0)
+        MPT__CHECK(mpt__tb_histograms(t, m, epoch));
+    MPT__CHECK(mpt__tb_sync(t, m, &t->train));
+    return mpt__tb_sync(t, m, &t->validation);
+}
+
+static mpt_status mpt__cb_tb_batch_end(void *user, mpt_model *m, int64_t batch,
+                                       const mpt_logs *logs, int *stop) {
+    mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
+    (void)batch;
+    (void)stop;
+    if (t->elsewhere) return MPT_OK;
+    t->batches++;
+    if (t->batches % t->update_freq != 0) return MPT_OK;
+    return mpt__tb_scalars(t, m, &t->train, "batch_", t->batches, logs, 0);
+}
+
+static mpt_status mpt__cb_tb_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+    mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
+    mpt__tb_file *files[2];
+    int k;
+    (void)logs;
+    files[0] = &t->train;
+    files[1] = &t->validation;
+    for (k = 0; k < 2; k++) {
+        int err = mpt__tb_close(files[k]);
+        if (err && !files[k]->failed) MPT__CHECK(mpt__tb_failed(t, m, files[k], err, "close"));
+    }
+    return MPT_OK;
+}
+
+static mpt_status mpt__cb_tb_check(mpt_context *ctx, const mpt_tensorboard_desc *d) {
+    int err;
+    if (!d) /* NULL: every default, but log_dir is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "TensorBoard: log_dir is NULL (NULL descriptor); it is required");
+    if (!d->log_dir || !d->log_dir[0])
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "TensorBoard: log_dir is %s; it is required",
+                         d->log_dir ? "empty" : "NULL");
+    if (d->histogram_freq < 0 || d->update_freq_batches < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "TensorBoard \"%s\": histogram_freq %d and update_freq_batches %lld "
+                         "must not be negative", d->log_dir, d->histogram_freq,
+                         (long long)d->update_freq_batches);
+    if (strlen(d->log_dir) > MPT__CB_PATH_MAX - 512) /* room for the runs' file names */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "TensorBoard: log_dir has %zu characters, more than %d",
+                         strlen(d->log_dir), MPT__CB_PATH_MAX - 512);
+    err = mpt__tb_mkdirs(d->log_dir);
+    if (!err && access(d->log_dir, W_OK | X_OK) != 0) err = errno;
+    if (err)
+        return mpt__fail(ctx, MPT_ERR_IO, "TensorBoard: log_dir \"%s\" cannot be created or "
+                         "written to: %s", d->log_dir, strerror(err));
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
+                                           mpt_callback *out) {
+    mpt__cb_tensorboard *t;
+    mpt_status s;
+    MPT__CHECK(mpt__cb_check_out(ctx, "TensorBoard", out));
+    MPT__CHECK(mpt__cb_tb_check(ctx, d));
+    t = (mpt__cb_tensorboard *)mpt__cb_new(ctx, sizeof *t, "TensorBoard", mpt__cb_tb_release, &s);
+    if (!t) return s;
+    t->train.fd = t->validation.fd = -1;
+    t->event.ctx = ctx;
+    t->log_dir = mpt__cb_strdup(ctx, d->log_dir);
+    if (!t->log_dir) {
+        mpt__free(ctx, t);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "TensorBoard: out of memory");
+    }
+    t->histogram_freq = d->histogram_freq;
+    t->update_freq = d->update_freq_batches;
+    t->fail_on_error = d->fail_on_error != 0;
+    mpt__tb_bucket_limits(t->limit);
+    out->on_train_begin = mpt__cb_tb_train_begin;
+    out->on_epoch_end = mpt__cb_tb_epoch_end;
+    out->on_train_end = mpt__cb_tb_train_end;
+    /* only when asked: fit reads the running values back for batch callbacks */
+    if (t->update_freq > 0) out->on_batch_end = mpt__cb_tb_batch_end;
+    out->user_data = t;
     return MPT_OK;
 }
 

@@ -11,7 +11,7 @@
 
    Build: cc -O2 cnn.c -lpthread -lm -lz -o cnn         (in examples/)
    Run:   ./cnn [--policy ...] [--epochs 15] [--batch-size 128] [--threads N]
-                [--data DIR] [--verbose 1] */
+                [--data DIR] [--verbose 1] [--tensorboard DIR] */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -31,11 +31,12 @@ static mpt_status add_conv_block(mpt_model *m, int64_t filters) {
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 15, 128, 0, 1, 1};
+                 15, 128, 0, 1, 1, NULL};
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *all, *train, *validation, *test;
-    mpt_callback callbacks[3];
+    mpt_callback callbacks[4];
+    int n_callbacks = 3;
     mpt_logs result;
     char summary[8192];
     if (!parse_options(argc, argv, &o)) return 2;
@@ -68,19 +69,18 @@ int main(int argc, char **argv) {
     TRY(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){
         .filepath = "cnn_best.safetensors", .save_best_only = 1, .save_weights_only = 1,
         .verbose = 1 }, &callbacks[2]));
+    TRY(add_tensorboard(ctx, &o, callbacks, &n_callbacks));
     TRY(mpt_model_fit(model, train, &(mpt_fit_desc){ .epochs = o.epochs,
                                                      .batch_size = o.batch_size,
                                                      .validation_data = validation,
                                                      .verbose = o.verbose,
                                                      .callbacks = callbacks,
-                                                     .n_callbacks = 3 }));
+                                                     .n_callbacks = n_callbacks }));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));
     print_result("cnn", &o, model, ctx, &result);
 
-    mpt_callback_destroy(&callbacks[0]);
-    mpt_callback_destroy(&callbacks[1]);
-    mpt_callback_destroy(&callbacks[2]);
+    while (n_callbacks > 0) mpt_callback_destroy(&callbacks[--n_callbacks]);
     mpt_model_destroy(model);
     mpt_dataset_destroy(validation);
     mpt_dataset_destroy(train);

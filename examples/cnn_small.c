@@ -3,18 +3,20 @@
 
    Build: cc -O2 cnn_small.c -lpthread -lm -lz -o cnn_small   (in examples/)
    Run:   ./cnn_small [--policy ...] [--epochs 5] [--batch-size 128] [--threads N]
-                      [--data DIR] [--verbose 1] */
+                      [--data DIR] [--verbose 1] [--tensorboard DIR] */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 5, 128, 0, 1, 1};
+                 5, 128, 0, 1, 1, NULL};
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *train, *test;
     mpt_logs result;
+    mpt_callback tensorboard[1];
+    int n_callbacks = 0;
     char summary[4096];
     if (!parse_options(argc, argv, &o)) return 2;
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
@@ -37,13 +39,17 @@ int main(int argc, char **argv) {
     TRY(mpt_model_build(model, o.batch_size));
     if (o.verbose && mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
 
+    TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
     TRY(mpt_model_fit(model, train, &(mpt_fit_desc){ .epochs = o.epochs,
                                                      .batch_size = o.batch_size,
-                                                     .verbose = o.verbose }));
+                                                     .verbose = o.verbose,
+                                                     .callbacks = tensorboard,
+                                                     .n_callbacks = n_callbacks }));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));
     print_result("cnn_small", &o, model, ctx, &result);
 
+    if (n_callbacks) mpt_callback_destroy(&tensorboard[0]);
     mpt_model_destroy(model);
     mpt_dataset_destroy(test);
     mpt_dataset_destroy(train);

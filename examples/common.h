@@ -16,11 +16,12 @@ typedef struct options {
     int threads;            /* 0: MPT_NUM_THREADS, else every CPU */
     int verbose;            /* as Keras' fit: 0, 1 or 2 */
     uint64_t seed;
+    const char *tensorboard; /* --tensorboard DIR; NULL: no event files */
 } options;
 
-/* Reads --policy, --epochs, --batch-size, --threads, --data, --seed and
-   --verbose over the defaults already in *o; returns 0 after printing
-   the usage when something is wrong. */
+/* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
+   --verbose and --tensorboard over the defaults already in *o; returns 0
+   after printing the usage when something is wrong. */
 static int parse_options(int argc, char **argv, options *o) {
     int i;
     for (i = 1; i + 1 < argc; i += 2) {
@@ -32,6 +33,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(flag, "--data")) o->data = value;
         else if (!strcmp(flag, "--seed")) o->seed = strtoull(value, NULL, 10);
         else if (!strcmp(flag, "--verbose")) o->verbose = atoi(value);
+        else if (!strcmp(flag, "--tensorboard")) o->tensorboard = value;
         else break;
     }
     if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
@@ -41,10 +43,25 @@ static int parse_options(int argc, char **argv, options *o) {
     if (i != argc) {
         fprintf(stderr, "usage: %s [--policy float32|mixed_float16|mixed_bfloat16] [--epochs N]\n"
                         "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
-                        "          [--verbose 0|1|2]\n", argv[0]);
+                        "          [--verbose 0|1|2] [--tensorboard DIR]\n", argv[0]);
         return 0;
     }
     return 1;
+}
+
+/* With --tensorboard DIR, appends to callbacks[*n] a TensorBoard callback
+   writing DIR/train (and DIR/validation when fit validates), with every
+   parameter's histograms each epoch: `tensorboard --logdir DIR` shows
+   them. */
+static mpt_status add_tensorboard(mpt_context *ctx, const options *o, mpt_callback *callbacks,
+                                  int *n) {
+    mpt_status s;
+    if (!o->tensorboard) return MPT_OK;
+    s = mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){ .log_dir = o->tensorboard,
+                                                               .histogram_freq = 1 },
+                                 &callbacks[*n]);
+    if (s == MPT_OK) (*n)++;
+    return s;
 }
 
 /* The last epoch's training speed from the model's history. */

@@ -83,13 +83,14 @@
        @layers       layer descriptors and the sequential model
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
-       @backend      the table a compute backend implements (CPU, CUDA)
-       @backend-shared  the rules both backends run: Philox, loss scaling (internal)
        @training     compile, fit, evaluate, predict, summary, history
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
+     for backend implementers:
+       @backend      the table a compute backend implements (CPU, CUDA)
+       @backend-shared  the rules both backends run: Philox, loss scaling (internal)
      implementation, in the same order:
        @impl-status @impl-context @impl-dtypes @impl-tensors
        @impl-activations @impl-gemm @impl-rng
@@ -650,6 +651,379 @@ typedef struct mpt_loss_scale_desc {
 } mpt_loss_scale_desc;
 
 /* =============================================================================
+   @training: compile, fit, evaluate, predict, summary, history
+   ============================================================================= */
+
+enum {
+    MPT_METRIC_ACCURACY = 1 << 0,         /* "accuracy": argmax == label (sparse
+                                              labels) or == argmax of target     */
+    MPT_METRIC_SPARSE_TOP_K = 1 << 1      /* "sparse_top_k_categorical_accuracy" */
+};
+
+typedef struct mpt_compile_desc {
+    mpt_optimizer_desc optimizer;
+    mpt_loss_desc loss;                  /* required: loss.type               */
+    int metrics;                         /* MPT_METRIC_* bits; default none    */
+    int top_k;                           /* default 5                          */
+    mpt_loss_scale_desc loss_scale;
+} mpt_compile_desc;
+
+/* Sets the optimizer, loss, metrics and loss scaling. May be called before
+   or after build; the optimizer state is allocated with the other buffers. */
+MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc);
+
+/* Up to MPT_MAX_LOGS named values: one epoch's results, or one batch's. */
+#define MPT_MAX_LOGS 16
+typedef struct mpt_logs {
+    int count;
+    const char *names[MPT_MAX_LOGS];   /* "loss", "accuracy", "val_loss", ... */
+    double values[MPT_MAX_LOGS];
+} mpt_logs;
+
+/* The value named `name`, or NAN when it is not there. */
+MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name);
+
+/* A callback: any of the functions may be NULL. Setting *stop asks fit to
+   end after this batch or epoch (as Keras' model.stop_training). A status
+   other than MPT_OK ends fit with that status. Epochs count from 0. */
+typedef struct mpt_callback {
+    mpt_status (*on_train_begin)(void *user_data, mpt_model *m);
+    mpt_status (*on_epoch_begin)(void *user_data, mpt_model *m, int epoch);
+    mpt_status (*on_batch_end)(void *user_data, mpt_model *m, int64_t batch,
+                               const mpt_logs *logs, int *stop);
+    mpt_status (*on_epoch_end)(void *user_data, mpt_model *m, int epoch,
+                               const mpt_logs *logs, int *stop);
+    mpt_status (*on_train_end)(void *user_data, mpt_model *m, const mpt_logs *logs);
+    void *user_data;
+} mpt_callback;
+
+/* Where progress and summaries go. Default (fn NULL): stdout. */
+typedef struct mpt_printer {
+    void (*fn)(void *user_data, const char *text);
+    void *user_data;
+} mpt_printer;
+
+typedef struct mpt_dataset mpt_dataset;
+
+typedef struct mpt_fit_desc {
+    int epochs;                         /* default 1                           */
+    int initial_epoch;                  /* default 0; resuming: the first epoch */
+    int64_t batch_size;                 /* default 32: the global batch        */
+    int no_shuffle;                     /* default 0: reshuffled every epoch   */
+    const mpt_dataset *validation_data; /* default none                        */
+    float validation_split;             /* default 0; the last fraction of the
+                                           training data, taken before shuffling;
+                                           Keras' cut: training keeps
+                                           int(n · (1 − split)) for the split as
+                                           written (0.1 of 60,000: 6,000 left) */
+    int verbose;                        /* 0 silent (default), 1 progress bar,
+                                           2 one line per epoch (Keras)        */
+    const mpt_callback *callbacks;      /* default none                        */
+    int n_callbacks;
+    mpt_printer printer;                /* default stdout                      */
+} mpt_fit_desc;
+
+/* Trains on `train` (builds the model for batch_size first if it is not
+   built). Shuffling follows the model's seed and the epoch, so a run is
+   reproducible. The history of every epoch is kept (mpt_model_history).
+   After an epoch whose loss or trainable weights hold inf or NaN, fit
+   stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
+   names the epoch and the first such weight's layer, tensor and element. */
+MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
+                                const mpt_fit_desc *desc);
+
+typedef struct mpt_evaluate_desc {
+    int64_t batch_size;                 /* default 32                          */
+    int verbose;                        /* default 0                           */
+    mpt_printer printer;
+} mpt_evaluate_desc;
+
+/* The loss and the compiled metrics over a whole dataset, into *logs. */
+MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
+                                     const mpt_evaluate_desc *desc, mpt_logs *logs);
+
+/* The model's float32 outputs for every sample of `data`, in order, into
+   out (an owned tensor of shape (n, output shape...); free it with
+   mpt_tensor_free). batch_size 0 means 32. */
+MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
+                                    int64_t batch_size, mpt_tensor *out);
+
+/* Writes a Keras-like table (the dtype policy, then per layer its output
+   shape, parameters and compute dtype, then memory per category) into buf;
+   returns the length it needs, like snprintf. Before build the text is, as
+   Keras raises, that the model has not yet been built and what builds it. */
+MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
+
+/* The per-epoch history of the last fit: for each key ("loss", "accuracy",
+   "val_loss", "val_accuracy", "learning_rate", "loss_scale",
+   "skipped_steps", "epoch_seconds", "samples_per_second", ...), one value
+   per epoch. */
+typedef struct mpt_history {
+    int epochs;                       /* epochs recorded                */
+    int n_keys;
+    const char *keys[MPT_MAX_LOGS];
+    const double *values[MPT_MAX_LOGS]; /* values[k][e]: key k, epoch e  */
+} mpt_history;
+
+MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out);
+
+/* The learning rate's base value (what the schedule scales), e.g. for a
+   callback that lowers it. The history's "learning_rate" is the rate the
+   schedule gave at the end of each epoch. */
+MPTDEF float mpt_model_learning_rate(const mpt_model *m);
+MPTDEF mpt_status mpt_model_set_learning_rate(mpt_model *m, float learning_rate);
+MPTDEF float mpt_model_loss_scale(const mpt_model *m);
+
+/* =============================================================================
+   @data: datasets
+   ============================================================================= */
+
+typedef struct mpt_dataset_desc {
+    const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
+                              float16 or bfloat16                         */
+    const mpt_tensor *y;   /* required: (n,) int32 class ids, or (n, ...)
+                              float32 targets; (n,) targets fit an output
+                              of one unit, as (n, 1) do (Keras)            */
+    float scale;           /* uint8 x becomes x·scale + offset as it is
+                              batched; default (0) 1/255                  */
+    float offset;          /* default 0                                   */
+    int copy;              /* default 0: x and y are borrowed and must
+                              outlive the dataset; 1: copied               */
+} mpt_dataset_desc;
+
+/* A dataset over caller arrays. Float inputs are checked for NaN and inf,
+   and the counts of x and y must agree. */
+MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
+                                     mpt_dataset **out);
+/* Reads an IDX (MNIST-format) image file and label file, plain or gzip
+   (zlib): uint8 images (n, rows, cols, 1), int32 labels; checks the magic
+   numbers, dimensions, counts, truncation, and that nothing follows the
+   data (nor a gzip file's last member). mpt_dataset_reshape flattens the
+   images for a model whose input is (rows·cols,). */
+MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
+                                       const char *labels_path, mpt_dataset **out);
+/* The training or test part of an MNIST-format directory (Fashion-MNIST's
+   train-images-idx3-ubyte.gz, t10k-..., with or without .gz). */
+MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int test,
+                                         mpt_dataset **out);
+MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
+/* One sample's shape; returns its rank. */
+MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
+/* Gives d's samples a new shape (rank 1..3) with the same number of
+   elements, e.g. IDX images (28, 28, 1) -> (784,) for a model whose input
+   is (784,). The data is not touched; views split from d keep theirs. */
+MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
+                                      const int64_t *shape);
+/* One sample's target shape: its rank, 0 for class ids and for (n,) float
+   targets. */
+MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
+/* The class ids of samples [first, first + count), e.g. all of them
+   (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
+   labels (count int32). For a dataset of class ids only. */
+MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                     int64_t count, int32_t *labels);
+/* The float32 targets of samples [first, first + count) into targets
+   (count times the elements of one target). For a dataset of float
+   targets only. */
+MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                      int64_t count, float *targets);
+/* Two views sharing d's data: samples [0, first) and [first, n), with
+   first in 1..n-1; head or tail may be NULL. The views and d may be
+   destroyed in any order. */
+MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int64_t first,
+                                    mpt_dataset **head, mpt_dataset **tail);
+MPTDEF void mpt_dataset_destroy(mpt_dataset *d);
+
+/* =============================================================================
+   @callbacks: EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
+   ============================================================================= */
+
+typedef enum mpt_monitor_mode {
+    MPT_MODE_AUTO = 0, /* min for names ending in "loss", max otherwise */
+    MPT_MODE_MIN,
+    MPT_MODE_MAX
+} mpt_monitor_mode;
+
+typedef struct mpt_early_stopping_desc {
+    const char *monitor;        /* default "val_loss"                      */
+    float min_delta;            /* default 0                               */
+    int patience;               /* default 0                               */
+    mpt_monitor_mode mode;
+    int restore_best_weights;   /* default 0                               */
+    double baseline;            /* used when has_baseline                  */
+    int has_baseline;
+    int start_from_epoch;       /* default 0                               */
+    int verbose;                /* default 0; 1 prints "Epoch N: early stopping" */
+} mpt_early_stopping_desc;
+
+typedef struct mpt_reduce_lr_desc {
+    const char *monitor;        /* default "val_loss"                      */
+    float factor;               /* default 0.1; must be < 1                */
+    int patience;               /* default 10 (0 is taken as the default;
+                                   use has_patience for 0)                 */
+    int has_patience;
+    float min_delta;            /* default (0) 1e-4; for 0 give a tiny value */
+    int cooldown;               /* default 0                               */
+    float min_lr;               /* default 0                               */
+    mpt_monitor_mode mode;
+    int verbose;
+} mpt_reduce_lr_desc;
+
+typedef struct mpt_model_checkpoint_desc {
+    const char *filepath;       /* required; "{epoch}" or "{epoch:02d}" becomes
+                                   the 1-based epoch, "{val_loss:.2f}" any log
+                                   value (e.g. "ckpt-{epoch:02d}.safetensors") */
+    const char *monitor;        /* default "val_loss"                      */
+    int save_best_only;         /* default 0                               */
+    int save_weights_only;      /* default 0: the full training state      */
+    mpt_monitor_mode mode;
+    int verbose;                /* 1: Keras' "Epoch 3: val_loss improved from
+                                   0.51234 to 0.49000, saving model to ..." */
+} mpt_model_checkpoint_desc;
+
+typedef struct mpt_csv_logger_desc {
+    const char *filename;       /* required                                 */
+    char separator;             /* default ','                              */
+    int append;                 /* default 0                                */
+} mpt_csv_logger_desc;
+
+/* Each creates a callback whose state it owns; pass *out in fit's callbacks
+   and free it with mpt_callback_destroy (which takes only callbacks made by
+   these four functions, or zeroed ones). Messages go to fit's printer.
+   Auto mode minimises names ending in "loss" and maximises the others. */
+MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
+                                              mpt_callback *out);
+MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
+                                                    const mpt_reduce_lr_desc *d,
+                                                    mpt_callback *out);
+MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
+                                                const mpt_model_checkpoint_desc *d,
+                                                mpt_callback *out);
+MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger_desc *d,
+                                          mpt_callback *out);
+MPTDEF void mpt_callback_destroy(mpt_callback *cb);
+
+/* =============================================================================
+   @checkpoints: safetensors files
+   ============================================================================= */
+
+/* The float32 weights (every parameter, trainable or not) as a safetensors
+   file, written to a temporary file, fsync'ed, then renamed into place.
+   Temporary files of earlier saves to the same path that were killed
+   mid-write are removed first; those of saves still running are not. */
+MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path);
+/* Loads weights saved by save_weights or save_checkpoint; every name,
+   dtype and shape must match the model, and every value must be finite
+   (the model is left unchanged if anything does not). path must name a
+   regular file: a FIFO or a device is refused, never waited on. The file
+   holds the float32 masters, so it loads into a model of any policy: this
+   is how a mixed_float16 run's weights go on in mixed_bfloat16 or
+   float32. */
+MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
+/* The full training state: weights ("dense/kernel", ...), optimizer moments
+   ("optimizer/dense/kernel/m", ...), step counters, loss scale and its
+   counter, learning rate and epoch ("train/..."), and the model's
+   description, policy and seed in __metadata__. Loaded into a model built
+   the same way with the same seed (a different seed is only warned about:
+   the seed orders the data and keys dropout), fit continues from it
+   bit-identically on the CPU (pass initial_epoch = mpt_model_epoch).
+   load_checkpoint refuses (MPT_ERR_DTYPE) a checkpoint saved under another
+   policy than the model's: its loss scale and optimizer state belong to
+   that policy's arithmetic; mpt_model_load_weights takes the weights alone
+   into any policy. It also refuses values training cannot produce: a step
+   counter past 2^62, an epoch past INT_MAX, a negative or non-finite
+   learning rate, a loss scale that the model's loss-scale mode does not
+   allow (dynamic: a finite float >= FLT_MIN; fixed: compile's; none: 1),
+   a non-finite weight or moment, a negative second moment. The model is
+   unchanged when anything fails, a read error included (only a device
+   failing as it takes the checked values can leave it partly loaded, and
+   the error says so). */
+MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
+MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
+/* Epochs completed, as recorded by fit and restored by load_checkpoint. */
+MPTDEF int mpt_model_epoch(const mpt_model *m);
+
+/* =============================================================================
+   @strategy: synchronous data parallelism, as TensorFlow's MirroredStrategy
+   =============================================================================
+
+   A model created with a strategy is replicated: every replica holds the
+   same weights (replica 0's, copied to the others when the model is built)
+   and takes an equal share of each batch that fit, evaluate and predict
+   are given (the global batch). After the backward pass the gradients are
+   summed over the replicas, each replica's loss having been divided by
+   the global batch, so the sum is the gradient of the mean; every replica
+   then applies the same update and the replicas stay identical. A step
+   that is not finite on one replica is not finite on any (the check runs
+   on the summed gradients), so loss scaling decides the same everywhere.
+   BatchNormalization uses each replica's own batch statistics (their
+   moving averages averaged over the replicas), or with `synchronized` set
+   those of the whole global batch. Loss and metrics are summed over the replicas before anything reads them, so
+   progress, history and every callback's decision are the same on every
+   worker; progress is printed and files are written by worker 0 alone.
+
+   Mirrored: replicas inside this process — num_replicas logical replicas
+   sharing the context's device (the CPU, or one GPU), as TensorFlow's
+   virtual devices; or, on a GPU context, one replica on each of the listed
+   (default: every visible) GPUs, summed by NCCL. Multi-worker: one replica per process, the processes
+   started by mpirun on one or many nodes; the gradients are summed with
+   MPI_Allreduce, in buckets started as soon as the layers that fill them
+   have finished their backward pass, so that the exchange overlaps the
+   rest of it. Multi-worker needs a build with -DMPT_MPI (and mpicc); every
+   worker runs the same program, and building a model checks that all of
+   them built the same one. A worker that stops answering makes the others
+   fail with MPT_ERR_STATE after timeout_seconds instead of waiting
+   forever. */
+
+typedef enum mpt_strategy_type {
+    MPT_STRATEGY_DEFAULT = 0,      /* one replica                              */
+    MPT_STRATEGY_MIRRORED = 1,     /* num_replicas replicas in this process    */
+    MPT_STRATEGY_MULTI_WORKER = 2  /* one replica per MPI process              */
+} mpt_strategy_type;
+
+typedef struct mpt_strategy_desc {
+    mpt_strategy_type type;
+    int num_replicas;         /* mirrored: logical replicas sharing the
+                                 context's device, at most 64
+                                 (MPT__MAX_REPLICAS); default 0: 1 (on a
+                                 GPU context: one per device, below)       */
+    const int *devices;       /* mirrored on a GPU context: the CUDA devices
+                                 to put one replica on each, the context's
+                                 first; default NULL: every visible one.
+                                 Needs mpt_cuda.cu built with -DMPT_NCCL
+                                 when more than one                        */
+    int n_devices;
+    double timeout_seconds;   /* multi-worker: how long a collective may wait
+                                 for the others; default 0: 60 s           */
+    int64_t bucket_bytes;     /* multi-worker: gradient bytes per all-reduce;
+                                 default 0: 4 MiB                          */
+} mpt_strategy_desc;
+
+MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc *desc,
+                                      mpt_strategy **out);
+/* After every model that uses it. Ends MPI if creating the strategy began it. */
+MPTDEF void mpt_strategy_destroy(mpt_strategy *s);
+/* Replicas over every worker. */
+MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s);
+/* This process's worker index (0 without MPI) and the number of workers. */
+MPTDEF int mpt_strategy_worker(const mpt_strategy *s);
+MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
+
+/* ============================================================================
+   ============================================================================
+     FOR BACKEND IMPLEMENTERS: the interface between the library and a
+     compute backend
+   ============================================================================
+   ============================================================================
+
+   Nothing above needs what follows to train a model. @backend is the table
+   of functions the CPU backend (@impl-cpu-backend) and the CUDA one
+   (mpt_cuda.cu) fill in, and @backend-shared the rules both run alike. It
+   stays in this half of the file, outside MPT_IMPLEMENTATION, because
+   mpt_cuda.cu includes the header without MPT_IMPLEMENTATION and needs
+   both. */
+
+/* =============================================================================
    @backend: the table of functions a compute backend implements
    =============================================================================
 
@@ -1008,365 +1382,6 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
         state->good_steps = 0;
     }
 }
-
-/* =============================================================================
-   @training: compile, fit, evaluate, predict, summary, history
-   ============================================================================= */
-
-enum {
-    MPT_METRIC_ACCURACY = 1 << 0,         /* "accuracy": argmax == label (sparse
-                                              labels) or == argmax of target     */
-    MPT_METRIC_SPARSE_TOP_K = 1 << 1      /* "sparse_top_k_categorical_accuracy" */
-};
-
-typedef struct mpt_compile_desc {
-    mpt_optimizer_desc optimizer;
-    mpt_loss_desc loss;                  /* required: loss.type               */
-    int metrics;                         /* MPT_METRIC_* bits; default none    */
-    int top_k;                           /* default 5                          */
-    mpt_loss_scale_desc loss_scale;
-} mpt_compile_desc;
-
-/* Sets the optimizer, loss, metrics and loss scaling. May be called before
-   or after build; the optimizer state is allocated with the other buffers. */
-MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc);
-
-/* Up to MPT_MAX_LOGS named values: one epoch's results, or one batch's. */
-#define MPT_MAX_LOGS 16
-typedef struct mpt_logs {
-    int count;
-    const char *names[MPT_MAX_LOGS];   /* "loss", "accuracy", "val_loss", ... */
-    double values[MPT_MAX_LOGS];
-} mpt_logs;
-
-/* The value named `name`, or NAN when it is not there. */
-MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name);
-
-/* A callback: any of the functions may be NULL. Setting *stop asks fit to
-   end after this batch or epoch (as Keras' model.stop_training). A status
-   other than MPT_OK ends fit with that status. Epochs count from 0. */
-typedef struct mpt_callback {
-    mpt_status (*on_train_begin)(void *user_data, mpt_model *m);
-    mpt_status (*on_epoch_begin)(void *user_data, mpt_model *m, int epoch);
-    mpt_status (*on_batch_end)(void *user_data, mpt_model *m, int64_t batch,
-                               const mpt_logs *logs, int *stop);
-    mpt_status (*on_epoch_end)(void *user_data, mpt_model *m, int epoch,
-                               const mpt_logs *logs, int *stop);
-    mpt_status (*on_train_end)(void *user_data, mpt_model *m, const mpt_logs *logs);
-    void *user_data;
-} mpt_callback;
-
-/* Where progress and summaries go. Default (fn NULL): stdout. */
-typedef struct mpt_printer {
-    void (*fn)(void *user_data, const char *text);
-    void *user_data;
-} mpt_printer;
-
-typedef struct mpt_dataset mpt_dataset;
-
-typedef struct mpt_fit_desc {
-    int epochs;                         /* default 1                           */
-    int initial_epoch;                  /* default 0; resuming: the first epoch */
-    int64_t batch_size;                 /* default 32: the global batch        */
-    int no_shuffle;                     /* default 0: reshuffled every epoch   */
-    const mpt_dataset *validation_data; /* default none                        */
-    float validation_split;             /* default 0; the last fraction of the
-                                           training data, taken before shuffling;
-                                           Keras' cut: training keeps
-                                           int(n · (1 − split)) for the split as
-                                           written (0.1 of 60,000: 6,000 left) */
-    int verbose;                        /* 0 silent (default), 1 progress bar,
-                                           2 one line per epoch (Keras)        */
-    const mpt_callback *callbacks;      /* default none                        */
-    int n_callbacks;
-    mpt_printer printer;                /* default stdout                      */
-} mpt_fit_desc;
-
-/* Trains on `train` (builds the model for batch_size first if it is not
-   built). Shuffling follows the model's seed and the epoch, so a run is
-   reproducible. The history of every epoch is kept (mpt_model_history).
-   After an epoch whose loss or trainable weights hold inf or NaN, fit
-   stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
-   names the epoch and the first such weight's layer, tensor and element. */
-MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
-                                const mpt_fit_desc *desc);
-
-typedef struct mpt_evaluate_desc {
-    int64_t batch_size;                 /* default 32                          */
-    int verbose;                        /* default 0                           */
-    mpt_printer printer;
-} mpt_evaluate_desc;
-
-/* The loss and the compiled metrics over a whole dataset, into *logs. */
-MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
-                                     const mpt_evaluate_desc *desc, mpt_logs *logs);
-
-/* The model's float32 outputs for every sample of `data`, in order, into
-   out (an owned tensor of shape (n, output shape...); free it with
-   mpt_tensor_free). batch_size 0 means 32. */
-MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
-                                    int64_t batch_size, mpt_tensor *out);
-
-/* Writes a Keras-like table (the dtype policy, then per layer its output
-   shape, parameters and compute dtype, then memory per category) into buf;
-   returns the length it needs, like snprintf. Before build the text is, as
-   Keras raises, that the model has not yet been built and what builds it. */
-MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
-
-/* The per-epoch history of the last fit: for each key ("loss", "accuracy",
-   "val_loss", "val_accuracy", "learning_rate", "loss_scale",
-   "skipped_steps", "epoch_seconds", "samples_per_second", ...), one value
-   per epoch. */
-typedef struct mpt_history {
-    int epochs;                       /* epochs recorded                */
-    int n_keys;
-    const char *keys[MPT_MAX_LOGS];
-    const double *values[MPT_MAX_LOGS]; /* values[k][e]: key k, epoch e  */
-} mpt_history;
-
-MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out);
-
-/* The learning rate's base value (what the schedule scales), e.g. for a
-   callback that lowers it. The history's "learning_rate" is the rate the
-   schedule gave at the end of each epoch. */
-MPTDEF float mpt_model_learning_rate(const mpt_model *m);
-MPTDEF mpt_status mpt_model_set_learning_rate(mpt_model *m, float learning_rate);
-MPTDEF float mpt_model_loss_scale(const mpt_model *m);
-
-/* =============================================================================
-   @data: datasets
-   ============================================================================= */
-
-typedef struct mpt_dataset_desc {
-    const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
-                              float16 or bfloat16                         */
-    const mpt_tensor *y;   /* required: (n,) int32 class ids, or (n, ...)
-                              float32 targets; (n,) targets fit an output
-                              of one unit, as (n, 1) do (Keras)            */
-    float scale;           /* uint8 x becomes x·scale + offset as it is
-                              batched; default (0) 1/255                  */
-    float offset;          /* default 0                                   */
-    int copy;              /* default 0: x and y are borrowed and must
-                              outlive the dataset; 1: copied               */
-} mpt_dataset_desc;
-
-/* A dataset over caller arrays. Float inputs are checked for NaN and inf,
-   and the counts of x and y must agree. */
-MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
-                                     mpt_dataset **out);
-/* Reads an IDX (MNIST-format) image file and label file, plain or gzip
-   (zlib): uint8 images (n, rows, cols, 1), int32 labels; checks the magic
-   numbers, dimensions, counts, truncation, and that nothing follows the
-   data (nor a gzip file's last member). mpt_dataset_reshape flattens the
-   images for a model whose input is (rows·cols,). */
-MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
-                                       const char *labels_path, mpt_dataset **out);
-/* The training or test part of an MNIST-format directory (Fashion-MNIST's
-   train-images-idx3-ubyte.gz, t10k-..., with or without .gz). */
-MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int test,
-                                         mpt_dataset **out);
-MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
-/* One sample's shape; returns its rank. */
-MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
-/* Gives d's samples a new shape (rank 1..3) with the same number of
-   elements, e.g. IDX images (28, 28, 1) -> (784,) for a model whose input
-   is (784,). The data is not touched; views split from d keep theirs. */
-MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
-                                      const int64_t *shape);
-/* One sample's target shape: its rank, 0 for class ids and for (n,) float
-   targets. */
-MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
-/* The class ids of samples [first, first + count), e.g. all of them
-   (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
-   labels (count int32). For a dataset of class ids only. */
-MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
-                                     int64_t count, int32_t *labels);
-/* The float32 targets of samples [first, first + count) into targets
-   (count times the elements of one target). For a dataset of float
-   targets only. */
-MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
-                                      int64_t count, float *targets);
-/* Two views sharing d's data: samples [0, first) and [first, n), with
-   first in 1..n-1; head or tail may be NULL. The views and d may be
-   destroyed in any order. */
-MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int64_t first,
-                                    mpt_dataset **head, mpt_dataset **tail);
-MPTDEF void mpt_dataset_destroy(mpt_dataset *d);
-
-/* =============================================================================
-   @callbacks: EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
-   ============================================================================= */
-
-typedef enum mpt_monitor_mode {
-    MPT_MODE_AUTO = 0, /* min for names ending in "loss", max otherwise */
-    MPT_MODE_MIN,
-    MPT_MODE_MAX
-} mpt_monitor_mode;
-
-typedef struct mpt_early_stopping_desc {
-    const char *monitor;        /* default "val_loss"                      */
-    float min_delta;            /* default 0                               */
-    int patience;               /* default 0                               */
-    mpt_monitor_mode mode;
-    int restore_best_weights;   /* default 0                               */
-    double baseline;            /* used when has_baseline                  */
-    int has_baseline;
-    int start_from_epoch;       /* default 0                               */
-    int verbose;                /* default 0; 1 prints "Epoch N: early stopping" */
-} mpt_early_stopping_desc;
-
-typedef struct mpt_reduce_lr_desc {
-    const char *monitor;        /* default "val_loss"                      */
-    float factor;               /* default 0.1; must be < 1                */
-    int patience;               /* default 10 (0 is taken as the default;
-                                   use has_patience for 0)                 */
-    int has_patience;
-    float min_delta;            /* default (0) 1e-4; for 0 give a tiny value */
-    int cooldown;               /* default 0                               */
-    float min_lr;               /* default 0                               */
-    mpt_monitor_mode mode;
-    int verbose;
-} mpt_reduce_lr_desc;
-
-typedef struct mpt_model_checkpoint_desc {
-    const char *filepath;       /* required; "{epoch}" or "{epoch:02d}" becomes
-                                   the 1-based epoch, "{val_loss:.2f}" any log
-                                   value (e.g. "ckpt-{epoch:02d}.safetensors") */
-    const char *monitor;        /* default "val_loss"                      */
-    int save_best_only;         /* default 0                               */
-    int save_weights_only;      /* default 0: the full training state      */
-    mpt_monitor_mode mode;
-    int verbose;                /* 1: Keras' "Epoch 3: val_loss improved from
-                                   0.51234 to 0.49000, saving model to ..." */
-} mpt_model_checkpoint_desc;
-
-typedef struct mpt_csv_logger_desc {
-    const char *filename;       /* required                                 */
-    char separator;             /* default ','                              */
-    int append;                 /* default 0                                */
-} mpt_csv_logger_desc;
-
-/* Each creates a callback whose state it owns; pass *out in fit's callbacks
-   and free it with mpt_callback_destroy (which takes only callbacks made by
-   these four functions, or zeroed ones). Messages go to fit's printer.
-   Auto mode minimises names ending in "loss" and maximises the others. */
-MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
-                                              mpt_callback *out);
-MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
-                                                    const mpt_reduce_lr_desc *d,
-                                                    mpt_callback *out);
-MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
-                                                const mpt_model_checkpoint_desc *d,
-                                                mpt_callback *out);
-MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger_desc *d,
-                                          mpt_callback *out);
-MPTDEF void mpt_callback_destroy(mpt_callback *cb);
-
-/* =============================================================================
-   @checkpoints: safetensors files
-   ============================================================================= */
-
-/* The float32 weights (every parameter, trainable or not) as a safetensors
-   file, written to a temporary file, fsync'ed, then renamed into place.
-   Temporary files of earlier saves to the same path that were killed
-   mid-write are removed first; those of saves still running are not. */
-MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path);
-/* Loads weights saved by save_weights or save_checkpoint; every name,
-   dtype and shape must match the model, and every value must be finite
-   (the model is left unchanged if anything does not). path must name a
-   regular file: a FIFO or a device is refused, never waited on. The file
-   holds the float32 masters, so it loads into a model of any policy: this
-   is how a mixed_float16 run's weights go on in mixed_bfloat16 or
-   float32. */
-MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
-/* The full training state: weights ("dense/kernel", ...), optimizer moments
-   ("optimizer/dense/kernel/m", ...), step counters, loss scale and its
-   counter, learning rate and epoch ("train/..."), and the model's
-   description, policy and seed in __metadata__. Loaded into a model built
-   the same way with the same seed (a different seed is only warned about:
-   the seed orders the data and keys dropout), fit continues from it
-   bit-identically on the CPU (pass initial_epoch = mpt_model_epoch).
-   load_checkpoint refuses (MPT_ERR_DTYPE) a checkpoint saved under another
-   policy than the model's: its loss scale and optimizer state belong to
-   that policy's arithmetic; mpt_model_load_weights takes the weights alone
-   into any policy. It also refuses values training cannot produce: a step
-   counter past 2^62, an epoch past INT_MAX, a negative or non-finite
-   learning rate, a loss scale that the model's loss-scale mode does not
-   allow (dynamic: a finite float >= FLT_MIN; fixed: compile's; none: 1),
-   a non-finite weight or moment, a negative second moment. The model is
-   unchanged when anything fails, a read error included (only a device
-   failing as it takes the checked values can leave it partly loaded, and
-   the error says so). */
-MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
-MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
-/* Epochs completed, as recorded by fit and restored by load_checkpoint. */
-MPTDEF int mpt_model_epoch(const mpt_model *m);
-
-/* =============================================================================
-   @strategy: synchronous data parallelism, as TensorFlow's MirroredStrategy
-   =============================================================================
-
-   A model created with a strategy is replicated: every replica holds the
-   same weights (replica 0's, copied to the others when the model is built)
-   and takes an equal share of each batch that fit, evaluate and predict
-   are given (the global batch). After the backward pass the gradients are
-   summed over the replicas, each replica's loss having been divided by
-   the global batch, so the sum is the gradient of the mean; every replica
-   then applies the same update and the replicas stay identical. A step
-   that is not finite on one replica is not finite on any (the check runs
-   on the summed gradients), so loss scaling decides the same everywhere.
-   BatchNormalization uses each replica's own batch statistics (their
-   moving averages averaged over the replicas), or with `synchronized` set
-   those of the whole global batch. Loss and metrics are summed over the replicas before anything reads them, so
-   progress, history and every callback's decision are the same on every
-   worker; progress is printed and files are written by worker 0 alone.
-
-   Mirrored: replicas inside this process — num_replicas logical replicas
-   sharing the context's device (the CPU, or one GPU), as TensorFlow's
-   virtual devices; or, on a GPU context, one replica on each of the listed
-   (default: every visible) GPUs, summed by NCCL. Multi-worker: one replica per process, the processes
-   started by mpirun on one or many nodes; the gradients are summed with
-   MPI_Allreduce, in buckets started as soon as the layers that fill them
-   have finished their backward pass, so that the exchange overlaps the
-   rest of it. Multi-worker needs a build with -DMPT_MPI (and mpicc); every
-   worker runs the same program, and building a model checks that all of
-   them built the same one. A worker that stops answering makes the others
-   fail with MPT_ERR_STATE after timeout_seconds instead of waiting
-   forever. */
-
-typedef enum mpt_strategy_type {
-    MPT_STRATEGY_DEFAULT = 0,      /* one replica                              */
-    MPT_STRATEGY_MIRRORED = 1,     /* num_replicas replicas in this process    */
-    MPT_STRATEGY_MULTI_WORKER = 2  /* one replica per MPI process              */
-} mpt_strategy_type;
-
-typedef struct mpt_strategy_desc {
-    mpt_strategy_type type;
-    int num_replicas;         /* mirrored: logical replicas sharing the
-                                 context's device, at most 64
-                                 (MPT__MAX_REPLICAS); default 0: 1 (on a
-                                 GPU context: one per device, below)       */
-    const int *devices;       /* mirrored on a GPU context: the CUDA devices
-                                 to put one replica on each, the context's
-                                 first; default NULL: every visible one.
-                                 Needs mpt_cuda.cu built with -DMPT_NCCL
-                                 when more than one                        */
-    int n_devices;
-    double timeout_seconds;   /* multi-worker: how long a collective may wait
-                                 for the others; default 0: 60 s           */
-    int64_t bucket_bytes;     /* multi-worker: gradient bytes per all-reduce;
-                                 default 0: 4 MiB                          */
-} mpt_strategy_desc;
-
-MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc *desc,
-                                      mpt_strategy **out);
-/* After every model that uses it. Ends MPI if creating the strategy began it. */
-MPTDEF void mpt_strategy_destroy(mpt_strategy *s);
-/* Replicas over every worker. */
-MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s);
-/* This process's worker index (0 without MPI) and the number of workers. */
-MPTDEF int mpt_strategy_worker(const mpt_strategy *s);
-MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
 
 #ifdef __cplusplus
 }

@@ -309,15 +309,15 @@ typedef enum mpt_activation {
     MPT_ACT_COUNT_
 } mpt_activation;
 
+/* "relu", "softmax", ...: the Keras name; "?" if unknown. */
+MPTDEF const char *mpt_activation_name(mpt_activation act);
+
 /* C = alpha · op(A) · op(B) + beta · C, then C = act(C + bias) when asked.
    op(A) is M×K, op(B) is K×N, C is M×N, all row-major with leading
    dimensions lda, ldb, ldc (in elements). A and B may be float32, float16
    or bfloat16 (both the same dtype); accumulation and C are float32.
    Work is split over rows and columns of C, never over K, so the result is
    the same whatever the thread count. */
-/* "relu", "softmax", ...: the Keras name; "?" if unknown. */
-MPTDEF const char *mpt_activation_name(mpt_activation act);
-
 typedef struct mpt_gemm_desc {
     int trans_a, trans_b;      /* default 0: A is M×K, B is K×N            */
     int64_t m, n, k;

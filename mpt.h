@@ -94,7 +94,8 @@
      implementation, in the same order:
        @impl-status @impl-context @impl-dtypes @impl-tensors
        @impl-activations @impl-gemm @impl-rng
-       @impl-layers (the layer interface, the plan, forward and backward)
+       @impl-layers (the layer interface and the model: create, add, build)
+       @impl-passes (forward and backward) @impl-layer-helpers
        @impl-dense @impl-flatten @impl-activation @impl-windows
        @impl-conv2d @impl-pooling @impl-batchnorm @impl-dropout
        @impl-losses @impl-optimizers @impl-data @impl-training
@@ -3280,7 +3281,8 @@ static uint64_t mpt__mix64(uint64_t z) {
 }
 
 /* =============================================================================
-   @impl-layers: the layer interface and the sequential model
+   @impl-layers: the layer interface and the sequential model: create, add,
+   initialise, lay out in memory, build
    =============================================================================
 
    Every layer is a descriptor plus a table of three functions:
@@ -3458,7 +3460,9 @@ struct mpt_model {
                                             C the widest such layer's          */
 };
 
-/* The strategy's side (@impl-strategy). */
+/* The strategy's side (@impl-strategy). Defined here rather than beside
+   its functions there: fit (@impl-training, before @impl-strategy) reads
+   its fields (worker, workers), so C needs the whole struct first. */
 struct mpt_strategy {
     mpt_context *ctx;
     mpt_strategy_type type;
@@ -3865,90 +3869,9 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
     return MPT_OK;
 }
 
-static void mpt__free_update_args(mpt_model *m) {
-    mpt__free(m->ctx, (void *)m->update.value);
-    memset(&m->update, 0, sizeof m->update);
-}
-
-/* The arrays of pointers the backend's optimizer walks (one allocation:
-   value, grad, slot0, slot1, compute, then compute_dtype and count). */
-static mpt_status mpt__build_update_args(mpt_model *m) {
-    mpt_update_args *u = &m->update;
-    size_t n = 0, ptrs;
-    unsigned char *block;
-    int i;
-    mpt__free_update_args(m);
-    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
-    ptrs = 5 * n * sizeof(void *);
-    block = (unsigned char *)mpt__calloc(m->ctx, ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t)) + 1);
-    if (!block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-    {
-        float **value = (float **)block, **grad = value + n, **slot0 = grad + n;
-        float **slot1 = slot0 + n;
-        void **compute = (void **)(slot1 + n);
-        int64_t *count = (int64_t *)(block + ptrs);
-        mpt_dtype *dtype = (mpt_dtype *)(count + n);
-        int k = 0;
-        for (i = 0; i < m->n_params; i++) {
-            const mpt__param *P = &m->params[i];
-            if (!P->trainable) continue;
-            value[k] = P->value;
-            grad[k] = P->grad;
-            slot0[k] = P->slot[0];
-            slot1[k] = P->slot[1];
-            compute[k] = P->compute;
-            count[k] = P->count;
-            dtype[k] = P->compute_dtype;
-            k++;
-        }
-        u->n = (int)n;
-        u->value = value;
-        u->grad = (const float *const *)grad;
-        u->slot0 = slot0;
-        u->slot1 = slot1;
-        u->compute = compute;
-        u->compute_dtype = dtype;
-        u->count = count;
-    }
-    u->optimizer = m->compile.optimizer;
-    u->state = m->state;
-    return MPT_OK;
-}
-
-/* The optimizer's state, m->n_slots float32 tensors per trainable
-   parameter, zero-filled: allocated by build when the model is compiled
-   first, or by compile when it is built first (and again on recompiling,
-   which starts the optimizer afresh, as in Keras). */
-static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
-    int64_t floats = 0;
-    float *next;
-    void *block = NULL;
-    int i, s;
-    m->be->free(m->impl, MPT__MEM_OPTIMIZER, m->arena[MPT__MEM_OPTIMIZER]);
-    m->arena[MPT__MEM_OPTIMIZER] = NULL;
-    m->arena_bytes[MPT__MEM_OPTIMIZER] = 0;
-    for (i = 0; i < m->n_params; i++) {
-        m->params[i].slot[0] = m->params[i].slot[1] = NULL;
-        if (m->params[i].trainable) floats += m->params[i].count * m->n_slots;
-    }
-    if (floats == 0) return mpt__build_update_args(m);
-    if (m->be->alloc(m->impl, MPT__MEM_OPTIMIZER, (size_t)floats * sizeof(float), &block) != MPT_OK)
-        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                         "model: cannot allocate %lld bytes of optimizer state: %s",
-                         (long long)floats * 4, m->be->error(m->impl));
-    m->be->zero(m->impl, block, (size_t)floats * sizeof(float));
-    next = (float *)block;
-    m->arena[MPT__MEM_OPTIMIZER] = next;
-    m->arena_bytes[MPT__MEM_OPTIMIZER] = floats * 4;
-    for (i = 0; i < m->n_params; i++) {
-        mpt__param *P = &m->params[i];
-        for (s = 0; P->trainable && s < m->n_slots; s++) {
-            P->slot[s] = next;
-            next += P->count;
-        }
-    }
-    return mpt__build_update_args(m);
-}
+/* In @impl-optimizers, with what uses it: build allocates the state when
+   the model was compiled first, compile when it was built first. */
+static mpt_status mpt__alloc_optimizer_state(mpt_model *m);
 
 /* The activation a layer ends with (Dense's and Activation's; none else). */
 static mpt_activation mpt__layer_activation(const mpt__layer *L) {
@@ -4043,6 +3966,83 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     return m->strategy ? mpt__replicas_build(m) : MPT_OK;
 }
 
+/* ---- looking inside a model ------------------------------------------------ */
+
+MPTDEF int mpt_model_param_count(const mpt_model *m) { return m && m->built ? m->n_params : 0; }
+
+MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info) {
+    mpt__param *P;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!info) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL info");
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: parameters exist after build");
+    if (index < 0 || index >= m->n_params)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: parameter %d not in 0..%d",
+                         index, m->n_params - 1);
+    P = &m->params[index];
+    memset(info, 0, sizeof *info);
+    info->name = P->name;
+    info->layer_name = m->layers[P->layer].name;
+    info->trainable = P->trainable;
+    info->value.dtype = info->grad.dtype = MPT_FLOAT32;
+    info->value.rank = info->grad.rank = P->rank;
+    memcpy(info->value.shape, P->shape, sizeof P->shape);
+    memcpy(info->grad.shape, P->shape, sizeof P->shape);
+    info->value.data = P->value;
+    info->grad.data = P->grad;
+    info->value.device = info->grad.device = mpt__model_device(m);
+    return MPT_OK;
+}
+
+MPTDEF int mpt_model_input_shape(const mpt_model *m, int64_t *shape) {
+    if (!m || !shape) return 0;
+    memcpy(shape, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
+    return m->desc.input_rank;
+}
+
+MPTDEF int mpt_model_layer_count(const mpt_model *m) { return m ? m->n_layers : 0; }
+
+MPTDEF const char *mpt_model_layer_name(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].name : NULL;
+}
+
+MPTDEF mpt_dtype mpt_model_layer_dtype(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].dtype : MPT_DTYPE_DEFAULT;
+}
+
+MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *shape) {
+    const mpt__layer *L;
+    if (!m || !m->built || index < 0 || index >= m->n_layers || !shape) return 0;
+    L = &m->layers[index];
+    memcpy(shape, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
+    return L->out_rank;
+}
+
+MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].ops->class_name : NULL;
+}
+
+MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? MPT_FLOAT32 : MPT_DTYPE_DEFAULT;
+}
+
+MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
+    return m ? m->desc.policy : MPT_POLICY_FLOAT32;
+}
+
+MPTDEF const char *mpt_policy_name(mpt_policy policy) {
+    switch (policy) {
+    case MPT_POLICY_FLOAT32: return "float32";
+    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
+    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
+    }
+    return "?";
+}
+
+/* =============================================================================
+   @impl-passes: a batch onto the backend, the forward and backward walks over
+   the layers, and fit's step one public piece at a time
+   ============================================================================= */
+
 /* ---- running a model ------------------------------------------------------ */
 
 /* The one rule for data given to a model (forward, fit, evaluate, predict):
@@ -4105,59 +4105,9 @@ static mpt_status mpt__input_on_backend(mpt_model *m, const mpt_tensor *x, mpt_t
     return mpt__batch_on_backend(m, x, m->input_buf[0], in);
 }
 
-/* The training scalars: the model keeps the host's copy (what checkpoints,
-   callbacks and accessors read), the backend the one a step updates.
-   push copies the host's over both of the backend's records of every
-   replica (their tallies zeroed); pull copies the training record back,
-   with the tallies summed over the replicas of this process. */
-static mpt_status mpt__state_push(mpt_model *m) {
-    mpt_step_state st[2];
-    int k;
-    memset(st, 0, sizeof st);
-    st[0].step = (int64_t)m->step;
-    st[0].optimizer_steps = m->optimizer_steps;
-    st[0].good_steps = m->good_steps;
-    st[0].skipped_steps = m->skipped_steps;
-    st[0].learning_rate = m->learning_rate;
-    st[0].loss_scale = m->compiled ? m->loss_scale : 1.0f;
-    st[0].finite = 1;
-    st[1] = st[0];
-    for (k = 1; k < m->n_replicas; k++)
-        MPT__CHECK(mpt__upload(m->replica[k], m->replica[k]->state, st, sizeof st));
-    return mpt__upload(m, m->state, st, sizeof st);
-}
-
-/* The host's copy of the scalars from a training record. */
-static void mpt__state_to_host(mpt_model *m, const mpt_step_state *st) {
-    m->step = (uint64_t)st->step;
-    m->optimizer_steps = st->optimizer_steps;
-    m->good_steps = st->good_steps;
-    m->skipped_steps = st->skipped_steps;
-    m->loss_scale = st->loss_scale;
-}
-
-static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
-    float scale_before = m->loss_scale;
-    int k;
-    MPT__CHECK(mpt__download(m, st, m->state, sizeof *st));
-    for (k = 1; k < m->n_replicas; k++) { /* the same scalars; their tallies add up */
-        mpt_model *r = m->replica[k];
-        mpt_step_state rs;
-        MPT__CHECK(mpt__download(r, &rs, r->state, sizeof rs));
-        mpt__state_to_host(r, &rs);
-        st->loss_sum += rs.loss_sum;
-        st->correct += rs.correct;
-        st->top_k += rs.top_k;
-        st->samples += rs.samples;
-    }
-    mpt__state_to_host(m, st);
-    /* Warned on the way down through 1, so once per collapse. */
-    if (scale_before >= 1 && m->loss_scale < 1)
-        mpt__log(m->ctx, MPT_LOG_WARNING,
-                 "loss scale collapsed to %g: gradients overflow even unscaled — "
-                 "check for inf/NaN in the model or data", (double)m->loss_scale);
-    return MPT_OK;
-}
+/* In @impl-training, with the other training scalars' code; forward's
+   training mode pushes them first. */
+static mpt_status mpt__state_push(mpt_model *m);
 
 static void mpt__layer_view(const mpt_model *m, const mpt__layer *L, void *data, int use_input,
                             mpt_tensor *t) {
@@ -4476,77 +4426,10 @@ MPTDEF mpt_status mpt_model_sgd_step(mpt_model *m, float learning_rate) {
     return MPT_OK;
 }
 
-/* ---- looking inside a model ------------------------------------------------ */
+/* =============================================================================
+   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-dropout) share
+   ============================================================================= */
 
-MPTDEF int mpt_model_param_count(const mpt_model *m) { return m && m->built ? m->n_params : 0; }
-
-MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info) {
-    mpt__param *P;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!info) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL info");
-    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: parameters exist after build");
-    if (index < 0 || index >= m->n_params)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: parameter %d not in 0..%d",
-                         index, m->n_params - 1);
-    P = &m->params[index];
-    memset(info, 0, sizeof *info);
-    info->name = P->name;
-    info->layer_name = m->layers[P->layer].name;
-    info->trainable = P->trainable;
-    info->value.dtype = info->grad.dtype = MPT_FLOAT32;
-    info->value.rank = info->grad.rank = P->rank;
-    memcpy(info->value.shape, P->shape, sizeof P->shape);
-    memcpy(info->grad.shape, P->shape, sizeof P->shape);
-    info->value.data = P->value;
-    info->grad.data = P->grad;
-    info->value.device = info->grad.device = mpt__model_device(m);
-    return MPT_OK;
-}
-
-MPTDEF int mpt_model_input_shape(const mpt_model *m, int64_t *shape) {
-    if (!m || !shape) return 0;
-    memcpy(shape, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
-    return m->desc.input_rank;
-}
-
-MPTDEF int mpt_model_layer_count(const mpt_model *m) { return m ? m->n_layers : 0; }
-
-MPTDEF const char *mpt_model_layer_name(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? m->layers[index].name : NULL;
-}
-
-MPTDEF mpt_dtype mpt_model_layer_dtype(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? m->layers[index].dtype : MPT_DTYPE_DEFAULT;
-}
-
-MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *shape) {
-    const mpt__layer *L;
-    if (!m || !m->built || index < 0 || index >= m->n_layers || !shape) return 0;
-    L = &m->layers[index];
-    memcpy(shape, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
-    return L->out_rank;
-}
-
-MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? m->layers[index].ops->class_name : NULL;
-}
-
-MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? MPT_FLOAT32 : MPT_DTYPE_DEFAULT;
-}
-
-MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
-    return m ? m->desc.policy : MPT_POLICY_FLOAT32;
-}
-
-MPTDEF const char *mpt_policy_name(mpt_policy policy) {
-    switch (policy) {
-    case MPT_POLICY_FLOAT32: return "float32";
-    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
-    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
-    }
-    return "?";
-}
 /* ---- helpers shared by the layers ----------------------------------------- */
 
 /* Carves 64-byte-aligned pieces out of a pass's workspace, in order. */
@@ -7274,6 +7157,93 @@ static void mpt__cpu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
     mpt__loss_scale_next(d, st);
 }
 
+/* ---- the optimizer's state, and the arrays of it the backend walks -------- */
+
+static void mpt__free_update_args(mpt_model *m) {
+    mpt__free(m->ctx, (void *)m->update.value);
+    memset(&m->update, 0, sizeof m->update);
+}
+
+/* The arrays of pointers the backend's optimizer walks (one allocation:
+   value, grad, slot0, slot1, compute, then compute_dtype and count). */
+static mpt_status mpt__build_update_args(mpt_model *m) {
+    mpt_update_args *u = &m->update;
+    size_t n = 0, ptrs;
+    unsigned char *block;
+    int i;
+    mpt__free_update_args(m);
+    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
+    ptrs = 5 * n * sizeof(void *);
+    block = (unsigned char *)mpt__calloc(m->ctx, ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t)) + 1);
+    if (!block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    {
+        float **value = (float **)block, **grad = value + n, **slot0 = grad + n;
+        float **slot1 = slot0 + n;
+        void **compute = (void **)(slot1 + n);
+        int64_t *count = (int64_t *)(block + ptrs);
+        mpt_dtype *dtype = (mpt_dtype *)(count + n);
+        int k = 0;
+        for (i = 0; i < m->n_params; i++) {
+            const mpt__param *P = &m->params[i];
+            if (!P->trainable) continue;
+            value[k] = P->value;
+            grad[k] = P->grad;
+            slot0[k] = P->slot[0];
+            slot1[k] = P->slot[1];
+            compute[k] = P->compute;
+            count[k] = P->count;
+            dtype[k] = P->compute_dtype;
+            k++;
+        }
+        u->n = (int)n;
+        u->value = value;
+        u->grad = (const float *const *)grad;
+        u->slot0 = slot0;
+        u->slot1 = slot1;
+        u->compute = compute;
+        u->compute_dtype = dtype;
+        u->count = count;
+    }
+    u->optimizer = m->compile.optimizer;
+    u->state = m->state;
+    return MPT_OK;
+}
+
+/* The optimizer's state, m->n_slots float32 tensors per trainable
+   parameter, zero-filled: allocated by build when the model is compiled
+   first, or by compile when it is built first (and again on recompiling,
+   which starts the optimizer afresh, as in Keras). */
+static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
+    int64_t floats = 0;
+    float *next;
+    void *block = NULL;
+    int i, s;
+    m->be->free(m->impl, MPT__MEM_OPTIMIZER, m->arena[MPT__MEM_OPTIMIZER]);
+    m->arena[MPT__MEM_OPTIMIZER] = NULL;
+    m->arena_bytes[MPT__MEM_OPTIMIZER] = 0;
+    for (i = 0; i < m->n_params; i++) {
+        m->params[i].slot[0] = m->params[i].slot[1] = NULL;
+        if (m->params[i].trainable) floats += m->params[i].count * m->n_slots;
+    }
+    if (floats == 0) return mpt__build_update_args(m);
+    if (m->be->alloc(m->impl, MPT__MEM_OPTIMIZER, (size_t)floats * sizeof(float), &block) != MPT_OK)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "model: cannot allocate %lld bytes of optimizer state: %s",
+                         (long long)floats * 4, m->be->error(m->impl));
+    m->be->zero(m->impl, block, (size_t)floats * sizeof(float));
+    next = (float *)block;
+    m->arena[MPT__MEM_OPTIMIZER] = next;
+    m->arena_bytes[MPT__MEM_OPTIMIZER] = floats * 4;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        for (s = 0; P->trainable && s < m->n_slots; s++) {
+            P->slot[s] = next;
+            next += P->count;
+        }
+    }
+    return mpt__build_update_args(m);
+}
+
 /* ---- compile and the public accessors --------------------------------------- */
 
 /* Whether a float16 layer will need loss scaling: the policy says so, or a
@@ -8538,6 +8508,62 @@ static double mpt__now(void) {
     struct timeval tv;
     gettimeofday(&tv, NULL);
     return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
+}
+
+/* ---- the training scalars between the host and the backend ------------- */
+
+/* The training scalars: the model keeps the host's copy (what checkpoints,
+   callbacks and accessors read), the backend the one a step updates.
+   push copies the host's over both of the backend's records of every
+   replica (their tallies zeroed); pull copies the training record back,
+   with the tallies summed over the replicas of this process. */
+static mpt_status mpt__state_push(mpt_model *m) {
+    mpt_step_state st[2];
+    int k;
+    memset(st, 0, sizeof st);
+    st[0].step = (int64_t)m->step;
+    st[0].optimizer_steps = m->optimizer_steps;
+    st[0].good_steps = m->good_steps;
+    st[0].skipped_steps = m->skipped_steps;
+    st[0].learning_rate = m->learning_rate;
+    st[0].loss_scale = m->compiled ? m->loss_scale : 1.0f;
+    st[0].finite = 1;
+    st[1] = st[0];
+    for (k = 1; k < m->n_replicas; k++)
+        MPT__CHECK(mpt__upload(m->replica[k], m->replica[k]->state, st, sizeof st));
+    return mpt__upload(m, m->state, st, sizeof st);
+}
+
+/* The host's copy of the scalars from a training record. */
+static void mpt__state_to_host(mpt_model *m, const mpt_step_state *st) {
+    m->step = (uint64_t)st->step;
+    m->optimizer_steps = st->optimizer_steps;
+    m->good_steps = st->good_steps;
+    m->skipped_steps = st->skipped_steps;
+    m->loss_scale = st->loss_scale;
+}
+
+static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
+    float scale_before = m->loss_scale;
+    int k;
+    MPT__CHECK(mpt__download(m, st, m->state, sizeof *st));
+    for (k = 1; k < m->n_replicas; k++) { /* the same scalars; their tallies add up */
+        mpt_model *r = m->replica[k];
+        mpt_step_state rs;
+        MPT__CHECK(mpt__download(r, &rs, r->state, sizeof rs));
+        mpt__state_to_host(r, &rs);
+        st->loss_sum += rs.loss_sum;
+        st->correct += rs.correct;
+        st->top_k += rs.top_k;
+        st->samples += rs.samples;
+    }
+    mpt__state_to_host(m, st);
+    /* Warned on the way down through 1, so once per collapse. */
+    if (scale_before >= 1 && m->loss_scale < 1)
+        mpt__log(m->ctx, MPT_LOG_WARNING,
+                 "loss scale collapsed to %g: gradients overflow even unscaled — "
+                 "check for inf/NaN in the model or data", (double)m->loss_scale);
+    return MPT_OK;
 }
 
 /* ---- logs and history ------------------------------------------------------ */

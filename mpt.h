@@ -99,7 +99,8 @@
        @impl-dense @impl-flatten @impl-activation @impl-windows
        @impl-conv2d @impl-pooling @impl-batchnorm @impl-dropout
        @impl-losses @impl-optimizers @impl-data @impl-training
-       @impl-callbacks @impl-checkpoints @impl-strategy @impl-cpu-backend
+       @impl-callbacks @impl-safetensors @impl-checkpoints @impl-strategy
+       @impl-cpu-backend
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum
@@ -10536,7 +10537,8 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
     memset(cb, 0, sizeof *cb);
 }
 /* =============================================================================
-   @impl-checkpoints  safetensors files: the weights and the full training state
+   @impl-safetensors  the file format: dtypes, byte order, the JSON header
+   written and read
    =============================================================================
 
    The format (safetensors, as the Hugging Face library writes and reads it):
@@ -10544,46 +10546,11 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
    The JSON maps each tensor's name to {"dtype", "shape", "data_offsets":
    [begin, end]}, byte offsets into the data, which the tensors tile from 0
    without gaps; "__metadata__" is a map of strings. Tensors are
-   little-endian and row-major.
-
-   What mpt.h stores, in this order in the data:
-       train/optimizer_steps, train/step, train/epoch,       I64, rank 0  } full
-       train/good_steps, train/skipped_steps                              } checkpoints
-       train/learning_rate, train/loss_scale                 F32, rank 0  } only
-       <layer>/<param>                  F32   every parameter, trainable or not
-       optimizer/<layer>/<param>/<slot> F32   full checkpoints: "momentum" (SGD),
-                                              "m" and "v" (Adam, AdamW)
-   The 8-byte scalars come first so that every tensor starts at a multiple of
-   its element size (the data starts at 8 + N, a multiple of 8), as a reader
-   that maps the file in place wants.
-
-   Saving writes "<path>.tmp-<pid>" beside the target, fsyncs it, renames it
-   over the target (atomic on POSIX) and fsyncs the directory, so a crash
-   leaves the old file or the new one, never a mix of both. Any failure
-   removes the temporary file and leaves the target as it was. A save that
-   is killed cannot remove it: the next save to the same target does (a
-   save holds a lock on its temporary file, so those nobody holds are
-   leftovers).
-
-   Loading reads the whole header with a strict JSON reader (a malformed byte
-   is reported with its offset in the file), checks the layout of the data,
-   then every name, dtype and shape against the model, a full checkpoint's
-   policy and optimizer, and the training scalars' ranges; then it reads
-   the tensors into a host copy of the model's arenas and checks their
-   values (finite; Adam's second moments >= 0). Only when all of that has
-   passed does the model take the copy, so a failed load, a read error
-   included, leaves the model as it was; only a device that fails while
-   taking the copy can leave it partly loaded, and the error says so. */
+   little-endian and row-major. */
 
 
 #define MPT__ST_MAX_HEADER 100000000     /* bytes: the safetensors library's limit */
 #define MPT__ST_MAX_RANK 8               /* dimensions a tensor in a file may have  */
-#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
-#define MPT__CKPT_NAME 192               /* "optimizer/" + parameter name + "/momentum" */
-
-/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
-   an expression: while it is >= 0, saving fails with ENOSPC once that many
-   bytes of the temporary file are written, as a full disk would. */
 
 /* ---- dtypes a safetensors file may name ----------------------------------- */
 
@@ -10678,198 +10645,7 @@ static void *mpt__ckpt_grow(const mpt_context *ctx, void *items, int n, int *cap
     return grown;
 }
 
-static const char *mpt__ckpt_optimizer_name(mpt_optimizer_type type) {
-    switch (type) {
-    case MPT_OPTIMIZER_ADAM: return "adam";
-    case MPT_OPTIMIZER_SGD: return "sgd";
-    case MPT_OPTIMIZER_ADAMW: return "adamw";
-    default: return "?";
-    }
-}
-
-/* The name of optimizer slot k, as it appears in "optimizer/<param>/<slot>". */
-static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k) {
-    static const char *const adam[2] = {"m", "v"};
-    static const char *const other[2] = {"slot0", "slot1"};
-    if (k < 0 || k > 1) return "slot";
-    if (type == MPT_OPTIMIZER_SGD && k == 0) return "momentum";
-    if (type == MPT_OPTIMIZER_ADAM || type == MPT_OPTIMIZER_ADAMW) return adam[k];
-    return other[k];
-}
-
-static const char *mpt__ckpt_policy_name(mpt_policy policy) {
-    switch (policy) {
-    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
-    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
-    default: return "float32";
-    }
-}
-
-/* ---- what the model stores: one entry per tensor ------------------------------ */
-
-/* The training scalars, staged: saving copies them out of the model first,
-   loading reads and checks them here before any reaches the model. */
-typedef struct mpt__ckpt_train {
-    int64_t optimizer_steps, step, epoch, good_steps, skipped_steps;
-    float learning_rate, loss_scale;
-} mpt__ckpt_train;
-
-typedef struct mpt__ckpt_entry {
-    char name[MPT__CKPT_NAME];
-    mpt__st_dtype dtype;            /* F32 or I64                                */
-    int rank;
-    int64_t shape[MPT_MAX_RANK];
-    void *data;                     /* (bytes): in the model, or in plan->train  */
-    int64_t bytes;
-    int64_t begin;                  /* offset in the file's data                 */
-    int staged;                     /* data points into plan->train              */
-    int non_negative;               /* loading: its F32 values must be >= 0 too
-                                       (Adam's second moment)                    */
-} mpt__ckpt_entry;
-
-/* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
-   in file order. The entries point into `train`: never copy a plan. */
-typedef struct mpt__ckpt_plan {
-    mpt__ckpt_entry *e; /* [n] */
-    int n;
-    int64_t data_bytes; /* the file's data: the entries' bytes, back to back */
-    mpt__ckpt_train train;
-    unsigned char *mirror; /* the model's parameter and optimizer arenas
-                              copied to the host, which the entries point
-                              into: always when loading, and when saving a
-                              model on a GPU; else NULL (a save on the CPU
-                              reads the model in place)                    */
-} mpt__ckpt_plan;
-
-/* Where the file's bytes for a parameter buffer are: in place when the
-   plan has no mirror, else at the same offset in the mirror. */
-static void *mpt__ckpt_host(const mpt_model *m, const mpt__ckpt_plan *pl, int arena, void *p) {
-    size_t at;
-    if (!pl->mirror) return p;
-    at = (size_t)((unsigned char *)p - (unsigned char *)m->arena[arena]);
-    return pl->mirror + (arena == MPT__MEM_OPTIMIZER ? (size_t)m->arena_bytes[MPT__MEM_PARAMS] : 0) +
-           at;
-}
-
-/* The mirror (both arenas, back to back), downloaded. A load always reads
-   into one, even on the CPU, so that the file's values are checked before
-   any reaches the model and a failed load leaves it as it was; a save
-   needs one only to see a GPU's memory. */
-static mpt_status mpt__ckpt_mirror(mpt_model *m, int loading, mpt__ckpt_plan *pl) {
-    size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
-    size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
-    if (!loading && mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
-    pl->mirror = (unsigned char *)mpt__alloc(m->ctx, params + slots + 1);
-    if (!pl->mirror) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-    MPT__CHECK(mpt__download(m, pl->mirror, m->arena[MPT__MEM_PARAMS], params));
-    return slots ? mpt__download(m, pl->mirror + params, m->arena[MPT__MEM_OPTIMIZER], slots)
-                 : MPT_OK;
-}
-
-/* After a load into the mirror, once every value is checked: the arenas
-   take its contents. */
-static mpt_status mpt__ckpt_unmirror(mpt_model *m, const mpt__ckpt_plan *pl) {
-    size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
-    size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
-    if (!pl->mirror) return MPT_OK;
-    MPT__CHECK(mpt__upload(m, m->arena[MPT__MEM_PARAMS], pl->mirror, params));
-    return slots ? mpt__upload(m, m->arena[MPT__MEM_OPTIMIZER], pl->mirror + params, slots)
-                 : MPT_OK;
-}
-
-static mpt_status mpt__ckpt_add(mpt_model *m, mpt__ckpt_plan *pl, const char *prefix,
-                                const char *name, const char *suffix, mpt__st_dtype dtype,
-                                int rank, const int64_t *shape, void *data, int64_t count) {
-    mpt__ckpt_entry *e = &pl->e[pl->n];
-    int len = snprintf(e->name, sizeof e->name, "%s%s%s", prefix, name, suffix);
-    if (len < 0 || (size_t)len >= sizeof e->name)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "checkpoint: tensor name \"%s%s%s\" is longer than %d bytes", prefix,
-                         name, suffix, (int)sizeof e->name - 1);
-    e->dtype = dtype;
-    e->rank = rank;
-    if (rank > 0) memcpy(e->shape, shape, sizeof(int64_t) * (size_t)rank);
-    e->data = data;
-    e->bytes = count * mpt__st_dtypes[dtype].size;
-    e->begin = pl->data_bytes;
-    pl->data_bytes += e->bytes;
-    pl->n++;
-    return MPT_OK;
-}
-
-static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl) {
-    mpt__ckpt_train *t = &pl->train;
-    int first = pl->n, i;
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "optimizer_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->optimizer_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "step", "", MPT__ST_I64, 0, NULL, &t->step, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "epoch", "", MPT__ST_I64, 0, NULL, &t->epoch, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "good_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->good_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "skipped_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->skipped_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
-                             &t->learning_rate, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
-                             &t->loss_scale, 1));
-    for (i = first; i < pl->n; i++) pl->e[i].staged = 1;
-    return MPT_OK;
-}
-
-static mpt_status mpt__ckpt_add_slots(mpt_model *m, mpt__ckpt_plan *pl) {
-    mpt_optimizer_type type = m->compile.optimizer.type;
-    char suffix[32];
-    int i, k;
-    for (i = 0; i < m->n_params; i++) {
-        mpt__param *P = &m->params[i];
-        for (k = 0; P->trainable && k < m->n_slots; k++) {
-            if (!P->slot[k])
-                return mpt__fail(m->ctx, MPT_ERR_STATE,
-                                 "checkpoint: %s has no optimizer state (slot %d of %d)",
-                                 P->name, k, m->n_slots);
-            snprintf(suffix, sizeof suffix, "/%s", mpt__ckpt_slot_name(type, k));
-            MPT__CHECK(mpt__ckpt_add(m, pl, "optimizer/", P->name, suffix, MPT__ST_F32, P->rank,
-                                     P->shape, mpt__ckpt_host(m, pl, MPT__MEM_OPTIMIZER, P->slot[k]),
-                                     P->count));
-            /* Adam's v is a mean of squares: sqrt(v) of a negative one is NaN. */
-            pl->e[pl->n - 1].non_negative = type != MPT_OPTIMIZER_SGD && k == 1;
-        }
-    }
-    return MPT_OK;
-}
-
-/* Lists the tensors of the model's file (loading: pointing into a mirror);
-   pl must be zeroed, and is freed by mpt__ckpt_plan_free whatever this
-   returns. */
-static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__ckpt_plan *pl) {
-    int i, n = m->n_params;
-    if (full) {
-        if (m->n_slots < 0 || m->n_slots > 2)
-            return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %d optimizer slots per "
-                             "parameter (at most 2 are supported)", m->n_slots);
-        for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->n_slots : 0;
-        n += 7; /* the train/ scalars */
-    }
-    pl->e = (mpt__ckpt_entry *)mpt__calloc(m->ctx, sizeof *pl->e * (size_t)n);
-    if (!pl->e) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-    MPT__CHECK(mpt__ckpt_mirror(m, loading, pl));
-    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl));
-    for (i = 0; i < m->n_params; i++) {
-        mpt__param *P = &m->params[i];
-        MPT__CHECK(mpt__ckpt_add(m, pl, "", P->name, "", MPT__ST_F32, P->rank, P->shape,
-                                 mpt__ckpt_host(m, pl, MPT__MEM_PARAMS, P->value), P->count));
-    }
-    return full ? mpt__ckpt_add_slots(m, pl) : MPT_OK;
-}
-
-static void mpt__ckpt_plan_free(mpt_model *m, mpt__ckpt_plan *pl) {
-    mpt__free(m->ctx, pl->e);
-    mpt__free(m->ctx, pl->mirror);
-    pl->e = NULL;
-    pl->mirror = NULL;
-}
-
-/* ---- writing the header ------------------------------------------------------- */
+/* ---- writing the JSON header: a growing string -------------------------------- */
 
 /* A growing string (for the JSON header). Out of memory is remembered and
    reported once, at the end. */
@@ -10931,401 +10707,6 @@ static void mpt__ckpt_put_pair(mpt__ckpt_text *t, const char *key, const char *v
     mpt__ckpt_put_json(t, key);
     mpt__ckpt_puts(t, ":");
     mpt__ckpt_put_json(t, value);
-}
-
-/* The model in a few lines, one per layer: class, name, compute dtype and
-   one sample's output shape ("Dense dense_1 float16 (10,)"). */
-static void mpt__ckpt_put_model(mpt__ckpt_text *t, const mpt_model *m) {
-    mpt__ckpt_text lines;
-    char line[256], shape[96];
-    int i;
-    memset(&lines, 0, sizeof lines);
-    lines.ctx = t->ctx;
-    for (i = 0; i < m->n_layers; i++) {
-        const mpt__layer *L = &m->layers[i];
-        snprintf(line, sizeof line, "%s%s %s %s %s", i ? "\n" : "", L->ops->class_name, L->name,
-                 mpt_dtype_name(L->dtype), mpt_shape_format(shape, sizeof shape, L->out_rank,
-                                                            L->out_shape));
-        mpt__ckpt_puts(&lines, line);
-    }
-    mpt__ckpt_put_pair(t, "model", lines.s ? lines.s : "", 0);
-    t->oom |= lines.oom;
-    mpt__free(t->ctx, lines.s);
-}
-
-static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int full) {
-    char seed[32], shape[96];
-    snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->desc.seed);
-    mpt_shape_format(shape, sizeof shape, m->desc.input_rank, m->desc.input_shape);
-    mpt__ckpt_puts(t, "\"__metadata__\":{");
-    mpt__ckpt_put_pair(t, "format", "mpt", 1);
-    mpt__ckpt_put_pair(t, "mpt_version", MPT_VERSION, 0);
-    mpt__ckpt_put_pair(t, "kind", full ? "checkpoint" : "weights", 0);
-    if (full)
-        mpt__ckpt_put_pair(t, "optimizer", mpt__ckpt_optimizer_name(m->compile.optimizer.type), 0);
-    mpt__ckpt_put_pair(t, "policy", mpt__ckpt_policy_name(m->desc.policy), 0);
-    mpt__ckpt_put_pair(t, "seed", seed, 0);
-    mpt__ckpt_put_pair(t, "input_shape", shape, 0);
-    mpt__ckpt_put_model(t, m);
-    mpt__ckpt_puts(t, "}");
-}
-
-static void mpt__ckpt_put_entry(mpt__ckpt_text *t, const mpt__ckpt_entry *e) {
-    char num[64];
-    int d;
-    mpt__ckpt_puts(t, ",");
-    mpt__ckpt_put_json(t, e->name);
-    mpt__ckpt_puts(t, ":{\"dtype\":\"");
-    mpt__ckpt_puts(t, mpt__st_dtypes[e->dtype].name);
-    mpt__ckpt_puts(t, "\",\"shape\":[");
-    for (d = 0; d < e->rank; d++) {
-        snprintf(num, sizeof num, "%s%lld", d ? "," : "", (long long)e->shape[d]);
-        mpt__ckpt_puts(t, num);
-    }
-    snprintf(num, sizeof num, "],\"data_offsets\":[%lld,%lld]}", (long long)e->begin,
-             (long long)(e->begin + e->bytes));
-    mpt__ckpt_puts(t, num);
-}
-
-/* Layer names come from the caller; a reader rejects a header that is not
-   UTF-8, so a name that is not is refused before anything is written. */
-static mpt_status mpt__ckpt_check_names(mpt_model *m) {
-    int i;
-    for (i = 0; i < m->n_layers; i++) {
-        const unsigned char *p = (const unsigned char *)m->layers[i].name;
-        int64_t left = (int64_t)strlen(m->layers[i].name);
-        while (left > 0) {
-            int len = mpt__st_utf8_len(p, left);
-            if (!len)
-                return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                                 "checkpoint: layer %d's name is not valid UTF-8 (byte 0x%02x)",
-                                 i, (unsigned)*p);
-            p += len;
-            left -= len;
-        }
-    }
-    return MPT_OK;
-}
-
-/* The JSON header, space-padded to a multiple of 8 bytes. */
-static mpt_status mpt__ckpt_header(mpt_model *m, const mpt__ckpt_plan *pl, int full,
-                                   mpt__ckpt_text *t) {
-    int i;
-    MPT__CHECK(mpt__ckpt_check_names(m));
-    mpt__ckpt_puts(t, "{");
-    mpt__ckpt_put_metadata(t, m, full);
-    for (i = 0; i < pl->n; i++) mpt__ckpt_put_entry(t, &pl->e[i]);
-    mpt__ckpt_puts(t, "}");
-    while (!t->oom && t->len % 8) mpt__ckpt_puts(t, " ");
-    if (t->oom) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-    return MPT_OK;
-}
-
-/* ---- writing the file -------------------------------------------------------- */
-
-typedef struct mpt__ckpt_writer {
-    mpt_context *ctx;
-    const char *path;      /* the target                              */
-    char *tmp;             /* "<path>.tmp-<pid>"                      */
-    int created;           /* tmp exists and is ours to remove        */
-    int fd;                /* the temporary file; -1 when closed      */
-    int64_t written;       /* bytes written to it                     */
-    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
-} mpt__ckpt_writer;
-
-static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
-    int err = errno;
-    return mpt__fail(w->ctx, MPT_ERR_IO, "checkpoint: cannot %s '%s' (for '%s'): %s", what,
-                     w->tmp, w->path, strerror(err));
-}
-
-/* The directory part of path ("." when it has none), allocated; NULL when
-   memory runs out. */
-static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
-    const char *slash = strrchr(path, '/');
-    size_t len = slash ? (size_t)(slash - path) : 0;
-    char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) */
-    if (!dir) return NULL;
-    if (!slash)
-        strcpy(dir, ".");
-    else if (len == 0)
-        strcpy(dir, "/");
-    else {
-        memcpy(dir, path, len);
-        dir[len] = 0;
-    }
-    return dir;
-}
-
-/* ---- temporary files that a killed save left behind ----------------------------
-
-   A save holds a write lock (fcntl) on its temporary file from creating it
-   to renaming it, and the kernel drops the lock when the process ends,
-   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
-   lock on is what a save killed mid-write left, and the next save to the
-   same target removes it (500 saves killed mid-write used to leave 178
-   files, 375 MB). Names with this process's pid are never touched: fcntl
-   locks belong to a process, so another thread's save in progress would
-   look unlocked, and closing any descriptor of a file drops all of this
-   process's locks on it. A file system without locks has no sweep. */
-
-/* A write lock on the whole file, without waiting; errno says why not. */
-static int mpt__ckpt_lock(int fd) {
-    struct flock l;
-    memset(&l, 0, sizeof l);
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    return fcntl(fd, F_SETLK, &l) == 0;
-}
-
-/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
-   of a pid other than this process's. */
-static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
-    const char *p;
-    long long pid = 0;
-    int digits = 0, k_digits = 0;
-    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
-    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
-        pid = pid * 10 + (*p - '0');
-    if (digits == 0) return 0;
-    if (*p == '-') {
-        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
-        if (k_digits == 0) return 0;
-    }
-    return *p == 0 && pid != (long long)getpid();
-}
-
-/* Removes path when nobody holds a lock on it. The lock is taken, and held
-   while unlinking, so that a save that has just created the file (and not
-   yet locked it) finds the lock taken or its file gone, and takes another
-   name; the identity check keeps a file renamed in between. */
-static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *path) {
-    struct stat held, named;
-    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
-    if (fd < 0) return;
-    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
-        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
-        unlink(path) == 0)
-        mpt__log(ctx, MPT_LOG_INFO, "checkpoint: removed '%s', left by a save that did not "
-                 "finish", path);
-    close(fd);
-}
-
-/* Removes the stale temporary files of target path. Best effort: a
-   directory that cannot be listed is simply not swept. */
-static void mpt__ckpt_sweep(mpt_context *ctx, const char *path) {
-    const char *slash = strrchr(path, '/');
-    const char *base = slash ? slash + 1 : path;
-    size_t base_len = strlen(base), size = 0;
-    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
-    DIR *d;
-    struct dirent *e;
-    if (dir) {
-        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
-        temp = (char *)mpt__alloc(ctx, size);
-    }
-    if (!temp) {
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: cannot look for stale temporary files of "
-                 "'%s': out of memory", path);
-        mpt__free(ctx, dir);
-        return;
-    }
-    d = opendir(dir);
-    while (d && (e = readdir(d)) != NULL) {
-        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
-        snprintf(temp, size, "%s/%s", dir, e->d_name);
-        mpt__ckpt_remove_if_stale(ctx, temp);
-    }
-    if (d) closedir(d);
-    mpt__free(ctx, temp);
-    mpt__free(ctx, dir);
-}
-
-/* The lock on a temporary file just created: whether the file is still
-   this save's. A sweep holding it, or having removed the file already,
-   means it is on its way out; a file system without locks leaves nothing
-   to check. */
-static int mpt__ckpt_hold(int fd) {
-    struct stat st;
-    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
-    return fstat(fd, &st) == 0 && st.st_nlink > 0;
-}
-
-/* Creates the temporary file next to the target, after sweeping away what
-   killed saves left there; O_EXCL so that nothing already there (another
-   writer's file, a link) is ever written through. */
-static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *path) {
-    size_t size = strlen(path) + 48;
-    int k;
-    memset(w, 0, sizeof *w);
-    w->ctx = ctx;
-    w->path = path;
-    w->fd = -1;
-    w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
-    w->tmp = (char *)mpt__alloc(ctx, size);
-    if (!w->chunk || !w->tmp)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-    mpt__ckpt_sweep(ctx, path);
-    for (k = 0; k < 100; k++) {
-        if (k == 0)
-            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
-        else
-            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
-        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
-        if (w->fd < 0 && errno == EEXIST) continue;
-        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
-        close(w->fd); /* a sweep is removing it: another name */
-        w->fd = -1;
-    }
-    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
-    w->created = 1;
-    return MPT_OK;
-}
-
-static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
-    const unsigned char *p = (const unsigned char *)src;
-    while (n > 0) {
-        size_t part = MPT__MIN(n, (size_t)1 << 30);
-        ssize_t got;
-#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
-        {
-            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
-            if (limit >= 0 && w->written + (int64_t)part > limit) {
-                if (limit <= w->written) {
-                    errno = ENOSPC;
-                    return mpt__ckpt_write_fail(w, "write");
-                }
-                part = (size_t)(limit - w->written);
-            }
-        }
-#endif
-        got = write(w->fd, p, part);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return mpt__ckpt_write_fail(w, "write");
-        }
-        p += got;
-        n -= (size_t)got;
-        w->written += got;
-    }
-    return MPT_OK;
-}
-
-/* Writes `bytes` of `elem`-byte elements in little-endian order, a chunk at
-   a time. */
-static mpt_status mpt__ckpt_write_le(mpt__ckpt_writer *w, const void *src, int64_t bytes,
-                                     int elem) {
-    const unsigned char *p = (const unsigned char *)src;
-    int swap = !mpt__ckpt_little_endian();
-    while (bytes > 0) {
-        size_t part = (size_t)MPT__MIN(bytes, (int64_t)MPT__CKPT_CHUNK);
-        memcpy(w->chunk, p, part);
-        if (swap) mpt__ckpt_swap(w->chunk, (int64_t)part, elem);
-        MPT__CHECK(mpt__ckpt_write_raw(w, w->chunk, part));
-        p += part;
-        bytes -= (int64_t)part;
-    }
-    return MPT_OK;
-}
-
-/* Makes the rename durable. The new file is already in place, so a failure
-   here is a warning, not an error. */
-static void mpt__ckpt_sync_dir(mpt_context *ctx, const char *path) {
-    char *dir = mpt__ckpt_dir_of(ctx, path);
-    int fd;
-    if (!dir) {
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory: "
-                 "out of memory", path);
-        return;
-    }
-    fd = open(dir, O_RDONLY);
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory "
-                 "'%s': %s", path, dir, strerror(errno));
-    if (fd >= 0) close(fd);
-    mpt__free(ctx, dir);
-}
-
-/* fsync, close, and rename the temporary file over the target. */
-static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
-    int failed;
-    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
-    failed = close(w->fd) != 0;
-    w->fd = -1;
-    if (failed) return mpt__ckpt_write_fail(w, "close");
-    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
-    w->created = 0; /* renamed: nothing left to remove */
-    mpt__ckpt_sync_dir(w->ctx, w->path);
-    return MPT_OK;
-}
-
-/* Closes and removes the temporary file unless it was committed. */
-static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
-    if (w->fd >= 0) close(w->fd);
-    if (w->created) remove(w->tmp);
-    mpt__free(w->ctx, w->tmp);
-    mpt__free(w->ctx, w->chunk);
-    w->fd = -1;
-    w->created = 0;
-    w->tmp = NULL;
-    w->chunk = NULL;
-}
-
-static mpt_status mpt__ckpt_write_file(mpt__ckpt_writer *w, const mpt__ckpt_plan *pl,
-                                       const mpt__ckpt_text *header) {
-    unsigned char n8[8];
-    int i;
-    for (i = 0; i < 8; i++) n8[i] = (unsigned char)((uint64_t)header->len >> (8 * i));
-    MPT__CHECK(mpt__ckpt_write_raw(w, n8, 8));
-    MPT__CHECK(mpt__ckpt_write_raw(w, header->s, header->len));
-    for (i = 0; i < pl->n; i++)
-        MPT__CHECK(mpt__ckpt_write_le(w, pl->e[i].data, pl->e[i].bytes,
-                                      mpt__st_dtypes[pl->e[i].dtype].size));
-    return mpt__ckpt_writer_commit(w);
-}
-
-static mpt_status mpt__ckpt_check_model(mpt_model *m, const char *path, int full,
-                                        const char *what) {
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!path || !*path)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "checkpoint: %s needs a path", what);
-    if (!m->built)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a built model "
-                         "(mpt_model_build, or fit)", what, path);
-    if (full && !m->compiled)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a compiled model "
-                         "(mpt_model_compile): the optimizer state is part of it", what, path);
-    return MPT_OK;
-}
-
-static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const char *what) {
-    mpt__ckpt_plan pl;
-    mpt__ckpt_text header;
-    mpt__ckpt_writer w;
-    mpt_status s;
-    MPT__CHECK(mpt__ckpt_check_model(m, path, full, what));
-    if (!mpt__strategy_is_chief(m->strategy)) return MPT_OK; /* worker 0 writes the file */
-    memset(&pl, 0, sizeof pl);
-    memset(&header, 0, sizeof header);
-    memset(&w, 0, sizeof w);
-    w.fd = -1;
-    w.ctx = m->ctx;
-    header.ctx = m->ctx;
-    pl.train.optimizer_steps = m->optimizer_steps;
-    pl.train.step = (int64_t)m->step;
-    pl.train.epoch = m->epoch;
-    pl.train.good_steps = m->good_steps;
-    pl.train.skipped_steps = m->skipped_steps;
-    pl.train.learning_rate = m->learning_rate;
-    pl.train.loss_scale = m->loss_scale;
-    s = mpt__ckpt_plan_init(m, full, 0, &pl);
-    if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
-    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, path);
-    if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
-    mpt__ckpt_writer_close(&w);
-    mpt__free(m->ctx, header.s);
-    mpt__ckpt_plan_free(m, &pl);
-    return s;
 }
 
 /* ---- reading a file: the header ------------------------------------------------ */
@@ -11877,6 +11258,638 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
     for (i = 0; i < f->n_meta; i++)
         if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
     return NULL;
+}
+
+/* =============================================================================
+   @impl-checkpoints  the model in a safetensors file: the weights and the full
+   training state
+   =============================================================================
+
+   What mpt.h stores, in this order in the data:
+       train/optimizer_steps, train/step, train/epoch,       I64, rank 0  } full
+       train/good_steps, train/skipped_steps                              } checkpoints
+       train/learning_rate, train/loss_scale                 F32, rank 0  } only
+       <layer>/<param>                  F32   every parameter, trainable or not
+       optimizer/<layer>/<param>/<slot> F32   full checkpoints: "momentum" (SGD),
+                                              "m" and "v" (Adam, AdamW)
+   The 8-byte scalars come first so that every tensor starts at a multiple of
+   its element size (the data starts at 8 + N, a multiple of 8), as a reader
+   that maps the file in place wants.
+
+   Saving writes "<path>.tmp-<pid>" beside the target, fsyncs it, renames it
+   over the target (atomic on POSIX) and fsyncs the directory, so a crash
+   leaves the old file or the new one, never a mix of both. Any failure
+   removes the temporary file and leaves the target as it was. A save that
+   is killed cannot remove it: the next save to the same target does (a
+   save holds a lock on its temporary file, so those nobody holds are
+   leftovers).
+
+   Loading reads the whole header with a strict JSON reader (a malformed byte
+   is reported with its offset in the file), checks the layout of the data,
+   then every name, dtype and shape against the model, a full checkpoint's
+   policy and optimizer, and the training scalars' ranges; then it reads
+   the tensors into a host copy of the model's arenas and checks their
+   values (finite; Adam's second moments >= 0). Only when all of that has
+   passed does the model take the copy, so a failed load, a read error
+   included, leaves the model as it was; only a device that fails while
+   taking the copy can leave it partly loaded, and the error says so. */
+
+
+#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
+#define MPT__CKPT_NAME 192               /* "optimizer/" + parameter name + "/momentum" */
+
+/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
+   an expression: while it is >= 0, saving fails with ENOSPC once that many
+   bytes of the temporary file are written, as a full disk would. */
+
+/* ---- the names a file gives optimizers, their slots and policies ------------------ */
+
+static const char *mpt__ckpt_optimizer_name(mpt_optimizer_type type) {
+    switch (type) {
+    case MPT_OPTIMIZER_ADAM: return "adam";
+    case MPT_OPTIMIZER_SGD: return "sgd";
+    case MPT_OPTIMIZER_ADAMW: return "adamw";
+    default: return "?";
+    }
+}
+
+/* The name of optimizer slot k, as it appears in "optimizer/<param>/<slot>". */
+static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k) {
+    static const char *const adam[2] = {"m", "v"};
+    static const char *const other[2] = {"slot0", "slot1"};
+    if (k < 0 || k > 1) return "slot";
+    if (type == MPT_OPTIMIZER_SGD && k == 0) return "momentum";
+    if (type == MPT_OPTIMIZER_ADAM || type == MPT_OPTIMIZER_ADAMW) return adam[k];
+    return other[k];
+}
+
+static const char *mpt__ckpt_policy_name(mpt_policy policy) {
+    switch (policy) {
+    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
+    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
+    default: return "float32";
+    }
+}
+
+/* ---- what the model stores: one entry per tensor ------------------------------ */
+
+/* The training scalars, staged: saving copies them out of the model first,
+   loading reads and checks them here before any reaches the model. */
+typedef struct mpt__ckpt_train {
+    int64_t optimizer_steps, step, epoch, good_steps, skipped_steps;
+    float learning_rate, loss_scale;
+} mpt__ckpt_train;
+
+typedef struct mpt__ckpt_entry {
+    char name[MPT__CKPT_NAME];
+    mpt__st_dtype dtype;            /* F32 or I64                                */
+    int rank;
+    int64_t shape[MPT_MAX_RANK];
+    void *data;                     /* (bytes): in the model, or in plan->train  */
+    int64_t bytes;
+    int64_t begin;                  /* offset in the file's data                 */
+    int staged;                     /* data points into plan->train              */
+    int non_negative;               /* loading: its F32 values must be >= 0 too
+                                       (Adam's second moment)                    */
+} mpt__ckpt_entry;
+
+/* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
+   in file order. The entries point into `train`: never copy a plan. */
+typedef struct mpt__ckpt_plan {
+    mpt__ckpt_entry *e; /* [n] */
+    int n;
+    int64_t data_bytes; /* the file's data: the entries' bytes, back to back */
+    mpt__ckpt_train train;
+    unsigned char *mirror; /* the model's parameter and optimizer arenas
+                              copied to the host, which the entries point
+                              into: always when loading, and when saving a
+                              model on a GPU; else NULL (a save on the CPU
+                              reads the model in place)                    */
+} mpt__ckpt_plan;
+
+/* Where the file's bytes for a parameter buffer are: in place when the
+   plan has no mirror, else at the same offset in the mirror. */
+static void *mpt__ckpt_host(const mpt_model *m, const mpt__ckpt_plan *pl, int arena, void *p) {
+    size_t at;
+    if (!pl->mirror) return p;
+    at = (size_t)((unsigned char *)p - (unsigned char *)m->arena[arena]);
+    return pl->mirror + (arena == MPT__MEM_OPTIMIZER ? (size_t)m->arena_bytes[MPT__MEM_PARAMS] : 0) +
+           at;
+}
+
+/* The mirror (both arenas, back to back), downloaded. A load always reads
+   into one, even on the CPU, so that the file's values are checked before
+   any reaches the model and a failed load leaves it as it was; a save
+   needs one only to see a GPU's memory. */
+static mpt_status mpt__ckpt_mirror(mpt_model *m, int loading, mpt__ckpt_plan *pl) {
+    size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
+    size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
+    if (!loading && mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
+    pl->mirror = (unsigned char *)mpt__alloc(m->ctx, params + slots + 1);
+    if (!pl->mirror) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    MPT__CHECK(mpt__download(m, pl->mirror, m->arena[MPT__MEM_PARAMS], params));
+    return slots ? mpt__download(m, pl->mirror + params, m->arena[MPT__MEM_OPTIMIZER], slots)
+                 : MPT_OK;
+}
+
+/* After a load into the mirror, once every value is checked: the arenas
+   take its contents. */
+static mpt_status mpt__ckpt_unmirror(mpt_model *m, const mpt__ckpt_plan *pl) {
+    size_t params = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
+    size_t slots = (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER];
+    if (!pl->mirror) return MPT_OK;
+    MPT__CHECK(mpt__upload(m, m->arena[MPT__MEM_PARAMS], pl->mirror, params));
+    return slots ? mpt__upload(m, m->arena[MPT__MEM_OPTIMIZER], pl->mirror + params, slots)
+                 : MPT_OK;
+}
+
+static mpt_status mpt__ckpt_add(mpt_model *m, mpt__ckpt_plan *pl, const char *prefix,
+                                const char *name, const char *suffix, mpt__st_dtype dtype,
+                                int rank, const int64_t *shape, void *data, int64_t count) {
+    mpt__ckpt_entry *e = &pl->e[pl->n];
+    int len = snprintf(e->name, sizeof e->name, "%s%s%s", prefix, name, suffix);
+    if (len < 0 || (size_t)len >= sizeof e->name)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "checkpoint: tensor name \"%s%s%s\" is longer than %d bytes", prefix,
+                         name, suffix, (int)sizeof e->name - 1);
+    e->dtype = dtype;
+    e->rank = rank;
+    if (rank > 0) memcpy(e->shape, shape, sizeof(int64_t) * (size_t)rank);
+    e->data = data;
+    e->bytes = count * mpt__st_dtypes[dtype].size;
+    e->begin = pl->data_bytes;
+    pl->data_bytes += e->bytes;
+    pl->n++;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl) {
+    mpt__ckpt_train *t = &pl->train;
+    int first = pl->n, i;
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "optimizer_steps", "", MPT__ST_I64, 0, NULL,
+                             &t->optimizer_steps, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "step", "", MPT__ST_I64, 0, NULL, &t->step, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "epoch", "", MPT__ST_I64, 0, NULL, &t->epoch, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "good_steps", "", MPT__ST_I64, 0, NULL,
+                             &t->good_steps, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "skipped_steps", "", MPT__ST_I64, 0, NULL,
+                             &t->skipped_steps, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
+                             &t->learning_rate, 1));
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
+                             &t->loss_scale, 1));
+    for (i = first; i < pl->n; i++) pl->e[i].staged = 1;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_add_slots(mpt_model *m, mpt__ckpt_plan *pl) {
+    mpt_optimizer_type type = m->compile.optimizer.type;
+    char suffix[32];
+    int i, k;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        for (k = 0; P->trainable && k < m->n_slots; k++) {
+            if (!P->slot[k])
+                return mpt__fail(m->ctx, MPT_ERR_STATE,
+                                 "checkpoint: %s has no optimizer state (slot %d of %d)",
+                                 P->name, k, m->n_slots);
+            snprintf(suffix, sizeof suffix, "/%s", mpt__ckpt_slot_name(type, k));
+            MPT__CHECK(mpt__ckpt_add(m, pl, "optimizer/", P->name, suffix, MPT__ST_F32, P->rank,
+                                     P->shape, mpt__ckpt_host(m, pl, MPT__MEM_OPTIMIZER, P->slot[k]),
+                                     P->count));
+            /* Adam's v is a mean of squares: sqrt(v) of a negative one is NaN. */
+            pl->e[pl->n - 1].non_negative = type != MPT_OPTIMIZER_SGD && k == 1;
+        }
+    }
+    return MPT_OK;
+}
+
+/* Lists the tensors of the model's file (loading: pointing into a mirror);
+   pl must be zeroed, and is freed by mpt__ckpt_plan_free whatever this
+   returns. */
+static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__ckpt_plan *pl) {
+    int i, n = m->n_params;
+    if (full) {
+        if (m->n_slots < 0 || m->n_slots > 2)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %d optimizer slots per "
+                             "parameter (at most 2 are supported)", m->n_slots);
+        for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->n_slots : 0;
+        n += 7; /* the train/ scalars */
+    }
+    pl->e = (mpt__ckpt_entry *)mpt__calloc(m->ctx, sizeof *pl->e * (size_t)n);
+    if (!pl->e) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    MPT__CHECK(mpt__ckpt_mirror(m, loading, pl));
+    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl));
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        MPT__CHECK(mpt__ckpt_add(m, pl, "", P->name, "", MPT__ST_F32, P->rank, P->shape,
+                                 mpt__ckpt_host(m, pl, MPT__MEM_PARAMS, P->value), P->count));
+    }
+    return full ? mpt__ckpt_add_slots(m, pl) : MPT_OK;
+}
+
+static void mpt__ckpt_plan_free(mpt_model *m, mpt__ckpt_plan *pl) {
+    mpt__free(m->ctx, pl->e);
+    mpt__free(m->ctx, pl->mirror);
+    pl->e = NULL;
+    pl->mirror = NULL;
+}
+
+/* ---- writing the header ------------------------------------------------------- */
+
+/* The model in a few lines, one per layer: class, name, compute dtype and
+   one sample's output shape ("Dense dense_1 float16 (10,)"). */
+static void mpt__ckpt_put_model(mpt__ckpt_text *t, const mpt_model *m) {
+    mpt__ckpt_text lines;
+    char line[256], shape[96];
+    int i;
+    memset(&lines, 0, sizeof lines);
+    lines.ctx = t->ctx;
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        snprintf(line, sizeof line, "%s%s %s %s %s", i ? "\n" : "", L->ops->class_name, L->name,
+                 mpt_dtype_name(L->dtype), mpt_shape_format(shape, sizeof shape, L->out_rank,
+                                                            L->out_shape));
+        mpt__ckpt_puts(&lines, line);
+    }
+    mpt__ckpt_put_pair(t, "model", lines.s ? lines.s : "", 0);
+    t->oom |= lines.oom;
+    mpt__free(t->ctx, lines.s);
+}
+
+static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int full) {
+    char seed[32], shape[96];
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->desc.seed);
+    mpt_shape_format(shape, sizeof shape, m->desc.input_rank, m->desc.input_shape);
+    mpt__ckpt_puts(t, "\"__metadata__\":{");
+    mpt__ckpt_put_pair(t, "format", "mpt", 1);
+    mpt__ckpt_put_pair(t, "mpt_version", MPT_VERSION, 0);
+    mpt__ckpt_put_pair(t, "kind", full ? "checkpoint" : "weights", 0);
+    if (full)
+        mpt__ckpt_put_pair(t, "optimizer", mpt__ckpt_optimizer_name(m->compile.optimizer.type), 0);
+    mpt__ckpt_put_pair(t, "policy", mpt__ckpt_policy_name(m->desc.policy), 0);
+    mpt__ckpt_put_pair(t, "seed", seed, 0);
+    mpt__ckpt_put_pair(t, "input_shape", shape, 0);
+    mpt__ckpt_put_model(t, m);
+    mpt__ckpt_puts(t, "}");
+}
+
+static void mpt__ckpt_put_entry(mpt__ckpt_text *t, const mpt__ckpt_entry *e) {
+    char num[64];
+    int d;
+    mpt__ckpt_puts(t, ",");
+    mpt__ckpt_put_json(t, e->name);
+    mpt__ckpt_puts(t, ":{\"dtype\":\"");
+    mpt__ckpt_puts(t, mpt__st_dtypes[e->dtype].name);
+    mpt__ckpt_puts(t, "\",\"shape\":[");
+    for (d = 0; d < e->rank; d++) {
+        snprintf(num, sizeof num, "%s%lld", d ? "," : "", (long long)e->shape[d]);
+        mpt__ckpt_puts(t, num);
+    }
+    snprintf(num, sizeof num, "],\"data_offsets\":[%lld,%lld]}", (long long)e->begin,
+             (long long)(e->begin + e->bytes));
+    mpt__ckpt_puts(t, num);
+}
+
+/* Layer names come from the caller; a reader rejects a header that is not
+   UTF-8, so a name that is not is refused before anything is written. */
+static mpt_status mpt__ckpt_check_names(mpt_model *m) {
+    int i;
+    for (i = 0; i < m->n_layers; i++) {
+        const unsigned char *p = (const unsigned char *)m->layers[i].name;
+        int64_t left = (int64_t)strlen(m->layers[i].name);
+        while (left > 0) {
+            int len = mpt__st_utf8_len(p, left);
+            if (!len)
+                return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                 "checkpoint: layer %d's name is not valid UTF-8 (byte 0x%02x)",
+                                 i, (unsigned)*p);
+            p += len;
+            left -= len;
+        }
+    }
+    return MPT_OK;
+}
+
+/* The JSON header, space-padded to a multiple of 8 bytes. */
+static mpt_status mpt__ckpt_header(mpt_model *m, const mpt__ckpt_plan *pl, int full,
+                                   mpt__ckpt_text *t) {
+    int i;
+    MPT__CHECK(mpt__ckpt_check_names(m));
+    mpt__ckpt_puts(t, "{");
+    mpt__ckpt_put_metadata(t, m, full);
+    for (i = 0; i < pl->n; i++) mpt__ckpt_put_entry(t, &pl->e[i]);
+    mpt__ckpt_puts(t, "}");
+    while (!t->oom && t->len % 8) mpt__ckpt_puts(t, " ");
+    if (t->oom) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    return MPT_OK;
+}
+
+/* ---- writing the file -------------------------------------------------------- */
+
+typedef struct mpt__ckpt_writer {
+    mpt_context *ctx;
+    const char *path;      /* the target                              */
+    char *tmp;             /* "<path>.tmp-<pid>"                      */
+    int created;           /* tmp exists and is ours to remove        */
+    int fd;                /* the temporary file; -1 when closed      */
+    int64_t written;       /* bytes written to it                     */
+    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
+} mpt__ckpt_writer;
+
+static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
+    int err = errno;
+    return mpt__fail(w->ctx, MPT_ERR_IO, "checkpoint: cannot %s '%s' (for '%s'): %s", what,
+                     w->tmp, w->path, strerror(err));
+}
+
+/* The directory part of path ("." when it has none), allocated; NULL when
+   memory runs out. */
+static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
+    const char *slash = strrchr(path, '/');
+    size_t len = slash ? (size_t)(slash - path) : 0;
+    char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) */
+    if (!dir) return NULL;
+    if (!slash)
+        strcpy(dir, ".");
+    else if (len == 0)
+        strcpy(dir, "/");
+    else {
+        memcpy(dir, path, len);
+        dir[len] = 0;
+    }
+    return dir;
+}
+
+/* ---- temporary files that a killed save left behind ----------------------------
+
+   A save holds a write lock (fcntl) on its temporary file from creating it
+   to renaming it, and the kernel drops the lock when the process ends,
+   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
+   lock on is what a save killed mid-write left, and the next save to the
+   same target removes it (500 saves killed mid-write used to leave 178
+   files, 375 MB). Names with this process's pid are never touched: fcntl
+   locks belong to a process, so another thread's save in progress would
+   look unlocked, and closing any descriptor of a file drops all of this
+   process's locks on it. A file system without locks has no sweep. */
+
+/* A write lock on the whole file, without waiting; errno says why not. */
+static int mpt__ckpt_lock(int fd) {
+    struct flock l;
+    memset(&l, 0, sizeof l);
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    return fcntl(fd, F_SETLK, &l) == 0;
+}
+
+/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
+   of a pid other than this process's. */
+static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
+    const char *p;
+    long long pid = 0;
+    int digits = 0, k_digits = 0;
+    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
+    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
+        pid = pid * 10 + (*p - '0');
+    if (digits == 0) return 0;
+    if (*p == '-') {
+        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
+        if (k_digits == 0) return 0;
+    }
+    return *p == 0 && pid != (long long)getpid();
+}
+
+/* Removes path when nobody holds a lock on it. The lock is taken, and held
+   while unlinking, so that a save that has just created the file (and not
+   yet locked it) finds the lock taken or its file gone, and takes another
+   name; the identity check keeps a file renamed in between. */
+static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *path) {
+    struct stat held, named;
+    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) return;
+    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
+        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
+        unlink(path) == 0)
+        mpt__log(ctx, MPT_LOG_INFO, "checkpoint: removed '%s', left by a save that did not "
+                 "finish", path);
+    close(fd);
+}
+
+/* Removes the stale temporary files of target path. Best effort: a
+   directory that cannot be listed is simply not swept. */
+static void mpt__ckpt_sweep(mpt_context *ctx, const char *path) {
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    size_t base_len = strlen(base), size = 0;
+    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
+    DIR *d;
+    struct dirent *e;
+    if (dir) {
+        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
+        temp = (char *)mpt__alloc(ctx, size);
+    }
+    if (!temp) {
+        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: cannot look for stale temporary files of "
+                 "'%s': out of memory", path);
+        mpt__free(ctx, dir);
+        return;
+    }
+    d = opendir(dir);
+    while (d && (e = readdir(d)) != NULL) {
+        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
+        snprintf(temp, size, "%s/%s", dir, e->d_name);
+        mpt__ckpt_remove_if_stale(ctx, temp);
+    }
+    if (d) closedir(d);
+    mpt__free(ctx, temp);
+    mpt__free(ctx, dir);
+}
+
+/* The lock on a temporary file just created: whether the file is still
+   this save's. A sweep holding it, or having removed the file already,
+   means it is on its way out; a file system without locks leaves nothing
+   to check. */
+static int mpt__ckpt_hold(int fd) {
+    struct stat st;
+    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
+    return fstat(fd, &st) == 0 && st.st_nlink > 0;
+}
+
+/* Creates the temporary file next to the target, after sweeping away what
+   killed saves left there; O_EXCL so that nothing already there (another
+   writer's file, a link) is ever written through. */
+static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *path) {
+    size_t size = strlen(path) + 48;
+    int k;
+    memset(w, 0, sizeof *w);
+    w->ctx = ctx;
+    w->path = path;
+    w->fd = -1;
+    w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
+    w->tmp = (char *)mpt__alloc(ctx, size);
+    if (!w->chunk || !w->tmp)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    mpt__ckpt_sweep(ctx, path);
+    for (k = 0; k < 100; k++) {
+        if (k == 0)
+            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
+        else
+            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
+        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (w->fd < 0 && errno == EEXIST) continue;
+        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
+        close(w->fd); /* a sweep is removing it: another name */
+        w->fd = -1;
+    }
+    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
+    w->created = 1;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
+    const unsigned char *p = (const unsigned char *)src;
+    while (n > 0) {
+        size_t part = MPT__MIN(n, (size_t)1 << 30);
+        ssize_t got;
+#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
+        {
+            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
+            if (limit >= 0 && w->written + (int64_t)part > limit) {
+                if (limit <= w->written) {
+                    errno = ENOSPC;
+                    return mpt__ckpt_write_fail(w, "write");
+                }
+                part = (size_t)(limit - w->written);
+            }
+        }
+#endif
+        got = write(w->fd, p, part);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return mpt__ckpt_write_fail(w, "write");
+        }
+        p += got;
+        n -= (size_t)got;
+        w->written += got;
+    }
+    return MPT_OK;
+}
+
+/* Writes `bytes` of `elem`-byte elements in little-endian order, a chunk at
+   a time. */
+static mpt_status mpt__ckpt_write_le(mpt__ckpt_writer *w, const void *src, int64_t bytes,
+                                     int elem) {
+    const unsigned char *p = (const unsigned char *)src;
+    int swap = !mpt__ckpt_little_endian();
+    while (bytes > 0) {
+        size_t part = (size_t)MPT__MIN(bytes, (int64_t)MPT__CKPT_CHUNK);
+        memcpy(w->chunk, p, part);
+        if (swap) mpt__ckpt_swap(w->chunk, (int64_t)part, elem);
+        MPT__CHECK(mpt__ckpt_write_raw(w, w->chunk, part));
+        p += part;
+        bytes -= (int64_t)part;
+    }
+    return MPT_OK;
+}
+
+/* Makes the rename durable. The new file is already in place, so a failure
+   here is a warning, not an error. */
+static void mpt__ckpt_sync_dir(mpt_context *ctx, const char *path) {
+    char *dir = mpt__ckpt_dir_of(ctx, path);
+    int fd;
+    if (!dir) {
+        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory: "
+                 "out of memory", path);
+        return;
+    }
+    fd = open(dir, O_RDONLY);
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
+        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory "
+                 "'%s': %s", path, dir, strerror(errno));
+    if (fd >= 0) close(fd);
+    mpt__free(ctx, dir);
+}
+
+/* fsync, close, and rename the temporary file over the target. */
+static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
+    int failed;
+    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
+    failed = close(w->fd) != 0;
+    w->fd = -1;
+    if (failed) return mpt__ckpt_write_fail(w, "close");
+    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
+    w->created = 0; /* renamed: nothing left to remove */
+    mpt__ckpt_sync_dir(w->ctx, w->path);
+    return MPT_OK;
+}
+
+/* Closes and removes the temporary file unless it was committed. */
+static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
+    if (w->fd >= 0) close(w->fd);
+    if (w->created) remove(w->tmp);
+    mpt__free(w->ctx, w->tmp);
+    mpt__free(w->ctx, w->chunk);
+    w->fd = -1;
+    w->created = 0;
+    w->tmp = NULL;
+    w->chunk = NULL;
+}
+
+static mpt_status mpt__ckpt_write_file(mpt__ckpt_writer *w, const mpt__ckpt_plan *pl,
+                                       const mpt__ckpt_text *header) {
+    unsigned char n8[8];
+    int i;
+    for (i = 0; i < 8; i++) n8[i] = (unsigned char)((uint64_t)header->len >> (8 * i));
+    MPT__CHECK(mpt__ckpt_write_raw(w, n8, 8));
+    MPT__CHECK(mpt__ckpt_write_raw(w, header->s, header->len));
+    for (i = 0; i < pl->n; i++)
+        MPT__CHECK(mpt__ckpt_write_le(w, pl->e[i].data, pl->e[i].bytes,
+                                      mpt__st_dtypes[pl->e[i].dtype].size));
+    return mpt__ckpt_writer_commit(w);
+}
+
+static mpt_status mpt__ckpt_check_model(mpt_model *m, const char *path, int full,
+                                        const char *what) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!path || !*path)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "checkpoint: %s needs a path", what);
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a built model "
+                         "(mpt_model_build, or fit)", what, path);
+    if (full && !m->compiled)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a compiled model "
+                         "(mpt_model_compile): the optimizer state is part of it", what, path);
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const char *what) {
+    mpt__ckpt_plan pl;
+    mpt__ckpt_text header;
+    mpt__ckpt_writer w;
+    mpt_status s;
+    MPT__CHECK(mpt__ckpt_check_model(m, path, full, what));
+    if (!mpt__strategy_is_chief(m->strategy)) return MPT_OK; /* worker 0 writes the file */
+    memset(&pl, 0, sizeof pl);
+    memset(&header, 0, sizeof header);
+    memset(&w, 0, sizeof w);
+    w.fd = -1;
+    w.ctx = m->ctx;
+    header.ctx = m->ctx;
+    pl.train.optimizer_steps = m->optimizer_steps;
+    pl.train.step = (int64_t)m->step;
+    pl.train.epoch = m->epoch;
+    pl.train.good_steps = m->good_steps;
+    pl.train.skipped_steps = m->skipped_steps;
+    pl.train.learning_rate = m->learning_rate;
+    pl.train.loss_scale = m->loss_scale;
+    s = mpt__ckpt_plan_init(m, full, 0, &pl);
+    if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
+    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, path);
+    if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
+    mpt__ckpt_writer_close(&w);
+    mpt__free(m->ctx, header.s);
+    mpt__ckpt_plan_free(m, &pl);
+    return s;
 }
 
 /* ---- loading into a model ---------------------------------------------------- */

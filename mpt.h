@@ -73,6 +73,86 @@
    (so on a GPU too), the pieces of fit's step: mpt_model_compute_loss,
    mpt_model_grad_stats, mpt_model_scale_grads, mpt_model_sgd_step.
 
+   MIXED PRECISION IN ONE PAGE
+   Under MPT_POLICY_MIXED_FLOAT16 (MIXED_BFLOAT16 alike, with bfloat16 for
+   float16), the buffers of one training step and their dtypes:
+       inputs               the first layer's compute dtype: the batch loader
+                            converts each sample as it gathers it (uint8
+                            pixels become x·scale + offset on the way)
+       activations          each layer's compute dtype (float16); a layer
+                            whose neighbour differs converts on the way in
+       GEMMs, convolutions  float16 operands, float32 accumulation, then
+                            rounded once to float16
+       activation gradients float16 between layers (each layer's dtype);
+                            inside a layer, dz = dy·act'(z) in float32, then
+                            rounded once for the weight and input products
+       parameter gradients  float32 (MPT_MEMORY_GRADS), times the loss scale
+       masters              float32 (MPT_MEMORY_PARAMS): what the optimizer
+                            updates and checkpoints store
+       compute copies       float16 kernels (MPT_MEMORY_WEIGHT_COPY), what
+                            the layers read; biases and BatchNormalization's
+                            gamma and beta are read as float32
+       optimizer moments    float32 (SGD's momentum, Adam's m and v)
+       BatchNormalization   statistics, moving averages and arithmetic in
+                            float32; x, y, dy, dx in float16
+       the final softmax    float32 (Keras' advice, taken by default), so
+                            the loss reads float32 probabilities or logits
+       the loss             float32 math whatever the prediction's dtype;
+                            sums in double
+   Why scale the loss. The activation gradients between layers are stored
+   in float16, whose smallest subnormal is 2^-24 ≈ 6e-8 (smallest normal
+   2^-14 ≈ 6e-5) and largest finite value 65504: small gradients flush to
+   zero. Multiplying the loss's gradient by the loss scale S (default 2^15)
+   lifts them into range; every gradient after it carries the factor S,
+   and the optimizer divides it out in float32. Dynamic loss scaling (the
+   default with float16) finds the largest S that does not overflow: a step
+   whose gradients hold inf or NaN is skipped (no weight, moment or
+   statistic changes) and S halves; after 2000 finite steps in a row S
+   doubles. Powers of two keep the scaling exact.
+   Why float32 masters. An update lr·g smaller than half an ulp of w is
+   lost when w is float16: at w = 1 the ulp is 2^-10 ≈ 1e-3, so an update
+   of 1e-4 leaves w at 1, every step. The float32 master keeps it (its ulp
+   at 1 is 2^-23), and the float16 copy is rewritten from the master after
+   each update.
+   Why bfloat16 needs no scaling. bfloat16 has float32's 8-bit exponent
+   (the same range, down to about 1e-38) and 8 significant bits: gradients
+   do not underflow, so the default loss-scale mode there is none; the
+   float32 masters are still needed, as bfloat16's ulp is coarser still.
+   Three different "scales", kept apart:
+       the loss scale       S above, dynamic or fixed (mpt_loss_scale_desc),
+                            read on the device from mpt_step_state
+       the gradient weight  mpt_loss_args.grad_weight: under a strategy, a
+                            replica's rows / the global batch, so that with
+                            the mean over its own rows every sample weighs
+                            1/global batch and the replicas' sum is the
+                            mean's gradient; 1 without one (a step by
+                            hand's mpt_model_compute_loss passes its
+                            grad_scale in it)
+       grad_scale           mpt_loss_desc.grad_scale: what the caller of
+                            mpt_loss_compute (or mpt_model_compute_loss)
+                            has the gradient multiplied by, e.g. its own
+                            loss scale in a step by hand
+   Where each step happens (CPU in this file; CUDA in mpt_cuda.cu):
+       the step's order     mpt__queue_step (@impl-training)
+       inputs converted     mpt__dataset_gather (@impl-data),
+                            mpt__forward_prepare (@impl-passes)
+       final softmax        mpt__final_softmax_in_float32 (@impl-layers)
+       loss × S × weight    mpt__cpu_loss (@impl-losses); mpt__cuda_loss
+       finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
+                            mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
+       unscale and update   mpt__update_job_init, mpt__cpu_update
+                            (@impl-optimizers); mpt__cuda_update_coefs_kernel,
+                            mpt__cuda_update
+       compute copies       mpt__update_span (@impl-optimizers);
+                            mpt__cuda_update_scalar/_vec4; after loading or
+                            editing a master: mpt_model_refresh_weights
+       loss-scale rule      mpt__loss_scale_next (@backend-shared), run by
+                            mpt__cpu_loss_scale_update and by
+                            mpt__cuda_loss_scale_kernel; its defaults in
+                            mpt__loss_scale_resolve (@impl-optimizers)
+       statistics committed mpt__model_commit (@impl-passes), only when the
+                            step was finite
+
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
        @context      the context: allocator, logger, thread pool, CPU features

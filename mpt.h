@@ -168,19 +168,37 @@
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
-     for backend implementers:
+     for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
        @backend-shared  the rules both backends run: Philox, loss scaling (internal)
-     implementation, in the same order:
-       @impl-status @impl-context @impl-dtypes @impl-tensors
-       @impl-activations @impl-gemm @impl-rng
-       @impl-layers (the layer interface and the model: create, add, build)
-       @impl-passes (forward and backward) @impl-layer-helpers
-       @impl-dense @impl-flatten @impl-activation @impl-windows
-       @impl-conv2d @impl-pooling @impl-batchnorm @impl-dropout
-       @impl-losses @impl-optimizers @impl-data @impl-training
-       @impl-callbacks @impl-safetensors @impl-checkpoints @impl-strategy
-       @impl-cpu-backend
+     implementation (MPT_IMPLEMENTATION), along the data flow:
+       @impl-status       the status codes' strings
+       @impl-context      thread pool, allocator, logging and errors, CPU features
+       @impl-dtypes       float16/bfloat16 conversions, scalar and SIMD
+       @impl-tensors      tensors: allocation, wrapping, shapes
+       @impl-activations  the activations the GEMM epilogue and layers share
+       @impl-gemm         the CPU GEMM: blocking, packing, micro-kernels
+       @impl-rng          Philox for dropout masks and initial weights
+       @impl-layers       the layer interface, the model: create, add, build
+       @impl-passes       a batch in, forward and backward, a step by hand
+       @impl-layer-helpers  what the layers share: workspace, GEMM, gradients
+       @impl-dense        Dense
+       @impl-flatten      Flatten
+       @impl-activation   Activation
+       @impl-windows      the window geometry of Conv2D and pooling
+       @impl-conv2d       Conv2D
+       @impl-pooling      MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
+       @impl-batchnorm    BatchNormalization
+       @impl-dropout      Dropout
+       @impl-losses       the losses, their gradients and metrics
+       @impl-optimizers   descriptors, the fused update, loss scaling, compile
+       @impl-data         datasets, IDX files, the batch loader
+       @impl-training     the training loop, evaluate, predict, summary, history
+       @impl-callbacks    the callbacks of @callbacks
+       @impl-safetensors  the file format: dtypes, byte order, the JSON header
+       @impl-checkpoints  the model in a file: what is saved, staging, loading
+       @impl-strategy     replicas in this process, workers over MPI
+       @impl-cpu-backend  the CPU's implementation of the @backend table
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum

@@ -3479,6 +3479,8 @@ typedef struct mpt__param {
     void *compute;           /* (count) compute_dtype copy; == value if float32 */
     float *slot[2];          /* (count) optimizer state: SGD's momentum, or
                                 Adam's m and v; NULL where unused             */
+    int non_negative;        /* a variance: a file holding a value < 0 is
+                                refused (its square root would be NaN)       */
 } mpt__param;
 
 typedef union mpt__layer_desc {
@@ -6040,6 +6042,7 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
                                     MPT_FLOAT32));
     MPT__CHECK(mpt__layer_add_param(m, L, "moving_variance", 1, &C, MPT_INIT_ONES, C, C, 0,
                                     MPT_FLOAT32));
+    m->params[m->n_params - 1].non_negative = 1;
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C)); /* batch mean (C) f32     */
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C)); /* batch variance (C) f32 */
     if (d->synchronized) { /* Σ dy, Σ dy·x̂ over the replicas (C) f32 each */
@@ -12211,7 +12214,7 @@ typedef struct mpt__ckpt_entry {
     int64_t begin;                  /* offset in the file's data                 */
     int staged;                     /* data points into plan->train              */
     int non_negative;               /* loading: its F32 values must be >= 0 too
-                                       (Adam's second moment)                    */
+                                       (Adam's second moment, a moving variance) */
 } mpt__ckpt_entry;
 
 /* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
@@ -12345,6 +12348,7 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__
         mpt__param *P = &m->params[i];
         MPT__CHECK(mpt__ckpt_add(m, pl, "", P->name, "", MPT__ST_F32, P->rank, P->shape,
                                  mpt__ckpt_host(m, pl, MPT__MEM_PARAMS, P->value), P->count));
+        pl->e[pl->n - 1].non_negative = P->non_negative;
     }
     return full ? mpt__ckpt_add_slots(m, pl) : MPT_OK;
 }
@@ -12904,9 +12908,9 @@ static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mp
 }
 
 /* Every float32 value read (weights, moving statistics, optimizer state)
-   must be finite, and Adam's second moments >= 0: one NaN would spread to
-   every weight at the first step, silently. The test is on the bits, so
-   no -ffast-math can fold it away. */
+   must be finite, and variances and Adam's second moments >= 0: one NaN
+   would spread to every weight at the first step, silently. The test is
+   on the bits, so no -ffast-math can fold it away. */
 static mpt_status mpt__ckpt_check_values(mpt_model *m, const char *path,
                                          const mpt__ckpt_entry *e) {
     const unsigned char *p = (const unsigned char *)e->data;
@@ -12924,8 +12928,9 @@ static mpt_status mpt__ckpt_check_values(mpt_model *m, const char *path,
                              (long long)i);
         if (e->non_negative && v < 0)
             return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': tensor \"%s\" holds %g at "
-                             "element %lld; a second moment (a mean of squares) is never "
-                             "negative", path, e->name, (double)v, (long long)i);
+                             "element %lld; a variance or a second moment (a mean of "
+                             "squares) is never negative", path, e->name, (double)v,
+                             (long long)i);
     }
     return MPT_OK;
 }

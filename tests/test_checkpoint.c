@@ -823,7 +823,7 @@ static void test_counter_bounds(void) {
     mpt_model_destroy(src);
 }
 
-/* Non-finite weights or moments, and negative second moments, are refused
+/* Non-finite weights or moments, and negative variances and second moments, are refused
    by both loaders, with the tensor's name; the last tensor of the file
    being the bad one shows that nothing read before it reached the model. */
 static void test_bad_values(void) {
@@ -840,7 +840,9 @@ static void test_bad_values(void) {
         {"dense/bias", NAN, 1, MPT_ERR_NUMERIC, "NaN"},
         {"optimizer/conv2d/kernel/m", NAN, 1, MPT_ERR_NUMERIC, "NaN"},
         {"optimizer/dense/kernel/v", INFINITY, 1, MPT_ERR_NUMERIC, "inf"},
-        {"optimizer/dense/bias/v", -0.5f, 1, MPT_ERR_FORMAT, "negative"},
+        {"batch_normalization/moving_variance", -0.25f, 0, MPT_ERR_FORMAT, "negative"},
+        {"batch_normalization/moving_variance", -2.0f, 1, MPT_ERR_FORMAT, "negative"},
+        {"optimizer/dense/bias/v", -0.5f, 1, MPT_ERR_FORMAT, "negative"}, /* last: see below */
     };
     mpt_model *src = make_f16_adam(41), *m, *sgd;
     char w[256], c[256], p[256], label[160];

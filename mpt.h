@@ -3380,16 +3380,16 @@ static int32_t mpt__rounding_doubling_high_mul(int32_t a, int32_t b) {
     const int64_t ab = (int64_t)a * b;
     const int64_t nudge = ab >= 0 ? (int64_t)1 << 30 : 1 - ((int64_t)1 << 30);
     if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
-    return (int32_t)((ab + nudge) / ((int64_t)1 << 31));
+    return (int32_t)((ab + nudge) / ((int64_t)1 << 31)); /* a constant: no division */
 }
 
 /* RoundingDivideByPOT: x / 2^e rounded to nearest, ties away from zero
    (the floor quotient, plus one when the remainder passes the threshold). */
 static int32_t mpt__rounding_divide_by_pot(int32_t x, int e) {
     const int64_t p = (int64_t)1 << e;
-    int64_t q = x / p, rem;
-    if (x % p < 0) q--;
-    rem = x - q * p;
+    /* floor(x / 2^e), shifting the non-negative x + 2^31 (e ≤ 31): no branch */
+    const int64_t q = (((int64_t)x + ((int64_t)1 << 31)) >> e) - (((int64_t)1 << 31) >> e);
+    const int64_t rem = x - q * p;
     return (int32_t)(q + (rem > ((p - 1) >> 1) + (x < 0 ? 1 : 0)));
 }
 
@@ -3405,14 +3405,33 @@ static int32_t mpt__multiply_by_quantized_multiplier(int32_t x, int32_t m, int s
    Packing and the epilogue
    ----------------------------------------------------------------------------- */
 
-/* Stores value v of depth k, lane l of a panel w lanes wide. */
-static void mpt__qgemm_put(uint8_t *panel, int quads, int w, int64_t k, int l, int v) {
+/* Packs n depths of one lane (row of A, column of B), bytes s[k·ks] ^ flip,
+   into lane l of a panel w lanes wide; returns their sum, as int8 values
+   when is_signed, else as uint8. One loop per format, so that the hot
+   loop has no branch but the sign's. */
+static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, const uint8_t *s,
+                                    int64_t ks, int64_t n, int flip, int is_signed) {
+    const int sign = is_signed ? 0x80 : 0; /* v − 2·(v & 0x80): the byte as int8 */
+    int32_t sum = 0;
+    int64_t k;
     if (quads) {
-        panel[((k >> 2) * w + l) * 4 + (k & 3)] = (uint8_t)v;
+        uint8_t *d = panel + 4 * l;
+        const int64_t step = 4 * (int64_t)w; /* bytes per group of the panel */
+        for (k = 0; k < n; k++) {
+            const int v = s[k * ks] ^ flip;
+            d[(k >> 2) * step + (k & 3)] = (uint8_t)v;
+            sum += v - ((v & sign) << 1);
+        }
     } else {
-        int16_t s = (int16_t)v;
-        memcpy(panel + ((k >> 1) * w + l) * 4 + (k & 1) * 2, &s, 2);
+        int16_t *d = (int16_t *)(void *)panel + 2 * l;
+        const int64_t step = 2 * (int64_t)w; /* int16 per group of the panel */
+        for (k = 0; k < n; k++) {
+            const int v = (s[k * ks] ^ flip) - (((s[k * ks] ^ flip) & sign) << 1);
+            d[(k >> 1) * step + (k & 1)] = (int16_t)v;
+            sum += v;
+        }
     }
+    return sum;
 }
 
 /* Packs the B panel that starts at column panel·NR, and its column sums. */
@@ -3424,21 +3443,36 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
     const int w = lanes <= job->nr / 2 ? job->nr / 2 : job->nr;
     const int64_t ls = d->trans_b ? d->ldb : 1, ks = d->trans_b ? 1 : d->ldb;
     uint8_t *dst = job->bpack + j0 * job->kg * 4;
-    int32_t sum[32]; /* NR ≤ 32 */
-    int64_t k;
     int l;
     (void)thread;
     memset(dst, 0, (size_t)(job->kg * w * 4));
-    for (l = 0; l < lanes; l++) sum[l] = 0;
-    for (k = 0; k < d->k; k++) {
-        const int8_t *s = d->b + j0 * ls + k * ks;
-        for (l = 0; l < lanes; l++) {
-            int v = s[l * ls];
-            sum[l] += v;
-            mpt__qgemm_put(dst, job->quads, w, k, l, v);
+    if (d->k && !d->trans_b) { /* rows of B are contiguous: read them in order */
+        int32_t sum[32] = {0}; /* NR ≤ 32 */
+        int64_t k;
+        for (k = 0; k < d->k; k++) {
+            const int8_t *row = d->b + k * ks + j0;
+            if (job->quads) {
+                uint8_t *g = dst + (k >> 2) * w * 4 + (k & 3);
+                for (l = 0; l < lanes; l++) {
+                    g[4 * l] = (uint8_t)row[l];
+                    sum[l] += row[l];
+                }
+            } else {
+                int16_t *g = (int16_t *)(void *)dst + (k >> 1) * w * 2 + (k & 1);
+                for (l = 0; l < lanes; l++) {
+                    g[2 * l] = row[l];
+                    sum[l] += row[l];
+                }
+            }
         }
+        for (l = 0; l < lanes; l++) job->colsum[j0 + l] = sum[l];
+        return;
     }
-    for (l = 0; l < lanes; l++) job->colsum[j0 + l] = sum[l];
+    for (l = 0; l < lanes; l++)
+        job->colsum[j0 + l] =
+            d->k ? mpt__qgemm_pack_lane(dst, job->quads, w, l,
+                                        (const uint8_t *)d->b + (j0 + l) * ls, ks, d->k, 0, 1)
+                 : 0;
 }
 
 /* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
@@ -3446,19 +3480,13 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
                               int32_t *rowsum) {
     const mpt_qgemm_desc *d = job->d;
     const int flip = d->a_unsigned ? 0 : 0x80; /* int8 a + 128 = its byte ^ 0x80 */
-    int64_t k;
     int i;
     memset(dst, 0, (size_t)(job->kg * job->mr * 4));
-    for (i = 0; i < mb; i++) {
-        const uint8_t *s = d->k ? (const uint8_t *)d->a + (ir + i) * d->lda : NULL;
-        int32_t sum = 0;
-        for (k = 0; k < d->k; k++) {
-            int u = s[k] ^ flip;
-            sum += u;
-            mpt__qgemm_put(dst, job->quads, job->mr, k, i, u);
-        }
-        rowsum[i] = sum;
-    }
+    for (i = 0; i < mb; i++)
+        rowsum[i] = d->k ? mpt__qgemm_pack_lane(dst, job->quads, job->mr, i,
+                                                (const uint8_t *)d->a + (ir + i) * d->lda, 1,
+                                                d->k, flip, 0)
+                         : 0;
 }
 
 /* Adds the zero-point terms and the bias to an mb×nb tile of raw sums

@@ -3335,7 +3335,8 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
    portable C 4×8. The raw sums go to an MR×NR int32 tile on the stack and
-   the scalar epilogue (zero points, bias, requantization) stores them.
+   the epilogue (zero points, bias, requantization) stores them, 8 columns
+   at a time in 64-bit lanes with AVX-512, else one by one.
    Tasks are rectangles of C, pulled by the pool's threads; B is packed
    before, so splitting rows costs nothing, and splitting columns repacks
    A. */
@@ -3358,6 +3359,7 @@ typedef struct mpt__qgemm_job {
     mpt__qgemm_kernel_fn kernel;
     int mr, nr;        /* micro-tile                                        */
     int quads;         /* groups of 4 bytes; else of 2 int16                */
+    int avx512_epilogue; /* store 8 columns at a time with AVX-512        */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -3489,6 +3491,62 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
                          : 0;
 }
 
+#if MPT__X86
+/* The epilogue below for 8 columns of one row, in 64-bit lanes: the same
+   integer steps, with vpsravq as the floor shifts and masks as the
+   branches (multipliers are positive, so INT32_MIN² never arises). */
+MPT__TARGET_AVX512 static void mpt__qgemm_store8_avx512(const mpt__qgemm_job *job,
+                                                        const int32_t *raw, int64_t row_term,
+                                                        int64_t i, int64_t n, int cnt) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask8 k = (__mmask8)((1u << cnt) - 1u);
+    const __m512i one = _mm512_set1_epi64(1);
+    __m512i v = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, raw));
+    __m512i cs = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, job->colsum + n));
+    __m512i m, sh, left, right, t, h, q, rem, thr, lo, hi;
+    v = _mm512_add_epi64(v, _mm512_set1_epi64(row_term));
+    v = _mm512_sub_epi64(v, _mm512_mul_epi32(cs, _mm512_set1_epi64(job->zu)));
+    if (d->bias) v = _mm512_add_epi64(v, _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, d->bias + n)));
+    v = _mm512_min_epi64(_mm512_max_epi64(v, _mm512_set1_epi64(INT32_MIN)),
+                         _mm512_set1_epi64(INT32_MAX));
+    if (d->c) {
+        _mm256_mask_storeu_epi32(d->c + i * d->ldc + n, k, _mm512_cvtepi64_epi32(v));
+        return;
+    }
+    if (d->per_channel) {
+        m = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, d->multiplier + n));
+        sh = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, d->shift + n));
+    } else {
+        m = _mm512_set1_epi64(d->multiplier[0]);
+        sh = _mm512_set1_epi64(d->shift[0]);
+    }
+    left = _mm512_max_epi64(sh, _mm512_setzero_si512());
+    right = _mm512_max_epi64(_mm512_sub_epi64(_mm512_setzero_si512(), sh), _mm512_setzero_si512());
+    /* x·2^left, saturated; the doubling high multiply with its nudge */
+    v = _mm512_min_epi64(_mm512_max_epi64(_mm512_sllv_epi64(v, left), _mm512_set1_epi64(INT32_MIN)),
+                         _mm512_set1_epi64(INT32_MAX));
+    t = _mm512_mul_epi32(v, m);
+    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_cmplt_epi64_mask(t, _mm512_setzero_si512()),
+                                                    _mm512_set1_epi64((int64_t)1 << 30),
+                                                    _mm512_set1_epi64(1 - ((int64_t)1 << 30))));
+    /* t / 2^31 truncated: add 2^31 − 1 to negative t, then shift */
+    h = _mm512_srai_epi64(
+        _mm512_add_epi64(t, _mm512_and_si512(_mm512_srai_epi64(t, 63),
+                                             _mm512_set1_epi64(((int64_t)1 << 31) - 1))), 31);
+    /* the rounding divide by 2^right: floor, then up past the threshold */
+    q = _mm512_srav_epi64(h, right);
+    rem = _mm512_sub_epi64(h, _mm512_sllv_epi64(q, right));
+    thr = _mm512_add_epi64(_mm512_srli_epi64(_mm512_sub_epi64(_mm512_sllv_epi64(one, right), one), 1),
+                           _mm512_srli_epi64(h, 63));
+    q = _mm512_mask_add_epi64(q, _mm512_cmpgt_epi64_mask(rem, thr), q, one);
+    q = _mm512_add_epi64(q, _mm512_set1_epi64(d->c_zero_point));
+    lo = _mm512_set1_epi64(d->c_min || d->c_max ? d->c_min : -128);
+    hi = _mm512_set1_epi64(d->c_min || d->c_max ? d->c_max : 127);
+    q = _mm512_min_epi64(_mm512_max_epi64(q, lo), hi);
+    _mm_mask_storeu_epi8(d->c_int8 + i * d->ldc + n, k, _mm512_cvtepi64_epi8(q));
+}
+#endif
+
 /* Adds the zero-point terms and the bias to an mb×nb tile of raw sums
    (row-major, NR wide) and stores it at C[i0..][j0..], as int32 or
    requantized to int8. */
@@ -3501,6 +3559,14 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
     int i, j;
     for (i = 0; i < mb; i++) {
         const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
+#if MPT__X86
+        if (job->avx512_epilogue) {
+            for (j = 0; j < nb; j += 8)
+                mpt__qgemm_store8_avx512(job, tile + i * job->nr + j, row_term, i0 + i, j0 + j,
+                                         MPT__MIN(8, nb - j));
+            continue;
+        }
+#endif
         for (j = 0; j < nb; j++) {
             const int64_t n = j0 + j;
             int64_t v = tile[i * job->nr + j] + row_term - zu * job->colsum[n];
@@ -3704,11 +3770,13 @@ static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
         job->kernel = mpt__qgemm_kernel_vnni;
         job->mr = 12;
         job->nr = 32;
+        job->avx512_epilogue = 1;
     } else if (cpu & MPT_CPU_AVX512) {
         job->kernel = mpt__qgemm_kernel_avx512;
         job->mr = 12;
         job->nr = 32;
         job->quads = 0;
+        job->avx512_epilogue = 1;
     } else if (cpu & MPT_CPU_AVX2) {
         job->kernel = mpt__qgemm_kernel_avx2;
         job->mr = 6;

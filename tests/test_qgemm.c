@@ -426,28 +426,37 @@ static void test_rounding_and_saturation(void) {
         {0, -(1 << 30), INT32_MAX, -31, 0, 0, 0, 0},
     };
     mpt_context *ctx = make_ctx(1, 0);
-    int i;
-    for (i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++) {
-        int got = requant_one(ctx, cases[i].a, cases[i].bias, cases[i].m, cases[i].s,
-                              cases[i].zp, cases[i].lo, cases[i].hi);
-        CHECK(got == cases[i].want, "case %d (a %d, bias %ld, shift %ld): got %d, want %d", i,
-              cases[i].a, (long)cases[i].bias, (long)cases[i].s, got, cases[i].want);
+    int i, p;
+    for (p = 0; p < N_PATHS; p++) { /* each path has its own epilogue */
+        mpt_context *pc = make_ctx(1, paths[p].disable);
+        for (i = 0; pc && i < (int)(sizeof cases / sizeof cases[0]); i++) {
+            int got = requant_one(pc, cases[i].a, cases[i].bias, cases[i].m, cases[i].s,
+                                  cases[i].zp, cases[i].lo, cases[i].hi);
+            CHECK(got == cases[i].want,
+                  "%s, case %d (a %d, bias %ld, shift %ld): got %d, want %d", paths[p].name, i,
+                  cases[i].a, (long)cases[i].bias, (long)cases[i].s, got, cases[i].want);
+        }
+        mpt_context_destroy(pc);
     }
-    {   /* int32 output: the bias add saturates instead of wrapping */
-        int8_t a = 127, b = 127;
-        int32_t bias = INT32_MAX - 5, c = POISON32;
+    for (p = 0; p < N_PATHS; p++) { /* int32 output: the bias add saturates, both ways */
+        mpt_context *pc = make_ctx(1, paths[p].disable);
+        int8_t a = 127, b[2] = {127, -128};
+        int32_t bias[2] = {INT32_MAX - 5, INT32_MIN + 5}, c[2] = {POISON32, POISON32};
         mpt_qgemm_desc d;
         memset(&d, 0, sizeof d);
-        d.m = d.n = d.k = 1;
+        d.m = d.k = 1;
+        d.n = 2;
         d.a = &a;
         d.lda = 1;
-        d.b = &b;
-        d.ldb = 1;
-        d.bias = &bias;
-        d.c = &c;
-        d.ldc = 1;
-        CHECK(mpt_qgemm(ctx, &d) == MPT_OK && c == INT32_MAX, "127·127 + 2^31 − 6 gave %ld",
-              (long)c);
+        d.b = b;
+        d.ldb = 2;
+        d.bias = bias;
+        d.c = c;
+        d.ldc = 2;
+        CHECK(pc && mpt_qgemm(pc, &d) == MPT_OK && c[0] == INT32_MAX && c[1] == INT32_MIN,
+              "%s: 127·127 + 2^31 − 6 gave %ld, 127·-128 − 2^31 + 5 gave %ld", paths[p].name,
+              (long)c[0], (long)c[1]);
+        mpt_context_destroy(pc);
     }
     mpt_context_destroy(ctx);
 }

@@ -3492,6 +3492,22 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
 }
 
 #if MPT__X86
+/* (The maskz forms with every lane set: g++ 12 warns about the
+   _mm512_undefined_* inside the plain vpmaxsq, vpsllvq, vpmuldq, ... ) */
+#define MPT__QGEMM_ALL ((__mmask8)0xff)
+
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_clamp_epi64(__m512i v, int64_t lo,
+                                                                            int64_t hi) {
+    v = _mm512_maskz_max_epi64(MPT__QGEMM_ALL, v, _mm512_set1_epi64(lo));
+    return _mm512_maskz_min_epi64(MPT__QGEMM_ALL, v, _mm512_set1_epi64(hi));
+}
+
+/* n int32 at p (n ≤ 8, the rest 0) in 64-bit lanes. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_load8(__mmask8 k,
+                                                                      const int32_t *p) {
+    return _mm512_maskz_cvtepi32_epi64(k, _mm256_maskz_loadu_epi32(k, p));
+}
+
 /* The epilogue below for 8 columns of one row, in 64-bit lanes: the same
    integer steps, with vpsravq as the floor shifts and masks as the
    branches (multipliers are positive, so INT32_MIN² never arises). */
@@ -3499,52 +3515,49 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store8_avx512(const mpt__qgemm_job *jo
                                                         const int32_t *raw, int64_t row_term,
                                                         int64_t i, int64_t n, int cnt) {
     const mpt_qgemm_desc *d = job->d;
-    const __mmask8 k = (__mmask8)((1u << cnt) - 1u);
-    const __m512i one = _mm512_set1_epi64(1);
-    __m512i v = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, raw));
-    __m512i cs = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, job->colsum + n));
-    __m512i m, sh, left, right, t, h, q, rem, thr, lo, hi;
+    const __mmask8 k = (__mmask8)((1u << cnt) - 1u), all = MPT__QGEMM_ALL;
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi64(1);
+    const __m512i zu = _mm512_set1_epi64(job->zu);
+    __m512i v = mpt__qgemm_load8(k, raw), m, sh, left, right, t, h, q, rem, half;
+    __mmask8 up;
     v = _mm512_add_epi64(v, _mm512_set1_epi64(row_term));
-    v = _mm512_sub_epi64(v, _mm512_mul_epi32(cs, _mm512_set1_epi64(job->zu)));
-    if (d->bias) v = _mm512_add_epi64(v, _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, d->bias + n)));
-    v = _mm512_min_epi64(_mm512_max_epi64(v, _mm512_set1_epi64(INT32_MIN)),
-                         _mm512_set1_epi64(INT32_MAX));
+    v = _mm512_sub_epi64(v, _mm512_maskz_mul_epi32(all, mpt__qgemm_load8(k, job->colsum + n), zu));
+    if (d->bias) v = _mm512_add_epi64(v, mpt__qgemm_load8(k, d->bias + n));
+    v = mpt__qgemm_clamp_epi64(v, INT32_MIN, INT32_MAX);
     if (d->c) {
-        _mm256_mask_storeu_epi32(d->c + i * d->ldc + n, k, _mm512_cvtepi64_epi32(v));
+        _mm256_mask_storeu_epi32(d->c + i * d->ldc + n, k, _mm512_maskz_cvtepi64_epi32(k, v));
         return;
     }
-    if (d->per_channel) {
-        m = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, d->multiplier + n));
-        sh = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, d->shift + n));
-    } else {
-        m = _mm512_set1_epi64(d->multiplier[0]);
-        sh = _mm512_set1_epi64(d->shift[0]);
-    }
-    left = _mm512_max_epi64(sh, _mm512_setzero_si512());
-    right = _mm512_max_epi64(_mm512_sub_epi64(_mm512_setzero_si512(), sh), _mm512_setzero_si512());
-    /* x·2^left, saturated; the doubling high multiply with its nudge */
-    v = _mm512_min_epi64(_mm512_max_epi64(_mm512_sllv_epi64(v, left), _mm512_set1_epi64(INT32_MIN)),
-                         _mm512_set1_epi64(INT32_MAX));
-    t = _mm512_mul_epi32(v, m);
-    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_cmplt_epi64_mask(t, _mm512_setzero_si512()),
+    m = d->per_channel ? mpt__qgemm_load8(k, d->multiplier + n)
+                       : _mm512_set1_epi64(d->multiplier[0]);
+    sh = d->per_channel ? mpt__qgemm_load8(k, d->shift + n) : _mm512_set1_epi64(d->shift[0]);
+    left = _mm512_maskz_max_epi64(all, sh, zero);
+    right = _mm512_maskz_max_epi64(all, _mm512_sub_epi64(zero, sh), zero);
+    /* x·2^left, saturated; then the doubling high multiply: the nudge, and
+       t / 2^31 truncated (2^31 − 1 added to a negative t before the shift) */
+    v = mpt__qgemm_clamp_epi64(_mm512_maskz_sllv_epi64(all, v, left), INT32_MIN, INT32_MAX);
+    t = _mm512_maskz_mul_epi32(all, v, m);
+    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_cmplt_epi64_mask(t, zero),
                                                     _mm512_set1_epi64((int64_t)1 << 30),
                                                     _mm512_set1_epi64(1 - ((int64_t)1 << 30))));
-    /* t / 2^31 truncated: add 2^31 − 1 to negative t, then shift */
-    h = _mm512_srai_epi64(
-        _mm512_add_epi64(t, _mm512_and_si512(_mm512_srai_epi64(t, 63),
-                                             _mm512_set1_epi64(((int64_t)1 << 31) - 1))), 31);
-    /* the rounding divide by 2^right: floor, then up past the threshold */
-    q = _mm512_srav_epi64(h, right);
-    rem = _mm512_sub_epi64(h, _mm512_sllv_epi64(q, right));
-    thr = _mm512_add_epi64(_mm512_srli_epi64(_mm512_sub_epi64(_mm512_sllv_epi64(one, right), one), 1),
-                           _mm512_srli_epi64(h, 63));
-    q = _mm512_mask_add_epi64(q, _mm512_cmpgt_epi64_mask(rem, thr), q, one);
+    t = _mm512_add_epi64(t, _mm512_and_si512(_mm512_maskz_srai_epi64(all, t, 63),
+                                             _mm512_set1_epi64(((int64_t)1 << 31) - 1)));
+    h = _mm512_maskz_srai_epi64(all, t, 31);
+    /* the rounding divide by 2^right: the floor, plus one past the
+       threshold (2^right − 1) / 2, + 1 for a negative h */
+    q = _mm512_maskz_srav_epi64(all, h, right);
+    rem = _mm512_sub_epi64(h, _mm512_maskz_sllv_epi64(all, q, right));
+    half = _mm512_sub_epi64(_mm512_maskz_sllv_epi64(all, one, right), one);
+    half = _mm512_maskz_srli_epi64(all, half, 1);
+    up = _mm512_cmpgt_epi64_mask(rem,
+                                 _mm512_add_epi64(half, _mm512_maskz_srli_epi64(all, h, 63)));
+    q = _mm512_mask_add_epi64(q, up, q, one);
     q = _mm512_add_epi64(q, _mm512_set1_epi64(d->c_zero_point));
-    lo = _mm512_set1_epi64(d->c_min || d->c_max ? d->c_min : -128);
-    hi = _mm512_set1_epi64(d->c_min || d->c_max ? d->c_max : 127);
-    q = _mm512_min_epi64(_mm512_max_epi64(q, lo), hi);
-    _mm_mask_storeu_epi8(d->c_int8 + i * d->ldc + n, k, _mm512_cvtepi64_epi8(q));
+    q = mpt__qgemm_clamp_epi64(q, d->c_min || d->c_max ? d->c_min : -128,
+                               d->c_min || d->c_max ? d->c_max : 127);
+    _mm_mask_storeu_epi8(d->c_int8 + i * d->ldc + n, k, _mm512_maskz_cvtepi64_epi8(k, q));
 }
+#undef MPT__QGEMM_ALL
 #endif
 
 /* Adds the zero-point terms and the bias to an mb×nb tile of raw sums

@@ -3416,7 +3416,23 @@ static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, con
     const int sign = is_signed ? 0x80 : 0; /* v − 2·(v & 0x80): the byte as int8 */
     int32_t sum = 0;
     int64_t k;
-    if (quads) {
+    if (quads && ks == 1) { /* contiguous depth: whole groups of 4 bytes */
+        const uint32_t flip4 = (uint32_t)flip * 0x01010101u;
+        const int64_t step = 4 * (int64_t)w, whole = n / 4;
+        uint8_t *d = panel + 4 * l;
+        int64_t g;
+        for (g = 0; g < whole; g++) {
+            uint32_t v;
+            memcpy(&v, s + 4 * g, 4);
+            v ^= flip4;
+            memcpy(d + g * step, &v, 4);
+        }
+        for (k = 4 * whole; k < n; k++) d[whole * step + (k & 3)] = (uint8_t)(s[k] ^ flip);
+        for (k = 0; k < n; k++) {
+            const int v = s[k] ^ flip;
+            sum += v - ((v & sign) << 1);
+        }
+    } else if (quads) {
         uint8_t *d = panel + 4 * l;
         const int64_t step = 4 * (int64_t)w; /* bytes per group of the panel */
         for (k = 0; k < n; k++) {

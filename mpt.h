@@ -3407,6 +3407,28 @@ static int32_t mpt__multiply_by_quantized_multiplier(int32_t x, int32_t m, int s
    Packing and the epilogue
    ----------------------------------------------------------------------------- */
 
+/* Σ of the n bytes s[k] ^ x, as unsigned: eight at a time in a uint64
+   whose four 16-bit fields gain at most 2·255 per word, folded every 128
+   words before they can overflow. */
+static int64_t mpt__qgemm_byte_sum(const uint8_t *s, int64_t n, int x) {
+    const uint64_t lo = 0x00ff00ff00ff00ffull, x8 = (uint64_t)x * 0x0101010101010101ull;
+    int64_t k = 0, total = 0;
+    while (n - k >= 8) {
+        const int64_t stop = k + 8 * MPT__MIN(128, (n - k) / 8);
+        uint64_t acc = 0;
+        for (; k < stop; k += 8) {
+            uint64_t w;
+            memcpy(&w, s + k, 8);
+            w ^= x8;
+            acc += (w & lo) + ((w >> 8) & lo);
+        }
+        total += (int64_t)((acc & 0xffff) + ((acc >> 16) & 0xffff) + ((acc >> 32) & 0xffff) +
+                           (acc >> 48));
+    }
+    for (; k < n; k++) total += s[k] ^ x;
+    return total;
+}
+
 /* Packs n depths of one lane (row of A, column of B), bytes s[k·ks] ^ flip,
    into lane l of a panel w lanes wide; returns their sum, as int8 values
    when is_signed, else as uint8. One loop per format, so that the hot
@@ -3428,10 +3450,8 @@ static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, con
             memcpy(d + g * step, &v, 4);
         }
         for (k = 4 * whole; k < n; k++) d[whole * step + (k & 3)] = (uint8_t)(s[k] ^ flip);
-        for (k = 0; k < n; k++) {
-            const int v = s[k] ^ flip;
-            sum += v - ((v & sign) << 1);
-        }
+        /* as int8, a byte v is (v ^ 0x80) − 128 */
+        sum = (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
     } else if (quads) {
         uint8_t *d = panel + 4 * l;
         const int64_t step = 4 * (int64_t)w; /* bytes per group of the panel */

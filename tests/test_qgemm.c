@@ -461,6 +461,65 @@ static void test_rounding_and_saturation(void) {
     mpt_context_destroy(ctx);
 }
 
+/* The largest sums: K = MPT_QGEMM_MAX_K with every factor at ±255
+   ((127 − (−128)) · (−128 − 127) and the like), which must stay exact in
+   int32 (65025 · 32768 = 2130739200 < 2^31), on every path and both
+   orientations of B; the byte sums of the packers see 32768 bytes of 0xff. */
+static void test_extremes(void) {
+    static const struct {
+        int a_unsigned, a, za, b, zb;
+    } cases[] = {
+        {0, 127, -128, -128, 127},
+        {0, -128, 127, 127, -128},
+        {1, 255, 0, -128, 127},
+        {1, 0, 255, 127, -128},
+    };
+    const int64_t m = 3, n = 5, k = MPT_QGEMM_MAX_K;
+    uint8_t *a = (uint8_t *)malloc((size_t)(m * k));
+    int8_t *b = (int8_t *)malloc((size_t)(k * n));
+    int32_t c[15];
+    int p, ci, tb, i;
+    for (p = 0; p < N_PATHS; p++) {
+        mpt_context *ctx = make_ctx(2, paths[p].disable);
+        test__begin();
+        if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+            SKIP("this CPU lacks the path");
+        } else {
+            for (ci = 0; ci < 4; ci++)
+                for (tb = 0; tb < 2; tb++) {
+                    const int64_t want = (int64_t)(cases[ci].a - cases[ci].za) *
+                                         (cases[ci].b - cases[ci].zb) * k;
+                    mpt_qgemm_desc d;
+                    memset(a, (uint8_t)cases[ci].a, (size_t)(m * k));
+                    memset(b, (uint8_t)cases[ci].b, (size_t)(k * n));
+                    memset(&d, 0, sizeof d);
+                    d.m = m;
+                    d.n = n;
+                    d.k = k;
+                    d.a = a;
+                    d.lda = k;
+                    d.a_unsigned = cases[ci].a_unsigned;
+                    d.a_zero_point = cases[ci].za;
+                    d.b = b;
+                    d.ldb = tb ? k : n;
+                    d.trans_b = tb;
+                    d.b_zero_point = cases[ci].zb;
+                    d.c = c;
+                    d.ldc = n;
+                    for (i = 0; i < 15; i++) c[i] = POISON32;
+                    CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
+                    for (i = 0; i < 15; i++)
+                        CHECK(c[i] == want, "case %d, trans_b %d: c[%d] = %ld, want %lld", ci, tb,
+                              i, (long)c[i], (long long)want);
+                }
+        }
+        test__end("qgemm K = MPT_QGEMM_MAX_K with ±255 factors exact, %s", paths[p].name);
+        mpt_context_destroy(ctx);
+    }
+    free(a);
+    free(b);
+}
+
 /* K = 0: C is the bias (or 0), requantized when asked; A and B unread. */
 static void test_empty_depth(void) {
     mpt_context *ctx = make_ctx(2, 0);
@@ -579,6 +638,7 @@ int main(void) {
     TEST_RUN(test_quantize_multiplier);
     TEST_RUN(test_rounding_and_saturation);
     TEST_RUN(test_empty_depth);
+    test_extremes();
     test_shapes();
     test_large();
     return test_summary("test_qgemm");

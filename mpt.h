@@ -3336,7 +3336,8 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
    portable C 4×8. The raw sums go to an MR×NR int32 tile on the stack and
    the epilogue (zero points, bias, requantization) stores them, 8 columns
-   at a time in 64-bit lanes with AVX-512, else one by one.
+   at a time with AVX-512 (in 64-bit lanes) or AVX2 (in 32-bit lanes),
+   else one by one.
    Tasks are rectangles of C, pulled by the pool's threads; B is packed
    before, so splitting rows costs nothing, and splitting columns repacks
    A. */
@@ -3359,7 +3360,6 @@ typedef struct mpt__qgemm_job {
     mpt__qgemm_kernel_fn kernel;
     int mr, nr;        /* micro-tile                                        */
     int quads;         /* groups of 4 bytes; else of 2 int16                */
-    int avx512_epilogue; /* store 8 columns at a time with AVX-512        */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -3594,6 +3594,84 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store8_avx512(const mpt__qgemm_job *jo
     _mm_mask_storeu_epi8(d->c_int8 + i * d->ldc + n, k, _mm512_maskz_cvtepi64_epi8(k, q));
 }
 #undef MPT__QGEMM_ALL
+
+/* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
+   truncated, in the low half of each 64-bit lane (a logical shift gives
+   the right low half, as the quotient fits in int32). */
+MPT__TARGET_AVX2 static MPT__ALWAYS_INLINE __m256i mpt__qgemm_high_mul_even_avx2(__m256i a,
+                                                                                  __m256i b) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i t = _mm256_mul_epi32(a, b);
+    t = _mm256_add_epi64(t, _mm256_blendv_epi8(_mm256_set1_epi64x((int64_t)1 << 30),
+                                               _mm256_set1_epi64x(1 - ((int64_t)1 << 30)),
+                                               _mm256_cmpgt_epi64(zero, t)));
+    t = _mm256_add_epi64(t, _mm256_and_si256(_mm256_cmpgt_epi64(zero, t),
+                                             _mm256_set1_epi64x(((int64_t)1 << 31) - 1)));
+    return _mm256_srli_epi64(t, 31);
+}
+
+/* The epilogue for 8 columns of one row with AVX2, in 32-bit lanes: the
+   sum without bias fits in int32, so wrapping arithmetic gets it exactly,
+   and the bias add saturates where the signs say it overflowed. */
+MPT__TARGET_AVX2 static void mpt__qgemm_store8_avx2(const mpt__qgemm_job *job, const int32_t *raw,
+                                                    int64_t row_term, int64_t i, int64_t n,
+                                                    int cnt) {
+    const mpt_qgemm_desc *d = job->d;
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const uint32_t row_low = (uint32_t)(uint64_t)row_term; /* row_term mod 2^32 */
+    int32_t row32, out[8];
+    __m256i x, m, sh, left, right, xl, h, q, mask, up;
+    int lo, hi, j;
+    memcpy(&row32, &row_low, 4);
+    x = _mm256_add_epi32(_mm256_maskload_epi32(raw, lanes), _mm256_set1_epi32(row32));
+    x = _mm256_sub_epi32(x, _mm256_mullo_epi32(_mm256_maskload_epi32(job->colsum + n, lanes),
+                                               _mm256_set1_epi32((int)job->zu)));
+    if (d->bias) {
+        const __m256i b = _mm256_maskload_epi32(d->bias + n, lanes);
+        const __m256i sum = _mm256_add_epi32(x, b);
+        const __m256i ovf = _mm256_and_si256(_mm256_xor_si256(x, sum), _mm256_xor_si256(b, sum));
+        const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(x, 31), _mm256_set1_epi32(INT32_MAX));
+        x = _mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31));
+    }
+    if (d->c) {
+        _mm256_maskstore_epi32(d->c + i * d->ldc + n, lanes, x);
+        return;
+    }
+    m = d->per_channel ? _mm256_maskload_epi32(d->multiplier + n, lanes)
+                       : _mm256_set1_epi32(d->multiplier[0]);
+    sh = d->per_channel ? _mm256_maskload_epi32(d->shift + n, lanes)
+                        : _mm256_set1_epi32(d->shift[0]);
+    left = _mm256_max_epi32(sh, zero);
+    right = _mm256_max_epi32(_mm256_sub_epi32(zero, sh), zero);
+    /* x·2^left, saturated where shifting back does not give x */
+    xl = _mm256_sllv_epi32(x, left);
+    xl = _mm256_blendv_epi8(
+        xl, _mm256_xor_si256(_mm256_srai_epi32(x, 31), _mm256_set1_epi32(INT32_MAX)),
+        _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srav_epi32(xl, left), x),
+                         _mm256_set1_epi32(-1)));
+    /* the doubling high multiply, even lanes and odd lanes */
+    h = _mm256_blend_epi32(
+        mpt__qgemm_high_mul_even_avx2(xl, m),
+        _mm256_slli_epi64(mpt__qgemm_high_mul_even_avx2(_mm256_srli_epi64(xl, 32),
+                                                        _mm256_srli_epi64(m, 32)), 32),
+        0xaa);
+    /* the rounding divide by 2^right: the floor, plus one past the
+       threshold (2^right − 1) / 2, + 1 for a negative h */
+    q = _mm256_srav_epi32(h, right);
+    mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, right), one);
+    up = _mm256_cmpgt_epi32(_mm256_and_si256(h, mask),
+                            _mm256_add_epi32(_mm256_srli_epi32(mask, 1), _mm256_srli_epi32(h, 31)));
+    q = _mm256_sub_epi32(q, up);
+    /* clamp(q + c_zero_point, lo, hi), clamping first so the add cannot wrap */
+    lo = d->c_min || d->c_max ? d->c_min : -128;
+    hi = d->c_min || d->c_max ? d->c_max : 127;
+    q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(lo - d->c_zero_point)),
+                         _mm256_set1_epi32(hi - d->c_zero_point));
+    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi32(q, _mm256_set1_epi32(d->c_zero_point)));
+    for (j = 0; j < cnt; j++) d->c_int8[i * d->ldc + n + j] = (int8_t)out[j];
+}
 #endif
 
 /* Adds the zero-point terms and the bias to an mb×nb tile of raw sums
@@ -3609,10 +3687,15 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
     for (i = 0; i < mb; i++) {
         const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
 #if MPT__X86
-        if (job->avx512_epilogue) {
-            for (j = 0; j < nb; j += 8)
-                mpt__qgemm_store8_avx512(job, tile + i * job->nr + j, row_term, i0 + i, j0 + j,
-                                         MPT__MIN(8, nb - j));
+        if (job->ctx->cpu & (MPT_CPU_AVX512 | MPT_CPU_AVX2)) {
+            for (j = 0; j < nb; j += 8) {
+                if (job->ctx->cpu & MPT_CPU_AVX512)
+                    mpt__qgemm_store8_avx512(job, tile + i * job->nr + j, row_term, i0 + i,
+                                             j0 + j, MPT__MIN(8, nb - j));
+                else
+                    mpt__qgemm_store8_avx2(job, tile + i * job->nr + j, row_term, i0 + i,
+                                           j0 + j, MPT__MIN(8, nb - j));
+            }
             continue;
         }
 #endif
@@ -3819,13 +3902,11 @@ static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
         job->kernel = mpt__qgemm_kernel_vnni;
         job->mr = 12;
         job->nr = 32;
-        job->avx512_epilogue = 1;
     } else if (cpu & MPT_CPU_AVX512) {
         job->kernel = mpt__qgemm_kernel_avx512;
         job->mr = 12;
         job->nr = 32;
         job->quads = 0;
-        job->avx512_epilogue = 1;
     } else if (cpu & MPT_CPU_AVX2) {
         job->kernel = mpt__qgemm_kernel_avx2;
         job->mr = 6;

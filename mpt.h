@@ -3632,7 +3632,8 @@ MPT__TARGET_AVX2 static void mpt__qgemm_store8_avx2(const mpt__qgemm_job *job, c
         const __m256i b = _mm256_maskload_epi32(d->bias + n, lanes);
         const __m256i sum = _mm256_add_epi32(x, b);
         const __m256i ovf = _mm256_and_si256(_mm256_xor_si256(x, sum), _mm256_xor_si256(b, sum));
-        const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(x, 31), _mm256_set1_epi32(INT32_MAX));
+        const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(x, 31),
+                                             _mm256_set1_epi32(INT32_MAX));
         x = _mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31));
     }
     if (d->c) {

@@ -3429,18 +3429,16 @@ static int64_t mpt__qgemm_byte_sum(const uint8_t *s, int64_t n, int x) {
     return total;
 }
 
-/* Packs n depths of one lane (row of A, column of B), bytes s[k·ks] ^ flip,
-   into lane l of a panel w lanes wide; returns their sum, as int8 values
-   when is_signed, else as uint8. One loop per format, so that the hot
-   loop has no branch but the sign's. */
+/* Packs one lane whose n depths are contiguous (a row of A, a column of a
+   transposed B), bytes s[k] ^ flip, into lane l of a panel w lanes wide;
+   returns their sum, as int8 values when is_signed, else as uint8. */
 static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, const uint8_t *s,
-                                    int64_t ks, int64_t n, int flip, int is_signed) {
-    const int sign = is_signed ? 0x80 : 0; /* v − 2·(v & 0x80): the byte as int8 */
-    int32_t sum = 0;
+                                    int64_t n, int flip, int is_signed) {
+    const int sign = is_signed ? 0x80 : 0; /* (v ^ sign) − sign is the byte v as int8 */
     int64_t k;
-    if (quads && ks == 1) { /* contiguous depth: whole groups of 4 bytes */
+    if (quads) { /* whole groups of 4 bytes */
         const uint32_t flip4 = (uint32_t)flip * 0x01010101u;
-        const int64_t step = 4 * (int64_t)w, whole = n / 4;
+        const int64_t step = 4 * (int64_t)w, whole = n / 4; /* bytes per group of the panel */
         uint8_t *d = panel + 4 * l;
         int64_t g;
         for (g = 0; g < whole; g++) {
@@ -3450,26 +3448,16 @@ static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, con
             memcpy(d + g * step, &v, 4);
         }
         for (k = 4 * whole; k < n; k++) d[whole * step + (k & 3)] = (uint8_t)(s[k] ^ flip);
-        /* as int8, a byte v is (v ^ 0x80) − 128 */
-        sum = (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
-    } else if (quads) {
-        uint8_t *d = panel + 4 * l;
-        const int64_t step = 4 * (int64_t)w; /* bytes per group of the panel */
-        for (k = 0; k < n; k++) {
-            const int v = s[k * ks] ^ flip;
-            d[(k >> 2) * step + (k & 3)] = (uint8_t)v;
-            sum += v - ((v & sign) << 1);
-        }
-    } else {
+    } else { /* pairs of int16 */
         int16_t *d = (int16_t *)(void *)panel + 2 * l;
         const int64_t step = 2 * (int64_t)w; /* int16 per group of the panel */
-        for (k = 0; k < n; k++) {
-            const int v = (s[k * ks] ^ flip) - (((s[k * ks] ^ flip) & sign) << 1);
-            d[(k >> 1) * step + (k & 1)] = (int16_t)v;
-            sum += v;
+        for (k = 0; k + 1 < n; k += 2) {
+            d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
+            d[(k >> 1) * step + 1] = (int16_t)(((s[k + 1] ^ flip) ^ sign) - sign);
         }
+        if (k < n) d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
     }
-    return sum;
+    return (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
 }
 
 /* Packs the B panel that starts at column panel·NR, and its column sums. */
@@ -3479,7 +3467,6 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
     const int64_t j0 = panel * job->nr;
     const int lanes = (int)MPT__MIN(job->nr, d->n - j0);
     const int w = lanes <= job->nr / 2 ? job->nr / 2 : job->nr;
-    const int64_t ls = d->trans_b ? d->ldb : 1, ks = d->trans_b ? 1 : d->ldb;
     uint8_t *dst = job->bpack + j0 * job->kg * 4;
     int l;
     (void)thread;
@@ -3488,7 +3475,7 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
         int32_t sum[32] = {0}; /* NR ≤ 32 */
         int64_t k;
         for (k = 0; k < d->k; k++) {
-            const int8_t *row = d->b + k * ks + j0;
+            const int8_t *row = d->b + k * d->ldb + j0;
             if (job->quads) {
                 uint8_t *g = dst + (k >> 2) * w * 4 + (k & 3);
                 for (l = 0; l < lanes; l++) {
@@ -3506,10 +3493,10 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
         for (l = 0; l < lanes; l++) job->colsum[j0 + l] = sum[l];
         return;
     }
-    for (l = 0; l < lanes; l++)
+    for (l = 0; l < lanes; l++) /* transposed B: its columns are contiguous */
         job->colsum[j0 + l] =
             d->k ? mpt__qgemm_pack_lane(dst, job->quads, w, l,
-                                        (const uint8_t *)d->b + (j0 + l) * ls, ks, d->k, 0, 1)
+                                        (const uint8_t *)d->b + (j0 + l) * d->ldb, d->k, 0, 1)
                  : 0;
 }
 
@@ -3522,7 +3509,7 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
     memset(dst, 0, (size_t)(job->kg * job->mr * 4));
     for (i = 0; i < mb; i++)
         rowsum[i] = d->k ? mpt__qgemm_pack_lane(dst, job->quads, job->mr, i,
-                                                (const uint8_t *)d->a + (ir + i) * d->lda, 1,
+                                                (const uint8_t *)d->a + (ir + i) * d->lda,
                                                 d->k, flip, 0)
                          : 0;
 }

@@ -349,8 +349,8 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *desc);
    The result is stored as int32 in c, or requantized into int8 in c_int8:
        q = clamp(MultiplyByQuantizedMultiplier(acc, multiplier, shift)
                  + c_zero_point, c_min, c_max)
-   with TFLite's rounding (a rounding doubling high multiply, then a
-   rounding right shift, ties away from zero); multiplier and shift come
+   with TFLite's rounding (a doubling high multiply that rounds ties up,
+   then a right shift that rounds ties away from zero); multiplier and shift come
    from mpt_quantize_multiplier(input_scale · weight_scale / output_scale).
    c_min/c_max give fused ReLU (c_min = c_zero_point) and ReLU6. Work is
    split over rows and columns, never over K, and the arithmetic is
@@ -3317,9 +3317,11 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
                                       = Σ_k u·B − zu·Σ_k B − zb·Σ_k u + K·zu·zb
 
    so the kernels compute only the raw Σ u·B (|u·B| ≤ 255·128, exact in
-   int32 up to K = 2^16), and the epilogue adds the rest in int64 from the
-   column sums of B (taken while packing B) and the row sums of u (taken
-   while packing A). Nothing is rounded anywhere, so every path agrees.
+   int32 up to K = 2^16), and the epilogue adds the rest from the column
+   sums of B (taken while packing B) and the row sums of u (taken while
+   packing A), in int64, or in wrapping int32 arithmetic, which is exact
+   because the result fits (MPT_QGEMM_MAX_K). Nothing is rounded before
+   the requantization, and it does the same integer steps on every path.
 
    PACKING. The depth is cut into groups that fill a 32-bit lane: 4 k as
    bytes for vpdpbusd (and the portable kernel), 2 k as int16 for the
@@ -3338,9 +3340,11 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    the epilogue (zero points, bias, requantization) stores them, 8 columns
    at a time with AVX-512 (in 64-bit lanes) or AVX2 (in 32-bit lanes),
    else one by one.
-   Tasks are rectangles of C, pulled by the pool's threads; B is packed
-   before, so splitting rows costs nothing, and splitting columns repacks
-   A. */
+
+   WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
+   is packed before them, so splitting rows costs nothing, and splitting
+   columns repacks A. Every element is computed by one task with integer
+   steps, so the thread count cannot change a bit. */
 
 #define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
 
@@ -3525,7 +3529,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_clamp_epi64(__m5
     return _mm512_maskz_min_epi64(MPT__QGEMM_ALL, v, _mm512_set1_epi64(hi));
 }
 
-/* n int32 at p (n ≤ 8, the rest 0) in 64-bit lanes. */
+/* The int32 at p in the lanes of k (the others 0), widened to 64 bits. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_load8(__mmask8 k,
                                                                       const int32_t *p) {
     return _mm512_maskz_cvtepi32_epi64(k, _mm256_maskz_loadu_epi32(k, p));
@@ -3807,7 +3811,8 @@ MPT__TARGET_AVX512 static void mpt__qgemm_kernel_avx512(int64_t kg, const uint8_
 }
 
 /* AVX-512 VNNI: 12×32, groups of 4 bytes; vpdpbusd adds four u8·s8
-   products to each int32 lane (without saturation). */
+   products to each int32 lane (without saturation): u = A + 128 times B,
+   whose zero points the epilogue takes out (ZERO POINTS above). */
 MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uint8_t *a,
                                                            const uint8_t *b, int bw,
                                                            int32_t *tile) {

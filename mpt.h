@@ -283,7 +283,8 @@ enum {
     MPT_CPU_AVX2 = 1 << 0,        /* AVX2 + FMA                    */
     MPT_CPU_F16C = 1 << 1,        /* float16 <-> float32 conversion */
     MPT_CPU_AVX512 = 1 << 2,      /* AVX-512 F, BW, DQ, VL          */
-    MPT_CPU_AVX512_BF16 = 1 << 3  /* AVX-512 BF16 dot products      */
+    MPT_CPU_AVX512_BF16 = 1 << 3, /* AVX-512 BF16 dot products      */
+    MPT_CPU_AVX512_VNNI = 1 << 4  /* AVX-512 int8 dot products      */
 };
 
 /* Which GEMM a CUDA context runs: the hand-written tensor-core kernel in
@@ -434,6 +435,66 @@ typedef struct mpt_gemm_desc {
 } mpt_gemm_desc;
 
 MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *desc);
+
+/* -----------------------------------------------------------------------------
+   The int8 matrix product (integer inference, as TFLite and gemmlowp do it)
+
+       C[m][n] = Σ_k (A[m][k] − a_zero_point) · (B[k][n] − b_zero_point) + bias[n]
+
+   A is M×K row-major, int8 (or uint8 with a_unsigned), the activations;
+   B holds the weights, K×N (a Dense kernel, in × units) or, with trans_b,
+   N×K (TFLite's FULLY_CONNECTED weights [out, in], or Conv2D filters
+   [out, h·w·in] against an im2col A). The sum is exact in int32: K is at
+   most MPT_QGEMM_MAX_K, which keeps |Σ| ≤ 255·255·K below 2^31 for every
+   pair of zero points; adding the bias saturates to int32.
+
+   The result is stored as int32 in c, or requantized into int8 in c_int8:
+       q = clamp(MultiplyByQuantizedMultiplier(acc, multiplier, shift)
+                 + c_zero_point, c_min, c_max)
+   with TFLite's rounding (a doubling high multiply that rounds ties up,
+   then a right shift that rounds ties away from zero); multiplier and shift come
+   from mpt_quantize_multiplier(input_scale · weight_scale / output_scale).
+   c_min/c_max give fused ReLU (c_min = c_zero_point) and ReLU6. Work is
+   split over rows and columns, never over K, and the arithmetic is
+   integer, so the result is the same bit for bit on every thread count
+   and SIMD path (AVX-512 VNNI, AVX-512, AVX2, portable C). A call
+   allocates the packed copy of B (K·N bytes, twice that without VNNI).
+   ----------------------------------------------------------------------------- */
+
+#define MPT_QGEMM_MAX_K 32768 /* 255·255·32768 < 2^31 */
+
+typedef struct mpt_qgemm_desc {
+    int64_t m, n, k;
+    const void *a; int64_t lda;   /* M×K int8 (uint8 with a_unsigned), row-major */
+    int a_unsigned;               /* default 0: A is int8                       */
+    int32_t a_zero_point;         /* default 0; in [-128, 127] ([0, 255] uint8)  */
+    const int8_t *b; int64_t ldb; /* K×N, or N×K with trans_b                   */
+    int trans_b;                  /* default 0: B is K×N                        */
+    int32_t b_zero_point;         /* default 0 (symmetric weights); [-128, 127]  */
+    const int32_t *bias;          /* default NULL; else n values added per row   */
+    /* Exactly one of c and c_int8, both with leading dimension ldc. */
+    int32_t *c;                   /* default NULL; the int32 result             */
+    int8_t *c_int8;               /* default NULL; the requantized result       */
+    int64_t ldc;
+    /* Requantization (c_int8 only): positive multipliers, shifts in
+       [-31, 30] (positive: left), one per column with per_channel. */
+    const int32_t *multiplier;    /* default NULL (required with c_int8)        */
+    const int32_t *shift;         /* default NULL (required with c_int8)        */
+    int per_channel;              /* default 0: multiplier[0], shift[0] for all  */
+    int32_t c_zero_point;         /* default 0; in [-128, 127]                  */
+    int32_t c_min, c_max;         /* default (both 0): [-128, 127]              */
+} mpt_qgemm_desc;
+
+MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *desc);
+
+/* TFLite's QuantizeMultiplier: real ≈ multiplier · 2^(shift − 31), with
+   multiplier in [2^30, 2^31) rounded to nearest (ties away from zero) and
+   shift ≤ 30 (larger reals saturate to 2^31 − 1, 30). 0.5 gives (2^30, 0),
+   1 gives (2^30, 1), 0.25 gives (2^30, -1). A real that is not positive
+   and finite, or so small (below about 2^-32) that it would round to a zero
+   multiplier, is refused. */
+MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t *multiplier,
+                                          int32_t *shift);
 
 /* =============================================================================
    @rng: counter-based random numbers (Philox4x32-10)
@@ -1729,6 +1790,7 @@ static int mpt__detect_cpu(void) {
         (f & MPT_CPU_AVX2) && (f & MPT_CPU_F16C))
         f |= MPT_CPU_AVX512;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512bf16")) f |= MPT_CPU_AVX512_BF16;
+    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= MPT_CPU_AVX512_VNNI;
 #endif
     return f;
 }
@@ -3383,6 +3445,778 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
                                            d->ldb, "ldb"));
     }
     mpt__gemm(ctx, d);
+    return MPT_OK;
+}
+
+/* -----------------------------------------------------------------------------
+   The int8 matrix product (mpt_qgemm)
+
+   ZERO POINTS. The fast kernels multiply unsigned by signed bytes (the
+   operand types of vpdpbusd), so A is shifted to u = A + o, o = 128 for
+   int8 A (the byte with its top bit flipped) and 0 for uint8, and its zero
+   point with it: zu = a_zero_point + o, in [0, 255]. With zb = b_zero_point,
+
+       Σ_k (A − a_zero_point)(B − zb) = Σ_k (u − zu)(B − zb)
+                                      = Σ_k u·B − zu·Σ_k B − zb·Σ_k u + K·zu·zb
+
+   so the kernels compute only the raw Σ u·B (|u·B| ≤ 255·128, exact in
+   int32 up to K = 2^16), and the epilogue adds the rest from the column
+   sums of B (taken while packing B) and the row sums of u (taken while
+   packing A), in int64, or in wrapping int32 arithmetic, which is exact
+   because the result fits (MPT_QGEMM_MAX_K). Nothing is rounded before
+   the requantization, and it does the same integer steps on every path.
+
+   PACKING. The depth is cut into groups that fill a 32-bit lane: 4 k as
+   bytes for vpdpbusd (and the portable kernel), 2 k as int16 for the
+   AVX-512 and AVX2 kernels, whose vpmaddwd multiplies and adds pairs of
+   int16 exactly (vpmaddubsw would saturate its int16 pair sums). B is
+   packed once per call, whole (K ≤ MPT_QGEMM_MAX_K), in panels of NR
+   columns × every group, [group][column][4 bytes | 2 int16], zero-padded;
+   a last panel of at most NR/2 columns is packed NR/2 wide. Each task
+   packs an MR-row panel of A, [group][row][...], into its thread's scratch
+   (at most 768 KiB) and runs the micro-kernel over its columns.
+
+   TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
+   multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
+   are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
+   portable C 4×8. The raw sums go to an MR×NR int32 tile on the stack and
+   the epilogue (zero points, bias, requantization) stores them, 8 columns
+   at a time with AVX-512 (in 64-bit lanes) or AVX2 (in 32-bit lanes),
+   else one by one.
+
+   WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
+   is packed before them, so splitting rows costs nothing, and splitting
+   columns repacks A. Every element is computed by one task with integer
+   steps, so the thread count cannot change a bit. */
+
+#define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
+
+#if MPT__X86
+#define MPT__TARGET_AVX512_VNNI \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
+#endif
+
+/* kg: depth groups; a: packed A panel (kg × MR groups); b: packed B panel
+   (kg × bw groups), bw = NR or NR/2; tile: MR×NR raw int32 sums, row-major. */
+typedef void (*mpt__qgemm_kernel_fn)(int64_t kg, const uint8_t *a, const uint8_t *b, int bw,
+                                     int32_t *tile);
+
+typedef struct mpt__qgemm_job {
+    const mpt_qgemm_desc *d;
+    mpt_context *ctx;
+    mpt__qgemm_kernel_fn kernel;
+    int mr, nr;        /* micro-tile                                        */
+    int quads;         /* groups of 4 bytes; else of 2 int16                */
+    int64_t kg;        /* depth groups                                      */
+    int64_t zu;        /* A's zero point, shifted with A to uint8           */
+    uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
+    int32_t *colsum;   /* (n) Σ_k B[k][n]                                   */
+    int64_t task_rows, task_cols, tasks_n;
+} mpt__qgemm_job;
+
+/* -----------------------------------------------------------------------------
+   TFLite's fixed-point requantization (gemmlowp's rounding rules)
+   ----------------------------------------------------------------------------- */
+
+static int32_t mpt__saturate_i32(int64_t v) {
+    return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v;
+}
+
+/* SaturatingRoundingDoublingHighMul: (a·b + 2^30) / 2^31 rounded to
+   nearest, ties toward +∞ (the nudge, then C's truncating division); the
+   one overflowing case, INT32_MIN², saturates. */
+static int32_t mpt__rounding_doubling_high_mul(int32_t a, int32_t b) {
+    const int64_t ab = (int64_t)a * b;
+    const int64_t nudge = ab >= 0 ? (int64_t)1 << 30 : 1 - ((int64_t)1 << 30);
+    if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
+    return (int32_t)((ab + nudge) / ((int64_t)1 << 31)); /* a constant: no division */
+}
+
+/* RoundingDivideByPOT: x / 2^e rounded to nearest, ties away from zero
+   (the floor quotient, plus one when the remainder passes the threshold). */
+static int32_t mpt__rounding_divide_by_pot(int32_t x, int e) {
+    const int64_t p = (int64_t)1 << e;
+    /* floor(x / 2^e), shifting the non-negative x + 2^31 (e ≤ 31): no branch */
+    const int64_t q = (((int64_t)x + ((int64_t)1 << 31)) >> e) - (((int64_t)1 << 31) >> e);
+    const int64_t rem = x - q * p;
+    return (int32_t)(q + (rem > ((p - 1) >> 1) + (x < 0 ? 1 : 0)));
+}
+
+/* MultiplyByQuantizedMultiplier: x · m · 2^(shift − 31), shift in [-31, 30].
+   Where TFLite's x·2^shift would overflow int32, it saturates here. */
+static int32_t mpt__multiply_by_quantized_multiplier(int32_t x, int32_t m, int shift) {
+    const int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
+    const int32_t xl = mpt__saturate_i32((int64_t)x * ((int64_t)1 << left));
+    return mpt__rounding_divide_by_pot(mpt__rounding_doubling_high_mul(xl, m), right);
+}
+
+/* -----------------------------------------------------------------------------
+   Packing and the epilogue
+   ----------------------------------------------------------------------------- */
+
+/* Σ of the n bytes s[k] ^ x, as unsigned: eight at a time in a uint64
+   whose four 16-bit fields gain at most 2·255 per word, folded every 128
+   words before they can overflow. */
+static int64_t mpt__qgemm_byte_sum(const uint8_t *s, int64_t n, int x) {
+    const uint64_t lo = 0x00ff00ff00ff00ffull, x8 = (uint64_t)x * 0x0101010101010101ull;
+    int64_t k = 0, total = 0;
+    while (n - k >= 8) {
+        const int64_t stop = k + 8 * MPT__MIN(128, (n - k) / 8);
+        uint64_t acc = 0;
+        for (; k < stop; k += 8) {
+            uint64_t w;
+            memcpy(&w, s + k, 8);
+            w ^= x8;
+            acc += (w & lo) + ((w >> 8) & lo);
+        }
+        total += (int64_t)((acc & 0xffff) + ((acc >> 16) & 0xffff) + ((acc >> 32) & 0xffff) +
+                           (acc >> 48));
+    }
+    for (; k < n; k++) total += s[k] ^ x;
+    return total;
+}
+
+/* Packs one lane whose n depths are contiguous (a row of A, a column of a
+   transposed B), bytes s[k] ^ flip, into lane l of a panel w lanes wide;
+   returns their sum, as int8 values when is_signed, else as uint8. */
+static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, const uint8_t *s,
+                                    int64_t n, int flip, int is_signed) {
+    const int sign = is_signed ? 0x80 : 0; /* (v ^ sign) − sign is the byte v as int8 */
+    int64_t k;
+    if (quads) { /* whole groups of 4 bytes */
+        const uint32_t flip4 = (uint32_t)flip * 0x01010101u;
+        const int64_t step = 4 * (int64_t)w, whole = n / 4; /* bytes per group of the panel */
+        uint8_t *d = panel + 4 * l;
+        int64_t g;
+        for (g = 0; g < whole; g++) {
+            uint32_t v;
+            memcpy(&v, s + 4 * g, 4);
+            v ^= flip4;
+            memcpy(d + g * step, &v, 4);
+        }
+        for (k = 4 * whole; k < n; k++) d[whole * step + (k & 3)] = (uint8_t)(s[k] ^ flip);
+    } else { /* pairs of int16 */
+        int16_t *d = (int16_t *)(void *)panel + 2 * l;
+        const int64_t step = 2 * (int64_t)w; /* int16 per group of the panel */
+        for (k = 0; k + 1 < n; k += 2) {
+            d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
+            d[(k >> 1) * step + 1] = (int16_t)(((s[k + 1] ^ flip) ^ sign) - sign);
+        }
+        if (k < n) d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
+    }
+    return (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
+}
+
+/* Packs the B panel that starts at column panel·NR, and its column sums. */
+static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
+    const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
+    const mpt_qgemm_desc *d = job->d;
+    const int64_t j0 = panel * job->nr;
+    const int lanes = (int)MPT__MIN(job->nr, d->n - j0);
+    const int w = lanes <= job->nr / 2 ? job->nr / 2 : job->nr;
+    uint8_t *dst = job->bpack + j0 * job->kg * 4;
+    int l;
+    (void)thread;
+    memset(dst, 0, (size_t)(job->kg * w * 4));
+    if (d->k && !d->trans_b) { /* rows of B are contiguous: read them in order */
+        int32_t sum[32] = {0}; /* NR ≤ 32 */
+        int64_t k;
+        for (k = 0; k < d->k; k++) {
+            const int8_t *row = d->b + k * d->ldb + j0;
+            if (job->quads) {
+                uint8_t *g = dst + (k >> 2) * w * 4 + (k & 3);
+                for (l = 0; l < lanes; l++) {
+                    g[4 * l] = (uint8_t)row[l];
+                    sum[l] += row[l];
+                }
+            } else {
+                int16_t *g = (int16_t *)(void *)dst + (k >> 1) * w * 2 + (k & 1);
+                for (l = 0; l < lanes; l++) {
+                    g[2 * l] = row[l];
+                    sum[l] += row[l];
+                }
+            }
+        }
+        for (l = 0; l < lanes; l++) job->colsum[j0 + l] = sum[l];
+        return;
+    }
+    for (l = 0; l < lanes; l++) /* transposed B: its columns are contiguous */
+        job->colsum[j0 + l] =
+            d->k ? mpt__qgemm_pack_lane(dst, job->quads, w, l,
+                                        (const uint8_t *)d->b + (j0 + l) * d->ldb, d->k, 0, 1)
+                 : 0;
+}
+
+/* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
+static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t ir, int mb,
+                              int32_t *rowsum) {
+    const mpt_qgemm_desc *d = job->d;
+    const int flip = d->a_unsigned ? 0 : 0x80; /* int8 a + 128 = its byte ^ 0x80 */
+    int i;
+    memset(dst, 0, (size_t)(job->kg * job->mr * 4));
+    for (i = 0; i < mb; i++)
+        rowsum[i] = d->k ? mpt__qgemm_pack_lane(dst, job->quads, job->mr, i,
+                                                (const uint8_t *)d->a + (ir + i) * d->lda,
+                                                d->k, flip, 0)
+                         : 0;
+}
+
+#if MPT__X86
+/* (The maskz forms with every lane set: g++ 12 warns about the
+   _mm512_undefined_* inside the plain vpmaxsq, vpsllvq, vpmuldq, ... ) */
+#define MPT__QGEMM_ALL ((__mmask8)0xff)
+
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_clamp_epi64(__m512i v, int64_t lo,
+                                                                            int64_t hi) {
+    v = _mm512_maskz_max_epi64(MPT__QGEMM_ALL, v, _mm512_set1_epi64(lo));
+    return _mm512_maskz_min_epi64(MPT__QGEMM_ALL, v, _mm512_set1_epi64(hi));
+}
+
+/* The int32 at p in the lanes of k (the others 0), widened to 64 bits. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_load8(__mmask8 k,
+                                                                      const int32_t *p) {
+    return _mm512_maskz_cvtepi32_epi64(k, _mm256_maskz_loadu_epi32(k, p));
+}
+
+/* The epilogue below for 8 columns of one row, in 64-bit lanes: the same
+   integer steps, with vpsravq as the floor shifts and masks as the
+   branches (multipliers are positive, so INT32_MIN² never arises). */
+MPT__TARGET_AVX512 static void mpt__qgemm_store8_avx512(const mpt__qgemm_job *job,
+                                                        const int32_t *raw, int64_t row_term,
+                                                        int64_t i, int64_t n, int cnt) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask8 k = (__mmask8)((1u << cnt) - 1u), all = MPT__QGEMM_ALL;
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi64(1);
+    const __m512i zu = _mm512_set1_epi64(job->zu);
+    __m512i v = mpt__qgemm_load8(k, raw), m, sh, left, right, t, h, q, rem, half;
+    __mmask8 up;
+    v = _mm512_add_epi64(v, _mm512_set1_epi64(row_term));
+    v = _mm512_sub_epi64(v, _mm512_maskz_mul_epi32(all, mpt__qgemm_load8(k, job->colsum + n), zu));
+    if (d->bias) v = _mm512_add_epi64(v, mpt__qgemm_load8(k, d->bias + n));
+    v = mpt__qgemm_clamp_epi64(v, INT32_MIN, INT32_MAX);
+    if (d->c) {
+        _mm256_mask_storeu_epi32(d->c + i * d->ldc + n, k, _mm512_maskz_cvtepi64_epi32(k, v));
+        return;
+    }
+    m = d->per_channel ? mpt__qgemm_load8(k, d->multiplier + n)
+                       : _mm512_set1_epi64(d->multiplier[0]);
+    sh = d->per_channel ? mpt__qgemm_load8(k, d->shift + n) : _mm512_set1_epi64(d->shift[0]);
+    left = _mm512_maskz_max_epi64(all, sh, zero);
+    right = _mm512_maskz_max_epi64(all, _mm512_sub_epi64(zero, sh), zero);
+    /* x·2^left, saturated; then the doubling high multiply: the nudge, and
+       t / 2^31 truncated (2^31 − 1 added to a negative t before the shift) */
+    v = mpt__qgemm_clamp_epi64(_mm512_maskz_sllv_epi64(all, v, left), INT32_MIN, INT32_MAX);
+    t = _mm512_maskz_mul_epi32(all, v, m);
+    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_cmplt_epi64_mask(t, zero),
+                                                    _mm512_set1_epi64((int64_t)1 << 30),
+                                                    _mm512_set1_epi64(1 - ((int64_t)1 << 30))));
+    t = _mm512_add_epi64(t, _mm512_and_si512(_mm512_maskz_srai_epi64(all, t, 63),
+                                             _mm512_set1_epi64(((int64_t)1 << 31) - 1)));
+    h = _mm512_maskz_srai_epi64(all, t, 31);
+    /* the rounding divide by 2^right: the floor, plus one past the
+       threshold (2^right − 1) / 2, + 1 for a negative h */
+    q = _mm512_maskz_srav_epi64(all, h, right);
+    rem = _mm512_sub_epi64(h, _mm512_maskz_sllv_epi64(all, q, right));
+    half = _mm512_sub_epi64(_mm512_maskz_sllv_epi64(all, one, right), one);
+    half = _mm512_maskz_srli_epi64(all, half, 1);
+    up = _mm512_cmpgt_epi64_mask(rem,
+                                 _mm512_add_epi64(half, _mm512_maskz_srli_epi64(all, h, 63)));
+    q = _mm512_mask_add_epi64(q, up, q, one);
+    q = _mm512_add_epi64(q, _mm512_set1_epi64(d->c_zero_point));
+    q = mpt__qgemm_clamp_epi64(q, d->c_min || d->c_max ? d->c_min : -128,
+                               d->c_min || d->c_max ? d->c_max : 127);
+    _mm_mask_storeu_epi8(d->c_int8 + i * d->ldc + n, k, _mm512_maskz_cvtepi64_epi8(k, q));
+}
+#undef MPT__QGEMM_ALL
+
+/* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
+   truncated, in the low half of each 64-bit lane (a logical shift gives
+   the right low half, as the quotient fits in int32). */
+MPT__TARGET_AVX2 static MPT__ALWAYS_INLINE __m256i mpt__qgemm_high_mul_even_avx2(__m256i a,
+                                                                                  __m256i b) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i t = _mm256_mul_epi32(a, b);
+    t = _mm256_add_epi64(t, _mm256_blendv_epi8(_mm256_set1_epi64x((int64_t)1 << 30),
+                                               _mm256_set1_epi64x(1 - ((int64_t)1 << 30)),
+                                               _mm256_cmpgt_epi64(zero, t)));
+    t = _mm256_add_epi64(t, _mm256_and_si256(_mm256_cmpgt_epi64(zero, t),
+                                             _mm256_set1_epi64x(((int64_t)1 << 31) - 1)));
+    return _mm256_srli_epi64(t, 31);
+}
+
+/* The epilogue for 8 columns of one row with AVX2, in 32-bit lanes: the
+   sum without bias fits in int32, so wrapping arithmetic gets it exactly,
+   and the bias add saturates where the signs say it overflowed. */
+MPT__TARGET_AVX2 static void mpt__qgemm_store8_avx2(const mpt__qgemm_job *job, const int32_t *raw,
+                                                    int64_t row_term, int64_t i, int64_t n,
+                                                    int cnt) {
+    const mpt_qgemm_desc *d = job->d;
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const uint32_t row_low = (uint32_t)(uint64_t)row_term; /* row_term mod 2^32 */
+    int32_t row32, out[8];
+    __m256i x, m, sh, left, right, xl, h, q, mask, up;
+    int lo, hi, j;
+    memcpy(&row32, &row_low, 4);
+    x = _mm256_add_epi32(_mm256_maskload_epi32(raw, lanes), _mm256_set1_epi32(row32));
+    x = _mm256_sub_epi32(x, _mm256_mullo_epi32(_mm256_maskload_epi32(job->colsum + n, lanes),
+                                               _mm256_set1_epi32((int)job->zu)));
+    if (d->bias) {
+        const __m256i b = _mm256_maskload_epi32(d->bias + n, lanes);
+        const __m256i sum = _mm256_add_epi32(x, b);
+        const __m256i ovf = _mm256_and_si256(_mm256_xor_si256(x, sum), _mm256_xor_si256(b, sum));
+        const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(x, 31),
+                                             _mm256_set1_epi32(INT32_MAX));
+        x = _mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31));
+    }
+    if (d->c) {
+        _mm256_maskstore_epi32(d->c + i * d->ldc + n, lanes, x);
+        return;
+    }
+    m = d->per_channel ? _mm256_maskload_epi32(d->multiplier + n, lanes)
+                       : _mm256_set1_epi32(d->multiplier[0]);
+    sh = d->per_channel ? _mm256_maskload_epi32(d->shift + n, lanes)
+                        : _mm256_set1_epi32(d->shift[0]);
+    left = _mm256_max_epi32(sh, zero);
+    right = _mm256_max_epi32(_mm256_sub_epi32(zero, sh), zero);
+    /* x·2^left, saturated where shifting back does not give x */
+    xl = _mm256_sllv_epi32(x, left);
+    xl = _mm256_blendv_epi8(
+        xl, _mm256_xor_si256(_mm256_srai_epi32(x, 31), _mm256_set1_epi32(INT32_MAX)),
+        _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srav_epi32(xl, left), x),
+                         _mm256_set1_epi32(-1)));
+    /* the doubling high multiply, even lanes and odd lanes */
+    h = _mm256_blend_epi32(
+        mpt__qgemm_high_mul_even_avx2(xl, m),
+        _mm256_slli_epi64(mpt__qgemm_high_mul_even_avx2(_mm256_srli_epi64(xl, 32),
+                                                        _mm256_srli_epi64(m, 32)), 32),
+        0xaa);
+    /* the rounding divide by 2^right: the floor, plus one past the
+       threshold (2^right − 1) / 2, + 1 for a negative h */
+    q = _mm256_srav_epi32(h, right);
+    mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, right), one);
+    up = _mm256_cmpgt_epi32(_mm256_and_si256(h, mask),
+                            _mm256_add_epi32(_mm256_srli_epi32(mask, 1), _mm256_srli_epi32(h, 31)));
+    q = _mm256_sub_epi32(q, up);
+    /* clamp(q + c_zero_point, lo, hi), clamping first so the add cannot wrap */
+    lo = d->c_min || d->c_max ? d->c_min : -128;
+    hi = d->c_min || d->c_max ? d->c_max : 127;
+    q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(lo - d->c_zero_point)),
+                         _mm256_set1_epi32(hi - d->c_zero_point));
+    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi32(q, _mm256_set1_epi32(d->c_zero_point)));
+    for (j = 0; j < cnt; j++) d->c_int8[i * d->ldc + n + j] = (int8_t)out[j];
+}
+#endif
+
+/* Adds the zero-point terms and the bias to an mb×nb tile of raw sums
+   (row-major, NR wide) and stores it at C[i0..][j0..], as int32 or
+   requantized to int8. */
+static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
+                             const int32_t *rowsum, int64_t i0, int64_t j0, int mb, int nb) {
+    const mpt_qgemm_desc *d = job->d;
+    const int64_t zu = job->zu, zb = d->b_zero_point;
+    const int32_t lo = d->c_min || d->c_max ? d->c_min : -128;
+    const int32_t hi = d->c_min || d->c_max ? d->c_max : 127;
+    int i, j;
+    for (i = 0; i < mb; i++) {
+        const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
+#if MPT__X86
+        if (job->ctx->cpu & (MPT_CPU_AVX512 | MPT_CPU_AVX2)) {
+            for (j = 0; j < nb; j += 8) {
+                if (job->ctx->cpu & MPT_CPU_AVX512)
+                    mpt__qgemm_store8_avx512(job, tile + i * job->nr + j, row_term, i0 + i,
+                                             j0 + j, MPT__MIN(8, nb - j));
+                else
+                    mpt__qgemm_store8_avx2(job, tile + i * job->nr + j, row_term, i0 + i,
+                                           j0 + j, MPT__MIN(8, nb - j));
+            }
+            continue;
+        }
+#endif
+        for (j = 0; j < nb; j++) {
+            const int64_t n = j0 + j;
+            int64_t v = tile[i * job->nr + j] + row_term - zu * job->colsum[n];
+            int32_t acc;
+            if (d->bias) v += d->bias[n];
+            acc = mpt__saturate_i32(v);
+            if (d->c) {
+                d->c[(i0 + i) * d->ldc + n] = acc;
+            } else {
+                const int64_t ch = d->per_channel ? n : 0;
+                int64_t q = (int64_t)mpt__multiply_by_quantized_multiplier(
+                                acc, d->multiplier[ch], (int)d->shift[ch]) + d->c_zero_point;
+                d->c_int8[(i0 + i) * d->ldc + n] = (int8_t)(q < lo ? lo : q > hi ? hi : q);
+            }
+        }
+    }
+}
+
+/* -----------------------------------------------------------------------------
+   Micro-kernels: raw Σ u·B over kg groups into an MR×NR tile
+   ----------------------------------------------------------------------------- */
+
+/* Portable: 4×8, groups of 4 bytes. */
+static void mpt__qgemm_kernel_scalar(int64_t kg, const uint8_t *a, const uint8_t *bv, int bw,
+                                     int32_t *tile) {
+    const int8_t *b = (const int8_t *)bv;
+    int32_t acc[4][8];
+    int64_t g;
+    int i, j;
+    memset(acc, 0, sizeof acc);
+    for (g = 0; g < kg; g++, a += 16, b += bw * 4)
+        for (i = 0; i < 4; i++) {
+            const uint8_t *ai = a + 4 * i;
+            for (j = 0; j < bw; j++) {
+                const int8_t *bj = b + 4 * j;
+                acc[i][j] += ai[0] * bj[0] + ai[1] * bj[1] + ai[2] * bj[2] + ai[3] * bj[3];
+            }
+        }
+    for (i = 0; i < 4; i++) memcpy(tile + i * 8, acc[i], sizeof acc[i]);
+}
+
+#if MPT__X86
+/* The 32-bit group at p (packed panels are byte arrays: memcpy, not a cast). */
+static inline int32_t mpt__qgemm_group(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* AVX2: 6×16, groups of 2 int16; vpmaddwd gives a[k]·b[k] + a[k+1]·b[k+1]
+   per 32-bit lane. */
+MPT__TARGET_AVX2 static void mpt__qgemm_kernel_avx2(int64_t kg, const uint8_t *a,
+                                                    const uint8_t *b, int bw, int32_t *tile) {
+    int64_t g;
+#define MPT__D(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = _mm256_setzero_si256();
+    MPT__ROWS6(MPT__D)
+#undef MPT__D
+    if (bw == 16) {
+        for (g = 0; g < kg; g++, a += 24, b += 64) {
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 32)), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));        \
+    c##i##1 = _mm256_add_epi32(c##i##1, _mm256_madd_epi16(ai, b1));
+            MPT__ROWS6(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, a += 24, b += 32) {
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));
+            MPT__ROWS6(MPT__F)
+#undef MPT__F
+        }
+    }
+#define MPT__S(i)                                                          \
+    _mm256_storeu_si256((__m256i *)(tile + 16 * i), c##i##0);              \
+    _mm256_storeu_si256((__m256i *)(tile + 16 * i + 8), c##i##1);
+    MPT__ROWS6(MPT__S)
+#undef MPT__S
+}
+
+#define MPT__QGEMM_STORE512(i)                                             \
+    _mm512_storeu_si512(tile + 32 * i, c##i##0);                           \
+    _mm512_storeu_si512(tile + 32 * i + 16, c##i##1);
+
+/* AVX-512 without VNNI: 12×32, groups of 2 int16, vpmaddwd as in AVX2. */
+MPT__TARGET_AVX512 static void mpt__qgemm_kernel_avx512(int64_t kg, const uint8_t *a,
+                                                        const uint8_t *b, int bw, int32_t *tile) {
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, a += 48, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));        \
+    c##i##1 = _mm512_add_epi32(c##i##1, _mm512_madd_epi16(ai, b1));
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, a += 48, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
+
+/* AVX-512 VNNI: 12×32, groups of 4 bytes; vpdpbusd adds four u8·s8
+   products to each int32 lane (without saturation): u = A + 128 times B,
+   whose zero points the epilogue takes out (ZERO POINTS above). */
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uint8_t *a,
+                                                           const uint8_t *b, int bw,
+                                                           int32_t *tile) {
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, a += 48, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
+    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, a += 48, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
+#undef MPT__QGEMM_STORE512
+#endif /* MPT__X86 */
+
+/* -----------------------------------------------------------------------------
+   The driver
+   ----------------------------------------------------------------------------- */
+
+static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
+    const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
+    const mpt_qgemm_desc *d = job->d;
+    const int mr = job->mr, nr = job->nr;
+    const int64_t i0 = (task / job->tasks_n) * job->task_rows;
+    const int64_t j0 = (task % job->tasks_n) * job->task_cols;
+    const int64_t i1 = MPT__MIN(d->m, i0 + job->task_rows);
+    const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
+    uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
+    int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
+    int64_t ir, jr;
+    for (ir = i0; ir < i1; ir += mr) {
+        const int mb = (int)MPT__MIN(mr, i1 - ir);
+        mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        for (jr = j0; jr < j1; jr += nr) {
+            const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
+            job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
+            mpt__qgemm_store(job, tile, rowsum, ir, jr, mb, (int)MPT__MIN(nr, j1 - jr));
+        }
+    }
+}
+
+/* Tasks: up to 4 per thread (the pool hands them out as threads free up),
+   rows first, as splitting rows repacks nothing. */
+static void mpt__qgemm_plan_tasks(mpt__qgemm_job *job, int threads, int serial) {
+    const mpt_qgemm_desc *d = job->d;
+    const int64_t units_m = (d->m + job->mr - 1) / job->mr;
+    const int64_t units_n = (d->n + job->nr - 1) / job->nr;
+    const int64_t target = serial ? 1 : 4 * (int64_t)threads;
+    const int64_t tm = MPT__MIN(units_m, target);
+    const int64_t tn = MPT__MIN(units_n, (target + tm - 1) / tm);
+    job->task_rows = ((units_m + tm - 1) / tm) * job->mr;
+    job->task_cols = ((units_n + tn - 1) / tn) * job->nr;
+    job->tasks_n = (d->n + job->task_cols - 1) / job->task_cols;
+}
+
+static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
+    job->kernel = mpt__qgemm_kernel_scalar;
+    job->mr = 4;
+    job->nr = 8;
+    job->quads = 1;
+#if MPT__X86
+    if ((cpu & MPT_CPU_AVX512) && (cpu & MPT_CPU_AVX512_VNNI)) {
+        job->kernel = mpt__qgemm_kernel_vnni;
+        job->mr = 12;
+        job->nr = 32;
+    } else if (cpu & MPT_CPU_AVX512) {
+        job->kernel = mpt__qgemm_kernel_avx512;
+        job->mr = 12;
+        job->nr = 32;
+        job->quads = 0;
+    } else if (cpu & MPT_CPU_AVX2) {
+        job->kernel = mpt__qgemm_kernel_avx2;
+        job->mr = 6;
+        job->nr = 16;
+        job->quads = 0;
+    }
+#else
+    (void)cpu;
+#endif
+}
+
+/* The product of a checked descriptor with m, n > 0. */
+static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    mpt__qgemm_job job;
+    int64_t panels, bbytes, macs;
+    int serial;
+    memset(&job, 0, sizeof job);
+    job.d = d;
+    job.ctx = ctx;
+    mpt__qgemm_choose_kernel(&job, ctx->cpu);
+    job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
+    job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
+    panels = (d->n + job.nr - 1) / job.nr;
+    if (!mpt__mul_ok(panels * job.nr, job.kg * 4, &bbytes) ||
+        !mpt__add_ok((bbytes + 63) / 64 * 64, d->n * 4, &bbytes) || (uint64_t)bbytes > SIZE_MAX)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: the packed B (k = %lld, n = %lld) "
+                         "overflows", (long long)d->k, (long long)d->n);
+    job.bpack = (uint8_t *)mpt__alloc(ctx, (size_t)bbytes);
+    if (!job.bpack)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "qgemm: cannot allocate %lld bytes for the packed B (k = %lld, n = %lld)",
+                         (long long)bbytes, (long long)d->k, (long long)d->n);
+    job.colsum = (int32_t *)(void *)(job.bpack + (panels * job.nr * job.kg * 4 + 63) / 64 * 64);
+    macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
+               ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
+    serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
+    if (serial) {
+        int64_t p;
+        for (p = 0; p < panels; p++) mpt__qgemm_pack_b_task(&job, p, 0);
+    } else {
+        mpt__parallel_for(ctx, panels, mpt__qgemm_pack_b_task, &job);
+    }
+    mpt__qgemm_plan_tasks(&job, ctx->num_threads, serial);
+    mpt__parallel_for(ctx, ((d->m + job.task_rows - 1) / job.task_rows) * job.tasks_n,
+                      mpt__qgemm_task, &job);
+    mpt__free(ctx, job.bpack);
+    return MPT_OK;
+}
+
+/* -----------------------------------------------------------------------------
+   The checked entry points
+   ----------------------------------------------------------------------------- */
+
+/* Checks one operand: stored rows × cols with leading dimension ld. */
+static mpt_status mpt__qgemm_check_operand(mpt_context *ctx, const char *name, const void *p,
+                                           int64_t rows, int64_t cols, int64_t ld,
+                                           const char *ld_name) {
+    int64_t last;
+    if (rows == 0 || cols == 0) return MPT_OK; /* not referenced */
+    if (!p) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: %s is NULL", name);
+    if (ld < cols)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "qgemm: %s = %lld is less than the %lld columns of %s as stored "
+                         "(%lld×%lld)", ld_name, (long long)ld, (long long)cols, name,
+                         (long long)rows, (long long)cols);
+    if (!mpt__mul_ok(rows - 1, ld, &last) || !mpt__add_ok(last, cols, &last))
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: %s (%lld×%lld, %s = %lld) overflows",
+                         name, (long long)rows, (long long)cols, ld_name, (long long)ld);
+    return MPT_OK;
+}
+
+static mpt_status mpt__qgemm_check_int8(mpt_context *ctx, const char *name, int64_t v) {
+    if (v < -128 || v > 127)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: %s = %lld is outside the int8 "
+                         "range [-128, 127]", name, (long long)v);
+    return MPT_OK;
+}
+
+/* The requantization fields of an int8 output. */
+static mpt_status mpt__qgemm_check_requant(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    const int64_t channels = d->per_channel ? d->n : 1;
+    int64_t ch;
+    if (!d->multiplier || !d->shift)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: c_int8 needs multiplier and shift (%s is NULL)",
+                         d->multiplier ? "shift" : "multiplier");
+    for (ch = 0; ch < channels; ch++) {
+        if (d->multiplier[ch] <= 0)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "qgemm: multiplier[%lld] = %ld is not positive", (long long)ch,
+                             (long)d->multiplier[ch]);
+        if (d->shift[ch] < -31 || d->shift[ch] > 30)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "qgemm: shift[%lld] = %ld is outside [-31, 30]", (long long)ch,
+                             (long)d->shift[ch]);
+    }
+    MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_zero_point", d->c_zero_point));
+    if (d->c_min || d->c_max) {
+        MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_min", d->c_min));
+        MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_max", d->c_max));
+        if (d->c_min > d->c_max)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: c_min = %ld > c_max = %ld",
+                             (long)d->c_min, (long)d->c_max);
+    }
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d) return MPT_OK; /* NULL: every default, the empty product */
+    if (d->m < 0 || d->n < 0 || d->k < 0)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "qgemm: m = %lld, n = %lld, k = %lld (negative)",
+                         (long long)d->m, (long long)d->n, (long long)d->k);
+    if (d->k > MPT_QGEMM_MAX_K)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "qgemm: k = %lld is more than MPT_QGEMM_MAX_K = %d, past which the "
+                         "int32 sums could overflow", (long long)d->k, MPT_QGEMM_MAX_K);
+    if ((d->trans_b != 0 && d->trans_b != 1) || (d->a_unsigned != 0 && d->a_unsigned != 1) ||
+        (d->per_channel != 0 && d->per_channel != 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: trans_b = %d, a_unsigned = %d, per_channel = %d (each 0 or 1)",
+                         d->trans_b, d->a_unsigned, d->per_channel);
+    if (d->a_unsigned ? d->a_zero_point < 0 || d->a_zero_point > 255
+                      : d->a_zero_point < -128 || d->a_zero_point > 127)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: a_zero_point = %ld is outside the %s range %s",
+                         (long)d->a_zero_point, d->a_unsigned ? "uint8" : "int8",
+                         d->a_unsigned ? "[0, 255]" : "[-128, 127]");
+    MPT__CHECK(mpt__qgemm_check_int8(ctx, "b_zero_point", d->b_zero_point));
+    if (d->m == 0 || d->n == 0) return MPT_OK;
+    if (!d->c == !d->c_int8)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: give exactly one of c (int32) and c_int8 (%s)",
+                         d->c ? "both are set" : "both are NULL");
+    if (d->c && (d->multiplier || d->shift))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: multiplier and shift requantize c_int8; c is int32");
+    if (d->c_int8) MPT__CHECK(mpt__qgemm_check_requant(ctx, d));
+    MPT__CHECK(mpt__qgemm_check_operand(ctx, d->c ? "c" : "c_int8",
+                                        d->c ? (const void *)d->c : (const void *)d->c_int8,
+                                        d->m, d->n, d->ldc, "ldc"));
+    MPT__CHECK(mpt__qgemm_check_operand(ctx, "a", d->a, d->m, d->k, d->lda, "lda"));
+    MPT__CHECK(mpt__qgemm_check_operand(ctx, "b", d->b, d->trans_b ? d->n : d->k,
+                                        d->trans_b ? d->k : d->n, d->ldb, "ldb"));
+    return mpt__qgemm(ctx, d);
+}
+
+MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t *multiplier,
+                                          int32_t *shift) {
+    int e;
+    int64_t q;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!multiplier || !shift)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize_multiplier: %s is NULL",
+                         multiplier ? "shift" : "multiplier");
+    if (!(real > 0) || !isfinite(real))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "quantize_multiplier: %g is not a positive finite number", real);
+    /* real = f·2^e, f in [0.5, 1): the multiplier is f in Q0.31. */
+    q = (int64_t)round(ldexp(frexp(real, &e), 31));
+    if (q == (int64_t)1 << 31) { /* f rounded up to 1 */
+        q /= 2;
+        e++;
+    }
+    if (e < -31)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "quantize_multiplier: %g is below 2^-32; every output would be the "
+                         "zero point", real);
+    if (e > 30) { /* as TFLite: the largest multiplier MultiplyByQuantizedMultiplier takes */
+        q = INT32_MAX;
+        e = 30;
+    }
+    *multiplier = (int32_t)q;
+    *shift = e;
     return MPT_OK;
 }
 

@@ -1,0 +1,645 @@
+/* Tests of the int8 matrix product (mpt_qgemm) and of the requantization
+   helper (mpt_quantize_multiplier).
+
+   Integer arithmetic leaves no tolerance: every int32 result must equal a
+   plain triple loop in int64, and every int8 result a scalar reference of
+   TFLite's requantization written here from the formulas (in int64, as
+   floor divisions, not as the library's nudge-and-truncate), on every SIMD
+   path (forced down with the context's feature mask) and on 1 and 2
+   threads. Inputs cover the whole int8 range (−128 and 127 included),
+   random zero points, padded leading dimensions and both orientations of
+   B; outputs are poisoned before each call, and the padding between rows
+   of C must keep its poison. */
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+#include "test.h"
+
+static void quiet_logger(void *user, mpt_log_level level, const char *message) {
+    (void)user;
+    (void)level;
+    (void)message;
+}
+
+static mpt_context *make_ctx(int threads, int disable) {
+    mpt_context *ctx = NULL;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.num_threads = threads;
+    d.disable_cpu_features = disable;
+    d.logger.fn = quiet_logger;
+    if (mpt_context_create(&d, &ctx) != MPT_OK) return NULL;
+    return ctx;
+}
+
+static const struct {
+    const char *name;
+    int disable, needs;
+} paths[] = {
+    {"avx512 vnni", 0, MPT_CPU_AVX512 | MPT_CPU_AVX512_VNNI},
+    {"avx512 without vnni", MPT_CPU_AVX512_VNNI, MPT_CPU_AVX512},
+    {"avx2 (no avx512)", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16 | MPT_CPU_AVX512_VNNI, MPT_CPU_AVX2},
+    {"portable", ~0, 0},
+};
+#define N_PATHS ((int)(sizeof paths / sizeof paths[0]))
+
+#define POISON8 ((int8_t)0x5a)
+#define POISON32 ((int32_t)0x5a5a5a5a)
+
+/* ---- the reference, from the formulas ----------------------------------- */
+
+static int64_t floor_div(int64_t a, int64_t b) { /* b > 0 */
+    int64_t q = a / b;
+    return a % b < 0 ? q - 1 : q;
+}
+
+static int32_t sat32(int64_t v) {
+    return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v;
+}
+
+/* TFLite's MultiplyByQuantizedMultiplier for m > 0: x·2^left (saturated),
+   then round(x·m / 2^31) with ties toward +∞, then round(· / 2^right)
+   with ties away from zero. */
+static int32_t ref_requantize(int32_t acc, int32_t m, int shift) {
+    int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
+    int64_t x = sat32((int64_t)acc * ((int64_t)1 << left));
+    int64_t h = floor_div(x * m + ((int64_t)1 << 30), (int64_t)1 << 31);
+    if (right == 0) return (int32_t)h;
+    if (h >= 0) return (int32_t)((h + ((int64_t)1 << (right - 1))) / ((int64_t)1 << right));
+    return (int32_t)-((-h + ((int64_t)1 << (right - 1))) / ((int64_t)1 << right));
+}
+
+/* ---- one product on every thread count ---------------------------------- */
+
+typedef struct qcase {
+    int64_t m, n, k;
+    int trans_b, a_unsigned, int8_out, per_channel, bias;
+    int64_t pad_a, pad_b, pad_c;
+} qcase;
+
+typedef struct qdata {
+    mpt_qgemm_desc d;
+    uint8_t *a;   /* m × lda bytes (int8 or uint8) */
+    int8_t *b;
+    int32_t *bias, *mult, *shift;
+    int32_t *ref32; /* m × n */
+    int8_t *ref8;
+} qdata;
+
+/* Random operands, the int32 reference (int64 triple loop) and, for int8
+   output, multipliers scaled to the sums (some saturate) and the int8
+   reference. */
+static void make_case(const qcase *q, qdata *x) {
+    mpt_qgemm_desc *d = &x->d;
+    int64_t i, j, k, na, nb, maxabs = 1;
+    int64_t b_rows = q->trans_b ? q->n : q->k, b_cols = q->trans_b ? q->k : q->n;
+    memset(x, 0, sizeof *x);
+    d->m = q->m;
+    d->n = q->n;
+    d->k = q->k;
+    d->lda = q->k + q->pad_a;
+    d->ldb = b_cols + q->pad_b;
+    d->ldc = q->n + q->pad_c;
+    d->trans_b = q->trans_b;
+    d->a_unsigned = q->a_unsigned;
+    d->a_zero_point = q->a_unsigned ? test_randint(0, 255) : test_randint(-128, 127);
+    d->b_zero_point = test_randint(0, 3) == 0 ? 0 : test_randint(-128, 127);
+    na = q->m * d->lda;
+    nb = b_rows * d->ldb;
+    x->a = (uint8_t *)malloc((size_t)(na > 0 ? na : 1));
+    x->b = (int8_t *)malloc((size_t)(nb > 0 ? nb : 1));
+    for (i = 0; i < na; i++) x->a[i] = (uint8_t)test_randint(0, 255);
+    for (i = 0; i < nb; i++) x->b[i] = (int8_t)test_randint(-128, 127);
+    /* the extremes of both ranges */
+    if (na > 0) {
+        x->a[0] = 0x80;
+        x->a[(q->m - 1) * d->lda + q->k - 1] = 0x7f;
+    }
+    if (nb > 0) {
+        x->b[0] = -128;
+        x->b[nb - 1 - q->pad_b] = 127;
+    }
+    d->a = x->a;
+    d->b = x->b;
+    if (q->bias) {
+        x->bias = (int32_t *)malloc((size_t)q->n * sizeof(int32_t));
+        for (j = 0; j < q->n; j++) x->bias[j] = test_randint(-100000, 100000);
+        d->bias = x->bias;
+    }
+    x->ref32 = (int32_t *)malloc((size_t)(q->m * q->n) * sizeof(int32_t));
+    for (i = 0; i < q->m; i++)
+        for (j = 0; j < q->n; j++) {
+            int64_t s = 0;
+            for (k = 0; k < q->k; k++) {
+                uint8_t byte = x->a[i * d->lda + k];
+                int64_t av = q->a_unsigned ? (int64_t)byte : (int64_t)(int8_t)byte;
+                int64_t bv = q->trans_b ? x->b[j * d->ldb + k] : x->b[k * d->ldb + j];
+                s += (av - d->a_zero_point) * (bv - d->b_zero_point);
+            }
+            if (q->bias) s += x->bias[j];
+            x->ref32[i * q->n + j] = sat32(s);
+            if (llabs(s) > maxabs) maxabs = llabs(s);
+        }
+    if (!q->int8_out) return;
+    {
+        int64_t ch, channels = q->per_channel ? q->n : 1;
+        int lo, hi, pick = test_randint(0, 2);
+        x->mult = (int32_t *)malloc((size_t)channels * sizeof(int32_t));
+        x->shift = (int32_t *)malloc((size_t)channels * sizeof(int32_t));
+        for (ch = 0; ch < channels; ch++) {
+            /* 2^shift ≈ 150 / maxabs, so the outputs span int8 and a few saturate */
+            int s = 0;
+            while (s > -31 && maxabs * pow(2.0, s) > 150) s--;
+            while (s < 30 && maxabs * pow(2.0, s + 1) <= 150) s++;
+            x->mult[ch] = (int32_t)test_randint(1 << 30, INT32_MAX);
+            x->shift[ch] = s + test_randint(-1, 1);
+            if (x->shift[ch] > 30) x->shift[ch] = 30;
+            if (x->shift[ch] < -31) x->shift[ch] = -31;
+        }
+        d->multiplier = x->mult;
+        d->shift = x->shift;
+        d->per_channel = q->per_channel;
+        d->c_zero_point = test_randint(-128, 127);
+        if (pick == 1) { /* fused ReLU */
+            d->c_min = d->c_zero_point;
+            d->c_max = 127;
+        } else if (pick == 2) {
+            d->c_min = test_randint(-128, 0);
+            d->c_max = test_randint(1, 127);
+        }
+        lo = d->c_min || d->c_max ? d->c_min : -128;
+        hi = d->c_min || d->c_max ? d->c_max : 127;
+        x->ref8 = (int8_t *)malloc((size_t)(q->m * q->n));
+        for (i = 0; i < q->m * q->n; i++) {
+            int64_t c = q->per_channel ? i % q->n : 0;
+            int64_t v = (int64_t)ref_requantize(x->ref32[i], x->mult[c], x->shift[c]) +
+                        d->c_zero_point;
+            x->ref8[i] = (int8_t)(v < lo ? lo : v > hi ? hi : v);
+        }
+    }
+}
+
+static void free_case(qdata *x) {
+    free(x->a);
+    free(x->b);
+    free(x->bias);
+    free(x->mult);
+    free(x->shift);
+    free(x->ref32);
+    free(x->ref8);
+}
+
+/* Runs the product on ctx into poisoned output; 1 if every element equals
+   the reference and the padding kept its poison. */
+static int run_and_compare(mpt_context *ctx, const qcase *q, qdata *x, char *why, size_t size) {
+    mpt_qgemm_desc d = x->d;
+    int64_t i, j, nc = q->m * d.ldc;
+    int ok = 1;
+    void *out = malloc((size_t)(nc > 0 ? nc : 1) * 4);
+    mpt_status st;
+    if (q->int8_out) {
+        memset(out, POISON8, (size_t)(nc > 0 ? nc : 1));
+        d.c_int8 = (int8_t *)out;
+    } else {
+        for (i = 0; i < nc; i++) ((int32_t *)out)[i] = POISON32;
+        d.c = (int32_t *)out;
+    }
+    st = mpt_qgemm(ctx, &d);
+    if (st != MPT_OK) {
+        snprintf(why, size, "status %d: %.200s", (int)st, mpt_context_error(ctx));
+        free(out);
+        return 0;
+    }
+    for (i = 0; i < q->m && ok; i++)
+        for (j = 0; j < d.ldc && ok; j++) {
+            int64_t got = q->int8_out ? ((int8_t *)out)[i * d.ldc + j]
+                                      : ((int32_t *)out)[i * d.ldc + j];
+            int64_t want = j >= q->n ? (q->int8_out ? POISON8 : POISON32)
+                           : q->int8_out ? x->ref8[i * q->n + j] : x->ref32[i * q->n + j];
+            if (got != want) {
+                snprintf(why, size, "C[%lld][%lld] = %lld, want %lld%s", (long long)i,
+                         (long long)j, (long long)got, (long long)want,
+                         j >= q->n ? " (padding overwritten)" : "");
+                ok = 0;
+            }
+        }
+    free(out);
+    return ok;
+}
+
+/* ---- tests -------------------------------------------------------------- */
+
+/* Every M, N, K in {1, 3, 7, 16, 17, 33, 64, 100, 257}, on every path and
+   on 1 and 2 threads; the cases alternate int32 and int8 output, B's
+   orientation, int8 and uint8 A, bias, per-channel requantization and
+   padded leading dimensions. */
+static void test_shapes(void) {
+    static const int64_t dims[] = {1, 3, 7, 16, 17, 33, 64, 100, 257};
+    const int nd = (int)(sizeof dims / sizeof dims[0]);
+    mpt_context *ctx[N_PATHS][2];
+    int have[N_PATHS], failed[N_PATHS], cases = 0;
+    char why[N_PATHS][400];
+    int p, t, mi, ni, ki;
+    test_seed(77);
+    for (p = 0; p < N_PATHS; p++) {
+        for (t = 0; t < 2; t++) ctx[p][t] = make_ctx(t + 1, paths[p].disable);
+        have[p] = ctx[p][0] && ctx[p][1] &&
+                  (mpt_context_cpu_features(ctx[p][0]) & paths[p].needs) == paths[p].needs;
+        failed[p] = 0;
+        why[p][0] = 0;
+    }
+    for (mi = 0; mi < nd; mi++)
+        for (ni = 0; ni < nd; ni++)
+            for (ki = 0; ki < nd; ki++) {
+                qcase q;
+                qdata x;
+                memset(&q, 0, sizeof q);
+                q.m = dims[mi];
+                q.n = dims[ni];
+                q.k = dims[ki];
+                q.int8_out = cases & 1;
+                q.trans_b = (cases >> 1) & 1;
+                q.a_unsigned = cases % 3 == 0;
+                q.bias = cases % 5 != 0;
+                q.per_channel = (cases >> 2) & 1;
+                q.pad_a = cases % 7 == 0 ? test_randint(1, 9) : 0;
+                q.pad_b = cases % 11 == 0 ? test_randint(1, 9) : 0;
+                q.pad_c = cases % 4 == 1 ? test_randint(1, 9) : 0;
+                cases++;
+                make_case(&q, &x);
+                for (p = 0; p < N_PATHS; p++)
+                    for (t = 0; t < 2 && have[p]; t++) {
+                        char w[256];
+                        if (failed[p] || run_and_compare(ctx[p][t], &q, &x, w, sizeof w))
+                            continue;
+                        failed[p] = 1;
+                        snprintf(why[p], sizeof why[p],
+                                 "m %lld n %lld k %lld, %d thread(s), trans_b %d, %s A, %s: %.150s",
+                                 (long long)q.m, (long long)q.n, (long long)q.k, t + 1,
+                                 q.trans_b, q.a_unsigned ? "uint8" : "int8",
+                                 q.int8_out ? "int8 out" : "int32 out", w);
+                    }
+                free_case(&x);
+            }
+    for (p = 0; p < N_PATHS; p++) {
+        test__begin();
+        if (!ctx[p][0] || !ctx[p][1]) CHECK(0, "context creation failed");
+        else if (!have[p]) SKIP("this CPU lacks the path");
+        else CHECK(!failed[p], "%s", why[p]);
+        test__end("qgemm %d shapes bit-exact, 1 and 2 threads, %s", cases, paths[p].name);
+        for (t = 0; t < 2; t++) mpt_context_destroy(ctx[p][t]);
+    }
+}
+
+/* Bigger products, split into many tasks: 1, 2 and 3 threads agree with
+   the reference on every path (K past a few thousand, N past one panel
+   block, M not a multiple of any tile). */
+static void test_large(void) {
+    static const qcase cases[] = {
+        {301, 190, 2049, 1, 0, 0, 0, 1, 0, 0, 0},
+        {128, 10, 1024, 0, 0, 1, 1, 1, 0, 0, 0},
+        {37, 530, 300, 0, 1, 1, 0, 0, 0, 0, 3},
+    };
+    int p, c, t;
+    for (p = 0; p < N_PATHS; p++) {
+        test__begin();
+        for (t = 1; t <= 3; t++) {
+            mpt_context *ctx = make_ctx(t, paths[p].disable);
+            if (!ctx) {
+                CHECK(0, "context creation failed");
+                break;
+            }
+            if ((mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+                SKIP("this CPU lacks the path");
+                mpt_context_destroy(ctx);
+                break;
+            }
+            for (c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
+                qdata x;
+                char w[256];
+                test_seed(500 + (unsigned)c);
+                make_case(&cases[c], &x);
+                CHECK(run_and_compare(ctx, &cases[c], &x, w, sizeof w), "case %d, %d threads: %s",
+                      c, t, w);
+                free_case(&x);
+            }
+            mpt_context_destroy(ctx);
+        }
+        test__end("qgemm large products, 1-3 threads, %s", paths[p].name);
+    }
+}
+
+/* Known answers of mpt_quantize_multiplier, derived by hand from
+   real = multiplier · 2^(shift − 31), multiplier in [2^30, 2^31). */
+static void test_quantize_multiplier(void) {
+    static const struct {
+        double real;
+        int32_t m, s;
+    } known[] = {
+        {0.5, 1 << 30, 0},
+        {1.0, 1 << 30, 1},
+        {0.25, 1 << 30, -1},
+        {0.75, 1610612736, 0},           /* 0.75·2^31 */
+        {0.3, 1288490189, -1},           /* 0.6·2^31 = 1288490188.8, rounded up */
+        {1.0 - 1.0 / 4294967296.0, 1 << 30, 1}, /* (2^31 − 0.5) rounds to 2^31: one more shift */
+        {3.0, 1610612736, 2},            /* 0.75 · 2^2 */
+        {1e12, INT32_MAX, 30},           /* saturated, as TFLite */
+        {1.0 / 4294967296.0, 1 << 30, -31}, /* 2^-32 = 0.5·2^-31, the smallest taken */
+    };
+    mpt_context *ctx = make_ctx(1, 0);
+    int32_t m = 0, s = 0;
+    int i;
+    for (i = 0; i < (int)(sizeof known / sizeof known[0]); i++) {
+        mpt_status st = mpt_quantize_multiplier(ctx, known[i].real, &m, &s);
+        CHECK(st == MPT_OK && m == known[i].m && s == known[i].s,
+              "%.17g: status %d, (%ld, %ld), want (%ld, %ld)", known[i].real, (int)st, (long)m,
+              (long)s, (long)known[i].m, (long)known[i].s);
+    }
+    CHECK(mpt_quantize_multiplier(ctx, 0.0, &m, &s) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(ctx), "positive"), "0 accepted: %s", mpt_context_error(ctx));
+    CHECK(mpt_quantize_multiplier(ctx, -0.5, &m, &s) == MPT_ERR_INVALID_ARGUMENT, "-0.5 accepted");
+    CHECK(mpt_quantize_multiplier(ctx, NAN, &m, &s) == MPT_ERR_INVALID_ARGUMENT, "NaN accepted");
+    CHECK(mpt_quantize_multiplier(ctx, INFINITY, &m, &s) == MPT_ERR_INVALID_ARGUMENT,
+          "inf accepted");
+    CHECK(mpt_quantize_multiplier(ctx, 1.0 / 8589934592.0, &m, &s) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(ctx), "2^-32"), "2^-33 accepted: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_quantize_multiplier(ctx, 0.5, NULL, &s) == MPT_ERR_INVALID_ARGUMENT, "NULL out");
+    CHECK(mpt_quantize_multiplier(NULL, 0.5, &m, &s) == MPT_ERR_INVALID_ARGUMENT, "NULL ctx");
+    mpt_context_destroy(ctx);
+}
+
+/* One output element: a 1×1×1 product a·b + bias, requantized. */
+static int requant_one(mpt_context *ctx, int8_t a, int32_t bias, int32_t m, int32_t s,
+                       int32_t zp, int32_t lo, int32_t hi) {
+    int8_t b = 1, out = POISON8;
+    mpt_qgemm_desc d;
+    memset(&d, 0, sizeof d);
+    d.m = d.n = d.k = 1;
+    d.a = &a;
+    d.lda = 1;
+    d.b = &b;
+    d.ldb = 1;
+    d.bias = &bias;
+    d.c_int8 = &out;
+    d.ldc = 1;
+    d.multiplier = &m;
+    d.shift = &s;
+    d.c_zero_point = zp;
+    d.c_min = lo;
+    d.c_max = hi;
+    if (mpt_qgemm(ctx, &d) != MPT_OK) return 1000;
+    return out;
+}
+
+/* Rounding ties and saturation, answers worked out by hand: with
+   multiplier 2^30 (0.5) the doubling high multiply rounds ties toward +∞
+   (1·0.5 → 1, −1·0.5 → 0, 3·0.5 → 2, −3·0.5 → −1); a right shift rounds
+   ties away from zero (shift −1: 2·0.25 → 0.5 → 1, −2·0.25 → −1,
+   6·0.25 → 2, −6·0.25 → −2). */
+static void test_rounding_and_saturation(void) {
+    static const struct {
+        int8_t a;
+        int32_t bias, m, s, zp, lo, hi;
+        int want;
+    } cases[] = {
+        {1, 0, 1 << 30, 0, 0, 0, 0, 1},
+        {-1, 0, 1 << 30, 0, 0, 0, 0, 0},
+        {3, 0, 1 << 30, 0, 0, 0, 0, 2},
+        {-3, 0, 1 << 30, 0, 0, 0, 0, -1},
+        {2, 0, 1 << 30, -1, 0, 0, 0, 1},
+        {-2, 0, 1 << 30, -1, 0, 0, 0, -1},
+        {6, 0, 1 << 30, -1, 0, 0, 0, 2},
+        {-6, 0, 1 << 30, -1, 0, 0, 0, -2},
+        {5, 0, 1 << 30, 0, 10, 0, 0, 13},         /* 2.5 → 3, + zero point 10 */
+        {100, 0, 1 << 30, 1, 0, 0, 0, 100},       /* multiplier 1 exactly */
+        {100, 0, 1 << 30, 2, 0, 0, 0, 127},       /* 200 saturates */
+        {-100, 0, 1 << 30, 2, 0, 0, 0, -128},
+        {-100, 0, 1 << 30, 2, -5, -5, 127, -5},   /* fused ReLU at the zero point */
+        {100, 0, 1 << 30, 1, 0, -128, 6, 6},      /* a ReLU6-style ceiling */
+        {1, INT32_MAX, INT32_MAX, 30, 0, 0, 0, 127},    /* sum and left shift saturate */
+        {-1, INT32_MIN, INT32_MAX, 30, 0, 0, 0, -128},
+        {1, 1 << 20, 1 << 30, -31, 0, 0, 0, 0},   /* 2^20·2^-32 rounds to 0 */
+        /* multiplier 2^31 − 1, 2^30 · (1 − 2^-31) = 2^30 − 0.5 rounds up to 2^30,
+           and 2^30 · 2^-31 = 0.5 rounds away to 1; negated, −2^30 + 0.5 rounds up
+           to −2^30 + 1, which is less than half: 0 */
+        {0, 1 << 30, INT32_MAX, -31, 0, 0, 0, 1},
+        {0, -(1 << 30), INT32_MAX, -31, 0, 0, 0, 0},
+    };
+    mpt_context *ctx = make_ctx(1, 0);
+    int i, p;
+    for (p = 0; p < N_PATHS; p++) { /* each path has its own epilogue */
+        mpt_context *pc = make_ctx(1, paths[p].disable);
+        for (i = 0; pc && i < (int)(sizeof cases / sizeof cases[0]); i++) {
+            int got = requant_one(pc, cases[i].a, cases[i].bias, cases[i].m, cases[i].s,
+                                  cases[i].zp, cases[i].lo, cases[i].hi);
+            CHECK(got == cases[i].want,
+                  "%s, case %d (a %d, bias %ld, shift %ld): got %d, want %d", paths[p].name, i,
+                  cases[i].a, (long)cases[i].bias, (long)cases[i].s, got, cases[i].want);
+        }
+        mpt_context_destroy(pc);
+    }
+    for (p = 0; p < N_PATHS; p++) { /* int32 output: the bias add saturates, both ways */
+        mpt_context *pc = make_ctx(1, paths[p].disable);
+        int8_t a = 127, b[2] = {127, -128};
+        int32_t bias[2] = {INT32_MAX - 5, INT32_MIN + 5}, c[2] = {POISON32, POISON32};
+        mpt_qgemm_desc d;
+        memset(&d, 0, sizeof d);
+        d.m = d.k = 1;
+        d.n = 2;
+        d.a = &a;
+        d.lda = 1;
+        d.b = b;
+        d.ldb = 2;
+        d.bias = bias;
+        d.c = c;
+        d.ldc = 2;
+        CHECK(pc && mpt_qgemm(pc, &d) == MPT_OK && c[0] == INT32_MAX && c[1] == INT32_MIN,
+              "%s: 127·127 + 2^31 − 6 gave %ld, 127·-128 − 2^31 + 5 gave %ld", paths[p].name,
+              (long)c[0], (long)c[1]);
+        mpt_context_destroy(pc);
+    }
+    mpt_context_destroy(ctx);
+}
+
+/* The largest sums: K = MPT_QGEMM_MAX_K with every factor at ±255
+   ((127 − (−128)) · (−128 − 127) and the like), which must stay exact in
+   int32 (65025 · 32768 = 2130739200 < 2^31), on every path and both
+   orientations of B; the byte sums of the packers see 32768 bytes of 0xff. */
+static void test_extremes(void) {
+    static const struct {
+        int a_unsigned, a, za, b, zb;
+    } cases[] = {
+        {0, 127, -128, -128, 127},
+        {0, -128, 127, 127, -128},
+        {1, 255, 0, -128, 127},
+        {1, 0, 255, 127, -128},
+    };
+    const int64_t m = 3, n = 5, k = MPT_QGEMM_MAX_K;
+    uint8_t *a = (uint8_t *)malloc((size_t)(m * k));
+    int8_t *b = (int8_t *)malloc((size_t)(k * n));
+    int32_t c[15];
+    int p, ci, tb, i;
+    for (p = 0; p < N_PATHS; p++) {
+        mpt_context *ctx = make_ctx(2, paths[p].disable);
+        test__begin();
+        if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+            SKIP("this CPU lacks the path");
+        } else {
+            for (ci = 0; ci < 4; ci++)
+                for (tb = 0; tb < 2; tb++) {
+                    const int64_t want = (int64_t)(cases[ci].a - cases[ci].za) *
+                                         (cases[ci].b - cases[ci].zb) * k;
+                    mpt_qgemm_desc d;
+                    memset(a, (uint8_t)cases[ci].a, (size_t)(m * k));
+                    memset(b, (uint8_t)cases[ci].b, (size_t)(k * n));
+                    memset(&d, 0, sizeof d);
+                    d.m = m;
+                    d.n = n;
+                    d.k = k;
+                    d.a = a;
+                    d.lda = k;
+                    d.a_unsigned = cases[ci].a_unsigned;
+                    d.a_zero_point = cases[ci].za;
+                    d.b = b;
+                    d.ldb = tb ? k : n;
+                    d.trans_b = tb;
+                    d.b_zero_point = cases[ci].zb;
+                    d.c = c;
+                    d.ldc = n;
+                    for (i = 0; i < 15; i++) c[i] = POISON32;
+                    CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
+                    for (i = 0; i < 15; i++)
+                        CHECK(c[i] == want, "case %d, trans_b %d: c[%d] = %ld, want %lld", ci, tb,
+                              i, (long)c[i], (long long)want);
+                }
+        }
+        test__end("qgemm K = MPT_QGEMM_MAX_K with ±255 factors exact, %s", paths[p].name);
+        mpt_context_destroy(ctx);
+    }
+    free(a);
+    free(b);
+}
+
+/* K = 0: C is the bias (or 0), requantized when asked; A and B unread. */
+static void test_empty_depth(void) {
+    mpt_context *ctx = make_ctx(2, 0);
+    int32_t bias[3] = {7, -9, 1000}, c[6], m = 1 << 30, s = 0;
+    int8_t c8[6];
+    mpt_qgemm_desc d;
+    int i;
+    memset(&d, 0, sizeof d);
+    d.m = 2;
+    d.n = 3;
+    d.ldc = 3;
+    d.a_zero_point = 5;
+    d.b_zero_point = -3;
+    d.bias = bias;
+    d.c = c;
+    for (i = 0; i < 6; i++) c[i] = POISON32;
+    CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "k = 0: %s", mpt_context_error(ctx));
+    for (i = 0; i < 6; i++) CHECK(c[i] == bias[i % 3], "c[%d] = %ld", i, (long)c[i]);
+    d.c = NULL;
+    d.c_int8 = c8;
+    d.multiplier = &m;
+    d.shift = &s;
+    memset(c8, POISON8, sizeof c8);
+    CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "k = 0, int8: %s", mpt_context_error(ctx));
+    CHECK(c8[0] == 4 && c8[1] == -4 && c8[2] == 127 && c8[3] == 4, "k = 0, int8: %d %d %d %d",
+          c8[0], c8[1], c8[2], c8[3]); /* 3.5 → 4, −4.5 → −4, 500 → 127 */
+    mpt_context_destroy(ctx);
+}
+
+static void expect_error(mpt_context *ctx, const mpt_qgemm_desc *d, mpt_status want,
+                         const char *needle, const char *what) {
+    mpt_status st = mpt_qgemm(ctx, d);
+    CHECK(st == want, "%s: status %d, want %d (%s)", what, (int)st, (int)want,
+          mpt_context_error(ctx));
+    CHECK(strstr(mpt_context_error(ctx), needle) != NULL, "%s: message \"%s\" lacks \"%s\"", what,
+          mpt_context_error(ctx), needle);
+}
+
+static void test_bad_arguments(void) {
+    mpt_context *ctx = make_ctx(1, 0);
+    int8_t a[64], b[64], c8[64];
+    int32_t c[64], m[8] = {1 << 30, 1 << 30, 1 << 30, 1 << 30, -4, 0, 0, 0}, s[8] = {0};
+    mpt_qgemm_desc d, good, good8;
+    memset(a, 1, sizeof a);
+    memset(b, 2, sizeof b);
+    memset(&good, 0, sizeof good);
+    good.m = 4;
+    good.n = 5;
+    good.k = 6;
+    good.a = a;
+    good.lda = 6;
+    good.b = b;
+    good.ldb = 5;
+    good.c = c;
+    good.ldc = 5;
+    good8 = good;
+    good8.c = NULL;
+    good8.c_int8 = c8;
+    good8.multiplier = m;
+    good8.shift = s;
+    CHECK(mpt_qgemm(ctx, &good) == MPT_OK, "good call failed: %s", mpt_context_error(ctx));
+    CHECK(mpt_qgemm(ctx, &good8) == MPT_OK, "good int8 call failed: %s", mpt_context_error(ctx));
+    CHECK(mpt_qgemm(NULL, &good) == MPT_ERR_INVALID_ARGUMENT, "NULL context accepted");
+    CHECK(mpt_qgemm(ctx, NULL) == MPT_OK, "NULL desc (the empty product) refused");
+    d = good; d.a = NULL;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "a is NULL", "NULL a");
+    d = good; d.b = NULL;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "b is NULL", "NULL b");
+    d = good; d.c = NULL;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "both are NULL", "no output");
+    d = good8; d.c = c;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "both are set", "two outputs");
+    d = good; d.m = -3;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "m = -3", "negative m");
+    d = good; d.k = MPT_QGEMM_MAX_K + 1;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "MPT_QGEMM_MAX_K", "k too large");
+    d = good; d.trans_b = 2;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "trans_b = 2", "bad trans_b");
+    d = good; d.a_zero_point = 128;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "a_zero_point = 128", "a zero point 128");
+    d = good; d.a_unsigned = 1; d.a_zero_point = -1;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "uint8 range", "uint8 a zero point -1");
+    d = good; d.b_zero_point = -129;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "b_zero_point = -129", "b zero point");
+    d = good; d.lda = 5;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "lda = 5", "lda < k");
+    d = good; d.ldb = 4;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "ldb = 4", "ldb < n");
+    d = good; d.trans_b = 1; d.ldb = 5; /* B stored 5×6 */
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "ldb = 5", "ldb < k with trans_b");
+    d = good; d.ldc = 2;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "ldc = 2", "ldc < n");
+    d = good; d.multiplier = m; d.shift = s;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "c is int32", "multiplier with int32 c");
+    d = good8; d.multiplier = NULL;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "multiplier is NULL", "no multiplier");
+    d = good8; d.per_channel = 1; /* multiplier[4] = -4 */
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "multiplier[4] = -4", "negative multiplier");
+    d = good8; d.multiplier = m + 5; /* 0 */
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "multiplier[0] = 0", "zero multiplier");
+    s[0] = 31;
+    d = good8;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "shift[0] = 31", "shift 31");
+    s[0] = 0;
+    d = good8; d.c_zero_point = 300;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "c_zero_point = 300", "c zero point");
+    d = good8; d.c_min = 10; d.c_max = -10;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "c_min = 10 > c_max = -10", "c_min > c_max");
+    d = good8; d.c_max = 200;
+    expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "c_max = 200", "c_max past int8");
+    mpt_context_destroy(ctx);
+}
+
+int main(void) {
+    TEST_RUN(test_bad_arguments);
+    TEST_RUN(test_quantize_multiplier);
+    TEST_RUN(test_rounding_and_saturation);
+    TEST_RUN(test_empty_depth);
+    test_extremes();
+    test_shapes();
+    test_large();
+    return test_summary("test_qgemm");
+}

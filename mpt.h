@@ -159,6 +159,7 @@
        @dtypes       dtypes, float16/bfloat16 conversions
        @tensors      shapes and tensors
        @gemm         the CPU matrix product
+       @qgemm        the int8 matrix product (quantized inference)
        @rng          the counter-based random numbers
        @layers       layer descriptors and the sequential model
        @losses       loss functions
@@ -179,6 +180,7 @@
        @impl-tensors      tensors: allocation, wrapping, shapes
        @impl-activations  the activations the GEMM epilogue and layers share
        @impl-gemm         the CPU GEMM: blocking, packing, micro-kernels
+       @impl-qgemm        the int8 GEMM: zero points, VNNI/AVX-512/AVX2, requantization
        @impl-rng          Philox for dropout masks and initial weights
        @impl-layers       the layer interface, the model: create, add, build
        @impl-passes       a batch in, forward and backward, a step by hand
@@ -436,8 +438,9 @@ typedef struct mpt_gemm_desc {
 
 MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *desc);
 
-/* -----------------------------------------------------------------------------
-   The int8 matrix product (integer inference, as TFLite and gemmlowp do it)
+/* =============================================================================
+   @qgemm: the int8 matrix product (integer inference, as TFLite and gemmlowp do it)
+   =============================================================================
 
        C[m][n] = Σ_k (A[m][k] − a_zero_point) · (B[k][n] − b_zero_point) + bias[n]
 
@@ -3448,8 +3451,9 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     return MPT_OK;
 }
 
-/* -----------------------------------------------------------------------------
-   The int8 matrix product (mpt_qgemm)
+/* =============================================================================
+   @impl-qgemm  the int8 matrix product (mpt_qgemm)
+   =============================================================================
 
    ZERO POINTS. The fast kernels multiply unsigned by signed bytes (the
    operand types of vpdpbusd), so A is shifted to u = A + o, o = 128 for

@@ -350,7 +350,7 @@ typedef struct mpt_device_info {
 } mpt_device_info;
 
 /* How many devices this build sees: 1 (the CPU) plus the CUDA devices. */
-MPTDEF int mpt_device_count(mpt_context *ctx);
+MPTDEF int mpt_device_count(const mpt_context *ctx);
 /* Fills *out for device `index` (0: the CPU). A bad index or a device
    that cannot be asked fails with a message naming it. */
 MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info *out);
@@ -909,7 +909,8 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
 
 /* Writes a Keras-like table (the dtype policy, then per layer its output
-   shape, parameters and compute dtype, then memory per category) into buf;
+   shape, parameters and compute dtype, then memory per category, as
+   mpt_model_memory reports it, and the memory_limit if one is set) into buf;
    returns the length it needs, like snprintf. Before build the text is, as
    Keras raises, that the model has not yet been built and what builds it. */
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
@@ -2112,10 +2113,15 @@ static void mpt__cpu_memory(int64_t *total, int64_t *available) {
     FILE *f = fopen("/proc/meminfo", "r");
     char line[256];
     long long kib;
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    *total = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
-    pages = sysconf(_SC_AVPHYS_PAGES);
-    *available = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+    *total = *available = 0;
+#if defined(_SC_PHYS_PAGES) && defined(_SC_AVPHYS_PAGES) /* not in POSIX: glibc's */
+    {
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        *total = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+        pages = sysconf(_SC_AVPHYS_PAGES);
+        *available = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+    }
+#endif
     if (!f) return;
     while (fgets(line, sizeof line, f)) {
         if (sscanf(line, "MemTotal: %lld kB", &kib) == 1) *total = (int64_t)kib * 1024;
@@ -2134,7 +2140,7 @@ static void mpt__cpu_device_info(mpt_device_info *out) {
     mpt__cpu_memory(&out->memory_total, &out->memory_free);
 }
 
-MPTDEF int mpt_device_count(mpt_context *ctx) {
+MPTDEF int mpt_device_count(const mpt_context *ctx) {
     (void)ctx;
 #ifdef MPT_CUDA
     return 1 + mpt_cuda_device_count();

@@ -155,7 +155,8 @@
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
-       @context      the context: allocator, logger, thread pool, CPU features
+       @context      the context: allocator, logger, thread pool, CPU features,
+                     devices (mpt_device_count, mpt_device_query)
        @dtypes       dtypes, float16/bfloat16 conversions
        @tensors      shapes and tensors
        @gemm         the CPU matrix product

@@ -155,7 +155,8 @@
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
-       @context      the context: allocator, logger, thread pool, CPU features
+       @context      the context: allocator, logger, thread pool, CPU features,
+                     devices (mpt_device_count, mpt_device_query)
        @dtypes       dtypes, float16/bfloat16 conversions
        @tensors      shapes and tensors
        @gemm         the CPU matrix product
@@ -326,6 +327,37 @@ MPTDEF const char *mpt_context_error(const mpt_context *ctx);
 MPTDEF int mpt_context_num_threads(const mpt_context *ctx);
 /* The MPT_CPU_* bits this context uses (detected, minus the disabled ones). */
 MPTDEF int mpt_context_cpu_features(const mpt_context *ctx);
+
+/* ---- devices: what this build can train on ----------------------------------
+   Device 0 is always the CPU; in a build with -DMPT_CUDA, devices 1..n are
+   the CUDA devices the driver shows (mpt device i is cuda_device i - 1).
+   A build without MPT_CUDA, or a machine without a GPU, has one device. */
+typedef struct mpt_device_info {
+    int kind;                  /* MPT_DEVICE_CPU or MPT_DEVICE_CUDA (the
+                                  mpt_device of @tensors)                   */
+    int ordinal;               /* CUDA's device number; 0 for the CPU      */
+    char name[256];            /* "Intel(R) Xeon(R) ...", "NVIDIA H100 ..." */
+    int64_t memory_total;      /* bytes: RAM for the CPU, the GPU's own    */
+    int64_t memory_free;       /* bytes available now (MemAvailable for the
+                                  CPU, cudaMemGetInfo's free for a GPU)    */
+    /* the CPU */
+    int cores;                 /* logical cores online                      */
+    int cpu_features;          /* the MPT_CPU_* bits the CPU has (a context
+                                  may use fewer: disable_cpu_features)     */
+    char features[128];        /* the same as words: "avx2 fma f16c avx512f
+                                  avx512bw avx512dq avx512vl avx512bf16"   */
+    /* a CUDA device */
+    int compute_major, compute_minor; /* compute capability, e.g. 9, 0     */
+    int sm_count;              /* streaming multiprocessors                 */
+    int driver_version;        /* CUDA's encoding: 12040 is 12.4            */
+    int runtime_version;       /* the runtime mpt_cuda.cu was built with    */
+} mpt_device_info;
+
+/* How many devices this build sees: 1 (the CPU) plus the CUDA devices. */
+MPTDEF int mpt_device_count(const mpt_context *ctx);
+/* Fills *out for device `index` (0: the CPU). A bad index or a device
+   that cannot be asked fails with a message naming it. */
+MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info *out);
 
 /* =============================================================================
    @dtypes: dtypes, float16/bfloat16 conversions
@@ -606,6 +638,15 @@ typedef struct mpt_model_desc {
     uint64_t seed;                          /* default 0; weights and dropout
                                                masks follow from it          */
     mpt_strategy *strategy;                 /* default NULL: one replica      */
+    /* Memory, as Keras' two ways with a GPU: by default (0) a model takes
+       what its plan needs and no more (build plans every buffer once, see
+       mpt_model_memory), the way memory_growth does; a limit caps it, like
+       a memory_limit, on any backend: build (or compile, for the optimizer
+       state) fails with MPT_ERR_OUT_OF_MEMORY, naming the category that
+       would cross it, rather than take more. With a strategy each replica
+       has this limit. The context's device_memory_limit caps a whole CUDA
+       context besides. */
+    int64_t memory_limit;                   /* default 0: no limit; else bytes */
 } mpt_model_desc;
 
 typedef struct mpt_model mpt_model;
@@ -702,6 +743,25 @@ MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index);
 MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index);
 /* The model's precision policy, as given to mpt_model_create. */
 MPTDEF mpt_policy mpt_model_policy(const mpt_model *m);
+
+/* The bytes a built model holds in its backend's memory, per category
+   (@backend's MPT_MEMORY_*), each buffer rounded up to 64 bytes. Build
+   plans and allocates them once (compile: the optimizer state) and
+   training allocates no more, so this is also their peak during fit.
+   With a strategy: one replica's. */
+typedef struct mpt_memory_report {
+    int64_t parameters;    /* float32 masters                                */
+    int64_t gradients;     /* float32, of the trainable parameters           */
+    int64_t optimizer;     /* optimizer state; 0 until compiled              */
+    int64_t weight_copies; /* compute-dtype copies of the weights (mixed)    */
+    int64_t activations;   /* outputs, saved buffers, gradients, batches     */
+    int64_t workspace;     /* scratch the layers share                       */
+    int64_t total;         /* the sum of the six                             */
+    int64_t limit;         /* the model's memory_limit; 0: none              */
+} mpt_memory_report;
+
+/* Fills *out; MPT_ERR_STATE before build. */
+MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out);
 /* The policy's Keras name: "float32", "mixed_float16", "mixed_bfloat16";
    "?" if unknown. */
 MPTDEF const char *mpt_policy_name(mpt_policy policy);
@@ -914,7 +974,8 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
 
 /* Writes a Keras-like table (the dtype policy, then per layer its output
-   shape, parameters and compute dtype, then memory per category) into buf;
+   shape, parameters and compute dtype, then memory per category, as
+   mpt_model_memory reports it, and the memory_limit if one is set) into buf;
    returns the length it needs, like snprintf. Before build the text is, as
    Keras raises, that the model has not yet been built and what builds it. */
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
@@ -1485,6 +1546,14 @@ extern mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc,
                                           const mpt_backend **table, void **impl,
                                           char *message, size_t message_size);
 
+/* mpt_device_count's and mpt_device_query's CUDA part (mpt_cuda.cu):
+   the devices the driver shows (0 when there is no driver or no device,
+   which is no error), and one device's properties, free memory and the
+   driver's and runtime's versions. On failure *message says why. */
+extern int mpt_cuda_device_count(void);
+extern mpt_status mpt_cuda_device_query(int device, mpt_device_info *out, char *message,
+                                        size_t message_size);
+
 /* =============================================================================
    @backend-shared: the rules both backends run (internal)
    =============================================================================
@@ -2036,6 +2105,139 @@ fail:
 MPTDEF const char *mpt_context_error(const mpt_context *ctx) { return ctx ? ctx->error : ""; }
 MPTDEF int mpt_context_num_threads(const mpt_context *ctx) { return ctx ? ctx->num_threads : 0; }
 MPTDEF int mpt_context_cpu_features(const mpt_context *ctx) { return ctx ? ctx->cpu : 0; }
+
+/* ---- devices: the CPU as device 0, then the CUDA devices ------------------- */
+
+/* Copies text without its leading and trailing blanks (the brand string
+   pads with spaces); returns whether anything was left. */
+static int mpt__trimmed_copy(char *out, size_t size, const char *text) {
+    size_t n;
+    while (*text == ' ' || *text == '\t') text++;
+    n = strlen(text);
+    while (n > 0 && (text[n - 1] == ' ' || text[n - 1] == '\t')) n--;
+    if (n == 0) return 0;
+    snprintf(out, size, "%.*s", (int)n, text);
+    return 1;
+}
+
+/* The CPU's model name: CPUID's brand string (leaves 0x80000002..4) where
+   there is one, else /proc/cpuinfo's "model name", else "CPU". */
+static void mpt__cpu_name(char *name, size_t size) {
+    FILE *f;
+    char line[512];
+    snprintf(name, size, "CPU");
+#if MPT__X86
+    {
+        unsigned r[12], leaf;
+        char brand[49];
+        __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                             : "a"(0x80000000u), "c"(0));
+        if (r[0] >= 0x80000004u) {
+            for (leaf = 0; leaf < 3; leaf++)
+                __asm__ __volatile__("cpuid"
+                                     : "=a"(r[4 * leaf]), "=b"(r[4 * leaf + 1]),
+                                       "=c"(r[4 * leaf + 2]), "=d"(r[4 * leaf + 3])
+                                     : "a"(0x80000002u + leaf), "c"(0));
+            memcpy(brand, r, 48);
+            brand[48] = 0;
+            if (mpt__trimmed_copy(name, size, brand)) return;
+        }
+    }
+#endif
+    f = fopen("/proc/cpuinfo", "r");
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) == 0 && colon) {
+            line[strcspn(line, "\n")] = 0;
+            mpt__trimmed_copy(name, size, colon + 1);
+            break;
+        }
+    }
+    fclose(f);
+}
+
+/* The MPT_CPU_* bits as the instruction-set names they stand for. */
+static void mpt__cpu_feature_words(int features, char *out, size_t size) {
+    static const struct { int bit; const char *words; } names[] = {
+        {MPT_CPU_AVX2, "avx2 fma"},
+        {MPT_CPU_F16C, "f16c"},
+        {MPT_CPU_AVX512, "avx512f avx512bw avx512dq avx512vl"},
+        {MPT_CPU_AVX512_BF16, "avx512bf16"}};
+    size_t used = 0, i;
+    out[0] = 0;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (!(features & names[i].bit) || used >= size) continue;
+        snprintf(out + used, size - used, "%s%s", used ? " " : "", names[i].words);
+        used += strlen(out + used);
+    }
+}
+
+/* RAM in bytes from /proc/meminfo (MemTotal, MemAvailable); without it,
+   sysconf's page counts (whose "available" is the free pages only). */
+static void mpt__cpu_memory(int64_t *total, int64_t *available) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    long long kib;
+    *total = *available = 0;
+#if defined(_SC_PHYS_PAGES) && defined(_SC_AVPHYS_PAGES) /* not in POSIX: glibc's */
+    {
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        *total = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+        pages = sysconf(_SC_AVPHYS_PAGES);
+        *available = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+    }
+#endif
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemTotal: %lld kB", &kib) == 1) *total = (int64_t)kib * 1024;
+        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) *available = (int64_t)kib * 1024;
+    }
+    fclose(f);
+}
+
+static void mpt__cpu_device_info(mpt_device_info *out) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    out->kind = MPT_DEVICE_CPU;
+    mpt__cpu_name(out->name, sizeof out->name);
+    out->cores = cores > 0 ? (int)cores : 1;
+    out->cpu_features = mpt__detect_cpu();
+    mpt__cpu_feature_words(out->cpu_features, out->features, sizeof out->features);
+    mpt__cpu_memory(&out->memory_total, &out->memory_free);
+}
+
+MPTDEF int mpt_device_count(const mpt_context *ctx) {
+    (void)ctx;
+#ifdef MPT_CUDA
+    return 1 + mpt_cuda_device_count();
+#else
+    return 1;
+#endif
+}
+
+MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info *out) {
+    int count;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "device: NULL out");
+    memset(out, 0, sizeof *out);
+    count = mpt_device_count(ctx);
+    if (index < 0 || index >= count)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "device: index %d is not in 0..%d (0 is the CPU%s)", index, count - 1,
+                         count > 1 ? ", 1.. the CUDA devices" : "; this build sees no other");
+    if (index == 0) {
+        mpt__cpu_device_info(out);
+        return MPT_OK;
+    }
+#ifdef MPT_CUDA
+    {
+        char message[512] = "";
+        mpt_status s = mpt_cuda_device_query(index - 1, out, message, sizeof message);
+        if (s != MPT_OK) return mpt__fail(ctx, s, "device %d: %s", index, message);
+    }
+#endif
+    return MPT_OK;
+}
 
 /* Overflow-checked arithmetic for sizes: every size that reaches an
    allocation goes through these. */
@@ -4373,6 +4575,10 @@ enum {
     MPT__MEM_COUNT_ = MPT_MEMORY_COUNT_
 };
 
+/* The categories in messages (memory_limit's). */
+static const char *const mpt__memory_category[MPT__MEM_COUNT_] = {
+    "parameters", "gradients", "optimizer state", "weight copies", "activations", "workspace"};
+
 struct mpt_model {
     mpt_context *ctx;
     const mpt_backend *be;               /* the context's: holds every buffer */
@@ -4583,6 +4789,10 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     if (desc->policy < MPT_POLICY_FLOAT32 || desc->policy > MPT_POLICY_MIXED_BFLOAT16)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: unknown policy %d",
                          (int)desc->policy);
+    if (desc->memory_limit < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "model: memory_limit %lld is negative (0: no limit)",
+                         (long long)desc->memory_limit);
     m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
     if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
@@ -4856,6 +5066,36 @@ static void mpt__final_softmax_in_float32(mpt_model *m) {
         L->dtype = MPT_FLOAT32;
 }
 
+static int64_t mpt__optimizer_state_bytes(const mpt_model *m);
+
+/* memory_limit: whether the model may hold `bytes` more of `category` on
+   top of `held`; if not, fails naming the category, the bytes and the
+   limit. */
+static mpt_status mpt__within_memory_limit(mpt_model *m, int category, int64_t held,
+                                           int64_t bytes) {
+    int64_t limit = m->desc.memory_limit;
+    if (limit <= 0 || bytes <= limit - held) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                     "model: %s for batches of %lld needs %lld bytes, on top of %lld already "
+                     "planned: over the model's memory_limit of %lld bytes",
+                     mpt__memory_category[category], (long long)m->max_batch, (long long)bytes,
+                     (long long)held, (long long)limit);
+}
+
+/* Checks the whole plan, category by category (MPT_MEMORY_* order), before
+   anything is allocated. */
+static mpt_status mpt__plan_within_memory_limit(mpt_model *m, const mpt__carver *c) {
+    int64_t held = 0, bytes;
+    int i;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        bytes = i == MPT__MEM_OPTIMIZER ? (m->compiled ? mpt__optimizer_state_bytes(m) : 0)
+                                        : c[i].used;
+        MPT__CHECK(mpt__within_memory_limit(m, i, held, bytes));
+        held += bytes;
+    }
+    return MPT_OK;
+}
+
 /* Gives back every buffer of a build that failed half-way. */
 static void mpt__free_arenas(mpt_model *m) {
     int i;
@@ -4879,6 +5119,7 @@ static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
     memset(c, 0, sizeof c);
     mpt__layout(m, c, grad_buf_bytes);
     c[MPT__MEM_WORKSPACE].used = workspace_bytes;
+    MPT__CHECK(mpt__plan_within_memory_limit(m, c));
     for (i = 0; i < MPT__MEM_COUNT_; i++) {
         if (i == MPT__MEM_OPTIMIZER) continue; /* mpt__alloc_optimizer_state's */
         m->arena_bytes[i] = c[i].used;
@@ -4994,6 +5235,27 @@ MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index) {
 
 MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
     return m ? m->desc.policy : MPT_POLICY_FLOAT32;
+}
+
+MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
+    const int64_t *b;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
+    memset(out, 0, sizeof *out);
+    out->limit = m->desc.memory_limit;
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
+                         "plans its memory)");
+    b = m->arena_bytes;
+    out->parameters = b[MPT__MEM_PARAMS];
+    out->gradients = b[MPT__MEM_GRADS];
+    out->optimizer = b[MPT__MEM_OPTIMIZER];
+    out->weight_copies = b[MPT__MEM_WEIGHT_COPY];
+    out->activations = b[MPT__MEM_ACTIVATIONS];
+    out->workspace = b[MPT__MEM_WORKSPACE];
+    out->total = out->parameters + out->gradients + out->optimizer + out->weight_copies +
+                 out->activations + out->workspace;
+    return MPT_OK;
 }
 
 MPTDEF const char *mpt_policy_name(mpt_policy policy) {
@@ -8181,18 +8443,25 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
    parameter, zero-filled: allocated by build when the model is compiled
    first, or by compile when it is built first (and again on recompiling,
    which starts the optimizer afresh, as in Keras). */
-static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
+static int64_t mpt__optimizer_state_bytes(const mpt_model *m) {
     int64_t floats = 0;
+    int i;
+    for (i = 0; i < m->n_params; i++)
+        if (m->params[i].trainable) floats += m->params[i].count * m->n_slots;
+    return floats * (int64_t)sizeof(float);
+}
+
+static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
+    int64_t floats = mpt__optimizer_state_bytes(m) / (int64_t)sizeof(float), held = 0;
     float *next;
     void *block = NULL;
     int i, s;
     m->be->free(m->impl, MPT__MEM_OPTIMIZER, m->arena[MPT__MEM_OPTIMIZER]);
     m->arena[MPT__MEM_OPTIMIZER] = NULL;
     m->arena_bytes[MPT__MEM_OPTIMIZER] = 0;
-    for (i = 0; i < m->n_params; i++) {
-        m->params[i].slot[0] = m->params[i].slot[1] = NULL;
-        if (m->params[i].trainable) floats += m->params[i].count * m->n_slots;
-    }
+    for (i = 0; i < m->n_params; i++) m->params[i].slot[0] = m->params[i].slot[1] = NULL;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) held += m->arena_bytes[i];
+    MPT__CHECK(mpt__within_memory_limit(m, MPT__MEM_OPTIMIZER, held, floats * 4));
     if (floats == 0) return mpt__build_update_args(m);
     if (m->be->alloc(m->impl, MPT__MEM_OPTIMIZER, (size_t)floats * sizeof(float), &block) != MPT_OK)
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
@@ -10568,8 +10837,12 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
         mpt__append(buf, size, &used, "  %-22s %s\n", category[k],
                     mpt__bytes_text(c, sizeof c, (double)m->arena_bytes[k]));
     }
-    mpt__append(buf, size, &used, "  %-22s %s\n%s", "total",
-                mpt__bytes_text(c, sizeof c, (double)bytes), rule);
+    mpt__append(buf, size, &used, "  %-22s %s\n", "total",
+                mpt__bytes_text(c, sizeof c, (double)bytes));
+    if (m->desc.memory_limit > 0)
+        mpt__append(buf, size, &used, "  %-22s %s\n", "memory_limit",
+                    mpt__bytes_text(c, sizeof c, (double)m->desc.memory_limit));
+    mpt__append(buf, size, &used, "%s", rule);
     return used;
 }
 /* =============================================================================

@@ -4182,3 +4182,52 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
     *impl = c;
     return MPT_OK;
 }
+
+/* ---- devices: what mpt_device_count and mpt_device_query report ---------- */
+
+int mpt_cuda_device_count(void) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        (void)cudaGetLastError(); /* no driver, no device: nothing to list */
+        return 0;
+    }
+    return count;
+}
+
+/* Free memory is the device's to say, so this makes `device` current for
+   a moment (starting its primary context, as any use of it would) and then
+   gives the calling thread its device back. */
+mpt_status mpt_cuda_device_query(int device, mpt_device_info *out, char *message,
+                                 size_t message_size) {
+    cudaDeviceProp prop;
+    size_t free_bytes = 0, total_bytes = 0;
+    int previous = 0;
+    cudaError_t e;
+    mpt__cuda_say(message, message_size, "%s", "");
+    if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess ||
+        (e = cudaDriverGetVersion(&out->driver_version)) != cudaSuccess ||
+        (e = cudaRuntimeGetVersion(&out->runtime_version)) != cudaSuccess ||
+        (e = cudaGetDevice(&previous)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mpt__cuda_say(message, message_size, "CUDA device %d cannot be asked (%s)", device,
+                      cudaGetErrorString(e));
+        return MPT_ERR_UNSUPPORTED;
+    }
+    if ((e = cudaSetDevice(device)) == cudaSuccess) e = cudaMemGetInfo(&free_bytes, &total_bytes);
+    if (cudaSetDevice(previous) != cudaSuccess) (void)cudaGetLastError();
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        mpt__cuda_say(message, message_size, "CUDA device %d (%s): no memory information (%s)",
+                      device, prop.name, cudaGetErrorString(e));
+        return MPT_ERR_UNSUPPORTED;
+    }
+    out->kind = MPT_DEVICE_CUDA;
+    out->ordinal = device;
+    snprintf(out->name, sizeof out->name, "%s", prop.name);
+    out->compute_major = prop.major;
+    out->compute_minor = prop.minor;
+    out->sm_count = prop.multiProcessorCount;
+    out->memory_total = (int64_t)total_bytes;
+    out->memory_free = (int64_t)free_bytes;
+    return MPT_OK;
+}

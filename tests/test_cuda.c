@@ -2150,6 +2150,71 @@ static void test_table_is_complete(void) {
 #endif
 }
 
+/* mpt_device_query on the GPU this test runs on: device 1 is CUDA device
+   0 (the contexts above took cuda_device 0), a bfloat16-capable one. */
+static void test_device_info_of_the_gpu(void) {
+    mpt_context *ctx = gpu_be[GPU_AUTO].ctx;
+    mpt_device_info d;
+    int n = mpt_device_count(ctx);
+    CHECK(n >= 2, "%d devices: no GPU after the CPU", n);
+    if (n < 2) return;
+    CHECK(mpt_device_query(ctx, 1, &d) == MPT_OK, "query: %s", mpt_context_error(ctx));
+    CHECK(d.kind == MPT_DEVICE_CUDA && d.ordinal == 0, "kind %d ordinal %d", d.kind, d.ordinal);
+    CHECK(d.name[0] != 0, "no name");
+    CHECK(d.compute_major >= 8, "compute capability %d.%d", d.compute_major, d.compute_minor);
+    CHECK(d.sm_count > 0, "%d SMs", d.sm_count);
+    CHECK(d.memory_total > 0 && d.memory_free > 0 && d.memory_free <= d.memory_total,
+          "%lld of %lld bytes free", (long long)d.memory_free, (long long)d.memory_total);
+    CHECK(d.driver_version > 0 && d.runtime_version > 0, "driver %d runtime %d",
+          d.driver_version, d.runtime_version);
+    CHECK(mpt_device_query(ctx, n, &d) == MPT_ERR_INVALID_ARGUMENT, "index %d accepted", n);
+    printf("# device 1: %s, sm_%d%d, %d SMs, %.1f of %.1f GiB free, driver %d, runtime %d\n",
+           d.name, d.compute_major, d.compute_minor, d.sm_count,
+           (double)d.memory_free / (1 << 30), (double)d.memory_total / (1 << 30),
+           d.driver_version, d.runtime_version);
+}
+
+/* A model's memory_limit holds on the GPU too: below the plan, build
+   fails naming the category; the report's categories sum to its total. */
+static void test_model_memory_limit_on_the_gpu(void) {
+    mpt_context *ctx = gpu_be[GPU_AUTO].ctx;
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc dd;
+    mpt_memory_report r;
+    int64_t limit;
+    int pass;
+    memset(&r, 0, sizeof r);
+    for (pass = 0; pass < 2; pass++) {
+        memset(&md, 0, sizeof md);
+        md.input_shape[0] = 37;
+        md.input_rank = 1;
+        md.policy = MPT_POLICY_MIXED_BFLOAT16;
+        md.memory_limit = limit = pass == 0 ? 0 : r.parameters + r.gradients / 2;
+        if (mpt_model_create(ctx, &md, &m) != MPT_OK) {
+            CHECK(0, "model: %s", mpt_context_error(ctx));
+            return;
+        }
+        memset(&dd, 0, sizeof dd);
+        dd.units = 29;
+        mpt_model_add_dense(m, &dd);
+        if (pass == 0) {
+            CHECK(mpt_model_build(m, 16) == MPT_OK, "build: %s", mpt_context_error(ctx));
+            CHECK(mpt_model_memory(m, &r) == MPT_OK, "memory: %s", mpt_context_error(ctx));
+            CHECK(r.parameters == (37 * 29 * 4 + 63) / 64 * 64 + (29 * 4 + 63) / 64 * 64 &&
+                      r.total == r.parameters + r.gradients + r.optimizer + r.weight_copies +
+                                     r.activations + r.workspace,
+                  "parameters %lld, total %lld", (long long)r.parameters, (long long)r.total);
+        } else {
+            CHECK(mpt_model_build(m, 16) == MPT_ERR_OUT_OF_MEMORY, "built over %lld bytes",
+                  (long long)limit);
+            CHECK(strstr(mpt_context_error(ctx), "gradients") != NULL, "error: %s",
+                  mpt_context_error(ctx));
+        }
+        mpt_model_destroy(m);
+    }
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
@@ -2174,6 +2239,10 @@ int main(void) {
     printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
            gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
     test__run("the table: every required slot filled", test_table_is_complete);
+    test__run("devices: the GPU's compute capability >= 8, free <= total memory",
+              test_device_info_of_the_gpu);
+    test__run("model: memory_limit below the plan refuses build on the GPU",
+              test_model_memory_limit_on_the_gpu);
     for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
     for (e = 0; e < N_GPU; e++) test_gemm_relu_keeps_nan(&gpu_be[e]);
     test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",

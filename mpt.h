@@ -345,7 +345,8 @@ typedef struct mpt_device_info {
     int cpu_features;          /* the MPT_CPU_* bits the CPU has (a context
                                   may use fewer: disable_cpu_features)     */
     char features[128];        /* the same as words: "avx2 fma f16c avx512f
-                                  avx512bw avx512dq avx512vl avx512bf16"   */
+                                  avx512bw avx512dq avx512vl avx512bf16
+                                  avx512vnni"                              */
     /* a CUDA device */
     int compute_major, compute_minor; /* compute capability, e.g. 9, 0     */
     int sm_count;              /* streaming multiprocessors                 */
@@ -2163,7 +2164,8 @@ static void mpt__cpu_feature_words(int features, char *out, size_t size) {
         {MPT_CPU_AVX2, "avx2 fma"},
         {MPT_CPU_F16C, "f16c"},
         {MPT_CPU_AVX512, "avx512f avx512bw avx512dq avx512vl"},
-        {MPT_CPU_AVX512_BF16, "avx512bf16"}};
+        {MPT_CPU_AVX512_BF16, "avx512bf16"},
+        {MPT_CPU_AVX512_VNNI, "avx512vnni"}};
     size_t used = 0, i;
     out[0] = 0;
     for (i = 0; i < sizeof names / sizeof names[0]; i++) {

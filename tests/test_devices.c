@@ -25,6 +25,8 @@ static void test_cpu_is_device_zero(void) {
           info.features, features);
     CHECK(!(features & MPT_CPU_AVX512_BF16) == !strstr(info.features, "avx512bf16"),
           "\"%s\" for %x", info.features, features);
+    CHECK(!(features & MPT_CPU_AVX512_VNNI) == !strstr(info.features, "avx512vnni"),
+          "\"%s\" for %x", info.features, features);
     CHECK(info.memory_total > 0 && info.memory_free > 0 && info.memory_free <= info.memory_total,
           "memory %lld of %lld free", (long long)info.memory_free, (long long)info.memory_total);
     CHECK(info.compute_major == 0 && info.sm_count == 0, "CUDA fields set for the CPU");

@@ -829,7 +829,9 @@ typedef struct mpt_fit_desc {
    reproducible. The history of every epoch is kept (mpt_model_history).
    After an epoch whose loss or trainable weights hold inf or NaN, fit
    stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
-   names the epoch and the first such weight's layer, tensor and element. */
+   names the epoch and the first such weight's layer, tensor and element.
+   With verbose >= 1, fit ends with a summary of the run: time, samples/s,
+   the mean step's parts, the loss scale's changes and the skipped steps. */
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
                                 const mpt_fit_desc *desc);
 
@@ -9783,9 +9785,10 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
        Fit: 3 epochs, 1407 steps in 12.41s (training 11.93s) - 15123 samples/s
        Step: 8.48ms - forward: 3.10ms - backward: 4.02ms - update: 0.85ms - data and host: 0.51ms
        Loss scale: 32768 -> 65536 (dynamic) - grew: 1 - shrank: 0 - skipped steps: 0
-   "training" is the epochs' steps, validation and callbacks left out, and
-   what it holds beyond the forward, backward and update calls is the
-   batches' loading and copying and the host's bookkeeping. On a GPU the
+   "training" is the epochs' own time (their steps, batch callbacks and
+   progress bar; not validation, nor the epoch-end callbacks), and what it
+   holds beyond the forward, backward and update calls is the batches'
+   loading and copying and the host's bookkeeping. On a GPU the
    three are the host's time to queue the work, and the wait for the GPU
    falls into the rest. */
 
@@ -9803,7 +9806,9 @@ static void mpt__fit_totals_add(mpt__fit_totals *t, int64_t steps, int64_t sampl
 /* How many times dynamic loss scaling grew the scale. Every skipped step
    shrank it by backoff_factor (mpt__loss_scale_next), so the rest of the
    change from the first scale to the final one is growth:
-   final = first · growth_factor^grew · backoff_factor^shrank. */
+   final = first · growth_factor^grew · backoff_factor^shrank. (A skip at
+   the smallest normal scale, which leaves it there, still counts as a
+   shrink: a collapse the warning in mpt__state_pull has reported.) */
 static int64_t mpt__loss_scale_growths(const mpt_loss_scale_desc *d, double first, double final,
                                        int64_t shrank) {
     double grew;

@@ -10148,7 +10148,7 @@ static void mpt__plot_axes(mpt__svg *b, const mpt__plot_area *r, const mpt__plot
         mpt__plot_tick_label(label, sizeof label, a, u);
         mpt__svg_text(b, r->x0 - 6, y + 4, "text-anchor=\"end\"", label);
     }
-    for (e = x_step; e <= r->epochs; e += x_step) {
+    for (e = 1; e <= r->epochs; e = e < x_step ? x_step : e + x_step) { /* 1, then steps */
         double x = mpt__plot_x(r, e - 1);
         mpt__svg_line(b, x, r->y0, x, r->y1, "stroke=\"#e6e6e6\"");
         snprintf(label, sizeof label, "%d", e);

@@ -88,11 +88,11 @@ static void check_series(const svg_read *r, const char *key, int polylines, cons
 
 /* ---- a history by hand ------------------------------------------------------------------- */
 
-enum { EPOCHS = 12 };
+enum { EPOCHS = 12, MAX_EPOCHS = 64 };
 
 typedef struct fake_history {
     mpt_history h;
-    double values[MPT_MAX_LOGS][EPOCHS];
+    double values[MPT_MAX_LOGS][MAX_EPOCHS];
 } fake_history;
 
 static void add_key(fake_history *f, const char *key, double lo, double hi) {
@@ -181,11 +181,20 @@ static void test_nan_breaks_the_curve(void) {
     check_series(&r, "learning_rate", 1, "10");
 }
 
-/* A history of one epoch, and one with nothing but a validation loss. */
+/* A history of one epoch, and one with nothing but a validation loss;
+   a longer one labels epoch 1, then every 5th. */
 static void test_small_histories(void) {
     fake_history f;
     svg_read r;
     char path[512];
+    memset(&f, 0, sizeof f);
+    f.h.epochs = 40;
+    add_key(&f, "loss", 0.2, 0.3);
+    path_in_tmp(path, sizeof path, "long.svg");
+    CHECK(mpt_history_plot_svg(&f.h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
+          mpt_context_error(ctx));
+    read_svg(path, &r);
+    CHECK(r.ok && strstr(r.texts, "|1|5|10|15|20|25|30|35|40|epoch"), "epoch ticks: %s", r.texts);
     memset(&f, 0, sizeof f);
     f.h.epochs = 1;
     add_key(&f, "val_loss", 0.5, 1.5);
@@ -445,7 +454,7 @@ int main(void) {
     TEST_RUN(test_fit_summary_and_plot);
     if (!getenv("MPT_TEST_KEEP_PLOTS")) { /* set, the SVGs stay in tmpdir to look at */
         static const char *const made[] = {"reader.py", "history.svg", "nan.svg", "one.svg",
-                                           "fit.svg"};
+                                           "long.svg", "fit.svg"};
         char path[512];
         size_t i;
         for (i = 0; i < sizeof made / sizeof made[0]; i++) {

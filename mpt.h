@@ -10200,38 +10200,64 @@ static void mpt__plot_series(mpt__svg *b, const mpt_history *h, int k, const cha
     mpt__svg_printf(b, "</g>\n");
 }
 
-/* The legend, right-aligned on the panel's title line: a stroke and the
-   key of each series. Text widths are estimated (7 px a character at 12 px). */
+/* Text widths are estimated, at 7 px a character (12 px text), 8 for the
+   panels' bold 14 px titles. */
+static double mpt__plot_text_width(const char *text, double per_char) {
+    return per_char * (double)strlen(text);
+}
+
+/* What the legend calls series i: "training" and "validation" when the
+   panel has both (its title names the quantity), else the series' key. */
+static const char *mpt__plot_legend_label(const mpt_history *h, const mpt__plot_panel *p, int i) {
+    if (p->key[0] >= 0 && p->key[1] >= 0) return i == 0 ? "training" : "validation";
+    return h->keys[p->key[i]];
+}
+
+static double mpt__plot_legend_width(const mpt_history *h, const mpt__plot_panel *p) {
+    double w = 0;
+    int i;
+    for (i = 0; i < 2; i++)
+        if (p->key[i] >= 0) w += mpt__plot_text_width(mpt__plot_legend_label(h, p, i), 7) + 40;
+    return w;
+}
+
+/* The legend, right-aligned at `right`: a stroke and a label per series. */
 static void mpt__plot_legend(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
                              double right, double y) {
     double x = right;
     int i;
     for (i = 1; i >= 0; i--) {
         char stroke[64];
+        const char *label;
         if (p->key[i] < 0) continue;
-        x -= 7.0 * (double)strlen(h->keys[p->key[i]]);
-        mpt__svg_text(b, x, y + 4, "", h->keys[p->key[i]]);
+        label = mpt__plot_legend_label(h, p, i);
+        x -= mpt__plot_text_width(label, 7);
+        mpt__svg_text(b, x, y + 4, "", label);
         snprintf(stroke, sizeof stroke, "stroke=\"%s\" stroke-width=\"2\"", p->color[i]);
         mpt__svg_line(b, x - 24, y, x - 6, y, stroke);
         x -= 40;
     }
 }
 
-/* Panel p in the box at (x, y) of size w × h. */
+/* Panel p in the box at (x, y) of size w × h: the title, and the legend
+   on its line, or on a line of its own when they would overlap. */
 static void mpt__plot_panel_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
                                  double x, double y, double w, double ht) {
     mpt__plot_axis a = mpt__plot_y_axis(h, p);
     mpt__plot_area r;
-    int i;
+    double title_end;
+    int i, own_line;
     r.x0 = x + 70;
     r.x1 = x + w - 24;
-    r.y0 = y + 36;
     r.y1 = y + ht - 44;
     r.epochs = h->epochs;
+    title_end = r.x0 + mpt__plot_text_width(p->title, 8) + (a.log_scale ? 100 : 0);
+    own_line = title_end + 16 > r.x1 - mpt__plot_legend_width(h, p);
+    r.y0 = y + (own_line ? 54 : 36);
     mpt__svg_text(b, r.x0, y + 22, "font-size=\"14\" font-weight=\"bold\"", p->title);
-    if (a.log_scale) mpt__svg_text(b, r.x0 + 8 * (double)strlen(p->title) + 12, y + 22,
+    if (a.log_scale) mpt__svg_text(b, r.x0 + mpt__plot_text_width(p->title, 8) + 12, y + 22,
                                    "fill=\"#666666\"", "(log scale)");
-    mpt__plot_legend(b, h, p, r.x1, y + 18);
+    mpt__plot_legend(b, h, p, r.x1, y + (own_line ? 38 : 18));
     mpt__plot_axes(b, &r, &a);
     for (i = 0; i < 2; i++)
         if (p->key[i] >= 0) mpt__plot_series(b, h, p->key[i], p->color[i], &r, &a);

@@ -151,6 +151,9 @@ static void test_well_formed(void) {
     CHECK(strstr(r.texts, "<b>\"run\" & 'co'?? caf\xc3\xa9</b>") != NULL, "title: %s", r.texts);
     CHECK(strstr(r.texts, "loss scale|(log scale)") && strstr(r.texts, "|epoch|"),
           "labels: %s", r.texts);
+    /* the legend: training and validation on the paired panels, the key alone */
+    CHECK(strstr(r.texts, "|loss|validation|training|") &&
+              strstr(r.texts, "|learning rate|learning_rate|"), "legend: %s", r.texts);
     /* ticks: the epochs, and the loss scale's powers of two */
     CHECK(strstr(r.texts, "|12|") && strstr(r.texts, "|1024|"), "ticks: %s", r.texts);
 }

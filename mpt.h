@@ -954,7 +954,9 @@ typedef struct mpt_fit_desc {
    reproducible. The history of every epoch is kept (mpt_model_history).
    After an epoch whose loss or trainable weights hold inf or NaN, fit
    stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
-   names the epoch and the first such weight's layer, tensor and element. */
+   names the epoch and the first such weight's layer, tensor and element.
+   With verbose >= 1, fit ends with a summary of the run: time, samples/s,
+   the mean step's parts, the loss scale's changes and the skipped steps. */
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
                                 const mpt_fit_desc *desc);
 
@@ -993,6 +995,29 @@ typedef struct mpt_history {
 } mpt_history;
 
 MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out);
+
+typedef struct mpt_plot_desc {
+    int width;            /* default 0: 1000 pixels (at least 320)         */
+    int height;           /* default 0: 60 + 320 per row of two panels
+                             (at least 200)                               */
+    const char *title;    /* default "Training history"                   */
+    mpt_context *ctx;     /* default NULL: a failure's message goes to
+                             stderr; else to this context's error message
+                             and logger, and memory comes from its
+                             allocator                                    */
+} mpt_plot_desc;
+
+/* Draws a history as an SVG file a browser opens (no scripts, no external
+   fonts): one panel per quantity against the epoch (loss, then each
+   metric, training and validation ("val_") curves together; the learning
+   rate; the loss scale, on a log axis when it varies by more than 10×),
+   with axes, tick labels and a legend. Every series is a <g> with a
+   data-key attribute (its history key) holding one <polyline> per run of
+   finite values: a NaN or inf breaks the curve. The file is written whole
+   to "<path>.tmp-<pid>" and renamed over path, so a crash leaves the old
+   file or the new one. An empty history (0 epochs) is an error. */
+MPTDEF mpt_status mpt_history_plot_svg(const mpt_history *history, const char *path,
+                                       const mpt_plot_desc *desc);
 
 /* The learning rate's base value (what the schedule scales), e.g. for a
    callback that lowers it. The history's "learning_rate" is the rate the
@@ -10347,6 +10372,18 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
                 s = (d)->callbacks[cb_].fn((d)->callbacks[cb_].user_data, __VA_ARGS__); \
     } while (0)
 
+/* What fit's closing summary (verbose >= 1) adds up over the epochs,
+   from the measurements the epochs' logs are made of. */
+typedef struct mpt__fit_totals {
+    double start;              /* mpt__now() when fit began               */
+    float first_scale;         /* the loss scale when fit began           */
+    int64_t first_skipped;     /* the model's skipped steps then          */
+    int epochs;
+    int64_t steps, samples;
+    double epoch_seconds;      /* the epochs' training, validation apart  */
+    mpt__step_times times;     /* forward, backward, update: their sums   */
+} mpt__fit_totals;
+
 typedef struct mpt__fit_run {
     mpt_model *m;
     const mpt_fit_desc *d;
@@ -10359,7 +10396,12 @@ typedef struct mpt__fit_run {
     int64_t *mine;               /* (n) with several workers: this one's share */
     int64_t step;                /* the epoch's next global batch  */
     int64_t rows, global_rows;   /* of the batch fit_next gave      */
+    mpt__fit_totals totals;      /* for the summary after the last epoch */
 } mpt__fit_run;
+
+static void mpt__fit_totals_add(mpt__fit_totals *t, int64_t steps, int64_t samples,
+                                double seconds, const mpt__step_times *times);
+static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t);
 
 static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
                                        int64_t rows, int64_t global_rows,
@@ -10478,6 +10520,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt__logs_set(logs, "forward_ms_per_step", batch ? 1e3 * times.forward / (double)batch : 0);
     mpt__logs_set(logs, "backward_ms_per_step", batch ? 1e3 * times.backward / (double)batch : 0);
     mpt__logs_set(logs, "update_ms_per_step", batch ? 1e3 * times.update / (double)batch : 0);
+    mpt__fit_totals_add(&r->totals, batch, tally.samples, seconds, &times);
     return MPT_OK;
 }
 
@@ -10613,6 +10656,9 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     workers = m->strategy ? m->strategy->workers : 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
+    r.totals.start = mpt__now();
+    r.totals.first_scale = m->loss_scale;
+    r.totals.first_skipped = m->skipped_steps;
     r.m = m;
     r.d = &d;
     r.train = train;
@@ -10666,6 +10712,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         MPT__EACH_CALLBACK(&d, on_epoch_end, m, epoch, &logs, &stop);
     }
     if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);
+    if (s == MPT_OK && d.verbose) mpt__fit_print_summary(m, &r.totals);
     mpt__set_emit_logits(m, 0);
     mpt__feed_close(m, &r.feed);
     mpt__exchange_free(m);
@@ -10846,6 +10893,628 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
                     mpt__bytes_text(c, sizeof c, (double)m->desc.memory_limit));
     mpt__append(buf, size, &used, "%s", rule);
     return used;
+}
+/* ---- fit's closing summary ---------------------------------------------------------------
+
+   With verbose >= 1, fit ends with a few lines on the run as a whole, from
+   the measurements its epochs' logs are made of (nothing more is timed):
+       Fit: 3 epochs, 1407 steps in 12.41s (training 11.93s) - 15123 samples/s
+       Step: 8.48ms - forward: 3.10ms - backward: 4.02ms - update: 0.85ms - data and host: 0.51ms
+       Loss scale: 32768 -> 65536 (dynamic) - grew: 1 - shrank: 0 - skipped steps: 0
+   "training" is the epochs' own time (their steps, batch callbacks and
+   progress bar; not validation, nor the epoch-end callbacks), and what it
+   holds beyond the forward, backward and update calls is the batches'
+   loading and copying and the host's bookkeeping. On a GPU the
+   three are the host's time to queue the work, and the wait for the GPU
+   falls into the rest. */
+
+static void mpt__fit_totals_add(mpt__fit_totals *t, int64_t steps, int64_t samples,
+                                double seconds, const mpt__step_times *times) {
+    t->epochs++;
+    t->steps += steps;
+    t->samples += samples;
+    t->epoch_seconds += seconds;
+    t->times.forward += times->forward;
+    t->times.backward += times->backward;
+    t->times.update += times->update;
+}
+
+/* How many times dynamic loss scaling grew the scale. Every skipped step
+   shrank it by backoff_factor (mpt__loss_scale_next), so the rest of the
+   change from the first scale to the final one is growth:
+   final = first · growth_factor^grew · backoff_factor^shrank. (A skip at
+   the smallest normal scale, which leaves it there, still counts as a
+   shrink: a collapse the warning in mpt__state_pull has reported.) */
+static int64_t mpt__loss_scale_growths(const mpt_loss_scale_desc *d, double first, double final,
+                                       int64_t shrank) {
+    double grew;
+    if (d->mode != MPT_LOSS_SCALE_DYNAMIC || !(first > 0) || !(final > 0)) return 0;
+    grew = (log(final / first) - (double)shrank * log((double)d->backoff_factor)) /
+           log((double)d->growth_factor);
+    return grew > 0.5 ? (int64_t)floor(grew + 0.5) : 0;
+}
+
+/* Milliseconds with three significant digits ("0.0123ms", "8.46ms", "123.4ms"). */
+static void mpt__format_ms(char *buf, size_t size, double ms) {
+    snprintf(buf, size, ms >= 100 ? "%.1fms" : "%.3gms", ms);
+}
+
+static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t) {
+    const mpt_loss_scale_desc *ls = &m->compile.loss_scale;
+    double steps = t->steps > 0 ? (double)t->steps : 1;
+    double forward = 1e3 * t->times.forward / steps, backward = 1e3 * t->times.backward / steps;
+    double update = 1e3 * t->times.update / steps, step = 1e3 * t->epoch_seconds / steps;
+    double rest = MPT__MAX(step - forward - backward - update, 0.0);
+    int64_t skipped = m->skipped_steps - t->first_skipped;
+    int64_t shrank = ls->mode == MPT_LOSS_SCALE_DYNAMIC ? skipped : 0;
+    char a[32], b[32], c[32], d[32], e[32];
+    if (t->epochs == 0) return;
+    mpt__print(m, "Fit: %d epoch%s, %lld steps in %.2fs (training %.2fs) - %.0f samples/s\n",
+               t->epochs, t->epochs == 1 ? "" : "s", (long long)t->steps,
+               mpt__now() - t->start, t->epoch_seconds,
+               t->epoch_seconds > 0 ? (double)t->samples / t->epoch_seconds : 0.0);
+    mpt__format_ms(a, sizeof a, step);
+    mpt__format_ms(b, sizeof b, forward);
+    mpt__format_ms(c, sizeof c, backward);
+    mpt__format_ms(d, sizeof d, update);
+    mpt__format_ms(e, sizeof e, rest);
+    mpt__print(m, "Step: %s - forward: %s - backward: %s - update: %s - data and host: %s\n",
+               a, b, c, d, e);
+    if (ls->mode == MPT_LOSS_SCALE_DYNAMIC)
+        mpt__print(m, "Loss scale: %.9g -> %.9g (dynamic) - grew: %lld - shrank: %lld - "
+                   "skipped steps: %lld\n", (double)t->first_scale, (double)m->loss_scale,
+                   (long long)mpt__loss_scale_growths(ls, t->first_scale, m->loss_scale, shrank),
+                   (long long)shrank, (long long)skipped);
+    else if (ls->mode == MPT_LOSS_SCALE_FIXED)
+        mpt__print(m, "Loss scale: %.9g (fixed) - skipped steps: %lld\n", (double)m->loss_scale,
+                   (long long)skipped);
+    else
+        mpt__print(m, "Loss scale: none - skipped steps: %lld\n", (long long)skipped);
+}
+
+/* ---- the history as an SVG plot ------------------------------------------------------------
+
+   A grid of panels, two across, one per quantity: the loss, each metric
+   (with their "val_" twins on the same axes), the learning rate, the loss
+   scale. Each panel is a frame with its ticks, labels and legend, and a
+   <g data-key="..."> per series holding a <polyline> per run of finite
+   values (and a dot per point when there are few epochs, or when a run is
+   one point long and would otherwise not show). Coordinates are written
+   with integer arithmetic, so no locale can put a comma in them; every
+   caller's string goes through mpt__svg_escaped. */
+
+/* The SVG text, grown as it is written; oom once an allocation failed. */
+typedef struct mpt__svg {
+    mpt_context *ctx; /* whose allocator; NULL: malloc */
+    char *text;       /* (cap) */
+    size_t len, cap;
+    int oom;
+} mpt__svg;
+
+static void *mpt__svg_alloc(mpt_context *ctx, size_t bytes) {
+    return ctx ? mpt__alloc(ctx, bytes) : mpt__default_alloc(NULL, bytes, MPT__ALIGN);
+}
+
+static void mpt__svg_free(mpt_context *ctx, void *ptr) {
+    if (ctx) mpt__free(ctx, ptr);
+    else mpt__default_free(NULL, ptr);
+}
+
+/* Room for `more` bytes and a terminating 0. */
+static int mpt__svg_reserve(mpt__svg *b, size_t more) {
+    size_t cap = b->cap ? b->cap : 16384;
+    char *grown;
+    if (b->oom) return 0;
+    if (more > SIZE_MAX / 4 - b->len) return !(b->oom = 1);
+    if (b->len + more < b->cap) return 1;
+    while (cap <= b->len + more) cap *= 2;
+    grown = (char *)mpt__svg_alloc(b->ctx, cap);
+    if (!grown) return !(b->oom = 1);
+    if (b->len) memcpy(grown, b->text, b->len);
+    mpt__svg_free(b->ctx, b->text);
+    b->text = grown;
+    b->cap = cap;
+    return 1;
+}
+
+static void mpt__svg_printf(mpt__svg *b, const char *fmt, ...) {
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) b->oom = 1;
+    if (n < 0 || !mpt__svg_reserve(b, (size_t)n)) return;
+    va_start(ap, fmt);
+    vsnprintf(b->text + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+
+static int mpt__st_utf8_len(const unsigned char *p, int64_t avail);
+
+/* A caller's string as XML character data or an attribute's value: the
+   five special characters escaped; a byte that is not UTF-8, a control
+   character, U+FFFE or U+FFFF (none of which XML 1.0 allows, escaped or
+   not) written as '?'. */
+static void mpt__svg_escaped(mpt__svg *b, const char *text) {
+    const unsigned char *p = (const unsigned char *)text;
+    int64_t left = (int64_t)strlen(text);
+    while (left > 0) {
+        int len = mpt__st_utf8_len(p, left);
+        const char *entity = *p == '&' ? "&amp;" : *p == '<' ? "&lt;" : *p == '>' ? "&gt;"
+                           : *p == '"' ? "&quot;" : *p == '\'' ? "&apos;" : NULL;
+        int forbidden = len == 0 || (*p < 0x20 && *p != '\t' && *p != '\n') || *p == 0x7f ||
+                        (len == 3 && p[0] == 0xef && p[1] == 0xbf && p[2] >= 0xbe);
+        if (entity) mpt__svg_printf(b, "%s", entity);
+        else if (forbidden) mpt__svg_printf(b, "?");
+        else mpt__svg_printf(b, "%.*s", len, (const char *)p);
+        p += len ? len : 1;
+        left -= len ? len : 1;
+    }
+}
+
+/* A coordinate with one decimal, whatever the locale's decimal point. */
+static void mpt__svg_number(mpt__svg *b, double v) {
+    long long tenths = llround(MPT__MIN(MPT__MAX(v, -1e6), 1e6) * 10);
+    long long whole = tenths < 0 ? -tenths : tenths;
+    mpt__svg_printf(b, "%s%lld.%lld", tenths < 0 ? "-" : "", whole / 10, whole % 10);
+}
+
+/* "x,y" for polyline points. */
+static void mpt__svg_point(mpt__svg *b, double x, double y) {
+    mpt__svg_number(b, x);
+    mpt__svg_printf(b, ",");
+    mpt__svg_number(b, y);
+}
+
+/* <text x y ...>escaped text</text>; attributes: e.g. "text-anchor=\"end\"". */
+static void mpt__svg_text(mpt__svg *b, double x, double y, const char *attributes,
+                          const char *text) {
+    mpt__svg_printf(b, "<text x=\"");
+    mpt__svg_number(b, x);
+    mpt__svg_printf(b, "\" y=\"");
+    mpt__svg_number(b, y);
+    mpt__svg_printf(b, "\" %s>", attributes);
+    mpt__svg_escaped(b, text);
+    mpt__svg_printf(b, "</text>\n");
+}
+
+static void mpt__svg_line(mpt__svg *b, double x0, double y0, double x1, double y1,
+                          const char *attributes) {
+    mpt__svg_printf(b, "<line x1=\"");
+    mpt__svg_number(b, x0);
+    mpt__svg_printf(b, "\" y1=\"");
+    mpt__svg_number(b, y0);
+    mpt__svg_printf(b, "\" x2=\"");
+    mpt__svg_number(b, x1);
+    mpt__svg_printf(b, "\" y2=\"");
+    mpt__svg_number(b, y1);
+    mpt__svg_printf(b, "\" %s/>\n", attributes);
+}
+
+/* One panel: up to two series on one y axis. */
+typedef struct mpt__plot_panel {
+    const char *title;
+    int key[2];            /* history keys: the training series, the validation
+                              one ("val_"); -1: none                          */
+    const char *color[2];
+    int log_scale;         /* log2 axis                                      */
+} mpt__plot_panel;
+
+/* A value the plot can place: finite, and on a log axis positive. Beyond
+   ±1e300 the axis arithmetic would overflow, so those count as inf. */
+static int mpt__plot_drawable(double v, int log_scale) {
+    return isfinite(v) && fabs(v) <= 1e300 && (!log_scale || v >= 1e-300);
+}
+
+static int mpt__plot_find_key(const mpt_history *h, const char *prefix, const char *name) {
+    size_t n = strlen(prefix);
+    int k;
+    for (k = 0; k < h->n_keys; k++)
+        if (strncmp(h->keys[k], prefix, n) == 0 && strcmp(h->keys[k] + n, name) == 0) return k;
+    return -1;
+}
+
+/* The history's measurements of the run itself, left out of the plot
+   (the learning rate and the loss scale have panels of their own). */
+static int mpt__plot_is_measurement(const char *key) {
+    static const char *const names[] = {"learning_rate", "loss_scale", "skipped_steps",
+                                        "epoch_seconds", "samples_per_second",
+                                        "forward_ms_per_step", "backward_ms_per_step",
+                                        "update_ms_per_step"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(key, names[i]) == 0) return 1;
+    return 0;
+}
+
+/* Whether key k's drawable values span more than a factor of 10, all > 0. */
+static int mpt__plot_wants_log(const mpt_history *h, int k) {
+    double lo = INFINITY, hi = 0;
+    int e;
+    for (e = 0; e < h->epochs; e++) {
+        double v = h->values[k][e];
+        if (!mpt__plot_drawable(v, 0)) continue;
+        if (v <= 0) return 0;
+        lo = MPT__MIN(lo, v);
+        hi = MPT__MAX(hi, v);
+    }
+    return hi > 10 * lo;
+}
+
+static int mpt__plot_add_single(const mpt_history *h, const char *key, const char *title,
+                                const char *color, mpt__plot_panel *p) {
+    int k = mpt__plot_find_key(h, "", key);
+    if (k < 0) return 0;
+    memset(p, 0, sizeof *p);
+    p->title = title;
+    p->key[0] = k;
+    p->key[1] = -1;
+    p->color[0] = color;
+    p->log_scale = strcmp(key, "loss_scale") == 0 && mpt__plot_wants_log(h, k);
+    return 1;
+}
+
+/* The panels, in order: the loss and the metrics as the history has them,
+   then the learning rate and the loss scale. */
+static int mpt__plot_panels(const mpt_history *h, mpt__plot_panel *panels) {
+    int n = 0, k;
+    for (k = 0; k < h->n_keys; k++) {
+        const char *key = h->keys[k];
+        int validation = strncmp(key, "val_", 4) == 0;
+        mpt__plot_panel *p = &panels[n];
+        if (mpt__plot_is_measurement(key)) continue;
+        if (validation && mpt__plot_find_key(h, "", key + 4) >= 0) continue; /* with its twin */
+        memset(p, 0, sizeof *p);
+        p->title = validation ? key + 4 : key;
+        p->key[0] = validation ? -1 : k;
+        p->key[1] = validation ? k : mpt__plot_find_key(h, "val_", key);
+        p->color[0] = "#1f77b4";
+        p->color[1] = "#ff7f0e";
+        n++;
+    }
+    n += mpt__plot_add_single(h, "learning_rate", "learning rate", "#2ca02c", &panels[n]);
+    n += mpt__plot_add_single(h, "loss_scale", "loss scale", "#9467bd", &panels[n]);
+    return n;
+}
+
+/* A y axis: its ends and tick step, in the axis' units (log2 of the value
+   on a log axis). */
+typedef struct mpt__plot_axis {
+    double lo, hi, step;
+    int log_scale;
+} mpt__plot_axis;
+
+/* 1, 2 or 5 times a power of ten, near x > 0. */
+static double mpt__plot_nice(double x) {
+    double p = pow(10, floor(log10(x))), f = x / p;
+    return (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * p;
+}
+
+static mpt__plot_axis mpt__plot_y_axis(const mpt_history *h, const mpt__plot_panel *p) {
+    mpt__plot_axis a;
+    double lo = INFINITY, hi = -INFINITY;
+    int i, e;
+    a.log_scale = p->log_scale;
+    for (i = 0; i < 2; i++)
+        for (e = 0; p->key[i] >= 0 && e < h->epochs; e++) {
+            double v = h->values[p->key[i]][e];
+            if (!mpt__plot_drawable(v, a.log_scale)) continue;
+            if (a.log_scale) v = log2(v);
+            lo = MPT__MIN(lo, v);
+            hi = MPT__MAX(hi, v);
+        }
+    if (lo > hi) lo = 0, hi = 1; /* nothing drawable: an empty frame */
+    if (a.log_scale) {
+        lo = floor(lo);
+        hi = MPT__MAX(ceil(hi), lo + 1);
+        a.step = ceil((hi - lo) / 6);
+        a.lo = lo;
+        a.hi = lo + a.step * ceil((hi - lo) / a.step);
+        return a;
+    }
+    if (lo == hi) { /* a constant: a band around it */
+        double pad = lo != 0 ? fabs(lo) * 0.1 : 1;
+        lo -= pad;
+        hi += pad;
+    }
+    a.step = mpt__plot_nice((hi - lo) / 4);
+    a.lo = floor(lo / a.step) * a.step;
+    a.hi = ceil(hi / a.step) * a.step;
+    return a;
+}
+
+static void mpt__plot_tick_label(char *buf, size_t size, const mpt__plot_axis *a, double u) {
+    if (!a->log_scale)
+        snprintf(buf, size, "%g", fabs(u) < a->step * 1e-6 ? 0.0 : u);
+    else if (u >= 0 && u <= 20)
+        snprintf(buf, size, "%.0f", ldexp(1, (int)u));
+    else
+        snprintf(buf, size, "2^%d", (int)u);
+}
+
+/* Where a panel's data goes on the page. */
+typedef struct mpt__plot_area {
+    double x0, y0, x1, y1;
+    int epochs;
+} mpt__plot_area;
+
+/* Epoch e (from 0) is drawn at e + 1 on an axis over 1..epochs; a single
+   epoch in the middle of 0..2. */
+static double mpt__plot_x(const mpt__plot_area *r, int e) {
+    double lo = r->epochs > 1 ? 1 : 0, hi = r->epochs > 1 ? r->epochs : 2;
+    return r->x0 + ((double)e + 1 - lo) / (hi - lo) * (r->x1 - r->x0);
+}
+
+static double mpt__plot_y(const mpt__plot_area *r, const mpt__plot_axis *a, double v) {
+    double u = a->log_scale ? log2(v) : v;
+    return r->y1 - (u - a->lo) / (a->hi - a->lo) * (r->y1 - r->y0);
+}
+
+/* The frame, grid, ticks and their labels of a panel. */
+static void mpt__plot_axes(mpt__svg *b, const mpt__plot_area *r, const mpt__plot_axis *a) {
+    int ticks = (int)floor((a->hi - a->lo) / a->step + 0.5), i;
+    int x_step = r->epochs > 8 ? (int)mpt__plot_nice((r->epochs - 1) / 8.0) : 1, e;
+    char label[48];
+    for (i = 0; i <= ticks; i++) {
+        double u = a->lo + i * a->step;
+        double y = r->y1 - (u - a->lo) / (a->hi - a->lo) * (r->y1 - r->y0);
+        mpt__svg_line(b, r->x0, y, r->x1, y, "stroke=\"#e6e6e6\"");
+        mpt__plot_tick_label(label, sizeof label, a, u);
+        mpt__svg_text(b, r->x0 - 6, y + 4, "text-anchor=\"end\"", label);
+    }
+    for (e = 1; e <= r->epochs; e = e < x_step ? x_step : e + x_step) { /* 1, then steps */
+        double x = mpt__plot_x(r, e - 1);
+        mpt__svg_line(b, x, r->y0, x, r->y1, "stroke=\"#e6e6e6\"");
+        snprintf(label, sizeof label, "%d", e);
+        mpt__svg_text(b, x, r->y1 + 16, "text-anchor=\"middle\"", label);
+    }
+    mpt__svg_printf(b, "<rect x=\"");
+    mpt__svg_number(b, r->x0);
+    mpt__svg_printf(b, "\" y=\"");
+    mpt__svg_number(b, r->y0);
+    mpt__svg_printf(b, "\" width=\"");
+    mpt__svg_number(b, r->x1 - r->x0);
+    mpt__svg_printf(b, "\" height=\"");
+    mpt__svg_number(b, r->y1 - r->y0);
+    mpt__svg_printf(b, "\" fill=\"none\" stroke=\"#888888\"/>\n");
+    mpt__svg_text(b, (r->x0 + r->x1) / 2, r->y1 + 34, "text-anchor=\"middle\"", "epoch");
+}
+
+/* One series: a polyline per run of drawable values. */
+static void mpt__plot_series(mpt__svg *b, const mpt_history *h, int k, const char *color,
+                             const mpt__plot_area *r, const mpt__plot_axis *a) {
+    const double *v = h->values[k];
+    int e = 0, end, i;
+    mpt__svg_printf(b, "<g class=\"series\" data-key=\"");
+    mpt__svg_escaped(b, h->keys[k]);
+    mpt__svg_printf(b, "\" fill=\"%s\" stroke=\"%s\">\n<title>", color, color);
+    mpt__svg_escaped(b, h->keys[k]);
+    mpt__svg_printf(b, "</title>\n");
+    while (e < h->epochs) {
+        if (!mpt__plot_drawable(v[e], a->log_scale)) {
+            e++;
+            continue;
+        }
+        for (end = e; end < h->epochs && mpt__plot_drawable(v[end], a->log_scale); end++) {}
+        mpt__svg_printf(b, "<polyline fill=\"none\" stroke-width=\"2\" points=\"");
+        for (i = e; i < end; i++) {
+            if (i > e) mpt__svg_printf(b, " ");
+            mpt__svg_point(b, mpt__plot_x(r, i), mpt__plot_y(r, a, v[i]));
+        }
+        mpt__svg_printf(b, "\"/>\n");
+        for (i = e; i < end && (h->epochs <= 40 || end - e == 1); i++) {
+            mpt__svg_printf(b, "<circle r=\"3\" stroke=\"none\" cx=\"");
+            mpt__svg_number(b, mpt__plot_x(r, i));
+            mpt__svg_printf(b, "\" cy=\"");
+            mpt__svg_number(b, mpt__plot_y(r, a, v[i]));
+            mpt__svg_printf(b, "\"/>\n");
+        }
+        e = end;
+    }
+    mpt__svg_printf(b, "</g>\n");
+}
+
+/* Text widths are estimated, at 7 px a character (12 px text), 8 for the
+   panels' bold 14 px titles. */
+static double mpt__plot_text_width(const char *text, double per_char) {
+    return per_char * (double)strlen(text);
+}
+
+/* What the legend calls series i: "training" and "validation" when the
+   panel has both (its title names the quantity), else the series' key. */
+static const char *mpt__plot_legend_label(const mpt_history *h, const mpt__plot_panel *p, int i) {
+    if (p->key[0] >= 0 && p->key[1] >= 0) return i == 0 ? "training" : "validation";
+    return h->keys[p->key[i]];
+}
+
+static double mpt__plot_legend_width(const mpt_history *h, const mpt__plot_panel *p) {
+    double w = 0;
+    int i;
+    for (i = 0; i < 2; i++)
+        if (p->key[i] >= 0) w += mpt__plot_text_width(mpt__plot_legend_label(h, p, i), 7) + 40;
+    return w;
+}
+
+/* The legend, right-aligned at `right`: a stroke and a label per series. */
+static void mpt__plot_legend(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
+                             double right, double y) {
+    double x = right;
+    int i;
+    for (i = 1; i >= 0; i--) {
+        char stroke[64];
+        const char *label;
+        if (p->key[i] < 0) continue;
+        label = mpt__plot_legend_label(h, p, i);
+        x -= mpt__plot_text_width(label, 7);
+        mpt__svg_text(b, x, y + 4, "", label);
+        snprintf(stroke, sizeof stroke, "stroke=\"%s\" stroke-width=\"2\"", p->color[i]);
+        mpt__svg_line(b, x - 24, y, x - 6, y, stroke);
+        x -= 40;
+    }
+}
+
+/* Panel p in the box at (x, y) of size w × h: the title, and the legend
+   on its line, or on a line of its own when they would overlap. */
+static void mpt__plot_panel_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
+                                 double x, double y, double w, double ht) {
+    mpt__plot_axis a = mpt__plot_y_axis(h, p);
+    mpt__plot_area r;
+    double title_end;
+    int i, own_line;
+    r.x0 = x + 70;
+    r.x1 = x + w - 24;
+    r.y1 = y + ht - 44;
+    r.epochs = h->epochs;
+    title_end = r.x0 + mpt__plot_text_width(p->title, 8) + (a.log_scale ? 100 : 0);
+    own_line = title_end + 16 > r.x1 - mpt__plot_legend_width(h, p);
+    r.y0 = y + (own_line ? 54 : 36);
+    mpt__svg_text(b, r.x0, y + 22, "font-size=\"14\" font-weight=\"bold\"", p->title);
+    if (a.log_scale) mpt__svg_text(b, r.x0 + mpt__plot_text_width(p->title, 8) + 12, y + 22,
+                                   "fill=\"#666666\"", "(log scale)");
+    mpt__plot_legend(b, h, p, r.x1, y + (own_line ? 38 : 18));
+    mpt__plot_axes(b, &r, &a);
+    for (i = 0; i < 2; i++)
+        if (p->key[i] >= 0) mpt__plot_series(b, h, p->key[i], p->color[i], &r, &a);
+}
+
+static void mpt__plot_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *panels,
+                           int n, int width, int height, const char *title) {
+    int cols = n > 1 ? 2 : 1, rows = (n + cols - 1) / cols, i;
+    double w = (double)width / cols, ht = (double)(height - 50) / rows;
+    mpt__svg_printf(b, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+                       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+                       "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n"
+                       "<rect width=\"%d\" height=\"%d\" fill=\"white\"/>\n",
+                       width, height, width, height, width, height);
+    mpt__svg_text(b, width / 2.0, 32, "text-anchor=\"middle\" font-size=\"20\"", title);
+    for (i = 0; i < n; i++)
+        mpt__plot_panel_draw(b, h, &panels[i], (i % cols) * w, 50 + (i / cols) * ht, w, ht);
+    mpt__svg_printf(b, "</svg>\n");
+}
+
+/* A failure's message: into ctx (and its logger), or without one to stderr. */
+static mpt_status mpt__plot_fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
+    char message[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    if (ctx) return mpt__fail(ctx, status, "%s", message);
+    mpt__log(NULL, MPT_LOG_ERROR, "%s (%s)", message, mpt_status_string(status));
+    return status;
+}
+
+/* Makes the rename durable: the directory of path synced. The file is in
+   place already, so a failure here is a warning. */
+static void mpt__plot_sync_dir(mpt_context *ctx, const char *path, char *scratch) {
+    char *slash;
+    int fd;
+    strcpy(scratch, path);
+    slash = strrchr(scratch, '/');
+    if (!slash) strcpy(scratch, ".");
+    else slash[slash == scratch] = 0; /* "/plot.svg": "/" */
+    fd = open(scratch, O_RDONLY);
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
+        mpt__log(ctx, MPT_LOG_WARNING, "plot: wrote '%s', but cannot sync its directory "
+                 "'%s': %s", path, scratch, strerror(errno));
+    if (fd >= 0) close(fd);
+}
+
+/* Writes text to path as a checkpoint is saved (@impl-checkpoints): into
+   "<path>.tmp-<pid>[-k]" (O_EXCL: nothing already there is written
+   through), fsynced and renamed over path; on a failure the temporary
+   file is removed and path left as it was. A plot is written in one go,
+   so unlike checkpoints there is no lock, nor a sweep for what a killed
+   process left. */
+static mpt_status mpt__plot_write_file(mpt_context *ctx, const char *path, const char *text,
+                                       size_t len) {
+    size_t size = strlen(path) + 48;
+    char *tmp = (char *)mpt__svg_alloc(ctx, size);
+    const char *failed = NULL;
+    int fd = -1, created, k, err = 0;
+    if (!tmp) return mpt__plot_fail(ctx, MPT_ERR_OUT_OF_MEMORY, "plot '%s': out of memory", path);
+    for (k = 0; k < 100 && fd < 0; k++) {
+        if (k == 0) snprintf(tmp, size, "%s.tmp-%ld", path, (long)getpid());
+        else snprintf(tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (fd < 0 && errno != EEXIST) break;
+    }
+    created = fd >= 0;
+    if (!created) failed = "create", err = errno;
+    while (!failed && len > 0) {
+        ssize_t got = write(fd, text, MPT__MIN(len, (size_t)1 << 30));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) failed = "write", err = errno;
+        else text += got, len -= (size_t)got;
+    }
+    if (!failed && fsync(fd) != 0 && errno != EINVAL) failed = "sync", err = errno;
+    if (created && close(fd) != 0 && !failed) failed = "close", err = errno;
+    if (!failed && rename(tmp, path) != 0) failed = "rename into place", err = errno;
+    if (failed && created) remove(tmp);
+    if (failed)
+        mpt__plot_fail(ctx, MPT_ERR_IO, "plot: cannot %s '%s' (for '%s'): %s", failed, tmp, path,
+                       strerror(err));
+    else
+        mpt__plot_sync_dir(ctx, path, tmp);
+    mpt__svg_free(ctx, tmp);
+    return failed ? MPT_ERR_IO : MPT_OK;
+}
+
+static mpt_status mpt__plot_check(const mpt_history *h, const char *path, const mpt_plot_desc *d) {
+    int k;
+    if (!path || !*path)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot: %s path",
+                              path ? "an empty" : "a NULL");
+    if (!h) return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': NULL history", path);
+    if (h->epochs <= 0)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': the history has %d "
+                              "epochs: nothing to draw (fit first)", path, h->epochs);
+    if (h->n_keys < 0 || h->n_keys > MPT_MAX_LOGS)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': n_keys %d is not in "
+                              "0..%d", path, h->n_keys, MPT_MAX_LOGS);
+    for (k = 0; k < h->n_keys; k++)
+        if (!h->keys[k] || !h->values[k])
+            return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': key %d has a "
+                                  "NULL %s", path, k, h->keys[k] ? "values array" : "name");
+    if (d->width < 0 || d->height < 0)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': width %d and height "
+                              "%d must not be negative", path, d->width, d->height);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_history_plot_svg(const mpt_history *history, const char *path,
+                                       const mpt_plot_desc *desc) {
+    mpt_plot_desc d;
+    mpt__plot_panel panels[MPT_MAX_LOGS];
+    mpt__svg svg;
+    int n, rows, width, height;
+    mpt_status s;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    MPT__CHECK(mpt__plot_check(history, path, &d));
+    n = mpt__plot_panels(history, panels);
+    if (n == 0)
+        return mpt__plot_fail(d.ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': the history has no "
+                              "loss, metric, learning rate or loss scale to draw", path);
+    rows = n > 1 ? (n + 1) / 2 : 1;
+    width = d.width ? d.width : 1000;
+    height = d.height ? d.height : 60 + 320 * rows;
+    if (width < 320 || height < 200 || height < 50 + 120 * rows)
+        return mpt__plot_fail(d.ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': %d × %d pixels is "
+                              "too small for %d rows of panels (at least 320 × %d)", path, width,
+                              height, rows, MPT__MAX(200, 50 + 120 * rows));
+    memset(&svg, 0, sizeof svg);
+    svg.ctx = d.ctx;
+    mpt__plot_draw(&svg, history, panels, n, width, height,
+                   d.title ? d.title : "Training history");
+    if (svg.oom)
+        s = mpt__plot_fail(d.ctx, MPT_ERR_OUT_OF_MEMORY, "plot '%s': out of memory", path);
+    else
+        s = mpt__plot_write_file(d.ctx, path, svg.text, svg.len);
+    mpt__svg_free(d.ctx, svg.text);
+    return s;
 }
 /* =============================================================================
    @impl-callbacks  EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger, TensorBoard

@@ -11,7 +11,8 @@
 
    Build: cc -O2 cnn.c -lpthread -lm -lz -o cnn         (in examples/)
    Run:   ./cnn [--policy ...] [--epochs 15] [--batch-size 128] [--threads N]
-                [--data DIR] [--verbose 1] [--tensorboard DIR] */
+                [--data DIR] [--verbose 1] [--tensorboard DIR]
+                [--plot FILE] */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -31,7 +32,7 @@ static mpt_status add_conv_block(mpt_model *m, int64_t filters) {
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 15, 128, 0, 1, 1, NULL};
+                 15, 128, 0, 1, 1, NULL, NULL};
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *all, *train, *validation, *test;
@@ -76,6 +77,7 @@ int main(int argc, char **argv) {
                                                      .verbose = o.verbose,
                                                      .callbacks = callbacks,
                                                      .n_callbacks = n_callbacks }));
+    TRY(write_plot(ctx, &o, model, "cnn"));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));
     print_result("cnn", &o, model, ctx, &result);

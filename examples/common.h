@@ -17,11 +17,12 @@ typedef struct options {
     int verbose;            /* as Keras' fit: 0, 1 or 2 */
     uint64_t seed;
     const char *tensorboard; /* --tensorboard DIR; NULL: no event files */
+    const char *plot;        /* --plot FILE; NULL: no SVG of the history */
 } options;
 
 /* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
-   --verbose and --tensorboard over the defaults already in *o; returns 0
-   after printing the usage when something is wrong. */
+   --verbose, --tensorboard and --plot over the defaults already in *o;
+   returns 0 after printing the usage when something is wrong. */
 static int parse_options(int argc, char **argv, options *o) {
     int i;
     for (i = 1; i + 1 < argc; i += 2) {
@@ -34,6 +35,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(flag, "--seed")) o->seed = strtoull(value, NULL, 10);
         else if (!strcmp(flag, "--verbose")) o->verbose = atoi(value);
         else if (!strcmp(flag, "--tensorboard")) o->tensorboard = value;
+        else if (!strcmp(flag, "--plot")) o->plot = value;
         else break;
     }
     if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
@@ -43,7 +45,8 @@ static int parse_options(int argc, char **argv, options *o) {
     if (i != argc) {
         fprintf(stderr, "usage: %s [--policy float32|mixed_float16|mixed_bfloat16] [--epochs N]\n"
                         "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
-                        "          [--verbose 0|1|2] [--tensorboard DIR]\n", argv[0]);
+                        "          [--verbose 0|1|2] [--tensorboard DIR] [--plot FILE]\n",
+                argv[0]);
         return 0;
     }
     return 1;
@@ -62,6 +65,18 @@ static mpt_status add_tensorboard(mpt_context *ctx, const options *o, mpt_callba
                                  &callbacks[*n]);
     if (s == MPT_OK) (*n)++;
     return s;
+}
+
+/* With --plot FILE, draws the model's history (loss, metrics, learning
+   rate, loss scale per epoch) into FILE, an SVG a browser opens. */
+static mpt_status write_plot(mpt_context *ctx, const options *o, const mpt_model *model,
+                             const char *model_name) {
+    mpt_history h;
+    char title[128];
+    if (!o->plot) return MPT_OK;
+    mpt_model_history(model, &h);
+    snprintf(title, sizeof title, "%s on Fashion-MNIST, %s", model_name, o->policy_name);
+    return mpt_history_plot_svg(&h, o->plot, &(mpt_plot_desc){ .title = title, .ctx = ctx });
 }
 
 /* The last epoch's training speed from the model's history. */

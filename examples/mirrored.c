@@ -30,7 +30,7 @@ static int take_replicas(int *argc, char **argv) {
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 5, 128, 0, 1, 1, NULL};
+                 5, 128, 0, 1, 1, NULL, NULL};
     int replicas = take_replicas(&argc, argv);
     mpt_context *ctx;
     mpt_strategy *strategy;
@@ -75,6 +75,7 @@ int main(int argc, char **argv) {
                                                      .verbose = o.verbose,
                                                      .callbacks = tensorboard,
                                                      .n_callbacks = n_callbacks }));
+    if (mpt_strategy_worker(strategy) == 0) TRY(write_plot(ctx, &o, model, "mirrored"));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));
     if (mpt_strategy_worker(strategy) == 0) print_result("mirrored", &o, model, ctx, &result);

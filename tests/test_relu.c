@@ -245,8 +245,10 @@ static void test_layers_propagate_nan_weights(void) {
                 int64_t n;
                 int nans = 0, negative = 0;
                 for (i = 0; i < B * H * W * C; i++) x[i] = (float)test_uniform(-1, 1);
-                const mpt_model_desc md = {{H, W, C}, 3, policies[p], 5, NULL};
-                const mpt_model_desc flat = {{H * W * C}, 1, policies[p], 5, NULL};
+                const mpt_model_desc md = {.input_shape = {H, W, C}, .input_rank = 3,
+                                           .policy = policies[p], .seed = 5};
+                const mpt_model_desc flat = {.input_shape = {H * W * C}, .input_rank = 1,
+                                             .policy = policies[p], .seed = 5};
                 const int64_t flat_shape[2] = {B, H * W * C};
                 mpt_model_create(c, conv ? &md : &flat, &m);
                 if (conv)

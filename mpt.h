@@ -3711,10 +3711,11 @@ static mpt_status mpt__layer_set_workspace(struct mpt_model *m, mpt__layer *L,
 /* Bytes of n elements of the layer's dtype. */
 static int64_t mpt__dbytes(mpt_dtype dtype, int64_t n) { return n * (int64_t)mpt_dtype_size(dtype); }
 
-/* A parameter as the layer reads it (compute dtype) and its float32 forms. */
-static const void *mpt__pw(const mpt__layer *L, int k) { return L->param[k]->compute; }
-static float *mpt__pv(const mpt__layer *L, int k) { return L->param[k]->value; }
-static float *mpt__pg(const mpt__layer *L, int k) { return L->param[k]->grad; }
+/* A parameter as the layer reads it (its compute-dtype copy), its float32
+   master and its float32 gradient. */
+static const void *mpt__param_compute_copy(const mpt__layer *L, int k) { return L->param[k]->compute; }
+static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]->value; }
+static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
 
 /* ---- building a model ----------------------------------------------------- */
 
@@ -4722,11 +4723,11 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     g.ab_dtype = L->dtype;
     g.a = p->x;
     g.lda = in;
-    g.b = mpt__pw(L, 0);
+    g.b = mpt__param_compute_copy(L, 0);
     g.ldb = units;
     g.c = acc;
     g.ldc = units;
-    g.bias = d->no_bias ? NULL : mpt__pv(L, 1);
+    g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
     if (act == MPT_ACT_GELU) {
@@ -4748,7 +4749,7 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     mpt_gemm_desc g;
     p->be->activation_grad(p->impl, mpt__pass_activation(p, d->activation), L->dtype,
                            L->saved[0], p->y, p->dy, dz, tmp, B, units);
-    if (!d->no_bias) p->be->column_sums(p->impl, dz, B, units, mpt__pg(L, 1), 0);
+    if (!d->no_bias) p->be->column_sums(p->impl, dz, B, units, mpt__param_grad(L, 1), 0);
     /* The weight and input gradients are products in the compute dtype,
        as the forward was: dz is rounded to it once. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, n);
@@ -4762,7 +4763,7 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     g.lda = in;
     g.b = dz_c;
     g.ldb = units;
-    g.c = mpt__pg(L, 0);
+    g.c = mpt__param_grad(L, 0);
     g.ldc = units;
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
     if (p->dx) { /* dx (B, in) = dz · kernelᵀ */
@@ -4776,7 +4777,7 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
         g.ab_dtype = L->dtype;
         g.a = dz_c;
         g.lda = units;
-        g.b = mpt__pw(L, 0);
+        g.b = mpt__param_compute_copy(L, 0);
         g.ldb = units;
         g.c = dxf;
         g.ldc = in;
@@ -5227,11 +5228,11 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     g.ab_dtype = L->dtype;
     g.a = cols ? (const void *)cols : (const void *)x;
     g.lda = c->kk;
-    g.b = mpt__pw(L, 0);
+    g.b = mpt__param_compute_copy(L, 0);
     g.ldb = c->f;
     g.c = acc;
     g.ldc = c->f;
-    g.bias = d->no_bias ? NULL : mpt__pv(L, 1);
+    g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? d->activation : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
     if (d->activation == MPT_ACT_GELU) {
@@ -5269,7 +5270,7 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
     g.lda = c->kk;
     g.b = dz;
     g.ldb = c->f;
-    g.c = mpt__pg(L, 0);
+    g.c = mpt__param_grad(L, 0);
     g.ldc = c->f;
     g.beta = first ? 0.0f : 1.0f;
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
@@ -5287,7 +5288,7 @@ static void mpt__conv2d_cols_grad(mpt__layer *L, const mpt__pass *p, const mpt__
     g.ab_dtype = L->dtype;
     g.a = dz;
     g.lda = c->f;
-    g.b = mpt__pw(L, 0);
+    g.b = mpt__param_compute_copy(L, 0);
     g.ldb = c->f;
     g.c = dcols;
     g.ldc = c->kk;
@@ -5316,7 +5317,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
                            (const unsigned char *)p->y + (size_t)y_off * c->es,
                            (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
                            c->f);
-    if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__pg(L, 1), b0 != 0);
+    if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__param_grad(L, 1), b0 != 0);
     /* The products run in the compute dtype, as the forward did. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, ny);
     if (cols) /* recomputed: cheaper than keeping it */
@@ -5999,14 +6000,14 @@ static mpt_batchnorm_args mpt__bn_args(const mpt__layer *L, const mpt__pass *p) 
     a.y = p->y;
     a.dy = p->dy;
     a.dx = p->dx;
-    a.gamma = gamma >= 0 ? mpt__pv(L, gamma) : NULL;
-    a.beta = beta >= 0 ? mpt__pv(L, beta) : NULL;
-    a.dgamma = gamma >= 0 ? mpt__pg(L, gamma) : NULL;
-    a.dbeta = beta >= 0 ? mpt__pg(L, beta) : NULL;
+    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
+    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
+    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
+    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
     a.mean = (float *)L->saved[0];
     a.variance = (float *)L->saved[1];
-    a.moving_mean = mpt__pv(L, moving);
-    a.moving_variance = mpt__pv(L, moving + 1);
+    a.moving_mean = mpt__param_master(L, moving);
+    a.moving_variance = mpt__param_master(L, moving + 1);
     a.workspace = p->workspace;
     return a;
 }

@@ -9942,7 +9942,7 @@ typedef struct mpt__cb_early_stopping {
     int64_t weights_count;
 } mpt__cb_early_stopping;
 
-static void mpt__cb_es_release(mpt__cb_head *h) {
+static void mpt__cb_early_stopping_release(mpt__cb_head *h) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)h;
     mpt__free(h->ctx, es->best_weights);
     es->best_weights = NULL;
@@ -9958,8 +9958,8 @@ static int64_t mpt__cb_weights_count(const mpt_model *m) {
 
 /* Copies every parameter's float32 value into best_weights (to = 1) or
    back from it (to = 0). */
-static mpt_status mpt__cb_es_copy_weights(mpt__cb_early_stopping *es, mpt_model *m,
-                                          int to_best) {
+static mpt_status mpt__cb_early_stopping_copy_weights(mpt__cb_early_stopping *es, mpt_model *m,
+                                                      int to_best) {
     float *at = es->best_weights;
     int i;
     for (i = 0; i < m->n_params; i++) {
@@ -9974,7 +9974,7 @@ static mpt_status mpt__cb_es_copy_weights(mpt__cb_early_stopping *es, mpt_model 
 
 /* Sizes the weight copy for this model: a callback may serve another model
    in a later fit. A new copy holds no best weights yet. */
-static mpt_status mpt__cb_es_prepare_weights(mpt__cb_early_stopping *es, mpt_model *m) {
+static mpt_status mpt__cb_early_stopping_prepare_weights(mpt__cb_early_stopping *es, mpt_model *m) {
     int64_t n;
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE,
@@ -9994,7 +9994,7 @@ static mpt_status mpt__cb_es_prepare_weights(mpt__cb_early_stopping *es, mpt_mod
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_es_train_begin(void *user, mpt_model *m) {
+static mpt_status mpt__cb_early_stopping_train_begin(void *user, mpt_model *m) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
     es->wait = 0;
     es->stopped_epoch = 0;
@@ -10002,11 +10002,12 @@ static mpt_status mpt__cb_es_train_begin(void *user, mpt_model *m) {
     es->best = 0;
     es->best_epoch = 0;
     es->has_best_weights = 0;
-    return es->restore_best_weights ? mpt__cb_es_prepare_weights(es, m) : MPT_OK;
+    return es->restore_best_weights ? mpt__cb_early_stopping_prepare_weights(es, m) : MPT_OK;
 }
 
-static mpt_status mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model *m, int epoch) {
-    MPT__CHECK(mpt__cb_es_copy_weights(es, m, 1));
+static mpt_status mpt__cb_early_stopping_keep_weights(mpt__cb_early_stopping *es, mpt_model *m,
+                                                      int epoch) {
+    MPT__CHECK(mpt__cb_early_stopping_copy_weights(es, m, 1));
     es->has_best_weights = 1;
     es->best_epoch = epoch;
     return MPT_OK;
@@ -10015,23 +10016,23 @@ static mpt_status mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model 
 /* Keras 3's on_epoch_end, step by step: the wait grows every monitored
    epoch; an improvement records the best (and its weights) and resets the
    wait only if it also beats the baseline, and never stops training. */
-static mpt_status mpt__cb_es_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                       int *stop) {
+static mpt_status mpt__cb_early_stopping_epoch_end(void *user, mpt_model *m, int epoch,
+                                                   const mpt_logs *logs, int *stop) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
     double current;
     if (!mpt__cb_monitored(m, &es->mon, "Early stopping", logs, &current) ||
         epoch < es->start_from_epoch)
         return MPT_OK;
     /* A no-op after on_train_begin; guards a caller who skipped it. */
-    if (es->restore_best_weights) MPT__CHECK(mpt__cb_es_prepare_weights(es, m));
+    if (es->restore_best_weights) MPT__CHECK(mpt__cb_early_stopping_prepare_weights(es, m));
     if (es->restore_best_weights && !es->has_best_weights)
-        MPT__CHECK(mpt__cb_es_keep_weights(es, m, epoch));
+        MPT__CHECK(mpt__cb_early_stopping_keep_weights(es, m, epoch));
     es->wait++;
     if (!es->has_best || mpt__cb_improves(&es->mon, current, es->best)) {
         es->has_best = 1;
         es->best = current;
         es->best_epoch = epoch;
-        if (es->restore_best_weights) MPT__CHECK(mpt__cb_es_keep_weights(es, m, epoch));
+        if (es->restore_best_weights) MPT__CHECK(mpt__cb_early_stopping_keep_weights(es, m, epoch));
         if (!es->has_baseline || mpt__cb_improves(&es->mon, current, es->baseline)) es->wait = 0;
         return MPT_OK;
     }
@@ -10042,7 +10043,7 @@ static mpt_status mpt__cb_es_epoch_end(void *user, mpt_model *m, int epoch, cons
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_es_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+static mpt_status mpt__cb_early_stopping_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
     (void)logs;
     if (es->stopped_epoch > 0 && es->verbose > 0)
@@ -10056,12 +10057,12 @@ static mpt_status mpt__cb_es_train_end(void *user, mpt_model *m, const mpt_logs 
     if (es->verbose > 0)
         mpt__print(m, "Restoring model weights from the end of the best epoch: %d.\n",
                    es->best_epoch + 1);
-    MPT__CHECK(mpt__cb_es_copy_weights(es, m, 0));
+    MPT__CHECK(mpt__cb_early_stopping_copy_weights(es, m, 0));
     mpt_model_refresh_weights(m);
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_es_check(mpt_context *ctx, const mpt_early_stopping_desc *d) {
+static mpt_status mpt__cb_early_stopping_check(mpt_context *ctx, const mpt_early_stopping_desc *d) {
     if (d->patience < 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "EarlyStopping: patience %d must be >= 0", d->patience);
@@ -10092,10 +10093,10 @@ MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_
     MPT__CHECK(mpt__cb_check_out(ctx, "EarlyStopping", out));
     memset(&defaults, 0, sizeof defaults);
     if (!d) d = &defaults; /* every field has a usable default */
-    MPT__CHECK(mpt__cb_es_check(ctx, d));
+    MPT__CHECK(mpt__cb_early_stopping_check(ctx, d));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "EarlyStopping", d->monitor, d->mode, d->min_delta, &mon));
     es = (mpt__cb_early_stopping *)mpt__cb_new(ctx, sizeof *es, "EarlyStopping",
-                                               mpt__cb_es_release, &s);
+                                               mpt__cb_early_stopping_release, &s);
     if (!es) return s;
     es->mon = mon;
     es->patience = d->patience;
@@ -10104,9 +10105,9 @@ MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_
     es->verbose = d->verbose;
     es->has_baseline = d->has_baseline != 0;
     es->baseline = d->baseline;
-    out->on_train_begin = mpt__cb_es_train_begin;
-    out->on_epoch_end = mpt__cb_es_epoch_end;
-    out->on_train_end = mpt__cb_es_train_end;
+    out->on_train_begin = mpt__cb_early_stopping_train_begin;
+    out->on_epoch_end = mpt__cb_early_stopping_epoch_end;
+    out->on_train_end = mpt__cb_early_stopping_train_end;
     out->user_data = es;
     return MPT_OK;
 }
@@ -10127,7 +10128,7 @@ typedef struct mpt__cb_reduce_lr {
     int cooldown_counter;     /* epochs of cooldown left                      */
 } mpt__cb_reduce_lr;
 
-static mpt_status mpt__cb_rlr_train_begin(void *user, mpt_model *m) {
+static mpt_status mpt__cb_reduce_lr_train_begin(void *user, mpt_model *m) {
     mpt__cb_reduce_lr *r = (mpt__cb_reduce_lr *)user;
     (void)m;
     r->best = mpt__cb_worst(&r->mon);
@@ -10138,7 +10139,7 @@ static mpt_status mpt__cb_rlr_train_begin(void *user, mpt_model *m) {
 
 /* Multiplies the model's base learning rate by factor, not below min_lr
    (the rate fit's schedule then scales). */
-static void mpt__cb_rlr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
+static void mpt__cb_reduce_lr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
     float old_lr = m->learning_rate, new_lr;
     char text[40];
     if (!(old_lr > r->min_lr)) return;
@@ -10156,8 +10157,8 @@ static void mpt__cb_rlr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
 /* Keras 3's order: a cooldown epoch counts down and clears the wait; an
    improvement resets the wait; otherwise, outside cooldown, the wait grows
    and reaching patience lowers the rate. */
-static mpt_status mpt__cb_rlr_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                        int *stop) {
+static mpt_status mpt__cb_reduce_lr_epoch_end(void *user, mpt_model *m, int epoch,
+                                              const mpt_logs *logs, int *stop) {
     mpt__cb_reduce_lr *r = (mpt__cb_reduce_lr *)user;
     double current;
     (void)stop;
@@ -10172,12 +10173,12 @@ static mpt_status mpt__cb_rlr_epoch_end(void *user, mpt_model *m, int epoch, con
         r->wait = 0;
     } else if (r->cooldown_counter == 0) {
         r->wait++;
-        if (r->wait >= r->patience) mpt__cb_rlr_reduce(r, m, epoch);
+        if (r->wait >= r->patience) mpt__cb_reduce_lr_reduce(r, m, epoch);
     }
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_rlr_check(mpt_context *ctx, const mpt_reduce_lr_desc *d) {
+static mpt_status mpt__cb_reduce_lr_check(mpt_context *ctx, const mpt_reduce_lr_desc *d) {
     if (!(d->factor >= 0 && d->factor < 1))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "ReduceLROnPlateau: factor %g must be in (0, 1) (0: the default 0.1); "
@@ -10204,7 +10205,7 @@ MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
     MPT__CHECK(mpt__cb_check_out(ctx, "ReduceLROnPlateau", out));
     memset(&defaults, 0, sizeof defaults);
     if (!d) d = &defaults;
-    MPT__CHECK(mpt__cb_rlr_check(ctx, d));
+    MPT__CHECK(mpt__cb_reduce_lr_check(ctx, d));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ReduceLROnPlateau", d->monitor, d->mode,
                                     d->min_delta != 0 ? (double)d->min_delta : 1e-4, &mon));
     r = (mpt__cb_reduce_lr *)mpt__cb_new(ctx, sizeof *r, "ReduceLROnPlateau", NULL, &s);
@@ -10217,8 +10218,8 @@ MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
     r->cooldown = d->cooldown;
     r->verbose = d->verbose;
     r->best = mpt__cb_worst(&mon);
-    out->on_train_begin = mpt__cb_rlr_train_begin;
-    out->on_epoch_end = mpt__cb_rlr_epoch_end;
+    out->on_train_begin = mpt__cb_reduce_lr_train_begin;
+    out->on_epoch_end = mpt__cb_reduce_lr_epoch_end;
     out->user_data = r;
     return MPT_OK;
 }
@@ -10382,7 +10383,7 @@ typedef struct mpt__cb_model_checkpoint {
     char path[MPT__CB_PATH_MAX]; /* this epoch's formatted filepath        */
 } mpt__cb_model_checkpoint;
 
-static void mpt__cb_ckpt_release(mpt__cb_head *h) {
+static void mpt__cb_model_checkpoint_release(mpt__cb_head *h) {
     mpt__cb_model_checkpoint *c = (mpt__cb_model_checkpoint *)h;
     mpt__free(h->ctx, c->filepath);
     c->filepath = NULL;
@@ -10390,8 +10391,8 @@ static void mpt__cb_ckpt_release(mpt__cb_head *h) {
 
 /* Keras' _should_save_model: with save_best_only, only an improvement (or
    a missing monitor, after a warning) is saved. */
-static int mpt__cb_ckpt_should_save(mpt__cb_model_checkpoint *c, mpt_model *m, int epoch,
-                                    const mpt_logs *logs) {
+static int mpt__cb_model_checkpoint_should_save(mpt__cb_model_checkpoint *c, mpt_model *m,
+                                                int epoch, const mpt_logs *logs) {
     double current;
     if (!c->save_best_only) {
         if (c->verbose > 0) mpt__print(m, "Epoch %d: saving model to %s\n", epoch + 1, c->path);
@@ -10414,12 +10415,12 @@ static int mpt__cb_ckpt_should_save(mpt__cb_model_checkpoint *c, mpt_model *m, i
     return 0;
 }
 
-static mpt_status mpt__cb_ckpt_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                         int *stop) {
+static mpt_status mpt__cb_model_checkpoint_epoch_end(void *user, mpt_model *m, int epoch,
+                                                     const mpt_logs *logs, int *stop) {
     mpt__cb_model_checkpoint *c = (mpt__cb_model_checkpoint *)user;
     (void)stop;
     MPT__CHECK(mpt__cb_format_path(m->ctx, c->filepath, epoch + 1, logs, c->path, sizeof c->path));
-    if (!mpt__cb_ckpt_should_save(c, m, epoch, logs)) return MPT_OK;
+    if (!mpt__cb_model_checkpoint_should_save(c, m, epoch, logs)) return MPT_OK;
     return c->save_weights_only ? mpt_model_save_weights(m, c->path)
                                 : mpt_model_save_checkpoint(m, c->path);
 }
@@ -10441,7 +10442,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
     c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
-                                                mpt__cb_ckpt_release, &s);
+                                                mpt__cb_model_checkpoint_release, &s);
     if (!c) return s;
     c->filepath = mpt__cb_strdup(ctx, d->filepath);
     if (!c->filepath) {
@@ -10453,7 +10454,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     c->save_weights_only = d->save_weights_only != 0;
     c->verbose = d->verbose;
     c->best = mpt__cb_worst(&mon);
-    out->on_epoch_end = mpt__cb_ckpt_epoch_end;
+    out->on_epoch_end = mpt__cb_model_checkpoint_epoch_end;
     out->user_data = c;
     return MPT_OK;
 }
@@ -11086,7 +11087,7 @@ typedef struct mpt__cb_tensorboard {
     mpt__tb_hist hist;
 } mpt__cb_tensorboard;
 
-static void mpt__cb_tb_release(mpt__cb_head *h) {
+static void mpt__cb_tensorboard_release(mpt__cb_head *h) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)h;
     mpt__tb_close(&t->train); /* a fit that failed never called on_train_end */
     mpt__tb_close(&t->validation);
@@ -11149,7 +11150,7 @@ static mpt_status mpt__tb_model_summary(mpt__cb_tensorboard *t, mpt_model *m) {
     return mpt__tb_write(t, m, &t->train);
 }
 
-static mpt_status mpt__cb_tb_train_begin(void *user, mpt_model *m) {
+static mpt_status mpt__cb_tensorboard_train_begin(void *user, mpt_model *m) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     int err;
     mpt__tb_close(&t->train); /* the last fit ended without on_train_end */
@@ -11281,8 +11282,8 @@ static mpt_status mpt__tb_sync(const mpt__cb_tensorboard *t, mpt_model *m, mpt__
     return mpt__tb_failed(t, m, f, errno, "sync");
 }
 
-static mpt_status mpt__cb_tb_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                       int *stop) {
+static mpt_status mpt__cb_tensorboard_epoch_end(void *user, mpt_model *m, int epoch,
+                                                const mpt_logs *logs, int *stop) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     (void)stop;
     if (t->elsewhere) return MPT_OK;
@@ -11300,8 +11301,8 @@ static mpt_status mpt__cb_tb_epoch_end(void *user, mpt_model *m, int epoch, cons
     return mpt__tb_sync(t, m, &t->validation);
 }
 
-static mpt_status mpt__cb_tb_batch_end(void *user, mpt_model *m, int64_t batch,
-                                       const mpt_logs *logs, int *stop) {
+static mpt_status mpt__cb_tensorboard_batch_end(void *user, mpt_model *m, int64_t batch,
+                                                const mpt_logs *logs, int *stop) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     (void)batch;
     (void)stop;
@@ -11311,7 +11312,7 @@ static mpt_status mpt__cb_tb_batch_end(void *user, mpt_model *m, int64_t batch,
     return mpt__tb_scalars(t, m, &t->train, "batch_", t->batches, logs, 0);
 }
 
-static mpt_status mpt__cb_tb_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+static mpt_status mpt__cb_tensorboard_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     mpt__tb_file *files[2];
     int k;
@@ -11325,7 +11326,7 @@ static mpt_status mpt__cb_tb_train_end(void *user, mpt_model *m, const mpt_logs 
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_tb_check(mpt_context *ctx, const mpt_tensorboard_desc *d) {
+static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorboard_desc *d) {
     int err;
     if (!d) /* NULL: every default, but log_dir is required */
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -11356,8 +11357,9 @@ MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboa
     mpt__cb_tensorboard *t;
     mpt_status s;
     MPT__CHECK(mpt__cb_check_out(ctx, "TensorBoard", out));
-    MPT__CHECK(mpt__cb_tb_check(ctx, d));
-    t = (mpt__cb_tensorboard *)mpt__cb_new(ctx, sizeof *t, "TensorBoard", mpt__cb_tb_release, &s);
+    MPT__CHECK(mpt__cb_tensorboard_check(ctx, d));
+    t = (mpt__cb_tensorboard *)mpt__cb_new(ctx, sizeof *t, "TensorBoard",
+                                           mpt__cb_tensorboard_release, &s);
     if (!t) return s;
     t->train.fd = t->validation.fd = -1;
     t->event.ctx = ctx;
@@ -11370,11 +11372,11 @@ MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboa
     t->update_freq = d->update_freq_batches;
     t->fail_on_error = d->fail_on_error != 0;
     mpt__tb_bucket_limits(t->limit);
-    out->on_train_begin = mpt__cb_tb_train_begin;
-    out->on_epoch_end = mpt__cb_tb_epoch_end;
-    out->on_train_end = mpt__cb_tb_train_end;
+    out->on_train_begin = mpt__cb_tensorboard_train_begin;
+    out->on_epoch_end = mpt__cb_tensorboard_epoch_end;
+    out->on_train_end = mpt__cb_tensorboard_train_end;
     /* only when asked: fit reads the running values back for batch callbacks */
-    if (t->update_freq > 0) out->on_batch_end = mpt__cb_tb_batch_end;
+    if (t->update_freq > 0) out->on_batch_end = mpt__cb_tensorboard_batch_end;
     out->user_data = t;
     return MPT_OK;
 }

@@ -5384,17 +5384,10 @@ MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
    not count 'same' padding). Global average pooling is average pooling
    with one window the size of the image. */
 
-typedef enum mpt__pool_kind { MPT__POOL_MAX, MPT__POOL_AVERAGE, MPT__POOL_GLOBAL } mpt__pool_kind;
-
-static void mpt__pool_win(mpt__win *g, const mpt__layer *L, mpt__pool_kind kind) {
+/* The window of MaxPooling2D and AveragePooling2D, from their descriptor. */
+static void mpt__pool_win(mpt__win *g, const mpt__layer *L) {
     const mpt_pool2d_desc *d = &L->desc.pool2d;
     int64_t size[2], strides[2];
-    if (kind == MPT__POOL_GLOBAL) {
-        size[0] = strides[0] = L->in_shape[0];
-        size[1] = strides[1] = L->in_shape[1];
-        mpt__win_init(g, L, size, strides, MPT_PADDING_VALID);
-        return;
-    }
     size[0] = d->pool_size[0] ? d->pool_size[0] : 2;
     size[1] = d->pool_size[1] ? d->pool_size[1] : 2;
     strides[0] = d->strides[0] ? d->strides[0] : size[0];
@@ -5402,23 +5395,19 @@ static void mpt__pool_win(mpt__win *g, const mpt__layer *L, mpt__pool_kind kind)
     mpt__win_init(g, L, size, strides, d->padding);
 }
 
-static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt__pool_kind kind) {
-    mpt__win g;
-    int64_t out_count;
-    MPT__CHECK(mpt__expect_image(m, L));
-    mpt__pool_win(&g, L, kind);
-    MPT__CHECK(mpt__expect_window_fits(m, L, &g, "pool_size"));
-    if (kind == MPT__POOL_GLOBAL) {
-        L->out_rank = 1;
-        L->out_shape[0] = g.c;
-    } else {
-        L->out_rank = 3;
-        L->out_shape[0] = g.oh;
-        L->out_shape[1] = g.ow;
-        L->out_shape[2] = g.c;
-    }
-    out_count = g.oh * g.ow * g.c; /* ≤ in_count: windows start inside the image */
-    if (kind == MPT__POOL_MAX) {
+/* GlobalAveragePooling2D's: one window the size of the image. */
+static void mpt__global_pool_win(mpt__win *g, const mpt__layer *L) {
+    int64_t size[2];
+    size[0] = L->in_shape[0];
+    size[1] = L->in_shape[1];
+    mpt__win_init(g, L, size, size, MPT_PADDING_VALID);
+}
+
+/* What every pooling layer plans: max's saved argmax, the workspace. */
+static mpt_status mpt__pool_plan(mpt_model *m, mpt__layer *L, mpt_pool_kind kind,
+                                 const mpt__win *g) {
+    int64_t out_count = g->oh * g->ow * g->c; /* ≤ in_count: windows start inside the image */
+    if (kind == MPT_POOL_MAX) {
         if (L->in_count > INT32_MAX)
             return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
                              "MaxPooling2D '%s': %lld elements per sample do not fit the int32 "
@@ -5429,18 +5418,36 @@ static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt__pool_kind ki
         void *impl;
         const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
         /* the backend's need for one sample, times the batch (overflow-checked) */
-        return mpt__layer_set_workspace(m, L, be->pool_workspace(impl, &g, 1), 0);
+        return mpt__layer_set_workspace(m, L, be->pool_workspace(impl, g, 1), 0);
     }
 }
 
+static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt_pool_kind kind) {
+    mpt__win g;
+    MPT__CHECK(mpt__expect_image(m, L));
+    mpt__pool_win(&g, L);
+    MPT__CHECK(mpt__expect_window_fits(m, L, &g, "pool_size"));
+    L->out_rank = 3;
+    L->out_shape[0] = g.oh;
+    L->out_shape[1] = g.ow;
+    L->out_shape[2] = g.c;
+    return mpt__pool_plan(m, L, kind, &g);
+}
+
 static mpt_status mpt__max_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT__POOL_MAX);
+    return mpt__pool_build(m, L, MPT_POOL_MAX);
 }
 static mpt_status mpt__avg_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT__POOL_AVERAGE);
+    return mpt__pool_build(m, L, MPT_POOL_AVERAGE);
 }
 static mpt_status mpt__global_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT__POOL_GLOBAL);
+    mpt__win g;
+    MPT__CHECK(mpt__expect_image(m, L));
+    mpt__global_pool_win(&g, L);
+    MPT__CHECK(mpt__expect_window_fits(m, L, &g, "pool_size"));
+    L->out_rank = 1;
+    L->out_shape[0] = g.c;
+    return mpt__pool_plan(m, L, MPT_POOL_AVERAGE, &g);
 }
 
 typedef struct mpt__pool_job {
@@ -5603,41 +5610,51 @@ static int64_t mpt__cpu_pool_workspace(void *impl, const mpt_window *g, int64_t 
     return 4 * n * (g->h * g->w * g->c + g->oh * g->ow * g->c) + MPT__ALIGN;
 }
 
-static void mpt__pool_forward(mpt__layer *L, const mpt__pass *p, mpt__pool_kind kind) {
-    mpt__win g;
-    mpt__pool_win(&g, L, kind);
-    p->be->pool_forward(p->impl, kind == MPT__POOL_MAX ? MPT_POOL_MAX : MPT_POOL_AVERAGE, &g,
-                        L->dtype, p->x, p->y, kind == MPT__POOL_MAX ? (int32_t *)L->saved[0] : NULL,
-                        p->batch, p->workspace);
+/* Forward and backward of any pooling layer over its window g. */
+static void mpt__pool_forward(mpt__layer *L, const mpt__pass *p, mpt_pool_kind kind,
+                              const mpt__win *g) {
+    p->be->pool_forward(p->impl, kind, g, L->dtype, p->x, p->y,
+                        kind == MPT_POOL_MAX ? (int32_t *)L->saved[0] : NULL, p->batch,
+                        p->workspace);
 }
 
-static void mpt__pool_backward(mpt__layer *L, const mpt__pass *p, mpt__pool_kind kind) {
-    mpt__win g;
+static void mpt__pool_backward(mpt__layer *L, const mpt__pass *p, mpt_pool_kind kind,
+                               const mpt__win *g) {
     if (!p->dx) return; /* no parameters: only dx to compute */
-    mpt__pool_win(&g, L, kind);
-    p->be->pool_backward(p->impl, kind == MPT__POOL_MAX ? MPT_POOL_MAX : MPT_POOL_AVERAGE, &g,
-                         L->dtype, p->dy, p->dx,
-                         kind == MPT__POOL_MAX ? (const int32_t *)L->saved[0] : NULL, p->batch,
+    p->be->pool_backward(p->impl, kind, g, L->dtype, p->dy, p->dx,
+                         kind == MPT_POOL_MAX ? (const int32_t *)L->saved[0] : NULL, p->batch,
                          p->workspace);
 }
 
 static void mpt__max_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_forward(L, p, MPT__POOL_MAX);
+    mpt__win g;
+    mpt__pool_win(&g, L);
+    mpt__pool_forward(L, p, MPT_POOL_MAX, &g);
 }
 static void mpt__max_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_backward(L, p, MPT__POOL_MAX);
+    mpt__win g;
+    mpt__pool_win(&g, L);
+    mpt__pool_backward(L, p, MPT_POOL_MAX, &g);
 }
 static void mpt__avg_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_forward(L, p, MPT__POOL_AVERAGE);
+    mpt__win g;
+    mpt__pool_win(&g, L);
+    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, &g);
 }
 static void mpt__avg_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_backward(L, p, MPT__POOL_AVERAGE);
+    mpt__win g;
+    mpt__pool_win(&g, L);
+    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, &g);
 }
 static void mpt__global_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_forward(L, p, MPT__POOL_GLOBAL);
+    mpt__win g;
+    mpt__global_pool_win(&g, L);
+    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, &g);
 }
 static void mpt__global_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_backward(L, p, MPT__POOL_GLOBAL);
+    mpt__win g;
+    mpt__global_pool_win(&g, L);
+    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, &g);
 }
 
 static const mpt__layer_ops mpt__max_pool_ops = {"MaxPooling2D", "max_pooling2d",

@@ -3481,7 +3481,15 @@ typedef struct mpt__param {
                                 Adam's m and v; NULL where unused             */
 } mpt__param;
 
+/* The fields every layer descriptor begins with (MPT_LAYER_COMMON_FIELDS). */
+typedef struct mpt__layer_common_desc {
+    MPT_LAYER_COMMON_FIELDS;
+} mpt__layer_common_desc;
+
+/* Any layer's descriptor; its name and dtype are read through `common`
+   whatever the layer (the members share those first fields). */
 typedef union mpt__layer_desc {
+    mpt__layer_common_desc common;
     mpt_dense_desc dense;
     mpt_conv2d_desc conv2d;
     mpt_pool2d_desc pool2d;
@@ -4013,7 +4021,7 @@ static mpt_activation mpt__layer_activation(const mpt__layer *L) {
    loss reads) are float32. A dtype given for that layer wins. */
 static void mpt__final_softmax_in_float32(mpt_model *m) {
     mpt__layer *L = &m->layers[m->n_layers - 1];
-    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.flatten.dtype == MPT_DTYPE_DEFAULT)
+    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.common.dtype == MPT_DTYPE_DEFAULT)
         L->dtype = MPT_FLOAT32;
 }
 
@@ -4655,8 +4663,7 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
     mpt__layer_desc ld;
     memset(&ld, 0, sizeof ld);
     memcpy(&ld, desc, size);
-    /* The members share their first fields, so any one names them. */
-    return mpt__model_add(m, ops, &ld, ld.flatten.name, ld.flatten.dtype);
+    return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
 /* Before the checks of a layer's descriptor, which the caller has made
@@ -13535,7 +13542,7 @@ static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
     }
     for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++)
         s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
-                           m->layers[i].desc.flatten.dtype);
+                           m->layers[i].desc.common.dtype);
     if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
     if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
     if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */

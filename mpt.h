@@ -3459,6 +3459,9 @@ typedef struct mpt__layer_ops {
        state (BatchNormalization's moving statistics). Kept apart from
        forward so that a training step that is skipped changes nothing. */
     void (*commit)(mpt__layer *L, const mpt__pass *p);
+    /* Optional: the activation the layer ends with (Dense's, Activation's);
+       NULL: none. */
+    mpt_activation (*activation)(const mpt__layer *L);
 } mpt__layer_ops;
 
 #define MPT__MAX_LAYER_PARAMS 4
@@ -4009,11 +4012,9 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
    the model was compiled first, compile when it was built first. */
 static mpt_status mpt__alloc_optimizer_state(mpt_model *m);
 
-/* The activation a layer ends with (Dense's and Activation's; none else). */
+/* The activation a layer ends with (none for most). */
 static mpt_activation mpt__layer_activation(const mpt__layer *L) {
-    if (strcmp(L->ops->class_name, "Dense") == 0) return L->desc.dense.activation;
-    if (strcmp(L->ops->class_name, "Activation") == 0) return L->desc.activation.activation;
-    return MPT_ACT_NONE;
+    return L->ops->activation ? L->ops->activation(L) : MPT_ACT_NONE;
 }
 
 /* Keras' advice for mixed precision, followed by default: the final
@@ -4794,8 +4795,13 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     }
 }
 
+static mpt_activation mpt__dense_activation(const mpt__layer *L) {
+    return L->desc.dense.activation;
+}
+
 static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", mpt__dense_build,
-                                              mpt__dense_forward, mpt__dense_backward, NULL};
+                                              mpt__dense_forward, mpt__dense_backward, NULL,
+                                              mpt__dense_activation};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     mpt_dense_desc defaults;
@@ -4840,7 +4846,8 @@ static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
 }
 
 static const mpt__layer_ops mpt__flatten_ops = {"Flatten", "flatten", mpt__flatten_build,
-                                                mpt__flatten_forward, mpt__flatten_backward, NULL};
+                                                mpt__flatten_forward, mpt__flatten_backward, NULL,
+                                                NULL};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
     mpt_flatten_desc none;
@@ -4879,10 +4886,15 @@ static void mpt__activation_layer_backward(mpt__layer *L, const mpt__pass *p) {
     p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dz, n);
 }
 
+static mpt_activation mpt__activation_layer_activation(const mpt__layer *L) {
+    return L->desc.activation.activation;
+}
+
 static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
                                                    mpt__activation_build,
                                                    mpt__activation_layer_forward,
-                                                   mpt__activation_layer_backward, NULL};
+                                                   mpt__activation_layer_backward, NULL,
+                                                   mpt__activation_layer_activation};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
     mpt_activation_desc defaults;
@@ -5352,7 +5364,8 @@ static void mpt__conv2d_backward(mpt__layer *L, const mpt__pass *p) {
 }
 
 static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_build,
-                                               mpt__conv2d_forward, mpt__conv2d_backward, NULL};
+                                               mpt__conv2d_forward, mpt__conv2d_backward, NULL,
+                                               NULL};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
@@ -5666,13 +5679,13 @@ static void mpt__global_pool_backward(mpt__layer *L, const mpt__pass *p) {
 
 static const mpt__layer_ops mpt__max_pool_ops = {"MaxPooling2D", "max_pooling2d",
                                                  mpt__max_pool_build, mpt__max_pool_forward,
-                                                 mpt__max_pool_backward, NULL};
+                                                 mpt__max_pool_backward, NULL, NULL};
 static const mpt__layer_ops mpt__avg_pool_ops = {"AveragePooling2D", "average_pooling2d",
                                                  mpt__avg_pool_build, mpt__avg_pool_forward,
-                                                 mpt__avg_pool_backward, NULL};
+                                                 mpt__avg_pool_backward, NULL, NULL};
 static const mpt__layer_ops mpt__global_pool_ops = {
     "GlobalAveragePooling2D", "global_average_pooling2d", mpt__global_pool_build,
-    mpt__global_pool_forward, mpt__global_pool_backward, NULL};
+    mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL};
 
 static mpt_status mpt__check_pool_desc(mpt_model *m, const mpt_pool2d_desc *d, const char *cls) {
     MPT__CHECK(mpt__check_add(m));
@@ -6088,7 +6101,7 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
 
 static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normalization",
                                            mpt__bn_build, mpt__bn_forward, mpt__bn_backward,
-                                           mpt__bn_commit};
+                                           mpt__bn_commit, NULL};
 
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
     mpt_batchnorm_desc defaults;
@@ -6221,7 +6234,7 @@ static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
 
 static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", mpt__dropout_build,
                                                 mpt__dropout_forward, mpt__dropout_backward,
-                                                NULL};
+                                                NULL, NULL};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
     mpt_dropout_desc defaults;

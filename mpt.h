@@ -500,6 +500,12 @@ typedef struct mpt_pool2d_desc {
     mpt_padding padding;                /* default valid                    */
 } mpt_pool2d_desc;
 
+/* GlobalAveragePooling2D: the mean over each channel's whole image,
+   (H, W, C) to (C); it has only the common fields. */
+typedef struct mpt_global_pool2d_desc {
+    MPT_LAYER_COMMON_FIELDS;
+} mpt_global_pool2d_desc;
+
 typedef struct mpt_batchnorm_desc {
     MPT_LAYER_COMMON_FIELDS;
     float momentum;                     /* default (0) 0.99; for a momentum of
@@ -555,7 +561,7 @@ MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *desc
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *desc);
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *desc);
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
-                                                         const mpt_flatten_desc *desc);
+                                                         const mpt_global_pool2d_desc *desc);
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m,
                                                     const mpt_batchnorm_desc *desc);
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *desc);
@@ -3496,6 +3502,7 @@ typedef union mpt__layer_desc {
     mpt_dense_desc dense;
     mpt_conv2d_desc conv2d;
     mpt_pool2d_desc pool2d;
+    mpt_global_pool2d_desc global_pool2d;
     mpt_batchnorm_desc batchnorm;
     mpt_dropout_desc dropout;
     mpt_activation_desc activation;
@@ -5709,11 +5716,12 @@ MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d
 }
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
-                                                         const mpt_flatten_desc *d) {
-    mpt_flatten_desc none;
+                                                         const mpt_global_pool2d_desc *d) {
+    mpt_global_pool2d_desc none;
     MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
     memset(&none, 0, sizeof none);
-    return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none, sizeof(mpt_flatten_desc));
+    return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none,
+                          sizeof(mpt_global_pool2d_desc));
 }
 /* =============================================================================
    @impl-batchnorm  BatchNormalization: each channel (the last axis)

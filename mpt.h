@@ -4292,7 +4292,6 @@ static void mpt__model_commit(mpt_model *m) {
     }
 }
 
-/* Forward without the checks and without committing layer state. */
 /* A forward pass in progress, one layer at a time (replicas run theirs in
    step, layer by layer, when a layer synchronizes them). */
 typedef struct mpt__forward_walk {

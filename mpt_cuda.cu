@@ -149,7 +149,7 @@ static unsigned mpt__cuda_blocks(int64_t n, int threads) {
 /* The CUDA backend's matrix products: a hand-written tensor-core GEMM for
    float16/bfloat16, cuBLASLt for the same products, a plain FP32 kernel,
    the per-shape choice between the engines, and the bias-gradient column
-   sums. (Included by mpt_cuda.cu after cuda_common.cuh.)
+   sums.
 
    Every engine computes, for C (M×N, row-major, leading dimension ldc):
        C = act(alpha·op(A)·op(B) + beta·C + bias)
@@ -712,7 +712,7 @@ typedef struct mpt__cuda_gemm_lt {
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc; /* Lt's A (our B), Lt's B (our A), C = D */
     cublasLtMatmulAlgo_t algo;
-    int post_act; /* our kernel applies the activation after (see lt_can) */
+    int post_act; /* our kernel applies the activation after (see mpt__cuda_gemm_lt_can) */
 } mpt__cuda_gemm_lt;
 
 typedef struct mpt__cuda_gemm_entry {

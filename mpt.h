@@ -133,7 +133,8 @@
                             has the gradient multiplied by, e.g. its own
                             loss scale in a step by hand
    Where each step happens (CPU in this file; CUDA in mpt_cuda.cu):
-       the step's order     mpt__queue_step (@impl-training)
+       the step's order     mpt__queue_step, its tail mpt__queue_update
+                            (@impl-training; the strategy's step too)
        inputs converted     mpt__dataset_gather (@impl-data),
                             mpt__forward_prepare (@impl-passes)
        final softmax        mpt__final_softmax_in_float32 (@impl-layers)
@@ -8886,6 +8887,17 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int train
     return a;
 }
 
+/* The tail of every training step, after backward, queued on the backend:
+   the gradients' finiteness and Σg², the update (skipped unless finite),
+   the loss-scale bookkeeping, and the layers' state committed (only if the
+   step was applied: state->finite). */
+static void mpt__queue_update(mpt_model *m) {
+    m->be->grad_stats(m->impl, &m->update);
+    m->be->update(m->impl, &m->update);
+    m->be->loss_scale_update(m->impl, &m->compile.loss_scale, m->state);
+    mpt__model_commit(m);
+}
+
 /* One training step on a batch, queued on the backend: forward, loss,
    backward, the finiteness check, the update and the loss-scale
    bookkeeping, with no decision taken on the host. A step whose forward
@@ -8901,10 +8913,7 @@ static void mpt__queue_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor 
     t1 = mpt__now();
     mpt_model_backward(m, NULL, NULL); /* cannot fail after a training forward */
     t2 = mpt__now();
-    m->be->grad_stats(m->impl, &m->update);
-    m->be->update(m->impl, &m->update);
-    m->be->loss_scale_update(m->impl, &m->compile.loss_scale, m->state);
-    mpt__model_commit(m); /* only if the step was applied (state->finite) */
+    mpt__queue_update(m);
     times->forward += t1 - t0;
     times->backward += t2 - t1;
     times->update += mpt__now() - t2;
@@ -13876,13 +13885,7 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
     }
     t1 = mpt__now();
     MPT__CHECK(mpt__replicas_average_statistics(m, had));
-    for (k = 0; k < n; k++) {
-        mpt_model *r = m->replica[k];
-        r->be->grad_stats(r->impl, &r->update);
-        r->be->update(r->impl, &r->update);
-        r->be->loss_scale_update(r->impl, &r->compile.loss_scale, r->state);
-        mpt__model_commit(r); /* the averaged batch statistics, if applied */
-    }
+    for (k = 0; k < n; k++) mpt__queue_update(m->replica[k]); /* the averaged statistics */
     times->backward += t1 - t0;
     times->update += mpt__now() - t1;
     return MPT_OK;

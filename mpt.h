@@ -13326,30 +13326,55 @@ static mpt_status mpt__sync_scratch_alloc(mpt_model *m) {
 }
 
 
-/* sums[0..C) += Σ rows·a[c] and sums[C..2C) += Σ rows·(b[c] + a[c]²)
-   (square = 1), or += rows-free sums of a and b (square = 0), from the
-   replicas' C floats at offsets of their layer i; then the workers'. The
-   total of rows lands in sums[2C]. */
-static mpt_status mpt__sync_gather(mpt_model *m, int i, const int64_t *rows, int which_a,
-                                   int which_b, int square, double *sums, int64_t C) {
-    float *fa = (float *)(sums + 2 * C + 1), *fb = fa + C;
+/* Replica r's layer i's saved[ia] and saved[ib], C floats each, into fa
+   and fb on the host. */
+static mpt_status mpt__sync_download(mpt_model *r, int i, int ia, int ib, float *fa, float *fb,
+                                     int64_t C) {
+    MPT__CHECK(mpt__download(r, fa, r->layers[i].saved[ia], sizeof(float) * (size_t)C));
+    return mpt__download(r, fb, r->layers[i].saved[ib], sizeof(float) * (size_t)C);
+}
+
+/* Forward's: from each replica's batch mean and variance of layer i
+   (saved[0], saved[1]) over its rows, sums[0..C) = Σ rows·mean and
+   sums[C..2C) = Σ rows·(variance + mean²), and sums[2C] = Σ rows, over the
+   replicas and then the workers. */
+static mpt_status mpt__sync_gather_moments(mpt_model *m, int i, const int64_t *rows,
+                                           double *sums, int64_t C) {
+    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
     int64_t c;
     int k;
     for (c = 0; c <= 2 * C; c++) sums[c] = 0;
     for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        const mpt__layer *L = &r->layers[i];
+        double n = (double)rows[k];
         if (!rows[k]) continue;
-        MPT__CHECK(mpt__download(r, fa, L->saved[which_a], sizeof(float) * (size_t)C));
-        MPT__CHECK(mpt__download(r, fb, L->saved[which_b], sizeof(float) * (size_t)C));
+        MPT__CHECK(mpt__sync_download(m->replica[k], i, 0, 1, mean, var, C));
         for (c = 0; c < C; c++) {
-            double n = square ? (double)rows[k] : 1.0;
-            sums[c] += n * fa[c];
-            sums[C + c] += square ? n * ((double)fb[c] + (double)fa[c] * fa[c]) : fb[c];
+            sums[c] += n * mean[c];
+            sums[C + c] += n * ((double)var[c] + (double)mean[c] * mean[c]);
         }
-        sums[2 * C] += (double)rows[k];
+        sums[2 * C] += n;
     }
     return mpt__workers_sum(m, sums, 2 * C + 1, 1, "synchronizing BatchNormalization");
+}
+
+/* Backward's: from each replica's per-channel Σdy and Σdy·x̂ of layer i
+   (saved[2], saved[3]), sums[0..C) = Σdy and sums[C..2C) = Σdy·x̂ over the
+   replicas and then the workers. */
+static mpt_status mpt__sync_gather_sums(mpt_model *m, int i, const int64_t *rows, double *sums,
+                                        int64_t C) {
+    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
+    int64_t c;
+    int k;
+    for (c = 0; c < 2 * C; c++) sums[c] = 0;
+    for (k = 0; k < m->n_replicas; k++) {
+        if (!rows[k]) continue;
+        MPT__CHECK(mpt__sync_download(m->replica[k], i, 2, 3, sum_dy, sum_dyx, C));
+        for (c = 0; c < C; c++) {
+            sums[c] += sum_dy[c];
+            sums[C + c] += sum_dyx[c];
+        }
+    }
+    return mpt__workers_sum(m, sums, 2 * C, 1, "synchronizing BatchNormalization");
 }
 
 /* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
@@ -13385,7 +13410,7 @@ static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *f
         bn_rows[k] = a.rows;
         r->be->batchnorm_forward(r->impl, &a);
     }
-    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 0, 1, 1, sums, C));
+    MPT__CHECK(mpt__sync_gather_moments(m, i, bn_rows, sums, C));
     N = MPT__MAX(sums[2 * C], 1);
     for (c = 0; c < C; c++) {
         double mu = sums[c] / N;
@@ -13430,7 +13455,7 @@ static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk 
         a.dgamma = (float *)L->saved[3];
         r->be->batchnorm_backward(r->impl, &a);
     }
-    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 2, 3, 0, sums, C));
+    MPT__CHECK(mpt__sync_gather_sums(m, i, bn_rows, sums, C));
     for (c = 0; c < C; c++) {
         sum_dy[c] = (float)sums[c];
         sum_dyx[c] = (float)sums[C + c];

@@ -5430,10 +5430,23 @@ static void mpt__global_pool_win(mpt__win *g, const mpt__layer *L) {
     mpt__win_init(g, L, size, size, MPT_PADDING_VALID);
 }
 
-/* What every pooling layer plans: max's saved argmax, the workspace. */
-static mpt_status mpt__pool_plan(mpt_model *m, mpt__layer *L, mpt_pool_kind kind,
-                                 const mpt__win *g) {
-    int64_t out_count = g->oh * g->ow * g->c; /* ≤ in_count: windows start inside the image */
+/* The window of a pooling layer (mpt__pool_win or mpt__global_pool_win). */
+typedef void (*mpt__pool_window_fn)(mpt__win *g, const mpt__layer *L);
+
+/* Every pooling layer's build: its window checked, its (OH, OW, C)
+   output, max's saved argmax and the backend's workspace. */
+static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt_pool_kind kind,
+                                  mpt__pool_window_fn window) {
+    mpt__win g;
+    int64_t out_count;
+    MPT__CHECK(mpt__expect_image(m, L));
+    window(&g, L);
+    MPT__CHECK(mpt__expect_window_fits(m, L, &g, "pool_size"));
+    L->out_rank = 3;
+    L->out_shape[0] = g.oh;
+    L->out_shape[1] = g.ow;
+    L->out_shape[2] = g.c;
+    out_count = g.oh * g.ow * g.c; /* ≤ in_count: windows start inside the image */
     if (kind == MPT_POOL_MAX) {
         if (L->in_count > INT32_MAX)
             return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
@@ -5445,36 +5458,23 @@ static mpt_status mpt__pool_plan(mpt_model *m, mpt__layer *L, mpt_pool_kind kind
         void *impl;
         const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
         /* the backend's need for one sample, times the batch (overflow-checked) */
-        return mpt__layer_set_workspace(m, L, be->pool_workspace(impl, g, 1), 0);
+        return mpt__layer_set_workspace(m, L, be->pool_workspace(impl, &g, 1), 0);
     }
 }
 
-static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt_pool_kind kind) {
-    mpt__win g;
-    MPT__CHECK(mpt__expect_image(m, L));
-    mpt__pool_win(&g, L);
-    MPT__CHECK(mpt__expect_window_fits(m, L, &g, "pool_size"));
-    L->out_rank = 3;
-    L->out_shape[0] = g.oh;
-    L->out_shape[1] = g.ow;
-    L->out_shape[2] = g.c;
-    return mpt__pool_plan(m, L, kind, &g);
-}
-
 static mpt_status mpt__max_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT_POOL_MAX);
+    return mpt__pool_build(m, L, MPT_POOL_MAX, mpt__pool_win);
 }
 static mpt_status mpt__avg_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT_POOL_AVERAGE);
+    return mpt__pool_build(m, L, MPT_POOL_AVERAGE, mpt__pool_win);
 }
+/* Its one window leaves (1, 1, C): the layer gives (C). */
 static mpt_status mpt__global_pool_build(mpt_model *m, mpt__layer *L) {
-    mpt__win g;
-    MPT__CHECK(mpt__expect_image(m, L));
-    mpt__global_pool_win(&g, L);
-    MPT__CHECK(mpt__expect_window_fits(m, L, &g, "pool_size"));
+    MPT__CHECK(mpt__pool_build(m, L, MPT_POOL_AVERAGE, mpt__global_pool_win));
     L->out_rank = 1;
-    L->out_shape[0] = g.c;
-    return mpt__pool_plan(m, L, MPT_POOL_AVERAGE, &g);
+    L->out_shape[0] = L->out_shape[2];
+    L->out_shape[1] = L->out_shape[2] = 0; /* past the rank */
+    return MPT_OK;
 }
 
 typedef struct mpt__pool_job {
@@ -5637,51 +5637,44 @@ static int64_t mpt__cpu_pool_workspace(void *impl, const mpt_window *g, int64_t 
     return 4 * n * (g->h * g->w * g->c + g->oh * g->ow * g->c) + MPT__ALIGN;
 }
 
-/* Forward and backward of any pooling layer over its window g. */
+/* Forward and backward of any pooling layer over the window that `window`
+   gives it. */
 static void mpt__pool_forward(mpt__layer *L, const mpt__pass *p, mpt_pool_kind kind,
-                              const mpt__win *g) {
-    p->be->pool_forward(p->impl, kind, g, L->dtype, p->x, p->y,
+                              mpt__pool_window_fn window) {
+    mpt__win g;
+    window(&g, L);
+    p->be->pool_forward(p->impl, kind, &g, L->dtype, p->x, p->y,
                         kind == MPT_POOL_MAX ? (int32_t *)L->saved[0] : NULL, p->batch,
                         p->workspace);
 }
 
 static void mpt__pool_backward(mpt__layer *L, const mpt__pass *p, mpt_pool_kind kind,
-                               const mpt__win *g) {
+                               mpt__pool_window_fn window) {
+    mpt__win g;
     if (!p->dx) return; /* no parameters: only dx to compute */
-    p->be->pool_backward(p->impl, kind, g, L->dtype, p->dy, p->dx,
+    window(&g, L);
+    p->be->pool_backward(p->impl, kind, &g, L->dtype, p->dy, p->dx,
                          kind == MPT_POOL_MAX ? (const int32_t *)L->saved[0] : NULL, p->batch,
                          p->workspace);
 }
 
 static void mpt__max_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__win g;
-    mpt__pool_win(&g, L);
-    mpt__pool_forward(L, p, MPT_POOL_MAX, &g);
+    mpt__pool_forward(L, p, MPT_POOL_MAX, mpt__pool_win);
 }
 static void mpt__max_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__win g;
-    mpt__pool_win(&g, L);
-    mpt__pool_backward(L, p, MPT_POOL_MAX, &g);
+    mpt__pool_backward(L, p, MPT_POOL_MAX, mpt__pool_win);
 }
 static void mpt__avg_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__win g;
-    mpt__pool_win(&g, L);
-    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, &g);
+    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, mpt__pool_win);
 }
 static void mpt__avg_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__win g;
-    mpt__pool_win(&g, L);
-    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, &g);
+    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, mpt__pool_win);
 }
 static void mpt__global_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__win g;
-    mpt__global_pool_win(&g, L);
-    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, &g);
+    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, mpt__global_pool_win);
 }
 static void mpt__global_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__win g;
-    mpt__global_pool_win(&g, L);
-    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, &g);
+    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, mpt__global_pool_win);
 }
 
 static const mpt__layer_ops mpt__max_pool_ops = {"MaxPooling2D", "max_pooling2d",

@@ -49,6 +49,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <type_traits>
 
 #include "mpt.h"
 
@@ -1998,25 +1999,39 @@ static void mpt__cuda_pool_backward_typed(mpt__cuda *c, const mpt_window *g, con
     mpt__cuda_launched(c, MAX ? "max pooling backward" : "average pooling backward");
 }
 
+/* Forward's and backward's one dispatch: calls launch(T(), V, MAX) with T
+   the dtype's element type, V (std::integral_constant) the channels a
+   thread handles (a 16-byte pack's where in, out and argmax allow it, else
+   1) and MAX (std::true_type or std::false_type) the kind. */
+template <typename F>
+static void mpt__cuda_pool_dispatch(mpt_pool_kind kind, const mpt_window *g, mpt_dtype dtype,
+                                    const void *in, const void *out, const int32_t *argmax,
+                                    F &&launch) {
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        typedef std::integral_constant<int, 16 / (int)sizeof(T)> pack;
+        typedef std::integral_constant<int, 1> one;
+        const bool vec = mpt__cuda_pool_vectorizable<T>(g, in, out, argmax);
+        if (kind == MPT_POOL_MAX) {
+            if (vec) launch(tag, pack(), std::true_type());
+            else launch(tag, one(), std::true_type());
+        } else {
+            if (vec) launch(tag, pack(), std::false_type());
+            else launch(tag, one(), std::false_type());
+        }
+    });
+}
+
 /* ws is not needed (pool_workspace is 0). */
 static void mpt__cuda_pool_forward(void *impl, mpt_pool_kind kind, const mpt_window *g,
                                    mpt_dtype dtype, const void *x, void *y, int32_t *argmax,
                                    int64_t n, void *ws) {
     mpt__cuda *c = (mpt__cuda *)impl;
     (void)ws;
-    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+    mpt__cuda_pool_dispatch(kind, g, dtype, x, y, argmax, [&](auto tag, auto v, auto max) {
         typedef decltype(tag) T;
-        const int V = 16 / (int)sizeof(T);
-        const T *xt = (const T *)x;
-        T *yt = (T *)y;
-        const bool vec = mpt__cuda_pool_vectorizable<T>(g, x, y, argmax);
-        if (kind == MPT_POOL_MAX) {
-            if (vec) mpt__cuda_pool_forward_typed<T, V, true>(c, g, xt, yt, argmax, n);
-            else mpt__cuda_pool_forward_typed<T, 1, true>(c, g, xt, yt, argmax, n);
-        } else {
-            if (vec) mpt__cuda_pool_forward_typed<T, V, false>(c, g, xt, yt, NULL, n);
-            else mpt__cuda_pool_forward_typed<T, 1, false>(c, g, xt, yt, NULL, n);
-        }
+        mpt__cuda_pool_forward_typed<T, decltype(v)::value, decltype(max)::value>(
+            c, g, (const T *)x, (T *)y, max ? argmax : NULL, n);
     });
 }
 
@@ -2025,19 +2040,10 @@ static void mpt__cuda_pool_backward(void *impl, mpt_pool_kind kind, const mpt_wi
                                     const int32_t *argmax, int64_t n, void *ws) {
     mpt__cuda *c = (mpt__cuda *)impl;
     (void)ws;
-    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+    mpt__cuda_pool_dispatch(kind, g, dtype, dy, dx, argmax, [&](auto tag, auto v, auto max) {
         typedef decltype(tag) T;
-        const int V = 16 / (int)sizeof(T);
-        const T *dyt = (const T *)dy;
-        T *dxt = (T *)dx;
-        const bool vec = mpt__cuda_pool_vectorizable<T>(g, dy, dx, argmax);
-        if (kind == MPT_POOL_MAX) {
-            if (vec) mpt__cuda_pool_backward_typed<T, V, true>(c, g, dyt, dxt, argmax, n);
-            else mpt__cuda_pool_backward_typed<T, 1, true>(c, g, dyt, dxt, argmax, n);
-        } else {
-            if (vec) mpt__cuda_pool_backward_typed<T, V, false>(c, g, dyt, dxt, NULL, n);
-            else mpt__cuda_pool_backward_typed<T, 1, false>(c, g, dyt, dxt, NULL, n);
-        }
+        mpt__cuda_pool_backward_typed<T, decltype(v)::value, decltype(max)::value>(
+            c, g, (const T *)dy, (T *)dx, max ? argmax : NULL, n);
     });
 }
 

@@ -4664,6 +4664,30 @@ static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtyp
     p->be->gemm(p->impl, g, c_dtype);
 }
 
+/* A layer's product of packed row-major matrices in its compute dtype:
+   c (m×n, float32) = op(a)·op(b), op(a) m×k and op(b) k×n, where a is
+   stored k×m when trans_a and b n×k when trans_b, each row after row. The
+   rest (bias, activation, beta) is the caller's to set. */
+static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int trans_b,
+                                          int64_t m, int64_t n, int64_t k, const void *a,
+                                          const void *b, float *c) {
+    mpt_gemm_desc g;
+    memset(&g, 0, sizeof g);
+    g.trans_a = trans_a;
+    g.trans_b = trans_b;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.ab_dtype = L->dtype;
+    g.a = a;
+    g.lda = trans_a ? m : k;
+    g.b = b;
+    g.ldb = trans_b ? k : n;
+    g.c = c;
+    g.ldc = n;
+    return g;
+}
+
 /* Appends a layer of `ops` described by desc (one of the descriptor
    structs, `size` bytes; each starts with the common name and dtype). */
 static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc,
@@ -4730,18 +4754,9 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     float *acc = ((L->dtype == MPT_FLOAT32 || rounds_c) && fused)
                      ? (float *)p->y
                      : (float *)mpt__ws_take(&w, 4 * n);
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.m = B;
-    g.n = units;
-    g.k = in;
-    g.ab_dtype = L->dtype;
-    g.a = p->x;
-    g.lda = in;
-    g.b = mpt__param_compute_copy(L, 0);
-    g.ldb = units;
-    g.c = acc;
-    g.ldc = units;
+    /* acc (B, units) = x · kernel */
+    mpt_gemm_desc g = mpt__layer_gemm_desc(L, 0, 0, B, units, in, p->x,
+                                           mpt__param_compute_copy(L, 0), acc);
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
@@ -4768,34 +4783,14 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     /* The weight and input gradients are products in the compute dtype,
        as the forward was: dz is rounded to it once. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, n);
-    memset(&g, 0, sizeof g); /* dkernel (in, units) = xᵀ · dz */
-    g.trans_a = 1;
-    g.m = in;
-    g.n = units;
-    g.k = B;
-    g.ab_dtype = L->dtype;
-    g.a = p->x;
-    g.lda = in;
-    g.b = dz_c;
-    g.ldb = units;
-    g.c = mpt__param_grad(L, 0);
-    g.ldc = units;
+    /* dkernel (in, units) = xᵀ · dz */
+    g = mpt__layer_gemm_desc(L, 1, 0, in, units, B, p->x, dz_c, mpt__param_grad(L, 0));
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
     if (p->dx) { /* dx (B, in) = dz · kernelᵀ */
         float *dxf = L->dtype == MPT_FLOAT32 ? (float *)p->dx
                                              : (float *)mpt__ws_take(&w, 4 * B * in);
-        memset(&g, 0, sizeof g);
-        g.trans_b = 1;
-        g.m = B;
-        g.n = in;
-        g.k = units;
-        g.ab_dtype = L->dtype;
-        g.a = dz_c;
-        g.lda = units;
-        g.b = mpt__param_compute_copy(L, 0);
-        g.ldb = units;
-        g.c = dxf;
-        g.ldc = in;
+        g = mpt__layer_gemm_desc(L, 0, 1, B, in, units, dz_c, mpt__param_compute_copy(L, 0),
+                                 dxf);
         mpt__layer_gemm(p, &g, MPT_FLOAT32);
         if ((void *)dxf != p->dx)
             p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dxf, B * in);
@@ -5247,17 +5242,10 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                      : (float *)mpt__ws_take(&w, 4 * ny);
     mpt_gemm_desc g;
     if (cols) p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols); /* (rows, kk) */
-    memset(&g, 0, sizeof g);                      /* acc (rows, F) = cols · kernel */
-    g.m = rows;
-    g.n = c->f;
-    g.k = c->kk;
-    g.ab_dtype = L->dtype;
-    g.a = cols ? (const void *)cols : (const void *)x;
-    g.lda = c->kk;
-    g.b = mpt__param_compute_copy(L, 0);
-    g.ldb = c->f;
-    g.c = acc;
-    g.ldc = c->f;
+    /* acc (rows, F) = cols · kernel */
+    g = mpt__layer_gemm_desc(L, 0, 0, rows, c->f, c->kk,
+                             cols ? (const void *)cols : (const void *)x,
+                             mpt__param_compute_copy(L, 0), acc);
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? d->activation : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
@@ -5285,19 +5273,8 @@ static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
    unless this is the first. cols (rows, kk) and dz (rows, F) in dtype. */
 static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
                                     const void *cols, const void *dz, int64_t rows, int first) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.trans_a = 1;
-    g.m = c->kk;
-    g.n = c->f;
-    g.k = rows;
-    g.ab_dtype = L->dtype;
-    g.a = cols;
-    g.lda = c->kk;
-    g.b = dz;
-    g.ldb = c->f;
-    g.c = mpt__param_grad(L, 0);
-    g.ldc = c->f;
+    mpt_gemm_desc g = mpt__layer_gemm_desc(L, 1, 0, c->kk, c->f, rows, cols, dz,
+                                           mpt__param_grad(L, 0));
     g.beta = first ? 0.0f : 1.0f;
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
@@ -5305,19 +5282,8 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
 /* dcols (rows, kk) float32 = dz · kernelᵀ; dz (rows, F) in dtype. */
 static void mpt__conv2d_cols_grad(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
                                   const void *dz, int64_t rows, float *dcols) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.trans_b = 1;
-    g.m = rows;
-    g.n = c->kk;
-    g.k = c->f;
-    g.ab_dtype = L->dtype;
-    g.a = dz;
-    g.lda = c->f;
-    g.b = mpt__param_compute_copy(L, 0);
-    g.ldb = c->f;
-    g.c = dcols;
-    g.ldc = c->kk;
+    mpt_gemm_desc g = mpt__layer_gemm_desc(L, 0, 1, rows, c->kk, c->f, dz,
+                                           mpt__param_compute_copy(L, 0), dcols);
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
 

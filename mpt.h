@@ -2540,6 +2540,20 @@ MPTDEF mpt_status mpt_tensor_wrap(mpt_context *ctx, mpt_tensor *t, mpt_dtype dty
     return MPT_OK;
 }
 
+/* A borrowed tensor over data of `batch` samples of one sample's shape
+   (rank, shape), on device. Nothing is checked: the sample shape is a
+   model's or a dataset's, checked when it was made. */
+static void mpt__batch_view(mpt_tensor *t, mpt_dtype dtype, int64_t batch, int rank,
+                            const int64_t *shape, void *data, mpt_device device) {
+    memset(t, 0, sizeof *t);
+    t->dtype = dtype;
+    t->rank = rank + 1;
+    t->shape[0] = batch;
+    memcpy(t->shape + 1, shape, sizeof(int64_t) * (size_t)rank);
+    t->data = data;
+    t->device = device;
+}
+
 MPTDEF void mpt_tensor_free(mpt_context *ctx, mpt_tensor *t) {
     if (!t) return;
     if (t->owns_data && ctx) mpt__free(ctx, t->data);
@@ -4256,14 +4270,8 @@ static mpt_status mpt__state_push(mpt_model *m);
 
 static void mpt__layer_view(const mpt_model *m, const mpt__layer *L, void *data, int use_input,
                             mpt_tensor *t) {
-    memset(t, 0, sizeof *t);
-    t->device = mpt__model_device(m);
-    t->dtype = L->dtype;
-    t->rank = (use_input ? L->in_rank : L->out_rank) + 1;
-    t->shape[0] = m->last_batch;
-    memcpy(t->shape + 1, use_input ? L->in_shape : L->out_shape,
-           sizeof(int64_t) * (size_t)(t->rank - 1));
-    t->data = data;
+    mpt__batch_view(t, L->dtype, m->last_batch, use_input ? L->in_rank : L->out_rank,
+                    use_input ? L->in_shape : L->out_shape, data, mpt__model_device(m));
 }
 
 static void mpt__pass_init(mpt_model *m, int64_t batch, int training, mpt__pass *p) {
@@ -8592,18 +8600,8 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     l->held = b;
     count = MPT__MIN(l->batch_size, l->n - b * l->batch_size);
     pthread_mutex_unlock(&l->mutex);
-    memset(x, 0, sizeof *x);
-    x->dtype = l->x_dtype;
-    x->rank = d->x_rank + 1;
-    x->shape[0] = count;
-    memcpy(x->shape + 1, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
-    x->data = l->x_buf[slot];
-    memset(y, 0, sizeof *y);
-    y->dtype = d->y_dtype;
-    y->rank = d->y_rank + 1;
-    y->shape[0] = count;
-    memcpy(y->shape + 1, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
-    y->data = l->y_buf[slot];
+    mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, l->x_buf[slot], MPT_DEVICE_CPU);
+    mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, l->y_buf[slot], MPT_DEVICE_CPU);
     return 1;
 }
 
@@ -8897,13 +8895,8 @@ static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
     mpt_tensor x;
     mpt_status s;
     if (!m->be->gemm_plan || m->planned_batch == batch) return MPT_OK;
-    memset(&x, 0, sizeof x);
-    x.dtype = m->layers[0].dtype;
-    x.rank = m->desc.input_rank + 1;
-    x.shape[0] = batch;
-    memcpy(x.shape + 1, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
-    x.data = m->input_buf[0];
-    x.device = mpt__model_device(m);
+    mpt__batch_view(&x, m->layers[0].dtype, batch, m->desc.input_rank, m->desc.input_shape,
+                    m->input_buf[0], mpt__model_device(m));
     m->planning = 1;
     mpt__model_forward(m, &x, 1);
     mpt_model_backward(m, NULL, NULL);

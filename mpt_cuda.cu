@@ -3485,16 +3485,24 @@ static void mpt__cuda_free_host(void *impl, void *ptr) {
     mpt__cuda_keep_error(c, cudaFreeHost(ptr), "cudaFreeHost");
 }
 
+/* A copy between host and device queued on the compute stream after
+   everything before it, returning once it is done (the host side may be
+   pageable memory). what: "upload" or "download". */
+static mpt_status mpt__cuda_copy_now(mpt__cuda *c, void *dst, const void *src, size_t bytes,
+                                     cudaMemcpyKind kind, const char *what) {
+    mpt_status s = mpt__cuda_not_capturing(c, what);
+    if (s != MPT_OK) return s;
+    MPT__CU(c, cudaSetDevice(c->device));
+    MPT__CU(c, cudaMemcpyAsync(dst, src, bytes, kind, c->stream));
+    MPT__CU(c, cudaStreamSynchronize(c->stream));
+    return MPT_OK;
+}
+
 /* Synchronous: returns once host_src may be reused (it may be pageable). */
 static mpt_status mpt__cuda_upload(void *impl, void *dst, const void *host_src, size_t bytes) {
     mpt__cuda *c = (mpt__cuda *)impl;
     if (bytes == 0) return MPT_OK;
-    mpt_status s = mpt__cuda_not_capturing(c, "upload");
-    if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
-    MPT__CU(c, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c->stream));
-    MPT__CU(c, cudaStreamSynchronize(c->stream));
-    return MPT_OK;
+    return mpt__cuda_copy_now(c, dst, host_src, bytes, cudaMemcpyHostToDevice, "upload");
 }
 
 /* Waits for everything queued before it, so it also reports a failed
@@ -3502,12 +3510,8 @@ static mpt_status mpt__cuda_upload(void *impl, void *dst, const void *host_src, 
 static mpt_status mpt__cuda_download(void *impl, void *host_dst, const void *src, size_t bytes) {
     mpt__cuda *c = (mpt__cuda *)impl;
     if (bytes == 0) return MPT_OK;
-    mpt_status s = mpt__cuda_not_capturing(c, "download");
-    if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
-    MPT__CU(c, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-    MPT__CU(c, cudaStreamSynchronize(c->stream));
-    return mpt__cuda_take_pending(c);
+    mpt_status s = mpt__cuda_copy_now(c, host_dst, src, bytes, cudaMemcpyDeviceToHost, "download");
+    return s != MPT_OK ? s : mpt__cuda_take_pending(c);
 }
 
 /* A copy on the second stream, overlapping with compute queued after it.

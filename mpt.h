@@ -5268,12 +5268,20 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     if ((void *)acc != (void *)y) p->be->convert(p->impl, L->dtype, y, MPT_FLOAT32, acc, ny);
 }
 
-static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+/* Forward's or backward's chunk function over samples [b0, b0 + n). */
+typedef void (*mpt__conv_chunk_fn)(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
+                                   int64_t b0, int64_t n);
+
+/* The batch in chunks of the plan's size, in order. */
+static void mpt__conv2d_by_chunks(mpt__layer *L, const mpt__pass *p, mpt__conv_chunk_fn run) {
     mpt__conv_plan c;
     int64_t b0;
     mpt__conv_plan_init(&c, L, p->model->max_batch);
-    for (b0 = 0; b0 < p->batch; b0 += c.chunk)
-        mpt__conv2d_forward_chunk(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
+    for (b0 = 0; b0 < p->batch; b0 += c.chunk) run(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
+}
+
+static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
 }
 
 
@@ -5337,11 +5345,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
 }
 
 static void mpt__conv2d_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__conv_plan c;
-    int64_t b0;
-    mpt__conv_plan_init(&c, L, p->model->max_batch);
-    for (b0 = 0; b0 < p->batch; b0 += c.chunk)
-        mpt__conv2d_backward_chunk(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
+    mpt__conv2d_by_chunks(L, p, mpt__conv2d_backward_chunk);
 }
 
 static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_build,
@@ -5661,25 +5665,23 @@ static const mpt__layer_ops mpt__global_pool_ops = {
     "GlobalAveragePooling2D", "global_average_pooling2d", mpt__global_pool_build,
     mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL};
 
-static mpt_status mpt__check_pool_desc(mpt_model *m, const mpt_pool2d_desc *d, const char *cls) {
+/* MaxPooling2D or AveragePooling2D (ops), its descriptor checked. */
+static mpt_status mpt__add_pool(mpt_model *m, const mpt__layer_ops *ops, const mpt_pool2d_desc *d) {
+    mpt_pool2d_desc defaults;
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_add(m));
-    return mpt__check_window_desc(m, cls, "pool_size", d->pool_size, 0, d->strides, d->padding);
+    MPT__CHECK(mpt__check_window_desc(m, ops->class_name, "pool_size", d->pool_size, 0, d->strides,
+                                      d->padding));
+    return mpt__add_layer(m, ops, d, sizeof(mpt_pool2d_desc));
 }
 
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    mpt_pool2d_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
-    MPT__CHECK(mpt__check_pool_desc(m, d, "MaxPooling2D"));
-    return mpt__add_layer(m, &mpt__max_pool_ops, d, sizeof(mpt_pool2d_desc));
+    return mpt__add_pool(m, &mpt__max_pool_ops, d);
 }
 
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    mpt_pool2d_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
-    MPT__CHECK(mpt__check_pool_desc(m, d, "AveragePooling2D"));
-    return mpt__add_layer(m, &mpt__avg_pool_ops, d, sizeof(mpt_pool2d_desc));
+    return mpt__add_pool(m, &mpt__avg_pool_ops, d);
 }
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,

@@ -133,7 +133,8 @@
                             has the gradient multiplied by, e.g. its own
                             loss scale in a step by hand
    Where each step happens (CPU in this file; CUDA in mpt_cuda.cu):
-       the step's order     mpt__queue_step (@impl-training)
+       the step's order     mpt__queue_step, its tail mpt__queue_update
+                            (@impl-training; the strategy's step too)
        inputs converted     mpt__dataset_gather (@impl-data),
                             mpt__forward_prepare (@impl-passes)
        final softmax        mpt__final_softmax_in_float32 (@impl-layers)
@@ -597,6 +598,12 @@ typedef struct mpt_pool2d_desc {
     mpt_padding padding;                /* default valid                    */
 } mpt_pool2d_desc;
 
+/* GlobalAveragePooling2D: the mean over each channel's whole image,
+   (H, W, C) to (C); it has only the common fields. */
+typedef struct mpt_global_pool2d_desc {
+    MPT_LAYER_COMMON_FIELDS;
+} mpt_global_pool2d_desc;
+
 typedef struct mpt_batchnorm_desc {
     MPT_LAYER_COMMON_FIELDS;
     float momentum;                     /* default (0) 0.99; for a momentum of
@@ -661,7 +668,7 @@ MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *desc
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *desc);
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *desc);
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
-                                                         const mpt_flatten_desc *desc);
+                                                         const mpt_global_pool2d_desc *desc);
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m,
                                                     const mpt_batchnorm_desc *desc);
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *desc);
@@ -2827,6 +2834,20 @@ MPTDEF mpt_status mpt_tensor_wrap(mpt_context *ctx, mpt_tensor *t, mpt_dtype dty
     return MPT_OK;
 }
 
+/* A borrowed tensor over data of `batch` samples of one sample's shape
+   (rank, shape), on device. Nothing is checked: the sample shape is a
+   model's or a dataset's, checked when it was made. */
+static void mpt__batch_view(mpt_tensor *t, mpt_dtype dtype, int64_t batch, int rank,
+                            const int64_t *shape, void *data, mpt_device device) {
+    memset(t, 0, sizeof *t);
+    t->dtype = dtype;
+    t->rank = rank + 1;
+    t->shape[0] = batch;
+    memcpy(t->shape + 1, shape, sizeof(int64_t) * (size_t)rank);
+    t->data = data;
+    t->device = device;
+}
+
 MPTDEF void mpt_tensor_free(mpt_context *ctx, mpt_tensor *t) {
     if (!t) return;
     if (t->owns_data && ctx) mpt__free(ctx, t->data);
@@ -4526,6 +4547,9 @@ typedef struct mpt__layer_ops {
        state (BatchNormalization's moving statistics). Kept apart from
        forward so that a training step that is skipped changes nothing. */
     void (*commit)(mpt__layer *L, const mpt__pass *p);
+    /* Optional: the activation the layer ends with (Dense's, Activation's);
+       NULL: none. */
+    mpt_activation (*activation)(const mpt__layer *L);
 } mpt__layer_ops;
 
 #define MPT__MAX_LAYER_PARAMS 4
@@ -4550,10 +4574,19 @@ typedef struct mpt__param {
                                 refused (its square root would be NaN)       */
 } mpt__param;
 
+/* The fields every layer descriptor begins with (MPT_LAYER_COMMON_FIELDS). */
+typedef struct mpt__layer_common_desc {
+    MPT_LAYER_COMMON_FIELDS;
+} mpt__layer_common_desc;
+
+/* Any layer's descriptor; its name and dtype are read through `common`
+   whatever the layer (the members share those first fields). */
 typedef union mpt__layer_desc {
+    mpt__layer_common_desc common;
     mpt_dense_desc dense;
     mpt_conv2d_desc conv2d;
     mpt_pool2d_desc pool2d;
+    mpt_global_pool2d_desc global_pool2d;
     mpt_batchnorm_desc batchnorm;
     mpt_dropout_desc dropout;
     mpt_activation_desc activation;
@@ -4784,10 +4817,11 @@ static mpt_status mpt__layer_set_workspace(struct mpt_model *m, mpt__layer *L,
 /* Bytes of n elements of the layer's dtype. */
 static int64_t mpt__dbytes(mpt_dtype dtype, int64_t n) { return n * (int64_t)mpt_dtype_size(dtype); }
 
-/* A parameter as the layer reads it (compute dtype) and its float32 forms. */
-static const void *mpt__pw(const mpt__layer *L, int k) { return L->param[k]->compute; }
-static float *mpt__pv(const mpt__layer *L, int k) { return L->param[k]->value; }
-static float *mpt__pg(const mpt__layer *L, int k) { return L->param[k]->grad; }
+/* A parameter as the layer reads it (its compute-dtype copy), its float32
+   master and its float32 gradient. */
+static const void *mpt__param_compute_copy(const mpt__layer *L, int k) { return L->param[k]->compute; }
+static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]->value; }
+static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
 
 /* ---- building a model ----------------------------------------------------- */
 
@@ -5077,11 +5111,9 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
    the model was compiled first, compile when it was built first. */
 static mpt_status mpt__alloc_optimizer_state(mpt_model *m);
 
-/* The activation a layer ends with (Dense's and Activation's; none else). */
+/* The activation a layer ends with (none for most). */
 static mpt_activation mpt__layer_activation(const mpt__layer *L) {
-    if (strcmp(L->ops->class_name, "Dense") == 0) return L->desc.dense.activation;
-    if (strcmp(L->ops->class_name, "Activation") == 0) return L->desc.activation.activation;
-    return MPT_ACT_NONE;
+    return L->ops->activation ? L->ops->activation(L) : MPT_ACT_NONE;
 }
 
 /* Keras' advice for mixed precision, followed by default: the final
@@ -5089,7 +5121,7 @@ static mpt_activation mpt__layer_activation(const mpt__layer *L) {
    loss reads) are float32. A dtype given for that layer wins. */
 static void mpt__final_softmax_in_float32(mpt_model *m) {
     mpt__layer *L = &m->layers[m->n_layers - 1];
-    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.flatten.dtype == MPT_DTYPE_DEFAULT)
+    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.common.dtype == MPT_DTYPE_DEFAULT)
         L->dtype = MPT_FLOAT32;
 }
 
@@ -5367,14 +5399,8 @@ static mpt_status mpt__state_push(mpt_model *m);
 
 static void mpt__layer_view(const mpt_model *m, const mpt__layer *L, void *data, int use_input,
                             mpt_tensor *t) {
-    memset(t, 0, sizeof *t);
-    t->device = mpt__model_device(m);
-    t->dtype = L->dtype;
-    t->rank = (use_input ? L->in_rank : L->out_rank) + 1;
-    t->shape[0] = m->last_batch;
-    memcpy(t->shape + 1, use_input ? L->in_shape : L->out_shape,
-           sizeof(int64_t) * (size_t)(t->rank - 1));
-    t->data = data;
+    mpt__batch_view(t, L->dtype, m->last_batch, use_input ? L->in_rank : L->out_rank,
+                    use_input ? L->in_shape : L->out_shape, data, mpt__model_device(m));
 }
 
 static void mpt__pass_init(mpt_model *m, int64_t batch, int training, mpt__pass *p) {
@@ -5404,7 +5430,6 @@ static void mpt__model_commit(mpt_model *m) {
     }
 }
 
-/* Forward without the checks and without committing layer state. */
 /* A forward pass in progress, one layer at a time (replicas run theirs in
    step, layer by layer, when a layer synchronizes them). */
 typedef struct mpt__forward_walk {
@@ -5776,6 +5801,30 @@ static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtyp
     p->be->gemm(p->impl, g, c_dtype);
 }
 
+/* A layer's product of packed row-major matrices in its compute dtype:
+   c (m×n, float32) = op(a)·op(b), op(a) m×k and op(b) k×n, where a is
+   stored k×m when trans_a and b n×k when trans_b, each row after row. The
+   rest (bias, activation, beta) is the caller's to set. */
+static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int trans_b,
+                                          int64_t m, int64_t n, int64_t k, const void *a,
+                                          const void *b, float *c) {
+    mpt_gemm_desc g;
+    memset(&g, 0, sizeof g);
+    g.trans_a = trans_a;
+    g.trans_b = trans_b;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.ab_dtype = L->dtype;
+    g.a = a;
+    g.lda = trans_a ? m : k;
+    g.b = b;
+    g.ldb = trans_b ? k : n;
+    g.c = c;
+    g.ldc = n;
+    return g;
+}
+
 /* Appends a layer of `ops` described by desc (one of the descriptor
    structs, `size` bytes; each starts with the common name and dtype). */
 static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc,
@@ -5783,8 +5832,7 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
     mpt__layer_desc ld;
     memset(&ld, 0, sizeof ld);
     memcpy(&ld, desc, size);
-    /* The members share their first fields, so any one names them. */
-    return mpt__model_add(m, ops, &ld, ld.flatten.name, ld.flatten.dtype);
+    return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
 /* Before the checks of a layer's descriptor, which the caller has made
@@ -5843,19 +5891,10 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     float *acc = ((L->dtype == MPT_FLOAT32 || rounds_c) && fused)
                      ? (float *)p->y
                      : (float *)mpt__ws_take(&w, 4 * n);
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.m = B;
-    g.n = units;
-    g.k = in;
-    g.ab_dtype = L->dtype;
-    g.a = p->x;
-    g.lda = in;
-    g.b = mpt__pw(L, 0);
-    g.ldb = units;
-    g.c = acc;
-    g.ldc = units;
-    g.bias = d->no_bias ? NULL : mpt__pv(L, 1);
+    /* acc (B, units) = x · kernel */
+    mpt_gemm_desc g = mpt__layer_gemm_desc(L, 0, 0, B, units, in, p->x,
+                                           mpt__param_compute_copy(L, 0), acc);
+    g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
     if (act == MPT_ACT_GELU) {
@@ -5877,46 +5916,31 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     mpt_gemm_desc g;
     p->be->activation_grad(p->impl, mpt__pass_activation(p, d->activation), L->dtype,
                            L->saved[0], p->y, p->dy, dz, tmp, B, units);
-    if (!d->no_bias) p->be->column_sums(p->impl, dz, B, units, mpt__pg(L, 1), 0);
+    if (!d->no_bias) p->be->column_sums(p->impl, dz, B, units, mpt__param_grad(L, 1), 0);
     /* The weight and input gradients are products in the compute dtype,
        as the forward was: dz is rounded to it once. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, n);
-    memset(&g, 0, sizeof g); /* dkernel (in, units) = xᵀ · dz */
-    g.trans_a = 1;
-    g.m = in;
-    g.n = units;
-    g.k = B;
-    g.ab_dtype = L->dtype;
-    g.a = p->x;
-    g.lda = in;
-    g.b = dz_c;
-    g.ldb = units;
-    g.c = mpt__pg(L, 0);
-    g.ldc = units;
+    /* dkernel (in, units) = xᵀ · dz */
+    g = mpt__layer_gemm_desc(L, 1, 0, in, units, B, p->x, dz_c, mpt__param_grad(L, 0));
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
     if (p->dx) { /* dx (B, in) = dz · kernelᵀ */
         float *dxf = L->dtype == MPT_FLOAT32 ? (float *)p->dx
                                              : (float *)mpt__ws_take(&w, 4 * B * in);
-        memset(&g, 0, sizeof g);
-        g.trans_b = 1;
-        g.m = B;
-        g.n = in;
-        g.k = units;
-        g.ab_dtype = L->dtype;
-        g.a = dz_c;
-        g.lda = units;
-        g.b = mpt__pw(L, 0);
-        g.ldb = units;
-        g.c = dxf;
-        g.ldc = in;
+        g = mpt__layer_gemm_desc(L, 0, 1, B, in, units, dz_c, mpt__param_compute_copy(L, 0),
+                                 dxf);
         mpt__layer_gemm(p, &g, MPT_FLOAT32);
         if ((void *)dxf != p->dx)
             p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dxf, B * in);
     }
 }
 
+static mpt_activation mpt__dense_activation(const mpt__layer *L) {
+    return L->desc.dense.activation;
+}
+
 static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", mpt__dense_build,
-                                              mpt__dense_forward, mpt__dense_backward, NULL};
+                                              mpt__dense_forward, mpt__dense_backward, NULL,
+                                              mpt__dense_activation};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     mpt_dense_desc defaults;
@@ -5961,7 +5985,8 @@ static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
 }
 
 static const mpt__layer_ops mpt__flatten_ops = {"Flatten", "flatten", mpt__flatten_build,
-                                                mpt__flatten_forward, mpt__flatten_backward, NULL};
+                                                mpt__flatten_forward, mpt__flatten_backward, NULL,
+                                                NULL};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
     mpt_flatten_desc none;
@@ -6000,10 +6025,15 @@ static void mpt__activation_layer_backward(mpt__layer *L, const mpt__pass *p) {
     p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dz, n);
 }
 
+static mpt_activation mpt__activation_layer_activation(const mpt__layer *L) {
+    return L->desc.activation.activation;
+}
+
 static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
                                                    mpt__activation_build,
                                                    mpt__activation_layer_forward,
-                                                   mpt__activation_layer_backward, NULL};
+                                                   mpt__activation_layer_backward, NULL,
+                                                   mpt__activation_layer_activation};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
     mpt_activation_desc defaults;
@@ -6349,18 +6379,11 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                      : (float *)mpt__ws_take(&w, 4 * ny);
     mpt_gemm_desc g;
     if (cols) p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols); /* (rows, kk) */
-    memset(&g, 0, sizeof g);                      /* acc (rows, F) = cols · kernel */
-    g.m = rows;
-    g.n = c->f;
-    g.k = c->kk;
-    g.ab_dtype = L->dtype;
-    g.a = cols ? (const void *)cols : (const void *)x;
-    g.lda = c->kk;
-    g.b = mpt__pw(L, 0);
-    g.ldb = c->f;
-    g.c = acc;
-    g.ldc = c->f;
-    g.bias = d->no_bias ? NULL : mpt__pv(L, 1);
+    /* acc (rows, F) = cols · kernel */
+    g = mpt__layer_gemm_desc(L, 0, 0, rows, c->f, c->kk,
+                             cols ? (const void *)cols : (const void *)x,
+                             mpt__param_compute_copy(L, 0), acc);
+    g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? d->activation : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
     if (d->activation == MPT_ACT_GELU) {
@@ -6374,12 +6397,20 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     if ((void *)acc != (void *)y) p->be->convert(p->impl, L->dtype, y, MPT_FLOAT32, acc, ny);
 }
 
-static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+/* Forward's or backward's chunk function over samples [b0, b0 + n). */
+typedef void (*mpt__conv_chunk_fn)(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
+                                   int64_t b0, int64_t n);
+
+/* The batch in chunks of the plan's size, in order. */
+static void mpt__conv2d_by_chunks(mpt__layer *L, const mpt__pass *p, mpt__conv_chunk_fn run) {
     mpt__conv_plan c;
     int64_t b0;
     mpt__conv_plan_init(&c, L, p->model->max_batch);
-    for (b0 = 0; b0 < p->batch; b0 += c.chunk)
-        mpt__conv2d_forward_chunk(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
+    for (b0 = 0; b0 < p->batch; b0 += c.chunk) run(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
+}
+
+static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
 }
 
 
@@ -6387,19 +6418,8 @@ static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
    unless this is the first. cols (rows, kk) and dz (rows, F) in dtype. */
 static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
                                     const void *cols, const void *dz, int64_t rows, int first) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.trans_a = 1;
-    g.m = c->kk;
-    g.n = c->f;
-    g.k = rows;
-    g.ab_dtype = L->dtype;
-    g.a = cols;
-    g.lda = c->kk;
-    g.b = dz;
-    g.ldb = c->f;
-    g.c = mpt__pg(L, 0);
-    g.ldc = c->f;
+    mpt_gemm_desc g = mpt__layer_gemm_desc(L, 1, 0, c->kk, c->f, rows, cols, dz,
+                                           mpt__param_grad(L, 0));
     g.beta = first ? 0.0f : 1.0f;
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
@@ -6407,19 +6427,8 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
 /* dcols (rows, kk) float32 = dz · kernelᵀ; dz (rows, F) in dtype. */
 static void mpt__conv2d_cols_grad(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
                                   const void *dz, int64_t rows, float *dcols) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.trans_b = 1;
-    g.m = rows;
-    g.n = c->kk;
-    g.k = c->f;
-    g.ab_dtype = L->dtype;
-    g.a = dz;
-    g.lda = c->f;
-    g.b = mpt__pw(L, 0);
-    g.ldb = c->f;
-    g.c = dcols;
-    g.ldc = c->kk;
+    mpt_gemm_desc g = mpt__layer_gemm_desc(L, 0, 1, rows, c->kk, c->f, dz,
+                                           mpt__param_compute_copy(L, 0), dcols);
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
 
@@ -6445,7 +6454,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
                            (const unsigned char *)p->y + (size_t)y_off * c->es,
                            (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
                            c->f);
-    if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__pg(L, 1), b0 != 0);
+    if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__param_grad(L, 1), b0 != 0);
     /* The products run in the compute dtype, as the forward did. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, ny);
     if (cols) /* recomputed: cheaper than keeping it */
@@ -6465,15 +6474,12 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
 }
 
 static void mpt__conv2d_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__conv_plan c;
-    int64_t b0;
-    mpt__conv_plan_init(&c, L, p->model->max_batch);
-    for (b0 = 0; b0 < p->batch; b0 += c.chunk)
-        mpt__conv2d_backward_chunk(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
+    mpt__conv2d_by_chunks(L, p, mpt__conv2d_backward_chunk);
 }
 
 static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_build,
-                                               mpt__conv2d_forward, mpt__conv2d_backward, NULL};
+                                               mpt__conv2d_forward, mpt__conv2d_backward, NULL,
+                                               NULL};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
@@ -6512,17 +6518,10 @@ MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
    not count 'same' padding). Global average pooling is average pooling
    with one window the size of the image. */
 
-typedef enum mpt__pool_kind { MPT__POOL_MAX, MPT__POOL_AVERAGE, MPT__POOL_GLOBAL } mpt__pool_kind;
-
-static void mpt__pool_win(mpt__win *g, const mpt__layer *L, mpt__pool_kind kind) {
+/* The window of MaxPooling2D and AveragePooling2D, from their descriptor. */
+static void mpt__pool_win(mpt__win *g, const mpt__layer *L) {
     const mpt_pool2d_desc *d = &L->desc.pool2d;
     int64_t size[2], strides[2];
-    if (kind == MPT__POOL_GLOBAL) {
-        size[0] = strides[0] = L->in_shape[0];
-        size[1] = strides[1] = L->in_shape[1];
-        mpt__win_init(g, L, size, strides, MPT_PADDING_VALID);
-        return;
-    }
     size[0] = d->pool_size[0] ? d->pool_size[0] : 2;
     size[1] = d->pool_size[1] ? d->pool_size[1] : 2;
     strides[0] = d->strides[0] ? d->strides[0] : size[0];
@@ -6530,23 +6529,32 @@ static void mpt__pool_win(mpt__win *g, const mpt__layer *L, mpt__pool_kind kind)
     mpt__win_init(g, L, size, strides, d->padding);
 }
 
-static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt__pool_kind kind) {
+/* GlobalAveragePooling2D's: one window the size of the image. */
+static void mpt__global_pool_win(mpt__win *g, const mpt__layer *L) {
+    int64_t size[2];
+    size[0] = L->in_shape[0];
+    size[1] = L->in_shape[1];
+    mpt__win_init(g, L, size, size, MPT_PADDING_VALID);
+}
+
+/* The window of a pooling layer (mpt__pool_win or mpt__global_pool_win). */
+typedef void (*mpt__pool_window_fn)(mpt__win *g, const mpt__layer *L);
+
+/* Every pooling layer's build: its window checked, its (OH, OW, C)
+   output, max's saved argmax and the backend's workspace. */
+static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt_pool_kind kind,
+                                  mpt__pool_window_fn window) {
     mpt__win g;
     int64_t out_count;
     MPT__CHECK(mpt__expect_image(m, L));
-    mpt__pool_win(&g, L, kind);
+    window(&g, L);
     MPT__CHECK(mpt__expect_window_fits(m, L, &g, "pool_size"));
-    if (kind == MPT__POOL_GLOBAL) {
-        L->out_rank = 1;
-        L->out_shape[0] = g.c;
-    } else {
-        L->out_rank = 3;
-        L->out_shape[0] = g.oh;
-        L->out_shape[1] = g.ow;
-        L->out_shape[2] = g.c;
-    }
+    L->out_rank = 3;
+    L->out_shape[0] = g.oh;
+    L->out_shape[1] = g.ow;
+    L->out_shape[2] = g.c;
     out_count = g.oh * g.ow * g.c; /* ≤ in_count: windows start inside the image */
-    if (kind == MPT__POOL_MAX) {
+    if (kind == MPT_POOL_MAX) {
         if (L->in_count > INT32_MAX)
             return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
                              "MaxPooling2D '%s': %lld elements per sample do not fit the int32 "
@@ -6562,13 +6570,18 @@ static mpt_status mpt__pool_build(mpt_model *m, mpt__layer *L, mpt__pool_kind ki
 }
 
 static mpt_status mpt__max_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT__POOL_MAX);
+    return mpt__pool_build(m, L, MPT_POOL_MAX, mpt__pool_win);
 }
 static mpt_status mpt__avg_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT__POOL_AVERAGE);
+    return mpt__pool_build(m, L, MPT_POOL_AVERAGE, mpt__pool_win);
 }
+/* Its one window leaves (1, 1, C): the layer gives (C). */
 static mpt_status mpt__global_pool_build(mpt_model *m, mpt__layer *L) {
-    return mpt__pool_build(m, L, MPT__POOL_GLOBAL);
+    MPT__CHECK(mpt__pool_build(m, L, MPT_POOL_AVERAGE, mpt__global_pool_win));
+    L->out_rank = 1;
+    L->out_shape[0] = L->out_shape[2];
+    L->out_shape[1] = L->out_shape[2] = 0; /* past the rank */
+    return MPT_OK;
 }
 
 typedef struct mpt__pool_job {
@@ -6731,80 +6744,82 @@ static int64_t mpt__cpu_pool_workspace(void *impl, const mpt_window *g, int64_t 
     return 4 * n * (g->h * g->w * g->c + g->oh * g->ow * g->c) + MPT__ALIGN;
 }
 
-static void mpt__pool_forward(mpt__layer *L, const mpt__pass *p, mpt__pool_kind kind) {
+/* Forward and backward of any pooling layer over the window that `window`
+   gives it. */
+static void mpt__pool_forward(mpt__layer *L, const mpt__pass *p, mpt_pool_kind kind,
+                              mpt__pool_window_fn window) {
     mpt__win g;
-    mpt__pool_win(&g, L, kind);
-    p->be->pool_forward(p->impl, kind == MPT__POOL_MAX ? MPT_POOL_MAX : MPT_POOL_AVERAGE, &g,
-                        L->dtype, p->x, p->y, kind == MPT__POOL_MAX ? (int32_t *)L->saved[0] : NULL,
-                        p->batch, p->workspace);
+    window(&g, L);
+    p->be->pool_forward(p->impl, kind, &g, L->dtype, p->x, p->y,
+                        kind == MPT_POOL_MAX ? (int32_t *)L->saved[0] : NULL, p->batch,
+                        p->workspace);
 }
 
-static void mpt__pool_backward(mpt__layer *L, const mpt__pass *p, mpt__pool_kind kind) {
+static void mpt__pool_backward(mpt__layer *L, const mpt__pass *p, mpt_pool_kind kind,
+                               mpt__pool_window_fn window) {
     mpt__win g;
     if (!p->dx) return; /* no parameters: only dx to compute */
-    mpt__pool_win(&g, L, kind);
-    p->be->pool_backward(p->impl, kind == MPT__POOL_MAX ? MPT_POOL_MAX : MPT_POOL_AVERAGE, &g,
-                         L->dtype, p->dy, p->dx,
-                         kind == MPT__POOL_MAX ? (const int32_t *)L->saved[0] : NULL, p->batch,
+    window(&g, L);
+    p->be->pool_backward(p->impl, kind, &g, L->dtype, p->dy, p->dx,
+                         kind == MPT_POOL_MAX ? (const int32_t *)L->saved[0] : NULL, p->batch,
                          p->workspace);
 }
 
 static void mpt__max_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_forward(L, p, MPT__POOL_MAX);
+    mpt__pool_forward(L, p, MPT_POOL_MAX, mpt__pool_win);
 }
 static void mpt__max_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_backward(L, p, MPT__POOL_MAX);
+    mpt__pool_backward(L, p, MPT_POOL_MAX, mpt__pool_win);
 }
 static void mpt__avg_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_forward(L, p, MPT__POOL_AVERAGE);
+    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, mpt__pool_win);
 }
 static void mpt__avg_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_backward(L, p, MPT__POOL_AVERAGE);
+    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, mpt__pool_win);
 }
 static void mpt__global_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_forward(L, p, MPT__POOL_GLOBAL);
+    mpt__pool_forward(L, p, MPT_POOL_AVERAGE, mpt__global_pool_win);
 }
 static void mpt__global_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_backward(L, p, MPT__POOL_GLOBAL);
+    mpt__pool_backward(L, p, MPT_POOL_AVERAGE, mpt__global_pool_win);
 }
 
 static const mpt__layer_ops mpt__max_pool_ops = {"MaxPooling2D", "max_pooling2d",
                                                  mpt__max_pool_build, mpt__max_pool_forward,
-                                                 mpt__max_pool_backward, NULL};
+                                                 mpt__max_pool_backward, NULL, NULL};
 static const mpt__layer_ops mpt__avg_pool_ops = {"AveragePooling2D", "average_pooling2d",
                                                  mpt__avg_pool_build, mpt__avg_pool_forward,
-                                                 mpt__avg_pool_backward, NULL};
+                                                 mpt__avg_pool_backward, NULL, NULL};
 static const mpt__layer_ops mpt__global_pool_ops = {
     "GlobalAveragePooling2D", "global_average_pooling2d", mpt__global_pool_build,
-    mpt__global_pool_forward, mpt__global_pool_backward, NULL};
+    mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL};
 
-static mpt_status mpt__check_pool_desc(mpt_model *m, const mpt_pool2d_desc *d, const char *cls) {
+/* MaxPooling2D or AveragePooling2D (ops), its descriptor checked. */
+static mpt_status mpt__add_pool(mpt_model *m, const mpt__layer_ops *ops, const mpt_pool2d_desc *d) {
+    mpt_pool2d_desc defaults;
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_add(m));
-    return mpt__check_window_desc(m, cls, "pool_size", d->pool_size, 0, d->strides, d->padding);
+    MPT__CHECK(mpt__check_window_desc(m, ops->class_name, "pool_size", d->pool_size, 0, d->strides,
+                                      d->padding));
+    return mpt__add_layer(m, ops, d, sizeof(mpt_pool2d_desc));
 }
 
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    mpt_pool2d_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
-    MPT__CHECK(mpt__check_pool_desc(m, d, "MaxPooling2D"));
-    return mpt__add_layer(m, &mpt__max_pool_ops, d, sizeof(mpt_pool2d_desc));
+    return mpt__add_pool(m, &mpt__max_pool_ops, d);
 }
 
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    mpt_pool2d_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
-    MPT__CHECK(mpt__check_pool_desc(m, d, "AveragePooling2D"));
-    return mpt__add_layer(m, &mpt__avg_pool_ops, d, sizeof(mpt_pool2d_desc));
+    return mpt__add_pool(m, &mpt__avg_pool_ops, d);
 }
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
-                                                         const mpt_flatten_desc *d) {
-    mpt_flatten_desc none;
+                                                         const mpt_global_pool2d_desc *d) {
+    mpt_global_pool2d_desc none;
     MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
     memset(&none, 0, sizeof none);
-    return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none, sizeof(mpt_flatten_desc));
+    return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none,
+                          sizeof(mpt_global_pool2d_desc));
 }
 /* =============================================================================
    @impl-batchnorm  BatchNormalization: each channel (the last axis)
@@ -7128,14 +7143,14 @@ static mpt_batchnorm_args mpt__bn_args(const mpt__layer *L, const mpt__pass *p) 
     a.y = p->y;
     a.dy = p->dy;
     a.dx = p->dx;
-    a.gamma = gamma >= 0 ? mpt__pv(L, gamma) : NULL;
-    a.beta = beta >= 0 ? mpt__pv(L, beta) : NULL;
-    a.dgamma = gamma >= 0 ? mpt__pg(L, gamma) : NULL;
-    a.dbeta = beta >= 0 ? mpt__pg(L, beta) : NULL;
+    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
+    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
+    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
+    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
     a.mean = (float *)L->saved[0];
     a.variance = (float *)L->saved[1];
-    a.moving_mean = mpt__pv(L, moving);
-    a.moving_variance = mpt__pv(L, moving + 1);
+    a.moving_mean = mpt__param_master(L, moving);
+    a.moving_variance = mpt__param_master(L, moving + 1);
     a.workspace = p->workspace;
     return a;
 }
@@ -7193,7 +7208,7 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
 
 static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normalization",
                                            mpt__bn_build, mpt__bn_forward, mpt__bn_backward,
-                                           mpt__bn_commit};
+                                           mpt__bn_commit, NULL};
 
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
     mpt_batchnorm_desc defaults;
@@ -7326,7 +7341,7 @@ static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
 
 static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", mpt__dropout_build,
                                                 mpt__dropout_forward, mpt__dropout_backward,
-                                                NULL};
+                                                NULL, NULL};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
     mpt_dropout_desc defaults;
@@ -9724,18 +9739,8 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     l->held = b;
     count = MPT__MIN(l->batch_size, l->n - b * l->batch_size);
     pthread_mutex_unlock(&l->mutex);
-    memset(x, 0, sizeof *x);
-    x->dtype = l->x_dtype;
-    x->rank = d->x_rank + 1;
-    x->shape[0] = count;
-    memcpy(x->shape + 1, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
-    x->data = l->x_buf[slot];
-    memset(y, 0, sizeof *y);
-    y->dtype = d->y_dtype;
-    y->rank = d->y_rank + 1;
-    y->shape[0] = count;
-    memcpy(y->shape + 1, d->y_shape, sizeof(int64_t) * (size_t)d->y_rank);
-    y->data = l->y_buf[slot];
+    mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, l->x_buf[slot], MPT_DEVICE_CPU);
+    mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, l->y_buf[slot], MPT_DEVICE_CPU);
     return 1;
 }
 
@@ -9978,6 +9983,17 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int train
     return a;
 }
 
+/* The tail of every training step, after backward, queued on the backend:
+   the gradients' finiteness and Σg², the update (skipped unless finite),
+   the loss-scale bookkeeping, and the layers' state committed (only if the
+   step was applied: state->finite). */
+static void mpt__queue_update(mpt_model *m) {
+    m->be->grad_stats(m->impl, &m->update);
+    m->be->update(m->impl, &m->update);
+    m->be->loss_scale_update(m->impl, &m->compile.loss_scale, m->state);
+    mpt__model_commit(m);
+}
+
 /* One training step on a batch, queued on the backend: forward, loss,
    backward, the finiteness check, the update and the loss-scale
    bookkeeping, with no decision taken on the host. A step whose forward
@@ -9993,10 +10009,7 @@ static void mpt__queue_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor 
     t1 = mpt__now();
     mpt_model_backward(m, NULL, NULL); /* cannot fail after a training forward */
     t2 = mpt__now();
-    m->be->grad_stats(m->impl, &m->update);
-    m->be->update(m->impl, &m->update);
-    m->be->loss_scale_update(m->impl, &m->compile.loss_scale, m->state);
-    mpt__model_commit(m); /* only if the step was applied (state->finite) */
+    mpt__queue_update(m);
     times->forward += t1 - t0;
     times->backward += t2 - t1;
     times->update += mpt__now() - t2;
@@ -10021,13 +10034,8 @@ static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
     mpt_tensor x;
     mpt_status s;
     if (!m->be->gemm_plan || m->planned_batch == batch) return MPT_OK;
-    memset(&x, 0, sizeof x);
-    x.dtype = m->layers[0].dtype;
-    x.rank = m->desc.input_rank + 1;
-    x.shape[0] = batch;
-    memcpy(x.shape + 1, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
-    x.data = m->input_buf[0];
-    x.device = mpt__model_device(m);
+    mpt__batch_view(&x, m->layers[0].dtype, batch, m->desc.input_rank, m->desc.input_shape,
+                    m->input_buf[0], mpt__model_device(m));
     m->planning = 1;
     mpt__model_forward(m, &x, 1);
     mpt_model_backward(m, NULL, NULL);
@@ -11726,7 +11734,7 @@ typedef struct mpt__cb_early_stopping {
     int64_t weights_count;
 } mpt__cb_early_stopping;
 
-static void mpt__cb_es_release(mpt__cb_head *h) {
+static void mpt__cb_early_stopping_release(mpt__cb_head *h) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)h;
     mpt__free(h->ctx, es->best_weights);
     es->best_weights = NULL;
@@ -11742,8 +11750,8 @@ static int64_t mpt__cb_weights_count(const mpt_model *m) {
 
 /* Copies every parameter's float32 value into best_weights (to = 1) or
    back from it (to = 0). */
-static mpt_status mpt__cb_es_copy_weights(mpt__cb_early_stopping *es, mpt_model *m,
-                                          int to_best) {
+static mpt_status mpt__cb_early_stopping_copy_weights(mpt__cb_early_stopping *es, mpt_model *m,
+                                                      int to_best) {
     float *at = es->best_weights;
     int i;
     for (i = 0; i < m->n_params; i++) {
@@ -11758,7 +11766,7 @@ static mpt_status mpt__cb_es_copy_weights(mpt__cb_early_stopping *es, mpt_model 
 
 /* Sizes the weight copy for this model: a callback may serve another model
    in a later fit. A new copy holds no best weights yet. */
-static mpt_status mpt__cb_es_prepare_weights(mpt__cb_early_stopping *es, mpt_model *m) {
+static mpt_status mpt__cb_early_stopping_prepare_weights(mpt__cb_early_stopping *es, mpt_model *m) {
     int64_t n;
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE,
@@ -11778,7 +11786,7 @@ static mpt_status mpt__cb_es_prepare_weights(mpt__cb_early_stopping *es, mpt_mod
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_es_train_begin(void *user, mpt_model *m) {
+static mpt_status mpt__cb_early_stopping_train_begin(void *user, mpt_model *m) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
     es->wait = 0;
     es->stopped_epoch = 0;
@@ -11786,11 +11794,12 @@ static mpt_status mpt__cb_es_train_begin(void *user, mpt_model *m) {
     es->best = 0;
     es->best_epoch = 0;
     es->has_best_weights = 0;
-    return es->restore_best_weights ? mpt__cb_es_prepare_weights(es, m) : MPT_OK;
+    return es->restore_best_weights ? mpt__cb_early_stopping_prepare_weights(es, m) : MPT_OK;
 }
 
-static mpt_status mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model *m, int epoch) {
-    MPT__CHECK(mpt__cb_es_copy_weights(es, m, 1));
+static mpt_status mpt__cb_early_stopping_keep_weights(mpt__cb_early_stopping *es, mpt_model *m,
+                                                      int epoch) {
+    MPT__CHECK(mpt__cb_early_stopping_copy_weights(es, m, 1));
     es->has_best_weights = 1;
     es->best_epoch = epoch;
     return MPT_OK;
@@ -11799,23 +11808,23 @@ static mpt_status mpt__cb_es_keep_weights(mpt__cb_early_stopping *es, mpt_model 
 /* Keras 3's on_epoch_end, step by step: the wait grows every monitored
    epoch; an improvement records the best (and its weights) and resets the
    wait only if it also beats the baseline, and never stops training. */
-static mpt_status mpt__cb_es_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                       int *stop) {
+static mpt_status mpt__cb_early_stopping_epoch_end(void *user, mpt_model *m, int epoch,
+                                                   const mpt_logs *logs, int *stop) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
     double current;
     if (!mpt__cb_monitored(m, &es->mon, "Early stopping", logs, &current) ||
         epoch < es->start_from_epoch)
         return MPT_OK;
     /* A no-op after on_train_begin; guards a caller who skipped it. */
-    if (es->restore_best_weights) MPT__CHECK(mpt__cb_es_prepare_weights(es, m));
+    if (es->restore_best_weights) MPT__CHECK(mpt__cb_early_stopping_prepare_weights(es, m));
     if (es->restore_best_weights && !es->has_best_weights)
-        MPT__CHECK(mpt__cb_es_keep_weights(es, m, epoch));
+        MPT__CHECK(mpt__cb_early_stopping_keep_weights(es, m, epoch));
     es->wait++;
     if (!es->has_best || mpt__cb_improves(&es->mon, current, es->best)) {
         es->has_best = 1;
         es->best = current;
         es->best_epoch = epoch;
-        if (es->restore_best_weights) MPT__CHECK(mpt__cb_es_keep_weights(es, m, epoch));
+        if (es->restore_best_weights) MPT__CHECK(mpt__cb_early_stopping_keep_weights(es, m, epoch));
         if (!es->has_baseline || mpt__cb_improves(&es->mon, current, es->baseline)) es->wait = 0;
         return MPT_OK;
     }
@@ -11826,7 +11835,7 @@ static mpt_status mpt__cb_es_epoch_end(void *user, mpt_model *m, int epoch, cons
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_es_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+static mpt_status mpt__cb_early_stopping_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
     mpt__cb_early_stopping *es = (mpt__cb_early_stopping *)user;
     (void)logs;
     if (es->stopped_epoch > 0 && es->verbose > 0)
@@ -11840,12 +11849,12 @@ static mpt_status mpt__cb_es_train_end(void *user, mpt_model *m, const mpt_logs 
     if (es->verbose > 0)
         mpt__print(m, "Restoring model weights from the end of the best epoch: %d.\n",
                    es->best_epoch + 1);
-    MPT__CHECK(mpt__cb_es_copy_weights(es, m, 0));
+    MPT__CHECK(mpt__cb_early_stopping_copy_weights(es, m, 0));
     mpt_model_refresh_weights(m);
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_es_check(mpt_context *ctx, const mpt_early_stopping_desc *d) {
+static mpt_status mpt__cb_early_stopping_check(mpt_context *ctx, const mpt_early_stopping_desc *d) {
     if (d->patience < 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "EarlyStopping: patience %d must be >= 0", d->patience);
@@ -11876,10 +11885,10 @@ MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_
     MPT__CHECK(mpt__cb_check_out(ctx, "EarlyStopping", out));
     memset(&defaults, 0, sizeof defaults);
     if (!d) d = &defaults; /* every field has a usable default */
-    MPT__CHECK(mpt__cb_es_check(ctx, d));
+    MPT__CHECK(mpt__cb_early_stopping_check(ctx, d));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "EarlyStopping", d->monitor, d->mode, d->min_delta, &mon));
     es = (mpt__cb_early_stopping *)mpt__cb_new(ctx, sizeof *es, "EarlyStopping",
-                                               mpt__cb_es_release, &s);
+                                               mpt__cb_early_stopping_release, &s);
     if (!es) return s;
     es->mon = mon;
     es->patience = d->patience;
@@ -11888,9 +11897,9 @@ MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_
     es->verbose = d->verbose;
     es->has_baseline = d->has_baseline != 0;
     es->baseline = d->baseline;
-    out->on_train_begin = mpt__cb_es_train_begin;
-    out->on_epoch_end = mpt__cb_es_epoch_end;
-    out->on_train_end = mpt__cb_es_train_end;
+    out->on_train_begin = mpt__cb_early_stopping_train_begin;
+    out->on_epoch_end = mpt__cb_early_stopping_epoch_end;
+    out->on_train_end = mpt__cb_early_stopping_train_end;
     out->user_data = es;
     return MPT_OK;
 }
@@ -11911,7 +11920,7 @@ typedef struct mpt__cb_reduce_lr {
     int cooldown_counter;     /* epochs of cooldown left                      */
 } mpt__cb_reduce_lr;
 
-static mpt_status mpt__cb_rlr_train_begin(void *user, mpt_model *m) {
+static mpt_status mpt__cb_reduce_lr_train_begin(void *user, mpt_model *m) {
     mpt__cb_reduce_lr *r = (mpt__cb_reduce_lr *)user;
     (void)m;
     r->best = mpt__cb_worst(&r->mon);
@@ -11922,7 +11931,7 @@ static mpt_status mpt__cb_rlr_train_begin(void *user, mpt_model *m) {
 
 /* Multiplies the model's base learning rate by factor, not below min_lr
    (the rate fit's schedule then scales). */
-static void mpt__cb_rlr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
+static void mpt__cb_reduce_lr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
     float old_lr = m->learning_rate, new_lr;
     char text[40];
     if (!(old_lr > r->min_lr)) return;
@@ -11940,8 +11949,8 @@ static void mpt__cb_rlr_reduce(mpt__cb_reduce_lr *r, mpt_model *m, int epoch) {
 /* Keras 3's order: a cooldown epoch counts down and clears the wait; an
    improvement resets the wait; otherwise, outside cooldown, the wait grows
    and reaching patience lowers the rate. */
-static mpt_status mpt__cb_rlr_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                        int *stop) {
+static mpt_status mpt__cb_reduce_lr_epoch_end(void *user, mpt_model *m, int epoch,
+                                              const mpt_logs *logs, int *stop) {
     mpt__cb_reduce_lr *r = (mpt__cb_reduce_lr *)user;
     double current;
     (void)stop;
@@ -11956,12 +11965,12 @@ static mpt_status mpt__cb_rlr_epoch_end(void *user, mpt_model *m, int epoch, con
         r->wait = 0;
     } else if (r->cooldown_counter == 0) {
         r->wait++;
-        if (r->wait >= r->patience) mpt__cb_rlr_reduce(r, m, epoch);
+        if (r->wait >= r->patience) mpt__cb_reduce_lr_reduce(r, m, epoch);
     }
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_rlr_check(mpt_context *ctx, const mpt_reduce_lr_desc *d) {
+static mpt_status mpt__cb_reduce_lr_check(mpt_context *ctx, const mpt_reduce_lr_desc *d) {
     if (!(d->factor >= 0 && d->factor < 1))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "ReduceLROnPlateau: factor %g must be in (0, 1) (0: the default 0.1); "
@@ -11988,7 +11997,7 @@ MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
     MPT__CHECK(mpt__cb_check_out(ctx, "ReduceLROnPlateau", out));
     memset(&defaults, 0, sizeof defaults);
     if (!d) d = &defaults;
-    MPT__CHECK(mpt__cb_rlr_check(ctx, d));
+    MPT__CHECK(mpt__cb_reduce_lr_check(ctx, d));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ReduceLROnPlateau", d->monitor, d->mode,
                                     d->min_delta != 0 ? (double)d->min_delta : 1e-4, &mon));
     r = (mpt__cb_reduce_lr *)mpt__cb_new(ctx, sizeof *r, "ReduceLROnPlateau", NULL, &s);
@@ -12001,8 +12010,8 @@ MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
     r->cooldown = d->cooldown;
     r->verbose = d->verbose;
     r->best = mpt__cb_worst(&mon);
-    out->on_train_begin = mpt__cb_rlr_train_begin;
-    out->on_epoch_end = mpt__cb_rlr_epoch_end;
+    out->on_train_begin = mpt__cb_reduce_lr_train_begin;
+    out->on_epoch_end = mpt__cb_reduce_lr_epoch_end;
     out->user_data = r;
     return MPT_OK;
 }
@@ -12166,7 +12175,7 @@ typedef struct mpt__cb_model_checkpoint {
     char path[MPT__CB_PATH_MAX]; /* this epoch's formatted filepath        */
 } mpt__cb_model_checkpoint;
 
-static void mpt__cb_ckpt_release(mpt__cb_head *h) {
+static void mpt__cb_model_checkpoint_release(mpt__cb_head *h) {
     mpt__cb_model_checkpoint *c = (mpt__cb_model_checkpoint *)h;
     mpt__free(h->ctx, c->filepath);
     c->filepath = NULL;
@@ -12174,8 +12183,8 @@ static void mpt__cb_ckpt_release(mpt__cb_head *h) {
 
 /* Keras' _should_save_model: with save_best_only, only an improvement (or
    a missing monitor, after a warning) is saved. */
-static int mpt__cb_ckpt_should_save(mpt__cb_model_checkpoint *c, mpt_model *m, int epoch,
-                                    const mpt_logs *logs) {
+static int mpt__cb_model_checkpoint_should_save(mpt__cb_model_checkpoint *c, mpt_model *m,
+                                                int epoch, const mpt_logs *logs) {
     double current;
     if (!c->save_best_only) {
         if (c->verbose > 0) mpt__print(m, "Epoch %d: saving model to %s\n", epoch + 1, c->path);
@@ -12198,12 +12207,12 @@ static int mpt__cb_ckpt_should_save(mpt__cb_model_checkpoint *c, mpt_model *m, i
     return 0;
 }
 
-static mpt_status mpt__cb_ckpt_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                         int *stop) {
+static mpt_status mpt__cb_model_checkpoint_epoch_end(void *user, mpt_model *m, int epoch,
+                                                     const mpt_logs *logs, int *stop) {
     mpt__cb_model_checkpoint *c = (mpt__cb_model_checkpoint *)user;
     (void)stop;
     MPT__CHECK(mpt__cb_format_path(m->ctx, c->filepath, epoch + 1, logs, c->path, sizeof c->path));
-    if (!mpt__cb_ckpt_should_save(c, m, epoch, logs)) return MPT_OK;
+    if (!mpt__cb_model_checkpoint_should_save(c, m, epoch, logs)) return MPT_OK;
     return c->save_weights_only ? mpt_model_save_weights(m, c->path)
                                 : mpt_model_save_checkpoint(m, c->path);
 }
@@ -12225,7 +12234,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
     c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
-                                                mpt__cb_ckpt_release, &s);
+                                                mpt__cb_model_checkpoint_release, &s);
     if (!c) return s;
     c->filepath = mpt__cb_strdup(ctx, d->filepath);
     if (!c->filepath) {
@@ -12237,7 +12246,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     c->save_weights_only = d->save_weights_only != 0;
     c->verbose = d->verbose;
     c->best = mpt__cb_worst(&mon);
-    out->on_epoch_end = mpt__cb_ckpt_epoch_end;
+    out->on_epoch_end = mpt__cb_model_checkpoint_epoch_end;
     out->user_data = c;
     return MPT_OK;
 }
@@ -12870,7 +12879,7 @@ typedef struct mpt__cb_tensorboard {
     mpt__tb_hist hist;
 } mpt__cb_tensorboard;
 
-static void mpt__cb_tb_release(mpt__cb_head *h) {
+static void mpt__cb_tensorboard_release(mpt__cb_head *h) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)h;
     mpt__tb_close(&t->train); /* a fit that failed never called on_train_end */
     mpt__tb_close(&t->validation);
@@ -12933,7 +12942,7 @@ static mpt_status mpt__tb_model_summary(mpt__cb_tensorboard *t, mpt_model *m) {
     return mpt__tb_write(t, m, &t->train);
 }
 
-static mpt_status mpt__cb_tb_train_begin(void *user, mpt_model *m) {
+static mpt_status mpt__cb_tensorboard_train_begin(void *user, mpt_model *m) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     int err;
     mpt__tb_close(&t->train); /* the last fit ended without on_train_end */
@@ -13065,8 +13074,8 @@ static mpt_status mpt__tb_sync(const mpt__cb_tensorboard *t, mpt_model *m, mpt__
     return mpt__tb_failed(t, m, f, errno, "sync");
 }
 
-static mpt_status mpt__cb_tb_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
-                                       int *stop) {
+static mpt_status mpt__cb_tensorboard_epoch_end(void *user, mpt_model *m, int epoch,
+                                                const mpt_logs *logs, int *stop) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     (void)stop;
     if (t->elsewhere) return MPT_OK;
@@ -13084,8 +13093,8 @@ static mpt_status mpt__cb_tb_epoch_end(void *user, mpt_model *m, int epoch, cons
     return mpt__tb_sync(t, m, &t->validation);
 }
 
-static mpt_status mpt__cb_tb_batch_end(void *user, mpt_model *m, int64_t batch,
-                                       const mpt_logs *logs, int *stop) {
+static mpt_status mpt__cb_tensorboard_batch_end(void *user, mpt_model *m, int64_t batch,
+                                                const mpt_logs *logs, int *stop) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     (void)batch;
     (void)stop;
@@ -13095,7 +13104,7 @@ static mpt_status mpt__cb_tb_batch_end(void *user, mpt_model *m, int64_t batch,
     return mpt__tb_scalars(t, m, &t->train, "batch_", t->batches, logs, 0);
 }
 
-static mpt_status mpt__cb_tb_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+static mpt_status mpt__cb_tensorboard_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
     mpt__cb_tensorboard *t = (mpt__cb_tensorboard *)user;
     mpt__tb_file *files[2];
     int k;
@@ -13109,7 +13118,7 @@ static mpt_status mpt__cb_tb_train_end(void *user, mpt_model *m, const mpt_logs 
     return MPT_OK;
 }
 
-static mpt_status mpt__cb_tb_check(mpt_context *ctx, const mpt_tensorboard_desc *d) {
+static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorboard_desc *d) {
     int err;
     if (!d) /* NULL: every default, but log_dir is required */
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -13140,8 +13149,9 @@ MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboa
     mpt__cb_tensorboard *t;
     mpt_status s;
     MPT__CHECK(mpt__cb_check_out(ctx, "TensorBoard", out));
-    MPT__CHECK(mpt__cb_tb_check(ctx, d));
-    t = (mpt__cb_tensorboard *)mpt__cb_new(ctx, sizeof *t, "TensorBoard", mpt__cb_tb_release, &s);
+    MPT__CHECK(mpt__cb_tensorboard_check(ctx, d));
+    t = (mpt__cb_tensorboard *)mpt__cb_new(ctx, sizeof *t, "TensorBoard",
+                                           mpt__cb_tensorboard_release, &s);
     if (!t) return s;
     t->train.fd = t->validation.fd = -1;
     t->event.ctx = ctx;
@@ -13154,11 +13164,11 @@ MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboa
     t->update_freq = d->update_freq_batches;
     t->fail_on_error = d->fail_on_error != 0;
     mpt__tb_bucket_limits(t->limit);
-    out->on_train_begin = mpt__cb_tb_train_begin;
-    out->on_epoch_end = mpt__cb_tb_epoch_end;
-    out->on_train_end = mpt__cb_tb_train_end;
+    out->on_train_begin = mpt__cb_tensorboard_train_begin;
+    out->on_epoch_end = mpt__cb_tensorboard_epoch_end;
+    out->on_train_end = mpt__cb_tensorboard_train_end;
     /* only when asked: fit reads the running values back for batch callbacks */
-    if (t->update_freq > 0) out->on_batch_end = mpt__cb_tb_batch_end;
+    if (t->update_freq > 0) out->on_batch_end = mpt__cb_tensorboard_batch_end;
     out->user_data = t;
     return MPT_OK;
 }
@@ -15057,30 +15067,55 @@ static mpt_status mpt__sync_scratch_alloc(mpt_model *m) {
 }
 
 
-/* sums[0..C) += Σ rows·a[c] and sums[C..2C) += Σ rows·(b[c] + a[c]²)
-   (square = 1), or += rows-free sums of a and b (square = 0), from the
-   replicas' C floats at offsets of their layer i; then the workers'. The
-   total of rows lands in sums[2C]. */
-static mpt_status mpt__sync_gather(mpt_model *m, int i, const int64_t *rows, int which_a,
-                                   int which_b, int square, double *sums, int64_t C) {
-    float *fa = (float *)(sums + 2 * C + 1), *fb = fa + C;
+/* Replica r's layer i's saved[ia] and saved[ib], C floats each, into fa
+   and fb on the host. */
+static mpt_status mpt__sync_download(mpt_model *r, int i, int ia, int ib, float *fa, float *fb,
+                                     int64_t C) {
+    MPT__CHECK(mpt__download(r, fa, r->layers[i].saved[ia], sizeof(float) * (size_t)C));
+    return mpt__download(r, fb, r->layers[i].saved[ib], sizeof(float) * (size_t)C);
+}
+
+/* Forward's: from each replica's batch mean and variance of layer i
+   (saved[0], saved[1]) over its rows, sums[0..C) = Σ rows·mean and
+   sums[C..2C) = Σ rows·(variance + mean²), and sums[2C] = Σ rows, over the
+   replicas and then the workers. */
+static mpt_status mpt__sync_gather_moments(mpt_model *m, int i, const int64_t *rows,
+                                           double *sums, int64_t C) {
+    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
     int64_t c;
     int k;
     for (c = 0; c <= 2 * C; c++) sums[c] = 0;
     for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        const mpt__layer *L = &r->layers[i];
+        double n = (double)rows[k];
         if (!rows[k]) continue;
-        MPT__CHECK(mpt__download(r, fa, L->saved[which_a], sizeof(float) * (size_t)C));
-        MPT__CHECK(mpt__download(r, fb, L->saved[which_b], sizeof(float) * (size_t)C));
+        MPT__CHECK(mpt__sync_download(m->replica[k], i, 0, 1, mean, var, C));
         for (c = 0; c < C; c++) {
-            double n = square ? (double)rows[k] : 1.0;
-            sums[c] += n * fa[c];
-            sums[C + c] += square ? n * ((double)fb[c] + (double)fa[c] * fa[c]) : fb[c];
+            sums[c] += n * mean[c];
+            sums[C + c] += n * ((double)var[c] + (double)mean[c] * mean[c]);
         }
-        sums[2 * C] += (double)rows[k];
+        sums[2 * C] += n;
     }
     return mpt__workers_sum(m, sums, 2 * C + 1, 1, "synchronizing BatchNormalization");
+}
+
+/* Backward's: from each replica's per-channel Σdy and Σdy·x̂ of layer i
+   (saved[2], saved[3]), sums[0..C) = Σdy and sums[C..2C) = Σdy·x̂ over the
+   replicas and then the workers. */
+static mpt_status mpt__sync_gather_sums(mpt_model *m, int i, const int64_t *rows, double *sums,
+                                        int64_t C) {
+    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
+    int64_t c;
+    int k;
+    for (c = 0; c < 2 * C; c++) sums[c] = 0;
+    for (k = 0; k < m->n_replicas; k++) {
+        if (!rows[k]) continue;
+        MPT__CHECK(mpt__sync_download(m->replica[k], i, 2, 3, sum_dy, sum_dyx, C));
+        for (c = 0; c < C; c++) {
+            sums[c] += sum_dy[c];
+            sums[C + c] += sum_dyx[c];
+        }
+    }
+    return mpt__workers_sum(m, sums, 2 * C, 1, "synchronizing BatchNormalization");
 }
 
 /* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
@@ -15116,7 +15151,7 @@ static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *f
         bn_rows[k] = a.rows;
         r->be->batchnorm_forward(r->impl, &a);
     }
-    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 0, 1, 1, sums, C));
+    MPT__CHECK(mpt__sync_gather_moments(m, i, bn_rows, sums, C));
     N = MPT__MAX(sums[2 * C], 1);
     for (c = 0; c < C; c++) {
         double mu = sums[c] / N;
@@ -15161,7 +15196,7 @@ static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk 
         a.dgamma = (float *)L->saved[3];
         r->be->batchnorm_backward(r->impl, &a);
     }
-    MPT__CHECK(mpt__sync_gather(m, i, bn_rows, 2, 3, 0, sums, C));
+    MPT__CHECK(mpt__sync_gather_sums(m, i, bn_rows, sums, C));
     for (c = 0; c < C; c++) {
         sum_dy[c] = (float)sums[c];
         sum_dyx[c] = (float)sums[C + c];
@@ -15302,7 +15337,7 @@ static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
     }
     for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++)
         s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
-                           m->layers[i].desc.flatten.dtype);
+                           m->layers[i].desc.common.dtype);
     if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
     if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
     if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */
@@ -15616,13 +15651,7 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
     }
     t1 = mpt__now();
     MPT__CHECK(mpt__replicas_average_statistics(m, had));
-    for (k = 0; k < n; k++) {
-        mpt_model *r = m->replica[k];
-        r->be->grad_stats(r->impl, &r->update);
-        r->be->update(r->impl, &r->update);
-        r->be->loss_scale_update(r->impl, &r->compile.loss_scale, r->state);
-        mpt__model_commit(r); /* the averaged batch statistics, if applied */
-    }
+    for (k = 0; k < n; k++) mpt__queue_update(m->replica[k]); /* the averaged statistics */
     times->backward += t1 - t0;
     times->update += mpt__now() - t1;
     return MPT_OK;

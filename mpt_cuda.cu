@@ -49,6 +49,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <type_traits>
 
 #include "mpt.h"
 
@@ -149,7 +150,7 @@ static unsigned mpt__cuda_blocks(int64_t n, int threads) {
 /* The CUDA backend's matrix products: a hand-written tensor-core GEMM for
    float16/bfloat16, cuBLASLt for the same products, a plain FP32 kernel,
    the per-shape choice between the engines, and the bias-gradient column
-   sums. (Included by mpt_cuda.cu after cuda_common.cuh.)
+   sums.
 
    Every engine computes, for C (M×N, row-major, leading dimension ldc):
        C = act(alpha·op(A)·op(B) + beta·C + bias)
@@ -712,7 +713,7 @@ typedef struct mpt__cuda_gemm_lt {
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc; /* Lt's A (our B), Lt's B (our A), C = D */
     cublasLtMatmulAlgo_t algo;
-    int post_act; /* our kernel applies the activation after (see lt_can) */
+    int post_act; /* our kernel applies the activation after (see mpt__cuda_gemm_lt_can) */
 } mpt__cuda_gemm_lt;
 
 typedef struct mpt__cuda_gemm_entry {
@@ -1998,25 +1999,39 @@ static void mpt__cuda_pool_backward_typed(mpt__cuda *c, const mpt_window *g, con
     mpt__cuda_launched(c, MAX ? "max pooling backward" : "average pooling backward");
 }
 
+/* Forward's and backward's one dispatch: calls launch(T(), V, MAX) with T
+   the dtype's element type, V (std::integral_constant) the channels a
+   thread handles (a 16-byte pack's where in, out and argmax allow it, else
+   1) and MAX (std::true_type or std::false_type) the kind. */
+template <typename F>
+static void mpt__cuda_pool_dispatch(mpt_pool_kind kind, const mpt_window *g, mpt_dtype dtype,
+                                    const void *in, const void *out, const int32_t *argmax,
+                                    F &&launch) {
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        typedef std::integral_constant<int, 16 / (int)sizeof(T)> pack;
+        typedef std::integral_constant<int, 1> one;
+        const bool vec = mpt__cuda_pool_vectorizable<T>(g, in, out, argmax);
+        if (kind == MPT_POOL_MAX) {
+            if (vec) launch(tag, pack(), std::true_type());
+            else launch(tag, one(), std::true_type());
+        } else {
+            if (vec) launch(tag, pack(), std::false_type());
+            else launch(tag, one(), std::false_type());
+        }
+    });
+}
+
 /* ws is not needed (pool_workspace is 0). */
 static void mpt__cuda_pool_forward(void *impl, mpt_pool_kind kind, const mpt_window *g,
                                    mpt_dtype dtype, const void *x, void *y, int32_t *argmax,
                                    int64_t n, void *ws) {
     mpt__cuda *c = (mpt__cuda *)impl;
     (void)ws;
-    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+    mpt__cuda_pool_dispatch(kind, g, dtype, x, y, argmax, [&](auto tag, auto v, auto max) {
         typedef decltype(tag) T;
-        const int V = 16 / (int)sizeof(T);
-        const T *xt = (const T *)x;
-        T *yt = (T *)y;
-        const bool vec = mpt__cuda_pool_vectorizable<T>(g, x, y, argmax);
-        if (kind == MPT_POOL_MAX) {
-            if (vec) mpt__cuda_pool_forward_typed<T, V, true>(c, g, xt, yt, argmax, n);
-            else mpt__cuda_pool_forward_typed<T, 1, true>(c, g, xt, yt, argmax, n);
-        } else {
-            if (vec) mpt__cuda_pool_forward_typed<T, V, false>(c, g, xt, yt, NULL, n);
-            else mpt__cuda_pool_forward_typed<T, 1, false>(c, g, xt, yt, NULL, n);
-        }
+        mpt__cuda_pool_forward_typed<T, decltype(v)::value, decltype(max)::value>(
+            c, g, (const T *)x, (T *)y, max ? argmax : NULL, n);
     });
 }
 
@@ -2025,19 +2040,10 @@ static void mpt__cuda_pool_backward(void *impl, mpt_pool_kind kind, const mpt_wi
                                     const int32_t *argmax, int64_t n, void *ws) {
     mpt__cuda *c = (mpt__cuda *)impl;
     (void)ws;
-    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+    mpt__cuda_pool_dispatch(kind, g, dtype, dy, dx, argmax, [&](auto tag, auto v, auto max) {
         typedef decltype(tag) T;
-        const int V = 16 / (int)sizeof(T);
-        const T *dyt = (const T *)dy;
-        T *dxt = (T *)dx;
-        const bool vec = mpt__cuda_pool_vectorizable<T>(g, dy, dx, argmax);
-        if (kind == MPT_POOL_MAX) {
-            if (vec) mpt__cuda_pool_backward_typed<T, V, true>(c, g, dyt, dxt, argmax, n);
-            else mpt__cuda_pool_backward_typed<T, 1, true>(c, g, dyt, dxt, argmax, n);
-        } else {
-            if (vec) mpt__cuda_pool_backward_typed<T, V, false>(c, g, dyt, dxt, NULL, n);
-            else mpt__cuda_pool_backward_typed<T, 1, false>(c, g, dyt, dxt, NULL, n);
-        }
+        mpt__cuda_pool_backward_typed<T, decltype(v)::value, decltype(max)::value>(
+            c, g, (const T *)dy, (T *)dx, max ? argmax : NULL, n);
     });
 }
 
@@ -3479,16 +3485,24 @@ static void mpt__cuda_free_host(void *impl, void *ptr) {
     mpt__cuda_keep_error(c, cudaFreeHost(ptr), "cudaFreeHost");
 }
 
+/* A copy between host and device queued on the compute stream after
+   everything before it, returning once it is done (the host side may be
+   pageable memory). what: "upload" or "download". */
+static mpt_status mpt__cuda_copy_now(mpt__cuda *c, void *dst, const void *src, size_t bytes,
+                                     cudaMemcpyKind kind, const char *what) {
+    mpt_status s = mpt__cuda_not_capturing(c, what);
+    if (s != MPT_OK) return s;
+    MPT__CU(c, cudaSetDevice(c->device));
+    MPT__CU(c, cudaMemcpyAsync(dst, src, bytes, kind, c->stream));
+    MPT__CU(c, cudaStreamSynchronize(c->stream));
+    return MPT_OK;
+}
+
 /* Synchronous: returns once host_src may be reused (it may be pageable). */
 static mpt_status mpt__cuda_upload(void *impl, void *dst, const void *host_src, size_t bytes) {
     mpt__cuda *c = (mpt__cuda *)impl;
     if (bytes == 0) return MPT_OK;
-    mpt_status s = mpt__cuda_not_capturing(c, "upload");
-    if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
-    MPT__CU(c, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c->stream));
-    MPT__CU(c, cudaStreamSynchronize(c->stream));
-    return MPT_OK;
+    return mpt__cuda_copy_now(c, dst, host_src, bytes, cudaMemcpyHostToDevice, "upload");
 }
 
 /* Waits for everything queued before it, so it also reports a failed
@@ -3496,12 +3510,8 @@ static mpt_status mpt__cuda_upload(void *impl, void *dst, const void *host_src, 
 static mpt_status mpt__cuda_download(void *impl, void *host_dst, const void *src, size_t bytes) {
     mpt__cuda *c = (mpt__cuda *)impl;
     if (bytes == 0) return MPT_OK;
-    mpt_status s = mpt__cuda_not_capturing(c, "download");
-    if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
-    MPT__CU(c, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-    MPT__CU(c, cudaStreamSynchronize(c->stream));
-    return mpt__cuda_take_pending(c);
+    mpt_status s = mpt__cuda_copy_now(c, host_dst, src, bytes, cudaMemcpyDeviceToHost, "download");
+    return s != MPT_OK ? s : mpt__cuda_take_pending(c);
 }
 
 /* A copy on the second stream, overlapping with compute queued after it.

@@ -128,7 +128,7 @@ static void add_layer(mpt_model *m, const layer_ref *d, mpt_dtype dtype) {
             .filters = d->f, .kernel_size = {d->g.kh, d->g.kw}, .strides = {d->g.sh, d->g.sw},
             .padding = d->g.pad, .activation = d->act, .no_bias = !d->bias, .dtype = dtype});
     } else if (d->kind == 3) {
-        s = mpt_model_add_global_average_pooling2d(m, &(mpt_flatten_desc){.dtype = dtype});
+        s = mpt_model_add_global_average_pooling2d(m, &(mpt_global_pool2d_desc){.dtype = dtype});
     } else {
         mpt_pool2d_desc p;
         memset(&p, 0, sizeof p);

@@ -4693,25 +4693,6 @@ struct mpt_model {
                                             C the widest such layer's          */
 };
 
-/* The strategy's side (@impl-strategy). Defined here rather than beside
-   its functions there: fit (@impl-training, before @impl-strategy) reads
-   its fields (worker, workers), so C needs the whole struct first. */
-struct mpt_strategy {
-    mpt_context *ctx;
-    mpt_strategy_type type;
-    int local;              /* replicas in this process                   */
-    int worker, workers;    /* this process's index, and how many         */
-    double timeout;         /* seconds a collective may wait              */
-    int64_t bucket_bytes;   /* gradient bytes per all-reduce              */
-    int began_mpi;          /* MPI_Finalize at destroy                    */
-    /* Replicas on several GPUs (or GPU workers): the backend of replica k,
-       [0] the context's, and the communicator over them (NCCL). */
-    int n_backends;
-    const mpt_backend *backend[MPT__MAX_REPLICAS];
-    void *impl[MPT__MAX_REPLICAS];
-    void *comm;
-};
-
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
 static mpt_status mpt__replicas_build(mpt_model *m);
@@ -10430,7 +10411,10 @@ static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
     g = MPT__MIN(r->d->batch_size, r->n - r->step * r->d->batch_size);
     r->step++;
     r->global_rows = g;
-    r->rows = g * (st->worker + 1) / st->workers - g * st->worker / st->workers;
+    {
+        int64_t w = mpt_strategy_worker(st), W = mpt_strategy_num_workers(st);
+        r->rows = g * (w + 1) / W - g * w / W;
+    }
     if (r->rows > 0) return mpt__loader_next(r->loader, x, y);
     memset(x, 0, sizeof *x);
     memset(y, 0, sizeof *y);
@@ -10441,9 +10425,10 @@ static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
 static void mpt__fit_start_epoch(mpt__fit_run *r) {
     const mpt_strategy *st = r->m->strategy;
     r->step = 0;
-    if (st && st->workers > 1) {
+    if (st && mpt_strategy_num_workers(st) > 1) {
         int64_t n = mpt__worker_order(r->m, r->order, r->n, r->d->batch_size, r->mine);
-        mpt__loader_start_epoch(r->loader, r->mine, n, r->d->batch_size / st->workers);
+        mpt__loader_start_epoch(r->loader, r->mine, n,
+                                r->d->batch_size / mpt_strategy_num_workers(st));
     } else {
         mpt__loader_start_epoch(r->loader, r->order, r->n, r->d->batch_size);
     }
@@ -10661,7 +10646,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
     MPT__CHECK(mpt__fit_check(m, train, &d));
-    workers = m->strategy ? m->strategy->workers : 1;
+    workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
     r.totals.start = mpt__now();
@@ -14829,6 +14814,25 @@ MPTDEF int mpt_model_epoch(const mpt_model *m) { return m ? m->epoch : 0; }
    weights are copied from it once built. fit gives each replica its rows
    of the batch, sums the gradients (replica by replica, in order, then
    across workers), and has every replica apply the same update. */
+
+/* The strategy: its replicas in this process, its place among the
+   workers, and the devices and communicator of replicas on several GPUs.
+   Code before this section reaches it through the public getters. */
+struct mpt_strategy {
+    mpt_context *ctx;
+    mpt_strategy_type type;
+    int local;              /* replicas in this process                   */
+    int worker, workers;    /* this process's index, and how many         */
+    double timeout;         /* seconds a collective may wait              */
+    int64_t bucket_bytes;   /* gradient bytes per all-reduce              */
+    int began_mpi;          /* MPI_Finalize at destroy                    */
+    /* Replicas on several GPUs (or GPU workers): the backend of replica k,
+       [0] the context's, and the communicator over them (NCCL). */
+    int n_backends;
+    const mpt_backend *backend[MPT__MAX_REPLICAS];
+    void *impl[MPT__MAX_REPLICAS];
+    void *comm;
+};
 
 static int mpt__strategy_total(const mpt_strategy *s) { return s->local * s->workers; }
 static int mpt__strategy_is_chief(const mpt_strategy *s) { return !s || s->worker == 0; }

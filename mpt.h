@@ -10998,11 +10998,17 @@ static int mpt__svg_reserve(mpt__svg *b, size_t more) {
     size_t cap = b->cap ? b->cap : 16384;
     char *grown;
     if (b->oom) return 0;
-    if (more > SIZE_MAX / 4 - b->len) return !(b->oom = 1);
+    if (more > SIZE_MAX / 4 - b->len) {
+        b->oom = 1;
+        return 0;
+    }
     if (b->len + more < b->cap) return 1;
     while (cap <= b->len + more) cap *= 2;
     grown = (char *)mpt__svg_alloc(b->ctx, cap);
-    if (!grown) return !(b->oom = 1);
+    if (!grown) {
+        b->oom = 1;
+        return 0;
+    }
     if (b->len) memcpy(grown, b->text, b->len);
     mpt__svg_free(b->ctx, b->text);
     b->text = grown;

@@ -8538,8 +8538,10 @@ MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) 
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     memset(&defaults, 0, sizeof defaults);
     if (!desc) desc = &defaults; /* NULL: every default; loss.type is required */
-    /* Everything is checked before anything changes: a failed compile
-       leaves the model as it was. */
+    /* Everything is checked before anything changes: a compile refused
+       for its arguments leaves the model as it was. One that runs out of
+       memory for the optimizer state of a built model has already dropped
+       the old state: the model is then not compiled (compile it again). */
     MPT__CHECK(mpt__compile_check(m, desc));
     r = *desc;
     if (r.top_k == 0) r.top_k = 5;

@@ -10157,6 +10157,20 @@ static void mpt__format_seconds(char *buf, size_t size, double s) {
         snprintf(buf, size, "%.0fs", s);
 }
 
+/* The logs that measure the run itself rather than the model: left out of
+   the progress line and of the plot's metric panels (the learning rate and
+   the loss scale get panels of their own). */
+static int mpt__log_is_measurement(const char *name) {
+    static const char *const names[] = {"learning_rate", "loss_scale", "skipped_steps",
+                                        "epoch_seconds", "samples_per_second",
+                                        "forward_ms_per_step", "backward_ms_per_step",
+                                        "update_ms_per_step"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(name, names[i]) == 0) return 1;
+    return 0;
+}
+
 static void mpt__format_logs(char *buf, size_t size, const mpt_logs *logs, int skip_extras) {
     size_t used = 0;
     int i;
@@ -10164,10 +10178,7 @@ static void mpt__format_logs(char *buf, size_t size, const mpt_logs *logs, int s
     for (i = 0; i < logs->count && used < size; i++) {
         char v[32];
         const char *n = logs->names[i];
-        if (skip_extras && (!strcmp(n, "learning_rate") || !strcmp(n, "loss_scale") ||
-                            !strcmp(n, "skipped_steps") || !strcmp(n, "epoch_seconds") ||
-                            !strcmp(n, "samples_per_second")))
-            continue;
+        if (skip_extras && mpt__log_is_measurement(n)) continue;
         mpt__format_value(v, sizeof v, logs->values[i]);
         used += (size_t)snprintf(buf + used, size - used, " - %s: %s", n, v);
     }
@@ -11117,19 +11128,6 @@ static int mpt__plot_find_key(const mpt_history *h, const char *prefix, const ch
     return -1;
 }
 
-/* The history's measurements of the run itself, left out of the plot
-   (the learning rate and the loss scale have panels of their own). */
-static int mpt__plot_is_measurement(const char *key) {
-    static const char *const names[] = {"learning_rate", "loss_scale", "skipped_steps",
-                                        "epoch_seconds", "samples_per_second",
-                                        "forward_ms_per_step", "backward_ms_per_step",
-                                        "update_ms_per_step"};
-    size_t i;
-    for (i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strcmp(key, names[i]) == 0) return 1;
-    return 0;
-}
-
 /* Whether key k's drawable values span more than a factor of 10, all > 0. */
 static int mpt__plot_wants_log(const mpt_history *h, int k) {
     double lo = INFINITY, hi = 0;
@@ -11165,7 +11163,7 @@ static int mpt__plot_panels(const mpt_history *h, mpt__plot_panel *panels) {
         const char *key = h->keys[k];
         int validation = strncmp(key, "val_", 4) == 0;
         mpt__plot_panel *p = &panels[n];
-        if (mpt__plot_is_measurement(key)) continue;
+        if (mpt__log_is_measurement(key)) continue;
         if (validation && mpt__plot_find_key(h, "", key + 4) >= 0) continue; /* with its twin */
         memset(p, 0, sizeof *p);
         p->title = validation ? key + 4 : key;
@@ -13972,14 +13970,6 @@ static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k) {
     return other[k];
 }
 
-static const char *mpt__ckpt_policy_name(mpt_policy policy) {
-    switch (policy) {
-    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
-    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
-    default: return "float32";
-    }
-}
-
 /* ---- what the model stores: one entry per tensor ------------------------------ */
 
 /* The training scalars, staged: saving copies them out of the model first,
@@ -14177,7 +14167,7 @@ static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int fu
     mpt__ckpt_put_pair(t, "kind", full ? "checkpoint" : "weights", 0);
     if (full)
         mpt__ckpt_put_pair(t, "optimizer", mpt__ckpt_optimizer_name(m->compile.optimizer.type), 0);
-    mpt__ckpt_put_pair(t, "policy", mpt__ckpt_policy_name(m->desc.policy), 0);
+    mpt__ckpt_put_pair(t, "policy", mpt_policy_name(m->desc.policy), 0);
     mpt__ckpt_put_pair(t, "seed", seed, 0);
     mpt__ckpt_put_pair(t, "input_shape", shape, 0);
     mpt__ckpt_put_model(t, m);
@@ -14616,7 +14606,7 @@ static mpt_status mpt__ckpt_check_metadata(mpt_model *m, const mpt__st_file *f) 
     const char *policy = mpt__st_meta_get(f, "policy");
     const char *seed = mpt__st_meta_get(f, "seed");
     const char *mine = mpt__ckpt_optimizer_name(m->compile.optimizer.type);
-    const char *my_policy = mpt__ckpt_policy_name(m->desc.policy);
+    const char *my_policy = mpt_policy_name(m->desc.policy);
     char want[32];
     if (kind && strcmp(kind, "checkpoint") != 0)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds \"%s\", not a full "

@@ -166,7 +166,8 @@
        @layers       layer descriptors and the sequential model
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
-       @training     compile, fit, evaluate, predict, summary, history
+       @training     compile, fit, evaluate, predict, summary, history and its
+                     SVG plot
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger,
                      TensorBoard
@@ -177,7 +178,8 @@
        @backend-shared  the rules both backends run: Philox, loss scaling (internal)
      implementation (MPT_IMPLEMENTATION), along the data flow:
        @impl-status       the status codes' strings
-       @impl-context      thread pool, allocator, logging and errors, CPU features
+       @impl-context      thread pool, allocator, logging and errors, CPU features,
+                          the devices
        @impl-dtypes       float16/bfloat16 conversions, scalar and SIMD
        @impl-tensors      tensors: allocation, wrapping, shapes
        @impl-activations  the activations the GEMM epilogue and layers share
@@ -198,7 +200,8 @@
        @impl-losses       the losses, their gradients and metrics
        @impl-optimizers   descriptors, the fused update, loss scaling, compile
        @impl-data         datasets, IDX files, the batch loader
-       @impl-training     the training loop, evaluate, predict, summary, history
+       @impl-training     the training loop, evaluate, predict, summary, history,
+                          the end-of-fit summary, the history's SVG plot
        @impl-callbacks    the callbacks of @callbacks
        @impl-safetensors  the file format: dtypes, byte order, the JSON header
        @impl-checkpoints  the model in a file: what is saved, staging, loading

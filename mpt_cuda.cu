@@ -3418,7 +3418,6 @@ static mpt_status mpt__cuda_alloc(void *impl, int category, size_t bytes, void *
     if (!mpt__cuda_reserve_entry(c))
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
                               "alloc: no host memory for the table of device allocations");
-    MPT__CU(c, cudaSetDevice(c->device));
     cudaError_t e = cudaMalloc(&ptr, bytes); /* 256-byte aligned */
     if (e == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
@@ -3463,7 +3462,6 @@ static mpt_status mpt__cuda_alloc_host(void *impl, size_t bytes, void **out) {
     if (bytes == 0) return MPT_OK;
     mpt_status s = mpt__cuda_not_capturing(c, "alloc_host");
     if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
     cudaError_t e = cudaMallocHost(out, bytes);
     if (e == cudaSuccess) return MPT_OK;
     *out = NULL;
@@ -3492,7 +3490,6 @@ static mpt_status mpt__cuda_copy_now(mpt__cuda *c, void *dst, const void *src, s
                                      cudaMemcpyKind kind, const char *what) {
     mpt_status s = mpt__cuda_not_capturing(c, what);
     if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
     MPT__CU(c, cudaMemcpyAsync(dst, src, bytes, kind, c->stream));
     MPT__CU(c, cudaStreamSynchronize(c->stream));
     return MPT_OK;
@@ -3570,7 +3567,6 @@ static mpt_status mpt__cuda_sync(void *impl) {
     mpt__cuda *c = (mpt__cuda *)impl;
     mpt_status s = mpt__cuda_not_capturing(c, "sync");
     if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
     MPT__CU(c, cudaStreamSynchronize(c->stream));
     return mpt__cuda_take_pending(c);
 }
@@ -3592,7 +3588,6 @@ static mpt_status mpt__cuda_capture_begin(void *impl) {
     if (s != MPT_OK) return s;
     s = mpt__cuda_take_pending(c); /* an earlier failure is not the graph's */
     if (s != MPT_OK) return s;
-    MPT__CU(c, cudaSetDevice(c->device));
     MPT__CU(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     c->capturing = 1;
     return MPT_OK;
@@ -3630,7 +3625,6 @@ static mpt_status mpt__cuda_replay(void *impl, void *graph) {
     if (!graph)
         return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
                               "replay: no graph (NULL)");
-    MPT__CU(c, cudaSetDevice(c->device));
     MPT__CU(c, cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
     return MPT_OK;
 }
@@ -3659,7 +3653,6 @@ static void mpt__cuda_release(mpt__cuda *c) {
 static void mpt__cuda_destroy(void *impl) {
     mpt__cuda *c = (mpt__cuda *)impl;
     if (!c) return;
-    cudaSetDevice(c->device);
     if (c->capturing) { /* abandoned mid-capture: end it, drop the graph */
         cudaGraph_t recorded = NULL;
         if (cudaStreamEndCapture(c->stream, &recorded) == cudaSuccess && recorded)
@@ -4082,54 +4075,84 @@ static const char *mpt__cuda_comm_error(void *comm) {
 }
 #endif /* MPT_NCCL */
 
+/* ---- every entry on its context's device ---------------------------------------------------
+
+   The runtime queues work on the calling thread's current device, and the
+   replicas of a mirrored model on several GPUs all run from one thread: a
+   kernel launched for device 1 while device 0 is current would go to the
+   wrong device (a launch into another device's stream fails). So each
+   table function that takes an impl enters impl's device first: one
+   cudaGetDevice (the runtime's thread-local record) and a cudaSetDevice
+   only when the device differs. A failed switch is kept for the next sync
+   like a failed launch. */
+static void mpt__cuda_enter(mpt__cuda *c) {
+    int current = -1;
+    if (!c || (cudaGetDevice(&current) == cudaSuccess && current == c->device)) return;
+    mpt__cuda_keep_error(c, cudaSetDevice(c->device), "cudaSetDevice (entering the device)");
+}
+
+/* mpt__cuda_entered<f>::call: f behind mpt__cuda_enter, for every slot
+   whose first argument is the impl; the table holds only these. */
+template <auto F> struct mpt__cuda_entered;
+template <typename R, typename... Args, R (*F)(void *, Args...)>
+struct mpt__cuda_entered<F> {
+    static R call(void *impl, Args... args) {
+        mpt__cuda_enter((mpt__cuda *)impl);
+        return F(impl, args...);
+    }
+};
+#define MPT__CUDA_ENTRY(f) (&mpt__cuda_entered<f>::call)
+
 /* The table, filled by name (C++17 has no designated initializers), so
-   that a member added to mpt_backend cannot shift the others. */
+   that a member added to mpt_backend cannot shift the others. Every slot
+   that takes an impl first enters its device (error only reads a string;
+   the collectives take several devices and switch between them). */
 static mpt_backend mpt__cuda_table_filled(void) {
     mpt_backend t;
     memset(&t, 0, sizeof t);
     t.name = "cuda";
     t.gemm_rounds_c = 1;
     t.can_capture = 1;
-    t.alloc = mpt__cuda_alloc;
-    t.free = mpt__cuda_free;
-    t.alloc_host = mpt__cuda_alloc_host;
-    t.free_host = mpt__cuda_free_host;
-    t.upload = mpt__cuda_upload;
-    t.download = mpt__cuda_download;
-    t.upload_async = mpt__cuda_upload_async;
-    t.upload_wait = mpt__cuda_upload_wait;
-    t.upload_done = mpt__cuda_upload_done;
-    t.copy = mpt__cuda_copy;
-    t.zero = mpt__cuda_zero;
-    t.sync = mpt__cuda_sync;
+    t.alloc = MPT__CUDA_ENTRY(mpt__cuda_alloc);
+    t.free = MPT__CUDA_ENTRY(mpt__cuda_free);
+    t.alloc_host = MPT__CUDA_ENTRY(mpt__cuda_alloc_host);
+    t.free_host = MPT__CUDA_ENTRY(mpt__cuda_free_host);
+    t.upload = MPT__CUDA_ENTRY(mpt__cuda_upload);
+    t.download = MPT__CUDA_ENTRY(mpt__cuda_download);
+    t.upload_async = MPT__CUDA_ENTRY(mpt__cuda_upload_async);
+    t.upload_wait = MPT__CUDA_ENTRY(mpt__cuda_upload_wait);
+    t.upload_done = MPT__CUDA_ENTRY(mpt__cuda_upload_done);
+    t.copy = MPT__CUDA_ENTRY(mpt__cuda_copy);
+    t.zero = MPT__CUDA_ENTRY(mpt__cuda_zero);
+    t.sync = MPT__CUDA_ENTRY(mpt__cuda_sync);
     t.error = mpt__cuda_error;
-    t.destroy = mpt__cuda_destroy;
-    t.capture_begin = mpt__cuda_capture_begin;
-    t.capture_end = mpt__cuda_capture_end;
-    t.replay = mpt__cuda_replay;
-    t.graph_free = mpt__cuda_graph_free;
-    t.gemm = mpt__cuda_gemm;
-    t.gemm_plan = mpt__cuda_gemm_plan;
-    t.convert = mpt__cuda_convert;
-    t.activation = mpt__cuda_activation;
-    t.activation_grad = mpt__cuda_activation_grad;
-    t.column_sums = mpt__cuda_column_sums;
-    t.im2col = mpt__cuda_im2col;
-    t.col2im = mpt__cuda_col2im;
-    t.pool_forward = mpt__cuda_pool_forward;
-    t.pool_backward = mpt__cuda_pool_backward;
-    t.pool_workspace = mpt__cuda_pool_workspace;
-    t.batchnorm_forward = mpt__cuda_batchnorm_forward;
-    t.batchnorm_backward = mpt__cuda_batchnorm_backward;
-    t.batchnorm_commit = mpt__cuda_batchnorm_commit;
-    t.batchnorm_workspace = mpt__cuda_batchnorm_workspace;
-    t.dropout = mpt__cuda_dropout;
-    t.loss = mpt__cuda_loss;
-    t.grad_stats = mpt__cuda_grad_stats;
-    t.update = mpt__cuda_update;
-    t.loss_scale_update = mpt__cuda_loss_scale_update;
-    t.add = mpt__cuda_add;
-    t.scale = mpt__cuda_scale;
+    t.destroy = MPT__CUDA_ENTRY(mpt__cuda_destroy);
+    t.capture_begin = MPT__CUDA_ENTRY(mpt__cuda_capture_begin);
+    t.capture_end = MPT__CUDA_ENTRY(mpt__cuda_capture_end);
+    t.replay = MPT__CUDA_ENTRY(mpt__cuda_replay);
+    t.graph_free = MPT__CUDA_ENTRY(mpt__cuda_graph_free);
+    t.gemm = MPT__CUDA_ENTRY(mpt__cuda_gemm);
+    t.gemm_plan = MPT__CUDA_ENTRY(mpt__cuda_gemm_plan);
+    t.convert = MPT__CUDA_ENTRY(mpt__cuda_convert);
+    t.activation = MPT__CUDA_ENTRY(mpt__cuda_activation);
+    t.activation_grad = MPT__CUDA_ENTRY(mpt__cuda_activation_grad);
+    t.column_sums = MPT__CUDA_ENTRY(mpt__cuda_column_sums);
+    t.im2col = MPT__CUDA_ENTRY(mpt__cuda_im2col);
+    t.col2im = MPT__CUDA_ENTRY(mpt__cuda_col2im);
+    t.pool_forward = MPT__CUDA_ENTRY(mpt__cuda_pool_forward);
+    t.pool_backward = MPT__CUDA_ENTRY(mpt__cuda_pool_backward);
+    t.pool_workspace = MPT__CUDA_ENTRY(mpt__cuda_pool_workspace);
+    t.batchnorm_forward = MPT__CUDA_ENTRY(mpt__cuda_batchnorm_forward);
+    t.batchnorm_backward = MPT__CUDA_ENTRY(mpt__cuda_batchnorm_backward);
+    t.batchnorm_commit = MPT__CUDA_ENTRY(mpt__cuda_batchnorm_commit);
+    t.batchnorm_workspace = MPT__CUDA_ENTRY(mpt__cuda_batchnorm_workspace);
+    t.dropout = MPT__CUDA_ENTRY(mpt__cuda_dropout);
+    t.loss = MPT__CUDA_ENTRY(mpt__cuda_loss);
+    t.grad_stats = MPT__CUDA_ENTRY(mpt__cuda_grad_stats);
+    t.update = MPT__CUDA_ENTRY(mpt__cuda_update);
+    t.loss_scale_update = MPT__CUDA_ENTRY(mpt__cuda_loss_scale_update);
+    t.add = MPT__CUDA_ENTRY(mpt__cuda_add);
+    t.scale = MPT__CUDA_ENTRY(mpt__cuda_scale);
 #ifdef MPT_NCCL
     t.comm_id = mpt__cuda_comm_id;
     t.comm_create = mpt__cuda_comm_create;

@@ -29,112 +29,306 @@ typedef struct device_memory {
         size_t bytes;
     } block[MAX_BLOCKS];
     int n;
-    long uploads_async, waits, plans, stray; /* stray: host pointers given to kernels */
+    long uploads_async, waits, plans, allreduces;
+    long stray; /* pointers given to a device's functions that are not its memory */
 } device_memory;
 
-static device_memory dev;
+/* The context's device, and a second one for replicas on two devices: its
+   impl is a context of its own (which the CPU's functions run on), and a
+   call on it must pass the second device's memory only. */
+static device_memory dev, dev2;
+static mpt_context *dev2_impl;
 
-static int on_device(const void *p) {
+static device_memory *memory_of(const void *impl) {
+    return dev2_impl && impl == (const void *)dev2_impl ? &dev2 : &dev;
+}
+
+static int on_device(const device_memory *d, const void *p) {
     int i;
     if (!p) return 1;
-    for (i = 0; i < dev.n; i++)
-        if ((const unsigned char *)p >= dev.block[i].base &&
-            (const unsigned char *)p < dev.block[i].base + dev.block[i].bytes)
+    for (i = 0; i < d->n; i++)
+        if ((const unsigned char *)p >= d->block[i].base &&
+            (const unsigned char *)p < d->block[i].base + d->block[i].bytes)
             return 1;
     return 0;
 }
 
-static void expect_device(const void *p) {
-    if (!on_device(p)) dev.stray++;
+/* p, passed to a function of impl's device, must be that device's memory:
+   a host pointer, or another device's, is counted (on the first device). */
+static void expect_device(const void *impl, const void *p) {
+    if (!on_device(memory_of(impl), p)) dev.stray++;
 }
 
+static const mpt_backend *cpu(void) { return mpt__cpu_backend(); }
+
 static mpt_status emu_alloc(void *impl, int category, size_t bytes, void **out) {
-    mpt_status s = mpt__cpu_backend()->alloc(impl, category, bytes, out);
-    if (s == MPT_OK && *out && dev.n < MAX_BLOCKS) {
-        dev.block[dev.n].base = (unsigned char *)*out;
-        dev.block[dev.n].bytes = bytes;
-        dev.n++;
+    device_memory *d = memory_of(impl);
+    mpt_status s = cpu()->alloc(impl, category, bytes, out);
+    if (s == MPT_OK && *out && d->n < MAX_BLOCKS) {
+        d->block[d->n].base = (unsigned char *)*out;
+        d->block[d->n].bytes = bytes;
+        d->n++;
     }
     return s;
 }
 
 static void emu_free(void *impl, int category, void *ptr) {
+    device_memory *d = memory_of(impl);
     int i;
-    for (i = 0; ptr && i < dev.n; i++)
-        if (dev.block[i].base == ptr) {
-            dev.block[i] = dev.block[--dev.n];
+    expect_device(impl, ptr);
+    for (i = 0; ptr && i < d->n; i++)
+        if (d->block[i].base == ptr) {
+            d->block[i] = d->block[--d->n];
             break;
         }
-    mpt__cpu_backend()->free(impl, category, ptr);
+    cpu()->free(impl, category, ptr);
 }
 
 static mpt_status emu_upload(void *impl, void *dst, const void *src, size_t bytes) {
-    expect_device(dst);
-    return mpt__cpu_backend()->upload(impl, dst, src, bytes);
+    expect_device(impl, dst);
+    return cpu()->upload(impl, dst, src, bytes);
 }
 
 static mpt_status emu_download(void *impl, void *dst, const void *src, size_t bytes) {
-    expect_device(src);
-    return mpt__cpu_backend()->download(impl, dst, src, bytes);
+    expect_device(impl, src);
+    return cpu()->download(impl, dst, src, bytes);
 }
 
 static void emu_upload_async(void *impl, void *dst, const void *src, size_t bytes) {
-    expect_device(dst);
-    dev.uploads_async++;
-    mpt__cpu_backend()->upload_async(impl, dst, src, bytes);
+    expect_device(impl, dst);
+    memory_of(impl)->uploads_async++;
+    cpu()->upload_async(impl, dst, src, bytes);
 }
 
 static void emu_upload_wait(void *impl) {
-    (void)impl;
-    dev.waits++;
+    memory_of(impl)->waits++;
+}
+
+static void emu_copy(void *impl, void *dst, const void *src, size_t bytes) {
+    expect_device(impl, dst);
+    expect_device(impl, src);
+    cpu()->copy(impl, dst, src, bytes);
+}
+
+static void emu_zero(void *impl, void *dst, size_t bytes) {
+    expect_device(impl, dst);
+    cpu()->zero(impl, dst, bytes);
 }
 
 static void emu_gemm(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
-    expect_device(d->a);
-    expect_device(d->b);
-    expect_device(d->c);
-    mpt__cpu_backend()->gemm(impl, d, c_dtype);
+    expect_device(impl, d->a);
+    expect_device(impl, d->b);
+    expect_device(impl, d->c);
+    expect_device(impl, d->bias);
+    cpu()->gemm(impl, d, c_dtype);
 }
 
 static mpt_status emu_gemm_plan(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
-    (void)impl;
     (void)c_dtype;
-    expect_device(d->a);
-    dev.plans++;
+    expect_device(impl, d->a);
+    expect_device(impl, d->b);
+    expect_device(impl, d->c);
+    memory_of(impl)->plans++;
     return MPT_OK;
 }
 
 static void emu_convert(void *impl, mpt_dtype dd, void *dst, mpt_dtype sd, const void *src,
                         int64_t n) {
-    expect_device(dst);
-    expect_device(src);
-    mpt__cpu_backend()->convert(impl, dd, dst, sd, src, n);
+    expect_device(impl, dst);
+    expect_device(impl, src);
+    cpu()->convert(impl, dd, dst, sd, src, n);
+}
+
+static void emu_activation(void *impl, mpt_activation act, float *x, int64_t rows, int64_t cols) {
+    expect_device(impl, x);
+    cpu()->activation(impl, act, x, rows, cols);
+}
+
+static void emu_activation_grad(void *impl, mpt_activation act, mpt_dtype dtype, const void *z,
+                                const void *y, const void *dy, float *dz, float *tmp,
+                                int64_t rows, int64_t cols) {
+    expect_device(impl, z);
+    expect_device(impl, y);
+    expect_device(impl, dy);
+    expect_device(impl, dz);
+    expect_device(impl, tmp);
+    cpu()->activation_grad(impl, act, dtype, z, y, dy, dz, tmp, rows, cols);
+}
+
+static void emu_column_sums(void *impl, const float *dz, int64_t rows, int64_t cols, float *out,
+                            int accumulate) {
+    expect_device(impl, dz);
+    expect_device(impl, out);
+    cpu()->column_sums(impl, dz, rows, cols, out, accumulate);
+}
+
+static void emu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, const void *x,
+                       int64_t n, void *cols) {
+    expect_device(impl, x);
+    expect_device(impl, cols);
+    cpu()->im2col(impl, g, dtype, x, n, cols);
+}
+
+static void emu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, const float *dcols,
+                       int64_t n, float *dxf, void *dx) {
+    expect_device(impl, dcols);
+    expect_device(impl, dxf);
+    expect_device(impl, dx);
+    cpu()->col2im(impl, g, dtype, dcols, n, dxf, dx);
+}
+
+static void emu_pool_forward(void *impl, mpt_pool_kind kind, const mpt_window *g,
+                             mpt_dtype dtype, const void *x, void *y, int32_t *argmax, int64_t n,
+                             void *ws) {
+    expect_device(impl, x);
+    expect_device(impl, y);
+    expect_device(impl, argmax);
+    expect_device(impl, ws);
+    cpu()->pool_forward(impl, kind, g, dtype, x, y, argmax, n, ws);
+}
+
+static void emu_pool_backward(void *impl, mpt_pool_kind kind, const mpt_window *g,
+                              mpt_dtype dtype, const void *dy, void *dx, const int32_t *argmax,
+                              int64_t n, void *ws) {
+    expect_device(impl, dy);
+    expect_device(impl, dx);
+    expect_device(impl, argmax);
+    expect_device(impl, ws);
+    cpu()->pool_backward(impl, kind, g, dtype, dy, dx, argmax, n, ws);
+}
+
+static void expect_batchnorm_args(void *impl, const mpt_batchnorm_args *a) {
+    const void *p[] = {a->x, a->y, a->dy, a->dx, a->gamma, a->beta, a->dgamma, a->dbeta,
+                       a->mean, a->variance, a->moving_mean, a->moving_variance,
+                       a->workspace};
+    size_t i;
+    for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
+}
+
+static void emu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
+    expect_batchnorm_args(impl, a);
+    cpu()->batchnorm_forward(impl, a);
+}
+
+static void emu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
+    expect_batchnorm_args(impl, a);
+    cpu()->batchnorm_backward(impl, a);
+}
+
+static void emu_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
+                                 const mpt_step_state *state) {
+    expect_batchnorm_args(impl, a);
+    expect_device(impl, state);
+    cpu()->batchnorm_commit(impl, a, state);
+}
+
+static void emu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype, const void *in,
+                        void *out, int64_t n, const mpt_step_state *state, int64_t *saved_step,
+                        void *ws) {
+    expect_device(impl, in);
+    expect_device(impl, out);
+    expect_device(impl, state);
+    expect_device(impl, saved_step);
+    expect_device(impl, ws);
+    cpu()->dropout(impl, key, rate, dtype, in, out, n, state, saved_step, ws);
 }
 
 static void emu_loss(void *impl, const mpt_loss_args *a) {
-    expect_device(a->pred);
-    expect_device(a->target);
-    expect_device(a->dpred);
-    expect_device(a->state);
-    mpt__cpu_backend()->loss(impl, a);
+    expect_device(impl, a->pred);
+    expect_device(impl, a->target);
+    expect_device(impl, a->dpred);
+    expect_device(impl, a->state);
+    cpu()->loss(impl, a);
+}
+
+static void expect_update_args(void *impl, const mpt_update_args *u) {
+    int k;
+    for (k = 0; k < u->n; k++) {
+        expect_device(impl, u->value[k]);
+        expect_device(impl, u->grad[k]);
+        if (u->slot0) expect_device(impl, u->slot0[k]);
+    }
+    expect_device(impl, u->state);
+}
+
+static void emu_grad_stats(void *impl, const mpt_update_args *u) {
+    expect_update_args(impl, u);
+    cpu()->grad_stats(impl, u);
 }
 
 static void emu_update(void *impl, const mpt_update_args *u) {
+    expect_update_args(impl, u);
+    cpu()->update(impl, u);
+}
+
+static void emu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
+                                  mpt_step_state *state) {
+    expect_device(impl, state);
+    cpu()->loss_scale_update(impl, d, state);
+}
+
+static void emu_add(void *impl, float *dst, const float *src, int64_t n) {
+    expect_device(impl, dst);
+    expect_device(impl, src);
+    cpu()->add(impl, dst, src, n);
+}
+
+static void emu_scale(void *impl, float *x, float alpha, int64_t n) {
+    expect_device(impl, x);
+    cpu()->scale(impl, x, alpha, n);
+}
+
+/* The collectives between emulated devices: the sum over the members in
+   their order, as one device adds the replicas' buffers in order, written
+   back to every member. */
+typedef struct emu_comm {
+    int n;
+    void *impls[MPT__MAX_REPLICAS];
+} emu_comm;
+
+static mpt_status emu_comm_id(void *impl, void *id) {
+    (void)impl;
+    memset(id, 0, MPT_COMM_ID_BYTES);
+    return MPT_OK;
+}
+
+static mpt_status emu_comm_create(void *const *impls, int n, int first, int members,
+                                  const void *id, void **comm) {
+    emu_comm *c = (emu_comm *)calloc(1, sizeof *c);
+    (void)id;
+    *comm = c;
+    if (!c || first != 0 || members != n || n > MPT__MAX_REPLICAS) return MPT_ERR_UNSUPPORTED;
+    c->n = n;
+    memcpy(c->impls, impls, sizeof(void *) * (size_t)n);
+    return MPT_OK;
+}
+
+static void emu_comm_destroy(void *comm) { free(comm); }
+
+static mpt_status emu_allreduce_sum(void *comm, float *const *bufs, int64_t count) {
+    const emu_comm *c = (const emu_comm *)comm;
+    int64_t i;
     int k;
-    for (k = 0; k < u->n; k++) {
-        expect_device(u->value[k]);
-        expect_device(u->grad[k]);
-        expect_device(u->slot0[k]);
+    for (k = 0; k < c->n; k++) expect_device(c->impls[k], bufs[k]);
+    for (i = 0; i < count; i++) {
+        float sum = bufs[0][i];
+        for (k = 1; k < c->n; k++) sum += bufs[k][i];
+        for (k = 0; k < c->n; k++) bufs[k][i] = sum;
     }
-    expect_device(u->state);
-    mpt__cpu_backend()->update(impl, u);
+    dev.allreduces++;
+    return MPT_OK;
+}
+
+static const char *emu_comm_error(void *comm) {
+    (void)comm;
+    return "the emulated communicator failed";
 }
 
 static mpt_backend emu_table;
 
 /* Puts the emulated device under ctx (models created afterwards use it). */
 static void use_emulated_device(mpt_context *c) {
-    emu_table = *mpt__cpu_backend();
+    emu_table = *cpu();
     emu_table.name = "emulated";
     emu_table.alloc = emu_alloc;
     emu_table.free = emu_free;
@@ -142,12 +336,46 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.download = emu_download;
     emu_table.upload_async = emu_upload_async;
     emu_table.upload_wait = emu_upload_wait;
+    emu_table.copy = emu_copy;
+    emu_table.zero = emu_zero;
     emu_table.gemm = emu_gemm;
     emu_table.gemm_plan = emu_gemm_plan;
     emu_table.convert = emu_convert;
+    emu_table.activation = emu_activation;
+    emu_table.activation_grad = emu_activation_grad;
+    emu_table.column_sums = emu_column_sums;
+    emu_table.im2col = emu_im2col;
+    emu_table.col2im = emu_col2im;
+    emu_table.pool_forward = emu_pool_forward;
+    emu_table.pool_backward = emu_pool_backward;
+    emu_table.batchnorm_forward = emu_batchnorm_forward;
+    emu_table.batchnorm_backward = emu_batchnorm_backward;
+    emu_table.batchnorm_commit = emu_batchnorm_commit;
+    emu_table.dropout = emu_dropout;
     emu_table.loss = emu_loss;
+    emu_table.grad_stats = emu_grad_stats;
     emu_table.update = emu_update;
+    emu_table.loss_scale_update = emu_loss_scale_update;
+    emu_table.add = emu_add;
+    emu_table.scale = emu_scale;
+    emu_table.comm_id = emu_comm_id;
+    emu_table.comm_create = emu_comm_create;
+    emu_table.comm_destroy = emu_comm_destroy;
+    emu_table.allreduce_sum = emu_allreduce_sum;
+    emu_table.comm_error = emu_comm_error;
     c->backend = &emu_table;
+}
+
+/* Gives a mirrored strategy of two replicas on the emulated device a
+   second device, `second`, for replica 1, joined to the first by the
+   emulated communicator: what mpt_strategy_create does on two GPUs. */
+static void add_second_device(mpt_strategy *s, mpt_context *second) {
+    dev2_impl = second;
+    s->backend[1] = &emu_table;
+    s->impl[1] = second;
+    s->n_backends = 2;
+    CHECK(emu_table.comm_create(s->impl, 2, 0, 2, NULL, &s->comm) == MPT_OK,
+          "the emulated communicator");
 }
 
 /* ---- a small image model and data -------------------------------------------- */
@@ -472,6 +700,61 @@ static void test_mirrored_on_the_device(void) {
     mpt_context_destroy(dc);
 }
 
+/* Two replicas on two emulated devices, run from one thread as a mirrored
+   model on two GPUs runs them: every call that passes a replica's buffers
+   goes to that replica's device (on a GPU, the device its call enters),
+   the gradients and statistics are summed by the communicator, and the
+   model ends bit for bit where two replicas end on the CPU. */
+static void test_mirrored_on_two_devices(void) {
+    mpt_context *dc = NULL, *second = NULL;
+    mpt_strategy *s_cpu = NULL, *s_dev = NULL;
+    mpt_strategy_desc sd;
+    mpt_model *cpu_model, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_fit_desc fit;
+    memset(&dev, 0, sizeof dev);
+    memset(&dev2, 0, sizeof dev2);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &second);
+    use_emulated_device(dc);
+    memset(&sd, 0, sizeof sd);
+    sd.type = MPT_STRATEGY_MIRRORED;
+    sd.num_replicas = 2;
+    CHECK(mpt_strategy_create(ctx, &sd, &s_cpu) == MPT_OK &&
+              mpt_strategy_create(dc, &sd, &s_dev) == MPT_OK,
+          "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    add_second_device(s_dev, second);
+    d_cpu = image_dataset(ctx);
+    d_gpu = image_dataset(dc);
+    cpu_model = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, s_cpu);
+    gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s_dev);
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH; /* 120 samples: the last batch of 24 */
+    fit.validation_split = 0.2f;
+    CHECK(mpt_model_fit(cpu_model, d_cpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(dc));
+    CHECK(gpu->n_replicas == 2 && gpu->replica[1]->impl == (void *)second,
+          "replica 1 is not on the second device");
+    CHECK(same_params(cpu_model, gpu) && same_params(cpu_model->replica[1], gpu->replica[1]),
+          "weights on two devices differ from two replicas on the CPU");
+    CHECK(same_history(cpu_model, gpu), "histories differ");
+    CHECK(dev.allreduces > 0 && dev2.n > 0 && dev2.plans > 0,
+          "%ld all-reduces, %d blocks and %ld timed GEMMs on the second device", dev.allreduces,
+          dev2.n, dev2.plans);
+    CHECK(dev.stray == 0, "%ld pointers reached a device whose memory they are not", dev.stray);
+    mpt_model_destroy(gpu);
+    mpt_model_destroy(cpu_model);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    mpt_strategy_destroy(s_cpu);
+    mpt_strategy_destroy(s_dev);
+    CHECK(dev.n == 0 && dev2.n == 0, "%d and %d device blocks leaked", dev.n, dev2.n);
+    dev2_impl = NULL;
+    mpt_context_destroy(second);
+    mpt_context_destroy(dc);
+}
+
 /* ---- what both backends run: @backend-shared --------------------------------- */
 
 /* Philox4x32-10 against Random123's known-answer vectors (kat_vectors:
@@ -517,6 +800,7 @@ int main(void) {
     TEST_RUN(test_early_stopping_restores);
     TEST_RUN(test_public_steps_on_the_device);
     TEST_RUN(test_mirrored_on_the_device);
+    TEST_RUN(test_mirrored_on_two_devices);
     mpt_context_destroy(ctx);
     return test_summary("test_backend");
 }

@@ -43,6 +43,9 @@
 #include "helpers.h"
 
 #include <unistd.h>
+#ifdef MPT_CUDA
+#include <cuda_runtime_api.h> /* cudaSetDevice, cudaGetDevice: the two-GPU test */
+#endif
 
 /* ---- the backends under test --------------------------------------------------- */
 
@@ -2139,6 +2142,155 @@ static void test_hand_step_functions(void) {
     mpt_model_destroy(gpu.m);
 }
 
+/* ---- two GPUs from one thread ------------------------------------------------------------------ */
+
+#ifdef MPT_CUDA
+/* Table call `which` (0..N_DEVICE_CALLS-1) of b on its buffers a and c
+   (256 floats each) and host (256 floats); returns its name. */
+enum { N_DEVICE_CALLS = 14 };
+
+static const char *device_call(const mpt_backend *t, void *impl, int which, float *a, float *c,
+                               float *host) {
+    void *more = NULL;
+    switch (which) {
+    case 0: t->zero(impl, a, 1024); return "zero";
+    case 1: t->copy(impl, c, a, 1024); return "copy";
+    case 2: t->scale(impl, a, 2.0f, 256); return "scale";
+    case 3: t->add(impl, a, c, 256); return "add";
+    case 4: t->convert(impl, MPT_FLOAT16, c, MPT_FLOAT32, a, 256); return "convert";
+    case 5: t->activation(impl, MPT_ACT_RELU, a, 16, 16); return "activation";
+    case 6: t->column_sums(impl, a, 16, 16, c, 0); return "column_sums";
+    case 7: t->upload(impl, a, host, 1024); return "upload";
+    case 8: t->download(impl, host, a, 1024); return "download";
+    case 9: t->sync(impl); return "sync";
+    case 10: t->upload_wait(impl); return "upload_wait";
+    case 11: t->upload_done(impl); return "upload_done";
+    case 12: t->batchnorm_workspace(impl, MPT_FLOAT32, 16, 16); return "batchnorm_workspace";
+    default:
+        if (t->alloc(impl, MPT_MEMORY_WORKSPACE, 256, &more) == MPT_OK) t->free(impl, 0, more);
+        return "alloc and free";
+    }
+}
+
+/* Each model's steps, two models on two GPUs in turn (a backward queued
+   right after the other GPU's loss), then the gradients of model k into
+   grads[k] (n floats each). */
+static void interleaved_steps(mpt_model *const *m, int n_models, float **grads) {
+    mpt_tensor x, y;
+    mpt_loss_desc d;
+    int64_t xs[2] = {64, FEATURES}, ys[1] = {64};
+    double loss;
+    int k, i;
+    memset(&d, 0, sizeof d);
+    d.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    d.from_logits = 1;
+    for (k = 0; k < n_models; k++) {
+        mpt_context *ctx = m[k]->ctx;
+        mpt_tensor_wrap(ctx, &x, MPT_FLOAT32, 2, xs, blob_x);
+        mpt_tensor_wrap(ctx, &y, MPT_INT32, 1, ys, blob_y);
+        CHECK(mpt_model_forward(m[k], &x, 1, NULL) == MPT_OK &&
+                  mpt_model_compute_loss(m[k], &d, &y, &loss) == MPT_OK,
+              "model %d forward: %s", k, mpt_context_error(ctx));
+    }
+    for (k = 0; k < n_models; k++)
+        CHECK(mpt_model_backward(m[k], NULL, NULL) == MPT_OK, "model %d backward: %s", k,
+              mpt_context_error(m[k]->ctx));
+    for (k = 0; k < n_models; k++) {
+        void *impl;
+        const mpt_backend *t = mpt_context_backend(m[k]->ctx, &impl);
+        int64_t at = 0;
+        for (i = 0; i < mpt_model_param_count(m[k]); i++) {
+            mpt_param_info info;
+            mpt_model_param(m[k], i, &info);
+            CHECK(t->download(impl, grads[k] + at, info.grad.data, mpt_tensor_bytes(&info.grad)) ==
+                      MPT_OK,
+                  "model %d: downloading %s: %s", k, info.name, t->error(impl));
+            at += mpt_tensor_count(&info.grad);
+        }
+    }
+}
+
+static int64_t grad_count(mpt_model *m) {
+    int64_t n = 0;
+    int i;
+    for (i = 0; i < mpt_model_param_count(m); i++) {
+        mpt_param_info info;
+        mpt_model_param(m, i, &info);
+        n += mpt_tensor_count(&info.grad);
+    }
+    return n;
+}
+#endif
+
+/* Replicas on several GPUs run from one thread. Two contexts on GPUs 0
+   and 1: (a) each table call, made with the other GPU current, leaves its
+   own GPU current; (b) two models stepped call by call in turn have the
+   gradients, bit for bit, of the same model stepped alone on the same GPU
+   (one GEMM engine, so that no timing picks another). Needs two GPUs. */
+static void test_two_devices_from_one_thread(void) {
+#ifdef MPT_CUDA
+    mpt_context *ctx[2] = {NULL, NULL};
+    mpt_model *m[4] = {NULL, NULL, NULL, NULL};
+    float *grads[4] = {NULL, NULL, NULL, NULL}, host[256];
+    int k, which, i;
+    int64_t n;
+    if (mpt_device_count(gpu_be[GPU_AUTO].ctx) - 1 < 2) {
+        SKIP("one GPU: this needs two");
+        return;
+    }
+    for (i = 0; i < 256; i++) host[i] = (float)test_uniform(-1, 1);
+    for (k = 0; k < 2; k++) {
+        mpt_context_desc d;
+        memset(&d, 0, sizeof d);
+        d.cuda_device = k;
+        d.gemm = MPT_GEMM_MPT;
+        d.logger.fn = quiet_logger;
+        CHECK(mpt_context_create(&d, &ctx[k]) == MPT_OK &&
+                  !strcmp(mpt_context_backend(ctx[k], NULL)->name, "cuda"),
+              "no CUDA context on device %d", k);
+    }
+    for (k = 0; k < 2 && !test__current_failed; k++) {
+        void *impl, *a = NULL, *c = NULL;
+        const mpt_backend *t = mpt_context_backend(ctx[k], &impl);
+        t->alloc(impl, MPT_MEMORY_WORKSPACE, 1024, &a);
+        t->alloc(impl, MPT_MEMORY_WORKSPACE, 1024, &c);
+        t->upload(impl, a, host, 1024);
+        for (which = 0; which < N_DEVICE_CALLS; which++) {
+            int current = -1;
+            const char *name;
+            cudaSetDevice(1 - k);
+            name = device_call(t, impl, which, (float *)a, (float *)c, host);
+            cudaGetDevice(&current);
+            CHECK(current == k, "%s on GPU %d left GPU %d current", name, k, current);
+        }
+        CHECK(t->sync(impl) == MPT_OK, "GPU %d: %s", k, t->error(impl));
+        t->free(impl, 0, a);
+        t->free(impl, 0, c);
+    }
+    make_blobs();
+    for (k = 0; k < 4 && !test__current_failed; k++) m[k] = hand_model(ctx[k % 2]);
+    n = m[3] ? grad_count(m[3]) : 0;
+    for (k = 0; k < 4 && n > 0; k++) grads[k] = (float *)calloc((size_t)n, sizeof(float));
+    if (n > 0 && grads[3]) {
+        interleaved_steps(m, 2, grads);
+        interleaved_steps(m + 2, 1, grads + 2); /* alone on GPU 0 */
+        interleaved_steps(m + 3, 1, grads + 3); /* alone on GPU 1 */
+        for (k = 0; k < 2; k++)
+            CHECK(!memcmp(grads[k], grads[k + 2], sizeof(float) * (size_t)n),
+                  "GPU %d's gradients differ from those of the model alone there: element %lld",
+                  k, (long long)first_difference(grads[k], grads[k + 2], n, 4));
+    }
+    for (k = 0; k < 4; k++) {
+        mpt_model_destroy(m[k]);
+        free(grads[k]);
+    }
+    mpt_context_destroy(ctx[0]);
+    mpt_context_destroy(ctx[1]);
+#else
+    SKIP("built without MPT_CUDA");
+#endif
+}
+
 /* Every required slot of the CUDA table is filled (@backend), and the
    collectives are there exactly when mpt_cuda.cu was built with NCCL. */
 static void test_table_is_complete(void) {
@@ -2270,6 +2422,8 @@ int main(void) {
               test_mirrored_on_the_gpu);
     test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
               test_hand_step_functions);
+    test__run("two GPUs from one thread: every call on its own GPU, results as alone",
+              test_two_devices_from_one_thread);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

@@ -1590,6 +1590,13 @@ extern int mpt_cuda_device_count(void);
 extern mpt_status mpt_cuda_device_query(int device, mpt_device_info *out, char *message,
                                         size_t message_size);
 
+/* How many of the CUDA backend's kernels the current device has not
+   loaded yet, -1 when the driver cannot tell (before CUDA 12.4). Creating
+   the backend on a device loads them all there, so that under lazy module
+   loading no kernel is first loaded inside a step's graph capture; a
+   check for tests. */
+extern int mpt_cuda_kernels_unloaded(void);
+
 /* =============================================================================
    @backend-shared: the rules both backends run (internal)
    =============================================================================

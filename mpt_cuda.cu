@@ -42,6 +42,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cublasLt.h>
+#include <cudaTypedefs.h> /* the driver's types, for the entry points the runtime hands out */
 #include <float.h>
 #include <math.h>
 #include <stdarg.h>
@@ -3289,6 +3290,105 @@ static void mpt__cuda_add(void *impl, float *dst, const float *src, int64_t n) {
 }
 
 /* =============================================================================
+   Every kernel loaded when the backend is created
+   =============================================================================
+
+   Under lazy loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA
+   12.2) a kernel is loaded at its first launch. The loss, norm, update,
+   loss-scale and BatchNormalization-commit kernels first run in a
+   training step, which fit records in a CUDA graph: their loading would
+   fall inside the capture. So the backend loads all of this file's
+   kernels when it is created on a device. The driver lists them (the
+   module of any one of them holds every one, template instances
+   included), so no list here can miss a new kernel. The driver functions
+   come through the runtime (cudaGetDriverEntryPointByVersion): no -lcuda. */
+
+typedef struct mpt__cuda_module_api {
+    PFN_cuFuncGetModule_v11000 get_module;
+    PFN_cuModuleGetFunctionCount_v12040 count;
+    PFN_cuModuleEnumerateFunctions_v12040 enumerate;
+    PFN_cuFuncIsLoaded_v12040 is_loaded;
+    PFN_cuFuncLoad_v12040 load;
+} mpt__cuda_module_api;
+
+/* The five driver functions (CUDA 12.4 or newer); false when one is missing. */
+static bool mpt__cuda_module_api_find(mpt__cuda_module_api *api) {
+    struct {
+        const char *name;
+        void **fn;
+        unsigned version;
+    } want[5] = {{"cuFuncGetModule", (void **)&api->get_module, 11000},
+                 {"cuModuleGetFunctionCount", (void **)&api->count, 12040},
+                 {"cuModuleEnumerateFunctions", (void **)&api->enumerate, 12040},
+                 {"cuFuncIsLoaded", (void **)&api->is_loaded, 12040},
+                 {"cuFuncLoad", (void **)&api->load, 12040}};
+    for (int i = 0; i < 5; i++) {
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        *want[i].fn = NULL;
+        if (cudaGetDriverEntryPointByVersion(want[i].name, want[i].fn, want[i].version,
+                                             cudaEnableDefault, &found) != cudaSuccess ||
+            found != cudaDriverEntryPointSuccess || !*want[i].fn) {
+            (void)cudaGetLastError();
+            return false;
+        }
+    }
+    return true;
+}
+
+/* This file's kernels in the current device's context: *out (malloc'd,
+   *n of them). Returns the name of the step that failed, or NULL. */
+static const char *mpt__cuda_module_functions(const mpt__cuda_module_api *api, CUfunction **out,
+                                              unsigned *n) {
+    cudaFunction_t any = NULL;
+    CUmodule module = NULL;
+    *out = NULL;
+    *n = 0;
+    if (cudaGetFuncBySymbol(&any, (const void *)mpt__cuda_scale_kernel) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return "cudaGetFuncBySymbol";
+    }
+    if (api->get_module(&module, (CUfunction)any) != CUDA_SUCCESS) return "cuFuncGetModule";
+    if (api->count(n, module) != CUDA_SUCCESS) return "cuModuleGetFunctionCount";
+    *out = (CUfunction *)calloc(*n ? *n : 1, sizeof(CUfunction));
+    if (!*out) return "no host memory for the list of kernels";
+    if (api->enumerate(*out, *n, module) != CUDA_SUCCESS) return "cuModuleEnumerateFunctions";
+    return NULL;
+}
+
+/* Loads every kernel of this file on the current device. Best effort:
+   where the driver cannot (false), each kernel still loads at its first
+   launch, as before; test_cuda's count of unloaded kernels shows it. */
+static bool mpt__cuda_load_kernels(void) {
+    mpt__cuda_module_api api;
+    CUfunction *functions = NULL;
+    unsigned n = 0;
+    if (!mpt__cuda_module_api_find(&api)) return false;
+    bool loaded = !mpt__cuda_module_functions(&api, &functions, &n);
+    for (unsigned i = 0; loaded && i < n; i++) loaded = api.load(functions[i]) == CUDA_SUCCESS;
+    free(functions);
+    return loaded;
+}
+
+/* mpt.h's declaration says what it counts. */
+int mpt_cuda_kernels_unloaded(void) {
+    mpt__cuda_module_api api;
+    CUfunction *functions = NULL;
+    unsigned n = 0;
+    int unloaded = 0;
+    if (!mpt__cuda_module_api_find(&api) || mpt__cuda_module_functions(&api, &functions, &n)) {
+        free(functions);
+        return -1;
+    }
+    for (unsigned i = 0; i < n && unloaded >= 0; i++) {
+        CUfunctionLoadingState state = CU_FUNCTION_LOADING_STATE_UNLOADED;
+        if (api.is_loaded(&state, functions[i]) != CUDA_SUCCESS) unloaded = -1;
+        else unloaded += state != CU_FUNCTION_LOADING_STATE_LOADED;
+    }
+    free(functions);
+    return unloaded;
+}
+
+/* =============================================================================
    The core: memory, copies, synchronisation, graphs
    ============================================================================= */
 
@@ -4208,6 +4308,7 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
         mpt__cuda_release(c);
         return s;
     }
+    (void)mpt__cuda_load_kernels(); /* the device is current (find_device) */
     mpt__cuda_say(message, message_size, "CUDA device %d: %s (sm_%d%d, %d SMs, %.1f GiB)",
                   c->device, prop.name, prop.major, prop.minor, prop.multiProcessorCount,
                   (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));

@@ -2142,6 +2142,24 @@ static void test_hand_step_functions(void) {
     mpt_model_destroy(gpu.m);
 }
 
+/* ---- kernels loaded before any capture ---------------------------------------------------------- */
+
+/* Once a context exists on the device, every kernel of the CUDA backend is
+   loaded there, though main asked for lazy loading (CUDA_MODULE_LOADING=
+   LAZY, unless set otherwise) before the first CUDA call: no graph capture
+   meets a kernel's first launch. Runs before any other test launches one. */
+static void test_kernels_loaded_at_creation(void) {
+#ifdef MPT_CUDA
+    int unloaded;
+    cudaSetDevice(0); /* the contexts' device */
+    unloaded = mpt_cuda_kernels_unloaded();
+    CHECK(unloaded == 0, "%d of the backend's kernels are not loaded (-1: the driver cannot tell)",
+          unloaded);
+#else
+    SKIP("built without MPT_CUDA");
+#endif
+}
+
 /* ---- two GPUs from one thread ------------------------------------------------------------------ */
 
 #ifdef MPT_CUDA
@@ -2370,6 +2388,9 @@ static void test_model_memory_limit_on_the_gpu(void) {
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
+#ifdef MPT_CUDA
+    setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
+#endif
     have_gpu = open_backends();
 #ifdef MPT_CUDA
     if (!have_gpu && !(getenv("MPT_DEVICE") && !strcmp(getenv("MPT_DEVICE"), "cpu"))) {
@@ -2390,6 +2411,8 @@ int main(void) {
     }
     printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
            gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
+    test__run("kernels: all loaded when the context is created (lazy loading)",
+              test_kernels_loaded_at_creation);
     test__run("the table: every required slot filled", test_table_is_complete);
     test__run("devices: the GPU's compute capability >= 8, free <= total memory",
               test_device_info_of_the_gpu);

@@ -10045,90 +10045,186 @@ static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
    it is staged in pinned host memory and copied on the backend's second
    queue into the other of two device buffers. Each full-size step is
    recorded once per buffer (a CUDA graph) and then replayed, so a small
-   model is not held back by hundreds of kernel launches per step.
+   model is not held back by hundreds of kernel launches per step. The
+   replicas of a replicated model are fed their rows the same way, each on
+   its own device, and their step is recorded where
+   mpt__replicas_capturable allows.
    MPT_CUDA_GRAPHS=0 in the environment turns the recording off. */
+typedef struct mpt__feed_slot { /* one model's (or replica's) */
+    void *host[2][2];        /* [buffer][x, y] pinned staging, a full batch  */
+    mpt_tensor x[2], y[2];   /* [buffer] its rows uploaded there (0: none)   */
+} mpt__feed_slot;
+
 typedef struct mpt__feed {
     int on;                  /* the model is on a GPU                       */
     int graphs;              /* steps are recorded and replayed             */
-    void *host[2][2];        /* [buffer][x, y] pinned staging, a full batch  */
+    int n;                   /* slots: the model's replicas in this process */
+    mpt__feed_slot *slot;    /* [n], slot k replica k's (0: the model's)    */
+    int64_t global_rows[2];  /* [buffer] the batch's rows on every worker   */
     void *graph[2];          /* the step recorded over buffer k, or NULL     */
     int next;                /* the buffer the next upload fills            */
-    mpt_tensor x, y;         /* the uploaded batch the next step reads      */
     int have;                /* whether there is one                        */
 } mpt__feed;
 
+/* In @impl-strategy: the replicas' step over their rows, already in their
+   memory; each replica's rows of a batch; whether that step may be
+   recorded. */
+static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const mpt_tensor *ys,
+                                     int64_t global_rows, mpt__step_times *times);
+static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                              int64_t rows, mpt_tensor *xs, mpt_tensor *ys);
+static int mpt__replicas_capturable(const mpt_model *m);
+
+/* The model slot k feeds: replica k, or the model itself. */
+static mpt_model *mpt__feed_model(mpt_model *m, int k) {
+    return m->replica ? m->replica[k] : m;
+}
+
+/* Whether slot k's device is an earlier slot's too (logical replicas
+   share one): its queues need one wait, not one per replica. */
+static int mpt__feed_device_seen(mpt_model *m, int k) {
+    int j;
+    for (j = 0; j < k; j++)
+        if (mpt__feed_model(m, j)->impl == mpt__feed_model(m, k)->impl) return 1;
+    return 0;
+}
+
 static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
-    int k;
+    int k, b;
     if (!f->on) return;
-    m->be->sync(m->impl); /* nothing may still read what is freed below */
-    for (k = 0; k < 2; k++) {
-        m->be->free_host(m->impl, f->host[k][0]);
-        m->be->free_host(m->impl, f->host[k][1]);
-        if (f->graph[k]) m->be->graph_free(m->impl, f->graph[k]);
+    for (k = 0; k < f->n; k++) { /* nothing may still read what is freed below */
+        mpt_model *r = mpt__feed_model(m, k);
+        if (!mpt__feed_device_seen(m, k)) r->be->sync(r->impl);
     }
+    for (k = 0; f->slot && k < f->n; k++) {
+        mpt_model *r = mpt__feed_model(m, k);
+        for (b = 0; b < 2; b++) {
+            r->be->free_host(r->impl, f->slot[k].host[b][0]);
+            r->be->free_host(r->impl, f->slot[k].host[b][1]);
+        }
+    }
+    for (b = 0; b < 2; b++)
+        if (f->graph[b]) m->be->graph_free(m->impl, f->graph[b]);
+    mpt__free(m->ctx, f->slot);
     memset(f, 0, sizeof *f);
 }
 
 static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
     const char *env = getenv("MPT_CUDA_GRAPHS");
-    size_t bytes[2];
-    int k, j;
+    int k, b, j;
     memset(f, 0, sizeof *f);
     if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
     f->on = 1;
-    f->graphs = m->be->can_capture && !(env && strcmp(env, "0") == 0);
-    bytes[0] = (size_t)(4 * m->layers[0].in_count * m->max_batch);
-    bytes[1] = (size_t)(4 * m->layers[m->n_layers - 1].out_count * m->max_batch);
-    for (k = 0; k < 2; k++)
-        for (j = 0; j < 2; j++)
-            if (m->be->alloc_host(m->impl, bytes[j], &f->host[k][j]) != MPT_OK) {
-                mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
-                                         m->be->error(m->impl));
-                mpt__feed_close(m, f);
-                return s;
-            }
+    f->graphs = m->be->can_capture && !(env && strcmp(env, "0") == 0) &&
+                (!m->strategy || mpt__replicas_capturable(m));
+    f->n = m->n_replicas;
+    f->slot = (mpt__feed_slot *)mpt__calloc(m->ctx, sizeof(mpt__feed_slot) * (size_t)f->n);
+    if (!f->slot) {
+        f->on = 0;
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    }
+    for (k = 0; k < f->n; k++) {
+        mpt_model *r = mpt__feed_model(m, k);
+        size_t bytes[2];
+        bytes[0] = (size_t)(4 * r->layers[0].in_count * r->max_batch);
+        bytes[1] = (size_t)(4 * r->layers[r->n_layers - 1].out_count * r->max_batch);
+        for (b = 0; b < 2; b++)
+            for (j = 0; j < 2; j++)
+                if (r->be->alloc_host(r->impl, bytes[j], &f->slot[k].host[b][j]) != MPT_OK) {
+                    mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
+                                             r->be->error(r->impl));
+                    mpt__feed_close(m, f);
+                    return s;
+                }
+    }
     return MPT_OK;
 }
 
-/* Starts copying a batch to the device: into pinned memory once the
-   upload before last (which read it) is done, then on the copy queue. */
+/* Starts copying a batch to the device: each slot's rows (this worker's
+   `rows` of the batch, shared out as the replicas' step shares them)
+   into pinned memory once the upload before last (which read it) is
+   done, then on the copy queue. */
 static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor *x,
-                                   const mpt_tensor *y) {
-    int k = f->next;
-    mpt_status s = m->be->upload_done(m->impl);
-    if (s != MPT_OK) return mpt__fail(m->ctx, s, "fit: %s", m->be->error(m->impl));
-    memcpy(f->host[k][0], x->data, mpt_tensor_bytes(x));
-    memcpy(f->host[k][1], y->data, mpt_tensor_bytes(y));
-    m->be->upload_async(m->impl, m->input_buf[k], f->host[k][0], mpt_tensor_bytes(x));
-    m->be->upload_async(m->impl, m->target_buf[k], f->host[k][1], mpt_tensor_bytes(y));
-    f->x = *x;
-    f->y = *y;
-    f->x.data = m->input_buf[k];
-    f->y.data = m->target_buf[k];
-    f->x.device = f->y.device = MPT_DEVICE_CUDA;
+                                   const mpt_tensor *y, int64_t rows, int64_t global_rows) {
+    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
+    int b = f->next, k;
+    for (k = 0; k < f->n; k++) {
+        mpt_model *r = mpt__feed_model(m, k);
+        mpt_status s = mpt__feed_device_seen(m, k) ? MPT_OK : r->be->upload_done(r->impl);
+        if (s != MPT_OK) return mpt__fail(m->ctx, s, "fit: %s", r->be->error(r->impl));
+    }
+    mpt__replica_rows(m, x, y, rows, xs, ys);
+    for (k = 0; k < f->n; k++) {
+        mpt_model *r = mpt__feed_model(m, k);
+        mpt__feed_slot *slot = &f->slot[k];
+        slot->x[b] = xs[k];
+        slot->y[b] = ys[k];
+        if (xs[k].shape[0] == 0) continue; /* no rows for this replica */
+        memcpy(slot->host[b][0], xs[k].data, mpt_tensor_bytes(&xs[k]));
+        memcpy(slot->host[b][1], ys[k].data, mpt_tensor_bytes(&ys[k]));
+        r->be->upload_async(r->impl, r->input_buf[b], slot->host[b][0], mpt_tensor_bytes(&xs[k]));
+        r->be->upload_async(r->impl, r->target_buf[b], slot->host[b][1], mpt_tensor_bytes(&ys[k]));
+        slot->x[b].data = r->input_buf[b];
+        slot->y[b].data = r->target_buf[b];
+        slot->x[b].device = slot->y[b].device = MPT_DEVICE_CUDA;
+    }
+    f->global_rows[b] = global_rows;
     f->have = 1;
-    f->next = 1 - k;
+    f->next = 1 - b;
     return MPT_OK;
 }
 
-/* Queues the step on the uploaded batch: replays its recording, records
-   it first when there is none (full batches only; the last, shorter one
-   runs as it is). */
-static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int k, const mpt_tensor *x,
-                                 const mpt_tensor *y, mpt__step_times *times) {
-    mpt_status s = MPT_OK;
-    if (!f->graphs || x->shape[0] != m->max_batch) {
-        mpt__queue_step(m, x, y, times);
+/* The compute queues wait for the last uploads (one wait per device). */
+static void mpt__feed_wait(mpt_model *m, const mpt__feed *f) {
+    int k;
+    for (k = 0; k < f->n; k++)
+        if (!mpt__feed_device_seen(m, k))
+            mpt__feed_model(m, k)->be->upload_wait(mpt__feed_model(m, k)->impl);
+}
+
+/* Queues the step on the batch in buffer b, unrecorded. */
+static mpt_status mpt__feed_queue(mpt_model *m, const mpt__feed *f, int b,
+                                  mpt__step_times *times) {
+    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
+    int k;
+    if (!m->strategy) {
+        mpt__queue_step(m, &f->slot[0].x[b], &f->slot[0].y[b], times);
         return MPT_OK;
     }
-    if (!f->graph[k]) {
+    for (k = 0; k < f->n; k++) {
+        xs[k] = f->slot[k].x[b];
+        ys[k] = f->slot[k].y[b];
+    }
+    return mpt__replicas_step(m, xs, ys, f->global_rows[b], times);
+}
+
+/* Whether buffer b holds a full batch for every slot (the shape recorded). */
+static int mpt__feed_full(mpt_model *m, const mpt__feed *f, int b) {
+    int k;
+    for (k = 0; k < f->n; k++)
+        if (f->slot[k].x[b].shape[0] != mpt__feed_model(m, k)->max_batch) return 0;
+    return 1;
+}
+
+/* Queues the step on the batch in buffer b: replays its recording,
+   records it first when there is none (full batches only; the last,
+   shorter one runs as it is). */
+static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int b, mpt__step_times *times) {
+    mpt_status s = MPT_OK, queued;
+    if (!f->graphs || !mpt__feed_full(m, f, b)) return mpt__feed_queue(m, f, b, times);
+    if (!f->graph[b]) {
         s = m->be->capture_begin(m->impl);
         if (s == MPT_OK) {
-            mpt__queue_step(m, x, y, times);
-            s = m->be->capture_end(m->impl, &f->graph[k]);
+            queued = mpt__feed_queue(m, f, b, times);
+            s = m->be->capture_end(m->impl, &f->graph[b]);
+            if (queued != MPT_OK) { /* its message is set; the recording is partial */
+                if (f->graph[b]) m->be->graph_free(m->impl, f->graph[b]);
+                f->graph[b] = NULL;
+                return queued;
+            }
         }
     }
-    if (s == MPT_OK) s = m->be->replay(m->impl, f->graph[k]);
+    if (s == MPT_OK) s = m->be->replay(m->impl, f->graph[b]);
     return s == MPT_OK ? s : mpt__fail(m->ctx, s, "fit: recording a step: %s",
                                         m->be->error(m->impl));
 }
@@ -10407,7 +10503,7 @@ typedef struct mpt__fit_run {
     mpt__feed feed;              /* a model on a GPU: its uploads  */
     int64_t *mine;               /* (n) with several workers: this one's share */
     int64_t step;                /* the epoch's next global batch  */
-    int64_t rows, global_rows;   /* of the batch fit_next gave      */
+    int64_t rows, global_rows;   /* of the batch fit_take gave      */
     mpt__fit_totals totals;      /* for the summary after the last epoch */
 } mpt__fit_run;
 
@@ -10421,15 +10517,18 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
 static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64_t n,
                                  int64_t batch, int64_t *mine);
 
-/* The epoch's next batch, 0 at its end. On a GPU: the one uploaded; with
-   a strategy: this worker's rows of the next global batch (there may be
-   none when the last batch is shorter than the workers are many); else
-   the loader's. */
-static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
+/* The loader's next batch, 0 at the epoch's end: with a strategy, this
+   worker's rows of the next global batch (there may be none when the last
+   batch is shorter than the workers are many). r->rows and r->global_rows
+   say how many rows it has here and on every worker. */
+static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
     const mpt_strategy *st = r->m->strategy;
     int64_t g;
-    if (r->feed.on) return r->feed.have;
-    if (!st) return mpt__loader_next(r->loader, x, y);
+    if (!st) {
+        if (!mpt__loader_next(r->loader, x, y)) return 0;
+        r->rows = r->global_rows = x->shape[0];
+        return 1;
+    }
     if (r->step >= r->steps) return 0;
     g = MPT__MIN(r->d->batch_size, r->n - r->step * r->d->batch_size);
     r->step++;
@@ -10442,6 +10541,12 @@ static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
     memset(x, 0, sizeof *x);
     memset(y, 0, sizeof *y);
     return 1;
+}
+
+/* The epoch's next batch, 0 at its end: on a GPU the one uploaded, else
+   the loader's. */
+static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
+    return r->feed.on ? r->feed.have : mpt__fit_take(r, x, y);
 }
 
 /* Starts an epoch's order on the loader: this worker's share of it. */
@@ -10457,16 +10562,17 @@ static void mpt__fit_start_epoch(mpt__fit_run *r) {
     }
 }
 
-/* The next step on a GPU: the compute queue waits for its batch's upload,
+/* The next step on a GPU: the compute queues wait for its batch's upload,
    the batch after it starts uploading, then the step is queued. */
 static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
     mpt_model *m = r->m;
-    mpt_tensor x = r->feed.x, y = r->feed.y, nx, ny;
-    int k = 1 - r->feed.next; /* the buffer x and y are in */
-    m->be->upload_wait(m->impl);
+    mpt_tensor nx, ny;
+    int b = 1 - r->feed.next; /* the buffer the step's batch is in */
+    mpt__feed_wait(m, &r->feed);
     r->feed.have = 0;
-    if (mpt__loader_next(r->loader, &nx, &ny)) MPT__CHECK(mpt__feed_upload(m, &r->feed, &nx, &ny));
-    return mpt__feed_step(m, &r->feed, k, &x, &y, times);
+    if (mpt__fit_take(r, &nx, &ny))
+        MPT__CHECK(mpt__feed_upload(m, &r->feed, &nx, &ny, r->rows, r->global_rows));
+    return mpt__feed_step(m, &r->feed, b, times);
 }
 
 /* One epoch: every batch, then validation; fills the epoch's logs. */
@@ -10490,8 +10596,8 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
     mpt__fit_start_epoch(r);
     MPT__CHECK(mpt__state_push(m));
-    if (r->feed.on && mpt__loader_next(r->loader, &x, &y))
-        MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y));
+    if (r->feed.on && mpt__fit_take(r, &x, &y))
+        MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows));
     while (s == MPT_OK && !*stop && mpt__fit_next(r, &x, &y)) {
         mpt_logs batch_logs;
         int print = live_bar && mpt__now() - last_print > 0.1;
@@ -10703,8 +10809,9 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     }
     if (s == MPT_OK) s = mpt__loader_create(m->ctx, r.train, d.batch_size / workers,
                                             m->layers[0].dtype, &r.loader);
-    if (s == MPT_OK && !m->strategy) s = mpt__feed_open(m, &r.feed);
-    if (s == MPT_OK && r.feed.on) s = mpt__plan_gemms(m, MPT__MIN(d.batch_size, r.n));
+    if (s == MPT_OK) s = mpt__feed_open(m, &r.feed);
+    if (s == MPT_OK && r.feed.on && !m->strategy)
+        s = mpt__plan_gemms(m, MPT__MIN(d.batch_size, r.n));
     if (s == MPT_OK && m->strategy && mpt__model_device(m) != MPT_DEVICE_CPU) {
         int64_t share = MPT__MIN(d.batch_size, r.n) / mpt__strategy_total(m->strategy);
         for (i = 0; s == MPT_OK && i < m->n_replicas && share > 0; i++) /* each its device */
@@ -15569,25 +15676,41 @@ static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
     return v;
 }
 
-/* Every replica's forward, loss and backward on its rows of this worker's
-   batch (rows may be 0: then its gradients are zero), layer by layer in
-   step (a synchronized layer needs every replica at the same layer), each
-   loss divided by the global batch. */
-static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor *x,
-                                                 const mpt_tensor *y, int64_t rows,
-                                                 int64_t global_rows, int64_t *had) {
+/* Replica k's rows of this worker's batch of `rows` (a contiguous share:
+   xs[k], ys[k]; none, when the batch has fewer rows than replicas: empty
+   tensors, shape[0] 0). */
+static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                              int64_t rows, mpt_tensor *xs, mpt_tensor *ys) {
+    int n = m->n_replicas, k;
+    for (k = 0; k < n; k++) {
+        int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
+        memset(&xs[k], 0, sizeof xs[k]);
+        memset(&ys[k], 0, sizeof ys[k]);
+        if (b1 > b0) {
+            xs[k] = mpt__rows(x, b0, b1);
+            ys[k] = mpt__rows(y, b0, b1);
+        }
+    }
+}
+
+/* Every replica's forward, loss and backward on its rows xs[k], ys[k]
+   (none: then its gradients are zero), layer by layer in step (a
+   synchronized layer needs every replica at the same layer), each loss
+   divided by the global batch. */
+static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor *xs,
+                                                 const mpt_tensor *ys, int64_t global_rows,
+                                                 int64_t *had) {
     int n = m->n_replicas, k, i, first = m->n_layers;
     mpt__forward_walk fw[MPT__MAX_REPLICAS];
     mpt__backward_walk bw[MPT__MAX_REPLICAS];
     mpt_tensor target[MPT__MAX_REPLICAS];
     for (k = 0; k < n; k++) {
         mpt_model *r = m->replica[k];
-        int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
-        had[k] = b1 - b0;
-        if (b1 > b0) {
-            mpt_tensor xs = mpt__rows(x, b0, b1), ys = mpt__rows(y, b0, b1), in;
-            MPT__CHECK(mpt__input_on_backend(r, &xs, &in));
-            MPT__CHECK(mpt__target_on_backend(r, &ys, &target[k]));
+        had[k] = xs[k].shape[0];
+        if (had[k] > 0) {
+            mpt_tensor in;
+            MPT__CHECK(mpt__input_on_backend(r, &xs[k], &in));
+            MPT__CHECK(mpt__target_on_backend(r, &ys[k], &target[k]));
             mpt__forward_begin(r, &in, 1, &fw[k]);
         } else {
             r->be->zero(r->impl, r->arena[MPT__MEM_GRADS], (size_t)r->arena_bytes[MPT__MEM_GRADS]);
@@ -15631,9 +15754,6 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
     return MPT_OK;
 }
 
-/* The step: forward and backward on every replica, the gradients summed
-   over the replicas (in order) and the workers, the same update on every
-   replica. */
 /* The replicas' gradients summed on one device: replica 0 adds the others'
    in order, the workers' sum follows (MPI, in buckets), and every replica
    takes the result. */
@@ -15649,13 +15769,17 @@ static mpt_status mpt__local_sum_grads(mpt_model *m, int64_t grads) {
     return MPT_OK;
 }
 
-static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
+/* The step: forward and backward on every replica, the gradients summed
+   over the replicas (in order) and the workers, the same update on every
+   replica. xs[k], ys[k]: replica k's rows, where it can read them (on a
+   GPU, fit's feed uploaded them). */
+static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const mpt_tensor *ys,
+                                     int64_t global_rows, mpt__step_times *times) {
     int n = m->n_replicas, k;
     int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[MPT__MAX_REPLICAS];
     double t0 = mpt__now(), t1;
     if (m->exchange) mpt__exchange_arm(m);
-    MPT__CHECK(mpt__replicas_forward_backward(m, x, y, rows, global_rows, had));
+    MPT__CHECK(mpt__replicas_forward_backward(m, xs, ys, global_rows, had));
     if (m->strategy->comm) { /* GPUs: the communicator sums them, on every device */
         MPT__CHECK(mpt__comm_sum(m, MPT__MEM_GRADS, -1, 0, grads / 4));
     } else {
@@ -15667,6 +15791,27 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
     times->backward += t1 - t0;
     times->update += mpt__now() - t1;
     return MPT_OK;
+}
+
+/* The step on this worker's batch of `rows` in host memory. */
+static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
+    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
+    mpt__replica_rows(m, x, y, rows, xs, ys);
+    return mpt__replicas_step(m, xs, ys, global_rows, times);
+}
+
+/* Whether fit may record the replicas' step in a CUDA graph and replay it:
+   when they share one device and one worker. Collectives between devices
+   stay out (NCCL's, replayed in graphs of several devices from one thread,
+   can deadlock), as do MPI's between workers and a synchronized
+   BatchNormalization (both pass through the host every step). */
+static int mpt__replicas_capturable(const mpt_model *m) {
+    int i;
+    if (m->strategy->comm || m->strategy->workers > 1) return 0;
+    for (i = 0; i < m->n_layers; i++)
+        if (mpt__is_sync_bn(&m->layers[i])) return 0;
+    return 1;
 }
 
 /* This worker's share of an epoch's order: of each global batch of

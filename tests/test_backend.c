@@ -688,6 +688,10 @@ static void test_mirrored_on_the_device(void) {
     CHECK(same_params(cpu, gpu) && same_params(cpu->replica[1], gpu->replica[1]),
           "replicated weights differ between the CPU and the device");
     CHECK(same_history(cpu, gpu), "histories differ");
+    /* 2 epochs of 4 batches (the last of 24), each replica's rows as x and y */
+    CHECK(dev.uploads_async == 2 * 4 * 2 * 2 && dev.waits == 2 * 4,
+          "%ld asynchronous uploads, %ld waits (want 32, 8: one per step on the one device)",
+          dev.uploads_async, dev.waits);
     CHECK(dev.plans > 0, "the replicas' GEMMs were not timed");
     CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
     mpt_model_destroy(gpu);
@@ -739,6 +743,12 @@ static void test_mirrored_on_two_devices(void) {
     CHECK(same_params(cpu_model, gpu) && same_params(cpu_model->replica[1], gpu->replica[1]),
           "weights on two devices differ from two replicas on the CPU");
     CHECK(same_history(cpu_model, gpu), "histories differ");
+    /* 2 epochs of 3 batches, each device's replica's rows as x and y */
+    CHECK(dev.uploads_async == 12 && dev.waits == 6 && dev2.uploads_async == 12 &&
+              dev2.waits == 6,
+          "asynchronous uploads and waits: %ld and %ld on the first device, %ld and %ld on the "
+          "second (want 12 and 6 on each)",
+          dev.uploads_async, dev.waits, dev2.uploads_async, dev2.waits);
     CHECK(dev.allreduces > 0 && dev2.n > 0 && dev2.plans > 0,
           "%ld all-reduces, %d blocks and %ld timed GEMMs on the second device", dev.allreduces,
           dev2.n, dev2.plans);

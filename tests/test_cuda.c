@@ -2030,6 +2030,63 @@ static void test_mirrored_on_the_gpu(void) {
     }
 }
 
+/* Two logical replicas on the GPU: fit records their step (one device, no
+   collectives) in CUDA graphs and replays it, BatchNormalization's
+   averaged statistics included; the weights equal, bit for bit, those of
+   the same fit unrecorded (MPT_CUDA_GRAPHS=0). One GEMM engine, so that
+   no timing picks another between the two runs. */
+static void test_mirrored_graphs_change_nothing(void) {
+    char path[2][512];
+    int pass;
+    temp_path(path[0], sizeof path[0], "mirrored_graphs_off");
+    temp_path(path[1], sizeof path[1], "mirrored_graphs_on");
+    make_blobs();
+    for (pass = 0; pass < 2; pass++) {
+        mpt_context *ctx = NULL;
+        mpt_context_desc cd;
+        mpt_strategy *s = NULL;
+        mpt_strategy_desc sd;
+        mpt_dataset *data;
+        mpt_model *m;
+        mpt_fit_desc fd;
+        if (pass == 0) setenv("MPT_CUDA_GRAPHS", "0", 1);
+        else unsetenv("MPT_CUDA_GRAPHS");
+        memset(&cd, 0, sizeof cd);
+        cd.logger.fn = quiet_logger;
+        cd.gemm = MPT_GEMM_MPT;
+        if (mpt_context_create(&cd, &ctx) != MPT_OK) {
+            CHECK(0, "context: cannot be created");
+            break;
+        }
+        memset(&sd, 0, sizeof sd);
+        sd.type = MPT_STRATEGY_MIRRORED;
+        sd.num_replicas = 2;
+        CHECK(mpt_strategy_create(ctx, &sd, &s) == MPT_OK, "strategy: %s", mpt_context_error(ctx));
+        data = blob_dataset(ctx);
+        m = s ? mirrored_model(ctx, s) : NULL;
+        memset(&fd, 0, sizeof fd);
+        fd.epochs = 2;
+        fd.batch_size = 64; /* 16 full batches: every step but the first two replayed */
+        CHECK(m && mpt_model_fit(m, data, &fd) == MPT_OK, "fit with graphs %s: %s",
+              pass ? "on" : "off", mpt_context_error(ctx));
+        if (m)
+            CHECK(mpt_model_save_weights(m, path[pass]) == MPT_OK, "save_weights: %s",
+                  mpt_context_error(ctx));
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(data);
+        mpt_strategy_destroy(s);
+        mpt_context_destroy(ctx);
+    }
+    unsetenv("MPT_CUDA_GRAPHS");
+    CHECK(same_file(path[0], path[1]),
+          "two replicas: weights with CUDA graphs differ from those without (%s, %s)", path[1],
+          path[0]);
+    if (!test__current_failed) {
+        remove(path[0]);
+        remove(path[1]);
+    }
+}
+
 /* The hand step functions (mpt_model_compute_loss, _grad_stats,
    _scale_grads, _sgd_step) on the GPU against the CPU: the same model
    (seed), batch and calls on both; float32, so that both run the same
@@ -2443,6 +2500,9 @@ int main(void) {
               test_model_out_of_memory);
     test__run("mirrored: 1 and 2 replicas on the GPU end where they end on the CPU (<= 1e-4)",
               test_mirrored_on_the_gpu);
+    test__run("mirrored: two replicas' steps recorded in CUDA graphs equal them unrecorded "
+              "(exact)",
+              test_mirrored_graphs_change_nothing);
     test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
               test_hand_step_functions);
     test__run("two GPUs from one thread: every call on its own GPU, results as alone",

@@ -4,15 +4,20 @@
    batches staged in pinned memory and uploaded on the second queue into
    two alternating buffers, targets uploaded, outputs and training scalars
    downloaded, checkpoints through a host mirror, EarlyStopping's weight
-   copies, the GEMM timing pass. Since the arithmetic is the CPU's, a model
-   trained there must end bit for bit where the same model ends on the CPU
-   backend; a mistake in the staging (a stale buffer, a lost tally, a
-   missed push or pull) shows up as a difference.
+   copies, the GEMM timing pass, full steps recorded once per buffer and
+   replayed (the device keeps each call of a recording with its arguments,
+   as a CUDA graph does, and runs them again at each replay). Since the
+   arithmetic is the CPU's, a model trained there must end bit for bit
+   where the same model ends on the CPU backend; a mistake in the staging
+   (a stale buffer, a lost tally, a missed push or pull) or a value the
+   host worked out while recording shows up as a difference.
 
    The device's memory is kept honest: every allocation is tracked, and
    the test checks that the model reads and writes host buffers only
    through upload/download (a host pointer reaching a compute function is
-   a failure). */
+   a failure). A second emulated device holds a second replica, as a
+   mirrored model on two GPUs does: every call must then pass the memory
+   of the device it goes to (on a GPU, the device the call makes current). */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
@@ -30,6 +35,7 @@ typedef struct device_memory {
     } block[MAX_BLOCKS];
     int n;
     long uploads_async, waits, plans, allreduces;
+    long captures, replays, unrecordable; /* graphs recorded and replayed */
     long stray; /* pointers given to a device's functions that are not its memory */
 } device_memory;
 
@@ -61,9 +67,76 @@ static void expect_device(const void *impl, const void *p) {
 
 static const mpt_backend *cpu(void) { return mpt__cpu_backend(); }
 
+/* Recording, as a CUDA graph records a step: between capture_begin and
+   capture_end each compute call is kept with its arguments (by value, as
+   a kernel launch keeps them) instead of run, and replay runs the kept
+   calls. A value the host worked out while recording is frozen into every
+   replay, as on a GPU, and what a GPU cannot record (copies to or from
+   the host, allocations, waits for the device) is counted. */
+typedef enum emu_op {
+    OP_GEMM, OP_CONVERT, OP_ACTIVATION, OP_ACTIVATION_GRAD, OP_COLUMN_SUMS, OP_IM2COL,
+    OP_COL2IM, OP_POOL_FORWARD, OP_POOL_BACKWARD, OP_BN_FORWARD, OP_BN_BACKWARD, OP_BN_COMMIT,
+    OP_DROPOUT, OP_LOSS, OP_GRAD_STATS, OP_UPDATE, OP_LOSS_SCALE, OP_ADD, OP_SCALE, OP_COPY,
+    OP_ZERO
+} emu_op;
+
+typedef struct emu_call { /* the arguments of one call; each op uses some */
+    emu_op op;
+    void *impl;
+    mpt_gemm_desc gemm;
+    mpt_batchnorm_args bn;
+    mpt_loss_args loss;
+    mpt_update_args update;
+    mpt_loss_scale_desc loss_scale;
+    mpt_window window;
+    mpt_dtype dtype[2];
+    mpt_activation act;
+    mpt_pool_kind pool;
+    const void *in[4];
+    void *out[3];
+    int64_t n[2];
+    float value;
+    uint64_t key;
+    int flag;
+} emu_call;
+
+typedef struct emu_graph {
+    emu_call *calls;
+    int n, cap;
+} emu_graph;
+
+static emu_graph *recording; /* the capture in progress, or NULL */
+
+/* A new call at the end of the recording (NULL: out of memory, counted). */
+static emu_call *record(emu_op op, void *impl) {
+    emu_call *c;
+    if (recording->n == recording->cap) {
+        int cap = recording->cap ? 2 * recording->cap : 64;
+        emu_call *grown = (emu_call *)realloc(recording->calls, sizeof(emu_call) * (size_t)cap);
+        if (!grown) {
+            dev.unrecordable++;
+            return NULL;
+        }
+        recording->calls = grown;
+        recording->cap = cap;
+    }
+    c = &recording->calls[recording->n++];
+    memset(c, 0, sizeof *c);
+    c->op = op;
+    c->impl = impl;
+    return c;
+}
+
+/* A call a GPU cannot record (it still runs here). */
+static void not_while_recording(void) {
+    if (recording) dev.unrecordable++;
+}
+
 static mpt_status emu_alloc(void *impl, int category, size_t bytes, void **out) {
     device_memory *d = memory_of(impl);
-    mpt_status s = cpu()->alloc(impl, category, bytes, out);
+    mpt_status s;
+    not_while_recording();
+    s = cpu()->alloc(impl, category, bytes, out);
     if (s == MPT_OK && *out && d->n < MAX_BLOCKS) {
         d->block[d->n].base = (unsigned char *)*out;
         d->block[d->n].bytes = bytes;
@@ -75,6 +148,7 @@ static mpt_status emu_alloc(void *impl, int category, size_t bytes, void **out) 
 static void emu_free(void *impl, int category, void *ptr) {
     device_memory *d = memory_of(impl);
     int i;
+    not_while_recording();
     expect_device(impl, ptr);
     for (i = 0; ptr && i < d->n; i++)
         if (d->block[i].base == ptr) {
@@ -85,16 +159,19 @@ static void emu_free(void *impl, int category, void *ptr) {
 }
 
 static mpt_status emu_upload(void *impl, void *dst, const void *src, size_t bytes) {
+    not_while_recording();
     expect_device(impl, dst);
     return cpu()->upload(impl, dst, src, bytes);
 }
 
 static mpt_status emu_download(void *impl, void *dst, const void *src, size_t bytes) {
+    not_while_recording();
     expect_device(impl, src);
     return cpu()->download(impl, dst, src, bytes);
 }
 
 static void emu_upload_async(void *impl, void *dst, const void *src, size_t bytes) {
+    not_while_recording();
     expect_device(impl, dst);
     memory_of(impl)->uploads_async++;
     cpu()->upload_async(impl, dst, src, bytes);
@@ -104,14 +181,55 @@ static void emu_upload_wait(void *impl) {
     memory_of(impl)->waits++;
 }
 
+static mpt_status emu_upload_done(void *impl) {
+    not_while_recording();
+    return cpu()->upload_done(impl);
+}
+
+static mpt_status emu_sync(void *impl) {
+    not_while_recording();
+    return cpu()->sync(impl);
+}
+
+static mpt_status emu_capture_begin(void *impl) {
+    (void)impl;
+    if (recording) return MPT_ERR_STATE;
+    recording = (emu_graph *)calloc(1, sizeof *recording);
+    return recording ? MPT_OK : MPT_ERR_OUT_OF_MEMORY;
+}
+
+static mpt_status emu_capture_end(void *impl, void **graph) {
+    *graph = recording;
+    recording = NULL;
+    if (!*graph) return MPT_ERR_STATE;
+    memory_of(impl)->captures++;
+    return MPT_OK;
+}
+
+static void emu_graph_free(void *impl, void *graph) {
+    (void)impl;
+    if (graph) free(((emu_graph *)graph)->calls);
+    free(graph);
+}
+
 static void emu_copy(void *impl, void *dst, const void *src, size_t bytes) {
     expect_device(impl, dst);
     expect_device(impl, src);
+    if (recording) {
+        emu_call *c = record(OP_COPY, impl);
+        if (c) c->out[0] = dst, c->in[0] = src, c->n[0] = (int64_t)bytes;
+        return;
+    }
     cpu()->copy(impl, dst, src, bytes);
 }
 
 static void emu_zero(void *impl, void *dst, size_t bytes) {
     expect_device(impl, dst);
+    if (recording) {
+        emu_call *c = record(OP_ZERO, impl);
+        if (c) c->out[0] = dst, c->n[0] = (int64_t)bytes;
+        return;
+    }
     cpu()->zero(impl, dst, bytes);
 }
 
@@ -120,6 +238,11 @@ static void emu_gemm(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
     expect_device(impl, d->b);
     expect_device(impl, d->c);
     expect_device(impl, d->bias);
+    if (recording) {
+        emu_call *c = record(OP_GEMM, impl);
+        if (c) c->gemm = *d, c->dtype[0] = c_dtype;
+        return;
+    }
     cpu()->gemm(impl, d, c_dtype);
 }
 
@@ -136,11 +259,21 @@ static void emu_convert(void *impl, mpt_dtype dd, void *dst, mpt_dtype sd, const
                         int64_t n) {
     expect_device(impl, dst);
     expect_device(impl, src);
+    if (recording) {
+        emu_call *c = record(OP_CONVERT, impl);
+        if (c) c->dtype[0] = dd, c->out[0] = dst, c->dtype[1] = sd, c->in[0] = src, c->n[0] = n;
+        return;
+    }
     cpu()->convert(impl, dd, dst, sd, src, n);
 }
 
 static void emu_activation(void *impl, mpt_activation act, float *x, int64_t rows, int64_t cols) {
     expect_device(impl, x);
+    if (recording) {
+        emu_call *c = record(OP_ACTIVATION, impl);
+        if (c) c->act = act, c->out[0] = x, c->n[0] = rows, c->n[1] = cols;
+        return;
+    }
     cpu()->activation(impl, act, x, rows, cols);
 }
 
@@ -152,6 +285,14 @@ static void emu_activation_grad(void *impl, mpt_activation act, mpt_dtype dtype,
     expect_device(impl, dy);
     expect_device(impl, dz);
     expect_device(impl, tmp);
+    if (recording) {
+        emu_call *c = record(OP_ACTIVATION_GRAD, impl);
+        if (c) {
+            c->act = act, c->dtype[0] = dtype, c->in[0] = z, c->in[1] = y, c->in[2] = dy;
+            c->out[0] = dz, c->out[1] = tmp, c->n[0] = rows, c->n[1] = cols;
+        }
+        return;
+    }
     cpu()->activation_grad(impl, act, dtype, z, y, dy, dz, tmp, rows, cols);
 }
 
@@ -159,6 +300,11 @@ static void emu_column_sums(void *impl, const float *dz, int64_t rows, int64_t c
                             int accumulate) {
     expect_device(impl, dz);
     expect_device(impl, out);
+    if (recording) {
+        emu_call *c = record(OP_COLUMN_SUMS, impl);
+        if (c) c->in[0] = dz, c->n[0] = rows, c->n[1] = cols, c->out[0] = out, c->flag = accumulate;
+        return;
+    }
     cpu()->column_sums(impl, dz, rows, cols, out, accumulate);
 }
 
@@ -166,6 +312,11 @@ static void emu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, const v
                        int64_t n, void *cols) {
     expect_device(impl, x);
     expect_device(impl, cols);
+    if (recording) {
+        emu_call *c = record(OP_IM2COL, impl);
+        if (c) c->window = *g, c->dtype[0] = dtype, c->in[0] = x, c->n[0] = n, c->out[0] = cols;
+        return;
+    }
     cpu()->im2col(impl, g, dtype, x, n, cols);
 }
 
@@ -174,6 +325,14 @@ static void emu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, const f
     expect_device(impl, dcols);
     expect_device(impl, dxf);
     expect_device(impl, dx);
+    if (recording) {
+        emu_call *c = record(OP_COL2IM, impl);
+        if (c) {
+            c->window = *g, c->dtype[0] = dtype, c->in[0] = dcols, c->n[0] = n;
+            c->out[0] = dxf, c->out[1] = dx;
+        }
+        return;
+    }
     cpu()->col2im(impl, g, dtype, dcols, n, dxf, dx);
 }
 
@@ -184,6 +343,14 @@ static void emu_pool_forward(void *impl, mpt_pool_kind kind, const mpt_window *g
     expect_device(impl, y);
     expect_device(impl, argmax);
     expect_device(impl, ws);
+    if (recording) {
+        emu_call *c = record(OP_POOL_FORWARD, impl);
+        if (c) {
+            c->pool = kind, c->window = *g, c->dtype[0] = dtype, c->in[0] = x, c->out[0] = y;
+            c->out[1] = argmax, c->n[0] = n, c->out[2] = ws;
+        }
+        return;
+    }
     cpu()->pool_forward(impl, kind, g, dtype, x, y, argmax, n, ws);
 }
 
@@ -194,6 +361,14 @@ static void emu_pool_backward(void *impl, mpt_pool_kind kind, const mpt_window *
     expect_device(impl, dx);
     expect_device(impl, argmax);
     expect_device(impl, ws);
+    if (recording) {
+        emu_call *c = record(OP_POOL_BACKWARD, impl);
+        if (c) {
+            c->pool = kind, c->window = *g, c->dtype[0] = dtype, c->in[0] = dy, c->out[0] = dx;
+            c->in[1] = argmax, c->n[0] = n, c->out[1] = ws;
+        }
+        return;
+    }
     cpu()->pool_backward(impl, kind, g, dtype, dy, dx, argmax, n, ws);
 }
 
@@ -207,11 +382,21 @@ static void expect_batchnorm_args(void *impl, const mpt_batchnorm_args *a) {
 
 static void emu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
     expect_batchnorm_args(impl, a);
+    if (recording) {
+        emu_call *c = record(OP_BN_FORWARD, impl);
+        if (c) c->bn = *a;
+        return;
+    }
     cpu()->batchnorm_forward(impl, a);
 }
 
 static void emu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
     expect_batchnorm_args(impl, a);
+    if (recording) {
+        emu_call *c = record(OP_BN_BACKWARD, impl);
+        if (c) c->bn = *a;
+        return;
+    }
     cpu()->batchnorm_backward(impl, a);
 }
 
@@ -219,6 +404,11 @@ static void emu_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
                                  const mpt_step_state *state) {
     expect_batchnorm_args(impl, a);
     expect_device(impl, state);
+    if (recording) {
+        emu_call *c = record(OP_BN_COMMIT, impl);
+        if (c) c->bn = *a, c->in[0] = state;
+        return;
+    }
     cpu()->batchnorm_commit(impl, a, state);
 }
 
@@ -230,6 +420,14 @@ static void emu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype, c
     expect_device(impl, state);
     expect_device(impl, saved_step);
     expect_device(impl, ws);
+    if (recording) {
+        emu_call *c = record(OP_DROPOUT, impl);
+        if (c) {
+            c->key = key, c->value = rate, c->dtype[0] = dtype, c->in[0] = in, c->out[0] = out;
+            c->n[0] = n, c->in[1] = state, c->out[1] = saved_step, c->out[2] = ws;
+        }
+        return;
+    }
     cpu()->dropout(impl, key, rate, dtype, in, out, n, state, saved_step, ws);
 }
 
@@ -238,6 +436,11 @@ static void emu_loss(void *impl, const mpt_loss_args *a) {
     expect_device(impl, a->target);
     expect_device(impl, a->dpred);
     expect_device(impl, a->state);
+    if (recording) {
+        emu_call *c = record(OP_LOSS, impl);
+        if (c) c->loss = *a;
+        return;
+    }
     cpu()->loss(impl, a);
 }
 
@@ -253,29 +456,115 @@ static void expect_update_args(void *impl, const mpt_update_args *u) {
 
 static void emu_grad_stats(void *impl, const mpt_update_args *u) {
     expect_update_args(impl, u);
+    if (recording) {
+        emu_call *c = record(OP_GRAD_STATS, impl);
+        if (c) c->update = *u;
+        return;
+    }
     cpu()->grad_stats(impl, u);
 }
 
 static void emu_update(void *impl, const mpt_update_args *u) {
     expect_update_args(impl, u);
+    if (recording) {
+        emu_call *c = record(OP_UPDATE, impl);
+        if (c) c->update = *u;
+        return;
+    }
     cpu()->update(impl, u);
 }
 
 static void emu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
                                   mpt_step_state *state) {
     expect_device(impl, state);
+    if (recording) {
+        emu_call *c = record(OP_LOSS_SCALE, impl);
+        if (c) c->loss_scale = *d, c->out[0] = state;
+        return;
+    }
     cpu()->loss_scale_update(impl, d, state);
 }
 
 static void emu_add(void *impl, float *dst, const float *src, int64_t n) {
     expect_device(impl, dst);
     expect_device(impl, src);
+    if (recording) {
+        emu_call *c = record(OP_ADD, impl);
+        if (c) c->out[0] = dst, c->in[0] = src, c->n[0] = n;
+        return;
+    }
     cpu()->add(impl, dst, src, n);
 }
 
 static void emu_scale(void *impl, float *x, float alpha, int64_t n) {
     expect_device(impl, x);
+    if (recording) {
+        emu_call *c = record(OP_SCALE, impl);
+        if (c) c->out[0] = x, c->value = alpha, c->n[0] = n;
+        return;
+    }
     cpu()->scale(impl, x, alpha, n);
+}
+
+/* Runs one kept call as it was made. */
+static void run_call(const emu_call *c) {
+    void *impl = c->impl;
+    switch (c->op) {
+    case OP_GEMM: emu_gemm(impl, &c->gemm, c->dtype[0]); break;
+    case OP_CONVERT:
+        emu_convert(impl, c->dtype[0], c->out[0], c->dtype[1], c->in[0], c->n[0]);
+        break;
+    case OP_ACTIVATION: emu_activation(impl, c->act, (float *)c->out[0], c->n[0], c->n[1]); break;
+    case OP_ACTIVATION_GRAD:
+        emu_activation_grad(impl, c->act, c->dtype[0], c->in[0], c->in[1], c->in[2],
+                            (float *)c->out[0], (float *)c->out[1], c->n[0], c->n[1]);
+        break;
+    case OP_COLUMN_SUMS:
+        emu_column_sums(impl, (const float *)c->in[0], c->n[0], c->n[1], (float *)c->out[0],
+                        c->flag);
+        break;
+    case OP_IM2COL: emu_im2col(impl, &c->window, c->dtype[0], c->in[0], c->n[0], c->out[0]); break;
+    case OP_COL2IM:
+        emu_col2im(impl, &c->window, c->dtype[0], (const float *)c->in[0], c->n[0],
+                   (float *)c->out[0], c->out[1]);
+        break;
+    case OP_POOL_FORWARD:
+        emu_pool_forward(impl, c->pool, &c->window, c->dtype[0], c->in[0], c->out[0],
+                         (int32_t *)c->out[1], c->n[0], c->out[2]);
+        break;
+    case OP_POOL_BACKWARD:
+        emu_pool_backward(impl, c->pool, &c->window, c->dtype[0], c->in[0], c->out[0],
+                          (const int32_t *)c->in[1], c->n[0], c->out[1]);
+        break;
+    case OP_BN_FORWARD: emu_batchnorm_forward(impl, &c->bn); break;
+    case OP_BN_BACKWARD: emu_batchnorm_backward(impl, &c->bn); break;
+    case OP_BN_COMMIT:
+        emu_batchnorm_commit(impl, &c->bn, (const mpt_step_state *)c->in[0]);
+        break;
+    case OP_DROPOUT:
+        emu_dropout(impl, c->key, c->value, c->dtype[0], c->in[0], c->out[0], c->n[0],
+                    (const mpt_step_state *)c->in[1], (int64_t *)c->out[1], c->out[2]);
+        break;
+    case OP_LOSS: emu_loss(impl, &c->loss); break;
+    case OP_GRAD_STATS: emu_grad_stats(impl, &c->update); break;
+    case OP_UPDATE: emu_update(impl, &c->update); break;
+    case OP_LOSS_SCALE:
+        emu_loss_scale_update(impl, &c->loss_scale, (mpt_step_state *)c->out[0]);
+        break;
+    case OP_ADD: emu_add(impl, (float *)c->out[0], (const float *)c->in[0], c->n[0]); break;
+    case OP_SCALE: emu_scale(impl, (float *)c->out[0], c->value, c->n[0]); break;
+    case OP_COPY: emu_copy(impl, c->out[0], c->in[0], (size_t)c->n[0]); break;
+    case OP_ZERO: emu_zero(impl, c->out[0], (size_t)c->n[0]); break;
+    }
+}
+
+static mpt_status emu_replay(void *impl, void *graph) {
+    const emu_graph *g = (const emu_graph *)graph;
+    int i;
+    if (!g || recording) return MPT_ERR_STATE;
+    for (i = 0; i < g->n; i++) run_call(&g->calls[i]);
+    memory_of(impl)->replays++;
+    return MPT_OK;
 }
 
 /* The collectives between emulated devices: the sum over the members in
@@ -336,6 +625,13 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.download = emu_download;
     emu_table.upload_async = emu_upload_async;
     emu_table.upload_wait = emu_upload_wait;
+    emu_table.upload_done = emu_upload_done;
+    emu_table.sync = emu_sync;
+    emu_table.can_capture = 1;
+    emu_table.capture_begin = emu_capture_begin;
+    emu_table.capture_end = emu_capture_end;
+    emu_table.replay = emu_replay;
+    emu_table.graph_free = emu_graph_free;
     emu_table.copy = emu_copy;
     emu_table.zero = emu_zero;
     emu_table.gemm = emu_gemm;
@@ -512,6 +808,11 @@ static void test_fit_matches_the_cpu(void) {
         CHECK(dev.uploads_async == 3 * 3 * 2 && dev.waits == 3 * 3,
               "policy %d: %ld asynchronous uploads, %ld waits (want 18, 9)", k,
               dev.uploads_async, dev.waits);
+        /* a step recorded per buffer, every full step replayed, nothing
+           recorded that a GPU could not record */
+        CHECK(dev.captures == 2 && dev.replays == 9 && dev.unrecordable == 0,
+              "policy %d: %ld steps recorded, %ld replayed (want 2, 9), %ld calls a graph "
+              "cannot hold", k, dev.captures, dev.replays, dev.unrecordable);
         CHECK(dev.plans > 0, "policy %d: no GEMM was timed before the first step", k);
         CHECK(dev.stray == 0, "policy %d: %ld host pointers reached the device's functions", k,
               dev.stray);
@@ -692,6 +993,11 @@ static void test_mirrored_on_the_device(void) {
     CHECK(dev.uploads_async == 2 * 4 * 2 * 2 && dev.waits == 2 * 4,
           "%ld asynchronous uploads, %ld waits (want 32, 8: one per step on the one device)",
           dev.uploads_async, dev.waits);
+    /* the replicas share the device: their full steps (3 an epoch) recorded
+       once per buffer and replayed; the last, of 12 rows each, runs as it is */
+    CHECK(dev.captures == 2 && dev.replays == 6 && dev.unrecordable == 0,
+          "%ld replicated steps recorded, %ld replayed (want 2, 6), %ld calls a graph cannot "
+          "hold", dev.captures, dev.replays, dev.unrecordable);
     CHECK(dev.plans > 0, "the replicas' GEMMs were not timed");
     CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
     mpt_model_destroy(gpu);
@@ -749,6 +1055,8 @@ static void test_mirrored_on_two_devices(void) {
           "asynchronous uploads and waits: %ld and %ld on the first device, %ld and %ld on the "
           "second (want 12 and 6 on each)",
           dev.uploads_async, dev.waits, dev2.uploads_async, dev2.waits);
+    CHECK(dev.captures == 0 && dev2.captures == 0,
+          "a step over two devices (collectives in it) was recorded");
     CHECK(dev.allreduces > 0 && dev2.n > 0 && dev2.plans > 0,
           "%ld all-reduces, %d blocks and %ld timed GEMMs on the second device", dev.allreduces,
           dev2.n, dev2.plans);

@@ -2199,7 +2199,7 @@ static void test_hand_step_functions(void) {
     mpt_model_destroy(gpu.m);
 }
 
-/* ---- kernels loaded before any capture ---------------------------------------------------------- */
+/* ---- kernels loaded before any capture ------------------------------------------ */
 
 /* Once a context exists on the device, every kernel of the CUDA backend is
    loaded there, though main asked for lazy loading (CUDA_MODULE_LOADING=
@@ -2217,7 +2217,7 @@ static void test_kernels_loaded_at_creation(void) {
 #endif
 }
 
-/* ---- two GPUs from one thread ------------------------------------------------------------------ */
+/* ---- two GPUs from one thread --------------------------------------------------- */
 
 #ifdef MPT_CUDA
 /* Table call `which` (0..N_DEVICE_CALLS-1) of b on its buffers a and c

@@ -375,7 +375,7 @@ static void emu_pool_backward(void *impl, mpt_pool_kind kind, const mpt_window *
 static void expect_batchnorm_args(void *impl, const mpt_batchnorm_args *a) {
     const void *p[] = {a->x, a->y, a->dy, a->dx, a->gamma, a->beta, a->dgamma, a->dbeta,
                        a->mean, a->variance, a->moving_mean, a->moving_variance,
-                       a->workspace};
+                       a->workspace, a->sum_dy, a->sum_dy_xhat};
     size_t i;
     for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
 }
@@ -705,15 +705,17 @@ static mpt_dataset *image_dataset(mpt_context *c) {
     return d;
 }
 
-/* Conv2D(4, 3, relu) -> BatchNormalization -> MaxPooling2D -> Flatten ->
+/* Conv2D(4, 3, relu) -> BatchNormalization (its statistics over every
+   replica's rows when `synchronized`) -> MaxPooling2D -> Flatten ->
    Dropout(0.25) -> Dense(4, softmax), compiled with Adam. */
-static mpt_model *image_model_with(mpt_context *c, mpt_policy policy, mpt_strategy *s) {
+static mpt_model *image_model_with(mpt_context *c, mpt_policy policy, mpt_strategy *s,
+                                   int synchronized) {
     mpt_model *m = NULL;
     mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
                                           .policy = policy, .seed = 11, .strategy = s}, &m);
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
                                                .activation = MPT_ACT_RELU});
-    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.synchronized = synchronized});
     mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){0});
     mpt_model_add_flatten(m, NULL);
     mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
@@ -727,7 +729,7 @@ static mpt_model *image_model_with(mpt_context *c, mpt_policy policy, mpt_strate
 }
 
 static mpt_model *image_model(mpt_context *c, mpt_policy policy) {
-    return image_model_with(c, policy, NULL);
+    return image_model_with(c, policy, NULL, 0);
 }
 
 static int same_params(const mpt_model *a, const mpt_model *b) {
@@ -962,8 +964,9 @@ static void test_public_steps_on_the_device(void) {
 
 /* Two mirrored replicas on the device (each with its own staging buffers,
    uploads and GEMM timing) end bit for bit where two replicas end on the
-   CPU. */
-static void test_mirrored_on_the_device(void) {
+   CPU; their full steps are recorded and replayed, unless BatchNormalization
+   is synchronized (its statistics pass through the host every step). */
+static void mirrored_on_the_device(int synchronized) {
     mpt_context *dc = NULL;
     mpt_strategy *s_cpu = NULL, *s_dev = NULL;
     mpt_model *cpu, *gpu;
@@ -979,25 +982,27 @@ static void test_mirrored_on_the_device(void) {
           "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
     d_cpu = image_dataset(ctx);
     d_gpu = image_dataset(dc);
-    cpu = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, s_cpu);
-    gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s_dev);
+    cpu = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, s_cpu, synchronized);
+    gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s_dev, synchronized);
     memset(&fit, 0, sizeof fit);
     fit.epochs = 2;
     fit.batch_size = BATCH;
     CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(dc));
     CHECK(same_params(cpu, gpu) && same_params(cpu->replica[1], gpu->replica[1]),
-          "replicated weights differ between the CPU and the device");
-    CHECK(same_history(cpu, gpu), "histories differ");
+          "synchronized %d: replicated weights differ between the CPU and the device",
+          synchronized);
+    CHECK(same_history(cpu, gpu), "synchronized %d: histories differ", synchronized);
     /* 2 epochs of 4 batches (the last of 24), each replica's rows as x and y */
     CHECK(dev.uploads_async == 2 * 4 * 2 * 2 && dev.waits == 2 * 4,
           "%ld asynchronous uploads, %ld waits (want 32, 8: one per step on the one device)",
           dev.uploads_async, dev.waits);
     /* the replicas share the device: their full steps (3 an epoch) recorded
        once per buffer and replayed; the last, of 12 rows each, runs as it is */
-    CHECK(dev.captures == 2 && dev.replays == 6 && dev.unrecordable == 0,
-          "%ld replicated steps recorded, %ld replayed (want 2, 6), %ld calls a graph cannot "
-          "hold", dev.captures, dev.replays, dev.unrecordable);
+    CHECK(dev.captures == (synchronized ? 0 : 2) && dev.replays == (synchronized ? 0 : 6) &&
+              dev.unrecordable == 0,
+          "synchronized %d: %ld replicated steps recorded, %ld replayed, %ld calls a graph "
+          "cannot hold", synchronized, dev.captures, dev.replays, dev.unrecordable);
     CHECK(dev.plans > 0, "the replicas' GEMMs were not timed");
     CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
     mpt_model_destroy(gpu);
@@ -1010,12 +1015,18 @@ static void test_mirrored_on_the_device(void) {
     mpt_context_destroy(dc);
 }
 
+static void test_mirrored_on_the_device(void) {
+    mirrored_on_the_device(0);
+    mirrored_on_the_device(1);
+}
+
 /* Two replicas on two emulated devices, run from one thread as a mirrored
    model on two GPUs runs them: every call that passes a replica's buffers
    goes to that replica's device (on a GPU, the device its call enters),
-   the gradients and statistics are summed by the communicator, and the
-   model ends bit for bit where two replicas end on the CPU. */
-static void test_mirrored_on_two_devices(void) {
+   the gradients and statistics are summed by the communicator (or, when
+   synchronized, gathered through the host), and the model ends bit for
+   bit where two replicas end on the CPU. */
+static void mirrored_on_two_devices(int synchronized) {
     mpt_context *dc = NULL, *second = NULL;
     mpt_strategy *s_cpu = NULL, *s_dev = NULL;
     mpt_strategy_desc sd;
@@ -1036,8 +1047,8 @@ static void test_mirrored_on_two_devices(void) {
     add_second_device(s_dev, second);
     d_cpu = image_dataset(ctx);
     d_gpu = image_dataset(dc);
-    cpu_model = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, s_cpu);
-    gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s_dev);
+    cpu_model = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, s_cpu, synchronized);
+    gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s_dev, synchronized);
     memset(&fit, 0, sizeof fit);
     fit.epochs = 2;
     fit.batch_size = BATCH; /* 120 samples: the last batch of 24 */
@@ -1047,8 +1058,9 @@ static void test_mirrored_on_two_devices(void) {
     CHECK(gpu->n_replicas == 2 && gpu->replica[1]->impl == (void *)second,
           "replica 1 is not on the second device");
     CHECK(same_params(cpu_model, gpu) && same_params(cpu_model->replica[1], gpu->replica[1]),
-          "weights on two devices differ from two replicas on the CPU");
-    CHECK(same_history(cpu_model, gpu), "histories differ");
+          "synchronized %d: weights on two devices differ from two replicas on the CPU",
+          synchronized);
+    CHECK(same_history(cpu_model, gpu), "synchronized %d: histories differ", synchronized);
     /* 2 epochs of 3 batches, each device's replica's rows as x and y */
     CHECK(dev.uploads_async == 12 && dev.waits == 6 && dev2.uploads_async == 12 &&
               dev2.waits == 6,
@@ -1060,7 +1072,8 @@ static void test_mirrored_on_two_devices(void) {
     CHECK(dev.allreduces > 0 && dev2.n > 0 && dev2.plans > 0,
           "%ld all-reduces, %d blocks and %ld timed GEMMs on the second device", dev.allreduces,
           dev2.n, dev2.plans);
-    CHECK(dev.stray == 0, "%ld pointers reached a device whose memory they are not", dev.stray);
+    CHECK(dev.stray == 0, "synchronized %d: %ld pointers reached a device whose memory they are "
+          "not", synchronized, dev.stray);
     mpt_model_destroy(gpu);
     mpt_model_destroy(cpu_model);
     mpt_dataset_destroy(d_cpu);
@@ -1071,6 +1084,11 @@ static void test_mirrored_on_two_devices(void) {
     dev2_impl = NULL;
     mpt_context_destroy(second);
     mpt_context_destroy(dc);
+}
+
+static void test_mirrored_on_two_devices(void) {
+    mirrored_on_two_devices(0);
+    mirrored_on_two_devices(1);
 }
 
 /* ---- what both backends run: @backend-shared --------------------------------- */

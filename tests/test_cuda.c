@@ -2366,6 +2366,97 @@ static void test_two_devices_from_one_thread(void) {
 #endif
 }
 
+#if defined(MPT_CUDA) && defined(MPT_NCCL)
+/* The weights (replica 0's, n floats: malloc'd) after one epoch of the
+   mirrored model of test_mirrored_on_the_gpu under strategy sd on ctx;
+   NULL on failure. */
+static float *mirrored_weights(mpt_context *ctx, const mpt_strategy_desc *sd, int64_t *n) {
+    mpt_strategy *s = NULL;
+    mpt_dataset *data = blob_dataset(ctx);
+    mpt_model *m = NULL;
+    mpt_fit_desc fd;
+    float *w = NULL;
+    int i;
+    void *impl;
+    const mpt_backend *t = mpt_context_backend(ctx, &impl);
+    CHECK(mpt_strategy_create(ctx, sd, &s) == MPT_OK, "strategy: %s", mpt_context_error(ctx));
+    if (s) m = mirrored_model(ctx, s);
+    memset(&fd, 0, sizeof fd);
+    fd.epochs = 1;
+    fd.batch_size = 64;
+    if (m && mpt_model_fit(m, data, &fd) == MPT_OK) {
+        for (i = 0, *n = 0; i < mpt_model_param_count(m); i++) {
+            mpt_param_info info;
+            mpt_model_param(m, i, &info);
+            *n += mpt_tensor_count(&info.value);
+        }
+        w = (float *)malloc(sizeof(float) * (size_t)(*n + 1));
+        for (i = 0, *n = 0; w && i < mpt_model_param_count(m); i++) {
+            mpt_param_info info;
+            mpt_model_param(m, i, &info);
+            t->download(impl, w + *n, info.value.data, mpt_tensor_bytes(&info.value));
+            *n += mpt_tensor_count(&info.value);
+        }
+    } else {
+        CHECK(0, "mirrored fit: %s", mpt_context_error(ctx));
+    }
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+    mpt_strategy_destroy(s);
+    return w;
+}
+#endif
+
+/* A mirrored model with one replica on each of two GPUs (NCCL sums their
+   gradients and statistics, every call entering its replica's GPU from
+   the one thread) ends where two logical replicas on GPU 0 end: the same
+   sums in the same order, up to the GEMMs of two GPUs (<= 1e-5 relative
+   norm). Needs two GPUs and mpt_cuda.cu built with -DMPT_NCCL. */
+static void test_mirrored_on_two_gpus(void) {
+#if defined(MPT_CUDA) && defined(MPT_NCCL)
+    mpt_context *ctx = NULL;
+    mpt_context_desc cd;
+    mpt_strategy_desc sd;
+    const int devices[2] = {0, 1};
+    float *w[2] = {NULL, NULL};
+    int64_t n[2] = {0, 0}, e;
+    int k;
+    if (mpt_device_count(gpu_be[GPU_AUTO].ctx) - 1 < 2) {
+        SKIP("one GPU: this needs two");
+        return;
+    }
+    memset(&cd, 0, sizeof cd);
+    cd.logger.fn = quiet_logger;
+    cd.gemm = MPT_GEMM_MPT;
+    if (mpt_context_create(&cd, &ctx) != MPT_OK) {
+        CHECK(0, "context: cannot be created");
+        return;
+    }
+    make_blobs();
+    for (k = 0; k < 2; k++) {
+        memset(&sd, 0, sizeof sd);
+        sd.type = MPT_STRATEGY_MIRRORED;
+        if (k == 0) sd.num_replicas = 2; /* logical, on GPU 0 */
+        else sd.devices = devices, sd.n_devices = 2;
+        w[k] = mirrored_weights(ctx, &sd, &n[k]);
+    }
+    if (w[0] && w[1] && n[0] == n[1]) {
+        double num = 0, den = 0;
+        for (e = 0; e < n[0]; e++) {
+            num += ((double)w[1][e] - w[0][e]) * ((double)w[1][e] - w[0][e]);
+            den += (double)w[0][e] * w[0][e];
+        }
+        CHECK(sqrt(num / den) <= 1e-5, "two GPUs vs two replicas on one: relative norm error "
+              "%.3g (allowed 1e-5)", sqrt(num / den));
+    }
+    free(w[0]);
+    free(w[1]);
+    mpt_context_destroy(ctx);
+#else
+    SKIP("needs mpt_cuda.cu built with -DMPT_NCCL");
+#endif
+}
+
 /* Every required slot of the CUDA table is filled (@backend), and the
    collectives are there exactly when mpt_cuda.cu was built with NCCL. */
 static void test_table_is_complete(void) {
@@ -2507,6 +2598,8 @@ int main(void) {
               test_hand_step_functions);
     test__run("two GPUs from one thread: every call on its own GPU, results as alone",
               test_two_devices_from_one_thread);
+    test__run("mirrored: one replica on each of two GPUs (NCCL) as two on one (<= 1e-5)",
+              test_mirrored_on_two_gpus);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

@@ -1679,6 +1679,31 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
     }
 }
 
+/* ---- kernels' index arithmetic ------------------------------------------ */
+
+/* Division by an invariant divisor with a multiply and a shift, for index
+   arithmetic in kernels (a 64-bit division is a long subroutine on a
+   GPU): Granlund and Montgomery, "Division by invariant integers using
+   multiplication" (PLDI 1994), figure 4.1, with N = 32. For a divisor
+   1 ≤ d ≤ 2^31: shift = ⌈log2 d⌉, mul = ⌊2^32·(2^shift − d)/d⌋ + 1, and
+   then n / d = (⌊n·mul / 2^32⌋ + n) >> shift for every n < 2^32. */
+typedef struct mpt__fastdiv {
+    uint32_t d, mul, shift;
+} mpt__fastdiv;
+
+static inline mpt__fastdiv mpt__fastdiv_make(uint32_t d) {
+    mpt__fastdiv f;
+    f.d = d;
+    f.shift = 0;
+    while (f.shift < 31 && ((uint64_t)1 << f.shift) < d) f.shift++;
+    f.mul = (uint32_t)((((uint64_t)1 << 32) * (((uint64_t)1 << f.shift) - d)) / d + 1);
+    return f;
+}
+
+static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
+    return (uint32_t)((((uint64_t)n * f.mul >> 32) + n) >> f.shift);
+}
+
 #ifdef __cplusplus
 }
 #endif

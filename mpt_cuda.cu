@@ -72,6 +72,7 @@ typedef struct mpt__cuda {
     size_t lt_workspace_bytes;
     mpt_gemm_engine gemm_engine;        /* from the context desc / $MPT_GEMM */
     struct mpt__gemm_cache *gemm_cache; /* the GEMM part's                  */
+    int index64;                /* $MPT_CUDA_INDEX64=1: im2col/col2im index in 64 bits */
     int64_t used[MPT_MEMORY_COUNT_];    /* bytes allocated per category     */
     int64_t peak[MPT_MEMORY_COUNT_];
     int64_t limit;                      /* 0: none                          */
@@ -1692,41 +1693,91 @@ static void mpt__cuda_activation_grad(void *impl, mpt_activation act, mpt_dtype 
 
 /* ---- im2col / col2im ---------------------------------------------------- */
 
+/* The index arithmetic below splits a thread's linear index into (b, y,
+   x, ...) by divisions by the window's sizes, several per 16-byte unit
+   moved: as 64-bit divisions (a long subroutine on a GPU) they cost more
+   than the copy. When every index of a call is below 2^31 the kernels
+   divide 32-bit indices by multiply and shift instead, with the magic
+   numbers computed on the host (mpt__fastdiv, mpt.h @backend-shared);
+   else, or with $MPT_CUDA_INDEX64=1 (which tests that path), in 64 bits.
+   Both paths give the same indices, so the same results. */
+typedef struct mpt__cuda_div64 {
+    int64_t d;
+} mpt__cuda_div64;
+
+static __host__ __device__ mpt__cuda_div64 mpt__cuda_div64_make(int64_t d) {
+    mpt__cuda_div64 f;
+    f.d = d;
+    return f;
+}
+
+static __device__ __forceinline__ int64_t mpt__cuda_div(mpt__cuda_div64 f, int64_t n) {
+    return n / f.d;
+}
+static __device__ __forceinline__ uint32_t mpt__cuda_div(mpt__fastdiv f, uint32_t n) {
+    return mpt__fastdiv_div(f, n);
+}
+
+/* *t = *t / f; returns the remainder. */
+template <typename DIV, typename I>
+static __device__ __forceinline__ I mpt__cuda_divmod(DIV f, I *t) {
+    const I q = mpt__cuda_div(f, *t), r = *t - q * (I)f.d;
+    *t = q;
+    return r;
+}
+
+/* Whether a call's indices (below `total`) and window sizes fit the
+   32-bit path: every index and divisor below 2^31, and the covering
+   rows' sums (y + pad + stride, below 2^31 + 2^30 + 2^30) below 2^32. */
+static bool mpt__cuda_layers_index32(const mpt__cuda *c, const mpt_window *g, int64_t total) {
+    const int64_t small = (int64_t)1 << 30;
+    return !c->index64 && total < ((int64_t)1 << 31) && g->sh < small && g->sw < small &&
+           g->top < small && g->left < small && g->kh < small && g->kw < small &&
+           g->oh < small && g->ow < small;
+}
+
 /* The output rows (or columns) whose windows cover input row y:
    o·s − pad ≤ y < o·s − pad + k, clipped to [0, out). Empty when o0 > o1. */
+template <typename DIV>
+static __device__ __forceinline__ void mpt__cuda_layers_covering(int64_t y, int64_t k, DIV s,
+                                                                 int64_t pad, int64_t out,
+                                                                 int64_t *o0, int64_t *o1) {
+    typedef decltype(s.d) I; /* the path's index type; the values are >= 0 */
+    const int64_t lo = y + pad - k + 1;
+    const int64_t hi = (int64_t)mpt__cuda_div(s, (I)(y + pad)); /* y + pad >= 0 */
+    *o0 = lo <= 0 ? 0 : (int64_t)mpt__cuda_div(s, (I)(lo + (int64_t)s.d - 1));
+    *o1 = hi < out - 1 ? hi : out - 1;
+}
+
+/* The same with a plain stride (pooling: one window per thread). */
 static __device__ __forceinline__ void mpt__cuda_layers_covering(int64_t y, int64_t k, int64_t s,
                                                                  int64_t pad, int64_t out,
                                                                  int64_t *o0, int64_t *o1) {
-    const int64_t lo = y + pad - k + 1;
-    const int64_t hi = (y + pad) / s; /* y + pad >= 0 */
-    *o0 = lo <= 0 ? 0 : (lo + s - 1) / s;
-    *o1 = hi < out - 1 ? hi : out - 1;
+    mpt__cuda_layers_covering(y, k, mpt__cuda_div64_make(s), pad, out, o0, o1);
 }
 
 /* im2col is a copy: the kernel moves units U (2 to 16 bytes) of a pixel's
    C·es bytes. One thread per unit of cols, index (b, oy, ox, i, j, q) with
    q (the unit within the pixel) fastest, so a warp reads and writes
-   consecutive bytes; pixels outside the image are zeros. */
-template <typename U>
+   consecutive bytes; pixels outside the image are zeros. I and DIV: the
+   index path (uint32_t with mpt__fastdiv, or int64_t). */
+template <typename U, typename I, typename DIV>
 __global__ void __launch_bounds__(256) mpt__cuda_im2col_kernel(mpt_window g, const U *x, U *cols,
-                                                               int64_t units_per_pixel,
-                                                               int64_t total) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
-        int64_t t = u / units_per_pixel;
-        const int64_t q = u - t * units_per_pixel;
-        const int64_t j = t % g.kw;
-        t /= g.kw;
-        const int64_t i = t % g.kh;
-        t /= g.kh;
-        const int64_t ox = t % g.ow;
-        t /= g.ow;
-        const int64_t oy = t % g.oh;
-        const int64_t b = t / g.oh;
+                                                               DIV units_per_pixel, DIV kw,
+                                                               DIV kh, DIV ow, DIV oh, I total) {
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I u = (I)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        I t = u;
+        const int64_t q = mpt__cuda_divmod(units_per_pixel, &t);
+        const int64_t j = mpt__cuda_divmod(kw, &t);
+        const int64_t i = mpt__cuda_divmod(kh, &t);
+        const int64_t ox = mpt__cuda_divmod(ow, &t);
+        const int64_t oy = mpt__cuda_divmod(oh, &t);
+        const int64_t b = t;
         const int64_t y = oy * g.sh - g.top + i, xx = ox * g.sw - g.left + j;
         U v = U();
         if (y >= 0 && y < g.h && xx >= 0 && xx < g.w)
-            v = x[((b * g.h + y) * g.w + xx) * units_per_pixel + q];
+            v = x[((b * g.h + y) * g.w + xx) * (int64_t)units_per_pixel.d + q];
         cols[u] = v;
     }
 }
@@ -1736,10 +1787,22 @@ static void mpt__cuda_im2col_units(mpt__cuda *c, const mpt_window *g, const void
                                    int64_t pixel_bytes, int64_t n) {
     const int64_t upp = pixel_bytes / (int64_t)sizeof(U);
     const int64_t total = n * g->oh * g->ow * g->kh * g->kw * upp;
+    const unsigned blocks = mpt__cuda_blocks(total, mpt__cuda_layers_threads);
     if (total <= 0) return;
-    mpt__cuda_im2col_kernel<U><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
-                                 mpt__cuda_layers_threads, 0, c->stream>>>(
-        *g, (const U *)x, (U *)cols, upp, total);
+    /* Every divisor is a factor of total, so below 2^31 with it. */
+    if (mpt__cuda_layers_index32(c, g, total))
+        mpt__cuda_im2col_kernel<U, uint32_t, mpt__fastdiv>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, (const U *)x, (U *)cols, mpt__fastdiv_make((uint32_t)upp),
+                mpt__fastdiv_make((uint32_t)g->kw), mpt__fastdiv_make((uint32_t)g->kh),
+                mpt__fastdiv_make((uint32_t)g->ow), mpt__fastdiv_make((uint32_t)g->oh),
+                (uint32_t)total);
+    else
+        mpt__cuda_im2col_kernel<U, int64_t, mpt__cuda_div64>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, (const U *)x, (U *)cols, mpt__cuda_div64_make(upp),
+                mpt__cuda_div64_make(g->kw), mpt__cuda_div64_make(g->kh),
+                mpt__cuda_div64_make(g->ow), mpt__cuda_div64_make(g->oh), total);
     mpt__cuda_launched(c, "im2col");
 }
 
@@ -1766,24 +1829,25 @@ static void mpt__cuda_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, c
    (b, y, x), index with the channels fastest. It adds the dcols entries
    that came from it, output row by output row and within a row output
    column by column, from 0: the CPU's order, so the same float sums. Then
-   one rounding to dtype; no atomics, every output written once. */
-template <typename T, int V>
+   one rounding to dtype; no atomics, every output written once. I and
+   DIV: the index path, as im2col's. */
+template <typename T, int V, typename I, typename DIV>
 __global__ void __launch_bounds__(256) mpt__cuda_col2im_kernel(mpt_window g, const float *dcols,
-                                                               T *dx, int64_t total) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x, cv = g.c / V;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
-        int64_t t = u / cv;
-        const int64_t ch = (u - t * cv) * V;
-        const int64_t x = t % g.w;
-        t /= g.w;
-        const int64_t y = t % g.h;
-        const int64_t b = t / g.h;
+                                                               T *dx, DIV channel_groups, DIV w,
+                                                               DIV h, DIV sh, DIV sw, I total) {
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I u = (I)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        I t = u;
+        const int64_t ch = (int64_t)mpt__cuda_divmod(channel_groups, &t) * V;
+        const int64_t x = mpt__cuda_divmod(w, &t);
+        const int64_t y = mpt__cuda_divmod(h, &t);
+        const int64_t b = t;
         int64_t oy0, oy1, ox0, ox1;
         float sum[V];
 #pragma unroll
         for (int e = 0; e < V; e++) sum[e] = 0.0f;
-        mpt__cuda_layers_covering(y, g.kh, g.sh, g.top, g.oh, &oy0, &oy1);
-        mpt__cuda_layers_covering(x, g.kw, g.sw, g.left, g.ow, &ox0, &ox1);
+        mpt__cuda_layers_covering(y, g.kh, sh, g.top, g.oh, &oy0, &oy1);
+        mpt__cuda_layers_covering(x, g.kw, sw, g.left, g.ow, &ox0, &ox1);
         for (int64_t oy = oy0; oy <= oy1; oy++) {
             const int64_t i = y - (oy * g.sh - g.top); /* the window row y is */
             for (int64_t ox = ox0; ox <= ox1; ox++) {
@@ -1798,7 +1862,7 @@ __global__ void __launch_bounds__(256) mpt__cuda_col2im_kernel(mpt_window g, con
         mpt__cuda_layers_pack<T, V> out;
 #pragma unroll
         for (int e = 0; e < V; e++) out.v[e] = mpt__cuda_layers_narrow<T>(sum[e]);
-        mpt__cuda_layers_store<V>(dx + u * V, out);
+        mpt__cuda_layers_store<V>(dx + (int64_t)u * V, out);
     }
 }
 
@@ -1806,10 +1870,21 @@ template <typename T, int V>
 static void mpt__cuda_col2im_typed(mpt__cuda *c, const mpt_window *g, const float *dcols,
                                    int64_t n, T *dx) {
     const int64_t total = n * g->h * g->w * (g->c / V);
+    const unsigned blocks = mpt__cuda_blocks(total, mpt__cuda_layers_threads);
     if (total <= 0) return;
-    mpt__cuda_col2im_kernel<T, V><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
-                                    mpt__cuda_layers_threads, 0, c->stream>>>(*g, dcols, dx,
-                                                                              total);
+    if (mpt__cuda_layers_index32(c, g, total))
+        mpt__cuda_col2im_kernel<T, V, uint32_t, mpt__fastdiv>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, dcols, dx, mpt__fastdiv_make((uint32_t)(g->c / V)),
+                mpt__fastdiv_make((uint32_t)g->w), mpt__fastdiv_make((uint32_t)g->h),
+                mpt__fastdiv_make((uint32_t)g->sh), mpt__fastdiv_make((uint32_t)g->sw),
+                (uint32_t)total);
+    else
+        mpt__cuda_col2im_kernel<T, V, int64_t, mpt__cuda_div64>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, dcols, dx, mpt__cuda_div64_make(g->c / V), mpt__cuda_div64_make(g->w),
+                mpt__cuda_div64_make(g->h), mpt__cuda_div64_make(g->sh),
+                mpt__cuda_div64_make(g->sw), total);
     mpt__cuda_launched(c, "col2im");
 }
 
@@ -3755,6 +3830,7 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
     c->sm_count = prop->multiProcessorCount;
     c->gemm_engine = engine;
     c->limit = desc->device_memory_limit;
+    c->index64 = getenv("MPT_CUDA_INDEX64") && !strcmp(getenv("MPT_CUDA_INDEX64"), "1");
     if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming)) != cudaSuccess ||

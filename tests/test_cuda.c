@@ -1561,6 +1561,90 @@ static void test_graph_capture(void) {
     free(bias);
 }
 
+/* ---- the layout kernels' index paths ----------------------------------------------------- */
+
+/* Opens a CUDA context (hand-written GEMM engine) with the environment
+   variable `name` set to `value` while it opens (as it was afterwards). */
+static int open_backend_with_env(backend *b, const char *label, const char *name,
+                                 const char *value) {
+    const char *was = getenv(name);
+    char *saved = was ? strdup(was) : NULL;
+    int ok;
+    setenv(name, value, 1);
+    ok = open_backend(b, label, 0, MPT_GEMM_MPT) && !strcmp(b->t->name, "cuda");
+    if (saved) setenv(name, saved, 1);
+    else unsetenv(name);
+    free(saved);
+    CHECK(ok, "opening a CUDA context with %s=%s", name, value);
+    if (!ok && b->ctx) close_backend(b);
+    return ok;
+}
+
+/* One im2col and one col2im case on a backend: their outputs (malloc'ed). */
+static void layout_run(backend *b, const mpt_window *g, mpt_dtype dt, int64_t n, const void *x,
+                       const float *dcols, void **cols_out, void **dx_out) {
+    const int64_t xn = n * g->h * g->w * g->c, cn = n * g->oh * g->ow * g->kh * g->kw * g->c;
+    const void *xd = be_upload(b, x, nbytes(dt, xn));
+    void *cols = be_poisoned(b, nbytes(dt, cn));
+    const float *dc = (const float *)be_upload(b, dcols, nbytes(MPT_FLOAT32, cn));
+    float *dxf = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, xn));
+    void *dx = be_poisoned(b, nbytes(dt, xn));
+    b->t->im2col(b->impl, g, dt, xd, n, cols);
+    b->t->col2im(b->impl, g, dt, dc, n, dxf, dx);
+    *cols_out = be_fetch(b, cols, nbytes(dt, cn), "im2col");
+    *dx_out = be_fetch(b, dx, nbytes(dt, xn), "col2im");
+    be_release(b);
+}
+
+/* Issue 9 A10: im2col and col2im on both index paths — 32-bit indices
+   with divisions by multiply and shift (every call below 2^31, the
+   default) and 64-bit ones (a context opened with $MPT_CUDA_INDEX64=1) —
+   against the CPU: im2col exact, col2im within the tolerance of its
+   dtype. The windows of test_im2col, and larger batches whose indices
+   reach past 2^20, over divisors that are not powers of two. */
+static void test_layout_index_paths(void) {
+    backend wide;
+    backend *paths[2];
+    int wi, di, p;
+    if (!open_backend_with_env(&wide, "cuda (64-bit indices)", "MPT_CUDA_INDEX64", "1")) return;
+    paths[0] = &gpu_be[GPU_AUTO];
+    paths[1] = &wide;
+    for (wi = 0; wi < N_WINDOWS + 3; wi++)
+        for (di = 0; di < 3; di++) {
+            mpt_window g = wi < N_WINDOWS ? window_case(wi)
+                           : wi == N_WINDOWS ? make_window(28, 28, 1, 3, 1, 0)
+                           : wi == N_WINDOWS + 1 ? make_window(30, 29, 3, 5, 2, 1)
+                                                 : make_window(13, 13, 12, 3, 1, 1);
+            const int64_t n = wi < N_WINDOWS ? 3 : wi == N_WINDOWS ? 128 : 37;
+            const mpt_dtype dt = float_dtypes[di];
+            const int64_t xn = n * g.h * g.w * g.c, cn = n * g.oh * g.ow * g.kh * g.kw * g.c;
+            void *x = random_values(dt, xn, -1, 1);
+            float *dcols = (float *)random_values(MPT_FLOAT32, cn, -1, 1);
+            void *cols_cpu, *dx_cpu;
+            char what[160];
+            describe_window(what, sizeof what, &g, n, dt);
+            layout_run(&cpu_be, &g, dt, n, x, dcols, &cols_cpu, &dx_cpu);
+            for (p = 0; p < 2; p++) {
+                void *cols, *dx;
+                double err;
+                layout_run(paths[p], &g, dt, n, x, dcols, &cols, &dx);
+                CHECK(memcmp(cols, cols_cpu, nbytes(dt, cn)) == 0,
+                      "im2col %s on %s: element %lld differs (exact)", what, paths[p]->label,
+                      (long long)first_difference(cols, cols_cpu, cn, mpt_dtype_size(dt)));
+                err = rel_error(dt, dx, dt, dx_cpu, xn);
+                CHECK(err <= tolerance(dt), "col2im %s on %s: relative error %.3g > %g", what,
+                      paths[p]->label, err, tolerance(dt));
+                free(cols);
+                free(dx);
+            }
+            free(cols_cpu);
+            free(dx_cpu);
+            free(x);
+            free(dcols);
+        }
+    close_backend(&wide);
+}
+
 /* ---- whole models ---------------------------------------------------------------------------------- */
 
 enum { N_BLOBS = 1024, FEATURES = 12, CLASSES = 4 };
@@ -2270,6 +2354,8 @@ int main(void) {
               test_mirrored_on_the_gpu);
     test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
               test_hand_step_functions);
+    test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
+              test_layout_index_paths);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

@@ -1,0 +1,48 @@
+/* The CUDA backend's host-side rules (mpt.h, @backend-shared), which need
+   no GPU: the fast division of the layout kernels' index arithmetic. The
+   kernels that use them are compared with the CPU in tests/test_cuda.c,
+   on a GPU. */
+#include "mpt.h"
+#include "test.h"
+
+/* n / d for one divisor, checked against the hardware's division. */
+static int64_t fastdiv_mismatches(uint32_t d, const uint32_t *n, int count) {
+    const mpt__fastdiv f = mpt__fastdiv_make(d);
+    int64_t bad = 0;
+    int i;
+    for (i = 0; i < count; i++) bad += mpt__fastdiv_div(f, n[i]) != n[i] / d;
+    return bad;
+}
+
+/* Every divisor up to 4096 and random ones up to 2^31, with the powers of
+   two and their neighbours, each against dividends at the edges (0, 1,
+   around multiples of d, around 2^31 and 2^32) and random ones. */
+static void test_fastdiv(void) {
+    uint32_t n[64], d;
+    int64_t bad = 0, divisors = 0;
+    int i, j;
+    for (i = 0; i < 4096 + 3 * 32 + 20000; i++) {
+        if (i < 4096) d = (uint32_t)i + 1;
+        else if (i < 4096 + 3 * 32) {
+            const int bit = (i - 4096) / 3, off = (i - 4096) % 3 - 1;
+            d = (uint32_t)(((uint64_t)1 << bit) + off);
+            if (d == 0 || d > 0x80000000u) continue;
+        } else d = (uint32_t)(test_next() % 0x80000000u) + 1;
+        n[0] = 0, n[1] = 1, n[2] = d - 1, n[3] = d, n[4] = d + 1;
+        n[5] = 2 * d - 1, n[6] = 2 * d, n[7] = 0x7FFFFFFFu, n[8] = 0x80000000u;
+        n[9] = 0xFFFFFFFFu, n[10] = 0xFFFFFFFEu;
+        n[11] = 0xFFFFFFFFu / d * d, n[12] = n[11] - 1;
+        n[13] = 0x7FFFFFFFu / d * d, n[14] = n[13] - 1;
+        for (j = 15; j < 64; j++) n[j] = (uint32_t)test_next();
+        bad += fastdiv_mismatches(d, n, 64);
+        divisors++;
+    }
+    CHECK(bad == 0, "%lld wrong quotients", (long long)bad);
+    CHECK(divisors > 24000, "only %lld divisors", (long long)divisors);
+}
+
+int main(void) {
+    test_seed(99);
+    TEST_RUN(test_fastdiv);
+    return test_summary("test_cuda_rules");
+}

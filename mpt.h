@@ -1679,6 +1679,34 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
     }
 }
 
+/* ---- the CUDA GEMM's choices --------------------------------------------
+   mpt_cuda.cu picks a tile for each GEMM shape by the rules below, a
+   function of the shape and the GPU's SM count, never of the run, so a
+   shape takes the same path, hence gives the same bits, on every run on
+   the same GPU model. Here, rather than in mpt_cuda.cu, so that they are
+   tested without a GPU. */
+
+/* The hand-written tensor-core GEMM's tiles: 64×64 (3 stages) or 128×128
+   (4 stages, 16-byte aligned A and B only). 128 once those tiles alone
+   make a wave (one per SM), else 64: small problems need more blocks.
+   forced: 64 or 128 ($MPT_CUDA_GEMM_TILE), 0 to choose; 128 is given only
+   where it can run (big_ok: aligned operands, and the GPU has the shared
+   memory), else 64. */
+static inline int mpt__gemm_tile(int64_t m, int64_t n, int sm_count, int big_ok, int forced) {
+    if (!big_ok || forced == 64) return 64;
+    if (forced == 128) return 128;
+    return ((m + 127) / 128) * ((n + 127) / 128) >= sm_count ? 128 : 64;
+}
+
+/* $MPT_CUDA_GEMM_TILE: NULL or "" gives 0 (choose), "64" or "128" that
+   tile; anything else -1. */
+static inline int mpt__gemm_tile_from_env(const char *value) {
+    if (!value || !value[0]) return 0;
+    if (value[0] == '6' && value[1] == '4' && !value[2]) return 64;
+    if (value[0] == '1' && value[1] == '2' && value[2] == '8' && !value[3]) return 128;
+    return -1;
+}
+
 /* ---- kernels' index arithmetic ------------------------------------------ */
 
 /* Division by an invariant divisor with a multiply and a shift, for index

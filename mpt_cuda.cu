@@ -734,6 +734,7 @@ struct mpt__gemm_cache {
     int64_t capacity, count;       /* capacity: a power of two            */
     int tensor_cores;              /* sm_80+: the mma.sync kernel runs    */
     int big_tiles;                 /* the 80 KiB configuration fits       */
+    int forced_tile;               /* $MPT_CUDA_GEMM_TILE: 64, 128; 0: choose */
     float *colsum_partials;        /* column sums' per-chunk partial sums */
     int64_t colsum_partials_count; /* its size in floats                  */
 };
@@ -1000,21 +1001,24 @@ static mpt__cuda_gemm_args mpt__cuda_gemm_make_args(const mpt_gemm_desc *d, mpt_
     return p;
 }
 
+/* The hand-written engine into cptr: the tensor-core kernel for 16-bit
+   operands (from sm_80), its tile by mpt__gemm_tile (mpt.h,
+   @backend-shared), else the FP32-arithmetic one. */
 static void mpt__cuda_gemm_run_mpt(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
                                    void *cptr) {
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
     const mpt__cuda_gemm_args p = mpt__cuda_gemm_make_args(d, c_dtype, cptr);
     const mpt_dtype ab = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
-    if (ab != MPT_FLOAT32 && c->gemm_cache->tensor_cores) {
+    if (ab != MPT_FLOAT32 && cache->tensor_cores) {
         /* cp.async copies 16 bytes: every row start of A and B must be 16-byte
            aligned, i.e. the pointers and the leading dimensions (×2 bytes). */
         const int aligned = (uintptr_t)d->a % 16 == 0 && (uintptr_t)d->b % 16 == 0 &&
                             d->lda % 8 == 0 && d->ldb % 8 == 0;
-        /* Big tiles once they alone give about a wave of blocks. */
-        const int64_t big_tiles = ((d->m + 127) / 128) * ((d->n + 127) / 128);
-        int variant = MPT__CUDA_GEMM_SMALL_GUARDED;
-        if (aligned)
-            variant = c->gemm_cache->big_tiles && big_tiles >= c->sm_count ? MPT__CUDA_GEMM_BIG
-                                                                            : MPT__CUDA_GEMM_SMALL;
+        const int tile = mpt__gemm_tile(d->m, d->n, c->sm_count, aligned && cache->big_tiles,
+                                        cache->forced_tile);
+        const int variant = tile == 128 ? MPT__CUDA_GEMM_BIG
+                            : aligned   ? MPT__CUDA_GEMM_SMALL
+                                        : MPT__CUDA_GEMM_SMALL_GUARDED;
         mpt__cuda_gemm_tc_dispatch(variant, ab == MPT_BFLOAT16, d->trans_a != 0, d->trans_b != 0,
                                    &p, c->stream, 0);
         mpt__cuda_launched(c, "mpt__cuda_gemm_tc_kernel");
@@ -1200,6 +1204,7 @@ static void mpt__cuda_gemm_prepare_kernels(struct mpt__gemm_cache *cache) {
 
 static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     struct mpt__gemm_cache *cache;
+    const char *tile_env = getenv("MPT_CUDA_GEMM_TILE");
     int major = 0;
     c->gemm_cache = cache = (struct mpt__gemm_cache *)calloc(1, sizeof *cache);
     if (!cache)
@@ -1212,6 +1217,10 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
                               "no host memory for the GEMM plan cache");
     cache->capacity = 64;
+    cache->forced_tile = mpt__gemm_tile_from_env(tile_env);
+    if (cache->forced_tile < 0)
+        return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "MPT_CUDA_GEMM_TILE=\"%s\": expected \"64\" or \"128\"", tile_env);
     MPT__CU(c, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
     cache->tensor_cores = major >= 8;
     cache->big_tiles = 1;

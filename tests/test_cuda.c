@@ -1561,7 +1561,7 @@ static void test_graph_capture(void) {
     free(bias);
 }
 
-/* ---- the layout kernels' index paths ----------------------------------------------------- */
+/* ---- the GEMM's tiles; the layout kernels' index paths ------------------------------------ */
 
 /* Opens a CUDA context (hand-written GEMM engine) with the environment
    variable `name` set to `value` while it opens (as it was afterwards). */
@@ -1578,6 +1578,76 @@ static int open_backend_with_env(backend *b, const char *label, const char *name
     CHECK(ok, "opening a CUDA context with %s=%s", name, value);
     if (!ok && b->ctx) close_backend(b);
     return ok;
+}
+
+/* ‖gpu − cpu‖ / ‖cpu‖ over C (the CPU's float32 rounded to C's dtype). */
+static double gemm_error(const gemm_case *g, const gemm_inputs *in, const void *ref,
+                         const void *got) {
+    int64_t i, j, mn = g->m * g->n;
+    double *r = (double *)malloc(sizeof(double) * (size_t)mn);
+    double *o = (double *)malloc(sizeof(double) * (size_t)mn);
+    double err;
+    for (i = 0; i < g->m; i++)
+        for (j = 0; j < g->n; j++) {
+            r[i * g->n + j] = round_to(g->c_dtype, load_value(MPT_FLOAT32, ref, i * in->ldc + j));
+            o[i * g->n + j] = load_value(g->c_dtype, got, i * in->ldc + j);
+        }
+    err = rel_err(o, r, mn);
+    free(r);
+    free(o);
+    return err;
+}
+
+/* Issue 9 A4: the 128×128 four-stage tile. mpt__gemm_tile chooses it from
+   a wave of its tiles on: 1536×1600 is 12·13 = 156 tiles for the H100's
+   and H200's 132 SMs. Three contexts of the hand-written engine run the
+   same cases: the tile chosen, and each tile forced by
+   $MPT_CUDA_GEMM_TILE. Every transpose, float16 and bfloat16 operands,
+   K = 200 (a tail of 8 past the last 32-deep step), C in each dtype and
+   poisoned first, epilogues varied; against the CPU in float32 rounded to
+   C's dtype, relative norm error <= 1e-2 as every 16-bit GEMM. */
+static void test_gemm_tiles(void) {
+    static const char *const tiles[3] = {"", "64", "128"};
+    static const char *const labels[3] = {"cuda (gemm mpt, tile chosen)", "cuda (gemm mpt, tile 64)",
+                                          "cuda (gemm mpt, tile 128)"};
+    static const mpt_activation acts[4] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                           MPT_ACT_TANH};
+    backend be[3];
+    int t, tr, di, v = 0;
+    memset(be, 0, sizeof be);
+    for (t = 0; t < 3; t++)
+        if (!open_backend_with_env(&be[t], labels[t], "MPT_CUDA_GEMM_TILE", tiles[t])) {
+            while (t-- > 0) close_backend(&be[t]);
+            return;
+        }
+    for (tr = 0; tr < 4; tr++)
+        for (di = 1; di < 3; di++, v++) {
+            gemm_case g;
+            gemm_inputs in;
+            void *ref;
+            char what[160];
+            memset(&g, 0, sizeof g);
+            g.m = 1536, g.n = 1600, g.k = 200;
+            g.ta = tr & 1, g.tb = tr >> 1;
+            g.ab = float_dtypes[di];
+            g.c_dtype = float_dtypes[v % 3];
+            g.alpha = v % 2 ? 0.5f : 0.0f;
+            g.bias = v % 3 != 1;
+            g.act = acts[v % 4];
+            in = gemm_make_inputs(&g);
+            ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
+            describe_gemm(what, sizeof what, &g);
+            for (t = 0; t < 3; t++) {
+                void *got = gemm_run(&be[t], &g, g.c_dtype, &in);
+                double err = gemm_error(&g, &in, ref, got);
+                CHECK(err <= 1e-2, "gemm %s on %s: relative error %.3g > 1e-2", what,
+                      be[t].label, err);
+                free(got);
+            }
+            free(ref);
+            gemm_free_inputs(&in);
+        }
+    for (t = 0; t < 3; t++) close_backend(&be[t]);
 }
 
 /* One im2col and one col2im case on a backend: their outputs (malloc'ed). */
@@ -2354,6 +2424,8 @@ int main(void) {
               test_mirrored_on_the_gpu);
     test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
               test_hand_step_functions);
+    test__run("gemm: 128x128 and 64x64 tiles, chosen and forced, 1536x1600x200 (<= 1e-2)",
+              test_gemm_tiles);
     test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
               test_layout_index_paths);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);

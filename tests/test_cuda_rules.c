@@ -1,9 +1,34 @@
 /* The CUDA backend's host-side rules (mpt.h, @backend-shared), which need
-   no GPU: the fast division of the layout kernels' index arithmetic. The
-   kernels that use them are compared with the CPU in tests/test_cuda.c,
-   on a GPU. */
+   no GPU: the GEMM's tile, and the fast division of the layout kernels'
+   index arithmetic. The kernels that use them are compared with the CPU
+   in tests/test_cuda.c, on a GPU. */
 #include "mpt.h"
 #include "test.h"
+
+/* H100 SXM: 132 SMs. */
+#define SMS 132
+
+/* 128×128 only from a full wave of its tiles on, only where it can run,
+   and as $MPT_CUDA_GEMM_TILE says. */
+static void test_tile_choice(void) {
+    /* 1536² is 12·12 = 144 tiles of 128: a wave; 1408² is 11·11 = 121. */
+    CHECK(mpt__gemm_tile(1536, 1536, SMS, 1, 0) == 128, "1536x1536 takes 64 tiles");
+    CHECK(mpt__gemm_tile(1408, 1408, SMS, 1, 0) == 64, "1408x1408 takes 128 tiles");
+    CHECK(mpt__gemm_tile(128 * 132, 1, SMS, 1, 0) == 128, "132 tiles of 128: not 128");
+    CHECK(mpt__gemm_tile(128 * 131, 1, SMS, 1, 0) == 64, "131 tiles of 128: not 64");
+    CHECK(mpt__gemm_tile(1536, 1536, SMS, 0, 0) == 64, "128 without aligned operands");
+    CHECK(mpt__gemm_tile(1536, 1536, SMS, 0, 128) == 64, "forced 128 without aligned operands");
+    CHECK(mpt__gemm_tile(7, 7, SMS, 1, 128) == 128, "forced 128 ignored");
+    CHECK(mpt__gemm_tile(4096, 4096, SMS, 1, 64) == 64, "forced 64 ignored");
+    CHECK(mpt__gemm_tile_from_env(NULL) == 0 && mpt__gemm_tile_from_env("") == 0,
+          "unset $MPT_CUDA_GEMM_TILE does not mean: choose");
+    CHECK(mpt__gemm_tile_from_env("64") == 64 && mpt__gemm_tile_from_env("128") == 128,
+          "64 and 128 not read");
+    CHECK(mpt__gemm_tile_from_env("6") == -1 && mpt__gemm_tile_from_env("640") == -1 &&
+              mpt__gemm_tile_from_env("12") == -1 && mpt__gemm_tile_from_env("1280") == -1 &&
+              mpt__gemm_tile_from_env("big") == -1,
+          "a wrong $MPT_CUDA_GEMM_TILE accepted");
+}
 
 /* n / d for one divisor, checked against the hardware's division. */
 static int64_t fastdiv_mismatches(uint32_t d, const uint32_t *n, int count) {
@@ -43,6 +68,7 @@ static void test_fastdiv(void) {
 
 int main(void) {
     test_seed(99);
+    TEST_RUN(test_tile_choice);
     TEST_RUN(test_fastdiv);
     return test_summary("test_cuda_rules");
 }

@@ -1680,11 +1680,13 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
 }
 
 /* ---- the CUDA GEMM's choices --------------------------------------------
-   mpt_cuda.cu picks a tile for each GEMM shape by the rules below, a
-   function of the shape and the GPU's SM count, never of the run, so a
-   shape takes the same path, hence gives the same bits, on every run on
-   the same GPU model. Here, rather than in mpt_cuda.cu, so that they are
-   tested without a GPU. */
+   mpt_cuda.cu picks a tile and (in MPT_GEMM_AUTO) an engine for each GEMM
+   shape by the rules below. The tile is a function of the shape and the
+   GPU's SM count, never of the run, so a shape takes the same path, hence
+   gives the same bits, on every run on the same GPU model; the engine
+   comes from measured times, kept with a margin (mpt__gemm_engine_choose).
+   Here, rather than in mpt_cuda.cu, so that they are tested without a
+   GPU. */
 
 /* The hand-written tensor-core GEMM's tiles: 64×64 (3 stages) or 128×128
    (4 stages, 16-byte aligned A and B only). 128 once those tiles alone
@@ -1705,6 +1707,21 @@ static inline int mpt__gemm_tile_from_env(const char *value) {
     if (value[0] == '6' && value[1] == '4' && !value[2]) return 64;
     if (value[0] == '1' && value[1] == '2' && value[2] == '8' && !value[3]) return 128;
     return -1;
+}
+
+/* MPT_GEMM_AUTO's engine for a shape it has timed: the engine the shape
+   runs untimed (`usual`: the hand-written one for 16-bit operands,
+   cuBLASLt for float32) stays unless the other one (`other`, when it did
+   not refuse the shape) is faster by more than MPT__GEMM_SWITCH_MARGIN,
+   a tie keeping `usual`. Times vary by a few per cent from run to run;
+   without a margin a near tie would flip from run to run, and with it
+   the bits. */
+#define MPT__GEMM_SWITCH_MARGIN 0.10
+static inline mpt_gemm_engine mpt__gemm_engine_choose(mpt_gemm_engine usual, double ms_usual,
+                                                      mpt_gemm_engine other, double ms_other,
+                                                      int other_refused) {
+    if (other_refused || !(ms_other < ms_usual * (1.0 - MPT__GEMM_SWITCH_MARGIN))) return usual;
+    return other;
 }
 
 /* ---- kernels' index arithmetic ------------------------------------------ */

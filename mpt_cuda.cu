@@ -1045,8 +1045,24 @@ static mpt_dtype mpt__cuda_gemm_c_dtype(mpt_dtype c_dtype) {
     return c_dtype == MPT_FLOAT16 || c_dtype == MPT_BFLOAT16 ? c_dtype : MPT_FLOAT32;
 }
 
+/* What repeats bit for bit: the hand-written engine's results depend on
+   the shape and the SM count alone (the tile by mpt__gemm_tile, sums in a
+   fixed order, no atomics), and cuBLASLt's,
+   by NVIDIA's design, on the toolkit version, the architecture and the SM
+   count (one stream, our own workspace). So a shape's bits repeat once its
+   engine is settled: always with MPT_GEMM=mpt or cublaslt; under AUTO the
+   engine is measured in each new context and kept as below, a margin
+   making a flip between runs unlikely but not impossible. */
+
+/* The engine a shape runs untimed, and that timing must beat by a margin
+   (mpt__gemm_engine_choose): the hand-written kernel for 16-bit operands,
+   cuBLASLt for float32. */
+static mpt_gemm_engine mpt__cuda_gemm_usual(int32_t ab_dtype) {
+    return ab_dtype == MPT_FLOAT32 ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+}
+
 /* The engine for d: forced, measured by gemm_plan, or (never planned) the
-   hand-written kernel for 16-bit types and cuBLASLt for float32. Returns
+   usual one (mpt__cuda_gemm_usual). Returns
    the entry holding a ready cuBLASLt plan, or NULL for the hand-written
    engine. Never measures; may build a plan (host work only). */
 static mpt__cuda_gemm_entry *mpt__cuda_gemm_pick(mpt__cuda *c, const mpt_gemm_desc *d,
@@ -1056,7 +1072,7 @@ static mpt__cuda_gemm_entry *mpt__cuda_gemm_pick(mpt__cuda *c, const mpt_gemm_de
     mpt_gemm_engine engine = c->gemm_engine;
     if (engine == MPT_GEMM_AUTO) {
         if (e && e->timed) engine = (mpt_gemm_engine)e->engine;
-        else engine = key.ab_dtype == MPT_FLOAT32 ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+        else engine = mpt__cuda_gemm_usual(key.ab_dtype);
     }
     if (engine != MPT_GEMM_CUBLASLT || !mpt__cuda_gemm_lt_can(d, c_dtype)) return NULL;
     if (!e && !(e = mpt__cuda_gemm_insert(c->gemm_cache, &key))) return NULL;
@@ -1108,9 +1124,11 @@ static mpt_status mpt__cuda_gemm_time(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
     return MPT_OK;
 }
 
-/* Measures both engines on d's shape and records the faster in e. The
-   runs write a scratch copy of C (a copy, so that beta·C reads real
-   values), never the caller's C. */
+/* Measures both engines on d's shape and records in e the usual one
+   unless the other is clearly faster (mpt__gemm_engine_choose: a margin,
+   so that near ties do not flip from run to run). The runs write a
+   scratch copy of C (a copy, so that beta·C reads real values), never
+   the caller's C. */
 static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
                                       mpt__cuda_gemm_entry *e) {
     const size_t c_bytes = (size_t)((d->m - 1) * d->ldc + d->n) * mpt_dtype_size(c_dtype);
@@ -1137,7 +1155,11 @@ static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
     if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 0, start, stop, &ms_mpt, &refused);
     if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 1, start, stop, &ms_lt, &refused);
     if (st == MPT_OK) {
-        e->engine = !refused && ms_lt < ms_mpt ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+        const mpt_gemm_engine usual = mpt__cuda_gemm_usual(e->key.ab_dtype);
+        if (refused) e->engine = MPT_GEMM_MPT;
+        else if (usual == MPT_GEMM_MPT)
+            e->engine = mpt__gemm_engine_choose(usual, ms_mpt, MPT_GEMM_CUBLASLT, ms_lt, 0);
+        else e->engine = mpt__gemm_engine_choose(usual, ms_lt, MPT_GEMM_MPT, ms_mpt, 0);
         e->timed = 1;
     }
     /* The scratch C may still be in use by a refused or failed run's queue. */

@@ -1,7 +1,7 @@
 /* The CUDA backend's host-side rules (mpt.h, @backend-shared), which need
-   no GPU: the GEMM's tile, and the fast division of the layout kernels'
-   index arithmetic. The kernels that use them are compared with the CPU
-   in tests/test_cuda.c, on a GPU. */
+   no GPU: the GEMM's tile, MPT_GEMM_AUTO's engine choice, and the fast
+   division of the layout kernels' index arithmetic. The kernels that use
+   them are compared with the CPU in tests/test_cuda.c, on a GPU. */
 #include "mpt.h"
 #include "test.h"
 
@@ -28,6 +28,20 @@ static void test_tile_choice(void) {
               mpt__gemm_tile_from_env("12") == -1 && mpt__gemm_tile_from_env("1280") == -1 &&
               mpt__gemm_tile_from_env("big") == -1,
           "a wrong $MPT_CUDA_GEMM_TILE accepted");
+}
+
+/* The usual engine stays unless the other beats it by more than the
+   margin; refusals and ties keep it. */
+static void test_engine_choice(void) {
+    const mpt_gemm_engine mpt = MPT_GEMM_MPT, lt = MPT_GEMM_CUBLASLT;
+    CHECK(mpt__gemm_engine_choose(mpt, 1.0, lt, 0.95, 0) == mpt, "5%% faster switched");
+    CHECK(mpt__gemm_engine_choose(mpt, 1.0, lt, 0.90, 0) == mpt, "10%% faster switched");
+    CHECK(mpt__gemm_engine_choose(mpt, 1.0, lt, 0.85, 0) == lt, "15%% faster kept the usual");
+    CHECK(mpt__gemm_engine_choose(mpt, 1.0, lt, 1.0, 0) == mpt, "a tie switched");
+    CHECK(mpt__gemm_engine_choose(mpt, 1.0, lt, 0.5, 1) == mpt, "a refused engine chosen");
+    CHECK(mpt__gemm_engine_choose(lt, 2.0, mpt, 1.9, 0) == lt, "float32: 5%% faster switched");
+    CHECK(mpt__gemm_engine_choose(lt, 2.0, mpt, 1.0, 0) == mpt, "float32: 2x faster kept");
+    CHECK(mpt__gemm_engine_choose(mpt, 1.0, lt, NAN, 0) == mpt, "a NaN time chosen");
 }
 
 /* n / d for one divisor, checked against the hardware's division. */
@@ -69,6 +83,7 @@ static void test_fastdiv(void) {
 int main(void) {
     test_seed(99);
     TEST_RUN(test_tile_choice);
+    TEST_RUN(test_engine_choice);
     TEST_RUN(test_fastdiv);
     return test_summary("test_cuda_rules");
 }

@@ -1680,13 +1680,13 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
 }
 
 /* ---- the CUDA GEMM's choices --------------------------------------------
-   mpt_cuda.cu picks a tile and (in MPT_GEMM_AUTO) an engine for each GEMM
-   shape by the rules below. The tile is a function of the shape and the
-   GPU's SM count, never of the run, so a shape takes the same path, hence
-   gives the same bits, on every run on the same GPU model; the engine
-   comes from measured times, kept with a margin (mpt__gemm_engine_choose).
-   Here, rather than in mpt_cuda.cu, so that they are tested without a
-   GPU. */
+   mpt_cuda.cu picks a tile, a K split and (in MPT_GEMM_AUTO) an engine for
+   each GEMM shape by the rules below. The tile and the split are functions
+   of the shape and the GPU's SM count, never of the run, so a shape takes
+   the same path, hence gives the same bits, on every run on the same GPU
+   model; the engine comes from measured times, kept with a margin
+   (mpt__gemm_engine_choose). Here, rather than in mpt_cuda.cu, so that
+   they are tested without a GPU. */
 
 /* The hand-written tensor-core GEMM's tiles: 64×64 (3 stages) or 128×128
    (4 stages, 16-byte aligned A and B only). 128 once those tiles alone
@@ -1707,6 +1707,44 @@ static inline int mpt__gemm_tile_from_env(const char *value) {
     if (value[0] == '6' && value[1] == '4' && !value[2]) return 64;
     if (value[0] == '1' && value[1] == '2' && value[2] == '8' && !value[3]) return 128;
     return -1;
+}
+
+/* Split-K. A product with few M×N tiles and a long K (a convolution's
+   weight gradient: 288×32×73728 is 5 tiles of 64×64 for 132 SMs) is cut
+   along K into `splits` slices of `depth` (a multiple of 32, the last
+   slice shorter), computed as separate blocks into float32 partial sums
+   (splits × M × N, in a workspace of `capacity` floats), then added in
+   slice order by a second pass that applies the epilogue. The slices are
+   a function of the shape, the tile and the SM count, so the sums repeat
+   bit for bit. Split only where the tiles fill less than half the SMs and
+   every slice gets at least MPT__GEMM_SPLIT_MIN_DEPTH of K; at most
+   MPT__GEMM_SPLIT_MAX slices, and about one block per SM in all. */
+#define MPT__GEMM_SPLIT_MIN_DEPTH 512
+#define MPT__GEMM_SPLIT_MAX 64
+typedef struct mpt__gemm_split {
+    int64_t splits; /* 1: no split */
+    int64_t depth;  /* K per slice (K itself when splits is 1) */
+} mpt__gemm_split;
+
+static inline mpt__gemm_split mpt__gemm_split_k(int64_t m, int64_t n, int64_t k, int tile,
+                                                int sm_count, int64_t capacity) {
+    const int64_t tiles = ((m + tile - 1) / tile) * ((n + tile - 1) / tile);
+    mpt__gemm_split s;
+    int64_t want, steps;
+    s.splits = 1;
+    s.depth = k;
+    if (m <= 0 || n <= 0 || k <= 0) return s;
+    want = sm_count / tiles; /* < 2 where the tiles fill half the SMs */
+    if (want > k / MPT__GEMM_SPLIT_MIN_DEPTH) want = k / MPT__GEMM_SPLIT_MIN_DEPTH;
+    if (want > MPT__GEMM_SPLIT_MAX) want = MPT__GEMM_SPLIT_MAX;
+    if (want > capacity / (m * n)) want = capacity / (m * n);
+    if (want < 2) return s;
+    /* Equal slices of whole 32-deep steps; the count again, so none is empty. */
+    steps = (k + 31) / 32;
+    s.depth = (steps + want - 1) / want * 32;
+    s.splits = (k + s.depth - 1) / s.depth;
+    if (s.splits < 2) s.depth = k, s.splits = 1;
+    return s;
 }
 
 /* MPT_GEMM_AUTO's engine for a shape it has timed: the engine the shape

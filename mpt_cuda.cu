@@ -171,6 +171,12 @@ typedef struct mpt__cuda_gemm_args {
     int act;                  /* mpt_activation, never softmax             */
     int c_dtype;              /* MPT_FLOAT32, MPT_FLOAT16 or MPT_BFLOAT16   */
     int c_pairs;              /* C's pairs (even column) are vector-aligned */
+    /* Split-K (mpt__gemm_split_k): block row blockIdx.y sums K slice
+       [blockIdx.y·depth, +depth) into partials + blockIdx.y·m·n (M×N,
+       row-major, float32) and a second pass adds the slices and applies
+       the epilogue. Unsplit: partials NULL, depth = k, one block row. */
+    float *partials;
+    int64_t depth;
 } mpt__cuda_gemm_args;
 
 /* The elementwise activations, with the CPU's formulas. */
@@ -243,6 +249,31 @@ static __device__ __forceinline__ void mpt__cuda_gemm_finish2(const mpt__cuda_ge
     }
 }
 
+/* Split-K: stores the float32 sums of C[row][col] and C[row][col + 1]
+   (the latter when inside C) as slice blockIdx.y's partial sums. */
+static __device__ __forceinline__ void mpt__cuda_gemm_keep2(const mpt__cuda_gemm_args &p,
+                                                            int64_t row, int64_t col, float acc0,
+                                                            float acc1) {
+    float *to = p.partials + (blockIdx.y * p.m + row) * p.n + col;
+    to[0] = acc0;
+    if (col + 1 < p.n) to[1] = acc1;
+}
+
+/* Split-K's second pass: C = act(alpha·Σ slices + beta·C + bias), the
+   slices added in order 0, 1, ... in float32 (the same bits every run),
+   then the unsplit kernels' epilogue. One thread per element of C,
+   grid-stride. */
+static __global__ void mpt__cuda_gemm_split_sum_kernel(mpt__cuda_gemm_args p, int64_t splits) {
+    const int64_t total = p.m * p.n;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = e / p.n, col = e % p.n, i = row * p.ldc + col;
+        float acc = 0.0f;
+        for (int64_t s = 0; s < splits; s++) acc += p.partials[s * total + e];
+        mpt__cuda_gemm_store_c(p, i, mpt__cuda_gemm_epilogue(p, acc, i, col));
+    }
+}
+
 /* K = 0 or alpha = 0: C = act(beta·C + bias), A and B unread. One thread
    per element of C, grid-stride. */
 static __global__ void mpt__cuda_gemm_scale_c_kernel(mpt__cuda_gemm_args p) {
@@ -284,7 +315,8 @@ static __device__ __forceinline__ float mpt__cuda_gemm_f32(__nv_bfloat16 x) {
    memory. Loads are guarded element by element (any alignment, any tail);
    consecutive threads read along whichever dimension is contiguous in
    memory. Thread (tx, ty) of the 16×16 grid computes the 4×4 outputs at
-   rows ty + 16·i and columns tx + 16·j, summing k in order. */
+   rows ty + 16·i and columns tx + 16·j, summing k in order (over its K
+   slice, when split: slices start at multiples of 32). */
 template <typename T>
 static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cuda_gemm_args p,
                                                                          int trans_a,
@@ -294,8 +326,10 @@ static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cu
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
     const int64_t tiles_m = (p.m + 63) / 64;
     const int64_t m0 = (blockIdx.x % tiles_m) * 64, n0 = (blockIdx.x / tiles_m) * 64;
+    const int64_t k_begin = blockIdx.y * p.depth;
+    const int64_t k_end = p.k - k_begin < p.depth ? p.k : k_begin + p.depth;
     float acc[4][4] = {};
-    for (int64_t k0 = 0; k0 < p.k; k0 += 16) {
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += 16) {
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             const int e = tid + 256 * r;
@@ -335,7 +369,10 @@ static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cu
             const int64_t col = n0 + tx + 16 * j;
             if (row < p.m && col < p.n) {
                 const int64_t ci = row * p.ldc + col;
-                mpt__cuda_gemm_store_c(p, ci, mpt__cuda_gemm_epilogue(p, acc[i][j], ci, col));
+                if (p.partials)
+                    p.partials[(blockIdx.y * p.m + row) * p.n + col] = acc[i][j];
+                else
+                    mpt__cuda_gemm_store_c(p, ci, mpt__cuda_gemm_epilogue(p, acc[i][j], ci, col));
             }
         }
     }
@@ -556,7 +593,9 @@ static __device__ __forceinline__ void mpt__cuda_gemm_load_stage(const mpt__cuda
    accumulators stay in registers (thread t holds rows t/4 and t/4 + 8,
    columns 2(t%4) and +1 of each), and each BK step issues 2·MT·NT mmas.
    The epilogue applies alpha, beta·C, bias and the activation to the
-   registers and stores C (float32 or rounded once to 16 bits). */
+   registers and stores C (float32 or rounded once to 16 bits).
+   Split-K: block row blockIdx.y walks only its slice of K (whole BK
+   steps) and stores its float32 sums for the second pass instead. */
 template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC>
 static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
     mpt__cuda_gemm_tc_kernel(mpt__cuda_gemm_args p) {
@@ -571,7 +610,9 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
     const int wm = (warp % TILE::WARPS_M) * TILE::WTM, wn = (warp / TILE::WARPS_M) * TILE::WTN;
     const int64_t tiles_m = (p.m + BM - 1) / BM;
     const int64_t m0 = (blockIdx.x % tiles_m) * BM, n0 = (blockIdx.x / tiles_m) * BN;
-    const int64_t ktiles = (p.k + BK - 1) / BK;
+    const int64_t kt0 = blockIdx.y * p.depth / BK; /* the slice's first BK step */
+    const int64_t k_end = p.k - blockIdx.y * p.depth < p.depth ? p.k : (blockIdx.y + 1) * p.depth;
+    const int64_t ktiles = (k_end + BK - 1) / BK - kt0;
     float acc[MT][NT][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
@@ -584,7 +625,7 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < ktiles)
             mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
-                                                           m0, n0, (int64_t)s * BK, tid);
+                                                           m0, n0, (kt0 + s) * BK, tid);
         mpt__cuda_gemm_cp_commit();
     }
     for (int64_t t = 0; t < ktiles; t++) {
@@ -597,7 +638,7 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
         if (next < ktiles) {
             const int s = (int)(next % STAGES);
             mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
-                                                           m0, n0, next * BK, tid);
+                                                           m0, n0, (kt0 + next) * BK, tid);
         }
         mpt__cuda_gemm_cp_commit();
 
@@ -635,7 +676,10 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
             for (int h = 0; h < 2; h++) {
                 const int64_t row = m0 + wm + i * 16 + g + h * 8;
                 const int64_t col = n0 + wn + j * 8 + q * 2;
-                if (row < p.m && col < p.n)
+                if (row >= p.m || col >= p.n) continue;
+                if (p.partials)
+                    mpt__cuda_gemm_keep2(p, row, col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                else
                     mpt__cuda_gemm_finish2(p, row, col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
             }
 #else
@@ -658,8 +702,9 @@ static cudaError_t mpt__cuda_gemm_tc_go(const mpt__cuda_gemm_args *p, cudaStream
         return cudaFuncSetAttribute(mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int64_t tiles = ((p->m + TILE::BM - 1) / TILE::BM) * ((p->n + TILE::BN - 1) / TILE::BN);
+    const int64_t slices = (p->k + p->depth - 1) / p->depth;
     mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>
-        <<<(unsigned)tiles, TILE::THREADS, smem, stream>>>(*p);
+        <<<dim3((unsigned)tiles, (unsigned)slices), TILE::THREADS, smem, stream>>>(*p);
     return cudaSuccess;
 }
 
@@ -728,6 +773,11 @@ typedef struct mpt__cuda_gemm_entry {
 
 /* The column sums' scratch: 1 MiB of float partial sums (see "Column sums"). */
 #define MPT__CUDA_COLSUM_PARTIALS ((int64_t)1 << 18)
+/* Split-K's partial sums: 8 MiB of floats. The products split are those
+   with few tiles (under half the SMs' worth, so M·N < 66·128² ≈ 2^20 at
+   most), and mpt__gemm_split_k gives fewer slices where they would not
+   fit; a fixed size, so that the slices depend on the shape alone. */
+#define MPT__CUDA_SPLIT_PARTIALS ((int64_t)1 << 21)
 
 struct mpt__gemm_cache {
     mpt__cuda_gemm_entry *entries; /* open addressing, linear probing     */
@@ -737,6 +787,8 @@ struct mpt__gemm_cache {
     int forced_tile;               /* $MPT_CUDA_GEMM_TILE: 64, 128; 0: choose */
     float *colsum_partials;        /* column sums' per-chunk partial sums */
     int64_t colsum_partials_count; /* its size in floats                  */
+    float *split_partials;         /* split-K's slices' sums (float32)    */
+    int64_t split_partials_count;  /* its size in floats                  */
 };
 
 static int mpt__cuda_gemm_log2_align(const void *ptr) {
@@ -998,41 +1050,56 @@ static mpt__cuda_gemm_args mpt__cuda_gemm_make_args(const mpt_gemm_desc *d, mpt_
     p.act = (int)d->activation;
     p.c_dtype = (int)c_dtype;
     p.c_pairs = (uintptr_t)cptr % pair_bytes == 0 && d->ldc % 2 == 0;
+    p.partials = NULL;
+    p.depth = d->k > 0 ? d->k : 1;
     return p;
 }
 
 /* The hand-written engine into cptr: the tensor-core kernel for 16-bit
-   operands (from sm_80), its tile by mpt__gemm_tile (mpt.h,
-   @backend-shared), else the FP32-arithmetic one. */
+   operands (from sm_80), else the FP32-arithmetic one; tile and K split
+   by the rules in mpt.h (@backend-shared), a function of the shape and
+   the SM count, so a shape always takes the same path. */
 static void mpt__cuda_gemm_run_mpt(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
                                    void *cptr) {
     const struct mpt__gemm_cache *cache = c->gemm_cache;
-    const mpt__cuda_gemm_args p = mpt__cuda_gemm_make_args(d, c_dtype, cptr);
+    mpt__cuda_gemm_args p = mpt__cuda_gemm_make_args(d, c_dtype, cptr);
     const mpt_dtype ab = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
-    if (ab != MPT_FLOAT32 && cache->tensor_cores) {
-        /* cp.async copies 16 bytes: every row start of A and B must be 16-byte
-           aligned, i.e. the pointers and the leading dimensions (×2 bytes). */
-        const int aligned = (uintptr_t)d->a % 16 == 0 && (uintptr_t)d->b % 16 == 0 &&
-                            d->lda % 8 == 0 && d->ldb % 8 == 0;
-        const int tile = mpt__gemm_tile(d->m, d->n, c->sm_count, aligned && cache->big_tiles,
-                                        cache->forced_tile);
+    const int tensor_cores = ab != MPT_FLOAT32 && cache->tensor_cores;
+    /* cp.async copies 16 bytes: every row start of A and B must be 16-byte
+       aligned, i.e. the pointers and the leading dimensions (×2 bytes). */
+    const int aligned = (uintptr_t)d->a % 16 == 0 && (uintptr_t)d->b % 16 == 0 &&
+                        d->lda % 8 == 0 && d->ldb % 8 == 0;
+    const int tile = tensor_cores ? mpt__gemm_tile(d->m, d->n, c->sm_count,
+                                                   aligned && cache->big_tiles, cache->forced_tile)
+                                  : 64; /* the FP32 kernel's */
+    const mpt__gemm_split split = mpt__gemm_split_k(d->m, d->n, d->k, tile, c->sm_count,
+                                                    cache->split_partials_count);
+    if (split.splits > 1) {
+        p.partials = cache->split_partials;
+        p.depth = split.depth;
+    }
+    if (tensor_cores) {
         const int variant = tile == 128 ? MPT__CUDA_GEMM_BIG
                             : aligned   ? MPT__CUDA_GEMM_SMALL
                                         : MPT__CUDA_GEMM_SMALL_GUARDED;
         mpt__cuda_gemm_tc_dispatch(variant, ab == MPT_BFLOAT16, d->trans_a != 0, d->trans_b != 0,
                                    &p, c->stream, 0);
         mpt__cuda_launched(c, "mpt__cuda_gemm_tc_kernel");
-        return;
-    }
-    {
-        const unsigned tiles = (unsigned)(((d->m + 63) / 64) * ((d->n + 63) / 64));
+    } else {
+        const dim3 grid((unsigned)(((d->m + 63) / 64) * ((d->n + 63) / 64)),
+                        (unsigned)split.splits);
         const int ta = d->trans_a != 0, tb = d->trans_b != 0;
         if (ab == MPT_FLOAT16)
-            mpt__cuda_gemm_simt_kernel<__half><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
+            mpt__cuda_gemm_simt_kernel<__half><<<grid, 256, 0, c->stream>>>(p, ta, tb);
         else if (ab == MPT_BFLOAT16)
-            mpt__cuda_gemm_simt_kernel<__nv_bfloat16><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
-        else mpt__cuda_gemm_simt_kernel<float><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
+            mpt__cuda_gemm_simt_kernel<__nv_bfloat16><<<grid, 256, 0, c->stream>>>(p, ta, tb);
+        else mpt__cuda_gemm_simt_kernel<float><<<grid, 256, 0, c->stream>>>(p, ta, tb);
         mpt__cuda_launched(c, "mpt__cuda_gemm_simt_kernel");
+    }
+    if (split.splits > 1) {
+        mpt__cuda_gemm_split_sum_kernel<<<mpt__cuda_blocks(d->m * d->n, 256), 256, 0,
+                                          c->stream>>>(p, split.splits);
+        mpt__cuda_launched(c, "mpt__cuda_gemm_split_sum_kernel");
     }
 }
 
@@ -1046,8 +1113,8 @@ static mpt_dtype mpt__cuda_gemm_c_dtype(mpt_dtype c_dtype) {
 }
 
 /* What repeats bit for bit: the hand-written engine's results depend on
-   the shape and the SM count alone (the tile by mpt__gemm_tile, sums in a
-   fixed order, no atomics), and cuBLASLt's,
+   the shape and the SM count alone (tile and K split by mpt__gemm_tile and
+   mpt__gemm_split_k, sums in a fixed order, no atomics), and cuBLASLt's,
    by NVIDIA's design, on the toolkit version, the architecture and the SM
    count (one stream, our own workspace). So a shape's bits repeat once its
    engine is settled: always with MPT_GEMM=mpt or cublaslt; under AUTO the
@@ -1198,6 +1265,7 @@ static void mpt__cuda_gemm_destroy(mpt__cuda *c) {
         for (int64_t i = 0; i < cache->capacity; i++)
             if (cache->entries[i].used) mpt__cuda_gemm_lt_free(&cache->entries[i].lt);
         if (cache->colsum_partials) cudaFree(cache->colsum_partials);
+        if (cache->split_partials) cudaFree(cache->split_partials);
         free(cache->entries);
         free(cache);
         c->gemm_cache = NULL;
@@ -1255,6 +1323,10 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     MPT__CU(c, cudaMalloc((void **)&cache->colsum_partials,
                           sizeof(float) * MPT__CUDA_COLSUM_PARTIALS));
     cache->colsum_partials_count = MPT__CUDA_COLSUM_PARTIALS;
+    /* Split-K's too: a GEMM may run inside a graph capture. */
+    MPT__CU(c, cudaMalloc((void **)&cache->split_partials,
+                          sizeof(float) * MPT__CUDA_SPLIT_PARTIALS));
+    cache->split_partials_count = MPT__CUDA_SPLIT_PARTIALS;
     return MPT_OK;
 }
 

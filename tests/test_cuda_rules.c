@@ -1,7 +1,7 @@
 /* The CUDA backend's host-side rules (mpt.h, @backend-shared), which need
-   no GPU: the GEMM's tile, MPT_GEMM_AUTO's engine choice, and the fast
-   division of the layout kernels' index arithmetic. The kernels that use
-   them are compared with the CPU in tests/test_cuda.c, on a GPU. */
+   no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, and
+   the fast division of the layout kernels' index arithmetic. The kernels
+   that use them are compared with the CPU in tests/test_cuda.c, on a GPU. */
 #include "mpt.h"
 #include "test.h"
 
@@ -28,6 +28,59 @@ static void test_tile_choice(void) {
               mpt__gemm_tile_from_env("12") == -1 && mpt__gemm_tile_from_env("1280") == -1 &&
               mpt__gemm_tile_from_env("big") == -1,
           "a wrong $MPT_CUDA_GEMM_TILE accepted");
+}
+
+/* Checks one split against its rules: slices of whole 32-deep steps that
+   cover K with none empty, within the caps. */
+static void check_split(int64_t m, int64_t n, int64_t k, int tile, int64_t capacity) {
+    mpt__gemm_split s = mpt__gemm_split_k(m, n, k, tile, SMS, capacity);
+    const int64_t tiles = ((m + tile - 1) / tile) * ((n + tile - 1) / tile);
+    if (s.splits == 1) {
+        CHECK(s.depth == k, "%lldx%lldx%lld: one slice of depth %lld", (long long)m,
+              (long long)n, (long long)k, (long long)s.depth);
+        return;
+    }
+    CHECK(s.splits >= 2 && s.splits <= MPT__GEMM_SPLIT_MAX, "%lldx%lldx%lld: %lld slices",
+          (long long)m, (long long)n, (long long)k, (long long)s.splits);
+    CHECK(s.depth % 32 == 0 && s.depth >= MPT__GEMM_SPLIT_MIN_DEPTH,
+          "%lldx%lldx%lld: depth %lld", (long long)m, (long long)n, (long long)k,
+          (long long)s.depth);
+    CHECK((s.splits - 1) * s.depth < k && s.splits * s.depth >= k,
+          "%lldx%lldx%lld: %lld slices of %lld do not cover K exactly", (long long)m,
+          (long long)n, (long long)k, (long long)s.splits, (long long)s.depth);
+    CHECK(s.splits * m * n <= capacity, "%lldx%lldx%lld: %lld slices overflow the workspace",
+          (long long)m, (long long)n, (long long)k, (long long)s.splits);
+    CHECK(tiles * 2 <= SMS && tiles * s.splits <= SMS, "%lldx%lldx%lld: %lld tiles, %lld slices",
+          (long long)m, (long long)n, (long long)k, (long long)tiles, (long long)s.splits);
+}
+
+/* The weight gradients of the CNNs' convolutions split; products that
+   fill the GPU, or have a short K, do not; odd K tails; the workspace
+   bounds the slices. */
+static void test_split_k(void) {
+    mpt__gemm_split s = mpt__gemm_split_k(9, 32, 86528, 64, SMS, (int64_t)1 << 21);
+    int i;
+    CHECK(s.splits >= 32, "9x32x86528 (1 tile): only %lld slices", (long long)s.splits);
+    s = mpt__gemm_split_k(288, 32, 73728, 64, SMS, (int64_t)1 << 21);
+    CHECK(s.splits * 5 >= SMS / 2, "288x32x73728 (5 tiles): only %lld slices",
+          (long long)s.splits);
+    s = mpt__gemm_split_k(1024, 1024, 1 << 16, 64, SMS, (int64_t)1 << 21);
+    CHECK(s.splits == 1, "1024x1024 (256 tiles) split in %lld", (long long)s.splits);
+    s = mpt__gemm_split_k(9, 32, 1000, 64, SMS, (int64_t)1 << 21);
+    CHECK(s.splits == 1, "9x32x1000 (short K) split in %lld", (long long)s.splits);
+    s = mpt__gemm_split_k(288, 32, 73728, 64, SMS, 288 * 32 * 3);
+    CHECK(s.splits == 3, "a workspace of 3 slices gave %lld", (long long)s.splits);
+    s = mpt__gemm_split_k(288, 32, 73728, 64, SMS, 288 * 32 - 1);
+    CHECK(s.splits == 1, "a workspace under 2 slices gave %lld", (long long)s.splits);
+    check_split(9, 32, 86528, 64, (int64_t)1 << 21);
+    check_split(288, 32, 73728, 64, (int64_t)1 << 21);
+    check_split(288, 32, 73728 + 17, 64, (int64_t)1 << 21);
+    check_split(9, 32, 1023, 64, (int64_t)1 << 21);
+    check_split(9, 32, 1024, 64, (int64_t)1 << 21);
+    check_split(9, 32, 1025, 64, (int64_t)1 << 21);
+    for (i = 0; i < 20000; i++)
+        check_split(test_randint(1, 2000), test_randint(1, 2000), test_randint(1, 1 << 20),
+                    test_randint(0, 1) ? 64 : 128, test_randint(1, 1 << 22));
 }
 
 /* The usual engine stays unless the other beats it by more than the
@@ -83,6 +136,7 @@ static void test_fastdiv(void) {
 int main(void) {
     test_seed(99);
     TEST_RUN(test_tile_choice);
+    TEST_RUN(test_split_k);
     TEST_RUN(test_engine_choice);
     TEST_RUN(test_fastdiv);
     return test_summary("test_cuda_rules");

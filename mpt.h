@@ -36,7 +36,12 @@
                          num_threads at 0 (default: the online CPUs).
        MPT_DEVICE        "cpu": train on the CPU even in a CUDA build.
        MPT_GEMM          "mpt" or "cublaslt": the GEMM a CUDA context runs
-                         (default: per shape, the faster of the two).
+                         (default: per shape, measured once, the usual one
+                         unless the other is more than 10% faster).
+       MPT_CUDA_GEMM_TILE "64" or "128": the hand-written GEMM's tile
+                         (default: 128 once its tiles fill the SMs).
+       MPT_CUDA_INDEX64  "1": im2col/col2im index in 64 bits even below
+                         2^31 elements (the same results; for tests).
        MPT_CUDA_GRAPHS   "0": fit queues every step's kernels instead of
                          recording the step once and replaying it.
 
@@ -316,8 +321,9 @@ typedef struct mpt_context_desc {
     int64_t device_memory_limit; /* default 0: no limit but the device's;
                                     else bytes a context may allocate there   */
     mpt_gemm_engine gemm;    /* CUDA GEMMs; default (auto): $MPT_GEMM
-                                ("mpt" or "cublaslt"), else per shape the
-                                faster of the two, measured once           */
+                                ("mpt" or "cublaslt"), else per shape,
+                                measured once, the usual engine unless the
+                                other is more than 10% faster              */
 } mpt_context_desc;
 
 /* A context owns the thread pool, the allocator, the logger and the last

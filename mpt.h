@@ -38,6 +38,9 @@
        MPT_GEMM          "mpt" or "cublaslt": the GEMM a CUDA context runs
                          (default: per shape, measured once, the usual one
                          unless the other is more than 10% faster).
+       MPT_GEMM_CHOICES  a file: AUTO's engine per shape and GPU model, read
+                         by each CUDA context and appended to for each
+                         shape it measures, so later runs take the same.
        MPT_CUDA_GEMM_TILE "64" or "128": the hand-written GEMM's tile
                          (default: 128 once its tiles fill the SMs).
        MPT_CUDA_INDEX64  "1": im2col/col2im index in 64 bits even below

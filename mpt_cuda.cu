@@ -789,6 +789,8 @@ struct mpt__gemm_cache {
     int64_t colsum_partials_count; /* its size in floats                  */
     float *split_partials;         /* split-K's slices' sums (float32)    */
     int64_t split_partials_count;  /* its size in floats                  */
+    char *choices_path;            /* $MPT_GEMM_CHOICES (malloc'ed) or NULL */
+    int gpu;                       /* compute capability, 10·major + minor */
 };
 
 static int mpt__cuda_gemm_log2_align(const void *ptr) {
@@ -1119,7 +1121,8 @@ static mpt_dtype mpt__cuda_gemm_c_dtype(mpt_dtype c_dtype) {
    count (one stream, our own workspace). So a shape's bits repeat once its
    engine is settled: always with MPT_GEMM=mpt or cublaslt; under AUTO the
    engine is measured in each new context and kept as below, a margin
-   making a flip between runs unlikely but not impossible. */
+   making a flip between runs unlikely but not impossible, unless
+   $MPT_GEMM_CHOICES carries the first run's choices to the next ones. */
 
 /* The engine a shape runs untimed, and that timing must beat by a margin
    (mpt__gemm_engine_choose): the hand-written kernel for 16-bit operands,
@@ -1191,6 +1194,61 @@ static mpt_status mpt__cuda_gemm_time(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
     return MPT_OK;
 }
 
+/* AUTO's choices carried from run to run. AUTO measures each shape again
+   in every new context, and a shape whose engines are close may go the
+   other way in another run (see mpt__gemm_engine_choose). With
+   $MPT_GEMM_CHOICES naming a text file, a context reads the file's lines
+   for its GPU model (compute capability and SM count) when it starts and
+   appends one line for each shape it measures: a program's later runs
+   take its first run's engines, hence its bits. A line that does not
+   parse (a run killed while writing it) is skipped; a file that cannot be
+   read or written leaves AUTO measuring, as without it. */
+#define MPT__CUDA_CHOICE_FORMAT                                                           \
+    "gemm sm_%lld sms %lld m %lld n %lld k %lld lda %lld ldb %lld ldc %lld ta %lld tb %lld " \
+    "ab %lld c %lld act %lld bias %lld beta %lld align %lld engine %lld"
+
+static void mpt__cuda_gemm_choices_load(mpt__cuda *c) {
+    struct mpt__gemm_cache *cache = c->gemm_cache;
+    char line[512];
+    FILE *f = cache->choices_path ? fopen(cache->choices_path, "r") : NULL;
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        long long v[17];
+        mpt__cuda_gemm_key k;
+        mpt__cuda_gemm_entry *e;
+        if (sscanf(line, MPT__CUDA_CHOICE_FORMAT, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                   &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15],
+                   &v[16]) != 17 ||
+            v[0] != cache->gpu || v[1] != c->sm_count ||
+            (v[16] != MPT_GEMM_MPT && v[16] != MPT_GEMM_CUBLASLT))
+            continue;
+        memset(&k, 0, sizeof k);
+        k.m = v[2], k.n = v[3], k.k = v[4], k.lda = v[5], k.ldb = v[6], k.ldc = v[7];
+        k.trans_a = (int32_t)v[8], k.trans_b = (int32_t)v[9];
+        k.ab_dtype = (int32_t)v[10], k.c_dtype = (int32_t)v[11], k.act = (int32_t)v[12];
+        k.has_bias = (int32_t)v[13], k.beta_nonzero = (int32_t)v[14], k.align = (int32_t)v[15];
+        e = mpt__cuda_gemm_find(cache, &k);
+        if (!e && !(e = mpt__cuda_gemm_insert(cache, &k))) break; /* no host memory: measure */
+        e->engine = (int)v[16];
+        e->timed = 1;
+    }
+    fclose(f);
+}
+
+static void mpt__cuda_gemm_choice_save(const mpt__cuda *c, const mpt__cuda_gemm_entry *e) {
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
+    const mpt__cuda_gemm_key *k = &e->key;
+    FILE *f = cache->choices_path ? fopen(cache->choices_path, "a") : NULL;
+    if (!f) return;
+    fprintf(f, MPT__CUDA_CHOICE_FORMAT "\n", (long long)cache->gpu, (long long)c->sm_count,
+            (long long)k->m, (long long)k->n, (long long)k->k, (long long)k->lda,
+            (long long)k->ldb, (long long)k->ldc, (long long)k->trans_a, (long long)k->trans_b,
+            (long long)k->ab_dtype, (long long)k->c_dtype, (long long)k->act,
+            (long long)k->has_bias, (long long)k->beta_nonzero, (long long)k->align,
+            (long long)e->engine);
+    fclose(f);
+}
+
 /* Measures both engines on d's shape and records in e the usual one
    unless the other is clearly faster (mpt__gemm_engine_choose: a margin,
    so that near ties do not flip from run to run). The runs write a
@@ -1228,6 +1286,7 @@ static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
             e->engine = mpt__gemm_engine_choose(usual, ms_mpt, MPT_GEMM_CUBLASLT, ms_lt, 0);
         else e->engine = mpt__gemm_engine_choose(usual, ms_lt, MPT_GEMM_MPT, ms_mpt, 0);
         e->timed = 1;
+        mpt__cuda_gemm_choice_save(c, e);
     }
     /* The scratch C may still be in use by a refused or failed run's queue. */
     cudaStreamSynchronize(c->stream);
@@ -1266,6 +1325,7 @@ static void mpt__cuda_gemm_destroy(mpt__cuda *c) {
             if (cache->entries[i].used) mpt__cuda_gemm_lt_free(&cache->entries[i].lt);
         if (cache->colsum_partials) cudaFree(cache->colsum_partials);
         if (cache->split_partials) cudaFree(cache->split_partials);
+        free(cache->choices_path);
         free(cache->entries);
         free(cache);
         c->gemm_cache = NULL;
@@ -1295,7 +1355,8 @@ static void mpt__cuda_gemm_prepare_kernels(struct mpt__gemm_cache *cache) {
 static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     struct mpt__gemm_cache *cache;
     const char *tile_env = getenv("MPT_CUDA_GEMM_TILE");
-    int major = 0;
+    const char *choices = getenv("MPT_GEMM_CHOICES");
+    int major = 0, minor = 0;
     c->gemm_cache = cache = (struct mpt__gemm_cache *)calloc(1, sizeof *cache);
     if (!cache)
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
@@ -1312,6 +1373,14 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
         return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
                               "MPT_CUDA_GEMM_TILE=\"%s\": expected \"64\" or \"128\"", tile_env);
     MPT__CU(c, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
+    MPT__CU(c, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, c->device));
+    cache->gpu = 10 * major + minor;
+    if (choices && *choices) {
+        if (!(cache->choices_path = strdup(choices)))
+            return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                                  "no host memory for $MPT_GEMM_CHOICES");
+        mpt__cuda_gemm_choices_load(c);
+    }
     cache->tensor_cores = major >= 8;
     cache->big_tiles = 1;
     if (cache->tensor_cores) mpt__cuda_gemm_prepare_kernels(cache);

@@ -1563,21 +1563,27 @@ static void test_graph_capture(void) {
 
 /* ---- the GEMM's tiles and split-K; the layout kernels' index paths ------------------------ */
 
-/* Opens a CUDA context (hand-written GEMM engine) with the environment
-   variable `name` set to `value` while it opens (as it was afterwards). */
-static int open_backend_with_env(backend *b, const char *label, const char *name,
-                                 const char *value) {
+/* Opens a CUDA context (the hand-written GEMM engine, or `engine` with
+   open_backend_env_engine) with the environment variable `name` set to
+   `value` while it opens (as it was afterwards). */
+static int open_backend_env_engine(backend *b, const char *label, const char *name,
+                                   const char *value, mpt_gemm_engine engine) {
     const char *was = getenv(name);
     char *saved = was ? strdup(was) : NULL;
     int ok;
     setenv(name, value, 1);
-    ok = open_backend(b, label, 0, MPT_GEMM_MPT) && !strcmp(b->t->name, "cuda");
+    ok = open_backend(b, label, 0, engine) && !strcmp(b->t->name, "cuda");
     if (saved) setenv(name, saved, 1);
     else unsetenv(name);
     free(saved);
     CHECK(ok, "opening a CUDA context with %s=%s", name, value);
     if (!ok && b->ctx) close_backend(b);
     return ok;
+}
+
+static int open_backend_with_env(backend *b, const char *label, const char *name,
+                                 const char *value) {
+    return open_backend_env_engine(b, label, name, value, MPT_GEMM_MPT);
 }
 
 /* ‖gpu − cpu‖ / ‖cpu‖ over C (the CPU's float32 rounded to C's dtype). */
@@ -2479,6 +2485,70 @@ static void test_model_memory_limit_on_the_gpu(void) {
     }
 }
 
+/* Lines of a text file; -1 when it cannot be read. */
+static int count_lines(const char *path) {
+    FILE *f = fopen(path, "r");
+    int lines = 0, ch;
+    if (!f) return -1;
+    while ((ch = fgetc(f)) != EOF) lines += ch == '\n';
+    fclose(f);
+    return lines;
+}
+
+/* Issue 9 A5: $MPT_GEMM_CHOICES carries MPT_GEMM_AUTO's engine choices
+   from run to run. A context measures three shapes and writes one line
+   each; a second context, opened on the same file (with a line that does
+   not parse added), measures nothing (the file keeps its lines) and gives
+   the first context's bits. */
+static void test_gemm_choices_file(void) {
+    static const int64_t shapes[3][3] = {{256, 512, 384}, {1000, 64, 2048}, {96, 4096, 512}};
+    char path[512];
+    backend runs[2];
+    void *out[2][3];
+    gemm_inputs in[3];
+    gemm_case g[3];
+    int r, i;
+    FILE *f;
+    temp_path(path, sizeof path, "gemm_choices");
+    remove(path);
+    for (i = 0; i < 3; i++) {
+        memset(&g[i], 0, sizeof g[i]);
+        g[i].m = shapes[i][0], g[i].n = shapes[i][1], g[i].k = shapes[i][2];
+        g[i].tb = i == 1;
+        g[i].ab = i == 2 ? MPT_BFLOAT16 : MPT_FLOAT16;
+        g[i].c_dtype = MPT_FLOAT32;
+        in[i] = gemm_make_inputs(&g[i]);
+    }
+    for (r = 0; r < 2; r++) {
+        if (!open_backend_env_engine(&runs[r], r ? "cuda (gemm auto, choices read)"
+                                                 : "cuda (gemm auto, choices written)",
+                                     "MPT_GEMM_CHOICES", path, MPT_GEMM_AUTO)) {
+            while (r-- > 0)
+                for (i = 0; i < 3; i++) free(out[r][i]);
+            for (i = 0; i < 3; i++) gemm_free_inputs(&in[i]);
+            remove(path);
+            return;
+        }
+        for (i = 0; i < 3; i++) out[r][i] = gemm_run(&runs[r], &g[i], MPT_FLOAT32, &in[i]);
+        close_backend(&runs[r]);
+        CHECK(count_lines(path) == 3 + r, "run %d: the choices file has %d lines, expected %d",
+              r + 1, count_lines(path), 3 + r);
+        if (r == 0 && (f = fopen(path, "a")) != NULL) {
+            fputs("gemm sm_90 sms 132 m 256 n 5\n", f); /* cut short: skipped */
+            fclose(f);
+        }
+    }
+    for (i = 0; i < 3; i++) {
+        CHECK(!memcmp(out[0][i], out[1][i], nbytes(MPT_FLOAT32, g[i].m * in[i].ldc)),
+              "shape %d: the second run differs from the first at element %lld", i,
+              (long long)first_difference(out[0][i], out[1][i], g[i].m * in[i].ldc, 4));
+        free(out[0][i]);
+        free(out[1][i]);
+        gemm_free_inputs(&in[i]);
+    }
+    remove(path);
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
@@ -2540,6 +2610,8 @@ int main(void) {
               test_gemm_split_k);
     test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
               test_layout_index_paths);
+    test__run("gemm auto: $MPT_GEMM_CHOICES carries the engines to the next run (same bits)",
+              test_gemm_choices_file);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

@@ -36,7 +36,15 @@
                          num_threads at 0 (default: the online CPUs).
        MPT_DEVICE        "cpu": train on the CPU even in a CUDA build.
        MPT_GEMM          "mpt" or "cublaslt": the GEMM a CUDA context runs
-                         (default: per shape, the faster of the two).
+                         (default: per shape, measured once, the usual one
+                         unless the other is more than 10% faster).
+       MPT_GEMM_CHOICES  a file: AUTO's engine per shape and GPU model, read
+                         by each CUDA context and appended to for each
+                         shape it measures, so later runs take the same.
+       MPT_CUDA_GEMM_TILE "64" or "128": the hand-written GEMM's tile
+                         (default: 128 once its tiles fill the SMs).
+       MPT_CUDA_INDEX64  "1": im2col/col2im index in 64 bits even below
+                         2^31 elements (the same results; for tests).
        MPT_CUDA_GRAPHS   "0": fit queues every step's kernels instead of
                          recording the step once and replaying it.
 
@@ -316,8 +324,9 @@ typedef struct mpt_context_desc {
     int64_t device_memory_limit; /* default 0: no limit but the device's;
                                     else bytes a context may allocate there   */
     mpt_gemm_engine gemm;    /* CUDA GEMMs; default (auto): $MPT_GEMM
-                                ("mpt" or "cublaslt"), else per shape the
-                                faster of the two, measured once           */
+                                ("mpt" or "cublaslt"), else per shape,
+                                measured once, the usual engine unless the
+                                other is more than 10% faster              */
 } mpt_context_desc;
 
 /* A context owns the thread pool, the allocator, the logger and the last
@@ -1684,6 +1693,114 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
         if (grown <= FLT_MAX) state->loss_scale = grown; /* not inf */
         state->good_steps = 0;
     }
+}
+
+/* ---- the CUDA GEMM's choices --------------------------------------------
+   mpt_cuda.cu picks a tile, a K split and (in MPT_GEMM_AUTO) an engine for
+   each GEMM shape by the rules below. The tile and the split are functions
+   of the shape and the GPU's SM count, never of the run, so a shape takes
+   the same path, hence gives the same bits, on every run on the same GPU
+   model; the engine comes from measured times, kept with a margin
+   (mpt__gemm_engine_choose). Here, rather than in mpt_cuda.cu, so that
+   they are tested without a GPU. */
+
+/* The hand-written tensor-core GEMM's tiles: 64×64 (3 stages) or 128×128
+   (4 stages, 16-byte aligned A and B only). 128 once those tiles alone
+   make a wave (one per SM), else 64: small problems need more blocks.
+   forced: 64 or 128 ($MPT_CUDA_GEMM_TILE), 0 to choose; 128 is given only
+   where it can run (big_ok: aligned operands, and the GPU has the shared
+   memory), else 64. */
+static inline int mpt__gemm_tile(int64_t m, int64_t n, int sm_count, int big_ok, int forced) {
+    if (!big_ok || forced == 64) return 64;
+    if (forced == 128) return 128;
+    return ((m + 127) / 128) * ((n + 127) / 128) >= sm_count ? 128 : 64;
+}
+
+/* $MPT_CUDA_GEMM_TILE: NULL or "" gives 0 (choose), "64" or "128" that
+   tile; anything else -1. */
+static inline int mpt__gemm_tile_from_env(const char *value) {
+    if (!value || !value[0]) return 0;
+    if (value[0] == '6' && value[1] == '4' && !value[2]) return 64;
+    if (value[0] == '1' && value[1] == '2' && value[2] == '8' && !value[3]) return 128;
+    return -1;
+}
+
+/* Split-K. A product with few M×N tiles and a long K (a convolution's
+   weight gradient: 288×32×73728 is 5 tiles of 64×64 for 132 SMs) is cut
+   along K into `splits` slices of `depth` (a multiple of 32, the last
+   slice shorter), computed as separate blocks into float32 partial sums
+   (splits × M × N, in a workspace of `capacity` floats), then added in
+   slice order by a second pass that applies the epilogue. The slices are
+   a function of the shape, the tile and the SM count, so the sums repeat
+   bit for bit. Split only where the tiles fill less than half the SMs and
+   every slice gets at least MPT__GEMM_SPLIT_MIN_DEPTH of K; at most
+   MPT__GEMM_SPLIT_MAX slices, and about one block per SM in all. */
+#define MPT__GEMM_SPLIT_MIN_DEPTH 512
+#define MPT__GEMM_SPLIT_MAX 64
+typedef struct mpt__gemm_split {
+    int64_t splits; /* 1: no split */
+    int64_t depth;  /* K per slice (K itself when splits is 1) */
+} mpt__gemm_split;
+
+static inline mpt__gemm_split mpt__gemm_split_k(int64_t m, int64_t n, int64_t k, int tile,
+                                                int sm_count, int64_t capacity) {
+    const int64_t tiles = ((m + tile - 1) / tile) * ((n + tile - 1) / tile);
+    mpt__gemm_split s;
+    int64_t want, steps;
+    s.splits = 1;
+    s.depth = k;
+    if (m <= 0 || n <= 0 || k <= 0) return s;
+    want = sm_count / tiles; /* < 2 where the tiles fill half the SMs */
+    if (want > k / MPT__GEMM_SPLIT_MIN_DEPTH) want = k / MPT__GEMM_SPLIT_MIN_DEPTH;
+    if (want > MPT__GEMM_SPLIT_MAX) want = MPT__GEMM_SPLIT_MAX;
+    if (want > capacity / (m * n)) want = capacity / (m * n);
+    if (want < 2) return s;
+    /* Equal slices of whole 32-deep steps; the count again, so none is empty. */
+    steps = (k + 31) / 32;
+    s.depth = (steps + want - 1) / want * 32;
+    s.splits = (k + s.depth - 1) / s.depth;
+    if (s.splits < 2) s.depth = k, s.splits = 1;
+    return s;
+}
+
+/* MPT_GEMM_AUTO's engine for a shape it has timed: the engine the shape
+   runs untimed (`usual`: the hand-written one for 16-bit operands,
+   cuBLASLt for float32) stays unless the other one (`other`, when it did
+   not refuse the shape) is faster by more than MPT__GEMM_SWITCH_MARGIN,
+   a tie keeping `usual`. Times vary by a few per cent from run to run;
+   without a margin a near tie would flip from run to run, and with it
+   the bits. */
+#define MPT__GEMM_SWITCH_MARGIN 0.10
+static inline mpt_gemm_engine mpt__gemm_engine_choose(mpt_gemm_engine usual, double ms_usual,
+                                                      mpt_gemm_engine other, double ms_other,
+                                                      int other_refused) {
+    if (other_refused || !(ms_other < ms_usual * (1.0 - MPT__GEMM_SWITCH_MARGIN))) return usual;
+    return other;
+}
+
+/* ---- kernels' index arithmetic ------------------------------------------ */
+
+/* Division by an invariant divisor with a multiply and a shift, for index
+   arithmetic in kernels (a 64-bit division is a long subroutine on a
+   GPU): Granlund and Montgomery, "Division by invariant integers using
+   multiplication" (PLDI 1994), figure 4.1, with N = 32. For a divisor
+   1 ≤ d ≤ 2^31: shift = ⌈log2 d⌉, mul = ⌊2^32·(2^shift − d)/d⌋ + 1, and
+   then n / d = (⌊n·mul / 2^32⌋ + n) >> shift for every n < 2^32. */
+typedef struct mpt__fastdiv {
+    uint32_t d, mul, shift;
+} mpt__fastdiv;
+
+static inline mpt__fastdiv mpt__fastdiv_make(uint32_t d) {
+    mpt__fastdiv f;
+    f.d = d;
+    f.shift = 0;
+    while (f.shift < 31 && ((uint64_t)1 << f.shift) < d) f.shift++;
+    f.mul = (uint32_t)((((uint64_t)1 << 32) * (((uint64_t)1 << f.shift) - d)) / d + 1);
+    return f;
+}
+
+static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
+    return (uint32_t)((((uint64_t)n * f.mul >> 32) + n) >> f.shift);
 }
 
 #ifdef __cplusplus

@@ -73,6 +73,7 @@ typedef struct mpt__cuda {
     size_t lt_workspace_bytes;
     mpt_gemm_engine gemm_engine;        /* from the context desc / $MPT_GEMM */
     struct mpt__gemm_cache *gemm_cache; /* the GEMM part's                  */
+    int index64;                /* $MPT_CUDA_INDEX64=1: im2col/col2im index in 64 bits */
     int64_t used[MPT_MEMORY_COUNT_];    /* bytes allocated per category     */
     int64_t peak[MPT_MEMORY_COUNT_];
     int64_t limit;                      /* 0: none                          */
@@ -171,6 +172,12 @@ typedef struct mpt__cuda_gemm_args {
     int act;                  /* mpt_activation, never softmax             */
     int c_dtype;              /* MPT_FLOAT32, MPT_FLOAT16 or MPT_BFLOAT16   */
     int c_pairs;              /* C's pairs (even column) are vector-aligned */
+    /* Split-K (mpt__gemm_split_k): block row blockIdx.y sums K slice
+       [blockIdx.y·depth, +depth) into partials + blockIdx.y·m·n (M×N,
+       row-major, float32) and a second pass adds the slices and applies
+       the epilogue. Unsplit: partials NULL, depth = k, one block row. */
+    float *partials;
+    int64_t depth;
 } mpt__cuda_gemm_args;
 
 /* The elementwise activations, with the CPU's formulas. */
@@ -243,6 +250,31 @@ static __device__ __forceinline__ void mpt__cuda_gemm_finish2(const mpt__cuda_ge
     }
 }
 
+/* Split-K: stores the float32 sums of C[row][col] and C[row][col + 1]
+   (the latter when inside C) as slice blockIdx.y's partial sums. */
+static __device__ __forceinline__ void mpt__cuda_gemm_keep2(const mpt__cuda_gemm_args &p,
+                                                            int64_t row, int64_t col, float acc0,
+                                                            float acc1) {
+    float *to = p.partials + (blockIdx.y * p.m + row) * p.n + col;
+    to[0] = acc0;
+    if (col + 1 < p.n) to[1] = acc1;
+}
+
+/* Split-K's second pass: C = act(alpha·Σ slices + beta·C + bias), the
+   slices added in order 0, 1, ... in float32 (the same bits every run),
+   then the unsplit kernels' epilogue. One thread per element of C,
+   grid-stride. */
+static __global__ void mpt__cuda_gemm_split_sum_kernel(mpt__cuda_gemm_args p, int64_t splits) {
+    const int64_t total = p.m * p.n;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = e / p.n, col = e % p.n, i = row * p.ldc + col;
+        float acc = 0.0f;
+        for (int64_t s = 0; s < splits; s++) acc += p.partials[s * total + e];
+        mpt__cuda_gemm_store_c(p, i, mpt__cuda_gemm_epilogue(p, acc, i, col));
+    }
+}
+
 /* K = 0 or alpha = 0: C = act(beta·C + bias), A and B unread. One thread
    per element of C, grid-stride. */
 static __global__ void mpt__cuda_gemm_scale_c_kernel(mpt__cuda_gemm_args p) {
@@ -284,7 +316,8 @@ static __device__ __forceinline__ float mpt__cuda_gemm_f32(__nv_bfloat16 x) {
    memory. Loads are guarded element by element (any alignment, any tail);
    consecutive threads read along whichever dimension is contiguous in
    memory. Thread (tx, ty) of the 16×16 grid computes the 4×4 outputs at
-   rows ty + 16·i and columns tx + 16·j, summing k in order. */
+   rows ty + 16·i and columns tx + 16·j, summing k in order (over its K
+   slice, when split: slices start at multiples of 32). */
 template <typename T>
 static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cuda_gemm_args p,
                                                                          int trans_a,
@@ -294,8 +327,10 @@ static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cu
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
     const int64_t tiles_m = (p.m + 63) / 64;
     const int64_t m0 = (blockIdx.x % tiles_m) * 64, n0 = (blockIdx.x / tiles_m) * 64;
+    const int64_t k_begin = blockIdx.y * p.depth;
+    const int64_t k_end = p.k - k_begin < p.depth ? p.k : k_begin + p.depth;
     float acc[4][4] = {};
-    for (int64_t k0 = 0; k0 < p.k; k0 += 16) {
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += 16) {
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             const int e = tid + 256 * r;
@@ -335,7 +370,10 @@ static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cu
             const int64_t col = n0 + tx + 16 * j;
             if (row < p.m && col < p.n) {
                 const int64_t ci = row * p.ldc + col;
-                mpt__cuda_gemm_store_c(p, ci, mpt__cuda_gemm_epilogue(p, acc[i][j], ci, col));
+                if (p.partials)
+                    p.partials[(blockIdx.y * p.m + row) * p.n + col] = acc[i][j];
+                else
+                    mpt__cuda_gemm_store_c(p, ci, mpt__cuda_gemm_epilogue(p, acc[i][j], ci, col));
             }
         }
     }
@@ -556,7 +594,9 @@ static __device__ __forceinline__ void mpt__cuda_gemm_load_stage(const mpt__cuda
    accumulators stay in registers (thread t holds rows t/4 and t/4 + 8,
    columns 2(t%4) and +1 of each), and each BK step issues 2·MT·NT mmas.
    The epilogue applies alpha, beta·C, bias and the activation to the
-   registers and stores C (float32 or rounded once to 16 bits). */
+   registers and stores C (float32 or rounded once to 16 bits).
+   Split-K: block row blockIdx.y walks only its slice of K (whole BK
+   steps) and stores its float32 sums for the second pass instead. */
 template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC>
 static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
     mpt__cuda_gemm_tc_kernel(mpt__cuda_gemm_args p) {
@@ -571,7 +611,9 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
     const int wm = (warp % TILE::WARPS_M) * TILE::WTM, wn = (warp / TILE::WARPS_M) * TILE::WTN;
     const int64_t tiles_m = (p.m + BM - 1) / BM;
     const int64_t m0 = (blockIdx.x % tiles_m) * BM, n0 = (blockIdx.x / tiles_m) * BN;
-    const int64_t ktiles = (p.k + BK - 1) / BK;
+    const int64_t kt0 = blockIdx.y * p.depth / BK; /* the slice's first BK step */
+    const int64_t k_end = p.k - blockIdx.y * p.depth < p.depth ? p.k : (blockIdx.y + 1) * p.depth;
+    const int64_t ktiles = (k_end + BK - 1) / BK - kt0;
     float acc[MT][NT][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
@@ -584,7 +626,7 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < ktiles)
             mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
-                                                           m0, n0, (int64_t)s * BK, tid);
+                                                           m0, n0, (kt0 + s) * BK, tid);
         mpt__cuda_gemm_cp_commit();
     }
     for (int64_t t = 0; t < ktiles; t++) {
@@ -597,7 +639,7 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
         if (next < ktiles) {
             const int s = (int)(next % STAGES);
             mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
-                                                           m0, n0, next * BK, tid);
+                                                           m0, n0, (kt0 + next) * BK, tid);
         }
         mpt__cuda_gemm_cp_commit();
 
@@ -635,7 +677,10 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
             for (int h = 0; h < 2; h++) {
                 const int64_t row = m0 + wm + i * 16 + g + h * 8;
                 const int64_t col = n0 + wn + j * 8 + q * 2;
-                if (row < p.m && col < p.n)
+                if (row >= p.m || col >= p.n) continue;
+                if (p.partials)
+                    mpt__cuda_gemm_keep2(p, row, col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                else
                     mpt__cuda_gemm_finish2(p, row, col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
             }
 #else
@@ -658,8 +703,9 @@ static cudaError_t mpt__cuda_gemm_tc_go(const mpt__cuda_gemm_args *p, cudaStream
         return cudaFuncSetAttribute(mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int64_t tiles = ((p->m + TILE::BM - 1) / TILE::BM) * ((p->n + TILE::BN - 1) / TILE::BN);
+    const int64_t slices = (p->k + p->depth - 1) / p->depth;
     mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>
-        <<<(unsigned)tiles, TILE::THREADS, smem, stream>>>(*p);
+        <<<dim3((unsigned)tiles, (unsigned)slices), TILE::THREADS, smem, stream>>>(*p);
     return cudaSuccess;
 }
 
@@ -728,14 +774,24 @@ typedef struct mpt__cuda_gemm_entry {
 
 /* The column sums' scratch: 1 MiB of float partial sums (see "Column sums"). */
 #define MPT__CUDA_COLSUM_PARTIALS ((int64_t)1 << 18)
+/* Split-K's partial sums: 8 MiB of floats. The products split are those
+   with few tiles (under half the SMs' worth, so M·N < 66·128² ≈ 2^20 at
+   most), and mpt__gemm_split_k gives fewer slices where they would not
+   fit; a fixed size, so that the slices depend on the shape alone. */
+#define MPT__CUDA_SPLIT_PARTIALS ((int64_t)1 << 21)
 
 struct mpt__gemm_cache {
     mpt__cuda_gemm_entry *entries; /* open addressing, linear probing     */
     int64_t capacity, count;       /* capacity: a power of two            */
     int tensor_cores;              /* sm_80+: the mma.sync kernel runs    */
     int big_tiles;                 /* the 80 KiB configuration fits       */
+    int forced_tile;               /* $MPT_CUDA_GEMM_TILE: 64, 128; 0: choose */
     float *colsum_partials;        /* column sums' per-chunk partial sums */
     int64_t colsum_partials_count; /* its size in floats                  */
+    float *split_partials;         /* split-K's slices' sums (float32)    */
+    int64_t split_partials_count;  /* its size in floats                  */
+    char *choices_path;            /* $MPT_GEMM_CHOICES (malloc'ed) or NULL */
+    int gpu;                       /* compute capability, 10·major + minor */
 };
 
 static int mpt__cuda_gemm_log2_align(const void *ptr) {
@@ -997,38 +1053,56 @@ static mpt__cuda_gemm_args mpt__cuda_gemm_make_args(const mpt_gemm_desc *d, mpt_
     p.act = (int)d->activation;
     p.c_dtype = (int)c_dtype;
     p.c_pairs = (uintptr_t)cptr % pair_bytes == 0 && d->ldc % 2 == 0;
+    p.partials = NULL;
+    p.depth = d->k > 0 ? d->k : 1;
     return p;
 }
 
+/* The hand-written engine into cptr: the tensor-core kernel for 16-bit
+   operands (from sm_80), else the FP32-arithmetic one; tile and K split
+   by the rules in mpt.h (@backend-shared), a function of the shape and
+   the SM count, so a shape always takes the same path. */
 static void mpt__cuda_gemm_run_mpt(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
                                    void *cptr) {
-    const mpt__cuda_gemm_args p = mpt__cuda_gemm_make_args(d, c_dtype, cptr);
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
+    mpt__cuda_gemm_args p = mpt__cuda_gemm_make_args(d, c_dtype, cptr);
     const mpt_dtype ab = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
-    if (ab != MPT_FLOAT32 && c->gemm_cache->tensor_cores) {
-        /* cp.async copies 16 bytes: every row start of A and B must be 16-byte
-           aligned, i.e. the pointers and the leading dimensions (×2 bytes). */
-        const int aligned = (uintptr_t)d->a % 16 == 0 && (uintptr_t)d->b % 16 == 0 &&
-                            d->lda % 8 == 0 && d->ldb % 8 == 0;
-        /* Big tiles once they alone give about a wave of blocks. */
-        const int64_t big_tiles = ((d->m + 127) / 128) * ((d->n + 127) / 128);
-        int variant = MPT__CUDA_GEMM_SMALL_GUARDED;
-        if (aligned)
-            variant = c->gemm_cache->big_tiles && big_tiles >= c->sm_count ? MPT__CUDA_GEMM_BIG
-                                                                            : MPT__CUDA_GEMM_SMALL;
+    const int tensor_cores = ab != MPT_FLOAT32 && cache->tensor_cores;
+    /* cp.async copies 16 bytes: every row start of A and B must be 16-byte
+       aligned, i.e. the pointers and the leading dimensions (×2 bytes). */
+    const int aligned = (uintptr_t)d->a % 16 == 0 && (uintptr_t)d->b % 16 == 0 &&
+                        d->lda % 8 == 0 && d->ldb % 8 == 0;
+    const int tile = tensor_cores ? mpt__gemm_tile(d->m, d->n, c->sm_count,
+                                                   aligned && cache->big_tiles, cache->forced_tile)
+                                  : 64; /* the FP32 kernel's */
+    const mpt__gemm_split split = mpt__gemm_split_k(d->m, d->n, d->k, tile, c->sm_count,
+                                                    cache->split_partials_count);
+    if (split.splits > 1) {
+        p.partials = cache->split_partials;
+        p.depth = split.depth;
+    }
+    if (tensor_cores) {
+        const int variant = tile == 128 ? MPT__CUDA_GEMM_BIG
+                            : aligned   ? MPT__CUDA_GEMM_SMALL
+                                        : MPT__CUDA_GEMM_SMALL_GUARDED;
         mpt__cuda_gemm_tc_dispatch(variant, ab == MPT_BFLOAT16, d->trans_a != 0, d->trans_b != 0,
                                    &p, c->stream, 0);
         mpt__cuda_launched(c, "mpt__cuda_gemm_tc_kernel");
-        return;
-    }
-    {
-        const unsigned tiles = (unsigned)(((d->m + 63) / 64) * ((d->n + 63) / 64));
+    } else {
+        const dim3 grid((unsigned)(((d->m + 63) / 64) * ((d->n + 63) / 64)),
+                        (unsigned)split.splits);
         const int ta = d->trans_a != 0, tb = d->trans_b != 0;
         if (ab == MPT_FLOAT16)
-            mpt__cuda_gemm_simt_kernel<__half><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
+            mpt__cuda_gemm_simt_kernel<__half><<<grid, 256, 0, c->stream>>>(p, ta, tb);
         else if (ab == MPT_BFLOAT16)
-            mpt__cuda_gemm_simt_kernel<__nv_bfloat16><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
-        else mpt__cuda_gemm_simt_kernel<float><<<tiles, 256, 0, c->stream>>>(p, ta, tb);
+            mpt__cuda_gemm_simt_kernel<__nv_bfloat16><<<grid, 256, 0, c->stream>>>(p, ta, tb);
+        else mpt__cuda_gemm_simt_kernel<float><<<grid, 256, 0, c->stream>>>(p, ta, tb);
         mpt__cuda_launched(c, "mpt__cuda_gemm_simt_kernel");
+    }
+    if (split.splits > 1) {
+        mpt__cuda_gemm_split_sum_kernel<<<mpt__cuda_blocks(d->m * d->n, 256), 256, 0,
+                                          c->stream>>>(p, split.splits);
+        mpt__cuda_launched(c, "mpt__cuda_gemm_split_sum_kernel");
     }
 }
 
@@ -1041,8 +1115,25 @@ static mpt_dtype mpt__cuda_gemm_c_dtype(mpt_dtype c_dtype) {
     return c_dtype == MPT_FLOAT16 || c_dtype == MPT_BFLOAT16 ? c_dtype : MPT_FLOAT32;
 }
 
+/* What repeats bit for bit: the hand-written engine's results depend on
+   the shape and the SM count alone (tile and K split by mpt__gemm_tile and
+   mpt__gemm_split_k, sums in a fixed order, no atomics), and cuBLASLt's,
+   by NVIDIA's design, on the toolkit version, the architecture and the SM
+   count (one stream, our own workspace). So a shape's bits repeat once its
+   engine is settled: always with MPT_GEMM=mpt or cublaslt; under AUTO the
+   engine is measured in each new context and kept as below, a margin
+   making a flip between runs unlikely but not impossible, unless
+   $MPT_GEMM_CHOICES carries the first run's choices to the next ones. */
+
+/* The engine a shape runs untimed, and that timing must beat by a margin
+   (mpt__gemm_engine_choose): the hand-written kernel for 16-bit operands,
+   cuBLASLt for float32. */
+static mpt_gemm_engine mpt__cuda_gemm_usual(int32_t ab_dtype) {
+    return ab_dtype == MPT_FLOAT32 ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+}
+
 /* The engine for d: forced, measured by gemm_plan, or (never planned) the
-   hand-written kernel for 16-bit types and cuBLASLt for float32. Returns
+   usual one (mpt__cuda_gemm_usual). Returns
    the entry holding a ready cuBLASLt plan, or NULL for the hand-written
    engine. Never measures; may build a plan (host work only). */
 static mpt__cuda_gemm_entry *mpt__cuda_gemm_pick(mpt__cuda *c, const mpt_gemm_desc *d,
@@ -1052,7 +1143,7 @@ static mpt__cuda_gemm_entry *mpt__cuda_gemm_pick(mpt__cuda *c, const mpt_gemm_de
     mpt_gemm_engine engine = c->gemm_engine;
     if (engine == MPT_GEMM_AUTO) {
         if (e && e->timed) engine = (mpt_gemm_engine)e->engine;
-        else engine = key.ab_dtype == MPT_FLOAT32 ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+        else engine = mpt__cuda_gemm_usual(key.ab_dtype);
     }
     if (engine != MPT_GEMM_CUBLASLT || !mpt__cuda_gemm_lt_can(d, c_dtype)) return NULL;
     if (!e && !(e = mpt__cuda_gemm_insert(c->gemm_cache, &key))) return NULL;
@@ -1104,9 +1195,66 @@ static mpt_status mpt__cuda_gemm_time(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
     return MPT_OK;
 }
 
-/* Measures both engines on d's shape and records the faster in e. The
-   runs write a scratch copy of C (a copy, so that beta·C reads real
-   values), never the caller's C. */
+/* AUTO's choices carried from run to run. AUTO measures each shape again
+   in every new context, and a shape whose engines are close may go the
+   other way in another run (see mpt__gemm_engine_choose). With
+   $MPT_GEMM_CHOICES naming a text file, a context reads the file's lines
+   for its GPU model (compute capability and SM count) when it starts and
+   appends one line for each shape it measures: a program's later runs
+   take its first run's engines, hence its bits. A line that does not
+   parse (a run killed while writing it) is skipped; a file that cannot be
+   read or written leaves AUTO measuring, as without it. */
+#define MPT__CUDA_CHOICE_FORMAT                                                           \
+    "gemm sm_%lld sms %lld m %lld n %lld k %lld lda %lld ldb %lld ldc %lld ta %lld tb %lld " \
+    "ab %lld c %lld act %lld bias %lld beta %lld align %lld engine %lld"
+
+static void mpt__cuda_gemm_choices_load(mpt__cuda *c) {
+    struct mpt__gemm_cache *cache = c->gemm_cache;
+    char line[512];
+    FILE *f = cache->choices_path ? fopen(cache->choices_path, "r") : NULL;
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        long long v[17];
+        mpt__cuda_gemm_key k;
+        mpt__cuda_gemm_entry *e;
+        if (sscanf(line, MPT__CUDA_CHOICE_FORMAT, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                   &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15],
+                   &v[16]) != 17 ||
+            v[0] != cache->gpu || v[1] != c->sm_count ||
+            (v[16] != MPT_GEMM_MPT && v[16] != MPT_GEMM_CUBLASLT))
+            continue;
+        memset(&k, 0, sizeof k);
+        k.m = v[2], k.n = v[3], k.k = v[4], k.lda = v[5], k.ldb = v[6], k.ldc = v[7];
+        k.trans_a = (int32_t)v[8], k.trans_b = (int32_t)v[9];
+        k.ab_dtype = (int32_t)v[10], k.c_dtype = (int32_t)v[11], k.act = (int32_t)v[12];
+        k.has_bias = (int32_t)v[13], k.beta_nonzero = (int32_t)v[14], k.align = (int32_t)v[15];
+        e = mpt__cuda_gemm_find(cache, &k);
+        if (!e && !(e = mpt__cuda_gemm_insert(cache, &k))) break; /* no host memory: measure */
+        e->engine = (int)v[16];
+        e->timed = 1;
+    }
+    fclose(f);
+}
+
+static void mpt__cuda_gemm_choice_save(const mpt__cuda *c, const mpt__cuda_gemm_entry *e) {
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
+    const mpt__cuda_gemm_key *k = &e->key;
+    FILE *f = cache->choices_path ? fopen(cache->choices_path, "a") : NULL;
+    if (!f) return;
+    fprintf(f, MPT__CUDA_CHOICE_FORMAT "\n", (long long)cache->gpu, (long long)c->sm_count,
+            (long long)k->m, (long long)k->n, (long long)k->k, (long long)k->lda,
+            (long long)k->ldb, (long long)k->ldc, (long long)k->trans_a, (long long)k->trans_b,
+            (long long)k->ab_dtype, (long long)k->c_dtype, (long long)k->act,
+            (long long)k->has_bias, (long long)k->beta_nonzero, (long long)k->align,
+            (long long)e->engine);
+    fclose(f);
+}
+
+/* Measures both engines on d's shape and records in e the usual one
+   unless the other is clearly faster (mpt__gemm_engine_choose: a margin,
+   so that near ties do not flip from run to run). The runs write a
+   scratch copy of C (a copy, so that beta·C reads real values), never
+   the caller's C. */
 static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
                                       mpt__cuda_gemm_entry *e) {
     const size_t c_bytes = (size_t)((d->m - 1) * d->ldc + d->n) * mpt_dtype_size(c_dtype);
@@ -1133,8 +1281,13 @@ static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
     if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 0, start, stop, &ms_mpt, &refused);
     if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 1, start, stop, &ms_lt, &refused);
     if (st == MPT_OK) {
-        e->engine = !refused && ms_lt < ms_mpt ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+        const mpt_gemm_engine usual = mpt__cuda_gemm_usual(e->key.ab_dtype);
+        if (refused) e->engine = MPT_GEMM_MPT;
+        else if (usual == MPT_GEMM_MPT)
+            e->engine = mpt__gemm_engine_choose(usual, ms_mpt, MPT_GEMM_CUBLASLT, ms_lt, 0);
+        else e->engine = mpt__gemm_engine_choose(usual, ms_lt, MPT_GEMM_MPT, ms_mpt, 0);
         e->timed = 1;
+        mpt__cuda_gemm_choice_save(c, e);
     }
     /* The scratch C may still be in use by a refused or failed run's queue. */
     cudaStreamSynchronize(c->stream);
@@ -1172,6 +1325,8 @@ static void mpt__cuda_gemm_destroy(mpt__cuda *c) {
         for (int64_t i = 0; i < cache->capacity; i++)
             if (cache->entries[i].used) mpt__cuda_gemm_lt_free(&cache->entries[i].lt);
         if (cache->colsum_partials) cudaFree(cache->colsum_partials);
+        if (cache->split_partials) cudaFree(cache->split_partials);
+        free(cache->choices_path);
         free(cache->entries);
         free(cache);
         c->gemm_cache = NULL;
@@ -1200,7 +1355,9 @@ static void mpt__cuda_gemm_prepare_kernels(struct mpt__gemm_cache *cache) {
 
 static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     struct mpt__gemm_cache *cache;
-    int major = 0;
+    const char *tile_env = getenv("MPT_CUDA_GEMM_TILE");
+    const char *choices = getenv("MPT_GEMM_CHOICES");
+    int major = 0, minor = 0;
     c->gemm_cache = cache = (struct mpt__gemm_cache *)calloc(1, sizeof *cache);
     if (!cache)
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
@@ -1212,7 +1369,19 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
                               "no host memory for the GEMM plan cache");
     cache->capacity = 64;
+    cache->forced_tile = mpt__gemm_tile_from_env(tile_env);
+    if (cache->forced_tile < 0)
+        return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "MPT_CUDA_GEMM_TILE=\"%s\": expected \"64\" or \"128\"", tile_env);
     MPT__CU(c, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
+    MPT__CU(c, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, c->device));
+    cache->gpu = 10 * major + minor;
+    if (choices && *choices) {
+        if (!(cache->choices_path = strdup(choices)))
+            return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                                  "no host memory for $MPT_GEMM_CHOICES");
+        mpt__cuda_gemm_choices_load(c);
+    }
     cache->tensor_cores = major >= 8;
     cache->big_tiles = 1;
     if (cache->tensor_cores) mpt__cuda_gemm_prepare_kernels(cache);
@@ -1224,6 +1393,10 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     MPT__CU(c, cudaMalloc((void **)&cache->colsum_partials,
                           sizeof(float) * MPT__CUDA_COLSUM_PARTIALS));
     cache->colsum_partials_count = MPT__CUDA_COLSUM_PARTIALS;
+    /* Split-K's too: a GEMM may run inside a graph capture. */
+    MPT__CU(c, cudaMalloc((void **)&cache->split_partials,
+                          sizeof(float) * MPT__CUDA_SPLIT_PARTIALS));
+    cache->split_partials_count = MPT__CUDA_SPLIT_PARTIALS;
     return MPT_OK;
 }
 
@@ -1693,41 +1866,91 @@ static void mpt__cuda_activation_grad(void *impl, mpt_activation act, mpt_dtype 
 
 /* ---- im2col / col2im ---------------------------------------------------- */
 
+/* The index arithmetic below splits a thread's linear index into (b, y,
+   x, ...) by divisions by the window's sizes, several per 16-byte unit
+   moved: as 64-bit divisions (a long subroutine on a GPU) they cost more
+   than the copy. When every index of a call is below 2^31 the kernels
+   divide 32-bit indices by multiply and shift instead, with the magic
+   numbers computed on the host (mpt__fastdiv, mpt.h @backend-shared);
+   else, or with $MPT_CUDA_INDEX64=1 (which tests that path), in 64 bits.
+   Both paths give the same indices, so the same results. */
+typedef struct mpt__cuda_div64 {
+    int64_t d;
+} mpt__cuda_div64;
+
+static __host__ __device__ mpt__cuda_div64 mpt__cuda_div64_make(int64_t d) {
+    mpt__cuda_div64 f;
+    f.d = d;
+    return f;
+}
+
+static __device__ __forceinline__ int64_t mpt__cuda_div(mpt__cuda_div64 f, int64_t n) {
+    return n / f.d;
+}
+static __device__ __forceinline__ uint32_t mpt__cuda_div(mpt__fastdiv f, uint32_t n) {
+    return mpt__fastdiv_div(f, n);
+}
+
+/* *t = *t / f; returns the remainder. */
+template <typename DIV, typename I>
+static __device__ __forceinline__ I mpt__cuda_divmod(DIV f, I *t) {
+    const I q = mpt__cuda_div(f, *t), r = *t - q * (I)f.d;
+    *t = q;
+    return r;
+}
+
+/* Whether a call's indices (below `total`) and window sizes fit the
+   32-bit path: every index and divisor below 2^31, and the covering
+   rows' sums (y + pad + stride, below 2^31 + 2^30 + 2^30) below 2^32. */
+static bool mpt__cuda_layers_index32(const mpt__cuda *c, const mpt_window *g, int64_t total) {
+    const int64_t small = (int64_t)1 << 30;
+    return !c->index64 && total < ((int64_t)1 << 31) && g->sh < small && g->sw < small &&
+           g->top < small && g->left < small && g->kh < small && g->kw < small &&
+           g->oh < small && g->ow < small;
+}
+
 /* The output rows (or columns) whose windows cover input row y:
    o·s − pad ≤ y < o·s − pad + k, clipped to [0, out). Empty when o0 > o1. */
+template <typename DIV>
+static __device__ __forceinline__ void mpt__cuda_layers_covering(int64_t y, int64_t k, DIV s,
+                                                                 int64_t pad, int64_t out,
+                                                                 int64_t *o0, int64_t *o1) {
+    typedef decltype(s.d) I; /* the path's index type; the values are >= 0 */
+    const int64_t lo = y + pad - k + 1;
+    const int64_t hi = (int64_t)mpt__cuda_div(s, (I)(y + pad)); /* y + pad >= 0 */
+    *o0 = lo <= 0 ? 0 : (int64_t)mpt__cuda_div(s, (I)(lo + (int64_t)s.d - 1));
+    *o1 = hi < out - 1 ? hi : out - 1;
+}
+
+/* The same with a plain stride (pooling: one window per thread). */
 static __device__ __forceinline__ void mpt__cuda_layers_covering(int64_t y, int64_t k, int64_t s,
                                                                  int64_t pad, int64_t out,
                                                                  int64_t *o0, int64_t *o1) {
-    const int64_t lo = y + pad - k + 1;
-    const int64_t hi = (y + pad) / s; /* y + pad >= 0 */
-    *o0 = lo <= 0 ? 0 : (lo + s - 1) / s;
-    *o1 = hi < out - 1 ? hi : out - 1;
+    mpt__cuda_layers_covering(y, k, mpt__cuda_div64_make(s), pad, out, o0, o1);
 }
 
 /* im2col is a copy: the kernel moves units U (2 to 16 bytes) of a pixel's
    C·es bytes. One thread per unit of cols, index (b, oy, ox, i, j, q) with
    q (the unit within the pixel) fastest, so a warp reads and writes
-   consecutive bytes; pixels outside the image are zeros. */
-template <typename U>
+   consecutive bytes; pixels outside the image are zeros. I and DIV: the
+   index path (uint32_t with mpt__fastdiv, or int64_t). */
+template <typename U, typename I, typename DIV>
 __global__ void __launch_bounds__(256) mpt__cuda_im2col_kernel(mpt_window g, const U *x, U *cols,
-                                                               int64_t units_per_pixel,
-                                                               int64_t total) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
-        int64_t t = u / units_per_pixel;
-        const int64_t q = u - t * units_per_pixel;
-        const int64_t j = t % g.kw;
-        t /= g.kw;
-        const int64_t i = t % g.kh;
-        t /= g.kh;
-        const int64_t ox = t % g.ow;
-        t /= g.ow;
-        const int64_t oy = t % g.oh;
-        const int64_t b = t / g.oh;
+                                                               DIV units_per_pixel, DIV kw,
+                                                               DIV kh, DIV ow, DIV oh, I total) {
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I u = (I)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        I t = u;
+        const int64_t q = mpt__cuda_divmod(units_per_pixel, &t);
+        const int64_t j = mpt__cuda_divmod(kw, &t);
+        const int64_t i = mpt__cuda_divmod(kh, &t);
+        const int64_t ox = mpt__cuda_divmod(ow, &t);
+        const int64_t oy = mpt__cuda_divmod(oh, &t);
+        const int64_t b = t;
         const int64_t y = oy * g.sh - g.top + i, xx = ox * g.sw - g.left + j;
         U v = U();
         if (y >= 0 && y < g.h && xx >= 0 && xx < g.w)
-            v = x[((b * g.h + y) * g.w + xx) * units_per_pixel + q];
+            v = x[((b * g.h + y) * g.w + xx) * (int64_t)units_per_pixel.d + q];
         cols[u] = v;
     }
 }
@@ -1737,10 +1960,22 @@ static void mpt__cuda_im2col_units(mpt__cuda *c, const mpt_window *g, const void
                                    int64_t pixel_bytes, int64_t n) {
     const int64_t upp = pixel_bytes / (int64_t)sizeof(U);
     const int64_t total = n * g->oh * g->ow * g->kh * g->kw * upp;
+    const unsigned blocks = mpt__cuda_blocks(total, mpt__cuda_layers_threads);
     if (total <= 0) return;
-    mpt__cuda_im2col_kernel<U><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
-                                 mpt__cuda_layers_threads, 0, c->stream>>>(
-        *g, (const U *)x, (U *)cols, upp, total);
+    /* Every divisor is a factor of total, so below 2^31 with it. */
+    if (mpt__cuda_layers_index32(c, g, total))
+        mpt__cuda_im2col_kernel<U, uint32_t, mpt__fastdiv>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, (const U *)x, (U *)cols, mpt__fastdiv_make((uint32_t)upp),
+                mpt__fastdiv_make((uint32_t)g->kw), mpt__fastdiv_make((uint32_t)g->kh),
+                mpt__fastdiv_make((uint32_t)g->ow), mpt__fastdiv_make((uint32_t)g->oh),
+                (uint32_t)total);
+    else
+        mpt__cuda_im2col_kernel<U, int64_t, mpt__cuda_div64>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, (const U *)x, (U *)cols, mpt__cuda_div64_make(upp),
+                mpt__cuda_div64_make(g->kw), mpt__cuda_div64_make(g->kh),
+                mpt__cuda_div64_make(g->ow), mpt__cuda_div64_make(g->oh), total);
     mpt__cuda_launched(c, "im2col");
 }
 
@@ -1767,24 +2002,25 @@ static void mpt__cuda_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, c
    (b, y, x), index with the channels fastest. It adds the dcols entries
    that came from it, output row by output row and within a row output
    column by column, from 0: the CPU's order, so the same float sums. Then
-   one rounding to dtype; no atomics, every output written once. */
-template <typename T, int V>
+   one rounding to dtype; no atomics, every output written once. I and
+   DIV: the index path, as im2col's. */
+template <typename T, int V, typename I, typename DIV>
 __global__ void __launch_bounds__(256) mpt__cuda_col2im_kernel(mpt_window g, const float *dcols,
-                                                               T *dx, int64_t total) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x, cv = g.c / V;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
-        int64_t t = u / cv;
-        const int64_t ch = (u - t * cv) * V;
-        const int64_t x = t % g.w;
-        t /= g.w;
-        const int64_t y = t % g.h;
-        const int64_t b = t / g.h;
+                                                               T *dx, DIV channel_groups, DIV w,
+                                                               DIV h, DIV sh, DIV sw, I total) {
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I u = (I)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
+        I t = u;
+        const int64_t ch = (int64_t)mpt__cuda_divmod(channel_groups, &t) * V;
+        const int64_t x = mpt__cuda_divmod(w, &t);
+        const int64_t y = mpt__cuda_divmod(h, &t);
+        const int64_t b = t;
         int64_t oy0, oy1, ox0, ox1;
         float sum[V];
 #pragma unroll
         for (int e = 0; e < V; e++) sum[e] = 0.0f;
-        mpt__cuda_layers_covering(y, g.kh, g.sh, g.top, g.oh, &oy0, &oy1);
-        mpt__cuda_layers_covering(x, g.kw, g.sw, g.left, g.ow, &ox0, &ox1);
+        mpt__cuda_layers_covering(y, g.kh, sh, g.top, g.oh, &oy0, &oy1);
+        mpt__cuda_layers_covering(x, g.kw, sw, g.left, g.ow, &ox0, &ox1);
         for (int64_t oy = oy0; oy <= oy1; oy++) {
             const int64_t i = y - (oy * g.sh - g.top); /* the window row y is */
             for (int64_t ox = ox0; ox <= ox1; ox++) {
@@ -1799,7 +2035,7 @@ __global__ void __launch_bounds__(256) mpt__cuda_col2im_kernel(mpt_window g, con
         mpt__cuda_layers_pack<T, V> out;
 #pragma unroll
         for (int e = 0; e < V; e++) out.v[e] = mpt__cuda_layers_narrow<T>(sum[e]);
-        mpt__cuda_layers_store<V>(dx + u * V, out);
+        mpt__cuda_layers_store<V>(dx + (int64_t)u * V, out);
     }
 }
 
@@ -1807,10 +2043,21 @@ template <typename T, int V>
 static void mpt__cuda_col2im_typed(mpt__cuda *c, const mpt_window *g, const float *dcols,
                                    int64_t n, T *dx) {
     const int64_t total = n * g->h * g->w * (g->c / V);
+    const unsigned blocks = mpt__cuda_blocks(total, mpt__cuda_layers_threads);
     if (total <= 0) return;
-    mpt__cuda_col2im_kernel<T, V><<<mpt__cuda_blocks(total, mpt__cuda_layers_threads),
-                                    mpt__cuda_layers_threads, 0, c->stream>>>(*g, dcols, dx,
-                                                                              total);
+    if (mpt__cuda_layers_index32(c, g, total))
+        mpt__cuda_col2im_kernel<T, V, uint32_t, mpt__fastdiv>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, dcols, dx, mpt__fastdiv_make((uint32_t)(g->c / V)),
+                mpt__fastdiv_make((uint32_t)g->w), mpt__fastdiv_make((uint32_t)g->h),
+                mpt__fastdiv_make((uint32_t)g->sh), mpt__fastdiv_make((uint32_t)g->sw),
+                (uint32_t)total);
+    else
+        mpt__cuda_col2im_kernel<T, V, int64_t, mpt__cuda_div64>
+            <<<blocks, mpt__cuda_layers_threads, 0, c->stream>>>(
+                *g, dcols, dx, mpt__cuda_div64_make(g->c / V), mpt__cuda_div64_make(g->w),
+                mpt__cuda_div64_make(g->h), mpt__cuda_div64_make(g->sh),
+                mpt__cuda_div64_make(g->sw), total);
     mpt__cuda_launched(c, "col2im");
 }
 
@@ -3848,6 +4095,7 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
     c->sm_count = prop->multiProcessorCount;
     c->gemm_engine = engine;
     c->limit = desc->device_memory_limit;
+    c->index64 = getenv("MPT_CUDA_INDEX64") && !strcmp(getenv("MPT_CUDA_INDEX64"), "1");
     if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming)) != cudaSuccess ||

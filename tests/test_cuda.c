@@ -1564,6 +1564,276 @@ static void test_graph_capture(void) {
     free(bias);
 }
 
+/* ---- the GEMM's tiles and split-K; the layout kernels' index paths ------------------------ */
+
+/* Opens a CUDA context (the hand-written GEMM engine, or `engine` with
+   open_backend_env_engine) with the environment variable `name` set to
+   `value` while it opens (as it was afterwards). */
+static int open_backend_env_engine(backend *b, const char *label, const char *name,
+                                   const char *value, mpt_gemm_engine engine) {
+    const char *was = getenv(name);
+    char *saved = was ? strdup(was) : NULL;
+    int ok;
+    setenv(name, value, 1);
+    ok = open_backend(b, label, 0, engine) && !strcmp(b->t->name, "cuda");
+    if (saved) setenv(name, saved, 1);
+    else unsetenv(name);
+    free(saved);
+    CHECK(ok, "opening a CUDA context with %s=%s", name, value);
+    if (!ok && b->ctx) close_backend(b);
+    return ok;
+}
+
+static int open_backend_with_env(backend *b, const char *label, const char *name,
+                                 const char *value) {
+    return open_backend_env_engine(b, label, name, value, MPT_GEMM_MPT);
+}
+
+/* ‖gpu − cpu‖ / ‖cpu‖ over C (the CPU's float32 rounded to C's dtype). */
+static double gemm_error(const gemm_case *g, const gemm_inputs *in, const void *ref,
+                         const void *got) {
+    int64_t i, j, mn = g->m * g->n;
+    double *r = (double *)malloc(sizeof(double) * (size_t)mn);
+    double *o = (double *)malloc(sizeof(double) * (size_t)mn);
+    double err;
+    for (i = 0; i < g->m; i++)
+        for (j = 0; j < g->n; j++) {
+            r[i * g->n + j] = round_to(g->c_dtype, load_value(MPT_FLOAT32, ref, i * in->ldc + j));
+            o[i * g->n + j] = load_value(g->c_dtype, got, i * in->ldc + j);
+        }
+    err = rel_err(o, r, mn);
+    free(r);
+    free(o);
+    return err;
+}
+
+/* Issue 9 A4: the 128×128 four-stage tile. mpt__gemm_tile chooses it from
+   a wave of its tiles on: 1536×1600 is 12·13 = 156 tiles for the H100's
+   and H200's 132 SMs. Three contexts of the hand-written engine run the
+   same cases: the tile chosen, and each tile forced by
+   $MPT_CUDA_GEMM_TILE. Every transpose, float16 and bfloat16 operands,
+   K = 200 (a tail of 8 past the last 32-deep step), C in each dtype and
+   poisoned first, epilogues varied; against the CPU in float32 rounded to
+   C's dtype, relative norm error <= 1e-2 as every 16-bit GEMM. */
+static void test_gemm_tiles(void) {
+    static const char *const tiles[3] = {"", "64", "128"};
+    static const char *const labels[3] = {"cuda (gemm mpt, tile chosen)", "cuda (gemm mpt, tile 64)",
+                                          "cuda (gemm mpt, tile 128)"};
+    static const mpt_activation acts[4] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                           MPT_ACT_TANH};
+    backend be[3];
+    int t, tr, di, v = 0;
+    memset(be, 0, sizeof be);
+    for (t = 0; t < 3; t++)
+        if (!open_backend_with_env(&be[t], labels[t], "MPT_CUDA_GEMM_TILE", tiles[t])) {
+            while (t-- > 0) close_backend(&be[t]);
+            return;
+        }
+    for (tr = 0; tr < 4; tr++)
+        for (di = 1; di < 3; di++, v++) {
+            gemm_case g;
+            gemm_inputs in;
+            void *ref;
+            char what[160];
+            memset(&g, 0, sizeof g);
+            g.m = 1536, g.n = 1600, g.k = 200;
+            g.ta = tr & 1, g.tb = tr >> 1;
+            g.ab = float_dtypes[di];
+            g.c_dtype = float_dtypes[v % 3];
+            g.alpha = v % 2 ? 0.5f : 0.0f;
+            g.bias = v % 3 != 1;
+            g.act = acts[v % 4];
+            in = gemm_make_inputs(&g);
+            ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
+            describe_gemm(what, sizeof what, &g);
+            for (t = 0; t < 3; t++) {
+                void *got = gemm_run(&be[t], &g, g.c_dtype, &in);
+                double err = gemm_error(&g, &in, ref, got);
+                CHECK(err <= 1e-2, "gemm %s on %s: relative error %.3g > 1e-2", what,
+                      be[t].label, err);
+                free(got);
+            }
+            free(ref);
+            gemm_free_inputs(&in);
+        }
+    for (t = 0; t < 3; t++) close_backend(&be[t]);
+}
+
+/* A split GEMM recorded in a CUDA graph and replayed gives the direct
+   run's bits (its workspace exists before the capture: an allocation
+   inside one would fail it). */
+static void gemm_split_captured(backend *b, const gemm_case *g, const gemm_inputs *in) {
+    const size_t c_bytes = nbytes(g->c_dtype, g->m * in->ldc);
+    mpt_gemm_desc d;
+    void *direct, *got, *graph = NULL;
+    mpt_status s;
+    memset(&d, 0, sizeof d);
+    d.trans_a = g->ta, d.trans_b = g->tb;
+    d.m = g->m, d.n = g->n, d.k = g->k;
+    d.ab_dtype = g->ab;
+    d.a = be_upload(b, in->a, nbytes(g->ab, in->a_rows * in->lda));
+    d.lda = in->lda;
+    d.b = be_upload(b, in->b, nbytes(g->ab, in->b_rows * in->ldb));
+    d.ldb = in->ldb;
+    d.c = (float *)be_poisoned(b, c_bytes);
+    d.ldc = in->ldc;
+    d.alpha = g->alpha;
+    d.activation = g->act;
+    s = b->t->gemm_plan(b->impl, &d, g->c_dtype);
+    CHECK(s == MPT_OK, "gemm_plan: %s", b->t->error(b->impl));
+    b->t->gemm(b->impl, &d, g->c_dtype);
+    direct = be_fetch(b, d.c, c_bytes, "the direct split gemm");
+    be_poison(b, d.c, c_bytes);
+    be_sync(b, "before capture");
+    s = b->t->capture_begin(b->impl);
+    CHECK(s == MPT_OK, "capture_begin: %s", b->t->error(b->impl));
+    if (s == MPT_OK) {
+        b->t->gemm(b->impl, &d, g->c_dtype);
+        s = b->t->capture_end(b->impl, &graph);
+        CHECK(s == MPT_OK && graph, "capture_end of a split gemm: %s", b->t->error(b->impl));
+    }
+    if (s == MPT_OK && graph) {
+        s = b->t->replay(b->impl, graph);
+        CHECK(s == MPT_OK, "replay: %s", b->t->error(b->impl));
+        got = be_fetch(b, d.c, c_bytes, "the replayed split gemm");
+        CHECK(!memcmp(got, direct, c_bytes), "replayed split gemm: element %lld differs (exact)",
+              (long long)first_difference(got, direct, g->m * in->ldc,
+                                          mpt_dtype_size(g->c_dtype)));
+        free(got);
+    }
+    if (graph) b->t->graph_free(b->impl, graph);
+    be_release(b);
+    free(direct);
+}
+
+/* Issue 9 A6: split-K (mpt__gemm_split_k: these shapes' M×N tiles fill
+   at most 5 of 132 SMs) on the hand-written engine. The convolution
+   weight-gradient shapes (dkernel = colsᵀ·dz: A transposed, float32 C,
+   beta 0 for the first batch chunk, 1 for the next), odd K tails, and the
+   other epilogues (alpha, bias, activations, 16-bit C) which the second
+   pass applies; float16, bfloat16 and float32 operands (the FP32 kernel
+   splits too). Against the CPU in float32: 16-bit operands or C <= 1e-2;
+   float32 <= 1e-4 (two summation orders over K up to 86528 terms differ
+   by about 2^-24·√K ≈ 2e-5 of the norm). Run twice: the same bits. One
+   case is also recorded in a CUDA graph and replayed. */
+static void test_gemm_split_k(void) {
+    static const struct {
+        int64_t m, n, k;
+        int ta, tb;
+        mpt_dtype ab, c_dtype;
+        float alpha, beta;
+        int bias;
+        mpt_activation act;
+    } cases[] = {
+        {9, 32, 86528, 1, 0, MPT_FLOAT16, MPT_FLOAT32, 0, 0, 0, MPT_ACT_NONE},
+        {9, 32, 86528, 1, 0, MPT_BFLOAT16, MPT_FLOAT32, 0, 1, 0, MPT_ACT_NONE},
+        {288, 32, 73728, 1, 0, MPT_FLOAT16, MPT_FLOAT32, 0, 0, 0, MPT_ACT_NONE},
+        {288, 32, 73728 + 17, 1, 0, MPT_BFLOAT16, MPT_FLOAT32, 0, 1, 0, MPT_ACT_NONE},
+        {288, 32, 40005, 0, 1, MPT_FLOAT16, MPT_FLOAT16, 0.5f, 0, 1, MPT_ACT_GELU},
+        {100, 70, 30001, 1, 1, MPT_BFLOAT16, MPT_BFLOAT16, 0, 0, 1, MPT_ACT_RELU},
+        {37, 64, 20031, 0, 0, MPT_FLOAT16, MPT_FLOAT32, -2.0f, 0.75f, 1, MPT_ACT_SIGMOID},
+        {9, 32, 20007, 1, 0, MPT_FLOAT32, MPT_FLOAT32, 0, 1, 0, MPT_ACT_NONE},
+        {288, 32, 16415, 0, 0, MPT_FLOAT32, MPT_FLOAT32, 0, 0.5f, 1, MPT_ACT_TANH},
+    };
+    backend *gpu = &gpu_be[GPU_MPT];
+    size_t i;
+    for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        gemm_case g;
+        gemm_inputs in;
+        void *ref, *got[2];
+        double err, tol;
+        char what[160];
+        int run;
+        memset(&g, 0, sizeof g);
+        g.m = cases[i].m, g.n = cases[i].n, g.k = cases[i].k;
+        g.ta = cases[i].ta, g.tb = cases[i].tb;
+        g.ab = cases[i].ab, g.c_dtype = cases[i].c_dtype;
+        g.alpha = cases[i].alpha, g.beta = cases[i].beta;
+        g.bias = cases[i].bias, g.act = cases[i].act;
+        tol = g.ab == MPT_FLOAT32 && g.c_dtype == MPT_FLOAT32 ? 1e-4 : 1e-2;
+        in = gemm_make_inputs(&g);
+        ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
+        for (run = 0; run < 2; run++) got[run] = gemm_run(gpu, &g, g.c_dtype, &in);
+        describe_gemm(what, sizeof what, &g);
+        err = gemm_error(&g, &in, ref, got[0]);
+        CHECK(err <= tol, "split gemm %s: relative error %.3g > %g", what, err, tol);
+        CHECK(!memcmp(got[0], got[1], nbytes(g.c_dtype, g.m * in.ldc)),
+              "split gemm %s: two runs differ at element %lld", what,
+              (long long)first_difference(got[0], got[1], g.m * in.ldc,
+                                          mpt_dtype_size(g.c_dtype)));
+        if (i == 0) gemm_split_captured(gpu, &g, &in);
+        free(ref);
+        free(got[0]);
+        free(got[1]);
+        gemm_free_inputs(&in);
+    }
+}
+
+/* One im2col and one col2im case on a backend: their outputs (malloc'ed). */
+static void layout_run(backend *b, const mpt_window *g, mpt_dtype dt, int64_t n, const void *x,
+                       const float *dcols, void **cols_out, void **dx_out) {
+    const int64_t xn = n * g->h * g->w * g->c, cn = n * g->oh * g->ow * g->kh * g->kw * g->c;
+    const void *xd = be_upload(b, x, nbytes(dt, xn));
+    void *cols = be_poisoned(b, nbytes(dt, cn));
+    const float *dc = (const float *)be_upload(b, dcols, nbytes(MPT_FLOAT32, cn));
+    float *dxf = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, xn));
+    void *dx = be_poisoned(b, nbytes(dt, xn));
+    b->t->im2col(b->impl, g, dt, xd, n, cols);
+    b->t->col2im(b->impl, g, dt, dc, n, dxf, dx);
+    *cols_out = be_fetch(b, cols, nbytes(dt, cn), "im2col");
+    *dx_out = be_fetch(b, dx, nbytes(dt, xn), "col2im");
+    be_release(b);
+}
+
+/* Issue 9 A10: im2col and col2im on both index paths — 32-bit indices
+   with divisions by multiply and shift (every call below 2^31, the
+   default) and 64-bit ones (a context opened with $MPT_CUDA_INDEX64=1) —
+   against the CPU: im2col exact, col2im within the tolerance of its
+   dtype. The windows of test_im2col, and larger batches whose indices
+   reach past 2^20, over divisors that are not powers of two. */
+static void test_layout_index_paths(void) {
+    backend wide;
+    backend *paths[2];
+    int wi, di, p;
+    if (!open_backend_with_env(&wide, "cuda (64-bit indices)", "MPT_CUDA_INDEX64", "1")) return;
+    paths[0] = &gpu_be[GPU_AUTO];
+    paths[1] = &wide;
+    for (wi = 0; wi < N_WINDOWS + 3; wi++)
+        for (di = 0; di < 3; di++) {
+            mpt_window g = wi < N_WINDOWS ? window_case(wi)
+                           : wi == N_WINDOWS ? make_window(28, 28, 1, 3, 1, 0)
+                           : wi == N_WINDOWS + 1 ? make_window(30, 29, 3, 5, 2, 1)
+                                                 : make_window(13, 13, 12, 3, 1, 1);
+            const int64_t n = wi < N_WINDOWS ? 3 : wi == N_WINDOWS ? 128 : 37;
+            const mpt_dtype dt = float_dtypes[di];
+            const int64_t xn = n * g.h * g.w * g.c, cn = n * g.oh * g.ow * g.kh * g.kw * g.c;
+            void *x = random_values(dt, xn, -1, 1);
+            float *dcols = (float *)random_values(MPT_FLOAT32, cn, -1, 1);
+            void *cols_cpu, *dx_cpu;
+            char what[160];
+            describe_window(what, sizeof what, &g, n, dt);
+            layout_run(&cpu_be, &g, dt, n, x, dcols, &cols_cpu, &dx_cpu);
+            for (p = 0; p < 2; p++) {
+                void *cols, *dx;
+                double err;
+                layout_run(paths[p], &g, dt, n, x, dcols, &cols, &dx);
+                CHECK(memcmp(cols, cols_cpu, nbytes(dt, cn)) == 0,
+                      "im2col %s on %s: element %lld differs (exact)", what, paths[p]->label,
+                      (long long)first_difference(cols, cols_cpu, cn, mpt_dtype_size(dt)));
+                err = rel_error(dt, dx, dt, dx_cpu, xn);
+                CHECK(err <= tolerance(dt), "col2im %s on %s: relative error %.3g > %g", what,
+                      paths[p]->label, err, tolerance(dt));
+                free(cols);
+                free(dx);
+            }
+            free(cols_cpu);
+            free(dx_cpu);
+            free(x);
+            free(dcols);
+        }
+    close_backend(&wide);
+}
+
 /* ---- whole models ---------------------------------------------------------------------------------- */
 
 enum { N_BLOBS = 1024, FEATURES = 12, CLASSES = 4 };
@@ -2533,6 +2803,70 @@ static void test_model_memory_limit_on_the_gpu(void) {
     }
 }
 
+/* Lines of a text file; -1 when it cannot be read. */
+static int count_lines(const char *path) {
+    FILE *f = fopen(path, "r");
+    int lines = 0, ch;
+    if (!f) return -1;
+    while ((ch = fgetc(f)) != EOF) lines += ch == '\n';
+    fclose(f);
+    return lines;
+}
+
+/* Issue 9 A5: $MPT_GEMM_CHOICES carries MPT_GEMM_AUTO's engine choices
+   from run to run. A context measures three shapes and writes one line
+   each; a second context, opened on the same file (with a line that does
+   not parse added), measures nothing (the file keeps its lines) and gives
+   the first context's bits. */
+static void test_gemm_choices_file(void) {
+    static const int64_t shapes[3][3] = {{256, 512, 384}, {1000, 64, 2048}, {96, 4096, 512}};
+    char path[512];
+    backend runs[2];
+    void *out[2][3];
+    gemm_inputs in[3];
+    gemm_case g[3];
+    int r, i;
+    FILE *f;
+    temp_path(path, sizeof path, "gemm_choices");
+    remove(path);
+    for (i = 0; i < 3; i++) {
+        memset(&g[i], 0, sizeof g[i]);
+        g[i].m = shapes[i][0], g[i].n = shapes[i][1], g[i].k = shapes[i][2];
+        g[i].tb = i == 1;
+        g[i].ab = i == 2 ? MPT_BFLOAT16 : MPT_FLOAT16;
+        g[i].c_dtype = MPT_FLOAT32;
+        in[i] = gemm_make_inputs(&g[i]);
+    }
+    for (r = 0; r < 2; r++) {
+        if (!open_backend_env_engine(&runs[r], r ? "cuda (gemm auto, choices read)"
+                                                 : "cuda (gemm auto, choices written)",
+                                     "MPT_GEMM_CHOICES", path, MPT_GEMM_AUTO)) {
+            while (r-- > 0)
+                for (i = 0; i < 3; i++) free(out[r][i]);
+            for (i = 0; i < 3; i++) gemm_free_inputs(&in[i]);
+            remove(path);
+            return;
+        }
+        for (i = 0; i < 3; i++) out[r][i] = gemm_run(&runs[r], &g[i], MPT_FLOAT32, &in[i]);
+        close_backend(&runs[r]);
+        CHECK(count_lines(path) == 3 + r, "run %d: the choices file has %d lines, expected %d",
+              r + 1, count_lines(path), 3 + r);
+        if (r == 0 && (f = fopen(path, "a")) != NULL) {
+            fputs("gemm sm_90 sms 132 m 256 n 5\n", f); /* cut short: skipped */
+            fclose(f);
+        }
+    }
+    for (i = 0; i < 3; i++) {
+        CHECK(!memcmp(out[0][i], out[1][i], nbytes(MPT_FLOAT32, g[i].m * in[i].ldc)),
+              "shape %d: the second run differs from the first at element %lld", i,
+              (long long)first_difference(out[0][i], out[1][i], g[i].m * in[i].ldc, 4));
+        free(out[0][i]);
+        free(out[1][i]);
+        gemm_free_inputs(&in[i]);
+    }
+    remove(path);
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
@@ -2600,6 +2934,14 @@ int main(void) {
               test_two_devices_from_one_thread);
     test__run("mirrored: one replica on each of two GPUs (NCCL) as two on one (<= 1e-5)",
               test_mirrored_on_two_gpus);
+    test__run("gemm: 128x128 and 64x64 tiles, chosen and forced, 1536x1600x200 (<= 1e-2)",
+              test_gemm_tiles);
+    test__run("gemm: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2, 1e-4)",
+              test_gemm_split_k);
+    test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
+              test_layout_index_paths);
+    test__run("gemm auto: $MPT_GEMM_CHOICES carries the engines to the next run (same bits)",
+              test_gemm_choices_file);
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

@@ -164,7 +164,12 @@ static const char *write_script(char *buf) {
     if (!f) return NULL;
     fputs("import sys, numpy as np\n"
           "fmt, model, xin, n, out, wdtype = sys.argv[1:7]\n"
-          "x = np.fromfile(xin, dtype='<f4').reshape(int(n), 28, 28, 1)\n"
+          "if xin.endswith('.gz'):  # IDX images, scaled as mpt.h's loader scales them\n"
+          "    import gzip\n"
+          "    raw = np.frombuffer(gzip.open(xin).read(), dtype=np.uint8, offset=16)\n"
+          "    x = raw.reshape(-1, 28, 28, 1).astype(np.float32) * np.float32(1 / 255)\n"
+          "else:\n"
+          "    x = np.fromfile(xin, dtype='<f4').reshape(int(n), 28, 28, 1)\n"
           "if fmt == 'tflite':\n"
           "    from ai_edge_litert.interpreter import Interpreter\n"
           "    it = Interpreter(model_path=model)\n"
@@ -191,7 +196,8 @@ static const char *write_script(char *buf) {
     return buf;
 }
 
-/* Runs `model` (fmt "tflite" or "onnx") on x; fills y (count floats).
+/* Runs `model` (fmt "tflite" or "onnx") on the N_SAMPLES float32 samples
+   in x_path (or the images of an IDX file); fills y (count floats).
    Returns 1 when the runtime ran and gave count outputs. */
 static int run_runtime(const char *fmt, const char *model, const char *x_path, const char *wdtype,
                        float *y, int64_t count) {
@@ -237,10 +243,10 @@ static int64_t argmax(const float *v, int64_t n) {
     return best;
 }
 
-/* |got − want| <= tol · max(1, |want|) everywhere, and the same top-1 per
-   sample; returns the largest difference. */
+/* |got − want| <= tol · max(1, |want|) everywhere, and the same top-1 on
+   at least `agree` of the samples (1: all); returns the largest difference. */
 static double compare(const char *what, const float *got, const float *want, int64_t count,
-                      int64_t per_sample, double tol) {
+                      int64_t per_sample, double tol, double agree) {
     int64_t i, worst = 0, top1_diff = 0;
     double max_diff = 0;
     for (i = 0; i < count; i++) {
@@ -253,8 +259,13 @@ static double compare(const char *what, const float *got, const float *want, int
     CHECK(max_diff <= tol * fmax(1.0, fabs((double)want[worst])),
           "%s: output %lld is %.9g, mpt.h's %.9g (difference %.3g > %.3g)", what,
           (long long)worst, (double)got[worst], (double)want[worst], max_diff, tol);
-    CHECK(top1_diff == 0, "%s: top-1 differs from mpt.h's on %lld of %lld samples", what,
-          (long long)top1_diff, (long long)(count / per_sample));
+    CHECK((double)top1_diff <= (1 - agree) * (double)(count / per_sample),
+          "%s: top-1 differs from mpt.h's on %lld of %lld samples", what, (long long)top1_diff,
+          (long long)(count / per_sample));
+    if (agree < 1) /* the trained model's: the numbers the issue asks for */
+        printf("# %s: top-1 as mpt.h's on %lld of %lld samples, largest difference %.3g\n", what,
+               (long long)(count / per_sample - top1_diff), (long long)(count / per_sample),
+               max_diff);
     return max_diff;
 }
 
@@ -311,9 +322,9 @@ static void check_float32(arch a) {
             per_sample = want.shape[want.rank - 1];
             got = (float *)malloc(sizeof(float) * (size_t)(count + 1));
             if (got && run_runtime("tflite", tfl, x_path, "float32", got, count))
-                compare("LiteRT", got, (const float *)want.data, count, per_sample, 1e-4);
+                compare("LiteRT", got, (const float *)want.data, count, per_sample, 1e-4, 1);
             if (got && run_runtime("onnx", onnx, x_path, "float32", got, count))
-                compare("ONNX Runtime", got, (const float *)want.data, count, per_sample, 1e-4);
+                compare("ONNX Runtime", got, (const float *)want.data, count, per_sample, 1e-4, 1);
             free(got);
         }
     }
@@ -365,16 +376,79 @@ static void check_float16(arch a) {
             got = (float *)malloc(sizeof(float) * (size_t)(count + 1));
             if (got && run_runtime("tflite", tfl, x_path, "float16", got, count))
                 compare("LiteRT, float16 weights", got, (const float *)want.data, count,
-                        per_sample, 1e-4);
+                        per_sample, 1e-4, 1);
             if (got && run_runtime("onnx", onnx, x_path, "float16", got, count))
                 compare("ONNX Runtime, float16 weights", got, (const float *)want.data, count,
-                        per_sample, 1e-4);
+                        per_sample, 1e-4, 1);
             free(got);
         }
     }
     mpt_tensor_free(ctx, &want);
     mpt_model_destroy(m);
     test__end("export_float16_%s", arch_name(a));
+}
+
+/* ---- a trained model ----------------------------------------------------------------- */
+
+/* An MLP with BatchNormalization trained for one epoch on 12,000
+   Fashion-MNIST images, float32: on all 10,000 test images both files'
+   outputs are within 1e-4 of mpt.h's and their top-1 is mpt.h's on at
+   least 99.5 % of the images (the issue's bar; float32 gives all). */
+static void test_fashion_mnist_trained(void) {
+    const char *data_dir = "/usr/share/datasets/fashion-mnist";
+    const char *fmts[2] = {"tflite", "onnx"};
+    mpt_dataset *all = NULL, *head = NULL, *test = NULL;
+    mpt_model *m = NULL;
+    mpt_tensor want;
+    char images[256], files[2][256];
+    float *got = NULL;
+    int64_t count = 0;
+    int k;
+    if (mpt_dataset_load_mnist(ctx, data_dir, 0, &all) != MPT_OK) {
+        SKIP("no Fashion-MNIST in /usr/share/datasets/fashion-mnist (dataset-fashion-mnist)");
+        return;
+    }
+    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) {
+        mpt_dataset_destroy(all);
+        return;
+    }
+    memset(&want, 0, sizeof want);
+    snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data_dir);
+    CHECK(mpt_dataset_load_mnist(ctx, data_dir, 1, &test) == MPT_OK && access(images, R_OK) == 0,
+          "test set (%s): %s", images, mpt_context_error(ctx));
+    CHECK(mpt_dataset_split(ctx, all, 12000, &head, NULL) == MPT_OK, "split: %s",
+          mpt_context_error(ctx));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3,
+                                            .seed = 3}, &m);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 96});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.2f});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}, .metrics = MPT_METRIC_ACCURACY});
+    if (test && head && m &&
+        mpt_model_fit(m, head, &(mpt_fit_desc){.epochs = 1, .batch_size = 128}) == MPT_OK &&
+        mpt_model_predict(m, test, 500, &want) == MPT_OK) {
+        count = mpt_tensor_count(&want);
+        got = (float *)malloc(sizeof(float) * (size_t)(count + 1));
+    }
+    CHECK(got != NULL, "fit and predict: %s", mpt_context_error(ctx));
+    CHECK(got && mpt_model_export_tflite(m, path_of(files[0], "fmnist.tflite"), NULL) == MPT_OK,
+          "TFLite: %s", mpt_context_error(ctx));
+    CHECK(got && mpt_model_export_onnx(m, path_of(files[1], "fmnist.onnx"), NULL) == MPT_OK,
+          "ONNX: %s", mpt_context_error(ctx));
+    for (k = 0; got && k < 2; k++) {
+        if (run_runtime(fmts[k], files[k], images, "float32", got, count))
+            compare(fmts[k], got, (const float *)want.data, count, 10, 1e-4, 0.995);
+    }
+    free(got);
+    mpt_tensor_free(ctx, &want);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(head);
+    mpt_dataset_destroy(test);
+    mpt_dataset_destroy(all);
 }
 
 /* ---- what must fail, leaving nothing behind ----------------------------------------- */
@@ -511,6 +585,7 @@ int main(void) {
     }
     for (a = MLP; a <= CNN_OPEN; a++) check_float32((arch)a);
     for (a = MLP; a <= CNN_OPEN; a++) check_float16((arch)a);
+    TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_unwritable_path);

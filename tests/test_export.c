@@ -566,6 +566,54 @@ static void test_unwritable_path(void) {
     mpt_context_destroy(q);
 }
 
+/* Memory that runs out at each allocation of an export in turn: each
+   fails with MPT_ERR_OUT_OF_MEMORY and writes nothing, and whatever it
+   allocated is freed. */
+static void test_out_of_memory(void) {
+    counting_alloc c = {0, 0, -1};
+    mpt_context *q = counting_ctx(&c);
+    mpt_model *m = NULL;
+    export_fn fns[2] = {mpt_model_export_tflite, mpt_model_export_onnx};
+    mpt_export_desc descs[2] = {{MPT_FLOAT32}, {MPT_FLOAT16}};
+    char p[256];
+    long k, before;
+    int f, d, finished;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {7, 6, 2}, .input_rank = 3}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 3, .kernel_size = {2, 2}});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_max_pooling2d(m, NULL);
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_global_average_pooling2d(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(q));
+    for (f = 0; f < 2; f++)
+        for (d = 0; d < 2; d++) {
+            path_of(p, f ? "oom.onnx" : "oom.tflite");
+            for (k = 0, finished = 0; !finished && k < 10000; k++) {
+                mpt_status s;
+                before = c.allocs - c.frees;
+                c.fail_after = c.allocs + k;
+                s = fns[f](m, p, &descs[d]);
+                c.fail_after = -1;
+                CHECK(c.allocs - c.frees == before, "%s, allocation %ld failing: %ld blocks "
+                      "left allocated", p, k, c.allocs - c.frees - before);
+                if (s == MPT_OK) {
+                    finished = 1;
+                    break;
+                }
+                CHECK(s == MPT_ERR_OUT_OF_MEMORY && strstr(mpt_context_error(q), "out of memory"),
+                      "%s, allocation %ld failing: status %d, %s", p, k, (int)s,
+                      mpt_context_error(q));
+                CHECK(!exists(p), "%s written with allocation %ld failing", p, k);
+            }
+            CHECK(finished && k > 3, "%s: %ld allocations", p, k);
+            remove(p);
+        }
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+    CHECK(c.allocs == c.frees, "%ld allocations, %ld frees", c.allocs, c.frees);
+}
+
 static void remove_dir(void) {
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
@@ -589,6 +637,7 @@ int main(void) {
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_unwritable_path);
+    TEST_RUN(test_out_of_memory);
     remove_dir();
     mpt_context_destroy(ctx);
     return test_summary("test_export");

@@ -24,10 +24,10 @@ static const char *path_of(char *buf, const char *name) {
 
 /* ---- models with every layer the export writes ---------------------------------- */
 
-typedef enum { MLP, CNN, CNN_GAP, CNN_OPEN } arch;
+typedef enum { MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN } arch;
 
 static const char *arch_name(arch a) {
-    static const char *names[] = {"mlp", "cnn", "cnn_gap", "cnn_open"};
+    static const char *names[] = {"mlp", "mlp_vectors", "mlp_rows", "cnn", "cnn_gap", "cnn_open"};
     return names[a];
 }
 
@@ -56,12 +56,22 @@ static void add_act(mpt_model *m, mpt_activation act) {
    windows. with_bn 0 leaves BatchNormalization out. */
 static mpt_model *make_model(arch a, int with_bn) {
     mpt_model *m = NULL;
-    int64_t rank = 3;
-    if (mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = (int)rank,
-                                                .seed = 7},
-                         &m) != MPT_OK)
-        return NULL;
+    mpt_model_desc desc = {.input_shape = {28, 28, 1}, .input_rank = 3, .seed = 7};
+    if (a == MLP_VECTORS) { /* samples (784,) */
+        desc.input_shape[0] = 784;
+        desc.input_rank = 1;
+    } else if (a == MLP_ROWS) { /* samples (28, 28) */
+        desc.input_rank = 2;
+    }
+    if (mpt_model_create(ctx, &desc, &m) != MPT_OK) return NULL;
     switch (a) {
+    case MLP_VECTORS:
+    case MLP_ROWS:
+        mpt_model_add_flatten(m, NULL);
+        add_dense(m, 11, MPT_ACT_NONE);
+        if (with_bn) add_bn(m);
+        add_act(m, MPT_ACT_SOFTMAX);
+        break;
     case MLP:
         mpt_model_add_flatten(m, NULL);
         add_dense(m, 37, MPT_ACT_RELU);
@@ -170,10 +180,13 @@ static const char *write_script(char *buf) {
           "    x = raw.reshape(-1, 28, 28, 1).astype(np.float32) * np.float32(1 / 255)\n"
           "else:\n"
           "    x = np.fromfile(xin, dtype='<f4').reshape(int(n), 28, 28, 1)\n"
+          "def shaped(x, sample):  # as the model's input: (n, 28, 28, 1), (n, 784), ...\n"
+          "    return np.ascontiguousarray(x.reshape([len(x)] + [int(d) for d in sample]))\n"
           "if fmt == 'tflite':\n"
           "    from ai_edge_litert.interpreter import Interpreter\n"
           "    it = Interpreter(model_path=model)\n"
           "    i = it.get_input_details()[0]['index']\n"
+          "    x = shaped(x, it.get_input_details()[0]['shape'][1:])\n"
           "    it.resize_tensor_input(i, list(x.shape))\n"
           "    it.allocate_tensors()\n"
           "    it.set_tensor(i, x)\n"
@@ -186,6 +199,7 @@ static const char *write_script(char *buf) {
           "    proto = onnx.load(model)\n"
           "    onnx.checker.check_model(proto, full_check=True)\n"
           "    s = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+          "    x = shaped(x, s.get_inputs()[0].shape[1:])\n"
           "    y = s.run(None, {'input': x})[0]\n"
           "    kernels = [onnx.helper.tensor_dtype_to_np_dtype(t.data_type)\n"
           "               for t in proto.graph.initializer if t.name.endswith('/kernel')]\n"
@@ -226,10 +240,12 @@ static int predict(mpt_model *m, float *x, mpt_tensor *y) {
     static int32_t labels[N_SAMPLES];
     mpt_tensor tx, ty;
     mpt_dataset *data = NULL;
-    int ok;
+    int64_t shape[MPT_MAX_RANK];
+    int rank = mpt_model_input_shape(m, shape), ok;
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
     mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SAMPLES}, labels);
     ok = mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK &&
+         mpt_dataset_reshape(ctx, data, rank, shape) == MPT_OK &&
          mpt_model_predict(m, data, 16, y) == MPT_OK;
     CHECK(ok, "predict: %s", mpt_context_error(ctx));
     mpt_dataset_destroy(data);

@@ -16206,9 +16206,12 @@ enum { /* BuiltinOperator */
     MPT__TFL_ADD = 0, MPT__TFL_AVERAGE_POOL_2D = 1, MPT__TFL_CONV_2D = 3,
     MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9, MPT__TFL_LOGISTIC = 14,
     MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19, MPT__TFL_RESHAPE = 22,
-    MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28
+    MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_QUANTIZE = 114
 };
-enum { MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2 }; /* TensorType */
+enum { /* TensorType */
+    MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2, MPT__TFL_UINT8 = 3,
+    MPT__TFL_INT8 = 9
+};
 enum { /* BuiltinOptions: the union's type ids */
     MPT__TFL_NO_OPTIONS = 0, MPT__TFL_CONV2D_OPTIONS = 1, MPT__TFL_POOL2D_OPTIONS = 5,
     MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
@@ -16217,6 +16220,16 @@ enum { /* BuiltinOptions: the union's type ids */
 enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
 enum { MPT__TFL_ACT_NONE = 0, MPT__TFL_ACT_RELU = 1 }; /* ActivationFunctionType */
 
+/* A quantized tensor's parameters (QuantizationParameters): real =
+   scale · (q − zero_point), one pair for the whole tensor (n = 1) or one
+   per index of axis `dimension` (a kernel's output channels: 0). */
+typedef struct mpt__tfl_quant {
+    int n;                      /* 0: not quantized                          */
+    const float *scale;         /* (n), borrowed until the file is written  */
+    const int64_t *zero_point;  /* (n), likewise                             */
+    int dimension;              /* quantized_dimension                       */
+} mpt__tfl_quant;
+
 typedef struct mpt__tfl_tensor {
     char name[96];
     int type;             /* TensorType                                     */
@@ -16224,6 +16237,7 @@ typedef struct mpt__tfl_tensor {
     int32_t shape[MPT_MAX_RANK];
     int batched;          /* shape[0] is the batch: shape_signature has −1 */
     uint32_t buffer;      /* 0: no data (the empty sentinel)                */
+    mpt__tfl_quant quant; /* INT8, UINT8 (and an int32 bias): its scales    */
 } mpt__tfl_tensor;
 
 typedef struct mpt__tfl_op {
@@ -16549,9 +16563,34 @@ static size_t mpt__tfl_write_buffer(mpt__fb *b, const mpt__tfl_buffer *buf) {
     return mpt__fb_table_end(b);
 }
 
+/* QuantizationParameters {min 0, max 1, scale 2, zero_point 3, details
+   (a union: 4 and 5), quantized_dimension 6}. */
+static size_t mpt__tfl_write_quant(mpt__fb *b, const mpt__tfl_quant *q) {
+    size_t scale, zero_point;
+    int i;
+    mpt__fb_align(b, 8 * (size_t)q->n, 8);
+    for (i = q->n - 1; i >= 0; i--) mpt__fb_scalar(b, (uint64_t)q->zero_point[i], 8);
+    mpt__fb_scalar(b, (uint32_t)q->n, 4);
+    zero_point = b->size;
+    mpt__fb_align(b, 4 * (size_t)q->n, 4);
+    for (i = q->n - 1; i >= 0; i--) {
+        uint32_t bits;
+        memcpy(&bits, &q->scale[i], 4);
+        mpt__fb_scalar(b, bits, 4);
+    }
+    mpt__fb_scalar(b, (uint32_t)q->n, 4);
+    scale = b->size;
+    mpt__fb_table_begin(b);
+    mpt__fb_field_offset(b, 2, scale);
+    mpt__fb_field_offset(b, 3, zero_point);
+    mpt__fb_field_scalar(b, 6, (uint32_t)q->dimension, 4);
+    return mpt__fb_table_end(b);
+}
+
 static size_t mpt__tfl_write_tensor(mpt__fb *b, const mpt__tfl_tensor *t) {
     int32_t signature[MPT_MAX_RANK];
-    size_t shape, sig = 0, name;
+    size_t shape, sig = 0, name, quant = 0;
+    if (t->quant.n > 0) quant = mpt__tfl_write_quant(b, &t->quant);
     shape = mpt__fb_int32s(b, t->shape, t->rank);
     if (t->batched) {
         memcpy(signature, t->shape, sizeof signature);
@@ -16564,6 +16603,7 @@ static size_t mpt__tfl_write_tensor(mpt__fb *b, const mpt__tfl_tensor *t) {
     mpt__fb_field_scalar(b, 1, (uint64_t)t->type, 1);   /* type                   */
     mpt__fb_field_scalar(b, 2, t->buffer, 4);           /* buffer                 */
     mpt__fb_field_offset(b, 3, name);                   /* name                   */
+    if (quant) mpt__fb_field_offset(b, 4, quant);       /* quantization           */
     if (sig) mpt__fb_field_offset(b, 7, sig);           /* shape_signature        */
     return mpt__fb_table_end(b);
 }

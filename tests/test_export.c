@@ -467,6 +467,98 @@ static void test_fashion_mnist_trained(void) {
     mpt_dataset_destroy(all);
 }
 
+/* ---- TFLite's quantization parameters ------------------------------------------------
+
+   The pieces a quantized export builds on, in a graph made by hand: QUANTIZE
+   to int8 per tensor (scale, zero point) and back, then FULLY_CONNECTED
+   with int8 weights per output channel (quantized_dimension 0) through
+   DEQUANTIZE. LiteRT must read the parameters as written and compute what
+   numpy computes from them. */
+static void test_tflite_quantization(void) {
+    static const float x_scale[1] = {0.05f}, w_scale[3] = {0.01f, 0.02f, 0.5f};
+    static const int64_t x_zero[1] = {-3}, w_zero[3] = {0, 0, 0};
+    static const int8_t weights[12] = {1, -2, 3, 127, -127, 5, 0, 9, 11, -13, 17, -19};
+    static const float bias[3] = {0.25f, -0.5f, 0.125f};
+    const mpt__tfl_quant xq = {1, x_scale, x_zero, 0}, wq = {3, w_scale, w_zero, 0};
+    mpt_model *m = make_model(MLP_VECTORS, 0); /* lends its context */
+    mpt__export_plan pl;
+    mpt__tfl g;
+    mpt__fb b;
+    char p[256], script[256], cmd[1024];
+    int64_t v4 = 4, v3 = 3, w_shape[2] = {3, 4};
+    int32_t input, xi8, xf, wi8, wf, bf, y;
+    unsigned char *w_data = (unsigned char *)mpt__alloc(ctx, 12); /* the graph takes it */
+    FILE *f;
+    if (!test_python_imports("numpy, ai_edge_litert.interpreter") || !m || !w_data) {
+        mpt__free(ctx, w_data);
+        mpt_model_destroy(m);
+        return;
+    }
+    memset(&pl, 0, sizeof pl);
+    memset(&g, 0, sizeof g);
+    memset(&b, 0, sizeof b);
+    pl.m = m;
+    pl.path = path_of(p, "quantized.tflite");
+    pl.weight_dtype = MPT_FLOAT32;
+    g.pl = &pl;
+    b.ctx = ctx;
+    memcpy(w_data, weights, 12);
+    mpt__tfl_buffer_add(&g, NULL, 0);
+    input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, 1, &v4, 1, 0);
+    xi8 = mpt__tfl_tensor_add(&g, "x", "int8", MPT__TFL_INT8, 1, &v4, 1, 0);
+    xf = mpt__tfl_tensor_add(&g, "x", "float", MPT__TFL_FLOAT32, 1, &v4, 1, 0);
+    wi8 = mpt__tfl_tensor_add(&g, "dense", "kernel", MPT__TFL_INT8, 2, w_shape, 0,
+                              mpt__tfl_buffer_add(&g, w_data, 12));
+    wf = mpt__tfl_tensor_add(&g, "dense", "kernel_float", MPT__TFL_FLOAT32, 2, w_shape, 0, 0);
+    bf = mpt__tfl_constant(&g, "dense", "bias", 1, &v3, bias, 3);
+    y = mpt__tfl_tensor_add(&g, "dense", "output", MPT__TFL_FLOAT32, 1, &v3, 1, 0);
+    CHECK(!g.failed, "the graph");
+    if (!g.failed) {
+        g.tensors[xi8].quant = xq;
+        g.tensors[wi8].quant = wq;
+    }
+    mpt__tfl_op_add(&g, MPT__TFL_QUANTIZE, input, 0, 0, 1, xi8);
+    mpt__tfl_op_add(&g, MPT__TFL_DEQUANTIZE, xi8, 0, 0, 1, xf);
+    mpt__tfl_op_add(&g, MPT__TFL_DEQUANTIZE, wi8, 0, 0, 1, wf);
+    mpt__tfl_op_add(&g, MPT__TFL_FULLY_CONNECTED, xf, wf, bf, 3, y);
+    CHECK(mpt__tfl_serialise(&g, input, y, &b) == MPT_OK &&
+              mpt__export_write(m, p, b.data + b.cap - b.size, b.size) == MPT_OK,
+          "write: %s", mpt_context_error(ctx));
+    f = fopen(path_of(script, "quantized.py"), "w");
+    if (f) {
+        fputs("import sys, numpy as np\n"
+              "from ai_edge_litert.interpreter import Interpreter\n"
+              "it = Interpreter(model_path=sys.argv[1])\n"
+              "q = {t['name']: t['quantization_parameters'] for t in it.get_tensor_details()}\n"
+              "assert np.allclose(q['x/int8']['scales'], [0.05]), q['x/int8']\n"
+              "assert list(q['x/int8']['zero_points']) == [-3], q['x/int8']\n"
+              "k = q['dense/kernel']\n"
+              "assert np.allclose(k['scales'], [0.01, 0.02, 0.5]) and k['quantized_dimension'] == 0, k\n"
+              "assert list(k['zero_points']) == [0, 0, 0], k\n"
+              "x = np.array([[0.5, -0.2, 0.0371, 6.9], [-7.0, 1.0, 0.26, 0.31]], np.float32)\n"
+              "i = it.get_input_details()[0]['index']\n"
+              "it.resize_tensor_input(i, list(x.shape))\n"
+              "it.allocate_tensors()\n"
+              "it.set_tensor(i, x)\n"
+              "it.invoke()\n"
+              "y = it.get_tensor(it.get_output_details()[0]['index'])\n"
+              "xq = np.clip(np.round(x / np.float32(0.05)) - 3, -128, 127)\n"
+              "xd = np.float32(0.05) * (xq + 3)\n"
+              "w = np.array([1, -2, 3, 127, -127, 5, 0, 9, 11, -13, 17, -19], np.float32)\n"
+              "w = w.reshape(3, 4) * np.array([[0.01], [0.02], [0.5]], np.float32)\n"
+              "want = xd @ w.T + np.array([0.25, -0.5, 0.125], np.float32)\n"
+              "assert np.abs(y - want).max() < 1e-5, (y, want)\n",
+              f);
+        fclose(f);
+    }
+    snprintf(cmd, sizeof cmd, "'%s' %s %s", test_python(), script, p);
+    CHECK(system(cmd) == 0, "LiteRT reads the quantization parameters and computes with them (%s)",
+          cmd);
+    mpt__free(ctx, b.data);
+    mpt__tfl_free(&g);
+    mpt_model_destroy(m);
+}
+
 /* ---- what must fail, leaving nothing behind ----------------------------------------- */
 
 /* The names in dir (sorted), into buf. */
@@ -650,6 +742,7 @@ int main(void) {
     for (a = MLP; a <= CNN_OPEN; a++) check_float32((arch)a);
     for (a = MLP; a <= CNN_OPEN; a++) check_float16((arch)a);
     TEST_RUN(test_fashion_mnist_trained);
+    TEST_RUN(test_tflite_quantization);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_unwritable_path);

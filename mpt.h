@@ -16782,7 +16782,10 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
    needs the NHWC order (Flatten, whose element order must be mpt.h's, and
    the output). */
 
-enum { MPT__ONNX_FLOAT = 1, MPT__ONNX_FLOAT16 = 10 };       /* TensorProto.DataType   */
+enum { /* TensorProto.DataType */
+    MPT__ONNX_FLOAT = 1, MPT__ONNX_UINT8 = 2, MPT__ONNX_INT8 = 3, MPT__ONNX_INT32 = 6,
+    MPT__ONNX_FLOAT16 = 10
+};
 enum { MPT__ONNX_ATTR_INT = 2, MPT__ONNX_ATTR_INTS = 7 }; /* AttributeProto.AttributeType */
 #define MPT__ONNX_IR_VERSION 7 /* what opset 13 needs */
 #define MPT__ONNX_OPSET 13     /* per-axis QuantizeLinear for a later int8 export */
@@ -16835,34 +16838,48 @@ static const char *mpt__onnx_name(char *out, size_t size, const mpt__layer *L, c
 
 /* A float constant (kernel, bias, scale) as an initializer: float32, or
    float16 with a Cast to float32; `out` receives the float32 value's name. */
+/* Starts an initializer (TensorProto {dims, data_type, name, raw_data})
+   of `bytes` bytes of data; returns where those go, for the caller to fill
+   little-endian (NULL when memory ran out), and *body for
+   mpt__pb_end(&o->inits, *body) once they are there. Any data type: float,
+   float16, and the int8, uint8 and int32 of quantized tensors. */
+static unsigned char *mpt__onnx_initializer(mpt__onnx *o, const char *name, int data_type,
+                                            int rank, const int64_t *dims, size_t bytes,
+                                            size_t *body) {
+    mpt__pb *b = &o->inits;
+    int d;
+    *body = mpt__pb_begin(b, 5);
+    for (d = 0; d < rank; d++) mpt__pb_int64(b, 1, dims[d]);
+    mpt__pb_int64(b, 2, data_type);
+    mpt__pb_string(b, 8, name);
+    mpt__pb_key(b, 9, MPT__PB_LEN); /* raw_data */
+    mpt__pb_varint(b, bytes);
+    if (!mpt__pb_reserve(b, bytes)) return NULL;
+    b->size += bytes;
+    return b->data + b->size - bytes;
+}
+
 static void mpt__onnx_constant(mpt__onnx *o, const mpt__layer *L, const char *what, int rank,
                                const int64_t *dims, const float *values, int64_t n, char *out,
                                size_t out_size) {
     int half = o->pl->weight_dtype == MPT_FLOAT16;
-    mpt__pb *b = &o->inits;
-    size_t body = mpt__pb_begin(b, 5), elem = half ? 2 : 4;
+    size_t body, elem = half ? 2 : 4;
     char stored[96];
+    unsigned char *data;
     int64_t i;
-    int d;
     mpt__onnx_name(stored, sizeof stored, L, what);
-    for (d = 0; d < rank; d++) mpt__pb_int64(b, 1, dims[d]);
-    mpt__pb_int64(b, 2, half ? MPT__ONNX_FLOAT16 : MPT__ONNX_FLOAT);
-    mpt__pb_string(b, 8, stored);
-    mpt__pb_key(b, 9, MPT__PB_LEN); /* raw_data, little-endian */
-    mpt__pb_varint(b, (uint64_t)n * elem);
-    if (mpt__pb_reserve(b, (size_t)n * elem)) {
-        for (i = 0; i < n; i++) {
-            uint32_t bits;
-            if (half) {
-                bits = mpt_float_to_half(values[i]);
-            } else {
-                memcpy(&bits, &values[i], 4);
-            }
-            mpt__tb_put_le(b->data + b->size + (size_t)i * elem, bits, (int)elem);
+    data = mpt__onnx_initializer(o, stored, half ? MPT__ONNX_FLOAT16 : MPT__ONNX_FLOAT, rank, dims,
+                                 (size_t)n * elem, &body);
+    for (i = 0; data && i < n; i++) {
+        uint32_t bits;
+        if (half) {
+            bits = mpt_float_to_half(values[i]);
+        } else {
+            memcpy(&bits, &values[i], 4);
         }
-        b->size += (size_t)n * elem;
+        mpt__tb_put_le(data + (size_t)i * elem, bits, (int)elem);
     }
-    mpt__pb_end(b, body);
+    mpt__pb_end(&o->inits, body);
     if (!half) {
         snprintf(out, out_size, "%s", stored);
         return;
@@ -17060,14 +17077,11 @@ static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int ra
     mpt__pb_end(b, info);
 }
 
-/* ModelProto around the nodes and initializers. */
-static void mpt__onnx_model(mpt__onnx *o, mpt__pb *b) {
-    const mpt__export_step *last = o->pl->n ? &o->pl->steps[o->pl->n - 1] : NULL;
-    int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
-    int in_rank = mpt_model_input_shape(o->pl->m, in_shape);
-    int out_rank = last ? mpt__export_out_shape(last, out_shape) : in_rank;
+/* ModelProto around the nodes and initializers; the running value is the
+   output, one sample of shape out_shape (out_rank). */
+static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, int out_rank,
+                            const int64_t *out_shape, mpt__pb *b) {
     size_t graph, opset, body;
-    if (!last) memcpy(out_shape, in_shape, sizeof in_shape);
     body = mpt__onnx_node(o, "Identity", "output", o->x, NULL, NULL);
     mpt__pb_end(&o->nodes, body);
     mpt__pb_int64(b, 1, MPT__ONNX_IR_VERSION);
@@ -17092,7 +17106,8 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
     mpt__onnx o;
     mpt__pb b;
     mpt_status s;
-    int i;
+    int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
+    int i, in_rank, out_rank;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     s = mpt__export_plan_init(&pl, m, "ONNX", path, desc);
     if (s != MPT_OK || !mpt__strategy_is_chief(m->strategy)) {
@@ -17108,7 +17123,10 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
     o.nchw = 0;
     for (i = 0; i < pl.n; i++) mpt__onnx_step(&o, &pl.steps[i]);
     if (pl.n) mpt__onnx_layout(&o, pl.steps[pl.n - 1].L, 0); /* the output is NHWC */
-    mpt__onnx_model(&o, &b);
+    in_rank = mpt_model_input_shape(m, in_shape);
+    out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
+    if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
+    mpt__onnx_model(&o, in_rank, in_shape, out_rank, out_shape, &b);
     if (b.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);
     else

@@ -559,6 +559,93 @@ static void test_tflite_quantization(void) {
     mpt_model_destroy(m);
 }
 
+/* ONNX's QDQ form likewise: QuantizeLinear and DequantizeLinear of the
+   input per tensor (int8, zero point −3), int8 weights dequantized per
+   output channel (axis 1 of Gemm's (in, out) B), a float bias; checked by
+   onnx.checker and run in ONNX Runtime against numpy. */
+static void test_onnx_qdq(void) {
+    static const int8_t weights[12] = {1, -2, 3, 127, -127, 5, 0, 9, 11, -13, 17, -19};
+    static const float w_scale[3] = {0.01f, 0.02f, 0.5f}, bias[3] = {0.25f, -0.5f, 0.125f};
+    mpt_model *m = make_model(MLP_VECTORS, 0); /* lends its context and a layer's name */
+    mpt__export_plan pl;
+    mpt__onnx o;
+    mpt__pb b;
+    char p[256], script[256], cmd[1024], bias_name[128];
+    int64_t four = 4, three = 3, w_dims[2] = {4, 3};
+    unsigned char *data;
+    size_t body;
+    float x_scale = 0.05f;
+    uint32_t bits;
+    int i;
+    FILE *f;
+    if (!test_python_imports("numpy, onnx, onnxruntime") || !m) {
+        mpt_model_destroy(m);
+        return;
+    }
+    memset(&pl, 0, sizeof pl);
+    memset(&o, 0, sizeof o);
+    memset(&b, 0, sizeof b);
+    pl.m = m;
+    pl.path = path_of(p, "qdq.onnx");
+    pl.weight_dtype = MPT_FLOAT32;
+    o.pl = &pl;
+    o.nodes.ctx = o.inits.ctx = b.ctx = ctx;
+    data = mpt__onnx_initializer(&o, "x_scale", MPT__ONNX_FLOAT, 0, NULL, 4, &body);
+    memcpy(&bits, &x_scale, 4);
+    if (data) mpt__tb_put_le(data, bits, 4);
+    mpt__pb_end(&o.inits, body);
+    data = mpt__onnx_initializer(&o, "x_zero", MPT__ONNX_INT8, 0, NULL, 1, &body);
+    if (data) data[0] = (unsigned char)(int8_t)-3;
+    mpt__pb_end(&o.inits, body);
+    data = mpt__onnx_initializer(&o, "w_int8", MPT__ONNX_INT8, 2, w_dims, 12, &body);
+    if (data) memcpy(data, weights, 12);
+    mpt__pb_end(&o.inits, body);
+    data = mpt__onnx_initializer(&o, "w_scale", MPT__ONNX_FLOAT, 1, &three, 12, &body);
+    for (i = 0; data && i < 3; i++) {
+        memcpy(&bits, &w_scale[i], 4);
+        mpt__tb_put_le(data + 4 * i, bits, 4);
+    }
+    mpt__pb_end(&o.inits, body);
+    data = mpt__onnx_initializer(&o, "w_zero", MPT__ONNX_INT8, 1, &three, 3, &body);
+    if (data) memset(data, 0, 3);
+    mpt__pb_end(&o.inits, body);
+    mpt__onnx_constant(&o, &m->layers[1], "bias", 1, &three, bias, 3, bias_name, sizeof bias_name);
+    mpt__pb_end(&o.nodes, mpt__onnx_node(&o, "QuantizeLinear", "x_int8", "input", "x_scale",
+                                         "x_zero"));
+    mpt__pb_end(&o.nodes, mpt__onnx_node(&o, "DequantizeLinear", "x", "x_int8", "x_scale",
+                                         "x_zero"));
+    body = mpt__onnx_node(&o, "DequantizeLinear", "w", "w_int8", "w_scale", "w_zero");
+    mpt__onnx_attr_int(&o.nodes, "axis", 1);
+    mpt__pb_end(&o.nodes, body);
+    mpt__pb_end(&o.nodes, mpt__onnx_node(&o, "Gemm", "y", "x", "w", bias_name));
+    snprintf(o.x, sizeof o.x, "y");
+    mpt__onnx_model(&o, 1, &four, 1, &three, &b);
+    CHECK(!b.failed && mpt__export_write(m, p, b.data, b.size) == MPT_OK, "write: %s",
+          mpt_context_error(ctx));
+    f = fopen(path_of(script, "qdq.py"), "w");
+    if (f) {
+        fputs("import sys, numpy as np, onnx, onnxruntime as ort\n"
+              "onnx.checker.check_model(onnx.load(sys.argv[1]), full_check=True)\n"
+              "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+              "x = np.array([[0.5, -0.2, 0.0371, 6.9], [-7.0, 1.0, 0.26, 0.31]], np.float32)\n"
+              "y = s.run(None, {'input': x})[0]\n"
+              "xq = np.clip(np.round(x / np.float32(0.05)) - 3, -128, 127)\n"
+              "xd = np.float32(0.05) * (xq + 3)\n"
+              "w = np.array([1, -2, 3, 127, -127, 5, 0, 9, 11, -13, 17, -19], np.float32)\n"
+              "w = w.reshape(4, 3) * np.array([0.01, 0.02, 0.5], np.float32)\n"
+              "want = xd @ w + np.array([0.25, -0.5, 0.125], np.float32)\n"
+              "assert np.abs(y - want).max() < 1e-5, (y, want)\n",
+              f);
+        fclose(f);
+    }
+    snprintf(cmd, sizeof cmd, "'%s' %s %s", test_python(), script, p);
+    CHECK(system(cmd) == 0, "ONNX Runtime runs the QDQ graph as numpy computes it (%s)", cmd);
+    mpt__free(ctx, b.data);
+    mpt__free(ctx, o.nodes.data);
+    mpt__free(ctx, o.inits.data);
+    mpt_model_destroy(m);
+}
+
 /* ---- what must fail, leaving nothing behind ----------------------------------------- */
 
 /* The names in dir (sorted), into buf. */
@@ -743,6 +830,7 @@ int main(void) {
     for (a = MLP; a <= CNN_OPEN; a++) check_float16((arch)a);
     TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_tflite_quantization);
+    TEST_RUN(test_onnx_qdq);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_unwritable_path);

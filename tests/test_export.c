@@ -407,35 +407,21 @@ static void check_float16(arch a) {
 /* ---- a trained model ----------------------------------------------------------------- */
 
 /* An MLP with BatchNormalization trained for one epoch on 12,000
-   Fashion-MNIST images, float32: on all 10,000 test images both files'
-   outputs are within 1e-4 of mpt.h's and their top-1 is mpt.h's on at
-   least 99.5 % of the images (the issue's bar; float32 gives all). */
-static void test_fashion_mnist_trained(void) {
-    const char *data_dir = "/usr/share/datasets/fashion-mnist";
+   Fashion-MNIST images under `policy`, exported, run on all 10,000 test
+   images: outputs within tol of mpt.h's predict, top-1 mpt.h's on at least
+   99.5 % of the images (the issue's bar). */
+static void check_trained(mpt_policy policy, double tol, mpt_dataset *train, mpt_dataset *test,
+                          const char *images) {
     const char *fmts[2] = {"tflite", "onnx"};
-    mpt_dataset *all = NULL, *head = NULL, *test = NULL;
     mpt_model *m = NULL;
     mpt_tensor want;
-    char images[256], files[2][256];
+    char files[2][256], what[64];
     float *got = NULL;
     int64_t count = 0;
     int k;
-    if (mpt_dataset_load_mnist(ctx, data_dir, 0, &all) != MPT_OK) {
-        SKIP("no Fashion-MNIST in /usr/share/datasets/fashion-mnist (dataset-fashion-mnist)");
-        return;
-    }
-    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) {
-        mpt_dataset_destroy(all);
-        return;
-    }
     memset(&want, 0, sizeof want);
-    snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data_dir);
-    CHECK(mpt_dataset_load_mnist(ctx, data_dir, 1, &test) == MPT_OK && access(images, R_OK) == 0,
-          "test set (%s): %s", images, mpt_context_error(ctx));
-    CHECK(mpt_dataset_split(ctx, all, 12000, &head, NULL) == MPT_OK, "split: %s",
-          mpt_context_error(ctx));
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3,
-                                            .seed = 3}, &m);
+                                            .policy = policy, .seed = 3}, &m);
     mpt_model_add_flatten(m, NULL);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 96});
     mpt_model_add_batch_normalization(m, NULL);
@@ -444,8 +430,7 @@ static void test_fashion_mnist_trained(void) {
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
     mpt_model_compile(m, &(mpt_compile_desc){
         .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}, .metrics = MPT_METRIC_ACCURACY});
-    if (test && head && m &&
-        mpt_model_fit(m, head, &(mpt_fit_desc){.epochs = 1, .batch_size = 128}) == MPT_OK &&
+    if (m && mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 1, .batch_size = 128}) == MPT_OK &&
         mpt_model_predict(m, test, 500, &want) == MPT_OK) {
         count = mpt_tensor_count(&want);
         got = (float *)malloc(sizeof(float) * (size_t)(count + 1));
@@ -456,12 +441,42 @@ static void test_fashion_mnist_trained(void) {
     CHECK(got && mpt_model_export_onnx(m, path_of(files[1], "fmnist.onnx"), NULL) == MPT_OK,
           "ONNX: %s", mpt_context_error(ctx));
     for (k = 0; got && k < 2; k++) {
+        snprintf(what, sizeof what, "%s, trained under %s", fmts[k], mpt_policy_name(policy));
         if (run_runtime(fmts[k], files[k], images, "float32", got, count))
-            compare(fmts[k], got, (const float *)want.data, count, 10, 1e-4, 0.995);
+            compare(what, got, (const float *)want.data, count, 10, tol, 0.995);
     }
     free(got);
     mpt_tensor_free(ctx, &want);
     mpt_model_destroy(m);
+}
+
+/* float32: outputs within 1e-4 (it gives the same top-1 on every image).
+   mixed_float16: mpt.h's predict computes in float16 (each rounding of an
+   activation or weight copy off by up to 2^-11 ≈ 4.9e-4, relatively), the
+   files in float32 from the float32 masters: probabilities within 2e-3,
+   four such roundings (4.2e-4 measured when this was written; top-1 the
+   same on 9,997 of 10,000 images). */
+static void test_fashion_mnist_trained(void) {
+    const char *data_dir = "/usr/share/datasets/fashion-mnist";
+    mpt_dataset *all = NULL, *head = NULL, *test = NULL;
+    char images[256];
+    if (mpt_dataset_load_mnist(ctx, data_dir, 0, &all) != MPT_OK) {
+        SKIP("no Fashion-MNIST in /usr/share/datasets/fashion-mnist (dataset-fashion-mnist)");
+        return;
+    }
+    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) {
+        mpt_dataset_destroy(all);
+        return;
+    }
+    snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data_dir);
+    CHECK(mpt_dataset_load_mnist(ctx, data_dir, 1, &test) == MPT_OK && access(images, R_OK) == 0,
+          "test set (%s): %s", images, mpt_context_error(ctx));
+    CHECK(mpt_dataset_split(ctx, all, 12000, &head, NULL) == MPT_OK, "split: %s",
+          mpt_context_error(ctx));
+    if (test && head) {
+        check_trained(MPT_POLICY_FLOAT32, 1e-4, head, test, images);
+        check_trained(MPT_POLICY_MIXED_FLOAT16, 2e-3, head, test, images);
+    }
     mpt_dataset_destroy(head);
     mpt_dataset_destroy(test);
     mpt_dataset_destroy(all);

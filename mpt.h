@@ -1315,12 +1315,16 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                                                          Flatten
        Flatten                RESHAPE                    Flatten (after a
                                                          Transpose to NHWC)
-       relu, tanh             the op's fused activation  Relu, Tanh
-       sigmoid, softmax       LOGISTIC, SOFTMAX          Sigmoid, Softmax
+       relu                   the op's fused activation  Relu
+                              (else RELU)
+       tanh, sigmoid, softmax TANH, LOGISTIC, SOFTMAX    Tanh, Sigmoid, Softmax
        BatchNormalization     folded into the Dense or Conv2D before it when
                               nothing comes between them (its activation
                               none); else a per-channel MUL and ADD (Mul, Add)
        Dropout                nothing (inference)
+   The weights are the float32 masters whatever the policy, so a model
+   trained in mixed precision computes in float32 in the file (its outputs
+   differ from a float16 predict's by float16's rounding).
    The GELU activation has no op this export writes: MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves

@@ -15751,8 +15751,12 @@ static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64
    Every constant of a format goes through one function (mpt__tfl_constant,
    mpt__onnx_constant), which decides how it is stored: float32, or float16
    turned back into float32 in the graph. A quantized model's storage
-   (int8 with scales, QUANTIZE/DEQUANTIZE; ONNX's QDQ pairs) belongs
-   there and in the step's emission, which knows a kernel from a bias.
+   belongs there and in the step's emission, which knows a kernel from a
+   bias; the pieces it needs are here and tested in the runtimes: a TFLite
+   tensor's quantization parameters (mpt__tfl_quant: scales and zero points
+   per tensor or per channel) with QUANTIZE/DEQUANTIZE, and ONNX
+   initializers of any data type (mpt__onnx_initializer) for
+   QuantizeLinear/DequantizeLinear pairs.
    The finished bytes go to disk through the checkpoints' writer
    (@impl-checkpoints): a temporary file, fsynced, renamed over the path. */
 

@@ -207,7 +207,9 @@
        @impl-safetensors  the file format: dtypes, byte order, the JSON header
        @impl-checkpoints  the model in a file: what is saved, staging, loading
        @impl-strategy     replicas in this process, workers over MPI
-       @impl-export       TFLite (FlatBuffers) and ONNX (protobuf) files
+       @impl-export       the plan both formats read: layers as steps, BN folded
+       @impl-export-tflite  FlatBuffers, the TFLite graph and file
+       @impl-export-onnx  the ONNX graph in protobuf (@impl-callbacks' encoder)
        @impl-cpu-backend  the CPU's implementation of the @backend table
 
    CONVENTIONS
@@ -15734,10 +15736,12 @@ static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64
 }
 
 /* =============================================================================
-   @impl-export  a model as a TFLite (FlatBuffers) or ONNX (protobuf) file
+   @impl-export  a model as a TFLite (FlatBuffers) or ONNX (protobuf) file: the
+   plan both formats read
    =============================================================================
 
-   Three pieces, along the data flow:
+   Three pieces, along the data flow (this section, @impl-export-tflite,
+   @impl-export-onnx):
      the plan   the model's layers as steps on the host, which both formats
                 read: each Dense and Conv2D with its float32 weights (a
                 BatchNormalization right after it folded in), the pooling
@@ -16045,7 +16049,11 @@ static mpt_status mpt__export_write(mpt_model *m, const char *path, const unsign
     return s;
 }
 
-/* ---- FlatBuffers, built back to front ---------------------------------------------
+/* =============================================================================
+   @impl-export-tflite  the plan as a TFLite file: FlatBuffers, then the graph
+   =============================================================================
+
+   ---- FlatBuffers, built back to front ---------------------------------------------
 
    An offset in a FlatBuffer is unsigned and relative to where it is
    stored, so whatever a table refers to sits after it: the builder fills
@@ -16774,7 +16782,9 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
     return s;
 }
 
-/* ---- ONNX: nodes and initializers in protobuf --------------------------------------
+/* =============================================================================
+   @impl-export-onnx  the plan as an ONNX file: nodes and initializers in protobuf
+   =============================================================================
 
    Field numbers from onnx/onnx.proto: ModelProto {ir_version 1,
    producer_name 2, producer_version 3, graph 7, opset_import 8};

@@ -1320,6 +1320,7 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
        relu                   the op's fused activation  Relu
                               (else RELU)
        tanh, sigmoid, softmax TANH, LOGISTIC, SOFTMAX    Tanh, Sigmoid, Softmax
+       gelu (exact)           GELU                       Mul, Erf, Add, Mul, Mul
        BatchNormalization     folded into the Dense or Conv2D before it when
                               nothing comes between them (its activation
                               none); else a per-channel MUL and ADD (Mul, Add)
@@ -1327,7 +1328,7 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    The weights are the float32 masters whatever the policy, so a model
    trained in mixed precision computes in float32 in the file (its outputs
    differ from a float16 predict's by float16's rounding).
-   The GELU activation has no op this export writes: MPT_ERR_UNSUPPORTED,
+   A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves
    path as it was. With a strategy, worker 0 writes the file. */
@@ -15950,9 +15951,6 @@ static mpt_status mpt__export_unsupported(const mpt__export_plan *pl, const mpt_
 static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
     const mpt__layer_ops *ops = L->ops;
     mpt__export_step *before = mpt__export_mergeable(pl);
-    if (mpt__export_activation(L) == MPT_ACT_GELU)
-        return mpt__export_unsupported(pl, L, "uses the gelu activation, which the export does "
-                                       "not write (it writes relu, sigmoid, tanh and softmax)");
     if (ops == &mpt__dropout_ops) return MPT_OK; /* inference: the identity */
     if (ops == &mpt__dense_ops) return mpt__export_weighted(pl, cap, L, MPT__EXPORT_DENSE);
     if (ops == &mpt__conv2d_ops) return mpt__export_weighted(pl, cap, L, MPT__EXPORT_CONV2D);
@@ -16222,7 +16220,7 @@ enum { /* BuiltinOperator */
     MPT__TFL_ADD = 0, MPT__TFL_AVERAGE_POOL_2D = 1, MPT__TFL_CONV_2D = 3,
     MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9, MPT__TFL_LOGISTIC = 14,
     MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19, MPT__TFL_RESHAPE = 22,
-    MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_QUANTIZE = 114
+    MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150
 };
 enum { /* TensorType */
     MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2, MPT__TFL_UINT8 = 3,
@@ -16231,7 +16229,8 @@ enum { /* TensorType */
 enum { /* BuiltinOptions: the union's type ids */
     MPT__TFL_NO_OPTIONS = 0, MPT__TFL_CONV2D_OPTIONS = 1, MPT__TFL_POOL2D_OPTIONS = 5,
     MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
-    MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17, MPT__TFL_MUL_OPTIONS = 21
+    MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17, MPT__TFL_MUL_OPTIONS = 21,
+    MPT__TFL_GELU_OPTIONS = 116
 };
 enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
 enum { MPT__TFL_ACT_NONE = 0, MPT__TFL_ACT_RELU = 1 }; /* ActivationFunctionType */
@@ -16404,6 +16403,10 @@ static int32_t mpt__tfl_activation(mpt__tfl *g, const mpt__export_step *s, int32
     case MPT_ACT_RELU: mpt__tfl_op_add(g, MPT__TFL_RELU, x, 0, 0, 1, y); break;
     case MPT_ACT_TANH: mpt__tfl_op_add(g, MPT__TFL_TANH, x, 0, 0, 1, y); break;
     case MPT_ACT_SIGMOID: mpt__tfl_op_add(g, MPT__TFL_LOGISTIC, x, 0, 0, 1, y); break;
+    case MPT_ACT_GELU: /* exact (approximate false), as mpt.h's */
+        op = mpt__tfl_op_add(g, MPT__TFL_GELU, x, 0, 0, 1, y);
+        if (op) op->options = MPT__TFL_GELU_OPTIONS, op->n_opt = 1;
+        break;
     default: /* softmax, over the last axis */
         op = mpt__tfl_op_add(g, MPT__TFL_SOFTMAX, x, 0, 0, 1, y);
         if (op) {
@@ -16645,7 +16648,10 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         break;
     case MPT__TFL_FULLY_CONNECTED_OPTIONS: /* fused_activation_function */
     case MPT__TFL_ADD_OPTIONS:
-    case MPT__TFL_MUL_OPTIONS: mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1); break;
+    case MPT__TFL_MUL_OPTIONS:
+    case MPT__TFL_GELU_OPTIONS: /* approximate */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        break;
     case MPT__TFL_SOFTMAX_OPTIONS: mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4); break;
     case MPT__TFL_RESHAPE_OPTIONS: mpt__fb_field_offset(b, 0, new_shape); break;
     default: break;
@@ -16931,12 +16937,51 @@ static void mpt__onnx_unary(mpt__onnx *o, const mpt__layer *L, const char *op, c
     snprintf(o->x, sizeof o->x, "%s", y);
 }
 
+/* A float32 scalar initializer "<layer>/<what>" (always float32: it is
+   part of an op, not a weight). */
+static void mpt__onnx_scalar(mpt__onnx *o, const mpt__layer *L, const char *what, float v,
+                             char *name, size_t size) {
+    size_t body;
+    uint32_t bits;
+    unsigned char *data;
+    mpt__onnx_name(name, size, L, what);
+    data = mpt__onnx_initializer(o, name, MPT__ONNX_FLOAT, 0, NULL, 4, &body);
+    memcpy(&bits, &v, 4);
+    if (data) mpt__tb_put_le(data, bits, 4);
+    mpt__pb_end(&o->inits, body);
+}
+
+/* A node of two inputs, the running value first: op(x, b) -> "<layer>/<what>". */
+static void mpt__onnx_binary(mpt__onnx *o, const mpt__layer *L, const char *op, const char *b,
+                             const char *what) {
+    char y[96];
+    mpt__onnx_name(y, sizeof y, L, what);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, op, y, o->x, b, NULL));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* GELU, exact: x · ½(1 + erf(x/√2)), from opset 13's Erf (Gelu itself
+   comes in opset 20). */
+static void mpt__onnx_gelu(mpt__onnx *o, const mpt__layer *L) {
+    char x[96], rsqrt2[96], one[96], half[96];
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_scalar(o, L, "gelu_rsqrt2", 0.70710678118654752f, rsqrt2, sizeof rsqrt2);
+    mpt__onnx_scalar(o, L, "gelu_one", 1.0f, one, sizeof one);
+    mpt__onnx_scalar(o, L, "gelu_half", 0.5f, half, sizeof half);
+    mpt__onnx_binary(o, L, "Mul", rsqrt2, "gelu_scaled");
+    mpt__onnx_unary(o, L, "Erf", "gelu_erf");
+    mpt__onnx_binary(o, L, "Add", one, "gelu_sum");
+    mpt__onnx_binary(o, L, "Mul", half, "gelu_half_sum");
+    mpt__onnx_binary(o, L, "Mul", x, "activation");
+}
+
 /* The step's activation on the running value (softmax over the channels:
    the last axis, or axis 1 when NCHW). */
 static void mpt__onnx_activation(mpt__onnx *o, const mpt__export_step *s) {
     char y[96];
     size_t body;
     switch (s->act) {
+    case MPT_ACT_GELU: mpt__onnx_gelu(o, s->L); break;
     case MPT_ACT_RELU: mpt__onnx_unary(o, s->L, "Relu", "activation"); break;
     case MPT_ACT_TANH: mpt__onnx_unary(o, s->L, "Tanh", "activation"); break;
     case MPT_ACT_SIGMOID: mpt__onnx_unary(o, s->L, "Sigmoid", "activation"); break;

@@ -81,6 +81,7 @@ static mpt_model *make_model(arch a, int with_bn) {
         if (with_bn) add_bn(m); /* folded into the Dense */
         add_act(m, MPT_ACT_TANH);
         add_dense(m, 19, MPT_ACT_SIGMOID);
+        add_act(m, MPT_ACT_GELU);
         add_dense(m, 10, MPT_ACT_SOFTMAX);
         break;
     case CNN:
@@ -103,7 +104,7 @@ static mpt_model *make_model(arch a, int with_bn) {
         add_act(m, MPT_ACT_SOFTMAX);
         break;
     case CNN_GAP:
-        add_conv(m, 9, 5, 5, 2, 2, MPT_PADDING_SAME, MPT_ACT_SIGMOID);
+        add_conv(m, 9, 5, 5, 2, 2, MPT_PADDING_SAME, MPT_ACT_GELU);
         mpt_model_add_average_pooling2d(m, NULL);
         if (with_bn) add_bn(m); /* after pooling: its own scale and shift */
         mpt_model_add_global_average_pooling2d(m, NULL);
@@ -680,41 +681,35 @@ static int exists(const char *path) { return access(path, F_OK) == 0; }
 
 typedef mpt_status (*export_fn)(mpt_model *, const char *, const mpt_export_desc *);
 
+/* A layer the export has no counterpart for (one of a kind this file does
+   not know, as a layer added to mpt.h later would be): MPT_ERR_UNSUPPORTED,
+   naming the layer and the file, and no file. */
 static void test_unsupported_layer(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL;
     export_fn fns[2] = {mpt_model_export_tflite, mpt_model_export_onnx};
-    const char *names[2] = {"gelu.tflite", "gelu.onnx"};
+    const char *names[2] = {"mystery.tflite", "mystery.onnx"};
+    mpt__layer_ops mystery;
+    const mpt__layer_ops *real;
     char p[256];
     int k;
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3}, &m);
     mpt_model_add_flatten(m, NULL);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
-    mpt_model_add_dense(m, &(mpt_dense_desc){.name = "smooth", .units = 4,
-                                             .activation = MPT_ACT_GELU});
+    mpt_model_add_activation(m, &(mpt_activation_desc){.name = "odd", .activation = MPT_ACT_TANH});
     CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
+    real = m->layers[2].ops;
+    mystery = *real;
+    mystery.class_name = "Mystery";
+    m->layers[2].ops = &mystery;
     for (k = 0; k < 2; k++) {
         mpt_status s = fns[k](m, path_of(p, names[k]), NULL);
         CHECK(s == MPT_ERR_UNSUPPORTED, "%s: status %d", names[k], (int)s);
-        CHECK(strstr(mpt_context_error(q), "'smooth' (Dense)") &&
-                  strstr(mpt_context_error(q), "gelu") && strstr(mpt_context_error(q), p),
-              "the message names the layer, the activation and the file: %s",
-              mpt_context_error(q));
+        CHECK(strstr(mpt_context_error(q), "'odd' (Mystery)") && strstr(mpt_context_error(q), p),
+              "the message names the layer and the file: %s", mpt_context_error(q));
         CHECK(!exists(p), "%s was written", p);
     }
-    mpt_model_destroy(m);
-    /* A Conv2D's own activation (its descriptor's) is seen too. */
-    m = NULL;
-    mpt_model_create(q, &(mpt_model_desc){.input_shape = {9, 9, 2}, .input_rank = 3}, &m);
-    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.name = "edges", .filters = 3,
-                                               .kernel_size = {3, 3},
-                                               .activation = MPT_ACT_GELU});
-    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
-    for (k = 0; k < 2; k++) {
-        CHECK(fns[k](m, path_of(p, names[k]), NULL) == MPT_ERR_UNSUPPORTED &&
-                  strstr(mpt_context_error(q), "'edges' (Conv2D)") && !exists(p),
-              "%s: %s", names[k], mpt_context_error(q));
-    }
+    m->layers[2].ops = real;
     mpt_model_destroy(m);
     mpt_context_destroy(q);
 }

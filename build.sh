@@ -37,8 +37,9 @@ DEB_PACKAGES="zlib1g-dev dataset-fashion-mnist openmpi-bin libopenmpi-dev python
 clang libclang-rt-14-dev"
 
 # Python packages (PyPI names) the interoperability tests import; pip installs
-# them into PY_VENV when one is missing (python_env).
-PY_PACKAGES="safetensors numpy tensorboard"
+# them into PY_VENV when one is missing (python_env). onnxruntime, onnx (its
+# checker) and ai-edge-litert (LiteRT's interpreter) run the exported models.
+PY_PACKAGES="safetensors numpy tensorboard onnxruntime onnx ai-edge-litert"
 PY_VENV=$B/venv
 
 install_packages() {

@@ -181,6 +181,7 @@
                      TensorBoard
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
+       @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
        @backend-shared  the rules both backends run: Philox, loss scaling (internal)
@@ -214,6 +215,9 @@
        @impl-safetensors  the file format: dtypes, byte order, the JSON header
        @impl-checkpoints  the model in a file: what is saved, staging, loading
        @impl-strategy     replicas in this process, workers over MPI
+       @impl-export       the plan both formats read: layers as steps, BN folded
+       @impl-export-tflite  FlatBuffers, the TFLite graph and file
+       @impl-export-onnx  the ONNX graph in protobuf (@impl-callbacks' encoder)
        @impl-cpu-backend  the CPU's implementation of the @backend table
 
    CONVENTIONS
@@ -1305,6 +1309,56 @@ MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s);
 /* This process's worker index (0 without MPI) and the number of workers. */
 MPTDEF int mpt_strategy_worker(const mpt_strategy *s);
 MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
+
+/* =============================================================================
+   @export: a model as a TFLite or ONNX file, for the runtimes people deploy with
+   =============================================================================
+
+   Both files take what the model takes: float32 samples (N, input shape...),
+   NHWC, scaled as in training, with N free; they return the last layer's
+   float32 outputs. What goes where:
+       Dense                  TFLite FULLY_CONNECTED     ONNX Gemm
+       Conv2D                 CONV_2D (NHWC)             Conv (NCHW, with a
+                                                         Transpose from NHWC)
+       MaxPooling2D           MAX_POOL_2D                MaxPool
+       AveragePooling2D       AVERAGE_POOL_2D            AveragePool
+       GlobalAveragePooling2D AVERAGE_POOL_2D + RESHAPE  GlobalAveragePool +
+                                                         Flatten
+       Flatten                RESHAPE                    Flatten (after a
+                                                         Transpose to NHWC)
+       relu                   the op's fused activation  Relu
+                              (else RELU)
+       tanh, sigmoid, softmax TANH, LOGISTIC, SOFTMAX    Tanh, Sigmoid, Softmax
+       gelu (exact)           GELU                       Mul, Erf, Add, Mul, Mul
+       BatchNormalization     folded into the Dense or Conv2D before it when
+                              nothing comes between them (its activation
+                              none); else a per-channel MUL and ADD (Mul, Add)
+       Dropout                nothing (inference)
+   The weights are the float32 masters whatever the policy, so a model
+   trained in mixed precision computes in float32 in the file (its outputs
+   differ from a float16 predict's by float16's rounding).
+   A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
+   naming the layer, and nothing is written. The file is written as
+   checkpoints are (a temporary file renamed over path), so a failure leaves
+   path as it was. With a strategy, worker 0 writes the file. */
+
+typedef struct mpt_export_desc {
+    mpt_dtype weight_dtype; /* default (MPT_DTYPE_DEFAULT) float32; MPT_FLOAT16:
+                               every constant stored as float16 and turned
+                               back into float32 in the graph (TFLite
+                               DEQUANTIZE, as its converter's float16
+                               quantization writes; ONNX Cast), so the
+                               file is half the size and computes in float32 */
+} mpt_export_desc;
+
+/* A built model (its float32 masters, with BatchNormalization's moving
+   statistics) as a TFLite FlatBuffer (schema version 3, "TFL3") at path. */
+MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
+                                          const mpt_export_desc *desc);
+/* The same model as an ONNX protobuf (IR version 7, opset 13) at path; the
+   input is "input", float32 (N, input shape...), the output "output". */
+MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
+                                        const mpt_export_desc *desc);
 
 /* ============================================================================
    ============================================================================
@@ -14463,6 +14517,7 @@ static mpt_status mpt__ckpt_header(mpt_model *m, const mpt__ckpt_plan *pl, int f
 
 typedef struct mpt__ckpt_writer {
     mpt_context *ctx;
+    const char *what;      /* what messages call it: "checkpoint", "export" */
     const char *path;      /* the target                              */
     char *tmp;             /* "<path>.tmp-<pid>"                      */
     int created;           /* tmp exists and is ours to remove        */
@@ -14473,8 +14528,8 @@ typedef struct mpt__ckpt_writer {
 
 static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
     int err = errno;
-    return mpt__fail(w->ctx, MPT_ERR_IO, "checkpoint: cannot %s '%s' (for '%s'): %s", what,
-                     w->tmp, w->path, strerror(err));
+    return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
+                     w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(err));
 }
 
 /* The directory part of path ("." when it has none), allocated; NULL when
@@ -14591,18 +14646,21 @@ static int mpt__ckpt_hold(int fd) {
 
 /* Creates the temporary file next to the target, after sweeping away what
    killed saves left there; O_EXCL so that nothing already there (another
-   writer's file, a link) is ever written through. */
-static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *path) {
+   writer's file, a link) is ever written through. `what` names the file
+   in messages ("checkpoint"). */
+static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *what,
+                                        const char *path) {
     size_t size = strlen(path) + 48;
     int k;
     memset(w, 0, sizeof *w);
     w->ctx = ctx;
+    w->what = what;
     w->path = path;
     w->fd = -1;
     w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
     w->tmp = (char *)mpt__alloc(ctx, size);
     if (!w->chunk || !w->tmp)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
     mpt__ckpt_sweep(ctx, path);
     for (k = 0; k < 100; k++) {
         if (k == 0)
@@ -14758,7 +14816,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.loss_scale = m->loss_scale;
     s = mpt__ckpt_plan_init(m, full, 0, &pl);
     if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
-    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, path);
+    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path);
     if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
     mpt__ckpt_writer_close(&w);
     mpt__free(m->ctx, header.s);
@@ -15945,6 +16003,1471 @@ static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64
         used += b1 - b0;
     }
     return used;
+}
+
+/* =============================================================================
+   @impl-export  a model as a TFLite (FlatBuffers) or ONNX (protobuf) file: the
+   plan both formats read
+   =============================================================================
+
+   Three pieces, along the data flow (this section, @impl-export-tflite,
+   @impl-export-onnx):
+     the plan   the model's layers as steps on the host, which both formats
+                read: each Dense and Conv2D with its float32 weights (a
+                BatchNormalization right after it folded in), the pooling
+                layers, Flatten, the activations, an unfolded
+                BatchNormalization as a per-channel scale and shift;
+                Dropout and linear activations leave nothing.
+     TFLite     a FlatBuffers builder, then the graph as tensors, operators
+                and buffers in arrays, then those serialised.
+     ONNX       nodes and initializers through @impl-callbacks' protobuf
+                encoder (mpt__pb).
+   Every constant of a format goes through one function (mpt__tfl_constant,
+   mpt__onnx_constant), which decides how it is stored: float32, or float16
+   turned back into float32 in the graph. A quantized model's storage
+   belongs there and in the step's emission, which knows a kernel from a
+   bias; the pieces it needs are here and tested in the runtimes: a TFLite
+   tensor's quantization parameters (mpt__tfl_quant: scales and zero points
+   per tensor or per channel) with QUANTIZE/DEQUANTIZE, and ONNX
+   initializers of any data type (mpt__onnx_initializer) for
+   QuantizeLinear/DequantizeLinear pairs.
+   The finished bytes go to disk through the checkpoints' writer
+   (@impl-checkpoints): a temporary file, fsynced, renamed over the path. */
+
+/* ---- the plan: the model's layers as export steps ------------------------------- */
+
+typedef enum mpt__export_kind {
+    MPT__EXPORT_DENSE,           /* act(x · kernel + bias), kernel (in, units)       */
+    MPT__EXPORT_CONV2D,          /* act(conv(x, kernel) + bias), kernel (kh, kw, C, F) */
+    MPT__EXPORT_MAX_POOL,
+    MPT__EXPORT_AVG_POOL,
+    MPT__EXPORT_GLOBAL_AVG_POOL, /* (H, W, C) -> (C)                                 */
+    MPT__EXPORT_FLATTEN,         /* (H, W, C) -> (H·W·C), NHWC order                 */
+    MPT__EXPORT_ACTIVATION,      /* act(x)                                           */
+    MPT__EXPORT_SCALE_SHIFT      /* x · kernel + bias per channel (the last axis):
+                                    a BatchNormalization with nothing to fold into */
+} mpt__export_kind;
+
+typedef struct mpt__export_step {
+    mpt__export_kind kind;
+    const mpt__layer *L;  /* the layer it comes from: its name, shapes, window */
+    mpt_activation act;   /* what the step ends with (a following Activation's) */
+    mpt__win g;           /* Conv2D and pooling: the window                     */
+    mpt_padding padding;
+    float *kernel;        /* (kernel_count) host copy, BatchNormalization folded;
+                             SCALE_SHIFT: the scale (C)                          */
+    float *bias;          /* (bias_count): zeros where the layer has none;
+                             SCALE_SHIFT: the shift (C)                          */
+    int64_t kernel_count, bias_count;
+} mpt__export_step;
+
+typedef struct mpt__export_plan {
+    mpt_model *m;
+    const char *format;      /* "TFLite", "ONNX": messages name it          */
+    const char *path;
+    mpt_dtype weight_dtype;  /* MPT_FLOAT32 or MPT_FLOAT16                   */
+    mpt__export_step *steps; /* [n]                                          */
+    int n;
+    unsigned char *mirror;   /* the parameter arena on the host, when the
+                                model is on a GPU; else NULL                 */
+} mpt__export_plan;
+
+/* An array of `elem`-byte items with room for one more; 0 when memory runs out. */
+static int mpt__export_grow(const mpt_context *ctx, void **items, int *cap, int n, size_t elem) {
+    void *grown;
+    int more;
+    if (n < *cap) return 1;
+    more = *cap ? 2 * *cap : 16;
+    grown = mpt__calloc(ctx, elem * (size_t)more);
+    if (!grown) return 0;
+    if (n) memcpy(grown, *items, elem * (size_t)n);
+    mpt__free(ctx, *items);
+    *items = grown;
+    *cap = more;
+    return 1;
+}
+
+/* The host copy of a layer's parameter ("kernel", "moving_mean"); NULL if
+   the layer has none by that name (a Dense without bias). */
+static const float *mpt__export_param(const mpt__export_plan *pl, const mpt__layer *L,
+                                      const char *what) {
+    int k;
+    for (k = 0; k < L->n_params; k++) {
+        const mpt__param *P = L->param[k];
+        const char *slash = strrchr(P->name, '/');
+        size_t at;
+        if (!slash || strcmp(slash + 1, what) != 0) continue;
+        if (!pl->mirror) return P->value;
+        at = (size_t)((const unsigned char *)P->value -
+                      (const unsigned char *)pl->m->arena[MPT__MEM_PARAMS]);
+        return (const float *)(pl->mirror + at);
+    }
+    return NULL;
+}
+
+/* A new step for layer L, with room for kernel_count + bias_count floats
+   (the bias zeroed). */
+static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__export_kind kind,
+                                       const mpt__layer *L, int64_t kernel_count,
+                                       int64_t bias_count) {
+    mpt_context *ctx = pl->m->ctx;
+    mpt__export_step *s;
+    if (!mpt__export_grow(ctx, (void **)&pl->steps, cap, pl->n, sizeof *pl->steps))
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", pl->path);
+    s = &pl->steps[pl->n++];
+    memset(s, 0, sizeof *s);
+    s->kind = kind;
+    s->L = L;
+    s->kernel_count = kernel_count;
+    s->bias_count = bias_count;
+    if (kernel_count + bias_count > 0) {
+        s->kernel = (float *)mpt__calloc(ctx, sizeof(float) * (size_t)(kernel_count + bias_count));
+        if (!s->kernel)
+            return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", pl->path);
+        s->bias = s->kernel + kernel_count;
+    }
+    return MPT_OK;
+}
+
+/* The activation a layer ends with, read from its descriptor (Conv2D's
+   ops do not report theirs). */
+static mpt_activation mpt__export_activation(const mpt__layer *L) {
+    if (L->ops == &mpt__dense_ops) return L->desc.dense.activation;
+    if (L->ops == &mpt__conv2d_ops) return L->desc.conv2d.activation;
+    if (L->ops == &mpt__activation_ops) return L->desc.activation.activation;
+    return MPT_ACT_NONE;
+}
+
+/* Dense or Conv2D: its kernel, its bias (or zeros) and its activation. */
+static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt__layer *L,
+                                       mpt__export_kind kind) {
+    const float *kernel = mpt__export_param(pl, L, "kernel"), *bias = mpt__export_param(pl, L, "bias");
+    int64_t units = L->out_shape[L->out_rank - 1];
+    mpt__export_step *s;
+    mpt__conv_plan c;
+    MPT__CHECK(mpt__export_step_add(pl, cap, kind, L, L->param[0]->count, units));
+    s = &pl->steps[pl->n - 1];
+    memcpy(s->kernel, kernel, sizeof(float) * (size_t)s->kernel_count);
+    if (bias) memcpy(s->bias, bias, sizeof(float) * (size_t)units);
+    s->act = mpt__export_activation(L);
+    if (kind == MPT__EXPORT_CONV2D) {
+        mpt__conv_plan_init(&c, L, 1);
+        s->g = c.g;
+        s->padding = L->desc.conv2d.padding;
+    }
+    return MPT_OK;
+}
+
+/* BatchNormalization in inference: y = (x − mean)·scale + beta per channel,
+   scale = gamma / sqrt(variance + epsilon), as its forward computes them. */
+static void mpt__export_bn_affine(const mpt__export_plan *pl, const mpt__layer *L, int64_t c,
+                                  double *scale, double *shift) {
+    const float *gamma = mpt__export_param(pl, L, "gamma"), *beta = mpt__export_param(pl, L, "beta");
+    const float *mean = mpt__export_param(pl, L, "moving_mean");
+    const float *var = mpt__export_param(pl, L, "moving_variance");
+    float s = (gamma ? gamma[c] : 1.0f) * mpt__bn_inv_std(var[c], mpt__bn_epsilon(L));
+    *scale = s;
+    *shift = (beta ? beta[c] : 0.0f) - (double)mean[c] * s;
+}
+
+/* Folds BatchNormalization L into the Dense or Conv2D step s before it:
+   each output channel's kernel column times its scale; the bias becomes
+   bias·scale + shift. */
+static void mpt__export_fold_bn(const mpt__export_plan *pl, mpt__export_step *s,
+                                const mpt__layer *L) {
+    int64_t C = s->bias_count, rows = s->kernel_count / C, r, c;
+    for (c = 0; c < C; c++) {
+        double scale, shift;
+        mpt__export_bn_affine(pl, L, c, &scale, &shift);
+        for (r = 0; r < rows; r++) s->kernel[r * C + c] = (float)(s->kernel[r * C + c] * scale);
+        s->bias[c] = (float)(s->bias[c] * scale + shift);
+    }
+}
+
+/* BatchNormalization with nothing to fold into: a scale and shift step. */
+static mpt_status mpt__export_scale_shift(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
+    int64_t C = L->in_shape[L->in_rank - 1], c;
+    mpt__export_step *s;
+    MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_SCALE_SHIFT, L, C, C));
+    s = &pl->steps[pl->n - 1];
+    for (c = 0; c < C; c++) {
+        double scale, shift;
+        mpt__export_bn_affine(pl, L, c, &scale, &shift);
+        s->kernel[c] = (float)scale;
+        s->bias[c] = (float)shift;
+    }
+    return MPT_OK;
+}
+
+/* The step before, when a layer can merge into it: a Dense or Conv2D that
+   ends without an activation. */
+static mpt__export_step *mpt__export_mergeable(mpt__export_plan *pl) {
+    mpt__export_step *s = pl->n ? &pl->steps[pl->n - 1] : NULL;
+    if (s && (s->kind == MPT__EXPORT_DENSE || s->kind == MPT__EXPORT_CONV2D) &&
+        s->act == MPT_ACT_NONE)
+        return s;
+    return NULL;
+}
+
+static mpt_status mpt__export_unsupported(const mpt__export_plan *pl, const mpt__layer *L,
+                                          const char *why) {
+    return mpt__fail(pl->m->ctx, MPT_ERR_UNSUPPORTED,
+                     "export to %s '%s': layer '%s' (%s) %s; nothing was written", pl->format,
+                     pl->path, L->name, L->ops->class_name, why);
+}
+
+/* One layer's steps: a new step, a merge into the one before, or none. */
+static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
+    const mpt__layer_ops *ops = L->ops;
+    mpt__export_step *before = mpt__export_mergeable(pl);
+    if (ops == &mpt__dropout_ops) return MPT_OK; /* inference: the identity */
+    if (ops == &mpt__dense_ops) return mpt__export_weighted(pl, cap, L, MPT__EXPORT_DENSE);
+    if (ops == &mpt__conv2d_ops) return mpt__export_weighted(pl, cap, L, MPT__EXPORT_CONV2D);
+    if (ops == &mpt__activation_ops) {
+        mpt_activation act = L->desc.activation.activation;
+        if (act == MPT_ACT_NONE) return MPT_OK;
+        if (before) {
+            before->act = act;
+            return MPT_OK;
+        }
+        MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_ACTIVATION, L, 0, 0));
+        pl->steps[pl->n - 1].act = act;
+        return MPT_OK;
+    }
+    if (ops == &mpt__bn_ops) {
+        if (!before) return mpt__export_scale_shift(pl, cap, L);
+        mpt__export_fold_bn(pl, before, L);
+        return MPT_OK;
+    }
+    if (ops == &mpt__max_pool_ops || ops == &mpt__avg_pool_ops) {
+        MPT__CHECK(mpt__export_step_add(pl, cap, ops == &mpt__max_pool_ops
+                                                     ? MPT__EXPORT_MAX_POOL
+                                                     : MPT__EXPORT_AVG_POOL, L, 0, 0));
+        mpt__pool_win(&pl->steps[pl->n - 1].g, L);
+        pl->steps[pl->n - 1].padding = L->desc.pool2d.padding;
+        return MPT_OK;
+    }
+    if (ops == &mpt__global_pool_ops)
+        return mpt__export_step_add(pl, cap, MPT__EXPORT_GLOBAL_AVG_POOL, L, 0, 0);
+    if (ops == &mpt__flatten_ops)
+        return L->in_rank == 1 ? MPT_OK /* already a vector */
+                               : mpt__export_step_add(pl, cap, MPT__EXPORT_FLATTEN, L, 0, 0);
+    return mpt__export_unsupported(pl, L, "has no counterpart in the export");
+}
+
+static void mpt__export_plan_free(mpt__export_plan *pl) {
+    int i;
+    mpt_context *ctx = pl->m->ctx;
+    for (i = 0; i < pl->n; i++) mpt__free(ctx, pl->steps[i].kernel);
+    mpt__free(ctx, pl->steps);
+    mpt__free(ctx, pl->mirror);
+    pl->steps = NULL;
+    pl->mirror = NULL;
+    pl->n = 0;
+}
+
+/* Checks the call and walks the layers into steps. */
+static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
+                                        const char *path, const mpt_export_desc *desc) {
+    mpt_export_desc d;
+    int i, cap = 0;
+    memset(pl, 0, sizeof *pl);
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    pl->m = m;
+    pl->format = format;
+    pl->path = path;
+    if (!path || !*path)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s: %s path", format,
+                         path ? "an empty" : "a NULL");
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "
+                         "(mpt_model_build, or fit)", format, path);
+    pl->weight_dtype = d.weight_dtype == MPT_DTYPE_DEFAULT ? MPT_FLOAT32 : d.weight_dtype;
+    if (pl->weight_dtype != MPT_FLOAT32 && pl->weight_dtype != MPT_FLOAT16)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s '%s': weight_dtype %s "
+                         "(%d) is not float32 or float16", format, path,
+                         mpt_dtype_name(d.weight_dtype), (int)d.weight_dtype);
+    if (mpt__model_device(m) != MPT_DEVICE_CPU) {
+        size_t bytes = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
+        pl->mirror = (unsigned char *)mpt__alloc(m->ctx, bytes + 1);
+        if (!pl->mirror)
+            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", path);
+        MPT__CHECK(mpt__download(m, pl->mirror, m->arena[MPT__MEM_PARAMS], bytes));
+    }
+    for (i = 0; i < m->n_layers; i++) MPT__CHECK(mpt__export_layer(pl, &cap, &m->layers[i]));
+    return MPT_OK;
+}
+
+/* The step's output: one sample's rank and shape. */
+static int mpt__export_out_shape(const mpt__export_step *s, int64_t *shape) {
+    memcpy(shape, s->L->out_shape, sizeof s->L->out_shape);
+    return s->L->out_rank;
+}
+
+/* Writes the finished bytes as checkpoints are written. */
+static mpt_status mpt__export_write(mpt_model *m, const char *path, const unsigned char *bytes,
+                                    size_t n) {
+    mpt__ckpt_writer w;
+    mpt_status s = mpt__ckpt_writer_open(&w, m->ctx, "export", path);
+    if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, bytes, n);
+    if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
+    mpt__ckpt_writer_close(&w);
+    return s;
+}
+
+/* =============================================================================
+   @impl-export-tflite  the plan as a TFLite file: FlatBuffers, then the graph
+   =============================================================================
+
+   ---- FlatBuffers, built back to front ---------------------------------------------
+
+   An offset in a FlatBuffer is unsigned and relative to where it is
+   stored, so whatever a table refers to sits after it: the builder fills
+   its buffer from the end towards the front, children first, as the
+   flatbuffers library does. A position is counted from the end (the size
+   when the thing was finished), which growing the buffer leaves as it is.
+   Each scalar is aligned to its size counted from the end, and the
+   finished buffer is padded to a multiple of the largest alignment used,
+   so the alignments hold from the front as well.
+   A table is its soffset to its vtable, then its fields; its vtable (u16:
+   the vtable's bytes, the table's bytes, then each field's offset in the
+   table, 0 when absent) is written just in front of it. */
+
+#define MPT__FB_MAX_FIELDS 16
+
+typedef struct mpt__fb {
+    const mpt_context *ctx;
+    unsigned char *data;  /* (cap): the bytes are data[cap − size .. cap)           */
+    size_t size, cap;
+    size_t max_align;
+    int failed;           /* out of memory or past 2 GiB: later calls do nothing */
+    size_t table_start;   /* the size when the table being built began          */
+    int n_fields;
+    size_t field_at[MPT__FB_MAX_FIELDS]; /* each field's position; 0: absent     */
+} mpt__fb;
+
+static int mpt__fb_reserve(mpt__fb *b, size_t more) {
+    unsigned char *grown;
+    size_t cap;
+    if (b->failed) return 0;
+    if (b->size + more <= b->cap) return 1;
+    if (b->size + more > (size_t)0x7fffffff) { /* offsets are 32-bit */
+        b->failed = 1;
+        return 0;
+    }
+    cap = MPT__MAX(2 * b->cap, b->size + more + 1024);
+    grown = (unsigned char *)mpt__alloc(b->ctx, cap);
+    if (!grown) {
+        b->failed = 1;
+        return 0;
+    }
+    if (b->size) memcpy(grown + cap - b->size, b->data + b->cap - b->size, b->size);
+    mpt__free(b->ctx, b->data);
+    b->data = grown;
+    b->cap = cap;
+    return 1;
+}
+
+/* n bytes in front (NULL: zeros). */
+static void mpt__fb_front(mpt__fb *b, const void *src, size_t n) {
+    if (n == 0 || !mpt__fb_reserve(b, n)) return;
+    b->size += n;
+    if (src) memcpy(b->data + b->cap - b->size, src, n);
+    else memset(b->data + b->cap - b->size, 0, n);
+}
+
+/* Pads so that the front is aligned to `align` once `len` more bytes are there. */
+static void mpt__fb_align(mpt__fb *b, size_t len, size_t align) {
+    if (align > b->max_align) b->max_align = align;
+    mpt__fb_front(b, NULL, (align - (b->size + len) % align) % align);
+}
+
+/* A little-endian scalar of `bytes` bytes, aligned to its size. */
+static void mpt__fb_scalar(mpt__fb *b, uint64_t v, int bytes) {
+    unsigned char le[8];
+    mpt__fb_align(b, (size_t)bytes, (size_t)bytes);
+    mpt__tb_put_le(le, v, bytes);
+    mpt__fb_front(b, le, (size_t)bytes);
+}
+
+/* A uoffset to the thing at position `target`. */
+static void mpt__fb_offset(mpt__fb *b, size_t target) {
+    mpt__fb_align(b, 4, 4);
+    mpt__fb_scalar(b, (uint32_t)(b->size + 4 - target), 4);
+}
+
+/* A vector of n elements of `elem` bytes, already little-endian in `le`,
+   its data aligned to `align`; returns its position. */
+static size_t mpt__fb_vector(mpt__fb *b, const void *le, size_t n, int elem, size_t align) {
+    mpt__fb_align(b, n * (size_t)elem, MPT__MAX(align, 4));
+    mpt__fb_front(b, le, n * (size_t)elem);
+    mpt__fb_scalar(b, (uint32_t)n, 4);
+    return b->size;
+}
+
+static size_t mpt__fb_int32s(mpt__fb *b, const int32_t *v, int n) {
+    unsigned char le[4 * 8];
+    int i;
+    if (n > 8) { /* longer lists are never written */
+        b->failed = 1;
+        return 0;
+    }
+    for (i = 0; i < n; i++) mpt__tb_put_le(le + 4 * i, (uint32_t)v[i], 4);
+    return mpt__fb_vector(b, le, (size_t)n, 4, 4);
+}
+
+static size_t mpt__fb_string(mpt__fb *b, const char *s) {
+    size_t n = strlen(s);
+    mpt__fb_align(b, n + 1, 4);
+    mpt__fb_front(b, NULL, 1); /* the terminating NUL */
+    mpt__fb_front(b, s, n);
+    mpt__fb_scalar(b, (uint32_t)n, 4);
+    return b->size;
+}
+
+/* A vector of offsets to the things at positions at[0..n). */
+static size_t mpt__fb_offsets(mpt__fb *b, const size_t *at, int n) {
+    int i;
+    mpt__fb_align(b, 4 * (size_t)n, 4);
+    for (i = n - 1; i >= 0; i--) mpt__fb_offset(b, at[i]);
+    mpt__fb_scalar(b, (uint32_t)n, 4);
+    return b->size;
+}
+
+static void mpt__fb_table_begin(mpt__fb *b) {
+    b->table_start = b->size;
+    b->n_fields = 0;
+    memset(b->field_at, 0, sizeof b->field_at);
+}
+
+static void mpt__fb_field_done(mpt__fb *b, int id) {
+    b->field_at[id] = b->size;
+    if (id + 1 > b->n_fields) b->n_fields = id + 1;
+}
+
+static void mpt__fb_field_scalar(mpt__fb *b, int id, uint64_t v, int bytes) {
+    mpt__fb_scalar(b, v, bytes);
+    mpt__fb_field_done(b, id);
+}
+
+static void mpt__fb_field_offset(mpt__fb *b, int id, size_t target) {
+    mpt__fb_offset(b, target);
+    mpt__fb_field_done(b, id);
+}
+
+/* Ends the table: its soffset, then its vtable in front; returns its position. */
+static size_t mpt__fb_table_end(mpt__fb *b) {
+    size_t table, vtable;
+    int id;
+    mpt__fb_scalar(b, 0, 4); /* the soffset, filled below */
+    table = b->size;
+    for (id = b->n_fields - 1; id >= 0; id--)
+        mpt__fb_scalar(b, b->field_at[id] ? table - b->field_at[id] : 0, 2);
+    mpt__fb_scalar(b, table - b->table_start, 2);
+    mpt__fb_scalar(b, 4 + 2 * (uint64_t)b->n_fields, 2);
+    vtable = b->size;
+    if (!b->failed) /* the vtable is vtable − table bytes before the table */
+        mpt__tb_put_le(b->data + b->cap - table, (uint32_t)(vtable - table), 4);
+    return table;
+}
+
+/* The root offset and the file identifier in front of everything. */
+static void mpt__fb_finish(mpt__fb *b, size_t root, const char identifier[4]) {
+    mpt__fb_align(b, 8, MPT__MAX(b->max_align, 4));
+    mpt__fb_front(b, identifier, 4);
+    mpt__fb_front(b, NULL, 4);
+    if (!b->failed) mpt__tb_put_le(b->data + b->cap - b->size, (uint32_t)(b->size - root), 4);
+}
+
+/* ---- TFLite: the graph as tensors, operators and buffers --------------------------
+
+   Numbers from tensorflow/lite/schema/schema.fbs (field ids count a union
+   as two: its type, then its value). */
+
+enum { /* BuiltinOperator */
+    MPT__TFL_ADD = 0, MPT__TFL_AVERAGE_POOL_2D = 1, MPT__TFL_CONV_2D = 3,
+    MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9, MPT__TFL_LOGISTIC = 14,
+    MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19, MPT__TFL_RESHAPE = 22,
+    MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150
+};
+enum { /* TensorType */
+    MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2, MPT__TFL_UINT8 = 3,
+    MPT__TFL_INT8 = 9
+};
+enum { /* BuiltinOptions: the union's type ids */
+    MPT__TFL_NO_OPTIONS = 0, MPT__TFL_CONV2D_OPTIONS = 1, MPT__TFL_POOL2D_OPTIONS = 5,
+    MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
+    MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17, MPT__TFL_MUL_OPTIONS = 21,
+    MPT__TFL_GELU_OPTIONS = 116
+};
+enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
+enum { MPT__TFL_ACT_NONE = 0, MPT__TFL_ACT_RELU = 1 }; /* ActivationFunctionType */
+
+/* A quantized tensor's parameters (QuantizationParameters): real =
+   scale · (q − zero_point), one pair for the whole tensor (n = 1) or one
+   per index of axis `dimension` (a kernel's output channels: 0). */
+typedef struct mpt__tfl_quant {
+    int n;                      /* 0: not quantized                          */
+    const float *scale;         /* (n), borrowed until the file is written  */
+    const int64_t *zero_point;  /* (n), likewise                             */
+    int dimension;              /* quantized_dimension                       */
+} mpt__tfl_quant;
+
+typedef struct mpt__tfl_tensor {
+    char name[96];
+    int type;             /* TensorType                                     */
+    int rank;
+    int32_t shape[MPT_MAX_RANK];
+    int batched;          /* shape[0] is the batch: shape_signature has −1 */
+    uint32_t buffer;      /* 0: no data (the empty sentinel)                */
+    mpt__tfl_quant quant; /* INT8, UINT8 (and an int32 bias): its scales    */
+} mpt__tfl_tensor;
+
+typedef struct mpt__tfl_op {
+    int code;             /* BuiltinOperator                                */
+    int32_t inputs[3];
+    int n_inputs;
+    int32_t output;
+    int options;          /* BuiltinOptions type                            */
+    int32_t opt[6];       /* the options table's fields, in schema order    */
+    int n_opt;
+} mpt__tfl_op;
+
+typedef struct mpt__tfl_buffer {
+    unsigned char *data;  /* (bytes), little-endian; owned                  */
+    size_t bytes;
+} mpt__tfl_buffer;
+
+typedef struct mpt__tfl {
+    mpt__export_plan *pl;
+    mpt__tfl_tensor *tensors;
+    int n_tensors, cap_tensors;
+    mpt__tfl_op *ops;
+    int n_ops, cap_ops;
+    mpt__tfl_buffer *buffers; /* [0] is the empty sentinel                  */
+    int n_buffers, cap_buffers;
+    int failed;               /* out of memory                                */
+} mpt__tfl;
+
+/* A tensor: (1, sample...) with a free batch when batched, else as given. */
+static int32_t mpt__tfl_tensor_add(mpt__tfl *g, const char *layer, const char *what, int type,
+                                   int rank, const int64_t *shape, int batched, uint32_t buffer) {
+    mpt__tfl_tensor *t;
+    int i;
+    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->tensors, &g->cap_tensors,
+                                       g->n_tensors, sizeof *g->tensors)) {
+        g->failed = 1;
+        return 0;
+    }
+    t = &g->tensors[g->n_tensors];
+    snprintf(t->name, sizeof t->name, "%s%s%s", layer, *what ? "/" : "", what);
+    t->type = type;
+    t->rank = rank + (batched ? 1 : 0);
+    t->shape[0] = 1;
+    for (i = 0; i < rank; i++) t->shape[i + (batched ? 1 : 0)] = (int32_t)shape[i];
+    t->batched = batched;
+    t->buffer = buffer;
+    return g->n_tensors++;
+}
+
+/* A buffer taking `bytes` of data (owned from here on, freed on failure). */
+static uint32_t mpt__tfl_buffer_add(mpt__tfl *g, unsigned char *data, size_t bytes) {
+    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->buffers, &g->cap_buffers,
+                                       g->n_buffers, sizeof *g->buffers)) {
+        mpt__free(g->pl->m->ctx, data);
+        g->failed = 1;
+        return 0;
+    }
+    g->buffers[g->n_buffers].data = data;
+    g->buffers[g->n_buffers].bytes = bytes;
+    return (uint32_t)g->n_buffers++;
+}
+
+static mpt__tfl_op *mpt__tfl_op_add(mpt__tfl *g, int code, int32_t in0, int32_t in1, int32_t in2,
+                                    int n_inputs, int32_t output) {
+    mpt__tfl_op *op;
+    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->ops, &g->cap_ops, g->n_ops,
+                                       sizeof *g->ops)) {
+        g->failed = 1;
+        return NULL;
+    }
+    op = &g->ops[g->n_ops++];
+    memset(op, 0, sizeof *op);
+    op->code = code;
+    op->inputs[0] = in0;
+    op->inputs[1] = in1;
+    op->inputs[2] = in2;
+    op->n_inputs = n_inputs;
+    op->output = output;
+    return op;
+}
+
+/* A float constant of the model (a kernel, a bias, a scale), as the export
+   stores it: float32, or float16 with a DEQUANTIZE to float32 in front of
+   its users, as TFLite's converter writes float16-quantized models.
+   Returns the float32 tensor the ops read. */
+static int32_t mpt__tfl_constant(mpt__tfl *g, const char *layer, const char *what, int rank,
+                                 const int64_t *shape, const float *values, int64_t n) {
+    int half = g->pl->weight_dtype == MPT_FLOAT16;
+    size_t elem = half ? 2 : 4;
+    unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, elem * (size_t)n + 1);
+    int64_t i;
+    int32_t stored, dequantized;
+    char name[80];
+    if (!data) {
+        g->failed = 1;
+        return 0;
+    }
+    for (i = 0; i < n; i++) {
+        uint32_t bits;
+        if (half) {
+            mpt__tb_put_le(data + 2 * i, mpt_float_to_half(values[i]), 2);
+        } else {
+            memcpy(&bits, &values[i], 4);
+            mpt__tb_put_le(data + 4 * i, bits, 4);
+        }
+    }
+    stored = mpt__tfl_tensor_add(g, layer, what, half ? MPT__TFL_FLOAT16 : MPT__TFL_FLOAT32, rank,
+                                 shape, 0, mpt__tfl_buffer_add(g, data, elem * (size_t)n));
+    if (!half) return stored;
+    snprintf(name, sizeof name, "%s_dequantized", what);
+    dequantized = mpt__tfl_tensor_add(g, layer, name, MPT__TFL_FLOAT32, rank, shape, 0, 0);
+    mpt__tfl_op_add(g, MPT__TFL_DEQUANTIZE, stored, 0, 0, 1, dequantized);
+    return dequantized;
+}
+
+/* An int32 vector constant (RESHAPE's shape). */
+static int32_t mpt__tfl_int32_constant(mpt__tfl *g, const char *layer, const char *what,
+                                       const int32_t *values, int n) {
+    unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4 * (size_t)n);
+    int64_t shape = n;
+    int i;
+    if (!data) {
+        g->failed = 1;
+        return 0;
+    }
+    for (i = 0; i < n; i++) mpt__tb_put_le(data + 4 * i, (uint32_t)values[i], 4);
+    return mpt__tfl_tensor_add(g, layer, what, MPT__TFL_INT32, 1, &shape, 0,
+                               mpt__tfl_buffer_add(g, data, 4 * (size_t)n));
+}
+
+/* The activation FULLY_CONNECTED and CONV_2D fuse; -1 when it needs an op
+   of its own (LiteRT's FULLY_CONNECTED refuses a fused tanh). */
+static int mpt__tfl_fused(mpt_activation act) {
+    switch (act) {
+    case MPT_ACT_NONE: return MPT__TFL_ACT_NONE;
+    case MPT_ACT_RELU: return MPT__TFL_ACT_RELU;
+    default: return -1;
+    }
+}
+
+/* act(x) as an op of its own into a new tensor of the step's output shape. */
+static int32_t mpt__tfl_activation(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    int64_t shape[MPT_MAX_RANK];
+    int rank = mpt__export_out_shape(s, shape);
+    int32_t y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    mpt__tfl_op *op;
+    switch (s->act) {
+    case MPT_ACT_RELU: mpt__tfl_op_add(g, MPT__TFL_RELU, x, 0, 0, 1, y); break;
+    case MPT_ACT_TANH: mpt__tfl_op_add(g, MPT__TFL_TANH, x, 0, 0, 1, y); break;
+    case MPT_ACT_SIGMOID: mpt__tfl_op_add(g, MPT__TFL_LOGISTIC, x, 0, 0, 1, y); break;
+    case MPT_ACT_GELU: /* exact (approximate false), as mpt.h's */
+        op = mpt__tfl_op_add(g, MPT__TFL_GELU, x, 0, 0, 1, y);
+        if (op) op->options = MPT__TFL_GELU_OPTIONS, op->n_opt = 1;
+        break;
+    default: /* softmax, over the last axis */
+        op = mpt__tfl_op_add(g, MPT__TFL_SOFTMAX, x, 0, 0, 1, y);
+        if (op) {
+            float beta = 1.0f;
+            op->options = MPT__TFL_SOFTMAX_OPTIONS;
+            memcpy(&op->opt[0], &beta, 4);
+            op->n_opt = 1;
+        }
+        break;
+    }
+    return y;
+}
+
+/* The output of a step's main op: the step's output when the op fuses the
+   activation, else a tensor the activation op then reads. */
+static int32_t mpt__tfl_main_output(mpt__tfl *g, const mpt__export_step *s) {
+    int64_t shape[MPT_MAX_RANK];
+    int rank = mpt__export_out_shape(s, shape);
+    return mpt__tfl_tensor_add(g, s->L->name, mpt__tfl_fused(s->act) < 0 ? "linear" : "output",
+                               MPT__TFL_FLOAT32, rank, shape, 1, 0);
+}
+
+/* Dense: FULLY_CONNECTED, weights [units, in] (the kernel transposed). */
+static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    int64_t units = s->bias_count, in = s->kernel_count / units, shape[2], i, j;
+    float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)s->kernel_count + 1);
+    int32_t kernel, bias, y;
+    mpt__tfl_op *op;
+    if (!w) {
+        g->failed = 1;
+        return 0;
+    }
+    for (i = 0; i < in; i++)
+        for (j = 0; j < units; j++) w[j * in + i] = s->kernel[i * units + j];
+    shape[0] = units;
+    shape[1] = in;
+    kernel = mpt__tfl_constant(g, s->L->name, "kernel", 2, shape, w, s->kernel_count);
+    mpt__free(g->pl->m->ctx, w);
+    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &units, s->bias, units);
+    y = mpt__tfl_main_output(g, s);
+    op = mpt__tfl_op_add(g, MPT__TFL_FULLY_CONNECTED, x, kernel, bias, 3, y);
+    if (op) {
+        op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
+        op->opt[0] = MPT__MAX(mpt__tfl_fused(s->act), 0);
+        op->n_opt = 1;
+    }
+    return mpt__tfl_fused(s->act) < 0 ? mpt__tfl_activation(g, s, y) : y;
+}
+
+/* Conv2D: CONV_2D, filters [F, kh, kw, C] (the kernel's (kh, kw, C, F) with F first). */
+static int32_t mpt__tfl_conv2d(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    int64_t F = s->bias_count, khwc = s->kernel_count / F, shape[4], i, f;
+    float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)s->kernel_count + 1);
+    int32_t kernel, bias, y;
+    mpt__tfl_op *op;
+    if (!w) {
+        g->failed = 1;
+        return 0;
+    }
+    for (i = 0; i < khwc; i++)
+        for (f = 0; f < F; f++) w[f * khwc + i] = s->kernel[i * F + f];
+    shape[0] = F;
+    shape[1] = s->g.kh;
+    shape[2] = s->g.kw;
+    shape[3] = s->g.c;
+    kernel = mpt__tfl_constant(g, s->L->name, "kernel", 4, shape, w, s->kernel_count);
+    mpt__free(g->pl->m->ctx, w);
+    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &F, s->bias, F);
+    y = mpt__tfl_main_output(g, s);
+    op = mpt__tfl_op_add(g, MPT__TFL_CONV_2D, x, kernel, bias, 3, y);
+    if (op) {
+        op->options = MPT__TFL_CONV2D_OPTIONS;
+        op->opt[0] = s->padding == MPT_PADDING_SAME ? MPT__TFL_SAME : MPT__TFL_VALID;
+        op->opt[1] = (int32_t)s->g.sw;
+        op->opt[2] = (int32_t)s->g.sh;
+        op->opt[3] = MPT__MAX(mpt__tfl_fused(s->act), 0);
+        op->n_opt = 4;
+    }
+    return mpt__tfl_fused(s->act) < 0 ? mpt__tfl_activation(g, s, y) : y;
+}
+
+/* MAX_POOL_2D or AVERAGE_POOL_2D over the window g into tensor y. */
+static void mpt__tfl_pool(mpt__tfl *g, int code, const mpt__win *w, int padding, int32_t x,
+                          int32_t y) {
+    mpt__tfl_op *op = mpt__tfl_op_add(g, code, x, 0, 0, 1, y);
+    if (!op) return;
+    op->options = MPT__TFL_POOL2D_OPTIONS;
+    op->opt[0] = padding;
+    op->opt[1] = (int32_t)w->sw;
+    op->opt[2] = (int32_t)w->sh;
+    op->opt[3] = (int32_t)w->kw;
+    op->opt[4] = (int32_t)w->kh;
+    op->opt[5] = MPT__TFL_ACT_NONE;
+    op->n_opt = 6;
+}
+
+/* RESHAPE x to (batch, n) into y. */
+static void mpt__tfl_to_vectors(mpt__tfl *g, const mpt__layer *L, int64_t n, int32_t x,
+                                int32_t y) {
+    int32_t dims[2], shape;
+    mpt__tfl_op *op;
+    dims[0] = -1;
+    dims[1] = (int32_t)n;
+    shape = mpt__tfl_int32_constant(g, L->name, "shape", dims, 2);
+    op = mpt__tfl_op_add(g, MPT__TFL_RESHAPE, x, shape, 0, 2, y);
+    if (!op) return;
+    op->options = MPT__TFL_RESHAPE_OPTIONS; /* new_shape, as the shape input says */
+    op->opt[0] = -1;
+    op->opt[1] = (int32_t)n;
+    op->n_opt = 2;
+}
+
+/* One step's ops, reading tensor x; returns the step's output tensor. */
+static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    int64_t shape[MPT_MAX_RANK], C;
+    int rank = mpt__export_out_shape(s, shape);
+    int32_t y, t, scale, shift;
+    mpt__win whole;
+    switch (s->kind) {
+    case MPT__EXPORT_DENSE: return mpt__tfl_dense(g, s, x);
+    case MPT__EXPORT_CONV2D: return mpt__tfl_conv2d(g, s, x);
+    case MPT__EXPORT_MAX_POOL:
+    case MPT__EXPORT_AVG_POOL:
+        y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        mpt__tfl_pool(g, s->kind == MPT__EXPORT_MAX_POOL ? MPT__TFL_MAX_POOL_2D
+                                                         : MPT__TFL_AVERAGE_POOL_2D,
+                      &s->g, s->padding == MPT_PADDING_SAME ? MPT__TFL_SAME : MPT__TFL_VALID, x, y);
+        return y;
+    case MPT__EXPORT_GLOBAL_AVG_POOL: /* one window the size of the image, then (batch, C) */
+        memset(&whole, 0, sizeof whole);
+        whole.kh = s->L->in_shape[0];
+        whole.kw = s->L->in_shape[1];
+        whole.sh = whole.sw = 1;
+        C = s->L->in_shape[2];
+        {
+            int64_t pooled[3];
+            pooled[0] = pooled[1] = 1;
+            pooled[2] = C;
+            t = mpt__tfl_tensor_add(g, s->L->name, "pooled", MPT__TFL_FLOAT32, 3, pooled, 1, 0);
+        }
+        mpt__tfl_pool(g, MPT__TFL_AVERAGE_POOL_2D, &whole, MPT__TFL_VALID, x, t);
+        y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        mpt__tfl_to_vectors(g, s->L, C, t, y);
+        return y;
+    case MPT__EXPORT_FLATTEN:
+        y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        mpt__tfl_to_vectors(g, s->L, shape[0], x, y);
+        return y;
+    case MPT__EXPORT_ACTIVATION: return mpt__tfl_activation(g, s, x);
+    case MPT__EXPORT_SCALE_SHIFT: /* MUL by the scale, ADD the shift (over the last axis) */
+        C = s->bias_count;
+        scale = mpt__tfl_constant(g, s->L->name, "scale", 1, &C, s->kernel, C);
+        shift = mpt__tfl_constant(g, s->L->name, "shift", 1, &C, s->bias, C);
+        t = mpt__tfl_tensor_add(g, s->L->name, "scaled", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        {
+            mpt__tfl_op *mul = mpt__tfl_op_add(g, MPT__TFL_MUL, x, scale, 0, 2, t);
+            mpt__tfl_op *add = mpt__tfl_op_add(g, MPT__TFL_ADD, t, shift, 0, 2, y);
+            if (mul) mul->options = MPT__TFL_MUL_OPTIONS, mul->n_opt = 1;
+            if (add) add->options = MPT__TFL_ADD_OPTIONS, add->n_opt = 1;
+        }
+        return y;
+    }
+    return x;
+}
+
+/* ---- TFLite: serialising the graph -------------------------------------------------- */
+
+static size_t mpt__tfl_write_buffer(mpt__fb *b, const mpt__tfl_buffer *buf) {
+    size_t data = buf->bytes ? mpt__fb_vector(b, buf->data, buf->bytes, 1, 16) : 0;
+    mpt__fb_table_begin(b);
+    if (data) mpt__fb_field_offset(b, 0, data); /* Buffer.data, force_align 16 */
+    return mpt__fb_table_end(b);
+}
+
+/* QuantizationParameters {min 0, max 1, scale 2, zero_point 3, details
+   (a union: 4 and 5), quantized_dimension 6}. */
+static size_t mpt__tfl_write_quant(mpt__fb *b, const mpt__tfl_quant *q) {
+    size_t scale, zero_point;
+    int i;
+    mpt__fb_align(b, 8 * (size_t)q->n, 8);
+    for (i = q->n - 1; i >= 0; i--) mpt__fb_scalar(b, (uint64_t)q->zero_point[i], 8);
+    mpt__fb_scalar(b, (uint32_t)q->n, 4);
+    zero_point = b->size;
+    mpt__fb_align(b, 4 * (size_t)q->n, 4);
+    for (i = q->n - 1; i >= 0; i--) {
+        uint32_t bits;
+        memcpy(&bits, &q->scale[i], 4);
+        mpt__fb_scalar(b, bits, 4);
+    }
+    mpt__fb_scalar(b, (uint32_t)q->n, 4);
+    scale = b->size;
+    mpt__fb_table_begin(b);
+    mpt__fb_field_offset(b, 2, scale);
+    mpt__fb_field_offset(b, 3, zero_point);
+    mpt__fb_field_scalar(b, 6, (uint32_t)q->dimension, 4);
+    return mpt__fb_table_end(b);
+}
+
+static size_t mpt__tfl_write_tensor(mpt__fb *b, const mpt__tfl_tensor *t) {
+    int32_t signature[MPT_MAX_RANK];
+    size_t shape, sig = 0, name, quant = 0;
+    if (t->quant.n > 0) quant = mpt__tfl_write_quant(b, &t->quant);
+    shape = mpt__fb_int32s(b, t->shape, t->rank);
+    if (t->batched) {
+        memcpy(signature, t->shape, sizeof signature);
+        signature[0] = -1;
+        sig = mpt__fb_int32s(b, signature, t->rank);
+    }
+    name = mpt__fb_string(b, t->name);
+    mpt__fb_table_begin(b);
+    mpt__fb_field_offset(b, 0, shape);                  /* Tensor.shape           */
+    mpt__fb_field_scalar(b, 1, (uint64_t)t->type, 1);   /* type                   */
+    mpt__fb_field_scalar(b, 2, t->buffer, 4);           /* buffer                 */
+    mpt__fb_field_offset(b, 3, name);                   /* name                   */
+    if (quant) mpt__fb_field_offset(b, 4, quant);       /* quantization           */
+    if (sig) mpt__fb_field_offset(b, 7, sig);           /* shape_signature        */
+    return mpt__fb_table_end(b);
+}
+
+/* An op's options table, in the field order of its schema table. */
+static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
+    size_t new_shape = 0;
+    int i;
+    if (op->options == MPT__TFL_RESHAPE_OPTIONS) new_shape = mpt__fb_int32s(b, op->opt, op->n_opt);
+    mpt__fb_table_begin(b);
+    switch (op->options) {
+    case MPT__TFL_CONV2D_OPTIONS: /* padding, stride_w, stride_h, fused_activation_function */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        mpt__fb_field_scalar(b, 1, (uint32_t)op->opt[1], 4);
+        mpt__fb_field_scalar(b, 2, (uint32_t)op->opt[2], 4);
+        mpt__fb_field_scalar(b, 3, (uint64_t)op->opt[3], 1);
+        break;
+    case MPT__TFL_POOL2D_OPTIONS: /* padding, stride_w, stride_h, filter_width, filter_height,
+                                     fused_activation_function */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        for (i = 1; i <= 4; i++) mpt__fb_field_scalar(b, i, (uint32_t)op->opt[i], 4);
+        mpt__fb_field_scalar(b, 5, (uint64_t)op->opt[5], 1);
+        break;
+    case MPT__TFL_FULLY_CONNECTED_OPTIONS: /* fused_activation_function */
+    case MPT__TFL_ADD_OPTIONS:
+    case MPT__TFL_MUL_OPTIONS:
+    case MPT__TFL_GELU_OPTIONS: /* approximate */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        break;
+    case MPT__TFL_SOFTMAX_OPTIONS: mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4); break;
+    case MPT__TFL_RESHAPE_OPTIONS: mpt__fb_field_offset(b, 0, new_shape); break;
+    default: break;
+    }
+    return mpt__fb_table_end(b);
+}
+
+/* The index of code in codes[0..*n), added when new. */
+static int mpt__tfl_opcode_index(int *codes, int *n, int code) {
+    int i;
+    for (i = 0; i < *n; i++)
+        if (codes[i] == code) return i;
+    codes[*n] = code;
+    return (*n)++;
+}
+
+static size_t mpt__tfl_write_op(mpt__fb *b, const mpt__tfl_op *op, int opcode_index) {
+    size_t inputs = mpt__fb_int32s(b, op->inputs, op->n_inputs);
+    size_t outputs = mpt__fb_int32s(b, &op->output, 1);
+    size_t options = op->options ? mpt__tfl_write_options(b, op) : 0;
+    mpt__fb_table_begin(b);
+    mpt__fb_field_scalar(b, 0, (uint32_t)opcode_index, 4); /* Operator.opcode_index */
+    mpt__fb_field_offset(b, 1, inputs);
+    mpt__fb_field_offset(b, 2, outputs);
+    if (options) {
+        mpt__fb_field_scalar(b, 3, (uint64_t)op->options, 1); /* builtin_options_type */
+        mpt__fb_field_offset(b, 4, options);                   /* builtin_options      */
+    }
+    return mpt__fb_table_end(b);
+}
+
+static size_t mpt__tfl_write_opcode(mpt__fb *b, int code) {
+    mpt__fb_table_begin(b);
+    mpt__fb_field_scalar(b, 0, (uint64_t)MPT__MIN(code, 127), 1); /* deprecated_builtin_code */
+    mpt__fb_field_scalar(b, 2, 1, 4);                             /* version                 */
+    mpt__fb_field_scalar(b, 3, (uint32_t)code, 4);                /* builtin_code            */
+    return mpt__fb_table_end(b);
+}
+
+/* The whole file: Model {version 3, operator_codes, subgraphs [one],
+   description, buffers}. Positions are kept in one scratch array. */
+static mpt_status mpt__tfl_serialise(mpt__tfl *g, int32_t input, int32_t output, mpt__fb *b) {
+    mpt_context *ctx = g->pl->m->ctx;
+    int n = MPT__MAX(MPT__MAX(g->n_tensors, g->n_ops), g->n_buffers), i, n_codes = 0;
+    size_t *at = (size_t *)mpt__calloc(ctx, sizeof(size_t) * (size_t)n + 1);
+    int *codes = (int *)mpt__calloc(ctx, sizeof(int) * (size_t)g->n_ops + 1);
+    int *index = (int *)mpt__calloc(ctx, sizeof(int) * (size_t)g->n_ops + 1);
+    size_t buffers, tensors, operators, opcodes, subgraph, subgraphs, inputs, outputs, name,
+        description, model;
+    if (!at || !codes || !index) {
+        mpt__free(ctx, at);
+        mpt__free(ctx, codes);
+        mpt__free(ctx, index);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", g->pl->path);
+    }
+    for (i = 0; i < g->n_buffers; i++) at[i] = mpt__tfl_write_buffer(b, &g->buffers[i]);
+    buffers = mpt__fb_offsets(b, at, g->n_buffers);
+    for (i = 0; i < g->n_tensors; i++) at[i] = mpt__tfl_write_tensor(b, &g->tensors[i]);
+    tensors = mpt__fb_offsets(b, at, g->n_tensors);
+    for (i = 0; i < g->n_ops; i++) index[i] = mpt__tfl_opcode_index(codes, &n_codes, g->ops[i].code);
+    for (i = 0; i < g->n_ops; i++) at[i] = mpt__tfl_write_op(b, &g->ops[i], index[i]);
+    operators = mpt__fb_offsets(b, at, g->n_ops);
+    for (i = 0; i < n_codes; i++) at[i] = mpt__tfl_write_opcode(b, codes[i]);
+    opcodes = mpt__fb_offsets(b, at, n_codes);
+    inputs = mpt__fb_int32s(b, &input, 1);
+    outputs = mpt__fb_int32s(b, &output, 1);
+    name = mpt__fb_string(b, "main");
+    mpt__fb_table_begin(b); /* SubGraph {tensors, inputs, outputs, operators, name} */
+    mpt__fb_field_offset(b, 0, tensors);
+    mpt__fb_field_offset(b, 1, inputs);
+    mpt__fb_field_offset(b, 2, outputs);
+    mpt__fb_field_offset(b, 3, operators);
+    mpt__fb_field_offset(b, 4, name);
+    subgraph = mpt__fb_table_end(b);
+    subgraphs = mpt__fb_offsets(b, &subgraph, 1);
+    description = mpt__fb_string(b, "mpt.h " MPT_VERSION);
+    mpt__fb_table_begin(b); /* Model */
+    mpt__fb_field_scalar(b, 0, 3, 4); /* version */
+    mpt__fb_field_offset(b, 1, opcodes);
+    mpt__fb_field_offset(b, 2, subgraphs);
+    mpt__fb_field_offset(b, 3, description);
+    mpt__fb_field_offset(b, 4, buffers);
+    model = mpt__fb_table_end(b);
+    mpt__fb_finish(b, model, "TFL3");
+    mpt__free(ctx, at);
+    mpt__free(ctx, codes);
+    mpt__free(ctx, index);
+    if (b->failed)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory (or "
+                         "a file past 2 GiB)", g->pl->path);
+    return MPT_OK;
+}
+
+static void mpt__tfl_free(mpt__tfl *g) {
+    mpt_context *ctx = g->pl->m->ctx;
+    int i;
+    for (i = 0; i < g->n_buffers; i++) mpt__free(ctx, g->buffers[i].data);
+    mpt__free(ctx, g->buffers);
+    mpt__free(ctx, g->tensors);
+    mpt__free(ctx, g->ops);
+}
+
+MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
+                                          const mpt_export_desc *desc) {
+    mpt__export_plan pl;
+    mpt__tfl g;
+    mpt__fb b;
+    mpt_status s;
+    int32_t x, input;
+    int64_t shape[MPT_MAX_RANK - 1];
+    int i, rank;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    s = mpt__export_plan_init(&pl, m, "TFLite", path, desc);
+    if (s != MPT_OK || !mpt__strategy_is_chief(m->strategy)) {
+        mpt__export_plan_free(&pl);
+        return s;
+    }
+    memset(&g, 0, sizeof g);
+    memset(&b, 0, sizeof b);
+    g.pl = &pl;
+    b.ctx = m->ctx;
+    mpt__tfl_buffer_add(&g, NULL, 0); /* the empty sentinel */
+    rank = mpt_model_input_shape(m, shape);
+    x = input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    for (i = 0; i < pl.n; i++) x = mpt__tfl_step(&g, &pl.steps[i], x);
+    if (g.failed)
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory", path);
+    else
+        s = mpt__tfl_serialise(&g, input, x, &b);
+    if (s == MPT_OK) s = mpt__export_write(m, path, b.data + b.cap - b.size, b.size);
+    mpt__free(m->ctx, b.data);
+    mpt__tfl_free(&g);
+    mpt__export_plan_free(&pl);
+    return s;
+}
+
+/* =============================================================================
+   @impl-export-onnx  the plan as an ONNX file: nodes and initializers in protobuf
+   =============================================================================
+
+   Field numbers from onnx/onnx.proto: ModelProto {ir_version 1,
+   producer_name 2, producer_version 3, graph 7, opset_import 8};
+   OperatorSetIdProto {domain 1, version 2}; GraphProto {node 1, name 2,
+   initializer 5, input 11, output 12}; NodeProto {input 1, output 2,
+   name 3, op_type 4, attribute 5}; AttributeProto {name 1, f 2, i 3,
+   ints 8, type 20}; TensorProto {dims 1, data_type 2, name 8, raw_data 9};
+   ValueInfoProto {name 1, type 2}; TypeProto {tensor_type 1};
+   TypeProto.Tensor {elem_type 1, shape 2}; TensorShapeProto {dim 1};
+   Dimension {dim_value 1, dim_param 2}.
+   ONNX convolutions and pooling are NCHW, mpt.h is NHWC: the running value
+   is transposed to NCHW before the first of them and back before what
+   needs the NHWC order (Flatten, whose element order must be mpt.h's, and
+   the output). */
+
+enum { /* TensorProto.DataType */
+    MPT__ONNX_FLOAT = 1, MPT__ONNX_UINT8 = 2, MPT__ONNX_INT8 = 3, MPT__ONNX_INT32 = 6,
+    MPT__ONNX_FLOAT16 = 10
+};
+enum { MPT__ONNX_ATTR_INT = 2, MPT__ONNX_ATTR_INTS = 7 }; /* AttributeProto.AttributeType */
+#define MPT__ONNX_IR_VERSION 7 /* what opset 13 needs */
+#define MPT__ONNX_OPSET 13     /* per-axis QuantizeLinear for a later int8 export */
+
+typedef struct mpt__onnx {
+    mpt__export_plan *pl;
+    mpt__pb nodes, inits;  /* GraphProto's nodes and initializers, apart      */
+    char x[96];            /* the running value's name                        */
+    int rank;              /* its rank, the batch included                    */
+    int nchw;              /* 4-D and channels first                          */
+} mpt__onnx;
+
+static void mpt__onnx_attr_int(mpt__pb *b, const char *name, int64_t v) {
+    size_t body = mpt__pb_begin(b, 5);
+    mpt__pb_string(b, 1, name);
+    mpt__pb_int64(b, 3, v);
+    mpt__pb_int64(b, 20, MPT__ONNX_ATTR_INT);
+    mpt__pb_end(b, body);
+}
+
+static void mpt__onnx_attr_ints(mpt__pb *b, const char *name, const int64_t *v, int n) {
+    size_t body = mpt__pb_begin(b, 5);
+    int i;
+    mpt__pb_string(b, 1, name);
+    for (i = 0; i < n; i++) mpt__pb_int64(b, 8, v[i]);
+    mpt__pb_int64(b, 20, MPT__ONNX_ATTR_INTS);
+    mpt__pb_end(b, body);
+}
+
+/* Starts a node op(inputs...) -> output; the caller adds its attributes and
+   ends it with mpt__pb_end(&o->nodes, returned body). */
+static size_t mpt__onnx_node(mpt__onnx *o, const char *op, const char *output, const char *in0,
+                             const char *in1, const char *in2) {
+    mpt__pb *b = &o->nodes;
+    size_t body = mpt__pb_begin(b, 1);
+    mpt__pb_string(b, 1, in0);
+    if (in1) mpt__pb_string(b, 1, in1);
+    if (in2) mpt__pb_string(b, 1, in2);
+    mpt__pb_string(b, 2, output);
+    mpt__pb_string(b, 3, output); /* the node is named after what it makes */
+    mpt__pb_string(b, 4, op);
+    return body;
+}
+
+/* name = "<layer>/<what>" into out. */
+static const char *mpt__onnx_name(char *out, size_t size, const mpt__layer *L, const char *what) {
+    snprintf(out, size, "%s/%s", L->name, what);
+    return out;
+}
+
+/* A float constant (kernel, bias, scale) as an initializer: float32, or
+   float16 with a Cast to float32; `out` receives the float32 value's name. */
+/* Starts an initializer (TensorProto {dims, data_type, name, raw_data})
+   of `bytes` bytes of data; returns where those go, for the caller to fill
+   little-endian (NULL when memory ran out), and *body for
+   mpt__pb_end(&o->inits, *body) once they are there. Any data type: float,
+   float16, and the int8, uint8 and int32 of quantized tensors. */
+static unsigned char *mpt__onnx_initializer(mpt__onnx *o, const char *name, int data_type,
+                                            int rank, const int64_t *dims, size_t bytes,
+                                            size_t *body) {
+    mpt__pb *b = &o->inits;
+    int d;
+    *body = mpt__pb_begin(b, 5);
+    for (d = 0; d < rank; d++) mpt__pb_int64(b, 1, dims[d]);
+    mpt__pb_int64(b, 2, data_type);
+    mpt__pb_string(b, 8, name);
+    mpt__pb_key(b, 9, MPT__PB_LEN); /* raw_data */
+    mpt__pb_varint(b, bytes);
+    if (!mpt__pb_reserve(b, bytes)) return NULL;
+    b->size += bytes;
+    return b->data + b->size - bytes;
+}
+
+static void mpt__onnx_constant(mpt__onnx *o, const mpt__layer *L, const char *what, int rank,
+                               const int64_t *dims, const float *values, int64_t n, char *out,
+                               size_t out_size) {
+    int half = o->pl->weight_dtype == MPT_FLOAT16;
+    size_t body, elem = half ? 2 : 4;
+    char stored[96];
+    unsigned char *data;
+    int64_t i;
+    mpt__onnx_name(stored, sizeof stored, L, what);
+    data = mpt__onnx_initializer(o, stored, half ? MPT__ONNX_FLOAT16 : MPT__ONNX_FLOAT, rank, dims,
+                                 (size_t)n * elem, &body);
+    for (i = 0; data && i < n; i++) {
+        uint32_t bits;
+        if (half) {
+            bits = mpt_float_to_half(values[i]);
+        } else {
+            memcpy(&bits, &values[i], 4);
+        }
+        mpt__tb_put_le(data + (size_t)i * elem, bits, (int)elem);
+    }
+    mpt__pb_end(&o->inits, body);
+    if (!half) {
+        snprintf(out, out_size, "%s", stored);
+        return;
+    }
+    snprintf(out, out_size, "%s_float32", stored);
+    body = mpt__onnx_node(o, "Cast", out, stored, NULL, NULL);
+    mpt__onnx_attr_int(&o->nodes, "to", MPT__ONNX_FLOAT);
+    mpt__pb_end(&o->nodes, body);
+}
+
+/* Makes the running value NCHW (nchw = 1) or NHWC (0), by a Transpose when
+   it is 4-D and not so already. */
+static void mpt__onnx_layout(mpt__onnx *o, const mpt__layer *L, int nchw) {
+    static const int64_t to_nchw[4] = {0, 3, 1, 2}, to_nhwc[4] = {0, 2, 3, 1};
+    char y[96];
+    size_t body;
+    if (o->rank != 4 || o->nchw == nchw) return;
+    mpt__onnx_name(y, sizeof y, L, nchw ? "nchw" : "nhwc");
+    body = mpt__onnx_node(o, "Transpose", y, o->x, NULL, NULL);
+    mpt__onnx_attr_ints(&o->nodes, "perm", nchw ? to_nchw : to_nhwc, 4);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    o->nchw = nchw;
+}
+
+/* A node of one input with no attributes: op(x) -> "<layer>/<what>". */
+static void mpt__onnx_unary(mpt__onnx *o, const mpt__layer *L, const char *op, const char *what) {
+    char y[96];
+    mpt__onnx_name(y, sizeof y, L, what);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, op, y, o->x, NULL, NULL));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* A float32 scalar initializer "<layer>/<what>" (always float32: it is
+   part of an op, not a weight). */
+static void mpt__onnx_scalar(mpt__onnx *o, const mpt__layer *L, const char *what, float v,
+                             char *name, size_t size) {
+    size_t body;
+    uint32_t bits;
+    unsigned char *data;
+    mpt__onnx_name(name, size, L, what);
+    data = mpt__onnx_initializer(o, name, MPT__ONNX_FLOAT, 0, NULL, 4, &body);
+    memcpy(&bits, &v, 4);
+    if (data) mpt__tb_put_le(data, bits, 4);
+    mpt__pb_end(&o->inits, body);
+}
+
+/* A node of two inputs, the running value first: op(x, b) -> "<layer>/<what>". */
+static void mpt__onnx_binary(mpt__onnx *o, const mpt__layer *L, const char *op, const char *b,
+                             const char *what) {
+    char y[96];
+    mpt__onnx_name(y, sizeof y, L, what);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, op, y, o->x, b, NULL));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* GELU, exact: x · ½(1 + erf(x/√2)), from opset 13's Erf (Gelu itself
+   comes in opset 20). */
+static void mpt__onnx_gelu(mpt__onnx *o, const mpt__layer *L) {
+    char x[96], rsqrt2[96], one[96], half[96];
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_scalar(o, L, "gelu_rsqrt2", 0.70710678118654752f, rsqrt2, sizeof rsqrt2);
+    mpt__onnx_scalar(o, L, "gelu_one", 1.0f, one, sizeof one);
+    mpt__onnx_scalar(o, L, "gelu_half", 0.5f, half, sizeof half);
+    mpt__onnx_binary(o, L, "Mul", rsqrt2, "gelu_scaled");
+    mpt__onnx_unary(o, L, "Erf", "gelu_erf");
+    mpt__onnx_binary(o, L, "Add", one, "gelu_sum");
+    mpt__onnx_binary(o, L, "Mul", half, "gelu_half_sum");
+    mpt__onnx_binary(o, L, "Mul", x, "activation");
+}
+
+/* The step's activation on the running value (softmax over the channels:
+   the last axis, or axis 1 when NCHW). */
+static void mpt__onnx_activation(mpt__onnx *o, const mpt__export_step *s) {
+    char y[96];
+    size_t body;
+    switch (s->act) {
+    case MPT_ACT_GELU: mpt__onnx_gelu(o, s->L); break;
+    case MPT_ACT_RELU: mpt__onnx_unary(o, s->L, "Relu", "activation"); break;
+    case MPT_ACT_TANH: mpt__onnx_unary(o, s->L, "Tanh", "activation"); break;
+    case MPT_ACT_SIGMOID: mpt__onnx_unary(o, s->L, "Sigmoid", "activation"); break;
+    case MPT_ACT_SOFTMAX:
+        mpt__onnx_name(y, sizeof y, s->L, "activation");
+        body = mpt__onnx_node(o, "Softmax", y, o->x, NULL, NULL);
+        mpt__onnx_attr_int(&o->nodes, "axis", o->nchw ? 1 : -1);
+        mpt__pb_end(&o->nodes, body);
+        snprintf(o->x, sizeof o->x, "%s", y);
+        break;
+    default: break;
+    }
+}
+
+/* kernel_shape, strides and pads of a window: ONNX pads are explicit,
+   (top, left, bottom, right); 'same' puts the odd pixel at the bottom/right
+   as TensorFlow does, and 'valid' pads nothing. */
+static void mpt__onnx_window(mpt__pb *b, const mpt__win *g) {
+    int64_t k[2], st[2], pads[4];
+    k[0] = g->kh;
+    k[1] = g->kw;
+    st[0] = g->sh;
+    st[1] = g->sw;
+    pads[0] = g->top;
+    pads[1] = g->left;
+    pads[2] = MPT__MAX((g->oh - 1) * g->sh + g->kh - g->h - g->top, 0);
+    pads[3] = MPT__MAX((g->ow - 1) * g->sw + g->kw - g->w - g->left, 0);
+    mpt__onnx_attr_ints(b, "kernel_shape", k, 2);
+    mpt__onnx_attr_ints(b, "strides", st, 2);
+    mpt__onnx_attr_ints(b, "pads", pads, 4);
+}
+
+/* Dense: Gemm(x, kernel (in, units), bias). */
+static void mpt__onnx_dense(mpt__onnx *o, const mpt__export_step *s) {
+    char kernel[128], bias[128], y[96];
+    int64_t dims[2];
+    dims[1] = s->bias_count;
+    dims[0] = s->kernel_count / dims[1];
+    mpt__onnx_constant(o, s->L, "kernel", 2, dims, s->kernel, s->kernel_count, kernel,
+                       sizeof kernel);
+    mpt__onnx_constant(o, s->L, "bias", 1, &dims[1], s->bias, dims[1], bias, sizeof bias);
+    mpt__onnx_name(y, sizeof y, s->L, "linear");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Gemm", y, o->x, kernel, bias));
+    snprintf(o->x, sizeof o->x, "%s", y);
+    mpt__onnx_activation(o, s);
+}
+
+/* Conv2D: Conv(x NCHW, kernel (F, C, kh, kw), bias). */
+static void mpt__onnx_conv2d(mpt__onnx *o, const mpt__export_step *s) {
+    int64_t F = s->bias_count, C = s->g.c, khw = s->g.kh * s->g.kw, dims[4], p, c, f;
+    float *w = (float *)mpt__alloc(o->pl->m->ctx, sizeof(float) * (size_t)s->kernel_count + 1);
+    char kernel[128], bias[128], y[96];
+    size_t body;
+    if (!w) {
+        o->nodes.failed = 1;
+        return;
+    }
+    for (p = 0; p < khw; p++) /* (kh·kw, C, F) -> (F, C, kh·kw) */
+        for (c = 0; c < C; c++)
+            for (f = 0; f < F; f++) w[(f * C + c) * khw + p] = s->kernel[(p * C + c) * F + f];
+    dims[0] = F;
+    dims[1] = C;
+    dims[2] = s->g.kh;
+    dims[3] = s->g.kw;
+    mpt__onnx_constant(o, s->L, "kernel", 4, dims, w, s->kernel_count, kernel, sizeof kernel);
+    mpt__free(o->pl->m->ctx, w);
+    mpt__onnx_constant(o, s->L, "bias", 1, &F, s->bias, F, bias, sizeof bias);
+    mpt__onnx_layout(o, s->L, 1);
+    mpt__onnx_name(y, sizeof y, s->L, "linear");
+    body = mpt__onnx_node(o, "Conv", y, o->x, kernel, bias);
+    mpt__onnx_window(&o->nodes, &s->g);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    mpt__onnx_activation(o, s);
+}
+
+/* Scale and shift per channel: Mul and Add, the constants shaped (C, 1, 1)
+   when NCHW so that they broadcast over the channels. */
+static void mpt__onnx_scale_shift(mpt__onnx *o, const mpt__export_step *s) {
+    int64_t dims[3];
+    int rank = o->nchw ? 3 : 1;
+    char scale[128], shift[128], y[96];
+    dims[0] = s->bias_count;
+    dims[1] = dims[2] = 1;
+    mpt__onnx_constant(o, s->L, "scale", rank, dims, s->kernel, s->bias_count, scale, sizeof scale);
+    mpt__onnx_constant(o, s->L, "shift", rank, dims, s->bias, s->bias_count, shift, sizeof shift);
+    mpt__onnx_name(y, sizeof y, s->L, "scaled");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Mul", y, o->x, scale, NULL));
+    snprintf(o->x, sizeof o->x, "%s", y);
+    mpt__onnx_name(y, sizeof y, s->L, "shifted");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Add", y, o->x, shift, NULL));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+static void mpt__onnx_flatten(mpt__onnx *o, const mpt__layer *L) {
+    char y[96];
+    size_t body;
+    mpt__onnx_layout(o, L, 0); /* mpt.h's vectors are in NHWC order */
+    mpt__onnx_name(y, sizeof y, L, "flat");
+    body = mpt__onnx_node(o, "Flatten", y, o->x, NULL, NULL);
+    mpt__onnx_attr_int(&o->nodes, "axis", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    o->rank = 2;
+    o->nchw = 0;
+}
+
+static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s) {
+    char y[96];
+    size_t body;
+    switch (s->kind) {
+    case MPT__EXPORT_DENSE: mpt__onnx_dense(o, s); break;
+    case MPT__EXPORT_CONV2D: mpt__onnx_conv2d(o, s); break;
+    case MPT__EXPORT_MAX_POOL:
+    case MPT__EXPORT_AVG_POOL:
+        mpt__onnx_layout(o, s->L, 1);
+        mpt__onnx_name(y, sizeof y, s->L, "pooled");
+        body = mpt__onnx_node(o, s->kind == MPT__EXPORT_MAX_POOL ? "MaxPool" : "AveragePool", y,
+                              o->x, NULL, NULL);
+        mpt__onnx_window(&o->nodes, &s->g); /* AveragePool: count_include_pad 0, as Keras */
+        mpt__pb_end(&o->nodes, body);
+        snprintf(o->x, sizeof o->x, "%s", y);
+        break;
+    case MPT__EXPORT_GLOBAL_AVG_POOL: /* (N, C, 1, 1), then (N, C) */
+        mpt__onnx_layout(o, s->L, 1);
+        mpt__onnx_unary(o, s->L, "GlobalAveragePool", "pooled");
+        mpt__onnx_flatten(o, s->L);
+        break;
+    case MPT__EXPORT_FLATTEN: mpt__onnx_flatten(o, s->L); break;
+    case MPT__EXPORT_ACTIVATION: mpt__onnx_activation(o, s); break;
+    case MPT__EXPORT_SCALE_SHIFT: mpt__onnx_scale_shift(o, s); break;
+    }
+}
+
+/* ValueInfoProto: name, float32, (N, shape...) with N free. */
+static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int rank,
+                                 const int64_t *shape) {
+    size_t info = mpt__pb_begin(b, field), type, tensor, dims, dim;
+    int i;
+    mpt__pb_string(b, 1, name);
+    type = mpt__pb_begin(b, 2);
+    tensor = mpt__pb_begin(b, 1);
+    mpt__pb_int64(b, 1, MPT__ONNX_FLOAT);
+    dims = mpt__pb_begin(b, 2);
+    dim = mpt__pb_begin(b, 1);
+    mpt__pb_string(b, 2, "N");
+    mpt__pb_end(b, dim);
+    for (i = 0; i < rank; i++) {
+        dim = mpt__pb_begin(b, 1);
+        mpt__pb_int64(b, 1, shape[i]);
+        mpt__pb_end(b, dim);
+    }
+    mpt__pb_end(b, dims);
+    mpt__pb_end(b, tensor);
+    mpt__pb_end(b, type);
+    mpt__pb_end(b, info);
+}
+
+/* ModelProto around the nodes and initializers; the running value is the
+   output, one sample of shape out_shape (out_rank). */
+static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, int out_rank,
+                            const int64_t *out_shape, mpt__pb *b) {
+    size_t graph, opset, body;
+    body = mpt__onnx_node(o, "Identity", "output", o->x, NULL, NULL);
+    mpt__pb_end(&o->nodes, body);
+    mpt__pb_int64(b, 1, MPT__ONNX_IR_VERSION);
+    mpt__pb_string(b, 2, "mpt.h");
+    mpt__pb_string(b, 3, MPT_VERSION);
+    opset = mpt__pb_begin(b, 8);
+    mpt__pb_int64(b, 2, MPT__ONNX_OPSET);
+    mpt__pb_end(b, opset);
+    graph = mpt__pb_begin(b, 7);
+    mpt__pb_bytes(b, o->nodes.data, o->nodes.size);
+    mpt__pb_string(b, 2, "mpt");
+    mpt__pb_bytes(b, o->inits.data, o->inits.size);
+    mpt__onnx_value_info(b, 11, "input", in_rank, in_shape);
+    mpt__onnx_value_info(b, 12, "output", out_rank, out_shape);
+    mpt__pb_end(b, graph);
+    if (o->nodes.failed || o->inits.failed) b->failed = 1;
+}
+
+MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
+                                        const mpt_export_desc *desc) {
+    mpt__export_plan pl;
+    mpt__onnx o;
+    mpt__pb b;
+    mpt_status s;
+    int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
+    int i, in_rank, out_rank;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    s = mpt__export_plan_init(&pl, m, "ONNX", path, desc);
+    if (s != MPT_OK || !mpt__strategy_is_chief(m->strategy)) {
+        mpt__export_plan_free(&pl);
+        return s;
+    }
+    memset(&o, 0, sizeof o);
+    memset(&b, 0, sizeof b);
+    o.pl = &pl;
+    o.nodes.ctx = o.inits.ctx = b.ctx = m->ctx;
+    snprintf(o.x, sizeof o.x, "input");
+    o.rank = 1 + m->desc.input_rank;
+    o.nchw = 0;
+    for (i = 0; i < pl.n; i++) mpt__onnx_step(&o, &pl.steps[i]);
+    if (pl.n) mpt__onnx_layout(&o, pl.steps[pl.n - 1].L, 0); /* the output is NHWC */
+    in_rank = mpt_model_input_shape(m, in_shape);
+    out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
+    if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
+    mpt__onnx_model(&o, in_rank, in_shape, out_rank, out_shape, &b);
+    if (b.failed)
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);
+    else
+        s = mpt__export_write(m, path, b.data, b.size);
+    mpt__free(m->ctx, b.data);
+    mpt__free(m->ctx, o.nodes.data);
+    mpt__free(m->ctx, o.inits.data);
+    mpt__export_plan_free(&pl);
+    return s;
 }
 
 /* =============================================================================

@@ -346,6 +346,33 @@ cuda_test() {
     count_output "$name" "$out" $rc
 }
 
+# Where no GPU is reached, ./build.sh gpu must fail, not pass: under
+# MPT_REQUIRE_GPU=1 test_cuda (the gcc build always, the nvcc one where it
+# found no device) and bench_cuda exit with an error.
+required_gpu_checks() {
+    local prog out
+    for prog in test_cuda test_cuda_nvcc; do
+        [ -x "$B/$prog" ] || continue
+        [ $prog = test_cuda ] || grep -q '^SKIP .*no CUDA device' "$B/$prog.out" 2>/dev/null ||
+            continue
+        out=$B/$prog.required.out
+        MPT_REQUIRE_GPU=1 ASAN_OPTIONS=detect_leaks=1 timeout 600 "./$B/$prog" >"$out" 2>&1
+        if [ $? -ne 0 ] && grep -q '^FAIL a CUDA device is reached' "$out"; then
+            record "$prog without a device under MPT_REQUIRE_GPU=1 fails" pass
+        else
+            cat "$out"
+            record "$prog without a device under MPT_REQUIRE_GPU=1 fails" fail "it passed (see above)"
+        fi
+    done
+    if [ -x "$B/bench_cuda" ]; then
+        if MPT_REQUIRE_GPU=1 timeout 60 "./$B/bench_cuda" gemm >"$B/bench_cuda.required.out" 2>&1; then
+            record "bench_cuda without a device under MPT_REQUIRE_GPU=1 fails" fail "exit status 0"
+        else
+            record "bench_cuda without a device under MPT_REQUIRE_GPU=1 fails" pass
+        fi
+    fi
+}
+
 # The multi-worker strategy: tests/mpi_strategy.c built with mpicc
 # -DMPT_MPI and run by mpirun as two processes on this machine, one
 # scenario at a time (see the file). "dies" kills a worker: passing means
@@ -525,6 +552,7 @@ run_tests() {
         fi
     done
     cuda_test
+    required_gpu_checks
     mpi_tests
     fuzz_all $FUZZ_TEST_SECONDS
     echo "$passed passed, $failed failed, $skipped skipped"

@@ -44,6 +44,14 @@
 
 #include <unistd.h>
 
+/* $MPT_REQUIRE_GPU=1 (./build.sh gpu sets it): a run that cannot reach a
+   GPU is a failure, not a skip, so a broken driver or a missing library
+   never looks like a pass; nor may the Fashion-MNIST run skip. */
+static int gpu_required(void) {
+    const char *env = getenv("MPT_REQUIRE_GPU");
+    return env && !strcmp(env, "1");
+}
+
 /* ---- the backends under test --------------------------------------------------- */
 
 #define MAX_BUFS 64
@@ -1739,7 +1747,10 @@ static void test_model_graphs_and_determinism(void) {
    and must land within ±0.5 points of that. */
 static void test_model_mlp_fashion_mnist(void) {
     const double cpu_accuracy = 0.8939;
-    const char *dir = "/usr/share/datasets/fashion-mnist";
+    const char *dir = getenv("MPT_DATA_DIR") && *getenv("MPT_DATA_DIR")
+                          ? getenv("MPT_DATA_DIR")
+                          : "/usr/share/datasets/fashion-mnist";
+    static char why[600];
     mpt_context *ctx = gpu_be[GPU_AUTO].ctx;
     mpt_dataset *train = NULL, *test = NULL;
     mpt_model *m = NULL;
@@ -1752,7 +1763,10 @@ static void test_model_mlp_fashion_mnist(void) {
     double acc;
     if (mpt_dataset_load_mnist(ctx, dir, 0, &train) != MPT_OK ||
         mpt_dataset_load_mnist(ctx, dir, 1, &test) != MPT_OK) {
-        SKIP("Fashion-MNIST is not in /usr/share/datasets/fashion-mnist");
+        snprintf(why, sizeof why, "no Fashion-MNIST (from $MPT_DATA_DIR or the default): %.500s",
+                 mpt_context_error(ctx));
+        if (gpu_required()) CHECK(0, "MPT_REQUIRE_GPU=1: %s", why);
+        else SKIP(why);
         mpt_dataset_destroy(train);
         return;
     }
@@ -2215,10 +2229,29 @@ static void test_model_memory_limit_on_the_gpu(void) {
     }
 }
 
+/* Why no CUDA context opened, as the context's warning says it. */
+static void test_gpu_was_reached(void) {
+#ifdef MPT_CUDA
+    const char *env = getenv("MPT_DEVICE");
+    mpt_context *ctx = env && !strcmp(env, "cpu") ? NULL : context_with_warnings();
+    mpt_context_destroy(ctx);
+    CHECK(0, "MPT_REQUIRE_GPU=1, but the CUDA backend did not open: %s",
+          env && !strcmp(env, "cpu") ? "MPT_DEVICE=cpu"
+          : last_warning[0]          ? last_warning
+                                     : "no reason given");
+#else
+    CHECK(0, "MPT_REQUIRE_GPU=1, but this program was built without MPT_CUDA");
+#endif
+}
+
 int main(void) {
     int e, have_gpu;
     test_seed(2024);
     have_gpu = open_backends();
+    if (!have_gpu && gpu_required()) {
+        test__run("a CUDA device is reached (MPT_REQUIRE_GPU=1)", test_gpu_was_reached);
+        return test_summary(PROGRAM);
+    }
 #ifdef MPT_CUDA
     if (!have_gpu && !(getenv("MPT_DEVICE") && !strcmp(getenv("MPT_DEVICE"), "cpu"))) {
         test__run("no CUDA device: the context warns and uses the CPU", test_fallback_warns);

@@ -2164,6 +2164,36 @@ static void test_table_is_complete(void) {
 #endif
 }
 
+#ifdef MPT_NCCL
+/* The NCCL path on one GPU: a communicator of one member (this context),
+   whose all-reduce of fresh random floats gives them back unchanged (a
+   sum over one member), queued on the backend's stream. */
+static void test_nccl_one_member(void) {
+    enum { COUNT = 4099 };
+    backend *b = &gpu_be[GPU_AUTO];
+    void *impls[1] = {b->impl};
+    void *comm = NULL;
+    float *host = (float *)random_values(MPT_FLOAT32, COUNT, -3, 3);
+    float *dev = (float *)be_upload(b, host, nbytes(MPT_FLOAT32, COUNT));
+    float *got;
+    mpt_status s = b->t->comm_create(impls, 1, 0, 1, NULL, &comm);
+    CHECK(s == MPT_OK && comm, "comm_create of one member: %s: %s", mpt_status_string(s),
+          b->t->error(b->impl));
+    if (s == MPT_OK && comm) {
+        s = b->t->allreduce_sum(comm, &dev, COUNT);
+        CHECK(s == MPT_OK, "allreduce_sum: %s", b->t->comm_error(comm));
+        got = (float *)be_fetch(b, dev, nbytes(MPT_FLOAT32, COUNT), "allreduce_sum");
+        CHECK(!memcmp(got, host, nbytes(MPT_FLOAT32, COUNT)),
+              "the sum over one member changed element %lld",
+              (long long)first_difference(got, host, COUNT, sizeof(float)));
+        free(got);
+        b->t->comm_destroy(comm);
+    }
+    free(host);
+    be_release(b);
+}
+#endif
+
 /* mpt_device_query on the GPU this test runs on: device 1 is CUDA device
    0 (the contexts above took cuda_device 0), a bfloat16-capable one. */
 static void test_device_info_of_the_gpu(void) {
@@ -2244,8 +2274,11 @@ static void test_gpu_was_reached(void) {
 #endif
 }
 
-int main(void) {
-    int e, have_gpu;
+/* `test_cuda quick` (what ./build.sh gpu sanitize runs under
+   compute-sanitizer, many times slower): the table's functions only, none
+   of the whole-model trainings. */
+int main(int argc, char **argv) {
+    int e, have_gpu, quick = argc > 1 && !strcmp(argv[1], "quick");
     test_seed(2024);
     have_gpu = open_backends();
     if (!have_gpu && gpu_required()) {
@@ -2293,16 +2326,22 @@ int main(void) {
     test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
     test__run("loss_scale_update (exact)", test_loss_scale_update);
     test__run("graph capture and replay: bit-identical to direct calls", test_graph_capture);
-    test__run("model: graphs on and off, and two runs, give identical weights",
-              test_model_graphs_and_determinism);
-    test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of the CPU",
-              test_model_mlp_fashion_mnist);
-    test__run("model: a 1 MiB device limit gives out of memory, with the bytes",
-              test_model_out_of_memory);
-    test__run("mirrored: 1 and 2 replicas on the GPU end where they end on the CPU (<= 1e-4)",
-              test_mirrored_on_the_gpu);
+    if (!quick) {
+        test__run("model: graphs on and off, and two runs, give identical weights",
+                  test_model_graphs_and_determinism);
+        test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "
+                  "the CPU", test_model_mlp_fashion_mnist);
+        test__run("model: a 1 MiB device limit gives out of memory, with the bytes",
+                  test_model_out_of_memory);
+        test__run("mirrored: 1 and 2 replicas on the GPU end where they end on the CPU (<= 1e-4)",
+                  test_mirrored_on_the_gpu);
+    }
     test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
               test_hand_step_functions);
+#ifdef MPT_NCCL
+    test__run("NCCL: a communicator of one GPU, its all-reduce leaves the floats as they are",
+              test_nccl_one_member);
+#endif
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

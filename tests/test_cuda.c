@@ -1444,6 +1444,147 @@ static void test_update(void) {
     }
 }
 
+/* The multi-tensor launches: 111 parameter tensors of odd sizes (more than
+   one launch's table holds), mixed dtypes, packed back to back in one
+   allocation per buffer kind, so that most are not 16-byte aligned and
+   aligned and unaligned tensors share a launch. Two steps on the GPU
+   against the CPU (the same tolerances as above), and the GPU twice:
+   the same bits, Σ g² included. */
+#define MANY_PARAMS 111
+
+typedef struct many_run {
+    float *value, *slot0, *slot1; /* every tensor, back to back */
+    unsigned char *compute;
+    mpt_step_state state;
+} many_run;
+
+static void many_run_free(many_run *r) {
+    free(r->value);
+    free(r->slot0);
+    free(r->slot1);
+    free(r->compute);
+}
+
+static void many_step(backend *b, const opt_case *oc, const int64_t *count, const mpt_dtype *dt,
+                      const int64_t *offset, const size_t *coffset, int64_t total,
+                      size_t compute_bytes, const many_run *in, const float *grad, many_run *out) {
+    float *value[MANY_PARAMS], *slot0[MANY_PARAMS], *slot1[MANY_PARAMS];
+    const float *gradp[MANY_PARAMS];
+    void *compute[MANY_PARAMS];
+    size_t fb = nbytes(MPT_FLOAT32, total);
+    float *v = (float *)be_upload(b, in->value, fb), *g = (float *)be_upload(b, grad, fb);
+    float *s0 = (float *)be_upload(b, in->slot0, fb), *s1 = (float *)be_upload(b, in->slot1, fb);
+    unsigned char *c = (unsigned char *)be_upload(b, in->compute, compute_bytes);
+    mpt_step_state *st = (mpt_step_state *)be_upload(b, &in->state, sizeof in->state);
+    int slots = oc->type == MPT_OPTIMIZER_SGD ? (oc->momentum != 0) : 2;
+    mpt_update_args u;
+    int i, step;
+    for (i = 0; i < MANY_PARAMS; i++) {
+        value[i] = v + offset[i];
+        gradp[i] = g + offset[i];
+        slot0[i] = slots >= 1 ? s0 + offset[i] : NULL;
+        slot1[i] = slots >= 2 ? s1 + offset[i] : NULL;
+        compute[i] = dt[i] == MPT_FLOAT32 ? (void *)value[i] : (void *)(c + coffset[i]);
+    }
+    memset(&u, 0, sizeof u);
+    u.n = MANY_PARAMS;
+    u.value = value;
+    u.grad = gradp;
+    u.slot0 = slot0;
+    u.slot1 = slot1;
+    u.compute = compute;
+    u.compute_dtype = dt;
+    u.count = count;
+    u.optimizer = opt_desc(oc);
+    u.state = st;
+    for (step = 0; step < 2; step++) {
+        b->t->grad_stats(b->impl, &u);
+        b->t->update(b->impl, &u);
+    }
+    out->value = (float *)be_fetch(b, v, fb, "update");
+    out->slot0 = (float *)be_fetch(b, s0, fb, "update");
+    out->slot1 = (float *)be_fetch(b, s1, fb, "update");
+    out->compute = (unsigned char *)be_fetch(b, c, compute_bytes, "update");
+    {
+        mpt_step_state *s = (mpt_step_state *)be_fetch(b, st, sizeof *st, "update");
+        out->state = *s;
+        free(s);
+    }
+    be_release(b);
+}
+
+static void test_update_many_tensors(void) {
+    static const opt_case cases[3] = {
+        {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0},
+        {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0},
+        {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0}};
+    static const mpt_dtype kinds[3] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    int64_t count[MANY_PARAMS], offset[MANY_PARAMS], total = 0;
+    size_t coffset[MANY_PARAMS], compute_bytes = 0;
+    mpt_dtype dt[MANY_PARAMS];
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int ci, i;
+    for (i = 0; i < MANY_PARAMS; i++) {
+        /* odd sizes, a few of them long enough for several norm blocks */
+        count[i] = i % 37 == 5 ? 2 * test_randint(20000, 70000) + 1 : 2 * test_randint(0, 1500) + 1;
+        dt[i] = kinds[test_randint(0, 2)];
+        offset[i] = total;
+        total += count[i];
+        coffset[i] = compute_bytes;
+        if (dt[i] != MPT_FLOAT32) compute_bytes += nbytes(dt[i], count[i]);
+    }
+    for (ci = 0; ci < 3; ci++) {
+        const opt_case *oc = &cases[ci];
+        many_run in, cpu, got, again;
+        float *grad = (float *)random_values(MPT_FLOAT32, total, -128, 128);
+        const char *differs;
+        in.value = (float *)random_values(MPT_FLOAT32, total, -1, 1);
+        in.slot0 = (float *)random_values(MPT_FLOAT32, total, -0.1, 0.1);
+        in.slot1 = (float *)random_values(MPT_FLOAT32, total, 0, 0.01);
+        in.compute = (unsigned char *)malloc(compute_bytes);
+        memset(in.compute, 0xFF, compute_bytes); /* poisoned: an update rewrites all of it */
+        memset(&in.state, 0, sizeof in.state);
+        in.state.learning_rate = oc->type == MPT_OPTIMIZER_SGD ? 0.01f : 0.001f;
+        in.state.loss_scale = 128;
+        in.state.optimizer_steps = 5;
+        in.state.step = 7;
+        in.state.finite = 1;
+        many_step(&cpu_be, oc, count, dt, offset, coffset, total, compute_bytes, &in, grad, &cpu);
+        many_step(gpu, oc, count, dt, offset, coffset, total, compute_bytes, &in, grad, &got);
+        many_step(gpu, oc, count, dt, offset, coffset, total, compute_bytes, &in, grad, &again);
+        CHECK(got.state.finite && cpu.state.finite, "%s: finite GPU %d, CPU %d", oc->name,
+              (int)got.state.finite, (int)cpu.state.finite);
+        CHECK(got.state.optimizer_steps == cpu.state.optimizer_steps,
+              "%s: optimizer_steps GPU %lld, CPU %lld", oc->name,
+              (long long)got.state.optimizer_steps, (long long)cpu.state.optimizer_steps);
+        CHECK(fabs(got.state.sum_squares - cpu.state.sum_squares) <= 1e-12 * cpu.state.sum_squares,
+              "%s: sum_squares GPU %.17g, CPU %.17g (1e-12 relative)", oc->name,
+              got.state.sum_squares, cpu.state.sum_squares);
+        for (i = 0; i < MANY_PARAMS && !test__current_failed; i++) {
+            char what[160];
+            int64_t n = count[i], o = offset[i];
+            snprintf(what, sizeof what, "%s: tensor %d of %d (%lld, %s, offset %lld)", oc->name, i,
+                     MANY_PARAMS, (long long)n, mpt_dtype_name(dt[i]), (long long)o);
+            check_close(what, MPT_FLOAT32, got.value + o, cpu.value + o, n, 1e-5);
+            check_close(what, MPT_FLOAT32, got.slot0 + o, cpu.slot0 + o, n, 1e-5);
+            check_close(what, MPT_FLOAT32, got.slot1 + o, cpu.slot1 + o, n, 1e-5);
+            if (dt[i] != MPT_FLOAT32)
+                check_close(what, dt[i], got.compute + coffset[i], cpu.compute + coffset[i], n,
+                            tolerance(dt[i]));
+        }
+        differs = memcmp(&got.state, &again.state, sizeof got.state) ? "the step state"
+                  : memcmp(got.value, again.value, nbytes(MPT_FLOAT32, total))
+                      ? "the master weights"
+                      : NULL;
+        CHECK(!differs, "%s: two GPU runs differ in %s", oc->name, differs);
+        free(grad);
+        many_run_free(&in);
+        many_run_free(&cpu);
+        many_run_free(&got);
+        many_run_free(&again);
+    }
+}
+
 /* ---- loss scaling ---------------------------------------------------------------------------- */
 
 static void test_loss_scale_update(void) {
@@ -2324,6 +2465,8 @@ int main(int argc, char **argv) {
     test__run("dropout forward and backward (bit-exact mask)", test_dropout);
     test__run("loss: every type, logits and probabilities, with metrics", test_loss);
     test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
+    test__run("grad_stats + update over 111 odd-sized tensors, packed unaligned, in tables",
+              test_update_many_tensors);
     test__run("loss_scale_update (exact)", test_loss_scale_update);
     test__run("graph capture and replay: bit-identical to direct calls", test_graph_capture);
     if (!quick) {

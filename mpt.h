@@ -1590,6 +1590,13 @@ extern int mpt_cuda_device_count(void);
 extern mpt_status mpt_cuda_device_query(int device, mpt_device_info *out, char *message,
                                         size_t message_size);
 
+/* How many GEMM shapes cuBLASLt refused so far on a CUDA backend (impl
+   from mpt_context_backend, whose name is "cuda"): its plan or its run
+   failed, and the hand-written engine runs the shape instead. Each
+   refusal is logged once, when it happens (a warning under
+   MPT_GEMM_CUBLASLT, else MPT_LOG_INFO). */
+extern int64_t mpt_cuda_lt_refusals(const void *impl);
+
 /* =============================================================================
    @backend-shared: the rules both backends run (internal)
    =============================================================================

@@ -84,6 +84,8 @@ typedef struct mpt__cuda {
     int allocation_count, allocation_capacity;
     cudaEvent_t compute_mark;   /* upload_async: the copy waits for it    */
     struct mpt__cuda_train_scratch *train_scratch; /* the training part's  */
+    mpt_logger logger;          /* the context's (desc->logger)          */
+    int64_t lt_refusals;        /* GEMM shapes cuBLASLt refused (logged)  */
 } mpt__cuda;
 
 /* "<what> (file:line)" into error: the form of every message this
@@ -104,6 +106,14 @@ static mpt_status mpt__cuda_fail(mpt__cuda *c, mpt_status status, const char *fi
     mpt__cuda_vsay_at(c->error, sizeof c->error, file, line, fmt, ap);
     va_end(ap);
     return status;
+}
+
+/* A message for the context's logger; without one, warnings and errors
+   go to stderr, as mpt.h's default logger does. */
+static void mpt__cuda_log(const mpt__cuda *c, mpt_log_level level, const char *message) {
+    if (c->logger.fn) c->logger.fn(c->logger.user_data, level, message);
+    else if (level <= MPT_LOG_WARNING)
+        fprintf(stderr, "mpt %s: %s\n", level == MPT_LOG_ERROR ? "error" : "warning", message);
 }
 
 /* Runs a CUDA runtime call; on failure returns an mpt status from the
@@ -934,15 +944,35 @@ static mpt_status mpt__cuda_gemm_lt_build(mpt__cuda *c, mpt__cuda_gemm_lt *lt,
     return st;
 }
 
+/* cuBLASLt refused the entry's shape (its plan, or a run: a float32 bias
+   with a 16-bit C, say). Not an error, the hand-written engine runs the
+   shape from now on, but not silent either: counted (mpt_cuda_lt_refusals)
+   and said once per shape, the entry staying refused. A warning when
+   cuBLASLt was asked for (MPT_GEMM_CUBLASLT), else information (the
+   engine was the backend's choice). */
+static void mpt__cuda_gemm_lt_refused(mpt__cuda *c, mpt__cuda_gemm_entry *e, const char *why) {
+    const mpt__cuda_gemm_key *k = &e->key;
+    char message[1024];
+    e->lt_state = -1;
+    c->lt_refusals++;
+    snprintf(message, sizeof message,
+             "cuBLASLt refused gemm m=%lld n=%lld k=%lld (trans %d%d, %s operands, %s C%s, "
+             "activation %d): %s; the hand-written engine runs this shape",
+             (long long)k->m, (long long)k->n, (long long)k->k, (int)k->trans_a, (int)k->trans_b,
+             mpt_dtype_name((mpt_dtype)k->ab_dtype), mpt_dtype_name((mpt_dtype)k->c_dtype),
+             k->has_bias ? ", float32 bias" : "", (int)k->act, why);
+    mpt__cuda_log(c, c->gemm_engine == MPT_GEMM_CUBLASLT ? MPT_LOG_WARNING : MPT_LOG_INFO, message);
+}
+
 /* Builds the entry's plan once; 1 if cuBLASLt can run it. */
 static int mpt__cuda_gemm_lt_ready(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mpt_gemm_desc *d,
                                    mpt_dtype c_dtype) {
     if (e->lt_state == 0) {
-        /* Keep error() as it was: a shape cuBLASLt declines is not an error,
-           the hand-written engine runs it. */
+        /* Keep error() as it was: a shape cuBLASLt declines is not an error. */
         char saved[sizeof c->error];
         memcpy(saved, c->error, sizeof saved);
-        e->lt_state = mpt__cuda_gemm_lt_build(c, &e->lt, d, c_dtype) == MPT_OK ? 1 : -1;
+        if (mpt__cuda_gemm_lt_build(c, &e->lt, d, c_dtype) == MPT_OK) e->lt_state = 1;
+        else mpt__cuda_gemm_lt_refused(c, e, c->error);
         memcpy(c->error, saved, sizeof saved);
     }
     return e->lt_state == 1;
@@ -954,16 +984,19 @@ static int mpt__cuda_gemm_lt_run(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mp
                                  void *cptr) {
     mpt__cuda_gemm_lt *lt = &e->lt;
     const float alpha = d->alpha == 0.0f ? 1.0f : d->alpha, beta = d->beta;
-    if (d->bias && cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                  &d->bias, sizeof d->bias) !=
-                       CUBLAS_STATUS_SUCCESS) {
-        e->lt_state = -1;
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (d->bias)
+        st = cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d->bias,
+                                            sizeof d->bias);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        mpt__cuda_gemm_lt_refused(c, e, cublasGetStatusString(st));
         return 0;
     }
-    if (cublasLtMatmul(c->lt, lt->op, &alpha, d->b, lt->la, d->a, lt->lb, &beta, cptr, lt->lc,
-                       cptr, lt->lc, &lt->algo, c->lt_workspace, c->lt_workspace_bytes,
-                       c->stream) != CUBLAS_STATUS_SUCCESS) {
-        e->lt_state = -1;
+    st = cublasLtMatmul(c->lt, lt->op, &alpha, d->b, lt->la, d->a, lt->lb, &beta, cptr, lt->lc,
+                        cptr, lt->lc, &lt->algo, c->lt_workspace, c->lt_workspace_bytes,
+                        c->stream);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        mpt__cuda_gemm_lt_refused(c, e, cublasGetStatusString(st));
         return 0;
     }
     if (lt->post_act) {
@@ -3850,6 +3883,7 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
     c->sm_count = prop->multiProcessorCount;
     c->gemm_engine = engine;
     c->limit = desc->device_memory_limit;
+    c->logger = desc->logger;
     if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming)) != cudaSuccess ||
@@ -4286,6 +4320,10 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
     *table = mpt__cuda_backend();
     *impl = c;
     return MPT_OK;
+}
+
+int64_t mpt_cuda_lt_refusals(const void *impl) {
+    return impl ? ((const mpt__cuda *)impl)->lt_refusals : 0;
 }
 
 /* ---- devices: what mpt_device_count and mpt_device_query report ---------- */

@@ -68,6 +68,19 @@ static void device_name(mpt_context *ctx, char *buf, size_t size) {
              d.driver_version, d.runtime_version);
 }
 
+/* GEMM shapes cuBLASLt refused on ctx's CUDA backend (each logged once
+   when it happened); 0 when ctx is not on one. */
+static long long lt_refusals(const mpt_context *ctx) {
+#ifdef MPT_CUDA
+    void *impl = NULL;
+    const mpt_backend *t = ctx ? mpt_context_backend(ctx, &impl) : NULL;
+    if (t && !strcmp(t->name, "cuda")) return (long long)mpt_cuda_lt_refusals(impl);
+#else
+    (void)ctx;
+#endif
+    return 0;
+}
+
 /* ---- (a) GEMM: hand-written against cuBLASLt ------------------------------------ */
 
 typedef struct shape {
@@ -501,6 +514,7 @@ int main(int argc, char **argv) {
     const char *required = getenv("MPT_REQUIRE_GPU");
     mpt_context *ctx = NULL, *mpt_ctx = NULL, *lt_ctx = NULL;
     mpt_dataset *all = NULL;
+    long long refused_gemm = 0;
     char dev[512];
     int synthetic = 0;
     if (strcmp(part, "all") && strcmp(part, "gemm") && strcmp(part, "train") &&
@@ -529,6 +543,7 @@ int main(int argc, char **argv) {
             bench_gemm(mpt_ctx, lt_ctx);
         else
             fprintf(stderr, "bench_cuda: cannot open the GEMM contexts\n");
+        refused_gemm = lt_refusals(mpt_ctx) + lt_refusals(lt_ctx);
         mpt_context_destroy(mpt_ctx);
         mpt_context_destroy(lt_ctx);
     }
@@ -542,6 +557,9 @@ int main(int argc, char **argv) {
         if (!strcmp(part, "all") || !strcmp(part, "train")) bench_train(ctx, all, synthetic);
         if (!strcmp(part, "all") || !strcmp(part, "large")) bench_large(ctx, all);
     }
+    /* a shape cuBLASLt refused ran on the hand-written engine instead */
+    printf("{\"bench\":\"cuda_lt_refusals\",\"part\":\"%s\",\"gemm_contexts\":%lld,"
+           "\"training_context\":%lld}\n", part, refused_gemm, lt_refusals(ctx));
     mpt_dataset_destroy(all);
     mpt_context_destroy(ctx);
     return 0;

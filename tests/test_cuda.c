@@ -485,6 +485,60 @@ static void test_gemm_relu_keeps_nan(backend *gpu) {
     test__end("gemm on %s: ReLU keeps NaN in every C dtype", gpu->label);
 }
 
+#ifdef MPT_CUDA
+/* cuBLASLt may refuse a shape (a float32 bias with a 16-bit C, say); the
+   hand-written engine then runs it, and the refusal is counted
+   (mpt_cuda_lt_refusals) and logged once: a context that asks for cuBLASLt
+   gets one warning per refused shape, and the products are right. */
+static int lt_refusal_messages;
+static void count_lt_refusals(void *user, mpt_log_level level, const char *message) {
+    (void)user;
+    if (level == MPT_LOG_WARNING && strstr(message, "cuBLASLt refused")) lt_refusal_messages++;
+}
+
+static void test_lt_refusals_are_logged(void) {
+    static const int64_t sizes[4] = {7, 64, 127, 256};
+    backend b;
+    mpt_context_desc d;
+    int si, ai, ci, act, pass, cases = 0;
+    int64_t refused;
+    memset(&b, 0, sizeof b);
+    memset(&d, 0, sizeof d);
+    d.gemm = MPT_GEMM_CUBLASLT;
+    d.logger.fn = count_lt_refusals;
+    lt_refusal_messages = 0;
+    b.label = "cuda (gemm cublaslt, logged)";
+    CHECK(mpt_context_create(&d, &b.ctx) == MPT_OK, "context: %s", mpt_context_error(b.ctx));
+    if (!b.ctx) return;
+    b.t = mpt_context_backend(b.ctx, &b.impl);
+    for (pass = 0; pass < 2; pass++) /* the second time: no new refusal, no new message */
+        for (si = 0; si < 4; si++)
+            for (ai = 0; ai < 2; ai++)
+                for (ci = 0; ci < 2; ci++)
+                    for (act = 0; act < 2; act++) {
+                        gemm_case g;
+                        memset(&g, 0, sizeof g);
+                        g.m = sizes[si];
+                        g.n = sizes[(si + 1) % 4];
+                        g.k = sizes[(si + 2) % 4];
+                        g.ab = ai ? MPT_BFLOAT16 : MPT_FLOAT16;
+                        g.c_dtype = ci ? MPT_BFLOAT16 : MPT_FLOAT16;
+                        g.alpha = 1;
+                        g.bias = 1;
+                        g.act = act ? MPT_ACT_RELU : MPT_ACT_NONE;
+                        gemm_compare(&b, &g);
+                        cases += pass == 0;
+                    }
+    refused = mpt_cuda_lt_refusals(b.impl);
+    CHECK(refused == lt_refusal_messages && refused <= cases,
+          "%lld refusals counted, %d logged, of %d shapes", (long long)refused,
+          lt_refusal_messages, cases);
+    printf("# cuBLASLt refused %lld of %d shapes with a float32 bias and a 16-bit C\n",
+           (long long)refused, cases);
+    close_backend(&b);
+}
+#endif
+
 /* The elementwise ReLU and its gradient give the CPU's bits on special
    values: NaN passes, ±0 gives +0, a NaN y or dy passes dy. */
 static void test_relu_special_values(void) {
@@ -2452,6 +2506,10 @@ int main(int argc, char **argv) {
               test_model_memory_limit_on_the_gpu);
     for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
     for (e = 0; e < N_GPU; e++) test_gemm_relu_keeps_nan(&gpu_be[e]);
+#ifdef MPT_CUDA
+    test__run("gemm: a shape cuBLASLt refuses is counted, logged once, and still right",
+              test_lt_refusals_are_logged);
+#endif
     test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",
               test_relu_special_values);
     test__run("column_sums (float32 <= 1e-5)", test_column_sums);
@@ -2484,6 +2542,12 @@ int main(int argc, char **argv) {
 #ifdef MPT_NCCL
     test__run("NCCL: a communicator of one GPU, its all-reduce leaves the floats as they are",
               test_nccl_one_member);
+#endif
+#ifdef MPT_CUDA
+    printf("# cuBLASLt refusals: gemm auto %lld, mpt %lld, cublaslt %lld (each logged once)\n",
+           (long long)mpt_cuda_lt_refusals(gpu_be[GPU_AUTO].impl),
+           (long long)mpt_cuda_lt_refusals(gpu_be[GPU_MPT].impl),
+           (long long)mpt_cuda_lt_refusals(gpu_be[GPU_CUBLASLT].impl));
 #endif
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);

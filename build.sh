@@ -817,6 +817,7 @@ gpu_step_sanitize() {
     san=$(dirname "$1")/compute-sanitizer
     [ -x "$san" ] || san=$(command -v compute-sanitizer) || {
         record "compute-sanitizer" fail "not found beside $1 or on the PATH"
+        gpu_row compute-sanitizer "not found beside $1 or on the PATH"
         return
     }
     for tool in ${GPU_TOOLS//,/ }; do

@@ -11,6 +11,10 @@
            with a device: the comparisons below. Without one, the context
            falls back to the CPU: that fallback (a warning, and a model that
            still trains) is checked, and the comparisons are one SKIP.
+   With MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu sets it), no
+   device is one FAIL instead, saying why. `test_cuda quick` leaves out the
+   whole-model trainings (for compute-sanitizer). Fashion-MNIST is read
+   from $MPT_DATA_DIR, else /usr/share/datasets/fashion-mnist.
    So this file is C99 and C++17 at once (nvcc compiles it as C++).
 
    METHOD. Each output buffer is poisoned (every byte 0xFF: a NaN in each

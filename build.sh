@@ -357,7 +357,8 @@ cuda_test() {
 # Where no GPU is reached, ./build.sh gpu must fail, not pass: under
 # MPT_REQUIRE_GPU=1 test_cuda (the gcc build always, the nvcc one where it
 # found no device) and bench_cuda exit with an error. And the gpu path
-# installs nothing (a GPU machine has no package manager to ask).
+# works on a bare GPU machine: without zlib.h it decompresses the data, and
+# it installs nothing (there is no package manager to ask).
 required_gpu_checks() {
     local prog out f
     for prog in test_cuda test_cuda_nvcc; do
@@ -380,6 +381,16 @@ required_gpu_checks() {
             record "bench_cuda without a device under MPT_REQUIRE_GPU=1 fails" pass
         fi
     fi
+    # without zlib.h, the data's .gz files are read decompressed
+    (
+        B=$B/gpu_data_check
+        rm -rf "$B" && mkdir -p "$B/src" &&
+            head -c 4099 /dev/urandom >"$B/expected" &&
+            gzip -c "$B/expected" >"$B/src/train-images-idx3-ubyte.gz" &&
+            d=$(MPT_GPU_NO_ZLIB=1 gpu_dataset "$B/src") &&
+            cmp -s "$d/train-images-idx3-ubyte" "$B/expected"
+    ) && record "./build.sh gpu without zlib.h decompresses the data" pass ||
+        record "./build.sh gpu without zlib.h decompresses the data" fail "see gpu_dataset"
     for f in $(declare -F | awk '{print $3}' |
         grep -E '^(gpu_|run_gpu$|find_nccl$|find_nvcc$|have_zlib$|find_torch_gpu_python$)'); do
         if declare -f "$f" | grep -qE 'install_packages|apt-get|dpkg|pip install|python_env'; then

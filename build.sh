@@ -808,7 +808,9 @@ gpu_bench_program() {
 }
 
 gpu_step_test() {
+    local line
     gpu_test_program test_cuda "$GPU_TEST_SECONDS" "./$B/test_cuda_gpu"
+    line=$(grep -m1 '^# cuBLASLt refusals' "$GPU_OUT/test_cuda.out") && gpu_row test_cuda "${line#\# }"
     # without a device the rest would only train on the CPU
     if grep -q 'the CUDA backend did not open' "$GPU_OUT/test_cuda.out"; then
         gpu_row "the rest of gpu test" "not run: no CUDA device was reached"

@@ -14,10 +14,18 @@
 #   ./build.sh bench    build and run the CPU benchmarks (results: bench/RESULTS.md)
 #   ./build.sh run      install Fashion-MNIST if missing (as root) and train
 #                       examples/mlp.c with the progress bar
-#   ./build.sh gpu      on a machine with nvcc and a CUDA device: build with the
-#                       CUDA backend, run tests/test_cuda.c, bench/bench_cuda.c,
-#                       examples/mlp.c and (where PyTorch sees the GPU)
-#                       bench/torch_gpu_train.py, and end with a summary table
+#   ./build.sh gpu [build|test|sanitize|bench|torch|all] [--data DIR] [--out DIR]
+#                       on a machine with nvcc and a CUDA device (nothing
+#                       installed, every program under timeout): build with
+#                       the CUDA backend (-arch=sm_90), run tests/test_cuda.c
+#                       (also with NCCL where it is), examples/mlp.c,
+#                       compute-sanitizer, bench/bench_cuda.c and (where
+#                       PyTorch sees the GPU) bench/torch_gpu_train.py, and
+#                       end with a summary table naming the device; fails
+#                       when no GPU is reached (see bench/GPU.md)
+#   ./build.sh gpu-data [SRC]
+#                       copy Fashion-MNIST into data/fashion-mnist (git-ignored)
+#                       to carry to a GPU machine
 set -uo pipefail
 cd "$(dirname "$0")"
 
@@ -347,6 +355,53 @@ cuda_test() {
     count_output "$name" "$out" $rc
 }
 
+# Where no GPU is reached, ./build.sh gpu must fail, not pass: under
+# MPT_REQUIRE_GPU=1 test_cuda (the gcc build always, the nvcc one where it
+# found no device) and bench_cuda exit with an error. And the gpu path
+# works on a bare GPU machine: without zlib.h it decompresses the data, and
+# it installs nothing (there is no package manager to ask).
+required_gpu_checks() {
+    local prog out f
+    for prog in test_cuda test_cuda_nvcc; do
+        [ -x "$B/$prog" ] || continue
+        [ $prog = test_cuda ] || grep -q '^SKIP .*no CUDA device' "$B/$prog.out" 2>/dev/null ||
+            continue
+        out=$B/$prog.required.out
+        MPT_REQUIRE_GPU=1 ASAN_OPTIONS=detect_leaks=1 timeout 600 "./$B/$prog" >"$out" 2>&1
+        if [ $? -ne 0 ] && grep -q '^FAIL a CUDA device is reached' "$out"; then
+            record "$prog without a device under MPT_REQUIRE_GPU=1 fails" pass
+        else
+            cat "$out"
+            record "$prog without a device under MPT_REQUIRE_GPU=1 fails" fail "it passed (see above)"
+        fi
+    done
+    if [ -x "$B/bench_cuda" ]; then
+        if MPT_REQUIRE_GPU=1 timeout 60 "./$B/bench_cuda" gemm >"$B/bench_cuda.required.out" 2>&1; then
+            record "bench_cuda without a device under MPT_REQUIRE_GPU=1 fails" fail "exit status 0"
+        else
+            record "bench_cuda without a device under MPT_REQUIRE_GPU=1 fails" pass
+        fi
+    fi
+    # without zlib.h, the data's .gz files are read decompressed
+    (
+        B=$B/gpu_data_check
+        rm -rf "$B" && mkdir -p "$B/src" &&
+            head -c 4099 /dev/urandom >"$B/expected" &&
+            gzip -c "$B/expected" >"$B/src/train-images-idx3-ubyte.gz" &&
+            d=$(MPT_GPU_NO_ZLIB=1 gpu_dataset "$B/src") &&
+            cmp -s "$d/train-images-idx3-ubyte" "$B/expected"
+    ) && record "./build.sh gpu without zlib.h decompresses the data" pass ||
+        record "./build.sh gpu without zlib.h decompresses the data" fail "see gpu_dataset"
+    for f in $(declare -F | awk '{print $3}' |
+        grep -E '^(gpu_|run_gpu$|find_nccl$|find_nvcc$|have_zlib$|find_torch_gpu_python$)'); do
+        if declare -f "$f" | grep -qE 'install_packages|apt-get|dpkg|pip install|python_env'; then
+            record "./build.sh gpu installs nothing" fail "$f installs packages"
+            return
+        fi
+    done
+    record "./build.sh gpu installs nothing" pass
+}
+
 # The multi-worker strategy: tests/mpi_strategy.c built with mpicc
 # -DMPT_MPI and run by mpirun as two processes on this machine, one
 # scenario at a time (see the file). "dies" kills a worker: passing means
@@ -526,6 +581,7 @@ run_tests() {
         fi
     done
     cuda_test
+    required_gpu_checks
     mpi_tests
     fuzz_all $FUZZ_TEST_SECONDS
     echo "$passed passed, $failed failed, $skipped skipped"
@@ -544,78 +600,336 @@ find_torch_gpu_python() {
     return 1
 }
 
-# ./build.sh gpu. Every program is built with -arch=native where nvcc can
-# ask the device (else sm_90), mpt_cuda.cu compiled once and linked into
-# each. examples/mlp.c is C99 (compound literals), so gcc compiles it, with
-# MPT_CUDA, and nvcc links it. The summary lists the test counts and every
-# JSON line the benchmarks printed.
-run_gpu() {
-    local nvcc arch flags py p rc=0 out line
-    local -a results=()
-    nvcc=$(find_nvcc) || { echo "build.sh gpu: needs nvcc (set NVCC=...)" >&2; return 1; }
-    [ -e mpt_cuda.cu ] || { echo "build.sh gpu: mpt_cuda.cu is missing" >&2; return 1; }
-    if ! nvidia-smi -L >"$B/gpu.devices" 2>&1 || ! grep -q '^GPU ' "$B/gpu.devices"; then
-        cat "$B/gpu.devices" >&2
-        echo "build.sh gpu: no CUDA device (nvidia-smi -L lists none)" >&2
-        return 1
-    fi
-    install_packages
-    echo '__global__ void k(void) {}' >"$B/arch_check.cu"
-    arch=sm_90 # nvcc falls back to a default, with only a warning, when it finds no GPU
-    "$nvcc" -arch=native -c "$B/arch_check.cu" -o "$B/arch_check.o" >"$B/arch_check.log" 2>&1 &&
-        ! grep -qi "cannot find valid GPU" "$B/arch_check.log" && arch=native
-    flags="-std=c++17 -O2 -arch=$arch -Werror all-warnings -DMPT_CUDA -I."
-    echo "build.sh gpu: $(head -1 "$B/gpu.devices"), nvcc -arch=$arch"
-    if ! "$nvcc" $flags -c mpt_cuda.cu -o "$B/mpt_cuda_gpu.o" 2>"$B/gpu_build.log" ||
-        ! "$nvcc" $flags -x cu -c tests/test_cuda.c -o "$B/test_cuda_gpu.o" 2>>"$B/gpu_build.log" ||
-        ! "$nvcc" $flags -x cu -c bench/bench_cuda.c -o "$B/bench_cuda_gpu.o" 2>>"$B/gpu_build.log" ||
-        ! $CC -std=c99 $WARN $OPT -DMPT_CUDA -I. -c examples/mlp.c -o "$B/mlp_gpu.o" \
-            2>>"$B/gpu_build.log"; then
-        cat "$B/gpu_build.log"
-        echo "build.sh gpu: compile error (see above)" >&2
-        return 1
-    fi
-    for p in test_cuda bench_cuda mlp; do
-        if ! "$nvcc" -arch=$arch "$B/${p}_gpu.o" "$B/mpt_cuda_gpu.o" -o "$B/${p}_gpu" \
-            $LIBS $CUDA_LIBS 2>>"$B/gpu_build.log"; then
-            cat "$B/gpu_build.log"
-            echo "build.sh gpu: link error (see above)" >&2
-            return 1
+# ---- ./build.sh gpu: the CUDA backend on a GPU machine ----------------------
+#
+# ./build.sh gpu [build|test|sanitize|bench|torch|all] [--data DIR]
+#                [--out DIR] [--tools LIST]
+# Made for a bare GPU machine: nvcc and the CUDA libraries, maybe NCCL as a
+# Python wheel, maybe no zlib headers, no Debian packages, no network. It
+# never installs anything. Every program is built with -arch=$GPU_ARCH
+# (sm_90); objects are rebuilt only when a source is newer, so the steps can
+# be separate calls. Each program runs under `timeout`, with
+# MPT_REQUIRE_GPU=1: a CUDA backend that does not open is a failure, not a
+# skip. Logs, the JSON lines of every result (results.jsonl) and a summary
+# (summary_STEP.md) go to the --out directory (default build/gpu).
+#   build     only the build (every step builds what is stale first)
+#   test      tests/test_cuda.c (and again built with NCCL where NCCL is),
+#             examples/mlp.c on Fashion-MNIST
+#   sanitize  compute-sanitizer: memcheck, racecheck, synccheck on
+#             `test_cuda quick`, initcheck on one epoch of examples/mlp.c at
+#             batch 1024 (--tools memcheck,initcheck picks some)
+#   bench     bench/bench_cuda.c
+#   torch     bench/torch_gpu_train.py where PyTorch sees the GPU
+#   all       test, bench and torch (the default)
+# --data: Fashion-MNIST (the four IDX files, .gz or not); default
+# /usr/share/datasets/fashion-mnist, else data/fashion-mnist (what
+# ./build.sh gpu-data puts there). Without zlib.h the build has
+# -DMPT_NO_ZLIB and .gz files are decompressed into build/fashion-mnist.
+# MPT_GPU_NO_ZLIB=1 builds so even where zlib.h is.
+
+GPU_ARCH=${GPU_ARCH:-sm_90}
+GPU_DATA_COPY=data/fashion-mnist # git-ignored: a copy that travels with the tree
+GPU_TEST_SECONDS=${GPU_TEST_SECONDS:-420}
+GPU_SANITIZE_SECONDS=${GPU_SANITIZE_SECONDS:-240} # per tool
+GPU_BENCH_SECONDS=${GPU_BENCH_SECONDS:-480}
+GPU_BUILD_SECONDS=${GPU_BUILD_SECONDS:-480}
+
+# ./build.sh gpu-data [SRC]: copies Fashion-MNIST's four .gz files (about
+# 30 MB) from SRC (default the Debian path) into data/fashion-mnist, to be
+# carried to a GPU machine with the working tree.
+gpu_data() {
+    local src=${1:-/usr/share/datasets/fashion-mnist} f
+    mkdir -p "$GPU_DATA_COPY"
+    for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte \
+        t10k-labels-idx1-ubyte; do
+        if [ -e "$src/$f.gz" ]; then cp "$src/$f.gz" "$GPU_DATA_COPY/"
+        elif [ -e "$src/$f" ]; then cp "$src/$f" "$GPU_DATA_COPY/"
+        else echo "build.sh gpu-data: $src has no $f(.gz)" >&2; return 1
         fi
     done
+    du -sh "$GPU_DATA_COPY"
+}
 
-    out=$B/test_cuda_gpu.out
-    "./$B/test_cuda_gpu" 2>&1 | tee "$out"
-    count_output test_cuda_gpu "$out" "${PIPESTATUS[0]}"
-    [ $failed -eq 0 ] || rc=1
+# True when the C compiler finds zlib.h (and MPT_GPU_NO_ZLIB is not 1).
+have_zlib() {
+    [ "${MPT_GPU_NO_ZLIB:-0}" != 1 ] && echo '#include <zlib.h>' | $CC -E -x c - >/dev/null 2>&1
+}
 
-    "./$B/mlp_gpu" --verbose 2 2>&1 | tee "$B/mlp_gpu.out"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-    "./$B/bench_cuda_gpu" 2>&1 | tee "$B/bench_cuda_gpu.out"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-    if py=$(find_torch_gpu_python); then
-        "$py" bench/torch_gpu_train.py 2>&1 | tee "$B/torch_gpu_train.out"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-    else
-        echo "build.sh gpu: no Python with a CUDA-enabled torch; bench/torch_gpu_train.py not run" |
-            tee "$B/torch_gpu_train.out"
+# gpu_dataset DIR: the directory the GPU programs read Fashion-MNIST from:
+# DIR, or without zlib a decompressed copy of its .gz files in
+# build/fashion-mnist (gzip, else Python's gzip module).
+gpu_dataset() {
+    local dir=$1 f plain=$B/fashion-mnist
+    if have_zlib || [ ! -e "$dir/train-images-idx3-ubyte.gz" ] ||
+        [ -e "$dir/train-images-idx3-ubyte" ]; then
+        echo "$dir"
+        return
     fi
+    mkdir -p "$plain"
+    for f in "$dir"/*-ubyte.gz; do
+        [ -s "$plain/$(basename "$f" .gz)" ] && continue
+        if command -v gzip >/dev/null; then
+            gzip -dc "$f" >"$plain/$(basename "$f" .gz)"
+        else
+            python3 -c 'import gzip, shutil, sys
+with gzip.open(sys.argv[1]) as i, open(sys.argv[2], "wb") as o: shutil.copyfileobj(i, o)' \
+                "$f" "$plain/$(basename "$f" .gz)"
+        fi || echo "build.sh gpu: cannot decompress $f" >&2
+    done
+    echo "$plain"
+}
 
-    echo
-    echo "## ./build.sh gpu: $(head -1 "$B/gpu.devices")"
-    echo
-    echo "| step | result |"
-    echo "|---|---|"
-    echo "| tests/test_cuda.c | $passed passed, $failed failed, $skipped skipped |"
-    while IFS= read -r line; do results+=("| examples/mlp.c | $line |"); done \
-        < <(grep '^{' "$B/mlp_gpu.out")
-    while IFS= read -r line; do results+=("| bench/bench_cuda.c | $line |"); done \
-        < <(grep '^{' "$B/bench_cuda_gpu.out")
-    while IFS= read -r line; do results+=("| bench/torch_gpu_train.py | $line |"); done \
-        < <(grep '^{' "$B/torch_gpu_train.out")
-    [ ${#results[@]} -gt 0 ] && printf '%s\n' "${results[@]}"
-    grep -q '^{' "$B/torch_gpu_train.out" || echo "| bench/torch_gpu_train.py | not run |"
+# NCCL's include and library directories ("INC LIB"; empty where the
+# compiler's default paths have it), from the system or the Python wheel
+# (nvidia-nccl-cu*: site-packages/nvidia/nccl/{include,lib}); fails when
+# there is no nccl.h with a libnccl.so.2.
+find_nccl() {
+    local nvcc=$1 py d
+    if echo '#include <nccl.h>' | "$nvcc" -x cu -E - >/dev/null 2>&1; then
+        echo " "
+        return 0
+    fi
+    for py in ${TORCH_PYTHON:-} python3 /usr/bin/python3; do
+        command -v "$py" >/dev/null 2>&1 || continue
+        d=$("$py" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null) || continue
+        if [ -e "$d/include/nccl.h" ] && [ -e "$d/lib/libnccl.so.2" ]; then
+            echo "$d/include $d/lib"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# gpu_compile OUT SOURCE COMMAND...: COMMAND (which writes OUT) in the
+# background, unless OUT was built from the same SOURCE, headers and
+# command: a checksum of them, taken before the compiler reads them, is
+# kept in OUT.sum (times would not do: a source edited during a build is
+# older than the object). Its log is OUT.log, a failure OUT.failed.
+gpu_compile() {
+    local out=$1 src=$2 sum
+    shift 2
+    rm -f "$out.failed"
+    sum=$({ echo "$*"; cat "$src" mpt.h tests/*.h examples/*.h; } | md5sum)
+    [ -e "$out" ] && [ "$(cat "$out.sum" 2>/dev/null)" = "$sum" ] && return 0
+    rm -f "$out" "$out.sum"
+    { if timeout "$GPU_BUILD_SECONDS" "$@" >"$out.log" 2>&1; then echo "$sum" >"$out.sum"
+      else echo $? >"$out.failed"; rm -f "$out"; fi; } &
+}
+
+# Builds the GPU programs into build/: test_cuda_gpu, bench_cuda_gpu,
+# mlp_gpu, and test_cuda_nccl where NCCL is. Prints what failed.
+gpu_build() {
+    local nvcc=$1 zflags=$2 libs=$3 nccl=$4 flags o p inc lib ok=0
+    local -a nccl_inc=() nccl_lib=()
+    flags="-std=c++17 -O2 -arch=$GPU_ARCH -Werror all-warnings -DMPT_CUDA $zflags -I."
+    if [ -n "$nccl" ]; then
+        read -r inc lib <<<"$nccl"
+        [ -n "${inc:-}" ] && nccl_inc=(-I"$inc")
+        if [ -n "${lib:-}" ]; then nccl_lib=(-L"$lib" -l:libnccl.so.2 -Xlinker -rpath="$lib")
+        else nccl_lib=(-lnccl); fi
+    fi
+    gpu_compile "$B/mpt_cuda_gpu.o" mpt_cuda.cu "$nvcc" $flags -c mpt_cuda.cu -o "$B/mpt_cuda_gpu.o"
+    gpu_compile "$B/test_cuda_gpu.o" tests/test_cuda.c "$nvcc" $flags -x cu -c tests/test_cuda.c \
+        -o "$B/test_cuda_gpu.o"
+    gpu_compile "$B/bench_cuda_gpu.o" bench/bench_cuda.c "$nvcc" $flags -x cu -c bench/bench_cuda.c \
+        -o "$B/bench_cuda_gpu.o"
+    gpu_compile "$B/mlp_gpu.o" examples/mlp.c $CC -std=c99 $WARN $OPT -DMPT_CUDA $zflags -I. \
+        -c examples/mlp.c -o "$B/mlp_gpu.o"
+    if [ -n "$nccl" ]; then
+        gpu_compile "$B/mpt_cuda_nccl.o" mpt_cuda.cu "$nvcc" $flags -DMPT_NCCL "${nccl_inc[@]}" \
+            -c mpt_cuda.cu -o "$B/mpt_cuda_nccl.o"
+        gpu_compile "$B/test_cuda_nccl.o" tests/test_cuda.c "$nvcc" $flags -DMPT_NCCL \
+            "${nccl_inc[@]}" -x cu -c tests/test_cuda.c -o "$B/test_cuda_nccl.o"
+    fi
+    wait
+    for o in mpt_cuda_gpu test_cuda_gpu bench_cuda_gpu mlp_gpu mpt_cuda_nccl test_cuda_nccl; do
+        [ -e "$B/$o.o.failed" ] || continue
+        echo "build.sh gpu: compiling $o.o failed (exit status $(cat "$B/$o.o.failed")):"
+        cat "$B/$o.o.log"
+        ok=1
+    done
+    [ $ok -eq 0 ] || return 1
+    # linking is quick: always
+    for p in test_cuda bench_cuda mlp; do
+        "$nvcc" -arch=$GPU_ARCH "$B/${p}_gpu.o" "$B/mpt_cuda_gpu.o" -o "$B/${p}_gpu" \
+            $libs $CUDA_LIBS >"$B/${p}_gpu.link.log" 2>&1 ||
+            { echo "build.sh gpu: linking ${p}_gpu failed:"; cat "$B/${p}_gpu.link.log"; ok=1; }
+    done
+    if [ -n "$nccl" ]; then
+        "$nvcc" -arch=$GPU_ARCH "$B/test_cuda_nccl.o" "$B/mpt_cuda_nccl.o" -o "$B/test_cuda_nccl" \
+            $libs $CUDA_LIBS "${nccl_lib[@]}" >"$B/test_cuda_nccl.link.log" 2>&1 ||
+            { echo "build.sh gpu: linking test_cuda_nccl failed:"; cat "$B/test_cuda_nccl.link.log"; ok=1; }
+    fi
+    return $ok
+}
+
+# gpu_run NAME SECONDS COMMAND...: COMMAND under timeout, with
+# MPT_REQUIRE_GPU=1, its output shown and kept in $GPU_OUT/NAME.out; its
+# JSON lines are added to $GPU_OUT/results.jsonl. Returns its status (124:
+# timed out).
+gpu_run() {
+    local name=$1 secs=$2 rc
+    shift 2
+    echo "build.sh gpu: $name: $* (at most ${secs}s)"
+    MPT_REQUIRE_GPU=1 MPT_DATA_DIR=$GPU_DATA timeout -k 10 "$secs" "$@" 2>&1 |
+        tee "$GPU_OUT/$name.out"
+    rc=${PIPESTATUS[0]}
+    [ $rc -eq 124 ] && echo "build.sh gpu: $name timed out after ${secs}s" | tee -a "$GPU_OUT/$name.out"
+    grep '^{' "$GPU_OUT/$name.out" >>"$GPU_OUT/results.jsonl"
     return $rc
+}
+
+# gpu_row STEP RESULT: one row of the summary table.
+gpu_row() { GPU_ROWS+=("| $1 | $2 |"); }
+
+# A test program's counts; a failure when it failed or exited uncleanly.
+gpu_test_program() {
+    local name=$1 secs=$2 rc
+    shift 2
+    gpu_run "$name" "$secs" "$@"
+    rc=$?
+    count_output "$name" "$GPU_OUT/$name.out" $rc
+    gpu_row "$name" "$(grep -c '^PASS ' "$GPU_OUT/$name.out") passed, $(grep -c '^FAIL ' \
+        "$GPU_OUT/$name.out") failed, $(grep -c '^SKIP ' "$GPU_OUT/$name.out") skipped, exit $rc"
+    [ $rc -eq 0 ]
+}
+
+# A program whose JSON lines are its results.
+gpu_bench_program() {
+    local name=$1 secs=$2 rc line
+    shift 2
+    gpu_run "$name" "$secs" "$@"
+    rc=$?
+    if [ $rc -eq 0 ]; then record "$name" pass
+    else record "$name" fail "exit status $rc (see $GPU_OUT/$name.out)"
+    fi
+    gpu_row "$name" "exit $rc"
+    while IFS= read -r line; do gpu_row "$name" "$line"; done < <(grep '^{' "$GPU_OUT/$name.out")
+    [ $rc -eq 0 ]
+}
+
+gpu_step_test() {
+    local line
+    gpu_test_program test_cuda "$GPU_TEST_SECONDS" "./$B/test_cuda_gpu"
+    line=$(grep -m1 '^# cuBLASLt refusals' "$GPU_OUT/test_cuda.out") && gpu_row test_cuda "${line#\# }"
+    # without a device the rest would only train on the CPU
+    if grep -q 'the CUDA backend did not open' "$GPU_OUT/test_cuda.out"; then
+        gpu_row "the rest of gpu test" "not run: no CUDA device was reached"
+        return
+    fi
+    if [ -x "$B/test_cuda_nccl" ]; then
+        gpu_test_program test_cuda_nccl "$GPU_TEST_SECONDS" "./$B/test_cuda_nccl" quick
+    else
+        record "tests/test_cuda.c with NCCL" skip "no nccl.h with libnccl.so.2 (system or the nvidia-nccl wheel)"
+        gpu_row test_cuda_nccl "not built: no NCCL"
+    fi
+    gpu_bench_program mlp 180 "./$B/mlp_gpu" --verbose 2 --data "$GPU_DATA"
+}
+
+gpu_step_sanitize() {
+    local san tool rc
+    san=$(dirname "$1")/compute-sanitizer
+    [ -x "$san" ] || san=$(command -v compute-sanitizer) || {
+        record "compute-sanitizer" fail "not found beside $1 or on the PATH"
+        gpu_row compute-sanitizer "not found beside $1 or on the PATH"
+        return
+    }
+    for tool in ${GPU_TOOLS//,/ }; do
+        case $tool in
+        initcheck)
+            gpu_run "sanitize_$tool" "$GPU_SANITIZE_SECONDS" "$san" --tool "$tool" \
+                --error-exitcode 99 --print-limit 20 "./$B/mlp_gpu" --epochs 1 \
+                --batch-size 1024 --data "$GPU_DATA" ;;
+        memcheck | racecheck | synccheck)
+            gpu_run "sanitize_$tool" "$GPU_SANITIZE_SECONDS" "$san" --tool "$tool" \
+                --error-exitcode 99 --print-limit 20 "./$B/test_cuda_gpu" quick ;;
+        *) record "compute-sanitizer --tool $tool" fail "unknown tool"; continue ;;
+        esac
+        rc=$?
+        if [ $rc -eq 0 ]; then record "compute-sanitizer --tool $tool" pass
+        else record "compute-sanitizer --tool $tool" fail "exit status $rc (99: errors found; see $GPU_OUT/sanitize_$tool.out)"
+        fi
+        gpu_row "compute-sanitizer --tool $tool" "$(grep -m1 'ERROR SUMMARY' \
+            "$GPU_OUT/sanitize_$tool.out" || echo "no summary"), exit $rc"
+    done
+}
+
+gpu_step_bench() { gpu_bench_program bench_cuda "$GPU_BENCH_SECONDS" "./$B/bench_cuda_gpu"; }
+
+gpu_step_torch() {
+    local py
+    if py=$(find_torch_gpu_python); then
+        gpu_bench_program torch_gpu_train "$GPU_BENCH_SECONDS" "$py" bench/torch_gpu_train.py
+    else
+        record "bench/torch_gpu_train.py" fail "no Python whose torch sees a CUDA device"
+        gpu_row torch_gpu_train "not run: no Python whose torch sees a CUDA device"
+    fi
+}
+
+# The device as the driver and mpt_device_query (in the programs' output) see it.
+gpu_device_lines() {
+    local q
+    q=$(timeout 30 nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version \
+        --format=csv,noheader 2>&1 | head -1)
+    echo "nvidia-smi: ${q:-nothing}"
+    cat "$GPU_OUT"/*.out 2>/dev/null | grep -m1 -E '^# (device 1|mpt.h .* CUDA benchmarks):' ||
+        echo "mpt_device_query: no program reached a device"
+}
+
+run_gpu() {
+    local step=all nvcc zflags libs=$LIBS nccl="" arg s
+    GPU_DATA="" GPU_OUT=$B/gpu GPU_TOOLS=memcheck,racecheck,synccheck,initcheck
+    GPU_ROWS=()
+    while [ $# -gt 0 ]; do
+        arg=$1
+        shift
+        case $arg in
+        build | test | sanitize | bench | torch | all) step=$arg ;;
+        --data) GPU_DATA=${1:-}; shift ;;
+        --out) GPU_OUT=${1:-}; shift ;;
+        --tools) GPU_TOOLS=${1:-}; shift ;;
+        *) echo "usage: ./build.sh gpu [build|test|sanitize|bench|torch|all] [--data DIR] [--out DIR] [--tools LIST]" >&2
+           return 2 ;;
+        esac
+    done
+    if [ -z "$GPU_DATA" ]; then
+        GPU_DATA=/usr/share/datasets/fashion-mnist
+        [ -d "$GPU_DATA" ] || GPU_DATA=$GPU_DATA_COPY
+    fi
+    mkdir -p "$GPU_OUT" && : >"$GPU_OUT/results.jsonl"
+    nvcc=$(find_nvcc) || { echo "build.sh gpu: needs nvcc (set NVCC=...)" >&2; return 1; }
+    [ -e mpt_cuda.cu ] || { echo "build.sh gpu: mpt_cuda.cu is missing" >&2; return 1; }
+    if have_zlib; then zflags=""
+    else
+        zflags=-DMPT_NO_ZLIB libs="-lpthread -lm"
+        echo "build.sh gpu: no zlib.h: building with -DMPT_NO_ZLIB"
+    fi
+    GPU_DATA=$(gpu_dataset "$GPU_DATA")
+    [ -e "$GPU_DATA/train-images-idx3-ubyte" ] || [ -e "$GPU_DATA/train-images-idx3-ubyte.gz" ] ||
+        echo "build.sh gpu: no Fashion-MNIST in '$GPU_DATA' (--data DIR, or ./build.sh gpu-data before the tree travels)" >&2
+    nccl=$(find_nccl "$nvcc") || nccl=""
+    echo "build.sh gpu $step: nvcc $("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), -arch=$GPU_ARCH, data $GPU_DATA, NCCL $([ -z "$nccl" ] && echo none || { [ "$nccl" = " " ] && echo system || echo "$nccl"; }), output $GPU_OUT"
+    if ! gpu_build "$nvcc" "$zflags" "$libs" "$nccl" >"$GPU_OUT/build.log" 2>&1; then
+        cat "$GPU_OUT/build.log"
+        echo "build.sh gpu: the build failed (see above and $GPU_OUT/build.log)" >&2
+        return 1
+    fi
+    for s in test sanitize bench torch; do
+        case $step in all) [ $s = sanitize ] && continue ;; "$s") ;; *) continue ;; esac
+        "gpu_step_$s" "$nvcc"
+    done
+    {
+        echo "## ./build.sh gpu $step ($(date -u '+%Y-%m-%d %H:%M UTC'), $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+        echo
+        gpu_device_lines | sed 's/^/    /'
+        echo
+        echo "| step | result |"
+        echo "|---|---|"
+        [ ${#GPU_ROWS[@]} -gt 0 ] && printf '%s\n' "${GPU_ROWS[@]}"
+        echo
+        echo "$passed passed, $failed failed, $skipped skipped"
+    } | tee "$GPU_OUT/summary_$step.md"
+    [ $failed -eq 0 ]
 }
 
 case ${1:-all} in
@@ -631,12 +945,13 @@ bench)
     build_all || exit 1
     for b in bench/*.c; do "./$B/$(basename "$b" .c)"; done
     ;;
-gpu) run_gpu ;;
+gpu) shift; run_gpu "$@" ;;
+gpu-data) gpu_data "${2:-}" ;;
 fuzz)
     install_packages
     fuzz_all "${2:-60}"
     echo "$passed passed, $failed failed"
     [ $failed -eq 0 ]
     ;;
-*) echo "usage: ./build.sh [all|test|bench|run|gpu|fuzz [seconds]]" >&2; exit 2 ;;
+*) echo "usage: ./build.sh [all|test|bench|run|gpu [STEP] [--data DIR] [--out DIR]|gpu-data [SRC]|fuzz [seconds]]" >&2; exit 2 ;;
 esac

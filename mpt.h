@@ -1660,6 +1660,13 @@ extern mpt_status mpt_cuda_device_query(int device, mpt_device_info *out, char *
    check for tests. */
 extern int mpt_cuda_kernels_unloaded(void);
 
+/* How many GEMM shapes cuBLASLt refused so far on a CUDA backend (impl
+   from mpt_context_backend, whose name is "cuda"): its plan or its run
+   failed, and the hand-written engine runs the shape instead. Each
+   refusal is logged once, when it happens (a warning under
+   MPT_GEMM_CUBLASLT, else MPT_LOG_INFO). */
+extern int64_t mpt_cuda_lt_refusals(const void *impl);
+
 /* =============================================================================
    @backend-shared: the rules both backends run (internal)
    =============================================================================

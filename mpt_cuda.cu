@@ -86,6 +86,8 @@ typedef struct mpt__cuda {
     int allocation_count, allocation_capacity;
     cudaEvent_t compute_mark;   /* upload_async: the copy waits for it    */
     struct mpt__cuda_train_scratch *train_scratch; /* the training part's  */
+    mpt_logger logger;          /* the context's (desc->logger)          */
+    int64_t lt_refusals;        /* GEMM shapes cuBLASLt refused (logged)  */
 } mpt__cuda;
 
 /* "<what> (file:line)" into error: the form of every message this
@@ -106,6 +108,14 @@ static mpt_status mpt__cuda_fail(mpt__cuda *c, mpt_status status, const char *fi
     mpt__cuda_vsay_at(c->error, sizeof c->error, file, line, fmt, ap);
     va_end(ap);
     return status;
+}
+
+/* A message for the context's logger; without one, warnings and errors
+   go to stderr, as mpt.h's default logger does. */
+static void mpt__cuda_log(const mpt__cuda *c, mpt_log_level level, const char *message) {
+    if (c->logger.fn) c->logger.fn(c->logger.user_data, level, message);
+    else if (level <= MPT_LOG_WARNING)
+        fprintf(stderr, "mpt %s: %s\n", level == MPT_LOG_ERROR ? "error" : "warning", message);
 }
 
 /* Runs a CUDA runtime call; on failure returns an mpt status from the
@@ -991,15 +1001,35 @@ static mpt_status mpt__cuda_gemm_lt_build(mpt__cuda *c, mpt__cuda_gemm_lt *lt,
     return st;
 }
 
+/* cuBLASLt refused the entry's shape (its plan, or a run: a float32 bias
+   with a 16-bit C, say). Not an error, the hand-written engine runs the
+   shape from now on, but not silent either: counted (mpt_cuda_lt_refusals)
+   and said once per shape, the entry staying refused. A warning when
+   cuBLASLt was asked for (MPT_GEMM_CUBLASLT), else information (the
+   engine was the backend's choice). */
+static void mpt__cuda_gemm_lt_refused(mpt__cuda *c, mpt__cuda_gemm_entry *e, const char *why) {
+    const mpt__cuda_gemm_key *k = &e->key;
+    char message[1024];
+    e->lt_state = -1;
+    c->lt_refusals++;
+    snprintf(message, sizeof message,
+             "cuBLASLt refused gemm m=%lld n=%lld k=%lld (trans %d%d, %s operands, %s C%s, "
+             "activation %d): %s; the hand-written engine runs this shape",
+             (long long)k->m, (long long)k->n, (long long)k->k, (int)k->trans_a, (int)k->trans_b,
+             mpt_dtype_name((mpt_dtype)k->ab_dtype), mpt_dtype_name((mpt_dtype)k->c_dtype),
+             k->has_bias ? ", float32 bias" : "", (int)k->act, why);
+    mpt__cuda_log(c, c->gemm_engine == MPT_GEMM_CUBLASLT ? MPT_LOG_WARNING : MPT_LOG_INFO, message);
+}
+
 /* Builds the entry's plan once; 1 if cuBLASLt can run it. */
 static int mpt__cuda_gemm_lt_ready(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mpt_gemm_desc *d,
                                    mpt_dtype c_dtype) {
     if (e->lt_state == 0) {
-        /* Keep error() as it was: a shape cuBLASLt declines is not an error,
-           the hand-written engine runs it. */
+        /* Keep error() as it was: a shape cuBLASLt declines is not an error. */
         char saved[sizeof c->error];
         memcpy(saved, c->error, sizeof saved);
-        e->lt_state = mpt__cuda_gemm_lt_build(c, &e->lt, d, c_dtype) == MPT_OK ? 1 : -1;
+        if (mpt__cuda_gemm_lt_build(c, &e->lt, d, c_dtype) == MPT_OK) e->lt_state = 1;
+        else mpt__cuda_gemm_lt_refused(c, e, c->error);
         memcpy(c->error, saved, sizeof saved);
     }
     return e->lt_state == 1;
@@ -1011,16 +1041,19 @@ static int mpt__cuda_gemm_lt_run(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mp
                                  void *cptr) {
     mpt__cuda_gemm_lt *lt = &e->lt;
     const float alpha = d->alpha == 0.0f ? 1.0f : d->alpha, beta = d->beta;
-    if (d->bias && cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                  &d->bias, sizeof d->bias) !=
-                       CUBLAS_STATUS_SUCCESS) {
-        e->lt_state = -1;
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (d->bias)
+        st = cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d->bias,
+                                            sizeof d->bias);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        mpt__cuda_gemm_lt_refused(c, e, cublasGetStatusString(st));
         return 0;
     }
-    if (cublasLtMatmul(c->lt, lt->op, &alpha, d->b, lt->la, d->a, lt->lb, &beta, cptr, lt->lc,
-                       cptr, lt->lc, &lt->algo, c->lt_workspace, c->lt_workspace_bytes,
-                       c->stream) != CUBLAS_STATUS_SUCCESS) {
-        e->lt_state = -1;
+    st = cublasLtMatmul(c->lt, lt->op, &alpha, d->b, lt->la, d->a, lt->lb, &beta, cptr, lt->lc,
+                        cptr, lt->lc, &lt->algo, c->lt_workspace, c->lt_workspace_bytes,
+                        c->stream);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        mpt__cuda_gemm_lt_refused(c, e, cublasGetStatusString(st));
         return 0;
     }
     if (lt->post_act) {
@@ -2707,6 +2740,7 @@ static constexpr int mpt__cuda_loss_max_blocks = 1024;      /* loss partials    
 static constexpr int64_t mpt__cuda_norm_min_per_block = 8192; /* gradients per norm block  */
 static constexpr int64_t mpt__cuda_norm_max_blocks = 1024;  /* norm blocks per tensor      */
 static constexpr int mpt__cuda_norm_slots = 8192;           /* norm partials held at once  */
+static constexpr int mpt__cuda_tensors_per_launch = 48;     /* multi-tensor tables         */
 
 #define MPT__CUDA_LOSS_EPS 1e-7f /* Keras' backend.epsilon(), as the CPU loss */
 
@@ -3170,17 +3204,50 @@ static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
 
 /* ---- pass 1: the sum of squares of the gradients --------------------------- */
 
-/* Σ g² in double over one chunk of a gradient per block: block b takes
-   [b·chunk, min(n, (b + 1)·chunk)) (chunk a multiple of 4), thread t every
-   256th float4 of it from the t-th (vec: g is 16-byte aligned) or every
-   256th float, then the block's fixed tree; partial b receives it. */
+/* The multi-tensor kernels (the norm's and the update's) take their table
+   of tensors by value, as kernel parameters (under 4 KB, so any driver
+   takes it): a captured graph keeps the values of its launch, so replaying
+   it never reads a table another model or step has since rewritten. Block
+   b of a launch belongs to entry i where first_block[i] <= b <
+   first_block[i + 1]. */
+static __device__ __forceinline__ int mpt__cuda_table_entry(const int *first_block, int count,
+                                                            int block) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first_block[mid] <= block) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Up to mpt__cuda_tensors_per_launch gradients of one norm launch. */
+typedef struct mpt__cuda_norm_table {
+    const float *g[mpt__cuda_tensors_per_launch];
+    int64_t n[mpt__cuda_tensors_per_launch];
+    int64_t chunk[mpt__cuda_tensors_per_launch]; /* a multiple of 4               */
+    int first_block[mpt__cuda_tensors_per_launch + 1];
+    int vec[mpt__cuda_tensors_per_launch];       /* g is 16-byte aligned          */
+    int count;
+} mpt__cuda_norm_table;
+static_assert(sizeof(mpt__cuda_norm_table) + 2 * sizeof(void *) <= 4096,
+              "the norm table is a kernel parameter");
+
+/* Σ g² in double over one chunk of a gradient per block: block j of a
+   gradient takes [j·chunk, min(n, (j + 1)·chunk)), thread t every 256th
+   float4 of it from the t-th (vec) or every 256th float, then the block's
+   fixed tree; the launch's block b writes partials[b]. The same partials,
+   in the same slots, as one launch per gradient would give. */
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
-mpt__cuda_norm_kernel(const float *g, int64_t n, int64_t chunk, int vec, double *partials) {
-    const int64_t begin = (int64_t)blockIdx.x * chunk;
-    const int64_t end = begin + chunk < n ? begin + chunk : n;
+mpt__cuda_norm_kernel(mpt__cuda_norm_table T, double *partials) {
+    const int e = mpt__cuda_table_entry(T.first_block, T.count, (int)blockIdx.x);
+    const float *g = T.g[e];
+    const int64_t n = T.n[e];
+    const int64_t begin = (int64_t)(blockIdx.x - T.first_block[e]) * T.chunk[e];
+    const int64_t end = begin + T.chunk[e] < n ? begin + T.chunk[e] : n;
     double sum = 0; /* a float's square is exact in double: fused or not, the same sum */
     int64_t i = begin + threadIdx.x;
-    if (vec && begin < end) {
+    if (T.vec[e] && begin < end) {
         const float4 *g4 = (const float4 *)(g + begin);
         const int64_t n4 = (end - begin) / 4;
         for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
@@ -3224,14 +3291,32 @@ static void mpt__cuda_norm_fold(mpt__cuda *c, mpt__cuda_train_scratch *s, int n,
     mpt__cuda_launched(c, "mpt__cuda_norm_fold_kernel");
 }
 
-/* One kernel per gradient, each writing its blocks' partials into the next
-   slots; when the slots would run out, the ones filled are folded into a
-   carried sum first. The grid of each tensor depends on its count only. */
+/* The table's gradients into the next slots (from `used`); empties it. */
+static void mpt__cuda_norm_launch(mpt__cuda *c, mpt__cuda_train_scratch *s,
+                                  mpt__cuda_norm_table *T, int *used) {
+    int blocks = T->first_block[T->count];
+    if (T->count == 0) return;
+    mpt__cuda_norm_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(
+        *T, s->norm_partials + *used);
+    mpt__cuda_launched(c, "mpt__cuda_norm_kernel");
+    *used += blocks;
+    T->count = 0;
+    T->first_block[0] = 0;
+}
+
+/* Every gradient's blocks write their partials into the next slots, in
+   the gradients' order, one launch per table of gradients; when the slots
+   would run out, the ones filled are folded into a carried sum first.
+   Each gradient's blocks depend on its count only, so the sum is the same
+   whatever the launches. */
 static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
     mpt__cuda *c = (mpt__cuda *)impl;
     mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "grad_stats");
+    mpt__cuda_norm_table T;
     int used = 0, first = 1;
     if (!s) return;
+    T.count = 0;
+    T.first_block[0] = 0;
     for (int i = 0; i < u->n; i++) {
         int64_t n = u->count[i], blocks, chunk;
         if (n <= 0) continue;
@@ -3239,16 +3324,21 @@ static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
         if (blocks > mpt__cuda_norm_max_blocks) blocks = mpt__cuda_norm_max_blocks;
         chunk = ((n + blocks - 1) / blocks + 3) & ~(int64_t)3;
         blocks = (n + chunk - 1) / chunk;
-        if (used + blocks > mpt__cuda_norm_slots) {
+        if (used + T.first_block[T.count] + blocks > mpt__cuda_norm_slots) {
+            mpt__cuda_norm_launch(c, s, &T, &used);
             mpt__cuda_norm_fold(c, s, used, first, 0, u->state);
             used = 0;
             first = 0;
         }
-        mpt__cuda_norm_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(
-            u->grad[i], n, chunk, ((uintptr_t)u->grad[i] & 15) == 0, s->norm_partials + used);
-        mpt__cuda_launched(c, "mpt__cuda_norm_kernel");
-        used += (int)blocks;
+        if (T.count == mpt__cuda_tensors_per_launch) mpt__cuda_norm_launch(c, s, &T, &used);
+        T.g[T.count] = u->grad[i];
+        T.n[T.count] = n;
+        T.chunk[T.count] = chunk;
+        T.vec[T.count] = ((uintptr_t)u->grad[i] & 15) == 0;
+        T.first_block[T.count + 1] = T.first_block[T.count] + (int)blocks;
+        T.count++;
     }
+    mpt__cuda_norm_launch(c, s, &T, &used);
     mpt__cuda_norm_fold(c, s, used, first, 1, u->state);
 }
 
@@ -3391,18 +3481,34 @@ static __device__ __forceinline__ void mpt__cuda_update_vec4(const mpt__cuda_upd
     }
 }
 
-/* The fused update of one tensor, a grid-stride loop: with vec, over its
-   n/4 float4s and then the last n % 4 elements by the first threads; else
-   element by element. Returns at once when the step is skipped. */
+/* Up to mpt__cuda_tensors_per_launch parameter tensors of one update
+   launch, all with the same rule. */
+typedef struct mpt__cuda_update_table {
+    mpt__cuda_update_tensor t[mpt__cuda_tensors_per_launch];
+    int first_block[mpt__cuda_tensors_per_launch + 1];
+    int vec[mpt__cuda_tensors_per_launch]; /* every pointer 16-byte aligned
+                                              (the compute copy: 8 in half) */
+    int count;
+} mpt__cuda_update_table;
+static_assert(sizeof(mpt__cuda_update_table) + 3 * sizeof(void *) + sizeof(int) <= 4096,
+              "the update table is a kernel parameter");
+
+/* The fused update of the table's tensors: a tensor's blocks run a
+   grid-stride loop over it alone: with vec, over its n/4 float4s and then
+   the last n % 4 elements by the first threads; else element by element.
+   Returns at once when the step is skipped. */
 template <int RULE>
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
-mpt__cuda_update_kernel(mpt__cuda_update_tensor T, const mpt__cuda_update_coefs *coefs,
-                        const mpt_step_state *state, int vec) {
+mpt__cuda_update_kernel(mpt__cuda_update_table U, const mpt__cuda_update_coefs *coefs,
+                        const mpt_step_state *state) {
     if (!state->finite) return;
+    const int e = mpt__cuda_table_entry(U.first_block, U.count, (int)blockIdx.x);
+    const mpt__cuda_update_tensor T = U.t[e]; /* 56 bytes, into registers */
     const mpt__cuda_update_coefs k = *coefs;
-    const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    if (vec) {
+    const int blocks = U.first_block[e + 1] - U.first_block[e];
+    const int64_t first = (int64_t)(blockIdx.x - U.first_block[e]) * blockDim.x + threadIdx.x;
+    const int64_t stride = (int64_t)blocks * blockDim.x;
+    if (U.vec[e]) {
         const int64_t n4 = T.n / 4;
         for (int64_t q = first; q < n4; q += stride) mpt__cuda_update_vec4<RULE>(T, k, q);
         if (first < T.n - n4 * 4) mpt__cuda_update_scalar<RULE>(T, k, n4 * 4 + first);
@@ -3415,18 +3521,51 @@ static bool mpt__cuda_train_aligned(const void *p, uintptr_t bytes) {
     return ((uintptr_t)p & (bytes - 1)) == 0;
 }
 
+/* The table's tensors, one launch; empties it. */
+static void mpt__cuda_update_launch(mpt__cuda *c, mpt__cuda_train_scratch *s,
+                                    mpt__cuda_update_table *U, int rule, mpt_step_state *state) {
+    unsigned blocks = (unsigned)U->first_block[U->count];
+    if (U->count == 0) return;
+    switch (rule) {
+    case MPT__CUDA_RULE_ADAM:
+        mpt__cuda_update_kernel<MPT__CUDA_RULE_ADAM>
+            <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(*U, s->coefs, state);
+        break;
+    case MPT__CUDA_RULE_SGD:
+        mpt__cuda_update_kernel<MPT__CUDA_RULE_SGD>
+            <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(*U, s->coefs, state);
+        break;
+    case MPT__CUDA_RULE_MOMENTUM:
+        mpt__cuda_update_kernel<MPT__CUDA_RULE_MOMENTUM>
+            <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(*U, s->coefs, state);
+        break;
+    default:
+        mpt__cuda_update_kernel<MPT__CUDA_RULE_NESTEROV>
+            <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(*U, s->coefs, state);
+        break;
+    }
+    mpt__cuda_launched(c, "mpt__cuda_update_kernel");
+    U->count = 0;
+    U->first_block[0] = 0;
+}
+
+/* The coefficients, then every tensor in tables of tensors with one rule
+   (a model's tensors share one: one launch for up to
+   mpt__cuda_tensors_per_launch of them). */
 static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
     mpt__cuda *c = (mpt__cuda *)impl;
     mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "update");
     const mpt_optimizer_desc *d = &u->optimizer;
+    mpt__cuda_update_table U;
+    int table_rule = MPT__CUDA_RULE_ADAM;
     if (!s) return;
     mpt__cuda_update_coefs_kernel<<<1, 1, 0, c->stream>>>(*d, u->state, s->coefs);
     mpt__cuda_launched(c, "mpt__cuda_update_coefs_kernel");
+    U.count = 0;
+    U.first_block[0] = 0;
     for (int i = 0; i < u->n; i++) {
         mpt__cuda_update_tensor T;
         int rule, vec;
-        int64_t items;
-        unsigned blocks;
         if (u->count[i] <= 0) continue;
         T.w = u->value[i];
         T.g = u->grad[i];
@@ -3441,28 +3580,17 @@ static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
         vec = mpt__cuda_train_aligned(T.w, 16) && mpt__cuda_train_aligned(T.g, 16) &&
               mpt__cuda_train_aligned(T.s0, 16) && mpt__cuda_train_aligned(T.s1, 16) &&
               mpt__cuda_train_aligned(T.compute, T.compute_dtype == MPT_FLOAT32 ? 16 : 8);
-        items = vec ? (T.n + 3) / 4 : T.n;
-        blocks = mpt__cuda_blocks(items, mpt__cuda_train_threads);
-        switch (rule) {
-        case MPT__CUDA_RULE_ADAM:
-            mpt__cuda_update_kernel<MPT__CUDA_RULE_ADAM>
-                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
-            break;
-        case MPT__CUDA_RULE_SGD:
-            mpt__cuda_update_kernel<MPT__CUDA_RULE_SGD>
-                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
-            break;
-        case MPT__CUDA_RULE_MOMENTUM:
-            mpt__cuda_update_kernel<MPT__CUDA_RULE_MOMENTUM>
-                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
-            break;
-        default:
-            mpt__cuda_update_kernel<MPT__CUDA_RULE_NESTEROV>
-                <<<blocks, mpt__cuda_train_threads, 0, c->stream>>>(T, s->coefs, u->state, vec);
-            break;
-        }
-        mpt__cuda_launched(c, "mpt__cuda_update_kernel");
+        if (U.count == mpt__cuda_tensors_per_launch || (U.count > 0 && rule != table_rule))
+            mpt__cuda_update_launch(c, s, &U, table_rule, u->state);
+        table_rule = rule;
+        U.t[U.count] = T;
+        U.vec[U.count] = vec;
+        U.first_block[U.count + 1] =
+            U.first_block[U.count] + (int)mpt__cuda_blocks(vec ? (T.n + 3) / 4 : T.n,
+                                                            mpt__cuda_train_threads);
+        U.count++;
     }
+    mpt__cuda_update_launch(c, s, &U, table_rule, u->state);
 }
 
 /* ---- loss scaling ------------------------------------------------------------ */
@@ -4096,6 +4224,7 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
     c->gemm_engine = engine;
     c->limit = desc->device_memory_limit;
     c->index64 = getenv("MPT_CUDA_INDEX64") && !strcmp(getenv("MPT_CUDA_INDEX64"), "1");
+    c->logger = desc->logger;
     if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&c->copy_done, cudaEventDisableTiming)) != cudaSuccess ||
@@ -4563,6 +4692,10 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
     *table = mpt__cuda_backend();
     *impl = c;
     return MPT_OK;
+}
+
+int64_t mpt_cuda_lt_refusals(const void *impl) {
+    return impl ? ((const mpt__cuda *)impl)->lt_refusals : 0;
 }
 
 /* ---- devices: what mpt_device_count and mpt_device_query report ---------- */

@@ -8,7 +8,10 @@
        ./build/bench_cuda gemm|train|large   (one part)
 
    Built without MPT_CUDA, or run where there is no CUDA device, it prints
-   one line saying that it needs one and exits with 0.
+   one line saying that it needs one and exits with 0; with
+   MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu) it exits with 1.
+   The data: Fashion-MNIST from $MPT_DATA_DIR, else
+   /usr/share/datasets/fashion-mnist.
 
    (a) GEMM. Two contexts, one with gemm = MPT_GEMM_MPT and one with
        MPT_GEMM_CUBLASLT, run the same products: 4096³ and the shapes the
@@ -38,9 +41,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(MPT_CUDA) && defined(__CUDACC__)
-#include <cuda_runtime.h>
-#endif
 
 static double now(void) {
     struct timespec ts;
@@ -57,17 +57,28 @@ static int open_context(mpt_gemm_engine gemm, mpt_context **ctx) {
     return !strcmp(mpt_context_backend(*ctx, NULL)->name, "cuda");
 }
 
-static void device_name(char *buf, size_t size) {
+/* The GPU the contexts took (mpt device 1: CUDA device 0), with the
+   driver and runtime versions, for the header and the results' record. */
+static void device_name(mpt_context *ctx, char *buf, size_t size) {
+    mpt_device_info d;
     snprintf(buf, size, "?");
-#if defined(MPT_CUDA) && defined(__CUDACC__)
-    {
-        cudaDeviceProp p;
-        int dev = 0;
-        if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&p, dev) == cudaSuccess)
-            snprintf(buf, size, "%s (sm_%d%d, %d SMs, %.0f GiB)", p.name, p.major, p.minor,
-                     p.multiProcessorCount, (double)p.totalGlobalMem / (1 << 30));
-    }
+    if (mpt_device_query(ctx, 1, &d) != MPT_OK) return;
+    snprintf(buf, size, "%s (sm_%d%d, %d SMs, %.1f GiB, driver %d, runtime %d)", d.name,
+             d.compute_major, d.compute_minor, d.sm_count, (double)d.memory_total / (1 << 30),
+             d.driver_version, d.runtime_version);
+}
+
+/* GEMM shapes cuBLASLt refused on ctx's CUDA backend (each logged once
+   when it happened); 0 when ctx is not on one. */
+static long long lt_refusals(const mpt_context *ctx) {
+#ifdef MPT_CUDA
+    void *impl = NULL;
+    const mpt_backend *t = ctx ? mpt_context_backend(ctx, &impl) : NULL;
+    if (t && !strcmp(t->name, "cuda")) return (long long)mpt_cuda_lt_refusals(impl);
+#else
+    (void)ctx;
 #endif
+    return 0;
 }
 
 /* ---- (a) GEMM: hand-written against cuBLASLt ------------------------------------ */
@@ -497,10 +508,14 @@ static void bench_large(mpt_context *ctx, const mpt_dataset *all) {
 
 int main(int argc, char **argv) {
     const char *part = argc > 1 ? argv[1] : "all";
-    const char *dir = "/usr/share/datasets/fashion-mnist";
+    const char *dir = getenv("MPT_DATA_DIR") && *getenv("MPT_DATA_DIR")
+                          ? getenv("MPT_DATA_DIR")
+                          : "/usr/share/datasets/fashion-mnist";
+    const char *required = getenv("MPT_REQUIRE_GPU");
     mpt_context *ctx = NULL, *mpt_ctx = NULL, *lt_ctx = NULL;
     mpt_dataset *all = NULL;
-    char dev[256];
+    long long refused_gemm = 0;
+    char dev[512];
     int synthetic = 0;
     if (strcmp(part, "all") && strcmp(part, "gemm") && strcmp(part, "train") &&
         strcmp(part, "large")) {
@@ -514,15 +529,21 @@ int main(int argc, char **argv) {
         printf("# bench_cuda: needs a CUDA device (this build has no MPT_CUDA); nothing measured\n");
 #endif
         mpt_context_destroy(ctx);
+        if (required && !strcmp(required, "1")) {
+            fprintf(stderr, "bench_cuda: MPT_REQUIRE_GPU=1, but the CUDA backend did not open "
+                            "(the context's warning above says why)\n");
+            return 1;
+        }
         return 0;
     }
-    device_name(dev, sizeof dev);
+    device_name(ctx, dev, sizeof dev);
     printf("# mpt.h %s CUDA benchmarks: %s\n", MPT_VERSION, dev);
     if (!strcmp(part, "all") || !strcmp(part, "gemm")) {
         if (open_context(MPT_GEMM_MPT, &mpt_ctx) && open_context(MPT_GEMM_CUBLASLT, &lt_ctx))
             bench_gemm(mpt_ctx, lt_ctx);
         else
             fprintf(stderr, "bench_cuda: cannot open the GEMM contexts\n");
+        refused_gemm = lt_refusals(mpt_ctx) + lt_refusals(lt_ctx);
         mpt_context_destroy(mpt_ctx);
         mpt_context_destroy(lt_ctx);
     }
@@ -536,6 +557,9 @@ int main(int argc, char **argv) {
         if (!strcmp(part, "all") || !strcmp(part, "train")) bench_train(ctx, all, synthetic);
         if (!strcmp(part, "all") || !strcmp(part, "large")) bench_large(ctx, all);
     }
+    /* a shape cuBLASLt refused ran on the hand-written engine instead */
+    printf("{\"bench\":\"cuda_lt_refusals\",\"part\":\"%s\",\"gemm_contexts\":%lld,"
+           "\"training_context\":%lld}\n", part, refused_gemm, lt_refusals(ctx));
     mpt_dataset_destroy(all);
     mpt_context_destroy(ctx);
     return 0;

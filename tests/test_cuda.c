@@ -11,6 +11,10 @@
            with a device: the comparisons below. Without one, the context
            falls back to the CPU: that fallback (a warning, and a model that
            still trains) is checked, and the comparisons are one SKIP.
+   With MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu sets it), no
+   device is one FAIL instead, saying why. `test_cuda quick` leaves out the
+   whole-model trainings (for compute-sanitizer). Fashion-MNIST is read
+   from $MPT_DATA_DIR, else /usr/share/datasets/fashion-mnist.
    So this file is C99 and C++17 at once (nvcc compiles it as C++).
 
    METHOD. Each output buffer is poisoned (every byte 0xFF: a NaN in each
@@ -46,6 +50,14 @@
 #ifdef MPT_CUDA
 #include <cuda_runtime_api.h> /* cudaSetDevice, cudaGetDevice: the two-GPU test */
 #endif
+
+/* $MPT_REQUIRE_GPU=1 (./build.sh gpu sets it): a run that cannot reach a
+   GPU is a failure, not a skip, so a broken driver or a missing library
+   never looks like a pass; nor may the Fashion-MNIST run skip. */
+static int gpu_required(void) {
+    const char *env = getenv("MPT_REQUIRE_GPU");
+    return env && !strcmp(env, "1");
+}
 
 /* ---- the backends under test --------------------------------------------------- */
 
@@ -479,6 +491,60 @@ static void test_gemm_relu_keeps_nan(backend *gpu) {
     CHECK(nans >= 3 * (37 + 70), "relu on %s: only %d NaNs", gpu->label, nans);
     test__end("gemm on %s: ReLU keeps NaN in every C dtype", gpu->label);
 }
+
+#ifdef MPT_CUDA
+/* cuBLASLt may refuse a shape (a float32 bias with a 16-bit C, say); the
+   hand-written engine then runs it, and the refusal is counted
+   (mpt_cuda_lt_refusals) and logged once: a context that asks for cuBLASLt
+   gets one warning per refused shape, and the products are right. */
+static int lt_refusal_messages;
+static void count_lt_refusals(void *user, mpt_log_level level, const char *message) {
+    (void)user;
+    if (level == MPT_LOG_WARNING && strstr(message, "cuBLASLt refused")) lt_refusal_messages++;
+}
+
+static void test_lt_refusals_are_logged(void) {
+    static const int64_t sizes[4] = {7, 64, 127, 256};
+    backend b;
+    mpt_context_desc d;
+    int si, ai, ci, act, pass, cases = 0;
+    int64_t refused;
+    memset(&b, 0, sizeof b);
+    memset(&d, 0, sizeof d);
+    d.gemm = MPT_GEMM_CUBLASLT;
+    d.logger.fn = count_lt_refusals;
+    lt_refusal_messages = 0;
+    b.label = "cuda (gemm cublaslt, logged)";
+    CHECK(mpt_context_create(&d, &b.ctx) == MPT_OK, "context: %s", mpt_context_error(b.ctx));
+    if (!b.ctx) return;
+    b.t = mpt_context_backend(b.ctx, &b.impl);
+    for (pass = 0; pass < 2; pass++) /* the second time: no new refusal, no new message */
+        for (si = 0; si < 4; si++)
+            for (ai = 0; ai < 2; ai++)
+                for (ci = 0; ci < 2; ci++)
+                    for (act = 0; act < 2; act++) {
+                        gemm_case g;
+                        memset(&g, 0, sizeof g);
+                        g.m = sizes[si];
+                        g.n = sizes[(si + 1) % 4];
+                        g.k = sizes[(si + 2) % 4];
+                        g.ab = ai ? MPT_BFLOAT16 : MPT_FLOAT16;
+                        g.c_dtype = ci ? MPT_BFLOAT16 : MPT_FLOAT16;
+                        g.alpha = 1;
+                        g.bias = 1;
+                        g.act = act ? MPT_ACT_RELU : MPT_ACT_NONE;
+                        gemm_compare(&b, &g);
+                        cases += pass == 0;
+                    }
+    refused = mpt_cuda_lt_refusals(b.impl);
+    CHECK(refused == lt_refusal_messages && refused <= cases,
+          "%lld refusals counted, %d logged, of %d shapes", (long long)refused,
+          lt_refusal_messages, cases);
+    printf("# cuBLASLt refused %lld of %d shapes with a float32 bias and a 16-bit C\n",
+           (long long)refused, cases);
+    close_backend(&b);
+}
+#endif
 
 /* The elementwise ReLU and its gradient give the CPU's bits on special
    values: NaN passes, ±0 gives +0, a NaN y or dy passes dy. */
@@ -1439,6 +1505,147 @@ static void test_update(void) {
     }
 }
 
+/* The multi-tensor launches: 111 parameter tensors of odd sizes (more than
+   one launch's table holds), mixed dtypes, packed back to back in one
+   allocation per buffer kind, so that most are not 16-byte aligned and
+   aligned and unaligned tensors share a launch. Two steps on the GPU
+   against the CPU (the same tolerances as above), and the GPU twice:
+   the same bits, Σ g² included. */
+#define MANY_PARAMS 111
+
+typedef struct many_run {
+    float *value, *slot0, *slot1; /* every tensor, back to back */
+    unsigned char *compute;
+    mpt_step_state state;
+} many_run;
+
+static void many_run_free(many_run *r) {
+    free(r->value);
+    free(r->slot0);
+    free(r->slot1);
+    free(r->compute);
+}
+
+static void many_step(backend *b, const opt_case *oc, const int64_t *count, const mpt_dtype *dt,
+                      const int64_t *offset, const size_t *coffset, int64_t total,
+                      size_t compute_bytes, const many_run *in, const float *grad, many_run *out) {
+    float *value[MANY_PARAMS], *slot0[MANY_PARAMS], *slot1[MANY_PARAMS];
+    const float *gradp[MANY_PARAMS];
+    void *compute[MANY_PARAMS];
+    size_t fb = nbytes(MPT_FLOAT32, total);
+    float *v = (float *)be_upload(b, in->value, fb), *g = (float *)be_upload(b, grad, fb);
+    float *s0 = (float *)be_upload(b, in->slot0, fb), *s1 = (float *)be_upload(b, in->slot1, fb);
+    unsigned char *c = (unsigned char *)be_upload(b, in->compute, compute_bytes);
+    mpt_step_state *st = (mpt_step_state *)be_upload(b, &in->state, sizeof in->state);
+    int slots = oc->type == MPT_OPTIMIZER_SGD ? (oc->momentum != 0) : 2;
+    mpt_update_args u;
+    int i, step;
+    for (i = 0; i < MANY_PARAMS; i++) {
+        value[i] = v + offset[i];
+        gradp[i] = g + offset[i];
+        slot0[i] = slots >= 1 ? s0 + offset[i] : NULL;
+        slot1[i] = slots >= 2 ? s1 + offset[i] : NULL;
+        compute[i] = dt[i] == MPT_FLOAT32 ? (void *)value[i] : (void *)(c + coffset[i]);
+    }
+    memset(&u, 0, sizeof u);
+    u.n = MANY_PARAMS;
+    u.value = value;
+    u.grad = gradp;
+    u.slot0 = slot0;
+    u.slot1 = slot1;
+    u.compute = compute;
+    u.compute_dtype = dt;
+    u.count = count;
+    u.optimizer = opt_desc(oc);
+    u.state = st;
+    for (step = 0; step < 2; step++) {
+        b->t->grad_stats(b->impl, &u);
+        b->t->update(b->impl, &u);
+    }
+    out->value = (float *)be_fetch(b, v, fb, "update");
+    out->slot0 = (float *)be_fetch(b, s0, fb, "update");
+    out->slot1 = (float *)be_fetch(b, s1, fb, "update");
+    out->compute = (unsigned char *)be_fetch(b, c, compute_bytes, "update");
+    {
+        mpt_step_state *s = (mpt_step_state *)be_fetch(b, st, sizeof *st, "update");
+        out->state = *s;
+        free(s);
+    }
+    be_release(b);
+}
+
+static void test_update_many_tensors(void) {
+    static const opt_case cases[3] = {
+        {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0},
+        {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0},
+        {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0}};
+    static const mpt_dtype kinds[3] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    int64_t count[MANY_PARAMS], offset[MANY_PARAMS], total = 0;
+    size_t coffset[MANY_PARAMS], compute_bytes = 0;
+    mpt_dtype dt[MANY_PARAMS];
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int ci, i;
+    for (i = 0; i < MANY_PARAMS; i++) {
+        /* odd sizes, a few of them long enough for several norm blocks */
+        count[i] = i % 37 == 5 ? 2 * test_randint(20000, 70000) + 1 : 2 * test_randint(0, 1500) + 1;
+        dt[i] = kinds[test_randint(0, 2)];
+        offset[i] = total;
+        total += count[i];
+        coffset[i] = compute_bytes;
+        if (dt[i] != MPT_FLOAT32) compute_bytes += nbytes(dt[i], count[i]);
+    }
+    for (ci = 0; ci < 3; ci++) {
+        const opt_case *oc = &cases[ci];
+        many_run in, cpu, got, again;
+        float *grad = (float *)random_values(MPT_FLOAT32, total, -128, 128);
+        const char *differs;
+        in.value = (float *)random_values(MPT_FLOAT32, total, -1, 1);
+        in.slot0 = (float *)random_values(MPT_FLOAT32, total, -0.1, 0.1);
+        in.slot1 = (float *)random_values(MPT_FLOAT32, total, 0, 0.01);
+        in.compute = (unsigned char *)malloc(compute_bytes);
+        memset(in.compute, 0xFF, compute_bytes); /* poisoned: an update rewrites all of it */
+        memset(&in.state, 0, sizeof in.state);
+        in.state.learning_rate = oc->type == MPT_OPTIMIZER_SGD ? 0.01f : 0.001f;
+        in.state.loss_scale = 128;
+        in.state.optimizer_steps = 5;
+        in.state.step = 7;
+        in.state.finite = 1;
+        many_step(&cpu_be, oc, count, dt, offset, coffset, total, compute_bytes, &in, grad, &cpu);
+        many_step(gpu, oc, count, dt, offset, coffset, total, compute_bytes, &in, grad, &got);
+        many_step(gpu, oc, count, dt, offset, coffset, total, compute_bytes, &in, grad, &again);
+        CHECK(got.state.finite && cpu.state.finite, "%s: finite GPU %d, CPU %d", oc->name,
+              (int)got.state.finite, (int)cpu.state.finite);
+        CHECK(got.state.optimizer_steps == cpu.state.optimizer_steps,
+              "%s: optimizer_steps GPU %lld, CPU %lld", oc->name,
+              (long long)got.state.optimizer_steps, (long long)cpu.state.optimizer_steps);
+        CHECK(fabs(got.state.sum_squares - cpu.state.sum_squares) <= 1e-12 * cpu.state.sum_squares,
+              "%s: sum_squares GPU %.17g, CPU %.17g (1e-12 relative)", oc->name,
+              got.state.sum_squares, cpu.state.sum_squares);
+        for (i = 0; i < MANY_PARAMS && !test__current_failed; i++) {
+            char what[160];
+            int64_t n = count[i], o = offset[i];
+            snprintf(what, sizeof what, "%s: tensor %d of %d (%lld, %s, offset %lld)", oc->name, i,
+                     MANY_PARAMS, (long long)n, mpt_dtype_name(dt[i]), (long long)o);
+            check_close(what, MPT_FLOAT32, got.value + o, cpu.value + o, n, 1e-5);
+            check_close(what, MPT_FLOAT32, got.slot0 + o, cpu.slot0 + o, n, 1e-5);
+            check_close(what, MPT_FLOAT32, got.slot1 + o, cpu.slot1 + o, n, 1e-5);
+            if (dt[i] != MPT_FLOAT32)
+                check_close(what, dt[i], got.compute + coffset[i], cpu.compute + coffset[i], n,
+                            tolerance(dt[i]));
+        }
+        differs = memcmp(&got.state, &again.state, sizeof got.state) ? "the step state"
+                  : memcmp(got.value, again.value, nbytes(MPT_FLOAT32, total))
+                      ? "the master weights"
+                      : NULL;
+        CHECK(!differs, "%s: two GPU runs differ in %s", oc->name, differs);
+        free(grad);
+        many_run_free(&in);
+        many_run_free(&cpu);
+        many_run_free(&got);
+        many_run_free(&again);
+    }
+}
+
 /* ---- loss scaling ---------------------------------------------------------------------------- */
 
 static void test_loss_scale_update(void) {
@@ -2012,7 +2219,10 @@ static void test_model_graphs_and_determinism(void) {
    and must land within ±0.5 points of that. */
 static void test_model_mlp_fashion_mnist(void) {
     const double cpu_accuracy = 0.8939;
-    const char *dir = "/usr/share/datasets/fashion-mnist";
+    const char *dir = getenv("MPT_DATA_DIR") && *getenv("MPT_DATA_DIR")
+                          ? getenv("MPT_DATA_DIR")
+                          : "/usr/share/datasets/fashion-mnist";
+    static char why[600];
     mpt_context *ctx = gpu_be[GPU_AUTO].ctx;
     mpt_dataset *train = NULL, *test = NULL;
     mpt_model *m = NULL;
@@ -2025,7 +2235,10 @@ static void test_model_mlp_fashion_mnist(void) {
     double acc;
     if (mpt_dataset_load_mnist(ctx, dir, 0, &train) != MPT_OK ||
         mpt_dataset_load_mnist(ctx, dir, 1, &test) != MPT_OK) {
-        SKIP("Fashion-MNIST is not in /usr/share/datasets/fashion-mnist");
+        snprintf(why, sizeof why, "no Fashion-MNIST (from $MPT_DATA_DIR or the default): %.500s",
+                 mpt_context_error(ctx));
+        if (gpu_required()) CHECK(0, "MPT_REQUIRE_GPU=1: %s", why);
+        else SKIP(why);
         mpt_dataset_destroy(train);
         return;
     }
@@ -2738,6 +2951,36 @@ static void test_table_is_complete(void) {
 #endif
 }
 
+#ifdef MPT_NCCL
+/* The NCCL path on one GPU: a communicator of one member (this context),
+   whose all-reduce of fresh random floats gives them back unchanged (a
+   sum over one member), queued on the backend's stream. */
+static void test_nccl_one_member(void) {
+    enum { COUNT = 4099 };
+    backend *b = &gpu_be[GPU_AUTO];
+    void *impls[1] = {b->impl};
+    void *comm = NULL;
+    float *host = (float *)random_values(MPT_FLOAT32, COUNT, -3, 3);
+    float *dev = (float *)be_upload(b, host, nbytes(MPT_FLOAT32, COUNT));
+    float *got;
+    mpt_status s = b->t->comm_create(impls, 1, 0, 1, NULL, &comm);
+    CHECK(s == MPT_OK && comm, "comm_create of one member: %s: %s", mpt_status_string(s),
+          b->t->error(b->impl));
+    if (s == MPT_OK && comm) {
+        s = b->t->allreduce_sum(comm, &dev, COUNT);
+        CHECK(s == MPT_OK, "allreduce_sum: %s", b->t->comm_error(comm));
+        got = (float *)be_fetch(b, dev, nbytes(MPT_FLOAT32, COUNT), "allreduce_sum");
+        CHECK(!memcmp(got, host, nbytes(MPT_FLOAT32, COUNT)),
+              "the sum over one member changed element %lld",
+              (long long)first_difference(got, host, COUNT, sizeof(float)));
+        free(got);
+        b->t->comm_destroy(comm);
+    }
+    free(host);
+    be_release(b);
+}
+#endif
+
 /* mpt_device_query on the GPU this test runs on: device 1 is CUDA device
    0 (the contexts above took cuda_device 0), a bfloat16-capable one. */
 static void test_device_info_of_the_gpu(void) {
@@ -2867,13 +3110,35 @@ static void test_gemm_choices_file(void) {
     remove(path);
 }
 
-int main(void) {
-    int e, have_gpu;
+/* Why no CUDA context opened, as the context's warning says it. */
+static void test_gpu_was_reached(void) {
+#ifdef MPT_CUDA
+    const char *env = getenv("MPT_DEVICE");
+    mpt_context *ctx = env && !strcmp(env, "cpu") ? NULL : context_with_warnings();
+    mpt_context_destroy(ctx);
+    CHECK(0, "MPT_REQUIRE_GPU=1, but the CUDA backend did not open: %s",
+          env && !strcmp(env, "cpu") ? "MPT_DEVICE=cpu"
+          : last_warning[0]          ? last_warning
+                                     : "no reason given");
+#else
+    CHECK(0, "MPT_REQUIRE_GPU=1, but this program was built without MPT_CUDA");
+#endif
+}
+
+/* `test_cuda quick` (what ./build.sh gpu sanitize runs under
+   compute-sanitizer, many times slower): the table's functions only, none
+   of the whole-model trainings. */
+int main(int argc, char **argv) {
+    int e, have_gpu, quick = argc > 1 && !strcmp(argv[1], "quick");
     test_seed(2024);
 #ifdef MPT_CUDA
     setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
 #endif
     have_gpu = open_backends();
+    if (!have_gpu && gpu_required()) {
+        test__run("a CUDA device is reached (MPT_REQUIRE_GPU=1)", test_gpu_was_reached);
+        return test_summary(PROGRAM);
+    }
 #ifdef MPT_CUDA
     if (!have_gpu && !(getenv("MPT_DEVICE") && !strcmp(getenv("MPT_DEVICE"), "cpu"))) {
         test__run("no CUDA device: the context warns and uses the CPU", test_fallback_warns);
@@ -2902,6 +3167,10 @@ int main(void) {
               test_model_memory_limit_on_the_gpu);
     for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
     for (e = 0; e < N_GPU; e++) test_gemm_relu_keeps_nan(&gpu_be[e]);
+#ifdef MPT_CUDA
+    test__run("gemm: a shape cuBLASLt refuses is counted, logged once, and still right",
+              test_lt_refusals_are_logged);
+#endif
     test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",
               test_relu_special_values);
     test__run("column_sums (float32 <= 1e-5)", test_column_sums);
@@ -2915,25 +3184,12 @@ int main(void) {
     test__run("dropout forward and backward (bit-exact mask)", test_dropout);
     test__run("loss: every type, logits and probabilities, with metrics", test_loss);
     test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
+    test__run("grad_stats + update over 111 odd-sized tensors, packed unaligned, in tables",
+              test_update_many_tensors);
     test__run("loss_scale_update (exact)", test_loss_scale_update);
     test__run("graph capture and replay: bit-identical to direct calls", test_graph_capture);
-    test__run("model: graphs on and off, and two runs, give identical weights",
-              test_model_graphs_and_determinism);
-    test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of the CPU",
-              test_model_mlp_fashion_mnist);
-    test__run("model: a 1 MiB device limit gives out of memory, with the bytes",
-              test_model_out_of_memory);
-    test__run("mirrored: 1 and 2 replicas on the GPU end where they end on the CPU (<= 1e-4)",
-              test_mirrored_on_the_gpu);
-    test__run("mirrored: two replicas' steps recorded in CUDA graphs equal them unrecorded "
-              "(exact)",
-              test_mirrored_graphs_change_nothing);
     test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
               test_hand_step_functions);
-    test__run("two GPUs from one thread: every call on its own GPU, results as alone",
-              test_two_devices_from_one_thread);
-    test__run("mirrored: one replica on each of two GPUs (NCCL) as two on one (<= 1e-5)",
-              test_mirrored_on_two_gpus);
     test__run("gemm: 128x128 and 64x64 tiles, chosen and forced, 1536x1600x200 (<= 1e-2)",
               test_gemm_tiles);
     test__run("gemm: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2, 1e-4)",
@@ -2942,6 +3198,33 @@ int main(void) {
               test_layout_index_paths);
     test__run("gemm auto: $MPT_GEMM_CHOICES carries the engines to the next run (same bits)",
               test_gemm_choices_file);
+    if (!quick) {
+        test__run("model: graphs on and off, and two runs, give identical weights",
+                  test_model_graphs_and_determinism);
+        test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "
+                  "the CPU", test_model_mlp_fashion_mnist);
+        test__run("model: a 1 MiB device limit gives out of memory, with the bytes",
+                  test_model_out_of_memory);
+        test__run("mirrored: 1 and 2 replicas on the GPU end where they end on the CPU (<= 1e-4)",
+                  test_mirrored_on_the_gpu);
+        test__run("mirrored: two replicas' steps recorded in CUDA graphs equal them unrecorded "
+                  "(exact)",
+                  test_mirrored_graphs_change_nothing);
+        test__run("two GPUs from one thread: every call on its own GPU, results as alone",
+                  test_two_devices_from_one_thread);
+        test__run("mirrored: one replica on each of two GPUs (NCCL) as two on one (<= 1e-5)",
+                  test_mirrored_on_two_gpus);
+    }
+#ifdef MPT_NCCL
+    test__run("NCCL: a communicator of one GPU, its all-reduce leaves the floats as they are",
+              test_nccl_one_member);
+#endif
+#ifdef MPT_CUDA
+    printf("# cuBLASLt refusals: gemm auto %lld, mpt %lld, cublaslt %lld (each logged once)\n",
+           (long long)mpt_cuda_lt_refusals(gpu_be[GPU_AUTO].impl),
+           (long long)mpt_cuda_lt_refusals(gpu_be[GPU_MPT].impl),
+           (long long)mpt_cuda_lt_refusals(gpu_be[GPU_CUBLASLT].impl));
+#endif
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);
     return test_summary(PROGRAM);

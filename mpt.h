@@ -10450,7 +10450,7 @@ typedef struct mpt__fit_totals {
 
 typedef struct mpt__fit_run {
     mpt_model *m;
-    const mpt_fit_desc *d;
+    mpt_fit_desc *d;             /* batch_size: halved on running out of memory */
     const mpt_dataset *train, *val;
     int64_t n, steps;            /* samples and batches per epoch */
     int64_t *order;              /* (n) this epoch's sample order */
@@ -10459,6 +10459,7 @@ typedef struct mpt__fit_run {
     mpt__feed feed;              /* a model on a GPU: its uploads  */
     int64_t *mine;               /* (n) with several workers: this one's share */
     int64_t step;                /* the epoch's next global batch  */
+    int64_t done;                /* samples the epoch's steps have taken */
     int64_t rows, global_rows;   /* of the batch fit_next gave      */
     mpt__fit_totals totals;      /* for the summary after the last epoch */
     struct mpt__profile *profile;  /* profile_batch's, until its range is
@@ -10535,17 +10536,147 @@ static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
     return mpt__feed_step(m, &r->feed, k, &x, &y, times);
 }
 
+/* ---- out of memory: the batch halved, the memory planned again ------------------- */
+
+/* What fit holds for its batches: the loader and, on a GPU, the pinned
+   staging and the GEMMs planned for the batch size. */
+static mpt_status mpt__fit_open_batches(mpt__fit_run *r) {
+    mpt_model *m = r->m;
+    int workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
+    mpt_status s = mpt__loader_create(m->ctx, r->train, r->d->batch_size / workers,
+                                      m->layers[0].dtype, &r->loader);
+    if (s == MPT_OK && !m->strategy) s = mpt__feed_open(m, &r->feed);
+    if (s == MPT_OK && r->feed.on) s = mpt__plan_gemms(m, MPT__MIN(r->d->batch_size, r->n));
+    return s;
+}
+
+static void mpt__fit_close_batches(mpt__fit_run *r) {
+    mpt__feed_close(r->m, &r->feed);
+    mpt__loader_destroy(r->loader);
+    r->loader = NULL;
+}
+
+/* Whether fit may answer a failure `s` by halving its batch. */
+static int mpt__fit_may_halve(const mpt_model *m, const mpt_fit_desc *d, mpt_status s) {
+    int64_t min = d->min_batch_size > 0 ? d->min_batch_size : 1;
+    return s == MPT_ERR_OUT_OF_MEMORY && d->on_out_of_memory == MPT_OOM_HALVE_BATCH &&
+           !m->strategy && d->batch_size > min;
+}
+
+/* The next batch size down: half, not below the minimum. */
+static int64_t mpt__fit_halved(const mpt_fit_desc *d) {
+    int64_t min = d->min_batch_size > 0 ? d->min_batch_size : 1;
+    return MPT__MAX(d->batch_size / 2, min);
+}
+
+static void mpt__fit_log_halving(mpt_model *m, const mpt_fit_desc *d, int64_t to,
+                                 const char *when) {
+    char why[sizeof m->ctx->error];
+    snprintf(why, sizeof why, "%s", m->ctx->error);
+    mpt__log(m->ctx, MPT_LOG_WARNING, "fit: out of memory %s at batch_size %lld (%s); halving "
+             "the batch to %lld", when, (long long)d->batch_size, why, (long long)to);
+    if (d->verbose)
+        mpt__print(m, "Out of memory %s at batch_size %lld: continuing with batch_size %lld\n",
+                   when, (long long)d->batch_size, (long long)to);
+}
+
+/* Builds a built model again for batches of max_batch (a smaller one:
+   its activations and workspace shrink), keeping every parameter's value,
+   the optimizer's slots and the backend's training record (the step
+   counters, the loss scale and the epoch's tallies). On failure the model
+   is built again at `fallback`, the batch it had, so nothing is lost. */
+static mpt_status mpt__model_replan(mpt_model *m, int64_t max_batch, int64_t fallback) {
+    size_t floats = 0, at = 0;
+    float *saved;
+    mpt_step_state record;
+    mpt_status s = MPT_OK, rebuilt;
+    int i, k;
+    for (i = 0; i < m->n_params; i++)
+        floats += (size_t)m->params[i].count * (1 + (m->params[i].trainable ? (size_t)m->n_slots : 0));
+    saved = (float *)mpt__alloc(m->ctx, sizeof(float) * (floats ? floats : 1));
+    if (!saved) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory saving the "
+                                 "weights to plan a smaller batch");
+    for (i = 0; s == MPT_OK && i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        size_t bytes = sizeof(float) * (size_t)P->count;
+        s = mpt__download(m, saved + at, P->value, bytes);
+        at += (size_t)P->count;
+        for (k = 0; s == MPT_OK && P->trainable && k < m->n_slots; k++, at += (size_t)P->count)
+            s = mpt__download(m, saved + at, P->slot[k], bytes);
+    }
+    if (s == MPT_OK) s = mpt__download(m, &record, m->state, sizeof record);
+    if (s != MPT_OK) {
+        mpt__free(m->ctx, saved);
+        return s;
+    }
+    mpt__free_update_args(m);
+    mpt__free_arenas(m);
+    m->built = 0;
+    m->planned_batch = 0;
+    s = rebuilt = mpt__build_one(m, max_batch);
+    if (rebuilt != MPT_OK) rebuilt = mpt__build_one(m, fallback);
+    for (i = 0, at = 0; rebuilt == MPT_OK && i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        size_t bytes = sizeof(float) * (size_t)P->count;
+        if (rebuilt == MPT_OK) rebuilt = mpt__upload(m, P->value, saved + at, bytes);
+        at += (size_t)P->count;
+        for (k = 0; rebuilt == MPT_OK && P->trainable && k < m->n_slots; k++, at += (size_t)P->count)
+            rebuilt = mpt__upload(m, P->slot[k], saved + at, bytes);
+    }
+    if (rebuilt == MPT_OK) rebuilt = mpt__upload(m, m->state, &record, sizeof record);
+    if (rebuilt == MPT_OK) mpt_model_refresh_weights(m);
+    mpt__free(m->ctx, saved);
+    return s != MPT_OK ? s : rebuilt;
+}
+
+/* After running out of memory with `done` samples of the epoch trained
+   (−1: before the first epoch): the batch halved (again while even that
+   does not fit, down to the minimum), the model planned for it, and the
+   epoch's order taken up from sample `done`. */
+static mpt_status mpt__fit_halve(mpt__fit_run *r, int64_t done, const char *when) {
+    mpt_model *m = r->m;
+    mpt_status s = MPT_ERR_OUT_OF_MEMORY;
+    int64_t had = m->max_batch;
+    mpt__fit_close_batches(r);
+    while (mpt__fit_may_halve(m, r->d, s)) {
+        int64_t to = mpt__fit_halved(r->d);
+        mpt__fit_log_halving(m, r->d, to, when);
+        r->d->batch_size = to;
+        s = mpt__model_replan(m, to, had);
+        if (s == MPT_OK) s = mpt__fit_open_batches(r);
+        if (s != MPT_OK) mpt__fit_close_batches(r);
+        when = "planning the smaller batch";
+    }
+    if (s != MPT_OK) return s;
+    if (done >= 0) {
+        mpt_tensor x, y;
+        mpt__loader_start_epoch(r->loader, r->order + done, r->n - done, r->d->batch_size);
+        if (r->feed.on && mpt__loader_next(r->loader, &x, &y))
+            s = mpt__feed_upload(m, &r->feed, &x, &y);
+    }
+    return s;
+}
+
+/* A failure of the epoch's steps answered, where fit may, by halving. */
+static mpt_status mpt__fit_recover(mpt__fit_run *r, mpt_status s, int64_t done) {
+    while (mpt__fit_may_halve(r->m, r->d, s)) s = mpt__fit_halve(r, done, "running a step");
+    return s;
+}
+
 /* The epoch's next batch and its step; 0 at the epoch's end. */
 static int mpt__fit_next_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
                               mpt__step_times *times, mpt_status *s) {
     mpt_model *m = r->m;
+    int64_t rows;
     if (!mpt__fit_next(r, x, y)) return 0;
+    rows = r->feed.on ? r->feed.x.shape[0] : x->shape[0];
     if (r->feed.on)
         *s = mpt__fit_feed_step(r, times);
     else if (m->strategy)
         *s = mpt__replicated_step(m, x, y, r->rows, r->global_rows, times);
     else
         *s = mpt__train_step(m, x, y, times);
+    if (*s == MPT_OK) r->done += rows;
     return 1;
 }
 
@@ -10568,15 +10699,22 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     memset(logs, 0, sizeof *logs);
     if (d->verbose) mpt__print(m, "Epoch %d/%d\n", epoch + 1, d->epochs);
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
+    r->steps = (r->n + d->batch_size - 1) / d->batch_size;
+    r->done = 0;
     mpt__fit_start_epoch(r);
     MPT__CHECK(mpt__state_push(m));
     if (r->feed.on && mpt__loader_next(r->loader, &x, &y))
-        MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y));
+        s = mpt__fit_recover(r, mpt__feed_upload(m, &r->feed, &x, &y), 0);
     while (s == MPT_OK && !*stop) {
         mpt_logs batch_logs;
         int print = live_bar && mpt__now() - last_print > 0.1;
         int more = r->profile ? mpt__profile_fit_step(r, &x, &y, &times, &s)
                               : mpt__fit_next_step(r, &x, &y, &times, &s);
+        if (more && s != MPT_OK && mpt__fit_may_halve(m, d, s)) {
+            s = mpt__fit_recover(r, s, r->done); /* this step again, on a smaller batch */
+            r->steps = batch + (r->n - r->done + d->batch_size - 1) / d->batch_size;
+            continue;
+        }
         if (!more || s != MPT_OK) break;
         batch++;
         /* The running values are read back only when someone looks at
@@ -10746,7 +10884,14 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (desc) d = *desc; /* NULL: every default */
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
-    MPT__CHECK(mpt__fit_check(m, train, &d));
+    s = mpt__fit_check(m, train, &d);
+    while (!m->built && mpt__fit_may_halve(m, &d, s)) { /* building failed: no state to keep */
+        int64_t to = mpt__fit_halved(&d);
+        mpt__fit_log_halving(m, &d, to, "building the model");
+        d.batch_size = to;
+        s = mpt__fit_check(m, train, &d);
+    }
+    MPT__CHECK(s);
     workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
@@ -10779,10 +10924,8 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         r.mine = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n);
         if (!r.mine) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
     }
-    if (s == MPT_OK) s = mpt__loader_create(m->ctx, r.train, d.batch_size / workers,
-                                            m->layers[0].dtype, &r.loader);
-    if (s == MPT_OK && !m->strategy) s = mpt__feed_open(m, &r.feed);
-    if (s == MPT_OK && r.feed.on) s = mpt__plan_gemms(m, MPT__MIN(d.batch_size, r.n));
+    if (s == MPT_OK) s = mpt__fit_open_batches(&r);
+    if (mpt__fit_may_halve(m, &d, s)) s = mpt__fit_halve(&r, -1, "preparing the batches");
     if (s == MPT_OK && m->strategy && mpt__model_device(m) != MPT_DEVICE_CPU) {
         int64_t share = MPT__MIN(d.batch_size, r.n) / mpt__strategy_total(m->strategy);
         for (i = 0; s == MPT_OK && i < m->n_replicas && share > 0; i++) /* each its device */
@@ -10812,9 +10955,8 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (s == MPT_OK) s = mpt__profile_close(&r, d.verbose);
     mpt__profile_free(r.profile ? r.profile : r.profiled);
     mpt__set_emit_logits(m, 0);
-    mpt__feed_close(m, &r.feed);
     mpt__exchange_free(m);
-    mpt__loader_destroy(r.loader);
+    mpt__fit_close_batches(&r);
     mpt__free(m->ctx, r.order);
     mpt__free(m->ctx, r.mine);
     mpt_dataset_destroy(head);
@@ -13590,7 +13732,10 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
         *s = mpt__input_on_backend(m, x, &in);
         if (*s == MPT_OK) *s = mpt__target_on_backend(m, y, &target);
     }
-    if (*s != MPT_OK) return 1;
+    if (*s != MPT_OK) {
+        P->step--; /* not taken: it is run again (out-of-memory recovery) or fit ends */
+        return 1;
+    }
     rec->data_end = mpt__profile_clock();
     rec->rows = in.shape[0];
     rec->first_mark = P->n_marks;
@@ -13601,6 +13746,7 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
     rec->queued = mpt__profile_clock();
     P->n_steps++;
     P->open = 1;
+    r->done += rec->rows;
     return 1;
 }
 
@@ -13623,7 +13769,7 @@ static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
     if (P->step >= P->last) mpt__profile_leave_loop(r);
     else if (P->step + 1 >= P->first) return mpt__profile_run_step(r, begin, x, y, times, s);
     more = mpt__fit_next_step(r, x, y, times, s);
-    P->step += more;
+    P->step += more && *s == MPT_OK;
     return more;
 }
 

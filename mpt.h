@@ -771,10 +771,20 @@ typedef struct mpt_memory_report {
     int64_t workspace;     /* scratch the layers share                       */
     int64_t total;         /* the sum of the six                             */
     int64_t limit;         /* the model's memory_limit; 0: none              */
+    int64_t host;          /* mpt_model_memory_peak only (else 0): the most
+                              host memory the context held through its
+                              allocator (batches, staging, history; on the
+                              CPU backend the six categories' too)          */
 } mpt_memory_report;
 
 /* Fills *out; MPT_ERR_STATE before build. */
 MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out);
+/* The most each category held during the last fit, from its start to its
+   end: more than mpt_model_memory's when fit halved its batch after
+   running out of memory (the larger plan's), or profiled (its records are
+   workspace); and `host`, the context's peak host bytes. MPT_ERR_STATE
+   before a fit. */
+MPTDEF mpt_status mpt_model_memory_peak(const mpt_model *m, mpt_memory_report *out);
 /* The policy's Keras name: "float32", "mixed_float16", "mixed_bfloat16";
    "?" if unknown. */
 MPTDEF const char *mpt_policy_name(mpt_policy policy);
@@ -1864,6 +1874,8 @@ struct mpt_context {
     void **scratch;             /* [num_threads] × MPT__THREAD_SCRATCH_BYTES */
     mpt_context_desc desc;      /* as given: a strategy opens the other GPUs so */
     char error[1024];
+    int64_t host_bytes;         /* held through mpt__alloc now            */
+    int64_t host_peak;          /* their most since fit last reset it      */
 };
 
 static void *mpt__default_alloc(void *user, size_t bytes, size_t alignment) {
@@ -1888,9 +1900,35 @@ static void mpt__default_free(void *user, void *ptr) {
     free(raw);
 }
 
+/* The host bytes a context holds, and their peak (fit's memory report).
+   Counted atomically where the compiler can: replicas may allocate from
+   their own threads. */
+static void mpt__count_host(const mpt_context *ctx, int64_t delta) {
+    mpt_context *c = (mpt_context *)ctx; /* bookkeeping, not the context's meaning */
+#if defined(__GNUC__) || defined(__clang__)
+    int64_t now = __atomic_add_fetch(&c->host_bytes, delta, __ATOMIC_RELAXED);
+    int64_t peak = __atomic_load_n(&c->host_peak, __ATOMIC_RELAXED);
+    while (now > peak && !__atomic_compare_exchange_n(&c->host_peak, &peak, now, 1,
+                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+#else
+    c->host_bytes += delta;
+    if (c->host_bytes > c->host_peak) c->host_peak = c->host_bytes;
+#endif
+}
+
+/* Every block carries its size in the MPT__ALIGN bytes before it, so that
+   mpt__free can count it off. */
 static void *mpt__alloc(const mpt_context *ctx, size_t bytes) {
+    unsigned char *p;
     if (bytes == 0) bytes = 1;
-    return ctx->allocator.alloc(ctx->allocator.user_data, bytes, MPT__ALIGN);
+    if (bytes > SIZE_MAX - MPT__ALIGN) return NULL;
+    p = (unsigned char *)ctx->allocator.alloc(ctx->allocator.user_data, bytes + MPT__ALIGN,
+                                              MPT__ALIGN);
+    if (!p) return NULL;
+    memcpy(p, &bytes, sizeof bytes);
+    mpt__count_host(ctx, (int64_t)bytes);
+    return p + MPT__ALIGN;
 }
 
 static void *mpt__calloc(const mpt_context *ctx, size_t bytes) {
@@ -1900,7 +1938,13 @@ static void *mpt__calloc(const mpt_context *ctx, size_t bytes) {
 }
 
 static void mpt__free(const mpt_context *ctx, void *ptr) {
-    if (ptr) ctx->allocator.free(ctx->allocator.user_data, ptr);
+    unsigned char *p;
+    size_t bytes;
+    if (!ptr) return;
+    p = (unsigned char *)ptr - MPT__ALIGN;
+    memcpy(&bytes, p, sizeof bytes);
+    mpt__count_host(ctx, -(int64_t)bytes);
+    ctx->allocator.free(ctx->allocator.user_data, p);
 }
 
 static void mpt__log(const mpt_context *ctx, mpt_log_level level, const char *fmt, ...) {
@@ -4716,6 +4760,9 @@ struct mpt_model {
     uint64_t step;                       /* training steps taken; keys dropout */
     void *arena[MPT__MEM_COUNT_];
     int64_t arena_bytes[MPT__MEM_COUNT_];
+    int64_t memory_peak[MPT__MEM_COUNT_]; /* the most arena_bytes during fit */
+    int64_t host_peak;                   /* the context's, during fit; −1:
+                                            no fit yet                       */
     void *grad_buf[2];                   /* ping-pong activation gradients */
     void *input_buf[2];                  /* (max_batch, in) batches copied in from
                                             the host (two: one is filled while
@@ -4900,6 +4947,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
     if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
+    m->host_peak = -1;
     m->be = mpt_context_backend(ctx, &m->impl);
     m->desc = *desc;
     m->strategy = desc->strategy;
@@ -5339,16 +5387,24 @@ MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
     return m ? m->desc.policy : MPT_POLICY_FLOAT32;
 }
 
-MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
-    const int64_t *b;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
-    memset(out, 0, sizeof *out);
-    out->limit = m->desc.memory_limit;
-    if (!m->built)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
-                         "plans its memory)");
-    b = m->arena_bytes;
+/* Raises the peaks to what the model holds now, `extra` bytes of
+   workspace besides (the profiler's records). */
+static void mpt__memory_peak_note(mpt_model *m, int64_t extra_workspace) {
+    int i;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        int64_t held = m->arena_bytes[i] + (i == MPT__MEM_WORKSPACE ? extra_workspace : 0);
+        m->memory_peak[i] = MPT__MAX(m->memory_peak[i], held);
+    }
+}
+
+/* fit's start: the peaks start from what is held now. */
+static void mpt__memory_peak_reset(mpt_model *m) {
+    memset(m->memory_peak, 0, sizeof m->memory_peak);
+    mpt__memory_peak_note(m, 0);
+    m->ctx->host_peak = m->ctx->host_bytes;
+}
+
+static void mpt__memory_report_fill(const int64_t *b, mpt_memory_report *out) {
     out->parameters = b[MPT__MEM_PARAMS];
     out->gradients = b[MPT__MEM_GRADS];
     out->optimizer = b[MPT__MEM_OPTIMIZER];
@@ -5357,6 +5413,30 @@ MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
     out->workspace = b[MPT__MEM_WORKSPACE];
     out->total = out->parameters + out->gradients + out->optimizer + out->weight_copies +
                  out->activations + out->workspace;
+}
+
+MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
+    memset(out, 0, sizeof *out);
+    out->limit = m->desc.memory_limit;
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
+                         "plans its memory)");
+    mpt__memory_report_fill(m->arena_bytes, out);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_memory_peak(const mpt_model *m, mpt_memory_report *out) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory_peak: NULL out");
+    memset(out, 0, sizeof *out);
+    out->limit = m->desc.memory_limit;
+    if (m->host_peak < 0)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory_peak: no fit yet (the peaks are "
+                         "a fit's)");
+    mpt__memory_report_fill(m->memory_peak, out);
+    out->host = m->host_peak;
     return MPT_OK;
 }
 
@@ -10643,6 +10723,7 @@ static mpt_status mpt__fit_halve(mpt__fit_run *r, int64_t done, const char *when
         mpt__fit_log_halving(m, r->d, to, when);
         r->d->batch_size = to;
         s = mpt__model_replan(m, to, had);
+        mpt__memory_peak_note(m, 0);
         if (s == MPT_OK) s = mpt__fit_open_batches(r);
         if (s != MPT_OK) mpt__fit_close_batches(r);
         when = "planning the smaller batch";
@@ -10892,6 +10973,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         s = mpt__fit_check(m, train, &d);
     }
     MPT__CHECK(s);
+    mpt__memory_peak_reset(m);
     workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
@@ -10951,6 +11033,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         MPT__EACH_CALLBACK(&d, on_epoch_end, m, epoch, &logs, &stop);
     }
     if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);
+    m->host_peak = m->ctx->host_peak;
     if (s == MPT_OK && d.verbose) mpt__fit_print_summary(m, &r.totals);
     if (s == MPT_OK) s = mpt__profile_close(&r, d.verbose);
     mpt__profile_free(r.profile ? r.profile : r.profiled);
@@ -11179,6 +11262,23 @@ static void mpt__format_ms(char *buf, size_t size, double ms) {
     snprintf(buf, size, ms >= 100 ? "%.1fms" : "%.3gms", ms);
 }
 
+/* "Memory peak: parameters 1.2 MiB - ... - host 8.0 MiB": each
+   category's most during fit (mpt_model_memory_peak). */
+static void mpt__fit_print_memory_peak(const mpt_model *m) {
+    mpt_memory_report p;
+    char text[512], a[32];
+    size_t used = 0;
+    int i;
+    const int64_t *b = m->memory_peak;
+    if (mpt_model_memory_peak(m, &p) != MPT_OK) return;
+    text[0] = 0;
+    for (i = 0; i < MPT__MEM_COUNT_; i++)
+        mpt__append(text, sizeof text, &used, "%s%s %s", i ? " - " : "", mpt__memory_category[i],
+                    mpt__bytes_text(a, sizeof a, (double)b[i]));
+    mpt__append(text, sizeof text, &used, " - host %s", mpt__bytes_text(a, sizeof a, (double)p.host));
+    mpt__print(m, "Memory peak: %s\n", text);
+}
+
 static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t) {
     const mpt_loss_scale_desc *ls = &m->compile.loss_scale;
     double steps = t->steps > 0 ? (double)t->steps : 1;
@@ -11210,6 +11310,7 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
                    (long long)skipped);
     else
         mpt__print(m, "Loss scale: none - skipped steps: %lld\n", (long long)skipped);
+    mpt__fit_print_memory_peak(m);
 }
 
 /* ---- the history as an SVG plot ------------------------------------------------------------
@@ -13608,6 +13709,7 @@ static mpt_status mpt__profile_open(mpt_model *m, const mpt_fit_desc *d, int64_t
         mpt__profile_free(P);
         return s;
     }
+    mpt__memory_peak_note(m, (int64_t)(sizeof(mpt_step_state) * (2 * (size_t)steps + 1)));
     *out = P;
     return MPT_OK;
 }

@@ -183,6 +183,19 @@ static void test_step_halves_mid_epoch(void) {
     CHECK(history_value(m, "loss", 1) == history_value(ref, "loss", 0),
           "epoch 2's loss %.9g equals the second fit's %.9g", history_value(m, "loss", 1),
           history_value(ref, "loss", 0));
+    {   /* the peaks: the plan for 32 (ref's), not the 16 it ends with */
+        mpt_memory_report now, peak, at32;
+        mpt_model_memory(m, &now);
+        mpt_model_memory(ref, &at32);
+        CHECK(mpt_model_memory_peak(m, &peak) == MPT_OK, "peak: %s", mpt_context_error(q));
+        CHECK(peak.activations == at32.activations && now.activations < at32.activations &&
+                  peak.parameters == now.parameters && peak.total == at32.total,
+              "activations peak %lld, the plan for 32 %lld, now %lld", (long long)peak.activations,
+              (long long)at32.activations, (long long)now.activations);
+        CHECK(peak.host >= at32.total && now.host == 0,
+              "host peak %lld holds the CPU's arenas (%lld)", (long long)peak.host,
+              (long long)at32.total);
+    }
     mpt_model_destroy(m);
 
     /* Refused after 3 steps of epoch 1 (a step first starts the next
@@ -206,6 +219,37 @@ static void test_step_halves_mid_epoch(void) {
     mpt_context_destroy(q);
 }
 
+static char printed[8192];
+static void capture(void *user, const char *text) {
+    (void)user;
+    strncat(printed, text, sizeof printed - strlen(printed) - 1);
+}
+
+static void test_peak_in_summary(void) {
+    mpt_context *q = warning_ctx();
+    mpt_dataset *data = blobs_in(q);
+    mpt_model *m = make_model(q, 0, NULL);
+    mpt_memory_report peak;
+    mpt_fit_desc f;
+    const char *line;
+    CHECK(mpt_model_memory_peak(m, &peak) == MPT_ERR_STATE, "no peaks before a fit");
+    memset(&f, 0, sizeof f);
+    f.batch_size = 50;
+    f.verbose = 2;
+    f.printer.fn = capture;
+    printed[0] = 0;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
+    CHECK(mpt_model_memory_peak(m, &peak) == MPT_OK && peak.host > peak.total,
+          "host %lld over the arenas' %lld", (long long)peak.host, (long long)peak.total);
+    line = strstr(printed, "\nMemory peak: parameters ");
+    CHECK(line && strstr(line, " - gradients ") && strstr(line, " - optimizer state ") &&
+              strstr(line, " - activations ") && strstr(line, " - host "),
+          "the summary's last line:\n%s", printed);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(q);
+}
+
 int main(void) {
     mpt_context_desc d;
     memset(&d, 0, sizeof d);
@@ -214,6 +258,7 @@ int main(void) {
     make_blobs();
     TEST_RUN(test_build_halves_to_what_fits);
     TEST_RUN(test_step_halves_mid_epoch);
+    TEST_RUN(test_peak_in_summary);
     mpt_context_destroy(ctx);
     return test_summary("test_oom_recovery");
 }

@@ -166,8 +166,8 @@
        @layers       layer descriptors and the sequential model
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
-       @training     compile, fit, evaluate, predict, summary, history and its
-                     SVG plot
+       @training     compile, fit (its profiler, its out-of-memory recovery),
+                     evaluate, predict, summary, history and its SVG plot
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger,
                      TensorBoard
@@ -10968,6 +10968,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     s = mpt__fit_check(m, train, &d);
     while (!m->built && mpt__fit_may_halve(m, &d, s)) { /* building failed: no state to keep */
         int64_t to = mpt__fit_halved(&d);
+        m->printer = d.printer; /* the message goes where fit's output goes */
         mpt__fit_log_halving(m, &d, to, "building the model");
         d.batch_size = to;
         s = mpt__fit_check(m, train, &d);
@@ -14046,7 +14047,7 @@ static void mpt__profile_table(mpt__svg *b, const mpt__profile *P) {
                      flops / (t[MPT__PROF_FORWARD] + t[MPT__PROF_BACKWARD]) * 1e-9);
         else
             snprintf(rate, sizeof rate, "-");
-        mpt__svg_printf(b, "%-32s %11.4f %11.4f %11.4f %11.4f %8.1f%% %9s\n", name,
+        mpt__svg_printf(b, "%-32.32s %11.4f %11.4f %11.4f %11.4f %8.1f%% %9s\n", name,
                         1e3 * t[MPT__PROF_FORWARD] / steps, 1e3 * t[MPT__PROF_BACKWARD] / steps,
                         1e3 * t[MPT__PROF_UPDATE] / steps, 1e3 * total / steps,
                         step > 0 ? 100 * total / step : 0.0, rate);

@@ -13736,19 +13736,13 @@ static void mpt__profile_update_by_layer(mpt__profile *P, mpt_model *m) {
     const mpt_update_args *all = &m->update;
     mpt_step_state *copy = P->records + 2 * P->max_steps;
     mpt_update_args u = *all;
-    int k = 0;
+    int k = 0, i = 0;
     u.state = copy;
-    while (k < all->n) {
-        int layer = -1, n = 0, i;
-        for (i = 0; i < m->n_params; i++) /* trainable parameter k's layer */
-            if (m->params[i].trainable && m->params[i].value == all->value[k]) layer = m->params[i].layer;
-        while (k + n < all->n) { /* and how many of the next ones are that layer's */
-            int same = 0;
-            for (i = 0; i < m->n_params; i++)
-                if (m->params[i].value == all->value[k + n]) same = m->params[i].layer == layer;
-            if (!same) break;
-            n++;
-        }
+    while (k < all->n) { /* the trainable parameters in m->params' order: layer by layer */
+        int layer, n = 0;
+        while (!m->params[i].trainable) i++;
+        layer = m->params[i].layer;
+        for (; i < m->n_params && m->params[i].layer == layer; i++) n += m->params[i].trainable;
         m->be->copy(m->impl, copy, m->state, sizeof *copy);
         u.n = n;
         u.value = all->value + k;

@@ -183,6 +183,92 @@ done:
     mpt_dataset_destroy(data);
 }
 
+/* Conv2D → BatchNormalization → MaxPooling2D → Flatten → Dense(softmax),
+   mixed_bfloat16 with dynamic loss scaling, SGD with momentum. */
+static mpt_model *make_conv_model(mpt_context *c) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_compile_desc cd;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 8;
+    md.input_shape[1] = 8;
+    md.input_shape[2] = 2;
+    md.input_rank = 3;
+    md.policy = MPT_POLICY_MIXED_BFLOAT16;
+    md.seed = 3;
+    CHECK(mpt_model_create(c, &md, &m) == MPT_OK, "create: %s", mpt_context_error(c));
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 8, .kernel_size = {3, 3},
+                                               .activation = MPT_ACT_RELU});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_max_pooling2d(m, NULL);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_SOFTMAX});
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_SGD;
+    cd.optimizer.learning_rate = 0.05f;
+    cd.optimizer.momentum = 0.9f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss_scale.mode = MPT_LOSS_SCALE_DYNAMIC;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static void test_conv_mixed_precision(void) {
+    enum { N = 96 };
+    static float x[N * 8 * 8 * 2];
+    static int32_t y[N];
+    mpt_tensor tx, ty;
+    mpt_dataset *data = NULL;
+    mpt_model *plain, *profiled;
+    mpt_fit_desc f = fit_desc(2); /* 3 steps an epoch */
+    char dir[300], plugin[400], run[700], path[1200];
+    struct utsname names;
+    trace_read r;
+    float *w1, *w2;
+    int64_t n1, n2, i;
+    int k;
+    if (!test_python_imports("json, gzip")) return;
+    for (i = 0; i < N * 8 * 8 * 2; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < N; i++) y[i] = test_randint(0, 3);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N, 8, 8, 2}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N}, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    plain = make_conv_model(ctx);
+    profiled = make_conv_model(ctx);
+    CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(dir, sizeof dir, "%s/conv", tmpdir);
+    f.profile_batch[0] = 2;
+    f.profile_batch[1] = 4;
+    f.profile_dir = dir;
+    CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
+    CHECK(only_entry(plugin, run, sizeof run), "one run directory in %s", plugin);
+    uname(&names);
+    snprintf(path, sizeof path, "%s/%s.trace.json", run, names.nodename);
+    read_trace(path, &r);
+    CHECK(r.ok && r.n >= 3, "the trace %s parses: %s", path, r.n ? r.lines[r.n - 1] : "");
+    for (k = 0; k < 3 && k < r.n; k++) {
+        char want[256];
+        snprintf(want, sizeof want, "step %d fwd=conv2d,batch_normalization,max_pooling2d,flatten,"
+                 "dense bwd=dense,flatten,max_pooling2d,batch_normalization,conv2d "
+                 "upd=conv2d,batch_normalization,dense nested=1 nonneg=1 loss=", 2 + k);
+        CHECK(strncmp(r.lines[k], want, strlen(want)) == 0, "got '%s', want '%s...'",
+              r.lines[k], want);
+    }
+    w1 = weights_of(plain, &n1);
+    w2 = weights_of(profiled, &n2);
+    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0 &&
+              plain->loss_scale == profiled->loss_scale && plain->step == profiled->step,
+          "profiled weights (moving statistics among them), loss scale and steps equal the "
+          "unprofiled run's");
+    free(w1);
+    free(w2);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(profiled);
+    mpt_dataset_destroy(data);
+}
+
 static void test_bad_ranges(void) {
     mpt_context *q = quiet_ctx();
     mpt_dataset *data = blobs_in(q);
@@ -320,6 +406,7 @@ int main(void) {
     snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_profiler_XXXXXX");
     if (!mkdtemp(tmpdir)) return 1;
     TEST_RUN(test_trace_per_layer);
+    TEST_RUN(test_conv_mixed_precision);
     TEST_RUN(test_bad_ranges);
     TEST_RUN(test_unwritable_directory);
     TEST_RUN(test_run_ends_early);

@@ -116,6 +116,75 @@ static void test_build_halves_to_what_fits(void) {
     mpt_context_destroy(q);
 }
 
+/* An allocator that refuses every block over refuse_over bytes (0: none). */
+static size_t refuse_over;
+static long refused;
+
+static void *refusing_alloc(void *user, size_t bytes, size_t alignment) {
+    (void)user;
+    if (refuse_over && bytes > refuse_over) {
+        refused++;
+        return NULL;
+    }
+    return mpt__default_alloc(NULL, bytes, alignment);
+}
+
+static void refusing_free(void *user, void *ptr) {
+    (void)user;
+    mpt__default_free(NULL, ptr);
+}
+
+/* The CPU backend's arenas come from the context's allocator: one that
+   refuses the activations of a batch of 32 makes fit halve 64 twice. */
+static void test_allocator_refusing_large_blocks(void) {
+    mpt_context *q = NULL;
+    mpt_context_desc cd;
+    mpt_dataset *data;
+    mpt_model *probe, *ref, *m;
+    mpt_memory_report at16, at32;
+    mpt_fit_desc f;
+    memset(&cd, 0, sizeof cd);
+    cd.num_threads = 2;
+    cd.logger.fn = counting_logger;
+    cd.allocator.alloc = refusing_alloc;
+    cd.allocator.free = refusing_free;
+    refuse_over = 0;
+    mpt_context_create(&cd, &q);
+    data = blobs_in(q);
+    probe = make_model(q, 0, NULL);
+    CHECK(mpt_model_build(probe, 32) == MPT_OK, "build: %s", mpt_context_error(q));
+    mpt_model_memory(probe, &at32);
+    mpt_model_destroy(probe);
+    probe = make_model(q, 0, NULL);
+    CHECK(mpt_model_build(probe, 16) == MPT_OK, "build: %s", mpt_context_error(q));
+    mpt_model_memory(probe, &at16);
+    mpt_model_destroy(probe);
+    ref = make_model(q, 0, NULL);
+    memset(&f, 0, sizeof f);
+    f.batch_size = 16;
+    CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
+
+    m = make_model(q, 0, NULL);
+    f.batch_size = 64;
+    f.on_out_of_memory = MPT_OOM_HALVE_BATCH;
+    refuse_over = (size_t)at32.activations - 1; /* more than every other block fit asks for */
+    refused = 0;
+    warnings = 0;
+    CHECK(at16.activations <= (int64_t)refuse_over, "the plan for 16 (%lld) fits under %zu",
+          (long long)at16.activations, refuse_over);
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
+    refuse_over = 0;
+    CHECK(refused == 2 && warnings == 2 && m->max_batch == 16,
+          "refused %ld blocks, %d warnings, trained at %lld", refused, warnings,
+          (long long)m->max_batch);
+    CHECK(same_state(m, ref) && history_value(m, "loss", 0) == history_value(ref, "loss", 0),
+          "weights, slots, counters and loss equal a run at 16");
+    mpt_model_destroy(m);
+    mpt_model_destroy(ref);
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(q);
+}
+
 /* ---- running out of memory during an epoch ------------------------------------------- */
 
 /* The CPU's table, which fit then feeds as it feeds a GPU (pinned
@@ -257,6 +326,7 @@ int main(void) {
     mpt_context_create(&d, &ctx);
     make_blobs();
     TEST_RUN(test_build_halves_to_what_fits);
+    TEST_RUN(test_allocator_refusing_large_blocks);
     TEST_RUN(test_step_halves_mid_epoch);
     TEST_RUN(test_peak_in_summary);
     mpt_context_destroy(ctx);

@@ -174,8 +174,8 @@
        @layers       layer descriptors and the sequential model
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
-       @training     compile, fit, evaluate, predict, summary, history and its
-                     SVG plot
+       @training     compile, fit (its profiler, its out-of-memory recovery),
+                     evaluate, predict, summary, history and its SVG plot
        @data         datasets: caller arrays, IDX files
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger,
                      TensorBoard
@@ -212,6 +212,8 @@
        @impl-training     the training loop, evaluate, predict, summary, history,
                           the end-of-fit summary, the history's SVG plot
        @impl-callbacks    the callbacks of @callbacks
+       @impl-profiler     fit's profile_batch: steps timed piece by piece, a
+                          Chrome trace, the per-layer table
        @impl-safetensors  the file format: dtypes, byte order, the JSON header
        @impl-checkpoints  the model in a file: what is saved, staging, loading
        @impl-strategy     replicas in this process, workers over MPI
@@ -782,10 +784,20 @@ typedef struct mpt_memory_report {
     int64_t workspace;     /* scratch the layers share                       */
     int64_t total;         /* the sum of the six                             */
     int64_t limit;         /* the model's memory_limit; 0: none              */
+    int64_t host;          /* mpt_model_memory_peak only (else 0): the most
+                              host memory the context held through its
+                              allocator (batches, staging, history; on the
+                              CPU backend the six categories' too)          */
 } mpt_memory_report;
 
 /* Fills *out; MPT_ERR_STATE before build. */
 MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out);
+/* The most each category held during the last fit, from its start to its
+   end: more than mpt_model_memory's when fit halved its batch after
+   running out of memory (the larger plan's), or profiled (its records are
+   workspace); and `host`, the context's peak host bytes. MPT_ERR_STATE
+   before a fit. */
+MPTDEF mpt_status mpt_model_memory_peak(const mpt_model *m, mpt_memory_report *out);
 /* The policy's Keras name: "float32", "mixed_float16", "mixed_bfloat16";
    "?" if unknown. */
 MPTDEF const char *mpt_policy_name(mpt_policy policy);
@@ -970,7 +982,36 @@ typedef struct mpt_fit_desc {
     const mpt_callback *callbacks;      /* default none                        */
     int n_callbacks;
     mpt_printer printer;                /* default stdout                      */
+    /* The profiler, Keras' profile_batch: steps first..last (inclusive),
+       counted from 1 at the start of this fit and on across its epochs, as
+       Keras counts its train batches. Each of those steps is timed layer by
+       layer (see mpt_model_fit) and written to profile_dir as a Chrome
+       trace. A pair that is not 1 <= first <= last, or that reaches past
+       the run's epochs · steps per epoch, is refused before training
+       (Keras raises on the first and silently profiles nothing on the
+       second); so is a model under a strategy. */
+    int64_t profile_batch[2];           /* default {0, 0}: no profiling       */
+    const char *profile_dir;            /* required with profile_batch; made
+                                           with its parents (mkdir -p)       */
+    int profile_fail_on_error;          /* default 0: a trace that cannot be
+                                           written is a warning and training
+                                           goes on; 1: fit stops, MPT_ERR_IO  */
+    /* Out-of-memory recovery (Keras users catch ResourceExhaustedError and
+       halve the batch): MPT_OOM_HALVE_BATCH makes fit, when building the
+       model or preparing or running a step fails with
+       MPT_ERR_OUT_OF_MEMORY, halve the batch (not below min_batch_size),
+       plan the model's memory again for it and go on from the sample it
+       had reached, keeping the weights, the optimizer state and the
+       epoch's tallies; each halving is logged as a warning and printed. */
+    int on_out_of_memory;               /* default MPT_OOM_FAIL              */
+    int64_t min_batch_size;             /* default 0: 1                       */
 } mpt_fit_desc;
+
+/* mpt_fit_desc.on_out_of_memory. */
+enum {
+    MPT_OOM_FAIL = 0,          /* fit returns MPT_ERR_OUT_OF_MEMORY            */
+    MPT_OOM_HALVE_BATCH = 1    /* halve the batch down to min_batch_size       */
+};
 
 /* Trains on `train` (builds the model for batch_size first if it is not
    built). Shuffling follows the model's seed and the epoch, so a run is
@@ -979,7 +1020,21 @@ typedef struct mpt_fit_desc {
    stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
    names the epoch and the first such weight's layer, tensor and element.
    With verbose >= 1, fit ends with a summary of the run: time, samples/s,
-   the mean step's parts, the loss scale's changes and the skipped steps. */
+   the mean step's parts, the loss scale's changes and the skipped steps.
+   Profiling (profile_batch): each profiled step's layers are timed one by
+   one, forward, loss, backward, the gradients' check, each layer's update
+   and the loss-scale bookkeeping (on a GPU by events on its queue, read
+   once after the last profiled step; on the CPU by the monotonic clock),
+   with the step's data wait and host work, its loss and loss scale. The
+   trace goes to profile_dir/plugins/profile/<run>/<host>.trace.json (and
+   .trace.json.gz where zlib is built in, the file TensorBoard's profile
+   plugin reads), <run> the date and time ("2026_11_23_17_05_09"), as a
+   JSON array of Chrome trace events ({"name", "ph": "X", "ts", "dur",
+   "pid", "tid", "args"}, microseconds) that Perfetto and chrome://tracing
+   open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
+   as <host>.layers.txt and, with verbose >= 1, to the printer at the end.
+   Profiled steps run as they are queued, never replayed from a recorded
+   CUDA graph; with profiling off a step is unchanged. */
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
                                 const mpt_fit_desc *desc);
 
@@ -1404,7 +1459,10 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
    - Every slot is required except these, NULL where a backend has nothing
      to offer: gemm_plan (no algorithms to choose between) and the
      collectives comm_id, comm_create, comm_destroy, allreduce_sum and
-     comm_error (all five or none: no replicas on other devices). A table
+     comm_error (all five or none: no replicas on other devices), and the
+     timer's timer_create, timer_mark, timer_read and timer_free (all four
+     or none: the profiler then times the calls by the host's clock, right
+     where compute runs as it is called, as on the CPU). A table
      is filled member by member, by name, so that a member added here
      cannot shift the others. */
 
@@ -1619,6 +1677,16 @@ typedef struct mpt_backend {
        be queued. */
     mpt_status (*allreduce_sum)(void *comm, float *const *bufs, int64_t count);
     const char *(*comm_error)(void *comm);
+
+    /* -- timing markers for the profiler, NULL where the backend has none
+       (the CUDA backend's are events). timer_mark queues marker `index`
+       (0 .. count − 1) on the compute queue: it takes the time when the
+       queue reaches it, and nothing waits. timer_read waits for marker
+       count − 1 and gives every marker's time in seconds after marker 0. */
+    mpt_status (*timer_create)(void *impl, int count, void **timer);
+    void (*timer_mark)(void *impl, void *timer, int index);
+    mpt_status (*timer_read)(void *impl, void *timer, int count, double *seconds);
+    void (*timer_free)(void *impl, void *timer);
 } mpt_backend;
 
 #define MPT_COMM_ID_BYTES 128
@@ -1893,6 +1961,7 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
 #include <sys/time.h>
 #include <sys/types.h>
 #include <sys/utsname.h> /* TensorBoard's file names: the host */
+#include <time.h>        /* the profiler's clock and its run's name */
 #include <unistd.h>
 #ifndef MPT_NO_ZLIB
 #include <zlib.h> /* gzip-compressed IDX files */
@@ -1990,6 +2059,8 @@ struct mpt_context {
     void **scratch;             /* [num_threads] × MPT__THREAD_SCRATCH_BYTES */
     mpt_context_desc desc;      /* as given: a strategy opens the other GPUs so */
     char error[1024];
+    int64_t host_bytes;         /* held through mpt__alloc now            */
+    int64_t host_peak;          /* their most since fit last reset it      */
 };
 
 static void *mpt__default_alloc(void *user, size_t bytes, size_t alignment) {
@@ -2014,9 +2085,35 @@ static void mpt__default_free(void *user, void *ptr) {
     free(raw);
 }
 
+/* The host bytes a context holds, and their peak (fit's memory report).
+   Counted atomically where the compiler can: replicas may allocate from
+   their own threads. */
+static void mpt__count_host(const mpt_context *ctx, int64_t delta) {
+    mpt_context *c = (mpt_context *)ctx; /* bookkeeping, not the context's meaning */
+#if defined(__GNUC__) || defined(__clang__)
+    int64_t now = __atomic_add_fetch(&c->host_bytes, delta, __ATOMIC_RELAXED);
+    int64_t peak = __atomic_load_n(&c->host_peak, __ATOMIC_RELAXED);
+    while (now > peak && !__atomic_compare_exchange_n(&c->host_peak, &peak, now, 1,
+                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+#else
+    c->host_bytes += delta;
+    if (c->host_bytes > c->host_peak) c->host_peak = c->host_bytes;
+#endif
+}
+
+/* Every block carries its size in the MPT__ALIGN bytes before it, so that
+   mpt__free can count it off. */
 static void *mpt__alloc(const mpt_context *ctx, size_t bytes) {
+    unsigned char *p;
     if (bytes == 0) bytes = 1;
-    return ctx->allocator.alloc(ctx->allocator.user_data, bytes, MPT__ALIGN);
+    if (bytes > SIZE_MAX - MPT__ALIGN) return NULL;
+    p = (unsigned char *)ctx->allocator.alloc(ctx->allocator.user_data, bytes + MPT__ALIGN,
+                                              MPT__ALIGN);
+    if (!p) return NULL;
+    memcpy(p, &bytes, sizeof bytes);
+    mpt__count_host(ctx, (int64_t)bytes);
+    return p + MPT__ALIGN;
 }
 
 static void *mpt__calloc(const mpt_context *ctx, size_t bytes) {
@@ -2026,7 +2123,13 @@ static void *mpt__calloc(const mpt_context *ctx, size_t bytes) {
 }
 
 static void mpt__free(const mpt_context *ctx, void *ptr) {
-    if (ptr) ctx->allocator.free(ctx->allocator.user_data, ptr);
+    unsigned char *p;
+    size_t bytes;
+    if (!ptr) return;
+    p = (unsigned char *)ptr - MPT__ALIGN;
+    memcpy(&bytes, p, sizeof bytes);
+    mpt__count_host(ctx, -(int64_t)bytes);
+    ctx->allocator.free(ctx->allocator.user_data, p);
 }
 
 static void mpt__log(const mpt_context *ctx, mpt_log_level level, const char *fmt, ...) {
@@ -4842,6 +4945,9 @@ struct mpt_model {
     uint64_t step;                       /* training steps taken; keys dropout */
     void *arena[MPT__MEM_COUNT_];
     int64_t arena_bytes[MPT__MEM_COUNT_];
+    int64_t memory_peak[MPT__MEM_COUNT_]; /* the most arena_bytes during fit */
+    int64_t host_peak;                   /* the context's, during fit; −1:
+                                            no fit yet                       */
     void *grad_buf[2];                   /* ping-pong activation gradients */
     void *input_buf[2];                  /* (max_batch, in) batches copied in from
                                             the host (two: one is filled while
@@ -5026,6 +5132,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
     if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
+    m->host_peak = -1;
     m->be = mpt_context_backend(ctx, &m->impl);
     m->desc = *desc;
     m->strategy = desc->strategy;
@@ -5465,16 +5572,24 @@ MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
     return m ? m->desc.policy : MPT_POLICY_FLOAT32;
 }
 
-MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
-    const int64_t *b;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
-    memset(out, 0, sizeof *out);
-    out->limit = m->desc.memory_limit;
-    if (!m->built)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
-                         "plans its memory)");
-    b = m->arena_bytes;
+/* Raises the peaks to what the model holds now, `extra` bytes of
+   workspace besides (the profiler's records). */
+static void mpt__memory_peak_note(mpt_model *m, int64_t extra_workspace) {
+    int i;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        int64_t held = m->arena_bytes[i] + (i == MPT__MEM_WORKSPACE ? extra_workspace : 0);
+        m->memory_peak[i] = MPT__MAX(m->memory_peak[i], held);
+    }
+}
+
+/* fit's start: the peaks start from what is held now. */
+static void mpt__memory_peak_reset(mpt_model *m) {
+    memset(m->memory_peak, 0, sizeof m->memory_peak);
+    mpt__memory_peak_note(m, 0);
+    m->ctx->host_peak = m->ctx->host_bytes;
+}
+
+static void mpt__memory_report_fill(const int64_t *b, mpt_memory_report *out) {
     out->parameters = b[MPT__MEM_PARAMS];
     out->gradients = b[MPT__MEM_GRADS];
     out->optimizer = b[MPT__MEM_OPTIMIZER];
@@ -5483,6 +5598,30 @@ MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
     out->workspace = b[MPT__MEM_WORKSPACE];
     out->total = out->parameters + out->gradients + out->optimizer + out->weight_copies +
                  out->activations + out->workspace;
+}
+
+MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
+    memset(out, 0, sizeof *out);
+    out->limit = m->desc.memory_limit;
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
+                         "plans its memory)");
+    mpt__memory_report_fill(m->arena_bytes, out);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_memory_peak(const mpt_model *m, mpt_memory_report *out) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory_peak: NULL out");
+    memset(out, 0, sizeof *out);
+    out->limit = m->desc.memory_limit;
+    if (m->host_peak < 0)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory_peak: no fit yet (the peaks are "
+                         "a fit's)");
+    mpt__memory_report_fill(m->memory_peak, out);
+    out->host = m->host_peak;
     return MPT_OK;
 }
 
@@ -10672,7 +10811,7 @@ typedef struct mpt__fit_totals {
 
 typedef struct mpt__fit_run {
     mpt_model *m;
-    const mpt_fit_desc *d;
+    mpt_fit_desc *d;             /* batch_size: halved on running out of memory */
     const mpt_dataset *train, *val;
     int64_t n, steps;            /* samples and batches per epoch */
     int64_t *order;              /* (n) this epoch's sample order */
@@ -10681,9 +10820,24 @@ typedef struct mpt__fit_run {
     mpt__feed feed;              /* a model on a GPU: its uploads  */
     int64_t *mine;               /* (n) with several workers: this one's share */
     int64_t step;                /* the epoch's next global batch  */
+    int64_t done;                /* samples the epoch's steps have taken */
     int64_t rows, global_rows;   /* of the batch fit_take gave      */
     mpt__fit_totals totals;      /* for the summary after the last epoch */
+    struct mpt__profile *profile;  /* profile_batch's, until its range is
+                                      written; NULL: steps are not timed */
+    struct mpt__profile *profiled; /* then: its table, for fit's end     */
 } mpt__fit_run;
+
+/* In @impl-profiler. */
+typedef struct mpt__profile mpt__profile;
+static mpt_status mpt__profile_open(mpt_model *m, const mpt_fit_desc *d, int64_t run_steps,
+                                    mpt__profile **out);
+static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
+                                 mpt__step_times *times, mpt_status *s);
+static void mpt__profile_loop_end(mpt__fit_run *r);
+static mpt_status mpt__profile_write_pending(mpt__fit_run *r);
+static mpt_status mpt__profile_close(mpt__fit_run *r, int verbose);
+static void mpt__profile_free(mpt__profile *P);
 
 static void mpt__fit_totals_add(mpt__fit_totals *t, int64_t steps, int64_t samples,
                                 double seconds, const mpt__step_times *times);
@@ -10753,6 +10907,152 @@ static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
     return mpt__feed_step(m, &r->feed, b, times);
 }
 
+/* ---- out of memory: the batch halved, the memory planned again ------------------- */
+
+/* What fit holds for its batches: the loader and, on a GPU, the pinned
+   staging and the GEMMs planned for the batch size. */
+static mpt_status mpt__fit_open_batches(mpt__fit_run *r) {
+    mpt_model *m = r->m;
+    int workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
+    mpt_status s = mpt__loader_create(m->ctx, r->train, r->d->batch_size / workers,
+                                      m->layers[0].dtype, &r->loader);
+    if (s == MPT_OK) s = mpt__feed_open(m, &r->feed);
+    if (s == MPT_OK && r->feed.on && !m->strategy)
+        s = mpt__plan_gemms(m, MPT__MIN(r->d->batch_size, r->n));
+    return s;
+}
+
+static void mpt__fit_close_batches(mpt__fit_run *r) {
+    mpt__feed_close(r->m, &r->feed);
+    mpt__loader_destroy(r->loader);
+    r->loader = NULL;
+}
+
+/* Whether fit may answer a failure `s` by halving its batch. */
+static int mpt__fit_may_halve(const mpt_model *m, const mpt_fit_desc *d, mpt_status s) {
+    int64_t min = d->min_batch_size > 0 ? d->min_batch_size : 1;
+    return s == MPT_ERR_OUT_OF_MEMORY && d->on_out_of_memory == MPT_OOM_HALVE_BATCH &&
+           !m->strategy && d->batch_size > min;
+}
+
+/* The next batch size down: half, not below the minimum. */
+static int64_t mpt__fit_halved(const mpt_fit_desc *d) {
+    int64_t min = d->min_batch_size > 0 ? d->min_batch_size : 1;
+    return MPT__MAX(d->batch_size / 2, min);
+}
+
+static void mpt__fit_log_halving(mpt_model *m, const mpt_fit_desc *d, int64_t to,
+                                 const char *when) {
+    char why[sizeof m->ctx->error];
+    snprintf(why, sizeof why, "%s", m->ctx->error);
+    mpt__log(m->ctx, MPT_LOG_WARNING, "fit: out of memory %s at batch_size %lld (%s); halving "
+             "the batch to %lld", when, (long long)d->batch_size, why, (long long)to);
+    if (d->verbose)
+        mpt__print(m, "Out of memory %s at batch_size %lld: continuing with batch_size %lld\n",
+                   when, (long long)d->batch_size, (long long)to);
+}
+
+/* Builds a built model again for batches of max_batch (a smaller one:
+   its activations and workspace shrink), keeping every parameter's value,
+   the optimizer's slots and the backend's training record (the step
+   counters, the loss scale and the epoch's tallies). On failure the model
+   is built again at `fallback`, the batch it had, so nothing is lost. */
+static mpt_status mpt__model_replan(mpt_model *m, int64_t max_batch, int64_t fallback) {
+    size_t floats = 0, at = 0;
+    float *saved;
+    mpt_step_state record;
+    mpt_status s = MPT_OK, rebuilt;
+    int i, k;
+    for (i = 0; i < m->n_params; i++)
+        floats += (size_t)m->params[i].count * (1 + (m->params[i].trainable ? (size_t)m->n_slots : 0));
+    saved = (float *)mpt__alloc(m->ctx, sizeof(float) * (floats ? floats : 1));
+    if (!saved) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory saving the "
+                                 "weights to plan a smaller batch");
+    for (i = 0; s == MPT_OK && i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        size_t bytes = sizeof(float) * (size_t)P->count;
+        s = mpt__download(m, saved + at, P->value, bytes);
+        at += (size_t)P->count;
+        for (k = 0; s == MPT_OK && P->trainable && k < m->n_slots; k++, at += (size_t)P->count)
+            s = mpt__download(m, saved + at, P->slot[k], bytes);
+    }
+    if (s == MPT_OK) s = mpt__download(m, &record, m->state, sizeof record);
+    if (s != MPT_OK) {
+        mpt__free(m->ctx, saved);
+        return s;
+    }
+    mpt__free_update_args(m);
+    mpt__free_arenas(m);
+    m->built = 0;
+    m->planned_batch = 0;
+    s = rebuilt = mpt__build_one(m, max_batch);
+    if (rebuilt != MPT_OK) rebuilt = mpt__build_one(m, fallback);
+    for (i = 0, at = 0; rebuilt == MPT_OK && i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        size_t bytes = sizeof(float) * (size_t)P->count;
+        if (rebuilt == MPT_OK) rebuilt = mpt__upload(m, P->value, saved + at, bytes);
+        at += (size_t)P->count;
+        for (k = 0; rebuilt == MPT_OK && P->trainable && k < m->n_slots; k++, at += (size_t)P->count)
+            rebuilt = mpt__upload(m, P->slot[k], saved + at, bytes);
+    }
+    if (rebuilt == MPT_OK) rebuilt = mpt__upload(m, m->state, &record, sizeof record);
+    if (rebuilt == MPT_OK) mpt_model_refresh_weights(m);
+    mpt__free(m->ctx, saved);
+    return s != MPT_OK ? s : rebuilt;
+}
+
+/* After running out of memory with `done` samples of the epoch trained
+   (−1: before the first epoch): the batch halved (again while even that
+   does not fit, down to the minimum), the model planned for it, and the
+   epoch's order taken up from sample `done`. */
+static mpt_status mpt__fit_halve(mpt__fit_run *r, int64_t done, const char *when) {
+    mpt_model *m = r->m;
+    mpt_status s = MPT_ERR_OUT_OF_MEMORY;
+    int64_t had = m->max_batch;
+    mpt__fit_close_batches(r);
+    while (mpt__fit_may_halve(m, r->d, s)) {
+        int64_t to = mpt__fit_halved(r->d);
+        mpt__fit_log_halving(m, r->d, to, when);
+        r->d->batch_size = to;
+        s = mpt__model_replan(m, to, had);
+        mpt__memory_peak_note(m, 0);
+        if (s == MPT_OK) s = mpt__fit_open_batches(r);
+        if (s != MPT_OK) mpt__fit_close_batches(r);
+        when = "planning the smaller batch";
+    }
+    if (s != MPT_OK) return s;
+    if (done >= 0) {
+        mpt_tensor x, y;
+        mpt__loader_start_epoch(r->loader, r->order + done, r->n - done, r->d->batch_size);
+        if (r->feed.on && mpt__fit_take(r, &x, &y))
+            s = mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows);
+    }
+    return s;
+}
+
+/* A failure of the epoch's steps answered, where fit may, by halving. */
+static mpt_status mpt__fit_recover(mpt__fit_run *r, mpt_status s, int64_t done) {
+    while (mpt__fit_may_halve(r->m, r->d, s)) s = mpt__fit_halve(r, done, "running a step");
+    return s;
+}
+
+/* The epoch's next batch and its step; 0 at the epoch's end. */
+static int mpt__fit_next_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
+                              mpt__step_times *times, mpt_status *s) {
+    mpt_model *m = r->m;
+    int64_t rows;
+    if (!mpt__fit_next(r, x, y)) return 0;
+    rows = r->feed.on ? r->feed.slot[0].x[1 - r->feed.next].shape[0] : x->shape[0];
+    if (r->feed.on)
+        *s = mpt__fit_feed_step(r, times);
+    else if (m->strategy)
+        *s = mpt__replicated_step(m, x, y, r->rows, r->global_rows, times);
+    else
+        *s = mpt__train_step(m, x, y, times);
+    if (*s == MPT_OK) r->done += rows;
+    return 1;
+}
+
 /* One epoch: every batch, then validation; fills the epoch's logs. */
 static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int *stop) {
     mpt_model *m = r->m;
@@ -10772,20 +11072,24 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     memset(logs, 0, sizeof *logs);
     if (d->verbose) mpt__print(m, "Epoch %d/%d\n", epoch + 1, d->epochs);
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
+    r->steps = (r->n + d->batch_size - 1) / d->batch_size;
+    r->done = 0;
     mpt__fit_start_epoch(r);
     MPT__CHECK(mpt__state_push(m));
     if (r->feed.on && mpt__fit_take(r, &x, &y))
-        MPT__CHECK(mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows));
-    while (s == MPT_OK && !*stop && mpt__fit_next(r, &x, &y)) {
+        s = mpt__fit_recover(r, mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows),
+                             0);
+    while (s == MPT_OK && !*stop) {
         mpt_logs batch_logs;
         int print = live_bar && mpt__now() - last_print > 0.1;
-        if (r->feed.on)
-            s = mpt__fit_feed_step(r, &times);
-        else if (m->strategy)
-            s = mpt__replicated_step(m, &x, &y, r->rows, r->global_rows, &times);
-        else
-            s = mpt__train_step(m, &x, &y, &times);
-        if (s != MPT_OK) break;
+        int more = r->profile ? mpt__profile_fit_step(r, &x, &y, &times, &s)
+                              : mpt__fit_next_step(r, &x, &y, &times, &s);
+        if (more && s != MPT_OK && mpt__fit_may_halve(m, d, s)) {
+            s = mpt__fit_recover(r, s, r->done); /* this step again, on a smaller batch */
+            r->steps = batch + (r->n - r->done + d->batch_size - 1) / d->batch_size;
+            continue;
+        }
+        if (!more || s != MPT_OK) break;
         batch++;
         /* The running values are read back only when someone looks at
            them: on a GPU each read waits for the queued steps. */
@@ -10800,9 +11104,11 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
             last_print = mpt__now();
         }
     }
+    if (r->profile) mpt__profile_loop_end(r);
     if (s != MPT_OK) return s;
     MPT__CHECK(mpt__training_tally(m, &tally));
     seconds = mpt__now() - start;
+    MPT__CHECK(mpt__profile_write_pending(r));
     mpt__tally_logs(m, &tally, 0, logs);
     if (r->val) {
         mpt__tally vt;
@@ -10952,7 +11258,16 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (desc) d = *desc; /* NULL: every default */
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
-    MPT__CHECK(mpt__fit_check(m, train, &d));
+    s = mpt__fit_check(m, train, &d);
+    while (!m->built && mpt__fit_may_halve(m, &d, s)) { /* building failed: no state to keep */
+        int64_t to = mpt__fit_halved(&d);
+        m->printer = d.printer; /* the message goes where fit's output goes */
+        mpt__fit_log_halving(m, &d, to, "building the model");
+        d.batch_size = to;
+        s = mpt__fit_check(m, train, &d);
+    }
+    MPT__CHECK(s);
+    mpt__memory_peak_reset(m);
     workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
     if (!mpt__strategy_is_chief(m->strategy)) d.verbose = 0; /* worker 0 prints */
     memset(&r, 0, sizeof r);
@@ -10985,17 +11300,16 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         r.mine = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n);
         if (!r.mine) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
     }
-    if (s == MPT_OK) s = mpt__loader_create(m->ctx, r.train, d.batch_size / workers,
-                                            m->layers[0].dtype, &r.loader);
-    if (s == MPT_OK) s = mpt__feed_open(m, &r.feed);
-    if (s == MPT_OK && r.feed.on && !m->strategy)
-        s = mpt__plan_gemms(m, MPT__MIN(d.batch_size, r.n));
+    if (s == MPT_OK) s = mpt__fit_open_batches(&r);
+    if (mpt__fit_may_halve(m, &d, s)) s = mpt__fit_halve(&r, -1, "preparing the batches");
     if (s == MPT_OK && m->strategy && mpt__model_device(m) != MPT_DEVICE_CPU) {
         int64_t share = MPT__MIN(d.batch_size, r.n) / mpt__strategy_total(m->strategy);
         for (i = 0; s == MPT_OK && i < m->n_replicas && share > 0; i++) /* each its device */
             s = mpt__plan_gemms(m->replica[i], share);
     }
     if (s == MPT_OK) s = mpt__exchange_open(m);
+    if (s == MPT_OK)
+        s = mpt__profile_open(m, &d, (int64_t)(d.epochs - d.initial_epoch) * r.steps, &r.profile);
     if (s == MPT_OK) {
         m->printer = d.printer;
         mpt__set_emit_logits(m, mpt__can_fuse_softmax(m));
@@ -11013,11 +11327,13 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
         MPT__EACH_CALLBACK(&d, on_epoch_end, m, epoch, &logs, &stop);
     }
     if (s == MPT_OK) MPT__EACH_CALLBACK(&d, on_train_end, m, &logs);
+    m->host_peak = m->ctx->host_peak;
     if (s == MPT_OK && d.verbose) mpt__fit_print_summary(m, &r.totals);
+    if (s == MPT_OK) s = mpt__profile_close(&r, d.verbose);
+    mpt__profile_free(r.profile ? r.profile : r.profiled);
     mpt__set_emit_logits(m, 0);
-    mpt__feed_close(m, &r.feed);
     mpt__exchange_free(m);
-    mpt__loader_destroy(r.loader);
+    mpt__fit_close_batches(&r);
     mpt__free(m->ctx, r.order);
     mpt__free(m->ctx, r.mine);
     mpt_dataset_destroy(head);
@@ -11240,6 +11556,23 @@ static void mpt__format_ms(char *buf, size_t size, double ms) {
     snprintf(buf, size, ms >= 100 ? "%.1fms" : "%.3gms", ms);
 }
 
+/* "Memory peak: parameters 1.2 MiB - ... - host 8.0 MiB": each
+   category's most during fit (mpt_model_memory_peak). */
+static void mpt__fit_print_memory_peak(const mpt_model *m) {
+    mpt_memory_report p;
+    char text[512], a[32];
+    size_t used = 0;
+    int i;
+    const int64_t *b = m->memory_peak;
+    if (mpt_model_memory_peak(m, &p) != MPT_OK) return;
+    text[0] = 0;
+    for (i = 0; i < MPT__MEM_COUNT_; i++)
+        mpt__append(text, sizeof text, &used, "%s%s %s", i ? " - " : "", mpt__memory_category[i],
+                    mpt__bytes_text(a, sizeof a, (double)b[i]));
+    mpt__append(text, sizeof text, &used, " - host %s", mpt__bytes_text(a, sizeof a, (double)p.host));
+    mpt__print(m, "Memory peak: %s\n", text);
+}
+
 static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t) {
     const mpt_loss_scale_desc *ls = &m->compile.loss_scale;
     double steps = t->steps > 0 ? (double)t->steps : 1;
@@ -11271,6 +11604,7 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
                    (long long)skipped);
     else
         mpt__print(m, "Loss scale: none - skipped steps: %lld\n", (long long)skipped);
+    mpt__fit_print_memory_peak(m);
 }
 
 /* ---- the history as an SVG plot ------------------------------------------------------------
@@ -13478,6 +13812,711 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
     }
     memset(cb, 0, sizeof *cb);
 }
+/* =============================================================================
+   @impl-profiler  fit's profile_batch: the steps of a range timed piece by
+   piece, written as a Chrome trace, and a table of the layers' times
+   =============================================================================
+
+   A profiled step runs the same calls in the same order as any other step
+   (mpt__queue_step), with a marker after each piece: every layer's
+   forward, the loss, every layer's backward, the gradients' check, every
+   layer's update, and the loss-scale bookkeeping with the layers' commit.
+   The update, one fused call over every parameter in an ordinary step,
+   runs layer by layer here: each layer's call reads a copy of the step's
+   record (so each sees the same optimizer step, loss scale and gradient
+   norm) and the last copy, one optimizer step on, goes back; every weight
+   comes out bit for bit as the fused call leaves it. On a backend with a
+   timer (CUDA: events) the markers are queued with the work and read once
+   after the last profiled step; elsewhere the host's monotonic clock reads
+   them as the calls return, which on the CPU is when the work is done.
+
+   The host's side of each step is timed too, by the same clock: the data
+   wait (the batch fetched, or on a GPU the next one loaded and its copy
+   started), the calls that queue the step, and the host work after it
+   (callbacks, the progress bar, reading the metrics back) up to the next
+   step's fetch. The backend's record of the training scalars is copied
+   aside before and after each step (on its queue, nothing waits), so the
+   trace gives each step's own loss and loss scale. */
+
+/* The pieces of a step, in the order a step runs them. */
+enum {
+    MPT__PROF_BEGIN = 0,     /* the step's first marker */
+    MPT__PROF_FORWARD,
+    MPT__PROF_LOSS,
+    MPT__PROF_BACKWARD,
+    MPT__PROF_GRAD_CHECK,
+    MPT__PROF_UPDATE,
+    MPT__PROF_LOSS_SCALE
+};
+
+static const char *const mpt__profile_piece[] = {"step", "forward", "loss", "backward",
+                                                 "gradient check", "update", "loss scale"};
+
+/* One profiled step, host times in seconds of mpt__profile_clock. */
+typedef struct mpt__profile_step {
+    int64_t step;            /* 1-based over the fit, as profile_batch counts */
+    int epoch;               /* 0-based                                 */
+    int64_t rows;            /* the batch's                             */
+    int first_mark, n_marks; /* its markers in the profile's arrays     */
+    double begin;            /* its batch asked for                     */
+    double data_end;         /* the batch ready (and the next one started on a GPU) */
+    double queued;           /* the step's calls returned               */
+    double end;              /* the next fetch begins: host work done   */
+} mpt__profile_step;
+
+struct mpt__profile {
+    mpt_model *m;
+    int64_t first, last;     /* profile_batch                           */
+    int64_t step;            /* steps fit has begun                     */
+    int fail_on_error;
+    int open;                /* the last step's host work not yet ended  */
+    int written;             /* finished: the files written (or refused) */
+    char *dir;               /* profile_dir                             */
+    int n_steps, max_steps;
+    mpt__profile_step *steps;    /* (max_steps)                         */
+    int n_marks, max_marks;
+    unsigned char *piece;        /* (max_marks) what ends at each marker */
+    int *layer;                  /* (max_marks) whose piece, or −1      */
+    double *seconds;             /* (max_marks) each marker's time       */
+    void *timer;                 /* the backend's, or NULL: host clock  */
+    double timer_zero;           /* the host's clock at marker 0        */
+    mpt_step_state *records;     /* backend memory: (2·max_steps + 1) the
+                                    record before and after each step, then
+                                    the layer-by-layer update's copy    */
+    mpt_step_state *host_records; /* (2·max_steps) read back             */
+    char run_dir[MPT__CB_PATH_MAX];  /* where the files went            */
+    char *table;                 /* the per-layer table, once written    */
+};
+
+/* Seconds on a clock that never steps back (CLOCK_MONOTONIC where the
+   headers declare it, as under _POSIX_C_SOURCE; else the time of day). */
+static double mpt__profile_clock(void) {
+#if defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#endif
+    return mpt__now();
+}
+
+/* ---- opening: the range checked against the run, the buffers taken -------- */
+
+static void mpt__profile_free(mpt__profile *P) {
+    mpt_model *m;
+    if (!P) return;
+    m = P->m;
+    if (P->timer) m->be->timer_free(m->impl, P->timer);
+    if (P->records) m->be->free(m->impl, MPT__MEM_WORKSPACE, P->records);
+    mpt__free(m->ctx, P->host_records);
+    mpt__free(m->ctx, P->steps);
+    mpt__free(m->ctx, P->piece);
+    mpt__free(m->ctx, P->layer);
+    mpt__free(m->ctx, P->seconds);
+    mpt__free(m->ctx, P->dir);
+    mpt__svg_free(m->ctx, P->table);
+    mpt__free(m->ctx, P);
+}
+
+/* Refuses a range that is not 1 <= first <= last, one past the run (epochs
+   · steps per epoch), a missing directory or a strategy. */
+static mpt_status mpt__profile_check(mpt_model *m, const mpt_fit_desc *d, int64_t run_steps) {
+    int64_t first = d->profile_batch[0], last = d->profile_batch[1];
+    if (first < 1 || last < first)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: profile_batch {%lld, %lld} is not a range of steps 1 <= first "
+                         "<= last ({0, 0}: no profiling)", (long long)first, (long long)last);
+    if (last > run_steps)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: profile_batch {%lld, %lld} reaches past the run's %lld steps "
+                         "(steps count from 1 over all the fit's epochs)",
+                         (long long)first, (long long)last, (long long)run_steps);
+    if (!d->profile_dir || !d->profile_dir[0])
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: profile_batch is set but profile_dir is %s",
+                         d->profile_dir ? "empty" : "NULL");
+    if (strlen(d->profile_dir) > MPT__CB_PATH_MAX - 512)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: profile_dir has %zu characters, more than %d",
+                         strlen(d->profile_dir), MPT__CB_PATH_MAX - 512);
+    if (m->strategy)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "fit: profile_batch is not supported under a strategy (profile a "
+                         "single replica)");
+    return MPT_OK;
+}
+
+/* The markers one step needs at most: its first, then a forward and a
+   backward and an update per layer, the loss, the check, the scale. */
+static int mpt__profile_marks_per_step(const mpt_model *m) { return 3 * m->n_layers + 4; }
+
+/* A profiler for fit's run of run_steps steps, or *out NULL when the
+   descriptor asks for none. */
+static mpt_status mpt__profile_open(mpt_model *m, const mpt_fit_desc *d, int64_t run_steps,
+                                    mpt__profile **out) {
+    mpt__profile *P;
+    int64_t steps;
+    int err;
+    *out = NULL;
+    if (d->profile_batch[0] == 0 && d->profile_batch[1] == 0) return MPT_OK;
+    MPT__CHECK(mpt__profile_check(m, d, run_steps));
+    err = mpt__tb_mkdirs(d->profile_dir);
+    if (!err && access(d->profile_dir, W_OK | X_OK) != 0) err = errno;
+    if (err && d->profile_fail_on_error)
+        return mpt__fail(m->ctx, MPT_ERR_IO, "fit: profile_dir \"%s\" cannot be created or "
+                         "written to: %s", d->profile_dir, strerror(err));
+    if (err) {
+        mpt__log(m->ctx, MPT_LOG_WARNING, "fit: profile_dir \"%s\" cannot be created or written "
+                 "to: %s; training goes on without profiling", d->profile_dir, strerror(err));
+        return MPT_OK;
+    }
+    steps = d->profile_batch[1] - d->profile_batch[0] + 1;
+    if (steps > INT_MAX / (3 * m->n_layers + 4))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: profile_batch {%lld, %lld}: %lld steps are too many to profile",
+                         (long long)d->profile_batch[0], (long long)d->profile_batch[1],
+                         (long long)steps);
+    P = (mpt__profile *)mpt__calloc(m->ctx, sizeof *P);
+    if (!P) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory for the profiler");
+    P->m = m;
+    P->first = d->profile_batch[0];
+    P->last = d->profile_batch[1];
+    P->fail_on_error = d->profile_fail_on_error != 0;
+    P->max_steps = (int)steps;
+    P->max_marks = P->max_steps * mpt__profile_marks_per_step(m);
+    P->dir = mpt__cb_strdup(m->ctx, d->profile_dir);
+    P->steps = (mpt__profile_step *)mpt__calloc(m->ctx, sizeof *P->steps * (size_t)steps);
+    P->piece = (unsigned char *)mpt__calloc(m->ctx, (size_t)P->max_marks);
+    P->layer = (int *)mpt__calloc(m->ctx, sizeof(int) * (size_t)P->max_marks);
+    P->seconds = (double *)mpt__calloc(m->ctx, sizeof(double) * (size_t)P->max_marks);
+    P->host_records = (mpt_step_state *)mpt__calloc(m->ctx, sizeof(mpt_step_state) * 2 *
+                                                                (size_t)steps);
+    if (!P->dir || !P->steps || !P->piece || !P->layer || !P->seconds || !P->host_records) {
+        mpt__profile_free(P);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory for the profiler");
+    }
+    if (m->be->alloc(m->impl, MPT__MEM_WORKSPACE, sizeof(mpt_step_state) * (2 * (size_t)steps + 1),
+                     (void **)&P->records) != MPT_OK ||
+        (m->be->timer_create &&
+         m->be->timer_create(m->impl, P->max_marks, &P->timer) != MPT_OK)) {
+        mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: the profiler's buffers: %s",
+                                 m->be->error(m->impl));
+        mpt__profile_free(P);
+        return s;
+    }
+    mpt__memory_peak_note(m, (int64_t)(sizeof(mpt_step_state) * (2 * (size_t)steps + 1)));
+    *out = P;
+    return MPT_OK;
+}
+
+/* ---- a profiled step --------------------------------------------------------- */
+
+/* Marker number n_marks, ending `piece` of `layer` (−1: none). */
+static void mpt__profile_mark(mpt__profile *P, int piece, int layer) {
+    int i = P->n_marks++;
+    P->piece[i] = (unsigned char)piece;
+    P->layer[i] = layer;
+    if (P->timer) {
+        if (i == 0) P->timer_zero = mpt__profile_clock();
+        P->m->be->timer_mark(P->m->impl, P->timer, i);
+    } else {
+        P->seconds[i] = mpt__profile_clock();
+    }
+}
+
+/* The fused update, one layer's parameters at a time (see the section's
+   comment): each call reads a fresh copy of the step's record. */
+static void mpt__profile_update_by_layer(mpt__profile *P, mpt_model *m) {
+    const mpt_update_args *all = &m->update;
+    mpt_step_state *copy = P->records + 2 * P->max_steps;
+    mpt_update_args u = *all;
+    int k = 0, i = 0;
+    u.state = copy;
+    while (k < all->n) { /* the trainable parameters in m->params' order: layer by layer */
+        int layer, n = 0;
+        while (!m->params[i].trainable) i++;
+        layer = m->params[i].layer;
+        for (; i < m->n_params && m->params[i].layer == layer; i++) n += m->params[i].trainable;
+        m->be->copy(m->impl, copy, m->state, sizeof *copy);
+        u.n = n;
+        u.value = all->value + k;
+        u.grad = all->grad + k;
+        u.slot0 = all->slot0 ? all->slot0 + k : NULL;
+        u.slot1 = all->slot1 ? all->slot1 + k : NULL;
+        u.compute = all->compute ? all->compute + k : NULL;
+        u.compute_dtype = all->compute_dtype ? all->compute_dtype + k : NULL;
+        u.count = all->count + k;
+        m->be->update(m->impl, &u);
+        mpt__profile_mark(P, MPT__PROF_UPDATE, layer);
+        k += n;
+    }
+    if (all->n > 0) m->be->copy(m->impl, m->state, copy, sizeof *copy);
+}
+
+/* mpt__queue_step with a marker after each piece. */
+static void mpt__profile_queue_step(mpt__profile *P, mpt_model *m, const mpt_tensor *x,
+                                    const mpt_tensor *y, mpt__step_times *times) {
+    mpt__forward_walk fw;
+    mpt__backward_walk bw;
+    mpt_loss_args loss;
+    double t0 = mpt__now(), t1, t2;
+    int i;
+    mpt__profile_mark(P, MPT__PROF_BEGIN, -1);
+    mpt__forward_begin(m, x, 1, &fw);
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = mpt__forward_prepare(m, i, &fw);
+        L->ops->forward(L, &fw.p);
+        mpt__forward_finish(L, &fw);
+        mpt__profile_mark(P, MPT__PROF_FORWARD, i);
+    }
+    loss = mpt__loss_args(m, y, 1);
+    m->be->loss(m->impl, &loss);
+    mpt__profile_mark(P, MPT__PROF_LOSS, -1);
+    t1 = mpt__now();
+    mpt__backward_begin(m, 0, &bw); /* mpt_model_backward(m, NULL, NULL)'s walk */
+    for (i = m->n_layers - 1; i >= bw.first; i--) {
+        mpt__layer *L = mpt__backward_prepare(m, i, &bw);
+        L->ops->backward(L, &bw.p);
+        mpt__backward_finish(m, i, &bw);
+        mpt__profile_mark(P, MPT__PROF_BACKWARD, i);
+    }
+    t2 = mpt__now();
+    m->be->grad_stats(m->impl, &m->update);
+    mpt__profile_mark(P, MPT__PROF_GRAD_CHECK, -1);
+    mpt__profile_update_by_layer(P, m);
+    m->be->loss_scale_update(m->impl, &m->compile.loss_scale, m->state);
+    mpt__model_commit(m);
+    mpt__profile_mark(P, MPT__PROF_LOSS_SCALE, -1);
+    times->forward += t1 - t0;
+    times->backward += t2 - t1;
+    times->update += mpt__now() - t2;
+}
+
+/* Ends the last profiled step's host work at `when`. */
+static void mpt__profile_close_host(mpt__profile *P, double when) {
+    if (!P->open) return;
+    P->steps[P->n_steps - 1].end = when;
+    P->open = 0;
+}
+
+/* A step in the range: fetched, copied in, queued piece by piece. */
+static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, mpt_tensor *y,
+                                 mpt__step_times *times, mpt_status *s) {
+    mpt__profile *P = r->profile;
+    mpt_model *m = r->m;
+    mpt__profile_step *rec;
+    mpt_tensor in, target;
+    if (!mpt__fit_next(r, x, y)) return 0;
+    rec = &P->steps[P->n_steps];
+    memset(rec, 0, sizeof *rec);
+    rec->step = ++P->step;
+    rec->epoch = m->epoch;
+    rec->begin = begin;
+    if (r->feed.on) { /* as mpt__fit_feed_step, never replayed */
+        mpt_tensor nx, ny;
+        int b = 1 - r->feed.next; /* the buffer the step's batch is in */
+        in = r->feed.slot[0].x[b];
+        target = r->feed.slot[0].y[b];
+        mpt__feed_wait(m, &r->feed);
+        r->feed.have = 0;
+        if (mpt__fit_take(r, &nx, &ny))
+            *s = mpt__feed_upload(m, &r->feed, &nx, &ny, r->rows, r->global_rows);
+    } else {
+        *s = mpt__input_on_backend(m, x, &in);
+        if (*s == MPT_OK) *s = mpt__target_on_backend(m, y, &target);
+    }
+    if (*s != MPT_OK) {
+        P->step--; /* not taken: it is run again (out-of-memory recovery) or fit ends */
+        return 1;
+    }
+    rec->data_end = mpt__profile_clock();
+    rec->rows = in.shape[0];
+    rec->first_mark = P->n_marks;
+    m->be->copy(m->impl, &P->records[2 * P->n_steps], m->state, sizeof(mpt_step_state));
+    mpt__profile_queue_step(P, m, &in, &target, times);
+    m->be->copy(m->impl, &P->records[2 * P->n_steps + 1], m->state, sizeof(mpt_step_state));
+    rec->n_marks = P->n_marks - rec->first_mark;
+    rec->queued = mpt__profile_clock();
+    P->n_steps++;
+    P->open = 1;
+    r->done += rec->rows;
+    return 1;
+}
+
+/* The range is over: the profiler leaves fit's loop, its trace to be
+   written at the epoch's end (mpt__profile_write_pending). */
+static void mpt__profile_leave_loop(mpt__fit_run *r) {
+    r->profiled = r->profile;
+    r->profile = NULL;
+}
+
+/* fit's next step while a profiler is open (the one branch it adds to the
+   loop): in the range, timed; else as any step. Returns 0 at the epoch's
+   end. */
+static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
+                                 mpt__step_times *times, mpt_status *s) {
+    mpt__profile *P = r->profile;
+    double begin = mpt__profile_clock();
+    int more;
+    mpt__profile_close_host(P, begin);
+    if (P->step >= P->last) mpt__profile_leave_loop(r);
+    else if (P->step + 1 >= P->first) return mpt__profile_run_step(r, begin, x, y, times, s);
+    more = mpt__fit_next_step(r, x, y, times, s);
+    P->step += more && *s == MPT_OK;
+    return more;
+}
+
+/* When an epoch's steps are over: the open host work ends now. */
+static void mpt__profile_loop_end(mpt__fit_run *r) {
+    mpt__profile_close_host(r->profile, mpt__profile_clock());
+    if (r->profile->step >= r->profile->last) mpt__profile_leave_loop(r);
+}
+
+/* ---- the trace ---------------------------------------------------------------- */
+
+/* Multiply-adds per sample of a layer's product (Dense's and Conv2D's:
+   the kernel's entries times the output positions), 0 for the others. */
+static double mpt__profile_macs(const mpt_model *m, int i) {
+    const mpt__layer *L = &m->layers[i];
+    double channels;
+    if ((L->ops != &mpt__dense_ops && L->ops != &mpt__conv2d_ops) || L->n_params < 1) return 0;
+    channels = (double)L->out_shape[L->out_rank - 1];
+    return channels > 0 ? (double)L->param[0]->count * (double)L->out_count / channels : 0;
+}
+
+/* Floating-point operations of a piece on `rows` samples: 2 per
+   multiply-add; backward is the kernel's gradient and, above the first
+   trainable layer, the input's. */
+static double mpt__profile_flops(const mpt_model *m, int piece, int i, int64_t rows) {
+    double macs = mpt__profile_macs(m, i) * (double)rows;
+    if (piece == MPT__PROF_FORWARD) return 2 * macs;
+    if (piece == MPT__PROF_BACKWARD)
+        return (i > mpt__first_trainable_layer(m) ? 4 : 2) * macs;
+    return 0;
+}
+
+/* Microseconds since `zero`, with nanoseconds: an event's start and end
+   are written from whole nanoseconds so that a child's end never rounds
+   past its parent's. */
+static int64_t mpt__profile_ns(double t, double zero) { return (int64_t)floor((t - zero) * 1e9 + 0.5); }
+
+/* src as the inside of a JSON string (quotes, backslashes and control
+   characters escaped), cut to fit dst. */
+static const char *mpt__profile_json_text(char *dst, size_t size, const char *src) {
+    size_t n = 0;
+    for (; *src && n + 7 < size; src++) {
+        unsigned char c = (unsigned char)*src;
+        if (c == '"' || c == '\\') dst[n++] = '\\', dst[n++] = (char)c;
+        else if (c < 0x20) n += (size_t)snprintf(dst + n, size - n, "\\u%04x", c);
+        else dst[n++] = (char)c;
+    }
+    dst[n] = 0;
+    return dst;
+}
+
+/* One complete event ("ph": "X"): name, lane, start and end in ns. */
+static void mpt__profile_event(mpt__svg *b, const char *name, int tid, int64_t begin_ns,
+                               int64_t end_ns, const char *args) {
+    int64_t dur = MPT__MAX(end_ns - begin_ns, (int64_t)0);
+    char text[256];
+    begin_ns = MPT__MAX(begin_ns, (int64_t)0);
+    mpt__svg_printf(b, ",\n{\"name\": \"%s\", \"ph\": \"X\", \"pid\": 1, \"tid\": %d, "
+                       "\"ts\": %lld.%03lld, \"dur\": %lld.%03lld, \"args\": {%s}}",
+                    mpt__profile_json_text(text, sizeof text, name), tid,
+                    (long long)(begin_ns / 1000), (long long)(begin_ns % 1000),
+                    (long long)(dur / 1000), (long long)(dur % 1000), args);
+}
+
+/* JSON for a double: a number, or null for inf and NaN. */
+static void mpt__profile_number(char *buf, size_t size, double v) {
+    if (isfinite(v)) snprintf(buf, size, "%.9g", v);
+    else snprintf(buf, size, "null");
+}
+
+/* One step's events: the host's (tid 1) and the compute's (tid 2). */
+static void mpt__profile_step_events(mpt__svg *b, const mpt__profile *P, int k, double zero) {
+    const mpt_model *m = P->m;
+    const mpt__profile_step *rec = &P->steps[k];
+    const mpt_step_state *before = &P->host_records[2 * k], *after = &P->host_records[2 * k + 1];
+    double samples = after->samples - before->samples;
+    double loss = samples > 0 ? (after->loss_sum - before->loss_sum) / samples : NAN;
+    char args[768], name[160], l[40], e[40], layer[160], cls[64];
+    int j;
+    mpt__profile_number(l, sizeof l, loss);
+    snprintf(args, sizeof args, "\"step\": %lld, \"epoch\": %d, \"batch\": %lld, \"loss\": %s, "
+             "\"loss_scale\": %.9g, \"applied\": %s", (long long)rec->step, rec->epoch + 1,
+             (long long)rec->rows, l, (double)before->loss_scale, after->finite ? "true" : "false");
+    snprintf(name, sizeof name, "step %lld", (long long)rec->step);
+    mpt__profile_event(b, name, 1, mpt__profile_ns(rec->begin, zero),
+                       mpt__profile_ns(rec->end, zero), args);
+    snprintf(args, sizeof args, "\"step\": %lld", (long long)rec->step);
+    mpt__profile_event(b, "data wait", 1, mpt__profile_ns(rec->begin, zero),
+                       mpt__profile_ns(rec->data_end, zero), args);
+    mpt__profile_event(b, m->be->timer_mark && P->timer ? "queue step" : "run step", 1,
+                       mpt__profile_ns(rec->data_end, zero), mpt__profile_ns(rec->queued, zero),
+                       args);
+    mpt__profile_event(b, "host work", 1, mpt__profile_ns(rec->queued, zero),
+                       mpt__profile_ns(rec->end, zero), args);
+    snprintf(name, sizeof name, "step %lld", (long long)rec->step);
+    mpt__profile_event(b, name, 2, mpt__profile_ns(P->seconds[rec->first_mark], zero),
+                       mpt__profile_ns(P->seconds[rec->first_mark + rec->n_marks - 1], zero),
+                       args);
+    for (j = rec->first_mark + 1; j < rec->first_mark + rec->n_marks; j++) {
+        int piece = P->piece[j], i = P->layer[j];
+        double seconds = P->seconds[j] - P->seconds[j - 1];
+        double flops = i >= 0 ? mpt__profile_flops(m, piece, i, rec->rows) : 0;
+        if (i >= 0) {
+            mpt__profile_number(e, sizeof e, seconds > 0 && flops > 0 ? flops / seconds * 1e-9 : 0);
+            snprintf(name, sizeof name, "%s %s", m->layers[i].name, mpt__profile_piece[piece]);
+            snprintf(args, sizeof args, "\"step\": %lld, \"layer\": \"%s\", \"class\": \"%s\", "
+                     "\"phase\": \"%s\", \"flops\": %.0f, \"gflops_per_second\": %s",
+                     (long long)rec->step,
+                     mpt__profile_json_text(layer, sizeof layer, m->layers[i].name),
+                     mpt__profile_json_text(cls, sizeof cls, m->layers[i].ops->class_name),
+                     mpt__profile_piece[piece], flops, e);
+        } else {
+            snprintf(name, sizeof name, "%s", mpt__profile_piece[piece]);
+            snprintf(args, sizeof args, "\"step\": %lld, \"phase\": \"%s\"", (long long)rec->step,
+                     mpt__profile_piece[piece]);
+        }
+        mpt__profile_event(b, name, 2, mpt__profile_ns(P->seconds[j - 1], zero),
+                           mpt__profile_ns(P->seconds[j], zero), args);
+    }
+}
+
+/* The whole trace: names for the process and its two lanes, then the steps. */
+static void mpt__profile_trace(mpt__svg *b, const mpt__profile *P) {
+    double zero = P->n_steps ? P->steps[0].begin : 0;
+    int k;
+    mpt__svg_printf(b, "[\n");
+    mpt__svg_printf(b, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 1, \"tid\": 1, "
+                       "\"args\": {\"name\": \"mpt fit (%s)\"}},\n", P->m->be->name);
+    mpt__svg_printf(b, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 1, \"tid\": 1, "
+                       "\"args\": {\"name\": \"host\"}},\n");
+    mpt__svg_printf(b, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 1, \"tid\": 2, "
+                       "\"args\": {\"name\": \"%s\"}}", P->timer ? "device queue" : "compute");
+    for (k = 0; k < P->n_steps; k++) mpt__profile_step_events(b, P, k, zero);
+    mpt__svg_printf(b, "\n]\n");
+}
+
+/* ---- the per-layer table ---------------------------------------------------------- */
+
+/* The mean per profiled step of each layer's pieces, and of the rest. */
+static void mpt__profile_table(mpt__svg *b, const mpt__profile *P) {
+    const mpt_model *m = P->m;
+    double steps = P->n_steps > 0 ? (double)P->n_steps : 1, step = 0, data = 0, host = 0;
+    double other[MPT__PROF_LOSS_SCALE + 1];
+    int i, j, k;
+    memset(other, 0, sizeof other);
+    for (k = 0; k < P->n_steps; k++) {
+        const mpt__profile_step *rec = &P->steps[k];
+        step += P->seconds[rec->first_mark + rec->n_marks - 1] - P->seconds[rec->first_mark];
+        data += rec->data_end - rec->begin;
+        host += rec->end - rec->queued;
+        for (j = rec->first_mark + 1; j < rec->first_mark + rec->n_marks; j++)
+            if (P->layer[j] < 0) other[P->piece[j]] += P->seconds[j] - P->seconds[j - 1];
+    }
+    mpt__svg_printf(b, "%-32s %11s %11s %11s %11s %9s %9s\n", "Layer (type)", "Forward ms",
+                    "Backward ms", "Update ms", "Total ms", "% of step", "GFLOP/s");
+    for (i = 0; i < m->n_layers; i++) {
+        double t[MPT__PROF_LOSS_SCALE + 1], flops = 0, total;
+        char name[128], rate[32];
+        memset(t, 0, sizeof t);
+        for (k = 0; k < P->n_steps; k++) {
+            const mpt__profile_step *rec = &P->steps[k];
+            for (j = rec->first_mark + 1; j < rec->first_mark + rec->n_marks; j++) {
+                if (P->layer[j] != i) continue;
+                t[P->piece[j]] += P->seconds[j] - P->seconds[j - 1];
+                flops += mpt__profile_flops(m, P->piece[j], i, rec->rows);
+            }
+        }
+        total = t[MPT__PROF_FORWARD] + t[MPT__PROF_BACKWARD] + t[MPT__PROF_UPDATE];
+        snprintf(name, sizeof name, "%s (%s)", m->layers[i].name, m->layers[i].ops->class_name);
+        if (flops > 0 && t[MPT__PROF_FORWARD] + t[MPT__PROF_BACKWARD] > 0)
+            snprintf(rate, sizeof rate, "%.2f",
+                     flops / (t[MPT__PROF_FORWARD] + t[MPT__PROF_BACKWARD]) * 1e-9);
+        else
+            snprintf(rate, sizeof rate, "-");
+        mpt__svg_printf(b, "%-32.32s %11.4f %11.4f %11.4f %11.4f %8.1f%% %9s\n", name,
+                        1e3 * t[MPT__PROF_FORWARD] / steps, 1e3 * t[MPT__PROF_BACKWARD] / steps,
+                        1e3 * t[MPT__PROF_UPDATE] / steps, 1e3 * total / steps,
+                        step > 0 ? 100 * total / step : 0.0, rate);
+    }
+    for (j = MPT__PROF_LOSS; j <= MPT__PROF_LOSS_SCALE; j++) {
+        if (j == MPT__PROF_BACKWARD || j == MPT__PROF_UPDATE) continue;
+        mpt__svg_printf(b, "%-32s %47.4f %8.1f%%\n", mpt__profile_piece[j],
+                        1e3 * other[j] / steps, step > 0 ? 100 * other[j] / step : 0.0);
+    }
+    mpt__svg_printf(b, "%-32s %47.4f %8.1f%%\n", "step (compute)", 1e3 * step / steps, 100.0);
+    mpt__svg_printf(b, "%-32s %47.4f\n", "data wait (host)", 1e3 * data / steps);
+    mpt__svg_printf(b, "%-32s %47.4f\n", "host work after the step", 1e3 * host / steps);
+}
+
+/* ---- the files -------------------------------------------------------------------- */
+
+/* dir/plugins/profile/<date and time>[_k], made new (TensorBoard's layout). */
+static int mpt__profile_make_run_dir(mpt__profile *P) {
+    char base[MPT__CB_PATH_MAX], stamp[64];
+    int n = snprintf(base, sizeof base, "%s/plugins/profile", P->dir);
+    time_t now = time(NULL);
+    struct tm *tm = localtime(&now);
+    int err, k;
+    if (n < 0 || (size_t)n >= sizeof base) return ENAMETOOLONG;
+    if ((err = mpt__tb_mkdirs(base)) != 0) {
+        snprintf(P->run_dir, sizeof P->run_dir, "%s", base);
+        return err;
+    }
+    if (!tm || !strftime(stamp, sizeof stamp, "%Y_%m_%d_%H_%M_%S", tm)) snprintf(stamp, sizeof stamp, "run");
+    for (k = 0; k < 1000; k++) {
+        n = k == 0 ? snprintf(P->run_dir, sizeof P->run_dir, "%s/%s", base, stamp)
+                       : snprintf(P->run_dir, sizeof P->run_dir, "%s/%s_%d", base, stamp, k);
+        if (n < 0 || (size_t)n >= sizeof P->run_dir) return ENAMETOOLONG;
+        if (mkdir(P->run_dir, 0777) == 0) return 0;
+        if (errno != EEXIST) return errno;
+    }
+    return EEXIST;
+}
+
+/* text written whole to path (through path.tmp, renamed), gzip'd when
+   gz. 0 or an errno. */
+static int mpt__profile_write(const char *path, const char *text, size_t len, int gz) {
+    char tmp[MPT__CB_PATH_MAX + 128];
+    int err = 0, n = snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    if (n < 0 || (size_t)n >= sizeof tmp) return ENAMETOOLONG;
+#ifndef MPT_NO_ZLIB
+    if (gz) {
+        gzFile f = gzopen(tmp, "wb");
+        if (!f) return errno ? errno : ENOMEM;
+        if (len > 0 && gzwrite(f, text, (unsigned)len) != (int)len) err = EIO;
+        if (gzclose(f) != Z_OK && !err) err = EIO;
+    } else
+#endif
+    {
+        FILE *f = fopen(tmp, "wb");
+        (void)gz;
+        if (!f) return errno;
+        if (fwrite(text, 1, len, f) != len) err = errno ? errno : EIO;
+        if (fclose(f) != 0 && !err) err = errno ? errno : EIO;
+    }
+    if (!err && rename(tmp, path) != 0) err = errno;
+    if (err) remove(tmp);
+    return err;
+}
+
+/* A failure of the profiler's files: a warning, or with
+   profile_fail_on_error, fit's MPT_ERR_IO. */
+static mpt_status mpt__profile_io_failed(mpt__profile *P, const char *what, const char *path,
+                                         int err) {
+    if (P->fail_on_error)
+        return mpt__fail(P->m->ctx, MPT_ERR_IO, "fit: profiler: cannot %s \"%s\": %s", what,
+                         path, strerror(err));
+    mpt__log(P->m->ctx, MPT_LOG_WARNING, "fit: profiler: cannot %s \"%s\": %s; training goes on "
+             "without the trace", what, path, strerror(err));
+    return MPT_OK;
+}
+
+/* dir/host + suffix into path; nonzero when it does not fit. */
+static int mpt__profile_path(char *path, size_t size, const char *dir, const char *host,
+                             const char *suffix) {
+    int n = snprintf(path, size, "%s/%s%s", dir, host, suffix);
+    return n < 0 || (size_t)n >= size;
+}
+
+/* The trace (plain, and gzip'd with zlib) and the table, into a new run
+   directory named by the host. */
+static mpt_status mpt__profile_write_files(mpt__profile *P, const mpt__svg *trace,
+                                           const mpt__svg *table) {
+    char path[MPT__CB_PATH_MAX + 64];
+    const char *host = "localhost";
+    struct utsname names;
+    int err = mpt__profile_make_run_dir(P);
+    if (err) return mpt__profile_io_failed(P, "create the directory", P->run_dir, err);
+    if (uname(&names) == 0 && names.nodename[0]) host = names.nodename;
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json") ||
+        (err = mpt__profile_write(path, trace->text, trace->len, 0)) != 0)
+        return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
+#ifndef MPT_NO_ZLIB
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json.gz") ||
+        (err = mpt__profile_write(path, trace->text, trace->len, 1)) != 0)
+        return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
+#endif
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".layers.txt") ||
+        (err = mpt__profile_write(path, table->text, table->len, 0)) != 0)
+        return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
+    return MPT_OK;
+}
+
+/* ---- finishing ---------------------------------------------------------------------- */
+
+/* Reads the markers and records back (the one wait), writes the files
+   and keeps the table for fit's end. */
+static mpt_status mpt__profile_finish(mpt__profile *P) {
+    mpt_model *m = P->m;
+    mpt__svg trace, table;
+    mpt_status s = MPT_OK;
+    int i;
+    P->written = 1;
+    if (P->timer && P->n_marks > 0) {
+        s = m->be->timer_read(m->impl, P->timer, P->n_marks, P->seconds);
+        for (i = 0; s == MPT_OK && i < P->n_marks; i++) P->seconds[i] += P->timer_zero;
+        if (s != MPT_OK)
+            return mpt__fail(m->ctx, s, "fit: profiler: reading the markers: %s",
+                             m->be->error(m->impl));
+    }
+    if (P->n_steps > 0)
+        MPT__CHECK(mpt__download(m, P->host_records, P->records,
+                                 sizeof(mpt_step_state) * 2 * (size_t)P->n_steps));
+    memset(&trace, 0, sizeof trace);
+    memset(&table, 0, sizeof table);
+    trace.ctx = table.ctx = m->ctx;
+    mpt__profile_trace(&trace, P);
+    mpt__profile_table(&table, P);
+    if (trace.oom || table.oom)
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: profiler: out of memory for the trace");
+    else
+        s = mpt__profile_write_files(P, &trace, &table);
+    mpt__svg_free(m->ctx, trace.text);
+    if (s == MPT_OK && !table.oom) {
+        P->table = table.text;
+    } else {
+        mpt__svg_free(m->ctx, table.text);
+    }
+    return s;
+}
+
+/* After an epoch's steps are timed (its seconds taken): the trace of a
+   range that ended in it. */
+static mpt_status mpt__profile_write_pending(mpt__fit_run *r) {
+    return r->profiled && !r->profiled->written ? mpt__profile_finish(r->profiled) : MPT_OK;
+}
+
+/* At fit's end: a range the run stopped short of is written as far as it
+   got (with a warning); the table printed with verbose >= 1. */
+static mpt_status mpt__profile_close(mpt__fit_run *r, int verbose) {
+    mpt__profile *P = r->profile ? r->profile : r->profiled;
+    mpt_status s = MPT_OK;
+    if (!P) return MPT_OK;
+    if (r->profile) {
+        mpt__profile_close_host(P, mpt__profile_clock());
+        mpt__log(r->m->ctx, MPT_LOG_WARNING, "fit: profiler: training ended after step %lld, "
+                 "before profile_batch's last step %lld; the trace holds %d step%s",
+                 (long long)P->step, (long long)P->last, P->n_steps, P->n_steps == 1 ? "" : "s");
+        mpt__profile_leave_loop(r);
+    }
+    s = mpt__profile_write_pending(r);
+    if (s == MPT_OK && verbose && P->table && P->n_steps > 0) {
+        const char *line = P->table;
+        mpt__print(r->m, "Profile: steps %lld-%lld, trace in %s\n", (long long)P->steps[0].step,
+                   (long long)P->steps[P->n_steps - 1].step, P->run_dir);
+        while (*line) { /* a line at a time: mpt__print's buffer is short */
+            const char *end = strchr(line, '\n');
+            int n = end ? (int)(end - line) : (int)strlen(line);
+            mpt__print(r->m, "%.*s\n", n, line);
+            line += n + (end != NULL);
+        }
+    }
+    return s;
+}
+
 /* =============================================================================
    @impl-safetensors  the file format: dtypes, byte order, the JSON header
    written and read

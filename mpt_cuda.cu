@@ -4580,6 +4580,72 @@ struct mpt__cuda_entered<F> {
 };
 #define MPT__CUDA_ENTRY(f) (&mpt__cuda_entered<f>::call)
 
+/* ---- timing markers (the profiler's) ------------------------------------------
+
+   A timer is `count` events, recorded on the compute stream as the steps
+   are queued and read once after the last: nothing in between waits. */
+typedef struct mpt__cuda_timer {
+    int count;
+    cudaEvent_t *events; /* (count) */
+} mpt__cuda_timer;
+
+static void mpt__cuda_timer_free(void *impl, void *timer) {
+    mpt__cuda_timer *t = (mpt__cuda_timer *)timer;
+    (void)impl;
+    if (!t) return;
+    for (int i = 0; i < t->count; i++)
+        if (t->events[i]) cudaEventDestroy(t->events[i]);
+    free(t->events);
+    free(t);
+}
+
+static mpt_status mpt__cuda_timer_create(void *impl, int count, void **timer) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_timer *t = (mpt__cuda_timer *)calloc(1, sizeof *t);
+    *timer = NULL;
+    if (t) t->events = (cudaEvent_t *)calloc(count > 0 ? (size_t)count : 1, sizeof(cudaEvent_t));
+    if (!t || !t->events) {
+        free(t);
+        return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                              "timer_create: %d events", count);
+    }
+    t->count = count;
+    MPT__CU(c, cudaSetDevice(c->device));
+    for (int i = 0; i < count; i++) {
+        cudaError_t e = cudaEventCreate(&t->events[i]);
+        if (e != cudaSuccess) {
+            t->events[i] = NULL;
+            mpt__cuda_timer_free(impl, t);
+            return mpt__cuda_call_failed(c, e, "cudaEventCreate", __LINE__);
+        }
+    }
+    *timer = t;
+    return MPT_OK;
+}
+
+static void mpt__cuda_timer_mark(void *impl, void *timer, int index) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_timer *t = (mpt__cuda_timer *)timer;
+    if (!t || index < 0 || index >= t->count) return;
+    (void)cudaEventRecord(t->events[index], c->stream);
+    mpt__cuda_launched(c, "cudaEventRecord (a profiler marker)");
+}
+
+static mpt_status mpt__cuda_timer_read(void *impl, void *timer, int count, double *seconds) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_timer *t = (mpt__cuda_timer *)timer;
+    if (!t || count < 1 || count > t->count)
+        return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "timer_read: %d markers of %d", count, t ? t->count : 0);
+    MPT__CU(c, cudaEventSynchronize(t->events[count - 1]));
+    for (int i = 0; i < count; i++) {
+        float ms = 0;
+        MPT__CU(c, cudaEventElapsedTime(&ms, t->events[0], t->events[i]));
+        seconds[i] = 1e-3 * (double)ms;
+    }
+    return MPT_OK;
+}
+
 /* The table, filled by name (C++17 has no designated initializers), so
    that a member added to mpt_backend cannot shift the others. Every slot
    that takes an impl first enters its device (error only reads a string;
@@ -4637,6 +4703,10 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.allreduce_sum = mpt__cuda_allreduce_sum;
     t.comm_error = mpt__cuda_comm_error;
 #endif /* without NCCL the collectives stay NULL */
+    t.timer_create = MPT__CUDA_ENTRY(mpt__cuda_timer_create);
+    t.timer_mark = MPT__CUDA_ENTRY(mpt__cuda_timer_mark);
+    t.timer_read = MPT__CUDA_ENTRY(mpt__cuda_timer_read);
+    t.timer_free = MPT__CUDA_ENTRY(mpt__cuda_timer_free);
     return t;
 }
 

@@ -12,7 +12,7 @@
    Build: cc -O2 cnn.c -lpthread -lm -lz -o cnn         (in examples/)
    Run:   ./cnn [--policy ...] [--epochs 15] [--batch-size 128] [--threads N]
                 [--data DIR] [--verbose 1] [--tensorboard DIR]
-                [--plot FILE] */
+                [--plot FILE] [--profile DIR] */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -32,7 +32,7 @@ static mpt_status add_conv_block(mpt_model *m, int64_t filters) {
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 15, 128, 0, 1, 1, NULL, NULL};
+                 15, 128, 0, 1, 1, NULL, NULL, NULL};
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *all, *train, *validation, *test;
@@ -71,12 +71,12 @@ int main(int argc, char **argv) {
         .filepath = "cnn_best.safetensors", .save_best_only = 1, .save_weights_only = 1,
         .verbose = 1 }, &callbacks[2]));
     TRY(add_tensorboard(ctx, &o, callbacks, &n_callbacks));
-    TRY(mpt_model_fit(model, train, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                     .batch_size = o.batch_size,
-                                                     .validation_data = validation,
-                                                     .verbose = o.verbose,
-                                                     .callbacks = callbacks,
-                                                     .n_callbacks = n_callbacks }));
+    TRY(mpt_model_fit(model, train, with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
+                                                                   .batch_size = o.batch_size,
+                                                                   .validation_data = validation,
+                                                                   .verbose = o.verbose,
+                                                                   .callbacks = callbacks,
+                                                                   .n_callbacks = n_callbacks })));
     TRY(write_plot(ctx, &o, model, "cnn"));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));

@@ -4,14 +4,14 @@
    Build: cc -O2 cnn_small.c -lpthread -lm -lz -o cnn_small   (in examples/)
    Run:   ./cnn_small [--policy ...] [--epochs 5] [--batch-size 128] [--threads N]
                       [--data DIR] [--verbose 1] [--tensorboard DIR]
-                      [--plot FILE] */
+                      [--plot FILE] [--profile DIR] */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 5, 128, 0, 1, 1, NULL, NULL};
+                 5, 128, 0, 1, 1, NULL, NULL, NULL};
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *train, *test;
@@ -41,11 +41,11 @@ int main(int argc, char **argv) {
     if (o.verbose && mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
 
     TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
-    TRY(mpt_model_fit(model, train, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                     .batch_size = o.batch_size,
-                                                     .verbose = o.verbose,
-                                                     .callbacks = tensorboard,
-                                                     .n_callbacks = n_callbacks }));
+    TRY(mpt_model_fit(model, train, with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
+                                                                   .batch_size = o.batch_size,
+                                                                   .verbose = o.verbose,
+                                                                   .callbacks = tensorboard,
+                                                                   .n_callbacks = n_callbacks })));
     TRY(write_plot(ctx, &o, model, "cnn_small"));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));

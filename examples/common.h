@@ -18,10 +18,11 @@ typedef struct options {
     uint64_t seed;
     const char *tensorboard; /* --tensorboard DIR; NULL: no event files */
     const char *plot;        /* --plot FILE; NULL: no SVG of the history */
+    const char *profile;     /* --profile DIR; NULL: no profiling */
 } options;
 
 /* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
-   --verbose, --tensorboard and --plot over the defaults already in *o;
+   --verbose, --tensorboard, --plot and --profile over the defaults already in *o;
    returns 0 after printing the usage when something is wrong. */
 static int parse_options(int argc, char **argv, options *o) {
     int i;
@@ -36,6 +37,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(flag, "--verbose")) o->verbose = atoi(value);
         else if (!strcmp(flag, "--tensorboard")) o->tensorboard = value;
         else if (!strcmp(flag, "--plot")) o->plot = value;
+        else if (!strcmp(flag, "--profile")) o->profile = value;
         else break;
     }
     if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
@@ -45,7 +47,8 @@ static int parse_options(int argc, char **argv, options *o) {
     if (i != argc) {
         fprintf(stderr, "usage: %s [--policy float32|mixed_float16|mixed_bfloat16] [--epochs N]\n"
                         "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
-                        "          [--verbose 0|1|2] [--tensorboard DIR] [--plot FILE]\n",
+                        "          [--verbose 0|1|2] [--tensorboard DIR] [--plot FILE]\n"
+                        "          [--profile DIR]\n",
                 argv[0]);
         return 0;
     }
@@ -65,6 +68,17 @@ static mpt_status add_tensorboard(mpt_context *ctx, const options *o, mpt_callba
                                  &callbacks[*n]);
     if (s == MPT_OK) (*n)++;
     return s;
+}
+
+/* With --profile DIR, fit times steps 10 to 20 of the first epoch layer by
+   layer (Keras' profile_batch=(10, 20)): a Chrome trace in
+   DIR/plugins/profile/<run>/ and a per-layer table at the end. */
+static mpt_fit_desc *with_profile(const options *o, mpt_fit_desc *fit) {
+    if (!o->profile) return fit;
+    fit->profile_batch[0] = 10;
+    fit->profile_batch[1] = 20;
+    fit->profile_dir = o->profile;
+    return fit;
 }
 
 /* With --plot FILE, draws the model's history (loss, metrics, learning

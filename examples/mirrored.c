@@ -30,7 +30,7 @@ static int take_replicas(int *argc, char **argv) {
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 5, 128, 0, 1, 1, NULL, NULL};
+                 5, 128, 0, 1, 1, NULL, NULL, NULL};
     int replicas = take_replicas(&argc, argv);
     mpt_context *ctx;
     mpt_strategy *strategy;
@@ -70,11 +70,11 @@ int main(int argc, char **argv) {
         .metrics = MPT_METRIC_ACCURACY }));
 
     TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
-    TRY(mpt_model_fit(model, train, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                     .batch_size = o.batch_size,
-                                                     .verbose = o.verbose,
-                                                     .callbacks = tensorboard,
-                                                     .n_callbacks = n_callbacks }));
+    TRY(mpt_model_fit(model, train, with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
+                                                                   .batch_size = o.batch_size,
+                                                                   .verbose = o.verbose,
+                                                                   .callbacks = tensorboard,
+                                                                   .n_callbacks = n_callbacks })));
     if (mpt_strategy_worker(strategy) == 0) TRY(write_plot(ctx, &o, model, "mirrored"));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));

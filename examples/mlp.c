@@ -4,7 +4,7 @@
    Build: cc -O2 mlp.c -lpthread -lm -lz -o mlp          (in examples/)
    Run:   ./mlp [--policy float32|mixed_float16|mixed_bfloat16] [--epochs 20]
                 [--batch-size 128] [--threads N] [--data DIR] [--verbose 1]
-                [--tensorboard DIR] [--plot FILE]
+                [--tensorboard DIR] [--plot FILE] [--profile DIR]
 
    Shows Keras' progress bar, then one JSON line with the results. */
 #define MPT_IMPLEMENTATION
@@ -13,7 +13,7 @@
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 20, 128, 0, 1, 1, NULL, NULL};
+                 20, 128, 0, 1, 1, NULL, NULL, NULL};
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *train, *test;
@@ -40,11 +40,11 @@ int main(int argc, char **argv) {
     if (o.verbose && mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
 
     TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
-    TRY(mpt_model_fit(model, train, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                     .batch_size = o.batch_size,
-                                                     .verbose = o.verbose,
-                                                     .callbacks = tensorboard,
-                                                     .n_callbacks = n_callbacks }));
+    TRY(mpt_model_fit(model, train, with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
+                                                                   .batch_size = o.batch_size,
+                                                                   .verbose = o.verbose,
+                                                                   .callbacks = tensorboard,
+                                                                   .n_callbacks = n_callbacks })));
     TRY(write_plot(ctx, &o, model, "mlp"));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));

@@ -2123,6 +2123,9 @@ static double history_last(const mpt_model *m, const char *key) {
     return NAN;
 }
 
+/* Where train_blobs has fit profile steps 2..20 (NULL: no profiling). */
+static const char *blobs_profile_dir;
+
 /* Trains the blob model for `epochs` on a fresh context with
    MPT_CUDA_GRAPHS set to `graphs` (unset for NULL) throughout, saves its
    weights to path; returns the last epoch's accuracy (NAN on failure). */
@@ -2150,6 +2153,11 @@ static double train_blobs(const char *graphs, mpt_policy policy, int epochs, con
         memset(&fd, 0, sizeof fd);
         fd.epochs = epochs;
         fd.batch_size = 64;
+        if (blobs_profile_dir) {
+            fd.profile_batch[0] = 2;
+            fd.profile_batch[1] = 20; /* 16 steps an epoch: into the second */
+            fd.profile_dir = blobs_profile_dir;
+        }
         if (mpt_model_fit(m, data, &fd) == MPT_OK) acc = history_last(m, "accuracy");
         else CHECK(0, "fit: %s", mpt_context_error(ctx));
         if (path)
@@ -2208,6 +2216,61 @@ static void test_model_graphs_and_determinism(void) {
         remove(off);
         remove(on);
         remove(again);
+    }
+}
+
+/* Occurrences of `needle` in the file `path`'s first MiB; -1 if unreadable. */
+static long count_in_file(const char *path, const char *needle) {
+    static char text[1 << 20];
+    FILE *f = fopen(path, "rb");
+    size_t n;
+    long count = 0;
+    const char *p;
+    if (!f) return -1;
+    n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    for (p = strstr(text, needle); p; p = strstr(p + 1, needle)) count++;
+    return count;
+}
+
+/* The profiler on the GPU: steps 2..20 run as they are queued, with CUDA
+   events between their pieces and the update layer by layer, and end
+   where the unprofiled run (its steps replayed from CUDA graphs) ends, bit
+   for bit; the trace has every layer's forward and backward in each of
+   the 19 steps, and an update for each of the 3 layers with weights. */
+static void test_model_profiled(void) {
+    char off[512], on[512], dir[512], cmd[1200], trace[1024] = "";
+    const char *tmp = getenv("TMPDIR");
+    FILE *p;
+    temp_path(off, sizeof off, "profile_off");
+    temp_path(on, sizeof on, "profile_on");
+    snprintf(dir, sizeof dir, "%s/mpt_test_cuda_%ld_profile", tmp && *tmp ? tmp : "/tmp",
+             (long)getpid());
+    make_blobs();
+    train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
+    blobs_profile_dir = dir;
+    train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, NULL);
+    blobs_profile_dir = NULL;
+    CHECK(same_file(off, on), "profiled weights differ from unprofiled ones (%s, %s)", on, off);
+    snprintf(cmd, sizeof cmd, "find '%s' -name '*.trace.json'", dir);
+    p = popen(cmd, "r");
+    if (p) {
+        if (fgets(trace, sizeof trace, p)) trace[strcspn(trace, "\n")] = 0;
+        pclose(p);
+    }
+    CHECK(count_in_file(trace, "\"phase\": \"forward\"") == 19 * 4 &&
+              count_in_file(trace, "\"phase\": \"backward\"") == 19 * 4 &&
+              count_in_file(trace, "\"phase\": \"update\"") == 19 * 3,
+          "trace '%s': %ld forward, %ld backward, %ld update events", trace,
+          count_in_file(trace, "\"phase\": \"forward\""),
+          count_in_file(trace, "\"phase\": \"backward\""),
+          count_in_file(trace, "\"phase\": \"update\""));
+    if (!test__current_failed) {
+        remove(off);
+        remove(on);
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+        if (system(cmd) != 0) CHECK(0, "cannot remove %s", dir);
     }
 }
 
@@ -3201,6 +3264,8 @@ int main(int argc, char **argv) {
     if (!quick) {
         test__run("model: graphs on and off, and two runs, give identical weights",
                   test_model_graphs_and_determinism);
+        test__run("model: profiled steps (CUDA events) end where unprofiled ones do, bit for bit",
+                  test_model_profiled);
         test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "
                   "the CPU", test_model_mlp_fashion_mnist);
         test__run("model: a 1 MiB device limit gives out of memory, with the bytes",

@@ -1,0 +1,420 @@
+/* fit's profiler (profile_batch): the Chrome trace read back with Python's
+   json module (every profiled step has one forward event per layer, one
+   backward per layer the backward pass runs through, one update per layer
+   with trainable weights, durations >= 0, each inside its step), the gzip'd
+   copy TensorBoard reads, training bit for bit as without profiling, and
+   bad input: ranges outside the run, a directory that cannot be written. */
+#define _POSIX_C_SOURCE 200809L /* popen, mkdtemp */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "helpers.h"
+#include "blobs.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+static mpt_context *ctx;
+static char tmpdir[256];
+
+/* Dense(16, relu) → Dropout(0.25) → Dense(3, softmax), Adam, seeded. */
+static mpt_model *make_model(mpt_context *c) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_compile_desc cd;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = FEATURES;
+    md.input_rank = 1;
+    md.seed = 11;
+    CHECK(mpt_model_create(c, &md, &m) == MPT_OK, "create: %s", mpt_context_error(c));
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.optimizer.learning_rate = 0.01f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.metrics = MPT_METRIC_ACCURACY;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+/* 200 samples in batches of 32: 7 steps an epoch. */
+static mpt_fit_desc fit_desc(int epochs) {
+    mpt_fit_desc f;
+    memset(&f, 0, sizeof f);
+    f.epochs = epochs;
+    f.batch_size = 32;
+    return f;
+}
+
+/* The only entry of dir (a run directory), into out; 0 if not one. */
+static int only_entry(const char *dir, char *out, size_t size) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int n = 0;
+    if (!d) return 0;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        n++;
+        snprintf(out, size, "%s/%.200s", dir, e->d_name);
+    }
+    closedir(d);
+    return n == 1;
+}
+
+/* Reads a trace with json (and its .gz twin with gzip) and prints per
+   step: "step N fwd=a,b bwd=c,d upd=e nested=1 nonneg=1 loss=x", then
+   "gz=1" when the .gz holds the same events. */
+static const char *const check_py =
+    "import json, sys, gzip, os, collections\n"
+    "ev = json.load(open(sys.argv[1]))\n"
+    "assert isinstance(ev, list)\n"
+    "x = [e for e in ev if e['ph'] == 'X']\n"
+    "for e in x:\n"
+    "    assert set(e) >= {'name', 'ph', 'ts', 'dur', 'pid', 'tid', 'args'}, e\n"
+    "steps = [e for e in x if e['name'].startswith('step ') and e['tid'] == 1]\n"
+    "for s in sorted(steps, key=lambda e: e['args']['step']):\n"
+    "    n = s['args']['step']\n"
+    "    mine = [e for e in x if e['args'].get('step') == n]\n"
+    "    ph = collections.defaultdict(list)\n"
+    "    for e in mine:\n"
+    "        if 'layer' in e['args']: ph[e['args']['phase']].append(e['args']['layer'])\n"
+    "    end = s['ts'] + s['dur'] + 1e-3\n"
+    "    nested = all(e['ts'] >= s['ts'] - 1e-3 and e['ts'] + e['dur'] <= end for e in mine)\n"
+    "    nonneg = all(e['dur'] >= 0 for e in mine)\n"
+    "    print('step %d fwd=%s bwd=%s upd=%s nested=%d nonneg=%d loss=%.6f' % (n,\n"
+    "          ','.join(ph['forward']), ','.join(ph['backward']), ','.join(ph['update']),\n"
+    "          nested, nonneg, s['args']['loss']))\n"
+    "gz = sys.argv[1] + '.gz'\n"
+    "if os.path.exists(gz): print('gz=%d' % (json.load(gzip.open(gz)) == ev))\n";
+
+typedef struct trace_read {
+    int ok, n;
+    char lines[32][256];
+} trace_read;
+
+static void read_trace(const char *path, trace_read *r) {
+    char script[512], cmd[1024], line[1024];
+    FILE *f, *p;
+    memset(r, 0, sizeof *r);
+    snprintf(script, sizeof script, "%s/check.py", tmpdir);
+    f = fopen(script, "w");
+    if (!f) return;
+    fputs(check_py, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' 2>&1", test_python(), script, path);
+    p = popen(cmd, "r");
+    if (!p) return;
+    while (fgets(line, sizeof line, p))
+        if (r->n < 32) {
+            line[strcspn(line, "\n")] = 0;
+            snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
+        }
+    r->ok = pclose(p) == 0;
+}
+
+/* The trained weights of a model, as bytes (malloc'd). */
+static float *weights_of(mpt_model *m, int64_t *n) {
+    float *all = NULL;
+    int i;
+    *n = 0;
+    for (i = 0; i < mpt_model_param_count(m); i++) {
+        mpt_param_info info;
+        int64_t c;
+        mpt_model_param(m, i, &info);
+        c = mpt_tensor_count(&info.value);
+        all = (float *)realloc(all, sizeof(float) * (size_t)(*n + c));
+        memcpy(all + *n, info.value.data, sizeof(float) * (size_t)c);
+        *n += c;
+    }
+    return all;
+}
+
+static void test_trace_per_layer(void) {
+    mpt_dataset *data = blobs_in(ctx);
+    mpt_model *plain = make_model(ctx), *profiled = make_model(ctx);
+    mpt_fit_desc f = fit_desc(2);
+    char dir[300], plugin[400], run[700], path[1200], host[256];
+    trace_read r;
+    mpt_history h1, h2;
+    float *w1, *w2;
+    int64_t n1, n2;
+    int k;
+    struct utsname names;
+    if (!test_python_imports("json, gzip")) goto done;
+    CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(dir, sizeof dir, "%s/logs", tmpdir);
+    f.profile_batch[0] = 5; /* epoch 1's steps 5..7 and epoch 2's 1..2 */
+    f.profile_batch[1] = 9;
+    f.profile_dir = dir;
+    CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
+    CHECK(only_entry(plugin, run, sizeof run), "one run directory in %s", plugin);
+    uname(&names);
+    snprintf(host, sizeof host, "%s", names.nodename);
+    snprintf(path, sizeof path, "%s/%s.trace.json", run, host);
+    read_trace(path, &r);
+    CHECK(r.ok, "the trace %s parses: %s", path, r.n ? r.lines[r.n - 1] : "");
+    CHECK(r.n == 6, "5 steps and the gzip line, got %d lines", r.n);
+    for (k = 0; k < 5 && k < r.n; k++) {
+        char want[256];
+        snprintf(want, sizeof want, "step %d fwd=dense,dropout,dense_1 bwd=dense_1,dropout,dense "
+                 "upd=dense,dense_1 nested=1 nonneg=1 loss=", 5 + k);
+        CHECK(strncmp(r.lines[k], want, strlen(want)) == 0, "got '%s', want '%s...'",
+              r.lines[k], want);
+    }
+    CHECK(r.n == 6 && strcmp(r.lines[5], "gz=1") == 0, "the .gz copy holds the same events");
+    snprintf(path, sizeof path, "%s/%s.layers.txt", run, host);
+    CHECK(access(path, R_OK) == 0, "the table %s", path);
+    /* training itself is the same, bit for bit */
+    w1 = weights_of(plain, &n1);
+    w2 = weights_of(profiled, &n2);
+    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0,
+          "profiled weights equal the unprofiled run's");
+    mpt_model_history(plain, &h1);
+    mpt_model_history(profiled, &h2);
+    CHECK(h1.epochs == 2 && h2.epochs == 2 && h1.values[0][1] == h2.values[0][1],
+          "the same losses (%s: %g vs %g)", h1.keys[0], h1.values[0][1], h2.values[0][1]);
+    free(w1);
+    free(w2);
+done:
+    mpt_model_destroy(plain);
+    mpt_model_destroy(profiled);
+    mpt_dataset_destroy(data);
+}
+
+/* Conv2D → BatchNormalization → MaxPooling2D → Flatten → Dense(softmax),
+   mixed_bfloat16 with dynamic loss scaling, SGD with momentum. */
+static mpt_model *make_conv_model(mpt_context *c) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_compile_desc cd;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 8;
+    md.input_shape[1] = 8;
+    md.input_shape[2] = 2;
+    md.input_rank = 3;
+    md.policy = MPT_POLICY_MIXED_BFLOAT16;
+    md.seed = 3;
+    CHECK(mpt_model_create(c, &md, &m) == MPT_OK, "create: %s", mpt_context_error(c));
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 8, .kernel_size = {3, 3},
+                                               .activation = MPT_ACT_RELU});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_max_pooling2d(m, NULL);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_SOFTMAX});
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_SGD;
+    cd.optimizer.learning_rate = 0.05f;
+    cd.optimizer.momentum = 0.9f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss_scale.mode = MPT_LOSS_SCALE_DYNAMIC;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static void test_conv_mixed_precision(void) {
+    enum { N = 96 };
+    static float x[N * 8 * 8 * 2];
+    static int32_t y[N];
+    mpt_tensor tx, ty;
+    mpt_dataset *data = NULL;
+    mpt_model *plain, *profiled;
+    mpt_fit_desc f = fit_desc(2); /* 3 steps an epoch */
+    char dir[300], plugin[400], run[700], path[1200];
+    struct utsname names;
+    trace_read r;
+    float *w1, *w2;
+    int64_t n1, n2, i;
+    int k;
+    if (!test_python_imports("json, gzip")) return;
+    for (i = 0; i < N * 8 * 8 * 2; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < N; i++) y[i] = test_randint(0, 3);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N, 8, 8, 2}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N}, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    plain = make_conv_model(ctx);
+    profiled = make_conv_model(ctx);
+    CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(dir, sizeof dir, "%s/conv", tmpdir);
+    f.profile_batch[0] = 2;
+    f.profile_batch[1] = 4;
+    f.profile_dir = dir;
+    CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
+    CHECK(only_entry(plugin, run, sizeof run), "one run directory in %s", plugin);
+    uname(&names);
+    snprintf(path, sizeof path, "%s/%s.trace.json", run, names.nodename);
+    read_trace(path, &r);
+    CHECK(r.ok && r.n >= 3, "the trace %s parses: %s", path, r.n ? r.lines[r.n - 1] : "");
+    for (k = 0; k < 3 && k < r.n; k++) {
+        char want[256];
+        snprintf(want, sizeof want, "step %d fwd=conv2d,batch_normalization,max_pooling2d,flatten,"
+                 "dense bwd=dense,flatten,max_pooling2d,batch_normalization,conv2d "
+                 "upd=conv2d,batch_normalization,dense nested=1 nonneg=1 loss=", 2 + k);
+        CHECK(strncmp(r.lines[k], want, strlen(want)) == 0, "got '%s', want '%s...'",
+              r.lines[k], want);
+    }
+    w1 = weights_of(plain, &n1);
+    w2 = weights_of(profiled, &n2);
+    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0 &&
+              plain->loss_scale == profiled->loss_scale && plain->step == profiled->step,
+          "profiled weights (moving statistics among them), loss scale and steps equal the "
+          "unprofiled run's");
+    free(w1);
+    free(w2);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(profiled);
+    mpt_dataset_destroy(data);
+}
+
+static void test_bad_ranges(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_dataset *data = blobs_in(q);
+    mpt_model *m = make_model(q);
+    static const int64_t ranges[][2] = {{0, 3}, {-1, 2}, {5, 3}, {1, 15}, {14, 15}};
+    size_t i;
+    for (i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+        mpt_fit_desc f = fit_desc(2); /* 14 steps */
+        mpt_status s;
+        f.profile_batch[0] = ranges[i][0];
+        f.profile_batch[1] = ranges[i][1];
+        f.profile_dir = tmpdir;
+        s = mpt_model_fit(m, data, &f);
+        CHECK(s == MPT_ERR_INVALID_ARGUMENT && strstr(mpt_context_error(q), "profile_batch"),
+              "{%lld, %lld}: status %d, '%s'", (long long)ranges[i][0], (long long)ranges[i][1],
+              (int)s, mpt_context_error(q));
+        if (i == 3)
+            CHECK(strstr(mpt_context_error(q), "14 steps") != NULL, "names the run's steps: %s",
+                  mpt_context_error(q));
+    }
+    {
+        mpt_fit_desc f = fit_desc(1);
+        f.profile_batch[0] = f.profile_batch[1] = 2;
+        CHECK(mpt_model_fit(m, data, &f) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(q), "profile_dir"),
+              "no profile_dir: %s", mpt_context_error(q));
+    }
+    CHECK(mpt_model_history(m, &(mpt_history){0}) == MPT_OK && m->optimizer_steps == 0,
+          "nothing trained: %lld optimizer steps", (long long)m->optimizer_steps);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(q);
+}
+
+static int warnings;
+static void counting_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    if (level == MPT_LOG_WARNING) warnings++;
+}
+
+static void test_unwritable_directory(void) {
+    mpt_context *q = NULL;
+    mpt_context_desc cd;
+    mpt_dataset *data;
+    mpt_model *m;
+    mpt_fit_desc f = fit_desc(1);
+    char file[300], dir[400];
+    FILE *fp;
+    memset(&cd, 0, sizeof cd);
+    cd.num_threads = 1;
+    cd.logger.fn = counting_logger;
+    mpt_context_create(&cd, &q);
+    data = blobs_in(q);
+    m = make_model(q);
+    snprintf(file, sizeof file, "%s/a_file", tmpdir);
+    fp = fopen(file, "w");
+    if (fp) fclose(fp);
+    snprintf(dir, sizeof dir, "%s/logs", file); /* under a file: never a directory */
+    f.profile_batch[0] = 2;
+    f.profile_batch[1] = 3;
+    f.profile_dir = dir;
+    warnings = 0;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "training goes on: %s", mpt_context_error(q));
+    CHECK(warnings == 1 && m->optimizer_steps == 7, "one warning (%d), 7 steps (%lld)", warnings,
+          (long long)m->optimizer_steps);
+    f.profile_fail_on_error = 1;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_ERR_IO && strstr(mpt_context_error(q), dir),
+          "asked to: fit stops, naming the directory: %s", mpt_context_error(q));
+    CHECK(m->optimizer_steps == 7, "before training: %lld", (long long)m->optimizer_steps);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(q);
+}
+
+/* A callback that stops training after batch `at` (0-based, in an epoch). */
+static mpt_status stop_at(void *user, mpt_model *m, int64_t batch, const mpt_logs *logs,
+                          int *stop) {
+    (void)m;
+    (void)logs;
+    if (batch == *(int64_t *)user) *stop = 1;
+    return MPT_OK;
+}
+
+static void test_run_ends_early(void) {
+    mpt_context *q = NULL;
+    mpt_context_desc cd;
+    mpt_dataset *data;
+    mpt_model *m;
+    mpt_fit_desc f = fit_desc(1);
+    mpt_callback cb;
+    int64_t at = 3;
+    char dir[300], plugin[400], run[700], path[1200];
+    struct utsname names;
+    trace_read r;
+    memset(&cd, 0, sizeof cd);
+    cd.num_threads = 1;
+    cd.logger.fn = counting_logger;
+    mpt_context_create(&cd, &q);
+    data = blobs_in(q);
+    m = make_model(q);
+    if (!test_python_imports("json")) goto done;
+    memset(&cb, 0, sizeof cb);
+    cb.on_batch_end = stop_at;
+    cb.user_data = &at;
+    snprintf(dir, sizeof dir, "%s/early", tmpdir);
+    f.profile_batch[0] = 3;
+    f.profile_batch[1] = 6;
+    f.profile_dir = dir;
+    f.callbacks = &cb;
+    f.n_callbacks = 1;
+    warnings = 0;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
+    CHECK(warnings == 1, "a warning that the range was cut short (%d)", warnings);
+    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
+    CHECK(only_entry(plugin, run, sizeof run), "one run directory");
+    uname(&names);
+    snprintf(path, sizeof path, "%s/%s.trace.json", run, names.nodename);
+    read_trace(path, &r);
+    CHECK(r.ok && r.n >= 2 && !strncmp(r.lines[0], "step 3 ", 7) && !strncmp(r.lines[1], "step 4 ", 7) &&
+              strncmp(r.lines[2], "step", 4) != 0,
+          "steps 3 and 4 only: '%s' '%s'", r.lines[0], r.lines[1]);
+done:
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(q);
+}
+
+int main(void) {
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.num_threads = 2;
+    mpt_context_create(&d, &ctx);
+    make_blobs();
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_profiler_XXXXXX");
+    if (!mkdtemp(tmpdir)) return 1;
+    TEST_RUN(test_trace_per_layer);
+    TEST_RUN(test_conv_mixed_precision);
+    TEST_RUN(test_bad_ranges);
+    TEST_RUN(test_unwritable_directory);
+    TEST_RUN(test_run_ends_early);
+    {
+        char cmd[300];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+        if (system(cmd) != 0) return 1;
+    }
+    mpt_context_destroy(ctx);
+    return test_summary("test_profiler");
+}

@@ -101,13 +101,13 @@ static inline double round_to(mpt_dtype dtype, double v) {
 
 /* Why backend table t is not complete, or NULL when it is: a required
    slot (every one but those @backend names optional) that is NULL, the
-   collectives neither all there nor all absent, or a function slot of
+   collectives or the timers neither all there nor all absent, or a function slot of
    mpt_backend that this list does not name (one added to the struct and
    not here). */
 static inline const char *backend_table_gap(const mpt_backend *t) {
     const size_t slots = (sizeof(mpt_backend) - offsetof(mpt_backend, alloc)) / sizeof t->alloc;
     size_t named = 0;
-    int collectives;
+    int collectives, timers;
     if (!t->name) return "name is NULL";
 #define REQUIRED(slot)                                                                             \
     do {                                                                                           \
@@ -131,6 +131,10 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     named += 5;
     if (collectives != 0 && collectives != 5)
         return "comm_id, comm_create, comm_destroy, allreduce_sum, comm_error: some NULL, some not";
+    timers = !!t->timer_create + !!t->timer_mark + !!t->timer_read + !!t->timer_free;
+    named += 4;
+    if (timers != 0 && timers != 4)
+        return "timer_create, timer_mark, timer_read, timer_free: some NULL, some not";
     if (named != slots)
         return "mpt_backend has a function slot that backend_table_gap does not name";
     return NULL;

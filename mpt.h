@@ -16007,13 +16007,26 @@ static mpt_quant_params mpt__q_fixed_params(float scale, int32_t zero_point) {
     return p;
 }
 
+/* Saturated to int8; NaN (a NaN input given to invoke) becomes 0. */
 static int8_t mpt__q_clamp8(double v) {
-    return (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v);
+    return (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v == v ? v : 0);
+}
+
+/* roundf (ties away from zero, TFLite's TfLiteRound) for |v| < 2^31,
+   without a call: v minus its truncation is exact. Larger values only
+   saturate the int8 they become. */
+static float mpt__q_round(float v) {
+    int32_t i;
+    float r;
+    if (!(fabsf(v) < 2147483520.0f)) return v; /* the largest float below 2^31 */
+    i = (int32_t)v;
+    r = v - (float)i;
+    return (float)(i + (r >= 0.5f) - (r <= -0.5f));
 }
 
 /* q = clamp(round(x / scale) + zero_point), ties away from zero as TFLite. */
 static int8_t mpt__q_quantize(float x, const mpt_quant_params *p) {
-    return mpt__q_clamp8((double)roundf(x / p->scale) + p->zero_point);
+    return mpt__q_clamp8((double)mpt__q_round(x / p->scale) + p->zero_point);
 }
 
 /* ---- the operations, from the float model's layers ------------------------------------ */
@@ -16355,8 +16368,55 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
         for (c = 0; c < cols; c++) amax = fabsf(x[c]) > amax ? fabsf(x[c]) : amax;
         scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
         inv = amax > 0 ? 127.0f / amax : 0.0f;
-        for (c = 0; c < cols; c++) q[c] = mpt__q_clamp8((double)roundf(x[c] * inv));
+        for (c = 0; c < cols; c++) q[c] = mpt__q_clamp8((double)mpt__q_round(x[c] * inv));
     }
+}
+
+/* Rows of a dynamic product, MPT__Q_TASK_ROWS a task (each row alone, so
+   any thread count gives the same): quantized before it, or dequantized
+   after it, y = acc · row_scale · w_scale[c] + bias[c], then ReLU. */
+#define MPT__Q_TASK_ROWS 8
+
+typedef struct mpt__qrows_job {
+    const mpt__qop *op;
+    int64_t rows, cols;
+    const float *x;          /* quantize: (rows, cols)                       */
+    int8_t *q;               /* quantize: (rows, cols)                       */
+    float *scale;            /* quantize: (rows)                             */
+    const int32_t *acc;      /* dequantize: (rows, N)                         */
+    const float *row_scale;  /* dequantize: (rows)                            */
+    float *y;                /* dequantize: (rows, N)                         */
+} mpt__qrows_job;
+
+static void mpt__q_quantize_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
+    int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0);
+    (void)thread;
+    mpt__q_symmetric_rows(j->x + r0 * j->cols, n, j->cols, j->q + r0 * j->cols, j->scale + r0);
+}
+
+static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
+    const int64_t N = j->op->info.out_channels;
+    const int relu = j->op->info.activation == MPT_ACT_RELU;
+    int64_t r, c, r1 = MPT__MIN((task + 1) * MPT__Q_TASK_ROWS, j->rows);
+    (void)thread;
+    for (r = task * MPT__Q_TASK_ROWS; r < r1; r++)
+        for (c = 0; c < N; c++) {
+            float v = (float)j->acc[r * N + c] * (j->row_scale[r] * j->op->wscale[c]) +
+                      j->op->bias[c];
+            j->y[r * N + c] = relu && v < 0 ? 0.0f : v;
+        }
+}
+
+/* mpt__q_symmetric_rows over the context's threads. */
+static void mpt__q_symmetric_rows_parallel(mpt_context *ctx, const float *x, int64_t rows,
+                                           int64_t cols, int8_t *q, float *scale) {
+    mpt__qrows_job j;
+    memset(&j, 0, sizeof j);
+    j.rows = rows, j.cols = cols, j.x = x, j.q = q, j.scale = scale;
+    mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                      mpt__q_quantize_rows_task, &j);
 }
 
 /* A Dense or Conv2D's product over `rows` rows a (rows × K), into y (rows × N):
@@ -16390,15 +16450,13 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         d.b = op->wq, d.ldb = K, d.trans_b = 1;
         d.ldc = N;
         if (ex == MPT__QX_DYNAMIC) {
-            int64_t r, n;
-            float *out = (float *)y;
+            mpt__qrows_job j;
             d.c = w->acc;
             MPT__CHECK(mpt_qgemm(ctx, &d));
-            for (r = 0; r < rows; r++)
-                for (n = 0; n < N; n++) {
-                    float v = (float)w->acc[r * N + n] * (row_scale[r] * op->wscale[n]) + op->bias[n];
-                    out[r * N + n] = relu && v < 0 ? 0.0f : v;
-                }
+            memset(&j, 0, sizeof j);
+            j.op = op, j.rows = rows, j.acc = w->acc, j.row_scale = row_scale, j.y = (float *)y;
+            mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                              mpt__q_dequantize_rows_task, &j);
             return MPT_OK;
         }
         d.a_zero_point = op->info.input.zero_point;
@@ -16417,7 +16475,7 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
                                          mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
     if (ex != MPT__QX_DYNAMIC) return mpt__q_product(ctx, Q, i, ex, x, n, NULL, y, w);
-    mpt__q_symmetric_rows((const float *)x, n, op->in_count, w->xq, w->row_scale);
+    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, w->row_scale);
     return mpt__q_product(ctx, Q, i, ex, w->xq, n, w->row_scale, y, w);
 }
 
@@ -16435,7 +16493,7 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     int64_t chunk = MPT__MAX(1, MPT__MIN(n, MPT__Q_COLS_BUDGET / MPT__MAX(pix * K, 1))), b0;
     float *sample_scale = w->sample_scale;
     if (ex == MPT__QX_DYNAMIC) {
-        mpt__q_symmetric_rows((const float *)x, n, op->in_count, w->xq, sample_scale);
+        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, sample_scale);
         x = w->xq;
     }
     for (b0 = 0; b0 < n; b0 += chunk) {
@@ -16463,7 +16521,7 @@ static void mpt__q_softmax_int8(const mpt__qop *op, const int8_t *x, int8_t *y, 
         for (c = 0; c < cols; c++) sum += op->exp_table[max - x[c]];
         inv = 256.0f / sum;
         for (c = 0; c < cols; c++)
-            y[c] = mpt__q_clamp8((double)roundf(op->exp_table[max - x[c]] * inv) - 128.0);
+            y[c] = mpt__q_clamp8((double)mpt__q_round(op->exp_table[max - x[c]] * inv) - 128.0);
     }
 }
 

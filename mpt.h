@@ -16311,51 +16311,100 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
                 }
 }
 
-/* Max or average pooling of n samples in float32 (padding not counted). */
+/* Max or average pooling of n samples in float32 (padding not counted).
+   Each window's pixels are read whole (C contiguous channels) into y,
+   row by row: per channel the same order as a loop over the window. */
 static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int64_t n) {
     const mpt__win *g = &op->g;
+    const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
     int64_t b, oy, ox, c, r, q, r0, r1, c0, c1;
     for (b = 0; b < n; b++, x += g->h * g->w * g->c)
         for (oy = 0; oy < g->oh; oy++)
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
+                float *MPT__RESTRICT out = y;
                 mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
-                for (c = 0; c < g->c; c++) {
-                    float acc = op->info.op == MPT_QOP_MAX_POOL_2D ? -INFINITY : 0.0f;
-                    for (r = r0; r < r1; r++)
-                        for (q = c0; q < c1; q++) {
-                            float v = x[(r * g->w + q) * g->c + c];
-                            if (op->info.op == MPT_QOP_MAX_POOL_2D) acc = v > acc ? v : acc;
-                            else acc += v;
-                        }
-                    y[c] = op->info.op == MPT_QOP_MAX_POOL_2D
-                               ? acc : acc / (float)((r1 - r0) * (c1 - c0));
-                }
+                for (c = 0; c < g->c; c++) out[c] = max ? -INFINITY : 0.0f;
+                for (r = r0; r < r1; r++)
+                    for (q = c0; q < c1; q++) {
+                        const float *MPT__RESTRICT px = x + (r * g->w + q) * g->c;
+                        if (max)
+                            for (c = 0; c < g->c; c++) out[c] = px[c] > out[c] ? px[c] : out[c];
+                        else
+                            for (c = 0; c < g->c; c++) out[c] += px[c];
+                    }
+                if (!max)
+                    for (c = 0; c < g->c; c++) out[c] /= (float)((r1 - r0) * (c1 - c0));
             }
 }
 
 /* The same in int8 (input and output share their quantization): the
-   average rounded half away from zero, as TFLite's integer AVERAGE_POOL_2D. */
+   average rounded half away from zero, as TFLite's integer AVERAGE_POOL_2D,
+   its sums in int32 over channels a block at a time. */
 static void mpt__q_pool_int8(const mpt__qop *op, const int8_t *x, int8_t *y, int64_t n) {
     const mpt__win *g = &op->g;
-    int64_t b, oy, ox, c, r, q, r0, r1, c0, c1;
+    const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
+    int32_t acc[256];
+    int64_t b, oy, ox, c, c_end, k, r, q, r0, r1, c0, c1;
     for (b = 0; b < n; b++, x += g->h * g->w * g->c)
         for (oy = 0; oy < g->oh; oy++)
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
+                int32_t count;
                 mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
-                for (c = 0; c < g->c; c++) {
-                    int64_t acc = op->info.op == MPT_QOP_MAX_POOL_2D ? -128 : 0;
-                    int64_t count = (r1 - r0) * (c1 - c0);
+                count = (int32_t)((r1 - r0) * (c1 - c0));
+                for (c = 0; c < g->c; c = c_end) {
+                    c_end = MPT__MIN(c + 256, g->c);
+                    for (k = c; k < c_end; k++) acc[k - c] = max ? -128 : 0;
                     for (r = r0; r < r1; r++)
                         for (q = c0; q < c1; q++) {
-                            int64_t v = x[(r * g->w + q) * g->c + c];
-                            if (op->info.op == MPT_QOP_MAX_POOL_2D) acc = v > acc ? v : acc;
-                            else acc += v;
+                            const int8_t *px = x + (r * g->w + q) * g->c;
+                            if (max)
+                                for (k = c; k < c_end; k++)
+                                    acc[k - c] = px[k] > acc[k - c] ? px[k] : acc[k - c];
+                            else
+                                for (k = c; k < c_end; k++) acc[k - c] += px[k];
                         }
-                    if (op->info.op != MPT_QOP_MAX_POOL_2D)
-                        acc = acc >= 0 ? (acc + count / 2) / count : (acc - count / 2) / count;
-                    y[c] = (int8_t)acc;
+                    for (k = c; k < c_end; k++) {
+                        int32_t v = acc[k - c];
+                        if (!max) v = v >= 0 ? (v + count / 2) / count : (v - count / 2) / count;
+                        y[k] = (int8_t)v;
+                    }
                 }
             }
+}
+
+/* im2col and pooling over the context's threads, one sample a task. */
+typedef struct mpt__qsample_job {
+    const mpt__qop *op;
+    size_t es;                /* bytes of an element: 4, or 1 in int8      */
+    const void *fill;         /* im2col: a pixel outside the image          */
+    const unsigned char *x;   /* (n, in_count) elements                     */
+    unsigned char *y;         /* im2col: (n·OH·OW, K); pooling: (n, out_count) */
+} mpt__qsample_job;
+
+static void mpt__q_im2col_task(void *arg, int64_t b, int thread) {
+    const mpt__qsample_job *j = (const mpt__qsample_job *)arg;
+    const mpt__win *g = &j->op->g;
+    (void)thread;
+    mpt__q_im2col(g, j->es, j->fill, j->x + (size_t)(b * j->op->in_count) * j->es, 1,
+                  j->y + (size_t)(b * g->oh * g->ow * j->op->info.depth) * j->es);
+}
+
+static void mpt__q_pool_task(void *arg, int64_t b, int thread) {
+    const mpt__qsample_job *j = (const mpt__qsample_job *)arg;
+    const size_t in = (size_t)(b * j->op->in_count) * j->es;
+    const size_t out = (size_t)(b * j->op->out_count) * j->es;
+    (void)thread;
+    if (j->es == 1) mpt__q_pool_int8(j->op, (const int8_t *)(j->x + in), (int8_t *)(j->y + out), 1);
+    else mpt__q_pool_float(j->op, (const float *)(j->x + in), (float *)(j->y + out), 1);
+}
+
+static void mpt__q_each_sample(mpt_context *ctx, mpt__task_fn fn, const mpt__qop *op, size_t es,
+                               const void *fill, const void *x, void *y, int64_t n) {
+    mpt__qsample_job j;
+    j.op = op, j.es = es, j.fill = fill;
+    j.x = (const unsigned char *)x;
+    j.y = (unsigned char *)y;
+    mpt__parallel_for(ctx, n, fn, &j);
 }
 
 /* Symmetric int8 of each of `rows` runs of `cols` floats: scale max|x|/127
@@ -16399,14 +16448,17 @@ static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
     const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
     const int64_t N = j->op->info.out_channels;
     const int relu = j->op->info.activation == MPT_ACT_RELU;
+    const float *MPT__RESTRICT wscale = j->op->wscale, *MPT__RESTRICT bias = j->op->bias;
     int64_t r, c, r1 = MPT__MIN((task + 1) * MPT__Q_TASK_ROWS, j->rows);
     (void)thread;
-    for (r = task * MPT__Q_TASK_ROWS; r < r1; r++)
-        for (c = 0; c < N; c++) {
-            float v = (float)j->acc[r * N + c] * (j->row_scale[r] * j->op->wscale[c]) +
-                      j->op->bias[c];
-            j->y[r * N + c] = relu && v < 0 ? 0.0f : v;
-        }
+    for (r = task * MPT__Q_TASK_ROWS; r < r1; r++) {
+        const int32_t *MPT__RESTRICT acc = j->acc + r * N;
+        float *MPT__RESTRICT y = j->y + r * N;
+        const float s = j->row_scale[r];
+        for (c = 0; c < N; c++) y[c] = (float)acc[c] * (s * wscale[c]) + bias[c];
+        if (relu)
+            for (c = 0; c < N; c++) y[c] = y[c] < 0 ? 0.0f : y[c];
+    }
 }
 
 /* mpt__q_symmetric_rows over the context's threads. */
@@ -16498,8 +16550,9 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     }
     for (b0 = 0; b0 < n; b0 += chunk) {
         int64_t cb = MPT__MIN(chunk, n - b0), r;
-        mpt__q_im2col(&op->g, es, int8_in ? (const void *)&zp : (const void *)&zero,
-                      (const unsigned char *)x + (size_t)(b0 * op->in_count) * es, cb, w->cols);
+        mpt__q_each_sample(ctx, mpt__q_im2col_task, op, es,
+                           int8_in ? (const void *)&zp : (const void *)&zero,
+                           (const unsigned char *)x + (size_t)(b0 * op->in_count) * es, w->cols, cb);
         if (ex == MPT__QX_DYNAMIC)
             for (r = 0; r < cb * pix; r++) w->row_scale[r] = sample_scale[b0 + r / pix];
         MPT__CHECK(mpt__q_product(ctx, Q, i, ex, w->cols, cb * pix, w->row_scale,
@@ -16538,8 +16591,7 @@ static mpt_status mpt__q_run_op(mpt_context *ctx, const mpt__quantized *Q, int i
     case MPT_QOP_MAX_POOL_2D:
     case MPT_QOP_AVERAGE_POOL_2D:
     case MPT_QOP_GLOBAL_AVERAGE_POOL_2D:
-        if (integer) mpt__q_pool_int8(op, (const int8_t *)x, (int8_t *)y, n);
-        else mpt__q_pool_float(op, (const float *)x, (float *)y, n);
+        mpt__q_each_sample(ctx, mpt__q_pool_task, op, es, NULL, x, y, n);
         return MPT_OK;
     case MPT_QOP_RESHAPE: memcpy(y, x, (size_t)count * es); return MPT_OK;
     case MPT_QOP_ACTIVATION: {
@@ -16625,6 +16677,22 @@ static int mpt__q_batch_shape(const mpt_model *m, int64_t n, int64_t *shape) {
     return rank + 1;
 }
 
+/* The model's float32 input quantized into int8, MPT__Q_TASK_ROWS samples a task. */
+typedef struct mpt__qinput_job {
+    const float *x;
+    int8_t *q;
+    int64_t n, count;            /* samples, elements of one */
+    const mpt_quant_params *p;
+} mpt__qinput_job;
+
+static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
+    const mpt__qinput_job *j = (const mpt__qinput_job *)arg;
+    int64_t k = task * MPT__Q_TASK_ROWS * j->count;
+    const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
+    (void)thread;
+    for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
+}
+
 /* n float32 samples to n float32 outputs, whatever the mode: the integer
    pass quantizes at the start and dequantizes at the end. */
 static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, const float *x,
@@ -16638,8 +16706,11 @@ static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, co
     }
     {
         const mpt_quant_params *in = &Q->tensor[0], *o = &Q->tensor[Q->n_ops];
+        mpt__qinput_job j;
         int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
-        for (k = 0; k < n * Q->in_count; k++) xq[k] = mpt__q_quantize(x[k], in);
+        j.x = x, j.q = xq, j.n = n, j.count = Q->in_count, j.p = in;
+        mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                          mpt__q_quantize_input_task, &j);
         MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out));
         for (k = 0; k < count; k++)
             y[k] = (float)(((const int8_t *)out)[k] - o->zero_point) * o->scale;

@@ -4872,6 +4872,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
                                          int64_t batch_size, mpt_tensor *out);
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs);
+static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size);
 
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
@@ -11042,6 +11043,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     char a[96], b[96], c[96];
     if (!m) return 0;
     if (size) buf[0] = 0;
+    if (m->quantized) return mpt__quantized_summary(m, buf, size);
     if (!m->built) {
         mpt__append(buf, size, &used,
                     "Model: \"sequential\": this model has not yet been built. Build it "
@@ -14686,6 +14688,7 @@ static mpt_status mpt__ckpt_check_model(mpt_model *m, const char *path, int full
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!path || !*path)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "checkpoint: %s needs a path", what);
+    MPT__CHECK(mpt__refuse_quantized(m, what));
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a built model "
                          "(mpt_model_build, or fit)", what, path);
@@ -17107,6 +17110,40 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     mpt__free(m->ctx, w.block);
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
+}
+
+/* mpt_model_summary of a quantized model: its mode, then per operation
+   the float layer it came from, its output shape and its quantization. */
+static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size) {
+    static const char *const mode[] = {"dynamic-range", "full integer", "float16"};
+    static const char *const op_name[] = {"FULLY_CONNECTED", "CONV_2D", "MAX_POOL_2D",
+                                          "AVERAGE_POOL_2D", "MEAN", "RESHAPE", "ACTIVATION"};
+    const mpt__quantized *Q = m->quantized;
+    size_t used = 0;
+    int i;
+    char shape[96];
+    mpt__append(buf, size, &used, "Model: \"quantized\" (%s, input and output %s)\n",
+                mode[Q->mode], mpt_dtype_name(Q->io_dtype));
+    mpt__append(buf, size, &used, "%-18s %-28s %-18s %s\n", "Operation", "Layer",
+                "Output Shape", Q->mode == MPT_QUANTIZE_FULL_INTEGER ? "Output (scale, zero point)"
+                                                                    : "");
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt_quantized_layer *L = &Q->ops[i].info;
+        char layer[96];
+        snprintf(layer, sizeof layer, "%s%s%s%s%s", L->name,
+                 L->folded_batchnorm ? " + " : "",
+                 L->folded_batchnorm ? L->folded_batchnorm : "",
+                 L->activation != MPT_ACT_NONE ? " " : "",
+                 L->activation != MPT_ACT_NONE ? mpt_activation_name(L->activation) : "");
+        mpt__append(buf, size, &used, "%-18s %-28s (None, %-11s", op_name[L->op], layer,
+                    mpt_shape_format(shape, sizeof shape, L->out_rank, L->out_shape) + 1);
+        if (Q->mode == MPT_QUANTIZE_FULL_INTEGER)
+            mpt__append(buf, size, &used, " %.6g, %d", (double)L->output.scale,
+                        (int)L->output.zero_point);
+        mpt__append(buf, size, &used, "\n");
+    }
+    mpt__append(buf, size, &used, "Weights as stored: %lld bytes\n", (long long)Q->size_bytes);
+    return used;
 }
 
 /* The model's input or output quantization in io_dtype: uint8's zero

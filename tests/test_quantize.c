@@ -57,13 +57,15 @@ static void randomize(mpt_model *m, unsigned long long seed) {
     mpt_model_refresh_weights(m);
 }
 
-enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE };
+enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE };
 
 /* CNN: Conv2D → BatchNormalization → ReLU → MaxPooling2D → Conv2D(tanh)
    → AveragePooling2D('same') → Flatten → Dense(gelu) → Dropout →
    Dense(sigmoid) → Dense(softmax). GAP: Conv2D(relu) →
    GlobalAveragePooling2D → Dense(softmax). DENSE: Flatten → Dense(16) →
-   BatchNormalization → Dense(4, relu). */
+   BatchNormalization → Dense(4, relu). WIDE: Conv2D(300, 1×1) →
+   MaxPooling2D → AveragePooling2D → Flatten → Dense(softmax): pooling
+   over more channels than a block of its int32 sums. */
 static mpt_model *make_model(mpt_context *ctx, int kind, unsigned long long seed) {
     mpt_model *m = NULL;
     mpt_status s;
@@ -92,6 +94,13 @@ static mpt_model *make_model(mpt_context *ctx, int kind, unsigned long long seed
                                                    .strides = {2, 2},
                                                    .activation = MPT_ACT_RELU});
         mpt_model_add_global_average_pooling2d(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
+                                                 .activation = MPT_ACT_SOFTMAX});
+    } else if (kind == MODEL_WIDE) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 300, .kernel_size = {1, 1}});
+        mpt_model_add_max_pooling2d(m, NULL);
+        mpt_model_add_average_pooling2d(m, NULL);
+        mpt_model_add_flatten(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
                                                  .activation = MPT_ACT_SOFTMAX});
     } else {
@@ -271,7 +280,7 @@ static void check_dynamic_op(mpt_context *ctx, mpt__quantized *Q, int i, float *
 static void test_layers_within_steps(void) {
     int kind;
     make_samples(12);
-    for (kind = MODEL_CNN; kind <= MODEL_DENSE; kind++) {
+    for (kind = MODEL_CNN; kind <= MODEL_WIDE; kind++) {
         mpt_context *ctx = quiet_ctx();
         mpt_model *m = make_model(ctx, kind, 200 + (unsigned)kind);
         mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
@@ -338,6 +347,30 @@ static void test_float16_model(void) {
           (long long)info.size_bytes);
     mpt_tensor_free(ctx, &a);
     mpt_tensor_free(ctx, &b);
+    mpt_model_destroy(q);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* The summary names the mode, each operation's float layers and, in full
+   integer, its output's quantization. */
+static void test_quantized_summary(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q;
+    mpt_dataset *d;
+    char text[4096];
+    size_t n;
+    make_samples(20);
+    m = make_model(ctx, MODEL_CNN, 250);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_UINT8);
+    n = q ? mpt_model_summary(q, text, sizeof text) : 0;
+    CHECK(n > 0 && n < sizeof text, "summary of %zu characters", n);
+    CHECK(strstr(text, "full integer, input and output uint8"), "mode: %s", text);
+    CHECK(strstr(text, "CONV_2D") && strstr(text, "conv2d + batch_normalization relu"),
+          "the folded conv: %s", text);
+    CHECK(strstr(text, "0.00390625, -128"), "softmax's fixed quantization: %s", text);
     mpt_model_destroy(q);
     mpt_dataset_destroy(d);
     mpt_model_destroy(m);
@@ -732,6 +765,8 @@ static void test_bad_input(void) {
         }
         expect(ctx, mpt_model_quantize(q, NULL, &qq), MPT_ERR_STATE, "quantized already",
                "quantize twice");
+        expect(ctx, mpt_model_save_weights(q, "/tmp/mpt_test_quantize_never.safetensors"),
+               MPT_ERR_STATE, "quantized", "save_weights");
         expect(ctx, mpt_model_evaluate(q, d, NULL, &logs), MPT_ERR_STATE, "compile",
                "evaluate uncompiled");
         expect(ctx, mpt_model_predict(q, wrong, 0, &t), MPT_ERR_SHAPE, "predict", "predict shape");
@@ -809,6 +844,7 @@ int main(void) {
     TEST_RUN(test_batchnorm_folding_float);
     TEST_RUN(test_layers_within_steps);
     TEST_RUN(test_float16_model);
+    TEST_RUN(test_quantized_summary);
     TEST_RUN(test_bit_exact_across_threads);
     TEST_RUN(test_calibration_ranges);
     TEST_RUN(test_requantization_scalar_reference);

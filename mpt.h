@@ -16411,16 +16411,48 @@ static void mpt__q_each_sample(mpt_context *ctx, mpt__task_fn fn, const mpt__qop
 }
 
 /* Symmetric int8 of each of `rows` runs of `cols` floats: scale max|x|/127
-   (1 for a run of zeros), as TFLite's hybrid kernels quantize per batch row. */
+   (1 for a run of zeros), as TFLite's hybrid kernels quantize per batch row.
+   The loops go 16 elements at a time so that -O2 vectorizes them; a run
+   holding inf or NaN takes the scalar path, which saturates. */
+#define MPT__Q_LANES 16
+
+static float mpt__q_abs_max(const float *MPT__RESTRICT x, int64_t n) {
+    float lane[MPT__Q_LANES] = {0}, amax = 0;
+    int64_t i = 0, k;
+    for (; i + MPT__Q_LANES <= n; i += MPT__Q_LANES)
+        for (k = 0; k < MPT__Q_LANES; k++) {
+            float a = fabsf(x[i + k]);
+            lane[k] = a > lane[k] ? a : lane[k];
+        }
+    for (k = 0; k < MPT__Q_LANES; k++) amax = lane[k] > amax ? lane[k] : amax;
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+}
+
+/* round(x·inv) for |x·inv| ≤ 127.5: ties away from zero, as mpt__q_round. */
+static int8_t mpt__q_round_small(float v) {
+    int32_t i = (int32_t)v;
+    float r = v - (float)i;
+    i += (r >= 0.5f) - (r <= -0.5f);
+    return (int8_t)(i > 127 ? 127 : i < -127 ? -127 : i);
+}
+
 static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, int8_t *q,
                                   float *scale) {
-    int64_t r, c;
+    int64_t r, c, k;
     for (r = 0; r < rows; r++, x += cols, q += cols) {
-        float amax = 0, inv;
-        for (c = 0; c < cols; c++) amax = fabsf(x[c]) > amax ? fabsf(x[c]) : amax;
+        const float *MPT__RESTRICT in = x;
+        int8_t *MPT__RESTRICT out = q;
+        float amax = mpt__q_abs_max(x, cols), inv;
         scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
         inv = amax > 0 ? 127.0f / amax : 0.0f;
-        for (c = 0; c < cols; c++) q[c] = mpt__q_clamp8((double)mpt__q_round(x[c] * inv));
+        if (!(amax < INFINITY)) {
+            for (c = 0; c < cols; c++) out[c] = mpt__q_clamp8((double)mpt__q_round(in[c] * inv));
+            continue;
+        }
+        for (c = 0; c + MPT__Q_LANES <= cols; c += MPT__Q_LANES)
+            for (k = 0; k < MPT__Q_LANES; k++) out[c + k] = mpt__q_round_small(in[c + k] * inv);
+        for (; c < cols; c++) out[c] = mpt__q_round_small(in[c] * inv);
     }
 }
 
@@ -16458,9 +16490,11 @@ static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
         const int32_t *MPT__RESTRICT acc = j->acc + r * N;
         float *MPT__RESTRICT y = j->y + r * N;
         const float s = j->row_scale[r];
-        for (c = 0; c < N; c++) y[c] = (float)acc[c] * (s * wscale[c]) + bias[c];
-        if (relu)
-            for (c = 0; c < N; c++) y[c] = y[c] < 0 ? 0.0f : y[c];
+        const float lowest = relu ? 0.0f : -INFINITY;
+        for (c = 0; c < N; c++) {
+            float v = (float)acc[c] * (s * wscale[c]) + bias[c];
+            y[c] = v < lowest ? lowest : v;
+        }
     }
 }
 

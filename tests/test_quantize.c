@@ -125,6 +125,24 @@ static mpt_model *quantize(mpt_model *m, mpt_quantize_mode mode, const mpt_datas
     return q;
 }
 
+/* ---- rounding ---------------------------------------------------------------------------- */
+
+/* The quantizers' rounding is roundf's (ties away from zero, TFLite's
+   TfLiteRound): on the ties, their neighbours, and random values. */
+static void test_rounding_ties_away_from_zero(void) {
+    static const float ties[] = {0.5f, 1.5f, 2.5f, 126.5f, 127.5f, 0.49999997f, 2.5000002f,
+                                 1e6f + 0.5f, 8388607.5f, 3e9f, 0.0f};
+    int i, bad = 0;
+    test_seed(21);
+    for (i = 0; i < 2 * 11 + 100000; i++) {
+        float v = i < 22 ? (i & 1 ? -ties[i / 2] : ties[i / 2]) : (float)test_uniform(-130, 130);
+        bad += mpt__q_round(v) != roundf(v);
+        /* symmetric int8: −127 is the lowest code */
+        if (fabsf(v) <= 127.5f) bad += mpt__q_round_small(v) != fmaxf(-127, mpt__q_clamp8(roundf(v)));
+    }
+    CHECK(bad == 0, "%d values rounded unlike roundf", bad);
+}
+
 /* ---- BatchNormalization folded, in float32 -------------------------------------------- */
 
 /* The folded operations in float32 against the float model's own predict:
@@ -841,6 +859,7 @@ static void test_allocation_failures(void) {
 }
 
 int main(void) {
+    TEST_RUN(test_rounding_ties_away_from_zero);
     TEST_RUN(test_batchnorm_folding_float);
     TEST_RUN(test_layers_within_steps);
     TEST_RUN(test_float16_model);

@@ -208,8 +208,12 @@
        @impl-safetensors  the file format: dtypes, byte order, the JSON header
        @impl-checkpoints  the model in a file: what is saved, staging, loading
        @impl-strategy     replicas in this process, workers over MPI
-       @impl-quantize     the quantized model: BatchNormalization folded,
-                          calibration, int8 passes, predict and evaluate
+       @impl-quantize     the quantized model's operations from the float
+                          layers, BatchNormalization folded
+       @impl-quantized-passes  a batch through them: float32, float16,
+                          dynamic-range, int8
+       @impl-quantized-model  calibration, mpt_model_quantize, predict,
+                          evaluate, invoke, summary
        @impl-cpu-backend  the CPU's implementation of the @backend table
 
    CONVENTIONS
@@ -15872,7 +15876,7 @@ static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64
 }
 
 /* =============================================================================
-   @impl-quantize  post-training quantization and the quantized model's passes
+   @impl-quantize  post-training quantization: the operations from the layers
    =============================================================================
 
    A quantized model is an mpt_model without layers of its own that holds
@@ -15886,11 +15890,9 @@ static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64
      dynamic    products in int8 on inputs quantized per sample, the rest
                 in float32
      integer    everything in int8 from the input's quantization on
-   Each operation writes into one of two buffers of the batch's work block
-   in turn. Convolutions run as products over im2col rows, a chunk of
-   samples at a time (as Conv2D does). Every loop here is serial or runs
-   through mpt_gemm/mpt_qgemm, whose results do not depend on the thread
-   count, so neither does any result here. */
+   (@impl-quantized-passes), and @impl-quantized-model calibrates, builds
+   the model and runs it over datasets. This section: the structures, a
+   tensor's quantization, the operations from the layers, the work block. */
 
 #define MPT__Q_HIST_BINS 2048
 #define MPT__Q_COLS_BUDGET ((int64_t)1 << 20) /* elements of im2col rows per chunk */
@@ -16282,7 +16284,16 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
     return MPT_OK;
 }
 
-/* ---- the operations' kernels ------------------------------------------------------------ */
+/* =============================================================================
+   @impl-quantized-passes  one batch through the operations, in each mode
+   =============================================================================
+
+   Each operation writes into one of two buffers of the batch's work block
+   in turn. Convolutions run as products over im2col rows, a chunk of
+   samples at a time (as Conv2D does). The loops run over the context's
+   threads a sample or a few rows a task, each task writing only its own
+   outputs, and the products through mpt_gemm/mpt_qgemm, which split their
+   work the same way: no result depends on the thread count. */
 
 /* n samples' windows into rows of cols ((n·OH·OW) × (kh·kw·C), elements of
    es bytes); a pixel outside the image is `fill`: 0.0f in float, the
@@ -16754,6 +16765,11 @@ static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, co
     }
     return MPT_OK;
 }
+
+/* =============================================================================
+   @impl-quantized-model  calibration, mpt_model_quantize, and the quantized
+   model's predict, evaluate, invoke and summary
+   ============================================================================= */
 
 /* ---- calibration and the int8 parameters -------------------------------------------------- */
 

@@ -16791,6 +16791,18 @@ static void mpt__q_percentile_range(const mpt__qcalib *c, int t, double p, float
     *hi = (float)(c->lo[t] + width * (last + 1));
 }
 
+/* Every tensor's range finite (a weight large enough overflows a sum). */
+static mpt_status mpt__q_ranges_finite(mpt_context *ctx, const mpt__quantized *Q,
+                                       const float *lo, const float *hi) {
+    int t;
+    for (t = 0; t <= Q->n_ops; t++)
+        if (!isfinite(lo[t]) || !isfinite(hi[t]))
+            return mpt__fail(ctx, MPT_ERR_NUMERIC, "quantize: calibration met a value that is "
+                             "not finite in the %s%s%s", t ? "output of '" : "model's input",
+                             t ? Q->ops[t - 1].name : "", t ? "'" : "");
+    return MPT_OK;
+}
+
 /* Runs the folded float32 model over the calibration samples (twice for a
    percentile: the range, then the histograms over it) into each tensor's
    range. */
@@ -16816,7 +16828,9 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
     for (pass = 0; s == MPT_OK && pass < passes; pass++) {
         mpt_tensor x, y;
-        if (pass == 1) {
+        if (pass == 1) { /* the histograms need finite ranges to lay their bins over */
+            s = mpt__q_ranges_finite(ctx, Q, lo, hi);
+            if (s != MPT_OK) break;
             c.hist = (int64_t *)mpt__calloc(ctx, sizeof(int64_t) * MPT__Q_HIST_BINS *
                                                      (size_t)(Q->n_ops + 1));
             if (!c.hist) { s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory"); break; }
@@ -16827,14 +16841,9 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
             s = mpt__q_forward(ctx, Q, MPT__QX_REFERENCE, x.data, x.shape[0], &w, &c, &out);
         }
     }
-    for (t = 0; s == MPT_OK && t <= Q->n_ops; t++) {
-        if (!isfinite(lo[t]) || !isfinite(hi[t]))
-            s = mpt__fail(ctx, MPT_ERR_NUMERIC, "quantize: calibration met a value that is not "
-                          "finite in the %s%s%s", t ? "output of '" : "model's input",
-                          t ? Q->ops[t - 1].name : "", t ? "'" : "");
-        else if (c.hist)
-            mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
-    }
+    if (s == MPT_OK) s = mpt__q_ranges_finite(ctx, Q, lo, hi);
+    for (t = 0; s == MPT_OK && c.hist && t <= Q->n_ops; t++)
+        mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
     mpt__free(ctx, c.hist);
     mpt__loader_destroy(loader);
     mpt__free(ctx, order);

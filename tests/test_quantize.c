@@ -763,6 +763,22 @@ static void test_bad_input(void) {
         expect(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_NUMERIC, p.layer_name, "NaN weight");
         ((float *)p.value.data)[3] = keep;
     }
+    /* calibration that overflows names the layer, with either method */
+    {
+        mpt_param_info p;
+        int method;
+        float keep[H * W * C * 16]; /* dense/kernel */
+        mpt_model_param(m, 0, &p);
+        memcpy(keep, p.value.data, sizeof keep);
+        for (k = 0; k < H * W * C * 16; k++) ((float *)p.value.data)[k] = 3e38f;
+        for (method = 0; method < MPT_CALIBRATION_COUNT_; method++)
+            expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
+                                               .mode = MPT_QUANTIZE_FULL_INTEGER,
+                                               .representative_data = d,
+                                               .calibration = (mpt_calibration)method}, &q),
+                   MPT_ERR_NUMERIC, "not finite in the output of 'dense'", "overflow");
+        memcpy(p.value.data, keep, sizeof keep);
+    }
     /* the quantized model refuses what only a float model does */
     q = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
     if (q) {

@@ -1336,7 +1336,8 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    into its kernel and bias first: w'[c] = w[c]·s[c], b'[c] = (b[c] −
    mean[c])·s[c] + beta[c], s = gamma / sqrt(moving_variance + epsilon).
    Pooling, Flatten and activations are carried over; Dropout vanishes. A
-   Dense or Conv2D's ReLU stays fused into the product; its other
+   Dense or Conv2D's ReLU (or an Activation ReLU right after it, past a
+   folded BatchNormalization) stays fused into the product; its other
    activations become a layer of their own (TFLite's LOGISTIC, TANH, GELU,
    SOFTMAX). A layer that has no quantized form, or a BatchNormalization
    that does not follow a Dense or Conv2D without activation, is refused
@@ -1413,7 +1414,9 @@ typedef enum mpt_quantized_op {
 /* One operation of a quantized model, as an exporter reads it. Pointers
    are borrowed from the model; fields that do not apply are 0 or NULL. */
 typedef struct mpt_quantized_layer {
-    const char *name;              /* the float model's layer ("dense_1")      */
+    const char *name;              /* the float model's layer ("dense_1"); an
+                                      activation split off a Dense or Conv2D
+                                      carries that layer's name              */
     const char *folded_batchnorm;  /* the BatchNormalization folded in; NULL   */
     mpt_quantized_op op;
     int in_rank, out_rank;         /* one sample, without the batch            */

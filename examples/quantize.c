@@ -11,7 +11,7 @@
                      representative dataset)
    After training, the line every example prints; then one JSON line per
    variant: test accuracy, bytes of weights as stored, predict speed (the
-   whole test set in batches of --batch-size).
+   fastest of three passes over the test set in batches of --batch-size).
 
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
@@ -93,13 +93,17 @@ static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
                          int64_t batch_size) {
     mpt_logs logs;
     mpt_tensor out;
-    double start, seconds;
+    double seconds = INFINITY;
+    int run;
     mpt_status s = mpt_model_evaluate(m, test, &(mpt_evaluate_desc){ .batch_size = batch_size },
                                       &logs);
-    if (s != MPT_OK) return s;
-    start = now();
-    s = mpt_model_predict(m, test, batch_size, &out);
-    seconds = now() - start;
+    /* the fastest of three passes over the test set */
+    for (run = 0; s == MPT_OK && run < 3; run++) {
+        double start = now();
+        s = mpt_model_predict(m, test, batch_size, &out);
+        if (now() - start < seconds) seconds = now() - start;
+        if (s == MPT_OK && run < 2) mpt_tensor_free(ctx, &out);
+    }
     if (s != MPT_OK) return s;
     printf("{\"model\":\"%s\",\"variant\":\"%s\",\"test_accuracy\":%.4f,\"size_bytes\":%lld,"
            "\"predict_samples_per_s\":%.0f,\"threads\":%d}\n",

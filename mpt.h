@@ -16590,7 +16590,7 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     const mpt__qop *op = &Q->ops[i];
     const int64_t pix = op->g.oh * op->g.ow, K = op->info.depth, N = op->info.out_channels;
     const int int8_in = ex == MPT__QX_DYNAMIC || ex == MPT__QX_INTEGER;
-    const size_t es = int8_in ? 1 : 4;
+    const size_t es = int8_in ? 1 : 4, out_es = ex == MPT__QX_INTEGER ? 1 : 4;
     const float zero = 0.0f;
     const int8_t zp = (int8_t)(ex == MPT__QX_INTEGER ? op->info.input.zero_point : 0);
     int64_t chunk = MPT__MAX(1, MPT__MIN(n, MPT__Q_COLS_BUDGET / MPT__MAX(pix * K, 1))), b0;
@@ -16607,8 +16607,7 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
         if (ex == MPT__QX_DYNAMIC)
             for (r = 0; r < cb * pix; r++) w->row_scale[r] = sample_scale[b0 + r / pix];
         MPT__CHECK(mpt__q_product(ctx, Q, i, ex, w->cols, cb * pix, w->row_scale,
-                                  (unsigned char *)y + (size_t)(b0 * pix * N) * (ex == MPT__QX_INTEGER ? 1 : 4),
-                                  w));
+                                  (unsigned char *)y + (size_t)(b0 * pix * N) * out_es, w));
     }
     return MPT_OK;
 }

@@ -395,6 +395,84 @@ static void test_quantized_summary(void) {
     mpt_context_destroy(ctx);
 }
 
+/* What an exporter reads, per mode: every pointer the documentation
+   promises is there, the others NULL; and a model trained in
+   mixed_float16 quantizes from its float32 masters, to the same bytes as
+   a float32 model with those weights. */
+static void test_layer_accessors_per_mode(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL, *mixed = NULL;
+    mpt_dataset *d;
+    int mode, i, k;
+    make_samples(22);
+    m = make_model(ctx, MODEL_CNN, 260);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16}, &mixed);
+    mpt_model_add_conv2d(mixed, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
+                                                   .padding = MPT_PADDING_SAME});
+    mpt_model_add_batch_normalization(mixed, NULL);
+    mpt_model_add_activation(mixed, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    mpt_model_add_max_pooling2d(mixed, NULL);
+    mpt_model_add_conv2d(mixed, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {2, 2},
+                                                   .activation = MPT_ACT_TANH});
+    mpt_model_add_average_pooling2d(mixed, &(mpt_pool2d_desc){.pool_size = {2, 2},
+                                                              .strides = {1, 1},
+                                                              .padding = MPT_PADDING_SAME});
+    mpt_model_add_flatten(mixed, NULL);
+    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_GELU});
+    mpt_model_add_dropout(mixed, &(mpt_dropout_desc){.rate = 0.3f});
+    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = 7, .activation = MPT_ACT_SIGMOID});
+    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(mixed, 32) == MPT_OK, "build mixed");
+    randomize(mixed, 260);
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+        mpt_model *qm = quantize(mixed, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+        mpt_quantized_info info;
+        mpt_tensor a, b;
+        if (!q || !qm) {
+            mpt_model_destroy(q);
+            mpt_model_destroy(qm);
+            continue;
+        }
+        mpt_model_quantized_info(q, &info);
+        /* 8 layers' operations, tanh, gelu, sigmoid and softmax apart */
+        CHECK(info.mode == (mpt_quantize_mode)mode && info.n_layers == 12,
+              "mode %d: %d operations", mode, info.n_layers);
+        for (i = 0; i < info.n_layers; i++) {
+            mpt_quantized_layer L;
+            int weighted, full = mode == MPT_QUANTIZE_FULL_INTEGER;
+            CHECK(mpt_model_quantized_layer(q, i, &L) == MPT_OK, "layer %d", i);
+            weighted = L.op == MPT_QOP_FULLY_CONNECTED || L.op == MPT_QOP_CONV_2D;
+            CHECK(!weighted || (L.out_channels > 0 && L.depth > 0), "layer %d: shape", i);
+            CHECK((L.weights != NULL) == (weighted && mode != MPT_QUANTIZE_FLOAT16) &&
+                      (L.weight_scales != NULL) == (L.weights != NULL) &&
+                      (L.weights_float16 != NULL) == (weighted && mode == MPT_QUANTIZE_FLOAT16) &&
+                      (L.bias != NULL) == (weighted && !full) &&
+                      (L.bias_int32 != NULL) == (weighted && full) &&
+                      (L.multiplier != NULL) == (weighted && full) &&
+                      (L.shift != NULL) == (weighted && full),
+                  "mode %d layer %d (%s): the pointers", mode, i, L.name);
+            CHECK(!full || (L.input.scale > 0 && L.output.scale > 0), "layer %d: scales", i);
+            for (k = 0; weighted && L.weights && k < L.out_channels * L.depth; k++)
+                CHECK(L.weights[k] >= -127, "layer %d: weight −128", i);
+        }
+        CHECK(mpt_model_predict(q, d, 32, &a) == MPT_OK && mpt_model_predict(qm, d, 32, &b) == MPT_OK,
+              "predict");
+        CHECK(!memcmp(a.data, b.data, mpt_tensor_bytes(&a)),
+              "mode %d: the mixed_float16 model quantizes differently", mode);
+        mpt_tensor_free(ctx, &a);
+        mpt_tensor_free(ctx, &b);
+        mpt_model_destroy(q);
+        mpt_model_destroy(qm);
+    }
+    mpt_model_destroy(mixed);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
 /* ---- bit for bit on every thread count -------------------------------------------------- */
 
 static mpt_context *threads_ctx(int threads) {
@@ -880,6 +958,7 @@ int main(void) {
     TEST_RUN(test_layers_within_steps);
     TEST_RUN(test_float16_model);
     TEST_RUN(test_quantized_summary);
+    TEST_RUN(test_layer_accessors_per_mode);
     TEST_RUN(test_bit_exact_across_threads);
     TEST_RUN(test_calibration_ranges);
     TEST_RUN(test_requantization_scalar_reference);

@@ -181,6 +181,8 @@
                      TensorBoard
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
+       @quantize     post-training quantization: dynamic-range, full-integer
+                     (calibrated), float16; the quantized model's layers
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
@@ -217,6 +219,12 @@
        @impl-safetensors  the file format: dtypes, byte order, the JSON header
        @impl-checkpoints  the model in a file: what is saved, staging, loading
        @impl-strategy     replicas in this process, workers over MPI
+       @impl-quantize     the quantized model's operations from the float
+                          layers, BatchNormalization folded
+       @impl-quantized-passes  a batch through them: float32, float16,
+                          dynamic-range, int8
+       @impl-quantized-model  calibration, mpt_model_quantize, predict,
+                          evaluate, invoke, summary
        @impl-export       the plan both formats read: layers as steps, BN folded
        @impl-export-tflite  FlatBuffers, the TFLite graph and file
        @impl-export-onnx  the ONNX graph in protobuf (@impl-callbacks' encoder)
@@ -1364,6 +1372,183 @@ MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s);
 /* This process's worker index (0 without MPI) and the number of workers. */
 MPTDEF int mpt_strategy_worker(const mpt_strategy *s);
 MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
+
+/* =============================================================================
+   @quantize: post-training quantization (TFLite's converter, in C)
+   =============================================================================
+
+   mpt_model_quantize turns a trained model into a quantized one, as
+   TFLiteConverter does; the result is an mpt_model that mpt_model_predict
+   and mpt_model_evaluate take like any other (fit, forward, build and
+   adding layers refuse it), destroyed with mpt_model_destroy. Three modes:
+     dynamic-range  int8 weights, symmetric per output channel ([-127, 127],
+                    scale max|w|/127); each batch's activations are
+                    quantized as they arrive (symmetric, one scale per
+                    sample), the products run in int8 (mpt_qgemm) and are
+                    scaled back to float32, where the biases, pooling and
+                    activations stay (TFLite's Optimize.DEFAULT alone).
+     full-integer   int8 weights as above; int8 activations per tensor,
+                    asymmetric (real = (q − zero_point)·scale), their ranges
+                    calibrated on a representative dataset; int32 biases of
+                    scale input_scale·weight_scale[c]; every product
+                    requantized with integer multipliers and shifts
+                    (mpt_quantize_multiplier); sigmoid, tanh, GELU through a
+                    256-entry table; softmax out at scale 1/256, zero point
+                    −128, sigmoid likewise, tanh at 1/128, 0 (TFLite's
+                    TFLITE_BUILTINS_INT8). The model's input and output are
+                    float32 (quantized and dequantized at the ends) or, with
+                    io_dtype, int8 or uint8 (mpt_model_quantized_invoke).
+     float16        weights stored as float16, computed in float32.
+   Every layer with weights (Dense, Conv2D) is quantized, with a
+   BatchNormalization right after it (a Dropout between is fine) folded
+   into its kernel and bias first: w'[c] = w[c]·s[c], b'[c] = (b[c] −
+   mean[c])·s[c] + beta[c], s = gamma / sqrt(moving_variance + epsilon).
+   Pooling, Flatten and activations are carried over; Dropout vanishes. A
+   Dense or Conv2D's ReLU (or an Activation ReLU right after it, past a
+   folded BatchNormalization) stays fused into the product; its other
+   activations become a layer of their own (TFLite's LOGISTIC, TANH, GELU,
+   SOFTMAX). A layer that has no quantized form, or a BatchNormalization
+   that does not follow a Dense or Conv2D without activation, is refused
+   with MPT_ERR_UNSUPPORTED naming it. Every step is deterministic: the
+   results are the same bit for bit on every thread count. */
+
+typedef enum mpt_quantize_mode {
+    MPT_QUANTIZE_DYNAMIC_RANGE = 0, /* the default */
+    MPT_QUANTIZE_FULL_INTEGER = 1,
+    MPT_QUANTIZE_FLOAT16 = 2,
+    MPT_QUANTIZE_MODE_COUNT_
+} mpt_quantize_mode;
+
+/* How a tensor's range is taken from the calibration samples. */
+typedef enum mpt_calibration {
+    MPT_CALIBRATION_MIN_MAX = 0,    /* the smallest and largest value seen  */
+    MPT_CALIBRATION_PERCENTILE = 1, /* the (100 − p) and p percentiles of
+                                       the values seen (a histogram of 2048
+                                       bins over min..max): outliers clipped */
+    MPT_CALIBRATION_COUNT_
+} mpt_calibration;
+
+typedef struct mpt_quantize_desc {
+    mpt_quantize_mode mode;                 /* default dynamic-range           */
+    /* Full integer only: */
+    const mpt_dataset *representative_data; /* required: samples shaped as the
+                                               model's input (labels unread) */
+    int64_t calibration_samples;            /* default 0: every sample; else
+                                               the first this many (TFLite's
+                                               guides take 100..500)         */
+    mpt_calibration calibration;            /* default min/max                */
+    double percentile;                      /* percentile: default 0: 99.99;
+                                               else in [50, 100]             */
+    mpt_dtype io_dtype;                     /* the model's input and output:
+                                               default float32; MPT_INT8 or
+                                               MPT_UINT8 (TFLite's
+                                               inference_input_type)         */
+    int64_t batch_size;                     /* calibration batches; default 32 */
+} mpt_quantize_desc;
+
+/* Quantizes m (built, and trained or given weights: by fit, a loaded
+   checkpoint, or mpt_model_refresh_weights after editing the masters)
+   into *out, a new model that shares nothing with m. A compiled m's loss
+   and metrics go with it, for mpt_model_evaluate (or compile *out).
+   Errors: MPT_ERR_STATE for an unbuilt or untrained m; for full integer,
+   MPT_ERR_INVALID_ARGUMENT without representative_data or with an empty
+   one, MPT_ERR_SHAPE for samples of the wrong shape; MPT_ERR_UNSUPPORTED
+   for a layer it cannot quantize; MPT_ERR_NUMERIC for a weight or a
+   calibrated value that is not finite. */
+MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc,
+                                     mpt_model **out);
+
+/* An int8 tensor's quantization: real = (q − zero_point) · scale. */
+typedef struct mpt_quant_params {
+    float scale;
+    int32_t zero_point;
+    float min, max;       /* the range it was made from (calibrated, or the
+                             fixed one of softmax, sigmoid and tanh)       */
+} mpt_quant_params;
+
+/* The operations of a quantized model, in TFLite's terms. */
+typedef enum mpt_quantized_op {
+    MPT_QOP_FULLY_CONNECTED = 0, /* a Dense                                  */
+    MPT_QOP_CONV_2D,             /* a Conv2D                                 */
+    MPT_QOP_MAX_POOL_2D,         /* in and out share their quantization     */
+    MPT_QOP_AVERAGE_POOL_2D,     /* likewise; 'same' padding not counted    */
+    MPT_QOP_GLOBAL_AVERAGE_POOL_2D, /* (H, W, C) -> (C), TFLite's MEAN; likewise */
+    MPT_QOP_RESHAPE,             /* Flatten; likewise                        */
+    MPT_QOP_ACTIVATION,          /* activation: relu, gelu, sigmoid, tanh,
+                                    softmax (over the last axis)            */
+    MPT_QOP_COUNT_
+} mpt_quantized_op;
+
+/* One operation of a quantized model, as an exporter reads it. Pointers
+   are borrowed from the model; fields that do not apply are 0 or NULL. */
+typedef struct mpt_quantized_layer {
+    const char *name;              /* the float model's layer ("dense_1"); an
+                                      activation split off a Dense or Conv2D
+                                      carries that layer's name              */
+    const char *folded_batchnorm;  /* the BatchNormalization folded in; NULL   */
+    mpt_quantized_op op;
+    int in_rank, out_rank;         /* one sample, without the batch            */
+    int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
+    mpt_activation activation;     /* fully connected, conv: fused, none or
+                                      relu; ACTIVATION: which one             */
+    int64_t kernel_size[2];        /* conv, pooling: the window (kh, kw)      */
+    int64_t strides[2];
+    mpt_padding padding;
+    /* Fully connected and conv: out_channels rows of depth weights each:
+       fully connected [units, in] (TFLite's [out, in]); conv [filters, kh,
+       kw, in_channels] (TFLite's OHWI). */
+    int64_t out_channels, depth;
+    const int8_t *weights;         /* int8 modes: symmetric, zero point 0      */
+    const mpt_half *weights_float16; /* float16 mode                           */
+    const float *weight_scales;    /* int8 modes: (out_channels)               */
+    const float *bias;             /* dynamic-range, float16: (out_channels)
+                                      float32, BatchNormalization folded in   */
+    const int32_t *bias_int32;     /* full integer: (out_channels), scale
+                                      input.scale · weight_scales[c], zero 0  */
+    const int32_t *multiplier;     /* full integer: (out_channels), with shift:
+                                      input.scale · weight_scales[c] /
+                                      output.scale (mpt_quantize_multiplier)  */
+    const int32_t *shift;
+    mpt_quant_params input, output; /* full integer: the int8 tensors         */
+} mpt_quantized_layer;
+
+typedef struct mpt_quantized_info {
+    mpt_quantize_mode mode;
+    mpt_dtype io_dtype;            /* float32, int8 or uint8                   */
+    mpt_quant_params input, output; /* full integer: the model's input and
+                                      output tensors in io_dtype (uint8: the
+                                      zero point + 128); float32 io: the int8
+                                      tensors the ends quantize to and from */
+    int n_layers;                  /* the operations                           */
+    /* What a file holds: weights (1 byte each, 2 in float16), biases (4),
+       and per channel scales (4) in the int8 modes. */
+    int64_t size_bytes;
+} mpt_quantized_info;
+
+/* MPT_ERR_STATE when m is not quantized. */
+MPTDEF mpt_status mpt_model_quantized_info(const mpt_model *m, mpt_quantized_info *out);
+MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
+                                            mpt_quantized_layer *out);
+
+/* Runs a quantized model on one batch, as an interpreter's invoke: x is
+   (batch, input shape...) in the model's io_dtype, y is filled with
+   (batch, output shape...) in io_dtype (float32: dequantized). y is
+   allocated here (owned; mpt_tensor_free). Any batch size. */
+MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
+
+/* ============================================================================
+   ============================================================================
+     FOR BACKEND IMPLEMENTERS: the interface between the library and a
+     compute backend
+   ============================================================================
+   ============================================================================
+
+   Nothing above needs what follows to train a model. @backend is the table
+   of functions the CPU backend (@impl-cpu-backend) and the CUDA one
+   (mpt_cuda.cu) fill in, and @backend-shared the rules both run alike. It
+   stays in this half of the file, outside MPT_IMPLEMENTATION, because
+   mpt_cuda.cu includes the header without MPT_IMPLEMENTATION and needs
+   both. */
 
 /* =============================================================================
    @export: a model as a TFLite or ONNX file, for the runtimes people deploy with
@@ -4985,7 +5170,21 @@ struct mpt_model {
     double *sync_scratch;                /* host sums of synchronized statistics:
                                             (2·C + 1) doubles, then 2·C floats,
                                             C the widest such layer's          */
+    /* Post-training quantization (@impl-quantize): */
+    int weights_given;                   /* masters loaded or edited (through
+                                            mpt_model_refresh_weights): not
+                                            only the initial ones            */
+    struct mpt__quantized *quantized;    /* NULL; a quantized model's operations */
 };
+
+typedef struct mpt__quantized mpt__quantized;
+static void mpt__quantized_free(const mpt_context *ctx, mpt__quantized *Q);
+static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what);
+static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
+                                         int64_t batch_size, mpt_tensor *out);
+static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
+                                          const mpt_evaluate_desc *desc, mpt_logs *logs);
+static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size);
 
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
@@ -5158,6 +5357,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     for (c = 0; c < MPT_MAX_LOGS; c++) mpt__free(m->ctx, m->history.values[c]);
     mpt__free(m->ctx, m->layers);
     mpt__free(m->ctx, m->params);
+    mpt__quantized_free(m->ctx, m->quantized);
     mpt__free(m->ctx, m);
 }
 
@@ -5172,6 +5372,7 @@ static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name) {
 static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
                                  const mpt__layer_desc *desc, const char *name, mpt_dtype dtype) {
     mpt__layer *L;
+    MPT__CHECK(mpt__refuse_quantized(m, "add a layer"));
     if (m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "model: cannot add a %s layer after build",
                          ops->class_name);
@@ -5278,15 +5479,21 @@ static mpt_status mpt__init_params(mpt_model *m) {
     return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
 }
 
-MPTDEF void mpt_model_refresh_weights(mpt_model *m) {
+/* The compute-dtype copies rewritten from the masters. */
+static void mpt__copy_masters(mpt_model *m) {
     int i;
-    if (!m || !m->built) return;
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
         if (P->compute != (void *)P->value)
             m->be->convert(m->impl, P->compute_dtype, P->compute, MPT_FLOAT32, P->value,
                            P->count);
     }
+}
+
+MPTDEF void mpt_model_refresh_weights(mpt_model *m) {
+    if (!m || !m->built) return;
+    mpt__copy_masters(m);
+    m->weights_given = 1;
 }
 
 /* Hands out 64-byte-aligned pieces of one arena. */
@@ -5483,7 +5690,7 @@ static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
         return MPT_ERR_OUT_OF_MEMORY;
     }
     m->built = 1;
-    mpt_model_refresh_weights(m);
+    mpt__copy_masters(m);
     if (m->compiled && mpt__alloc_optimizer_state(m) != MPT_OK) {
         /* unbuilt again: a model without its optimizer state must not train */
         mpt__free_update_args(m);
@@ -5498,6 +5705,7 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     int replicas;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: already built");
+    MPT__CHECK(mpt__refuse_quantized(m, "build"));
     if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
     if (max_batch <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
@@ -5791,6 +5999,7 @@ MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int train
                                     mpt_tensor *out) {
     mpt_tensor in;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__refuse_quantized(m, "forward"));
     if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: forward before build");
     MPT__CHECK(mpt__check_input(m, x));
     MPT__CHECK(mpt__input_on_backend(m, x, &in));
@@ -11254,6 +11463,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt_status s = MPT_OK;
     int epoch, i, stop = 0, workers;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__refuse_quantized(m, "fit"));
     memset(&d, 0, sizeof d);
     if (desc) d = *desc; /* NULL: every default */
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
@@ -11350,6 +11560,7 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
     mpt_status s;
     int64_t batch;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (m->quantized) return mpt__quantized_evaluate(m, data, desc, logs);
     if (!data || !logs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
                          !data ? "data" : "logs");
@@ -11391,6 +11602,7 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
     mpt_tensor x, y;
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, out);
     if (!data || !out)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
                          data ? "out" : "data");
@@ -11460,6 +11672,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     char a[96], b[96], c[96];
     if (!m) return 0;
     if (size) buf[0] = 0;
+    if (m->quantized) return mpt__quantized_summary(m, buf, size);
     if (!m->built) {
         mpt__append(buf, size, &used,
                     "Model: \"sequential\": this model has not yet been built. Build it "
@@ -15831,6 +16044,7 @@ static mpt_status mpt__ckpt_check_model(mpt_model *m, const char *path, int full
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!path || !*path)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "checkpoint: %s needs a path", what);
+    MPT__CHECK(mpt__refuse_quantized(m, what));
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %s('%s') needs a built model "
                          "(mpt_model_build, or fit)", what, path);
@@ -17049,6 +17263,1421 @@ static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64
         used += b1 - b0;
     }
     return used;
+}
+
+/* =============================================================================
+   @impl-quantize  post-training quantization: the operations from the layers
+   =============================================================================
+
+   A quantized model is an mpt_model without layers of its own that holds
+   an mpt__quantized: the operations (mpt__qop) made from the float model's
+   layers with BatchNormalization folded in, the quantization of every
+   tensor between them, and what each mode stores. One batch runs through
+   the operations in one of four ways (mpt__qexec):
+     reference  the folded model in float32, from the float32 weights kept
+                while quantizing (calibration runs it)
+     float16    the same with the float16 weights widened as each layer runs
+     dynamic    products in int8 on inputs quantized per sample, the rest
+                in float32
+     integer    everything in int8 from the input's quantization on
+   (@impl-quantized-passes), and @impl-quantized-model calibrates, builds
+   the model and runs it over datasets. This section: the structures, a
+   tensor's quantization, the operations from the layers, the work block. */
+
+#define MPT__Q_HIST_BINS 2048
+#define MPT__Q_COLS_BUDGET ((int64_t)1 << 20) /* elements of im2col rows per chunk */
+
+typedef enum mpt__qexec {
+    MPT__QX_REFERENCE = 0,
+    MPT__QX_FLOAT16,
+    MPT__QX_DYNAMIC,
+    MPT__QX_INTEGER
+} mpt__qexec;
+
+typedef struct mpt__qop {
+    mpt_quantized_layer info;  /* the public view: its pointers are the arrays below */
+    char name[64], folded[64];
+    mpt__win g;                /* conv and pooling: the window                 */
+    int64_t in_count, out_count; /* elements of one sample                     */
+    float *w;                  /* (N, K) folded float32 weights, while quantizing */
+    float *bias;               /* (N) folded float32 bias                      */
+    int8_t *wq;                /* (N, K) int8 modes                            */
+    float *wscale;             /* (N) int8 modes                               */
+    mpt_half *wh;              /* (N, K) float16 mode                          */
+    int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
+    int8_t lut[256];           /* full-integer activation: out for in + 128    */
+    float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
+} mpt__qop;
+
+struct mpt__quantized {
+    mpt_quantize_mode mode;
+    mpt_dtype io_dtype;
+    int n_ops;
+    mpt__qop *ops;              /* [n_ops]                                      */
+    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
+    int64_t in_count;           /* elements of one input sample                  */
+    int64_t max_count;          /* of the largest tensor of one sample           */
+    int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
+    int64_t max_weights;        /* the largest N·K                               */
+    int64_t size_bytes;
+};
+
+/* A batch's scratch, one block: two activation buffers and what the
+   products need. Sized for `batch` samples by mpt__qwork_alloc. */
+typedef struct mpt__qwork {
+    void *block;
+    void *act[2];       /* (batch, max_count) float32 (int8 in integer)     */
+    int32_t *acc;       /* (batch, max_count) the dynamic products           */
+    int8_t *xq;         /* (batch, max_count) a dynamic product's input      */
+    float *row_scale;   /* (batch · max_count) its scale per im2col row      */
+    float *sample_scale; /* (batch) a dynamic conv's scale per sample        */
+    void *cols;         /* im2col chunk, up to max(budget, max_cols) float32 */
+    float *weights;     /* (max_weights) float16 weights widened             */
+    int64_t batch;
+} mpt__qwork;
+
+static int mpt__qop_weighted(const mpt__qop *op) {
+    return op->info.op == MPT_QOP_FULLY_CONNECTED || op->info.op == MPT_QOP_CONV_2D;
+}
+
+/* Operations whose output keeps the input's quantization (TFLite's rule
+   for pooling and reshape): no range of their own. */
+static int mpt__qop_passes_params(const mpt__qop *op) {
+    return op->info.op == MPT_QOP_MAX_POOL_2D || op->info.op == MPT_QOP_AVERAGE_POOL_2D ||
+           op->info.op == MPT_QOP_GLOBAL_AVERAGE_POOL_2D || op->info.op == MPT_QOP_RESHAPE;
+}
+
+static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
+    mpt__free(ctx, op->w);
+    mpt__free(ctx, op->bias);
+    mpt__free(ctx, op->wq);
+    mpt__free(ctx, op->wscale);
+    mpt__free(ctx, op->wh);
+    mpt__free(ctx, op->bq);
+    mpt__free(ctx, op->mult);
+    mpt__free(ctx, op->shift);
+}
+
+static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q) {
+    int i;
+    if (!Q) return;
+    for (i = 0; i < Q->n_ops; i++) mpt__qop_free(ctx, &Q->ops[i]);
+    mpt__free(ctx, Q->ops);
+    mpt__free(ctx, Q->tensor);
+    mpt__free(ctx, Q);
+}
+
+/* A quantized model is only predicted with and evaluated. */
+static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what) {
+    if (!m->quantized) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_STATE,
+                     "%s: this model is quantized (mpt_model_quantize): it only predicts and "
+                     "evaluates", what);
+}
+
+/* ---- tensors' quantization ------------------------------------------------------ */
+
+/* TFLite's choice for an int8 tensor over [lo, hi]: the range widened to
+   hold 0 (so that zero padding is exact), scale (hi − lo)/255 and the zero
+   point that puts lo at −128, rounded and clamped. */
+static mpt_quant_params mpt__q_params(float lo, float hi) {
+    mpt_quant_params p;
+    double a = lo < 0 ? lo : 0, b = hi > 0 ? hi : 0, zp;
+    p.min = lo;
+    p.max = hi;
+    p.scale = b > a ? (float)((b - a) / 255.0) : 1.0f;
+    zp = -128.0 - a / (double)p.scale;
+    p.zero_point = (int32_t)MPT__MAX(-128.0, MPT__MIN(127.0, floor(zp + 0.5)));
+    return p;
+}
+
+/* The fixed output quantization TFLite gives softmax and sigmoid (1/256,
+   −128: [0, 1)) and tanh (1/128, 0: [−1, 1)). */
+static mpt_quant_params mpt__q_fixed_params(float scale, int32_t zero_point) {
+    mpt_quant_params p;
+    p.scale = scale;
+    p.zero_point = zero_point;
+    p.min = (float)((-128 - zero_point) * (double)scale);
+    p.max = (float)((127 - zero_point) * (double)scale);
+    return p;
+}
+
+/* Saturated to int8; NaN (a NaN input given to invoke) becomes 0. */
+static int8_t mpt__q_clamp8(double v) {
+    return (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v == v ? v : 0);
+}
+
+/* roundf (ties away from zero, TFLite's TfLiteRound) for |v| < 2^31,
+   without a call: v minus its truncation is exact. Larger values only
+   saturate the int8 they become. */
+static float mpt__q_round(float v) {
+    int32_t i;
+    float r;
+    if (!(fabsf(v) < 2147483520.0f)) return v; /* the largest float below 2^31 */
+    i = (int32_t)v;
+    r = v - (float)i;
+    return (float)(i + (r >= 0.5f) - (r <= -0.5f));
+}
+
+/* q = clamp(round(x / scale) + zero_point), ties away from zero as TFLite. */
+static int8_t mpt__q_quantize(float x, const mpt_quant_params *p) {
+    return mpt__q_clamp8((double)mpt__q_round(x / p->scale) + p->zero_point);
+}
+
+/* ---- the operations, from the float model's layers ------------------------------------ */
+
+/* A layer's parameter by its short name ("kernel"), or NULL. */
+static mpt__param *mpt__q_layer_param(const mpt__layer *L, const char *name) {
+    int k;
+    for (k = 0; k < L->n_params; k++) {
+        const char *slash = strrchr(L->param[k]->name, '/');
+        if (slash && strcmp(slash + 1, name) == 0) return L->param[k];
+    }
+    return NULL;
+}
+
+/* A parameter's float32 master into host memory (a GPU model's too). */
+static mpt_status mpt__q_param_read(mpt_model *m, const mpt__param *P, float *dst) {
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) {
+        memcpy(dst, P->value, sizeof(float) * (size_t)P->count);
+        return MPT_OK;
+    }
+    return mpt__download(m, dst, P->value, sizeof(float) * (size_t)P->count);
+}
+
+static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind) {
+    mpt__qop *op = &Q->ops[Q->n_ops++];
+    memset(op, 0, sizeof *op);
+    snprintf(op->name, sizeof op->name, "%s", L->name);
+    op->info.name = op->name;
+    op->info.op = kind;
+    op->info.in_rank = L->in_rank;
+    op->info.out_rank = L->out_rank;
+    memcpy(op->info.in_shape, L->in_shape, sizeof op->info.in_shape);
+    memcpy(op->info.out_shape, L->out_shape, sizeof op->info.out_shape);
+    op->in_count = L->in_count;
+    op->out_count = L->out_count;
+    return op;
+}
+
+/* An activation of its own after layer L (a Dense's softmax, an Activation). */
+static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt_activation act) {
+    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_ACTIVATION);
+    op->info.in_rank = L->out_rank;
+    memcpy(op->info.in_shape, L->out_shape, sizeof op->info.in_shape);
+    op->in_count = L->out_count;
+    op->info.activation = act;
+}
+
+/* Dense or Conv2D: the kernel transposed into (N, K) rows, one per output
+   channel, and the bias (zeros without one), checked finite. */
+static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const mpt__layer *L) {
+    int conv = strcmp(L->ops->class_name, "Conv2D") == 0;
+    mpt__qop *op = mpt__q_append(Q, L, conv ? MPT_QOP_CONV_2D : MPT_QOP_FULLY_CONNECTED);
+    const mpt__param *kernel = mpt__q_layer_param(L, "kernel"), *bias = mpt__q_layer_param(L, "bias");
+    mpt_activation act = conv ? L->desc.conv2d.activation : L->desc.dense.activation;
+    int64_t N, K, n, k;
+    float *host;
+    mpt_status s;
+    if (conv) {
+        const mpt_conv2d_desc *d = &L->desc.conv2d;
+        int64_t strides[2];
+        strides[0] = d->strides[0] ? d->strides[0] : 1;
+        strides[1] = d->strides[1] ? d->strides[1] : 1;
+        mpt__win_init(&op->g, L, d->kernel_size, strides, d->padding);
+        N = d->filters;
+        K = op->g.kh * op->g.kw * op->g.c;
+        op->info.kernel_size[0] = op->g.kh;
+        op->info.kernel_size[1] = op->g.kw;
+        op->info.strides[0] = op->g.sh;
+        op->info.strides[1] = op->g.sw;
+        op->info.padding = d->padding;
+    } else {
+        N = L->desc.dense.units;
+        K = L->in_count;
+    }
+    op->info.out_channels = N;
+    op->info.depth = K;
+    if (K > MPT_QGEMM_MAX_K)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "quantize: %s '%s' sums %lld products per output, more than the int8 "
+                         "product's %d", L->ops->class_name, L->name, (long long)K,
+                         MPT_QGEMM_MAX_K);
+    op->w = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(N * K));
+    op->bias = (float *)mpt__calloc(m->ctx, sizeof(float) * (size_t)N);
+    host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(N * K));
+    if (!op->w || !op->bias || !host) {
+        mpt__free(m->ctx, host);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'",
+                         L->name);
+    }
+    s = mpt__q_param_read(m, kernel, host); /* (K, N), Keras' layout */
+    if (s == MPT_OK && bias) s = mpt__q_param_read(m, bias, op->bias);
+    for (k = 0; s == MPT_OK && k < K; k++)
+        for (n = 0; n < N; n++) op->w[n * K + k] = host[k * N + n];
+    mpt__free(m->ctx, host);
+    for (n = 0; s == MPT_OK && n < N * K + N; n++)
+        if (!isfinite(n < N * K ? op->w[n] : op->bias[n - N * K]))
+            s = mpt__fail(m->ctx, MPT_ERR_NUMERIC, "quantize: %s '%s' holds a %s that is not "
+                          "finite", L->ops->class_name, L->name, n < N * K ? "weight" : "bias");
+    if (s != MPT_OK) return s;
+    if (act == MPT_ACT_NONE || act == MPT_ACT_RELU) op->info.activation = act;
+    else mpt__q_append_activation(Q, L, act);
+    return MPT_OK;
+}
+
+/* BatchNormalization folded into the Dense or Conv2D before it (op):
+   w'[c] = w[c]·s[c], b'[c] = (b[c] − mean[c])·s[c] + beta[c], s[c] =
+   gamma[c] / sqrt(var[c] + eps), with the layer's own 1/sqrt. */
+static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__layer *L) {
+    const mpt__param *gamma = mpt__q_layer_param(L, "gamma"), *beta = mpt__q_layer_param(L, "beta");
+    const mpt__param *mean = mpt__q_layer_param(L, "moving_mean");
+    const mpt__param *var = mpt__q_layer_param(L, "moving_variance");
+    int64_t N = op->info.out_channels, K = op->info.depth, c, k;
+    float *v = (float *)mpt__alloc(m->ctx, sizeof(float) * 4 * (size_t)N); /* gamma, beta, mean, var */
+    mpt_status s = MPT_OK;
+    if (!v) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    for (c = 0; c < N; c++) v[c] = 1.0f, v[N + c] = 0.0f;
+    if (gamma) s = mpt__q_param_read(m, gamma, v);
+    if (s == MPT_OK && beta) s = mpt__q_param_read(m, beta, v + N);
+    if (s == MPT_OK) s = mpt__q_param_read(m, mean, v + 2 * N);
+    if (s == MPT_OK) s = mpt__q_param_read(m, var, v + 3 * N);
+    for (c = 0; s == MPT_OK && c < N; c++) {
+        float scale = v[c] * mpt__bn_inv_std(v[3 * N + c], mpt__bn_epsilon(L));
+        if (!isfinite(scale) || !isfinite(v[N + c]) || !isfinite(v[2 * N + c])) {
+            s = mpt__fail(m->ctx, MPT_ERR_NUMERIC, "quantize: BatchNormalization '%s' channel "
+                          "%lld is not finite", L->name, (long long)c);
+            break;
+        }
+        for (k = 0; k < K; k++) op->w[c * K + k] *= scale;
+        op->bias[c] = (op->bias[c] - v[2 * N + c]) * scale + v[N + c];
+    }
+    mpt__free(m->ctx, v);
+    if (s != MPT_OK) return s;
+    snprintf(op->folded, sizeof op->folded, "%s", L->name);
+    op->info.folded_batchnorm = op->folded;
+    return MPT_OK;
+}
+
+static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind) {
+    mpt__qop *op = mpt__q_append(Q, L, kind);
+    if (kind == MPT_QOP_GLOBAL_AVERAGE_POOL_2D) mpt__global_pool_win(&op->g, L);
+    else mpt__pool_win(&op->g, L);
+    op->info.kernel_size[0] = op->g.kh;
+    op->info.kernel_size[1] = op->g.kw;
+    op->info.strides[0] = op->g.sh;
+    op->info.strides[1] = op->g.sw;
+    op->info.padding = kind == MPT_QOP_GLOBAL_AVERAGE_POOL_2D ? MPT_PADDING_VALID
+                                                              : L->desc.pool2d.padding;
+}
+
+/* The last operation, if it is a Dense or Conv2D that ends without an
+   activation and nothing but Dropout has come since: what a
+   BatchNormalization folds into and a ReLU fuses with. */
+static mpt__qop *mpt__q_open_product(mpt__quantized *Q, int open) {
+    mpt__qop *op = Q->n_ops ? &Q->ops[Q->n_ops - 1] : NULL;
+    return open && op && mpt__qop_weighted(op) && op->info.activation == MPT_ACT_NONE ? op : NULL;
+}
+
+/* Walks the float model's layers into operations. */
+static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
+    int i, open = 0; /* the last op is a product a BatchNormalization may follow */
+    Q->ops = (mpt__qop *)mpt__calloc(m->ctx, sizeof(mpt__qop) * (size_t)(2 * m->n_layers + 1));
+    if (!Q->ops) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        const char *cls = L->ops->class_name;
+        if (!strcmp(cls, "Dense") || !strcmp(cls, "Conv2D")) {
+            MPT__CHECK(mpt__q_append_weighted(m, Q, L));
+            open = 1;
+            continue;
+        }
+        if (!strcmp(cls, "Dropout")) continue; /* the identity at inference */
+        if (!strcmp(cls, "BatchNormalization")) {
+            mpt__qop *op = mpt__q_open_product(Q, open);
+            if (!op || op->info.folded_batchnorm)
+                return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                                 "quantize: BatchNormalization '%s' does not directly follow a "
+                                 "Dense or Conv2D without activation, so it cannot be folded",
+                                 L->name);
+            MPT__CHECK(mpt__q_fold_batchnorm(m, op, L));
+            continue;
+        }
+        if (!strcmp(cls, "Activation")) {
+            mpt_activation act = L->desc.activation.activation;
+            mpt__qop *op = mpt__q_open_product(Q, open);
+            if (act == MPT_ACT_NONE) continue;
+            if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU;
+            else mpt__q_append_activation(Q, L, act);
+        } else if (!strcmp(cls, "MaxPooling2D")) {
+            mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D);
+        } else if (!strcmp(cls, "AveragePooling2D")) {
+            mpt__q_append_pool(Q, L, MPT_QOP_AVERAGE_POOL_2D);
+        } else if (!strcmp(cls, "GlobalAveragePooling2D")) {
+            mpt__q_append_pool(Q, L, MPT_QOP_GLOBAL_AVERAGE_POOL_2D);
+        } else if (!strcmp(cls, "Flatten")) {
+            mpt__q_append(Q, L, MPT_QOP_RESHAPE);
+        } else {
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                             "quantize: layer '%s' (%s) has no quantized form", L->name, cls);
+        }
+        open = 0;
+    }
+    return MPT_OK;
+}
+
+/* The largest buffers one sample needs, for mpt__qwork_alloc. */
+static void mpt__q_plan(mpt__quantized *Q, int64_t in_count) {
+    int i;
+    Q->in_count = Q->max_count = in_count;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qop *op = &Q->ops[i];
+        Q->max_count = MPT__MAX(Q->max_count, op->out_count);
+        if (op->info.op == MPT_QOP_CONV_2D)
+            Q->max_cols = MPT__MAX(Q->max_cols, op->g.oh * op->g.ow * op->info.depth);
+        if (mpt__qop_weighted(op))
+            Q->max_weights = MPT__MAX(Q->max_weights, op->info.out_channels * op->info.depth);
+    }
+}
+
+/* ---- the batch's work block ------------------------------------------------------------- */
+
+static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, int64_t batch,
+                                   mpt__qwork *w) {
+    int64_t per = 0, act, cols, total = 0;
+    memset(w, 0, sizeof *w);
+    w->batch = batch;
+    cols = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
+    if (!mpt__mul_ok(batch, Q->max_count, &per) || !mpt__mul_ok(per, 4, &act) ||
+        !mpt__mul_ok(act, 6, &total) || !mpt__add_ok(total, cols + 4 * Q->max_weights + 9 * 64,
+                                                     &total) ||
+        (uint64_t)total > (uint64_t)SIZE_MAX)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "quantized model: batches of %lld samples are "
+                         "too large", (long long)batch);
+    w->block = mpt__alloc(ctx, (size_t)total);
+    if (!w->block)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantized model: cannot allocate %lld bytes "
+                         "for a batch of %lld", (long long)total, (long long)batch);
+    {
+        unsigned char *p = (unsigned char *)w->block;
+#define MPT__Q_CARVE(dst, type, bytes) (dst = (type)(void *)p, p += ((bytes) + 63) / 64 * 64)
+        MPT__Q_CARVE(w->act[0], void *, act);
+        MPT__Q_CARVE(w->act[1], void *, act);
+        MPT__Q_CARVE(w->acc, int32_t *, act);
+        MPT__Q_CARVE(w->xq, int8_t *, act);
+        MPT__Q_CARVE(w->row_scale, float *, act);
+        MPT__Q_CARVE(w->sample_scale, float *, 4 * batch);
+        MPT__Q_CARVE(w->cols, void *, cols);
+        MPT__Q_CARVE(w->weights, float *, 4 * Q->max_weights);
+#undef MPT__Q_CARVE
+    }
+    return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-quantized-passes  one batch through the operations, in each mode
+   =============================================================================
+
+   Each operation writes into one of two buffers of the batch's work block
+   in turn. Convolutions run as products over im2col rows, a chunk of
+   samples at a time (as Conv2D does). The loops run over the context's
+   threads a sample or a few rows a task, each task writing only its own
+   outputs, and the products through mpt_gemm/mpt_qgemm, which split their
+   work the same way: no result depends on the thread count. */
+
+/* n samples' windows into rows of cols ((n·OH·OW) × (kh·kw·C), elements of
+   es bytes); a pixel outside the image is `fill`: 0.0f in float, the
+   zero point in int8 (its real value is 0). */
+static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const void *x,
+                          int64_t n, void *cols) {
+    const size_t pixel = (size_t)g->c * es;
+    const unsigned char *src = (const unsigned char *)x;
+    unsigned char *dst = (unsigned char *)cols;
+    int64_t b, oy, ox, i, k, c;
+    for (b = 0; b < n; b++)
+        for (oy = 0; oy < g->oh; oy++)
+            for (ox = 0; ox < g->ow; ox++)
+                for (i = 0; i < g->kh; i++) {
+                    const int64_t y = oy * g->sh - g->top + i, x0 = ox * g->sw - g->left;
+                    const unsigned char *row = src + (size_t)((b * g->h + y) * g->w) * pixel;
+                    if (y >= 0 && y < g->h && x0 >= 0 && x0 + g->kw <= g->w) {
+                        memcpy(dst, row + (size_t)x0 * pixel, (size_t)g->kw * pixel);
+                        dst += (size_t)g->kw * pixel;
+                        continue;
+                    }
+                    for (k = 0; k < g->kw; k++, dst += pixel) {
+                        const int64_t xx = x0 + k;
+                        if (y >= 0 && y < g->h && xx >= 0 && xx < g->w)
+                            memcpy(dst, row + (size_t)xx * pixel, pixel);
+                        else
+                            for (c = 0; c < g->c; c++) memcpy(dst + (size_t)c * es, fill, es);
+                    }
+                }
+}
+
+/* Max or average pooling of n samples in float32 (padding not counted).
+   Each window's pixels are read whole (C contiguous channels) into y,
+   row by row: per channel the same order as a loop over the window. */
+static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int64_t n) {
+    const mpt__win *g = &op->g;
+    const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
+    int64_t b, oy, ox, c, r, q, r0, r1, c0, c1;
+    for (b = 0; b < n; b++, x += g->h * g->w * g->c)
+        for (oy = 0; oy < g->oh; oy++)
+            for (ox = 0; ox < g->ow; ox++, y += g->c) {
+                float *MPT__RESTRICT out = y;
+                mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
+                for (c = 0; c < g->c; c++) out[c] = max ? -INFINITY : 0.0f;
+                for (r = r0; r < r1; r++)
+                    for (q = c0; q < c1; q++) {
+                        const float *MPT__RESTRICT px = x + (r * g->w + q) * g->c;
+                        if (max)
+                            for (c = 0; c < g->c; c++) out[c] = px[c] > out[c] ? px[c] : out[c];
+                        else
+                            for (c = 0; c < g->c; c++) out[c] += px[c];
+                    }
+                if (!max)
+                    for (c = 0; c < g->c; c++) out[c] /= (float)((r1 - r0) * (c1 - c0));
+            }
+}
+
+/* The same in int8 (input and output share their quantization): the
+   average rounded half away from zero, as TFLite's integer AVERAGE_POOL_2D,
+   its sums in int32 over channels a block at a time. */
+static void mpt__q_pool_int8(const mpt__qop *op, const int8_t *x, int8_t *y, int64_t n) {
+    const mpt__win *g = &op->g;
+    const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
+    int32_t acc[256];
+    int64_t b, oy, ox, c, c_end, k, r, q, r0, r1, c0, c1;
+    for (b = 0; b < n; b++, x += g->h * g->w * g->c)
+        for (oy = 0; oy < g->oh; oy++)
+            for (ox = 0; ox < g->ow; ox++, y += g->c) {
+                int32_t count;
+                mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
+                count = (int32_t)((r1 - r0) * (c1 - c0));
+                for (c = 0; c < g->c; c = c_end) {
+                    c_end = MPT__MIN(c + 256, g->c);
+                    for (k = c; k < c_end; k++) acc[k - c] = max ? -128 : 0;
+                    for (r = r0; r < r1; r++)
+                        for (q = c0; q < c1; q++) {
+                            const int8_t *px = x + (r * g->w + q) * g->c;
+                            if (max)
+                                for (k = c; k < c_end; k++)
+                                    acc[k - c] = px[k] > acc[k - c] ? px[k] : acc[k - c];
+                            else
+                                for (k = c; k < c_end; k++) acc[k - c] += px[k];
+                        }
+                    for (k = c; k < c_end; k++) {
+                        int32_t v = acc[k - c];
+                        if (!max) v = v >= 0 ? (v + count / 2) / count : (v - count / 2) / count;
+                        y[k] = (int8_t)v;
+                    }
+                }
+            }
+}
+
+/* im2col and pooling over the context's threads, one sample a task. */
+typedef struct mpt__qsample_job {
+    const mpt__qop *op;
+    size_t es;                /* bytes of an element: 4, or 1 in int8      */
+    const void *fill;         /* im2col: a pixel outside the image          */
+    const unsigned char *x;   /* (n, in_count) elements                     */
+    unsigned char *y;         /* im2col: (n·OH·OW, K); pooling: (n, out_count) */
+} mpt__qsample_job;
+
+static void mpt__q_im2col_task(void *arg, int64_t b, int thread) {
+    const mpt__qsample_job *j = (const mpt__qsample_job *)arg;
+    const mpt__win *g = &j->op->g;
+    (void)thread;
+    mpt__q_im2col(g, j->es, j->fill, j->x + (size_t)(b * j->op->in_count) * j->es, 1,
+                  j->y + (size_t)(b * g->oh * g->ow * j->op->info.depth) * j->es);
+}
+
+static void mpt__q_pool_task(void *arg, int64_t b, int thread) {
+    const mpt__qsample_job *j = (const mpt__qsample_job *)arg;
+    const size_t in = (size_t)(b * j->op->in_count) * j->es;
+    const size_t out = (size_t)(b * j->op->out_count) * j->es;
+    (void)thread;
+    if (j->es == 1) mpt__q_pool_int8(j->op, (const int8_t *)(j->x + in), (int8_t *)(j->y + out), 1);
+    else mpt__q_pool_float(j->op, (const float *)(j->x + in), (float *)(j->y + out), 1);
+}
+
+static void mpt__q_each_sample(mpt_context *ctx, mpt__task_fn fn, const mpt__qop *op, size_t es,
+                               const void *fill, const void *x, void *y, int64_t n) {
+    mpt__qsample_job j;
+    j.op = op, j.es = es, j.fill = fill;
+    j.x = (const unsigned char *)x;
+    j.y = (unsigned char *)y;
+    mpt__parallel_for(ctx, n, fn, &j);
+}
+
+/* Symmetric int8 of each of `rows` runs of `cols` floats: scale max|x|/127
+   (1 for a run of zeros), as TFLite's hybrid kernels quantize per batch row.
+   The loops go 16 elements at a time so that -O2 vectorizes them; a run
+   holding inf or NaN takes the scalar path, which saturates. */
+#define MPT__Q_LANES 16
+
+static float mpt__q_abs_max(const float *MPT__RESTRICT x, int64_t n) {
+    float lane[MPT__Q_LANES] = {0}, amax = 0;
+    int64_t i = 0, k;
+    for (; i + MPT__Q_LANES <= n; i += MPT__Q_LANES)
+        for (k = 0; k < MPT__Q_LANES; k++) {
+            float a = fabsf(x[i + k]);
+            lane[k] = a > lane[k] ? a : lane[k];
+        }
+    for (k = 0; k < MPT__Q_LANES; k++) amax = lane[k] > amax ? lane[k] : amax;
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+}
+
+/* round(x·inv) for |x·inv| ≤ 127.5: ties away from zero, as mpt__q_round. */
+static int8_t mpt__q_round_small(float v) {
+    int32_t i = (int32_t)v;
+    float r = v - (float)i;
+    i += (r >= 0.5f) - (r <= -0.5f);
+    return (int8_t)(i > 127 ? 127 : i < -127 ? -127 : i);
+}
+
+static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, int8_t *q,
+                                  float *scale) {
+    int64_t r, c, k;
+    for (r = 0; r < rows; r++, x += cols, q += cols) {
+        const float *MPT__RESTRICT in = x;
+        int8_t *MPT__RESTRICT out = q;
+        float amax = mpt__q_abs_max(x, cols), inv;
+        scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
+        inv = amax > 0 ? 127.0f / amax : 0.0f;
+        if (!(amax < INFINITY)) {
+            for (c = 0; c < cols; c++) out[c] = mpt__q_clamp8((double)mpt__q_round(in[c] * inv));
+            continue;
+        }
+        for (c = 0; c + MPT__Q_LANES <= cols; c += MPT__Q_LANES)
+            for (k = 0; k < MPT__Q_LANES; k++) out[c + k] = mpt__q_round_small(in[c + k] * inv);
+        for (; c < cols; c++) out[c] = mpt__q_round_small(in[c] * inv);
+    }
+}
+
+/* Rows of a dynamic product, MPT__Q_TASK_ROWS a task (each row alone, so
+   any thread count gives the same): quantized before it, or dequantized
+   after it, y = acc · row_scale · w_scale[c] + bias[c], then ReLU. */
+#define MPT__Q_TASK_ROWS 8
+
+typedef struct mpt__qrows_job {
+    const mpt__qop *op;
+    int64_t rows, cols;
+    const float *x;          /* quantize: (rows, cols)                       */
+    int8_t *q;               /* quantize: (rows, cols)                       */
+    float *scale;            /* quantize: (rows)                             */
+    const int32_t *acc;      /* dequantize: (rows, N)                         */
+    const float *row_scale;  /* dequantize: (rows)                            */
+    float *y;                /* dequantize: (rows, N)                         */
+} mpt__qrows_job;
+
+static void mpt__q_quantize_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
+    int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0);
+    (void)thread;
+    mpt__q_symmetric_rows(j->x + r0 * j->cols, n, j->cols, j->q + r0 * j->cols, j->scale + r0);
+}
+
+static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
+    const int64_t N = j->op->info.out_channels;
+    const int relu = j->op->info.activation == MPT_ACT_RELU;
+    const float *MPT__RESTRICT wscale = j->op->wscale, *MPT__RESTRICT bias = j->op->bias;
+    int64_t r, c, r1 = MPT__MIN((task + 1) * MPT__Q_TASK_ROWS, j->rows);
+    (void)thread;
+    for (r = task * MPT__Q_TASK_ROWS; r < r1; r++) {
+        const int32_t *MPT__RESTRICT acc = j->acc + r * N;
+        float *MPT__RESTRICT y = j->y + r * N;
+        const float s = j->row_scale[r];
+        const float lowest = relu ? 0.0f : -INFINITY;
+        for (c = 0; c < N; c++) {
+            float v = (float)acc[c] * (s * wscale[c]) + bias[c];
+            y[c] = v < lowest ? lowest : v;
+        }
+    }
+}
+
+/* mpt__q_symmetric_rows over the context's threads. */
+static void mpt__q_symmetric_rows_parallel(mpt_context *ctx, const float *x, int64_t rows,
+                                           int64_t cols, int8_t *q, float *scale) {
+    mpt__qrows_job j;
+    memset(&j, 0, sizeof j);
+    j.rows = rows, j.cols = cols, j.x = x, j.q = q, j.scale = scale;
+    mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                      mpt__q_quantize_rows_task, &j);
+}
+
+/* A Dense or Conv2D's product over `rows` rows a (rows × K), into y (rows × N):
+   float32 (reference, float16), int8 dequantized with row_scale (dynamic)
+   or int8 requantized (integer). */
+static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
+                                 const void *a, int64_t rows, const float *row_scale, void *y,
+                                 mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    const int64_t N = op->info.out_channels, K = op->info.depth;
+    const int relu = op->info.activation == MPT_ACT_RELU;
+    if (ex == MPT__QX_REFERENCE || ex == MPT__QX_FLOAT16) {
+        mpt_gemm_desc g;
+        memset(&g, 0, sizeof g);
+        if (ex == MPT__QX_FLOAT16)
+            MPT__CHECK(mpt_convert(ctx, MPT_FLOAT32, w->weights, MPT_FLOAT16, op->wh, N * K));
+        g.trans_b = 1;
+        g.m = rows, g.n = N, g.k = K;
+        g.ab_dtype = MPT_FLOAT32;
+        g.a = a, g.lda = K;
+        g.b = ex == MPT__QX_FLOAT16 ? w->weights : op->w, g.ldb = K;
+        g.c = (float *)y, g.ldc = N;
+        g.bias = op->bias;
+        g.activation = relu ? MPT_ACT_RELU : MPT_ACT_NONE;
+        return mpt_gemm(ctx, &g);
+    } else {
+        mpt_qgemm_desc d;
+        memset(&d, 0, sizeof d);
+        d.m = rows, d.n = N, d.k = K;
+        d.a = a, d.lda = K;
+        d.b = op->wq, d.ldb = K, d.trans_b = 1;
+        d.ldc = N;
+        if (ex == MPT__QX_DYNAMIC) {
+            mpt__qrows_job j;
+            d.c = w->acc;
+            MPT__CHECK(mpt_qgemm(ctx, &d));
+            memset(&j, 0, sizeof j);
+            j.op = op, j.rows = rows, j.acc = w->acc, j.row_scale = row_scale, j.y = (float *)y;
+            mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                              mpt__q_dequantize_rows_task, &j);
+            return MPT_OK;
+        }
+        d.a_zero_point = op->info.input.zero_point;
+        d.bias = op->bq;
+        d.c_int8 = (int8_t *)y;
+        d.multiplier = op->mult, d.shift = op->shift, d.per_channel = 1;
+        d.c_zero_point = op->info.output.zero_point;
+        d.c_min = relu ? op->info.output.zero_point : -128;
+        d.c_max = 127;
+        return mpt_qgemm(ctx, &d);
+    }
+}
+
+static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized *Q, int i,
+                                         mpt__qexec ex, const void *x, void *y, int64_t n,
+                                         mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    if (ex != MPT__QX_DYNAMIC) return mpt__q_product(ctx, Q, i, ex, x, n, NULL, y, w);
+    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, w->row_scale);
+    return mpt__q_product(ctx, Q, i, ex, w->xq, n, w->row_scale, y, w);
+}
+
+/* Conv2D: chunks of samples through im2col and the product. Dynamic
+   quantizes each sample whole first (one scale per sample, so its zero
+   padding stays 0). */
+static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
+                              const void *x, void *y, int64_t n, mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    const int64_t pix = op->g.oh * op->g.ow, K = op->info.depth, N = op->info.out_channels;
+    const int int8_in = ex == MPT__QX_DYNAMIC || ex == MPT__QX_INTEGER;
+    const size_t es = int8_in ? 1 : 4, out_es = ex == MPT__QX_INTEGER ? 1 : 4;
+    const float zero = 0.0f;
+    const int8_t zp = (int8_t)(ex == MPT__QX_INTEGER ? op->info.input.zero_point : 0);
+    int64_t chunk = MPT__MAX(1, MPT__MIN(n, MPT__Q_COLS_BUDGET / MPT__MAX(pix * K, 1))), b0;
+    float *sample_scale = w->sample_scale;
+    if (ex == MPT__QX_DYNAMIC) {
+        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, sample_scale);
+        x = w->xq;
+    }
+    for (b0 = 0; b0 < n; b0 += chunk) {
+        int64_t cb = MPT__MIN(chunk, n - b0), r;
+        mpt__q_each_sample(ctx, mpt__q_im2col_task, op, es,
+                           int8_in ? (const void *)&zp : (const void *)&zero,
+                           (const unsigned char *)x + (size_t)(b0 * op->in_count) * es, w->cols, cb);
+        if (ex == MPT__QX_DYNAMIC)
+            for (r = 0; r < cb * pix; r++) w->row_scale[r] = sample_scale[b0 + r / pix];
+        MPT__CHECK(mpt__q_product(ctx, Q, i, ex, w->cols, cb * pix, w->row_scale,
+                                  (unsigned char *)y + (size_t)(b0 * pix * N) * out_es, w));
+    }
+    return MPT_OK;
+}
+
+/* Softmax of int8 logits as TFLite's: exp of each logit's distance to its
+   row's largest from a table, the row's sum, and p·256 − 128 rounded. */
+static void mpt__q_softmax_int8(const mpt__qop *op, const int8_t *x, int8_t *y, int64_t rows,
+                                int64_t cols) {
+    int64_t r, c;
+    for (r = 0; r < rows; r++, x += cols, y += cols) {
+        int max = -128;
+        float sum = 0, inv;
+        for (c = 0; c < cols; c++) max = x[c] > max ? x[c] : max;
+        for (c = 0; c < cols; c++) sum += op->exp_table[max - x[c]];
+        inv = 256.0f / sum;
+        for (c = 0; c < cols; c++)
+            y[c] = mpt__q_clamp8((double)mpt__q_round(op->exp_table[max - x[c]] * inv) - 128.0);
+    }
+}
+
+/* Operation i on n samples: x in, y out (float32, or int8 in integer). */
+static mpt_status mpt__q_run_op(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
+                                const void *x, void *y, int64_t n, mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    const int integer = ex == MPT__QX_INTEGER;
+    const size_t es = integer ? 1 : 4;
+    int64_t k, count = n * op->out_count;
+    switch (op->info.op) {
+    case MPT_QOP_FULLY_CONNECTED: return mpt__q_fully_connected(ctx, Q, i, ex, x, y, n, w);
+    case MPT_QOP_CONV_2D: return mpt__q_conv(ctx, Q, i, ex, x, y, n, w);
+    case MPT_QOP_MAX_POOL_2D:
+    case MPT_QOP_AVERAGE_POOL_2D:
+    case MPT_QOP_GLOBAL_AVERAGE_POOL_2D:
+        mpt__q_each_sample(ctx, mpt__q_pool_task, op, es, NULL, x, y, n);
+        return MPT_OK;
+    case MPT_QOP_RESHAPE: memcpy(y, x, (size_t)count * es); return MPT_OK;
+    case MPT_QOP_ACTIVATION: {
+        const int64_t cols = op->info.out_shape[op->info.out_rank - 1];
+        if (integer && op->info.activation == MPT_ACT_SOFTMAX) {
+            mpt__q_softmax_int8(op, (const int8_t *)x, (int8_t *)y, count / cols, cols);
+        } else if (integer) {
+            for (k = 0; k < count; k++) ((int8_t *)y)[k] = op->lut[((const int8_t *)x)[k] + 128];
+        } else {
+            memcpy(y, x, (size_t)count * 4);
+            if (op->info.activation == MPT_ACT_SOFTMAX) mpt__softmax_rows((float *)y, count / cols, cols);
+            else mpt__activation_forward(op->info.activation, (float *)y, count);
+        }
+        return MPT_OK;
+    }
+    default: return mpt__fail(ctx, MPT_ERR_STATE, "quantized model: unknown operation %d",
+                              (int)op->info.op);
+    }
+}
+
+/* Calibration's record: each tensor's range, then its histogram. */
+typedef struct mpt__qcalib {
+    float *lo, *hi;      /* [n_ops + 1] */
+    int64_t *hist;       /* [n_ops + 1][MPT__Q_HIST_BINS]; NULL in the min/max pass */
+} mpt__qcalib;
+
+static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
+    int64_t k;
+    if (!c->hist) {
+        for (k = 0; k < n; k++) {
+            c->lo[t] = v[k] < c->lo[t] ? v[k] : c->lo[t];
+            c->hi[t] = v[k] > c->hi[t] ? v[k] : c->hi[t];
+        }
+        return;
+    }
+    {
+        int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+        double width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS;
+        for (k = 0; k < n; k++) {
+            int64_t bin = width > 0 ? (int64_t)((v[k] - c->lo[t]) / width) : 0;
+            h[MPT__MAX(0, MPT__MIN(MPT__Q_HIST_BINS - 1, bin))]++;
+        }
+    }
+}
+
+/* n samples through every operation: returns the last output (x itself
+   when there is none). The integer pass reads int8 x. With calib, every
+   tensor is observed (reference only). */
+static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt__qexec ex,
+                                 const void *x, int64_t n, mpt__qwork *w, mpt__qcalib *calib,
+                                 const void **out) {
+    const void *cur = x;
+    int i;
+    if (calib) mpt__q_observe(calib, 0, (const float *)x, n * Q->in_count);
+    for (i = 0; i < Q->n_ops; i++) {
+        void *y = w->act[i & 1];
+        if (cur == y) y = w->act[(i + 1) & 1];
+        MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, cur, y, n, w));
+        if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * Q->ops[i].out_count);
+        cur = y;
+    }
+    *out = cur;
+    return MPT_OK;
+}
+
+static mpt__qexec mpt__q_exec(const mpt__quantized *Q) {
+    return Q->mode == MPT_QUANTIZE_FULL_INTEGER ? MPT__QX_INTEGER
+           : Q->mode == MPT_QUANTIZE_FLOAT16    ? MPT__QX_FLOAT16
+                                                : MPT__QX_DYNAMIC;
+}
+
+static int64_t mpt__q_out_count(const mpt__quantized *Q) {
+    return Q->n_ops ? Q->ops[Q->n_ops - 1].out_count : Q->in_count;
+}
+
+/* (n, one output's shape...) into shape; returns its rank. */
+static int mpt__q_batch_shape(const mpt_model *m, int64_t n, int64_t *shape) {
+    const mpt__quantized *Q = m->quantized;
+    int rank = Q->n_ops ? Q->ops[Q->n_ops - 1].info.out_rank : m->desc.input_rank;
+    shape[0] = n;
+    memcpy(shape + 1, Q->n_ops ? Q->ops[Q->n_ops - 1].info.out_shape : m->desc.input_shape,
+           sizeof(int64_t) * (size_t)rank);
+    return rank + 1;
+}
+
+/* The model's float32 input quantized into int8, MPT__Q_TASK_ROWS samples a task. */
+typedef struct mpt__qinput_job {
+    const float *x;
+    int8_t *q;
+    int64_t n, count;            /* samples, elements of one */
+    const mpt_quant_params *p;
+} mpt__qinput_job;
+
+static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
+    const mpt__qinput_job *j = (const mpt__qinput_job *)arg;
+    int64_t k = task * MPT__Q_TASK_ROWS * j->count;
+    const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
+    (void)thread;
+    for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
+}
+
+/* n float32 samples to n float32 outputs, whatever the mode: the integer
+   pass quantizes at the start and dequantizes at the end. */
+static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, const float *x,
+                                   int64_t n, float *y, mpt__qwork *w) {
+    const void *out;
+    int64_t k, count = n * mpt__q_out_count(Q);
+    if (Q->mode != MPT_QUANTIZE_FULL_INTEGER) {
+        MPT__CHECK(mpt__q_forward(ctx, Q, mpt__q_exec(Q), x, n, w, NULL, &out));
+        memcpy(y, out, sizeof(float) * (size_t)count);
+        return MPT_OK;
+    }
+    {
+        const mpt_quant_params *in = &Q->tensor[0], *o = &Q->tensor[Q->n_ops];
+        mpt__qinput_job j;
+        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
+        j.x = x, j.q = xq, j.n = n, j.count = Q->in_count, j.p = in;
+        mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                          mpt__q_quantize_input_task, &j);
+        MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out));
+        for (k = 0; k < count; k++)
+            y[k] = (float)(((const int8_t *)out)[k] - o->zero_point) * o->scale;
+    }
+    return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-quantized-model  calibration, mpt_model_quantize, and the quantized
+   model's predict, evaluate, invoke and summary
+   ============================================================================= */
+
+/* ---- calibration and the int8 parameters -------------------------------------------------- */
+
+/* The percentile p's value (and 100 − p's) of tensor t from its histogram. */
+static void mpt__q_percentile_range(const mpt__qcalib *c, int t, double p, float *lo, float *hi) {
+    const int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+    double width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS, total = 0, run = 0;
+    int b, first = 0, last = MPT__Q_HIST_BINS - 1;
+    for (b = 0; b < MPT__Q_HIST_BINS; b++) total += (double)h[b];
+    for (b = 0; b < MPT__Q_HIST_BINS; b++) {
+        run += (double)h[b];
+        if (run > total * (1.0 - p / 100.0)) { first = b; break; }
+    }
+    for (run = 0, b = MPT__Q_HIST_BINS - 1; b >= 0; b--) {
+        run += (double)h[b];
+        if (run > total * (1.0 - p / 100.0)) { last = b; break; }
+    }
+    *lo = (float)(c->lo[t] + width * first);
+    *hi = (float)(c->lo[t] + width * (last + 1));
+}
+
+/* Every tensor's range finite (a weight large enough overflows a sum). */
+static mpt_status mpt__q_ranges_finite(mpt_context *ctx, const mpt__quantized *Q,
+                                       const float *lo, const float *hi) {
+    int t;
+    for (t = 0; t <= Q->n_ops; t++)
+        if (!isfinite(lo[t]) || !isfinite(hi[t]))
+            return mpt__fail(ctx, MPT_ERR_NUMERIC, "quantize: calibration met a value that is "
+                             "not finite in the %s%s%s", t ? "output of '" : "model's input",
+                             t ? Q->ops[t - 1].name : "", t ? "'" : "");
+    return MPT_OK;
+}
+
+/* Runs the folded float32 model over the calibration samples (twice for a
+   percentile: the range, then the histograms over it) into each tensor's
+   range. */
+static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_quantize_desc *d,
+                                   float *lo, float *hi) {
+    mpt_context *ctx = m->ctx;
+    int64_t n = mpt_dataset_count(d->representative_data), *order = NULL, k;
+    int passes = d->calibration == MPT_CALIBRATION_PERCENTILE ? 2 : 1, pass, t;
+    int64_t batch = d->batch_size;
+    mpt__qcalib c;
+    mpt__qwork w;
+    mpt__loader *loader = NULL;
+    mpt_status s;
+    if (d->calibration_samples > 0) n = MPT__MIN(n, d->calibration_samples);
+    batch = MPT__MIN(batch, n);
+    memset(&c, 0, sizeof c);
+    c.lo = lo, c.hi = hi;
+    for (t = 0; t <= Q->n_ops; t++) lo[t] = INFINITY, hi[t] = -INFINITY;
+    s = mpt__qwork_alloc(ctx, Q, batch, &w);
+    order = (int64_t *)mpt__alloc(ctx, sizeof(int64_t) * (size_t)n);
+    if (s == MPT_OK && !order) s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    if (s == MPT_OK) s = mpt__loader_create(ctx, d->representative_data, batch, MPT_FLOAT32, &loader);
+    for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
+    for (pass = 0; s == MPT_OK && pass < passes; pass++) {
+        mpt_tensor x, y;
+        if (pass == 1) { /* the histograms need finite ranges to lay their bins over */
+            s = mpt__q_ranges_finite(ctx, Q, lo, hi);
+            if (s != MPT_OK) break;
+            c.hist = (int64_t *)mpt__calloc(ctx, sizeof(int64_t) * MPT__Q_HIST_BINS *
+                                                     (size_t)(Q->n_ops + 1));
+            if (!c.hist) { s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory"); break; }
+        }
+        mpt__loader_start_epoch(loader, order, n, batch);
+        while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
+            const void *out;
+            s = mpt__q_forward(ctx, Q, MPT__QX_REFERENCE, x.data, x.shape[0], &w, &c, &out);
+        }
+    }
+    if (s == MPT_OK) s = mpt__q_ranges_finite(ctx, Q, lo, hi);
+    for (t = 0; s == MPT_OK && c.hist && t <= Q->n_ops; t++)
+        mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
+    mpt__free(ctx, c.hist);
+    mpt__loader_destroy(loader);
+    mpt__free(ctx, order);
+    mpt__free(ctx, w.block);
+    return s;
+}
+
+/* Symmetric per-channel int8 weights: scale max|w[c]|/127 (1 for a
+   channel of zeros), q in [−127, 127]. */
+static mpt_status mpt__q_weights_int8(mpt_context *ctx, mpt__qop *op) {
+    int64_t N = op->info.out_channels, K = op->info.depth;
+    op->wq = (int8_t *)mpt__alloc(ctx, (size_t)(N * K));
+    op->wscale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)N);
+    if (!op->wq || !op->wscale)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
+    mpt__q_symmetric_rows(op->w, N, K, op->wq, op->wscale); /* ±127: −128 never appears */
+    op->info.weights = op->wq;
+    op->info.weight_scales = op->wscale;
+    return MPT_OK;
+}
+
+/* Full integer: int32 biases (scale in·w[c], ties away from zero,
+   saturated) and the multipliers of in·w[c]/out. */
+static mpt_status mpt__q_integer_product(mpt_context *ctx, mpt__qop *op) {
+    int64_t N = op->info.out_channels, c;
+    const mpt_quant_params *in = &op->info.input, *out = &op->info.output;
+    op->bq = (int32_t *)mpt__alloc(ctx, sizeof(int32_t) * (size_t)N);
+    op->mult = (int32_t *)mpt__alloc(ctx, sizeof(int32_t) * (size_t)N);
+    op->shift = (int32_t *)mpt__alloc(ctx, sizeof(int32_t) * (size_t)N);
+    if (!op->bq || !op->mult || !op->shift)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
+    for (c = 0; c < N; c++) {
+        double bs = (double)in->scale * op->wscale[c], q = round((double)op->bias[c] / bs);
+        op->bq[c] = (int32_t)(q > INT32_MAX ? INT32_MAX : q < INT32_MIN ? INT32_MIN : q);
+        if (mpt_quantize_multiplier(ctx, bs / out->scale, &op->mult[c], &op->shift[c]) != MPT_OK)
+            return mpt__fail(ctx, MPT_ERR_NUMERIC, "quantize: '%s' channel %lld: the output "
+                             "scale ratio %g has no int32 multiplier", op->name, (long long)c,
+                             bs / out->scale);
+    }
+    op->info.bias_int32 = op->bq;
+    op->info.multiplier = op->mult;
+    op->info.shift = op->shift;
+    return MPT_OK;
+}
+
+/* Full integer activations: a table from every int8 input to its output. */
+static void mpt__q_integer_activation(mpt__qop *op) {
+    const mpt_quant_params *in = &op->info.input, *out = &op->info.output;
+    int q;
+    for (q = -128; q < 128; q++) {
+        float v = (float)(q - in->zero_point) * in->scale;
+        op->exp_table[q + 128] = expf(-in->scale * (float)(q + 128));
+        mpt__activation_forward(op->info.activation == MPT_ACT_SOFTMAX ? MPT_ACT_NONE
+                                                                       : op->info.activation, &v, 1);
+        op->lut[q + 128] = mpt__q_quantize(v, out);
+    }
+}
+
+/* Every tensor's quantization from its range, then what each operation
+   needs in integer. */
+static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const float *lo,
+                                      const float *hi) {
+    int i;
+    Q->tensor[0] = mpt__q_params(lo[0], hi[0]);
+    for (i = 0; i < Q->n_ops; i++) {
+        mpt__qop *op = &Q->ops[i];
+        mpt_activation act = op->info.activation;
+        mpt_quant_params *out = &Q->tensor[i + 1];
+        if (mpt__qop_passes_params(op)) *out = Q->tensor[i];
+        else if (op->info.op == MPT_QOP_ACTIVATION && (act == MPT_ACT_SOFTMAX || act == MPT_ACT_SIGMOID))
+            *out = mpt__q_fixed_params(1.0f / 256, -128);
+        else if (op->info.op == MPT_QOP_ACTIVATION && act == MPT_ACT_TANH)
+            *out = mpt__q_fixed_params(1.0f / 128, 0);
+        else *out = mpt__q_params(lo[i + 1], hi[i + 1]);
+        op->info.input = Q->tensor[i];
+        op->info.output = *out;
+        if (mpt__qop_weighted(op)) MPT__CHECK(mpt__q_integer_product(ctx, op));
+        if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
+    }
+    return MPT_OK;
+}
+
+/* The weights in the mode's form; the float32 copies go (float16 and
+   dynamic keep the float32 bias). */
+static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
+    int i;
+    for (i = 0; i < Q->n_ops; i++) {
+        mpt__qop *op = &Q->ops[i];
+        int64_t NK = op->info.out_channels * op->info.depth, N = op->info.out_channels;
+        if (!mpt__qop_weighted(op)) continue;
+        if (Q->mode == MPT_QUANTIZE_FLOAT16) {
+            op->wh = (mpt_half *)mpt__alloc(ctx, sizeof(mpt_half) * (size_t)NK);
+            if (!op->wh) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+            MPT__CHECK(mpt_convert(ctx, MPT_FLOAT16, op->wh, MPT_FLOAT32, op->w, NK));
+            op->info.weights_float16 = op->wh;
+            Q->size_bytes += 2 * NK + 4 * N;
+        } else {
+            MPT__CHECK(mpt__q_weights_int8(ctx, op));
+            Q->size_bytes += NK + 8 * N; /* int8 weights, a scale and a bias per channel */
+        }
+        if (Q->mode != MPT_QUANTIZE_FULL_INTEGER) op->info.bias = op->bias;
+    }
+    return MPT_OK;
+}
+
+static void mpt__q_drop_float_weights(mpt_context *ctx, mpt__quantized *Q) {
+    int i;
+    for (i = 0; i < Q->n_ops; i++) {
+        mpt__free(ctx, Q->ops[i].w);
+        Q->ops[i].w = NULL;
+    }
+}
+
+/* ---- quantize ------------------------------------------------------------------------------ */
+
+static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
+    mpt_context *ctx = m->ctx;
+    if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: unknown mode %d", (int)d->mode);
+    if (d->calibration < 0 || d->calibration >= MPT_CALIBRATION_COUNT_)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: unknown calibration %d",
+                         (int)d->calibration);
+    if (d->percentile == 0) d->percentile = 99.99;
+    if (!(d->percentile >= 50 && d->percentile <= 100))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: percentile %g is not in "
+                         "[50, 100]", d->percentile);
+    if (d->batch_size == 0) d->batch_size = MPT__DEFAULT_BATCH_SIZE;
+    if (d->batch_size < 0 || d->calibration_samples < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: %s %lld is negative",
+                         d->batch_size < 0 ? "batch_size" : "calibration_samples",
+                         (long long)(d->batch_size < 0 ? d->batch_size : d->calibration_samples));
+    if (d->io_dtype == MPT_DTYPE_DEFAULT) d->io_dtype = MPT_FLOAT32;
+    if (d->io_dtype != MPT_FLOAT32 && d->io_dtype != MPT_INT8 && d->io_dtype != MPT_UINT8)
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "quantize: io_dtype %s is not float32, int8 or "
+                         "uint8", mpt_dtype_name(d->io_dtype));
+    if (d->io_dtype != MPT_FLOAT32 && d->mode != MPT_QUANTIZE_FULL_INTEGER)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: io_dtype %s needs the "
+                         "full-integer mode", mpt_dtype_name(d->io_dtype));
+    if (m->quantized)
+        return mpt__fail(ctx, MPT_ERR_STATE, "quantize: the model is quantized already");
+    if (!m->built || m->n_layers == 0)
+        return mpt__fail(ctx, MPT_ERR_STATE, "quantize: the model is not built: build it and "
+                         "train it (mpt_model_fit) or load its weights first");
+    if (m->optimizer_steps == 0 && !m->weights_given)
+        return mpt__fail(ctx, MPT_ERR_STATE, "quantize: the model holds its initial weights: "
+                         "train it (mpt_model_fit) or load its weights (mpt_model_load_weights) "
+                         "first");
+    if (d->mode != MPT_QUANTIZE_FULL_INTEGER) return MPT_OK;
+    if (!d->representative_data)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: full integer needs "
+                         "representative_data, the samples that calibrate the ranges");
+    if (mpt_dataset_count(d->representative_data) == 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: representative_data is empty");
+    return mpt__check_samples(m, d->representative_data, "quantize: representative_data");
+}
+
+/* The quantized model's own: its operations and tensors. */
+static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
+                                      mpt__quantized *Q) {
+    float *range = NULL;
+    mpt_status s;
+    Q->mode = d->mode;
+    Q->io_dtype = d->io_dtype;
+    MPT__CHECK(mpt__q_build_ops(m, Q));
+    mpt__q_plan(Q, m->layers[0].in_count);
+    Q->tensor = (mpt_quant_params *)mpt__calloc(m->ctx, sizeof(mpt_quant_params) *
+                                                            (size_t)(Q->n_ops + 1));
+    if (!Q->tensor) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    s = mpt__q_store_weights(m->ctx, Q);
+    if (s == MPT_OK && d->mode == MPT_QUANTIZE_FULL_INTEGER) {
+        range = (float *)mpt__alloc(m->ctx, sizeof(float) * 2 * (size_t)(Q->n_ops + 1));
+        if (!range) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+        if (s == MPT_OK) s = mpt__q_calibrate(m, Q, d, range, range + Q->n_ops + 1);
+        if (s == MPT_OK) s = mpt__q_make_integer(m->ctx, Q, range, range + Q->n_ops + 1);
+        mpt__free(m->ctx, range);
+    }
+    mpt__q_drop_float_weights(m->ctx, Q);
+    return s;
+}
+
+MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc,
+                                     mpt_model **out) {
+    mpt_quantize_desc d;
+    mpt_model_desc md;
+    mpt__quantized *Q;
+    mpt_model *q = NULL;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: NULL out");
+    *out = NULL;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default (dynamic-range) */
+    MPT__CHECK(mpt__quantize_check(m, &d));
+    Q = (mpt__quantized *)mpt__calloc(m->ctx, sizeof *Q);
+    if (!Q) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    s = mpt__quantize_build(m, &d, Q);
+    md = m->desc;
+    md.policy = MPT_POLICY_FLOAT32;
+    md.strategy = NULL;
+    md.memory_limit = 0;
+    if (s == MPT_OK) s = mpt_model_create(m->ctx, &md, &q);
+    if (s != MPT_OK) {
+        mpt__quantized_free(m->ctx, Q);
+        return s;
+    }
+    q->quantized = Q;
+    q->compiled = m->compiled;
+    q->compile = m->compile;
+    *out = q;
+    return MPT_OK;
+}
+
+/* ---- predict, evaluate, invoke -------------------------------------------------------------- */
+
+static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
+                                         int64_t batch_size, mpt_tensor *out) {
+    const mpt__quantized *Q = m->quantized;
+    int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
+    mpt__loader *loader = NULL;
+    mpt__qwork w;
+    mpt_tensor x, y;
+    mpt_status s;
+    if (!data || !out)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
+                         data ? "out" : "data");
+    memset(out, 0, sizeof *out);
+    batch_size = mpt__batch_size_or_default(batch_size);
+    if (batch_size < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: batch_size %lld must be > 0",
+                         (long long)batch_size);
+    MPT__CHECK(mpt__check_samples(m, data, "predict"));
+    n = mpt_dataset_count(data);
+    MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, mpt__q_batch_shape(m, n, shape), shape));
+    batch_size = MPT__MAX(1, MPT__MIN(batch_size, n));
+    s = mpt__qwork_alloc(m->ctx, Q, batch_size, &w);
+    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
+    if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
+    for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
+    if (s == MPT_OK) s = mpt__loader_create(m->ctx, data, batch_size, MPT_FLOAT32, &loader);
+    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, x.shape[0],
+                             (float *)out->data + done * per, &w);
+        done += x.shape[0];
+    }
+    mpt__loader_destroy(loader);
+    mpt__free(m->ctx, order);
+    mpt__free(m->ctx, w.block);
+    if (s != MPT_OK) mpt_tensor_free(m->ctx, out);
+    return s;
+}
+
+/* Accuracy and top-k of one batch's outputs (rows × classes) against
+   class ids or float targets, added to t. */
+static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows, int64_t classes,
+                               const mpt_tensor *target, mpt__tally *t) {
+    int64_t r, c;
+    for (r = 0; r < rows; r++, p += classes) {
+        int64_t best = 0, label, above = 0;
+        for (c = 1; c < classes; c++) best = p[c] > p[best] ? c : best;
+        if (target->dtype == MPT_INT32) {
+            label = ((const int32_t *)target->data)[r];
+        } else {
+            const float *tr = (const float *)target->data + r * classes;
+            for (label = 0, c = 1; c < classes; c++) label = tr[c] > tr[label] ? c : label;
+        }
+        if (label < 0 || label >= classes) continue;
+        t->correct += best == label;
+        for (c = 0; c < classes; c++) above += p[c] > p[label];
+        t->top_k += above < m->compile.top_k;
+    }
+}
+
+static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
+                                          const mpt_evaluate_desc *desc, mpt_logs *logs) {
+    const mpt__quantized *Q = m->quantized;
+    int64_t n, batch, per = mpt__q_out_count(Q), *order, k;
+    mpt__loader *loader = NULL;
+    mpt__qwork w;
+    mpt__tally t;
+    float *pred;
+    mpt_tensor x, y;
+    mpt_status s;
+    if (!data || !logs)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
+                         !data ? "data" : "logs");
+    memset(logs, 0, sizeof *logs);
+    memset(&t, 0, sizeof t);
+    if (!m->compiled)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first (quantizing a "
+                         "compiled model keeps its loss and metrics)");
+    batch = mpt__batch_size_or_default(desc ? desc->batch_size : 0);
+    if (batch < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: batch_size %lld must be > 0",
+                         (long long)batch);
+    MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
+    n = mpt_dataset_count(data);
+    batch = MPT__MAX(1, MPT__MIN(batch, n));
+    s = mpt__qwork_alloc(m->ctx, Q, batch, &w);
+    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
+    pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
+    if (s == MPT_OK && (!order || !pred))
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
+    for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
+    if (s == MPT_OK) s = mpt__loader_create(m->ctx, data, batch, MPT_FLOAT32, &loader);
+    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch);
+    while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
+        mpt_tensor p;
+        double loss = 0;
+        int64_t b = x.shape[0], shape[MPT_MAX_RANK];
+        int rank = mpt__q_batch_shape(m, b, shape);
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, &w);
+        if (s == MPT_OK) s = mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, pred);
+        if (s == MPT_OK) s = mpt_loss_compute(m->ctx, &m->compile.loss, &p, &y, &loss, NULL);
+        if (s != MPT_OK) break;
+        t.loss_sum += loss * (double)b;
+        t.samples += b;
+        mpt__q_tally_batch(m, pred, b, per, &y, &t);
+    }
+    mpt__loader_destroy(loader);
+    mpt__free(m->ctx, order);
+    mpt__free(m->ctx, pred);
+    mpt__free(m->ctx, w.block);
+    if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
+    return s;
+}
+
+/* mpt_model_summary of a quantized model: its mode, then per operation
+   the float layer it came from, its output shape and its quantization. */
+static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size) {
+    static const char *const mode[] = {"dynamic-range", "full integer", "float16"};
+    static const char *const op_name[] = {"FULLY_CONNECTED", "CONV_2D", "MAX_POOL_2D",
+                                          "AVERAGE_POOL_2D", "MEAN", "RESHAPE", "ACTIVATION"};
+    const mpt__quantized *Q = m->quantized;
+    size_t used = 0;
+    int i;
+    char shape[96];
+    mpt__append(buf, size, &used, "Model: \"quantized\" (%s, input and output %s)\n",
+                mode[Q->mode], mpt_dtype_name(Q->io_dtype));
+    mpt__append(buf, size, &used, "%-18s %-28s %-18s %s\n", "Operation", "Layer",
+                "Output Shape", Q->mode == MPT_QUANTIZE_FULL_INTEGER ? "Output (scale, zero point)"
+                                                                    : "");
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt_quantized_layer *L = &Q->ops[i].info;
+        char layer[96];
+        snprintf(layer, sizeof layer, "%s%s%s%s%s", L->name,
+                 L->folded_batchnorm ? " + " : "",
+                 L->folded_batchnorm ? L->folded_batchnorm : "",
+                 L->activation != MPT_ACT_NONE ? " " : "",
+                 L->activation != MPT_ACT_NONE ? mpt_activation_name(L->activation) : "");
+        mpt__append(buf, size, &used, "%-18s %-28s (None, %-11s", op_name[L->op], layer,
+                    mpt_shape_format(shape, sizeof shape, L->out_rank, L->out_shape) + 1);
+        if (Q->mode == MPT_QUANTIZE_FULL_INTEGER)
+            mpt__append(buf, size, &used, " %.6g, %d", (double)L->output.scale,
+                        (int)L->output.zero_point);
+        mpt__append(buf, size, &used, "\n");
+    }
+    mpt__append(buf, size, &used, "Weights as stored: %lld bytes\n", (long long)Q->size_bytes);
+    return used;
+}
+
+/* The model's input or output quantization in io_dtype: uint8's zero
+   point is int8's + 128 (the same reals, shifted codes). */
+static mpt_quant_params mpt__q_io_params(const mpt__quantized *Q, int output) {
+    mpt_quant_params p = Q->tensor[output ? Q->n_ops : 0];
+    if (Q->io_dtype == MPT_UINT8) p.zero_point += 128;
+    return p;
+}
+
+MPTDEF mpt_status mpt_model_quantized_info(const mpt_model *m, mpt_quantized_info *out) {
+    const mpt__quantized *Q;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_info: NULL out");
+    memset(out, 0, sizeof *out);
+    if (!m->quantized)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_info: the model is not quantized");
+    Q = m->quantized;
+    out->mode = Q->mode;
+    out->io_dtype = Q->io_dtype;
+    if (Q->mode == MPT_QUANTIZE_FULL_INTEGER) {
+        out->input = mpt__q_io_params(Q, 0);
+        out->output = mpt__q_io_params(Q, 1);
+    }
+    out->n_layers = Q->n_ops;
+    out->size_bytes = Q->size_bytes;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
+                                            mpt_quantized_layer *out) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_layer: NULL out");
+    memset(out, 0, sizeof *out);
+    if (!m->quantized)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_layer: the model is not quantized");
+    if (index < 0 || index >= m->quantized->n_ops)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_layer: %d is not in 0..%d",
+                         index, m->quantized->n_ops - 1);
+    *out = m->quantized->ops[index].info;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
+    const mpt__quantized *Q;
+    int64_t n, k, shape[MPT_MAX_RANK], count;
+    mpt__qwork w;
+    const void *out = NULL;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!x || !y || !x->data)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_invoke: NULL %s",
+                         !y ? "y" : "x");
+    memset(y, 0, sizeof *y);
+    if (!m->quantized)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_invoke: the model is not quantized");
+    Q = m->quantized;
+    if (x->dtype != Q->io_dtype)
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "quantized_invoke: input dtype %s, but the "
+                         "model takes %s", mpt_dtype_name(x->dtype), mpt_dtype_name(Q->io_dtype));
+    if (x->rank < 2 || x->shape[0] < 1)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "quantized_invoke: input rank %d is not (batch, "
+                         "sample...)", x->rank);
+    MPT__CHECK(mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, "quantized_invoke"));
+    n = x->shape[0];
+    count = n * mpt__q_out_count(Q);
+    MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, n, shape), shape));
+    s = mpt__qwork_alloc(m->ctx, Q, n, &w);
+    if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, &w);
+    } else if (s == MPT_OK) {
+        /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
+        int8_t *xq = (int8_t *)w.act[1]; /* op 0 writes act[0] */
+        const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
+        for (k = 0; k < n * Q->in_count; k++)
+            xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
+        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, &w, NULL, &out);
+        for (k = 0; s == MPT_OK && k < count; k++) {
+            int v = ((const int8_t *)out)[k] + shift;
+            if (shift) ((uint8_t *)y->data)[k] = (uint8_t)v;
+            else ((int8_t *)y->data)[k] = (int8_t)v;
+        }
+    }
+    mpt__free(m->ctx, w.block);
+    if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
+    return s;
 }
 
 /* =============================================================================

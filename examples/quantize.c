@@ -1,0 +1,190 @@
+/* Post-training quantization on Fashion-MNIST, as TFLiteConverter does it:
+   train (or load) a model, then make every variant and measure each on
+   the test set.
+       float32       the trained weights, computed in float32
+       float16       weights stored as float16 (Optimize.DEFAULT with
+                     supported_types = [tf.float16])
+       dynamic_int8  int8 weights per channel, activations quantized per
+                     batch as they come (Optimize.DEFAULT)
+       full_int8     int8 weights and activations, ranges calibrated on 500
+                     training images (TFLITE_BUILTINS_INT8 with a
+                     representative dataset)
+   After training, the line every example prints; then one JSON line per
+   variant: test accuracy, bytes of weights as stored, predict speed (the
+   fastest of three passes over the test set in batches of --batch-size).
+
+   Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
+   Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
+                     [--policy ...] [--batch-size 128] [--threads N] [--data DIR]
+                     [--calibration-samples 500] [--verbose 0] [--tensorboard DIR]
+                     [--plot FILE]
+   --weights FILE loads a model saved by mpt_model_save_weights instead of
+   training it (the model's architecture must match the file's). */
+#define _POSIX_C_SOURCE 200809L
+#include <time.h>
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "common.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Takes "--name VALUE" out of argv (the other flags are common.h's);
+   returns VALUE or fallback. */
+static const char *take_flag(int *argc, char **argv, const char *name, const char *fallback) {
+    int i;
+    for (i = 1; i + 1 < *argc; i++)
+        if (!strcmp(argv[i], name)) {
+            const char *value = argv[i + 1];
+            memmove(argv + i, argv + i + 2, sizeof(char *) * (size_t)(*argc - i - 2));
+            *argc -= 2;
+            return value;
+        }
+    return fallback;
+}
+
+/* The seed MLP or cnn_small, compiled and built. */
+static mpt_status make_model(mpt_context *ctx, const char *name, mpt_policy policy,
+                             const options *o, mpt_model **out) {
+    mpt_model *m;
+    mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 },
+                                                            .input_rank = 3, .policy = policy,
+                                                            .seed = o->seed }, &m);
+    if (s != MPT_OK) return s;
+    if (!strcmp(name, "cnn_small")) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = 32, .kernel_size = { 3, 3 },
+                                                    .activation = MPT_ACT_RELU });
+        mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 128, .activation = MPT_ACT_RELU });
+    } else {
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 1024, .activation = MPT_ACT_RELU });
+    }
+    mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10, .activation = MPT_ACT_SOFTMAX });
+    s = mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = { .type = MPT_OPTIMIZER_ADAM },
+        .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
+        .metrics = MPT_METRIC_ACCURACY });
+    if (s == MPT_OK) s = mpt_model_build(m, o->batch_size);
+    if (s != MPT_OK) mpt_model_destroy(m);
+    else *out = m;
+    return s;
+}
+
+/* from's float32 masters into to (the same architecture). */
+static void copy_weights(mpt_model *from, mpt_model *to) {
+    int i;
+    for (i = 0; i < mpt_model_param_count(from); i++) {
+        mpt_param_info a, b;
+        mpt_model_param(from, i, &a);
+        mpt_model_param(to, i, &b);
+        memcpy(b.value.data, a.value.data, mpt_tensor_bytes(&a.value));
+    }
+    mpt_model_refresh_weights(to);
+}
+
+/* Accuracy and predict's speed over the test set, one JSON line. */
+static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
+                         const char *variant, int64_t size_bytes, const mpt_dataset *test,
+                         int64_t batch_size) {
+    mpt_logs logs;
+    mpt_tensor out;
+    double seconds = INFINITY;
+    int run;
+    mpt_status s = mpt_model_evaluate(m, test, &(mpt_evaluate_desc){ .batch_size = batch_size },
+                                      &logs);
+    /* the fastest of three passes over the test set */
+    for (run = 0; s == MPT_OK && run < 3; run++) {
+        double start = now();
+        s = mpt_model_predict(m, test, batch_size, &out);
+        if (now() - start < seconds) seconds = now() - start;
+        if (s == MPT_OK && run < 2) mpt_tensor_free(ctx, &out);
+    }
+    if (s != MPT_OK) return s;
+    printf("{\"model\":\"%s\",\"variant\":\"%s\",\"test_accuracy\":%.4f,\"size_bytes\":%lld,"
+           "\"predict_samples_per_s\":%.0f,\"threads\":%d}\n",
+           model_name, variant, mpt_logs_get(&logs, "accuracy"), (long long)size_bytes,
+           (double)out.shape[0] / seconds, mpt_context_num_threads(ctx));
+    fflush(stdout);
+    mpt_tensor_free(ctx, &out);
+    return MPT_OK;
+}
+
+int main(int argc, char **argv) {
+    options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
+                 1, 128, 0, 0, 1, NULL, NULL};
+    const char *model_name = take_flag(&argc, argv, "--model", "mlp");
+    const char *weights = take_flag(&argc, argv, "--weights", NULL);
+    int64_t calibration = atoll(take_flag(&argc, argv, "--calibration-samples", "500"));
+    static const struct { const char *name; mpt_quantize_mode mode; } variants[] = {
+        { "float16", MPT_QUANTIZE_FLOAT16 },
+        { "dynamic_int8", MPT_QUANTIZE_DYNAMIC_RANGE },
+        { "full_int8", MPT_QUANTIZE_FULL_INTEGER } };
+    mpt_context *ctx;
+    mpt_model *trained, *model;
+    mpt_dataset *train, *test;
+    int64_t float_bytes = 0;
+    int i;
+    if (!parse_options(argc, argv, &o)) return 2;
+    if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn_small")) {
+        fprintf(stderr, "%s: --model is mlp or cnn_small, not %s\n", argv[0], model_name);
+        return 2;
+    }
+    if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
+        return 1;
+    TRY(mpt_dataset_load_mnist(ctx, o.data, 0, &train));
+    TRY(mpt_dataset_load_mnist(ctx, o.data, 1, &test));
+
+    /* Train in the policy asked for (or load), then measure in float32.
+       Training ends with the line every example prints. */
+    TRY(make_model(ctx, model_name, o.policy, &o, &trained));
+    if (weights) {
+        TRY(mpt_model_load_weights(trained, weights));
+    } else {
+        mpt_callback tensorboard[1];
+        mpt_logs result;
+        int n_callbacks = 0;
+        TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
+        TRY(mpt_model_fit(trained, train, &(mpt_fit_desc){ .epochs = o.epochs,
+                                                           .batch_size = o.batch_size,
+                                                           .verbose = o.verbose,
+                                                           .callbacks = tensorboard,
+                                                           .n_callbacks = n_callbacks }));
+        if (n_callbacks) mpt_callback_destroy(&tensorboard[0]);
+        TRY(write_plot(ctx, &o, trained, model_name));
+        TRY(mpt_model_evaluate(trained, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
+                               &result));
+        print_result(model_name, &o, trained, ctx, &result);
+    }
+    TRY(make_model(ctx, model_name, MPT_POLICY_FLOAT32, &o, &model));
+    copy_weights(trained, model);
+    for (i = 0; i < mpt_model_param_count(model); i++) {
+        mpt_param_info p;
+        mpt_model_param(model, i, &p);
+        float_bytes += (int64_t)mpt_tensor_bytes(&p.value);
+    }
+    TRY(report(ctx, model, model_name, "float32", float_bytes, test, o.batch_size));
+
+    for (i = 0; i < 3; i++) {
+        mpt_model *q;
+        mpt_quantized_info info;
+        TRY(mpt_model_quantize(model, &(mpt_quantize_desc){
+            .mode = variants[i].mode,
+            .representative_data = train, /* its first calibration_samples images */
+            .calibration_samples = calibration }, &q));
+        mpt_model_quantized_info(q, &info);
+        TRY(report(ctx, q, model_name, variants[i].name, info.size_bytes, test, o.batch_size));
+        mpt_model_destroy(q);
+    }
+
+    mpt_model_destroy(model);
+    mpt_model_destroy(trained);
+    mpt_dataset_destroy(test);
+    mpt_dataset_destroy(train);
+    mpt_context_destroy(ctx);
+    return 0;
+}

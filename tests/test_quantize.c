@@ -1,0 +1,969 @@
+/* Tests of post-training quantization (mpt_model_quantize) and of the
+   quantized model's predict, evaluate and invoke.
+
+   The bounds are stated in quantization steps. An int8 product's output
+   differs from the folded float32 model's by at most
+       0.5·in_scale·Σ|w| (the input's rounding)
+     + 0.5·w_scale[c]·Σ|x| (the weights' rounding)
+     + 1.5·out_scale (the bias's and the output's rounding, one step for
+                      the multiplier's and the requantization's)
+   per element; a table activation by half an output step plus the
+   input's half step times the activation's slope; pooling by one step.
+   Integer results leave no tolerance: an int8 Dense against a scalar
+   reference of TFLite's requantization, and every mode on 1, 2 and 3
+   threads, bit for bit. */
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+#include "helpers.h"
+
+enum { H = 8, W = 8, C = 2, CLASSES = 4, N_SAMPLES = 96 };
+
+static float sample_x[N_SAMPLES * H * W * C];
+static int32_t sample_y[N_SAMPLES];
+
+static void make_samples(unsigned long long seed) {
+    int i;
+    test_seed(seed);
+    for (i = 0; i < N_SAMPLES * H * W * C; i++) sample_x[i] = (float)test_uniform(0.0, 1.0);
+    for (i = 0; i < N_SAMPLES; i++) sample_y[i] = test_randint(0, CLASSES - 1);
+}
+
+static mpt_dataset *samples_dataset(mpt_context *ctx, int64_t n, const float *x) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    int64_t xs[4] = {n, H, W, C}, ys[1] = {n};
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, (void *)x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, sample_y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+/* Every parameter from the seed: kernels and biases in ±0.5, BatchNormalization's
+   gamma and variance in [0.5, 1.5], its beta and mean in ±0.3. */
+static void randomize(mpt_model *m, unsigned long long seed) {
+    int i, n = mpt_model_param_count(m);
+    test_seed(seed);
+    for (i = 0; i < n; i++) {
+        mpt_param_info p;
+        int64_t k, count;
+        float lo = -0.5f, hi = 0.5f;
+        mpt_model_param(m, i, &p);
+        count = mpt_tensor_count(&p.value);
+        if (strstr(p.name, "gamma") || strstr(p.name, "variance")) lo = 0.5f, hi = 1.5f;
+        else if (strstr(p.name, "beta") || strstr(p.name, "mean")) lo = -0.3f, hi = 0.3f;
+        for (k = 0; k < count; k++) ((float *)p.value.data)[k] = (float)test_uniform(lo, hi);
+    }
+    mpt_model_refresh_weights(m);
+}
+
+enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE };
+
+/* CNN: Conv2D → BatchNormalization → ReLU → MaxPooling2D → Conv2D(tanh)
+   → AveragePooling2D('same') → Flatten → Dense(gelu) → Dropout →
+   Dense(sigmoid) → Dense(softmax). GAP: Conv2D(relu) →
+   GlobalAveragePooling2D → Dense(softmax). DENSE: Flatten → Dense(16) →
+   BatchNormalization → Dense(4, relu). WIDE: Conv2D(300, 1×1) →
+   MaxPooling2D → AveragePooling2D → Flatten → Dense(softmax): pooling
+   over more channels than a block of its int32 sums. */
+static mpt_model *make_model(mpt_context *ctx, int kind, unsigned long long seed) {
+    mpt_model *m = NULL;
+    mpt_status s;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                                  .seed = 7}, &m) == MPT_OK, "create");
+    if (!m) return NULL;
+    if (kind == MODEL_CNN) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
+                                                   .padding = MPT_PADDING_SAME});
+        mpt_model_add_batch_normalization(m, NULL);
+        mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+        mpt_model_add_max_pooling2d(m, NULL);
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {2, 2},
+                                                   .activation = MPT_ACT_TANH});
+        mpt_model_add_average_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {2, 2},
+                                                              .strides = {1, 1},
+                                                              .padding = MPT_PADDING_SAME});
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_GELU});
+        mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.3f});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 7, .activation = MPT_ACT_SIGMOID});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
+                                                 .activation = MPT_ACT_SOFTMAX});
+    } else if (kind == MODEL_GAP) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 8, .kernel_size = {3, 3},
+                                                   .strides = {2, 2},
+                                                   .activation = MPT_ACT_RELU});
+        mpt_model_add_global_average_pooling2d(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
+                                                 .activation = MPT_ACT_SOFTMAX});
+    } else if (kind == MODEL_WIDE) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 300, .kernel_size = {1, 1}});
+        mpt_model_add_max_pooling2d(m, NULL);
+        mpt_model_add_average_pooling2d(m, NULL);
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
+                                                 .activation = MPT_ACT_SOFTMAX});
+    } else {
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16});
+        mpt_model_add_batch_normalization(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_RELU});
+    }
+    s = mpt_model_build(m, 32);
+    CHECK(s == MPT_OK, "build: %s", mpt_context_error(ctx));
+    randomize(m, seed);
+    return m;
+}
+
+static mpt_model *quantize(mpt_model *m, mpt_quantize_mode mode, const mpt_dataset *rep,
+                           mpt_dtype io) {
+    mpt_model *q = NULL;
+    mpt_status s = mpt_model_quantize(m, &(mpt_quantize_desc){.mode = mode,
+                                                              .representative_data = rep,
+                                                              .io_dtype = io}, &q);
+    CHECK(s == MPT_OK, "quantize mode %d: %s", (int)mode, mpt_context_error(m->ctx));
+    return q;
+}
+
+/* ---- rounding ---------------------------------------------------------------------------- */
+
+/* The quantizers' rounding is roundf's (ties away from zero, TFLite's
+   TfLiteRound): on the ties, their neighbours, and random values. */
+static void test_rounding_ties_away_from_zero(void) {
+    static const float ties[] = {0.5f, 1.5f, 2.5f, 126.5f, 127.5f, 0.49999997f, 2.5000002f,
+                                 1e6f + 0.5f, 8388607.5f, 3e9f, 0.0f};
+    int i, bad = 0;
+    test_seed(21);
+    for (i = 0; i < 2 * 11 + 100000; i++) {
+        float v = i < 22 ? (i & 1 ? -ties[i / 2] : ties[i / 2]) : (float)test_uniform(-130, 130);
+        bad += mpt__q_round(v) != roundf(v);
+        /* symmetric int8: −127 is the lowest code */
+        if (fabsf(v) <= 127.5f) bad += mpt__q_round_small(v) != fmaxf(-127, mpt__q_clamp8(roundf(v)));
+    }
+    CHECK(bad == 0, "%d values rounded unlike roundf", bad);
+}
+
+/* ---- BatchNormalization folded, in float32 -------------------------------------------- */
+
+/* The folded operations in float32 against the float model's own predict:
+   the same function, up to float32 rounding. */
+static void test_batchnorm_folding_float(void) {
+    int kind;
+    make_samples(11);
+    for (kind = MODEL_CNN; kind <= MODEL_DENSE; kind++) {
+        mpt_context *ctx = quiet_ctx();
+        mpt_model *m = make_model(ctx, kind, 100 + (unsigned)kind);
+        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        mpt__quantized Q;
+        mpt__qwork w;
+        mpt_tensor ref;
+        const void *out = NULL;
+        int64_t k, count;
+        double worst = 0, largest = 0;
+        memset(&Q, 0, sizeof Q);
+        memset(&w, 0, sizeof w);
+        CHECK(mpt_model_predict(m, d, 32, &ref) == MPT_OK, "predict");
+        CHECK(mpt__q_build_ops(m, &Q) == MPT_OK, "ops: %s", mpt_context_error(ctx));
+        mpt__q_plan(&Q, H * W * C);
+        CHECK(mpt__qwork_alloc(ctx, &Q, N_SAMPLES, &w) == MPT_OK, "work");
+        CHECK(kind == MODEL_GAP || Q.ops[0].info.folded_batchnorm ||
+                  Q.ops[1].info.folded_batchnorm, "model %d: no BatchNormalization folded", kind);
+        if (w.block)
+            CHECK(mpt__q_forward(ctx, &Q, MPT__QX_REFERENCE, sample_x, N_SAMPLES, &w, NULL,
+                                 &out) == MPT_OK, "forward");
+        count = mpt_tensor_count(&ref);
+        for (k = 0; k < count; k++)
+            largest = fmax(largest, fabs(((const float *)ref.data)[k]));
+        for (k = 0; out && k < count; k++) {
+            double e = fabs(((const float *)out)[k] - ((const float *)ref.data)[k]);
+            worst = e > worst ? e : worst;
+        }
+        /* float32 rounding in sums of up to 128 terms: a few ulps of the largest output */
+        CHECK(out && worst <= 1e-5 * largest, "model %d: folded float32 differs by %g (largest "
+              "output %g)", kind, worst, largest);
+        mpt_tensor_free(ctx, &ref);
+        mpt__free(ctx, w.block);
+        Q.tensor = NULL;
+        {
+            int i;
+            for (i = 0; i < Q.n_ops; i++) mpt__qop_free(ctx, &Q.ops[i]);
+            mpt__free(ctx, Q.ops);
+        }
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+    }
+}
+
+/* ---- each operation against the folded float32 one ------------------------------------------ */
+
+static double slope(mpt_activation act) {
+    return act == MPT_ACT_SIGMOID ? 0.25 : act == MPT_ACT_GELU ? 1.13 : 1.0;
+}
+
+/* Σ|row| over each of the rows (the largest), for the bound of a product. */
+static double largest_abs_row(const float *x, int64_t rows, int64_t cols) {
+    double best = 0;
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        double s = 0;
+        for (c = 0; c < cols; c++) s += fabs(x[r * cols + c]);
+        best = s > best ? s : best;
+    }
+    return best;
+}
+
+/* Operation i in full integer on the reference input quantized, against
+   the reference output (both in `ref`, one buffer per tensor). */
+static void check_integer_op(mpt_context *ctx, mpt__quantized *Q, int i, float **ref, int64_t n,
+                             mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    const mpt_quant_params *in = &op->info.input, *o = &op->info.output;
+    int64_t k, count = n * op->out_count, c;
+    int8_t *xq = (int8_t *)malloc((size_t)(n * op->in_count)), *yq = (int8_t *)malloc((size_t)count);
+    double worst = 0, x_sum = 0;
+    for (k = 0; k < n * op->in_count; k++) xq[k] = mpt__q_quantize(ref[i][k], in);
+    CHECK(mpt__q_run_op(ctx, Q, i, MPT__QX_INTEGER, xq, yq, n, w) == MPT_OK, "op %d", i);
+    if (op->info.op == MPT_QOP_CONV_2D)
+        x_sum = (double)op->info.depth * (in->max > -in->min ? in->max : -in->min);
+    else if (op->info.op == MPT_QOP_FULLY_CONNECTED)
+        x_sum = largest_abs_row(ref[i], n, op->in_count);
+    for (k = 0; k < count; k++) {
+        double got = (yq[k] - o->zero_point) * (double)o->scale, want = ref[i + 1][k], bound;
+        c = k % (op->info.out_channels ? op->info.out_channels : 1);
+        if (op->info.op == MPT_QOP_CONV_2D || op->info.op == MPT_QOP_FULLY_CONNECTED) {
+            double w_sum = 0;
+            int64_t j;
+            for (j = 0; j < op->info.depth; j++)
+                w_sum += fabs(op->info.weights[c * op->info.depth + j] * (double)op->info.weight_scales[c]);
+            bound = 0.5 * in->scale * w_sum + 0.5 * op->info.weight_scales[c] * x_sum + 1.5 * o->scale;
+            if (op->info.activation == MPT_ACT_RELU && want < 0) want = 0;
+        } else if (op->info.op == MPT_QOP_ACTIVATION) {
+            bound = op->info.activation == MPT_ACT_SOFTMAX ? o->scale + in->scale
+                                                           : 0.5 * o->scale + 0.5 * in->scale * slope(op->info.activation) + 1e-6;
+        } else {
+            bound = o->scale + 1e-6;
+        }
+        if (fabs(got - want) > bound * 1.0001 && fabs(got - want) / bound > worst)
+            worst = fabs(got - want) / bound;
+    }
+    CHECK(worst == 0, "op %d (%s, kind %d): %g times its bound", i, op->name, (int)op->info.op,
+          worst);
+    if (op->info.op == MPT_QOP_ACTIVATION && op->info.activation == MPT_ACT_SOFTMAX) {
+        /* TFLite's int8 softmax exactly: round(256·p) − 128 from the int8
+           logits, p in double (a code off by one only at a tie) */
+        int64_t cols = op->info.out_shape[0], r, j, off = 0;
+        for (r = 0; r < n; r++) {
+            const int8_t *z = xq + r * cols;
+            double sum = 0, max = -128;
+            for (j = 0; j < cols; j++) max = z[j] > max ? z[j] : max;
+            for (j = 0; j < cols; j++) sum += exp(-(double)in->scale * (max - z[j]));
+            for (j = 0; j < cols; j++) {
+                double v = 256.0 * exp(-(double)in->scale * (max - z[j])) / sum;
+                double want = fmin(127, floor(v + 0.5) - 128);
+                off += yq[r * cols + j] != want && fabs(v - floor(v) - 0.5) > 1e-3;
+            }
+        }
+        CHECK(off == 0, "softmax: %lld codes differ from round(256·p) − 128", (long long)off);
+    }
+    free(xq);
+    free(yq);
+}
+
+/* Dynamic range on one product: the inputs quantized per sample. */
+static void check_dynamic_op(mpt_context *ctx, mpt__quantized *Q, int i, float **ref, int64_t n,
+                             mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    int64_t k, count = n * op->out_count;
+    float *y = (float *)malloc(sizeof(float) * (size_t)count);
+    double worst = 0, amax = 0, x_sum;
+    for (k = 0; k < n * op->in_count; k++) amax = fabs(ref[i][k]) > amax ? fabs(ref[i][k]) : amax;
+    x_sum = op->info.op == MPT_QOP_CONV_2D ? op->info.depth * amax
+                                           : largest_abs_row(ref[i], n, op->in_count);
+    CHECK(mpt__q_run_op(ctx, Q, i, MPT__QX_DYNAMIC, ref[i], y, n, w) == MPT_OK, "op %d", i);
+    for (k = 0; k < count; k++) {
+        int64_t c = k % op->info.out_channels, j;
+        double w_sum = 0, bound, want = ref[i + 1][k];
+        for (j = 0; j < op->info.depth; j++)
+            w_sum += fabs(op->info.weights[c * op->info.depth + j] * (double)op->info.weight_scales[c]);
+        /* the input's scale is at most the whole batch's largest / 127 */
+        bound = 0.5 * (amax / 127) * w_sum + 0.5 * op->info.weight_scales[c] * x_sum + 1e-5;
+        if (fabs(y[k] - want) > bound && fabs(y[k] - want) / bound > worst)
+            worst = fabs(y[k] - want) / bound;
+    }
+    CHECK(worst == 0, "dynamic op %d (%s): %g times its bound", i, op->name, worst);
+    free(y);
+}
+
+static void test_layers_within_steps(void) {
+    int kind;
+    make_samples(12);
+    for (kind = MODEL_CNN; kind <= MODEL_WIDE; kind++) {
+        mpt_context *ctx = quiet_ctx();
+        mpt_model *m = make_model(ctx, kind, 200 + (unsigned)kind);
+        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        mpt_model *qi = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+        mpt_model *qd = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
+        mpt__quantized R;
+        mpt__qwork w;
+        float *ref[32];
+        int i, checked = 0;
+        memset(&R, 0, sizeof R);
+        /* the reference: the folded float32 operations, every tensor kept */
+        CHECK(mpt__q_build_ops(m, &R) == MPT_OK, "ops");
+        mpt__q_plan(&R, H * W * C);
+        CHECK(mpt__qwork_alloc(ctx, &R, N_SAMPLES, &w) == MPT_OK, "work");
+        ref[0] = sample_x;
+        for (i = 0; i < R.n_ops; i++) {
+            ref[i + 1] = (float *)malloc(sizeof(float) * (size_t)(N_SAMPLES * R.ops[i].out_count));
+            mpt__q_run_op(ctx, &R, i, MPT__QX_REFERENCE, ref[i], ref[i + 1], N_SAMPLES, &w);
+        }
+        for (i = 0; qi && qd && i < R.n_ops; i++) {
+            check_integer_op(ctx, qi->quantized, i, ref, N_SAMPLES, &w);
+            if (mpt__qop_weighted(&R.ops[i])) check_dynamic_op(ctx, qd->quantized, i, ref, N_SAMPLES, &w);
+            checked++;
+        }
+        CHECK(checked == R.n_ops && checked > 0, "model %d: %d operations checked", kind, checked);
+        for (i = 0; i < R.n_ops; i++) {
+            free(ref[i + 1]);
+            mpt__qop_free(ctx, &R.ops[i]);
+        }
+        mpt__free(ctx, R.ops);
+        mpt__free(ctx, w.block);
+        mpt_model_destroy(qi);
+        mpt_model_destroy(qd);
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+    }
+}
+
+/* float16: every output within float16's rounding of the weights. */
+static void test_float16_model(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q;
+    mpt_dataset *d;
+    mpt_tensor a, b;
+    mpt_quantized_info info;
+    int64_t k, count;
+    double worst = 0;
+    make_samples(13);
+    m = make_model(ctx, MODEL_GAP, 300);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    q = quantize(m, MPT_QUANTIZE_FLOAT16, NULL, MPT_DTYPE_DEFAULT);
+    CHECK(mpt_model_predict(m, d, 32, &a) == MPT_OK, "predict float");
+    CHECK(q && mpt_model_predict(q, d, 32, &b) == MPT_OK, "predict float16");
+    count = mpt_tensor_count(&a);
+    for (k = 0; q && k < count; k++) {
+        double e = fabs(((float *)a.data)[k] - ((float *)b.data)[k]);
+        worst = e > worst ? e : worst;
+    }
+    CHECK(worst > 0 && worst < 2e-3, "float16 differs by %g", worst);
+    CHECK(q && mpt_model_quantized_info(q, &info) == MPT_OK, "info");
+    /* Conv2D 3·3·2 → 8, Dense 8 → 4: 2 bytes a weight, 4 a bias */
+    CHECK(info.size_bytes == 2 * (18 * 8 + 8 * 4) + 4 * (8 + 4), "size %lld",
+          (long long)info.size_bytes);
+    mpt_tensor_free(ctx, &a);
+    mpt_tensor_free(ctx, &b);
+    mpt_model_destroy(q);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* The summary names the mode, each operation's float layers and, in full
+   integer, its output's quantization. */
+static void test_quantized_summary(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q;
+    mpt_dataset *d;
+    char text[4096];
+    size_t n;
+    make_samples(20);
+    m = make_model(ctx, MODEL_CNN, 250);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_UINT8);
+    n = q ? mpt_model_summary(q, text, sizeof text) : 0;
+    CHECK(n > 0 && n < sizeof text, "summary of %zu characters", n);
+    CHECK(strstr(text, "full integer, input and output uint8"), "mode: %s", text);
+    CHECK(strstr(text, "CONV_2D") && strstr(text, "conv2d + batch_normalization relu"),
+          "the folded conv: %s", text);
+    CHECK(strstr(text, "0.00390625, -128"), "softmax's fixed quantization: %s", text);
+    mpt_model_destroy(q);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* What an exporter reads, per mode: every pointer the documentation
+   promises is there, the others NULL; and a model trained in
+   mixed_float16 quantizes from its float32 masters, to the same bytes as
+   a float32 model with those weights. */
+static void test_layer_accessors_per_mode(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL, *mixed = NULL;
+    mpt_dataset *d;
+    int mode, i, k;
+    make_samples(22);
+    m = make_model(ctx, MODEL_CNN, 260);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16}, &mixed);
+    mpt_model_add_conv2d(mixed, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
+                                                   .padding = MPT_PADDING_SAME});
+    mpt_model_add_batch_normalization(mixed, NULL);
+    mpt_model_add_activation(mixed, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    mpt_model_add_max_pooling2d(mixed, NULL);
+    mpt_model_add_conv2d(mixed, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {2, 2},
+                                                   .activation = MPT_ACT_TANH});
+    mpt_model_add_average_pooling2d(mixed, &(mpt_pool2d_desc){.pool_size = {2, 2},
+                                                              .strides = {1, 1},
+                                                              .padding = MPT_PADDING_SAME});
+    mpt_model_add_flatten(mixed, NULL);
+    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_GELU});
+    mpt_model_add_dropout(mixed, &(mpt_dropout_desc){.rate = 0.3f});
+    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = 7, .activation = MPT_ACT_SIGMOID});
+    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(mixed, 32) == MPT_OK, "build mixed");
+    randomize(mixed, 260);
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+        mpt_model *qm = quantize(mixed, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+        mpt_quantized_info info;
+        mpt_tensor a, b;
+        if (!q || !qm) {
+            mpt_model_destroy(q);
+            mpt_model_destroy(qm);
+            continue;
+        }
+        mpt_model_quantized_info(q, &info);
+        /* 8 layers' operations, tanh, gelu, sigmoid and softmax apart */
+        CHECK(info.mode == (mpt_quantize_mode)mode && info.n_layers == 12,
+              "mode %d: %d operations", mode, info.n_layers);
+        for (i = 0; i < info.n_layers; i++) {
+            mpt_quantized_layer L;
+            int weighted, full = mode == MPT_QUANTIZE_FULL_INTEGER;
+            CHECK(mpt_model_quantized_layer(q, i, &L) == MPT_OK, "layer %d", i);
+            weighted = L.op == MPT_QOP_FULLY_CONNECTED || L.op == MPT_QOP_CONV_2D;
+            CHECK(!weighted || (L.out_channels > 0 && L.depth > 0), "layer %d: shape", i);
+            CHECK((L.weights != NULL) == (weighted && mode != MPT_QUANTIZE_FLOAT16) &&
+                      (L.weight_scales != NULL) == (L.weights != NULL) &&
+                      (L.weights_float16 != NULL) == (weighted && mode == MPT_QUANTIZE_FLOAT16) &&
+                      (L.bias != NULL) == (weighted && !full) &&
+                      (L.bias_int32 != NULL) == (weighted && full) &&
+                      (L.multiplier != NULL) == (weighted && full) &&
+                      (L.shift != NULL) == (weighted && full),
+                  "mode %d layer %d (%s): the pointers", mode, i, L.name);
+            CHECK(!full || (L.input.scale > 0 && L.output.scale > 0), "layer %d: scales", i);
+            for (k = 0; weighted && L.weights && k < L.out_channels * L.depth; k++)
+                CHECK(L.weights[k] >= -127, "layer %d: weight −128", i);
+        }
+        CHECK(mpt_model_predict(q, d, 32, &a) == MPT_OK && mpt_model_predict(qm, d, 32, &b) == MPT_OK,
+              "predict");
+        CHECK(!memcmp(a.data, b.data, mpt_tensor_bytes(&a)),
+              "mode %d: the mixed_float16 model quantizes differently", mode);
+        mpt_tensor_free(ctx, &a);
+        mpt_tensor_free(ctx, &b);
+        mpt_model_destroy(q);
+        mpt_model_destroy(qm);
+    }
+    mpt_model_destroy(mixed);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- bit for bit on every thread count -------------------------------------------------- */
+
+static mpt_context *threads_ctx(int threads) {
+    mpt_context *ctx = NULL;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.num_threads = threads;
+    d.logger.fn = quiet_logger;
+    mpt_context_create(&d, &ctx);
+    return ctx;
+}
+
+static void test_bit_exact_across_threads(void) {
+    int mode, threads, kind;
+    make_samples(14);
+    for (kind = MODEL_CNN; kind <= MODEL_GAP; kind++)
+        for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+            mpt_tensor first;
+            memset(&first, 0, sizeof first);
+            for (threads = 1; threads <= 3; threads++) {
+                mpt_context *ctx = threads_ctx(threads);
+                mpt_model *m = make_model(ctx, kind, 400);
+                mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+                mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+                mpt_tensor out;
+                memset(&out, 0, sizeof out);
+                CHECK(q && mpt_model_predict(q, d, 40, &out) == MPT_OK, "predict");
+                if (threads == 1) first = out;
+                else
+                    CHECK(out.data && first.data &&
+                              !memcmp(out.data, first.data, mpt_tensor_bytes(&out)),
+                          "model %d mode %d: %d threads differ from 1", kind, mode, threads);
+                if (threads > 1) mpt_tensor_free(ctx, &out);
+                mpt_model_destroy(q);
+                mpt_dataset_destroy(d);
+                mpt_model_destroy(m);
+                if (threads == 3) mpt_tensor_free(ctx, &first);
+                mpt_context_destroy(ctx);
+            }
+        }
+}
+
+/* ---- calibration -------------------------------------------------------------------------- */
+
+static void test_calibration_ranges(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q = NULL;
+    mpt_dataset *d;
+    mpt_quantized_info info;
+    mpt_quantized_layer first;
+    float lo = INFINITY, hi = -INFINITY;
+    int k;
+    make_samples(15);
+    for (k = 0; k < 40 * H * W * C; k++) {
+        sample_x[k] = sample_x[k] * 2.0f - 0.5f; /* [-0.5, 1.5) */
+        lo = sample_x[k] < lo ? sample_x[k] : lo;
+        hi = sample_x[k] > hi ? sample_x[k] : hi;
+    }
+    sample_x[60 * H * W * C + 5] = 40.0f; /* an outlier after the first 40 samples */
+    m = make_model(ctx, MODEL_DENSE, 500);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    /* min/max of the first 40 samples */
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                     .representative_data = d,
+                                                     .calibration_samples = 40}, &q) == MPT_OK,
+          "quantize: %s", mpt_context_error(ctx));
+    mpt_model_quantized_info(q, &info);
+    CHECK(info.input.min == lo && info.input.max == hi, "input range [%g, %g], want [%g, %g]",
+          info.input.min, info.input.max, lo, hi);
+    CHECK(fabs(info.input.scale - (hi - lo) / 255.0) < 1e-7, "scale %g", info.input.scale);
+    CHECK(info.input.zero_point == (int32_t)floor(-128 - lo / info.input.scale + 0.5),
+          "zero point %d", info.input.zero_point);
+    mpt_model_quantized_layer(q, 0, &first);
+    CHECK(first.op == MPT_QOP_RESHAPE && first.output.scale == info.input.scale &&
+              first.output.zero_point == info.input.zero_point,
+          "Flatten keeps its input's quantization");
+    mpt_model_destroy(q);
+    /* every sample: the outlier sets the maximum; a percentile drops it */
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                     .representative_data = d}, &q) == MPT_OK,
+          "quantize");
+    mpt_model_quantized_info(q, &info);
+    CHECK(info.input.max == 40.0f, "min/max: max %g, want the outlier 40", info.input.max);
+    mpt_model_destroy(q);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                     .representative_data = d,
+                                                     .calibration = MPT_CALIBRATION_PERCENTILE,
+                                                     .percentile = 99.9}, &q) == MPT_OK,
+          "quantize percentile: %s", mpt_context_error(ctx));
+    mpt_model_quantized_info(q, &info);
+    CHECK(info.input.max < 1.6f && info.input.max > 0.9f && info.input.min < 0.05f,
+          "percentile: range [%g, %g]", info.input.min, info.input.max);
+    mpt_model_destroy(q);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- requantization against a scalar reference ------------------------------------------ */
+
+static int64_t floor_div(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return a % b < 0 ? q - 1 : q;
+}
+
+/* TFLite's MultiplyByQuantizedMultiplier, from the formulas (as test_qgemm). */
+static int32_t ref_requantize(int32_t acc, int32_t m, int shift) {
+    int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
+    int64_t x = (int64_t)acc * ((int64_t)1 << left), h;
+    x = x > INT32_MAX ? INT32_MAX : x < INT32_MIN ? INT32_MIN : x;
+    h = floor_div(x * m + ((int64_t)1 << 30), (int64_t)1 << 31);
+    if (right == 0) return (int32_t)h;
+    if (h >= 0) return (int32_t)((h + ((int64_t)1 << (right - 1))) / ((int64_t)1 << right));
+    return (int32_t)-((-h + ((int64_t)1 << (right - 1))) / ((int64_t)1 << right));
+}
+
+/* Flatten → Dense(16) with BN → Dense(4, relu), int8 in and out: each
+   Dense's int8 output from its int8 input, weights, int32 bias, multiplier
+   and shift as the accessor gives them. uint8 in and out are the same
+   codes + 128. */
+static void test_requantization_scalar_reference(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q8, *qu8;
+    mpt_dataset *d;
+    mpt_quantized_info info;
+    mpt_tensor x, y, xu, yu;
+    int8_t *cur;
+    int64_t n = 20, k, shape[4] = {20, H, W, C};
+    int i, layers, mismatches = 0;
+    make_samples(16);
+    m = make_model(ctx, MODEL_DENSE, 600);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    q8 = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_INT8);
+    qu8 = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_UINT8);
+    if (!q8 || !qu8) goto done;
+    mpt_model_quantized_info(q8, &info);
+    CHECK(info.io_dtype == MPT_INT8, "io dtype");
+    {
+        mpt_quantized_info u;
+        mpt_model_quantized_info(qu8, &u);
+        CHECK(u.io_dtype == MPT_UINT8 && u.input.scale == info.input.scale &&
+                  u.input.zero_point == info.input.zero_point + 128 &&
+                  u.output.zero_point == info.output.zero_point + 128,
+              "uint8 io: zero points %d, %d; int8 %d, %d", u.input.zero_point,
+              u.output.zero_point, info.input.zero_point, info.output.zero_point);
+    }
+    mpt_tensor_alloc(ctx, &x, MPT_INT8, 4, shape);
+    mpt_tensor_alloc(ctx, &xu, MPT_UINT8, 4, shape);
+    for (k = 0; k < n * H * W * C; k++) {
+        ((int8_t *)x.data)[k] = mpt__q_quantize(sample_x[k], &info.input);
+        ((uint8_t *)xu.data)[k] = (uint8_t)(((int8_t *)x.data)[k] + 128);
+    }
+    CHECK(mpt_model_quantized_invoke(q8, &x, &y) == MPT_OK, "invoke: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_quantized_invoke(qu8, &xu, &yu) == MPT_OK, "invoke uint8");
+    /* the scalar reference, layer by layer */
+    cur = (int8_t *)malloc((size_t)(n * H * W * C));
+    memcpy(cur, x.data, (size_t)(n * H * W * C));
+    layers = info.n_layers;
+    for (i = 0; i < layers; i++) {
+        mpt_quantized_layer L;
+        int8_t *next;
+        int64_t r, c, j;
+        mpt_model_quantized_layer(q8, i, &L);
+        if (L.op != MPT_QOP_FULLY_CONNECTED) continue; /* the reshape: the same bytes */
+        next = (int8_t *)malloc((size_t)(n * L.out_channels));
+        for (r = 0; r < n; r++)
+            for (c = 0; c < L.out_channels; c++) {
+                int64_t acc = L.bias_int32[c];
+                int32_t v;
+                for (j = 0; j < L.depth; j++)
+                    acc += (int64_t)(cur[r * L.depth + j] - L.input.zero_point) *
+                           L.weights[c * L.depth + j];
+                v = ref_requantize((int32_t)acc, L.multiplier[c], L.shift[c]) + L.output.zero_point;
+                if (L.activation == MPT_ACT_RELU && v < L.output.zero_point) v = L.output.zero_point;
+                next[r * L.out_channels + c] = (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v);
+            }
+        free(cur);
+        cur = next;
+    }
+    for (k = 0; y.data && k < n * CLASSES; k++) {
+        mismatches += cur[k] != ((int8_t *)y.data)[k];
+        mismatches += yu.data && ((uint8_t *)yu.data)[k] != (uint8_t)(cur[k] + 128);
+    }
+    CHECK(mismatches == 0, "%d outputs differ from the scalar reference", mismatches);
+    /* float io: the same codes, dequantized */
+    {
+        mpt_model *qf = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+        mpt_tensor p;
+        int diff = 0;
+        CHECK(qf && mpt_model_predict(qf, d, 7, &p) == MPT_OK, "predict");
+        for (k = 0; qf && k < n * CLASSES; k++)
+            diff += ((float *)p.data)[k] != (cur[k] - info.output.zero_point) * info.output.scale;
+        CHECK(diff == 0, "%d float outputs are not the int8 ones dequantized", diff);
+        if (qf) mpt_tensor_free(ctx, &p);
+        mpt_model_destroy(qf);
+    }
+    free(cur);
+    mpt_tensor_free(ctx, &x);
+    mpt_tensor_free(ctx, &xu);
+    mpt_tensor_free(ctx, &y);
+    mpt_tensor_free(ctx, &yu);
+done:
+    mpt_model_destroy(q8);
+    mpt_model_destroy(qu8);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- a trained model --------------------------------------------------------------------- */
+
+/* Four classes of 8×8×2 images, each brighter in its own quadrant; a
+   small CNN trained a few epochs; every quantized variant's accuracy
+   within 3 points of float32's, evaluate's loss close, and the int8
+   variants about a quarter the size. */
+static void test_trained_model_accuracy(void) {
+    mpt_context *ctx = threads_ctx(2);
+    mpt_model *m = NULL, *q[3] = {NULL, NULL, NULL};
+    mpt_dataset *train, *test;
+    mpt_logs lf, lq;
+    float *x = (float *)malloc(sizeof(float) * 512 * H * W * C);
+    int32_t *y = (int32_t *)malloc(sizeof(int32_t) * 512);
+    int64_t i, j, float_bytes = 0;
+    int mode;
+    test_seed(17);
+    for (i = 0; i < 512; i++) {
+        y[i] = (int32_t)(i % CLASSES);
+        for (j = 0; j < H * W * C; j++) {
+            int64_t r = j / (W * C), c = (j / C) % W, quad = (r >= H / 2) * 2 + (c >= W / 2);
+            x[i * H * W * C + j] = (float)test_uniform(0, 1) + (quad == y[i] ? 0.6f : 0.0f);
+        }
+    }
+    {
+        mpt_tensor tx, ty;
+        int64_t xs[4] = {512, H, W, C}, ys[1] = {512};
+        mpt_dataset *all;
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, y);
+        mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &all);
+        mpt_dataset_split(ctx, all, 384, &train, &test);
+        mpt_dataset_destroy(all);
+    }
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                            .seed = 3}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 8, .kernel_size = {3, 3}});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    mpt_model_add_max_pooling2d(m, NULL);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 32, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+        .metrics = MPT_METRIC_ACCURACY});
+    CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 8, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, test, NULL, &lf) == MPT_OK, "evaluate");
+    CHECK(mpt_logs_get(&lf, "accuracy") > 0.9, "float32 accuracy %g: the task is too hard",
+          mpt_logs_get(&lf, "accuracy"));
+    for (i = 0; i < mpt_model_param_count(m); i++) {
+        mpt_param_info p;
+        mpt_model_param(m, (int)i, &p);
+        float_bytes += 4 * mpt_tensor_count(&p.value);
+    }
+    for (mode = 0; mode < 3; mode++) {
+        mpt_quantized_info info;
+        q[mode] = quantize(m, (mpt_quantize_mode)mode, train, MPT_DTYPE_DEFAULT);
+        if (!q[mode]) continue;
+        CHECK(mpt_model_evaluate(q[mode], test, NULL, &lq) == MPT_OK, "evaluate mode %d: %s",
+              mode, mpt_context_error(ctx));
+        CHECK(fabs(mpt_logs_get(&lq, "accuracy") - mpt_logs_get(&lf, "accuracy")) <= 0.03,
+              "mode %d: accuracy %g, float32 %g", mode, mpt_logs_get(&lq, "accuracy"),
+              mpt_logs_get(&lf, "accuracy"));
+        CHECK(fabs(mpt_logs_get(&lq, "loss") - mpt_logs_get(&lf, "loss")) <= 0.05,
+              "mode %d: loss %g, float32 %g", mode, mpt_logs_get(&lq, "loss"),
+              mpt_logs_get(&lf, "loss"));
+        mpt_model_quantized_info(q[mode], &info);
+        /* float16 keeps its biases in float32 */
+        CHECK(mode == MPT_QUANTIZE_FLOAT16 ? info.size_bytes < float_bytes * 0.51
+                                           : info.size_bytes < float_bytes * 0.3,
+              "mode %d: %lld bytes, float32 %lld", mode, (long long)info.size_bytes,
+              (long long)float_bytes);
+    }
+    for (mode = 0; mode < 3; mode++) mpt_model_destroy(q[mode]);
+    mpt_dataset_destroy(train);
+    mpt_dataset_destroy(test);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+    free(x);
+    free(y);
+}
+
+/* ---- bad input ------------------------------------------------------------------------------ */
+
+static void expect(mpt_context *ctx, mpt_status got, mpt_status want, const char *words,
+                   const char *what) {
+    CHECK(got == want, "%s: status %d (%s), want %d", what, (int)got, mpt_context_error(ctx),
+          (int)want);
+    CHECK(got == MPT_OK || strstr(mpt_context_error(ctx), words), "%s: message \"%s\" lacks \"%s\"",
+          what, mpt_context_error(ctx), words);
+}
+
+static void test_bad_input(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL, *q = NULL, *raw = NULL;
+    mpt_dataset *d, *wrong = NULL;
+    float other[4 * 10];
+    mpt_tensor tx, ty, t;
+    mpt_logs logs;
+    int k;
+    make_samples(18);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    for (k = 0; k < 40; k++) other[k] = (float)test_uniform(0, 1);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){4, 10}, other);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){4}, sample_y);
+    mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &wrong);
+
+    /* unbuilt, then built but never trained nor given weights */
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3}, &raw);
+    mpt_model_add_flatten(raw, NULL);
+    mpt_model_add_dense(raw, &(mpt_dense_desc){.units = 3});
+    expect(ctx, mpt_model_quantize(raw, NULL, &q), MPT_ERR_STATE, "not built", "unbuilt");
+    mpt_model_build(raw, 8);
+    expect(ctx, mpt_model_quantize(raw, NULL, &q), MPT_ERR_STATE, "initial weights", "untrained");
+    CHECK(q == NULL, "no model on failure");
+
+    m = make_model(ctx, MODEL_DENSE, 700);
+    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q),
+           MPT_ERR_INVALID_ARGUMENT, "representative_data", "no calibration data");
+    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                           .representative_data = wrong}, &q),
+           MPT_ERR_SHAPE, "representative_data", "mismatched calibration data");
+    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.io_dtype = MPT_INT8}, &q),
+           MPT_ERR_INVALID_ARGUMENT, "full-integer", "int8 io in dynamic-range");
+    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                           .representative_data = d,
+                                                           .io_dtype = MPT_FLOAT16}, &q),
+           MPT_ERR_DTYPE, "io_dtype", "float16 io");
+    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = (mpt_quantize_mode)9}, &q),
+           MPT_ERR_INVALID_ARGUMENT, "mode", "unknown mode");
+    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                           .representative_data = d,
+                                                           .calibration = MPT_CALIBRATION_PERCENTILE,
+                                                           .percentile = 120}, &q),
+           MPT_ERR_INVALID_ARGUMENT, "percentile", "percentile out of range");
+    {   /* an empty dataset: none can be made through the API (a dimension of
+           0 is refused), so a one-sample one is emptied by hand */
+        mpt_dataset *empty = samples_dataset(ctx, 1, sample_x);
+        if (empty) {
+            empty->n = 0;
+            expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
+                                                  .mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                  .representative_data = empty}, &q),
+                   MPT_ERR_INVALID_ARGUMENT, "empty", "empty calibration data");
+            empty->n = 1;
+            mpt_dataset_destroy(empty);
+        }
+    }
+    /* a weight that is not finite names its layer */
+    {
+        mpt_param_info p;
+        float keep;
+        mpt_model_param(m, 0, &p);
+        keep = ((float *)p.value.data)[3];
+        ((float *)p.value.data)[3] = NAN;
+        expect(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_NUMERIC, p.layer_name, "NaN weight");
+        ((float *)p.value.data)[3] = keep;
+    }
+    /* calibration that overflows names the layer, with either method */
+    {
+        mpt_param_info p;
+        int method;
+        float keep[H * W * C * 16]; /* dense/kernel */
+        mpt_model_param(m, 0, &p);
+        memcpy(keep, p.value.data, sizeof keep);
+        for (k = 0; k < H * W * C * 16; k++) ((float *)p.value.data)[k] = 3e38f;
+        for (method = 0; method < MPT_CALIBRATION_COUNT_; method++)
+            expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
+                                               .mode = MPT_QUANTIZE_FULL_INTEGER,
+                                               .representative_data = d,
+                                               .calibration = (mpt_calibration)method}, &q),
+                   MPT_ERR_NUMERIC, "not finite in the output of 'dense'", "overflow");
+        memcpy(p.value.data, keep, sizeof keep);
+    }
+    /* the quantized model refuses what only a float model does */
+    q = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
+    if (q) {
+        mpt_model *qq = NULL;
+        expect(ctx, mpt_model_fit(q, d, NULL), MPT_ERR_STATE, "quantized", "fit");
+        expect(ctx, mpt_model_build(q, 4), MPT_ERR_STATE, "quantized", "build");
+        expect(ctx, mpt_model_add_dense(q, &(mpt_dense_desc){.units = 2}), MPT_ERR_STATE,
+               "quantized", "add");
+        mpt_tensor_wrap(ctx, &t, MPT_FLOAT32, 4, (int64_t[]){2, H, W, C}, sample_x);
+        {
+            mpt_tensor o;
+            expect(ctx, mpt_model_forward(q, &t, 0, &o), MPT_ERR_STATE, "quantized", "forward");
+            expect(ctx, mpt_model_quantized_invoke(q, &t, &o), MPT_OK, "", "invoke float32");
+            mpt_tensor_free(ctx, &o);
+            t.dtype = MPT_INT8;
+            expect(ctx, mpt_model_quantized_invoke(q, &t, &o), MPT_ERR_DTYPE, "float32",
+                   "invoke int8 on float io");
+        }
+        expect(ctx, mpt_model_quantize(q, NULL, &qq), MPT_ERR_STATE, "quantized already",
+               "quantize twice");
+        expect(ctx, mpt_model_save_weights(q, "/tmp/mpt_test_quantize_never.safetensors"),
+               MPT_ERR_STATE, "quantized", "save_weights");
+        expect(ctx, mpt_model_evaluate(q, d, NULL, &logs), MPT_ERR_STATE, "compile",
+               "evaluate uncompiled");
+        expect(ctx, mpt_model_predict(q, wrong, 0, &t), MPT_ERR_SHAPE, "predict", "predict shape");
+        mpt_model_destroy(q);
+    }
+    {
+        mpt_quantized_info info;
+        expect(ctx, mpt_model_quantized_info(m, &info), MPT_ERR_STATE, "not quantized",
+               "info of a float model");
+    }
+    mpt_model_destroy(m);
+    /* BatchNormalization after an activation, or first, cannot be folded */
+    {
+        int order;
+        for (order = 0; order < 2; order++) {
+            mpt_model *b = NULL;
+            mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3},
+                             &b);
+            if (order == 0) mpt_model_add_batch_normalization(b, &(mpt_batchnorm_desc){.name = "bn_first"});
+            mpt_model_add_flatten(b, NULL);
+            mpt_model_add_dense(b, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_RELU});
+            if (order == 1) mpt_model_add_batch_normalization(b, &(mpt_batchnorm_desc){.name = "bn_after_relu"});
+            mpt_model_build(b, 8);
+            randomize(b, 800);
+            expect(ctx, mpt_model_quantize(b, NULL, &q), MPT_ERR_UNSUPPORTED,
+                   order == 0 ? "bn_first" : "bn_after_relu", "unfoldable BatchNormalization");
+            mpt_model_destroy(b);
+        }
+    }
+    mpt_model_destroy(raw);
+    mpt_dataset_destroy(wrong);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- every allocation failing in turn ------------------------------------------------------- */
+
+static void test_allocation_failures(void) {
+    long k;
+    int succeeded = 0, refused = 0;
+    make_samples(19);
+    for (k = 0; k < 400 && !succeeded; k++) {
+        counting_alloc a = {0, 0, -1};
+        mpt_context *ctx = counting_ctx(&a);
+        mpt_model *m = make_model(ctx, MODEL_CNN, 900), *q = NULL;
+        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        mpt_tensor out;
+        mpt_status s;
+        long before = a.allocs;
+        a.fail_after = before + k;
+        s = mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                       .representative_data = d}, &q);
+        if (s == MPT_OK) s = mpt_model_predict(q, d, 16, &out);
+        a.fail_after = -1;
+        CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "allocation %ld: status %d (%s)", k,
+              (int)s, mpt_context_error(ctx));
+        if (s == MPT_OK) {
+            succeeded = 1;
+            mpt_tensor_free(ctx, &out);
+        } else {
+            refused++;
+            CHECK(s != MPT_OK || q == NULL, "a model left after failure");
+        }
+        mpt_model_destroy(q);
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+        CHECK(a.allocs == a.frees, "allocation %ld refused: %ld blocks leaked", k,
+              a.allocs - a.frees);
+    }
+    CHECK(succeeded && refused > 5, "%d refusals before success", refused);
+}
+
+int main(void) {
+    TEST_RUN(test_rounding_ties_away_from_zero);
+    TEST_RUN(test_batchnorm_folding_float);
+    TEST_RUN(test_layers_within_steps);
+    TEST_RUN(test_float16_model);
+    TEST_RUN(test_quantized_summary);
+    TEST_RUN(test_layer_accessors_per_mode);
+    TEST_RUN(test_bit_exact_across_threads);
+    TEST_RUN(test_calibration_ranges);
+    TEST_RUN(test_requantization_scalar_reference);
+    TEST_RUN(test_trained_model_accuracy);
+    TEST_RUN(test_bad_input);
+    TEST_RUN(test_allocation_failures);
+    return test_summary("test_quantize");
+}

@@ -18955,6 +18955,10 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     if (!path || !*path)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s: %s path", format,
                          path ? "an empty" : "a NULL");
+    if (m->quantized) /* its int8 or float16 operations are not planned as steps yet */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the model is quantized "
+                         "(mpt_model_quantize); export the float model it came from", format,
+                         path);
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "
                          "(mpt_model_build, or fit)", format, path);

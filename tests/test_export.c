@@ -738,6 +738,31 @@ static void test_unbuilt_model(void) {
     mpt_context_destroy(q);
 }
 
+/* A quantized model is refused with a message saying so, and nothing is
+   written (its operations are not exported yet). */
+static void test_quantized_model_refused(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL, *qm = NULL;
+    mpt_status st;
+    char p[256];
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3, .seed = 3},
+                     &m);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 5});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build");
+    randomize(m);
+    CHECK(mpt_model_quantize(m, NULL, &qm) == MPT_OK, "quantize: %s", mpt_context_error(q));
+    st = mpt_model_export_tflite(qm, path_of(p, "ptq_refused.tflite"), NULL);
+    CHECK(st == MPT_ERR_UNSUPPORTED && strstr(mpt_context_error(q), "quantized") && !exists(p),
+          "TFLite: status %d, %s", (int)st, mpt_context_error(q));
+    CHECK(mpt_model_export_onnx(qm, path_of(p, "ptq_refused.onnx"), NULL) == MPT_ERR_UNSUPPORTED &&
+              strstr(mpt_context_error(q), "quantized") && !exists(p),
+          "ONNX: %s", mpt_context_error(q));
+    mpt_model_destroy(qm);
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
 /* A path under a regular file, and a path that is a directory (the whole
    file is written, and renaming it over the directory fails): an I/O error
    naming the path, the directory as it was, no temporary file left. */
@@ -843,6 +868,7 @@ int main(void) {
     TEST_RUN(test_onnx_qdq);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
+    TEST_RUN(test_quantized_model_refused);
     TEST_RUN(test_unwritable_path);
     TEST_RUN(test_out_of_memory);
     remove_dir();

@@ -1371,12 +1371,17 @@ typedef enum mpt_pool_kind {
      input_grad: y (n, H, W, C) = dx from x = dz (n, OH, OW, F): each
                  pixel's sum over the taps and filters that read it (the
                  convolution of dz with the kernel turned around), bias
-                 and act unused.
+                 and act unused;
+     kernel_grad: dkernel (kh, kw, C, F) float32 = Σ over the output
+                 pixels of x's window ⊗ dz (n, OH, OW, F), added to what
+                 dkernel holds when accumulate; kernel, bias, act, y, ws
+                 unused.
    x and y in dtype, sums in float32. ws: MPT_CONV_DIRECT_WS_BYTES. */
 typedef struct mpt_conv_args {
     const mpt_window *g;
     mpt_dtype dtype;
     int input_grad;
+    int kernel_grad;
     int64_t n, f;               /* samples, filters                         */
     const void *x;
     const void *kernel;
@@ -1384,6 +1389,9 @@ typedef struct mpt_conv_args {
     mpt_activation act;
     void *y;
     void *ws;
+    const void *dz;             /* kernel_grad                              */
+    float *dkernel;             /* kernel_grad                              */
+    int accumulate;             /* kernel_grad: add to dkernel              */
 } mpt_conv_args;
 
 /* Workspace bytes of conv_direct for kk = kh·kw·C and F filters: the
@@ -6582,7 +6590,6 @@ MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float
             _mm512_storeu_ps(t, v);
         }
 }
-#undef MPT__DCONV_ACC
 #undef MPT__DCONV_FOLD
 #undef MPT__DCONV_SRC
 #endif /* MPT__X86 */
@@ -6639,12 +6646,120 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
     }
 }
 
+/* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
+   over the output pixels of x's channel c at that tap times the pixel's
+   dz row. A task owns a block of 12 rows (channels c0.. of one tap) by 32
+   filters and runs over every pixel in order, so nothing depends on the
+   thread count; taps in the padding add nothing and are skipped. Per
+   pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
+   broadcasts, dz's row (widened) loaded, 24 FMAs. The sums are float32 in
+   another order than the GEMM's (not its bits). */
+typedef struct mpt__dconv_kgrad_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    int64_t cblocks, fblocks; /* 12-channel and 32-filter blocks */
+} mpt__dconv_kgrad_job;
+
+#if MPT__X86
+/* 16 bfloat16 (lanes under k; the others 0) as float32: exact. The masked
+   forms, as the GEMM's packing writes them (g++ warns of the unmasked
+   ones' undefined source). */
+MPT__TARGET_AVX512 static __m512 mpt__bf16_widen_avx512(__mmask16 k, const mpt_bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+        k, _mm512_maskz_cvtepu16_epi32(k, _mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job *j, int64_t t,
+                                                     int64_t c0, int m, int64_t f0, int nb,
+                                                     float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
+    const int bf16 = a->dtype == MPT_BFLOAT16;
+    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
+                    k1 = mpt__gemm_mask16(nb - 16);
+    float chans[16];
+    int64_t b, oy, ox;
+    MPT__ROWS12(MPT__DCONV_ACC)
+    for (b = 0; b < a->n; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            if (y < 0 || y >= g->h) continue;
+            for (ox = 0; ox < g->ow; ox++) {
+                const int64_t x = ox * g->sw - g->left + k;
+                const int64_t src = ((b * g->h + y) * g->w + x) * g->c + c0;
+                const int64_t dst = ((b * g->oh + oy) * g->ow + ox) * f + f0;
+                __m512 d0, d1, ai;
+                if (x < 0 || x >= g->w) continue;
+                if (bf16) {
+                    _mm512_storeu_ps(chans, mpt__bf16_widen_avx512(km, (const mpt_bf16 *)a->x + src));
+                    d0 = mpt__bf16_widen_avx512(k0, (const mpt_bf16 *)a->dz + dst);
+                    d1 = mpt__bf16_widen_avx512(k1, (const mpt_bf16 *)a->dz + dst + 16);
+                } else {
+                    _mm512_storeu_ps(chans, _mm512_maskz_loadu_ps(km, (const float *)a->x + src));
+                    d0 = _mm512_maskz_loadu_ps(k0, (const float *)a->dz + dst);
+                    d1 = _mm512_maskz_loadu_ps(k1, (const float *)a->dz + dst + 16);
+                }
+#define MPT__F(r)                                  \
+    ai = _mm512_set1_ps(chans[r]);                 \
+    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
+    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
+                MPT__ROWS12(MPT__F)
+#undef MPT__F
+            }
+        }
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+}
+#undef MPT__DCONV_ACC
+#endif
+
+static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
+    const mpt__dconv_kgrad_job *j = (const mpt__dconv_kgrad_job *)arg;
+    const mpt_conv_args *a = j->a;
+    const int64_t per_tap = j->cblocks * j->fblocks, t = task / per_tap;
+    const int64_t c0 = task % per_tap / j->fblocks * MPT__DCONV_MR;
+    const int64_t f0 = task % j->fblocks * 32;
+    const int m = (int)MPT__MIN(MPT__DCONV_MR, j->g->c - c0), nb = (int)MPT__MIN(32, a->f - f0);
+    float tile[MPT__DCONV_MR * 32];
+    int r, o;
+    (void)thread;
+#if MPT__X86
+    mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
+#else
+    memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
+#endif
+    for (r = 0; r < m; r++) {
+        float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
+        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + tile[32 * r + o] : tile[32 * r + o];
+    }
+}
+
+/* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
+   12 channels (fewer would leave most of each tile idle). */
+static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
+    mpt__dconv_kgrad_job j;
+    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < MPT__DCONV_MR ||
+        (a->dtype != MPT_FLOAT32 && a->dtype != MPT_BFLOAT16))
+        return 0;
+    j.a = a;
+    j.g = a->g;
+    j.cblocks = (a->g->c + MPT__DCONV_MR - 1) / MPT__DCONV_MR;
+    j.fblocks = (a->f + 31) / 32;
+    mpt__parallel_for(ctx, a->g->kh * a->g->kw * j.cblocks * j.fblocks, mpt__dconv_kgrad_task, &j);
+    return 1;
+}
+
 /* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
    BF16 for bfloat16 when the channels summed over come in pairs. */
 static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     const mpt_window *g = a->g;
     mpt__dconv_job j;
+    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
     memset(&j, 0, sizeof j);
     j.ic = a->input_grad ? a->f : g->c;
 #if MPT__X86
@@ -6817,6 +6932,26 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
 
+/* The kernel gradient by the backend's direct convolution, where it has
+   one for this case; 0: nothing done. */
+static int mpt__conv2d_direct_kernel_grad(mpt__layer *L, const mpt__pass *p,
+                                          const mpt__conv_plan *c, const void *x, const void *dz,
+                                          int64_t n, int first) {
+    mpt_conv_args a;
+    if (!p->be->conv_direct) return 0;
+    memset(&a, 0, sizeof a);
+    a.g = &c->g;
+    a.dtype = L->dtype;
+    a.kernel_grad = 1;
+    a.n = n;
+    a.f = c->f;
+    a.x = x;
+    a.dz = dz;
+    a.dkernel = mpt__param_grad(L, 0);
+    a.accumulate = !first;
+    return p->be->conv_direct(p->impl, &a);
+}
+
 /* dcols (rows, kk) float32 = dz · kernelᵀ; dz (rows, F) in dtype. */
 static void mpt__conv2d_cols_grad(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
                                   const void *dz, int64_t rows, float *dcols) {
@@ -6851,10 +6986,12 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__param_grad(L, 1), b0 != 0);
     /* The products run in the compute dtype, as the forward did. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, ny);
-    if (cols) /* recomputed: cheaper than keeping it */
-        p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
-    mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
-                            b0 == 0);
+    if (!mpt__conv2d_direct_kernel_grad(L, p, c, x, dz_c, n, b0 == 0)) {
+        if (cols) /* recomputed: cheaper than keeping it */
+            p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
+        mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
+                                b0 == 0);
+    }
     if (!dx || mpt__conv2d_direct(L, p, c, 1, dz_c, dx, n, direct_ws)) return;
     if (!c->identity) {
         mpt__conv2d_cols_grad(L, p, c, dz_c, rows, dcols);

@@ -6769,7 +6769,12 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
         j.tile = mpt__dconv_tile_bf16;
 #endif
     /* Fewer than 16 outputs per pixel would leave most of each vector idle
-       (a first layer's one-channel dx): the GEMM path does better there. */
+       (a first layer's one-channel dx): the GEMM path does better there.
+       The input gradient multiplies the zeros of its padding and strides
+       too: where dz has under 4/5 of dx's pixels (a small image under
+       'valid' padding, any stride 2) col2im, which adds only what is
+       there, was as fast or faster in bench/bench_conv.c. */
+    if (a->input_grad && 5 * g->oh * g->ow < 4 * g->h * g->w) return 0;
     if (!j.tile || (a->input_grad ? g->c : a->f) < 16 || g->kh * g->kw > MPT__DCONV_MAX_TAPS ||
         (!a->input_grad && (a->act == MPT_ACT_GELU || a->act == MPT_ACT_SOFTMAX)))
         return 0;

@@ -10,11 +10,12 @@
 
    Each shape runs the current path (the backend's direct convolution,
    mpt_backend.conv_direct, where it takes the case) and the former one
-   (im2col + GEMM forward; backward-data by dcols = dz · kernelᵀ and
-   col2im's scatter-adds; what the layer does when conv_direct is NULL)
-   interleaved, round after round in one process, and reports the median
-   of the rounds: on a shared host only such side-by-side ratios mean
-   anything. The kernel gradient (im2col + GEMM) is the same on both.
+   (forward and kernel gradient by im2col + GEMM; backward-data by dcols =
+   dz · kernelᵀ and col2im's scatter-adds: what the layer does when
+   conv_direct is NULL) interleaved, round after round in one process,
+   alternating which goes first, and reports the median of the rounds: on
+   a shared host only such side-by-side ratios mean anything.
+   backward-data is timed alone too (over the layer's chunks, dz given).
    Also timed on their own, per batch: im2col and col2im as the former
    path calls them.
    Prints a Markdown table and one JSON line per shape and policy. */

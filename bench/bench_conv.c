@@ -6,15 +6,16 @@
    times is the backward-data part.
 
        gcc -std=c99 -O2 -I. bench/bench_conv.c -o build/bench_conv -lpthread -lm
-       ./build/bench_conv [--threads 2] [--rounds 5] [--batch 128]
+       ./build/bench_conv [--threads 2] [--rounds 15] [--batch 128]
 
    Each shape runs the current path (the backend's direct convolution,
    mpt_backend.conv_direct, where it takes the case) and the former one
    (forward and kernel gradient by im2col + GEMM; backward-data by dcols =
    dz · kernelᵀ and col2im's scatter-adds: what the layer does when
    conv_direct is NULL) interleaved, round after round in one process,
-   alternating which goes first, and reports the median of the rounds: on
-   a shared host only such side-by-side ratios mean anything.
+   alternating which goes first, and reports the median of the rounds and
+   the median of each round's ratio former/current: on a shared host only
+   such side-by-side ratios mean anything.
    backward-data is timed alone too (over the layer's chunks, dz given).
    Also timed on their own, per batch: im2col and col2im as the former
    path calls them.
@@ -147,7 +148,7 @@ static void time_round(mpt_model *m, const mpt_tensor *x, const mpt_tensor *dy, 
 }
 
 int main(int argc, char **argv) {
-    int threads = 2, rounds = 5, i, s, p, r, k, reps;
+    int threads = 2, rounds = 15, i, s, p, r, k, reps;
     int64_t batch = 128;
     mpt_context *ctx;
     for (i = 1; i + 1 < argc; i += 2) {
@@ -172,7 +173,8 @@ int main(int argc, char **argv) {
             float *xd, *dyd;
             void *dz, *dxbuf;
             int64_t n_x = batch * sh->h * sh->w * sh->c, n_y = batch * (sh->h - 2) * (sh->w - 2) * sh->f;
-            double t[2][N_TIMES][MAX_ROUNDS], med[2][N_TIMES];
+            double t[2][N_TIMES][MAX_ROUNDS], med[2][N_TIMES], ratio[N_TIMES][MAX_ROUNDS],
+                med_ratio[N_TIMES];
             int (*direct)(void *, const mpt_conv_args *) = mpt__cpu_table.conv_direct;
             if (mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {sh->h, sh->w, sh->c},
                                                         .input_rank = 3,
@@ -195,11 +197,11 @@ int main(int argc, char **argv) {
             mpt_tensor_wrap(ctx, &x, MPT_FLOAT32, 4, (int64_t[]){batch, sh->h, sh->w, sh->c}, xd);
             mpt_tensor_wrap(ctx, &dy, MPT_FLOAT32, 4,
                             (int64_t[]){batch, sh->h - 2, sh->w - 2, sh->f}, dyd);
-            /* about 0.2 s per path and round */
+            /* about 0.1 s per path and round */
             {
                 double t0 = now(), t1[N_TIMES];
                 time_round(m, &x, &dy, t1, 1, 0, dz, dxbuf);
-                reps = (int)(0.2 / MPT__MAX(now() - t0, 1e-4)) + 1;
+                reps = (int)(0.1 / MPT__MAX(now() - t0, 1e-4)) + 1;
             }
             for (r = 0; r < rounds; r++)
                 for (k = 0; k < 2; k++) {
@@ -211,19 +213,30 @@ int main(int argc, char **argv) {
                     for (q = 0; q < N_TIMES; q++) t[path][q][r] = one[q];
                 }
             mpt__cpu_table.conv_direct = direct;
+            /* each round's pair ran back to back: the median of their ratios
+               cancels more of the host's changing load than the ratio of
+               the medians */
+            for (i = 0; i < N_TIMES; i++) {
+                for (r = 0; r < rounds; r++) ratio[i][r] = t[1][i][r] / t[0][i][r];
+                med_ratio[i] = median(ratio[i], rounds);
+            }
             for (k = 0; k < 2; k++)
                 for (i = 0; i < N_TIMES; i++) med[k][i] = median(t[k][i], rounds);
             for (k = 0; k < 2; k++)
                 printf("| %s | %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", sh->name,
                        policies[p].name, k ? "former" : "current", med[k][FWD], med[k][BWD_W],
                        med[k][BWD_ALL], med[k][BWD_DATA], med[k][IM2COL], med[k][COL2IM]);
+            printf("| %s | %s | former/current | %.2f× | %.2f× | %.2f× | %.2f× | | |\n", sh->name,
+                   policies[p].name, med_ratio[FWD], med_ratio[BWD_W], med_ratio[BWD_ALL],
+                   med_ratio[BWD_DATA]);
             printf("{\"shape\": \"%s\", \"policy\": \"%s\", \"threads\": %d, \"batch\": %lld, "
                    "\"rounds\": %d",
                    sh->name, policies[p].name, threads, (long long)batch, rounds);
             for (i = 0; i < N_TIMES; i++)
                 printf(", \"%s ms\": [%.3f, %.3f]", time_names[i], med[0][i], med[1][i]);
-            printf(", \"backward ratio former/current\": %.3f}\n",
-                   med[1][BWD_ALL] / med[0][BWD_ALL]);
+            for (i = 0; i < 4; i++)
+                printf(", \"%s former/current\": %.3f", time_names[i], med_ratio[i]);
+            printf("}\n");
             fflush(stdout);
             (void)sh->needs_dx;
             mpt_model_destroy(m);

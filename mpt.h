@@ -6775,6 +6775,10 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
        'valid' padding, any stride 2) col2im, which adds only what is
        there, was as fast or faster in bench/bench_conv.c. */
     if (a->input_grad && 5 * g->oh * g->ow < 4 * g->h * g->w) return 0;
+    /* A depth under 32 (a first layer's one-channel 3×3: 9) gives each
+       tile's table and epilogue too few multiply-adds to pay for; im2col
+       is cheap there (0.9× in bench/bench_conv.c). */
+    if (g->kh * g->kw * j.ic < 32) return 0;
     if (!j.tile || (a->input_grad ? g->c : a->f) < 16 || g->kh * g->kw > MPT__DCONV_MAX_TAPS ||
         (!a->input_grad && (a->act == MPT_ACT_GELU || a->act == MPT_ACT_SOFTMAX)))
         return 0;

@@ -1119,11 +1119,13 @@ static void test_direct_conv(void) {
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
                 run_conv_layer(level, 2, d, batch, dts[t], 1, &two);
-                if (level >= 2 && dts[t] == MPT_FLOAT32 && d->f >= 16) {
+                if (level >= 2 && dts[t] == MPT_FLOAT32 && d->f >= 16 &&
+                    d->g.kh * d->g.kw * d->g.c >= 32) {
                     CHECK(calls > 0, "the direct path did not run");
                     ran_f32 += calls > 0;
                 }
-                if (level == 3 && dts[t] == MPT_BFLOAT16 && d->g.c % 2 == 0 && d->f >= 16) {
+                if (level == 3 && dts[t] == MPT_BFLOAT16 && d->g.c % 2 == 0 && d->f >= 16 &&
+                    d->g.kh * d->g.kw * d->g.c >= 32) {
                     CHECK(calls > 0, "the direct path did not run");
                     ran_bf16 += calls > 0;
                 }

@@ -6739,10 +6739,12 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
 }
 
 /* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
-   12 channels (fewer would leave most of each tile idle). */
+   12 channels (fewer would leave most of each tile idle) and at most 32
+   filters (with more, each pixel's channels are read once per 32 filters,
+   and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64). */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
-    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < MPT__DCONV_MR ||
+    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < MPT__DCONV_MR || a->f > 32 ||
         (a->dtype != MPT_FLOAT32 && a->dtype != MPT_BFLOAT16))
         return 0;
     j.a = a;

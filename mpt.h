@@ -1339,8 +1339,8 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
      memory, in mpt_step_state: a step reads and writes them there, so a
      whole training step can be recorded once and replayed (CUDA graphs).
    - Every slot is required except these, NULL where a backend has nothing
-     to offer: gemm_plan (no algorithms to choose between) and the
-     collectives comm_id, comm_create, comm_destroy, allreduce_sum and
+     to offer: gemm_plan (no algorithms to choose between), conv_direct
+     (no convolution without im2col) and the collectives comm_id, comm_create, comm_destroy, allreduce_sum and
      comm_error (all five or none: no replicas on other devices). A table
      is filled member by member, by name, so that a member added here
      cannot shift the others. */
@@ -6201,8 +6201,9 @@ static void mpt__acc_mul(int64_t *acc, int64_t a, int64_t b) {
    1), so results do not depend on the thread count. A 1×1 kernel with
    stride 1 needs no im2col: the image, seen as (B·H·W) × C, is its own
    cols. A backend with a direct convolution (conv_direct: the CPU's with
-   AVX-512) runs the forward product and the input gradient without cols,
-   dcols or col2im; the kernel gradient stays colsᵀ · dz. */
+   AVX-512) runs the forward product, the input gradient and the kernel
+   gradient without cols, dcols or col2im where it takes the case (see
+   mpt__cpu_conv_direct for which). */
 
 #ifndef MPT__CONV_COLS_BUDGET
 #define MPT__CONV_COLS_BUDGET ((int64_t)1 << 20) /* elements of cols per chunk */

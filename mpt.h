@@ -6371,7 +6371,7 @@ static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, co
 
 #define MPT__DCONV_MR 12       /* output pixels per tile                  */
 #define MPT__DCONV_MAX_TAPS 64 /* larger kernels take the im2col path     */
-#define MPT__DCONV_TILES_PER_TASK 8
+#define MPT__DCONV_TILES_PER_TASK 8 /* tiles per parallel-for task    */
 
 struct mpt__dconv_job;
 /* tile (MR × 32 float32) = the sums of output channels [o0, o0 + nb)

@@ -1642,14 +1642,14 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
      memory, in mpt_step_state: a step reads and writes them there, so a
      whole training step can be recorded once and replayed (CUDA graphs).
    - Every slot is required except these, NULL where a backend has nothing
-     to offer: gemm_plan (no algorithms to choose between) and the
-     collectives comm_id, comm_create, comm_destroy, allreduce_sum and
-     comm_error (all five or none: no replicas on other devices), and the
-     timer's timer_create, timer_mark, timer_read and timer_free (all four
-     or none: the profiler then times the calls by the host's clock, right
-     where compute runs as it is called, as on the CPU). A table
-     is filled member by member, by name, so that a member added here
-     cannot shift the others. */
+     to offer: gemm_plan (no algorithms to choose between), conv_direct
+     (no convolution without im2col), the collectives comm_id,
+     comm_create, comm_destroy, allreduce_sum and comm_error (all five or
+     none: no replicas on other devices), and the timer's timer_create,
+     timer_mark, timer_read and timer_free (all four or none: the profiler
+     then times the calls by the host's clock, right where compute runs as
+     it is called, as on the CPU). A table is filled member by member, by
+     name, so that a member added here cannot shift the others. */
 
 /* A window sliding over (H, W, C) samples (Conv2D, pooling). Padding is
    TensorFlow's; pixels outside the image are zeros for a convolution and
@@ -1667,6 +1667,43 @@ typedef enum mpt_pool_kind {
                              argmax within the sample saved for backward   */
     MPT_POOL_AVERAGE = 1  /* mean over the window's pixels inside the image */
 } mpt_pool_kind;
+
+/* A Conv2D product computed straight from the images, without cols
+   (mpt_backend.conv_direct). kernel (kh, kw, C, F) in dtype, as the layer
+   keeps it.
+     forward:    y (n, OH, OW, F) = act(conv(x, kernel) + bias),
+                 x (n, H, W, C); act is elementwise (not GELU, whose
+                 pre-activation the layer keeps, nor softmax);
+     input_grad: y (n, H, W, C) = dx from x = dz (n, OH, OW, F): each
+                 pixel's sum over the taps and filters that read it (the
+                 convolution of dz with the kernel turned around), bias
+                 and act unused;
+     kernel_grad: dkernel (kh, kw, C, F) float32 = Σ over the output
+                 pixels of x's window ⊗ dz (n, OH, OW, F), added to what
+                 dkernel holds when accumulate; kernel, bias, act, y, ws
+                 unused.
+   x and y in dtype, sums in float32. ws: MPT_CONV_DIRECT_WS_BYTES. */
+typedef struct mpt_conv_args {
+    const mpt_window *g;
+    mpt_dtype dtype;
+    int input_grad;
+    int kernel_grad;
+    int64_t n, f;               /* samples, filters                         */
+    const void *x;
+    const void *kernel;
+    const float *bias;          /* (F) or NULL                              */
+    mpt_activation act;
+    void *y;
+    void *ws;
+    const void *dz;             /* kernel_grad                              */
+    float *dkernel;             /* kernel_grad                              */
+    int accumulate;             /* kernel_grad: add to dkernel              */
+} mpt_conv_args;
+
+/* Workspace bytes of conv_direct for kk = kh·kw·C and F filters: the
+   kernel repacked (at most 4 bytes an element) and one zero pixel. */
+#define MPT_CONV_DIRECT_WS_BYTES(kk, c, f) \
+    (4 * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
 
 /* BatchNormalization over rows × channels (rows = batch · positions).
    Statistics and arithmetic in float32; x, y, dy, dx in dtype. */
@@ -1810,6 +1847,9 @@ typedef struct mpt_backend {
        (unused when dtype is float32). */
     void (*col2im)(void *impl, const mpt_window *g, mpt_dtype dtype, const float *dcols,
                    int64_t n, float *dxf, void *dx);
+    /* Returns 0, having done nothing, where it cannot (this dtype, CPU or
+       shape); the layer then uses im2col, gemm and col2im. May be NULL. */
+    int (*conv_direct)(void *impl, const mpt_conv_args *a);
     /* y (n, OH, OW, C) from x (n, H, W, C), in dtype; argmax (n, OH, OW, C)
        int32 for max pooling; ws: pool_workspace bytes. */
     void (*pool_forward)(void *impl, mpt_pool_kind kind, const mpt_window *g, mpt_dtype dtype,
@@ -3974,6 +4014,15 @@ static void mpt__gemm_scale_c(const mpt_gemm_desc *d) {
     }
 }
 
+/* The depth block for K: equal blocks of at most KC, a multiple of 8 (so
+   pairs never straddle blocks); this depends on K only. The direct
+   convolution sums in the same blocks, so that its results are the
+   GEMM's bit for bit. */
+static int64_t mpt__gemm_depth_block(int64_t k) {
+    int64_t nkb = (k + MPT__GEMM_KC - 1) / MPT__GEMM_KC;
+    return ((k + nkb - 1) / nkb + 7) / 8 * 8;
+}
+
 static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     const mpt_gemm_desc *d = job->d;
@@ -4067,7 +4116,7 @@ static void mpt__gemm_plan_tasks(mpt__gemm_job *job, int threads) {
 
 static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt__gemm_job job;
-    int64_t nkb, tasks_m;
+    int64_t tasks_m;
     if (d->m <= 0 || d->n <= 0) return;
     if (d->k <= 0 || d->alpha_is_zero) {
         mpt__gemm_scale_c(d);
@@ -4101,10 +4150,7 @@ static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
         job.nr = 16;
     }
 #endif
-    /* Equal depth blocks of at most KC, a multiple of 8 (so pairs never
-       straddle blocks); this depends on K only. */
-    nkb = (d->k + MPT__GEMM_KC - 1) / MPT__GEMM_KC;
-    job.kc = ((d->k + nkb - 1) / nkb + 7) / 8 * 8;
+    job.kc = mpt__gemm_depth_block(d->k);
     job.nc = MPT__GEMM_NC;
     mpt__gemm_plan_tasks(&job, ctx->num_threads);
     tasks_m = (d->m + job.task_rows - 1) / job.task_rows;
@@ -6687,7 +6733,10 @@ static void mpt__acc_mul(int64_t *acc, int64_t a, int64_t b) {
    layer alone, and kernel gradients are summed chunk after chunk (beta =
    1), so results do not depend on the thread count. A 1×1 kernel with
    stride 1 needs no im2col: the image, seen as (B·H·W) × C, is its own
-   cols. */
+   cols. A backend with a direct convolution (conv_direct: the CPU's with
+   AVX-512) runs the forward product, the input gradient and the kernel
+   gradient without cols, dcols or col2im where it takes the case (see
+   mpt__cpu_conv_direct for which). */
 
 #ifndef MPT__CONV_COLS_BUDGET
 #define MPT__CONV_COLS_BUDGET ((int64_t)1 << 20) /* elements of cols per chunk */
@@ -6834,12 +6883,470 @@ static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, co
     mpt__parallel_for(ctx, n * g->h, mpt__col2im_task, &j);
 }
 
+/* ---- direct convolution: no cols (AVX-512) -----------------------------------
+   The GEMM's 12×32 micro-kernel, reading its A straight from the images: a
+   tile is 12 output pixels in a row of the batch (across image rows and
+   samples), and a table holds, for each pixel and tap, where that pixel's
+   input channels start, or a zero pixel where the tap lies in the
+   padding. The kernel broadcasts from there as the GEMM does from its
+   packed A panel, so cols is never written (for a 3×3 kernel, 9 times the
+   image). The sum over k = (tap, channel) runs in the GEMM's order and
+   depth blocks (mpt__gemm_depth_block), the padding's zeros included, and
+   the epilogue (bias, activation, conversion) is the GEMM path's: the
+   forward pass gives the im2col path's bits exactly.
+   The input gradient is the same product over dz with the kernel turned
+   around (taps reversed, C and F swapped): dx pixel (y, x) reads at tap
+   (i, j) the dz pixel ((y + top − i)/sh, (x + left − j)/sw) where both
+   divide exactly and lie inside, else zero. That replaces dcols = dz ·
+   kernelᵀ and col2im's scatter-adds by one sum per dx element, in another
+   order than col2im's (not the former path's bits).
+   Each output pixel is one tile's, whatever the thread count. */
+
+#define MPT__DCONV_MR 12       /* output pixels per tile                  */
+#define MPT__DCONV_MAX_TAPS 64 /* larger kernels take the im2col path     */
+#define MPT__DCONV_TILES_PER_TASK 8 /* tiles per parallel-for task    */
+
+struct mpt__dconv_job;
+/* tile (MR × 32 float32) = the sums of output channels [o0, o0 + nb)
+   for the tile's pixels; src: [taps][MR] where each pixel's taps start. */
+typedef void (*mpt__dconv_tile_fn)(const struct mpt__dconv_job *j,
+                                   const unsigned char *const *src, int64_t o0, int nb,
+                                   float *tile);
+
+typedef struct mpt__dconv_job {
+    mpt_context *ctx;
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    const unsigned char *x;    /* the image read: x, or dz for input_grad       */
+    int64_t ih, iw, ic;        /* its sample shape                              */
+    int64_t oh, ow, oc;        /* the output's: y, or dx for input_grad         */
+    int64_t taps, kk, kc;      /* kh·kw, taps·ic, depth block                   */
+    int64_t pixels;            /* n·oh·ow                                       */
+    size_t es;                 /* bytes per element of dtype                    */
+    const void *w;             /* kernel packed as the product's (kk, oc) B:
+                                  float32, or bfloat16 k-pairs (kk/2, oc) uint32 */
+    const unsigned char *zero; /* ic zero elements                              */
+    mpt__dconv_tile_fn tile;
+    mpt__convert_fn convert;   /* float32 to dtype                              */
+} mpt__dconv_job;
+
+/* The input row or column that output row or column o reads at window
+   offset i along an axis of stride s and padding `before`; −1 where it
+   reads none. input_grad: the forward's offset is k − 1 − i, and the dz
+   row is (o + before − (k − 1 − i)) / s where that divides exactly. */
+static int64_t mpt__dconv_axis(int input_grad, int64_t o, int64_t i, int64_t k, int64_t s,
+                               int64_t before, int64_t in) {
+    int64_t v;
+    if (!input_grad) {
+        v = o * s - before + i;
+    } else {
+        v = o + before - (k - 1 - i);
+        if (s != 1) v = v >= 0 && v % s == 0 ? v / s : -1; /* divides only where it must */
+    }
+    return v >= 0 && v < in ? v : -1;
+}
+
+/* Where output pixel (b, oy, ox)'s taps read their ic channels: src[t·MR]
+   for tap t = i·kw + k, a zero pixel where the tap lies in the padding. */
+static void mpt__dconv_taps(const mpt__dconv_job *j, int64_t b, int64_t oy, int64_t ox,
+                            const unsigned char **src) {
+    const mpt_window *g = j->g;
+    const int grad = j->a->input_grad;
+    const unsigned char *image = j->x + (size_t)(b * j->ih * j->iw * j->ic) * j->es;
+    const size_t pixel = (size_t)j->ic * j->es;
+    int64_t i, k;
+    for (i = 0; i < g->kh; i++) {
+        const int64_t y = mpt__dconv_axis(grad, oy, i, g->kh, g->sh, g->top, j->ih);
+        for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR) {
+            const int64_t x = mpt__dconv_axis(grad, ox, k, g->kw, g->sw, g->left, j->iw);
+            *src = y < 0 || x < 0 ? j->zero : image + (size_t)(y * j->iw + x) * pixel;
+        }
+    }
+}
+
+/* The kernel (kh, kw, C, F) as the product's B, (kk, oc), into ws, then
+   the zero pixel after it. Forward: the kernel as (kk, F); input_grad:
+   row k = (tap, f) of the kernel turned around is column f of the
+   forward's tap taps − 1 − tap, o = c. bfloat16 keeps rows k and k + 1
+   side by side in 32-bit lanes (kk is even). */
+static void mpt__dconv_pack(mpt__dconv_job *j, unsigned char *ws) {
+    const int64_t c = j->g->c, f = j->a->f, oc = j->oc;
+    const int pairs = j->a->dtype != MPT_FLOAT32;
+    const float *src32 = (const float *)j->a->kernel;
+    const mpt_bf16 *src16 = (const mpt_bf16 *)j->a->kernel;
+    float *dst32 = (float *)(void *)ws;
+    uint32_t *dst16 = (uint32_t *)(void *)ws;
+    int64_t k, o;
+    for (k = 0; k < j->kk; k++) {
+        /* element (k, o) of B is kernel[row + o·step] */
+        const int64_t row = j->a->input_grad ? (j->taps - 1 - k / f) * c * f + k % f : k * f;
+        const int64_t step = j->a->input_grad ? f : 1;
+        for (o = 0; o < oc; o++) {
+            if (!pairs)
+                dst32[k * oc + o] = src32[row + o * step];
+            else if (k % 2 == 0)
+                dst16[k / 2 * oc + o] = src16[row + o * step];
+            else
+                dst16[k / 2 * oc + o] |= (uint32_t)src16[row + o * step] << 16;
+        }
+    }
+    j->w = ws;
+    ws += (4 * j->kk * oc + 63) / 64 * 64;
+    memset(ws, 0, (size_t)j->ic * j->es);
+    j->zero = ws;
+}
+
+#if MPT__X86
+/* The twelve accumulator pairs and the depth blocks' running sums in
+   tile: the first block stores, the later ones add (the GEMM's
+   C = C + alpha·AB with alpha 1). */
+#define MPT__DCONV_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__DCONV_FOLD(i)                                                                 \
+    if (first) {                                                                           \
+        _mm512_storeu_ps(tile + 32 * i, c##i##0);                                           \
+        _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);                                      \
+    } else {                                                                               \
+        _mm512_storeu_ps(tile + 32 * i, _mm512_add_ps(_mm512_loadu_ps(tile + 32 * i), c##i##0)); \
+        _mm512_storeu_ps(tile + 32 * i + 16,                                                \
+                        _mm512_add_ps(_mm512_loadu_ps(tile + 32 * i + 16), c##i##1));       \
+    }                                                                                      \
+    c##i##0 = _mm512_setzero_ps();                                                         \
+    c##i##1 = _mm512_setzero_ps();
+#define MPT__DCONV_SRC(i, T) const T *s##i = (const T *)(const void *)src[t * MPT__DCONV_MR + i];
+
+MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
+                                                   const unsigned char *const *src, int64_t o0,
+                                                   int nb, float *tile) {
+    const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
+    const float *w = (const float *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t t, c;
+    int first = 1;
+    MPT__ROWS12(MPT__DCONV_ACC)
+    for (t = 0; t < j->taps; t++) {
+#define MPT__S(i) MPT__DCONV_SRC(i, float)
+        MPT__ROWS12(MPT__S)
+#undef MPT__S
+        for (c = 0; c < ic;) {
+            const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
+            if (nb > 16) {
+                for (; c < stop; c++) {
+                    const float *wr = w + (t * ic + c) * oc;
+                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
+                    __m512 ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            } else {
+                for (; c < stop; c++) {
+                    __m512 b0 = _mm512_maskz_loadu_ps(k0, w + (t * ic + c) * oc), ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            }
+            if ((t * ic + c) % kc == 0 || t * ic + c == j->kk) {
+                MPT__ROWS12(MPT__DCONV_FOLD)
+                first = 0;
+            }
+        }
+    }
+}
+
+/* bfloat16 pairs of channels (ic is even), one vdpbf16ps per pair. */
+MPT__TARGET_AVX512_BF16 static void mpt__dconv_tile_bf16(const mpt__dconv_job *j,
+                                                         const unsigned char *const *src,
+                                                         int64_t o0, int nb, float *tile) {
+    const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
+    const uint32_t *w = (const uint32_t *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t t, c;
+    int first = 1;
+    MPT__ROWS12(MPT__DCONV_ACC)
+    for (t = 0; t < j->taps; t++) {
+#define MPT__S(i) MPT__DCONV_SRC(i, uint32_t)
+        MPT__ROWS12(MPT__S)
+#undef MPT__S
+        for (c = 0; c < ic;) { /* c counts channels, two at a time */
+            const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
+            if (nb > 16) {
+                for (; c < stop; c += 2) {
+                    const uint32_t *wr = w + (t * ic + c) / 2 * oc;
+                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
+                    __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, wr + 16);
+                    __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)s##i[c / 2]);      \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
+    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            } else {
+                for (; c < stop; c += 2) {
+                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w + (t * ic + c) / 2 * oc);
+                    __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)s##i[c / 2]);      \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            }
+            if ((t * ic + c) % kc == 0 || t * ic + c == j->kk) {
+                MPT__ROWS12(MPT__DCONV_FOLD)
+                first = 0;
+            }
+        }
+    }
+}
+
+/* + bias, then ReLU, on the tile's 12 × 32 sums. */
+MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float *bias, int relu,
+                                                        int nb) {
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    const __m512 b0 = _mm512_maskz_loadu_ps(bias ? k0 : 0, bias);
+    const __m512 b1 = _mm512_maskz_loadu_ps(bias ? k1 : 0, bias ? bias + 16 : NULL);
+    int i, h;
+    for (i = 0; i < MPT__DCONV_MR; i++)
+        for (h = 0; h < 2; h++) {
+            float *t = tile + 32 * i + 16 * h;
+            __m512 v = _mm512_loadu_ps(t);
+            if (bias) v = _mm512_add_ps(v, h ? b1 : b0);
+            if (relu)
+                v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
+            _mm512_storeu_ps(t, v);
+        }
+}
+#undef MPT__DCONV_FOLD
+#undef MPT__DCONV_SRC
+#endif /* MPT__X86 */
+
+/* The GEMM path's epilogue for the tile's first m pixels: + bias, the
+   activation (forward only; ReLU and the bias as mpt__gemm_store_avx512
+   does them), stored in dtype. */
+static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, int m, int64_t o0,
+                             int nb) {
+    const mpt_conv_args *a = j->a;
+    const int other_act = !a->input_grad && a->act != MPT_ACT_NONE && a->act != MPT_ACT_RELU;
+    int p;
+#if MPT__X86
+    if (!a->input_grad)
+        mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
+#endif
+    for (p = 0; p < m; p++) {
+        float *row = tile + 32 * p;
+        unsigned char *dst = (unsigned char *)a->y + (size_t)((p0 + p) * j->oc + o0) * j->es;
+        if (other_act) mpt__activation_forward(a->act, row, nb);
+        if (a->dtype == MPT_FLOAT32)
+            memcpy(dst, row, sizeof(float) * (size_t)nb);
+        else
+            j->convert(a->dtype, dst, MPT_FLOAT32, row, nb);
+    }
+}
+
+/* Tiles [task·TILES_PER_TASK, ...) of the output pixels. */
+static void mpt__dconv_task(void *arg, int64_t task, int thread) {
+    const mpt__dconv_job *j = (const mpt__dconv_job *)arg;
+    const unsigned char *src[MPT__DCONV_MAX_TAPS * MPT__DCONV_MR];
+    float tile[MPT__DCONV_MR * 32];
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
+    (void)thread;
+    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
+        const int64_t p0 = tile_i * MPT__DCONV_MR;
+        int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
+        int m, p;
+        if (p0 >= j->pixels) return;
+        m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
+        for (p = 0; p < MPT__DCONV_MR; p++) { /* past the end: the last pixel again */
+            mpt__dconv_taps(j, b, oy, ox, src + p);
+            if (p + 1 >= m) continue;
+            if (++ox == j->ow) {
+                ox = 0;
+                if (++oy == j->oh) oy = 0, b++;
+            }
+        }
+        for (o0 = 0; o0 < j->oc; o0 += 32) {
+            const int nb = (int)MPT__MIN(32, j->oc - o0);
+            j->tile(j, src, o0, nb, tile);
+            mpt__dconv_store(j, tile, p0, m, o0, nb);
+        }
+    }
+}
+
+/* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
+   over the output pixels of x's channel c at that tap times the pixel's
+   dz row. A task owns a block of 12 rows (channels c0.. of one tap) by 32
+   filters and runs over every pixel in order, so nothing depends on the
+   thread count; taps in the padding add nothing and are skipped. Per
+   pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
+   broadcasts, dz's row (widened) loaded, 24 FMAs. The sums are float32 in
+   another order than the GEMM's (not its bits). */
+typedef struct mpt__dconv_kgrad_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    int64_t cblocks, fblocks; /* 12-channel and 32-filter blocks */
+} mpt__dconv_kgrad_job;
+
+#if MPT__X86
+/* 16 bfloat16 (lanes under k; the others 0) as float32: exact. The masked
+   forms, as the GEMM's packing writes them (g++ warns of the unmasked
+   ones' undefined source). */
+MPT__TARGET_AVX512 static __m512 mpt__bf16_widen_avx512(__mmask16 k, const mpt_bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+        k, _mm512_maskz_cvtepu16_epi32(k, _mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job *j, int64_t t,
+                                                     int64_t c0, int m, int64_t f0, int nb,
+                                                     float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
+    const int bf16 = a->dtype == MPT_BFLOAT16;
+    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
+                    k1 = mpt__gemm_mask16(nb - 16);
+    float chans[16];
+    int64_t b, oy, ox;
+    MPT__ROWS12(MPT__DCONV_ACC)
+    for (b = 0; b < a->n; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            if (y < 0 || y >= g->h) continue;
+            for (ox = 0; ox < g->ow; ox++) {
+                const int64_t x = ox * g->sw - g->left + k;
+                const int64_t src = ((b * g->h + y) * g->w + x) * g->c + c0;
+                const int64_t dst = ((b * g->oh + oy) * g->ow + ox) * f + f0;
+                __m512 d0, d1, ai;
+                if (x < 0 || x >= g->w) continue;
+                if (bf16) {
+                    _mm512_storeu_ps(chans, mpt__bf16_widen_avx512(km, (const mpt_bf16 *)a->x + src));
+                    d0 = mpt__bf16_widen_avx512(k0, (const mpt_bf16 *)a->dz + dst);
+                    d1 = mpt__bf16_widen_avx512(k1, (const mpt_bf16 *)a->dz + dst + 16);
+                } else {
+                    _mm512_storeu_ps(chans, _mm512_maskz_loadu_ps(km, (const float *)a->x + src));
+                    d0 = _mm512_maskz_loadu_ps(k0, (const float *)a->dz + dst);
+                    d1 = _mm512_maskz_loadu_ps(k1, (const float *)a->dz + dst + 16);
+                }
+#define MPT__F(r)                                  \
+    ai = _mm512_set1_ps(chans[r]);                 \
+    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
+    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
+                MPT__ROWS12(MPT__F)
+#undef MPT__F
+            }
+        }
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+}
+#undef MPT__DCONV_ACC
+#endif
+
+static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
+    const mpt__dconv_kgrad_job *j = (const mpt__dconv_kgrad_job *)arg;
+    const mpt_conv_args *a = j->a;
+    const int64_t per_tap = j->cblocks * j->fblocks, t = task / per_tap;
+    const int64_t c0 = task % per_tap / j->fblocks * MPT__DCONV_MR;
+    const int64_t f0 = task % j->fblocks * 32;
+    const int m = (int)MPT__MIN(MPT__DCONV_MR, j->g->c - c0), nb = (int)MPT__MIN(32, a->f - f0);
+    float tile[MPT__DCONV_MR * 32];
+    int r, o;
+    (void)thread;
+#if MPT__X86
+    mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
+#else
+    memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
+#endif
+    for (r = 0; r < m; r++) {
+        float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
+        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + tile[32 * r + o] : tile[32 * r + o];
+    }
+}
+
+/* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
+   12 channels (fewer would leave most of each tile idle) and at most 32
+   filters (with more, each pixel's channels are read once per 32 filters,
+   and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64). */
+static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
+    mpt__dconv_kgrad_job j;
+    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < MPT__DCONV_MR || a->f > 32 ||
+        (a->dtype != MPT_FLOAT32 && a->dtype != MPT_BFLOAT16))
+        return 0;
+    j.a = a;
+    j.g = a->g;
+    j.cblocks = (a->g->c + MPT__DCONV_MR - 1) / MPT__DCONV_MR;
+    j.fblocks = (a->f + 31) / 32;
+    mpt__parallel_for(ctx, a->g->kh * a->g->kw * j.cblocks * j.fblocks, mpt__dconv_kgrad_task, &j);
+    return 1;
+}
+
+/* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
+   BF16 for bfloat16 when the channels summed over come in pairs. */
+static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    const mpt_window *g = a->g;
+    mpt__dconv_job j;
+    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
+    memset(&j, 0, sizeof j);
+    j.ic = a->input_grad ? a->f : g->c;
+#if MPT__X86
+    if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
+        j.tile = mpt__dconv_tile_f32;
+    else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
+        j.tile = mpt__dconv_tile_bf16;
+#endif
+    /* Fewer than 16 outputs per pixel would leave most of each vector idle
+       (a first layer's one-channel dx): the GEMM path does better there.
+       The input gradient multiplies the zeros of its padding and strides
+       too: where dz has under 4/5 of dx's pixels (a small image under
+       'valid' padding, any stride 2) col2im, which adds only what is
+       there, was as fast or faster in bench/bench_conv.c. */
+    if (a->input_grad && 5 * g->oh * g->ow < 4 * g->h * g->w) return 0;
+    /* A depth under 32 (a first layer's one-channel 3×3: 9) gives each
+       tile's table and epilogue too few multiply-adds to pay for; im2col
+       is cheap there (0.9× in bench/bench_conv.c). */
+    if (g->kh * g->kw * j.ic < 32) return 0;
+    if (!j.tile || (a->input_grad ? g->c : a->f) < 16 || g->kh * g->kw > MPT__DCONV_MAX_TAPS ||
+        (!a->input_grad && (a->act == MPT_ACT_GELU || a->act == MPT_ACT_SOFTMAX)))
+        return 0;
+    j.ctx = ctx;
+    j.a = a;
+    j.g = g;
+    j.x = (const unsigned char *)a->x;
+    j.ih = a->input_grad ? g->oh : g->h;
+    j.iw = a->input_grad ? g->ow : g->w;
+    j.oh = a->input_grad ? g->h : g->oh;
+    j.ow = a->input_grad ? g->w : g->ow;
+    j.oc = a->input_grad ? g->c : a->f;
+    j.taps = g->kh * g->kw;
+    j.kk = j.taps * j.ic;
+    j.kc = mpt__gemm_depth_block(j.kk);
+    j.pixels = a->n * j.oh * j.ow;
+    j.es = mpt_dtype_size(a->dtype);
+    j.convert = mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32);
+    mpt__dconv_pack(&j, (unsigned char *)a->ws);
+    mpt__parallel_for(ctx,
+                      (j.pixels + MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK - 1) /
+                          (MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK),
+                      mpt__dconv_task, &j);
+    return 1;
+}
+
 /* ---- Conv2D build, forward, backward -------------------------------------- */
 
 static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     mpt__conv_plan c;
-    int64_t kshape[4], row_bytes = 0, sample_bytes = 0, chunk_bytes;
+    int64_t kshape[4], row_bytes = 0, sample_bytes = 0, direct_bytes = 0, chunk_bytes;
     char s[96];
     MPT__CHECK(mpt__expect_image(m, L));
     kshape[0] = d->kernel_size[0];
@@ -6874,10 +7381,38 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     mpt__acc_mul(&row_bytes, c.kk, 4 + (int64_t)c.es);
     mpt__acc_mul(&sample_bytes, c.pix, row_bytes);
     mpt__acc_mul(&sample_bytes, L->in_count, 4);
-    if (sample_bytes < 0 || !mpt__mul_ok(sample_bytes, c.chunk, &chunk_bytes))
+    /* and the backend's direct convolution (MPT_CONV_DIRECT_WS_BYTES) */
+    mpt__acc_mul(&direct_bytes, c.kk * c.f, 4); /* kk·F: the kernel, counted above */
+    mpt__acc_mul(&direct_bytes, MPT__MAX(c.g.c, c.f), 4);
+    mpt__acc_mul(&direct_bytes, 128, 1);
+    if (sample_bytes < 0 || direct_bytes < 0 ||
+        !mpt__mul_ok(sample_bytes, c.chunk, &chunk_bytes) ||
+        !mpt__add_ok(chunk_bytes, direct_bytes, &chunk_bytes))
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "Conv2D '%s': buffers for input %s overflow",
                          L->name, mpt_shape_format(s, sizeof s, 3, L->in_shape));
-    return mpt__layer_set_workspace(m, L, 0, mpt__ws_bytes(chunk_bytes, 6));
+    return mpt__layer_set_workspace(m, L, 0, mpt__ws_bytes(chunk_bytes, 7));
+}
+
+/* The backend's direct convolution (mpt_conv_args) of n samples, where it
+   has one for this case; 0: nothing done. */
+static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
+                              int input_grad, const void *x, void *y, int64_t n, void *ws) {
+    const mpt_conv2d_desc *d = &L->desc.conv2d;
+    mpt_conv_args a;
+    if (!p->be->conv_direct) return 0;
+    memset(&a, 0, sizeof a);
+    a.g = &c->g;
+    a.dtype = L->dtype;
+    a.input_grad = input_grad;
+    a.n = n;
+    a.f = c->f;
+    a.x = x;
+    a.kernel = mpt__param_compute_copy(L, 0);
+    a.bias = input_grad || d->no_bias ? NULL : mpt__param_master(L, 1);
+    a.act = d->activation;
+    a.y = y;
+    a.ws = ws;
+    return p->be->conv_direct(p->impl, &a);
 }
 
 /* y rows [b0·pix, (b0 + n)·pix) of the batch. */
@@ -6895,6 +7430,7 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                      ? (float *)y
                      : (float *)mpt__ws_take(&w, 4 * ny);
     mpt_gemm_desc g;
+    if (fused && mpt__conv2d_direct(L, p, c, 0, x, y, n, p->workspace)) return;
     if (cols) p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols); /* (rows, kk) */
     /* acc (rows, F) = cols · kernel */
     g = mpt__layer_gemm_desc(L, 0, 0, rows, c->f, c->kk,
@@ -6941,6 +7477,26 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
 
+/* The kernel gradient by the backend's direct convolution, where it has
+   one for this case; 0: nothing done. */
+static int mpt__conv2d_direct_kernel_grad(mpt__layer *L, const mpt__pass *p,
+                                          const mpt__conv_plan *c, const void *x, const void *dz,
+                                          int64_t n, int first) {
+    mpt_conv_args a;
+    if (!p->be->conv_direct) return 0;
+    memset(&a, 0, sizeof a);
+    a.g = &c->g;
+    a.dtype = L->dtype;
+    a.kernel_grad = 1;
+    a.n = n;
+    a.f = c->f;
+    a.x = x;
+    a.dz = dz;
+    a.dkernel = mpt__param_grad(L, 0);
+    a.accumulate = !first;
+    return p->be->conv_direct(p->impl, &a);
+}
+
 /* dcols (rows, kk) float32 = dz · kernelᵀ; dz (rows, F) in dtype. */
 static void mpt__conv2d_cols_grad(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
                                   const void *dz, int64_t rows, float *dcols) {
@@ -6967,6 +7523,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     void *cols = c->identity ? NULL : mpt__ws_take(&w, rows * c->kk * (int64_t)c->es);
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
+    void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
     p->be->activation_grad(p->impl, d->activation, L->dtype, z,
                            (const unsigned char *)p->y + (size_t)y_off * c->es,
                            (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
@@ -6974,11 +7531,13 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__param_grad(L, 1), b0 != 0);
     /* The products run in the compute dtype, as the forward did. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, ny);
-    if (cols) /* recomputed: cheaper than keeping it */
-        p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
-    mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
-                            b0 == 0);
-    if (!dx) return;
+    if (!mpt__conv2d_direct_kernel_grad(L, p, c, x, dz_c, n, b0 == 0)) {
+        if (cols) /* recomputed: cheaper than keeping it */
+            p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
+        mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
+                                b0 == 0);
+    }
+    if (!dx || mpt__conv2d_direct(L, p, c, 1, dz_c, dx, n, direct_ws)) return;
     if (!c->identity) {
         mpt__conv2d_cols_grad(L, p, c, dz_c, rows, dcols);
         p->be->col2im(p->impl, &c->g, L->dtype, dcols, n, dxf, dx);
@@ -20327,6 +20886,7 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->column_sums = mpt__cpu_column_sums;
     t->im2col = mpt__cpu_im2col;
     t->col2im = mpt__cpu_col2im;
+    t->conv_direct = mpt__cpu_conv_direct;
     t->pool_forward = mpt__cpu_pool_forward;
     t->pool_backward = mpt__cpu_pool_backward;
     t->pool_workspace = mpt__cpu_pool_workspace;

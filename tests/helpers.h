@@ -126,6 +126,7 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     REQUIRED(update); REQUIRED(loss_scale_update); REQUIRED(add); REQUIRED(scale);
 #undef REQUIRED
     named++; /* gemm_plan: optional */
+    named++; /* conv_direct: optional */
     collectives = !!t->comm_id + !!t->comm_create + !!t->comm_destroy + !!t->allreduce_sum +
                   !!t->comm_error;
     named += 5;

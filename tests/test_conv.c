@@ -961,6 +961,204 @@ static void test_determinism(void) {
     }
 }
 
+/* ---- the direct convolution against im2col + GEMM + col2im ------------------ */
+
+/* The SIMD levels the CPU dispatches on, forced by disabling the features
+   above each (the direct convolution runs at the two AVX-512 ones). */
+static const struct {
+    const char *name;
+    int disable, needs;
+} levels[] = {
+    {"scalar", ~0, 0},
+    {"avx2", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16, MPT_CPU_AVX2},
+    {"avx512", MPT_CPU_AVX512_BF16, MPT_CPU_AVX512},
+    {"avx512bf16", 0, MPT_CPU_AVX512_BF16},
+};
+#define LEVELS ((int)(sizeof levels / sizeof levels[0]))
+
+static int direct_calls; /* conv_direct calls that did the work */
+
+static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
+    int done = mpt__cpu_conv_direct(impl, a);
+    direct_calls += done;
+    return done;
+}
+
+/* One Conv2D's forward and backward (y, dx, kernel and bias gradients as
+   float32), with the backend's direct convolution or without it; the
+   bias random, so that the epilogue's sum is checked too. */
+typedef struct conv_run {
+    float *y, *dx, *grads;
+    int64_t ny, nx, ng;
+} conv_run;
+
+static void run_conv_layer(int level, int threads, const layer_ref *d, int64_t batch,
+                           mpt_dtype dtype, int direct, conv_run *r) {
+    mpt_context *c = NULL;
+    mpt_context_desc cd;
+    mpt_model *m = NULL;
+    mpt_tensor tx, ty, tdy, tdx;
+    int64_t xs[4], i, n_x, p;
+    float *x, *dy;
+    memset(&cd, 0, sizeof cd);
+    memset(r, 0, sizeof *r);
+    cd.num_threads = threads;
+    cd.disable_cpu_features = levels[level].disable;
+    mpt_context_create(&cd, &c);
+    mpt__cpu_table.conv_direct = direct ? counting_conv_direct : NULL;
+    xs[0] = batch, xs[1] = d->g.h, xs[2] = d->g.w, xs[3] = d->g.c;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {d->g.h, d->g.w, d->g.c},
+                                          .input_rank = 3, .seed = 9}, &m);
+    CHECK(mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+              .filters = d->f, .kernel_size = {d->g.kh, d->g.kw}, .strides = {d->g.sh, d->g.sw},
+              .padding = d->g.pad, .activation = d->act, .no_bias = !d->bias,
+              .bias_initializer = MPT_INIT_GLOROT_UNIFORM, .dtype = dtype}) == MPT_OK &&
+              mpt_model_build(m, batch) == MPT_OK,
+          "build: %s", mpt_context_error(c));
+    n_x = batch * d->g.h * d->g.w * d->g.c;
+    x = (float *)malloc(sizeof(float) * (size_t)n_x);
+    test_seed(41);
+    for (i = 0; i < n_x; i++) x[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, xs, x);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+    r->ny = mpt_tensor_count(&ty);
+    r->y = (float *)malloc(sizeof(float) * (size_t)r->ny);
+    mpt_convert(c, MPT_FLOAT32, r->y, ty.dtype, ty.data, r->ny);
+    mpt_model_output_grad(m, &tdy);
+    dy = (float *)malloc(sizeof(float) * (size_t)r->ny);
+    for (i = 0; i < r->ny; i++) dy[i] = (float)test_uniform(-1, 1);
+    tdy.dtype = MPT_FLOAT32;
+    tdy.data = dy;
+    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+    r->nx = mpt_tensor_count(&tdx);
+    r->dx = (float *)malloc(sizeof(float) * (size_t)r->nx);
+    mpt_convert(c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, r->nx);
+    r->ng = 0;
+    for (p = 0; p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        int64_t n;
+        mpt_model_param(m, p, &info);
+        n = mpt_tensor_count(&info.grad);
+        r->grads = (float *)realloc(r->grads, sizeof(float) * (size_t)(r->ng + n));
+        memcpy(r->grads + r->ng, info.grad.data, sizeof(float) * (size_t)n);
+        r->ng += n;
+    }
+    mpt__cpu_table.conv_direct = mpt__cpu_conv_direct;
+    free(x);
+    free(dy);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+}
+
+static void free_conv_run(conv_run *r) {
+    free(r->y);
+    free(r->dx);
+    free(r->grads);
+}
+
+/* The direct path's dx and kernel gradient sum in another order than
+   col2im and the GEMM: equal within the rounding of float32 sums, plus,
+   for dx in bfloat16, one rounding of the result. Relative to the
+   element's size plus the mean size. */
+static int close_to(const float *a, const float *b, int64_t n, double tol, double *worst) {
+    double scale = 0;
+    int64_t i;
+    *worst = 0;
+    for (i = 0; i < n; i++) scale += fabs(b[i]) / (double)n;
+    for (i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]) / (fabs(b[i]) + scale + 1e-30);
+        if (!(e <= *worst)) *worst = e;
+    }
+    return *worst <= tol;
+}
+
+/* Forward: the im2col path's bits exactly (same sums in the same order);
+   dx, kernel and bias gradients: close; everything the same bits on 1 and
+   2 threads. Odd shapes (tails of 12-pixel tiles
+   and of 16-lane output blocks, both paddings, strides 1-3, depths over
+   the GEMM's 512 block) at every SIMD level and dtype. */
+static void test_direct_conv(void) {
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
+    layer_ref cases[12];
+    int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0;
+    cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
+    cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(5, 6, 64, 20, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(6, 5, 40, 17, 4, 4, 1, 3, MPT_PADDING_SAME, MPT_ACT_TANH, 1);
+    cases[n_cases++] = conv_case(4, 4, 17, 48, 2, 2, 1, 1, MPT_PADDING_VALID, MPT_ACT_SIGMOID, 1);
+    cases[n_cases++] = conv_case(5, 3, 32, 64, 1, 1, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(10, 10, 1, 32, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
+    test_seed(23);
+    while (n_cases < 12) {
+        geom g;
+        random_geom(&g, 9, 40, 4);
+        g.c = test_randint(16, 40);
+        cases[n_cases] = conv_case(g.h, g.w, g.c, test_randint(16, 40), g.kh, g.kw, g.sh, g.sw,
+                                   g.pad, test_randint(0, 1) ? MPT_ACT_RELU : MPT_ACT_NONE,
+                                   test_randint(0, 1));
+        n_cases++;
+    }
+    for (level = 0; level < LEVELS; level++) {
+        mpt_context *probe = NULL;
+        mpt_context_create(&(mpt_context_desc){.disable_cpu_features = levels[level].disable},
+                           &probe);
+        k = (mpt_context_cpu_features(probe) & levels[level].needs) == levels[level].needs;
+        mpt_context_destroy(probe);
+        if (!k) continue;
+        for (k = 0; k < n_cases; k++)
+            for (t = 0; t < 3; t++) {
+                const layer_ref *d = &cases[k];
+                const int64_t batch = 1 + (k + t) % 4;
+                conv_run former, one, two;
+                double worst = 0;
+                int calls;
+                test__begin();
+                run_conv_layer(level, 2, d, batch, dts[t], 0, &former);
+                direct_calls = 0;
+                run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
+                calls = direct_calls;
+                run_conv_layer(level, 2, d, batch, dts[t], 1, &two);
+                if (level >= 2 && dts[t] == MPT_FLOAT32 && d->f >= 16 &&
+                    d->g.kh * d->g.kw * d->g.c >= 32) {
+                    CHECK(calls > 0, "the direct path did not run");
+                    ran_f32 += calls > 0;
+                }
+                if (level == 3 && dts[t] == MPT_BFLOAT16 && d->g.c % 2 == 0 && d->f >= 16 &&
+                    d->g.kh * d->g.kw * d->g.c >= 32) {
+                    CHECK(calls > 0, "the direct path did not run");
+                    ran_bf16 += calls > 0;
+                }
+                CHECK(one.ny == former.ny &&
+                          memcmp(one.y, former.y, sizeof(float) * (size_t)one.ny) == 0,
+                      "y differs from the im2col path");
+                CHECK(one.ng == former.ng &&
+                          close_to(one.grads, former.grads, one.ng, 1e-5, &worst),
+                      "kernel or bias gradient differs from the im2col path's by %g (relative)",
+                      worst);
+                CHECK(one.nx == former.nx &&
+                          close_to(one.dx, former.dx, one.nx,
+                                   dts[t] == MPT_FLOAT32 ? 1e-5 : 1.0 / 64, &worst),
+                      "dx differs from col2im's by %g (relative)", worst);
+                CHECK(memcmp(one.y, two.y, sizeof(float) * (size_t)one.ny) == 0 &&
+                          memcmp(one.dx, two.dx, sizeof(float) * (size_t)one.nx) == 0 &&
+                          memcmp(one.grads, two.grads, sizeof(float) * (size_t)one.ng) == 0,
+                      "1 and 2 threads differ");
+                test__end("direct conv %s B=%lld in=(%lld,%lld,%lld) f=%lld k=(%lld,%lld) "
+                          "s=(%lld,%lld) %s %s %s",
+                          levels[level].name, (long long)batch, (long long)d->g.h,
+                          (long long)d->g.w, (long long)d->g.c, (long long)d->f,
+                          (long long)d->g.kh, (long long)d->g.kw, (long long)d->g.sh,
+                          (long long)d->g.sw, pad_name(d->g.pad), mpt_activation_name(d->act),
+                          mpt_dtype_name(dts[t]));
+                free_conv_run(&former);
+                free_conv_run(&one);
+                free_conv_run(&two);
+            }
+    }
+    printf("# direct convolution ran in %d float32 and %d bfloat16 cases\n", ran_f32, ran_bf16);
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     test_seed(3);
@@ -970,6 +1168,7 @@ int main(void) {
     TEST_RUN(test_defaults);
     TEST_RUN(test_bad_input);
     TEST_RUN(test_determinism);
+    test_direct_conv();
     test_conv_gradients();
     test_pool_gradients();
     test_max_pool_exact();

@@ -17,7 +17,7 @@
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
                      [--policy ...] [--batch-size 128] [--threads N] [--data DIR]
                      [--calibration-samples 500] [--verbose 0] [--tensorboard DIR]
-                     [--plot FILE]
+                     [--plot FILE] [--profile DIR]
    --weights FILE loads a model saved by mpt_model_save_weights instead of
    training it (the model's architecture must match the file's). */
 #define _POSIX_C_SOURCE 200809L
@@ -116,7 +116,7 @@ static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
 
 int main(int argc, char **argv) {
     options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 1, 128, 0, 0, 1, NULL, NULL};
+                 1, 128, 0, 0, 1, NULL, NULL, NULL};
     const char *model_name = take_flag(&argc, argv, "--model", "mlp");
     const char *weights = take_flag(&argc, argv, "--weights", NULL);
     int64_t calibration = atoll(take_flag(&argc, argv, "--calibration-samples", "500"));
@@ -149,11 +149,12 @@ int main(int argc, char **argv) {
         mpt_logs result;
         int n_callbacks = 0;
         TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
-        TRY(mpt_model_fit(trained, train, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                           .batch_size = o.batch_size,
-                                                           .verbose = o.verbose,
-                                                           .callbacks = tensorboard,
-                                                           .n_callbacks = n_callbacks }));
+        TRY(mpt_model_fit(trained, train,
+                          with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
+                                                            .batch_size = o.batch_size,
+                                                            .verbose = o.verbose,
+                                                            .callbacks = tensorboard,
+                                                            .n_callbacks = n_callbacks })));
         if (n_callbacks) mpt_callback_destroy(&tensorboard[0]);
         TRY(write_plot(ctx, &o, trained, model_name));
         TRY(mpt_model_evaluate(trained, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },

@@ -11,16 +11,26 @@
                      representative dataset)
    After training, the line every example prints; then one JSON line per
    variant: test accuracy, bytes of weights as stored, predict speed (the
-   fastest of three passes over the test set in batches of --batch-size).
+   fastest of three passes over the test set in batches of --batch-size),
+   and the files --export wrote for it.
+
+   --export DIR writes DIR/<model>_float32.tflite and .onnx, and
+   DIR/<model>_float16.tflite and .onnx (weights stored as float16), with
+   mpt_model_export_tflite / mpt_model_export_onnx, and names them in those
+   variants' lines ("tflite":"PATH","onnx":"PATH"); DIR is created if
+   missing. The int8 variants print "tflite":null,"onnx":null: the export
+   writes float models only so far (int8 export is not there yet).
 
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
                      [--policy ...] [--batch-size 128] [--threads N] [--data DIR]
                      [--calibration-samples 500] [--verbose 0] [--tensorboard DIR]
-                     [--plot FILE] [--profile DIR]
+                     [--plot FILE] [--profile DIR] [--export DIR]
    --weights FILE loads a model saved by mpt_model_save_weights instead of
    training it (the model's architecture must match the file's). */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <sys/stat.h>
 #include <time.h>
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
@@ -87,10 +97,47 @@ static void copy_weights(mpt_model *from, mpt_model *to) {
     mpt_model_refresh_weights(to);
 }
 
-/* Accuracy and predict's speed over the test set, one JSON line. */
+/* The files one variant was exported to (written 0: none). */
+typedef struct exported {
+    char tflite[4096], onnx[4096];
+    int written;
+} exported;
+
+/* m as dir/<model>_<variant>.tflite and .onnx, its weights stored as
+   weight_dtype (the files compute in float32 either way). */
+static mpt_status export_variant(mpt_model *m, const char *dir,
+                                 const char *model_name, const char *variant,
+                                 mpt_dtype weight_dtype, exported *files) {
+    mpt_export_desc desc = { .weight_dtype = weight_dtype };
+    mpt_status s;
+    snprintf(files->tflite, sizeof files->tflite, "%s/%s_%s.tflite", dir, model_name, variant);
+    snprintf(files->onnx, sizeof files->onnx, "%s/%s_%s.onnx", dir, model_name, variant);
+    s = mpt_model_export_tflite(m, files->tflite, &desc);
+    if (s == MPT_OK) s = mpt_model_export_onnx(m, files->onnx, &desc);
+    files->written = s == MPT_OK;
+    return s;
+}
+
+/* text as a JSON string (quotes and backslashes escaped), or null. */
+static void print_json_string(const char *text) {
+    if (!text) {
+        fputs("null", stdout);
+        return;
+    }
+    putchar('"');
+    for (; *text; text++) {
+        if (*text == '"' || *text == '\\') putchar('\\');
+        if ((unsigned char)*text < 0x20) printf("\\u%04x", (unsigned char)*text);
+        else putchar(*text);
+    }
+    putchar('"');
+}
+
+/* Accuracy and predict's speed over the test set, one JSON line naming
+   the exported files (null where none). */
 static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
                          const char *variant, int64_t size_bytes, const mpt_dataset *test,
-                         int64_t batch_size) {
+                         int64_t batch_size, const exported *files) {
     mpt_logs logs;
     mpt_tensor out;
     double seconds = INFINITY;
@@ -106,9 +153,13 @@ static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
     }
     if (s != MPT_OK) return s;
     printf("{\"model\":\"%s\",\"variant\":\"%s\",\"test_accuracy\":%.4f,\"size_bytes\":%lld,"
-           "\"predict_samples_per_s\":%.0f,\"threads\":%d}\n",
+           "\"predict_samples_per_s\":%.0f,\"threads\":%d,\"tflite\":",
            model_name, variant, mpt_logs_get(&logs, "accuracy"), (long long)size_bytes,
            (double)out.shape[0] / seconds, mpt_context_num_threads(ctx));
+    print_json_string(files->written ? files->tflite : NULL);
+    fputs(",\"onnx\":", stdout);
+    print_json_string(files->written ? files->onnx : NULL);
+    fputs("}\n", stdout);
     fflush(stdout);
     mpt_tensor_free(ctx, &out);
     return MPT_OK;
@@ -120,6 +171,7 @@ int main(int argc, char **argv) {
     const char *model_name = take_flag(&argc, argv, "--model", "mlp");
     const char *weights = take_flag(&argc, argv, "--weights", NULL);
     int64_t calibration = atoll(take_flag(&argc, argv, "--calibration-samples", "500"));
+    const char *export_dir = take_flag(&argc, argv, "--export", NULL);
     static const struct { const char *name; mpt_quantize_mode mode; } variants[] = {
         { "float16", MPT_QUANTIZE_FLOAT16 },
         { "dynamic_int8", MPT_QUANTIZE_DYNAMIC_RANGE },
@@ -128,11 +180,17 @@ int main(int argc, char **argv) {
     mpt_model *trained, *model;
     mpt_dataset *train, *test;
     int64_t float_bytes = 0;
+    exported files = { .written = 0 };
     int i;
     if (!parse_options(argc, argv, &o)) return 2;
     if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn_small")) {
         fprintf(stderr, "%s: --model is mlp or cnn_small, not %s\n", argv[0], model_name);
         return 2;
+    }
+    if (export_dir && mkdir(export_dir, 0777) != 0 && errno != EEXIST) {
+        fprintf(stderr, "%s: --export: cannot create directory '%s': %s\n", argv[0], export_dir,
+                strerror(errno));
+        return 1;
     }
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
         return 1;
@@ -168,7 +226,9 @@ int main(int argc, char **argv) {
         mpt_model_param(model, i, &p);
         float_bytes += (int64_t)mpt_tensor_bytes(&p.value);
     }
-    TRY(report(ctx, model, model_name, "float32", float_bytes, test, o.batch_size));
+    if (export_dir)
+        TRY(export_variant(model, export_dir, model_name, "float32", MPT_DTYPE_DEFAULT, &files));
+    TRY(report(ctx, model, model_name, "float32", float_bytes, test, o.batch_size, &files));
 
     for (i = 0; i < 3; i++) {
         mpt_model *q;
@@ -178,7 +238,14 @@ int main(int argc, char **argv) {
             .representative_data = train, /* its first calibration_samples images */
             .calibration_samples = calibration }, &q));
         mpt_model_quantized_info(q, &info);
-        TRY(report(ctx, q, model_name, variants[i].name, info.size_bytes, test, o.batch_size));
+        /* The float16 files come from the float model, its weights stored
+           as float16 on the way out; int8 files cannot be written yet. */
+        files.written = 0;
+        if (export_dir && variants[i].mode == MPT_QUANTIZE_FLOAT16)
+            TRY(export_variant(model, export_dir, model_name, variants[i].name, MPT_FLOAT16,
+                               &files));
+        TRY(report(ctx, q, model_name, variants[i].name, info.size_bytes, test, o.batch_size,
+                   &files));
         mpt_model_destroy(q);
     }
 

@@ -330,6 +330,99 @@ static void test_bn_threads(void) {
     free(dy);
 }
 
+/* One training forward, backward and inference forward of a lone
+   BatchNormalization layer (random gamma and beta) under `policy`, on a
+   context that may not use the CPU features in `disable`; the outputs as
+   float32: y, dx, inference y (n each), then dgamma, dbeta, moving_mean,
+   moving_variance (C each). NULL when the context lacks a feature in `need`. */
+static float *bn_pass(int disable, int need, int threads, mpt_policy policy, int rank,
+                      const int64_t *shape, const float *x, const float *dy, const float *gb) {
+    mpt_context *c = NULL;
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_tensor tx, ty, tdy, tdx;
+    mpt_param_info g;
+    int64_t n = 1, C = shape[rank - 1];
+    float *out;
+    int i;
+    for (i = 0; i < rank; i++) n *= shape[i];
+    if (mpt_context_create(&(mpt_context_desc){.num_threads = threads,
+                                               .disable_cpu_features = disable}, &c) != MPT_OK)
+        return NULL;
+    if ((mpt_context_cpu_features(c) & need) != need) {
+        mpt_context_destroy(c);
+        return NULL;
+    }
+    out = (float *)calloc((size_t)(3 * n + 4 * C), sizeof(float));
+    memset(&md, 0, sizeof md);
+    md.input_rank = rank - 1;
+    memcpy(md.input_shape, shape + 1, sizeof(int64_t) * (size_t)(rank - 1));
+    md.policy = policy;
+    mpt_model_create(c, &md, &m);
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    CHECK(mpt_model_build(m, shape[0]) == MPT_OK, "build: %s", mpt_context_error(c));
+    memcpy(param_values(m, 0), gb, sizeof(float) * (size_t)C);
+    memcpy(param_values(m, 1), gb + C, sizeof(float) * (size_t)C);
+    mpt_model_refresh_weights(m);
+    memset(&tdx, 0, sizeof tdx);
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, rank, shape, (void *)x);
+    mpt_tensor_wrap(c, &tdy, MPT_FLOAT32, rank, shape, (void *)dy);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out, ty.dtype, ty.data, n);
+    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out + n, tdx.dtype, tdx.data, n);
+    CHECK(mpt_model_forward(m, &tx, 0, &ty) == MPT_OK, "inference: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out + 2 * n, ty.dtype, ty.data, n);
+    for (i = 0; i < 2; i++) {
+        mpt_model_param(m, i, &g);
+        memcpy(out + 3 * n + i * C, g.grad.data, sizeof(float) * (size_t)C);
+    }
+    memcpy(out + 3 * n + 2 * C, param_values(m, 2), sizeof(float) * (size_t)C);
+    memcpy(out + 3 * n + 3 * C, param_values(m, 3), sizeof(float) * (size_t)C);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+    return out;
+}
+
+/* The AVX-512 statistics and elementwise passes give the portable loops'
+   bits, for every policy, channel counts that fill no vector, one, several
+   and a partial one (1, 7, 13, 32, 37, 70), rank 2 and 4, and 1 or 3
+   threads; x has an offset mean so that the two-pass variance matters. */
+static void test_bn_simd_matches_portable(void) {
+    static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                          MPT_POLICY_MIXED_BFLOAT16};
+    static const int64_t channels[] = {1, 7, 13, 32, 37, 70};
+    int p, k, rank, ran = 0;
+    test_seed(23);
+    for (k = 0; k < (int)(sizeof channels / sizeof channels[0]); k++)
+        for (rank = 2; rank <= 4; rank += 2)
+            for (p = 0; p < 3; p++) {
+                int64_t shape[4] = {rank == 2 ? 61 : 9, 5, 3, channels[k]}, n = 1, C, i;
+                float *x, *dy, *gb, *ref, *simd;
+                int threads = 1 + 2 * (k % 2);
+                shape[rank - 1] = C = channels[k];
+                for (i = 0; i < rank; i++) n *= shape[i];
+                x = random_floats(n, 2, 5);
+                dy = random_floats(n, -1, 1);
+                gb = random_floats(2 * C, -2, 2);
+                ref = bn_pass(~0, 0, threads, policies[p], rank, shape, x, dy, gb);
+                simd = bn_pass(0, MPT_CPU_AVX512, 4 - threads, policies[p], rank, shape, x, dy, gb);
+                if (simd) {
+                    ran++;
+                    for (i = 0; i < 3 * n + 4 * C; i++)
+                        if (memcmp(ref + i, simd + i, sizeof(float)) != 0) break;
+                    CHECK(i == 3 * n + 4 * C,
+                          "C %lld rank %d policy %d: %s[%lld] %.9g, portable %.9g", (long long)C,
+                          rank, p,
+                          i < 3 * n ? (i < n ? "y" : i < 2 * n ? "dx" : "inference y")
+                                    : "dgamma/dbeta/moving",
+                          (long long)(i < 3 * n ? i % n : (i - 3 * n) % C), simd[i], ref[i]);
+                }
+                free(x), free(dy), free(gb), free(ref), free(simd);
+            }
+    if (!ran) SKIP("this CPU has no AVX-512");
+}
+
 /* ======================================================================
    Dropout
    ====================================================================== */
@@ -575,6 +668,7 @@ int main(void) {
     TEST_RUN(test_bn_moving_statistics);
     TEST_RUN(test_bn_offset_precision);
     TEST_RUN(test_bn_threads);
+    TEST_RUN(test_bn_simd_matches_portable);
     test_dropout_gradients();
     TEST_RUN(test_dropout_mask_and_step);
     TEST_RUN(test_dropout_statistics);

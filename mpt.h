@@ -1520,7 +1520,10 @@ typedef struct mpt_backend {
     /* Inverted dropout of n elements in dtype: out[i] = in[i]/(1 − rate)
        where uniform01(philox(key, step, i/4)[i%4]) ≥ rate, else 0.
        forward: step = state->step, saved into *saved_step; backward
-       (state NULL): step = *saved_step. */
+       (state NULL): step = *saved_step. saved_step is the start of the
+       layer's saved buffer, 8 + ceil(n / 8) bytes: after the step, room
+       for the mask as n bits (bit i % 8 of byte i / 8), which a backend may
+       keep from forward for backward (the CPU backend does) or ignore. */
     void (*dropout)(void *impl, uint64_t key, float rate, mpt_dtype dtype, const void *in,
                     void *out, int64_t n, const mpt_step_state *state, int64_t *saved_step,
                     void *ws);
@@ -7366,12 +7369,14 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batc
    =============================================================================
 
    In training each element is kept with probability 1 − rate and scaled by
-   1 / (1 − rate), so that inference is the identity. The mask is never
-   stored: element i is kept when the uniform number
+   1 / (1 − rate), so that inference is the identity. Element i is kept when
+   the uniform number
        Philox(key, counter = (step, i / 4)) word i % 4
-   is ≥ rate, with the layer's key and the model's training step. Backward
-   regenerates it from the step saved by forward; any split of the work over
-   threads gives the same mask. */
+   is ≥ rate, with the layer's key and the model's training step; any split
+   of the work over threads gives the same mask. Forward saves the step and,
+   on the CPU, the mask as one bit per element, which backward applies
+   instead of generating the Philox words again (a backend without the bits
+   regenerates them from the step). */
 
 #define MPT__DROPOUT_CHUNK ((int64_t)1 << 14) /* elements per task; a multiple of 4 */
 
@@ -7385,6 +7390,9 @@ typedef struct mpt__dropout_job {
     mpt_context *ctx;
     uint64_t key;      /* the layer's random key                    */
     uint64_t step;     /* the training step the mask belongs to      */
+    uint8_t *bits;     /* (ceil(n / 8)) the mask, element i in bit i % 8
+                          of byte i / 8                              */
+    int forward;       /* 1: draw the mask into bits; 0: apply bits   */
     float rate;
     mpt_dtype dtype;
     const void *in;    /* (n) x (forward) or dy (backward), dtype    */
@@ -7393,18 +7401,51 @@ typedef struct mpt__dropout_job {
     int64_t n;
 } mpt__dropout_job;
 
-/* out[i] = in[i] · scale where element i is kept, else 0, for i in [i0, i1)
-   (i0 a multiple of 4; both arrays start at element i0). */
-static void mpt__dropout_mask(uint64_t key, uint64_t step, float rate, const float *in,
-                              float *out, int64_t i0, int64_t i1) {
-    float scale = 1.0f / (1.0f - rate);
+/* The mask's bits for the elements [i0, i1) (i0 a multiple of 8, so that
+   no two chunks share a byte). */
+static void mpt__dropout_draw(uint64_t key, uint64_t step, float rate, uint8_t *bits, int64_t i0,
+                              int64_t i1) {
     int64_t i, k;
+    memset(bits + i0 / 8, 0, (size_t)((i1 + 7) / 8 - i0 / 8));
     for (i = i0; i < i1; i += 4) {
         uint32_t r[4];
         mpt_philox4x32(key, step, (uint64_t)i / 4, r);
         for (k = 0; k < 4 && i + k < i1; k++)
-            out[i - i0 + k] = mpt__uniform01(r[k]) >= rate ? in[i - i0 + k] * scale : 0.0f;
+            if (mpt__uniform01(r[k]) >= rate) bits[(i + k) / 8] |= (uint8_t)(1u << ((i + k) % 8));
     }
+}
+
+#if MPT__X86
+/* mpt__dropout_apply 16 elements at a time: the mask's two bytes are the
+   lanes to keep, the others are zeroed. */
+MPT__TARGET_AVX512 static void mpt__dropout_apply_avx512(const uint8_t *bits, float scale,
+                                                        const float *in, float *out, int64_t n) {
+    __m512 s = _mm512_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __mmask16 keep = (__mmask16)(bits[i / 8] | (unsigned)bits[i / 8 + 1] << 8);
+        _mm512_storeu_ps(out + i, _mm512_maskz_mul_ps(keep, _mm512_loadu_ps(in + i), s));
+    }
+    for (; i < n; i++) out[i] = (bits[i / 8] >> (i % 8)) & 1 ? in[i] * scale : 0.0f;
+}
+#endif
+
+/* out[i] = in[i] · scale where element i is kept, else 0, for i in [i0, i1)
+   (i0 a multiple of 8; bits starts at element 0, in and out at i0). */
+static void mpt__dropout_apply(const mpt_context *ctx, const uint8_t *bits, float rate,
+                               const float *in, float *out, int64_t i0, int64_t i1) {
+    float scale = 1.0f / (1.0f - rate);
+    int64_t i;
+#if MPT__X86
+    if (ctx->cpu & MPT_CPU_AVX512) {
+        mpt__dropout_apply_avx512(bits + i0 / 8, scale, in, out, i1 - i0);
+        return;
+    }
+#else
+    (void)ctx;
+#endif
+    for (i = i0; i < i1; i++)
+        out[i - i0] = (bits[i / 8] >> (i % 8)) & 1 ? in[i - i0] * scale : 0.0f;
 }
 
 static void mpt__dropout_task(void *arg, int64_t chunk, int thread) {
@@ -7415,18 +7456,20 @@ static void mpt__dropout_task(void *arg, int64_t chunk, int thread) {
     const void *in = (const char *)j->in + offset; /* (i1 − i0) this chunk's part */
     void *out = (char *)j->out + offset;
     (void)thread;
+    if (j->forward) mpt__dropout_draw(j->key, j->step, j->rate, j->bits, i0, i1);
     if (j->tmp) { /* half dtypes: through this chunk's float32 slice */
         float *t = j->tmp + i0;
         mpt__convert(j->ctx, MPT_FLOAT32, t, dt, in, i1 - i0);
-        mpt__dropout_mask(j->key, j->step, j->rate, t, t, i0, i1);
+        mpt__dropout_apply(j->ctx, j->bits, j->rate, t, t, i0, i1);
         mpt__convert(j->ctx, dt, out, MPT_FLOAT32, t, i1 - i0);
     } else {
-        mpt__dropout_mask(j->key, j->step, j->rate, (const float *)in, (float *)out, i0, i1);
+        mpt__dropout_apply(j->ctx, j->bits, j->rate, (const float *)in, (float *)out, i0, i1);
     }
 }
 
-/* The CPU backend's dropout (mpt_backend.dropout). ws: n floats for the
-   half dtypes. */
+/* The CPU backend's dropout (mpt_backend.dropout): forward draws the mask
+   into the bits after *saved_step, backward applies them. ws: n floats for
+   the half dtypes. */
 static void mpt__cpu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype,
                              const void *in, void *out, int64_t n, const mpt_step_state *state,
                              int64_t *saved_step, void *ws) {
@@ -7439,6 +7482,8 @@ static void mpt__cpu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dty
     j.ctx = (mpt_context *)impl;
     j.key = key;
     j.step = (uint64_t)*saved_step;
+    j.bits = (uint8_t *)(saved_step + 1);
+    j.forward = state != NULL;
     j.rate = rate;
     j.dtype = dtype;
     j.in = in;
@@ -7455,7 +7500,7 @@ static void mpt__dropout_forward(mpt__layer *L, const mpt__pass *p) {
         p->be->copy(p->impl, p->y, p->x, (size_t)mpt__dbytes(L->dtype, n));
         return;
     }
-    /* saved[0]: the step of this mask (1) int64, for backward */
+    /* saved[0]: the step of this mask (1) int64, then its bits, for backward */
     p->be->dropout(p->impl, mpt__dropout_key(L, p->model->replica_index), L->desc.dropout.rate,
                    L->dtype, p->x, p->y, n, p->state, (int64_t *)L->saved[0], p->workspace);
 }
@@ -7470,7 +7515,8 @@ static void mpt__dropout_backward(mpt__layer *L, const mpt__pass *p) {
 static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
     L->out_rank = L->in_rank;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
-    MPT__CHECK(mpt__layer_add_saved(m, L, 0, 8)); /* the step forward used (1) u64 */
+    /* the step forward used (1) u64, then the mask's bits (B · in_count) */
+    MPT__CHECK(mpt__layer_add_saved(m, L, (L->in_count + 7) / 8, 8));
     /* half dtypes: x or dy in float32 (B, ...) */
     return mpt__layer_set_workspace(m, L, L->dtype == MPT_FLOAT32 ? 0 : 4 * L->in_count, 0);
 }

@@ -623,6 +623,75 @@ static void test_dropout_identity_and_seed(void) {
    Bad input
    ====================================================================== */
 
+/* The CPU backend's dropout keeps forward's mask as bits in the saved
+   buffer (after the step) and backward applies them: with the saved step
+   changed in between, backward still drops what forward dropped. Over
+   three chunks and an odd tail, in float32 and bfloat16, on the portable
+   path and (where the CPU has it) the AVX-512 one, bit for bit. */
+static void test_dropout_backward_applies_forward_mask(void) {
+    enum { N = 2 * 16384 + 1013 };
+    const float rate = 0.3f, scale = 1.0f / (1.0f - rate);
+    const uint64_t key = 0x5eed5eedull;
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_BFLOAT16};
+    int level, t, ran = 0;
+    test_seed(31);
+    for (level = 0; level < 2; level++) {
+        mpt_context *c = NULL;
+        const mpt_backend *be;
+        void *impl;
+        mpt_context_create(&(mpt_context_desc){.num_threads = 3,
+                                               .disable_cpu_features = level ? 0 : ~0}, &c);
+        if (level && !(mpt_context_cpu_features(c) & MPT_CPU_AVX512)) {
+            mpt_context_destroy(c);
+            continue;
+        }
+        be = mpt_context_backend(c, &impl);
+        for (t = 0; t < 2; t++) {
+            mpt_dtype dt = dtypes[t];
+            size_t es = mpt_dtype_size(dt);
+            float *x = random_floats(N, -2, 2), *dy = random_floats(N, -2, 2), *ws = NULL;
+            unsigned char *xin = (unsigned char *)malloc(es * N), *y = (unsigned char *)malloc(es * N);
+            unsigned char *dyin = (unsigned char *)malloc(es * N), *dx = (unsigned char *)malloc(es * N);
+            int64_t *saved = (int64_t *)malloc(8 + (N + 7) / 8), i, bad = -1;
+            float got, want;
+            mpt_step_state st;
+            memset(&st, 0, sizeof st);
+            st.step = 7;
+            mpt_convert(c, dt, xin, MPT_FLOAT32, x, N);
+            mpt_convert(c, dt, dyin, MPT_FLOAT32, dy, N);
+            if (dt != MPT_FLOAT32) ws = (float *)malloc(sizeof(float) * N);
+            be->dropout(impl, key, rate, dt, xin, y, N, &st, saved, ws);
+            CHECK(*saved == 7, "forward saved step %lld", (long long)*saved);
+            *saved = 8; /* a different step's mask, were it drawn again */
+            be->dropout(impl, key, rate, dt, dyin, dx, N, NULL, saved, ws);
+            mpt_convert(c, MPT_FLOAT32, x, dt, xin, N); /* the values as the layer saw them */
+            mpt_convert(c, MPT_FLOAT32, dy, dt, dyin, N);
+            for (i = 0; i < N && bad < 0; i++) {
+                int keep = ref_keep(key, 7, i, rate);
+                unsigned char w[4];
+                float v;
+                v = keep ? x[i] * scale : 0.0f;
+                mpt_convert(c, dt, w, MPT_FLOAT32, &v, 1);
+                if (memcmp(w, y + es * (size_t)i, es) != 0) bad = i;
+                v = keep ? dy[i] * scale : 0.0f;
+                mpt_convert(c, dt, w, MPT_FLOAT32, &v, 1);
+                if (memcmp(w, dx + es * (size_t)i, es) != 0) bad = i;
+            }
+            if (bad >= 0) {
+                mpt_convert(c, MPT_FLOAT32, &got, dt, dx + es * (size_t)bad, 1);
+                want = ref_keep(key, 7, bad, rate) ? dy[bad] * scale : 0.0f;
+                CHECK(0, "%s %s: element %lld: dx %g, want %g (y or dx differs)",
+                      level ? "avx512" : "portable", t ? "bfloat16" : "float32", (long long)bad,
+                      got, want);
+            }
+            ran++;
+            free(x), free(dy), free(ws), free(xin), free(y), free(dyin), free(dx), free(saved);
+        }
+        mpt_context_destroy(c);
+    }
+    CHECK(ran >= 2, "%d runs", ran);
+}
+
 static void test_bad_input(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL;
@@ -674,6 +743,7 @@ int main(void) {
     TEST_RUN(test_dropout_statistics);
     TEST_RUN(test_dropout_threads);
     TEST_RUN(test_dropout_identity_and_seed);
+    TEST_RUN(test_dropout_backward_applies_forward_mask);
     TEST_RUN(test_bad_input);
     mpt_context_destroy(ctx);
     return test_summary("test_norm");

@@ -177,16 +177,17 @@ torch_env() { # env's -u options first: it takes them only before NAME=VALUE
     printf '%s\n' "${e[@]}"
 }
 torch_config_name() { echo "openblas-$1 coretype=${CORETYPE:-auto} malloc=fixed omp_wait=$2"; }
-# The probe: the MLP's float32 epoch over 12,800 images (100 steps) in each
-# configuration, twice, interleaved; the fastest best run wins.
+# The probe: the MLP's float32 epoch over 3,840 images (30 steps) in each
+# configuration, twice, interleaved; the fastest best run wins. (Short, as
+# libgomp's spinning threads can make a run 20-100x slower on a busy host.)
 echo "# probing PyTorch's configurations (environment preset OPENBLAS_CORETYPE=$PRESET_CORETYPE)"
 best_sps=0 TORCH_BLAS=openmp TORCH_WAIT=passive
 for pass in 1 2; do
     for blas in openmp pthread; do
         for wait in passive default; do
             mapfile -t e < <(torch_env "$blas" "$wait")
-            sps=$(env "${e[@]}" "$SYS_PY" bench/torch_train.py --model mlp --mlp-samples 12800 \
-                      --threads "$THREADS" --batch-size "$BATCH" 2>/dev/null |
+            sps=$(env "${e[@]}" "$SYS_PY" bench/torch_train.py --model mlp --mlp-samples 3840 \
+                      --warmup-samples 256 --threads "$THREADS" --batch-size "$BATCH" 2>/dev/null |
                   sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p')
             echo "#   pass $pass: $(torch_config_name "$blas" "$wait"): ${sps:-failed} samples/s"
             if awk -v a="${sps:-0}" -v b="$best_sps" 'BEGIN { exit !(a > b) }'; then

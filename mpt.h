@@ -7418,7 +7418,7 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batc
    instead of generating the Philox words again (a backend without the bits
    regenerates them from the step). */
 
-#define MPT__DROPOUT_CHUNK ((int64_t)1 << 14) /* elements per task; a multiple of 4 */
+#define MPT__DROPOUT_CHUNK ((int64_t)1 << 14) /* elements per task; a multiple of 64 */
 
 /* Replicas draw different masks: each mixes its index into the key. */
 static uint64_t mpt__dropout_key(const mpt__layer *L, int replica) {
@@ -7441,13 +7441,83 @@ typedef struct mpt__dropout_job {
     int64_t n;
 } mpt__dropout_job;
 
-/* The mask's bits for the elements [i0, i1) (i0 a multiple of 8, so that
+#if MPT__X86
+/* Bits 0..15 of x to bits 0, 4, 8, ..., 60. */
+static uint64_t mpt__spread4(uint64_t x) {
+    x &= 0xFFFF;
+    x = (x | (x << 24)) & 0x000000FF000000FFull;
+    x = (x | (x << 12)) & 0x000F000F000F000Full;
+    x = (x | (x << 6)) & 0x0303030303030303ull;
+    return (x | (x << 3)) & 0x1111111111111111ull;
+}
+
+/* The high and low halves of the 32×32-bit products m · c, lane by lane.
+   (The zero-masking forms with every lane set: the plain ones start from
+   an "undefined" vector that g++ 12 reports as uninitialized.) */
+MPT__TARGET_AVX512 static inline void mpt__mulhilo_avx512(__m512i m, __m512i c, __m512i *hi,
+                                                         __m512i *lo) {
+    __m512i even = _mm512_maskz_mul_epu32(0xFF, c, m);
+    __m512i odd = _mm512_maskz_mul_epu32(0xFF, _mm512_maskz_srli_epi64(0xFF, c, 32), m);
+    *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_maskz_srli_epi64(0xFF, even, 32), odd);
+    *lo = _mm512_mullo_epi32(c, m);
+}
+
+/* mpt__dropout_draw's bits for the 64 elements from i (a multiple of 64):
+   mpt__philox4x32_10 for the 16 counters i/4 .. i/4 + 15 at once, lane by
+   lane the same integer arithmetic, and word w of counter g keeps element
+   4g + w. The counter's high half must be the same in all 16 lanes. */
+MPT__TARGET_AVX512 static uint64_t mpt__dropout_bits64_avx512(uint64_t key, uint64_t step,
+                                                              float rate, int64_t i) {
+    const uint64_t g = (uint64_t)i / 4;
+    __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)g),
+                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                    13, 14, 15));
+    __m512i c1 = _mm512_set1_epi32((int)(uint32_t)(g >> 32));
+    __m512i c2 = _mm512_set1_epi32((int)(uint32_t)step);
+    __m512i c3 = _mm512_set1_epi32((int)(uint32_t)(step >> 32));
+    const __m512i m0 = _mm512_set1_epi32((int)0xD2511F53u), m1 = _mm512_set1_epi32((int)0xCD9E8D57u);
+    const __m512 scale = _mm512_set1_ps(1.0f / 16777216.0f), r = _mm512_set1_ps(rate);
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    uint64_t out = 0;
+    int round, w;
+    __m512i word[4];
+    for (round = 0; round < 10; round++) {
+        __m512i hi0, lo0, hi1, lo1;
+        mpt__mulhilo_avx512(m0, c0, &hi0, &lo0);
+        mpt__mulhilo_avx512(m1, c2, &hi1, &lo1);
+        c0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32((int)k0));
+        c2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32((int)k1));
+        c1 = lo1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    word[0] = c0, word[1] = c1, word[2] = c2, word[3] = c3;
+    for (w = 0; w < 4; w++) { /* mpt__uniform01(word) >= rate, exactly */
+        __m512 u = _mm512_mul_ps(
+            _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, word[w], 8)), scale);
+        out |= mpt__spread4(_mm512_cmp_ps_mask(u, r, _CMP_GE_OQ)) << w;
+    }
+    return out;
+}
+#endif
+
+/* The mask's bits for the elements [i0, i1) (i0 a multiple of 64, so that
    no two chunks share a byte). */
-static void mpt__dropout_draw(uint64_t key, uint64_t step, float rate, uint8_t *bits, int64_t i0,
-                              int64_t i1) {
-    int64_t i, k;
+static void mpt__dropout_draw(const mpt_context *ctx, uint64_t key, uint64_t step, float rate,
+                              uint8_t *bits, int64_t i0, int64_t i1) {
+    int64_t i = i0, k;
     memset(bits + i0 / 8, 0, (size_t)((i1 + 7) / 8 - i0 / 8));
-    for (i = i0; i < i1; i += 4) {
+#if MPT__X86
+    if (ctx->cpu & MPT_CPU_AVX512)
+        for (; i + 64 <= i1 && ((uint64_t)i / 4 & 0xFFFFFFFFu) <= 0xFFFFFFFFu - 15; i += 64) {
+            uint64_t b = mpt__dropout_bits64_avx512(key, step, rate, i);
+            memcpy(bits + i / 8, &b, 8); /* little-endian: element i + j is bit j */
+        }
+#else
+    (void)ctx;
+#endif
+    for (; i < i1; i += 4) {
         uint32_t r[4];
         mpt_philox4x32(key, step, (uint64_t)i / 4, r);
         for (k = 0; k < 4 && i + k < i1; k++)
@@ -7496,7 +7566,7 @@ static void mpt__dropout_task(void *arg, int64_t chunk, int thread) {
     const void *in = (const char *)j->in + offset; /* (i1 − i0) this chunk's part */
     void *out = (char *)j->out + offset;
     (void)thread;
-    if (j->forward) mpt__dropout_draw(j->key, j->step, j->rate, j->bits, i0, i1);
+    if (j->forward) mpt__dropout_draw(j->ctx, j->key, j->step, j->rate, j->bits, i0, i1);
     if (j->tmp) { /* half dtypes: through this chunk's float32 slice */
         float *t = j->tmp + i0;
         mpt__convert(j->ctx, MPT_FLOAT32, t, dt, in, i1 - i0);

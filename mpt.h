@@ -6993,17 +6993,17 @@ MPT__TARGET_AVX512 static inline __m512d mpt__bn_load_pd(const float *p, __mmask
 MPT__TARGET_AVX512 static void mpt__bn_stats_avx512(const mpt__bn_job *j, double *s, int which,
                                                     int64_t c0, int64_t r0, int64_t r1) {
     int64_t C = j->plan.channels, r;
+    int k, vectors = (int)MPT__MIN(4, (C - c0 + 7) / 8); /* only those inside the rows */
     __mmask8 m[4];
     __m512d acc[4], mean[4];
-    int k;
-    for (k = 0; k < 4; k++) {
+    for (k = 0; k < vectors; k++) {
         m[k] = mpt__bn_mask8(C - c0 - 8 * k);
         acc[k] = _mm512_setzero_pd();
         mean[k] = which ? mpt__bn_load_pd(j->mean + c0 + 8 * k, m[k]) : _mm512_setzero_pd();
     }
     for (r = r0; r < r1; r++) {
         const float *x = j->x + r * C + c0;
-        for (k = 0; k < 4; k++) {
+        for (k = 0; k < vectors; k++) {
             __m512d v = mpt__bn_load_pd(x + 8 * k, m[k]);
             if (which) {
                 v = _mm512_sub_pd(v, mean[k]);
@@ -7012,25 +7012,25 @@ MPT__TARGET_AVX512 static void mpt__bn_stats_avx512(const mpt__bn_job *j, double
             acc[k] = _mm512_add_pd(acc[k], v);
         }
     }
-    for (k = 0; k < 4; k++) _mm512_mask_storeu_pd(s + c0 + 8 * k, m[k], acc[k]);
+    for (k = 0; k < vectors; k++) _mm512_mask_storeu_pd(s + c0 + 8 * k, m[k], acc[k]);
 }
 
 /* s[c] = Σ dy, s[C + c] = Σ dy · x̂ over the rows, channels [c0, c0 + 16). */
 MPT__TARGET_AVX512 static void mpt__bn_grad_sums_avx512(const mpt__bn_job *j, double *s,
                                                         int64_t c0, int64_t r0, int64_t r1) {
     int64_t C = j->plan.channels, r;
+    int k, vectors = (int)MPT__MIN(2, (C - c0 + 7) / 8); /* only those inside the rows */
     __mmask8 m[2];
     __m256 mean[2], inv_std[2];
     __m512d sdy[2], sdyx[2];
-    int k;
-    for (k = 0; k < 2; k++) {
+    for (k = 0; k < vectors; k++) {
         m[k] = mpt__bn_mask8(C - c0 - 8 * k);
         mean[k] = _mm256_maskz_loadu_ps(m[k], j->mean + c0 + 8 * k);
         inv_std[k] = _mm256_maskz_loadu_ps(m[k], j->inv_std + c0 + 8 * k);
         sdy[k] = sdyx[k] = _mm512_setzero_pd();
     }
     for (r = r0; r < r1; r++)
-        for (k = 0; k < 2; k++) {
+        for (k = 0; k < vectors; k++) {
             int64_t at = r * C + c0 + 8 * k;
             __m256 xhat = _mm256_mul_ps(
                 _mm256_sub_ps(_mm256_maskz_loadu_ps(m[k], j->x + at), mean[k]), inv_std[k]);
@@ -7039,7 +7039,7 @@ MPT__TARGET_AVX512 static void mpt__bn_grad_sums_avx512(const mpt__bn_job *j, do
             sdyx[k] = _mm512_add_pd(
                 sdyx[k], mpt__bn_keep_pd(_mm512_mul_pd(dy, _mm512_maskz_cvtps_pd(m[k], xhat))));
         }
-    for (k = 0; k < 2; k++) {
+    for (k = 0; k < vectors; k++) {
         _mm512_mask_storeu_pd(s + c0 + 8 * k, m[k], sdy[k]);
         _mm512_mask_storeu_pd(s + C + c0 + 8 * k, m[k], sdyx[k]);
     }

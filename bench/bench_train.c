@@ -1,18 +1,21 @@
 /* Training-speed benchmark: samples/s of one epoch of mpt_model_fit on
-   Fashion-MNIST, for the seed MLP and the CNN under each precision policy,
+   Fashion-MNIST, for the seed MLP, the small CNN (examples/cnn_small.c) and
+   the CNN (examples/cnn.c) under each precision policy,
    and the time per step split into forward (with the loss), backward and
    update, as fit records them in the model's history.
 
        gcc -std=c99 -O2 -I. bench/bench_train.c -o build/bench_train -lpthread -lm -lz
-       ./build/bench_train                       (both models, every policy; ~1 min)
+       ./build/bench_train                       (every model and policy; ~1 min)
        ./build/bench_train --model mlp --policy float32 --repeat 3
 
    Flags (defaults in brackets):
-       --model mlp|cnn|all [all]
+       --model mlp|cnn_small|cnn|all [all]
        --policy float32|mixed_float16|mixed_bfloat16|all [all]
        --threads N         [2]    the context's pool (mpt_context_desc.num_threads)
        --batch-size N      [128]
        --mlp-samples N     [60000] the first N training images (the whole set)
+       --cnn-small-samples N [12800] the first N training images (100
+                                   batches) for cnn_small
        --cnn-samples N     [6400]  the first N training images (50 batches),
                                    to keep the CNN's run short
        --warmup-samples N  [1280]  a short fit of the same model before the
@@ -21,7 +24,7 @@
                                    median is reported, with the min and max
        --data DIR          [/usr/share/datasets/fashion-mnist]
 
-   Both models: batch 128, Adam 1e-3, sparse categorical crossentropy on a
+   Every model: batch 128, Adam 1e-3, sparse categorical crossentropy on a
    final softmax (fit fuses the softmax into the loss), shuffled every epoch,
    no metrics (the PyTorch twin, bench/torch_train.py, computes none either).
 
@@ -42,11 +45,11 @@
 #define MAX_REPEAT 32
 
 typedef struct options {
-    const char *model;   /* "mlp", "cnn" or "all" */
+    const char *model;   /* "mlp", "cnn_small", "cnn" or "all" */
     const char *policy;  /* a policy name or "all" */
     int threads;
     int64_t batch_size;
-    int64_t mlp_samples, cnn_samples, warmup_samples;
+    int64_t mlp_samples, cnn_small_samples, cnn_samples, warmup_samples;
     int repeat;
     const char *data;
 } options;
@@ -69,6 +72,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(flag, "--threads")) o->threads = atoi(value);
         else if (!strcmp(flag, "--batch-size")) o->batch_size = atoll(value);
         else if (!strcmp(flag, "--mlp-samples")) o->mlp_samples = atoll(value);
+        else if (!strcmp(flag, "--cnn-small-samples")) o->cnn_small_samples = atoll(value);
         else if (!strcmp(flag, "--cnn-samples")) o->cnn_samples = atoll(value);
         else if (!strcmp(flag, "--warmup-samples")) o->warmup_samples = atoll(value);
         else if (!strcmp(flag, "--repeat")) o->repeat = atoi(value);
@@ -76,14 +80,16 @@ static int parse_options(int argc, char **argv, options *o) {
         else break;
     }
     if (i != argc || o->threads < 1 || o->batch_size < 1 || o->mlp_samples < 1 ||
-        o->cnn_samples < 1 || o->warmup_samples < 1 || o->repeat < 1 || o->repeat > MAX_REPEAT ||
-        (strcmp(o->model, "mlp") && strcmp(o->model, "cnn") && strcmp(o->model, "all")) ||
+        o->cnn_small_samples < 1 || o->cnn_samples < 1 || o->warmup_samples < 1 || o->repeat < 1 || o->repeat > MAX_REPEAT ||
+        (strcmp(o->model, "mlp") && strcmp(o->model, "cnn_small") && strcmp(o->model, "cnn") &&
+         strcmp(o->model, "all")) ||
         (strcmp(o->policy, "all") && strcmp(o->policy, policy_names[0]) &&
          strcmp(o->policy, policy_names[1]) && strcmp(o->policy, policy_names[2]))) {
         fprintf(stderr,
-                "usage: %s [--model mlp|cnn|all] [--policy float32|mixed_float16|"
+                "usage: %s [--model mlp|cnn_small|cnn|all] [--policy float32|mixed_float16|"
                 "mixed_bfloat16|all]\n"
-                "          [--threads N] [--batch-size N] [--mlp-samples N] [--cnn-samples N]\n"
+                "          [--threads N] [--batch-size N] [--mlp-samples N]\n"
+                "          [--cnn-small-samples N] [--cnn-samples N]\n"
                 "          [--warmup-samples N] [--repeat 1..%d] [--data DIR]\n",
                 argv[0], MAX_REPEAT);
         return 0;
@@ -91,12 +97,27 @@ static int parse_options(int argc, char **argv, options *o) {
     return 1;
 }
 
-/* ---- the two models ---------------------------------------------------------- */
+/* ---- the three models -------------------------------------------------------- */
 
 /* Flatten -> Dense(1024, relu) -> Dense(10, softmax) */
 static mpt_status add_mlp(mpt_model *m) {
     mpt_status s = mpt_model_add_flatten(m, NULL);
     if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 1024,
+                                                                   .activation = MPT_ACT_RELU });
+    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10,
+                                                                   .activation = MPT_ACT_SOFTMAX });
+    return s;
+}
+
+/* examples/cnn_small.c: Conv2D(32, 3, relu) -> MaxPool(2) -> Flatten ->
+   Dense(128, relu) -> Dense(10, softmax) */
+static mpt_status add_cnn_small(mpt_model *m) {
+    mpt_status s = mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = 32,
+                                                               .kernel_size = { 3, 3 },
+                                                               .activation = MPT_ACT_RELU });
+    if (s == MPT_OK) s = mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
+    if (s == MPT_OK) s = mpt_model_add_flatten(m, NULL);
+    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 128,
                                                                    .activation = MPT_ACT_RELU });
     if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10,
                                                                    .activation = MPT_ACT_SOFTMAX });
@@ -132,6 +153,10 @@ static mpt_status add_cnn(mpt_model *m) {
     return s;
 }
 
+#define N_MODELS 3
+static const char *const model_names[N_MODELS] = {"mlp", "cnn_small", "cnn"};
+static mpt_status (*const add_model[N_MODELS])(mpt_model *) = {add_mlp, add_cnn_small, add_cnn};
+
 /* ---- measuring ------------------------------------------------------------------ */
 
 static double history_last(const mpt_model *m, const char *key) {
@@ -145,7 +170,7 @@ static double history_last(const mpt_model *m, const char *key) {
 
 /* Builds the model, fits it once on `warmup`, then `repeat` times for one
    epoch on `train`, each fit's numbers into r[]. */
-static mpt_status measure(mpt_context *ctx, int cnn, mpt_policy policy, const options *o,
+static mpt_status measure(mpt_context *ctx, int model, mpt_policy policy, const options *o,
                           const mpt_dataset *warmup, const mpt_dataset *train, result *r) {
     mpt_model *m = NULL;
     mpt_fit_desc fit = { .epochs = 1, .batch_size = o->batch_size };
@@ -154,7 +179,7 @@ static mpt_status measure(mpt_context *ctx, int cnn, mpt_policy policy, const op
     int i;
     s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 }, .input_rank = 3,
                                                  .policy = policy, .seed = 42 }, &m);
-    if (s == MPT_OK) s = cnn ? add_cnn(m) : add_mlp(m);
+    if (s == MPT_OK) s = add_model[model](m);
     if (s == MPT_OK)
         s = mpt_model_compile(m, &(mpt_compile_desc){
             .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-3f },
@@ -224,11 +249,11 @@ static void cpu_name(char *buf, size_t size) {
 }
 
 int main(int argc, char **argv) {
-    options o = {"all", "all", 2, 128, 60000, 6400, 1280, 1,
+    options o = {"all", "all", 2, 128, 60000, 12800, 6400, 1280, 1,
                  "/usr/share/datasets/fashion-mnist"};
     mpt_context *ctx = NULL;
-    mpt_dataset *all = NULL, *parts[3][2] = {{NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
-    char cpu[256], json[3][3][512];
+    mpt_dataset *all = NULL, *parts[1 + N_MODELS][2] = {{NULL, NULL}};
+    char cpu[256], json[N_MODELS][3][512];
     int mi, pi, ran = 0, rc = 0, features;
     if (!parse_options(argc, argv, &o)) return 2;
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK) {
@@ -241,13 +266,14 @@ int main(int argc, char **argv) {
         return 1;
     }
     {
-        /* the first N images: warm-up, mlp, cnn */
-        int64_t n = mpt_dataset_count(all), want[3];
+        /* the first N images: warm-up, mlp, cnn_small, cnn */
+        int64_t n = mpt_dataset_count(all), want[1 + N_MODELS];
         int k;
         want[0] = o.warmup_samples;
         want[1] = o.mlp_samples;
-        want[2] = o.cnn_samples;
-        for (k = 0; k < 3; k++) {
+        want[2] = o.cnn_small_samples;
+        want[3] = o.cnn_samples;
+        for (k = 0; k < 1 + N_MODELS; k++) {
             if (want[k] > n) want[k] = n;
             if (want[k] < n &&
                 mpt_dataset_split(ctx, all, want[k], &parts[k][0], &parts[k][1]) != MPT_OK) {
@@ -256,6 +282,7 @@ int main(int argc, char **argv) {
             }
         }
         if (o.mlp_samples > n) o.mlp_samples = n;
+        if (o.cnn_small_samples > n) o.cnn_small_samples = n;
         if (o.cnn_samples > n) o.cnn_samples = n;
     }
     cpu_name(cpu, sizeof cpu);
@@ -266,15 +293,16 @@ int main(int argc, char **argv) {
            features & MPT_CPU_F16C ? "f16c " : "", features & MPT_CPU_AVX512 ? "avx512 " : "",
            features & MPT_CPU_AVX512_BF16 ? "avx512bf16" : "", mpt_context_num_threads(ctx),
            (long long)o.batch_size);
-    printf("# samples: mlp %lld, cnn %lld (the first N training images), warm-up %lld; "
-           "median of %d\n\n",
-           (long long)o.mlp_samples, (long long)o.cnn_samples, (long long)o.warmup_samples,
+    printf("# samples: mlp %lld, cnn_small %lld, cnn %lld (the first N training images), "
+           "warm-up %lld; median of %d\n\n",
+           (long long)o.mlp_samples, (long long)o.cnn_small_samples, (long long)o.cnn_samples, (long long)o.warmup_samples,
            o.repeat);
     printf("| model | policy | samples/s | min..max | forward ms | backward ms | update ms "
            "| other ms |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
     fflush(stdout);
-    for (mi = 0; rc == 0 && mi < 2; mi++) {
-        const char *model = mi ? "cnn" : "mlp";
+    for (mi = 0; rc == 0 && mi < N_MODELS; mi++) {
+        const char *model = model_names[mi];
+        const int64_t samples[N_MODELS] = {o.mlp_samples, o.cnn_small_samples, o.cnn_samples};
         const mpt_dataset *warmup = parts[0][0] ? parts[0][0] : all;
         const mpt_dataset *train = parts[1 + mi][0] ? parts[1 + mi][0] : all;
         if (strcmp(o.model, "all") && strcmp(o.model, model)) continue;
@@ -301,17 +329,17 @@ int main(int argc, char **argv) {
                      "\"forward_ms\":%.3f,\"backward_ms\":%.3f,\"update_ms\":%.3f,"
                      "\"other_ms\":%.3f}",
                      MPT_VERSION, model, policy_names[pi], mpt_context_num_threads(ctx),
-                     (long long)o.batch_size, (long long)(mi ? o.cnn_samples : o.mlp_samples),
+                     (long long)o.batch_size, (long long)samples[mi],
                      o.repeat, med.samples_per_s, lo, hi, med.forward_ms, med.backward_ms,
                      med.update_ms, med.other_ms);
             ran |= 1 << (3 * mi + pi);
         }
     }
     printf("\n");
-    for (mi = 0; mi < 2; mi++)
+    for (mi = 0; mi < N_MODELS; mi++)
         for (pi = 0; pi < 3; pi++)
             if (ran & (1 << (3 * mi + pi))) printf("%s\n", json[mi][pi]);
-    for (mi = 0; mi < 3; mi++) {
+    for (mi = 0; mi < 1 + N_MODELS; mi++) {
         mpt_dataset_destroy(parts[mi][1]);
         mpt_dataset_destroy(parts[mi][0]);
     }

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """PyTorch twin of bench/bench_train.c: samples/s of one training epoch of the
-seed MLP and the CNN on Fashion-MNIST on the CPU, for comparison with mpt.h.
+seed MLP, the small CNN and the CNN on Fashion-MNIST on the CPU, for comparison with mpt.h.
 
-    /usr/bin/python3 bench/torch_train.py                 # both models, float32
+    /usr/bin/python3 bench/torch_train.py                 # every model, float32
     /usr/bin/python3 bench/torch_train.py --model mlp --repeat 3 --bf16
 
 Same models, data, batch size (128), optimizer (Adam, lr 1e-3, eps 1e-7 as
 Keras), loss (CrossEntropyLoss on logits: the softmax fused into the loss, as
 mpt.h's fit fuses it), shuffling every epoch, and thread count
 (torch.set_num_threads(2), one inter-op thread). The MLP trains on all
-60,000 training images, the CNN on the first 6,400, as bench_train does.
+60,000 training images, the small CNN on the first 12,800 and the CNN on the
+first 6,400, as bench_train does.
 Each measured epoch follows a warm-up pass over the first 1,280 images.
 
 The time per step is split as bench_train splits it: forward = the model and
@@ -23,7 +24,6 @@ installed torch supports it (the model's weights stay float32, as mpt.h's
 mixed_bfloat16). Prints a Markdown table and one JSON line per result.
 """
 import argparse
-import gzip
 import json
 import os
 import re
@@ -35,25 +35,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-
-def read_idx(path):
-    """An IDX file (plain or .gz) as a numpy array."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    dtype_code, rank = data[2], data[3]
-    if data[0] != 0 or data[1] != 0 or dtype_code != 0x08:
-        raise ValueError(f"{path}: not an unsigned-byte IDX file")
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(rank)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * rank).reshape(dims)
-
-
-def find(data_dir, name):
-    for candidate in (name + ".gz", name):
-        path = os.path.join(data_dir, candidate)
-        if os.path.exists(path):
-            return path
-    raise FileNotFoundError(os.path.join(data_dir, name + "[.gz]"))
+from idx_data import find, read_idx  # the IDX reader bench/tf_train.py shares
 
 
 def load_train(data_dir):
@@ -67,6 +49,13 @@ def load_train(data_dir):
 def mlp():
     """Flatten -> Dense(1024, relu) -> Dense(10) (softmax fused into the loss)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def cnn_small():
+    """examples/cnn_small.c: Conv2D(32, 3, relu) -> MaxPool(2) -> Flatten ->
+    Dense(128, relu) -> Dense(10)."""
+    return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(32 * 13 * 13, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
 def cnn():
@@ -122,19 +111,15 @@ def blas_info():
     if "MKL-DNN" in cfg or "oneDNN" in cfg:
         info += "+onednn"
     # Debian's torch says BLAS_INFO=generic and calls libblas.so.3, which is
-    # OpenBLAS where libopenblas0-pthread is installed; name what is loaded.
+    # OpenBLAS where libopenblas0-pthread or -openmp is installed (the system's
+    # alternative, or LD_LIBRARY_PATH's); name the files actually mapped.
     try:
         with open("/proc/self/maps") as f:
-            libs = {os.path.basename(line.split()[-1]) for line in f
-                    if "blas" in line.lower() and line.split()[-1].startswith("/")}
-        loaded = sorted({re.sub(r"\.so.*", "", lib) for lib in libs})
-        real = [os.path.realpath(p) for p in ("/usr/lib/x86_64-linux-gnu/libblas.so.3",)
-                if os.path.exists(p)]
+            paths = {line.split()[-1] for line in f
+                     if "blas" in line.lower() and line.split()[-1].startswith("/")}
+        loaded = sorted(os.path.realpath(p) for p in paths)
         if loaded:
-            info += " (" + ",".join(loaded)
-            if real and "libblas" in loaded:
-                info += ": " + real[0]
-            info += ")"
+            info += " (" + ", ".join(loaded) + ")"
     except OSError:
         pass
     return info
@@ -155,14 +140,17 @@ def matmul_gflops():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="all", choices=["mlp", "cnn", "all"])
+    ap.add_argument("--model", default="all", choices=["mlp", "cnn_small", "cnn", "all"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--mlp-samples", type=int, default=60000)
+    ap.add_argument("--cnn-small-samples", type=int, default=12800)
     ap.add_argument("--cnn-samples", type=int, default=6400)
     ap.add_argument("--warmup-samples", type=int, default=1280)
     ap.add_argument("--repeat", type=int, default=1, help="measured epochs; the median is reported")
     ap.add_argument("--bf16", action="store_true", help="also bfloat16 autocast, if supported")
+    ap.add_argument("--config", default=None,
+                    help="how the caller set PyTorch up (BLAS, environment), for the JSON lines")
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     args = ap.parse_args()
 
@@ -174,8 +162,8 @@ def main():
     gflops = matmul_gflops()
     # How idle OpenMP threads wait decides a lot on a shared host: libgomp's
     # default spins, and spinning threads starve the working ones when other
-    # processes hold cores. compare_torch.sh runs both settings.
-    config = "omp_wait=" + os.environ.get("OMP_WAIT_POLICY", "default").lower()
+    # processes hold cores. compare.sh tries both settings.
+    config = args.config or "omp_wait=" + os.environ.get("OMP_WAIT_POLICY", "default").lower()
     print(f"# PyTorch {torch.__version__} ({blas}), {torch.get_num_threads()} threads, "
           f"batch {args.batch_size}, {config}, 1024^3 matmul {gflops:.1f} GFLOP/s, "
           f"python {sys.version.split()[0]}")
@@ -192,7 +180,9 @@ def main():
     print("\n| model | policy | samples/s | min..max | forward ms | backward ms | update ms | other ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     lines = []
-    for name, build, samples in (("mlp", mlp, args.mlp_samples), ("cnn", cnn, args.cnn_samples)):
+    for name, build, samples in (("mlp", mlp, args.mlp_samples),
+                                 ("cnn_small", cnn_small, args.cnn_small_samples),
+                                 ("cnn", cnn, args.cnn_samples)):
         if args.model not in ("all", name):
             continue
         xs, ys = x[:samples], y[:samples]

@@ -330,6 +330,99 @@ static void test_bn_threads(void) {
     free(dy);
 }
 
+/* One training forward, backward and inference forward of a lone
+   BatchNormalization layer (random gamma and beta) under `policy`, on a
+   context that may not use the CPU features in `disable`; the outputs as
+   float32: y, dx, inference y (n each), then dgamma, dbeta, moving_mean,
+   moving_variance (C each). NULL when the context lacks a feature in `need`. */
+static float *bn_pass(int disable, int need, int threads, mpt_policy policy, int rank,
+                      const int64_t *shape, const float *x, const float *dy, const float *gb) {
+    mpt_context *c = NULL;
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_tensor tx, ty, tdy, tdx;
+    mpt_param_info g;
+    int64_t n = 1, C = shape[rank - 1];
+    float *out;
+    int i;
+    for (i = 0; i < rank; i++) n *= shape[i];
+    if (mpt_context_create(&(mpt_context_desc){.num_threads = threads,
+                                               .disable_cpu_features = disable}, &c) != MPT_OK)
+        return NULL;
+    if ((mpt_context_cpu_features(c) & need) != need) {
+        mpt_context_destroy(c);
+        return NULL;
+    }
+    out = (float *)calloc((size_t)(3 * n + 4 * C), sizeof(float));
+    memset(&md, 0, sizeof md);
+    md.input_rank = rank - 1;
+    memcpy(md.input_shape, shape + 1, sizeof(int64_t) * (size_t)(rank - 1));
+    md.policy = policy;
+    mpt_model_create(c, &md, &m);
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    CHECK(mpt_model_build(m, shape[0]) == MPT_OK, "build: %s", mpt_context_error(c));
+    memcpy(param_values(m, 0), gb, sizeof(float) * (size_t)C);
+    memcpy(param_values(m, 1), gb + C, sizeof(float) * (size_t)C);
+    mpt_model_refresh_weights(m);
+    memset(&tdx, 0, sizeof tdx);
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, rank, shape, (void *)x);
+    mpt_tensor_wrap(c, &tdy, MPT_FLOAT32, rank, shape, (void *)dy);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out, ty.dtype, ty.data, n);
+    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out + n, tdx.dtype, tdx.data, n);
+    CHECK(mpt_model_forward(m, &tx, 0, &ty) == MPT_OK, "inference: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out + 2 * n, ty.dtype, ty.data, n);
+    for (i = 0; i < 2; i++) {
+        mpt_model_param(m, i, &g);
+        memcpy(out + 3 * n + i * C, g.grad.data, sizeof(float) * (size_t)C);
+    }
+    memcpy(out + 3 * n + 2 * C, param_values(m, 2), sizeof(float) * (size_t)C);
+    memcpy(out + 3 * n + 3 * C, param_values(m, 3), sizeof(float) * (size_t)C);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+    return out;
+}
+
+/* The AVX-512 statistics and elementwise passes give the portable loops'
+   bits, for every policy, channel counts that fill no vector, one, several
+   and a partial one (1, 7, 13, 32, 37, 70), rank 2 and 4, and 1 or 3
+   threads; x has an offset mean so that the two-pass variance matters. */
+static void test_bn_simd_matches_portable(void) {
+    static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                          MPT_POLICY_MIXED_BFLOAT16};
+    static const int64_t channels[] = {1, 7, 13, 32, 37, 70};
+    int p, k, rank, ran = 0;
+    test_seed(23);
+    for (k = 0; k < (int)(sizeof channels / sizeof channels[0]); k++)
+        for (rank = 2; rank <= 4; rank += 2)
+            for (p = 0; p < 3; p++) {
+                int64_t shape[4] = {rank == 2 ? 61 : 9, 5, 3, channels[k]}, n = 1, C, i;
+                float *x, *dy, *gb, *ref, *simd;
+                int threads = 1 + 2 * (k % 2);
+                shape[rank - 1] = C = channels[k];
+                for (i = 0; i < rank; i++) n *= shape[i];
+                x = random_floats(n, 2, 5);
+                dy = random_floats(n, -1, 1);
+                gb = random_floats(2 * C, -2, 2);
+                ref = bn_pass(~0, 0, threads, policies[p], rank, shape, x, dy, gb);
+                simd = bn_pass(0, MPT_CPU_AVX512, 4 - threads, policies[p], rank, shape, x, dy, gb);
+                if (simd) {
+                    ran++;
+                    for (i = 0; i < 3 * n + 4 * C; i++)
+                        if (memcmp(ref + i, simd + i, sizeof(float)) != 0) break;
+                    CHECK(i == 3 * n + 4 * C,
+                          "C %lld rank %d policy %d: %s[%lld] %.9g, portable %.9g", (long long)C,
+                          rank, p,
+                          i < 3 * n ? (i < n ? "y" : i < 2 * n ? "dx" : "inference y")
+                                    : "dgamma/dbeta/moving",
+                          (long long)(i < 3 * n ? i % n : (i - 3 * n) % C), simd[i], ref[i]);
+                }
+                free(x), free(dy), free(gb), free(ref), free(simd);
+            }
+    if (!ran) SKIP("this CPU has no AVX-512");
+}
+
 /* ======================================================================
    Dropout
    ====================================================================== */
@@ -530,6 +623,75 @@ static void test_dropout_identity_and_seed(void) {
    Bad input
    ====================================================================== */
 
+/* The CPU backend's dropout keeps forward's mask as bits in the saved
+   buffer (after the step) and backward applies them: with the saved step
+   changed in between, backward still drops what forward dropped. Over
+   three chunks and an odd tail, in float32 and bfloat16, on the portable
+   path and (where the CPU has it) the AVX-512 one, bit for bit. */
+static void test_dropout_backward_applies_forward_mask(void) {
+    enum { N = 2 * 16384 + 1013 };
+    const float rate = 0.3f, scale = 1.0f / (1.0f - rate);
+    const uint64_t key = 0x5eed5eedull;
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_BFLOAT16};
+    int level, t, ran = 0;
+    test_seed(31);
+    for (level = 0; level < 2; level++) {
+        mpt_context *c = NULL;
+        const mpt_backend *be;
+        void *impl;
+        mpt_context_create(&(mpt_context_desc){.num_threads = 3,
+                                               .disable_cpu_features = level ? 0 : ~0}, &c);
+        if (level && !(mpt_context_cpu_features(c) & MPT_CPU_AVX512)) {
+            mpt_context_destroy(c);
+            continue;
+        }
+        be = mpt_context_backend(c, &impl);
+        for (t = 0; t < 2; t++) {
+            mpt_dtype dt = dtypes[t];
+            size_t es = mpt_dtype_size(dt);
+            float *x = random_floats(N, -2, 2), *dy = random_floats(N, -2, 2), *ws = NULL;
+            unsigned char *xin = (unsigned char *)malloc(es * N), *y = (unsigned char *)malloc(es * N);
+            unsigned char *dyin = (unsigned char *)malloc(es * N), *dx = (unsigned char *)malloc(es * N);
+            int64_t *saved = (int64_t *)malloc(8 + (N + 7) / 8), i, bad = -1;
+            float got, want;
+            mpt_step_state st;
+            memset(&st, 0, sizeof st);
+            st.step = 7;
+            mpt_convert(c, dt, xin, MPT_FLOAT32, x, N);
+            mpt_convert(c, dt, dyin, MPT_FLOAT32, dy, N);
+            if (dt != MPT_FLOAT32) ws = (float *)malloc(sizeof(float) * N);
+            be->dropout(impl, key, rate, dt, xin, y, N, &st, saved, ws);
+            CHECK(*saved == 7, "forward saved step %lld", (long long)*saved);
+            *saved = 8; /* a different step's mask, were it drawn again */
+            be->dropout(impl, key, rate, dt, dyin, dx, N, NULL, saved, ws);
+            mpt_convert(c, MPT_FLOAT32, x, dt, xin, N); /* the values as the layer saw them */
+            mpt_convert(c, MPT_FLOAT32, dy, dt, dyin, N);
+            for (i = 0; i < N && bad < 0; i++) {
+                int keep = ref_keep(key, 7, i, rate);
+                unsigned char w[4];
+                float v;
+                v = keep ? x[i] * scale : 0.0f;
+                mpt_convert(c, dt, w, MPT_FLOAT32, &v, 1);
+                if (memcmp(w, y + es * (size_t)i, es) != 0) bad = i;
+                v = keep ? dy[i] * scale : 0.0f;
+                mpt_convert(c, dt, w, MPT_FLOAT32, &v, 1);
+                if (memcmp(w, dx + es * (size_t)i, es) != 0) bad = i;
+            }
+            if (bad >= 0) {
+                mpt_convert(c, MPT_FLOAT32, &got, dt, dx + es * (size_t)bad, 1);
+                want = ref_keep(key, 7, bad, rate) ? dy[bad] * scale : 0.0f;
+                CHECK(0, "%s %s: element %lld: dx %g, want %g (y or dx differs)",
+                      level ? "avx512" : "portable", t ? "bfloat16" : "float32", (long long)bad,
+                      got, want);
+            }
+            ran++;
+            free(x), free(dy), free(ws), free(xin), free(y), free(dyin), free(dx), free(saved);
+        }
+        mpt_context_destroy(c);
+    }
+    CHECK(ran >= 2, "%d runs", ran);
+}
+
 static void test_bad_input(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL;
@@ -575,11 +737,13 @@ int main(void) {
     TEST_RUN(test_bn_moving_statistics);
     TEST_RUN(test_bn_offset_precision);
     TEST_RUN(test_bn_threads);
+    TEST_RUN(test_bn_simd_matches_portable);
     test_dropout_gradients();
     TEST_RUN(test_dropout_mask_and_step);
     TEST_RUN(test_dropout_statistics);
     TEST_RUN(test_dropout_threads);
     TEST_RUN(test_dropout_identity_and_seed);
+    TEST_RUN(test_dropout_backward_applies_forward_mask);
     TEST_RUN(test_bad_input);
     mpt_context_destroy(ctx);
     return test_summary("test_norm");

@@ -1,0 +1,313 @@
+#!/usr/bin/env bash
+# mpt.h against TensorFlow and PyTorch on the CPU: the same models, data,
+# batch size, optimizer and thread count, run interleaved, and the samples/s
+# ratio of mpt.h to the fastest peer at equal precision.
+#
+#   bench/compare.sh                               # every model, 3 rounds, 2 threads
+#   bench/compare.sh --model mlp --rounds 5
+#   bench/compare.sh --rounds 5 --quiet-wait 120   # on a shared host
+#
+# Models: mlp (examples/mlp.c), cnn_small (examples/cnn_small.c) and cnn
+# (examples/cnn.c), Fashion-MNIST, batch 128, Adam; each measured epoch runs
+# the same number of steps in all three after a warm-up fit (mlp 469 steps,
+# cnn_small 100, cnn 50). Each round runs, per model, build/bench_train
+# (every policy), bench/tf_train.py (float32, mixed_bfloat16) and
+# bench/torch_train.py (float32, bfloat16 autocast), rotating which goes
+# first, so that a noisy host hurts all of them alike.
+#
+# What it installs when missing (as root; otherwise it says what is missing):
+#   - Debian's python3-torch (1.13) with OpenBLAS, both its pthread and its
+#     OpenMP build (libopenblas0-pthread, libopenblas0-openmp), python3-numpy;
+#   - TensorFlow 2.21 from PyPI (tensorflow-cpu==2.21.*, or $TF_SPEC) in a
+#     virtual environment, build/venv-peers (not as root: pip only).
+# The library and its tests need none of this.
+#
+# The peers get their fastest configuration:
+#   - TensorFlow: intra-op threads 2, inter-op 1, oneDNN as the wheel ships it,
+#     data from tf.data with prefetching.
+#   - PyTorch: OpenBLAS with the core type the CPU has (OPENBLAS_CORETYPE=
+#     SkylakeX with AVX-512, Haswell with AVX2; the environment may preset a
+#     slower one), glibc's malloc thresholds fixed (MALLOC_MMAP_THRESHOLD_,
+#     MALLOC_TRIM_THRESHOLD_: otherwise the large activations are mmap'ed and
+#     unmapped every step and page faults dominate), and whichever of OpenBLAS's
+#     OpenMP or pthread build and of libgomp's wait policies (default: idle
+#     threads spin; OMP_WAIT_POLICY=PASSIVE: they sleep) is fastest here: a
+#     short probe before the rounds tries the four and keeps the fastest (the
+#     OpenBLAS build is picked with LD_LIBRARY_PATH; the system's alternative
+#     is left alone). The header says which it used.
+#
+# Output: a Markdown table of the medians over the rounds, one JSON line per
+# result ("train_result") and one per model and precision ("train_ratio":
+# mpt.h float32 / the fastest peer's float32, mpt.h mixed_bfloat16 / the
+# fastest peer's bfloat16), from the medians ("ratio"), the best runs
+# ("ratio_best": interference only ever slows a run down) and round by round
+# ("ratio_per_round": runs adjacent in time, so under similar load), with
+# "met" for the >= 1.5 target and "moonshot_met" for >= 2. Every run records
+# how many cores other processes kept busy meanwhile ("others_cores"). Raw
+# JSON lines are kept in build/compare/.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+ROUNDS=3
+THREADS=2
+BATCH=128
+MODEL=all
+QUIET_WAIT=0
+VENV=build/venv-peers
+TF_SPEC=${TF_SPEC:-tensorflow-cpu==2.21.*}
+SYS_PY=/usr/bin/python3
+while [ $# -gt 0 ]; do
+    case $1 in
+    --rounds) ROUNDS=$2; shift 2 ;;
+    --threads) THREADS=$2; shift 2 ;;
+    --batch-size) BATCH=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
+    --quiet-wait) QUIET_WAIT=$2; shift 2 ;;
+    *) echo "usage: $0 [--model mlp|cnn_small|cnn|all] [--rounds N] [--threads N]" \
+            "[--batch-size N] [--quiet-wait SECONDS]" >&2
+       exit 2 ;;
+    esac
+done
+case $MODEL in
+all) MODELS="mlp cnn_small cnn" ;;
+mlp|cnn_small|cnn) MODELS=$MODEL ;;
+*) echo "compare.sh: unknown model $MODEL" >&2; exit 2 ;;
+esac
+
+# ---- what it needs ------------------------------------------------------------
+need=()
+command -v gcc >/dev/null || need+=(gcc libc6-dev)
+for p in zlib1g-dev python3 python3-venv python3-numpy python3-torch libopenblas0-pthread \
+         libopenblas0-openmp; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" -eq 0 ]; then
+        echo "compare.sh: installing ${need[*]}" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        if ! { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }; then
+            echo "compare.sh: apt-get install failed" >&2
+            exit 1
+        fi
+    else
+        echo "compare.sh: missing packages: ${need[*]} (run as root to install them)" >&2
+        exit 1
+    fi
+fi
+mkdir -p build build/compare
+if ! "$VENV/bin/python" -c "import tensorflow" 2>/dev/null; then
+    echo "compare.sh: installing $TF_SPEC into $VENV (a few minutes)" >&2
+    { [ -x "$VENV/bin/python" ] || "$SYS_PY" -m venv "$VENV"; } &&
+        "$VENV/bin/pip" install -q "$TF_SPEC" ||
+        { echo "compare.sh: cannot install $TF_SPEC into $VENV" >&2; exit 1; }
+fi
+TF_PY=$VENV/bin/python
+
+gcc -std=c99 -O2 -I. bench/bench_train.c -o build/bench_train -lpthread -lm -lz ||
+    { echo "compare.sh: bench_train does not build" >&2; exit 1; }
+
+# ---- measuring a run --------------------------------------------------------------
+# The host may be shared: each run records how many cores other processes
+# kept busy meanwhile ("others_cores", from /proc/stat less this script's
+# children), and with --quiet-wait S a run first waits up to S seconds for
+# the other processes to use less than a quarter of a core.
+log=build/compare/results.jsonl
+busy_jiffies() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
+# user + system seconds of this shell's finished children, from `times` run
+# in this shell (a $(...) subshell would count its own children only)
+children_cpu() {
+    times >build/compare/times.txt
+    awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, "m"); t += a[1] * 60 + a[2] }
+                   print t }' build/compare/times.txt
+}
+now() { date +%s.%N; }
+others_cores() { # busy0 busy1 self0 self1 wall0 wall1 (HZ = getconf CLK_TCK)
+    awk -v b0="$1" -v b1="$2" -v s0="$3" -v s1="$4" -v w0="$5" -v w1="$6" -v hz="$HZ" \
+        'BEGIN { o = ((b1 - b0) / hz - (s1 - s0)) / (w1 - w0); printf "%.2f", o < 0 ? 0 : o }'
+}
+HZ=$(getconf CLK_TCK 2>/dev/null || echo 100)
+wait_quiet() {
+    local waited=0 b0 b1 busy='?'
+    while [ "$waited" -lt "$QUIET_WAIT" ]; do
+        b0=$(busy_jiffies); sleep 2; b1=$(busy_jiffies)
+        busy=$(awk -v a="$b0" -v b="$b1" -v hz="$HZ" 'BEGIN { printf "%.2f", (b - a) / hz / 2 }')
+        awk -v x="$busy" 'BEGIN { exit !(x < 0.25) }' && return 0
+        waited=$((waited + 2))
+    done
+    [ "$QUIET_WAIT" -gt 0 ] && echo "# (the host stayed busy: $busy cores in use after waiting ${QUIET_WAIT}s)"
+}
+# measure NAME ROUND COMMAND...: runs it, appends its JSON lines to $log with
+# the round and others_cores added.
+measure() {
+    local name=$1 round=$2 out b0 b1 s0 s1 w0 w1 oc
+    shift 2
+    out=build/compare/${name}_$round.txt
+    wait_quiet
+    echo "## round $round: $name (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+    children_cpu >build/compare/self.txt; s0=$(cat build/compare/self.txt)
+    b0=$(busy_jiffies); w0=$(now)
+    "$@" 2>build/compare/${name}_$round.err | tee "$out"
+    b1=$(busy_jiffies); w1=$(now)
+    children_cpu >build/compare/self.txt; s1=$(cat build/compare/self.txt)
+    oc=$(others_cores "$b0" "$b1" "$s0" "$s1" "$w0" "$w1")
+    echo "# other processes kept $oc cores busy during this run"
+    grep -q '^{' "$out" || { echo "compare.sh: $name printed no result:" >&2;
+                            tail -n 5 "build/compare/${name}_$round.err" >&2; }
+    grep '^{' "$out" | sed "s/}\$/,\"round\":$round,\"others_cores\":$oc}/" >>"$log"
+}
+
+# ---- PyTorch's configuration ------------------------------------------------------
+OPENBLAS_DIR=/usr/lib/x86_64-linux-gnu
+CPU_FLAGS=$(grep -m1 '^flags' /proc/cpuinfo)
+case " $CPU_FLAGS " in
+*" avx512f "*) CORETYPE=SkylakeX ;;
+*" avx2 "*) CORETYPE=Haswell ;;
+*) CORETYPE= ;;
+esac
+PRESET_CORETYPE=${OPENBLAS_CORETYPE:-none}
+MALLOC_ENV=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
+# torch_env BLAS WAIT: the environment for one PyTorch configuration
+# (BLAS: openmp|pthread, WAIT: default|passive) as `env` arguments.
+torch_env() { # env's -u options first: it takes them only before NAME=VALUE
+    local e=(-u OMP_WAIT_POLICY -u OPENBLAS_CORETYPE
+             LD_LIBRARY_PATH="$OPENBLAS_DIR/openblas-$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+             "${MALLOC_ENV[@]}")
+    [ -n "$CORETYPE" ] && e+=(OPENBLAS_CORETYPE="$CORETYPE")
+    [ "$2" = passive ] && e+=(OMP_WAIT_POLICY=PASSIVE)
+    printf '%s\n' "${e[@]}"
+}
+torch_config_name() { echo "openblas-$1 coretype=${CORETYPE:-auto} malloc=fixed omp_wait=$2"; }
+# The probe: the MLP's float32 epoch over 3,840 images (30 steps) in each
+# configuration, twice, interleaved; the fastest best run wins. (Short, as
+# libgomp's spinning threads can make a run 20-100x slower on a busy host.)
+echo "# probing PyTorch's configurations (environment preset OPENBLAS_CORETYPE=$PRESET_CORETYPE)"
+best_sps=0 TORCH_BLAS=openmp TORCH_WAIT=passive
+for pass in 1 2; do
+    for blas in openmp pthread; do
+        for wait in passive default; do
+            mapfile -t e < <(torch_env "$blas" "$wait")
+            sps=$(env "${e[@]}" "$SYS_PY" bench/torch_train.py --model mlp --mlp-samples 3840 \
+                      --warmup-samples 256 --threads "$THREADS" --batch-size "$BATCH" 2>/dev/null |
+                  sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p')
+            echo "#   pass $pass: $(torch_config_name "$blas" "$wait"): ${sps:-failed} samples/s"
+            if awk -v a="${sps:-0}" -v b="$best_sps" 'BEGIN { exit !(a > b) }'; then
+                best_sps=$sps TORCH_BLAS=$blas TORCH_WAIT=$wait
+            fi
+        done
+    done
+done
+mapfile -t TORCH_ENV < <(torch_env "$TORCH_BLAS" "$TORCH_WAIT")
+TORCH_CONFIG=$(torch_config_name "$TORCH_BLAS" "$TORCH_WAIT")
+echo "# PyTorch runs with: $TORCH_CONFIG (${TORCH_ENV[*]})"
+echo
+
+# ---- the rounds ------------------------------------------------------------------
+: >"$log"
+run_mpt() {
+    measure "mpt_$2" "$1" ./build/bench_train --model "$2" --threads "$THREADS" --batch-size "$BATCH"
+}
+run_tf() {
+    measure "tensorflow_$2" "$1" "$TF_PY" bench/tf_train.py --model "$2" --threads "$THREADS" \
+        --batch-size "$BATCH" --bf16
+}
+run_torch() {
+    measure "pytorch_$2" "$1" env "${TORCH_ENV[@]}" "$SYS_PY" bench/torch_train.py --model "$2" \
+        --threads "$THREADS" --batch-size "$BATCH" --bf16 --config "$TORCH_CONFIG"
+}
+for r in $(seq 1 "$ROUNDS"); do
+    for m in $MODELS; do
+        case $((r % 3)) in
+        1) run_mpt "$r" "$m"; run_tf "$r" "$m"; run_torch "$r" "$m" ;;
+        2) run_tf "$r" "$m"; run_torch "$r" "$m"; run_mpt "$r" "$m" ;;
+        0) run_torch "$r" "$m"; run_mpt "$r" "$m"; run_tf "$r" "$m" ;;
+        esac
+    done
+    echo
+done
+
+# ---- the summary --------------------------------------------------------------------
+"$SYS_PY" - "$log" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+NAMES = {"mpt": "mpt.h", "tensorflow": "TensorFlow", "pytorch": "PyTorch"}
+# the policy of each framework that a precision compares
+PRECISION = {"float32": {"mpt": "float32", "tensorflow": "float32", "pytorch": "float32"},
+             "bfloat16": {"mpt": "mixed_bfloat16", "tensorflow": "mixed_bfloat16",
+                          "pytorch": "autocast_bfloat16"}}
+groups = {}
+for r in rows:
+    groups.setdefault((r["model"], r["framework"], r["policy"]), []).append(r)
+models = [m for m in ("mlp", "cnn_small", "cnn") if any(k[0] == m for k in groups)]
+versions = {r["framework"]: r["version"] + (" (" + r["config"] + ")" if "config" in r else "")
+            for r in rows}
+for fw in ("mpt", "tensorflow", "pytorch"):
+    if fw in versions:
+        print(f"# {NAMES[fw]} {versions[fw]}")
+print()
+
+def med(rs, k):
+    v = [r[k] for r in rs if r.get(k) is not None]
+    return statistics.median(v) if v else None
+
+def ms(x):
+    return "—" if x is None else f"{x:.2f}"
+
+print("| model | framework | policy | samples/s (median) | min..max | runs "
+      "| forward ms | backward ms | update ms | other ms | others' cores |")
+print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+order = {"mpt": 0, "tensorflow": 1, "pytorch": 2}
+results = []
+for (model, fw, policy), rs in sorted(groups.items(), key=lambda kv: (
+        models.index(kv[0][0]), order[kv[0][1]], kv[0][2])):
+    s = [r["samples_per_s"] for r in rs]
+    print(f"| {model} | {NAMES[fw]} | {policy} | {statistics.median(s):,.0f} "
+          f"| {min(s):,.0f}..{max(s):,.0f} | {len(s)} | {ms(med(rs, 'forward_ms'))} "
+          f"| {ms(med(rs, 'backward_ms'))} | {ms(med(rs, 'update_ms'))} "
+          f"| {ms(med(rs, 'other_ms'))} | {med(rs, 'others_cores'):.2f} |")
+    results.append({"bench": "train_result", "model": model, "framework": fw, "policy": policy,
+                    "samples_per_s": round(statistics.median(s), 1),
+                    "samples_per_s_min": round(min(s), 1), "samples_per_s_max": round(max(s), 1),
+                    "runs": len(s), "others_cores": med(rs, "others_cores")})
+print()
+
+def per_round(model, fw, policy):
+    return {r["round"]: r["samples_per_s"] for r in groups.get((model, fw, policy), [])}
+
+ratios = []
+print("| model | precision | mpt.h samples/s | fastest peer | peer samples/s | ratio "
+      "| per round | target 1.5× |")
+print("|---|---|---:|---|---:|---:|---|---|")
+for model in models:
+    for precision, policy in PRECISION.items():
+        mine = groups.get((model, "mpt", policy["mpt"]))
+        peers = {fw: groups[(model, fw, policy[fw])] for fw in ("tensorflow", "pytorch")
+                 if (model, fw, policy[fw]) in groups}
+        if not mine or not peers:
+            continue
+        peer_med = {fw: statistics.median(r["samples_per_s"] for r in rs) for fw, rs in peers.items()}
+        fastest = max(peer_med, key=peer_med.get)
+        m_med = statistics.median(r["samples_per_s"] for r in mine)
+        m_best = max(r["samples_per_s"] for r in mine)
+        p_best = max(max(r["samples_per_s"] for r in rs) for rs in peers.values())
+        a = per_round(model, "mpt", policy["mpt"])
+        b = {}
+        for fw in peers:
+            for k, v in per_round(model, fw, policy[fw]).items():
+                b[k] = max(b.get(k, 0), v)
+        paired = [round(a[k] / b[k], 3) for k in sorted(a) if b.get(k)]
+        ratio = m_med / peer_med[fastest]
+        line = {"bench": "train_ratio", "model": model, "precision": precision,
+                "mpt_policy": policy["mpt"], "peer": fastest, "peer_policy": policy[fastest],
+                "mpt_samples_per_s": round(m_med, 1),
+                "peer_samples_per_s": round(peer_med[fastest], 1),
+                "ratio": round(ratio, 3), "ratio_best": round(m_best / p_best, 3),
+                "ratio_per_round": paired, "target": 1.5, "met": bool(ratio >= 1.5),
+                "moonshot_met": bool(ratio >= 2.0)}
+        ratios.append(line)
+        print(f"| {model} | {precision} | {m_med:,.0f} | {NAMES[fastest]} {policy[fastest]} "
+              f"| {peer_med[fastest]:,.0f} | **{ratio:.2f}** | "
+              f"{', '.join(f'{x:.2f}' for x in paired)} | {'met' if ratio >= 1.5 else 'missed'} |")
+print()
+for line in results + ratios:
+    print(json.dumps(line, separators=(",", ":")))
+PY

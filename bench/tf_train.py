@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""TensorFlow twin of bench/bench_train.c: samples/s of one training epoch of
+the seed MLP, the small CNN and the CNN on Fashion-MNIST on the CPU, for
+comparison with mpt.h.
+
+    build/venv-peers/bin/python bench/tf_train.py                 # every model, float32
+    build/venv-peers/bin/python bench/tf_train.py --model mlp --repeat 3 --bf16
+
+Same models (Keras layers, as the seeds wrote them), data, batch size (128),
+optimizer (Adam, lr 1e-3, Keras' eps 1e-7), loss (sparse categorical
+crossentropy on logits: the softmax fused into the loss, as mpt.h's fit fuses
+it), shuffling every epoch and thread count (intra-op parallelism 2, inter-op
+1) as bench_train. The MLP trains on all 60,000 training images, the small CNN
+on the first 12,800 and the CNN on the first 6,400. Each measured epoch
+follows a warm-up fit over the first 1,280 images of the same model (it
+traces and builds the training function).
+
+The data is a float32 tensor in memory (/255 once) fed by tf.data (shuffled
+every epoch, batched, prefetched); samples/s is images / wall time of
+Model.fit over one epoch. Keras does not split a step into forward, backward
+and update, so those fields are null.
+
+--bf16 also measures the Keras "mixed_bfloat16" policy (float32 variables,
+bfloat16 compute; the last Dense layer in float32 as Keras advises). Prints a
+Markdown table and one JSON line per result.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from idx_data import find, read_idx  # noqa: E402
+
+keras = tf.keras
+layers = keras.layers
+
+
+def load_train(data_dir):
+    x = read_idx(find(data_dir, "train-images-idx3-ubyte"))
+    y = read_idx(find(data_dir, "train-labels-idx1-ubyte"))
+    return (x.astype(np.float32) / 255.0).reshape(-1, 28, 28, 1), y.astype(np.int32)  # NHWC
+
+
+def logits():
+    """The last Dense layer, float32 under every policy, without the softmax."""
+    return layers.Dense(10, dtype="float32")
+
+
+def mlp():
+    """Flatten -> Dense(1024, relu) -> Dense(10)."""
+    return [layers.Flatten(), layers.Dense(1024, activation="relu"), logits()]
+
+
+def cnn_small():
+    """examples/cnn_small.c: Conv2D(32, 3, relu) -> MaxPool(2) -> Flatten ->
+    Dense(128, relu) -> Dense(10)."""
+    return [layers.Conv2D(32, 3, activation="relu"), layers.MaxPooling2D(2), layers.Flatten(),
+            layers.Dense(128, activation="relu"), logits()]
+
+
+def cnn():
+    """examples/cnn.c (Keras' BatchNormalization defaults: momentum 0.99,
+    epsilon 1e-3)."""
+    def block(filters):
+        return [layers.Conv2D(filters, 3, activation="relu"), layers.BatchNormalization(),
+                layers.Conv2D(filters, 3, activation="relu"), layers.MaxPooling2D(2),
+                layers.Dropout(0.25)]
+    return [*block(32), *block(64), layers.Flatten(), layers.Dense(512, activation="relu"),
+            layers.BatchNormalization(), layers.Dropout(0.5), logits()]
+
+
+def dataset(x, y, batch, seed):
+    return (tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(x.shape[0], seed=seed, reshuffle_each_iteration=True)
+            .batch(batch).prefetch(tf.data.AUTOTUNE))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="all", choices=["mlp", "cnn_small", "cnn", "all"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--mlp-samples", type=int, default=60000)
+    ap.add_argument("--cnn-small-samples", type=int, default=12800)
+    ap.add_argument("--cnn-samples", type=int, default=6400)
+    ap.add_argument("--warmup-samples", type=int, default=1280)
+    ap.add_argument("--repeat", type=int, default=1, help="measured epochs; the median is reported")
+    ap.add_argument("--bf16", action="store_true", help="also the mixed_bfloat16 policy")
+    ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    args = ap.parse_args()
+
+    # before any op runs, or TensorFlow keeps its defaults (one thread per core)
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    x, y = load_train(args.data)
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")
+    config = f"intra={args.threads} inter=1 onednn_opts={onednn}"
+    print(f"# TensorFlow {tf.__version__} (Keras {keras.__version__}), {config}, "
+          f"batch {args.batch_size}, python {sys.version.split()[0]}")
+
+    policies = ["float32"] + (["mixed_bfloat16"] if args.bf16 else [])
+    print("\n| model | policy | samples/s | min..max |")
+    print("|---|---|---:|---:|")
+    lines = []
+    for name, build, samples in (("mlp", mlp, args.mlp_samples),
+                                 ("cnn_small", cnn_small, args.cnn_small_samples),
+                                 ("cnn", cnn, args.cnn_samples)):
+        if args.model not in ("all", name):
+            continue
+        samples = min(samples, x.shape[0])
+        for policy in policies:
+            keras.mixed_precision.set_global_policy(policy)
+            keras.utils.set_random_seed(42)
+            model = keras.Sequential([keras.Input((28, 28, 1)), *build()])
+            model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            w = args.warmup_samples
+            # tf.data shuffles; Keras' own shuffle flag would only warn
+            model.fit(dataset(x[:w], y[:w], args.batch_size, 1), epochs=1, shuffle=False,
+                      verbose=0)
+            train = dataset(x[:samples], y[:samples], args.batch_size, 42)
+            sps = []
+            for _ in range(args.repeat):
+                t = time.perf_counter()
+                model.fit(train, epochs=1, shuffle=False, verbose=0)
+                sps.append(samples / (time.perf_counter() - t))
+            s = statistics.median(sps)
+            print(f"| {name} | {policy} | {s:.0f} | {min(sps):.0f}..{max(sps):.0f} |", flush=True)
+            lines.append(json.dumps({
+                "bench": "train", "framework": "tensorflow", "version": tf.__version__,
+                "config": config, "model": name, "policy": policy, "threads": args.threads,
+                "batch": args.batch_size, "samples": samples, "repeats": args.repeat,
+                "samples_per_s": round(s, 1), "samples_per_s_min": round(min(sps), 1),
+                "samples_per_s_max": round(max(sps), 1), "forward_ms": None,
+                "backward_ms": None, "update_ms": None, "other_ms": None},
+                separators=(",", ":")))
+            keras.backend.clear_session()
+    keras.mixed_precision.set_global_policy("float32")
+    print()
+    for line in lines:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

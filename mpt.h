@@ -1588,8 +1588,10 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    tensors themselves in int8 or uint8 with their quantization otherwise
    (uint8 through a QUANTIZE to and from int8). LiteRT's results are those
    of mpt_model_quantized_invoke to within one step of the output's scale
-   (its kernels round a few sums their own way). The other quantized modes,
-   and any quantized model to ONNX, give MPT_ERR_UNSUPPORTED.
+   (its kernels round a few sums their own way). A float16 quantized model
+   goes to TFLite as its operations in float32, float16 kernels with a
+   DEQUANTIZE and float32 biases. A dynamic-range model, and any quantized
+   model to ONNX, give MPT_ERR_UNSUPPORTED.
    A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves
@@ -19513,16 +19515,16 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
-/* A quantized model: TFLite takes a full-integer one (written from its
-   operations by @impl-export-tflite); the other modes, and ONNX, are not
-   written yet. */
+/* A quantized model: TFLite takes a full-integer or float16 one (written
+   from its operations by @impl-export-tflite); dynamic-range, and ONNX,
+   are not written yet. */
 static mpt_status mpt__export_quantized_check(const mpt__export_plan *pl) {
     static const char *mode[] = {"dynamic-range", "full-integer", "float16"};
     mpt_quantize_mode q = pl->m->quantized->mode;
-    if (q == MPT_QUANTIZE_FULL_INTEGER && strcmp(pl->format, "TFLite") == 0) return MPT_OK;
+    if (q != MPT_QUANTIZE_DYNAMIC_RANGE && strcmp(pl->format, "TFLite") == 0) return MPT_OK;
     return mpt__fail(pl->m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the model is quantized "
                      "(mpt_model_quantize, %s), which this export does not write (TFLite takes "
-                     "full-integer ones); export the float model it came from", pl->format,
+                     "full-integer and float16 ones); export the float model it came from", pl->format,
                      pl->path, mode[q]);
 }
 
@@ -19540,8 +19542,11 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     if (!path || !*path)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s: %s path", format,
                          path ? "an empty" : "a NULL");
-    if (m->quantized) /* written from its operations, not planned as steps */
+    if (m->quantized) { /* written from its operations, not planned as steps */
+        pl->weight_dtype =
+            m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT_FLOAT16 : MPT_FLOAT32;
         return mpt__export_quantized_check(pl);
+    }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "
                          "(mpt_model_build, or fit)", format, path);
@@ -20115,7 +20120,10 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, int32_t x) 
    (quantized_dimension 0), int32 biases of scale input·weight[c] and zero
    point 0; QUANTIZE at the input and DEQUANTIZE at the output for float32
    io, a QUANTIZE between uint8 and int8 for uint8 io (the same reals,
-   codes shifted by 128), nothing for int8 io. */
+   codes shifted by 128), nothing for int8 io. A float16 model's operations
+   go the same way in float32, their kernels float16 with a DEQUANTIZE (as
+   mpt__tfl_constant stores them), their biases float32 as the model keeps
+   them. */
 
 /* Gives tensor t n (scale, zero point) pairs along `dimension`, copied
    into storage the graph owns; zero_point NULL: zeros. */
@@ -20147,32 +20155,66 @@ static void mpt__tfl_set_quant(mpt__tfl *g, int32_t t, int n, int dimension, con
     g->tensors[t].quant.dimension = dimension;
 }
 
-/* A batched tensor of `type` (INT8, UINT8) quantized per tensor as p says. */
+/* A batched tensor of `type` (INT8, UINT8) quantized per tensor as p says;
+   FLOAT32 ones are not quantized. */
 static int32_t mpt__tfl_quantized_tensor(mpt__tfl *g, const char *layer, const char *what,
                                          int type, int rank, const int64_t *shape,
                                          const mpt_quant_params *p) {
     int32_t t = mpt__tfl_tensor_add(g, layer, what, type, rank, shape, 1, 0);
-    mpt__tfl_set_quant(g, t, 1, 0, &p->scale, &p->zero_point);
+    if (type != MPT__TFL_FLOAT32) mpt__tfl_set_quant(g, t, 1, 0, &p->scale, &p->zero_point);
     return t;
 }
 
-/* The op's int8 output tensor. */
+/* What the operations compute in: int8, or float32 for a float16 model. */
+static int mpt__tfl_q_type(const mpt__tfl *g) {
+    return g->pl->m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT__TFL_FLOAT32 : MPT__TFL_INT8;
+}
+
+/* The op's output tensor. */
 static int32_t mpt__tfl_q_output(mpt__tfl *g, const mpt_quantized_layer *L) {
-    return mpt__tfl_quantized_tensor(g, L->name, "output", MPT__TFL_INT8, L->out_rank,
+    return mpt__tfl_quantized_tensor(g, L->name, "output", mpt__tfl_q_type(g), L->out_rank,
                                      L->out_shape, &L->output);
 }
 
-/* FULLY_CONNECTED or CONV_2D: int8 weights [out, depth] (conv OHWI) per
-   channel, int32 biases, ReLU fused. */
-static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, int32_t x) {
+/* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as
+   mpt__tfl_constant stores it) and float32 bias; returns the kernel the op
+   reads, the bias into *bias. */
+static int32_t mpt__tfl_q_float16_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                          const int64_t *shape, int32_t *bias) {
     const mpt_context *ctx = g->pl->m->ctx;
-    int conv = L->op == MPT_QOP_CONV_2D;
-    int64_t F = L->out_channels, n = F * L->depth, shape[4], c;
+    int64_t F = L->out_channels, n = F * L->depth, k;
+    float *w = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)n + 1);
+    unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
+    int32_t kernel;
+    if (!w || !b) {
+        mpt__free(ctx, w);
+        mpt__free(ctx, b);
+        g->failed = 1;
+        return 0;
+    }
+    for (k = 0; k < n; k++) w[k] = mpt_half_to_float(L->weights_float16[k]); /* exact back */
+    kernel = mpt__tfl_constant(g, L->name, "kernel", rank, shape, w, n);
+    mpt__free(ctx, w);
+    for (k = 0; k < F; k++) {
+        uint32_t bits;
+        memcpy(&bits, &L->bias[k], 4);
+        mpt__tb_put_le(b + 4 * k, bits, 4);
+    }
+    *bias = mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
+                                mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    return kernel;
+}
+
+/* An int8 model's kernel, int8 [out, depth] (conv OHWI) per channel, and
+   int32 bias; returns the kernel, the bias into *bias. */
+static int32_t mpt__tfl_q_int8_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                       const int64_t *shape, int32_t *bias) {
+    const mpt_context *ctx = g->pl->m->ctx;
+    int64_t F = L->out_channels, n = F * L->depth, c;
     unsigned char *w = (unsigned char *)mpt__alloc(ctx, (size_t)n + 1);
     unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
     float *bias_scale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)F + 1);
-    int32_t kernel, bias, y;
-    mpt__tfl_op *op;
+    int32_t kernel;
     if (!w || !b || !bias_scale) {
         mpt__free(ctx, w);
         mpt__free(ctx, b);
@@ -20185,17 +20227,30 @@ static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, in
         mpt__tb_put_le(b + 4 * c, (uint32_t)L->bias_int32[c], 4);
         bias_scale[c] = L->input.scale * L->weight_scales[c];
     }
-    shape[0] = F;
+    kernel = mpt__tfl_tensor_add(g, L->name, "kernel", MPT__TFL_INT8, rank, shape, 0,
+                                 mpt__tfl_buffer_add(g, w, (size_t)n));
+    mpt__tfl_set_quant(g, kernel, (int)F, 0, L->weight_scales, NULL);
+    *bias = mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_INT32, 1, &F, 0,
+                                mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    mpt__tfl_set_quant(g, *bias, (int)F, 0, bias_scale, NULL);
+    mpt__free(ctx, bias_scale);
+    return kernel;
+}
+
+/* FULLY_CONNECTED or CONV_2D with its weights [out, depth] (conv OHWI),
+   ReLU fused. */
+static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, int32_t x) {
+    int conv = L->op == MPT_QOP_CONV_2D;
+    int64_t shape[4];
+    int32_t kernel, bias = 0, y;
+    mpt__tfl_op *op;
+    shape[0] = L->out_channels;
     shape[1] = conv ? L->kernel_size[0] : L->depth;
     shape[2] = L->kernel_size[1];
     shape[3] = conv ? L->depth / (L->kernel_size[0] * L->kernel_size[1]) : 0;
-    kernel = mpt__tfl_tensor_add(g, L->name, "kernel", MPT__TFL_INT8, conv ? 4 : 2, shape, 0,
-                                 mpt__tfl_buffer_add(g, w, (size_t)n));
-    mpt__tfl_set_quant(g, kernel, (int)F, 0, L->weight_scales, NULL);
-    bias = mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_INT32, 1, &F, 0,
-                               mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
-    mpt__tfl_set_quant(g, bias, (int)F, 0, bias_scale, NULL);
-    mpt__free(ctx, bias_scale);
+    kernel = mpt__tfl_q_type(g) == MPT__TFL_INT8
+                 ? mpt__tfl_q_int8_weights(g, L, conv ? 4 : 2, shape, &bias)
+                 : mpt__tfl_q_float16_weights(g, L, conv ? 4 : 2, shape, &bias);
     y = mpt__tfl_q_output(g, L);
     op = mpt__tfl_op_add(g, conv ? MPT__TFL_CONV_2D : MPT__TFL_FULLY_CONNECTED, x, kernel, bias,
                          3, y);
@@ -20268,7 +20323,7 @@ static int32_t mpt__tfl_q_op(mpt__tfl *g, const mpt_quantized_layer *L, int32_t 
         w.sh = w.sw = 1;
         pooled[0] = pooled[1] = 1;
         pooled[2] = L->in_shape[2];
-        t = mpt__tfl_quantized_tensor(g, L->name, "pooled", MPT__TFL_INT8, 3, pooled,
+        t = mpt__tfl_quantized_tensor(g, L->name, "pooled", mpt__tfl_q_type(g), 3, pooled,
                                       &L->output);
         mpt__tfl_pool(g, MPT__TFL_AVERAGE_POOL_2D, &w, MPT__TFL_VALID, x, t);
         y = mpt__tfl_q_output(g, L);
@@ -20298,7 +20353,7 @@ static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *inpu
     else
         *input = mpt__tfl_quantized_tensor(g, "input", "", io, rank, shape, &info.input);
     x = *input;
-    if (io != MPT__TFL_INT8) { /* to int8 at the first op's input quantization */
+    if (io != MPT__TFL_INT8 && mpt__tfl_q_type(g) == MPT__TFL_INT8) { /* to int8 at the first op's input quantization */
         mpt_model_quantized_layer(m, 0, &L);
         x = mpt__tfl_quantized_tensor(g, "input", "int8", MPT__TFL_INT8, rank, shape, &L.input);
         mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, *input, 0, 0, 1, x);
@@ -20307,7 +20362,7 @@ static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *inpu
         mpt_model_quantized_layer(m, i, &L);
         x = mpt__tfl_q_op(g, &L, x);
     }
-    if (io == MPT__TFL_INT8) return x;
+    if (io == MPT__TFL_INT8 || mpt__tfl_q_type(g) == MPT__TFL_FLOAT32) return x;
     if (io == MPT__TFL_FLOAT32) {
         y = mpt__tfl_tensor_add(g, "output", "", io, L.out_rank, L.out_shape, 1, 0);
         mpt__tfl_op_add(g, MPT__TFL_DEQUANTIZE, x, 0, 0, 1, y);

@@ -1577,6 +1577,21 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    The weights are the float32 masters whatever the policy, so a model
    trained in mixed precision computes in float32 in the file (its outputs
    differ from a float16 predict's by float16's rounding).
+   A full-integer quantized model (mpt_model_quantize) goes to TFLite as
+   TFLite's converter writes TFLITE_BUILTINS_INT8 models: int8 tensors with
+   their calibrated scale and zero point, FULLY_CONNECTED and CONV_2D with
+   int8 weights per output channel (quantized_dimension 0), int32 biases
+   (scale input·weight[c], zero point 0) and ReLU fused, pooling and
+   RESHAPE sharing their input's quantization, RELU, LOGISTIC, TANH, GELU
+   and SOFTMAX in int8 at the model's output scales; QUANTIZE at the input
+   and DEQUANTIZE at the output for float32 io, the input and output
+   tensors themselves in int8 or uint8 with their quantization otherwise
+   (uint8 through a QUANTIZE to and from int8). LiteRT's results are those
+   of mpt_model_quantized_invoke to within one step of the output's scale
+   (its kernels round a few sums their own way). A float16 quantized model
+   goes to TFLite as its operations in float32, float16 kernels with a
+   DEQUANTIZE and float32 biases. A dynamic-range model, and any quantized
+   model to ONNX, give MPT_ERR_UNSUPPORTED.
    A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves
@@ -19808,6 +19823,19 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
+/* A quantized model: TFLite takes a full-integer or float16 one (written
+   from its operations by @impl-export-tflite); dynamic-range, and ONNX,
+   are not written yet. */
+static mpt_status mpt__export_quantized_check(const mpt__export_plan *pl) {
+    static const char *mode[] = {"dynamic-range", "full-integer", "float16"};
+    mpt_quantize_mode q = pl->m->quantized->mode;
+    if (q != MPT_QUANTIZE_DYNAMIC_RANGE && strcmp(pl->format, "TFLite") == 0) return MPT_OK;
+    return mpt__fail(pl->m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the model is quantized "
+                     "(mpt_model_quantize, %s), which this export does not write (TFLite takes "
+                     "full-integer and float16 ones); export the float model it came from", pl->format,
+                     pl->path, mode[q]);
+}
+
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -19822,10 +19850,11 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     if (!path || !*path)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s: %s path", format,
                          path ? "an empty" : "a NULL");
-    if (m->quantized) /* its int8 or float16 operations are not planned as steps yet */
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the model is quantized "
-                         "(mpt_model_quantize); export the float model it came from", format,
-                         path);
+    if (m->quantized) { /* written from its operations, not planned as steps */
+        pl->weight_dtype =
+            m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT_FLOAT16 : MPT_FLOAT32;
+        return mpt__export_quantized_check(pl);
+    }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "
                          "(mpt_model_build, or fit)", format, path);
@@ -20093,6 +20122,9 @@ typedef struct mpt__tfl {
     int n_ops, cap_ops;
     mpt__tfl_buffer *buffers; /* [0] is the empty sentinel                  */
     int n_buffers, cap_buffers;
+    void **owned;             /* what tensors' quantization borrows (freed
+                                 with the graph)                             */
+    int n_owned, cap_owned;
     int failed;               /* out of memory                                */
 } mpt__tfl;
 
@@ -20319,13 +20351,13 @@ static void mpt__tfl_pool(mpt__tfl *g, int code, const mpt__win *w, int padding,
 }
 
 /* RESHAPE x to (batch, n) into y. */
-static void mpt__tfl_to_vectors(mpt__tfl *g, const mpt__layer *L, int64_t n, int32_t x,
+static void mpt__tfl_to_vectors(mpt__tfl *g, const char *layer, int64_t n, int32_t x,
                                 int32_t y) {
     int32_t dims[2], shape;
     mpt__tfl_op *op;
     dims[0] = -1;
     dims[1] = (int32_t)n;
-    shape = mpt__tfl_int32_constant(g, L->name, "shape", dims, 2);
+    shape = mpt__tfl_int32_constant(g, layer, "shape", dims, 2);
     op = mpt__tfl_op_add(g, MPT__TFL_RESHAPE, x, shape, 0, 2, y);
     if (!op) return;
     op->options = MPT__TFL_RESHAPE_OPTIONS; /* new_shape, as the shape input says */
@@ -20364,11 +20396,11 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, int32_t x) 
         }
         mpt__tfl_pool(g, MPT__TFL_AVERAGE_POOL_2D, &whole, MPT__TFL_VALID, x, t);
         y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
-        mpt__tfl_to_vectors(g, s->L, C, t, y);
+        mpt__tfl_to_vectors(g, s->L->name, C, t, y);
         return y;
     case MPT__EXPORT_FLATTEN:
         y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
-        mpt__tfl_to_vectors(g, s->L, shape[0], x, y);
+        mpt__tfl_to_vectors(g, s->L->name, shape[0], x, y);
         return y;
     case MPT__EXPORT_ACTIVATION: return mpt__tfl_activation(g, s, x);
     case MPT__EXPORT_SCALE_SHIFT: /* MUL by the scale, ADD the shift (over the last axis) */
@@ -20386,6 +20418,267 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, int32_t x) 
         return y;
     }
     return x;
+}
+
+/* ---- TFLite: a full-integer quantized model ----------------------------------------
+
+   Written from the model's operations (mpt_model_quantized_layer) as
+   TFLite's converter writes TFLITE_BUILTINS_INT8 models: int8 tensors with
+   the calibrated scale and zero point, weights int8 per output channel
+   (quantized_dimension 0), int32 biases of scale input·weight[c] and zero
+   point 0; QUANTIZE at the input and DEQUANTIZE at the output for float32
+   io, a QUANTIZE between uint8 and int8 for uint8 io (the same reals,
+   codes shifted by 128), nothing for int8 io. A float16 model's operations
+   go the same way in float32, their kernels float16 with a DEQUANTIZE (as
+   mpt__tfl_constant stores them), their biases float32 as the model keeps
+   them. */
+
+/* Gives tensor t n (scale, zero point) pairs along `dimension`, copied
+   into storage the graph owns; zero_point NULL: zeros. */
+static void mpt__tfl_set_quant(mpt__tfl *g, int32_t t, int n, int dimension, const float *scale,
+                               const int32_t *zero_point) {
+    const mpt_context *ctx = g->pl->m->ctx;
+    int64_t *zp;
+    float *sc;
+    int i;
+    if (g->failed || !mpt__export_grow(ctx, (void **)&g->owned, &g->cap_owned, g->n_owned,
+                                       sizeof *g->owned)) {
+        g->failed = 1;
+        return;
+    }
+    zp = (int64_t *)mpt__alloc(ctx, (sizeof(int64_t) + sizeof(float)) * (size_t)n);
+    if (!zp) {
+        g->failed = 1;
+        return;
+    }
+    g->owned[g->n_owned++] = zp;
+    sc = (float *)(zp + n);
+    for (i = 0; i < n; i++) {
+        zp[i] = zero_point ? zero_point[i] : 0;
+        sc[i] = scale[i];
+    }
+    g->tensors[t].quant.n = n;
+    g->tensors[t].quant.scale = sc;
+    g->tensors[t].quant.zero_point = zp;
+    g->tensors[t].quant.dimension = dimension;
+}
+
+/* A batched tensor of `type` (INT8, UINT8) quantized per tensor as p says;
+   FLOAT32 ones are not quantized. */
+static int32_t mpt__tfl_quantized_tensor(mpt__tfl *g, const char *layer, const char *what,
+                                         int type, int rank, const int64_t *shape,
+                                         const mpt_quant_params *p) {
+    int32_t t = mpt__tfl_tensor_add(g, layer, what, type, rank, shape, 1, 0);
+    if (type != MPT__TFL_FLOAT32) mpt__tfl_set_quant(g, t, 1, 0, &p->scale, &p->zero_point);
+    return t;
+}
+
+/* What the operations compute in: int8, or float32 for a float16 model. */
+static int mpt__tfl_q_type(const mpt__tfl *g) {
+    return g->pl->m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT__TFL_FLOAT32 : MPT__TFL_INT8;
+}
+
+/* The op's output tensor. */
+static int32_t mpt__tfl_q_output(mpt__tfl *g, const mpt_quantized_layer *L) {
+    return mpt__tfl_quantized_tensor(g, L->name, "output", mpt__tfl_q_type(g), L->out_rank,
+                                     L->out_shape, &L->output);
+}
+
+/* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as
+   mpt__tfl_constant stores it) and float32 bias; returns the kernel the op
+   reads, the bias into *bias. */
+static int32_t mpt__tfl_q_float16_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                          const int64_t *shape, int32_t *bias) {
+    const mpt_context *ctx = g->pl->m->ctx;
+    int64_t F = L->out_channels, n = F * L->depth, k;
+    float *w = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)n + 1);
+    unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
+    int32_t kernel;
+    if (!w || !b) {
+        mpt__free(ctx, w);
+        mpt__free(ctx, b);
+        g->failed = 1;
+        return 0;
+    }
+    for (k = 0; k < n; k++) w[k] = mpt_half_to_float(L->weights_float16[k]); /* exact back */
+    kernel = mpt__tfl_constant(g, L->name, "kernel", rank, shape, w, n);
+    mpt__free(ctx, w);
+    for (k = 0; k < F; k++) {
+        uint32_t bits;
+        memcpy(&bits, &L->bias[k], 4);
+        mpt__tb_put_le(b + 4 * k, bits, 4);
+    }
+    *bias = mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
+                                mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    return kernel;
+}
+
+/* An int8 model's kernel, int8 [out, depth] (conv OHWI) per channel, and
+   int32 bias; returns the kernel, the bias into *bias. */
+static int32_t mpt__tfl_q_int8_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                       const int64_t *shape, int32_t *bias) {
+    const mpt_context *ctx = g->pl->m->ctx;
+    int64_t F = L->out_channels, n = F * L->depth, c;
+    unsigned char *w = (unsigned char *)mpt__alloc(ctx, (size_t)n + 1);
+    unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
+    float *bias_scale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)F + 1);
+    int32_t kernel;
+    if (!w || !b || !bias_scale) {
+        mpt__free(ctx, w);
+        mpt__free(ctx, b);
+        mpt__free(ctx, bias_scale);
+        g->failed = 1;
+        return 0;
+    }
+    memcpy(w, L->weights, (size_t)n);
+    for (c = 0; c < F; c++) {
+        mpt__tb_put_le(b + 4 * c, (uint32_t)L->bias_int32[c], 4);
+        bias_scale[c] = L->input.scale * L->weight_scales[c];
+    }
+    kernel = mpt__tfl_tensor_add(g, L->name, "kernel", MPT__TFL_INT8, rank, shape, 0,
+                                 mpt__tfl_buffer_add(g, w, (size_t)n));
+    mpt__tfl_set_quant(g, kernel, (int)F, 0, L->weight_scales, NULL);
+    *bias = mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_INT32, 1, &F, 0,
+                                mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    mpt__tfl_set_quant(g, *bias, (int)F, 0, bias_scale, NULL);
+    mpt__free(ctx, bias_scale);
+    return kernel;
+}
+
+/* FULLY_CONNECTED or CONV_2D with its weights [out, depth] (conv OHWI),
+   ReLU fused. */
+static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, int32_t x) {
+    int conv = L->op == MPT_QOP_CONV_2D;
+    int64_t shape[4];
+    int32_t kernel, bias = 0, y;
+    mpt__tfl_op *op;
+    shape[0] = L->out_channels;
+    shape[1] = conv ? L->kernel_size[0] : L->depth;
+    shape[2] = L->kernel_size[1];
+    shape[3] = conv ? L->depth / (L->kernel_size[0] * L->kernel_size[1]) : 0;
+    kernel = mpt__tfl_q_type(g) == MPT__TFL_INT8
+                 ? mpt__tfl_q_int8_weights(g, L, conv ? 4 : 2, shape, &bias)
+                 : mpt__tfl_q_float16_weights(g, L, conv ? 4 : 2, shape, &bias);
+    y = mpt__tfl_q_output(g, L);
+    op = mpt__tfl_op_add(g, conv ? MPT__TFL_CONV_2D : MPT__TFL_FULLY_CONNECTED, x, kernel, bias,
+                         3, y);
+    if (!op) return y;
+    if (conv) {
+        op->options = MPT__TFL_CONV2D_OPTIONS;
+        op->opt[0] = L->padding == MPT_PADDING_SAME ? MPT__TFL_SAME : MPT__TFL_VALID;
+        op->opt[1] = (int32_t)L->strides[1];
+        op->opt[2] = (int32_t)L->strides[0];
+        op->opt[3] = MPT__MAX(mpt__tfl_fused(L->activation), 0);
+        op->n_opt = 4;
+    } else {
+        op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
+        op->opt[0] = MPT__MAX(mpt__tfl_fused(L->activation), 0);
+        op->n_opt = 1;
+    }
+    return y;
+}
+
+/* An activation of its own in int8; its output's fixed scale and zero
+   point (softmax and sigmoid 1/256, −128; tanh 1/128, 0) are TFLite's. */
+static int32_t mpt__tfl_q_activation(mpt__tfl *g, const mpt_quantized_layer *L, int32_t x) {
+    int32_t y = mpt__tfl_q_output(g, L);
+    mpt__tfl_op *op;
+    float beta = 1.0f;
+    switch (L->activation) {
+    case MPT_ACT_RELU: mpt__tfl_op_add(g, MPT__TFL_RELU, x, 0, 0, 1, y); break;
+    case MPT_ACT_TANH: mpt__tfl_op_add(g, MPT__TFL_TANH, x, 0, 0, 1, y); break;
+    case MPT_ACT_SIGMOID: mpt__tfl_op_add(g, MPT__TFL_LOGISTIC, x, 0, 0, 1, y); break;
+    case MPT_ACT_GELU:
+        op = mpt__tfl_op_add(g, MPT__TFL_GELU, x, 0, 0, 1, y);
+        if (op) op->options = MPT__TFL_GELU_OPTIONS, op->n_opt = 1;
+        break;
+    default: /* softmax */
+        op = mpt__tfl_op_add(g, MPT__TFL_SOFTMAX, x, 0, 0, 1, y);
+        if (op) {
+            op->options = MPT__TFL_SOFTMAX_OPTIONS;
+            memcpy(&op->opt[0], &beta, 4);
+            op->n_opt = 1;
+        }
+        break;
+    }
+    return y;
+}
+
+/* One operation, reading int8 tensor x; returns its int8 output. Pooling
+   and reshaping keep their input's quantization, as TFLite requires. */
+static int32_t mpt__tfl_q_op(mpt__tfl *g, const mpt_quantized_layer *L, int32_t x) {
+    mpt__win w;
+    int32_t y, t;
+    int64_t pooled[3];
+    memset(&w, 0, sizeof w);
+    switch (L->op) {
+    case MPT_QOP_FULLY_CONNECTED:
+    case MPT_QOP_CONV_2D: return mpt__tfl_q_weighted(g, L, x);
+    case MPT_QOP_MAX_POOL_2D:
+    case MPT_QOP_AVERAGE_POOL_2D:
+        w.kh = L->kernel_size[0];
+        w.kw = L->kernel_size[1];
+        w.sh = L->strides[0];
+        w.sw = L->strides[1];
+        y = mpt__tfl_q_output(g, L);
+        mpt__tfl_pool(g, L->op == MPT_QOP_MAX_POOL_2D ? MPT__TFL_MAX_POOL_2D
+                                                      : MPT__TFL_AVERAGE_POOL_2D,
+                      &w, L->padding == MPT_PADDING_SAME ? MPT__TFL_SAME : MPT__TFL_VALID, x, y);
+        return y;
+    case MPT_QOP_GLOBAL_AVERAGE_POOL_2D: /* one window the size of the image, then (batch, C) */
+        w.kh = L->in_shape[0];
+        w.kw = L->in_shape[1];
+        w.sh = w.sw = 1;
+        pooled[0] = pooled[1] = 1;
+        pooled[2] = L->in_shape[2];
+        t = mpt__tfl_quantized_tensor(g, L->name, "pooled", mpt__tfl_q_type(g), 3, pooled,
+                                      &L->output);
+        mpt__tfl_pool(g, MPT__TFL_AVERAGE_POOL_2D, &w, MPT__TFL_VALID, x, t);
+        y = mpt__tfl_q_output(g, L);
+        mpt__tfl_to_vectors(g, L->name, L->in_shape[2], t, y);
+        return y;
+    case MPT_QOP_RESHAPE:
+        y = mpt__tfl_q_output(g, L);
+        mpt__tfl_to_vectors(g, L->name, L->out_shape[0], x, y);
+        return y;
+    default: return mpt__tfl_q_activation(g, L, x);
+    }
+}
+
+/* The whole model: its input tensor into *input, its output returned. */
+static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *input) {
+    mpt_quantized_info info;
+    mpt_quantized_layer L;
+    int64_t shape[MPT_MAX_RANK - 1];
+    int rank = mpt_model_input_shape(m, shape), i;
+    int io = m->quantized->io_dtype == MPT_UINT8  ? MPT__TFL_UINT8
+             : m->quantized->io_dtype == MPT_INT8 ? MPT__TFL_INT8
+                                                  : MPT__TFL_FLOAT32;
+    int32_t x, y;
+    mpt_model_quantized_info(m, &info);
+    if (io == MPT__TFL_FLOAT32)
+        *input = mpt__tfl_tensor_add(g, "input", "", io, rank, shape, 1, 0);
+    else
+        *input = mpt__tfl_quantized_tensor(g, "input", "", io, rank, shape, &info.input);
+    x = *input;
+    if (io != MPT__TFL_INT8 && mpt__tfl_q_type(g) == MPT__TFL_INT8) { /* to int8 at the first op's input quantization */
+        mpt_model_quantized_layer(m, 0, &L);
+        x = mpt__tfl_quantized_tensor(g, "input", "int8", MPT__TFL_INT8, rank, shape, &L.input);
+        mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, *input, 0, 0, 1, x);
+    }
+    for (i = 0; i < info.n_layers; i++) {
+        mpt_model_quantized_layer(m, i, &L);
+        x = mpt__tfl_q_op(g, &L, x);
+    }
+    if (io == MPT__TFL_INT8 || mpt__tfl_q_type(g) == MPT__TFL_FLOAT32) return x;
+    if (io == MPT__TFL_FLOAT32) {
+        y = mpt__tfl_tensor_add(g, "output", "", io, L.out_rank, L.out_shape, 1, 0);
+        mpt__tfl_op_add(g, MPT__TFL_DEQUANTIZE, x, 0, 0, 1, y);
+    } else {
+        y = mpt__tfl_quantized_tensor(g, "output", "", io, L.out_rank, L.out_shape, &info.output);
+        mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, x, 0, 0, 1, y);
+    }
+    return y;
 }
 
 /* ---- TFLite: serialising the graph -------------------------------------------------- */
@@ -20564,6 +20857,8 @@ static void mpt__tfl_free(mpt__tfl *g) {
     mpt_context *ctx = g->pl->m->ctx;
     int i;
     for (i = 0; i < g->n_buffers; i++) mpt__free(ctx, g->buffers[i].data);
+    for (i = 0; i < g->n_owned; i++) mpt__free(ctx, g->owned[i]);
+    mpt__free(ctx, g->owned);
     mpt__free(ctx, g->buffers);
     mpt__free(ctx, g->tensors);
     mpt__free(ctx, g->ops);
@@ -20589,9 +20884,13 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
     g.pl = &pl;
     b.ctx = m->ctx;
     mpt__tfl_buffer_add(&g, NULL, 0); /* the empty sentinel */
-    rank = mpt_model_input_shape(m, shape);
-    x = input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, rank, shape, 1, 0);
-    for (i = 0; i < pl.n; i++) x = mpt__tfl_step(&g, &pl.steps[i], x);
+    if (m->quantized) {
+        x = mpt__tfl_quantized_graph(&g, m, &input);
+    } else {
+        rank = mpt_model_input_shape(m, shape);
+        x = input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        for (i = 0; i < pl.n; i++) x = mpt__tfl_step(&g, &pl.steps[i], x);
+    }
     if (g.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory", path);
     else

@@ -18,8 +18,10 @@
    DIR/<model>_float16.tflite and .onnx (weights stored as float16), with
    mpt_model_export_tflite / mpt_model_export_onnx, and names them in those
    variants' lines ("tflite":"PATH","onnx":"PATH"); DIR is created if
-   missing. The int8 variants print "tflite":null,"onnx":null: the export
-   writes float models only so far (int8 export is not there yet).
+   missing. The full-integer model goes to DIR/<model>_full_int8.tflite
+   (mpt_model_export_tflite of the quantized model: int8 operations,
+   float32 input and output); its "onnx" and both of dynamic_int8's are
+   null, as the export does not write those yet.
 
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
@@ -100,7 +102,7 @@ static void copy_weights(mpt_model *from, mpt_model *to) {
 /* The files one variant was exported to (written 0: none). */
 typedef struct exported {
     char tflite[4096], onnx[4096];
-    int written;
+    int written, tflite_only; /* tflite_only: no .onnx */
 } exported;
 
 /* m as dir/<model>_<variant>.tflite and .onnx, its weights stored as
@@ -115,6 +117,18 @@ static mpt_status export_variant(mpt_model *m, const char *dir,
     s = mpt_model_export_tflite(m, files->tflite, &desc);
     if (s == MPT_OK) s = mpt_model_export_onnx(m, files->onnx, &desc);
     files->written = s == MPT_OK;
+    files->tflite_only = 0;
+    return s;
+}
+
+/* A full-integer quantized model q as dir/<model>_<variant>.tflite. */
+static mpt_status export_int8_variant(mpt_model *q, const char *dir, const char *model_name,
+                                      const char *variant, exported *files) {
+    mpt_status s;
+    snprintf(files->tflite, sizeof files->tflite, "%s/%s_%s.tflite", dir, model_name, variant);
+    s = mpt_model_export_tflite(q, files->tflite, NULL);
+    files->written = s == MPT_OK;
+    files->tflite_only = 1;
     return s;
 }
 
@@ -158,7 +172,7 @@ static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
            (double)out.shape[0] / seconds, mpt_context_num_threads(ctx));
     print_json_string(files->written ? files->tflite : NULL);
     fputs(",\"onnx\":", stdout);
-    print_json_string(files->written ? files->onnx : NULL);
+    print_json_string(files->written && !files->tflite_only ? files->onnx : NULL);
     fputs("}\n", stdout);
     fflush(stdout);
     mpt_tensor_free(ctx, &out);
@@ -239,11 +253,13 @@ int main(int argc, char **argv) {
             .calibration_samples = calibration }, &q));
         mpt_model_quantized_info(q, &info);
         /* The float16 files come from the float model, its weights stored
-           as float16 on the way out; int8 files cannot be written yet. */
+           as float16 on the way out; the full-integer .tflite from q. */
         files.written = 0;
         if (export_dir && variants[i].mode == MPT_QUANTIZE_FLOAT16)
             TRY(export_variant(model, export_dir, model_name, variants[i].name, MPT_FLOAT16,
                                &files));
+        if (export_dir && variants[i].mode == MPT_QUANTIZE_FULL_INTEGER)
+            TRY(export_int8_variant(q, export_dir, model_name, variants[i].name, &files));
         TRY(report(ctx, q, model_name, variants[i].name, info.size_bytes, test, o.batch_size,
                    &files));
         mpt_model_destroy(q);

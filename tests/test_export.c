@@ -738,8 +738,216 @@ static void test_unbuilt_model(void) {
     mpt_context_destroy(q);
 }
 
-/* A quantized model is refused with a message saying so, and nothing is
-   written (its operations are not exported yet). */
+/* ---- full-integer quantized models in LiteRT ---------------------------------------- */
+
+#define Q_SAMPLES 400 /* top-1 on 99.5 %: at most 2 samples may differ */
+#define Q_CALIBRATION 64
+
+static float xq_host[Q_SAMPLES * SAMPLE];
+static uint8_t xq_codes[Q_SAMPLES * SAMPLE]; /* uint8 io; as int8 for int8 io */
+
+/* Runs a quantized .tflite in LiteRT on the Q_SAMPLES inputs in x_path (in
+   the input tensor's dtype, which must be io), checks that its kernels are
+   int8 and its output is io, and writes the outputs as float32. */
+static const char *write_quantized_script(char *buf) {
+    FILE *f = fopen(path_of(buf, "run_int8.py"), "w");
+    if (!f) return NULL;
+    fputs("import sys, numpy as np\n"
+          "from ai_edge_litert.interpreter import Interpreter\n"
+          "model, xin, n, out, io = sys.argv[1:6]\n"
+          "it = Interpreter(model_path=model)\n"
+          "d, o = it.get_input_details()[0], it.get_output_details()[0]\n"
+          "assert np.dtype(d['dtype']) == np.dtype(io) and np.dtype(o['dtype']) == np.dtype(io), (d, o)\n"
+          "kinds = {t['name']: t for t in it.get_tensor_details()}\n"
+          "kernels = [t for name, t in kinds.items() if name.endswith('/kernel')]\n"
+          "assert kernels and all(np.dtype(t['dtype']) == np.int8 and\n"
+          "                       t['quantization_parameters']['quantized_dimension'] == 0 and\n"
+          "                       len(t['quantization_parameters']['scales']) == t['shape'][0]\n"
+          "                       for t in kernels), kernels\n"
+          "x = np.fromfile(xin, dtype=d['dtype']).reshape([int(n)] + list(d['shape'][1:]))\n"
+          "it.resize_tensor_input(d['index'], list(x.shape))\n"
+          "it.allocate_tensors()\n"
+          "it.set_tensor(d['index'], x)\n"
+          "it.invoke()\n"
+          "np.ascontiguousarray(it.get_tensor(o['index']), dtype='<f4').tofile(out)\n",
+          f);
+    fclose(f);
+    return buf;
+}
+
+/* qm's outputs for the Q_SAMPLES inputs in its io dtype, as float32 (codes
+   for uint8 and int8), into want (owned by the caller; NULL on failure). */
+static float *quantized_outputs(mpt_model *qm, mpt_dtype io, int64_t *per_sample) {
+    int64_t shape[MPT_MAX_RANK], k, count;
+    int rank = mpt_model_input_shape(qm, shape + 1);
+    mpt_tensor x, y;
+    float *want;
+    shape[0] = Q_SAMPLES;
+    mpt_tensor_wrap(ctx, &x, io, rank + 1, shape,
+                    io == MPT_FLOAT32 ? (void *)xq_host : (void *)xq_codes);
+    if (mpt_model_quantized_invoke(qm, &x, &y) != MPT_OK) {
+        CHECK(0, "quantized_invoke: %s", mpt_context_error(ctx));
+        return NULL;
+    }
+    count = mpt_tensor_count(&y);
+    *per_sample = count / Q_SAMPLES;
+    want = (float *)malloc(sizeof(float) * (size_t)count);
+    for (k = 0; want && k < count; k++)
+        want[k] = io == MPT_UINT8  ? (float)((const uint8_t *)y.data)[k]
+                  : io == MPT_INT8 ? (float)((const int8_t *)y.data)[k]
+                                   : ((const float *)y.data)[k];
+    mpt_tensor_free(ctx, &y);
+    return want;
+}
+
+/* The model quantized to full integer on Q_CALIBRATION of the samples. */
+static mpt_model *quantize_full_integer(mpt_model *m, mpt_dtype io) {
+    static int32_t labels[Q_CALIBRATION];
+    int64_t shape[MPT_MAX_RANK];
+    int rank = mpt_model_input_shape(m, shape);
+    mpt_tensor tx, ty;
+    mpt_dataset *data = NULL;
+    mpt_model *qm = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){Q_CALIBRATION, 28, 28, 1}, xq_host);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){Q_CALIBRATION}, labels);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK &&
+              mpt_dataset_reshape(ctx, data, rank, shape) == MPT_OK &&
+              mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                         .representative_data = data,
+                                                         .io_dtype = io}, &qm) == MPT_OK,
+          "quantize: %s", mpt_context_error(ctx));
+    mpt_dataset_destroy(data);
+    return qm;
+}
+
+/* One model quantized to full integer with io float32, uint8 or int8, exported,
+   run in LiteRT and compared with mpt_model_quantized_invoke in steps of
+   the output's scale: TFLite's kernels requantize with the same integer
+   multipliers, but round some sums (average pooling, softmax's and the
+   activations' tables) their own way, so an output may be one step off;
+   within one step on >= 99 % of the elements, top-1 the same on >= 99.5 %
+   of the samples (LiteRT's top class one of mpt.h's: the random models'
+   outputs tie often at softmax's 1/256). */
+static void check_full_integer(arch a, mpt_dtype io) {
+    char x_path[256], tfl[256], script[256], out[256], cmd[1400], name[64];
+    mpt_model *m, *qm = NULL;
+    mpt_quantized_info info;
+    float *want = NULL, *got = NULL;
+    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
+    double worst = 0, step;
+    FILE *f;
+    snprintf(name, sizeof name, "export_full_integer_%s_%s_io", arch_name(a), mpt_dtype_name(io));
+    test__begin();
+    test_seed(300 + 3 * a + (io == MPT_UINT8) + 2 * (io == MPT_INT8));
+    m = make_model(a, 0);
+    if (!test_python_imports("numpy, ai_edge_litert.interpreter") || !m) {
+        mpt_model_destroy(m);
+        test__end("%s", name);
+        return;
+    }
+    randomize(m);
+    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) {
+        xq_host[k] = (float)test_uniform(0, 1);
+        xq_codes[k] = (uint8_t)(test_uniform(0, 256));
+    }
+    qm = quantize_full_integer(m, io);
+    if (!qm) goto done;
+    mpt_model_quantized_info(qm, &info);
+    step = io == MPT_FLOAT32 ? (double)info.output.scale : 1.0;
+    want = quantized_outputs(qm, io, &per_sample);
+    count = per_sample * Q_SAMPLES;
+    snprintf(tfl, sizeof tfl, "%s/%s_%s_int8.tflite", dir, arch_name(a), mpt_dtype_name(io));
+    CHECK(mpt_model_export_tflite(qm, tfl, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
+    f = fopen(path_of(x_path, "xq.bin"), "wb");
+    if (!want || !f || !write_quantized_script(script)) {
+        if (f) fclose(f);
+        CHECK(0, "cannot write %s", x_path);
+        goto done;
+    }
+    if (io == MPT_FLOAT32) fwrite(xq_host, sizeof(float), Q_SAMPLES * SAMPLE, f);
+    else fwrite(xq_codes, 1, sizeof xq_codes, f);
+    fclose(f);
+    path_of(out, "yq.bin");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s %s", test_python(), script, tfl, x_path,
+             Q_SAMPLES, out, mpt_dtype_name(io));
+    if (system(cmd) != 0) {
+        CHECK(0, "LiteRT failed on %s (%s)", tfl, cmd);
+        goto done;
+    }
+    got = (float *)malloc(sizeof(float) * (size_t)count + 4);
+    f = fopen(out, "rb");
+    CHECK(got && f && (int64_t)fread(got, sizeof(float), (size_t)count + 1, f) == count,
+          "%s: LiteRT's outputs", name);
+    if (f) fclose(f);
+    if (!got) goto done;
+    for (k = 0; k < count; k++) {
+        double d = fabs((double)got[k] - (double)want[k]) / step;
+        within += d <= 1.001; /* one step, and float32's rounding of the dequantized value */
+        if (d > worst) worst = d;
+    }
+    for (i = 0; i < Q_SAMPLES; i++) { /* LiteRT's top class is one of mpt.h's (ties) */
+        const float *w = want + i * per_sample;
+        top1_same += w[argmax(got + i * per_sample, per_sample)] == w[argmax(w, per_sample)];
+    }
+    printf("# %s: LiteRT within one step of mpt.h on %lld of %lld outputs (largest %.3g steps), "
+           "top-1 the same on %lld of %d samples\n", name, (long long)within, (long long)count,
+           worst, (long long)top1_same, Q_SAMPLES);
+    CHECK(within >= 0.99 * (double)count, "%s: %lld of %lld outputs within one step", name,
+          (long long)within, (long long)count);
+    CHECK(top1_same >= 0.995 * Q_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
+          (long long)top1_same, Q_SAMPLES);
+done:
+    free(want);
+    free(got);
+    mpt_model_destroy(qm);
+    mpt_model_destroy(m);
+    test__end("%s", name);
+}
+
+/* A float16 quantized model: float16 kernels in the file, float32
+   compute; LiteRT's outputs within 1e-4 of its predict, top-1 identical. */
+static void check_float16_quantized(arch a) {
+    char x_path[256], tfl[256];
+    mpt_model *m = NULL, *qm = NULL;
+    mpt_tensor want;
+    float *got;
+    int64_t count;
+    test__begin();
+    memset(&want, 0, sizeof want);
+    if (!test_python_imports("numpy, ai_edge_litert.interpreter")) {
+        test__end("export_float16_quantized_%s", arch_name(a));
+        return;
+    }
+    test_seed(400 + a);
+    m = make_model(a, 0);
+    CHECK(m != NULL, "build: %s", mpt_context_error(ctx));
+    if (m && write_inputs(x_path)) {
+        randomize(m);
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FLOAT16}, &qm) ==
+                  MPT_OK,
+              "quantize: %s", mpt_context_error(ctx));
+        snprintf(tfl, sizeof tfl, "%s/%s_float16_quantized.tflite", dir, arch_name(a));
+        if (qm && mpt_model_export_tflite(qm, tfl, NULL) != MPT_OK)
+            CHECK(0, "export: %s", mpt_context_error(ctx));
+        else if (qm && predict(qm, x_host, &want)) {
+            count = mpt_tensor_count(&want);
+            got = (float *)malloc(sizeof(float) * (size_t)(count + 1));
+            if (got && run_runtime("tflite", tfl, x_path, "float16", got, count))
+                compare("LiteRT", got, (const float *)want.data, count,
+                        want.shape[want.rank - 1], 1e-4, 1);
+            free(got);
+        }
+    }
+    mpt_tensor_free(ctx, &want);
+    mpt_model_destroy(qm);
+    mpt_model_destroy(m);
+    test__end("export_float16_quantized_%s", arch_name(a));
+}
+
+/* A dynamic-range quantized model is refused by both formats with a
+   message saying so, and nothing is written (TFLite takes full-integer
+   ones only so far, ONNX none). */
 static void test_quantized_model_refused(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL, *qm = NULL;
@@ -866,6 +1074,12 @@ int main(void) {
     TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_tflite_quantization);
     TEST_RUN(test_onnx_qdq);
+    for (a = MLP; a <= CNN_OPEN; a++) {
+        check_full_integer((arch)a, MPT_FLOAT32);
+        check_full_integer((arch)a, MPT_UINT8);
+        check_full_integer((arch)a, MPT_INT8);
+    }
+    for (a = MLP; a <= CNN_OPEN; a++) check_float16_quantized((arch)a);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_quantized_model_refused);

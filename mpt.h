@@ -17986,6 +17986,7 @@ typedef struct mpt__qop {
     float *w;                  /* (N, K) folded float32 weights, while quantizing */
     float *bias;               /* (N) folded float32 bias                      */
     int8_t *wq;                /* (N, K) int8 modes                            */
+    mpt_qgemm_packed *wpacked; /* wq packed for the context's int8 kernels     */
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
     int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
@@ -18035,6 +18036,7 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->w);
     mpt__free(ctx, op->bias);
     mpt__free(ctx, op->wq);
+    mpt__qgemm_packed_free(ctx, op->wpacked);
     mpt__free(ctx, op->wscale);
     mpt__free(ctx, op->wh);
     mpt__free(ctx, op->bq);
@@ -18622,6 +18624,7 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         d.m = rows, d.n = N, d.k = K;
         d.a = a, d.lda = K;
         d.b = op->wq, d.ldb = K, d.trans_b = 1;
+        d.b_packed = op->wpacked;
         d.ldc = N;
         if (ex == MPT__QX_DYNAMIC) {
             mpt__qrows_job j;
@@ -18925,14 +18928,20 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
 }
 
 /* Symmetric per-channel int8 weights: scale max|w[c]|/127 (1 for a
-   channel of zeros), q in [−127, 127]. */
+   channel of zeros), q in [−127, 127], packed once for the products of
+   every later batch. */
 static mpt_status mpt__q_weights_int8(mpt_context *ctx, mpt__qop *op) {
     int64_t N = op->info.out_channels, K = op->info.depth;
+    mpt_qgemm_desc b;
     op->wq = (int8_t *)mpt__alloc(ctx, (size_t)(N * K));
     op->wscale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)N);
     if (!op->wq || !op->wscale)
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
     mpt__q_symmetric_rows(op->w, N, K, op->wq, op->wscale); /* ±127: −128 never appears */
+    memset(&b, 0, sizeof b);
+    b.n = N, b.k = K;
+    b.b = op->wq, b.ldb = K, b.trans_b = 1; /* [out, in] */
+    MPT__CHECK(mpt_qgemm_pack_b(ctx, &b, &op->wpacked));
     op->info.weights = op->wq;
     op->info.weight_scales = op->wscale;
     return MPT_OK;

@@ -521,10 +521,16 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *desc);
    split over rows and columns, never over K, and the arithmetic is
    integer, so the result is the same bit for bit on every thread count
    and SIMD path (AVX-512 VNNI, AVX-512, AVX2, portable C). A call
-   allocates the packed copy of B (K·N bytes, twice that without VNNI).
+   allocates the packed copy of B (K·N bytes, twice that without VNNI),
+   unless b_packed gives one that mpt_qgemm_pack_b made ahead of time:
+   constant weights are then packed once, not on every call, and the
+   result is the same bit for bit.
    ----------------------------------------------------------------------------- */
 
 #define MPT_QGEMM_MAX_K 32768 /* 255·255·32768 < 2^31 */
+
+/* B packed for one context's SIMD path (mpt_qgemm_pack_b); opaque. */
+typedef struct mpt_qgemm_packed mpt_qgemm_packed;
 
 typedef struct mpt_qgemm_desc {
     int64_t m, n, k;
@@ -533,6 +539,9 @@ typedef struct mpt_qgemm_desc {
     int32_t a_zero_point;         /* default 0; in [-128, 127] ([0, 255] uint8)  */
     const int8_t *b; int64_t ldb; /* K×N, or N×K with trans_b                   */
     int trans_b;                  /* default 0: B is K×N                        */
+    const mpt_qgemm_packed *b_packed; /* default NULL: B is packed by the call; else
+                                     B packed ahead, of this n and k (b, ldb and
+                                     trans_b are then unread)                   */
     int32_t b_zero_point;         /* default 0 (symmetric weights); [-128, 127]  */
     const int32_t *bias;          /* default NULL; else n values added per row   */
     /* Exactly one of c and c_int8, both with leading dimension ldc. */
@@ -549,6 +558,19 @@ typedef struct mpt_qgemm_desc {
 } mpt_qgemm_desc;
 
 MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *desc);
+
+/* Packs desc's B (its n, k, b, ldb and trans_b; the other fields are
+   unread) into *packed, in the layout of ctx's SIMD path, for any number
+   of later mpt_qgemm calls on ctx (or on a context with the same CPU
+   features) that name it in b_packed. The packed copy holds K·N bytes
+   (twice that without VNNI) and the column sums; it does not refer to b.
+   Errors as mpt_qgemm's for B's shape and leading dimension. A packed B
+   is only read: calls on several threads may share it. */
+MPTDEF mpt_status mpt_qgemm_pack_b(mpt_context *ctx, const mpt_qgemm_desc *desc,
+                                   mpt_qgemm_packed **packed);
+
+/* Frees a packed B (NULL is ignored); ctx is the one that packed it. */
+MPTDEF void mpt_qgemm_packed_free(mpt_context *ctx, mpt_qgemm_packed *packed);
 
 /* TFLite's QuantizeMultiplier: real ≈ multiplier · 2^(shift − 31), with
    multiplier in [2^30, 2^31) rounded to nearest (ties away from zero) and
@@ -4264,7 +4286,8 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    bytes for vpdpbusd (and the portable kernel), 2 k as int16 for the
    AVX-512 and AVX2 kernels, whose vpmaddwd multiplies and adds pairs of
    int16 exactly (vpmaddubsw would saturate its int16 pair sums). B is
-   packed once per call, whole (K ≤ MPT_QGEMM_MAX_K), in panels of NR
+   packed once per call (or ahead, by mpt_qgemm_pack_b, into the same
+   layout), whole (K ≤ MPT_QGEMM_MAX_K), in panels of NR
    columns × every group, [group][column][4 bytes | 2 int16], zero-padded;
    a last panel of at most NR/2 columns is packed NR/2 wide. Each task
    packs an MR-row panel of A, [group][row][...], into its thread's scratch
@@ -4848,41 +4871,73 @@ static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
 #endif
 }
 
-/* The product of a checked descriptor with m, n > 0. */
+/* B packed in the layout of one path (nr, quads: the micro-kernel's),
+   with its column sums; by mpt_qgemm_pack_b, or by a call for itself. */
+struct mpt_qgemm_packed {
+    int64_t n, k;
+    int nr, quads;   /* the layout: which kernels can read it            */
+    uint8_t *bpack;  /* the panels, then (n) column sums at colsum        */
+    int32_t *colsum;
+};
+
+/* The packing layout's name, for a message. */
+static const char *mpt__qgemm_layout_name(int nr, int quads) {
+    return nr == 32 ? (quads ? "avx512 vnni" : "avx512") : nr == 16 ? "avx2" : "portable";
+}
+
+/* Packs the checked B of d into p (fields and block) for job's kernel;
+   serial, or over ctx's threads (the bytes are the same either way). */
+static mpt_status mpt__qgemm_pack(mpt_context *ctx, const mpt_qgemm_desc *d, mpt__qgemm_job *job,
+                                  int serial, mpt_qgemm_packed *p) {
+    const int64_t panels = (d->n + job->nr - 1) / job->nr;
+    int64_t bbytes, q;
+    if (!mpt__mul_ok(panels * job->nr, job->kg * 4, &bbytes) ||
+        !mpt__add_ok((bbytes + 63) / 64 * 64, d->n * 4, &bbytes) || (uint64_t)bbytes > SIZE_MAX)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: the packed B (k = %lld, n = %lld) "
+                         "overflows", (long long)d->k, (long long)d->n);
+    p->n = d->n, p->k = d->k, p->nr = job->nr, p->quads = job->quads;
+    p->bpack = (uint8_t *)mpt__alloc(ctx, (size_t)bbytes);
+    if (!p->bpack)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "qgemm: cannot allocate %lld bytes for the packed B (k = %lld, n = %lld)",
+                         (long long)bbytes, (long long)d->k, (long long)d->n);
+    p->colsum = (int32_t *)(void *)(p->bpack + (panels * job->nr * job->kg * 4 + 63) / 64 * 64);
+    job->bpack = p->bpack;
+    job->colsum = p->colsum;
+    if (serial)
+        for (q = 0; q < panels; q++) mpt__qgemm_pack_b_task(job, q, 0);
+    else
+        mpt__parallel_for(ctx, panels, mpt__qgemm_pack_b_task, job);
+    return MPT_OK;
+}
+
+/* The product of a checked descriptor with m, n > 0 (and a b_packed of
+   this n, k and ctx's layout). */
 static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     mpt__qgemm_job job;
-    int64_t panels, bbytes, macs;
+    mpt_qgemm_packed own;
+    int64_t macs;
     int serial;
+    memset(&own, 0, sizeof own);
     memset(&job, 0, sizeof job);
     job.d = d;
     job.ctx = ctx;
     mpt__qgemm_choose_kernel(&job, ctx->cpu);
     job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
     job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
-    panels = (d->n + job.nr - 1) / job.nr;
-    if (!mpt__mul_ok(panels * job.nr, job.kg * 4, &bbytes) ||
-        !mpt__add_ok((bbytes + 63) / 64 * 64, d->n * 4, &bbytes) || (uint64_t)bbytes > SIZE_MAX)
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: the packed B (k = %lld, n = %lld) "
-                         "overflows", (long long)d->k, (long long)d->n);
-    job.bpack = (uint8_t *)mpt__alloc(ctx, (size_t)bbytes);
-    if (!job.bpack)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
-                         "qgemm: cannot allocate %lld bytes for the packed B (k = %lld, n = %lld)",
-                         (long long)bbytes, (long long)d->k, (long long)d->n);
-    job.colsum = (int32_t *)(void *)(job.bpack + (panels * job.nr * job.kg * 4 + 63) / 64 * 64);
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
     serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
-    if (serial) {
-        int64_t p;
-        for (p = 0; p < panels; p++) mpt__qgemm_pack_b_task(&job, p, 0);
+    if (d->b_packed) {
+        job.bpack = d->b_packed->bpack;
+        job.colsum = d->b_packed->colsum;
     } else {
-        mpt__parallel_for(ctx, panels, mpt__qgemm_pack_b_task, &job);
+        MPT__CHECK(mpt__qgemm_pack(ctx, d, &job, serial, &own));
     }
     mpt__qgemm_plan_tasks(&job, ctx->num_threads, serial);
     mpt__parallel_for(ctx, ((d->m + job.task_rows - 1) / job.task_rows) * job.tasks_n,
                       mpt__qgemm_task, &job);
-    mpt__free(ctx, job.bpack);
+    if (!d->b_packed) mpt__free(ctx, own.bpack);
     return MPT_OK;
 }
 
@@ -4944,9 +4999,8 @@ static mpt_status mpt__qgemm_check_requant(mpt_context *ctx, const mpt_qgemm_des
     return MPT_OK;
 }
 
-MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!d) return MPT_OK; /* NULL: every default, the empty product */
+/* m, n, k not negative, and k within MPT_QGEMM_MAX_K. */
+static mpt_status mpt__qgemm_check_depth(mpt_context *ctx, const mpt_qgemm_desc *d) {
     if (d->m < 0 || d->n < 0 || d->k < 0)
         return mpt__fail(ctx, MPT_ERR_SHAPE, "qgemm: m = %lld, n = %lld, k = %lld (negative)",
                          (long long)d->m, (long long)d->n, (long long)d->k);
@@ -4954,6 +5008,36 @@ MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
         return mpt__fail(ctx, MPT_ERR_SHAPE,
                          "qgemm: k = %lld is more than MPT_QGEMM_MAX_K = %d, past which the "
                          "int32 sums could overflow", (long long)d->k, MPT_QGEMM_MAX_K);
+    return MPT_OK;
+}
+
+static mpt_status mpt__qgemm_check_b(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    return mpt__qgemm_check_operand(ctx, "b", d->b, d->trans_b ? d->n : d->k,
+                                    d->trans_b ? d->k : d->n, d->ldb, "ldb");
+}
+
+/* A b_packed of the call's n and k, packed for the kernels ctx runs. */
+static mpt_status mpt__qgemm_check_packed(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    const mpt_qgemm_packed *p = d->b_packed;
+    mpt__qgemm_job job;
+    if (p->n != d->n || p->k != d->k)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "qgemm: b_packed holds a B of n = %lld, k = %lld; "
+                         "the call has n = %lld, k = %lld", (long long)p->n, (long long)p->k,
+                         (long long)d->n, (long long)d->k);
+    memset(&job, 0, sizeof job);
+    mpt__qgemm_choose_kernel(&job, ctx->cpu);
+    if (p->nr != job.nr || p->quads != job.quads)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: b_packed was packed for the %s "
+                         "kernels; this context runs the %s ones (pack B with it)",
+                         mpt__qgemm_layout_name(p->nr, p->quads),
+                         mpt__qgemm_layout_name(job.nr, job.quads));
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d) return MPT_OK; /* NULL: every default, the empty product */
+    MPT__CHECK(mpt__qgemm_check_depth(ctx, d));
     if ((d->trans_b != 0 && d->trans_b != 1) || (d->a_unsigned != 0 && d->a_unsigned != 1) ||
         (d->per_channel != 0 && d->per_channel != 1))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -4979,9 +5063,50 @@ MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
                                         d->c ? (const void *)d->c : (const void *)d->c_int8,
                                         d->m, d->n, d->ldc, "ldc"));
     MPT__CHECK(mpt__qgemm_check_operand(ctx, "a", d->a, d->m, d->k, d->lda, "lda"));
-    MPT__CHECK(mpt__qgemm_check_operand(ctx, "b", d->b, d->trans_b ? d->n : d->k,
-                                        d->trans_b ? d->k : d->n, d->ldb, "ldb"));
+    if (d->b_packed) MPT__CHECK(mpt__qgemm_check_packed(ctx, d));
+    else MPT__CHECK(mpt__qgemm_check_b(ctx, d));
     return mpt__qgemm(ctx, d);
+}
+
+MPTDEF mpt_status mpt_qgemm_pack_b(mpt_context *ctx, const mpt_qgemm_desc *d,
+                                   mpt_qgemm_packed **packed) {
+    mpt__qgemm_job job;
+    mpt_qgemm_packed *p;
+    mpt_status s;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d || !packed)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm_pack_b: %s is NULL",
+                         d ? "packed" : "desc");
+    *packed = NULL;
+    MPT__CHECK(mpt__qgemm_check_depth(ctx, d));
+    if (d->trans_b != 0 && d->trans_b != 1)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm_pack_b: trans_b = %d (0 or 1)",
+                         d->trans_b);
+    MPT__CHECK(mpt__qgemm_check_b(ctx, d));
+    p = (mpt_qgemm_packed *)mpt__calloc(ctx, sizeof *p);
+    if (!p) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "qgemm_pack_b: out of memory");
+    memset(&job, 0, sizeof job);
+    job.d = d;
+    job.ctx = ctx;
+    mpt__qgemm_choose_kernel(&job, ctx->cpu);
+    job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
+    s = mpt__qgemm_pack(ctx, d, &job, ctx->num_threads <= 1 || d->n * d->k < (1 << 16), p);
+    if (s != MPT_OK) {
+        mpt__free(ctx, p);
+        return s;
+    }
+    *packed = p;
+    return MPT_OK;
+}
+
+static void mpt__qgemm_packed_free(const mpt_context *ctx, mpt_qgemm_packed *packed) {
+    if (!ctx || !packed) return;
+    mpt__free(ctx, packed->bpack);
+    mpt__free(ctx, packed);
+}
+
+MPTDEF void mpt_qgemm_packed_free(mpt_context *ctx, mpt_qgemm_packed *packed) {
+    mpt__qgemm_packed_free(ctx, packed);
 }
 
 MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t *multiplier,
@@ -18184,6 +18309,7 @@ typedef struct mpt__qop {
     float *w;                  /* (N, K) folded float32 weights, while quantizing */
     float *bias;               /* (N) folded float32 bias                      */
     int8_t *wq;                /* (N, K) int8 modes                            */
+    mpt_qgemm_packed *wpacked; /* wq packed for the context's int8 kernels     */
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
     int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
@@ -18233,6 +18359,7 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->w);
     mpt__free(ctx, op->bias);
     mpt__free(ctx, op->wq);
+    mpt__qgemm_packed_free(ctx, op->wpacked);
     mpt__free(ctx, op->wscale);
     mpt__free(ctx, op->wh);
     mpt__free(ctx, op->bq);
@@ -18820,6 +18947,7 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         d.m = rows, d.n = N, d.k = K;
         d.a = a, d.lda = K;
         d.b = op->wq, d.ldb = K, d.trans_b = 1;
+        d.b_packed = op->wpacked;
         d.ldc = N;
         if (ex == MPT__QX_DYNAMIC) {
             mpt__qrows_job j;
@@ -19123,14 +19251,20 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
 }
 
 /* Symmetric per-channel int8 weights: scale max|w[c]|/127 (1 for a
-   channel of zeros), q in [−127, 127]. */
+   channel of zeros), q in [−127, 127], packed once for the products of
+   every later batch. */
 static mpt_status mpt__q_weights_int8(mpt_context *ctx, mpt__qop *op) {
     int64_t N = op->info.out_channels, K = op->info.depth;
+    mpt_qgemm_desc b;
     op->wq = (int8_t *)mpt__alloc(ctx, (size_t)(N * K));
     op->wscale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)N);
     if (!op->wq || !op->wscale)
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
     mpt__q_symmetric_rows(op->w, N, K, op->wq, op->wscale); /* ±127: −128 never appears */
+    memset(&b, 0, sizeof b);
+    b.n = N, b.k = K;
+    b.b = op->wq, b.ldb = K, b.trans_b = 1; /* [out, in] */
+    MPT__CHECK(mpt_qgemm_pack_b(ctx, &b, &op->wpacked));
     op->info.weights = op->wq;
     op->info.weight_scales = op->wscale;
     return MPT_OK;

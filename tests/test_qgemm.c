@@ -85,10 +85,11 @@ typedef struct qdata {
     int8_t *ref8;
 } qdata;
 
-/* Random operands, the int32 reference (int64 triple loop) and, for int8
-   output, multipliers scaled to the sums (some saturate) and the int8
-   reference. */
-static void make_case(const qcase *q, qdata *x) {
+/* Random operands (B a copy of fixed_b with zero point fixed_zb when
+   fixed_b is given), the int32 reference (int64 triple loop) and, for
+   int8 output, multipliers scaled to the sums (some saturate) and the
+   int8 reference. */
+static void make_case_b(const qcase *q, qdata *x, const int8_t *fixed_b, int32_t fixed_zb) {
     mpt_qgemm_desc *d = &x->d;
     int64_t i, j, k, na, nb, maxabs = 1;
     int64_t b_rows = q->trans_b ? q->n : q->k, b_cols = q->trans_b ? q->k : q->n;
@@ -117,6 +118,10 @@ static void make_case(const qcase *q, qdata *x) {
     if (nb > 0) {
         x->b[0] = -128;
         x->b[nb - 1 - q->pad_b] = 127;
+    }
+    if (fixed_b) {
+        memcpy(x->b, fixed_b, (size_t)(nb > 0 ? nb : 0));
+        d->b_zero_point = fixed_zb;
     }
     d->a = x->a;
     d->b = x->b;
@@ -178,6 +183,8 @@ static void make_case(const qcase *q, qdata *x) {
     }
 }
 
+static void make_case(const qcase *q, qdata *x) { make_case_b(q, x, NULL, 0); }
+
 static void free_case(qdata *x) {
     free(x->a);
     free(x->b);
@@ -188,14 +195,43 @@ static void free_case(qdata *x) {
     free(x->ref8);
 }
 
-/* Runs the product on ctx into poisoned output; 1 if every element equals
-   the reference and the padding kept its poison. */
-static int run_and_compare(mpt_context *ctx, const qcase *q, qdata *x, char *why, size_t size) {
+/* Packs x's B on pack_ctx from a copy that is overwritten and freed
+   right after (the packed B must not refer to it); NULL on failure. */
+static mpt_qgemm_packed *pack_copy(mpt_context *pack_ctx, const qcase *q, const qdata *x) {
+    mpt_qgemm_desc d = x->d;
+    int64_t nb = (q->trans_b ? q->n : q->k) * d.ldb;
+    int8_t *copy = (int8_t *)malloc((size_t)(nb > 0 ? nb : 1));
+    mpt_qgemm_packed *packed = NULL;
+    if (nb > 0) memcpy(copy, x->b, (size_t)nb);
+    d.b = copy;
+    if (mpt_qgemm_pack_b(pack_ctx, &d, &packed) != MPT_OK) packed = NULL;
+    memset(copy, 0x33, (size_t)(nb > 0 ? nb : 1));
+    free(copy);
+    return packed;
+}
+
+/* Runs the product on ctx into poisoned output, with B as given or (with
+   a pack_ctx) packed ahead on pack_ctx and b left NULL; 1 if every element
+   equals the reference and the padding kept its poison. */
+static int run_and_compare(mpt_context *ctx, mpt_context *pack_ctx, const qcase *q, qdata *x,
+                           char *why, size_t size) {
     mpt_qgemm_desc d = x->d;
     int64_t i, j, nc = q->m * d.ldc;
     int ok = 1;
     void *out = malloc((size_t)(nc > 0 ? nc : 1) * 4);
+    mpt_qgemm_packed *packed = NULL;
     mpt_status st;
+    if (pack_ctx) {
+        packed = pack_copy(pack_ctx, q, x);
+        if (!packed) {
+            snprintf(why, size, "mpt_qgemm_pack_b failed: %.200s", mpt_context_error(pack_ctx));
+            free(out);
+            return 0;
+        }
+        d.b_packed = packed;
+        d.b = NULL;
+        d.ldb = 0;
+    }
     if (q->int8_out) {
         memset(out, POISON8, (size_t)(nc > 0 ? nc : 1));
         d.c_int8 = (int8_t *)out;
@@ -204,6 +240,7 @@ static int run_and_compare(mpt_context *ctx, const qcase *q, qdata *x, char *why
         d.c = (int32_t *)out;
     }
     st = mpt_qgemm(ctx, &d);
+    mpt_qgemm_packed_free(pack_ctx, packed);
     if (st != MPT_OK) {
         snprintf(why, size, "status %d: %.200s", (int)st, mpt_context_error(ctx));
         free(out);
@@ -267,14 +304,18 @@ static void test_shapes(void) {
                 cases++;
                 make_case(&q, &x);
                 for (p = 0; p < N_PATHS; p++)
-                    for (t = 0; t < 2 && have[p]; t++) {
+                    for (t = 0; t < 4 && have[p]; t++) {
+                        /* t: 1 and 2 threads, B packed by the call, then packed
+                           ahead on the other thread count */
+                        mpt_context *pack = t < 2 ? NULL : ctx[p][3 - t];
                         char w[256];
-                        if (failed[p] || run_and_compare(ctx[p][t], &q, &x, w, sizeof w))
+                        if (failed[p] || run_and_compare(ctx[p][t % 2], pack, &q, &x, w, sizeof w))
                             continue;
                         failed[p] = 1;
                         snprintf(why[p], sizeof why[p],
-                                 "m %lld n %lld k %lld, %d thread(s), trans_b %d, %s A, %s: %.150s",
-                                 (long long)q.m, (long long)q.n, (long long)q.k, t + 1,
+                                 "m %lld n %lld k %lld, %d thread(s), B %s, trans_b %d, %s A, "
+                                 "%s: %.150s", (long long)q.m, (long long)q.n, (long long)q.k,
+                                 t % 2 + 1, pack ? "packed ahead" : "packed by the call",
                                  q.trans_b, q.a_unsigned ? "uint8" : "int8",
                                  q.int8_out ? "int8 out" : "int32 out", w);
                     }
@@ -285,7 +326,8 @@ static void test_shapes(void) {
         if (!ctx[p][0] || !ctx[p][1]) CHECK(0, "context creation failed");
         else if (!have[p]) SKIP("this CPU lacks the path");
         else CHECK(!failed[p], "%s", why[p]);
-        test__end("qgemm %d shapes bit-exact, 1 and 2 threads, %s", cases, paths[p].name);
+        test__end("qgemm %d shapes bit-exact, 1 and 2 threads, B packed by the call and "
+                  "ahead, %s", cases, paths[p].name);
         for (t = 0; t < 2; t++) mpt_context_destroy(ctx[p][t]);
     }
 }
@@ -318,13 +360,16 @@ static void test_large(void) {
                 char w[256];
                 test_seed(500 + (unsigned)c);
                 make_case(&cases[c], &x);
-                CHECK(run_and_compare(ctx, &cases[c], &x, w, sizeof w), "case %d, %d threads: %s",
-                      c, t, w);
+                CHECK(run_and_compare(ctx, NULL, &cases[c], &x, w, sizeof w),
+                      "case %d, %d threads: %s", c, t, w);
+                CHECK(run_and_compare(ctx, ctx, &cases[c], &x, w, sizeof w),
+                      "case %d, %d threads, B packed ahead: %s", c, t, w);
                 free_case(&x);
             }
             mpt_context_destroy(ctx);
         }
-        test__end("qgemm large products, 1-3 threads, %s", paths[p].name);
+        test__end("qgemm large products, 1-3 threads, B packed by the call and ahead, %s",
+                  paths[p].name);
     }
 }
 
@@ -546,7 +591,59 @@ static void test_empty_depth(void) {
     CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "k = 0, int8: %s", mpt_context_error(ctx));
     CHECK(c8[0] == 4 && c8[1] == -4 && c8[2] == 127 && c8[3] == 4, "k = 0, int8: %d %d %d %d",
           c8[0], c8[1], c8[2], c8[3]); /* 3.5 → 4, −4.5 → −4, 500 → 127 */
+    { /* a B of depth 0 packed ahead: the same */
+        mpt_qgemm_packed *packed = NULL;
+        CHECK(mpt_qgemm_pack_b(ctx, &d, &packed) == MPT_OK, "k = 0 pack: %s",
+              mpt_context_error(ctx));
+        d.b_packed = packed;
+        memset(c8, POISON8, sizeof c8);
+        CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "k = 0, packed: %s", mpt_context_error(ctx));
+        CHECK(c8[0] == 4 && c8[1] == -4 && c8[2] == 127 && c8[3] == 4,
+              "k = 0, packed: %d %d %d %d", c8[0], c8[1], c8[2], c8[3]);
+        mpt_qgemm_packed_free(ctx, packed);
+    }
     mpt_context_destroy(ctx);
+}
+
+/* One B packed once serves many products: new A, A's zero point and
+   output kind each call, with b NULL; every result equals the reference,
+   on each path. */
+static void test_packed_reuse(void) {
+    int p, r;
+    for (p = 0; p < N_PATHS; p++) {
+        mpt_context *ctx = make_ctx(2, paths[p].disable);
+        mpt_qgemm_packed *packed = NULL;
+        qcase q;
+        qdata first;
+        test__begin();
+        if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+            SKIP("this CPU lacks the path");
+            test__end("qgemm one packed B over many products, %s", paths[p].name);
+            mpt_context_destroy(ctx);
+            continue;
+        }
+        memset(&q, 0, sizeof q);
+        q.m = 45, q.n = 71, q.k = 203, q.trans_b = 1, q.bias = 1, q.per_channel = 1;
+        test_seed(900 + (unsigned)p);
+        make_case(&q, &first);
+        CHECK(mpt_qgemm_pack_b(ctx, &first.d, &packed) == MPT_OK, "%s", mpt_context_error(ctx));
+        for (r = 0; packed && r < 6; r++) {
+            qdata x;
+            char w[256];
+            q.int8_out = r & 1;
+            q.a_unsigned = r % 3 == 0;
+            q.m = 1 + 37 * r;
+            make_case_b(&q, &x, first.b, first.d.b_zero_point);
+            x.d.b_packed = packed;
+            x.d.b = NULL;
+            CHECK(run_and_compare(ctx, NULL, &q, &x, w, sizeof w), "product %d: %s", r, w);
+            free_case(&x);
+        }
+        test__end("qgemm one packed B over many products, %s", paths[p].name);
+        mpt_qgemm_packed_free(ctx, packed);
+        free_case(&first);
+        mpt_context_destroy(ctx);
+    }
 }
 
 static void expect_error(mpt_context *ctx, const mpt_qgemm_desc *d, mpt_status want,
@@ -633,12 +730,71 @@ static void test_bad_arguments(void) {
     mpt_context_destroy(ctx);
 }
 
+/* mpt_qgemm_pack_b's own errors, and a packed B that does not fit the call. */
+static void test_bad_packed(void) {
+    mpt_context *ctx = make_ctx(1, 0), *portable = make_ctx(1, ~0);
+    int8_t a[64], b[64];
+    int32_t c[64];
+    mpt_qgemm_desc good, d;
+    mpt_qgemm_packed *packed = NULL, *other = NULL;
+    memset(a, 1, sizeof a);
+    memset(b, 2, sizeof b);
+    memset(&good, 0, sizeof good);
+    good.m = 4, good.n = 5, good.k = 6;
+    good.a = a, good.lda = 6;
+    good.b = b, good.ldb = 5;
+    good.c = c, good.ldc = 5;
+    CHECK(mpt_qgemm_pack_b(NULL, &good, &packed) == MPT_ERR_INVALID_ARGUMENT, "NULL context");
+    CHECK(mpt_qgemm_pack_b(ctx, NULL, &packed) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(ctx), "desc is NULL"), "NULL desc: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_qgemm_pack_b(ctx, &good, NULL) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(ctx), "packed is NULL"), "NULL out: %s",
+          mpt_context_error(ctx));
+    d = good; d.b = NULL;
+    CHECK(mpt_qgemm_pack_b(ctx, &d, &packed) == MPT_ERR_INVALID_ARGUMENT && !packed &&
+              strstr(mpt_context_error(ctx), "b is NULL"), "NULL b: %s", mpt_context_error(ctx));
+    d = good; d.ldb = 4;
+    CHECK(mpt_qgemm_pack_b(ctx, &d, &packed) == MPT_ERR_SHAPE && !packed &&
+              strstr(mpt_context_error(ctx), "ldb = 4"), "ldb < n: %s", mpt_context_error(ctx));
+    d = good; d.k = MPT_QGEMM_MAX_K + 1;
+    CHECK(mpt_qgemm_pack_b(ctx, &d, &packed) == MPT_ERR_SHAPE && !packed &&
+              strstr(mpt_context_error(ctx), "MPT_QGEMM_MAX_K"), "k too large: %s",
+          mpt_context_error(ctx));
+    d = good; d.trans_b = 3;
+    CHECK(mpt_qgemm_pack_b(ctx, &d, &packed) == MPT_ERR_INVALID_ARGUMENT && !packed &&
+              strstr(mpt_context_error(ctx), "trans_b = 3"), "bad trans_b: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_qgemm_pack_b(ctx, &good, &packed) == MPT_OK, "%s", mpt_context_error(ctx));
+    d = good; d.b_packed = packed; d.b = NULL;
+    CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "packed call: %s", mpt_context_error(ctx));
+    d.n = 4, d.ldc = 4;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "b_packed holds a B of n = 5, k = 6", "packed n");
+    d = good; d.b_packed = packed; d.k = 5;
+    expect_error(ctx, &d, MPT_ERR_SHAPE, "the call has n = 5, k = 5", "packed k");
+    CHECK(portable && mpt_qgemm_pack_b(portable, &good, &other) == MPT_OK, "portable pack");
+    d = good; d.b_packed = other;
+    if (mpt_context_cpu_features(ctx) & MPT_CPU_AVX2)
+        expect_error(ctx, &d, MPT_ERR_INVALID_ARGUMENT, "packed for the portable kernels",
+                     "packed for another path");
+    else
+        CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "same path: %s", mpt_context_error(ctx));
+    mpt_qgemm_packed_free(ctx, packed);
+    mpt_qgemm_packed_free(portable, other);
+    mpt_qgemm_packed_free(ctx, NULL);
+    mpt_qgemm_packed_free(NULL, NULL);
+    mpt_context_destroy(portable);
+    mpt_context_destroy(ctx);
+}
+
 int main(void) {
     TEST_RUN(test_bad_arguments);
+    TEST_RUN(test_bad_packed);
     TEST_RUN(test_quantize_multiplier);
     TEST_RUN(test_rounding_and_saturation);
     TEST_RUN(test_empty_depth);
     test_extremes();
+    test_packed_reuse();
     test_shapes();
     test_large();
     return test_summary("test_qgemm");

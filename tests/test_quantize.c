@@ -952,6 +952,44 @@ static void test_allocation_failures(void) {
     CHECK(succeeded && refused > 5, "%d refusals before success", refused);
 }
 
+/* The int8 weights are packed once, when quantizing: a predict in 12
+   batches allocates no more blocks than one in a single batch, for every
+   model and int8 mode, and the outputs are the same. */
+static void test_weights_packed_once(void) {
+    int kind, mode;
+    make_samples(23);
+    for (kind = MODEL_CNN; kind <= MODEL_WIDE; kind++)
+        for (mode = MPT_QUANTIZE_DYNAMIC_RANGE; mode <= MPT_QUANTIZE_FULL_INTEGER; mode++) {
+            counting_alloc a = {0, 0, -1};
+            mpt_context *ctx = counting_ctx(&a);
+            mpt_model *m = make_model(ctx, kind, 950);
+            mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+            mpt_tensor one, many;
+            long before, allocs_one, allocs_many;
+            memset(&one, 0, sizeof one);
+            memset(&many, 0, sizeof many);
+            before = a.allocs;
+            CHECK(q && mpt_model_predict(q, d, N_SAMPLES, &one) == MPT_OK, "predict: %s",
+                  mpt_context_error(ctx));
+            allocs_one = a.allocs - before;
+            before = a.allocs;
+            CHECK(q && mpt_model_predict(q, d, N_SAMPLES / 12, &many) == MPT_OK, "predict: %s",
+                  mpt_context_error(ctx));
+            allocs_many = a.allocs - before;
+            CHECK(allocs_many == allocs_one, "model %d mode %d: %ld blocks allocated in 12 "
+                  "batches, %ld in one", kind, mode, allocs_many, allocs_one);
+            CHECK(one.data && many.data && !memcmp(one.data, many.data, mpt_tensor_bytes(&one)),
+                  "model %d mode %d: 12 batches differ from one", kind, mode);
+            mpt_tensor_free(ctx, &one);
+            mpt_tensor_free(ctx, &many);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
+}
+
 int main(void) {
     TEST_RUN(test_rounding_ties_away_from_zero);
     TEST_RUN(test_batchnorm_folding_float);
@@ -965,5 +1003,6 @@ int main(void) {
     TEST_RUN(test_trained_model_accuracy);
     TEST_RUN(test_bad_input);
     TEST_RUN(test_allocation_failures);
+    TEST_RUN(test_weights_packed_once);
     return test_summary("test_quantize");
 }

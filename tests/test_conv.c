@@ -362,6 +362,143 @@ static void test_max_pool_exact(void) {
     }
 }
 
+/* Max pooling against the plain scan, bit for bit: each window's pixels in
+   order, a value taken where it is larger or NaN over a number (the first
+   largest wins, the first NaN wins). Inputs hold exact ties, ±0, ±inf and
+   NaN (forward and backward), or only the finite ones (predict, whose
+   datasets refuse the others), all exact in the dtype; channels on both
+   sides of the 16 that the kernel takes at a time. */
+static float pool_value(int special) {
+    static const float finite[] = {0.0f, -0.0f, 0.5f, -0.5f, 1.0f, -1.25f, 2.0f};
+    int k = test_randint(0, special ? 10 : 7);
+    if (k < 7) return finite[k];
+    if (k == 7) return (float)test_randint(-64, 64) / 64.0f;
+    return k == 8 ? NAN : k == 9 ? INFINITY : -INFINITY;
+}
+
+/* y (batch, oh, ow, c) and, where dy is given, dx (batch, h, w, c) in float32. */
+static void scan_max_pool(const geom *g, int64_t batch, const float *x, const float *dy, float *y,
+                          float *dx) {
+    int64_t oh, ow, top, left, b, oy, ox, ch, u, v;
+    geom_out(g, &oh, &ow, &top, &left);
+    if (dx) memset(dx, 0, sizeof(float) * (size_t)(batch * g->h * g->w * g->c));
+    for (b = 0; b < batch; b++)
+        for (oy = 0; oy < oh; oy++)
+            for (ox = 0; ox < ow; ox++)
+                for (ch = 0; ch < g->c; ch++) {
+                    const int64_t o = ((b * oh + oy) * ow + ox) * g->c + ch;
+                    int64_t at = -1;
+                    float best = -INFINITY;
+                    for (u = 0; u < g->kh; u++)
+                        for (v = 0; v < g->kw; v++) {
+                            int64_t yy = oy * g->sh - top + u, xx = ox * g->sw - left + v, k;
+                            if (yy < 0 || yy >= g->h || xx < 0 || xx >= g->w) continue;
+                            k = ((b * g->h + yy) * g->w + xx) * g->c + ch;
+                            if (at < 0) at = k; /* kept while nothing beats -inf */
+                            if (x[k] > best || (x[k] != x[k] && best == best)) best = x[k], at = k;
+                        }
+                    y[o] = best;
+                    if (dx) dx[at] += dy[o];
+                }
+}
+
+/* a and b the same floats, NaN matching NaN and -0 not matching 0. */
+static int same_bits(const float *a, const float *b, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++)
+        if (!(a[i] != a[i] && b[i] != b[i]) && memcmp(&a[i], &b[i], sizeof(float)) != 0) return 0;
+    return 1;
+}
+
+static void check_max_pool_scan(int threads, int64_t batch, geom g, mpt_dtype dtype) {
+    mpt_context *c = NULL;
+    mpt_model *m = NULL;
+    mpt_dataset *data = NULL;
+    mpt_pool2d_desc p;
+    int64_t oh, ow, top, left, n_in = batch * g.h * g.w * g.c, n_out, i;
+    int64_t xs[4], ys[1];
+    float *x, *dy, *y_ref, *dx_ref, *got;
+    int32_t *labels;
+    mpt_tensor tx, ty, tdy, tdx, tlabels, out;
+    int pass;
+    test__begin();
+    geom_out(&g, &oh, &ow, &top, &left);
+    n_out = batch * oh * ow * g.c;
+    mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c);
+    memset(&p, 0, sizeof p);
+    p.pool_size[0] = g.kh, p.pool_size[1] = g.kw, p.strides[0] = g.sh, p.strides[1] = g.sw;
+    p.padding = g.pad;
+    p.dtype = dtype;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {g.h, g.w, g.c}, .input_rank = 3}, &m);
+    CHECK(mpt_model_add_max_pooling2d(m, &p) == MPT_OK, "add");
+    CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(c));
+    x = (float *)calloc((size_t)n_in, sizeof(float));
+    dx_ref = (float *)calloc((size_t)n_in, sizeof(float));
+    got = (float *)calloc((size_t)(n_in > n_out ? n_in : n_out), sizeof(float));
+    dy = (float *)calloc((size_t)n_out, sizeof(float));
+    y_ref = (float *)calloc((size_t)n_out, sizeof(float));
+    labels = (int32_t *)calloc((size_t)batch, sizeof(int32_t));
+    xs[0] = batch, xs[1] = g.h, xs[2] = g.w, xs[3] = g.c;
+    ys[0] = batch;
+    for (pass = 0; pass < 2; pass++) { /* 0: forward and backward; 1: predict */
+        for (i = 0; i < n_in; i++) x[i] = pool_value(pass == 0);
+        mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, xs, x);
+        if (pass == 0) {
+            for (i = 0; i < n_out; i++) dy[i] = (float)test_randint(-64, 64) / 16.0f;
+            scan_max_pool(&g, batch, x, dy, y_ref, dx_ref);
+            CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+            mpt_convert(c, MPT_FLOAT32, got, dtype, ty.data, n_out);
+            CHECK(same_bits(got, y_ref, n_out), "forward: y differs from the scan");
+            tdy = ty;
+            tdy.dtype = MPT_FLOAT32;
+            tdy.data = dy;
+            CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
+            /* the sums of dy where windows overlap, rounded to the dtype as the layer does */
+            mpt_convert(c, dtype, got, MPT_FLOAT32, dx_ref, n_in);
+            mpt_convert(c, MPT_FLOAT32, dx_ref, dtype, got, n_in);
+            mpt_convert(c, MPT_FLOAT32, got, dtype, tdx.data, n_in);
+            CHECK(same_bits(got, dx_ref, n_in), "backward: dx differs from the scan's argmax");
+        } else {
+            scan_max_pool(&g, batch, x, NULL, y_ref, NULL);
+            mpt_tensor_wrap(c, &tlabels, MPT_INT32, 1, ys, labels);
+            CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &tlabels}, &data) ==
+                      MPT_OK, "dataset: %s", mpt_context_error(c));
+            /* batches of 2: the last one short when the batch is odd */
+            CHECK(mpt_model_predict(m, data, 2, &out) == MPT_OK, "predict: %s",
+                  mpt_context_error(c));
+            CHECK(same_bits((const float *)out.data, y_ref, n_out),
+                  "predict differs from the scan");
+            mpt_tensor_free(c, &out);
+            mpt_dataset_destroy(data);
+        }
+    }
+    free(x); free(dx_ref); free(got); free(dy); free(y_ref); free(labels);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+    test__end("max_pool scan %d thread%s B=%lld in=(%lld,%lld,%lld) k=(%lld,%lld) s=(%lld,%lld) %s %s",
+              threads, threads > 1 ? "s" : "", (long long)batch, (long long)g.h, (long long)g.w,
+              (long long)g.c, (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.sw,
+              pad_name(g.pad), mpt_dtype_name(dtype));
+}
+
+static void test_max_pool_scan(void) {
+    static const int64_t channels[] = {1, 15, 16, 17, 32, 33, 47};
+    int k, threads;
+    for (threads = 1; threads <= 2; threads++) {
+        geom cnn = {26, 26, 32, 2, 2, 2, 2, MPT_PADDING_VALID}; /* cnn_small's pooling */
+        geom overlap = {9, 7, 33, 3, 3, 2, 1, MPT_PADDING_SAME};
+        check_max_pool_scan(threads, 3, cnn, MPT_FLOAT32);
+        check_max_pool_scan(threads, 5, overlap, MPT_FLOAT32);
+        check_max_pool_scan(threads, 3, overlap, MPT_BFLOAT16);
+        for (k = 0; k < 7; k++) {
+            geom g;
+            random_geom(&g, 9, 1, 4);
+            g.c = channels[k];
+            check_max_pool_scan(threads, test_randint(1, 5), g, dtypes[k % 3]);
+        }
+    }
+}
+
 /* ---- a chain: Conv2D -> MaxPooling2D -> Flatten -> Dense ------------------------ */
 
 typedef struct chain_ref {
@@ -1172,6 +1309,7 @@ int main(void) {
     test_conv_gradients();
     test_pool_gradients();
     test_max_pool_exact();
+    test_max_pool_scan();
     test_chain_gradients();
     test_half_chain_gradients();
     mpt_context_destroy(ctx);

@@ -7906,11 +7906,11 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
 }
 
 #if MPT__X86
-/* mpt__max_window across 16 channels at a time: the same comparisons lane
-   by lane (a pixel wins when it is greater, or a NaN over a number; the
-   first one wins ties), so the same maxima and argmaxes. The scalar loop,
-   one channel at a time with a data-dependent branch, was a fifth of the
-   small CNN's step. */
+/* mpt__max_window in 512-bit lanes, the channel tail masked: the same
+   rule as mpt__max_takes lane by lane (a pixel wins when it is greater, or
+   a NaN over a number; the first one wins ties), so the same maxima and
+   argmaxes. The portable version is branch-free too, but without -march
+   the compiler vectorizes it to 128 bits only. */
 MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const float *x,
                                                       int64_t r0, int64_t r1, int64_t c0,
                                                       int64_t c1, float *y, int32_t *arg) {

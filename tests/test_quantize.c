@@ -691,7 +691,7 @@ done:
 static void test_trained_model_accuracy(void) {
     mpt_context *ctx = threads_ctx(2);
     mpt_model *m = NULL, *q[3] = {NULL, NULL, NULL};
-    mpt_dataset *train, *test;
+    mpt_dataset *train = NULL, *test = NULL;
     mpt_logs lf, lq;
     float *x = (float *)malloc(sizeof(float) * 512 * H * W * C);
     int32_t *y = (int32_t *)malloc(sizeof(int32_t) * 512);
@@ -708,7 +708,7 @@ static void test_trained_model_accuracy(void) {
     {
         mpt_tensor tx, ty;
         int64_t xs[4] = {512, H, W, C}, ys[1] = {512};
-        mpt_dataset *all;
+        mpt_dataset *all = NULL;
         mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, x);
         mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, y);
         mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &all);

@@ -21541,6 +21541,17 @@ static void mpt__onnx_q_constant(mpt__onnx *o, const char *layer, const char *wh
     mpt__pb_end(&o->nodes, body);
 }
 
+/* mpt__onnx_layout for a quantized value: a Transpose, when one is needed,
+   between DequantizeLinear and QuantizeLinear at p of its own, so that the
+   op after it reads a DequantizeLinear, as ONNX Runtime's fusion wants. */
+static void mpt__onnx_q_layout(mpt__onnx *o, const mpt__layer *named, int nchw,
+                               const mpt_quant_params *p) {
+    int before = o->nchw;
+    mpt__onnx_layout(o, named, nchw);
+    if (o->nchw != before)
+        mpt__onnx_qdq(o, named->name, nchw ? "nchw_quantized" : "nhwc_quantized", p);
+}
+
 /* Gemm or Conv from int8 weights and an int32 bias, ReLU after it. */
 static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named) {
     const mpt_quantized_layer *L = &op->info;
@@ -21556,7 +21567,8 @@ static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__la
     if (w && b && bias_scale) {
         for (f = 0; f < F; f++) { /* conv: OHWI -> (F, C, kh, kw); dense: as it is */
             for (p = 0; p < khw && conv; p++)
-                for (c = 0; c < C; c++) w[(f * C + c) * khw + p] = L->weights[(f * khw + p) * C + c];
+                for (c = 0; c < C; c++)
+                    w[(f * C + c) * khw + p] = L->weights[(f * khw + p) * C + c];
             mpt__tb_put_le(b + 4 * f, (uint32_t)L->bias_int32[f], 4);
             bias_scale[f] = L->input.scale * L->weight_scales[f];
         }
@@ -21576,7 +21588,7 @@ static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__la
     mpt__free(ctx, bias_scale);
     snprintf(kernel, sizeof kernel, "%s/kernel", L->name);
     snprintf(bias, sizeof bias, "%s/bias", L->name);
-    if (conv) mpt__onnx_layout(o, named, 1);
+    if (conv) mpt__onnx_q_layout(o, named, 1, &L->input);
     snprintf(y, sizeof y, "%s/linear", L->name);
     body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
     if (conv) mpt__onnx_window(&o->nodes, &op->g);
@@ -21602,7 +21614,7 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     case MPT_QOP_CONV_2D: mpt__onnx_q_weighted(o, op, &named); return;
     case MPT_QOP_MAX_POOL_2D:
     case MPT_QOP_AVERAGE_POOL_2D:
-        mpt__onnx_layout(o, &named, 1);
+        mpt__onnx_q_layout(o, &named, 1, &L->input);
         snprintf(y, sizeof y, "%s/pooled", L->name);
         body = mpt__onnx_node(o, L->op == MPT_QOP_MAX_POOL_2D ? "MaxPool" : "AveragePool", y,
                               o->x, NULL, NULL);
@@ -21612,13 +21624,15 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
         mpt__onnx_qdq(o, L->name, "output", &L->output);
         return;
     case MPT_QOP_GLOBAL_AVERAGE_POOL_2D:
-        mpt__onnx_layout(o, &named, 1);
+        mpt__onnx_q_layout(o, &named, 1, &L->input);
         mpt__onnx_unary(o, &named, "GlobalAveragePool", "pooled");
         mpt__onnx_flatten(o, &named);
         mpt__onnx_qdq(o, L->name, "output", &L->output);
         return;
-    case MPT_QOP_RESHAPE: /* the same values in mpt.h's order: no new quantization */
+    case MPT_QOP_RESHAPE: /* the same values in mpt.h's order, quantized again for the op after */
+        mpt__onnx_q_layout(o, &named, 0, &L->input);
         mpt__onnx_flatten(o, &named);
+        mpt__onnx_qdq(o, L->name, "output", &L->output);
         return;
     default:
         s.kind = MPT__EXPORT_ACTIVATION;

@@ -926,7 +926,8 @@ static const char *write_qdq_script(char *buf) {
           "ops = [node.op_type for node in proto.graph.node]\n"
           "assert 'QuantizeLinear' in ops and 'DequantizeLinear' in ops, ops\n"
           "s = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
-          "x = np.fromfile(xin, dtype='<f4').reshape([int(n)] + list(s.get_inputs()[0].shape[1:]))\n"
+          "shape = [int(n)] + list(s.get_inputs()[0].shape[1:])\n"
+          "x = np.fromfile(xin, dtype='<f4').reshape(shape)\n"
           "y = s.run(None, {'input': x})[0]\n"
           "np.ascontiguousarray(y, dtype='<f4').tofile(out)\n",
           f);

@@ -909,7 +909,10 @@ done:
 
 /* Runs a QDQ .onnx in ONNX Runtime (after onnx.checker) on the Q_SAMPLES
    float32 inputs in x_path, checks that its kernels are int8 initializers
-   dequantized per axis, and writes the outputs as float32. */
+   dequantized per axis and that ONNX Runtime's optimized graph runs int8
+   kernels (every Gemm a QGemm, a Flatten before it included; Conv mostly
+   QLinearConv, though it leaves cnn_gap's 5×5 stride-2 one in float), and
+   writes the outputs as float32. */
 static const char *write_qdq_script(char *buf) {
     FILE *f = fopen(path_of(buf, "run_qdq.py"), "w");
     if (!f) return NULL;
@@ -925,7 +928,11 @@ static const char *write_qdq_script(char *buf) {
           "           for t in kernels)\n"
           "ops = [node.op_type for node in proto.graph.node]\n"
           "assert 'QuantizeLinear' in ops and 'DequantizeLinear' in ops, ops\n"
-          "s = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+          "options = ort.SessionOptions()\n"
+          "options.optimized_model_filepath = model + '.optimized.onnx'\n"
+          "s = ort.InferenceSession(model, options, providers=['CPUExecutionProvider'])\n"
+          "fused = [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]\n"
+          "assert 'Gemm' not in fused and {'QGemm', 'QLinearConv'} & set(fused), fused\n"
           "shape = [int(n)] + list(s.get_inputs()[0].shape[1:])\n"
           "x = np.fromfile(xin, dtype='<f4').reshape(shape)\n"
           "y = s.run(None, {'input': x})[0]\n"

@@ -1612,8 +1612,15 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    of mpt_model_quantized_invoke to within one step of the output's scale
    (its kernels round a few sums their own way). A float16 quantized model
    goes to TFLite as its operations in float32, float16 kernels with a
-   DEQUANTIZE and float32 biases. A dynamic-range model, and any quantized
-   model to ONNX, give MPT_ERR_UNSUPPORTED.
+   DEQUANTIZE and float32 biases. A full-integer model goes to ONNX in the
+   QDQ form ONNX Runtime fuses into int8 kernels: float32 input and output,
+   each operation's float op between DequantizeLinear of its int8 inputs
+   (weights per output channel, int32 biases at scale input·weight[c]) and
+   QuantizeLinear/DequantizeLinear at its output's scale and zero point
+   (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
+   to within two steps of the output's scale (it rounds in float, or in its
+   own int8 kernels). A dynamic-range model, and a float16 one to ONNX,
+   give MPT_ERR_UNSUPPORTED.
    A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves
@@ -19994,16 +20001,20 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
-/* A quantized model: TFLite takes a full-integer or float16 one (written
-   from its operations by @impl-export-tflite); dynamic-range, and ONNX,
-   are not written yet. */
+/* A quantized model: TFLite takes a full-integer or float16 one, ONNX a
+   full-integer one (written from its operations by @impl-export-tflite
+   and @impl-export-onnx); dynamic-range, and float16 to ONNX, are not
+   written yet. */
 static mpt_status mpt__export_quantized_check(const mpt__export_plan *pl) {
     static const char *mode[] = {"dynamic-range", "full-integer", "float16"};
     mpt_quantize_mode q = pl->m->quantized->mode;
-    if (q != MPT_QUANTIZE_DYNAMIC_RANGE && strcmp(pl->format, "TFLite") == 0) return MPT_OK;
+    if (q == MPT_QUANTIZE_FULL_INTEGER ||
+        (q == MPT_QUANTIZE_FLOAT16 && strcmp(pl->format, "TFLite") == 0))
+        return MPT_OK;
     return mpt__fail(pl->m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the model is quantized "
                      "(mpt_model_quantize, %s), which this export does not write (TFLite takes "
-                     "full-integer and float16 ones); export the float model it came from", pl->format,
+                     "full-integer and float16 ones, ONNX full-integer ones); export the float "
+                     "model it came from", pl->format,
                      pl->path, mode[q]);
 }
 
@@ -21097,7 +21108,7 @@ enum { /* TensorProto.DataType */
 };
 enum { MPT__ONNX_ATTR_INT = 2, MPT__ONNX_ATTR_INTS = 7 }; /* AttributeProto.AttributeType */
 #define MPT__ONNX_IR_VERSION 7 /* what opset 13 needs */
-#define MPT__ONNX_OPSET 13     /* per-axis QuantizeLinear for a later int8 export */
+#define MPT__ONNX_OPSET 13     /* per-axis DequantizeLinear for the int8 weights */
 
 typedef struct mpt__onnx {
     mpt__export_plan *pl;
@@ -21448,6 +21459,206 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
 
+/* ---- ONNX: a full-integer quantized model in the QDQ form ---------------------------
+
+   Each of the model's operations (mpt_model_quantized_layer) as the float
+   op between DequantizeLinear and QuantizeLinear, the form ONNX Runtime
+   recognises and fuses into int8 kernels: the float32 input quantized and
+   dequantized at the first operation's input parameters; Gemm (B the int8
+   [out, in] kernel, transB 1, per-axis along 0) and Conv (the OHWI kernel
+   as int8 (F, C, kh, kw), per-axis along 0) with their int32 biases at
+   scale input·weight[c], ReLU after them; pooling, Flatten and the
+   activations as float ops; every result quantized and dequantized at the
+   operation's output parameters. The float helpers above name their nodes
+   after a layer: one carrying the operation's name stands in for it. */
+
+/* A float32 scalar or (n) vector initializer "<layer>/<what>". */
+static void mpt__onnx_floats(mpt__onnx *o, const char *name, int rank, int64_t n,
+                             const float *v) {
+    size_t body;
+    unsigned char *data = mpt__onnx_initializer(o, name, MPT__ONNX_FLOAT, rank, &n,
+                                                4 * (size_t)n, &body);
+    int64_t i;
+    for (i = 0; data && i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &v[i], 4);
+        mpt__tb_put_le(data + 4 * i, bits, 4);
+    }
+    mpt__pb_end(&o->inits, body);
+}
+
+/* An integer initializer of `elem` bytes per value (int8 1, int32 4); v NULL: zeros. */
+static void mpt__onnx_ints(mpt__onnx *o, const char *name, int data_type, int elem, int rank,
+                           const int64_t *dims, int64_t n, const int32_t *v) {
+    size_t body;
+    unsigned char *data = mpt__onnx_initializer(o, name, data_type, rank, dims,
+                                                (size_t)elem * (size_t)n, &body);
+    int64_t i;
+    for (i = 0; data && i < n; i++)
+        mpt__tb_put_le(data + (size_t)elem * (size_t)i, (uint32_t)(v ? v[i] : 0), elem);
+    mpt__pb_end(&o->inits, body);
+}
+
+/* QuantizeLinear then DequantizeLinear of the running value at p (int8,
+   per tensor): "<layer>/<what>" is the dequantized result. */
+static void mpt__onnx_qdq(mpt__onnx *o, const char *layer, const char *what,
+                          const mpt_quant_params *p) {
+    char scale[128], zero[128], q[128], y[96];
+    snprintf(scale, sizeof scale, "%s/%s_scale", layer, what);
+    snprintf(zero, sizeof zero, "%s/%s_zero_point", layer, what);
+    snprintf(q, sizeof q, "%s/%s_int8", layer, what);
+    snprintf(y, sizeof y, "%s/%s", layer, what);
+    mpt__onnx_floats(o, scale, 0, 1, &p->scale);
+    mpt__onnx_ints(o, zero, MPT__ONNX_INT8, 1, 0, NULL, 1, &p->zero_point);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "QuantizeLinear", q, o->x, scale, zero));
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "DequantizeLinear", y, q, scale, zero));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* A per-axis (along 0) quantized constant: `stored` (int8 weights or
+   int32 biases, with their scales and zero zero points) and its
+   DequantizeLinear into "<layer>/<what>". */
+static void mpt__onnx_q_constant(mpt__onnx *o, const char *layer, const char *what,
+                                 int data_type, int rank, const int64_t *dims,
+                                 const unsigned char *stored, const float *scales) {
+    char name[128], scale[128], zero[128], y[96];
+    int elem = data_type == MPT__ONNX_INT8 ? 1 : 4;
+    int64_t n = 1, i;
+    size_t body;
+    unsigned char *data;
+    for (i = 0; i < rank; i++) n *= dims[i];
+    snprintf(name, sizeof name, "%s/%s_quantized", layer, what);
+    snprintf(scale, sizeof scale, "%s/%s_scale", layer, what);
+    snprintf(zero, sizeof zero, "%s/%s_zero_point", layer, what);
+    snprintf(y, sizeof y, "%s/%s", layer, what);
+    data = mpt__onnx_initializer(o, name, data_type, rank, dims, (size_t)(elem * n), &body);
+    if (data) memcpy(data, stored, (size_t)(elem * n)); /* int8, or int32 little-endian */
+    mpt__pb_end(&o->inits, body);
+    mpt__onnx_floats(o, scale, 1, dims[0], scales);
+    mpt__onnx_ints(o, zero, data_type, elem, 1, dims, dims[0], NULL);
+    body = mpt__onnx_node(o, "DequantizeLinear", y, name, scale, zero);
+    mpt__onnx_attr_int(&o->nodes, "axis", 0);
+    mpt__pb_end(&o->nodes, body);
+}
+
+/* mpt__onnx_layout for a quantized value: a Transpose, when one is needed,
+   between DequantizeLinear and QuantizeLinear at p of its own, so that the
+   op after it reads a DequantizeLinear, as ONNX Runtime's fusion wants. */
+static void mpt__onnx_q_layout(mpt__onnx *o, const mpt__layer *named, int nchw,
+                               const mpt_quant_params *p) {
+    int before = o->nchw;
+    mpt__onnx_layout(o, named, nchw);
+    if (o->nchw != before)
+        mpt__onnx_qdq(o, named->name, nchw ? "nchw_quantized" : "nhwc_quantized", p);
+}
+
+/* Gemm or Conv from int8 weights and an int32 bias, ReLU after it. */
+static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named) {
+    const mpt_quantized_layer *L = &op->info;
+    const mpt_context *ctx = o->pl->m->ctx;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    int64_t F = L->out_channels, n = F * L->depth, dims[4];
+    int64_t khw = conv ? op->g.kh * op->g.kw : 1, C = L->depth / khw, f, c, p;
+    int8_t *w = (int8_t *)mpt__alloc(ctx, (size_t)n + 1);
+    unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
+    float *bias_scale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)F + 1);
+    char kernel[96], bias[96], y[96];
+    size_t body;
+    if (w && b && bias_scale) {
+        for (f = 0; f < F; f++) { /* conv: OHWI -> (F, C, kh, kw); dense: as it is */
+            for (p = 0; p < khw && conv; p++)
+                for (c = 0; c < C; c++)
+                    w[(f * C + c) * khw + p] = L->weights[(f * khw + p) * C + c];
+            mpt__tb_put_le(b + 4 * f, (uint32_t)L->bias_int32[f], 4);
+            bias_scale[f] = L->input.scale * L->weight_scales[f];
+        }
+        if (!conv) memcpy(w, L->weights, (size_t)n);
+        dims[0] = F;
+        dims[1] = conv ? C : L->depth;
+        dims[2] = op->g.kh;
+        dims[3] = op->g.kw;
+        mpt__onnx_q_constant(o, L->name, "kernel", MPT__ONNX_INT8, conv ? 4 : 2, dims,
+                             (const unsigned char *)w, L->weight_scales);
+        mpt__onnx_q_constant(o, L->name, "bias", MPT__ONNX_INT32, 1, dims, b, bias_scale);
+    } else {
+        o->nodes.failed = 1;
+    }
+    mpt__free(ctx, w);
+    mpt__free(ctx, b);
+    mpt__free(ctx, bias_scale);
+    snprintf(kernel, sizeof kernel, "%s/kernel", L->name);
+    snprintf(bias, sizeof bias, "%s/bias", L->name);
+    if (conv) mpt__onnx_q_layout(o, named, 1, &L->input);
+    snprintf(y, sizeof y, "%s/linear", L->name);
+    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
+    if (conv) mpt__onnx_window(&o->nodes, &op->g);
+    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+    mpt__onnx_qdq(o, L->name, "output", &L->output);
+}
+
+/* One operation on the running (dequantized) value. */
+static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
+    const mpt_quantized_layer *L = &op->info;
+    mpt__layer named;
+    mpt__export_step s;
+    char y[96];
+    size_t body;
+    memset(&named, 0, sizeof named);
+    memset(&s, 0, sizeof s);
+    snprintf(named.name, sizeof named.name, "%s", L->name);
+    switch (L->op) {
+    case MPT_QOP_FULLY_CONNECTED:
+    case MPT_QOP_CONV_2D: mpt__onnx_q_weighted(o, op, &named); return;
+    case MPT_QOP_MAX_POOL_2D:
+    case MPT_QOP_AVERAGE_POOL_2D:
+        mpt__onnx_q_layout(o, &named, 1, &L->input);
+        snprintf(y, sizeof y, "%s/pooled", L->name);
+        body = mpt__onnx_node(o, L->op == MPT_QOP_MAX_POOL_2D ? "MaxPool" : "AveragePool", y,
+                              o->x, NULL, NULL);
+        mpt__onnx_window(&o->nodes, &op->g); /* AveragePool: count_include_pad 0, as mpt.h */
+        mpt__pb_end(&o->nodes, body);
+        snprintf(o->x, sizeof o->x, "%s", y);
+        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        return;
+    case MPT_QOP_GLOBAL_AVERAGE_POOL_2D:
+        mpt__onnx_q_layout(o, &named, 1, &L->input);
+        mpt__onnx_unary(o, &named, "GlobalAveragePool", "pooled");
+        mpt__onnx_flatten(o, &named);
+        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        return;
+    case MPT_QOP_RESHAPE: /* the same values in mpt.h's order, quantized again for the op after */
+        mpt__onnx_q_layout(o, &named, 0, &L->input);
+        mpt__onnx_flatten(o, &named);
+        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        return;
+    default:
+        s.kind = MPT__EXPORT_ACTIVATION;
+        s.L = &named;
+        s.act = L->activation;
+        mpt__onnx_activation(o, &s);
+        mpt__onnx_qdq(o, L->name, "activation_output", &L->output);
+        return;
+    }
+}
+
+/* The whole model from its float32 input to its float32 output, NHWC;
+   the output's shape into out_shape. */
+static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
+    const mpt__quantized *Q = o->pl->m->quantized;
+    mpt__layer named;
+    int i;
+    mpt__onnx_qdq(o, "input", "quantized", &Q->ops[0].info.input);
+    for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
+    memset(&named, 0, sizeof named);
+    snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);
+    mpt__onnx_layout(o, &named, 0);
+    memcpy(out_shape, Q->ops[Q->n_ops - 1].info.out_shape, sizeof Q->ops[0].info.out_shape);
+    return Q->ops[Q->n_ops - 1].info.out_rank;
+}
+
 MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
                                         const mpt_export_desc *desc) {
     mpt__export_plan pl;
@@ -21469,11 +21680,15 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
     snprintf(o.x, sizeof o.x, "input");
     o.rank = 1 + m->desc.input_rank;
     o.nchw = 0;
-    for (i = 0; i < pl.n; i++) mpt__onnx_step(&o, &pl.steps[i]);
-    if (pl.n) mpt__onnx_layout(&o, pl.steps[pl.n - 1].L, 0); /* the output is NHWC */
     in_rank = mpt_model_input_shape(m, in_shape);
-    out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
-    if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
+    if (m->quantized) {
+        out_rank = mpt__onnx_quantized_graph(&o, out_shape);
+    } else {
+        for (i = 0; i < pl.n; i++) mpt__onnx_step(&o, &pl.steps[i]);
+        if (pl.n) mpt__onnx_layout(&o, pl.steps[pl.n - 1].L, 0); /* the output is NHWC */
+        out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
+        if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
+    }
     mpt__onnx_model(&o, in_rank, in_shape, out_rank, out_shape, &b);
     if (b.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);

@@ -20,8 +20,10 @@
    variants' lines ("tflite":"PATH","onnx":"PATH"); DIR is created if
    missing. The full-integer model goes to DIR/<model>_full_int8.tflite
    (mpt_model_export_tflite of the quantized model: int8 operations,
-   float32 input and output); its "onnx" and both of dynamic_int8's are
-   null, as the export does not write those yet.
+   float32 input and output) and DIR/<model>_full_int8.onnx
+   (mpt_model_export_onnx: the QDQ form, float32 input and output);
+   dynamic_int8's "tflite" and "onnx" are null, as the export does not
+   write those yet.
 
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
@@ -121,14 +123,17 @@ static mpt_status export_variant(mpt_model *m, const char *dir,
     return s;
 }
 
-/* A full-integer quantized model q as dir/<model>_<variant>.tflite. */
+/* A full-integer quantized model q as dir/<model>_<variant>.tflite and
+   .onnx (QDQ). */
 static mpt_status export_int8_variant(mpt_model *q, const char *dir, const char *model_name,
                                       const char *variant, exported *files) {
     mpt_status s;
     snprintf(files->tflite, sizeof files->tflite, "%s/%s_%s.tflite", dir, model_name, variant);
+    snprintf(files->onnx, sizeof files->onnx, "%s/%s_%s.onnx", dir, model_name, variant);
     s = mpt_model_export_tflite(q, files->tflite, NULL);
+    if (s == MPT_OK) s = mpt_model_export_onnx(q, files->onnx, NULL);
     files->written = s == MPT_OK;
-    files->tflite_only = 1;
+    files->tflite_only = 0;
     return s;
 }
 
@@ -253,7 +258,7 @@ int main(int argc, char **argv) {
             .calibration_samples = calibration }, &q));
         mpt_model_quantized_info(q, &info);
         /* The float16 files come from the float model, its weights stored
-           as float16 on the way out; the full-integer .tflite from q. */
+           as float16 on the way out; the full-integer .tflite and .onnx from q. */
         files.written = 0;
         if (export_dir && variants[i].mode == MPT_QUANTIZE_FLOAT16)
             TRY(export_variant(model, export_dir, model_name, variants[i].name, MPT_FLOAT16,

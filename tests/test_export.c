@@ -905,6 +905,126 @@ done:
     test__end("%s", name);
 }
 
+/* ---- full-integer quantized models in ONNX Runtime ---------------------------------- */
+
+/* Runs a QDQ .onnx in ONNX Runtime (after onnx.checker) on the Q_SAMPLES
+   float32 inputs in x_path, checks that its kernels are int8 initializers
+   dequantized per axis and that ONNX Runtime's optimized graph runs int8
+   kernels (every Gemm a QGemm, a Flatten before it included; Conv mostly
+   QLinearConv, though it leaves cnn_gap's 5×5 stride-2 one in float), and
+   writes the outputs as float32. */
+static const char *write_qdq_script(char *buf) {
+    FILE *f = fopen(path_of(buf, "run_qdq.py"), "w");
+    if (!f) return NULL;
+    fputs("import sys, numpy as np, onnx, onnxruntime as ort\n"
+          "model, xin, n, out = sys.argv[1:5]\n"
+          "proto = onnx.load(model)\n"
+          "onnx.checker.check_model(proto, full_check=True)\n"
+          "inits = {t.name: t for t in proto.graph.initializer}\n"
+          "kernels = [t for name, t in inits.items() if name.endswith('/kernel_quantized')]\n"
+          "assert kernels and all(t.data_type == onnx.TensorProto.INT8 for t in kernels)\n"
+          "assert all(len(inits[t.name.replace('_quantized', '_scale')].dims) == 1 and\n"
+          "           inits[t.name.replace('_quantized', '_scale')].dims[0] == t.dims[0]\n"
+          "           for t in kernels)\n"
+          "ops = [node.op_type for node in proto.graph.node]\n"
+          "assert 'QuantizeLinear' in ops and 'DequantizeLinear' in ops, ops\n"
+          "options = ort.SessionOptions()\n"
+          "options.optimized_model_filepath = model + '.optimized.onnx'\n"
+          "s = ort.InferenceSession(model, options, providers=['CPUExecutionProvider'])\n"
+          "fused = [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]\n"
+          "assert 'Gemm' not in fused and {'QGemm', 'QLinearConv'} & set(fused), fused\n"
+          "shape = [int(n)] + list(s.get_inputs()[0].shape[1:])\n"
+          "x = np.fromfile(xin, dtype='<f4').reshape(shape)\n"
+          "y = s.run(None, {'input': x})[0]\n"
+          "np.ascontiguousarray(y, dtype='<f4').tofile(out)\n",
+          f);
+    fclose(f);
+    return buf;
+}
+
+/* One model quantized to full integer (float32 io) exported to ONNX in
+   the QDQ form, run in ONNX Runtime and compared with
+   mpt_model_quantized_invoke in steps of the output's scale. ONNX Runtime
+   computes the graph either in float between the Q/DQ pairs or in its own
+   fused int8 kernels, both rounding the requantization their own way
+   (float products and sums instead of mpt.h's integer multiplier and
+   shift, its own exp, tanh and erf), so an output may be a step or two
+   off: within two steps on >= 99 % of the elements, top-1 the same on
+   >= 99.5 % of the samples (ONNX Runtime's top class one of mpt.h's, for
+   the ties at softmax's 1/256). */
+static void check_full_integer_onnx(arch a) {
+    char x_path[256], onnx[256], script[256], out[256], cmd[1400], name[64];
+    mpt_model *m, *qm = NULL;
+    mpt_quantized_info info;
+    float *want = NULL, *got = NULL;
+    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
+    double worst = 0, step;
+    FILE *f;
+    snprintf(name, sizeof name, "export_full_integer_onnx_%s", arch_name(a));
+    test__begin();
+    test_seed(500 + a);
+    m = make_model(a, 0);
+    if (!test_python_imports("numpy, onnx, onnxruntime") || !m) {
+        mpt_model_destroy(m);
+        test__end("%s", name);
+        return;
+    }
+    randomize(m);
+    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) xq_host[k] = (float)test_uniform(0, 1);
+    qm = quantize_full_integer(m, MPT_FLOAT32);
+    if (!qm) goto done;
+    mpt_model_quantized_info(qm, &info);
+    step = (double)info.output.scale;
+    want = quantized_outputs(qm, MPT_FLOAT32, &per_sample);
+    count = per_sample * Q_SAMPLES;
+    snprintf(onnx, sizeof onnx, "%s/%s_full_int8.onnx", dir, arch_name(a));
+    CHECK(mpt_model_export_onnx(qm, onnx, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
+    f = fopen(path_of(x_path, "xq.bin"), "wb");
+    if (!want || !f || !write_qdq_script(script)) {
+        if (f) fclose(f);
+        CHECK(0, "cannot write %s", x_path);
+        goto done;
+    }
+    fwrite(xq_host, sizeof(float), Q_SAMPLES * SAMPLE, f);
+    fclose(f);
+    path_of(out, "yq.bin");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s", test_python(), script, onnx, x_path,
+             Q_SAMPLES, out);
+    if (system(cmd) != 0) {
+        CHECK(0, "ONNX Runtime failed on %s (%s)", onnx, cmd);
+        goto done;
+    }
+    got = (float *)malloc(sizeof(float) * (size_t)count + 4);
+    f = fopen(out, "rb");
+    CHECK(got && f && (int64_t)fread(got, sizeof(float), (size_t)count + 1, f) == count,
+          "%s: ONNX Runtime's outputs", name);
+    if (f) fclose(f);
+    if (!got) goto done;
+    for (k = 0; k < count; k++) {
+        double d = fabs((double)got[k] - (double)want[k]) / step;
+        within += d <= 2.001; /* two steps, and float32's rounding of the dequantized value */
+        if (d > worst) worst = d;
+    }
+    for (i = 0; i < Q_SAMPLES; i++) {
+        const float *w = want + i * per_sample;
+        top1_same += w[argmax(got + i * per_sample, per_sample)] == w[argmax(w, per_sample)];
+    }
+    printf("# %s: ONNX Runtime within two steps of mpt.h on %lld of %lld outputs (largest %.3g "
+           "steps), top-1 the same on %lld of %d samples\n", name, (long long)within,
+           (long long)count, worst, (long long)top1_same, Q_SAMPLES);
+    CHECK(within >= 0.99 * (double)count, "%s: %lld of %lld outputs within two steps", name,
+          (long long)within, (long long)count);
+    CHECK(top1_same >= 0.995 * Q_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
+          (long long)top1_same, Q_SAMPLES);
+done:
+    free(want);
+    free(got);
+    mpt_model_destroy(qm);
+    mpt_model_destroy(m);
+    test__end("%s", name);
+}
+
 /* A float16 quantized model: float16 kernels in the file, float32
    compute; LiteRT's outputs within 1e-4 of its predict, top-1 identical. */
 static void check_float16_quantized(arch a) {
@@ -945,9 +1065,10 @@ static void check_float16_quantized(arch a) {
     test__end("export_float16_quantized_%s", arch_name(a));
 }
 
-/* A dynamic-range quantized model is refused by both formats with a
-   message saying so, and nothing is written (TFLite takes full-integer
-   ones only so far, ONNX none). */
+/* A dynamic-range quantized model is refused by both formats, and a
+   float16 one by ONNX (TFLite takes full-integer and float16 ones, ONNX
+   full-integer ones in the QDQ form), with a message saying so, and
+   nothing is written. */
 static void test_quantized_model_refused(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL, *qm = NULL;
@@ -966,6 +1087,13 @@ static void test_quantized_model_refused(void) {
     CHECK(mpt_model_export_onnx(qm, path_of(p, "ptq_refused.onnx"), NULL) == MPT_ERR_UNSUPPORTED &&
               strstr(mpt_context_error(q), "quantized") && !exists(p),
           "ONNX: %s", mpt_context_error(q));
+    mpt_model_destroy(qm);
+    qm = NULL;
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FLOAT16}, &qm) == MPT_OK,
+          "quantize float16: %s", mpt_context_error(q));
+    st = mpt_model_export_onnx(qm, path_of(p, "float16_refused.onnx"), NULL);
+    CHECK(st == MPT_ERR_UNSUPPORTED && strstr(mpt_context_error(q), "float16") && !exists(p),
+          "ONNX float16: status %d, %s", (int)st, mpt_context_error(q));
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
     mpt_context_destroy(q);
@@ -1080,6 +1208,7 @@ int main(void) {
         check_full_integer((arch)a, MPT_INT8);
     }
     for (a = MLP; a <= CNN_OPEN; a++) check_float16_quantized((arch)a);
+    for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_quantized_model_refused);

@@ -19759,13 +19759,14 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
                 encoder (mpt__pb).
    Every constant of a format goes through one function (mpt__tfl_constant,
    mpt__onnx_constant), which decides how it is stored: float32, or float16
-   turned back into float32 in the graph. A quantized model's storage
-   belongs there and in the step's emission, which knows a kernel from a
-   bias; the pieces it needs are here and tested in the runtimes: a TFLite
-   tensor's quantization parameters (mpt__tfl_quant: scales and zero points
-   per tensor or per channel) with QUANTIZE/DEQUANTIZE, and ONNX
-   initializers of any data type (mpt__onnx_initializer) for
-   QuantizeLinear/DequantizeLinear pairs.
+   turned back into float32 in the graph. A quantized model (@quantize) is
+   not planned as steps: each format walks its operations
+   (mpt_model_quantized_layer) directly, TFLite with int8 tensors carrying
+   their quantization parameters (mpt__tfl_quant: scales and zero points
+   per tensor or per channel) and QUANTIZE/DEQUANTIZE at the ends
+   (mpt__tfl_quantized_graph), ONNX in the QDQ form, float ops between
+   QuantizeLinear/DequantizeLinear pairs that ONNX Runtime fuses into int8
+   kernels (mpt__onnx_qdq, mpt__onnx_initializer of any data type).
    The finished bytes go to disk through the checkpoints' writer
    (@impl-checkpoints): a temporary file, fsynced, renamed over the path. */
 

@@ -18787,38 +18787,74 @@ static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int6
             }
 }
 
-/* The same in int8 (input and output share their quantization): the
-   average rounded half away from zero, as TFLite's integer AVERAGE_POOL_2D,
-   its sums in int32 over channels a block at a time. */
+/* Int8 max pooling takes the channels this many at a time in fixed-length
+   loops without branches, which -O2 vectorizes (int8 has no NaN: a plain
+   maximum over the window), as float max pooling does (MPT__POOL_LANES). */
+#define MPT__Q_POOL_LANES 32
+
+/* mpt__q_max_window's channels [e0, e0 + MPT__Q_POOL_LANES). */
+static void mpt__q_max_window_lanes(const mpt__win *g, const int8_t *x, int64_t r0, int64_t r1,
+                                    int64_t c0, int64_t c1, int64_t e0, int8_t *y) {
+    int8_t best[MPT__Q_POOL_LANES];
+    int64_t r, q;
+    int k;
+    for (k = 0; k < MPT__Q_POOL_LANES; k++) best[k] = INT8_MIN;
+    for (r = r0; r < r1; r++)
+        for (q = c0; q < c1; q++) {
+            const int8_t *px = x + (r * g->w + q) * g->c + e0;
+            for (k = 0; k < MPT__Q_POOL_LANES; k++) best[k] = px[k] > best[k] ? px[k] : best[k];
+        }
+    memcpy(y + e0, best, sizeof best);
+}
+
+/* y[c] = max of the window's pixels [r0, r1) × [c0, c1), channel by channel. */
+static void mpt__q_max_window(const mpt__win *g, const int8_t *x, int64_t r0, int64_t r1,
+                              int64_t c0, int64_t c1, int8_t *y) {
+    int64_t r, q, e, e0;
+    for (e0 = 0; e0 + MPT__Q_POOL_LANES <= g->c; e0 += MPT__Q_POOL_LANES)
+        mpt__q_max_window_lanes(g, x, r0, r1, c0, c1, e0, y);
+    for (e = e0; e < g->c; e++) y[e] = INT8_MIN; /* the channels left over */
+    for (r = r0; r < r1; r++)
+        for (q = c0; q < c1; q++) {
+            const int8_t *px = x + (r * g->w + q) * g->c;
+            for (e = e0; e < g->c; e++) y[e] = px[e] > y[e] ? px[e] : y[e];
+        }
+}
+
+/* Average pooling in int8 (input and output share their quantization),
+   rounded half away from zero as TFLite's integer AVERAGE_POOL_2D, its sums
+   in int32 over channels a block at a time. */
+static void mpt__q_avg_window(const mpt__win *g, const int8_t *x, int64_t r0, int64_t r1,
+                              int64_t c0, int64_t c1, int8_t *y) {
+    const int32_t count = (int32_t)((r1 - r0) * (c1 - c0));
+    int32_t acc[256];
+    int64_t c, c_end, k, r, q;
+    for (c = 0; c < g->c; c = c_end) {
+        c_end = MPT__MIN(c + 256, g->c);
+        for (k = c; k < c_end; k++) acc[k - c] = 0;
+        for (r = r0; r < r1; r++)
+            for (q = c0; q < c1; q++) {
+                const int8_t *px = x + (r * g->w + q) * g->c;
+                for (k = c; k < c_end; k++) acc[k - c] += px[k];
+            }
+        for (k = c; k < c_end; k++) {
+            const int32_t v = acc[k - c];
+            y[k] = (int8_t)(v >= 0 ? (v + count / 2) / count : (v - count / 2) / count);
+        }
+    }
+}
+
+/* Max or average pooling of n samples in int8. */
 static void mpt__q_pool_int8(const mpt__qop *op, const int8_t *x, int8_t *y, int64_t n) {
     const mpt__win *g = &op->g;
     const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
-    int32_t acc[256];
-    int64_t b, oy, ox, c, c_end, k, r, q, r0, r1, c0, c1;
+    int64_t b, oy, ox, r0, r1, c0, c1;
     for (b = 0; b < n; b++, x += g->h * g->w * g->c)
         for (oy = 0; oy < g->oh; oy++)
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
-                int32_t count;
                 mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
-                count = (int32_t)((r1 - r0) * (c1 - c0));
-                for (c = 0; c < g->c; c = c_end) {
-                    c_end = MPT__MIN(c + 256, g->c);
-                    for (k = c; k < c_end; k++) acc[k - c] = max ? -128 : 0;
-                    for (r = r0; r < r1; r++)
-                        for (q = c0; q < c1; q++) {
-                            const int8_t *px = x + (r * g->w + q) * g->c;
-                            if (max)
-                                for (k = c; k < c_end; k++)
-                                    acc[k - c] = px[k] > acc[k - c] ? px[k] : acc[k - c];
-                            else
-                                for (k = c; k < c_end; k++) acc[k - c] += px[k];
-                        }
-                    for (k = c; k < c_end; k++) {
-                        int32_t v = acc[k - c];
-                        if (!max) v = v >= 0 ? (v + count / 2) / count : (v - count / 2) / count;
-                        y[k] = (int8_t)v;
-                    }
-                }
+                if (max) mpt__q_max_window(g, x, r0, r1, c0, c1, y);
+                else mpt__q_avg_window(g, x, r0, r1, c0, c1, y);
             }
 }
 

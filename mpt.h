@@ -4304,9 +4304,9 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
    portable C 4×8. The raw sums go to an MR×NR int32 tile on the stack and
-   the epilogue (zero points, bias, requantization) stores them, 8 columns
-   at a time with AVX-512 (in 64-bit lanes) or AVX2 (in 32-bit lanes),
-   else one by one.
+   the epilogue (zero points, bias, requantization) stores them, 16 columns
+   at a time with AVX-512 or 8 with AVX2 (in 32-bit lanes), else one by
+   one.
 
    WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
    is packed before them, so splitting rows costs nothing, and splitting
@@ -4486,72 +4486,89 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
 }
 
 #if MPT__X86
-/* (The maskz forms with every lane set: g++ 12 warns about the
-   _mm512_undefined_* inside the plain vpmaxsq, vpsllvq, vpmuldq, ... ) */
-#define MPT__QGEMM_ALL ((__mmask8)0xff)
-
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_clamp_epi64(__m512i v, int64_t lo,
-                                                                            int64_t hi) {
-    v = _mm512_maskz_max_epi64(MPT__QGEMM_ALL, v, _mm512_set1_epi64(lo));
-    return _mm512_maskz_min_epi64(MPT__QGEMM_ALL, v, _mm512_set1_epi64(hi));
-}
-
-/* The int32 at p in the lanes of k (the others 0), widened to 64 bits. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_load8(__mmask8 k,
-                                                                      const int32_t *p) {
-    return _mm512_maskz_cvtepi32_epi64(k, _mm256_maskz_loadu_epi32(k, p));
-}
-
-/* The epilogue below for 8 columns of one row, in 64-bit lanes: the same
-   integer steps, with vpsravq as the floor shifts and masks as the
-   branches (multipliers are positive, so INT32_MIN² never arises). */
-MPT__TARGET_AVX512 static void mpt__qgemm_store8_avx512(const mpt__qgemm_job *job,
-                                                        const int32_t *raw, int64_t row_term,
-                                                        int64_t i, int64_t n, int cnt) {
-    const mpt_qgemm_desc *d = job->d;
-    const __mmask8 k = (__mmask8)((1u << cnt) - 1u), all = MPT__QGEMM_ALL;
-    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi64(1);
-    const __m512i zu = _mm512_set1_epi64(job->zu);
-    __m512i v = mpt__qgemm_load8(k, raw), m, sh, left, right, t, h, q, rem, half;
-    __mmask8 up;
-    v = _mm512_add_epi64(v, _mm512_set1_epi64(row_term));
-    v = _mm512_sub_epi64(v, _mm512_maskz_mul_epi32(all, mpt__qgemm_load8(k, job->colsum + n), zu));
-    if (d->bias) v = _mm512_add_epi64(v, mpt__qgemm_load8(k, d->bias + n));
-    v = mpt__qgemm_clamp_epi64(v, INT32_MIN, INT32_MAX);
-    if (d->c) {
-        _mm256_mask_storeu_epi32(d->c + i * d->ldc + n, k, _mm512_maskz_cvtepi64_epi32(k, v));
-        return;
-    }
-    m = d->per_channel ? mpt__qgemm_load8(k, d->multiplier + n)
-                       : _mm512_set1_epi64(d->multiplier[0]);
-    sh = d->per_channel ? mpt__qgemm_load8(k, d->shift + n) : _mm512_set1_epi64(d->shift[0]);
-    left = _mm512_maskz_max_epi64(all, sh, zero);
-    right = _mm512_maskz_max_epi64(all, _mm512_sub_epi64(zero, sh), zero);
-    /* x·2^left, saturated; then the doubling high multiply: the nudge, and
-       t / 2^31 truncated (2^31 − 1 added to a negative t before the shift) */
-    v = mpt__qgemm_clamp_epi64(_mm512_maskz_sllv_epi64(all, v, left), INT32_MIN, INT32_MAX);
-    t = _mm512_maskz_mul_epi32(all, v, m);
-    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_cmplt_epi64_mask(t, zero),
+/* (The maskz forms with every lane set, all and all8: g++ 12 warns about
+   the _mm512_undefined_* inside the plain vpmaxsd, vpsllvd, vpmuldq, ...) */
+/* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
+   truncated, in the low half of each 64-bit lane (the quotient fits in
+   int32, so the high half is left as it comes). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_high_mul_even_avx512(__m512i a,
+                                                                                      __m512i b) {
+    const __mmask8 all8 = 0xff;
+    __m512i t = _mm512_maskz_mul_epi32(all8, a, b);
+    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_movepi64_mask(t),
                                                     _mm512_set1_epi64((int64_t)1 << 30),
                                                     _mm512_set1_epi64(1 - ((int64_t)1 << 30))));
-    t = _mm512_add_epi64(t, _mm512_and_si512(_mm512_maskz_srai_epi64(all, t, 63),
+    t = _mm512_add_epi64(t, _mm512_and_si512(_mm512_maskz_srai_epi64(all8, t, 63),
                                              _mm512_set1_epi64(((int64_t)1 << 31) - 1)));
-    h = _mm512_maskz_srai_epi64(all, t, 31);
+    return _mm512_maskz_srli_epi64(all8, t, 31);
+}
+
+/* The epilogue for 16 columns of one row with AVX-512, in 32-bit lanes,
+   the same steps as mpt__qgemm_store8_avx2: the sum without bias fits in
+   int32, so wrapping arithmetic gets it exactly, and the bias add
+   saturates where the signs say it overflowed (multipliers are positive,
+   so INT32_MIN² never arises). */
+MPT__TARGET_AVX512 static void mpt__qgemm_store16_avx512(const mpt__qgemm_job *job,
+                                                         const int32_t *raw, int64_t row_term,
+                                                         int64_t i, int64_t n, int cnt) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask16 k = (__mmask16)((1u << cnt) - 1u), all = 0xffff;
+    const __mmask8 all8 = 0xff;
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i max32 = _mm512_set1_epi32(INT32_MAX);
+    const uint32_t row_low = (uint32_t)(uint64_t)row_term; /* row_term mod 2^32 */
+    int32_t row32;
+    __m512i x, m, sh, left, right, xl, h, q, mask;
+    __mmask16 up;
+    int lo, hi;
+    memcpy(&row32, &row_low, 4);
+    x = _mm512_add_epi32(_mm512_maskz_loadu_epi32(k, raw), _mm512_set1_epi32(row32));
+    x = _mm512_sub_epi32(x, _mm512_maskz_mullo_epi32(all,
+                                                     _mm512_maskz_loadu_epi32(k, job->colsum + n),
+                                                     _mm512_set1_epi32((int)job->zu)));
+    if (d->bias) {
+        const __m512i b = _mm512_maskz_loadu_epi32(k, d->bias + n);
+        const __m512i sum = _mm512_add_epi32(x, b);
+        const __m512i ovf = _mm512_and_si512(_mm512_xor_si512(x, sum), _mm512_xor_si512(b, sum));
+        const __m512i sat = _mm512_xor_si512(_mm512_maskz_srai_epi32(all, x, 31), max32);
+        x = _mm512_mask_blend_epi32(_mm512_movepi32_mask(ovf), sum, sat);
+    }
+    if (d->c) {
+        _mm512_mask_storeu_epi32(d->c + i * d->ldc + n, k, x);
+        return;
+    }
+    m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
+                       : _mm512_set1_epi32(d->multiplier[0]);
+    sh = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->shift + n)
+                        : _mm512_set1_epi32(d->shift[0]);
+    left = _mm512_maskz_max_epi32(all, sh, zero);
+    right = _mm512_maskz_max_epi32(all, _mm512_sub_epi32(zero, sh), zero);
+    /* x·2^left, saturated where shifting back does not give x */
+    xl = _mm512_maskz_sllv_epi32(all, x, left);
+    xl = _mm512_mask_blend_epi32(
+        _mm512_cmpneq_epi32_mask(_mm512_maskz_srav_epi32(all, xl, left), x), xl,
+        _mm512_xor_si512(_mm512_maskz_srai_epi32(all, x, 31), max32));
+    /* the doubling high multiply, even lanes and odd lanes */
+    h = mpt__qgemm_high_mul_even_avx512(_mm512_maskz_srli_epi64(all8, xl, 32),
+                                        _mm512_maskz_srli_epi64(all8, m, 32));
+    h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, mpt__qgemm_high_mul_even_avx512(xl, m),
+                                _mm512_maskz_slli_epi64(all8, h, 32));
     /* the rounding divide by 2^right: the floor, plus one past the
        threshold (2^right − 1) / 2, + 1 for a negative h */
-    q = _mm512_maskz_srav_epi64(all, h, right);
-    rem = _mm512_sub_epi64(h, _mm512_maskz_sllv_epi64(all, q, right));
-    half = _mm512_sub_epi64(_mm512_maskz_sllv_epi64(all, one, right), one);
-    half = _mm512_maskz_srli_epi64(all, half, 1);
-    up = _mm512_cmpgt_epi64_mask(rem,
-                                 _mm512_add_epi64(half, _mm512_maskz_srli_epi64(all, h, 63)));
-    q = _mm512_mask_add_epi64(q, up, q, one);
-    q = _mm512_add_epi64(q, _mm512_set1_epi64(d->c_zero_point));
-    q = mpt__qgemm_clamp_epi64(q, d->c_min || d->c_max ? d->c_min : -128,
-                               d->c_min || d->c_max ? d->c_max : 127);
-    _mm_mask_storeu_epi8(d->c_int8 + i * d->ldc + n, k, _mm512_maskz_cvtepi64_epi8(k, q));
+    q = _mm512_maskz_srav_epi32(all, h, right);
+    mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
+    up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(h, mask),
+                                 _mm512_add_epi32(_mm512_maskz_srli_epi32(all, mask, 1),
+                                                  _mm512_maskz_srli_epi32(all, h, 31)));
+    q = _mm512_mask_add_epi32(q, up, q, one);
+    /* clamp(q + c_zero_point, lo, hi), clamping first so the add cannot wrap */
+    lo = d->c_min || d->c_max ? d->c_min : -128;
+    hi = d->c_min || d->c_max ? d->c_max : 127;
+    q = _mm512_maskz_max_epi32(all, q, _mm512_set1_epi32(lo - d->c_zero_point));
+    q = _mm512_maskz_min_epi32(all, q, _mm512_set1_epi32(hi - d->c_zero_point));
+    q = _mm512_add_epi32(q, _mm512_set1_epi32(d->c_zero_point));
+    _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + i * d->ldc + n, k, q);
 }
-#undef MPT__QGEMM_ALL
 
 /* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
    truncated, in the low half of each 64-bit lane (a logical shift gives
@@ -4647,14 +4664,14 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
         const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
 #if MPT__X86
         if (job->ctx->cpu & (MPT_CPU_AVX512 | MPT_CPU_AVX2)) {
-            for (j = 0; j < nb; j += 8) {
-                if (job->ctx->cpu & MPT_CPU_AVX512)
-                    mpt__qgemm_store8_avx512(job, tile + i * job->nr + j, row_term, i0 + i,
-                                             j0 + j, MPT__MIN(8, nb - j));
-                else
+            if (job->ctx->cpu & MPT_CPU_AVX512)
+                for (j = 0; j < nb; j += 16)
+                    mpt__qgemm_store16_avx512(job, tile + i * job->nr + j, row_term, i0 + i,
+                                              j0 + j, MPT__MIN(16, nb - j));
+            else
+                for (j = 0; j < nb; j += 8)
                     mpt__qgemm_store8_avx2(job, tile + i * job->nr + j, row_term, i0 + i,
                                            j0 + j, MPT__MIN(8, nb - j));
-            }
             continue;
         }
 #endif
@@ -18794,38 +18811,74 @@ static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int6
             }
 }
 
-/* The same in int8 (input and output share their quantization): the
-   average rounded half away from zero, as TFLite's integer AVERAGE_POOL_2D,
-   its sums in int32 over channels a block at a time. */
+/* Int8 max pooling takes the channels this many at a time in fixed-length
+   loops without branches, which -O2 vectorizes (int8 has no NaN: a plain
+   maximum over the window), as float max pooling does (MPT__POOL_LANES). */
+#define MPT__Q_POOL_LANES 32
+
+/* mpt__q_max_window's channels [e0, e0 + MPT__Q_POOL_LANES). */
+static void mpt__q_max_window_lanes(const mpt__win *g, const int8_t *x, int64_t r0, int64_t r1,
+                                    int64_t c0, int64_t c1, int64_t e0, int8_t *y) {
+    int8_t best[MPT__Q_POOL_LANES];
+    int64_t r, q;
+    int k;
+    for (k = 0; k < MPT__Q_POOL_LANES; k++) best[k] = INT8_MIN;
+    for (r = r0; r < r1; r++)
+        for (q = c0; q < c1; q++) {
+            const int8_t *px = x + (r * g->w + q) * g->c + e0;
+            for (k = 0; k < MPT__Q_POOL_LANES; k++) best[k] = px[k] > best[k] ? px[k] : best[k];
+        }
+    memcpy(y + e0, best, sizeof best);
+}
+
+/* y[c] = max of the window's pixels [r0, r1) × [c0, c1), channel by channel. */
+static void mpt__q_max_window(const mpt__win *g, const int8_t *x, int64_t r0, int64_t r1,
+                              int64_t c0, int64_t c1, int8_t *y) {
+    int64_t r, q, e, e0;
+    for (e0 = 0; e0 + MPT__Q_POOL_LANES <= g->c; e0 += MPT__Q_POOL_LANES)
+        mpt__q_max_window_lanes(g, x, r0, r1, c0, c1, e0, y);
+    for (e = e0; e < g->c; e++) y[e] = INT8_MIN; /* the channels left over */
+    for (r = r0; r < r1; r++)
+        for (q = c0; q < c1; q++) {
+            const int8_t *px = x + (r * g->w + q) * g->c;
+            for (e = e0; e < g->c; e++) y[e] = px[e] > y[e] ? px[e] : y[e];
+        }
+}
+
+/* Average pooling in int8 (input and output share their quantization),
+   rounded half away from zero as TFLite's integer AVERAGE_POOL_2D, its sums
+   in int32 over channels a block at a time. */
+static void mpt__q_avg_window(const mpt__win *g, const int8_t *x, int64_t r0, int64_t r1,
+                              int64_t c0, int64_t c1, int8_t *y) {
+    const int32_t count = (int32_t)((r1 - r0) * (c1 - c0));
+    int32_t acc[256];
+    int64_t c, c_end, k, r, q;
+    for (c = 0; c < g->c; c = c_end) {
+        c_end = MPT__MIN(c + 256, g->c);
+        for (k = c; k < c_end; k++) acc[k - c] = 0;
+        for (r = r0; r < r1; r++)
+            for (q = c0; q < c1; q++) {
+                const int8_t *px = x + (r * g->w + q) * g->c;
+                for (k = c; k < c_end; k++) acc[k - c] += px[k];
+            }
+        for (k = c; k < c_end; k++) {
+            const int32_t v = acc[k - c];
+            y[k] = (int8_t)(v >= 0 ? (v + count / 2) / count : (v - count / 2) / count);
+        }
+    }
+}
+
+/* Max or average pooling of n samples in int8. */
 static void mpt__q_pool_int8(const mpt__qop *op, const int8_t *x, int8_t *y, int64_t n) {
     const mpt__win *g = &op->g;
     const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
-    int32_t acc[256];
-    int64_t b, oy, ox, c, c_end, k, r, q, r0, r1, c0, c1;
+    int64_t b, oy, ox, r0, r1, c0, c1;
     for (b = 0; b < n; b++, x += g->h * g->w * g->c)
         for (oy = 0; oy < g->oh; oy++)
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
-                int32_t count;
                 mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
-                count = (int32_t)((r1 - r0) * (c1 - c0));
-                for (c = 0; c < g->c; c = c_end) {
-                    c_end = MPT__MIN(c + 256, g->c);
-                    for (k = c; k < c_end; k++) acc[k - c] = max ? -128 : 0;
-                    for (r = r0; r < r1; r++)
-                        for (q = c0; q < c1; q++) {
-                            const int8_t *px = x + (r * g->w + q) * g->c;
-                            if (max)
-                                for (k = c; k < c_end; k++)
-                                    acc[k - c] = px[k] > acc[k - c] ? px[k] : acc[k - c];
-                            else
-                                for (k = c; k < c_end; k++) acc[k - c] += px[k];
-                        }
-                    for (k = c; k < c_end; k++) {
-                        int32_t v = acc[k - c];
-                        if (!max) v = v >= 0 ? (v + count / 2) / count : (v - count / 2) / count;
-                        y[k] = (int8_t)v;
-                    }
-                }
+                if (max) mpt__q_max_window(g, x, r0, r1, c0, c1, y);
+                else mpt__q_avg_window(g, x, r0, r1, c0, c1, y);
             }
 }
 

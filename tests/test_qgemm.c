@@ -506,6 +506,73 @@ static void test_rounding_and_saturation(void) {
     mpt_context_destroy(ctx);
 }
 
+/* The requantizing epilogue on every path against ref_requantize, column
+   counts around its vector widths (1, 15, 16, 17, 33): sums and biases
+   over the whole int32 range (some saturate), multipliers in [2^30, 2^31),
+   shifts over all of [-31, 30], per channel and per tensor, zero points
+   and a clamp, 1 and 2 threads. */
+static void test_requantize_columns(void) {
+    static const int64_t cols[] = {1, 15, 16, 17, 33};
+    const int64_t m = 7, k = 3;
+    int p, t, ci, per_channel;
+    test_seed(91);
+    for (p = 0; p < N_PATHS; p++)
+        for (t = 1; t <= 2; t++) {
+            mpt_context *ctx = make_ctx(t, paths[p].disable);
+            if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+                mpt_context_destroy(ctx);
+                continue;
+            }
+            for (ci = 0; ci < 5; ci++)
+                for (per_channel = 0; per_channel < 2; per_channel++) {
+                    const int64_t n = cols[ci];
+                    int8_t a[7 * 3], b[3 * 33], out[7 * 33];
+                    int32_t bias[33], mult[33], shift[33];
+                    mpt_qgemm_desc d;
+                    int64_t i, j, kk, off = 0;
+                    memset(&d, 0, sizeof d);
+                    for (i = 0; i < m * k; i++) a[i] = (int8_t)test_randint(-128, 127);
+                    for (i = 0; i < k * n; i++) b[i] = (int8_t)test_randint(-128, 127);
+                    for (j = 0; j < n; j++) {
+                        /* a bias anywhere in int32, or small, so every shift sees both */
+                        bias[j] = j % 2 ? (int32_t)(test_uniform(-1.0, 1.0) * 2147483647.0)
+                                        : test_randint(-100000, 100000);
+                        mult[j] = (int32_t)((1u << 30) + (uint32_t)test_randint(0, (1 << 30) - 1));
+                        shift[j] = test_randint(-31, 30);
+                    }
+                    d.m = m, d.n = n, d.k = k;
+                    d.a = a, d.lda = k, d.a_zero_point = test_randint(-5, 5);
+                    d.b = b, d.ldb = n, d.b_zero_point = test_randint(-5, 5);
+                    d.bias = bias;
+                    d.c_int8 = out, d.ldc = n;
+                    d.per_channel = per_channel;
+                    d.multiplier = mult, d.shift = shift;
+                    d.c_zero_point = test_randint(-20, 20);
+                    if (ci % 2) d.c_min = test_randint(-128, -60), d.c_max = test_randint(60, 127);
+                    memset(out, POISON8, sizeof out);
+                    CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
+                    for (i = 0; i < m; i++)
+                        for (j = 0; j < n; j++) {
+                            const int64_t ch = per_channel ? j : 0;
+                            const int64_t lo = d.c_min || d.c_max ? d.c_min : -128;
+                            const int64_t hi = d.c_min || d.c_max ? d.c_max : 127;
+                            int64_t sum = bias[j], q;
+                            for (kk = 0; kk < k; kk++)
+                                sum += (int64_t)(a[i * k + kk] - d.a_zero_point) *
+                                       (b[kk * n + j] - d.b_zero_point);
+                            q = (int64_t)ref_requantize(sat32(sum), mult[ch], (int)shift[ch]) +
+                                d.c_zero_point;
+                            off += out[i * n + j] != (q < lo ? lo : q > hi ? hi : q);
+                        }
+                    CHECK(off == 0, "%s, %d thread(s), n %lld, %s: %lld of %lld outputs differ "
+                          "from the reference", paths[p].name, t, (long long)n,
+                          per_channel ? "per channel" : "per tensor", (long long)off,
+                          (long long)(m * n));
+                }
+            mpt_context_destroy(ctx);
+        }
+}
+
 /* The largest sums: K = MPT_QGEMM_MAX_K with every factor at ±255
    ((127 − (−128)) · (−128 − 127) and the like), which must stay exact in
    int32 (65025 · 32768 = 2130739200 < 2^31), on every path and both
@@ -792,6 +859,7 @@ int main(void) {
     TEST_RUN(test_bad_packed);
     TEST_RUN(test_quantize_multiplier);
     TEST_RUN(test_rounding_and_saturation);
+    TEST_RUN(test_requantize_columns);
     TEST_RUN(test_empty_depth);
     test_extremes();
     test_packed_reuse();

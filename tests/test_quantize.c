@@ -990,6 +990,80 @@ static void test_weights_packed_once(void) {
         }
 }
 
+/* ---- int8 pooling against a scalar reference ------------------------------------------- */
+
+/* Output pixel (oy, ox), channel c of int8 pooling, one window element at a
+   time: the maximum, or the average rounded half away from zero. */
+static int8_t pool_int8_reference(const mpt__win *g, int max, const int8_t *x, int64_t oy,
+                                  int64_t ox, int64_t c) {
+    int64_t r, q;
+    int32_t best = -128, sum = 0, count = 0;
+    for (r = oy * g->sh - g->top; r < oy * g->sh - g->top + g->kh; r++)
+        for (q = ox * g->sw - g->left; q < ox * g->sw - g->left + g->kw; q++) {
+            int32_t v;
+            if (r < 0 || r >= g->h || q < 0 || q >= g->w) continue;
+            v = x[(r * g->w + q) * g->c + c];
+            if (v > best) best = v;
+            sum += v;
+            count++;
+        }
+    if (max) return (int8_t)best;
+    return (int8_t)(sum >= 0 ? (sum + count / 2) / count : (sum - count / 2) / count);
+}
+
+/* Max and average pooling in int8 on channel counts around the lanes, odd
+   windows and strides, 'valid' and 'same' padding, 1 and 2 threads: the
+   same codes as the scalar reference. */
+static void test_pool_int8_scalar_reference(void) {
+    static const int64_t channels[] = {1, 15, 16, 17, 31, 32, 33, 65};
+    static const int64_t windows[][4] = {{2, 2, 2, 2}, {3, 3, 1, 1}, {3, 1, 2, 1}, {1, 5, 1, 3}};
+    int threads, ci, wi, pad, max;
+    test_seed(21);
+    for (threads = 1; threads <= 2; threads++) {
+        mpt_context *ctx = threads_ctx(threads);
+        for (ci = 0; ci < (int)(sizeof channels / sizeof channels[0]); ci++)
+            for (wi = 0; wi < 4; wi++)
+                for (pad = 0; pad < 2; pad++)
+                    for (max = 0; max < 2; max++) {
+                        const int64_t n = 3, size[2] = {windows[wi][0], windows[wi][1]};
+                        const int64_t strides[2] = {windows[wi][2], windows[wi][3]};
+                        mpt__qop op;
+                        int8_t *x, *y;
+                        int64_t b, oy, ox, c, off = 0;
+                        memset(&op, 0, sizeof op);
+                        op.info.op = max ? MPT_QOP_MAX_POOL_2D : MPT_QOP_AVERAGE_POOL_2D;
+                        op.g.h = 7, op.g.w = 6, op.g.c = channels[ci];
+                        op.g.kh = size[0], op.g.kw = size[1];
+                        op.g.sh = strides[0], op.g.sw = strides[1];
+                        op.g.oh = mpt__win_axis(op.g.h, op.g.kh, op.g.sh,
+                                                pad ? MPT_PADDING_SAME : MPT_PADDING_VALID, &op.g.top);
+                        op.g.ow = mpt__win_axis(op.g.w, op.g.kw, op.g.sw,
+                                                pad ? MPT_PADDING_SAME : MPT_PADDING_VALID, &op.g.left);
+                        op.in_count = op.g.h * op.g.w * op.g.c;
+                        op.out_count = op.g.oh * op.g.ow * op.g.c;
+                        x = (int8_t *)malloc((size_t)(n * op.in_count));
+                        y = (int8_t *)malloc((size_t)(n * op.out_count));
+                        for (b = 0; b < n * op.in_count; b++) x[b] = (int8_t)test_randint(-128, 127);
+                        memset(y, 0x55, (size_t)(n * op.out_count));
+                        mpt__q_each_sample(ctx, mpt__q_pool_task, &op, 1, NULL, x, y, n);
+                        for (b = 0; b < n; b++)
+                            for (oy = 0; oy < op.g.oh; oy++)
+                                for (ox = 0; ox < op.g.ow; ox++)
+                                    for (c = 0; c < op.g.c; c++)
+                                        off += y[b * op.out_count + (oy * op.g.ow + ox) * op.g.c + c] !=
+                                               pool_int8_reference(&op.g, max, x + b * op.in_count, oy, ox, c);
+                        CHECK(off == 0, "%s pool, C=%lld, window %lldx%lld stride %lldx%lld, %s, %d "
+                              "threads: %lld codes differ from the scalar reference",
+                              max ? "max" : "average", (long long)op.g.c, (long long)size[0],
+                              (long long)size[1], (long long)strides[0], (long long)strides[1],
+                              pad ? "same" : "valid", threads, (long long)off);
+                        free(x);
+                        free(y);
+                    }
+        mpt_context_destroy(ctx);
+    }
+}
+
 int main(void) {
     TEST_RUN(test_rounding_ties_away_from_zero);
     TEST_RUN(test_batchnorm_folding_float);
@@ -1000,6 +1074,7 @@ int main(void) {
     TEST_RUN(test_bit_exact_across_threads);
     TEST_RUN(test_calibration_ranges);
     TEST_RUN(test_requantization_scalar_reference);
+    TEST_RUN(test_pool_int8_scalar_reference);
     TEST_RUN(test_trained_model_accuracy);
     TEST_RUN(test_bad_input);
     TEST_RUN(test_allocation_failures);

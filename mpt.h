@@ -1558,20 +1558,6 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
    allocated here (owned; mpt_tensor_free). Any batch size. */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
 
-/* ============================================================================
-   ============================================================================
-     FOR BACKEND IMPLEMENTERS: the interface between the library and a
-     compute backend
-   ============================================================================
-   ============================================================================
-
-   Nothing above needs what follows to train a model. @backend is the table
-   of functions the CPU backend (@impl-cpu-backend) and the CUDA one
-   (mpt_cuda.cu) fill in, and @backend-shared the rules both run alike. It
-   stays in this half of the file, outside MPT_IMPLEMENTATION, because
-   mpt_cuda.cu includes the header without MPT_IMPLEMENTATION and needs
-   both. */
-
 /* =============================================================================
    @export: a model as a TFLite or ONNX file, for the runtimes people deploy with
    =============================================================================

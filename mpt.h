@@ -1597,16 +1597,40 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    (uint8 through a QUANTIZE to and from int8). LiteRT's results are those
    of mpt_model_quantized_invoke to within one step of the output's scale
    (its kernels round a few sums their own way). A float16 quantized model
-   goes to TFLite as its operations in float32, float16 kernels with a
-   DEQUANTIZE and float32 biases. A full-integer model goes to ONNX in the
-   QDQ form ONNX Runtime fuses into int8 kernels: float32 input and output,
+   goes to both as its operations in float32, float16 kernels turned into
+   float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
+   mpt.h's float math, its outputs to within 1e-4. A full-integer model
+   goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
+   float32 input and output,
    each operation's float op between DequantizeLinear of its int8 inputs
    (weights per output channel, int32 biases at scale input·weight[c]) and
    QuantizeLinear/DequantizeLinear at its output's scale and zero point
    (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
    to within two steps of the output's scale (it rounds in float, or in its
-   own int8 kernels). A dynamic-range model, and a float16 one to ONNX,
-   give MPT_ERR_UNSUPPORTED.
+   own int8 kernels). A dynamic-range model keeps float32 activations and
+   int8 kernels per output channel (zero points 0), float32 biases:
+     TFLite  as the converter writes Optimize.DEFAULT models: "hybrid"
+             FULLY_CONNECTED and CONV_2D, a float32 input, the int8 filter
+             read as it is, asymmetric_quantize_inputs set. LiteRT's hybrid
+             kernels quantize each input row (FULLY_CONNECTED) or sample
+             (CONV_2D) asymmetrically, [min, max] onto [−128, 127], where
+             mpt.h takes [−max|x|, max|x|] onto [−127, 127]; the flag only
+             reaches LiteRT's own FULLY_CONNECTED (XNNPACK, which it uses by
+             default, and CONV_2D with per-channel filters are asymmetric
+             whatever it says), so it is set, and every LiteRT path gives
+             the same. Each input lands up to half a step of either scale
+             away from mpt.h's, so the outputs differ by that noise: a
+             Fashion-MNIST MLP's probabilities by up to 0.0096, its top-1
+             mpt.h's on 9,990 of the 10,000 test images (tests/test_export.c).
+     ONNX    mpt.h's own arithmetic, run in integers: each sample quantized
+             as mpt.h does (scale max|x|/127, ties away from zero, from Abs,
+             ReduceMax, Div, Where, Cast and Clip nodes), MatMulInteger or
+             ConvInteger with the int8 kernel, then Cast, Mul by the
+             kernel's scales and the sample's, Add of the bias: ONNX
+             Runtime's outputs are mpt.h's to within float32 rounding (1e-5).
+             Not ONNX Runtime's quantize_dynamic form: its
+             DynamicQuantizeLinear takes one scale for the whole batch, so a
+             sample's result would depend on the samples beside it.
    A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves
@@ -19805,7 +19829,11 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    per tensor or per channel) and QUANTIZE/DEQUANTIZE at the ends
    (mpt__tfl_quantized_graph), ONNX in the QDQ form, float ops between
    QuantizeLinear/DequantizeLinear pairs that ONNX Runtime fuses into int8
-   kernels (mpt__onnx_qdq, mpt__onnx_initializer of any data type).
+   kernels (mpt__onnx_qdq, mpt__onnx_initializer of any data type). A
+   float16 or dynamic-range model's operations compute in float32 between
+   them: float16 kernels turned into float32, or int8 kernels read by
+   TFLite's hybrid ops and by ONNX's MatMulInteger and ConvInteger after
+   the input is quantized in the graph (mpt__onnx_q_dynamic_input).
    The finished bytes go to disk through the checkpoints' writer
    (@impl-checkpoints): a temporary file, fsynced, renamed over the path. */
 
@@ -20681,7 +20709,8 @@ static int32_t mpt__tfl_quantized_tensor(mpt__tfl *g, const char *layer, const c
 /* What the operations compute in: int8, or float32 for a float16 or
    dynamic-range model (whose products quantize their inputs themselves). */
 static int mpt__tfl_q_type(const mpt__tfl *g) {
-    return g->pl->m->quantized->mode == MPT_QUANTIZE_FULL_INTEGER ? MPT__TFL_INT8 : MPT__TFL_FLOAT32;
+    return g->pl->m->quantized->mode == MPT_QUANTIZE_FULL_INTEGER ? MPT__TFL_INT8
+                                                                  : MPT__TFL_FLOAT32;
 }
 
 /* The op's output tensor. */
@@ -21525,7 +21554,7 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
 
-/* ---- ONNX: a full-integer quantized model in the QDQ form ---------------------------
+/* ---- ONNX: quantized models -----------------------------------------------------------
 
    Each of the model's operations (mpt_model_quantized_layer) as the float
    op between DequantizeLinear and QuantizeLinear, the form ONNX Runtime
@@ -21536,7 +21565,11 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
    scale input·weight[c], ReLU after them; pooling, Flatten and the
    activations as float ops; every result quantized and dequantized at the
    operation's output parameters. The float helpers above name their nodes
-   after a layer: one carrying the operation's name stands in for it. */
+   after a layer: one carrying the operation's name stands in for it.
+   A float16 or dynamic-range model's operations are the same float ops
+   without the Q/DQ pairs; only its Dense and Conv2D differ (float16
+   kernels with a Cast; dynamic range: the input quantized per sample in
+   the graph, then MatMulInteger or ConvInteger). */
 
 /* A float32 initializer of n values shaped dims (rank 0: a scalar). */
 static void mpt__onnx_floats_shaped(mpt__onnx *o, const char *name, int rank,

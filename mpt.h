@@ -21742,7 +21742,7 @@ static void mpt__onnx_q_float16_weighted(mpt__onnx *o, const mpt__qop *op,
    node whose first input is not the running value, or with three (Where,
    Clip). */
 static void mpt__onnx_apply(mpt__onnx *o, const mpt__layer *L, const char *op, const char *a,
-                              const char *b, const char *c, const char *what) {
+                            const char *b, const char *c, const char *what) {
     char y[96];
     mpt__onnx_name(y, sizeof y, L, what);
     mpt__pb_end(&o->nodes, mpt__onnx_node(o, op, y, a, b, c));
@@ -21760,12 +21760,13 @@ static void mpt__onnx_cast(mpt__onnx *o, const mpt__layer *L, int to, const char
     snprintf(o->x, sizeof o->x, "%s", y);
 }
 
-/* The running value quantized as a dynamic-range product's input is in
-   mpt.h (mpt__q_symmetric_rows), each sample on its own: scale = max|x| /
-   127 into "<layer>/input_scale" (shaped (N, 1...) to broadcast), q =
-   x · (127 / max|x|) (0 for a sample of zeros) rounded half away from zero
-   as mpt__q_round_small does (the truncation, then one up or down when
-   the fraction is a half or more), clamped to ±127, int8. Not
+/* The running value quantized as mpt.h quantizes a dynamic-range
+   product's input (mpt__q_symmetric_rows), each sample on its own: scale
+   = max|x| / 127 into "<layer>/input_scale" (shaped (N, 1...) to
+   broadcast), q = x · (127 / max|x|) (0 for a sample of zeros) rounded
+   half away from zero as mpt__q_round_small does (the truncation, then
+   one up or down when the fraction is a half or more), clamped to ±127,
+   int8. Not
    DynamicQuantizeLinear: that takes one scale and zero point for the whole
    batch, so a sample's result would depend on the others beside it. */
 static void mpt__onnx_q_dynamic_input(mpt__onnx *o, const mpt__layer *L) {
@@ -21827,11 +21828,9 @@ static void mpt__onnx_q_dynamic_input(mpt__onnx *o, const mpt__layer *L) {
 static void mpt__onnx_q_dynamic_weighted(mpt__onnx *o, const mpt__qop *op,
                                          const mpt__layer *named) {
     const mpt_quantized_layer *L = &op->info;
-    const mpt_context *ctx = o->pl->m->ctx;
     int conv = L->op == MPT_QOP_CONV_2D;
-    int64_t F = L->out_channels, K = L->depth, n = F * K, dims[4], f, k;
+    int64_t F = L->out_channels, K = L->depth, dims[4], f, k;
     int rank = mpt__onnx_q_kernel_dims(op, dims);
-    int8_t *w = (int8_t *)mpt__alloc(ctx, (size_t)n + 1);
     char kernel[96], wscale[96], bias[96], scale[96], y[96];
     size_t body;
     unsigned char *data;
@@ -21839,14 +21838,11 @@ static void mpt__onnx_q_dynamic_weighted(mpt__onnx *o, const mpt__qop *op,
     snprintf(wscale, sizeof wscale, "%s/kernel_scale", L->name);
     snprintf(bias, sizeof bias, "%s/bias", L->name);
     if (!conv) dims[0] = K, dims[1] = F;
-    data = w ? mpt__onnx_initializer(o, kernel, MPT__ONNX_INT8, rank, dims, (size_t)n, &body)
-             : NULL;
+    data = mpt__onnx_initializer(o, kernel, MPT__ONNX_INT8, rank, dims, (size_t)(F * K), &body);
     if (data && conv) mpt__onnx_q_kernel_layout(op, L->weights, 1, data);
     for (f = 0; data && !conv && f < F; f++) /* [F, K] -> (K, F) */
         for (k = 0; k < K; k++) data[k * F + f] = (unsigned char)L->weights[f * K + k];
-    if (w) mpt__pb_end(&o->inits, body);
-    else o->inits.failed = 1;
-    mpt__free(ctx, w);
+    mpt__pb_end(&o->inits, body);
     dims[0] = F; /* scales and bias: (F), or (F, 1, 1) to broadcast over NCHW */
     dims[1] = dims[2] = 1;
     mpt__onnx_floats_shaped(o, wscale, conv ? 3 : 1, dims, F, L->weight_scales);

@@ -1597,16 +1597,40 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    (uint8 through a QUANTIZE to and from int8). LiteRT's results are those
    of mpt_model_quantized_invoke to within one step of the output's scale
    (its kernels round a few sums their own way). A float16 quantized model
-   goes to TFLite as its operations in float32, float16 kernels with a
-   DEQUANTIZE and float32 biases. A full-integer model goes to ONNX in the
-   QDQ form ONNX Runtime fuses into int8 kernels: float32 input and output,
+   goes to both as its operations in float32, float16 kernels turned into
+   float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
+   mpt.h's float math, its outputs to within 1e-4. A full-integer model
+   goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
+   float32 input and output,
    each operation's float op between DequantizeLinear of its int8 inputs
    (weights per output channel, int32 biases at scale input·weight[c]) and
    QuantizeLinear/DequantizeLinear at its output's scale and zero point
    (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
    to within two steps of the output's scale (it rounds in float, or in its
-   own int8 kernels). A dynamic-range model, and a float16 one to ONNX,
-   give MPT_ERR_UNSUPPORTED.
+   own int8 kernels). A dynamic-range model keeps float32 activations and
+   int8 kernels per output channel (zero points 0), float32 biases:
+     TFLite  as the converter writes Optimize.DEFAULT models: "hybrid"
+             FULLY_CONNECTED and CONV_2D, a float32 input, the int8 filter
+             read as it is, asymmetric_quantize_inputs set. LiteRT's hybrid
+             kernels quantize each input row (FULLY_CONNECTED) or sample
+             (CONV_2D) asymmetrically, [min, max] onto [−128, 127], where
+             mpt.h takes [−max|x|, max|x|] onto [−127, 127]; the flag only
+             reaches LiteRT's own FULLY_CONNECTED (XNNPACK, which it uses by
+             default, and CONV_2D with per-channel filters are asymmetric
+             whatever it says), so it is set, and every LiteRT path gives
+             the same. Each input lands up to half a step of either scale
+             away from mpt.h's, so the outputs differ by that noise: a
+             Fashion-MNIST MLP's probabilities by up to 0.0096, its top-1
+             mpt.h's on 9,990 of the 10,000 test images (tests/test_export.c).
+     ONNX    mpt.h's own arithmetic, run in integers: each sample quantized
+             as mpt.h does (scale max|x|/127, ties away from zero, from Abs,
+             ReduceMax, Div, Where, Cast and Clip nodes), MatMulInteger or
+             ConvInteger with the int8 kernel, then Cast, Mul by the
+             kernel's scales and the sample's, Add of the bias: ONNX
+             Runtime's outputs are mpt.h's to within float32 rounding (1e-5).
+             Not ONNX Runtime's quantize_dynamic form: its
+             DynamicQuantizeLinear takes one scale for the whole batch, so a
+             sample's result would depend on the samples beside it.
    A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves
@@ -19805,7 +19829,11 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    per tensor or per channel) and QUANTIZE/DEQUANTIZE at the ends
    (mpt__tfl_quantized_graph), ONNX in the QDQ form, float ops between
    QuantizeLinear/DequantizeLinear pairs that ONNX Runtime fuses into int8
-   kernels (mpt__onnx_qdq, mpt__onnx_initializer of any data type).
+   kernels (mpt__onnx_qdq, mpt__onnx_initializer of any data type). A
+   float16 or dynamic-range model's operations compute in float32 between
+   them: float16 kernels turned into float32, or int8 kernels read by
+   TFLite's hybrid ops and by ONNX's MatMulInteger and ConvInteger after
+   the input is quantized in the graph (mpt__onnx_q_dynamic_input).
    The finished bytes go to disk through the checkpoints' writer
    (@impl-checkpoints): a temporary file, fsynced, renamed over the path. */
 
@@ -20041,23 +20069,6 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
-/* A quantized model: TFLite takes a full-integer or float16 one, ONNX a
-   full-integer one (written from its operations by @impl-export-tflite
-   and @impl-export-onnx); dynamic-range, and float16 to ONNX, are not
-   written yet. */
-static mpt_status mpt__export_quantized_check(const mpt__export_plan *pl) {
-    static const char *mode[] = {"dynamic-range", "full-integer", "float16"};
-    mpt_quantize_mode q = pl->m->quantized->mode;
-    if (q == MPT_QUANTIZE_FULL_INTEGER ||
-        (q == MPT_QUANTIZE_FLOAT16 && strcmp(pl->format, "TFLite") == 0))
-        return MPT_OK;
-    return mpt__fail(pl->m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the model is quantized "
-                     "(mpt_model_quantize, %s), which this export does not write (TFLite takes "
-                     "full-integer and float16 ones, ONNX full-integer ones); export the float "
-                     "model it came from", pl->format,
-                     pl->path, mode[q]);
-}
-
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -20075,7 +20086,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     if (m->quantized) { /* written from its operations, not planned as steps */
         pl->weight_dtype =
             m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT_FLOAT16 : MPT_FLOAT32;
-        return mpt__export_quantized_check(pl);
+        return MPT_OK;
     }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "
@@ -20695,9 +20706,11 @@ static int32_t mpt__tfl_quantized_tensor(mpt__tfl *g, const char *layer, const c
     return t;
 }
 
-/* What the operations compute in: int8, or float32 for a float16 model. */
+/* What the operations compute in: int8, or float32 for a float16 or
+   dynamic-range model (whose products quantize their inputs themselves). */
 static int mpt__tfl_q_type(const mpt__tfl *g) {
-    return g->pl->m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT__TFL_FLOAT32 : MPT__TFL_INT8;
+    return g->pl->m->quantized->mode == MPT_QUANTIZE_FULL_INTEGER ? MPT__TFL_INT8
+                                                                  : MPT__TFL_FLOAT32;
 }
 
 /* The op's output tensor. */
@@ -20706,32 +20719,60 @@ static int32_t mpt__tfl_q_output(mpt__tfl *g, const mpt_quantized_layer *L) {
                                      L->out_shape, &L->output);
 }
 
-/* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as
-   mpt__tfl_constant stores it) and float32 bias; returns the kernel the op
-   reads, the bias into *bias. */
-static int32_t mpt__tfl_q_float16_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
-                                          const int64_t *shape, int32_t *bias) {
-    const mpt_context *ctx = g->pl->m->ctx;
-    int64_t F = L->out_channels, n = F * L->depth, k;
-    float *w = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)n + 1);
-    unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
-    int32_t kernel;
-    if (!w || !b) {
-        mpt__free(ctx, w);
-        mpt__free(ctx, b);
+/* A float16 or dynamic-range model's float32 bias, as the model keeps it. */
+static int32_t mpt__tfl_q_float_bias(mpt__tfl *g, const mpt_quantized_layer *L) {
+    int64_t F = L->out_channels, k;
+    unsigned char *b = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4 * (size_t)F + 1);
+    if (!b) {
         g->failed = 1;
         return 0;
     }
-    for (k = 0; k < n; k++) w[k] = mpt_half_to_float(L->weights_float16[k]); /* exact back */
-    kernel = mpt__tfl_constant(g, L->name, "kernel", rank, shape, w, n);
-    mpt__free(ctx, w);
     for (k = 0; k < F; k++) {
         uint32_t bits;
         memcpy(&bits, &L->bias[k], 4);
         mpt__tb_put_le(b + 4 * k, bits, 4);
     }
-    *bias = mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
-                                mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    return mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
+                               mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+}
+
+/* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as
+   mpt__tfl_constant stores it) and float32 bias; returns the kernel the op
+   reads, the bias into *bias. */
+static int32_t mpt__tfl_q_float16_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                          const int64_t *shape, int32_t *bias) {
+    int64_t n = L->out_channels * L->depth, k;
+    float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)n + 1);
+    int32_t kernel;
+    if (!w) {
+        g->failed = 1;
+        return 0;
+    }
+    for (k = 0; k < n; k++) w[k] = mpt_half_to_float(L->weights_float16[k]); /* exact back */
+    kernel = mpt__tfl_constant(g, L->name, "kernel", rank, shape, w, n);
+    mpt__free(g->pl->m->ctx, w);
+    *bias = mpt__tfl_q_float_bias(g, L);
+    return kernel;
+}
+
+/* A dynamic-range model's kernel: int8 [out, depth] (conv OHWI) per output
+   channel, zero points 0, read by the op itself (TFLite's hybrid
+   FULLY_CONNECTED and CONV_2D: a float32 input and an int8 filter), and
+   its float32 bias; returns the kernel, the bias into *bias. */
+static int32_t mpt__tfl_q_hybrid_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                         const int64_t *shape, int32_t *bias) {
+    int64_t n = L->out_channels * L->depth;
+    unsigned char *w = (unsigned char *)mpt__alloc(g->pl->m->ctx, (size_t)n + 1);
+    int32_t kernel;
+    if (!w) {
+        g->failed = 1;
+        return 0;
+    }
+    memcpy(w, L->weights, (size_t)n);
+    kernel = mpt__tfl_tensor_add(g, L->name, "kernel", MPT__TFL_INT8, rank, shape, 0,
+                                 mpt__tfl_buffer_add(g, w, (size_t)n));
+    mpt__tfl_set_quant(g, kernel, (int)L->out_channels, 0, L->weight_scales, NULL);
+    *bias = mpt__tfl_q_float_bias(g, L);
     return kernel;
 }
 
@@ -20778,9 +20819,15 @@ static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, in
     shape[1] = conv ? L->kernel_size[0] : L->depth;
     shape[2] = L->kernel_size[1];
     shape[3] = conv ? L->depth / (L->kernel_size[0] * L->kernel_size[1]) : 0;
-    kernel = mpt__tfl_q_type(g) == MPT__TFL_INT8
-                 ? mpt__tfl_q_int8_weights(g, L, conv ? 4 : 2, shape, &bias)
-                 : mpt__tfl_q_float16_weights(g, L, conv ? 4 : 2, shape, &bias);
+    switch (g->pl->m->quantized->mode) {
+    case MPT_QUANTIZE_FULL_INTEGER:
+        kernel = mpt__tfl_q_int8_weights(g, L, conv ? 4 : 2, shape, &bias);
+        break;
+    case MPT_QUANTIZE_DYNAMIC_RANGE:
+        kernel = mpt__tfl_q_hybrid_weights(g, L, conv ? 4 : 2, shape, &bias);
+        break;
+    default: kernel = mpt__tfl_q_float16_weights(g, L, conv ? 4 : 2, shape, &bias); break;
+    }
     y = mpt__tfl_q_output(g, L);
     op = mpt__tfl_op_add(g, conv ? MPT__TFL_CONV_2D : MPT__TFL_FULLY_CONNECTED, x, kernel, bias,
                          3, y);
@@ -20796,6 +20843,10 @@ static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, in
         op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
         op->opt[0] = MPT__MAX(mpt__tfl_fused(L->activation), 0);
         op->n_opt = 1;
+        if (g->pl->m->quantized->mode == MPT_QUANTIZE_DYNAMIC_RANGE) {
+            op->opt[1] = 1; /* asymmetric_quantize_inputs, as the converter writes */
+            op->n_opt = 2;
+        }
     }
     return y;
 }
@@ -20976,7 +21027,11 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         for (i = 1; i <= 4; i++) mpt__fb_field_scalar(b, i, (uint32_t)op->opt[i], 4);
         mpt__fb_field_scalar(b, 5, (uint64_t)op->opt[5], 1);
         break;
-    case MPT__TFL_FULLY_CONNECTED_OPTIONS: /* fused_activation_function */
+    case MPT__TFL_FULLY_CONNECTED_OPTIONS: /* fused_activation_function, then (a hybrid
+                                              one's) asymmetric_quantize_inputs, field 3 */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        if (op->n_opt > 1) mpt__fb_field_scalar(b, 3, (uint64_t)op->opt[1], 1);
+        break;
     case MPT__TFL_ADD_OPTIONS:
     case MPT__TFL_MUL_OPTIONS:
     case MPT__TFL_GELU_OPTIONS: /* approximate */
@@ -21499,7 +21554,7 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
 
-/* ---- ONNX: a full-integer quantized model in the QDQ form ---------------------------
+/* ---- ONNX: quantized models -----------------------------------------------------------
 
    Each of the model's operations (mpt_model_quantized_layer) as the float
    op between DequantizeLinear and QuantizeLinear, the form ONNX Runtime
@@ -21510,13 +21565,17 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
    scale input·weight[c], ReLU after them; pooling, Flatten and the
    activations as float ops; every result quantized and dequantized at the
    operation's output parameters. The float helpers above name their nodes
-   after a layer: one carrying the operation's name stands in for it. */
+   after a layer: one carrying the operation's name stands in for it.
+   A float16 or dynamic-range model's operations are the same float ops
+   without the Q/DQ pairs; only its Dense and Conv2D differ (float16
+   kernels with a Cast; dynamic range: the input quantized per sample in
+   the graph, then MatMulInteger or ConvInteger). */
 
-/* A float32 scalar or (n) vector initializer "<layer>/<what>". */
-static void mpt__onnx_floats(mpt__onnx *o, const char *name, int rank, int64_t n,
-                             const float *v) {
+/* A float32 initializer of n values shaped dims (rank 0: a scalar). */
+static void mpt__onnx_floats_shaped(mpt__onnx *o, const char *name, int rank,
+                                    const int64_t *dims, int64_t n, const float *v) {
     size_t body;
-    unsigned char *data = mpt__onnx_initializer(o, name, MPT__ONNX_FLOAT, rank, &n,
+    unsigned char *data = mpt__onnx_initializer(o, name, MPT__ONNX_FLOAT, rank, dims,
                                                 4 * (size_t)n, &body);
     int64_t i;
     for (i = 0; data && i < n; i++) {
@@ -21525,6 +21584,12 @@ static void mpt__onnx_floats(mpt__onnx *o, const char *name, int rank, int64_t n
         mpt__tb_put_le(data + 4 * i, bits, 4);
     }
     mpt__pb_end(&o->inits, body);
+}
+
+/* A float32 scalar (rank 0) or (n) vector (rank 1) initializer. */
+static void mpt__onnx_floats(mpt__onnx *o, const char *name, int rank, int64_t n,
+                             const float *v) {
+    mpt__onnx_floats_shaped(o, name, rank, &n, n, v);
 }
 
 /* An integer initializer of `elem` bytes per value (int8 1, int32 4); v NULL: zeros. */
@@ -21553,6 +21618,14 @@ static void mpt__onnx_qdq(mpt__onnx *o, const char *layer, const char *what,
     mpt__pb_end(&o->nodes, mpt__onnx_node(o, "QuantizeLinear", q, o->x, scale, zero));
     mpt__pb_end(&o->nodes, mpt__onnx_node(o, "DequantizeLinear", y, q, scale, zero));
     snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* mpt__onnx_qdq where the model's tensors are int8 (full integer); a
+   float16 or dynamic-range model's tensors between operations are float32
+   and pass as they are. */
+static void mpt__onnx_q_requantize(mpt__onnx *o, const char *layer, const char *what,
+                                   const mpt_quant_params *p) {
+    if (o->pl->m->quantized->mode == MPT_QUANTIZE_FULL_INTEGER) mpt__onnx_qdq(o, layer, what, p);
 }
 
 /* A per-axis (along 0) quantized constant: `stored` (int8 weights or
@@ -21589,11 +21662,211 @@ static void mpt__onnx_q_layout(mpt__onnx *o, const mpt__layer *named, int nchw,
     int before = o->nchw;
     mpt__onnx_layout(o, named, nchw);
     if (o->nchw != before)
-        mpt__onnx_qdq(o, named->name, nchw ? "nchw_quantized" : "nhwc_quantized", p);
+        mpt__onnx_q_requantize(o, named->name, nchw ? "nchw_quantized" : "nhwc_quantized", p);
 }
 
-/* Gemm or Conv from int8 weights and an int32 bias, ReLU after it. */
-static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named) {
+/* A Dense's or Conv2D's weights [out, depth] (conv OHWI), `es` bytes each,
+   in ONNX's layout: a Dense's as they are (Gemm's B with transB, and
+   MatMulInteger's after a transpose the caller makes), a Conv2D's as
+   (F, C, kh, kw). */
+static void mpt__onnx_q_kernel_layout(const mpt__qop *op, const void *src, size_t es, void *dst) {
+    const mpt_quantized_layer *L = &op->info;
+    const unsigned char *from = (const unsigned char *)src;
+    unsigned char *to = (unsigned char *)dst;
+    int64_t khw = op->g.kh * op->g.kw, C, f, c, p;
+    if (L->op != MPT_QOP_CONV_2D) {
+        memcpy(to, from, es * (size_t)(L->out_channels * L->depth));
+        return;
+    }
+    C = L->depth / khw;
+    for (f = 0; f < L->out_channels; f++)
+        for (p = 0; p < khw; p++)
+            for (c = 0; c < C; c++)
+                memcpy(to + es * (size_t)((f * C + c) * khw + p),
+                       from + es * (size_t)((f * khw + p) * C + c), es);
+}
+
+/* The dims of a Dense's or Conv2D's kernel in ONNX: (F, K) or (F, C, kh, kw);
+   returns the rank. */
+static int mpt__onnx_q_kernel_dims(const mpt__qop *op, int64_t *dims) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    dims[0] = L->out_channels;
+    dims[1] = conv ? L->depth / (op->g.kh * op->g.kw) : L->depth;
+    dims[2] = op->g.kh;
+    dims[3] = op->g.kw;
+    return conv ? 4 : 2;
+}
+
+/* A float16 model's Dense or Conv2D: its float16 kernel with a Cast to
+   float32 (as mpt__onnx_constant stores float16 weights), its float32
+   bias, then Gemm (transB) or Conv in float32, ReLU after it. */
+static void mpt__onnx_q_float16_weighted(mpt__onnx *o, const mpt__qop *op,
+                                         const mpt__layer *named) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    int64_t dims[4], n = L->out_channels * L->depth;
+    int rank = mpt__onnx_q_kernel_dims(op, dims);
+    char stored[96], kernel[128], bias[96], y[96];
+    unsigned char *data;
+    size_t body;
+    snprintf(stored, sizeof stored, "%s/kernel", L->name);
+    snprintf(kernel, sizeof kernel, "%s/kernel_float32", L->name);
+    snprintf(bias, sizeof bias, "%s/bias", L->name);
+    data = mpt__onnx_initializer(o, stored, MPT__ONNX_FLOAT16, rank, dims, 2 * (size_t)n, &body);
+    if (data) { /* little-endian float16 bits */
+        int64_t k;
+        mpt__onnx_q_kernel_layout(op, L->weights_float16, 2, data);
+        for (k = 0; k < n; k++) {
+            mpt_half h;
+            memcpy(&h, data + 2 * k, 2);
+            mpt__tb_put_le(data + 2 * k, h, 2);
+        }
+    }
+    mpt__pb_end(&o->inits, body);
+    body = mpt__onnx_node(o, "Cast", kernel, stored, NULL, NULL);
+    mpt__onnx_attr_int(&o->nodes, "to", MPT__ONNX_FLOAT);
+    mpt__pb_end(&o->nodes, body);
+    mpt__onnx_floats(o, bias, 1, L->out_channels, L->bias);
+    if (conv) mpt__onnx_layout(o, named, 1);
+    snprintf(y, sizeof y, "%s/linear", L->name);
+    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
+    if (conv) mpt__onnx_window(&o->nodes, &op->g);
+    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+}
+
+/* op(a, b[, c]) -> "<layer>/<what>", which becomes the running value: a
+   node whose first input is not the running value, or with three (Where,
+   Clip). */
+static void mpt__onnx_apply(mpt__onnx *o, const mpt__layer *L, const char *op, const char *a,
+                            const char *b, const char *c, const char *what) {
+    char y[96];
+    mpt__onnx_name(y, sizeof y, L, what);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, op, y, a, b, c));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* A Cast of the running value to data type `to`, named "<layer>/<what>". */
+static void mpt__onnx_cast(mpt__onnx *o, const mpt__layer *L, int to, const char *what) {
+    char y[96];
+    size_t body;
+    mpt__onnx_name(y, sizeof y, L, what);
+    body = mpt__onnx_node(o, "Cast", y, o->x, NULL, NULL);
+    mpt__onnx_attr_int(&o->nodes, "to", to);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* The running value quantized as mpt.h quantizes a dynamic-range
+   product's input (mpt__q_symmetric_rows), each sample on its own: scale
+   = max|x| / 127 into "<layer>/input_scale" (shaped (N, 1...) to
+   broadcast), q = x · (127 / max|x|) (0 for a sample of zeros) rounded
+   half away from zero as mpt__q_round_small does (the truncation, then
+   one up or down when the fraction is a half or more), clamped to ±127,
+   int8. Not
+   DynamicQuantizeLinear: that takes one scale and zero point for the whole
+   batch, so a sample's result would depend on the others beside it. */
+static void mpt__onnx_q_dynamic_input(mpt__onnx *o, const mpt__layer *L) {
+    int64_t axes[MPT_MAX_RANK];
+    char x[96], amax[96], inv[96], trunc[96], fraction[96], up[96], down[96], c127[96],
+        cm127[96], c0[96], half[96], mhalf[96];
+    int i, rank = o->rank;
+    size_t body;
+    for (i = 1; i < rank; i++) axes[i - 1] = i;
+    mpt__onnx_scalar(o, L, "q_127", 127.0f, c127, sizeof c127);
+    mpt__onnx_scalar(o, L, "q_minus_127", -127.0f, cm127, sizeof cm127);
+    mpt__onnx_scalar(o, L, "q_0", 0.0f, c0, sizeof c0);
+    mpt__onnx_scalar(o, L, "q_half", 0.5f, half, sizeof half);
+    mpt__onnx_scalar(o, L, "q_minus_half", -0.5f, mhalf, sizeof mhalf);
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_unary(o, L, "Abs", "input_abs");
+    mpt__onnx_name(amax, sizeof amax, L, "input_abs_max");
+    body = mpt__onnx_node(o, "ReduceMax", amax, o->x, NULL, NULL);
+    mpt__onnx_attr_ints(&o->nodes, "axes", axes, rank - 1);
+    mpt__onnx_attr_int(&o->nodes, "keepdims", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", amax);
+    mpt__onnx_binary(o, L, "Div", c127, "input_scale");
+    mpt__onnx_apply(o, L, "Div", c127, amax, NULL, "input_inverse_any");
+    snprintf(inv, sizeof inv, "%s", o->x);
+    snprintf(o->x, sizeof o->x, "%s", amax);
+    mpt__onnx_binary(o, L, "Greater", c0, "input_nonzero");
+    mpt__onnx_apply(o, L, "Where", o->x, inv, c0, "input_inverse");
+    mpt__onnx_apply(o, L, "Mul", x, o->x, NULL, "input_scaled");
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_cast(o, L, MPT__ONNX_INT32, "input_truncated_int32");
+    mpt__onnx_cast(o, L, MPT__ONNX_FLOAT, "input_truncated");
+    snprintf(trunc, sizeof trunc, "%s", o->x);
+    mpt__onnx_apply(o, L, "Sub", x, trunc, NULL, "input_fraction");
+    snprintf(fraction, sizeof fraction, "%s", o->x);
+    mpt__onnx_binary(o, L, "GreaterOrEqual", half, "input_round_up_bool");
+    mpt__onnx_cast(o, L, MPT__ONNX_FLOAT, "input_round_up");
+    snprintf(up, sizeof up, "%s", o->x);
+    snprintf(o->x, sizeof o->x, "%s", fraction);
+    mpt__onnx_binary(o, L, "LessOrEqual", mhalf, "input_round_down_bool");
+    mpt__onnx_cast(o, L, MPT__ONNX_FLOAT, "input_round_down");
+    snprintf(down, sizeof down, "%s", o->x);
+    mpt__onnx_apply(o, L, "Add", trunc, up, NULL, "input_rounded_up");
+    mpt__onnx_binary(o, L, "Sub", down, "input_rounded");
+    mpt__onnx_apply(o, L, "Clip", o->x, cm127, c127, "input_clamped");
+    mpt__onnx_cast(o, L, MPT__ONNX_INT8, "input_int8");
+}
+
+/* A dynamic-range model's Dense or Conv2D as ONNX Runtime runs it in
+   integers: the input quantized per sample (mpt__onnx_q_dynamic_input),
+   MatMulInteger with the int8 kernel transposed to (K, F), or ConvInteger
+   with it as (F, C, kh, kw), zero points 0; then y = float(acc) ·
+   w_scale[c] · scale + bias[c], and ReLU. mpt.h multiplies by the product
+   of the two scales (mpt__q_dequantize_rows_task), one rounding fewer: a
+   Mul of the scales feeding the Mul after MatMulInteger's Cast is what
+   ONNX Runtime fuses into MatMulIntegerToFloat, which takes that scale as
+   one per tensor (or per column of the input), not per sample, and gets
+   the products wrong. */
+static void mpt__onnx_q_dynamic_weighted(mpt__onnx *o, const mpt__qop *op,
+                                         const mpt__layer *named) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    int64_t F = L->out_channels, K = L->depth, dims[4], f, k;
+    int rank = mpt__onnx_q_kernel_dims(op, dims);
+    char kernel[96], wscale[96], bias[96], scale[96], y[96];
+    size_t body;
+    unsigned char *data;
+    snprintf(kernel, sizeof kernel, "%s/kernel", L->name);
+    snprintf(wscale, sizeof wscale, "%s/kernel_scale", L->name);
+    snprintf(bias, sizeof bias, "%s/bias", L->name);
+    if (!conv) dims[0] = K, dims[1] = F;
+    data = mpt__onnx_initializer(o, kernel, MPT__ONNX_INT8, rank, dims, (size_t)(F * K), &body);
+    if (data && conv) mpt__onnx_q_kernel_layout(op, L->weights, 1, data);
+    for (f = 0; data && !conv && f < F; f++) /* [F, K] -> (K, F) */
+        for (k = 0; k < K; k++) data[k * F + f] = (unsigned char)L->weights[f * K + k];
+    mpt__pb_end(&o->inits, body);
+    dims[0] = F; /* scales and bias: (F), or (F, 1, 1) to broadcast over NCHW */
+    dims[1] = dims[2] = 1;
+    mpt__onnx_floats_shaped(o, wscale, conv ? 3 : 1, dims, F, L->weight_scales);
+    mpt__onnx_floats_shaped(o, bias, conv ? 3 : 1, dims, F, L->bias);
+    if (conv) mpt__onnx_layout(o, named, 1);
+    mpt__onnx_q_dynamic_input(o, named);
+    snprintf(y, sizeof y, "%s/product_int32", L->name);
+    body = mpt__onnx_node(o, conv ? "ConvInteger" : "MatMulInteger", y, o->x, kernel, NULL);
+    if (conv) mpt__onnx_window(&o->nodes, &op->g);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    mpt__onnx_cast(o, named, MPT__ONNX_FLOAT, "product");
+    mpt__onnx_binary(o, named, "Mul", wscale, "product_per_channel");
+    mpt__onnx_name(scale, sizeof scale, named, "input_scale");
+    mpt__onnx_binary(o, named, "Mul", scale, "dequantized");
+    mpt__onnx_binary(o, named, "Add", bias, "linear");
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+}
+
+/* A full-integer model's Dense or Conv2D: Gemm or Conv from int8 weights
+   and an int32 bias, ReLU after it, the result quantized at its output's
+   parameters. */
+static void mpt__onnx_q_int8_weighted(mpt__onnx *o, const mpt__qop *op,
+                                      const mpt__layer *named) {
     const mpt_quantized_layer *L = &op->info;
     const mpt_context *ctx = o->pl->m->ctx;
     int conv = L->op == MPT_QOP_CONV_2D;
@@ -21639,7 +21912,15 @@ static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__la
     mpt__onnx_qdq(o, L->name, "output", &L->output);
 }
 
-/* One operation on the running (dequantized) value. */
+static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named) {
+    switch (o->pl->m->quantized->mode) {
+    case MPT_QUANTIZE_FULL_INTEGER: mpt__onnx_q_int8_weighted(o, op, named); break;
+    case MPT_QUANTIZE_FLOAT16: mpt__onnx_q_float16_weighted(o, op, named); break;
+    default: mpt__onnx_q_dynamic_weighted(o, op, named); break;
+    }
+}
+
+/* One operation on the running value (dequantized in full integer). */
 static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     const mpt_quantized_layer *L = &op->info;
     mpt__layer named;
@@ -21661,25 +21942,25 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
         mpt__onnx_window(&o->nodes, &op->g); /* AveragePool: count_include_pad 0, as mpt.h */
         mpt__pb_end(&o->nodes, body);
         snprintf(o->x, sizeof o->x, "%s", y);
-        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "output", &L->output);
         return;
     case MPT_QOP_GLOBAL_AVERAGE_POOL_2D:
         mpt__onnx_q_layout(o, &named, 1, &L->input);
         mpt__onnx_unary(o, &named, "GlobalAveragePool", "pooled");
         mpt__onnx_flatten(o, &named);
-        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "output", &L->output);
         return;
     case MPT_QOP_RESHAPE: /* the same values in mpt.h's order, quantized again for the op after */
         mpt__onnx_q_layout(o, &named, 0, &L->input);
         mpt__onnx_flatten(o, &named);
-        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "output", &L->output);
         return;
     default:
         s.kind = MPT__EXPORT_ACTIVATION;
         s.L = &named;
         s.act = L->activation;
         mpt__onnx_activation(o, &s);
-        mpt__onnx_qdq(o, L->name, "activation_output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "activation_output", &L->output);
         return;
     }
 }
@@ -21690,7 +21971,7 @@ static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     const mpt__quantized *Q = o->pl->m->quantized;
     mpt__layer named;
     int i;
-    mpt__onnx_qdq(o, "input", "quantized", &Q->ops[0].info.input);
+    mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
     for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
     memset(&named, 0, sizeof named);
     snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);

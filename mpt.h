@@ -1058,10 +1058,11 @@ enum {
    with the step's data wait and host work, its loss and loss scale. The
    trace goes to profile_dir/plugins/profile/<run>/<host>.trace.json (and
    .trace.json.gz where zlib is built in, the file TensorBoard's profile
-   plugin reads), <run> the date and time ("2026_11_23_17_05_09"), as a
-   JSON array of Chrome trace events ({"name", "ph": "X", "ts", "dur",
-   "pid", "tid", "args"}, microseconds) that Perfetto and chrome://tracing
-   open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
+   plugin reads up to tensorboard-plugin-profile 2.19.0; later versions
+   read only <host>.xplane.pb), <run> the date and time
+   ("2026_11_23_17_05_09"), as a JSON array of Chrome trace events
+   ({"name", "ph": "X", "ts", "dur", "pid", "tid", "args"}, microseconds)
+   that Perfetto and chrome://tracing open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
    as <host>.layers.txt and, with verbose >= 1, to the printer at the end.
    Profiled steps run as they are queued, never replayed from a recorded
    CUDA graph; with profiling off a step is unchanged. */

@@ -7563,7 +7563,7 @@ static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv
     a.x = x;
     a.kernel = mpt__param_compute_copy(L, 0);
     a.bias = input_grad || d->no_bias ? NULL : mpt__param_master(L, 1);
-    a.act = d->activation;
+    a.act = mpt__pass_activation(p, d->activation);
     a.y = y;
     a.ws = ws;
     return p->be->conv_direct(p->impl, &a);
@@ -7574,7 +7574,8 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                                       int64_t b0, int64_t n) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     const int64_t rows = n * c->pix, ny = rows * c->f;
-    const int fused = d->activation != MPT_ACT_GELU && d->activation != MPT_ACT_SOFTMAX;
+    const mpt_activation act = mpt__pass_activation(p, d->activation);
+    const int fused = act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX;
     const unsigned char *x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c->es;
     unsigned char *y = (unsigned char *)p->y + (size_t)(b0 * c->pix * c->f) * c->es;
     mpt__ws w = {(unsigned char *)p->workspace};
@@ -7591,13 +7592,13 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                              cols ? (const void *)cols : (const void *)x,
                              mpt__param_compute_copy(L, 0), acc);
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
-    g.activation = fused ? d->activation : MPT_ACT_NONE;
+    g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
-    if (d->activation == MPT_ACT_GELU) {
+    if (act == MPT_ACT_GELU) {
         unsigned char *z = (unsigned char *)L->saved[0] + (size_t)(b0 * c->pix * c->f) * c->es;
         p->be->convert(p->impl, L->dtype, z, MPT_FLOAT32, acc, ny);
         p->be->activation(p->impl, MPT_ACT_GELU, acc, rows, c->f);
-    } else if (d->activation == MPT_ACT_SOFTMAX) {
+    } else if (act == MPT_ACT_SOFTMAX) {
         /* over the channels of each pixel */
         p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, rows, c->f);
     }
@@ -7678,7 +7679,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
     void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
-    p->be->activation_grad(p->impl, d->activation, L->dtype, z,
+    p->be->activation_grad(p->impl, mpt__pass_activation(p, d->activation), L->dtype, z,
                            (const unsigned char *)p->y + (size_t)y_off * c->es,
                            (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
                            c->f);
@@ -7707,9 +7708,13 @@ static void mpt__conv2d_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_backward_chunk);
 }
 
+static mpt_activation mpt__conv2d_activation(const mpt__layer *L) {
+    return L->desc.conv2d.activation;
+}
+
 static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_build,
                                                mpt__conv2d_forward, mpt__conv2d_backward, NULL,
-                                               NULL};
+                                               mpt__conv2d_activation};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
@@ -19905,15 +19910,6 @@ static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__expo
     return MPT_OK;
 }
 
-/* The activation a layer ends with, read from its descriptor (Conv2D's
-   ops do not report theirs). */
-static mpt_activation mpt__export_activation(const mpt__layer *L) {
-    if (L->ops == &mpt__dense_ops) return L->desc.dense.activation;
-    if (L->ops == &mpt__conv2d_ops) return L->desc.conv2d.activation;
-    if (L->ops == &mpt__activation_ops) return L->desc.activation.activation;
-    return MPT_ACT_NONE;
-}
-
 /* Dense or Conv2D: its kernel, its bias (or zeros) and its activation. */
 static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt__layer *L,
                                        mpt__export_kind kind) {
@@ -19925,7 +19921,7 @@ static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt
     s = &pl->steps[pl->n - 1];
     memcpy(s->kernel, kernel, sizeof(float) * (size_t)s->kernel_count);
     if (bias) memcpy(s->bias, bias, sizeof(float) * (size_t)units);
-    s->act = mpt__export_activation(L);
+    s->act = mpt__layer_activation(L);
     if (kind == MPT__EXPORT_CONV2D) {
         mpt__conv_plan_init(&c, L, 1);
         s->g = c.g;

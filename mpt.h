@@ -1284,8 +1284,10 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    epoch_loss_scale, ...) in train/ and each "val_<name>" as "epoch_<name>"
    in validation/, at step = the 0-based epoch; the model summary as the
    text "model_summary" at step 0; histograms and batch scalars as the
-   descriptor asks. Worker 0 writes; a killed run leaves files that read up
-   to its last whole event. Freed by mpt_callback_destroy like the others. */
+   descriptor asks. Worker 0 writes, creating log_dir when fit begins; the
+   other workers create nothing (making the callback only checks that
+   log_dir can be created). A killed run leaves files that read up to its
+   last whole event. Freed by mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);
@@ -14715,6 +14717,29 @@ static int mpt__tb_mkdirs(const char *path) {
     return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
 }
 
+/* Whether mpt__tb_mkdirs(path) can succeed, checked without creating
+   anything (the callback is made on every worker; only worker 0 creates
+   its directories, when fit begins): path, or else its deepest existing
+   ancestor, is a directory this process may write to and enter. 0 or an
+   errno. */
+static int mpt__tb_can_create(const char *path) {
+    char dir[MPT__CB_PATH_MAX];
+    size_t n = strlen(path);
+    struct stat st;
+    if (n >= sizeof dir) return ENAMETOOLONG;
+    memcpy(dir, path, n + 1);
+    while (stat(dir, &st) != 0) {
+        if (errno != ENOENT || !strcmp(dir, ".") || !strcmp(dir, "/")) return errno;
+        while (n > 1 && dir[n - 1] == '/') n--; /* up one level: "a/b/" -> "a" */
+        while (n > 0 && dir[n - 1] != '/') n--;
+        while (n > 1 && dir[n - 1] == '/') n--;
+        if (n == 0) dir[n++] = '.';
+        dir[n] = 0;
+    }
+    if (!S_ISDIR(st.st_mode)) return ENOTDIR;
+    return access(dir, W_OK | X_OK) == 0 ? 0 : errno;
+}
+
 /* Creates a new event file in log_dir/run. 0 or an errno. */
 static int mpt__tb_create(mpt__tb_file *f, const char *log_dir, const char *run) {
     char dir[MPT__CB_PATH_MAX];
@@ -15029,8 +15054,7 @@ static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorbo
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "TensorBoard: log_dir has %zu characters, more than %d",
                          strlen(d->log_dir), MPT__CB_PATH_MAX - 512);
-    err = mpt__tb_mkdirs(d->log_dir);
-    if (!err && access(d->log_dir, W_OK | X_OK) != 0) err = errno;
+    err = mpt__tb_can_create(d->log_dir);
     if (err)
         return mpt__fail(ctx, MPT_ERR_IO, "TensorBoard: log_dir \"%s\" cannot be created or "
                          "written to: %s", d->log_dir, strerror(err));

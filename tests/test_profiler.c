@@ -20,34 +20,12 @@ static char tmpdir[256];
 
 /* Dense(16, relu) → Dropout(0.25) → Dense(3, softmax), Adam, seeded. */
 static mpt_model *make_model(mpt_context *c) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
-    mpt_compile_desc cd;
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = FEATURES;
-    md.input_rank = 1;
-    md.seed = 11;
-    CHECK(mpt_model_create(c, &md, &m) == MPT_OK, "create: %s", mpt_context_error(c));
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
-    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
-    memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 0.01f;
-    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-    cd.metrics = MPT_METRIC_ACCURACY;
-    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
-    return m;
+    classifier_desc d = {FEATURES, 16, CLASSES, 0.25f, 11, 0, NULL};
+    return small_classifier(c, &d);
 }
 
 /* 200 samples in batches of 32: 7 steps an epoch. */
-static mpt_fit_desc fit_desc(int epochs) {
-    mpt_fit_desc f;
-    memset(&f, 0, sizeof f);
-    f.epochs = epochs;
-    f.batch_size = 32;
-    return f;
-}
+static mpt_fit_desc fit_desc(int epochs) { return fit_for(epochs, 32); }
 
 /* The only entry of dir (a run directory), into out; 0 if not one. */
 static int only_entry(const char *dir, char *out, size_t size) {

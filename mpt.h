@@ -1058,10 +1058,11 @@ enum {
    with the step's data wait and host work, its loss and loss scale. The
    trace goes to profile_dir/plugins/profile/<run>/<host>.trace.json (and
    .trace.json.gz where zlib is built in, the file TensorBoard's profile
-   plugin reads), <run> the date and time ("2026_11_23_17_05_09"), as a
-   JSON array of Chrome trace events ({"name", "ph": "X", "ts", "dur",
-   "pid", "tid", "args"}, microseconds) that Perfetto and chrome://tracing
-   open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
+   plugin reads up to tensorboard-plugin-profile 2.19.0; later versions
+   read only <host>.xplane.pb), <run> the date and time
+   ("2026_11_23_17_05_09"), as a JSON array of Chrome trace events
+   ({"name", "ph": "X", "ts", "dur", "pid", "tid", "args"}, microseconds)
+   that Perfetto and chrome://tracing open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
    as <host>.layers.txt and, with verbose >= 1, to the printer at the end.
    Profiled steps run as they are queued, never replayed from a recorded
    CUDA graph; with profiling off a step is unchanged. */
@@ -1283,8 +1284,10 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    epoch_loss_scale, ...) in train/ and each "val_<name>" as "epoch_<name>"
    in validation/, at step = the 0-based epoch; the model summary as the
    text "model_summary" at step 0; histograms and batch scalars as the
-   descriptor asks. Worker 0 writes; a killed run leaves files that read up
-   to its last whole event. Freed by mpt_callback_destroy like the others. */
+   descriptor asks. Worker 0 writes, creating log_dir when fit begins; the
+   other workers create nothing (making the callback only checks that
+   log_dir can be created). A killed run leaves files that read up to its
+   last whole event. Freed by mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);
@@ -7586,7 +7589,7 @@ static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv
     a.x = x;
     a.kernel = mpt__param_compute_copy(L, 0);
     a.bias = input_grad || d->no_bias ? NULL : mpt__param_master(L, 1);
-    a.act = d->activation;
+    a.act = mpt__pass_activation(p, d->activation);
     a.y = y;
     a.ws = ws;
     return p->be->conv_direct(p->impl, &a);
@@ -7597,7 +7600,8 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                                       int64_t b0, int64_t n) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     const int64_t rows = n * c->pix, ny = rows * c->f;
-    const int fused = d->activation != MPT_ACT_GELU && d->activation != MPT_ACT_SOFTMAX;
+    const mpt_activation act = mpt__pass_activation(p, d->activation);
+    const int fused = act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX;
     const unsigned char *x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c->es;
     unsigned char *y = (unsigned char *)p->y + (size_t)(b0 * c->pix * c->f) * c->es;
     mpt__ws w = {(unsigned char *)p->workspace};
@@ -7614,13 +7618,13 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                              cols ? (const void *)cols : (const void *)x,
                              mpt__param_compute_copy(L, 0), acc);
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
-    g.activation = fused ? d->activation : MPT_ACT_NONE;
+    g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
-    if (d->activation == MPT_ACT_GELU) {
+    if (act == MPT_ACT_GELU) {
         unsigned char *z = (unsigned char *)L->saved[0] + (size_t)(b0 * c->pix * c->f) * c->es;
         p->be->convert(p->impl, L->dtype, z, MPT_FLOAT32, acc, ny);
         p->be->activation(p->impl, MPT_ACT_GELU, acc, rows, c->f);
-    } else if (d->activation == MPT_ACT_SOFTMAX) {
+    } else if (act == MPT_ACT_SOFTMAX) {
         /* over the channels of each pixel */
         p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, rows, c->f);
     }
@@ -7701,7 +7705,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
     void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
-    p->be->activation_grad(p->impl, d->activation, L->dtype, z,
+    p->be->activation_grad(p->impl, mpt__pass_activation(p, d->activation), L->dtype, z,
                            (const unsigned char *)p->y + (size_t)y_off * c->es,
                            (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
                            c->f);
@@ -7730,9 +7734,13 @@ static void mpt__conv2d_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_backward_chunk);
 }
 
+static mpt_activation mpt__conv2d_activation(const mpt__layer *L) {
+    return L->desc.conv2d.activation;
+}
+
 static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_build,
                                                mpt__conv2d_forward, mpt__conv2d_backward, NULL,
-                                               NULL};
+                                               mpt__conv2d_activation};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
@@ -14733,6 +14741,29 @@ static int mpt__tb_mkdirs(const char *path) {
     return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
 }
 
+/* Whether mpt__tb_mkdirs(path) can succeed, checked without creating
+   anything (the callback is made on every worker; only worker 0 creates
+   its directories, when fit begins): path, or else its deepest existing
+   ancestor, is a directory this process may write to and enter. 0 or an
+   errno. */
+static int mpt__tb_can_create(const char *path) {
+    char dir[MPT__CB_PATH_MAX];
+    size_t n = strlen(path);
+    struct stat st;
+    if (n >= sizeof dir) return ENAMETOOLONG;
+    memcpy(dir, path, n + 1);
+    while (stat(dir, &st) != 0) {
+        if (errno != ENOENT || !strcmp(dir, ".") || !strcmp(dir, "/")) return errno;
+        while (n > 1 && dir[n - 1] == '/') n--; /* up one level: "a/b/" -> "a" */
+        while (n > 0 && dir[n - 1] != '/') n--;
+        while (n > 1 && dir[n - 1] == '/') n--;
+        if (n == 0) dir[n++] = '.';
+        dir[n] = 0;
+    }
+    if (!S_ISDIR(st.st_mode)) return ENOTDIR;
+    return access(dir, W_OK | X_OK) == 0 ? 0 : errno;
+}
+
 /* Creates a new event file in log_dir/run. 0 or an errno. */
 static int mpt__tb_create(mpt__tb_file *f, const char *log_dir, const char *run) {
     char dir[MPT__CB_PATH_MAX];
@@ -15047,8 +15078,7 @@ static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorbo
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "TensorBoard: log_dir has %zu characters, more than %d",
                          strlen(d->log_dir), MPT__CB_PATH_MAX - 512);
-    err = mpt__tb_mkdirs(d->log_dir);
-    if (!err && access(d->log_dir, W_OK | X_OK) != 0) err = errno;
+    err = mpt__tb_can_create(d->log_dir);
     if (err)
         return mpt__fail(ctx, MPT_ERR_IO, "TensorBoard: log_dir \"%s\" cannot be created or "
                          "written to: %s", d->log_dir, strerror(err));
@@ -19932,15 +19962,6 @@ static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__expo
     return MPT_OK;
 }
 
-/* The activation a layer ends with, read from its descriptor (Conv2D's
-   ops do not report theirs). */
-static mpt_activation mpt__export_activation(const mpt__layer *L) {
-    if (L->ops == &mpt__dense_ops) return L->desc.dense.activation;
-    if (L->ops == &mpt__conv2d_ops) return L->desc.conv2d.activation;
-    if (L->ops == &mpt__activation_ops) return L->desc.activation.activation;
-    return MPT_ACT_NONE;
-}
-
 /* Dense or Conv2D: its kernel, its bias (or zeros) and its activation. */
 static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt__layer *L,
                                        mpt__export_kind kind) {
@@ -19952,7 +19973,7 @@ static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt
     s = &pl->steps[pl->n - 1];
     memcpy(s->kernel, kernel, sizeof(float) * (size_t)s->kernel_count);
     if (bias) memcpy(s->bias, bias, sizeof(float) * (size_t)units);
-    s->act = mpt__export_activation(L);
+    s->act = mpt__layer_activation(L);
     if (kind == MPT__EXPORT_CONV2D) {
         mpt__conv_plan_init(&c, L, 1);
         s->g = c.g;

@@ -4317,6 +4317,8 @@ typedef struct mpt__qgemm_job {
     mpt__qgemm_kernel_fn kernel;
     int mr, nr;        /* micro-tile                                        */
     int quads;         /* groups of 4 bytes; else of 2 int16                */
+    int plain_requant; /* int8 C whose sums cannot saturate and whose
+                          shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -4556,6 +4558,76 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store16_avx512(const mpt__qgemm_job *j
     _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + i * d->ldc + n, k, q);
 }
 
+/* The requantizing epilogue of a whole tile with AVX-512, when
+   job->plain_requant: the sums cannot saturate (so the zero-point terms
+   and the bias fold into one int32 per column, added in wrapping
+   arithmetic that is exact because the result fits) and no shift is to
+   the left. Each 16-column block sets up its constants once for every
+   row of the tile. The doubling high multiply is (x·m + 2^30) >> 31
+   (arithmetic): for a negative product p the nudge-and-truncate of
+   mpt__rounding_doubling_high_mul, trunc((p + 1 − 2^30) / 2^31), is the
+   same floor, so one form serves both signs and the steps stay TFLite's. */
+MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job *job,
+                                                           const int32_t *tile,
+                                                           const int32_t *rowsum, int64_t i0,
+                                                           int64_t j0, int mb, int nb) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask16 all = 0xffff;
+    const __mmask8 all8 = 0xff;
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i half_unit = _mm512_set1_epi64((int64_t)1 << 30);
+    const int lo = d->c_min || d->c_max ? d->c_min : -128;
+    const int hi = d->c_min || d->c_max ? d->c_max : 127;
+    const __m512i qlo = _mm512_set1_epi32(lo - d->c_zero_point);
+    const __m512i qhi = _mm512_set1_epi32(hi - d->c_zero_point);
+    const __m512i zp = _mm512_set1_epi32(d->c_zero_point);
+    const int64_t zb = d->b_zero_point;
+    int32_t row[12]; /* MR ≤ 12: each row's zero-point term, mod 2^32 */
+    int i, j;
+    for (i = 0; i < mb; i++) {
+        const uint32_t low = (uint32_t)(uint64_t)(d->k * job->zu * zb - zb * rowsum[i]);
+        memcpy(&row[i], &low, 4);
+    }
+    for (j = 0; j < nb; j += 16) {
+        const int64_t n = j0 + j;
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, nb - j)) - 1u);
+        const __m512i bias = d->bias ? _mm512_maskz_loadu_epi32(k, d->bias + n) : zero;
+        const __m512i col = _mm512_sub_epi32(
+            bias, _mm512_maskz_mullo_epi32(all, _mm512_maskz_loadu_epi32(k, job->colsum + n),
+                                           _mm512_set1_epi32((int)job->zu)));
+        const __m512i m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
+                                         : _mm512_set1_epi32(d->multiplier[0]);
+        const __m512i right = _mm512_sub_epi32(zero, d->per_channel
+                                                         ? _mm512_maskz_loadu_epi32(k, d->shift + n)
+                                                         : _mm512_set1_epi32(d->shift[0]));
+        const __m512i m_odd = _mm512_maskz_srli_epi64(all8, m, 32);
+        const __m512i mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
+        const __m512i half = _mm512_maskz_srli_epi32(all, mask, 1);
+        for (i = 0; i < mb; i++) {
+            const __m512i x = _mm512_add_epi32(_mm512_loadu_si512(tile + i * job->nr + j),
+                                               _mm512_add_epi32(col, _mm512_set1_epi32(row[i])));
+            const __m512i even = _mm512_maskz_srli_epi64(
+                all8, _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, x, m), half_unit), 31);
+            const __m512i odd = _mm512_maskz_slli_epi64(
+                all8,
+                _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, _mm512_maskz_srli_epi64(all8, x, 32),
+                                                        m_odd),
+                                 half_unit),
+                1);
+            const __m512i h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, even, odd);
+            /* the rounding divide by 2^right, as in mpt__qgemm_store16_avx512 */
+            const __mmask16 up = _mm512_cmpgt_epi32_mask(
+                _mm512_and_si512(h, mask),
+                _mm512_add_epi32(half, _mm512_maskz_srli_epi32(all, h, 31)));
+            __m512i q = _mm512_maskz_srav_epi32(all, h, right);
+            q = _mm512_mask_add_epi32(q, up, q, one);
+            q = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, qlo), qhi);
+            _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + (i0 + i) * d->ldc + n, k,
+                                             _mm512_add_epi32(q, zp));
+        }
+    }
+}
+
 /* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
    truncated, in the low half of each 64-bit lane (a logical shift gives
    the right low half, as the quotient fits in int32). */
@@ -4646,6 +4718,12 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
     const int32_t lo = d->c_min || d->c_max ? d->c_min : -128;
     const int32_t hi = d->c_min || d->c_max ? d->c_max : 127;
     int i, j;
+#if MPT__X86
+    if (job->plain_requant && (job->ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__qgemm_store_tile_avx512(job, tile, rowsum, i0, j0, mb, nb);
+        return;
+    }
+#endif
     for (i = 0; i < mb; i++) {
         const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
 #if MPT__X86
@@ -4881,6 +4959,21 @@ static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
 #endif
 }
 
+/* Whether d's requantization can take the plain epilogue: int8 C, every
+   shift ≤ 0 (a multiplier below 1, as a layer's scale ratio is), and
+   biases small enough that no sum saturates (|Σ| ≤ 255·255·K without the
+   bias). The other paths give the same bits; only speed depends on it. */
+static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
+    const int64_t bound = INT32_MAX - (int64_t)255 * 255 * d->k;
+    int64_t j;
+    if (!d->c_int8) return 0;
+    for (j = 0; j < (d->per_channel ? d->n : 1); j++)
+        if (d->shift[j] > 0) return 0;
+    for (j = 0; d->bias && j < d->n; j++)
+        if (d->bias[j] > bound || d->bias[j] < -bound) return 0;
+    return 1;
+}
+
 /* B packed in the layout of one path (nr, quads: the micro-kernel's),
    with its column sums; by mpt_qgemm_pack_b, or by a call for itself. */
 struct mpt_qgemm_packed {
@@ -4935,6 +5028,7 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     mpt__qgemm_choose_kernel(&job, ctx->cpu);
     job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
     job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
+    job.plain_requant = mpt__qgemm_is_plain_requant(d);
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
     serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
@@ -18364,19 +18458,6 @@ typedef struct mpt__qop {
     float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
 } mpt__qop;
 
-struct mpt__quantized {
-    mpt_quantize_mode mode;
-    mpt_dtype io_dtype;
-    int n_ops;
-    mpt__qop *ops;              /* [n_ops]                                      */
-    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
-    int64_t in_count;           /* elements of one input sample                  */
-    int64_t max_count;          /* of the largest tensor of one sample           */
-    int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
-    int64_t max_weights;        /* the largest N·K                               */
-    int64_t size_bytes;
-};
-
 /* A batch's scratch, one block: two activation buffers and what the
    products need. Sized for `batch` samples by mpt__qwork_alloc. */
 typedef struct mpt__qwork {
@@ -18390,6 +18471,21 @@ typedef struct mpt__qwork {
     float *weights;     /* (max_weights) float16 weights widened             */
     int64_t batch;
 } mpt__qwork;
+
+struct mpt__quantized {
+    mpt_quantize_mode mode;
+    mpt_dtype io_dtype;
+    int n_ops;
+    mpt__qop *ops;              /* [n_ops]                                      */
+    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
+    int64_t in_count;           /* elements of one input sample                  */
+    int64_t max_count;          /* of the largest tensor of one sample           */
+    int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
+    int64_t max_weights;        /* the largest N·K                               */
+    int64_t size_bytes;
+    mpt__qwork work;            /* the last call's scratch, kept for the next
+                                   (mpt__qwork_reuse); block NULL: none yet   */
+};
 
 static int mpt__qop_weighted(const mpt__qop *op) {
     return op->info.op == MPT_QOP_FULLY_CONNECTED || op->info.op == MPT_QOP_CONV_2D;
@@ -18418,6 +18514,7 @@ static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q
     int i;
     if (!Q) return;
     for (i = 0; i < Q->n_ops; i++) mpt__qop_free(ctx, &Q->ops[i]);
+    mpt__free(ctx, Q->work.block);
     mpt__free(ctx, Q->ops);
     mpt__free(ctx, Q->tensor);
     mpt__free(ctx, Q);
@@ -18727,6 +18824,23 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
         MPT__Q_CARVE(w->weights, float *, 4 * Q->max_weights);
 #undef MPT__Q_CARVE
     }
+    return MPT_OK;
+}
+
+/* Q's scratch for batches of up to `batch` samples: the block of the last
+   predict, evaluate or invoke when it is large enough, else a new one that
+   replaces it. A fresh block of tens of MB costs its page faults again on
+   every call, which on a batch of small images took a tenth of predict's
+   time. (A model is used on one thread at a time, as its context is.) */
+static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t batch,
+                                   mpt__qwork **w) {
+    if (!Q->work.block || Q->work.batch < batch) {
+        mpt__qwork fresh;
+        MPT__CHECK(mpt__qwork_alloc(ctx, Q, batch, &fresh));
+        mpt__free(ctx, Q->work.block);
+        Q->work = fresh;
+    }
+    *w = &Q->work;
     return MPT_OK;
 }
 
@@ -19551,7 +19665,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     const mpt__quantized *Q = m->quantized;
     int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
     mpt__loader *loader = NULL;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     mpt_tensor x, y;
     mpt_status s;
     if (!data || !out)
@@ -19566,7 +19680,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     n = mpt_dataset_count(data);
     MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, mpt__q_batch_shape(m, n, shape), shape));
     batch_size = MPT__MAX(1, MPT__MIN(batch_size, n));
-    s = mpt__qwork_alloc(m->ctx, Q, batch_size, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, batch_size, &w);
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
@@ -19574,12 +19688,11 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, x.shape[0],
-                             (float *)out->data + done * per, &w);
+                             (float *)out->data + done * per, w);
         done += x.shape[0];
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
-    mpt__free(m->ctx, w.block);
     if (s != MPT_OK) mpt_tensor_free(m->ctx, out);
     return s;
 }
@@ -19610,7 +19723,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     const mpt__quantized *Q = m->quantized;
     int64_t n, batch, per = mpt__q_out_count(Q), *order, k;
     mpt__loader *loader = NULL;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     mpt__tally t;
     float *pred;
     mpt_tensor x, y;
@@ -19630,7 +19743,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
-    s = mpt__qwork_alloc(m->ctx, Q, batch, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
     if (s == MPT_OK && (!order || !pred))
@@ -19643,7 +19756,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         double loss = 0;
         int64_t b = x.shape[0], shape[MPT_MAX_RANK];
         int rank = mpt__q_batch_shape(m, b, shape);
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, &w);
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, w);
         if (s == MPT_OK) s = mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, pred);
         if (s == MPT_OK) s = mpt_loss_compute(m->ctx, &m->compile.loss, &p, &y, &loss, NULL);
         if (s != MPT_OK) break;
@@ -19654,7 +19767,6 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
     mpt__free(m->ctx, pred);
-    mpt__free(m->ctx, w.block);
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
 }
@@ -19737,7 +19849,7 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
     const mpt__quantized *Q;
     int64_t n, k, shape[MPT_MAX_RANK], count;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     const void *out = NULL;
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
@@ -19758,23 +19870,22 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     n = x->shape[0];
     count = n * mpt__q_out_count(Q);
     MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, n, shape), shape));
-    s = mpt__qwork_alloc(m->ctx, Q, n, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, &w);
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
-        int8_t *xq = (int8_t *)w.act[1]; /* op 0 writes act[0] */
+        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
         const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
         for (k = 0; k < n * Q->in_count; k++)
             xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
-        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, &w, NULL, &out);
+        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out);
         for (k = 0; s == MPT_OK && k < count; k++) {
             int v = ((const int8_t *)out)[k] + shift;
             if (shift) ((uint8_t *)y->data)[k] = (uint8_t)v;
             else ((int8_t *)y->data)[k] = (int8_t)v;
         }
     }
-    mpt__free(m->ctx, w.block);
     if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
     return s;
 }

@@ -954,7 +954,9 @@ static void test_allocation_failures(void) {
 
 /* The int8 weights are packed once, when quantizing: a predict in 12
    batches allocates no more blocks than one in a single batch, for every
-   model and int8 mode, and the outputs are the same. */
+   model and int8 mode, and the outputs are the same. The batch's work
+   block is kept from one predict to the next: the first predict allocates
+   more than the ones after it. */
 static void test_weights_packed_once(void) {
     int kind, mode;
     make_samples(23);
@@ -966,13 +968,21 @@ static void test_weights_packed_once(void) {
             mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
             mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
             mpt_tensor one, many;
-            long before, allocs_one, allocs_many;
+            long before, allocs_first, allocs_one, allocs_many;
             memset(&one, 0, sizeof one);
             memset(&many, 0, sizeof many);
             before = a.allocs;
             CHECK(q && mpt_model_predict(q, d, N_SAMPLES, &one) == MPT_OK, "predict: %s",
                   mpt_context_error(ctx));
+            allocs_first = a.allocs - before;
+            mpt_tensor_free(ctx, &one);
+            before = a.allocs;
+            CHECK(q && mpt_model_predict(q, d, N_SAMPLES, &one) == MPT_OK, "predict: %s",
+                  mpt_context_error(ctx));
             allocs_one = a.allocs - before;
+            CHECK(allocs_one < allocs_first, "model %d mode %d: a second predict allocated %ld "
+                  "blocks, the first %ld: the work block was not kept", kind, mode, allocs_one,
+                  allocs_first);
             before = a.allocs;
             CHECK(q && mpt_model_predict(q, d, N_SAMPLES / 12, &many) == MPT_OK, "predict: %s",
                   mpt_context_error(ctx));

@@ -4459,6 +4459,24 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
                  : 0;
 }
 
+/* Packs a row of n ≤ 16 bytes (an im2col row of a small conv, K = 9 for
+   3×3 on one channel) into lane l of a panel w wide in groups of 4 bytes,
+   flipped, and returns the sum of its bytes as packed: as
+   mpt__qgemm_pack_lane, without its calls and loops, which cost more than
+   the kernel that reads such a row. */
+static int32_t mpt__qgemm_pack_short_row(uint8_t *panel, int w, int l, const uint8_t *s,
+                                         int64_t n, int flip) {
+    uint8_t buf[16] = {0};
+    int32_t sum = 0;
+    int64_t k, g;
+    for (k = 0; k < n; k++) {
+        buf[k] = (uint8_t)(s[k] ^ flip);
+        sum += buf[k];
+    }
+    for (g = 0; g < (n + 3) / 4; g++) memcpy(panel + g * 4 * w + 4 * l, buf + 4 * g, 4);
+    return sum;
+}
+
 /* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
 static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t ir, int mb,
                               int32_t *rowsum) {
@@ -4466,6 +4484,13 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
     const int flip = d->a_unsigned ? 0 : 0x80; /* int8 a + 128 = its byte ^ 0x80 */
     int i;
     memset(dst, 0, (size_t)(job->kg * job->mr * 4));
+    if (job->quads && d->k > 0 && d->k <= 16) {
+        for (i = 0; i < mb; i++)
+            rowsum[i] = mpt__qgemm_pack_short_row(dst, job->mr, i,
+                                                  (const uint8_t *)d->a + (ir + i) * d->lda,
+                                                  d->k, flip);
+        return;
+    }
     for (i = 0; i < mb; i++)
         rowsum[i] = d->k ? mpt__qgemm_pack_lane(dst, job->quads, job->mr, i,
                                                 (const uint8_t *)d->a + (ir + i) * d->lda,
@@ -18855,6 +18880,24 @@ static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t 
    outputs, and the products through mpt_gemm/mpt_qgemm, which split their
    work the same way: no result depends on the thread count. */
 
+/* n bytes from src to dst, n ≤ 16 a few moves (two that may overlap), no
+   call: a 3×3 window of a one-channel int8 image is rows of 3 bytes, and
+   a memcpy call per row cost more than the product that reads them. */
+static inline void mpt__q_copy_short(unsigned char *dst, const unsigned char *src,
+                                     size_t n) {
+    uint64_t a, b;
+    uint32_t c, d;
+    if (n >= 8) {
+        memcpy(&a, src, 8), memcpy(&b, src + n - 8, 8);
+        memcpy(dst, &a, 8), memcpy(dst + n - 8, &b, 8);
+    } else if (n >= 4) {
+        memcpy(&c, src, 4), memcpy(&d, src + n - 4, 4);
+        memcpy(dst, &c, 4), memcpy(dst + n - 4, &d, 4);
+    } else if (n) {
+        dst[0] = src[0], dst[n / 2] = src[n / 2], dst[n - 1] = src[n - 1];
+    }
+}
+
 /* n samples' windows into rows of cols ((n·OH·OW) × (kh·kw·C), elements of
    es bytes); a pixel outside the image is `fill`: 0.0f in float, the
    zero point in int8 (its real value is 0). */
@@ -18871,8 +18914,10 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
                     const int64_t y = oy * g->sh - g->top + i, x0 = ox * g->sw - g->left;
                     const unsigned char *row = src + (size_t)((b * g->h + y) * g->w) * pixel;
                     if (y >= 0 && y < g->h && x0 >= 0 && x0 + g->kw <= g->w) {
-                        memcpy(dst, row + (size_t)x0 * pixel, (size_t)g->kw * pixel);
-                        dst += (size_t)g->kw * pixel;
+                        const size_t len = (size_t)g->kw * pixel;
+                        if (len <= 16) mpt__q_copy_short(dst, row + (size_t)x0 * pixel, len);
+                        else memcpy(dst, row + (size_t)x0 * pixel, len);
+                        dst += len;
                         continue;
                     }
                     for (k = 0; k < g->kw; k++, dst += pixel) {
@@ -19327,13 +19372,42 @@ typedef struct mpt__qinput_job {
     int8_t *q;
     int64_t n, count;            /* samples, elements of one */
     const mpt_quant_params *p;
+    int avx512;                  /* the context has AVX-512       */
 } mpt__qinput_job;
+
+#if MPT__X86
+/* mpt__q_quantize of 16 values with AVX-512: the same division and the
+   same rounding (ties away from zero), x / scale first clamped to ±1000,
+   past which every value saturates the int8 anyway, and NaN made
+   −zero_point, so that it becomes 0 as mpt__q_clamp8 makes it. (Plain C
+   does not vectorize: -O2 keeps a float comparison's branch, as it may
+   trap.) */
+MPT__TARGET_AVX512 static void mpt__q_quantize16_avx512(const float *x, const mpt_quant_params *p,
+                                                        int8_t *q) {
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x), _mm512_set1_ps(p->scale)), r;
+    __m512i i;
+    v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                           _mm512_set1_ps((float)-p->zero_point));
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-1000.0f)), _mm512_set1_ps(1000.0f));
+    i = _mm512_cvttps_epi32(v);
+    r = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+    i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f), _CMP_GE_OQ), i, one);
+    i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), i, one);
+    i = _mm512_add_epi32(i, _mm512_set1_epi32(p->zero_point));
+    _mm_storeu_si128((__m128i *)(void *)q, _mm512_cvtsepi32_epi8(i));
+}
+#endif
 
 static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     const mpt__qinput_job *j = (const mpt__qinput_job *)arg;
     int64_t k = task * MPT__Q_TASK_ROWS * j->count;
     const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
     (void)thread;
+#if MPT__X86
+    if (j->avx512)
+        for (; k + 16 <= end; k += 16) mpt__q_quantize16_avx512(j->x + k, j->p, j->q + k);
+#endif
     for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
 }
 
@@ -19353,6 +19427,7 @@ static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, co
         mpt__qinput_job j;
         int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
         j.x = x, j.q = xq, j.n = n, j.count = Q->in_count, j.p = in;
+        j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
         mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                           mpt__q_quantize_input_task, &j);
         MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out));

@@ -1447,6 +1447,13 @@ typedef enum mpt_calibration {
     MPT_CALIBRATION_PERCENTILE = 1, /* the (100 − p) and p percentiles of
                                        the values seen (a histogram of 2048
                                        bins over min..max): outliers clipped */
+    MPT_CALIBRATION_MSE = 2,        /* the range whose int8 quantization has
+                                       the least mean-squared error over that
+                                       histogram (each bin at its centre), of
+                                       the ranges with both ends on every
+                                       16th bin edge (TensorRT's and ONNX
+                                       Runtime's MSE calibrators): outliers
+                                       clipped where that pays             */
     MPT_CALIBRATION_COUNT_
 } mpt_calibration;
 
@@ -19458,8 +19465,53 @@ static void mpt__q_percentile_range(const mpt__qcalib *c, int t, double p, float
         run += (double)h[b];
         if (run > total * (1.0 - p / 100.0)) { last = b; break; }
     }
-    *lo = (float)(c->lo[t] + width * first);
-    *hi = (float)(c->lo[t] + width * (last + 1));
+    /* lo and hi may be c's own arrays: both ends from the range before either is written */
+    {
+        const double base = c->lo[t];
+        *lo = (float)(base + width * first);
+        *hi = (float)(base + width * (last + 1));
+    }
+}
+
+/* The MSE calibration searches ranges whose ends lie on every this many
+   bin edges of the histogram (129 edges, 8256 ranges). */
+#define MPT__Q_MSE_STRIDE 16
+
+/* The summed squared error of quantizing a histogram with p, each bin's
+   count at its centre, over the `used` bins that are not empty. */
+static double mpt__q_histogram_error(const int64_t *h, const int32_t *bins, int used, double base,
+                                     double width, const mpt_quant_params *p) {
+    double err = 0;
+    int i;
+    for (i = 0; i < used; i++) {
+        const float v = (float)(base + width * (bins[i] + 0.5));
+        const double e = (double)(mpt__q_quantize(v, p) - p->zero_point) * p->scale - v;
+        err += (double)h[bins[i]] * e * e;
+    }
+    return err;
+}
+
+/* Tensor t's range of least quantization MSE over its histogram, as
+   TensorRT's and ONNX Runtime's calibrators search it: every range
+   [edge a, edge b] of the grid (MPT__Q_MSE_STRIDE), quantized as the model
+   will be (mpt__q_params: 0 kept in range), the first of the least error
+   in the order a, then b, ascending. A range of one value stays as it is. */
+static void mpt__q_mse_range(const mpt__qcalib *c, int t, float *lo, float *hi) {
+    const int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+    const double base = c->lo[t], width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS;
+    int32_t bins[MPT__Q_HIST_BINS];
+    double best = INFINITY;
+    int used = 0, a, b;
+    if (!(width > 0)) return;
+    for (b = 0; b < MPT__Q_HIST_BINS; b++)
+        if (h[b]) bins[used++] = b;
+    for (a = 0; a < MPT__Q_HIST_BINS; a += MPT__Q_MSE_STRIDE)
+        for (b = a + MPT__Q_MSE_STRIDE; b <= MPT__Q_HIST_BINS; b += MPT__Q_MSE_STRIDE) {
+            const float l = (float)(base + width * a), u = (float)(base + width * b);
+            const mpt_quant_params p = mpt__q_params(l, u);
+            const double e = mpt__q_histogram_error(h, bins, used, base, width, &p);
+            if (e < best) best = e, *lo = l, *hi = u;
+        }
 }
 
 /* Every tensor's range finite (a weight large enough overflows a sum). */
@@ -19475,13 +19527,13 @@ static mpt_status mpt__q_ranges_finite(mpt_context *ctx, const mpt__quantized *Q
 }
 
 /* Runs the folded float32 model over the calibration samples (twice for a
-   percentile: the range, then the histograms over it) into each tensor's
-   range. */
+   percentile or MSE: the range, then the histograms over it) into each
+   tensor's range. */
 static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_quantize_desc *d,
                                    float *lo, float *hi) {
     mpt_context *ctx = m->ctx;
     int64_t n = mpt_dataset_count(d->representative_data), *order = NULL, k;
-    int passes = d->calibration == MPT_CALIBRATION_PERCENTILE ? 2 : 1, pass, t;
+    int passes = d->calibration == MPT_CALIBRATION_MIN_MAX ? 1 : 2, pass, t;
     int64_t batch = d->batch_size;
     mpt__qcalib c;
     mpt__qwork w;
@@ -19514,7 +19566,8 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
     }
     if (s == MPT_OK) s = mpt__q_ranges_finite(ctx, Q, lo, hi);
     for (t = 0; s == MPT_OK && c.hist && t <= Q->n_ops; t++)
-        mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
+        if (d->calibration == MPT_CALIBRATION_MSE) mpt__q_mse_range(&c, t, &lo[t], &hi[t]);
+        else mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
     mpt__free(ctx, c.hist);
     mpt__loader_destroy(loader);
     mpt__free(ctx, order);

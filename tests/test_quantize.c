@@ -571,6 +571,125 @@ static void test_calibration_ranges(void) {
     mpt_context_destroy(ctx);
 }
 
+/* The MSE range of n values by brute force, from the definition: a
+   histogram of 2048 bins over min..max, each bin's count at its centre,
+   every range with both ends on every 16th bin edge, quantized as the
+   model would be; returns the least summed squared error, its range in
+   *lo, *hi. */
+static double mse_range_reference(const float *x, int64_t n, float *lo, float *hi) {
+    static int64_t hist[2048];
+    float mn = INFINITY, mx = -INFINITY;
+    double width, best = INFINITY;
+    int64_t k;
+    int a, b, bin;
+    for (k = 0; k < n; k++) mn = x[k] < mn ? x[k] : mn, mx = x[k] > mx ? x[k] : mx;
+    width = ((double)mx - mn) / 2048;
+    memset(hist, 0, sizeof hist);
+    for (k = 0; k < n; k++) {
+        int64_t i = (int64_t)((x[k] - mn) / width);
+        hist[i < 0 ? 0 : i > 2047 ? 2047 : i]++;
+    }
+    for (b = 2048; b >= 16; b -= 16) /* another order than the library's */
+        for (a = 0; a < b; a += 16) {
+            const float l = (float)(mn + width * a), u = (float)(mn + width * b);
+            const mpt_quant_params p = mpt__q_params(l, u);
+            double err = 0;
+            for (bin = 0; bin < 2048; bin++) {
+                const float v = (float)(mn + width * (bin + 0.5));
+                const double e = (double)(mpt__q_quantize(v, &p) - p.zero_point) * p.scale - v;
+                if (hist[bin]) err += (double)hist[bin] * e * e;
+            }
+            if (err < best || (err == best && (l < *lo || (l == *lo && u < *hi))))
+                best = err, *lo = l, *hi = u;
+        }
+    return best;
+}
+
+/* Mean squared error of quantizing n values with p. */
+static double quantization_mse(const float *x, int64_t n, const mpt_quant_params *p) {
+    double sum = 0;
+    int64_t k;
+    for (k = 0; k < n; k++) {
+        const double e = (double)(mpt__q_quantize(x[k], p) - p->zero_point) * p->scale - x[k];
+        sum += e * e;
+    }
+    return sum / (double)n;
+}
+
+/* MSE calibration on heavy-tailed inputs (Laplace, each side's scale its
+   own, shifted: 12,288 values reaching about ±9 scales): its range clips
+   the tails that min/max keeps, the input's quantization error is lower
+   than with min/max, and the range is the one a brute-force search of the
+   definition finds, in four cases (so that a coarser grid would show).
+   Then a percentile whose lower end is clipped keeps its upper end where
+   it belongs. */
+static void test_calibration_mse(void) {
+    static const double neg_scale[] = {1.0, 0.5, 2.0, 1.0}, shift[] = {0.0, 0.3, -1.0, 2.0};
+    const int64_t count = (int64_t)N_SAMPLES * H * W * C;
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q = NULL;
+    mpt_dataset *d = NULL;
+    mpt_quantized_info mm, mse;
+    int64_t k;
+    int v;
+    make_samples(31);
+    test_seed(32);
+    m = make_model(ctx, MODEL_DENSE, 510);
+    for (v = 0; v < 4; v++) { /* Laplace, its two sides scaled apart, shifted */
+        float ref_lo = INFINITY, ref_hi = INFINITY;
+        double ref_err, err_mm, err_mse;
+        for (k = 0; k < count; k++) {
+            const double u = -log(test_uniform(1e-12, 1.0));
+            sample_x[k] = (float)((test_uniform(0.0, 1.0) < 0.5 ? -neg_scale[v] * u : u) + shift[v]);
+        }
+        mpt_dataset_destroy(d);
+        d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+        if (q) mpt_model_quantized_info(q, &mm);
+        mpt_model_destroy(q);
+        q = NULL;
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                         .representative_data = d,
+                                                         .calibration = MPT_CALIBRATION_MSE},
+                                 &q) == MPT_OK, "quantize mse: %s", mpt_context_error(ctx));
+        if (!q) continue;
+        mpt_model_quantized_info(q, &mse);
+        mpt_model_destroy(q);
+        q = NULL;
+        CHECK(mse.input.min > mm.input.min && mse.input.max < mm.input.max,
+              "case %d: mse range [%g, %g] does not clip min/max's [%g, %g]", v, mse.input.min,
+              mse.input.max, mm.input.min, mm.input.max);
+        err_mm = quantization_mse(sample_x, count, &mm.input);
+        err_mse = quantization_mse(sample_x, count, &mse.input);
+        CHECK(err_mse < err_mm, "case %d: quantization MSE %g with the mse range, %g with "
+              "min/max", v, err_mse, err_mm);
+        ref_err = mse_range_reference(sample_x, count, &ref_lo, &ref_hi);
+        CHECK(mse.input.min == ref_lo && mse.input.max == ref_hi,
+              "case %d: mse range [%.9g, %.9g], brute force [%.9g, %.9g] (histogram error %g)",
+              v, mse.input.min, mse.input.max, ref_lo, ref_hi, ref_err);
+    }
+    /* a percentile with a low outlier: [-0.5, 1.5) and one -40 */
+    for (k = 0; k < count; k++) sample_x[k] = (float)test_uniform(-0.5, 1.5);
+    sample_x[77] = -40.0f;
+    mpt_dataset_destroy(d);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                     .representative_data = d,
+                                                     .calibration = MPT_CALIBRATION_PERCENTILE,
+                                                     .percentile = 99.9}, &q) == MPT_OK,
+          "quantize percentile: %s", mpt_context_error(ctx));
+    if (q) {
+        mpt_model_quantized_info(q, &mse);
+        CHECK(fabs(mse.input.min + 0.5) < 0.05 && fabs(mse.input.max - 1.5) < 0.05,
+              "percentile with the low end clipped: range [%g, %g], want about [-0.5, 1.5]",
+              mse.input.min, mse.input.max);
+    }
+    mpt_model_destroy(q);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
 /* ---- requantization against a scalar reference ------------------------------------------ */
 
 static int64_t floor_div(int64_t a, int64_t b) {
@@ -1255,5 +1374,6 @@ int main(void) {
     TEST_RUN(test_weights_packed_once);
     TEST_RUN(test_quantize_input_lanes);
     TEST_RUN(test_small_conv_scalar_reference);
+    TEST_RUN(test_calibration_mse);
     return test_summary("test_quantize");
 }

@@ -4296,10 +4296,15 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
-   portable C 4×8. The raw sums go to an MR×NR int32 tile on the stack and
-   the epilogue (zero points, bias, requantization) stores them, 16 columns
-   at a time with AVX-512 or 8 with AVX2 (in 32-bit lanes), else one by
-   one.
+   portable C 4×8. For a short depth (4 ≤ K ≤ MPT__QGEMM_ROWS_MAX_K, as a
+   small conv's im2col rows) the VNNI kernel reads A's rows in place
+   instead of a packed panel, except in the panel of A's last row (a
+   group's bytes past K would lie past A). The raw sums go to an MR×NR
+   int32 tile on the stack and the epilogue (zero points, bias,
+   requantization) stores them, 16 columns at a time with AVX-512 or 8
+   with AVX2 (in 32-bit lanes), else one by one; with AVX-512, a product
+   whose shifts are all ≤ 0 and whose sums cannot saturate (every layer's)
+   takes the whole tile at once (mpt__qgemm_store_tile_avx512).
 
    WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
    is packed before them, so splitting rows costs nothing, and splitting
@@ -4307,6 +4312,7 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    steps, so the thread count cannot change a bit. */
 
 #define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
+#define MPT__QGEMM_ROWS_MAX_K 64 /* VNNI reads A unpacked up to this depth */
 
 #if MPT__X86
 #define MPT__TARGET_AVX512_VNNI \
@@ -4326,6 +4332,7 @@ typedef struct mpt__qgemm_job {
     int quads;         /* groups of 4 bytes; else of 2 int16                */
     int plain_requant; /* int8 C whose sums cannot saturate and whose
                           shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
+    int rows_in_place; /* the VNNI kernel reads A's rows unpacked (short K) */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -4922,6 +4929,44 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uin
     }
     MPT__ROWS12(MPT__QGEMM_STORE512)
 }
+
+/* AVX-512 VNNI reading A's rows where they lie, for a short depth (4 ≤ K
+   ≤ MPT__QGEMM_ROWS_MAX_K): a 3×3 conv's im2col row is 9 bytes, and
+   packing it took longer than the product. Row i's group g is the 4 bytes
+   at rows[i] + 4g flipped to u as packing flips them; the bytes past K
+   (at most 3, the next row's) meet B's zero padding and add nothing.
+   rows[] holds 12 pointers (a short panel repeats its last row). */
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
+                                                                const uint8_t *const *rows,
+                                                                int flip, const uint8_t *b,
+                                                                int bw, int32_t *tile) {
+    const int32_t flip4 = (int32_t)((uint32_t)flip * 0x01010101u);
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
+    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
 #undef MPT__QGEMM_STORE512
 #endif /* MPT__X86 */
 
@@ -4939,13 +4984,33 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
     uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
     int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
+    const uint8_t *rows[12];
     int64_t ir, jr;
+    int i;
     for (ir = i0; ir < i1; ir += mr) {
         const int mb = (int)MPT__MIN(mr, i1 - ir);
-        mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        /* rows read in place: not in the panel of A's last row, whose
+           bytes past K would lie past A */
+        const int in_place = job->rows_in_place && ir + mb < d->m;
+        if (in_place) {
+            const int flip = d->a_unsigned ? 0 : 0x80;
+            for (i = 0; i < mr; i++)
+                rows[i] = (const uint8_t *)d->a + (ir + MPT__MIN(i, mb - 1)) * d->lda;
+            for (i = 0; i < mb; i++) /* Σu is needed only against B's zero point */
+                rowsum[i] = d->b_zero_point
+                                ? (int32_t)mpt__qgemm_byte_sum(rows[i], d->k, flip) : 0;
+        } else {
+            mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        }
         for (jr = j0; jr < j1; jr += nr) {
             const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
-            job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
+#if MPT__X86
+            if (in_place)
+                mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
+                                            job->bpack + jr * job->kg * 4, w, tile);
+            else
+#endif
+                job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
             mpt__qgemm_store(job, tile, rowsum, ir, jr, mb, (int)MPT__MIN(nr, j1 - jr));
         }
     }
@@ -5061,6 +5126,10 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
     job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
     job.plain_requant = mpt__qgemm_is_plain_requant(d);
+#if MPT__X86
+    job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4 &&
+                        d->k <= MPT__QGEMM_ROWS_MAX_K;
+#endif
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
     serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;

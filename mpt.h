@@ -19460,18 +19460,20 @@ typedef struct mpt__qinput_job {
    trap.) */
 MPT__TARGET_AVX512 static void mpt__q_quantize16_avx512(const float *x, const mpt_quant_params *p,
                                                         int8_t *q) {
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
     const __m512i one = _mm512_set1_epi32(1);
     __m512 v = _mm512_div_ps(_mm512_loadu_ps(x), _mm512_set1_ps(p->scale)), r;
     __m512i i;
     v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                            _mm512_set1_ps((float)-p->zero_point));
-    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-1000.0f)), _mm512_set1_ps(1000.0f));
-    i = _mm512_cvttps_epi32(v);
-    r = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+    v = _mm512_maskz_min_ps(all, _mm512_maskz_max_ps(all, v, _mm512_set1_ps(-1000.0f)),
+                            _mm512_set1_ps(1000.0f));
+    i = _mm512_maskz_cvttps_epi32(all, v);
+    r = _mm512_sub_ps(v, _mm512_maskz_cvtepi32_ps(all, i));
     i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f), _CMP_GE_OQ), i, one);
     i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), i, one);
     i = _mm512_add_epi32(i, _mm512_set1_epi32(p->zero_point));
-    _mm_storeu_si128((__m128i *)(void *)q, _mm512_cvtsepi32_epi8(i));
+    _mm_storeu_si128((__m128i *)(void *)q, _mm512_maskz_cvtsepi32_epi8(all, i));
 }
 #endif
 

@@ -1450,6 +1450,13 @@ typedef enum mpt_calibration {
     MPT_CALIBRATION_PERCENTILE = 1, /* the (100 − p) and p percentiles of
                                        the values seen (a histogram of 2048
                                        bins over min..max): outliers clipped */
+    MPT_CALIBRATION_MSE = 2,        /* the range whose int8 quantization has
+                                       the least mean-squared error over that
+                                       histogram (each bin at its centre), of
+                                       the ranges with both ends on every
+                                       16th bin edge (TensorRT's and ONNX
+                                       Runtime's MSE calibrators): outliers
+                                       clipped where that pays             */
     MPT_CALIBRATION_COUNT_
 } mpt_calibration;
 
@@ -4316,10 +4323,15 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
-   portable C 4×8. The raw sums go to an MR×NR int32 tile on the stack and
-   the epilogue (zero points, bias, requantization) stores them, 16 columns
-   at a time with AVX-512 or 8 with AVX2 (in 32-bit lanes), else one by
-   one.
+   portable C 4×8. For a short depth (4 ≤ K ≤ MPT__QGEMM_ROWS_MAX_K, as a
+   small conv's im2col rows) the VNNI kernel reads A's rows in place
+   instead of a packed panel, except in the panel of A's last row (a
+   group's bytes past K would lie past A). The raw sums go to an MR×NR
+   int32 tile on the stack and the epilogue (zero points, bias,
+   requantization) stores them, 16 columns at a time with AVX-512 or 8
+   with AVX2 (in 32-bit lanes), else one by one; with AVX-512, a product
+   whose shifts are all ≤ 0 and whose sums cannot saturate (every layer's)
+   takes the whole tile at once (mpt__qgemm_store_tile_avx512).
 
    WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
    is packed before them, so splitting rows costs nothing, and splitting
@@ -4327,6 +4339,7 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    steps, so the thread count cannot change a bit. */
 
 #define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
+#define MPT__QGEMM_ROWS_MAX_K 64 /* VNNI reads A unpacked up to this depth */
 
 #if MPT__X86
 #define MPT__TARGET_AVX512_VNNI \
@@ -4344,6 +4357,9 @@ typedef struct mpt__qgemm_job {
     mpt__qgemm_kernel_fn kernel;
     int mr, nr;        /* micro-tile                                        */
     int quads;         /* groups of 4 bytes; else of 2 int16                */
+    int plain_requant; /* int8 C whose sums cannot saturate and whose
+                          shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
+    int rows_in_place; /* the VNNI kernel reads A's rows unpacked (short K) */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -4484,6 +4500,24 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
                  : 0;
 }
 
+/* Packs a row of n ≤ 16 bytes (an im2col row of a small conv, K = 9 for
+   3×3 on one channel) into lane l of a panel w wide in groups of 4 bytes,
+   flipped, and returns the sum of its bytes as packed: as
+   mpt__qgemm_pack_lane, without its calls and loops, which cost more than
+   the kernel that reads such a row. */
+static int32_t mpt__qgemm_pack_short_row(uint8_t *panel, int w, int l, const uint8_t *s,
+                                         int64_t n, int flip) {
+    uint8_t buf[16] = {0};
+    int32_t sum = 0;
+    int64_t k, g;
+    for (k = 0; k < n; k++) {
+        buf[k] = (uint8_t)(s[k] ^ flip);
+        sum += buf[k];
+    }
+    for (g = 0; g < (n + 3) / 4; g++) memcpy(panel + g * 4 * w + 4 * l, buf + 4 * g, 4);
+    return sum;
+}
+
 /* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
 static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t ir, int mb,
                               int32_t *rowsum) {
@@ -4491,6 +4525,13 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
     const int flip = d->a_unsigned ? 0 : 0x80; /* int8 a + 128 = its byte ^ 0x80 */
     int i;
     memset(dst, 0, (size_t)(job->kg * job->mr * 4));
+    if (job->quads && d->k > 0 && d->k <= 16) {
+        for (i = 0; i < mb; i++)
+            rowsum[i] = mpt__qgemm_pack_short_row(dst, job->mr, i,
+                                                  (const uint8_t *)d->a + (ir + i) * d->lda,
+                                                  d->k, flip);
+        return;
+    }
     for (i = 0; i < mb; i++)
         rowsum[i] = d->k ? mpt__qgemm_pack_lane(dst, job->quads, job->mr, i,
                                                 (const uint8_t *)d->a + (ir + i) * d->lda,
@@ -4583,6 +4624,76 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store16_avx512(const mpt__qgemm_job *j
     _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + i * d->ldc + n, k, q);
 }
 
+/* The requantizing epilogue of a whole tile with AVX-512, when
+   job->plain_requant: the sums cannot saturate (so the zero-point terms
+   and the bias fold into one int32 per column, added in wrapping
+   arithmetic that is exact because the result fits) and no shift is to
+   the left. Each 16-column block sets up its constants once for every
+   row of the tile. The doubling high multiply is (x·m + 2^30) >> 31
+   (arithmetic): for a negative product p the nudge-and-truncate of
+   mpt__rounding_doubling_high_mul, trunc((p + 1 − 2^30) / 2^31), is the
+   same floor, so one form serves both signs and the steps stay TFLite's. */
+MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job *job,
+                                                           const int32_t *tile,
+                                                           const int32_t *rowsum, int64_t i0,
+                                                           int64_t j0, int mb, int nb) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask16 all = 0xffff;
+    const __mmask8 all8 = 0xff;
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i half_unit = _mm512_set1_epi64((int64_t)1 << 30);
+    const int lo = d->c_min || d->c_max ? d->c_min : -128;
+    const int hi = d->c_min || d->c_max ? d->c_max : 127;
+    const __m512i qlo = _mm512_set1_epi32(lo - d->c_zero_point);
+    const __m512i qhi = _mm512_set1_epi32(hi - d->c_zero_point);
+    const __m512i zp = _mm512_set1_epi32(d->c_zero_point);
+    const int64_t zb = d->b_zero_point;
+    int32_t row[12]; /* MR ≤ 12: each row's zero-point term, mod 2^32 */
+    int i, j;
+    for (i = 0; i < mb; i++) {
+        const uint32_t low = (uint32_t)(uint64_t)(d->k * job->zu * zb - zb * rowsum[i]);
+        memcpy(&row[i], &low, 4);
+    }
+    for (j = 0; j < nb; j += 16) {
+        const int64_t n = j0 + j;
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, nb - j)) - 1u);
+        const __m512i bias = d->bias ? _mm512_maskz_loadu_epi32(k, d->bias + n) : zero;
+        const __m512i col = _mm512_sub_epi32(
+            bias, _mm512_maskz_mullo_epi32(all, _mm512_maskz_loadu_epi32(k, job->colsum + n),
+                                           _mm512_set1_epi32((int)job->zu)));
+        const __m512i m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
+                                         : _mm512_set1_epi32(d->multiplier[0]);
+        const __m512i right = _mm512_sub_epi32(zero, d->per_channel
+                                                         ? _mm512_maskz_loadu_epi32(k, d->shift + n)
+                                                         : _mm512_set1_epi32(d->shift[0]));
+        const __m512i m_odd = _mm512_maskz_srli_epi64(all8, m, 32);
+        const __m512i mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
+        const __m512i half = _mm512_maskz_srli_epi32(all, mask, 1);
+        for (i = 0; i < mb; i++) {
+            const __m512i x = _mm512_add_epi32(_mm512_loadu_si512(tile + i * job->nr + j),
+                                               _mm512_add_epi32(col, _mm512_set1_epi32(row[i])));
+            const __m512i even = _mm512_maskz_srli_epi64(
+                all8, _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, x, m), half_unit), 31);
+            const __m512i odd = _mm512_maskz_slli_epi64(
+                all8,
+                _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, _mm512_maskz_srli_epi64(all8, x, 32),
+                                                        m_odd),
+                                 half_unit),
+                1);
+            const __m512i h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, even, odd);
+            /* the rounding divide by 2^right, as in mpt__qgemm_store16_avx512 */
+            const __mmask16 up = _mm512_cmpgt_epi32_mask(
+                _mm512_and_si512(h, mask),
+                _mm512_add_epi32(half, _mm512_maskz_srli_epi32(all, h, 31)));
+            __m512i q = _mm512_maskz_srav_epi32(all, h, right);
+            q = _mm512_mask_add_epi32(q, up, q, one);
+            q = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, qlo), qhi);
+            _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + (i0 + i) * d->ldc + n, k,
+                                             _mm512_add_epi32(q, zp));
+        }
+    }
+}
+
 /* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
    truncated, in the low half of each 64-bit lane (a logical shift gives
    the right low half, as the quotient fits in int32). */
@@ -4673,6 +4784,12 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
     const int32_t lo = d->c_min || d->c_max ? d->c_min : -128;
     const int32_t hi = d->c_min || d->c_max ? d->c_max : 127;
     int i, j;
+#if MPT__X86
+    if (job->plain_requant && (job->ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__qgemm_store_tile_avx512(job, tile, rowsum, i0, j0, mb, nb);
+        return;
+    }
+#endif
     for (i = 0; i < mb; i++) {
         const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
 #if MPT__X86
@@ -4839,6 +4956,44 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uin
     }
     MPT__ROWS12(MPT__QGEMM_STORE512)
 }
+
+/* AVX-512 VNNI reading A's rows where they lie, for a short depth (4 ≤ K
+   ≤ MPT__QGEMM_ROWS_MAX_K): a 3×3 conv's im2col row is 9 bytes, and
+   packing it took longer than the product. Row i's group g is the 4 bytes
+   at rows[i] + 4g flipped to u as packing flips them; the bytes past K
+   (at most 3, the next row's) meet B's zero padding and add nothing.
+   rows[] holds 12 pointers (a short panel repeats its last row). */
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
+                                                                const uint8_t *const *rows,
+                                                                int flip, const uint8_t *b,
+                                                                int bw, int32_t *tile) {
+    const int32_t flip4 = (int32_t)((uint32_t)flip * 0x01010101u);
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
+    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
 #undef MPT__QGEMM_STORE512
 #endif /* MPT__X86 */
 
@@ -4856,13 +5011,33 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
     uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
     int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
+    const uint8_t *rows[12];
     int64_t ir, jr;
+    int i;
     for (ir = i0; ir < i1; ir += mr) {
         const int mb = (int)MPT__MIN(mr, i1 - ir);
-        mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        /* rows read in place: not in the panel of A's last row, whose
+           bytes past K would lie past A */
+        const int in_place = job->rows_in_place && ir + mb < d->m;
+        if (in_place) {
+            const int flip = d->a_unsigned ? 0 : 0x80;
+            for (i = 0; i < mr; i++)
+                rows[i] = (const uint8_t *)d->a + (ir + MPT__MIN(i, mb - 1)) * d->lda;
+            for (i = 0; i < mb; i++) /* Σu is needed only against B's zero point */
+                rowsum[i] = d->b_zero_point
+                                ? (int32_t)mpt__qgemm_byte_sum(rows[i], d->k, flip) : 0;
+        } else {
+            mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        }
         for (jr = j0; jr < j1; jr += nr) {
             const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
-            job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
+#if MPT__X86
+            if (in_place)
+                mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
+                                            job->bpack + jr * job->kg * 4, w, tile);
+            else
+#endif
+                job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
             mpt__qgemm_store(job, tile, rowsum, ir, jr, mb, (int)MPT__MIN(nr, j1 - jr));
         }
     }
@@ -4906,6 +5081,21 @@ static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
 #else
     (void)cpu;
 #endif
+}
+
+/* Whether d's requantization can take the plain epilogue: int8 C, every
+   shift ≤ 0 (a multiplier below 1, as a layer's scale ratio is), and
+   biases small enough that no sum saturates (|Σ| ≤ 255·255·K without the
+   bias). The other paths give the same bits; only speed depends on it. */
+static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
+    const int64_t bound = INT32_MAX - (int64_t)255 * 255 * d->k;
+    int64_t j;
+    if (!d->c_int8) return 0;
+    for (j = 0; j < (d->per_channel ? d->n : 1); j++)
+        if (d->shift[j] > 0) return 0;
+    for (j = 0; d->bias && j < d->n; j++)
+        if (d->bias[j] > bound || d->bias[j] < -bound) return 0;
+    return 1;
 }
 
 /* B packed in the layout of one path (nr, quads: the micro-kernel's),
@@ -4962,6 +5152,11 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     mpt__qgemm_choose_kernel(&job, ctx->cpu);
     job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
     job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
+    job.plain_requant = mpt__qgemm_is_plain_requant(d);
+#if MPT__X86
+    job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4 &&
+                        d->k <= MPT__QGEMM_ROWS_MAX_K;
+#endif
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
     serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
@@ -18418,19 +18613,6 @@ typedef struct mpt__qop {
     float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
 } mpt__qop;
 
-struct mpt__quantized {
-    mpt_quantize_mode mode;
-    mpt_dtype io_dtype;
-    int n_ops;
-    mpt__qop *ops;              /* [n_ops]                                      */
-    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
-    int64_t in_count;           /* elements of one input sample                  */
-    int64_t max_count;          /* of the largest tensor of one sample           */
-    int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
-    int64_t max_weights;        /* the largest N·K                               */
-    int64_t size_bytes;
-};
-
 /* A batch's scratch, one block: two activation buffers and what the
    products need. Sized for `batch` samples by mpt__qwork_alloc. */
 typedef struct mpt__qwork {
@@ -18444,6 +18626,21 @@ typedef struct mpt__qwork {
     float *weights;     /* (max_weights) float16 weights widened             */
     int64_t batch;
 } mpt__qwork;
+
+struct mpt__quantized {
+    mpt_quantize_mode mode;
+    mpt_dtype io_dtype;
+    int n_ops;
+    mpt__qop *ops;              /* [n_ops]                                      */
+    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
+    int64_t in_count;           /* elements of one input sample                  */
+    int64_t max_count;          /* of the largest tensor of one sample           */
+    int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
+    int64_t max_weights;        /* the largest N·K                               */
+    int64_t size_bytes;
+    mpt__qwork work;            /* the last call's scratch, kept for the next
+                                   (mpt__qwork_reuse); block NULL: none yet   */
+};
 
 static int mpt__qop_weighted(const mpt__qop *op) {
     return op->info.op == MPT_QOP_FULLY_CONNECTED || op->info.op == MPT_QOP_CONV_2D;
@@ -18472,6 +18669,7 @@ static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q
     int i;
     if (!Q) return;
     for (i = 0; i < Q->n_ops; i++) mpt__qop_free(ctx, &Q->ops[i]);
+    mpt__free(ctx, Q->work.block);
     mpt__free(ctx, Q->ops);
     mpt__free(ctx, Q->tensor);
     mpt__free(ctx, Q);
@@ -18784,6 +18982,23 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
     return MPT_OK;
 }
 
+/* Q's scratch for batches of up to `batch` samples: the block of the last
+   predict, evaluate or invoke when it is large enough, else a new one that
+   replaces it. A fresh block of tens of MB costs its page faults again on
+   every call, which on a batch of small images took a tenth of predict's
+   time. (A model is used on one thread at a time, as its context is.) */
+static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t batch,
+                                   mpt__qwork **w) {
+    if (!Q->work.block || Q->work.batch < batch) {
+        mpt__qwork fresh;
+        MPT__CHECK(mpt__qwork_alloc(ctx, Q, batch, &fresh));
+        mpt__free(ctx, Q->work.block);
+        Q->work = fresh;
+    }
+    *w = &Q->work;
+    return MPT_OK;
+}
+
 /* =============================================================================
    @impl-quantized-passes  one batch through the operations, in each mode
    =============================================================================
@@ -18794,6 +19009,24 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
    threads a sample or a few rows a task, each task writing only its own
    outputs, and the products through mpt_gemm/mpt_qgemm, which split their
    work the same way: no result depends on the thread count. */
+
+/* n bytes from src to dst, n ≤ 16 a few moves (two that may overlap), no
+   call: a 3×3 window of a one-channel int8 image is rows of 3 bytes, and
+   a memcpy call per row cost more than the product that reads them. */
+static inline void mpt__q_copy_short(unsigned char *dst, const unsigned char *src,
+                                     size_t n) {
+    uint64_t a, b;
+    uint32_t c, d;
+    if (n >= 8) {
+        memcpy(&a, src, 8), memcpy(&b, src + n - 8, 8);
+        memcpy(dst, &a, 8), memcpy(dst + n - 8, &b, 8);
+    } else if (n >= 4) {
+        memcpy(&c, src, 4), memcpy(&d, src + n - 4, 4);
+        memcpy(dst, &c, 4), memcpy(dst + n - 4, &d, 4);
+    } else if (n) {
+        dst[0] = src[0], dst[n / 2] = src[n / 2], dst[n - 1] = src[n - 1];
+    }
+}
 
 /* n samples' windows into rows of cols ((n·OH·OW) × (kh·kw·C), elements of
    es bytes); a pixel outside the image is `fill`: 0.0f in float, the
@@ -18811,8 +19044,10 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
                     const int64_t y = oy * g->sh - g->top + i, x0 = ox * g->sw - g->left;
                     const unsigned char *row = src + (size_t)((b * g->h + y) * g->w) * pixel;
                     if (y >= 0 && y < g->h && x0 >= 0 && x0 + g->kw <= g->w) {
-                        memcpy(dst, row + (size_t)x0 * pixel, (size_t)g->kw * pixel);
-                        dst += (size_t)g->kw * pixel;
+                        const size_t len = (size_t)g->kw * pixel;
+                        if (len <= 16) mpt__q_copy_short(dst, row + (size_t)x0 * pixel, len);
+                        else memcpy(dst, row + (size_t)x0 * pixel, len);
+                        dst += len;
                         continue;
                     }
                     for (k = 0; k < g->kw; k++, dst += pixel) {
@@ -19267,13 +19502,44 @@ typedef struct mpt__qinput_job {
     int8_t *q;
     int64_t n, count;            /* samples, elements of one */
     const mpt_quant_params *p;
+    int avx512;                  /* the context has AVX-512       */
 } mpt__qinput_job;
+
+#if MPT__X86
+/* mpt__q_quantize of 16 values with AVX-512: the same division and the
+   same rounding (ties away from zero), x / scale first clamped to ±1000,
+   past which every value saturates the int8 anyway, and NaN made
+   −zero_point, so that it becomes 0 as mpt__q_clamp8 makes it. (Plain C
+   does not vectorize: -O2 keeps a float comparison's branch, as it may
+   trap.) */
+MPT__TARGET_AVX512 static void mpt__q_quantize16_avx512(const float *x, const mpt_quant_params *p,
+                                                        int8_t *q) {
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x), _mm512_set1_ps(p->scale)), r;
+    __m512i i;
+    v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                           _mm512_set1_ps((float)-p->zero_point));
+    v = _mm512_maskz_min_ps(all, _mm512_maskz_max_ps(all, v, _mm512_set1_ps(-1000.0f)),
+                            _mm512_set1_ps(1000.0f));
+    i = _mm512_maskz_cvttps_epi32(all, v);
+    r = _mm512_sub_ps(v, _mm512_maskz_cvtepi32_ps(all, i));
+    i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f), _CMP_GE_OQ), i, one);
+    i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), i, one);
+    i = _mm512_add_epi32(i, _mm512_set1_epi32(p->zero_point));
+    _mm_storeu_si128((__m128i *)(void *)q, _mm512_maskz_cvtsepi32_epi8(all, i));
+}
+#endif
 
 static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     const mpt__qinput_job *j = (const mpt__qinput_job *)arg;
     int64_t k = task * MPT__Q_TASK_ROWS * j->count;
     const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
     (void)thread;
+#if MPT__X86
+    if (j->avx512)
+        for (; k + 16 <= end; k += 16) mpt__q_quantize16_avx512(j->x + k, j->p, j->q + k);
+#endif
     for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
 }
 
@@ -19293,6 +19559,7 @@ static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, co
         mpt__qinput_job j;
         int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
         j.x = x, j.q = xq, j.n = n, j.count = Q->in_count, j.p = in;
+        j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
         mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                           mpt__q_quantize_input_task, &j);
         MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out));
@@ -19323,8 +19590,53 @@ static void mpt__q_percentile_range(const mpt__qcalib *c, int t, double p, float
         run += (double)h[b];
         if (run > total * (1.0 - p / 100.0)) { last = b; break; }
     }
-    *lo = (float)(c->lo[t] + width * first);
-    *hi = (float)(c->lo[t] + width * (last + 1));
+    /* lo and hi may be c's own arrays: both ends from the range before either is written */
+    {
+        const double base = c->lo[t];
+        *lo = (float)(base + width * first);
+        *hi = (float)(base + width * (last + 1));
+    }
+}
+
+/* The MSE calibration searches ranges whose ends lie on every this many
+   bin edges of the histogram (129 edges, 8256 ranges). */
+#define MPT__Q_MSE_STRIDE 16
+
+/* The summed squared error of quantizing a histogram with p, each bin's
+   count at its centre, over the `used` bins that are not empty. */
+static double mpt__q_histogram_error(const int64_t *h, const int32_t *bins, int used, double base,
+                                     double width, const mpt_quant_params *p) {
+    double err = 0;
+    int i;
+    for (i = 0; i < used; i++) {
+        const float v = (float)(base + width * (bins[i] + 0.5));
+        const double e = (double)(mpt__q_quantize(v, p) - p->zero_point) * p->scale - v;
+        err += (double)h[bins[i]] * e * e;
+    }
+    return err;
+}
+
+/* Tensor t's range of least quantization MSE over its histogram, as
+   TensorRT's and ONNX Runtime's calibrators search it: every range
+   [edge a, edge b] of the grid (MPT__Q_MSE_STRIDE), quantized as the model
+   will be (mpt__q_params: 0 kept in range), the first of the least error
+   in the order a, then b, ascending. A range of one value stays as it is. */
+static void mpt__q_mse_range(const mpt__qcalib *c, int t, float *lo, float *hi) {
+    const int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+    const double base = c->lo[t], width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS;
+    int32_t bins[MPT__Q_HIST_BINS];
+    double best = INFINITY;
+    int used = 0, a, b;
+    if (!(width > 0)) return;
+    for (b = 0; b < MPT__Q_HIST_BINS; b++)
+        if (h[b]) bins[used++] = b;
+    for (a = 0; a < MPT__Q_HIST_BINS; a += MPT__Q_MSE_STRIDE)
+        for (b = a + MPT__Q_MSE_STRIDE; b <= MPT__Q_HIST_BINS; b += MPT__Q_MSE_STRIDE) {
+            const float l = (float)(base + width * a), u = (float)(base + width * b);
+            const mpt_quant_params p = mpt__q_params(l, u);
+            const double e = mpt__q_histogram_error(h, bins, used, base, width, &p);
+            if (e < best) best = e, *lo = l, *hi = u;
+        }
 }
 
 /* Every tensor's range finite (a weight large enough overflows a sum). */
@@ -19340,13 +19652,13 @@ static mpt_status mpt__q_ranges_finite(mpt_context *ctx, const mpt__quantized *Q
 }
 
 /* Runs the folded float32 model over the calibration samples (twice for a
-   percentile: the range, then the histograms over it) into each tensor's
-   range. */
+   percentile or MSE: the range, then the histograms over it) into each
+   tensor's range. */
 static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_quantize_desc *d,
                                    float *lo, float *hi) {
     mpt_context *ctx = m->ctx;
     int64_t n = mpt_dataset_count(d->representative_data), *order = NULL, k;
-    int passes = d->calibration == MPT_CALIBRATION_PERCENTILE ? 2 : 1, pass, t;
+    int passes = d->calibration == MPT_CALIBRATION_MIN_MAX ? 1 : 2, pass, t;
     int64_t batch = d->batch_size;
     mpt__qcalib c;
     mpt__qwork w;
@@ -19379,7 +19691,8 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
     }
     if (s == MPT_OK) s = mpt__q_ranges_finite(ctx, Q, lo, hi);
     for (t = 0; s == MPT_OK && c.hist && t <= Q->n_ops; t++)
-        mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
+        if (d->calibration == MPT_CALIBRATION_MSE) mpt__q_mse_range(&c, t, &lo[t], &hi[t]);
+        else mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
     mpt__free(ctx, c.hist);
     mpt__loader_destroy(loader);
     mpt__free(ctx, order);
@@ -19605,7 +19918,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     const mpt__quantized *Q = m->quantized;
     int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
     mpt__loader *loader = NULL;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     mpt_tensor x, y;
     mpt_status s;
     if (!data || !out)
@@ -19620,7 +19933,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     n = mpt_dataset_count(data);
     MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, mpt__q_batch_shape(m, n, shape), shape));
     batch_size = MPT__MAX(1, MPT__MIN(batch_size, n));
-    s = mpt__qwork_alloc(m->ctx, Q, batch_size, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, batch_size, &w);
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
@@ -19628,12 +19941,11 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, x.shape[0],
-                             (float *)out->data + done * per, &w);
+                             (float *)out->data + done * per, w);
         done += x.shape[0];
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
-    mpt__free(m->ctx, w.block);
     if (s != MPT_OK) mpt_tensor_free(m->ctx, out);
     return s;
 }
@@ -19664,7 +19976,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     const mpt__quantized *Q = m->quantized;
     int64_t n, batch, per = mpt__q_out_count(Q), *order, k;
     mpt__loader *loader = NULL;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     mpt__tally t;
     float *pred;
     mpt_tensor x, y;
@@ -19684,7 +19996,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
-    s = mpt__qwork_alloc(m->ctx, Q, batch, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
     if (s == MPT_OK && (!order || !pred))
@@ -19697,7 +20009,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         double loss = 0;
         int64_t b = x.shape[0], shape[MPT_MAX_RANK];
         int rank = mpt__q_batch_shape(m, b, shape);
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, &w);
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, w);
         if (s == MPT_OK) s = mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, pred);
         if (s == MPT_OK) s = mpt_loss_compute(m->ctx, &m->compile.loss, &p, &y, &loss, NULL);
         if (s != MPT_OK) break;
@@ -19708,7 +20020,6 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
     mpt__free(m->ctx, pred);
-    mpt__free(m->ctx, w.block);
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
 }
@@ -19791,7 +20102,7 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
     const mpt__quantized *Q;
     int64_t n, k, shape[MPT_MAX_RANK], count;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     const void *out = NULL;
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
@@ -19812,23 +20123,22 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     n = x->shape[0];
     count = n * mpt__q_out_count(Q);
     MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, n, shape), shape));
-    s = mpt__qwork_alloc(m->ctx, Q, n, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, &w);
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
-        int8_t *xq = (int8_t *)w.act[1]; /* op 0 writes act[0] */
+        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
         const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
         for (k = 0; k < n * Q->in_count; k++)
             xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
-        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, &w, NULL, &out);
+        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out);
         for (k = 0; s == MPT_OK && k < count; k++) {
             int v = ((const int8_t *)out)[k] + shift;
             if (shift) ((uint8_t *)y->data)[k] = (uint8_t)v;
             else ((int8_t *)y->data)[k] = (int8_t)v;
         }
     }
-    mpt__free(m->ctx, w.block);
     if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
     return s;
 }

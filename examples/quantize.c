@@ -28,10 +28,14 @@
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
                      [--policy ...] [--batch-size 128] [--threads N] [--data DIR]
-                     [--calibration-samples 500] [--verbose 0] [--tensorboard DIR]
+                     [--calibration-samples 500] [--calibration minmax|percentile|mse]
+                     [--verbose 0] [--tensorboard DIR]
                      [--plot FILE] [--profile DIR] [--export DIR]
    --weights FILE loads a model saved by mpt_model_save_weights instead of
-   training it (the model's architecture must match the file's). */
+   training it (the model's architecture must match the file's).
+   --calibration picks how full_int8 takes each tensor's range from the
+   calibration images: minmax (the default), percentile (99.99) or mse
+   (the range of least quantization error, MPT_CALIBRATION_MSE). */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <sys/stat.h>
@@ -189,6 +193,8 @@ int main(int argc, char **argv) {
     const char *weights = take_flag(&argc, argv, "--weights", NULL);
     int64_t calibration = atoll(take_flag(&argc, argv, "--calibration-samples", "500"));
     const char *export_dir = take_flag(&argc, argv, "--export", NULL);
+    const char *calibration_name = take_flag(&argc, argv, "--calibration", "minmax");
+    mpt_calibration calibration_method = MPT_CALIBRATION_MIN_MAX;
     static const struct { const char *name; mpt_quantize_mode mode; } variants[] = {
         { "float16", MPT_QUANTIZE_FLOAT16 },
         { "dynamic_int8", MPT_QUANTIZE_DYNAMIC_RANGE },
@@ -200,6 +206,13 @@ int main(int argc, char **argv) {
     exported files = { .written = 0 };
     int i;
     if (!parse_options(argc, argv, &o)) return 2;
+    if (!strcmp(calibration_name, "percentile")) calibration_method = MPT_CALIBRATION_PERCENTILE;
+    else if (!strcmp(calibration_name, "mse")) calibration_method = MPT_CALIBRATION_MSE;
+    else if (strcmp(calibration_name, "minmax")) {
+        fprintf(stderr, "%s: --calibration is minmax, percentile or mse, not %s\n", argv[0],
+                calibration_name);
+        return 2;
+    }
     if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn_small")) {
         fprintf(stderr, "%s: --model is mlp or cnn_small, not %s\n", argv[0], model_name);
         return 2;
@@ -253,7 +266,8 @@ int main(int argc, char **argv) {
         TRY(mpt_model_quantize(model, &(mpt_quantize_desc){
             .mode = variants[i].mode,
             .representative_data = train, /* its first calibration_samples images */
-            .calibration_samples = calibration }, &q));
+            .calibration_samples = calibration,
+            .calibration = calibration_method }, &q));
         mpt_model_quantized_info(q, &info);
         /* The float16 files come from the float model, its weights stored
            as float16 on the way out; the int8 variants' .tflite and .onnx from q. */

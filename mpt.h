@@ -6463,12 +6463,76 @@ MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const f
 }
 #endif
 
+#if MPT__X86
+/* The same for y and dy in float16 or bfloat16, widened in registers
+   (exactly): one pass over memory where widening both first took three.
+   The widened values are what mpt__relu_backward_avx512 would read, so
+   the result is the same bits. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__relu_backward_half_loop(
+    mpt_dtype dtype, const mpt_half *y, const mpt_half *dy, float *dz, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        const __m512 yv = mpt__avx512_load(dtype, y + i, m), dyv = mpt__avx512_load(dtype, dy + i, m);
+        const __mmask16 passed = _mm512_mask_cmp_ps_mask(m, yv, _mm512_setzero_ps(), _CMP_NLE_UQ);
+        _mm512_mask_storeu_ps(dz + i, m, _mm512_maskz_mov_ps(passed, dyv));
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__relu_backward_half_avx512(mpt_dtype dtype, const void *y,
+                                                             const void *dy, float *dz,
+                                                             int64_t n) {
+    if (dtype == MPT_BFLOAT16)
+        mpt__relu_backward_half_loop(MPT_BFLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+    else
+        mpt__relu_backward_half_loop(MPT_FLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+}
+
+typedef struct mpt__relu_half_job {
+    mpt_dtype dtype;
+    const mpt_half *y, *dy;
+    float *dz;
+    int64_t n;
+} mpt__relu_half_job;
+
+static void mpt__relu_half_task(void *arg, int64_t task, int thread) {
+    const mpt__relu_half_job *j = (const mpt__relu_half_job *)arg;
+    const int64_t i = task * MPT__CONVERT_CHUNK;
+    (void)thread;
+    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i,
+                                   MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+}
+
+/* Split as mpt__convert splits: each element on its own, so any split
+   gives the same bits. */
+static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const void *y,
+                                    const void *dy, float *dz, int64_t n) {
+    mpt__relu_half_job j;
+    j.dtype = dtype;
+    j.y = (const mpt_half *)y;
+    j.dy = (const mpt_half *)dy;
+    j.dz = dz;
+    j.n = n;
+    if (n < MPT__CONVERT_PARALLEL_MIN)
+        mpt__relu_backward_half_avx512(dtype, y, dy, dz, n);
+    else
+        mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
+                          mpt__relu_half_task, &j);
+}
+#endif
+
 /* dz = dy · act'(...) in float32, reading dy, the output y and (for GELU)
    the pre-activation z in `dtype`. tmp holds n floats. */
 static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
                                  const void *z, const void *y, const void *dy, float *dz,
                                  float *tmp, int64_t n, int64_t cols) {
     const float *dyf = (const float *)dy, *kept = (const float *)(act == MPT_ACT_GELU ? z : y);
+#if MPT__X86
+    if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);
+        return;
+    }
+#endif
     if (dtype != MPT_FLOAT32) { /* float32 is read in place, halves are widened */
         mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
         dyf = dz;
@@ -7345,6 +7409,7 @@ typedef struct mpt__dconv_kgrad_job {
     const mpt_conv_args *a;
     const mpt_window *g;
     int64_t cblocks, fblocks; /* 12-channel and 32-filter blocks */
+    int dot_pairs;            /* bfloat16 with AVX-512 BF16: pixel pairs */
 } mpt__dconv_kgrad_job;
 
 #if MPT__X86
@@ -7401,6 +7466,75 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
     MPT__ROWS12(MPT__S)
 #undef MPT__S
 }
+
+/* 16 bfloat16 pairs (p[l], q[l]) in 32-bit lanes, p low: two pixels' values
+   side by side, as vdpbf16ps multiplies them. Lanes outside kp (kq) read
+   0 from p (q). */
+MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, const mpt_bf16 *p,
+                                                              __mmask16 kq, const mpt_bf16 *q) {
+    __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
+    __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a
+   time (an odd last one with a zero partner), one vdpbf16ps per pair of
+   pixels for 16 filters, so half the instructions of the widening tile.
+   The products are exact in float32; the pairs' sums are float32, in
+   another order than the widening tile's (neither is the GEMM's bits).
+   No calls inside the loop: each would spill the 24 accumulators. */
+MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_kgrad_job *j,
+                                                               int64_t t, int64_t c0, int m,
+                                                               int64_t f0, int nb, float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
+    const mpt_bf16 *x = (const mpt_bf16 *)a->x + c0, *dz = (const mpt_bf16 *)a->dz + f0;
+    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
+                    k1 = mpt__gemm_mask16(nb - 16);
+    uint32_t chans[16];
+    const mpt_bf16 *x0 = NULL, *dz0 = NULL; /* the pixel waiting for its partner */
+    __m512bh b0, b1, ai;
+    int64_t b, oy, ox;
+    MPT__ROWS12(MPT__DCONV_ACC)
+/* The pair (x0, dz0) and (x1, dz1); masks 0 read the partner as zeros. */
+#define MPT__PAIR(x1, dz1, qm, q0, q1)                                                        \
+    _mm512_storeu_si512(chans, mpt__bf16_interleave_avx512(km, x0, qm, x1));                \
+    b0 = (__m512bh)mpt__bf16_interleave_avx512(k0, dz0, q0, dz1);                           \
+    b1 = (__m512bh)mpt__bf16_interleave_avx512(k1, dz0 + 16, q1, (dz1) + 16);               \
+    MPT__ROWS12(MPT__F)
+#define MPT__F(r)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)chans[r]);         \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, b0);             \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, b1);
+    for (b = 0; b < a->n; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            if (y < 0 || y >= g->h) continue;
+            for (ox = 0; ox < g->ow; ox++) {
+                const int64_t xx = ox * g->sw - g->left + k;
+                const mpt_bf16 *xp = x + ((b * g->h + y) * g->w + xx) * g->c;
+                const mpt_bf16 *dp = dz + ((b * g->oh + oy) * g->ow + ox) * f;
+                if (xx < 0 || xx >= g->w) continue;
+                if (!x0) {
+                    x0 = xp, dz0 = dp;
+                    continue;
+                }
+                MPT__PAIR(xp, dp, km, k0, k1)
+                x0 = NULL;
+            }
+        }
+    if (x0) {
+        MPT__PAIR(x0, dz0, 0, 0, 0)
+    }
+#undef MPT__F
+#undef MPT__PAIR
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+}
 #undef MPT__DCONV_ACC
 #endif
 
@@ -7415,7 +7549,10 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
     int r, o;
     (void)thread;
 #if MPT__X86
-    mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
+    if (j->dot_pairs)
+        mpt__dconv_kgrad_tile_bf16(j, t, c0, m, f0, nb, tile);
+    else
+        mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
 #else
     memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
 #endif
@@ -7431,6 +7568,7 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
    and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64). */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
+    j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
     if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < MPT__DCONV_MR || a->f > 32 ||
         (a->dtype != MPT_FLOAT32 && a->dtype != MPT_BFLOAT16))
         return 0;

@@ -7341,6 +7341,29 @@ MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float
             _mm512_storeu_ps(t, v);
         }
 }
+
+/* The tile's first m rows of nb sums rounded to dtype (float16 or
+   bfloat16) into rows ld apart: the rounding of mpt__convert, inline, not
+   a call per 32-element row. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dconv_round_rows(mpt_dtype dtype,
+                                                                      const float *tile,
+                                                                      mpt_half *dst, int64_t ld,
+                                                                      int m, int nb) {
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int p;
+    for (p = 0; p < m; p++) {
+        mpt__avx512_store(dtype, dst + p * ld, _mm512_loadu_ps(tile + 32 * p), k0);
+        if (nb > 16) mpt__avx512_store(dtype, dst + p * ld + 16, _mm512_loadu_ps(tile + 32 * p + 16), k1);
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__dconv_round_avx512(mpt_dtype dtype, const float *tile,
+                                                       mpt_half *dst, int64_t ld, int m, int nb) {
+    if (dtype == MPT_BFLOAT16)
+        mpt__dconv_round_rows(MPT_BFLOAT16, tile, dst, ld, m, nb);
+    else
+        mpt__dconv_round_rows(MPT_FLOAT16, tile, dst, ld, m, nb);
+}
 #undef MPT__DCONV_FOLD
 #undef MPT__DCONV_SRC
 #endif /* MPT__X86 */
@@ -7356,6 +7379,10 @@ static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, i
 #if MPT__X86
     if (!a->input_grad)
         mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
+    if (a->dtype != MPT_FLOAT32 && !other_act) {
+        mpt__dconv_round_avx512(a->dtype, tile, (mpt_half *)a->y + p0 * j->oc + o0, j->oc, m, nb);
+        return;
+    }
 #endif
     for (p = 0; p < m; p++) {
         float *row = tile + 32 * p;
@@ -8059,10 +8086,11 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
    a NaN over a number; the first one wins ties), so the same maxima and
    argmaxes. The portable version is branch-free too, but without -march
    the compiler vectorizes it to 128 bits only. */
-MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const float *x,
-                                                      int64_t r0, int64_t r1, int64_t c0,
-                                                      int64_t c1, float *y, int32_t *arg) {
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_window_lanes_avx512(
+    mpt_dtype dtype, const mpt__win *g, const void *x, int64_t r0, int64_t r1, int64_t c0,
+    int64_t c1, void *y, int32_t *arg) {
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
     int64_t r, q, e;
     for (e = 0; e < g->c; e += 16) {
         __mmask16 m = (__mmask16)(g->c - e >= 16 ? 0xffff : (1u << (g->c - e)) - 1);
@@ -8072,7 +8100,7 @@ MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const f
         for (r = r0; r < r1; r++)
             for (q = c0; q < c1; q++) {
                 const int64_t at = (r * g->w + q) * g->c + e;
-                __m512 v = _mm512_maskz_loadu_ps(m, x + at);
+                __m512 v = mpt__avx512_load(dtype, (const char *)x + (size_t)at * es, m);
                 __mmask16 wins = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
                                  (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) &
                                   _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q));
@@ -8080,9 +8108,24 @@ MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const f
                 where = _mm512_mask_mov_epi32(
                     where, wins, _mm512_add_epi32(_mm512_set1_epi32((int32_t)at), lanes));
             }
-        _mm512_mask_storeu_ps(y + e, m, best);
+        /* a maximum is one of the inputs: rounding it back to dtype is exact */
+        mpt__avx512_store(dtype, (char *)y + (size_t)e * es, best, m);
         _mm512_mask_storeu_epi32(arg + e, m, where);
     }
+}
+
+/* x and y in dtype (float16 and bfloat16 widened in registers, exactly,
+   so no sample is converted first). */
+MPT__TARGET_AVX512 static void mpt__max_window_avx512(mpt_dtype dtype, const mpt__win *g,
+                                                      const void *x, int64_t r0, int64_t r1,
+                                                      int64_t c0, int64_t c1, void *y,
+                                                      int32_t *arg) {
+    if (dtype == MPT_FLOAT32)
+        mpt__max_window_lanes_avx512(MPT_FLOAT32, g, x, r0, r1, c0, c1, y, arg);
+    else if (dtype == MPT_BFLOAT16)
+        mpt__max_window_lanes_avx512(MPT_BFLOAT16, g, x, r0, r1, c0, c1, y, arg);
+    else
+        mpt__max_window_lanes_avx512(MPT_FLOAT16, g, x, r0, r1, c0, c1, y, arg);
 }
 #endif
 
@@ -8098,27 +8141,45 @@ static void mpt__avg_window(const mpt__win *g, const float *x, int64_t r0, int64
     for (e = 0; e < g->c; e++) y[e] *= inv;
 }
 
+/* Max pooling's forward of sample b with AVX-512, reading x and writing y
+   in their dtype. */
+static void mpt__max_pool_forward_simd(const mpt__pool_job *j, int64_t b) {
+#if MPT__X86
+    const mpt__win *g = &j->g;
+    const unsigned char *x = (const unsigned char *)j->x + (size_t)(b * j->n_in) * j->es;
+    unsigned char *y = (unsigned char *)j->y + (size_t)(b * j->n_out) * j->es;
+    int64_t oy, ox, r0, r1, c0, c1;
+    for (oy = 0; oy < g->oh; oy++)
+        for (ox = 0; ox < g->ow; ox++) {
+            const int64_t at = (oy * g->ow + ox) * g->c;
+            mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
+            mpt__max_window_avx512(j->dtype, g, x, r0, r1, c0, c1, y + (size_t)at * j->es,
+                                   j->argmax + b * j->n_out + at);
+        }
+#else
+    (void)j, (void)b;
+#endif
+}
+
 static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
     const mpt__pool_job *j = (const mpt__pool_job *)arg;
     const mpt__win *g = &j->g;
     float *xbuf = j->ws + b * (j->n_in + j->n_out); /* (H, W, C)    */
     float *ybuf = xbuf + j->n_in;                   /* (OH, OW, C) */
-    const float *x = mpt__as_f32(j->ctx, j->dtype, j->x, b, j->n_in, xbuf);
+    const float *x;
     float *y = j->dtype == MPT_FLOAT32 ? (float *)j->y + b * j->n_out : ybuf;
     int64_t oy, ox, r0, r1, c0, c1;
     (void)thread;
+    if (j->kind == MPT_POOL_MAX && (j->ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__max_pool_forward_simd(j, b);
+        return;
+    }
+    x = mpt__as_f32(j->ctx, j->dtype, j->x, b, j->n_in, xbuf);
     for (oy = 0; oy < g->oh; oy++)
         for (ox = 0; ox < g->ow; ox++) {
             const int64_t at = (oy * g->ow + ox) * g->c;
             mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
             if (j->kind == MPT_POOL_MAX) {
-#if MPT__X86
-                if (j->ctx->cpu & MPT_CPU_AVX512) {
-                    mpt__max_window_avx512(g, x, r0, r1, c0, c1, y + at,
-                                           j->argmax + b * j->n_out + at);
-                    continue;
-                }
-#endif
                 mpt__max_window(g, x, r0, r1, c0, c1, y + at, j->argmax + b * j->n_out + at);
             } else
                 mpt__avg_window(g, x, r0, r1, c0, c1, y + at);
@@ -8128,6 +8189,30 @@ static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
                      MPT_FLOAT32, ybuf, j->n_out);
 }
 
+/* The bits of a float16 or bfloat16 v after 0 + v in float32, rounded
+   back: v itself, but −0 becomes +0 and a NaN comes back quiet (as the
+   float32 sum and mpt__convert make it). */
+static mpt_half mpt__half_plus_zero(mpt_dtype dtype, mpt_half v) {
+    const unsigned inf = dtype == MPT_BFLOAT16 ? 0x7f80u : 0x7c00u;
+    const unsigned quiet = dtype == MPT_BFLOAT16 ? 0x40u : 0x200u;
+    if (v == 0x8000u) return 0;
+    if ((v & 0x7fffu) > inf) return (mpt_half)(v | quiet);
+    return v;
+}
+
+/* Max pooling's dx of sample b in float16 or bfloat16 when no two windows
+   overlap: every pixel receives at most one gradient, so the float32 sums
+   and their rounding come down to copying it (mpt__half_plus_zero), with
+   no float32 buffers and no conversion passes. */
+static void mpt__max_pool_backward_half(const mpt__pool_job *j, int64_t b) {
+    const mpt_half *dy = (const mpt_half *)j->dy + b * j->n_out;
+    const int32_t *arg_b = j->argmax + b * j->n_out;
+    mpt_half *dx = (mpt_half *)j->dx + b * j->n_in;
+    int64_t e;
+    memset(dx, 0, sizeof(mpt_half) * (size_t)j->n_in);
+    for (e = 0; e < j->n_out; e++) dx[arg_b[e]] = mpt__half_plus_zero(j->dtype, dy[e]);
+}
+
 /* dx of sample b: each output's gradient goes back to the pixel that won
    (max) or is shared by the window's pixels (average), outputs in order. */
 static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
@@ -8135,10 +8220,15 @@ static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
     const mpt__win *g = &j->g;
     float *dybuf = j->ws + b * (j->n_in + j->n_out); /* (OH, OW, C) */
     float *dxbuf = dybuf + j->n_out;                 /* (H, W, C)   */
-    const float *dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);
+    const float *dy;
     float *dx = j->dtype == MPT_FLOAT32 ? (float *)j->dx + b * j->n_in : dxbuf;
     int64_t oy, ox, r0, r1, c0, c1, r, q, e;
     (void)thread;
+    if (j->kind == MPT_POOL_MAX && j->dtype != MPT_FLOAT32 && g->sh >= g->kh && g->sw >= g->kw) {
+        mpt__max_pool_backward_half(j, b);
+        return;
+    }
+    dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);
     memset(dx, 0, sizeof(float) * (size_t)j->n_in);
     if (j->kind == MPT_POOL_MAX) {
         const int32_t *arg_b = j->argmax + b * j->n_out;

@@ -7501,7 +7501,8 @@ MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, cons
                                                               __mmask16 kq, const mpt_bf16 *q) {
     __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
     __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    /* (the maskz forms, as mpt__bf16_widen_avx512's) */
+    return _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kq, hi, 16));
 }
 
 /* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a

@@ -7430,8 +7430,10 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
    filters and runs over every pixel in order, so nothing depends on the
    thread count; taps in the padding add nothing and are skipped. Per
    pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
-   broadcasts, dz's row (widened) loaded, 24 FMAs. The sums are float32 in
-   another order than the GEMM's (not its bits). */
+   broadcasts, dz's row (widened) loaded, 24 FMAs. With AVX-512 BF16,
+   bfloat16 takes the pixels two at a time instead (24 vdpbf16ps per
+   pair: mpt__dconv_kgrad_tile_bf16). The sums are float32 in another
+   order than the GEMM's (not its bits). */
 typedef struct mpt__dconv_kgrad_job {
     const mpt_conv_args *a;
     const mpt_window *g;
@@ -7593,7 +7595,8 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
 /* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
    12 channels (fewer would leave most of each tile idle) and at most 32
    filters (with more, each pixel's channels are read once per 32 filters,
-   and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64). */
+   and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64; the
+   bfloat16 pairs 0.66-0.76×). */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
     j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);

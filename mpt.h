@@ -6685,12 +6685,76 @@ MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const f
 }
 #endif
 
+#if MPT__X86
+/* The same for y and dy in float16 or bfloat16, widened in registers
+   (exactly): one pass over memory where widening both first took three.
+   The widened values are what mpt__relu_backward_avx512 would read, so
+   the result is the same bits. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__relu_backward_half_loop(
+    mpt_dtype dtype, const mpt_half *y, const mpt_half *dy, float *dz, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        const __m512 yv = mpt__avx512_load(dtype, y + i, m), dyv = mpt__avx512_load(dtype, dy + i, m);
+        const __mmask16 passed = _mm512_mask_cmp_ps_mask(m, yv, _mm512_setzero_ps(), _CMP_NLE_UQ);
+        _mm512_mask_storeu_ps(dz + i, m, _mm512_maskz_mov_ps(passed, dyv));
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__relu_backward_half_avx512(mpt_dtype dtype, const void *y,
+                                                             const void *dy, float *dz,
+                                                             int64_t n) {
+    if (dtype == MPT_BFLOAT16)
+        mpt__relu_backward_half_loop(MPT_BFLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+    else
+        mpt__relu_backward_half_loop(MPT_FLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+}
+
+typedef struct mpt__relu_half_job {
+    mpt_dtype dtype;
+    const mpt_half *y, *dy;
+    float *dz;
+    int64_t n;
+} mpt__relu_half_job;
+
+static void mpt__relu_half_task(void *arg, int64_t task, int thread) {
+    const mpt__relu_half_job *j = (const mpt__relu_half_job *)arg;
+    const int64_t i = task * MPT__CONVERT_CHUNK;
+    (void)thread;
+    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i,
+                                   MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+}
+
+/* Split as mpt__convert splits: each element on its own, so any split
+   gives the same bits. */
+static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const void *y,
+                                    const void *dy, float *dz, int64_t n) {
+    mpt__relu_half_job j;
+    j.dtype = dtype;
+    j.y = (const mpt_half *)y;
+    j.dy = (const mpt_half *)dy;
+    j.dz = dz;
+    j.n = n;
+    if (n < MPT__CONVERT_PARALLEL_MIN)
+        mpt__relu_backward_half_avx512(dtype, y, dy, dz, n);
+    else
+        mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
+                          mpt__relu_half_task, &j);
+}
+#endif
+
 /* dz = dy · act'(...) in float32, reading dy, the output y and (for GELU)
    the pre-activation z in `dtype`. tmp holds n floats. */
 static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
                                  const void *z, const void *y, const void *dy, float *dz,
                                  float *tmp, int64_t n, int64_t cols) {
     const float *dyf = (const float *)dy, *kept = (const float *)(act == MPT_ACT_GELU ? z : y);
+#if MPT__X86
+    if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);
+        return;
+    }
+#endif
     if (dtype != MPT_FLOAT32) { /* float32 is read in place, halves are widened */
         mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
         dyf = dz;
@@ -7499,6 +7563,29 @@ MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float
             _mm512_storeu_ps(t, v);
         }
 }
+
+/* The tile's first m rows of nb sums rounded to dtype (float16 or
+   bfloat16) into rows ld apart: the rounding of mpt__convert, inline, not
+   a call per 32-element row. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dconv_round_rows(mpt_dtype dtype,
+                                                                      const float *tile,
+                                                                      mpt_half *dst, int64_t ld,
+                                                                      int m, int nb) {
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int p;
+    for (p = 0; p < m; p++) {
+        mpt__avx512_store(dtype, dst + p * ld, _mm512_loadu_ps(tile + 32 * p), k0);
+        if (nb > 16) mpt__avx512_store(dtype, dst + p * ld + 16, _mm512_loadu_ps(tile + 32 * p + 16), k1);
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__dconv_round_avx512(mpt_dtype dtype, const float *tile,
+                                                       mpt_half *dst, int64_t ld, int m, int nb) {
+    if (dtype == MPT_BFLOAT16)
+        mpt__dconv_round_rows(MPT_BFLOAT16, tile, dst, ld, m, nb);
+    else
+        mpt__dconv_round_rows(MPT_FLOAT16, tile, dst, ld, m, nb);
+}
 #undef MPT__DCONV_FOLD
 #undef MPT__DCONV_SRC
 #endif /* MPT__X86 */
@@ -7514,6 +7601,10 @@ static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, i
 #if MPT__X86
     if (!a->input_grad)
         mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
+    if (a->dtype != MPT_FLOAT32 && !other_act) {
+        mpt__dconv_round_avx512(a->dtype, tile, (mpt_half *)a->y + p0 * j->oc + o0, j->oc, m, nb);
+        return;
+    }
 #endif
     for (p = 0; p < m; p++) {
         float *row = tile + 32 * p;
@@ -7561,12 +7652,15 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
    filters and runs over every pixel in order, so nothing depends on the
    thread count; taps in the padding add nothing and are skipped. Per
    pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
-   broadcasts, dz's row (widened) loaded, 24 FMAs. The sums are float32 in
-   another order than the GEMM's (not its bits). */
+   broadcasts, dz's row (widened) loaded, 24 FMAs. With AVX-512 BF16,
+   bfloat16 takes the pixels two at a time instead (24 vdpbf16ps per
+   pair: mpt__dconv_kgrad_tile_bf16). The sums are float32 in another
+   order than the GEMM's (not its bits). */
 typedef struct mpt__dconv_kgrad_job {
     const mpt_conv_args *a;
     const mpt_window *g;
     int64_t cblocks, fblocks; /* 12-channel and 32-filter blocks */
+    int dot_pairs;            /* bfloat16 with AVX-512 BF16: pixel pairs */
 } mpt__dconv_kgrad_job;
 
 #if MPT__X86
@@ -7623,6 +7717,76 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
     MPT__ROWS12(MPT__S)
 #undef MPT__S
 }
+
+/* 16 bfloat16 pairs (p[l], q[l]) in 32-bit lanes, p low: two pixels' values
+   side by side, as vdpbf16ps multiplies them. Lanes outside kp (kq) read
+   0 from p (q). */
+MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, const mpt_bf16 *p,
+                                                              __mmask16 kq, const mpt_bf16 *q) {
+    __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
+    __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
+    /* (the maskz forms, as mpt__bf16_widen_avx512's) */
+    return _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kq, hi, 16));
+}
+
+/* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a
+   time (an odd last one with a zero partner), one vdpbf16ps per pair of
+   pixels for 16 filters, so half the instructions of the widening tile.
+   The products are exact in float32; the pairs' sums are float32, in
+   another order than the widening tile's (neither is the GEMM's bits).
+   No calls inside the loop: each would spill the 24 accumulators. */
+MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_kgrad_job *j,
+                                                               int64_t t, int64_t c0, int m,
+                                                               int64_t f0, int nb, float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
+    const mpt_bf16 *x = (const mpt_bf16 *)a->x + c0, *dz = (const mpt_bf16 *)a->dz + f0;
+    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
+                    k1 = mpt__gemm_mask16(nb - 16);
+    uint32_t chans[16];
+    const mpt_bf16 *x0 = NULL, *dz0 = NULL; /* the pixel waiting for its partner */
+    __m512bh b0, b1, ai;
+    int64_t b, oy, ox;
+    MPT__ROWS12(MPT__DCONV_ACC)
+/* The pair (x0, dz0) and (x1, dz1); masks 0 read the partner as zeros. */
+#define MPT__PAIR(x1, dz1, qm, q0, q1)                                                        \
+    _mm512_storeu_si512(chans, mpt__bf16_interleave_avx512(km, x0, qm, x1));                \
+    b0 = (__m512bh)mpt__bf16_interleave_avx512(k0, dz0, q0, dz1);                           \
+    b1 = (__m512bh)mpt__bf16_interleave_avx512(k1, dz0 + 16, q1, (dz1) + 16);               \
+    MPT__ROWS12(MPT__F)
+#define MPT__F(r)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)chans[r]);         \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, b0);             \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, b1);
+    for (b = 0; b < a->n; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            if (y < 0 || y >= g->h) continue;
+            for (ox = 0; ox < g->ow; ox++) {
+                const int64_t xx = ox * g->sw - g->left + k;
+                const mpt_bf16 *xp = x + ((b * g->h + y) * g->w + xx) * g->c;
+                const mpt_bf16 *dp = dz + ((b * g->oh + oy) * g->ow + ox) * f;
+                if (xx < 0 || xx >= g->w) continue;
+                if (!x0) {
+                    x0 = xp, dz0 = dp;
+                    continue;
+                }
+                MPT__PAIR(xp, dp, km, k0, k1)
+                x0 = NULL;
+            }
+        }
+    if (x0) {
+        MPT__PAIR(x0, dz0, 0, 0, 0)
+    }
+#undef MPT__F
+#undef MPT__PAIR
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+}
 #undef MPT__DCONV_ACC
 #endif
 
@@ -7637,7 +7801,10 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
     int r, o;
     (void)thread;
 #if MPT__X86
-    mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
+    if (j->dot_pairs)
+        mpt__dconv_kgrad_tile_bf16(j, t, c0, m, f0, nb, tile);
+    else
+        mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
 #else
     memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
 #endif
@@ -7650,9 +7817,11 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
 /* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
    12 channels (fewer would leave most of each tile idle) and at most 32
    filters (with more, each pixel's channels are read once per 32 filters,
-   and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64). */
+   and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64; the
+   bfloat16 pairs 0.66-0.76×). */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
+    j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
     if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < MPT__DCONV_MR || a->f > 32 ||
         (a->dtype != MPT_FLOAT32 && a->dtype != MPT_BFLOAT16))
         return 0;
@@ -8148,10 +8317,11 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
    a NaN over a number; the first one wins ties), so the same maxima and
    argmaxes. The portable version is branch-free too, but without -march
    the compiler vectorizes it to 128 bits only. */
-MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const float *x,
-                                                      int64_t r0, int64_t r1, int64_t c0,
-                                                      int64_t c1, float *y, int32_t *arg) {
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_window_lanes_avx512(
+    mpt_dtype dtype, const mpt__win *g, const void *x, int64_t r0, int64_t r1, int64_t c0,
+    int64_t c1, void *y, int32_t *arg) {
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
     int64_t r, q, e;
     for (e = 0; e < g->c; e += 16) {
         __mmask16 m = (__mmask16)(g->c - e >= 16 ? 0xffff : (1u << (g->c - e)) - 1);
@@ -8161,7 +8331,7 @@ MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const f
         for (r = r0; r < r1; r++)
             for (q = c0; q < c1; q++) {
                 const int64_t at = (r * g->w + q) * g->c + e;
-                __m512 v = _mm512_maskz_loadu_ps(m, x + at);
+                __m512 v = mpt__avx512_load(dtype, (const char *)x + (size_t)at * es, m);
                 __mmask16 wins = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
                                  (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) &
                                   _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q));
@@ -8169,9 +8339,24 @@ MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const f
                 where = _mm512_mask_mov_epi32(
                     where, wins, _mm512_add_epi32(_mm512_set1_epi32((int32_t)at), lanes));
             }
-        _mm512_mask_storeu_ps(y + e, m, best);
+        /* a maximum is one of the inputs: rounding it back to dtype is exact */
+        mpt__avx512_store(dtype, (char *)y + (size_t)e * es, best, m);
         _mm512_mask_storeu_epi32(arg + e, m, where);
     }
+}
+
+/* x and y in dtype (float16 and bfloat16 widened in registers, exactly,
+   so no sample is converted first). */
+MPT__TARGET_AVX512 static void mpt__max_window_avx512(mpt_dtype dtype, const mpt__win *g,
+                                                      const void *x, int64_t r0, int64_t r1,
+                                                      int64_t c0, int64_t c1, void *y,
+                                                      int32_t *arg) {
+    if (dtype == MPT_FLOAT32)
+        mpt__max_window_lanes_avx512(MPT_FLOAT32, g, x, r0, r1, c0, c1, y, arg);
+    else if (dtype == MPT_BFLOAT16)
+        mpt__max_window_lanes_avx512(MPT_BFLOAT16, g, x, r0, r1, c0, c1, y, arg);
+    else
+        mpt__max_window_lanes_avx512(MPT_FLOAT16, g, x, r0, r1, c0, c1, y, arg);
 }
 #endif
 
@@ -8187,27 +8372,45 @@ static void mpt__avg_window(const mpt__win *g, const float *x, int64_t r0, int64
     for (e = 0; e < g->c; e++) y[e] *= inv;
 }
 
+/* Max pooling's forward of sample b with AVX-512, reading x and writing y
+   in their dtype. */
+static void mpt__max_pool_forward_simd(const mpt__pool_job *j, int64_t b) {
+#if MPT__X86
+    const mpt__win *g = &j->g;
+    const unsigned char *x = (const unsigned char *)j->x + (size_t)(b * j->n_in) * j->es;
+    unsigned char *y = (unsigned char *)j->y + (size_t)(b * j->n_out) * j->es;
+    int64_t oy, ox, r0, r1, c0, c1;
+    for (oy = 0; oy < g->oh; oy++)
+        for (ox = 0; ox < g->ow; ox++) {
+            const int64_t at = (oy * g->ow + ox) * g->c;
+            mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
+            mpt__max_window_avx512(j->dtype, g, x, r0, r1, c0, c1, y + (size_t)at * j->es,
+                                   j->argmax + b * j->n_out + at);
+        }
+#else
+    (void)j, (void)b;
+#endif
+}
+
 static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
     const mpt__pool_job *j = (const mpt__pool_job *)arg;
     const mpt__win *g = &j->g;
     float *xbuf = j->ws + b * (j->n_in + j->n_out); /* (H, W, C)    */
     float *ybuf = xbuf + j->n_in;                   /* (OH, OW, C) */
-    const float *x = mpt__as_f32(j->ctx, j->dtype, j->x, b, j->n_in, xbuf);
+    const float *x;
     float *y = j->dtype == MPT_FLOAT32 ? (float *)j->y + b * j->n_out : ybuf;
     int64_t oy, ox, r0, r1, c0, c1;
     (void)thread;
+    if (j->kind == MPT_POOL_MAX && (j->ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__max_pool_forward_simd(j, b);
+        return;
+    }
+    x = mpt__as_f32(j->ctx, j->dtype, j->x, b, j->n_in, xbuf);
     for (oy = 0; oy < g->oh; oy++)
         for (ox = 0; ox < g->ow; ox++) {
             const int64_t at = (oy * g->ow + ox) * g->c;
             mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
             if (j->kind == MPT_POOL_MAX) {
-#if MPT__X86
-                if (j->ctx->cpu & MPT_CPU_AVX512) {
-                    mpt__max_window_avx512(g, x, r0, r1, c0, c1, y + at,
-                                           j->argmax + b * j->n_out + at);
-                    continue;
-                }
-#endif
                 mpt__max_window(g, x, r0, r1, c0, c1, y + at, j->argmax + b * j->n_out + at);
             } else
                 mpt__avg_window(g, x, r0, r1, c0, c1, y + at);
@@ -8217,6 +8420,30 @@ static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
                      MPT_FLOAT32, ybuf, j->n_out);
 }
 
+/* The bits of a float16 or bfloat16 v after 0 + v in float32, rounded
+   back: v itself, but −0 becomes +0 and a NaN comes back quiet (as the
+   float32 sum and mpt__convert make it). */
+static mpt_half mpt__half_plus_zero(mpt_dtype dtype, mpt_half v) {
+    const unsigned inf = dtype == MPT_BFLOAT16 ? 0x7f80u : 0x7c00u;
+    const unsigned quiet = dtype == MPT_BFLOAT16 ? 0x40u : 0x200u;
+    if (v == 0x8000u) return 0;
+    if ((v & 0x7fffu) > inf) return (mpt_half)(v | quiet);
+    return v;
+}
+
+/* Max pooling's dx of sample b in float16 or bfloat16 when no two windows
+   overlap: every pixel receives at most one gradient, so the float32 sums
+   and their rounding come down to copying it (mpt__half_plus_zero), with
+   no float32 buffers and no conversion passes. */
+static void mpt__max_pool_backward_half(const mpt__pool_job *j, int64_t b) {
+    const mpt_half *dy = (const mpt_half *)j->dy + b * j->n_out;
+    const int32_t *arg_b = j->argmax + b * j->n_out;
+    mpt_half *dx = (mpt_half *)j->dx + b * j->n_in;
+    int64_t e;
+    memset(dx, 0, sizeof(mpt_half) * (size_t)j->n_in);
+    for (e = 0; e < j->n_out; e++) dx[arg_b[e]] = mpt__half_plus_zero(j->dtype, dy[e]);
+}
+
 /* dx of sample b: each output's gradient goes back to the pixel that won
    (max) or is shared by the window's pixels (average), outputs in order. */
 static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
@@ -8224,10 +8451,15 @@ static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
     const mpt__win *g = &j->g;
     float *dybuf = j->ws + b * (j->n_in + j->n_out); /* (OH, OW, C) */
     float *dxbuf = dybuf + j->n_out;                 /* (H, W, C)   */
-    const float *dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);
+    const float *dy;
     float *dx = j->dtype == MPT_FLOAT32 ? (float *)j->dx + b * j->n_in : dxbuf;
     int64_t oy, ox, r0, r1, c0, c1, r, q, e;
     (void)thread;
+    if (j->kind == MPT_POOL_MAX && j->dtype != MPT_FLOAT32 && g->sh >= g->kh && g->sw >= g->kw) {
+        mpt__max_pool_backward_half(j, b);
+        return;
+    }
+    dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);
     memset(dx, 0, sizeof(float) * (size_t)j->n_in);
     if (j->kind == MPT_POOL_MAX) {
         const int32_t *arg_b = j->argmax + b * j->n_out;

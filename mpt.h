@@ -7397,13 +7397,14 @@ static void mpt__dconv_taps(const mpt__dconv_job *j, int64_t b, int64_t oy, int6
     const int grad = j->a->input_grad;
     const unsigned char *image = j->x + (size_t)(b * j->ih * j->iw * j->ic) * j->es;
     const size_t pixel = (size_t)j->ic * j->es;
-    int64_t i, k;
+    int64_t i, k, xs[MPT__DCONV_MAX_TAPS];
+    for (k = 0; k < g->kw; k++) /* the columns once, not once per kernel row */
+        xs[k] = mpt__dconv_axis(grad, ox, k, g->kw, g->sw, g->left, j->iw);
     for (i = 0; i < g->kh; i++) {
         const int64_t y = mpt__dconv_axis(grad, oy, i, g->kh, g->sh, g->top, j->ih);
-        for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR) {
-            const int64_t x = mpt__dconv_axis(grad, ox, k, g->kw, g->sw, g->left, j->iw);
-            *src = y < 0 || x < 0 ? j->zero : image + (size_t)(y * j->iw + x) * pixel;
-        }
+        const unsigned char *row = image + (size_t)(y * j->iw) * pixel;
+        for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR)
+            *src = y < 0 || xs[k] < 0 ? j->zero : row + (size_t)xs[k] * pixel;
     }
 }
 
@@ -7461,7 +7462,7 @@ MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
                                                    const unsigned char *const *src, int64_t o0,
                                                    int nb, float *tile) {
     const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
-    const float *w = (const float *)j->w + o0;
+    const float *w = (const float *)j->w + o0, *zero = (const float *)(const void *)j->zero;
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int64_t t, c;
     int first = 1;
@@ -7470,9 +7471,19 @@ MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
 #define MPT__S(i) MPT__DCONV_SRC(i, float)
         MPT__ROWS12(MPT__S)
 #undef MPT__S
+        /* The input gradient skips a tap that reads dz's padding for every
+           pixel of the tile (the border rows of a 'valid' layer's dx): it
+           would add only zeros. The depth blocks' folds stay where they
+           were. The forward keeps every tap, to give the im2col path's
+           bits even where a weight is not finite. */
+#define MPT__Z(i) && s##i == zero
+        const int skip = j->a->input_grad MPT__ROWS12(MPT__Z);
+#undef MPT__Z
         for (c = 0; c < ic;) {
             const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
-            if (nb > 16) {
+            if (skip) {
+                c = stop;
+            } else if (nb > 16) {
                 for (; c < stop; c++) {
                     const float *wr = w + (t * ic + c) * oc;
                     __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
@@ -8040,7 +8051,6 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                      ? (float *)y
                      : (float *)mpt__ws_take(&w, 4 * ny);
     mpt_gemm_desc g;
-    if (fused && mpt__conv2d_direct(L, p, c, 0, x, y, n, p->workspace)) return;
     if (cols) p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols); /* (rows, kk) */
     /* acc (rows, F) = cols · kernel */
     g = mpt__layer_gemm_desc(L, 0, 0, rows, c->f, c->kk,
@@ -8072,7 +8082,17 @@ static void mpt__conv2d_by_chunks(mpt__layer *L, const mpt__pass *p, mpt__conv_c
     for (b0 = 0; b0 < p->batch; b0 += c.chunk) run(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
 }
 
+/* The backend's direct convolution needs no cols, so it takes the whole
+   batch in one call (one parallel-for, not one per chunk; each output
+   pixel's sum is the same whichever tile holds it); the im2col path goes
+   chunk by chunk. */
 static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+    const mpt_activation act = mpt__pass_activation(p, L->desc.conv2d.activation);
+    mpt__conv_plan c;
+    mpt__conv_plan_init(&c, L, p->model->max_batch);
+    if (act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX &&
+        mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace))
+        return;
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
 }
 

@@ -16,6 +16,10 @@
        nvcc -O3 -arch=sm_90 -DMPT_CUDA examples/mlp.c mpt_cuda.cu \
             -lcublasLt -lcublas -lz
 
+   On Hopper (H100, H200) build with -arch=sm_90a instead, which adds the
+   wgmma/TMA GEMM (MPT_GEMM=wgmma, and a candidate of AUTO); without it
+   the mma.sync kernel runs every hand-written GEMM there too.
+
    Several GPUs, in one process or across processes, sum their replicas'
    gradients over NCCL: add -DMPT_NCCL (for this file) and -lnccl:
 
@@ -27,7 +31,8 @@
    How it is organised:
        the shared state     mpt__cuda (the `impl` of every table function),
                             the checked-call macros MPT__CU / MPT__LT
-       GEMMs                the tensor-core kernel, cuBLASLt, per-shape plans,
+       GEMMs                the tensor-core kernel (mma.sync), the Hopper
+                            kernel (wgmma, TMA), cuBLASLt, per-shape plans,
                             column sums (bias gradients)
        layers               dtype conversion, activations, im2col/col2im,
                             pooling, batch normalization, dropout

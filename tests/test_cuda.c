@@ -12,7 +12,8 @@
            falls back to the CPU: that fallback (a warning, and a model that
            still trains) is checked, and the comparisons are one SKIP.
    With MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu sets it), no
-   device is one FAIL instead, saying why. `test_cuda quick` leaves out the
+   device is one FAIL instead, saying why. `test_cuda wgmma` runs the
+   Hopper GEMM's tests alone. `test_cuda quick` leaves out the
    whole-model trainings (for compute-sanitizer). Fashion-MNIST is read
    from $MPT_DATA_DIR, else /usr/share/datasets/fashion-mnist.
    So this file is C99 and C++17 at once (nvcc compiles it as C++).
@@ -3368,6 +3369,7 @@ static void test_gpu_was_reached(void) {
    of the whole-model trainings. */
 int main(int argc, char **argv) {
     int e, have_gpu, quick = argc > 1 && !strcmp(argv[1], "quick");
+    int wgmma_only = argc > 1 && !strcmp(argv[1], "wgmma");
     test_seed(2024);
 #ifdef MPT_CUDA
     setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
@@ -3396,6 +3398,20 @@ int main(int argc, char **argv) {
     }
     printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
            gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
+    if (wgmma_only) {
+        /* `test_cuda wgmma`: the Hopper GEMM's tests alone (a first look on a
+           new machine, and what compute-sanitizer runs on it) */
+        test_gemm_engine(&gpu_be[GPU_WGMMA]);
+        test__run("gemm wgmma: every transpose, f16/bf16, odd M/N/K, each epilogue, vs CPU and "
+                  "cuBLASLt (<= 1e-2), repeatable",
+                  test_gemm_wgmma);
+        test__run("gemm wgmma: split-K on weight-gradient shapes, bit-repeatable, captured "
+                  "(<= 1e-2)",
+                  test_gemm_wgmma_split_k);
+        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
+        close_backend(&cpu_be);
+        return test_summary(PROGRAM);
+    }
     test__run("kernels: all loaded when the context is created (lazy loading)",
               test_kernels_loaded_at_creation);
     test__run("the table: every required slot filled", test_table_is_complete);

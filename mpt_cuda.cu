@@ -959,11 +959,15 @@ static __device__ __forceinline__ void mpt__cuda_wgmma_hold(float &r) {
    only after wgmma.commit_group and wgmma.wait_group. */
 #define MPT__WGMMA_N128(TYPE)                                                            \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                            \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                    \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
+                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
+                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
+                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
+                 "%56, %57, %58, %59, %60, %61, %62, %63" \
                  "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                  \
                  : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
                    MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56) \
@@ -986,15 +990,23 @@ static __device__ __forceinline__ void mpt__cuda_wgmma_n128(float (&d)[64], uint
    only after wgmma.commit_group and wgmma.wait_group. */
 #define MPT__WGMMA_N256(TYPE)                                                            \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                           \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                    \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
+                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
+                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
+                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
+                 "%56, %57, %58, %59, %60, %61, %62, %63, " \
+                 "%64, %65, %66, %67, %68, %69, %70, %71, " \
+                 "%72, %73, %74, %75, %76, %77, %78, %79, " \
+                 "%80, %81, %82, %83, %84, %85, %86, %87, " \
+                 "%88, %89, %90, %91, %92, %93, %94, %95, " \
+                 "%96, %97, %98, %99, %100, %101, %102, %103, " \
+                 "%104, %105, %106, %107, %108, %109, %110, %111, " \
+                 "%112, %113, %114, %115, %116, %117, %118, %119, " \
+                 "%120, %121, %122, %123, %124, %125, %126, %127" \
                  "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                              \
                  : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
                    MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56), \
@@ -1147,7 +1159,8 @@ static __global__ void __launch_bounds__(384, 1)
                     if (p.partials)
                         mpt__cuda_gemm_keep2_at(p, at.slice, row, col, d[4 * j + 2 * h],
                                                 d[4 * j + 2 * h + 1]);
-                    else mpt__cuda_gemm_finish2(p, row, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                    else
+                        mpt__cuda_gemm_finish2(p, row, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
                 }
         }
     }
@@ -1617,9 +1630,9 @@ static int mpt__cuda_wgmma_encode(const struct mpt__gemm_cache *cache, const voi
     const cuuint32_t steps[2] = {1, 1};
     static_assert(sizeof map == 16 * sizeof(uint64_t), "a CUtensorMap is 128 bytes");
     memset(&map, 0, sizeof map);
-    if (cache->encode_tiled(&map,
-                            bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            2, (void *)ptr, dims, strides, box, steps,
+    const CUtensorMapDataType type =
+        bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    if (cache->encode_tiled(&map, type, 2, (void *)ptr, dims, strides, box, steps,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
@@ -1639,9 +1652,9 @@ static int mpt__cuda_wgmma_ready_for(mpt__cuda *c, mpt__cuda_gemm_entry *e,
         const int bn = mpt__wgmma_tile_n(d->m, d->n, c->sm_count);
         const int bf16 = d->ab_dtype == MPT_BFLOAT16;
         /* A stored M×K (K contiguous) or K×M; B stored K×N or N×K (K contiguous). */
-        const mpt__wgmma_map ma = d->trans_a
-                                      ? mpt__wgmma_operand_map(d->k, d->m, d->lda, 0, MPT__WGMMA_BM)
-                                      : mpt__wgmma_operand_map(d->m, d->k, d->lda, 1, MPT__WGMMA_BM);
+        const int bm = MPT__WGMMA_BM;
+        const mpt__wgmma_map ma = d->trans_a ? mpt__wgmma_operand_map(d->k, d->m, d->lda, 0, bm)
+                                             : mpt__wgmma_operand_map(d->m, d->k, d->lda, 1, bm);
         const mpt__wgmma_map mb = d->trans_b ? mpt__wgmma_operand_map(d->n, d->k, d->ldb, 1, bn)
                                              : mpt__wgmma_operand_map(d->k, d->n, d->ldb, 0, bn);
         if (!mpt__cuda_wgmma_encode(cache, d->a, &ma, bf16, e->wgmma_map_a) ||
@@ -4836,7 +4849,8 @@ static mpt_status mpt__cuda_choose_gemm(const mpt_context_desc *desc, mpt_gemm_e
     else if (strcmp(env, "wgmma") == 0) *engine = MPT_GEMM_WGMMA;
     else if (strcmp(env, "auto") == 0) *engine = MPT_GEMM_AUTO;
     else {
-        mpt__cuda_say(message, size, "MPT_GEMM=\"%s\": expected \"mpt\", \"wgmma\", \"cublaslt\" or \"auto\"",
+        mpt__cuda_say(message, size,
+                      "MPT_GEMM=\"%s\": expected \"mpt\", \"wgmma\", \"cublaslt\" or \"auto\"",
                       env);
         return MPT_ERR_INVALID_ARGUMENT;
     }

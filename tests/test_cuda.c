@@ -1996,7 +1996,7 @@ static int wgmma_here(void) {
     hopper = mpt_device_query(gpu_be[GPU_WGMMA].ctx, 1, &info) == MPT_OK &&
              info.compute_major == 9 && info.compute_minor == 0;
     CHECK(!(hopper && gpu_required()),
-          "a Hopper GPU, but the build has no sm_90a image (-gencode arch=compute_90a,code=sm_90a)");
+          "a Hopper GPU, but the build has no sm_90a image (-arch=sm_90a)");
     SKIP("the Hopper kernel is not here (needs compute capability 9.0 and an sm_90a image)");
 #endif
     return 0;

@@ -613,8 +613,11 @@ find_torch_gpu_python() {
 #                [--out DIR] [--tools LIST]
 # Made for a bare GPU machine: nvcc and the CUDA libraries, maybe NCCL as a
 # Python wheel, maybe no zlib headers, no Debian packages, no network. It
-# never installs anything. Every program is built with -arch=$GPU_ARCH
-# (sm_90); objects are rebuilt only when a source is newer, so the steps can
+# never installs anything. Every program is built with -arch=$GPU_ARCH:
+# sm_90a on a Hopper GPU (nvidia-smi's compute capability 9.0: the image
+# with mpt_cuda.cu's wgmma/TMA GEMM), else sm_90 (set GPU_ARCH to choose,
+# e.g. GPU_ARCH=sm_90a to compile the Hopper kernel on a machine without a
+# GPU); objects are rebuilt only when a source is newer, so the steps can
 # be separate calls. Each program runs under `timeout`, with
 # MPT_REQUIRE_GPU=1: a CUDA backend that does not open is a failure, not a
 # skip. Logs, the JSON lines of every result (results.jsonl) and a summary
@@ -634,7 +637,15 @@ find_torch_gpu_python() {
 # -DMPT_NO_ZLIB and .gz files are decompressed into build/fashion-mnist.
 # MPT_GPU_NO_ZLIB=1 builds so even where zlib.h is.
 
-GPU_ARCH=${GPU_ARCH:-sm_90}
+GPU_ARCH=${GPU_ARCH:-}
+
+# The architecture when GPU_ARCH is not set: sm_90a on a Hopper GPU (wgmma
+# and setmaxnreg exist only there), else sm_90.
+gpu_default_arch() {
+    local cap
+    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
+    if [ "${cap// /}" = 9.0 ]; then echo sm_90a; else echo sm_90; fi
+}
 GPU_DATA_COPY=data/fashion-mnist # git-ignored: a copy that travels with the tree
 GPU_TEST_SECONDS=${GPU_TEST_SECONDS:-420}
 GPU_SANITIZE_SECONDS=${GPU_SANITIZE_SECONDS:-240} # per tool
@@ -915,6 +926,7 @@ run_gpu() {
     [ -e "$GPU_DATA/train-images-idx3-ubyte" ] || [ -e "$GPU_DATA/train-images-idx3-ubyte.gz" ] ||
         echo "build.sh gpu: no Fashion-MNIST in '$GPU_DATA' (--data DIR, or ./build.sh gpu-data before the tree travels)" >&2
     nccl=$(find_nccl "$nvcc") || nccl=""
+    [ -n "$GPU_ARCH" ] || GPU_ARCH=$(gpu_default_arch)
     echo "build.sh gpu $step: nvcc $("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), -arch=$GPU_ARCH, data $GPU_DATA, NCCL $([ -z "$nccl" ] && echo none || { [ "$nccl" = " " ] && echo system || echo "$nccl"; }), output $GPU_OUT"
     if ! gpu_build "$nvcc" "$zflags" "$libs" "$nccl" >"$GPU_OUT/build.log" 2>&1; then
         cat "$GPU_OUT/build.log"

@@ -35,9 +35,11 @@
        MPT_NUM_THREADS   threads of a context whose descriptor leaves
                          num_threads at 0 (default: the online CPUs).
        MPT_DEVICE        "cpu": train on the CPU even in a CUDA build.
-       MPT_GEMM          "mpt" or "cublaslt": the GEMM a CUDA context runs
-                         (default: per shape, measured once, the usual one
-                         unless the other is more than 10% faster).
+       MPT_GEMM          "mpt", "wgmma" or "cublaslt": the GEMM a CUDA
+                         context runs ("wgmma": the Hopper kernel, sm_90a
+                         builds on compute capability 9.0, where a shape
+                         qualifies; default: per shape, measured once, the
+                         usual one unless another is more than 10% faster).
        MPT_GEMM_CHOICES  a file: AUTO's engine per shape and GPU model, read
                          by each CUDA context and appended to for each
                          shape it measures, so later runs take the same.
@@ -317,11 +319,13 @@ enum {
 };
 
 /* Which GEMM a CUDA context runs: the hand-written tensor-core kernel in
-   mpt_cuda.cu, or cuBLASLt's. */
+   mpt_cuda.cu (mma.sync, sm_80 on), its Hopper kernel (wgmma and TMA,
+   sm_90a; shapes it cannot run take the mma.sync one), or cuBLASLt's. */
 typedef enum mpt_gemm_engine {
     MPT_GEMM_AUTO = 0,
     MPT_GEMM_MPT = 1,
-    MPT_GEMM_CUBLASLT = 2
+    MPT_GEMM_CUBLASLT = 2,
+    MPT_GEMM_WGMMA = 3
 } mpt_gemm_engine;
 
 typedef struct mpt_context_desc {
@@ -338,7 +342,7 @@ typedef struct mpt_context_desc {
     int64_t device_memory_limit; /* default 0: no limit but the device's;
                                     else bytes a context may allocate there   */
     mpt_gemm_engine gemm;    /* CUDA GEMMs; default (auto): $MPT_GEMM
-                                ("mpt" or "cublaslt"), else per shape,
+                                ("mpt", "wgmma" or "cublaslt"), else per shape,
                                 measured once, the usual engine unless the
                                 other is more than 10% faster              */
 } mpt_context_desc;
@@ -2027,6 +2031,15 @@ extern int mpt_cuda_kernels_unloaded(void);
    MPT_GEMM_CUBLASLT, else MPT_LOG_INFO). */
 extern int64_t mpt_cuda_lt_refusals(const void *impl);
 
+/* How many GEMMs `engine` (MPT_GEMM_MPT, MPT_GEMM_WGMMA or
+   MPT_GEMM_CUBLASLT) ran so far on a CUDA backend, AUTO's timing runs
+   included; a shape that engine could not run counts for the one that ran
+   it instead. And whether the Hopper kernel can run here at all (compute
+   capability 9.0 and a build with an sm_90a image). For tests and
+   benchmarks. */
+extern int64_t mpt_cuda_gemm_runs(const void *impl, mpt_gemm_engine engine);
+extern int mpt_cuda_wgmma_ready(const void *impl);
+
 /* =============================================================================
    @backend-shared: the rules both backends run (internal)
    =============================================================================
@@ -2163,25 +2176,33 @@ typedef struct mpt__gemm_split {
     int64_t depth;  /* K per slice (K itself when splits is 1) */
 } mpt__gemm_split;
 
-static inline mpt__gemm_split mpt__gemm_split_k(int64_t m, int64_t n, int64_t k, int tile,
-                                                int sm_count, int64_t capacity) {
-    const int64_t tiles = ((m + tile - 1) / tile) * ((n + tile - 1) / tile);
+/* The rule for `tiles` tiles of C and K walked in `step`-deep steps (32
+   for the mma.sync kernel, 64 for the Hopper one). */
+static inline mpt__gemm_split mpt__gemm_split_k_tiles(int64_t tiles, int64_t m, int64_t n,
+                                                      int64_t k, int64_t step, int sm_count,
+                                                      int64_t capacity) {
     mpt__gemm_split s;
     int64_t want, steps;
     s.splits = 1;
     s.depth = k;
-    if (m <= 0 || n <= 0 || k <= 0) return s;
+    if (m <= 0 || n <= 0 || k <= 0 || tiles <= 0) return s;
     want = sm_count / tiles; /* < 2 where the tiles fill half the SMs */
     if (want > k / MPT__GEMM_SPLIT_MIN_DEPTH) want = k / MPT__GEMM_SPLIT_MIN_DEPTH;
     if (want > MPT__GEMM_SPLIT_MAX) want = MPT__GEMM_SPLIT_MAX;
     if (want > capacity / (m * n)) want = capacity / (m * n);
     if (want < 2) return s;
-    /* Equal slices of whole 32-deep steps; the count again, so none is empty. */
-    steps = (k + 31) / 32;
-    s.depth = (steps + want - 1) / want * 32;
+    /* Equal slices of whole steps; the count again, so none is empty. */
+    steps = (k + step - 1) / step;
+    s.depth = (steps + want - 1) / want * step;
     s.splits = (k + s.depth - 1) / s.depth;
     if (s.splits < 2) s.depth = k, s.splits = 1;
     return s;
+}
+
+static inline mpt__gemm_split mpt__gemm_split_k(int64_t m, int64_t n, int64_t k, int tile,
+                                                int sm_count, int64_t capacity) {
+    const int64_t tiles = ((m + tile - 1) / tile) * ((n + tile - 1) / tile);
+    return mpt__gemm_split_k_tiles(tiles, m, n, k, 32, sm_count, capacity);
 }
 
 /* MPT_GEMM_AUTO's engine for a shape it has timed: the engine the shape
@@ -2197,6 +2218,116 @@ static inline mpt_gemm_engine mpt__gemm_engine_choose(mpt_gemm_engine usual, dou
                                                       int other_refused) {
     if (other_refused || !(ms_other < ms_usual * (1.0 - MPT__GEMM_SWITCH_MARGIN))) return usual;
     return other;
+}
+
+/* The same among several candidates: engines[0] is the usual one, the
+   others (ms < 0: refused, or cannot run the shape) compete in order, the
+   fastest of them (the first on a tie) replacing it only by the margin. */
+static inline mpt_gemm_engine mpt__gemm_engine_choose_among(const mpt_gemm_engine *engines,
+                                                            const double *ms, int count) {
+    int best = -1, i;
+    for (i = 1; i < count; i++)
+        if (ms[i] >= 0 && (best < 0 || ms[i] < ms[best])) best = i;
+    if (best < 0) return engines[0];
+    return mpt__gemm_engine_choose(engines[0], ms[0], engines[best], ms[best], 0);
+}
+
+/* ---- the Hopper GEMM's choices (mpt_cuda.cu, MPT_GEMM_WGMMA) ------------
+   Its tiles are 128 rows of C (two consumer warpgroups of 64) by
+   MPT__WGMMA_TILE_N = 128 or 256 columns, walked along K in 64-deep
+   stages: 64 16-bit values are 128 bytes, the span of the shared-memory
+   swizzle the copy engine (TMA) writes and wgmma reads. */
+#define MPT__WGMMA_BM 128
+#define MPT__WGMMA_BK 64
+#define MPT__WGMMA_BAND 8 /* tile rows per band of the persistent scheduler */
+
+/* Whether the Hopper kernel can run a product: 16-bit operands, and what
+   TMA asks of a matrix in global memory, an address and a row pitch that
+   are multiples of 16 bytes (ld a multiple of 8 elements), the pitch under
+   2^40 bytes; M, N, K (and a tile past them) within TMA's int32
+   coordinates. `ready`: the GPU and the build have the kernel
+   (mpt_cuda_wgmma_ready). Anything else takes the mma.sync kernel. */
+static inline int mpt__wgmma_eligible(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                                      uintptr_t a, uintptr_t b, mpt_dtype ab_dtype, int ready) {
+    const int64_t limit = ((int64_t)1 << 31) - 512;
+    if (!ready || (ab_dtype != MPT_FLOAT16 && ab_dtype != MPT_BFLOAT16)) return 0;
+    if (m <= 0 || n <= 0 || k <= 0 || m > limit || n > limit || k > limit) return 0;
+    if (a % 16 != 0 || b % 16 != 0 || lda % 8 != 0 || ldb % 8 != 0) return 0;
+    return lda > 0 && ldb > 0 && lda < ((int64_t)1 << 39) && ldb < ((int64_t)1 << 39);
+}
+
+/* Its tile width: 256 columns (one CTA per SM holds 128×256 float32
+   sums in two warpgroups' registers) once those tiles alone make a wave,
+   else 128, so that smaller products spread over more SMs. */
+static inline int mpt__wgmma_tile_n(int64_t m, int64_t n, int sm_count) {
+    const int64_t wide = ((m + MPT__WGMMA_BM - 1) / MPT__WGMMA_BM) * ((n + 255) / 256);
+    return n > 128 && wide >= sm_count ? 256 : 128;
+}
+
+/* Its K split: the rule above for its tiles and 64-deep stages. The
+   slices are added by the same second pass as the mma.sync kernel's, in
+   slice order, so the sums repeat bit for bit. */
+static inline mpt__gemm_split mpt__wgmma_split_k(int64_t m, int64_t n, int64_t k, int tile_n,
+                                                 int sm_count, int64_t capacity) {
+    const int64_t tiles = ((m + MPT__WGMMA_BM - 1) / MPT__WGMMA_BM) * ((n + tile_n - 1) / tile_n);
+    return mpt__gemm_split_k_tiles(tiles, m, n, k, MPT__WGMMA_BK, sm_count, capacity);
+}
+
+/* The persistent scheduler: a grid of min(work, SMs) CTAs, CTA b taking
+   work items b, b + grid, b + 2·grid, ... Item w is tile (tile_m, tile_n)
+   of K slice w / (tiles_m·tiles_n). Within a slice the tiles go in bands
+   of MPT__WGMMA_BAND tile rows, down a band's column of tiles first, then
+   to the band's next column: the CTAs running at once share a few tile
+   columns of B and the band's rows of A, which stay in L2. */
+typedef struct mpt__wgmma_work {
+    int64_t tile_m, tile_n, slice;
+} mpt__wgmma_work;
+
+static inline MPT__HD mpt__wgmma_work mpt__wgmma_work_at(int64_t w, int64_t tiles_m,
+                                                         int64_t tiles_n) {
+    const int64_t tiles = tiles_m * tiles_n, t = w % tiles;
+    const int64_t band = t / (MPT__WGMMA_BAND * tiles_n);
+    const int64_t first = band * MPT__WGMMA_BAND;
+    const int64_t rows = tiles_m - first < MPT__WGMMA_BAND ? tiles_m - first : MPT__WGMMA_BAND;
+    const int64_t within = t - first * tiles_n;
+    mpt__wgmma_work r;
+    r.slice = w / tiles;
+    r.tile_m = first + within % rows;
+    r.tile_n = within / rows;
+    return r;
+}
+
+static inline int64_t mpt__wgmma_grid(int64_t work, int sm_count) {
+    return work < sm_count ? work : sm_count;
+}
+
+/* One operand's TMA tensor map (cuTensorMapEncodeTiled's arguments), for
+   a matrix stored row-major as rows × cols with leading dimension ld
+   (elements), of which a stage holds tile_mn rows or columns of the
+   product by MPT__WGMMA_BK of K. The box's inner side is always 64
+   values, 128 bytes, the swizzle's span:
+   - K contiguous (A untransposed, B transposed): one box of 64 (K) ×
+     tile_mn rows, at (k0, mn0);
+   - M or N contiguous (A transposed, B untransposed): tile_mn / 64 boxes
+     of 64 (M or N) × 64 rows (K), at (mn0 + 64·i, k0), each box 8 KiB
+     after the last in shared memory. */
+typedef struct mpt__wgmma_map {
+    uint64_t dims[2];    /* elements: cols (contiguous), rows           */
+    uint64_t row_bytes;  /* the pitch: ld · 2                            */
+    uint32_t box[2];     /* elements: 64 contiguous, then rows           */
+    int boxes;           /* boxes per stage                              */
+} mpt__wgmma_map;
+
+static inline mpt__wgmma_map mpt__wgmma_operand_map(int64_t rows, int64_t cols, int64_t ld,
+                                                    int k_contiguous, int tile_mn) {
+    mpt__wgmma_map map;
+    map.dims[0] = (uint64_t)cols;
+    map.dims[1] = (uint64_t)rows;
+    map.row_bytes = (uint64_t)ld * 2;
+    map.box[0] = 64;
+    map.box[1] = k_contiguous ? (uint32_t)tile_mn : (uint32_t)MPT__WGMMA_BK;
+    map.boxes = k_contiguous ? 1 : tile_mn / 64;
+    return map;
 }
 
 /* ---- kernels' index arithmetic ------------------------------------------ */

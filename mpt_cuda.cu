@@ -16,6 +16,10 @@
        nvcc -O3 -arch=sm_90 -DMPT_CUDA examples/mlp.c mpt_cuda.cu \
             -lcublasLt -lcublas -lz
 
+   On Hopper (H100, H200) build with -arch=sm_90a instead, which adds the
+   wgmma/TMA GEMM (MPT_GEMM=wgmma, and a candidate of AUTO); without it
+   the mma.sync kernel runs every hand-written GEMM there too.
+
    Several GPUs, in one process or across processes, sum their replicas'
    gradients over NCCL: add -DMPT_NCCL (for this file) and -lnccl:
 
@@ -27,7 +31,8 @@
    How it is organised:
        the shared state     mpt__cuda (the `impl` of every table function),
                             the checked-call macros MPT__CU / MPT__LT
-       GEMMs                the tensor-core kernel, cuBLASLt, per-shape plans,
+       GEMMs                the tensor-core kernel (mma.sync), the Hopper
+                            kernel (wgmma, TMA), cuBLASLt, per-shape plans,
                             column sums (bias gradients)
        layers               dtype conversion, activations, im2col/col2im,
                             pooling, batch normalization, dropout
@@ -88,6 +93,7 @@ typedef struct mpt__cuda {
     struct mpt__cuda_train_scratch *train_scratch; /* the training part's  */
     mpt_logger logger;          /* the context's (desc->logger)          */
     int64_t lt_refusals;        /* GEMM shapes cuBLASLt refused (logged)  */
+    int64_t gemm_runs[4];       /* GEMMs run per mpt_gemm_engine (MPT, CUBLASLT, WGMMA) */
 } mpt__cuda;
 
 /* "<what> (file:line)" into error: the form of every message this
@@ -261,13 +267,21 @@ static __device__ __forceinline__ void mpt__cuda_gemm_finish2(const mpt__cuda_ge
 }
 
 /* Split-K: stores the float32 sums of C[row][col] and C[row][col + 1]
-   (the latter when inside C) as slice blockIdx.y's partial sums. */
+   (the latter when inside C) as K slice `slice`'s partial sums. */
+static __device__ __forceinline__ void mpt__cuda_gemm_keep2_at(const mpt__cuda_gemm_args &p,
+                                                               int64_t slice, int64_t row,
+                                                               int64_t col, float acc0,
+                                                               float acc1) {
+    float *to = p.partials + (slice * p.m + row) * p.n + col;
+    to[0] = acc0;
+    if (col + 1 < p.n) to[1] = acc1;
+}
+
+/* The same for the mma.sync kernels, whose block row blockIdx.y is the slice. */
 static __device__ __forceinline__ void mpt__cuda_gemm_keep2(const mpt__cuda_gemm_args &p,
                                                             int64_t row, int64_t col, float acc0,
                                                             float acc1) {
-    float *to = p.partials + (blockIdx.y * p.m + row) * p.n + col;
-    to[0] = acc0;
-    if (col + 1 < p.n) to[1] = acc1;
+    mpt__cuda_gemm_keep2_at(p, blockIdx.y, row, col, acc0, acc1);
 }
 
 /* Split-K's second pass: C = act(alpha·Σ slices + beta·C + bias), the
@@ -753,6 +767,451 @@ static cudaError_t mpt__cuda_gemm_tc_dispatch(int variant, int bf16, int ta, int
 }
 
 /* -----------------------------------------------------------------------------
+   The Hopper kernel (sm_90a: TMA, mbarriers, wgmma, setmaxnreg)
+   ----------------------------------------------------------------------------- */
+
+/* C = act(alpha·op(A)·op(B) + beta·C + bias), the same product and
+   epilogue as the mma.sync kernel above, shaped for Hopper's tensor cores.
+   It exists only in an sm_90a image (-gencode arch=compute_90a,code=
+   sm_90a: wgmma and setmaxnreg are not in plain sm_90); elsewhere its body
+   is empty, the host learns so from mpt__cuda_wgmma_built, and every
+   product takes the mma.sync kernel. Host rules: mpt.h, @backend-shared
+   (mpt__wgmma_*).
+
+   Tiling. A CTA computes 128×BN tiles of C (BN = 256 or 128,
+   mpt__wgmma_tile_n), walking K in stages of BK = 64: 64 16-bit values
+   are 128 bytes, exactly the span of the 128-byte shared-memory swizzle.
+   Its 384 threads are three warpgroups (4 warps each, 128 threads):
+   warpgroup 0 is the producer, 1 and 2 the consumers, each owning 64 rows
+   of the tile. Per stage a consumer issues four wgmma m64nBNk16 (K = 16
+   each), whose float32 sums (64×BN, BN/2 registers per thread) stay in
+   its registers from the first stage of a tile to its epilogue.
+
+   Why each piece:
+   - TMA (cp.async.bulk.tensor): one thread of the producer copies a whole
+     stage (A: 128×64, B: BN×64) with a handful of instructions; the copy
+     engine does the address arithmetic, the bounds (outside the matrix
+     reads as zero, so M, N and K tails need no code) and the swizzle. Its
+     tensor maps describe A and B in global memory; they are encoded on
+     the host once per shape and pointer (the plan cache keeps them) and
+     passed by value as __grid_constant__ parameters, which TMA reads in
+     place.
+   - The 128-byte swizzle: a tile row is 128 bytes, so an unswizzled
+     column of 16-byte chunks would sit in one bank group; TMA XORs the
+     chunk index with the row index mod 8 while writing, and the wgmma
+     descriptors below declare the same swizzle, so the tensor cores read
+     conflict-free. It needs 1024-byte aligned tiles (8 rows × 128 bytes).
+   - The mbarrier ring: STAGES buffers, each with a `full` barrier (the
+     producer arms it with the stage's byte count; TMA completes it when
+     the bytes have landed) and an `empty` barrier (each consumer warp
+     arrives once its wgmmas have read the stage). Phases alternate 0, 1,
+     0, ... per use of a buffer, so a running stage counter gives both
+     the buffer (counter % STAGES) and the parity to wait for.
+   - Warp specialisation with setmaxnreg: the producer needs a few
+     registers, the consumers 64·BN/128 sums each, so after the role
+     split the producer gives registers back (40 per thread) and the
+     consumers take them (232): with 384 threads the kernel starts
+     capped at 168 per thread, and 128×256 float32 sums need 128 each
+     plus addresses and the epilogue.
+   - wgmma.mma_async: a warpgroup-wide matrix multiply reading A and B
+     from shared memory through descriptors (start address, the strides
+     between 8-row core-matrix groups, the swizzle). K-major operands (A
+     untransposed, B transposed) and M/N-major ones (A transposed, B
+     untransposed) both exist for 16-bit types: the transpose bits of the
+     instruction pick the layout, so the four transpose cases are one
+     kernel with two template flags, as for mma.sync. A consumer issues a
+     stage's four wgmmas, commits them as a group and waits until at most
+     one group is pending: the previous stage's reads are then complete
+     and its buffer goes back to the producer while this stage computes.
+   - The persistent scheduler: min(work, SMs) CTAs, one per SM (the ring
+     takes ~192 KiB of shared memory), each walking work items in a fixed
+     order (mpt__wgmma_work_at: bands of tile rows, for L2 reuse). The
+     producer runs ahead into the next tile while the consumers finish
+     the last one's epilogue, so loads overlap the stores.
+   - Split-K (mpt__wgmma_split_k) for products with few tiles and a long
+     K (convolution weight gradients): a work item is a tile of one K
+     slice, its float32 sums go to the slice's partials and the second
+     pass (mpt__cuda_gemm_split_sum_kernel) adds the slices in order, so
+     the bits repeat from run to run; no atomics anywhere.
+   - The epilogue: the sums are in the mma.sync accumulator layout (thread
+     t of warp w holds rows 16w + t/4 and +8, columns 2(t%4), +1 of each
+     8-column block), so the same finish2/keep2 store C. */
+
+/* MPT__CUDA_WGMMA: the code below is compiled (the sm_90a pass, and the
+   host pass, which only parses it); the other device passes get empty
+   bodies. MPT__CUDA_WGMMA_IMAGE: this pass makes the sm_90a image. */
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MPT__CUDA_WGMMA_IMAGE 1
+#else
+#define MPT__CUDA_WGMMA_IMAGE 0
+#endif
+#if !defined(__CUDA_ARCH__) || MPT__CUDA_WGMMA_IMAGE
+#define MPT__CUDA_WGMMA 1
+#else
+#define MPT__CUDA_WGMMA 0
+#endif
+
+/* 1 in the sm_90a image, 0 in the others: the host reads the loaded
+   image's copy to learn whether the kernel below has a body. */
+static __device__ int mpt__cuda_wgmma_built = MPT__CUDA_WGMMA_IMAGE;
+
+template <int BN_>
+struct mpt__cuda_wgmma_tile {
+    static constexpr int BM = MPT__WGMMA_BM, BN = BN_, BK = MPT__WGMMA_BK;
+    static constexpr int STAGES = BN == 256 ? 4 : 6;
+    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES; /* a multiple of 1024 */
+    static constexpr int THREADS = 384, CONSUMER_WARPS = 8;
+    /* The stages, their 2·STAGES barriers, and up to 1023 bytes to align. */
+    static constexpr int SMEM = STAGES * STAGE_BYTES + 16 * STAGES + 1024;
+    static_assert(STAGE_BYTES % 1024 == 0, "every stage 1024-byte aligned for the swizzle");
+    static_assert(SMEM <= 227 * 1024, "over Hopper's 227 KiB per block");
+};
+
+/* The helpers exist where the kernel has a body (MPT__CUDA_WGMMA). */
+#if MPT__CUDA_WGMMA
+static __device__ __forceinline__ void mpt__cuda_mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+/* Arms a barrier's phase with the bytes TMA will deliver (and arrives). */
+static __device__ __forceinline__ void mpt__cuda_mbar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mpt__cuda_mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
+                     bar)
+                 : "memory");
+}
+
+/* Waits until the barrier's phase of this parity has completed. */
+static __device__ __forceinline__ void mpt__cuda_mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    do {
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+/* One TMA box: tensor map `map` at (inner, outer) into shared memory at
+   dst, completing `bar`'s transaction bytes. */
+static __device__ __forceinline__ void mpt__cuda_tma_load(uint32_t dst, const CUtensorMap *map,
+                                                          int32_t inner, int32_t outer,
+                                                          uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"((uint64_t)(uintptr_t)map), "r"(inner), "r"(outer), "r"(bar)
+                 : "memory");
+}
+
+/* A wgmma shared-memory descriptor for a 128-byte-swizzled operand tile
+   at shared address addr: bits 0-13 the address / 16, 16-29 the leading
+   byte offset / 16, 32-45 the stride byte offset / 16, 62-63 the swizzle
+   (1: 128 bytes). K-major: rows of 128 bytes (64 values of K), 8-row
+   groups 1024 bytes apart (stride), the leading offset unused (1 by
+   convention). M/N-major: K rows of 128 bytes (64 values of M or N), 8-row
+   groups 1024 bytes apart (stride), the next 64 of M or N 8 KiB further
+   (leading: one 64×64 TMA box). */
+static __device__ __forceinline__ uint64_t mpt__cuda_wgmma_desc(uint32_t addr, bool k_major) {
+    const uint64_t leading = k_major ? 16 : 8192, stride = 1024;
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (leading >> 4) << 16 | (stride >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+
+static __device__ __forceinline__ void mpt__cuda_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void mpt__cuda_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+/* Waits until at most N of this warpgroup's committed groups are pending. */
+template <int N>
+static __device__ __forceinline__ void mpt__cuda_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving reads or writes of r across this point
+   (the wgmma writing r runs asynchronously: its results exist only after
+   the wait). */
+static __device__ __forceinline__ void mpt__cuda_wgmma_hold(float &r) {
+    asm volatile("" : "+f"(r)::"memory");
+}
+
+#endif /* MPT__CUDA_WGMMA */
+
+/* Accumulators d[i..i+7] as operands that wgmma reads and writes. */
+#define MPT__WGMMA_D8(i)                                                                     \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+
+/* d (64×128 float32 sums, 64 per thread) += A (64×16, descriptor
+   desc_a) · B (16×128, desc_b); TRANS_A, TRANS_B: 0 for a K-major
+   operand, 1 for an M- or N-major one. Asynchronous: the sums may be read
+   only after wgmma.commit_group and wgmma.wait_group. */
+#define MPT__WGMMA_N128(TYPE)                                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                            \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
+                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
+                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
+                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
+                 "%56, %57, %58, %59, %60, %61, %62, %63" \
+                 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                  \
+                 : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
+                   MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56) \
+                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
+template <bool BF16, int TRANS_A, int TRANS_B>
+static __device__ __forceinline__ void mpt__cuda_wgmma_n128(float (&d)[64], uint64_t desc_a,
+                                                          uint64_t desc_b) {
+#if MPT__CUDA_WGMMA
+    if (BF16) MPT__WGMMA_N128("bf16");
+    else MPT__WGMMA_N128("f16");
+#else
+    (void)d, (void)desc_a, (void)desc_b;
+#endif
+}
+#undef MPT__WGMMA_N128
+
+/* d (64×256 float32 sums, 128 per thread) += A (64×16, descriptor
+   desc_a) · B (16×256, desc_b); TRANS_A, TRANS_B: 0 for a K-major
+   operand, 1 for an M- or N-major one. Asynchronous: the sums may be read
+   only after wgmma.commit_group and wgmma.wait_group. */
+#define MPT__WGMMA_N256(TYPE)                                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                           \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
+                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
+                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
+                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
+                 "%56, %57, %58, %59, %60, %61, %62, %63, " \
+                 "%64, %65, %66, %67, %68, %69, %70, %71, " \
+                 "%72, %73, %74, %75, %76, %77, %78, %79, " \
+                 "%80, %81, %82, %83, %84, %85, %86, %87, " \
+                 "%88, %89, %90, %91, %92, %93, %94, %95, " \
+                 "%96, %97, %98, %99, %100, %101, %102, %103, " \
+                 "%104, %105, %106, %107, %108, %109, %110, %111, " \
+                 "%112, %113, %114, %115, %116, %117, %118, %119, " \
+                 "%120, %121, %122, %123, %124, %125, %126, %127" \
+                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                              \
+                 : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
+                   MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56), \
+                   MPT__WGMMA_D8(64), MPT__WGMMA_D8(72), MPT__WGMMA_D8(80), MPT__WGMMA_D8(88), \
+                   MPT__WGMMA_D8(96), MPT__WGMMA_D8(104), MPT__WGMMA_D8(112), MPT__WGMMA_D8(120) \
+                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
+template <bool BF16, int TRANS_A, int TRANS_B>
+static __device__ __forceinline__ void mpt__cuda_wgmma_n256(float (&d)[128], uint64_t desc_a,
+                                                          uint64_t desc_b) {
+#if MPT__CUDA_WGMMA
+    if (BF16) MPT__WGMMA_N256("bf16");
+    else MPT__WGMMA_N256("f16");
+#else
+    (void)d, (void)desc_a, (void)desc_b;
+#endif
+}
+#undef MPT__WGMMA_N256
+
+#undef MPT__WGMMA_D8
+
+/* d (64×BN) += one 64-deep stage: four wgmma of K = 16. a: the stage's A
+   rows of this consumer (64×64), b: the stage's B (BN×64 or 64×BN). A
+   K-major step of 16 values is 32 bytes along a 128-byte row (the swizzle
+   is applied to the whole address, so a start 32 bytes in is right); an
+   M/N-major step is 16 rows of 128 bytes. */
+template <int BN, bool BF16, bool TA, bool TB>
+static __device__ __forceinline__ void mpt__cuda_wgmma_stage(float (&d)[BN / 2], uint32_t a,
+                                                             uint32_t b) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const uint64_t da = mpt__cuda_wgmma_desc(a + (TA ? kk * 2048 : kk * 32), !TA);
+        const uint64_t db = mpt__cuda_wgmma_desc(b + (TB ? kk * 32 : kk * 2048), TB);
+        if constexpr (BN == 256) mpt__cuda_wgmma_n256<BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
+        else mpt__cuda_wgmma_n128<BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
+    }
+}
+
+#if MPT__CUDA_WGMMA
+/* The first K step and the number of steps of slice `slice`. */
+static __device__ __forceinline__ void mpt__cuda_wgmma_slice(const mpt__cuda_gemm_args &p,
+                                                             int64_t slice, int64_t *kt0,
+                                                             int64_t *ktiles) {
+    const int64_t begin = slice * p.depth;
+    const int64_t end = p.k - begin < p.depth ? p.k : begin + p.depth;
+    *kt0 = begin / MPT__WGMMA_BK;
+    *ktiles = (end - begin + MPT__WGMMA_BK - 1) / MPT__WGMMA_BK;
+}
+#endif
+
+template <int BN, bool BF16, bool TA, bool TB>
+static __global__ void __launch_bounds__(384, 1)
+    mpt__cuda_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
+                           const __grid_constant__ CUtensorMap map_b, mpt__cuda_gemm_args p,
+                           int64_t tiles_m, int64_t tiles_n, int64_t work) {
+#if MPT__CUDA_WGMMA
+    typedef mpt__cuda_wgmma_tile<BN> T;
+    extern __shared__ __align__(1024) uint8_t mpt__cuda_wgmma_smem[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(mpt__cuda_wgmma_smem);
+    const uint32_t tiles = (raw + 1023) & ~1023u; /* stage s at tiles + s·STAGE_BYTES */
+    const uint32_t full = tiles + T::STAGES * T::STAGE_BYTES, empty = full + 8 * T::STAGES;
+    const int warpgroup = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < T::STAGES; s++) {
+            mpt__cuda_mbar_init(full + 8 * s, 1);
+            mpt__cuda_mbar_init(empty + 8 * s, T::CONSUMER_WARPS);
+        }
+        /* the initialised barriers visible to the copy engine too */
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        /* The producer: one thread issues every copy. */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            uint32_t use = 0; /* stages filled so far, over all work items */
+            for (int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+                const mpt__wgmma_work at = mpt__wgmma_work_at(w, tiles_m, tiles_n);
+                const int32_t m0 = (int32_t)(at.tile_m * T::BM), n0 = (int32_t)(at.tile_n * BN);
+                int64_t kt0, ktiles;
+                mpt__cuda_wgmma_slice(p, at.slice, &kt0, &ktiles);
+                for (int64_t t = 0; t < ktiles; t++, use++) {
+                    const uint32_t s = use % T::STAGES, parity = (use / T::STAGES) & 1;
+                    const uint32_t a = tiles + s * T::STAGE_BYTES, b = a + T::A_BYTES;
+                    const int32_t k0 = (int32_t)((kt0 + t) * T::BK);
+                    /* the consumers have released this buffer's last use
+                       (the first use waits for parity 1: passes at once) */
+                    mpt__cuda_mbar_wait(empty + 8 * s, parity ^ 1);
+                    mpt__cuda_mbar_expect(full + 8 * s, T::STAGE_BYTES);
+                    if (!TA) {
+                        mpt__cuda_tma_load(a, &map_a, k0, m0, full + 8 * s);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < T::BM / 64; i++)
+                            mpt__cuda_tma_load(a + i * 8192, &map_a, m0 + 64 * i, k0, full + 8 * s);
+                    }
+                    if (TB) {
+                        mpt__cuda_tma_load(b, &map_b, k0, n0, full + 8 * s);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < BN / 64; i++)
+                            mpt__cuda_tma_load(b + i * 8192, &map_b, n0 + 64 * i, k0, full + 8 * s);
+                    }
+                }
+            }
+        }
+    } else {
+        /* A consumer: rows 64·(warpgroup − 1) of each tile. */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int half = warpgroup - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+        uint32_t use = 0;
+        float d[BN / 2];
+        for (int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+            const mpt__wgmma_work at = mpt__wgmma_work_at(w, tiles_m, tiles_n);
+            int64_t kt0, ktiles;
+            mpt__cuda_wgmma_slice(p, at.slice, &kt0, &ktiles);
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++) d[i] = 0.0f;
+            for (int64_t t = 0; t < ktiles; t++, use++) {
+                const uint32_t s = use % T::STAGES, parity = (use / T::STAGES) & 1;
+                const uint32_t a = tiles + s * T::STAGE_BYTES, b = a + T::A_BYTES;
+                mpt__cuda_mbar_wait(full + 8 * s, parity);
+                /* the sums' registers written before (zeroing, the last
+                   tile's epilogue) are ordered before the wgmmas */
+#pragma unroll
+                for (int i = 0; i < BN / 2; i++) mpt__cuda_wgmma_hold(d[i]);
+                mpt__cuda_wgmma_fence();
+                mpt__cuda_wgmma_stage<BN, BF16, TA, TB>(d, a + half * 8192, b);
+                mpt__cuda_wgmma_commit();
+                /* At most this stage's group pending: the previous stage
+                   has been read, its buffer goes back to the producer. */
+                mpt__cuda_wgmma_wait<1>();
+                if (t > 0 && lane == 0) mpt__cuda_mbar_arrive(empty + 8 * ((use - 1) % T::STAGES));
+            }
+            mpt__cuda_wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++) mpt__cuda_wgmma_hold(d[i]);
+            if (lane == 0) mpt__cuda_mbar_arrive(empty + 8 * ((use - 1) % T::STAGES));
+
+            /* The epilogue, straight from the registers. */
+            const int64_t row0 = at.tile_m * T::BM + half * 64 + warp * 16 + (lane >> 2);
+            const int64_t col0 = at.tile_n * BN + (lane & 3) * 2;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int64_t row = row0 + h * 8, col = col0 + j * 8;
+                    if (row >= p.m || col >= p.n) continue;
+                    if (p.partials)
+                        mpt__cuda_gemm_keep2_at(p, at.slice, row, col, d[4 * j + 2 * h],
+                                                d[4 * j + 2 * h + 1]);
+                    else
+                        mpt__cuda_gemm_finish2(p, row, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                }
+        }
+    }
+#else
+    (void)map_a, (void)map_b, (void)p, (void)tiles_m, (void)tiles_n, (void)work;
+#endif
+}
+
+/* What one launch of the Hopper kernel needs (host side). */
+typedef struct mpt__cuda_wgmma_launch {
+    const CUtensorMap *map_a, *map_b;
+    mpt__cuda_gemm_args p;
+    int64_t tiles_m, tiles_n, work;
+    unsigned grid;
+    cudaStream_t stream;
+} mpt__cuda_wgmma_launch;
+
+/* Launches one instantiation, or (prepare) raises its shared-memory
+   limit to the ring's size. */
+template <int BN, bool BF16, bool TA, bool TB>
+static cudaError_t mpt__cuda_wgmma_go(const mpt__cuda_wgmma_launch *l, int prepare) {
+    typedef mpt__cuda_wgmma_tile<BN> T;
+    if (prepare)
+        return cudaFuncSetAttribute(mpt__cuda_wgmma_kernel<BN, BF16, TA, TB>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM);
+    mpt__cuda_wgmma_kernel<BN, BF16, TA, TB><<<l->grid, T::THREADS, T::SMEM, l->stream>>>(
+        *l->map_a, *l->map_b, l->p, l->tiles_m, l->tiles_n, l->work);
+    return cudaSuccess;
+}
+
+template <int BN, bool BF16>
+static cudaError_t mpt__cuda_wgmma_trans(int ta, int tb, const mpt__cuda_wgmma_launch *l,
+                                         int prepare) {
+    if (ta) {
+        if (tb) return mpt__cuda_wgmma_go<BN, BF16, true, true>(l, prepare);
+        return mpt__cuda_wgmma_go<BN, BF16, true, false>(l, prepare);
+    }
+    if (tb) return mpt__cuda_wgmma_go<BN, BF16, false, true>(l, prepare);
+    return mpt__cuda_wgmma_go<BN, BF16, false, false>(l, prepare);
+}
+
+static cudaError_t mpt__cuda_wgmma_dispatch(int bn, int bf16, int ta, int tb,
+                                            const mpt__cuda_wgmma_launch *l, int prepare) {
+    if (bn == 256)
+        return bf16 ? mpt__cuda_wgmma_trans<256, true>(ta, tb, l, prepare)
+                    : mpt__cuda_wgmma_trans<256, false>(ta, tb, l, prepare);
+    return bf16 ? mpt__cuda_wgmma_trans<128, true>(ta, tb, l, prepare)
+                : mpt__cuda_wgmma_trans<128, false>(ta, tb, l, prepare);
+}
+
+/* -----------------------------------------------------------------------------
    The per-shape cache: chosen engine and cuBLASLt plan
    ----------------------------------------------------------------------------- */
 
@@ -777,9 +1236,16 @@ typedef struct mpt__cuda_gemm_entry {
     int used;
     int lt_state;  /* 0: not built; 1: ready; -1: cuBLASLt cannot (or failed) */
     int timed;     /* AUTO: engine was measured on this shape            */
-    int engine;    /* MPT_GEMM_MPT or MPT_GEMM_CUBLASLT, when timed       */
+    int engine;    /* MPT_GEMM_MPT, _CUBLASLT or _WGMMA, when timed        */
     mpt__cuda_gemm_key key;
     mpt__cuda_gemm_lt lt;
+    /* The Hopper kernel's tensor maps for A and B (CUtensorMap, 128 bytes
+       each, kept as words: entries are calloc'ed, not 64-byte aligned),
+       encoded for the pointers beside them and re-encoded when a call
+       brings others (host work, a few microseconds). */
+    int wgmma_state; /* 0: not encoded; 1: ready; -1: the driver refused */
+    const void *wgmma_a, *wgmma_b;
+    uint64_t wgmma_map_a[16], wgmma_map_b[16];
 } mpt__cuda_gemm_entry;
 
 /* The column sums' scratch: 1 MiB of float partial sums (see "Column sums"). */
@@ -802,6 +1268,8 @@ struct mpt__gemm_cache {
     int64_t split_partials_count;  /* its size in floats                  */
     char *choices_path;            /* $MPT_GEMM_CHOICES (malloc'ed) or NULL */
     int gpu;                       /* compute capability, 10·major + minor */
+    int wgmma;                     /* the Hopper kernel runs here (sm_90a image, 9.0) */
+    PFN_cuTensorMapEncodeTiled_v12000 encode_tiled; /* the driver's, when wgmma */
 };
 
 static int mpt__cuda_gemm_log2_align(const void *ptr) {
@@ -1056,6 +1524,7 @@ static int mpt__cuda_gemm_lt_run(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mp
         mpt__cuda_gemm_lt_refused(c, e, cublasGetStatusString(st));
         return 0;
     }
+    c->gemm_runs[MPT_GEMM_CUBLASLT]++;
     if (lt->post_act) {
         mpt__cuda_gemm_args p;
         memset(&p, 0, sizeof p);
@@ -1110,6 +1579,7 @@ static void mpt__cuda_gemm_run_mpt(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dty
                                   : 64; /* the FP32 kernel's */
     const mpt__gemm_split split = mpt__gemm_split_k(d->m, d->n, d->k, tile, c->sm_count,
                                                     cache->split_partials_count);
+    c->gemm_runs[MPT_GEMM_MPT]++;
     if (split.splits > 1) {
         p.partials = cache->split_partials;
         p.depth = split.depth;
@@ -1140,6 +1610,141 @@ static void mpt__cuda_gemm_run_mpt(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dty
 }
 
 /* -----------------------------------------------------------------------------
+   The Hopper engine: tensor maps and launch
+   ----------------------------------------------------------------------------- */
+
+/* Whether d can take the Hopper kernel here (mpt__wgmma_eligible). */
+static int mpt__cuda_wgmma_can(const mpt__cuda *c, const mpt_gemm_desc *d) {
+    const mpt_dtype ab = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
+    return mpt__wgmma_eligible(d->m, d->n, d->k, d->lda, d->ldb, (uintptr_t)d->a,
+                               (uintptr_t)d->b, ab, c->gemm_cache->wgmma);
+}
+
+/* One operand's tensor map into words; 0 if the driver refused it. */
+static int mpt__cuda_wgmma_encode(const struct mpt__gemm_cache *cache, const void *ptr,
+                                  const mpt__wgmma_map *m, int bf16, uint64_t words[16]) {
+    CUtensorMap map; /* 64-byte aligned by its type */
+    const cuuint64_t dims[2] = {m->dims[0], m->dims[1]};
+    const cuuint64_t strides[1] = {m->row_bytes};
+    const cuuint32_t box[2] = {m->box[0], m->box[1]};
+    const cuuint32_t steps[2] = {1, 1};
+    static_assert(sizeof map == 16 * sizeof(uint64_t), "a CUtensorMap is 128 bytes");
+    memset(&map, 0, sizeof map);
+    const CUtensorMapDataType type =
+        bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    if (cache->encode_tiled(&map, type, 2, (void *)ptr, dims, strides, box, steps,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+        return 0;
+    memcpy(words, &map, sizeof map);
+    return 1;
+}
+
+/* The entry's tensor maps for d's pointers (encoded when new); 1 if the
+   Hopper kernel can run d. A refusal is logged once and the shape stays
+   on the mma.sync kernel. */
+static int mpt__cuda_wgmma_ready_for(mpt__cuda *c, mpt__cuda_gemm_entry *e,
+                                     const mpt_gemm_desc *d) {
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
+    if (e->wgmma_state < 0) return 0;
+    if (e->wgmma_state == 0 || e->wgmma_a != d->a || e->wgmma_b != d->b) {
+        const int bn = mpt__wgmma_tile_n(d->m, d->n, c->sm_count);
+        const int bf16 = d->ab_dtype == MPT_BFLOAT16;
+        /* A stored M×K (K contiguous) or K×M; B stored K×N or N×K (K contiguous). */
+        const int bm = MPT__WGMMA_BM;
+        const mpt__wgmma_map ma = d->trans_a ? mpt__wgmma_operand_map(d->k, d->m, d->lda, 0, bm)
+                                             : mpt__wgmma_operand_map(d->m, d->k, d->lda, 1, bm);
+        const mpt__wgmma_map mb = d->trans_b ? mpt__wgmma_operand_map(d->n, d->k, d->ldb, 1, bn)
+                                             : mpt__wgmma_operand_map(d->k, d->n, d->ldb, 0, bn);
+        if (!mpt__cuda_wgmma_encode(cache, d->a, &ma, bf16, e->wgmma_map_a) ||
+            !mpt__cuda_wgmma_encode(cache, d->b, &mb, bf16, e->wgmma_map_b)) {
+            char message[256];
+            e->wgmma_state = -1;
+            snprintf(message, sizeof message,
+                     "cuTensorMapEncodeTiled refused gemm m=%lld n=%lld k=%lld lda=%lld "
+                     "ldb=%lld (trans %d%d); the mma.sync kernel runs this shape",
+                     (long long)d->m, (long long)d->n, (long long)d->k, (long long)d->lda,
+                     (long long)d->ldb, d->trans_a != 0, d->trans_b != 0);
+            mpt__cuda_log(c, MPT_LOG_WARNING, message);
+            return 0;
+        }
+        e->wgmma_a = d->a;
+        e->wgmma_b = d->b;
+        e->wgmma_state = 1;
+    }
+    return 1;
+}
+
+/* The Hopper kernel into cptr (d->c or a scratch copy), with the entry's
+   maps (mpt__cuda_wgmma_ready_for returned 1); its K split, if any, is
+   added by the same second pass as the mma.sync kernel's. */
+static void mpt__cuda_gemm_run_wgmma(mpt__cuda *c, const mpt__cuda_gemm_entry *e,
+                                     const mpt_gemm_desc *d, mpt_dtype c_dtype, void *cptr) {
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
+    const int bn = mpt__wgmma_tile_n(d->m, d->n, c->sm_count);
+    const mpt__gemm_split split =
+        mpt__wgmma_split_k(d->m, d->n, d->k, bn, c->sm_count, cache->split_partials_count);
+    CUtensorMap map_a, map_b;
+    mpt__cuda_wgmma_launch l;
+    memcpy(&map_a, e->wgmma_map_a, sizeof map_a);
+    memcpy(&map_b, e->wgmma_map_b, sizeof map_b);
+    l.map_a = &map_a;
+    l.map_b = &map_b;
+    l.p = mpt__cuda_gemm_make_args(d, c_dtype, cptr);
+    if (split.splits > 1) {
+        l.p.partials = cache->split_partials;
+        l.p.depth = split.depth;
+    }
+    l.tiles_m = (d->m + MPT__WGMMA_BM - 1) / MPT__WGMMA_BM;
+    l.tiles_n = (d->n + bn - 1) / bn;
+    l.work = l.tiles_m * l.tiles_n * split.splits;
+    l.grid = (unsigned)mpt__wgmma_grid(l.work, c->sm_count);
+    l.stream = c->stream;
+    c->gemm_runs[MPT_GEMM_WGMMA]++;
+    mpt__cuda_wgmma_dispatch(bn, d->ab_dtype == MPT_BFLOAT16, d->trans_a != 0, d->trans_b != 0,
+                             &l, 0);
+    mpt__cuda_launched(c, "mpt__cuda_wgmma_kernel");
+    if (split.splits > 1) {
+        mpt__cuda_gemm_split_sum_kernel<<<mpt__cuda_blocks(d->m * d->n, 256), 256, 0,
+                                          c->stream>>>(l.p, split.splits);
+        mpt__cuda_launched(c, "mpt__cuda_gemm_split_sum_kernel");
+    }
+}
+
+/* Learns whether the Hopper kernel runs on this device: compute
+   capability 9.0, an sm_90a image loaded (mpt__cuda_wgmma_built), the
+   driver's cuTensorMapEncodeTiled (through the runtime: no -lcuda), and
+   the ring's shared memory granted to every instance. Anything missing
+   leaves cache->wgmma 0: the mma.sync kernel runs. */
+static void mpt__cuda_wgmma_setup(struct mpt__gemm_cache *cache) {
+    int built = 0;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    void *fn = NULL;
+    cache->wgmma = 0;
+    if (cache->gpu != 90) return;
+    if (cudaMemcpyFromSymbol(&built, mpt__cuda_wgmma_built, sizeof built) != cudaSuccess ||
+        !built) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess || !fn) {
+        (void)cudaGetLastError();
+        return;
+    }
+    cache->encode_tiled = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    for (int combo = 0; combo < 16; combo++)
+        if (mpt__cuda_wgmma_dispatch(combo & 8 ? 256 : 128, combo & 1, (combo >> 1) & 1,
+                                     (combo >> 2) & 1, NULL, 1) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return;
+        }
+    cache->wgmma = 1;
+}
+
+/* -----------------------------------------------------------------------------
    Engine choice and the table functions
    ----------------------------------------------------------------------------- */
 
@@ -1166,21 +1771,29 @@ static mpt_gemm_engine mpt__cuda_gemm_usual(int32_t ab_dtype) {
 }
 
 /* The engine for d: forced, measured by gemm_plan, or (never planned) the
-   usual one (mpt__cuda_gemm_usual). Returns
-   the entry holding a ready cuBLASLt plan, or NULL for the hand-written
-   engine. Never measures; may build a plan (host work only). */
-static mpt__cuda_gemm_entry *mpt__cuda_gemm_pick(mpt__cuda *c, const mpt_gemm_desc *d,
-                                                 mpt_dtype c_dtype) {
+   usual one (mpt__cuda_gemm_usual), as far as it can run d: cuBLASLt
+   with a ready plan, the Hopper kernel with ready tensor maps, else the
+   mma.sync kernel. *entry: the cache entry (plan and maps), NULL for the
+   mma.sync kernel. Never measures; may build a plan or maps (host work
+   only). */
+static mpt_gemm_engine mpt__cuda_gemm_pick(mpt__cuda *c, const mpt_gemm_desc *d,
+                                           mpt_dtype c_dtype, mpt__cuda_gemm_entry **entry) {
     const mpt__cuda_gemm_key key = mpt__cuda_gemm_make_key(d, c_dtype);
     mpt__cuda_gemm_entry *e = mpt__cuda_gemm_find(c->gemm_cache, &key);
     mpt_gemm_engine engine = c->gemm_engine;
+    *entry = NULL;
     if (engine == MPT_GEMM_AUTO) {
         if (e && e->timed) engine = (mpt_gemm_engine)e->engine;
         else engine = mpt__cuda_gemm_usual(key.ab_dtype);
     }
-    if (engine != MPT_GEMM_CUBLASLT || !mpt__cuda_gemm_lt_can(d, c_dtype)) return NULL;
-    if (!e && !(e = mpt__cuda_gemm_insert(c->gemm_cache, &key))) return NULL;
-    return mpt__cuda_gemm_lt_ready(c, e, d, c_dtype) ? e : NULL;
+    if (engine == MPT_GEMM_CUBLASLT && !mpt__cuda_gemm_lt_can(d, c_dtype)) return MPT_GEMM_MPT;
+    if (engine == MPT_GEMM_WGMMA && !mpt__cuda_wgmma_can(c, d)) return MPT_GEMM_MPT;
+    if (engine == MPT_GEMM_MPT) return MPT_GEMM_MPT;
+    if (!e && !(e = mpt__cuda_gemm_insert(c->gemm_cache, &key))) return MPT_GEMM_MPT;
+    *entry = e;
+    if (engine == MPT_GEMM_CUBLASLT)
+        return mpt__cuda_gemm_lt_ready(c, e, d, c_dtype) ? MPT_GEMM_CUBLASLT : MPT_GEMM_MPT;
+    return mpt__cuda_wgmma_ready_for(c, e, d) ? MPT_GEMM_WGMMA : MPT_GEMM_MPT;
 }
 
 static void mpt__cuda_gemm_scale_c(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
@@ -1198,21 +1811,29 @@ static void mpt__cuda_gemm(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype
         mpt__cuda_gemm_scale_c(c, d, c_dtype);
         return;
     }
-    e = mpt__cuda_gemm_pick(c, d, c_dtype);
-    if (e && mpt__cuda_gemm_lt_run(c, e, d, d->c)) return;
+    switch (mpt__cuda_gemm_pick(c, d, c_dtype, &e)) {
+    case MPT_GEMM_CUBLASLT:
+        if (mpt__cuda_gemm_lt_run(c, e, d, d->c)) return;
+        break; /* refused: the hand-written engine */
+    case MPT_GEMM_WGMMA: mpt__cuda_gemm_run_wgmma(c, e, d, c_dtype, d->c); return;
+    default: break;
+    }
     mpt__cuda_gemm_run_mpt(c, d, c_dtype, d->c);
 }
 
 /* Milliseconds per run of one engine into d->c (a scratch C), after warm-up
-   runs; *refused when cuBLASLt declined. */
+   runs; *refused when cuBLASLt declined. The Hopper kernel needs the
+   entry's maps ready (mpt__cuda_wgmma_ready_for). */
 static mpt_status mpt__cuda_gemm_time(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
-                                      mpt__cuda_gemm_entry *e, int use_lt, cudaEvent_t start,
-                                      cudaEvent_t stop, float *ms, int *refused) {
+                                      mpt__cuda_gemm_entry *e, mpt_gemm_engine engine,
+                                      cudaEvent_t start, cudaEvent_t stop, float *ms,
+                                      int *refused) {
     enum { WARM = 2, RUNS = 5 };
     *refused = 0;
     for (int i = 0; i < WARM + RUNS; i++) {
         if (i == WARM) MPT__CU(c, cudaEventRecord(start, c->stream));
-        if (!use_lt) mpt__cuda_gemm_run_mpt(c, d, c_dtype, d->c);
+        if (engine == MPT_GEMM_MPT) mpt__cuda_gemm_run_mpt(c, d, c_dtype, d->c);
+        else if (engine == MPT_GEMM_WGMMA) mpt__cuda_gemm_run_wgmma(c, e, d, c_dtype, d->c);
         else if (!mpt__cuda_gemm_lt_run(c, e, d, d->c)) {
             *refused = 1;
             return MPT_OK;
@@ -1254,7 +1875,7 @@ static void mpt__cuda_gemm_choices_load(mpt__cuda *c) {
                    &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15],
                    &v[16]) != 17 ||
             v[0] != cache->gpu || v[1] != c->sm_count ||
-            (v[16] != MPT_GEMM_MPT && v[16] != MPT_GEMM_CUBLASLT))
+            (v[16] != MPT_GEMM_MPT && v[16] != MPT_GEMM_CUBLASLT && v[16] != MPT_GEMM_WGMMA))
             continue;
         memset(&k, 0, sizeof k);
         k.m = v[2], k.n = v[3], k.k = v[4], k.lda = v[5], k.ldb = v[6], k.ldc = v[7];
@@ -1283,20 +1904,28 @@ static void mpt__cuda_gemm_choice_save(const mpt__cuda *c, const mpt__cuda_gemm_
     fclose(f);
 }
 
-/* Measures both engines on d's shape and records in e the usual one
-   unless the other is clearly faster (mpt__gemm_engine_choose: a margin,
-   so that near ties do not flip from run to run). The runs write a
-   scratch copy of C (a copy, so that beta·C reads real values), never
-   the caller's C. */
+/* Measures the engines that can run d's shape (the hand-written one;
+   cuBLASLt with a plan; the Hopper kernel with maps) and records in e
+   the usual one unless another is clearly faster
+   (mpt__gemm_engine_choose_among: a margin, so that near ties do not flip
+   from run to run). The runs write a scratch copy of C (a copy, so that
+   beta·C reads real values), never the caller's C. */
 static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dtype c_dtype,
                                       mpt__cuda_gemm_entry *e) {
     const size_t c_bytes = (size_t)((d->m - 1) * d->ldc + d->n) * mpt_dtype_size(c_dtype);
+    const mpt_gemm_engine usual = mpt__cuda_gemm_usual(e->key.ab_dtype);
+    /* the usual engine first, then the others in a fixed order */
+    mpt_gemm_engine engines[3];
+    double ms[3] = {-1, -1, -1};
     mpt_gemm_desc t = *d;
     cudaEvent_t start = NULL, stop = NULL;
     void *scratch = NULL;
-    float ms_mpt = 0, ms_lt = 0;
-    int refused = 0;
+    int refused = 0, count = 0;
     mpt_status st = MPT_OK;
+    engines[count++] = usual;
+    if (usual != MPT_GEMM_MPT) engines[count++] = MPT_GEMM_MPT;
+    engines[count++] = MPT_GEMM_WGMMA;
+    if (usual != MPT_GEMM_CUBLASLT) engines[count++] = MPT_GEMM_CUBLASLT;
     if (cudaMalloc(&scratch, c_bytes) != cudaSuccess) {
         /* No room to measure: keep the hand-written engine, not an error. */
         (void)cudaGetLastError();
@@ -1311,14 +1940,22 @@ static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
              cudaMemcpyAsync(scratch, d->c, c_bytes, cudaMemcpyDeviceToDevice, c->stream) !=
                  cudaSuccess)
         st = mpt__cuda_fail(c, MPT_ERR_UNSUPPORTED, __FILE__, __LINE__, "cudaMemcpyAsync failed");
-    if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 0, start, stop, &ms_mpt, &refused);
-    if (st == MPT_OK) st = mpt__cuda_gemm_time(c, &t, c_dtype, e, 1, start, stop, &ms_lt, &refused);
+    for (int i = 0; i < count && st == MPT_OK; i++) {
+        float one = 0;
+        int declined = 0;
+        ms[i] = -1; /* cannot run the shape, or refused it */
+        if (engines[i] == MPT_GEMM_CUBLASLT && e->lt_state != 1) continue;
+        if (engines[i] == MPT_GEMM_WGMMA &&
+            !(mpt__cuda_wgmma_can(c, &t) && mpt__cuda_wgmma_ready_for(c, e, &t)))
+            continue;
+        st = mpt__cuda_gemm_time(c, &t, c_dtype, e, engines[i], start, stop, &one, &declined);
+        if (declined) refused = 1;
+        else ms[i] = one;
+    }
     if (st == MPT_OK) {
-        const mpt_gemm_engine usual = mpt__cuda_gemm_usual(e->key.ab_dtype);
-        if (refused) e->engine = MPT_GEMM_MPT;
-        else if (usual == MPT_GEMM_MPT)
-            e->engine = mpt__gemm_engine_choose(usual, ms_mpt, MPT_GEMM_CUBLASLT, ms_lt, 0);
-        else e->engine = mpt__gemm_engine_choose(usual, ms_lt, MPT_GEMM_MPT, ms_mpt, 0);
+        /* cuBLASLt usual (float32) but refused: the hand-written engine */
+        if (refused && usual == MPT_GEMM_CUBLASLT) e->engine = MPT_GEMM_MPT;
+        else e->engine = mpt__gemm_engine_choose_among(engines, ms, count);
         e->timed = 1;
         mpt__cuda_gemm_choice_save(c, e);
     }
@@ -1334,17 +1971,22 @@ static mpt_status mpt__cuda_gemm_plan(void *impl, const mpt_gemm_desc *d, mpt_dt
     mpt__cuda *c = (mpt__cuda *)impl;
     mpt__cuda_gemm_key key;
     mpt__cuda_gemm_entry *e;
+    int lt, wgmma;
     if (d->m <= 0 || d->n <= 0 || d->k <= 0 || d->alpha_is_zero) return MPT_OK; /* no product */
     c_dtype = mpt__cuda_gemm_c_dtype(c_dtype);
-    if (c->gemm_engine == MPT_GEMM_MPT || !mpt__cuda_gemm_lt_can(d, c_dtype)) return MPT_OK;
+    if (c->gemm_engine == MPT_GEMM_MPT) return MPT_OK;
+    lt = c->gemm_engine != MPT_GEMM_WGMMA && mpt__cuda_gemm_lt_can(d, c_dtype);
+    wgmma = c->gemm_engine != MPT_GEMM_CUBLASLT && mpt__cuda_wgmma_can(c, d);
+    if (!lt && !wgmma) return MPT_OK;
     key = mpt__cuda_gemm_make_key(d, c_dtype);
     e = mpt__cuda_gemm_find(c->gemm_cache, &key);
     if (!e && !(e = mpt__cuda_gemm_insert(c->gemm_cache, &key)))
         return mpt__cuda_fail(c, MPT_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
                               "gemm_plan: no host memory for the plan cache");
-    mpt__cuda_gemm_lt_ready(c, e, d, c_dtype);
-    if (c->gemm_engine == MPT_GEMM_CUBLASLT || e->timed || c->capturing) return MPT_OK;
-    if (e->lt_state != 1) {
+    if (lt) mpt__cuda_gemm_lt_ready(c, e, d, c_dtype);
+    if (wgmma) wgmma = mpt__cuda_wgmma_ready_for(c, e, d);
+    if (c->gemm_engine != MPT_GEMM_AUTO || e->timed || c->capturing) return MPT_OK;
+    if (e->lt_state != 1 && !wgmma) {
         e->engine = MPT_GEMM_MPT;
         e->timed = 1;
         return MPT_OK;
@@ -1418,6 +2060,12 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
     cache->tensor_cores = major >= 8;
     cache->big_tiles = 1;
     if (cache->tensor_cores) mpt__cuda_gemm_prepare_kernels(cache);
+    mpt__cuda_wgmma_setup(cache);
+    if (c->gemm_engine == MPT_GEMM_WGMMA && !cache->wgmma)
+        mpt__cuda_log(c, MPT_LOG_WARNING,
+                      "MPT_GEMM=wgmma: the Hopper kernel needs compute capability 9.0 and a "
+                      "build with an sm_90a image (-gencode arch=compute_90a,code=sm_90a); "
+                      "the mma.sync kernel runs every GEMM");
     MPT__LT(c, cublasLtCreate(&c->lt));
     c->lt_workspace_bytes = (size_t)32 << 20;
     MPT__CU(c, cudaMalloc(&c->lt_workspace, c->lt_workspace_bytes));
@@ -4189,7 +4837,7 @@ static mpt_status mpt__cuda_choose_gemm(const mpt_context_desc *desc, mpt_gemm_e
                                         char *message, size_t size) {
     const char *env = getenv("MPT_GEMM");
     if (desc->gemm != MPT_GEMM_AUTO && desc->gemm != MPT_GEMM_MPT &&
-        desc->gemm != MPT_GEMM_CUBLASLT) {
+        desc->gemm != MPT_GEMM_CUBLASLT && desc->gemm != MPT_GEMM_WGMMA) {
         mpt__cuda_say(message, size, "unknown gemm engine %d in the context descriptor",
                       (int)desc->gemm);
         return MPT_ERR_INVALID_ARGUMENT;
@@ -4198,9 +4846,11 @@ static mpt_status mpt__cuda_choose_gemm(const mpt_context_desc *desc, mpt_gemm_e
     if (!env || !*env) return MPT_OK;
     if (strcmp(env, "mpt") == 0) *engine = MPT_GEMM_MPT;
     else if (strcmp(env, "cublaslt") == 0) *engine = MPT_GEMM_CUBLASLT;
+    else if (strcmp(env, "wgmma") == 0) *engine = MPT_GEMM_WGMMA;
     else if (strcmp(env, "auto") == 0) *engine = MPT_GEMM_AUTO;
     else {
-        mpt__cuda_say(message, size, "MPT_GEMM=\"%s\": expected \"mpt\", \"cublaslt\" or \"auto\"",
+        mpt__cuda_say(message, size,
+                      "MPT_GEMM=\"%s\": expected \"mpt\", \"wgmma\", \"cublaslt\" or \"auto\"",
                       env);
         return MPT_ERR_INVALID_ARGUMENT;
     }
@@ -4766,6 +5416,16 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
 
 int64_t mpt_cuda_lt_refusals(const void *impl) {
     return impl ? ((const mpt__cuda *)impl)->lt_refusals : 0;
+}
+
+int64_t mpt_cuda_gemm_runs(const void *impl, mpt_gemm_engine engine) {
+    if (!impl || engine < MPT_GEMM_MPT || engine > MPT_GEMM_WGMMA) return 0;
+    return ((const mpt__cuda *)impl)->gemm_runs[engine];
+}
+
+int mpt_cuda_wgmma_ready(const void *impl) {
+    const mpt__cuda *c = (const mpt__cuda *)impl;
+    return c && c->gemm_cache && c->gemm_cache->wgmma;
 }
 
 /* ---- devices: what mpt_device_count and mpt_device_query report ---------- */

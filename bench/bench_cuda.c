@@ -13,14 +13,19 @@
    The data: Fashion-MNIST from $MPT_DATA_DIR, else
    /usr/share/datasets/fashion-mnist.
 
-   (a) GEMM. Two contexts, one with gemm = MPT_GEMM_MPT and one with
-       MPT_GEMM_CUBLASLT, run the same products: 4096³ and the shapes the
-       mlp and cnn train with (batch 128), for float16 and bfloat16 operands.
+   (a) GEMM. Three contexts, with gemm = MPT_GEMM_MPT (the mma.sync
+       kernel), MPT_GEMM_WGMMA (the Hopper kernel, where the GPU, the build
+       and the shape allow; else the mma.sync kernel ran, and the line's
+       "hopper_kernel" says 0) and MPT_GEMM_CUBLASLT, run the same products
+       one after another: 4096³ and the shapes the mlp and cnn train with
+       (batch 128), for float16 and bfloat16 operands.
        C is in the operands' dtype where training stores it so (forward and
        input gradients), float32 for the weight gradients. Each product is
        planned (gemm_plan), run 3 times to warm up, then N times between two
        syncs, timed with clock_gettime; N is chosen so that the timed run
-       takes about 0.2 s. TFLOP/s = 2·M·N·K / seconds per product.
+       takes about 0.2 s. TFLOP/s = 2·M·N·K / seconds per product. One
+       JSON line per engine and product ("bench":"gemm"), with its ratio to
+       cuBLASLt's time measured just after it in the same run.
    (b) Training. samples/s of mpt_model_fit (verbose 0) over one epoch, the
        history's "samples_per_second" (wall time of the epoch), median of 3
        epochs after a warm-up fit (which also records the CUDA graphs), for
@@ -185,33 +190,57 @@ static double time_gemm(mpt_context *ctx, const shape *s, mpt_dtype dt) {
     return seconds;
 }
 
-static void bench_gemm(mpt_context *mpt_ctx, mpt_context *lt_ctx) {
+/* GEMMs the Hopper kernel ran on ctx so far (0 off a CUDA backend). */
+static long long hopper_runs(const mpt_context *ctx) {
+#ifdef MPT_CUDA
+    void *impl = NULL;
+    const mpt_backend *t = ctx ? mpt_context_backend(ctx, &impl) : NULL;
+    if (t && !strcmp(t->name, "cuda")) return (long long)mpt_cuda_gemm_runs(impl, MPT_GEMM_WGMMA);
+#else
+    (void)ctx;
+#endif
+    return 0;
+}
+
+static void bench_gemm(mpt_context *ctxs[3]) {
     static const mpt_dtype dts[2] = {MPT_FLOAT16, MPT_BFLOAT16};
-    char json[64][512];
-    int n_json = 0, si, di;
-    printf("\n## GEMM: hand-written (mpt) against cuBLASLt\n\n");
-    printf("| shape | M×N×K | op | dtype | C | mpt TFLOP/s | cuBLASLt TFLOP/s | mpt / cuBLASLt |\n");
-    printf("|---|---|---|---|---|---:|---:|---:|\n");
+    static const char *const engines[3] = {"mpt", "wgmma", "cublaslt"};
+    static char json[3 * 64][512];
+    int n_json = 0, si, di, e;
+    printf("\n## GEMM: the mma.sync kernel (mpt) and the Hopper kernel (wgmma) against "
+           "cuBLASLt\n\n");
+    printf("| shape | M×N×K | op | dtype | C | mpt TFLOP/s | wgmma TFLOP/s (ran) | cuBLASLt "
+           "TFLOP/s | mpt / cuBLASLt | wgmma / cuBLASLt |\n");
+    printf("|---|---|---|---|---|---:|---:|---:|---:|---:|\n");
     for (si = 0; si < (int)(sizeof gemm_shapes / sizeof gemm_shapes[0]); si++)
         for (di = 0; di < 2; di++) {
             const shape *s = &gemm_shapes[si];
             double flop = 2.0 * (double)s->m * (double)s->n * (double)s->k;
-            double tm = time_gemm(mpt_ctx, s, dts[di]), tl = time_gemm(lt_ctx, s, dts[di]);
-            double fm = tm > 0 ? flop / tm * 1e-12 : 0, fl = tl > 0 ? flop / tl * 1e-12 : 0;
+            double secs[3], tf[3];
+            long long before = hopper_runs(ctxs[1]), hopper = 0;
             char tr[3] = {s->ta ? 't' : 'n', s->tb ? 't' : 'n', 0};
             const char *c_name = s->c_half ? mpt_dtype_name(dts[di]) : "float32";
-            printf("| %s | %lld×%lld×%lld | %s | %s | %s | %.2f | %.2f | %.2f |\n", s->what,
-                   (long long)s->m, (long long)s->n, (long long)s->k, tr,
-                   mpt_dtype_name(dts[di]), c_name, fm, fl, fl > 0 ? fm / fl : 0);
+            for (e = 0; e < 3; e++) {
+                secs[e] = time_gemm(ctxs[e], s, dts[di]);
+                tf[e] = secs[e] > 0 ? flop / secs[e] * 1e-12 : 0;
+                if (e == 1) hopper = hopper_runs(ctxs[1]) - before > 0;
+            }
+            printf("| %s | %lld×%lld×%lld | %s | %s | %s | %.2f | %.2f (%s) | %.2f | %.2f | %.2f "
+                   "|\n",
+                   s->what, (long long)s->m, (long long)s->n, (long long)s->k, tr,
+                   mpt_dtype_name(dts[di]), c_name, tf[0], tf[1], hopper ? "wgmma" : "mma.sync",
+                   tf[2], tf[2] > 0 ? tf[0] / tf[2] : 0, tf[2] > 0 ? tf[1] / tf[2] : 0);
             fflush(stdout);
-            if (n_json < 64)
+            for (e = 0; e < 3 && n_json < 3 * 64; e++)
                 snprintf(json[n_json++], sizeof json[0],
-                         "{\"bench\":\"cuda_gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,"
-                         "\"k\":%lld,\"trans\":\"%s\",\"dtype\":\"%s\",\"c_dtype\":\"%s\","
-                         "\"mpt_tflops\":%.3f,\"cublaslt_tflops\":%.3f,\"ratio\":%.3f,"
-                         "\"mpt_seconds\":%.6g,\"cublaslt_seconds\":%.6g}",
-                         s->what, (long long)s->m, (long long)s->n, (long long)s->k, tr,
-                         mpt_dtype_name(dts[di]), c_name, fm, fl, fl > 0 ? fm / fl : 0, tm, tl);
+                         "{\"bench\":\"gemm\",\"engine\":\"%s\",\"shape\":\"%s\",\"m\":%lld,"
+                         "\"n\":%lld,\"k\":%lld,\"trans\":\"%s\",\"dtype\":\"%s\","
+                         "\"c_dtype\":\"%s\",\"tflops\":%.3f,\"seconds\":%.6g,"
+                         "\"cublaslt_tflops\":%.3f,\"ratio_to_cublaslt\":%.3f,"
+                         "\"hopper_kernel\":%d}",
+                         engines[e], s->what, (long long)s->m, (long long)s->n, (long long)s->k,
+                         tr, mpt_dtype_name(dts[di]), c_name, tf[e], secs[e], tf[2],
+                         tf[2] > 0 ? tf[e] / tf[2] : 0, e == 1 ? (int)hopper : 0);
         }
     printf("\n");
     for (si = 0; si < n_json; si++) printf("%s\n", json[si]);
@@ -512,7 +541,7 @@ int main(int argc, char **argv) {
                           ? getenv("MPT_DATA_DIR")
                           : "/usr/share/datasets/fashion-mnist";
     const char *required = getenv("MPT_REQUIRE_GPU");
-    mpt_context *ctx = NULL, *mpt_ctx = NULL, *lt_ctx = NULL;
+    mpt_context *ctx = NULL, *gemm_ctx[3] = {NULL, NULL, NULL};
     mpt_dataset *all = NULL;
     long long refused_gemm = 0;
     char dev[512];
@@ -539,13 +568,17 @@ int main(int argc, char **argv) {
     device_name(ctx, dev, sizeof dev);
     printf("# mpt.h %s CUDA benchmarks: %s\n", MPT_VERSION, dev);
     if (!strcmp(part, "all") || !strcmp(part, "gemm")) {
-        if (open_context(MPT_GEMM_MPT, &mpt_ctx) && open_context(MPT_GEMM_CUBLASLT, &lt_ctx))
-            bench_gemm(mpt_ctx, lt_ctx);
+        if (open_context(MPT_GEMM_MPT, &gemm_ctx[0]) &&
+            open_context(MPT_GEMM_WGMMA, &gemm_ctx[1]) &&
+            open_context(MPT_GEMM_CUBLASLT, &gemm_ctx[2]))
+            bench_gemm(gemm_ctx);
         else
             fprintf(stderr, "bench_cuda: cannot open the GEMM contexts\n");
-        refused_gemm = lt_refusals(mpt_ctx) + lt_refusals(lt_ctx);
-        mpt_context_destroy(mpt_ctx);
-        mpt_context_destroy(lt_ctx);
+        refused_gemm =
+            lt_refusals(gemm_ctx[0]) + lt_refusals(gemm_ctx[1]) + lt_refusals(gemm_ctx[2]);
+        mpt_context_destroy(gemm_ctx[0]);
+        mpt_context_destroy(gemm_ctx[1]);
+        mpt_context_destroy(gemm_ctx[2]);
     }
     if (strcmp(part, "gemm")) {
         all = training_data(ctx, dir, &synthetic);

@@ -12,7 +12,8 @@
            falls back to the CPU: that fallback (a warning, and a model that
            still trains) is checked, and the comparisons are one SKIP.
    With MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu sets it), no
-   device is one FAIL instead, saying why. `test_cuda quick` leaves out the
+   device is one FAIL instead, saying why. `test_cuda wgmma` runs the
+   Hopper GEMM's tests alone. `test_cuda quick` leaves out the
    whole-model trainings (for compute-sanitizer). Fashion-MNIST is read
    from $MPT_DATA_DIR, else /usr/share/datasets/fashion-mnist.
    So this file is C99 and C++17 at once (nvcc compiles it as C++).
@@ -73,7 +74,7 @@ typedef struct backend {
     int n_bufs;
 } backend;
 
-enum { GPU_AUTO = 0, GPU_MPT = 1, GPU_CUBLASLT = 2, N_GPU = 3 };
+enum { GPU_AUTO = 0, GPU_MPT = 1, GPU_CUBLASLT = 2, GPU_WGMMA = 3, N_GPU = 4 };
 
 static backend cpu_be;        /* the reference: a context with use_cpu        */
 static backend gpu_be[N_GPU]; /* CUDA contexts, one per GEMM engine           */
@@ -266,6 +267,8 @@ typedef struct gemm_case {
     int ta, tb;
     mpt_dtype ab, c_dtype;
     int64_t pad;             /* extra elements at the end of every row of A, B, C */
+    int ld8;                 /* A's and B's rows start 16 bytes apart at least
+                                (ld rounded up to 8 elements: TMA's pitch) */
     float alpha, beta;
     int alpha_is_zero, bias;
     mpt_activation act;
@@ -293,6 +296,10 @@ static gemm_inputs gemm_make_inputs(const gemm_case *g) {
     in.b_rows = g->tb ? g->n : g->k;
     in.lda = (ac > 0 ? ac : 1) + g->pad;
     in.ldb = (bc > 0 ? bc : 1) + g->pad;
+    if (g->ld8) {
+        in.lda = (in.lda + 7) / 8 * 8;
+        in.ldb = (in.ldb + 7) / 8 * 8;
+    }
     in.ldc = g->n + g->pad;
     in.a = random_values(g->ab, in.a_rows * in.lda, -1, 1);
     in.b = random_values(g->ab, in.b_rows * in.ldb, -1, 1);
@@ -1976,6 +1983,174 @@ static void test_gemm_split_k(void) {
     }
 }
 
+/* The Hopper kernel (MPT_GEMM_WGMMA) runs here: compute capability 9.0
+   and an sm_90a image. On a Hopper GPU under MPT_REQUIRE_GPU=1
+   (./build.sh gpu builds that image there) its absence is a failure;
+   elsewhere the tests of it are skipped (its shapes then ran on the
+   mma.sync kernel in test_gemm_engine). */
+static int wgmma_here(void) {
+#ifdef MPT_CUDA
+    mpt_device_info info;
+    int hopper;
+    if (mpt_cuda_wgmma_ready(gpu_be[GPU_WGMMA].impl)) return 1;
+    hopper = mpt_device_query(gpu_be[GPU_WGMMA].ctx, 1, &info) == MPT_OK &&
+             info.compute_major == 9 && info.compute_minor == 0;
+    CHECK(!(hopper && gpu_required()),
+          "a Hopper GPU, but the build has no sm_90a image (-arch=sm_90a)");
+    SKIP("the Hopper kernel is not here (needs compute capability 9.0 and an sm_90a image)");
+#endif
+    return 0;
+}
+
+/* How many GEMMs the Hopper kernel ran on b so far. */
+static long long wgmma_runs(const backend *b) {
+#ifdef MPT_CUDA
+    return (long long)mpt_cuda_gemm_runs(b->impl, MPT_GEMM_WGMMA);
+#else
+    (void)b;
+    return 0;
+#endif
+}
+
+/* The Hopper kernel against the CPU and cuBLASLt: every transpose,
+   float16 and bfloat16, odd M, N and K (tails in every dimension of
+   both tile widths, 128 and 256: 2304×2560 is 18·10 = 180 tiles of
+   128×256 for 132 SMs), leading dimensions rounded up to 8 elements (TMA's
+   16-byte pitch; C's stays odd), each epilogue (alpha, beta·C, bias,
+   ReLU, GELU, sigmoid, tanh), C in each dtype and poisoned first. Every
+   case must have run on the Hopper kernel (its run count grows by 2),
+   twice with the same bits. Relative norm error <= 1e-2 against the CPU
+   in float32 rounded to C's dtype, as every 16-bit GEMM, and <= 1e-2
+   against cuBLASLt's result (both accumulate in float32 in different
+   orders, then round once). */
+static void test_gemm_wgmma(void) {
+    static const int64_t shapes[][3] = {{1, 7, 33},     {127, 129, 65},  {128, 256, 64},
+                                        {255, 300, 1000}, {1000, 513, 77}, {64, 8, 4096},
+                                        {2304, 2560, 256}, {333, 1030, 1}};
+    static const mpt_activation acts[5] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                           MPT_ACT_SIGMOID, MPT_ACT_TANH};
+    backend *w = &gpu_be[GPU_WGMMA], *lt = &gpu_be[GPU_CUBLASLT];
+    size_t si;
+    int tr, di, v = 0;
+    if (!wgmma_here()) return;
+    for (si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (tr = 0; tr < 4; tr++)
+            for (di = 1; di < 3; di++, v++) {
+                gemm_case g;
+                gemm_inputs in;
+                void *ref, *got[2], *lref;
+                char what[160];
+                long long before;
+                size_t c_bytes;
+                double err;
+                memset(&g, 0, sizeof g);
+                g.m = shapes[si][0], g.n = shapes[si][1], g.k = shapes[si][2];
+                g.ta = tr & 1, g.tb = tr >> 1;
+                g.ab = float_dtypes[di];
+                g.c_dtype = float_dtypes[v % 3];
+                g.alpha = v % 3 == 1 ? 0.5f : v % 3 == 2 ? -2.0f : 0.0f;
+                g.beta = g.c_dtype == MPT_FLOAT32 && v % 4 == 1 ? 0.75f : 0.0f;
+                g.bias = v % 2;
+                g.act = acts[v % 5];
+                g.pad = v % 3 == 0 ? 3 : 0;
+                g.ld8 = 1;
+                in = gemm_make_inputs(&g);
+                c_bytes = nbytes(g.c_dtype, g.m * in.ldc);
+                describe_gemm(what, sizeof what, &g);
+                ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
+                before = wgmma_runs(w);
+                got[0] = gemm_run(w, &g, g.c_dtype, &in);
+                got[1] = gemm_run(w, &g, g.c_dtype, &in);
+                CHECK(wgmma_runs(w) - before == 2, "gemm %s: the Hopper kernel ran %lld of 2",
+                      what, wgmma_runs(w) - before);
+                err = gemm_error(&g, &in, ref, got[0]);
+                CHECK(err <= 1e-2, "gemm %s on %s: relative error %.3g > 1e-2 (CPU)", what,
+                      w->label, err);
+                CHECK(!memcmp(got[0], got[1], c_bytes), "gemm %s on %s: two runs differ at %lld",
+                      what, w->label,
+                      (long long)first_difference(got[0], got[1], g.m * in.ldc,
+                                                  mpt_dtype_size(g.c_dtype)));
+                lref = gemm_run(lt, &g, g.c_dtype, &in);
+                {
+                    /* cuBLASLt's C as the reference, in float32 */
+                    float *as_f32 = (float *)malloc(sizeof(float) * (size_t)(g.m * in.ldc));
+                    int64_t i;
+                    for (i = 0; i < g.m * in.ldc; i++)
+                        as_f32[i] = (float)load_value(g.c_dtype, lref, i);
+                    err = gemm_error(&g, &in, as_f32, got[0]);
+                    CHECK(err <= 1e-2, "gemm %s on %s: relative error %.3g > 1e-2 (cuBLASLt)",
+                          what, w->label, err);
+                    free(as_f32);
+                }
+                free(ref);
+                free(got[0]);
+                free(got[1]);
+                free(lref);
+                gemm_free_inputs(&in);
+            }
+}
+
+/* The Hopper kernel's split-K (mpt__wgmma_split_k) on weight-gradient
+   shapes (A transposed, long K, one to three tiles), odd K tails, the
+   epilogues the second pass applies; against the CPU (<= 1e-2), two runs
+   bit-identical, and one case recorded in a CUDA graph and replayed
+   (the same bits as the direct run). */
+static void test_gemm_wgmma_split_k(void) {
+    static const struct {
+        int64_t m, n, k;
+        int ta, tb;
+        mpt_dtype ab, c_dtype;
+        float alpha, beta;
+        int bias;
+        mpt_activation act;
+    } cases[] = {
+        {288, 32, 73728, 1, 0, MPT_FLOAT16, MPT_FLOAT32, 0, 0, 0, MPT_ACT_NONE},
+        {9, 32, 86528, 1, 0, MPT_BFLOAT16, MPT_FLOAT32, 0, 1, 0, MPT_ACT_NONE},
+        {288, 32, 73728 + 17, 1, 0, MPT_BFLOAT16, MPT_FLOAT32, 0, 0.5f, 1, MPT_ACT_NONE},
+        {288, 40, 40005, 0, 1, MPT_FLOAT16, MPT_FLOAT16, 0.5f, 0, 1, MPT_ACT_GELU},
+        {100, 72, 30001, 1, 1, MPT_BFLOAT16, MPT_BFLOAT16, 0, 0, 1, MPT_ACT_RELU},
+        {37, 64, 20031, 0, 0, MPT_FLOAT16, MPT_FLOAT32, -2.0f, 0.75f, 1, MPT_ACT_SIGMOID},
+    };
+    backend *w = &gpu_be[GPU_WGMMA];
+    size_t i;
+    if (!wgmma_here()) return;
+    for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        gemm_case g;
+        gemm_inputs in;
+        void *ref, *got[2];
+        char what[160];
+        long long before;
+        double err;
+        memset(&g, 0, sizeof g);
+        g.m = cases[i].m, g.n = cases[i].n, g.k = cases[i].k;
+        g.ta = cases[i].ta, g.tb = cases[i].tb;
+        g.ab = cases[i].ab, g.c_dtype = cases[i].c_dtype;
+        g.alpha = cases[i].alpha, g.beta = cases[i].beta;
+        g.bias = cases[i].bias, g.act = cases[i].act;
+        g.ld8 = 1;
+        in = gemm_make_inputs(&g);
+        ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
+        before = wgmma_runs(w);
+        got[0] = gemm_run(w, &g, g.c_dtype, &in);
+        got[1] = gemm_run(w, &g, g.c_dtype, &in);
+        describe_gemm(what, sizeof what, &g);
+        CHECK(wgmma_runs(w) - before == 2, "split gemm %s: the Hopper kernel ran %lld of 2", what,
+              wgmma_runs(w) - before);
+        err = gemm_error(&g, &in, ref, got[0]);
+        CHECK(err <= 1e-2, "split gemm %s on %s: relative error %.3g > 1e-2", what, w->label,
+              err);
+        CHECK(!memcmp(got[0], got[1], nbytes(g.c_dtype, g.m * in.ldc)),
+              "split gemm %s on %s: two runs differ at element %lld", what, w->label,
+              (long long)first_difference(got[0], got[1], g.m * in.ldc,
+                                          mpt_dtype_size(g.c_dtype)));
+        if (i == 0) gemm_split_captured(w, &g, &in);
+        free(ref);
+        free(got[0]);
+        free(got[1]);
+        gemm_free_inputs(&in);
+    }
+}
+
 /* One im2col and one col2im case on a backend: their outputs (malloc'ed). */
 static void layout_run(backend *b, const mpt_window *g, mpt_dtype dt, int64_t n, const void *x,
                        const float *dcols, void **cols_out, void **dx_out) {
@@ -2474,7 +2649,8 @@ static int open_backends(void) {
     }
     if (!open_backend(&cpu_be, "cpu", 1, MPT_GEMM_AUTO) ||
         !open_backend(&gpu_be[GPU_MPT], "cuda (gemm mpt)", 0, MPT_GEMM_MPT) ||
-        !open_backend(&gpu_be[GPU_CUBLASLT], "cuda (gemm cublaslt)", 0, MPT_GEMM_CUBLASLT)) {
+        !open_backend(&gpu_be[GPU_CUBLASLT], "cuda (gemm cublaslt)", 0, MPT_GEMM_CUBLASLT) ||
+        !open_backend(&gpu_be[GPU_WGMMA], "cuda (gemm wgmma)", 0, MPT_GEMM_WGMMA)) {
         printf("FAIL opening the CPU and CUDA contexts\n");
         exit(1);
     }
@@ -3193,6 +3369,7 @@ static void test_gpu_was_reached(void) {
    of the whole-model trainings. */
 int main(int argc, char **argv) {
     int e, have_gpu, quick = argc > 1 && !strcmp(argv[1], "quick");
+    int wgmma_only = argc > 1 && !strcmp(argv[1], "wgmma");
     test_seed(2024);
 #ifdef MPT_CUDA
     setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
@@ -3221,6 +3398,20 @@ int main(int argc, char **argv) {
     }
     printf("# CPU reference against the CUDA contexts; gemm_rounds_c %d, can_capture %d\n",
            gpu_be[GPU_AUTO].t->gemm_rounds_c, gpu_be[GPU_AUTO].t->can_capture);
+    if (wgmma_only) {
+        /* `test_cuda wgmma`: the Hopper GEMM's tests alone (a first look on a
+           new machine, and what compute-sanitizer runs on it) */
+        test_gemm_engine(&gpu_be[GPU_WGMMA]);
+        test__run("gemm wgmma: every transpose, f16/bf16, odd M/N/K, each epilogue, vs CPU and "
+                  "cuBLASLt (<= 1e-2), repeatable",
+                  test_gemm_wgmma);
+        test__run("gemm wgmma: split-K on weight-gradient shapes, bit-repeatable, captured "
+                  "(<= 1e-2)",
+                  test_gemm_wgmma_split_k);
+        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
+        close_backend(&cpu_be);
+        return test_summary(PROGRAM);
+    }
     test__run("kernels: all loaded when the context is created (lazy loading)",
               test_kernels_loaded_at_creation);
     test__run("the table: every required slot filled", test_table_is_complete);
@@ -3257,6 +3448,11 @@ int main(int argc, char **argv) {
               test_gemm_tiles);
     test__run("gemm: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2, 1e-4)",
               test_gemm_split_k);
+    test__run("gemm wgmma: every transpose, f16/bf16, odd M/N/K, each epilogue, vs CPU and "
+              "cuBLASLt (<= 1e-2), repeatable",
+              test_gemm_wgmma);
+    test__run("gemm wgmma: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2)",
+              test_gemm_wgmma_split_k);
     test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
               test_layout_index_paths);
     test__run("gemm auto: $MPT_GEMM_CHOICES carries the engines to the next run (same bits)",
@@ -3289,6 +3485,12 @@ int main(int argc, char **argv) {
            (long long)mpt_cuda_lt_refusals(gpu_be[GPU_AUTO].impl),
            (long long)mpt_cuda_lt_refusals(gpu_be[GPU_MPT].impl),
            (long long)mpt_cuda_lt_refusals(gpu_be[GPU_CUBLASLT].impl));
+    printf("# GEMMs per engine in gemm auto: mpt %lld, wgmma %lld, cublaslt %lld; the Hopper "
+           "kernel %s\n",
+           (long long)mpt_cuda_gemm_runs(gpu_be[GPU_AUTO].impl, MPT_GEMM_MPT),
+           (long long)mpt_cuda_gemm_runs(gpu_be[GPU_AUTO].impl, MPT_GEMM_WGMMA),
+           (long long)mpt_cuda_gemm_runs(gpu_be[GPU_AUTO].impl, MPT_GEMM_CUBLASLT),
+           mpt_cuda_wgmma_ready(gpu_be[GPU_AUTO].impl) ? "runs here" : "is not here");
 #endif
     for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
     close_backend(&cpu_be);

@@ -1,5 +1,6 @@
 /* The CUDA backend's host-side rules (mpt.h, @backend-shared), which need
-   no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, and
+   no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, the
+   Hopper kernel's eligibility, tiles, split, work order and tensor maps, and
    the fast division of the layout kernels' index arithmetic. The kernels
    that use them are compared with the CPU in tests/test_cuda.c, on a GPU. */
 #include "mpt.h"
@@ -97,6 +98,144 @@ static void test_engine_choice(void) {
     CHECK(mpt__gemm_engine_choose(mpt, 1.0, lt, NAN, 0) == mpt, "a NaN time chosen");
 }
 
+/* AUTO among several engines: the usual one (first) unless the fastest
+   other beats it by the margin; refused or impossible ones (ms < 0) and
+   ties do not count. */
+static void test_engine_choice_among(void) {
+    const mpt_gemm_engine e[3] = {MPT_GEMM_MPT, MPT_GEMM_WGMMA, MPT_GEMM_CUBLASLT};
+    double ms[3] = {1.0, 0.8, 0.7};
+    CHECK(mpt__gemm_engine_choose_among(e, ms, 3) == MPT_GEMM_CUBLASLT, "the fastest not chosen");
+    ms[2] = -1;
+    CHECK(mpt__gemm_engine_choose_among(e, ms, 3) == MPT_GEMM_WGMMA, "a refused engine chosen");
+    ms[1] = 0.95;
+    CHECK(mpt__gemm_engine_choose_among(e, ms, 3) == MPT_GEMM_MPT, "5%% faster switched");
+    ms[1] = -1;
+    CHECK(mpt__gemm_engine_choose_among(e, ms, 3) == MPT_GEMM_MPT, "no candidate: not the usual");
+    ms[1] = 0.5, ms[2] = 0.5;
+    CHECK(mpt__gemm_engine_choose_among(e, ms, 3) == MPT_GEMM_WGMMA, "a tie: not the first");
+    ms[0] = -1; /* never timed: nothing beats it by the margin */
+    CHECK(mpt__gemm_engine_choose_among(e, ms, 1) == MPT_GEMM_MPT, "one engine: not itself");
+}
+
+/* What TMA asks of the operands, and the 16-bit dtypes only. */
+static void test_wgmma_eligible(void) {
+    const uintptr_t p = 0x10000;
+    CHECK(mpt__wgmma_eligible(4096, 4096, 4096, 4096, 4096, p, p, MPT_FLOAT16, 1),
+          "4096^3 float16 refused");
+    CHECK(mpt__wgmma_eligible(1, 7, 33, 40, 8, p, p, MPT_BFLOAT16, 1),
+          "odd M, N, K with 16-byte pitches refused");
+    CHECK(!mpt__wgmma_eligible(4096, 4096, 4096, 4096, 4096, p, p, MPT_FLOAT16, 0),
+          "taken where the kernel is not (not Hopper, no sm_90a image)");
+    CHECK(!mpt__wgmma_eligible(64, 64, 64, 64, 64, p, p, MPT_FLOAT32, 1), "float32 taken");
+    CHECK(!mpt__wgmma_eligible(64, 64, 33, 33, 64, p, p, MPT_FLOAT16, 1),
+          "lda of 66 bytes taken");
+    CHECK(!mpt__wgmma_eligible(64, 64, 64, 64, 68, p, p, MPT_FLOAT16, 1),
+          "ldb of 136 bytes taken");
+    CHECK(!mpt__wgmma_eligible(64, 64, 64, 64, 64, p + 8, p, MPT_FLOAT16, 1),
+          "A 8-byte aligned taken");
+    CHECK(!mpt__wgmma_eligible(64, 64, 64, 64, 64, p, p + 2, MPT_FLOAT16, 1),
+          "B 2-byte aligned taken");
+    CHECK(!mpt__wgmma_eligible(64, 64, 0, 64, 64, p, p, MPT_FLOAT16, 1), "K = 0 taken");
+    CHECK(!mpt__wgmma_eligible((int64_t)1 << 31, 8, 8, 8, 8, p, p, MPT_FLOAT16, 1),
+          "M past int32 coordinates taken");
+    CHECK(!mpt__wgmma_eligible(8, 8, 8, (int64_t)1 << 39, 8, p, p, MPT_FLOAT16, 1),
+          "a pitch of 2^40 bytes taken");
+}
+
+/* 256 columns from a wave of 128×256 tiles on; the split for its tiles
+   and 64-deep stages; the grid. */
+static void test_wgmma_tiles_and_split(void) {
+    mpt__gemm_split s;
+    int i;
+    CHECK(mpt__wgmma_tile_n(4096, 4096, SMS) == 256, "4096^2 (512 tiles of 256) not 256");
+    CHECK(mpt__wgmma_tile_n(1024, 1024, SMS) == 128, "1024^2 (32 tiles of 256) not 128");
+    CHECK(mpt__wgmma_tile_n(128 * 132, 256, SMS) == 256, "132 tiles of 256 not 256");
+    CHECK(mpt__wgmma_tile_n(128 * 131, 256, SMS) == 128, "131 tiles of 256 not 128");
+    CHECK(mpt__wgmma_tile_n(1 << 20, 128, SMS) == 128, "N = 128 not 128");
+    s = mpt__wgmma_split_k(288, 32, 73728, 128, SMS, (int64_t)1 << 21);
+    CHECK(s.splits >= 2 && s.depth % 64 == 0, "288x32x73728 (3 tiles): %lld slices of %lld",
+          (long long)s.splits, (long long)s.depth);
+    s = mpt__wgmma_split_k(4096, 4096, 4096, 256, SMS, (int64_t)1 << 21);
+    CHECK(s.splits == 1 && s.depth == 4096, "4096^3 split in %lld", (long long)s.splits);
+    for (i = 0; i < 20000; i++) {
+        const int64_t m = test_randint(1, 3000), n = test_randint(1, 3000);
+        const int64_t k = test_randint(1, 1 << 20), cap = test_randint(1, 1 << 22);
+        const int bn = test_randint(0, 1) ? 128 : 256;
+        const int64_t tiles = ((m + 127) / 128) * ((n + bn - 1) / bn);
+        s = mpt__wgmma_split_k(m, n, k, bn, SMS, cap);
+        if (s.splits == 1) {
+            CHECK(s.depth == k, "%lldx%lldx%lld: one slice of %lld", (long long)m, (long long)n,
+                  (long long)k, (long long)s.depth);
+            continue;
+        }
+        CHECK(s.depth % 64 == 0 && s.depth >= MPT__GEMM_SPLIT_MIN_DEPTH &&
+                  (s.splits - 1) * s.depth < k && s.splits * s.depth >= k &&
+                  s.splits * m * n <= cap && tiles * 2 <= SMS && tiles * s.splits <= SMS,
+              "%lldx%lldx%lld tile %d cap %lld: %lld slices of %lld", (long long)m,
+              (long long)n, (long long)k, bn, (long long)cap, (long long)s.splits,
+              (long long)s.depth);
+    }
+    CHECK(mpt__wgmma_grid(5, SMS) == 5 && mpt__wgmma_grid(1000, SMS) == SMS, "the grid");
+}
+
+/* The scheduler's order visits every (tile, slice) once, slices one after
+   another, and within a band goes down a column of tile rows first. */
+static void test_wgmma_work_order(void) {
+    static const int64_t shapes[][3] = {{1, 1, 1},  {8, 16, 1}, {9, 3, 2}, {17, 5, 3},
+                                        {32, 32, 1}, {7, 1, 4},  {1, 9, 1}, {100, 37, 2}};
+    size_t si;
+    for (si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t tm = shapes[si][0], tn = shapes[si][1], sl = shapes[si][2];
+        const int64_t work = tm * tn * sl;
+        unsigned char *seen = (unsigned char *)calloc((size_t)work, 1);
+        int64_t w, bad = 0, twice = 0;
+        for (w = 0; w < work; w++) {
+            const mpt__wgmma_work a = mpt__wgmma_work_at(w, tm, tn);
+            if (a.tile_m < 0 || a.tile_m >= tm || a.tile_n < 0 || a.tile_n >= tn ||
+                a.slice != w / (tm * tn)) {
+                bad++;
+                continue;
+            }
+            twice += seen[(a.slice * tm + a.tile_m) * tn + a.tile_n]++ != 0;
+        }
+        CHECK(!bad && !twice, "%lldx%lld tiles, %lld slices: %lld out of range, %lld twice",
+              (long long)tm, (long long)tn, (long long)sl, (long long)bad, (long long)twice);
+        free(seen);
+    }
+    {
+        /* 16 tile rows, 4 columns: items 0-7 are rows 0-7 of column 0,
+           8-15 rows 0-7 of column 1, 32 row 8 of column 0. */
+        const mpt__wgmma_work a = mpt__wgmma_work_at(3, 16, 4), b = mpt__wgmma_work_at(9, 16, 4);
+        const mpt__wgmma_work c = mpt__wgmma_work_at(32, 16, 4);
+        CHECK(a.tile_m == 3 && a.tile_n == 0 && b.tile_m == 1 && b.tile_n == 1 &&
+                  c.tile_m == 8 && c.tile_n == 0,
+              "band order: (%lld,%lld) (%lld,%lld) (%lld,%lld)", (long long)a.tile_m,
+              (long long)a.tile_n, (long long)b.tile_m, (long long)b.tile_n,
+              (long long)c.tile_m, (long long)c.tile_n);
+    }
+}
+
+/* The tensor maps' parameters: the box's inner side 128 bytes (the
+   swizzle span), a stage's bytes covered exactly, pitches in bytes. */
+static void test_wgmma_operand_maps(void) {
+    /* A untransposed, 300×200 stored with lda 208: K contiguous */
+    mpt__wgmma_map a = mpt__wgmma_operand_map(300, 200, 208, 1, 128);
+    /* B untransposed, K×N = 200×1000, ldb 1000: N contiguous, tile 256 */
+    mpt__wgmma_map b = mpt__wgmma_operand_map(200, 1000, 1000, 0, 256);
+    CHECK(a.dims[0] == 200 && a.dims[1] == 300 && a.row_bytes == 416, "A's dims and pitch");
+    CHECK(a.box[0] == 64 && a.box[1] == 128 && a.boxes == 1, "A's box %ux%u x%d", a.box[0],
+          a.box[1], a.boxes);
+    CHECK(b.dims[0] == 1000 && b.dims[1] == 200 && b.row_bytes == 2000, "B's dims and pitch");
+    CHECK(b.box[0] == 64 && b.box[1] == 64 && b.boxes == 4, "B's box %ux%u x%d", b.box[0],
+          b.box[1], b.boxes);
+    CHECK((uint64_t)a.box[0] * a.box[1] * a.boxes * 2 == 128 * 64 * 2 &&
+              (uint64_t)b.box[0] * b.box[1] * b.boxes * 2 == 256 * 64 * 2,
+          "a stage's bytes not covered exactly");
+    b = mpt__wgmma_operand_map(1000, 200, 200, 1, 256); /* B transposed: N×K */
+    CHECK(b.box[0] == 64 && b.box[1] == 256 && b.boxes == 1 && b.row_bytes == 400,
+          "B transposed: box %ux%u x%d", b.box[0], b.box[1], b.boxes);
+}
+
 /* n / d for one divisor, checked against the hardware's division. */
 static int64_t fastdiv_mismatches(uint32_t d, const uint32_t *n, int count) {
     const mpt__fastdiv f = mpt__fastdiv_make(d);
@@ -138,6 +277,11 @@ int main(void) {
     TEST_RUN(test_tile_choice);
     TEST_RUN(test_split_k);
     TEST_RUN(test_engine_choice);
+    TEST_RUN(test_engine_choice_among);
+    TEST_RUN(test_wgmma_eligible);
+    TEST_RUN(test_wgmma_tiles_and_split);
+    TEST_RUN(test_wgmma_work_order);
+    TEST_RUN(test_wgmma_operand_maps);
     TEST_RUN(test_fastdiv);
     return test_summary("test_cuda_rules");
 }

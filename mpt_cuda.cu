@@ -17,7 +17,8 @@
             -lcublasLt -lcublas -lz
 
    On Hopper (H100, H200) build with -arch=sm_90a instead, which adds the
-   wgmma/TMA GEMM (MPT_GEMM=wgmma, and a candidate of AUTO); without it
+   wgmma/TMA GEMM (MPT_GEMM=wgmma; a candidate of AUTO only with
+   MPT_GEMM_AUTO_WGMMA=1 until it has been verified on a GPU); without it
    the mma.sync kernel runs every hand-written GEMM there too.
 
    Several GPUs, in one process or across processes, sum their replicas'
@@ -1269,6 +1270,7 @@ struct mpt__gemm_cache {
     char *choices_path;            /* $MPT_GEMM_CHOICES (malloc'ed) or NULL */
     int gpu;                       /* compute capability, 10·major + minor */
     int wgmma;                     /* the Hopper kernel runs here (sm_90a image, 9.0) */
+    int wgmma_in_auto;             /* $MPT_GEMM_AUTO_WGMMA=1: AUTO may pick it */
     PFN_cuTensorMapEncodeTiled_v12000 encode_tiled; /* the driver's, when wgmma */
 };
 
@@ -1976,7 +1978,11 @@ static mpt_status mpt__cuda_gemm_plan(void *impl, const mpt_gemm_desc *d, mpt_dt
     c_dtype = mpt__cuda_gemm_c_dtype(c_dtype);
     if (c->gemm_engine == MPT_GEMM_MPT) return MPT_OK;
     lt = c->gemm_engine != MPT_GEMM_WGMMA && mpt__cuda_gemm_lt_can(d, c_dtype);
-    wgmma = c->gemm_engine != MPT_GEMM_CUBLASLT && mpt__cuda_wgmma_can(c, d);
+    /* AUTO times the Hopper kernel only when asked: it has not yet been
+       checked against the CPU on a GPU, and AUTO picks by speed alone. */
+    wgmma = (c->gemm_engine == MPT_GEMM_WGMMA ||
+             (c->gemm_engine == MPT_GEMM_AUTO && c->gemm_cache->wgmma_in_auto)) &&
+            mpt__cuda_wgmma_can(c, d);
     if (!lt && !wgmma) return MPT_OK;
     key = mpt__cuda_gemm_make_key(d, c_dtype);
     e = mpt__cuda_gemm_find(c->gemm_cache, &key);
@@ -2045,6 +2051,8 @@ static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
                               "no host memory for the GEMM plan cache");
     cache->capacity = 64;
     cache->forced_tile = mpt__gemm_tile_from_env(tile_env);
+    cache->wgmma_in_auto = getenv("MPT_GEMM_AUTO_WGMMA") &&
+                           strcmp(getenv("MPT_GEMM_AUTO_WGMMA"), "1") == 0;
     if (cache->forced_tile < 0)
         return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
                               "MPT_CUDA_GEMM_TILE=\"%s\": expected \"64\" or \"128\"", tile_env);

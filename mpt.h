@@ -182,7 +182,8 @@
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
        @quantize     post-training quantization: dynamic-range, full-integer
-                     (calibrated), float16; the quantized model's layers
+                     (calibrated), float16; the quantized model's layers;
+                     quantization-aware training
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
@@ -225,6 +226,9 @@
                           dynamic-range, int8
        @impl-quantized-model  calibration, mpt_model_quantize, predict,
                           evaluate, invoke, summary
+       @impl-qat          quantization-aware training: fake quantization in
+                          the forward and backward walks, ranges for the
+                          conversion
        @impl-export       the plan both formats read: layers as steps, BN folded
        @impl-export-tflite  FlatBuffers, the TFLite graph and file
        @impl-export-onnx  the ONNX graph in protobuf (@impl-callbacks' encoder)
@@ -1557,6 +1561,71 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
    (batch, output shape...) in io_dtype (float32: dequantized). y is
    allocated here (owned; mpt_tensor_free). Any batch size. */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
+
+/* Quantization-aware training, as tfmot's quantize_model: the float model
+   trains with the full-integer model's rounding in its forward pass, so
+   that fit learns weights that survive it, then converts with the ranges
+   it learned.
+
+       mpt_model_quantize_aware(m, NULL);                       (built model)
+       mpt_model_fit(m, train, &fit);                           (as usual)
+       mpt_model_quantize(m, &(mpt_quantize_desc){ .mode = MPT_QUANTIZE_FULL_INTEGER }, &q);
+
+   What changes in m's forward pass (fit, evaluate, predict, forward):
+     weights      each Dense and Conv2D kernel is fake-quantized (quantized
+                  and dequantized in float32) per output channel, symmetric
+                  in [-127, 127] with scale max|w[c]|/127, from the float32
+                  masters before every pass; the masters keep training
+                  (the straight-through estimator: the gradient of the
+                  fake-quantized kernel is the master's).
+     activations  every tensor the full-integer model quantizes (the
+                  input; each Dense or Conv2D output after its ReLU or its
+                  folded BatchNormalization; a standalone activation's
+                  output; the final softmax's logits) is fake-quantized per
+                  tensor, asymmetric int8 over [min, max] widened to hold 0,
+                  exactly as the conversion will quantize it. min and max
+                  are moving averages of each training batch's (decay
+                  ema_decay; the first training batch sets them), updated
+                  only by training steps that are applied; evaluate and
+                  predict use them as they are (before any training step,
+                  activations pass unquantized). The gradient passes where
+                  the input lies in the quantized range and is 0 outside
+                  (TensorFlow's FakeQuantWithMinMaxVars). Softmax, sigmoid
+                  and tanh outputs take TFLite's fixed ranges, gradient
+                  passing unchanged.
+     BatchNormalization after a Dense or Conv2D is not folded during
+                  training: the layer trains on batch statistics as in the
+                  float model, while the kernel is fake-quantized as it will
+                  be folded, w <- fq(w·s)/s with s = gamma/sqrt(moving_variance
+                  + epsilon). At inference the BatchNormalization applies s
+                  again, so the forward pass computes exactly the folded
+                  int8 model's weights (tfmot instead folds with the batch
+                  statistics while training).
+   mpt_model_quantize in full-integer mode then takes these ranges:
+   representative_data is optional and not read. Under mixed precision the
+   fake quantization computes in float32 and the result is stored in the
+   layer's dtype. Refused (MPT_ERR_UNSUPPORTED): a CUDA context, a
+   strategy, a layer the full-integer model has no form for, and a Dense
+   or Conv2D ending in an activation other than ReLU, unless it is the
+   model's final softmax (use activation none and an Activation layer).
+   mpt_model_save_weights and mpt_model_load_weights keep working on the
+   float32 masters; the ranges live in the model only (convert before
+   destroying it). Errors: MPT_ERR_STATE for an unbuilt, quantized or
+   already quantization-aware model, MPT_ERR_INVALID_ARGUMENT for an
+   ema_decay outside [0, 1). */
+typedef struct mpt_qat_desc {
+    float ema_decay; /* the activation ranges' moving average: default 0:
+                        0.999 (tfmot's MovingAverageQuantizer)             */
+} mpt_qat_desc;
+
+MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *desc);
+
+/* The range a quantization-aware model has learned for layer `layer`'s
+   output (−1: the model's input), before the widening to hold 0.
+   MPT_ERR_STATE when m is not quantization-aware; MPT_ERR_INVALID_ARGUMENT
+   when that output is not fake-quantized or has not met a training batch
+   yet. */
+MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min, float *max);
 
 /* =============================================================================
    @export: a model as a TFLite or ONNX file, for the runtimes people deploy with
@@ -5374,6 +5443,8 @@ struct mpt_model {
                                             mpt_model_refresh_weights): not
                                             only the initial ones            */
     struct mpt__quantized *quantized;    /* NULL; a quantized model's operations */
+    struct mpt__qat *qat;                /* NULL; quantization-aware training's
+                                            ranges and buffers (@impl-qat)   */
 };
 
 typedef struct mpt__quantized mpt__quantized;
@@ -5384,6 +5455,14 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs);
 static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size);
+/* Quantization-aware training's hooks in the walks (@impl-qat). */
+typedef struct mpt__qat mpt__qat;
+static void mpt__qat_free(mpt_model *m);
+static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
+                                   int training);
+static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
+static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
+static void mpt__qat_commit(mpt_model *m);
 
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
@@ -5557,6 +5636,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt__free(m->ctx, m->layers);
     mpt__free(m->ctx, m->params);
     mpt__quantized_free(m->ctx, m->quantized);
+    mpt__qat_free(m);
     mpt__free(m->ctx, m);
 }
 
@@ -6143,6 +6223,7 @@ static void mpt__model_commit(mpt_model *m) {
         p.y = L->y;
         if (L->ops->commit) L->ops->commit(L, &p);
     }
+    if (m->qat) mpt__qat_commit(m);
 }
 
 /* A forward pass in progress, one layer at a time (replicas run theirs in
@@ -6160,6 +6241,7 @@ static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
     w->cur_dtype = x->dtype;
     m->last_batch = w->p.batch;
     m->last_training = w->p.training;
+    if (m->qat) mpt__qat_forward_begin(m, &w->cur, w->cur_dtype, w->p.batch, w->p.training);
 }
 
 /* Layer i's input in its dtype, and its pass set up (not yet run). */
@@ -6174,13 +6256,14 @@ static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *
     if (L->output_is_input) L->y = (void *)w->cur;
     w->p.x = L->x;
     w->p.y = L->y;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     return L;
 }
 
 static void mpt__forward_finish(mpt__layer *L, mpt__forward_walk *w) {
     w->cur = L->y;
     w->cur_dtype = L->dtype;
+    if (w->p.model->qat) mpt__qat_forward_end(w->p.model, (int)(L - w->p.model->layers), &w->cur);
 }
 
 static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) {
@@ -6252,7 +6335,8 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
     w->p.y = L->y;
     w->p.dy = m->grad_buf[w->cur];
     w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    if (m->qat) mpt__qat_backward_mask(m, i, m->grad_buf[w->cur]);
     return L;
 }
 
@@ -18351,6 +18435,8 @@ typedef enum mpt__qexec {
 typedef struct mpt__qop {
     mpt_quantized_layer info;  /* the public view: its pointers are the arrays below */
     char name[64], folded[64];
+    const mpt__layer *last;    /* the float layer whose output is this op's output
+                                  (quantization-aware training's ranges) */
     mpt__win g;                /* conv and pooling: the window                 */
     int64_t in_count, out_count; /* elements of one sample                     */
     float *w;                  /* (N, K) folded float32 weights, while quantizing */
@@ -18506,6 +18592,7 @@ static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quant
     memset(op, 0, sizeof *op);
     snprintf(op->name, sizeof op->name, "%s", L->name);
     op->info.name = op->name;
+    op->last = L;
     op->info.op = kind;
     op->info.in_rank = L->in_rank;
     op->info.out_rank = L->out_rank;
@@ -18612,6 +18699,7 @@ static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__l
     if (s != MPT_OK) return s;
     snprintf(op->folded, sizeof op->folded, "%s", L->name);
     op->info.folded_batchnorm = op->folded;
+    op->last = L;
     return MPT_OK;
 }
 
@@ -18663,7 +18751,7 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
             mpt_activation act = L->desc.activation.activation;
             mpt__qop *op = mpt__q_open_product(Q, open);
             if (act == MPT_ACT_NONE) continue;
-            if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU;
+            if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU, op->last = L;
             else mpt__q_append_activation(Q, L, act);
         } else if (!strcmp(cls, "MaxPooling2D")) {
             mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D);
@@ -19447,6 +19535,8 @@ static void mpt__q_drop_float_weights(mpt_context *ctx, mpt__quantized *Q) {
 
 /* ---- quantize ------------------------------------------------------------------------------ */
 
+static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi);
+
 static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     mpt_context *ctx = m->ctx;
     if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
@@ -19479,7 +19569,7 @@ static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
         return mpt__fail(ctx, MPT_ERR_STATE, "quantize: the model holds its initial weights: "
                          "train it (mpt_model_fit) or load its weights (mpt_model_load_weights) "
                          "first");
-    if (d->mode != MPT_QUANTIZE_FULL_INTEGER) return MPT_OK;
+    if (d->mode != MPT_QUANTIZE_FULL_INTEGER || m->qat) return MPT_OK; /* QAT: trained ranges */
     if (!d->representative_data)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: full integer needs "
                          "representative_data, the samples that calibrate the ranges");
@@ -19504,7 +19594,8 @@ static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
     if (s == MPT_OK && d->mode == MPT_QUANTIZE_FULL_INTEGER) {
         range = (float *)mpt__alloc(m->ctx, sizeof(float) * 2 * (size_t)(Q->n_ops + 1));
         if (!range) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
-        if (s == MPT_OK) s = mpt__q_calibrate(m, Q, d, range, range + Q->n_ops + 1);
+        if (s == MPT_OK && m->qat) s = mpt__qat_ranges(m, Q, range, range + Q->n_ops + 1);
+        else if (s == MPT_OK) s = mpt__q_calibrate(m, Q, d, range, range + Q->n_ops + 1);
         if (s == MPT_OK) s = mpt__q_make_integer(m->ctx, Q, range, range + Q->n_ops + 1);
         mpt__free(m->ctx, range);
     }
@@ -19777,6 +19868,421 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     mpt__free(m->ctx, w.block);
     if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
     return s;
+}
+
+/* =============================================================================
+   @impl-qat  quantization-aware training: fake quantization in the forward
+   and backward walks, and the ranges it hands the conversion
+   =============================================================================
+
+   mpt_model_quantize_aware finds what to fake-quantize by building the
+   full-integer operations once (mpt__q_build_ops, the conversion's own
+   rules): each operation's output is some layer's output (mpt__qop's
+   `last`), and that layer gets a point (mpt__qat_point) that quantizes
+   its output after its forward (mpt__qat_forward_end). The quantized
+   tensor goes into the point's buffer, which the next layer reads; the
+   layer's own output stays as computed, for its backward (a ReLU's
+   gradient reads it) and for the mask of the gradient
+   (mpt__qat_backward_mask). The last layer's output is the model's, so
+   it is quantized in place, its unquantized copy in the point's buffer.
+   The model's input has a point too (its gradient, which training never
+   needs, passes unmasked). Kernels are fake-quantized from the masters at
+   the start of every forward pass into a buffer of QAT's own, which the
+   layers read as their compute copy. All of it runs on the CPU backend. */
+
+typedef enum mpt__qat_kind {
+    MPT__QAT_NONE = 0, /* the output is not a quantized tensor              */
+    MPT__QAT_LEARNED,  /* a range learned as a moving average               */
+    MPT__QAT_FIXED     /* TFLite's fixed range (softmax, sigmoid, tanh)     */
+} mpt__qat_kind;
+
+typedef struct mpt__qat_point {
+    mpt__qat_kind kind;
+    mpt_quant_params fixed;     /* FIXED                                       */
+    int seen;                   /* LEARNED: a training batch has set min, max   */
+    float min, max;             /* LEARNED: the moving averages                 */
+    int measured;               /* the last training forward's range waits for
+                                   commit in next_min, next_max               */
+    float next_min, next_max;
+    int active;                 /* the last forward quantized this tensor ...  */
+    mpt_quant_params used;      /* ... with these                              */
+    void *out;                  /* (max_batch, out_count) in the layer's dtype:
+                                   the quantized tensor; the last layer's: the
+                                   unquantized copy                           */
+} mpt__qat_point;
+
+struct mpt__qat {
+    float decay;
+    mpt__qat_point input;      /* the model's input; out in float32 bytes      */
+    mpt__qat_point *point;     /* [n_layers]                                   */
+    int *batchnorm;            /* [n_layers]: a Dense's or Conv2D's folded
+                                  BatchNormalization, or −1                   */
+    void **kernel;             /* [n_layers]: a Dense's or Conv2D's quantized
+                                  kernel in its compute dtype, or NULL        */
+    float *scratch;            /* the largest kernel, float32                  */
+    int softmax_last;          /* the last layer ends in softmax: its logits
+                                  are quantized, then softmax runs here       */
+};
+
+#define MPT__QAT_CHUNK 1024
+
+/* What the full-integer model makes of x in a tensor quantized with p:
+   mpt__q_quantize, then back to float. */
+static float mpt__qat_fake_quant(float x, const mpt_quant_params *p) {
+    return (float)((double)(mpt__q_quantize(x, p) - p->zero_point) * p->scale);
+}
+
+/* Whether x lies in the reals the codes −128..127 stand for, where the
+   fake quantization's gradient passes (FakeQuantWithMinMaxVarsGradient). */
+static int mpt__qat_inside(float x, const mpt_quant_params *p) {
+    return x >= (float)((-128 - p->zero_point) * (double)p->scale) &&
+           x <= (float)((127 - p->zero_point) * (double)p->scale);
+}
+
+/* n values of dtype from src: their range into *lo, *hi (when lo), and
+   fake-quantized with p into dst (when p), in float32 chunks. dst may be src. */
+static void mpt__qat_apply(const mpt_context *ctx, mpt_dtype dtype, const void *src, void *dst,
+                           int64_t n, const mpt_quant_params *p, float *lo, float *hi) {
+    float chunk[MPT__QAT_CHUNK];
+    size_t size = mpt_dtype_size(dtype);
+    int64_t b, k, c;
+    for (b = 0; b < n; b += MPT__QAT_CHUNK) {
+        c = MPT__MIN((int64_t)MPT__QAT_CHUNK, n - b);
+        mpt__convert(ctx, MPT_FLOAT32, chunk, dtype, (const char *)src + (size_t)b * size, c);
+        for (k = 0; lo && k < c; k++) {
+            if (chunk[k] < *lo) *lo = chunk[k];
+            if (chunk[k] > *hi) *hi = chunk[k];
+        }
+        if (!p) continue;
+        for (k = 0; k < c; k++) chunk[k] = mpt__qat_fake_quant(chunk[k], p);
+        mpt__convert(ctx, dtype, (char *)dst + (size_t)b * size, MPT_FLOAT32, chunk, c);
+    }
+}
+
+/* One point over n values: the range to use (a training batch's folded
+   into the moving averages, for commit to keep), then src quantized into
+   dst. Before any training batch a learned point passes its tensor. */
+static void mpt__qat_point_run(mpt_model *m, mpt__qat_point *P, mpt_dtype dtype, const void *src,
+                               void *dst, int64_t n, int training) {
+    float lo = INFINITY, hi = -INFINITY, decay = m->qat->decay;
+    P->active = 0;
+    if (P->kind == MPT__QAT_NONE) return;
+    if (P->kind == MPT__QAT_FIXED) {
+        P->used = P->fixed;
+    } else {
+        if (training) mpt__qat_apply(m->ctx, dtype, src, NULL, n, NULL, &lo, &hi);
+        if (training && lo <= hi) {
+            if (P->seen) {
+                lo = decay * P->min + (1 - decay) * lo;
+                hi = decay * P->max + (1 - decay) * hi;
+            }
+            P->next_min = lo, P->next_max = hi, P->measured = 1;
+        } else if (P->seen) {
+            lo = P->min, hi = P->max;
+        } else {
+            return;
+        }
+        P->used = mpt__q_params(lo, hi);
+    }
+    mpt__qat_apply(m->ctx, dtype, src, dst, n, &P->used, NULL, NULL);
+    P->active = 1;
+}
+
+/* Layer i's kernel fake-quantized into its compute copy: per output
+   channel c (the kernel's last axis), symmetric as mpt__q_symmetric_rows
+   quantizes it, after scaling by the folded BatchNormalization's
+   s[c] = gamma[c]/sqrt(moving_variance[c] + eps) and divided by it again:
+   w <- fq(w·s)/s. */
+static void mpt__qat_kernel(mpt_model *m, int i) {
+    mpt__qat *Q = m->qat;
+    mpt__layer *L = &m->layers[i];
+    mpt__param *P = L->param[0];
+    int64_t N = P->shape[P->rank - 1], K = P->count / N, k, c;
+    float *w = Q->scratch;
+    const mpt__layer *bn = Q->batchnorm[i] >= 0 ? &m->layers[Q->batchnorm[i]] : NULL;
+    const mpt__param *gamma = bn ? mpt__q_layer_param(bn, "gamma") : NULL;
+    const mpt__param *var = bn ? mpt__q_layer_param(bn, "moving_variance") : NULL;
+    for (c = 0; c < N; c++) {
+        float s = 1.0f, amax = 0, inv, scale;
+        if (bn) s = (gamma ? gamma->value[c] : 1.0f) * mpt__bn_inv_std(var->value[c], mpt__bn_epsilon(bn));
+        if (!(s != 0 && isfinite(s))) s = 1.0f; /* a dead channel: folded weights all 0 */
+        for (k = 0; k < K; k++) {
+            w[k * N + c] = P->value[k * N + c] * s;
+            amax = MPT__MAX(amax, fabsf(w[k * N + c]));
+        }
+        scale = amax > 0 ? amax / 127.0f : 1.0f;
+        inv = amax > 0 ? 127.0f / amax : 0.0f;
+        for (k = 0; k < K; k++) {
+            float q = amax < INFINITY ? (float)mpt__q_round_small(w[k * N + c] * inv)
+                                      : (float)mpt__q_clamp8((double)mpt__q_round(w[k * N + c] * inv));
+            w[k * N + c] = q * scale / s;
+        }
+    }
+    P->compute = Q->kernel[i]; /* again: a smaller batch's rebuild resets it */
+    mpt__convert(m->ctx, P->compute_dtype, P->compute, MPT_FLOAT32, w, P->count);
+}
+
+/* mpt__forward_begin's: every kernel quantized, then the input (*x then
+   points at its quantized copy). */
+static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
+                                   int training) {
+    mpt__qat *Q = m->qat;
+    int i;
+    for (i = 0; i < m->n_layers; i++)
+        if (Q->kernel[i]) mpt__qat_kernel(m, i);
+    mpt__qat_point_run(m, &Q->input, dtype, *x, Q->input.out, batch * m->layers[0].in_count,
+                       training);
+    if (Q->input.active) *x = Q->input.out;
+}
+
+/* mpt__forward_finish's, after layer i: its output quantized for the next
+   layer (*next), or in place for the last, whose softmax (left out of
+   the layer's forward) runs here on the quantized logits unless the loss
+   takes the logits. */
+static void mpt__qat_forward_end(mpt_model *m, int i, const void **next) {
+    mpt__qat *Q = m->qat;
+    mpt__layer *L = &m->layers[i];
+    mpt__qat_point *P = &Q->point[i];
+    int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1];
+    if (i < m->n_layers - 1) {
+        mpt__qat_point_run(m, P, L->dtype, L->y, P->out, n, m->last_training);
+        if (P->active) *next = P->out;
+        return;
+    }
+    if (P->kind != MPT__QAT_NONE) { /* the copy first: the mask reads it */
+        memcpy(P->out, L->y, (size_t)n * mpt_dtype_size(L->dtype));
+        mpt__qat_point_run(m, P, L->dtype, P->out, L->y, n, m->last_training);
+    }
+    if (Q->softmax_last && !m->emit_logits) { /* float32: mpt_model_quantize_aware checked */
+        mpt_quant_params probabilities = mpt__q_fixed_params(1.0f / 256, -128);
+        m->be->activation(m->impl, MPT_ACT_SOFTMAX, (float *)L->y, n / cols, cols);
+        mpt__qat_apply(m->ctx, MPT_FLOAT32, L->y, L->y, n, &probabilities, NULL, NULL);
+    }
+}
+
+/* mpt__backward_prepare's, before layer i's backward: dy (its output's
+   gradient, in its dtype) through the last layer's softmax where the
+   forward ran it, then 0 wherever the unquantized output lay outside the
+   range a learned point used. */
+static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
+    mpt__qat *Q = m->qat;
+    mpt__layer *L = &m->layers[i];
+    mpt__qat_point *P = &Q->point[i];
+    int last = i == m->n_layers - 1;
+    int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1], r, k, b, c;
+    size_t size = mpt_dtype_size(L->dtype);
+    float chunk[MPT__QAT_CHUNK];
+    const void *pre = last ? P->out : L->y;
+    if (last && Q->softmax_last && !m->emit_logits) { /* dz = y·(dy − Σ dy·y), in float32 */
+        float *g = (float *)dy;
+        const float *y = (const float *)L->y;
+        for (r = 0; r < n / cols; r++, g += cols, y += cols) {
+            double dot = 0;
+            for (k = 0; k < cols; k++) dot += (double)g[k] * y[k];
+            for (k = 0; k < cols; k++) g[k] = (float)(y[k] * (g[k] - dot));
+        }
+    }
+    if (P->kind != MPT__QAT_LEARNED || !P->active) return;
+    for (b = 0; b < n; b += MPT__QAT_CHUNK) {
+        c = MPT__MIN((int64_t)MPT__QAT_CHUNK, n - b);
+        mpt__convert(m->ctx, MPT_FLOAT32, chunk, L->dtype, (const char *)pre + (size_t)b * size, c);
+        for (k = 0; k < c; k++) /* 0 is all zero bits in every float dtype */
+            if (!mpt__qat_inside(chunk[k], &P->used)) memset((char *)dy + (size_t)(b + k) * size, 0, size);
+    }
+}
+
+static void mpt__qat_commit_point(mpt__qat_point *P) {
+    if (!P->measured) return;
+    P->min = P->next_min, P->max = P->next_max;
+    P->seen = 1;
+    P->measured = 0;
+}
+
+/* mpt__model_commit's: the last training forward's ranges kept. */
+static void mpt__qat_commit(mpt_model *m) {
+    int i;
+    mpt__qat_commit_point(&m->qat->input);
+    for (i = 0; i < m->n_layers; i++) mpt__qat_commit_point(&m->qat->point[i]);
+}
+
+static void mpt__qat_free(mpt_model *m) {
+    mpt__qat *Q = m->qat;
+    int i;
+    if (!Q) return;
+    for (i = 0; i < m->n_layers; i++) {
+        if (Q->point) mpt__free(m->ctx, Q->point[i].out);
+        if (Q->kernel) mpt__free(m->ctx, Q->kernel[i]); /* the model goes too: no compute
+                                                             copy is pointed back */
+    }
+    mpt__free(m->ctx, Q->input.out);
+    mpt__free(m->ctx, Q->point);
+    mpt__free(m->ctx, Q->batchnorm);
+    mpt__free(m->ctx, Q->kernel);
+    mpt__free(m->ctx, Q->scratch);
+    mpt__free(m->ctx, Q);
+    m->qat = NULL;
+}
+
+/* The conversion's ranges: the input's, and each operation's output's
+   from the point of the layer it ends at (operations that keep their
+   input's quantization, or have a fixed one, ignore theirs). */
+static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi) {
+    const mpt__qat *T = m->qat;
+    int i;
+    if (!T->input.seen)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: the quantization-aware model has not "
+                         "trained yet, so it has no ranges: fit it first");
+    lo[0] = T->input.min, hi[0] = T->input.max;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
+        lo[i + 1] = hi[i + 1] = 0;
+        if (P->kind != MPT__QAT_LEARNED) continue;
+        if (!P->seen)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: layer '%s' has no trained range",
+                             Q->ops[i].last->name);
+        lo[i + 1] = P->min, hi[i + 1] = P->max;
+    }
+    return MPT_OK;
+}
+
+/* ---- turning it on ------------------------------------------------------------------------ */
+
+static mpt_status mpt__qat_check(mpt_model *m, const mpt_qat_desc *d) {
+    MPT__CHECK(mpt__refuse_quantized(m, "quantize_aware"));
+    if (m->qat)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: the model is quantization-aware "
+                         "already");
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: build the model first "
+                         "(mpt_model_build)");
+    if (mpt__model_device(m) != MPT_DEVICE_CPU)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: the CUDA backend has no "
+                         "fake quantization yet: train on the CPU");
+    if (m->strategy || m->n_replicas > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: not under a strategy");
+    if (!(d->ema_decay >= 0 && d->ema_decay < 1))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantize_aware: ema_decay %g is not "
+                         "in [0, 1)", (double)d->ema_decay);
+    return MPT_OK;
+}
+
+/* The point (and for a product, the kernel and folded BatchNormalization)
+   that operation op asks for. */
+static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
+    mpt__qat *T = m->qat;
+    int at = (int)(op->last - m->layers), last = at == m->n_layers - 1;
+    mpt__qat_point *P = &T->point[at];
+    mpt_activation act = op->info.activation;
+    if (mpt__qop_weighted(op)) {
+        const mpt__layer *L = mpt__find_layer(m, op->name);
+        mpt_activation own = mpt__layer_activation(L);
+        int k = (int)(L - m->layers);
+        if (own != MPT_ACT_NONE && own != MPT_ACT_RELU && !(last && own == MPT_ACT_SOFTMAX))
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: %s '%s' ends in %s, "
+                             "whose input the integer model quantizes but training cannot see: "
+                             "give it activation none and add an Activation layer",
+                             L->ops->class_name, L->name, mpt_activation_name(own));
+        T->batchnorm[k] = op->info.folded_batchnorm
+                              ? (int)(mpt__find_layer(m, op->info.folded_batchnorm) - m->layers)
+                              : -1;
+        T->kernel[k] = mpt__alloc(m->ctx, (size_t)L->param[0]->count *
+                                              mpt_dtype_size(L->param[0]->compute_dtype));
+        if (!T->kernel[k]) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
+                                            "of memory");
+        P->kind = MPT__QAT_LEARNED;
+    } else if (op->info.op == MPT_QOP_ACTIVATION) {
+        if (last && act == MPT_ACT_SOFTMAX) {
+            if (op->last->dtype != MPT_FLOAT32)
+                return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: the final softmax "
+                                 "'%s' must compute in float32", op->last->name);
+            T->softmax_last = 1;
+        } else if (act == MPT_ACT_SOFTMAX || act == MPT_ACT_SIGMOID) {
+            P->kind = MPT__QAT_FIXED, P->fixed = mpt__q_fixed_params(1.0f / 256, -128);
+        } else if (act == MPT_ACT_TANH) {
+            P->kind = MPT__QAT_FIXED, P->fixed = mpt__q_fixed_params(1.0f / 128, 0);
+        } else {
+            P->kind = MPT__QAT_LEARNED;
+        }
+    }
+    return MPT_OK;
+}
+
+/* The points from the full-integer operations, then their buffers. */
+static mpt_status mpt__qat_plan(mpt_model *m) {
+    mpt__qat *T = m->qat;
+    mpt__quantized *Q = (mpt__quantized *)mpt__calloc(m->ctx, sizeof *Q);
+    int64_t largest = 0;
+    int i;
+    mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
+                                                                          "of memory");
+    if (s == MPT_OK) s = mpt__q_build_ops(m, Q);
+    for (i = 0; s == MPT_OK && i < Q->n_ops; i++) s = mpt__qat_plan_op(m, &Q->ops[i]);
+    mpt__quantized_free(m->ctx, Q);
+    T->input.kind = MPT__QAT_LEARNED;
+    T->input.out = s == MPT_OK ? mpt__alloc(m->ctx, sizeof(float) * (size_t)(m->max_batch *
+                                                                            m->layers[0].in_count))
+                               : NULL;
+    if (s == MPT_OK && !T->input.out) s = MPT_ERR_OUT_OF_MEMORY;
+    for (i = 0; s == MPT_OK && i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        if (T->kernel[i]) largest = MPT__MAX(largest, L->param[0]->count);
+        if (T->point[i].kind == MPT__QAT_NONE) continue;
+        T->point[i].out = mpt__alloc(m->ctx, mpt_dtype_size(L->dtype) *
+                                                 (size_t)(m->max_batch * L->out_count));
+        if (!T->point[i].out) s = MPT_ERR_OUT_OF_MEMORY;
+    }
+    T->scratch = s == MPT_OK ? (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)largest + 1)
+                             : NULL;
+    if (s == MPT_OK && !T->scratch) s = MPT_ERR_OUT_OF_MEMORY;
+    if (s == MPT_ERR_OUT_OF_MEMORY)
+        return mpt__fail(m->ctx, s, "quantize_aware: out of memory for the quantized buffers");
+    return s;
+}
+
+MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *desc) {
+    mpt_qat_desc d;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    MPT__CHECK(mpt__qat_check(m, &d));
+    m->qat = (mpt__qat *)mpt__calloc(m->ctx, sizeof *m->qat);
+    if (m->qat) {
+        m->qat->point = (mpt__qat_point *)mpt__calloc(m->ctx, sizeof(mpt__qat_point) *
+                                                                   (size_t)m->n_layers);
+        m->qat->batchnorm = (int *)mpt__calloc(m->ctx, sizeof(int) * (size_t)m->n_layers);
+        m->qat->kernel = (void **)mpt__calloc(m->ctx, sizeof(void *) * (size_t)m->n_layers);
+    }
+    if (!m->qat || !m->qat->point || !m->qat->batchnorm || !m->qat->kernel) {
+        mpt__qat_free(m);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out of memory");
+    }
+    m->qat->decay = d.ema_decay != 0 ? d.ema_decay : 0.999f;
+    s = mpt__qat_plan(m);
+    if (s != MPT_OK) mpt__qat_free(m);
+    return s;
+}
+
+MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min, float *max) {
+    const mpt__qat_point *P;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!min || !max)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: NULL %s", min ? "max" : "min");
+    if (!m->qat)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "qat_range: the model is not quantization-aware "
+                         "(mpt_model_quantize_aware)");
+    if (layer < -1 || layer >= m->n_layers)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: layer %d is not in -1..%d",
+                         layer, m->n_layers - 1);
+    P = layer < 0 ? &m->qat->input : &m->qat->point[layer];
+    if (P->kind != MPT__QAT_LEARNED || !P->seen)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: the output of %s%s%s %s",
+                         layer < 0 ? "the model's input" : "layer '",
+                         layer < 0 ? "" : m->layers[layer].name, layer < 0 ? "" : "'",
+                         P->kind != MPT__QAT_LEARNED ? "is not quantized with a learned range"
+                                                     : "has not met a training batch yet");
+    *min = P->min, *max = P->max;
+    return MPT_OK;
 }
 
 /* =============================================================================

@@ -1458,7 +1458,10 @@ typedef struct mpt_quantize_desc {
     mpt_quantize_mode mode;                 /* default dynamic-range           */
     /* Full integer only: */
     const mpt_dataset *representative_data; /* required: samples shaped as the
-                                               model's input (labels unread) */
+                                               model's input (labels unread);
+                                               not read for a quantization-
+                                               aware model, whose trained
+                                               ranges are used instead      */
     int64_t calibration_samples;            /* default 0: every sample; else
                                                the first this many (TFLite's
                                                guides take 100..500)         */
@@ -1476,9 +1479,10 @@ typedef struct mpt_quantize_desc {
    checkpoint, or mpt_model_refresh_weights after editing the masters)
    into *out, a new model that shares nothing with m. A compiled m's loss
    and metrics go with it, for mpt_model_evaluate (or compile *out).
-   Errors: MPT_ERR_STATE for an unbuilt or untrained m; for full integer,
-   MPT_ERR_INVALID_ARGUMENT without representative_data or with an empty
-   one, MPT_ERR_SHAPE for samples of the wrong shape; MPT_ERR_UNSUPPORTED
+   Errors: MPT_ERR_STATE for an unbuilt or untrained m (or a
+   quantization-aware one that has not met a training batch); for full
+   integer, MPT_ERR_INVALID_ARGUMENT without representative_data or with an
+   empty one (unless m is quantization-aware), MPT_ERR_SHAPE for samples of the wrong shape; MPT_ERR_UNSUPPORTED
    for a layer it cannot quantize; MPT_ERR_NUMERIC for a weight or a
    calibrated value that is not finite. */
 MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc,

@@ -1482,9 +1482,10 @@ typedef struct mpt_quantize_desc {
    Errors: MPT_ERR_STATE for an unbuilt or untrained m (or a
    quantization-aware one that has not met a training batch); for full
    integer, MPT_ERR_INVALID_ARGUMENT without representative_data or with an
-   empty one (unless m is quantization-aware), MPT_ERR_SHAPE for samples of the wrong shape; MPT_ERR_UNSUPPORTED
-   for a layer it cannot quantize; MPT_ERR_NUMERIC for a weight or a
-   calibrated value that is not finite. */
+   empty one (unless m is quantization-aware), MPT_ERR_SHAPE for samples
+   of the wrong shape; MPT_ERR_UNSUPPORTED for a layer it cannot
+   quantize; MPT_ERR_NUMERIC for a weight or a calibrated value that is
+   not finite. */
 MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc,
                                      mpt_model **out);
 
@@ -1602,9 +1603,12 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
                   float model, while the kernel is fake-quantized as it will
                   be folded, w <- fq(w·s)/s with s = gamma/sqrt(moving_variance
                   + epsilon). At inference the BatchNormalization applies s
-                  again, so the forward pass computes exactly the folded
-                  int8 model's weights (tfmot instead folds with the batch
-                  statistics while training).
+                  again, so the forward pass computes with the folded
+                  weights the int8 model holds (to float32 rounding). tfmot instead folds while training,
+                  with the batch statistics and a correction to the moving
+                  ones; this keeps BatchNormalization's own passes as they
+                  are, at the price of training with batch statistics the
+                  int8 model does not have.
    mpt_model_quantize in full-integer mode then takes these ranges:
    representative_data is optional and not read. Under mixed precision the
    fake quantization computes in float32 and the result is stored in the

@@ -155,6 +155,32 @@ static void test_forward_values(void) {
     CHECK(far <= 1, "%d outputs differ from the reference chain", far);
     CHECK(mpt_model_qat_range(m, 1, &lo, &hi) == MPT_OK && hi > lo, "range: %s",
           mpt_context_error(ctx));
+    {   /* inference leaves the ranges alone; the conversion takes them */
+        float lo2, hi2, in_lo, in_hi;
+        mpt_model *q = NULL;
+        mpt_quantized_info info;
+        mpt_quant_params want;
+        for (k = 0; k < 24; k++) x[k] *= 10;
+        mpt_model_forward(m, &tx, 0, NULL);
+        mpt_model_qat_range(m, 1, &lo2, &hi2);
+        CHECK(lo2 == lo && hi2 == hi, "an inference forward moved the range to [%g, %g]",
+              (double)lo2, (double)hi2);
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+                  MPT_OK, "convert: %s", mpt_context_error(ctx));
+        mpt_model_quantized_info(q, &info);
+        mpt_model_qat_range(m, -1, &in_lo, &in_hi);
+        want = mpt__q_params(in_lo, in_hi);
+        CHECK(info.input.scale == want.scale && info.input.zero_point == want.zero_point,
+              "the int8 input is quantized (%g, %d), the trained range says (%g, %d)",
+              (double)info.input.scale, info.input.zero_point, (double)want.scale,
+              want.zero_point);
+        want = mpt__q_params(lo, hi);
+        CHECK(info.output.scale == want.scale && info.output.zero_point == want.zero_point,
+              "the int8 output is quantized (%g, %d), the trained range says (%g, %d)",
+              (double)info.output.scale, info.output.zero_point, (double)want.scale,
+              want.zero_point);
+        mpt_model_destroy(q);
+    }
     mpt_model_destroy(m);
     mpt_context_destroy(ctx);
 }

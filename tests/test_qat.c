@@ -549,6 +549,24 @@ static void test_bad_input(void) {
     mpt_context_destroy(ctx);
 }
 
+/* A device backend (here the CPU's table under another address, which is
+   what tells a model it is not on the CPU) is refused: fake quantization
+   runs on host memory. */
+static void test_refused_off_the_cpu(void) {
+    static mpt_backend device;
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL;
+    device = *mpt__cpu_backend();
+    ctx->backend = &device;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, "CUDA", "a device model");
+    CHECK(m->qat == NULL, "nothing left behind");
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
 int main(void) {
     TEST_RUN(test_fake_quant_scalar_reference);
     TEST_RUN(test_forward_values);
@@ -559,5 +577,6 @@ int main(void) {
     TEST_RUN(test_mixed_precision);
     TEST_RUN(test_save_and_load);
     TEST_RUN(test_bad_input);
+    TEST_RUN(test_refused_off_the_cpu);
     return test_summary("test_qat");
 }

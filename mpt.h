@@ -19927,7 +19927,8 @@ struct mpt__qat {
                                   BatchNormalization, or −1                   */
     void **kernel;             /* [n_layers]: a Dense's or Conv2D's quantized
                                   kernel in its compute dtype, or NULL        */
-    float *scratch;            /* the largest kernel, float32                  */
+    float *scratch;            /* the largest kernel, then three floats per
+                                  channel of the widest (mpt__qat_kernel)     */
     int softmax_last;          /* the last layer ends in softmax: its logits
                                   are quantized, then softmax runs here       */
 };
@@ -19937,14 +19938,18 @@ struct mpt__qat {
 /* What the full-integer model makes of x in a tensor quantized with p:
    mpt__q_quantize, then back to float. */
 static float mpt__qat_fake_quant(float x, const mpt_quant_params *p) {
-    return (float)((double)(mpt__q_quantize(x, p) - p->zero_point) * p->scale);
+    return (float)(mpt__q_quantize(x, p) - p->zero_point) * p->scale; /* one rounding */
 }
 
-/* Whether x lies in the reals the codes −128..127 stand for, where the
-   fake quantization's gradient passes (FakeQuantWithMinMaxVarsGradient). */
+/* The reals the codes −128 and 127 stand for: between them (ends
+   included) the fake quantization's gradient passes
+   (FakeQuantWithMinMaxVarsGradient), outside it is 0. */
+static float mpt__qat_edge(const mpt_quant_params *p, int code) {
+    return (float)(code - p->zero_point) * p->scale;
+}
+
 static int mpt__qat_inside(float x, const mpt_quant_params *p) {
-    return x >= (float)((-128 - p->zero_point) * (double)p->scale) &&
-           x <= (float)((127 - p->zero_point) * (double)p->scale);
+    return x >= mpt__qat_edge(p, -128) && x <= mpt__qat_edge(p, 127);
 }
 
 /* n values of dtype from src: their range into *lo, *hi (when lo), and
@@ -20000,32 +20005,40 @@ static void mpt__qat_point_run(mpt_model *m, mpt__qat_point *P, mpt_dtype dtype,
    channel c (the kernel's last axis), symmetric as mpt__q_symmetric_rows
    quantizes it, after scaling by the folded BatchNormalization's
    s[c] = gamma[c]/sqrt(moving_variance[c] + eps) and divided by it again:
-   w <- fq(w·s)/s. */
+   w <- fq(w·s)/s. Row after row of the (K, N) kernel, the channels side
+   by side: a column at a time would stride through memory. */
 static void mpt__qat_kernel(mpt_model *m, int i) {
     mpt__qat *Q = m->qat;
     mpt__layer *L = &m->layers[i];
     mpt__param *P = L->param[0];
     int64_t N = P->shape[P->rank - 1], K = P->count / N, k, c;
-    float *w = Q->scratch;
+    float *w = Q->scratch, *s = w + P->count, *scale = s + N, *inv = scale + N; /* (K, N), 3 × (N) */
     const mpt__layer *bn = Q->batchnorm[i] >= 0 ? &m->layers[Q->batchnorm[i]] : NULL;
     const mpt__param *gamma = bn ? mpt__q_layer_param(bn, "gamma") : NULL;
     const mpt__param *var = bn ? mpt__q_layer_param(bn, "moving_variance") : NULL;
     for (c = 0; c < N; c++) {
-        float s = 1.0f, amax = 0, inv, scale;
-        if (bn) s = (gamma ? gamma->value[c] : 1.0f) * mpt__bn_inv_std(var->value[c], mpt__bn_epsilon(bn));
-        if (!(s != 0 && isfinite(s))) s = 1.0f; /* a dead channel: folded weights all 0 */
-        for (k = 0; k < K; k++) {
-            w[k * N + c] = P->value[k * N + c] * s;
-            amax = MPT__MAX(amax, fabsf(w[k * N + c]));
-        }
-        scale = amax > 0 ? amax / 127.0f : 1.0f;
-        inv = amax > 0 ? 127.0f / amax : 0.0f;
-        for (k = 0; k < K; k++) {
-            float q = amax < INFINITY ? (float)mpt__q_round_small(w[k * N + c] * inv)
-                                      : (float)mpt__q_clamp8((double)mpt__q_round(w[k * N + c] * inv));
-            w[k * N + c] = q * scale / s;
-        }
+        s[c] = 1.0f;
+        if (bn) s[c] = (gamma ? gamma->value[c] : 1.0f) * mpt__bn_inv_std(var->value[c], mpt__bn_epsilon(bn));
+        if (!(s[c] != 0 && isfinite(s[c]))) s[c] = 1.0f; /* a dead channel: folded weights all 0 */
+        scale[c] = 0; /* the channel's max |w·s| first */
     }
+    for (k = 0; k < K; k++)
+        for (c = 0; c < N; c++) {
+            w[k * N + c] = P->value[k * N + c] * s[c];
+            scale[c] = MPT__MAX(scale[c], fabsf(w[k * N + c]));
+        }
+    for (c = 0; c < N; c++) {
+        float amax = scale[c];
+        scale[c] = amax > 0 ? amax / 127.0f : 1.0f;
+        inv[c] = amax > 0 ? 127.0f / amax : 0.0f;
+    }
+    for (k = 0; k < K; k++)
+        for (c = 0; c < N; c++) {
+            float v = w[k * N + c] * inv[c];
+            float q = fabsf(v) < 128 ? (float)mpt__q_round_small(v)
+                                     : (float)mpt__q_clamp8((double)mpt__q_round(v)); /* inf amax */
+            w[k * N + c] = q * scale[c] / s[c];
+        }
     P->compute = Q->kernel[i]; /* again: a smaller batch's rebuild resets it */
     mpt__convert(m->ctx, P->compute_dtype, P->compute, MPT_FLOAT32, w, P->count);
 }
@@ -20079,7 +20092,7 @@ static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
     int last = i == m->n_layers - 1;
     int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1], r, k, b, c;
     size_t size = mpt_dtype_size(L->dtype);
-    float chunk[MPT__QAT_CHUNK];
+    float chunk[MPT__QAT_CHUNK], low, high;
     const void *pre = last ? P->out : L->y;
     if (last && Q->softmax_last && !m->emit_logits) { /* dz = y·(dy − Σ dy·y), in float32 */
         float *g = (float *)dy;
@@ -20091,11 +20104,13 @@ static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
         }
     }
     if (P->kind != MPT__QAT_LEARNED || !P->active) return;
+    low = mpt__qat_edge(&P->used, -128), high = mpt__qat_edge(&P->used, 127);
     for (b = 0; b < n; b += MPT__QAT_CHUNK) {
         c = MPT__MIN((int64_t)MPT__QAT_CHUNK, n - b);
         mpt__convert(m->ctx, MPT_FLOAT32, chunk, L->dtype, (const char *)pre + (size_t)b * size, c);
         for (k = 0; k < c; k++) /* 0 is all zero bits in every float dtype */
-            if (!mpt__qat_inside(chunk[k], &P->used)) memset((char *)dy + (size_t)(b + k) * size, 0, size);
+            if (!(chunk[k] >= low && chunk[k] <= high))
+                memset((char *)dy + (size_t)(b + k) * size, 0, size);
     }
 }
 
@@ -20219,7 +20234,7 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
 static mpt_status mpt__qat_plan(mpt_model *m) {
     mpt__qat *T = m->qat;
     mpt__quantized *Q = (mpt__quantized *)mpt__calloc(m->ctx, sizeof *Q);
-    int64_t largest = 0;
+    int64_t largest = 0, widest = 0;
     int i;
     mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
                                                                           "of memory");
@@ -20234,12 +20249,14 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
     for (i = 0; s == MPT_OK && i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
         if (T->kernel[i]) largest = MPT__MAX(largest, L->param[0]->count);
+        if (T->kernel[i]) widest = MPT__MAX(widest, L->param[0]->shape[L->param[0]->rank - 1]);
         if (T->point[i].kind == MPT__QAT_NONE) continue;
         T->point[i].out = mpt__alloc(m->ctx, mpt_dtype_size(L->dtype) *
                                                  (size_t)(m->max_batch * L->out_count));
         if (!T->point[i].out) s = MPT_ERR_OUT_OF_MEMORY;
     }
-    T->scratch = s == MPT_OK ? (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)largest + 1)
+    T->scratch = s == MPT_OK ? (float *)mpt__alloc(m->ctx, sizeof(float) *
+                                                               (size_t)(largest + 3 * widest + 1))
                              : NULL;
     if (s == MPT_OK && !T->scratch) s = MPT_ERR_OUT_OF_MEMORY;
     if (s == MPT_ERR_OUT_OF_MEMORY)

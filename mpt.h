@@ -19948,8 +19948,8 @@ static float mpt__qat_edge(const mpt_quant_params *p, int code) {
     return (float)(code - p->zero_point) * p->scale;
 }
 
-static int mpt__qat_inside(float x, const mpt_quant_params *p) {
-    return x >= mpt__qat_edge(p, -128) && x <= mpt__qat_edge(p, 127);
+static int mpt__qat_inside(float x, float low_edge, float high_edge) {
+    return x >= low_edge && x <= high_edge;
 }
 
 /* n values of dtype from src: their range into *lo, *hi (when lo), and
@@ -20109,7 +20109,7 @@ static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
         c = MPT__MIN((int64_t)MPT__QAT_CHUNK, n - b);
         mpt__convert(m->ctx, MPT_FLOAT32, chunk, L->dtype, (const char *)pre + (size_t)b * size, c);
         for (k = 0; k < c; k++) /* 0 is all zero bits in every float dtype */
-            if (!(chunk[k] >= low && chunk[k] <= high))
+            if (!mpt__qat_inside(chunk[k], low, high))
                 memset((char *)dy + (size_t)(b + k) * size, 0, size);
     }
 }

@@ -19939,35 +19939,53 @@ struct mpt__qat {
 
 /* What the full-integer model makes of x[0..n) in a tensor quantized
    with p, in place: mpt__q_quantize (x/scale rounded half away from zero,
-   plus the zero point, saturated; NaN to code 0) and back to float, with
-   the zero point taken off the saturation's ends instead and no branch:
-   16 values at a time through a local array, which gcc's -O2 cost model
-   vectorizes (as mpt__add_f32). */
+   plus the zero point, saturated; NaN to code 0) and back to float, the
+   zero point taken off the saturation's ends instead. */
 static void mpt__qat_fake_quant(float *x, int64_t n, const mpt_quant_params *p) {
     const float low = (float)(-128 - p->zero_point), high = (float)(127 - p->zero_point);
     const float scale = p->scale, nan_code = (float)-p->zero_point;
-    int64_t k = 0;
-    int j, m;
-    while (k < n) {
-        float t[16];
-        m = n - k < 16 ? (int)(n - k) : 16;
-        for (j = 0; j < 16; j++) t[j] = j < m ? x[k + j] : 0.0f;
-        for (j = 0; j < 16; j++) {
-            float v = t[j] / scale, whole, part, q;
-            v = v < -256.0f ? -256.0f : v; /* int-safe; NaN passes both */
-            v = v > 256.0f ? 256.0f : v;
-            v = v == v ? v : nan_code;
-            whole = (float)(int32_t)v;
-            part = v - whole;
-            q = part >= 0.5f ? whole + 1.0f : whole;
-            q = part <= -0.5f ? q - 1.0f : q;
-            q = q < low ? low : q;
-            t[j] = (q > high ? high : q) * scale;
-        }
-        for (j = 0; j < m; j++) x[k + j] = t[j];
-        k += m;
+    int64_t k;
+    for (k = 0; k < n; k++) {
+        float v = x[k] / scale, whole, part, q;
+        v = v == v ? (v < -256.0f ? -256.0f : v > 256.0f ? 256.0f : v) : nan_code; /* int-safe */
+        whole = (float)(int32_t)v;
+        part = v - whole;
+        q = whole + (float)(part >= 0.5f) - (float)(part <= -0.5f);
+        x[k] = (q < low ? low : q > high ? high : q) * scale;
     }
 }
+
+#if MPT__X86
+/* The same 16 lanes at a time: the scalar loop's selects become branches
+   that ReLU outputs mispredict (half of a quantization-aware cnn_small
+   step went there). Same bits. The zero-masking forms (all lanes): the
+   plain ones start from an "undefined" vector g++ 12 reports as
+   maybe-uninitialized. */
+MPT__TARGET_AVX512 static void mpt__qat_fake_quant_avx512(float *x, int64_t n,
+                                                         const mpt_quant_params *p) {
+    const __m512 low = _mm512_set1_ps((float)(-128 - p->zero_point));
+    const __m512 high = _mm512_set1_ps((float)(127 - p->zero_point));
+    const __m512 scale = _mm512_set1_ps(p->scale), nan_code = _mm512_set1_ps((float)-p->zero_point);
+    const __m512 limit = _mm512_set1_ps(256.0f), one = _mm512_set1_ps(1.0f);
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    const __mmask16 all = 0xffff;
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + k), scale), whole, part;
+        __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+        v = _mm512_maskz_max_ps(all, v, _mm512_sub_ps(_mm512_setzero_ps(), limit));
+        v = _mm512_mask_mov_ps(nan_code, number, _mm512_maskz_min_ps(all, v, limit));
+        whole = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_cvttps_epi32(all, v));
+        part = _mm512_sub_ps(v, whole);
+        whole = _mm512_mask_add_ps(whole, _mm512_cmp_ps_mask(part, half, _CMP_GE_OQ), whole, one);
+        whole = _mm512_mask_sub_ps(whole, _mm512_cmp_ps_mask(part, minus_half, _CMP_LE_OQ), whole,
+                                   one);
+        whole = _mm512_maskz_min_ps(all, _mm512_maskz_max_ps(all, whole, low), high);
+        _mm512_storeu_ps(x + k, _mm512_mul_ps(whole, scale));
+    }
+    mpt__qat_fake_quant(x + k, n - k, p);
+}
+#endif
 
 /* The reals the codes −128 and 127 stand for: between them (ends
    included) the fake quantization's gradient passes
@@ -19995,7 +20013,11 @@ static void mpt__qat_apply(const mpt_context *ctx, mpt_dtype dtype, const void *
             if (chunk[k] > *hi) *hi = chunk[k];
         }
         if (!p) continue;
-        mpt__qat_fake_quant(chunk, c, p);
+#if MPT__X86
+        if (ctx->cpu & MPT_CPU_AVX512) mpt__qat_fake_quant_avx512(chunk, c, p);
+        else
+#endif
+            mpt__qat_fake_quant(chunk, c, p);
         mpt__convert(ctx, dtype, (char *)dst + (size_t)b * size, MPT_FLOAT32, chunk, c);
     }
 }

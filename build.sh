@@ -47,7 +47,11 @@ clang libclang-rt-14-dev"
 # Python packages (PyPI names) the interoperability tests import; pip installs
 # them into PY_VENV when one is missing (python_env). onnxruntime, onnx (its
 # checker) and ai-edge-litert (LiteRT's interpreter) run the exported models.
-PY_PACKAGES="safetensors numpy tensorboard onnxruntime onnx ai-edge-litert"
+# tensorboard-plugin-profile serves fit's profiler trace (<host>.trace.json.gz):
+# 2.19.0 is the last version that reads that file (later ones read only
+# <host>.xplane.pb); it holds protobuf below 5, and so TensorBoard at 2.20.
+PY_PACKAGES="safetensors numpy tensorboard onnxruntime onnx ai-edge-litert
+tensorboard-plugin-profile==2.19.0"
 PY_VENV=$B/venv
 
 install_packages() {
@@ -272,12 +276,15 @@ hand_loss_scaling_checks() {
     fi
 }
 
-# True when PY_VENV's Python has every package of PY_PACKAGES (read from
-# their metadata: no import, no network).
+# True when PY_VENV's Python has every package of PY_PACKAGES, at the version
+# where one is pinned (NAME==VERSION) (read from their metadata: no import, no
+# network).
 python_env_complete() {
     [ -x "$PY_VENV/bin/python" ] &&
         "$PY_VENV/bin/python" -c 'import sys, importlib.metadata as m
-for p in sys.argv[1:]: m.version(p)' $PY_PACKAGES >/dev/null 2>&1
+for p in sys.argv[1:]:
+    name, _, pin = p.partition("==")
+    if m.version(name) != (pin or m.version(name)): sys.exit(1)' $PY_PACKAGES >/dev/null 2>&1
 }
 
 # The Python of the interoperability tests: a virtual environment (PY_VENV)

@@ -1062,10 +1062,11 @@ enum {
    with the step's data wait and host work, its loss and loss scale. The
    trace goes to profile_dir/plugins/profile/<run>/<host>.trace.json (and
    .trace.json.gz where zlib is built in, the file TensorBoard's profile
-   plugin reads), <run> the date and time ("2026_11_23_17_05_09"), as a
-   JSON array of Chrome trace events ({"name", "ph": "X", "ts", "dur",
-   "pid", "tid", "args"}, microseconds) that Perfetto and chrome://tracing
-   open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
+   plugin reads up to tensorboard-plugin-profile 2.19.0; later versions
+   read only <host>.xplane.pb), <run> the date and time
+   ("2026_11_23_17_05_09"), as a JSON array of Chrome trace events
+   ({"name", "ph": "X", "ts", "dur", "pid", "tid", "args"}, microseconds)
+   that Perfetto and chrome://tracing open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
    as <host>.layers.txt and, with verbose >= 1, to the printer at the end.
    Profiled steps run as they are queued, never replayed from a recorded
    CUDA graph; with profiling off a step is unchanged. */
@@ -1287,8 +1288,10 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    epoch_loss_scale, ...) in train/ and each "val_<name>" as "epoch_<name>"
    in validation/, at step = the 0-based epoch; the model summary as the
    text "model_summary" at step 0; histograms and batch scalars as the
-   descriptor asks. Worker 0 writes; a killed run leaves files that read up
-   to its last whole event. Freed by mpt_callback_destroy like the others. */
+   descriptor asks. Worker 0 writes, creating log_dir when fit begins; the
+   other workers create nothing (making the callback only checks that
+   log_dir can be created). A killed run leaves files that read up to its
+   last whole event. Freed by mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);
@@ -1451,6 +1454,13 @@ typedef enum mpt_calibration {
     MPT_CALIBRATION_PERCENTILE = 1, /* the (100 − p) and p percentiles of
                                        the values seen (a histogram of 2048
                                        bins over min..max): outliers clipped */
+    MPT_CALIBRATION_MSE = 2,        /* the range whose int8 quantization has
+                                       the least mean-squared error over that
+                                       histogram (each bin at its centre), of
+                                       the ranges with both ends on every
+                                       16th bin edge (TensorRT's and ONNX
+                                       Runtime's MSE calibrators): outliers
+                                       clipped where that pays             */
     MPT_CALIBRATION_COUNT_
 } mpt_calibration;
 
@@ -1674,16 +1684,40 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    (uint8 through a QUANTIZE to and from int8). LiteRT's results are those
    of mpt_model_quantized_invoke to within one step of the output's scale
    (its kernels round a few sums their own way). A float16 quantized model
-   goes to TFLite as its operations in float32, float16 kernels with a
-   DEQUANTIZE and float32 biases. A full-integer model goes to ONNX in the
-   QDQ form ONNX Runtime fuses into int8 kernels: float32 input and output,
+   goes to both as its operations in float32, float16 kernels turned into
+   float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
+   mpt.h's float math, its outputs to within 1e-4. A full-integer model
+   goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
+   float32 input and output,
    each operation's float op between DequantizeLinear of its int8 inputs
    (weights per output channel, int32 biases at scale input·weight[c]) and
    QuantizeLinear/DequantizeLinear at its output's scale and zero point
    (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
    to within two steps of the output's scale (it rounds in float, or in its
-   own int8 kernels). A dynamic-range model, and a float16 one to ONNX,
-   give MPT_ERR_UNSUPPORTED.
+   own int8 kernels). A dynamic-range model keeps float32 activations and
+   int8 kernels per output channel (zero points 0), float32 biases:
+     TFLite  as the converter writes Optimize.DEFAULT models: "hybrid"
+             FULLY_CONNECTED and CONV_2D, a float32 input, the int8 filter
+             read as it is, asymmetric_quantize_inputs set. LiteRT's hybrid
+             kernels quantize each input row (FULLY_CONNECTED) or sample
+             (CONV_2D) asymmetrically, [min, max] onto [−128, 127], where
+             mpt.h takes [−max|x|, max|x|] onto [−127, 127]; the flag only
+             reaches LiteRT's own FULLY_CONNECTED (XNNPACK, which it uses by
+             default, and CONV_2D with per-channel filters are asymmetric
+             whatever it says), so it is set, and every LiteRT path gives
+             the same. Each input lands up to half a step of either scale
+             away from mpt.h's, so the outputs differ by that noise: a
+             Fashion-MNIST MLP's probabilities by up to 0.0096, its top-1
+             mpt.h's on 9,990 of the 10,000 test images (tests/test_export.c).
+     ONNX    mpt.h's own arithmetic, run in integers: each sample quantized
+             as mpt.h does (scale max|x|/127, ties away from zero, from Abs,
+             ReduceMax, Div, Where, Cast and Clip nodes), MatMulInteger or
+             ConvInteger with the int8 kernel, then Cast, Mul by the
+             kernel's scales and the sample's, Add of the bias: ONNX
+             Runtime's outputs are mpt.h's to within float32 rounding (1e-5).
+             Not ONNX Runtime's quantize_dynamic form: its
+             DynamicQuantizeLinear takes one scale for the whole batch, so a
+             sample's result would depend on the samples beside it.
    A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,
    naming the layer, and nothing is written. The file is written as
    checkpoints are (a temporary file renamed over path), so a failure leaves
@@ -4366,10 +4400,15 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
-   portable C 4×8. The raw sums go to an MR×NR int32 tile on the stack and
-   the epilogue (zero points, bias, requantization) stores them, 16 columns
-   at a time with AVX-512 or 8 with AVX2 (in 32-bit lanes), else one by
-   one.
+   portable C 4×8. For a short depth (4 ≤ K ≤ MPT__QGEMM_ROWS_MAX_K, as a
+   small conv's im2col rows) the VNNI kernel reads A's rows in place
+   instead of a packed panel, except in the panel of A's last row (a
+   group's bytes past K would lie past A). The raw sums go to an MR×NR
+   int32 tile on the stack and the epilogue (zero points, bias,
+   requantization) stores them, 16 columns at a time with AVX-512 or 8
+   with AVX2 (in 32-bit lanes), else one by one; with AVX-512, a product
+   whose shifts are all ≤ 0 and whose sums cannot saturate (every layer's)
+   takes the whole tile at once (mpt__qgemm_store_tile_avx512).
 
    WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
    is packed before them, so splitting rows costs nothing, and splitting
@@ -4377,6 +4416,7 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    steps, so the thread count cannot change a bit. */
 
 #define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
+#define MPT__QGEMM_ROWS_MAX_K 64 /* VNNI reads A unpacked up to this depth */
 
 #if MPT__X86
 #define MPT__TARGET_AVX512_VNNI \
@@ -4394,6 +4434,9 @@ typedef struct mpt__qgemm_job {
     mpt__qgemm_kernel_fn kernel;
     int mr, nr;        /* micro-tile                                        */
     int quads;         /* groups of 4 bytes; else of 2 int16                */
+    int plain_requant; /* int8 C whose sums cannot saturate and whose
+                          shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
+    int rows_in_place; /* the VNNI kernel reads A's rows unpacked (short K) */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -4534,6 +4577,24 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
                  : 0;
 }
 
+/* Packs a row of n ≤ 16 bytes (an im2col row of a small conv, K = 9 for
+   3×3 on one channel) into lane l of a panel w wide in groups of 4 bytes,
+   flipped, and returns the sum of its bytes as packed: as
+   mpt__qgemm_pack_lane, without its calls and loops, which cost more than
+   the kernel that reads such a row. */
+static int32_t mpt__qgemm_pack_short_row(uint8_t *panel, int w, int l, const uint8_t *s,
+                                         int64_t n, int flip) {
+    uint8_t buf[16] = {0};
+    int32_t sum = 0;
+    int64_t k, g;
+    for (k = 0; k < n; k++) {
+        buf[k] = (uint8_t)(s[k] ^ flip);
+        sum += buf[k];
+    }
+    for (g = 0; g < (n + 3) / 4; g++) memcpy(panel + g * 4 * w + 4 * l, buf + 4 * g, 4);
+    return sum;
+}
+
 /* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
 static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t ir, int mb,
                               int32_t *rowsum) {
@@ -4541,6 +4602,13 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
     const int flip = d->a_unsigned ? 0 : 0x80; /* int8 a + 128 = its byte ^ 0x80 */
     int i;
     memset(dst, 0, (size_t)(job->kg * job->mr * 4));
+    if (job->quads && d->k > 0 && d->k <= 16) {
+        for (i = 0; i < mb; i++)
+            rowsum[i] = mpt__qgemm_pack_short_row(dst, job->mr, i,
+                                                  (const uint8_t *)d->a + (ir + i) * d->lda,
+                                                  d->k, flip);
+        return;
+    }
     for (i = 0; i < mb; i++)
         rowsum[i] = d->k ? mpt__qgemm_pack_lane(dst, job->quads, job->mr, i,
                                                 (const uint8_t *)d->a + (ir + i) * d->lda,
@@ -4633,6 +4701,76 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store16_avx512(const mpt__qgemm_job *j
     _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + i * d->ldc + n, k, q);
 }
 
+/* The requantizing epilogue of a whole tile with AVX-512, when
+   job->plain_requant: the sums cannot saturate (so the zero-point terms
+   and the bias fold into one int32 per column, added in wrapping
+   arithmetic that is exact because the result fits) and no shift is to
+   the left. Each 16-column block sets up its constants once for every
+   row of the tile. The doubling high multiply is (x·m + 2^30) >> 31
+   (arithmetic): for a negative product p the nudge-and-truncate of
+   mpt__rounding_doubling_high_mul, trunc((p + 1 − 2^30) / 2^31), is the
+   same floor, so one form serves both signs and the steps stay TFLite's. */
+MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job *job,
+                                                           const int32_t *tile,
+                                                           const int32_t *rowsum, int64_t i0,
+                                                           int64_t j0, int mb, int nb) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask16 all = 0xffff;
+    const __mmask8 all8 = 0xff;
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i half_unit = _mm512_set1_epi64((int64_t)1 << 30);
+    const int lo = d->c_min || d->c_max ? d->c_min : -128;
+    const int hi = d->c_min || d->c_max ? d->c_max : 127;
+    const __m512i qlo = _mm512_set1_epi32(lo - d->c_zero_point);
+    const __m512i qhi = _mm512_set1_epi32(hi - d->c_zero_point);
+    const __m512i zp = _mm512_set1_epi32(d->c_zero_point);
+    const int64_t zb = d->b_zero_point;
+    int32_t row[12]; /* MR ≤ 12: each row's zero-point term, mod 2^32 */
+    int i, j;
+    for (i = 0; i < mb; i++) {
+        const uint32_t low = (uint32_t)(uint64_t)(d->k * job->zu * zb - zb * rowsum[i]);
+        memcpy(&row[i], &low, 4);
+    }
+    for (j = 0; j < nb; j += 16) {
+        const int64_t n = j0 + j;
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, nb - j)) - 1u);
+        const __m512i bias = d->bias ? _mm512_maskz_loadu_epi32(k, d->bias + n) : zero;
+        const __m512i col = _mm512_sub_epi32(
+            bias, _mm512_maskz_mullo_epi32(all, _mm512_maskz_loadu_epi32(k, job->colsum + n),
+                                           _mm512_set1_epi32((int)job->zu)));
+        const __m512i m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
+                                         : _mm512_set1_epi32(d->multiplier[0]);
+        const __m512i right = _mm512_sub_epi32(zero, d->per_channel
+                                                         ? _mm512_maskz_loadu_epi32(k, d->shift + n)
+                                                         : _mm512_set1_epi32(d->shift[0]));
+        const __m512i m_odd = _mm512_maskz_srli_epi64(all8, m, 32);
+        const __m512i mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
+        const __m512i half = _mm512_maskz_srli_epi32(all, mask, 1);
+        for (i = 0; i < mb; i++) {
+            const __m512i x = _mm512_add_epi32(_mm512_loadu_si512(tile + i * job->nr + j),
+                                               _mm512_add_epi32(col, _mm512_set1_epi32(row[i])));
+            const __m512i even = _mm512_maskz_srli_epi64(
+                all8, _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, x, m), half_unit), 31);
+            const __m512i odd = _mm512_maskz_slli_epi64(
+                all8,
+                _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, _mm512_maskz_srli_epi64(all8, x, 32),
+                                                        m_odd),
+                                 half_unit),
+                1);
+            const __m512i h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, even, odd);
+            /* the rounding divide by 2^right, as in mpt__qgemm_store16_avx512 */
+            const __mmask16 up = _mm512_cmpgt_epi32_mask(
+                _mm512_and_si512(h, mask),
+                _mm512_add_epi32(half, _mm512_maskz_srli_epi32(all, h, 31)));
+            __m512i q = _mm512_maskz_srav_epi32(all, h, right);
+            q = _mm512_mask_add_epi32(q, up, q, one);
+            q = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, qlo), qhi);
+            _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + (i0 + i) * d->ldc + n, k,
+                                             _mm512_add_epi32(q, zp));
+        }
+    }
+}
+
 /* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
    truncated, in the low half of each 64-bit lane (a logical shift gives
    the right low half, as the quotient fits in int32). */
@@ -4723,6 +4861,12 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
     const int32_t lo = d->c_min || d->c_max ? d->c_min : -128;
     const int32_t hi = d->c_min || d->c_max ? d->c_max : 127;
     int i, j;
+#if MPT__X86
+    if (job->plain_requant && (job->ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__qgemm_store_tile_avx512(job, tile, rowsum, i0, j0, mb, nb);
+        return;
+    }
+#endif
     for (i = 0; i < mb; i++) {
         const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
 #if MPT__X86
@@ -4889,6 +5033,44 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uin
     }
     MPT__ROWS12(MPT__QGEMM_STORE512)
 }
+
+/* AVX-512 VNNI reading A's rows where they lie, for a short depth (4 ≤ K
+   ≤ MPT__QGEMM_ROWS_MAX_K): a 3×3 conv's im2col row is 9 bytes, and
+   packing it took longer than the product. Row i's group g is the 4 bytes
+   at rows[i] + 4g flipped to u as packing flips them; the bytes past K
+   (at most 3, the next row's) meet B's zero padding and add nothing.
+   rows[] holds 12 pointers (a short panel repeats its last row). */
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
+                                                                const uint8_t *const *rows,
+                                                                int flip, const uint8_t *b,
+                                                                int bw, int32_t *tile) {
+    const int32_t flip4 = (int32_t)((uint32_t)flip * 0x01010101u);
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
+    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
 #undef MPT__QGEMM_STORE512
 #endif /* MPT__X86 */
 
@@ -4906,13 +5088,33 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
     uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
     int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
+    const uint8_t *rows[12];
     int64_t ir, jr;
+    int i;
     for (ir = i0; ir < i1; ir += mr) {
         const int mb = (int)MPT__MIN(mr, i1 - ir);
-        mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        /* rows read in place: not in the panel of A's last row, whose
+           bytes past K would lie past A */
+        const int in_place = job->rows_in_place && ir + mb < d->m;
+        if (in_place) {
+            const int flip = d->a_unsigned ? 0 : 0x80;
+            for (i = 0; i < mr; i++)
+                rows[i] = (const uint8_t *)d->a + (ir + MPT__MIN(i, mb - 1)) * d->lda;
+            for (i = 0; i < mb; i++) /* Σu is needed only against B's zero point */
+                rowsum[i] = d->b_zero_point
+                                ? (int32_t)mpt__qgemm_byte_sum(rows[i], d->k, flip) : 0;
+        } else {
+            mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        }
         for (jr = j0; jr < j1; jr += nr) {
             const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
-            job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
+#if MPT__X86
+            if (in_place)
+                mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
+                                            job->bpack + jr * job->kg * 4, w, tile);
+            else
+#endif
+                job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
             mpt__qgemm_store(job, tile, rowsum, ir, jr, mb, (int)MPT__MIN(nr, j1 - jr));
         }
     }
@@ -4956,6 +5158,21 @@ static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
 #else
     (void)cpu;
 #endif
+}
+
+/* Whether d's requantization can take the plain epilogue: int8 C, every
+   shift ≤ 0 (a multiplier below 1, as a layer's scale ratio is), and
+   biases small enough that no sum saturates (|Σ| ≤ 255·255·K without the
+   bias). The other paths give the same bits; only speed depends on it. */
+static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
+    const int64_t bound = INT32_MAX - (int64_t)255 * 255 * d->k;
+    int64_t j;
+    if (!d->c_int8) return 0;
+    for (j = 0; j < (d->per_channel ? d->n : 1); j++)
+        if (d->shift[j] > 0) return 0;
+    for (j = 0; d->bias && j < d->n; j++)
+        if (d->bias[j] > bound || d->bias[j] < -bound) return 0;
+    return 1;
 }
 
 /* B packed in the layout of one path (nr, quads: the micro-kernel's),
@@ -5012,6 +5229,11 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     mpt__qgemm_choose_kernel(&job, ctx->cpu);
     job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
     job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
+    job.plain_requant = mpt__qgemm_is_plain_requant(d);
+#if MPT__X86
+    job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4 &&
+                        d->k <= MPT__QGEMM_ROWS_MAX_K;
+#endif
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
     serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
@@ -6555,12 +6777,76 @@ MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const f
 }
 #endif
 
+#if MPT__X86
+/* The same for y and dy in float16 or bfloat16, widened in registers
+   (exactly): one pass over memory where widening both first took three.
+   The widened values are what mpt__relu_backward_avx512 would read, so
+   the result is the same bits. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__relu_backward_half_loop(
+    mpt_dtype dtype, const mpt_half *y, const mpt_half *dy, float *dz, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        const __m512 yv = mpt__avx512_load(dtype, y + i, m), dyv = mpt__avx512_load(dtype, dy + i, m);
+        const __mmask16 passed = _mm512_mask_cmp_ps_mask(m, yv, _mm512_setzero_ps(), _CMP_NLE_UQ);
+        _mm512_mask_storeu_ps(dz + i, m, _mm512_maskz_mov_ps(passed, dyv));
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__relu_backward_half_avx512(mpt_dtype dtype, const void *y,
+                                                             const void *dy, float *dz,
+                                                             int64_t n) {
+    if (dtype == MPT_BFLOAT16)
+        mpt__relu_backward_half_loop(MPT_BFLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+    else
+        mpt__relu_backward_half_loop(MPT_FLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+}
+
+typedef struct mpt__relu_half_job {
+    mpt_dtype dtype;
+    const mpt_half *y, *dy;
+    float *dz;
+    int64_t n;
+} mpt__relu_half_job;
+
+static void mpt__relu_half_task(void *arg, int64_t task, int thread) {
+    const mpt__relu_half_job *j = (const mpt__relu_half_job *)arg;
+    const int64_t i = task * MPT__CONVERT_CHUNK;
+    (void)thread;
+    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i,
+                                   MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+}
+
+/* Split as mpt__convert splits: each element on its own, so any split
+   gives the same bits. */
+static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const void *y,
+                                    const void *dy, float *dz, int64_t n) {
+    mpt__relu_half_job j;
+    j.dtype = dtype;
+    j.y = (const mpt_half *)y;
+    j.dy = (const mpt_half *)dy;
+    j.dz = dz;
+    j.n = n;
+    if (n < MPT__CONVERT_PARALLEL_MIN)
+        mpt__relu_backward_half_avx512(dtype, y, dy, dz, n);
+    else
+        mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
+                          mpt__relu_half_task, &j);
+}
+#endif
+
 /* dz = dy · act'(...) in float32, reading dy, the output y and (for GELU)
    the pre-activation z in `dtype`. tmp holds n floats. */
 static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
                                  const void *z, const void *y, const void *dy, float *dz,
                                  float *tmp, int64_t n, int64_t cols) {
     const float *dyf = (const float *)dy, *kept = (const float *)(act == MPT_ACT_GELU ? z : y);
+#if MPT__X86
+    if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);
+        return;
+    }
+#endif
     if (dtype != MPT_FLOAT32) { /* float32 is read in place, halves are widened */
         mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
         dyf = dz;
@@ -7150,6 +7436,10 @@ static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, co
 #define MPT__DCONV_MR 12       /* output pixels per tile                  */
 #define MPT__DCONV_MAX_TAPS 64 /* larger kernels take the im2col path     */
 #define MPT__DCONV_TILES_PER_TASK 8 /* tiles per parallel-for task    */
+#define MPT__DCONV_KGRAD_F32_ROWS 8 /* float32 kernel gradient: channels per tile */
+#ifndef MPT__DCONV_KGRAD_F32_MAX_F
+#define MPT__DCONV_KGRAD_F32_MAX_F 64 /* more filters: the GEMM path */
+#endif
 
 struct mpt__dconv_job;
 /* tile (MR × 32 float32) = the sums of output channels [o0, o0 + nb)
@@ -7199,13 +7489,14 @@ static void mpt__dconv_taps(const mpt__dconv_job *j, int64_t b, int64_t oy, int6
     const int grad = j->a->input_grad;
     const unsigned char *image = j->x + (size_t)(b * j->ih * j->iw * j->ic) * j->es;
     const size_t pixel = (size_t)j->ic * j->es;
-    int64_t i, k;
+    int64_t i, k, xs[MPT__DCONV_MAX_TAPS];
+    for (k = 0; k < g->kw; k++) /* the columns once, not once per kernel row */
+        xs[k] = mpt__dconv_axis(grad, ox, k, g->kw, g->sw, g->left, j->iw);
     for (i = 0; i < g->kh; i++) {
         const int64_t y = mpt__dconv_axis(grad, oy, i, g->kh, g->sh, g->top, j->ih);
-        for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR) {
-            const int64_t x = mpt__dconv_axis(grad, ox, k, g->kw, g->sw, g->left, j->iw);
-            *src = y < 0 || x < 0 ? j->zero : image + (size_t)(y * j->iw + x) * pixel;
-        }
+        const unsigned char *row = image + (size_t)(y * j->iw) * pixel;
+        for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR)
+            *src = y < 0 || xs[k] < 0 ? j->zero : row + (size_t)xs[k] * pixel;
     }
 }
 
@@ -7263,7 +7554,7 @@ MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
                                                    const unsigned char *const *src, int64_t o0,
                                                    int nb, float *tile) {
     const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
-    const float *w = (const float *)j->w + o0;
+    const float *w = (const float *)j->w + o0, *zero = (const float *)(const void *)j->zero;
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int64_t t, c;
     int first = 1;
@@ -7272,9 +7563,19 @@ MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
 #define MPT__S(i) MPT__DCONV_SRC(i, float)
         MPT__ROWS12(MPT__S)
 #undef MPT__S
+        /* The input gradient skips a tap that reads dz's padding for every
+           pixel of the tile (the border rows of a 'valid' layer's dx): it
+           would add only zeros. The depth blocks' folds stay where they
+           were. The forward keeps every tap, to give the im2col path's
+           bits even where a weight is not finite. */
+#define MPT__Z(i) && s##i == zero
+        const int skip = j->a->input_grad MPT__ROWS12(MPT__Z);
+#undef MPT__Z
         for (c = 0; c < ic;) {
             const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
-            if (nb > 16) {
+            if (skip) {
+                c = stop;
+            } else if (nb > 16) {
                 for (; c < stop; c++) {
                     const float *wr = w + (t * ic + c) * oc;
                     __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
@@ -7369,6 +7670,29 @@ MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float
             _mm512_storeu_ps(t, v);
         }
 }
+
+/* The tile's first m rows of nb sums rounded to dtype (float16 or
+   bfloat16) into rows ld apart: the rounding of mpt__convert, inline, not
+   a call per 32-element row. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dconv_round_rows(mpt_dtype dtype,
+                                                                      const float *tile,
+                                                                      mpt_half *dst, int64_t ld,
+                                                                      int m, int nb) {
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int p;
+    for (p = 0; p < m; p++) {
+        mpt__avx512_store(dtype, dst + p * ld, _mm512_loadu_ps(tile + 32 * p), k0);
+        if (nb > 16) mpt__avx512_store(dtype, dst + p * ld + 16, _mm512_loadu_ps(tile + 32 * p + 16), k1);
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__dconv_round_avx512(mpt_dtype dtype, const float *tile,
+                                                       mpt_half *dst, int64_t ld, int m, int nb) {
+    if (dtype == MPT_BFLOAT16)
+        mpt__dconv_round_rows(MPT_BFLOAT16, tile, dst, ld, m, nb);
+    else
+        mpt__dconv_round_rows(MPT_FLOAT16, tile, dst, ld, m, nb);
+}
 #undef MPT__DCONV_FOLD
 #undef MPT__DCONV_SRC
 #endif /* MPT__X86 */
@@ -7384,6 +7708,10 @@ static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, i
 #if MPT__X86
     if (!a->input_grad)
         mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
+    if (a->dtype != MPT_FLOAT32 && !other_act) {
+        mpt__dconv_round_avx512(a->dtype, tile, (mpt_half *)a->y + p0 * j->oc + o0, j->oc, m, nb);
+        return;
+    }
 #endif
     for (p = 0; p < m; p++) {
         float *row = tile + 32 * p;
@@ -7427,16 +7755,20 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
 
 /* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
    over the output pixels of x's channel c at that tap times the pixel's
-   dz row. A task owns a block of 12 rows (channels c0.. of one tap) by 32
-   filters and runs over every pixel in order, so nothing depends on the
+   dz row. A task owns a block of 12 rows (float32: 8; channels c0.. of
+   one tap) by 32 filters and runs over every pixel in order, so nothing depends on the
    thread count; taps in the padding add nothing and are skipped. Per
    pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
-   broadcasts, dz's row (widened) loaded, 24 FMAs. The sums are float32 in
-   another order than the GEMM's (not its bits). */
+   broadcasts, dz's row (widened) loaded, 24 FMAs. With AVX-512 BF16,
+   bfloat16 takes the pixels two at a time instead (24 vdpbf16ps per
+   pair: mpt__dconv_kgrad_tile_bf16). The sums are float32 in another
+   order than the GEMM's (not its bits). */
 typedef struct mpt__dconv_kgrad_job {
     const mpt_conv_args *a;
     const mpt_window *g;
-    int64_t cblocks, fblocks; /* 12-channel and 32-filter blocks */
+    int rows;                 /* channels per block: 12, float32's 8    */
+    int64_t cblocks, fblocks; /* channel and 32-filter blocks            */
+    int dot_pairs;            /* bfloat16 with AVX-512 BF16: pixel pairs */
 } mpt__dconv_kgrad_job;
 
 #if MPT__X86
@@ -7493,6 +7825,126 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
     MPT__ROWS12(MPT__S)
 #undef MPT__S
 }
+
+/* 16 bfloat16 pairs (p[l], q[l]) in 32-bit lanes, p low: two pixels' values
+   side by side, as vdpbf16ps multiplies them. Lanes outside kp (kq) read
+   0 from p (q). */
+MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, const mpt_bf16 *p,
+                                                              __mmask16 kq, const mpt_bf16 *q) {
+    __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
+    __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
+    /* (the maskz forms, as mpt__bf16_widen_avx512's) */
+    return _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kq, hi, 16));
+}
+
+/* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a
+   time (an odd last one with a zero partner), one vdpbf16ps per pair of
+   pixels for 16 filters, so half the instructions of the widening tile.
+   The products are exact in float32; the pairs' sums are float32, in
+   another order than the widening tile's (neither is the GEMM's bits).
+   No calls inside the loop: each would spill the 24 accumulators. */
+MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_kgrad_job *j,
+                                                               int64_t t, int64_t c0, int m,
+                                                               int64_t f0, int nb, float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
+    const mpt_bf16 *x = (const mpt_bf16 *)a->x + c0, *dz = (const mpt_bf16 *)a->dz + f0;
+    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
+                    k1 = mpt__gemm_mask16(nb - 16);
+    uint32_t chans[16];
+    const mpt_bf16 *x0 = NULL, *dz0 = NULL; /* the pixel waiting for its partner */
+    __m512bh b0, b1, ai;
+    int64_t b, oy, ox;
+    MPT__ROWS12(MPT__DCONV_ACC)
+/* The pair (x0, dz0) and (x1, dz1); masks 0 read the partner as zeros. */
+#define MPT__PAIR(x1, dz1, qm, q0, q1)                                                        \
+    _mm512_storeu_si512(chans, mpt__bf16_interleave_avx512(km, x0, qm, x1));                \
+    b0 = (__m512bh)mpt__bf16_interleave_avx512(k0, dz0, q0, dz1);                           \
+    b1 = (__m512bh)mpt__bf16_interleave_avx512(k1, dz0 + 16, q1, (dz1) + 16);               \
+    MPT__ROWS12(MPT__F)
+#define MPT__F(r)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)chans[r]);         \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, b0);             \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, b1);
+    for (b = 0; b < a->n; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            if (y < 0 || y >= g->h) continue;
+            for (ox = 0; ox < g->ow; ox++) {
+                const int64_t xx = ox * g->sw - g->left + k;
+                const mpt_bf16 *xp = x + ((b * g->h + y) * g->w + xx) * g->c;
+                const mpt_bf16 *dp = dz + ((b * g->oh + oy) * g->ow + ox) * f;
+                if (xx < 0 || xx >= g->w) continue;
+                if (!x0) {
+                    x0 = xp, dz0 = dp;
+                    continue;
+                }
+                MPT__PAIR(xp, dp, km, k0, k1)
+                x0 = NULL;
+            }
+        }
+    if (x0) {
+        MPT__PAIR(x0, dz0, 0, 0, 0)
+    }
+#undef MPT__F
+#undef MPT__PAIR
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+}
+
+/* float32's tile: 8 channels by 32 filters, 16 accumulators. The 8
+   channels are broadcast straight from x (a block of them read by each
+   pixel) and only the pixels whose tap lies inside the image are visited,
+   so the loop body is 2 loads of dz, 8 broadcasts and 16 FMAs. c0 is at
+   most C − 8: a last block that would run past C starts earlier and
+   recomputes rows its neighbour owns (the caller stores only its own). */
+#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_job *j,
+                                                         int64_t t, int64_t c0, int64_t f0,
+                                                         int nb, float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f, c = g->c;
+    const int64_t x_step = g->sw * c;
+    /* the output columns whose tap column x = ox·sw − left + k is inside */
+    const int64_t lo = g->left - k, hi = g->w - 1 + g->left - k;
+    const int64_t ox0 = lo <= 0 ? 0 : (lo + g->sw - 1) / g->sw;
+    const int64_t ox1 = hi < 0 ? -1 : MPT__MIN(g->ow - 1, hi / g->sw);
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t b, oy, ox;
+#define MPT__ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();
+    MPT__ROWS8(MPT__ACC)
+#undef MPT__ACC
+    for (b = 0; b < a->n && ox0 <= ox1; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            const float *xs, *ds;
+            if (y < 0 || y >= g->h) continue;
+            xs = (const float *)a->x + ((b * g->h + y) * g->w + ox0 * g->sw - g->left + k) * c + c0;
+            ds = (const float *)a->dz + ((b * g->oh + oy) * g->ow + ox0) * f + f0;
+            for (ox = ox0; ox <= ox1; ox++, xs += x_step, ds += f) {
+                const __m512 d0 = _mm512_maskz_loadu_ps(k0, ds);
+                const __m512 d1 = _mm512_maskz_loadu_ps(k1, ds + 16);
+                __m512 ai;
+#define MPT__F(r)                                  \
+    ai = _mm512_set1_ps(xs[r]);                    \
+    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
+    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
+                MPT__ROWS8(MPT__F)
+#undef MPT__F
+            }
+        }
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS8(MPT__S)
+#undef MPT__S
+}
+#undef MPT__ROWS8
 #undef MPT__DCONV_ACC
 #endif
 
@@ -7500,35 +7952,50 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
     const mpt__dconv_kgrad_job *j = (const mpt__dconv_kgrad_job *)arg;
     const mpt_conv_args *a = j->a;
     const int64_t per_tap = j->cblocks * j->fblocks, t = task / per_tap;
-    const int64_t c0 = task % per_tap / j->fblocks * MPT__DCONV_MR;
+    const int64_t c0 = task % per_tap / j->fblocks * j->rows;
     const int64_t f0 = task % j->fblocks * 32;
-    const int m = (int)MPT__MIN(MPT__DCONV_MR, j->g->c - c0), nb = (int)MPT__MIN(32, a->f - f0);
+    const int m = (int)MPT__MIN(j->rows, j->g->c - c0), nb = (int)MPT__MIN(32, a->f - f0);
+    /* float32's last block starts early (shift rows) rather than run past C */
+    const int64_t shift = a->dtype == MPT_FLOAT32 ? j->rows - m : 0;
     float tile[MPT__DCONV_MR * 32];
     int r, o;
     (void)thread;
 #if MPT__X86
-    mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
+    if (a->dtype == MPT_FLOAT32)
+        mpt__dconv_kgrad_tile_f32(j, t, c0 - shift, f0, nb, tile);
+    else if (j->dot_pairs)
+        mpt__dconv_kgrad_tile_bf16(j, t, c0, m, f0, nb, tile);
+    else
+        mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
 #else
     memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
 #endif
     for (r = 0; r < m; r++) {
         float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
-        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + tile[32 * r + o] : tile[32 * r + o];
+        const float *sum = tile + 32 * (r + shift);
+        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
     }
 }
 
 /* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
-   12 channels (fewer would leave most of each tile idle) and at most 32
-   filters (with more, each pixel's channels are read once per 32 filters,
-   and bench/bench_conv.c measured 0.8-1.0× the GEMM's speed at 64). */
+   a tile's channels (fewer would leave most of each tile idle). bfloat16:
+   at most 32 filters (with more, each pixel's channels are widened once
+   per 32 filters, and bench/bench_conv.c measured 0.8-1.0× the GEMM's
+   speed at 64; the bfloat16 pairs 0.66-0.76×). float32, which broadcasts
+   its channels straight from x: up to 64 filters, where bench/bench_conv.c
+   measured the CNN's 32- and 64-filter layers' backward without dx
+   1.1-1.3× faster than before (1 thread, CPU time). */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
-    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < MPT__DCONV_MR || a->f > 32 ||
-        (a->dtype != MPT_FLOAT32 && a->dtype != MPT_BFLOAT16))
+    j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
+    j.rows = a->dtype == MPT_FLOAT32 ? MPT__DCONV_KGRAD_F32_ROWS : MPT__DCONV_MR;
+    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < j.rows ||
+        (a->dtype == MPT_FLOAT32 ? a->f > MPT__DCONV_KGRAD_F32_MAX_F
+                                 : a->dtype != MPT_BFLOAT16 || a->f > 32))
         return 0;
     j.a = a;
     j.g = a->g;
-    j.cblocks = (a->g->c + MPT__DCONV_MR - 1) / MPT__DCONV_MR;
+    j.cblocks = (a->g->c + j.rows - 1) / j.rows;
     j.fblocks = (a->f + 31) / 32;
     mpt__parallel_for(ctx, a->g->kh * a->g->kw * j.cblocks * j.fblocks, mpt__dconv_kgrad_task, &j);
     return 1;
@@ -7654,7 +8121,7 @@ static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv
     a.x = x;
     a.kernel = mpt__param_compute_copy(L, 0);
     a.bias = input_grad || d->no_bias ? NULL : mpt__param_master(L, 1);
-    a.act = d->activation;
+    a.act = mpt__pass_activation(p, d->activation);
     a.y = y;
     a.ws = ws;
     return p->be->conv_direct(p->impl, &a);
@@ -7665,7 +8132,8 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                                       int64_t b0, int64_t n) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     const int64_t rows = n * c->pix, ny = rows * c->f;
-    const int fused = d->activation != MPT_ACT_GELU && d->activation != MPT_ACT_SOFTMAX;
+    const mpt_activation act = mpt__pass_activation(p, d->activation);
+    const int fused = act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX;
     const unsigned char *x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c->es;
     unsigned char *y = (unsigned char *)p->y + (size_t)(b0 * c->pix * c->f) * c->es;
     mpt__ws w = {(unsigned char *)p->workspace};
@@ -7675,20 +8143,19 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
                      ? (float *)y
                      : (float *)mpt__ws_take(&w, 4 * ny);
     mpt_gemm_desc g;
-    if (fused && mpt__conv2d_direct(L, p, c, 0, x, y, n, p->workspace)) return;
     if (cols) p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols); /* (rows, kk) */
     /* acc (rows, F) = cols · kernel */
     g = mpt__layer_gemm_desc(L, 0, 0, rows, c->f, c->kk,
                              cols ? (const void *)cols : (const void *)x,
                              mpt__param_compute_copy(L, 0), acc);
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
-    g.activation = fused ? d->activation : MPT_ACT_NONE;
+    g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
-    if (d->activation == MPT_ACT_GELU) {
+    if (act == MPT_ACT_GELU) {
         unsigned char *z = (unsigned char *)L->saved[0] + (size_t)(b0 * c->pix * c->f) * c->es;
         p->be->convert(p->impl, L->dtype, z, MPT_FLOAT32, acc, ny);
         p->be->activation(p->impl, MPT_ACT_GELU, acc, rows, c->f);
-    } else if (d->activation == MPT_ACT_SOFTMAX) {
+    } else if (act == MPT_ACT_SOFTMAX) {
         /* over the channels of each pixel */
         p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, rows, c->f);
     }
@@ -7707,7 +8174,17 @@ static void mpt__conv2d_by_chunks(mpt__layer *L, const mpt__pass *p, mpt__conv_c
     for (b0 = 0; b0 < p->batch; b0 += c.chunk) run(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
 }
 
+/* The backend's direct convolution needs no cols, so it takes the whole
+   batch in one call (one parallel-for, not one per chunk; each output
+   pixel's sum is the same whichever tile holds it); the im2col path goes
+   chunk by chunk. */
 static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+    const mpt_activation act = mpt__pass_activation(p, L->desc.conv2d.activation);
+    mpt__conv_plan c;
+    mpt__conv_plan_init(&c, L, p->model->max_batch);
+    if (act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX &&
+        mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace))
+        return;
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
 }
 
@@ -7769,7 +8246,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
     void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
-    p->be->activation_grad(p->impl, d->activation, L->dtype, z,
+    p->be->activation_grad(p->impl, mpt__pass_activation(p, d->activation), L->dtype, z,
                            (const unsigned char *)p->y + (size_t)y_off * c->es,
                            (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
                            c->f);
@@ -7798,9 +8275,13 @@ static void mpt__conv2d_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_backward_chunk);
 }
 
+static mpt_activation mpt__conv2d_activation(const mpt__layer *L) {
+    return L->desc.conv2d.activation;
+}
+
 static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_build,
                                                mpt__conv2d_forward, mpt__conv2d_backward, NULL,
-                                               NULL};
+                                               mpt__conv2d_activation};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
@@ -8013,10 +8494,11 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
    a NaN over a number; the first one wins ties), so the same maxima and
    argmaxes. The portable version is branch-free too, but without -march
    the compiler vectorizes it to 128 bits only. */
-MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const float *x,
-                                                      int64_t r0, int64_t r1, int64_t c0,
-                                                      int64_t c1, float *y, int32_t *arg) {
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_window_lanes_avx512(
+    mpt_dtype dtype, const mpt__win *g, const void *x, int64_t r0, int64_t r1, int64_t c0,
+    int64_t c1, void *y, int32_t *arg) {
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
     int64_t r, q, e;
     for (e = 0; e < g->c; e += 16) {
         __mmask16 m = (__mmask16)(g->c - e >= 16 ? 0xffff : (1u << (g->c - e)) - 1);
@@ -8026,7 +8508,7 @@ MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const f
         for (r = r0; r < r1; r++)
             for (q = c0; q < c1; q++) {
                 const int64_t at = (r * g->w + q) * g->c + e;
-                __m512 v = _mm512_maskz_loadu_ps(m, x + at);
+                __m512 v = mpt__avx512_load(dtype, (const char *)x + (size_t)at * es, m);
                 __mmask16 wins = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
                                  (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) &
                                   _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q));
@@ -8034,9 +8516,24 @@ MPT__TARGET_AVX512 static void mpt__max_window_avx512(const mpt__win *g, const f
                 where = _mm512_mask_mov_epi32(
                     where, wins, _mm512_add_epi32(_mm512_set1_epi32((int32_t)at), lanes));
             }
-        _mm512_mask_storeu_ps(y + e, m, best);
+        /* a maximum is one of the inputs: rounding it back to dtype is exact */
+        mpt__avx512_store(dtype, (char *)y + (size_t)e * es, best, m);
         _mm512_mask_storeu_epi32(arg + e, m, where);
     }
+}
+
+/* x and y in dtype (float16 and bfloat16 widened in registers, exactly,
+   so no sample is converted first). */
+MPT__TARGET_AVX512 static void mpt__max_window_avx512(mpt_dtype dtype, const mpt__win *g,
+                                                      const void *x, int64_t r0, int64_t r1,
+                                                      int64_t c0, int64_t c1, void *y,
+                                                      int32_t *arg) {
+    if (dtype == MPT_FLOAT32)
+        mpt__max_window_lanes_avx512(MPT_FLOAT32, g, x, r0, r1, c0, c1, y, arg);
+    else if (dtype == MPT_BFLOAT16)
+        mpt__max_window_lanes_avx512(MPT_BFLOAT16, g, x, r0, r1, c0, c1, y, arg);
+    else
+        mpt__max_window_lanes_avx512(MPT_FLOAT16, g, x, r0, r1, c0, c1, y, arg);
 }
 #endif
 
@@ -8052,27 +8549,45 @@ static void mpt__avg_window(const mpt__win *g, const float *x, int64_t r0, int64
     for (e = 0; e < g->c; e++) y[e] *= inv;
 }
 
+/* Max pooling's forward of sample b with AVX-512, reading x and writing y
+   in their dtype. */
+static void mpt__max_pool_forward_simd(const mpt__pool_job *j, int64_t b) {
+#if MPT__X86
+    const mpt__win *g = &j->g;
+    const unsigned char *x = (const unsigned char *)j->x + (size_t)(b * j->n_in) * j->es;
+    unsigned char *y = (unsigned char *)j->y + (size_t)(b * j->n_out) * j->es;
+    int64_t oy, ox, r0, r1, c0, c1;
+    for (oy = 0; oy < g->oh; oy++)
+        for (ox = 0; ox < g->ow; ox++) {
+            const int64_t at = (oy * g->ow + ox) * g->c;
+            mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
+            mpt__max_window_avx512(j->dtype, g, x, r0, r1, c0, c1, y + (size_t)at * j->es,
+                                   j->argmax + b * j->n_out + at);
+        }
+#else
+    (void)j, (void)b;
+#endif
+}
+
 static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
     const mpt__pool_job *j = (const mpt__pool_job *)arg;
     const mpt__win *g = &j->g;
     float *xbuf = j->ws + b * (j->n_in + j->n_out); /* (H, W, C)    */
     float *ybuf = xbuf + j->n_in;                   /* (OH, OW, C) */
-    const float *x = mpt__as_f32(j->ctx, j->dtype, j->x, b, j->n_in, xbuf);
+    const float *x;
     float *y = j->dtype == MPT_FLOAT32 ? (float *)j->y + b * j->n_out : ybuf;
     int64_t oy, ox, r0, r1, c0, c1;
     (void)thread;
+    if (j->kind == MPT_POOL_MAX && (j->ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__max_pool_forward_simd(j, b);
+        return;
+    }
+    x = mpt__as_f32(j->ctx, j->dtype, j->x, b, j->n_in, xbuf);
     for (oy = 0; oy < g->oh; oy++)
         for (ox = 0; ox < g->ow; ox++) {
             const int64_t at = (oy * g->ow + ox) * g->c;
             mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
             if (j->kind == MPT_POOL_MAX) {
-#if MPT__X86
-                if (j->ctx->cpu & MPT_CPU_AVX512) {
-                    mpt__max_window_avx512(g, x, r0, r1, c0, c1, y + at,
-                                           j->argmax + b * j->n_out + at);
-                    continue;
-                }
-#endif
                 mpt__max_window(g, x, r0, r1, c0, c1, y + at, j->argmax + b * j->n_out + at);
             } else
                 mpt__avg_window(g, x, r0, r1, c0, c1, y + at);
@@ -8082,6 +8597,30 @@ static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
                      MPT_FLOAT32, ybuf, j->n_out);
 }
 
+/* The bits of a float16 or bfloat16 v after 0 + v in float32, rounded
+   back: v itself, but −0 becomes +0 and a NaN comes back quiet (as the
+   float32 sum and mpt__convert make it). */
+static mpt_half mpt__half_plus_zero(mpt_dtype dtype, mpt_half v) {
+    const unsigned inf = dtype == MPT_BFLOAT16 ? 0x7f80u : 0x7c00u;
+    const unsigned quiet = dtype == MPT_BFLOAT16 ? 0x40u : 0x200u;
+    if (v == 0x8000u) return 0;
+    if ((v & 0x7fffu) > inf) return (mpt_half)(v | quiet);
+    return v;
+}
+
+/* Max pooling's dx of sample b in float16 or bfloat16 when no two windows
+   overlap: every pixel receives at most one gradient, so the float32 sums
+   and their rounding come down to copying it (mpt__half_plus_zero), with
+   no float32 buffers and no conversion passes. */
+static void mpt__max_pool_backward_half(const mpt__pool_job *j, int64_t b) {
+    const mpt_half *dy = (const mpt_half *)j->dy + b * j->n_out;
+    const int32_t *arg_b = j->argmax + b * j->n_out;
+    mpt_half *dx = (mpt_half *)j->dx + b * j->n_in;
+    int64_t e;
+    memset(dx, 0, sizeof(mpt_half) * (size_t)j->n_in);
+    for (e = 0; e < j->n_out; e++) dx[arg_b[e]] = mpt__half_plus_zero(j->dtype, dy[e]);
+}
+
 /* dx of sample b: each output's gradient goes back to the pixel that won
    (max) or is shared by the window's pixels (average), outputs in order. */
 static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
@@ -8089,10 +8628,15 @@ static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
     const mpt__win *g = &j->g;
     float *dybuf = j->ws + b * (j->n_in + j->n_out); /* (OH, OW, C) */
     float *dxbuf = dybuf + j->n_out;                 /* (H, W, C)   */
-    const float *dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);
+    const float *dy;
     float *dx = j->dtype == MPT_FLOAT32 ? (float *)j->dx + b * j->n_in : dxbuf;
     int64_t oy, ox, r0, r1, c0, c1, r, q, e;
     (void)thread;
+    if (j->kind == MPT_POOL_MAX && j->dtype != MPT_FLOAT32 && g->sh >= g->kh && g->sw >= g->kw) {
+        mpt__max_pool_backward_half(j, b);
+        return;
+    }
+    dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);
     memset(dx, 0, sizeof(float) * (size_t)j->n_in);
     if (j->kind == MPT_POOL_MAX) {
         const int32_t *arg_b = j->argmax + b * j->n_out;
@@ -14801,6 +15345,29 @@ static int mpt__tb_mkdirs(const char *path) {
     return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
 }
 
+/* Whether mpt__tb_mkdirs(path) can succeed, checked without creating
+   anything (the callback is made on every worker; only worker 0 creates
+   its directories, when fit begins): path, or else its deepest existing
+   ancestor, is a directory this process may write to and enter. 0 or an
+   errno. */
+static int mpt__tb_can_create(const char *path) {
+    char dir[MPT__CB_PATH_MAX];
+    size_t n = strlen(path);
+    struct stat st;
+    if (n >= sizeof dir) return ENAMETOOLONG;
+    memcpy(dir, path, n + 1);
+    while (stat(dir, &st) != 0) {
+        if (errno != ENOENT || !strcmp(dir, ".") || !strcmp(dir, "/")) return errno;
+        while (n > 1 && dir[n - 1] == '/') n--; /* up one level: "a/b/" -> "a" */
+        while (n > 0 && dir[n - 1] != '/') n--;
+        while (n > 1 && dir[n - 1] == '/') n--;
+        if (n == 0) dir[n++] = '.';
+        dir[n] = 0;
+    }
+    if (!S_ISDIR(st.st_mode)) return ENOTDIR;
+    return access(dir, W_OK | X_OK) == 0 ? 0 : errno;
+}
+
 /* Creates a new event file in log_dir/run. 0 or an errno. */
 static int mpt__tb_create(mpt__tb_file *f, const char *log_dir, const char *run) {
     char dir[MPT__CB_PATH_MAX];
@@ -15115,8 +15682,7 @@ static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorbo
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "TensorBoard: log_dir has %zu characters, more than %d",
                          strlen(d->log_dir), MPT__CB_PATH_MAX - 512);
-    err = mpt__tb_mkdirs(d->log_dir);
-    if (!err && access(d->log_dir, W_OK | X_OK) != 0) err = errno;
+    err = mpt__tb_can_create(d->log_dir);
     if (err)
         return mpt__fail(ctx, MPT_ERR_IO, "TensorBoard: log_dir \"%s\" cannot be created or "
                          "written to: %s", d->log_dir, strerror(err));
@@ -18458,19 +19024,6 @@ typedef struct mpt__qop {
     float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
 } mpt__qop;
 
-struct mpt__quantized {
-    mpt_quantize_mode mode;
-    mpt_dtype io_dtype;
-    int n_ops;
-    mpt__qop *ops;              /* [n_ops]                                      */
-    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
-    int64_t in_count;           /* elements of one input sample                  */
-    int64_t max_count;          /* of the largest tensor of one sample           */
-    int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
-    int64_t max_weights;        /* the largest N·K                               */
-    int64_t size_bytes;
-};
-
 /* A batch's scratch, one block: two activation buffers and what the
    products need. Sized for `batch` samples by mpt__qwork_alloc. */
 typedef struct mpt__qwork {
@@ -18484,6 +19037,21 @@ typedef struct mpt__qwork {
     float *weights;     /* (max_weights) float16 weights widened             */
     int64_t batch;
 } mpt__qwork;
+
+struct mpt__quantized {
+    mpt_quantize_mode mode;
+    mpt_dtype io_dtype;
+    int n_ops;
+    mpt__qop *ops;              /* [n_ops]                                      */
+    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
+    int64_t in_count;           /* elements of one input sample                  */
+    int64_t max_count;          /* of the largest tensor of one sample           */
+    int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
+    int64_t max_weights;        /* the largest N·K                               */
+    int64_t size_bytes;
+    mpt__qwork work;            /* the last call's scratch, kept for the next
+                                   (mpt__qwork_reuse); block NULL: none yet   */
+};
 
 static int mpt__qop_weighted(const mpt__qop *op) {
     return op->info.op == MPT_QOP_FULLY_CONNECTED || op->info.op == MPT_QOP_CONV_2D;
@@ -18512,6 +19080,7 @@ static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q
     int i;
     if (!Q) return;
     for (i = 0; i < Q->n_ops; i++) mpt__qop_free(ctx, &Q->ops[i]);
+    mpt__free(ctx, Q->work.block);
     mpt__free(ctx, Q->ops);
     mpt__free(ctx, Q->tensor);
     mpt__free(ctx, Q);
@@ -18826,6 +19395,23 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
     return MPT_OK;
 }
 
+/* Q's scratch for batches of up to `batch` samples: the block of the last
+   predict, evaluate or invoke when it is large enough, else a new one that
+   replaces it. A fresh block of tens of MB costs its page faults again on
+   every call, which on a batch of small images took a tenth of predict's
+   time. (A model is used on one thread at a time, as its context is.) */
+static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t batch,
+                                   mpt__qwork **w) {
+    if (!Q->work.block || Q->work.batch < batch) {
+        mpt__qwork fresh;
+        MPT__CHECK(mpt__qwork_alloc(ctx, Q, batch, &fresh));
+        mpt__free(ctx, Q->work.block);
+        Q->work = fresh;
+    }
+    *w = &Q->work;
+    return MPT_OK;
+}
+
 /* =============================================================================
    @impl-quantized-passes  one batch through the operations, in each mode
    =============================================================================
@@ -18836,6 +19422,24 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
    threads a sample or a few rows a task, each task writing only its own
    outputs, and the products through mpt_gemm/mpt_qgemm, which split their
    work the same way: no result depends on the thread count. */
+
+/* n bytes from src to dst, n ≤ 16 a few moves (two that may overlap), no
+   call: a 3×3 window of a one-channel int8 image is rows of 3 bytes, and
+   a memcpy call per row cost more than the product that reads them. */
+static inline void mpt__q_copy_short(unsigned char *dst, const unsigned char *src,
+                                     size_t n) {
+    uint64_t a, b;
+    uint32_t c, d;
+    if (n >= 8) {
+        memcpy(&a, src, 8), memcpy(&b, src + n - 8, 8);
+        memcpy(dst, &a, 8), memcpy(dst + n - 8, &b, 8);
+    } else if (n >= 4) {
+        memcpy(&c, src, 4), memcpy(&d, src + n - 4, 4);
+        memcpy(dst, &c, 4), memcpy(dst + n - 4, &d, 4);
+    } else if (n) {
+        dst[0] = src[0], dst[n / 2] = src[n / 2], dst[n - 1] = src[n - 1];
+    }
+}
 
 /* n samples' windows into rows of cols ((n·OH·OW) × (kh·kw·C), elements of
    es bytes); a pixel outside the image is `fill`: 0.0f in float, the
@@ -18853,8 +19457,10 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
                     const int64_t y = oy * g->sh - g->top + i, x0 = ox * g->sw - g->left;
                     const unsigned char *row = src + (size_t)((b * g->h + y) * g->w) * pixel;
                     if (y >= 0 && y < g->h && x0 >= 0 && x0 + g->kw <= g->w) {
-                        memcpy(dst, row + (size_t)x0 * pixel, (size_t)g->kw * pixel);
-                        dst += (size_t)g->kw * pixel;
+                        const size_t len = (size_t)g->kw * pixel;
+                        if (len <= 16) mpt__q_copy_short(dst, row + (size_t)x0 * pixel, len);
+                        else memcpy(dst, row + (size_t)x0 * pixel, len);
+                        dst += len;
                         continue;
                     }
                     for (k = 0; k < g->kw; k++, dst += pixel) {
@@ -19309,13 +19915,44 @@ typedef struct mpt__qinput_job {
     int8_t *q;
     int64_t n, count;            /* samples, elements of one */
     const mpt_quant_params *p;
+    int avx512;                  /* the context has AVX-512       */
 } mpt__qinput_job;
+
+#if MPT__X86
+/* mpt__q_quantize of 16 values with AVX-512: the same division and the
+   same rounding (ties away from zero), x / scale first clamped to ±1000,
+   past which every value saturates the int8 anyway, and NaN made
+   −zero_point, so that it becomes 0 as mpt__q_clamp8 makes it. (Plain C
+   does not vectorize: -O2 keeps a float comparison's branch, as it may
+   trap.) */
+MPT__TARGET_AVX512 static void mpt__q_quantize16_avx512(const float *x, const mpt_quant_params *p,
+                                                        int8_t *q) {
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x), _mm512_set1_ps(p->scale)), r;
+    __m512i i;
+    v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                           _mm512_set1_ps((float)-p->zero_point));
+    v = _mm512_maskz_min_ps(all, _mm512_maskz_max_ps(all, v, _mm512_set1_ps(-1000.0f)),
+                            _mm512_set1_ps(1000.0f));
+    i = _mm512_maskz_cvttps_epi32(all, v);
+    r = _mm512_sub_ps(v, _mm512_maskz_cvtepi32_ps(all, i));
+    i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f), _CMP_GE_OQ), i, one);
+    i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), i, one);
+    i = _mm512_add_epi32(i, _mm512_set1_epi32(p->zero_point));
+    _mm_storeu_si128((__m128i *)(void *)q, _mm512_maskz_cvtsepi32_epi8(all, i));
+}
+#endif
 
 static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     const mpt__qinput_job *j = (const mpt__qinput_job *)arg;
     int64_t k = task * MPT__Q_TASK_ROWS * j->count;
     const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
     (void)thread;
+#if MPT__X86
+    if (j->avx512)
+        for (; k + 16 <= end; k += 16) mpt__q_quantize16_avx512(j->x + k, j->p, j->q + k);
+#endif
     for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
 }
 
@@ -19335,6 +19972,7 @@ static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, co
         mpt__qinput_job j;
         int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
         j.x = x, j.q = xq, j.n = n, j.count = Q->in_count, j.p = in;
+        j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
         mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                           mpt__q_quantize_input_task, &j);
         MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out));
@@ -19365,8 +20003,53 @@ static void mpt__q_percentile_range(const mpt__qcalib *c, int t, double p, float
         run += (double)h[b];
         if (run > total * (1.0 - p / 100.0)) { last = b; break; }
     }
-    *lo = (float)(c->lo[t] + width * first);
-    *hi = (float)(c->lo[t] + width * (last + 1));
+    /* lo and hi may be c's own arrays: both ends from the range before either is written */
+    {
+        const double base = c->lo[t];
+        *lo = (float)(base + width * first);
+        *hi = (float)(base + width * (last + 1));
+    }
+}
+
+/* The MSE calibration searches ranges whose ends lie on every this many
+   bin edges of the histogram (129 edges, 8256 ranges). */
+#define MPT__Q_MSE_STRIDE 16
+
+/* The summed squared error of quantizing a histogram with p, each bin's
+   count at its centre, over the `used` bins that are not empty. */
+static double mpt__q_histogram_error(const int64_t *h, const int32_t *bins, int used, double base,
+                                     double width, const mpt_quant_params *p) {
+    double err = 0;
+    int i;
+    for (i = 0; i < used; i++) {
+        const float v = (float)(base + width * (bins[i] + 0.5));
+        const double e = (double)(mpt__q_quantize(v, p) - p->zero_point) * p->scale - v;
+        err += (double)h[bins[i]] * e * e;
+    }
+    return err;
+}
+
+/* Tensor t's range of least quantization MSE over its histogram, as
+   TensorRT's and ONNX Runtime's calibrators search it: every range
+   [edge a, edge b] of the grid (MPT__Q_MSE_STRIDE), quantized as the model
+   will be (mpt__q_params: 0 kept in range), the first of the least error
+   in the order a, then b, ascending. A range of one value stays as it is. */
+static void mpt__q_mse_range(const mpt__qcalib *c, int t, float *lo, float *hi) {
+    const int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+    const double base = c->lo[t], width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS;
+    int32_t bins[MPT__Q_HIST_BINS];
+    double best = INFINITY;
+    int used = 0, a, b;
+    if (!(width > 0)) return;
+    for (b = 0; b < MPT__Q_HIST_BINS; b++)
+        if (h[b]) bins[used++] = b;
+    for (a = 0; a < MPT__Q_HIST_BINS; a += MPT__Q_MSE_STRIDE)
+        for (b = a + MPT__Q_MSE_STRIDE; b <= MPT__Q_HIST_BINS; b += MPT__Q_MSE_STRIDE) {
+            const float l = (float)(base + width * a), u = (float)(base + width * b);
+            const mpt_quant_params p = mpt__q_params(l, u);
+            const double e = mpt__q_histogram_error(h, bins, used, base, width, &p);
+            if (e < best) best = e, *lo = l, *hi = u;
+        }
 }
 
 /* Every tensor's range finite (a weight large enough overflows a sum). */
@@ -19382,13 +20065,13 @@ static mpt_status mpt__q_ranges_finite(mpt_context *ctx, const mpt__quantized *Q
 }
 
 /* Runs the folded float32 model over the calibration samples (twice for a
-   percentile: the range, then the histograms over it) into each tensor's
-   range. */
+   percentile or MSE: the range, then the histograms over it) into each
+   tensor's range. */
 static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_quantize_desc *d,
                                    float *lo, float *hi) {
     mpt_context *ctx = m->ctx;
     int64_t n = mpt_dataset_count(d->representative_data), *order = NULL, k;
-    int passes = d->calibration == MPT_CALIBRATION_PERCENTILE ? 2 : 1, pass, t;
+    int passes = d->calibration == MPT_CALIBRATION_MIN_MAX ? 1 : 2, pass, t;
     int64_t batch = d->batch_size;
     mpt__qcalib c;
     mpt__qwork w;
@@ -19421,7 +20104,8 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
     }
     if (s == MPT_OK) s = mpt__q_ranges_finite(ctx, Q, lo, hi);
     for (t = 0; s == MPT_OK && c.hist && t <= Q->n_ops; t++)
-        mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
+        if (d->calibration == MPT_CALIBRATION_MSE) mpt__q_mse_range(&c, t, &lo[t], &hi[t]);
+        else mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
     mpt__free(ctx, c.hist);
     mpt__loader_destroy(loader);
     mpt__free(ctx, order);
@@ -19650,7 +20334,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     const mpt__quantized *Q = m->quantized;
     int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
     mpt__loader *loader = NULL;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     mpt_tensor x, y;
     mpt_status s;
     if (!data || !out)
@@ -19665,7 +20349,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     n = mpt_dataset_count(data);
     MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, mpt__q_batch_shape(m, n, shape), shape));
     batch_size = MPT__MAX(1, MPT__MIN(batch_size, n));
-    s = mpt__qwork_alloc(m->ctx, Q, batch_size, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, batch_size, &w);
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
@@ -19673,12 +20357,11 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, x.shape[0],
-                             (float *)out->data + done * per, &w);
+                             (float *)out->data + done * per, w);
         done += x.shape[0];
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
-    mpt__free(m->ctx, w.block);
     if (s != MPT_OK) mpt_tensor_free(m->ctx, out);
     return s;
 }
@@ -19709,7 +20392,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     const mpt__quantized *Q = m->quantized;
     int64_t n, batch, per = mpt__q_out_count(Q), *order, k;
     mpt__loader *loader = NULL;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     mpt__tally t;
     float *pred;
     mpt_tensor x, y;
@@ -19729,7 +20412,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
-    s = mpt__qwork_alloc(m->ctx, Q, batch, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
     if (s == MPT_OK && (!order || !pred))
@@ -19742,7 +20425,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         double loss = 0;
         int64_t b = x.shape[0], shape[MPT_MAX_RANK];
         int rank = mpt__q_batch_shape(m, b, shape);
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, &w);
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, w);
         if (s == MPT_OK) s = mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, pred);
         if (s == MPT_OK) s = mpt_loss_compute(m->ctx, &m->compile.loss, &p, &y, &loss, NULL);
         if (s != MPT_OK) break;
@@ -19753,7 +20436,6 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
     mpt__free(m->ctx, pred);
-    mpt__free(m->ctx, w.block);
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
 }
@@ -19836,7 +20518,7 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
     const mpt__quantized *Q;
     int64_t n, k, shape[MPT_MAX_RANK], count;
-    mpt__qwork w;
+    mpt__qwork *w = NULL;
     const void *out = NULL;
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
@@ -19857,23 +20539,22 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     n = x->shape[0];
     count = n * mpt__q_out_count(Q);
     MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, n, shape), shape));
-    s = mpt__qwork_alloc(m->ctx, Q, n, &w);
+    s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, &w);
+        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
-        int8_t *xq = (int8_t *)w.act[1]; /* op 0 writes act[0] */
+        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
         const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
         for (k = 0; k < n * Q->in_count; k++)
             xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
-        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, &w, NULL, &out);
+        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out);
         for (k = 0; s == MPT_OK && k < count; k++) {
             int v = ((const int8_t *)out)[k] + shift;
             if (shift) ((uint8_t *)y->data)[k] = (uint8_t)v;
             else ((int8_t *)y->data)[k] = (int8_t)v;
         }
     }
-    mpt__free(m->ctx, w.block);
     if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
     return s;
 }
@@ -20454,7 +21135,11 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    per tensor or per channel) and QUANTIZE/DEQUANTIZE at the ends
    (mpt__tfl_quantized_graph), ONNX in the QDQ form, float ops between
    QuantizeLinear/DequantizeLinear pairs that ONNX Runtime fuses into int8
-   kernels (mpt__onnx_qdq, mpt__onnx_initializer of any data type).
+   kernels (mpt__onnx_qdq, mpt__onnx_initializer of any data type). A
+   float16 or dynamic-range model's operations compute in float32 between
+   them: float16 kernels turned into float32, or int8 kernels read by
+   TFLite's hybrid ops and by ONNX's MatMulInteger and ConvInteger after
+   the input is quantized in the graph (mpt__onnx_q_dynamic_input).
    The finished bytes go to disk through the checkpoints' writer
    (@impl-checkpoints): a temporary file, fsynced, renamed over the path. */
 
@@ -20553,15 +21238,6 @@ static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__expo
     return MPT_OK;
 }
 
-/* The activation a layer ends with, read from its descriptor (Conv2D's
-   ops do not report theirs). */
-static mpt_activation mpt__export_activation(const mpt__layer *L) {
-    if (L->ops == &mpt__dense_ops) return L->desc.dense.activation;
-    if (L->ops == &mpt__conv2d_ops) return L->desc.conv2d.activation;
-    if (L->ops == &mpt__activation_ops) return L->desc.activation.activation;
-    return MPT_ACT_NONE;
-}
-
 /* Dense or Conv2D: its kernel, its bias (or zeros) and its activation. */
 static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt__layer *L,
                                        mpt__export_kind kind) {
@@ -20573,7 +21249,7 @@ static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt
     s = &pl->steps[pl->n - 1];
     memcpy(s->kernel, kernel, sizeof(float) * (size_t)s->kernel_count);
     if (bias) memcpy(s->bias, bias, sizeof(float) * (size_t)units);
-    s->act = mpt__export_activation(L);
+    s->act = mpt__layer_activation(L);
     if (kind == MPT__EXPORT_CONV2D) {
         mpt__conv_plan_init(&c, L, 1);
         s->g = c.g;
@@ -20690,23 +21366,6 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
-/* A quantized model: TFLite takes a full-integer or float16 one, ONNX a
-   full-integer one (written from its operations by @impl-export-tflite
-   and @impl-export-onnx); dynamic-range, and float16 to ONNX, are not
-   written yet. */
-static mpt_status mpt__export_quantized_check(const mpt__export_plan *pl) {
-    static const char *mode[] = {"dynamic-range", "full-integer", "float16"};
-    mpt_quantize_mode q = pl->m->quantized->mode;
-    if (q == MPT_QUANTIZE_FULL_INTEGER ||
-        (q == MPT_QUANTIZE_FLOAT16 && strcmp(pl->format, "TFLite") == 0))
-        return MPT_OK;
-    return mpt__fail(pl->m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the model is quantized "
-                     "(mpt_model_quantize, %s), which this export does not write (TFLite takes "
-                     "full-integer and float16 ones, ONNX full-integer ones); export the float "
-                     "model it came from", pl->format,
-                     pl->path, mode[q]);
-}
-
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -20724,7 +21383,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     if (m->quantized) { /* written from its operations, not planned as steps */
         pl->weight_dtype =
             m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT_FLOAT16 : MPT_FLOAT32;
-        return mpt__export_quantized_check(pl);
+        return MPT_OK;
     }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "
@@ -21344,9 +22003,11 @@ static int32_t mpt__tfl_quantized_tensor(mpt__tfl *g, const char *layer, const c
     return t;
 }
 
-/* What the operations compute in: int8, or float32 for a float16 model. */
+/* What the operations compute in: int8, or float32 for a float16 or
+   dynamic-range model (whose products quantize their inputs themselves). */
 static int mpt__tfl_q_type(const mpt__tfl *g) {
-    return g->pl->m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT__TFL_FLOAT32 : MPT__TFL_INT8;
+    return g->pl->m->quantized->mode == MPT_QUANTIZE_FULL_INTEGER ? MPT__TFL_INT8
+                                                                  : MPT__TFL_FLOAT32;
 }
 
 /* The op's output tensor. */
@@ -21355,32 +22016,60 @@ static int32_t mpt__tfl_q_output(mpt__tfl *g, const mpt_quantized_layer *L) {
                                      L->out_shape, &L->output);
 }
 
-/* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as
-   mpt__tfl_constant stores it) and float32 bias; returns the kernel the op
-   reads, the bias into *bias. */
-static int32_t mpt__tfl_q_float16_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
-                                          const int64_t *shape, int32_t *bias) {
-    const mpt_context *ctx = g->pl->m->ctx;
-    int64_t F = L->out_channels, n = F * L->depth, k;
-    float *w = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)n + 1);
-    unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
-    int32_t kernel;
-    if (!w || !b) {
-        mpt__free(ctx, w);
-        mpt__free(ctx, b);
+/* A float16 or dynamic-range model's float32 bias, as the model keeps it. */
+static int32_t mpt__tfl_q_float_bias(mpt__tfl *g, const mpt_quantized_layer *L) {
+    int64_t F = L->out_channels, k;
+    unsigned char *b = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4 * (size_t)F + 1);
+    if (!b) {
         g->failed = 1;
         return 0;
     }
-    for (k = 0; k < n; k++) w[k] = mpt_half_to_float(L->weights_float16[k]); /* exact back */
-    kernel = mpt__tfl_constant(g, L->name, "kernel", rank, shape, w, n);
-    mpt__free(ctx, w);
     for (k = 0; k < F; k++) {
         uint32_t bits;
         memcpy(&bits, &L->bias[k], 4);
         mpt__tb_put_le(b + 4 * k, bits, 4);
     }
-    *bias = mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
-                                mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    return mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
+                               mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+}
+
+/* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as
+   mpt__tfl_constant stores it) and float32 bias; returns the kernel the op
+   reads, the bias into *bias. */
+static int32_t mpt__tfl_q_float16_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                          const int64_t *shape, int32_t *bias) {
+    int64_t n = L->out_channels * L->depth, k;
+    float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)n + 1);
+    int32_t kernel;
+    if (!w) {
+        g->failed = 1;
+        return 0;
+    }
+    for (k = 0; k < n; k++) w[k] = mpt_half_to_float(L->weights_float16[k]); /* exact back */
+    kernel = mpt__tfl_constant(g, L->name, "kernel", rank, shape, w, n);
+    mpt__free(g->pl->m->ctx, w);
+    *bias = mpt__tfl_q_float_bias(g, L);
+    return kernel;
+}
+
+/* A dynamic-range model's kernel: int8 [out, depth] (conv OHWI) per output
+   channel, zero points 0, read by the op itself (TFLite's hybrid
+   FULLY_CONNECTED and CONV_2D: a float32 input and an int8 filter), and
+   its float32 bias; returns the kernel, the bias into *bias. */
+static int32_t mpt__tfl_q_hybrid_weights(mpt__tfl *g, const mpt_quantized_layer *L, int rank,
+                                         const int64_t *shape, int32_t *bias) {
+    int64_t n = L->out_channels * L->depth;
+    unsigned char *w = (unsigned char *)mpt__alloc(g->pl->m->ctx, (size_t)n + 1);
+    int32_t kernel;
+    if (!w) {
+        g->failed = 1;
+        return 0;
+    }
+    memcpy(w, L->weights, (size_t)n);
+    kernel = mpt__tfl_tensor_add(g, L->name, "kernel", MPT__TFL_INT8, rank, shape, 0,
+                                 mpt__tfl_buffer_add(g, w, (size_t)n));
+    mpt__tfl_set_quant(g, kernel, (int)L->out_channels, 0, L->weight_scales, NULL);
+    *bias = mpt__tfl_q_float_bias(g, L);
     return kernel;
 }
 
@@ -21427,9 +22116,15 @@ static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, in
     shape[1] = conv ? L->kernel_size[0] : L->depth;
     shape[2] = L->kernel_size[1];
     shape[3] = conv ? L->depth / (L->kernel_size[0] * L->kernel_size[1]) : 0;
-    kernel = mpt__tfl_q_type(g) == MPT__TFL_INT8
-                 ? mpt__tfl_q_int8_weights(g, L, conv ? 4 : 2, shape, &bias)
-                 : mpt__tfl_q_float16_weights(g, L, conv ? 4 : 2, shape, &bias);
+    switch (g->pl->m->quantized->mode) {
+    case MPT_QUANTIZE_FULL_INTEGER:
+        kernel = mpt__tfl_q_int8_weights(g, L, conv ? 4 : 2, shape, &bias);
+        break;
+    case MPT_QUANTIZE_DYNAMIC_RANGE:
+        kernel = mpt__tfl_q_hybrid_weights(g, L, conv ? 4 : 2, shape, &bias);
+        break;
+    default: kernel = mpt__tfl_q_float16_weights(g, L, conv ? 4 : 2, shape, &bias); break;
+    }
     y = mpt__tfl_q_output(g, L);
     op = mpt__tfl_op_add(g, conv ? MPT__TFL_CONV_2D : MPT__TFL_FULLY_CONNECTED, x, kernel, bias,
                          3, y);
@@ -21445,6 +22140,10 @@ static int32_t mpt__tfl_q_weighted(mpt__tfl *g, const mpt_quantized_layer *L, in
         op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
         op->opt[0] = MPT__MAX(mpt__tfl_fused(L->activation), 0);
         op->n_opt = 1;
+        if (g->pl->m->quantized->mode == MPT_QUANTIZE_DYNAMIC_RANGE) {
+            op->opt[1] = 1; /* asymmetric_quantize_inputs, as the converter writes */
+            op->n_opt = 2;
+        }
     }
     return y;
 }
@@ -21625,7 +22324,11 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         for (i = 1; i <= 4; i++) mpt__fb_field_scalar(b, i, (uint32_t)op->opt[i], 4);
         mpt__fb_field_scalar(b, 5, (uint64_t)op->opt[5], 1);
         break;
-    case MPT__TFL_FULLY_CONNECTED_OPTIONS: /* fused_activation_function */
+    case MPT__TFL_FULLY_CONNECTED_OPTIONS: /* fused_activation_function, then (a hybrid
+                                              one's) asymmetric_quantize_inputs, field 3 */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        if (op->n_opt > 1) mpt__fb_field_scalar(b, 3, (uint64_t)op->opt[1], 1);
+        break;
     case MPT__TFL_ADD_OPTIONS:
     case MPT__TFL_MUL_OPTIONS:
     case MPT__TFL_GELU_OPTIONS: /* approximate */
@@ -22148,7 +22851,7 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
 
-/* ---- ONNX: a full-integer quantized model in the QDQ form ---------------------------
+/* ---- ONNX: quantized models -----------------------------------------------------------
 
    Each of the model's operations (mpt_model_quantized_layer) as the float
    op between DequantizeLinear and QuantizeLinear, the form ONNX Runtime
@@ -22159,13 +22862,17 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
    scale input·weight[c], ReLU after them; pooling, Flatten and the
    activations as float ops; every result quantized and dequantized at the
    operation's output parameters. The float helpers above name their nodes
-   after a layer: one carrying the operation's name stands in for it. */
+   after a layer: one carrying the operation's name stands in for it.
+   A float16 or dynamic-range model's operations are the same float ops
+   without the Q/DQ pairs; only its Dense and Conv2D differ (float16
+   kernels with a Cast; dynamic range: the input quantized per sample in
+   the graph, then MatMulInteger or ConvInteger). */
 
-/* A float32 scalar or (n) vector initializer "<layer>/<what>". */
-static void mpt__onnx_floats(mpt__onnx *o, const char *name, int rank, int64_t n,
-                             const float *v) {
+/* A float32 initializer of n values shaped dims (rank 0: a scalar). */
+static void mpt__onnx_floats_shaped(mpt__onnx *o, const char *name, int rank,
+                                    const int64_t *dims, int64_t n, const float *v) {
     size_t body;
-    unsigned char *data = mpt__onnx_initializer(o, name, MPT__ONNX_FLOAT, rank, &n,
+    unsigned char *data = mpt__onnx_initializer(o, name, MPT__ONNX_FLOAT, rank, dims,
                                                 4 * (size_t)n, &body);
     int64_t i;
     for (i = 0; data && i < n; i++) {
@@ -22174,6 +22881,12 @@ static void mpt__onnx_floats(mpt__onnx *o, const char *name, int rank, int64_t n
         mpt__tb_put_le(data + 4 * i, bits, 4);
     }
     mpt__pb_end(&o->inits, body);
+}
+
+/* A float32 scalar (rank 0) or (n) vector (rank 1) initializer. */
+static void mpt__onnx_floats(mpt__onnx *o, const char *name, int rank, int64_t n,
+                             const float *v) {
+    mpt__onnx_floats_shaped(o, name, rank, &n, n, v);
 }
 
 /* An integer initializer of `elem` bytes per value (int8 1, int32 4); v NULL: zeros. */
@@ -22202,6 +22915,14 @@ static void mpt__onnx_qdq(mpt__onnx *o, const char *layer, const char *what,
     mpt__pb_end(&o->nodes, mpt__onnx_node(o, "QuantizeLinear", q, o->x, scale, zero));
     mpt__pb_end(&o->nodes, mpt__onnx_node(o, "DequantizeLinear", y, q, scale, zero));
     snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* mpt__onnx_qdq where the model's tensors are int8 (full integer); a
+   float16 or dynamic-range model's tensors between operations are float32
+   and pass as they are. */
+static void mpt__onnx_q_requantize(mpt__onnx *o, const char *layer, const char *what,
+                                   const mpt_quant_params *p) {
+    if (o->pl->m->quantized->mode == MPT_QUANTIZE_FULL_INTEGER) mpt__onnx_qdq(o, layer, what, p);
 }
 
 /* A per-axis (along 0) quantized constant: `stored` (int8 weights or
@@ -22238,11 +22959,211 @@ static void mpt__onnx_q_layout(mpt__onnx *o, const mpt__layer *named, int nchw,
     int before = o->nchw;
     mpt__onnx_layout(o, named, nchw);
     if (o->nchw != before)
-        mpt__onnx_qdq(o, named->name, nchw ? "nchw_quantized" : "nhwc_quantized", p);
+        mpt__onnx_q_requantize(o, named->name, nchw ? "nchw_quantized" : "nhwc_quantized", p);
 }
 
-/* Gemm or Conv from int8 weights and an int32 bias, ReLU after it. */
-static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named) {
+/* A Dense's or Conv2D's weights [out, depth] (conv OHWI), `es` bytes each,
+   in ONNX's layout: a Dense's as they are (Gemm's B with transB, and
+   MatMulInteger's after a transpose the caller makes), a Conv2D's as
+   (F, C, kh, kw). */
+static void mpt__onnx_q_kernel_layout(const mpt__qop *op, const void *src, size_t es, void *dst) {
+    const mpt_quantized_layer *L = &op->info;
+    const unsigned char *from = (const unsigned char *)src;
+    unsigned char *to = (unsigned char *)dst;
+    int64_t khw = op->g.kh * op->g.kw, C, f, c, p;
+    if (L->op != MPT_QOP_CONV_2D) {
+        memcpy(to, from, es * (size_t)(L->out_channels * L->depth));
+        return;
+    }
+    C = L->depth / khw;
+    for (f = 0; f < L->out_channels; f++)
+        for (p = 0; p < khw; p++)
+            for (c = 0; c < C; c++)
+                memcpy(to + es * (size_t)((f * C + c) * khw + p),
+                       from + es * (size_t)((f * khw + p) * C + c), es);
+}
+
+/* The dims of a Dense's or Conv2D's kernel in ONNX: (F, K) or (F, C, kh, kw);
+   returns the rank. */
+static int mpt__onnx_q_kernel_dims(const mpt__qop *op, int64_t *dims) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    dims[0] = L->out_channels;
+    dims[1] = conv ? L->depth / (op->g.kh * op->g.kw) : L->depth;
+    dims[2] = op->g.kh;
+    dims[3] = op->g.kw;
+    return conv ? 4 : 2;
+}
+
+/* A float16 model's Dense or Conv2D: its float16 kernel with a Cast to
+   float32 (as mpt__onnx_constant stores float16 weights), its float32
+   bias, then Gemm (transB) or Conv in float32, ReLU after it. */
+static void mpt__onnx_q_float16_weighted(mpt__onnx *o, const mpt__qop *op,
+                                         const mpt__layer *named) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    int64_t dims[4], n = L->out_channels * L->depth;
+    int rank = mpt__onnx_q_kernel_dims(op, dims);
+    char stored[96], kernel[128], bias[96], y[96];
+    unsigned char *data;
+    size_t body;
+    snprintf(stored, sizeof stored, "%s/kernel", L->name);
+    snprintf(kernel, sizeof kernel, "%s/kernel_float32", L->name);
+    snprintf(bias, sizeof bias, "%s/bias", L->name);
+    data = mpt__onnx_initializer(o, stored, MPT__ONNX_FLOAT16, rank, dims, 2 * (size_t)n, &body);
+    if (data) { /* little-endian float16 bits */
+        int64_t k;
+        mpt__onnx_q_kernel_layout(op, L->weights_float16, 2, data);
+        for (k = 0; k < n; k++) {
+            mpt_half h;
+            memcpy(&h, data + 2 * k, 2);
+            mpt__tb_put_le(data + 2 * k, h, 2);
+        }
+    }
+    mpt__pb_end(&o->inits, body);
+    body = mpt__onnx_node(o, "Cast", kernel, stored, NULL, NULL);
+    mpt__onnx_attr_int(&o->nodes, "to", MPT__ONNX_FLOAT);
+    mpt__pb_end(&o->nodes, body);
+    mpt__onnx_floats(o, bias, 1, L->out_channels, L->bias);
+    if (conv) mpt__onnx_layout(o, named, 1);
+    snprintf(y, sizeof y, "%s/linear", L->name);
+    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
+    if (conv) mpt__onnx_window(&o->nodes, &op->g);
+    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+}
+
+/* op(a, b[, c]) -> "<layer>/<what>", which becomes the running value: a
+   node whose first input is not the running value, or with three (Where,
+   Clip). */
+static void mpt__onnx_apply(mpt__onnx *o, const mpt__layer *L, const char *op, const char *a,
+                            const char *b, const char *c, const char *what) {
+    char y[96];
+    mpt__onnx_name(y, sizeof y, L, what);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, op, y, a, b, c));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* A Cast of the running value to data type `to`, named "<layer>/<what>". */
+static void mpt__onnx_cast(mpt__onnx *o, const mpt__layer *L, int to, const char *what) {
+    char y[96];
+    size_t body;
+    mpt__onnx_name(y, sizeof y, L, what);
+    body = mpt__onnx_node(o, "Cast", y, o->x, NULL, NULL);
+    mpt__onnx_attr_int(&o->nodes, "to", to);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* The running value quantized as mpt.h quantizes a dynamic-range
+   product's input (mpt__q_symmetric_rows), each sample on its own: scale
+   = max|x| / 127 into "<layer>/input_scale" (shaped (N, 1...) to
+   broadcast), q = x · (127 / max|x|) (0 for a sample of zeros) rounded
+   half away from zero as mpt__q_round_small does (the truncation, then
+   one up or down when the fraction is a half or more), clamped to ±127,
+   int8. Not
+   DynamicQuantizeLinear: that takes one scale and zero point for the whole
+   batch, so a sample's result would depend on the others beside it. */
+static void mpt__onnx_q_dynamic_input(mpt__onnx *o, const mpt__layer *L) {
+    int64_t axes[MPT_MAX_RANK];
+    char x[96], amax[96], inv[96], trunc[96], fraction[96], up[96], down[96], c127[96],
+        cm127[96], c0[96], half[96], mhalf[96];
+    int i, rank = o->rank;
+    size_t body;
+    for (i = 1; i < rank; i++) axes[i - 1] = i;
+    mpt__onnx_scalar(o, L, "q_127", 127.0f, c127, sizeof c127);
+    mpt__onnx_scalar(o, L, "q_minus_127", -127.0f, cm127, sizeof cm127);
+    mpt__onnx_scalar(o, L, "q_0", 0.0f, c0, sizeof c0);
+    mpt__onnx_scalar(o, L, "q_half", 0.5f, half, sizeof half);
+    mpt__onnx_scalar(o, L, "q_minus_half", -0.5f, mhalf, sizeof mhalf);
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_unary(o, L, "Abs", "input_abs");
+    mpt__onnx_name(amax, sizeof amax, L, "input_abs_max");
+    body = mpt__onnx_node(o, "ReduceMax", amax, o->x, NULL, NULL);
+    mpt__onnx_attr_ints(&o->nodes, "axes", axes, rank - 1);
+    mpt__onnx_attr_int(&o->nodes, "keepdims", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", amax);
+    mpt__onnx_binary(o, L, "Div", c127, "input_scale");
+    mpt__onnx_apply(o, L, "Div", c127, amax, NULL, "input_inverse_any");
+    snprintf(inv, sizeof inv, "%s", o->x);
+    snprintf(o->x, sizeof o->x, "%s", amax);
+    mpt__onnx_binary(o, L, "Greater", c0, "input_nonzero");
+    mpt__onnx_apply(o, L, "Where", o->x, inv, c0, "input_inverse");
+    mpt__onnx_apply(o, L, "Mul", x, o->x, NULL, "input_scaled");
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_cast(o, L, MPT__ONNX_INT32, "input_truncated_int32");
+    mpt__onnx_cast(o, L, MPT__ONNX_FLOAT, "input_truncated");
+    snprintf(trunc, sizeof trunc, "%s", o->x);
+    mpt__onnx_apply(o, L, "Sub", x, trunc, NULL, "input_fraction");
+    snprintf(fraction, sizeof fraction, "%s", o->x);
+    mpt__onnx_binary(o, L, "GreaterOrEqual", half, "input_round_up_bool");
+    mpt__onnx_cast(o, L, MPT__ONNX_FLOAT, "input_round_up");
+    snprintf(up, sizeof up, "%s", o->x);
+    snprintf(o->x, sizeof o->x, "%s", fraction);
+    mpt__onnx_binary(o, L, "LessOrEqual", mhalf, "input_round_down_bool");
+    mpt__onnx_cast(o, L, MPT__ONNX_FLOAT, "input_round_down");
+    snprintf(down, sizeof down, "%s", o->x);
+    mpt__onnx_apply(o, L, "Add", trunc, up, NULL, "input_rounded_up");
+    mpt__onnx_binary(o, L, "Sub", down, "input_rounded");
+    mpt__onnx_apply(o, L, "Clip", o->x, cm127, c127, "input_clamped");
+    mpt__onnx_cast(o, L, MPT__ONNX_INT8, "input_int8");
+}
+
+/* A dynamic-range model's Dense or Conv2D as ONNX Runtime runs it in
+   integers: the input quantized per sample (mpt__onnx_q_dynamic_input),
+   MatMulInteger with the int8 kernel transposed to (K, F), or ConvInteger
+   with it as (F, C, kh, kw), zero points 0; then y = float(acc) ·
+   w_scale[c] · scale + bias[c], and ReLU. mpt.h multiplies by the product
+   of the two scales (mpt__q_dequantize_rows_task), one rounding fewer: a
+   Mul of the scales feeding the Mul after MatMulInteger's Cast is what
+   ONNX Runtime fuses into MatMulIntegerToFloat, which takes that scale as
+   one per tensor (or per column of the input), not per sample, and gets
+   the products wrong. */
+static void mpt__onnx_q_dynamic_weighted(mpt__onnx *o, const mpt__qop *op,
+                                         const mpt__layer *named) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    int64_t F = L->out_channels, K = L->depth, dims[4], f, k;
+    int rank = mpt__onnx_q_kernel_dims(op, dims);
+    char kernel[96], wscale[96], bias[96], scale[96], y[96];
+    size_t body;
+    unsigned char *data;
+    snprintf(kernel, sizeof kernel, "%s/kernel", L->name);
+    snprintf(wscale, sizeof wscale, "%s/kernel_scale", L->name);
+    snprintf(bias, sizeof bias, "%s/bias", L->name);
+    if (!conv) dims[0] = K, dims[1] = F;
+    data = mpt__onnx_initializer(o, kernel, MPT__ONNX_INT8, rank, dims, (size_t)(F * K), &body);
+    if (data && conv) mpt__onnx_q_kernel_layout(op, L->weights, 1, data);
+    for (f = 0; data && !conv && f < F; f++) /* [F, K] -> (K, F) */
+        for (k = 0; k < K; k++) data[k * F + f] = (unsigned char)L->weights[f * K + k];
+    mpt__pb_end(&o->inits, body);
+    dims[0] = F; /* scales and bias: (F), or (F, 1, 1) to broadcast over NCHW */
+    dims[1] = dims[2] = 1;
+    mpt__onnx_floats_shaped(o, wscale, conv ? 3 : 1, dims, F, L->weight_scales);
+    mpt__onnx_floats_shaped(o, bias, conv ? 3 : 1, dims, F, L->bias);
+    if (conv) mpt__onnx_layout(o, named, 1);
+    mpt__onnx_q_dynamic_input(o, named);
+    snprintf(y, sizeof y, "%s/product_int32", L->name);
+    body = mpt__onnx_node(o, conv ? "ConvInteger" : "MatMulInteger", y, o->x, kernel, NULL);
+    if (conv) mpt__onnx_window(&o->nodes, &op->g);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    mpt__onnx_cast(o, named, MPT__ONNX_FLOAT, "product");
+    mpt__onnx_binary(o, named, "Mul", wscale, "product_per_channel");
+    mpt__onnx_name(scale, sizeof scale, named, "input_scale");
+    mpt__onnx_binary(o, named, "Mul", scale, "dequantized");
+    mpt__onnx_binary(o, named, "Add", bias, "linear");
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+}
+
+/* A full-integer model's Dense or Conv2D: Gemm or Conv from int8 weights
+   and an int32 bias, ReLU after it, the result quantized at its output's
+   parameters. */
+static void mpt__onnx_q_int8_weighted(mpt__onnx *o, const mpt__qop *op,
+                                      const mpt__layer *named) {
     const mpt_quantized_layer *L = &op->info;
     const mpt_context *ctx = o->pl->m->ctx;
     int conv = L->op == MPT_QOP_CONV_2D;
@@ -22288,7 +23209,15 @@ static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__la
     mpt__onnx_qdq(o, L->name, "output", &L->output);
 }
 
-/* One operation on the running (dequantized) value. */
+static void mpt__onnx_q_weighted(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named) {
+    switch (o->pl->m->quantized->mode) {
+    case MPT_QUANTIZE_FULL_INTEGER: mpt__onnx_q_int8_weighted(o, op, named); break;
+    case MPT_QUANTIZE_FLOAT16: mpt__onnx_q_float16_weighted(o, op, named); break;
+    default: mpt__onnx_q_dynamic_weighted(o, op, named); break;
+    }
+}
+
+/* One operation on the running value (dequantized in full integer). */
 static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     const mpt_quantized_layer *L = &op->info;
     mpt__layer named;
@@ -22310,25 +23239,25 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
         mpt__onnx_window(&o->nodes, &op->g); /* AveragePool: count_include_pad 0, as mpt.h */
         mpt__pb_end(&o->nodes, body);
         snprintf(o->x, sizeof o->x, "%s", y);
-        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "output", &L->output);
         return;
     case MPT_QOP_GLOBAL_AVERAGE_POOL_2D:
         mpt__onnx_q_layout(o, &named, 1, &L->input);
         mpt__onnx_unary(o, &named, "GlobalAveragePool", "pooled");
         mpt__onnx_flatten(o, &named);
-        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "output", &L->output);
         return;
     case MPT_QOP_RESHAPE: /* the same values in mpt.h's order, quantized again for the op after */
         mpt__onnx_q_layout(o, &named, 0, &L->input);
         mpt__onnx_flatten(o, &named);
-        mpt__onnx_qdq(o, L->name, "output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "output", &L->output);
         return;
     default:
         s.kind = MPT__EXPORT_ACTIVATION;
         s.L = &named;
         s.act = L->activation;
         mpt__onnx_activation(o, &s);
-        mpt__onnx_qdq(o, L->name, "activation_output", &L->output);
+        mpt__onnx_q_requantize(o, L->name, "activation_output", &L->output);
         return;
     }
 }
@@ -22339,7 +23268,7 @@ static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     const mpt__quantized *Q = o->pl->m->quantized;
     mpt__layer named;
     int i;
-    mpt__onnx_qdq(o, "input", "quantized", &Q->ops[0].info.input);
+    mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
     for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
     memset(&named, 0, sizeof named);
     snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);

@@ -77,8 +77,8 @@ esac
 # ---- what it needs ------------------------------------------------------------
 need=()
 command -v gcc >/dev/null || need+=(gcc libc6-dev)
-for p in zlib1g-dev python3 python3-venv python3-numpy python3-torch libopenblas0-pthread \
-         libopenblas0-openmp; do
+for p in zlib1g-dev dataset-fashion-mnist python3 python3-venv python3-numpy python3-torch \
+         libopenblas0-pthread libopenblas0-openmp; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -125,6 +125,7 @@ others_cores() { # busy0 busy1 self0 self1 wall0 wall1 (HZ = getconf CLK_TCK)
     awk -v b0="$1" -v b1="$2" -v s0="$3" -v s1="$4" -v w0="$5" -v w1="$6" -v hz="$HZ" \
         'BEGIN { o = ((b1 - b0) / hz - (s1 - s0)) / (w1 - w0); printf "%.2f", o < 0 ? 0 : o }'
 }
+FAILED_RUNS=0 # runs that printed no result: the script then exits 1
 HZ=$(getconf CLK_TCK 2>/dev/null || echo 100)
 wait_quiet() {
     local waited=0 b0 b1 busy='?'
@@ -152,7 +153,7 @@ measure() {
     oc=$(others_cores "$b0" "$b1" "$s0" "$s1" "$w0" "$w1")
     echo "# other processes kept $oc cores busy during this run"
     grep -q '^{' "$out" || { echo "compare.sh: $name printed no result:" >&2;
-                            tail -n 5 "build/compare/${name}_$round.err" >&2; }
+                            tail -n 5 "build/compare/${name}_$round.err" >&2; FAILED_RUNS=$((FAILED_RUNS + 1)); }
     grep '^{' "$out" | sed "s/}\$/,\"round\":$round,\"others_cores\":$oc}/" >>"$log"
 }
 
@@ -311,3 +312,7 @@ print()
 for line in results + ratios:
     print(json.dumps(line, separators=(",", ":")))
 PY
+if [ "$FAILED_RUNS" -gt 0 ]; then
+    echo "compare.sh: $FAILED_RUNS run(s) printed no result (see build/compare/*.err)" >&2
+    exit 1
+fi

@@ -24,10 +24,7 @@ and update, so those fields are null.
 bfloat16 compute; the last Dense layer in float32 as Keras advises). Prints a
 Markdown table and one JSON line per result.
 """
-import argparse
-import json
 import os
-import statistics
 import sys
 import time
 
@@ -37,6 +34,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_peers  # noqa: E402  (the command line and output torch_train.py shares)
 from idx_data import find, read_idx  # noqa: E402
 
 keras = tf.keras
@@ -84,18 +82,7 @@ def dataset(x, y, batch, seed):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="all", choices=["mlp", "cnn_small", "cnn", "all"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--mlp-samples", type=int, default=60000)
-    ap.add_argument("--cnn-small-samples", type=int, default=12800)
-    ap.add_argument("--cnn-samples", type=int, default=6400)
-    ap.add_argument("--warmup-samples", type=int, default=1280)
-    ap.add_argument("--repeat", type=int, default=1, help="measured epochs; the median is reported")
-    ap.add_argument("--bf16", action="store_true", help="also the mixed_bfloat16 policy")
-    ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
-    args = ap.parse_args()
+    args = train_peers.parse_args(__doc__.split("\n")[0], "also the mixed_bfloat16 policy")
 
     # before any op runs, or TensorFlow keeps its defaults (one thread per core)
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -107,14 +94,11 @@ def main():
           f"batch {args.batch_size}, python {sys.version.split()[0]}")
 
     policies = ["float32"] + (["mixed_bfloat16"] if args.bf16 else [])
-    print("\n| model | policy | samples/s | min..max |")
-    print("|---|---|---:|---:|")
+    train_peers.table_header()
+    framework = {"framework": "tensorflow", "version": tf.__version__, "config": config}
     lines = []
-    for name, build, samples in (("mlp", mlp, args.mlp_samples),
-                                 ("cnn_small", cnn_small, args.cnn_small_samples),
-                                 ("cnn", cnn, args.cnn_samples)):
-        if args.model not in ("all", name):
-            continue
+    for name, build, samples in train_peers.selected_models(
+            args, {"mlp": mlp, "cnn_small": cnn_small, "cnn": cnn}):
         samples = min(samples, x.shape[0])
         for policy in policies:
             keras.mixed_precision.set_global_policy(policy)
@@ -127,26 +111,18 @@ def main():
             model.fit(dataset(x[:w], y[:w], args.batch_size, 1), epochs=1, shuffle=False,
                       verbose=0)
             train = dataset(x[:samples], y[:samples], args.batch_size, 42)
-            sps = []
+            seconds = []
             for _ in range(args.repeat):
                 t = time.perf_counter()
                 model.fit(train, epochs=1, shuffle=False, verbose=0)
-                sps.append(samples / (time.perf_counter() - t))
-            s = statistics.median(sps)
-            print(f"| {name} | {policy} | {s:.0f} | {min(sps):.0f}..{max(sps):.0f} |", flush=True)
-            lines.append(json.dumps({
-                "bench": "train", "framework": "tensorflow", "version": tf.__version__,
-                "config": config, "model": name, "policy": policy, "threads": args.threads,
-                "batch": args.batch_size, "samples": samples, "repeats": args.repeat,
-                "samples_per_s": round(s, 1), "samples_per_s_min": round(min(sps), 1),
-                "samples_per_s_max": round(max(sps), 1), "forward_ms": None,
-                "backward_ms": None, "update_ms": None, "other_ms": None},
-                separators=(",", ":")))
+                seconds.append(time.perf_counter() - t)
+            rate = train_peers.rates(samples, seconds)
+            train_peers.table_row(name, policy, rate)
+            lines.append(train_peers.result_line(framework, name, policy, args.threads,
+                                                 args.batch_size, samples, args.repeat, rate))
             keras.backend.clear_session()
     keras.mixed_precision.set_global_policy("float32")
-    print()
-    for line in lines:
-        print(line)
+    train_peers.print_lines(lines)
 
 
 if __name__ == "__main__":

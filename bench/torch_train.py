@@ -23,8 +23,6 @@ a batch is gathered by indexing with the epoch's permutation.
 installed torch supports it (the model's weights stay float32, as mpt.h's
 mixed_bfloat16). Prints a Markdown table and one JSON line per result.
 """
-import argparse
-import json
 import os
 import re
 import statistics
@@ -35,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import train_peers  # the command line and output bench/tf_train.py shares
 from idx_data import find, read_idx  # the IDX reader bench/tf_train.py shares
 
 
@@ -139,20 +138,11 @@ def matmul_gflops():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="all", choices=["mlp", "cnn_small", "cnn", "all"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--mlp-samples", type=int, default=60000)
-    ap.add_argument("--cnn-small-samples", type=int, default=12800)
-    ap.add_argument("--cnn-samples", type=int, default=6400)
-    ap.add_argument("--warmup-samples", type=int, default=1280)
-    ap.add_argument("--repeat", type=int, default=1, help="measured epochs; the median is reported")
-    ap.add_argument("--bf16", action="store_true", help="also bfloat16 autocast, if supported")
-    ap.add_argument("--config", default=None,
-                    help="how the caller set PyTorch up (BLAS, environment), for the JSON lines")
-    ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
-    args = ap.parse_args()
+    args = train_peers.parse_args(
+        __doc__.split("\n")[0], "also bfloat16 autocast, if supported",
+        lambda ap: ap.add_argument(
+            "--config", default=None,
+            help="how the caller set PyTorch up (BLAS, environment), for the JSON lines"))
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
@@ -177,14 +167,12 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"# bfloat16 autocast unsupported: {e}")
 
-    print("\n| model | policy | samples/s | min..max | forward ms | backward ms | update ms | other ms |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    train_peers.table_header(("forward ms", "backward ms", "update ms", "other ms"))
+    framework = {"framework": "pytorch", "version": torch.__version__, "blas": blas,
+                 "config": config, "matmul_gflops": round(gflops, 1)}
     lines = []
-    for name, build, samples in (("mlp", mlp, args.mlp_samples),
-                                 ("cnn_small", cnn_small, args.cnn_small_samples),
-                                 ("cnn", cnn, args.cnn_samples)):
-        if args.model not in ("all", name):
-            continue
+    for name, build, samples in train_peers.selected_models(
+            args, {"mlp": mlp, "cnn_small": cnn_small, "cnn": cnn}):
         xs, ys = x[:samples], y[:samples]
         for policy, dtype in policies:
             torch.manual_seed(42)
@@ -197,25 +185,15 @@ def main():
                   args.batch_size, dtype, gen)
             runs = [epoch(model, opt, loss_fn, xs, ys, args.batch_size, dtype, gen)
                     for _ in range(args.repeat)]
-            sps = [samples / r[0] for r in runs]
+            rate = train_peers.rates(samples, [r[0] for r in runs])
             med = lambda k: statistics.median(1e3 * r[k] / r[4] for r in runs)  # noqa: E731
-            fwd, bwd, upd = med(1), med(2), med(3)
             other = statistics.median(1e3 * (r[0] - r[1] - r[2] - r[3]) / r[4] for r in runs)
-            s = statistics.median(sps)
-            print(f"| {name} | {policy} | {s:.0f} | {min(sps):.0f}..{max(sps):.0f} | {fwd:.2f} "
-                  f"| {bwd:.2f} | {upd:.2f} | {other:.2f} |", flush=True)
-            lines.append(json.dumps({
-                "bench": "train", "framework": "pytorch", "version": torch.__version__,
-                "blas": blas, "config": config, "matmul_gflops": round(gflops, 1), "model": name,
-                "policy": policy, "threads": torch.get_num_threads(), "batch": args.batch_size,
-                "samples": samples, "repeats": args.repeat, "samples_per_s": round(s, 1),
-                "samples_per_s_min": round(min(sps), 1), "samples_per_s_max": round(max(sps), 1),
-                "forward_ms": round(fwd, 3), "backward_ms": round(bwd, 3),
-                "update_ms": round(upd, 3), "other_ms": round(other, 3)},
-                separators=(",", ":")))
-    print()
-    for line in lines:
-        print(line)
+            step_ms = (med(1), med(2), med(3), other)
+            train_peers.table_row(name, policy, rate, [f"{ms:.2f}" for ms in step_ms])
+            lines.append(train_peers.result_line(framework, name, policy, torch.get_num_threads(),
+                                                 args.batch_size, samples, args.repeat, rate,
+                                                 step_ms))
+    train_peers.print_lines(lines)
 
 
 if __name__ == "__main__":

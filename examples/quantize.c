@@ -25,23 +25,26 @@
    DIR/<model>_float16.tflite and .onnx (weights stored as float16), with
    mpt_model_export_tflite / mpt_model_export_onnx, and names them in those
    variants' lines ("tflite":"PATH","onnx":"PATH"); DIR is created if
-   missing. The full-integer model goes to DIR/<model>_full_int8.tflite
-   (mpt_model_export_tflite of the quantized model: int8 operations,
-   float32 input and output) and DIR/<model>_full_int8.onnx
-   (mpt_model_export_onnx: the QDQ form, float32 input and output);
-   dynamic_int8's "tflite" and "onnx" are null, as the export does not
-   write those yet. qat_int8 goes to DIR/<model>_qat_int8.tflite and .onnx
-   as full_int8 does.
+   missing. The quantized models go to DIR/<model>_dynamic_int8.tflite
+   and .onnx (mpt_model_export_tflite / _onnx of the quantized model: int8
+   kernels read by TFLite's hybrid ops and by ONNX's MatMulInteger and
+   ConvInteger, float32 activations) and DIR/<model>_full_int8.tflite and
+   .onnx (int8 operations in TFLite, the QDQ form in ONNX; float32 input
+   and output); qat_int8 to DIR/<model>_qat_int8.tflite and .onnx as
+   full_int8.
 
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
                      [--policy ...] [--batch-size 128] [--threads N] [--data DIR]
-                     [--calibration-samples 500] [--qat-epochs 1]
-                     [--qat-learning-rate 0.0001] [--verbose 0]
-                     [--tensorboard DIR]
+                     [--calibration-samples 500] [--calibration minmax|percentile|mse]
+                     [--qat-epochs 1] [--qat-learning-rate 0.0001]
+                     [--verbose 0] [--tensorboard DIR]
                      [--plot FILE] [--profile DIR] [--export DIR]
    --weights FILE loads a model saved by mpt_model_save_weights instead of
-   training it (the model's architecture must match the file's). */
+   training it (the model's architecture must match the file's).
+   --calibration picks how full_int8 takes each tensor's range from the
+   calibration images: minmax (the default), percentile (99.99) or mse
+   (the range of least quantization error, MPT_CALIBRATION_MSE). */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <sys/stat.h>
@@ -115,7 +118,7 @@ static void copy_weights(mpt_model *from, mpt_model *to) {
 /* The files one variant was exported to (written 0: none). */
 typedef struct exported {
     char tflite[4096], onnx[4096];
-    int written, tflite_only; /* tflite_only: no .onnx */
+    int written;
 } exported;
 
 /* m as dir/<model>_<variant>.tflite and .onnx, its weights stored as
@@ -130,13 +133,12 @@ static mpt_status export_variant(mpt_model *m, const char *dir,
     s = mpt_model_export_tflite(m, files->tflite, &desc);
     if (s == MPT_OK) s = mpt_model_export_onnx(m, files->onnx, &desc);
     files->written = s == MPT_OK;
-    files->tflite_only = 0;
     return s;
 }
 
-/* A full-integer quantized model q as dir/<model>_<variant>.tflite and
-   .onnx (QDQ). */
-static mpt_status export_int8_variant(mpt_model *q, const char *dir, const char *model_name,
+/* A quantized model q (dynamic range or full integer) as
+   dir/<model>_<variant>.tflite and .onnx. */
+static mpt_status export_quantized_variant(mpt_model *q, const char *dir, const char *model_name,
                                       const char *variant, exported *files) {
     mpt_status s;
     snprintf(files->tflite, sizeof files->tflite, "%s/%s_%s.tflite", dir, model_name, variant);
@@ -144,7 +146,6 @@ static mpt_status export_int8_variant(mpt_model *q, const char *dir, const char 
     s = mpt_model_export_tflite(q, files->tflite, NULL);
     if (s == MPT_OK) s = mpt_model_export_onnx(q, files->onnx, NULL);
     files->written = s == MPT_OK;
-    files->tflite_only = 0;
     return s;
 }
 
@@ -188,7 +189,7 @@ static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
            (double)out.shape[0] / seconds, mpt_context_num_threads(ctx));
     print_json_string(files->written ? files->tflite : NULL);
     fputs(",\"onnx\":", stdout);
-    print_json_string(files->written && !files->tflite_only ? files->onnx : NULL);
+    print_json_string(files->written ? files->onnx : NULL);
     fputs("}\n", stdout);
     fflush(stdout);
     mpt_tensor_free(ctx, &out);
@@ -202,6 +203,8 @@ int main(int argc, char **argv) {
     const char *weights = take_flag(&argc, argv, "--weights", NULL);
     int64_t calibration = atoll(take_flag(&argc, argv, "--calibration-samples", "500"));
     const char *export_dir = take_flag(&argc, argv, "--export", NULL);
+    const char *calibration_name = take_flag(&argc, argv, "--calibration", "minmax");
+    mpt_calibration calibration_method = MPT_CALIBRATION_MIN_MAX;
     int qat_epochs = atoi(take_flag(&argc, argv, "--qat-epochs", "1"));
     float qat_rate = (float)atof(take_flag(&argc, argv, "--qat-learning-rate", "0.0001"));
     static const struct { const char *name; mpt_quantize_mode mode; } variants[] = {
@@ -215,6 +218,13 @@ int main(int argc, char **argv) {
     exported files = { .written = 0 };
     int i;
     if (!parse_options(argc, argv, &o)) return 2;
+    if (!strcmp(calibration_name, "percentile")) calibration_method = MPT_CALIBRATION_PERCENTILE;
+    else if (!strcmp(calibration_name, "mse")) calibration_method = MPT_CALIBRATION_MSE;
+    else if (strcmp(calibration_name, "minmax")) {
+        fprintf(stderr, "%s: --calibration is minmax, percentile or mse, not %s\n", argv[0],
+                calibration_name);
+        return 2;
+    }
     if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn_small")) {
         fprintf(stderr, "%s: --model is mlp or cnn_small, not %s\n", argv[0], model_name);
         return 2;
@@ -268,16 +278,17 @@ int main(int argc, char **argv) {
         TRY(mpt_model_quantize(model, &(mpt_quantize_desc){
             .mode = variants[i].mode,
             .representative_data = train, /* its first calibration_samples images */
-            .calibration_samples = calibration }, &q));
+            .calibration_samples = calibration,
+            .calibration = calibration_method }, &q));
         mpt_model_quantized_info(q, &info);
         /* The float16 files come from the float model, its weights stored
-           as float16 on the way out; the full-integer .tflite and .onnx from q. */
+           as float16 on the way out; the int8 variants' .tflite and .onnx from q. */
         files.written = 0;
         if (export_dir && variants[i].mode == MPT_QUANTIZE_FLOAT16)
             TRY(export_variant(model, export_dir, model_name, variants[i].name, MPT_FLOAT16,
                                &files));
-        if (export_dir && variants[i].mode == MPT_QUANTIZE_FULL_INTEGER)
-            TRY(export_int8_variant(q, export_dir, model_name, variants[i].name, &files));
+        else if (export_dir)
+            TRY(export_quantized_variant(q, export_dir, model_name, variants[i].name, &files));
         TRY(report(ctx, q, model_name, variants[i].name, info.size_bytes, test, o.batch_size,
                    &files));
         mpt_model_destroy(q);
@@ -299,7 +310,8 @@ int main(int argc, char **argv) {
                                &q));
         mpt_model_quantized_info(q, &info);
         files.written = 0;
-        if (export_dir) TRY(export_int8_variant(q, export_dir, model_name, "qat_int8", &files));
+        if (export_dir)
+            TRY(export_quantized_variant(q, export_dir, model_name, "qat_int8", &files));
         TRY(report(ctx, q, model_name, "qat_int8", info.size_bytes, test, o.batch_size, &files));
         mpt_model_destroy(q);
         mpt_model_destroy(aware);

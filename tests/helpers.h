@@ -60,6 +60,65 @@ static inline mpt_context *counting_ctx(counting_alloc *c) {
     return cc;
 }
 
+/* The small classifier the fit tests train on blobs (blobs.h):
+   Dense(hidden, relu) [-> Dropout(dropout), when dropout > 0] ->
+   Dense(classes, softmax); Adam at 0.01 (an optimizer with state, so that
+   resumed or recovered runs show a difference), sparse categorical
+   crossentropy with accuracy. */
+typedef struct classifier_desc {
+    int64_t features, hidden, classes;
+    float dropout;
+    uint64_t seed;
+    int64_t memory_limit;       /* mpt_model_desc's; 0: none                */
+    const mpt_backend *backend; /* NULL: the context's; else set before build,
+                                   so that every buffer is planned for it   */
+} classifier_desc;
+
+static inline mpt_model *small_classifier(mpt_context *c, const classifier_desc *d) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc hidden, out;
+    mpt_dropout_desc drop;
+    mpt_compile_desc cd;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = d->features;
+    md.input_rank = 1;
+    md.seed = d->seed;
+    md.memory_limit = d->memory_limit;
+    CHECK(mpt_model_create(c, &md, &m) == MPT_OK, "create: %s", mpt_context_error(c));
+    if (!m) return NULL;
+    if (d->backend) m->be = d->backend;
+    memset(&hidden, 0, sizeof hidden);
+    hidden.units = d->hidden;
+    hidden.activation = MPT_ACT_RELU;
+    mpt_model_add_dense(m, &hidden);
+    if (d->dropout > 0) {
+        memset(&drop, 0, sizeof drop);
+        drop.rate = d->dropout;
+        mpt_model_add_dropout(m, &drop);
+    }
+    memset(&out, 0, sizeof out);
+    out.units = d->classes;
+    out.activation = MPT_ACT_SOFTMAX;
+    mpt_model_add_dense(m, &out);
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.optimizer.learning_rate = 0.01f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.metrics = MPT_METRIC_ACCURACY;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+/* fit's defaults but for the epochs and the batch size. */
+static inline mpt_fit_desc fit_for(int epochs, int64_t batch_size) {
+    mpt_fit_desc f;
+    memset(&f, 0, sizeof f);
+    f.epochs = epochs;
+    f.batch_size = batch_size;
+    return f;
+}
+
 static inline double ref_act(mpt_activation act, double z) {
     switch (act) {
     case MPT_ACT_RELU: return z > 0 ? z : 0;

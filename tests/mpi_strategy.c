@@ -6,6 +6,8 @@
      match    two workers end with identical weights, equal (to 1e-5
               relative norm error) to one process given the global batch,
               while worker 0 shows the progress bar (as examples/mirrored.c);
+              with a TensorBoard callback on each, only worker 0 creates
+              its log_dir;
      differ   worker 1 builds another model: both fail, naming worker 1;
      stuck    worker 1 stops answering mid-epoch: worker 0 fails with a
               clear error after the strategy's timeout (2 s) instead of
@@ -21,6 +23,7 @@
 #include "blobs.h"
 
 #include <mpi.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static mpt_context *ctx;
@@ -120,9 +123,51 @@ static void match(int bn) {
     mpt_strategy_destroy(s);
 }
 
+/* Every worker makes a TensorBoard callback, each here with a log_dir of
+   its own so that what each one creates shows: worker 0 creates its
+   log_dir and writes train/ there; worker 1 creates nothing. */
+static void tensorboard_on_worker_0(void) {
+    mpt_strategy *s = workers(60);
+    mpt_model *m = model(s, 16, 0);
+    mpt_dataset *d = blobs();
+    mpt_callback cb;
+    mpt_fit_desc fit;
+    char base[64], mine_dir[96], log_dir[128], train[160], cmd[96];
+    struct stat st;
+    int id = (int)getpid(), made[2], all[4] = {0, 0, 0, 0};
+    MPI_Bcast(&id, 1, MPI_INT, 0, MPI_COMM_WORLD); /* worker 0's: one base for both */
+    snprintf(base, sizeof base, "/tmp/mpt_mpi_tensorboard_%d", id);
+    snprintf(mine_dir, sizeof mine_dir, "%s/worker%d", base, rank);
+    snprintf(log_dir, sizeof log_dir, "%s/logs", mine_dir);
+    snprintf(train, sizeof train, "%s/train", log_dir);
+    memset(&cb, 0, sizeof cb);
+    CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = log_dir}, &cb) ==
+              MPT_OK, "TensorBoard: %s", mpt_context_error(ctx));
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 1;
+    fit.batch_size = 32;
+    fit.callbacks = &cb;
+    fit.n_callbacks = 1;
+    CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    made[0] = stat(mine_dir, &st) == 0;
+    made[1] = stat(train, &st) == 0 && S_ISDIR(st.st_mode);
+    MPI_Allgather(made, 2, MPI_INT, all, 2, MPI_INT, MPI_COMM_WORLD);
+    CHECK(all[0] && all[1] && !all[2] && !all[3],
+          "worker 0 made its log_dir: %d, train/: %d; worker 1 made its log_dir: %d, train/: %d",
+          all[0], all[1], all[2], all[3]);
+    mpt_callback_destroy(&cb);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_strategy_destroy(s);
+    MPI_Barrier(MPI_COMM_WORLD);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", base);
+    if (rank == 0 && system(cmd) != 0) CHECK(0, "could not remove %s", base);
+}
+
 static void test_match(void) {
     match(0);
     match(2);
+    tensorboard_on_worker_0();
 }
 
 static void test_differ(void) {

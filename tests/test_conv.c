@@ -1216,7 +1216,7 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
    the GEMM's 512 block) at every SIMD level and dtype. */
 static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
-    layer_ref cases[12];
+    layer_ref cases[14];
     int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
@@ -1226,8 +1226,14 @@ static void test_direct_conv(void) {
     cases[n_cases++] = conv_case(4, 4, 17, 48, 2, 2, 1, 1, MPT_PADDING_VALID, MPT_ACT_SIGMOID, 1);
     cases[n_cases++] = conv_case(5, 3, 32, 64, 1, 1, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(10, 10, 1, 32, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
+    /* float32's kernel gradient takes channels 8 at a time: 9 is a block
+       and a shifted one, 61 filters two 32-filter blocks with a tail */
+    cases[n_cases++] = conv_case(7, 8, 9, 61, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    /* dx of a 'valid' layer 26 pixels wide: tiles of 12 inside its border
+       rows, whose taps read only dz's padding (the direct path skips them) */
+    cases[n_cases++] = conv_case(16, 26, 12, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
     test_seed(23);
-    while (n_cases < 12) {
+    while (n_cases < 14) {
         geom g;
         random_geom(&g, 9, 40, 4);
         g.c = test_randint(16, 40);

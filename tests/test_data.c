@@ -191,16 +191,29 @@ static void check_contents(const mpt_dataset *d, int64_t n, int64_t rows, int64_
                            const char *what) {
     int64_t shape[4] = {0}, i, r, c, bad = 0; /* printed even when rank < 3 */
     int rank = mpt_dataset_sample_shape(d, shape);
-    float *x = (float *)malloc((size_t)(n * rows * cols) * sizeof(float)); /* (n, rows, cols) */
-    int32_t *y = (int32_t *)malloc((size_t)n * sizeof(int32_t));           /* (n) */
-    int64_t *all = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+    float *x;
+    int32_t *y;
+    int64_t *all;
     int32_t lo = -1, hi = -1, want_lo = 255, want_hi = 0;
-    CHECK(mpt_dataset_count(d) == n, "%s: count %lld, expected %lld", what,
-          (long long)mpt_dataset_count(d), (long long)n);
-    if (mpt_dataset_count(d) != n) n = 0; /* read nothing that is not there */
-    CHECK(rank == 3 && shape[0] == rows && shape[1] == cols && shape[2] == 1,
-          "%s: sample shape rank %d (%lld, %lld, %lld)", what, rank, (long long)shape[0],
-          (long long)shape[1], (long long)shape[2]);
+    int count_ok = mpt_dataset_count(d) == n;
+    int shape_ok = rank == 3 && shape[0] == rows && shape[1] == cols && shape[2] == 1;
+    CHECK(count_ok, "%s: count %lld, expected %lld", what, (long long)mpt_dataset_count(d),
+          (long long)n);
+    CHECK(shape_ok, "%s: sample shape rank %d (%lld, %lld, %lld)", what, rank,
+          (long long)shape[0], (long long)shape[1], (long long)shape[2]);
+    /* Nothing to compare when either differs. Stopping here, not gathering 0
+       samples: the gather would have written past x when the shape differs,
+       and clearing n sent `all` into it unwritten (gcc -O1, which does not
+       inline the gather, refuses that as maybe-uninitialized). */
+    if (!count_ok || !shape_ok || n < 1) return;
+    x = (float *)malloc((size_t)(n * rows * cols) * sizeof(float)); /* (n, rows, cols) */
+    y = (int32_t *)malloc((size_t)n * sizeof(int32_t));             /* (n) */
+    all = (int64_t *)malloc((size_t)n * sizeof(int64_t));           /* (n) 0..n-1 */
+    if (!x || !y || !all) {
+        CHECK(0, "%s: no memory for %lld samples", what, (long long)n);
+        free(x), free(y), free(all);
+        return;
+    }
     CHECK(d->x_dtype == MPT_UINT8 && mpt__dataset_label_dtype(d) == MPT_INT32 &&
               d->y_count == 1,
           "%s: x %s, y %s", what, mpt_dtype_name(d->x_dtype),

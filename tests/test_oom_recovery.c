@@ -14,25 +14,8 @@ static mpt_context *ctx;
 
 /* Dense(32, relu) → Dense(3, softmax), Adam: the optimizer has state to keep. */
 static mpt_model *make_model(mpt_context *c, int64_t memory_limit, const mpt_backend *be) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
-    mpt_compile_desc cd;
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = FEATURES;
-    md.input_rank = 1;
-    md.seed = 5;
-    md.memory_limit = memory_limit;
-    CHECK(mpt_model_create(c, &md, &m) == MPT_OK, "create: %s", mpt_context_error(c));
-    if (be) m->be = be; /* before build: every buffer is planned for it */
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 32, .activation = MPT_ACT_RELU});
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
-    memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 0.01f;
-    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-    cd.metrics = MPT_METRIC_ACCURACY;
-    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
-    return m;
+    classifier_desc d = {FEATURES, 32, CLASSES, 0, 5, memory_limit, be};
+    return small_classifier(c, &d);
 }
 
 /* Every master weight and optimizer slot equal, bit for bit. */
@@ -84,9 +67,7 @@ static void test_build_halves_to_what_fits(void) {
     CHECK(mpt_model_build(probe, 16) == MPT_OK, "build: %s", mpt_context_error(q));
     mpt_model_memory(probe, &mem);
     limit = mem.total; /* batches of 16 fit exactly; 32 and 64 do not */
-    memset(&f, 0, sizeof f);
-    f.epochs = 2;
-    f.batch_size = 16;
+    f = fit_for(2, 16);
     CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
 
     m = make_model(q, limit, NULL);
@@ -160,8 +141,7 @@ static void test_allocator_refusing_large_blocks(void) {
     mpt_model_memory(probe, &at16);
     mpt_model_destroy(probe);
     ref = make_model(q, 0, NULL);
-    memset(&f, 0, sizeof f);
-    f.batch_size = 16;
+    f = fit_for(0, 16);
     CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
 
     m = make_model(q, 0, NULL);
@@ -225,9 +205,7 @@ static void test_step_halves_mid_epoch(void) {
     ref = make_model(q, 0, &feeding);
     m = make_model(q, 0, &feeding);
     fail_at = 0;
-    memset(&f, 0, sizeof f);
-    f.epochs = 1;
-    f.batch_size = 32;
+    f = fit_for(1, 32);
     CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
     f.initial_epoch = 1;
     f.epochs = 2;
@@ -235,9 +213,7 @@ static void test_step_halves_mid_epoch(void) {
     CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
     upload_calls = 0;
     fail_at = 8; /* epoch 1: 7 uploads of 32 */
-    memset(&f, 0, sizeof f);
-    f.epochs = 2;
-    f.batch_size = 32;
+    f = fit_for(2, 32);
     f.on_out_of_memory = MPT_OOM_HALVE_BATCH;
     f.callbacks = &cb;
     f.n_callbacks = 1;
@@ -302,8 +278,7 @@ static void test_peak_in_summary(void) {
     mpt_fit_desc f;
     const char *line;
     CHECK(mpt_model_memory_peak(m, &peak) == MPT_ERR_STATE, "no peaks before a fit");
-    memset(&f, 0, sizeof f);
-    f.batch_size = 50;
+    f = fit_for(0, 50);
     f.verbose = 2;
     f.printer.fn = capture;
     printed[0] = 0;

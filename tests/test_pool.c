@@ -96,7 +96,72 @@ static void test_max_pool_simd_matches_portable(void) {
     if (!ran) SKIP("this CPU has no AVX-512");
 }
 
+/* Max pooling's gradient in float16 and bfloat16 with windows that do not
+   overlap (the CNN's 2×2 stride 2), which is copied, not summed in
+   float32: each winner's dx has the bits of dy after 0 + dy in float32
+   rounded back (−0 becomes +0, a signaling NaN comes back quiet,
+   subnormals and infinities unchanged), every other pixel +0. x increases
+   along memory, so each window's last pixel wins. */
+static void test_max_pool_half_gradient_bits(void) {
+    enum { B = 2, H = 5, W = 6, C = 3, OH = 2, OW = 3 };
+    static const uint16_t bf16_specials[] = {0x8000, 0x0000, 0x7f81, 0xffc1, 0x7f80, 0xff80,
+                                             0x0001, 0x8003, 0x3f80, 0xc2f7};
+    static const uint16_t f16_specials[] = {0x8000, 0x0000, 0x7c01, 0xfe01, 0x7c00, 0xfc00,
+                                            0x0001, 0x8003, 0x3c00, 0xd5e0};
+    static const mpt_dtype dtypes[] = {MPT_FLOAT16, MPT_BFLOAT16};
+    const int64_t xs[4] = {B, H, W, C}, ys[4] = {B, OH, OW, C};
+    float x[B * H * W * C];
+    uint16_t dy[B * OH * OW * C];
+    int t, level, i;
+    for (i = 0; i < B * H * W * C; i++) x[i] = (float)(i % (H * W * C));
+    for (t = 0; t < 2; t++)
+        for (level = 0; level < 2; level++) {
+            const uint16_t *sp = dtypes[t] == MPT_BFLOAT16 ? bf16_specials : f16_specials;
+            mpt_context *c = NULL;
+            mpt_model *m = NULL;
+            mpt_tensor tx, ty, tdy, tdx;
+            int checked = 0;
+            mpt_context_create(&(mpt_context_desc){.num_threads = 2,
+                                                   .disable_cpu_features = level ? 0 : ~0},
+                               &c);
+            mpt_model_create(c, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3},
+                             &m);
+            CHECK(mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {2, 2},
+                                                                    .dtype = dtypes[t]}) == MPT_OK &&
+                      mpt_model_build(m, B) == MPT_OK,
+                  "build: %s", mpt_context_error(c));
+            mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, xs, x);
+            CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward: %s",
+                  mpt_context_error(c));
+            for (i = 0; i < B * OH * OW * C; i++)
+                dy[i] = i < 10 ? sp[i] : (uint16_t)(sp[8] + 17 * i); /* then plain numbers */
+            mpt_tensor_wrap(c, &tdy, dtypes[t], 4, ys, dy);
+            CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward: %s",
+                  mpt_context_error(c));
+            for (i = 0; i < B * H * W * C; i++) {
+                const int64_t p = i / C % (H * W), r = p / W, q = p % W, ch = i % C;
+                const int wins = r % 2 == 1 && q % 2 == 1 && r < 2 * OH;
+                const int64_t e = ((i / (H * W * C) * OH + r / 2) * OW + q / 2) * C + ch;
+                uint16_t want = 0, got = ((const uint16_t *)tdx.data)[i];
+                if (wins) { /* 0 + dy in float32, rounded back */
+                    float v;
+                    mpt_convert(c, MPT_FLOAT32, &v, dtypes[t], &dy[e], 1);
+                    v = 0.0f + v;
+                    mpt_convert(c, dtypes[t], &want, MPT_FLOAT32, &v, 1);
+                    checked++;
+                }
+                CHECK(got == want, "%s %s: dx[%d] = 0x%04x, want 0x%04x (dy 0x%04x)",
+                      level ? "simd" : "portable", mpt_dtype_name(dtypes[t]), i, got, want,
+                      wins ? dy[e] : 0);
+            }
+            CHECK(checked == B * OH * OW * C, "%d winners checked", checked);
+            mpt_model_destroy(m);
+            mpt_context_destroy(c);
+        }
+}
+
 int main(void) {
     TEST_RUN(test_max_pool_simd_matches_portable);
+    TEST_RUN(test_max_pool_half_gradient_bits);
     return test_summary("test_pool");
 }

@@ -2,8 +2,10 @@
    json module (every profiled step has one forward event per layer, one
    backward per layer the backward pass runs through, one update per layer
    with trainable weights, durations >= 0, each inside its step), the gzip'd
-   copy TensorBoard reads, training bit for bit as without profiling, and
-   bad input: ranges outside the run, a directory that cannot be written. */
+   copy served by TensorBoard's profile plugin (through TensorBoard's own
+   HTTP routes, $MPT_TEST_PYTHON with tensorboard-plugin-profile 2.19.0),
+   training bit for bit as without profiling, and bad input: ranges outside
+   the run, a directory that cannot be written. */
 #define _POSIX_C_SOURCE 200809L /* popen, mkdtemp */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
@@ -18,34 +20,12 @@ static char tmpdir[256];
 
 /* Dense(16, relu) → Dropout(0.25) → Dense(3, softmax), Adam, seeded. */
 static mpt_model *make_model(mpt_context *c) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
-    mpt_compile_desc cd;
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = FEATURES;
-    md.input_rank = 1;
-    md.seed = 11;
-    CHECK(mpt_model_create(c, &md, &m) == MPT_OK, "create: %s", mpt_context_error(c));
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
-    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
-    memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 0.01f;
-    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-    cd.metrics = MPT_METRIC_ACCURACY;
-    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
-    return m;
+    classifier_desc d = {FEATURES, 16, CLASSES, 0.25f, 11, 0, NULL};
+    return small_classifier(c, &d);
 }
 
 /* 200 samples in batches of 32: 7 steps an epoch. */
-static mpt_fit_desc fit_desc(int epochs) {
-    mpt_fit_desc f;
-    memset(&f, 0, sizeof f);
-    f.epochs = epochs;
-    f.batch_size = 32;
-    return f;
-}
+static mpt_fit_desc fit_desc(int epochs) { return fit_for(epochs, 32); }
 
 /* The only entry of dir (a run directory), into out; 0 if not one. */
 static int only_entry(const char *dir, char *out, size_t size) {
@@ -180,6 +160,92 @@ static void test_trace_per_layer(void) {
 done:
     mpt_model_destroy(plain);
     mpt_model_destroy(profiled);
+    mpt_dataset_destroy(data);
+}
+
+/* TensorBoard with its profile plugin, as `tensorboard --logdir` builds it
+   (the installed plugins, the in-process data loader), asked through its
+   HTTP routes what the plugin's frontend asks: the profile tab enabled, the
+   run, its tools, the host, and the trace viewer's data, which must be the
+   trace's events. Prints "read" when all of them hold. */
+static const char *const tensorboard_py =
+    "import gzip, json, logging, sys\n"
+    "logging.disable(logging.WARNING)\n"
+    "from tensorboard import default, program\n"
+    "from tensorboard.backend import application\n"
+    "from tensorboard.backend.event_processing import data_ingester\n"
+    "from werkzeug import test, wrappers\n"
+    "logdir, run, host, trace = sys.argv[1:5]\n"
+    "tb = program.TensorBoard(plugins=default.get_plugins())\n"
+    "tb.configure(argv=[None, '--logdir', logdir, '--load_fast', 'false'])\n"
+    "ingester = data_ingester.LocalDataIngester(tb.flags)\n"
+    "ingester.start()\n"
+    "app = application.TensorBoardWSGIApp(tb.flags, tb.plugin_loaders, ingester.data_provider,\n"
+    "                                     tb.assets_zip_provider, ingester.deprecated_multiplexer)\n"
+    "client = test.Client(app, wrappers.Response)\n"
+    "def get(route, **query):\n"
+    "    r = client.get(route, query_string=query)\n"
+    "    assert r.status_code == 200, (route, query, r.status, r.data[:200])\n"
+    "    gz = r.headers.get('Content-Encoding') == 'gzip'\n"
+    "    return json.loads(gzip.decompress(r.data) if gz else r.data)\n"
+    "plugin = get('/data/plugins_listing').get('profile')\n"
+    "assert plugin and plugin['enabled'], ('the profile plugin is off', plugin)\n"
+    "profile = '/data/plugin/profile/'\n"
+    "runs = get(profile + 'runs')\n"
+    "assert runs == [run], ('runs', runs)\n"
+    "tools = get(profile + 'run_tools', run=run)\n"
+    "assert 'trace_viewer#' in tools, ('no trace viewer for the run; tools:', tools)\n"
+    "hosts = get(profile + 'hosts', run=run, tag='trace_viewer#')\n"
+    "assert hosts == [{'hostname': host}], ('hosts', hosts)\n"
+    "events = get(profile + 'data', run=run, tag='trace_viewer#', host=host)\n"
+    "assert events == json.load(open(trace)), 'the trace viewer gets other events'\n"
+    "print('read')\n";
+
+/* The run's trace, read by TensorBoard's profile plugin (a version that
+   reads <host>.trace.json.gz: tensorboard-plugin-profile 2.19.0 and
+   earlier; later ones read only XSpace protobufs, <host>.xplane.pb). */
+static void test_tensorboard_reads_trace(void) {
+    mpt_dataset *data = blobs_in(ctx);
+    mpt_model *m = make_model(ctx);
+    mpt_fit_desc f = fit_desc(1);
+    char dir[300], plugin[400], run[700], trace[1200], script[400], cmd[3000], line[512];
+    char last[512] = "";
+    const char *run_name;
+    struct utsname names;
+    FILE *fp;
+    int read = 0;
+    if (!test_python_imports("tensorboard_plugin_profile, werkzeug")) goto done;
+    snprintf(dir, sizeof dir, "%s/tensorboard", tmpdir);
+    f.profile_batch[0] = 2;
+    f.profile_batch[1] = 3;
+    f.profile_dir = dir;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
+    if (!only_entry(plugin, run, sizeof run)) {
+        CHECK(0, "one run directory in %s", plugin);
+        goto done;
+    }
+    run_name = strrchr(run, '/') + 1;
+    uname(&names);
+    snprintf(trace, sizeof trace, "%s/%s.trace.json", run, names.nodename);
+    snprintf(script, sizeof script, "%s/read_profile.py", tmpdir);
+    fp = fopen(script, "w");
+    if (!fp) goto done;
+    fputs(tensorboard_py, fp);
+    fclose(fp);
+    snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' '%s' '%s' '%s' 2>&1", test_python(), script, dir,
+             run_name, names.nodename, trace);
+    fp = popen(cmd, "r");
+    if (!fp) goto done;
+    while (fgets(line, sizeof line, fp)) {
+        line[strcspn(line, "\n")] = 0;
+        if (strcmp(line, "read") == 0) read = 1;
+        else if (line[0]) snprintf(last, sizeof last, "%s", line); /* the reason, if it fails */
+    }
+    CHECK(pclose(fp) == 0 && read, "TensorBoard's profile plugin reads %s.gz: %s (%s)", trace,
+          last, cmd);
+done:
+    mpt_model_destroy(m);
     mpt_dataset_destroy(data);
 }
 
@@ -406,6 +472,7 @@ int main(void) {
     snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_profiler_XXXXXX");
     if (!mkdtemp(tmpdir)) return 1;
     TEST_RUN(test_trace_per_layer);
+    TEST_RUN(test_tensorboard_reads_trace);
     TEST_RUN(test_conv_mixed_precision);
     TEST_RUN(test_bad_ranges);
     TEST_RUN(test_unwritable_directory);

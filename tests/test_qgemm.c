@@ -573,6 +573,90 @@ static void test_requantize_columns(void) {
         }
 }
 
+/* The requantization of layers (every shift ≤ 0, biases that cannot
+   saturate a sum), which the AVX-512 paths run through a whole-tile
+   epilogue: on every path against ref_requantize, over several tiles of
+   rows (29 = 12 + 12 + 5) and columns around the vector widths, depths
+   from a 3×3 single-channel conv's 9 to 3000 (sums near ±2^31 / 8, so the
+   high multiply's rounding sees large products), biases up to the edge
+   past which a sum could saturate, multipliers that make ties (0.5, 0.75)
+   and any others, shifts over all of [-31, 0], per
+   channel and per tensor, with zero points and a clamp, 1 and 2 threads. */
+static void test_requantize_plain(void) {
+    static const int64_t cols[] = {1, 15, 16, 17, 33, 48}, depths[] = {9, 300, 3000};
+    const int64_t m = 29;
+    int p, t, ci, di, per_channel;
+    int8_t *a = (int8_t *)malloc((size_t)(m * 3000));
+    int8_t *b = (int8_t *)malloc((size_t)(3000 * 48));
+    test_seed(92);
+    for (p = 0; p < N_PATHS; p++)
+        for (t = 1; t <= 2; t++) {
+            mpt_context *ctx = make_ctx(t, paths[p].disable);
+            if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+                mpt_context_destroy(ctx);
+                continue;
+            }
+            for (di = 0; di < 3; di++)
+                for (ci = 0; ci < 6; ci++)
+                    for (per_channel = 0; per_channel < 2; per_channel++) {
+                        const int64_t n = cols[ci], k = depths[di];
+                        const int64_t edge = INT32_MAX - (int64_t)255 * 255 * k;
+                        int8_t out[29 * 48];
+                        int32_t bias[48], mult[48], shift[48];
+                        mpt_qgemm_desc d;
+                        int64_t i, j, kk, off = 0;
+                        memset(&d, 0, sizeof d);
+                        for (i = 0; i < m * k; i++) a[i] = (int8_t)test_randint(-128, 127);
+                        for (i = 0; i < k * n; i++) b[i] = (int8_t)test_randint(-128, 127);
+                        for (j = 0; j < n; j++) {
+                            bias[j] = j % 3 == 0   ? (int32_t)(j % 2 ? edge : -edge)
+                                      : j % 3 == 1 ? (int32_t)(test_uniform(-1.0, 1.0) *
+                                                               (double)edge)
+                                                   : test_randint(-1000, 1000);
+                            /* 0.5 and 0.75 make ties of the high multiply common */
+                            mult[j] = j % 4 == 0   ? 1 << 30
+                                      : j % 4 == 1 ? 3 << 29
+                                                   : (int32_t)((1u << 30) +
+                                                               (uint32_t)test_randint(
+                                                                   0, (1 << 30) - 1));
+                            shift[j] = test_randint(-31, 0);
+                        }
+                        d.m = m, d.n = n, d.k = k;
+                        d.a = a, d.lda = k, d.a_zero_point = test_randint(-128, 127);
+                        d.b = b, d.ldb = n, d.b_zero_point = test_randint(-5, 5);
+                        d.bias = bias;
+                        d.c_int8 = out, d.ldc = n;
+                        d.per_channel = per_channel;
+                        d.multiplier = mult, d.shift = shift;
+                        d.c_zero_point = test_randint(-20, 20);
+                        if (ci % 2) d.c_min = d.c_zero_point, d.c_max = test_randint(60, 127);
+                        memset(out, POISON8, sizeof out);
+                        CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
+                        for (i = 0; i < m; i++)
+                            for (j = 0; j < n; j++) {
+                                const int64_t ch = per_channel ? j : 0;
+                                const int64_t lo = d.c_min || d.c_max ? d.c_min : -128;
+                                const int64_t hi = d.c_min || d.c_max ? d.c_max : 127;
+                                int64_t sum = bias[j], q;
+                                for (kk = 0; kk < k; kk++)
+                                    sum += (int64_t)(a[i * k + kk] - d.a_zero_point) *
+                                           (b[kk * n + j] - d.b_zero_point);
+                                q = (int64_t)ref_requantize(sat32(sum), mult[ch],
+                                                            (int)shift[ch]) + d.c_zero_point;
+                                off += out[i * n + j] != (q < lo ? lo : q > hi ? hi : q);
+                            }
+                        CHECK(off == 0, "%s, %d thread(s), k %lld, n %lld, %s: %lld of %lld "
+                              "outputs differ from the reference", paths[p].name, t,
+                              (long long)k, (long long)n,
+                              per_channel ? "per channel" : "per tensor", (long long)off,
+                              (long long)(m * n));
+                    }
+            mpt_context_destroy(ctx);
+        }
+    free(a);
+    free(b);
+}
+
 /* The largest sums: K = MPT_QGEMM_MAX_K with every factor at ±255
    ((127 − (−128)) · (−128 − 127) and the like), which must stay exact in
    int32 (65025 · 32768 = 2130739200 < 2^31), on every path and both
@@ -860,6 +944,7 @@ int main(void) {
     TEST_RUN(test_quantize_multiplier);
     TEST_RUN(test_rounding_and_saturation);
     TEST_RUN(test_requantize_columns);
+    TEST_RUN(test_requantize_plain);
     TEST_RUN(test_empty_depth);
     test_extremes();
     test_packed_reuse();

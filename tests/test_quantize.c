@@ -571,6 +571,125 @@ static void test_calibration_ranges(void) {
     mpt_context_destroy(ctx);
 }
 
+/* The MSE range of n values by brute force, from the definition: a
+   histogram of 2048 bins over min..max, each bin's count at its centre,
+   every range with both ends on every 16th bin edge, quantized as the
+   model would be; returns the least summed squared error, its range in
+   *lo, *hi. */
+static double mse_range_reference(const float *x, int64_t n, float *lo, float *hi) {
+    static int64_t hist[2048];
+    float mn = INFINITY, mx = -INFINITY;
+    double width, best = INFINITY;
+    int64_t k;
+    int a, b, bin;
+    for (k = 0; k < n; k++) mn = x[k] < mn ? x[k] : mn, mx = x[k] > mx ? x[k] : mx;
+    width = ((double)mx - mn) / 2048;
+    memset(hist, 0, sizeof hist);
+    for (k = 0; k < n; k++) {
+        int64_t i = (int64_t)((x[k] - mn) / width);
+        hist[i < 0 ? 0 : i > 2047 ? 2047 : i]++;
+    }
+    for (b = 2048; b >= 16; b -= 16) /* another order than the library's */
+        for (a = 0; a < b; a += 16) {
+            const float l = (float)(mn + width * a), u = (float)(mn + width * b);
+            const mpt_quant_params p = mpt__q_params(l, u);
+            double err = 0;
+            for (bin = 0; bin < 2048; bin++) {
+                const float v = (float)(mn + width * (bin + 0.5));
+                const double e = (double)(mpt__q_quantize(v, &p) - p.zero_point) * p.scale - v;
+                if (hist[bin]) err += (double)hist[bin] * e * e;
+            }
+            if (err < best || (err == best && (l < *lo || (l == *lo && u < *hi))))
+                best = err, *lo = l, *hi = u;
+        }
+    return best;
+}
+
+/* Mean squared error of quantizing n values with p. */
+static double quantization_mse(const float *x, int64_t n, const mpt_quant_params *p) {
+    double sum = 0;
+    int64_t k;
+    for (k = 0; k < n; k++) {
+        const double e = (double)(mpt__q_quantize(x[k], p) - p->zero_point) * p->scale - x[k];
+        sum += e * e;
+    }
+    return sum / (double)n;
+}
+
+/* MSE calibration on heavy-tailed inputs (Laplace, each side's scale its
+   own, shifted: 12,288 values reaching about ±9 scales): its range clips
+   the tails that min/max keeps, the input's quantization error is lower
+   than with min/max, and the range is the one a brute-force search of the
+   definition finds, in four cases (so that a coarser grid would show).
+   Then a percentile whose lower end is clipped keeps its upper end where
+   it belongs. */
+static void test_calibration_mse(void) {
+    static const double neg_scale[] = {1.0, 0.5, 2.0, 1.0}, shift[] = {0.0, 0.3, -1.0, 2.0};
+    const int64_t count = (int64_t)N_SAMPLES * H * W * C;
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q = NULL;
+    mpt_dataset *d = NULL;
+    mpt_quantized_info mm, mse;
+    int64_t k;
+    int v;
+    make_samples(31);
+    test_seed(32);
+    m = make_model(ctx, MODEL_DENSE, 510);
+    for (v = 0; v < 4; v++) { /* Laplace, its two sides scaled apart, shifted */
+        float ref_lo = INFINITY, ref_hi = INFINITY;
+        double ref_err, err_mm, err_mse;
+        for (k = 0; k < count; k++) {
+            const double u = -log(test_uniform(1e-12, 1.0));
+            sample_x[k] = (float)((test_uniform(0.0, 1.0) < 0.5 ? -neg_scale[v] * u : u) + shift[v]);
+        }
+        mpt_dataset_destroy(d);
+        d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+        if (q) mpt_model_quantized_info(q, &mm);
+        mpt_model_destroy(q);
+        q = NULL;
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                         .representative_data = d,
+                                                         .calibration = MPT_CALIBRATION_MSE},
+                                 &q) == MPT_OK, "quantize mse: %s", mpt_context_error(ctx));
+        if (!q) continue;
+        mpt_model_quantized_info(q, &mse);
+        mpt_model_destroy(q);
+        q = NULL;
+        CHECK(mse.input.min > mm.input.min && mse.input.max < mm.input.max,
+              "case %d: mse range [%g, %g] does not clip min/max's [%g, %g]", v, mse.input.min,
+              mse.input.max, mm.input.min, mm.input.max);
+        err_mm = quantization_mse(sample_x, count, &mm.input);
+        err_mse = quantization_mse(sample_x, count, &mse.input);
+        CHECK(err_mse < err_mm, "case %d: quantization MSE %g with the mse range, %g with "
+              "min/max", v, err_mse, err_mm);
+        ref_err = mse_range_reference(sample_x, count, &ref_lo, &ref_hi);
+        CHECK(mse.input.min == ref_lo && mse.input.max == ref_hi,
+              "case %d: mse range [%.9g, %.9g], brute force [%.9g, %.9g] (histogram error %g)",
+              v, mse.input.min, mse.input.max, ref_lo, ref_hi, ref_err);
+    }
+    /* a percentile with a low outlier: [-0.5, 1.5) and one -40 */
+    for (k = 0; k < count; k++) sample_x[k] = (float)test_uniform(-0.5, 1.5);
+    sample_x[77] = -40.0f;
+    mpt_dataset_destroy(d);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                     .representative_data = d,
+                                                     .calibration = MPT_CALIBRATION_PERCENTILE,
+                                                     .percentile = 99.9}, &q) == MPT_OK,
+          "quantize percentile: %s", mpt_context_error(ctx));
+    if (q) {
+        mpt_model_quantized_info(q, &mse);
+        CHECK(fabs(mse.input.min + 0.5) < 0.05 && fabs(mse.input.max - 1.5) < 0.05,
+              "percentile with the low end clipped: range [%g, %g], want about [-0.5, 1.5]",
+              mse.input.min, mse.input.max);
+    }
+    mpt_model_destroy(q);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
 /* ---- requantization against a scalar reference ------------------------------------------ */
 
 static int64_t floor_div(int64_t a, int64_t b) {
@@ -680,6 +799,170 @@ done:
     mpt_dataset_destroy(d);
     mpt_model_destroy(m);
     mpt_context_destroy(ctx);
+}
+
+/* The float32 input's quantization, 16 values at a time with AVX-512 and
+   the rest one by one, against mpt__q_quantize: ties of x / scale (scale
+   0.25: every odd multiple of 0.125 is one), values near and past ±1000
+   steps, ±inf, NaN and huge ones, for zero points at both ends. */
+static void test_quantize_input_lanes(void) {
+    static const float scales[] = {0.25f, 0.0137f, 3.0f};
+    static const int32_t zps[] = {-128, -3, 0, 127};
+    enum { COUNT = 16 * 300 + 7 };
+    static float x[COUNT];
+    static int8_t q[COUNT];
+    mpt_context *ctx = quiet_ctx();
+    int si, zi, avx512, off;
+    int64_t k;
+    test_seed(57);
+    for (si = 0; si < 3; si++)
+        for (zi = 0; zi < 4; zi++)
+            for (avx512 = 0; avx512 <= ((mpt_context_cpu_features(ctx) & MPT_CPU_AVX512) != 0);
+                 avx512++) {
+                mpt_quant_params p;
+                mpt__qinput_job j;
+                memset(&p, 0, sizeof p);
+                p.scale = scales[si], p.zero_point = zps[zi];
+                for (k = 0; k < COUNT; k++)
+                    x[k] = k % 4 == 0   ? (float)(k / 4 - 600) * 0.125f
+                           : k % 4 == 1 ? (float)test_uniform(-1100.0, 1100.0) * p.scale
+                           : k % 4 == 2 ? (float)test_uniform(-2.0, 2.0)
+                                        : (float)test_uniform(-1e10, 1e10);
+                x[5] = INFINITY, x[22] = -INFINITY, x[39] = NAN, x[COUNT - 1] = NAN;
+                x[40] = 1e38f, x[41] = -1e38f, x[42] = 999.5f * p.scale, x[43] = -999.5f * p.scale;
+                memset(q, 0x5a, sizeof q);
+                j.x = x, j.q = q, j.n = 1, j.count = COUNT, j.p = &p, j.avx512 = avx512;
+                mpt__q_quantize_input_task(&j, 0, 0);
+                for (off = 0, k = 0; k < COUNT; k++) off += q[k] != mpt__q_quantize(x[k], &p);
+                CHECK(off == 0, "scale %g, zero point %d, avx512 %d: %d of %d values differ",
+                      (double)p.scale, p.zero_point, avx512, off, COUNT);
+            }
+    mpt_context_destroy(ctx);
+}
+
+/* One output of a full-integer Conv2D from its int8 input (h, w, c), as
+   the accessor gives the layer: OHWI weights, 'same' padding TensorFlow's
+   (the extra row and column at the bottom and right), pixels outside the
+   image at the input's zero point (real 0). */
+static int8_t conv_int8_reference(const mpt_quantized_layer *L, const int8_t *x, int64_t oy,
+                                  int64_t ox, int64_t f) {
+    const int64_t h = L->in_shape[0], w = L->in_shape[1], c = L->in_shape[2];
+    const int64_t kh = L->kernel_size[0], kw = L->kernel_size[1];
+    const int64_t sh = L->strides[0], sw = L->strides[1];
+    int64_t top = 0, left = 0, acc = L->bias_int32[f], i, j, e;
+    int32_t v;
+    if (L->padding == MPT_PADDING_SAME) {
+        top = ((L->out_shape[0] - 1) * sh + kh - h) / 2;
+        left = ((L->out_shape[1] - 1) * sw + kw - w) / 2;
+        top = top < 0 ? 0 : top, left = left < 0 ? 0 : left;
+    }
+    for (i = 0; i < kh; i++)
+        for (j = 0; j < kw; j++)
+            for (e = 0; e < c; e++) {
+                const int64_t y = oy * sh - top + i, xx = ox * sw - left + j;
+                const int32_t in = y >= 0 && y < h && xx >= 0 && xx < w
+                                       ? x[(y * w + xx) * c + e] : L->input.zero_point;
+                acc += (int64_t)(in - L->input.zero_point) * L->weights[((f * kh + i) * kw + j) * c + e];
+            }
+    v = ref_requantize((int32_t)acc, L->multiplier[f], L->shift[f]) + L->output.zero_point;
+    if (L->activation == MPT_ACT_RELU && v < L->output.zero_point) v = L->output.zero_point;
+    return (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v);
+}
+
+/* Small convolutions (a 3×3 one on one channel, K = 9, and a 2×2 'same'
+   one on four, K = 16: the depths whose im2col rows are copied and packed
+   without calls) in a full-integer model with float32 input, against a
+   scalar reference layer by layer from the input quantized one value at
+   a time, on every SIMD path and on 1 and 2 threads, bit for bit. */
+static void test_small_conv_scalar_reference(void) {
+    static const int disable[] = {0, MPT_CPU_AVX512 | MPT_CPU_AVX512_VNNI | MPT_CPU_AVX512_BF16,
+                                  ~0};
+    enum { N = 11, IH = 9, IW = 7 };
+    static float xs[N * IH * IW];
+    static int32_t ys[N];
+    int di, threads;
+    for (di = 0; di < 3; di++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = NULL;
+            mpt_context_desc cd;
+            mpt_model *m = NULL, *q = NULL;
+            mpt_dataset *d = NULL;
+            mpt_tensor tx, ty, p;
+            mpt_quantized_info info;
+            int64_t shape[4] = {N, IH, IW, 1}, yshape[1] = {N}, k, r;
+            int8_t *cur, *next;
+            int i, diff = 0;
+            memset(&cd, 0, sizeof cd);
+            memset(&p, 0, sizeof p);
+            cd.num_threads = threads, cd.disable_cpu_features = disable[di];
+            CHECK(mpt_context_create(&cd, &ctx) == MPT_OK, "context");
+            test_seed(71);
+            for (k = 0; k < N * IH * IW; k++) xs[k] = (float)test_uniform(-0.2, 1.0);
+            for (k = 0; k < N; k++) ys[k] = (int32_t)(k % 3);
+            CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IH, IW, 1},
+                                                          .input_rank = 3, .seed = 3},
+                                   &m) == MPT_OK, "create");
+            mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
+                                                       .activation = MPT_ACT_RELU});
+            mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 3, .kernel_size = {2, 2},
+                                                       .padding = MPT_PADDING_SAME});
+            mpt_model_add_flatten(m, NULL);
+            mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+            CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+            randomize(m, 72);
+            mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+            mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+            CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+                  "dataset");
+            q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+            CHECK(q && mpt_model_predict(q, d, 4, &p) == MPT_OK, "predict: %s",
+                  mpt_context_error(ctx));
+            if (!q || !p.data) goto next;
+            mpt_model_quantized_info(q, &info);
+            cur = (int8_t *)malloc((size_t)(N * IH * IW));
+            for (k = 0; k < N * IH * IW; k++) cur[k] = mpt__q_quantize(xs[k], &info.input);
+            for (i = 0; i < info.n_layers; i++) {
+                mpt_quantized_layer L;
+                int64_t in_count = 1, out_count = 1, a, c, e;
+                mpt_model_quantized_layer(q, i, &L);
+                for (a = 0; a < L.in_rank; a++) in_count *= L.in_shape[a];
+                for (a = 0; a < L.out_rank; a++) out_count *= L.out_shape[a];
+                if (L.op == MPT_QOP_RESHAPE) continue;
+                next = (int8_t *)malloc((size_t)(N * out_count));
+                for (r = 0; r < N; r++)
+                    for (e = 0; e < out_count; e++) {
+                        if (L.op == MPT_QOP_CONV_2D) {
+                            const int64_t f = e % L.out_channels, pix = e / L.out_channels;
+                            next[r * out_count + e] = conv_int8_reference(
+                                &L, cur + r * in_count, pix / L.out_shape[1],
+                                pix % L.out_shape[1], f);
+                        } else {
+                            int64_t acc = L.bias_int32[e];
+                            int32_t v;
+                            for (c = 0; c < L.depth; c++)
+                                acc += (int64_t)(cur[r * in_count + c] - L.input.zero_point) *
+                                       L.weights[e * L.depth + c];
+                            v = ref_requantize((int32_t)acc, L.multiplier[e], L.shift[e]) +
+                                L.output.zero_point;
+                            next[r * out_count + e] = (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v);
+                        }
+                    }
+                free(cur);
+                cur = next;
+            }
+            for (k = 0; k < N * 3; k++)
+                diff += ((float *)p.data)[k] !=
+                        (float)(cur[k] - info.output.zero_point) * info.output.scale;
+            CHECK(diff == 0, "cpu features less %#x, %d thread(s): %d of %d outputs differ from "
+                  "the scalar reference", (unsigned)disable[di], threads, diff, N * 3);
+            free(cur);
+        next:
+            mpt_tensor_free(ctx, &p);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
 }
 
 /* ---- a trained model --------------------------------------------------------------------- */
@@ -954,7 +1237,9 @@ static void test_allocation_failures(void) {
 
 /* The int8 weights are packed once, when quantizing: a predict in 12
    batches allocates no more blocks than one in a single batch, for every
-   model and int8 mode, and the outputs are the same. */
+   model and int8 mode, and the outputs are the same. The batch's work
+   block is kept from one predict to the next: the first predict allocates
+   more than the ones after it. */
 static void test_weights_packed_once(void) {
     int kind, mode;
     make_samples(23);
@@ -966,13 +1251,21 @@ static void test_weights_packed_once(void) {
             mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
             mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
             mpt_tensor one, many;
-            long before, allocs_one, allocs_many;
+            long before, allocs_first, allocs_one, allocs_many;
             memset(&one, 0, sizeof one);
             memset(&many, 0, sizeof many);
             before = a.allocs;
             CHECK(q && mpt_model_predict(q, d, N_SAMPLES, &one) == MPT_OK, "predict: %s",
                   mpt_context_error(ctx));
+            allocs_first = a.allocs - before;
+            mpt_tensor_free(ctx, &one);
+            before = a.allocs;
+            CHECK(q && mpt_model_predict(q, d, N_SAMPLES, &one) == MPT_OK, "predict: %s",
+                  mpt_context_error(ctx));
             allocs_one = a.allocs - before;
+            CHECK(allocs_one < allocs_first, "model %d mode %d: a second predict allocated %ld "
+                  "blocks, the first %ld: the work block was not kept", kind, mode, allocs_one,
+                  allocs_first);
             before = a.allocs;
             CHECK(q && mpt_model_predict(q, d, N_SAMPLES / 12, &many) == MPT_OK, "predict: %s",
                   mpt_context_error(ctx));
@@ -1079,5 +1372,8 @@ int main(void) {
     TEST_RUN(test_bad_input);
     TEST_RUN(test_allocation_failures);
     TEST_RUN(test_weights_packed_once);
+    TEST_RUN(test_quantize_input_lanes);
+    TEST_RUN(test_small_conv_scalar_reference);
+    TEST_RUN(test_calibration_mse);
     return test_summary("test_quantize");
 }

@@ -658,6 +658,99 @@ static mpt_model *fit_one_unit(const float *x, const float *y, int ty_rank, mpt_
 /* As Keras: targets (n,) train a one-unit output under binary crossentropy
    and mean squared error exactly as targets (n, 1) do; (n,) targets for an
    output of 3 units are refused. */
+/* ---- a Conv2D that ends in softmax ---------------------------------------------------- */
+
+enum { PIX_N = 5, PIX_H = 5, PIX_W = 4, PIX_C = 4, PIX_F = 16, PIX_OH = 1, PIX_OW = 1 };
+
+/* Conv2D(8, 3x3 same, relu) -> Conv2D(16, 5x4 valid, last_act): one pixel
+   of 16 classes (the loss takes a sample's whole output as one row),
+   categorical crossentropy; one SGD step a fit (batch = PIX_N). 16 filters
+   over 5·4·8 inputs: the backend's direct convolution where it has one. */
+static mpt_model *pixel_model(mpt_policy policy, mpt_activation last_act, int from_logits) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {PIX_H, PIX_W, PIX_C},
+                                            .input_rank = 3, .policy = policy, .seed = 5}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 8, .kernel_size = {3, 3},
+                                               .padding = MPT_PADDING_SAME,
+                                               .activation = MPT_ACT_RELU});
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = PIX_F, .kernel_size = {PIX_H, PIX_W},
+                                               .activation = last_act});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f},
+              .loss = {.type = MPT_LOSS_CATEGORICAL_CROSSENTROPY,
+                       .from_logits = from_logits}}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, PIX_N) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* Its softmax is the layer's activation, as a final Dense's is: under mixed
+   precision it computes in float32, and fit leaves the softmax to the
+   crossentropy, so the layer must then hand over logits and take the
+   loss's gradient of them. One step must equal the same network's without
+   activation trained from_logits, and its loss the crossentropy of the
+   probabilities the model predicted before it, summed here in double. */
+static void test_conv2d_final_softmax(void) {
+    enum { NX = PIX_N * PIX_H * PIX_W * PIX_C, NY = PIX_N * PIX_OH * PIX_OW * PIX_F };
+    static float x[NX], t[NY];
+    mpt_model *mixed = pixel_model(MPT_POLICY_MIXED_FLOAT16, MPT_ACT_SOFTMAX, 0);
+    mpt_model *probs = pixel_model(MPT_POLICY_FLOAT32, MPT_ACT_SOFTMAX, 0);
+    mpt_model *logits = pixel_model(MPT_POLICY_FLOAT32, MPT_ACT_NONE, 1);
+    mpt_dataset *d = NULL;
+    mpt_tensor tx, tt, py;
+    double want = 0, worst = 0, moved = 0;
+    int64_t i, j;
+    int k;
+    CHECK(mpt_model_layer_dtype(mixed, 1) == MPT_FLOAT32 &&
+              mpt_model_layer_dtype(mixed, 0) == MPT_FLOAT16 &&
+              mpt__layer_activation(&mixed->layers[1]) == MPT_ACT_SOFTMAX,
+          "mixed_float16: the final Conv2D(softmax) computes in %s, the first in %s",
+          mpt_dtype_name(mpt_model_layer_dtype(mixed, 1)),
+          mpt_dtype_name(mpt_model_layer_dtype(mixed, 0)));
+    for (i = 0; i < NX; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < NY / PIX_F; i++) t[i * PIX_F + test_randint(0, PIX_F - 1)] = 1;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){PIX_N, PIX_H, PIX_W, PIX_C}, x);
+    mpt_tensor_wrap(ctx, &tt, MPT_FLOAT32, 4, (int64_t[]){PIX_N, PIX_OH, PIX_OW, PIX_F}, t);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &tt}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    memset(&py, 0, sizeof py);
+    if (mpt_model_forward(probs, &tx, 0, &py) != MPT_OK || py.dtype != MPT_FLOAT32 ||
+        mpt_tensor_count(&py) != NY) {
+        CHECK(0, "forward: %s", mpt_context_error(ctx));
+        py.data = NULL;
+    }
+    for (i = 0; py.data && i < NY / PIX_F; i++)
+        for (j = 0; j < PIX_F; j++)
+            if (t[i * PIX_F + j] == 1)
+                want -= log((double)((const float *)py.data)[i * PIX_F + j]) / (NY / PIX_F);
+    for (k = 0; k < 2 && d; k++)
+        CHECK(mpt_model_fit(k ? logits : probs, d, &(mpt_fit_desc){
+                  .epochs = 1, .batch_size = PIX_N}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+    CHECK(fabs(history_value(probs, "loss", 0) - want) <= 1e-5 * want,
+          "loss %.8g, the predictions' crossentropy %.8g", history_value(probs, "loss", 0), want);
+    CHECK(fabs(history_value(logits, "loss", 0) - want) <= 1e-5 * want,
+          "from_logits: loss %.8g, want %.8g", history_value(logits, "loss", 0), want);
+    for (k = 0; k < mpt_model_param_count(probs); k++) {
+        mpt_param_info a, b;
+        mpt_model_param(probs, k, &a);
+        mpt_model_param(logits, k, &b);
+        for (i = 0; i < mpt_tensor_count(&a.value); i++) {
+            const float *wa = (const float *)a.value.data, *wb = (const float *)b.value.data;
+            const float *ga = (const float *)a.grad.data, *gb = (const float *)b.grad.data;
+            worst = fmax(worst, fmax(fabs((double)wa[i] - wb[i]), fabs((double)ga[i] - gb[i])));
+            moved = fmax(moved, fabs((double)gb[i]));
+        }
+    }
+    CHECK(moved > 1e-3 && worst <= 1e-5,
+          "the step's gradients or weights differ from from_logits' by %g (largest gradient %g)",
+          worst, moved);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(mixed);
+    mpt_model_destroy(probs);
+    mpt_model_destroy(logits);
+}
+
 static void test_targets_of_shape_n(void) {
     static float x[N_SYN * FEATURES], y[N_SYN];
     static int32_t ids[N_SYN];
@@ -752,6 +845,7 @@ int main(void) {
     TEST_RUN(test_batch_size_zero_means_32);
     TEST_RUN(test_validation_split_as_keras);
     TEST_RUN(test_targets_of_shape_n);
+    TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);
     return test_summary("test_train");

@@ -1614,11 +1614,12 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
                   be folded, w <- fq(w·s)/s with s = gamma/sqrt(moving_variance
                   + epsilon). At inference the BatchNormalization applies s
                   again, so the forward pass computes with the folded
-                  weights the int8 model holds (to float32 rounding). tfmot instead folds while training,
-                  with the batch statistics and a correction to the moving
-                  ones; this keeps BatchNormalization's own passes as they
-                  are, at the price of training with batch statistics the
-                  int8 model does not have.
+                  weights the int8 model holds (to float32 rounding).
+                  tfmot instead folds while training, with the batch
+                  statistics and a correction to the moving ones; this
+                  keeps BatchNormalization's own passes as they are, at
+                  the price of training with batch statistics the int8
+                  model does not have.
    mpt_model_quantize in full-integer mode then takes these ranges:
    representative_data is optional and not read. Under mixed precision the
    fake quantization computes in float32 and the result is stored in the
@@ -20813,13 +20814,16 @@ static void mpt__qat_kernel(mpt_model *m, int i) {
     mpt__layer *L = &m->layers[i];
     mpt__param *P = L->param[0];
     int64_t N = P->shape[P->rank - 1], K = P->count / N, k, c;
-    float *w = Q->scratch, *s = w + P->count, *scale = s + N, *inv = scale + N; /* (K, N), 3 × (N) */
+    /* w (K, N); s, scale, inv (N) each */
+    float *w = Q->scratch, *s = w + P->count, *scale = s + N, *inv = scale + N;
     const mpt__layer *bn = Q->batchnorm[i] >= 0 ? &m->layers[Q->batchnorm[i]] : NULL;
     const mpt__param *gamma = bn ? mpt__q_layer_param(bn, "gamma") : NULL;
     const mpt__param *var = bn ? mpt__q_layer_param(bn, "moving_variance") : NULL;
     for (c = 0; c < N; c++) {
         s[c] = 1.0f;
-        if (bn) s[c] = (gamma ? gamma->value[c] : 1.0f) * mpt__bn_inv_std(var->value[c], mpt__bn_epsilon(bn));
+        if (bn)
+            s[c] = (gamma ? gamma->value[c] : 1.0f) *
+                   mpt__bn_inv_std(var->value[c], mpt__bn_epsilon(bn));
         if (!(s[c] != 0 && isfinite(s[c]))) s[c] = 1.0f; /* a dead channel: folded weights all 0 */
         scale[c] = 0; /* the channel's max |w·s| first */
     }
@@ -21091,7 +21095,8 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
     const mpt__qat_point *P;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!min || !max)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: NULL %s", min ? "max" : "min");
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: NULL %s",
+                         min ? "max" : "min");
     if (!m->qat)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "qat_range: the model is not quantization-aware "
                          "(mpt_model_quantize_aware)");

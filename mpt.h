@@ -187,7 +187,8 @@
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
        @quantize     post-training quantization: dynamic-range, full-integer
-                     (calibrated), float16; the quantized model's layers
+                     (calibrated), float16; the quantized model's layers;
+                     quantization-aware training
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
@@ -230,6 +231,9 @@
                           dynamic-range, int8
        @impl-quantized-model  calibration, mpt_model_quantize, predict,
                           evaluate, invoke, summary
+       @impl-qat          quantization-aware training: fake quantization in
+                          the forward and backward walks, ranges for the
+                          conversion
        @impl-export       the plan both formats read: layers as steps, BN folded
        @impl-export-tflite  FlatBuffers, the TFLite graph and file
        @impl-export-onnx  the ONNX graph in protobuf (@impl-callbacks' encoder)
@@ -1471,7 +1475,10 @@ typedef struct mpt_quantize_desc {
     mpt_quantize_mode mode;                 /* default dynamic-range           */
     /* Full integer only: */
     const mpt_dataset *representative_data; /* required: samples shaped as the
-                                               model's input (labels unread) */
+                                               model's input (labels unread);
+                                               not read for a quantization-
+                                               aware model, whose trained
+                                               ranges are used instead      */
     int64_t calibration_samples;            /* default 0: every sample; else
                                                the first this many (TFLite's
                                                guides take 100..500)         */
@@ -1489,11 +1496,13 @@ typedef struct mpt_quantize_desc {
    checkpoint, or mpt_model_refresh_weights after editing the masters)
    into *out, a new model that shares nothing with m. A compiled m's loss
    and metrics go with it, for mpt_model_evaluate (or compile *out).
-   Errors: MPT_ERR_STATE for an unbuilt or untrained m; for full integer,
-   MPT_ERR_INVALID_ARGUMENT without representative_data or with an empty
-   one, MPT_ERR_SHAPE for samples of the wrong shape; MPT_ERR_UNSUPPORTED
-   for a layer it cannot quantize; MPT_ERR_NUMERIC for a weight or a
-   calibrated value that is not finite. */
+   Errors: MPT_ERR_STATE for an unbuilt or untrained m (or a
+   quantization-aware one that has not met a training batch); for full
+   integer, MPT_ERR_INVALID_ARGUMENT without representative_data or with an
+   empty one (unless m is quantization-aware), MPT_ERR_SHAPE for samples
+   of the wrong shape; MPT_ERR_UNSUPPORTED for a layer it cannot
+   quantize; MPT_ERR_NUMERIC for a weight or a calibrated value that is
+   not finite. */
 MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc,
                                      mpt_model **out);
 
@@ -1574,6 +1583,75 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
    (batch, output shape...) in io_dtype (float32: dequantized). y is
    allocated here (owned; mpt_tensor_free). Any batch size. */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
+
+/* Quantization-aware training, as tfmot's quantize_model: the float model
+   trains with the full-integer model's rounding in its forward pass, so
+   that fit learns weights that survive it, then converts with the ranges
+   it learned.
+
+       mpt_model_quantize_aware(m, NULL);                       (built model)
+       mpt_model_fit(m, train, &fit);                           (as usual)
+       mpt_model_quantize(m, &(mpt_quantize_desc){ .mode = MPT_QUANTIZE_FULL_INTEGER }, &q);
+
+   What changes in m's forward pass (fit, evaluate, predict, forward):
+     weights      each Dense and Conv2D kernel is fake-quantized (quantized
+                  and dequantized in float32) per output channel, symmetric
+                  in [-127, 127] with scale max|w[c]|/127, from the float32
+                  masters before every pass; the masters keep training
+                  (the straight-through estimator: the gradient of the
+                  fake-quantized kernel is the master's).
+     activations  every tensor the full-integer model quantizes (the
+                  input; each Dense or Conv2D output after its ReLU or its
+                  folded BatchNormalization; a standalone activation's
+                  output; the final softmax's logits) is fake-quantized per
+                  tensor, asymmetric int8 over [min, max] widened to hold 0,
+                  exactly as the conversion will quantize it. min and max
+                  are moving averages of each training batch's (decay
+                  ema_decay; the first training batch sets them), updated
+                  only by training steps that are applied; evaluate and
+                  predict use them as they are (before any training step,
+                  activations pass unquantized). The gradient passes where
+                  the input lies in the quantized range and is 0 outside
+                  (TensorFlow's FakeQuantWithMinMaxVars). Softmax, sigmoid
+                  and tanh outputs take TFLite's fixed ranges, gradient
+                  passing unchanged.
+     BatchNormalization after a Dense or Conv2D is not folded during
+                  training: the layer trains on batch statistics as in the
+                  float model, while the kernel is fake-quantized as it will
+                  be folded, w <- fq(w·s)/s with s = gamma/sqrt(moving_variance
+                  + epsilon). At inference the BatchNormalization applies s
+                  again, so the forward pass computes with the folded
+                  weights the int8 model holds (to float32 rounding).
+                  tfmot instead folds while training, with the batch
+                  statistics and a correction to the moving ones; this
+                  keeps BatchNormalization's own passes as they are, at
+                  the price of training with batch statistics the int8
+                  model does not have.
+   mpt_model_quantize in full-integer mode then takes these ranges:
+   representative_data is optional and not read. Under mixed precision the
+   fake quantization computes in float32 and the result is stored in the
+   layer's dtype. Refused (MPT_ERR_UNSUPPORTED): a CUDA context, a
+   strategy, a layer the full-integer model has no form for, and a Dense
+   or Conv2D ending in an activation other than ReLU, unless it is the
+   model's final softmax (use activation none and an Activation layer).
+   mpt_model_save_weights and mpt_model_load_weights keep working on the
+   float32 masters; the ranges live in the model only (convert before
+   destroying it). Errors: MPT_ERR_STATE for an unbuilt, quantized or
+   already quantization-aware model, MPT_ERR_INVALID_ARGUMENT for an
+   ema_decay outside [0, 1). */
+typedef struct mpt_qat_desc {
+    float ema_decay; /* the activation ranges' moving average: default 0:
+                        0.999 (tfmot's MovingAverageQuantizer)             */
+} mpt_qat_desc;
+
+MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *desc);
+
+/* The range a quantization-aware model has learned for layer `layer`'s
+   output (−1: the model's input), before the widening to hold 0.
+   MPT_ERR_STATE when m is not quantization-aware; MPT_ERR_INVALID_ARGUMENT
+   when that output is not fake-quantized or has not met a training batch
+   yet. */
+MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min, float *max);
 
 /* =============================================================================
    @export: a model as a TFLite or ONNX file, for the runtimes people deploy with
@@ -5730,6 +5808,8 @@ struct mpt_model {
                                             mpt_model_refresh_weights): not
                                             only the initial ones            */
     struct mpt__quantized *quantized;    /* NULL; a quantized model's operations */
+    struct mpt__qat *qat;                /* NULL; quantization-aware training's
+                                            ranges and buffers (@impl-qat)   */
 };
 
 typedef struct mpt__quantized mpt__quantized;
@@ -5740,6 +5820,14 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs);
 static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size);
+/* Quantization-aware training's hooks in the walks (@impl-qat). */
+typedef struct mpt__qat mpt__qat;
+static void mpt__qat_free(mpt_model *m);
+static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
+                                   int training);
+static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
+static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
+static void mpt__qat_commit(mpt_model *m);
 
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
@@ -5913,6 +6001,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt__free(m->ctx, m->layers);
     mpt__free(m->ctx, m->params);
     mpt__quantized_free(m->ctx, m->quantized);
+    mpt__qat_free(m);
     mpt__free(m->ctx, m);
 }
 
@@ -6499,6 +6588,7 @@ static void mpt__model_commit(mpt_model *m) {
         p.y = L->y;
         if (L->ops->commit) L->ops->commit(L, &p);
     }
+    if (m->qat) mpt__qat_commit(m);
 }
 
 /* A forward pass in progress, one layer at a time (replicas run theirs in
@@ -6516,6 +6606,7 @@ static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
     w->cur_dtype = x->dtype;
     m->last_batch = w->p.batch;
     m->last_training = w->p.training;
+    if (m->qat) mpt__qat_forward_begin(m, &w->cur, w->cur_dtype, w->p.batch, w->p.training);
 }
 
 /* Layer i's input in its dtype, and its pass set up (not yet run). */
@@ -6530,13 +6621,14 @@ static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *
     if (L->output_is_input) L->y = (void *)w->cur;
     w->p.x = L->x;
     w->p.y = L->y;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     return L;
 }
 
 static void mpt__forward_finish(mpt__layer *L, mpt__forward_walk *w) {
     w->cur = L->y;
     w->cur_dtype = L->dtype;
+    if (w->p.model->qat) mpt__qat_forward_end(w->p.model, (int)(L - w->p.model->layers), &w->cur);
 }
 
 static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) {
@@ -6608,7 +6700,8 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
     w->p.y = L->y;
     w->p.dy = m->grad_buf[w->cur];
     w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    if (m->qat) mpt__qat_backward_mask(m, i, m->grad_buf[w->cur]);
     return L;
 }
 
@@ -19051,6 +19144,8 @@ typedef enum mpt__qexec {
 typedef struct mpt__qop {
     mpt_quantized_layer info;  /* the public view: its pointers are the arrays below */
     char name[64], folded[64];
+    const mpt__layer *last;    /* the float layer whose output is this op's output
+                                  (quantization-aware training's ranges) */
     mpt__win g;                /* conv and pooling: the window                 */
     int64_t in_count, out_count; /* elements of one sample                     */
     float *w;                  /* (N, K) folded float32 weights, while quantizing */
@@ -19209,6 +19304,7 @@ static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quant
     memset(op, 0, sizeof *op);
     snprintf(op->name, sizeof op->name, "%s", L->name);
     op->info.name = op->name;
+    op->last = L;
     op->info.op = kind;
     op->info.in_rank = L->in_rank;
     op->info.out_rank = L->out_rank;
@@ -19315,6 +19411,7 @@ static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__l
     if (s != MPT_OK) return s;
     snprintf(op->folded, sizeof op->folded, "%s", L->name);
     op->info.folded_batchnorm = op->folded;
+    op->last = L;
     return MPT_OK;
 }
 
@@ -19366,7 +19463,7 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
             mpt_activation act = L->desc.activation.activation;
             mpt__qop *op = mpt__q_open_product(Q, open);
             if (act == MPT_ACT_NONE) continue;
-            if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU;
+            if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU, op->last = L;
             else mpt__q_append_activation(Q, L, act);
         } else if (!strcmp(cls, "MaxPooling2D")) {
             mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D);
@@ -20265,6 +20362,8 @@ static void mpt__q_drop_float_weights(mpt_context *ctx, mpt__quantized *Q) {
 
 /* ---- quantize ------------------------------------------------------------------------------ */
 
+static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi);
+
 static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     mpt_context *ctx = m->ctx;
     if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
@@ -20297,7 +20396,7 @@ static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
         return mpt__fail(ctx, MPT_ERR_STATE, "quantize: the model holds its initial weights: "
                          "train it (mpt_model_fit) or load its weights (mpt_model_load_weights) "
                          "first");
-    if (d->mode != MPT_QUANTIZE_FULL_INTEGER) return MPT_OK;
+    if (d->mode != MPT_QUANTIZE_FULL_INTEGER || m->qat) return MPT_OK; /* QAT: trained ranges */
     if (!d->representative_data)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: full integer needs "
                          "representative_data, the samples that calibrate the ranges");
@@ -20322,7 +20421,8 @@ static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
     if (s == MPT_OK && d->mode == MPT_QUANTIZE_FULL_INTEGER) {
         range = (float *)mpt__alloc(m->ctx, sizeof(float) * 2 * (size_t)(Q->n_ops + 1));
         if (!range) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
-        if (s == MPT_OK) s = mpt__q_calibrate(m, Q, d, range, range + Q->n_ops + 1);
+        if (s == MPT_OK && m->qat) s = mpt__qat_ranges(m, Q, range, range + Q->n_ops + 1);
+        else if (s == MPT_OK) s = mpt__q_calibrate(m, Q, d, range, range + Q->n_ops + 1);
         if (s == MPT_OK) s = mpt__q_make_integer(m->ctx, Q, range, range + Q->n_ops + 1);
         mpt__free(m->ctx, range);
     }
@@ -20592,6 +20692,560 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     }
     if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
     return s;
+}
+
+/* =============================================================================
+   @impl-qat  quantization-aware training: fake quantization in the forward
+   and backward walks, and the ranges it hands the conversion
+   =============================================================================
+
+   mpt_model_quantize_aware finds what to fake-quantize by building the
+   full-integer operations once (mpt__q_build_ops, the conversion's own
+   rules): each operation's output is some layer's output (mpt__qop's
+   `last`), and that layer gets a point (mpt__qat_point) that quantizes
+   its output after its forward (mpt__qat_forward_end). The quantized
+   tensor goes into the point's buffer, which the next layer reads; the
+   layer's own output stays as computed, for its backward (a ReLU's
+   gradient reads it) and for the mask of the gradient
+   (mpt__qat_backward_mask). The last layer's output is the model's, so
+   it is quantized in place, its unquantized copy in the point's buffer.
+   The model's input has a point too (its gradient, which training never
+   needs, passes unmasked). Kernels are fake-quantized from the masters at
+   the start of every forward pass into a buffer of QAT's own, which the
+   layers read as their compute copy. All of it runs on the CPU backend. */
+
+typedef enum mpt__qat_kind {
+    MPT__QAT_NONE = 0, /* the output is not a quantized tensor              */
+    MPT__QAT_LEARNED,  /* a range learned as a moving average               */
+    MPT__QAT_FIXED     /* TFLite's fixed range (softmax, sigmoid, tanh)     */
+} mpt__qat_kind;
+
+typedef struct mpt__qat_point {
+    mpt__qat_kind kind;
+    mpt_quant_params fixed;     /* FIXED                                       */
+    int seen;                   /* LEARNED: a training batch has set min, max   */
+    float min, max;             /* LEARNED: the moving averages                 */
+    int measured;               /* the last training forward's range waits for
+                                   commit in next_min, next_max               */
+    float next_min, next_max;
+    int active;                 /* the last forward quantized this tensor ...  */
+    mpt_quant_params used;      /* ... with these                              */
+    void *out;                  /* (max_batch, out_count) in the layer's dtype:
+                                   the quantized tensor; the last layer's: the
+                                   unquantized copy                           */
+} mpt__qat_point;
+
+struct mpt__qat {
+    float decay;
+    mpt__qat_point input;      /* the model's input; out in float32 bytes      */
+    mpt__qat_point *point;     /* [n_layers]                                   */
+    int *batchnorm;            /* [n_layers]: a Dense's or Conv2D's folded
+                                  BatchNormalization, or −1                   */
+    void **kernel;             /* [n_layers]: a Dense's or Conv2D's quantized
+                                  kernel in its compute dtype, or NULL        */
+    float *scratch;            /* the largest kernel, then three floats per
+                                  channel of the widest (mpt__qat_kernel)     */
+    float *range;              /* (2 × spans of the largest tensor) each
+                                  span's min and max (mpt__qat_point_run)    */
+    int softmax_last;          /* the last layer ends in softmax: its logits
+                                  are quantized, then softmax runs here       */
+};
+
+#define MPT__QAT_CHUNK 1024
+
+/* What the full-integer model makes of x[0..n) in a tensor quantized
+   with p, in place: mpt__q_quantize (x/scale rounded half away from zero,
+   plus the zero point, saturated; NaN to code 0) and back to float, the
+   zero point taken off the saturation's ends instead. */
+static void mpt__qat_fake_quant(float *x, int64_t n, const mpt_quant_params *p) {
+    const float low = (float)(-128 - p->zero_point), high = (float)(127 - p->zero_point);
+    const float scale = p->scale, nan_code = (float)-p->zero_point;
+    int64_t k;
+    for (k = 0; k < n; k++) {
+        float v = x[k] / scale, whole, part, q;
+        v = v == v ? (v < -256.0f ? -256.0f : v > 256.0f ? 256.0f : v) : nan_code; /* int-safe */
+        whole = (float)(int32_t)v;
+        part = v - whole;
+        q = whole + (float)(part >= 0.5f) - (float)(part <= -0.5f);
+        x[k] = (q < low ? low : q > high ? high : q) * scale;
+    }
+}
+
+#if MPT__X86
+/* The same 16 lanes at a time: the scalar loop's selects become branches
+   that ReLU outputs mispredict (half of a quantization-aware cnn_small
+   step went there). Same bits. The zero-masking forms (all lanes): the
+   plain ones start from an "undefined" vector g++ 12 reports as
+   maybe-uninitialized. */
+MPT__TARGET_AVX512 static void mpt__qat_fake_quant_avx512(float *x, int64_t n,
+                                                         const mpt_quant_params *p) {
+    const __m512 low = _mm512_set1_ps((float)(-128 - p->zero_point));
+    const __m512 high = _mm512_set1_ps((float)(127 - p->zero_point));
+    const __m512 scale = _mm512_set1_ps(p->scale), nan_code = _mm512_set1_ps((float)-p->zero_point);
+    const __m512 limit = _mm512_set1_ps(256.0f), one = _mm512_set1_ps(1.0f);
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    const __mmask16 all = 0xffff;
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + k), scale), whole, part;
+        __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+        v = _mm512_maskz_max_ps(all, v, _mm512_sub_ps(_mm512_setzero_ps(), limit));
+        v = _mm512_mask_mov_ps(nan_code, number, _mm512_maskz_min_ps(all, v, limit));
+        whole = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_cvttps_epi32(all, v));
+        part = _mm512_sub_ps(v, whole);
+        whole = _mm512_mask_add_ps(whole, _mm512_cmp_ps_mask(part, half, _CMP_GE_OQ), whole, one);
+        whole = _mm512_mask_sub_ps(whole, _mm512_cmp_ps_mask(part, minus_half, _CMP_LE_OQ), whole,
+                                   one);
+        whole = _mm512_maskz_min_ps(all, _mm512_maskz_max_ps(all, whole, low), high);
+        _mm512_storeu_ps(x + k, _mm512_mul_ps(whole, scale));
+    }
+    mpt__qat_fake_quant(x + k, n - k, p);
+}
+#endif
+
+/* The reals the codes −128 and 127 stand for: between them (ends
+   included) the fake quantization's gradient passes
+   (FakeQuantWithMinMaxVarsGradient), outside it is 0. */
+static float mpt__qat_edge(const mpt_quant_params *p, int code) {
+    return (float)(code - p->zero_point) * p->scale;
+}
+
+static int mpt__qat_inside(float x, float low_edge, float high_edge) {
+    return x >= low_edge && x <= high_edge;
+}
+
+/* n values of dtype from src: their range into *lo, *hi (when lo), and
+   fake-quantized with p into dst (when p), in float32 chunks. dst may be src. */
+static void mpt__qat_apply(const mpt_context *ctx, mpt_dtype dtype, const void *src, void *dst,
+                           int64_t n, const mpt_quant_params *p, float *lo, float *hi) {
+    float chunk[MPT__QAT_CHUNK];
+    size_t size = mpt_dtype_size(dtype);
+    int64_t b, k, c;
+    for (b = 0; b < n; b += MPT__QAT_CHUNK) {
+        c = MPT__MIN((int64_t)MPT__QAT_CHUNK, n - b);
+        mpt__convert(ctx, MPT_FLOAT32, chunk, dtype, (const char *)src + (size_t)b * size, c);
+        for (k = 0; lo && k < c; k++) {
+            if (chunk[k] < *lo) *lo = chunk[k];
+            if (chunk[k] > *hi) *hi = chunk[k];
+        }
+        if (!p) continue;
+#if MPT__X86
+        if (ctx->cpu & MPT_CPU_AVX512) mpt__qat_fake_quant_avx512(chunk, c, p);
+        else
+#endif
+            mpt__qat_fake_quant(chunk, c, p);
+        mpt__convert(ctx, dtype, (char *)dst + (size_t)b * size, MPT_FLOAT32, chunk, c);
+    }
+}
+
+/* The gradient's mask over n values: dy (dtype) set to 0 wherever the
+   unquantized value pre (dtype) lies outside p's range. */
+static void mpt__qat_mask(const mpt_context *ctx, mpt_dtype dtype, const void *pre, void *dy,
+                          int64_t n, const mpt_quant_params *p) {
+    float chunk[MPT__QAT_CHUNK], low = mpt__qat_edge(p, -128), high = mpt__qat_edge(p, 127);
+    size_t size = mpt_dtype_size(dtype);
+    int64_t b, k, c;
+    for (b = 0; b < n; b += MPT__QAT_CHUNK) {
+        c = MPT__MIN((int64_t)MPT__QAT_CHUNK, n - b);
+        mpt__convert(ctx, MPT_FLOAT32, chunk, dtype, (const char *)pre + (size_t)b * size, c);
+        for (k = 0; k < c; k++) /* 0 is all zero bits in every float dtype */
+            if (!mpt__qat_inside(chunk[k], low, high))
+                memset((char *)dy + (size_t)(b + k) * size, 0, size);
+    }
+}
+
+/* Both over spans of MPT__QAT_TASK values on the context's threads; each
+   span's range goes to its own slot, folded after (min and max do not
+   care in which order). */
+#define MPT__QAT_TASK 16384
+
+typedef struct mpt__qat_job {
+    const mpt_context *ctx;
+    mpt_dtype dtype;
+    const void *src;           /* the values; the mask's: the unquantized output */
+    void *dst;                 /* quantized into; the mask's: the gradient       */
+    int64_t n;
+    const mpt_quant_params *p; /* NULL: the range only                           */
+    float *range;              /* (2 × spans) each span's min, max; NULL: unwanted */
+} mpt__qat_job;
+
+static void mpt__qat_apply_task(void *arg, int64_t task, int thread) {
+    const mpt__qat_job *j = (const mpt__qat_job *)arg;
+    int64_t b = task * MPT__QAT_TASK, n = MPT__MIN((int64_t)MPT__QAT_TASK, j->n - b);
+    size_t at = (size_t)b * mpt_dtype_size(j->dtype);
+    float *range = j->range ? j->range + 2 * task : NULL;
+    (void)thread;
+    if (range) range[0] = INFINITY, range[1] = -INFINITY;
+    mpt__qat_apply(j->ctx, j->dtype, (const char *)j->src + at,
+                   j->p ? (char *)j->dst + at : NULL, n, j->p, range, range ? range + 1 : NULL);
+}
+
+static void mpt__qat_mask_task(void *arg, int64_t task, int thread) {
+    const mpt__qat_job *j = (const mpt__qat_job *)arg;
+    int64_t b = task * MPT__QAT_TASK;
+    size_t at = (size_t)b * mpt_dtype_size(j->dtype);
+    (void)thread;
+    mpt__qat_mask(j->ctx, j->dtype, (const char *)j->src + at, (char *)j->dst + at,
+                  MPT__MIN((int64_t)MPT__QAT_TASK, j->n - b), j->p);
+}
+
+static mpt__qat_job mpt__qat_job_of(const mpt_model *m, mpt_dtype dtype, const void *src, void *dst,
+                                    int64_t n, const mpt_quant_params *p, float *range) {
+    mpt__qat_job j;
+    j.ctx = m->ctx, j.dtype = dtype, j.src = src, j.dst = dst, j.n = n, j.p = p, j.range = range;
+    return j;
+}
+
+static int64_t mpt__qat_spans(int64_t n) { return (n + MPT__QAT_TASK - 1) / MPT__QAT_TASK; }
+
+/* One point over n values: the range to use (a training batch's folded
+   into the moving averages, for commit to keep), then src quantized into
+   dst. Before any training batch a learned point passes its tensor. */
+static void mpt__qat_point_run(mpt_model *m, mpt__qat_point *P, mpt_dtype dtype, const void *src,
+                               void *dst, int64_t n, int training) {
+    float lo = INFINITY, hi = -INFINITY, decay = m->qat->decay, *range = m->qat->range;
+    mpt__qat_job j;
+    int64_t t;
+    P->active = 0;
+    if (P->kind == MPT__QAT_NONE) return;
+    if (P->kind == MPT__QAT_FIXED) {
+        P->used = P->fixed;
+    } else {
+        if (training) {
+            j = mpt__qat_job_of(m, dtype, src, NULL, n, NULL, range);
+            mpt__parallel_for(m->ctx, mpt__qat_spans(n), mpt__qat_apply_task, &j);
+            for (t = 0; t < mpt__qat_spans(n); t++) {
+                lo = MPT__MIN(lo, range[2 * t]);
+                hi = MPT__MAX(hi, range[2 * t + 1]);
+            }
+        }
+        if (training && lo <= hi) {
+            if (P->seen) {
+                lo = decay * P->min + (1 - decay) * lo;
+                hi = decay * P->max + (1 - decay) * hi;
+            }
+            P->next_min = lo, P->next_max = hi, P->measured = 1;
+        } else if (P->seen) {
+            lo = P->min, hi = P->max;
+        } else {
+            return;
+        }
+        P->used = mpt__q_params(lo, hi);
+    }
+    j = mpt__qat_job_of(m, dtype, src, dst, n, &P->used, NULL);
+    mpt__parallel_for(m->ctx, mpt__qat_spans(n), mpt__qat_apply_task, &j);
+    P->active = 1;
+}
+
+/* Layer i's kernel fake-quantized into its compute copy: per output
+   channel c (the kernel's last axis), symmetric as mpt__q_symmetric_rows
+   quantizes it, after scaling by the folded BatchNormalization's
+   s[c] = gamma[c]/sqrt(moving_variance[c] + eps) and divided by it again:
+   w <- fq(w·s)/s. Row after row of the (K, N) kernel, the channels side
+   by side: a column at a time would stride through memory. */
+static void mpt__qat_kernel(mpt_model *m, int i) {
+    mpt__qat *Q = m->qat;
+    mpt__layer *L = &m->layers[i];
+    mpt__param *P = L->param[0];
+    int64_t N = P->shape[P->rank - 1], K = P->count / N, k, c;
+    /* w (K, N); s, scale, inv (N) each */
+    float *w = Q->scratch, *s = w + P->count, *scale = s + N, *inv = scale + N;
+    const mpt__layer *bn = Q->batchnorm[i] >= 0 ? &m->layers[Q->batchnorm[i]] : NULL;
+    const mpt__param *gamma = bn ? mpt__q_layer_param(bn, "gamma") : NULL;
+    const mpt__param *var = bn ? mpt__q_layer_param(bn, "moving_variance") : NULL;
+    for (c = 0; c < N; c++) {
+        s[c] = 1.0f;
+        if (bn)
+            s[c] = (gamma ? gamma->value[c] : 1.0f) *
+                   mpt__bn_inv_std(var->value[c], mpt__bn_epsilon(bn));
+        if (!(s[c] != 0 && isfinite(s[c]))) s[c] = 1.0f; /* a dead channel: folded weights all 0 */
+        scale[c] = 0; /* the channel's max |w·s| first */
+    }
+    for (k = 0; k < K; k++)
+        for (c = 0; c < N; c++) {
+            w[k * N + c] = P->value[k * N + c] * s[c];
+            scale[c] = MPT__MAX(scale[c], fabsf(w[k * N + c]));
+        }
+    for (c = 0; c < N; c++) {
+        float amax = scale[c];
+        scale[c] = amax > 0 ? amax / 127.0f : 1.0f;
+        inv[c] = amax > 0 ? 127.0f / amax : 0.0f;
+    }
+    for (k = 0; k < K; k++)
+        for (c = 0; c < N; c++) {
+            float v = w[k * N + c] * inv[c];
+            float q = fabsf(v) < 128 ? (float)mpt__q_round_small(v)
+                                     : (float)mpt__q_clamp8((double)mpt__q_round(v)); /* inf amax */
+            w[k * N + c] = q * scale[c] / s[c];
+        }
+    P->compute = Q->kernel[i]; /* again: a smaller batch's rebuild resets it */
+    mpt__convert(m->ctx, P->compute_dtype, P->compute, MPT_FLOAT32, w, P->count);
+}
+
+/* mpt__forward_begin's: every kernel quantized, then the input (*x then
+   points at its quantized copy). */
+static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
+                                   int training) {
+    mpt__qat *Q = m->qat;
+    int i;
+    for (i = 0; i < m->n_layers; i++)
+        if (Q->kernel[i]) mpt__qat_kernel(m, i);
+    mpt__qat_point_run(m, &Q->input, dtype, *x, Q->input.out, batch * m->layers[0].in_count,
+                       training);
+    if (Q->input.active) *x = Q->input.out;
+}
+
+/* mpt__forward_finish's, after layer i: its output quantized for the next
+   layer (*next), or in place for the last, whose softmax (left out of
+   the layer's forward) runs here on the quantized logits unless the loss
+   takes the logits. */
+static void mpt__qat_forward_end(mpt_model *m, int i, const void **next) {
+    mpt__qat *Q = m->qat;
+    mpt__layer *L = &m->layers[i];
+    mpt__qat_point *P = &Q->point[i];
+    int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1];
+    if (i < m->n_layers - 1) {
+        mpt__qat_point_run(m, P, L->dtype, L->y, P->out, n, m->last_training);
+        if (P->active) *next = P->out;
+        return;
+    }
+    if (P->kind != MPT__QAT_NONE) { /* the copy first: the mask reads it */
+        memcpy(P->out, L->y, (size_t)n * mpt_dtype_size(L->dtype));
+        mpt__qat_point_run(m, P, L->dtype, P->out, L->y, n, m->last_training);
+    }
+    if (Q->softmax_last && !m->emit_logits) { /* float32: mpt_model_quantize_aware checked */
+        mpt_quant_params probabilities = mpt__q_fixed_params(1.0f / 256, -128);
+        m->be->activation(m->impl, MPT_ACT_SOFTMAX, (float *)L->y, n / cols, cols);
+        mpt__qat_apply(m->ctx, MPT_FLOAT32, L->y, L->y, n, &probabilities, NULL, NULL);
+    }
+}
+
+/* mpt__backward_prepare's, before layer i's backward: dy (its output's
+   gradient, in its dtype) through the last layer's softmax where the
+   forward ran it, then 0 wherever the unquantized output lay outside the
+   range a learned point used. */
+static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
+    mpt__qat *Q = m->qat;
+    mpt__layer *L = &m->layers[i];
+    mpt__qat_point *P = &Q->point[i];
+    int last = i == m->n_layers - 1;
+    int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1], r, k;
+    mpt__qat_job j;
+    const void *pre = last ? P->out : L->y;
+    if (last && Q->softmax_last && !m->emit_logits) { /* dz = y·(dy − Σ dy·y), in float32 */
+        float *g = (float *)dy;
+        const float *y = (const float *)L->y;
+        for (r = 0; r < n / cols; r++, g += cols, y += cols) {
+            double dot = 0;
+            for (k = 0; k < cols; k++) dot += (double)g[k] * y[k];
+            for (k = 0; k < cols; k++) g[k] = (float)(y[k] * (g[k] - dot));
+        }
+    }
+    if (P->kind != MPT__QAT_LEARNED || !P->active) return;
+    j = mpt__qat_job_of(m, L->dtype, pre, dy, n, &P->used, NULL);
+    mpt__parallel_for(m->ctx, mpt__qat_spans(n), mpt__qat_mask_task, &j);
+}
+
+static void mpt__qat_commit_point(mpt__qat_point *P) {
+    if (!P->measured) return;
+    P->min = P->next_min, P->max = P->next_max;
+    P->seen = 1;
+    P->measured = 0;
+}
+
+/* mpt__model_commit's: the last training forward's ranges kept. */
+static void mpt__qat_commit(mpt_model *m) {
+    int i;
+    mpt__qat_commit_point(&m->qat->input);
+    for (i = 0; i < m->n_layers; i++) mpt__qat_commit_point(&m->qat->point[i]);
+}
+
+static void mpt__qat_free(mpt_model *m) {
+    mpt__qat *Q = m->qat;
+    int i;
+    if (!Q) return;
+    for (i = 0; i < m->n_layers; i++) {
+        if (Q->point) mpt__free(m->ctx, Q->point[i].out);
+        if (Q->kernel) mpt__free(m->ctx, Q->kernel[i]); /* the model goes too: no compute
+                                                             copy is pointed back */
+    }
+    mpt__free(m->ctx, Q->input.out);
+    mpt__free(m->ctx, Q->point);
+    mpt__free(m->ctx, Q->batchnorm);
+    mpt__free(m->ctx, Q->kernel);
+    mpt__free(m->ctx, Q->scratch);
+    mpt__free(m->ctx, Q->range);
+    mpt__free(m->ctx, Q);
+    m->qat = NULL;
+}
+
+/* The conversion's ranges: the input's, and each operation's output's
+   from the point of the layer it ends at (operations that keep their
+   input's quantization, or have a fixed one, ignore theirs). */
+static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi) {
+    const mpt__qat *T = m->qat;
+    int i;
+    if (!T->input.seen)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: the quantization-aware model has not "
+                         "trained yet, so it has no ranges: fit it first");
+    lo[0] = T->input.min, hi[0] = T->input.max;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
+        lo[i + 1] = hi[i + 1] = 0;
+        if (P->kind != MPT__QAT_LEARNED) continue;
+        if (!P->seen)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: layer '%s' has no trained range",
+                             Q->ops[i].last->name);
+        lo[i + 1] = P->min, hi[i + 1] = P->max;
+    }
+    return MPT_OK;
+}
+
+/* ---- turning it on ------------------------------------------------------------------------ */
+
+static mpt_status mpt__qat_check(mpt_model *m, const mpt_qat_desc *d) {
+    MPT__CHECK(mpt__refuse_quantized(m, "quantize_aware"));
+    if (m->qat)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: the model is quantization-aware "
+                         "already");
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: build the model first "
+                         "(mpt_model_build)");
+    if (mpt__model_device(m) != MPT_DEVICE_CPU)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: the CUDA backend has no "
+                         "fake quantization yet: train on the CPU");
+    if (m->strategy || m->n_replicas > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: not under a strategy");
+    if (!(d->ema_decay >= 0 && d->ema_decay < 1))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantize_aware: ema_decay %g is not "
+                         "in [0, 1)", (double)d->ema_decay);
+    return MPT_OK;
+}
+
+/* The point (and for a product, the kernel and folded BatchNormalization)
+   that operation op asks for. */
+static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
+    mpt__qat *T = m->qat;
+    int at = (int)(op->last - m->layers), last = at == m->n_layers - 1;
+    mpt__qat_point *P = &T->point[at];
+    mpt_activation act = op->info.activation;
+    if (mpt__qop_weighted(op)) {
+        const mpt__layer *L = mpt__find_layer(m, op->name);
+        mpt_activation own = mpt__layer_activation(L);
+        int k = (int)(L - m->layers);
+        if (own != MPT_ACT_NONE && own != MPT_ACT_RELU && !(last && own == MPT_ACT_SOFTMAX))
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: %s '%s' ends in %s, "
+                             "whose input the integer model quantizes but training cannot see: "
+                             "give it activation none and add an Activation layer",
+                             L->ops->class_name, L->name, mpt_activation_name(own));
+        T->batchnorm[k] = op->info.folded_batchnorm
+                              ? (int)(mpt__find_layer(m, op->info.folded_batchnorm) - m->layers)
+                              : -1;
+        T->kernel[k] = mpt__alloc(m->ctx, (size_t)L->param[0]->count *
+                                              mpt_dtype_size(L->param[0]->compute_dtype));
+        if (!T->kernel[k]) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
+                                            "of memory");
+        P->kind = MPT__QAT_LEARNED;
+    } else if (op->info.op == MPT_QOP_ACTIVATION) {
+        if (last && act == MPT_ACT_SOFTMAX) {
+            if (op->last->dtype != MPT_FLOAT32)
+                return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: the final softmax "
+                                 "'%s' must compute in float32", op->last->name);
+            T->softmax_last = 1;
+        } else if (act == MPT_ACT_SOFTMAX || act == MPT_ACT_SIGMOID) {
+            P->kind = MPT__QAT_FIXED, P->fixed = mpt__q_fixed_params(1.0f / 256, -128);
+        } else if (act == MPT_ACT_TANH) {
+            P->kind = MPT__QAT_FIXED, P->fixed = mpt__q_fixed_params(1.0f / 128, 0);
+        } else {
+            P->kind = MPT__QAT_LEARNED;
+        }
+    }
+    return MPT_OK;
+}
+
+/* The points from the full-integer operations, then their buffers. */
+static mpt_status mpt__qat_plan(mpt_model *m) {
+    mpt__qat *T = m->qat;
+    mpt__quantized *Q = (mpt__quantized *)mpt__calloc(m->ctx, sizeof *Q);
+    int64_t largest = 0, widest = 0, tensor = m->max_batch * m->layers[0].in_count;
+    int i;
+    mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
+                                                                          "of memory");
+    if (s == MPT_OK) s = mpt__q_build_ops(m, Q);
+    for (i = 0; s == MPT_OK && i < Q->n_ops; i++) s = mpt__qat_plan_op(m, &Q->ops[i]);
+    mpt__quantized_free(m->ctx, Q);
+    T->input.kind = MPT__QAT_LEARNED;
+    T->input.out = s == MPT_OK ? mpt__alloc(m->ctx, sizeof(float) * (size_t)(m->max_batch *
+                                                                            m->layers[0].in_count))
+                               : NULL;
+    if (s == MPT_OK && !T->input.out) s = MPT_ERR_OUT_OF_MEMORY;
+    for (i = 0; s == MPT_OK && i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        if (T->kernel[i]) largest = MPT__MAX(largest, L->param[0]->count);
+        if (T->kernel[i]) widest = MPT__MAX(widest, L->param[0]->shape[L->param[0]->rank - 1]);
+        if (T->point[i].kind == MPT__QAT_NONE) continue;
+        tensor = MPT__MAX(tensor, m->max_batch * L->out_count);
+        T->point[i].out = mpt__alloc(m->ctx, mpt_dtype_size(L->dtype) *
+                                                 (size_t)(m->max_batch * L->out_count));
+        if (!T->point[i].out) s = MPT_ERR_OUT_OF_MEMORY;
+    }
+    T->scratch = s == MPT_OK ? (float *)mpt__alloc(m->ctx, sizeof(float) *
+                                                               (size_t)(largest + 3 * widest + 1))
+                             : NULL;
+    T->range = s == MPT_OK ? (float *)mpt__alloc(m->ctx, sizeof(float) * 2 *
+                                                             (size_t)mpt__qat_spans(tensor))
+                           : NULL;
+    if (s == MPT_OK && (!T->scratch || !T->range)) s = MPT_ERR_OUT_OF_MEMORY;
+    if (s == MPT_ERR_OUT_OF_MEMORY)
+        return mpt__fail(m->ctx, s, "quantize_aware: out of memory for the quantized buffers");
+    return s;
+}
+
+MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *desc) {
+    mpt_qat_desc d;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    MPT__CHECK(mpt__qat_check(m, &d));
+    m->qat = (mpt__qat *)mpt__calloc(m->ctx, sizeof *m->qat);
+    if (m->qat) {
+        m->qat->point = (mpt__qat_point *)mpt__calloc(m->ctx, sizeof(mpt__qat_point) *
+                                                                   (size_t)m->n_layers);
+        m->qat->batchnorm = (int *)mpt__calloc(m->ctx, sizeof(int) * (size_t)m->n_layers);
+        m->qat->kernel = (void **)mpt__calloc(m->ctx, sizeof(void *) * (size_t)m->n_layers);
+    }
+    if (!m->qat || !m->qat->point || !m->qat->batchnorm || !m->qat->kernel) {
+        mpt__qat_free(m);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out of memory");
+    }
+    m->qat->decay = d.ema_decay != 0 ? d.ema_decay : 0.999f;
+    s = mpt__qat_plan(m);
+    if (s != MPT_OK) mpt__qat_free(m);
+    return s;
+}
+
+MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min, float *max) {
+    const mpt__qat_point *P;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!min || !max)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: NULL %s",
+                         min ? "max" : "min");
+    if (!m->qat)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "qat_range: the model is not quantization-aware "
+                         "(mpt_model_quantize_aware)");
+    if (layer < -1 || layer >= m->n_layers)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: layer %d is not in -1..%d",
+                         layer, m->n_layers - 1);
+    P = layer < 0 ? &m->qat->input : &m->qat->point[layer];
+    if (P->kind != MPT__QAT_LEARNED || !P->seen)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "qat_range: the output of %s%s%s %s",
+                         layer < 0 ? "the model's input" : "layer '",
+                         layer < 0 ? "" : m->layers[layer].name, layer < 0 ? "" : "'",
+                         P->kind != MPT__QAT_LEARNED ? "is not quantized with a learned range"
+                                                     : "has not met a training batch yet");
+    *min = P->min, *max = P->max;
+    return MPT_OK;
 }
 
 /* =============================================================================

@@ -9,6 +9,13 @@
        full_int8     int8 weights and activations, ranges calibrated on 500
                      training images (TFLITE_BUILTINS_INT8 with a
                      representative dataset)
+       qat_int8      the trained model fine-tuned for --qat-epochs with the
+                     int8 rounding in its forward pass (tfmot's
+                     quantize_model), Adam at --qat-learning-rate (a tenth
+                     of training's: a fresh optimizer at the full rate
+                     first undoes some of what training reached), then
+                     converted to full integer with the ranges training
+                     learned: no representative dataset
    After training, the line every example prints; then one JSON line per
    variant: test accuracy, bytes of weights as stored, predict speed (the
    fastest of three passes over the test set in batches of --batch-size),
@@ -23,12 +30,14 @@
    kernels read by TFLite's hybrid ops and by ONNX's MatMulInteger and
    ConvInteger, float32 activations) and DIR/<model>_full_int8.tflite and
    .onnx (int8 operations in TFLite, the QDQ form in ONNX; float32 input
-   and output).
+   and output); qat_int8 to DIR/<model>_qat_int8.tflite and .onnx as
+   full_int8.
 
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
    Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
                      [--policy ...] [--batch-size 128] [--threads N] [--data DIR]
                      [--calibration-samples 500] [--calibration minmax|percentile|mse]
+                     [--qat-epochs 1] [--qat-learning-rate 0.0001]
                      [--verbose 0] [--tensorboard DIR]
                      [--plot FILE] [--profile DIR] [--export DIR]
    --weights FILE loads a model saved by mpt_model_save_weights instead of
@@ -64,9 +73,10 @@ static const char *take_flag(int *argc, char **argv, const char *name, const cha
     return fallback;
 }
 
-/* The seed MLP or cnn_small, compiled and built. */
+/* The seed MLP or cnn_small, compiled (Adam at learning_rate; 0: Keras'
+default) and built. */
 static mpt_status make_model(mpt_context *ctx, const char *name, mpt_policy policy,
-                             const options *o, mpt_model **out) {
+                             float learning_rate, const options *o, mpt_model **out) {
     mpt_model *m;
     mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 },
                                                             .input_rank = 3, .policy = policy,
@@ -84,7 +94,7 @@ static mpt_status make_model(mpt_context *ctx, const char *name, mpt_policy poli
     }
     mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10, .activation = MPT_ACT_SOFTMAX });
     s = mpt_model_compile(m, &(mpt_compile_desc){
-        .optimizer = { .type = MPT_OPTIMIZER_ADAM },
+        .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = learning_rate },
         .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
         .metrics = MPT_METRIC_ACCURACY });
     if (s == MPT_OK) s = mpt_model_build(m, o->batch_size);
@@ -195,6 +205,8 @@ int main(int argc, char **argv) {
     const char *export_dir = take_flag(&argc, argv, "--export", NULL);
     const char *calibration_name = take_flag(&argc, argv, "--calibration", "minmax");
     mpt_calibration calibration_method = MPT_CALIBRATION_MIN_MAX;
+    int qat_epochs = atoi(take_flag(&argc, argv, "--qat-epochs", "1"));
+    float qat_rate = (float)atof(take_flag(&argc, argv, "--qat-learning-rate", "0.0001"));
     static const struct { const char *name; mpt_quantize_mode mode; } variants[] = {
         { "float16", MPT_QUANTIZE_FLOAT16 },
         { "dynamic_int8", MPT_QUANTIZE_DYNAMIC_RANGE },
@@ -229,7 +241,7 @@ int main(int argc, char **argv) {
 
     /* Train in the policy asked for (or load), then measure in float32.
        Training ends with the line every example prints. */
-    TRY(make_model(ctx, model_name, o.policy, &o, &trained));
+    TRY(make_model(ctx, model_name, o.policy, 0, &o, &trained));
     if (weights) {
         TRY(mpt_model_load_weights(trained, weights));
     } else {
@@ -249,7 +261,7 @@ int main(int argc, char **argv) {
                                &result));
         print_result(model_name, &o, trained, ctx, &result);
     }
-    TRY(make_model(ctx, model_name, MPT_POLICY_FLOAT32, &o, &model));
+    TRY(make_model(ctx, model_name, MPT_POLICY_FLOAT32, 0, &o, &model));
     copy_weights(trained, model);
     for (i = 0; i < mpt_model_param_count(model); i++) {
         mpt_param_info p;
@@ -280,6 +292,29 @@ int main(int argc, char **argv) {
         TRY(report(ctx, q, model_name, variants[i].name, info.size_bytes, test, o.batch_size,
                    &files));
         mpt_model_destroy(q);
+    }
+
+    /* Quantization-aware training: the trained weights fine-tuned in the
+       training policy with the int8 rounding in every forward pass, then
+       converted with the ranges they were trained with. */
+    if (qat_epochs > 0) {
+        mpt_model *aware, *q;
+        mpt_quantized_info info;
+        TRY(make_model(ctx, model_name, o.policy, qat_rate, &o, &aware));
+        copy_weights(trained, aware);
+        TRY(mpt_model_quantize_aware(aware, NULL));
+        TRY(mpt_model_fit(aware, train, &(mpt_fit_desc){ .epochs = qat_epochs,
+                                                         .batch_size = o.batch_size,
+                                                         .verbose = o.verbose }));
+        TRY(mpt_model_quantize(aware, &(mpt_quantize_desc){ .mode = MPT_QUANTIZE_FULL_INTEGER },
+                               &q));
+        mpt_model_quantized_info(q, &info);
+        files.written = 0;
+        if (export_dir)
+            TRY(export_quantized_variant(q, export_dir, model_name, "qat_int8", &files));
+        TRY(report(ctx, q, model_name, "qat_int8", info.size_bytes, test, o.batch_size, &files));
+        mpt_model_destroy(q);
+        mpt_model_destroy(aware);
     }
 
     mpt_model_destroy(model);

@@ -1,0 +1,598 @@
+/* Tests of quantization-aware training (mpt_model_quantize_aware): the
+   fake quantization against a scalar reference of TFLite's int8 rule, its
+   straight-through gradients against finite differences in double, a
+   short fit, and the conversion to the full-integer model, whose outputs
+   must stay within one output quantization step of the fake-quantized
+   model's. */
+#define _POSIX_C_SOURCE 200809L /* mkstemp, close */
+#include <unistd.h>
+#define MPT_IMPLEMENTATION
+#include "mpt.h"
+#include "helpers.h"
+
+/* ---- a scalar reference, written from the int8 spec ------------------------------ */
+
+/* TFLite's tensor over [lo, hi] widened to hold 0: scale, zero point. */
+static void ref_params(double lo, double hi, double *scale, int *zero_point) {
+    double a = lo < 0 ? lo : 0, b = hi > 0 ? hi : 0, zp;
+    *scale = (float)((b - a) / 255.0);
+    zp = floor(-128.0 - a / *scale + 0.5);
+    *zero_point = (int)(zp < -128 ? -128 : zp > 127 ? 127 : zp);
+}
+
+static double ref_round(double v) { return v < 0 ? -floor(-v + 0.5) : floor(v + 0.5); }
+
+static float ref_fake_quant(float x, double scale, int zero_point) {
+    double q = ref_round((double)(x / (float)scale)) + zero_point;
+    q = q < -128 ? -128 : q > 127 ? 127 : q;
+    return (float)((q - zero_point) * scale);
+}
+
+static mpt_dataset *dataset(mpt_context *ctx, int64_t n, int rank, const int64_t *sample,
+                            float *x, int32_t *y) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    int64_t xs[4] = {n, 0, 0, 0}, ys[1] = {n};
+    memcpy(xs + 1, sample, sizeof(int64_t) * (size_t)rank);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, rank + 1, xs, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+static void randomize(mpt_model *m, double spread) {
+    int i;
+    for (i = 0; i < mpt_model_param_count(m); i++) {
+        mpt_param_info p;
+        int64_t k;
+        mpt_model_param(m, i, &p);
+        for (k = 0; k < mpt_tensor_count(&p.value); k++) {
+            float *v = (float *)p.value.data + k;
+            if (strstr(p.name, "gamma") || strstr(p.name, "variance")) *v = (float)test_uniform(0.5, 1.5);
+            else *v = (float)test_uniform(-spread, spread);
+        }
+    }
+    mpt_model_refresh_weights(m);
+}
+
+/* Dense(5, relu) -> Dense(3): small enough to check every value. */
+static mpt_model *two_dense(mpt_context *ctx, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1, .policy = policy,
+                                            .seed = 3}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* ---- the fake quantization, exact ------------------------------------------------------ */
+
+static void test_fake_quant_scalar_reference(void) {
+    mpt_context *ctx = quiet_ctx();
+    float x[3000], y[3000], z[3000];
+    int trial, k, off = 0;
+    test_seed(11);
+    for (trial = 0; trial < 20; trial++) {
+        double lo = test_uniform(-4, 1), hi = test_uniform(-1, 5), scale;
+        int zp;
+        mpt_quant_params p;
+        if (trial == 0) lo = 0.5, hi = 3; /* a range above 0: widened down to it */
+        if (trial == 1) lo = -2, hi = -0.25;
+        if (hi < lo) { double t = lo; lo = hi; hi = t; }
+        p = mpt__q_params((float)lo, (float)hi);
+        ref_params((float)lo, (float)hi, &scale, &zp);
+        CHECK(p.scale == (float)scale && p.zero_point == zp, "params of [%g, %g]: %g %d vs %g %d",
+              lo, hi, (double)p.scale, p.zero_point, scale, zp);
+        for (k = 0; k < 3000; k++) {
+            x[k] = (float)test_uniform(lo - 1, hi + 1);
+            if (k % 7 == 0) x[k] = (float)((test_randint(-140, 140) + 0.5) * scale); /* ties */
+            if (k % 7 == 1) x[k] = (float)((test_randint(-140, 140) + 0.5) * scale) *
+                                   (k & 8 ? 0.9999999f : 1.0000001f); /* next to them */
+        }
+        x[1] = NAN, x[2] = INFINITY, x[3] = -INFINITY, x[4] = 3e9f, x[5] = -3e9f, x[6] = -0.0f;
+        memset(y, 0x7f, sizeof y); /* poisoned: every value must be written */
+        mpt__qat_apply(ctx, MPT_FLOAT32, x, y, 3000, &p, NULL, NULL);
+        memcpy(z, x, sizeof z); /* the portable loop too, where SIMD ran above */
+        mpt__qat_fake_quant(z, 3000, &p);
+        for (k = 0; k < 3000; k++) {
+            float want = x[k] == x[k] ? ref_fake_quant(x[k], scale, zp) : (float)(-zp * scale);
+            off += memcmp(&y[k], &want, sizeof want) != 0; /* bits: the sign of 0 too */
+            off += memcmp(&z[k], &want, sizeof want) != 0;
+        }
+    }
+    CHECK(off == 0, "%d fake-quantized values differ from the scalar reference", off);
+    mpt_context_destroy(ctx);
+}
+
+/* After a training forward: the kernels the layers read are the masters
+   fake-quantized per output channel, bit for bit, and the output is the
+   reference chain within float32 rounding of the products. */
+static void test_forward_values(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = two_dense(ctx, MPT_POLICY_FLOAT32);
+    float x[6 * 4], a[6 * 5], z[6 * 5], o[6 * 3], lo, hi;
+    double scale;
+    int zp, l, b, n, k, c, far = 0;
+    mpt_tensor tx, out;
+    test_seed(12);
+    randomize(m, 0.8);
+    for (k = 0; k < 24; k++) x[k] = (float)test_uniform(-2, 2);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){6, 4}, x);
+    CHECK(mpt_model_quantize_aware(m, NULL) == MPT_OK, "qat: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_forward(m, &tx, 1, &out) == MPT_OK, "forward: %s", mpt_context_error(ctx));
+    for (l = 0; l < 2; l++) { /* the kernels, exact */
+        mpt__param *P = m->layers[l].param[0];
+        int64_t N = P->shape[1], K = P->shape[0];
+        for (c = 0; c < N; c++) {
+            float amax = 0;
+            for (k = 0; k < K; k++) amax = fmaxf(amax, fabsf(P->value[k * N + c]));
+            for (k = 0; k < K; k++) {
+                float want = (float)ref_round(P->value[k * N + c] * (127.0f / amax)) * (amax / 127.0f);
+                far += ((const float *)P->compute)[k * N + c] != want;
+            }
+        }
+    }
+    CHECK(far == 0, "%d kernel values differ from the per-channel reference", far);
+    /* input: the first batch's range */
+    lo = hi = x[0];
+    for (k = 0; k < 24; k++) lo = fminf(lo, x[k]), hi = fmaxf(hi, x[k]);
+    ref_params(lo, hi, &scale, &zp);
+    for (k = 0; k < 24; k++) x[k] = ref_fake_quant(x[k], scale, zp);
+    for (l = 0, n = 4; l < 2; l++) {
+        const float *w = (const float *)m->layers[l].param[0]->compute;
+        const float *bias = m->layers[l].param[1]->value;
+        int units = l ? 3 : 5;
+        float *dst = l ? o : a;
+        const float *src = l ? a : x;
+        for (b = 0; b < 6; b++)
+            for (c = 0; c < units; c++) {
+                double s = bias[c];
+                for (k = 0; k < n; k++) s += (double)src[b * n + k] * w[k * units + c];
+                z[b * units + c] = (float)(l == 0 && s < 0 ? 0 : s);
+            }
+        lo = hi = z[0];
+        for (k = 0; k < 6 * units; k++) lo = fminf(lo, z[k]), hi = fmaxf(hi, z[k]);
+        ref_params(lo, hi, &scale, &zp);
+        for (k = 0; k < 6 * units; k++) dst[k] = ref_fake_quant(z[k], scale, zp);
+        n = units;
+    }
+    for (k = 0, far = 0; k < 18; k++) far += fabsf(((float *)out.data)[k] - o[k]) > 1e-5f;
+    /* a product that lands within float32 rounding of a tie may round the
+       other way: one value in 18 at most, by one step */
+    CHECK(far <= 1, "%d outputs differ from the reference chain", far);
+    CHECK(mpt_model_qat_range(m, 1, &lo, &hi) == MPT_OK && hi > lo, "range: %s",
+          mpt_context_error(ctx));
+    {   /* inference leaves the ranges alone; the conversion takes them */
+        float lo2, hi2, in_lo, in_hi;
+        mpt_model *q = NULL;
+        mpt_quantized_info info;
+        mpt_quant_params want;
+        for (k = 0; k < 24; k++) x[k] *= 10;
+        mpt_model_forward(m, &tx, 0, NULL);
+        mpt_model_qat_range(m, 1, &lo2, &hi2);
+        CHECK(lo2 == lo && hi2 == hi, "an inference forward moved the range to [%g, %g]",
+              (double)lo2, (double)hi2);
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+                  MPT_OK, "convert: %s", mpt_context_error(ctx));
+        mpt_model_quantized_info(q, &info);
+        mpt_model_qat_range(m, -1, &in_lo, &in_hi);
+        want = mpt__q_params(in_lo, in_hi);
+        CHECK(info.input.scale == want.scale && info.input.zero_point == want.zero_point,
+              "the int8 input is quantized (%g, %d), the trained range says (%g, %d)",
+              (double)info.input.scale, info.input.zero_point, (double)want.scale,
+              want.zero_point);
+        want = mpt__q_params(lo, hi);
+        CHECK(info.output.scale == want.scale && info.output.zero_point == want.zero_point,
+              "the int8 output is quantized (%g, %d), the trained range says (%g, %d)",
+              (double)info.output.scale, info.output.zero_point, (double)want.scale,
+              want.zero_point);
+        mpt_model_destroy(q);
+    }
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- gradients ------------------------------------------------------------------------------ */
+
+static int clamp_to(double *v, const mpt_quant_params *p) {
+    double lo = (-128 - p->zero_point) * (double)p->scale, hi = (127 - p->zero_point) * (double)p->scale;
+    int outside = *v < lo || *v > hi;
+    *v = *v < lo ? lo : *v > hi ? hi : *v;
+    return outside;
+}
+
+static float fake_quant(float x, const mpt_quant_params *p) {
+    mpt__qat_fake_quant(&x, 1, p);
+    return x;
+}
+
+/* The fake quantization's slope: 1 inside its range, 0 outside, as a
+   difference quotient over many steps shows (the function is a staircase:
+   its slope is the straight-through estimator's only at that scale). */
+static void test_fake_quant_slope(void) {
+    mpt_quant_params p = mpt__q_params(-1.5f, 2.5f);
+    float low = mpt__qat_edge(&p, -128), high = mpt__qat_edge(&p, 127);
+    double h = 16 * (double)p.scale, x;
+    int bad = 0;
+    for (x = -1.4 + h; x < 2.4 - h; x += 0.013) {
+        double slope = ((double)fake_quant((float)(x + h), &p) -
+                        fake_quant((float)(x - h), &p)) / (2 * h);
+        bad += fabs(slope - 1) > 1.0 / 16 || !mpt__qat_inside((float)x, low, high);
+    }
+    for (x = 2.6 + h; x < 4; x += 0.013) {
+        double slope = ((double)fake_quant((float)(x + h), &p) -
+                        fake_quant((float)(x - h), &p)) / (2 * h);
+        bad += slope != 0 || mpt__qat_inside((float)x, low, high) ||
+               mpt__qat_inside((float)-x, low, high);
+    }
+    CHECK(bad == 0, "%d points where the slope or the gradient mask is wrong", bad);
+}
+
+/* loss = Σ r·output of the straight-through surrogate: each fake
+   quantization f(v) replaced by f(v0) + clamp(v) − clamp(v0) around the
+   model's own values v0, each kernel by its quantized value plus the
+   change. Its derivative is what backward computes, wherever no value
+   sits on a clamp's edge. */
+typedef struct surrogate {
+    double w0[20], b0[5], w1[15], b1[3]; /* the parameters (deltas included)    */
+    float wq0[20], wq1[15], master0[20], master1[15];
+    float xq[24], a0[30], z0[30], y0[18], z1[18];
+    mpt_quant_params p0, p1;
+    double r[18];
+} surrogate;
+
+static double surrogate_loss(const surrogate *s) {
+    double a[30], loss = 0, v, c0;
+    int b, c, k;
+    for (b = 0; b < 6; b++)
+        for (c = 0; c < 5; c++) {
+            for (v = s->b0[c], k = 0; k < 4; k++)
+                v += s->xq[b * 4 + k] * (s->wq0[k * 5 + c] + (s->w0[k * 5 + c] - s->master0[k * 5 + c]));
+            v = v > 0 ? v : 0;
+            c0 = s->z0[b * 5 + c];
+            clamp_to(&v, &s->p0);
+            clamp_to(&c0, &s->p0);
+            a[b * 5 + c] = s->a0[b * 5 + c] + v - c0;
+        }
+    for (b = 0; b < 6; b++)
+        for (c = 0; c < 3; c++) {
+            for (v = s->b1[c], k = 0; k < 5; k++)
+                v += a[b * 5 + k] * (s->wq1[k * 3 + c] + (s->w1[k * 3 + c] - s->master1[k * 3 + c]));
+            c0 = s->z1[b * 3 + c];
+            clamp_to(&v, &s->p1);
+            clamp_to(&c0, &s->p1);
+            loss += s->r[b * 3 + c] * (s->y0[b * 3 + c] + v - c0);
+        }
+    return loss;
+}
+
+static void test_gradients_finite_differences(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = two_dense(ctx, MPT_POLICY_FLOAT32);
+    float x[24], dout[18];
+    surrogate s;
+    double *param[4], worst = 0;
+    const float *grad[4];
+    int counts[4] = {20, 5, 15, 3}, i, k, outside0 = 0, outside1 = 0;
+    mpt_tensor tx, td, out;
+    test_seed(13);
+    randomize(m, 0.8);
+    CHECK(mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 0.5f}) == MPT_OK, "qat: %s",
+          mpt_context_error(ctx));
+    for (k = 0; k < 24; k++) x[k] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){6, 4}, x);
+    mpt_model_forward(m, &tx, 1, NULL); /* the ranges from a small batch */
+    for (k = 0; k < 24; k++) x[k] = (float)test_uniform(-2.5, 2.5);
+    CHECK(mpt_model_forward(m, &tx, 1, &out) == MPT_OK, "forward: %s", mpt_context_error(ctx));
+    memset(&s, 0, sizeof s);
+    for (k = 0; k < 18; k++) dout[k] = (float)(s.r[k] = test_uniform(-1, 1));
+    mpt_tensor_wrap(ctx, &td, MPT_FLOAT32, 2, (int64_t[]){6, 3}, dout);
+    CHECK(mpt_model_backward(m, &td, NULL) == MPT_OK, "backward: %s", mpt_context_error(ctx));
+    /* the model's own values around which the surrogate is linear */
+    memcpy(s.xq, m->qat->input.out, sizeof s.xq);
+    memcpy(s.z0, m->layers[0].y, sizeof s.z0);
+    memcpy(s.a0, m->qat->point[0].out, sizeof s.a0);
+    memcpy(s.z1, m->qat->point[1].out, sizeof s.z1);
+    memcpy(s.y0, m->layers[1].y, sizeof s.y0);
+    memcpy(s.wq0, m->layers[0].param[0]->compute, sizeof s.wq0);
+    memcpy(s.wq1, m->layers[1].param[0]->compute, sizeof s.wq1);
+    memcpy(s.master0, m->layers[0].param[0]->value, sizeof s.master0);
+    memcpy(s.master1, m->layers[1].param[0]->value, sizeof s.master1);
+    s.p0 = m->qat->point[0].used;
+    s.p1 = m->qat->point[1].used;
+    for (k = 0; k < 30; k++) {
+        double v = s.z0[k];
+        outside0 += clamp_to(&v, &s.p0);
+    }
+    for (k = 0; k < 18; k++) {
+        double v = s.z1[k];
+        outside1 += clamp_to(&v, &s.p1);
+    }
+    CHECK(outside0 > 0 && outside1 > 0 && outside0 < 30 && outside1 < 18,
+          "the test needs values on both sides of each range: %d of 30, %d of 18 outside",
+          outside0, outside1);
+    param[0] = s.w0, param[1] = s.b0, param[2] = s.w1, param[3] = s.b1;
+    for (i = 0; i < 4; i++) {
+        mpt_param_info p;
+        mpt_model_param(m, i, &p);
+        grad[i] = (const float *)p.grad.data;
+        for (k = 0; k < counts[i]; k++) param[i][k] = ((const float *)p.value.data)[k];
+    }
+    for (i = 0; i < 4; i++)
+        for (k = 0; k < counts[i]; k++) {
+            double keep = param[i][k], h = 1e-6, up, down, fd;
+            param[i][k] = keep + h;
+            up = surrogate_loss(&s);
+            param[i][k] = keep - h;
+            down = surrogate_loss(&s);
+            param[i][k] = keep;
+            fd = (up - down) / (2 * h);
+            worst = fmax(worst, fabs(fd - grad[i][k]) / fmax(1, fabs(fd)));
+        }
+    CHECK(worst < 1e-4, "gradients differ from finite differences by %g", worst);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- fit and conversion ------------------------------------------------------------------ */
+
+enum { S = 8, CH = 1, CLASSES = 3, N = 384 };
+static float images[N * S * S * CH];
+static int32_t labels[N];
+
+/* Bright blobs in one of three places: a problem a small CNN learns. */
+static void make_images(void) {
+    int i, y, x;
+    test_seed(14);
+    for (i = 0; i < N; i++) {
+        int cls = test_randint(0, CLASSES - 1), cy = 2 + 2 * cls, cx = test_randint(2, 5);
+        labels[i] = cls;
+        for (y = 0; y < S; y++)
+            for (x = 0; x < S; x++)
+                images[(i * S + y) * S + x] = (float)(test_uniform(0, 0.3) +
+                                                      ((abs(y - cy) <= 1 && abs(x - cx) <= 1) ? 0.7 : 0));
+    }
+}
+
+static mpt_model *small_cnn(mpt_context *ctx, mpt_policy policy, int softmax) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {S, S, CH}, .input_rank = 3,
+                                            .policy = policy, .seed = 5}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3}});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {2, 2}});
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
+                                             .activation = softmax ? MPT_ACT_SOFTMAX : MPT_ACT_NONE});
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = !softmax},
+        .metrics = MPT_METRIC_ACCURACY});
+    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* max |a − b| over n values, in steps of `step`. */
+static double steps_apart(const float *a, const float *b, int64_t n, double step) {
+    double worst = 0;
+    int64_t k;
+    for (k = 0; k < n; k++) worst = fmax(worst, fabs((double)a[k] - b[k]) / step);
+    return worst;
+}
+
+static void fit_convert_compare(mpt_policy policy, int softmax) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = small_cnn(ctx, policy, softmax), *q = NULL;
+    int64_t sample[3] = {S, S, CH};
+    mpt_dataset *d;
+    mpt_logs before, after, converted;
+    mpt_tensor fq_out, int_out;
+    mpt_quantized_info info;
+    double apart;
+    make_images();
+    d = dataset(ctx, N, 3, sample, images, labels);
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 6, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    mpt_model_evaluate(m, d, NULL, &before);
+    CHECK(mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 0.9f}) == MPT_OK, "qat: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
+          "qat fit: %s", mpt_context_error(ctx));
+    mpt_model_evaluate(m, d, NULL, &after);
+    CHECK(mpt_logs_get(&before, "accuracy") > 0.9 &&
+              mpt_logs_get(&after, "accuracy") > mpt_logs_get(&before, "accuracy") - 0.03,
+          "accuracy float %.3f, quantization-aware %.3f", mpt_logs_get(&before, "accuracy"),
+          mpt_logs_get(&after, "accuracy"));
+    /* no representative data: the trained ranges */
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+              MPT_OK, "convert: %s", mpt_context_error(ctx));
+    mpt_model_quantized_info(q, &info);
+    CHECK(mpt_model_predict(m, d, 32, &fq_out) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_predict(q, d, 32, &int_out) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+    apart = steps_apart((const float *)fq_out.data, (const float *)int_out.data,
+                        mpt_tensor_count(&fq_out), info.output.scale);
+    if (!softmax) {
+        CHECK(apart <= 1.0 + 1e-3, "logits: the int8 model is %.3f output steps from the "
+              "fake-quantized one (step %g)", apart, (double)info.output.scale);
+    } else {
+        /* A logit one step off (scale s) moves a probability by up to s
+           (softmax's slope is at most 1/2 per logit, two logits move),
+           then the output rounds: the bound is s in output steps, plus one. */
+        mpt_quantized_layer logits;
+        mpt_model_quantized_layer(q, info.n_layers - 2, &logits);
+        CHECK(apart <= logits.output.scale / info.output.scale + 1.0 + 1e-3,
+              "softmax: the int8 model is %.3f output steps from the fake-quantized one "
+              "(logits' step %g)", apart, (double)logits.output.scale);
+    }
+    mpt_model_evaluate(q, d, NULL, &converted);
+    CHECK(fabs(mpt_logs_get(&converted, "accuracy") - mpt_logs_get(&after, "accuracy")) <= 0.01,
+          "accuracy: int8 %.4f, fake-quantized %.4f", mpt_logs_get(&converted, "accuracy"),
+          mpt_logs_get(&after, "accuracy"));
+    mpt_tensor_free(ctx, &fq_out);
+    mpt_tensor_free(ctx, &int_out);
+    mpt_model_destroy(q);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
+static void test_fit_and_conversion_logits(void) { fit_convert_compare(MPT_POLICY_FLOAT32, 0); }
+static void test_fit_and_conversion_softmax(void) { fit_convert_compare(MPT_POLICY_FLOAT32, 1); }
+
+/* Mixed precision: the kernels the layers read in float16 are the
+   float32 fake-quantized ones rounded once; training goes on. */
+static void test_mixed_precision(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = small_cnn(ctx, MPT_POLICY_MIXED_FLOAT16, 1), *q = NULL;
+    int64_t sample[3] = {S, S, CH}, k;
+    mpt_dataset *d;
+    mpt_logs logs;
+    mpt__param *P;
+    int off = 0;
+    make_images();
+    d = dataset(ctx, N, 3, sample, images, labels);
+    CHECK(mpt_model_quantize_aware(m, NULL) == MPT_OK, "qat: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 4, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    mpt_model_evaluate(m, d, NULL, &logs);
+    CHECK(mpt_logs_get(&logs, "accuracy") > 0.8, "accuracy %.3f", mpt_logs_get(&logs, "accuracy"));
+    P = m->layers[5].param[0]; /* the hidden Dense, float16 */
+    CHECK(P->compute_dtype == MPT_FLOAT16, "the Dense computes in %s", mpt_dtype_name(P->compute_dtype));
+    mpt__qat_kernel(m, 5);
+    for (k = 0; k < P->count; k++)
+        off += ((const mpt_half *)P->compute)[k] != mpt_float_to_half(m->qat->scratch[k]);
+    CHECK(off == 0, "%d float16 kernel values are not the float32 fake quantization rounded", off);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+              MPT_OK, "convert: %s", mpt_context_error(ctx));
+    mpt_model_destroy(q);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- weights in files, and bad input ---------------------------------------------------- */
+
+static void test_save_and_load(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = two_dense(ctx, MPT_POLICY_FLOAT32), *plain = two_dense(ctx, MPT_POLICY_FLOAT32);
+    char path[] = "/tmp/mpt_test_qat_XXXXXX";
+    float x[24];
+    int fd, i, k, off = 0;
+    mpt_tensor tx;
+    test_seed(15);
+    randomize(m, 0.8);
+    for (k = 0; k < 24; k++) x[k] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){6, 4}, x);
+    mpt_model_quantize_aware(m, NULL);
+    mpt_model_forward(m, &tx, 1, NULL);
+    fd = mkstemp(path);
+    CHECK(fd >= 0, "temporary file");
+    close(fd);
+    /* the float32 masters, not the fake-quantized copies */
+    CHECK(mpt_model_save_weights(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load_weights(plain, path) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    for (i = 0; i < mpt_model_param_count(m); i++) {
+        mpt_param_info a, b;
+        mpt_model_param(m, i, &a);
+        mpt_model_param(plain, i, &b);
+        off += memcmp(a.value.data, b.value.data, mpt_tensor_bytes(&a.value)) != 0;
+    }
+    CHECK(off == 0, "%d parameters differ after the round trip", off);
+    CHECK(mpt_model_load_weights(m, path) == MPT_OK, "load into the quantization-aware model: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_model_forward(m, &tx, 0, NULL) == MPT_OK, "forward after loading: %s",
+          mpt_context_error(ctx));
+    remove(path);
+    mpt_model_destroy(m);
+    mpt_model_destroy(plain);
+    mpt_context_destroy(ctx);
+}
+
+static void expect(mpt_context *ctx, mpt_status got, mpt_status want, const char *words,
+                   const char *what) {
+    CHECK(got == want, "%s: status %d (%s), want %d", what, (int)got, mpt_context_error(ctx),
+          (int)want);
+    CHECK(got == MPT_OK || strstr(mpt_context_error(ctx), words), "%s: message \"%s\" lacks \"%s\"",
+          what, mpt_context_error(ctx), words);
+}
+
+static void test_bad_input(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL, *q = NULL;
+    float lo, hi;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_STATE, "build", "unbuilt");
+    expect(ctx, mpt_model_qat_range(m, 0, &lo, &hi), MPT_ERR_STATE, "not quantization-aware",
+           "range of a float model");
+    mpt_model_build(m, 4);
+    expect(ctx, mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 1}), MPT_ERR_INVALID_ARGUMENT,
+           "ema_decay", "decay 1");
+    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_OK, "", "defaults");
+    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_STATE, "already", "twice");
+    expect(ctx, mpt_model_qat_range(m, 0, &lo, &hi), MPT_ERR_INVALID_ARGUMENT, "training batch",
+           "range before training");
+    expect(ctx, mpt_model_qat_range(m, 7, &lo, &hi), MPT_ERR_INVALID_ARGUMENT, "-1..0",
+           "range of no layer");
+    m->weights_given = 1;
+    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q),
+           MPT_ERR_STATE, "not trained", "convert before training");
+    CHECK(q == NULL, "no model on failure");
+    mpt_model_destroy(m);
+
+    /* a Dense whose tanh hides its input from training */
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .activation = MPT_ACT_TANH});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    mpt_model_build(m, 4);
+    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, "'dense' ends in tanh",
+           "tanh inside a Dense");
+    CHECK(m->qat == NULL, "nothing left behind");
+    mpt_model_destroy(m);
+
+    /* a layer with no integer form: BatchNormalization first */
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    mpt_model_build(m, 4);
+    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+           "'batch_normalization' does not directly follow", "unfoldable BatchNormalization");
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* A device backend (here the CPU's table under another address, which is
+   what tells a model it is not on the CPU) is refused: fake quantization
+   runs on host memory. */
+static void test_refused_off_the_cpu(void) {
+    static mpt_backend device;
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL;
+    device = *mpt__cpu_backend();
+    ctx->backend = &device;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, "CUDA", "a device model");
+    CHECK(m->qat == NULL, "nothing left behind");
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+int main(void) {
+    TEST_RUN(test_fake_quant_scalar_reference);
+    TEST_RUN(test_forward_values);
+    TEST_RUN(test_fake_quant_slope);
+    TEST_RUN(test_gradients_finite_differences);
+    TEST_RUN(test_fit_and_conversion_logits);
+    TEST_RUN(test_fit_and_conversion_softmax);
+    TEST_RUN(test_mixed_precision);
+    TEST_RUN(test_save_and_load);
+    TEST_RUN(test_bad_input);
+    TEST_RUN(test_refused_off_the_cpu);
+    return test_summary("test_qat");
+}

@@ -2,9 +2,10 @@
    every layer the export writes are exported, run in the runtimes people
    deploy with — LiteRT (ai_edge_litert's Interpreter) and ONNX Runtime,
    after onnx.checker — on random inputs, through $MPT_TEST_PYTHON, and
-   compared with mpt.h's own predict. Then the calls that must fail: a
-   layer the export cannot write, an unbuilt model, paths that cannot be
-   written; each leaves nothing behind. */
+   compared with mpt.h's own predict; models trained quantization-aware
+   and converted with the ranges they learned too. Then the calls that
+   must fail: a layer the export cannot write, an unbuilt model, paths that
+   cannot be written; each leaves nothing behind. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, opendir */
 #include <dirent.h>
 #include <sys/stat.h>
@@ -854,14 +855,12 @@ static mpt_model *quantize_full_integer(mpt_model *m, mpt_dtype io) {
    within one step on >= 99 % of the elements, top-1 the same on >= 99.5 %
    of the samples (LiteRT's top class one of mpt.h's: the random models'
    outputs tie often at softmax's 1/256). */
+static void litert_matches(mpt_model *qm, mpt_dtype io, const char *name);
+
 static void check_full_integer(arch a, mpt_dtype io) {
-    char x_path[256], tfl[256], script[256], out[256], cmd[1400], name[64];
+    char name[64];
     mpt_model *m, *qm = NULL;
-    mpt_quantized_info info;
-    float *want = NULL, *got = NULL;
-    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
-    double worst = 0, step;
-    FILE *f;
+    int64_t k;
     snprintf(name, sizeof name, "export_full_integer_%s_%s_io", arch_name(a), mpt_dtype_name(io));
     test__begin();
     test_seed(300 + 3 * a + (io == MPT_UINT8) + 2 * (io == MPT_INT8));
@@ -877,12 +876,27 @@ static void check_full_integer(arch a, mpt_dtype io) {
         xq_codes[k] = (uint8_t)(test_uniform(0, 256));
     }
     qm = quantize_full_integer(m, io);
-    if (!qm) goto done;
+    if (qm) litert_matches(qm, io, name);
+    mpt_model_destroy(qm);
+    mpt_model_destroy(m);
+    test__end("%s", name);
+}
+
+/* qm (io dtype io) exported as name.tflite, run in LiteRT on the Q_SAMPLES
+   inputs in xq_host (float32 io) or xq_codes and compared with qm's own
+   outputs as check_full_integer says. */
+static void litert_matches(mpt_model *qm, mpt_dtype io, const char *name) {
+    char x_path[256], tfl[256], script[256], out[256], cmd[1400];
+    mpt_quantized_info info;
+    float *want = NULL, *got = NULL;
+    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
+    double worst = 0, step;
+    FILE *f;
     mpt_model_quantized_info(qm, &info);
     step = io == MPT_FLOAT32 ? (double)info.output.scale : 1.0;
     want = quantized_outputs(qm, io, &per_sample);
     count = per_sample * Q_SAMPLES;
-    snprintf(tfl, sizeof tfl, "%s/%s_%s_int8.tflite", dir, arch_name(a), mpt_dtype_name(io));
+    snprintf(tfl, sizeof tfl, "%s/%s.tflite", dir, name);
     CHECK(mpt_model_export_tflite(qm, tfl, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
     f = fopen(path_of(x_path, "xq.bin"), "wb");
     if (!want || !f || !write_quantized_script(script)) {
@@ -926,9 +940,6 @@ static void check_full_integer(arch a, mpt_dtype io) {
 done:
     free(want);
     free(got);
-    mpt_model_destroy(qm);
-    mpt_model_destroy(m);
-    test__end("%s", name);
 }
 
 /* ---- full-integer quantized models in ONNX Runtime ---------------------------------- */
@@ -978,14 +989,12 @@ static const char *write_qdq_script(char *buf) {
    off: within two steps on >= 99 % of the elements, top-1 the same on
    >= 99.5 % of the samples (ONNX Runtime's top class one of mpt.h's, for
    the ties at softmax's 1/256). */
+static void onnx_runtime_matches(mpt_model *qm, const char *name);
+
 static void check_full_integer_onnx(arch a) {
-    char x_path[256], onnx[256], script[256], out[256], cmd[1400], name[64];
+    char name[64];
     mpt_model *m, *qm = NULL;
-    mpt_quantized_info info;
-    float *want = NULL, *got = NULL;
-    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
-    double worst = 0, step;
-    FILE *f;
+    int64_t k;
     snprintf(name, sizeof name, "export_full_integer_onnx_%s", arch_name(a));
     test__begin();
     test_seed(500 + a);
@@ -998,12 +1007,27 @@ static void check_full_integer_onnx(arch a) {
     randomize(m);
     for (k = 0; k < Q_SAMPLES * SAMPLE; k++) xq_host[k] = (float)test_uniform(0, 1);
     qm = quantize_full_integer(m, MPT_FLOAT32);
-    if (!qm) goto done;
+    if (qm) onnx_runtime_matches(qm, name);
+    mpt_model_destroy(qm);
+    mpt_model_destroy(m);
+    test__end("%s", name);
+}
+
+/* qm (float32 io) exported as name.onnx, run in ONNX Runtime on the
+   Q_SAMPLES inputs in xq_host and compared with qm's own outputs as
+   check_full_integer_onnx says. */
+static void onnx_runtime_matches(mpt_model *qm, const char *name) {
+    char x_path[256], onnx[256], script[256], out[256], cmd[1400];
+    mpt_quantized_info info;
+    float *want = NULL, *got = NULL;
+    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
+    double worst = 0, step;
+    FILE *f;
     mpt_model_quantized_info(qm, &info);
     step = (double)info.output.scale;
     want = quantized_outputs(qm, MPT_FLOAT32, &per_sample);
     count = per_sample * Q_SAMPLES;
-    snprintf(onnx, sizeof onnx, "%s/%s_full_int8.onnx", dir, arch_name(a));
+    snprintf(onnx, sizeof onnx, "%s/%s.onnx", dir, name);
     CHECK(mpt_model_export_onnx(qm, onnx, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
     f = fopen(path_of(x_path, "xq.bin"), "wb");
     if (!want || !f || !write_qdq_script(script)) {
@@ -1046,6 +1070,162 @@ static void check_full_integer_onnx(arch a) {
 done:
     free(want);
     free(got);
+}
+
+/* ---- quantization-aware trained models in both runtimes ------------------------------ */
+
+#define QAT_TRAIN 640
+
+static float qat_x[QAT_TRAIN * SAMPLE];
+static int32_t qat_y[QAT_TRAIN];
+
+/* A 28×28 image of class cls: noise with a bright 4×4 square in one of
+   ten places, a problem both models learn in a few epochs. */
+static void qat_image(float *x, int cls) {
+    int r, c, top = 3 + 12 * (cls / 5), left = 2 + 5 * (cls % 5);
+    for (r = 0; r < 28; r++)
+        for (c = 0; c < 28; c++)
+            x[r * 28 + c] = (float)(test_uniform(0, 0.3) + (r >= top && r < top + 4 &&
+                                                            c >= left && c < left + 4 ? 0.7 : 0));
+}
+
+static mpt_dataset *qat_dataset(float *x, int32_t *y, int64_t n) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){n, 28, 28, 1}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+/* The MLP, or Conv2D -> BatchNormalization -> ReLU (folded at the
+   conversion) -> MaxPooling2D; both end in Dense(10) giving logits, which
+   the conversion must reproduce to one step (a softmax would hide a wrong
+   range behind probabilities saturated at 0 and 1). */
+static mpt_model *qat_model(int cnn) {
+    mpt_model *m = NULL;
+    if (mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3,
+                                                .seed = 9}, &m) != MPT_OK)
+        return NULL;
+    if (cnn) {
+        add_conv(m, 6, 3, 3, 2, 2, MPT_PADDING_SAME, MPT_ACT_NONE);
+        add_bn(m);
+        add_act(m, MPT_ACT_RELU);
+        mpt_model_add_max_pooling2d(m, NULL);
+        mpt_model_add_flatten(m, NULL);
+    } else {
+        mpt_model_add_flatten(m, NULL);
+        add_dense(m, 24, MPT_ACT_RELU);
+    }
+    add_dense(m, 10, MPT_ACT_NONE);
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = 1},
+        .metrics = MPT_METRIC_ACCURACY});
+    if (mpt_model_build(m, 32) != MPT_OK) {
+        mpt_model_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* The converted model's logits against the quantization-aware model's
+   own predict on the same inputs: the fake quantization rounds as the
+   conversion will, with the trained ranges, to float32 rounding of the
+   products, so the logits are the same but where a rounding tie lands
+   the other way: one output step (as in test_qat), on < 1 % of them;
+   top-1 the same on >= 99.5 % of the samples. A wrong range, scale or
+   fold in the conversion breaks this (a range 10 % too wide leaves
+   8-16 % of the logits a step off), where the runtimes, which only run
+   what was converted, would not notice. */
+static void matches_fake_quantized(mpt_model *m, mpt_model *qm, mpt_dataset *d,
+                                   const char *name) {
+    mpt_tensor fq, iq;
+    mpt_quantized_info info;
+    double bound = 1.0 + 1e-3, worst = 0;
+    int64_t i, k, per_sample, top1_same = 0, exact = 0;
+    if (mpt_model_predict(m, d, 32, &fq) != MPT_OK) {
+        CHECK(0, "%s: predict: %s", name, mpt_context_error(ctx));
+        return;
+    }
+    if (mpt_model_predict(qm, d, 32, &iq) != MPT_OK) {
+        CHECK(0, "%s: predict: %s", name, mpt_context_error(ctx));
+        mpt_tensor_free(ctx, &fq);
+        return;
+    }
+    mpt_model_quantized_info(qm, &info);
+    per_sample = mpt_tensor_count(&fq) / Q_SAMPLES;
+    for (k = 0; k < mpt_tensor_count(&fq); k++) {
+        double d = fabs((double)((const float *)fq.data)[k] - ((const float *)iq.data)[k]) /
+                   info.output.scale;
+        exact += d < 1e-3;
+        worst = fmax(worst, d);
+    }
+    for (i = 0; i < Q_SAMPLES; i++) {
+        const float *w = (const float *)fq.data + i * per_sample;
+        top1_same += w[argmax((const float *)iq.data + i * per_sample, per_sample)] ==
+                     w[argmax(w, per_sample)];
+    }
+    printf("# %s: int8 model within %.3g output steps of the quantization-aware one, the same "
+           "on %lld of %lld outputs, top-1 the same on %lld of %d samples\n", name, worst,
+           (long long)exact, (long long)mpt_tensor_count(&fq), (long long)top1_same, Q_SAMPLES);
+    CHECK(worst <= bound, "%s: the int8 model is %.3f output steps from the quantization-aware "
+          "one", name, worst);
+    CHECK(exact >= 0.99 * (double)mpt_tensor_count(&fq), "%s: the int8 model's logits are the "
+          "quantization-aware one's on only %lld of %lld outputs", name, (long long)exact,
+          (long long)mpt_tensor_count(&fq));
+    CHECK(top1_same >= 0.995 * Q_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
+          (long long)top1_same, Q_SAMPLES);
+    mpt_tensor_free(ctx, &fq);
+    mpt_tensor_free(ctx, &iq);
+}
+
+/* A model trained quantization-aware (a float epoch, then two with fake
+   quantization), converted to full integer with the ranges it learned (no
+   representative data), exported to both formats and run in LiteRT and
+   ONNX Runtime on fresh images of the same kind, checked as the
+   post-training full-integer models are; and the converted model against
+   the quantization-aware one. */
+static void check_quantization_aware(int cnn) {
+    const char *name = cnn ? "export_qat_cnn_bn" : "export_qat_mlp";
+    mpt_model *m, *qm = NULL;
+    mpt_dataset *train = NULL, *fresh = NULL;
+    static int32_t fresh_y[Q_SAMPLES];
+    mpt_logs logs;
+    int64_t i;
+    test__begin();
+    test_seed(700 + cnn);
+    m = qat_model(cnn);
+    CHECK(m != NULL, "%s: build: %s", name, mpt_context_error(ctx));
+    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter") || !m) {
+        mpt_model_destroy(m);
+        test__end("%s", name);
+        return;
+    }
+    for (i = 0; i < QAT_TRAIN; i++) qat_image(qat_x + i * SAMPLE, qat_y[i] = test_randint(0, 9));
+    for (i = 0; i < Q_SAMPLES; i++) qat_image(xq_host + i * SAMPLE, fresh_y[i] = test_randint(0, 9));
+    train = qat_dataset(qat_x, qat_y, QAT_TRAIN);
+    fresh = qat_dataset(xq_host, fresh_y, Q_SAMPLES);
+    if (!train || !fresh) goto done;
+    CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 1, .batch_size = 32}) == MPT_OK &&
+              mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 0.9f}) == MPT_OK &&
+              mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
+          "%s: quantization-aware fit: %s", name, mpt_context_error(ctx));
+    mpt_model_evaluate(m, fresh, NULL, &logs);
+    CHECK(mpt_logs_get(&logs, "accuracy") > 0.9, "%s: accuracy %.3f after training", name,
+          mpt_logs_get(&logs, "accuracy"));
+    if (mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &qm) !=
+        MPT_OK) {
+        CHECK(0, "%s: convert: %s", name, mpt_context_error(ctx));
+        goto done;
+    }
+    matches_fake_quantized(m, qm, fresh, name);
+    litert_matches(qm, MPT_FLOAT32, name);
+    onnx_runtime_matches(qm, name);
+done:
+    mpt_dataset_destroy(train);
+    mpt_dataset_destroy(fresh);
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
     test__end("%s", name);
@@ -1237,6 +1417,8 @@ int main(void) {
     for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_FLOAT16);
     for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_DYNAMIC_RANGE);
     for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a);
+    check_quantization_aware(0);
+    check_quantization_aware(1);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_unwritable_path);

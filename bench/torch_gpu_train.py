@@ -4,16 +4,31 @@ GPU twin of bench/bench_cuda.c's training table.
 
     python3 bench/torch_gpu_train.py                    # both models, batch 128 and 1024
     python3 bench/torch_gpu_train.py --model mlp --batch-sizes 128 --repeat 5
+    python3 bench/torch_gpu_train.py --no-cuda-graphs   # the eager rows only
 
 The models are bench/torch_train.py's (imported from it): the same
 architectures as examples/mlp.c and examples/cnn.c, Adam (lr 1e-3, eps 1e-7
 as Keras), CrossEntropyLoss on logits (the softmax fused into the loss, as
-mpt.h's fit fuses it). Two policies:
+mpt.h's fit fuses it). Two policies, eager:
   float32           TF32 off for matmuls and convolutions (mpt.h's float32
                     is true float32); --tf32 turns it on
   autocast_float16  torch.autocast("cuda", dtype=torch.float16) with a
                     GradScaler (dynamic loss scaling), float32 weights:
                     mpt.h's mixed_float16
+and, with --cuda-graphs (the default), the same two with the whole training
+step (forward, loss, backward, Adam) captured once in a torch.cuda.CUDAGraph
+and replayed per batch, as PyTorch's whole-network capture recipe does:
+static input and label tensors each batch is gathered into (outside the
+graph, on the GPU), warm-up steps on a side stream, Adam(capturable=True),
+zero_grad(set_to_none=True) before the capture. This takes the per-kernel
+launch cost off the host, as mpt.h's graphs do:
+  float32_graphs           as float32
+  autocast_float16_graphs  autocast float16 with a FIXED loss scale (2**15,
+                           unscaled in the graph before Adam): GradScaler's
+                           inf check and scale update need a host sync and
+                           cannot be captured, so this row skips no step and
+                           never adapts its scale, unlike autocast_float16
+A capture that fails prints a '#' line and the other rows go on.
 The data is synthetic (uniform pixels, random labels), generated on the GPU
 and resident there: nothing is read or downloaded. Each epoch draws a
 random permutation on the GPU and gathers its batches from it. Sample counts
@@ -21,7 +36,7 @@ are whole batches, as bench_cuda's: mlp 59,392, cnn 25,600. After
 --warmup-steps steps (cuDNN's autotuner, allocator, kernels), each measured
 epoch is timed with torch.cuda.synchronize() on both ends; the median of
 --repeat epochs is reported, with the min and max. Prints a Markdown table
-and one JSON line per result.
+and one JSON line per result ("graphs": true on the graph rows).
 """
 import argparse
 import json
@@ -37,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_train import cnn, mlp  # noqa: E402  (the same models as the CPU comparison)
 
 SAMPLES = {"mlp": 59392, "cnn": 25600}
+LOSS_SCALE = 2.0 ** 15  # the graph rows' fixed float16 loss scale
 
 
 def make_scaler():
@@ -70,6 +86,81 @@ def run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast, steps=None):
     return time.perf_counter() - start, count * batch
 
 
+def graph_step(model, opt, loss_fn, xs, ys, autocast):
+    """The captured step: forward, loss, backward, Adam. float16 scales the
+    loss by the fixed LOSS_SCALE and unscales the gradients before Adam, all
+    on the GPU (no .item(), no inf check: nothing that waits for the host).
+    No autocast cast cache, as torch.cuda.make_graphed_callables requires: each
+    weight is cast once per step either way."""
+    with torch.autocast("cuda", dtype=torch.float16, enabled=autocast, cache_enabled=False):
+        loss = loss_fn(model(xs), ys)
+    if autocast:
+        (loss * LOSS_SCALE).backward()
+        for p in model.parameters():
+            p.grad.mul_(1.0 / LOSS_SCALE)
+    else:
+        loss.backward()
+    opt.step()
+    return loss
+
+
+def capture(model, opt, loss_fn, xs, ys, autocast, warmup=3):
+    """PyTorch's whole-network recipe: a few eager steps on a side stream
+    (cuDNN's autotuner, Adam's state, the allocator), then one step captured.
+    Returns the graph and its static loss tensor."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            opt.zero_grad(set_to_none=True)
+            graph_step(model, opt, loss_fn, xs, ys, autocast)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)  # backward in the graph allocates .grad from its pool
+    with torch.cuda.graph(graph):
+        loss = graph_step(model, opt, loss_fn, xs, ys, autocast)
+    return graph, loss
+
+
+def run_graph_epoch(graph, xs, ys, x, y, steps=None):
+    """run_epoch with the step replayed: each batch gathered into xs, ys."""
+    n, batch = x.shape[0], xs.shape[0]
+    order = torch.randperm(n, device=x.device)
+    whole = n // batch
+    count = whole if steps is None else steps
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(count):
+        idx = order[(i % whole) * batch:(i % whole + 1) * batch]
+        torch.index_select(x, 0, idx, out=xs)
+        torch.index_select(y, 0, idx, out=ys)
+        graph.replay()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, count * batch
+
+
+def measure(model_name, build, x, y, batch, autocast, graphs, args):
+    """The runs of one row: [(seconds, samples)] of --repeat epochs after the warm-up."""
+    torch.manual_seed(42)
+    model = build().to(x.device)
+    model.train()
+    loss_fn = nn.CrossEntropyLoss()
+    if not graphs:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
+        scaler = make_scaler() if autocast else None
+        run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast, steps=args.warmup_steps)
+        return [run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast)
+                for _ in range(args.repeat)]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7, capturable=True)
+    xs, ys = x[:batch].clone(), y[:batch].clone()  # the static input and labels
+    graph, loss = capture(model, opt, loss_fn, xs, ys, autocast)
+    run_graph_epoch(graph, xs, ys, x, y, steps=args.warmup_steps)
+    runs = [run_graph_epoch(graph, xs, ys, x, y) for _ in range(args.repeat)]
+    if not torch.isfinite(loss).item():  # after the timing: a fixed scale can overflow
+        print(f"# {model_name} batch {batch}: the graph's last loss is {loss.item()}", flush=True)
+    return runs
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="all", choices=["mlp", "cnn", "all"])
@@ -77,6 +168,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="measured epochs; the median is reported")
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--tf32", action="store_true", help="allow TF32 in the float32 runs")
+    ap.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=True,
+                    help="also the rows with the step in one CUDA graph (the default)")
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                    help="only the eager rows")
     args = ap.parse_args()
 
     if not torch.cuda.is_available():
@@ -90,6 +185,14 @@ def main():
     print(f"# PyTorch {torch.__version__} on {name}, CUDA {torch.version.cuda}, "
           f"cuDNN {torch.backends.cudnn.version()}, TF32 {'on' if args.tf32 else 'off'}, "
           f"synthetic data on the GPU, median of {args.repeat}")
+    policies = [("float32", False, False), ("autocast_float16", True, False)]
+    if args.cuda_graphs and hasattr(torch.cuda, "CUDAGraph"):
+        policies += [("float32_graphs", False, True), ("autocast_float16_graphs", True, True)]
+        print("# *_graphs: the whole step in one CUDA graph replayed per batch; "
+              f"autocast_float16_graphs has a FIXED loss scale {LOSS_SCALE:.0f}, no "
+              "GradScaler (its inf check syncs with the host and cannot be captured)")
+    elif args.cuda_graphs:
+        print("# this PyTorch has no torch.cuda.CUDAGraph: no *_graphs rows")
 
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     print("\n| model | policy | batch | samples | samples/s | min..max |")
@@ -103,29 +206,29 @@ def main():
         x = torch.rand(samples, 1, 28, 28, device=device, generator=gen)
         y = torch.randint(0, 10, (samples,), device=device, generator=gen)
         for batch in batches:
-            for policy, autocast in (("float32", False), ("autocast_float16", True)):
-                torch.manual_seed(42)
-                model = build().to(device)
-                model.train()
-                opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
-                scaler = make_scaler() if autocast else None
-                loss_fn = nn.CrossEntropyLoss()
-                run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast,
-                          steps=args.warmup_steps)
-                runs = [run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast)
-                        for _ in range(args.repeat)]
+            for policy, autocast, graphs in policies:
+                try:
+                    runs = measure(model_name, build, x, y, batch, autocast, graphs, args)
+                except Exception as e:  # noqa: BLE001  (a failed capture must not end the table)
+                    if not graphs:
+                        raise
+                    print(f"# {model_name} {policy} batch {batch}: capture failed: "
+                          f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
+                    continue
                 sps = [count / seconds for seconds, count in runs]
                 med = statistics.median(sps)
                 print(f"| {model_name} | {policy} | {batch} | {runs[0][1]} | {med:.0f} "
                       f"| {min(sps):.0f}..{max(sps):.0f} |", flush=True)
-                lines.append(json.dumps({
+                row = {
                     "bench": "cuda_train", "framework": "pytorch", "version": torch.__version__,
                     "device": name, "model": model_name, "policy": policy, "batch": batch,
                     "samples": runs[0][1], "data": "synthetic", "tf32": args.tf32,
                     "repeats": args.repeat, "samples_per_s": round(med, 1),
                     "samples_per_s_min": round(min(sps), 1),
-                    "samples_per_s_max": round(max(sps), 1)}, separators=(",", ":")))
-                del model, opt, scaler
+                    "samples_per_s_max": round(max(sps), 1)}
+                if graphs:
+                    row["graphs"] = True
+                lines.append(json.dumps(row, separators=(",", ":")))
                 torch.cuda.empty_cache()
     print()
     for line in lines:

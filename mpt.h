@@ -2143,6 +2143,23 @@ extern int mpt_cuda_wgmma_ready(const void *impl);
    size of the strategy's per-replica arrays. */
 #define MPT__MAX_REPLICAS 64
 
+/* NaNs between float32 and the 16-bit floats, as the x86 conversions
+   (vcvtps2ph, vcvtneps2bf16, vcvtph2ps) treat them: the sign kept, the
+   quiet bit set, the top of the payload kept. mpt_float_to_half and its
+   kin and every CUDA kernel that narrows or widens use these, so a NaN
+   has the same bits on both backends. x: float32 bits; h: float16 bits. */
+static inline MPT__HD int mpt__f32_bits_is_nan(uint32_t x) {
+    return (x & 0x7fffffffu) > 0x7f800000u;
+}
+static inline MPT__HD uint16_t mpt__nan_to_half(uint32_t x) {
+    return (uint16_t)(((x >> 16) & 0x8000u) | 0x7e00u | ((x >> 13) & 0x3ffu));
+}
+static inline MPT__HD uint16_t mpt__nan_to_bf16(uint32_t x) { return (uint16_t)((x >> 16) | 0x40u); }
+static inline MPT__HD int mpt__half_bits_is_nan(uint16_t h) { return (h & 0x7fffu) > 0x7c00u; }
+static inline MPT__HD uint32_t mpt__half_nan_to_f32(uint16_t h) {
+    return ((uint32_t)(h & 0x8000u) << 16) | 0x7fc00000u | ((uint32_t)(h & 0x3ffu) << 13);
+}
+
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
    3", SC 2011): ten rounds of multiply-xor over a 128-bit counter keyed by
    64 bits; mpt_philox4x32's words. The counter is Random123's ctr[0..3] =
@@ -3192,8 +3209,7 @@ MPTDEF mpt_half mpt_float_to_half(float f) {
     uint32_t x = mpt__f32_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t absx = x & 0x7fffffffu;
-    if (absx > 0x7f800000u) /* NaN: quiet bit set, top 10 payload bits kept (as vcvtps2ph) */
-        return (mpt_half)(sign | 0x7e00u | ((absx >> 13) & 0x3ffu));
+    if (mpt__f32_bits_is_nan(x)) return (mpt_half)mpt__nan_to_half(x);
     if (absx >= 0x477ff000u) /* inf, or rounds to >= 65520: overflow to inf */
         return (mpt_half)(sign | 0x7c00u);
     if (absx < 0x38800000u) {
@@ -3226,8 +3242,8 @@ MPTDEF float mpt_half_to_float(mpt_half h) {
     uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
     uint32_t e = ((uint32_t)h >> 10) & 0x1fu;
     uint32_t m = (uint32_t)h & 0x3ffu;
-    if (e == 0x1f) /* inf; NaN gets the quiet bit, as vcvtph2ps sets it */
-        return mpt__bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0));
+    if (mpt__half_bits_is_nan(h)) return mpt__bits_f32(mpt__half_nan_to_f32(h));
+    if (e == 0x1f) return mpt__bits_f32(sign | 0x7f800000u); /* inf */
     if (e == 0) {
         /* Subnormal m · 2^-24: normalise so the leading 1 becomes implicit. */
         uint32_t exp = 113; /* float exponent of 2^-14, the half subnormal scale */
@@ -3243,8 +3259,7 @@ MPTDEF float mpt_half_to_float(mpt_half h) {
 
 MPTDEF mpt_bf16 mpt_float_to_bf16(float f) {
     uint32_t x = mpt__f32_bits(f);
-    /* NaN: quiet bit set, top 7 payload bits kept (as vcvtneps2bf16). */
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (mpt_bf16)((x >> 16) | 0x40u);
+    if (mpt__f32_bits_is_nan(x)) return (mpt_bf16)mpt__nan_to_bf16(x);
     /* Round to nearest even on the low 16 bits; float subnormals round like
        any other value and a carry out of the largest finite gives inf. */
     x += 0x7fffu + ((x >> 16) & 1u);

@@ -166,6 +166,41 @@ static unsigned mpt__cuda_blocks(int64_t n, int threads) {
     if (b > 65535LL * 32) b = 65535LL * 32;
     return (unsigned)b;
 }
+
+/* ---- float conversions, bit for bit as mpt.h's ---------------------------- */
+
+/* The hardware conversions round like the CPU's but give one canonical
+   NaN; mpt.h's NaN rules (@backend-shared) keep a NaN's sign and payload,
+   so every kernel that widens or narrows goes through these. */
+static __device__ __forceinline__ float mpt__cuda_half_to_float(uint16_t h) {
+    if (mpt__half_bits_is_nan(h)) return __uint_as_float(mpt__half_nan_to_f32(h));
+    return __half2float(__ushort_as_half(h));
+}
+
+static __device__ __forceinline__ uint16_t mpt__cuda_float_to_half(float f) {
+    uint32_t x = __float_as_uint(f);
+    if (mpt__f32_bits_is_nan(x)) return mpt__nan_to_half(x);
+    return __half_as_ushort(__float2half_rn(f));
+}
+
+static __device__ __forceinline__ uint16_t mpt__cuda_float_to_bf16(float f) {
+    uint32_t x = __float_as_uint(f);
+    if (mpt__f32_bits_is_nan(x)) return mpt__nan_to_bf16(x);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static __device__ __forceinline__ float mpt__cuda_bf16_to_float(uint16_t b) {
+    return __uint_as_float((uint32_t)b << 16);
+}
+
+/* ReLU with the CPU's bits: 0 where x <= 0 (-0 and -inf too), x itself
+   elsewhere, a NaN with its payload. Written on the bits because the
+   compiler turns `x <= 0 ? 0 : x` into max.NaN, which gives NaNs one
+   canonical payload: negative and not NaN is bits in [0x80000000,
+   0xff800000]. */
+static __device__ __forceinline__ float mpt__cuda_relu(float x) {
+    return __float_as_uint(x) - 0x80000000u <= 0x7f800000u ? 0.0f : x;
+}
 /* The CUDA backend's matrix products: a hand-written tensor-core GEMM for
    float16/bfloat16, cuBLASLt for the same products, a plain FP32 kernel,
    the per-shape choice between the engines, and the bias-gradient column
@@ -200,7 +235,7 @@ typedef struct mpt__cuda_gemm_args {
 /* The elementwise activations, with the CPU's formulas. */
 static __device__ __forceinline__ float mpt__cuda_gemm_activate(int act, float v) {
     switch (act) {
-    case MPT_ACT_RELU: return v <= 0 ? 0.0f : v; /* NaN passes, -0 gives +0, as the CPU */
+    case MPT_ACT_RELU: return mpt__cuda_relu(v);
     case MPT_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     case MPT_ACT_SIGMOID:
         if (v >= 0) return 1.0f / (1.0f + expf(-v));
@@ -215,15 +250,15 @@ static __device__ __forceinline__ float mpt__cuda_gemm_activate(int act, float v
 
 static __device__ __forceinline__ float mpt__cuda_gemm_load_c(const mpt__cuda_gemm_args &p,
                                                               int64_t i) {
-    if (p.c_dtype == MPT_FLOAT16) return __half2float(((const __half *)p.c)[i]);
-    if (p.c_dtype == MPT_BFLOAT16) return __bfloat162float(((const __nv_bfloat16 *)p.c)[i]);
+    if (p.c_dtype == MPT_FLOAT16) return mpt__cuda_half_to_float(((const uint16_t *)p.c)[i]);
+    if (p.c_dtype == MPT_BFLOAT16) return mpt__cuda_bf16_to_float(((const uint16_t *)p.c)[i]);
     return ((const float *)p.c)[i];
 }
 
 static __device__ __forceinline__ void mpt__cuda_gemm_store_c(const mpt__cuda_gemm_args &p,
                                                               int64_t i, float v) {
-    if (p.c_dtype == MPT_FLOAT16) ((__half *)p.c)[i] = __float2half_rn(v);
-    else if (p.c_dtype == MPT_BFLOAT16) ((__nv_bfloat16 *)p.c)[i] = __float2bfloat16_rn(v);
+    if (p.c_dtype == MPT_FLOAT16) ((uint16_t *)p.c)[i] = mpt__cuda_float_to_half(v);
+    else if (p.c_dtype == MPT_BFLOAT16) ((uint16_t *)p.c)[i] = mpt__cuda_float_to_bf16(v);
     else ((float *)p.c)[i] = v;
 }
 
@@ -231,9 +266,11 @@ static __device__ __forceinline__ void mpt__cuda_gemm_store_c(const mpt__cuda_ge
 static __device__ __forceinline__ void mpt__cuda_gemm_store_c2(const mpt__cuda_gemm_args &p,
                                                                int64_t i, float v0, float v1) {
     if (p.c_dtype == MPT_FLOAT16)
-        *(__half2 *)((__half *)p.c + i) = __floats2half2_rn(v0, v1);
+        *(uint32_t *)((uint16_t *)p.c + i) =
+            mpt__cuda_float_to_half(v0) | (uint32_t)mpt__cuda_float_to_half(v1) << 16;
     else if (p.c_dtype == MPT_BFLOAT16)
-        *(__nv_bfloat162 *)((__nv_bfloat16 *)p.c + i) = __floats2bfloat162_rn(v0, v1);
+        *(uint32_t *)((uint16_t *)p.c + i) =
+            mpt__cuda_float_to_bf16(v0) | (uint32_t)mpt__cuda_float_to_bf16(v1) << 16;
     else *(float2 *)((float *)p.c + i) = make_float2(v0, v1);
 }
 
@@ -2212,20 +2249,26 @@ static void mpt__cuda_column_sums(void *impl, const float *dz, int64_t rows, int
 /* ---- element types ----------------------------------------------------- */
 
 /* float32 <-> storage dtype: widening is exact, narrowing rounds to nearest
-   even (NaN payloads may differ from the CPU's, NaN stays NaN). */
+   even, and a NaN keeps the bits the CPU gives it. */
 template <typename T> struct mpt__cuda_layers_num;
 template <> struct mpt__cuda_layers_num<float> {
     static __device__ __forceinline__ float widen(float v) { return v; }
     static __device__ __forceinline__ float narrow(float v) { return v; }
 };
 template <> struct mpt__cuda_layers_num<__half> {
-    static __device__ __forceinline__ float widen(__half v) { return __half2float(v); }
-    static __device__ __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
+    static __device__ __forceinline__ float widen(__half v) {
+        return mpt__cuda_half_to_float(__half_as_ushort(v));
+    }
+    static __device__ __forceinline__ __half narrow(float v) {
+        return __ushort_as_half(mpt__cuda_float_to_half(v));
+    }
 };
 template <> struct mpt__cuda_layers_num<__nv_bfloat16> {
-    static __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+    static __device__ __forceinline__ float widen(__nv_bfloat16 v) {
+        return mpt__cuda_bf16_to_float(__bfloat16_as_ushort(v));
+    }
     static __device__ __forceinline__ __nv_bfloat16 narrow(float v) {
-        return __float2bfloat16_rn(v);
+        return __ushort_as_bfloat16(mpt__cuda_float_to_bf16(v));
     }
 };
 
@@ -2363,7 +2406,7 @@ static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dt
 
 static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
     switch (act) {
-    case MPT_ACT_RELU: return x <= 0 ? 0.0f : x; /* NaN passes, -0 gives +0, as the CPU */
+    case MPT_ACT_RELU: return mpt__cuda_relu(x);
     case MPT_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
     case MPT_ACT_SIGMOID:
         if (x >= 0) return 1.0f / (1.0f + expf(-x)); /* two forms: exp never overflows */
@@ -3474,36 +3517,13 @@ static void mpt__cuda_train_destroy(mpt__cuda *c) {
     c->train_scratch = NULL;
 }
 
-/* ---- float conversions, bit for bit as mpt.h's ---------------------------- */
-
-/* float16 bits -> float; a NaN gets the quiet bit, as the CPU's. */
-static __device__ __forceinline__ float mpt__cuda_train_half_to_float(uint16_t h) {
-    if ((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu))
-        return __uint_as_float(((uint32_t)(h & 0x8000u) << 16) | 0x7fc00000u |
-                               ((uint32_t)(h & 0x3ffu) << 13));
-    return __half2float(__ushort_as_half(h));
-}
-
-/* float -> float16 bits, nearest even; a NaN keeps its sign and top payload. */
-static __device__ __forceinline__ uint16_t mpt__cuda_train_float_to_half(float f) {
-    uint32_t x = __float_as_uint(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)(((x >> 16) & 0x8000u) | 0x7e00u | (((x & 0x7fffffffu) >> 13) & 0x3ffu));
-    return __half_as_ushort(__float2half_rn(f));
-}
-
-/* float -> bfloat16 bits, nearest even; a NaN gets the quiet bit. */
-static __device__ __forceinline__ uint16_t mpt__cuda_train_float_to_bf16(float f) {
-    uint32_t x = __float_as_uint(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
+/* ---- loads and stores of any float dtype -------------------------------- */
 
 static __device__ __forceinline__ float mpt__cuda_train_load(mpt_dtype dtype, const void *data,
                                                              int64_t i) {
     switch (dtype) {
-    case MPT_FLOAT16: return mpt__cuda_train_half_to_float(((const uint16_t *)data)[i]);
-    case MPT_BFLOAT16: return __uint_as_float((uint32_t)((const uint16_t *)data)[i] << 16);
+    case MPT_FLOAT16: return mpt__cuda_half_to_float(((const uint16_t *)data)[i]);
+    case MPT_BFLOAT16: return mpt__cuda_bf16_to_float(((const uint16_t *)data)[i]);
     default: return ((const float *)data)[i];
     }
 }
@@ -3511,8 +3531,8 @@ static __device__ __forceinline__ float mpt__cuda_train_load(mpt_dtype dtype, co
 static __device__ __forceinline__ void mpt__cuda_train_store(mpt_dtype dtype, void *data,
                                                              int64_t i, float v) {
     switch (dtype) {
-    case MPT_FLOAT16: ((uint16_t *)data)[i] = mpt__cuda_train_float_to_half(v); break;
-    case MPT_BFLOAT16: ((uint16_t *)data)[i] = mpt__cuda_train_float_to_bf16(v); break;
+    case MPT_FLOAT16: ((uint16_t *)data)[i] = mpt__cuda_float_to_half(v); break;
+    case MPT_BFLOAT16: ((uint16_t *)data)[i] = mpt__cuda_float_to_bf16(v); break;
     default: ((float *)data)[i] = v; break;
     }
 }
@@ -4126,10 +4146,10 @@ static __device__ __forceinline__ void mpt__cuda_update_vec4(const mpt__cuda_upd
     if (!T.compute) return;
     if (T.compute_dtype == MPT_FLOAT16 || T.compute_dtype == MPT_BFLOAT16) {
         bool h = T.compute_dtype == MPT_FLOAT16;
-        uint16_t a = h ? mpt__cuda_train_float_to_half(w.x) : mpt__cuda_train_float_to_bf16(w.x);
-        uint16_t b = h ? mpt__cuda_train_float_to_half(w.y) : mpt__cuda_train_float_to_bf16(w.y);
-        uint16_t c = h ? mpt__cuda_train_float_to_half(w.z) : mpt__cuda_train_float_to_bf16(w.z);
-        uint16_t d = h ? mpt__cuda_train_float_to_half(w.w) : mpt__cuda_train_float_to_bf16(w.w);
+        uint16_t a = h ? mpt__cuda_float_to_half(w.x) : mpt__cuda_float_to_bf16(w.x);
+        uint16_t b = h ? mpt__cuda_float_to_half(w.y) : mpt__cuda_float_to_bf16(w.y);
+        uint16_t c = h ? mpt__cuda_float_to_half(w.z) : mpt__cuda_float_to_bf16(w.z);
+        uint16_t d = h ? mpt__cuda_float_to_half(w.w) : mpt__cuda_float_to_bf16(w.w);
         ((uint2 *)T.compute)[q] = make_uint2((uint32_t)a | ((uint32_t)b << 16),
                                              (uint32_t)c | ((uint32_t)d << 16));
     } else {

@@ -1944,6 +1944,9 @@ typedef struct mpt_backend {
     const char *name;           /* "cpu", "cuda"                           */
     int gemm_rounds_c;          /* gemm can store C in float16/bfloat16    */
     int can_capture;            /* capture_begin/end and replay work       */
+    /* Conv2D's im2col chunk, in elements of cols (0: MPT__CONV_COLS_BUDGET,
+       sized for the CPU's caches; a GPU wants few, large launches). */
+    int64_t conv_cols_budget;
 
     /* -- memory: `category` is one of MPT_MEMORY_* (accounting and limit) */
     mpt_status (*alloc)(void *impl, int category, size_t bytes, void **out);
@@ -7410,8 +7413,10 @@ static void mpt__acc_mul(int64_t *acc, int64_t a, int64_t b) {
    about MPT__CONV_COLS_BUDGET elements (2^20: 4 MiB in float32): the
    products keep thousands of rows, the workspace stays small, and what
    im2col writes is still in cache when the GEMM packs it (measured on the
-   CNN above: 2^20 beat 2^22 by 20-30%). The chunk size depends on the
-   layer alone, and kernel gradients are summed chunk after chunk (beta =
+   CNN above: 2^20 beat 2^22 by 20-30%). A backend may ask for another
+   budget (conv_cols_budget: the CUDA backend's is 2^26, since each chunk
+   costs a handful of kernel launches). The chunk size depends on the
+   layer and the backend alone, and kernel gradients are summed chunk after chunk (beta =
    1), so results do not depend on the thread count. A 1×1 kernel with
    stride 1 needs no im2col: the image, seen as (B·H·W) × C, is its own
    cols. A backend with a direct convolution (conv_direct: the CPU's with
@@ -7434,8 +7439,11 @@ typedef struct mpt__conv_plan {
     size_t es;      /* bytes of one element of the compute dtype         */
 } mpt__conv_plan;
 
-static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t max_batch) {
+static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t max_batch,
+                                const mpt_backend *be) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
+    const int64_t budget =
+        be && be->conv_cols_budget > 0 ? be->conv_cols_budget : MPT__CONV_COLS_BUDGET;
     int64_t strides[2];
     strides[0] = d->strides[0] ? d->strides[0] : 1;
     strides[1] = d->strides[1] ? d->strides[1] : 1;
@@ -7444,7 +7452,7 @@ static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t 
     c->kk = c->g.kh * c->g.kw * c->g.c;
     c->pix = c->g.oh * c->g.ow;
     /* budget / (pix · kk), divided in two steps so that nothing overflows */
-    c->chunk = MPT__CONV_COLS_BUDGET / MPT__MAX(c->pix, 1) / c->kk;
+    c->chunk = budget / MPT__MAX(c->pix, 1) / c->kk;
     c->chunk = MPT__MAX(1, MPT__MIN(max_batch, c->chunk));
     c->identity = c->g.kh == 1 && c->g.kw == 1 && c->g.sh == 1 && c->g.sw == 1;
     c->es = mpt_dtype_size(L->dtype);
@@ -8218,7 +8226,7 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     if (mpt__shape_count(4, kshape) < 0) /* checked first: the plan multiplies them */
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "Conv2D '%s': kernel %s is too large",
                          L->name, mpt_shape_format(s, sizeof s, 4, kshape));
-    mpt__conv_plan_init(&c, L, m->max_batch);
+    mpt__conv_plan_init(&c, L, m->max_batch, m->be);
     MPT__CHECK(mpt__expect_window_fits(m, L, &c.g, "kernel"));
     L->out_rank = 3;
     L->out_shape[0] = c.g.oh;
@@ -8320,7 +8328,7 @@ typedef void (*mpt__conv_chunk_fn)(mpt__layer *L, const mpt__pass *p, const mpt_
 static void mpt__conv2d_by_chunks(mpt__layer *L, const mpt__pass *p, mpt__conv_chunk_fn run) {
     mpt__conv_plan c;
     int64_t b0;
-    mpt__conv_plan_init(&c, L, p->model->max_batch);
+    mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
     for (b0 = 0; b0 < p->batch; b0 += c.chunk) run(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0));
 }
 
@@ -8331,7 +8339,7 @@ static void mpt__conv2d_by_chunks(mpt__layer *L, const mpt__pass *p, mpt__conv_c
 static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
     const mpt_activation act = mpt__pass_activation(p, L->desc.conv2d.activation);
     mpt__conv_plan c;
-    mpt__conv_plan_init(&c, L, p->model->max_batch);
+    mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
     if (act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX &&
         mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace))
         return;
@@ -21405,7 +21413,7 @@ static mpt_status mpt__export_weighted(mpt__export_plan *pl, int *cap, const mpt
     if (bias) memcpy(s->bias, bias, sizeof(float) * (size_t)units);
     s->act = mpt__layer_activation(L);
     if (kind == MPT__EXPORT_CONV2D) {
-        mpt__conv_plan_init(&c, L, 1);
+        mpt__conv_plan_init(&c, L, 1, NULL); /* the window only */
         s->g = c.g;
         s->padding = L->desc.conv2d.padding;
     }

@@ -34,7 +34,7 @@ typedef struct device_memory {
         size_t bytes;
     } block[MAX_BLOCKS];
     int n;
-    long uploads_async, waits, plans, allreduces;
+    long uploads_async, waits, plans, allreduces, gemms;
     long captures, replays, unrecordable; /* graphs recorded and replayed */
     long stray; /* pointers given to a device's functions that are not its memory */
 } device_memory;
@@ -243,6 +243,7 @@ static void emu_gemm(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype) {
         if (c) c->gemm = *d, c->dtype[0] = c_dtype;
         return;
     }
+    memory_of(impl)->gemms++;
     cpu()->gemm(impl, d, c_dtype);
 }
 
@@ -1118,6 +1119,48 @@ static void test_philox_known_answers(void) {
 }
 
 /* Every required slot of the CPU's table is filled (@backend). */
+/* A backend's conv_cols_budget sets how many samples Conv2D puts through
+   im2col and the product at once: the image model's Conv2D (36 output
+   pixels of 9 values per sample) in chunks of 5 samples takes 10
+   products for a batch of 50 where the CPU's budget takes 1, and predicts
+   the same bits (each sample's rows are its own). */
+static void test_conv_chunk_follows_the_backend(void) {
+    mpt_context *dc = NULL;
+    mpt_model *cpu, *dm;
+    mpt_dataset *d_cpu, *d_dev;
+    mpt_tensor p_cpu, p_dev;
+    long products;
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    emu_table.conv_direct = NULL; /* the im2col path, which chunks */
+    emu_table.conv_cols_budget = 5 * (SIDE - 2) * (SIDE - 2) * 9;
+    d_cpu = image_dataset(ctx);
+    d_dev = image_dataset(dc);
+    cpu = image_model(ctx, MPT_POLICY_FLOAT32);
+    dm = image_model(dc, MPT_POLICY_FLOAT32);
+    dev.gemms = 0;
+    CHECK(mpt_model_predict(cpu, d_cpu, 50, &p_cpu) == MPT_OK &&
+              mpt_model_predict(dm, d_dev, 50, &p_dev) == MPT_OK,
+          "predict: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    products = dev.gemms;
+    /* N = 120 samples in batches of 50, 50, 20, each: the Conv2D's chunks
+       of 5 and one Dense */
+    CHECK(products == (10 + 1) + (10 + 1) + (4 + 1), "%ld products for %d samples (want 27)",
+          products, N);
+    CHECK(mpt_tensor_bytes(&p_cpu) == mpt_tensor_bytes(&p_dev) &&
+              !memcmp(p_cpu.data, p_dev.data, mpt_tensor_bytes(&p_cpu)),
+          "predictions differ from the CPU's");
+    mpt_tensor_free(ctx, &p_cpu);
+    mpt_tensor_free(dc, &p_dev);
+    mpt_model_destroy(cpu);
+    mpt_model_destroy(dm);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_dev);
+    mpt_context_destroy(dc);
+    emu_table.conv_cols_budget = 0;
+}
+
 static void test_cpu_table_is_complete(void) {
     const mpt_backend *t = mpt_context_backend(ctx, NULL);
     const char *gap = backend_table_gap(t);
@@ -1137,6 +1180,7 @@ int main(void) {
     TEST_RUN(test_public_steps_on_the_device);
     TEST_RUN(test_mirrored_on_the_device);
     TEST_RUN(test_mirrored_on_two_devices);
+    TEST_RUN(test_conv_chunk_follows_the_backend);
     mpt_context_destroy(ctx);
     return test_summary("test_backend");
 }

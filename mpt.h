@@ -2333,6 +2333,21 @@ static inline mpt_gemm_engine mpt__gemm_engine_choose_among(const mpt_gemm_engin
     return mpt__gemm_engine_choose(engines[0], ms[0], engines[best], ms[best], 0);
 }
 
+/* The engines AUTO times for a shape, in that order: the usual one first
+   (mpt__gemm_engine_choose_among's engines[0]), then the others; the
+   Hopper kernel only when asked ($MPT_GEMM_AUTO_WGMMA=1: on an H200 it
+   loses to cuBLASLt everywhere, so timing it costs warm-up for nothing).
+   Returns the count (2 or 3). */
+static inline int mpt__gemm_race_engines(mpt_gemm_engine usual, int with_wgmma,
+                                         mpt_gemm_engine engines[3]) {
+    int count = 0;
+    engines[count++] = usual;
+    if (usual != MPT_GEMM_MPT) engines[count++] = MPT_GEMM_MPT;
+    if (with_wgmma) engines[count++] = MPT_GEMM_WGMMA;
+    if (usual != MPT_GEMM_CUBLASLT) engines[count++] = MPT_GEMM_CUBLASLT;
+    return count;
+}
+
 /* ---- the Hopper GEMM's choices (mpt_cuda.cu, MPT_GEMM_WGMMA) ------------
    Its tiles are 128 rows of C (two consumer warpgroups of 64) by
    MPT__WGMMA_TILE_N = 128 or 256 columns, walked along K in 64-deep

@@ -1953,18 +1953,14 @@ static mpt_status mpt__cuda_gemm_race(mpt__cuda *c, const mpt_gemm_desc *d, mpt_
                                       mpt__cuda_gemm_entry *e) {
     const size_t c_bytes = (size_t)((d->m - 1) * d->ldc + d->n) * mpt_dtype_size(c_dtype);
     const mpt_gemm_engine usual = mpt__cuda_gemm_usual(e->key.ab_dtype);
-    /* the usual engine first, then the others in a fixed order */
     mpt_gemm_engine engines[3];
     double ms[3] = {-1, -1, -1};
     mpt_gemm_desc t = *d;
     cudaEvent_t start = NULL, stop = NULL;
     void *scratch = NULL;
-    int refused = 0, count = 0;
+    const int count = mpt__gemm_race_engines(usual, c->gemm_cache->wgmma_in_auto, engines);
+    int refused = 0;
     mpt_status st = MPT_OK;
-    engines[count++] = usual;
-    if (usual != MPT_GEMM_MPT) engines[count++] = MPT_GEMM_MPT;
-    engines[count++] = MPT_GEMM_WGMMA;
-    if (usual != MPT_GEMM_CUBLASLT) engines[count++] = MPT_GEMM_CUBLASLT;
     if (cudaMalloc(&scratch, c_bytes) != cudaSuccess) {
         /* No room to measure: keep the hand-written engine, not an error. */
         (void)cudaGetLastError();

@@ -117,6 +117,19 @@ static void test_engine_choice_among(void) {
     CHECK(mpt__gemm_engine_choose_among(e, ms, 1) == MPT_GEMM_MPT, "one engine: not itself");
 }
 
+/* The engines AUTO times: the usual one first, the Hopper kernel only
+   when asked (on the first GPU run it was timed without being asked). */
+static void test_race_engines(void) {
+    mpt_gemm_engine e[3];
+    int n = mpt__gemm_race_engines(MPT_GEMM_MPT, 0, e);
+    CHECK(n == 2 && e[0] == MPT_GEMM_MPT && e[1] == MPT_GEMM_CUBLASLT, "16-bit, not asked: %d", n);
+    n = mpt__gemm_race_engines(MPT_GEMM_MPT, 1, e);
+    CHECK(n == 3 && e[0] == MPT_GEMM_MPT && e[1] == MPT_GEMM_WGMMA && e[2] == MPT_GEMM_CUBLASLT,
+          "16-bit, asked: %d", n);
+    n = mpt__gemm_race_engines(MPT_GEMM_CUBLASLT, 0, e);
+    CHECK(n == 2 && e[0] == MPT_GEMM_CUBLASLT && e[1] == MPT_GEMM_MPT, "float32: %d", n);
+}
+
 /* What TMA asks of the operands, and the 16-bit dtypes only. */
 static void test_wgmma_eligible(void) {
     const uintptr_t p = 0x10000;
@@ -278,6 +291,7 @@ int main(void) {
     TEST_RUN(test_split_k);
     TEST_RUN(test_engine_choice);
     TEST_RUN(test_engine_choice_among);
+    TEST_RUN(test_race_engines);
     TEST_RUN(test_wgmma_eligible);
     TEST_RUN(test_wgmma_tiles_and_split);
     TEST_RUN(test_wgmma_work_order);

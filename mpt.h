@@ -5673,7 +5673,9 @@ typedef struct mpt__pass {
     void *y;         /* (batch, out_shape)                                  */
     const void *dy;  /* backward: (batch, out_shape)                        */
     void *dx;        /* backward: (batch, in_shape); NULL when nobody needs it */
-    void *workspace; /* L->workspace_bytes, free for this call's use          */
+    void *workspace; /* the layer's scratch (as its build declared), free for
+                        this call's use; a staged layer's converted input and
+                        dx lie past it                                       */
     int logits_only; /* the last layer's softmax is left to the loss (fit
                         fuses softmax and crossentropy): forward and
                         backward skip it                                     */
@@ -5753,9 +5755,17 @@ struct mpt__layer {
     void *saved[MPT__MAX_LAYER_SAVED];         /* kept from forward to backward */
     int64_t workspace_bytes;                   /* for max_batch samples       */
     uint64_t seed;                             /* this layer's random key     */
+    /* A dtype boundary inside the model (mpt__stages_input): the input
+       converted to dtype, and dx before it is converted back, live in the
+       workspace past the layer's own scratch, at these byte offsets. */
+    int staged;
+    int64_t stage_x, stage_dx;
     /* Set by the model: */
     const void *x;                          /* input of the last forward      */
-    void *x_cast;                           /* input converted to dtype       */
+    void *x_cast;                           /* input converted to dtype (not
+                                               staged)                        */
+    const void *x_src;                      /* staged: what forward converted */
+    mpt_dtype x_src_dtype;
     void *y;                                /* output of the last forward     */
 };
 
@@ -6203,7 +6213,7 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
         mpt_dtype in_dtype = i == 0 ? MPT_DTYPE_DEFAULT : m->layers[i - 1].dtype;
         /* The first layer always gets a cast buffer: the caller's dtype is
            only known at forward time. */
-        L->x_cast = in_dtype != L->dtype
+        L->x_cast = in_dtype != L->dtype && !L->staged
                         ? mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                      mpt__dbytes(L->dtype, L->in_count * m->max_batch))
                         : NULL;
@@ -6225,6 +6235,39 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
                                           4 * last->out_count * m->max_batch);
         }
     }
+}
+
+/* Where layer i computes in another dtype than the layer before it (a
+   final softmax in float32 after float16 layers, say), its input must be
+   converted and its dx converted back. Kept all step, the converted input
+   and the wider dx would cost activation memory in the wide dtype (on the
+   large MLP: 128 MiB of 351); staged in the workspace instead, the input
+   is converted again before backward from the previous output, which
+   lives on. Not for the first layer (the caller's input need not live
+   until backward), a layer whose output is its input, or one with a
+   commit (which reads x after the step). */
+static int mpt__stages_input(const mpt_model *m, int i) {
+    const mpt__layer *L = &m->layers[i];
+    return i > 0 && m->layers[i - 1].dtype != L->dtype && !L->output_is_input &&
+           !L->ops->commit;
+}
+
+static int64_t mpt__align_up(int64_t bytes) {
+    return (bytes + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
+}
+
+/* A staged layer's workspace: its own scratch, then the converted input,
+   then dx in its dtype (each B · in_count elements). */
+static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
+    int64_t bytes, end;
+    MPT__CHECK(mpt__batch_bytes(m, L, mpt__dbytes(L->dtype, L->in_count), 0, &bytes));
+    L->stage_x = mpt__align_up(L->workspace_bytes);
+    L->stage_dx = L->stage_x + mpt__align_up(bytes);
+    if (!mpt__add_ok(L->stage_dx, bytes, &end))
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': buffers for a batch of %lld overflow",
+                         L->ops->class_name, L->name, (long long)m->max_batch);
+    L->workspace_bytes = end;
+    return MPT_OK;
 }
 
 /* Checks each layer against its input shape and declares its buffers. */
@@ -6251,13 +6294,17 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
                              mpt_shape_format(s, sizeof s, L->out_rank, L->out_shape));
         }
         /* The gradient buffers hold this layer's dy and dx in its dtype, and
-           dx again in the previous layer's dtype when the two differ. */
+           dx again in the previous layer's dtype when the two differ (a
+           staged layer's dx in its own dtype is in the workspace). */
         {
             int64_t size = (int64_t)mpt_dtype_size(L->dtype);
             int64_t prev = i > 0 ? (int64_t)mpt_dtype_size(m->layers[i - 1].dtype) : size;
-            MPT__CHECK(mpt__batch_bytes(m, L, MPT__MAX(size * L->out_count,
-                                                       MPT__MAX(size, prev) * L->in_count),
-                                        0, &grad_bytes));
+            L->staged = mpt__stages_input(m, i);
+            if (L->staged) MPT__CHECK(mpt__stage_in_workspace(m, L));
+            MPT__CHECK(mpt__batch_bytes(
+                m, L, MPT__MAX(size * L->out_count, (L->staged ? prev : MPT__MAX(size, prev)) *
+                                                        L->in_count),
+                0, &grad_bytes));
         }
         *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
         *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
@@ -6646,9 +6693,11 @@ static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
 static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *w) {
     mpt__layer *L = &m->layers[i];
     if (w->cur_dtype != L->dtype) {
-        m->be->convert(m->impl, L->dtype, L->x_cast, w->cur_dtype, w->cur,
-                       w->p.batch * L->in_count);
-        w->cur = L->x_cast;
+        void *x = L->staged ? (unsigned char *)w->p.workspace + L->stage_x : L->x_cast;
+        L->x_src = w->cur;
+        L->x_src_dtype = w->cur_dtype;
+        m->be->convert(m->impl, L->dtype, x, w->cur_dtype, w->cur, w->p.batch * L->in_count);
+        w->cur = x;
     }
     L->x = w->cur;
     if (L->output_is_input) L->y = (void *)w->cur;
@@ -6734,6 +6783,12 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
     w->p.dy = m->grad_buf[w->cur];
     w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
     w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    if (L->staged) { /* the workspace has been written since forward */
+        unsigned char *ws = (unsigned char *)w->p.workspace;
+        m->be->convert(m->impl, L->dtype, ws + L->stage_x, L->x_src_dtype, L->x_src,
+                       w->p.batch * L->in_count);
+        if (w->p.dx) w->p.dx = ws + L->stage_dx;
+    }
     if (m->qat) mpt__qat_backward_mask(m, i, m->grad_buf[w->cur]);
     return L;
 }
@@ -6741,7 +6796,13 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
 static void mpt__backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
     if (m->exchange) mpt__exchange_layer_done(m, i);
-    if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
+    if (L->staged) {
+        if (w->p.dx) { /* dx in the previous dtype, into the free buffer */
+            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
+                           w->p.dx, w->p.batch * L->in_count);
+            w->cur = 1 - w->cur;
+        }
+    } else if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
         /* dy is spent: the converted gradient goes back into its buffer. */
         m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[w->cur], L->dtype,
                        m->grad_buf[1 - w->cur], w->p.batch * L->in_count);

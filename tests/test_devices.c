@@ -136,6 +136,45 @@ static void test_memory_report_by_hand(void) {
     mpt_context_destroy(ctx);
 }
 
+/* Flatten -> 2 × Dense(256, relu) -> Dense(10, last), batch 64, built. */
+static int64_t activations_of(mpt_context *ctx, mpt_policy policy, mpt_activation last) {
+    mpt_model *m = NULL;
+    mpt_memory_report r;
+    int i;
+    memset(&r, 0, sizeof r);
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28}, .input_rank = 2,
+                                            .policy = policy}, &m);
+    mpt_model_add_flatten(m, NULL);
+    for (i = 0; i < 2; i++)
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 256, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = last});
+    mpt_model_compile(m, &(mpt_compile_desc){
+                             .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+    CHECK(mpt_model_build(m, 64) == MPT_OK && mpt_model_memory(m, &r) == MPT_OK, "build: %s",
+          mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    return r.activations;
+}
+
+/* mixed_float16's final softmax computes in float32 (Keras' advice), and
+   that costs activation memory for its own output only: its float32
+   input and dx live in the workspace, not in buffers kept all step (which
+   cost the large MLP 128 of its 351 MiB on a GPU). So the activations are
+   those of the same model ending in float16, plus the output's two more
+   bytes per value, and about half of float32's. */
+static void test_final_softmax_costs_only_its_output(void) {
+    mpt_context *ctx = quiet_ctx();
+    int64_t f32 = activations_of(ctx, MPT_POLICY_FLOAT32, MPT_ACT_SOFTMAX);
+    int64_t mixed = activations_of(ctx, MPT_POLICY_MIXED_FLOAT16, MPT_ACT_SOFTMAX);
+    int64_t half_end = activations_of(ctx, MPT_POLICY_MIXED_FLOAT16, MPT_ACT_NONE);
+    CHECK(mixed == half_end + round64(64 * 10 * 4) - round64(64 * 10 * 2),
+          "mixed with a float32 softmax %lld bytes, ending in float16 %lld", (long long)mixed,
+          (long long)half_end);
+    CHECK(mixed <= 0.55 * (double)f32, "mixed %lld bytes of activations, float32 %lld",
+          (long long)mixed, (long long)f32);
+    mpt_context_destroy(ctx);
+}
+
 /* What the model of `s` needs in all, compiled with Adam. */
 static mpt_memory_report plan_of(dense_shape s) {
     mpt_context *ctx = quiet_ctx();
@@ -209,6 +248,7 @@ int main(void) {
     TEST_RUN(test_device_features_are_the_hardware_ones);
     TEST_RUN(test_bad_device_index_is_named);
     TEST_RUN(test_memory_report_by_hand);
+    TEST_RUN(test_final_softmax_costs_only_its_output);
     TEST_RUN(test_memory_limit_below_the_plan_refuses_build);
     TEST_RUN(test_memory_limit_refuses_compile_after_build);
     return test_summary("test_devices");

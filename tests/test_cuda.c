@@ -14,7 +14,9 @@
    With MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu sets it), no
    device is one FAIL instead, saying why. `test_cuda wgmma` runs the
    Hopper GEMM's tests alone. `test_cuda quick` leaves out the
-   whole-model trainings (for compute-sanitizer). Fashion-MNIST is read
+   whole-model trainings (for compute-sanitizer); `test_cuda layers` and
+   `test_cuda gemm` are its two halves (racecheck needs more than ten
+   minutes for the whole of it). Fashion-MNIST is read
    from $MPT_DATA_DIR, else /usr/share/datasets/fashion-mnist.
    So this file is C99 and C++17 at once (nvcc compiles it as C++).
 
@@ -3378,12 +3380,74 @@ static void test_gpu_was_reached(void) {
 #endif
 }
 
+/* The Hopper GEMM's own tests (also `test_cuda wgmma`). */
+static void run_wgmma_tests(void) {
+    test__run("gemm wgmma: every transpose, f16/bf16, odd M/N/K, each epilogue, vs CPU and "
+              "cuBLASLt (<= 1e-2), repeatable",
+              test_gemm_wgmma);
+    test__run("gemm wgmma: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2)",
+              test_gemm_wgmma_split_k);
+}
+
+/* Every function of the table but the GEMM (`test_cuda layers`, a part of
+   `quick` that compute-sanitizer's racecheck finishes in minutes). */
+static void run_layer_tests(void) {
+    test__run("kernels: all loaded when the context is created (lazy loading)",
+              test_kernels_loaded_at_creation);
+    test__run("the table: every required slot filled", test_table_is_complete);
+    test__run("devices: the GPU's compute capability >= 8, free <= total memory",
+              test_device_info_of_the_gpu);
+    test__run("model: memory_limit below the plan refuses build on the GPU",
+              test_model_memory_limit_on_the_gpu);
+    test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",
+              test_relu_special_values);
+    test__run("column_sums (float32 <= 1e-5)", test_column_sums);
+    test__run("convert: every pair of float dtypes (exact)", test_convert);
+    test__run("activation: each one incl. softmax (<= 1e-5)", test_activation);
+    test__run("activation_grad: each one, each dtype (<= 1e-5)", test_activation_grad);
+    test__run("im2col (exact)", test_im2col);
+    test__run("col2im (float32 <= 1e-5, float16 <= 2^-10, bfloat16 <= 2^-7)", test_col2im);
+    test__run("pool forward and backward, max and average (max forward exact)", test_pool);
+    test__run("batchnorm forward, backward, commit", test_batchnorm);
+    test__run("dropout forward and backward (bit-exact mask)", test_dropout);
+    test__run("loss: every type, logits and probabilities, with metrics", test_loss);
+    test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
+    test__run("grad_stats + update over 111 odd-sized tensors, packed unaligned, in tables",
+              test_update_many_tensors);
+    test__run("loss_scale_update (exact)", test_loss_scale_update);
+    test__run("graph capture and replay: bit-identical to direct calls", test_graph_capture);
+    test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
+              test_hand_step_functions);
+    test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
+              test_layout_index_paths);
+}
+
+/* The GEMM engines (`test_cuda gemm`, the other part of `quick`). */
+static void run_gemm_tests(void) {
+    int e;
+    for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
+    for (e = 0; e < N_GPU; e++) test_gemm_relu_keeps_nan(&gpu_be[e]);
+#ifdef MPT_CUDA
+    test__run("gemm: a shape cuBLASLt refuses is counted, logged once, and still right",
+              test_lt_refusals_are_logged);
+#endif
+    test__run("gemm: 128x128 and 64x64 tiles, chosen and forced, 1536x1600x200 (<= 1e-2)",
+              test_gemm_tiles);
+    test__run("gemm: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2, 1e-4)",
+              test_gemm_split_k);
+    run_wgmma_tests();
+    test__run("gemm auto: $MPT_GEMM_CHOICES carries the engines to the next run (same bits)",
+              test_gemm_choices_file);
+}
+
 /* `test_cuda quick` (what ./build.sh gpu sanitize runs under
    compute-sanitizer, many times slower): the table's functions only, none
    of the whole-model trainings. */
 int main(int argc, char **argv) {
     int e, have_gpu, quick = argc > 1 && !strcmp(argv[1], "quick");
     int wgmma_only = argc > 1 && !strcmp(argv[1], "wgmma");
+    int gemm_only = argc > 1 && !strcmp(argv[1], "gemm");
+    int layers_only = argc > 1 && !strcmp(argv[1], "layers");
     test_seed(2024);
 #ifdef MPT_CUDA
     setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
@@ -3416,62 +3480,14 @@ int main(int argc, char **argv) {
         /* `test_cuda wgmma`: the Hopper GEMM's tests alone (a first look on a
            new machine, and what compute-sanitizer runs on it) */
         test_gemm_engine(&gpu_be[GPU_WGMMA]);
-        test__run("gemm wgmma: every transpose, f16/bf16, odd M/N/K, each epilogue, vs CPU and "
-                  "cuBLASLt (<= 1e-2), repeatable",
-                  test_gemm_wgmma);
-        test__run("gemm wgmma: split-K on weight-gradient shapes, bit-repeatable, captured "
-                  "(<= 1e-2)",
-                  test_gemm_wgmma_split_k);
+        run_wgmma_tests();
         for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
         close_backend(&cpu_be);
         return test_summary(PROGRAM);
     }
-    test__run("kernels: all loaded when the context is created (lazy loading)",
-              test_kernels_loaded_at_creation);
-    test__run("the table: every required slot filled", test_table_is_complete);
-    test__run("devices: the GPU's compute capability >= 8, free <= total memory",
-              test_device_info_of_the_gpu);
-    test__run("model: memory_limit below the plan refuses build on the GPU",
-              test_model_memory_limit_on_the_gpu);
-    for (e = 0; e < N_GPU; e++) test_gemm_engine(&gpu_be[e]);
-    for (e = 0; e < N_GPU; e++) test_gemm_relu_keeps_nan(&gpu_be[e]);
-#ifdef MPT_CUDA
-    test__run("gemm: a shape cuBLASLt refuses is counted, logged once, and still right",
-              test_lt_refusals_are_logged);
-#endif
-    test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",
-              test_relu_special_values);
-    test__run("column_sums (float32 <= 1e-5)", test_column_sums);
-    test__run("convert: every pair of float dtypes (exact)", test_convert);
-    test__run("activation: each one incl. softmax (<= 1e-5)", test_activation);
-    test__run("activation_grad: each one, each dtype (<= 1e-5)", test_activation_grad);
-    test__run("im2col (exact)", test_im2col);
-    test__run("col2im (float32 <= 1e-5, float16 <= 2^-10, bfloat16 <= 2^-7)", test_col2im);
-    test__run("pool forward and backward, max and average (max forward exact)", test_pool);
-    test__run("batchnorm forward, backward, commit", test_batchnorm);
-    test__run("dropout forward and backward (bit-exact mask)", test_dropout);
-    test__run("loss: every type, logits and probabilities, with metrics", test_loss);
-    test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
-    test__run("grad_stats + update over 111 odd-sized tensors, packed unaligned, in tables",
-              test_update_many_tensors);
-    test__run("loss_scale_update (exact)", test_loss_scale_update);
-    test__run("graph capture and replay: bit-identical to direct calls", test_graph_capture);
-    test__run("hand step: compute_loss, grad_stats, scale_grads, sgd_step as on the CPU (<= 1e-4)",
-              test_hand_step_functions);
-    test__run("gemm: 128x128 and 64x64 tiles, chosen and forced, 1536x1600x200 (<= 1e-2)",
-              test_gemm_tiles);
-    test__run("gemm: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2, 1e-4)",
-              test_gemm_split_k);
-    test__run("gemm wgmma: every transpose, f16/bf16, odd M/N/K, each epilogue, vs CPU and "
-              "cuBLASLt (<= 1e-2), repeatable",
-              test_gemm_wgmma);
-    test__run("gemm wgmma: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2)",
-              test_gemm_wgmma_split_k);
-    test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
-              test_layout_index_paths);
-    test__run("gemm auto: $MPT_GEMM_CHOICES carries the engines to the next run (same bits)",
-              test_gemm_choices_file);
-    if (!quick) {
+    if (!gemm_only) run_layer_tests();
+    if (!layers_only) run_gemm_tests();
+    if (!quick && !gemm_only && !layers_only) {
         test__run("model: graphs on and off, and two runs, give identical weights",
                   test_model_graphs_and_determinism);
         test__run("model: profiled steps (CUDA events) end where unprofiled ones do, bit for bit",

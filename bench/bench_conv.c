@@ -112,7 +112,7 @@ static void time_round(mpt_model *m, const mpt_tensor *x, const mpt_tensor *dy, 
     double t0;
     int r;
     int64_t b0;
-    mpt__conv_plan_init(&c, L, m->max_batch);
+    mpt__conv_plan_init(&c, L, m->max_batch, m->be);
     t0 = now();
     for (r = 0; r < reps; r++) (void)mpt_model_forward(m, x, 1, &out);
     t[FWD] = 1e3 * (now() - t0) / reps;

@@ -167,7 +167,7 @@ static unsigned mpt__cuda_blocks(int64_t n, int threads) {
     return (unsigned)b;
 }
 
-/* ---- float conversions, bit for bit as mpt.h's ---------------------------- */
+/* ---- conversions and activations, bit for bit as the CPU's ----------------- */
 
 /* The hardware conversions round like the CPU's but give one canonical
    NaN; mpt.h's NaN rules (@backend-shared) keep a NaN's sign and payload,
@@ -194,13 +194,31 @@ static __device__ __forceinline__ float mpt__cuda_bf16_to_float(uint16_t b) {
 }
 
 /* ReLU with the CPU's bits: 0 where x <= 0 (-0 and -inf too), x itself
-   elsewhere, a NaN with its payload. Written on the bits because the
-   compiler turns `x <= 0 ? 0 : x` into max.NaN, which gives NaNs one
-   canonical payload: negative and not NaN is bits in [0x80000000,
+   elsewhere, a NaN with its payload. Written on the bits because ptxas
+   turns `x <= 0 ? 0 : x` (a selp in the PTX) into FMNMX.NAN, which gives
+   NaNs one canonical payload: negative and not NaN is bits in [0x80000000,
    0xff800000]. */
 static __device__ __forceinline__ float mpt__cuda_relu(float x) {
     return __float_as_uint(x) - 0x80000000u <= 0x7f800000u ? 0.0f : x;
 }
+
+/* The elementwise activations with the CPU's formulas: the layers' kernels
+   and every GEMM epilogue apply them through this one function. */
+static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
+    switch (act) {
+    case MPT_ACT_RELU: return mpt__cuda_relu(x);
+    case MPT_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case MPT_ACT_SIGMOID:
+        if (x >= 0) return 1.0f / (1.0f + expf(-x)); /* two forms: exp never overflows */
+        {
+            float e = expf(x);
+            return e / (1.0f + e);
+        }
+    case MPT_ACT_TANH: return tanhf(x);
+    default: return x;
+    }
+}
+
 /* The CUDA backend's matrix products: a hand-written tensor-core GEMM for
    float16/bfloat16, cuBLASLt for the same products, a plain FP32 kernel,
    the per-shape choice between the engines, and the bias-gradient column
@@ -231,22 +249,6 @@ typedef struct mpt__cuda_gemm_args {
     float *partials;
     int64_t depth;
 } mpt__cuda_gemm_args;
-
-/* The elementwise activations, with the CPU's formulas. */
-static __device__ __forceinline__ float mpt__cuda_gemm_activate(int act, float v) {
-    switch (act) {
-    case MPT_ACT_RELU: return mpt__cuda_relu(v);
-    case MPT_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case MPT_ACT_SIGMOID:
-        if (v >= 0) return 1.0f / (1.0f + expf(-v));
-        {
-            float e = expf(v); /* two forms, so that exp never overflows */
-            return e / (1.0f + e);
-        }
-    case MPT_ACT_TANH: return tanhf(v);
-    default: return v;
-    }
-}
 
 static __device__ __forceinline__ float mpt__cuda_gemm_load_c(const mpt__cuda_gemm_args &p,
                                                               int64_t i) {
@@ -282,7 +284,7 @@ static __device__ __forceinline__ float mpt__cuda_gemm_epilogue(const mpt__cuda_
     float v = p.alpha * acc;
     if (p.beta != 0.0f) v = fmaf(p.beta, mpt__cuda_gemm_load_c(p, i), v);
     if (p.bias) v += p.bias[col];
-    return mpt__cuda_gemm_activate(p.act, v);
+    return mpt__cuda_act_apply(p.act, v);
 }
 
 /* Finishes C[row][col] and C[row][col + 1] (the latter when inside C). */
@@ -346,7 +348,7 @@ static __global__ void mpt__cuda_gemm_scale_c_kernel(mpt__cuda_gemm_args p) {
         const int64_t row = e / p.n, col = e % p.n, i = row * p.ldc + col;
         float v = p.beta != 0.0f ? p.beta * mpt__cuda_gemm_load_c(p, i) : 0.0f;
         if (p.bias) v += p.bias[col];
-        mpt__cuda_gemm_store_c(p, i, mpt__cuda_gemm_activate(p.act, v));
+        mpt__cuda_gemm_store_c(p, i, mpt__cuda_act_apply(p.act, v));
     }
 }
 
@@ -358,7 +360,7 @@ static __global__ void mpt__cuda_gemm_activate_kernel(mpt__cuda_gemm_args p) {
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
          e += (int64_t)gridDim.x * blockDim.x) {
         const int64_t i = (e / p.n) * p.ldc + e % p.n;
-        mpt__cuda_gemm_store_c(p, i, mpt__cuda_gemm_activate(p.act, mpt__cuda_gemm_load_c(p, i)));
+        mpt__cuda_gemm_store_c(p, i, mpt__cuda_act_apply(p.act, mpt__cuda_gemm_load_c(p, i)));
     }
 }
 
@@ -2400,21 +2402,6 @@ static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dt
 }
 
 /* ---- activations -------------------------------------------------------- */
-
-static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
-    switch (act) {
-    case MPT_ACT_RELU: return mpt__cuda_relu(x);
-    case MPT_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case MPT_ACT_SIGMOID:
-        if (x >= 0) return 1.0f / (1.0f + expf(-x)); /* two forms: exp never overflows */
-        {
-            float e = expf(x);
-            return e / (1.0f + e);
-        }
-    case MPT_ACT_TANH: return tanhf(x);
-    default: return x;
-    }
-}
 
 /* dy · act'(.) where `kept` is z for GELU and y for the others. */
 static __device__ __forceinline__ float mpt__cuda_act_derivative(int act, float dy, float kept) {

@@ -5948,14 +5948,22 @@ static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const
     return MPT_OK;
 }
 
+/* bytes rounded up to the arenas' alignment (every buffer starts on it). */
+static int64_t mpt__align_up(int64_t bytes) {
+    return (bytes + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
+}
+
+static mpt_status mpt__batch_overflow(struct mpt_model *m, const mpt__layer *L) {
+    return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': buffers for a batch of %lld overflow",
+                     L->ops->class_name, L->name, (long long)m->max_batch);
+}
+
 /* Bytes for `per_sample` bytes times max_batch plus `fixed`, overflow-checked. */
 static mpt_status mpt__batch_bytes(struct mpt_model *m, mpt__layer *L, int64_t per_sample,
                                    int64_t fixed, int64_t *out) {
     int64_t b = 0;
     if (!mpt__mul_ok(per_sample, m->max_batch, &b) || !mpt__add_ok(b, fixed, out))
-        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
-                         "%s '%s': buffers for a batch of %lld overflow", L->ops->class_name,
-                         L->name, (long long)m->max_batch);
+        return mpt__batch_overflow(m, L);
     return MPT_OK;
 }
 
@@ -6191,7 +6199,7 @@ typedef struct mpt__carver {
 
 static void *mpt__carve(mpt__carver *c, int64_t bytes) {
     void *p = c->base ? c->base + c->used : NULL;
-    c->used += (bytes + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
+    c->used += mpt__align_up(bytes);
     return p;
 }
 
@@ -6252,10 +6260,6 @@ static int mpt__stages_input(const mpt_model *m, int i) {
            !L->ops->commit;
 }
 
-static int64_t mpt__align_up(int64_t bytes) {
-    return (bytes + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
-}
-
 /* A staged layer's workspace: its own scratch, then the converted input,
    then dx in its dtype (each B · in_count elements). */
 static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
@@ -6263,9 +6267,7 @@ static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
     MPT__CHECK(mpt__batch_bytes(m, L, mpt__dbytes(L->dtype, L->in_count), 0, &bytes));
     L->stage_x = mpt__align_up(L->workspace_bytes);
     L->stage_dx = L->stage_x + mpt__align_up(bytes);
-    if (!mpt__add_ok(L->stage_dx, bytes, &end))
-        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': buffers for a batch of %lld overflow",
-                         L->ops->class_name, L->name, (long long)m->max_batch);
+    if (!mpt__add_ok(L->stage_dx, bytes, &end)) return mpt__batch_overflow(m, L);
     L->workspace_bytes = end;
     return MPT_OK;
 }
@@ -6979,7 +6981,7 @@ typedef struct mpt__ws {
 
 static void *mpt__ws_take(mpt__ws *w, int64_t bytes) {
     void *p = w->next;
-    w->next += (bytes + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
+    w->next += mpt__align_up(bytes);
     return p;
 }
 
@@ -7492,10 +7494,10 @@ static void mpt__acc_mul(int64_t *acc, int64_t a, int64_t b) {
    CNN above: 2^20 beat 2^22 by 20-30%). A backend may ask for another
    budget (conv_cols_budget: the CUDA backend's is 2^26, since each chunk
    costs a handful of kernel launches). The chunk size depends on the
-   layer and the backend alone, and kernel gradients are summed chunk after chunk (beta =
-   1), so results do not depend on the thread count. A 1×1 kernel with
-   stride 1 needs no im2col: the image, seen as (B·H·W) × C, is its own
-   cols. A backend with a direct convolution (conv_direct: the CPU's with
+   layer and the backend alone, and kernel gradients are summed chunk
+   after chunk (beta = 1), so results do not depend on the thread count.
+   A 1×1 kernel with stride 1 needs no im2col: the image, seen as
+   (B·H·W) × C, is its own cols. A backend with a direct convolution (conv_direct: the CPU's with
    AVX-512) runs the forward product, the input gradient and the kernel
    gradient without cols, dcols or col2im where it takes the case (see
    mpt__cpu_conv_direct for which). */

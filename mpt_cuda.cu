@@ -31,7 +31,9 @@
 
    How it is organised:
        the shared state     mpt__cuda (the `impl` of every table function),
-                            the checked-call macros MPT__CU / MPT__LT
+                            the checked-call macros MPT__CU / MPT__LT, and
+                            the element rules every kernel shares:
+                            conversions and activations with the CPU's bits
        GEMMs                the tensor-core kernel (mma.sync), the Hopper
                             kernel (wgmma, TMA), cuBLASLt, per-shape plans,
                             column sums (bias gradients)

@@ -2230,6 +2230,54 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
     }
 }
 
+/* ---- the int8 GEMM's requantization ----------------------------------------
+   TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm)
+   and the CUDA int8 GEMM both run, so an int8 result has the same bits on
+   both backends. Integer steps only: nothing here depends on the
+   compiler's float contraction or the device's rounding modes. */
+
+static inline MPT__HD int32_t mpt__saturate_i32(int64_t v) {
+    return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v;
+}
+
+/* SaturatingRoundingDoublingHighMul: (a·b + 2^30) / 2^31 rounded to
+   nearest, ties toward +∞ (the nudge, then C's truncating division); the
+   one overflowing case, INT32_MIN², saturates. */
+static inline MPT__HD int32_t mpt__rounding_doubling_high_mul(int32_t a, int32_t b) {
+    const int64_t ab = (int64_t)a * b;
+    const int64_t nudge = ab >= 0 ? (int64_t)1 << 30 : 1 - ((int64_t)1 << 30);
+    if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
+    return (int32_t)((ab + nudge) / ((int64_t)1 << 31)); /* a constant: no division */
+}
+
+/* RoundingDivideByPOT: x / 2^e rounded to nearest, ties away from zero
+   (the floor quotient, plus one when the remainder passes the threshold). */
+static inline MPT__HD int32_t mpt__rounding_divide_by_pot(int32_t x, int e) {
+    const int64_t p = (int64_t)1 << e;
+    /* floor(x / 2^e), shifting the non-negative x + 2^31 (e ≤ 31): no branch */
+    const int64_t q = (((int64_t)x + ((int64_t)1 << 31)) >> e) - (((int64_t)1 << 31) >> e);
+    const int64_t rem = x - q * p;
+    return (int32_t)(q + (rem > ((p - 1) >> 1) + (x < 0 ? 1 : 0)));
+}
+
+/* MultiplyByQuantizedMultiplier: x · m · 2^(shift − 31), shift in [-31, 30].
+   Where TFLite's x·2^shift would overflow int32, it saturates here. */
+static inline MPT__HD int32_t mpt__multiply_by_quantized_multiplier(int32_t x, int32_t m,
+                                                                    int shift) {
+    const int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
+    const int32_t xl = mpt__saturate_i32((int64_t)x * ((int64_t)1 << left));
+    return mpt__rounding_divide_by_pot(mpt__rounding_doubling_high_mul(xl, m), right);
+}
+
+/* One int32 sum requantized to int8: scaled by (m, shift), moved by the
+   output's zero point, clamped to [lo, hi] (mpt_qgemm_desc's c_min/c_max
+   resolved: [-128, 127] when both are 0). */
+static inline MPT__HD int8_t mpt__requantize_int8(int32_t acc, int32_t m, int shift, int32_t zp,
+                                                  int32_t lo, int32_t hi) {
+    const int64_t q = (int64_t)mpt__multiply_by_quantized_multiplier(acc, m, shift) + zp;
+    return (int8_t)(q < lo ? lo : q > hi ? hi : q);
+}
+
 /* ---- the CUDA GEMM's choices --------------------------------------------
    mpt_cuda.cu picks a tile, a K split and (in MPT_GEMM_AUTO) an engine for
    each GEMM shape by the rules below. The tile and the split are functions
@@ -4612,41 +4660,8 @@ typedef struct mpt__qgemm_job {
     int64_t task_rows, task_cols, tasks_n;
 } mpt__qgemm_job;
 
-/* -----------------------------------------------------------------------------
-   TFLite's fixed-point requantization (gemmlowp's rounding rules)
-   ----------------------------------------------------------------------------- */
-
-static int32_t mpt__saturate_i32(int64_t v) {
-    return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v;
-}
-
-/* SaturatingRoundingDoublingHighMul: (a·b + 2^30) / 2^31 rounded to
-   nearest, ties toward +∞ (the nudge, then C's truncating division); the
-   one overflowing case, INT32_MIN², saturates. */
-static int32_t mpt__rounding_doubling_high_mul(int32_t a, int32_t b) {
-    const int64_t ab = (int64_t)a * b;
-    const int64_t nudge = ab >= 0 ? (int64_t)1 << 30 : 1 - ((int64_t)1 << 30);
-    if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
-    return (int32_t)((ab + nudge) / ((int64_t)1 << 31)); /* a constant: no division */
-}
-
-/* RoundingDivideByPOT: x / 2^e rounded to nearest, ties away from zero
-   (the floor quotient, plus one when the remainder passes the threshold). */
-static int32_t mpt__rounding_divide_by_pot(int32_t x, int e) {
-    const int64_t p = (int64_t)1 << e;
-    /* floor(x / 2^e), shifting the non-negative x + 2^31 (e ≤ 31): no branch */
-    const int64_t q = (((int64_t)x + ((int64_t)1 << 31)) >> e) - (((int64_t)1 << 31) >> e);
-    const int64_t rem = x - q * p;
-    return (int32_t)(q + (rem > ((p - 1) >> 1) + (x < 0 ? 1 : 0)));
-}
-
-/* MultiplyByQuantizedMultiplier: x · m · 2^(shift − 31), shift in [-31, 30].
-   Where TFLite's x·2^shift would overflow int32, it saturates here. */
-static int32_t mpt__multiply_by_quantized_multiplier(int32_t x, int32_t m, int shift) {
-    const int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
-    const int32_t xl = mpt__saturate_i32((int64_t)x * ((int64_t)1 << left));
-    return mpt__rounding_divide_by_pot(mpt__rounding_doubling_high_mul(xl, m), right);
-}
+/* TFLite's fixed-point requantization (mpt__multiply_by_quantized_multiplier
+   and its steps) is in @backend-shared: the CUDA int8 GEMM runs it too. */
 
 /* -----------------------------------------------------------------------------
    Packing and the epilogue
@@ -5060,9 +5075,8 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
                 d->c[(i0 + i) * d->ldc + n] = acc;
             } else {
                 const int64_t ch = d->per_channel ? n : 0;
-                int64_t q = (int64_t)mpt__multiply_by_quantized_multiplier(
-                                acc, d->multiplier[ch], (int)d->shift[ch]) + d->c_zero_point;
-                d->c_int8[(i0 + i) * d->ldc + n] = (int8_t)(q < lo ? lo : q > hi ? hi : q);
+                d->c_int8[(i0 + i) * d->ldc + n] = mpt__requantize_int8(
+                    acc, d->multiplier[ch], (int)d->shift[ch], d->c_zero_point, lo, hi);
             }
         }
     }

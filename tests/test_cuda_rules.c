@@ -1,8 +1,10 @@
 /* The CUDA backend's host-side rules (mpt.h, @backend-shared), which need
    no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, the
-   Hopper kernel's eligibility, tiles, split, work order and tensor maps, and
-   the fast division of the layout kernels' index arithmetic. The kernels
-   that use them are compared with the CPU in tests/test_cuda.c, on a GPU. */
+   Hopper kernel's eligibility, tiles, split, work order and tensor maps,
+   the fast division of the layout kernels' index arithmetic, and the int8
+   GEMM's requantization (TFLite's rounding, which mpt_qgemm runs too). The
+   kernels that use them are compared with the CPU in tests/test_cuda.c, on
+   a GPU. */
 #include "mpt.h"
 #include "test.h"
 
@@ -285,6 +287,80 @@ static void test_fastdiv(void) {
     CHECK(divisors > 24000, "only %lld divisors", (long long)divisors);
 }
 
+/* ---- the int8 GEMM's requantization (mpt__requantize_int8) ------------------- */
+
+/* gemmlowp's SaturatingRoundingDoublingHighMul and RoundingDivideByPOT
+   written the other way round from the shared rule: a 128-bit-free
+   floor with masks, the remainder compared bitwise. */
+static int32_t ref_doubling_high_mul(int32_t a, int32_t b) {
+    const int64_t ab = (int64_t)a * (int64_t)b;
+    const int64_t nudge = ab >= 0 ? (int64_t)1 << 30 : 1 - ((int64_t)1 << 30);
+    int64_t q;
+    if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
+    q = ab + nudge;
+    /* C's division truncates: floor for q ≥ 0, ceiling below */
+    return (int32_t)(q >= 0 ? q >> 31 : -((-q) >> 31));
+}
+static int32_t ref_divide_by_pot(int32_t x, int e) {
+    const int64_t mask = ((int64_t)1 << e) - 1;
+    const int64_t rem = (int64_t)x & mask, threshold = (mask >> 1) + (x < 0);
+    return (int32_t)(((int64_t)x >> e) + (rem > threshold));
+}
+static int8_t ref_requantize(int32_t acc, int32_t m, int shift, int32_t zp, int32_t lo,
+                             int32_t hi) {
+    int64_t x = (int64_t)acc, q;
+    if (shift > 0) {
+        x *= (int64_t)1 << shift;
+        x = x > INT32_MAX ? INT32_MAX : x < INT32_MIN ? INT32_MIN : x;
+    }
+    q = ref_divide_by_pot(ref_doubling_high_mul((int32_t)x, m), shift > 0 ? 0 : -shift) +
+        (int64_t)zp;
+    return (int8_t)(q < lo ? lo : q > hi ? hi : q);
+}
+
+/* What the CUDA int8 GEMM and mpt_qgemm both run, here on the host: worked
+   values (ties of each rounding, saturation, the clamp), then random
+   sums, multipliers, shifts, zero points and clamps against gemmlowp's
+   rules written above. */
+static void test_requantize_int8(void) {
+    int64_t bad = 0;
+    int i;
+    /* 3/2 = 1.5 rounds up, −3/2 = −1.5 up too (the doubling high multiply) */
+    CHECK(mpt__multiply_by_quantized_multiplier(3, 1 << 30, 0) == 2 &&
+              mpt__multiply_by_quantized_multiplier(-3, 1 << 30, 0) == -1,
+          "the doubling high multiply's ties: %ld, %ld",
+          (long)mpt__multiply_by_quantized_multiplier(3, 1 << 30, 0),
+          (long)mpt__multiply_by_quantized_multiplier(-3, 1 << 30, 0));
+    /* 6·2^-2 = 1.5 → 2, −1.5 → −2 (the shift's ties go away from zero) */
+    CHECK(mpt__multiply_by_quantized_multiplier(6, 1 << 30, -1) == 2 &&
+              mpt__multiply_by_quantized_multiplier(-6, 1 << 30, -1) == -2,
+          "the shift's ties: %ld, %ld", (long)mpt__multiply_by_quantized_multiplier(6, 1 << 30, -1),
+          (long)mpt__multiply_by_quantized_multiplier(-6, 1 << 30, -1));
+    CHECK(mpt__multiply_by_quantized_multiplier(INT32_MAX, INT32_MAX, 30) == INT32_MAX - 1 &&
+              mpt__multiply_by_quantized_multiplier(INT32_MIN, INT32_MAX, 1) == INT32_MIN + 1,
+          "a left shift past int32 saturates before the multiply");
+    CHECK(mpt__rounding_doubling_high_mul(INT32_MIN, INT32_MIN) == INT32_MAX,
+          "INT32_MIN² saturates");
+    CHECK(mpt__requantize_int8(1000, 1 << 30, 0, -3, -128, 127) == 127 &&
+              mpt__requantize_int8(-1000, 1 << 30, 0, 0, -128, 127) == -128 &&
+              mpt__requantize_int8(-10, 1 << 30, 0, 4, 4, 127) == 4 &&
+              mpt__requantize_int8(20, 1 << 30, 0, 4, -128, 6) == 6 &&
+              mpt__requantize_int8(20, 1 << 30, 0, 4, -128, 127) == 14,
+          "the zero point and the clamp");
+    for (i = 0; i < 2000000; i++) {
+        const int32_t acc = i % 4 ? (int32_t)test_next() : test_randint(-70000, 70000);
+        const int32_t m = (int32_t)((1u << 30) + (uint32_t)(test_next() % (1u << 30)));
+        const int shift = i % 8 ? test_randint(-31, 0) : test_randint(1, 30);
+        const int32_t zp = test_randint(-128, 127);
+        int32_t lo = -128, hi = 127;
+        if (i % 3 == 0) lo = zp;
+        if (i % 5 == 0) hi = test_randint(lo, 127);
+        bad += mpt__requantize_int8(acc, m, shift, zp, lo, hi) !=
+               ref_requantize(acc, m, shift, zp, lo, hi);
+    }
+    CHECK(bad == 0, "%lld of 2000000 requantizations differ from gemmlowp's rules", (long long)bad);
+}
+
 int main(void) {
     test_seed(99);
     TEST_RUN(test_tile_choice);
@@ -297,5 +373,6 @@ int main(void) {
     TEST_RUN(test_wgmma_work_order);
     TEST_RUN(test_wgmma_operand_maps);
     TEST_RUN(test_fastdiv);
+    TEST_RUN(test_requantize_int8);
     return test_summary("test_cuda_rules");
 }

@@ -2039,6 +2039,13 @@ typedef struct mpt_backend {
     void (*add)(void *impl, float *dst, const float *src, int64_t n);
     /* x[i] *= alpha for n floats (a sum over replicas made a mean). */
     void (*scale)(void *impl, float *x, float alpha, int64_t n);
+    /* The int8 matrix product, as mpt_qgemm (@qgemm): d's a, b, bias,
+       c or c_int8, multiplier and shift in the backend's memory, d checked
+       as mpt_qgemm checks it, b_packed NULL. The result has the same bits
+       on every backend (integer sums, @backend-shared's requantization).
+       Returns once queued; only the CPU's can fail here (no memory for
+       its packed copy of B), with mpt_qgemm's message. */
+    mpt_status (*qgemm)(void *impl, const mpt_qgemm_desc *d);
 
     /* -- collectives between replicas on different devices, NULL where the
        backend has none (mpt_cuda.cu built with -DMPT_NCCL has them, over
@@ -23717,6 +23724,10 @@ static void mpt__cpu_scale(void *impl, float *x, float alpha, int64_t n) {
     for (i = 0; i < n; i++) x[i] *= alpha;
 }
 
+static mpt_status mpt__cpu_qgemm(void *impl, const mpt_qgemm_desc *d) {
+    return mpt_qgemm((mpt_context *)impl, d);
+}
+
 /* The table, filled by name (C++17, which mpt.h also compiles as, has no
    designated initializers): a member added to mpt_backend cannot shift the
    others. The slots left NULL are the optional ones (@backend). */
@@ -23766,6 +23777,7 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->loss_scale_update = mpt__cpu_loss_scale_update;
     t->add = mpt__cpu_add;
     t->scale = mpt__cpu_scale;
+    t->qgemm = mpt__cpu_qgemm;
     /* no collectives (comm_*, allreduce_sum): the replicas share memory */
 }
 

@@ -41,6 +41,8 @@
                             pooling, batch normalization, dropout
        training             losses, gradient statistics, optimizer updates,
                             loss scaling
+       the int8 GEMM        mpt_qgemm's product on int8 tensor cores
+                            (mma.sync s8), the CPU's bits
        the core             memory, copies, synchronisation, graphs, the
                             table and mpt_cuda_backend_create
        collectives          (-DMPT_NCCL) communicators and the all-reduce
@@ -4327,6 +4329,235 @@ static void mpt__cuda_add(void *impl, float *dst, const float *src, int64_t n) {
 }
 
 /* =============================================================================
+   The int8 GEMM (mpt_qgemm's semantics, mpt.h @qgemm), on int8 tensor cores
+   =============================================================================
+
+   C = Σ_k (A − a_zero_point)(B − b_zero_point) + bias, stored as int32 or
+   requantized to int8 by @backend-shared's mpt__requantize_int8, the rule
+   the CPU's mpt_qgemm runs: the same bits on both backends.
+
+   THE SUMS. mma.sync m16n8k32 multiplies the raw bytes (s8·s8, or u8·s8
+   for a uint8 A) into int32, exactly: |a·b| ≤ 255·128 and K ≤
+   MPT_QGEMM_MAX_K keep Σ below 2^31. The zero points come in after, from
+   each row's Σ A and each column's Σ B, summed (dp4a) from the tiles in
+   shared memory while they are there:
+       Σ (A − za)(B − zb) = Σ A·B − za·Σ B − zb·Σ A + K·za·zb,
+   in int64, exact, before the bias and the one saturation to int32, so the
+   int32 handed to the requantization is the CPU's to the bit. A tile's
+   bytes past M, N or K are zeros and add nothing to any of these sums.
+
+   THE TILES. A block of 4 warps computes 64×64 of C, 64 of depth per
+   step; each warp 32×32, as 2×4 mma tiles of 16×8. Both operands sit in
+   shared memory depth-contiguous (A's rows, B's columns), rows padded to
+   80 bytes so that the 8 rows × 4 words a fragment load reads fall in 32
+   different banks. A, and a transposed B (N×K), come in 16-byte loads
+   where the pointer and the leading dimension allow; a K×N B comes in
+   16-byte rows of N and is turned around byte by byte on its way into
+   shared memory. Edges and unaligned operands go byte by byte. */
+
+static constexpr int mpt__cuda_qgemm_tile = 64;    /* BM = BN = BK            */
+static constexpr int mpt__cuda_qgemm_pitch = 80;   /* bytes per shared row    */
+static constexpr int mpt__cuda_qgemm_threads = 128;
+
+typedef struct mpt__cuda_qgemm_args {
+    mpt_qgemm_desc d;
+    int32_t lo, hi;      /* the clamp, c_min/c_max resolved                 */
+    int a_vec, b_vec;    /* 16-byte loads: pointer and leading dimension    */
+} mpt__cuda_qgemm_args;
+
+/* d += a·b for one 16×8×32 step, int32 accumulators; A's bytes as uint8
+   when A_UNSIGNED, else int8; B's as int8. */
+template <bool A_UNSIGNED>
+static __device__ __forceinline__ void mpt__cuda_qgemm_mma(int32_t d[4], const uint32_t a[4],
+                                                           const uint32_t b[2]) {
+#if MPT__CUDA_GEMM_MMA
+    if (A_UNSIGNED)
+        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    (void)d, (void)a, (void)b;
+#endif
+}
+
+/* A 64×64 byte tile of a depth-contiguous operand (rows × depth, leading
+   dimension ld) from (r0, k0) into shared memory, zeros outside it. */
+static __device__ __forceinline__ void mpt__cuda_qgemm_load_rows(uint8_t *s, const uint8_t *g,
+                                                                 int64_t rows, int64_t depth,
+                                                                 int64_t ld, int64_t r0,
+                                                                 int64_t k0, int vec) {
+    constexpr int T = mpt__cuda_qgemm_tile, P = mpt__cuda_qgemm_pitch;
+    for (int c = threadIdx.x; c < T * T / 16; c += mpt__cuda_qgemm_threads) {
+        const int r = c / (T / 16), kc = (c % (T / 16)) * 16;
+        const int64_t gr = r0 + r, gk = k0 + kc;
+        uint8_t *dst = s + r * P + kc;
+        if (vec && gr < rows && gk + 16 <= depth) {
+            *(uint4 *)dst = *(const uint4 *)(g + gr * ld + gk);
+            continue;
+        }
+        for (int j = 0; j < 16; j++)
+            dst[j] = gr < rows && gk + j < depth ? g[gr * ld + gk + j] : (uint8_t)0;
+    }
+}
+
+/* A 64(depth)×64(columns) tile of a K×N row-major B from (k0, n0), stored
+   turned around: shared row n holds column n's 64 depths. */
+static __device__ __forceinline__ void mpt__cuda_qgemm_load_cols(uint8_t *s, const uint8_t *g,
+                                                                 int64_t depth, int64_t cols,
+                                                                 int64_t ld, int64_t k0,
+                                                                 int64_t n0, int vec) {
+    constexpr int T = mpt__cuda_qgemm_tile, P = mpt__cuda_qgemm_pitch;
+    for (int c = threadIdx.x; c < T * T / 16; c += mpt__cuda_qgemm_threads) {
+        const int kr = c / (T / 16), nc = (c % (T / 16)) * 16;
+        const int64_t gk = k0 + kr, gn = n0 + nc;
+        uint8_t v[16];
+        if (vec && gk < depth && gn + 16 <= cols) {
+            const uint4 w = *(const uint4 *)(g + gk * ld + gn);
+            memcpy(v, &w, 16);
+        } else {
+            for (int j = 0; j < 16; j++)
+                v[j] = gk < depth && gn + j < cols ? g[gk * ld + gn + j] : (uint8_t)0;
+        }
+        for (int j = 0; j < 16; j++) s[(nc + j) * P + kr] = v[j];
+    }
+}
+
+/* Σ of one shared row's 64 bytes (uint8 when UNSIGNED, else int8), four
+   at a time; each thread starts at its own word, spreading the banks. */
+template <bool UNSIGNED>
+static __device__ __forceinline__ int32_t mpt__cuda_qgemm_row_sum(const uint8_t *row, int t) {
+    int32_t sum = 0;
+#pragma unroll
+    for (int j = 0; j < mpt__cuda_qgemm_tile / 4; j++) {
+        const uint32_t w = ((const uint32_t *)row)[(j + t) % (mpt__cuda_qgemm_tile / 4)];
+        if (UNSIGNED) sum = (int32_t)__dp4a(w, 0x01010101u, (uint32_t)sum);
+        else sum = __dp4a((int)w, 0x01010101, sum);
+    }
+    return sum;
+}
+
+/* One 64×64 block of C: blockIdx.x the rows, blockIdx.y the columns. */
+template <bool A_UNSIGNED, bool TRANS_B>
+static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
+    mpt__cuda_qgemm_kernel(mpt__cuda_qgemm_args p) {
+    constexpr int T = mpt__cuda_qgemm_tile, P = mpt__cuda_qgemm_pitch;
+    __shared__ __align__(16) uint8_t sa[T * P], sb[T * P];
+    __shared__ int32_t row_sum[T], col_sum[T];
+    const mpt_qgemm_desc &d = p.d;
+    const int64_t i0 = (int64_t)blockIdx.x * T, j0 = (int64_t)blockIdx.y * T;
+    const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+    const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+    const bool want_row_sums = d.b_zero_point != 0, want_col_sums = d.a_zero_point != 0;
+    int32_t acc[2][4][4] = {};
+    int32_t my_sum = 0; /* thread t < 64: row t's Σ A; else column t − 64's Σ B */
+    for (int64_t k0 = 0; k0 < d.k; k0 += T) {
+        mpt__cuda_qgemm_load_rows(sa, (const uint8_t *)d.a, d.m, d.k, d.lda, i0, k0, p.a_vec);
+        if (TRANS_B)
+            mpt__cuda_qgemm_load_rows(sb, (const uint8_t *)d.b, d.n, d.k, d.ldb, j0, k0, p.b_vec);
+        else
+            mpt__cuda_qgemm_load_cols(sb, (const uint8_t *)d.b, d.k, d.n, d.ldb, k0, j0, p.b_vec);
+        __syncthreads();
+        if (t < T && want_row_sums) my_sum += mpt__cuda_qgemm_row_sum<A_UNSIGNED>(sa + t * P, t);
+        if (t >= T && want_col_sums) my_sum += mpt__cuda_qgemm_row_sum<false>(sb + (t - T) * P, t);
+#pragma unroll
+        for (int kk = 0; kk < T; kk += 32) {
+            uint32_t a[2][4], b[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const uint8_t *r = sa + (wm + mt * 16 + g) * P + kk + q * 4;
+                a[mt][0] = *(const uint32_t *)r;
+                a[mt][1] = *(const uint32_t *)(r + 8 * P);
+                a[mt][2] = *(const uint32_t *)(r + 16);
+                a[mt][3] = *(const uint32_t *)(r + 8 * P + 16);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                const uint8_t *c = sb + (wn + nt * 8 + g) * P + kk + q * 4;
+                b[nt][0] = *(const uint32_t *)c;
+                b[nt][1] = *(const uint32_t *)(c + 16);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) mpt__cuda_qgemm_mma<A_UNSIGNED>(acc[mt][nt], a[mt], b[nt]);
+        }
+        __syncthreads();
+    }
+    if (t < T) row_sum[t] = my_sum;
+    else col_sum[t - T] = my_sum;
+    __syncthreads();
+    const int64_t za = d.a_zero_point, zb = d.b_zero_point;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int li = wm + mt * 16 + g + (e >= 2 ? 8 : 0), lj = wn + nt * 8 + q * 2 + (e & 1);
+                const int64_t i = i0 + li, j = j0 + lj;
+                if (i >= d.m || j >= d.n) continue;
+                int64_t v = (int64_t)acc[mt][nt][e] - za * col_sum[lj] - zb * row_sum[li] +
+                            d.k * za * zb;
+                if (d.bias) v += d.bias[j];
+                const int32_t sum = mpt__saturate_i32(v);
+                if (d.c) {
+                    d.c[i * d.ldc + j] = sum;
+                } else {
+                    const int64_t ch = d.per_channel ? j : 0;
+                    d.c_int8[i * d.ldc + j] = mpt__requantize_int8(
+                        sum, d.multiplier[ch], (int)d.shift[ch], d.c_zero_point, p.lo, p.hi);
+                }
+            }
+}
+
+template <bool A_UNSIGNED, bool TRANS_B>
+static void mpt__cuda_qgemm_go(mpt__cuda *c, dim3 grid, const mpt__cuda_qgemm_args &p) {
+    mpt__cuda_qgemm_kernel<A_UNSIGNED, TRANS_B><<<grid, mpt__cuda_qgemm_threads, 0, c->stream>>>(p);
+}
+
+static bool mpt__cuda_qgemm_aligned(const void *p, int64_t ld) {
+    return (uintptr_t)p % 16 == 0 && ld % 16 == 0;
+}
+
+/* The table's qgemm: d checked as mpt_qgemm checks it (@backend). */
+static mpt_status mpt__cuda_qgemm(void *impl, const mpt_qgemm_desc *d) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_qgemm_args p;
+    const int64_t T = mpt__cuda_qgemm_tile;
+    if (d->m <= 0 || d->n <= 0) return MPT_OK;
+    if (d->b_packed)
+        return mpt__cuda_fail(c, MPT_ERR_INVALID_ARGUMENT, __FILE__, __LINE__,
+                              "qgemm: b_packed is a CPU layout (mpt_qgemm_pack_b); the CUDA "
+                              "backend reads b itself");
+    if ((d->n + T - 1) / T > 65535)
+        return mpt__cuda_fail(c, MPT_ERR_SHAPE, __FILE__, __LINE__,
+                              "qgemm: n = %lld is more than the %lld columns one launch covers",
+                              (long long)d->n, (long long)(65535 * T));
+    memset(&p, 0, sizeof p);
+    p.d = *d;
+    p.lo = d->c_min || d->c_max ? d->c_min : -128;
+    p.hi = d->c_min || d->c_max ? d->c_max : 127;
+    p.a_vec = mpt__cuda_qgemm_aligned(d->a, d->lda);
+    p.b_vec = mpt__cuda_qgemm_aligned(d->b, d->ldb);
+    const dim3 grid((unsigned)((d->m + T - 1) / T), (unsigned)((d->n + T - 1) / T));
+    if (d->a_unsigned) {
+        if (d->trans_b) mpt__cuda_qgemm_go<true, true>(c, grid, p);
+        else mpt__cuda_qgemm_go<true, false>(c, grid, p);
+    } else {
+        if (d->trans_b) mpt__cuda_qgemm_go<false, true>(c, grid, p);
+        else mpt__cuda_qgemm_go<false, false>(c, grid, p);
+    }
+    mpt__cuda_launched(c, "mpt__cuda_qgemm_kernel");
+    return MPT_OK;
+}
+
+/* =============================================================================
    Every kernel loaded when the backend is created
    =============================================================================
 
@@ -5365,6 +5596,7 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.loss_scale_update = MPT__CUDA_ENTRY(mpt__cuda_loss_scale_update);
     t.add = MPT__CUDA_ENTRY(mpt__cuda_add);
     t.scale = MPT__CUDA_ENTRY(mpt__cuda_scale);
+    t.qgemm = MPT__CUDA_ENTRY(mpt__cuda_qgemm);
 #ifdef MPT_NCCL
     t.comm_id = mpt__cuda_comm_id;
     t.comm_create = mpt__cuda_comm_create;

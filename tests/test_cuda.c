@@ -13,7 +13,8 @@
            still trains) is checked, and the comparisons are one SKIP.
    With MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu sets it), no
    device is one FAIL instead, saying why. `test_cuda wgmma` runs the
-   Hopper GEMM's tests alone. `test_cuda quick` leaves out the
+   Hopper GEMM's tests alone, `test_cuda qgemm` the int8 GEMM's.
+   `test_cuda quick` leaves out the
    whole-model trainings (for compute-sanitizer); `test_cuda layers` and
    `test_cuda gemm` are its two halves (racecheck needs more than ten
    minutes for the whole of it). Fashion-MNIST is read
@@ -40,8 +41,9 @@
    - exact: convert (both round to nearest even, keep NaN payloads as the
      header says), im2col (a copy), max pooling forward (values and
      argmax), dropout (the same Philox mask), the loss's sample, correct
-     and top-k counts, and loss_scale_update (a few float multiplications
-     by powers of two and integer counters).
+     and top-k counts, loss_scale_update (a few float multiplications
+     by powers of two and integer counters), and qgemm (integer sums and
+     @backend-shared's requantization).
    - the optimizer's Σ g² in double: ≤ 1e-12 (each g² is exact in double;
      only the order of the additions differs). */
 #define _POSIX_C_SOURCE 200809L
@@ -3365,6 +3367,154 @@ static void test_gemm_choices_file(void) {
     remove(path);
 }
 
+/* ---- the int8 GEMM (qgemm) ------------------------------------------------------ */
+
+/* One qgemm case: the descriptor (pointers unset) and the bytes of its
+   operands, fresh random for each case. */
+typedef struct qgemm_case {
+    mpt_qgemm_desc d;
+    int8_t *a, *b;
+    int32_t *bias, *multiplier, *shift;
+    size_t a_bytes, b_bytes, c_bytes;
+} qgemm_case;
+
+static int8_t *random_bytes(size_t n) {
+    int8_t *p = (int8_t *)malloc(n ? n : 1);
+    size_t i;
+    for (i = 0; i < n; i++) p[i] = (int8_t)test_randint(-128, 127);
+    return p;
+}
+
+/* A random zero point: 0 (the common case) a third of the time. */
+static int32_t random_zero_point(int lo, int hi) {
+    return test_randint(0, 2) ? test_randint(lo, hi) : 0;
+}
+
+/* variant bit 0: uint8 A; bit 1: B transposed (N×K); bit 2: int32 C. The
+   rest random: padded leading dimensions (16 keeps the 16-byte loads,
+   3 takes the byte path), zero points, per-channel requantization, a bias
+   (now and then near INT32_MAX, to saturate), shifts left and right, a
+   ReLU-like clamp. */
+static qgemm_case qgemm_case_make(int64_t m, int64_t n, int64_t k, int variant) {
+    static const int pads[4] = {0, 0, 3, 16};
+    qgemm_case q;
+    mpt_qgemm_desc *d = &q.d;
+    int64_t j, channels;
+    memset(&q, 0, sizeof q);
+    d->m = m, d->n = n, d->k = k;
+    d->a_unsigned = variant & 1;
+    d->trans_b = (variant >> 1) & 1;
+    d->lda = k + pads[test_randint(0, 3)];
+    d->ldb = (d->trans_b ? k : n) + pads[test_randint(0, 3)];
+    d->ldc = n + pads[test_randint(0, 3)];
+    d->a_zero_point = d->a_unsigned ? random_zero_point(0, 255) : random_zero_point(-128, 127);
+    d->b_zero_point = random_zero_point(-128, 127);
+    q.a_bytes = (size_t)(m * d->lda);
+    q.b_bytes = (size_t)((d->trans_b ? n : k) * d->ldb);
+    q.a = random_bytes(q.a_bytes);
+    q.b = random_bytes(q.b_bytes);
+    if (test_randint(0, 3)) {
+        const int saturating = !test_randint(0, 3);
+        q.bias = (int32_t *)malloc((size_t)n * 4);
+        for (j = 0; j < n; j++)
+            q.bias[j] = !saturating ? test_randint(-(1 << 20), 1 << 20)
+                        : test_randint(0, 1) ? INT32_MAX - test_randint(0, 1000)
+                                             : INT32_MIN + test_randint(0, 1000);
+    }
+    if (variant & 4) {
+        q.c_bytes = (size_t)(m * d->ldc) * 4;
+        return q;
+    }
+    q.c_bytes = (size_t)(m * d->ldc);
+    d->per_channel = test_randint(0, 1);
+    channels = d->per_channel ? n : 1;
+    q.multiplier = (int32_t *)malloc((size_t)channels * 4);
+    q.shift = (int32_t *)malloc((size_t)channels * 4);
+    for (j = 0; j < channels; j++) {
+        q.multiplier[j] = (int32_t)((1u << 30) + (uint32_t)test_randint(0, (1 << 30) - 1));
+        q.shift[j] = test_randint(0, 7) ? test_randint(-20, -6) : test_randint(-31, 30);
+    }
+    d->c_zero_point = test_randint(-128, 127);
+    if (test_randint(0, 1)) d->c_min = d->c_zero_point, d->c_max = 127; /* fused ReLU */
+    return q;
+}
+
+static void qgemm_case_free(qgemm_case *q) {
+    free(q->a);
+    free(q->b);
+    free(q->bias);
+    free(q->multiplier);
+    free(q->shift);
+}
+
+/* Runs q on backend b into C poisoned with the byte `poison`; returns C's
+   bytes (malloc'ed). */
+static void *qgemm_run(backend *b, const qgemm_case *q, int poison) {
+    mpt_qgemm_desc d = q->d;
+    const int64_t channels = d.per_channel ? d.n : 1;
+    unsigned char *fill = (unsigned char *)malloc(q->c_bytes);
+    void *c, *out;
+    mpt_status s;
+    d.a = be_upload(b, q->a, q->a_bytes);
+    d.b = (const int8_t *)be_upload(b, q->b, q->b_bytes);
+    if (q->bias) d.bias = (const int32_t *)be_upload(b, q->bias, (size_t)d.n * 4);
+    if (q->multiplier) {
+        d.multiplier = (const int32_t *)be_upload(b, q->multiplier, (size_t)channels * 4);
+        d.shift = (const int32_t *)be_upload(b, q->shift, (size_t)channels * 4);
+    }
+    c = be_alloc(b, q->c_bytes);
+    memset(fill, poison, q->c_bytes);
+    be_put(b, c, fill, q->c_bytes);
+    free(fill);
+    if (q->multiplier) d.c_int8 = (int8_t *)c;
+    else d.c = (int32_t *)c;
+    s = b->t->qgemm(b->impl, &d);
+    CHECK(s == MPT_OK, "qgemm on %s: %s: %s", b->label, mpt_status_string(s), b->t->error(b->impl));
+    out = be_fetch(b, c, q->c_bytes, "qgemm");
+    be_release(b);
+    return out;
+}
+
+/* The CUDA int8 GEMM against the CPU's mpt_qgemm, bit for bit, C and the
+   padding between its rows: odd shapes (tails in M, N and K, K = 0, K
+   past one 64-deep step), every variant. C is poisoned with two
+   different bytes on two runs, so that an element the kernel forgets
+   cannot match the CPU's by chance on both. */
+static void test_qgemm(void) {
+    static const int64_t shapes[][3] = {{1, 1, 1},     {3, 5, 0},     {17, 13, 33},
+                                        {64, 64, 64},  {65, 67, 129}, {130, 9, 5},
+                                        {7, 200, 1000}, {128, 128, 256}, {33, 100, 4099},
+                                        {300, 70, 31}, {1, 257, 96},  {257, 1, 97}};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    size_t si;
+    int variant, pass;
+    for (si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (variant = 0; variant < 8; variant++) {
+            qgemm_case q = qgemm_case_make(shapes[si][0], shapes[si][1], shapes[si][2], variant);
+            for (pass = 0; pass < 2; pass++) {
+                const int poison = pass ? 0x5A : 0xA5;
+                unsigned char *want = (unsigned char *)qgemm_run(&cpu_be, &q, poison);
+                unsigned char *got = (unsigned char *)qgemm_run(gpu, &q, poison);
+                const size_t elem = q.multiplier ? 1 : 4;
+                const int64_t bad = first_difference(got, want, (int64_t)(q.c_bytes / elem), elem);
+                CHECK(bad < 0,
+                      "qgemm %lldx%lldx%lld a_unsigned %d trans_b %d %s (zero points %ld %ld, "
+                      "lda %lld ldb %lld ldc %lld, poison 0x%X): element (%lld, %lld) differs "
+                      "from the CPU's",
+                      (long long)q.d.m, (long long)q.d.n, (long long)q.d.k, q.d.a_unsigned,
+                      q.d.trans_b, q.multiplier ? (q.d.per_channel ? "int8 per-channel" : "int8")
+                                                : "int32",
+                      (long)q.d.a_zero_point, (long)q.d.b_zero_point, (long long)q.d.lda,
+                      (long long)q.d.ldb, (long long)q.d.ldc, poison,
+                      bad < 0 ? -1LL : (long long)(bad / q.d.ldc),
+                      bad < 0 ? -1LL : (long long)(bad % q.d.ldc));
+                free(want);
+                free(got);
+            }
+            qgemm_case_free(&q);
+        }
+}
+
 /* Why no CUDA context opened, as the context's warning says it. */
 static void test_gpu_was_reached(void) {
 #ifdef MPT_CUDA
@@ -3422,6 +3572,13 @@ static void run_layer_tests(void) {
               test_layout_index_paths);
 }
 
+/* The int8 GEMM (also `test_cuda qgemm`). */
+static void run_qgemm_test(void) {
+    test__run("qgemm: int8 tensor cores against the CPU's mpt_qgemm, odd shapes, every "
+              "variant (exact)",
+              test_qgemm);
+}
+
 /* The GEMM engines (`test_cuda gemm`, the other part of `quick`). */
 static void run_gemm_tests(void) {
     int e;
@@ -3436,6 +3593,7 @@ static void run_gemm_tests(void) {
     test__run("gemm: split-K on weight-gradient shapes, bit-repeatable, captured (<= 1e-2, 1e-4)",
               test_gemm_split_k);
     run_wgmma_tests();
+    run_qgemm_test();
     test__run("gemm auto: $MPT_GEMM_CHOICES carries the engines to the next run (same bits)",
               test_gemm_choices_file);
 }
@@ -3448,6 +3606,7 @@ int main(int argc, char **argv) {
     int wgmma_only = argc > 1 && !strcmp(argv[1], "wgmma");
     int gemm_only = argc > 1 && !strcmp(argv[1], "gemm");
     int layers_only = argc > 1 && !strcmp(argv[1], "layers");
+    int qgemm_only = argc > 1 && !strcmp(argv[1], "qgemm");
     test_seed(2024);
 #ifdef MPT_CUDA
     setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
@@ -3481,6 +3640,13 @@ int main(int argc, char **argv) {
            new machine, and what compute-sanitizer runs on it) */
         test_gemm_engine(&gpu_be[GPU_WGMMA]);
         run_wgmma_tests();
+        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
+        close_backend(&cpu_be);
+        return test_summary(PROGRAM);
+    }
+    if (qgemm_only) {
+        /* `test_cuda qgemm`: the int8 GEMM's test alone */
+        run_qgemm_test();
         for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
         close_backend(&cpu_be);
         return test_summary(PROGRAM);

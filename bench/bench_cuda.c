@@ -5,7 +5,7 @@
        nvcc -std=c++17 -O2 -arch=native -DMPT_CUDA -x cu -I. bench/bench_cuda.c mpt_cuda.cu \
             -o build/bench_cuda -lcublasLt -lcublas -lz
        ./build/bench_cuda                 (everything; a few minutes)
-       ./build/bench_cuda gemm|train|large   (one part)
+       ./build/bench_cuda gemm|train|large|int8   (one part)
 
    Built without MPT_CUDA, or run where there is no CUDA device, it prints
    one line saying that it needs one and exits with 0; with
@@ -36,6 +36,12 @@
    (c) Large MLP. Flatten -> 4 × Dense(4096, relu) -> Dense(10, softmax) at
        batch 4096: samples/s in float32 and mixed_float16, the ratio, and
        the device memory of each category as mpt_model_summary reports it.
+   (d) int8 GEMM (`int8`). The table's qgemm (mma.sync s8) against
+       cublasLtMatmul with CUDA_R_8I operands and CUBLAS_COMPUTE_32I, both
+       to int32 C with no zero points, timed as (a) times them; the two
+       results must be the same bits ("same_bits"). Then the qgemm's int8
+       output (zero points, bias, per-channel requantization), which
+       cuBLASLt has no int8 form for. TOPS = 2·M·N·K / seconds.
 
    Prints Markdown tables and one JSON line per result. */
 #define _POSIX_C_SOURCE 200809L
@@ -46,6 +52,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef MPT_CUDA
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#endif
 
 static double now(void) {
     struct timespec ts;
@@ -245,6 +255,232 @@ static void bench_gemm(mpt_context *ctxs[3]) {
     printf("\n");
     for (si = 0; si < n_json; si++) printf("%s\n", json[si]);
 }
+
+/* ---- (d) the int8 GEMM: mma.sync s8 against cuBLASLt's int8 ------------------------ */
+
+#ifdef MPT_CUDA
+typedef struct qshape {
+    const char *what;
+    int64_t m, n, k;
+} qshape;
+
+/* K a multiple of 4 and 16-byte rows throughout: cuBLASLt's int8 kernels
+   want them, and they keep ours on its 16-byte loads. */
+static const qshape qgemm_shapes[] = {
+    {"square", 4096, 4096, 4096},
+    {"square 1024", 1024, 1024, 1024},
+    {"mlp dense 1, batch 128", 128, 1024, 784},
+    {"mlp dense 1, batch 1024", 1024, 1024, 784},
+    {"cnn conv2 (im2col), batch 128", 128 * 24 * 24, 32, 288},
+};
+
+/* Random bytes, uploaded to a new buffer (NULL on failure). */
+static void *device_bytes(const mpt_backend *t, void *impl, int64_t n, uint32_t seed) {
+    unsigned char *host = (unsigned char *)malloc((size_t)n);
+    void *dev = NULL;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        host[i] = (unsigned char)(seed >> 24);
+    }
+    if (t->alloc(impl, MPT_MEMORY_WORKSPACE, (size_t)n, &dev) != MPT_OK ||
+        t->upload(impl, dev, host, (size_t)n) != MPT_OK) {
+        if (dev) t->free(impl, MPT_MEMORY_WORKSPACE, dev);
+        dev = NULL;
+    }
+    free(host);
+    return dev;
+}
+
+/* cuBLASLt's C (M×N row-major int32) = A (M×K row-major int8) · Bᵀ (B N×K
+   row-major): in its column-major terms Cᵀ (N×M) = op(B')ᵀ·A' with B'
+   the K×N matrix B's bytes are, A' the K×M one: its "TN" int8 form. */
+typedef struct lt_int8 {
+    cublasLtHandle_t lt;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulHeuristicResult_t heur;
+    void *ws;
+    size_t ws_bytes;
+} lt_int8;
+
+static void lt_int8_free(lt_int8 *l) {
+    if (l->op) cublasLtMatmulDescDestroy(l->op);
+    if (l->la) cublasLtMatrixLayoutDestroy(l->la);
+    if (l->lb) cublasLtMatrixLayoutDestroy(l->lb);
+    if (l->lc) cublasLtMatrixLayoutDestroy(l->lc);
+    if (l->ws) cudaFree(l->ws);
+    if (l->lt) cublasLtDestroy(l->lt);
+}
+
+static int lt_int8_plan(lt_int8 *l, const qshape *s) {
+    const cublasOperation_t trans = CUBLAS_OP_T, none = CUBLAS_OP_N;
+    cublasLtMatmulPreference_t pref = NULL;
+    int found = 0;
+    memset(l, 0, sizeof *l);
+    l->ws_bytes = (size_t)32 << 20;
+    if (cublasLtCreate(&l->lt) != CUBLAS_STATUS_SUCCESS || cudaMalloc(&l->ws, l->ws_bytes))
+        return 0;
+    if (cublasLtMatmulDescCreate(&l->op, CUBLAS_COMPUTE_32I, CUDA_R_32I) ||
+        cublasLtMatmulDescSetAttribute(l->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof trans) ||
+        cublasLtMatmulDescSetAttribute(l->op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none) ||
+        cublasLtMatrixLayoutCreate(&l->la, CUDA_R_8I, (uint64_t)s->k, (uint64_t)s->n, s->k) ||
+        cublasLtMatrixLayoutCreate(&l->lb, CUDA_R_8I, (uint64_t)s->k, (uint64_t)s->m, s->k) ||
+        cublasLtMatrixLayoutCreate(&l->lc, CUDA_R_32I, (uint64_t)s->n, (uint64_t)s->m, s->n) ||
+        cublasLtMatmulPreferenceCreate(&pref))
+        return 0;
+    if (!cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                              &l->ws_bytes, sizeof l->ws_bytes))
+        cublasLtMatmulAlgoGetHeuristic(l->lt, l->op, l->la, l->lb, l->lc, l->lc, pref, 1,
+                                       &l->heur, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    return found > 0;
+}
+
+static int lt_int8_run(lt_int8 *l, const void *a, const void *b, int32_t *c) {
+    const int32_t one = 1, zero = 0;
+    return cublasLtMatmul(l->lt, l->op, &one, b, l->la, a, l->lb, &zero, c, l->lc, c, l->lc,
+                          &l->heur.algo, l->ws, l->ws_bytes, 0) == CUBLAS_STATUS_SUCCESS;
+}
+
+/* Seconds per call of run(arg) (which queues one product and returns
+   nonzero), after 3 warm-up calls, over a run of about 0.2 s; wait()
+   waits for the queue. Negative on failure. */
+static double time_calls(int (*run)(void *), int (*wait)(void *), void *arg) {
+    int reps = 10, i, ok = 1;
+    double t0, dt_s;
+    for (i = 0; i < 3; i++) ok &= run(arg);
+    if (!ok || !wait(arg)) return -1;
+    t0 = now();
+    for (i = 0; i < reps; i++) run(arg);
+    wait(arg);
+    dt_s = (now() - t0) / reps;
+    reps = dt_s > 0 ? (int)(0.2 / dt_s) : 1000;
+    reps = reps < 10 ? 10 : reps > 100000 ? 100000 : reps;
+    t0 = now();
+    for (i = 0; i < reps; i++) run(arg);
+    return wait(arg) ? (now() - t0) / reps : -1;
+}
+
+typedef struct qrun {
+    const mpt_backend *t;
+    void *impl;
+    mpt_qgemm_desc d;
+    lt_int8 *lt;
+    int32_t *lt_c;
+} qrun;
+
+static int qrun_mpt(void *p) {
+    qrun *q = (qrun *)p;
+    return q->t->qgemm(q->impl, &q->d) == MPT_OK;
+}
+static int qrun_mpt_wait(void *p) {
+    qrun *q = (qrun *)p;
+    return q->t->sync(q->impl) == MPT_OK;
+}
+static int qrun_lt(void *p) {
+    qrun *q = (qrun *)p;
+    return lt_int8_run(q->lt, q->d.a, q->d.b, q->lt_c);
+}
+static int qrun_lt_wait(void *p) {
+    (void)p;
+    return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+/* Whether two device int32 buffers of n values hold the same bits. */
+static int same_int32(const mpt_backend *t, void *impl, const int32_t *x, const int32_t *y,
+                      int64_t n) {
+    int32_t *hx = (int32_t *)malloc((size_t)n * 4), *hy = (int32_t *)malloc((size_t)n * 4);
+    int same = t->download(impl, hx, x, (size_t)n * 4) == MPT_OK &&
+               t->download(impl, hy, y, (size_t)n * 4) == MPT_OK &&
+               !memcmp(hx, hy, (size_t)n * 4);
+    free(hx);
+    free(hy);
+    return same;
+}
+
+/* Each shape: mpt's int32 result (no zero points, as cuBLASLt's), checked
+   equal to cuBLASLt's bit for bit, its time against cuBLASLt's measured
+   right after it; then mpt's int8 output (per-channel requantization,
+   zero points, a bias), which cuBLASLt's int8 GEMM has no form for. */
+static void bench_qgemm(mpt_context *ctx) {
+    void *impl;
+    const mpt_backend *t = mpt_context_backend(ctx, &impl);
+    static char json[16][512];
+    int n_json = 0, si;
+    printf("\n## int8 GEMM: mma.sync s8 (mpt) against cuBLASLt (CUDA_R_8I, "
+           "CUBLAS_COMPUTE_32I)\n\n");
+    printf("| shape | M×N×K | mpt int32 TOPS | cuBLASLt int32 TOPS | mpt / cuBLASLt | same bits "
+           "| mpt requantized int8 TOPS |\n|---|---|---:|---:|---:|---|---:|\n");
+    for (si = 0; si < (int)(sizeof qgemm_shapes / sizeof qgemm_shapes[0]); si++) {
+        const qshape *s = &qgemm_shapes[si];
+        const double ops = 2.0 * (double)s->m * (double)s->n * (double)s->k;
+        void *a = device_bytes(t, impl, s->m * s->k, 7), *b = device_bytes(t, impl, s->n * s->k, 11);
+        void *c = NULL, *lt_c = NULL, *c8 = NULL, *scale = NULL;
+        double secs[3] = {-1, -1, -1};
+        int same = 0, planned = 0;
+        lt_int8 lt;
+        qrun q;
+        memset(&q, 0, sizeof q);
+        memset(&lt, 0, sizeof lt);
+        if (a && b && t->alloc(impl, MPT_MEMORY_WORKSPACE, (size_t)(s->m * s->n) * 4, &c) == MPT_OK &&
+            t->alloc(impl, MPT_MEMORY_WORKSPACE, (size_t)(s->m * s->n) * 4, &lt_c) == MPT_OK &&
+            t->alloc(impl, MPT_MEMORY_WORKSPACE, (size_t)(s->m * s->n), &c8) == MPT_OK &&
+            t->alloc(impl, MPT_MEMORY_WORKSPACE, (size_t)s->n * 12, &scale) == MPT_OK) {
+            int32_t *host = (int32_t *)malloc((size_t)s->n * 12);
+            int64_t j;
+            for (j = 0; j < s->n; j++) {
+                host[j] = (int32_t)((1u << 30) + (uint32_t)(j * 7919 % 100000)); /* multiplier */
+                host[s->n + j] = -12;                                           /* shift */
+                host[2 * s->n + j] = (int32_t)(j % 201) - 100;                  /* bias */
+            }
+            t->upload(impl, scale, host, (size_t)s->n * 12);
+            free(host);
+            q.t = t, q.impl = impl, q.lt = &lt, q.lt_c = (int32_t *)lt_c;
+            q.d.m = s->m, q.d.n = s->n, q.d.k = s->k;
+            q.d.a = a, q.d.lda = s->k, q.d.b = (const int8_t *)b, q.d.ldb = s->k, q.d.trans_b = 1;
+            q.d.c = (int32_t *)c, q.d.ldc = s->n;
+            secs[0] = time_calls(qrun_mpt, qrun_mpt_wait, &q);
+            planned = lt_int8_plan(&lt, s);
+            if (planned) secs[1] = time_calls(qrun_lt, qrun_lt_wait, &q);
+            if (secs[0] > 0 && secs[1] > 0)
+                same = same_int32(t, impl, (const int32_t *)c, (const int32_t *)lt_c, s->m * s->n);
+            q.d.c = NULL, q.d.c_int8 = (int8_t *)c8;
+            q.d.multiplier = (const int32_t *)scale, q.d.shift = (const int32_t *)scale + s->n;
+            q.d.bias = (const int32_t *)scale + 2 * s->n, q.d.per_channel = 1;
+            q.d.a_zero_point = 3, q.d.b_zero_point = -2, q.d.c_zero_point = -5;
+            secs[2] = time_calls(qrun_mpt, qrun_mpt_wait, &q);
+        }
+        if (!planned) fprintf(stderr, "bench_cuda: cuBLASLt has no int8 algorithm for %s\n", s->what);
+        if (secs[0] < 0 || secs[2] < 0) fprintf(stderr, "bench_cuda: qgemm %s: %s\n", s->what, t->error(impl));
+        printf("| %s | %lld×%lld×%lld | %.1f | %.1f | %.2f | %s | %.1f |\n", s->what,
+               (long long)s->m, (long long)s->n, (long long)s->k,
+               secs[0] > 0 ? ops / secs[0] * 1e-12 : 0, secs[1] > 0 ? ops / secs[1] * 1e-12 : 0,
+               secs[0] > 0 && secs[1] > 0 ? secs[1] / secs[0] : 0, same ? "yes" : "NO",
+               secs[2] > 0 ? ops / secs[2] * 1e-12 : 0);
+        fflush(stdout);
+        if (n_json < 16)
+            snprintf(json[n_json++], sizeof json[0],
+                     "{\"bench\":\"qgemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,"
+                     "\"mpt_int32_tops\":%.3f,\"cublaslt_int32_tops\":%.3f,"
+                     "\"ratio_to_cublaslt\":%.3f,\"same_bits\":%d,\"mpt_int8_tops\":%.3f}",
+                     s->what, (long long)s->m, (long long)s->n, (long long)s->k,
+                     secs[0] > 0 ? ops / secs[0] * 1e-12 : 0,
+                     secs[1] > 0 ? ops / secs[1] * 1e-12 : 0,
+                     secs[0] > 0 && secs[1] > 0 ? secs[1] / secs[0] : 0, same,
+                     secs[2] > 0 ? ops / secs[2] * 1e-12 : 0);
+        lt_int8_free(&lt);
+        if (a) t->free(impl, MPT_MEMORY_WORKSPACE, a);
+        if (b) t->free(impl, MPT_MEMORY_WORKSPACE, b);
+        if (c) t->free(impl, MPT_MEMORY_WORKSPACE, c);
+        if (lt_c) t->free(impl, MPT_MEMORY_WORKSPACE, lt_c);
+        if (c8) t->free(impl, MPT_MEMORY_WORKSPACE, c8);
+        if (scale) t->free(impl, MPT_MEMORY_WORKSPACE, scale);
+    }
+    printf("\n");
+    for (si = 0; si < n_json; si++) printf("%s\n", json[si]);
+}
+#endif /* MPT_CUDA */
 
 /* ---- models ------------------------------------------------------------------------- */
 
@@ -547,8 +783,8 @@ int main(int argc, char **argv) {
     char dev[512];
     int synthetic = 0;
     if (strcmp(part, "all") && strcmp(part, "gemm") && strcmp(part, "train") &&
-        strcmp(part, "large")) {
-        fprintf(stderr, "usage: %s [all|gemm|train|large]\n", argv[0]);
+        strcmp(part, "large") && strcmp(part, "int8")) {
+        fprintf(stderr, "usage: %s [all|gemm|train|large|int8]\n", argv[0]);
         return 2;
     }
     if (!open_context(MPT_GEMM_AUTO, &ctx)) {
@@ -580,7 +816,10 @@ int main(int argc, char **argv) {
         mpt_context_destroy(gemm_ctx[1]);
         mpt_context_destroy(gemm_ctx[2]);
     }
-    if (strcmp(part, "gemm")) {
+#ifdef MPT_CUDA
+    if (!strcmp(part, "all") || !strcmp(part, "int8")) bench_qgemm(ctx);
+#endif
+    if (strcmp(part, "gemm") && strcmp(part, "int8")) {
         all = training_data(ctx, dir, &synthetic);
         if (!all) {
             fprintf(stderr, "bench_cuda: no training data: %s\n", mpt_context_error(ctx));

@@ -192,7 +192,8 @@
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
-       @backend-shared  the rules both backends run: Philox, loss scaling (internal)
+       @backend-shared  the rules both backends run: Philox, loss scaling, int8
+                        requantization (internal)
      implementation (MPT_IMPLEMENTATION), along the data flow:
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,
@@ -201,7 +202,7 @@
        @impl-tensors      tensors: allocation, wrapping, shapes
        @impl-activations  the activations the GEMM epilogue and layers share
        @impl-gemm         the CPU GEMM: blocking, packing, micro-kernels
-       @impl-qgemm        the int8 GEMM: zero points, VNNI/AVX-512/AVX2, requantization
+       @impl-qgemm        the int8 GEMM: zero points, VNNI/AVX-512/AVX2, the epilogue
        @impl-rng          Philox for dropout masks and initial weights
        @impl-layers       the layer interface, the model: create, add, build
        @impl-passes       a batch in, forward and backward, a step by hand

@@ -3390,13 +3390,23 @@ static int32_t random_zero_point(int lo, int hi) {
     return test_randint(0, 2) ? test_randint(lo, hi) : 0;
 }
 
+/* A leading dimension for rows of len bytes: len, len + 3 (the byte
+   path), len + 16, or len rounded up to 16 (16-byte loads whose last one
+   reads a part and zero-fills the rest). */
+static int64_t random_ld(int64_t len) {
+    switch (test_randint(0, 4)) {
+    case 2: return len + 3;
+    case 3: return len + 16;
+    case 4: return (len + 15) / 16 * 16;
+    default: return len;
+    }
+}
+
 /* variant bit 0: uint8 A; bit 1: B transposed (N×K); bit 2: int32 C. The
-   rest random: padded leading dimensions (16 keeps the 16-byte loads,
-   3 takes the byte path), zero points, per-channel requantization, a bias
-   (now and then near INT32_MAX, to saturate), shifts left and right, a
-   ReLU-like clamp. */
+   rest random: leading dimensions (random_ld), zero points, per-channel
+   requantization, a bias (now and then near INT32_MAX, to saturate),
+   shifts left and right, a ReLU-like clamp. */
 static qgemm_case qgemm_case_make(int64_t m, int64_t n, int64_t k, int variant) {
-    static const int pads[4] = {0, 0, 3, 16};
     qgemm_case q;
     mpt_qgemm_desc *d = &q.d;
     int64_t j, channels;
@@ -3404,9 +3414,9 @@ static qgemm_case qgemm_case_make(int64_t m, int64_t n, int64_t k, int variant) 
     d->m = m, d->n = n, d->k = k;
     d->a_unsigned = variant & 1;
     d->trans_b = (variant >> 1) & 1;
-    d->lda = k + pads[test_randint(0, 3)];
-    d->ldb = (d->trans_b ? k : n) + pads[test_randint(0, 3)];
-    d->ldc = n + pads[test_randint(0, 3)];
+    d->lda = random_ld(k);
+    d->ldb = random_ld(d->trans_b ? k : n);
+    d->ldc = random_ld(n);
     d->a_zero_point = d->a_unsigned ? random_zero_point(0, 255) : random_zero_point(-128, 127);
     d->b_zero_point = random_zero_point(-128, 127);
     q.a_bytes = (size_t)(m * d->lda);

@@ -4347,13 +4347,15 @@ static void mpt__cuda_add(void *impl, float *dst, const float *src, int64_t n) {
    bytes past M, N or K are zeros and add nothing to any of these sums.
 
    THE TILES. A block of 4 warps computes 64×64 of C, 64 of depth per
-   step; each warp 32×32, as 2×4 mma tiles of 16×8. Both operands sit in
-   shared memory depth-contiguous (A's rows, B's columns), rows padded to
-   80 bytes so that the 8 rows × 4 words a fragment load reads fall in 32
-   different banks. A, and a transposed B (N×K), come in 16-byte loads
-   where the pointer and the leading dimension allow; a K×N B comes in
-   16-byte rows of N and is turned around byte by byte on its way into
-   shared memory. Edges and unaligned operands go byte by byte. */
+   step, in two shared-memory stages (the next step's copies in flight
+   while the warps multiply); each warp 32×32, as 2×4 mma tiles of 16×8.
+   Both operands sit in shared memory depth-contiguous (A's rows, B's
+   columns), rows padded to 80 bytes so that the 8 rows of 16 bytes one
+   ldmatrix phase reads fall in 8 different 16-byte bank groups. A, and a
+   transposed B (N×K), come by 16-byte cp.async where the pointer and the
+   leading dimension allow; a K×N B comes in 16-byte rows of N and is
+   turned around byte by byte on its way into shared memory. Unaligned
+   operands go byte by byte. */
 
 static constexpr int mpt__cuda_qgemm_tile = 64;    /* BM = BN = BK            */
 static constexpr int mpt__cuda_qgemm_pitch = 80;   /* bytes per shared row    */
@@ -4387,7 +4389,10 @@ static __device__ __forceinline__ void mpt__cuda_qgemm_mma(int32_t d[4], const u
 }
 
 /* A 64×64 byte tile of a depth-contiguous operand (rows × depth, leading
-   dimension ld) from (r0, k0) into shared memory, zeros outside it. */
+   dimension ld) from (r0, k0) into shared memory, zeros outside it: with
+   vec, 16-byte cp.async copies (in flight until the caller waits; a
+   depth tail reads only its bytes and zero-fills the rest), else byte by
+   byte. */
 static __device__ __forceinline__ void mpt__cuda_qgemm_load_rows(uint8_t *s, const uint8_t *g,
                                                                  int64_t rows, int64_t depth,
                                                                  int64_t ld, int64_t r0,
@@ -4397,8 +4402,10 @@ static __device__ __forceinline__ void mpt__cuda_qgemm_load_rows(uint8_t *s, con
         const int r = c / (T / 16), kc = (c % (T / 16)) * 16;
         const int64_t gr = r0 + r, gk = k0 + kc;
         uint8_t *dst = s + r * P + kc;
-        if (vec && gr < rows && gk + 16 <= depth) {
-            *(uint4 *)dst = *(const uint4 *)(g + gr * ld + gk);
+        if (vec) {
+            const int64_t left = gr < rows && gk < depth ? depth - gk : 0;
+            const int bytes = left < 16 ? (int)left : 16;
+            mpt__cuda_gemm_cp_async(dst, bytes ? g + gr * ld + gk : g, bytes);
             continue;
         }
         for (int j = 0; j < 16; j++)
@@ -4442,52 +4449,72 @@ static __device__ __forceinline__ int32_t mpt__cuda_qgemm_row_sum(const uint8_t 
     return sum;
 }
 
-/* One 64×64 block of C: blockIdx.x the rows, blockIdx.y the columns. */
+/* One stage of operands, A's and B's 64×64 bytes, into shared memory. */
+template <bool TRANS_B>
+static __device__ __forceinline__ void mpt__cuda_qgemm_load_stage(const mpt__cuda_qgemm_args &p,
+                                                                  uint8_t *sa, uint8_t *sb,
+                                                                  int64_t i0, int64_t j0,
+                                                                  int64_t k0) {
+    const mpt_qgemm_desc &d = p.d;
+    mpt__cuda_qgemm_load_rows(sa, (const uint8_t *)d.a, d.m, d.k, d.lda, i0, k0, p.a_vec);
+    if (TRANS_B)
+        mpt__cuda_qgemm_load_rows(sb, (const uint8_t *)d.b, d.n, d.k, d.ldb, j0, k0, p.b_vec);
+    else
+        mpt__cuda_qgemm_load_cols(sb, (const uint8_t *)d.b, d.k, d.n, d.ldb, k0, j0, p.b_vec);
+}
+
+/* One 64×64 block of C: blockIdx.x the rows, blockIdx.y the columns. Two
+   stages: the copies of depth step s + 1 are in flight while the warps
+   multiply step s. Fragments come by ldmatrix (b16 matrices of 8 rows ×
+   16 bytes: of each, thread t gets row t/4's bytes 4(t%4)..+3, which is
+   the m16n8k32 s8 fragment's layout). */
 template <bool A_UNSIGNED, bool TRANS_B>
 static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
     mpt__cuda_qgemm_kernel(mpt__cuda_qgemm_args p) {
     constexpr int T = mpt__cuda_qgemm_tile, P = mpt__cuda_qgemm_pitch;
-    __shared__ __align__(16) uint8_t sa[T * P], sb[T * P];
+    __shared__ __align__(16) uint8_t sa[2][T * P], sb[2][T * P];
     __shared__ int32_t row_sum[T], col_sum[T];
     const mpt_qgemm_desc &d = p.d;
     const int64_t i0 = (int64_t)blockIdx.x * T, j0 = (int64_t)blockIdx.y * T;
+    const int64_t steps = (d.k + T - 1) / T;
     const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
     const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
     const bool want_row_sums = d.b_zero_point != 0, want_col_sums = d.a_zero_point != 0;
     int32_t acc[2][4][4] = {};
     int32_t my_sum = 0; /* thread t < 64: row t's Σ A; else column t − 64's Σ B */
-    for (int64_t k0 = 0; k0 < d.k; k0 += T) {
-        mpt__cuda_qgemm_load_rows(sa, (const uint8_t *)d.a, d.m, d.k, d.lda, i0, k0, p.a_vec);
-        if (TRANS_B)
-            mpt__cuda_qgemm_load_rows(sb, (const uint8_t *)d.b, d.n, d.k, d.ldb, j0, k0, p.b_vec);
-        else
-            mpt__cuda_qgemm_load_cols(sb, (const uint8_t *)d.b, d.k, d.n, d.ldb, k0, j0, p.b_vec);
+    if (steps > 0) mpt__cuda_qgemm_load_stage<TRANS_B>(p, sa[0], sb[0], i0, j0, 0);
+    mpt__cuda_gemm_cp_commit();
+    for (int64_t step = 0; step < steps; step++) {
+        const uint8_t *ca = sa[step & 1], *cb = sb[step & 1];
+        if (step + 1 < steps)
+            mpt__cuda_qgemm_load_stage<TRANS_B>(p, sa[(step + 1) & 1], sb[(step + 1) & 1], i0,
+                                                j0, (step + 1) * T);
+        mpt__cuda_gemm_cp_commit(); /* perhaps empty: the wait below counts groups */
+        mpt__cuda_gemm_cp_wait<1>();
         __syncthreads();
-        if (t < T && want_row_sums) my_sum += mpt__cuda_qgemm_row_sum<A_UNSIGNED>(sa + t * P, t);
-        if (t >= T && want_col_sums) my_sum += mpt__cuda_qgemm_row_sum<false>(sb + (t - T) * P, t);
+        if (t < T && want_row_sums) my_sum += mpt__cuda_qgemm_row_sum<A_UNSIGNED>(ca + t * P, t);
+        if (t >= T && want_col_sums) my_sum += mpt__cuda_qgemm_row_sum<false>(cb + (t - T) * P, t);
 #pragma unroll
         for (int kk = 0; kk < T; kk += 32) {
             uint32_t a[2][4], b[4][2];
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                const uint8_t *r = sa + (wm + mt * 16 + g) * P + kk + q * 4;
-                a[mt][0] = *(const uint32_t *)r;
-                a[mt][1] = *(const uint32_t *)(r + 8 * P);
-                a[mt][2] = *(const uint32_t *)(r + 16);
-                a[mt][3] = *(const uint32_t *)(r + 8 * P + 16);
-            }
+            for (int mt = 0; mt < 2; mt++)
+                mpt__cuda_gemm_ldmatrix4<false>(
+                    a[mt], ca + (wm + mt * 16 + lane % 16) * P + kk + (lane / 16) * 16);
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                const uint8_t *c = sb + (wn + nt * 8 + g) * P + kk + q * 4;
-                b[nt][0] = *(const uint32_t *)c;
-                b[nt][1] = *(const uint32_t *)(c + 16);
+            for (int nt = 0; nt < 4; nt += 2) {
+                uint32_t r[4];
+                mpt__cuda_gemm_ldmatrix4<false>(
+                    r, cb + (wn + nt * 8 + (lane / 16) * 8 + lane % 8) * P + kk +
+                           ((lane / 8) % 2) * 16);
+                b[nt][0] = r[0], b[nt][1] = r[1], b[nt + 1][0] = r[2], b[nt + 1][1] = r[3];
             }
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) mpt__cuda_qgemm_mma<A_UNSIGNED>(acc[mt][nt], a[mt], b[nt]);
         }
-        __syncthreads();
+        __syncthreads(); /* before step + 2's copies overwrite this stage */
     }
     if (t < T) row_sum[t] = my_sum;
     else col_sum[t - T] = my_sum;

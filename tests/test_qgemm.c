@@ -938,6 +938,54 @@ static void test_bad_packed(void) {
     mpt_context_destroy(ctx);
 }
 
+/* The CPU backend's table slot, mpt_backend.qgemm (what tests/test_cuda.c
+   runs on the CPU and the GPU and compares): the reference's bits, int32
+   and int8 output, B both ways, padding left alone. */
+static void test_backend_slot(void) {
+    mpt_context *ctx = make_ctx(2, 0);
+    void *impl = NULL;
+    const mpt_backend *t = ctx ? mpt_context_backend(ctx, &impl) : NULL;
+    int c;
+    CHECK(t && t->qgemm, "the CPU backend's table has no qgemm");
+    for (c = 0; c < 4 && t && t->qgemm; c++) {
+        qcase q;
+        qdata x;
+        mpt_qgemm_desc d;
+        int64_t i, j, nc, bad = -1;
+        void *out;
+        mpt_status st;
+        memset(&q, 0, sizeof q);
+        q.m = 37, q.n = 19, q.k = 70, q.trans_b = c & 1, q.int8_out = (c >> 1) & 1;
+        q.per_channel = 1, q.bias = 1, q.pad_a = 3, q.pad_c = 2;
+        make_case(&q, &x);
+        d = x.d;
+        nc = q.m * d.ldc;
+        out = malloc((size_t)nc * 4);
+        if (q.int8_out) {
+            memset(out, POISON8, (size_t)nc);
+            d.c_int8 = (int8_t *)out;
+        } else {
+            for (i = 0; i < nc; i++) ((int32_t *)out)[i] = POISON32;
+            d.c = (int32_t *)out;
+        }
+        st = t->qgemm(impl, &d);
+        CHECK(st == MPT_OK, "table qgemm: status %d: %s", (int)st, mpt_context_error(ctx));
+        for (i = 0; i < q.m && bad < 0; i++)
+            for (j = 0; j < d.ldc && bad < 0; j++) {
+                int64_t got = q.int8_out ? ((int8_t *)out)[i * d.ldc + j]
+                                         : ((int32_t *)out)[i * d.ldc + j];
+                int64_t want = j >= q.n ? (q.int8_out ? POISON8 : POISON32)
+                               : q.int8_out ? x.ref8[i * q.n + j] : x.ref32[i * q.n + j];
+                if (got != want) bad = i * d.ldc + j;
+            }
+        CHECK(bad < 0, "table qgemm trans_b %d %s: C element %lld differs from the reference",
+              q.trans_b, q.int8_out ? "int8" : "int32", (long long)bad);
+        free(out);
+        free_case(&x);
+    }
+    mpt_context_destroy(ctx);
+}
+
 int main(void) {
     TEST_RUN(test_bad_arguments);
     TEST_RUN(test_bad_packed);
@@ -946,6 +994,7 @@ int main(void) {
     TEST_RUN(test_requantize_columns);
     TEST_RUN(test_requantize_plain);
     TEST_RUN(test_empty_depth);
+    TEST_RUN(test_backend_slot);
     test_extremes();
     test_packed_reuse();
     test_shapes();

@@ -2286,6 +2286,39 @@ static inline MPT__HD int8_t mpt__requantize_int8(int32_t acc, int32_t m, int sh
     return (int8_t)(q < lo ? lo : q > hi ? hi : q);
 }
 
+/* ---- the CUDA int8 GEMM's fragments -------------------------------------
+   mpt_cuda.cu's int8 kernel keeps A's rows and B's columns in shared
+   memory, depth-contiguous, MPT__CUDA_QGEMM_PITCH bytes apart, and reads
+   the operands of mma.sync m16n8k32 (s8) with ldmatrix.x4, where lane l
+   gives the address of row l % 8 of the 8-row × 16-byte matrix l / 8.
+   Here, rather than in mpt_cuda.cu, so that tests/test_cuda_rules.c can
+   run the kernel's own addresses through ldmatrix and mma.sync emulated
+   on the host. */
+
+#define MPT__CUDA_QGEMM_PITCH 80 /* 16 mod 128: 8 rows in 8 bank groups */
+
+/* Lane's ldmatrix offset from a 16-row A slice at some depth: matrices
+   rows 0–7 and 8–15 at bytes 0–15, then the same at bytes 16–31, which
+   are a0..a3 of the m16n8k32 A fragment. */
+static inline MPT__HD int mpt__cuda_qgemm_a_lane(int lane) {
+    return (lane % 16) * MPT__CUDA_QGEMM_PITCH + (lane / 16) * 16;
+}
+
+/* Lane's ldmatrix offset from two 8-column B tiles at some depth: the
+   first tile's bytes 0–15 and 16–31 (its b0, b1), then the second's. */
+static inline MPT__HD int mpt__cuda_qgemm_b_lane(int lane) {
+    return ((lane / 16) * 8 + lane % 8) * MPT__CUDA_QGEMM_PITCH + ((lane / 8) % 2) * 16;
+}
+
+/* The row and column, in mma.sync's 16×8 tile of C, of lane's
+   accumulator e (0..3). */
+static inline MPT__HD int mpt__cuda_qgemm_acc_row(int lane, int e) {
+    return lane / 4 + (e >= 2 ? 8 : 0);
+}
+static inline MPT__HD int mpt__cuda_qgemm_acc_col(int lane, int e) {
+    return (lane % 4) * 2 + (e & 1);
+}
+
 /* ---- the CUDA GEMM's choices --------------------------------------------
    mpt_cuda.cu picks a tile, a K split and (in MPT_GEMM_AUTO) an engine for
    each GEMM shape by the rules below. The tile and the split are functions

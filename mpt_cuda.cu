@@ -4358,7 +4358,7 @@ static void mpt__cuda_add(void *impl, float *dst, const float *src, int64_t n) {
    operands go byte by byte. */
 
 static constexpr int mpt__cuda_qgemm_tile = 64;    /* BM = BN = BK            */
-static constexpr int mpt__cuda_qgemm_pitch = 80;   /* bytes per shared row    */
+static constexpr int mpt__cuda_qgemm_pitch = MPT__CUDA_QGEMM_PITCH; /* mpt.h */
 static constexpr int mpt__cuda_qgemm_threads = 128;
 
 typedef struct mpt__cuda_qgemm_args {
@@ -4467,7 +4467,8 @@ static __device__ __forceinline__ void mpt__cuda_qgemm_load_stage(const mpt__cud
    stages: the copies of depth step s + 1 are in flight while the warps
    multiply step s. Fragments come by ldmatrix (b16 matrices of 8 rows ×
    16 bytes: of each, thread t gets row t/4's bytes 4(t%4)..+3, which is
-   the m16n8k32 s8 fragment's layout). */
+   the m16n8k32 s8 fragment's layout), at mpt.h's lane offsets, which
+   tests/test_cuda_rules.c runs through ldmatrix and mma.sync emulated. */
 template <bool A_UNSIGNED, bool TRANS_B>
 static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
     mpt__cuda_qgemm_kernel(mpt__cuda_qgemm_args p) {
@@ -4477,7 +4478,8 @@ static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
     const mpt_qgemm_desc &d = p.d;
     const int64_t i0 = (int64_t)blockIdx.x * T, j0 = (int64_t)blockIdx.y * T;
     const int64_t steps = (d.k + T - 1) / T;
-    const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+    const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    const int a_lane = mpt__cuda_qgemm_a_lane(lane), b_lane = mpt__cuda_qgemm_b_lane(lane);
     const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
     const bool want_row_sums = d.b_zero_point != 0, want_col_sums = d.a_zero_point != 0;
     int32_t acc[2][4][4] = {};
@@ -4500,13 +4502,11 @@ static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
                 mpt__cuda_gemm_ldmatrix4<false>(
-                    a[mt], ca + (wm + mt * 16 + lane % 16) * P + kk + (lane / 16) * 16);
+                    a[mt], ca + (wm + mt * 16) * P + kk + a_lane);
 #pragma unroll
             for (int nt = 0; nt < 4; nt += 2) {
                 uint32_t r[4];
-                mpt__cuda_gemm_ldmatrix4<false>(
-                    r, cb + (wn + nt * 8 + (lane / 16) * 8 + lane % 8) * P + kk +
-                           ((lane / 8) % 2) * 16);
+                mpt__cuda_gemm_ldmatrix4<false>(r, cb + (wn + nt * 8) * P + kk + b_lane);
                 b[nt][0] = r[0], b[nt][1] = r[1], b[nt + 1][0] = r[2], b[nt + 1][1] = r[3];
             }
 #pragma unroll
@@ -4526,7 +4526,8 @@ static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
         for (int nt = 0; nt < 4; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int li = wm + mt * 16 + g + (e >= 2 ? 8 : 0), lj = wn + nt * 8 + q * 2 + (e & 1);
+                const int li = wm + mt * 16 + mpt__cuda_qgemm_acc_row(lane, e);
+                const int lj = wn + nt * 8 + mpt__cuda_qgemm_acc_col(lane, e);
                 const int64_t i = i0 + li, j = j0 + lj;
                 if (i >= d.m || j >= d.n) continue;
                 int64_t v = (int64_t)acc[mt][nt][e] - za * col_sum[lj] - zb * row_sum[li] +

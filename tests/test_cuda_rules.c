@@ -2,7 +2,8 @@
    no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, the
    Hopper kernel's eligibility, tiles, split, work order and tensor maps,
    the fast division of the layout kernels' index arithmetic, and the int8
-   GEMM's requantization (TFLite's rounding, which mpt_qgemm runs too). The
+   GEMM's requantization (TFLite's rounding, which mpt_qgemm runs too) and
+   fragment addresses (through ldmatrix and mma.sync emulated). The
    kernels that use them are compared with the CPU in tests/test_cuda.c, on
    a GPU. */
 #include "mpt.h"
@@ -361,6 +362,100 @@ static void test_requantize_int8(void) {
     CHECK(bad == 0, "%lld of 2000000 requantizations differ from gemmlowp's rules", (long long)bad);
 }
 
+/* ---- the CUDA int8 GEMM's fragments, through emulated ldmatrix and mma ------ */
+
+/* ldmatrix.sync.aligned.m8n8.x4.shared.b16 as PTX defines it: lane l gives
+   the address of row l % 8 of matrix l / 8 (8 rows × 16 bytes); thread t
+   receives, of matrix i, in register i, the 4 bytes 4(t%4)..4(t%4)+3 of
+   row t / 4. */
+static void emulate_ldmatrix_x4(const uint8_t *base, const int offset[32], uint32_t r[32][4]) {
+    int t, i;
+    for (t = 0; t < 32; t++)
+        for (i = 0; i < 4; i++) {
+            const uint8_t *row = base + offset[8 * i + t / 4] + 4 * (t % 4);
+            r[t][i] = (uint32_t)row[0] | (uint32_t)row[1] << 8 | (uint32_t)row[2] << 16 |
+                      (uint32_t)row[3] << 24;
+        }
+}
+
+static int fragment_byte(uint32_t reg, int i, int is_unsigned) {
+    const uint8_t b = (uint8_t)(reg >> (8 * i));
+    return is_unsigned ? (int)b : (int)(int8_t)b;
+}
+
+/* mma.sync.aligned.m16n8k32.row.col.s32.{s8,u8}.s8.s32, d += a·b, with
+   the fragment layouts of the PTX manual, groupID g = lane / 4 and
+   threadID_in_group q = lane % 4: A's byte i (0..15, 4 per register) is
+   at row g + 8·(i/4 odd), column 4q + i%4 + 16·(i ≥ 8); B's byte i (0..7)
+   at row (depth) 4q + i%4 + 16·(i ≥ 4), column g; d's element i (0..3) at
+   row g + 8·(i ≥ 2), column 2q + i%2. */
+static void emulate_mma_m16n8k32(int32_t d[32][4], const uint32_t a[32][4],
+                                 const uint32_t b[32][2], int a_unsigned) {
+    int A[16][32], B[32][8], lane, i, k;
+    for (lane = 0; lane < 32; lane++) {
+        const int g = lane / 4, q = lane % 4;
+        for (i = 0; i < 16; i++)
+            A[g + ((i / 4) % 2 ? 8 : 0)][4 * q + i % 4 + (i >= 8 ? 16 : 0)] =
+                fragment_byte(a[lane][i / 4], i % 4, a_unsigned);
+        for (i = 0; i < 8; i++)
+            B[4 * q + i % 4 + (i >= 4 ? 16 : 0)][g] = fragment_byte(b[lane][i / 4], i % 4, 0);
+    }
+    for (lane = 0; lane < 32; lane++)
+        for (i = 0; i < 4; i++) {
+            const int row = lane / 4 + (i >= 2 ? 8 : 0), col = 2 * (lane % 4) + i % 2;
+            int32_t sum = 0;
+            for (k = 0; k < 32; k++) sum += A[row][k] * B[k][col];
+            d[lane][i] += sum;
+        }
+}
+
+/* The kernel's lane offsets and accumulator positions (mpt.h), run through
+   the emulated ldmatrix and mma.sync on a 16-row A slice and two 8-column
+   B tiles of random bytes at the kernel's pitch, two depth steps of 32,
+   int8 and uint8 A: every accumulator must hold Σ_k A[row][k]·B[k][col]
+   of the row and column mpt__cuda_qgemm_acc_row/col name. */
+static void test_qgemm_fragments(void) {
+    enum { P = MPT__CUDA_QGEMM_PITCH, DEPTH = 64 };
+    static uint8_t sa[16 * P], sb[16 * P];
+    int64_t bad = 0;
+    int trial;
+    /* 16-byte rows an odd number of 16 bytes apart: 8 of them in 8 bank groups */
+    CHECK(P >= DEPTH && P % 16 == 0 && (P / 16) % 2 == 1,
+          "pitch %d: 8 rows do not fall in 8 different 16-byte bank groups", P);
+    for (trial = 0; trial < 200; trial++) {
+        const int a_unsigned = trial % 2;
+        int a_off[32], b_off[32], lane, e, nt, kk, k;
+        int32_t acc[2][32][4];
+        size_t i;
+        memset(acc, 0, sizeof acc);
+        for (i = 0; i < sizeof sa; i++) sa[i] = (uint8_t)test_next(), sb[i] = (uint8_t)test_next();
+        for (lane = 0; lane < 32; lane++)
+            a_off[lane] = mpt__cuda_qgemm_a_lane(lane), b_off[lane] = mpt__cuda_qgemm_b_lane(lane);
+        for (kk = 0; kk < DEPTH; kk += 32) {
+            uint32_t a[32][4], r[32][4], b[2][32][2];
+            emulate_ldmatrix_x4(sa + kk, a_off, a);
+            emulate_ldmatrix_x4(sb + kk, b_off, r);
+            for (lane = 0; lane < 32; lane++) {
+                b[0][lane][0] = r[lane][0], b[0][lane][1] = r[lane][1];
+                b[1][lane][0] = r[lane][2], b[1][lane][1] = r[lane][3];
+            }
+            for (nt = 0; nt < 2; nt++) emulate_mma_m16n8k32(acc[nt], a, b[nt], a_unsigned);
+        }
+        for (nt = 0; nt < 2; nt++)
+            for (lane = 0; lane < 32; lane++)
+                for (e = 0; e < 4; e++) {
+                    const int row = mpt__cuda_qgemm_acc_row(lane, e);
+                    const int col = nt * 8 + mpt__cuda_qgemm_acc_col(lane, e);
+                    int32_t want = 0;
+                    for (k = 0; k < DEPTH; k++)
+                        want += (a_unsigned ? (int)sa[row * P + k] : (int)(int8_t)sa[row * P + k]) *
+                                (int)(int8_t)sb[col * P + k];
+                    bad += acc[nt][lane][e] != want;
+                }
+    }
+    CHECK(bad == 0, "%lld accumulators differ from the product", (long long)bad);
+}
+
 int main(void) {
     test_seed(99);
     TEST_RUN(test_tile_choice);
@@ -374,5 +469,6 @@ int main(void) {
     TEST_RUN(test_wgmma_operand_maps);
     TEST_RUN(test_fastdiv);
     TEST_RUN(test_requantize_int8);
+    TEST_RUN(test_qgemm_fragments);
     return test_summary("test_cuda_rules");
 }

@@ -2570,15 +2570,17 @@ typedef struct mpt__pool {
     int started;            /* workers actually running   */
     pthread_mutex_t mutex;
     pthread_cond_t wake, done;
-    uint64_t generation;    /* bumped for each parallel-for */
-    int stop;
+    uint64_t generation;    /* bumped for each parallel-for (read unlocked
+                               by spinning workers: __atomic)           */
+    int stop;               /* also read unlocked while spinning         */
     mpt__task_fn fn;
     void *arg;
     int64_t n_tasks, next_task;
-    int busy;               /* workers still inside the current job */
+    int running;            /* tasks taken and not yet finished          */
+    int sleeping;           /* workers waiting on `wake`                 */
     int in_job;             /* a parallel-for is running; only the caller
-                               writes it, before waking and after joining
-                               the workers */
+                               writes it, before handing out tasks and
+                               after the last one finished */
 } mpt__pool;
 
 typedef struct mpt__worker_arg {
@@ -2730,14 +2732,60 @@ static int mpt__detect_cpu(void) {
     return f;
 }
 
+/* Takes and runs the current job's tasks until none is left. A task and
+   the job it belongs to (fn, arg) are read together under the mutex, so a
+   worker that wakes late, after its job ended, finds nothing to take. */
 static void mpt__pool_run_tasks(mpt__pool *pool, int thread) {
-    for (;;) {
-        int64_t task;
-        pthread_mutex_lock(&pool->mutex);
-        task = pool->next_task++;
+    pthread_mutex_lock(&pool->mutex);
+    while (pool->next_task < pool->n_tasks) {
+        const int64_t task = pool->next_task++;
+        mpt__task_fn fn = pool->fn;
+        void *arg = pool->arg;
+        pool->running++;
         pthread_mutex_unlock(&pool->mutex);
-        if (task >= pool->n_tasks) return;
-        pool->fn(pool->arg, task, thread);
+        fn(arg, task, thread);
+        pthread_mutex_lock(&pool->mutex);
+        if (--pool->running == 0 && pool->next_task >= pool->n_tasks)
+            pthread_cond_signal(&pool->done);
+    }
+    pthread_mutex_unlock(&pool->mutex);
+}
+
+/* How long an idle worker watches for the next job before it sleeps: a
+   training step or a predict is a chain of parallel-fors a few microseconds
+   apart, and a sleeping worker takes tens of microseconds to wake (a whole
+   scheduler tick when the other cores are busy). Short enough that a
+   worker left idle gives its core back almost at once. */
+#define MPT__POOL_SPIN_SECONDS 50e-6
+
+/* Seconds on a clock that never steps back (CLOCK_MONOTONIC where the
+   headers declare it, as under _POSIX_C_SOURCE; else the time of day). */
+static double mpt__clock(void) {
+    struct timeval tv;
+#if defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#endif
+    gettimeofday(&tv, NULL);
+    return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
+}
+
+/* Whether a job (or the stop) came within MPT__POOL_SPIN_SECONDS, watching
+   without the mutex. */
+static int mpt__pool_spin(mpt__pool *pool, uint64_t seen) {
+    const double until = mpt__clock() + MPT__POOL_SPIN_SECONDS;
+    int k;
+    for (;;) {
+        for (k = 0; k < 64; k++) {
+            if (__atomic_load_n(&pool->generation, __ATOMIC_ACQUIRE) != seen ||
+                __atomic_load_n(&pool->stop, __ATOMIC_ACQUIRE))
+                return 1;
+#if MPT__X86
+            _mm_pause();
+#endif
+        }
+        if (mpt__clock() > until) return 0;
     }
 }
 
@@ -2746,9 +2794,13 @@ static void *mpt__pool_worker(void *p) {
     mpt__pool *pool = wa->pool;
     uint64_t seen = 0;
     for (;;) {
+        mpt__pool_spin(pool, seen);
         pthread_mutex_lock(&pool->mutex);
-        while (!pool->stop && pool->generation == seen)
+        while (!pool->stop && pool->generation == seen) {
+            pool->sleeping++;
             pthread_cond_wait(&pool->wake, &pool->mutex);
+            pool->sleeping--;
+        }
         if (pool->stop) {
             pthread_mutex_unlock(&pool->mutex);
             return NULL;
@@ -2756,9 +2808,6 @@ static void *mpt__pool_worker(void *p) {
         seen = pool->generation;
         pthread_mutex_unlock(&pool->mutex);
         mpt__pool_run_tasks(pool, wa->thread);
-        pthread_mutex_lock(&pool->mutex);
-        if (--pool->busy == 0) pthread_cond_signal(&pool->done);
-        pthread_mutex_unlock(&pool->mutex);
     }
 }
 
@@ -2791,13 +2840,15 @@ static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn
     pool->arg = arg;
     pool->n_tasks = n_tasks;
     pool->next_task = 0;
-    pool->busy = pool->started;
-    pool->generation++;
-    pthread_cond_broadcast(&pool->wake);
+    __atomic_store_n(&pool->generation, pool->generation + 1, __ATOMIC_RELEASE);
+    if (pool->sleeping) pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->mutex);
     mpt__pool_run_tasks(pool, 0);
+    /* Every task is taken; wait only for those still running. A worker
+       that has not woken yet is not waited for: on a busy machine that
+       wait was a scheduler tick (4 ms) per parallel-for. */
     pthread_mutex_lock(&pool->mutex);
-    while (pool->busy > 0) pthread_cond_wait(&pool->done, &pool->mutex);
+    while (pool->running > 0) pthread_cond_wait(&pool->done, &pool->mutex);
     pool->in_job = 0;
     pthread_mutex_unlock(&pool->mutex);
 }
@@ -2823,7 +2874,7 @@ static void mpt__pool_stop(mpt_context *ctx) {
     int i;
     if (!pool->threads) return;
     pthread_mutex_lock(&pool->mutex);
-    pool->stop = 1;
+    __atomic_store_n(&pool->stop, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->mutex);
     for (i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
@@ -16013,7 +16064,7 @@ enum {
 static const char *const mpt__profile_piece[] = {"step", "forward", "loss", "backward",
                                                  "gradient check", "update", "loss scale"};
 
-/* One profiled step, host times in seconds of mpt__profile_clock. */
+/* One profiled step, host times in seconds of mpt__clock. */
 typedef struct mpt__profile_step {
     int64_t step;            /* 1-based over the fit, as profile_batch counts */
     int epoch;               /* 0-based                                 */
@@ -16049,16 +16100,6 @@ struct mpt__profile {
     char *table;                 /* the per-layer table, once written    */
 };
 
-/* Seconds on a clock that never steps back (CLOCK_MONOTONIC where the
-   headers declare it, as under _POSIX_C_SOURCE; else the time of day). */
-static double mpt__profile_clock(void) {
-#if defined(CLOCK_MONOTONIC)
-    struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
-        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-#endif
-    return mpt__now();
-}
 
 /* ---- opening: the range checked against the run, the buffers taken -------- */
 
@@ -16177,10 +16218,10 @@ static void mpt__profile_mark(mpt__profile *P, int piece, int layer) {
     P->piece[i] = (unsigned char)piece;
     P->layer[i] = layer;
     if (P->timer) {
-        if (i == 0) P->timer_zero = mpt__profile_clock();
+        if (i == 0) P->timer_zero = mpt__clock();
         P->m->be->timer_mark(P->m->impl, P->timer, i);
     } else {
-        P->seconds[i] = mpt__profile_clock();
+        P->seconds[i] = mpt__clock();
     }
 }
 
@@ -16289,14 +16330,14 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
         P->step--; /* not taken: it is run again (out-of-memory recovery) or fit ends */
         return 1;
     }
-    rec->data_end = mpt__profile_clock();
+    rec->data_end = mpt__clock();
     rec->rows = in.shape[0];
     rec->first_mark = P->n_marks;
     m->be->copy(m->impl, &P->records[2 * P->n_steps], m->state, sizeof(mpt_step_state));
     mpt__profile_queue_step(P, m, &in, &target, times);
     m->be->copy(m->impl, &P->records[2 * P->n_steps + 1], m->state, sizeof(mpt_step_state));
     rec->n_marks = P->n_marks - rec->first_mark;
-    rec->queued = mpt__profile_clock();
+    rec->queued = mpt__clock();
     P->n_steps++;
     P->open = 1;
     r->done += rec->rows;
@@ -16316,7 +16357,7 @@ static void mpt__profile_leave_loop(mpt__fit_run *r) {
 static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
                                  mpt__step_times *times, mpt_status *s) {
     mpt__profile *P = r->profile;
-    double begin = mpt__profile_clock();
+    double begin = mpt__clock();
     int more;
     mpt__profile_close_host(P, begin);
     if (P->step >= P->last) mpt__profile_leave_loop(r);
@@ -16328,7 +16369,7 @@ static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
 
 /* When an epoch's steps are over: the open host work ends now. */
 static void mpt__profile_loop_end(mpt__fit_run *r) {
-    mpt__profile_close_host(r->profile, mpt__profile_clock());
+    mpt__profile_close_host(r->profile, mpt__clock());
     if (r->profile->step >= r->profile->last) mpt__profile_leave_loop(r);
 }
 
@@ -16657,7 +16698,7 @@ static mpt_status mpt__profile_close(mpt__fit_run *r, int verbose) {
     mpt_status s = MPT_OK;
     if (!P) return MPT_OK;
     if (r->profile) {
-        mpt__profile_close_host(P, mpt__profile_clock());
+        mpt__profile_close_host(P, mpt__clock());
         mpt__log(r->m->ctx, MPT_LOG_WARNING, "fit: profiler: training ended after step %lld, "
                  "before profile_batch's last step %lld; the trace holds %d step%s",
                  (long long)P->step, (long long)P->last, P->n_steps, P->n_steps == 1 ? "" : "s");

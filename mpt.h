@@ -11524,7 +11524,8 @@ static void mpt__expand_u8(const mpt_dataset *d, mpt_dtype dtype, void *dst, con
 }
 
 /* Writes samples indices[0..n) (each in [0, count)) of d, in that order,
-   into x (n, sample shape) in x_dtype (float32, float16 or bfloat16) and y
+   into x (n, sample shape) in x_dtype (float32, float16 or bfloat16, or
+   d's own dtype: the samples as stored, uint8 not normalised) and y
    (n, label count) int32 or float32; either may be NULL when not wanted.
    Serial and never uses the pool, so the loader's thread may call it while
    the pool works; ctx only picks the vector conversion (NULL: portable). */
@@ -11541,12 +11542,12 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
     for (i = 0; x && i < n; i++) {
         const char *src = (const char *)d->x + (size_t)indices[i] * x_in;
         char *dst = (char *)x + (size_t)i * x_out;
-        if (d->x_dtype == MPT_UINT8)
-            mpt__expand_u8(d, x_dtype, dst, (const uint8_t *)src, d->x_count);
-        else if (convert)
-            convert(x_dtype, dst, d->x_dtype, src, d->x_count);
-        else
+        if (d->x_dtype == x_dtype)
             memcpy(dst, src, x_in);
+        else if (d->x_dtype == MPT_UINT8)
+            mpt__expand_u8(d, x_dtype, dst, (const uint8_t *)src, d->x_count);
+        else
+            convert(x_dtype, dst, d->x_dtype, src, d->x_count);
     }
     for (i = 0; y && i < n; i++)
         memcpy((char *)y + (size_t)i * y_bytes, (const char *)d->y + (size_t)indices[i] * y_bytes,
@@ -12051,7 +12052,15 @@ MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int 
    Two slots, batch b in slot b % 2. The consumer (fit's thread) holds the
    batch it last received until its next call; meanwhile the loader thread
    fills the other slot with the batch after. So loading b + 1 overlaps
-   computing on b, and a slot is never written while it is being read. */
+   computing on b, and a slot is never written while it is being read.
+
+   An epoch of one batch has nothing to overlap, and a predict of one batch
+   would pay a thread's start and two hand-offs for it: such an epoch is
+   gathered by the caller's thread, in next(). So is an epoch whose samples
+   lie in order in the dataset already in the batch dtype, where a caller
+   that only reads its batches (mpt__loader_allow_views) gets views of the
+   dataset's own memory and nothing is copied. The buffers and the thread
+   are made by the first epoch that needs them. */
 
 typedef struct mpt__loader {
     mpt_context *ctx;
@@ -12062,9 +12071,13 @@ typedef struct mpt__loader {
     void *x_buf[2];         /* (max_batch, sample shape) x_dtype          */
     void *y_buf[2];         /* (max_batch, label count) int32 or float32  */
     pthread_t thread;
+    int started;            /* the thread runs                            */
+    int views;              /* the caller never writes a batch            */
     pthread_mutex_t mutex;
     pthread_cond_t cond;    /* any change of the state below              */
     int stop;
+    int inline_epoch;       /* next() gathers the batches itself ...      */
+    int view_epoch;         /* ... or points into the dataset             */
     /* The epoch; reset only while no batch is being loaded. */
     const int64_t *order;   /* (n) sample indices, borrowed               */
     int64_t n, batch_size, n_batches;
@@ -12132,12 +12145,12 @@ static mpt_status mpt__loader_alloc(mpt__loader *l) {
 }
 
 /* A loader of batches of up to max_batch samples of d, x in x_dtype (a
-   float dtype), with its thread started and no epoch yet. d must outlive it. */
+   float dtype, or d's own: uint8 samples as stored), with no epoch yet.
+   d must outlive it. */
 static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
                                             int64_t max_batch, mpt_dtype x_dtype,
                                             mpt__loader **out) {
     mpt__loader *l;
-    mpt_status s;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out || !d)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: NULL %s", d ? "out" : "dataset");
@@ -12145,9 +12158,10 @@ static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
     if (max_batch <= 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: max_batch %lld must be > 0",
                          (long long)max_batch);
-    if (!mpt_dtype_is_float(x_dtype))
-        return mpt__fail(ctx, MPT_ERR_DTYPE, "loader: batch dtype %s is not a float dtype",
-                         mpt_dtype_name(x_dtype));
+    if (!mpt_dtype_is_float(x_dtype) && x_dtype != d->x_dtype)
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "loader: batch dtype %s is neither a float dtype "
+                         "nor the dataset's (%s)", mpt_dtype_name(x_dtype),
+                         mpt_dtype_name(d->x_dtype));
     l = (mpt__loader *)mpt__calloc(ctx, sizeof *l);
     if (!l) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "loader: out of memory");
     l->ctx = ctx;
@@ -12155,61 +12169,105 @@ static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
     l->x_dtype = x_dtype;
     l->max_batch = max_batch;
     l->held = l->slot_batch[0] = l->slot_batch[1] = -1;
-    s = mpt__loader_alloc(l);
-    if (s != MPT_OK) {
-        mpt__free(ctx, l);
-        return s;
-    }
     pthread_mutex_init(&l->mutex, NULL);
     pthread_cond_init(&l->cond, NULL);
-    if (pthread_create(&l->thread, NULL, mpt__loader_main, l) != 0) {
-        pthread_mutex_destroy(&l->mutex);
-        pthread_cond_destroy(&l->cond);
-        mpt__free(ctx, l->block);
-        mpt__free(ctx, l);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot start its thread");
-    }
     *out = l;
     return MPT_OK;
 }
 
+/* The caller promises to only read the batches next() gives: in-order
+   epochs of a dataset already in the batch dtype then come as views. */
+static void mpt__loader_allow_views(mpt__loader *l) {
+    l->views = 1;
+}
+
 /* Every index must name a sample: a wrong one would read outside x. */
-static int mpt__loader_epoch_ok(mpt__loader *l, const int64_t *order, int64_t n,
-                                int64_t batch_size) {
+static mpt_status mpt__loader_epoch_check(mpt__loader *l, const int64_t *order, int64_t n,
+                                          int64_t batch_size) {
     int64_t i;
-    if (n < 0 || (n > 0 && !order) || batch_size <= 0 || batch_size > l->max_batch) {
-        mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
-                  "loader: epoch of %lld samples in batches of %lld (max %lld)%s", (long long)n,
-                  (long long)batch_size, (long long)l->max_batch, order ? "" : ", NULL order");
-        return 0;
-    }
+    if (n < 0 || (n > 0 && !order) || batch_size <= 0 || batch_size > l->max_batch)
+        return mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loader: epoch of %lld samples in batches of %lld (max %lld)%s",
+                         (long long)n, (long long)batch_size, (long long)l->max_batch,
+                         order ? "" : ", NULL order");
     for (i = 0; i < n; i++)
-        if (order[i] < 0 || order[i] >= l->d->n) {
-            mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
-                      "loader: order[%lld] = %lld is not a sample of this dataset (0..%lld)",
-                      (long long)i, (long long)order[i], (long long)l->d->n - 1);
-            return 0;
-        }
+        if (order[i] < 0 || order[i] >= l->d->n)
+            return mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "loader: order[%lld] = %lld is not a sample of this dataset "
+                             "(0..%lld)", (long long)i, (long long)order[i],
+                             (long long)l->d->n - 1);
+    return MPT_OK;
+}
+
+/* Whether an epoch's batches can be views of the dataset's memory. */
+static int mpt__loader_can_view(const mpt__loader *l, const int64_t *order, int64_t n) {
+    int64_t i;
+    if (!l->views || l->d->x_dtype != l->x_dtype) return 0;
+    for (i = 1; i < n; i++)
+        if (order[i] != order[0] + i) return 0;
     return 1;
+}
+
+/* The buffers and the thread, made the first time an epoch needs them. */
+static mpt_status mpt__loader_prepare(mpt__loader *l, int buffers, int thread) {
+    if (buffers && !l->block) MPT__CHECK(mpt__loader_alloc(l));
+    if (thread && !l->started) {
+        if (pthread_create(&l->thread, NULL, mpt__loader_main, l) != 0)
+            return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot start its thread");
+        l->started = 1;
+    }
+    return MPT_OK;
 }
 
 /* Starts an epoch over order[0..n) (kept by pointer until the next epoch or
    destroy) in batches of batch_size, the last one partial; loading batch 0
-   begins now. Ends any epoch in progress. Bad arguments (recorded in the
-   context's error) give an epoch with no batches. */
-static void mpt__loader_start_epoch(mpt__loader *l, const int64_t *order, int64_t n,
-                                           int64_t batch_size) {
-    int ok = mpt__loader_epoch_ok(l, order, n, batch_size);
+   begins now (on the thread, when the epoch uses it). Ends any epoch in
+   progress. Bad arguments, or no memory for the buffers or the thread,
+   give an epoch with no batches and their status. */
+static mpt_status mpt__loader_start_epoch(mpt__loader *l, const int64_t *order, int64_t n,
+                                          int64_t batch_size) {
+    mpt_status s = mpt__loader_epoch_check(l, order, n, batch_size);
+    const int64_t n_batches = s == MPT_OK ? (n + batch_size - 1) / batch_size : 0;
+    const int view = s == MPT_OK && mpt__loader_can_view(l, order, n);
+    const int in_caller = view || n_batches <= 1;
+    if (s == MPT_OK) s = mpt__loader_prepare(l, !view, !in_caller);
     pthread_mutex_lock(&l->mutex);
     while (l->loading) pthread_cond_wait(&l->cond, &l->mutex);
     l->order = order;
-    l->n = ok ? n : 0;
-    l->batch_size = ok ? batch_size : 1;
-    l->n_batches = ok ? (n + batch_size - 1) / batch_size : 0;
-    l->produce = l->consume = 0;
+    l->n = s == MPT_OK ? n : 0;
+    l->batch_size = s == MPT_OK ? batch_size : 1;
+    l->n_batches = s == MPT_OK ? n_batches : 0;
+    l->inline_epoch = in_caller;
+    l->view_epoch = view;
+    l->consume = 0;
+    l->produce = in_caller ? l->n_batches : 0; /* the thread has none to load */
     l->held = l->slot_batch[0] = l->slot_batch[1] = -1;
     pthread_cond_broadcast(&l->cond);
     pthread_mutex_unlock(&l->mutex);
+    return s;
+}
+
+/* next() of an epoch the caller's thread gathers: batch b into slot 0, or
+   a view of the dataset. */
+static int mpt__loader_next_inline(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
+    const mpt_dataset *d = l->d;
+    const int64_t b = l->consume++, first = b * l->batch_size;
+    const int64_t count = MPT__MIN(l->batch_size, l->n - first);
+    const void *xb = l->x_buf[0], *yb = l->y_buf[0];
+    if (l->view_epoch) {
+        const int64_t at = l->order[first];
+        xb = (const char *)d->x + (size_t)at * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
+        yb = (const char *)d->y + (size_t)at * (size_t)d->y_count * 4;
+    } else {
+        mpt__dataset_gather(l->ctx, d, l->order + first, count, l->x_dtype, l->x_buf[0],
+                            l->y_buf[0]);
+    }
+    /* views are read only (mpt__loader_allow_views); the tensor type has no const */
+    mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, (void *)(uintptr_t)xb,
+                    MPT_DEVICE_CPU);
+    mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, (void *)(uintptr_t)yb,
+                    MPT_DEVICE_CPU);
+    return 1;
 }
 
 /* Waits for the next batch and points x (b, sample shape...) in x_dtype
@@ -12219,6 +12277,8 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     const mpt_dataset *d = l->d;
     int64_t b, count;
     int slot;
+    if (l->inline_epoch)
+        return l->consume < l->n_batches ? mpt__loader_next_inline(l, x, y) : 0;
     pthread_mutex_lock(&l->mutex);
     if (l->held >= 0) { /* the caller is done with it: the thread may refill it */
         l->slot_batch[l->held & 1] = -1;
@@ -12247,7 +12307,7 @@ static void mpt__loader_destroy(mpt__loader *l) {
     l->stop = 1;
     pthread_cond_broadcast(&l->cond);
     pthread_mutex_unlock(&l->mutex);
-    pthread_join(l->thread, NULL);
+    if (l->started) pthread_join(l->thread, NULL);
     pthread_mutex_destroy(&l->mutex);
     pthread_cond_destroy(&l->cond);
     mpt__free(l->ctx, l->block);
@@ -12944,7 +13004,7 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     if (!order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     mpt__epoch_order(m, 0, 0, order, n);
     s = mpt__loader_create(m->ctx, d, batch_size, m->layers[0].dtype, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     if (s == MPT_OK) s = mpt__state_reset_evaluation(m);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor in, target;
@@ -13068,16 +13128,15 @@ static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
 }
 
 /* Starts an epoch's order on the loader: this worker's share of it. */
-static void mpt__fit_start_epoch(mpt__fit_run *r) {
+static mpt_status mpt__fit_start_epoch(mpt__fit_run *r) {
     const mpt_strategy *st = r->m->strategy;
     r->step = 0;
     if (st && mpt_strategy_num_workers(st) > 1) {
         int64_t n = mpt__worker_order(r->m, r->order, r->n, r->d->batch_size, r->mine);
-        mpt__loader_start_epoch(r->loader, r->mine, n,
-                                r->d->batch_size / mpt_strategy_num_workers(st));
-    } else {
-        mpt__loader_start_epoch(r->loader, r->order, r->n, r->d->batch_size);
+        return mpt__loader_start_epoch(r->loader, r->mine, n,
+                                       r->d->batch_size / mpt_strategy_num_workers(st));
     }
+    return mpt__loader_start_epoch(r->loader, r->order, r->n, r->d->batch_size);
 }
 
 /* The next step on a GPU: the compute queues wait for its batch's upload,
@@ -13209,8 +13268,9 @@ static mpt_status mpt__fit_halve(mpt__fit_run *r, int64_t done, const char *when
     if (s != MPT_OK) return s;
     if (done >= 0) {
         mpt_tensor x, y;
-        mpt__loader_start_epoch(r->loader, r->order + done, r->n - done, r->d->batch_size);
-        if (r->feed.on && mpt__fit_take(r, &x, &y))
+        s = mpt__loader_start_epoch(r->loader, r->order + done, r->n - done,
+                                    r->d->batch_size);
+        if (s == MPT_OK && r->feed.on && mpt__fit_take(r, &x, &y))
             s = mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows);
     }
     return s;
@@ -13260,7 +13320,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
     r->steps = (r->n + d->batch_size - 1) / d->batch_size;
     r->done = 0;
-    mpt__fit_start_epoch(r);
+    MPT__CHECK(mpt__fit_start_epoch(r));
     MPT__CHECK(mpt__state_push(m));
     if (r->feed.on && mpt__fit_take(r, &x, &y))
         s = mpt__fit_recover(r, mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows),
@@ -13601,7 +13661,7 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
     }
     mpt__epoch_order(m, 0, 0, order, n);
     s = mpt__loader_create(m->ctx, data, batch_size, m->layers[0].dtype, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         int64_t b = x.shape[0];
         mpt_tensor in;
@@ -20186,14 +20246,26 @@ static int mpt__q_batch_shape(const mpt_model *m, int64_t n, int64_t *shape) {
     return rank + 1;
 }
 
-/* The model's float32 input quantized into int8, MPT__Q_TASK_ROWS samples a task. */
+/* The model's input quantized into int8, MPT__Q_TASK_ROWS samples a
+   task: float32 samples, or a uint8 dataset's bytes through a table. */
 typedef struct mpt__qinput_job {
-    const float *x;
+    const float *x;              /* float32 samples, or NULL and ...       */
+    const uint8_t *bytes;        /* ... bytes, each becoming table[byte]   */
+    const int8_t *table;         /* (256) mpt__q_byte_table                */
     int8_t *q;
     int64_t n, count;            /* samples, elements of one */
     const mpt_quant_params *p;
     int avx512;                  /* the context has AVX-512       */
 } mpt__qinput_job;
+
+/* A uint8 dataset's byte values as a full-integer model's int8 input: the
+   float each byte stands for (d->u8_f32, what a float32 batch holds)
+   quantized once, so that a byte becomes the int8 the float32 path gives
+   it with one lookup, and the batch is never widened to float32. */
+static void mpt__q_byte_table(const mpt__quantized *Q, const mpt_dataset *d, int8_t *table) {
+    int v;
+    for (v = 0; v < 256; v++) table[v] = mpt__q_quantize(d->u8_f32[v], &Q->tensor[0]);
+}
 
 #if MPT__X86
 /* mpt__q_quantize of 16 values with AVX-512: the same division and the
@@ -20226,6 +20298,10 @@ static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     int64_t k = task * MPT__Q_TASK_ROWS * j->count;
     const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
     (void)thread;
+    if (j->bytes) {
+        for (; k < end; k++) j->q[k] = j->table[j->bytes[k]];
+        return;
+    }
 #if MPT__X86
     if (j->avx512)
         for (; k + 16 <= end; k += 16) mpt__q_quantize16_avx512(j->x + k, j->p, j->q + k);
@@ -20233,30 +20309,40 @@ static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
 }
 
-/* n float32 samples to n float32 outputs, whatever the mode: the integer
-   pass quantizes at the start and dequantizes at the end. */
-static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, const float *x,
-                                   int64_t n, float *y, mpt__qwork *w) {
+/* A batch x of n samples (float32, or a uint8 dataset's bytes with their
+   mpt__q_byte_table, full-integer only) to n float32 outputs, whatever the
+   mode: the integer pass quantizes at the start and dequantizes at the end. */
+static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mpt_tensor *x,
+                             const int8_t *byte_table, float *y, mpt__qwork *w) {
+    const int64_t n = x->shape[0], count = n * mpt__q_out_count(Q);
+    const mpt_quant_params *o = &Q->tensor[Q->n_ops];
+    mpt__qinput_job j;
     const void *out;
-    int64_t k, count = n * mpt__q_out_count(Q);
+    int64_t k;
     if (Q->mode != MPT_QUANTIZE_FULL_INTEGER) {
-        MPT__CHECK(mpt__q_forward(ctx, Q, mpt__q_exec(Q), x, n, w, NULL, &out));
+        MPT__CHECK(mpt__q_forward(ctx, Q, mpt__q_exec(Q), x->data, n, w, NULL, &out));
         memcpy(y, out, sizeof(float) * (size_t)count);
         return MPT_OK;
     }
-    {
-        const mpt_quant_params *in = &Q->tensor[0], *o = &Q->tensor[Q->n_ops];
-        mpt__qinput_job j;
-        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
-        j.x = x, j.q = xq, j.n = n, j.count = Q->in_count, j.p = in;
-        j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
-        mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
-                          mpt__q_quantize_input_task, &j);
-        MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out));
-        for (k = 0; k < count; k++)
-            y[k] = (float)(((const int8_t *)out)[k] - o->zero_point) * o->scale;
-    }
+    memset(&j, 0, sizeof j);
+    if (x->dtype == MPT_UINT8) j.bytes = (const uint8_t *)x->data, j.table = byte_table;
+    else j.x = (const float *)x->data;
+    j.q = (int8_t *)w->act[1]; /* op 0 writes act[0] */
+    j.n = n, j.count = Q->in_count, j.p = &Q->tensor[0];
+    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
+    mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                      mpt__q_quantize_input_task, &j);
+    MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, j.q, n, w, NULL, &out));
+    for (k = 0; k < count; k++)
+        y[k] = (float)(((const int8_t *)out)[k] - o->zero_point) * o->scale;
     return MPT_OK;
+}
+
+/* The dtype a quantized model's batches of d are loaded in: a full-integer
+   model reads a uint8 dataset's bytes as they are (mpt__q_byte_table). */
+static mpt_dtype mpt__q_batch_dtype(const mpt__quantized *Q, const mpt_dataset *d) {
+    return Q->mode == MPT_QUANTIZE_FULL_INTEGER && d->x_dtype == MPT_UINT8 ? MPT_UINT8
+                                                                          : MPT_FLOAT32;
 }
 
 /* =============================================================================
@@ -20363,6 +20449,7 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
     order = (int64_t *)mpt__alloc(ctx, sizeof(int64_t) * (size_t)n);
     if (s == MPT_OK && !order) s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
     if (s == MPT_OK) s = mpt__loader_create(ctx, d->representative_data, batch, MPT_FLOAT32, &loader);
+    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
     for (pass = 0; s == MPT_OK && pass < passes; pass++) {
         mpt_tensor x, y;
@@ -20373,7 +20460,7 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
                                                      (size_t)(Q->n_ops + 1));
             if (!c.hist) { s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory"); break; }
         }
-        mpt__loader_start_epoch(loader, order, n, batch);
+        s = mpt__loader_start_epoch(loader, order, n, batch);
         while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
             const void *out;
             s = mpt__q_forward(ctx, Q, MPT__QX_REFERENCE, x.data, x.shape[0], &w, &c, &out);
@@ -20610,6 +20697,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
                                          int64_t batch_size, mpt_tensor *out) {
     const mpt__quantized *Q = m->quantized;
     int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
+    int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
     mpt_tensor x, y;
@@ -20630,11 +20718,13 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (s == MPT_OK) s = mpt__loader_create(m->ctx, data, batch_size, MPT_FLOAT32, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
+    if (s == MPT_OK)
+        s = mpt__loader_create(m->ctx, data, batch_size, mpt__q_batch_dtype(Q, data), &loader);
+    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, x.shape[0],
-                             (float *)out->data + done * per, w);
+        s = mpt__q_run(m->ctx, Q, &x, byte_table, (float *)out->data + done * per, w);
         done += x.shape[0];
     }
     mpt__loader_destroy(loader);
@@ -20668,6 +20758,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
     int64_t n, batch, per = mpt__q_out_count(Q), *order, k;
+    int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
     mpt__tally t;
@@ -20695,14 +20786,17 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     if (s == MPT_OK && (!order || !pred))
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (s == MPT_OK) s = mpt__loader_create(m->ctx, data, batch, MPT_FLOAT32, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch);
+    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
+    if (s == MPT_OK)
+        s = mpt__loader_create(m->ctx, data, batch, mpt__q_batch_dtype(Q, data), &loader);
+    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor p;
         double loss = 0;
         int64_t b = x.shape[0], shape[MPT_MAX_RANK];
         int rank = mpt__q_batch_shape(m, b, shape);
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, w);
+        s = mpt__q_run(m->ctx, Q, &x, byte_table, pred, w);
         if (s == MPT_OK) s = mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, pred);
         if (s == MPT_OK) s = mpt_loss_compute(m->ctx, &m->compile.loss, &p, &y, &loss, NULL);
         if (s != MPT_OK) break;
@@ -20818,7 +20912,7 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, n, shape), shape));
     s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, w);
+        s = mpt__q_run(m->ctx, Q, x, NULL, (float *)y->data, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
         int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */

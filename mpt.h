@@ -1153,9 +1153,11 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m);
 typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
                               float16 or bfloat16                         */
-    const mpt_tensor *y;   /* required: (n,) int32 class ids, or (n, ...)
-                              float32 targets; (n,) targets fit an output
-                              of one unit, as (n, 1) do (Keras)            */
+    const mpt_tensor *y;   /* required: (n,) int32 class ids, or one per
+                              position, (n, H, W) for an (H, W, C) output;
+                              or (n, ...) float32 targets; (n,) targets
+                              fit an output of one unit, as (n, 1) do
+                              (Keras)                                      */
     float scale;           /* uint8 x becomes x·scale + offset as it is
                               batched; default (0) 1/255                  */
     float offset;          /* default 0                                   */
@@ -1186,12 +1188,13 @@ MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
    is (784,). The data is not touched; views split from d keep theirs. */
 MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
                                       const int64_t *shape);
-/* One sample's target shape: its rank, 0 for class ids and for (n,) float
-   targets. */
+/* One sample's target shape: its rank, 0 for one class id a sample and
+   for (n,) float targets. */
 MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
 /* The class ids of samples [first, first + count), e.g. all of them
    (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
-   labels (count int32). For a dataset of class ids only. */
+   labels (count int32, times the positions of one sample where it has
+   several). For a dataset of class ids only. */
 MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                      int64_t count, int32_t *labels);
 /* The float32 targets of samples [first, first + count) into targets
@@ -1900,12 +1903,16 @@ typedef struct mpt_step_state {
     int32_t pad_;
 } mpt_step_state;
 
-/* One loss over a batch: the mean over rows of the row losses, float32
-   math whatever pred's dtype. Adds the batch's Σ row losses to
-   state->loss_sum, its rows to state->samples, and (metrics) its correct
-   and top-k counts; writes grad_scale_by_state · d(mean loss)/d(pred) into
-   dpred (which may be pred). Sparse targets are int32 class ids, checked
-   in range beforehand. */
+/* One loss over a batch, its output seen as rows of K values (K its last
+   axis; a sample with more axes, (H, W, K) from a Conv2D head or (T, K),
+   gives rows_per_sample = H·W or T rows): the mean of the row losses
+   (crossentropies) or of the elements, float32 math whatever pred's dtype.
+   Adds the batch's mean loss × samples to state->loss_sum, its samples
+   (rows / rows_per_sample) to state->samples and (metrics) its correct and
+   top-k rows / rows_per_sample, so that a sample counts once however many
+   positions it has (mpt__loss_tally); writes grad_scale_by_state ·
+   d(mean loss)/d(pred) into dpred (which may be pred). Sparse targets are
+   int32 class ids, one per row, checked in range beforehand. */
 typedef struct mpt_loss_args {
     mpt_loss_type type;
     int from_logits;            /* softmax/sigmoid fused into the loss      */
@@ -1915,6 +1922,7 @@ typedef struct mpt_loss_args {
     const void *target;         /* (rows) or (rows, K)                      */
     void *dpred;                /* (rows, K) pred_dtype; NULL: no gradient  */
     int64_t rows, K;
+    int64_t rows_per_sample;    /* positions of one sample; default 0: 1    */
     int metrics;                /* MPT_METRIC_* bits to tally               */
     int top_k;
     int scale_by_loss_scale;    /* multiply dpred by state->loss_scale      */
@@ -2228,6 +2236,34 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
         if (grown <= FLT_MAX) state->loss_scale = grown; /* not inf */
         state->good_steps = 0;
     }
+}
+
+/* A product rounded once: no fused multiply-add forms with what is then
+   added to it, on the GPU either, so both backends get the same bits. */
+static inline MPT__HD double mpt__mul_rounded(double a, double b) {
+#if defined(__CUDA_ARCH__)
+    return __dmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+/* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
+   the batch's mean loss, `correct` and `top_k` counts of rows. A sample
+   whose output has several positions (rows_per_sample) counts once, its
+   positions' hits as fractions of it, so the epoch's accuracy is the
+   fraction of positions right, as Keras' mean over positions, and
+   samples_per_second counts samples. */
+static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, int64_t rows,
+                                           int64_t rows_per_sample, double mean, double correct,
+                                           double top_k) {
+    int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
+    double samples = (double)(rows / per);
+    state->loss_sum += mpt__mul_rounded(mean, samples);
+    state->samples += samples;
+    if (metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
+        state->correct += correct / (double)per;
+    if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
 }
 
 /* ---- the CUDA GEMM's choices --------------------------------------------
@@ -10216,10 +10252,11 @@ static int64_t mpt__argmax(mpt_dtype dtype, const void *row0, int64_t offset, in
     return best;
 }
 
-/* Accuracy as Keras counts it: for sparse labels argmax == label, for
-   one-hot targets argmax == argmax(target), for one output unit (binary)
-   prediction > threshold (0.5 for probabilities, 0 for logits). Top k:
-   fewer than k classes score strictly higher than the true one. */
+/* Accuracy as Keras counts it, per row of out (rows, classes): for
+   sparse labels argmax == label, for one-hot targets argmax ==
+   argmax(target), for one output unit (binary) prediction > threshold
+   (0.5 for probabilities, 0 for logits). Top k: fewer than k classes score
+   strictly higher than the true one. */
 static void mpt__count_hits(int metrics, int k, int from_logits, const mpt_tensor *out,
                             const mpt_tensor *y, int64_t *correct, int64_t *top_k) {
     int64_t b, B = out->shape[0], classes = mpt_tensor_count(out) / B;
@@ -10300,10 +10337,17 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     loss = mpt__loss_run(ctx, &j,
                          (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
                              (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
-    a->state->loss_sum += loss * (double)a->rows;
-    a->state->samples += (double)a->rows;
-    a->state->correct += (double)correct;
-    a->state->top_k += (double)top_k;
+    mpt__loss_tally(a->state, a->metrics, a->rows, a->rows_per_sample, loss, (double)correct,
+                    (double)top_k);
+}
+
+/* A model output's rows for the loss: its last axis holds the classes and
+   every other axis of a sample is a position, as Keras and PyTorch see an
+   (N, H, W, C) or (N, T, C) output: one softmax and one loss per position. */
+static void mpt__loss_rows(const mpt__layer *last, int64_t batch, mpt_loss_args *a) {
+    a->K = last->out_shape[last->out_rank - 1];
+    a->rows_per_sample = last->out_count / a->K;
+    a->rows = batch * a->rows_per_sample;
 }
 
 /* ---- the loss of a model's output, for a step by hand ---------------------
@@ -10358,8 +10402,7 @@ MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc
     a.target_dtype = target->dtype;
     a.target = on_backend.data;
     a.dpred = m->grad_buf[0];
-    a.rows = m->last_batch;
-    a.K = last->out_count;
+    mpt__loss_rows(last, m->last_batch, &a);
     a.grad_weight = desc->grad_scale; /* the gradient's multiplier; 0: 1 */
     a.state = &m->state[1];
     m->be->zero(m->impl, &m->state[1], 4 * sizeof(double)); /* loss_sum .. samples */
@@ -11175,11 +11218,11 @@ static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
 }
 
 static void mpt__dataset_find_label_range(mpt_dataset *d) {
-    const int32_t *y = (const int32_t *)d->y; /* (n) */
+    const int32_t *y = (const int32_t *)d->y; /* (n, positions...) */
     int64_t i;
     if (d->y_dtype != MPT_INT32) return;
     d->label_min = d->label_max = y[0];
-    for (i = 1; i < d->n; i++) {
+    for (i = 1; i < d->n * d->y_count; i++) {
         d->label_min = MPT__MIN(d->label_min, y[i]);
         d->label_max = MPT__MAX(d->label_max, y[i]);
     }
@@ -11284,8 +11327,10 @@ static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
     return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, "x", x) : MPT_OK;
 }
 
-/* y: int32 class ids (n,) or (n, 1), each >= 0; or float32 targets (n, ...),
-   (n,) being one number per sample (for an output of one unit). */
+/* y: int32 class ids (n,) or (n, 1), each >= 0, or (n, positions...) for
+   an output of several positions per sample ((n, H, W) for an (H, W, C)
+   output); or float32 targets (n, ...), (n,) being one number per sample
+   (for an output of one unit). */
 static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
     char s[96];
     int64_t i;
@@ -11295,14 +11340,11 @@ static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
         return mpt__fail(ctx, MPT_ERR_DTYPE,
                          "dataset: y dtype %s is neither int32 (class ids) nor float32 (targets)",
                          mpt_dtype_name(y->dtype));
-    if (y->rank > 2 || (y->rank == 2 && y->shape[1] != 1))
-        return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "dataset: int32 class ids y %s must be (n,) or (n, 1); one-hot or "
-                         "other targets are float32", s);
-    for (i = 0; i < y->shape[0]; i++)
+    for (i = 0; i < mpt_tensor_count(y); i++)
         if (((const int32_t *)y->data)[i] < 0)
             return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "dataset: y sample %lld is class id %d, which is negative",
+                             "dataset: y sample %lld (element %lld) is class id %d, which is "
+                             "negative", (long long)(i / (mpt_tensor_count(y) / y->shape[0])),
                              (long long)i, (int)((const int32_t *)y->data)[i]);
     return MPT_OK;
 }
@@ -11359,7 +11401,10 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     memcpy(d->x_shape, desc->x->shape + 1, sizeof(int64_t) * (size_t)d->x_rank);
     d->x_count = mpt__shape_count(d->x_rank, d->x_shape);
     d->y_dtype = desc->y->dtype;
-    d->y_rank = d->y_dtype == MPT_INT32 ? 0 : desc->y->rank - 1;
+    /* one class id a sample, (n) or (n, 1), has rank 0: the rank of an
+       output of one axis without it */
+    d->y_rank = d->y_dtype == MPT_INT32 && mpt_tensor_count(desc->y) == d->n ? 0
+                                                                           : desc->y->rank - 1;
     memcpy(d->y_shape, desc->y->shape + 1, sizeof(int64_t) * (size_t)d->y_rank);
     d->y_count = mpt__shape_count(d->y_rank, d->y_shape);
     s = mpt__dataset_take(ctx, desc->x, desc->copy, &d->x, &d->owned_x);
@@ -11478,7 +11523,8 @@ static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
 MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                      int64_t count, int32_t *labels) {
     MPT__CHECK(mpt__check_label_range(ctx, "labels", d, MPT_INT32, first, count, labels));
-    memcpy(labels, (const int32_t *)d->y + first, sizeof(int32_t) * (size_t)count);
+    memcpy(labels, (const int32_t *)d->y + first * d->y_count,
+           sizeof(int32_t) * (size_t)(count * d->y_count));
     return MPT_OK;
 }
 
@@ -12464,16 +12510,17 @@ MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out) {
 typedef struct mpt__tally {
     double loss_sum;     /* Σ batch mean loss · batch size */
     int64_t samples;
-    int64_t correct;     /* accuracy                       */
-    int64_t top_k;       /* sparse top-k accuracy          */
+    double correct;      /* accuracy: samples right, a sample of several
+                            positions in the fraction of them right   */
+    double top_k;        /* sparse top-k accuracy, alike              */
 } mpt__tally;
 
 /* A tally from the backend's record of it. */
 static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
     t->loss_sum = st->loss_sum;
     t->samples = (int64_t)st->samples;
-    t->correct = (int64_t)st->correct;
-    t->top_k = (int64_t)st->top_k;
+    t->correct = st->correct;
+    t->top_k = st->top_k;
 }
 
 /* Loss, accuracy and top-k of a tally into logs, names prefixed ("val_"). */
@@ -12482,12 +12529,12 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
     double n = t->samples ? (double)t->samples : 1.0;
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
     if (m->compile.metrics & MPT_METRIC_ACCURACY)
-        mpt__logs_set(logs, validation ? "val_accuracy" : "accuracy", (double)t->correct / n);
+        mpt__logs_set(logs, validation ? "val_accuracy" : "accuracy", t->correct / n);
     if (m->compile.metrics & MPT_METRIC_SPARSE_TOP_K)
         mpt__logs_set(logs,
                       validation ? "val_sparse_top_k_categorical_accuracy"
                                  : "sparse_top_k_categorical_accuracy",
-                      (double)t->top_k / n);
+                      t->top_k / n);
 }
 
 /* ---- one step ------------------------------------------------------------------ */
@@ -12530,8 +12577,7 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int train
     a.target_dtype = y->dtype;
     a.target = y->data;
     a.dpred = training ? m->grad_buf[0] : NULL;
-    a.rows = m->last_batch;
-    a.K = last->out_count;
+    mpt__loss_rows(last, m->last_batch, &a);
     a.metrics = m->compile.metrics;
     a.top_k = m->compile.top_k;
     a.scale_by_loss_scale = training;
@@ -12919,29 +12965,48 @@ static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const c
     return mpt__check_sample_shape(m, rank, shape, what);
 }
 
+/* A sample's class ids fit an output: one per position, the output's shape
+   without its last axis (one id, rank 0, where there is one position). */
+static int mpt__labels_fit(int rank, const int64_t *shape, int out_rank, const int64_t *out_shape) {
+    int i;
+    if (rank == 0) return mpt__shape_count(out_rank - 1, out_shape) == 1;
+    if (rank != out_rank - 1) return 0;
+    for (i = 0; i < rank; i++)
+        if (shape[i] != out_shape[i]) return 0;
+    return 1;
+}
+
 /* Checks that data fits the model: sample shape, target kind and labels. */
 static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
     int64_t shape[MPT_MAX_RANK], out_count = 1;
     int rank, i;
     int32_t lo, hi;
     const mpt__layer *last = &m->layers[m->n_layers - 1];
-    char a[96], b[96];
+    char a[96], b[96], c[96];
     MPT__CHECK(mpt__check_samples(m, d, what));
     for (i = 0; i < last->out_rank; i++) out_count *= last->out_shape[i];
+    rank = mpt__dataset_label_shape(d, shape);
     if (mpt__dataset_label_dtype(d) == MPT_INT32) {
+        int64_t classes = last->out_shape[last->out_rank - 1];
         mpt__dataset_label_range(d, &lo, &hi);
         if (m->compile.loss.type != MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY && out_count > 1)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: integer class labels need the sparse categorical "
                              "crossentropy loss (or one-hot float targets)", what);
-        if (out_count > 1 && (lo < 0 || hi >= out_count))
+        if (!mpt__labels_fit(rank, shape, last->out_rank, last->out_shape))
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                             "%s: class ids of shape %s for a model output of shape %s: one "
+                             "class id per position over the last axis, shape %s", what,
+                             mpt_shape_format(a, sizeof a, rank, shape),
+                             mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape),
+                             mpt_shape_format(c, sizeof c, last->out_rank - 1, last->out_shape));
+        if (out_count > 1 && (lo < 0 || hi >= classes))
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: labels range over %d..%d but the model has %lld classes "
-                             "(0..%lld)", what, (int)lo, (int)hi, (long long)out_count,
-                             (long long)out_count - 1);
+                             "(0..%lld)", what, (int)lo, (int)hi, (long long)classes,
+                             (long long)classes - 1);
         return MPT_OK;
     }
-    rank = mpt__dataset_label_shape(d, shape);
     if (!mpt__target_shape_fits(rank, shape, last->out_rank, last->out_shape))
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: targets of shape %s for a model output of "
                          "shape %s", what, mpt_shape_format(a, sizeof a, rank, shape),
@@ -20733,11 +20798,12 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     return s;
 }
 
-/* Accuracy and top-k of one batch's outputs (rows × classes) against
-   class ids or float targets, added to t. */
+/* Accuracy and top-k of one batch's outputs (rows × classes, a row per
+   position) against class ids or float targets, added to t as the float
+   model's are (mpt__loss_tally): rows_per_sample positions make a sample. */
 static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows, int64_t classes,
-                               const mpt_tensor *target, mpt__tally *t) {
-    int64_t r, c;
+                               int64_t rows_per_sample, const mpt_tensor *target, mpt__tally *t) {
+    int64_t r, c, correct = 0, top_k = 0;
     for (r = 0; r < rows; r++, p += classes) {
         int64_t best = 0, label, above = 0;
         for (c = 1; c < classes; c++) best = p[c] > p[best] ? c : best;
@@ -20748,16 +20814,18 @@ static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows,
             for (label = 0, c = 1; c < classes; c++) label = tr[c] > tr[label] ? c : label;
         }
         if (label < 0 || label >= classes) continue;
-        t->correct += best == label;
+        correct += best == label;
         for (c = 0; c < classes; c++) above += p[c] > p[label];
-        t->top_k += above < m->compile.top_k;
+        top_k += above < m->compile.top_k;
     }
+    t->correct += (double)correct / (double)rows_per_sample;
+    t->top_k += (double)top_k / (double)rows_per_sample;
 }
 
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, batch, per = mpt__q_out_count(Q), *order, k;
+    int64_t n, batch, per = mpt__q_out_count(Q), *order, k, classes;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
@@ -20802,7 +20870,8 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         if (s != MPT_OK) break;
         t.loss_sum += loss * (double)b;
         t.samples += b;
-        mpt__q_tally_batch(m, pred, b, per, &y, &t);
+        classes = shape[rank - 1];
+        mpt__q_tally_batch(m, pred, b * (per / classes), classes, per / classes, &y, &t);
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);

@@ -10177,16 +10177,22 @@ static mpt_status mpt__loss_check_finite(mpt_context *ctx, const char *name, con
     return MPT_OK;
 }
 
-/* Every class id in 0..K−1. */
-static mpt_status mpt__loss_check_labels(mpt_context *ctx, const mpt__loss_job *j) {
+/* Every class id in 0..K−1; a sample has rows_per_sample of them, one per
+   position (H·W of an (N, H, W, K) prediction). */
+static mpt_status mpt__loss_check_labels(mpt_context *ctx, const mpt__loss_job *j,
+                                         int64_t rows_per_sample) {
     const int32_t *label = (const int32_t *)j->target->data; /* (rows) */
     int64_t r;
-    for (r = 0; r < j->rows; r++)
-        if (label[r] < 0 || label[r] >= j->K)
-            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "%s: label %d of sample %lld is not a class id in 0..%lld",
-                             mpt__loss_name(j->type), (int)label[r], (long long)r,
-                             (long long)(j->K - 1));
+    char at[64] = "";
+    for (r = 0; r < j->rows; r++) {
+        if (label[r] >= 0 && label[r] < j->K) continue;
+        if (rows_per_sample > 1)
+            snprintf(at, sizeof at, " position %lld", (long long)(r % rows_per_sample));
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: label %d of sample %lld%s is not a class id in 0..%lld",
+                         mpt__loss_name(j->type), (int)label[r], (long long)(r / rows_per_sample),
+                         at, (long long)(j->K - 1));
+    }
     return MPT_OK;
 }
 
@@ -10304,7 +10310,8 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
     j.rows = mpt_tensor_count(pred) / j.K;
     categorical = j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
                   j.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
-    if (j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY) MPT__CHECK(mpt__loss_check_labels(ctx, &j));
+    if (j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
+        MPT__CHECK(mpt__loss_check_labels(ctx, &j, pred->rank > 1 ? j.rows / pred->shape[0] : 1));
     if (categorical && !j.from_logits) MPT__CHECK(mpt__loss_check_prob_rows(ctx, &j));
     *loss = mpt__loss_run(ctx, &j, desc->grad_scale != 0 ? desc->grad_scale : 1.0);
     return MPT_OK;
@@ -10369,7 +10376,7 @@ static mpt_status mpt__check_model_target(mpt_model *m, const mpt_loss_desc *d,
         j.target = target;
         j.rows = mpt_tensor_count(target);
         j.K = pred->shape[pred->rank - 1];
-        return mpt__loss_check_labels(m->ctx, &j);
+        return mpt__loss_check_labels(m->ctx, &j, j.rows / pred->shape[0]);
     }
     if (target->dtype != MPT_FLOAT32)
         return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: target must be float32, not %s", name,

@@ -264,7 +264,7 @@ static void test_bad_labels(void) {
     labels[N * POS - 2] = C;
     mpt_tensor_wrap(q, &yb, MPT_INT32, 3, (int64_t[]){N, H, W}, labels);
     expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
-                 "label 5 of", "label out of range");
+                 "label 5 of sample 2 position 10 is not a class id in 0..4", "label out of range");
     labels[N * POS - 2] = 0;
     /* categorical targets (N, C) for an (N, H, W, C) output */
     d.type = MPT_LOSS_CATEGORICAL_CROSSENTROPY;

@@ -849,7 +849,8 @@ MPTDEF const char *mpt_policy_name(mpt_policy policy);
 
 typedef enum mpt_loss_type {
     MPT_LOSS_NONE = 0,
-    MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, /* target: int32 class ids (batch) */
+    MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, /* target: int32 class ids, pred's
+                                                 shape without its last axis */
     MPT_LOSS_CATEGORICAL_CROSSENTROPY,        /* target: one-hot/probabilities   */
     MPT_LOSS_BINARY_CROSSENTROPY,             /* target: 0..1, same shape (or
                                                  without a last axis of 1)      */
@@ -867,7 +868,11 @@ typedef struct mpt_loss_desc {
 } mpt_loss_desc;
 
 /* The mean loss over the batch (Keras' sum_over_batch_size), computed in
-   float32 whatever the prediction dtype, into *loss (required). If dpred is
+   float32 whatever the prediction dtype, into *loss (required). The last
+   axis of pred holds the classes: a crossentropy is one loss per position
+   (each index of the other axes; (N, H, W, C) has N·H·W), the mean taken
+   over all of them; sparse targets then hold one class id per position,
+   (N, H, W). If dpred is
    not NULL it receives grad_scale · d(loss)/d(pred), in dpred's dtype and
    pred's shape; dpred may be pred itself. */
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
@@ -958,7 +963,9 @@ typedef struct mpt_loss_scale_desc {
 
 enum {
     MPT_METRIC_ACCURACY = 1 << 0,         /* "accuracy": argmax == label (sparse
-                                              labels) or == argmax of target     */
+                                              labels) or == argmax of target,
+                                              the fraction of positions right for
+                                              an output of several (as Keras)    */
     MPT_METRIC_SPARSE_TOP_K = 1 << 1      /* "sparse_top_k_categorical_accuracy" */
 };
 
@@ -9888,6 +9895,11 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
    =============================================================================
 
    Each loss sees pred as rows of K values, K = its last axis: (rows, K).
+   A row is a position: an (N, H, W, K) output from a Conv2D head has
+   N·H·W of them, each its own softmax, as Keras and PyTorch (one softmax
+   over a whole sample would mix the positions' classes). A model's loss
+   (mpt__loss_rows) and its metrics see the rows alike; mpt__loss_tally
+   counts each sample once whatever its positions.
    Crossentropies give one loss per row (over its K classes) and average
    over the rows; binary crossentropy and mean squared error average over
    the last axis and then over the rows, i.e. over every element. That is

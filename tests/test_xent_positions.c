@@ -225,6 +225,32 @@ static void test_evaluate_per_position(void) {
                       "took the loss from %.4f to only %.4f", sparse, logits, before,
                       mpt_logs_get(&logs, "loss"));
             }
+            /* the quantized model's evaluate counts positions alike */
+            {
+                mpt_model *qm = NULL;
+                CHECK(mpt_model_quantize(m, NULL, &qm) == MPT_OK, "quantize: %s",
+                      mpt_context_error(ctx));
+                if (qm && mpt_model_predict(qm, data, N, &out) == MPT_OK) {
+                    double want, want_acc;
+                    for (i = 0; i < n * POS * C; i++) pred[i] = ((const float *)out.data)[i];
+                    mpt_tensor_free(ctx, &out);
+                    want = ref_loss(logits, pred, target, n * POS);
+                    want_acc = ref_accuracy(pred, target, n * POS);
+                    CHECK(mpt_model_evaluate(qm, data, &(mpt_evaluate_desc){.batch_size = N},
+                                             &logs) == MPT_OK, "quantized evaluate: %s",
+                          mpt_context_error(ctx));
+                    CHECK(fabs(mpt_logs_get(&logs, "loss") - want) <= 1e-5 * want,
+                          "sparse %d logits %d: quantized evaluate loss %.9g, per-position "
+                          "reference %.9g", sparse, logits, mpt_logs_get(&logs, "loss"), want);
+                    CHECK(fabs(mpt_logs_get(&logs, "accuracy") - want_acc) <= 1e-12,
+                          "sparse %d logits %d: quantized evaluate accuracy %.9g, per-position "
+                          "reference %.9g", sparse, logits, mpt_logs_get(&logs, "accuracy"),
+                          want_acc);
+                } else {
+                    CHECK(0, "quantized predict: %s", mpt_context_error(ctx));
+                }
+                mpt_model_destroy(qm);
+            }
             mpt_dataset_destroy(data);
             mpt_model_destroy(m);
         }

@@ -69,11 +69,12 @@ static double ref_accuracy(const double *pred, const double *target, int64_t row
 
 /* Conv2D 3×3 'same' to C channels: (N, H, W, CIN) -> (N, H, W, C), ending
    in a softmax over the channels unless it gives logits. */
-static mpt_model *head_model(mpt_context *c, int softmax, mpt_loss_type type, int from_logits) {
+static mpt_model *head_model_on(mpt_context *c, int softmax, mpt_loss_type type,
+                                int from_logits, mpt_strategy *strategy) {
     mpt_model *m = NULL;
     mpt_compile_desc cd;
     CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {H, W, CIN}, .input_rank = 3,
-                                                 .seed = 7}, &m) == MPT_OK,
+                                                 .seed = 7, .strategy = strategy}, &m) == MPT_OK,
           "create: %s", mpt_context_error(c));
     if (!m) return NULL;
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = C, .kernel_size = {3, 3},
@@ -90,6 +91,20 @@ static mpt_model *head_model(mpt_context *c, int softmax, mpt_loss_type type, in
     cd.metrics = MPT_METRIC_ACCURACY;
     CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
     return m;
+}
+
+static mpt_model *head_model(mpt_context *c, int softmax, mpt_loss_type type, int from_logits) {
+    return head_model_on(c, softmax, type, from_logits, NULL);
+}
+
+/* The last epoch's value of a history key. */
+static double last_value(const mpt_model *m, const char *key) {
+    mpt_history h;
+    int k;
+    mpt_model_history(m, &h);
+    for (k = 0; k < h.n_keys; k++)
+        if (!strcmp(h.keys[k], key) && h.epochs > 0) return h.values[k][h.epochs - 1];
+    return NAN;
 }
 
 static void random_input(float *x, int64_t n) {
@@ -256,6 +271,63 @@ static void test_evaluate_per_position(void) {
         }
 }
 
+/* ---- mirrored replicas: each its share of the batch's samples ---------------------- */
+
+/* Two replicas split each batch of 6 samples (72 positions) 3 and 3 and
+   weight their gradients by their share of the samples: the same
+   training as one replica, the same loss and accuracy in the history. */
+static void test_mirrored_per_position(void) {
+    enum { n = 2 * N + 1 };
+    static float x[n * H * W * CIN];
+    static int32_t labels[n * POS];
+    static double target[n * POS * C];
+    mpt_strategy *st = NULL;
+    mpt_model *one, *two;
+    mpt_tensor xt, yt;
+    mpt_dataset *data = NULL;
+    mpt_fit_desc f = fit_for(3, 2 * N);
+    double num = 0, den = 0;
+    int i;
+    int64_t e;
+    test_seed(2404);
+    random_input(x, n);
+    random_targets(labels, target, n * POS, 0);
+    CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                        .num_replicas = 2}, &st) == MPT_OK,
+          "strategy: %s", mpt_context_error(ctx));
+    one = head_model(ctx, 1, MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0);
+    two = head_model_on(ctx, 1, MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0, st);
+    mpt_tensor_wrap(ctx, &xt, MPT_FLOAT32, 4, (int64_t[]){n, H, W, CIN}, x);
+    mpt_tensor_wrap(ctx, &yt, MPT_INT32, 3, (int64_t[]){n, H, W}, labels);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &xt, .y = &yt}, &data) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    f.no_shuffle = 1;
+    if (one && two && data) {
+        CHECK(mpt_model_fit(one, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(two, data, &f) == MPT_OK, "fit mirrored: %s", mpt_context_error(ctx));
+        CHECK(fabs(last_value(two, "loss") - last_value(one, "loss")) <=
+                  1e-5 * last_value(one, "loss"),
+              "loss: 2 replicas %.9g, 1 replica %.9g", last_value(two, "loss"),
+              last_value(one, "loss"));
+        CHECK(fabs(last_value(two, "accuracy") - last_value(one, "accuracy")) <= 1e-9,
+              "accuracy: 2 replicas %.9g, 1 replica %.9g", last_value(two, "accuracy"),
+              last_value(one, "accuracy"));
+        for (i = 0; i < one->n_params; i++)
+            for (e = 0; e < one->params[i].count; e++) {
+                double a = one->params[i].value[e];
+                double b = two->params[i].value[e];
+                num += (a - b) * (a - b);
+                den += a * a;
+            }
+        CHECK(den > 0 && sqrt(num / den) <= 1e-5, "weights: 2 replicas differ from 1 by %.3g "
+              "(relative norm)", sqrt(num / den));
+    }
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(one);
+    mpt_model_destroy(two);
+    mpt_strategy_destroy(st);
+}
+
 /* ---- bad labels ---------------------------------------------------------------------- */
 
 static void expect_error(mpt_context *q, mpt_status got, mpt_status want, const char *words,
@@ -318,6 +390,7 @@ int main(void) {
     mpt_context_create(NULL, &ctx);
     TEST_RUN(test_compute_loss_per_position);
     TEST_RUN(test_evaluate_per_position);
+    TEST_RUN(test_mirrored_per_position);
     TEST_RUN(test_bad_labels);
     mpt_context_destroy(ctx);
     return test_summary("test_xent_positions");

@@ -872,9 +872,9 @@ typedef struct mpt_loss_desc {
    axis of pred holds the classes: a crossentropy is one loss per position
    (each index of the other axes; (N, H, W, C) has N·H·W), the mean taken
    over all of them; sparse targets then hold one class id per position,
-   (N, H, W). If dpred is
-   not NULL it receives grad_scale · d(loss)/d(pred), in dpred's dtype and
-   pred's shape; dpred may be pred itself. */
+   (N, H, W). If dpred is not NULL it receives grad_scale ·
+   d(loss)/d(pred), in dpred's dtype and pred's shape; dpred may be pred
+   itself. */
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred);
@@ -11351,9 +11351,7 @@ static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
    output); or float32 targets (n, ...), (n,) being one number per sample
    (for an output of one unit). */
 static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
-    char s[96];
     int64_t i;
-    mpt_shape_format(s, sizeof s, y->rank, y->shape);
     if (y->dtype == MPT_FLOAT32) return mpt__check_finite(ctx, "y", y);
     if (y->dtype != MPT_INT32)
         return mpt__fail(ctx, MPT_ERR_DTYPE,

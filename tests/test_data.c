@@ -869,9 +869,27 @@ static void test_create_validation(void) {
 
     test__begin();
     x = tensor(MPT_FLOAT32, 2, 6, 4, 0, xf);
-    y = tensor(MPT_INT32, 2, 6, 3, 0, yi);
-    expect_error(create(q, &x, &y, 0, &d), MPT_ERR_SHAPE, "y int32 (6, 3)", "(6, 3)", "float32",
-                 NULL);
+    { /* int32 (6, 3): a class id for each of a sample's 3 positions */
+        int32_t yp[6 * 3], back[3 * 3], lo = -1, hi = -1;
+        for (i = 0; i < 6 * 3; i++) yp[i] = i % 5;
+        yp[7] = 9;
+        y = tensor(MPT_INT32, 2, 6, 3, 0, yp);
+        CHECK(create(ctx, &x, &y, 0, &d) == MPT_OK, "(6, 3) class ids: %s", mpt_context_error(ctx));
+        CHECK(d && d->y_count == 3 && mpt__dataset_label_shape(d, NULL) == 1,
+              "(6, 3) class ids: 3 positions a sample");
+        if (d) {
+            mpt__dataset_label_range(d, &lo, &hi);
+            CHECK(lo == 0 && hi == 9, "(6, 3) class ids range over %d..%d, not 0..9", (int)lo,
+                  (int)hi);
+            CHECK(mpt_dataset_labels(ctx, d, 2, 3, back) == MPT_OK &&
+                      !memcmp(back, yp + 2 * 3, sizeof back),
+                  "(6, 3) class ids: samples 2..4's, every position");
+        }
+        mpt_dataset_destroy(d);
+        yp[16] = -1;
+        expect_error(create(q, &x, &y, 0, &d), MPT_ERR_INVALID_ARGUMENT, "negative label at a "
+                     "position", "sample 5", "-1", NULL);
+    }
     y = tensor(MPT_FLOAT16, 2, 6, 1, 0, xh);
     expect_error(create(q, &x, &y, 0, &d), MPT_ERR_DTYPE, "y float16", "float16", NULL, NULL);
     y = tensor(MPT_UINT8, 1, 6, 0, 0, yi);

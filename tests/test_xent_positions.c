@@ -68,7 +68,8 @@ static double ref_accuracy(const double *pred, const double *target, int64_t row
 /* ---- the model ------------------------------------------------------------------ */
 
 /* Conv2D 3×3 'same' to C channels: (N, H, W, CIN) -> (N, H, W, C), ending
-   in a softmax over the channels unless it gives logits. */
+   in a softmax over the channels unless it gives logits (softmax 0): the
+   Conv2D's own (1) or an Activation layer after it (2). */
 static mpt_model *head_model_on(mpt_context *c, int softmax, mpt_loss_type type,
                                 int from_logits, mpt_strategy *strategy) {
     mpt_model *m = NULL;
@@ -80,8 +81,9 @@ static mpt_model *head_model_on(mpt_context *c, int softmax, mpt_loss_type type,
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = C, .kernel_size = {3, 3},
                                                .padding = MPT_PADDING_SAME,
                                                .bias_initializer = MPT_INIT_GLOROT_UNIFORM,
-                                               .activation = softmax ? MPT_ACT_SOFTMAX
-                                                                     : MPT_ACT_NONE});
+                                               .activation = softmax == 1 ? MPT_ACT_SOFTMAX
+                                                                          : MPT_ACT_NONE});
+    if (softmax == 2) mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_build(m, 2 * N) == MPT_OK, "build: %s", mpt_context_error(c));
     memset(&cd, 0, sizeof cd);
     cd.optimizer.type = MPT_OPTIMIZER_SGD;
@@ -136,7 +138,7 @@ static void test_compute_loss_per_position(void) {
         for (logits = 0; logits < 2; logits++) {
             mpt_loss_type type = sparse ? MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY
                                         : MPT_LOSS_CATEGORICAL_CROSSENTROPY;
-            mpt_model *m = head_model(ctx, !logits, type, logits);
+            mpt_model *m = head_model(ctx, logits ? 0 : sparse ? 2 : 1, type, logits);
             float x[N * H * W * CIN], tf[OUT];
             int32_t labels[N * POS];
             double pred[OUT], target[OUT], fd[OUT], got = -1, want, num = 0, den = 0;
@@ -155,6 +157,16 @@ static void test_compute_loss_per_position(void) {
             CHECK(mpt_model_forward(m, &xb, 1, &out) == MPT_OK, "forward: %s",
                   mpt_context_error(ctx));
             for (i = 0; i < OUT; i++) pred[i] = ((const float *)out.data)[i];
+            for (i = 0; !logits && i < N * POS; i++) { /* a softmax per position */
+                double sum = 0;
+                int k;
+                for (k = 0; k < C; k++) sum += pred[i * C + k];
+                if (fabs(sum - 1) > 1e-5) {
+                    CHECK(0, "sparse %d: position %lld's probabilities sum to %.7f", sparse,
+                          (long long)i, sum);
+                    break;
+                }
+            }
             CHECK(mpt_model_output_grad(m, &dout) == MPT_OK, "output_grad: %s",
                   mpt_context_error(ctx));
             for (i = 0; i < OUT; i++) ((float *)dout.data)[i] = NAN; /* poisoned */

@@ -151,7 +151,10 @@
        inputs converted     mpt__dataset_gather (@impl-data),
                             mpt__forward_prepare (@impl-passes)
        final softmax        mpt__final_softmax_in_float32 (@impl-layers)
-       loss × S × weight    mpt__cpu_loss (@impl-losses); mpt__cuda_loss
+       loss × S × weight    mpt__cpu_loss (@impl-losses); mpt__cuda_loss; one
+                            row per position of the output's last axis
+                            (mpt__loss_rows), the batch tallied by
+                            mpt__loss_tally (@backend-shared)
        finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update
@@ -192,7 +195,8 @@
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
-       @backend-shared  the rules both backends run: Philox, loss scaling (internal)
+       @backend-shared  the rules both backends run: Philox, loss scaling, the
+                        loss's tally (internal)
      implementation (MPT_IMPLEMENTATION), along the data flow:
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,

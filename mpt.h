@@ -12987,10 +12987,12 @@ static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const c
 }
 
 /* A sample's class ids fit an output: one per position, the output's shape
-   without its last axis (one id, rank 0, where there is one position). */
+   without its last axis, or with it 1 (as mpt_loss_compute takes them);
+   one id, rank 0, where there is one position. */
 static int mpt__labels_fit(int rank, const int64_t *shape, int out_rank, const int64_t *out_shape) {
     int i;
     if (rank == 0) return mpt__shape_count(out_rank - 1, out_shape) == 1;
+    if (rank == out_rank && shape[rank - 1] == 1) rank--;
     if (rank != out_rank - 1) return 0;
     for (i = 0; i < rank; i++)
         if (shape[i] != out_shape[i]) return 0;

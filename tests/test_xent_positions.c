@@ -240,6 +240,22 @@ static void test_evaluate_per_position(void) {
                 CHECK(fabs(acc - want_acc) <= 1e-12, "sparse %d logits %d: evaluate accuracy "
                       "%.9g, per-position reference %.9g", sparse, logits, acc, want_acc);
             }
+            if (sparse) { /* ids (n, H, W, 1), as Keras takes them too: the same */
+                mpt_tensor y1;
+                mpt_dataset *d1 = NULL;
+                mpt_logs l1;
+                mpt_tensor_wrap(ctx, &y1, MPT_INT32, 4, (int64_t[]){n, H, W, 1}, labels);
+                CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &xt, .y = &y1}, &d1) ==
+                          MPT_OK, "dataset (n, H, W, 1): %s", mpt_context_error(ctx));
+                CHECK(d1 && mpt_model_evaluate(m, d1, &(mpt_evaluate_desc){.batch_size = N},
+                                               &l1) == MPT_OK,
+                      "evaluate on ids (n, H, W, 1): %s", mpt_context_error(ctx));
+                CHECK(d1 && mpt_logs_get(&l1, "loss") == loss &&
+                          mpt_logs_get(&l1, "accuracy") == acc,
+                      "ids (n, H, W, 1): loss %.9g accuracy %.9g, not (n, H, W)'s %.9g %.9g",
+                      mpt_logs_get(&l1, "loss"), mpt_logs_get(&l1, "accuracy"), loss, acc);
+                mpt_dataset_destroy(d1);
+            }
             /* fit learns the positions' classes (a 3×3 conv sees them) */
             {
                 mpt_fit_desc f = fit_for(30, N);

@@ -244,6 +244,7 @@ static void test_evaluate_per_position(void) {
                 mpt_tensor y1;
                 mpt_dataset *d1 = NULL;
                 mpt_logs l1;
+                memset(&l1, 0, sizeof l1);
                 mpt_tensor_wrap(ctx, &y1, MPT_INT32, 4, (int64_t[]){n, H, W, 1}, labels);
                 CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &xt, .y = &y1}, &d1) ==
                           MPT_OK, "dataset (n, H, W, 1): %s", mpt_context_error(ctx));

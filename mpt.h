@@ -11204,9 +11204,10 @@ struct mpt_dataset {
     int64_t x_count;              /* elements of one sample                      */
     const void *x;                /* (n, x_shape) x_dtype, this dataset's sample 0 */
     mpt_dtype y_dtype;            /* int32 class ids or float32 targets          */
-    int y_rank;                   /* one target's rank: 0 for class ids          */
+    int y_rank;                   /* one target's rank: 0 for one class id       */
     int64_t y_shape[MPT_MAX_RANK - 1];
-    int64_t y_count;              /* elements of one target: 1 for class ids     */
+    int64_t y_count;              /* elements of one target (class ids: one per
+                                     position of the model's output)             */
     const void *y;                /* (n, y_shape) y_dtype                        */
     int32_t label_min, label_max; /* class ids: their range over these n samples */
     float scale, offset;          /* uint8 x: x·scale + offset                   */

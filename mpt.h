@@ -1717,8 +1717,12 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
    mpt.h's float math, its outputs to within 1e-4. A full-integer model
    goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
-   float32 input and output,
-   each operation's float op between DequantizeLinear of its int8 inputs
+   float32 input and output (with io_dtype int8 or uint8: the codes, taken
+   in by a DequantizeLinear and given out by a QuantizeLinear at the
+   model's io quantization, as mpt_model_quantized_invoke takes them; with
+   int8 io ONNX Runtime then runs the last operation in float, as it fuses
+   none whose quantized result is the graph's output), each operation's
+   float op between DequantizeLinear of its int8 inputs
    (weights per output channel, int32 biases at scale input·weight[c]) and
    QuantizeLinear/DequantizeLinear at its output's scale and zero point
    (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
@@ -23258,15 +23262,15 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s) {
     }
 }
 
-/* ValueInfoProto: name, float32, (N, shape...) with N free. */
-static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int rank,
-                                 const int64_t *shape) {
+/* ValueInfoProto: name, elem_type (MPT__ONNX_FLOAT, ...), (N, shape...) with N free. */
+static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int elem_type,
+                                 int rank, const int64_t *shape) {
     size_t info = mpt__pb_begin(b, field), type, tensor, dims, dim;
     int i;
     mpt__pb_string(b, 1, name);
     type = mpt__pb_begin(b, 2);
     tensor = mpt__pb_begin(b, 1);
-    mpt__pb_int64(b, 1, MPT__ONNX_FLOAT);
+    mpt__pb_int64(b, 1, elem_type);
     dims = mpt__pb_begin(b, 2);
     dim = mpt__pb_begin(b, 1);
     mpt__pb_string(b, 2, "N");
@@ -23283,9 +23287,10 @@ static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int ra
 }
 
 /* ModelProto around the nodes and initializers; the running value is the
-   output, one sample of shape out_shape (out_rank). */
-static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, int out_rank,
-                            const int64_t *out_shape, mpt__pb *b) {
+   output, one sample of shape out_shape (out_rank); input and output of
+   ONNX type io_type. */
+static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_t *in_shape,
+                            int out_rank, const int64_t *out_shape, mpt__pb *b) {
     size_t graph, opset, body;
     body = mpt__onnx_node(o, "Identity", "output", o->x, NULL, NULL);
     mpt__pb_end(&o->nodes, body);
@@ -23299,8 +23304,8 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
     mpt__pb_bytes(b, o->nodes.data, o->nodes.size);
     mpt__pb_string(b, 2, "mpt");
     mpt__pb_bytes(b, o->inits.data, o->inits.size);
-    mpt__onnx_value_info(b, 11, "input", in_rank, in_shape);
-    mpt__onnx_value_info(b, 12, "output", out_rank, out_shape);
+    mpt__onnx_value_info(b, 11, "input", io_type, in_rank, in_shape);
+    mpt__onnx_value_info(b, 12, "output", io_type, out_rank, out_shape);
     mpt__pb_end(b, graph);
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
@@ -23315,7 +23320,9 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
    as int8 (F, C, kh, kw), per-axis along 0) with their int32 biases at
    scale input·weight[c], ReLU after them; pooling, Flatten and the
    activations as float ops; every result quantized and dequantized at the
-   operation's output parameters. The float helpers above name their nodes
+   operation's output parameters. With int8 or uint8 io the graph's input
+   and output are the codes, dequantized at the start and quantized at the
+   end (mpt__onnx_io_codes). The float helpers above name their nodes
    after a layer: one carrying the operation's name stands in for it.
    A float16 or dynamic-range model's operations are the same float ops
    without the Q/DQ pairs; only its Dense and Conv2D differ (float16
@@ -23716,17 +23723,47 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     }
 }
 
-/* The whole model from its float32 input to its float32 output, NHWC;
-   the output's shape into out_shape. */
+/* The ONNX type of a quantized model's input and output. */
+static int mpt__onnx_io_type(const mpt_model *m) {
+    mpt_dtype io = m->quantized ? m->quantized->io_dtype : MPT_FLOAT32;
+    return io == MPT_UINT8 ? MPT__ONNX_UINT8 : io == MPT_INT8 ? MPT__ONNX_INT8 : MPT__ONNX_FLOAT;
+}
+
+/* An int8 or uint8 io model's end (the input, output 0; the output, 1):
+   the codes in io_type at the model's io parameters (uint8's zero point
+   + 128), dequantized into the float32 graph or quantized out of it. At
+   the output the value is the last operation's, dequantized at these
+   same reals: it quantizes back to its code exactly, with no tie for
+   QuantizeLinear's round half to even to break otherwise than mpt.h. */
+static void mpt__onnx_io_codes(mpt__onnx *o, int output) {
+    const mpt_quant_params p = mpt__q_io_params(o->pl->m->quantized, output);
+    const char *end = output ? "output" : "input";
+    char scale[64], zero[64], y[64];
+    snprintf(scale, sizeof scale, "%s/io_scale", end);
+    snprintf(zero, sizeof zero, "%s/io_zero_point", end);
+    snprintf(y, sizeof y, "%s/%s", end, output ? "io_quantized" : "io_dequantized");
+    mpt__onnx_floats(o, scale, 0, 1, &p.scale);
+    mpt__onnx_ints(o, zero, mpt__onnx_io_type(o->pl->m), 1, 0, NULL, 1, &p.zero_point);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, output ? "QuantizeLinear" : "DequantizeLinear", y,
+                                          o->x, scale, zero));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* The whole model from its input to its output, NHWC, in float32 or, for
+   int8 and uint8 io, in codes at the ends; the output's shape into
+   out_shape. */
 static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     const mpt__quantized *Q = o->pl->m->quantized;
+    const int codes = mpt__onnx_io_type(o->pl->m) != MPT__ONNX_FLOAT;
     mpt__layer named;
     int i;
+    if (codes) mpt__onnx_io_codes(o, 0);
     mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
     for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
     memset(&named, 0, sizeof named);
     snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);
     mpt__onnx_layout(o, &named, 0);
+    if (codes) mpt__onnx_io_codes(o, 1);
     memcpy(out_shape, Q->ops[Q->n_ops - 1].info.out_shape, sizeof Q->ops[0].info.out_shape);
     return Q->ops[Q->n_ops - 1].info.out_rank;
 }
@@ -23761,7 +23798,7 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
         out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
         if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
     }
-    mpt__onnx_model(&o, in_rank, in_shape, out_rank, out_shape, &b);
+    mpt__onnx_model(&o, mpt__onnx_io_type(m), in_rank, in_shape, out_rank, out_shape, &b);
     if (b.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);
     else

@@ -18149,13 +18149,26 @@ static const char *mpt__ckpt_describe(char *buf, size_t size, mpt__st_dtype dtyp
     return buf;
 }
 
-static int mpt__ckpt_is_qat(const char *name) { return strncmp(name, "qat/", 4) == 0; }
-
-/* Whether the file holds quantization-aware ranges (any "qat/" tensor). */
-static int mpt__ckpt_file_has_qat(const mpt__st_file *f) {
+/* A quantization-aware range's tensor's name: "qat/.../min", ".../max" or
+   ".../initialized" (a layer named "qat" has "qat/kernel", ...). */
+static int mpt__ckpt_is_qat(const char *name) {
+    static const char *const ends[3] = {"/min", "/max", "/initialized"};
+    size_t n = strlen(name), k;
     int i;
-    for (i = 0; i < f->n_t; i++)
-        if (mpt__ckpt_is_qat(f->t[i].name)) return 1;
+    for (i = 0; i < 3 && strncmp(name, "qat/", 4) == 0; i++) {
+        k = strlen(ends[i]);
+        if (n > 4 + k && strcmp(name + n - k, ends[i]) == 0) return 1;
+    }
+    return 0;
+}
+
+/* Whether the file holds the model's quantization-aware ranges: any one of
+   them, by name (not any "qat/" tensor: a layer named "qat" has
+   parameters "qat/kernel", ...). */
+static int mpt__ckpt_file_has_qat(const mpt__st_file *f, const mpt__ckpt_plan *pl) {
+    int i;
+    for (i = 0; i < pl->n; i++)
+        if (pl->e[i].qat && mpt__st_find(f, pl->e[i].name)) return 1;
     return 0;
 }
 
@@ -18409,7 +18422,7 @@ static void mpt__ckpt_apply_train(mpt_model *m, const mpt__ckpt_train *t) {
 static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
                                          mpt__st_tensor **found, int full) {
     mpt_status s;
-    int i, qat_in_file = m->qat && mpt__ckpt_file_has_qat(f);
+    int i, qat_in_file = mpt__ckpt_file_has_qat(f, pl);
     if (full) MPT__CHECK(mpt__ckpt_check_metadata(m, f));
     MPT__CHECK(mpt__ckpt_match(m, f, pl, qat_in_file, found));
     MPT__CHECK(mpt__ckpt_check_unused(m, f, full));

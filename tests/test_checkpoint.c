@@ -1701,12 +1701,16 @@ static void test_qat_resume(void) {
     mpt_dataset_destroy(d);
 }
 
-/* Files with and without ranges, into models with and without QAT. */
+/* Files with and without ranges, into models with and without QAT
+   (cases of their own: expect_refused reports its own). */
 static void test_qat_mismatch(void) {
     mpt_dataset *d = qat_data();
     mpt_model *aware = make_qat_model(1), *plain = make_qat_model(0), *m = make_qat_model(1);
+    mpt_model *named[2] = {NULL, NULL};
     char c[256], w[256], pc[256], pw[256];
     qat_ranges before;
+    int k;
+    test__begin();
     CHECK(mpt_model_fit(aware, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
           "fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(plain, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
@@ -1715,13 +1719,6 @@ static void test_qat_mismatch(void) {
     mpt_model_save_weights(aware, path_of(w, "qat_mw.safetensors"));
     mpt_model_save_checkpoint(plain, path_of(pc, "plain_m.safetensors"));
     mpt_model_save_weights(plain, path_of(pw, "plain_mw.safetensors"));
-    /* a full checkpoint's ranges into a float model: refused, nothing changed */
-    {
-        mpt_model *fresh = make_qat_model(0);
-        expect_refused(fresh, c, 1, MPT_ERR_STATE, "not quantization-aware", "\"qat/",
-                       "a quantization-aware checkpoint into a float model");
-        mpt_model_destroy(fresh);
-    }
     /* its weights file: the weights, the ranges passed over */
     CHECK(mpt_model_load_weights(plain, w) == MPT_OK, "weights with ranges into a float model: %s",
           mpt_context_error(ctx));
@@ -1762,9 +1759,38 @@ static void test_qat_mismatch(void) {
               "another decay is warned about: '%s'", last_warning);
         mpt_model_destroy(other);
     }
+    test__end("quantization-aware ranges: files with and without them, models with and "
+              "without quantization-aware training");
+    /* a full checkpoint's ranges into a float model: refused, nothing changed */
+    mpt_model_destroy(plain);
+    plain = make_qat_model(0);
+    expect_refused(plain, c, 1, MPT_ERR_STATE, "not quantization-aware", "\"qat/",
+                   "a quantization-aware checkpoint into a float model");
     mpt_model_destroy(aware);
     mpt_model_destroy(plain);
     mpt_model_destroy(m);
+    /* a layer named "qat": its parameters are not ranges */
+    test__begin();
+    {
+        for (k = 0; k < 2; k++) {
+            mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &named[k]);
+            mpt_model_add_dense(named[k], &(mpt_dense_desc){.units = 4, .name = "qat"});
+            compile_with(named[k], MPT_OPTIMIZER_ADAM, 0);
+            CHECK(mpt_model_build(named[k], 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        }
+        CHECK(mpt_model_quantize_aware(named[1], NULL) == MPT_OK, "qat: %s", mpt_context_error(ctx));
+        mpt_model_fit(named[0], d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8});
+        mpt_model_save_checkpoint(named[0], path_of(c, "qat_named.safetensors"));
+        CHECK(mpt_model_load_checkpoint(named[1], c) == MPT_OK, "a float checkpoint of a layer "
+              "named 'qat' into a quantization-aware model: %s", mpt_context_error(ctx));
+        mpt_model_fit(named[1], d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8});
+        mpt_model_save_checkpoint(named[1], c);
+    }
+    test__end("a float checkpoint of a layer named 'qat' loads into a quantization-aware model");
+    expect_refused(named[0], c, 1, MPT_ERR_STATE, "\"qat/input/", "not quantization-aware",
+                   "ranges of a layer named 'qat' into a float model");
+    mpt_model_destroy(named[0]);
+    mpt_model_destroy(named[1]);
     mpt_dataset_destroy(d);
 }
 
@@ -1815,14 +1841,17 @@ static void test_qat_bad_values(void) {
     mpt_dataset *d = qat_data();
     mpt_model *src = make_qat_model(1), *m = make_qat_model(1);
     char c[256], w[256], p[256];
+    test__begin();
     CHECK(mpt_model_fit(src, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
           "fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 8}) == MPT_OK,
           "fit: %s", mpt_context_error(ctx));
     CHECK(qat_ranges_of(m).status[0] == MPT_OK && !qat_ranges_same(qat_ranges_of(m), qat_ranges_of(src)),
           "the model's ranges are set, and not the file's");
-    mpt_model_save_checkpoint(src, path_of(c, "qat_bad.safetensors"));
-    mpt_model_save_weights(src, path_of(w, "qat_badw.safetensors"));
+    CHECK(mpt_model_save_checkpoint(src, path_of(c, "qat_bad.safetensors")) == MPT_OK &&
+              mpt_model_save_weights(src, path_of(w, "qat_badw.safetensors")) == MPT_OK,
+          "save: %s", mpt_context_error(ctx));
+    test__end("quantization-aware files to corrupt");
     path_of(p, "qat_patched.safetensors");
     patch_f32(c, p, tensor_begin(c, "qat/activation/output/min"), NAN);
     expect_qat_refused(m, p, 1, MPT_ERR_NUMERIC, "\"qat/activation/output/min\" holds NaN",
@@ -1939,7 +1968,7 @@ int main(void) {
     TEST_RUN(test_out_of_memory);
     TEST_RUN(test_resume_fit);
     TEST_RUN(test_qat_resume);
-    TEST_RUN(test_qat_mismatch);
+    test_qat_mismatch();
     test_qat_bad_values();
     TEST_RUN(test_python_interop);
     remove_dir();

@@ -1657,9 +1657,9 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
-   converted, from a file gives the same int8 model. Errors: MPT_ERR_STATE for an unbuilt, quantized or
-   already quantization-aware model, MPT_ERR_INVALID_ARGUMENT for an
-   ema_decay outside [0, 1). */
+   converted, from a file gives the same int8 model. Errors: MPT_ERR_STATE
+   for an unbuilt, quantized or already quantization-aware model,
+   MPT_ERR_INVALID_ARGUMENT for an ema_decay outside [0, 1). */
 typedef struct mpt_qat_desc {
     float ema_decay; /* the activation ranges' moving average: default 0:
                         0.999 (tfmot's MovingAverageQuantizer)             */

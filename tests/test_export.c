@@ -987,9 +987,10 @@ static const char *write_qdq_script(char *buf) {
     return buf;
 }
 
-/* One model quantized to full integer (float32 io) exported to ONNX in
-   the QDQ form, run in ONNX Runtime and compared with
-   mpt_model_quantized_invoke in steps of the output's scale. ONNX Runtime
+/* One model quantized to full integer (float32, uint8 or int8 io)
+   exported to ONNX in the QDQ form, run in ONNX Runtime and compared with
+   mpt_model_quantized_invoke in steps of the output's scale (uint8 and
+   int8 io: in codes, the random codes of xq_codes in). ONNX Runtime
    computes the graph either in float between the Q/DQ pairs or in its own
    fused int8 kernels, both rounding the requantization their own way
    (float products and sums instead of mpt.h's integer multiplier and
@@ -999,13 +1000,14 @@ static const char *write_qdq_script(char *buf) {
    the ties at softmax's 1/256). */
 static void onnx_runtime_matches(mpt_model *qm, mpt_dtype io, const char *name);
 
-static void check_full_integer_onnx(arch a) {
+static void check_full_integer_onnx(arch a, mpt_dtype io) {
     char name[64];
     mpt_model *m, *qm = NULL;
     int64_t k;
-    snprintf(name, sizeof name, "export_full_integer_onnx_%s", arch_name(a));
+    snprintf(name, sizeof name, "export_full_integer_onnx_%s%s%s", arch_name(a),
+             io == MPT_FLOAT32 ? "" : "_", io == MPT_FLOAT32 ? "" : mpt_dtype_name(io));
     test__begin();
-    test_seed(500 + a);
+    test_seed(500 + a + 17 * (io == MPT_UINT8) + 31 * (io == MPT_INT8));
     m = make_model(a, 0);
     if (!test_python_imports("numpy, onnx, onnxruntime") || !m) {
         mpt_model_destroy(m);
@@ -1013,9 +1015,12 @@ static void check_full_integer_onnx(arch a) {
         return;
     }
     randomize(m);
-    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) xq_host[k] = (float)test_uniform(0, 1);
-    qm = quantize_full_integer(m, MPT_FLOAT32);
-    if (qm) onnx_runtime_matches(qm, MPT_FLOAT32, name);
+    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) {
+        xq_host[k] = (float)test_uniform(0, 1);
+        xq_codes[k] = (uint8_t)(test_uniform(0, 256));
+    }
+    qm = quantize_full_integer(m, io);
+    if (qm) onnx_runtime_matches(qm, io, name);
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
     test__end("%s", name);
@@ -1488,7 +1493,9 @@ int main(void) {
     }
     for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_FLOAT16);
     for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_DYNAMIC_RANGE);
-    for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a);
+    for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a, MPT_FLOAT32);
+    check_full_integer_onnx(MLP, MPT_UINT8);
+    check_full_integer_onnx(CNN_OPEN, MPT_INT8);
     check_quantization_aware(0);
     check_quantization_aware(1);
     TEST_RUN(test_unsupported_layer);

@@ -1517,7 +1517,8 @@ typedef struct mpt_quantize_desc {
    into *out, a new model that shares nothing with m. A compiled m's loss
    and metrics go with it, for mpt_model_evaluate (or compile *out).
    Errors: MPT_ERR_STATE for an unbuilt or untrained m (or a
-   quantization-aware one that has not met a training batch); for full
+   quantization-aware one with no ranges: it has not met a training batch,
+   nor loaded a file that holds them); for full
    integer, MPT_ERR_INVALID_ARGUMENT without representative_data or with an
    empty one (unless m is quantization-aware), MPT_ERR_SHAPE for samples
    of the wrong shape; MPT_ERR_UNSUPPORTED for a layer it cannot
@@ -1671,7 +1672,7 @@ MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *des
    output (−1: the model's input), before the widening to hold 0.
    MPT_ERR_STATE when m is not quantization-aware; MPT_ERR_INVALID_ARGUMENT
    when that output is not fake-quantized or has not met a training batch
-   yet. */
+   yet (nor taken a range from a loaded file: @checkpoints). */
 MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min, float *max);
 
 /* =============================================================================
@@ -21376,7 +21377,8 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
     int i;
     if (!T->input.seen)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: the quantization-aware model has not "
-                         "trained yet, so it has no ranges: fit it first");
+                         "trained yet, so it has no ranges: fit it first (or load a checkpoint "
+                         "or weights file that holds them)");
     lo[0] = T->input.min, hi[0] = T->input.max;
     for (i = 0; i < Q->n_ops; i++) {
         const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];

@@ -1351,7 +1351,27 @@ MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
    a non-finite weight or moment, a negative second moment. The model is
    unchanged when anything fails, a read error included (only a device
    failing as it takes the checked values can leave it partly loaded, and
-   the error says so). */
+   the error says so).
+
+   A quantization-aware model (mpt_model_quantize_aware) also saves, in both
+   files (tfmot keeps its quantizers' min and max among the weights), each
+   learned range: "qat/input/min", "qat/input/max" for the model's input,
+   "qat/<layer>/output/min", ".../max" for a layer's output (F32, rank 0),
+   and whether a training batch has set it yet, ".../initialized" (I64, 0
+   or 1), with the ranges' ema_decay in __metadata__ (qat_ema_decay). Loaded
+   into a quantization-aware model built the same way, they make it
+   resume training, and convert, as the saving model would: bit-identical.
+   A file without ranges (a float model's) loads into a quantization-aware
+   model, whose ranges then start again from its next training batch (the
+   usual way in: float training, then quantization-aware fine-tuning); one
+   with ranges loads its weights alone into a float model through
+   load_weights, while load_checkpoint refuses it (MPT_ERR_STATE, naming a
+   "qat/" tensor: make the model quantization-aware first). Loaded into a
+   quantization-aware model, a file must hold every range the model has
+   (MPT_ERR_SHAPE names the one missing) in the right dtype and shape, each
+   finite (MPT_ERR_NUMERIC), min <= max and initialized 0 or 1
+   (MPT_ERR_FORMAT), or the model is left unchanged; another ema_decay is
+   only warned about. */
 MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
 MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
 /* Epochs completed, as recorded by fit and restored by load_checkpoint. */
@@ -1511,7 +1531,8 @@ typedef struct mpt_quantize_desc {
    into *out, a new model that shares nothing with m. A compiled m's loss
    and metrics go with it, for mpt_model_evaluate (or compile *out).
    Errors: MPT_ERR_STATE for an unbuilt or untrained m (or a
-   quantization-aware one that has not met a training batch); for full
+   quantization-aware one with no ranges: it has not met a training batch,
+   nor loaded a file that holds them); for full
    integer, MPT_ERR_INVALID_ARGUMENT without representative_data or with an
    empty one (unless m is quantization-aware), MPT_ERR_SHAPE for samples
    of the wrong shape; MPT_ERR_UNSUPPORTED for a layer it cannot
@@ -1648,11 +1669,12 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    strategy, a layer the full-integer model has no form for, and a Dense
    or Conv2D ending in an activation other than ReLU, unless it is the
    model's final softmax (use activation none and an Activation layer).
-   mpt_model_save_weights and mpt_model_load_weights keep working on the
-   float32 masters; the ranges live in the model only (convert before
-   destroying it). Errors: MPT_ERR_STATE for an unbuilt, quantized or
-   already quantization-aware model, MPT_ERR_INVALID_ARGUMENT for an
-   ema_decay outside [0, 1). */
+   mpt_model_save_weights and mpt_model_save_checkpoint write the float32
+   masters and the learned ranges, which a quantization-aware model loading
+   either file takes back (@checkpoints), so that a run resumed, or a model
+   converted, from a file gives the same int8 model. Errors: MPT_ERR_STATE
+   for an unbuilt, quantized or already quantization-aware model,
+   MPT_ERR_INVALID_ARGUMENT for an ema_decay outside [0, 1). */
 typedef struct mpt_qat_desc {
     float ema_decay; /* the activation ranges' moving average: default 0:
                         0.999 (tfmot's MovingAverageQuantizer)             */
@@ -1664,7 +1686,7 @@ MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *des
    output (−1: the model's input), before the widening to hold 0.
    MPT_ERR_STATE when m is not quantization-aware; MPT_ERR_INVALID_ARGUMENT
    when that output is not fake-quantized or has not met a training batch
-   yet. */
+   yet (nor taken a range from a loaded file: @checkpoints). */
 MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min, float *max);
 
 /* =============================================================================
@@ -1710,8 +1732,12 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
    mpt.h's float math, its outputs to within 1e-4. A full-integer model
    goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
-   float32 input and output,
-   each operation's float op between DequantizeLinear of its int8 inputs
+   float32 input and output (with io_dtype int8 or uint8: the codes, taken
+   in by a DequantizeLinear and given out by a QuantizeLinear at the
+   model's io quantization, as mpt_model_quantized_invoke takes them; with
+   int8 io ONNX Runtime then runs the last operation in float, as it fuses
+   none whose quantized result is the graph's output), each operation's
+   float op between DequantizeLinear of its int8 inputs
    (weights per output channel, int32 biases at scale input·weight[c]) and
    QuantizeLinear/DequantizeLinear at its output's scale and zero point
    (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
@@ -5969,6 +5995,17 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
 static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
 static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
 static void mpt__qat_commit(mpt_model *m);
+/* A learned range as checkpoints hold it (@impl-checkpoints), in the order
+   mpt__qat_ranges_out lists them: the model's input, then the layers'
+   outputs that have a learned range. */
+typedef struct mpt__qat_saved {
+    int layer;           /* whose output; -1: the model's input            */
+    int64_t initialized; /* 1: a training batch has set min and max; 0: not */
+    float min, max;
+} mpt__qat_saved;
+static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out);
+static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in);
+static float mpt__qat_decay(const mpt_model *m);
 
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
@@ -17600,13 +17637,21 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
    What mpt.h stores, in this order in the data:
        train/optimizer_steps, train/step, train/epoch,       I64, rank 0  } full
        train/good_steps, train/skipped_steps                              } checkpoints
-       train/learning_rate, train/loss_scale                 F32, rank 0  } only
+       qat/input/initialized,                                I64, rank 0  } quantization-
+         qat/<layer>/output/initialized                                   } aware models
+       train/learning_rate, train/loss_scale                 F32, rank 0  } full only
+       qat/input/min, qat/input/max,                         F32, rank 0  } quantization-
+         qat/<layer>/output/min, .../max                                  } aware models
        <layer>/<param>                  F32   every parameter, trainable or not
        optimizer/<layer>/<param>/<slot> F32   full checkpoints: "momentum" (SGD),
                                               "m" and "v" (Adam, AdamW)
-   The 8-byte scalars come first so that every tensor starts at a multiple of
-   its element size (the data starts at 8 + N, a multiple of 8), as a reader
-   that maps the file in place wants.
+   The 8-byte scalars come first, then an even number of 4-byte ones, so that
+   every tensor starts at a multiple of its element size (the data starts at
+   8 + N, a multiple of 8), as a reader that maps the file in place wants.
+   The quantization-aware ranges (the input's, then the layers' outputs that
+   have a learned one, in layer order) are all in a file or none are: a
+   model that has them takes none from a file without (they start again),
+   and a float model passes over them when it loads weights.
 
    Saving writes "<path>.tmp-<pid>" beside the target, fsyncs it, renames it
    over the target (atomic on POSIX) and fsyncs the directory, so a crash
@@ -17619,7 +17664,8 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
    Loading reads the whole header with a strict JSON reader (a malformed byte
    is reported with its offset in the file), checks the layout of the data,
    then every name, dtype and shape against the model, a full checkpoint's
-   policy and optimizer, and the training scalars' ranges; then it reads
+   policy and optimizer, the training scalars' ranges and the
+   quantization-aware ranges' values; then it reads
    the tensors into a host copy of the model's arenas and checks their
    values (finite; Adam's second moments >= 0). Only when all of that has
    passed does the model take the copy, so a failed load, a read error
@@ -17675,6 +17721,8 @@ typedef struct mpt__ckpt_entry {
     int staged;                     /* data points into plan->train              */
     int non_negative;               /* loading: its F32 values must be >= 0 too
                                        (Adam's second moment, a moving variance) */
+    int qat;                        /* a quantization-aware range's: a file holds
+                                       all of them or none (staged in plan->qat) */
 } mpt__ckpt_entry;
 
 /* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
@@ -17684,6 +17732,9 @@ typedef struct mpt__ckpt_plan {
     int n;
     int64_t data_bytes; /* the file's data: the entries' bytes, back to back */
     mpt__ckpt_train train;
+    mpt__qat_saved *qat; /* [n_qat] the learned ranges of a quantization-aware
+                            model, staged as the training scalars are   */
+    int n_qat;
     unsigned char *mirror; /* the model's parameter and optimizer arenas
                               copied to the host, which the entries point
                               into: always when loading, and when saving a
@@ -17747,9 +17798,22 @@ static mpt_status mpt__ckpt_add(mpt_model *m, mpt__ckpt_plan *pl, const char *pr
     return MPT_OK;
 }
 
-static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl) {
+static void mpt__ckpt_stage(mpt__ckpt_plan *pl, int first, int qat) {
+    for (; first < pl->n; first++) pl->e[first].staged = 1, pl->e[first].qat = qat;
+}
+
+/* The training scalars: the counters (I64), or the rates (F32). */
+static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl, int rates) {
     mpt__ckpt_train *t = &pl->train;
-    int first = pl->n, i;
+    int first = pl->n;
+    if (rates) {
+        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
+                                 &t->learning_rate, 1));
+        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
+                                 &t->loss_scale, 1));
+        mpt__ckpt_stage(pl, first, 0);
+        return MPT_OK;
+    }
     MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "optimizer_steps", "", MPT__ST_I64, 0, NULL,
                              &t->optimizer_steps, 1));
     MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "step", "", MPT__ST_I64, 0, NULL, &t->step, 1));
@@ -17758,11 +17822,37 @@ static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl) {
                              &t->good_steps, 1));
     MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "skipped_steps", "", MPT__ST_I64, 0, NULL,
                              &t->skipped_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
-                             &t->learning_rate, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
-                             &t->loss_scale, 1));
-    for (i = first; i < pl->n; i++) pl->e[i].staged = 1;
+    mpt__ckpt_stage(pl, first, 0);
+    return MPT_OK;
+}
+
+/* "qat/input/<what>" for the model's input's range, "qat/<layer>/output/<what>"
+   for a layer's (no layer name makes the one out of the other). */
+static void mpt__ckpt_qat_name(const mpt_model *m, const mpt__qat_saved *r, const char *what,
+                               char *buf, size_t size) {
+    if (r->layer < 0) snprintf(buf, size, "qat/input/%s", what);
+    else snprintf(buf, size, "qat/%s/output/%s", m->layers[r->layer].name, what);
+}
+
+/* A quantization-aware model's learned ranges: whether each is set (I64),
+   or their ends (F32), staged in pl->qat. */
+static mpt_status mpt__ckpt_add_qat(mpt_model *m, mpt__ckpt_plan *pl, int ends) {
+    char name[MPT__CKPT_NAME + 64];
+    int first = pl->n, k;
+    for (k = 0; k < pl->n_qat; k++) {
+        mpt__qat_saved *r = &pl->qat[k];
+        if (!ends) {
+            mpt__ckpt_qat_name(m, r, "initialized", name, sizeof name);
+            MPT__CHECK(mpt__ckpt_add(m, pl, name, "", "", MPT__ST_I64, 0, NULL,
+                                     &r->initialized, 1));
+            continue;
+        }
+        mpt__ckpt_qat_name(m, r, "min", name, sizeof name);
+        MPT__CHECK(mpt__ckpt_add(m, pl, name, "", "", MPT__ST_F32, 0, NULL, &r->min, 1));
+        mpt__ckpt_qat_name(m, r, "max", name, sizeof name);
+        MPT__CHECK(mpt__ckpt_add(m, pl, name, "", "", MPT__ST_F32, 0, NULL, &r->max, 1));
+    }
+    mpt__ckpt_stage(pl, first, 1);
     return MPT_OK;
 }
 
@@ -17800,10 +17890,20 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__
         for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->n_slots : 0;
         n += 7; /* the train/ scalars */
     }
+    pl->n_qat = mpt__qat_ranges_out(m, NULL);
+    n += 3 * pl->n_qat; /* initialized, min, max */
     pl->e = (mpt__ckpt_entry *)mpt__calloc(m->ctx, sizeof *pl->e * (size_t)n);
-    if (!pl->e) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    pl->qat = (mpt__qat_saved *)mpt__calloc(m->ctx, sizeof *pl->qat * (size_t)(pl->n_qat + 1));
+    if (!pl->e || !pl->qat)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    mpt__qat_ranges_out(m, pl->qat); /* loading: which ranges, the values read over them */
     MPT__CHECK(mpt__ckpt_mirror(m, loading, pl));
-    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl));
+    /* Every I64 first, then the F32 scalars (an even number of them), so
+       that each tensor starts at a multiple of its element size. */
+    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl, 0));
+    MPT__CHECK(mpt__ckpt_add_qat(m, pl, 0));
+    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl, 1));
+    MPT__CHECK(mpt__ckpt_add_qat(m, pl, 1));
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
         MPT__CHECK(mpt__ckpt_add(m, pl, "", P->name, "", MPT__ST_F32, P->rank, P->shape,
@@ -17815,8 +17915,10 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__
 
 static void mpt__ckpt_plan_free(mpt_model *m, mpt__ckpt_plan *pl) {
     mpt__free(m->ctx, pl->e);
+    mpt__free(m->ctx, pl->qat);
     mpt__free(m->ctx, pl->mirror);
     pl->e = NULL;
+    pl->qat = NULL;
     pl->mirror = NULL;
 }
 
@@ -17855,6 +17957,11 @@ static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int fu
     mpt__ckpt_put_pair(t, "policy", mpt_policy_name(m->desc.policy), 0);
     mpt__ckpt_put_pair(t, "seed", seed, 0);
     mpt__ckpt_put_pair(t, "input_shape", shape, 0);
+    if (m->qat) { /* how the ranges move on: a model made with another decay would */
+        char decay[32];
+        snprintf(decay, sizeof decay, "%.9g", (double)mpt__qat_decay(m));
+        mpt__ckpt_put_pair(t, "qat_ema_decay", decay, 0);
+    }
     mpt__ckpt_put_model(t, m);
     mpt__ckpt_puts(t, "}");
 }
@@ -18233,15 +18340,46 @@ static const char *mpt__ckpt_describe(char *buf, size_t size, mpt__st_dtype dtyp
     return buf;
 }
 
-/* Finds each of the model's entries in the file, with its dtype and shape. */
+/* A quantization-aware range's tensor's name: "qat/.../min", ".../max" or
+   ".../initialized" (a layer named "qat" has "qat/kernel", ...). */
+static int mpt__ckpt_is_qat(const char *name) {
+    static const char *const ends[3] = {"/min", "/max", "/initialized"};
+    size_t n = strlen(name), k;
+    int i;
+    for (i = 0; i < 3 && strncmp(name, "qat/", 4) == 0; i++) {
+        k = strlen(ends[i]);
+        if (n > 4 + k && strcmp(name + n - k, ends[i]) == 0) return 1;
+    }
+    return 0;
+}
+
+/* Whether the file holds the model's quantization-aware ranges: any one of
+   them, by name (not any "qat/" tensor: a layer named "qat" has
+   parameters "qat/kernel", ...). */
+static int mpt__ckpt_file_has_qat(const mpt__st_file *f, const mpt__ckpt_plan *pl) {
+    int i;
+    for (i = 0; i < pl->n; i++)
+        if (pl->e[i].qat && mpt__st_find(f, pl->e[i].name)) return 1;
+    return 0;
+}
+
+/* Finds each of the model's entries in the file, with its dtype and shape;
+   the quantization-aware ranges only where the file has them (qat_in_file),
+   their found[] NULL otherwise. */
 static mpt_status mpt__ckpt_match(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
-                                  mpt__st_tensor **found) {
+                                  int qat_in_file, mpt__st_tensor **found) {
     char want[128], got[128];
     int i, d, same;
     for (i = 0; i < pl->n; i++) {
         const mpt__ckpt_entry *e = &pl->e[i];
         mpt__st_tensor *T = mpt__st_find(f, e->name);
         mpt__ckpt_describe(want, sizeof want, e->dtype, e->rank, e->shape);
+        found[i] = NULL;
+        if (e->qat && !qat_in_file) continue;
+        if (!T && e->qat)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds quantization-aware "
+                             "ranges, but not \"%s\" (%s), which this model's needs: was it "
+                             "saved by a model built otherwise?", f->path, e->name, want);
         if (!T)
             return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has no tensor \"%s\" (the "
                              "model's is %s)", f->path, e->name, want);
@@ -18268,9 +18406,16 @@ static mpt_status mpt__ckpt_check_unused(mpt_model *m, const mpt__st_file *f, in
     for (i = 0; i < f->n_t; i++) {
         const mpt__st_tensor *T = &f->t[i];
         int extra_state = strncmp(T->name, "optimizer/", 10) == 0 ||
-                          strncmp(T->name, "train/", 6) == 0;
+                          strncmp(T->name, "train/", 6) == 0 ||
+                          (mpt__ckpt_is_qat(T->name) && !m->qat);
         if (T->used || (!full && extra_state)) continue;
         mpt__ckpt_describe(got, sizeof got, T->dtype, T->rank, T->shape);
+        if (full && mpt__ckpt_is_qat(T->name) && !m->qat)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint '%s' holds quantization-aware "
+                             "training state (\"%s\" %s), but the model is not quantization-"
+                             "aware: call mpt_model_quantize_aware before loading it, or load "
+                             "the weights alone with mpt_model_load_weights", f->path, T->name,
+                             got);
         if (full && strncmp(T->name, "optimizer/", 10) == 0)
             return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has optimizer state \"%s\" "
                              "%s that the model's optimizer (%s, %d slot%s per parameter) "
@@ -18400,13 +18545,53 @@ static mpt_status mpt__ckpt_check_values(mpt_model *m, const char *path,
     return MPT_OK;
 }
 
-/* Reads the entries with staged == want_staged into place. */
+/* The quantization-aware ranges read: each flag 0 or 1, each end finite,
+   min <= max (training keeps them so: the moving averages of ordered
+   pairs stay ordered). A range that is not set was saved as 0, 0; any
+   finite ordered pair is taken. */
+static mpt_status mpt__ckpt_check_qat(mpt_model *m, const char *path, const mpt__ckpt_plan *pl) {
+    char lo[MPT__CKPT_NAME + 64], hi[MPT__CKPT_NAME + 64];
+    int i, k;
+    for (i = 0; i < pl->n; i++) {
+        const mpt__ckpt_entry *e = &pl->e[i];
+        if (!e->qat) continue;
+        if (e->dtype == MPT__ST_F32) MPT__CHECK(mpt__ckpt_check_values(m, path, e));
+        if (e->dtype == MPT__ST_I64 && *(const int64_t *)e->data != 0 &&
+            *(const int64_t *)e->data != 1)
+            return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': tensor \"%s\" is %lld; "
+                             "it says whether a training batch has set the range: 0 or 1",
+                             path, e->name, (long long)*(const int64_t *)e->data);
+    }
+    for (k = 0; k < pl->n_qat; k++) {
+        if (pl->qat[k].min <= pl->qat[k].max) continue;
+        mpt__ckpt_qat_name(m, &pl->qat[k], "min", lo, sizeof lo);
+        mpt__ckpt_qat_name(m, &pl->qat[k], "max", hi, sizeof hi);
+        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': \"%s\" is %g, above \"%s\" "
+                         "(%g); a range's min is never above its max", path, lo,
+                         (double)pl->qat[k].min, hi, (double)pl->qat[k].max);
+    }
+    return MPT_OK;
+}
+
+/* The ranges move on with the decay the model was made quantization-aware
+   with: another one than the saving model's is allowed, and warned about. */
+static void mpt__ckpt_check_qat_decay(mpt_model *m, const mpt__st_file *f) {
+    const char *saved = mpt__st_meta_get(f, "qat_ema_decay");
+    char mine[32];
+    snprintf(mine, sizeof mine, "%.9g", (double)mpt__qat_decay(m));
+    if (saved && strcmp(saved, mine) != 0)
+        mpt__log(m->ctx, MPT_LOG_WARNING, "checkpoint '%s' was saved by a quantization-aware "
+                 "model with ema_decay %s; this one's is %s, so its ranges will move otherwise",
+                 f->path, saved, mine);
+}
+
+/* Reads the entries with staged == want_staged (that the file has) into place. */
 static mpt_status mpt__ckpt_read(mpt__st_file *f, const mpt__ckpt_plan *pl,
                                  mpt__st_tensor *const *found, int want_staged) {
     int i, swap = !mpt__ckpt_little_endian();
     for (i = 0; i < pl->n; i++) {
         const mpt__ckpt_entry *e = &pl->e[i];
-        if (e->staged != want_staged) continue;
+        if (e->staged != want_staged || !found[i]) continue;
         MPT__CHECK(mpt__st_read_at(f, 8 + f->n + found[i]->begin, e->data, e->bytes));
         if (swap) mpt__ckpt_swap(e->data, e->bytes, mpt__st_dtypes[e->dtype].size);
     }
@@ -18428,14 +18613,13 @@ static void mpt__ckpt_apply_train(mpt_model *m, const mpt__ckpt_train *t) {
 static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
                                          mpt__st_tensor **found, int full) {
     mpt_status s;
-    int i;
+    int i, qat_in_file = mpt__ckpt_file_has_qat(f, pl);
     if (full) MPT__CHECK(mpt__ckpt_check_metadata(m, f));
-    MPT__CHECK(mpt__ckpt_match(m, f, pl, found));
+    MPT__CHECK(mpt__ckpt_match(m, f, pl, qat_in_file, found));
     MPT__CHECK(mpt__ckpt_check_unused(m, f, full));
-    if (full) {
-        MPT__CHECK(mpt__ckpt_read(f, pl, found, 1));
-        MPT__CHECK(mpt__ckpt_check_train(m, f->path, &pl->train));
-    }
+    MPT__CHECK(mpt__ckpt_read(f, pl, found, 1));
+    if (full) MPT__CHECK(mpt__ckpt_check_train(m, f->path, &pl->train));
+    if (qat_in_file) MPT__CHECK(mpt__ckpt_check_qat(m, f->path, pl));
     MPT__CHECK(mpt__ckpt_read(f, pl, found, 0));
     for (i = 0; i < pl->n; i++)
         if (!pl->e[i].staged) MPT__CHECK(mpt__ckpt_check_values(m, f->path, &pl->e[i]));
@@ -18449,6 +18633,11 @@ static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mp
                          full ? " and optimizer state" : "");
     }
     if (full) mpt__ckpt_apply_train(m, &pl->train);
+    if (m->qat && qat_in_file) mpt__ckpt_check_qat_decay(m, f);
+    if (m->qat && !qat_in_file)
+        mpt__log(m->ctx, MPT_LOG_INFO, "checkpoint '%s' holds no quantization-aware ranges: "
+                 "the model's are learned again from its next training batch", f->path);
+    if (m->qat) mpt__qat_ranges_in(m, qat_in_file ? pl->qat : NULL);
     mpt_model_refresh_weights(m);
     return MPT_OK;
 }
@@ -21416,7 +21605,8 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
     int i;
     if (!T->input.seen)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: the quantization-aware model has not "
-                         "trained yet, so it has no ranges: fit it first");
+                         "trained yet, so it has no ranges: fit it first (or load a checkpoint "
+                         "or weights file that holds them)");
     lo[0] = T->input.min, hi[0] = T->input.max;
     for (i = 0; i < Q->n_ops; i++) {
         const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
@@ -21429,6 +21619,49 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
     }
     return MPT_OK;
 }
+
+/* ---- the ranges in checkpoints (@impl-checkpoints) -------------------------------------- */
+
+static int mpt__qat_learned(const mpt__qat_point *P) { return P->kind == MPT__QAT_LEARNED; }
+
+/* Every learned range, the input's first, then the layers' in order, into
+   out (when not NULL); returns how many there are (0 without QAT). A range
+   no training batch has set goes out as 0, 0, not initialized. */
+static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out) {
+    int i, n = 0;
+    for (i = -1; m->qat && i < m->n_layers; i++) {
+        const mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+        if (!mpt__qat_learned(P)) continue;
+        if (out) {
+            out[n].layer = i;
+            out[n].initialized = P->seen;
+            out[n].min = P->seen ? P->min : 0.0f;
+            out[n].max = P->seen ? P->max : 0.0f;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* The ranges a checkpoint held, checked (finite, min <= max) and in
+   mpt__qat_ranges_out's order; NULL: the file had none, and every range
+   starts again from the next training batch, as in a model just made
+   quantization-aware. A measurement still waiting for its step's commit
+   belonged to the model before the load: dropped. */
+static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in) {
+    int i, n = 0;
+    for (i = -1; m->qat && i < m->n_layers; i++) {
+        mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+        P->measured = 0;
+        if (!mpt__qat_learned(P)) continue;
+        P->seen = in ? (int)in[n].initialized : 0;
+        P->min = P->seen ? in[n].min : 0.0f;
+        P->max = P->seen ? in[n].max : 0.0f;
+        n++;
+    }
+}
+
+static float mpt__qat_decay(const mpt_model *m) { return m->qat ? m->qat->decay : 0.0f; }
 
 /* ---- turning it on ------------------------------------------------------------------------ */
 
@@ -23272,15 +23505,15 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s) {
     }
 }
 
-/* ValueInfoProto: name, float32, (N, shape...) with N free. */
-static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int rank,
-                                 const int64_t *shape) {
+/* ValueInfoProto: name, elem_type (MPT__ONNX_FLOAT, ...), (N, shape...) with N free. */
+static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int elem_type,
+                                 int rank, const int64_t *shape) {
     size_t info = mpt__pb_begin(b, field), type, tensor, dims, dim;
     int i;
     mpt__pb_string(b, 1, name);
     type = mpt__pb_begin(b, 2);
     tensor = mpt__pb_begin(b, 1);
-    mpt__pb_int64(b, 1, MPT__ONNX_FLOAT);
+    mpt__pb_int64(b, 1, elem_type);
     dims = mpt__pb_begin(b, 2);
     dim = mpt__pb_begin(b, 1);
     mpt__pb_string(b, 2, "N");
@@ -23297,9 +23530,10 @@ static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int ra
 }
 
 /* ModelProto around the nodes and initializers; the running value is the
-   output, one sample of shape out_shape (out_rank). */
-static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, int out_rank,
-                            const int64_t *out_shape, mpt__pb *b) {
+   output, one sample of shape out_shape (out_rank); input and output of
+   ONNX type io_type. */
+static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_t *in_shape,
+                            int out_rank, const int64_t *out_shape, mpt__pb *b) {
     size_t graph, opset, body;
     body = mpt__onnx_node(o, "Identity", "output", o->x, NULL, NULL);
     mpt__pb_end(&o->nodes, body);
@@ -23313,8 +23547,8 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
     mpt__pb_bytes(b, o->nodes.data, o->nodes.size);
     mpt__pb_string(b, 2, "mpt");
     mpt__pb_bytes(b, o->inits.data, o->inits.size);
-    mpt__onnx_value_info(b, 11, "input", in_rank, in_shape);
-    mpt__onnx_value_info(b, 12, "output", out_rank, out_shape);
+    mpt__onnx_value_info(b, 11, "input", io_type, in_rank, in_shape);
+    mpt__onnx_value_info(b, 12, "output", io_type, out_rank, out_shape);
     mpt__pb_end(b, graph);
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
@@ -23329,7 +23563,9 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
    as int8 (F, C, kh, kw), per-axis along 0) with their int32 biases at
    scale input·weight[c], ReLU after them; pooling, Flatten and the
    activations as float ops; every result quantized and dequantized at the
-   operation's output parameters. The float helpers above name their nodes
+   operation's output parameters. With int8 or uint8 io the graph's input
+   and output are the codes, dequantized at the start and quantized at the
+   end (mpt__onnx_io_codes). The float helpers above name their nodes
    after a layer: one carrying the operation's name stands in for it.
    A float16 or dynamic-range model's operations are the same float ops
    without the Q/DQ pairs; only its Dense and Conv2D differ (float16
@@ -23730,17 +23966,47 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     }
 }
 
-/* The whole model from its float32 input to its float32 output, NHWC;
-   the output's shape into out_shape. */
+/* The ONNX type of a quantized model's input and output. */
+static int mpt__onnx_io_type(const mpt_model *m) {
+    mpt_dtype io = m->quantized ? m->quantized->io_dtype : MPT_FLOAT32;
+    return io == MPT_UINT8 ? MPT__ONNX_UINT8 : io == MPT_INT8 ? MPT__ONNX_INT8 : MPT__ONNX_FLOAT;
+}
+
+/* An int8 or uint8 io model's end (the input, output 0; the output, 1):
+   the codes in io_type at the model's io parameters (uint8's zero point
+   + 128), dequantized into the float32 graph or quantized out of it. At
+   the output the value is the last operation's, dequantized at these
+   same reals: it quantizes back to its code exactly, with no tie for
+   QuantizeLinear's round half to even to break otherwise than mpt.h. */
+static void mpt__onnx_io_codes(mpt__onnx *o, int output) {
+    const mpt_quant_params p = mpt__q_io_params(o->pl->m->quantized, output);
+    const char *end = output ? "output" : "input";
+    char scale[64], zero[64], y[64];
+    snprintf(scale, sizeof scale, "%s/io_scale", end);
+    snprintf(zero, sizeof zero, "%s/io_zero_point", end);
+    snprintf(y, sizeof y, "%s/%s", end, output ? "io_quantized" : "io_dequantized");
+    mpt__onnx_floats(o, scale, 0, 1, &p.scale);
+    mpt__onnx_ints(o, zero, mpt__onnx_io_type(o->pl->m), 1, 0, NULL, 1, &p.zero_point);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, output ? "QuantizeLinear" : "DequantizeLinear", y,
+                                          o->x, scale, zero));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* The whole model from its input to its output, NHWC, in float32 or, for
+   int8 and uint8 io, in codes at the ends; the output's shape into
+   out_shape. */
 static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     const mpt__quantized *Q = o->pl->m->quantized;
+    const int codes = mpt__onnx_io_type(o->pl->m) != MPT__ONNX_FLOAT;
     mpt__layer named;
     int i;
+    if (codes) mpt__onnx_io_codes(o, 0);
     mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
     for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
     memset(&named, 0, sizeof named);
     snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);
     mpt__onnx_layout(o, &named, 0);
+    if (codes) mpt__onnx_io_codes(o, 1);
     memcpy(out_shape, Q->ops[Q->n_ops - 1].info.out_shape, sizeof Q->ops[0].info.out_shape);
     return Q->ops[Q->n_ops - 1].info.out_rank;
 }
@@ -23775,7 +24041,7 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
         out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
         if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
     }
-    mpt__onnx_model(&o, in_rank, in_shape, out_rank, out_shape, &b);
+    mpt__onnx_model(&o, mpt__onnx_io_type(m), in_rank, in_shape, out_rank, out_shape, &b);
     if (b.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);
     else

@@ -467,7 +467,7 @@ mpi_tests() {
 # $FUZZ/corpus/<name> for the next run. Inputs that once crashed a harness
 # live in tests/fuzz/findings/<name>/ and are replayed before every run.
 
-FUZZ_HARNESSES="idx idx_gzip weights checkpoint"
+FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat"
 FUZZ=$B/fuzz
 FUZZ_CC=${FUZZ_CC:-clang}
 FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -g -O1"

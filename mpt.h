@@ -151,7 +151,10 @@
        inputs converted     mpt__dataset_gather (@impl-data),
                             mpt__forward_prepare (@impl-passes)
        final softmax        mpt__final_softmax_in_float32 (@impl-layers)
-       loss × S × weight    mpt__cpu_loss (@impl-losses); mpt__cuda_loss
+       loss × S × weight    mpt__cpu_loss (@impl-losses); mpt__cuda_loss; one
+                            row per position of the output's last axis
+                            (mpt__loss_rows), the batch tallied by
+                            mpt__loss_tally (@backend-shared)
        finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update
@@ -192,8 +195,8 @@
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
-       @backend-shared  the rules both backends run: Philox, loss scaling, int8
-                        requantization (internal)
+       @backend-shared  the rules both backends run: Philox, loss scaling, the
+                        loss's tally, int8 requantization (internal)
      implementation (MPT_IMPLEMENTATION), along the data flow:
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,
@@ -850,7 +853,8 @@ MPTDEF const char *mpt_policy_name(mpt_policy policy);
 
 typedef enum mpt_loss_type {
     MPT_LOSS_NONE = 0,
-    MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, /* target: int32 class ids (batch) */
+    MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, /* target: int32 class ids, pred's
+                                                 shape without its last axis */
     MPT_LOSS_CATEGORICAL_CROSSENTROPY,        /* target: one-hot/probabilities   */
     MPT_LOSS_BINARY_CROSSENTROPY,             /* target: 0..1, same shape (or
                                                  without a last axis of 1)      */
@@ -868,9 +872,13 @@ typedef struct mpt_loss_desc {
 } mpt_loss_desc;
 
 /* The mean loss over the batch (Keras' sum_over_batch_size), computed in
-   float32 whatever the prediction dtype, into *loss (required). If dpred is
-   not NULL it receives grad_scale · d(loss)/d(pred), in dpred's dtype and
-   pred's shape; dpred may be pred itself. */
+   float32 whatever the prediction dtype, into *loss (required). The last
+   axis of pred holds the classes: a crossentropy is one loss per position
+   (each index of the other axes; (N, H, W, C) has N·H·W), the mean taken
+   over all of them; sparse targets then hold one class id per position,
+   (N, H, W). If dpred is not NULL it receives grad_scale ·
+   d(loss)/d(pred), in dpred's dtype and pred's shape; dpred may be pred
+   itself. */
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred);
@@ -959,7 +967,9 @@ typedef struct mpt_loss_scale_desc {
 
 enum {
     MPT_METRIC_ACCURACY = 1 << 0,         /* "accuracy": argmax == label (sparse
-                                              labels) or == argmax of target     */
+                                              labels) or == argmax of target,
+                                              the fraction of positions right for
+                                              an output of several (as Keras)    */
     MPT_METRIC_SPARSE_TOP_K = 1 << 1      /* "sparse_top_k_categorical_accuracy" */
 };
 
@@ -1154,9 +1164,11 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m);
 typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
                               float16 or bfloat16                         */
-    const mpt_tensor *y;   /* required: (n,) int32 class ids, or (n, ...)
-                              float32 targets; (n,) targets fit an output
-                              of one unit, as (n, 1) do (Keras)            */
+    const mpt_tensor *y;   /* required: (n,) int32 class ids, or one per
+                              position, (n, H, W) for an (H, W, C) output;
+                              or (n, ...) float32 targets; (n,) targets
+                              fit an output of one unit, as (n, 1) do
+                              (Keras)                                      */
     float scale;           /* uint8 x becomes x·scale + offset as it is
                               batched; default (0) 1/255                  */
     float offset;          /* default 0                                   */
@@ -1187,12 +1199,13 @@ MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
    is (784,). The data is not touched; views split from d keep theirs. */
 MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
                                       const int64_t *shape);
-/* One sample's target shape: its rank, 0 for class ids and for (n,) float
-   targets. */
+/* One sample's target shape: its rank, 0 for one class id a sample and
+   for (n,) float targets. */
 MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
 /* The class ids of samples [first, first + count), e.g. all of them
    (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
-   labels (count int32). For a dataset of class ids only. */
+   labels (count int32, times the positions of one sample where it has
+   several). For a dataset of class ids only. */
 MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                      int64_t count, int32_t *labels);
 /* The float32 targets of samples [first, first + count) into targets
@@ -1338,7 +1351,27 @@ MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
    a non-finite weight or moment, a negative second moment. The model is
    unchanged when anything fails, a read error included (only a device
    failing as it takes the checked values can leave it partly loaded, and
-   the error says so). */
+   the error says so).
+
+   A quantization-aware model (mpt_model_quantize_aware) also saves, in both
+   files (tfmot keeps its quantizers' min and max among the weights), each
+   learned range: "qat/input/min", "qat/input/max" for the model's input,
+   "qat/<layer>/output/min", ".../max" for a layer's output (F32, rank 0),
+   and whether a training batch has set it yet, ".../initialized" (I64, 0
+   or 1), with the ranges' ema_decay in __metadata__ (qat_ema_decay). Loaded
+   into a quantization-aware model built the same way, they make it
+   resume training, and convert, as the saving model would: bit-identical.
+   A file without ranges (a float model's) loads into a quantization-aware
+   model, whose ranges then start again from its next training batch (the
+   usual way in: float training, then quantization-aware fine-tuning); one
+   with ranges loads its weights alone into a float model through
+   load_weights, while load_checkpoint refuses it (MPT_ERR_STATE, naming a
+   "qat/" tensor: make the model quantization-aware first). Loaded into a
+   quantization-aware model, a file must hold every range the model has
+   (MPT_ERR_SHAPE names the one missing) in the right dtype and shape, each
+   finite (MPT_ERR_NUMERIC), min <= max and initialized 0 or 1
+   (MPT_ERR_FORMAT), or the model is left unchanged; another ema_decay is
+   only warned about. */
 MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
 MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
 /* Epochs completed, as recorded by fit and restored by load_checkpoint. */
@@ -1498,7 +1531,8 @@ typedef struct mpt_quantize_desc {
    into *out, a new model that shares nothing with m. A compiled m's loss
    and metrics go with it, for mpt_model_evaluate (or compile *out).
    Errors: MPT_ERR_STATE for an unbuilt or untrained m (or a
-   quantization-aware one that has not met a training batch); for full
+   quantization-aware one with no ranges: it has not met a training batch,
+   nor loaded a file that holds them); for full
    integer, MPT_ERR_INVALID_ARGUMENT without representative_data or with an
    empty one (unless m is quantization-aware), MPT_ERR_SHAPE for samples
    of the wrong shape; MPT_ERR_UNSUPPORTED for a layer it cannot
@@ -1635,11 +1669,12 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    strategy, a layer the full-integer model has no form for, and a Dense
    or Conv2D ending in an activation other than ReLU, unless it is the
    model's final softmax (use activation none and an Activation layer).
-   mpt_model_save_weights and mpt_model_load_weights keep working on the
-   float32 masters; the ranges live in the model only (convert before
-   destroying it). Errors: MPT_ERR_STATE for an unbuilt, quantized or
-   already quantization-aware model, MPT_ERR_INVALID_ARGUMENT for an
-   ema_decay outside [0, 1). */
+   mpt_model_save_weights and mpt_model_save_checkpoint write the float32
+   masters and the learned ranges, which a quantization-aware model loading
+   either file takes back (@checkpoints), so that a run resumed, or a model
+   converted, from a file gives the same int8 model. Errors: MPT_ERR_STATE
+   for an unbuilt, quantized or already quantization-aware model,
+   MPT_ERR_INVALID_ARGUMENT for an ema_decay outside [0, 1). */
 typedef struct mpt_qat_desc {
     float ema_decay; /* the activation ranges' moving average: default 0:
                         0.999 (tfmot's MovingAverageQuantizer)             */
@@ -1651,7 +1686,7 @@ MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *des
    output (−1: the model's input), before the widening to hold 0.
    MPT_ERR_STATE when m is not quantization-aware; MPT_ERR_INVALID_ARGUMENT
    when that output is not fake-quantized or has not met a training batch
-   yet. */
+   yet (nor taken a range from a loaded file: @checkpoints). */
 MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min, float *max);
 
 /* =============================================================================
@@ -1697,8 +1732,12 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
    mpt.h's float math, its outputs to within 1e-4. A full-integer model
    goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
-   float32 input and output,
-   each operation's float op between DequantizeLinear of its int8 inputs
+   float32 input and output (with io_dtype int8 or uint8: the codes, taken
+   in by a DequantizeLinear and given out by a QuantizeLinear at the
+   model's io quantization, as mpt_model_quantized_invoke takes them; with
+   int8 io ONNX Runtime then runs the last operation in float, as it fuses
+   none whose quantized result is the graph's output), each operation's
+   float op between DequantizeLinear of its int8 inputs
    (weights per output channel, int32 biases at scale input·weight[c]) and
    QuantizeLinear/DequantizeLinear at its output's scale and zero point
    (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
@@ -1901,12 +1940,16 @@ typedef struct mpt_step_state {
     int32_t pad_;
 } mpt_step_state;
 
-/* One loss over a batch: the mean over rows of the row losses, float32
-   math whatever pred's dtype. Adds the batch's Σ row losses to
-   state->loss_sum, its rows to state->samples, and (metrics) its correct
-   and top-k counts; writes grad_scale_by_state · d(mean loss)/d(pred) into
-   dpred (which may be pred). Sparse targets are int32 class ids, checked
-   in range beforehand. */
+/* One loss over a batch, its output seen as rows of K values (K its last
+   axis; a sample with more axes, (H, W, K) from a Conv2D head or (T, K),
+   gives rows_per_sample = H·W or T rows): the mean of the row losses
+   (crossentropies) or of the elements, float32 math whatever pred's dtype.
+   Adds the batch's mean loss × samples to state->loss_sum, its samples
+   (rows / rows_per_sample) to state->samples and (metrics) its correct and
+   top-k rows / rows_per_sample, so that a sample counts once however many
+   positions it has (mpt__loss_tally); writes grad_scale_by_state ·
+   d(mean loss)/d(pred) into dpred (which may be pred). Sparse targets are
+   int32 class ids, one per row, checked in range beforehand. */
 typedef struct mpt_loss_args {
     mpt_loss_type type;
     int from_logits;            /* softmax/sigmoid fused into the loss      */
@@ -1916,6 +1959,7 @@ typedef struct mpt_loss_args {
     const void *target;         /* (rows) or (rows, K)                      */
     void *dpred;                /* (rows, K) pred_dtype; NULL: no gradient  */
     int64_t rows, K;
+    int64_t rows_per_sample;    /* positions of one sample; default 0: 1    */
     int metrics;                /* MPT_METRIC_* bits to tally               */
     int top_k;
     int scale_by_loss_scale;    /* multiply dpred by state->loss_scale      */
@@ -2236,6 +2280,34 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
         if (grown <= FLT_MAX) state->loss_scale = grown; /* not inf */
         state->good_steps = 0;
     }
+}
+
+/* A product rounded once: no fused multiply-add forms with what is then
+   added to it, on the GPU either, so both backends get the same bits. */
+static inline MPT__HD double mpt__mul_rounded(double a, double b) {
+#if defined(__CUDA_ARCH__)
+    return __dmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+/* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
+   the batch's mean loss, `correct` and `top_k` counts of rows. A sample
+   whose output has several positions (rows_per_sample) counts once, its
+   positions' hits as fractions of it, so the epoch's accuracy is the
+   fraction of positions right, as Keras' mean over positions, and
+   samples_per_second counts samples. */
+static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, int64_t rows,
+                                           int64_t rows_per_sample, double mean, double correct,
+                                           double top_k) {
+    int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
+    double samples = (double)(rows / per);
+    state->loss_sum += mpt__mul_rounded(mean, samples);
+    state->samples += samples;
+    if (metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
+        state->correct += correct / (double)per;
+    if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
 }
 
 /* ---- the int8 GEMM's requantization ----------------------------------------
@@ -2659,15 +2731,17 @@ typedef struct mpt__pool {
     int started;            /* workers actually running   */
     pthread_mutex_t mutex;
     pthread_cond_t wake, done;
-    uint64_t generation;    /* bumped for each parallel-for */
-    int stop;
+    uint64_t generation;    /* bumped for each parallel-for (read unlocked
+                               by spinning workers: __atomic)           */
+    int stop;               /* also read unlocked while spinning         */
     mpt__task_fn fn;
     void *arg;
     int64_t n_tasks, next_task;
-    int busy;               /* workers still inside the current job */
+    int running;            /* tasks taken and not yet finished          */
+    int sleeping;           /* workers waiting on `wake`                 */
     int in_job;             /* a parallel-for is running; only the caller
-                               writes it, before waking and after joining
-                               the workers */
+                               writes it, before handing out tasks and
+                               after the last one finished */
 } mpt__pool;
 
 typedef struct mpt__worker_arg {
@@ -2819,14 +2893,60 @@ static int mpt__detect_cpu(void) {
     return f;
 }
 
+/* Takes and runs the current job's tasks until none is left. A task and
+   the job it belongs to (fn, arg) are read together under the mutex, so a
+   worker that wakes late, after its job ended, finds nothing to take. */
 static void mpt__pool_run_tasks(mpt__pool *pool, int thread) {
-    for (;;) {
-        int64_t task;
-        pthread_mutex_lock(&pool->mutex);
-        task = pool->next_task++;
+    pthread_mutex_lock(&pool->mutex);
+    while (pool->next_task < pool->n_tasks) {
+        const int64_t task = pool->next_task++;
+        mpt__task_fn fn = pool->fn;
+        void *arg = pool->arg;
+        pool->running++;
         pthread_mutex_unlock(&pool->mutex);
-        if (task >= pool->n_tasks) return;
-        pool->fn(pool->arg, task, thread);
+        fn(arg, task, thread);
+        pthread_mutex_lock(&pool->mutex);
+        if (--pool->running == 0 && pool->next_task >= pool->n_tasks)
+            pthread_cond_signal(&pool->done);
+    }
+    pthread_mutex_unlock(&pool->mutex);
+}
+
+/* How long an idle worker watches for the next job before it sleeps: a
+   training step or a predict is a chain of parallel-fors a few microseconds
+   apart, and a sleeping worker takes tens of microseconds to wake (a whole
+   scheduler tick when the other cores are busy). Short enough that a
+   worker left idle gives its core back almost at once. */
+#define MPT__POOL_SPIN_SECONDS 50e-6
+
+/* Seconds on a clock that never steps back (CLOCK_MONOTONIC where the
+   headers declare it, as under _POSIX_C_SOURCE; else the time of day). */
+static double mpt__clock(void) {
+    struct timeval tv;
+#if defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#endif
+    gettimeofday(&tv, NULL);
+    return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
+}
+
+/* Whether a job (or the stop) came within MPT__POOL_SPIN_SECONDS, watching
+   without the mutex. */
+static int mpt__pool_spin(mpt__pool *pool, uint64_t seen) {
+    const double until = mpt__clock() + MPT__POOL_SPIN_SECONDS;
+    int k;
+    for (;;) {
+        for (k = 0; k < 64; k++) {
+            if (__atomic_load_n(&pool->generation, __ATOMIC_ACQUIRE) != seen ||
+                __atomic_load_n(&pool->stop, __ATOMIC_ACQUIRE))
+                return 1;
+#if MPT__X86
+            _mm_pause();
+#endif
+        }
+        if (mpt__clock() > until) return 0;
     }
 }
 
@@ -2835,9 +2955,13 @@ static void *mpt__pool_worker(void *p) {
     mpt__pool *pool = wa->pool;
     uint64_t seen = 0;
     for (;;) {
+        mpt__pool_spin(pool, seen);
         pthread_mutex_lock(&pool->mutex);
-        while (!pool->stop && pool->generation == seen)
+        while (!pool->stop && pool->generation == seen) {
+            pool->sleeping++;
             pthread_cond_wait(&pool->wake, &pool->mutex);
+            pool->sleeping--;
+        }
         if (pool->stop) {
             pthread_mutex_unlock(&pool->mutex);
             return NULL;
@@ -2845,9 +2969,6 @@ static void *mpt__pool_worker(void *p) {
         seen = pool->generation;
         pthread_mutex_unlock(&pool->mutex);
         mpt__pool_run_tasks(pool, wa->thread);
-        pthread_mutex_lock(&pool->mutex);
-        if (--pool->busy == 0) pthread_cond_signal(&pool->done);
-        pthread_mutex_unlock(&pool->mutex);
     }
 }
 
@@ -2880,13 +3001,15 @@ static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn
     pool->arg = arg;
     pool->n_tasks = n_tasks;
     pool->next_task = 0;
-    pool->busy = pool->started;
-    pool->generation++;
-    pthread_cond_broadcast(&pool->wake);
+    __atomic_store_n(&pool->generation, pool->generation + 1, __ATOMIC_RELEASE);
+    if (pool->sleeping) pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->mutex);
     mpt__pool_run_tasks(pool, 0);
+    /* Every task is taken; wait only for those still running. A worker
+       that has not woken yet is not waited for: on a busy machine that
+       wait was a scheduler tick (4 ms) per parallel-for. */
     pthread_mutex_lock(&pool->mutex);
-    while (pool->busy > 0) pthread_cond_wait(&pool->done, &pool->mutex);
+    while (pool->running > 0) pthread_cond_wait(&pool->done, &pool->mutex);
     pool->in_job = 0;
     pthread_mutex_unlock(&pool->mutex);
 }
@@ -2912,7 +3035,7 @@ static void mpt__pool_stop(mpt_context *ctx) {
     int i;
     if (!pool->threads) return;
     pthread_mutex_lock(&pool->mutex);
-    pool->stop = 1;
+    __atomic_store_n(&pool->stop, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->mutex);
     for (i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
@@ -5926,6 +6049,17 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
 static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
 static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
 static void mpt__qat_commit(mpt_model *m);
+/* A learned range as checkpoints hold it (@impl-checkpoints), in the order
+   mpt__qat_ranges_out lists them: the model's input, then the layers'
+   outputs that have a learned range. */
+typedef struct mpt__qat_saved {
+    int layer;           /* whose output; -1: the model's input            */
+    int64_t initialized; /* 1: a training batch has set min and max; 0: not */
+    float min, max;
+} mpt__qat_saved;
+static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out);
+static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in);
+static float mpt__qat_decay(const mpt_model *m);
 
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
@@ -9856,6 +9990,11 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
    =============================================================================
 
    Each loss sees pred as rows of K values, K = its last axis: (rows, K).
+   A row is a position: an (N, H, W, K) output from a Conv2D head has
+   N·H·W of them, each its own softmax, as Keras and PyTorch (one softmax
+   over a whole sample would mix the positions' classes). A model's loss
+   (mpt__loss_rows) and its metrics see the rows alike; mpt__loss_tally
+   counts each sample once whatever its positions.
    Crossentropies give one loss per row (over its K classes) and average
    over the rows; binary crossentropy and mean squared error average over
    the last axis and then over the rows, i.e. over every element. That is
@@ -10145,16 +10284,22 @@ static mpt_status mpt__loss_check_finite(mpt_context *ctx, const char *name, con
     return MPT_OK;
 }
 
-/* Every class id in 0..K−1. */
-static mpt_status mpt__loss_check_labels(mpt_context *ctx, const mpt__loss_job *j) {
+/* Every class id in 0..K−1; a sample has rows_per_sample of them, one per
+   position (H·W of an (N, H, W, K) prediction). */
+static mpt_status mpt__loss_check_labels(mpt_context *ctx, const mpt__loss_job *j,
+                                         int64_t rows_per_sample) {
     const int32_t *label = (const int32_t *)j->target->data; /* (rows) */
     int64_t r;
-    for (r = 0; r < j->rows; r++)
-        if (label[r] < 0 || label[r] >= j->K)
-            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "%s: label %d of sample %lld is not a class id in 0..%lld",
-                             mpt__loss_name(j->type), (int)label[r], (long long)r,
-                             (long long)(j->K - 1));
+    char at[64] = "";
+    for (r = 0; r < j->rows; r++) {
+        if (label[r] >= 0 && label[r] < j->K) continue;
+        if (rows_per_sample > 1)
+            snprintf(at, sizeof at, " position %lld", (long long)(r % rows_per_sample));
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: label %d of sample %lld%s is not a class id in 0..%lld",
+                         mpt__loss_name(j->type), (int)label[r], (long long)(r / rows_per_sample),
+                         at, (long long)(j->K - 1));
+    }
     return MPT_OK;
 }
 
@@ -10220,10 +10365,11 @@ static int64_t mpt__argmax(mpt_dtype dtype, const void *row0, int64_t offset, in
     return best;
 }
 
-/* Accuracy as Keras counts it: for sparse labels argmax == label, for
-   one-hot targets argmax == argmax(target), for one output unit (binary)
-   prediction > threshold (0.5 for probabilities, 0 for logits). Top k:
-   fewer than k classes score strictly higher than the true one. */
+/* Accuracy as Keras counts it, per row of out (rows, classes): for
+   sparse labels argmax == label, for one-hot targets argmax ==
+   argmax(target), for one output unit (binary) prediction > threshold
+   (0.5 for probabilities, 0 for logits). Top k: fewer than k classes score
+   strictly higher than the true one. */
 static void mpt__count_hits(int metrics, int k, int from_logits, const mpt_tensor *out,
                             const mpt_tensor *y, int64_t *correct, int64_t *top_k) {
     int64_t b, B = out->shape[0], classes = mpt_tensor_count(out) / B;
@@ -10271,7 +10417,8 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
     j.rows = mpt_tensor_count(pred) / j.K;
     categorical = j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
                   j.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
-    if (j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY) MPT__CHECK(mpt__loss_check_labels(ctx, &j));
+    if (j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
+        MPT__CHECK(mpt__loss_check_labels(ctx, &j, pred->rank > 1 ? j.rows / pred->shape[0] : 1));
     if (categorical && !j.from_logits) MPT__CHECK(mpt__loss_check_prob_rows(ctx, &j));
     *loss = mpt__loss_run(ctx, &j, desc->grad_scale != 0 ? desc->grad_scale : 1.0);
     return MPT_OK;
@@ -10304,10 +10451,17 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     loss = mpt__loss_run(ctx, &j,
                          (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
                              (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
-    a->state->loss_sum += loss * (double)a->rows;
-    a->state->samples += (double)a->rows;
-    a->state->correct += (double)correct;
-    a->state->top_k += (double)top_k;
+    mpt__loss_tally(a->state, a->metrics, a->rows, a->rows_per_sample, loss, (double)correct,
+                    (double)top_k);
+}
+
+/* A model output's rows for the loss: its last axis holds the classes and
+   every other axis of a sample is a position, as Keras and PyTorch see an
+   (N, H, W, C) or (N, T, C) output: one softmax and one loss per position. */
+static void mpt__loss_rows(const mpt__layer *last, int64_t batch, mpt_loss_args *a) {
+    a->K = last->out_shape[last->out_rank - 1];
+    a->rows_per_sample = last->out_count / a->K;
+    a->rows = batch * a->rows_per_sample;
 }
 
 /* ---- the loss of a model's output, for a step by hand ---------------------
@@ -10329,7 +10483,7 @@ static mpt_status mpt__check_model_target(mpt_model *m, const mpt_loss_desc *d,
         j.target = target;
         j.rows = mpt_tensor_count(target);
         j.K = pred->shape[pred->rank - 1];
-        return mpt__loss_check_labels(m->ctx, &j);
+        return mpt__loss_check_labels(m->ctx, &j, j.rows / pred->shape[0]);
     }
     if (target->dtype != MPT_FLOAT32)
         return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: target must be float32, not %s", name,
@@ -10362,8 +10516,7 @@ MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc
     a.target_dtype = target->dtype;
     a.target = on_backend.data;
     a.dpred = m->grad_buf[0];
-    a.rows = m->last_batch;
-    a.K = last->out_count;
+    mpt__loss_rows(last, m->last_batch, &a);
     a.grad_weight = desc->grad_scale; /* the gradient's multiplier; 0: 1 */
     a.state = &m->state[1];
     m->be->zero(m->impl, &m->state[1], 4 * sizeof(double)); /* loss_sum .. samples */
@@ -11142,9 +11295,10 @@ struct mpt_dataset {
     int64_t x_count;              /* elements of one sample                      */
     const void *x;                /* (n, x_shape) x_dtype, this dataset's sample 0 */
     mpt_dtype y_dtype;            /* int32 class ids or float32 targets          */
-    int y_rank;                   /* one target's rank: 0 for class ids          */
+    int y_rank;                   /* one target's rank: 0 for one class id       */
     int64_t y_shape[MPT_MAX_RANK - 1];
-    int64_t y_count;              /* elements of one target: 1 for class ids     */
+    int64_t y_count;              /* elements of one target (class ids: one per
+                                     position of the model's output)             */
     const void *y;                /* (n, y_shape) y_dtype                        */
     int32_t label_min, label_max; /* class ids: their range over these n samples */
     float scale, offset;          /* uint8 x: x·scale + offset                   */
@@ -11179,11 +11333,11 @@ static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
 }
 
 static void mpt__dataset_find_label_range(mpt_dataset *d) {
-    const int32_t *y = (const int32_t *)d->y; /* (n) */
+    const int32_t *y = (const int32_t *)d->y; /* (n, positions...) */
     int64_t i;
     if (d->y_dtype != MPT_INT32) return;
     d->label_min = d->label_max = y[0];
-    for (i = 1; i < d->n; i++) {
+    for (i = 1; i < d->n * d->y_count; i++) {
         d->label_min = MPT__MIN(d->label_min, y[i]);
         d->label_max = MPT__MAX(d->label_max, y[i]);
     }
@@ -11288,25 +11442,22 @@ static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
     return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, "x", x) : MPT_OK;
 }
 
-/* y: int32 class ids (n,) or (n, 1), each >= 0; or float32 targets (n, ...),
-   (n,) being one number per sample (for an output of one unit). */
+/* y: int32 class ids (n,) or (n, 1), each >= 0, or (n, positions...) for
+   an output of several positions per sample ((n, H, W) for an (H, W, C)
+   output); or float32 targets (n, ...), (n,) being one number per sample
+   (for an output of one unit). */
 static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
-    char s[96];
     int64_t i;
-    mpt_shape_format(s, sizeof s, y->rank, y->shape);
     if (y->dtype == MPT_FLOAT32) return mpt__check_finite(ctx, "y", y);
     if (y->dtype != MPT_INT32)
         return mpt__fail(ctx, MPT_ERR_DTYPE,
                          "dataset: y dtype %s is neither int32 (class ids) nor float32 (targets)",
                          mpt_dtype_name(y->dtype));
-    if (y->rank > 2 || (y->rank == 2 && y->shape[1] != 1))
-        return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "dataset: int32 class ids y %s must be (n,) or (n, 1); one-hot or "
-                         "other targets are float32", s);
-    for (i = 0; i < y->shape[0]; i++)
+    for (i = 0; i < mpt_tensor_count(y); i++)
         if (((const int32_t *)y->data)[i] < 0)
             return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "dataset: y sample %lld is class id %d, which is negative",
+                             "dataset: y sample %lld (element %lld) is class id %d, which is "
+                             "negative", (long long)(i / (mpt_tensor_count(y) / y->shape[0])),
                              (long long)i, (int)((const int32_t *)y->data)[i]);
     return MPT_OK;
 }
@@ -11363,7 +11514,10 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     memcpy(d->x_shape, desc->x->shape + 1, sizeof(int64_t) * (size_t)d->x_rank);
     d->x_count = mpt__shape_count(d->x_rank, d->x_shape);
     d->y_dtype = desc->y->dtype;
-    d->y_rank = d->y_dtype == MPT_INT32 ? 0 : desc->y->rank - 1;
+    /* one class id a sample, (n) or (n, 1), has rank 0: the rank of an
+       output of one axis without it */
+    d->y_rank = d->y_dtype == MPT_INT32 && mpt_tensor_count(desc->y) == d->n ? 0
+                                                                           : desc->y->rank - 1;
     memcpy(d->y_shape, desc->y->shape + 1, sizeof(int64_t) * (size_t)d->y_rank);
     d->y_count = mpt__shape_count(d->y_rank, d->y_shape);
     s = mpt__dataset_take(ctx, desc->x, desc->copy, &d->x, &d->owned_x);
@@ -11482,7 +11636,8 @@ static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
 MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                      int64_t count, int32_t *labels) {
     MPT__CHECK(mpt__check_label_range(ctx, "labels", d, MPT_INT32, first, count, labels));
-    memcpy(labels, (const int32_t *)d->y + first, sizeof(int32_t) * (size_t)count);
+    memcpy(labels, (const int32_t *)d->y + first * d->y_count,
+           sizeof(int32_t) * (size_t)(count * d->y_count));
     return MPT_OK;
 }
 
@@ -11528,7 +11683,8 @@ static void mpt__expand_u8(const mpt_dataset *d, mpt_dtype dtype, void *dst, con
 }
 
 /* Writes samples indices[0..n) (each in [0, count)) of d, in that order,
-   into x (n, sample shape) in x_dtype (float32, float16 or bfloat16) and y
+   into x (n, sample shape) in x_dtype (float32, float16 or bfloat16, or
+   d's own dtype: the samples as stored, uint8 not normalised) and y
    (n, label count) int32 or float32; either may be NULL when not wanted.
    Serial and never uses the pool, so the loader's thread may call it while
    the pool works; ctx only picks the vector conversion (NULL: portable). */
@@ -11545,12 +11701,12 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
     for (i = 0; x && i < n; i++) {
         const char *src = (const char *)d->x + (size_t)indices[i] * x_in;
         char *dst = (char *)x + (size_t)i * x_out;
-        if (d->x_dtype == MPT_UINT8)
-            mpt__expand_u8(d, x_dtype, dst, (const uint8_t *)src, d->x_count);
-        else if (convert)
-            convert(x_dtype, dst, d->x_dtype, src, d->x_count);
-        else
+        if (d->x_dtype == x_dtype)
             memcpy(dst, src, x_in);
+        else if (d->x_dtype == MPT_UINT8)
+            mpt__expand_u8(d, x_dtype, dst, (const uint8_t *)src, d->x_count);
+        else
+            convert(x_dtype, dst, d->x_dtype, src, d->x_count);
     }
     for (i = 0; y && i < n; i++)
         memcpy((char *)y + (size_t)i * y_bytes, (const char *)d->y + (size_t)indices[i] * y_bytes,
@@ -12055,7 +12211,15 @@ MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int 
    Two slots, batch b in slot b % 2. The consumer (fit's thread) holds the
    batch it last received until its next call; meanwhile the loader thread
    fills the other slot with the batch after. So loading b + 1 overlaps
-   computing on b, and a slot is never written while it is being read. */
+   computing on b, and a slot is never written while it is being read.
+
+   An epoch of one batch has nothing to overlap, and a predict of one batch
+   would pay a thread's start and two hand-offs for it: such an epoch is
+   gathered by the caller's thread, in next(). So is an epoch whose samples
+   lie in order in the dataset already in the batch dtype, where a caller
+   that only reads its batches (mpt__loader_allow_views) gets views of the
+   dataset's own memory and nothing is copied. The buffers and the thread
+   are made by the first epoch that needs them. */
 
 typedef struct mpt__loader {
     mpt_context *ctx;
@@ -12066,9 +12230,13 @@ typedef struct mpt__loader {
     void *x_buf[2];         /* (max_batch, sample shape) x_dtype          */
     void *y_buf[2];         /* (max_batch, label count) int32 or float32  */
     pthread_t thread;
+    int started;            /* the thread runs                            */
+    int views;              /* the caller never writes a batch            */
     pthread_mutex_t mutex;
     pthread_cond_t cond;    /* any change of the state below              */
     int stop;
+    int inline_epoch;       /* next() gathers the batches itself ...      */
+    int view_epoch;         /* ... or points into the dataset             */
     /* The epoch; reset only while no batch is being loaded. */
     const int64_t *order;   /* (n) sample indices, borrowed               */
     int64_t n, batch_size, n_batches;
@@ -12136,12 +12304,12 @@ static mpt_status mpt__loader_alloc(mpt__loader *l) {
 }
 
 /* A loader of batches of up to max_batch samples of d, x in x_dtype (a
-   float dtype), with its thread started and no epoch yet. d must outlive it. */
+   float dtype, or d's own: uint8 samples as stored), with no epoch yet.
+   d must outlive it. */
 static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
                                             int64_t max_batch, mpt_dtype x_dtype,
                                             mpt__loader **out) {
     mpt__loader *l;
-    mpt_status s;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out || !d)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: NULL %s", d ? "out" : "dataset");
@@ -12149,9 +12317,10 @@ static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
     if (max_batch <= 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: max_batch %lld must be > 0",
                          (long long)max_batch);
-    if (!mpt_dtype_is_float(x_dtype))
-        return mpt__fail(ctx, MPT_ERR_DTYPE, "loader: batch dtype %s is not a float dtype",
-                         mpt_dtype_name(x_dtype));
+    if (!mpt_dtype_is_float(x_dtype) && x_dtype != d->x_dtype)
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "loader: batch dtype %s is neither a float dtype "
+                         "nor the dataset's (%s)", mpt_dtype_name(x_dtype),
+                         mpt_dtype_name(d->x_dtype));
     l = (mpt__loader *)mpt__calloc(ctx, sizeof *l);
     if (!l) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "loader: out of memory");
     l->ctx = ctx;
@@ -12159,61 +12328,105 @@ static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
     l->x_dtype = x_dtype;
     l->max_batch = max_batch;
     l->held = l->slot_batch[0] = l->slot_batch[1] = -1;
-    s = mpt__loader_alloc(l);
-    if (s != MPT_OK) {
-        mpt__free(ctx, l);
-        return s;
-    }
     pthread_mutex_init(&l->mutex, NULL);
     pthread_cond_init(&l->cond, NULL);
-    if (pthread_create(&l->thread, NULL, mpt__loader_main, l) != 0) {
-        pthread_mutex_destroy(&l->mutex);
-        pthread_cond_destroy(&l->cond);
-        mpt__free(ctx, l->block);
-        mpt__free(ctx, l);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot start its thread");
-    }
     *out = l;
     return MPT_OK;
 }
 
+/* The caller promises to only read the batches next() gives: in-order
+   epochs of a dataset already in the batch dtype then come as views. */
+static void mpt__loader_allow_views(mpt__loader *l) {
+    l->views = 1;
+}
+
 /* Every index must name a sample: a wrong one would read outside x. */
-static int mpt__loader_epoch_ok(mpt__loader *l, const int64_t *order, int64_t n,
-                                int64_t batch_size) {
+static mpt_status mpt__loader_epoch_check(mpt__loader *l, const int64_t *order, int64_t n,
+                                          int64_t batch_size) {
     int64_t i;
-    if (n < 0 || (n > 0 && !order) || batch_size <= 0 || batch_size > l->max_batch) {
-        mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
-                  "loader: epoch of %lld samples in batches of %lld (max %lld)%s", (long long)n,
-                  (long long)batch_size, (long long)l->max_batch, order ? "" : ", NULL order");
-        return 0;
-    }
+    if (n < 0 || (n > 0 && !order) || batch_size <= 0 || batch_size > l->max_batch)
+        return mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "loader: epoch of %lld samples in batches of %lld (max %lld)%s",
+                         (long long)n, (long long)batch_size, (long long)l->max_batch,
+                         order ? "" : ", NULL order");
     for (i = 0; i < n; i++)
-        if (order[i] < 0 || order[i] >= l->d->n) {
-            mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
-                      "loader: order[%lld] = %lld is not a sample of this dataset (0..%lld)",
-                      (long long)i, (long long)order[i], (long long)l->d->n - 1);
-            return 0;
-        }
+        if (order[i] < 0 || order[i] >= l->d->n)
+            return mpt__fail(l->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "loader: order[%lld] = %lld is not a sample of this dataset "
+                             "(0..%lld)", (long long)i, (long long)order[i],
+                             (long long)l->d->n - 1);
+    return MPT_OK;
+}
+
+/* Whether an epoch's batches can be views of the dataset's memory. */
+static int mpt__loader_can_view(const mpt__loader *l, const int64_t *order, int64_t n) {
+    int64_t i;
+    if (!l->views || l->d->x_dtype != l->x_dtype) return 0;
+    for (i = 1; i < n; i++)
+        if (order[i] != order[0] + i) return 0;
     return 1;
+}
+
+/* The buffers and the thread, made the first time an epoch needs them. */
+static mpt_status mpt__loader_prepare(mpt__loader *l, int buffers, int thread) {
+    if (buffers && !l->block) MPT__CHECK(mpt__loader_alloc(l));
+    if (thread && !l->started) {
+        if (pthread_create(&l->thread, NULL, mpt__loader_main, l) != 0)
+            return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot start its thread");
+        l->started = 1;
+    }
+    return MPT_OK;
 }
 
 /* Starts an epoch over order[0..n) (kept by pointer until the next epoch or
    destroy) in batches of batch_size, the last one partial; loading batch 0
-   begins now. Ends any epoch in progress. Bad arguments (recorded in the
-   context's error) give an epoch with no batches. */
-static void mpt__loader_start_epoch(mpt__loader *l, const int64_t *order, int64_t n,
-                                           int64_t batch_size) {
-    int ok = mpt__loader_epoch_ok(l, order, n, batch_size);
+   begins now (on the thread, when the epoch uses it). Ends any epoch in
+   progress. Bad arguments, or no memory for the buffers or the thread,
+   give an epoch with no batches and their status. */
+static mpt_status mpt__loader_start_epoch(mpt__loader *l, const int64_t *order, int64_t n,
+                                          int64_t batch_size) {
+    mpt_status s = mpt__loader_epoch_check(l, order, n, batch_size);
+    const int64_t n_batches = s == MPT_OK ? (n + batch_size - 1) / batch_size : 0;
+    const int view = s == MPT_OK && mpt__loader_can_view(l, order, n);
+    const int in_caller = view || n_batches <= 1;
+    if (s == MPT_OK) s = mpt__loader_prepare(l, !view, !in_caller);
     pthread_mutex_lock(&l->mutex);
     while (l->loading) pthread_cond_wait(&l->cond, &l->mutex);
     l->order = order;
-    l->n = ok ? n : 0;
-    l->batch_size = ok ? batch_size : 1;
-    l->n_batches = ok ? (n + batch_size - 1) / batch_size : 0;
-    l->produce = l->consume = 0;
+    l->n = s == MPT_OK ? n : 0;
+    l->batch_size = s == MPT_OK ? batch_size : 1;
+    l->n_batches = s == MPT_OK ? n_batches : 0;
+    l->inline_epoch = in_caller;
+    l->view_epoch = view;
+    l->consume = 0;
+    l->produce = in_caller ? l->n_batches : 0; /* the thread has none to load */
     l->held = l->slot_batch[0] = l->slot_batch[1] = -1;
     pthread_cond_broadcast(&l->cond);
     pthread_mutex_unlock(&l->mutex);
+    return s;
+}
+
+/* next() of an epoch the caller's thread gathers: batch b into slot 0, or
+   a view of the dataset. */
+static int mpt__loader_next_inline(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
+    const mpt_dataset *d = l->d;
+    const int64_t b = l->consume++, first = b * l->batch_size;
+    const int64_t count = MPT__MIN(l->batch_size, l->n - first);
+    const void *xb = l->x_buf[0], *yb = l->y_buf[0];
+    if (l->view_epoch) {
+        const int64_t at = l->order[first];
+        xb = (const char *)d->x + (size_t)at * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
+        yb = (const char *)d->y + (size_t)at * (size_t)d->y_count * 4;
+    } else {
+        mpt__dataset_gather(l->ctx, d, l->order + first, count, l->x_dtype, l->x_buf[0],
+                            l->y_buf[0]);
+    }
+    /* views are read only (mpt__loader_allow_views); the tensor type has no const */
+    mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, (void *)(uintptr_t)xb,
+                    MPT_DEVICE_CPU);
+    mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, (void *)(uintptr_t)yb,
+                    MPT_DEVICE_CPU);
+    return 1;
 }
 
 /* Waits for the next batch and points x (b, sample shape...) in x_dtype
@@ -12223,6 +12436,8 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     const mpt_dataset *d = l->d;
     int64_t b, count;
     int slot;
+    if (l->inline_epoch)
+        return l->consume < l->n_batches ? mpt__loader_next_inline(l, x, y) : 0;
     pthread_mutex_lock(&l->mutex);
     if (l->held >= 0) { /* the caller is done with it: the thread may refill it */
         l->slot_batch[l->held & 1] = -1;
@@ -12251,7 +12466,7 @@ static void mpt__loader_destroy(mpt__loader *l) {
     l->stop = 1;
     pthread_cond_broadcast(&l->cond);
     pthread_mutex_unlock(&l->mutex);
-    pthread_join(l->thread, NULL);
+    if (l->started) pthread_join(l->thread, NULL);
     pthread_mutex_destroy(&l->mutex);
     pthread_cond_destroy(&l->cond);
     mpt__free(l->ctx, l->block);
@@ -12408,16 +12623,17 @@ MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out) {
 typedef struct mpt__tally {
     double loss_sum;     /* Σ batch mean loss · batch size */
     int64_t samples;
-    int64_t correct;     /* accuracy                       */
-    int64_t top_k;       /* sparse top-k accuracy          */
+    double correct;      /* accuracy: samples right, a sample of several
+                            positions in the fraction of them right   */
+    double top_k;        /* sparse top-k accuracy, alike              */
 } mpt__tally;
 
 /* A tally from the backend's record of it. */
 static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
     t->loss_sum = st->loss_sum;
     t->samples = (int64_t)st->samples;
-    t->correct = (int64_t)st->correct;
-    t->top_k = (int64_t)st->top_k;
+    t->correct = st->correct;
+    t->top_k = st->top_k;
 }
 
 /* Loss, accuracy and top-k of a tally into logs, names prefixed ("val_"). */
@@ -12426,12 +12642,12 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
     double n = t->samples ? (double)t->samples : 1.0;
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
     if (m->compile.metrics & MPT_METRIC_ACCURACY)
-        mpt__logs_set(logs, validation ? "val_accuracy" : "accuracy", (double)t->correct / n);
+        mpt__logs_set(logs, validation ? "val_accuracy" : "accuracy", t->correct / n);
     if (m->compile.metrics & MPT_METRIC_SPARSE_TOP_K)
         mpt__logs_set(logs,
                       validation ? "val_sparse_top_k_categorical_accuracy"
                                  : "sparse_top_k_categorical_accuracy",
-                      (double)t->top_k / n);
+                      t->top_k / n);
 }
 
 /* ---- one step ------------------------------------------------------------------ */
@@ -12474,8 +12690,7 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int train
     a.target_dtype = y->dtype;
     a.target = y->data;
     a.dpred = training ? m->grad_buf[0] : NULL;
-    a.rows = m->last_batch;
-    a.K = last->out_count;
+    mpt__loss_rows(last, m->last_batch, &a);
     a.metrics = m->compile.metrics;
     a.top_k = m->compile.top_k;
     a.scale_by_loss_scale = training;
@@ -12863,29 +13078,50 @@ static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const c
     return mpt__check_sample_shape(m, rank, shape, what);
 }
 
+/* A sample's class ids fit an output: one per position, the output's shape
+   without its last axis, or with it 1 (as mpt_loss_compute takes them);
+   one id, rank 0, where there is one position. */
+static int mpt__labels_fit(int rank, const int64_t *shape, int out_rank, const int64_t *out_shape) {
+    int i;
+    if (rank == 0) return mpt__shape_count(out_rank - 1, out_shape) == 1;
+    if (rank == out_rank && shape[rank - 1] == 1) rank--;
+    if (rank != out_rank - 1) return 0;
+    for (i = 0; i < rank; i++)
+        if (shape[i] != out_shape[i]) return 0;
+    return 1;
+}
+
 /* Checks that data fits the model: sample shape, target kind and labels. */
 static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
     int64_t shape[MPT_MAX_RANK], out_count = 1;
     int rank, i;
     int32_t lo, hi;
     const mpt__layer *last = &m->layers[m->n_layers - 1];
-    char a[96], b[96];
+    char a[96], b[96], c[96];
     MPT__CHECK(mpt__check_samples(m, d, what));
     for (i = 0; i < last->out_rank; i++) out_count *= last->out_shape[i];
+    rank = mpt__dataset_label_shape(d, shape);
     if (mpt__dataset_label_dtype(d) == MPT_INT32) {
+        int64_t classes = last->out_shape[last->out_rank - 1];
         mpt__dataset_label_range(d, &lo, &hi);
         if (m->compile.loss.type != MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY && out_count > 1)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: integer class labels need the sparse categorical "
                              "crossentropy loss (or one-hot float targets)", what);
-        if (out_count > 1 && (lo < 0 || hi >= out_count))
+        if (!mpt__labels_fit(rank, shape, last->out_rank, last->out_shape))
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                             "%s: class ids of shape %s for a model output of shape %s: one "
+                             "class id per position over the last axis, shape %s", what,
+                             mpt_shape_format(a, sizeof a, rank, shape),
+                             mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape),
+                             mpt_shape_format(c, sizeof c, last->out_rank - 1, last->out_shape));
+        if (out_count > 1 && (lo < 0 || hi >= classes))
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: labels range over %d..%d but the model has %lld classes "
-                             "(0..%lld)", what, (int)lo, (int)hi, (long long)out_count,
-                             (long long)out_count - 1);
+                             "(0..%lld)", what, (int)lo, (int)hi, (long long)classes,
+                             (long long)classes - 1);
         return MPT_OK;
     }
-    rank = mpt__dataset_label_shape(d, shape);
     if (!mpt__target_shape_fits(rank, shape, last->out_rank, last->out_shape))
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: targets of shape %s for a model output of "
                          "shape %s", what, mpt_shape_format(a, sizeof a, rank, shape),
@@ -12948,7 +13184,7 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     if (!order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     mpt__epoch_order(m, 0, 0, order, n);
     s = mpt__loader_create(m->ctx, d, batch_size, m->layers[0].dtype, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     if (s == MPT_OK) s = mpt__state_reset_evaluation(m);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor in, target;
@@ -13072,16 +13308,15 @@ static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
 }
 
 /* Starts an epoch's order on the loader: this worker's share of it. */
-static void mpt__fit_start_epoch(mpt__fit_run *r) {
+static mpt_status mpt__fit_start_epoch(mpt__fit_run *r) {
     const mpt_strategy *st = r->m->strategy;
     r->step = 0;
     if (st && mpt_strategy_num_workers(st) > 1) {
         int64_t n = mpt__worker_order(r->m, r->order, r->n, r->d->batch_size, r->mine);
-        mpt__loader_start_epoch(r->loader, r->mine, n,
-                                r->d->batch_size / mpt_strategy_num_workers(st));
-    } else {
-        mpt__loader_start_epoch(r->loader, r->order, r->n, r->d->batch_size);
+        return mpt__loader_start_epoch(r->loader, r->mine, n,
+                                       r->d->batch_size / mpt_strategy_num_workers(st));
     }
+    return mpt__loader_start_epoch(r->loader, r->order, r->n, r->d->batch_size);
 }
 
 /* The next step on a GPU: the compute queues wait for its batch's upload,
@@ -13213,8 +13448,9 @@ static mpt_status mpt__fit_halve(mpt__fit_run *r, int64_t done, const char *when
     if (s != MPT_OK) return s;
     if (done >= 0) {
         mpt_tensor x, y;
-        mpt__loader_start_epoch(r->loader, r->order + done, r->n - done, r->d->batch_size);
-        if (r->feed.on && mpt__fit_take(r, &x, &y))
+        s = mpt__loader_start_epoch(r->loader, r->order + done, r->n - done,
+                                    r->d->batch_size);
+        if (s == MPT_OK && r->feed.on && mpt__fit_take(r, &x, &y))
             s = mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows);
     }
     return s;
@@ -13264,7 +13500,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
     r->steps = (r->n + d->batch_size - 1) / d->batch_size;
     r->done = 0;
-    mpt__fit_start_epoch(r);
+    MPT__CHECK(mpt__fit_start_epoch(r));
     MPT__CHECK(mpt__state_push(m));
     if (r->feed.on && mpt__fit_take(r, &x, &y))
         s = mpt__fit_recover(r, mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows),
@@ -13605,7 +13841,7 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
     }
     mpt__epoch_order(m, 0, 0, order, n);
     s = mpt__loader_create(m->ctx, data, batch_size, m->layers[0].dtype, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         int64_t b = x.shape[0];
         mpt_tensor in;
@@ -16068,7 +16304,7 @@ enum {
 static const char *const mpt__profile_piece[] = {"step", "forward", "loss", "backward",
                                                  "gradient check", "update", "loss scale"};
 
-/* One profiled step, host times in seconds of mpt__profile_clock. */
+/* One profiled step, host times in seconds of mpt__clock. */
 typedef struct mpt__profile_step {
     int64_t step;            /* 1-based over the fit, as profile_batch counts */
     int epoch;               /* 0-based                                 */
@@ -16104,16 +16340,6 @@ struct mpt__profile {
     char *table;                 /* the per-layer table, once written    */
 };
 
-/* Seconds on a clock that never steps back (CLOCK_MONOTONIC where the
-   headers declare it, as under _POSIX_C_SOURCE; else the time of day). */
-static double mpt__profile_clock(void) {
-#if defined(CLOCK_MONOTONIC)
-    struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
-        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-#endif
-    return mpt__now();
-}
 
 /* ---- opening: the range checked against the run, the buffers taken -------- */
 
@@ -16232,10 +16458,10 @@ static void mpt__profile_mark(mpt__profile *P, int piece, int layer) {
     P->piece[i] = (unsigned char)piece;
     P->layer[i] = layer;
     if (P->timer) {
-        if (i == 0) P->timer_zero = mpt__profile_clock();
+        if (i == 0) P->timer_zero = mpt__clock();
         P->m->be->timer_mark(P->m->impl, P->timer, i);
     } else {
-        P->seconds[i] = mpt__profile_clock();
+        P->seconds[i] = mpt__clock();
     }
 }
 
@@ -16344,14 +16570,14 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
         P->step--; /* not taken: it is run again (out-of-memory recovery) or fit ends */
         return 1;
     }
-    rec->data_end = mpt__profile_clock();
+    rec->data_end = mpt__clock();
     rec->rows = in.shape[0];
     rec->first_mark = P->n_marks;
     m->be->copy(m->impl, &P->records[2 * P->n_steps], m->state, sizeof(mpt_step_state));
     mpt__profile_queue_step(P, m, &in, &target, times);
     m->be->copy(m->impl, &P->records[2 * P->n_steps + 1], m->state, sizeof(mpt_step_state));
     rec->n_marks = P->n_marks - rec->first_mark;
-    rec->queued = mpt__profile_clock();
+    rec->queued = mpt__clock();
     P->n_steps++;
     P->open = 1;
     r->done += rec->rows;
@@ -16371,7 +16597,7 @@ static void mpt__profile_leave_loop(mpt__fit_run *r) {
 static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
                                  mpt__step_times *times, mpt_status *s) {
     mpt__profile *P = r->profile;
-    double begin = mpt__profile_clock();
+    double begin = mpt__clock();
     int more;
     mpt__profile_close_host(P, begin);
     if (P->step >= P->last) mpt__profile_leave_loop(r);
@@ -16383,7 +16609,7 @@ static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
 
 /* When an epoch's steps are over: the open host work ends now. */
 static void mpt__profile_loop_end(mpt__fit_run *r) {
-    mpt__profile_close_host(r->profile, mpt__profile_clock());
+    mpt__profile_close_host(r->profile, mpt__clock());
     if (r->profile->step >= r->profile->last) mpt__profile_leave_loop(r);
 }
 
@@ -16712,7 +16938,7 @@ static mpt_status mpt__profile_close(mpt__fit_run *r, int verbose) {
     mpt_status s = MPT_OK;
     if (!P) return MPT_OK;
     if (r->profile) {
-        mpt__profile_close_host(P, mpt__profile_clock());
+        mpt__profile_close_host(P, mpt__clock());
         mpt__log(r->m->ctx, MPT_LOG_WARNING, "fit: profiler: training ended after step %lld, "
                  "before profile_batch's last step %lld; the trace holds %d step%s",
                  (long long)P->step, (long long)P->last, P->n_steps, P->n_steps == 1 ? "" : "s");
@@ -17465,13 +17691,21 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
    What mpt.h stores, in this order in the data:
        train/optimizer_steps, train/step, train/epoch,       I64, rank 0  } full
        train/good_steps, train/skipped_steps                              } checkpoints
-       train/learning_rate, train/loss_scale                 F32, rank 0  } only
+       qat/input/initialized,                                I64, rank 0  } quantization-
+         qat/<layer>/output/initialized                                   } aware models
+       train/learning_rate, train/loss_scale                 F32, rank 0  } full only
+       qat/input/min, qat/input/max,                         F32, rank 0  } quantization-
+         qat/<layer>/output/min, .../max                                  } aware models
        <layer>/<param>                  F32   every parameter, trainable or not
        optimizer/<layer>/<param>/<slot> F32   full checkpoints: "momentum" (SGD),
                                               "m" and "v" (Adam, AdamW)
-   The 8-byte scalars come first so that every tensor starts at a multiple of
-   its element size (the data starts at 8 + N, a multiple of 8), as a reader
-   that maps the file in place wants.
+   The 8-byte scalars come first, then an even number of 4-byte ones, so that
+   every tensor starts at a multiple of its element size (the data starts at
+   8 + N, a multiple of 8), as a reader that maps the file in place wants.
+   The quantization-aware ranges (the input's, then the layers' outputs that
+   have a learned one, in layer order) are all in a file or none are: a
+   model that has them takes none from a file without (they start again),
+   and a float model passes over them when it loads weights.
 
    Saving writes "<path>.tmp-<pid>" beside the target, fsyncs it, renames it
    over the target (atomic on POSIX) and fsyncs the directory, so a crash
@@ -17484,7 +17718,8 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
    Loading reads the whole header with a strict JSON reader (a malformed byte
    is reported with its offset in the file), checks the layout of the data,
    then every name, dtype and shape against the model, a full checkpoint's
-   policy and optimizer, and the training scalars' ranges; then it reads
+   policy and optimizer, the training scalars' ranges and the
+   quantization-aware ranges' values; then it reads
    the tensors into a host copy of the model's arenas and checks their
    values (finite; Adam's second moments >= 0). Only when all of that has
    passed does the model take the copy, so a failed load, a read error
@@ -17540,6 +17775,8 @@ typedef struct mpt__ckpt_entry {
     int staged;                     /* data points into plan->train              */
     int non_negative;               /* loading: its F32 values must be >= 0 too
                                        (Adam's second moment, a moving variance) */
+    int qat;                        /* a quantization-aware range's: a file holds
+                                       all of them or none (staged in plan->qat) */
 } mpt__ckpt_entry;
 
 /* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
@@ -17549,6 +17786,9 @@ typedef struct mpt__ckpt_plan {
     int n;
     int64_t data_bytes; /* the file's data: the entries' bytes, back to back */
     mpt__ckpt_train train;
+    mpt__qat_saved *qat; /* [n_qat] the learned ranges of a quantization-aware
+                            model, staged as the training scalars are   */
+    int n_qat;
     unsigned char *mirror; /* the model's parameter and optimizer arenas
                               copied to the host, which the entries point
                               into: always when loading, and when saving a
@@ -17612,9 +17852,22 @@ static mpt_status mpt__ckpt_add(mpt_model *m, mpt__ckpt_plan *pl, const char *pr
     return MPT_OK;
 }
 
-static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl) {
+static void mpt__ckpt_stage(mpt__ckpt_plan *pl, int first, int qat) {
+    for (; first < pl->n; first++) pl->e[first].staged = 1, pl->e[first].qat = qat;
+}
+
+/* The training scalars: the counters (I64), or the rates (F32). */
+static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl, int rates) {
     mpt__ckpt_train *t = &pl->train;
-    int first = pl->n, i;
+    int first = pl->n;
+    if (rates) {
+        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
+                                 &t->learning_rate, 1));
+        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
+                                 &t->loss_scale, 1));
+        mpt__ckpt_stage(pl, first, 0);
+        return MPT_OK;
+    }
     MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "optimizer_steps", "", MPT__ST_I64, 0, NULL,
                              &t->optimizer_steps, 1));
     MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "step", "", MPT__ST_I64, 0, NULL, &t->step, 1));
@@ -17623,11 +17876,37 @@ static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl) {
                              &t->good_steps, 1));
     MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "skipped_steps", "", MPT__ST_I64, 0, NULL,
                              &t->skipped_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
-                             &t->learning_rate, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
-                             &t->loss_scale, 1));
-    for (i = first; i < pl->n; i++) pl->e[i].staged = 1;
+    mpt__ckpt_stage(pl, first, 0);
+    return MPT_OK;
+}
+
+/* "qat/input/<what>" for the model's input's range, "qat/<layer>/output/<what>"
+   for a layer's (no layer name makes the one out of the other). */
+static void mpt__ckpt_qat_name(const mpt_model *m, const mpt__qat_saved *r, const char *what,
+                               char *buf, size_t size) {
+    if (r->layer < 0) snprintf(buf, size, "qat/input/%s", what);
+    else snprintf(buf, size, "qat/%s/output/%s", m->layers[r->layer].name, what);
+}
+
+/* A quantization-aware model's learned ranges: whether each is set (I64),
+   or their ends (F32), staged in pl->qat. */
+static mpt_status mpt__ckpt_add_qat(mpt_model *m, mpt__ckpt_plan *pl, int ends) {
+    char name[MPT__CKPT_NAME + 64];
+    int first = pl->n, k;
+    for (k = 0; k < pl->n_qat; k++) {
+        mpt__qat_saved *r = &pl->qat[k];
+        if (!ends) {
+            mpt__ckpt_qat_name(m, r, "initialized", name, sizeof name);
+            MPT__CHECK(mpt__ckpt_add(m, pl, name, "", "", MPT__ST_I64, 0, NULL,
+                                     &r->initialized, 1));
+            continue;
+        }
+        mpt__ckpt_qat_name(m, r, "min", name, sizeof name);
+        MPT__CHECK(mpt__ckpt_add(m, pl, name, "", "", MPT__ST_F32, 0, NULL, &r->min, 1));
+        mpt__ckpt_qat_name(m, r, "max", name, sizeof name);
+        MPT__CHECK(mpt__ckpt_add(m, pl, name, "", "", MPT__ST_F32, 0, NULL, &r->max, 1));
+    }
+    mpt__ckpt_stage(pl, first, 1);
     return MPT_OK;
 }
 
@@ -17665,10 +17944,20 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__
         for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->n_slots : 0;
         n += 7; /* the train/ scalars */
     }
+    pl->n_qat = mpt__qat_ranges_out(m, NULL);
+    n += 3 * pl->n_qat; /* initialized, min, max */
     pl->e = (mpt__ckpt_entry *)mpt__calloc(m->ctx, sizeof *pl->e * (size_t)n);
-    if (!pl->e) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    pl->qat = (mpt__qat_saved *)mpt__calloc(m->ctx, sizeof *pl->qat * (size_t)(pl->n_qat + 1));
+    if (!pl->e || !pl->qat)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    mpt__qat_ranges_out(m, pl->qat); /* loading: which ranges, the values read over them */
     MPT__CHECK(mpt__ckpt_mirror(m, loading, pl));
-    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl));
+    /* Every I64 first, then the F32 scalars (an even number of them), so
+       that each tensor starts at a multiple of its element size. */
+    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl, 0));
+    MPT__CHECK(mpt__ckpt_add_qat(m, pl, 0));
+    if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl, 1));
+    MPT__CHECK(mpt__ckpt_add_qat(m, pl, 1));
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
         MPT__CHECK(mpt__ckpt_add(m, pl, "", P->name, "", MPT__ST_F32, P->rank, P->shape,
@@ -17680,8 +17969,10 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__
 
 static void mpt__ckpt_plan_free(mpt_model *m, mpt__ckpt_plan *pl) {
     mpt__free(m->ctx, pl->e);
+    mpt__free(m->ctx, pl->qat);
     mpt__free(m->ctx, pl->mirror);
     pl->e = NULL;
+    pl->qat = NULL;
     pl->mirror = NULL;
 }
 
@@ -17720,6 +18011,11 @@ static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int fu
     mpt__ckpt_put_pair(t, "policy", mpt_policy_name(m->desc.policy), 0);
     mpt__ckpt_put_pair(t, "seed", seed, 0);
     mpt__ckpt_put_pair(t, "input_shape", shape, 0);
+    if (m->qat) { /* how the ranges move on: a model made with another decay would */
+        char decay[32];
+        snprintf(decay, sizeof decay, "%.9g", (double)mpt__qat_decay(m));
+        mpt__ckpt_put_pair(t, "qat_ema_decay", decay, 0);
+    }
     mpt__ckpt_put_model(t, m);
     mpt__ckpt_puts(t, "}");
 }
@@ -18098,15 +18394,46 @@ static const char *mpt__ckpt_describe(char *buf, size_t size, mpt__st_dtype dtyp
     return buf;
 }
 
-/* Finds each of the model's entries in the file, with its dtype and shape. */
+/* A quantization-aware range's tensor's name: "qat/.../min", ".../max" or
+   ".../initialized" (a layer named "qat" has "qat/kernel", ...). */
+static int mpt__ckpt_is_qat(const char *name) {
+    static const char *const ends[3] = {"/min", "/max", "/initialized"};
+    size_t n = strlen(name), k;
+    int i;
+    for (i = 0; i < 3 && strncmp(name, "qat/", 4) == 0; i++) {
+        k = strlen(ends[i]);
+        if (n > 4 + k && strcmp(name + n - k, ends[i]) == 0) return 1;
+    }
+    return 0;
+}
+
+/* Whether the file holds the model's quantization-aware ranges: any one of
+   them, by name (not any "qat/" tensor: a layer named "qat" has
+   parameters "qat/kernel", ...). */
+static int mpt__ckpt_file_has_qat(const mpt__st_file *f, const mpt__ckpt_plan *pl) {
+    int i;
+    for (i = 0; i < pl->n; i++)
+        if (pl->e[i].qat && mpt__st_find(f, pl->e[i].name)) return 1;
+    return 0;
+}
+
+/* Finds each of the model's entries in the file, with its dtype and shape;
+   the quantization-aware ranges only where the file has them (qat_in_file),
+   their found[] NULL otherwise. */
 static mpt_status mpt__ckpt_match(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
-                                  mpt__st_tensor **found) {
+                                  int qat_in_file, mpt__st_tensor **found) {
     char want[128], got[128];
     int i, d, same;
     for (i = 0; i < pl->n; i++) {
         const mpt__ckpt_entry *e = &pl->e[i];
         mpt__st_tensor *T = mpt__st_find(f, e->name);
         mpt__ckpt_describe(want, sizeof want, e->dtype, e->rank, e->shape);
+        found[i] = NULL;
+        if (e->qat && !qat_in_file) continue;
+        if (!T && e->qat)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds quantization-aware "
+                             "ranges, but not \"%s\" (%s), which this model's needs: was it "
+                             "saved by a model built otherwise?", f->path, e->name, want);
         if (!T)
             return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has no tensor \"%s\" (the "
                              "model's is %s)", f->path, e->name, want);
@@ -18133,9 +18460,16 @@ static mpt_status mpt__ckpt_check_unused(mpt_model *m, const mpt__st_file *f, in
     for (i = 0; i < f->n_t; i++) {
         const mpt__st_tensor *T = &f->t[i];
         int extra_state = strncmp(T->name, "optimizer/", 10) == 0 ||
-                          strncmp(T->name, "train/", 6) == 0;
+                          strncmp(T->name, "train/", 6) == 0 ||
+                          (mpt__ckpt_is_qat(T->name) && !m->qat);
         if (T->used || (!full && extra_state)) continue;
         mpt__ckpt_describe(got, sizeof got, T->dtype, T->rank, T->shape);
+        if (full && mpt__ckpt_is_qat(T->name) && !m->qat)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint '%s' holds quantization-aware "
+                             "training state (\"%s\" %s), but the model is not quantization-"
+                             "aware: call mpt_model_quantize_aware before loading it, or load "
+                             "the weights alone with mpt_model_load_weights", f->path, T->name,
+                             got);
         if (full && strncmp(T->name, "optimizer/", 10) == 0)
             return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has optimizer state \"%s\" "
                              "%s that the model's optimizer (%s, %d slot%s per parameter) "
@@ -18265,13 +18599,53 @@ static mpt_status mpt__ckpt_check_values(mpt_model *m, const char *path,
     return MPT_OK;
 }
 
-/* Reads the entries with staged == want_staged into place. */
+/* The quantization-aware ranges read: each flag 0 or 1, each end finite,
+   min <= max (training keeps them so: the moving averages of ordered
+   pairs stay ordered). A range that is not set was saved as 0, 0; any
+   finite ordered pair is taken. */
+static mpt_status mpt__ckpt_check_qat(mpt_model *m, const char *path, const mpt__ckpt_plan *pl) {
+    char lo[MPT__CKPT_NAME + 64], hi[MPT__CKPT_NAME + 64];
+    int i, k;
+    for (i = 0; i < pl->n; i++) {
+        const mpt__ckpt_entry *e = &pl->e[i];
+        if (!e->qat) continue;
+        if (e->dtype == MPT__ST_F32) MPT__CHECK(mpt__ckpt_check_values(m, path, e));
+        if (e->dtype == MPT__ST_I64 && *(const int64_t *)e->data != 0 &&
+            *(const int64_t *)e->data != 1)
+            return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': tensor \"%s\" is %lld; "
+                             "it says whether a training batch has set the range: 0 or 1",
+                             path, e->name, (long long)*(const int64_t *)e->data);
+    }
+    for (k = 0; k < pl->n_qat; k++) {
+        if (pl->qat[k].min <= pl->qat[k].max) continue;
+        mpt__ckpt_qat_name(m, &pl->qat[k], "min", lo, sizeof lo);
+        mpt__ckpt_qat_name(m, &pl->qat[k], "max", hi, sizeof hi);
+        return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': \"%s\" is %g, above \"%s\" "
+                         "(%g); a range's min is never above its max", path, lo,
+                         (double)pl->qat[k].min, hi, (double)pl->qat[k].max);
+    }
+    return MPT_OK;
+}
+
+/* The ranges move on with the decay the model was made quantization-aware
+   with: another one than the saving model's is allowed, and warned about. */
+static void mpt__ckpt_check_qat_decay(mpt_model *m, const mpt__st_file *f) {
+    const char *saved = mpt__st_meta_get(f, "qat_ema_decay");
+    char mine[32];
+    snprintf(mine, sizeof mine, "%.9g", (double)mpt__qat_decay(m));
+    if (saved && strcmp(saved, mine) != 0)
+        mpt__log(m->ctx, MPT_LOG_WARNING, "checkpoint '%s' was saved by a quantization-aware "
+                 "model with ema_decay %s; this one's is %s, so its ranges will move otherwise",
+                 f->path, saved, mine);
+}
+
+/* Reads the entries with staged == want_staged (that the file has) into place. */
 static mpt_status mpt__ckpt_read(mpt__st_file *f, const mpt__ckpt_plan *pl,
                                  mpt__st_tensor *const *found, int want_staged) {
     int i, swap = !mpt__ckpt_little_endian();
     for (i = 0; i < pl->n; i++) {
         const mpt__ckpt_entry *e = &pl->e[i];
-        if (e->staged != want_staged) continue;
+        if (e->staged != want_staged || !found[i]) continue;
         MPT__CHECK(mpt__st_read_at(f, 8 + f->n + found[i]->begin, e->data, e->bytes));
         if (swap) mpt__ckpt_swap(e->data, e->bytes, mpt__st_dtypes[e->dtype].size);
     }
@@ -18293,14 +18667,13 @@ static void mpt__ckpt_apply_train(mpt_model *m, const mpt__ckpt_train *t) {
 static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mpt__ckpt_plan *pl,
                                          mpt__st_tensor **found, int full) {
     mpt_status s;
-    int i;
+    int i, qat_in_file = mpt__ckpt_file_has_qat(f, pl);
     if (full) MPT__CHECK(mpt__ckpt_check_metadata(m, f));
-    MPT__CHECK(mpt__ckpt_match(m, f, pl, found));
+    MPT__CHECK(mpt__ckpt_match(m, f, pl, qat_in_file, found));
     MPT__CHECK(mpt__ckpt_check_unused(m, f, full));
-    if (full) {
-        MPT__CHECK(mpt__ckpt_read(f, pl, found, 1));
-        MPT__CHECK(mpt__ckpt_check_train(m, f->path, &pl->train));
-    }
+    MPT__CHECK(mpt__ckpt_read(f, pl, found, 1));
+    if (full) MPT__CHECK(mpt__ckpt_check_train(m, f->path, &pl->train));
+    if (qat_in_file) MPT__CHECK(mpt__ckpt_check_qat(m, f->path, pl));
     MPT__CHECK(mpt__ckpt_read(f, pl, found, 0));
     for (i = 0; i < pl->n; i++)
         if (!pl->e[i].staged) MPT__CHECK(mpt__ckpt_check_values(m, f->path, &pl->e[i]));
@@ -18314,6 +18687,11 @@ static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mp
                          full ? " and optimizer state" : "");
     }
     if (full) mpt__ckpt_apply_train(m, &pl->train);
+    if (m->qat && qat_in_file) mpt__ckpt_check_qat_decay(m, f);
+    if (m->qat && !qat_in_file)
+        mpt__log(m->ctx, MPT_LOG_INFO, "checkpoint '%s' holds no quantization-aware ranges: "
+                 "the model's are learned again from its next training batch", f->path);
+    if (m->qat) mpt__qat_ranges_in(m, qat_in_file ? pl->qat : NULL);
     mpt_model_refresh_weights(m);
     return MPT_OK;
 }
@@ -20200,14 +20578,26 @@ static int mpt__q_batch_shape(const mpt_model *m, int64_t n, int64_t *shape) {
     return rank + 1;
 }
 
-/* The model's float32 input quantized into int8, MPT__Q_TASK_ROWS samples a task. */
+/* The model's input quantized into int8, MPT__Q_TASK_ROWS samples a
+   task: float32 samples, or a uint8 dataset's bytes through a table. */
 typedef struct mpt__qinput_job {
-    const float *x;
+    const float *x;              /* float32 samples, or NULL and ...       */
+    const uint8_t *bytes;        /* ... bytes, each becoming table[byte]   */
+    const int8_t *table;         /* (256) mpt__q_byte_table                */
     int8_t *q;
     int64_t n, count;            /* samples, elements of one */
     const mpt_quant_params *p;
     int avx512;                  /* the context has AVX-512       */
 } mpt__qinput_job;
+
+/* A uint8 dataset's byte values as a full-integer model's int8 input: the
+   float each byte stands for (d->u8_f32, what a float32 batch holds)
+   quantized once, so that a byte becomes the int8 the float32 path gives
+   it with one lookup, and the batch is never widened to float32. */
+static void mpt__q_byte_table(const mpt__quantized *Q, const mpt_dataset *d, int8_t *table) {
+    int v;
+    for (v = 0; v < 256; v++) table[v] = mpt__q_quantize(d->u8_f32[v], &Q->tensor[0]);
+}
 
 #if MPT__X86
 /* mpt__q_quantize of 16 values with AVX-512: the same division and the
@@ -20240,6 +20630,10 @@ static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     int64_t k = task * MPT__Q_TASK_ROWS * j->count;
     const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
     (void)thread;
+    if (j->bytes) {
+        for (; k < end; k++) j->q[k] = j->table[j->bytes[k]];
+        return;
+    }
 #if MPT__X86
     if (j->avx512)
         for (; k + 16 <= end; k += 16) mpt__q_quantize16_avx512(j->x + k, j->p, j->q + k);
@@ -20247,30 +20641,40 @@ static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
 }
 
-/* n float32 samples to n float32 outputs, whatever the mode: the integer
-   pass quantizes at the start and dequantizes at the end. */
-static mpt_status mpt__q_run_float(mpt_context *ctx, const mpt__quantized *Q, const float *x,
-                                   int64_t n, float *y, mpt__qwork *w) {
+/* A batch x of n samples (float32, or a uint8 dataset's bytes with their
+   mpt__q_byte_table, full-integer only) to n float32 outputs, whatever the
+   mode: the integer pass quantizes at the start and dequantizes at the end. */
+static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mpt_tensor *x,
+                             const int8_t *byte_table, float *y, mpt__qwork *w) {
+    const int64_t n = x->shape[0], count = n * mpt__q_out_count(Q);
+    const mpt_quant_params *o = &Q->tensor[Q->n_ops];
+    mpt__qinput_job j;
     const void *out;
-    int64_t k, count = n * mpt__q_out_count(Q);
+    int64_t k;
     if (Q->mode != MPT_QUANTIZE_FULL_INTEGER) {
-        MPT__CHECK(mpt__q_forward(ctx, Q, mpt__q_exec(Q), x, n, w, NULL, &out));
+        MPT__CHECK(mpt__q_forward(ctx, Q, mpt__q_exec(Q), x->data, n, w, NULL, &out));
         memcpy(y, out, sizeof(float) * (size_t)count);
         return MPT_OK;
     }
-    {
-        const mpt_quant_params *in = &Q->tensor[0], *o = &Q->tensor[Q->n_ops];
-        mpt__qinput_job j;
-        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
-        j.x = x, j.q = xq, j.n = n, j.count = Q->in_count, j.p = in;
-        j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
-        mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
-                          mpt__q_quantize_input_task, &j);
-        MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out));
-        for (k = 0; k < count; k++)
-            y[k] = (float)(((const int8_t *)out)[k] - o->zero_point) * o->scale;
-    }
+    memset(&j, 0, sizeof j);
+    if (x->dtype == MPT_UINT8) j.bytes = (const uint8_t *)x->data, j.table = byte_table;
+    else j.x = (const float *)x->data;
+    j.q = (int8_t *)w->act[1]; /* op 0 writes act[0] */
+    j.n = n, j.count = Q->in_count, j.p = &Q->tensor[0];
+    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
+    mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                      mpt__q_quantize_input_task, &j);
+    MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, j.q, n, w, NULL, &out));
+    for (k = 0; k < count; k++)
+        y[k] = (float)(((const int8_t *)out)[k] - o->zero_point) * o->scale;
     return MPT_OK;
+}
+
+/* The dtype a quantized model's batches of d are loaded in: a full-integer
+   model reads a uint8 dataset's bytes as they are (mpt__q_byte_table). */
+static mpt_dtype mpt__q_batch_dtype(const mpt__quantized *Q, const mpt_dataset *d) {
+    return Q->mode == MPT_QUANTIZE_FULL_INTEGER && d->x_dtype == MPT_UINT8 ? MPT_UINT8
+                                                                          : MPT_FLOAT32;
 }
 
 /* =============================================================================
@@ -20377,6 +20781,7 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
     order = (int64_t *)mpt__alloc(ctx, sizeof(int64_t) * (size_t)n);
     if (s == MPT_OK && !order) s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
     if (s == MPT_OK) s = mpt__loader_create(ctx, d->representative_data, batch, MPT_FLOAT32, &loader);
+    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
     for (pass = 0; s == MPT_OK && pass < passes; pass++) {
         mpt_tensor x, y;
@@ -20387,7 +20792,7 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
                                                      (size_t)(Q->n_ops + 1));
             if (!c.hist) { s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory"); break; }
         }
-        mpt__loader_start_epoch(loader, order, n, batch);
+        s = mpt__loader_start_epoch(loader, order, n, batch);
         while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
             const void *out;
             s = mpt__q_forward(ctx, Q, MPT__QX_REFERENCE, x.data, x.shape[0], &w, &c, &out);
@@ -20624,6 +21029,7 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
                                          int64_t batch_size, mpt_tensor *out) {
     const mpt__quantized *Q = m->quantized;
     int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
+    int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
     mpt_tensor x, y;
@@ -20644,11 +21050,13 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (s == MPT_OK) s = mpt__loader_create(m->ctx, data, batch_size, MPT_FLOAT32, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch_size);
+    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
+    if (s == MPT_OK)
+        s = mpt__loader_create(m->ctx, data, batch_size, mpt__q_batch_dtype(Q, data), &loader);
+    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, x.shape[0],
-                             (float *)out->data + done * per, w);
+        s = mpt__q_run(m->ctx, Q, &x, byte_table, (float *)out->data + done * per, w);
         done += x.shape[0];
     }
     mpt__loader_destroy(loader);
@@ -20657,11 +21065,12 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     return s;
 }
 
-/* Accuracy and top-k of one batch's outputs (rows × classes) against
-   class ids or float targets, added to t. */
+/* Accuracy and top-k of one batch's outputs (rows × classes, a row per
+   position) against class ids or float targets, added to t as the float
+   model's are (mpt__loss_tally): rows_per_sample positions make a sample. */
 static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows, int64_t classes,
-                               const mpt_tensor *target, mpt__tally *t) {
-    int64_t r, c;
+                               int64_t rows_per_sample, const mpt_tensor *target, mpt__tally *t) {
+    int64_t r, c, correct = 0, top_k = 0;
     for (r = 0; r < rows; r++, p += classes) {
         int64_t best = 0, label, above = 0;
         for (c = 1; c < classes; c++) best = p[c] > p[best] ? c : best;
@@ -20672,16 +21081,19 @@ static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows,
             for (label = 0, c = 1; c < classes; c++) label = tr[c] > tr[label] ? c : label;
         }
         if (label < 0 || label >= classes) continue;
-        t->correct += best == label;
+        correct += best == label;
         for (c = 0; c < classes; c++) above += p[c] > p[label];
-        t->top_k += above < m->compile.top_k;
+        top_k += above < m->compile.top_k;
     }
+    t->correct += (double)correct / (double)rows_per_sample;
+    t->top_k += (double)top_k / (double)rows_per_sample;
 }
 
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, batch, per = mpt__q_out_count(Q), *order, k;
+    int64_t n, batch, per = mpt__q_out_count(Q), *order, k, classes;
+    int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
     mpt__tally t;
@@ -20709,20 +21121,24 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     if (s == MPT_OK && (!order || !pred))
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (s == MPT_OK) s = mpt__loader_create(m->ctx, data, batch, MPT_FLOAT32, &loader);
-    if (s == MPT_OK) mpt__loader_start_epoch(loader, order, n, batch);
+    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
+    if (s == MPT_OK)
+        s = mpt__loader_create(m->ctx, data, batch, mpt__q_batch_dtype(Q, data), &loader);
+    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
+    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor p;
         double loss = 0;
         int64_t b = x.shape[0], shape[MPT_MAX_RANK];
         int rank = mpt__q_batch_shape(m, b, shape);
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x.data, b, pred, w);
+        s = mpt__q_run(m->ctx, Q, &x, byte_table, pred, w);
         if (s == MPT_OK) s = mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, pred);
         if (s == MPT_OK) s = mpt_loss_compute(m->ctx, &m->compile.loss, &p, &y, &loss, NULL);
         if (s != MPT_OK) break;
         t.loss_sum += loss * (double)b;
         t.samples += b;
-        mpt__q_tally_batch(m, pred, b, per, &y, &t);
+        classes = shape[rank - 1];
+        mpt__q_tally_batch(m, pred, b * (per / classes), classes, per / classes, &y, &t);
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
@@ -20832,7 +21248,7 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, n, shape), shape));
     s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        s = mpt__q_run_float(m->ctx, Q, (const float *)x->data, n, (float *)y->data, w);
+        s = mpt__q_run(m->ctx, Q, x, NULL, (float *)y->data, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
         int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
@@ -21243,7 +21659,8 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
     int i;
     if (!T->input.seen)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: the quantization-aware model has not "
-                         "trained yet, so it has no ranges: fit it first");
+                         "trained yet, so it has no ranges: fit it first (or load a checkpoint "
+                         "or weights file that holds them)");
     lo[0] = T->input.min, hi[0] = T->input.max;
     for (i = 0; i < Q->n_ops; i++) {
         const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
@@ -21256,6 +21673,49 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
     }
     return MPT_OK;
 }
+
+/* ---- the ranges in checkpoints (@impl-checkpoints) -------------------------------------- */
+
+static int mpt__qat_learned(const mpt__qat_point *P) { return P->kind == MPT__QAT_LEARNED; }
+
+/* Every learned range, the input's first, then the layers' in order, into
+   out (when not NULL); returns how many there are (0 without QAT). A range
+   no training batch has set goes out as 0, 0, not initialized. */
+static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out) {
+    int i, n = 0;
+    for (i = -1; m->qat && i < m->n_layers; i++) {
+        const mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+        if (!mpt__qat_learned(P)) continue;
+        if (out) {
+            out[n].layer = i;
+            out[n].initialized = P->seen;
+            out[n].min = P->seen ? P->min : 0.0f;
+            out[n].max = P->seen ? P->max : 0.0f;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* The ranges a checkpoint held, checked (finite, min <= max) and in
+   mpt__qat_ranges_out's order; NULL: the file had none, and every range
+   starts again from the next training batch, as in a model just made
+   quantization-aware. A measurement still waiting for its step's commit
+   belonged to the model before the load: dropped. */
+static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in) {
+    int i, n = 0;
+    for (i = -1; m->qat && i < m->n_layers; i++) {
+        mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+        P->measured = 0;
+        if (!mpt__qat_learned(P)) continue;
+        P->seen = in ? (int)in[n].initialized : 0;
+        P->min = P->seen ? in[n].min : 0.0f;
+        P->max = P->seen ? in[n].max : 0.0f;
+        n++;
+    }
+}
+
+static float mpt__qat_decay(const mpt_model *m) { return m->qat ? m->qat->decay : 0.0f; }
 
 /* ---- turning it on ------------------------------------------------------------------------ */
 
@@ -23099,15 +23559,15 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s) {
     }
 }
 
-/* ValueInfoProto: name, float32, (N, shape...) with N free. */
-static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int rank,
-                                 const int64_t *shape) {
+/* ValueInfoProto: name, elem_type (MPT__ONNX_FLOAT, ...), (N, shape...) with N free. */
+static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int elem_type,
+                                 int rank, const int64_t *shape) {
     size_t info = mpt__pb_begin(b, field), type, tensor, dims, dim;
     int i;
     mpt__pb_string(b, 1, name);
     type = mpt__pb_begin(b, 2);
     tensor = mpt__pb_begin(b, 1);
-    mpt__pb_int64(b, 1, MPT__ONNX_FLOAT);
+    mpt__pb_int64(b, 1, elem_type);
     dims = mpt__pb_begin(b, 2);
     dim = mpt__pb_begin(b, 1);
     mpt__pb_string(b, 2, "N");
@@ -23124,9 +23584,10 @@ static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int ra
 }
 
 /* ModelProto around the nodes and initializers; the running value is the
-   output, one sample of shape out_shape (out_rank). */
-static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, int out_rank,
-                            const int64_t *out_shape, mpt__pb *b) {
+   output, one sample of shape out_shape (out_rank); input and output of
+   ONNX type io_type. */
+static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_t *in_shape,
+                            int out_rank, const int64_t *out_shape, mpt__pb *b) {
     size_t graph, opset, body;
     body = mpt__onnx_node(o, "Identity", "output", o->x, NULL, NULL);
     mpt__pb_end(&o->nodes, body);
@@ -23140,8 +23601,8 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
     mpt__pb_bytes(b, o->nodes.data, o->nodes.size);
     mpt__pb_string(b, 2, "mpt");
     mpt__pb_bytes(b, o->inits.data, o->inits.size);
-    mpt__onnx_value_info(b, 11, "input", in_rank, in_shape);
-    mpt__onnx_value_info(b, 12, "output", out_rank, out_shape);
+    mpt__onnx_value_info(b, 11, "input", io_type, in_rank, in_shape);
+    mpt__onnx_value_info(b, 12, "output", io_type, out_rank, out_shape);
     mpt__pb_end(b, graph);
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
@@ -23156,7 +23617,9 @@ static void mpt__onnx_model(mpt__onnx *o, int in_rank, const int64_t *in_shape, 
    as int8 (F, C, kh, kw), per-axis along 0) with their int32 biases at
    scale input·weight[c], ReLU after them; pooling, Flatten and the
    activations as float ops; every result quantized and dequantized at the
-   operation's output parameters. The float helpers above name their nodes
+   operation's output parameters. With int8 or uint8 io the graph's input
+   and output are the codes, dequantized at the start and quantized at the
+   end (mpt__onnx_io_codes). The float helpers above name their nodes
    after a layer: one carrying the operation's name stands in for it.
    A float16 or dynamic-range model's operations are the same float ops
    without the Q/DQ pairs; only its Dense and Conv2D differ (float16
@@ -23557,17 +24020,47 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     }
 }
 
-/* The whole model from its float32 input to its float32 output, NHWC;
-   the output's shape into out_shape. */
+/* The ONNX type of a quantized model's input and output. */
+static int mpt__onnx_io_type(const mpt_model *m) {
+    mpt_dtype io = m->quantized ? m->quantized->io_dtype : MPT_FLOAT32;
+    return io == MPT_UINT8 ? MPT__ONNX_UINT8 : io == MPT_INT8 ? MPT__ONNX_INT8 : MPT__ONNX_FLOAT;
+}
+
+/* An int8 or uint8 io model's end (the input, output 0; the output, 1):
+   the codes in io_type at the model's io parameters (uint8's zero point
+   + 128), dequantized into the float32 graph or quantized out of it. At
+   the output the value is the last operation's, dequantized at these
+   same reals: it quantizes back to its code exactly, with no tie for
+   QuantizeLinear's round half to even to break otherwise than mpt.h. */
+static void mpt__onnx_io_codes(mpt__onnx *o, int output) {
+    const mpt_quant_params p = mpt__q_io_params(o->pl->m->quantized, output);
+    const char *end = output ? "output" : "input";
+    char scale[64], zero[64], y[64];
+    snprintf(scale, sizeof scale, "%s/io_scale", end);
+    snprintf(zero, sizeof zero, "%s/io_zero_point", end);
+    snprintf(y, sizeof y, "%s/%s", end, output ? "io_quantized" : "io_dequantized");
+    mpt__onnx_floats(o, scale, 0, 1, &p.scale);
+    mpt__onnx_ints(o, zero, mpt__onnx_io_type(o->pl->m), 1, 0, NULL, 1, &p.zero_point);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, output ? "QuantizeLinear" : "DequantizeLinear", y,
+                                          o->x, scale, zero));
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* The whole model from its input to its output, NHWC, in float32 or, for
+   int8 and uint8 io, in codes at the ends; the output's shape into
+   out_shape. */
 static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     const mpt__quantized *Q = o->pl->m->quantized;
+    const int codes = mpt__onnx_io_type(o->pl->m) != MPT__ONNX_FLOAT;
     mpt__layer named;
     int i;
+    if (codes) mpt__onnx_io_codes(o, 0);
     mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
     for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
     memset(&named, 0, sizeof named);
     snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);
     mpt__onnx_layout(o, &named, 0);
+    if (codes) mpt__onnx_io_codes(o, 1);
     memcpy(out_shape, Q->ops[Q->n_ops - 1].info.out_shape, sizeof Q->ops[0].info.out_shape);
     return Q->ops[Q->n_ops - 1].info.out_rank;
 }
@@ -23602,7 +24095,7 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
         out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
         if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
     }
-    mpt__onnx_model(&o, in_rank, in_shape, out_rank, out_shape, &b);
+    mpt__onnx_model(&o, mpt__onnx_io_type(m), in_rank, in_shape, out_rank, out_shape, &b);
     if (b.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);
     else

@@ -3587,6 +3587,7 @@ typedef struct mpt__cuda_loss_params {
     const void *pred, *target;
     void *dpred;
     int64_t rows, K;
+    int64_t rows_per_sample; /* positions of one sample (mpt_loss_args) */
     double count; /* the loss is a mean over rows (crossentropy) or elements */
     mpt_step_state *state; /* loss_scale read, the tallies written        */
     mpt__cuda_loss_partial *partials;
@@ -3812,7 +3813,7 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
 
 /* One block: the blocks' partials added in a fixed tree (thread t takes
    partials t, t + 256, ... in order), then the batch into the step state
-   as the CPU tallies it: loss_sum += mean loss × rows. */
+   by the CPU's rule (mpt__loss_tally): loss_sum += mean loss × samples. */
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
 mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
     double loss = 0, correct = 0, top_k = 0;
@@ -3824,13 +3825,9 @@ mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
     loss = mpt__cuda_train_block_sum(loss);
     correct = mpt__cuda_train_block_sum(correct);
     top_k = mpt__cuda_train_block_sum(top_k);
-    if (threadIdx.x == 0) {
-        mpt_step_state *s = p.state;
-        s->loss_sum = __dadd_rn(s->loss_sum, __dmul_rn(loss / p.count, (double)p.rows));
-        s->samples += (double)p.rows;
-        if (p.metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K)) s->correct += correct;
-        if (p.metrics & MPT_METRIC_SPARSE_TOP_K) s->top_k += top_k;
-    }
+    if (threadIdx.x == 0)
+        mpt__loss_tally(p.state, p.metrics, p.rows, p.rows_per_sample, loss / p.count, correct,
+                        top_k);
 }
 
 static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
@@ -3854,6 +3851,7 @@ static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
     p.dpred = a->dpred;
     p.rows = a->rows;
     p.K = a->K;
+    p.rows_per_sample = a->rows_per_sample;
     /* The mean is over rows for crossentropies, over elements otherwise. */
     p.count = categorical ? (double)a->rows : (double)a->rows * (double)a->K;
     p.state = a->state;

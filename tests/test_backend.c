@@ -830,6 +830,94 @@ static void test_fit_matches_the_cpu(void) {
     }
 }
 
+/* An output of several positions per sample: Conv2D 'same' -> Conv2D(1×1,
+   softmax) gives (SIDE, SIDE, CLASSES), with a class id per pixel (the
+   quadrant's class where the square is, else 0). The per-position loss,
+   its gradient and the tally of samples and fractional hits go the same
+   way through the device's staging as on the CPU, bit for bit. */
+static int32_t pixel_ys[N * SIDE * SIDE];
+
+static mpt_model *pixel_model(mpt_context *c) {
+    mpt_model *m = NULL;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
+                                          .seed = 13}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
+                                               .padding = MPT_PADDING_SAME,
+                                               .activation = MPT_ACT_RELU});
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = CLASSES, .kernel_size = {1, 1},
+                                               .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.learning_rate = 0.01f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K, .top_k = 2}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static mpt_dataset *pixel_dataset(mpt_context *c) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, (int64_t[]){N, SIDE, SIDE, 1}, xs);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 3, (int64_t[]){N, SIDE, SIDE}, pixel_ys);
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+static void test_fit_per_position_matches_the_cpu(void) {
+    mpt_context *dc = NULL;
+    mpt_model *cpu, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_logs l_cpu, l_gpu;
+    mpt_fit_desc fit;
+    int i, r, q;
+    for (i = 0; i < N; i++)
+        for (r = 0; r < SIDE; r++)
+            for (q = 0; q < SIDE; q++) {
+                int in = (r < SIDE / 2) == (ys[i] < 2) && (q < SIDE / 2) == (ys[i] % 2 == 0);
+                pixel_ys[(i * SIDE + r) * SIDE + q] = in ? ys[i] : 0;
+            }
+    memset(&dev, 0, sizeof dev);
+    memset(&l_cpu, 0, sizeof l_cpu);
+    memset(&l_gpu, 0, sizeof l_gpu);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    d_cpu = pixel_dataset(ctx);
+    d_gpu = pixel_dataset(dc);
+    cpu = pixel_model(ctx);
+    gpu = pixel_model(dc);
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH;
+    fit.validation_split = 0.2f;
+    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    CHECK(same_params(cpu, gpu), "weights differ after fit");
+    CHECK(same_history(cpu, gpu), "histories differ");
+    CHECK(mpt_model_evaluate(cpu, d_cpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_cpu) ==
+                  MPT_OK &&
+              mpt_model_evaluate(gpu, d_gpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_gpu) ==
+                  MPT_OK,
+          "evaluate: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    CHECK(mpt_logs_get(&l_cpu, "loss") == mpt_logs_get(&l_gpu, "loss") &&
+              mpt_logs_get(&l_cpu, "accuracy") == mpt_logs_get(&l_gpu, "accuracy") &&
+              mpt_logs_get(&l_cpu, "sparse_top_k_categorical_accuracy") ==
+                  mpt_logs_get(&l_gpu, "sparse_top_k_categorical_accuracy"),
+          "evaluate %g/%g vs %g/%g", mpt_logs_get(&l_cpu, "loss"),
+          mpt_logs_get(&l_cpu, "accuracy"), mpt_logs_get(&l_gpu, "loss"),
+          mpt_logs_get(&l_gpu, "accuracy"));
+    /* accuracy over 64 positions a sample: not a whole number of samples */
+    CHECK(mpt_logs_get(&l_cpu, "accuracy") > 0.5, "accuracy %g after 2 epochs",
+          mpt_logs_get(&l_cpu, "accuracy"));
+    CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
+    mpt_model_destroy(cpu);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
 /* A checkpoint saved from the device and loaded on the CPU (and back)
    carries every weight, moment and counter; training on continues alike. */
 static void test_checkpoints_cross(void) {
@@ -1175,6 +1263,7 @@ int main(void) {
     TEST_RUN(test_philox_known_answers);
     TEST_RUN(test_cpu_table_is_complete);
     TEST_RUN(test_fit_matches_the_cpu);
+    TEST_RUN(test_fit_per_position_matches_the_cpu);
     TEST_RUN(test_checkpoints_cross);
     TEST_RUN(test_early_stopping_restores);
     TEST_RUN(test_public_steps_on_the_device);

@@ -1519,6 +1519,364 @@ static void test_resume_fit(void) {
     mpt_model_destroy(second);
 }
 
+/* ---- quantization-aware training's ranges ------------------------------------------ */
+
+/* Dense -> BatchNormalization -> ReLU -> Dropout -> Dense, mixed_float16 with
+   Adam: every kind of state, and the learned ranges of the input, the folded
+   product's ReLU and the logits. */
+static mpt_model *make_qat_model(int aware) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 23}, &m);
+    if (!m) return NULL;
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16});
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    compile_with(m, MPT_OPTIMIZER_ADAM, 0);
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    if (aware)
+        CHECK(mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 0.8f}) == MPT_OK,
+              "quantize_aware: %s", mpt_context_error(ctx));
+    return m;
+}
+
+static float qat_x[48 * 6];
+static int32_t qat_y[48];
+
+static mpt_dataset *qat_data(void) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    int i;
+    test_seed(17);
+    for (i = 0; i < 48 * 6; i++) qat_x[i] = (float)test_uniform(-2, 2);
+    for (i = 0; i < 48; i++) qat_y[i] = (qat_x[6 * i] > 0) + (qat_x[6 * i + 1] > 0.5f);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){48, 6}, qat_x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){48}, qat_y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+/* Every learned range as qat_range reports it: (status, min, max) for the
+   input and each layer, so that "not set" is compared too. */
+typedef struct qat_ranges {
+    int status[8];
+    float min[8], max[8];
+} qat_ranges;
+
+static qat_ranges qat_ranges_of(const mpt_model *m) {
+    qat_ranges r;
+    int i;
+    memset(&r, 0, sizeof r);
+    for (i = -1; i < mpt_model_layer_count(m) && i < 7; i++)
+        r.status[i + 1] = (int)mpt_model_qat_range(m, i, &r.min[i + 1], &r.max[i + 1]);
+    return r;
+}
+
+static int qat_ranges_same(qat_ranges a, qat_ranges b) { return memcmp(&a, &b, sizeof a) == 0; }
+
+/* Two full-integer models, operation by operation, bit for bit. */
+static int same_int8_models(const mpt_model *a, const mpt_model *b) {
+    mpt_quantized_info ia, ib;
+    int i, same;
+    mpt_model_quantized_info(a, &ia);
+    mpt_model_quantized_info(b, &ib);
+    same = ia.n_layers == ib.n_layers && memcmp(&ia.input, &ib.input, sizeof ia.input) == 0 &&
+           memcmp(&ia.output, &ib.output, sizeof ia.output) == 0;
+    for (i = 0; same && i < ia.n_layers; i++) {
+        mpt_quantized_layer la, lb;
+        int64_t n;
+        mpt_model_quantized_layer(a, i, &la);
+        mpt_model_quantized_layer(b, i, &lb);
+        n = la.out_channels;
+        same = la.op == lb.op && n == lb.out_channels && la.depth == lb.depth &&
+               memcmp(&la.input, &lb.input, sizeof la.input) == 0 &&
+               memcmp(&la.output, &lb.output, sizeof la.output) == 0;
+        if (same && la.weights)
+            same = memcmp(la.weights, lb.weights, (size_t)(n * la.depth)) == 0 &&
+                   memcmp(la.weight_scales, lb.weight_scales, 4 * (size_t)n) == 0 &&
+                   memcmp(la.bias_int32, lb.bias_int32, 4 * (size_t)n) == 0 &&
+                   memcmp(la.multiplier, lb.multiplier, 4 * (size_t)n) == 0 &&
+                   memcmp(la.shift, lb.shift, 4 * (size_t)n) == 0;
+    }
+    return same;
+}
+
+static mpt_model *to_int8(mpt_model *m) {
+    mpt_model *q = NULL;
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+              MPT_OK, "convert: %s", mpt_context_error(ctx));
+    return q;
+}
+
+/* Two models' predictions on d, bit for bit. */
+static int same_predictions(mpt_model *a, mpt_model *b, const mpt_dataset *d) {
+    mpt_tensor ya, yb;
+    int same;
+    if (!a || !b || mpt_model_predict(a, d, 16, &ya) != MPT_OK) return 0;
+    if (mpt_model_predict(b, d, 16, &yb) != MPT_OK) {
+        mpt_tensor_free(ctx, &ya);
+        return 0;
+    }
+    same = mpt_tensor_bytes(&ya) == mpt_tensor_bytes(&yb) &&
+           memcmp(ya.data, yb.data, mpt_tensor_bytes(&ya)) == 0;
+    mpt_tensor_free(ctx, &ya);
+    mpt_tensor_free(ctx, &yb);
+    return same;
+}
+
+/* Two epochs of quantization-aware training in one fit, ModelCheckpoint
+   saving the full state and the weights after the first; a fresh
+   quantization-aware model loading the checkpoint and fitting the second
+   epoch ends bit-identical to the unbroken run (weights, moments, ranges),
+   and so do their int8 models and those models' predictions. The weights
+   file carries the ranges too: a model given it converts to the same int8
+   model as the checkpoint's. */
+static void test_qat_resume(void) {
+    mpt_dataset *d = qat_data();
+    mpt_model *first = make_qat_model(1), *second = make_qat_model(1), *third = make_qat_model(1);
+    mpt_model *q1 = NULL, *q2 = NULL, *q_loaded = NULL, *q3 = NULL;
+    mpt_callback cb[2];
+    char c[256], w[256], c_pattern[256], w_pattern[256], *json;
+    memset(cb, 0, sizeof cb);
+    path_of(c_pattern, "qat-{epoch}.safetensors");
+    path_of(w_pattern, "qat-weights-{epoch}.safetensors");
+    CHECK(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){.filepath = c_pattern},
+                                        &cb[0]) == MPT_OK &&
+              mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){
+                                                     .filepath = w_pattern,
+                                                     .save_weights_only = 1}, &cb[1]) == MPT_OK,
+          "callbacks: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(first, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 8,
+                                                  .callbacks = cb, .n_callbacks = 2}) == MPT_OK,
+          "fit 2 epochs: %s", mpt_context_error(ctx));
+    mpt_callback_destroy(&cb[0]);
+    mpt_callback_destroy(&cb[1]);
+    path_of(c, "qat-1.safetensors");
+    path_of(w, "qat-weights-1.safetensors");
+    json = header_of(c);
+    CHECK(json && strstr(json, "\"qat/input/min\":{\"dtype\":\"F32\",\"shape\":[]") &&
+              strstr(json, "\"qat/input/initialized\":{\"dtype\":\"I64\",\"shape\":[]") &&
+              strstr(json, "\"qat/activation/output/max\"") &&
+              strstr(json, "\"qat/dense_1/output/min\"") && !strstr(json, "qat/dense/") &&
+              strstr(json, "\"qat_ema_decay\":\"0.800000012\""),
+          "the checkpoint names the ranges: %s", json ? json : "(none)");
+    free(json);
+    json = header_of(w);
+    CHECK(json && strstr(json, "\"qat/dense_1/output/initialized\"") && !strstr(json, "train/"),
+          "the weights file holds the ranges: %s", json ? json : "(none)");
+    free(json);
+    CHECK(mpt_model_load_checkpoint(second, c) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    CHECK(qat_ranges_of(second).status[0] == MPT_OK && qat_ranges_of(second).status[3] == MPT_OK &&
+              qat_ranges_of(second).status[5] == MPT_OK,
+          "the input's, the ReLU's and the logits' ranges are set");
+    q_loaded = to_int8(second);
+    CHECK(mpt_model_load_weights(third, w) == MPT_OK, "load weights: %s", mpt_context_error(ctx));
+    CHECK(qat_ranges_same(qat_ranges_of(second), qat_ranges_of(third)),
+          "the weights file holds the checkpoint's ranges");
+    q3 = to_int8(third);
+    CHECK(q_loaded && q3 && same_int8_models(q_loaded, q3),
+          "the weights file converts to the checkpoint's int8 model");
+    CHECK(same_predictions(q_loaded, q3, d), "... which predicts the same bits");
+    CHECK(mpt_model_fit(second, d, &(mpt_fit_desc){.epochs = 2, .initial_epoch = 1,
+                                                   .batch_size = 8}) == MPT_OK,
+          "fit the loaded model on: %s", mpt_context_error(ctx));
+    CHECK(same_state(first, second, 1), "weights and moments bit-identical to the unbroken run");
+    CHECK(qat_ranges_same(qat_ranges_of(first), qat_ranges_of(second)),
+          "ranges bit-identical to the unbroken run");
+    q1 = to_int8(first);
+    q2 = to_int8(second);
+    CHECK(q1 && q2 && same_int8_models(q1, q2), "the int8 models are identical");
+    CHECK(same_predictions(q1, q2, d), "the int8 models predict the same bits");
+    CHECK(!same_int8_models(q1, q_loaded), "(the second epoch changed the int8 model)");
+    mpt_model_destroy(q1);
+    mpt_model_destroy(q2);
+    mpt_model_destroy(q3);
+    mpt_model_destroy(q_loaded);
+    mpt_model_destroy(first);
+    mpt_model_destroy(second);
+    mpt_model_destroy(third);
+    mpt_dataset_destroy(d);
+}
+
+/* Files with and without ranges, into models with and without QAT
+   (cases of their own: expect_refused reports its own). */
+static void test_qat_mismatch(void) {
+    mpt_dataset *d = qat_data();
+    mpt_model *aware = make_qat_model(1), *plain = make_qat_model(0), *m = make_qat_model(1);
+    mpt_model *named[2] = {NULL, NULL};
+    char c[256], w[256], pc[256], pw[256];
+    qat_ranges before;
+    int k;
+    test__begin();
+    CHECK(mpt_model_fit(aware, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(plain, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    mpt_model_save_checkpoint(aware, path_of(c, "qat_m.safetensors"));
+    mpt_model_save_weights(aware, path_of(w, "qat_mw.safetensors"));
+    mpt_model_save_checkpoint(plain, path_of(pc, "plain_m.safetensors"));
+    mpt_model_save_weights(plain, path_of(pw, "plain_mw.safetensors"));
+    /* its weights file: the weights, the ranges passed over */
+    CHECK(mpt_model_load_weights(plain, w) == MPT_OK, "weights with ranges into a float model: %s",
+          mpt_context_error(ctx));
+    CHECK(same_state(aware, plain, 0), "the weights are taken");
+    /* files without ranges into a quantization-aware model that has some:
+       loaded, its ranges learned again from the next batch */
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK, "fit: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_model_load_checkpoint(m, pc) == MPT_OK, "a float checkpoint into a quantization-"
+          "aware model: %s", mpt_context_error(ctx));
+    before = qat_ranges_of(m);
+    CHECK(before.status[0] == MPT_ERR_INVALID_ARGUMENT && before.status[3] == MPT_ERR_INVALID_ARGUMENT,
+          "the ranges are unset after loading a file without them (%d %d)", before.status[0],
+          before.status[3]);
+    mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8});
+    CHECK(mpt_model_load_weights(m, pw) == MPT_OK, "float weights into a quantization-aware "
+          "model: %s", mpt_context_error(ctx));
+    CHECK(qat_ranges_of(m).status[0] == MPT_ERR_INVALID_ARGUMENT, "unset again");
+    /* a checkpoint with ranges over a model whose ranges differ: every one taken */
+    CHECK(mpt_model_load_checkpoint(m, c) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    CHECK(qat_ranges_same(qat_ranges_of(m), qat_ranges_of(aware)), "the file's ranges");
+    last_warning[0] = 0;
+    {
+        mpt_model *other = NULL;
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
+                                                .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 23},
+                         &other);
+        mpt_model_add_dense(other, &(mpt_dense_desc){.units = 16});
+        mpt_model_add_batch_normalization(other, &(mpt_batchnorm_desc){0});
+        mpt_model_add_activation(other, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+        mpt_model_add_dropout(other, &(mpt_dropout_desc){.rate = 0.25f});
+        mpt_model_add_dense(other, &(mpt_dense_desc){.units = 3});
+        compile_with(other, MPT_OPTIMIZER_ADAM, 0);
+        mpt_model_build(other, 8);
+        mpt_model_quantize_aware(other, NULL);
+        CHECK(mpt_model_load_checkpoint(other, c) == MPT_OK, "load: %s", mpt_context_error(ctx));
+        CHECK(strstr(last_warning, "ema_decay 0.800000012") && strstr(last_warning, "0.999"),
+              "another decay is warned about: '%s'", last_warning);
+        mpt_model_destroy(other);
+    }
+    test__end("quantization-aware ranges: files with and without them, models with and "
+              "without quantization-aware training");
+    /* a full checkpoint's ranges into a float model: refused, nothing changed */
+    mpt_model_destroy(plain);
+    plain = make_qat_model(0);
+    expect_refused(plain, c, 1, MPT_ERR_STATE, "not quantization-aware", "\"qat/",
+                   "a quantization-aware checkpoint into a float model");
+    mpt_model_destroy(aware);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(m);
+    /* a layer named "qat": its parameters are not ranges */
+    test__begin();
+    {
+        for (k = 0; k < 2; k++) {
+            mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &named[k]);
+            mpt_model_add_dense(named[k], &(mpt_dense_desc){.units = 4, .name = "qat"});
+            compile_with(named[k], MPT_OPTIMIZER_ADAM, 0);
+            CHECK(mpt_model_build(named[k], 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        }
+        CHECK(mpt_model_quantize_aware(named[1], NULL) == MPT_OK, "qat: %s", mpt_context_error(ctx));
+        mpt_model_fit(named[0], d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8});
+        mpt_model_save_checkpoint(named[0], path_of(c, "qat_named.safetensors"));
+        CHECK(mpt_model_load_checkpoint(named[1], c) == MPT_OK, "a float checkpoint of a layer "
+              "named 'qat' into a quantization-aware model: %s", mpt_context_error(ctx));
+        mpt_model_fit(named[1], d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8});
+        mpt_model_save_checkpoint(named[1], c);
+    }
+    test__end("a float checkpoint of a layer named 'qat' loads into a quantization-aware model");
+    expect_refused(named[0], c, 1, MPT_ERR_STATE, "\"qat/input/", "not quantization-aware",
+                   "ranges of a layer named 'qat' into a float model");
+    mpt_model_destroy(named[0]);
+    mpt_model_destroy(named[1]);
+    mpt_dataset_destroy(d);
+}
+
+/* src with `from` in its header replaced by `to` (the header padded again), as dst. */
+static void patch_header(const char *src, const char *dst, const char *from, const char *to) {
+    long n;
+    unsigned char *bytes = slurp(src, &n);
+    char *json = header_of(src), *at = json ? strstr(json, from) : NULL, *edited;
+    size_t len, N;
+    CHECK(at != NULL, "'%s' is in the header of %s", from, src);
+    if (!bytes || !at) {
+        free(bytes);
+        free(json);
+        return;
+    }
+    N = strlen(json);
+    edited = (char *)malloc(N + strlen(to) + 1);
+    sprintf(edited, "%.*s%s%s", (int)(at - json), json, to, at + strlen(from));
+    len = strlen(edited);
+    while (len && edited[len - 1] == ' ') edited[--len] = 0;
+    write_st(dst, edited, bytes + 8 + N, (size_t)n - 8 - N);
+    free(edited);
+    free(json);
+    free(bytes);
+}
+
+/* Loads path into m, a trained quantization-aware model whose ranges are
+   not the file's: refused with `want` and a message naming `needle`,
+   weights, state and ranges as they were. */
+static void expect_qat_refused(mpt_model *m, const char *path, int full, mpt_status want,
+                               const char *needle, const char *label) {
+    qat_ranges ranges = qat_ranges_of(m);
+    snapshot before = snap_take(m);
+    mpt_status s;
+    test__begin();
+    s = full ? mpt_model_load_checkpoint(m, path) : mpt_model_load_weights(m, path);
+    CHECK(s == want, "status %s, want %s (%s)", mpt_status_string(s), mpt_status_string(want),
+          mpt_context_error(ctx));
+    CHECK(strstr(mpt_context_error(ctx), needle), "message '%s' names '%s'",
+          mpt_context_error(ctx), needle);
+    CHECK(snap_same(m, before), "weights and training state unchanged");
+    CHECK(qat_ranges_same(qat_ranges_of(m), ranges), "ranges unchanged");
+    free(before.bytes);
+    test__end("%s is refused", label);
+}
+
+static void test_qat_bad_values(void) {
+    mpt_dataset *d = qat_data();
+    mpt_model *src = make_qat_model(1), *m = make_qat_model(1);
+    char c[256], w[256], p[256];
+    test__begin();
+    CHECK(mpt_model_fit(src, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 8}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(qat_ranges_of(m).status[0] == MPT_OK && !qat_ranges_same(qat_ranges_of(m), qat_ranges_of(src)),
+          "the model's ranges are set, and not the file's");
+    CHECK(mpt_model_save_checkpoint(src, path_of(c, "qat_bad.safetensors")) == MPT_OK &&
+              mpt_model_save_weights(src, path_of(w, "qat_badw.safetensors")) == MPT_OK,
+          "save: %s", mpt_context_error(ctx));
+    test__end("quantization-aware files to corrupt");
+    path_of(p, "qat_patched.safetensors");
+    patch_f32(c, p, tensor_begin(c, "qat/activation/output/min"), NAN);
+    expect_qat_refused(m, p, 1, MPT_ERR_NUMERIC, "\"qat/activation/output/min\" holds NaN",
+                       "a NaN range");
+    patch_f32(w, p, tensor_begin(w, "qat/dense_1/output/max"), INFINITY);
+    expect_qat_refused(m, p, 0, MPT_ERR_NUMERIC, "\"qat/dense_1/output/max\" holds inf",
+                       "an infinite range in a weights file");
+    patch_f32(c, p, tensor_begin(c, "qat/input/min"), 1e6f);
+    expect_qat_refused(m, p, 1, MPT_ERR_FORMAT, "\"qat/input/min\" is 1e+06, above \"qat/input/max\"",
+                       "min above max");
+    patch_i64(c, p, tensor_begin(c, "qat/dense_1/output/initialized"), 2);
+    expect_qat_refused(m, p, 1, MPT_ERR_FORMAT, "\"qat/dense_1/output/initialized\" is 2",
+                       "an initialized flag of 2");
+    patch_header(c, p, "\"qat/input/max\":{\"dtype\":\"F32\",\"shape\":[]",
+                 "\"qat/input/max\":{\"dtype\":\"F32\",\"shape\":[1]");
+    expect_qat_refused(m, p, 1, MPT_ERR_SHAPE, "\"qat/input/max\" is F32 (1,)", "a range of shape (1,)");
+    patch_header(w, p, "\"qat/input/max\":{\"dtype\":\"F32\"", "\"qat/input/max\":{\"dtype\":\"I32\"");
+    expect_qat_refused(m, p, 0, MPT_ERR_FORMAT, "\"qat/input/max\" is I32", "an I32 range");
+    patch_header(c, p, "\"qat/input/max\"", "\"qat/input/mux\"");
+    expect_qat_refused(m, p, 1, MPT_ERR_SHAPE, "but not \"qat/input/max\"", "a missing range");
+    mpt_model_destroy(src);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+}
+
 /* ---- interoperability with the safetensors library ------------------------------------ */
 
 static void test_python_interop(void) {
@@ -1609,6 +1967,9 @@ int main(void) {
     TEST_RUN(test_stale_temporaries);
     TEST_RUN(test_out_of_memory);
     TEST_RUN(test_resume_fit);
+    TEST_RUN(test_qat_resume);
+    test_qat_mismatch();
+    test_qat_bad_values();
     TEST_RUN(test_python_interop);
     remove_dir();
     mpt_context_destroy(ctx);

@@ -132,6 +132,47 @@ static void test_parallel_for(void) {
     mpt_context_destroy(ctx);
 }
 
+/* Jobs back to back with 1 to 9 tasks: each task runs once, inside its own
+   parallel-for. A worker that wakes after its job ended (the caller does
+   not wait for workers that took no task) must find nothing to run, and
+   one that spins must see the next job's tasks, not the last one's. */
+typedef struct short_job {
+    int id;
+    int hits[9];
+} short_job;
+
+static volatile int live_job = -1; /* the job whose parallel-for is running */
+static int stray_tasks;
+
+static void short_task(void *arg, int64_t task, int thread) {
+    short_job *j = (short_job *)arg;
+    (void)thread;
+    if (j->id != live_job) __atomic_add_fetch(&stray_tasks, 1, __ATOMIC_RELAXED);
+    j->hits[task]++;
+}
+
+static void test_parallel_for_back_to_back(void) {
+    mpt_context *ctx;
+    int i, t, bad = 0;
+    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = 3}, &ctx) == MPT_OK, "create");
+    test_seed(5);
+    for (i = 0; i < 20000; i++) {
+        short_job j;
+        const int n = 1 + (int)(test_next() % 9);
+        memset(&j, 0, sizeof j);
+        j.id = i;
+        live_job = i;
+        mpt__parallel_for(ctx, n, short_task, &j);
+        live_job = -1;
+        for (t = 0; t < 9; t++) bad += j.hits[t] != (t < n);
+        if (i % 1000 == 999) /* let the workers fall asleep now and then */
+            nanosleep(&(struct timespec){ 0, 200000 }, NULL);
+    }
+    CHECK(bad == 0, "%d tasks ran other than once", bad);
+    CHECK(stray_tasks == 0, "%d tasks ran outside their parallel-for", stray_tasks);
+    mpt_context_destroy(ctx);
+}
+
 static void test_threads_from_environment(void) {
     mpt_context *ctx;
     setenv("MPT_NUM_THREADS", "3", 1);
@@ -198,6 +239,7 @@ int main(void) {
     TEST_RUN(test_no_allocation_in_a_step);
     TEST_RUN(test_out_of_memory_everywhere);
     TEST_RUN(test_parallel_for);
+    TEST_RUN(test_parallel_for_back_to_back);
     TEST_RUN(test_threads_from_environment);
     TEST_RUN(test_errors_reach_logger_and_context);
     TEST_RUN(test_cpu_features_can_be_disabled);

@@ -1254,17 +1254,20 @@ static void *loss_target(mpt_loss_type type, int64_t rows, int64_t K) {
 }
 
 static void test_loss(void) {
-    static const int64_t shapes[4][2] = {{1, 2}, {7, 10}, {128, 10}, {1000, 33}};
+    /* rows, K, rows per sample: the last two are outputs of several
+       positions per sample ((8, 3, 4, 7) and (10, 6, 1) batches) */
+    static const int64_t shapes[6][3] = {{1, 2, 1},   {7, 10, 1},  {128, 10, 1},
+                                         {1000, 33, 1}, {96, 7, 12}, {60, 1, 6}};
     backend *gpu = &gpu_be[GPU_AUTO];
     int type, logits, di, si;
     unsigned v = 0;
     for (type = 1; type < MPT_LOSS_COUNT_; type++)
         for (logits = 0; logits < 2; logits++)
             for (di = 0; di < 3; di++)
-                for (si = 0; si < 4; si++, v++) {
+                for (si = 0; si < 6; si++, v++) {
                     mpt_loss_type lt = (mpt_loss_type)type;
                     mpt_dtype dt = float_dtypes[di];
-                    int64_t rows = shapes[si][0], K = shapes[si][1];
+                    int64_t rows = shapes[si][0], K = shapes[si][1], per = shapes[si][2];
                     int sparse = lt == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
                     int grad = v % 3; /* 0: its own buffer, 1: none, 2: into pred */
                     mpt_dtype tdt = sparse ? MPT_INT32 : MPT_FLOAT32;
@@ -1297,6 +1300,7 @@ static void test_loss(void) {
                                   : grad == 2 ? (void *)a.pred : NULL;
                         a.rows = rows;
                         a.K = K;
+                        a.rows_per_sample = per;
                         a.metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K;
                         a.top_k = 5;
                         a.scale_by_loss_scale = (int)(v % 2);
@@ -1306,9 +1310,9 @@ static void test_loss(void) {
                         if (a.dpred) dpred[w] = be_fetch(b, a.dpred, nbytes(dt, rows * K), "loss");
                         be_release(b);
                     }
-                    snprintf(what, sizeof what, "loss %s%s %s %lldx%lld dpred %s",
+                    snprintf(what, sizeof what, "loss %s%s %s %lldx%lld (%lld a sample) dpred %s",
                              loss_name(lt), logits ? " from logits" : "", mpt_dtype_name(dt),
-                             (long long)rows, (long long)K,
+                             (long long)rows, (long long)K, (long long)per,
                              grad == 0 ? "apart" : grad == 1 ? "none" : "in pred");
                     CHECK(fabs(res[1]->loss_sum - res[0]->loss_sum) <= 1e-5 * fabs(res[0]->loss_sum),
                           "%s: loss_sum GPU %.9g, CPU %.9g (1e-5 relative)", what,

@@ -1,8 +1,9 @@
 /* The CUDA backend's host-side rules (mpt.h, @backend-shared), which need
    no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, the
    Hopper kernel's eligibility, tiles, split, work order and tensor maps,
-   the fast division of the layout kernels' index arithmetic, and the int8
-   GEMM's requantization (TFLite's rounding, which mpt_qgemm runs too) and
+   the fast division of the layout kernels' index arithmetic, how a loss's
+   batch is tallied into the step state, and the int8 GEMM's
+   requantization (TFLite's rounding, which mpt_qgemm runs too) and
    fragment addresses (through ldmatrix and mma.sync emulated). The
    kernels that use them are compared with the CPU in tests/test_cuda.c, on
    a GPU. */
@@ -288,6 +289,28 @@ static void test_fastdiv(void) {
     CHECK(divisors > 24000, "only %lld divisors", (long long)divisors);
 }
 
+/* A batch of 8 samples of 12 positions (96 rows): 8 samples, the mean
+   loss × 8, and the hits as fractions of a sample; one position a sample
+   (or 0 given) is the plain count; no metrics, no counts. */
+static void test_loss_tally(void) {
+    mpt_step_state st;
+    const int both = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K;
+    memset(&st, 0, sizeof st);
+    st.loss_sum = 1, st.samples = 2, st.correct = 1, st.top_k = 2;
+    mpt__loss_tally(&st, both, 96, 12, 1.5, 30, 60);
+    CHECK(st.samples == 10 && st.loss_sum == 13 && st.correct == 3.5 && st.top_k == 7,
+          "positions: samples %g loss_sum %g correct %g top_k %g, not 10 13 3.5 7", st.samples,
+          st.loss_sum, st.correct, st.top_k);
+    memset(&st, 0, sizeof st);
+    mpt__loss_tally(&st, MPT_METRIC_ACCURACY, 7, 0, 0.1, 5, 6);
+    CHECK(st.samples == 7 && st.loss_sum == 0.1 * 7 && st.correct == 5 && st.top_k == 0,
+          "one position: samples %g loss_sum %.17g correct %g top_k %g", st.samples, st.loss_sum,
+          st.correct, st.top_k);
+    mpt__loss_tally(&st, 0, 7, 1, 0.1, 5, 6);
+    CHECK(st.samples == 14 && st.correct == 5 && st.top_k == 0,
+          "no metrics: correct %g top_k %g counted", st.correct, st.top_k);
+}
+
 /* ---- the int8 GEMM's requantization (mpt__requantize_int8) ------------------- */
 
 /* gemmlowp's SaturatingRoundingDoublingHighMul and RoundingDivideByPOT
@@ -468,6 +491,7 @@ int main(void) {
     TEST_RUN(test_wgmma_work_order);
     TEST_RUN(test_wgmma_operand_maps);
     TEST_RUN(test_fastdiv);
+    TEST_RUN(test_loss_tally);
     TEST_RUN(test_requantize_int8);
     TEST_RUN(test_qgemm_fragments);
     return test_summary("test_cuda_rules");

@@ -869,9 +869,27 @@ static void test_create_validation(void) {
 
     test__begin();
     x = tensor(MPT_FLOAT32, 2, 6, 4, 0, xf);
-    y = tensor(MPT_INT32, 2, 6, 3, 0, yi);
-    expect_error(create(q, &x, &y, 0, &d), MPT_ERR_SHAPE, "y int32 (6, 3)", "(6, 3)", "float32",
-                 NULL);
+    { /* int32 (6, 3): a class id for each of a sample's 3 positions */
+        int32_t yp[6 * 3], back[3 * 3], lo = -1, hi = -1;
+        for (i = 0; i < 6 * 3; i++) yp[i] = i % 5;
+        yp[7] = 9;
+        y = tensor(MPT_INT32, 2, 6, 3, 0, yp);
+        CHECK(create(ctx, &x, &y, 0, &d) == MPT_OK, "(6, 3) class ids: %s", mpt_context_error(ctx));
+        CHECK(d && d->y_count == 3 && mpt__dataset_label_shape(d, NULL) == 1,
+              "(6, 3) class ids: 3 positions a sample");
+        if (d) {
+            mpt__dataset_label_range(d, &lo, &hi);
+            CHECK(lo == 0 && hi == 9, "(6, 3) class ids range over %d..%d, not 0..9", (int)lo,
+                  (int)hi);
+            CHECK(mpt_dataset_labels(ctx, d, 2, 3, back) == MPT_OK &&
+                      !memcmp(back, yp + 2 * 3, sizeof back),
+                  "(6, 3) class ids: samples 2..4's, every position");
+        }
+        mpt_dataset_destroy(d);
+        yp[16] = -1;
+        expect_error(create(q, &x, &y, 0, &d), MPT_ERR_INVALID_ARGUMENT, "negative label at a "
+                     "position", "sample 5", "-1", NULL);
+    }
     y = tensor(MPT_FLOAT16, 2, 6, 1, 0, xh);
     expect_error(create(q, &x, &y, 0, &d), MPT_ERR_DTYPE, "y float16", "float16", NULL, NULL);
     y = tensor(MPT_UINT8, 1, 6, 0, 0, yi);
@@ -1465,12 +1483,19 @@ static void test_loader_no_allocation_per_batch(void) {
     int e, batches = 0;
     test_seed(21);
     fixture_init(&f, cc, 64, 0);
+    before = c.allocs;
     CHECK(mpt__loader_create(cc, f.d, 10, MPT_FLOAT16, &l) == MPT_OK, "%s",
           mpt_context_error(cc));
+    CHECK(c.allocs - before == 1, "create made %ld allocations, not just itself",
+          c.allocs - before);
     before = c.allocs;
     for (e = 0; l && e < 3; e++) {
         shuffle(order, 64);
         mpt__loader_start_epoch(l, order, 64, 10);
+        if (e == 0) { /* the first epoch that needs them makes the buffers, once */
+            CHECK(c.allocs - before == 1, "%ld allocations to start", c.allocs - before);
+            before = c.allocs;
+        }
         while (mpt__loader_next(l, &x, &y)) batches++;
     }
     CHECK(batches == 21, "%d batches", batches);
@@ -1479,6 +1504,90 @@ static void test_loader_no_allocation_per_batch(void) {
     fixture_free(&f);
     mpt_context_destroy(cc);
     CHECK(c.allocs == c.frees, "%ld allocations, %ld frees", c.allocs, c.frees);
+}
+
+/* An epoch of one batch is gathered by the caller (no thread started), and
+   with views allowed an in-order epoch of a dataset already in the batch
+   dtype points into the dataset; every other epoch still prefetches. The
+   batches are the gathered ones in every case. */
+static void test_loader_epochs_in_caller(void) {
+    enum { N = 40 };
+    static float xf[N * 6], yf[N];
+    mpt_tensor x = tensor(MPT_FLOAT32, 3, N, 2, 3, xf), y = tensor(MPT_FLOAT32, 1, N, 0, 0, yf);
+    mpt_tensor bx, by;
+    mpt_dataset *d = NULL, *first = NULL, *rest = NULL;
+    mpt__loader *l = NULL;
+    int64_t order[N], i;
+    test_seed(23);
+    for (i = 0; i < N * 6; i++) xf[i] = (float)test_uniform(-2, 2);
+    for (i = 0; i < N; i++) yf[i] = (float)test_uniform(-1, 1);
+    CHECK(create(ctx, &x, &y, 0, &d) == MPT_OK, "%s", mpt_context_error(ctx));
+    CHECK(d && mpt_dataset_split(ctx, d, 7, &first, &rest) == MPT_OK, "%s",
+          mpt_context_error(ctx));
+    if (!rest) return;
+    for (i = 0; i < N; i++) order[i] = i;
+    /* no views allowed: in order, one batch: gathered in the caller */
+    CHECK(mpt__loader_create(ctx, rest, 40, MPT_FLOAT32, &l) == MPT_OK, "%s",
+          mpt_context_error(ctx));
+    check_epoch(l, rest, order, N - 7, 40, MPT_FLOAT32, "one batch, copied");
+    CHECK(!l->started && l->block, "one batch: thread %d, buffers %p", l->started, l->block);
+    CHECK(mpt__loader_start_epoch(l, order, N - 7, 40) == MPT_OK && mpt__loader_next(l, &bx, &by),
+          "one batch");
+    CHECK(bx.data != rest->x, "a batch points into the dataset without views allowed");
+    mpt__loader_destroy(l);
+    /* views allowed: in order, several batches, of a split's second part */
+    CHECK(mpt__loader_create(ctx, rest, 8, MPT_FLOAT32, &l) == MPT_OK, "%s",
+          mpt_context_error(ctx));
+    mpt__loader_allow_views(l);
+    CHECK(mpt__loader_start_epoch(l, order + 3, 20, 8) == MPT_OK, "%s", mpt_context_error(ctx));
+    for (i = 0; mpt__loader_next(l, &bx, &by); i++) {
+        CHECK(bx.data == (const float *)rest->x + (3 + 8 * i) * 6 &&
+                  by.data == (const float *)rest->y + 3 + 8 * i,
+              "view batch %lld does not point at sample %lld", (long long)i, (long long)(3 + 8 * i));
+        CHECK(bx.shape[0] == (i < 2 ? 8 : 4) && by.shape[0] == bx.shape[0], "view batch %lld has "
+              "%lld samples", (long long)i, (long long)bx.shape[0]);
+    }
+    CHECK(i == 3 && !l->started && !l->block, "%lld view batches; thread %d, buffers %p",
+          (long long)i, l->started, l->block);
+    check_epoch(l, rest, order + 3, 20, 8, MPT_FLOAT32, "views");
+    /* out of order, or another dtype: prefetched copies, as before */
+    shuffle(order, N - 7);
+    check_epoch(l, rest, order, N - 7, 8, MPT_FLOAT32, "shuffled, views allowed");
+    CHECK(l->started, "a shuffled epoch of 5 batches did not start the thread");
+    mpt__loader_destroy(l);
+    CHECK(mpt__loader_create(ctx, rest, 8, MPT_FLOAT16, &l) == MPT_OK, "%s",
+          mpt_context_error(ctx));
+    mpt__loader_allow_views(l);
+    for (i = 0; i < N; i++) order[i] = i;
+    check_epoch(l, rest, order, N - 7, 8, MPT_FLOAT16, "in order into float16");
+    CHECK(l->started, "a float16 epoch of float32 samples came as views");
+    mpt__loader_destroy(l);
+    mpt_dataset_destroy(first);
+    mpt_dataset_destroy(rest);
+    mpt_dataset_destroy(d);
+    /* a uint8 dataset in its own dtype: the bytes as stored, shuffled and
+       prefetched, or in order as views */
+    {
+        loader_fixture f;
+        int64_t b, k, bad = 0;
+        fixture_init(&f, ctx, 30, 0);
+        shuffle(order, 30);
+        CHECK(mpt__loader_create(ctx, f.d, 7, MPT_UINT8, &l) == MPT_OK, "%s",
+              mpt_context_error(ctx));
+        mpt__loader_allow_views(l);
+        for (k = 0; k < 2; k++) {
+            if (k == 1)
+                for (i = 0; i < 30; i++) order[i] = i;
+            CHECK(mpt__loader_start_epoch(l, order, 30, 7) == MPT_OK, "%s", mpt_context_error(ctx));
+            for (b = 0; mpt__loader_next(l, &bx, &by); b++)
+                for (i = 0; i < bx.shape[0] * 15; i++)
+                    bad += ((const uint8_t *)bx.data)[i] != f.xu[order[7 * b + i / 15] * 15 + i % 15];
+            CHECK(b == 5 && bx.dtype == MPT_UINT8, "%lld uint8 batches", (long long)b);
+        }
+        CHECK(bad == 0, "%lld bytes differ from the dataset's", (long long)bad);
+        mpt__loader_destroy(l);
+        fixture_free(&f);
+    }
 }
 
 static void test_loader_bad_arguments(void) {
@@ -1491,8 +1600,8 @@ static void test_loader_bad_arguments(void) {
     fixture_init(&f, q, 10, 0);
     expect_error(mpt__loader_create(q, f.d, 4, MPT_INT32, &l), MPT_ERR_DTYPE, "int32 batches",
                  "int32", NULL, NULL);
-    expect_error(mpt__loader_create(q, f.d, 4, MPT_UINT8, &l), MPT_ERR_DTYPE, "uint8 batches",
-                 "uint8", NULL, NULL);
+    expect_error(mpt__loader_create(q, f.d, 4, MPT_INT8, &l), MPT_ERR_DTYPE, "int8 batches",
+                 "int8", NULL, NULL);
     expect_error(mpt__loader_create(q, f.d, 0, MPT_FLOAT32, &l), MPT_ERR_INVALID_ARGUMENT,
                  "max_batch 0", "max_batch 0", NULL, NULL);
     expect_error(mpt__loader_create(q, NULL, 4, MPT_FLOAT32, &l), MPT_ERR_INVALID_ARGUMENT,
@@ -1599,6 +1708,7 @@ int main(void) {
     TEST_RUN(test_loader_stress);
     TEST_RUN(test_loader_destroy_mid_epoch);
     TEST_RUN(test_loader_no_allocation_per_batch);
+    TEST_RUN(test_loader_epochs_in_caller);
     TEST_RUN(test_loader_bad_arguments);
     TEST_RUN(test_allocation_failures);
     remove_tmp_dir(tmp_dir);

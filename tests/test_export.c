@@ -653,7 +653,7 @@ static void test_onnx_qdq(void) {
     mpt__pb_end(&o.nodes, body);
     mpt__pb_end(&o.nodes, mpt__onnx_node(&o, "Gemm", "y", "x", "w", bias_name));
     snprintf(o.x, sizeof o.x, "y");
-    mpt__onnx_model(&o, 1, &four, 1, &three, &b);
+    mpt__onnx_model(&o, MPT__ONNX_FLOAT, 1, &four, 1, &three, &b);
     CHECK(!b.failed && mpt__export_write(m, p, b.data, b.size) == MPT_OK, "write: %s",
           mpt_context_error(ctx));
     f = fopen(path_of(script, "qdq.py"), "w");
@@ -945,16 +945,20 @@ done:
 /* ---- full-integer quantized models in ONNX Runtime ---------------------------------- */
 
 /* Runs a QDQ .onnx in ONNX Runtime (after onnx.checker) on the Q_SAMPLES
-   float32 inputs in x_path, checks that its kernels are int8 initializers
+   inputs in x_path (float32, or the int8 or uint8 codes of that io dtype,
+   which the model's input and output must have), checks that its kernels are int8 initializers
    dequantized per axis and that ONNX Runtime's optimized graph runs int8
    kernels (every Gemm a QGemm, a Flatten before it included; Conv mostly
-   QLinearConv, though it leaves cnn_gap's 5×5 stride-2 one in float), and
-   writes the outputs as float32. */
+   QLinearConv, though it leaves cnn_gap's 5×5 stride-2 one in float; with
+   int8 io, a final Gemm stays in float: ONNX Runtime merges the output's
+   QuantizeLinear into the Gemm's own, which then makes the graph's output,
+   and it fuses no operation whose QuantizeLinear does), and writes the
+   outputs as float32. */
 static const char *write_qdq_script(char *buf) {
     FILE *f = fopen(path_of(buf, "run_qdq.py"), "w");
     if (!f) return NULL;
     fputs("import sys, numpy as np, onnx, onnxruntime as ort\n"
-          "model, xin, n, out = sys.argv[1:5]\n"
+          "model, xin, n, out, io = sys.argv[1:6]\n"
           "proto = onnx.load(model)\n"
           "onnx.checker.check_model(proto, full_check=True)\n"
           "inits = {t.name: t for t in proto.graph.initializer}\n"
@@ -969,9 +973,13 @@ static const char *write_qdq_script(char *buf) {
           "options.optimized_model_filepath = model + '.optimized.onnx'\n"
           "s = ort.InferenceSession(model, options, providers=['CPUExecutionProvider'])\n"
           "fused = [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]\n"
-          "assert 'Gemm' not in fused and {'QGemm', 'QLinearConv'} & set(fused), fused\n"
+          "last_gemm = io == 'int8' and fused[-2:] == ['Gemm', 'QuantizeLinear']\n"
+          "assert fused.count('Gemm') == last_gemm and {'QGemm', 'QLinearConv'} & set(fused), fused\n"
+          "kind = {'float32': 'tensor(float)', 'int8': 'tensor(int8)', 'uint8': 'tensor(uint8)'}[io]\n"
+          "assert s.get_inputs()[0].type == kind and s.get_outputs()[0].type == kind, \\\n"
+          "    (s.get_inputs()[0].type, s.get_outputs()[0].type, io)\n"
           "shape = [int(n)] + list(s.get_inputs()[0].shape[1:])\n"
-          "x = np.fromfile(xin, dtype='<f4').reshape(shape)\n"
+          "x = np.fromfile(xin, dtype='<f4' if io == 'float32' else io).reshape(shape)\n"
           "y = s.run(None, {'input': x})[0]\n"
           "np.ascontiguousarray(y, dtype='<f4').tofile(out)\n",
           f);
@@ -979,9 +987,10 @@ static const char *write_qdq_script(char *buf) {
     return buf;
 }
 
-/* One model quantized to full integer (float32 io) exported to ONNX in
-   the QDQ form, run in ONNX Runtime and compared with
-   mpt_model_quantized_invoke in steps of the output's scale. ONNX Runtime
+/* One model quantized to full integer (float32, uint8 or int8 io)
+   exported to ONNX in the QDQ form, run in ONNX Runtime and compared with
+   mpt_model_quantized_invoke in steps of the output's scale (uint8 and
+   int8 io: in codes, the random codes of xq_codes in). ONNX Runtime
    computes the graph either in float between the Q/DQ pairs or in its own
    fused int8 kernels, both rounding the requantization their own way
    (float products and sums instead of mpt.h's integer multiplier and
@@ -989,15 +998,16 @@ static const char *write_qdq_script(char *buf) {
    off: within two steps on >= 99 % of the elements, top-1 the same on
    >= 99.5 % of the samples (ONNX Runtime's top class one of mpt.h's, for
    the ties at softmax's 1/256). */
-static void onnx_runtime_matches(mpt_model *qm, const char *name);
+static void onnx_runtime_matches(mpt_model *qm, mpt_dtype io, const char *name);
 
-static void check_full_integer_onnx(arch a) {
+static void check_full_integer_onnx(arch a, mpt_dtype io) {
     char name[64];
     mpt_model *m, *qm = NULL;
     int64_t k;
-    snprintf(name, sizeof name, "export_full_integer_onnx_%s", arch_name(a));
+    snprintf(name, sizeof name, "export_full_integer_onnx_%s%s%s", arch_name(a),
+             io == MPT_FLOAT32 ? "" : "_", io == MPT_FLOAT32 ? "" : mpt_dtype_name(io));
     test__begin();
-    test_seed(500 + a);
+    test_seed(500 + a + 17 * (io == MPT_UINT8) + 31 * (io == MPT_INT8));
     m = make_model(a, 0);
     if (!test_python_imports("numpy, onnx, onnxruntime") || !m) {
         mpt_model_destroy(m);
@@ -1005,18 +1015,22 @@ static void check_full_integer_onnx(arch a) {
         return;
     }
     randomize(m);
-    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) xq_host[k] = (float)test_uniform(0, 1);
-    qm = quantize_full_integer(m, MPT_FLOAT32);
-    if (qm) onnx_runtime_matches(qm, name);
+    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) {
+        xq_host[k] = (float)test_uniform(0, 1);
+        xq_codes[k] = (uint8_t)(test_uniform(0, 256));
+    }
+    qm = quantize_full_integer(m, io);
+    if (qm) onnx_runtime_matches(qm, io, name);
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
     test__end("%s", name);
 }
 
-/* qm (float32 io) exported as name.onnx, run in ONNX Runtime on the
-   Q_SAMPLES inputs in xq_host and compared with qm's own outputs as
-   check_full_integer_onnx says. */
-static void onnx_runtime_matches(mpt_model *qm, const char *name) {
+/* qm (io dtype io) exported as name.onnx, run in ONNX Runtime on the
+   Q_SAMPLES inputs in xq_host (float32 io) or xq_codes and compared with
+   qm's own outputs as check_full_integer_onnx says (int8 and uint8 io: in
+   codes, a step each). */
+static void onnx_runtime_matches(mpt_model *qm, mpt_dtype io, const char *name) {
     char x_path[256], onnx[256], script[256], out[256], cmd[1400];
     mpt_quantized_info info;
     float *want = NULL, *got = NULL;
@@ -1024,8 +1038,8 @@ static void onnx_runtime_matches(mpt_model *qm, const char *name) {
     double worst = 0, step;
     FILE *f;
     mpt_model_quantized_info(qm, &info);
-    step = (double)info.output.scale;
-    want = quantized_outputs(qm, MPT_FLOAT32, &per_sample);
+    step = io == MPT_FLOAT32 ? (double)info.output.scale : 1.0;
+    want = quantized_outputs(qm, io, &per_sample);
     count = per_sample * Q_SAMPLES;
     snprintf(onnx, sizeof onnx, "%s/%s.onnx", dir, name);
     CHECK(mpt_model_export_onnx(qm, onnx, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
@@ -1035,12 +1049,13 @@ static void onnx_runtime_matches(mpt_model *qm, const char *name) {
         CHECK(0, "cannot write %s", x_path);
         goto done;
     }
-    fwrite(xq_host, sizeof(float), Q_SAMPLES * SAMPLE, f);
+    if (io == MPT_FLOAT32) fwrite(xq_host, sizeof(float), Q_SAMPLES * SAMPLE, f);
+    else fwrite(xq_codes, 1, sizeof xq_codes, f);
     fclose(f);
     path_of(out, "yq.bin");
     remove(out);
-    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s", test_python(), script, onnx, x_path,
-             Q_SAMPLES, out);
+    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s %s", test_python(), script, onnx, x_path,
+             Q_SAMPLES, out, mpt_dtype_name(io));
     if (system(cmd) != 0) {
         CHECK(0, "ONNX Runtime failed on %s (%s)", onnx, cmd);
         goto done;
@@ -1181,6 +1196,66 @@ static void matches_fake_quantized(mpt_model *m, mpt_model *qm, mpt_dataset *d,
     mpt_tensor_free(ctx, &iq);
 }
 
+/* xq_host's images as the codes a model of input quantization p takes:
+   x/scale rounded half away from zero, plus the zero point, saturated to
+   the io dtype's codes (as mpt.h quantizes a float32 input). */
+static void quantize_images(const mpt_quant_params *p, mpt_dtype io) {
+    int lo = io == MPT_UINT8 ? 0 : -128, hi = io == MPT_UINT8 ? 255 : 127;
+    int64_t k;
+    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) {
+        float v = xq_host[k] / p->scale;
+        long q = (long)(v < 0 ? -floorf(-v + 0.5f) : floorf(v + 0.5f)) + p->zero_point;
+        q = q < lo ? lo : q > hi ? hi : q;
+        if (io == MPT_UINT8) xq_codes[k] = (uint8_t)q;
+        else ((int8_t *)xq_codes)[k] = (int8_t)q;
+    }
+}
+
+/* The quantization-aware model m converted again with int8 or uint8 io
+   (TFLite's inference_input_type): the same int8 model as qm (float32
+   io) but at its ends, so on the fresh images quantized at its input's
+   parameters its output codes, dequantized, are qm's outputs bit for
+   bit; then run in LiteRT and ONNX Runtime on those codes, as qm is. */
+static void integer_io_matches(mpt_model *m, mpt_model *qm, mpt_dtype io, const char *name) {
+    char io_name[96];
+    mpt_model *qio = NULL;
+    mpt_quantized_info info;
+    mpt_tensor x, xf, y, yf;
+    int64_t shape[MPT_MAX_RANK], k, off = 0;
+    int rank;
+    snprintf(io_name, sizeof io_name, "%s_%s_io", name, mpt_dtype_name(io));
+    if (mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                   .io_dtype = io}, &qio) != MPT_OK) {
+        CHECK(0, "%s: convert: %s", io_name, mpt_context_error(ctx));
+        return;
+    }
+    mpt_model_quantized_info(qio, &info);
+    CHECK(info.io_dtype == io, "%s: io %s", io_name, mpt_dtype_name(info.io_dtype));
+    quantize_images(&info.input, io);
+    rank = mpt_model_input_shape(qio, shape + 1);
+    shape[0] = Q_SAMPLES;
+    mpt_tensor_wrap(ctx, &x, io, rank + 1, shape, xq_codes);
+    mpt_tensor_wrap(ctx, &xf, MPT_FLOAT32, rank + 1, shape, xq_host);
+    if (mpt_model_quantized_invoke(qio, &x, &y) != MPT_OK ||
+        mpt_model_quantized_invoke(qm, &xf, &yf) != MPT_OK) {
+        CHECK(0, "%s: invoke: %s", io_name, mpt_context_error(ctx));
+        mpt_model_destroy(qio);
+        return;
+    }
+    for (k = 0; k < mpt_tensor_count(&y); k++) {
+        int code = io == MPT_UINT8 ? ((const uint8_t *)y.data)[k] : ((const int8_t *)y.data)[k];
+        off += (float)(code - info.output.zero_point) * info.output.scale !=
+               ((const float *)yf.data)[k];
+    }
+    CHECK(off == 0, "%s: %lld of %lld outputs differ from the float32 io model's", io_name,
+          (long long)off, (long long)mpt_tensor_count(&y));
+    mpt_tensor_free(ctx, &y);
+    mpt_tensor_free(ctx, &yf);
+    litert_matches(qio, io, io_name);
+    onnx_runtime_matches(qio, io, io_name);
+    mpt_model_destroy(qio);
+}
+
 /* A model trained quantization-aware (a float epoch, then two with fake
    quantization), converted to full integer with the ranges it learned (no
    representative data), exported to both formats and run in LiteRT and
@@ -1222,7 +1297,9 @@ static void check_quantization_aware(int cnn) {
     }
     matches_fake_quantized(m, qm, fresh, name);
     litert_matches(qm, MPT_FLOAT32, name);
-    onnx_runtime_matches(qm, name);
+    onnx_runtime_matches(qm, MPT_FLOAT32, name);
+    integer_io_matches(m, qm, MPT_UINT8, name);
+    integer_io_matches(m, qm, MPT_INT8, name);
 done:
     mpt_dataset_destroy(train);
     mpt_dataset_destroy(fresh);
@@ -1416,7 +1493,9 @@ int main(void) {
     }
     for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_FLOAT16);
     for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_DYNAMIC_RANGE);
-    for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a);
+    for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a, MPT_FLOAT32);
+    check_full_integer_onnx(MLP, MPT_UINT8);
+    check_full_integer_onnx(CNN_OPEN, MPT_INT8);
     check_quantization_aware(0);
     check_quantization_aware(1);
     TEST_RUN(test_unsupported_layer);

@@ -831,6 +831,7 @@ static void test_quantize_input_lanes(void) {
                 x[5] = INFINITY, x[22] = -INFINITY, x[39] = NAN, x[COUNT - 1] = NAN;
                 x[40] = 1e38f, x[41] = -1e38f, x[42] = 999.5f * p.scale, x[43] = -999.5f * p.scale;
                 memset(q, 0x5a, sizeof q);
+                memset(&j, 0, sizeof j);
                 j.x = x, j.q = q, j.n = 1, j.count = COUNT, j.p = &p, j.avx512 = avx512;
                 mpt__q_quantize_input_task(&j, 0, 0);
                 for (off = 0, k = 0; k < COUNT; k++) off += q[k] != mpt__q_quantize(x[k], &p);
@@ -838,6 +839,70 @@ static void test_quantize_input_lanes(void) {
                       (double)p.scale, p.zero_point, avx512, off, COUNT);
             }
     mpt_context_destroy(ctx);
+}
+
+/* A full-integer model reads a uint8 dataset's bytes through a table
+   (the byte's normalised float, quantized once): predict and evaluate give
+   the bits they give on the same samples as float32, on every model kind,
+   scale and offset, batch sizes that leave a partial batch, 1 and 2 threads. */
+static void test_uint8_samples_as_float32(void) {
+    static uint8_t bytes[N_SAMPLES * H * W * C];
+    static float floats[N_SAMPLES * H * W * C];
+    static const float scale[] = {0.0f, 0.0123f}, offset[] = {0.0f, -1.5f};
+    int kind, v, threads, i;
+    for (threads = 1; threads <= 2; threads++) {
+        mpt_context *ctx;
+        CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &ctx) == MPT_OK,
+              "context");
+        make_samples(71);
+        test_seed(72);
+        for (i = 0; i < N_SAMPLES * H * W * C; i++) bytes[i] = (uint8_t)test_randint(0, 255);
+        for (kind = MODEL_CNN; kind <= MODEL_DENSE; kind++)
+            for (v = 0; v < 2; v++) {
+                mpt_model *m = make_model(ctx, kind, 80 + kind), *q;
+                mpt_dataset *rep = samples_dataset(ctx, N_SAMPLES, sample_x), *du = NULL, *df;
+                mpt_tensor tx, ty, pu, pf;
+                mpt_logs lu, lf;
+                int64_t xs[4] = {N_SAMPLES, H, W, C}, ys[1] = {N_SAMPLES};
+                const float sc = scale[v] ? scale[v] : 1.0f / 255;
+                mpt_model_compile(m, &(mpt_compile_desc){
+                    .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                    .metrics = MPT_METRIC_ACCURACY});
+                q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, rep, MPT_FLOAT32);
+                mpt_tensor_wrap(ctx, &tx, MPT_UINT8, 4, xs, bytes);
+                mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, sample_y);
+                CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty,
+                                                                  .scale = scale[v],
+                                                                  .offset = offset[v]},
+                                         &du) == MPT_OK, "%s", mpt_context_error(ctx));
+                for (i = 0; du && i < N_SAMPLES * H * W * C; i++) /* what a float32 batch holds */
+                    floats[i] = du->u8_f32[bytes[i]];
+                CHECK(du && fabsf(du->u8_f32[200] - (200 * sc + offset[v])) < 1e-5f,
+                      "the dataset's scale");
+                df = samples_dataset(ctx, N_SAMPLES, floats);
+                memset(&pu, 0, sizeof pu), memset(&pf, 0, sizeof pf);
+                CHECK(q && du && df && mpt_model_predict(q, du, 40, &pu) == MPT_OK &&
+                          mpt_model_predict(q, df, 40, &pf) == MPT_OK,
+                      "predict: %s", mpt_context_error(ctx));
+                CHECK(pu.data && pf.data && mpt_tensor_bytes(&pu) == mpt_tensor_bytes(&pf) &&
+                          memcmp(pu.data, pf.data, mpt_tensor_bytes(&pu)) == 0,
+                      "model %d, scale %g offset %g, %d threads: uint8 and float32 samples "
+                      "predict differently", kind, (double)sc, (double)offset[v], threads);
+                CHECK(mpt_model_evaluate(q, du, &(mpt_evaluate_desc){.batch_size = 33}, &lu) ==
+                              MPT_OK &&
+                          mpt_model_evaluate(q, df, &(mpt_evaluate_desc){.batch_size = 33}, &lf) ==
+                              MPT_OK && memcmp(&lu, &lf, sizeof lu) == 0,
+                      "model %d: uint8 and float32 samples evaluate differently", kind);
+                mpt_tensor_free(ctx, &pu);
+                mpt_tensor_free(ctx, &pf);
+                mpt_dataset_destroy(du);
+                mpt_dataset_destroy(df);
+                mpt_dataset_destroy(rep);
+                mpt_model_destroy(q);
+                mpt_model_destroy(m);
+            }
+        mpt_context_destroy(ctx);
+    }
 }
 
 /* One output of a full-integer Conv2D from its int8 input (h, w, c), as
@@ -1373,6 +1438,7 @@ int main(void) {
     TEST_RUN(test_allocation_failures);
     TEST_RUN(test_weights_packed_once);
     TEST_RUN(test_quantize_input_lanes);
+    TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_small_conv_scalar_reference);
     TEST_RUN(test_calibration_mse);
     return test_summary("test_quantize");

@@ -142,7 +142,10 @@ static inline void fuzz_idx_load(mpt_context *ctx, const char *images, const cha
    parameter): every kind of state a checkpoint holds. Two steps of fit on
    random data give it moments, step counters and a loss scale; `variant`
    picks the data, so that the seeds' files hold other values than the
-   harness's model. */
+   harness's model. fuzz_qat_model is the same model made quantization-
+   aware before it trains (its Conv2D's ReLU an Activation after the
+   BatchNormalization, its Dense giving logits, as QAT wants them), so that
+   its files hold the learned ranges too. */
 
 static inline void fuzz__fill(float *v, int64_t n, uint64_t *rng) {
     int64_t i;
@@ -152,7 +155,7 @@ static inline void fuzz__fill(float *v, int64_t n, uint64_t *rng) {
     }
 }
 
-static inline mpt_model *fuzz_model(mpt_context *ctx, int variant) {
+static inline mpt_model *fuzz__model(mpt_context *ctx, int variant, int qat) {
     enum { N = 8 };
     static float x[N * 4 * 4 * 2]; /* (N, 4, 4, 2) */
     static int32_t y[N];           /* (N) */
@@ -167,6 +170,7 @@ static inline mpt_model *fuzz_model(mpt_context *ctx, int variant) {
     mpt_batchnorm_desc bn;
     mpt_pool2d_desc pool;
     mpt_flatten_desc flat;
+    mpt_activation_desc relu;
     mpt_compile_desc cd;
     mpt_dataset_desc dd;
     mpt_fit_desc fd;
@@ -179,15 +183,18 @@ static inline mpt_model *fuzz_model(mpt_context *ctx, int variant) {
     memset(&conv, 0, sizeof conv);
     conv.filters = 3, conv.kernel_size[0] = 3, conv.kernel_size[1] = 3;
     conv.padding = MPT_PADDING_SAME;
-    conv.activation = MPT_ACT_RELU;
+    conv.activation = qat ? MPT_ACT_NONE : MPT_ACT_RELU;
+    memset(&relu, 0, sizeof relu);
+    relu.activation = MPT_ACT_RELU;
     memset(&bn, 0, sizeof bn);
     memset(&pool, 0, sizeof pool);
     memset(&flat, 0, sizeof flat);
     memset(&dense, 0, sizeof dense);
-    dense.units = 4, dense.activation = MPT_ACT_SOFTMAX;
+    dense.units = 4, dense.activation = qat ? MPT_ACT_NONE : MPT_ACT_SOFTMAX;
     memset(&cd, 0, sizeof cd);
     cd.optimizer.type = MPT_OPTIMIZER_ADAM;
     cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.loss.from_logits = qat;
     fuzz__fill(x, N * 4 * 4 * 2, &rng);
     for (i = 0; i < N; i++) y[i] = (int32_t)((rng >> (8 * (i % 8))) & 3);
     memset(&dd, 0, sizeof dd);
@@ -196,8 +203,11 @@ static inline mpt_model *fuzz_model(mpt_context *ctx, int variant) {
     fd.epochs = 1, fd.batch_size = N / 2;
     if (mpt_model_create(ctx, &md, &m) != MPT_OK || mpt_model_add_conv2d(m, &conv) != MPT_OK ||
         mpt_model_add_batch_normalization(m, &bn) != MPT_OK ||
+        (qat && mpt_model_add_activation(m, &relu) != MPT_OK) ||
         mpt_model_add_max_pooling2d(m, &pool) != MPT_OK || mpt_model_add_flatten(m, &flat) != MPT_OK ||
         mpt_model_add_dense(m, &dense) != MPT_OK || mpt_model_compile(m, &cd) != MPT_OK ||
+        (qat && (mpt_model_build(m, N / 2) != MPT_OK ||
+                 mpt_model_quantize_aware(m, NULL) != MPT_OK)) ||
         mpt_tensor_wrap(ctx, &xt, MPT_FLOAT32, 4, x_shape, x) != MPT_OK ||
         mpt_tensor_wrap(ctx, &yt, MPT_INT32, 1, y_shape, y) != MPT_OK ||
         mpt_dataset_create(ctx, &dd, &data) != MPT_OK || mpt_model_fit(m, data, &fd) != MPT_OK)
@@ -206,12 +216,20 @@ static inline mpt_model *fuzz_model(mpt_context *ctx, int variant) {
     return m;
 }
 
+static inline mpt_model *fuzz_model(mpt_context *ctx, int variant) {
+    return fuzz__model(ctx, variant, 0);
+}
+
+static inline mpt_model *fuzz_qat_model(mpt_context *ctx, int variant) {
+    return fuzz__model(ctx, variant, 1);
+}
+
 /* ---- the model's whole state ----------------------------------------------------
 
    Every parameter's float32 master values, the loss scale, learning rate
    and epoch through the public getters, and the bytes of a checkpoint the
-   model saves (which hold the optimizer's moments and every step counter
-   too). */
+   model saves (which hold the optimizer's moments, every step counter
+   and a quantization-aware model's ranges too). */
 
 typedef struct fuzz_state {
     float *values; /* every parameter's, in order */

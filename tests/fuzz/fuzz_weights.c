@@ -12,6 +12,9 @@
 #ifndef FUZZ_LOAD
 #define FUZZ_LOAD mpt_model_load_weights
 #endif
+#ifndef FUZZ_MODEL
+#define FUZZ_MODEL fuzz_model /* or fuzz_qat_model */
+#endif
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -22,7 +25,7 @@ static char pristine[512]; /* ... as its checkpoint */
 
 static void setup(void) {
     ctx = fuzz_context();
-    model = fuzz_model(ctx, 0);
+    model = FUZZ_MODEL(ctx, 0);
     fuzz_state_take(ctx, model, &before);
     fuzz_write(fuzz_path(pristine, "pristine.safetensors"), before.checkpoint,
                before.checkpoint_size);

@@ -5,6 +5,7 @@
                        a few samples, one sample of one pixel; gzip'd too
        weights         the weights and the full checkpoint of fuzz_model
        checkpoint      the same two files
+       qat             those two of fuzz_qat_model, and the same two files
    Usage: seeds DIR (DIR/<harness> must exist). */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #define MPT_IMPLEMENTATION
@@ -79,24 +80,24 @@ static void idx_seed(const char *name, uint32_t n, uint32_t rows, uint32_t cols)
     put("idx_gzip", gz_name, input, at + len);
 }
 
-/* The model's weights and checkpoint, as files of both harnesses. */
-static void model_seeds(mpt_context *ctx) {
-    mpt_model *m = fuzz_model(ctx, 1); /* other values than the harness's model */
-    char path[512];
+/* A model's weights and checkpoint (prefix + "weights.safetensors", ...),
+   as files of the harnesses named (NULL-ended). */
+static void model_seeds(mpt_context *ctx, mpt_model *m, const char *prefix,
+                        const char *const *harnesses) {
+    char path[512], name[128];
     unsigned char *bytes;
     size_t size;
-    if (mpt_model_save_weights(m, fuzz_path(path, "input.safetensors")) != MPT_OK)
-        fuzz_die(mpt_context_error(ctx));
-    bytes = fuzz_read(path, &size);
-    put("weights", "weights.safetensors", bytes, size);
-    put("checkpoint", "weights.safetensors", bytes, size);
-    free(bytes);
-    if (mpt_model_save_checkpoint(m, path) != MPT_OK) fuzz_die(mpt_context_error(ctx));
-    bytes = fuzz_read(path, &size);
-    put("weights", "checkpoint.safetensors", bytes, size);
-    put("checkpoint", "checkpoint.safetensors", bytes, size);
-    free(bytes);
-    mpt_model_destroy(m);
+    int k, full;
+    for (full = 0; full <= 1; full++) {
+        fuzz_path(path, "input.safetensors");
+        if ((full ? mpt_model_save_checkpoint(m, path) : mpt_model_save_weights(m, path)) !=
+            MPT_OK)
+            fuzz_die(mpt_context_error(ctx));
+        bytes = fuzz_read(path, &size);
+        snprintf(name, sizeof name, "%s%s.safetensors", prefix, full ? "checkpoint" : "weights");
+        for (k = 0; harnesses[k]; k++) put(harnesses[k], name, bytes, size);
+        free(bytes);
+    }
 }
 
 int main(int argc, char **argv) {
@@ -110,7 +111,16 @@ int main(int argc, char **argv) {
     idx_seed("three_4x5", 3, 4, 5);
     idx_seed("one_1x1", 1, 1, 1);
     idx_seed("ten_7x3", 10, 7, 3);
-    model_seeds(ctx);
+    {
+        static const char *const plain[] = {"weights", "checkpoint", "qat", NULL};
+        static const char *const aware[] = {"qat", NULL};
+        mpt_model *m = fuzz_model(ctx, 1); /* other values than the harnesses' models */
+        model_seeds(ctx, m, "", plain);
+        mpt_model_destroy(m);
+        m = fuzz_qat_model(ctx, 1);
+        model_seeds(ctx, m, "qat_", aware);
+        mpt_model_destroy(m);
+    }
     mpt_context_destroy(ctx);
     return 0;
 }

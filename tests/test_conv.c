@@ -1113,11 +1113,13 @@ static const struct {
 };
 #define LEVELS ((int)(sizeof levels / sizeof levels[0]))
 
-static int direct_calls; /* conv_direct calls that did the work */
+static int direct_calls;      /* conv_direct calls that did the work */
+static int kernel_grad_calls; /* of them, kernel gradients          */
 
 static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     int done = mpt__cpu_conv_direct(impl, a);
     direct_calls += done;
+    if (a->kernel_grad) kernel_grad_calls += done;
     return done;
 }
 
@@ -1216,8 +1218,8 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
    the GEMM's 512 block) at every SIMD level and dtype. */
 static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
-    layer_ref cases[14];
-    int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0;
+    layer_ref cases[17];
+    int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1232,8 +1234,15 @@ static void test_direct_conv(void) {
     /* dx of a 'valid' layer 26 pixels wide: tiles of 12 inside its border
        rows, whose taps read only dz's padding (the direct path skips them) */
     cases[n_cases++] = conv_case(16, 26, 12, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
+    /* a shallow input's kernel gradient takes 12 rows (tap, channel) by 16
+       filters at a time: 27 rows are two blocks and a tail of 3, 30 two
+       and 6, 20 filters a block and a tail of 4, 33 two and 1; windows
+       across the padding and strides */
+    cases[n_cases++] = conv_case(9, 11, 3, 20, 3, 3, 2, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(7, 6, 5, 33, 2, 3, 1, 2, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
+    cases[n_cases++] = conv_case(13, 12, 7, 16, 5, 4, 3, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     test_seed(23);
-    while (n_cases < 14) {
+    while (n_cases < 17) {
         geom g;
         random_geom(&g, 9, 40, 4);
         g.c = test_randint(16, 40);
@@ -1258,9 +1267,14 @@ static void test_direct_conv(void) {
                 int calls;
                 test__begin();
                 run_conv_layer(level, 2, d, batch, dts[t], 0, &former);
-                direct_calls = 0;
+                direct_calls = kernel_grad_calls = 0;
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
+                if (level >= 2 && dts[t] != MPT_FLOAT16 &&
+                    d->g.c < (dts[t] == MPT_FLOAT32 ? 8 : 12)) {
+                    CHECK(kernel_grad_calls > 0, "the shallow kernel gradient did not run");
+                    ran_shallow += kernel_grad_calls > 0;
+                }
                 run_conv_layer(level, 2, d, batch, dts[t], 1, &two);
                 if (level >= 2 && dts[t] == MPT_FLOAT32 && d->f >= 16 &&
                     d->g.kh * d->g.kw * d->g.c >= 32) {
@@ -1299,7 +1313,8 @@ static void test_direct_conv(void) {
                 free_conv_run(&two);
             }
     }
-    printf("# direct convolution ran in %d float32 and %d bfloat16 cases\n", ran_f32, ran_bf16);
+    printf("# direct convolution ran in %d float32 and %d bfloat16 cases; the shallow kernel "
+           "gradient in %d\n", ran_f32, ran_bf16, ran_shallow);
 }
 
 int main(void) {

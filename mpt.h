@@ -7246,10 +7246,33 @@ static void mpt__add_f32(float *to, const float *from, int64_t n) {
 }
 
 /* out[j] += Σ_r dz[r][j]: a bias gradient, rows in order
-   (Conv2D adds chunk after chunk; Dense zeroes out first). */
-static void mpt__add_column_sums(const float *dz, int64_t rows, int64_t cols, float *out) {
+   (Conv2D adds chunk after chunk; Dense zeroes out first). By blocks of
+   MPT__COLUMN_BLOCK columns, each block's sums kept in a local array
+   (registers) rather than stored to out and loaded back every row: a
+   column adds its rows in the same order whichever block or thread holds
+   it, so blocks may run in parallel and give one thread's bits. */
+#define MPT__COLUMN_BLOCK 16
+
+static void mpt__add_column_block(const float *dz, int64_t rows, int64_t cols, int64_t j0,
+                                  float *out) {
+    const int nb = (int)MPT__MIN(MPT__COLUMN_BLOCK, cols - j0);
+    float sum[MPT__COLUMN_BLOCK];
     int64_t r;
-    for (r = 0; r < rows; r++) mpt__add_f32(out, dz + r * cols, cols);
+    int k;
+    for (k = 0; k < MPT__COLUMN_BLOCK; k++) sum[k] = k < nb ? out[j0 + k] : 0.0f;
+    if (nb == MPT__COLUMN_BLOCK) {
+        for (r = 0; r < rows; r++)
+            for (k = 0; k < MPT__COLUMN_BLOCK; k++) sum[k] += dz[r * cols + j0 + k];
+    } else {
+        for (r = 0; r < rows; r++)
+            for (k = 0; k < nb; k++) sum[k] += dz[r * cols + j0 + k];
+    }
+    for (k = 0; k < nb; k++) out[j0 + k] = sum[k];
+}
+
+static void mpt__add_column_sums(const float *dz, int64_t rows, int64_t cols, float *out) {
+    int64_t j0;
+    for (j0 = 0; j0 < cols; j0 += MPT__COLUMN_BLOCK) mpt__add_column_block(dz, rows, cols, j0, out);
 }
 
 /* Every layer's GEMM goes through here. While a model is planned (before
@@ -24286,17 +24309,87 @@ static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_
         mpt__activation_forward(act, x, rows * cols);
 }
 
+/* The activation's gradient and the bias gradient's column sums run in
+   parallel where there are MPT__ELEMENTWISE_TASK elements a task or more
+   (a Conv2D's dz, batch × pixels rows: memory-bound passes that one
+   thread left the other cores idle through; smaller ones stay on the
+   caller's thread). Each gradient element depends only on its own inputs
+   (softmax's on its row, and tasks take whole rows), and each column sums
+   its rows in order (mpt__add_column_block): the same bits on any number
+   of threads. */
+#define MPT__ELEMENTWISE_TASK ((int64_t)1 << 15)
+
+typedef struct mpt__activation_grad_job {
+    mpt_context *ctx;
+    mpt_activation act;
+    mpt_dtype dtype;
+    const unsigned char *z, *y, *dy; /* (rows, cols) in dtype; z may be NULL */
+    float *dz, *tmp;                 /* (rows, cols) float32                 */
+    int64_t rows, cols, task_rows;
+} mpt__activation_grad_job;
+
+static void mpt__activation_grad_task(void *arg, int64_t task, int thread) {
+    const mpt__activation_grad_job *j = (const mpt__activation_grad_job *)arg;
+    const int64_t r0 = task * j->task_rows, e0 = r0 * j->cols;
+    const size_t at = (size_t)e0 * mpt_dtype_size(j->dtype);
+    (void)thread;
+    /* z (GELU's) and y (the others') are NULL where the activation
+       reads only the other */
+    mpt__activation_grad(j->ctx, j->act, j->dtype, j->z ? j->z + at : NULL,
+                         j->y ? j->y + at : NULL, j->dy + at, j->dz + e0, j->tmp + e0,
+                         MPT__MIN(j->task_rows, j->rows - r0) * j->cols, j->cols);
+}
+
 static void mpt__cpu_activation_grad(void *impl, mpt_activation act, mpt_dtype dtype,
                                      const void *z, const void *y, const void *dy, float *dz,
                                      float *tmp, int64_t rows, int64_t cols) {
-    mpt__activation_grad((mpt_context *)impl, act, dtype, z, y, dy, dz, tmp, rows * cols, cols);
+    mpt__activation_grad_job j;
+    j.task_rows = MPT__MAX(1, MPT__ELEMENTWISE_TASK / MPT__MAX(cols, 1));
+    if (rows <= j.task_rows) {
+        mpt__activation_grad((mpt_context *)impl, act, dtype, z, y, dy, dz, tmp, rows * cols,
+                             cols);
+        return;
+    }
+    j.ctx = (mpt_context *)impl;
+    j.act = act;
+    j.dtype = dtype;
+    j.z = (const unsigned char *)z;
+    j.y = (const unsigned char *)y;
+    j.dy = (const unsigned char *)dy;
+    j.dz = dz;
+    j.tmp = tmp;
+    j.rows = rows;
+    j.cols = cols;
+    mpt__parallel_for(j.ctx, (rows + j.task_rows - 1) / j.task_rows, mpt__activation_grad_task,
+                      &j);
+}
+
+typedef struct mpt__column_sums_job {
+    const float *dz;
+    int64_t rows, cols;
+    float *out;
+} mpt__column_sums_job;
+
+static void mpt__column_sums_task(void *arg, int64_t task, int thread) {
+    const mpt__column_sums_job *j = (const mpt__column_sums_job *)arg;
+    (void)thread;
+    mpt__add_column_block(j->dz, j->rows, j->cols, task * MPT__COLUMN_BLOCK, j->out);
 }
 
 static void mpt__cpu_column_sums(void *impl, const float *dz, int64_t rows, int64_t cols,
                                  float *out, int accumulate) {
-    (void)impl;
+    mpt__column_sums_job j;
     if (!accumulate) memset(out, 0, sizeof(float) * (size_t)cols);
-    mpt__add_column_sums(dz, rows, cols, out);
+    if (rows * cols < 2 * MPT__ELEMENTWISE_TASK) {
+        mpt__add_column_sums(dz, rows, cols, out);
+        return;
+    }
+    j.dz = dz;
+    j.rows = rows;
+    j.cols = cols;
+    j.out = out;
+    mpt__parallel_for((mpt_context *)impl, (cols + MPT__COLUMN_BLOCK - 1) / MPT__COLUMN_BLOCK,
+                      mpt__column_sums_task, &j);
 }
 
 typedef struct mpt__add_job {

@@ -1317,6 +1317,77 @@ static void test_direct_conv(void) {
            "gradient in %d\n", ran_f32, ran_bf16, ran_shallow);
 }
 
+/* ---- the backward pass's elementwise work across threads -------------------- */
+
+/* The activation gradient and the bias gradient's column sums of a
+   convolution-sized dz (tens of thousands of rows: the backend splits them
+   into tasks) against one call of the serial code and a plain loop over
+   rows in order: the same bits, on 1 and 2 threads. Odd row counts and
+   column counts off the 16-column blocks, outputs poisoned first. */
+static void test_backward_elementwise_threads(void) {
+    static const struct {
+        mpt_activation act;
+        mpt_dtype dtype;
+        int64_t rows, cols;
+    } cases[] = {
+        {MPT_ACT_RELU, MPT_FLOAT32, 40007, 32},   {MPT_ACT_RELU, MPT_BFLOAT16, 9001, 37},
+        {MPT_ACT_GELU, MPT_FLOAT32, 12345, 21},   {MPT_ACT_SIGMOID, MPT_FLOAT16, 3001, 53},
+        {MPT_ACT_SOFTMAX, MPT_FLOAT32, 5003, 10}, {MPT_ACT_NONE, MPT_FLOAT32, 70001, 3},
+        {MPT_ACT_TANH, MPT_FLOAT32, 700, 1031},
+    };
+    int k, threads;
+    for (k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++)
+        for (threads = 1; threads <= 2; threads++) {
+            const int64_t rows = cases[k].rows, cols = cases[k].cols, n = rows * cols;
+            const mpt_dtype dt = cases[k].dtype;
+            const size_t es = mpt_dtype_size(dt);
+            unsigned char *z = (unsigned char *)malloc(es * (size_t)n);
+            unsigned char *y = (unsigned char *)malloc(es * (size_t)n);
+            unsigned char *dy = (unsigned char *)malloc(es * (size_t)n);
+            float *dz = (float *)malloc(sizeof(float) * (size_t)n);
+            float *want = (float *)malloc(sizeof(float) * (size_t)n);
+            float *tmp = (float *)malloc(sizeof(float) * (size_t)n);
+            float *sums = (float *)malloc(sizeof(float) * (size_t)cols);
+            float *want_sums = (float *)malloc(sizeof(float) * (size_t)cols);
+            mpt_context *c = NULL, *one = NULL;
+            int64_t i, r;
+            test__begin();
+            mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c);
+            mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+            test_seed(61 + (uint64_t)k);
+            for (i = 0; i < n; i++) {
+                mpt__store_f32(dt, z, i, (float)test_uniform(-3, 3));
+                mpt__store_f32(dt, y, i, (float)test_uniform(-1, 1));
+                mpt__store_f32(dt, dy, i, (float)test_uniform(-1, 1));
+            }
+            for (i = 0; i < n; i++) dz[i] = want[i] = NAN;
+            mpt__activation_grad(one, cases[k].act, dt, z, y, dy, want, tmp, n, cols);
+            mpt__cpu_table.activation_grad(c, cases[k].act, dt, z, y, dy, dz, tmp, rows, cols);
+            CHECK(memcmp(dz, want, sizeof(float) * (size_t)n) == 0,
+                  "activation gradient differs from one serial call");
+            for (i = 0; i < cols; i++) want_sums[i] = sums[i] = (float)test_uniform(-1, 1);
+            for (r = 0; r < rows; r++)
+                for (i = 0; i < cols; i++) want_sums[i] += want[r * cols + i];
+            mpt__cpu_table.column_sums(c, dz, rows, cols, sums, 1);
+            CHECK(memcmp(sums, want_sums, sizeof(float) * (size_t)cols) == 0,
+                  "accumulated column sums differ from rows added in order");
+            for (i = 0; i < cols; i++) sums[i] = NAN;
+            mpt__cpu_table.column_sums(c, dz, rows, cols, sums, 0);
+            for (i = 0; i < cols; i++) want_sums[i] = 0;
+            for (r = 0; r < rows; r++)
+                for (i = 0; i < cols; i++) want_sums[i] += want[r * cols + i];
+            CHECK(memcmp(sums, want_sums, sizeof(float) * (size_t)cols) == 0,
+                  "column sums differ from rows added in order");
+            test__end("backward elementwise %s %s %lldx%lld on %d threads",
+                      mpt_activation_name(cases[k].act), mpt_dtype_name(dt), (long long)rows,
+                      (long long)cols, threads);
+            mpt_context_destroy(c);
+            mpt_context_destroy(one);
+            free(z), free(y), free(dy), free(dz), free(want), free(tmp), free(sums),
+                free(want_sums);
+        }
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     test_seed(3);
@@ -1327,6 +1398,7 @@ int main(void) {
     TEST_RUN(test_bad_input);
     TEST_RUN(test_determinism);
     test_direct_conv();
+    test_backward_elementwise_threads();
     test_conv_gradients();
     test_pool_gradients();
     test_max_pool_exact();

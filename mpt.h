@@ -7253,12 +7253,51 @@ static void mpt__add_f32(float *to, const float *from, int64_t n) {
    it, so blocks may run in parallel and give one thread's bits. */
 #define MPT__COLUMN_BLOCK 16
 
-static void mpt__add_column_block(const float *dz, int64_t rows, int64_t cols, int64_t j0,
-                                  float *out) {
+#if MPT__X86
+/* Each lane adds its column's rows in order, as the loop below does. */
+MPT__TARGET_AVX512 static void mpt__add_column_block_avx512(const float *dz, int64_t rows,
+                                                            int64_t cols, int64_t j0, float *out) {
+    const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(MPT__COLUMN_BLOCK, cols - j0));
+    __m512 sum = _mm512_maskz_loadu_ps(m, out + j0);
+    int64_t r;
+    for (r = 0; r < rows; r++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(m, dz + r * cols + j0));
+    _mm512_mask_storeu_ps(out + j0, m, sum);
+}
+
+/* A whole block of 16 columns in two registers. */
+MPT__TARGET_AVX2 static void mpt__add_column_block_avx2(const float *dz, int64_t rows,
+                                                        int64_t cols, int64_t j0, float *out) {
+    __m256 lo = _mm256_loadu_ps(out + j0), hi = _mm256_loadu_ps(out + j0 + 8);
+    int64_t r;
+    for (r = 0; r < rows; r++) {
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(dz + r * cols + j0));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(dz + r * cols + j0 + 8));
+    }
+    _mm256_storeu_ps(out + j0, lo);
+    _mm256_storeu_ps(out + j0 + 8, hi);
+}
+#endif
+
+/* cpu: the context's features (mpt_context.cpu), which pick the loop. */
+static void mpt__add_column_block(int cpu, const float *dz, int64_t rows, int64_t cols,
+                                  int64_t j0, float *out) {
     const int nb = (int)MPT__MIN(MPT__COLUMN_BLOCK, cols - j0);
     float sum[MPT__COLUMN_BLOCK];
     int64_t r;
     int k;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__add_column_block_avx512(dz, rows, cols, j0, out);
+        return;
+    }
+    if ((cpu & MPT_CPU_AVX2) && nb == MPT__COLUMN_BLOCK) {
+        mpt__add_column_block_avx2(dz, rows, cols, j0, out);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
+    /* (the sums stay in memory here: a store and a load per row) */
     for (k = 0; k < MPT__COLUMN_BLOCK; k++) sum[k] = k < nb ? out[j0 + k] : 0.0f;
     if (nb == MPT__COLUMN_BLOCK) {
         for (r = 0; r < rows; r++)
@@ -7270,9 +7309,11 @@ static void mpt__add_column_block(const float *dz, int64_t rows, int64_t cols, i
     for (k = 0; k < nb; k++) out[j0 + k] = sum[k];
 }
 
-static void mpt__add_column_sums(const float *dz, int64_t rows, int64_t cols, float *out) {
+static void mpt__add_column_sums(int cpu, const float *dz, int64_t rows, int64_t cols,
+                                 float *out) {
     int64_t j0;
-    for (j0 = 0; j0 < cols; j0 += MPT__COLUMN_BLOCK) mpt__add_column_block(dz, rows, cols, j0, out);
+    for (j0 = 0; j0 < cols; j0 += MPT__COLUMN_BLOCK)
+        mpt__add_column_block(cpu, dz, rows, cols, j0, out);
 }
 
 /* Every layer's GEMM goes through here. While a model is planned (before
@@ -24365,6 +24406,7 @@ static void mpt__cpu_activation_grad(void *impl, mpt_activation act, mpt_dtype d
 }
 
 typedef struct mpt__column_sums_job {
+    int cpu;
     const float *dz;
     int64_t rows, cols;
     float *out;
@@ -24373,15 +24415,16 @@ typedef struct mpt__column_sums_job {
 static void mpt__column_sums_task(void *arg, int64_t task, int thread) {
     const mpt__column_sums_job *j = (const mpt__column_sums_job *)arg;
     (void)thread;
-    mpt__add_column_block(j->dz, j->rows, j->cols, task * MPT__COLUMN_BLOCK, j->out);
+    mpt__add_column_block(j->cpu, j->dz, j->rows, j->cols, task * MPT__COLUMN_BLOCK, j->out);
 }
 
 static void mpt__cpu_column_sums(void *impl, const float *dz, int64_t rows, int64_t cols,
                                  float *out, int accumulate) {
     mpt__column_sums_job j;
+    j.cpu = ((mpt_context *)impl)->cpu;
     if (!accumulate) memset(out, 0, sizeof(float) * (size_t)cols);
     if (rows * cols < 2 * MPT__ELEMENTWISE_TASK) {
-        mpt__add_column_sums(dz, rows, cols, out);
+        mpt__add_column_sums(j.cpu, dz, rows, cols, out);
         return;
     }
     j.dz = dz;

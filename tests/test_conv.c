@@ -1322,8 +1322,9 @@ static void test_direct_conv(void) {
 /* The activation gradient and the bias gradient's column sums of a
    convolution-sized dz (tens of thousands of rows: the backend splits them
    into tasks) against one call of the serial code and a plain loop over
-   rows in order: the same bits, on 1 and 2 threads. Odd row counts and
-   column counts off the 16-column blocks, outputs poisoned first. */
+   rows in order: the same bits, on 1 and 2 threads, at every SIMD level.
+   Odd row counts and column counts off the 16-column blocks, outputs
+   poisoned first. */
 static void test_backward_elementwise_threads(void) {
     static const struct {
         mpt_activation act;
@@ -1335,7 +1336,8 @@ static void test_backward_elementwise_threads(void) {
         {MPT_ACT_SOFTMAX, MPT_FLOAT32, 5003, 10}, {MPT_ACT_NONE, MPT_FLOAT32, 70001, 3},
         {MPT_ACT_TANH, MPT_FLOAT32, 700, 1031},
     };
-    int k, threads;
+    int k, threads, level;
+    for (level = 0; level < LEVELS; level++)
     for (k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++)
         for (threads = 1; threads <= 2; threads++) {
             const int64_t rows = cases[k].rows, cols = cases[k].cols, n = rows * cols;
@@ -1352,8 +1354,12 @@ static void test_backward_elementwise_threads(void) {
             mpt_context *c = NULL, *one = NULL;
             int64_t i, r;
             test__begin();
-            mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c);
-            mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+            mpt_context_create(&(mpt_context_desc){.num_threads = threads,
+                                                   .disable_cpu_features = levels[level].disable},
+                               &c);
+            mpt_context_create(&(mpt_context_desc){.num_threads = 1,
+                                                   .disable_cpu_features = levels[level].disable},
+                               &one);
             test_seed(61 + (uint64_t)k);
             for (i = 0; i < n; i++) {
                 mpt__store_f32(dt, z, i, (float)test_uniform(-3, 3));
@@ -1378,7 +1384,7 @@ static void test_backward_elementwise_threads(void) {
                 for (i = 0; i < cols; i++) want_sums[i] += want[r * cols + i];
             CHECK(memcmp(sums, want_sums, sizeof(float) * (size_t)cols) == 0,
                   "column sums differ from rows added in order");
-            test__end("backward elementwise %s %s %lldx%lld on %d threads",
+            test__end("backward elementwise %s %s %s %lldx%lld on %d threads", levels[level].name,
                       mpt_activation_name(cases[k].act), mpt_dtype_name(dt), (long long)rows,
                       (long long)cols, threads);
             mpt_context_destroy(c);

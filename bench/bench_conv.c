@@ -5,7 +5,7 @@
    gradients) and backward with it. The difference of the two backward
    times is the backward-data part.
 
-       gcc -std=c99 -O2 -I. bench/bench_conv.c -o build/bench_conv -lpthread -lm
+       gcc -std=c99 -O2 -I. bench/bench_conv.c -o build/bench_conv -lpthread -lm -lz
        ./build/bench_conv [--threads 2] [--rounds 15] [--batch 128] [--clock wall|cpu]
 
    Each shape runs the current path (the backend's direct convolution,

@@ -77,7 +77,7 @@ typedef enum emu_op {
     OP_GEMM, OP_CONVERT, OP_ACTIVATION, OP_ACTIVATION_GRAD, OP_COLUMN_SUMS, OP_IM2COL,
     OP_COL2IM, OP_POOL_FORWARD, OP_POOL_BACKWARD, OP_BN_FORWARD, OP_BN_BACKWARD, OP_BN_COMMIT,
     OP_DROPOUT, OP_LOSS, OP_GRAD_STATS, OP_UPDATE, OP_LOSS_SCALE, OP_ADD, OP_SCALE, OP_COPY,
-    OP_ZERO
+    OP_ZERO, OP_CONV_DIRECT
 } emu_op;
 
 typedef struct emu_call { /* the arguments of one call; each op uses some */
@@ -88,6 +88,7 @@ typedef struct emu_call { /* the arguments of one call; each op uses some */
     mpt_loss_args loss;
     mpt_update_args update;
     mpt_loss_scale_desc loss_scale;
+    mpt_conv_args conv; /* its window in `window` */
     mpt_window window;
     mpt_dtype dtype[2];
     mpt_activation act;
@@ -321,6 +322,37 @@ static void emu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, const v
     cpu()->im2col(impl, g, dtype, x, n, cols);
 }
 
+/* The CPU's direct convolution decides whether it takes a case and
+   computes it in the same call. While recording, the inputs are not
+   computed yet: the call runs on scratch outputs only for its answer, and
+   a case it takes is kept and run on replay. */
+static int emu_conv_direct(void *impl, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    const int64_t kk = g->kh * g->kw * g->c;
+    mpt_conv_args probe = *a;
+    void *out, *ws;
+    int done;
+    expect_device(impl, a->x);
+    if (!recording) return cpu()->conv_direct(impl, a);
+    /* outputs: dkernel (kk, F) float32, or y at 4 bytes an element at most */
+    out = calloc((size_t)(a->kernel_grad ? kk * a->f
+                                         : a->n * (a->input_grad ? g->h * g->w * g->c
+                                                                 : g->oh * g->ow * a->f)),
+                 4);
+    ws = calloc(1, (size_t)MPT_CONV_DIRECT_WS_BYTES(kk, g->c, a->f));
+    if (a->kernel_grad) probe.dkernel = (float *)out;
+    else probe.y = out;
+    if (a->ws) probe.ws = ws;
+    done = out && ws && cpu()->conv_direct(impl, &probe);
+    free(out);
+    free(ws);
+    if (done) {
+        emu_call *c = record(OP_CONV_DIRECT, impl);
+        if (c) c->conv = *a, c->window = *g;
+    }
+    return done;
+}
+
 static void emu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, const float *dcols,
                        int64_t n, float *dxf, void *dx) {
     expect_device(impl, dcols);
@@ -525,6 +557,12 @@ static void run_call(const emu_call *c) {
                         c->flag);
         break;
     case OP_IM2COL: emu_im2col(impl, &c->window, c->dtype[0], c->in[0], c->n[0], c->out[0]); break;
+    case OP_CONV_DIRECT: {
+        mpt_conv_args conv = c->conv;
+        conv.g = &c->window; /* the kept copy of the window */
+        (void)cpu()->conv_direct(impl, &conv);
+        break;
+    }
     case OP_COL2IM:
         emu_col2im(impl, &c->window, c->dtype[0], (const float *)c->in[0], c->n[0],
                    (float *)c->out[0], c->out[1]);
@@ -643,6 +681,7 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.column_sums = emu_column_sums;
     emu_table.im2col = emu_im2col;
     emu_table.col2im = emu_col2im;
+    emu_table.conv_direct = emu_conv_direct;
     emu_table.pool_forward = emu_pool_forward;
     emu_table.pool_backward = emu_pool_backward;
     emu_table.batchnorm_forward = emu_batchnorm_forward;

@@ -1113,11 +1113,13 @@ static const struct {
 };
 #define LEVELS ((int)(sizeof levels / sizeof levels[0]))
 
-static int direct_calls; /* conv_direct calls that did the work */
+static int direct_calls;      /* conv_direct calls that did the work */
+static int kernel_grad_calls; /* of them, kernel gradients          */
 
 static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     int done = mpt__cpu_conv_direct(impl, a);
     direct_calls += done;
+    if (a->kernel_grad) kernel_grad_calls += done;
     return done;
 }
 
@@ -1216,8 +1218,8 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
    the GEMM's 512 block) at every SIMD level and dtype. */
 static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
-    layer_ref cases[14];
-    int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0;
+    layer_ref cases[17];
+    int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1232,8 +1234,15 @@ static void test_direct_conv(void) {
     /* dx of a 'valid' layer 26 pixels wide: tiles of 12 inside its border
        rows, whose taps read only dz's padding (the direct path skips them) */
     cases[n_cases++] = conv_case(16, 26, 12, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
+    /* a shallow input's kernel gradient takes 12 rows (tap, channel) by 16
+       filters at a time: 27 rows are two blocks and a tail of 3, 30 two
+       and 6, 20 filters a block and a tail of 4, 33 two and 1; windows
+       across the padding and strides */
+    cases[n_cases++] = conv_case(9, 11, 3, 20, 3, 3, 2, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(7, 6, 5, 33, 2, 3, 1, 2, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
+    cases[n_cases++] = conv_case(13, 12, 7, 16, 5, 4, 3, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     test_seed(23);
-    while (n_cases < 14) {
+    while (n_cases < 17) {
         geom g;
         random_geom(&g, 9, 40, 4);
         g.c = test_randint(16, 40);
@@ -1258,9 +1267,14 @@ static void test_direct_conv(void) {
                 int calls;
                 test__begin();
                 run_conv_layer(level, 2, d, batch, dts[t], 0, &former);
-                direct_calls = 0;
+                direct_calls = kernel_grad_calls = 0;
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
+                if (level >= 2 && dts[t] != MPT_FLOAT16 &&
+                    d->g.c < (dts[t] == MPT_FLOAT32 ? 8 : 12)) {
+                    CHECK(kernel_grad_calls > 0, "the shallow kernel gradient did not run");
+                    ran_shallow += kernel_grad_calls > 0;
+                }
                 run_conv_layer(level, 2, d, batch, dts[t], 1, &two);
                 if (level >= 2 && dts[t] == MPT_FLOAT32 && d->f >= 16 &&
                     d->g.kh * d->g.kw * d->g.c >= 32) {
@@ -1299,7 +1313,85 @@ static void test_direct_conv(void) {
                 free_conv_run(&two);
             }
     }
-    printf("# direct convolution ran in %d float32 and %d bfloat16 cases\n", ran_f32, ran_bf16);
+    printf("# direct convolution ran in %d float32 and %d bfloat16 cases; the shallow kernel "
+           "gradient in %d\n", ran_f32, ran_bf16, ran_shallow);
+}
+
+/* ---- the backward pass's elementwise work across threads -------------------- */
+
+/* The activation gradient and the bias gradient's column sums of a
+   convolution-sized dz (tens of thousands of rows: the backend splits them
+   into tasks) against one call of the serial code and a plain loop over
+   rows in order: the same bits, on 1 and 2 threads, at every SIMD level.
+   Odd row counts and column counts off the 16-column blocks, outputs
+   poisoned first. */
+static void test_backward_elementwise_threads(void) {
+    static const struct {
+        mpt_activation act;
+        mpt_dtype dtype;
+        int64_t rows, cols;
+    } cases[] = {
+        {MPT_ACT_RELU, MPT_FLOAT32, 40007, 32},   {MPT_ACT_RELU, MPT_BFLOAT16, 9001, 37},
+        {MPT_ACT_GELU, MPT_FLOAT32, 12345, 21},   {MPT_ACT_SIGMOID, MPT_FLOAT16, 3001, 53},
+        {MPT_ACT_SOFTMAX, MPT_FLOAT32, 5003, 10}, {MPT_ACT_NONE, MPT_FLOAT32, 70001, 3},
+        {MPT_ACT_TANH, MPT_FLOAT32, 700, 1031},
+    };
+    int k, threads, level;
+    for (level = 0; level < LEVELS; level++)
+    for (k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++)
+        for (threads = 1; threads <= 2; threads++) {
+            const int64_t rows = cases[k].rows, cols = cases[k].cols, n = rows * cols;
+            const mpt_dtype dt = cases[k].dtype;
+            const size_t es = mpt_dtype_size(dt);
+            unsigned char *z = (unsigned char *)malloc(es * (size_t)n);
+            unsigned char *y = (unsigned char *)malloc(es * (size_t)n);
+            unsigned char *dy = (unsigned char *)malloc(es * (size_t)n);
+            float *dz = (float *)malloc(sizeof(float) * (size_t)n);
+            float *want = (float *)malloc(sizeof(float) * (size_t)n);
+            float *tmp = (float *)malloc(sizeof(float) * (size_t)n);
+            float *sums = (float *)malloc(sizeof(float) * (size_t)cols);
+            float *want_sums = (float *)malloc(sizeof(float) * (size_t)cols);
+            mpt_context *c = NULL, *one = NULL;
+            int64_t i, r;
+            test__begin();
+            mpt_context_create(&(mpt_context_desc){.num_threads = threads,
+                                                   .disable_cpu_features = levels[level].disable},
+                               &c);
+            mpt_context_create(&(mpt_context_desc){.num_threads = 1,
+                                                   .disable_cpu_features = levels[level].disable},
+                               &one);
+            test_seed(61 + (uint64_t)k);
+            for (i = 0; i < n; i++) {
+                mpt__store_f32(dt, z, i, (float)test_uniform(-3, 3));
+                mpt__store_f32(dt, y, i, (float)test_uniform(-1, 1));
+                mpt__store_f32(dt, dy, i, (float)test_uniform(-1, 1));
+            }
+            for (i = 0; i < n; i++) dz[i] = want[i] = NAN;
+            mpt__activation_grad(one, cases[k].act, dt, z, y, dy, want, tmp, n, cols);
+            mpt__cpu_table.activation_grad(c, cases[k].act, dt, z, y, dy, dz, tmp, rows, cols);
+            CHECK(memcmp(dz, want, sizeof(float) * (size_t)n) == 0,
+                  "activation gradient differs from one serial call");
+            for (i = 0; i < cols; i++) want_sums[i] = sums[i] = (float)test_uniform(-1, 1);
+            for (r = 0; r < rows; r++)
+                for (i = 0; i < cols; i++) want_sums[i] += want[r * cols + i];
+            mpt__cpu_table.column_sums(c, dz, rows, cols, sums, 1);
+            CHECK(memcmp(sums, want_sums, sizeof(float) * (size_t)cols) == 0,
+                  "accumulated column sums differ from rows added in order");
+            for (i = 0; i < cols; i++) sums[i] = NAN;
+            mpt__cpu_table.column_sums(c, dz, rows, cols, sums, 0);
+            for (i = 0; i < cols; i++) want_sums[i] = 0;
+            for (r = 0; r < rows; r++)
+                for (i = 0; i < cols; i++) want_sums[i] += want[r * cols + i];
+            CHECK(memcmp(sums, want_sums, sizeof(float) * (size_t)cols) == 0,
+                  "column sums differ from rows added in order");
+            test__end("backward elementwise %s %s %s %lldx%lld on %d threads", levels[level].name,
+                      mpt_activation_name(cases[k].act), mpt_dtype_name(dt), (long long)rows,
+                      (long long)cols, threads);
+            mpt_context_destroy(c);
+            mpt_context_destroy(one);
+            free(z), free(y), free(dy), free(dz), free(want), free(tmp), free(sums),
+                free(want_sums);
+        }
 }
 
 int main(void) {
@@ -1312,6 +1404,7 @@ int main(void) {
     TEST_RUN(test_bad_input);
     TEST_RUN(test_determinism);
     test_direct_conv();
+    test_backward_elementwise_threads();
     test_conv_gradients();
     test_pool_gradients();
     test_max_pool_exact();

@@ -17,6 +17,7 @@
 
 static int test__passed, test__failed, test__skipped;
 static int test__current_failed;
+static int test__open; /* checks made since test__begin, not yet reported */
 static char test__why[512];
 static const char *test__skip_reason;
 
@@ -40,8 +41,14 @@ static void test__fail(const char *file, int line, const char *fmt, ...) {
 /* Marks the running test as skipped (counted apart, never as passed). */
 #define SKIP(reason) (test__skip_reason = (reason))
 
-/* Starts a test: no failure, no skip yet. */
+static inline void test__report(const char *name);
+
+/* Starts a test: no failure, no skip yet. A failure still open (a case
+   loop's checks before its first test__begin) is reported first rather
+   than forgotten. */
 static inline void test__begin(void) {
+    if (test__open && test__current_failed) test__report("(checks before the next case)");
+    test__open = 1;
     test__current_failed = 0;
     test__skip_reason = NULL;
     test__why[0] = 0;
@@ -49,6 +56,7 @@ static inline void test__begin(void) {
 
 /* Ends the running test: counts it and prints its line. */
 static inline void test__report(const char *name) {
+    test__open = 0;
     if (test__current_failed) {
         test__failed++;
         printf("FAIL %s: %s\n", name, test__why);

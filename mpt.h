@@ -10561,6 +10561,13 @@ static int64_t mpt__argmax(mpt_dtype dtype, const void *row0, int64_t offset, in
     return best;
 }
 
+/* One output unit's hit, as Keras' binary accuracy: the prediction past
+   the threshold (0.5 for probabilities, 0 for logits) where the target is
+   past 0.5. Float and quantized models count with it. */
+static int mpt__binary_hit(float prediction, int from_logits, float target) {
+    return (prediction > (from_logits ? 0.0f : 0.5f)) == (target > 0.5f);
+}
+
 /* Accuracy as Keras counts it, per row of out (rows, classes): for
    sparse labels argmax == label, for one-hot targets argmax ==
    argmax(target), for one output unit (binary) prediction > threshold
@@ -10574,10 +10581,9 @@ static void mpt__count_hits(int metrics, int k, int from_logits, const mpt_tenso
         int64_t guess, truth, j, above = 0;
         if (classes == 1) {
             float v = mpt__load_f32(out->dtype, out->data, b);
-            float threshold = from_logits ? 0.0f : 0.5f;
             float target = y->dtype == MPT_INT32 ? (float)((const int32_t *)y->data)[b]
                                                  : ((const float *)y->data)[b];
-            *correct += (v > threshold) == (target > 0.5f);
+            *correct += mpt__binary_hit(v, from_logits, target);
             continue;
         }
         guess = mpt__argmax(out->dtype, out->data, b * classes, classes);
@@ -21263,12 +21269,19 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
 
 /* Accuracy and top-k of one batch's outputs (rows × classes, a row per
    position) against class ids or float targets, added to t as the float
-   model's are (mpt__loss_tally): rows_per_sample positions make a sample. */
+   model's are (mpt__loss_tally): rows_per_sample positions make a sample.
+   One output unit is a binary classifier (mpt__binary_hit). */
 static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows, int64_t classes,
                                int64_t rows_per_sample, const mpt_tensor *target, mpt__tally *t) {
     int64_t r, c, correct = 0, top_k = 0;
     for (r = 0; r < rows; r++, p += classes) {
         int64_t best = 0, label, above = 0;
+        if (classes == 1) {
+            const float tr = target->dtype == MPT_INT32 ? (float)((const int32_t *)target->data)[r]
+                                                        : ((const float *)target->data)[r];
+            correct += mpt__binary_hit(p[0], m->compile.loss.from_logits, tr);
+            continue;
+        }
         for (c = 1; c < classes; c++) best = p[c] > p[best] ? c : best;
         if (target->dtype == MPT_INT32) {
             label = ((const int32_t *)target->data)[r];

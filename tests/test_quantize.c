@@ -905,6 +905,67 @@ static void test_uint8_samples_as_float32(void) {
     }
 }
 
+/* A quantized binary classifier (one sigmoid unit, binary crossentropy)
+   counts accuracy as the float model does: the probability past 0.5 where
+   the label is 1, for every mode; not an argmax over one unit. */
+static void test_binary_accuracy(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL;
+    mpt_dataset *d = NULL;
+    int mode;
+    int i;
+    static float targets[N_SAMPLES];
+    mpt_tensor tx, ty;
+    int64_t xs[4] = {N_SAMPLES, H, W, C}, ys[2] = {N_SAMPLES, 1};
+    make_samples(91);
+    for (i = 0; i < N_SAMPLES; i++) targets[i] = (float)(sample_y[i] & 1);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, sample_x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, ys, targets);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                                  .seed = 3}, &m) == MPT_OK, "create");
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = MPT_ACT_SIGMOID});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK &&
+              mpt_model_build(m, 32) == MPT_OK, "%s", mpt_context_error(ctx));
+    randomize(m, 92);
+    for (i = 0; m && i < mpt_model_param_count(m); i++) { /* logits well away from 0 */
+        mpt_param_info info;
+        int64_t k;
+        mpt_model_param(m, i, &info);
+        for (k = 0; strstr(info.name, "kernel") && k < mpt_tensor_count(&info.value); k++)
+            ((float *)info.value.data)[k] *= 4.0f;
+    }
+    if (m) mpt_model_refresh_weights(m);
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+        mpt_tensor p;
+        mpt_logs logs;
+        int hits = 0, ones = 0;
+        memset(&p, 0, sizeof p);
+        CHECK(q && mpt_model_predict(q, d, 32, &p) == MPT_OK &&
+                  mpt_model_evaluate(q, d, &(mpt_evaluate_desc){.batch_size = 40}, &logs) ==
+                      MPT_OK, "mode %d: %s", mode, mpt_context_error(ctx));
+        for (i = 0; p.data && i < N_SAMPLES; i++) {
+            hits += (((const float *)p.data)[i] > 0.5f) == (targets[i] == 1.0f);
+            ones += ((const float *)p.data)[i] > 0.5f;
+        }
+        CHECK(ones > 0 && ones < N_SAMPLES, "mode %d: every prediction on one side (%d of %d)",
+              mode, ones, N_SAMPLES);
+        CHECK(fabs(mpt_logs_get(&logs, "accuracy") - (double)hits / N_SAMPLES) < 1e-9, "mode %d: accuracy %g, "
+              "%d of %d predictions right", mode, mpt_logs_get(&logs, "accuracy"), hits, N_SAMPLES);
+        mpt_tensor_free(ctx, &p);
+        mpt_model_destroy(q);
+    }
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
 /* One output of a full-integer Conv2D from its int8 input (h, w, c), as
    the accessor gives the layer: OHWI weights, 'same' padding TensorFlow's
    (the extra row and column at the bottom and right), pixels outside the
@@ -1439,6 +1500,7 @@ int main(void) {
     TEST_RUN(test_weights_packed_once);
     TEST_RUN(test_quantize_input_lanes);
     TEST_RUN(test_uint8_samples_as_float32);
+    TEST_RUN(test_binary_accuracy);
     TEST_RUN(test_small_conv_scalar_reference);
     TEST_RUN(test_calibration_mse);
     return test_summary("test_quantize");

@@ -1947,7 +1947,9 @@ typedef struct mpt_step_state {
    Adds the batch's mean loss × samples to state->loss_sum, its samples
    (rows / rows_per_sample) to state->samples and (metrics) its correct and
    top-k rows / rows_per_sample, so that a sample counts once however many
-   positions it has (mpt__loss_tally); writes grad_scale_by_state ·
+   positions it has (mpt__loss_tally). Binary crossentropy's units are
+   rows of one (K = 1), each its own label, so that its accuracy is over
+   every unit (mpt__loss_row_width). Writes grad_scale_by_state ·
    d(mean loss)/d(pred) into dpred (which may be pred). Sparse targets are
    int32 class ids, one per row, checked in range beforehand. */
 typedef struct mpt_loss_args {
@@ -10657,11 +10659,20 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
                     (double)top_k);
 }
 
+/* How many of a sample's last-axis values make one row. Classes that share
+   a softmax do; binary crossentropy's units are independent labels (one
+   unit, or several for multi-label), each a row of its own, so that
+   accuracy is Keras' binary_accuracy over every unit. Its loss, a mean over
+   elements, is the same either way. */
+static int64_t mpt__loss_row_width(mpt_loss_type type, int64_t last_axis) {
+    return type == MPT_LOSS_BINARY_CROSSENTROPY ? 1 : last_axis;
+}
+
 /* A model output's rows for the loss: its last axis holds the classes and
    every other axis of a sample is a position, as Keras and PyTorch see an
    (N, H, W, C) or (N, T, C) output: one softmax and one loss per position. */
 static void mpt__loss_rows(const mpt__layer *last, int64_t batch, mpt_loss_args *a) {
-    a->K = last->out_shape[last->out_rank - 1];
+    a->K = mpt__loss_row_width(a->type, last->out_shape[last->out_rank - 1]);
     a->rows_per_sample = last->out_count / a->K;
     a->rows = batch * a->rows_per_sample;
 }
@@ -21346,7 +21357,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         if (s != MPT_OK) break;
         t.loss_sum += loss * (double)b;
         t.samples += b;
-        classes = shape[rank - 1];
+        classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
         mpt__q_tally_batch(m, pred, b * (per / classes), classes, per / classes, &y, &t);
     }
     mpt__loader_destroy(loader);

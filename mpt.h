@@ -8472,7 +8472,7 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_
    task split or the thread count; the sums are float32, in another order
    than the GEMM's. */
 #define MPT__KGRAD_PAIRS_ROWS 8   /* channels per tile                */
-#define MPT__KGRAD_PAIRS_STRIP 4  /* output rows per step of a task    */
+#define MPT__KGRAD_PAIRS_STRIP 8  /* output rows per step of a task    */
 #define MPT__KGRAD_PAIRS_TAPS 16  /* taps per task at most             */
 #define MPT__KGRAD_PACK_ROWS 8    /* table rows per packing task       */
 
@@ -8604,11 +8604,15 @@ static void mpt__kgrad_pairs_task(void *arg, int64_t task, int thread) {
 }
 
 /* Whether mpt__kgrad_pairs takes the case: bfloat16 on a CPU with AVX-512
-   BF16, an even number of output columns, the tables' workspace given and
-   at least a tile's channels (fewer: mpt__kgrad_win_sums). */
+   BF16, an even number of output columns, the tables' workspace given, at
+   least 12 channels (fewer: mpt__kgrad_win_sums) and at most 64 filters:
+   the CNN's 32- and 64-filter layers ran their backward without dx 1.6×
+   (32 filters, against the former pairs) and 1.0-1.2× (64, against
+   im2col + GEMM) as fast in bench/bench_conv.c (1 thread, CPU time);
+   more filters were not measured. */
 static int mpt__kgrad_pairs_takes(const mpt_context *ctx, const mpt_conv_args *a) {
     return a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && a->ws &&
-           a->g->ow % 2 == 0 && a->g->c >= MPT__DCONV_MR;
+           a->g->ow % 2 == 0 && a->g->c >= MPT__DCONV_MR && a->f <= 64;
 }
 
 /* The kernel gradient from the pair tables: packed, then summed. */
@@ -8794,7 +8798,10 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
    measured the CNN's 32- and 64-filter layers' backward without dx
    1.1-1.3× faster than before (1 thread, CPU time). Fewer channels than
    that (float32 or bfloat16, any number of filters): the tiles across
-   taps of mpt__kgrad_win_sums. */
+   taps of mpt__kgrad_win_sums. bfloat16 with AVX-512 BF16 and the
+   workspace (the layer's backward gives it): the pixel-pair tables of
+   mpt__kgrad_pairs where mpt__kgrad_pairs_takes says so, before all
+   these. */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
     j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);

@@ -8259,8 +8259,10 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
    pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
    broadcasts, dz's row (widened) loaded, 24 FMAs. With AVX-512 BF16,
    bfloat16 takes the pixels two at a time instead (24 vdpbf16ps per
-   pair: mpt__dconv_kgrad_tile_bf16). The sums are float32 in another
-   order than the GEMM's (not its bits). */
+   pair: mpt__dconv_kgrad_tile_bf16), where the pixel-pair tables below
+   (mpt__kgrad_pairs) do not take the case: an odd number of output
+   columns. The sums are float32 in another order than the GEMM's (not its
+   bits). */
 typedef struct mpt__dconv_kgrad_job {
     const mpt_conv_args *a;
     const mpt_window *g;

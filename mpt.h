@@ -8242,6 +8242,209 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
     }
 }
 
+/* ---- the forward of a shallow input ------------------------------------------
+   Fewer than MPT__SHALLOW_MAX_C channels (a first layer's one-channel or
+   RGB image) make the depth kk = kh·kw·C a handful of taps (9 for a
+   one-channel 3×3): the tile above would spend more on its table of tap
+   addresses than on multiply-adds, and im2col + GEMM writes cols to
+   memory, then reads them back to pack them. Here each tile of 12 output
+   pixels has its windows gathered straight from the image into an A panel
+   laid out as the GEMM packs one (k-major, 12 pixels a row; bfloat16 as
+   pairs (k, k + 1), a zero after an odd kk; zeros in the padding), which
+   then meets the packed kernel 32 filters at a time, so the image is read
+   once and nothing but y is written. With kk within one depth block
+   (MPT__GEMM_KC) the sums run as the GEMM's kernels run them (float32
+   FMAs from zero in k order, bfloat16 one vdpbf16ps per pair) and the
+   epilogue is mpt__dconv_store's: the im2col path's bits. */
+#define MPT__SHALLOW_MAX_C 8    /* fewer channels than this            */
+#define MPT__SHALLOW_MAX_KK 160 /* the panel: 160 × 12 elements, 7.5 KiB */
+
+#if MPT__X86
+#define MPT__SHALLOW_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__SHALLOW_STORE(i)                      \
+    _mm512_storeu_ps(tile + 32 * i, c##i##0);      \
+    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
+
+/* tile (12 × 32) = panel (kk × 12)ᵀ · kernel columns [o0, o0 + nb). */
+MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, const void *panel,
+                                                     int64_t o0, int nb, float *tile) {
+    const float *a = (const float *)panel, *w = (const float *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t k;
+    MPT__ROWS12(MPT__SHALLOW_ACC)
+    if (nb > 16) {
+        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
+            __m512 ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(a[i]);                     \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w);
+#define MPT__F(i) c##i##0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b0, c##i##0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__SHALLOW_STORE)
+}
+
+/* The same with bfloat16 pairs, as mpt__gemm_kernel_avx512_bf16. */
+MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job *j,
+                                                           const void *panel, int64_t o0, int nb,
+                                                           float *tile) {
+    const uint32_t *a = (const uint32_t *)panel, *w = (const uint32_t *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    const int64_t pairs = (j->kk + 1) / 2;
+    int64_t k;
+    MPT__ROWS12(MPT__SHALLOW_ACC)
+    if (nb > 16) {
+        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
+            const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, w + 16);
+            __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
+    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
+#define MPT__F(i) \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, (__m512bh)_mm512_set1_epi32((int)a[i]), b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__SHALLOW_STORE)
+}
+#undef MPT__SHALLOW_ACC
+#undef MPT__SHALLOW_STORE
+#endif /* MPT__X86 */
+
+#if MPT__X86
+/* Staging rows (kk × 12 elements of es bytes), lanes [p, p + n): the
+   windows of output pixels (b, oy, ox..ox + n), one output row. Per tap
+   and channel, the pixels read every sw·C-th element of an image row:
+   with sw·C = 1 (one channel, stride 1) one masked vector load, else one
+   at a time. Padding reads zeros. */
+MPT__TARGET_AVX512 static void mpt__shallow_gather(const mpt__dconv_job *j, int64_t b, int64_t oy,
+                                                   int64_t ox, int p, int n,
+                                                   unsigned char *stage) {
+    const mpt_window *g = j->g;
+    const int64_t c = g->c, step = g->sw * c;
+    const size_t es = j->es, row_bytes = MPT__DCONV_MR * es;
+    const __mmask16 lanes = mpt__gemm_mask16(n);
+    int64_t i, k, ch, q;
+    for (i = 0; i < g->kh; i++) {
+        const int64_t y = oy * g->sh - g->top + i;
+        for (k = 0; k < g->kw; k++) {
+            /* pixels q in [q0, q1) read columns x0 + q·sw inside the image */
+            const int64_t x0 = ox * g->sw - g->left + k;
+            const int64_t q0 = x0 >= 0 ? 0 : (-x0 + g->sw - 1) / g->sw;
+            const int64_t q1 = y < 0 || y >= g->h || x0 + (n - 1) * g->sw < 0
+                                   ? 0
+                                   : MPT__MIN(n, x0 >= g->w ? 0 : (g->w - 1 - x0) / g->sw + 1);
+            const __mmask16 inside = (__mmask16)(q1 > q0 ? mpt__gemm_mask16((int)(q1 - q0)) : 0);
+            for (ch = 0; ch < c; ch++) {
+                unsigned char *dst = stage + (size_t)((i * g->kw + k) * c + ch) * row_bytes;
+                const unsigned char *src = j->x;
+                if (q1 > q0) /* (only then is the pixel inside the image) */
+                    src += (size_t)(((b * g->h + y) * g->w + x0 + q0 * g->sw) * c + ch) * es;
+                if (es == 4) {
+                    float *d = (float *)(void *)dst + p;
+                    if (q1 - q0 < n) _mm512_mask_storeu_ps(d, lanes, _mm512_setzero_ps());
+                    if (q1 <= q0) continue;
+                    if (step == 1) {
+                        _mm512_mask_storeu_ps(d + q0, inside,
+                                              _mm512_maskz_loadu_ps(inside, src));
+                    } else {
+                        for (q = q0; q < q1; q++)
+                            d[q] = ((const float *)(const void *)src)[(q - q0) * step];
+                    }
+                } else {
+                    mpt_bf16 *d = (mpt_bf16 *)(void *)dst + p;
+                    if (q1 - q0 < n) _mm256_mask_storeu_epi16(d, lanes, _mm256_setzero_si256());
+                    if (q1 <= q0) continue;
+                    if (step == 1) {
+                        _mm256_mask_storeu_epi16(d + q0, inside,
+                                                 _mm256_maskz_loadu_epi16(inside, src));
+                    } else {
+                        for (q = q0; q < q1; q++)
+                            d[q] = ((const mpt_bf16 *)(const void *)src)[(q - q0) * step];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* bfloat16 staging rows (kk × 12) as the kernel's pairs: row 2·r in the
+   low halves of panel row r, row 2·r + 1 (0 past an odd kk) in the high. */
+MPT__TARGET_AVX512 static void mpt__shallow_pair_rows(const mpt_bf16 *stage, int64_t kk,
+                                                      uint32_t *panel) {
+    const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
+    int64_t r;
+    for (r = 0; r < (kk + 1) / 2; r++) {
+        const __m512i lo = _mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(row, stage + 2 * r * MPT__DCONV_MR));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+            2 * r + 1 < kk ? row : 0, stage + (2 * r + 1) * MPT__DCONV_MR));
+        _mm512_mask_storeu_epi32(panel + r * MPT__DCONV_MR, row,
+                                 _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+/* Tiles [task·TILES_PER_TASK, ...) of the output pixels, as mpt__dconv_task
+   cuts them; a tile's pixels past the end read zeros. */
+MPT__TARGET_AVX512 static void mpt__shallow_tiles(const mpt__dconv_job *j, int64_t task) {
+    uint32_t panel[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* float32, or bfloat16 pairs */
+    mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR];
+    unsigned char *stage = j->es == 4 ? (unsigned char *)panel : (unsigned char *)stage16;
+    float tile[MPT__DCONV_MR * 32];
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
+    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
+        const int64_t p0 = tile_i * MPT__DCONV_MR;
+        int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
+        int m, p, n;
+        if (p0 >= j->pixels) return;
+        m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
+        if (m < MPT__DCONV_MR) memset(stage, 0, (size_t)j->kk * MPT__DCONV_MR * j->es);
+        for (p = 0; p < m; p += n, ox = 0) { /* one output row at a time */
+            n = (int)MPT__MIN(m - p, j->ow - ox);
+            mpt__shallow_gather(j, b, oy, ox, p, n, stage);
+            if (++oy == j->oh) oy = 0, b++;
+        }
+        if (j->es == 2) mpt__shallow_pair_rows(stage16, j->kk, panel);
+        for (o0 = 0; o0 < j->oc; o0 += 32) {
+            const int nb = (int)MPT__MIN(32, j->oc - o0);
+            if (j->es == 4)
+                mpt__shallow_tile_f32(j, panel, o0, nb, tile);
+            else
+                mpt__shallow_tile_bf16(j, panel, o0, nb, tile);
+            mpt__dconv_store(j, tile, p0, m, o0, nb);
+        }
+    }
+}
+#endif /* MPT__X86 */
+
+static void mpt__shallow_task(void *arg, int64_t task, int thread) {
+    (void)thread;
+#if MPT__X86
+    mpt__shallow_tiles((const mpt__dconv_job *)arg, task);
+#else
+    (void)arg, (void)task; /* never called: conv_direct declines first */
+#endif
+}
+
 /* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
    over the output pixels of x's channel c at that tap times the pixel's
    dz row. A task owns a block of 12 rows (float32: 8; channels c0.. of
@@ -8622,21 +8825,9 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     return 1;
 }
 
-/* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
-   BF16 for bfloat16 when the channels summed over come in pairs. */
-static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
-    mpt_context *ctx = (mpt_context *)impl;
+/* Whether the tiles of mpt__dconv_task take this case. */
+static int mpt__dconv_takes(const mpt_conv_args *a, const mpt__dconv_job *j) {
     const mpt_window *g = a->g;
-    mpt__dconv_job j;
-    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
-    memset(&j, 0, sizeof j);
-    j.ic = a->input_grad ? a->f : g->c;
-#if MPT__X86
-    if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
-        j.tile = mpt__dconv_tile_f32;
-    else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
-        j.tile = mpt__dconv_tile_bf16;
-#endif
     /* Fewer than 16 outputs per pixel would leave most of each vector idle
        (a first layer's one-channel dx): the GEMM path does better there.
        The input gradient multiplies the zeros of its padding and strides
@@ -8647,10 +8838,36 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     /* A depth under 32 (a first layer's one-channel 3×3: 9) gives each
        tile's table and epilogue too few multiply-adds to pay for; im2col
        is cheap there (0.9× in bench/bench_conv.c). */
-    if (g->kh * g->kw * j.ic < 32) return 0;
-    if (!j.tile || (a->input_grad ? g->c : a->f) < 16 || g->kh * g->kw > MPT__DCONV_MAX_TAPS ||
-        (!a->input_grad && (a->act == MPT_ACT_GELU || a->act == MPT_ACT_SOFTMAX)))
-        return 0;
+    if (g->kh * g->kw * j->ic < 32) return 0;
+    return j->tile && (a->input_grad ? g->c : a->f) >= 16 &&
+           g->kh * g->kw <= MPT__DCONV_MAX_TAPS &&
+           (a->input_grad || (a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX));
+}
+
+/* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
+   BF16 for bfloat16 when the channels summed over come in pairs. */
+static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    const mpt_window *g = a->g;
+    const int fused_act = a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX;
+    mpt__dconv_job j;
+    int shallow;
+    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
+    memset(&j, 0, sizeof j);
+    j.ic = a->input_grad ? a->f : g->c;
+#if MPT__X86
+    if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
+        j.tile = mpt__dconv_tile_f32;
+    else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
+        j.tile = mpt__dconv_tile_bf16;
+#endif
+    /* A shallow input's forward takes the gathered panels of
+       mpt__shallow_task (any filter count: each block of 32 reuses them). */
+    shallow = !a->input_grad && fused_act && g->c < MPT__SHALLOW_MAX_C &&
+              g->kh * g->kw * g->c <= MPT__SHALLOW_MAX_KK &&
+              ((a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) ||
+               (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16)));
+    if (!shallow && !mpt__dconv_takes(a, &j)) return 0;
     j.ctx = ctx;
     j.a = a;
     j.g = g;
@@ -8670,7 +8887,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     mpt__parallel_for(ctx,
                       (j.pixels + MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK - 1) /
                           (MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK),
-                      mpt__dconv_task, &j);
+                      shallow ? mpt__shallow_task : mpt__dconv_task, &j);
     return 1;
 }
 

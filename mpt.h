@@ -6973,6 +6973,9 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
     w->p.y = L->y;
     w->p.dy = m->grad_buf[w->cur];
     w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
+    /* A layer whose output is its input (Flatten) has dx = dy, the same
+       memory seen with another shape: nothing to copy. */
+    if (w->p.dx && L->output_is_input) w->p.dx = m->grad_buf[w->cur];
     w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     if (L->staged) { /* the workspace has been written since forward */
         unsigned char *ws = (unsigned char *)w->p.workspace;
@@ -6987,7 +6990,13 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
 static void mpt__backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
     if (m->exchange) mpt__exchange_layer_done(m, i);
-    if (L->staged) {
+    if (w->p.dx && w->p.dx == w->p.dy) { /* dx is dy, in grad_buf[cur] */
+        if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
+            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
+                           w->p.dy, w->p.batch * L->in_count);
+            w->cur = 1 - w->cur;
+        }
+    } else if (L->staged) {
         if (w->p.dx) { /* dx in the previous dtype, into the free buffer */
             m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
                            w->p.dx, w->p.batch * L->in_count);
@@ -7558,7 +7567,7 @@ static void mpt__flatten_forward(mpt__layer *L, const mpt__pass *p) {
 }
 
 static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
-    if (p->dx)
+    if (p->dx && p->dx != p->dy) /* (the model's backward passes dx = dy) */
         p->be->copy(p->impl, p->dx, p->dy, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
 }
 

@@ -9455,17 +9455,132 @@ static mpt_half mpt__half_plus_zero(mpt_dtype dtype, mpt_half v) {
     return v;
 }
 
-/* Max pooling's dx of sample b in float16 or bfloat16 when no two windows
-   overlap: every pixel receives at most one gradient, so the float32 sums
-   and their rounding come down to copying it (mpt__half_plus_zero), with
-   no float32 buffers and no conversion passes. */
-static void mpt__max_pool_backward_half(const mpt__pool_job *j, int64_t b) {
-    const mpt_half *dy = (const mpt_half *)j->dy + b * j->n_out;
-    const int32_t *arg_b = j->argmax + b * j->n_out;
-    mpt_half *dx = (mpt_half *)j->dx + b * j->n_in;
-    int64_t e;
-    memset(dx, 0, sizeof(mpt_half) * (size_t)j->n_in);
-    for (e = 0; e < j->n_out; e++) dx[arg_b[e]] = mpt__half_plus_zero(j->dtype, dy[e]);
+/* Max pooling's dx when no two windows overlap (strides at least the pool
+   size, as the default's): every pixel receives at most one gradient, so
+   dx is written once, in order, without zeroing it first and scattering
+   into it: a window's winner gets its dy, as the sum the general path
+   makes (0 + dy in float32; in float16 and bfloat16 mpt__half_plus_zero,
+   the same bits as that sum rounded back), every other pixel 0. No
+   float32 buffers and no conversion passes. One row of dx, r, inside the
+   windows of output row oy, is written by a row function below; rows of
+   no window are zeros. */
+typedef void (*mpt__max_dx_row_fn)(const mpt__pool_job *j, int64_t oy, int64_t r,
+                                   const void *dy, const int32_t *arg, void *dx);
+
+/* The input columns [*c0, *c1) of output column ox's window. */
+static void mpt__pool_columns(const mpt__win *g, int64_t ox, int64_t *c0, int64_t *c1) {
+    const int64_t x = ox * g->sw - g->left;
+    *c0 = MPT__MAX(x, 0);
+    *c1 = MPT__MIN(x + g->kw, g->w);
+}
+
+static void mpt__max_dx_row(const mpt__pool_job *j, int64_t oy, int64_t r, const void *dy,
+                            const int32_t *arg, void *dx) {
+    const mpt__win *g = &j->g;
+    const int64_t c = g->c;
+    int64_t ox, q, e, c0, c1, next = 0;
+    for (ox = 0; ox <= g->ow; ox++, next = c1) {
+        const int64_t at = (oy * g->ow + ox) * c; /* the window's dy and argmax */
+        if (ox < g->ow) mpt__pool_columns(g, ox, &c0, &c1);
+        else c0 = c1 = g->w; /* the columns after the last window */
+        memset((unsigned char *)dx + (size_t)((r * g->w + next) * c) * j->es, 0,
+               (size_t)((c0 - next) * c) * j->es);
+        for (q = c0; q < c1; q++) {
+            const int64_t p = (r * g->w + q) * c;
+            for (e = 0; e < c; e++) {
+                const int won = arg[at + e] == (int32_t)(p + e);
+                if (j->dtype == MPT_FLOAT32)
+                    ((float *)dx)[p + e] = won ? 0.0f + ((const float *)dy)[at + e] : 0.0f;
+                else
+                    ((mpt_half *)dx)[p + e] =
+                        won ? mpt__half_plus_zero(j->dtype, ((const mpt_half *)dy)[at + e]) : 0;
+            }
+        }
+    }
+}
+
+#if MPT__X86
+/* mpt__max_dx_row, 16 channels a vector, the tail masked. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_dx_row_lanes(
+    const mpt__pool_job *j, int half, int64_t oy, int64_t r, const void *dy, const int32_t *arg,
+    void *dx) {
+    const mpt__win *g = &j->g;
+    const int64_t c = g->c;
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i inf = _mm256_set1_epi16((short)(j->dtype == MPT_BFLOAT16 ? 0x7f80 : 0x7c00));
+    const __m256i quiet = _mm256_set1_epi16((short)(j->dtype == MPT_BFLOAT16 ? 0x40 : 0x200));
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+    const __m256i minus_zero = _mm256_set1_epi16((short)0x8000);
+    int64_t ox, q, e, c0, c1, next = 0;
+    for (ox = 0; ox <= g->ow; ox++, next = c1) {
+        const int64_t at = (oy * g->ow + ox) * c;
+        if (ox < g->ow) mpt__pool_columns(g, ox, &c0, &c1);
+        else c0 = c1 = g->w;
+        memset((unsigned char *)dx + (size_t)((r * g->w + next) * c) * (half ? 2 : 4), 0,
+               (size_t)((c0 - next) * c) * (half ? 2 : 4));
+        for (e = 0; e < c && c0 < c1; e += 16) {
+            const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, c - e));
+            const __m512i where = _mm512_maskz_loadu_epi32(m, arg + at + e);
+            __m512 d32 = _mm512_setzero_ps();
+            __m256i d16 = _mm256_setzero_si256();
+            if (!half) {
+                d32 = _mm512_add_ps(_mm512_setzero_ps(), _mm512_maskz_loadu_ps(m, (const float *)dy + at + e));
+            } else { /* mpt__half_plus_zero in 16 lanes */
+                d16 = _mm256_maskz_loadu_epi16(m, (const mpt_half *)dy + at + e);
+                d16 = _mm256_mask_mov_epi16(
+                    d16, _mm256_cmpgt_epu16_mask(_mm256_and_si256(d16, magnitude), inf),
+                    _mm256_or_si256(d16, quiet));
+                d16 = _mm256_maskz_mov_epi16((__mmask16)~_mm256_cmpeq_epi16_mask(d16, minus_zero),
+                                             d16);
+            }
+            for (q = c0; q < c1; q++) {
+                const int64_t p = (r * g->w + q) * c + e;
+                const __mmask16 won =
+                    _mm512_cmpeq_epi32_mask(where, _mm512_add_epi32(_mm512_set1_epi32((int32_t)p), lanes));
+                if (!half)
+                    _mm512_mask_storeu_ps((float *)dx + p, m, _mm512_maskz_mov_ps(won, d32));
+                else
+                    _mm256_mask_storeu_epi16((mpt_half *)dx + p, m, _mm256_maskz_mov_epi16(won, d16));
+            }
+        }
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__max_dx_row_f32_avx512(const mpt__pool_job *j, int64_t oy,
+                                                          int64_t r, const void *dy,
+                                                          const int32_t *arg, void *dx) {
+    mpt__max_dx_row_lanes(j, 0, oy, r, dy, arg, dx);
+}
+
+MPT__TARGET_AVX512 static void mpt__max_dx_row_half_avx512(const mpt__pool_job *j, int64_t oy,
+                                                           int64_t r, const void *dy,
+                                                           const int32_t *arg, void *dx) {
+    mpt__max_dx_row_lanes(j, 1, oy, r, dy, arg, dx);
+}
+#endif
+
+static void mpt__max_pool_backward_once(const mpt__pool_job *j, int64_t b) {
+    const mpt__win *g = &j->g;
+    const void *dy = mpt__elem(j->dy, b * j->n_out, j->es);
+    const int32_t *arg = j->argmax + b * j->n_out;
+    unsigned char *dx = (unsigned char *)j->dx + (size_t)(b * j->n_in) * j->es;
+    const size_t row_bytes = (size_t)(g->w * g->c) * j->es;
+    mpt__max_dx_row_fn row = mpt__max_dx_row;
+    int64_t oy, r, r0, r1, next = 0;
+#if MPT__X86
+    if (j->ctx->cpu & MPT_CPU_AVX512)
+        row = j->dtype == MPT_FLOAT32 ? mpt__max_dx_row_f32_avx512 : mpt__max_dx_row_half_avx512;
+#endif
+    for (oy = 0; oy <= g->oh; oy++, next = r1) {
+        if (oy < g->oh) {
+            r0 = MPT__MAX(oy * g->sh - g->top, 0);
+            r1 = MPT__MIN(oy * g->sh - g->top + g->kh, g->h);
+        } else {
+            r0 = r1 = g->h; /* the rows after the last window */
+        }
+        memset(dx + (size_t)next * row_bytes, 0, (size_t)(r0 - next) * row_bytes);
+        for (r = r0; r < r1; r++) row(j, oy, r, dy, arg, dx);
+    }
 }
 
 /* dx of sample b: each output's gradient goes back to the pixel that won
@@ -9479,8 +9594,8 @@ static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
     float *dx = j->dtype == MPT_FLOAT32 ? (float *)j->dx + b * j->n_in : dxbuf;
     int64_t oy, ox, r0, r1, c0, c1, r, q, e;
     (void)thread;
-    if (j->kind == MPT_POOL_MAX && j->dtype != MPT_FLOAT32 && g->sh >= g->kh && g->sw >= g->kw) {
-        mpt__max_pool_backward_half(j, b);
+    if (j->kind == MPT_POOL_MAX && g->sh >= g->kh && g->sw >= g->kw) {
+        mpt__max_pool_backward_once(j, b);
         return;
     }
     dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);

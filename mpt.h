@@ -8403,12 +8403,14 @@ MPT__TARGET_AVX512 static void mpt__shallow_pair_rows(const mpt_bf16 *stage, int
     const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
     int64_t r;
     for (r = 0; r < (kk + 1) / 2; r++) {
-        const __m512i lo = _mm512_cvtepu16_epi32(
-            _mm256_maskz_loadu_epi16(row, stage + 2 * r * MPT__DCONV_MR));
-        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-            2 * r + 1 < kk ? row : 0, stage + (2 * r + 1) * MPT__DCONV_MR));
+        /* (the maskz forms: g++ warns of the unmasked ones' undefined source) */
+        const __mmask16 odd = 2 * r + 1 < kk ? row : 0;
+        const __m512i lo = _mm512_maskz_cvtepu16_epi32(
+            row, _mm256_maskz_loadu_epi16(row, stage + 2 * r * MPT__DCONV_MR));
+        const __m512i hi = _mm512_maskz_cvtepu16_epi32(
+            odd, _mm256_maskz_loadu_epi16(odd, stage + (2 * r + 1) * MPT__DCONV_MR));
         _mm512_mask_storeu_epi32(panel + r * MPT__DCONV_MR, row,
-                                 _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                                 _mm512_or_si512(lo, _mm512_maskz_slli_epi32(odd, hi, 16)));
     }
 }
 

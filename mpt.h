@@ -8251,21 +8251,24 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
     }
 }
 
-/* ---- the forward of a shallow input ------------------------------------------
-   Fewer than MPT__SHALLOW_MAX_C channels (a first layer's one-channel or
-   RGB image) make the depth kk = kh·kw·C a handful of taps (9 for a
-   one-channel 3×3): the tile above would spend more on its table of tap
-   addresses than on multiply-adds, and im2col + GEMM writes cols to
-   memory, then reads them back to pack them. Here each tile of 12 output
-   pixels has its windows gathered straight from the image into an A panel
-   laid out as the GEMM packs one (k-major, 12 pixels a row; bfloat16 as
-   pairs (k, k + 1), a zero after an odd kk; zeros in the padding), which
-   then meets the packed kernel 32 filters at a time, so the image is read
-   once and nothing but y is written. With kk within one depth block
-   (MPT__GEMM_KC) the sums run as the GEMM's kernels run them (float32
-   FMAs from zero in k order, bfloat16 one vdpbf16ps per pair) and the
-   epilogue is mpt__dconv_store's: the im2col path's bits. */
-#define MPT__SHALLOW_MAX_C 8    /* fewer channels than this            */
+/* ---- the forward of a one-channel image ---------------------------------------
+   One input channel (a first layer's grey image) makes the depth
+   kk = kh·kw a handful of taps (9 for a 3×3): the tile above would spend
+   more on its table of tap addresses than on multiply-adds, and im2col +
+   GEMM writes cols to memory, then reads them back to pack them. Here
+   each tile of 12 output pixels has its windows gathered straight from
+   the image into an A panel laid out as the GEMM packs one (k-major, 12
+   pixels a row; bfloat16 as pairs (k, k + 1), a zero after an odd kk;
+   zeros in the padding), which then meets the packed kernel 32 filters at
+   a time, so the image is read once and nothing but y is written. With
+   stride 1 along the width, a tap's pixels of one output row are
+   consecutive in the image: one masked vector load. With kk within one
+   depth block (MPT__GEMM_KC) the sums run as the GEMM's kernels run them
+   (float32 FMAs from zero in k order, bfloat16 one vdpbf16ps per pair) and
+   the epilogue is mpt__dconv_store's: the im2col path's bits.
+   More channels would need a transposing gather per tap: done element by
+   element, it was slower than the former paths for 3 to 7 channels in
+   bench/bench_conv.c, so those keep them. */
 #define MPT__SHALLOW_MAX_KK 160 /* the panel: 160 × 12 elements, 7.5 KiB */
 
 #if MPT__X86
@@ -8341,56 +8344,38 @@ MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job 
 
 #if MPT__X86
 /* Staging rows (kk × 12 elements of es bytes), lanes [p, p + n): the
-   windows of output pixels (b, oy, ox..ox + n), one output row. Per tap
-   and channel, the pixels read every sw·C-th element of an image row:
-   with sw·C = 1 (one channel, stride 1) one masked vector load, else one
-   at a time. Padding reads zeros. */
+   windows of output pixels (b, oy, ox..ox + n), one output row, of a
+   one-channel image read with stride 1 along the width. Padding reads
+   zeros. */
 MPT__TARGET_AVX512 static void mpt__shallow_gather(const mpt__dconv_job *j, int64_t b, int64_t oy,
                                                    int64_t ox, int p, int n,
                                                    unsigned char *stage) {
     const mpt_window *g = j->g;
-    const int64_t c = g->c, step = g->sw * c;
     const size_t es = j->es, row_bytes = MPT__DCONV_MR * es;
     const __mmask16 lanes = mpt__gemm_mask16(n);
-    int64_t i, k, ch, q;
+    int64_t i, k;
     for (i = 0; i < g->kh; i++) {
         const int64_t y = oy * g->sh - g->top + i;
         for (k = 0; k < g->kw; k++) {
-            /* pixels q in [q0, q1) read columns x0 + q·sw inside the image */
-            const int64_t x0 = ox * g->sw - g->left + k;
-            const int64_t q0 = x0 >= 0 ? 0 : (-x0 + g->sw - 1) / g->sw;
-            const int64_t q1 = y < 0 || y >= g->h || x0 + (n - 1) * g->sw < 0
-                                   ? 0
-                                   : MPT__MIN(n, x0 >= g->w ? 0 : (g->w - 1 - x0) / g->sw + 1);
+            /* pixels q in [q0, q1) read columns x0 + q inside the image */
+            const int64_t x0 = ox - g->left + k;
+            const int64_t q0 = MPT__MAX(-x0, 0);
+            const int64_t q1 = y < 0 || y >= g->h ? 0 : MPT__MAX(MPT__MIN(n, g->w - x0), 0);
             const __mmask16 inside = (__mmask16)(q1 > q0 ? mpt__gemm_mask16((int)(q1 - q0)) : 0);
-            for (ch = 0; ch < c; ch++) {
-                unsigned char *dst = stage + (size_t)((i * g->kw + k) * c + ch) * row_bytes;
-                const unsigned char *src = j->x;
-                if (q1 > q0) /* (only then is the pixel inside the image) */
-                    src += (size_t)(((b * g->h + y) * g->w + x0 + q0 * g->sw) * c + ch) * es;
-                if (es == 4) {
-                    float *d = (float *)(void *)dst + p;
-                    if (q1 - q0 < n) _mm512_mask_storeu_ps(d, lanes, _mm512_setzero_ps());
-                    if (q1 <= q0) continue;
-                    if (step == 1) {
-                        _mm512_mask_storeu_ps(d + q0, inside,
-                                              _mm512_maskz_loadu_ps(inside, src));
-                    } else {
-                        for (q = q0; q < q1; q++)
-                            d[q] = ((const float *)(const void *)src)[(q - q0) * step];
-                    }
-                } else {
-                    mpt_bf16 *d = (mpt_bf16 *)(void *)dst + p;
-                    if (q1 - q0 < n) _mm256_mask_storeu_epi16(d, lanes, _mm256_setzero_si256());
-                    if (q1 <= q0) continue;
-                    if (step == 1) {
-                        _mm256_mask_storeu_epi16(d + q0, inside,
-                                                 _mm256_maskz_loadu_epi16(inside, src));
-                    } else {
-                        for (q = q0; q < q1; q++)
-                            d[q] = ((const mpt_bf16 *)(const void *)src)[(q - q0) * step];
-                    }
-                }
+            unsigned char *dst = stage + (size_t)(i * g->kw + k) * row_bytes;
+            const unsigned char *src = j->x;
+            if (q1 > q0) /* (only then is the pixel inside the image) */
+                src += (size_t)((b * g->h + y) * g->w + x0 + q0) * es;
+            if (es == 4) {
+                float *d = (float *)(void *)dst + p;
+                if (q1 - q0 < n) _mm512_mask_storeu_ps(d, lanes, _mm512_setzero_ps());
+                if (q1 > q0)
+                    _mm512_mask_storeu_ps(d + q0, inside, _mm512_maskz_loadu_ps(inside, src));
+            } else {
+                mpt_bf16 *d = (mpt_bf16 *)(void *)dst + p;
+                if (q1 - q0 < n) _mm256_mask_storeu_epi16(d, lanes, _mm256_setzero_si256());
+                if (q1 > q0)
+                    _mm256_mask_storeu_epi16(d + q0, inside, _mm256_maskz_loadu_epi16(inside, src));
             }
         }
     }
@@ -8872,10 +8857,11 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
         j.tile = mpt__dconv_tile_bf16;
 #endif
-    /* A shallow input's forward takes the gathered panels of
-       mpt__shallow_task (any filter count: each block of 32 reuses them). */
-    shallow = !a->input_grad && fused_act && g->c < MPT__SHALLOW_MAX_C &&
-              g->kh * g->kw * g->c <= MPT__SHALLOW_MAX_KK &&
+    /* A one-channel image's forward (stride 1 along the width) takes the
+       gathered panels of mpt__shallow_task, any filter count: each block
+       of 32 reuses them. */
+    shallow = !a->input_grad && fused_act && g->c == 1 && g->sw == 1 &&
+              g->kh * g->kw <= MPT__SHALLOW_MAX_KK &&
               ((a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) ||
                (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16)));
     if (!shallow && !mpt__dconv_takes(a, &j)) return 0;

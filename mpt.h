@@ -8841,7 +8841,8 @@ static int mpt__dconv_takes(const mpt_conv_args *a, const mpt__dconv_job *j) {
 }
 
 /* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
-   BF16 for bfloat16 when the channels summed over come in pairs. */
+   BF16 for bfloat16 when the channels summed over come in pairs, or for
+   the forward of a one-channel image (mpt__shallow_task, either dtype). */
 static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     const mpt_window *g = a->g;

@@ -6984,6 +6984,9 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
     w->p.y = L->y;
     w->p.dy = m->grad_buf[w->cur];
     w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
+    /* A layer whose output is its input (Flatten) has dx = dy, the same
+       memory seen with another shape: nothing to copy. */
+    if (w->p.dx && L->output_is_input) w->p.dx = m->grad_buf[w->cur];
     w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     if (L->staged) { /* the workspace has been written since forward */
         unsigned char *ws = (unsigned char *)w->p.workspace;
@@ -6998,7 +7001,13 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
 static void mpt__backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
     if (m->exchange) mpt__exchange_layer_done(m, i);
-    if (L->staged) {
+    if (w->p.dx && w->p.dx == w->p.dy) { /* dx is dy, in grad_buf[cur] */
+        if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
+            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
+                           w->p.dy, w->p.batch * L->in_count);
+            w->cur = 1 - w->cur;
+        }
+    } else if (L->staged) {
         if (w->p.dx) { /* dx in the previous dtype, into the free buffer */
             m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
                            w->p.dx, w->p.batch * L->in_count);
@@ -7569,7 +7578,7 @@ static void mpt__flatten_forward(mpt__layer *L, const mpt__pass *p) {
 }
 
 static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
-    if (p->dx)
+    if (p->dx && p->dx != p->dy) /* (the model's backward passes dx = dy) */
         p->be->copy(p->impl, p->dx, p->dy, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
 }
 
@@ -8253,6 +8262,196 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
     }
 }
 
+/* ---- the forward of a one-channel image ---------------------------------------
+   One input channel (a first layer's grey image) makes the depth
+   kk = kh·kw a handful of taps (9 for a 3×3): the tile above would spend
+   more on its table of tap addresses than on multiply-adds, and im2col +
+   GEMM writes cols to memory, then reads them back to pack them. Here
+   each tile of 12 output pixels has its windows gathered straight from
+   the image into an A panel laid out as the GEMM packs one (k-major, 12
+   pixels a row; bfloat16 as pairs (k, k + 1), a zero after an odd kk;
+   zeros in the padding), which then meets the packed kernel 32 filters at
+   a time, so the image is read once and nothing but y is written. With
+   stride 1 along the width, a tap's pixels of one output row are
+   consecutive in the image: one masked vector load. With kk within one
+   depth block (MPT__GEMM_KC) the sums run as the GEMM's kernels run them
+   (float32 FMAs from zero in k order, bfloat16 one vdpbf16ps per pair) and
+   the epilogue is mpt__dconv_store's: the im2col path's bits.
+   More channels would need a transposing gather per tap: done element by
+   element, it was slower than the former paths for 3 to 7 channels in
+   bench/bench_conv.c, so those keep them. */
+#define MPT__SHALLOW_MAX_KK 160 /* the panel: 160 × 12 elements, 7.5 KiB */
+
+#if MPT__X86
+#define MPT__SHALLOW_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__SHALLOW_STORE(i)                      \
+    _mm512_storeu_ps(tile + 32 * i, c##i##0);      \
+    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
+
+/* tile (12 × 32) = panel (kk × 12)ᵀ · kernel columns [o0, o0 + nb). */
+MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, const void *panel,
+                                                     int64_t o0, int nb, float *tile) {
+    const float *a = (const float *)panel, *w = (const float *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t k;
+    MPT__ROWS12(MPT__SHALLOW_ACC)
+    if (nb > 16) {
+        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
+            __m512 ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(a[i]);                     \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w);
+#define MPT__F(i) c##i##0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b0, c##i##0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__SHALLOW_STORE)
+}
+
+/* The same with bfloat16 pairs, as mpt__gemm_kernel_avx512_bf16. */
+MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job *j,
+                                                           const void *panel, int64_t o0, int nb,
+                                                           float *tile) {
+    const uint32_t *a = (const uint32_t *)panel, *w = (const uint32_t *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    const int64_t pairs = (j->kk + 1) / 2;
+    int64_t k;
+    MPT__ROWS12(MPT__SHALLOW_ACC)
+    if (nb > 16) {
+        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
+            const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, w + 16);
+            __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
+    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
+#define MPT__F(i) \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, (__m512bh)_mm512_set1_epi32((int)a[i]), b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__SHALLOW_STORE)
+}
+#undef MPT__SHALLOW_ACC
+#undef MPT__SHALLOW_STORE
+#endif /* MPT__X86 */
+
+#if MPT__X86
+/* Staging rows (kk × 12 elements of es bytes), lanes [p, p + n): the
+   windows of output pixels (b, oy, ox..ox + n), one output row, of a
+   one-channel image read with stride 1 along the width. Padding reads
+   zeros. */
+MPT__TARGET_AVX512 static void mpt__shallow_gather(const mpt__dconv_job *j, int64_t b, int64_t oy,
+                                                   int64_t ox, int p, int n,
+                                                   unsigned char *stage) {
+    const mpt_window *g = j->g;
+    const size_t es = j->es, row_bytes = MPT__DCONV_MR * es;
+    const __mmask16 lanes = mpt__gemm_mask16(n);
+    int64_t i, k;
+    for (i = 0; i < g->kh; i++) {
+        const int64_t y = oy * g->sh - g->top + i;
+        for (k = 0; k < g->kw; k++) {
+            /* pixels q in [q0, q1) read columns x0 + q inside the image */
+            const int64_t x0 = ox - g->left + k;
+            const int64_t q0 = MPT__MAX(-x0, 0);
+            const int64_t q1 = y < 0 || y >= g->h ? 0 : MPT__MAX(MPT__MIN(n, g->w - x0), 0);
+            const __mmask16 inside = (__mmask16)(q1 > q0 ? mpt__gemm_mask16((int)(q1 - q0)) : 0);
+            unsigned char *dst = stage + (size_t)(i * g->kw + k) * row_bytes;
+            const unsigned char *src = j->x;
+            if (q1 > q0) /* (only then is the pixel inside the image) */
+                src += (size_t)((b * g->h + y) * g->w + x0 + q0) * es;
+            if (es == 4) {
+                float *d = (float *)(void *)dst + p;
+                if (q1 - q0 < n) _mm512_mask_storeu_ps(d, lanes, _mm512_setzero_ps());
+                if (q1 > q0)
+                    _mm512_mask_storeu_ps(d + q0, inside, _mm512_maskz_loadu_ps(inside, src));
+            } else {
+                mpt_bf16 *d = (mpt_bf16 *)(void *)dst + p;
+                if (q1 - q0 < n) _mm256_mask_storeu_epi16(d, lanes, _mm256_setzero_si256());
+                if (q1 > q0)
+                    _mm256_mask_storeu_epi16(d + q0, inside, _mm256_maskz_loadu_epi16(inside, src));
+            }
+        }
+    }
+}
+
+/* bfloat16 staging rows (kk × 12) as the kernel's pairs: row 2·r in the
+   low halves of panel row r, row 2·r + 1 (0 past an odd kk) in the high. */
+MPT__TARGET_AVX512 static void mpt__shallow_pair_rows(const mpt_bf16 *stage, int64_t kk,
+                                                      uint32_t *panel) {
+    const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
+    int64_t r;
+    for (r = 0; r < (kk + 1) / 2; r++) {
+        /* (the maskz forms: g++ warns of the unmasked ones' undefined source) */
+        const __mmask16 odd = 2 * r + 1 < kk ? row : 0;
+        const __m512i lo = _mm512_maskz_cvtepu16_epi32(
+            row, _mm256_maskz_loadu_epi16(row, stage + 2 * r * MPT__DCONV_MR));
+        const __m512i hi = _mm512_maskz_cvtepu16_epi32(
+            odd, _mm256_maskz_loadu_epi16(odd, stage + (2 * r + 1) * MPT__DCONV_MR));
+        _mm512_mask_storeu_epi32(panel + r * MPT__DCONV_MR, row,
+                                 _mm512_or_si512(lo, _mm512_maskz_slli_epi32(odd, hi, 16)));
+    }
+}
+
+/* Tiles [task·TILES_PER_TASK, ...) of the output pixels, as mpt__dconv_task
+   cuts them; a tile's pixels past the end read zeros. */
+MPT__TARGET_AVX512 static void mpt__shallow_tiles(const mpt__dconv_job *j, int64_t task) {
+    uint32_t panel[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* float32, or bfloat16 pairs */
+    mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR];
+    unsigned char *stage = j->es == 4 ? (unsigned char *)panel : (unsigned char *)stage16;
+    float tile[MPT__DCONV_MR * 32];
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
+    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
+        const int64_t p0 = tile_i * MPT__DCONV_MR;
+        int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
+        int m, p, n;
+        if (p0 >= j->pixels) return;
+        m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
+        if (m < MPT__DCONV_MR) memset(stage, 0, (size_t)j->kk * MPT__DCONV_MR * j->es);
+        for (p = 0; p < m; p += n, ox = 0) { /* one output row at a time */
+            n = (int)MPT__MIN(m - p, j->ow - ox);
+            mpt__shallow_gather(j, b, oy, ox, p, n, stage);
+            if (++oy == j->oh) oy = 0, b++;
+        }
+        if (j->es == 2) mpt__shallow_pair_rows(stage16, j->kk, panel);
+        for (o0 = 0; o0 < j->oc; o0 += 32) {
+            const int nb = (int)MPT__MIN(32, j->oc - o0);
+            if (j->es == 4)
+                mpt__shallow_tile_f32(j, panel, o0, nb, tile);
+            else
+                mpt__shallow_tile_bf16(j, panel, o0, nb, tile);
+            mpt__dconv_store(j, tile, p0, m, o0, nb);
+        }
+    }
+}
+#endif /* MPT__X86 */
+
+static void mpt__shallow_task(void *arg, int64_t task, int thread) {
+    (void)thread;
+#if MPT__X86
+    mpt__shallow_tiles((const mpt__dconv_job *)arg, task);
+#else
+    (void)arg, (void)task; /* never called: conv_direct declines first */
+#endif
+}
+
 /* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
    over the output pixels of x's channel c at that tap times the pixel's
    dz row. A task owns a block of 12 rows (float32: 8; channels c0.. of
@@ -8839,21 +9038,9 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     return 1;
 }
 
-/* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
-   BF16 for bfloat16 when the channels summed over come in pairs. */
-static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
-    mpt_context *ctx = (mpt_context *)impl;
+/* Whether the tiles of mpt__dconv_task take this case. */
+static int mpt__dconv_takes(const mpt_conv_args *a, const mpt__dconv_job *j) {
     const mpt_window *g = a->g;
-    mpt__dconv_job j;
-    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
-    memset(&j, 0, sizeof j);
-    j.ic = a->input_grad ? a->f : g->c;
-#if MPT__X86
-    if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
-        j.tile = mpt__dconv_tile_f32;
-    else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
-        j.tile = mpt__dconv_tile_bf16;
-#endif
     /* Fewer than 16 outputs per pixel would leave most of each vector idle
        (a first layer's one-channel dx): the GEMM path does better there.
        The input gradient multiplies the zeros of its padding and strides
@@ -8864,10 +9051,38 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     /* A depth under 32 (a first layer's one-channel 3×3: 9) gives each
        tile's table and epilogue too few multiply-adds to pay for; im2col
        is cheap there (0.9× in bench/bench_conv.c). */
-    if (g->kh * g->kw * j.ic < 32) return 0;
-    if (!j.tile || (a->input_grad ? g->c : a->f) < 16 || g->kh * g->kw > MPT__DCONV_MAX_TAPS ||
-        (!a->input_grad && (a->act == MPT_ACT_GELU || a->act == MPT_ACT_SOFTMAX)))
-        return 0;
+    if (g->kh * g->kw * j->ic < 32) return 0;
+    return j->tile && (a->input_grad ? g->c : a->f) >= 16 &&
+           g->kh * g->kw <= MPT__DCONV_MAX_TAPS &&
+           (a->input_grad || (a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX));
+}
+
+/* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
+   BF16 for bfloat16 when the channels summed over come in pairs, or for
+   the forward of a one-channel image (mpt__shallow_task, either dtype). */
+static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    const mpt_window *g = a->g;
+    const int fused_act = a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX;
+    mpt__dconv_job j;
+    int shallow;
+    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
+    memset(&j, 0, sizeof j);
+    j.ic = a->input_grad ? a->f : g->c;
+#if MPT__X86
+    if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
+        j.tile = mpt__dconv_tile_f32;
+    else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
+        j.tile = mpt__dconv_tile_bf16;
+#endif
+    /* A one-channel image's forward (stride 1 along the width) takes the
+       gathered panels of mpt__shallow_task, any filter count: each block
+       of 32 reuses them. */
+    shallow = !a->input_grad && fused_act && g->c == 1 && g->sw == 1 &&
+              g->kh * g->kw <= MPT__SHALLOW_MAX_KK &&
+              ((a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) ||
+               (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16)));
+    if (!shallow && !mpt__dconv_takes(a, &j)) return 0;
     j.ctx = ctx;
     j.a = a;
     j.g = g;
@@ -8887,7 +9102,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     mpt__parallel_for(ctx,
                       (j.pixels + MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK - 1) /
                           (MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK),
-                      mpt__dconv_task, &j);
+                      shallow ? mpt__shallow_task : mpt__dconv_task, &j);
     return 1;
 }
 
@@ -9454,17 +9669,132 @@ static mpt_half mpt__half_plus_zero(mpt_dtype dtype, mpt_half v) {
     return v;
 }
 
-/* Max pooling's dx of sample b in float16 or bfloat16 when no two windows
-   overlap: every pixel receives at most one gradient, so the float32 sums
-   and their rounding come down to copying it (mpt__half_plus_zero), with
-   no float32 buffers and no conversion passes. */
-static void mpt__max_pool_backward_half(const mpt__pool_job *j, int64_t b) {
-    const mpt_half *dy = (const mpt_half *)j->dy + b * j->n_out;
-    const int32_t *arg_b = j->argmax + b * j->n_out;
-    mpt_half *dx = (mpt_half *)j->dx + b * j->n_in;
-    int64_t e;
-    memset(dx, 0, sizeof(mpt_half) * (size_t)j->n_in);
-    for (e = 0; e < j->n_out; e++) dx[arg_b[e]] = mpt__half_plus_zero(j->dtype, dy[e]);
+/* Max pooling's dx when no two windows overlap (strides at least the pool
+   size, as the default's): every pixel receives at most one gradient, so
+   dx is written once, in order, without zeroing it first and scattering
+   into it: a window's winner gets its dy, as the sum the general path
+   makes (0 + dy in float32; in float16 and bfloat16 mpt__half_plus_zero,
+   the same bits as that sum rounded back), every other pixel 0. No
+   float32 buffers and no conversion passes. One row of dx, r, inside the
+   windows of output row oy, is written by a row function below; rows of
+   no window are zeros. */
+typedef void (*mpt__max_dx_row_fn)(const mpt__pool_job *j, int64_t oy, int64_t r,
+                                   const void *dy, const int32_t *arg, void *dx);
+
+/* The input columns [*c0, *c1) of output column ox's window. */
+static void mpt__pool_columns(const mpt__win *g, int64_t ox, int64_t *c0, int64_t *c1) {
+    const int64_t x = ox * g->sw - g->left;
+    *c0 = MPT__MAX(x, 0);
+    *c1 = MPT__MIN(x + g->kw, g->w);
+}
+
+static void mpt__max_dx_row(const mpt__pool_job *j, int64_t oy, int64_t r, const void *dy,
+                            const int32_t *arg, void *dx) {
+    const mpt__win *g = &j->g;
+    const int64_t c = g->c;
+    int64_t ox, q, e, c0, c1, next = 0;
+    for (ox = 0; ox <= g->ow; ox++, next = c1) {
+        const int64_t at = (oy * g->ow + ox) * c; /* the window's dy and argmax */
+        if (ox < g->ow) mpt__pool_columns(g, ox, &c0, &c1);
+        else c0 = c1 = g->w; /* the columns after the last window */
+        memset((unsigned char *)dx + (size_t)((r * g->w + next) * c) * j->es, 0,
+               (size_t)((c0 - next) * c) * j->es);
+        for (q = c0; q < c1; q++) {
+            const int64_t p = (r * g->w + q) * c;
+            for (e = 0; e < c; e++) {
+                const int won = arg[at + e] == (int32_t)(p + e);
+                if (j->dtype == MPT_FLOAT32)
+                    ((float *)dx)[p + e] = won ? 0.0f + ((const float *)dy)[at + e] : 0.0f;
+                else
+                    ((mpt_half *)dx)[p + e] =
+                        won ? mpt__half_plus_zero(j->dtype, ((const mpt_half *)dy)[at + e]) : 0;
+            }
+        }
+    }
+}
+
+#if MPT__X86
+/* mpt__max_dx_row, 16 channels a vector, the tail masked. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_dx_row_lanes(
+    const mpt__pool_job *j, int half, int64_t oy, int64_t r, const void *dy, const int32_t *arg,
+    void *dx) {
+    const mpt__win *g = &j->g;
+    const int64_t c = g->c;
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i inf = _mm256_set1_epi16((short)(j->dtype == MPT_BFLOAT16 ? 0x7f80 : 0x7c00));
+    const __m256i quiet = _mm256_set1_epi16((short)(j->dtype == MPT_BFLOAT16 ? 0x40 : 0x200));
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+    const __m256i minus_zero = _mm256_set1_epi16((short)0x8000);
+    int64_t ox, q, e, c0, c1, next = 0;
+    for (ox = 0; ox <= g->ow; ox++, next = c1) {
+        const int64_t at = (oy * g->ow + ox) * c;
+        if (ox < g->ow) mpt__pool_columns(g, ox, &c0, &c1);
+        else c0 = c1 = g->w;
+        memset((unsigned char *)dx + (size_t)((r * g->w + next) * c) * (half ? 2 : 4), 0,
+               (size_t)((c0 - next) * c) * (half ? 2 : 4));
+        for (e = 0; e < c && c0 < c1; e += 16) {
+            const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, c - e));
+            const __m512i where = _mm512_maskz_loadu_epi32(m, arg + at + e);
+            __m512 d32 = _mm512_setzero_ps();
+            __m256i d16 = _mm256_setzero_si256();
+            if (!half) {
+                d32 = _mm512_add_ps(_mm512_setzero_ps(), _mm512_maskz_loadu_ps(m, (const float *)dy + at + e));
+            } else { /* mpt__half_plus_zero in 16 lanes */
+                d16 = _mm256_maskz_loadu_epi16(m, (const mpt_half *)dy + at + e);
+                d16 = _mm256_mask_mov_epi16(
+                    d16, _mm256_cmpgt_epu16_mask(_mm256_and_si256(d16, magnitude), inf),
+                    _mm256_or_si256(d16, quiet));
+                d16 = _mm256_maskz_mov_epi16((__mmask16)~_mm256_cmpeq_epi16_mask(d16, minus_zero),
+                                             d16);
+            }
+            for (q = c0; q < c1; q++) {
+                const int64_t p = (r * g->w + q) * c + e;
+                const __mmask16 won =
+                    _mm512_cmpeq_epi32_mask(where, _mm512_add_epi32(_mm512_set1_epi32((int32_t)p), lanes));
+                if (!half)
+                    _mm512_mask_storeu_ps((float *)dx + p, m, _mm512_maskz_mov_ps(won, d32));
+                else
+                    _mm256_mask_storeu_epi16((mpt_half *)dx + p, m, _mm256_maskz_mov_epi16(won, d16));
+            }
+        }
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__max_dx_row_f32_avx512(const mpt__pool_job *j, int64_t oy,
+                                                          int64_t r, const void *dy,
+                                                          const int32_t *arg, void *dx) {
+    mpt__max_dx_row_lanes(j, 0, oy, r, dy, arg, dx);
+}
+
+MPT__TARGET_AVX512 static void mpt__max_dx_row_half_avx512(const mpt__pool_job *j, int64_t oy,
+                                                           int64_t r, const void *dy,
+                                                           const int32_t *arg, void *dx) {
+    mpt__max_dx_row_lanes(j, 1, oy, r, dy, arg, dx);
+}
+#endif
+
+static void mpt__max_pool_backward_once(const mpt__pool_job *j, int64_t b) {
+    const mpt__win *g = &j->g;
+    const void *dy = mpt__elem(j->dy, b * j->n_out, j->es);
+    const int32_t *arg = j->argmax + b * j->n_out;
+    unsigned char *dx = (unsigned char *)j->dx + (size_t)(b * j->n_in) * j->es;
+    const size_t row_bytes = (size_t)(g->w * g->c) * j->es;
+    mpt__max_dx_row_fn row = mpt__max_dx_row;
+    int64_t oy, r, r0, r1, next = 0;
+#if MPT__X86
+    if (j->ctx->cpu & MPT_CPU_AVX512)
+        row = j->dtype == MPT_FLOAT32 ? mpt__max_dx_row_f32_avx512 : mpt__max_dx_row_half_avx512;
+#endif
+    for (oy = 0; oy <= g->oh; oy++, next = r1) {
+        if (oy < g->oh) {
+            r0 = MPT__MAX(oy * g->sh - g->top, 0);
+            r1 = MPT__MIN(oy * g->sh - g->top + g->kh, g->h);
+        } else {
+            r0 = r1 = g->h; /* the rows after the last window */
+        }
+        memset(dx + (size_t)next * row_bytes, 0, (size_t)(r0 - next) * row_bytes);
+        for (r = r0; r < r1; r++) row(j, oy, r, dy, arg, dx);
+    }
 }
 
 /* dx of sample b: each output's gradient goes back to the pixel that won
@@ -9478,8 +9808,8 @@ static void mpt__pool_backward_task(void *arg, int64_t b, int thread) {
     float *dx = j->dtype == MPT_FLOAT32 ? (float *)j->dx + b * j->n_in : dxbuf;
     int64_t oy, ox, r0, r1, c0, c1, r, q, e;
     (void)thread;
-    if (j->kind == MPT_POOL_MAX && j->dtype != MPT_FLOAT32 && g->sh >= g->kh && g->sw >= g->kw) {
-        mpt__max_pool_backward_half(j, b);
+    if (j->kind == MPT_POOL_MAX && g->sh >= g->kh && g->sw >= g->kw) {
+        mpt__max_pool_backward_once(j, b);
         return;
     }
     dy = mpt__as_f32(j->ctx, j->dtype, j->dy, b, j->n_out, dybuf);

@@ -1116,6 +1116,7 @@ static const struct {
 static int direct_calls;      /* conv_direct calls that did the work */
 static int kernel_grad_calls; /* of them, kernel gradients          */
 static int pairs_calls;       /* of those, from the pixel-pair tables */
+static int forward_calls;     /* of them, forward products          */
 
 static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     int done = mpt__cpu_conv_direct(impl, a);
@@ -1125,6 +1126,7 @@ static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     if (a->kernel_grad && mpt__kgrad_pairs_takes((const mpt_context *)impl, a))
         pairs_calls += done;
 #endif
+    if (!a->kernel_grad && !a->input_grad) forward_calls += done;
     return done;
 }
 
@@ -1164,6 +1166,10 @@ static void run_conv_layer(int level, int threads, const layer_ref *d, int64_t b
     test_seed(41);
     for (i = 0; i < n_x; i++) x[i] = (float)test_uniform(-1, 1);
     mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, xs, x);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
+    /* again over a poisoned output (NaN in every dtype): each element
+       must be written */
+    memset(ty.data, 0xFF, (size_t)mpt_tensor_count(&ty) * mpt_dtype_size(ty.dtype));
     CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward");
     r->ny = mpt_tensor_count(&ty);
     r->y = (float *)malloc(sizeof(float) * (size_t)r->ny);
@@ -1223,8 +1229,9 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
    the GEMM's 512 block) at every SIMD level and dtype. */
 static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
-    layer_ref cases[20];
+    layer_ref cases[28];
     int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0, ran_pairs = 0;
+    int ran_shallow_fwd = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1255,8 +1262,20 @@ static void test_direct_conv(void) {
     cases[n_cases++] = conv_case(9, 12, 13, 50, 3, 3, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(7, 8, 21, 40, 5, 5, 1, 1, MPT_PADDING_SAME, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(6, 13, 12, 17, 2, 4, 1, 3, MPT_PADDING_VALID, MPT_ACT_TANH, 1);
+    /* a one-channel image's forward gathers 12 pixels' windows per tile,
+       one output row at a time (rows under 12 pixels wide: several a
+       tile), windows cut by the padding on every side; height strides;
+       bfloat16 pairs with an odd depth's zero (9, 25, 49 taps); filters in
+       blocks of 32 with tails of 10, 8, 1, 17 */
+    cases[n_cases++] = conv_case(11, 13, 1, 10, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(15, 9, 1, 40, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(9, 17, 1, 33, 3, 3, 2, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
+    cases[n_cases++] = conv_case(5, 29, 1, 16, 7, 7, 3, 1, MPT_PADDING_SAME, MPT_ACT_SIGMOID, 1);
+    cases[n_cases++] = conv_case(12, 7, 1, 64, 3, 2, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(3, 3, 1, 17, 5, 5, 1, 1, MPT_PADDING_SAME, MPT_ACT_TANH, 1);
+    cases[n_cases++] = conv_case(6, 14, 1, 49, 1, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
     test_seed(23);
-    while (n_cases < 20) {
+    while (n_cases < 28) {
         geom g;
         random_geom(&g, 9, 40, 4);
         g.c = test_randint(16, 40);
@@ -1282,13 +1301,20 @@ static void test_direct_conv(void) {
                 int calls;
                 test__begin();
                 run_conv_layer(level, 2, d, batch, dts[t], 0, &former);
-                direct_calls = kernel_grad_calls = pairs_calls = 0;
+                direct_calls = kernel_grad_calls = pairs_calls = forward_calls = 0;
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
                 if (level == 3 && dts[t] == MPT_BFLOAT16 && d->g.c >= 12 && d->f <= 64 &&
                     tf_out(d->g.w, d->g.kw, d->g.sw, d->g.pad, &before) % 2 == 0) {
                     CHECK(pairs_calls > 0, "the pixel-pair kernel gradient did not run");
                     ran_pairs += pairs_calls > 0;
+                }
+                if (d->g.c == 1 && d->g.sw == 1 && d->act != MPT_ACT_GELU &&
+                    d->act != MPT_ACT_SOFTMAX &&
+                    ((level >= 2 && dts[t] == MPT_FLOAT32) ||
+                     (level == 3 && dts[t] == MPT_BFLOAT16))) {
+                    CHECK(forward_calls > 0, "the shallow forward did not run");
+                    ran_shallow_fwd += forward_calls > 0;
                 }
                 if (level >= 2 && dts[t] != MPT_FLOAT16 &&
                     d->g.c < (dts[t] == MPT_FLOAT32 ? 8 : 12)) {
@@ -1334,7 +1360,8 @@ static void test_direct_conv(void) {
             }
     }
     printf("# direct convolution ran in %d float32 and %d bfloat16 cases; the shallow kernel "
-           "gradient in %d, the pixel-pair one in %d\n", ran_f32, ran_bf16, ran_shallow, ran_pairs);
+           "gradient in %d, the pixel-pair one in %d, the one-channel forward in %d\n", ran_f32,
+           ran_bf16, ran_shallow, ran_pairs, ran_shallow_fwd);
 }
 
 /* ---- the backward pass's elementwise work across threads -------------------- */

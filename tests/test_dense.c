@@ -209,6 +209,52 @@ static void test_backward_stops_early(void) {
     mpt_model_destroy(m);
 }
 
+/* A Flatten's gradient is its dy, the same memory (nothing copied): where
+   Flatten computes in another dtype than the layer before it, dx still
+   reaches that layer converted to its dtype. A float32 Flatten between a
+   bfloat16 Conv2D and a float32 Dense (dx converted after the Flatten)
+   against a bfloat16 one (converted after the Dense, as before): the same
+   input and kernel gradients, bit for bit. */
+static void flatten_between(mpt_dtype flatten_dtype, const float *x, const float *dy,
+                            float *dinput, float *kgrad) {
+    mpt_model *m = NULL;
+    mpt_param_info k;
+    mpt_tensor tx, out, ddy, dx;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 5, 2}, .input_rank = 3, .seed = 4},
+                     &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 3, .kernel_size = {2, 2},
+                                               .padding = MPT_PADDING_SAME,
+                                               .activation = MPT_ACT_TANH,
+                                               .dtype = MPT_BFLOAT16});
+    mpt_model_add_flatten(m, &(mpt_flatten_desc){.dtype = flatten_dtype});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .dtype = MPT_FLOAT32});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){2, 3, 5, 2}, (void *)x);
+    mpt_tensor_wrap(ctx, &ddy, MPT_FLOAT32, 2, (int64_t[]){2, 4}, (void *)dy);
+    CHECK(mpt_model_forward(m, &tx, 1, &out) == MPT_OK, "forward");
+    CHECK(mpt_model_backward(m, &ddy, &dx) == MPT_OK, "backward");
+    CHECK(mpt_tensor_count(&dx) == 60, "dx has %lld elements", (long long)mpt_tensor_count(&dx));
+    mpt_convert(ctx, MPT_FLOAT32, dinput, dx.dtype, dx.data, 60);
+    mpt_model_param(m, 0, &k);
+    memcpy(kgrad, k.grad.data, sizeof(float) * 24);
+    mpt_model_destroy(m);
+}
+
+static void test_flatten_gradient_across_dtypes(void) {
+    float x[60], dy[8], dx32[60], dx16[60], k32[24], k16[24];
+    int i;
+    double size = 0;
+    for (i = 0; i < 60; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < 8; i++) dy[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < 60; i++) dx32[i] = dx16[i] = NAN;
+    flatten_between(MPT_FLOAT32, x, dy, dx32, k32);
+    flatten_between(MPT_BFLOAT16, x, dy, dx16, k16);
+    for (i = 0; i < 60; i++) size += fabs(dx16[i]);
+    CHECK(size > 0 && size == size, "dx is %g in all", size);
+    CHECK(memcmp(dx32, dx16, sizeof dx32) == 0, "dx differs with a float32 Flatten");
+    CHECK(memcmp(k32, k16, sizeof k32) == 0, "the kernel gradient differs with a float32 Flatten");
+}
+
 /* The vector ReLU gradient gives the scalar loop's bits, NaN and ±0 too. */
 static void test_relu_gradient_paths_agree(void) {
     enum { N = 1000 + 7 };
@@ -417,6 +463,7 @@ int main(void) {
     TEST_RUN(test_dense_known_answer);
     TEST_RUN(test_activation_known_answers);
     TEST_RUN(test_backward_stops_early);
+    TEST_RUN(test_flatten_gradient_across_dtypes);
     TEST_RUN(test_relu_gradient_paths_agree);
     test_dense_gradients();
     test_flatten_activation_gradients();

@@ -160,8 +160,100 @@ static void test_max_pool_half_gradient_bits(void) {
         }
 }
 
+/* Max pooling's gradient where windows do not overlap (strides at least
+   the pool size) is written pixel by pixel in one pass: against what the
+   general path computes (each pixel's gradients summed in float32 from 0,
+   rounded to the dtype), bit for bit, over a poisoned dx, portable and
+   with AVX-512. Gaps between windows (strides past the pool size), rows
+   and columns after the last window (odd sizes under 'valid'), windows
+   cut by 'same' padding, channel counts that fill no vector, one and a
+   partial one; argmax anywhere in its window; dy with -0, NaN and inf. */
+static void test_max_pool_gradient_one_pass(void) {
+    static const struct { int64_t h, w, c, kh, kw, sh, sw; mpt_padding pad; } geoms[] = {
+        {7, 9, 5, 2, 2, 2, 2, MPT_PADDING_VALID},  {9, 7, 21, 2, 3, 3, 4, MPT_PADDING_VALID},
+        {5, 8, 16, 3, 2, 3, 2, MPT_PADDING_SAME},  {6, 11, 40, 1, 2, 2, 3, MPT_PADDING_SAME},
+        {26, 26, 32, 2, 2, 2, 2, MPT_PADDING_VALID}, {3, 5, 1, 4, 4, 4, 5, MPT_PADDING_SAME},
+    };
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    const int64_t batch = 3;
+    int gi, t, level, ran_simd = 0;
+    test_seed(5);
+    for (gi = 0; gi < (int)(sizeof geoms / sizeof geoms[0]); gi++)
+        for (t = 0; t < 3; t++)
+            for (level = 0; level < 2; level++) {
+                mpt_context *c = NULL;
+                mpt_window g;
+                int64_t n_in, n_out, b, oy, ox, e, i;
+                int32_t *arg;
+                float *dyf, *sum;
+                unsigned char *dy, *dx, *want, *ws;
+                size_t es = mpt_dtype_size(dtypes[t]);
+                test__begin();
+                mpt_context_create(&(mpt_context_desc){.num_threads = 2,
+                                                       .disable_cpu_features = level ? 0 : ~0},
+                                   &c);
+                if (level && !(mpt_context_cpu_features(c) & MPT_CPU_AVX512)) {
+                    mpt_context_destroy(c);
+                    test__end("max_pool one pass: no AVX-512");
+                    continue;
+                }
+                ran_simd += level;
+                memset(&g, 0, sizeof g);
+                g.h = geoms[gi].h, g.w = geoms[gi].w, g.c = geoms[gi].c;
+                g.kh = geoms[gi].kh, g.kw = geoms[gi].kw, g.sh = geoms[gi].sh, g.sw = geoms[gi].sw;
+                g.oh = mpt__win_axis(g.h, g.kh, g.sh, geoms[gi].pad, &g.top);
+                g.ow = mpt__win_axis(g.w, g.kw, g.sw, geoms[gi].pad, &g.left);
+                n_in = g.h * g.w * g.c, n_out = g.oh * g.ow * g.c;
+                arg = (int32_t *)malloc(sizeof(int32_t) * (size_t)(batch * n_out));
+                dyf = (float *)malloc(sizeof(float) * (size_t)(batch * n_out));
+                sum = (float *)calloc((size_t)(batch * n_in), sizeof(float));
+                dy = (unsigned char *)malloc(es * (size_t)(batch * n_out));
+                dx = (unsigned char *)malloc(es * (size_t)(batch * n_in));
+                want = (unsigned char *)malloc(es * (size_t)(batch * n_in));
+                ws = (unsigned char *)malloc((size_t)mpt__cpu_pool_workspace(c, &g, batch));
+                for (i = 0; i < batch * n_out; i++) {
+                    dyf[i] = (float)test_uniform(-2, 2);
+                    if (i % 17 == 3) dyf[i] = -0.0f;
+                    if (i % 29 == 4) dyf[i] = NAN;
+                    if (i % 31 == 5) dyf[i] = -INFINITY;
+                }
+                mpt_convert(c, dtypes[t], dy, MPT_FLOAT32, dyf, batch * n_out);
+                mpt_convert(c, MPT_FLOAT32, dyf, dtypes[t], dy, batch * n_out);
+                for (b = 0; b < batch; b++)
+                    for (oy = 0; oy < g.oh; oy++)
+                        for (ox = 0; ox < g.ow; ox++)
+                            for (e = 0; e < g.c; e++) {
+                                /* a pixel of the window inside the image */
+                                const int64_t r0 = oy * g.sh - g.top, c0 = ox * g.sw - g.left;
+                                int64_t r, q;
+                                do {
+                                    r = r0 + test_randint(0, (int)g.kh - 1);
+                                    q = c0 + test_randint(0, (int)g.kw - 1);
+                                } while (r < 0 || r >= g.h || q < 0 || q >= g.w);
+                                i = (b * g.oh + oy) * g.ow + ox;
+                                arg[i * g.c + e] = (int32_t)((r * g.w + q) * g.c + e);
+                                sum[b * n_in + (r * g.w + q) * g.c + e] += dyf[i * g.c + e];
+                            }
+                mpt_convert(c, dtypes[t], want, MPT_FLOAT32, sum, batch * n_in);
+                memset(dx, 0xFF, es * (size_t)(batch * n_in)); /* NaN in every dtype */
+                mpt__cpu_pool_backward(c, MPT_POOL_MAX, &g, dtypes[t], dy, dx, arg, batch, ws);
+                for (i = 0; i < batch * n_in; i++)
+                    if (memcmp(dx + (size_t)i * es, want + (size_t)i * es, es) != 0) break;
+                CHECK(i == batch * n_in, "dx element %lld differs from the summed gradient",
+                      (long long)i);
+                test__end("max_pool one pass %s in=(%lld,%lld,%lld) k=(%lld,%lld) s=(%lld,%lld) %s",
+                          level ? "avx512" : "portable", (long long)g.h, (long long)g.w,
+                          (long long)g.c, (long long)g.kh, (long long)g.kw, (long long)g.sh,
+                          (long long)g.sw, mpt_dtype_name(dtypes[t]));
+                free(arg), free(dyf), free(sum), free(dy), free(dx), free(want), free(ws);
+                mpt_context_destroy(c);
+            }
+    if (!ran_simd) printf("# max_pool one pass: AVX-512 not checked (this CPU has none)\n");
+}
+
 int main(void) {
     TEST_RUN(test_max_pool_simd_matches_portable);
     TEST_RUN(test_max_pool_half_gradient_bits);
+    test_max_pool_gradient_one_pass();
     return test_summary("test_pool");
 }

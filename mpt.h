@@ -9627,28 +9627,33 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_grad_sums_lanes(
    dx = scale · (dy − mean_dy − x̂ · mean_dy_xhat), x̂ = (x − mean) · inv_std. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_elementwise_lanes(
     mpt_dtype dt, const mpt__bn_job *j, int64_t r0, int64_t r1) {
-    int64_t C = j->plan.channels, r, c;
+    /* In locals: the stores through out could alias *j for all the
+       compiler knows, which would reload every pointer per vector. */
+    const int64_t C = j->plan.channels;
+    const size_t es = dt == MPT_FLOAT32 ? 4 : 2;
+    const void *x = j->x, *dy = j->dy;
+    char *out = (char *)j->out;
+    const float *mean = j->mean, *scale = j->scale, *beta = j->beta, *inv_std = j->inv_std;
+    const float *mean_dy = j->mean_dy, *mean_dy_xhat = j->mean_dy_xhat;
+    int64_t r, c;
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c += 16) {
             __mmask16 m = mpt__bn_mask16(C - c);
             int64_t at = r * C + c;
-            __m512 d = _mm512_sub_ps(mpt__bn_load(dt, j->x, at, m),
-                                     _mm512_maskz_loadu_ps(m, j->mean + c));
-            __m512 scale = _mm512_maskz_loadu_ps(m, j->scale + c), out;
-            if (!j->dy) {
-                out = _mm512_add_ps(mpt__bn_keep_ps(_mm512_mul_ps(d, scale)),
-                                    _mm512_maskz_loadu_ps(m, j->beta + c));
+            __m512 d = _mm512_sub_ps(mpt__bn_load(dt, x, at, m), _mm512_maskz_loadu_ps(m, mean + c));
+            __m512 k = _mm512_maskz_loadu_ps(m, scale + c), v;
+            if (!dy) {
+                v = _mm512_add_ps(mpt__bn_keep_ps(_mm512_mul_ps(d, k)),
+                                  _mm512_maskz_loadu_ps(m, beta + c));
             } else {
-                __m512 xhat = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m, j->inv_std + c));
-                __m512 centred = _mm512_sub_ps(mpt__bn_load(dt, j->dy, at, m),
-                                               _mm512_maskz_loadu_ps(m, j->mean_dy + c));
-                out = _mm512_mul_ps(
-                    scale, _mm512_sub_ps(centred, mpt__bn_keep_ps(_mm512_mul_ps(
-                                                      xhat, _mm512_maskz_loadu_ps(
-                                                                m, j->mean_dy_xhat + c)))));
+                __m512 xhat = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m, inv_std + c));
+                __m512 centred = _mm512_sub_ps(mpt__bn_load(dt, dy, at, m),
+                                               _mm512_maskz_loadu_ps(m, mean_dy + c));
+                v = _mm512_mul_ps(k, _mm512_sub_ps(centred, mpt__bn_keep_ps(_mm512_mul_ps(
+                                                             xhat, _mm512_maskz_loadu_ps(
+                                                                       m, mean_dy_xhat + c)))));
             }
-            mpt__avx512_store(dt, (char *)j->out + (size_t)at * (dt == MPT_FLOAT32 ? 4 : 2), out,
-                              m);
+            mpt__avx512_store(dt, out + (size_t)at * es, v, m);
         }
 }
 

@@ -9537,50 +9537,52 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__bn_load(mpt_dtype dt, c
     return mpt__avx512_load(dt, (const char *)p + (size_t)at * (dt == MPT_FLOAT32 ? 4 : 2), m);
 }
 
-/* The chunk's moments for the band [c0, c0 + 16 · vectors): s[c] = Σ x,
-   then, with m = s[c] / rows, s[C + c] = Σ (x − m)². The second reading of
-   the chunk comes from cache. */
+/* The chunk's moments for the band [c0, c0 + 16 · vectors), in one
+   reading: with k = the chunk's first row and d = x − k (in double),
+   s[c] = n · k + Σ d = Σ x and s[C + c] = Σ d² − (Σ d)² / n = Σ (x − m)²,
+   m the chunk's mean. The shift keeps the subtraction's cancellation to
+   (m − k)² / variance, a few units for a k drawn from the data. */
+/* One vector's 16 values v of a row, shifted by k (low and high halves),
+   into the sums of d = v − k and of d². */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_moments_add(__m512 v, __m512d k_low,
+                                                                      __m512d k_high, __m512d *a,
+                                                                      __m512d *q) {
+    __m512d d0 = _mm512_sub_pd(mpt__bn_low_pd(v), k_low);
+    __m512d d1 = _mm512_sub_pd(mpt__bn_high_pd(v), k_high);
+    a[0] = _mm512_add_pd(a[0], d0);
+    a[1] = _mm512_add_pd(a[1], d1);
+    q[0] = _mm512_add_pd(q[0], mpt__bn_keep_pd(_mm512_mul_pd(d0, d0)));
+    q[1] = _mm512_add_pd(q[1], mpt__bn_keep_pd(_mm512_mul_pd(d1, d1)));
+}
+
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_moments_lanes(
     mpt_dtype dt, int vectors, const mpt__bn_job *j, double *s, int64_t c0, int64_t r0,
     int64_t r1) {
     const int64_t C = j->plan.channels;
     const __mmask16 m0 = mpt__bn_mask16(C - c0), m1 = mpt__bn_mask16(C - c0 - 16);
     const __m512d rows = _mm512_set1_pd((double)(r1 - r0));
-    __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0, u0, u1, u2, u3;
+    const __m512 first0 = mpt__bn_load(dt, j->x, r0 * C + c0, m0),
+                 first1 = mpt__bn_load(dt, j->x, r0 * C + c0 + 16, m1);
+    const __m512d k0 = mpt__bn_low_pd(first0), k1 = mpt__bn_high_pd(first0),
+                  k2 = mpt__bn_low_pd(first1), k3 = mpt__bn_high_pd(first1);
+    __m512d a[4], q[4], k[4];
     int64_t r;
+    int i;
+    a[0] = a[1] = a[2] = a[3] = q[0] = q[1] = q[2] = q[3] = _mm512_setzero_pd();
     for (r = r0; r < r1; r++) {
-        __m512 v = mpt__bn_load(dt, j->x, r * C + c0, m0);
-        a0 = _mm512_add_pd(a0, mpt__bn_low_pd(v));
-        a1 = _mm512_add_pd(a1, mpt__bn_high_pd(v));
-        if (vectors == 2) {
-            v = mpt__bn_load(dt, j->x, r * C + c0 + 16, m1);
-            a2 = _mm512_add_pd(a2, mpt__bn_low_pd(v));
-            a3 = _mm512_add_pd(a3, mpt__bn_high_pd(v));
-        }
+        mpt__bn_moments_add(mpt__bn_load(dt, j->x, r * C + c0, m0), k0, k1, a, q);
+        if (vectors == 2)
+            mpt__bn_moments_add(mpt__bn_load(dt, j->x, r * C + c0 + 16, m1), k2, k3, a + 2, q + 2);
     }
-    _mm512_mask_storeu_pd(s + c0, mpt__bn_mask8(C - c0), a0);
-    _mm512_mask_storeu_pd(s + c0 + 8, mpt__bn_mask8(C - c0 - 8), a1);
-    _mm512_mask_storeu_pd(s + c0 + 16, mpt__bn_mask8(C - c0 - 16), a2);
-    _mm512_mask_storeu_pd(s + c0 + 24, mpt__bn_mask8(C - c0 - 24), a3);
-    u0 = _mm512_div_pd(a0, rows), u1 = _mm512_div_pd(a1, rows);
-    u2 = _mm512_div_pd(a2, rows), u3 = _mm512_div_pd(a3, rows);
-    a0 = a1 = a2 = a3 = _mm512_setzero_pd();
-    for (r = r0; r < r1; r++) {
-        __m512 v = mpt__bn_load(dt, j->x, r * C + c0, m0);
-        __m512d d0 = _mm512_sub_pd(mpt__bn_low_pd(v), u0), d1 = _mm512_sub_pd(mpt__bn_high_pd(v), u1);
-        a0 = _mm512_add_pd(a0, mpt__bn_keep_pd(_mm512_mul_pd(d0, d0)));
-        a1 = _mm512_add_pd(a1, mpt__bn_keep_pd(_mm512_mul_pd(d1, d1)));
-        if (vectors == 2) {
-            v = mpt__bn_load(dt, j->x, r * C + c0 + 16, m1);
-            d0 = _mm512_sub_pd(mpt__bn_low_pd(v), u2), d1 = _mm512_sub_pd(mpt__bn_high_pd(v), u3);
-            a2 = _mm512_add_pd(a2, mpt__bn_keep_pd(_mm512_mul_pd(d0, d0)));
-            a3 = _mm512_add_pd(a3, mpt__bn_keep_pd(_mm512_mul_pd(d1, d1)));
-        }
+    k[0] = k0, k[1] = k1, k[2] = k2, k[3] = k3;
+    for (i = 0; i < 4; i++) {
+        __mmask8 m = mpt__bn_mask8(C - c0 - 8 * i);
+        __m512d sum = _mm512_add_pd(mpt__bn_keep_pd(_mm512_mul_pd(rows, k[i])), a[i]);
+        __m512d sq = _mm512_sub_pd(
+            q[i], _mm512_div_pd(mpt__bn_keep_pd(_mm512_mul_pd(a[i], a[i])), rows));
+        _mm512_mask_storeu_pd(s + c0 + 8 * i, m, sum);
+        _mm512_mask_storeu_pd(s + C + c0 + 8 * i, m, sq);
     }
-    _mm512_mask_storeu_pd(s + C + c0, mpt__bn_mask8(C - c0), a0);
-    _mm512_mask_storeu_pd(s + C + c0 + 8, mpt__bn_mask8(C - c0 - 8), a1);
-    _mm512_mask_storeu_pd(s + C + c0 + 16, mpt__bn_mask8(C - c0 - 16), a2);
-    _mm512_mask_storeu_pd(s + C + c0 + 24, mpt__bn_mask8(C - c0 - 24), a3);
 }
 
 /* Σ dy and Σ dy · x̂ (x̂ = (x − mean) · inv_std in float32) of one vector
@@ -9709,10 +9711,9 @@ static float mpt__bn_get(const mpt__bn_job *j, const void *p, int64_t i) {
 }
 
 /* part[chunk] = the chunk's moments: [0][c] = Σ x, and with the chunk's
-   own mean m = Σ x / rows, [1][c] = Σ (x − m)². Both come from one task
-   while the chunk is in cache (a two-pass variance per chunk, which keeps
-   its precision when |mean| is large against the spread);
-   mpt__bn_combine_moments joins the chunks. */
+   own mean m = Σ x / rows, [1][c] = Σ (x − m)², from one reading of the
+   chunk, shifted by its first row (which keeps the precision when |mean|
+   is large against the spread); mpt__bn_combine_moments joins the chunks. */
 static void mpt__bn_moments_task(void *arg, int64_t chunk, int thread) {
     const mpt__bn_job *j = (const mpt__bn_job *)arg;
     int64_t C = j->plan.channels, r, r0, r1, c0;
@@ -9727,19 +9728,20 @@ static void mpt__bn_moments_task(void *arg, int64_t chunk, int thread) {
 #endif
     for (c0 = 0; c0 < C; c0 += MPT__BN_BAND) { /* as the vectors: a band at a time */
         int64_t band = MPT__MIN(MPT__BN_BAND, C - c0), k;
-        double sum[MPT__BN_BAND], mean[MPT__BN_BAND], sq[MPT__BN_BAND];
-        for (k = 0; k < band; k++) sum[k] = sq[k] = 0;
-        for (r = r0; r < r1; r++)
-            for (k = 0; k < band; k++) sum[k] += mpt__bn_get(j, j->x, r * C + c0 + k);
-        for (k = 0; k < band; k++) mean[k] = sum[k] / (double)(r1 - r0);
+        double n = (double)(r1 - r0), shift[MPT__BN_BAND], sum[MPT__BN_BAND], sq[MPT__BN_BAND];
+        for (k = 0; k < band; k++) {
+            shift[k] = mpt__bn_get(j, j->x, r0 * C + c0 + k);
+            sum[k] = sq[k] = 0;
+        }
         for (r = r0; r < r1; r++)
             for (k = 0; k < band; k++) {
-                double d = (double)mpt__bn_get(j, j->x, r * C + c0 + k) - mean[k];
+                double d = (double)mpt__bn_get(j, j->x, r * C + c0 + k) - shift[k];
+                sum[k] += d;
                 sq[k] += d * d;
             }
         for (k = 0; k < band; k++) {
-            s[c0 + k] = sum[k];
-            s[C + c0 + k] = sq[k];
+            s[c0 + k] = n * shift[k] + sum[k];
+            s[C + c0 + k] = sq[k] - sum[k] * sum[k] / n;
         }
     }
 }
@@ -9845,7 +9847,8 @@ static void mpt__bn_batch_stats(mpt_context *ctx, const mpt_batchnorm_args *a, m
     mpt__bn_combine_moments(&j->plan, w->part, w->sum);
     for (c = 0; c < C; c++) {
         a->mean[c] = (float)(w->sum[c] / (double)j->plan.rows);
-        a->variance[c] = (float)(w->sum[C + c] / (double)j->plan.rows);
+        /* ≥ 0: a chunk's Σ d² − (Σ d)² / n can round below 0 by a hair */
+        a->variance[c] = (float)MPT__MAX(w->sum[C + c] / (double)j->plan.rows, 0.0);
     }
 }
 

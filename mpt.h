@@ -1869,8 +1869,9 @@ typedef enum mpt_pool_kind {
                  and act unused;
      kernel_grad: dkernel (kh, kw, C, F) float32 = Σ over the output
                  pixels of x's window ⊗ dz (n, OH, OW, F), added to what
-                 dkernel holds when accumulate; kernel, bias, act, y, ws
-                 unused.
+                 dkernel holds when accumulate; kernel, bias, act, y
+                 unused; ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16, else
+                 NULL.
    x and y in dtype, sums in float32. ws: MPT_CONV_DIRECT_WS_BYTES. */
 typedef struct mpt_conv_args {
     const mpt_window *g;
@@ -1893,6 +1894,14 @@ typedef struct mpt_conv_args {
    kernel repacked (at most 4 bytes an element) and one zero pixel. */
 #define MPT_CONV_DIRECT_WS_BYTES(kk, c, f) \
     (4 * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
+
+/* Workspace bytes of a bfloat16 kernel_grad of n samples through window g
+   (an mpt_window *) with f filters: x and dz with their pixels side by
+   side in pairs, 4 bytes a pair, x over the (OW − 1)·sw + kw columns the
+   windows reach, padding included. */
+#define MPT_CONV_KGRAD_WS_BYTES(g, n, f)                                             \
+    (4 * (n) * (g)->h * (((g)->ow - 1) * (g)->sw + (g)->kw) * (g)->c +               \
+     2 * (n) * (g)->oh * (g)->ow * (f) + 128)
 
 /* BatchNormalization over rows × channels (rows = batch · positions).
    Statistics and arithmetic in float32; x, y, dy, dx in dtype. */
@@ -1947,7 +1956,9 @@ typedef struct mpt_step_state {
    Adds the batch's mean loss × samples to state->loss_sum, its samples
    (rows / rows_per_sample) to state->samples and (metrics) its correct and
    top-k rows / rows_per_sample, so that a sample counts once however many
-   positions it has (mpt__loss_tally); writes grad_scale_by_state ·
+   positions it has (mpt__loss_tally). Binary crossentropy's units are
+   rows of one (K = 1), each its own label, so that its accuracy is over
+   every unit (mpt__loss_row_width). Writes grad_scale_by_state ·
    d(mean loss)/d(pred) into dpred (which may be pred). Sparse targets are
    int32 class ids, one per row, checked in range beforehand. */
 typedef struct mpt_loss_args {
@@ -8250,8 +8261,10 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
    pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
    broadcasts, dz's row (widened) loaded, 24 FMAs. With AVX-512 BF16,
    bfloat16 takes the pixels two at a time instead (24 vdpbf16ps per
-   pair: mpt__dconv_kgrad_tile_bf16). The sums are float32 in another
-   order than the GEMM's (not its bits). */
+   pair: mpt__dconv_kgrad_tile_bf16), where the pixel-pair tables below
+   (mpt__kgrad_pairs) do not take the case: an odd number of output
+   columns. The sums are float32 in another order than the GEMM's (not its
+   bits). */
 typedef struct mpt__dconv_kgrad_job {
     const mpt_conv_args *a;
     const mpt_window *g;
@@ -8435,6 +8448,201 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_
 }
 #undef MPT__ROWS8
 #undef MPT__DCONV_ACC
+
+/* ---- bfloat16 kernel gradient from tables of pixel pairs ------------------
+   vdpbf16ps multiplies pairs, and the kernel gradient sums over output
+   pixels, so its pairs are pairs of pixels. mpt__dconv_kgrad_tile_bf16
+   builds each pair of x and of dz inside its loop, again for every tap and
+   channel block: about as many loads, widenings and shuffles as
+   vdpbf16ps, and half the forward's speed (bench/bench_conv.c). Here the
+   pairs are built once per call, into two tables in ws:
+     dp (n, OH, OW/2, F): dz of pixels (oy, 2j) and (oy, 2j + 1), low, high;
+     xp (n, H, WP, C), WP = (OW − 1)·sw + kw: x at columns X and X + sw,
+        X = col − left, 0 outside the image;
+   the pair (2j, 2j + 1) meets x at columns 2j·sw + k − left and one stride
+   further, entry 2j·sw + k of xp's row, whatever the tap (i, k). The
+   tile's loop is then the forward's: per pair of pixels two loads of dz,
+   eight broadcasts straight from xp and sixteen vdpbf16ps. A pair never
+   spans two output rows (OW even), so a tap whose row is in the padding
+   skips whole pairs, and pairs with both pixels' taps outside are
+   skipped; a pair with one of them outside multiplies xp's zero, as the
+   GEMM multiplies im2col's.
+   A task owns 8 channels (a last block that would run past C starts early
+   and recomputes rows its neighbour owns) by 32 filters of a group of
+   taps. It runs over the output rows a strip at a time and, per strip,
+   tap after tap, each tap's sums kept in memory in between: the strip's
+   rows of both tables are read from L1 by every tap rather than streamed
+   again per tap. Each sum adds the pairs in the same order whatever the
+   task split or the thread count; the sums are float32, in another order
+   than the GEMM's. */
+#define MPT__KGRAD_PAIRS_ROWS 8   /* channels per tile                */
+#define MPT__KGRAD_PAIRS_STRIP 8  /* output rows per step of a task    */
+#define MPT__KGRAD_PAIRS_TAPS 16  /* taps per task at most             */
+#define MPT__KGRAD_PACK_ROWS 8    /* table rows per packing task       */
+
+typedef struct mpt__kgrad_pairs_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    int64_t wp;                   /* xp's columns: (OW − 1)·sw + kw        */
+    uint32_t *xp, *dp;            /* the tables above, in ws               */
+    int64_t cblocks, fblocks;     /* 8-channel and 32-filter blocks        */
+    int64_t group;                /* taps per task                         */
+} mpt__kgrad_pairs_job;
+
+/* The pair tables' rows [row, row + MPT__KGRAD_PACK_ROWS): xp's n·H rows,
+   then dp's n·OH. */
+MPT__TARGET_AVX512 static void mpt__kgrad_pairs_pack(const mpt__kgrad_pairs_job *j, int64_t row) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t xrows = a->n * g->h, end = MPT__MIN(row + MPT__KGRAD_PACK_ROWS,
+                                                      xrows + a->n * g->oh);
+    int64_t col, c;
+    for (; row < end; row++) {
+        if (row < xrows) { /* xp's row (b, y) */
+            const mpt_bf16 *src = (const mpt_bf16 *)a->x + row * g->w * g->c;
+            uint32_t *dst = j->xp + row * j->wp * g->c;
+            for (col = 0; col < j->wp; col++, dst += g->c) {
+                const int64_t xl = col - g->left, xh = xl + g->sw;
+                const int in_l = xl >= 0 && xl < g->w, in_h = xh >= 0 && xh < g->w;
+                /* a pixel outside reads nothing (mask 0) at the row's start */
+                const mpt_bf16 *pl = src + (in_l ? xl : 0) * g->c;
+                const mpt_bf16 *ph = src + (in_h ? xh : 0) * g->c;
+                for (c = 0; c < g->c; c += 16) {
+                    const __mmask16 kc = mpt__gemm_mask16((int)MPT__MIN(16, g->c - c));
+                    _mm512_mask_storeu_epi32(dst + c, kc,
+                                             mpt__bf16_interleave_avx512(in_l ? kc : 0, pl + c,
+                                                                         in_h ? kc : 0, ph + c));
+                }
+            }
+        } else { /* dp's row (b, oy) */
+            const int64_t r = row - xrows, half = g->ow / 2, f = a->f;
+            const mpt_bf16 *src = (const mpt_bf16 *)a->dz + r * g->ow * f;
+            uint32_t *dst = j->dp + r * half * f;
+            for (col = 0; col < half; col++, dst += f, src += 2 * f)
+                for (c = 0; c < f; c += 16) {
+                    const __mmask16 kc = mpt__gemm_mask16((int)MPT__MIN(16, f - c));
+                    _mm512_mask_storeu_epi32(dst + c, kc,
+                                             mpt__bf16_interleave_avx512(kc, src + c, kc,
+                                                                         src + f + c));
+                }
+        }
+    }
+}
+
+static void mpt__kgrad_pairs_pack_task(void *arg, int64_t task, int thread) {
+    (void)thread;
+    mpt__kgrad_pairs_pack((const mpt__kgrad_pairs_job *)arg, task * MPT__KGRAD_PACK_ROWS);
+}
+
+#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+/* Adds tap t's sums over the output rows [q0, q1) (q = b·OH + oy) to
+   tile: channels c0.. by filters f0.. (nb of them), 32 floats a row. */
+MPT__TARGET_AVX512_BF16 static void mpt__kgrad_pairs_tile(const mpt__kgrad_pairs_job *j,
+                                                          int64_t t, int64_t c0, int64_t f0,
+                                                          int nb, int64_t q0, int64_t q1,
+                                                          float *tile) {
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = j->a->f, half = g->ow / 2;
+    const int64_t step = 2 * g->sw * g->c; /* xp from one pair to the next */
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t p0 = 0, p1 = half, q, p;
+    /* the pairs with a pixel whose tap column is inside the image */
+    while (p0 < half && (2 * p0 + 1) * g->sw + k - g->left < 0) p0++;
+    while (p1 > p0 && 2 * (p1 - 1) * g->sw + k - g->left >= g->w) p1--;
+#define MPT__ACC(r)                                     \
+    __m512 c##r##0 = _mm512_loadu_ps(tile + 32 * r);    \
+    __m512 c##r##1 = _mm512_loadu_ps(tile + 32 * r + 16);
+    MPT__ROWS8(MPT__ACC)
+#undef MPT__ACC
+    for (q = q0; q < q1; q++) {
+        const int64_t b = q / g->oh, y = q % g->oh * g->sh - g->top + i;
+        const uint32_t *xs, *ds;
+        if (y < 0 || y >= g->h) continue;
+        xs = j->xp + ((b * g->h + y) * j->wp + 2 * p0 * g->sw + k) * g->c + c0;
+        ds = j->dp + (q * half + p0) * f + f0;
+        for (p = p0; p < p1; p++, xs += step, ds += f) {
+            const __m512bh d0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, ds);
+            const __m512bh d1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, ds + 16);
+            __m512bh ai;
+#define MPT__F(r)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)xs[r]);            \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, d0);             \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, d1);
+            MPT__ROWS8(MPT__F)
+#undef MPT__F
+        }
+    }
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS8(MPT__S)
+#undef MPT__S
+}
+#undef MPT__ROWS8
+
+/* Task: (group of taps, channel block, filter block). */
+static void mpt__kgrad_pairs_task(void *arg, int64_t task, int thread) {
+    const mpt__kgrad_pairs_job *j = (const mpt__kgrad_pairs_job *)arg;
+    const mpt_conv_args *a = j->a;
+    const int64_t per_group = j->cblocks * j->fblocks, taps = j->g->kh * j->g->kw;
+    const int64_t t0 = task / per_group * j->group, t1 = MPT__MIN(taps, t0 + j->group);
+    const int64_t own = task % per_group / j->fblocks * MPT__KGRAD_PAIRS_ROWS;
+    const int64_t c0 = MPT__MIN(own, j->g->c - MPT__KGRAD_PAIRS_ROWS);
+    const int64_t f0 = task % j->fblocks * 32, rows = a->n * j->g->oh;
+    const int nb = (int)MPT__MIN(32, a->f - f0);
+    float tiles[MPT__KGRAD_PAIRS_TAPS][MPT__KGRAD_PAIRS_ROWS * 32];
+    int64_t q0, t;
+    int r, o;
+    (void)thread;
+    memset(tiles, 0, sizeof tiles);
+    for (q0 = 0; q0 < rows; q0 += MPT__KGRAD_PAIRS_STRIP)
+        for (t = t0; t < t1; t++)
+            mpt__kgrad_pairs_tile(j, t, c0, f0, nb, q0, MPT__MIN(rows, q0 + MPT__KGRAD_PAIRS_STRIP),
+                                  tiles[t - t0]);
+    for (t = t0; t < t1; t++)
+        for (r = (int)(own - c0); r < MPT__KGRAD_PAIRS_ROWS; r++) {
+            float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
+            const float *sum = tiles[t - t0] + 32 * r;
+            for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
+        }
+}
+
+/* Whether mpt__kgrad_pairs takes the case: bfloat16 on a CPU with AVX-512
+   BF16, an even number of output columns, the tables' workspace given, at
+   least 12 channels (fewer: mpt__kgrad_win_sums) and at most 64 filters:
+   the CNN's 32- and 64-filter layers ran their backward without dx 1.6×
+   (32 filters, against the former pairs) and 1.0-1.2× (64, against
+   im2col + GEMM) as fast in bench/bench_conv.c (1 thread, CPU time);
+   more filters were not measured. */
+static int mpt__kgrad_pairs_takes(const mpt_context *ctx, const mpt_conv_args *a) {
+    return a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && a->ws &&
+           a->g->ow % 2 == 0 && a->g->c >= MPT__DCONV_MR && a->f <= 64;
+}
+
+/* The kernel gradient from the pair tables: packed, then summed. */
+static void mpt__kgrad_pairs(mpt_context *ctx, const mpt_conv_args *a) {
+    mpt__kgrad_pairs_job j;
+    const int64_t taps = a->g->kh * a->g->kw, threads = ctx->pool.started + 1;
+    const int64_t pack_rows = a->n * (a->g->h + a->g->oh);
+    int64_t groups;
+    j.a = a;
+    j.g = a->g;
+    j.wp = (a->g->ow - 1) * a->g->sw + a->g->kw;
+    j.xp = (uint32_t *)a->ws;
+    j.dp = j.xp + (a->n * a->g->h * j.wp * a->g->c + 15) / 16 * 16;
+    j.cblocks = (a->g->c + MPT__KGRAD_PAIRS_ROWS - 1) / MPT__KGRAD_PAIRS_ROWS;
+    j.fblocks = (a->f + 31) / 32;
+    /* Taps split only as far as it takes for two tasks a thread: each
+       group reads dz again. The split leaves every sum as it was. */
+    groups = MPT__MAX((taps + MPT__KGRAD_PAIRS_TAPS - 1) / MPT__KGRAD_PAIRS_TAPS,
+                      MPT__MIN(taps, (2 * threads + j.cblocks * j.fblocks - 1) /
+                                         (j.cblocks * j.fblocks)));
+    j.group = (taps + groups - 1) / groups;
+    groups = (taps + j.group - 1) / j.group;
+    mpt__parallel_for(ctx, (pack_rows + MPT__KGRAD_PACK_ROWS - 1) / MPT__KGRAD_PACK_ROWS,
+                      mpt__kgrad_pairs_pack_task, &j);
+    mpt__parallel_for(ctx, groups * j.cblocks * j.fblocks, mpt__kgrad_pairs_task, &j);
+}
 #endif
 
 /* The kernel gradient of a shallow input: fewer channels than a tile
@@ -8594,7 +8802,10 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
    measured the CNN's 32- and 64-filter layers' backward without dx
    1.1-1.3× faster than before (1 thread, CPU time). Fewer channels than
    that (float32 or bfloat16, any number of filters): the tiles across
-   taps of mpt__kgrad_win_sums. */
+   taps of mpt__kgrad_win_sums. bfloat16 with AVX-512 BF16 and the
+   workspace (the layer's backward gives it): the pixel-pair tables of
+   mpt__kgrad_pairs where mpt__kgrad_pairs_takes says so, before all
+   these. */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
     j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
@@ -8610,6 +8821,12 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
         mpt__parallel_for(ctx, w.kblocks * w.fblocks, mpt__kgrad_win_task, &w);
         return 1;
     }
+#if MPT__X86
+    if (mpt__kgrad_pairs_takes(ctx, a)) {
+        mpt__kgrad_pairs(ctx, a);
+        return 1;
+    }
+#endif
     if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < j.rows ||
         (a->dtype == MPT_FLOAT32 ? a->f > MPT__DCONV_KGRAD_F32_MAX_F
                                  : a->dtype != MPT_BFLOAT16 || a->f > 32))
@@ -8714,16 +8931,20 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     mpt__acc_mul(&row_bytes, c.kk, 4 + (int64_t)c.es);
     mpt__acc_mul(&sample_bytes, c.pix, row_bytes);
     mpt__acc_mul(&sample_bytes, L->in_count, 4);
+    if (L->dtype == MPT_BFLOAT16) { /* MPT_CONV_KGRAD_WS_BYTES of one sample */
+        mpt__acc_mul(&sample_bytes, 4 * c.g.h * c.g.c, (c.g.ow - 1) * c.g.sw + c.g.kw);
+        mpt__acc_mul(&sample_bytes, 2 * c.pix, c.f);
+    }
     /* and the backend's direct convolution (MPT_CONV_DIRECT_WS_BYTES) */
     mpt__acc_mul(&direct_bytes, c.kk * c.f, 4); /* kk·F: the kernel, counted above */
     mpt__acc_mul(&direct_bytes, MPT__MAX(c.g.c, c.f), 4);
-    mpt__acc_mul(&direct_bytes, 128, 1);
+    mpt__acc_mul(&direct_bytes, 256, 1);
     if (sample_bytes < 0 || direct_bytes < 0 ||
         !mpt__mul_ok(sample_bytes, c.chunk, &chunk_bytes) ||
         !mpt__add_ok(chunk_bytes, direct_bytes, &chunk_bytes))
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "Conv2D '%s': buffers for input %s overflow",
                          L->name, mpt_shape_format(s, sizeof s, 3, L->in_shape));
-    return mpt__layer_set_workspace(m, L, 0, mpt__ws_bytes(chunk_bytes, 7));
+    return mpt__layer_set_workspace(m, L, 0, mpt__ws_bytes(chunk_bytes, 8));
 }
 
 /* The backend's direct convolution (mpt_conv_args) of n samples, where it
@@ -8824,7 +9045,7 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
    one for this case; 0: nothing done. */
 static int mpt__conv2d_direct_kernel_grad(mpt__layer *L, const mpt__pass *p,
                                           const mpt__conv_plan *c, const void *x, const void *dz,
-                                          int64_t n, int first) {
+                                          int64_t n, int first, void *ws) {
     mpt_conv_args a;
     if (!p->be->conv_direct) return 0;
     memset(&a, 0, sizeof a);
@@ -8837,6 +9058,7 @@ static int mpt__conv2d_direct_kernel_grad(mpt__layer *L, const mpt__pass *p,
     a.dz = dz;
     a.dkernel = mpt__param_grad(L, 0);
     a.accumulate = !first;
+    a.ws = ws;
     return p->be->conv_direct(p->impl, &a);
 }
 
@@ -8867,6 +9089,9 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
     void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
+    void *kgrad_ws = L->dtype == MPT_BFLOAT16
+                         ? mpt__ws_take(&w, MPT_CONV_KGRAD_WS_BYTES(&c->g, n, c->f))
+                         : NULL;
     p->be->activation_grad(p->impl, mpt__pass_activation(p, d->activation), L->dtype, z,
                            (const unsigned char *)p->y + (size_t)y_off * c->es,
                            (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, rows,
@@ -8874,7 +9099,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     if (!d->no_bias) p->be->column_sums(p->impl, dz, rows, c->f, mpt__param_grad(L, 1), b0 != 0);
     /* The products run in the compute dtype, as the forward did. */
     if (dz_c != (void *)dz) p->be->convert(p->impl, L->dtype, dz_c, MPT_FLOAT32, dz, ny);
-    if (!mpt__conv2d_direct_kernel_grad(L, p, c, x, dz_c, n, b0 == 0)) {
+    if (!mpt__conv2d_direct_kernel_grad(L, p, c, x, dz_c, n, b0 == 0, kgrad_ws)) {
         if (cols) /* recomputed: cheaper than keeping it */
             p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
         mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
@@ -10773,11 +10998,20 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
                     (double)top_k);
 }
 
+/* How many of a sample's last-axis values make one row. Classes that share
+   a softmax do; binary crossentropy's units are independent labels (one
+   unit, or several for multi-label), each a row of its own, so that
+   accuracy is Keras' binary_accuracy over every unit. Its loss, a mean over
+   elements, is the same either way. */
+static int64_t mpt__loss_row_width(mpt_loss_type type, int64_t last_axis) {
+    return type == MPT_LOSS_BINARY_CROSSENTROPY ? 1 : last_axis;
+}
+
 /* A model output's rows for the loss: its last axis holds the classes and
    every other axis of a sample is a position, as Keras and PyTorch see an
    (N, H, W, C) or (N, T, C) output: one softmax and one loss per position. */
 static void mpt__loss_rows(const mpt__layer *last, int64_t batch, mpt_loss_args *a) {
-    a->K = last->out_shape[last->out_rank - 1];
+    a->K = mpt__loss_row_width(a->type, last->out_shape[last->out_rank - 1]);
     a->rows_per_sample = last->out_count / a->K;
     a->rows = batch * a->rows_per_sample;
 }
@@ -21462,7 +21696,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         if (s != MPT_OK) break;
         t.loss_sum += loss * (double)b;
         t.samples += b;
-        classes = shape[rank - 1];
+        classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
         mpt__q_tally_batch(m, pred, b * (per / classes), classes, per / classes, &y, &t);
     }
     mpt__loader_destroy(loader);

@@ -119,6 +119,18 @@ static inline mpt_fit_desc fit_for(int epochs, int64_t batch_size) {
     return f;
 }
 
+/* The value of a history key (as Keras' history.history[key][epoch]) after
+   fit; epoch −1: the last epoch's. NAN when the key or epoch is missing. */
+static inline double history_value(const mpt_model *m, const char *key, int epoch) {
+    mpt_history h;
+    int k;
+    mpt_model_history(m, &h);
+    if (epoch < 0) epoch = h.epochs + epoch;
+    for (k = 0; k < h.n_keys; k++)
+        if (!strcmp(h.keys[k], key) && epoch >= 0 && epoch < h.epochs) return h.values[k][epoch];
+    return NAN;
+}
+
 static inline double ref_act(mpt_activation act, double z) {
     switch (act) {
     case MPT_ACT_RELU: return z > 0 ? z : 0;

@@ -1944,6 +1944,57 @@ static void test_python_interop(void) {
     mpt_model_destroy(m);
 }
 
+/* The safetensors library reads a quantization-aware checkpoint's
+   ranges: scalar float32 min and max holding the model's values, int64
+   "initialized" flags, no range for the Dense that BatchNormalization
+   follows, and the moving average's decay in the metadata. */
+static void test_qat_python_interop(void) {
+    mpt_dataset *d;
+    mpt_model *m;
+    qat_ranges r;
+    char p[256], script[256], cmd[1024];
+    FILE *f;
+    if (!test_python_imports("safetensors.numpy, numpy")) return;
+    d = qat_data();
+    m = make_qat_model(1);
+    CHECK(m && d && mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    r = qat_ranges_of(m);
+    CHECK(r.status[0] == MPT_OK && r.status[3] == MPT_OK && r.status[5] == MPT_OK,
+          "the input's, the ReLU's and the logits' ranges are set");
+    CHECK(m && mpt_model_save_checkpoint(m, path_of(p, "qat-py.safetensors")) == MPT_OK,
+          "save: %s", mpt_context_error(ctx));
+    f = fopen(path_of(script, "check_qat.py"), "w");
+    if (f) {
+        fprintf(f,
+                "import sys, numpy as np\n"
+                "from safetensors import safe_open\n"
+                "from safetensors.numpy import load_file\n"
+                "d = load_file(sys.argv[1])\n"
+                "names = ['qat/input', 'qat/activation/output', 'qat/dense_1/output']\n"
+                "for i, name in enumerate(names):\n"
+                "    for j, end in enumerate(['min', 'max']):\n"
+                "        v = d[name + '/' + end]\n"
+                "        assert v.dtype == np.float32 and v.shape == (), (name, v.dtype, v.shape)\n"
+                "        want = float.fromhex(sys.argv[2 + 2 * i + j])\n"
+                "        assert float(v) == want, (name, end, float(v), want)\n"
+                "    flag = d[name + '/initialized']\n"
+                "    assert flag.dtype == np.int64 and flag.shape == () and int(flag) == 1, flag\n"
+                "qat = sorted(k for k in d if k.startswith('qat/'))\n"
+                "assert len(qat) == 9 and not any(k.startswith('qat/dense/') for k in qat), qat\n"
+                "with safe_open(sys.argv[1], framework='np') as g:\n"
+                "    meta = g.metadata()\n"
+                "assert np.float32(meta['qat_ema_decay']) == np.float32(0.8), meta\n");
+        fclose(f);
+    }
+    snprintf(cmd, sizeof cmd, "'%s' %s %s %a %a %a %a %a %a", test_python(), script, p,
+             (double)r.min[0], (double)r.max[0], (double)r.min[3], (double)r.max[3],
+             (double)r.min[5], (double)r.max[5]);
+    CHECK(system(cmd) == 0, "the safetensors library reads the ranges (%s)", cmd);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+}
+
 int main(void) {
     mpt_context_desc d;
     memset(&d, 0, sizeof d);
@@ -1971,6 +2022,7 @@ int main(void) {
     test_qat_mismatch();
     test_qat_bad_values();
     TEST_RUN(test_python_interop);
+    TEST_RUN(test_qat_python_interop);
     remove_dir();
     mpt_context_destroy(ctx);
     return test_summary("test_checkpoint");

@@ -1115,11 +1115,16 @@ static const struct {
 
 static int direct_calls;      /* conv_direct calls that did the work */
 static int kernel_grad_calls; /* of them, kernel gradients          */
+static int pairs_calls;       /* of those, from the pixel-pair tables */
 
 static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     int done = mpt__cpu_conv_direct(impl, a);
     direct_calls += done;
     if (a->kernel_grad) kernel_grad_calls += done;
+#if MPT__X86
+    if (a->kernel_grad && mpt__kgrad_pairs_takes((const mpt_context *)impl, a))
+        pairs_calls += done;
+#endif
     return done;
 }
 
@@ -1218,8 +1223,8 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
    the GEMM's 512 block) at every SIMD level and dtype. */
 static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
-    layer_ref cases[17];
-    int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0;
+    layer_ref cases[20];
+    int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0, ran_pairs = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1241,8 +1246,17 @@ static void test_direct_conv(void) {
     cases[n_cases++] = conv_case(9, 11, 3, 20, 3, 3, 2, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(7, 6, 5, 33, 2, 3, 1, 2, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(13, 12, 7, 16, 5, 4, 3, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    /* bfloat16's kernel gradient from pixel-pair tables (an even number of
+       output columns) takes 8 channels by 32 filters of up to 16 taps:
+       13 channels are a block and a shifted one, 21 three blocks, the last
+       shifted; 50 filters a block and a tail of 18, 40 one and 8; 25
+       taps two groups; pairs with one pixel in the padding at both sides
+       ('same', stride 2), columns skipped by stride 3 */
+    cases[n_cases++] = conv_case(9, 12, 13, 50, 3, 3, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    cases[n_cases++] = conv_case(7, 8, 21, 40, 5, 5, 1, 1, MPT_PADDING_SAME, MPT_ACT_NONE, 0);
+    cases[n_cases++] = conv_case(6, 13, 12, 17, 2, 4, 1, 3, MPT_PADDING_VALID, MPT_ACT_TANH, 1);
     test_seed(23);
-    while (n_cases < 17) {
+    while (n_cases < 20) {
         geom g;
         random_geom(&g, 9, 40, 4);
         g.c = test_randint(16, 40);
@@ -1264,12 +1278,18 @@ static void test_direct_conv(void) {
                 const int64_t batch = 1 + (k + t) % 4;
                 conv_run former, one, two;
                 double worst = 0;
+                int64_t before;
                 int calls;
                 test__begin();
                 run_conv_layer(level, 2, d, batch, dts[t], 0, &former);
-                direct_calls = kernel_grad_calls = 0;
+                direct_calls = kernel_grad_calls = pairs_calls = 0;
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
+                if (level == 3 && dts[t] == MPT_BFLOAT16 && d->g.c >= 12 && d->f <= 64 &&
+                    tf_out(d->g.w, d->g.kw, d->g.sw, d->g.pad, &before) % 2 == 0) {
+                    CHECK(pairs_calls > 0, "the pixel-pair kernel gradient did not run");
+                    ran_pairs += pairs_calls > 0;
+                }
                 if (level >= 2 && dts[t] != MPT_FLOAT16 &&
                     d->g.c < (dts[t] == MPT_FLOAT32 ? 8 : 12)) {
                     CHECK(kernel_grad_calls > 0, "the shallow kernel gradient did not run");
@@ -1314,7 +1334,7 @@ static void test_direct_conv(void) {
             }
     }
     printf("# direct convolution ran in %d float32 and %d bfloat16 cases; the shallow kernel "
-           "gradient in %d\n", ran_f32, ran_bf16, ran_shallow);
+           "gradient in %d, the pixel-pair one in %d\n", ran_f32, ran_bf16, ran_shallow, ran_pairs);
 }
 
 /* ---- the backward pass's elementwise work across threads -------------------- */

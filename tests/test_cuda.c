@@ -2311,15 +2311,6 @@ static mpt_model *blob_model(mpt_context *ctx, mpt_policy policy) {
     return m;
 }
 
-static double history_last(const mpt_model *m, const char *key) {
-    mpt_history h;
-    int k;
-    if (mpt_model_history(m, &h) != MPT_OK || h.epochs < 1) return NAN;
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key)) return h.values[k][h.epochs - 1];
-    return NAN;
-}
-
 /* Where train_blobs has fit profile steps 2..20 (NULL: no profiling). */
 static const char *blobs_profile_dir;
 
@@ -2355,7 +2346,7 @@ static double train_blobs(const char *graphs, mpt_policy policy, int epochs, con
             fd.profile_batch[1] = 20; /* 16 steps an epoch: into the second */
             fd.profile_dir = blobs_profile_dir;
         }
-        if (mpt_model_fit(m, data, &fd) == MPT_OK) acc = history_last(m, "accuracy");
+        if (mpt_model_fit(m, data, &fd) == MPT_OK) acc = history_value(m, "accuracy", -1);
         else CHECK(0, "fit: %s", mpt_context_error(ctx));
         if (path)
             CHECK(mpt_model_save_weights(m, path) == MPT_OK, "save_weights: %s",
@@ -2536,7 +2527,7 @@ static void test_model_mlp_fashion_mnist(void) {
               mpt_context_error(ctx));
         acc = mpt_logs_get(&logs, "accuracy");
         printf("# mlp mixed_float16 on the GPU: test accuracy %.4f (CPU: %.4f), %.0f samples/s\n",
-               acc, cpu_accuracy, history_last(m, "samples_per_second"));
+               acc, cpu_accuracy, history_value(m, "samples_per_second", -1));
         CHECK(fabs(acc - cpu_accuracy) <= 0.005,
               "test accuracy %.4f is not within 0.5 points of the CPU's %.4f", acc, cpu_accuracy);
     }

@@ -31,15 +31,6 @@ static int same_state(mpt_model *a, mpt_model *b) {
     return a->optimizer_steps == b->optimizer_steps && a->step == b->step;
 }
 
-static double history_value(mpt_model *m, const char *key, int epoch) {
-    mpt_history h;
-    int k;
-    mpt_model_history(m, &h);
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key) && epoch < h.epochs) return h.values[k][epoch];
-    return NAN;
-}
-
 static int warnings;
 static void counting_logger(void *user, mpt_log_level level, const char *msg) {
     (void)user;

@@ -905,64 +905,79 @@ static void test_uint8_samples_as_float32(void) {
     }
 }
 
-/* A quantized binary classifier (one sigmoid unit, binary crossentropy)
-   counts accuracy as the float model does: the probability past 0.5 where
-   the label is 1, for every mode; not an argmax over one unit. */
+/* A binary classifier with `units` sigmoid units (one, or several
+   independent labels) and binary crossentropy counts accuracy as Keras'
+   binary_accuracy: each probability past 0.5 where its label is 1, the
+   mean over every unit; not an argmax over the units. The float model's
+   evaluate and every quantized mode's agree with that count from their
+   own predictions. */
+static void check_binary_accuracy(mpt_context *ctx, mpt_model *q, const float *targets,
+                                  int units, const mpt_dataset *d, const char *what) {
+    mpt_tensor p;
+    mpt_logs logs;
+    int i, hits = 0, ones = 0, n = N_SAMPLES * units;
+    memset(&p, 0, sizeof p);
+    CHECK(mpt_model_predict(q, d, 32, &p) == MPT_OK &&
+              mpt_model_evaluate(q, d, &(mpt_evaluate_desc){.batch_size = 40}, &logs) == MPT_OK,
+          "%s: %s", what, mpt_context_error(ctx));
+    for (i = 0; p.data && i < n; i++) {
+        hits += (((const float *)p.data)[i] > 0.5f) == (targets[i] == 1.0f);
+        ones += ((const float *)p.data)[i] > 0.5f;
+    }
+    CHECK(ones > 0 && ones < n, "%s: every prediction on one side (%d of %d)", what, ones, n);
+    CHECK(fabs(mpt_logs_get(&logs, "accuracy") - (double)hits / n) < 1e-9,
+          "%s, %d units: accuracy %g, %d of %d predictions right", what, units,
+          mpt_logs_get(&logs, "accuracy"), hits, n);
+    mpt_tensor_free(ctx, &p);
+}
+
 static void test_binary_accuracy(void) {
     mpt_context *ctx = quiet_ctx();
-    mpt_model *m = NULL;
-    mpt_dataset *d = NULL;
-    int mode;
-    int i;
-    static float targets[N_SAMPLES];
-    mpt_tensor tx, ty;
-    int64_t xs[4] = {N_SAMPLES, H, W, C}, ys[2] = {N_SAMPLES, 1};
+    int units;
+    static float targets[N_SAMPLES * 3];
     make_samples(91);
-    for (i = 0; i < N_SAMPLES; i++) targets[i] = (float)(sample_y[i] & 1);
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, sample_x);
-    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, ys, targets);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
-                                                  .seed = 3}, &m) == MPT_OK, "create");
-    mpt_model_add_flatten(m, NULL);
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = MPT_ACT_SIGMOID});
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-              .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
-              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK &&
-              mpt_model_build(m, 32) == MPT_OK, "%s", mpt_context_error(ctx));
-    randomize(m, 92);
-    for (i = 0; m && i < mpt_model_param_count(m); i++) { /* logits well away from 0 */
-        mpt_param_info info;
-        int64_t k;
-        mpt_model_param(m, i, &info);
-        for (k = 0; strstr(info.name, "kernel") && k < mpt_tensor_count(&info.value); k++)
-            ((float *)info.value.data)[k] *= 4.0f;
-    }
-    if (m) mpt_model_refresh_weights(m);
-    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
-        mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
-        mpt_tensor p;
-        mpt_logs logs;
-        int hits = 0, ones = 0;
-        memset(&p, 0, sizeof p);
-        CHECK(q && mpt_model_predict(q, d, 32, &p) == MPT_OK &&
-                  mpt_model_evaluate(q, d, &(mpt_evaluate_desc){.batch_size = 40}, &logs) ==
-                      MPT_OK, "mode %d: %s", mode, mpt_context_error(ctx));
-        for (i = 0; p.data && i < N_SAMPLES; i++) {
-            hits += (((const float *)p.data)[i] > 0.5f) == (targets[i] == 1.0f);
-            ones += ((const float *)p.data)[i] > 0.5f;
+    for (units = 1; units <= 3; units += 2) {
+        mpt_model *m = NULL;
+        mpt_dataset *d = NULL;
+        mpt_tensor tx, ty;
+        int64_t xs[4] = {N_SAMPLES, H, W, C}, ys[2] = {N_SAMPLES, units};
+        int i, mode;
+        for (i = 0; i < N_SAMPLES * units; i++)
+            targets[i] = (float)((sample_y[i / units] >> (i % units)) & 1);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, sample_x);
+        mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, ys, targets);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+              "dataset: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                                      .seed = 3}, &m) == MPT_OK, "create");
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = units, .activation = MPT_ACT_SIGMOID});
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
+                  .metrics = MPT_METRIC_ACCURACY}) == MPT_OK &&
+                  mpt_model_build(m, 32) == MPT_OK, "%s", mpt_context_error(ctx));
+        randomize(m, 92);
+        for (i = 0; m && i < mpt_model_param_count(m); i++) { /* logits well away from 0 */
+            mpt_param_info info;
+            int64_t k;
+            mpt_model_param(m, i, &info);
+            for (k = 0; strstr(info.name, "kernel") && k < mpt_tensor_count(&info.value); k++)
+                ((float *)info.value.data)[k] *= 4.0f;
         }
-        CHECK(ones > 0 && ones < N_SAMPLES, "mode %d: every prediction on one side (%d of %d)",
-              mode, ones, N_SAMPLES);
-        CHECK(fabs(mpt_logs_get(&logs, "accuracy") - (double)hits / N_SAMPLES) < 1e-9, "mode %d: accuracy %g, "
-              "%d of %d predictions right", mode, mpt_logs_get(&logs, "accuracy"), hits, N_SAMPLES);
-        mpt_tensor_free(ctx, &p);
-        mpt_model_destroy(q);
+        if (m) mpt_model_refresh_weights(m);
+        if (m && d) check_binary_accuracy(ctx, m, targets, units, d, "float32");
+        for (mode = 0; m && d && mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+            mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+            char what[32];
+            snprintf(what, sizeof what, "mode %d", mode);
+            CHECK(q != NULL, "%s: quantize", what);
+            if (q) check_binary_accuracy(ctx, q, targets, units, d, what);
+            mpt_model_destroy(q);
+        }
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(d);
     }
-    mpt_model_destroy(m);
-    mpt_dataset_destroy(d);
     mpt_context_destroy(ctx);
 }
 

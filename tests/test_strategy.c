@@ -34,15 +34,6 @@ static mpt_model *model(mpt_strategy *s, mpt_policy policy, int extras, mpt_opti
 }
 
 /* The last epoch's value of a history key. */
-static double history_of(const mpt_model *m, const char *key) {
-    mpt_history h;
-    int k;
-    mpt_model_history(m, &h);
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key) && h.epochs > 0) return h.values[k][h.epochs - 1];
-    return NAN;
-}
-
 static mpt_strategy *mirrored(int replicas) {
     mpt_strategy *s = NULL;
     CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
@@ -110,12 +101,12 @@ static void test_replicas_match_one(void) {
             printf("# optimizer %d, %d replicas vs 1: relative norm error of the weights %.3g\n",
                    (int)opts[o], counts[c], diff);
             CHECK(replicas_identical(many), "%d replicas drifted apart", counts[c]);
-            CHECK(fabs(history_of(many, "loss") - history_of(one, "loss")) < 1e-5,
+            CHECK(fabs(history_value(many, "loss", -1) - history_value(one, "loss", -1)) < 1e-5,
                   "%d replicas: loss %.8f, one replica %.8f", counts[c],
-                  history_of(many, "loss"), history_of(one, "loss"));
-            CHECK(history_of(many, "accuracy") == history_of(one, "accuracy"),
+                  history_value(many, "loss", -1), history_value(one, "loss", -1));
+            CHECK(history_value(many, "accuracy", -1) == history_value(one, "accuracy", -1),
                   "%d replicas: accuracy %.6f, one replica %.6f", counts[c],
-                  history_of(many, "accuracy"), history_of(one, "accuracy"));
+                  history_value(many, "accuracy", -1), history_value(one, "accuracy", -1));
             mpt_model_destroy(one);
             mpt_model_destroy(many);
             mpt_strategy_destroy(s);
@@ -167,8 +158,8 @@ static void test_replicas_stay_identical(void) {
     fit.batch_size = 30;
     CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     CHECK(replicas_identical(m), "replicas drifted apart");
-    CHECK(history_of(m, "accuracy") > 0.9, "accuracy %.3f after 5 epochs",
-          history_of(m, "accuracy"));
+    CHECK(history_value(m, "accuracy", -1) > 0.9, "accuracy %.3f after 5 epochs",
+          history_value(m, "accuracy", -1));
     CHECK(mpt__dropout_key(&m->layers[2], m->replica_index) !=
               mpt__dropout_key(&m->replica[1]->layers[2], m->replica[1]->replica_index),
           "replicas share a dropout key");

@@ -59,15 +59,6 @@ static mpt_model *blob_model(mpt_policy policy, uint64_t seed) {
     return blob_model_for(policy, seed, 32);
 }
 
-static double history_value(const mpt_model *m, const char *key, int epoch) {
-    mpt_history h;
-    int k;
-    mpt_model_history(m, &h);
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key) && epoch < h.epochs) return h.values[k][epoch];
-    return NAN;
-}
-
 /* Every byte of every parameter and optimizer slot. */
 static int same_state(const mpt_model *a, const mpt_model *b) {
     int i, s;

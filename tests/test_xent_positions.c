@@ -100,15 +100,6 @@ static mpt_model *head_model(mpt_context *c, int softmax, mpt_loss_type type, in
 }
 
 /* The last epoch's value of a history key. */
-static double last_value(const mpt_model *m, const char *key) {
-    mpt_history h;
-    int k;
-    mpt_model_history(m, &h);
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key) && h.epochs > 0) return h.values[k][h.epochs - 1];
-    return NAN;
-}
-
 static void random_input(float *x, int64_t n) {
     int64_t i;
     for (i = 0; i < n * H * W * CIN; i++) x[i] = (float)test_uniform(-2, 2);
@@ -334,13 +325,13 @@ static void test_mirrored_per_position(void) {
     if (one && two && data) {
         CHECK(mpt_model_fit(one, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
         CHECK(mpt_model_fit(two, data, &f) == MPT_OK, "fit mirrored: %s", mpt_context_error(ctx));
-        CHECK(fabs(last_value(two, "loss") - last_value(one, "loss")) <=
-                  1e-5 * last_value(one, "loss"),
-              "loss: 2 replicas %.9g, 1 replica %.9g", last_value(two, "loss"),
-              last_value(one, "loss"));
-        CHECK(fabs(last_value(two, "accuracy") - last_value(one, "accuracy")) <= 1e-9,
-              "accuracy: 2 replicas %.9g, 1 replica %.9g", last_value(two, "accuracy"),
-              last_value(one, "accuracy"));
+        CHECK(fabs(history_value(two, "loss", -1) - history_value(one, "loss", -1)) <=
+                  1e-5 * history_value(one, "loss", -1),
+              "loss: 2 replicas %.9g, 1 replica %.9g", history_value(two, "loss", -1),
+              history_value(one, "loss", -1));
+        CHECK(fabs(history_value(two, "accuracy", -1) - history_value(one, "accuracy", -1)) <= 1e-9,
+              "accuracy: 2 replicas %.9g, 1 replica %.9g", history_value(two, "accuracy", -1),
+              history_value(one, "accuracy", -1));
         for (i = 0; i < one->n_params; i++)
             for (e = 0; e < one->params[i].count; e++) {
                 double a = one->params[i].value[e];

@@ -9956,7 +9956,10 @@ MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
    The rows (B · positions, C) are summed in chunks of a fixed number of rows,
    one task per chunk; each chunk keeps its own per-channel sums (in double)
    and the chunks are added in order, so the statistics are the same whatever
-   the thread count. */
+   the thread count. x, dy, y and dx stay in the layer's dtype: a forward
+   reads x twice (the statistics, then y), a backward reads x and dy twice
+   (the sums, then dx); each chunk's mean and squared deviations come from
+   one task while the chunk is in cache. */
 
 #define MPT__BN_CHUNK ((int64_t)1 << 14) /* elements one task sums (whole rows) */
 
@@ -9999,24 +10002,19 @@ static mpt__bn_plan mpt__bn_plan_rows(int64_t rows, int64_t channels) {
     return pl;
 }
 
-/* The pieces of the workspace, in the order they are carved. */
+/* The pieces of the workspace, in the order they are carved. x and dy are
+   read where they lie, in the layer's dtype, and widened in registers. */
 typedef struct mpt__bn_ws {
-    float *xf;    /* (rows, C) x in float32; the input itself when float32 */
-    float *dyf;   /* (rows, C) dy in float32; likewise                      */
-    double *part; /* (n_chunks, 2, C) each chunk's two per-channel sums      */
-    double *sum;  /* (2, C) the chunks' sums added in order                  */
+    double *part; /* (n_chunks, 2, C) each chunk's two per-channel sums */
+    double *sum;  /* (2, C) the chunks' sums combined in order           */
     float *coef;  /* (4, C) per-channel coefficients of the elementwise pass */
 } mpt__bn_ws;
 
-#define MPT__BN_WS_PIECES 5
+#define MPT__BN_WS_PIECES 3
 
 static mpt__bn_ws mpt__bn_ws_carve(const mpt_batchnorm_args *a, const mpt__bn_plan *pl) {
     mpt__ws w = {(unsigned char *)a->workspace};
-    int64_t n = pl->rows * pl->channels;
-    int copy = a->dtype != MPT_FLOAT32; /* float32 is read where it lies (never written) */
     mpt__bn_ws b;
-    b.xf = copy ? (float *)mpt__ws_take(&w, 4 * n) : (float *)a->x;
-    b.dyf = copy ? (float *)mpt__ws_take(&w, 4 * n) : (float *)a->dy;
     b.part = (double *)mpt__ws_take(&w, 16 * pl->n_chunks * pl->channels);
     b.sum = (double *)mpt__ws_take(&w, 16 * pl->channels);
     b.coef = (float *)mpt__ws_take(&w, 16 * pl->channels);
@@ -10027,9 +10025,10 @@ static mpt__bn_ws mpt__bn_ws_carve(const mpt_batchnorm_args *a, const mpt__bn_pl
    elementwise passes write out. */
 typedef struct mpt__bn_job {
     mpt__bn_plan plan;
-    const float *x;            /* (rows, C)                                   */
-    const float *dy;           /* (rows, C) backward only                     */
-    float *out;                /* (rows, C) y or dx; may be x or dy (in place) */
+    mpt_dtype dtype;           /* of x, dy and out                            */
+    const void *x;             /* (rows, C)                                   */
+    const void *dy;            /* (rows, C) backward only                     */
+    void *out;                 /* (rows, C) y or dx; may be x or dy (in place) */
     double *part;              /* (n_chunks, 2, C)                            */
     const float *mean;         /* (C) the mean subtracted from x              */
     const float *scale;        /* (C) gamma · inv_std                         */
@@ -10046,15 +10045,20 @@ static void mpt__bn_chunk(const mpt__bn_plan *pl, int64_t chunk, int64_t *r0, in
     *r1 = MPT__MIN(pl->rows, *r0 + pl->chunk_rows);
 }
 
+/* The reductions take the channels in bands of this many, each band's
+   sums held in registers (or a small array) over the chunk's rows. */
+#define MPT__BN_BAND 32
+
 #if MPT__X86
 /* The tasks below across the channels with AVX-512: the same operations
    in the same order for each channel (rows in order within a chunk, sums in
-   double), so the results are bit-identical to the scalar loops, which gcc
-   -O2 leaves scalar. Sums take 32 channels per pass over the chunk's rows (4
-   double accumulators), elementwise passes 16 channels per vector; masks
-   cover any channel count. Products pass through mpt__bn_keep so that no
-   compiler fuses them with the following add into an FMA the scalar code
-   does not do. */
+   double), so the results are bit-identical to the portable loops. x and dy
+   are loaded in their dtype and widened to float32 in registers (exact);
+   out is rounded as mpt__convert rounds. A band is one or two vectors of
+   16 channels, each summed as two halves of 8 doubles; masks cover any
+   channel count. Products pass through mpt__bn_keep so that no compiler
+   fuses them with the following add into an FMA the portable code does not
+   do. */
 MPT__TARGET_AVX512 static inline __m512d mpt__bn_keep_pd(__m512d v) {
     __asm__("" : "+v"(v));
     return v;
@@ -10072,137 +10076,229 @@ static __mmask16 mpt__bn_mask16(int64_t left) {
     return (__mmask16)(left >= 16 ? 0xffff : left <= 0 ? 0 : (1u << left) - 1);
 }
 
-/* 8 floats of p widened to double (0 outside m). The zero-masking forms
-   here: the plain ones start from an "undefined" vector that g++ 12 reports
-   as maybe-uninitialized. */
-MPT__TARGET_AVX512 static inline __m512d mpt__bn_load_pd(const float *p, __mmask8 m) {
-    return _mm512_maskz_cvtps_pd(m, _mm256_maskz_loadu_ps(m, p));
+/* The low and the high 8 lanes of v widened to double. The zero-masking
+   forms: the plain ones (and g++ 12's _mm512_castps512_ps256) start from an
+   "undefined" vector that g++ 12 reports as maybe-uninitialized. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512d mpt__bn_low_pd(__m512 v) {
+    return _mm512_maskz_cvtps_pd(0xff, _mm512_maskz_extractf32x8_ps(0xff, v, 0));
+}
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512d mpt__bn_high_pd(__m512 v) {
+    return _mm512_maskz_cvtps_pd(0xff, _mm512_maskz_extractf32x8_ps(0xff, v, 1));
 }
 
-/* s[c] = Σ x (which 0) or Σ (x − mean)² (which 1) over the rows, for the
-   channels [c0, c0 + 32). */
-MPT__TARGET_AVX512 static void mpt__bn_stats_avx512(const mpt__bn_job *j, double *s, int which,
-                                                    int64_t c0, int64_t r0, int64_t r1) {
-    int64_t C = j->plan.channels, r;
-    int k, vectors = (int)MPT__MIN(4, (C - c0 + 7) / 8); /* only those inside the rows */
-    __mmask8 m[4];
-    __m512d acc[4], mean[4];
-    for (k = 0; k < vectors; k++) {
-        m[k] = mpt__bn_mask8(C - c0 - 8 * k);
-        acc[k] = _mm512_setzero_pd();
-        mean[k] = which ? mpt__bn_load_pd(j->mean + c0 + 8 * k, m[k]) : _mm512_setzero_pd();
-    }
+/* 16 channels of row r from c, in dtype dt, as float32 (0 outside m). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__bn_load(mpt_dtype dt, const void *p,
+                                                                 int64_t at, __mmask16 m) {
+    return mpt__avx512_load(dt, (const char *)p + (size_t)at * (dt == MPT_FLOAT32 ? 4 : 2), m);
+}
+
+/* The chunk's moments for the band [c0, c0 + 16 · vectors), in one
+   reading: with k = the chunk's first row and d = x − k (in double),
+   s[c] = n · k + Σ d = Σ x and s[C + c] = Σ d² − (Σ d)² / n = Σ (x − m)²,
+   m the chunk's mean. The shift keeps the subtraction's cancellation to
+   (m − k)² / variance, a few units for a k drawn from the data. */
+/* One vector's 16 values v of a row, shifted by k (low and high halves),
+   into the sums of d = v − k and of d². */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_moments_add(__m512 v, __m512d k_low,
+                                                                      __m512d k_high, __m512d *a,
+                                                                      __m512d *q) {
+    __m512d d0 = _mm512_sub_pd(mpt__bn_low_pd(v), k_low);
+    __m512d d1 = _mm512_sub_pd(mpt__bn_high_pd(v), k_high);
+    a[0] = _mm512_add_pd(a[0], d0);
+    a[1] = _mm512_add_pd(a[1], d1);
+    q[0] = _mm512_add_pd(q[0], mpt__bn_keep_pd(_mm512_mul_pd(d0, d0)));
+    q[1] = _mm512_add_pd(q[1], mpt__bn_keep_pd(_mm512_mul_pd(d1, d1)));
+}
+
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_moments_lanes(
+    mpt_dtype dt, int vectors, const mpt__bn_job *j, double *s, int64_t c0, int64_t r0,
+    int64_t r1) {
+    const int64_t C = j->plan.channels;
+    const __mmask16 m0 = mpt__bn_mask16(C - c0), m1 = mpt__bn_mask16(C - c0 - 16);
+    const __m512d rows = _mm512_set1_pd((double)(r1 - r0));
+    const __m512 first0 = mpt__bn_load(dt, j->x, r0 * C + c0, m0),
+                 first1 = mpt__bn_load(dt, j->x, r0 * C + c0 + 16, m1);
+    const __m512d k0 = mpt__bn_low_pd(first0), k1 = mpt__bn_high_pd(first0),
+                  k2 = mpt__bn_low_pd(first1), k3 = mpt__bn_high_pd(first1);
+    __m512d a[4], q[4], k[4];
+    int64_t r;
+    int i;
+    a[0] = a[1] = a[2] = a[3] = q[0] = q[1] = q[2] = q[3] = _mm512_setzero_pd();
     for (r = r0; r < r1; r++) {
-        const float *x = j->x + r * C + c0;
-        for (k = 0; k < vectors; k++) {
-            __m512d v = mpt__bn_load_pd(x + 8 * k, m[k]);
-            if (which) {
-                v = _mm512_sub_pd(v, mean[k]);
-                v = mpt__bn_keep_pd(_mm512_mul_pd(v, v));
-            }
-            acc[k] = _mm512_add_pd(acc[k], v);
-        }
+        mpt__bn_moments_add(mpt__bn_load(dt, j->x, r * C + c0, m0), k0, k1, a, q);
+        if (vectors == 2)
+            mpt__bn_moments_add(mpt__bn_load(dt, j->x, r * C + c0 + 16, m1), k2, k3, a + 2, q + 2);
     }
-    for (k = 0; k < vectors; k++) _mm512_mask_storeu_pd(s + c0 + 8 * k, m[k], acc[k]);
+    k[0] = k0, k[1] = k1, k[2] = k2, k[3] = k3;
+    for (i = 0; i < 4; i++) {
+        __mmask8 m = mpt__bn_mask8(C - c0 - 8 * i);
+        __m512d sum = _mm512_add_pd(mpt__bn_keep_pd(_mm512_mul_pd(rows, k[i])), a[i]);
+        __m512d sq = _mm512_sub_pd(
+            q[i], _mm512_div_pd(mpt__bn_keep_pd(_mm512_mul_pd(a[i], a[i])), rows));
+        _mm512_mask_storeu_pd(s + c0 + 8 * i, m, sum);
+        _mm512_mask_storeu_pd(s + C + c0 + 8 * i, m, sq);
+    }
 }
 
-/* s[c] = Σ dy, s[C + c] = Σ dy · x̂ over the rows, channels [c0, c0 + 16). */
-MPT__TARGET_AVX512 static void mpt__bn_grad_sums_avx512(const mpt__bn_job *j, double *s,
-                                                        int64_t c0, int64_t r0, int64_t r1) {
-    int64_t C = j->plan.channels, r;
-    int k, vectors = (int)MPT__MIN(2, (C - c0 + 7) / 8); /* only those inside the rows */
-    __mmask8 m[2];
-    __m256 mean[2], inv_std[2];
-    __m512d sdy[2], sdyx[2];
-    for (k = 0; k < vectors; k++) {
-        m[k] = mpt__bn_mask8(C - c0 - 8 * k);
-        mean[k] = _mm256_maskz_loadu_ps(m[k], j->mean + c0 + 8 * k);
-        inv_std[k] = _mm256_maskz_loadu_ps(m[k], j->inv_std + c0 + 8 * k);
-        sdy[k] = sdyx[k] = _mm512_setzero_pd();
+/* Σ dy and Σ dy · x̂ (x̂ = (x − mean) · inv_std in float32) of one vector
+   of 16 channels into the double sums sdy and sdyx (low, high halves). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_grad_lanes(
+    mpt_dtype dt, const mpt__bn_job *j, int64_t at, __mmask16 m, __m512 mean, __m512 inv_std,
+    __m512d *sdy, __m512d *sdyx) {
+    __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(mpt__bn_load(dt, j->x, at, m), mean), inv_std);
+    __m512 dy = mpt__bn_load(dt, j->dy, at, m);
+    __m512d dy0 = mpt__bn_low_pd(dy), dy1 = mpt__bn_high_pd(dy);
+    sdy[0] = _mm512_add_pd(sdy[0], dy0);
+    sdy[1] = _mm512_add_pd(sdy[1], dy1);
+    sdyx[0] = _mm512_add_pd(sdyx[0], mpt__bn_keep_pd(_mm512_mul_pd(dy0, mpt__bn_low_pd(xhat))));
+    sdyx[1] = _mm512_add_pd(sdyx[1], mpt__bn_keep_pd(_mm512_mul_pd(dy1, mpt__bn_high_pd(xhat))));
+}
+
+/* s[c] = Σ dy, s[C + c] = Σ dy · x̂ over the rows, for the band
+   [c0, c0 + 16 · vectors). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_grad_sums_lanes(
+    mpt_dtype dt, int vectors, const mpt__bn_job *j, double *s, int64_t c0, int64_t r0,
+    int64_t r1) {
+    const int64_t C = j->plan.channels;
+    const __mmask16 m0 = mpt__bn_mask16(C - c0), m1 = mpt__bn_mask16(C - c0 - 16);
+    const __m512 mean0 = _mm512_maskz_loadu_ps(m0, j->mean + c0),
+                 mean1 = _mm512_maskz_loadu_ps(m1, j->mean + c0 + 16),
+                 istd0 = _mm512_maskz_loadu_ps(m0, j->inv_std + c0),
+                 istd1 = _mm512_maskz_loadu_ps(m1, j->inv_std + c0 + 16);
+    __m512d sdy[4], sdyx[4];
+    int64_t r;
+    int k;
+    for (k = 0; k < 4; k++) sdy[k] = sdyx[k] = _mm512_setzero_pd();
+    for (r = r0; r < r1; r++) {
+        mpt__bn_grad_lanes(dt, j, r * C + c0, m0, mean0, istd0, sdy, sdyx);
+        if (vectors == 2)
+            mpt__bn_grad_lanes(dt, j, r * C + c0 + 16, m1, mean1, istd1, sdy + 2, sdyx + 2);
     }
-    for (r = r0; r < r1; r++)
-        for (k = 0; k < vectors; k++) {
-            int64_t at = r * C + c0 + 8 * k;
-            __m256 xhat = _mm256_mul_ps(
-                _mm256_sub_ps(_mm256_maskz_loadu_ps(m[k], j->x + at), mean[k]), inv_std[k]);
-            __m512d dy = mpt__bn_load_pd(j->dy + at, m[k]);
-            sdy[k] = _mm512_add_pd(sdy[k], dy);
-            sdyx[k] = _mm512_add_pd(
-                sdyx[k], mpt__bn_keep_pd(_mm512_mul_pd(dy, _mm512_maskz_cvtps_pd(m[k], xhat))));
-        }
-    for (k = 0; k < vectors; k++) {
-        _mm512_mask_storeu_pd(s + c0 + 8 * k, m[k], sdy[k]);
-        _mm512_mask_storeu_pd(s + C + c0 + 8 * k, m[k], sdyx[k]);
+    for (k = 0; k < 4; k++) {
+        _mm512_mask_storeu_pd(s + c0 + 8 * k, mpt__bn_mask8(C - c0 - 8 * k), sdy[k]);
+        _mm512_mask_storeu_pd(s + C + c0 + 8 * k, mpt__bn_mask8(C - c0 - 8 * k), sdyx[k]);
     }
 }
 
 /* forward: y = (x − mean) · scale + beta; backward (dy set):
    dx = scale · (dy − mean_dy − x̂ · mean_dy_xhat), x̂ = (x − mean) · inv_std. */
-MPT__TARGET_AVX512 static void mpt__bn_elementwise_avx512(const mpt__bn_job *j, int64_t r0,
-                                                          int64_t r1) {
-    int64_t C = j->plan.channels, r, c;
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_elementwise_lanes(
+    mpt_dtype dt, const mpt__bn_job *j, int64_t r0, int64_t r1) {
+    /* In locals: the stores through out could alias *j for all the
+       compiler knows, which would reload every pointer per vector. */
+    const int64_t C = j->plan.channels;
+    const size_t es = dt == MPT_FLOAT32 ? 4 : 2;
+    const void *x = j->x, *dy = j->dy;
+    char *out = (char *)j->out;
+    const float *mean = j->mean, *scale = j->scale, *beta = j->beta, *inv_std = j->inv_std;
+    const float *mean_dy = j->mean_dy, *mean_dy_xhat = j->mean_dy_xhat;
+    int64_t r, c;
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c += 16) {
             __mmask16 m = mpt__bn_mask16(C - c);
             int64_t at = r * C + c;
-            __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, j->x + at),
-                                     _mm512_maskz_loadu_ps(m, j->mean + c));
-            __m512 scale = _mm512_maskz_loadu_ps(m, j->scale + c), out;
-            if (!j->dy) {
-                out = _mm512_add_ps(mpt__bn_keep_ps(_mm512_mul_ps(d, scale)),
-                                    _mm512_maskz_loadu_ps(m, j->beta + c));
+            __m512 d = _mm512_sub_ps(mpt__bn_load(dt, x, at, m), _mm512_maskz_loadu_ps(m, mean + c));
+            __m512 k = _mm512_maskz_loadu_ps(m, scale + c), v;
+            if (!dy) {
+                v = _mm512_add_ps(mpt__bn_keep_ps(_mm512_mul_ps(d, k)),
+                                  _mm512_maskz_loadu_ps(m, beta + c));
             } else {
-                __m512 xhat = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m, j->inv_std + c));
-                __m512 centred = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, j->dy + at),
-                                               _mm512_maskz_loadu_ps(m, j->mean_dy + c));
-                out = _mm512_mul_ps(
-                    scale, _mm512_sub_ps(centred, mpt__bn_keep_ps(_mm512_mul_ps(
-                                                      xhat, _mm512_maskz_loadu_ps(
-                                                                m, j->mean_dy_xhat + c)))));
+                __m512 xhat = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m, inv_std + c));
+                __m512 centred = _mm512_sub_ps(mpt__bn_load(dt, dy, at, m),
+                                               _mm512_maskz_loadu_ps(m, mean_dy + c));
+                v = _mm512_mul_ps(k, _mm512_sub_ps(centred, mpt__bn_keep_ps(_mm512_mul_ps(
+                                                             xhat, _mm512_maskz_loadu_ps(
+                                                                       m, mean_dy_xhat + c)))));
             }
-            _mm512_mask_storeu_ps(j->out + at, m, out);
+            mpt__avx512_store(dt, out + (size_t)at * es, v, m);
         }
 }
+
+/* One kernel per dtype and band width, so that the dtype switches and the
+   second vector's test fold away. */
+#define MPT__BN_PER_DTYPE(call_f32, call_f16, call_bf16, dt)                                     \
+    do {                                                                                           \
+        if ((dt) == MPT_BFLOAT16) call_bf16;                                                       \
+        else if ((dt) == MPT_FLOAT16) call_f16;                                                    \
+        else call_f32;                                                                             \
+    } while (0)
+
+MPT__TARGET_AVX512 static void mpt__bn_moments_avx512(const mpt__bn_job *j, double *s, int64_t r0,
+                                                      int64_t r1) {
+    int64_t c;
+    for (c = 0; c < j->plan.channels; c += MPT__BN_BAND) {
+        int two = j->plan.channels - c > 16;
+#define MPT__BN_MOMENTS(dt)                                                                        \
+    (two ? mpt__bn_moments_lanes(dt, 2, j, s, c, r0, r1)                                           \
+         : mpt__bn_moments_lanes(dt, 1, j, s, c, r0, r1))
+        MPT__BN_PER_DTYPE(MPT__BN_MOMENTS(MPT_FLOAT32), MPT__BN_MOMENTS(MPT_FLOAT16),
+                          MPT__BN_MOMENTS(MPT_BFLOAT16), j->dtype);
+#undef MPT__BN_MOMENTS
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__bn_grad_sums_avx512(const mpt__bn_job *j, double *s,
+                                                        int64_t r0, int64_t r1) {
+    int64_t c;
+    for (c = 0; c < j->plan.channels; c += MPT__BN_BAND) {
+        int two = j->plan.channels - c > 16;
+#define MPT__BN_GRAD_SUMS(dt)                                                                      \
+    (two ? mpt__bn_grad_sums_lanes(dt, 2, j, s, c, r0, r1)                                         \
+         : mpt__bn_grad_sums_lanes(dt, 1, j, s, c, r0, r1))
+        MPT__BN_PER_DTYPE(MPT__BN_GRAD_SUMS(MPT_FLOAT32), MPT__BN_GRAD_SUMS(MPT_FLOAT16),
+                          MPT__BN_GRAD_SUMS(MPT_BFLOAT16), j->dtype);
+#undef MPT__BN_GRAD_SUMS
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__bn_elementwise_avx512(const mpt__bn_job *j, int64_t r0,
+                                                          int64_t r1) {
+    MPT__BN_PER_DTYPE(mpt__bn_elementwise_lanes(MPT_FLOAT32, j, r0, r1),
+                      mpt__bn_elementwise_lanes(MPT_FLOAT16, j, r0, r1),
+                      mpt__bn_elementwise_lanes(MPT_BFLOAT16, j, r0, r1), j->dtype);
+}
+#undef MPT__BN_PER_DTYPE
 #endif
 
-/* part[chunk][0][c] = Σ x. */
-static void mpt__bn_sum_task(void *arg, int64_t chunk, int thread) {
+/* Element i of x or dy (in the layer's dtype) as float32. */
+static float mpt__bn_get(const mpt__bn_job *j, const void *p, int64_t i) {
+    return mpt__load_f32(j->dtype, p, i);
+}
+
+/* part[chunk] = the chunk's moments: [0][c] = Σ x, and with the chunk's
+   own mean m = Σ x / rows, [1][c] = Σ (x − m)², from one reading of the
+   chunk, shifted by its first row (which keeps the precision when |mean|
+   is large against the spread); mpt__bn_combine_moments joins the chunks. */
+static void mpt__bn_moments_task(void *arg, int64_t chunk, int thread) {
     const mpt__bn_job *j = (const mpt__bn_job *)arg;
-    int64_t C = j->plan.channels, r, r0, r1, c;
+    int64_t C = j->plan.channels, r, r0, r1, c0;
     double *s = j->part + 2 * C * chunk;
     (void)thread;
     mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
 #if MPT__X86
     if (j->avx512) {
-        for (c = 0; c < C; c += 32) mpt__bn_stats_avx512(j, s, 0, c, r0, r1);
+        mpt__bn_moments_avx512(j, s, r0, r1);
         return;
     }
 #endif
-    for (c = 0; c < C; c++) s[c] = 0;
-    for (r = r0; r < r1; r++)
-        for (c = 0; c < C; c++) s[c] += j->x[r * C + c];
-}
-
-/* part[chunk][1][c] = Σ (x − mean)²: the second pass of a two-pass variance,
-   which keeps its precision when |mean| is large against the spread. */
-static void mpt__bn_sqdev_task(void *arg, int64_t chunk, int thread) {
-    const mpt__bn_job *j = (const mpt__bn_job *)arg;
-    int64_t C = j->plan.channels, r, r0, r1, c;
-    double *s = j->part + 2 * C * chunk + C;
-    (void)thread;
-    mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
-#if MPT__X86
-    if (j->avx512) {
-        for (c = 0; c < C; c += 32) mpt__bn_stats_avx512(j, s, 1, c, r0, r1);
-        return;
-    }
-#endif
-    for (c = 0; c < C; c++) s[c] = 0;
-    for (r = r0; r < r1; r++)
-        for (c = 0; c < C; c++) {
-            double d = (double)j->x[r * C + c] - j->mean[c];
-            s[c] += d * d;
+    for (c0 = 0; c0 < C; c0 += MPT__BN_BAND) { /* as the vectors: a band at a time */
+        int64_t band = MPT__MIN(MPT__BN_BAND, C - c0), k;
+        double n = (double)(r1 - r0), shift[MPT__BN_BAND], sum[MPT__BN_BAND], sq[MPT__BN_BAND];
+        for (k = 0; k < band; k++) {
+            shift[k] = mpt__bn_get(j, j->x, r0 * C + c0 + k);
+            sum[k] = sq[k] = 0;
         }
+        for (r = r0; r < r1; r++)
+            for (k = 0; k < band; k++) {
+                double d = (double)mpt__bn_get(j, j->x, r * C + c0 + k) - shift[k];
+                sum[k] += d;
+                sq[k] += d * d;
+            }
+        for (k = 0; k < band; k++) {
+            s[c0 + k] = n * shift[k] + sum[k];
+            s[C + c0 + k] = sq[k] - sum[k] * sum[k] / n;
+        }
+    }
 }
 
 /* y = (x − mean) · gamma · inv_std + beta. */
@@ -10219,7 +10315,9 @@ static void mpt__bn_normalize_task(void *arg, int64_t chunk, int thread) {
 #endif
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c++)
-            j->out[r * C + c] = (j->x[r * C + c] - j->mean[c]) * j->scale[c] + j->beta[c];
+            mpt__store_f32(j->dtype, j->out, r * C + c,
+                           (mpt__bn_get(j, j->x, r * C + c) - j->mean[c]) * j->scale[c] +
+                               j->beta[c]);
 }
 
 /* part[chunk][0][c] = Σ dy, part[chunk][1][c] = Σ dy · x̂. */
@@ -10231,14 +10329,15 @@ static void mpt__bn_grad_sums_task(void *arg, int64_t chunk, int thread) {
     mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
 #if MPT__X86
     if (j->avx512) {
-        for (c = 0; c < C; c += 16) mpt__bn_grad_sums_avx512(j, s, c, r0, r1);
+        mpt__bn_grad_sums_avx512(j, s, r0, r1);
         return;
     }
 #endif
     for (c = 0; c < 2 * C; c++) s[c] = 0;
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c++) {
-            float dy = j->dy[r * C + c], xhat = (j->x[r * C + c] - j->mean[c]) * j->inv_std[c];
+            float dy = mpt__bn_get(j, j->dy, r * C + c);
+            float xhat = (mpt__bn_get(j, j->x, r * C + c) - j->mean[c]) * j->inv_std[c];
             s[c] += dy;
             s[C + c] += (double)dy * xhat;
         }
@@ -10259,9 +10358,10 @@ static void mpt__bn_dx_task(void *arg, int64_t chunk, int thread) {
 #endif
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c++) {
-            float xhat = (j->x[r * C + c] - j->mean[c]) * j->inv_std[c];
-            j->out[r * C + c] =
-                j->scale[c] * (j->dy[r * C + c] - j->mean_dy[c] - xhat * j->mean_dy_xhat[c]);
+            float xhat = (mpt__bn_get(j, j->x, r * C + c) - j->mean[c]) * j->inv_std[c];
+            float dy = mpt__bn_get(j, j->dy, r * C + c);
+            mpt__store_f32(j->dtype, j->out, r * C + c,
+                           j->scale[c] * (dy - j->mean_dy[c] - xhat * j->mean_dy_xhat[c]));
         }
 }
 
@@ -10273,25 +10373,47 @@ static void mpt__bn_combine(const mpt__bn_plan *pl, const double *part, int whic
         for (c = 0; c < C; c++) sum[c] += part[(2 * k + which) * C + c];
 }
 
-/* The batch mean and biased variance into a->mean and a->variance. */
+/* The chunks' moments joined in chunk order: sum[c] = Σ x over all rows,
+   sum[C + c] = Σ (x − mean)² with mean = sum[c] / rows, as each chunk's
+   Σ (x − m_k)² + n_k · (m_k − mean)² (the chunk of n_k rows and mean m_k
+   adds the squared distance of its mean to the whole one). */
+static void mpt__bn_combine_moments(const mpt__bn_plan *pl, const double *part, double *sum) {
+    int64_t C = pl->channels, k, c;
+    mpt__bn_combine(pl, part, 0, sum);
+    for (c = 0; c < C; c++) sum[C + c] = 0;
+    for (k = 0; k < pl->n_chunks; k++) {
+        int64_t r0, r1;
+        double n;
+        mpt__bn_chunk(pl, k, &r0, &r1);
+        n = (double)(r1 - r0);
+        for (c = 0; c < C; c++) {
+            double d = part[2 * k * C + c] / n - sum[c] / (double)pl->rows;
+            sum[C + c] += part[(2 * k + 1) * C + c] + n * d * d;
+        }
+    }
+}
+
+/* The batch mean and biased variance into a->mean and a->variance: one
+   pass over x. */
 static void mpt__bn_batch_stats(mpt_context *ctx, const mpt_batchnorm_args *a, mpt__bn_job *j,
                                 const mpt__bn_ws *w) {
     int64_t C = j->plan.channels, c;
-    mpt__parallel_for(ctx, j->plan.n_chunks, mpt__bn_sum_task, j);
-    mpt__bn_combine(&j->plan, w->part, 0, w->sum);
-    for (c = 0; c < C; c++) a->mean[c] = (float)(w->sum[c] / (double)j->plan.rows);
-    j->mean = a->mean;
-    mpt__parallel_for(ctx, j->plan.n_chunks, mpt__bn_sqdev_task, j);
-    mpt__bn_combine(&j->plan, w->part, 1, w->sum + C);
-    for (c = 0; c < C; c++) a->variance[c] = (float)(w->sum[C + c] / (double)j->plan.rows);
+    mpt__parallel_for(ctx, j->plan.n_chunks, mpt__bn_moments_task, j);
+    mpt__bn_combine_moments(&j->plan, w->part, w->sum);
+    for (c = 0; c < C; c++) {
+        a->mean[c] = (float)(w->sum[c] / (double)j->plan.rows);
+        /* ≥ 0: a chunk's Σ d² − (Σ d)² / n can round below 0 by a hair */
+        a->variance[c] = (float)MPT__MAX(w->sum[C + c] / (double)j->plan.rows, 0.0);
+    }
 }
 
-/* The CPU backend's BatchNormalization forward (mpt_backend.batchnorm_forward). */
+/* The CPU backend's BatchNormalization forward (mpt_backend.batchnorm_forward):
+   one pass over x for the statistics (training), one for y. */
 static void mpt__cpu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     mpt__bn_plan pl = mpt__bn_plan_rows(a->rows, a->channels);
     mpt__bn_ws w = mpt__bn_ws_carve(a, &pl);
-    int64_t C = pl.channels, n = pl.rows * C, c;
+    int64_t C = pl.channels, c;
     float *scale = w.coef, *beta = w.coef + C; /* (C) each */
     const float *mean, *var;
     mpt__bn_job j;
@@ -10299,8 +10421,8 @@ static void mpt__cpu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) 
     j.plan = pl;
     j.part = w.part;
     j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
-    if ((void *)w.xf != a->x) mpt__convert(ctx, MPT_FLOAT32, w.xf, a->dtype, a->x, n);
-    j.x = w.xf;
+    j.dtype = a->dtype;
+    j.x = a->x;
     if (a->training) {
         mpt__bn_batch_stats(ctx, a, &j, &w);
         mean = a->mean;
@@ -10316,11 +10438,8 @@ static void mpt__cpu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) 
     j.mean = mean;
     j.scale = scale;
     j.beta = beta;
-    /* float32 writes y directly; otherwise y goes over the float32 copy of
-       x (backward reads the layer's input, not this copy) and is rounded. */
-    j.out = a->dtype == MPT_FLOAT32 ? (float *)a->y : w.xf;
+    j.out = a->y;
     mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_normalize_task, &j);
-    if ((void *)j.out != a->y) mpt__convert(ctx, a->dtype, a->y, MPT_FLOAT32, j.out, n);
 }
 
 /* Folds the batch statistics of the last training forward into the moving
@@ -10338,21 +10457,21 @@ static void mpt__cpu_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
     }
 }
 
+/* Backward: one pass over x and dy for the sums, one for dx. */
 static void mpt__cpu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     mpt__bn_plan pl = mpt__bn_plan_rows(a->rows, a->channels);
     mpt__bn_ws w = mpt__bn_ws_carve(a, &pl);
-    int64_t C = pl.channels, n = pl.rows * C, c;
+    int64_t C = pl.channels, c;
     float *scale = w.coef, *inv_std = w.coef + C, *mdy = inv_std + C, *mdyx = mdy + C; /* (C) */
     mpt__bn_job j;
     memset(&j, 0, sizeof j);
     j.plan = pl;
     j.part = w.part;
     j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
-    if ((void *)w.xf != a->x) mpt__convert(ctx, MPT_FLOAT32, w.xf, a->dtype, a->x, n);
-    if ((void *)w.dyf != a->dy) mpt__convert(ctx, MPT_FLOAT32, w.dyf, a->dtype, a->dy, n);
-    j.x = w.xf;
-    j.dy = w.dyf;
+    j.dtype = a->dtype;
+    j.x = a->x;
+    j.dy = a->dy;
     j.mean = a->mean;
     for (c = 0; c < C; c++) {
         inv_std[c] = mpt__bn_inv_std(a->variance[c], a->epsilon);
@@ -10377,23 +10496,20 @@ static void mpt__cpu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a)
     j.scale = scale;
     j.mean_dy = mdy;
     j.mean_dy_xhat = mdyx;
-    j.out = a->dtype == MPT_FLOAT32 ? (float *)a->dx : w.dyf; /* in place over dy's copy */
+    j.out = a->dx;
     mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_dx_task, &j);
-    if ((void *)j.out != a->dx) mpt__convert(ctx, a->dtype, a->dx, MPT_FLOAT32, j.out, n);
 }
 
-/* Workspace: float32 copies of x and dy for the half dtypes, the chunk
-   sums (at most rows / chunk_rows + 1 chunks), sum and coef; -1 on
-   overflow. */
+/* Workspace: the chunk sums (at most rows / chunk_rows + 1 chunks), sum
+   and coef; -1 on overflow. */
 static int64_t mpt__cpu_batchnorm_workspace(void *impl, mpt_dtype dtype, int64_t rows,
                                             int64_t channels) {
     mpt__bn_plan pl = mpt__bn_plan_rows(rows, channels);
-    int64_t elems, sums, copies = 0;
+    int64_t elems, sums;
     (void)impl;
+    (void)dtype;
     if (!mpt__mul_ok(rows / pl.chunk_rows + 1 + 2, channels, &elems) ||
-        !mpt__mul_ok(elems, 16, &sums) ||
-        (dtype != MPT_FLOAT32 && !mpt__mul_ok(rows, 8 * channels, &copies)) ||
-        !mpt__add_ok(sums, copies, &sums) || !mpt__add_ok(sums, MPT__BN_WS_PIECES * MPT__ALIGN, &sums))
+        !mpt__mul_ok(elems, 16, &sums) || !mpt__add_ok(sums, MPT__BN_WS_PIECES * MPT__ALIGN, &sums))
         return -1;
     return sums;
 }

@@ -3,12 +3,14 @@
    backwards, which on a shared host is the least disturbed.
 
        gcc -std=c99 -O2 -I. bench/bench_layer.c -o build/bench_layer -lpthread -lm -lz
-       ./build/bench_layer --layer bn|dropout|maxpool [--policy float32|mixed_bfloat16]
+       ./build/bench_layer --layer bn|bn_dense|dropout|maxpool
+                           [--policy float32|mixed_bfloat16]
                            [--repeat 40] [--threads 2]
 
-   bn: BatchNormalization over 24 × 24 × 32 (the CNN's first); dropout:
-   Dropout(0.25) over 12 × 12 × 64; maxpool: MaxPooling2D(2) over
-   26 × 26 × 32 (the small CNN's). To compare two versions of the library,
+   bn: BatchNormalization over 24 × 24 × 32 (the CNN's first); bn_dense:
+   BatchNormalization over 1 × 1 × 512 (the rows and channels of the CNN's
+   after Dense(512)); dropout: Dropout(0.25) over 12 × 12 × 64; maxpool:
+   MaxPooling2D(2) over 26 × 26 × 32 (the small CNN's). To compare two versions of the library,
    build this file against each one's mpt.h (`git show COMMIT:mpt.h >
    DIR/mpt.h`, then `-IDIR` instead of `-I.`) and run them in turns. */
 #define _POSIX_C_SOURCE 200809L
@@ -27,7 +29,7 @@ static double now(void) {
 }
 
 static mpt_status add_layer(mpt_model *m, const char *layer) {
-    if (!strcmp(layer, "bn")) return mpt_model_add_batch_normalization(m, NULL);
+    if (!strcmp(layer, "bn") || !strcmp(layer, "bn_dense")) return mpt_model_add_batch_normalization(m, NULL);
     if (!strcmp(layer, "dropout"))
         return mpt_model_add_dropout(m, &(mpt_dropout_desc){ .rate = 0.25f });
     return mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
@@ -50,14 +52,17 @@ int main(int argc, char **argv) {
         else break;
     }
     if (i != argc || repeat < 1 || threads < 1 ||
-        (strcmp(layer, "bn") && strcmp(layer, "dropout") && strcmp(layer, "maxpool")) ||
+        (strcmp(layer, "bn") && strcmp(layer, "bn_dense") && strcmp(layer, "dropout") &&
+         strcmp(layer, "maxpool")) ||
         (strcmp(policy, "float32") && strcmp(policy, "mixed_bfloat16"))) {
-        fprintf(stderr, "usage: %s --layer bn|dropout|maxpool [--policy float32|mixed_bfloat16] "
+        fprintf(stderr, "usage: %s --layer bn|bn_dense|dropout|maxpool "
+                        "[--policy float32|mixed_bfloat16] "
                         "[--repeat N] [--threads N]\n", argv[0]);
         return 2;
     }
     h = !strcmp(layer, "maxpool") ? 26 : !strcmp(layer, "bn") ? 24 : 12;
     c = !strcmp(layer, "dropout") ? 64 : 32;
+    if (!strcmp(layer, "bn_dense")) h = 1, c = 512; /* 1 × 1 × 512: a Dense output's rows */
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = threads }, &ctx) != MPT_OK ||
         mpt_model_create(ctx, &(mpt_model_desc){
                              .input_shape = { h, h, c }, .input_rank = 3,

@@ -423,6 +423,101 @@ static void test_bn_simd_matches_portable(void) {
     if (!ran) SKIP("this CPU has no AVX-512");
 }
 
+/* x and dy as the layer sees them under `policy`: rounded to bfloat16 for
+   mixed_bfloat16, as they are in float32. */
+static double bn_seen(mpt_policy policy, float v) {
+    return policy == MPT_POLICY_MIXED_BFLOAT16 ? mpt_bf16_to_float(mpt_float_to_bf16(v)) : v;
+}
+
+/* A training forward and backward of (rows, C) in double, from the values
+   the layer sees (gamma = gb[c], beta = gb[C + c], epsilon 1e-3): y and dx
+   (rows · C each), then dgamma, dbeta (C each). */
+static double *bn_reference(mpt_policy policy, int64_t rows, int64_t C, const float *x,
+                            const float *dy, const float *gb) {
+    int64_t n = rows * C, r, c;
+    double *ref = (double *)malloc(sizeof(double) * (size_t)(2 * n + 2 * C));
+    for (c = 0; c < C; c++) {
+        double mean = 0, var = 0, inv_std, sdy = 0, sdyx = 0;
+        for (r = 0; r < rows; r++) mean += bn_seen(policy, x[r * C + c]);
+        mean /= (double)rows;
+        for (r = 0; r < rows; r++) {
+            double d = bn_seen(policy, x[r * C + c]) - mean;
+            var += d * d;
+        }
+        inv_std = 1 / sqrt(var / (double)rows + 1e-3);
+        for (r = 0; r < rows; r++) {
+            double xhat = (bn_seen(policy, x[r * C + c]) - mean) * inv_std;
+            sdy += bn_seen(policy, dy[r * C + c]);
+            sdyx += bn_seen(policy, dy[r * C + c]) * xhat;
+            ref[r * C + c] = gb[c] * xhat + gb[C + c];
+        }
+        for (r = 0; r < rows; r++) {
+            double xhat = (bn_seen(policy, x[r * C + c]) - mean) * inv_std;
+            ref[n + r * C + c] = gb[c] * inv_std *
+                                 (bn_seen(policy, dy[r * C + c]) - sdy / (double)rows -
+                                  xhat * sdyx / (double)rows);
+        }
+        ref[2 * n + c] = sdyx;
+        ref[2 * n + C + c] = sdy;
+    }
+    return ref;
+}
+
+/* The largest |got − want| over `count` values (stride apart) divided by
+   the largest |want|. */
+static double bn_relative_error(const float *got, const double *want, int64_t count,
+                                int64_t stride) {
+    double err = 0, size = 0;
+    int64_t i;
+    for (i = 0; i < count; i++) {
+        err = fmax(err, fabs(got[i * stride] - want[i * stride]));
+        size = fmax(size, fabs(want[i * stride]));
+    }
+    return err / size;
+}
+
+/* Several chunks of rows, the last one short, and channel counts that end
+   in a partial vector (3), one lane past a vector (17) and one past a band
+   of two (33), for float32 and bfloat16 on the portable and the AVX-512
+   paths: y, dx, dgamma and dbeta of each channel against the formulas in
+   double. x drifts along the rows, so that the chunks' means differ and
+   joining their moments matters. */
+static void test_bn_chunks_odd_channels(void) {
+    static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_BFLOAT16};
+    static const int64_t channels[] = {3, 17, 33};
+    int p, k, path;
+    test_seed(29);
+    for (k = 0; k < 3; k++)
+        for (p = 0; p < 2; p++)
+            for (path = 0; path < 2; path++) {
+                int64_t C = channels[k], chunk_rows = 16384 / C;
+                int64_t rows = 3 * chunk_rows + chunk_rows / 3, shape[2], n = rows * C, r, c;
+                float *x = random_floats(n, -1, 1), *dy = random_floats(n, -1, 1);
+                float *gb = random_floats(2 * C, 0.5, 2), *out;
+                double *ref, tol = p ? 6e-3 : 5e-6, worst[3] = {0, 0, 0};
+                shape[0] = rows, shape[1] = C;
+                for (r = 0; r < rows; r++)
+                    for (c = 0; c < C; c++)
+                        x[r * C + c] += 5.0f + 4.0f * (float)r / (float)rows + 0.5f * (float)c;
+                out = bn_pass(path ? 0 : ~0, path ? MPT_CPU_AVX512 : 0, 3, policies[p], 2, shape,
+                              x, dy, gb);
+                ref = out ? bn_reference(policies[p], rows, C, x, dy, gb) : NULL;
+                for (c = 0; out && c < C; c++) {
+                    worst[0] = fmax(worst[0], bn_relative_error(out + c, ref + c, rows, C));
+                    worst[1] = fmax(worst[1], bn_relative_error(out + n + c, ref + n + c, rows, C));
+                }
+                if (out) /* dgamma and dbeta, each against the largest of its kind */
+                    worst[2] = fmax(bn_relative_error(out + 3 * n, ref + 2 * n, C, 1),
+                                    bn_relative_error(out + 3 * n + C, ref + 2 * n + C, C, 1));
+                CHECK(worst[0] < tol && worst[1] < tol && worst[2] < 1e-5,
+                      "C %lld %s %s: relative error y %.3g dx %.3g dgamma/dbeta %.3g "
+                      "(tolerance %.3g)",
+                      (long long)C, p ? "mixed_bfloat16" : "float32",
+                      path ? "AVX-512" : "portable", worst[0], worst[1], worst[2], tol);
+                free(x), free(dy), free(gb), free(out), free(ref);
+            }
+}
+
 /* ======================================================================
    Dropout
    ====================================================================== */
@@ -738,6 +833,7 @@ int main(void) {
     TEST_RUN(test_bn_offset_precision);
     TEST_RUN(test_bn_threads);
     TEST_RUN(test_bn_simd_matches_portable);
+    TEST_RUN(test_bn_chunks_odd_channels);
     test_dropout_gradients();
     TEST_RUN(test_dropout_mask_and_step);
     TEST_RUN(test_dropout_statistics);

@@ -339,14 +339,6 @@ static const char *const reader_script =
     "shutil.rmtree(cut_dir)\n"
     "print('read back', len(data), 'bytes,', len(ends), 'records,', len(cuts), 'cuts')\n";
 
-/* The history's value of `key` at epoch e. */
-static double history_value(const mpt_history *h, const char *key, int e) {
-    int k;
-    for (k = 0; k < h->n_keys; k++)
-        if (strcmp(h->keys[k], key) == 0) return h->values[k][e];
-    return NAN;
-}
-
 /* expect.py: what the reader must find, from the history, the batch
    logs and the model after fit. Doubles as %.17g read back exactly. */
 static void write_expectations(const char *path, mpt_model *m, const batch_record *batches,
@@ -394,9 +386,9 @@ static void write_expectations(const char *path, mpt_model *m, const batch_recor
         fprintf(f, "histograms['%s_grad'] = (%lld, %.17g)\n", p.name, (long long)count,
                 grad_sum / (mpt_model_loss_scale(m) / 2));
     }
-    CHECK(h.epochs == EPOCHS && history_value(&h, "loss_scale", EPOCHS - 1) == 256 * 8,
+    CHECK(h.epochs == EPOCHS && history_value(m, "loss_scale", EPOCHS - 1) == 256 * 8,
           "%d epochs, loss scale %g (expected 256 doubled at each epoch's end)", h.epochs,
-          history_value(&h, "loss_scale", EPOCHS - 1));
+          history_value(m, "loss_scale", EPOCHS - 1));
     fclose(f);
 }
 

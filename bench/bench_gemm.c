@@ -2,7 +2,7 @@
    float32, bfloat16 and float16 inputs on 1 and 2 threads, and this CPU's
    measured float32 FMA peak for comparison.
 
-       gcc -std=c99 -O2 -I. bench/bench_gemm.c -o build/bench_gemm -lpthread -lm
+       gcc -std=c99 -O2 -I. bench/bench_gemm.c -o build/bench_gemm -lpthread -lm -lz
        ./build/bench_gemm            (all shapes; about a minute)
        ./build/bench_gemm quick      (1024³ only)
 

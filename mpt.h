@@ -8392,22 +8392,29 @@ MPT__TARGET_AVX512 static void mpt__shallow_gather(const mpt__dconv_job *j, int6
     }
 }
 
+/* 16 bfloat16 pairs (p[l], q[l]) in 32-bit lanes, p low: two pixels' (or
+   two depth rows') values side by side, as vdpbf16ps multiplies them.
+   Lanes outside kp (kq) read 0 from p (q). */
+MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, const mpt_bf16 *p,
+                                                              __mmask16 kq, const mpt_bf16 *q) {
+    __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
+    __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
+    /* (the maskz forms, as mpt__bf16_widen_avx512's) */
+    return _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kq, hi, 16));
+}
+
 /* bfloat16 staging rows (kk × 12) as the kernel's pairs: row 2·r in the
    low halves of panel row r, row 2·r + 1 (0 past an odd kk) in the high. */
 MPT__TARGET_AVX512 static void mpt__shallow_pair_rows(const mpt_bf16 *stage, int64_t kk,
                                                       uint32_t *panel) {
     const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
     int64_t r;
-    for (r = 0; r < (kk + 1) / 2; r++) {
-        /* (the maskz forms: g++ warns of the unmasked ones' undefined source) */
-        const __mmask16 odd = 2 * r + 1 < kk ? row : 0;
-        const __m512i lo = _mm512_maskz_cvtepu16_epi32(
-            row, _mm256_maskz_loadu_epi16(row, stage + 2 * r * MPT__DCONV_MR));
-        const __m512i hi = _mm512_maskz_cvtepu16_epi32(
-            odd, _mm256_maskz_loadu_epi16(odd, stage + (2 * r + 1) * MPT__DCONV_MR));
-        _mm512_mask_storeu_epi32(panel + r * MPT__DCONV_MR, row,
-                                 _mm512_or_si512(lo, _mm512_maskz_slli_epi32(odd, hi, 16)));
-    }
+    for (r = 0; r < (kk + 1) / 2; r++)
+        _mm512_mask_storeu_epi32(
+            panel + r * MPT__DCONV_MR, row,
+            mpt__bf16_interleave_avx512(row, stage + 2 * r * MPT__DCONV_MR,
+                                        2 * r + 1 < kk ? row : 0,
+                                        stage + (2 * r + 1) * MPT__DCONV_MR));
 }
 
 /* Tiles [task·TILES_PER_TASK, ...) of the output pixels, as mpt__dconv_task
@@ -8525,17 +8532,6 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
     _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
     MPT__ROWS12(MPT__S)
 #undef MPT__S
-}
-
-/* 16 bfloat16 pairs (p[l], q[l]) in 32-bit lanes, p low: two pixels' values
-   side by side, as vdpbf16ps multiplies them. Lanes outside kp (kq) read
-   0 from p (q). */
-MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, const mpt_bf16 *p,
-                                                              __mmask16 kq, const mpt_bf16 *q) {
-    __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
-    __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
-    /* (the maskz forms, as mpt__bf16_widen_avx512's) */
-    return _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kq, hi, 16));
 }
 
 /* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a

@@ -680,6 +680,7 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.activation = emu_activation;
     emu_table.activation_grad = emu_activation_grad;
     emu_table.column_sums = emu_column_sums;
+    emu_table.dz_and_bias_grad = NULL; /* as the CUDA backend: the three calls above */
     emu_table.im2col = emu_im2col;
     emu_table.col2im = emu_col2im;
     emu_table.conv_direct = emu_conv_direct;

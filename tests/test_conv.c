@@ -1441,6 +1441,102 @@ static void test_backward_elementwise_threads(void) {
         }
 }
 
+/* The backend's one-pass start of a layer's backward (dz in dtype and the
+   bias gradient) against the three calls it replaces: dz the same bits as
+   activation_grad's float32 rounded by convert, the sums those of its
+   documented order (each block of mpt__dz_block_rows rows summed in row
+   order, the blocks then added in order to what was there), on 1 and 2
+   threads at every SIMD level; and within a few float32 roundings of the
+   exact sums. Outputs poisoned first; a NaN y passes dy, as ReLU's
+   gradient does. Activations it does not do are declined untouched. */
+static void test_dz_and_bias_grad(void) {
+    static const struct {
+        mpt_activation act;
+        mpt_dtype dtype;
+        int64_t rows, cols;
+    } cases[] = {
+        {MPT_ACT_RELU, MPT_FLOAT32, 40007, 32}, {MPT_ACT_RELU, MPT_BFLOAT16, 9001, 37},
+        {MPT_ACT_RELU, MPT_FLOAT16, 3001, 64},  {MPT_ACT_NONE, MPT_BFLOAT16, 130, 512},
+        {MPT_ACT_NONE, MPT_FLOAT32, 70001, 3},  {MPT_ACT_RELU, MPT_BFLOAT16, 50, 16},
+    };
+    int k, threads, level, accumulate;
+    for (level = 0; level < LEVELS; level++)
+    for (k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++)
+        for (threads = 1; threads <= 2; threads++)
+        for (accumulate = 0; accumulate <= 1; accumulate++) {
+            const int64_t rows = cases[k].rows, cols = cases[k].cols, n = rows * cols;
+            const int64_t block = mpt__dz_block_rows(cols);
+            const mpt_dtype dt = cases[k].dtype;
+            const size_t es = mpt_dtype_size(dt);
+            unsigned char *y = (unsigned char *)malloc(es * (size_t)n);
+            unsigned char *dy = (unsigned char *)malloc(es * (size_t)n);
+            unsigned char *dz = (unsigned char *)malloc(es * (size_t)n);
+            unsigned char *want = (unsigned char *)malloc(es * (size_t)n);
+            float *dzf = (float *)malloc(sizeof(float) * (size_t)n);
+            float *tmp = (float *)malloc(sizeof(float) * (size_t)n);
+            float *sums = (float *)malloc(sizeof(float) * (size_t)cols);
+            float *want_sums = (float *)malloc(sizeof(float) * (size_t)cols);
+            float *part = (float *)malloc(sizeof(float) * (size_t)cols);
+            double *exact = (double *)malloc(sizeof(double) * (size_t)cols);
+            mpt_context *c = NULL, *one = NULL;
+            int64_t i, r, b;
+            int close = 1;
+            test__begin();
+            mpt_context_create(&(mpt_context_desc){.num_threads = threads,
+                                                   .disable_cpu_features = levels[level].disable},
+                               &c);
+            mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+            test_seed(71 + (uint64_t)k);
+            for (i = 0; i < n; i++) {
+                mpt__store_f32(dt, y, i, i == 5 ? NAN : (float)test_uniform(-1, 1));
+                mpt__store_f32(dt, dy, i, (float)test_uniform(-1, 1));
+            }
+            memset(dz, 0xff, es * (size_t)n); /* NaN in every dtype */
+            for (i = 0; i < cols; i++)
+                want_sums[i] = sums[i] = accumulate ? (float)test_uniform(-1, 1) : NAN;
+            mpt__activation_grad(one, cases[k].act, dt, NULL, y, dy, dzf, tmp, n, cols);
+            if (dt == MPT_FLOAT32)
+                memcpy(want, dzf, sizeof(float) * (size_t)n);
+            else
+                mpt__convert_scalar(dt, want, MPT_FLOAT32, dzf, n);
+            if (!accumulate)
+                for (i = 0; i < cols; i++) want_sums[i] = 0;
+            for (i = 0; i < cols; i++) exact[i] = want_sums[i];
+            for (b = 0; b * block < rows; b++) {
+                for (i = 0; i < cols; i++) part[i] = 0;
+                for (r = b * block; r < MPT__MIN(rows, (b + 1) * block); r++)
+                    for (i = 0; i < cols; i++) {
+                        part[i] += dzf[r * cols + i];
+                        exact[i] += dzf[r * cols + i];
+                    }
+                for (i = 0; i < cols; i++) want_sums[i] += part[i];
+            }
+            CHECK(mpt__cpu_table.dz_and_bias_grad(c, cases[k].act, dt, y, dy, dz, sums,
+                                                   accumulate, rows, cols, tmp) == 1,
+                  "taken");
+            CHECK(memcmp(dz, want, es * (size_t)n) == 0,
+                  "dz differs from the activation gradient rounded to dtype");
+            CHECK(memcmp(sums, want_sums, sizeof(float) * (size_t)cols) == 0,
+                  "bias gradient differs from its blocks added in order");
+            for (i = 0; i < cols; i++)
+                close &= fabs(sums[i] - exact[i]) <= 1e-5 * (double)rows;
+            CHECK(close, "bias gradient far from the exact sums");
+            for (i = 0; i < cols; i++) sums[i] = 7.0f;
+            CHECK(mpt__cpu_table.dz_and_bias_grad(c, MPT_ACT_GELU, dt, y, dy, dz, sums, 0, rows,
+                                                   cols, tmp) == 0 &&
+                      sums[0] == 7.0f && memcmp(dz, want, es * (size_t)n) == 0,
+                  "GELU declined, nothing written");
+            test__end("dz and bias gradient %s %s %s %lldx%lld on %d threads%s",
+                      levels[level].name, mpt_activation_name(cases[k].act), mpt_dtype_name(dt),
+                      (long long)rows, (long long)cols, threads,
+                      accumulate ? ", accumulated" : "");
+            mpt_context_destroy(c);
+            mpt_context_destroy(one);
+            free(y), free(dy), free(dz), free(want), free(dzf), free(tmp), free(sums),
+                free(want_sums), free(part), free(exact);
+        }
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     test_seed(3);
@@ -1452,6 +1548,7 @@ int main(void) {
     TEST_RUN(test_determinism);
     test_direct_conv();
     test_backward_elementwise_threads();
+    test_dz_and_bias_grad();
     test_conv_gradients();
     test_pool_gradients();
     test_max_pool_exact();

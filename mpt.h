@@ -8086,6 +8086,7 @@ typedef struct mpt__dconv_job {
     const void *w;             /* kernel packed as the product's (kk, oc) B:
                                   float32, or bfloat16 k-pairs (kk/2, oc) uint32 */
     const unsigned char *zero; /* ic zero elements                              */
+    size_t tap_bytes[MPT__DCONV_MAX_TAPS]; /* tap t's offset in a whole window */
     mpt__dconv_tile_fn tile;
     mpt__convert_fn convert;   /* float32 to dtype                              */
 } mpt__dconv_job;
@@ -8123,6 +8124,28 @@ static void mpt__dconv_taps(const mpt__dconv_job *j, int64_t b, int64_t oy, int6
         for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR)
             *src = y < 0 || xs[k] < 0 ? j->zero : row + (size_t)xs[k] * pixel;
     }
+}
+
+/* Where output pixel (b, oy, ox)'s window starts in the image read, when
+   all of it lies inside (tap t then reads at + tap_bytes[t]); NULL where
+   some tap reads padding, or the input gradient's stride skips rows:
+   mpt__dconv_taps then. Inside the image, tap (i, k) reads row y0 + i,
+   column x0 + k (mpt__dconv_axis at stride 1 for the input gradient). */
+static const unsigned char *mpt__dconv_window(const mpt__dconv_job *j, int64_t b, int64_t oy,
+                                              int64_t ox) {
+    const mpt_window *g = j->g;
+    int64_t y0, x0;
+    if (!j->a->input_grad) {
+        y0 = oy * g->sh - g->top;
+        x0 = ox * g->sw - g->left;
+    } else if (g->sh == 1 && g->sw == 1) {
+        y0 = oy + g->top - (g->kh - 1);
+        x0 = ox + g->left - (g->kw - 1);
+    } else {
+        return NULL;
+    }
+    if (y0 < 0 || x0 < 0 || y0 + g->kh > j->ih || x0 + g->kw > j->iw) return NULL;
+    return j->x + (size_t)((b * j->ih + y0) * j->iw + x0) * (size_t)j->ic * j->es;
 }
 
 /* The kernel (kh, kw, C, F) as the product's B, (kk, oc), into ws, then
@@ -8354,7 +8377,7 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
     const mpt__dconv_job *j = (const mpt__dconv_job *)arg;
     const unsigned char *src[MPT__DCONV_MAX_TAPS * MPT__DCONV_MR];
     float tile[MPT__DCONV_MR * 32];
-    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0, t;
     (void)thread;
     for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
         const int64_t p0 = tile_i * MPT__DCONV_MR;
@@ -8363,7 +8386,11 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
         if (p0 >= j->pixels) return;
         m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
         for (p = 0; p < MPT__DCONV_MR; p++) { /* past the end: the last pixel again */
-            mpt__dconv_taps(j, b, oy, ox, src + p);
+            const unsigned char *at = mpt__dconv_window(j, b, oy, ox);
+            if (at) /* (most pixels: one add per tap) */
+                for (t = 0; t < j->taps; t++) src[t * MPT__DCONV_MR + p] = at + j->tap_bytes[t];
+            else
+                mpt__dconv_taps(j, b, oy, ox, src + p);
             if (p + 1 >= m) continue;
             if (++ox == j->ow) {
                 ox = 0;
@@ -9177,6 +9204,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     const mpt_window *g = a->g;
     const int fused_act = a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX;
     mpt__dconv_job j;
+    int64_t t;
     int shallow;
     if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
     memset(&j, 0, sizeof j);
@@ -9210,6 +9238,8 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     j.pixels = a->n * j.oh * j.ow;
     j.es = mpt_dtype_size(a->dtype);
     j.convert = mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32);
+    for (t = 0; t < j.taps; t++)
+        j.tap_bytes[t] = (size_t)((t / g->kw) * j.iw + t % g->kw) * (size_t)j.ic * j.es;
     mpt__dconv_pack(&j, (unsigned char *)a->ws);
     mpt__parallel_for(ctx,
                       (j.pixels + MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK - 1) /

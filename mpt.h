@@ -8221,11 +8221,12 @@ MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
 #undef MPT__Z
         for (c = 0; c < ic;) {
             const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
+            /* (wr walks B's rows: no index multiplied per row) */
+            const float *wr = w + (t * ic + c) * oc;
             if (skip) {
                 c = stop;
             } else if (nb > 16) {
-                for (; c < stop; c++) {
-                    const float *wr = w + (t * ic + c) * oc;
+                for (; c < stop; c++, wr += oc) {
                     __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
                     __m512 ai;
 #define MPT__F(i)                                  \
@@ -8236,8 +8237,8 @@ MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
 #undef MPT__F
                 }
             } else {
-                for (; c < stop; c++) {
-                    __m512 b0 = _mm512_maskz_loadu_ps(k0, w + (t * ic + c) * oc), ai;
+                for (; c < stop; c++, wr += oc) {
+                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
 #define MPT__F(i)                                  \
     ai = _mm512_set1_ps(s##i[c]);                  \
     c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
@@ -8269,30 +8270,32 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_tile_bf16(const mpt__dconv_job *j
 #undef MPT__S
         for (c = 0; c < ic;) { /* c counts channels, two at a time */
             const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
+            const uint32_t *wr = w + (t * ic + c) / 2 * oc; /* B's row of pairs */
+            int64_t q = c / 2;                               /* the pixels' pair */
             if (nb > 16) {
-                for (; c < stop; c += 2) {
-                    const uint32_t *wr = w + (t * ic + c) / 2 * oc;
+                for (; q < stop / 2; q++, wr += oc) {
                     __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
                     __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, wr + 16);
                     __m512bh ai;
 #define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)s##i[c / 2]);      \
+    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
     c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
     c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
                     MPT__ROWS12(MPT__F)
 #undef MPT__F
                 }
             } else {
-                for (; c < stop; c += 2) {
-                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w + (t * ic + c) / 2 * oc);
+                for (; q < stop / 2; q++, wr += oc) {
+                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
                     __m512bh ai;
 #define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)s##i[c / 2]);      \
+    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
     c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
                     MPT__ROWS12(MPT__F)
 #undef MPT__F
                 }
             }
+            c = stop;
             if ((t * ic + c) % kc == 0 || t * ic + c == j->kk) {
                 MPT__ROWS12(MPT__DCONV_FOLD)
                 first = 0;

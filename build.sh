@@ -131,15 +131,19 @@ int main(void) {
     return mpt_float_to_half(1.0f) == 0x3c00 ? 0 : 1;
 }
 SRC
-    local std
+    local std opt
     for std in c99 c11; do
-        if $CC -std=$std $WARN -pedantic -O1 -I. -c "$d/impl.c" -o "$d/impl_$std.o" 2>"$d/$std.log" &&
-            $CC -std=$std $WARN -pedantic -O1 -I. -c "$d/use.c" -o "$d/use_$std.o" 2>>"$d/$std.log" &&
+        # C11 at -O3: some maybe-uninitialized warnings show only after its
+        # inlining, and would break a user's -O3 -Werror build.
+        opt=-O1
+        [ "$std" = c11 ] && opt=-O3
+        if $CC -std=$std $WARN -pedantic $opt -I. -c "$d/impl.c" -o "$d/impl_$std.o" 2>"$d/$std.log" &&
+            $CC -std=$std $WARN -pedantic $opt -I. -c "$d/use.c" -o "$d/use_$std.o" 2>>"$d/$std.log" &&
             $CC "$d/impl_$std.o" "$d/use_$std.o" -o "$d/prog_$std" $LIBS 2>>"$d/$std.log" &&
             "$d/prog_$std"; then
-            record "compile mpt.h as $std, two translation units" pass
+            record "compile mpt.h as $std $opt, two translation units" pass
         else
-            record "compile mpt.h as $std, two translation units" fail "see $d/$std.log"
+            record "compile mpt.h as $std $opt, two translation units" fail "see $d/$std.log"
             cat "$d/$std.log"
         fi
     done

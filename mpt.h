@@ -6471,7 +6471,7 @@ static int mpt__stages_input(const mpt_model *m, int i) {
 /* A staged layer's workspace: its own scratch, then the converted input,
    then dx in its dtype (each B · in_count elements). */
 static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
-    int64_t bytes, end;
+    int64_t bytes = 0, end; /* (set by mpt__batch_bytes; -O3 cannot tell) */
     MPT__CHECK(mpt__batch_bytes(m, L, mpt__dbytes(L->dtype, L->in_count), 0, &bytes));
     L->stage_x = mpt__align_up(L->workspace_bytes);
     L->stage_dx = L->stage_x + mpt__align_up(bytes);

@@ -104,15 +104,17 @@ static mpt_status make_model(mpt_context *ctx, const char *name, mpt_policy poli
 }
 
 /* from's float32 masters into to (the same architecture). */
-static void copy_weights(mpt_model *from, mpt_model *to) {
+static mpt_status copy_weights(mpt_model *from, mpt_model *to) {
     int i;
     for (i = 0; i < mpt_model_param_count(from); i++) {
-        mpt_param_info a, b;
-        mpt_model_param(from, i, &a);
-        mpt_model_param(to, i, &b);
+        mpt_param_info a = {0}, b = {0}; /* (filled on MPT_OK; -O3 cannot tell) */
+        mpt_status s = mpt_model_param(from, i, &a);
+        if (s == MPT_OK) s = mpt_model_param(to, i, &b);
+        if (s != MPT_OK) return s;
         memcpy(b.value.data, a.value.data, mpt_tensor_bytes(&a.value));
     }
     mpt_model_refresh_weights(to);
+    return MPT_OK;
 }
 
 /* The files one variant was exported to (written 0: none). */
@@ -262,7 +264,7 @@ int main(int argc, char **argv) {
         print_result(model_name, &o, trained, ctx, &result);
     }
     TRY(make_model(ctx, model_name, MPT_POLICY_FLOAT32, 0, &o, &model));
-    copy_weights(trained, model);
+    TRY(copy_weights(trained, model));
     for (i = 0; i < mpt_model_param_count(model); i++) {
         mpt_param_info p;
         mpt_model_param(model, i, &p);
@@ -301,7 +303,7 @@ int main(int argc, char **argv) {
         mpt_model *aware, *q;
         mpt_quantized_info info;
         TRY(make_model(ctx, model_name, o.policy, qat_rate, &o, &aware));
-        copy_weights(trained, aware);
+        TRY(copy_weights(trained, aware));
         TRY(mpt_model_quantize_aware(aware, NULL));
         TRY(mpt_model_fit(aware, train, &(mpt_fit_desc){ .epochs = qat_epochs,
                                                          .batch_size = o.batch_size,

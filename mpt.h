@@ -2048,10 +2048,10 @@ typedef struct mpt_backend {
     void (*column_sums)(void *impl, const float *dz, int64_t rows, int64_t cols, float *out,
                         int accumulate);
     /* activation_grad, column_sums and the rounding of dz to dtype in one
-       pass where the backend can (else 0, nothing done; may be NULL):
-       dz (rows, cols) in dtype = dy · act'(y) for act
-       NONE or RELU, and unless bias_grad is NULL, bias_grad[j] (+)=
-       Σ_r dz[r][j]. scratch holds rows·cols floats. */
+       pass, where the backend can (else 0, nothing done; may be NULL):
+       dz (rows, cols) in dtype = dy · act'(y) for act NONE or RELU, and,
+       unless bias_grad is NULL, bias_grad[j] (+)= Σ_r dz[r][j]. scratch
+       holds rows·cols floats. */
     int (*dz_and_bias_grad)(void *impl, mpt_activation act, mpt_dtype dtype, const void *y,
                             const void *dy, void *dz, float *bias_grad, int accumulate,
                             int64_t rows, int64_t cols, float *scratch);

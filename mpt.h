@@ -7313,12 +7313,36 @@ static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype
                              act == MPT_ACT_GELU ? NULL : kept, dyf, dz, n, cols);
 }
 
-/* to[0..n) += from[0..n). In blocks of 16 through a local array, which
-   tells the compiler the two do not overlap: at -O2 its cheap cost model
-   vectorises only loops like these (fixed length, no overlap checks). */
-static void mpt__add_f32(float *to, const float *from, int64_t n) {
+#if MPT__X86
+/* to[0..n) += from[0..n), 16 lanes at a time, the tail masked: at -O2 gcc
+   made of the portable loop below 128-bit adds through a stack copy, and
+   col2im's scatter-adds spent 4 % of a bfloat16 CNN step in it. */
+MPT__TARGET_AVX512 static void mpt__add_f32_avx512(float *to, const float *from, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        _mm512_mask_storeu_ps(to + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, to + i),
+                                                       _mm512_maskz_loadu_ps(m, from + i)));
+    }
+}
+#endif
+
+/* to[0..n) += from[0..n) (each sum one float32 add: the same bits on
+   every path). cpu: the context's features. The portable loop goes in
+   blocks of 16 through a local array, which tells the compiler the two
+   do not overlap: at -O2 its cheap cost model vectorises only loops like
+   these (fixed length, no overlap checks). */
+static void mpt__add_f32(int cpu, float *to, const float *from, int64_t n) {
     int64_t i = 0;
     int k;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__add_f32_avx512(to, from, n);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
     for (; i + 16 <= n; i += 16) {
         float t[16];
         for (k = 0; k < 16; k++) t[k] = to[i + k] + from[i + k];
@@ -7985,6 +8009,7 @@ static void mpt__col2im_task(void *arg, int64_t task, int thread) {
     const int64_t oy0 = lo <= 0 ? 0 : (lo + g->sh - 1) / g->sh;
     const int64_t oy1 = MPT__MIN(g->oh - 1, (y + g->top) / g->sh);
     float *dx = j->dx + task * n_row; /* (W, C) */
+    const int cpu = j->ctx->cpu;
     int64_t oy, ox, k;
     (void)thread;
     memset(dx, 0, sizeof(float) * (size_t)n_row);
@@ -7994,12 +8019,12 @@ static void mpt__col2im_task(void *arg, int64_t task, int thread) {
             const float *src = j->dcols + (((b * g->oh + oy) * g->ow + ox) * g->kh + i) * run;
             const int64_t x0 = ox * g->sw - g->left;
             if (x0 >= 0 && x0 + g->kw <= g->w) { /* the window row lies inside the image */
-                mpt__add_f32(dx + x0 * g->c, src, run);
+                mpt__add_f32(cpu, dx + x0 * g->c, src, run);
                 continue;
             }
             for (k = 0; k < g->kw; k++)
                 if (x0 + k >= 0 && x0 + k < g->w)
-                    mpt__add_f32(dx + (x0 + k) * g->c, src + k * g->c, g->c);
+                    mpt__add_f32(cpu, dx + (x0 + k) * g->c, src + k * g->c, g->c);
         }
     }
     if (j->dtype != MPT_FLOAT32)
@@ -25379,6 +25404,7 @@ static int mpt__cpu_dz_and_bias_grad(void *impl, mpt_activation act, mpt_dtype d
 }
 
 typedef struct mpt__add_job {
+    int cpu;
     float *dst;
     const float *src;
     int64_t n;
@@ -25390,11 +25416,12 @@ static void mpt__add_task(void *arg, int64_t task, int thread) {
     const mpt__add_job *j = (const mpt__add_job *)arg;
     int64_t i0 = task * MPT__ADD_CHUNK;
     (void)thread;
-    mpt__add_f32(j->dst + i0, j->src + i0, MPT__MIN((int64_t)MPT__ADD_CHUNK, j->n - i0));
+    mpt__add_f32(j->cpu, j->dst + i0, j->src + i0, MPT__MIN((int64_t)MPT__ADD_CHUNK, j->n - i0));
 }
 
 static void mpt__cpu_add(void *impl, float *dst, const float *src, int64_t n) {
     mpt__add_job j;
+    j.cpu = ((mpt_context *)impl)->cpu;
     j.dst = dst;
     j.src = src;
     j.n = n;

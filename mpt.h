@@ -8369,6 +8369,17 @@ MPT__TARGET_AVX512 static void mpt__dconv_round_avx512(mpt_dtype dtype, const fl
     else
         mpt__dconv_round_rows(MPT_FLOAT16, tile, dst, ld, m, nb);
 }
+/* The same for float32: the rows copied (a memcpy call per 32-float row
+   was 2 % of a float32 CNN step). */
+MPT__TARGET_AVX512 static void mpt__dconv_copy_avx512(const float *tile, float *dst, int64_t ld,
+                                                      int m, int nb) {
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int p;
+    for (p = 0; p < m; p++) {
+        _mm512_mask_storeu_ps(dst + p * ld, k0, _mm512_loadu_ps(tile + 32 * p));
+        if (nb > 16) _mm512_mask_storeu_ps(dst + p * ld + 16, k1, _mm512_loadu_ps(tile + 32 * p + 16));
+    }
+}
 #undef MPT__DCONV_FOLD
 #undef MPT__DCONV_SRC
 #endif /* MPT__X86 */
@@ -8384,7 +8395,11 @@ static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, i
 #if MPT__X86
     if (!a->input_grad)
         mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
-    if (a->dtype != MPT_FLOAT32 && !other_act) {
+    if (a->dtype == MPT_FLOAT32 && !other_act) {
+        mpt__dconv_copy_avx512(tile, (float *)a->y + p0 * j->oc + o0, j->oc, m, nb);
+        return;
+    }
+    if (!other_act) {
         mpt__dconv_round_avx512(a->dtype, tile, (mpt_half *)a->y + p0 * j->oc + o0, j->oc, m, nb);
         return;
     }

@@ -8347,38 +8347,31 @@ MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float
         }
 }
 
-/* The tile's first m rows of nb sums rounded to dtype (float16 or
-   bfloat16) into rows ld apart: the rounding of mpt__convert, inline, not
-   a call per 32-element row. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dconv_round_rows(mpt_dtype dtype,
+/* The tile's first m rows of nb sums stored in dtype into rows ld elements
+   apart: float32 copied, float16/bfloat16 with the rounding of
+   mpt__convert; inline, not a call (convert or memcpy) per 32-element row. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dconv_store_rows(mpt_dtype dtype,
                                                                       const float *tile,
-                                                                      mpt_half *dst, int64_t ld,
-                                                                      int m, int nb) {
+                                                                      unsigned char *dst,
+                                                                      int64_t ld, int m, int nb) {
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    const size_t es = mpt_dtype_size(dtype);
     int p;
-    for (p = 0; p < m; p++) {
-        mpt__avx512_store(dtype, dst + p * ld, _mm512_loadu_ps(tile + 32 * p), k0);
-        if (nb > 16) mpt__avx512_store(dtype, dst + p * ld + 16, _mm512_loadu_ps(tile + 32 * p + 16), k1);
+    for (p = 0; p < m; p++, dst += (size_t)ld * es) {
+        mpt__avx512_store(dtype, dst, _mm512_loadu_ps(tile + 32 * p), k0);
+        if (nb > 16) mpt__avx512_store(dtype, dst + 16 * es, _mm512_loadu_ps(tile + 32 * p + 16), k1);
     }
 }
 
-MPT__TARGET_AVX512 static void mpt__dconv_round_avx512(mpt_dtype dtype, const float *tile,
-                                                       mpt_half *dst, int64_t ld, int m, int nb) {
+MPT__TARGET_AVX512 static void mpt__dconv_store_avx512(mpt_dtype dtype, const float *tile,
+                                                       void *dst, int64_t ld, int m, int nb) {
+    unsigned char *d = (unsigned char *)dst;
     if (dtype == MPT_BFLOAT16)
-        mpt__dconv_round_rows(MPT_BFLOAT16, tile, dst, ld, m, nb);
+        mpt__dconv_store_rows(MPT_BFLOAT16, tile, d, ld, m, nb);
+    else if (dtype == MPT_FLOAT16)
+        mpt__dconv_store_rows(MPT_FLOAT16, tile, d, ld, m, nb);
     else
-        mpt__dconv_round_rows(MPT_FLOAT16, tile, dst, ld, m, nb);
-}
-/* The same for float32: the rows copied (a memcpy call per 32-float row
-   was 2 % of a float32 CNN step). */
-MPT__TARGET_AVX512 static void mpt__dconv_copy_avx512(const float *tile, float *dst, int64_t ld,
-                                                      int m, int nb) {
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int p;
-    for (p = 0; p < m; p++) {
-        _mm512_mask_storeu_ps(dst + p * ld, k0, _mm512_loadu_ps(tile + 32 * p));
-        if (nb > 16) _mm512_mask_storeu_ps(dst + p * ld + 16, k1, _mm512_loadu_ps(tile + 32 * p + 16));
-    }
+        mpt__dconv_store_rows(MPT_FLOAT32, tile, d, ld, m, nb);
 }
 #undef MPT__DCONV_FOLD
 #undef MPT__DCONV_SRC
@@ -8395,12 +8388,10 @@ static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, i
 #if MPT__X86
     if (!a->input_grad)
         mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
-    if (a->dtype == MPT_FLOAT32 && !other_act) {
-        mpt__dconv_copy_avx512(tile, (float *)a->y + p0 * j->oc + o0, j->oc, m, nb);
-        return;
-    }
     if (!other_act) {
-        mpt__dconv_round_avx512(a->dtype, tile, (mpt_half *)a->y + p0 * j->oc + o0, j->oc, m, nb);
+        mpt__dconv_store_avx512(a->dtype, tile,
+                                (unsigned char *)a->y + (size_t)(p0 * j->oc + o0) * j->es, j->oc,
+                                m, nb);
         return;
     }
 #endif

@@ -155,6 +155,10 @@
                             row per position of the output's last axis
                             (mpt__loss_rows), the batch tallied by
                             mpt__loss_tally (@backend-shared)
+       dz, bias gradient    mpt__layer_dz (@impl-layer-helpers): for ReLU
+                            and no activation one pass on the CPU
+                            (mpt__cpu_dz_and_bias_grad); otherwise, and on
+                            CUDA, activation_grad, column_sums and convert
        finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update

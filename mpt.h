@@ -7435,9 +7435,9 @@ static void mpt__add_column_sums(int cpu, const float *dz, int64_t rows, int64_t
    no activation, the common cases, one pass reads y and dy once and
    writes dz once, in dtype, summing its columns on the way. The rounding
    is mpt__convert's, so dz has the same bits as before; the sums run
-   over blocks of rows (mpt__dz_block_rows), each column's rows in order
-   within a block, and the blocks' sums are then added in order: the same
-   bits for any thread count and with or without AVX-512. */
+   over blocks of rows (mpt__elementwise_task_rows), each column's rows
+   in order within a block, and the blocks' sums are then added in order:
+   the same bits for any thread count and with or without AVX-512. */
 
 /* One block: dz (rows, cols) in dtype and sums[j] = Σ_r dz[r][j]. */
 static void mpt__dz_block_scalar(mpt_dtype dtype, int relu, const void *y, const void *dy,
@@ -25285,6 +25285,12 @@ static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_
    of threads. */
 #define MPT__ELEMENTWISE_TASK ((int64_t)1 << 15)
 
+/* Whole rows of `cols` columns a task (and a block of
+   mpt__cpu_dz_and_bias_grad's bias sums) takes. */
+static int64_t mpt__elementwise_task_rows(int64_t cols) {
+    return MPT__MAX(1, MPT__ELEMENTWISE_TASK / MPT__MAX(cols, 1));
+}
+
 typedef struct mpt__activation_grad_job {
     mpt_context *ctx;
     mpt_activation act;
@@ -25310,7 +25316,7 @@ static void mpt__cpu_activation_grad(void *impl, mpt_activation act, mpt_dtype d
                                      const void *z, const void *y, const void *dy, float *dz,
                                      float *tmp, int64_t rows, int64_t cols) {
     mpt__activation_grad_job j;
-    j.task_rows = MPT__MAX(1, MPT__ELEMENTWISE_TASK / MPT__MAX(cols, 1));
+    j.task_rows = mpt__elementwise_task_rows(cols);
     if (rows <= j.task_rows) {
         mpt__activation_grad((mpt_context *)impl, act, dtype, z, y, dy, dz, tmp, rows * cols,
                              cols);
@@ -25360,11 +25366,6 @@ static void mpt__cpu_column_sums(void *impl, const float *dz, int64_t rows, int6
                       mpt__column_sums_task, &j);
 }
 
-/* The rows of each of mpt__cpu_dz_and_bias_grad's blocks (and tasks). */
-static int64_t mpt__dz_block_rows(int64_t cols) {
-    return MPT__MAX(1, MPT__ELEMENTWISE_TASK / MPT__MAX(cols, 1));
-}
-
 typedef struct mpt__dz_job {
     int cpu, relu;
     mpt_dtype dtype;
@@ -25399,7 +25400,7 @@ static int mpt__cpu_dz_and_bias_grad(void *impl, mpt_activation act, mpt_dtype d
     j.dz = (unsigned char *)dz;
     j.rows = rows;
     j.cols = cols;
-    j.block_rows = mpt__dz_block_rows(cols);
+    j.block_rows = mpt__elementwise_task_rows(cols);
     j.block_sums = scratch;
     blocks = (rows + j.block_rows - 1) / j.block_rows;
     if (blocks > 1)

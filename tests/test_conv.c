@@ -1444,8 +1444,8 @@ static void test_backward_elementwise_threads(void) {
 /* The backend's one-pass start of a layer's backward (dz in dtype and the
    bias gradient) against the three calls it replaces: dz the same bits as
    activation_grad's float32 rounded by convert, the sums those of its
-   documented order (each block of mpt__dz_block_rows rows summed in row
-   order, the blocks then added in order to what was there), on 1 and 2
+   documented order (each block of mpt__elementwise_task_rows rows summed
+   in row order, the blocks then added in order to what was there), on 1 and 2
    threads at every SIMD level; and within a few float32 roundings of the
    exact sums. Outputs poisoned first; a NaN y passes dy, as ReLU's
    gradient does. Activations it does not do are declined untouched. */
@@ -1465,7 +1465,7 @@ static void test_dz_and_bias_grad(void) {
         for (threads = 1; threads <= 2; threads++)
         for (accumulate = 0; accumulate <= 1; accumulate++) {
             const int64_t rows = cases[k].rows, cols = cases[k].cols, n = rows * cols;
-            const int64_t block = mpt__dz_block_rows(cols);
+            const int64_t block = mpt__elementwise_task_rows(cols);
             const mpt_dtype dt = cases[k].dtype;
             const size_t es = mpt_dtype_size(dt);
             unsigned char *y = (unsigned char *)malloc(es * (size_t)n);

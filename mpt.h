@@ -1876,7 +1876,9 @@ typedef enum mpt_pool_kind {
                  dkernel holds when accumulate; kernel, bias, act, y
                  unused; ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16, else
                  NULL.
-   x and y in dtype, sums in float32. ws: MPT_CONV_DIRECT_WS_BYTES. */
+   x and y in dtype, sums in float32 (the CPU's float32 3×3 products of
+   stride 1 by Winograd's transform: not the im2col path's bits). ws:
+   MPT_CONV_DIRECT_WS_BYTES. */
 typedef struct mpt_conv_args {
     const mpt_window *g;
     mpt_dtype dtype;
@@ -1895,9 +1897,11 @@ typedef struct mpt_conv_args {
 } mpt_conv_args;
 
 /* Workspace bytes of conv_direct for kk = kh·kw·C and F filters: the
-   kernel repacked (at most 4 bytes an element) and one zero pixel. */
+   kernel repacked (at most 4 bytes an element) and one zero pixel; for a
+   3×3 kernel's Winograd transform, 16·C·F floats and the kernel turned
+   around (9·C·F): under 12 bytes per element of kk·F. */
 #define MPT_CONV_DIRECT_WS_BYTES(kk, c, f) \
-    (4 * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
+    (12 * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
 
 /* Workspace bytes of a bfloat16 kernel_grad of n samples through window g
    (an mpt_window *) with f filters: x and dz with their pixels side by
@@ -8640,6 +8644,294 @@ static void mpt__shallow_task(void *arg, int64_t task, int thread) {
 #endif
 }
 
+/* ---- Winograd F(2×2, 3×3): float32 3×3 products of stride 1 ---------------
+   A 2×2 block of output pixels (a "tile") reads a 4×4 patch d of each
+   input channel through the 3×3 kernel g: 36 multiply-adds per channel
+   and filter. Winograd's minimal filtering gets the same four sums from
+   16 products:
+       Y = Aᵀ [ (G g Gᵀ) ⊙ (Bᵀ d B) ] A,   with
+       Bᵀ = | 1  0 −1  0 |    G = | 1   0   0 |    Aᵀ = | 1  1  1  0 |
+            | 0  1  1  0 |        | ½   ½   ½ |         | 0  1 −1 −1 |
+            | 0 −1  1  0 |        | ½  −½   ½ |
+            | 0  1  0 −1 |        | 0   0   1 |
+   Summed over C channels for F filters, the 16 elementwise products
+   become 16 independent matrix products, one per position ξ of the 4×4
+   grid:  M_ξ (tiles × F) = V_ξ (tiles × C) · U_ξ (C × F),  where V = Bᵀ d B
+   (the input transform, per tile and channel: additions only) and U =
+   G g Gᵀ (the kernel transform, once per call). That is 16·C·F
+   multiplies per tile instead of 36·C·F: 2.25 times fewer. The price is
+   the transforms' additions, and another rounding: the transforms add
+   and subtract before the products, so the sums are not the direct
+   path's and their error is a few times larger (test_conv bounds it by
+   1e-5 of the sum of the terms' sizes, and compares the layer's results
+   with the im2col path's).
+   A task takes 12 consecutive tiles (across tile rows and samples, as
+   mpt__dconv_task takes pixels): it transforms their patches into V (16
+   × 12 × C, in the thread's scratch), then for each block of 32 filters
+   runs the 16 products with the direct tiles' 12 × 32 register block
+   into M (16 × 12 × 32), turns M into the tiles' 2×2 outputs, adds the
+   bias, applies ReLU and stores the pixels inside the image. Each output
+   is one task's, summed in a fixed order: the same bits for any thread
+   count. The input gradient is the same product over dz with the kernel
+   turned around (the direct tiles' rule): 2 − top rows of zeros before
+   dz, taps reversed, C and F swapped. */
+#define MPT__WINO_TILES 12      /* tiles per task: the register block's rows */
+#define MPT__WINO_MAX_C 2048    /* V and M fit the thread's scratch below this */
+
+typedef struct mpt__wino_job {
+    mpt_context *ctx;
+    const mpt_conv_args *a;
+    const float *x;          /* the image read: x, or dz for input_grad       */
+    int64_t ih, iw, ic;      /* its sample shape                              */
+    int64_t oh, ow, oc;      /* the output's: y, or dx for input_grad         */
+    int64_t top, left;       /* rows and columns of zeros before the image    */
+    int64_t th, tw, tiles;   /* tile rows and columns per sample; n·th·tw     */
+    float *u;                /* U: (16, ic, oc)                               */
+    const float *zero;       /* ic zeros: what the padding reads              */
+} mpt__wino_job;
+
+#if MPT__X86
+/* Whether the Winograd products take this case: float32 with AVX-512, a
+   3×3 kernel of stride 1, 16 or more channels in and out (fewer leaves
+   most of each vector idle), the forward's activation none or ReLU. */
+static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    const int64_t ic = a->input_grad ? a->f : g->c, oc = a->input_grad ? g->c : a->f;
+    return a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512) && !a->kernel_grad &&
+           g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
+           g->left <= 2 && ic >= 16 && oc >= 16 && ic <= MPT__WINO_MAX_C &&
+           (a->input_grad || a->act == MPT_ACT_NONE || a->act == MPT_ACT_RELU);
+}
+
+/* U (16, ic, oc) = G g Gᵀ for each pair (c, o) of input and output
+   channel, 16 pairs at a time; g are the 3×3 taps the product reads:
+   kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the input
+   gradient, which first turns the kernel into `turned` (9, ic, oc). */
+MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const float *kernel,
+                                                float *turned) {
+    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const float *g = kernel;
+    int64_t e, t, c, o;
+    if (j->a->input_grad) {
+        for (t = 0; t < 9; t++)
+            for (o = 0; o < oc; o++)
+                for (c = 0; c < ic; c++)
+                    turned[(t * ic + c) * oc + o] = kernel[((8 - t) * oc + o) * ic + c];
+        g = turned;
+    }
+    for (e = 0; e < plane; e += 16) {
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
+        __m512 gg[9], tt[12];
+        int r, s;
+        for (t = 0; t < 9; t++) gg[t] = _mm512_maskz_loadu_ps(k, g + t * plane + e);
+        for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
+            tt[s] = gg[s];
+            tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
+            tt[6 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(gg[s], gg[3 + s]), gg[6 + s]));
+            tt[9 + s] = gg[6 + s];
+        }
+        for (r = 0; r < 4; r++) { /* (G g) Gᵀ: U_ξ for ξ = 4r .. 4r + 3 */
+            const __m512 a0 = tt[3 * r], a1 = tt[3 * r + 1], a2 = tt[3 * r + 2];
+            float *d = j->u + 4 * r * plane + e;
+            _mm512_mask_storeu_ps(d, k, a0);
+            _mm512_mask_storeu_ps(d + plane, k,
+                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(a0, a1), a2)));
+            _mm512_mask_storeu_ps(d + 2 * plane, k,
+                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(a0, a1), a2)));
+            _mm512_mask_storeu_ps(d + 3 * plane, k, a2);
+        }
+    }
+}
+
+/* V (16, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
+   d B row by row (four rows of four), then Bᵀ over them. Pixels in the
+   padding, and tiles past the last, read j->zero. */
+#define MPT__WINO_ROW(r)                                                              \
+    d0 = _mm512_maskz_loadu_ps(k, at[4 * r] + c);                                     \
+    d1 = _mm512_maskz_loadu_ps(k, at[4 * r + 1] + c);                                 \
+    d2 = _mm512_maskz_loadu_ps(k, at[4 * r + 2] + c);                                 \
+    d3 = _mm512_maskz_loadu_ps(k, at[4 * r + 3] + c);                                 \
+    f##r##0 = _mm512_sub_ps(d0, d2);                                                  \
+    f##r##1 = _mm512_add_ps(d1, d2);                                                  \
+    f##r##2 = _mm512_sub_ps(d2, d1);                                                  \
+    f##r##3 = _mm512_sub_ps(d1, d3);
+#define MPT__WINO_COL(s)                                                                  \
+    _mm512_mask_storeu_ps(dst + s * step, k, _mm512_sub_ps(f0##s, f2##s));                \
+    _mm512_mask_storeu_ps(dst + (4 + s) * step, k, _mm512_add_ps(f1##s, f2##s));          \
+    _mm512_mask_storeu_ps(dst + (8 + s) * step, k, _mm512_sub_ps(f2##s, f1##s));          \
+    _mm512_mask_storeu_ps(dst + (12 + s) * step, k, _mm512_sub_ps(f1##s, f3##s));
+MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
+    const int64_t ic = j->ic, per = j->th * j->tw, step = MPT__WINO_TILES * ic;
+    int64_t i, c;
+    for (i = 0; i < MPT__WINO_TILES; i++) {
+        const int64_t t = t0 + i, b = t / per, y0 = 2 * (t % per / j->tw) - j->top;
+        const int64_t x0 = 2 * (t % j->tw) - j->left;
+        const float *at[16]; /* the patch's pixels */
+        int r, s;
+        for (r = 0; r < 4; r++)
+            for (s = 0; s < 4; s++) {
+                const int64_t y = y0 + r, x = x0 + s;
+                at[4 * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
+                                    ? j->x + ((b * j->ih + y) * j->iw + x) * ic
+                                    : j->zero;
+            }
+        for (c = 0; c < ic; c += 16) {
+            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
+            float *dst = v + i * ic + c;
+            __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
+            __m512 f20, f21, f22, f23, f30, f31, f32, f33;
+            MPT__WINO_ROW(0)
+            MPT__WINO_ROW(1)
+            MPT__WINO_ROW(2)
+            MPT__WINO_ROW(3)
+            MPT__WINO_COL(0)
+            MPT__WINO_COL(1)
+            MPT__WINO_COL(2)
+            MPT__WINO_COL(3)
+        }
+    }
+}
+#undef MPT__WINO_ROW
+#undef MPT__WINO_COL
+
+/* M (16, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), ξ = 0..15: the
+   direct tiles' 12 × 32 register block, the channels summed in order. */
+#define MPT__WINO_SRC(i) const float *s##i = vx + i * ic;
+#define MPT__WINO_STORE(i)                          \
+    _mm512_storeu_ps(tile + 32 * i, c##i##0);       \
+    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
+MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const float *v,
+                                                  int64_t o0, int nb, float *m) {
+    const int64_t ic = j->ic, oc = j->oc;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int xi;
+    for (xi = 0; xi < 16; xi++) {
+        const float *vx = v + xi * MPT__WINO_TILES * ic, *wr = j->u + xi * ic * oc + o0;
+        float *tile = m + xi * MPT__WINO_TILES * 32;
+        int64_t c;
+        MPT__ROWS12(MPT__DCONV_ACC)
+        MPT__ROWS12(MPT__WINO_SRC)
+        if (nb > 16) {
+            for (c = 0; c < ic; c++, wr += oc) {
+                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
+                __m512 ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+                MPT__ROWS12(MPT__F)
+#undef MPT__F
+            }
+        } else {
+            for (c = 0; c < ic; c++, wr += oc) {
+                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
+                MPT__ROWS12(MPT__F)
+#undef MPT__F
+            }
+        }
+        MPT__ROWS12(MPT__WINO_STORE)
+    }
+}
+#undef MPT__WINO_SRC
+#undef MPT__WINO_STORE
+
+/* The tiles' 2×2 outputs for filters [o0, o0 + nb) from M: Aᵀ M column
+   by column, then A over them; + the bias, ReLU (as
+   mpt__dconv_finish_avx512 does them), stored where they lie inside the
+   output. */
+#define MPT__WINO_COL(x)                                                                     \
+    q0 = _mm512_loadu_ps(mi + (x) * ld);                                                    \
+    q1 = _mm512_loadu_ps(mi + (4 + x) * ld);                                                \
+    q2 = _mm512_loadu_ps(mi + (8 + x) * ld);                                                \
+    q3 = _mm512_loadu_ps(mi + (12 + x) * ld);                                               \
+    r0##x = _mm512_add_ps(_mm512_add_ps(q0, q1), q2);                                       \
+    r1##x = _mm512_sub_ps(_mm512_sub_ps(q1, q2), q3);
+MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const float *m,
+                                                int64_t t0, int64_t o0, int nb) {
+    const mpt_conv_args *a = j->a;
+    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
+    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
+    float *y = (float *)a->y;
+    int64_t i;
+    int h, p;
+    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
+        const int64_t t = t0 + i, b = t / per, oy = 2 * (t % per / j->tw), ox = 2 * (t % j->tw);
+        for (h = 0; h < nb; h += 16) {
+            const __mmask16 k = mpt__gemm_mask16(nb - h);
+            const float *mi = m + i * 32 + h;
+            const __m512 bias = _mm512_maskz_loadu_ps(a->bias && !a->input_grad ? k : 0,
+                                                      a->bias ? a->bias + o0 + h : NULL);
+            __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
+            MPT__WINO_COL(0)
+            MPT__WINO_COL(1)
+            MPT__WINO_COL(2)
+            MPT__WINO_COL(3)
+            out[0] = _mm512_add_ps(_mm512_add_ps(r00, r01), r02);
+            out[1] = _mm512_sub_ps(_mm512_sub_ps(r01, r02), r03);
+            out[2] = _mm512_add_ps(_mm512_add_ps(r10, r11), r12);
+            out[3] = _mm512_sub_ps(_mm512_sub_ps(r11, r12), r13);
+            for (p = 0; p < 4; p++) {
+                const int64_t yy = oy + p / 2, xx = ox + p % 2;
+                __m512 val = _mm512_add_ps(out[p], bias);
+                if (yy >= j->oh || xx >= j->ow) continue;
+                if (relu)
+                    val = _mm512_maskz_mov_ps(
+                        _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
+                _mm512_mask_storeu_ps(y + ((b * j->oh + yy) * j->ow + xx) * j->oc + o0 + h, k, val);
+            }
+        }
+    }
+}
+#undef MPT__WINO_COL
+
+/* Tiles [task·12, task·12 + 12). */
+static void mpt__wino_task(void *arg, int64_t task, int thread) {
+    const mpt__wino_job *j = (const mpt__wino_job *)arg;
+    float *v = (float *)mpt__thread_scratch(j->ctx, thread);  /* (16, 12, ic) */
+    float *m = v + 16 * MPT__WINO_TILES * j->ic;              /* (16, 12, 32) */
+    const int64_t t0 = task * MPT__WINO_TILES;
+    int64_t o0;
+    mpt__wino_input(j, t0, v);
+    for (o0 = 0; o0 < j->oc; o0 += 32) {
+        const int nb = (int)MPT__MIN(32, j->oc - o0);
+        mpt__wino_products(j, v, o0, nb, m);
+        mpt__wino_output(j, m, t0, o0, nb);
+    }
+}
+
+/* The forward product or the input gradient by Winograd's F(2×2, 3×3).
+   ws (MPT_CONV_DIRECT_WS_BYTES): U, a zero pixel, the turned kernel. */
+static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    mpt__wino_job j;
+    float *zero;
+    j.ctx = ctx;
+    j.a = a;
+    j.x = (const float *)a->x;
+    j.ih = a->input_grad ? g->oh : g->h;
+    j.iw = a->input_grad ? g->ow : g->w;
+    j.ic = a->input_grad ? a->f : g->c;
+    j.oh = a->input_grad ? g->h : g->oh;
+    j.ow = a->input_grad ? g->w : g->ow;
+    j.oc = a->input_grad ? g->c : a->f;
+    j.top = a->input_grad ? 2 - g->top : g->top;
+    j.left = a->input_grad ? 2 - g->left : g->left;
+    j.th = (j.oh + 1) / 2;
+    j.tw = (j.ow + 1) / 2;
+    j.tiles = a->n * j.th * j.tw;
+    j.u = (float *)a->ws;
+    zero = j.u + 16 * j.ic * j.oc;
+    memset(zero, 0, sizeof(float) * (size_t)j.ic);
+    j.zero = zero;
+    mpt__wino_kernel(&j, (const float *)a->kernel, zero + j.ic);
+    mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
+}
+#endif /* MPT__X86 */
+
 /* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
    over the output pixels of x's channel c at that tap times the pixel's
    dz row. A task owns a block of 12 rows (float32: 8; channels c0.. of
@@ -9245,6 +9537,12 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     int64_t t;
     int shallow;
     if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
+#if MPT__X86
+    if (mpt__wino_takes(ctx, a)) {
+        mpt__wino(ctx, a);
+        return 1;
+    }
+#endif
     memset(&j, 0, sizeof j);
     j.ic = a->input_grad ? a->f : g->c;
 #if MPT__X86
@@ -9331,7 +9629,7 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
         mpt__acc_mul(&sample_bytes, 2 * c.pix, c.f);
     }
     /* and the backend's direct convolution (MPT_CONV_DIRECT_WS_BYTES) */
-    mpt__acc_mul(&direct_bytes, c.kk * c.f, 4); /* kk·F: the kernel, counted above */
+    mpt__acc_mul(&direct_bytes, c.kk * c.f, 12); /* kk·F: the kernel, repacked */
     mpt__acc_mul(&direct_bytes, MPT__MAX(c.g.c, c.f), 4);
     mpt__acc_mul(&direct_bytes, 256, 1);
     if (sample_bytes < 0 || direct_bytes < 0 ||

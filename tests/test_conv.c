@@ -1117,6 +1117,7 @@ static int direct_calls;      /* conv_direct calls that did the work */
 static int kernel_grad_calls; /* of them, kernel gradients          */
 static int pairs_calls;       /* of those, from the pixel-pair tables */
 static int forward_calls;     /* of them, forward products          */
+static int wino_forward_calls; /* forward products by Winograd's transform */
 
 static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     int done = mpt__cpu_conv_direct(impl, a);
@@ -1127,6 +1128,10 @@ static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
         pairs_calls += done;
 #endif
     if (!a->kernel_grad && !a->input_grad) forward_calls += done;
+#if MPT__X86
+    if (!a->kernel_grad && !a->input_grad && mpt__wino_takes((const mpt_context *)impl, a))
+        wino_forward_calls += done;
+#endif
     return done;
 }
 
@@ -1222,16 +1227,17 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
     return *worst <= tol;
 }
 
-/* Forward: the im2col path's bits exactly (same sums in the same order);
-   dx, kernel and bias gradients: close; everything the same bits on 1 and
-   2 threads. Odd shapes (tails of 12-pixel tiles
+/* Forward: the im2col path's bits exactly (same sums in the same order),
+   except where Winograd's transform takes it (float32 3×3 of stride 1:
+   close, like dx); dx, kernel and bias gradients: close; everything the
+   same bits on 1 and 2 threads. Odd shapes (tails of 12-pixel tiles
    and of 16-lane output blocks, both paddings, strides 1-3, depths over
    the GEMM's 512 block) at every SIMD level and dtype. */
 static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
     layer_ref cases[28];
     int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0, ran_pairs = 0;
-    int ran_shallow_fwd = 0;
+    int ran_shallow_fwd = 0, ran_wino = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1298,12 +1304,20 @@ static void test_direct_conv(void) {
                 conv_run former, one, two;
                 double worst = 0;
                 int64_t before;
-                int calls;
+                int calls, wino;
                 test__begin();
                 run_conv_layer(level, 2, d, batch, dts[t], 0, &former);
                 direct_calls = kernel_grad_calls = pairs_calls = forward_calls = 0;
+                wino_forward_calls = 0;
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
+                wino = wino_forward_calls;
+                if (level >= 2 && dts[t] == MPT_FLOAT32 && d->g.kh == 3 && d->g.kw == 3 &&
+                    d->g.sh == 1 && d->g.sw == 1 && d->g.c >= 16 && d->f >= 16 &&
+                    (d->act == MPT_ACT_RELU || d->act == MPT_ACT_NONE)) {
+                    CHECK(wino > 0, "the Winograd forward did not run");
+                    ran_wino += wino > 0;
+                }
                 if (level == 3 && dts[t] == MPT_BFLOAT16 && d->g.c >= 12 && d->f <= 64 &&
                     tf_out(d->g.w, d->g.kw, d->g.sw, d->g.pad, &before) % 2 == 0) {
                     CHECK(pairs_calls > 0, "the pixel-pair kernel gradient did not run");
@@ -1333,8 +1347,9 @@ static void test_direct_conv(void) {
                     ran_bf16 += calls > 0;
                 }
                 CHECK(one.ny == former.ny &&
-                          memcmp(one.y, former.y, sizeof(float) * (size_t)one.ny) == 0,
-                      "y differs from the im2col path");
+                          (wino ? close_to(one.y, former.y, one.ny, 1e-5, &worst)
+                                : memcmp(one.y, former.y, sizeof(float) * (size_t)one.ny) == 0),
+                      "y differs from the im2col path (by %g relative)", worst);
                 CHECK(one.ng == former.ng &&
                           close_to(one.grads, former.grads, one.ng, 1e-5, &worst),
                       "kernel or bias gradient differs from the im2col path's by %g (relative)",
@@ -1360,8 +1375,169 @@ static void test_direct_conv(void) {
             }
     }
     printf("# direct convolution ran in %d float32 and %d bfloat16 cases; the shallow kernel "
-           "gradient in %d, the pixel-pair one in %d, the one-channel forward in %d\n", ran_f32,
-           ran_bf16, ran_shallow, ran_pairs, ran_shallow_fwd);
+           "gradient in %d, the pixel-pair one in %d, the one-channel forward in %d, "
+           "Winograd's forward in %d\n",
+           ran_f32, ran_bf16, ran_shallow, ran_pairs, ran_shallow_fwd, ran_wino);
+}
+
+/* ---- Winograd's F(2×2, 3×3) against double-precision sums ------------------ */
+
+typedef struct wino_case {
+    int64_t n, h, w, c, f;
+    int64_t top, left, bottom, right; /* zeros around the image            */
+    int input_grad, relu, bias;
+} wino_case;
+
+/* The product mpt__cpu_conv_direct computes for a: forward, y = act(Σ x·k
+   + bias); input gradient, dx(y, x, ch) = Σ dz(y + top − i, x + left − j,
+   o)·k(i, j, ch, o). sizes: the sum of the terms' magnitudes per element,
+   which bounds a float32 sum's rounding error. */
+static void wino_ref(const wino_case *w, const mpt_window *g, const float *in, const float *k,
+                     const float *bias, double *out, double *sizes) {
+    const int64_t ih = w->input_grad ? g->oh : g->h, iw = w->input_grad ? g->ow : g->w;
+    const int64_t oh = w->input_grad ? g->h : g->oh, ow = w->input_grad ? g->w : g->ow;
+    const int64_t ic = w->input_grad ? w->f : w->c, oc = w->input_grad ? w->c : w->f;
+    int64_t b, y, x, o, i, j, ch;
+    for (b = 0; b < w->n; b++)
+        for (y = 0; y < oh; y++)
+            for (x = 0; x < ow; x++)
+                for (o = 0; o < oc; o++) {
+                    const int64_t at = ((b * oh + y) * ow + x) * oc + o;
+                    double z = bias ? bias[o] : 0, size = fabs(z);
+                    for (i = 0; i < 3; i++)
+                        for (j = 0; j < 3; j++) {
+                            const int64_t yy = w->input_grad ? y + g->top - i : y - g->top + i;
+                            const int64_t xx = w->input_grad ? x + g->left - j : x - g->left + j;
+                            if (yy < 0 || yy >= ih || xx < 0 || xx >= iw) continue;
+                            for (ch = 0; ch < ic; ch++) {
+                                const double kv = w->input_grad
+                                                      ? k[((i * 3 + j) * w->c + o) * w->f + ch]
+                                                      : k[((i * 3 + j) * w->c + ch) * w->f + o];
+                                const double t = in[((b * ih + yy) * iw + xx) * ic + ch] * kv;
+                                z += t;
+                                size += fabs(t);
+                            }
+                        }
+                    out[at] = w->relu && z < 0 ? 0 : z;
+                    sizes[at] = size;
+                }
+}
+
+/* Winograd's products (forward and input gradient) against sums in
+   double: within 4e-6 of the terms' summed sizes (measured: 1e-7 to
+   5e-7; a wrong tap, sign or transform coefficient is off by a whole
+   term, ~1e-2 of them here, and fails by 3-11 relative); every output
+   written (poisoned first), the same bits on 1 and 2
+   threads. Odd output sizes (half tiles), batches whose tiles leave the
+   last task short, channel counts off the 16-lane vectors, filters off
+   the 32-filter blocks, padding of 0, 1 and 2 on each side. */
+static void test_winograd(void) {
+    static const wino_case cases[] = {
+        {3, 26, 26, 32, 32, 0, 0, 0, 0, 0, 1, 1}, /* the seed cnn's second layer */
+        {2, 9, 7, 16, 33, 1, 1, 1, 1, 0, 0, 1},
+        {1, 5, 6, 64, 20, 1, 1, 1, 1, 0, 1, 1},
+        {1, 8, 10, 24, 16, 2, 0, 0, 2, 0, 1, 0},
+        {2, 26, 26, 32, 32, 0, 0, 0, 0, 1, 0, 0},
+        {3, 12, 12, 17, 40, 0, 0, 0, 0, 1, 0, 0},
+        {2, 7, 9, 48, 16, 1, 1, 1, 1, 1, 0, 0},
+        {1, 11, 6, 20, 35, 0, 2, 2, 1, 1, 0, 0},
+    };
+    mpt_context *one = NULL;
+    size_t q;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+    if (!(mpt_context_cpu_features(one) & MPT_CPU_AVX512)) {
+        test__begin();
+        SKIP("no AVX-512: Winograd's products are not built for this CPU");
+        test__end("winograd");
+        mpt_context_destroy(one);
+        return;
+    }
+    for (q = 0; q < sizeof cases / sizeof cases[0]; q++) {
+        const wino_case *w = &cases[q];
+        mpt_window g;
+        mpt_conv_args a;
+        int64_t n_in, n_out, n_k = 9 * w->c * w->f, i;
+        float *in, *k, *bias, *y1, *y2;
+        double *ref, *sizes, worst = 0;
+        void *ws;
+        int taken = 0, done1, done2, finite = 1;
+        g.h = w->h, g.w = w->w, g.c = w->c, g.kh = g.kw = 3, g.sh = g.sw = 1;
+        g.top = w->top, g.left = w->left;
+        g.oh = w->h + w->top + w->bottom - 2, g.ow = w->w + w->left + w->right - 2;
+        n_in = w->n * (w->input_grad ? g.oh * g.ow * w->f : g.h * g.w * w->c);
+        n_out = w->n * (w->input_grad ? g.h * g.w * w->c : g.oh * g.ow * w->f);
+        in = (float *)malloc(sizeof(float) * (size_t)n_in);
+        k = (float *)malloc(sizeof(float) * (size_t)n_k);
+        bias = (float *)malloc(sizeof(float) * (size_t)w->f);
+        y1 = (float *)malloc(sizeof(float) * (size_t)n_out);
+        y2 = (float *)malloc(sizeof(float) * (size_t)n_out);
+        ref = (double *)malloc(sizeof(double) * (size_t)n_out);
+        sizes = (double *)malloc(sizeof(double) * (size_t)n_out);
+        ws = malloc((size_t)MPT_CONV_DIRECT_WS_BYTES(9 * w->c, w->c, w->f));
+        test_seed(700 + q);
+        for (i = 0; i < n_in; i++) in[i] = (float)test_uniform(-1, 1);
+        for (i = 0; i < n_k; i++) k[i] = (float)test_uniform(-0.3, 0.3);
+        for (i = 0; i < w->f; i++) bias[i] = (float)test_uniform(-0.5, 0.5);
+        memset(&a, 0, sizeof a);
+        a.g = &g;
+        a.dtype = MPT_FLOAT32;
+        a.input_grad = w->input_grad;
+        a.n = w->n;
+        a.f = w->f;
+        a.x = in;
+        a.kernel = k;
+        a.bias = w->bias ? bias : NULL;
+        a.act = w->relu ? MPT_ACT_RELU : MPT_ACT_NONE;
+        a.ws = ws;
+        test__begin();
+#if MPT__X86
+        taken = mpt__wino_takes(one, &a);
+#endif
+        memset(y1, 0xFF, sizeof(float) * (size_t)n_out); /* NaN */
+        memset(y2, 0xFF, sizeof(float) * (size_t)n_out);
+        a.y = y1;
+        done1 = mpt__cpu_conv_direct(one, &a);
+        a.y = y2;
+        done2 = mpt__cpu_conv_direct(ctx, &a);
+        wino_ref(w, &g, in, k, a.bias, ref, sizes);
+        for (i = 0; i < n_out; i++) {
+            const double e = fabs((double)y1[i] - ref[i]) / (sizes[i] + 1e-30);
+            if (!isfinite(y1[i])) finite = 0;
+            if (!(e <= worst)) worst = e;
+        }
+        CHECK(taken && done1 && done2, "Winograd's products did not take the case");
+        CHECK(finite, "an output was not written (NaN left)");
+        CHECK(worst <= 4e-6, "off the double-precision sums by %g of the terms' sizes", worst);
+        CHECK(memcmp(y1, y2, sizeof(float) * (size_t)n_out) == 0, "1 and 2 threads differ");
+        test__end("winograd %s n=%lld in=(%lld,%lld,%lld) f=%lld pad=(%lld,%lld,%lld,%lld)%s%s: "
+                  "error %.2g of the terms' sizes",
+                  w->input_grad ? "input_grad" : "forward", (long long)w->n, (long long)w->h,
+                  (long long)w->w, (long long)w->c, (long long)w->f, (long long)w->top,
+                  (long long)w->left, (long long)w->bottom, (long long)w->right,
+                  w->relu ? " relu" : "", w->bias ? " bias" : "", worst);
+        free(in), free(k), free(bias), free(y1), free(y2), free(ref), free(sizes), free(ws);
+    }
+    /* what it leaves to the other paths */
+    {
+        mpt_window g = {10, 10, 32, 3, 3, 2, 2, 0, 0, 4, 4};
+        mpt_conv_args a;
+        test__begin();
+        memset(&a, 0, sizeof a);
+        a.g = &g, a.dtype = MPT_FLOAT32, a.n = 1, a.f = 32, a.act = MPT_ACT_RELU;
+#if MPT__X86
+        CHECK(!mpt__wino_takes(one, &a), "took stride 2");
+        g.sh = g.sw = 1, g.oh = g.ow = 8;
+        CHECK(mpt__wino_takes(one, &a), "declined stride 1");
+        a.act = MPT_ACT_TANH;
+        CHECK(!mpt__wino_takes(one, &a), "took tanh");
+        a.act = MPT_ACT_RELU, a.dtype = MPT_BFLOAT16;
+        CHECK(!mpt__wino_takes(one, &a), "took bfloat16");
+        a.dtype = MPT_FLOAT32, a.f = 8;
+        CHECK(!mpt__wino_takes(one, &a), "took 8 filters");
+#endif
+        test__end("winograd declines stride 2, tanh, bfloat16, 8 filters");
+    }
+    mpt_context_destroy(one);
 }
 
 /* ---- the backward pass's elementwise work across threads -------------------- */
@@ -1547,6 +1723,7 @@ int main(void) {
     TEST_RUN(test_bad_input);
     TEST_RUN(test_determinism);
     test_direct_conv();
+    test_winograd();
     test_backward_elementwise_threads();
     test_dz_and_bias_grad();
     test_conv_gradients();

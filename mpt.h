@@ -1874,8 +1874,9 @@ typedef enum mpt_pool_kind {
      kernel_grad: dkernel (kh, kw, C, F) float32 = Σ over the output
                  pixels of x's window ⊗ dz (n, OH, OW, F), added to what
                  dkernel holds when accumulate; kernel, bias, act, y
-                 unused; ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16, else
-                 NULL.
+                 unused; ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16,
+                 MPT_CONV_WINO_KGRAD_WS_BYTES for float32 (or NULL: the
+                 CPU then sums without the transform).
    x and y in dtype, sums in float32 (the CPU's float32 3×3 products of
    stride 1 by Winograd's transform: not the im2col path's bits). ws:
    MPT_CONV_DIRECT_WS_BYTES. */
@@ -1902,6 +1903,21 @@ typedef struct mpt_conv_args {
    around (9·C·F): under 12 bytes per element of kk·F. */
 #define MPT_CONV_DIRECT_WS_BYTES(kk, c, f) \
     (12 * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
+
+/* Workspace bytes of a float32 kernel_grad of n samples through window g
+   (an mpt_window *) with f filters, for the CPU's Winograd transform of a
+   3×3 kernel of stride 1: a transformed gradient (16 · C · F floats) for
+   each span of ⌈4096 / (C + F)⌉ tiles (C rounded up to 8, F to 32; a
+   tile is 2×2 output pixels), and a zero pixel. */
+#define MPT__CONV_WINO_WIDTH(c, f) (((c) + 7) / 8 * 8 + ((f) + 31) / 32 * 32)
+#define MPT_CONV_WINO_KGRAD_SPAN(c, f) \
+    ((4096 + MPT__CONV_WINO_WIDTH(c, f) - 1) / MPT__CONV_WINO_WIDTH(c, f))
+#define MPT_CONV_WINO_KGRAD_WS_BYTES(g, n, f)                                          \
+    (64 * (g)->c * (f) *                                                               \
+         (((n) * (((g)->oh + 1) / 2) * (((g)->ow + 1) / 2) +                           \
+           MPT_CONV_WINO_KGRAD_SPAN((g)->c, f) - 1) /                                  \
+          MPT_CONV_WINO_KGRAD_SPAN((g)->c, f)) +                                       \
+     4 * (g)->c + 256)
 
 /* Workspace bytes of a bfloat16 kernel_grad of n samples through window g
    (an mpt_window *) with f filters: x and dz with their pixels side by
@@ -7938,6 +7954,13 @@ typedef struct mpt__conv_plan {
     size_t es;      /* bytes of one element of the compute dtype         */
 } mpt__conv_plan;
 
+/* Whether a float32 layer's kernel gradient may take Winograd's
+   transform (mpt__wkg_takes decides; this sizes its workspace). */
+static int mpt__conv_wino_shape(const mpt__conv_plan *c) {
+    return c->es == 4 && c->g.kh == 3 && c->g.kw == 3 && c->g.sh == 1 && c->g.sw == 1 &&
+           c->g.c >= 8 && c->f >= 16 && MPT_CONV_WINO_KGRAD_SPAN(c->g.c, c->f) >= 16;
+}
+
 static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t max_batch,
                                 const mpt_backend *be) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
@@ -8930,6 +8953,265 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__wino_kernel(&j, (const float *)a->kernel, zero + j.ic);
     mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
 }
+
+/* ---- Winograd's kernel gradient ---------------------------------------------
+   The forward above sums Y = Aᵀ [(G g Gᵀ) ⊙ V] A over channels, tile by
+   tile; its gradient with respect to the taps g, summed over the tiles,
+   is
+       dg = Gᵀ dU G,   dU_ξ (C × F) = Σ over tiles of V_ξᵀ · dM_ξ,
+       dM = A dY Aᵀ    (dY: the tile's 2×2 of dz, zero past the edge),
+   the same 16 products, now of (C × tiles) by (tiles × F): 16·C·F
+   multiply-adds per tile where the direct kernel gradient spends 36·C·F.
+   A task takes a span of tiles (as many as keep their V and dM within
+   256 KiB of the thread's scratch, so that the products read them from
+   the core's own cache): it transforms them (channels in blocks of 8,
+   filters in blocks of 32, each block's tiles one after the other, as
+   the products read them), runs the 16 products over its span with an
+   8 × 32 register block, and stores its own dU. A second pass adds the
+   tasks' dU in task order, turns the sum into dg and stores or adds it.
+   Spans depend on the layer alone: the same bits for any thread count. */
+
+typedef struct mpt__wkg_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    mpt_context *ctx;
+    int64_t th, tw, tiles;    /* tile rows, columns per sample; n·th·tw      */
+    int64_t cb, fb;           /* blocks of 8 channels, of 32 filters         */
+    int64_t span, tasks;      /* tiles per task; tasks                       */
+    float *du;                /* (tasks, 16, C, F): each task's dU           */
+    const float *zero;        /* C zeros: what the padding reads             */
+} mpt__wkg_job;
+
+/* Tiles per task for C channels and F filters: 16 floats of V and dM
+   per tile and channel or filter, 256 KiB in all. */
+static int64_t mpt__wkg_span(int64_t c, int64_t f) { return MPT_CONV_WINO_KGRAD_SPAN(c, f); }
+
+/* Whether Winograd's kernel gradient takes this case: float32 with
+   AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
+   filters, spans of 16 tiles or more (wider layers: the direct tiles,
+   whose sums need no dU per task), a workspace given. */
+static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    return a->kernel_grad && a->ws && a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512) &&
+           g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
+           g->left <= 2 && g->c >= 8 && a->f >= 16 && mpt__wkg_span(g->c, a->f) >= 16;
+}
+
+/* V of a span's tile i (of x's patch, as mpt__wino_input makes it; 16
+   channels a vector, stored as two blocks of 8) and its dM = A dY Aᵀ (16
+   filters a vector), into v (16, cb, span, 8) and dm (16, fb, span, 32). */
+#define MPT__WKG_ROW(r)                                                \
+    d0 = _mm512_maskz_loadu_ps(k, at[4 * r] + c);                      \
+    d1 = _mm512_maskz_loadu_ps(k, at[4 * r + 1] + c);                  \
+    d2 = _mm512_maskz_loadu_ps(k, at[4 * r + 2] + c);                  \
+    d3 = _mm512_maskz_loadu_ps(k, at[4 * r + 3] + c);                  \
+    e[4 * r] = _mm512_sub_ps(d0, d2);                                  \
+    e[4 * r + 1] = _mm512_add_ps(d1, d2);                              \
+    e[4 * r + 2] = _mm512_sub_ps(d2, d1);                              \
+    e[4 * r + 3] = _mm512_sub_ps(d1, d3);
+/* lanes 0..7 to channel block c/8, lanes 8..15 to the next block */
+#define MPT__WKG_STORE8(xi, val)                                               \
+    dst = v + (((xi) * j->cb + c / 8) * j->span + i) * 8;                       \
+    _mm256_storeu_ps(dst, _mm512_extractf32x8_ps(val, 0));                      \
+    if (c / 8 + 1 < j->cb) _mm256_storeu_ps(dst + j->span * 8, _mm512_extractf32x8_ps(val, 1));
+#define MPT__WKG_COL(s)                                                 \
+    MPT__WKG_STORE8(s, _mm512_sub_ps(e[s], e[8 + s]))                   \
+    MPT__WKG_STORE8(4 + s, _mm512_add_ps(e[4 + s], e[8 + s]))           \
+    MPT__WKG_STORE8(8 + s, _mm512_sub_ps(e[8 + s], e[4 + s]))           \
+    MPT__WKG_STORE8(12 + s, _mm512_sub_ps(e[4 + s], e[12 + s]))
+MPT__TARGET_AVX512 static void mpt__wkg_transform(const mpt__wkg_job *j, int64_t b, int64_t ty,
+                                                  int64_t tx, int64_t i, float *v, float *dm) {
+    const mpt_window *g = j->g;
+    const int64_t C = g->c, F = j->a->f;
+    const int64_t step = j->fb * j->span * 32; /* dm from ξ to ξ + 1 */
+    const float *x = (const float *)j->a->x, *dz = (const float *)j->a->dz;
+    const float *at[16], *dy[4];
+    int64_t c, o;
+    int r, s;
+    for (r = 0; r < 4; r++)
+        for (s = 0; s < 4; s++) {
+            const int64_t y = 2 * ty - g->top + r, xx = 2 * tx - g->left + s;
+            at[4 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
+                                ? x + ((b * g->h + y) * g->w + xx) * C
+                                : j->zero;
+        }
+    for (r = 0; r < 4; r++) {
+        const int64_t y = 2 * ty + r / 2, xx = 2 * tx + r % 2;
+        dy[r] = y < g->oh && xx < g->ow ? dz + ((b * g->oh + y) * g->ow + xx) * F : NULL;
+    }
+    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
+        __m512 d0, d1, d2, d3, e[16];
+        float *dst;
+        MPT__WKG_ROW(0)
+        MPT__WKG_ROW(1)
+        MPT__WKG_ROW(2)
+        MPT__WKG_ROW(3)
+        MPT__WKG_COL(0)
+        MPT__WKG_COL(1)
+        MPT__WKG_COL(2)
+        MPT__WKG_COL(3)
+    }
+    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
+        const __m512 zero = _mm512_setzero_ps();
+        const __m512 y00 = _mm512_maskz_loadu_ps(dy[0] ? k : 0, dy[0] ? dy[0] + o : NULL);
+        const __m512 y01 = _mm512_maskz_loadu_ps(dy[1] ? k : 0, dy[1] ? dy[1] + o : NULL);
+        const __m512 y10 = _mm512_maskz_loadu_ps(dy[2] ? k : 0, dy[2] ? dy[2] + o : NULL);
+        const __m512 y11 = _mm512_maskz_loadu_ps(dy[3] ? k : 0, dy[3] ? dy[3] + o : NULL);
+        /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
+        __m512 rows[8];
+        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
+        rows[0] = y00, rows[1] = y01;
+        rows[2] = _mm512_add_ps(y00, y10), rows[3] = _mm512_add_ps(y01, y11);
+        rows[4] = _mm512_sub_ps(y00, y10), rows[5] = _mm512_sub_ps(y01, y11);
+        rows[6] = _mm512_sub_ps(zero, y10), rows[7] = _mm512_sub_ps(zero, y11);
+        for (r = 0; r < 4; r++) { /* (A dY) Aᵀ: the same on each row */
+            const __m512 u0 = rows[2 * r], u1 = rows[2 * r + 1];
+            _mm512_storeu_ps(dst + (4 * r) * step, u0);
+            _mm512_storeu_ps(dst + (4 * r + 1) * step, _mm512_add_ps(u0, u1));
+            _mm512_storeu_ps(dst + (4 * r + 2) * step, _mm512_sub_ps(u0, u1));
+            _mm512_storeu_ps(dst + (4 * r + 3) * step, _mm512_sub_ps(zero, u1));
+        }
+    }
+}
+#undef MPT__WKG_ROW
+#undef MPT__WKG_STORE8
+#undef MPT__WKG_COL
+
+/* du (16, C, F) of a span of n tiles: for each ξ, 8 channels by 32
+   filters at a time, the tiles in order. */
+#define MPT__WKG_ROWS(X) MPT__ROWS6(X) X(6) X(7)
+#define MPT__WKG_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__WKG_FMA(i)                                            \
+    ai = _mm512_set1_ps(vt[i]);                                    \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);                    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+#define MPT__WKG_OUT(i)                                                            \
+    if (c0 + i < C) {                                                              \
+        _mm512_mask_storeu_ps(out + (c0 + i) * F, k0, c##i##0);                    \
+        _mm512_mask_storeu_ps(out + (c0 + i) * F + 16, k1, c##i##1);               \
+    }
+MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const float *v,
+                                                 const float *dm, int64_t n, float *du) {
+    const int64_t C = j->g->c, F = j->a->f;
+    int64_t xi, cbi, fbi, t;
+    for (xi = 0; xi < 16; xi++)
+        for (cbi = 0; cbi < j->cb; cbi++)
+            for (fbi = 0; fbi < j->fb; fbi++) {
+                const int64_t c0 = cbi * 8, o0 = fbi * 32;
+                const float *vt = v + (xi * j->cb + cbi) * j->span * 8;
+                const float *d = dm + (xi * j->fb + fbi) * j->span * 32;
+                const __mmask16 k0 = mpt__gemm_mask16((int)(F - o0));
+                const __mmask16 k1 = mpt__gemm_mask16((int)(F - o0 - 16));
+                float *out = du + xi * C * F + o0;
+                MPT__WKG_ROWS(MPT__WKG_ACC)
+                for (t = 0; t < n; t++, vt += 8, d += 32) {
+                    const __m512 b0 = _mm512_loadu_ps(d), b1 = _mm512_loadu_ps(d + 16);
+                    __m512 ai;
+                    MPT__WKG_ROWS(MPT__WKG_FMA)
+                }
+                MPT__WKG_ROWS(MPT__WKG_OUT)
+            }
+}
+#undef MPT__WKG_ROWS
+#undef MPT__WKG_ACC
+#undef MPT__WKG_FMA
+#undef MPT__WKG_OUT
+
+/* Task: tiles [task·span, ...) transformed in the thread's scratch, their
+   dU stored as the task's. */
+static void mpt__wkg_task(void *arg, int64_t task, int thread) {
+    const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
+    const int64_t t0 = task * j->span, n = MPT__MIN(j->span, j->tiles - t0);
+    float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (16, cb, span, 8)  */
+    float *dm = v + 16 * j->cb * j->span * 8;                 /* (16, fb, span, 32) */
+    int64_t i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
+    for (i = 0; i < n; i++) {
+        mpt__wkg_transform(j, b, ty, tx, i, v, dm);
+        if (++tx == j->tw) {
+            tx = 0;
+            if (++ty == j->th) ty = 0, b++;
+        }
+    }
+    mpt__wkg_products(j, v, dm, n, j->du + task * 16 * j->g->c * j->a->f);
+}
+
+/* Pairs [task·256, task·256 + 256) of the C·F plane: dU summed over the
+   tasks in order (row by row of 256 floats, which the prefetcher
+   follows), then dkernel (9, C, F) = Gᵀ dU G, stored or added. */
+#define MPT__WKG_FINISH 256
+MPT__TARGET_AVX512 static void mpt__wkg_finish(void *arg, int64_t task, int thread) {
+    const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
+    const int64_t plane = j->g->c * j->a->f, e0 = task * MPT__WKG_FINISH;
+    const int64_t len = MPT__MIN(MPT__WKG_FINISH, plane - e0);
+    const __m512 half = _mm512_set1_ps(0.5f);
+    float sum[16 * MPT__WKG_FINISH];
+    float *dk = j->a->dkernel;
+    int64_t q, e;
+    int r, s;
+    (void)thread;
+    for (r = 0; r < 16; r++) memcpy(sum + r * MPT__WKG_FINISH, j->du + r * plane + e0, 4 * (size_t)len);
+    for (q = 1; q < j->tasks; q++)
+        for (r = 0; r < 16; r++) {
+            const float *src = j->du + (q * 16 + r) * plane + e0;
+            float *acc = sum + r * MPT__WKG_FINISH;
+            for (e = 0; e < len; e += 16) {
+                const __mmask16 k = mpt__gemm_mask16((int)(len - e));
+                _mm512_mask_storeu_ps(acc + e, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + e),
+                                                                _mm512_maskz_loadu_ps(k, src + e)));
+            }
+        }
+    for (e = 0; e < len; e += 16) {
+        const __mmask16 k = mpt__gemm_mask16((int)(len - e));
+        __m512 u[16], t[12];
+        for (r = 0; r < 16; r++) u[r] = _mm512_maskz_loadu_ps(k, sum + r * MPT__WKG_FINISH + e);
+        for (s = 0; s < 4; s++) { /* Gᵀ dU: rows u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3 */
+            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(u[4 + s], u[8 + s]));
+            t[s] = _mm512_add_ps(u[s], p);
+            t[4 + s] = _mm512_mul_ps(half, _mm512_sub_ps(u[4 + s], u[8 + s]));
+            t[8 + s] = _mm512_add_ps(p, u[12 + s]);
+        }
+        for (r = 0; r < 3; r++) { /* (Gᵀ dU) G: the same on each row */
+            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(t[4 * r + 1], t[4 * r + 2]));
+            __m512 tap[3];
+            tap[0] = _mm512_add_ps(t[4 * r], p);
+            tap[1] = _mm512_mul_ps(half, _mm512_sub_ps(t[4 * r + 1], t[4 * r + 2]));
+            tap[2] = _mm512_add_ps(p, t[4 * r + 3]);
+            for (s = 0; s < 3; s++) {
+                float *dst = dk + (3 * r + s) * plane + e0 + e;
+                if (j->a->accumulate)
+                    tap[s] = _mm512_add_ps(tap[s], _mm512_maskz_loadu_ps(k, dst));
+                _mm512_mask_storeu_ps(dst, k, tap[s]);
+            }
+        }
+    }
+}
+
+/* The kernel gradient by Winograd's transform; ws:
+   MPT_CONV_WINO_KGRAD_WS_BYTES. */
+static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    mpt__wkg_job j;
+    float *zero;
+    j.a = a;
+    j.g = g;
+    j.ctx = ctx;
+    j.th = (g->oh + 1) / 2;
+    j.tw = (g->ow + 1) / 2;
+    j.tiles = a->n * j.th * j.tw;
+    j.cb = (g->c + 7) / 8;
+    j.fb = (a->f + 31) / 32;
+    j.span = mpt__wkg_span(g->c, a->f);
+    j.tasks = (j.tiles + j.span - 1) / j.span;
+    j.du = (float *)a->ws;
+    zero = j.du + j.tasks * 16 * g->c * a->f;
+    memset(zero, 0, sizeof(float) * (size_t)g->c);
+    j.zero = zero;
+    mpt__parallel_for(ctx, j.tasks, mpt__wkg_task, &j);
+    mpt__parallel_for(ctx, (g->c * a->f + MPT__WKG_FINISH - 1) / MPT__WKG_FINISH, mpt__wkg_finish,
+                      &j);
+}
 #endif /* MPT__X86 */
 
 /* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
@@ -9476,6 +9758,12 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
    these. */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
+#if MPT__X86
+    if (mpt__wkg_takes(ctx, a)) {
+        mpt__wkg(ctx, a);
+        return 1;
+    }
+#endif
     j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
     j.rows = a->dtype == MPT_FLOAT32 ? MPT__DCONV_KGRAD_F32_ROWS : MPT__DCONV_MR;
     if ((ctx->cpu & MPT_CPU_AVX512) && a->g->c < j.rows &&
@@ -9590,6 +9878,7 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     mpt__conv_plan c;
     int64_t kshape[4], row_bytes = 0, sample_bytes = 0, direct_bytes = 0, chunk_bytes;
+    int64_t wino_kgrad_bytes = 0;
     char s[96];
     MPT__CHECK(mpt__expect_image(m, L));
     kshape[0] = d->kernel_size[0];
@@ -9627,6 +9916,8 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     if (L->dtype == MPT_BFLOAT16) { /* MPT_CONV_KGRAD_WS_BYTES of one sample */
         mpt__acc_mul(&sample_bytes, 4 * c.g.h * c.g.c, (c.g.ow - 1) * c.g.sw + c.g.kw);
         mpt__acc_mul(&sample_bytes, 2 * c.pix, c.f);
+    } else if (mpt__conv_wino_shape(&c)) { /* MPT_CONV_WINO_KGRAD_WS_BYTES */
+        wino_kgrad_bytes = MPT_CONV_WINO_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
     }
     /* and the backend's direct convolution (MPT_CONV_DIRECT_WS_BYTES) */
     mpt__acc_mul(&direct_bytes, c.kk * c.f, 12); /* kk·F: the kernel, repacked */
@@ -9634,7 +9925,8 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     mpt__acc_mul(&direct_bytes, 256, 1);
     if (sample_bytes < 0 || direct_bytes < 0 ||
         !mpt__mul_ok(sample_bytes, c.chunk, &chunk_bytes) ||
-        !mpt__add_ok(chunk_bytes, direct_bytes, &chunk_bytes))
+        !mpt__add_ok(chunk_bytes, direct_bytes, &chunk_bytes) ||
+        !mpt__add_ok(chunk_bytes, wino_kgrad_bytes, &chunk_bytes))
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "Conv2D '%s': buffers for input %s overflow",
                          L->name, mpt_shape_format(s, sizeof s, 3, L->in_shape));
     return mpt__layer_set_workspace(m, L, 0, mpt__ws_bytes(chunk_bytes, 8));
@@ -9784,6 +10076,8 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
     void *kgrad_ws = L->dtype == MPT_BFLOAT16
                          ? mpt__ws_take(&w, MPT_CONV_KGRAD_WS_BYTES(&c->g, n, c->f))
+                     : mpt__conv_wino_shape(c)
+                         ? mpt__ws_take(&w, MPT_CONV_WINO_KGRAD_WS_BYTES(&c->g, n, c->f))
                          : NULL;
     /* The products run in the compute dtype, as the forward did. */
     mpt__layer_dz(L, p, mpt__pass_activation(p, d->activation), z,

@@ -1118,6 +1118,7 @@ static int kernel_grad_calls; /* of them, kernel gradients          */
 static int pairs_calls;       /* of those, from the pixel-pair tables */
 static int forward_calls;     /* of them, forward products          */
 static int wino_forward_calls; /* forward products by Winograd's transform */
+static int wino_kgrad_calls;   /* kernel gradients by Winograd's transform */
 
 static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     int done = mpt__cpu_conv_direct(impl, a);
@@ -1131,6 +1132,7 @@ static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
 #if MPT__X86
     if (!a->kernel_grad && !a->input_grad && mpt__wino_takes((const mpt_context *)impl, a))
         wino_forward_calls += done;
+    if (mpt__wkg_takes((const mpt_context *)impl, a)) wino_kgrad_calls += done;
 #endif
     return done;
 }
@@ -1237,7 +1239,7 @@ static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
     layer_ref cases[28];
     int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0, ran_pairs = 0;
-    int ran_shallow_fwd = 0, ran_wino = 0;
+    int ran_shallow_fwd = 0, ran_wino = 0, ran_wkg = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1308,10 +1310,15 @@ static void test_direct_conv(void) {
                 test__begin();
                 run_conv_layer(level, 2, d, batch, dts[t], 0, &former);
                 direct_calls = kernel_grad_calls = pairs_calls = forward_calls = 0;
-                wino_forward_calls = 0;
+                wino_forward_calls = wino_kgrad_calls = 0;
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
                 wino = wino_forward_calls;
+                if (level >= 2 && dts[t] == MPT_FLOAT32 && d->g.kh == 3 && d->g.kw == 3 &&
+                    d->g.sh == 1 && d->g.sw == 1 && d->g.c >= 8 && d->f >= 16) {
+                    CHECK(wino_kgrad_calls > 0, "Winograd's kernel gradient did not run");
+                    ran_wkg += wino_kgrad_calls > 0;
+                }
                 if (level >= 2 && dts[t] == MPT_FLOAT32 && d->g.kh == 3 && d->g.kw == 3 &&
                     d->g.sh == 1 && d->g.sw == 1 && d->g.c >= 16 && d->f >= 16 &&
                     (d->act == MPT_ACT_RELU || d->act == MPT_ACT_NONE)) {
@@ -1376,8 +1383,8 @@ static void test_direct_conv(void) {
     }
     printf("# direct convolution ran in %d float32 and %d bfloat16 cases; the shallow kernel "
            "gradient in %d, the pixel-pair one in %d, the one-channel forward in %d, "
-           "Winograd's forward in %d\n",
-           ran_f32, ran_bf16, ran_shallow, ran_pairs, ran_shallow_fwd, ran_wino);
+           "Winograd's forward in %d, its kernel gradient in %d\n",
+           ran_f32, ran_bf16, ran_shallow, ran_pairs, ran_shallow_fwd, ran_wino, ran_wkg);
 }
 
 /* ---- Winograd's F(2×2, 3×3) against double-precision sums ------------------ */
@@ -1536,6 +1543,145 @@ static void test_winograd(void) {
         CHECK(!mpt__wino_takes(one, &a), "took 8 filters");
 #endif
         test__end("winograd declines stride 2, tanh, bfloat16, 8 filters");
+    }
+    mpt_context_destroy(one);
+}
+
+/* Winograd's kernel gradient against sums in double: dkernel(i, j, c, o)
+   = Σ x(b, y − top + i, x − left + j, c) · dz(b, y, x, o), within 4e-6 of
+   the terms' summed sizes (measured: about 1e-7), written whole (poisoned
+   first) or added to what dkernel held; the same bits on 1 and 2 threads.
+   Channel counts off the 8-channel blocks and the 16-lane vectors,
+   filters off the 32-filter blocks, odd output sizes (half tiles), tile
+   counts that leave the last span short, paddings of 0, 1 and 2. */
+static void test_winograd_kernel_grad(void) {
+    static const wino_case cases[] = {
+        {3, 26, 26, 32, 32, 0, 0, 0, 0, 0, 0, 0}, /* the seed cnn's second layer */
+        {5, 12, 12, 32, 64, 0, 0, 0, 0, 0, 0, 0},
+        {2, 9, 7, 9, 17, 1, 1, 1, 1, 0, 0, 0},
+        {1, 8, 10, 24, 40, 2, 0, 0, 2, 0, 0, 0},
+        {4, 11, 6, 20, 33, 0, 2, 2, 1, 0, 0, 0},
+        {2, 10, 10, 64, 64, 1, 1, 1, 1, 0, 0, 0},
+    };
+    mpt_context *one = NULL;
+    size_t q;
+    int accumulate;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+    if (!(mpt_context_cpu_features(one) & MPT_CPU_AVX512)) {
+        test__begin();
+        SKIP("no AVX-512: Winograd's kernel gradient is not built for this CPU");
+        test__end("winograd kernel gradient");
+        mpt_context_destroy(one);
+        return;
+    }
+    for (q = 0; q < sizeof cases / sizeof cases[0]; q++)
+        for (accumulate = 0; accumulate < 2; accumulate++) {
+            const wino_case *w = &cases[q];
+            mpt_window g;
+            mpt_conv_args a;
+            int64_t n_x, n_dz, n_k = 9 * w->c * w->f, i, b, y, x, t, c, o;
+            float *xs, *dz, *start, *k1, *k2;
+            double *ref, *sizes, worst = 0;
+            void *ws;
+            int taken = 0, done1, done2, finite = 1;
+            g.h = w->h, g.w = w->w, g.c = w->c, g.kh = g.kw = 3, g.sh = g.sw = 1;
+            g.top = w->top, g.left = w->left;
+            g.oh = w->h + w->top + w->bottom - 2, g.ow = w->w + w->left + w->right - 2;
+            n_x = w->n * g.h * g.w * w->c;
+            n_dz = w->n * g.oh * g.ow * w->f;
+            xs = (float *)malloc(sizeof(float) * (size_t)n_x);
+            dz = (float *)malloc(sizeof(float) * (size_t)n_dz);
+            start = (float *)malloc(sizeof(float) * (size_t)n_k);
+            k1 = (float *)malloc(sizeof(float) * (size_t)n_k);
+            k2 = (float *)malloc(sizeof(float) * (size_t)n_k);
+            ref = (double *)calloc((size_t)n_k, sizeof(double));
+            sizes = (double *)calloc((size_t)n_k, sizeof(double));
+            ws = malloc((size_t)MPT_CONV_WINO_KGRAD_WS_BYTES(&g, w->n, w->f));
+            test_seed(800 + 2 * q + (size_t)accumulate);
+            for (i = 0; i < n_x; i++) xs[i] = (float)test_uniform(-1, 1);
+            for (i = 0; i < n_dz; i++) dz[i] = (float)test_uniform(-1, 1);
+            for (i = 0; i < n_k; i++) start[i] = (float)test_uniform(-2, 2);
+            for (i = 0; i < n_k; i++) {
+                ref[i] = accumulate ? start[i] : 0;
+                sizes[i] = fabs(ref[i]);
+            }
+            for (b = 0; b < w->n; b++)
+                for (y = 0; y < g.oh; y++)
+                    for (x = 0; x < g.ow; x++)
+                        for (t = 0; t < 9; t++) {
+                            const int64_t yy = y - g.top + t / 3, xx = x - g.left + t % 3;
+                            if (yy < 0 || yy >= g.h || xx < 0 || xx >= g.w) continue;
+                            for (c = 0; c < w->c; c++)
+                                for (o = 0; o < w->f; o++) {
+                                    const double term =
+                                        (double)xs[((b * g.h + yy) * g.w + xx) * w->c + c] *
+                                        dz[((b * g.oh + y) * g.ow + x) * w->f + o];
+                                    ref[(t * w->c + c) * w->f + o] += term;
+                                    sizes[(t * w->c + c) * w->f + o] += fabs(term);
+                                }
+                        }
+            memset(&a, 0, sizeof a);
+            a.g = &g;
+            a.dtype = MPT_FLOAT32;
+            a.kernel_grad = 1;
+            a.n = w->n;
+            a.f = w->f;
+            a.x = xs;
+            a.dz = dz;
+            a.accumulate = accumulate;
+            a.ws = ws;
+            test__begin();
+#if MPT__X86
+            taken = mpt__wkg_takes(one, &a);
+#endif
+            if (accumulate) {
+                memcpy(k1, start, sizeof(float) * (size_t)n_k);
+                memcpy(k2, start, sizeof(float) * (size_t)n_k);
+            } else {
+                memset(k1, 0xFF, sizeof(float) * (size_t)n_k); /* NaN */
+                memset(k2, 0xFF, sizeof(float) * (size_t)n_k);
+            }
+            a.dkernel = k1;
+            done1 = mpt__cpu_conv_direct(one, &a);
+            a.dkernel = k2;
+            done2 = mpt__cpu_conv_direct(ctx, &a);
+            for (i = 0; i < n_k; i++) {
+                const double e = fabs((double)k1[i] - ref[i]) / (sizes[i] + 1e-30);
+                if (!isfinite(k1[i])) finite = 0;
+                if (!(e <= worst)) worst = e;
+            }
+            CHECK(taken && done1 && done2, "Winograd's kernel gradient did not take the case");
+            CHECK(finite, "a kernel gradient element was not written (NaN left)");
+            CHECK(worst <= 4e-6, "off the double-precision sums by %g of the terms' sizes", worst);
+            CHECK(memcmp(k1, k2, sizeof(float) * (size_t)n_k) == 0, "1 and 2 threads differ");
+            test__end("winograd kernel_grad n=%lld in=(%lld,%lld,%lld) f=%lld "
+                      "pad=(%lld,%lld,%lld,%lld)%s: error %.2g of the terms' sizes",
+                      (long long)w->n, (long long)w->h, (long long)w->w, (long long)w->c,
+                      (long long)w->f, (long long)w->top, (long long)w->left,
+                      (long long)w->bottom, (long long)w->right,
+                      accumulate ? " accumulate" : "", worst);
+            free(xs), free(dz), free(start), free(k1), free(k2), free(ref), free(sizes), free(ws);
+        }
+    {   /* what it leaves to the direct tiles */
+        mpt_window g = {10, 10, 32, 3, 3, 1, 1, 0, 0, 8, 8};
+        mpt_conv_args a;
+        char ws[16];
+        test__begin();
+        memset(&a, 0, sizeof a);
+        a.g = &g, a.dtype = MPT_FLOAT32, a.kernel_grad = 1, a.n = 1, a.f = 32, a.ws = ws;
+#if MPT__X86
+        CHECK(mpt__wkg_takes(one, &a), "declined a 3×3 of stride 1");
+        a.ws = NULL;
+        CHECK(!mpt__wkg_takes(one, &a), "took a call without a workspace");
+        a.ws = ws, g.c = 4;
+        CHECK(!mpt__wkg_takes(one, &a), "took 4 channels");
+        g.c = 256, a.f = 256;
+        CHECK(!mpt__wkg_takes(one, &a), "took 256 × 256 (spans under 16 tiles)");
+        g.c = 32, a.f = 32, g.sh = 2;
+        CHECK(!mpt__wkg_takes(one, &a), "took stride 2");
+#endif
+        test__end("winograd kernel gradient declines no workspace, 4 channels, 256 × 256, "
+                  "stride 2");
     }
     mpt_context_destroy(one);
 }
@@ -1724,6 +1870,7 @@ int main(void) {
     TEST_RUN(test_determinism);
     test_direct_conv();
     test_winograd();
+    test_winograd_kernel_grad();
     test_backward_elementwise_threads();
     test_dz_and_bias_grad();
     test_conv_gradients();

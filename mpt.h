@@ -1875,10 +1875,11 @@ typedef enum mpt_pool_kind {
                  pixels of x's window ⊗ dz (n, OH, OW, F), added to what
                  dkernel holds when accumulate; kernel, bias, act, y
                  unused; ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16,
-                 MPT_CONV_WINO_KGRAD_WS_BYTES for float32 (or NULL: the
-                 CPU then sums without the transform).
-   x and y in dtype, sums in float32 (the CPU's float32 3×3 products of
-   stride 1 by Winograd's transform: not the im2col path's bits). ws:
+                 MPT_CONV_WINO_KGRAD_WS_BYTES for float32 and float16
+                 (or NULL: the CPU then sums without the transform).
+   x and y in dtype, sums in float32 (the CPU's float32 and float16 3×3
+   products of stride 1 by Winograd's transform: not the im2col path's
+   bits). ws:
    MPT_CONV_DIRECT_WS_BYTES. */
 typedef struct mpt_conv_args {
     const mpt_window *g;
@@ -1904,9 +1905,9 @@ typedef struct mpt_conv_args {
 #define MPT_CONV_DIRECT_WS_BYTES(kk, c, f) \
     (12 * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
 
-/* Workspace bytes of a float32 kernel_grad of n samples through window g
-   (an mpt_window *) with f filters, for the CPU's Winograd transform of a
-   3×3 kernel of stride 1: a transformed gradient (16 · C · F floats) for
+/* Workspace bytes of a float32 or float16 kernel_grad of n samples
+   through window g (an mpt_window *) with f filters, for the CPU's
+   Winograd transform of a 3×3 kernel of stride 1: a transformed gradient (16 · C · F floats) for
    each span of ⌈4096 / (C + F)⌉ tiles (C rounded up to 8, F to 32; a
    tile is 2×2 output pixels), and a zero pixel. */
 #define MPT__CONV_WINO_WIDTH(c, f) (((c) + 7) / 8 * 8 + ((f) + 31) / 32 * 32)
@@ -7952,13 +7953,23 @@ typedef struct mpt__conv_plan {
     int64_t chunk;  /* samples per chunk                                 */
     int identity;   /* 1×1 kernel, stride 1: cols is the image itself    */
     size_t es;      /* bytes of one element of the compute dtype         */
+    mpt_dtype dtype; /* the compute dtype                                 */
 } mpt__conv_plan;
 
-/* Whether a float32 layer's kernel gradient may take Winograd's
-   transform (mpt__wkg_takes decides; this sizes its workspace). */
+/* Whether Winograd's products are kept for this dtype: float32, and
+   float16, whose products the CPU makes in float32 anyway (it has no
+   float16 arithmetic); bfloat16's direct tiles with AVX-512 BF16 dot
+   products were as fast as float32 Winograd in bench/bench_conv.c. */
+static int mpt__wino_dtype(mpt_dtype dtype) {
+    return dtype == MPT_FLOAT32 || dtype == MPT_FLOAT16;
+}
+
+/* Whether a layer's kernel gradient may take Winograd's transform
+   (mpt__wkg_takes decides; this sizes its workspace). */
 static int mpt__conv_wino_shape(const mpt__conv_plan *c) {
-    return c->es == 4 && c->g.kh == 3 && c->g.kw == 3 && c->g.sh == 1 && c->g.sw == 1 &&
-           c->g.c >= 8 && c->f >= 16 && MPT_CONV_WINO_KGRAD_SPAN(c->g.c, c->f) >= 16;
+    return mpt__wino_dtype(c->dtype) && c->g.kh == 3 && c->g.kw == 3 && c->g.sh == 1 &&
+           c->g.sw == 1 && c->g.c >= 8 && c->f >= 16 &&
+           MPT_CONV_WINO_KGRAD_SPAN(c->g.c, c->f) >= 16;
 }
 
 static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t max_batch,
@@ -7978,6 +7989,7 @@ static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t 
     c->chunk = MPT__MAX(1, MPT__MIN(max_batch, c->chunk));
     c->identity = c->g.kh == 1 && c->g.kw == 1 && c->g.sh == 1 && c->g.sw == 1;
     c->es = mpt_dtype_size(L->dtype);
+    c->dtype = L->dtype;
 }
 
 /* ---- im2col and col2im, one task per image row ---------------------------- */
@@ -8704,23 +8716,24 @@ static void mpt__shallow_task(void *arg, int64_t task, int thread) {
 typedef struct mpt__wino_job {
     mpt_context *ctx;
     const mpt_conv_args *a;
-    const float *x;          /* the image read: x, or dz for input_grad       */
+    const unsigned char *x;  /* the image read: x, or dz for input_grad       */
     int64_t ih, iw, ic;      /* its sample shape                              */
     int64_t oh, ow, oc;      /* the output's: y, or dx for input_grad         */
     int64_t top, left;       /* rows and columns of zeros before the image    */
     int64_t th, tw, tiles;   /* tile rows and columns per sample; n·th·tw     */
     float *u;                /* U: (16, ic, oc)                               */
-    const float *zero;       /* ic zeros: what the padding reads              */
+    const unsigned char *zero; /* ic zeros: what the padding reads            */
 } mpt__wino_job;
 
 #if MPT__X86
-/* Whether the Winograd products take this case: float32 with AVX-512, a
-   3×3 kernel of stride 1, 16 or more channels in and out (fewer leaves
-   most of each vector idle), the forward's activation none or ReLU. */
+/* Whether the Winograd products take this case: float32 or float16 with
+   AVX-512, a 3×3 kernel of stride 1, 16 or more channels in and out
+   (fewer leaves most of each vector idle), the forward's activation none
+   or ReLU. */
 static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a) {
     const mpt_window *g = a->g;
     const int64_t ic = a->input_grad ? a->f : g->c, oc = a->input_grad ? g->c : a->f;
-    return a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512) && !a->kernel_grad &&
+    return mpt__wino_dtype(a->dtype) && (ctx->cpu & MPT_CPU_AVX512) && !a->kernel_grad &&
            g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
            g->left <= 2 && ic >= 16 && oc >= 16 && ic <= MPT__WINO_MAX_C &&
            (a->input_grad || a->act == MPT_ACT_NONE || a->act == MPT_ACT_RELU);
@@ -8729,25 +8742,30 @@ static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a) {
 /* U (16, ic, oc) = G g Gᵀ for each pair (c, o) of input and output
    channel, 16 pairs at a time; g are the 3×3 taps the product reads:
    kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the input
-   gradient, which first turns the kernel into `turned` (9, ic, oc). */
-MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const float *kernel,
+   gradient, which first turns the kernel into `turned` (9, ic, oc)
+   float32. */
+MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const void *kernel,
                                                 float *turned) {
     const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
     const __m512 half = _mm512_set1_ps(0.5f);
-    const float *g = kernel;
+    const unsigned char *g = (const unsigned char *)kernel;
+    mpt_dtype dtype = j->a->dtype;
     int64_t e, t, c, o;
     if (j->a->input_grad) {
         for (t = 0; t < 9; t++)
             for (o = 0; o < oc; o++)
                 for (c = 0; c < ic; c++)
-                    turned[(t * ic + c) * oc + o] = kernel[((8 - t) * oc + o) * ic + c];
-        g = turned;
+                    turned[(t * ic + c) * oc + o] =
+                        mpt__load_f32(dtype, kernel, ((8 - t) * oc + o) * ic + c);
+        g = (const unsigned char *)turned;
+        dtype = MPT_FLOAT32;
     }
     for (e = 0; e < plane; e += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
+        const size_t es = mpt_dtype_size(dtype);
         __m512 gg[9], tt[12];
         int r, s;
-        for (t = 0; t < 9; t++) gg[t] = _mm512_maskz_loadu_ps(k, g + t * plane + e);
+        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
         for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
             tt[s] = gg[s];
             tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
@@ -8771,10 +8789,10 @@ MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const fl
    d B row by row (four rows of four), then Bᵀ over them. Pixels in the
    padding, and tiles past the last, read j->zero. */
 #define MPT__WINO_ROW(r)                                                              \
-    d0 = _mm512_maskz_loadu_ps(k, at[4 * r] + c);                                     \
-    d1 = _mm512_maskz_loadu_ps(k, at[4 * r + 1] + c);                                 \
-    d2 = _mm512_maskz_loadu_ps(k, at[4 * r + 2] + c);                                 \
-    d3 = _mm512_maskz_loadu_ps(k, at[4 * r + 3] + c);                                 \
+    d0 = mpt__gemm_load16(dtype, at[4 * r] + c * es, k);                              \
+    d1 = mpt__gemm_load16(dtype, at[4 * r + 1] + c * es, k);                          \
+    d2 = mpt__gemm_load16(dtype, at[4 * r + 2] + c * es, k);                          \
+    d3 = mpt__gemm_load16(dtype, at[4 * r + 3] + c * es, k);                          \
     f##r##0 = _mm512_sub_ps(d0, d2);                                                  \
     f##r##1 = _mm512_add_ps(d1, d2);                                                  \
     f##r##2 = _mm512_sub_ps(d2, d1);                                                  \
@@ -8784,19 +8802,22 @@ MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const fl
     _mm512_mask_storeu_ps(dst + (4 + s) * step, k, _mm512_add_ps(f1##s, f2##s));          \
     _mm512_mask_storeu_ps(dst + (8 + s) * step, k, _mm512_sub_ps(f2##s, f1##s));          \
     _mm512_mask_storeu_ps(dst + (12 + s) * step, k, _mm512_sub_ps(f1##s, f3##s));
-MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__wino_job *j,
+                                                                     int64_t t0, float *v,
+                                                                     mpt_dtype dtype) {
     const int64_t ic = j->ic, per = j->th * j->tw, step = MPT__WINO_TILES * ic;
+    const size_t es = mpt_dtype_size(dtype);
     int64_t i, c;
     for (i = 0; i < MPT__WINO_TILES; i++) {
         const int64_t t = t0 + i, b = t / per, y0 = 2 * (t % per / j->tw) - j->top;
         const int64_t x0 = 2 * (t % j->tw) - j->left;
-        const float *at[16]; /* the patch's pixels */
+        const unsigned char *at[16]; /* the patch's pixels */
         int r, s;
         for (r = 0; r < 4; r++)
             for (s = 0; s < 4; s++) {
                 const int64_t y = y0 + r, x = x0 + s;
                 at[4 * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
-                                    ? j->x + ((b * j->ih + y) * j->iw + x) * ic
+                                    ? j->x + (size_t)((b * j->ih + y) * j->iw + x) * ic * es
                                     : j->zero;
             }
         for (c = 0; c < ic; c += 16) {
@@ -8817,6 +8838,14 @@ MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t
 }
 #undef MPT__WINO_ROW
 #undef MPT__WINO_COL
+
+/* (one copy per dtype, each with its loads inline) */
+MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
+    if (j->a->dtype == MPT_FLOAT16)
+        mpt__wino_input_as(j, t0, v, MPT_FLOAT16);
+    else
+        mpt__wino_input_as(j, t0, v, MPT_FLOAT32);
+}
 
 /* M (16, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), ξ = 0..15: the
    direct tiles' 12 × 32 register block, the channels summed in order. */
@@ -8865,7 +8894,7 @@ MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const 
 /* The tiles' 2×2 outputs for filters [o0, o0 + nb) from M: Aᵀ M column
    by column, then A over them; + the bias, ReLU (as
    mpt__dconv_finish_avx512 does them), stored where they lie inside the
-   output. */
+   output, in the layer's dtype. */
 #define MPT__WINO_COL(x)                                                                     \
     q0 = _mm512_loadu_ps(mi + (x) * ld);                                                    \
     q1 = _mm512_loadu_ps(mi + (4 + x) * ld);                                                \
@@ -8878,7 +8907,8 @@ MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const fl
     const mpt_conv_args *a = j->a;
     const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
     const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
-    float *y = (float *)a->y;
+    const size_t es = mpt_dtype_size(a->dtype);
+    unsigned char *y = (unsigned char *)a->y;
     int64_t i;
     int h, p;
     for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
@@ -8904,7 +8934,9 @@ MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const fl
                 if (relu)
                     val = _mm512_maskz_mov_ps(
                         _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-                _mm512_mask_storeu_ps(y + ((b * j->oh + yy) * j->ow + xx) * j->oc + o0 + h, k, val);
+                mpt__avx512_store(a->dtype,
+                                  y + (size_t)(((b * j->oh + yy) * j->ow + xx) * j->oc + o0 + h) * es,
+                                  val, k);
             }
         }
     }
@@ -8934,7 +8966,7 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
     float *zero;
     j.ctx = ctx;
     j.a = a;
-    j.x = (const float *)a->x;
+    j.x = (const unsigned char *)a->x;
     j.ih = a->input_grad ? g->oh : g->h;
     j.iw = a->input_grad ? g->ow : g->w;
     j.ic = a->input_grad ? a->f : g->c;
@@ -8949,8 +8981,8 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
     j.u = (float *)a->ws;
     zero = j.u + 16 * j.ic * j.oc;
     memset(zero, 0, sizeof(float) * (size_t)j.ic);
-    j.zero = zero;
-    mpt__wino_kernel(&j, (const float *)a->kernel, zero + j.ic);
+    j.zero = (const unsigned char *)zero;
+    mpt__wino_kernel(&j, a->kernel, zero + j.ic);
     mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
 }
 
@@ -8979,20 +9011,20 @@ typedef struct mpt__wkg_job {
     int64_t cb, fb;           /* blocks of 8 channels, of 32 filters         */
     int64_t span, tasks;      /* tiles per task; tasks                       */
     float *du;                /* (tasks, 16, C, F): each task's dU           */
-    const float *zero;        /* C zeros: what the padding reads             */
+    const unsigned char *zero; /* C zeros: what the padding reads            */
 } mpt__wkg_job;
 
 /* Tiles per task for C channels and F filters: 16 floats of V and dM
    per tile and channel or filter, 256 KiB in all. */
 static int64_t mpt__wkg_span(int64_t c, int64_t f) { return MPT_CONV_WINO_KGRAD_SPAN(c, f); }
 
-/* Whether Winograd's kernel gradient takes this case: float32 with
-   AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
+/* Whether Winograd's kernel gradient takes this case: float32 or
+   float16 with AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
    filters, spans of 16 tiles or more (wider layers: the direct tiles,
    whose sums need no dU per task), a workspace given. */
 static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
     const mpt_window *g = a->g;
-    return a->kernel_grad && a->ws && a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512) &&
+    return a->kernel_grad && a->ws && mpt__wino_dtype(a->dtype) && (ctx->cpu & MPT_CPU_AVX512) &&
            g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
            g->left <= 2 && g->c >= 8 && a->f >= 16 && mpt__wkg_span(g->c, a->f) >= 16;
 }
@@ -9001,10 +9033,10 @@ static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
    channels a vector, stored as two blocks of 8) and its dM = A dY Aᵀ (16
    filters a vector), into v (16, cb, span, 8) and dm (16, fb, span, 32). */
 #define MPT__WKG_ROW(r)                                                \
-    d0 = _mm512_maskz_loadu_ps(k, at[4 * r] + c);                      \
-    d1 = _mm512_maskz_loadu_ps(k, at[4 * r + 1] + c);                  \
-    d2 = _mm512_maskz_loadu_ps(k, at[4 * r + 2] + c);                  \
-    d3 = _mm512_maskz_loadu_ps(k, at[4 * r + 3] + c);                  \
+    d0 = mpt__gemm_load16(dtype, at[4 * r] + c * es, k);               \
+    d1 = mpt__gemm_load16(dtype, at[4 * r + 1] + c * es, k);           \
+    d2 = mpt__gemm_load16(dtype, at[4 * r + 2] + c * es, k);           \
+    d3 = mpt__gemm_load16(dtype, at[4 * r + 3] + c * es, k);           \
     e[4 * r] = _mm512_sub_ps(d0, d2);                                  \
     e[4 * r + 1] = _mm512_add_ps(d1, d2);                              \
     e[4 * r + 2] = _mm512_sub_ps(d2, d1);                              \
@@ -9019,25 +9051,29 @@ static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
     MPT__WKG_STORE8(4 + s, _mm512_add_ps(e[4 + s], e[8 + s]))           \
     MPT__WKG_STORE8(8 + s, _mm512_sub_ps(e[8 + s], e[4 + s]))           \
     MPT__WKG_STORE8(12 + s, _mm512_sub_ps(e[4 + s], e[12 + s]))
-MPT__TARGET_AVX512 static void mpt__wkg_transform(const mpt__wkg_job *j, int64_t b, int64_t ty,
-                                                  int64_t tx, int64_t i, float *v, float *dm) {
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
+    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
+    mpt_dtype dtype) {
     const mpt_window *g = j->g;
     const int64_t C = g->c, F = j->a->f;
     const int64_t step = j->fb * j->span * 32; /* dm from ξ to ξ + 1 */
-    const float *x = (const float *)j->a->x, *dz = (const float *)j->a->dz;
-    const float *at[16], *dy[4];
+    const size_t es = mpt_dtype_size(dtype);
+    const unsigned char *x = (const unsigned char *)j->a->x;
+    const unsigned char *dz = (const unsigned char *)j->a->dz;
+    const unsigned char *at[16], *dy[4];
     int64_t c, o;
     int r, s;
     for (r = 0; r < 4; r++)
         for (s = 0; s < 4; s++) {
             const int64_t y = 2 * ty - g->top + r, xx = 2 * tx - g->left + s;
             at[4 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
-                                ? x + ((b * g->h + y) * g->w + xx) * C
+                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
                                 : j->zero;
         }
     for (r = 0; r < 4; r++) {
         const int64_t y = 2 * ty + r / 2, xx = 2 * tx + r % 2;
-        dy[r] = y < g->oh && xx < g->ow ? dz + ((b * g->oh + y) * g->ow + xx) * F : NULL;
+        dy[r] = y < g->oh && xx < g->ow ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
+                                        : NULL;
     }
     for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
@@ -9055,10 +9091,10 @@ MPT__TARGET_AVX512 static void mpt__wkg_transform(const mpt__wkg_job *j, int64_t
     for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
         const __m512 zero = _mm512_setzero_ps();
-        const __m512 y00 = _mm512_maskz_loadu_ps(dy[0] ? k : 0, dy[0] ? dy[0] + o : NULL);
-        const __m512 y01 = _mm512_maskz_loadu_ps(dy[1] ? k : 0, dy[1] ? dy[1] + o : NULL);
-        const __m512 y10 = _mm512_maskz_loadu_ps(dy[2] ? k : 0, dy[2] ? dy[2] + o : NULL);
-        const __m512 y11 = _mm512_maskz_loadu_ps(dy[3] ? k : 0, dy[3] ? dy[3] + o : NULL);
+        const __m512 y00 = dy[0] ? mpt__gemm_load16(dtype, dy[0] + o * es, k) : zero;
+        const __m512 y01 = dy[1] ? mpt__gemm_load16(dtype, dy[1] + o * es, k) : zero;
+        const __m512 y10 = dy[2] ? mpt__gemm_load16(dtype, dy[2] + o * es, k) : zero;
+        const __m512 y11 = dy[3] ? mpt__gemm_load16(dtype, dy[3] + o * es, k) : zero;
         /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
         __m512 rows[8];
         float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
@@ -9121,14 +9157,17 @@ MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const fl
 
 /* Task: tiles [task·span, ...) transformed in the thread's scratch, their
    dU stored as the task's. */
-static void mpt__wkg_task(void *arg, int64_t task, int thread) {
+MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread) {
     const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
     const int64_t t0 = task * j->span, n = MPT__MIN(j->span, j->tiles - t0);
     float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (16, cb, span, 8)  */
     float *dm = v + 16 * j->cb * j->span * 8;                 /* (16, fb, span, 32) */
     int64_t i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
     for (i = 0; i < n; i++) {
-        mpt__wkg_transform(j, b, ty, tx, i, v, dm);
+        if (j->a->dtype == MPT_FLOAT16) /* (one copy per dtype, each with its loads inline) */
+            mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+        else
+            mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
         if (++tx == j->tw) {
             tx = 0;
             if (++ty == j->th) ty = 0, b++;
@@ -9207,7 +9246,7 @@ static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a) {
     j.du = (float *)a->ws;
     zero = j.du + j.tasks * 16 * g->c * a->f;
     memset(zero, 0, sizeof(float) * (size_t)g->c);
-    j.zero = zero;
+    j.zero = (const unsigned char *)zero;
     mpt__parallel_for(ctx, j.tasks, mpt__wkg_task, &j);
     mpt__parallel_for(ctx, (g->c * a->f + MPT__WKG_FINISH - 1) / MPT__WKG_FINISH, mpt__wkg_finish,
                       &j);

@@ -1230,8 +1230,8 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
 }
 
 /* Forward: the im2col path's bits exactly (same sums in the same order),
-   except where Winograd's transform takes it (float32 3×3 of stride 1:
-   close, like dx); dx, kernel and bias gradients: close; everything the
+   except where Winograd's transform takes it (float32 and float16 3×3 of
+   stride 1: close, like dx); dx, kernel and bias gradients: close; everything the
    same bits on 1 and 2 threads. Odd shapes (tails of 12-pixel tiles
    and of 16-lane output blocks, both paddings, strides 1-3, depths over
    the GEMM's 512 block) at every SIMD level and dtype. */
@@ -1314,12 +1314,12 @@ static void test_direct_conv(void) {
                 run_conv_layer(level, 1, d, batch, dts[t], 1, &one);
                 calls = direct_calls;
                 wino = wino_forward_calls;
-                if (level >= 2 && dts[t] == MPT_FLOAT32 && d->g.kh == 3 && d->g.kw == 3 &&
+                if (level >= 2 && dts[t] != MPT_BFLOAT16 && d->g.kh == 3 && d->g.kw == 3 &&
                     d->g.sh == 1 && d->g.sw == 1 && d->g.c >= 8 && d->f >= 16) {
                     CHECK(wino_kgrad_calls > 0, "Winograd's kernel gradient did not run");
                     ran_wkg += wino_kgrad_calls > 0;
                 }
-                if (level >= 2 && dts[t] == MPT_FLOAT32 && d->g.kh == 3 && d->g.kw == 3 &&
+                if (level >= 2 && dts[t] != MPT_BFLOAT16 && d->g.kh == 3 && d->g.kw == 3 &&
                     d->g.sh == 1 && d->g.sw == 1 && d->g.c >= 16 && d->f >= 16 &&
                     (d->act == MPT_ACT_RELU || d->act == MPT_ACT_NONE)) {
                     CHECK(wino > 0, "the Winograd forward did not run");
@@ -1354,7 +1354,8 @@ static void test_direct_conv(void) {
                     ran_bf16 += calls > 0;
                 }
                 CHECK(one.ny == former.ny &&
-                          (wino ? close_to(one.y, former.y, one.ny, 1e-5, &worst)
+                          (wino ? close_to(one.y, former.y, one.ny,
+                                           dts[t] == MPT_FLOAT32 ? 1e-5 : 1.0 / 64, &worst)
                                 : memcmp(one.y, former.y, sizeof(float) * (size_t)one.ny) == 0),
                       "y differs from the im2col path (by %g relative)", worst);
                 CHECK(one.ng == former.ng &&
@@ -1430,8 +1431,8 @@ static void wino_ref(const wino_case *w, const mpt_window *g, const float *in, c
                 }
 }
 
-/* Winograd's products (forward and input gradient) against sums in
-   double: within 4e-6 of the terms' summed sizes (measured: 1e-7 to
+/* Winograd's products (forward and input gradient, float32 and float16)
+   against sums in double: within 4e-6 of the terms' summed sizes (measured: 1e-7 to
    5e-7; a wrong tap, sign or transform coefficient is off by a whole
    term, ~1e-2 of them here, and fails by 3-11 relative); every output
    written (poisoned first), the same bits on 1 and 2
@@ -1451,6 +1452,7 @@ static void test_winograd(void) {
     };
     mpt_context *one = NULL;
     size_t q;
+    int half;
     mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
     if (!(mpt_context_cpu_features(one) & MPT_CPU_AVX512)) {
         test__begin();
@@ -1459,71 +1461,88 @@ static void test_winograd(void) {
         mpt_context_destroy(one);
         return;
     }
-    for (q = 0; q < sizeof cases / sizeof cases[0]; q++) {
-        const wino_case *w = &cases[q];
-        mpt_window g;
-        mpt_conv_args a;
-        int64_t n_in, n_out, n_k = 9 * w->c * w->f, i;
-        float *in, *k, *bias, *y1, *y2;
-        double *ref, *sizes, worst = 0;
-        void *ws;
-        int taken = 0, done1, done2, finite = 1;
-        g.h = w->h, g.w = w->w, g.c = w->c, g.kh = g.kw = 3, g.sh = g.sw = 1;
-        g.top = w->top, g.left = w->left;
-        g.oh = w->h + w->top + w->bottom - 2, g.ow = w->w + w->left + w->right - 2;
-        n_in = w->n * (w->input_grad ? g.oh * g.ow * w->f : g.h * g.w * w->c);
-        n_out = w->n * (w->input_grad ? g.h * g.w * w->c : g.oh * g.ow * w->f);
-        in = (float *)malloc(sizeof(float) * (size_t)n_in);
-        k = (float *)malloc(sizeof(float) * (size_t)n_k);
-        bias = (float *)malloc(sizeof(float) * (size_t)w->f);
-        y1 = (float *)malloc(sizeof(float) * (size_t)n_out);
-        y2 = (float *)malloc(sizeof(float) * (size_t)n_out);
-        ref = (double *)malloc(sizeof(double) * (size_t)n_out);
-        sizes = (double *)malloc(sizeof(double) * (size_t)n_out);
-        ws = malloc((size_t)MPT_CONV_DIRECT_WS_BYTES(9 * w->c, w->c, w->f));
-        test_seed(700 + q);
-        for (i = 0; i < n_in; i++) in[i] = (float)test_uniform(-1, 1);
-        for (i = 0; i < n_k; i++) k[i] = (float)test_uniform(-0.3, 0.3);
-        for (i = 0; i < w->f; i++) bias[i] = (float)test_uniform(-0.5, 0.5);
-        memset(&a, 0, sizeof a);
-        a.g = &g;
-        a.dtype = MPT_FLOAT32;
-        a.input_grad = w->input_grad;
-        a.n = w->n;
-        a.f = w->f;
-        a.x = in;
-        a.kernel = k;
-        a.bias = w->bias ? bias : NULL;
-        a.act = w->relu ? MPT_ACT_RELU : MPT_ACT_NONE;
-        a.ws = ws;
-        test__begin();
-#if MPT__X86
-        taken = mpt__wino_takes(one, &a);
-#endif
-        memset(y1, 0xFF, sizeof(float) * (size_t)n_out); /* NaN */
-        memset(y2, 0xFF, sizeof(float) * (size_t)n_out);
-        a.y = y1;
-        done1 = mpt__cpu_conv_direct(one, &a);
-        a.y = y2;
-        done2 = mpt__cpu_conv_direct(ctx, &a);
-        wino_ref(w, &g, in, k, a.bias, ref, sizes);
-        for (i = 0; i < n_out; i++) {
-            const double e = fabs((double)y1[i] - ref[i]) / (sizes[i] + 1e-30);
-            if (!isfinite(y1[i])) finite = 0;
-            if (!(e <= worst)) worst = e;
+    for (q = 0; q < sizeof cases / sizeof cases[0]; q++)
+        for (half = 0; half < 2; half++) {
+            const wino_case *w = &cases[q];
+            const mpt_dtype dt = half ? MPT_FLOAT16 : MPT_FLOAT32;
+            mpt_window g;
+            mpt_conv_args a;
+            int64_t n_in, n_out, n_k = 9 * w->c * w->f, i;
+            float *in, *k, *bias, *y1, *y2, *yf;
+            void *in_dt, *k_dt;
+            double *ref, *sizes, worst = 0;
+            void *ws;
+            int taken = 0, done1, done2, finite = 1;
+            g.h = w->h, g.w = w->w, g.c = w->c, g.kh = g.kw = 3, g.sh = g.sw = 1;
+            g.top = w->top, g.left = w->left;
+            g.oh = w->h + w->top + w->bottom - 2, g.ow = w->w + w->left + w->right - 2;
+            n_in = w->n * (w->input_grad ? g.oh * g.ow * w->f : g.h * g.w * w->c);
+            n_out = w->n * (w->input_grad ? g.h * g.w * w->c : g.oh * g.ow * w->f);
+            in = (float *)malloc(sizeof(float) * (size_t)n_in);
+            k = (float *)malloc(sizeof(float) * (size_t)n_k);
+            bias = (float *)malloc(sizeof(float) * (size_t)w->f);
+            y1 = (float *)malloc(sizeof(float) * (size_t)n_out);
+            y2 = (float *)malloc(sizeof(float) * (size_t)n_out);
+            yf = (float *)malloc(sizeof(float) * (size_t)n_out);
+            in_dt = malloc(sizeof(float) * (size_t)n_in);
+            k_dt = malloc(sizeof(float) * (size_t)n_k);
+            ref = (double *)malloc(sizeof(double) * (size_t)n_out);
+            sizes = (double *)malloc(sizeof(double) * (size_t)n_out);
+            ws = malloc((size_t)MPT_CONV_DIRECT_WS_BYTES(9 * w->c, w->c, w->f));
+            test_seed(700 + q);
+            for (i = 0; i < n_in; i++) in[i] = (float)test_uniform(-1, 1);
+            for (i = 0; i < n_k; i++) k[i] = (float)test_uniform(-0.3, 0.3);
+            for (i = 0; i < w->f; i++) bias[i] = (float)test_uniform(-0.5, 0.5);
+            /* float16: the values the reference sums are the rounded ones */
+            mpt_convert(one, dt, in_dt, MPT_FLOAT32, in, n_in);
+            mpt_convert(one, MPT_FLOAT32, in, dt, in_dt, n_in);
+            mpt_convert(one, dt, k_dt, MPT_FLOAT32, k, n_k);
+            mpt_convert(one, MPT_FLOAT32, k, dt, k_dt, n_k);
+            memset(&a, 0, sizeof a);
+            a.g = &g;
+            a.dtype = dt;
+            a.input_grad = w->input_grad;
+            a.n = w->n;
+            a.f = w->f;
+            a.x = in_dt;
+            a.kernel = k_dt;
+            a.bias = w->bias ? bias : NULL;
+            a.act = w->relu ? MPT_ACT_RELU : MPT_ACT_NONE;
+            a.ws = ws;
+            test__begin();
+    #if MPT__X86
+            taken = mpt__wino_takes(one, &a);
+    #endif
+            memset(y1, 0xFF, sizeof(float) * (size_t)n_out); /* NaN */
+            memset(y2, 0xFF, sizeof(float) * (size_t)n_out);
+            a.y = y1;
+            done1 = mpt__cpu_conv_direct(one, &a);
+            a.y = y2;
+            done2 = mpt__cpu_conv_direct(ctx, &a);
+            wino_ref(w, &g, in, k, a.bias, ref, sizes);
+            mpt_convert(one, MPT_FLOAT32, yf, dt, y1, n_out);
+            for (i = 0; i < n_out; i++) {
+                /* float16: less one rounding of the result (half an ulp: 2^-11) */
+                const double rounding = half ? ldexp(fabs(ref[i]), -11) : 0;
+                const double e =
+                    (fabs((double)yf[i] - ref[i]) - rounding) / (sizes[i] + 1e-30);
+                if (!isfinite(yf[i])) finite = 0;
+                if (!(e <= worst)) worst = e;
+            }
+            CHECK(taken && done1 && done2, "Winograd's products did not take the case");
+            CHECK(finite, "an output was not written (NaN left)");
+            CHECK(worst <= 4e-6, "off the double-precision sums by %g of the terms' sizes", worst);
+            CHECK(memcmp(y1, y2, mpt_dtype_size(dt) * (size_t)n_out) == 0,
+                  "1 and 2 threads differ");
+            test__end("winograd %s n=%lld in=(%lld,%lld,%lld) f=%lld pad=(%lld,%lld,%lld,%lld)%s%s "
+                      "%s: error %.2g of the terms' sizes",
+                      w->input_grad ? "input_grad" : "forward", (long long)w->n, (long long)w->h,
+                      (long long)w->w, (long long)w->c, (long long)w->f, (long long)w->top,
+                      (long long)w->left, (long long)w->bottom, (long long)w->right,
+                      w->relu ? " relu" : "", w->bias ? " bias" : "", mpt_dtype_name(dt), worst);
+            free(in), free(k), free(bias), free(y1), free(y2), free(yf), free(ref), free(sizes);
+            free(in_dt), free(k_dt), free(ws);
         }
-        CHECK(taken && done1 && done2, "Winograd's products did not take the case");
-        CHECK(finite, "an output was not written (NaN left)");
-        CHECK(worst <= 4e-6, "off the double-precision sums by %g of the terms' sizes", worst);
-        CHECK(memcmp(y1, y2, sizeof(float) * (size_t)n_out) == 0, "1 and 2 threads differ");
-        test__end("winograd %s n=%lld in=(%lld,%lld,%lld) f=%lld pad=(%lld,%lld,%lld,%lld)%s%s: "
-                  "error %.2g of the terms' sizes",
-                  w->input_grad ? "input_grad" : "forward", (long long)w->n, (long long)w->h,
-                  (long long)w->w, (long long)w->c, (long long)w->f, (long long)w->top,
-                  (long long)w->left, (long long)w->bottom, (long long)w->right,
-                  w->relu ? " relu" : "", w->bias ? " bias" : "", worst);
-        free(in), free(k), free(bias), free(y1), free(y2), free(ref), free(sizes), free(ws);
-    }
     /* what it leaves to the other paths */
     {
         mpt_window g = {10, 10, 32, 3, 3, 2, 2, 0, 0, 4, 4};
@@ -1547,7 +1566,8 @@ static void test_winograd(void) {
     mpt_context_destroy(one);
 }
 
-/* Winograd's kernel gradient against sums in double: dkernel(i, j, c, o)
+/* Winograd's kernel gradient (x and dz in float32 and in float16)
+   against sums in double: dkernel(i, j, c, o)
    = Σ x(b, y − top + i, x − left + j, c) · dz(b, y, x, o), within 4e-6 of
    the terms' summed sizes (measured: about 1e-7), written whole (poisoned
    first) or added to what dkernel held; the same bits on 1 and 2 threads.
@@ -1565,7 +1585,7 @@ static void test_winograd_kernel_grad(void) {
     };
     mpt_context *one = NULL;
     size_t q;
-    int accumulate;
+    int variant;
     mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
     if (!(mpt_context_cpu_features(one) & MPT_CPU_AVX512)) {
         test__begin();
@@ -1575,12 +1595,15 @@ static void test_winograd_kernel_grad(void) {
         return;
     }
     for (q = 0; q < sizeof cases / sizeof cases[0]; q++)
-        for (accumulate = 0; accumulate < 2; accumulate++) {
+        for (variant = 0; variant < 4; variant++) {
+            const int accumulate = variant & 1;
+            const mpt_dtype dt = variant & 2 ? MPT_FLOAT16 : MPT_FLOAT32;
             const wino_case *w = &cases[q];
             mpt_window g;
             mpt_conv_args a;
             int64_t n_x, n_dz, n_k = 9 * w->c * w->f, i, b, y, x, t, c, o;
             float *xs, *dz, *start, *k1, *k2;
+            void *xs_dt, *dz_dt;
             double *ref, *sizes, worst = 0;
             void *ws;
             int taken = 0, done1, done2, finite = 1;
@@ -1596,10 +1619,17 @@ static void test_winograd_kernel_grad(void) {
             k2 = (float *)malloc(sizeof(float) * (size_t)n_k);
             ref = (double *)calloc((size_t)n_k, sizeof(double));
             sizes = (double *)calloc((size_t)n_k, sizeof(double));
+            xs_dt = malloc(sizeof(float) * (size_t)n_x);
+            dz_dt = malloc(sizeof(float) * (size_t)n_dz);
             ws = malloc((size_t)MPT_CONV_WINO_KGRAD_WS_BYTES(&g, w->n, w->f));
-            test_seed(800 + 2 * q + (size_t)accumulate);
+            test_seed(800 + 4 * q + (size_t)variant);
             for (i = 0; i < n_x; i++) xs[i] = (float)test_uniform(-1, 1);
             for (i = 0; i < n_dz; i++) dz[i] = (float)test_uniform(-1, 1);
+            /* float16: the values the reference sums are the rounded ones */
+            mpt_convert(one, dt, xs_dt, MPT_FLOAT32, xs, n_x);
+            mpt_convert(one, MPT_FLOAT32, xs, dt, xs_dt, n_x);
+            mpt_convert(one, dt, dz_dt, MPT_FLOAT32, dz, n_dz);
+            mpt_convert(one, MPT_FLOAT32, dz, dt, dz_dt, n_dz);
             for (i = 0; i < n_k; i++) start[i] = (float)test_uniform(-2, 2);
             for (i = 0; i < n_k; i++) {
                 ref[i] = accumulate ? start[i] : 0;
@@ -1622,12 +1652,12 @@ static void test_winograd_kernel_grad(void) {
                         }
             memset(&a, 0, sizeof a);
             a.g = &g;
-            a.dtype = MPT_FLOAT32;
+            a.dtype = dt;
             a.kernel_grad = 1;
             a.n = w->n;
             a.f = w->f;
-            a.x = xs;
-            a.dz = dz;
+            a.x = xs_dt;
+            a.dz = dz_dt;
             a.accumulate = accumulate;
             a.ws = ws;
             test__begin();
@@ -1655,12 +1685,13 @@ static void test_winograd_kernel_grad(void) {
             CHECK(worst <= 4e-6, "off the double-precision sums by %g of the terms' sizes", worst);
             CHECK(memcmp(k1, k2, sizeof(float) * (size_t)n_k) == 0, "1 and 2 threads differ");
             test__end("winograd kernel_grad n=%lld in=(%lld,%lld,%lld) f=%lld "
-                      "pad=(%lld,%lld,%lld,%lld)%s: error %.2g of the terms' sizes",
+                      "pad=(%lld,%lld,%lld,%lld)%s %s: error %.2g of the terms' sizes",
                       (long long)w->n, (long long)w->h, (long long)w->w, (long long)w->c,
                       (long long)w->f, (long long)w->top, (long long)w->left,
                       (long long)w->bottom, (long long)w->right,
-                      accumulate ? " accumulate" : "", worst);
+                      accumulate ? " accumulate" : "", mpt_dtype_name(dt), worst);
             free(xs), free(dz), free(start), free(k1), free(k2), free(ref), free(sizes), free(ws);
+            free(xs_dt), free(dz_dt);
         }
     {   /* what it leaves to the direct tiles */
         mpt_window g = {10, 10, 32, 3, 3, 1, 1, 0, 0, 8, 8};

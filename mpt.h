@@ -8836,8 +8836,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__
         }
     }
 }
-#undef MPT__WINO_ROW
-#undef MPT__WINO_COL
+#undef MPT__WINO_COL /* (MPT__WINO_ROW serves the kernel gradient too) */
 
 /* (one copy per dtype, each with its loads inline) */
 MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
@@ -9029,28 +9028,20 @@ static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
            g->left <= 2 && g->c >= 8 && a->f >= 16 && mpt__wkg_span(g->c, a->f) >= 16;
 }
 
-/* V of a span's tile i (of x's patch, as mpt__wino_input makes it; 16
-   channels a vector, stored as two blocks of 8) and its dM = A dY Aᵀ (16
-   filters a vector), into v (16, cb, span, 8) and dm (16, fb, span, 32). */
-#define MPT__WKG_ROW(r)                                                \
-    d0 = mpt__gemm_load16(dtype, at[4 * r] + c * es, k);               \
-    d1 = mpt__gemm_load16(dtype, at[4 * r + 1] + c * es, k);           \
-    d2 = mpt__gemm_load16(dtype, at[4 * r + 2] + c * es, k);           \
-    d3 = mpt__gemm_load16(dtype, at[4 * r + 3] + c * es, k);           \
-    e[4 * r] = _mm512_sub_ps(d0, d2);                                  \
-    e[4 * r + 1] = _mm512_add_ps(d1, d2);                              \
-    e[4 * r + 2] = _mm512_sub_ps(d2, d1);                              \
-    e[4 * r + 3] = _mm512_sub_ps(d1, d3);
+/* V of a span's tile i (of x's patch, as mpt__wino_input makes it, with
+   its MPT__WINO_ROW; 16 channels a vector, stored as two blocks of 8) and
+   its dM = A dY Aᵀ (16 filters a vector), into v (16, cb, span, 8) and dm
+   (16, fb, span, 32). */
 /* lanes 0..7 to channel block c/8, lanes 8..15 to the next block */
 #define MPT__WKG_STORE8(xi, val)                                               \
     dst = v + (((xi) * j->cb + c / 8) * j->span + i) * 8;                       \
     _mm256_storeu_ps(dst, _mm512_extractf32x8_ps(val, 0));                      \
     if (c / 8 + 1 < j->cb) _mm256_storeu_ps(dst + j->span * 8, _mm512_extractf32x8_ps(val, 1));
 #define MPT__WKG_COL(s)                                                 \
-    MPT__WKG_STORE8(s, _mm512_sub_ps(e[s], e[8 + s]))                   \
-    MPT__WKG_STORE8(4 + s, _mm512_add_ps(e[4 + s], e[8 + s]))           \
-    MPT__WKG_STORE8(8 + s, _mm512_sub_ps(e[8 + s], e[4 + s]))           \
-    MPT__WKG_STORE8(12 + s, _mm512_sub_ps(e[4 + s], e[12 + s]))
+    MPT__WKG_STORE8(s, _mm512_sub_ps(f0##s, f2##s))                     \
+    MPT__WKG_STORE8(4 + s, _mm512_add_ps(f1##s, f2##s))                 \
+    MPT__WKG_STORE8(8 + s, _mm512_sub_ps(f2##s, f1##s))                 \
+    MPT__WKG_STORE8(12 + s, _mm512_sub_ps(f1##s, f3##s))
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
     const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
     mpt_dtype dtype) {
@@ -9077,12 +9068,13 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
     }
     for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
-        __m512 d0, d1, d2, d3, e[16];
+        __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
+        __m512 f20, f21, f22, f23, f30, f31, f32, f33;
         float *dst;
-        MPT__WKG_ROW(0)
-        MPT__WKG_ROW(1)
-        MPT__WKG_ROW(2)
-        MPT__WKG_ROW(3)
+        MPT__WINO_ROW(0)
+        MPT__WINO_ROW(1)
+        MPT__WINO_ROW(2)
+        MPT__WINO_ROW(3)
         MPT__WKG_COL(0)
         MPT__WKG_COL(1)
         MPT__WKG_COL(2)
@@ -9111,7 +9103,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         }
     }
 }
-#undef MPT__WKG_ROW
+#undef MPT__WINO_ROW
 #undef MPT__WKG_STORE8
 #undef MPT__WKG_COL
 

@@ -1431,6 +1431,25 @@ static void wino_ref(const wino_case *w, const mpt_window *g, const float *in, c
                 }
 }
 
+/* A 3×3 window of stride 1 for the case. */
+static void wino_window(const wino_case *w, mpt_window *g) {
+    g->h = w->h, g->w = w->w, g->c = w->c, g->kh = g->kw = 3, g->sh = g->sw = 1;
+    g->top = w->top, g->left = w->left;
+    g->oh = w->h + w->top + w->bottom - 2, g->ow = w->w + w->left + w->right - 2;
+}
+
+/* A 1-thread context where the CPU has AVX-512; else the test named
+   `name` is reported skipped and 0 returned. */
+static int wino_context(mpt_context **one, const char *name) {
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, one);
+    if (mpt_context_cpu_features(*one) & MPT_CPU_AVX512) return 1;
+    test__begin();
+    SKIP("no AVX-512: Winograd's transforms are not built for this CPU");
+    test__end("%s", name);
+    mpt_context_destroy(*one);
+    return 0;
+}
+
 /* Winograd's products (forward and input gradient, float32 and float16)
    against sums in double: within 4e-6 of the terms' summed sizes (measured: 1e-7 to
    5e-7; a wrong tap, sign or transform coefficient is off by a whole
@@ -1453,14 +1472,7 @@ static void test_winograd(void) {
     mpt_context *one = NULL;
     size_t q;
     int half;
-    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
-    if (!(mpt_context_cpu_features(one) & MPT_CPU_AVX512)) {
-        test__begin();
-        SKIP("no AVX-512: Winograd's products are not built for this CPU");
-        test__end("winograd");
-        mpt_context_destroy(one);
-        return;
-    }
+    if (!wino_context(&one, "winograd")) return;
     for (q = 0; q < sizeof cases / sizeof cases[0]; q++)
         for (half = 0; half < 2; half++) {
             const wino_case *w = &cases[q];
@@ -1473,9 +1485,7 @@ static void test_winograd(void) {
             double *ref, *sizes, worst = 0;
             void *ws;
             int taken = 0, done1, done2, finite = 1;
-            g.h = w->h, g.w = w->w, g.c = w->c, g.kh = g.kw = 3, g.sh = g.sw = 1;
-            g.top = w->top, g.left = w->left;
-            g.oh = w->h + w->top + w->bottom - 2, g.ow = w->w + w->left + w->right - 2;
+            wino_window(w, &g);
             n_in = w->n * (w->input_grad ? g.oh * g.ow * w->f : g.h * g.w * w->c);
             n_out = w->n * (w->input_grad ? g.h * g.w * w->c : g.oh * g.ow * w->f);
             in = (float *)malloc(sizeof(float) * (size_t)n_in);
@@ -1586,14 +1596,7 @@ static void test_winograd_kernel_grad(void) {
     mpt_context *one = NULL;
     size_t q;
     int variant;
-    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
-    if (!(mpt_context_cpu_features(one) & MPT_CPU_AVX512)) {
-        test__begin();
-        SKIP("no AVX-512: Winograd's kernel gradient is not built for this CPU");
-        test__end("winograd kernel gradient");
-        mpt_context_destroy(one);
-        return;
-    }
+    if (!wino_context(&one, "winograd kernel gradient")) return;
     for (q = 0; q < sizeof cases / sizeof cases[0]; q++)
         for (variant = 0; variant < 4; variant++) {
             const int accumulate = variant & 1;
@@ -1607,9 +1610,7 @@ static void test_winograd_kernel_grad(void) {
             double *ref, *sizes, worst = 0;
             void *ws;
             int taken = 0, done1, done2, finite = 1;
-            g.h = w->h, g.w = w->w, g.c = w->c, g.kh = g.kw = 3, g.sh = g.sw = 1;
-            g.top = w->top, g.left = w->left;
-            g.oh = w->h + w->top + w->bottom - 2, g.ow = w->w + w->left + w->right - 2;
+            wino_window(w, &g);
             n_x = w->n * g.h * g.w * w->c;
             n_dz = w->n * g.oh * g.ow * w->f;
             xs = (float *)malloc(sizeof(float) * (size_t)n_x);

@@ -8376,8 +8376,8 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_tile_bf16(const mpt__dconv_job *j
 MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float *bias, int relu,
                                                         int nb) {
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    const __m512 b0 = _mm512_maskz_loadu_ps(bias ? k0 : 0, bias);
-    const __m512 b1 = _mm512_maskz_loadu_ps(bias ? k1 : 0, bias ? bias + 16 : NULL);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + 16) : _mm512_setzero_ps();
     int i, h;
     for (i = 0; i < MPT__DCONV_MR; i++)
         for (h = 0; h < 2; h++) {
@@ -8906,6 +8906,9 @@ MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const fl
     const mpt_conv_args *a = j->a;
     const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
     const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
+    /* (no masked load without a bias: one that names an unmapped address,
+       even with every lane masked off, costs a microcode assist) */
+    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL;
     const size_t es = mpt_dtype_size(a->dtype);
     unsigned char *y = (unsigned char *)a->y;
     int64_t i;
@@ -8915,8 +8918,7 @@ MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const fl
         for (h = 0; h < nb; h += 16) {
             const __mmask16 k = mpt__gemm_mask16(nb - h);
             const float *mi = m + i * 32 + h;
-            const __m512 bias = _mm512_maskz_loadu_ps(a->bias && !a->input_grad ? k : 0,
-                                                      a->bias ? a->bias + o0 + h : NULL);
+            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
             __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
             MPT__WINO_COL(0)
             MPT__WINO_COL(1)

@@ -1875,8 +1875,10 @@ typedef enum mpt_pool_kind {
                  pixels of x's window ⊗ dz (n, OH, OW, F), added to what
                  dkernel holds when accumulate; kernel, bias, act, y
                  unused; ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16,
-                 MPT_CONV_WINO_KGRAD_WS_BYTES for float32 and float16
-                 (or NULL: the CPU then sums without the transform).
+                 MPT_CONV_WINO_KGRAD_WS_BYTES for float32 and float16,
+                 MPT_CONV_SHALLOW_KGRAD_WS_BYTES where the input has
+                 fewer channels than that names (or NULL: the CPU then
+                 takes a slower path).
    x and y in dtype, sums in float32 (the CPU's float32 and float16 3×3
    products of stride 1 by Winograd's transform: not the im2col path's
    bits). ws:
@@ -1927,6 +1929,19 @@ typedef struct mpt_conv_args {
 #define MPT_CONV_KGRAD_WS_BYTES(g, n, f)                                             \
     (4 * (n) * (g)->h * (((g)->ow - 1) * (g)->sw + (g)->kw) * (g)->c +               \
      2 * (n) * (g)->oh * (g)->ow * (f) + 128)
+
+/* Workspace bytes of a float32 or bfloat16 kernel_grad of n samples
+   through window g with f filters when the input has fewer channels than
+   the CPU's kernel-gradient tiles have rows (float32 under 8, bfloat16
+   under 12: a first layer's image): a tile of sums (12 rows of dkernel by
+   32 filters, float32) for each part of MPT_CONV_SHALLOW_KGRAD_PART output
+   pixels and each tile of dkernel. */
+#define MPT_CONV_SHALLOW_KGRAD_PART 1024
+#define MPT_CONV_SHALLOW_KGRAD_WS_BYTES(g, n, f)                                       \
+    (1536 * (((n) * (g)->oh * (g)->ow + MPT_CONV_SHALLOW_KGRAD_PART - 1) /             \
+             MPT_CONV_SHALLOW_KGRAD_PART) *                                            \
+         (((g)->kh * (g)->kw * (g)->c + 11) / 12) * (((f) + 31) / 32) +                \
+     64)
 
 /* BatchNormalization over rows × channels (rows = batch · positions).
    Statistics and arithmetic in float32; x, y, dy, dx in dtype. */
@@ -7972,6 +7987,14 @@ static int mpt__conv_wino_shape(const mpt__conv_plan *c) {
            MPT_CONV_WINO_KGRAD_SPAN(c->g.c, c->f) >= 16;
 }
 
+/* Whether a kernel gradient takes the CPU's tiles for shallow inputs
+   (mpt__kgrad_win): fewer channels than the direct tiles have rows,
+   float32 under 8 (MPT__DCONV_KGRAD_F32_ROWS), bfloat16 under 12
+   (MPT__DCONV_MR). This sizes its workspace too. */
+static int mpt__conv_shallow(mpt_dtype dtype, int64_t channels) {
+    return (dtype == MPT_FLOAT32 && channels < 8) || (dtype == MPT_BFLOAT16 && channels < 12);
+}
+
 static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t max_batch,
                                 const mpt_backend *be) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
@@ -9633,22 +9656,26 @@ static void mpt__kgrad_pairs(mpt_context *ctx, const mpt_conv_args *a) {
    leave most of each tile idle, while the GEMM path's product has only
    kk = kh·kw·C rows (9 for a one-channel 3×3, under one 12-row tile) and
    needs im2col first. Here a tile is 12 consecutive rows k = (tap,
-   channel) of dkernel, across taps, by 16 filters: per output pixel, the
+   channel) of dkernel, across taps, by 32 filters: per output pixel, the
    12 inputs its window reads at those rows (0 in the padding, multiplied
-   like im2col's zeros) are broadcast against dz's 16 values. A task owns one tile and runs over
-   every pixel in order, so the sums do not depend on the thread count;
-   float32 sums in another order than the GEMM's (not its bits). The CNN's
-   first layer (28×28×1, 32 filters): its backward without dx 1.2× faster
-   than by im2col + GEMM in bench/bench_conv.c (1 thread, CPU time), the
-   rest of it being ReLU's gradient and the bias sums. */
+   like im2col's zeros) are broadcast against dz's 32 values, so each of
+   dz's cache lines is read once. With so few tiles (one for the CNN's
+   first layer), a task takes a tile over one part of the pixels,
+   MPT_CONV_SHALLOW_KGRAD_PART of them, and stores its sums in the
+   workspace; a second pass adds the parts in order. Parts depend on the
+   shape alone: the same bits for any thread count (float32 sums in
+   another order than the GEMM's: not its bits). */
 #define MPT__KGRAD_WIN_ROWS 12
-#define MPT__KGRAD_WIN_FILTERS 16
+#define MPT__KGRAD_WIN_FILTERS 32
+#define MPT__KGRAD_WIN_TILE (MPT__KGRAD_WIN_ROWS * MPT__KGRAD_WIN_FILTERS)
 
 typedef struct mpt__kgrad_win_job {
     const mpt_conv_args *a;
     const mpt_window *g;
     int64_t kk;               /* kh·kw·C: dkernel's rows             */
-    int64_t kblocks, fblocks; /* 12-row and 16-filter blocks         */
+    int64_t kblocks, fblocks; /* 12-row and 32-filter blocks         */
+    int64_t pixels, parts;    /* n·OH·OW, in parts of ..._PART       */
+    float *sums;              /* (parts, kblocks, fblocks, tile)     */
 } mpt__kgrad_win_job;
 
 #if MPT__X86
@@ -9657,17 +9684,26 @@ static MPT__ALWAYS_INLINE float mpt__kgrad_win_value(int bf16, const void *x, in
     return bf16 ? mpt_bf16_to_float(((const mpt_bf16 *)x)[idx]) : ((const float *)x)[idx];
 }
 
-#define MPT__KGRAD_WIN_ACC(r) __m512 c##r = _mm512_setzero_ps();
-/* tile rows k0.. (m of them) by filters f0.. (nb of them), 16 floats a row */
+/* 16 of dz's values at element idx, as float32 (k: which) */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(int bf16, __mmask16 k,
+                                                                      const void *dz, int64_t idx) {
+    return bf16 ? mpt__bf16_widen_avx512(k, (const mpt_bf16 *)dz + idx)
+                : _mm512_maskz_loadu_ps(k, (const float *)dz + idx);
+}
+
+#define MPT__KGRAD_WIN_ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0;
+/* Tile rows k0.. (m of them) by filters f0.. (nb of them; two: more than
+   16) over pixels [q0, q1), 32 floats a row. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
-    const mpt__kgrad_win_job *j, int bf16, int64_t k0, int m, int64_t f0, int nb, float *tile) {
+    const mpt__kgrad_win_job *j, int bf16, int two, int64_t k0, int m, int64_t f0, int nb,
+    int64_t q0, int64_t q1, float *tile) {
     const mpt_conv_args *a = j->a;
     const mpt_window *g = j->g;
-    const int64_t c = g->c, f = a->f;
-    const __mmask16 kf = mpt__gemm_mask16(nb);
+    const int64_t c = g->c, f = a->f, per = g->oh * g->ow;
+    const __mmask16 k_lo = mpt__gemm_mask16(nb), k_hi = mpt__gemm_mask16(nb - 16);
     int64_t di[MPT__KGRAD_WIN_ROWS], dj[MPT__KGRAD_WIN_ROWS], off[MPT__KGRAD_WIN_ROWS];
     float v[MPT__KGRAD_WIN_ROWS];
-    int64_t b, oy, ox;
+    int64_t q;
     int r;
     MPT__ROWS12(MPT__KGRAD_WIN_ACC)
     for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
@@ -9677,74 +9713,114 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
         dj[r] = t % g->kw;
         off[r] = (di[r] * g->w + dj[r]) * c + k % c; /* from the window's corner */
     }
-    for (b = 0; b < a->n; b++)
-        for (oy = 0; oy < g->oh; oy++) {
-            const int64_t y0 = oy * g->sh - g->top;
-            const int rows_inside = y0 >= 0 && y0 + g->kh <= g->h;
-            for (ox = 0; ox < g->ow; ox++) {
-                const int64_t x0 = ox * g->sw - g->left;
-                const int64_t corner = ((b * g->h + y0) * g->w + x0) * c;
-                const int64_t dst = ((b * g->oh + oy) * g->ow + ox) * f + f0;
-                const __m512 d = bf16 ? mpt__bf16_widen_avx512(kf, (const mpt_bf16 *)a->dz + dst)
-                                      : _mm512_maskz_loadu_ps(kf, (const float *)a->dz + dst);
-                if (rows_inside && x0 >= 0 && x0 + g->kw <= g->w) {
-#define MPT__F(r) \
-    c##r = _mm512_fmadd_ps(_mm512_set1_ps(mpt__kgrad_win_value(bf16, a->x, corner + off[r])), d, c##r);
-                    MPT__ROWS12(MPT__F)
+    for (q = q0; q < q1; q++) {
+        const int64_t b = q / per, oy = q % per / g->ow, ox = q % g->ow;
+        const int64_t y0 = oy * g->sh - g->top, x0 = ox * g->sw - g->left;
+        const int64_t corner = ((b * g->h + y0) * g->w + x0) * c, dst = q * f + f0;
+        const __m512 d0 = mpt__kgrad_win_dz(bf16, k_lo, a->dz, dst);
+        const __m512 d1 = two ? mpt__kgrad_win_dz(bf16, k_hi, a->dz, dst + 16) : d0;
+        __m512 xr;
+        if (y0 >= 0 && y0 + g->kh <= g->h && x0 >= 0 && x0 + g->kw <= g->w) {
+#define MPT__F(r)                                                                       \
+    xr = _mm512_set1_ps(mpt__kgrad_win_value(bf16, a->x, corner + off[r]));            \
+    c##r##0 = _mm512_fmadd_ps(xr, d0, c##r##0);                                         \
+    if (two) c##r##1 = _mm512_fmadd_ps(xr, d1, c##r##1);
+            MPT__ROWS12(MPT__F)
 #undef MPT__F
-                } else { /* the window crosses the padding */
-                    for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
-                        const int64_t y = y0 + di[r], x = x0 + dj[r];
-                        v[r] = y >= 0 && y < g->h && x >= 0 && x < g->w
-                                   ? mpt__kgrad_win_value(bf16, a->x, corner + off[r])
-                                   : 0.0f;
-                    }
-#define MPT__F(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(v[r]), d, c##r);
-                    MPT__ROWS12(MPT__F)
-#undef MPT__F
-                }
+        } else { /* the window crosses the padding */
+            for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
+                const int64_t y = y0 + di[r], x = x0 + dj[r];
+                v[r] = y >= 0 && y < g->h && x >= 0 && x < g->w
+                           ? mpt__kgrad_win_value(bf16, a->x, corner + off[r])
+                           : 0.0f;
             }
+#define MPT__F(r)                                                                       \
+    xr = _mm512_set1_ps(v[r]);                                                          \
+    c##r##0 = _mm512_fmadd_ps(xr, d0, c##r##0);                                         \
+    if (two) c##r##1 = _mm512_fmadd_ps(xr, d1, c##r##1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
         }
-#define MPT__S(r) _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r, c##r);
+    }
+#define MPT__S(r)                                                                       \
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r, c##r##0);                      \
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r + 16, two ? c##r##1 : _mm512_setzero_ps());
     MPT__ROWS12(MPT__S)
 #undef MPT__S
 }
 #undef MPT__KGRAD_WIN_ACC
 
-MPT__TARGET_AVX512 static void mpt__kgrad_win_sums_f32(const mpt__kgrad_win_job *j, int64_t k0,
-                                                       int m, int64_t f0, int nb, float *tile) {
-    mpt__kgrad_win_sums(j, 0, k0, m, f0, nb, tile);
-}
-
-MPT__TARGET_AVX512 static void mpt__kgrad_win_sums_bf16(const mpt__kgrad_win_job *j, int64_t k0,
-                                                        int m, int64_t f0, int nb, float *tile) {
-    mpt__kgrad_win_sums(j, 1, k0, m, f0, nb, tile);
-}
+/* (one copy per dtype and width, each with its loads inline) */
+#define MPT__KGRAD_WIN_SUMS(name, bf16, two)                                                  \
+    MPT__TARGET_AVX512 static void name(const mpt__kgrad_win_job *j, int64_t k0, int m,      \
+                                        int64_t f0, int nb, int64_t q0, int64_t q1,          \
+                                        float *tile) {                                       \
+        mpt__kgrad_win_sums(j, bf16, two, k0, m, f0, nb, q0, q1, tile);                      \
+    }
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, 1, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, 1, 0)
+#undef MPT__KGRAD_WIN_SUMS
 #endif
 
+/* Task = (part, row block, filter block): its tile's sums over its part. */
 static void mpt__kgrad_win_task(void *arg, int64_t task, int thread) {
     const mpt__kgrad_win_job *j = (const mpt__kgrad_win_job *)arg;
     const mpt_conv_args *a = j->a;
-    const int64_t k0 = task / j->fblocks * MPT__KGRAD_WIN_ROWS;
-    const int64_t f0 = task % j->fblocks * MPT__KGRAD_WIN_FILTERS;
+    const int64_t tile = task % (j->kblocks * j->fblocks), part = task / (j->kblocks * j->fblocks);
+    const int64_t k0 = tile / j->fblocks * MPT__KGRAD_WIN_ROWS;
+    const int64_t f0 = tile % j->fblocks * MPT__KGRAD_WIN_FILTERS;
+    const int64_t q0 = part * MPT_CONV_SHALLOW_KGRAD_PART;
+    const int64_t q1 = MPT__MIN(j->pixels, q0 + MPT_CONV_SHALLOW_KGRAD_PART);
     const int m = (int)MPT__MIN(MPT__KGRAD_WIN_ROWS, j->kk - k0);
     const int nb = (int)MPT__MIN(MPT__KGRAD_WIN_FILTERS, a->f - f0);
-    float tile[MPT__KGRAD_WIN_ROWS * MPT__KGRAD_WIN_FILTERS];
-    int r, o;
+    float *sums = j->sums + task * MPT__KGRAD_WIN_TILE;
     (void)thread;
 #if MPT__X86
     if (a->dtype == MPT_BFLOAT16)
-        mpt__kgrad_win_sums_bf16(j, k0, m, f0, nb, tile);
+        (nb > 16 ? mpt__kgrad_win_sums_bf16 : mpt__kgrad_win_sums_bf16_16)(j, k0, m, f0, nb, q0,
+                                                                          q1, sums);
     else
-        mpt__kgrad_win_sums_f32(j, k0, m, f0, nb, tile);
+        (nb > 16 ? mpt__kgrad_win_sums_f32 : mpt__kgrad_win_sums_f32_16)(j, k0, m, f0, nb, q0, q1,
+                                                                        sums);
 #else
-    memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
+    (void)k0, (void)f0, (void)q0, (void)q1, (void)m, (void)nb;
+    memset(sums, 0, sizeof(float) * MPT__KGRAD_WIN_TILE); /* never called: conv_direct declines */
 #endif
-    for (r = 0; r < m; r++) {
-        float *row = a->dkernel + (k0 + r) * a->f + f0;
-        const float *sum = tile + MPT__KGRAD_WIN_FILTERS * r;
-        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
-    }
+}
+
+/* dkernel from the parts' tiles, added in part order (and to what dkernel
+   holds when accumulating). */
+static void mpt__kgrad_win_finish(const mpt__kgrad_win_job *j) {
+    const mpt_conv_args *a = j->a;
+    const int64_t tiles = j->kblocks * j->fblocks;
+    int64_t k, o, part;
+    for (k = 0; k < j->kk; k++)
+        for (o = 0; o < a->f; o++) {
+            const int64_t at = (k / MPT__KGRAD_WIN_ROWS * j->fblocks + o / MPT__KGRAD_WIN_FILTERS) *
+                                   MPT__KGRAD_WIN_TILE +
+                               k % MPT__KGRAD_WIN_ROWS * MPT__KGRAD_WIN_FILTERS +
+                               o % MPT__KGRAD_WIN_FILTERS;
+            float sum = j->sums[at];
+            for (part = 1; part < j->parts; part++)
+                sum += j->sums[part * tiles * MPT__KGRAD_WIN_TILE + at];
+            a->dkernel[k * a->f + o] = a->accumulate ? a->dkernel[k * a->f + o] + sum : sum;
+        }
+}
+
+static void mpt__kgrad_win(mpt_context *ctx, const mpt_conv_args *a) {
+    mpt__kgrad_win_job w;
+    w.a = a;
+    w.g = a->g;
+    w.kk = a->g->kh * a->g->kw * a->g->c;
+    w.kblocks = (w.kk + MPT__KGRAD_WIN_ROWS - 1) / MPT__KGRAD_WIN_ROWS;
+    w.fblocks = (a->f + MPT__KGRAD_WIN_FILTERS - 1) / MPT__KGRAD_WIN_FILTERS;
+    w.pixels = a->n * a->g->oh * a->g->ow;
+    w.parts = (w.pixels + MPT_CONV_SHALLOW_KGRAD_PART - 1) / MPT_CONV_SHALLOW_KGRAD_PART;
+    w.sums = (float *)a->ws;
+    mpt__parallel_for(ctx, w.parts * w.kblocks * w.fblocks, mpt__kgrad_win_task, &w);
+    mpt__kgrad_win_finish(&w);
 }
 
 static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
@@ -9799,15 +9875,9 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
 #endif
     j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
     j.rows = a->dtype == MPT_FLOAT32 ? MPT__DCONV_KGRAD_F32_ROWS : MPT__DCONV_MR;
-    if ((ctx->cpu & MPT_CPU_AVX512) && a->g->c < j.rows &&
-        (a->dtype == MPT_FLOAT32 || a->dtype == MPT_BFLOAT16)) {
-        mpt__kgrad_win_job w;
-        w.a = a;
-        w.g = a->g;
-        w.kk = a->g->kh * a->g->kw * a->g->c;
-        w.kblocks = (w.kk + MPT__KGRAD_WIN_ROWS - 1) / MPT__KGRAD_WIN_ROWS;
-        w.fblocks = (a->f + MPT__KGRAD_WIN_FILTERS - 1) / MPT__KGRAD_WIN_FILTERS;
-        mpt__parallel_for(ctx, w.kblocks * w.fblocks, mpt__kgrad_win_task, &w);
+    if ((ctx->cpu & MPT_CPU_AVX512) && mpt__conv_shallow(a->dtype, a->g->c)) {
+        if (!a->ws) return 0;
+        mpt__kgrad_win(ctx, a);
         return 1;
     }
 #if MPT__X86
@@ -9911,7 +9981,7 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     mpt__conv_plan c;
     int64_t kshape[4], row_bytes = 0, sample_bytes = 0, direct_bytes = 0, chunk_bytes;
-    int64_t wino_kgrad_bytes = 0;
+    int64_t kgrad_bytes = 0;
     char s[96];
     MPT__CHECK(mpt__expect_image(m, L));
     kshape[0] = d->kernel_size[0];
@@ -9950,8 +10020,10 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
         mpt__acc_mul(&sample_bytes, 4 * c.g.h * c.g.c, (c.g.ow - 1) * c.g.sw + c.g.kw);
         mpt__acc_mul(&sample_bytes, 2 * c.pix, c.f);
     } else if (mpt__conv_wino_shape(&c)) { /* MPT_CONV_WINO_KGRAD_WS_BYTES */
-        wino_kgrad_bytes = MPT_CONV_WINO_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
+        kgrad_bytes = MPT_CONV_WINO_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
     }
+    if (mpt__conv_shallow(L->dtype, c.g.c)) /* MPT_CONV_SHALLOW_KGRAD_WS_BYTES */
+        kgrad_bytes = MPT_CONV_SHALLOW_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
     /* and the backend's direct convolution (MPT_CONV_DIRECT_WS_BYTES) */
     mpt__acc_mul(&direct_bytes, c.kk * c.f, 12); /* kk·F: the kernel, repacked */
     mpt__acc_mul(&direct_bytes, MPT__MAX(c.g.c, c.f), 4);
@@ -9959,7 +10031,7 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     if (sample_bytes < 0 || direct_bytes < 0 ||
         !mpt__mul_ok(sample_bytes, c.chunk, &chunk_bytes) ||
         !mpt__add_ok(chunk_bytes, direct_bytes, &chunk_bytes) ||
-        !mpt__add_ok(chunk_bytes, wino_kgrad_bytes, &chunk_bytes))
+        !mpt__add_ok(chunk_bytes, kgrad_bytes, &chunk_bytes))
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "Conv2D '%s': buffers for input %s overflow",
                          L->name, mpt_shape_format(s, sizeof s, 3, L->in_shape));
     return mpt__layer_set_workspace(m, L, 0, mpt__ws_bytes(chunk_bytes, 8));
@@ -10107,7 +10179,9 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
     void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
-    void *kgrad_ws = L->dtype == MPT_BFLOAT16
+    void *kgrad_ws = mpt__conv_shallow(L->dtype, c->g.c)
+                         ? mpt__ws_take(&w, MPT_CONV_SHALLOW_KGRAD_WS_BYTES(&c->g, n, c->f))
+                     : L->dtype == MPT_BFLOAT16
                          ? mpt__ws_take(&w, MPT_CONV_KGRAD_WS_BYTES(&c->g, n, c->f))
                      : mpt__conv_wino_shape(c)
                          ? mpt__ws_take(&w, MPT_CONV_WINO_KGRAD_WS_BYTES(&c->g, n, c->f))

@@ -1254,13 +1254,17 @@ static void test_direct_conv(void) {
     /* dx of a 'valid' layer 26 pixels wide: tiles of 12 inside its border
        rows, whose taps read only dz's padding (the direct path skips them) */
     cases[n_cases++] = conv_case(16, 26, 12, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
-    /* a shallow input's kernel gradient takes 12 rows (tap, channel) by 16
+    /* a shallow input's kernel gradient takes 12 rows (tap, channel) by 32
        filters at a time: 27 rows are two blocks and a tail of 3, 30 two
-       and 6, 20 filters a block and a tail of 4, 33 two and 1; windows
-       across the padding and strides */
+       and 6, 20 filters a block's first half and 4 of its second, 33 a
+       block and 1; windows across the padding and strides */
     cases[n_cases++] = conv_case(9, 11, 3, 20, 3, 3, 2, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(7, 6, 5, 33, 2, 3, 1, 2, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(13, 12, 7, 16, 5, 4, 3, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
+    /* and over more pixels than MPT_CONV_SHALLOW_KGRAD_PART (1,292 a
+       sample; the layer's chunks are one sample here): two parts or
+       more, summed in order */
+    cases[n_cases++] = conv_case(40, 36, 1, 20, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
     /* bfloat16's kernel gradient from pixel-pair tables (an even number of
        output columns) takes 8 channels by 32 filters of up to 16 taps:
        13 channels are a block and a shifted one, 21 three blocks, the last

@@ -1873,8 +1873,9 @@ typedef enum mpt_pool_kind {
                  and act unused;
      kernel_grad: dkernel (kh, kw, C, F) float32 = Σ over the output
                  pixels of x's window ⊗ dz (n, OH, OW, F), added to what
-                 dkernel holds when accumulate; kernel, bias, act, y
-                 unused; ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16,
+                 dkernel holds when accumulate (or from out and dy, below:
+                 then act is the forward's); kernel, bias, y unused;
+                 ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16,
                  MPT_CONV_WINO_KGRAD_WS_BYTES for float32 and float16,
                  MPT_CONV_SHALLOW_KGRAD_WS_BYTES where the input has
                  fewer channels than that names (or NULL: the CPU then
@@ -1897,7 +1898,13 @@ typedef struct mpt_conv_args {
     void *ws;
     const void *dz;             /* kernel_grad                              */
     float *dkernel;             /* kernel_grad                              */
-    int accumulate;             /* kernel_grad: add to dkernel              */
+    int accumulate;             /* kernel_grad: add to dkernel (and dbias)  */
+    /* kernel_grad from the forward's output instead of dz (dz NULL): dz =
+       dy·act′(out), act ReLU or none, made on the way and never stored,
+       and the bias gradient summed into dbias (NULL: none). A backend
+       without this declines (returns 0). */
+    const void *out, *dy;       /* (n, OH, OW, F) in dtype                  */
+    float *dbias;               /* (F)                                      */
 } mpt_conv_args;
 
 /* Workspace bytes of conv_direct for kk = kh·kw·C and F filters: the
@@ -1933,12 +1940,12 @@ typedef struct mpt_conv_args {
 /* Workspace bytes of a float32 or bfloat16 kernel_grad of n samples
    through window g with f filters when the input has fewer channels than
    the CPU's kernel-gradient tiles have rows (float32 under 8, bfloat16
-   under 12: a first layer's image): a tile of sums (12 rows of dkernel by
-   32 filters, float32) for each part of MPT_CONV_SHALLOW_KGRAD_PART output
-   pixels and each tile of dkernel. */
+   under 12: a first layer's image): a tile of sums (12 rows of dkernel and
+   the bias's by 32 filters, float32) for each part of
+   MPT_CONV_SHALLOW_KGRAD_PART output pixels and each tile of dkernel. */
 #define MPT_CONV_SHALLOW_KGRAD_PART 1024
 #define MPT_CONV_SHALLOW_KGRAD_WS_BYTES(g, n, f)                                       \
-    (1536 * (((n) * (g)->oh * (g)->ow + MPT_CONV_SHALLOW_KGRAD_PART - 1) /             \
+    (1664 * (((n) * (g)->oh * (g)->ow + MPT_CONV_SHALLOW_KGRAD_PART - 1) /             \
              MPT_CONV_SHALLOW_KGRAD_PART) *                                            \
          (((g)->kh * (g)->kw * (g)->c + 11) / 12) * (((f) + 31) / 32) +                \
      64)
@@ -9664,10 +9671,15 @@ static void mpt__kgrad_pairs(mpt_context *ctx, const mpt_conv_args *a) {
    MPT_CONV_SHALLOW_KGRAD_PART of them, and stores its sums in the
    workspace; a second pass adds the parts in order. Parts depend on the
    shape alone: the same bits for any thread count (float32 sums in
-   another order than the GEMM's: not its bits). */
+   another order than the GEMM's: not its bits). A first layer needs no
+   dx, so dz serves only this and the bias gradient: given dy and the
+   forward's output instead (mpt_conv_args.dy), a task makes ReLU's dz in
+   registers and sums the bias too, in a 13th row of its tile, and dz is
+   never written (two passes over an 11 MB tensor fewer in the CNN's first
+   layer, float32). dkernel's bits are the same either way. */
 #define MPT__KGRAD_WIN_ROWS 12
 #define MPT__KGRAD_WIN_FILTERS 32
-#define MPT__KGRAD_WIN_TILE (MPT__KGRAD_WIN_ROWS * MPT__KGRAD_WIN_FILTERS)
+#define MPT__KGRAD_WIN_TILE ((MPT__KGRAD_WIN_ROWS + 1) * MPT__KGRAD_WIN_FILTERS) /* + the bias */
 
 typedef struct mpt__kgrad_win_job {
     const mpt_conv_args *a;
@@ -9684,27 +9696,46 @@ static MPT__ALWAYS_INLINE float mpt__kgrad_win_value(int bf16, const void *x, in
     return bf16 ? mpt_bf16_to_float(((const mpt_bf16 *)x)[idx]) : ((const float *)x)[idx];
 }
 
-/* 16 of dz's values at element idx, as float32 (k: which) */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(int bf16, __mmask16 k,
-                                                                      const void *dz, int64_t idx) {
-    return bf16 ? mpt__bf16_widen_avx512(k, (const mpt_bf16 *)dz + idx)
-                : _mm512_maskz_loadu_ps(k, (const float *)dz + idx);
+/* 16 values of a (n, OH, OW, F) tensor at element idx, as float32 (k:
+   which) */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_load(int bf16, __mmask16 k,
+                                                                        const void *t,
+                                                                        int64_t idx) {
+    return bf16 ? mpt__bf16_widen_avx512(k, (const mpt_bf16 *)t + idx)
+                : _mm512_maskz_loadu_ps(k, (const float *)t + idx);
+}
+
+/* dz at idx: read, or made from dy (from_dy) as mpt__relu_backward_avx512
+   makes it (dy where !(out <= 0); no activation: dy) */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(int bf16, int from_dy,
+                                                                      __mmask16 k,
+                                                                      const mpt_conv_args *a,
+                                                                      int64_t idx) {
+    __m512 dy;
+    if (!from_dy) return mpt__kgrad_win_load(bf16, k, a->dz, idx);
+    dy = mpt__kgrad_win_load(bf16, k, a->dy, idx);
+    if (a->act != MPT_ACT_RELU) return dy;
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mpt__kgrad_win_load(bf16, k, a->out, idx),
+                                                  _mm512_setzero_ps(), _CMP_NLE_UQ),
+                               dy);
 }
 
 #define MPT__KGRAD_WIN_ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0;
 /* Tile rows k0.. (m of them) by filters f0.. (nb of them; two: more than
-   16) over pixels [q0, q1), 32 floats a row. */
+   16) over pixels [q0, q1), 32 floats a row; from_dy: dz made from dy,
+   and the bias's sums in row 12. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
-    const mpt__kgrad_win_job *j, int bf16, int two, int64_t k0, int m, int64_t f0, int nb,
-    int64_t q0, int64_t q1, float *tile) {
+    const mpt__kgrad_win_job *j, int bf16, int two, int from_dy, int64_t k0, int m, int64_t f0,
+    int nb, int64_t q0, int64_t q1, float *tile) {
     const mpt_conv_args *a = j->a;
     const mpt_window *g = j->g;
     const int64_t c = g->c, f = a->f, per = g->oh * g->ow;
     const __mmask16 k_lo = mpt__gemm_mask16(nb), k_hi = mpt__gemm_mask16(nb - 16);
     int64_t di[MPT__KGRAD_WIN_ROWS], dj[MPT__KGRAD_WIN_ROWS], off[MPT__KGRAD_WIN_ROWS];
     float v[MPT__KGRAD_WIN_ROWS];
-    int64_t q;
+    int64_t q, b = q0 / per, oy = q0 % per / g->ow, ox = q0 % g->ow; /* pixel q */
     int r;
+    __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0;
     MPT__ROWS12(MPT__KGRAD_WIN_ACC)
     for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
         /* rows past m repeat the last one; the caller stores only m */
@@ -9714,12 +9745,15 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
         off[r] = (di[r] * g->w + dj[r]) * c + k % c; /* from the window's corner */
     }
     for (q = q0; q < q1; q++) {
-        const int64_t b = q / per, oy = q % per / g->ow, ox = q % g->ow;
         const int64_t y0 = oy * g->sh - g->top, x0 = ox * g->sw - g->left;
         const int64_t corner = ((b * g->h + y0) * g->w + x0) * c, dst = q * f + f0;
-        const __m512 d0 = mpt__kgrad_win_dz(bf16, k_lo, a->dz, dst);
-        const __m512 d1 = two ? mpt__kgrad_win_dz(bf16, k_hi, a->dz, dst + 16) : d0;
+        const __m512 d0 = mpt__kgrad_win_dz(bf16, from_dy, k_lo, a, dst);
+        const __m512 d1 = two ? mpt__kgrad_win_dz(bf16, from_dy, k_hi, a, dst + 16) : d0;
         __m512 xr;
+        if (from_dy) {
+            bias0 = _mm512_add_ps(bias0, d0);
+            if (two) bias1 = _mm512_add_ps(bias1, d1);
+        }
         if (y0 >= 0 && y0 + g->kh <= g->h && x0 >= 0 && x0 + g->kw <= g->w) {
 #define MPT__F(r)                                                                       \
     xr = _mm512_set1_ps(mpt__kgrad_win_value(bf16, a->x, corner + off[r]));            \
@@ -9741,27 +9775,46 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
             MPT__ROWS12(MPT__F)
 #undef MPT__F
         }
+        if (++ox == g->ow) { /* the next pixel, without a division */
+            ox = 0;
+            if (++oy == g->oh) oy = 0, b++;
+        }
     }
 #define MPT__S(r)                                                                       \
     _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r, c##r##0);                      \
     _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r + 16, two ? c##r##1 : _mm512_setzero_ps());
     MPT__ROWS12(MPT__S)
 #undef MPT__S
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * 12, bias0);
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * 12 + 16, bias1);
 }
 #undef MPT__KGRAD_WIN_ACC
 
-/* (one copy per dtype and width, each with its loads inline) */
-#define MPT__KGRAD_WIN_SUMS(name, bf16, two)                                                  \
+/* One copy per dtype, width (two: more than 16 filters) and source of dz
+   (from_dy), each with its loads inline; [bf16][two][from_dy]. */
+#define MPT__KGRAD_WIN_SUMS(name, bf16, two, from_dy)                                         \
     MPT__TARGET_AVX512 static void name(const mpt__kgrad_win_job *j, int64_t k0, int m,      \
                                         int64_t f0, int nb, int64_t q0, int64_t q1,          \
                                         float *tile) {                                       \
-        mpt__kgrad_win_sums(j, bf16, two, k0, m, f0, nb, q0, q1, tile);                      \
+        mpt__kgrad_win_sums(j, bf16, two, from_dy, k0, m, f0, nb, q0, q1, tile);             \
     }
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, 0, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16_dy, 0, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, 0, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_dy, 0, 1, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, 1, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16_dy, 1, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, 1, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_dy, 1, 1, 1)
 #undef MPT__KGRAD_WIN_SUMS
+
+typedef void (*mpt__kgrad_win_sums_fn)(const mpt__kgrad_win_job *j, int64_t k0, int m,
+                                       int64_t f0, int nb, int64_t q0, int64_t q1, float *tile);
+static const mpt__kgrad_win_sums_fn mpt__kgrad_win_sums_fns[2][2][2] = {
+    {{mpt__kgrad_win_sums_f32_16, mpt__kgrad_win_sums_f32_16_dy},
+     {mpt__kgrad_win_sums_f32, mpt__kgrad_win_sums_f32_dy}},
+    {{mpt__kgrad_win_sums_bf16_16, mpt__kgrad_win_sums_bf16_16_dy},
+     {mpt__kgrad_win_sums_bf16, mpt__kgrad_win_sums_bf16_dy}}};
 #endif
 
 /* Task = (part, row block, filter block): its tile's sums over its part. */
@@ -9778,33 +9831,39 @@ static void mpt__kgrad_win_task(void *arg, int64_t task, int thread) {
     float *sums = j->sums + task * MPT__KGRAD_WIN_TILE;
     (void)thread;
 #if MPT__X86
-    if (a->dtype == MPT_BFLOAT16)
-        (nb > 16 ? mpt__kgrad_win_sums_bf16 : mpt__kgrad_win_sums_bf16_16)(j, k0, m, f0, nb, q0,
-                                                                          q1, sums);
-    else
-        (nb > 16 ? mpt__kgrad_win_sums_f32 : mpt__kgrad_win_sums_f32_16)(j, k0, m, f0, nb, q0, q1,
-                                                                        sums);
+    mpt__kgrad_win_sums_fns[a->dtype == MPT_BFLOAT16][nb > 16][a->dy != NULL](j, k0, m, f0, nb, q0,
+                                                                             q1, sums);
 #else
     (void)k0, (void)f0, (void)q0, (void)q1, (void)m, (void)nb;
     memset(sums, 0, sizeof(float) * MPT__KGRAD_WIN_TILE); /* never called: conv_direct declines */
 #endif
 }
 
-/* dkernel from the parts' tiles, added in part order (and to what dkernel
-   holds when accumulating). */
+/* Element at of every part's tiles, added in part order. */
+static float mpt__kgrad_win_parts_sum(const mpt__kgrad_win_job *j, int64_t at) {
+    const int64_t stride = j->kblocks * j->fblocks * MPT__KGRAD_WIN_TILE;
+    float sum = j->sums[at];
+    int64_t part;
+    for (part = 1; part < j->parts; part++) sum += j->sums[part * stride + at];
+    return sum;
+}
+
+/* dkernel (and dbias, from the first row block's tiles) from the parts'
+   sums (added to what they hold when accumulating). */
 static void mpt__kgrad_win_finish(const mpt__kgrad_win_job *j) {
     const mpt_conv_args *a = j->a;
-    const int64_t tiles = j->kblocks * j->fblocks;
-    int64_t k, o, part;
+    const int64_t rows = MPT__KGRAD_WIN_ROWS, cols = MPT__KGRAD_WIN_FILTERS;
+    int64_t k, o;
+    for (o = 0; a->dy && a->dbias && o < a->f; o++) {
+        const float sum =
+            mpt__kgrad_win_parts_sum(j, o / cols * MPT__KGRAD_WIN_TILE + rows * cols + o % cols);
+        a->dbias[o] = a->accumulate ? a->dbias[o] + sum : sum;
+    }
     for (k = 0; k < j->kk; k++)
         for (o = 0; o < a->f; o++) {
-            const int64_t at = (k / MPT__KGRAD_WIN_ROWS * j->fblocks + o / MPT__KGRAD_WIN_FILTERS) *
-                                   MPT__KGRAD_WIN_TILE +
-                               k % MPT__KGRAD_WIN_ROWS * MPT__KGRAD_WIN_FILTERS +
-                               o % MPT__KGRAD_WIN_FILTERS;
-            float sum = j->sums[at];
-            for (part = 1; part < j->parts; part++)
-                sum += j->sums[part * tiles * MPT__KGRAD_WIN_TILE + at];
+            const float sum = mpt__kgrad_win_parts_sum(
+                j, (k / rows * j->fblocks + o / cols) * MPT__KGRAD_WIN_TILE + k % rows * cols +
+                       o % cols);
             a->dkernel[k * a->f + o] = a->accumulate ? a->dkernel[k * a->f + o] + sum : sum;
         }
 }
@@ -9867,6 +9926,12 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
    these. */
 static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     mpt__dconv_kgrad_job j;
+    if ((ctx->cpu & MPT_CPU_AVX512) && mpt__conv_shallow(a->dtype, a->g->c)) {
+        if (!a->ws || (a->dy && a->act != MPT_ACT_RELU && a->act != MPT_ACT_NONE)) return 0;
+        mpt__kgrad_win(ctx, a);
+        return 1;
+    }
+    if (a->dy) return 0; /* only the shallow tiles make dz themselves */
 #if MPT__X86
     if (mpt__wkg_takes(ctx, a)) {
         mpt__wkg(ctx, a);
@@ -9875,11 +9940,6 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
 #endif
     j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
     j.rows = a->dtype == MPT_FLOAT32 ? MPT__DCONV_KGRAD_F32_ROWS : MPT__DCONV_MR;
-    if ((ctx->cpu & MPT_CPU_AVX512) && mpt__conv_shallow(a->dtype, a->g->c)) {
-        if (!a->ws) return 0;
-        mpt__kgrad_win(ctx, a);
-        return 1;
-    }
 #if MPT__X86
     if (mpt__kgrad_pairs_takes(ctx, a)) {
         mpt__kgrad_pairs(ctx, a);
@@ -10135,10 +10195,18 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
    one for this case; 0: nothing done. */
 static int mpt__conv2d_direct_kernel_grad(mpt__layer *L, const mpt__pass *p,
                                           const mpt__conv_plan *c, const void *x, const void *dz,
-                                          int64_t n, int first, void *ws) {
+                                          const void *y, const void *dy, int64_t n, int first,
+                                          void *ws) {
+    const mpt_conv2d_desc *d = &L->desc.conv2d;
     mpt_conv_args a;
     if (!p->be->conv_direct) return 0;
     memset(&a, 0, sizeof a);
+    if (!dz) { /* dz to be made from y and dy on the way, with the bias gradient */
+        a.act = mpt__pass_activation(p, d->activation);
+        a.out = y;
+        a.dy = dy;
+        a.dbias = d->no_bias ? NULL : mpt__param_grad(L, 1);
+    }
     a.g = &c->g;
     a.dtype = L->dtype;
     a.kernel_grad = 1;
@@ -10186,12 +10254,16 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
                      : mpt__conv_wino_shape(c)
                          ? mpt__ws_take(&w, MPT_CONV_WINO_KGRAD_WS_BYTES(&c->g, n, c->f))
                          : NULL;
+    const unsigned char *y = (const unsigned char *)p->y + (size_t)y_off * c->es;
+    const unsigned char *dy = (const unsigned char *)p->dy + (size_t)y_off * c->es;
+    /* Without dx, dz serves only the kernel and bias gradients: a backend
+       may make it on the way instead of storing it. */
+    if (!dx && mpt__conv2d_direct_kernel_grad(L, p, c, x, NULL, y, dy, n, b0 == 0, kgrad_ws))
+        return;
     /* The products run in the compute dtype, as the forward did. */
-    mpt__layer_dz(L, p, mpt__pass_activation(p, d->activation), z,
-                  (const unsigned char *)p->y + (size_t)y_off * c->es,
-                  (const unsigned char *)p->dy + (size_t)y_off * c->es, dz, tmp, dz_c,
+    mpt__layer_dz(L, p, mpt__pass_activation(p, d->activation), z, y, dy, dz, tmp, dz_c,
                   d->no_bias ? NULL : mpt__param_grad(L, 1), b0 != 0, rows, c->f);
-    if (!mpt__conv2d_direct_kernel_grad(L, p, c, x, dz_c, n, b0 == 0, kgrad_ws)) {
+    if (!mpt__conv2d_direct_kernel_grad(L, p, c, x, dz_c, NULL, NULL, n, b0 == 0, kgrad_ws)) {
         if (cols) /* recomputed: cheaper than keeping it */
             p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
         mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,

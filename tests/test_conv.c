@@ -1119,11 +1119,13 @@ static int pairs_calls;       /* of those, from the pixel-pair tables */
 static int forward_calls;     /* of them, forward products          */
 static int wino_forward_calls; /* forward products by Winograd's transform */
 static int wino_kgrad_calls;   /* kernel gradients by Winograd's transform */
+static int from_dy_calls;      /* kernel gradients that made dz from dy    */
 
 static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
     int done = mpt__cpu_conv_direct(impl, a);
     direct_calls += done;
     if (a->kernel_grad) kernel_grad_calls += done;
+    if (a->kernel_grad && a->dy) from_dy_calls += done;
 #if MPT__X86
     if (a->kernel_grad && mpt__kgrad_pairs_takes((const mpt_context *)impl, a))
         pairs_calls += done;
@@ -1139,14 +1141,15 @@ static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
 
 /* One Conv2D's forward and backward (y, dx, kernel and bias gradients as
    float32), with the backend's direct convolution or without it; the
-   bias random, so that the epilogue's sum is checked too. */
+   bias random, so that the epilogue's sum is checked too. With no_dx the
+   backward is asked for no input gradient (a first layer's). */
 typedef struct conv_run {
     float *y, *dx, *grads;
     int64_t ny, nx, ng;
 } conv_run;
 
-static void run_conv_layer(int level, int threads, const layer_ref *d, int64_t batch,
-                           mpt_dtype dtype, int direct, conv_run *r) {
+static void run_conv_layer_as(int level, int threads, const layer_ref *d, int64_t batch,
+                              mpt_dtype dtype, int direct, int no_dx, conv_run *r) {
     mpt_context *c = NULL;
     mpt_context_desc cd;
     mpt_model *m = NULL;
@@ -1186,10 +1189,10 @@ static void run_conv_layer(int level, int threads, const layer_ref *d, int64_t b
     for (i = 0; i < r->ny; i++) dy[i] = (float)test_uniform(-1, 1);
     tdy.dtype = MPT_FLOAT32;
     tdy.data = dy;
-    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward");
-    r->nx = mpt_tensor_count(&tdx);
-    r->dx = (float *)malloc(sizeof(float) * (size_t)r->nx);
-    mpt_convert(c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, r->nx);
+    CHECK(mpt_model_backward(m, &tdy, no_dx ? NULL : &tdx) == MPT_OK, "backward");
+    r->nx = no_dx ? 0 : mpt_tensor_count(&tdx);
+    r->dx = (float *)malloc(sizeof(float) * (size_t)(r->nx + 1));
+    if (!no_dx) mpt_convert(c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, r->nx);
     r->ng = 0;
     for (p = 0; p < mpt_model_param_count(m); p++) {
         mpt_param_info info;
@@ -1205,6 +1208,11 @@ static void run_conv_layer(int level, int threads, const layer_ref *d, int64_t b
     free(dy);
     mpt_model_destroy(m);
     mpt_context_destroy(c);
+}
+
+static void run_conv_layer(int level, int threads, const layer_ref *d, int64_t batch,
+                           mpt_dtype dtype, int direct, conv_run *r) {
+    run_conv_layer_as(level, threads, d, batch, dtype, direct, 0, r);
 }
 
 static void free_conv_run(conv_run *r) {
@@ -1239,7 +1247,7 @@ static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
     layer_ref cases[28];
     int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0, ran_pairs = 0;
-    int ran_shallow_fwd = 0, ran_wino = 0, ran_wkg = 0;
+    int ran_shallow_fwd = 0, ran_wino = 0, ran_wkg = 0, ran_from_dy = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(8, 11, 18, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_NONE, 0);
     cases[n_cases++] = conv_case(7, 9, 20, 34, 3, 2, 2, 2, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1374,6 +1382,26 @@ static void test_direct_conv(void) {
                           memcmp(one.dx, two.dx, sizeof(float) * (size_t)one.nx) == 0 &&
                           memcmp(one.grads, two.grads, sizeof(float) * (size_t)one.ng) == 0,
                       "1 and 2 threads differ");
+                if (level >= 2 && dts[t] != MPT_FLOAT16 &&
+                    d->g.c < (dts[t] == MPT_FLOAT32 ? 8 : 12) &&
+                    (d->act == MPT_ACT_RELU || d->act == MPT_ACT_NONE)) {
+                    /* no dx wanted: dz made from dy in the kernel gradient,
+                       the same kernel gradient's bits, the bias's sums in
+                       another order */
+                    const int64_t nk = d->g.kh * d->g.kw * d->g.c * d->f;
+                    conv_run no_dx;
+                    from_dy_calls = 0;
+                    run_conv_layer_as(level, 2, d, batch, dts[t], 1, 1, &no_dx);
+                    CHECK(from_dy_calls > 0, "the kernel gradient did not make dz from dy");
+                    ran_from_dy += from_dy_calls > 0;
+                    CHECK(no_dx.ng == one.ng &&
+                              memcmp(no_dx.grads, one.grads, sizeof(float) * (size_t)nk) == 0,
+                          "the kernel gradient differs when dz is made from dy");
+                    CHECK(close_to(no_dx.grads + nk, one.grads + nk, one.ng - nk, 1e-6, &worst),
+                          "the bias gradient differs by %g (relative) when dz is made from dy",
+                          worst);
+                    free_conv_run(&no_dx);
+                }
                 test__end("direct conv %s B=%lld in=(%lld,%lld,%lld) f=%lld k=(%lld,%lld) "
                           "s=(%lld,%lld) %s %s %s",
                           levels[level].name, (long long)batch, (long long)d->g.h,
@@ -1388,8 +1416,9 @@ static void test_direct_conv(void) {
     }
     printf("# direct convolution ran in %d float32 and %d bfloat16 cases; the shallow kernel "
            "gradient in %d, the pixel-pair one in %d, the one-channel forward in %d, "
-           "Winograd's forward in %d, its kernel gradient in %d\n",
-           ran_f32, ran_bf16, ran_shallow, ran_pairs, ran_shallow_fwd, ran_wino, ran_wkg);
+           "Winograd's forward in %d, its kernel gradient in %d; dz made from dy in %d\n",
+           ran_f32, ran_bf16, ran_shallow, ran_pairs, ran_shallow_fwd, ran_wino, ran_wkg,
+           ran_from_dy);
 }
 
 /* ---- Winograd's F(2×2, 3×3) against double-precision sums ------------------ */

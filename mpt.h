@@ -2803,7 +2803,8 @@ typedef struct mpt__pool {
     mpt__task_fn fn;
     void *arg;
     int64_t n_tasks, next_task;
-    int running;            /* tasks taken and not yet finished          */
+    int running;            /* tasks taken and not yet finished (read
+                               unlocked by the caller waiting: __atomic) */
     int sleeping;           /* workers waiting on `wake`                 */
     int in_job;             /* a parallel-for is running; only the caller
                                writes it, before handing out tasks and
@@ -2968,11 +2969,13 @@ static void mpt__pool_run_tasks(mpt__pool *pool, int thread) {
         const int64_t task = pool->next_task++;
         mpt__task_fn fn = pool->fn;
         void *arg = pool->arg;
-        pool->running++;
+        __atomic_add_fetch(&pool->running, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&pool->mutex);
         fn(arg, task, thread);
         pthread_mutex_lock(&pool->mutex);
-        if (--pool->running == 0 && pool->next_task >= pool->n_tasks)
+        /* (release: what the task wrote is seen by whoever sees the count) */
+        if (__atomic_sub_fetch(&pool->running, 1, __ATOMIC_RELEASE) == 0 &&
+            pool->next_task >= pool->n_tasks)
             pthread_cond_signal(&pool->done);
     }
     pthread_mutex_unlock(&pool->mutex);
@@ -2996,6 +2999,24 @@ static double mpt__clock(void) {
 #endif
     gettimeofday(&tv, NULL);
     return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
+}
+
+/* Whether the tasks still running (taken by workers) finished within
+   MPT__POOL_SPIN_SECONDS, watching without the mutex: the last one usually
+   ends microseconds after the caller's, sooner than a sleeping caller
+   would be woken. */
+static int mpt__pool_spin_running(mpt__pool *pool) {
+    const double until = mpt__clock() + MPT__POOL_SPIN_SECONDS;
+    int k;
+    for (;;) {
+        for (k = 0; k < 64; k++) {
+            if (__atomic_load_n(&pool->running, __ATOMIC_ACQUIRE) == 0) return 1;
+#if MPT__X86
+            _mm_pause();
+#endif
+        }
+        if (mpt__clock() > until) return 0;
+    }
 }
 
 /* Whether a job (or the stop) came within MPT__POOL_SPIN_SECONDS, watching
@@ -3071,9 +3092,11 @@ static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn
     if (pool->sleeping) pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->mutex);
     mpt__pool_run_tasks(pool, 0);
-    /* Every task is taken; wait only for those still running. A worker
-       that has not woken yet is not waited for: on a busy machine that
-       wait was a scheduler tick (4 ms) per parallel-for. */
+    /* Every task is taken; wait only for those still running, watching
+       first, then asleep. A worker that has not woken yet is not waited
+       for: on a busy machine that wait was a scheduler tick (4 ms) per
+       parallel-for. */
+    (void)mpt__pool_spin_running(pool);
     pthread_mutex_lock(&pool->mutex);
     while (pool->running > 0) pthread_cond_wait(&pool->done, &pool->mutex);
     pool->in_job = 0;

@@ -826,18 +826,19 @@ static void test_compute_copies(void) {
 #define SIMD_EXACT 0
 #endif
 
-/* 1, 2 and 3 threads, and the portable loops instead of the AVX2 ones:
-   bit-identical weights and slots (clipping on, so the global norm's
-   summation order matters too). */
+/* 1, 2 and 3 threads, the portable loops instead of the AVX-512 and AVX2
+   ones, and AVX2 without AVX-512: bit-identical weights and slots
+   (clipping on, so the global norm's summation order matters too). */
 static void check_threads(const char *name, mpt_optimizer_desc opt) {
-    static const int threads[4] = {1, 2, 3, 2};
-    mpt_model *m[4];
-    mpt_context *c[4];
+    static const int threads[5] = {1, 2, 3, 2, 2};
+    static const int disable[5] = {0, 0, 0, ~0, MPT_CPU_AVX512};
+    mpt_model *m[5];
+    mpt_context *c[5];
     int k, s;
     test__begin();
-    for (k = 0; k < 4; k++) {
+    for (k = 0; k < 5; k++) {
         mpt_context_create(&(mpt_context_desc){.num_threads = threads[k],
-                                               .disable_cpu_features = k == 3 ? ~0 : 0}, &c[k]);
+                                               .disable_cpu_features = disable[k]}, &c[k]);
         m[k] = wide_model(c[k], MPT_POLICY_MIXED_FLOAT16);
         compile(m[k], opt,
                 (mpt_loss_scale_desc){.mode = MPT_LOSS_SCALE_DYNAMIC, .initial_scale = 3000});
@@ -870,7 +871,7 @@ static void check_threads(const char *name, mpt_optimizer_desc opt) {
         CHECK(fabs(sums[0] - plain) <= 1e-12 * plain, "sum of squares %.17g, not %.17g", sums[0],
               plain);
     }
-    for (k = 1; k < 4; k++) {
+    for (k = 1; k < 5; k++) {
         int a;
         if (k == 3 && !SIMD_EXACT) { /* FMAs may differ in the last bit: a tolerance */
             double diff = 0, size = 0;
@@ -892,14 +893,14 @@ static void check_threads(const char *name, mpt_optimizer_desc opt) {
             CHECK(m[k]->arena_bytes[a] == m[0]->arena_bytes[a] &&
                       memcmp(m[k]->arena[a], m[0]->arena[a], (size_t)m[0]->arena_bytes[a]) == 0,
                   "arena %d differs between 1 and %d threads%s", a, threads[k],
-                  k == 3 ? " (portable loops)" : "");
+                  k == 3 ? " (portable loops)" : k == 4 ? " (AVX2 without AVX-512)" : "");
         }
     }
-    for (k = 0; k < 4; k++) {
+    for (k = 0; k < 5; k++) {
         mpt_model_destroy(m[k]);
         mpt_context_destroy(c[k]);
     }
-    test__end("the same bits on 1, 2, 3 threads and without SIMD: %s", name);
+    test__end("the same bits on 1, 2, 3 threads, without SIMD and without AVX-512: %s", name);
 }
 
 static void test_threads(void) {

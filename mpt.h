@@ -6027,6 +6027,14 @@ struct mpt__layer {
        workspace past the layer's own scratch, at these byte offsets. */
     int staged;
     int64_t stage_x, stage_dx;
+    /* A Conv2D that runs the MaxPooling2D after it (@impl-pooling's pair):
+       set by build; its scratch for that lies at this byte offset of the
+       workspace, past its own. */
+    int pools_next;
+    int64_t pool_ws;
+    /* Set by the last forward: this Conv2D ran the pooling after it too
+       (its own y was not written); this MaxPooling2D was run so. */
+    int ran_next, ran_by_prev;
     /* Set by the model: */
     const void *x;                          /* input of the last forward      */
     void *x_cast;                           /* input converted to dtype (not
@@ -6550,6 +6558,10 @@ static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
     return MPT_OK;
 }
 
+/* In @impl-pooling, with the pair it plans: whether the Conv2D before
+   layer i (a MaxPooling2D) runs it, and that Conv2D's scratch for it. */
+static mpt_status mpt__conv_pool_plan(mpt_model *m, int i);
+
 /* Checks each layer against its input shape and declares its buffers. */
 static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
                                     int64_t *workspace_bytes) {
@@ -6565,6 +6577,7 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         L->in_count = mpt__shape_count(rank, shape);
         L->n_params = L->n_saved = 0;
         L->workspace_bytes = 0;
+        L->pools_next = L->ran_next = L->ran_by_prev = 0;
         MPT__CHECK(L->ops->build(m, L));
         L->out_count = mpt__shape_count(L->out_rank, L->out_shape);
         if (L->out_count < 0) {
@@ -6588,6 +6601,10 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         }
         *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
         *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
+        if (i > 0) { /* the layer before may run this one (its scratch grows) */
+            MPT__CHECK(mpt__conv_pool_plan(m, i));
+            *workspace_bytes = MPT__MAX(*workspace_bytes, m->layers[i - 1].workspace_bytes);
+        }
         rank = L->out_rank;
         memcpy(shape, L->out_shape, sizeof shape);
     }
@@ -7063,8 +7080,9 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
     w->p.dy = m->grad_buf[w->cur];
     w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
     /* A layer whose output is its input (Flatten) has dx = dy, the same
-       memory seen with another shape: nothing to copy. */
-    if (w->p.dx && L->output_is_input) w->p.dx = m->grad_buf[w->cur];
+       memory seen with another shape: nothing to copy. So does a pooling
+       that the Conv2D before it ran: that Conv2D takes the pooled dy. */
+    if (w->p.dx && (L->output_is_input || L->ran_by_prev)) w->p.dx = m->grad_buf[w->cur];
     w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     if (L->staged) { /* the workspace has been written since forward */
         unsigned char *ws = (unsigned char *)w->p.workspace;
@@ -10193,7 +10211,7 @@ static void mpt__conv2d_by_chunks(mpt__layer *L, const mpt__pass *p, mpt__conv_c
    batch in one call (one parallel-for, not one per chunk; each output
    pixel's sum is the same whichever tile holds it); the im2col path goes
    chunk by chunk. */
-static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+static void mpt__conv2d_forward_batch(mpt__layer *L, const mpt__pass *p) {
     const mpt_activation act = mpt__pass_activation(p, L->desc.conv2d.activation);
     mpt__conv_plan c;
     mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
@@ -10217,15 +10235,15 @@ static void mpt__conv2d_kernel_grad(mpt__layer *L, const mpt__pass *p, const mpt
 /* The kernel gradient by the backend's direct convolution, where it has
    one for this case; 0: nothing done. */
 static int mpt__conv2d_direct_kernel_grad(mpt__layer *L, const mpt__pass *p,
-                                          const mpt__conv_plan *c, const void *x, const void *dz,
-                                          const void *y, const void *dy, int64_t n, int first,
-                                          void *ws) {
+                                          const mpt__conv_plan *c, mpt_activation act,
+                                          const void *x, const void *dz, const void *y,
+                                          const void *dy, int64_t n, int first, void *ws) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     mpt_conv_args a;
     if (!p->be->conv_direct) return 0;
     memset(&a, 0, sizeof a);
     if (!dz) { /* dz to be made from y and dy on the way, with the bias gradient */
-        a.act = mpt__pass_activation(p, d->activation);
+        a.act = act;
         a.out = y;
         a.dy = dy;
         a.dbias = d->no_bias ? NULL : mpt__param_grad(L, 1);
@@ -10251,10 +10269,13 @@ static void mpt__conv2d_cols_grad(mpt__layer *L, const mpt__pass *p, const mpt__
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
 }
 
-/* Adds this chunk's share to the kernel and bias gradients (the first
-   chunk overwrites them) and writes its samples' dx. */
-static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
-                                       int64_t b0, int64_t n) {
+/* Adds the share of samples [b0, b0 + n) to the kernel and bias gradients
+   (the first chunk overwrites them) and writes their dx, from their y and
+   dy (rows·F each) and the activation whose derivative makes dz (NONE:
+   dy is dz). */
+static void mpt__conv2d_backward_rows(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
+                                      int64_t b0, int64_t n, mpt_activation act,
+                                      const unsigned char *y, const unsigned char *dy) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     const int64_t rows = n * c->pix, ny = rows * c->f, y_off = b0 * c->pix * c->f;
     const int f32 = L->dtype == MPT_FLOAT32;
@@ -10277,16 +10298,15 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
                      : mpt__conv_wino_shape(c)
                          ? mpt__ws_take(&w, MPT_CONV_WINO_KGRAD_WS_BYTES(&c->g, n, c->f))
                          : NULL;
-    const unsigned char *y = (const unsigned char *)p->y + (size_t)y_off * c->es;
-    const unsigned char *dy = (const unsigned char *)p->dy + (size_t)y_off * c->es;
     /* Without dx, dz serves only the kernel and bias gradients: a backend
        may make it on the way instead of storing it. */
-    if (!dx && mpt__conv2d_direct_kernel_grad(L, p, c, x, NULL, y, dy, n, b0 == 0, kgrad_ws))
+    if (!dx && mpt__conv2d_direct_kernel_grad(L, p, c, act, x, NULL, y, dy, n, b0 == 0, kgrad_ws))
         return;
     /* The products run in the compute dtype, as the forward did. */
-    mpt__layer_dz(L, p, mpt__pass_activation(p, d->activation), z, y, dy, dz, tmp, dz_c,
-                  d->no_bias ? NULL : mpt__param_grad(L, 1), b0 != 0, rows, c->f);
-    if (!mpt__conv2d_direct_kernel_grad(L, p, c, x, dz_c, NULL, NULL, n, b0 == 0, kgrad_ws)) {
+    mpt__layer_dz(L, p, act, z, y, dy, dz, tmp, dz_c, d->no_bias ? NULL : mpt__param_grad(L, 1),
+                  b0 != 0, rows, c->f);
+    if (!mpt__conv2d_direct_kernel_grad(L, p, c, act, x, dz_c, NULL, NULL, n, b0 == 0,
+                                        kgrad_ws)) {
         if (cols) /* recomputed: cheaper than keeping it */
             p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols);
         mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
@@ -10304,8 +10324,33 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
     }
 }
 
+/* A chunk of the batch: its y and dy, the layer's activation. */
+static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
+                                       int64_t b0, int64_t n) {
+    const size_t at = (size_t)(b0 * c->pix * c->f) * c->es;
+    mpt__conv2d_backward_rows(L, p, c, b0, n,
+                              mpt__pass_activation(p, L->desc.conv2d.activation),
+                              (const unsigned char *)p->y + at, (const unsigned char *)p->dy + at);
+}
+
+/* In @impl-pooling, with the pooling they run: the pair's passes (the
+   forward returns 0, having written nothing, where it declines). */
+static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p);
+static void mpt__conv2d_pool_backward(mpt__layer *L, const mpt__pass *p);
+
+/* A Conv2D planned to run the MaxPooling2D after it does so unless
+   quantization-aware training reads its output in between. */
+static void mpt__conv2d_forward(mpt__layer *L, const mpt__pass *p) {
+    L->ran_next = L->pools_next && !p->model->qat && mpt__conv2d_pool_forward(L, p);
+    if (L->pools_next) L[1].ran_by_prev = L->ran_next;
+    if (!L->ran_next) mpt__conv2d_forward_batch(L, p);
+}
+
 static void mpt__conv2d_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__conv2d_by_chunks(L, p, mpt__conv2d_backward_chunk);
+    if (L->ran_next)
+        mpt__conv2d_pool_backward(L, p);
+    else
+        mpt__conv2d_by_chunks(L, p, mpt__conv2d_backward_chunk);
 }
 
 static mpt_activation mpt__conv2d_activation(const mpt__layer *L) {
@@ -10855,11 +10900,12 @@ static void mpt__pool_backward(mpt__layer *L, const mpt__pass *p, mpt_pool_kind 
                          p->workspace);
 }
 
+/* (nothing to do where the Conv2D before ran it: below) */
 static void mpt__max_pool_forward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_forward(L, p, MPT_POOL_MAX, mpt__pool_win);
+    if (!L->ran_by_prev) mpt__pool_forward(L, p, MPT_POOL_MAX, mpt__pool_win);
 }
 static void mpt__max_pool_backward(mpt__layer *L, const mpt__pass *p) {
-    mpt__pool_backward(L, p, MPT_POOL_MAX, mpt__pool_win);
+    if (!L->ran_by_prev) mpt__pool_backward(L, p, MPT_POOL_MAX, mpt__pool_win);
 }
 static void mpt__avg_pool_forward(mpt__layer *L, const mpt__pass *p) {
     mpt__pool_forward(L, p, MPT_POOL_AVERAGE, mpt__pool_win);
@@ -10910,6 +10956,137 @@ MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
     memset(&none, 0, sizeof none);
     return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none,
                           sizeof(mpt_global_pool2d_desc));
+}
+
+/* ---- a Conv2D and the MaxPooling2D after it, as one pass ---------------------
+   A CNN's largest tensor is a Conv2D's output, and a MaxPooling2D after
+   it reads it at once. Written to memory and read back (and in backward
+   its gradient twice more, with y again for ReLU′), it costs the CPU more
+   than the convolution's arithmetic: the seed CNN-small's Conv2D and
+   MaxPooling2D spent 3.6 of a 5.5 ms step moving its 11 MB. So such a
+   Conv2D runs the pooling itself, a few samples at a time (outputs of
+   MPT__CONV_POOL_ELEMS a chunk): each chunk's convolution lands in a
+   scratch buffer that stays in the cores' caches, and the pooling reads
+   it there into its own y and argmax. The pair's output is bit for bit
+   the two layers' one after the other; the Conv2D's y is not written.
+   Backward goes chunk by chunk too: the pooled dy, masked by ReLU′ of
+   the pooled values (the largest of a window's ReLU outputs is positive,
+   or NaN, exactly where the winning pixel's own output is), spread back
+   to the winning pixels by the pooling's own backward (zero elsewhere),
+   is the Conv2D's dz, in the scratch; the Conv2D's backward then takes
+   it with no activation. dz and dx are the two layers' bits; the kernel
+   and bias gradients are summed over the pair's chunks, which may be
+   smaller than the Conv2D's own: the same sums in another association
+   (and for any thread count the same bits).
+   On the CPU only (a GPU's memory keeps up), for ReLU or no activation,
+   one dtype for both layers, and where the backend's direct convolution
+   takes the layer: in chunks, im2col and a GEMM of a few samples each
+   lost more than the pair saves (float16 with one input channel). */
+#define MPT__CONV_POOL_ELEMS ((int64_t)1 << 18)
+
+/* The pair's scratch for n samples, as byte offsets from its start: the
+   Conv2D's output or dz (n, OH, OW, F); the masked pooled dy, its
+   float32 form (for a backend without the one-pass dz) and the one
+   pass's scratch, each (n, pooled count); the pooling's workspace.
+   Returns the bytes in all. */
+enum { MPT__CP_Y, MPT__CP_DY, MPT__CP_DYF, MPT__CP_TMP, MPT__CP_POOL, MPT__CP_PIECES };
+static int64_t mpt__conv_pool_layout(const mpt__layer *L, const mpt__conv_plan *c,
+                                     const mpt__win *pg, const mpt_backend *be, void *impl,
+                                     int64_t n, int64_t *off) {
+    const int64_t pooled = n * L[1].out_count;
+    int64_t bytes[MPT__CP_PIECES], at = 0;
+    int k;
+    bytes[MPT__CP_Y] = n * c->pix * c->f * (int64_t)c->es;
+    bytes[MPT__CP_DY] = pooled * (int64_t)c->es;
+    bytes[MPT__CP_DYF] = bytes[MPT__CP_TMP] = 4 * pooled;
+    bytes[MPT__CP_POOL] = be->pool_workspace(impl, pg, n);
+    for (k = 0; k < MPT__CP_PIECES; k++) {
+        off[k] = at;
+        at += mpt__align_up(bytes[k]);
+    }
+    return at;
+}
+
+/* Samples per chunk: at most the Conv2D's own chunk. */
+static int64_t mpt__conv_pool_chunk(const mpt__conv_plan *c) {
+    return MPT__MAX(1, MPT__MIN(c->chunk, MPT__CONV_POOL_ELEMS / MPT__MAX(1, c->pix * c->f)));
+}
+
+static mpt_status mpt__conv_pool_plan(mpt_model *m, int i) {
+    mpt__layer *L = &m->layers[i - 1]; /* the Conv2D; L[1] the pooling */
+    const mpt_activation act = L->desc.conv2d.activation;
+    mpt__conv_plan c;
+    mpt__win pg;
+    int64_t off[MPT__CP_PIECES], bytes, end;
+    if (L->ops != &mpt__conv2d_ops || L[1].ops != &mpt__max_pool_ops || L->dtype != L[1].dtype ||
+        (act != MPT_ACT_NONE && act != MPT_ACT_RELU) || mpt__model_device(m) != MPT_DEVICE_CPU)
+        return MPT_OK;
+    mpt__conv_plan_init(&c, L, m->max_batch, m->be);
+    mpt__pool_win(&pg, &L[1]);
+    bytes = mpt__conv_pool_layout(L, &c, &pg, m->be, m->impl, mpt__conv_pool_chunk(&c), off);
+    L->pool_ws = mpt__align_up(L->workspace_bytes);
+    if (!mpt__add_ok(L->pool_ws, bytes, &end)) return mpt__batch_overflow(m, L);
+    L->workspace_bytes = end;
+    L->pools_next = 1;
+    return MPT_OK;
+}
+
+static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
+    const mpt__layer *P = &L[1];
+    unsigned char *scratch = (unsigned char *)p->workspace + L->pool_ws;
+    mpt__conv_plan c;
+    mpt__win pg;
+    mpt__pass q = *p;
+    int64_t off[MPT__CP_PIECES], n, b0;
+    mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
+    mpt__pool_win(&pg, P);
+    n = mpt__conv_pool_chunk(&c);
+    mpt__conv_pool_layout(L, &c, &pg, p->be, p->impl, n, off);
+    for (b0 = 0; b0 < p->batch; b0 += n) {
+        q.batch = MPT__MIN(n, p->batch - b0);
+        q.x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c.es;
+        q.y = scratch + off[MPT__CP_Y];
+        if (!mpt__conv2d_direct(L, &q, &c, 0, q.x, q.y, q.batch, q.workspace)) {
+            if (b0 == 0) return 0;
+            mpt__conv2d_forward_batch(L, &q);
+        }
+        p->be->pool_forward(p->impl, MPT_POOL_MAX, &pg, P->dtype, q.y,
+                            (unsigned char *)P->y + (size_t)(b0 * P->out_count) * c.es,
+                            (int32_t *)P->saved[0] + b0 * P->out_count, q.batch,
+                            scratch + off[MPT__CP_POOL]);
+    }
+    return 1;
+}
+
+static void mpt__conv2d_pool_backward(mpt__layer *L, const mpt__pass *p) {
+    const mpt__layer *P = &L[1];
+    unsigned char *scratch = (unsigned char *)p->workspace + L->pool_ws;
+    unsigned char *dz = scratch, *dy_masked;
+    const int relu = L->desc.conv2d.activation == MPT_ACT_RELU;
+    mpt__conv_plan c;
+    mpt__win pg;
+    int64_t off[MPT__CP_PIECES], n, b0;
+    mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
+    mpt__pool_win(&pg, P);
+    n = mpt__conv_pool_chunk(&c);
+    mpt__conv_pool_layout(L, &c, &pg, p->be, p->impl, n, off);
+    dz += off[MPT__CP_Y];
+    dy_masked = scratch + off[MPT__CP_DY];
+    for (b0 = 0; b0 < p->batch; b0 += n) {
+        const int64_t nb = MPT__MIN(n, p->batch - b0), at = b0 * P->out_count;
+        const void *dy = (const unsigned char *)p->dy + (size_t)at * c.es;
+        if (relu) {
+            float *dyf = c.dtype == MPT_FLOAT32 ? (float *)dy_masked
+                                                : (float *)(scratch + off[MPT__CP_DYF]);
+            mpt__layer_dz(L, p, MPT_ACT_RELU, NULL, (const unsigned char *)P->y + (size_t)at * c.es,
+                          dy, dyf, (float *)(scratch + off[MPT__CP_TMP]), dy_masked, NULL, 0,
+                          nb * P->out_count / c.f, c.f);
+            dy = dy_masked;
+        }
+        p->be->pool_backward(p->impl, MPT_POOL_MAX, &pg, P->dtype, dy, dz,
+                             (const int32_t *)P->saved[0] + at, nb, scratch + off[MPT__CP_POOL]);
+        mpt__conv2d_backward_rows(L, p, &c, b0, nb, MPT_ACT_NONE, dz, dz);
+    }
 }
 /* =============================================================================
    @impl-batchnorm  BatchNormalization: each channel (the last axis)

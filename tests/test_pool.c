@@ -251,9 +251,170 @@ static void test_max_pool_gradient_one_pass(void) {
     if (!ran_simd) printf("# max_pool one pass: AVX-512 not checked (this CPU has none)\n");
 }
 
+/* ---- a Conv2D and the MaxPooling2D after it, run as one pass ---------------- */
+
+typedef struct pair_case {
+    int64_t batch, h, w, c, filters, k, stride;
+    mpt_padding pad;        /* the pooling's                                 */
+    mpt_activation act;     /* the Conv2D's                                  */
+    mpt_dtype dtype;
+    int conv_before;        /* a Conv2D in front, so the pair's dx is used   */
+    int need;               /* CPU features the pair's direct path needs     */
+} pair_case;
+
+typedef struct pair_run {
+    mpt_context *c;
+    mpt_model *m;
+    int pair;               /* the pair's Conv2D                             */
+    int fused;              /* it ran the pooling                            */
+    int y_untouched;        /* its own y kept the poison put there           */
+    float *out, *dx;        /* the model's output and input gradient         */
+} pair_run;
+
+/* One training forward and backward of [Conv2D] Conv2D MaxPooling2D
+   Flatten Dense, the pair fused or (unfuse) not, on `threads` threads. */
+static void pair_pass(const pair_case *pc, int threads, int unfuse, const float *x,
+                      const float *dy, pair_run *r) {
+    int64_t xs[4] = {pc->batch, pc->h, pc->w, pc->c}, n_in = pc->batch * pc->h * pc->w * pc->c;
+    mpt_pool2d_desc pool;
+    mpt_tensor tx, ty, tdy, tdx;
+    mpt__layer *L;
+    unsigned char *y;
+    size_t y_bytes;
+    int64_t i;
+    memset(r, 0, sizeof *r);
+    mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &r->c);
+    mpt_model_create(r->c, &(mpt_model_desc){.input_shape = {pc->h, pc->w, pc->c},
+                                             .input_rank = 3, .seed = 11}, &r->m);
+    if (pc->conv_before)
+        mpt_model_add_conv2d(r->m, &(mpt_conv2d_desc){.filters = pc->c, .kernel_size = {1, 1},
+                                                     .activation = MPT_ACT_RELU,
+                                                     .dtype = pc->dtype});
+    mpt_model_add_conv2d(r->m, &(mpt_conv2d_desc){.filters = pc->filters, .kernel_size = {3, 3},
+                                                 .activation = pc->act, .dtype = pc->dtype,
+                                                 .bias_initializer = MPT_INIT_GLOROT_UNIFORM});
+    memset(&pool, 0, sizeof pool);
+    pool.pool_size[0] = pool.pool_size[1] = pc->k;
+    pool.strides[0] = pool.strides[1] = pc->stride;
+    pool.padding = pc->pad;
+    pool.dtype = pc->dtype;
+    mpt_model_add_max_pooling2d(r->m, &pool);
+    mpt_model_add_flatten(r->m, NULL);
+    mpt_model_add_dense(r->m, &(mpt_dense_desc){.units = 7});
+    CHECK(mpt_model_build(r->m, pc->batch) == MPT_OK, "build: %s", mpt_context_error(r->c));
+    r->pair = pc->conv_before;
+    L = &r->m->layers[r->pair];
+    CHECK(L->pools_next, "the Conv2D was not planned to run the pooling");
+    if (unfuse) L->pools_next = 0;
+    y = (unsigned char *)L->y;
+    y_bytes = mpt_dtype_size(pc->dtype) * (size_t)(pc->batch * L->out_count);
+    memset(y, 0x7F, y_bytes);
+    mpt_tensor_wrap(r->c, &tx, MPT_FLOAT32, 4, xs, (void *)x);
+    CHECK(mpt_model_forward(r->m, &tx, 1, &ty) == MPT_OK, "forward: %s", mpt_context_error(r->c));
+    r->fused = L->ran_next;
+    for (i = 0; i < (int64_t)y_bytes && y[i] == 0x7F; i++) {}
+    r->y_untouched = i == (int64_t)y_bytes;
+    r->out = (float *)malloc(sizeof(float) * (size_t)mpt_tensor_count(&ty));
+    mpt_convert(r->c, MPT_FLOAT32, r->out, ty.dtype, ty.data, mpt_tensor_count(&ty));
+    tdy = ty;
+    tdy.dtype = MPT_FLOAT32;
+    tdy.data = (void *)dy;
+    memset(&tdx, 0, sizeof tdx);
+    CHECK(mpt_model_backward(r->m, &tdy, &tdx) == MPT_OK, "backward: %s",
+          mpt_context_error(r->c));
+    r->dx = (float *)malloc(sizeof(float) * (size_t)n_in);
+    mpt_convert(r->c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, n_in);
+}
+
+static void pair_free(pair_run *r) {
+    free(r->out), free(r->dx);
+    mpt_model_destroy(r->m);
+    mpt_context_destroy(r->c);
+}
+
+/* Parameter k's gradient in a and b: the same bits (exact), or (else)
+   within `tol` of the sum of the gradients' sizes. */
+static int pair_same_grad(pair_run *a, pair_run *b, int k, int exact, double tol) {
+    mpt_param_info pa, pb;
+    const float *ga, *gb;
+    double diff = 0, size = 0;
+    int64_t i, n;
+    mpt_model_param(a->m, k, &pa);
+    mpt_model_param(b->m, k, &pb);
+    ga = (const float *)pa.grad.data, gb = (const float *)pb.grad.data;
+    n = mpt_tensor_count(&pa.grad);
+    if (exact) return memcmp(ga, gb, sizeof(float) * (size_t)n) == 0;
+    for (i = 0; i < n; i++) {
+        diff = fmax(diff, fabs((double)ga[i] - gb[i]));
+        size += fabs((double)ga[i]);
+    }
+    return diff <= tol * size;
+}
+
+/* The pair against the two layers one after the other: the same output
+   and input gradient bits, the same gradients (the pair's Conv2D's up to
+   the association of its chunk sums), the same bits on 1 and 2 threads;
+   and its own y never written, so the pair did run. Shapes give several
+   chunks of the pair (MPT__CONV_POOL_ELEMS outputs), odd sizes leave
+   pixels no window reads, overlapping 'same' windows share pixels. */
+static void test_conv_pool_pair(void) {
+    static const pair_case cases[] = {
+        /* one input channel (the CNN-small's first layer) */
+        {23, 30, 30, 1, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 0, MPT_CPU_AVX512},
+        {23, 30, 29, 1, 20, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_BFLOAT16, 0,
+         MPT_CPU_AVX512_BF16},
+        /* Winograd's products (float32, float16), a Conv2D in front */
+        {80, 15, 13, 16, 24, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 1, MPT_CPU_AVX512},
+        {9, 15, 13, 16, 24, 3, 2, MPT_PADDING_SAME, MPT_ACT_NONE, MPT_FLOAT16, 1, MPT_CPU_AVX512},
+        /* the direct tiles (bfloat16) */
+        {17, 26, 26, 12, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_BFLOAT16, 1,
+         MPT_CPU_AVX512_BF16},
+    };
+    int ci, k;
+    for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++) {
+        const pair_case *pc = &cases[ci];
+        const int64_t n_in = pc->batch * pc->h * pc->w * pc->c, n_out = pc->batch * 7;
+        float *x = (float *)malloc(sizeof(float) * (size_t)n_in);
+        float *dy = (float *)malloc(sizeof(float) * (size_t)n_out);
+        pair_run fused, fused1, alone;
+        int64_t i;
+        test__begin();
+        test_seed(40 + (unsigned long long)ci);
+        for (i = 0; i < n_in; i++) x[i] = (float)test_uniform(-1, 1);
+        for (i = 0; i < n_out; i++) dy[i] = (float)test_uniform(-1, 1);
+        pair_pass(pc, 2, 0, x, dy, &fused);
+        pair_pass(pc, 1, 0, x, dy, &fused1);
+        pair_pass(pc, 2, 1, x, dy, &alone);
+        if ((mpt_context_cpu_features(fused.c) & pc->need) == pc->need)
+            CHECK(fused.fused && fused1.fused && fused.y_untouched,
+                  "the pair did not run (fused %d, y untouched %d)", fused.fused,
+                  fused.y_untouched);
+        else
+            SKIP("this CPU lacks the direct path the pair needs");
+        CHECK(!alone.fused && !alone.y_untouched, "the unfused model ran the pair");
+        CHECK(memcmp(fused.out, alone.out, sizeof(float) * (size_t)n_out) == 0, "output");
+        CHECK(memcmp(fused.dx, alone.dx, sizeof(float) * (size_t)n_in) == 0, "input gradient");
+        for (k = 0; k < mpt_model_param_count(fused.m); k++) {
+            /* the pair's Conv2D holds parameters 2·pair and 2·pair + 1 */
+            const int pairs = k / 2 == fused.pair;
+            CHECK(pair_same_grad(&fused, &alone, k, !pairs, 1e-6), "gradient of parameter %d", k);
+            CHECK(pair_same_grad(&fused, &fused1, k, 1, 0), "parameter %d's gradient on 1 thread",
+                  k);
+        }
+        test__end("conv+pool pair in=(%lld,%lld,%lld) filters %lld pool %lld/%lld %s %s %s",
+                  (long long)pc->h, (long long)pc->w, (long long)pc->c, (long long)pc->filters,
+                  (long long)pc->k, (long long)pc->stride,
+                  pc->pad == MPT_PADDING_SAME ? "same" : "valid",
+                  pc->act == MPT_ACT_RELU ? "relu" : "linear", mpt_dtype_name(pc->dtype));
+        pair_free(&fused), pair_free(&fused1), pair_free(&alone);
+        free(x), free(dy);
+    }
+}
+
 int main(void) {
     TEST_RUN(test_max_pool_simd_matches_portable);
     TEST_RUN(test_max_pool_half_gradient_bits);
     test_max_pool_gradient_one_pass();
+    test_conv_pool_pair();
     return test_summary("test_pool");
 }

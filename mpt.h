@@ -8038,9 +8038,11 @@ static int mpt__conv_wino_shape(const mpt__conv_plan *c) {
 /* Whether a kernel gradient takes the CPU's tiles for shallow inputs
    (mpt__kgrad_win): fewer channels than the direct tiles have rows,
    float32 under 8 (MPT__DCONV_KGRAD_F32_ROWS), bfloat16 under 12
-   (MPT__DCONV_MR). This sizes its workspace too. */
+   (MPT__DCONV_MR); float16, which the CPU computes in float32, as
+   float32. This sizes its workspace too. */
 static int mpt__conv_shallow(mpt_dtype dtype, int64_t channels) {
-    return (dtype == MPT_FLOAT32 && channels < 8) || (dtype == MPT_BFLOAT16 && channels < 12);
+    return ((dtype == MPT_FLOAT32 || dtype == MPT_FLOAT16) && channels < 8) ||
+           (dtype == MPT_BFLOAT16 && channels < 12);
 }
 
 static void mpt__conv_plan_init(mpt__conv_plan *c, const mpt__layer *L, int64_t max_batch,
@@ -8294,7 +8296,8 @@ static const unsigned char *mpt__dconv_window(const mpt__dconv_job *j, int64_t b
    side by side in 32-bit lanes (kk is even). */
 static void mpt__dconv_pack(mpt__dconv_job *j, unsigned char *ws) {
     const int64_t c = j->g->c, f = j->a->f, oc = j->oc;
-    const int pairs = j->a->dtype != MPT_FLOAT32;
+    const mpt_dtype dtype = j->a->dtype;
+    const int pairs = dtype == MPT_BFLOAT16; /* float16: widened to float32 */
     const float *src32 = (const float *)j->a->kernel;
     const mpt_bf16 *src16 = (const mpt_bf16 *)j->a->kernel;
     float *dst32 = (float *)(void *)ws;
@@ -8305,7 +8308,9 @@ static void mpt__dconv_pack(mpt__dconv_job *j, unsigned char *ws) {
         const int64_t row = j->a->input_grad ? (j->taps - 1 - k / f) * c * f + k % f : k * f;
         const int64_t step = j->a->input_grad ? f : 1;
         for (o = 0; o < oc; o++) {
-            if (!pairs)
+            if (dtype == MPT_FLOAT16)
+                dst32[k * oc + o] = mpt_half_to_float(src16[row + o * step]);
+            else if (!pairs)
                 dst32[k * oc + o] = src32[row + o * step];
             else if (k % 2 == 0)
                 dst16[k / 2 * oc + o] = src16[row + o * step];
@@ -8708,11 +8713,22 @@ MPT__TARGET_AVX512 static void mpt__shallow_pair_rows(const mpt_bf16 *stage, int
                                         stage + (2 * r + 1) * MPT__DCONV_MR));
 }
 
+/* float16 staging rows (kk × 12) as float32 ones: exact. */
+MPT__TARGET_AVX512 static void mpt__shallow_widen_rows(const mpt_half *stage, int64_t kk,
+                                                       float *panel) {
+    const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
+    int64_t r;
+    for (r = 0; r < kk; r++)
+        _mm512_mask_storeu_ps(panel + r * MPT__DCONV_MR, row,
+                              _mm512_maskz_cvtph_ps(row, _mm256_maskz_loadu_epi16(
+                                                             row, stage + r * MPT__DCONV_MR)));
+}
+
 /* Tiles [task·TILES_PER_TASK, ...) of the output pixels, as mpt__dconv_task
    cuts them; a tile's pixels past the end read zeros. */
 MPT__TARGET_AVX512 static void mpt__shallow_tiles(const mpt__dconv_job *j, int64_t task) {
     uint32_t panel[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* float32, or bfloat16 pairs */
-    mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR];
+    mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* bfloat16 or float16 */
     unsigned char *stage = j->es == 4 ? (unsigned char *)panel : (unsigned char *)stage16;
     float tile[MPT__DCONV_MR * 32];
     int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
@@ -8728,10 +8744,13 @@ MPT__TARGET_AVX512 static void mpt__shallow_tiles(const mpt__dconv_job *j, int64
             mpt__shallow_gather(j, b, oy, ox, p, n, stage);
             if (++oy == j->oh) oy = 0, b++;
         }
-        if (j->es == 2) mpt__shallow_pair_rows(stage16, j->kk, panel);
+        if (j->a->dtype == MPT_BFLOAT16)
+            mpt__shallow_pair_rows(stage16, j->kk, panel);
+        else if (j->a->dtype == MPT_FLOAT16)
+            mpt__shallow_widen_rows((const mpt_half *)stage16, j->kk, (float *)(void *)panel);
         for (o0 = 0; o0 < j->oc; o0 += 32) {
             const int nb = (int)MPT__MIN(32, j->oc - o0);
-            if (j->es == 4)
+            if (j->a->dtype != MPT_BFLOAT16)
                 mpt__shallow_tile_f32(j, panel, o0, nb, tile);
             else
                 mpt__shallow_tile_bf16(j, panel, o0, nb, tile);
@@ -9732,31 +9751,38 @@ typedef struct mpt__kgrad_win_job {
 } mpt__kgrad_win_job;
 
 #if MPT__X86
-/* Element idx of x (float32 or bfloat16) as float32: exact. */
-static MPT__ALWAYS_INLINE float mpt__kgrad_win_value(int bf16, const void *x, int64_t idx) {
-    return bf16 ? mpt_bf16_to_float(((const mpt_bf16 *)x)[idx]) : ((const float *)x)[idx];
+/* Element idx of x (float32, bfloat16 or float16) as float32: exact. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE float mpt__kgrad_win_value(mpt_dtype dtype,
+                                                                        const void *x,
+                                                                        int64_t idx) {
+    return dtype == MPT_BFLOAT16  ? mpt_bf16_to_float(((const mpt_bf16 *)x)[idx])
+           : dtype == MPT_FLOAT16 ? _cvtsh_ss(((const mpt_half *)x)[idx])
+                                  : ((const float *)x)[idx];
 }
 
 /* 16 values of a (n, OH, OW, F) tensor at element idx, as float32 (k:
    which) */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_load(int bf16, __mmask16 k,
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_load(mpt_dtype dtype,
+                                                                        __mmask16 k,
                                                                         const void *t,
                                                                         int64_t idx) {
-    return bf16 ? mpt__bf16_widen_avx512(k, (const mpt_bf16 *)t + idx)
-                : _mm512_maskz_loadu_ps(k, (const float *)t + idx);
+    if (dtype == MPT_BFLOAT16) return mpt__bf16_widen_avx512(k, (const mpt_bf16 *)t + idx);
+    if (dtype == MPT_FLOAT16) /* (the maskz form: g++ warns of the other's undefined lanes) */
+        return _mm512_maskz_cvtph_ps(k, _mm256_maskz_loadu_epi16(k, (const mpt_half *)t + idx));
+    return _mm512_maskz_loadu_ps(k, (const float *)t + idx);
 }
 
 /* dz at idx: read, or made from dy (from_dy) as mpt__relu_backward_avx512
    makes it (dy where !(out <= 0); no activation: dy) */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(int bf16, int from_dy,
-                                                                      __mmask16 k,
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(mpt_dtype dtype,
+                                                                      int from_dy, __mmask16 k,
                                                                       const mpt_conv_args *a,
                                                                       int64_t idx) {
     __m512 dy;
-    if (!from_dy) return mpt__kgrad_win_load(bf16, k, a->dz, idx);
-    dy = mpt__kgrad_win_load(bf16, k, a->dy, idx);
+    if (!from_dy) return mpt__kgrad_win_load(dtype, k, a->dz, idx);
+    dy = mpt__kgrad_win_load(dtype, k, a->dy, idx);
     if (a->act != MPT_ACT_RELU) return dy;
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mpt__kgrad_win_load(bf16, k, a->out, idx),
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mpt__kgrad_win_load(dtype, k, a->out, idx),
                                                   _mm512_setzero_ps(), _CMP_NLE_UQ),
                                dy);
 }
@@ -9766,8 +9792,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(int bf16, 
    16) over pixels [q0, q1), 32 floats a row; from_dy: dz made from dy,
    and the bias's sums in row 12. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
-    const mpt__kgrad_win_job *j, int bf16, int two, int from_dy, int64_t k0, int m, int64_t f0,
-    int nb, int64_t q0, int64_t q1, float *tile) {
+    const mpt__kgrad_win_job *j, mpt_dtype dtype, int two, int from_dy, int64_t k0, int m,
+    int64_t f0, int nb, int64_t q0, int64_t q1, float *tile) {
     const mpt_conv_args *a = j->a;
     const mpt_window *g = j->g;
     const int64_t c = g->c, f = a->f, per = g->oh * g->ow;
@@ -9788,8 +9814,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
     for (q = q0; q < q1; q++) {
         const int64_t y0 = oy * g->sh - g->top, x0 = ox * g->sw - g->left;
         const int64_t corner = ((b * g->h + y0) * g->w + x0) * c, dst = q * f + f0;
-        const __m512 d0 = mpt__kgrad_win_dz(bf16, from_dy, k_lo, a, dst);
-        const __m512 d1 = two ? mpt__kgrad_win_dz(bf16, from_dy, k_hi, a, dst + 16) : d0;
+        const __m512 d0 = mpt__kgrad_win_dz(dtype, from_dy, k_lo, a, dst);
+        const __m512 d1 = two ? mpt__kgrad_win_dz(dtype, from_dy, k_hi, a, dst + 16) : d0;
         __m512 xr;
         if (from_dy) {
             bias0 = _mm512_add_ps(bias0, d0);
@@ -9797,7 +9823,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
         }
         if (y0 >= 0 && y0 + g->kh <= g->h && x0 >= 0 && x0 + g->kw <= g->w) {
 #define MPT__F(r)                                                                       \
-    xr = _mm512_set1_ps(mpt__kgrad_win_value(bf16, a->x, corner + off[r]));            \
+    xr = _mm512_set1_ps(mpt__kgrad_win_value(dtype, a->x, corner + off[r]));           \
     c##r##0 = _mm512_fmadd_ps(xr, d0, c##r##0);                                         \
     if (two) c##r##1 = _mm512_fmadd_ps(xr, d1, c##r##1);
             MPT__ROWS12(MPT__F)
@@ -9806,7 +9832,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
             for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
                 const int64_t y = y0 + di[r], x = x0 + dj[r];
                 v[r] = y >= 0 && y < g->h && x >= 0 && x < g->w
-                           ? mpt__kgrad_win_value(bf16, a->x, corner + off[r])
+                           ? mpt__kgrad_win_value(dtype, a->x, corner + off[r])
                            : 0.0f;
             }
 #define MPT__F(r)                                                                       \
@@ -9832,30 +9858,36 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
 #undef MPT__KGRAD_WIN_ACC
 
 /* One copy per dtype, width (two: more than 16 filters) and source of dz
-   (from_dy), each with its loads inline; [bf16][two][from_dy]. */
-#define MPT__KGRAD_WIN_SUMS(name, bf16, two, from_dy)                                         \
+   (from_dy), each with its loads inline; [float32, bfloat16, float16][two][from_dy]. */
+#define MPT__KGRAD_WIN_SUMS(name, dtype, two, from_dy)                                        \
     MPT__TARGET_AVX512 static void name(const mpt__kgrad_win_job *j, int64_t k0, int m,      \
                                         int64_t f0, int nb, int64_t q0, int64_t q1,          \
                                         float *tile) {                                       \
-        mpt__kgrad_win_sums(j, bf16, two, from_dy, k0, m, f0, nb, q0, q1, tile);             \
+        mpt__kgrad_win_sums(j, dtype, two, from_dy, k0, m, f0, nb, q0, q1, tile);            \
     }
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, 0, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16_dy, 0, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, 0, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_dy, 0, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, 1, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16_dy, 1, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, 1, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_dy, 1, 1, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, MPT_FLOAT32, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16_dy, MPT_FLOAT32, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, MPT_FLOAT32, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_dy, MPT_FLOAT32, 1, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, MPT_BFLOAT16, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16_dy, MPT_BFLOAT16, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, MPT_BFLOAT16, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_dy, MPT_BFLOAT16, 1, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16, MPT_FLOAT16, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16_dy, MPT_FLOAT16, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16, MPT_FLOAT16, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_dy, MPT_FLOAT16, 1, 1)
 #undef MPT__KGRAD_WIN_SUMS
 
 typedef void (*mpt__kgrad_win_sums_fn)(const mpt__kgrad_win_job *j, int64_t k0, int m,
                                        int64_t f0, int nb, int64_t q0, int64_t q1, float *tile);
-static const mpt__kgrad_win_sums_fn mpt__kgrad_win_sums_fns[2][2][2] = {
+static const mpt__kgrad_win_sums_fn mpt__kgrad_win_sums_fns[3][2][2] = {
     {{mpt__kgrad_win_sums_f32_16, mpt__kgrad_win_sums_f32_16_dy},
      {mpt__kgrad_win_sums_f32, mpt__kgrad_win_sums_f32_dy}},
     {{mpt__kgrad_win_sums_bf16_16, mpt__kgrad_win_sums_bf16_16_dy},
-     {mpt__kgrad_win_sums_bf16, mpt__kgrad_win_sums_bf16_dy}}};
+     {mpt__kgrad_win_sums_bf16, mpt__kgrad_win_sums_bf16_dy}},
+    {{mpt__kgrad_win_sums_f16_16, mpt__kgrad_win_sums_f16_16_dy},
+     {mpt__kgrad_win_sums_f16, mpt__kgrad_win_sums_f16_dy}}};
 #endif
 
 /* Task = (part, row block, filter block): its tile's sums over its part. */
@@ -9872,8 +9904,8 @@ static void mpt__kgrad_win_task(void *arg, int64_t task, int thread) {
     float *sums = j->sums + task * MPT__KGRAD_WIN_TILE;
     (void)thread;
 #if MPT__X86
-    mpt__kgrad_win_sums_fns[a->dtype == MPT_BFLOAT16][nb > 16][a->dy != NULL](j, k0, m, f0, nb, q0,
-                                                                             q1, sums);
+    mpt__kgrad_win_sums_fns[a->dtype == MPT_BFLOAT16 ? 1 : a->dtype == MPT_FLOAT16 ? 2 : 0]
+                           [nb > 16][a->dy != NULL](j, k0, m, f0, nb, q0, q1, sums);
 #else
     (void)k0, (void)f0, (void)q0, (void)q1, (void)m, (void)nb;
     memset(sums, 0, sizeof(float) * MPT__KGRAD_WIN_TILE); /* never called: conv_direct declines */
@@ -10045,10 +10077,11 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
 #endif
     /* A one-channel image's forward (stride 1 along the width) takes the
        gathered panels of mpt__shallow_task, any filter count: each block
-       of 32 reuses them. */
+       of 32 reuses them. float16 runs float32's tiles. */
     shallow = !a->input_grad && fused_act && g->c == 1 && g->sw == 1 &&
               g->kh * g->kw <= MPT__SHALLOW_MAX_KK &&
-              ((a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) ||
+              (((a->dtype == MPT_FLOAT32 || a->dtype == MPT_FLOAT16) &&
+                (ctx->cpu & MPT_CPU_AVX512)) ||
                (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16)));
     if (!shallow && !mpt__dconv_takes(a, &j)) return 0;
     j.ctx = ctx;
@@ -10981,7 +11014,8 @@ MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
    On the CPU only (a GPU's memory keeps up), for ReLU or no activation,
    one dtype for both layers, and where the backend's direct convolution
    takes the layer: in chunks, im2col and a GEMM of a few samples each
-   lost more than the pair saves (float16 with one input channel). */
+   lost more than the pair saves (measured on float16 with one input
+   channel, before that had a direct path). */
 #define MPT__CONV_POOL_ELEMS ((int64_t)1 << 18)
 
 /* The pair's scratch for n samples, as byte offsets from its start: the

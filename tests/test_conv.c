@@ -1344,13 +1344,12 @@ static void test_direct_conv(void) {
                 }
                 if (d->g.c == 1 && d->g.sw == 1 && d->act != MPT_ACT_GELU &&
                     d->act != MPT_ACT_SOFTMAX &&
-                    ((level >= 2 && dts[t] == MPT_FLOAT32) ||
+                    ((level >= 2 && dts[t] != MPT_BFLOAT16) ||
                      (level == 3 && dts[t] == MPT_BFLOAT16))) {
                     CHECK(forward_calls > 0, "the shallow forward did not run");
                     ran_shallow_fwd += forward_calls > 0;
                 }
-                if (level >= 2 && dts[t] != MPT_FLOAT16 &&
-                    d->g.c < (dts[t] == MPT_FLOAT32 ? 8 : 12)) {
+                if (level >= 2 && d->g.c < (dts[t] == MPT_BFLOAT16 ? 12 : 8)) {
                     CHECK(kernel_grad_calls > 0, "the shallow kernel gradient did not run");
                     ran_shallow += kernel_grad_calls > 0;
                 }
@@ -1382,8 +1381,7 @@ static void test_direct_conv(void) {
                           memcmp(one.dx, two.dx, sizeof(float) * (size_t)one.nx) == 0 &&
                           memcmp(one.grads, two.grads, sizeof(float) * (size_t)one.ng) == 0,
                       "1 and 2 threads differ");
-                if (level >= 2 && dts[t] != MPT_FLOAT16 &&
-                    d->g.c < (dts[t] == MPT_FLOAT32 ? 8 : 12) &&
+                if (level >= 2 && d->g.c < (dts[t] == MPT_BFLOAT16 ? 12 : 8) &&
                     (d->act == MPT_ACT_RELU || d->act == MPT_ACT_NONE)) {
                     /* no dx wanted: dz made from dy in the kernel gradient,
                        the same kernel gradient's bits, the bias's sums in

@@ -363,6 +363,7 @@ static void test_conv_pool_pair(void) {
         {23, 30, 30, 1, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 0, MPT_CPU_AVX512},
         {23, 30, 29, 1, 20, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_BFLOAT16, 0,
          MPT_CPU_AVX512_BF16},
+        {23, 29, 30, 1, 40, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT16, 0, MPT_CPU_AVX512},
         /* Winograd's products (float32, float16), a Conv2D in front */
         {80, 15, 13, 16, 24, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 1, MPT_CPU_AVX512},
         {9, 15, 13, 16, 24, 3, 2, MPT_PADDING_SAME, MPT_ACT_NONE, MPT_FLOAT16, 1, MPT_CPU_AVX512},

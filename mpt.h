@@ -3722,6 +3722,15 @@ static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512i mpt__avx512_bf16_bits(__m51
     return _mm512_mask_mov_epi32(r, is_nan, qnan);
 }
 
+/* The cache lines of a row of bytes at t + at (up to 128 bytes: a row of
+   32 float32 channels), asked for ahead of their use. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__prefetch_row(const void *t, size_t at,
+                                                                   size_t bytes) {
+    const char *p = (const char *)t + at;
+    _mm_prefetch(p, _MM_HINT_T0);
+    if (bytes > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
+}
+
 /* Masked loads and stores touch only the lanes in m, so the tail needs no
    scalar loop and never reads past the end. */
 static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__avx512_load(mpt_dtype t, const void *p,
@@ -9239,6 +9248,30 @@ MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const fl
 #undef MPT__WKG_FMA
 #undef MPT__WKG_OUT
 
+/* The pixels tile (b, ty, tx) reads that the tile before it did not (its
+   patch's last two columns, its dY), asked for ahead of its transform. */
+MPT__TARGET_AVX512 static void mpt__wkg_prefetch(const mpt__wkg_job *j, int64_t b, int64_t ty,
+                                                 int64_t tx) {
+    const mpt_window *g = j->g;
+    const size_t es = mpt_dtype_size(j->a->dtype);
+    const size_t x_bytes = (size_t)g->c * es, dz_bytes = (size_t)j->a->f * es;
+    int64_t r, s, y, x;
+    for (r = 0; r < 4; r++)
+        for (s = 2; s < 4; s++) {
+            y = 2 * ty - g->top + r, x = 2 * tx - g->left + s;
+            if (y >= 0 && y < g->h && x >= 0 && x < g->w)
+                mpt__prefetch_row(j->a->x, (size_t)((b * g->h + y) * g->w + x) * x_bytes,
+                                  x_bytes);
+        }
+    for (r = 0; r < 2; r++)
+        for (s = 0; s < 2; s++) {
+            y = 2 * ty + r, x = 2 * tx + s;
+            if (y < g->oh && x < g->ow)
+                mpt__prefetch_row(j->a->dz, (size_t)((b * g->oh + y) * g->ow + x) * dz_bytes,
+                                  dz_bytes);
+        }
+}
+
 /* Task: tiles [task·span, ...) transformed in the thread's scratch, their
    dU stored as the task's. */
 MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread) {
@@ -9248,6 +9281,7 @@ MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread
     float *dm = v + 16 * j->cb * j->span * 8;                 /* (16, fb, span, 32) */
     int64_t i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
     for (i = 0; i < n; i++) {
+        if (tx + 2 < j->tw) mpt__wkg_prefetch(j, b, ty, tx + 2);
         if (j->a->dtype == MPT_FLOAT16) /* (one copy per dtype, each with its loads inline) */
             mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
         else
@@ -9785,15 +9819,6 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(mpt_dtype 
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mpt__kgrad_win_load(dtype, k, a->out, idx),
                                                   _mm512_setzero_ps(), _CMP_NLE_UQ),
                                dy);
-}
-
-/* The cache lines of a row of bytes at t + at (at most 128 bytes: dz's
-   32 filters in float32), asked for ahead of their use. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__prefetch_row(const void *t, size_t at,
-                                                                   size_t bytes) {
-    const char *p = (const char *)t + at;
-    _mm_prefetch(p, _MM_HINT_T0);
-    if (bytes > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
 }
 
 /* How many pixels ahead the shallow kernel gradient asks for dz (or dy

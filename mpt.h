@@ -8912,6 +8912,14 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__
         const int64_t x0 = 2 * (t % j->tw) - j->left;
         const unsigned char *at[16]; /* the patch's pixels */
         int r, s;
+        /* the columns the tile after next reads that the next one does not,
+           asked for ahead (as mpt__wkg_prefetch) */
+        for (r = 0; r < 4 && t % j->tw + 2 < j->tw && t + 2 < j->tiles; r++)
+            for (s = 6; s < 8; s++)
+                if (y0 + r >= 0 && y0 + r < j->ih && x0 + s >= 0 && x0 + s < j->iw)
+                    mpt__prefetch_row(j->x, (size_t)((b * j->ih + y0 + r) * j->iw + x0 + s) *
+                                                (size_t)ic * es,
+                                      (size_t)ic * es);
         for (r = 0; r < 4; r++)
             for (s = 0; s < 4; s++) {
                 const int64_t y = y0 + r, x = x0 + s;

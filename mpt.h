@@ -9865,13 +9865,13 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
         const int64_t y0 = oy * g->sh - g->top, x0 = ox * g->sw - g->left;
         const int64_t corner = ((b * g->h + y0) * g->w + x0) * c, dst = q * f + f0;
         const __m512 d0 = mpt__kgrad_win_dz(dtype, from_dy, k_lo, a, dst);
+        const __m512 d1 = two ? mpt__kgrad_win_dz(dtype, from_dy, k_hi, a, dst + 16) : d0;
+        __m512 xr;
         if (q + MPT__KGRAD_WIN_AHEAD < q1) {
             const size_t at = (size_t)(dst + MPT__KGRAD_WIN_AHEAD * f) * es;
             mpt__prefetch_row(from_dy ? a->dy : a->dz, at, row_bytes);
             if (from_dy && a->act == MPT_ACT_RELU) mpt__prefetch_row(a->out, at, row_bytes);
         }
-        const __m512 d1 = two ? mpt__kgrad_win_dz(dtype, from_dy, k_hi, a, dst + 16) : d0;
-        __m512 xr;
         if (from_dy) {
             bias0 = _mm512_add_ps(bias0, d0);
             if (two) bias1 = _mm512_add_ps(bias1, d1);

@@ -159,6 +159,9 @@
                             and no activation one pass on the CPU
                             (mpt__cpu_dz_and_bias_grad); otherwise, and on
                             CUDA, activation_grad, column_sums and convert
+       Conv2D + pooling     a MaxPooling2D after a Conv2D runs inside it on
+                            the CPU, chunk by chunk: mpt__conv_pool_plan,
+                            mpt__conv2d_pool_forward/_backward (@impl-pooling)
        finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update
@@ -219,7 +222,8 @@
        @impl-activation   Activation
        @impl-windows      the window geometry of Conv2D and pooling
        @impl-conv2d       Conv2D
-       @impl-pooling      MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
+       @impl-pooling      MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D;
+                          a Conv2D and the MaxPooling2D after it as one pass
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
        @impl-losses       the losses, their gradients and metrics
@@ -11101,18 +11105,26 @@ static int64_t mpt__conv_pool_chunk(const mpt__conv_plan *c) {
     return MPT__MAX(1, MPT__MIN(c->chunk, MPT__CONV_POOL_ELEMS / MPT__MAX(1, c->pix * c->f)));
 }
 
+/* The pair's geometry, one definition for the plan and both passes: the
+   Conv2D's plan, the pooling's window, the scratch's pieces for a chunk;
+   returns the scratch's bytes. */
+static int64_t mpt__conv_pool_setup(const mpt__layer *L, int64_t max_batch, const mpt_backend *be,
+                                    void *impl, mpt__conv_plan *c, mpt__win *pg, int64_t *off) {
+    mpt__conv_plan_init(c, L, max_batch, be);
+    mpt__pool_win(pg, &L[1]);
+    return mpt__conv_pool_layout(L, c, pg, be, impl, mpt__conv_pool_chunk(c), off);
+}
+
 static mpt_status mpt__conv_pool_plan(mpt_model *m, int i) {
     mpt__layer *L = &m->layers[i - 1]; /* the Conv2D; L[1] the pooling */
-    const mpt_activation act = L->desc.conv2d.activation;
     mpt__conv_plan c;
     mpt__win pg;
     int64_t off[MPT__CP_PIECES], bytes, end;
     if (L->ops != &mpt__conv2d_ops || L[1].ops != &mpt__max_pool_ops || L->dtype != L[1].dtype ||
-        (act != MPT_ACT_NONE && act != MPT_ACT_RELU) || mpt__model_device(m) != MPT_DEVICE_CPU)
+        mpt__model_device(m) != MPT_DEVICE_CPU ||
+        (L->desc.conv2d.activation != MPT_ACT_NONE && L->desc.conv2d.activation != MPT_ACT_RELU))
         return MPT_OK;
-    mpt__conv_plan_init(&c, L, m->max_batch, m->be);
-    mpt__pool_win(&pg, &L[1]);
-    bytes = mpt__conv_pool_layout(L, &c, &pg, m->be, m->impl, mpt__conv_pool_chunk(&c), off);
+    bytes = mpt__conv_pool_setup(L, m->max_batch, m->be, m->impl, &c, &pg, off);
     L->pool_ws = mpt__align_up(L->workspace_bytes);
     if (!mpt__add_ok(L->pool_ws, bytes, &end)) return mpt__batch_overflow(m, L);
     L->workspace_bytes = end;
@@ -11127,10 +11139,8 @@ static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
     mpt__win pg;
     mpt__pass q = *p;
     int64_t off[MPT__CP_PIECES], n, b0;
-    mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
-    mpt__pool_win(&pg, P);
+    mpt__conv_pool_setup(L, p->model->max_batch, p->be, p->impl, &c, &pg, off);
     n = mpt__conv_pool_chunk(&c);
-    mpt__conv_pool_layout(L, &c, &pg, p->be, p->impl, n, off);
     for (b0 = 0; b0 < p->batch; b0 += n) {
         q.batch = MPT__MIN(n, p->batch - b0);
         q.x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c.es;
@@ -11155,10 +11165,8 @@ static void mpt__conv2d_pool_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__conv_plan c;
     mpt__win pg;
     int64_t off[MPT__CP_PIECES], n, b0;
-    mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
-    mpt__pool_win(&pg, P);
+    mpt__conv_pool_setup(L, p->model->max_batch, p->be, p->impl, &c, &pg, off);
     n = mpt__conv_pool_chunk(&c);
-    mpt__conv_pool_layout(L, &c, &pg, p->be, p->impl, n, off);
     dz += off[MPT__CP_Y];
     dy_masked = scratch + off[MPT__CP_DY];
     for (b0 = 0; b0 < p->batch; b0 += n) {

@@ -334,7 +334,8 @@ enum {
     MPT_CPU_F16C = 1 << 1,        /* float16 <-> float32 conversion */
     MPT_CPU_AVX512 = 1 << 2,      /* AVX-512 F, BW, DQ, VL          */
     MPT_CPU_AVX512_BF16 = 1 << 3, /* AVX-512 BF16 dot products      */
-    MPT_CPU_AVX512_VNNI = 1 << 4  /* AVX-512 int8 dot products      */
+    MPT_CPU_AVX512_VNNI = 1 << 4, /* AVX-512 int8 dot products      */
+    MPT_CPU_AVX512_VBMI = 1 << 5  /* AVX-512 byte permutes          */
 };
 
 /* Which GEMM a CUDA context runs: the hand-written tensor-core kernel in
@@ -2752,6 +2753,8 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
 #define MPT__TARGET_AVX512_BF16 \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")))
+#define MPT__TARGET_AVX512_VBMI \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,fma,f16c")))
 #else
 #define MPT__X86 0
 #endif
@@ -2960,6 +2963,7 @@ static int mpt__detect_cpu(void) {
         f |= MPT_CPU_AVX512;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512bf16")) f |= MPT_CPU_AVX512_BF16;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= MPT_CPU_AVX512_VNNI;
+    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vbmi")) f |= MPT_CPU_AVX512_VBMI;
 #endif
     return f;
 }
@@ -3332,7 +3336,8 @@ static void mpt__cpu_feature_words(int features, char *out, size_t size) {
         {MPT_CPU_F16C, "f16c"},
         {MPT_CPU_AVX512, "avx512f avx512bw avx512dq avx512vl"},
         {MPT_CPU_AVX512_BF16, "avx512bf16"},
-        {MPT_CPU_AVX512_VNNI, "avx512vnni"}};
+        {MPT_CPU_AVX512_VNNI, "avx512vnni"},
+        {MPT_CPU_AVX512_VBMI, "avx512vbmi"}};
     size_t used = 0, i;
     out[0] = 0;
     for (i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -5150,24 +5155,60 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store16_avx512(const mpt__qgemm_job *j
     _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + i * d->ldc + n, k, q);
 }
 
-/* The requantizing epilogue of a whole tile with AVX-512, when
-   job->plain_requant: the sums cannot saturate (so the zero-point terms
-   and the bias fold into one int32 per column, added in wrapping
-   arithmetic that is exact because the result fits) and no shift is to
-   the left. Each 16-column block sets up its constants once for every
-   row of the tile. The doubling high multiply is (x·m + 2^30) >> 31
-   (arithmetic): for a negative product p the nudge-and-truncate of
+/* TFLite's requantization of 16 int32 sums x (bias and zero-point terms
+   in) with AVX-512, where it is plain (mpt__qgemm_is_plain_requant: the
+   sums cannot saturate, no shift is to the left): m the multipliers,
+   right the shifts negated, [qlo, qhi] the clamp less the zero point zp.
+   The doubling high multiply is (x·m + 2^30) >> 31 (arithmetic): for a
+   negative product p the nudge-and-truncate of
    mpt__rounding_doubling_high_mul, trunc((p + 1 − 2^30) / 2^31), is the
-   same floor, so one form serves both signs and the steps stay TFLite's. */
+   same floor, so one form serves both signs and the steps stay TFLite's.
+   Inlined into loops over rows, whose constants the compiler hoists. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__requant16_avx512(
+    __m512i x, __m512i m, __m512i right, __m512i qlo, __m512i qhi, __m512i zp) {
+    const __mmask16 all = 0xffff;
+    const __mmask8 all8 = 0xff;
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i half_unit = _mm512_set1_epi64((int64_t)1 << 30);
+    const __m512i m_odd = _mm512_maskz_srli_epi64(all8, m, 32);
+    const __m512i mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
+    const __m512i half = _mm512_maskz_srli_epi32(all, mask, 1);
+    const __m512i even = _mm512_maskz_srli_epi64(
+        all8, _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, x, m), half_unit), 31);
+    const __m512i odd = _mm512_maskz_slli_epi64(
+        all8,
+        _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, _mm512_maskz_srli_epi64(all8, x, 32), m_odd),
+                         half_unit),
+        1);
+    const __m512i h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, even, odd);
+    /* the rounding divide by 2^right, as in mpt__qgemm_store16_avx512 */
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(h, mask), _mm512_add_epi32(half, _mm512_maskz_srli_epi32(all, h, 31)));
+    __m512i q = _mm512_maskz_srav_epi32(all, h, right);
+    q = _mm512_mask_add_epi32(q, up, q, one);
+    q = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, qlo), qhi);
+    return _mm512_add_epi32(q, zp);
+}
+
+/* 16 int32 lanes in [−128, 127] stored as bytes, lanes k only; all 16
+   by a plain store, as the masked vpmovdb to memory is slow on AMD. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__store16_int8_avx512(int8_t *dst,
+                                                                          __mmask16 k, __m512i q) {
+    if (k == 0xffff) _mm_storeu_si128((__m128i *)(void *)dst, _mm512_maskz_cvtepi32_epi8(k, q));
+    else _mm512_mask_cvtepi32_storeu_epi8(dst, k, q);
+}
+
+/* The requantizing epilogue of a whole tile with AVX-512, when
+   job->plain_requant: the zero-point terms and the bias fold into one
+   int32 per column, added in wrapping arithmetic that is exact because
+   the result fits. */
 MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job *job,
                                                            const int32_t *tile,
                                                            const int32_t *rowsum, int64_t i0,
                                                            int64_t j0, int mb, int nb) {
     const mpt_qgemm_desc *d = job->d;
     const __mmask16 all = 0xffff;
-    const __mmask8 all8 = 0xff;
-    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
-    const __m512i half_unit = _mm512_set1_epi64((int64_t)1 << 30);
+    const __m512i zero = _mm512_setzero_si512();
     const int lo = d->c_min || d->c_max ? d->c_min : -128;
     const int hi = d->c_min || d->c_max ? d->c_max : 127;
     const __m512i qlo = _mm512_set1_epi32(lo - d->c_zero_point);
@@ -5192,30 +5233,11 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job
         const __m512i right = _mm512_sub_epi32(zero, d->per_channel
                                                          ? _mm512_maskz_loadu_epi32(k, d->shift + n)
                                                          : _mm512_set1_epi32(d->shift[0]));
-        const __m512i m_odd = _mm512_maskz_srli_epi64(all8, m, 32);
-        const __m512i mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
-        const __m512i half = _mm512_maskz_srli_epi32(all, mask, 1);
         for (i = 0; i < mb; i++) {
             const __m512i x = _mm512_add_epi32(_mm512_loadu_si512(tile + i * job->nr + j),
                                                _mm512_add_epi32(col, _mm512_set1_epi32(row[i])));
-            const __m512i even = _mm512_maskz_srli_epi64(
-                all8, _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, x, m), half_unit), 31);
-            const __m512i odd = _mm512_maskz_slli_epi64(
-                all8,
-                _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, _mm512_maskz_srli_epi64(all8, x, 32),
-                                                        m_odd),
-                                 half_unit),
-                1);
-            const __m512i h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, even, odd);
-            /* the rounding divide by 2^right, as in mpt__qgemm_store16_avx512 */
-            const __mmask16 up = _mm512_cmpgt_epi32_mask(
-                _mm512_and_si512(h, mask),
-                _mm512_add_epi32(half, _mm512_maskz_srli_epi32(all, h, 31)));
-            __m512i q = _mm512_maskz_srav_epi32(all, h, right);
-            q = _mm512_mask_add_epi32(q, up, q, one);
-            q = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, qlo), qhi);
-            _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + (i0 + i) * d->ldc + n, k,
-                                             _mm512_add_epi32(q, zp));
+            mpt__store16_int8_avx512(d->c_int8 + (i0 + i) * d->ldc + n, k,
+                                     mpt__requant16_avx512(x, m, right, qlo, qhi, zp));
         }
     }
 }
@@ -21847,6 +21869,10 @@ typedef struct mpt__qop {
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
     int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
+    uint8_t *direct_w;         /* full-integer one-channel conv from the image
+                                  (mpt__q_direct_prepare): (groups, npad, 4) taps, or NULL */
+    int32_t *direct_col;       /* (npad) bq − (zero point + 128)·Σ taps, per filter */
+    int direct_groups;         /* kernel rows × groups of 4 taps in a row       */
     int8_t lut[256];           /* full-integer activation: out for in + 128    */
     float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
 } mpt__qop;
@@ -21901,6 +21927,7 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->bq);
     mpt__free(ctx, op->mult);
     mpt__free(ctx, op->shift);
+    mpt__free(ctx, op->direct_w);
 }
 
 static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q) {
@@ -22621,6 +22648,242 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     return MPT_OK;
 }
 
+/* ---- a one-channel Conv2D from the image, and the MaxPooling2D after it ------------------- */
+
+/* A full-integer Conv2D on one channel (a first layer on grey images)
+   spent its time on im2col and on requantizing outputs of 9 multiply-adds
+   each. With AVX-512 VNNI it reads the image instead: a kernel row's
+   taps, 4 at a time, are 4 consecutive bytes of a padded copy of the
+   sample as u = int8 + 128, which one vpdpbusd multiplies with those taps
+   of 16 filters (bytes past the kernel's width meet zero taps; the padding
+   holds the zero point, whose real value is 0, as im2col's does). A
+   MaxPooling2D right after takes the maximum of the int32 sums and
+   requantizes only that: requantization is monotone (every multiplier is
+   positive), so the maximum of the requantized outputs is the requantized
+   maximum, and the pair gives the two operations' bits with a quarter of
+   the requantizing under a 2×2 pool. The sums are exact integers, so the
+   outputs are those of im2col and mpt_qgemm, bit for bit. */
+#define MPT__QD_MAX_GROUPS 16 /* kernel rows × groups of 4 taps in a row */
+#define MPT__QD_PIX 8         /* output pixels one block of registers holds */
+
+typedef struct mpt__qdirect_job {
+    const mpt__qop *op, *pool;  /* pool: the MaxPooling2D run with it, or NULL     */
+    const mpt_context *ctx;
+    const int8_t *x;            /* (n, H, W, 1)                                    */
+    int8_t *y;                  /* (n, OH, OW, N), or the pool's output             */
+    int64_t hp, wp;             /* the padded copy of a sample                      */
+    int64_t owp, npad;          /* OW and N rounded up to MPT__QD_PIX and 16        */
+    int64_t acc_rows;           /* rows of int32 sums a task keeps: the pool's height */
+    int32_t off[MPT__QD_MAX_GROUPS]; /* each group's first byte from the window's corner */
+} mpt__qdirect_job;
+
+/* A one-channel Conv2D's taps as the direct pass reads them, and its
+   constant term; left NULL (the im2col path) where it does not apply:
+   no AVX-512 VNNI, another channel count, a kernel of more than
+   MPT__QD_MAX_GROUPS groups, or a requantization that is not plain. */
+static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op) {
+    const mpt__win *g = &op->g;
+    const int64_t N = op->info.out_channels, K = op->info.depth, npad = (N + 15) / 16 * 16;
+    const int64_t per_row = (g->kw + 3) / 4, groups = g->kh * per_row;
+    const int64_t zu = (int64_t)op->info.input.zero_point + 128;
+    mpt_qgemm_desc d;
+    int64_t f, i, j;
+    memset(&d, 0, sizeof d);
+    d.n = N, d.k = K, d.c_int8 = (int8_t *)op->wq; /* (only tested for NULL) */
+    d.shift = op->shift, d.bias = op->bq, d.per_channel = 1;
+    if (!MPT__X86 || op->info.op != MPT_QOP_CONV_2D || g->c != 1 || groups > MPT__QD_MAX_GROUPS ||
+        !(ctx->cpu & MPT_CPU_AVX512) || !(ctx->cpu & MPT_CPU_AVX512_VNNI) ||
+        !mpt__qgemm_is_plain_requant(&d))
+        return MPT_OK;
+    op->direct_w = (uint8_t *)mpt__calloc(ctx, (size_t)(groups * npad * 4 + npad * 4));
+    if (!op->direct_w)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
+    op->direct_col = (int32_t *)(void *)(op->direct_w + groups * npad * 4);
+    op->direct_groups = (int)groups;
+    for (f = 0; f < N; f++) {
+        int64_t sum = 0;
+        for (i = 0; i < g->kh; i++)
+            for (j = 0; j < g->kw; j++) {
+                const int8_t w = op->wq[f * K + i * g->kw + j];
+                op->direct_w[((i * per_row + j / 4) * npad + f) * 4 + j % 4] = (uint8_t)w;
+                sum += w;
+            }
+        op->direct_col[f] = (int32_t)(op->bq[f] - zu * sum); /* plain: it fits */
+    }
+    return MPT_OK;
+}
+
+#if MPT__X86
+/* Sums of MPT__QD_PIX output pixels in a row, 16·nb filters from c0 (nb
+   1 or 2), into acc (a pixel's sums npad apart). src: the padded sample
+   at the first pixel's window corner; the pixels lie sw bytes apart. */
+MPT__TARGET_AVX512_VNNI static MPT__ALWAYS_INLINE void mpt__q_direct_block(
+    const mpt__qdirect_job *j, const uint8_t *src, const uint8_t *taps, int nb, int32_t *acc) {
+    const int64_t sw = j->op->g.sw, npad = j->npad;
+    int gi;
+#define MPT__D(p) __m512i c##p##0 = _mm512_setzero_si512(), c##p##1 = _mm512_setzero_si512();
+    MPT__D(0) MPT__D(1) MPT__D(2) MPT__D(3) MPT__D(4) MPT__D(5) MPT__D(6) MPT__D(7)
+#undef MPT__D
+    for (gi = 0; gi < j->op->direct_groups; gi++) {
+        const uint8_t *s = src + j->off[gi];
+        const __m512i w0 = _mm512_loadu_si512(taps + gi * npad * 4);
+        const __m512i w1 = nb == 2 ? _mm512_loadu_si512(taps + gi * npad * 4 + 64)
+                                   : _mm512_setzero_si512();
+        __m512i u;
+#define MPT__F(p)                                                           \
+    u = _mm512_set1_epi32(mpt__qgemm_group(s + p * sw));                    \
+    c##p##0 = _mm512_dpbusd_epi32(c##p##0, u, w0);                          \
+    if (nb == 2) c##p##1 = _mm512_dpbusd_epi32(c##p##1, u, w1);
+        MPT__F(0) MPT__F(1) MPT__F(2) MPT__F(3) MPT__F(4) MPT__F(5) MPT__F(6) MPT__F(7)
+#undef MPT__F
+    }
+#define MPT__S(p)                                                           \
+    _mm512_storeu_si512(acc + p * npad, c##p##0);                           \
+    if (nb == 2) _mm512_storeu_si512(acc + p * npad + 16, c##p##1);
+    MPT__S(0) MPT__S(1) MPT__S(2) MPT__S(3) MPT__S(4) MPT__S(5) MPT__S(6) MPT__S(7)
+#undef MPT__S
+}
+
+/* Output row oy's sums, (owp, npad) int32, from the padded sample. */
+MPT__TARGET_AVX512_VNNI static void mpt__q_direct_row(const mpt__qdirect_job *j,
+                                                      const uint8_t *padded, int64_t oy,
+                                                      int32_t *acc) {
+    const mpt__win *g = &j->op->g;
+    const uint8_t *row = padded + oy * g->sh * j->wp;
+    int64_t c0, ox;
+    for (c0 = 0; c0 < j->npad; c0 += 32)
+        for (ox = 0; ox < j->owp; ox += MPT__QD_PIX) {
+            const uint8_t *src = row + ox * g->sw;
+            if (j->npad - c0 >= 32)
+                mpt__q_direct_block(j, src, j->op->direct_w + c0 * 4, 2, acc + ox * j->npad + c0);
+            else
+                mpt__q_direct_block(j, src, j->op->direct_w + c0 * 4, 1, acc + ox * j->npad + c0);
+        }
+}
+
+/* One output row from rows of sums in acc (owp·npad apart), 16 filters
+   at a time: each output pixel's own sums, or under the pool the maximum
+   over the window of pooled row oy, plus the constant term, requantized. */
+MPT__TARGET_AVX512 static void mpt__q_direct_store_row(const mpt__qdirect_job *j,
+                                                       const int32_t *acc, int64_t rows,
+                                                       int64_t oy, int8_t *out) {
+    const mpt__qop *op = j->op;
+    const mpt__win *p = j->pool ? &j->pool->g : NULL;
+    const int64_t N = op->info.out_channels, stride = j->owp * j->npad;
+    const int64_t cols = p ? p->ow : op->g.ow;
+    const int zp = op->info.output.zero_point;
+    const int lo = op->info.activation == MPT_ACT_RELU ? zp : -128;
+    const __m512i qlo = _mm512_set1_epi32(lo - zp), qhi = _mm512_set1_epi32(127 - zp);
+    const __m512i vzp = _mm512_set1_epi32(zp), zero = _mm512_setzero_si512();
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
+    int64_t c0, ox, r, q;
+    for (c0 = 0; c0 < N; c0 += 16) {
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, N - c0)) - 1u);
+        const __m512i m = _mm512_maskz_loadu_epi32(k, op->mult + c0);
+        const __m512i right = _mm512_sub_epi32(zero, _mm512_maskz_loadu_epi32(k, op->shift + c0));
+        const __m512i col = _mm512_loadu_si512(op->direct_col + c0);
+        for (ox = 0; ox < cols; ox++) {
+            int64_t q0 = ox, q1 = ox + 1, r0, r1;
+            __m512i best = _mm512_set1_epi32(INT32_MIN);
+            if (p) mpt__win_span(p, oy, ox, &r0, &r1, &q0, &q1);
+            for (r = 0; r < rows; r++)
+                for (q = q0; q < q1; q++)
+                    best = _mm512_maskz_max_epi32(
+                        all, best, _mm512_loadu_si512(acc + r * stride + q * j->npad + c0));
+            mpt__store16_int8_avx512(
+                out + ox * N + c0, k,
+                mpt__requant16_avx512(_mm512_add_epi32(best, col), m, right, qlo, qhi, vzp));
+        }
+    }
+}
+/* Sample b's copy as u = int8 + 128, the padding and the columns past
+   the image (read against zero taps) the zero point's u. */
+static void mpt__q_direct_pad(const mpt__qdirect_job *j, const int8_t *x, uint8_t *padded) {
+    const mpt__win *g = &j->op->g;
+    const int64_t cols = MPT__MAX(0, MPT__MIN(g->w, j->wp - g->left));
+    int64_t r, c;
+    const uint64_t flip = 0x8080808080808080ull;
+    memset(padded, j->op->info.input.zero_point + 128, (size_t)(j->hp * j->wp));
+    for (r = 0; r < g->h && r + g->top < j->hp; r++) {
+        const int8_t *src = x + r * g->w;
+        uint8_t *dst = padded + (r + g->top) * j->wp + g->left;
+        uint64_t v;
+        for (c = 0; c + 8 <= cols; c += 8) { /* eight bytes at a time: -O2 does not vectorize */
+            memcpy(&v, src + c, 8);
+            v ^= flip;
+            memcpy(dst + c, &v, 8);
+        }
+        for (; c < cols; c++) dst[c] = (uint8_t)(src[c] ^ 0x80);
+    }
+}
+
+#endif
+
+/* One sample through the Conv2D (and its MaxPooling2D), from the thread's
+   scratch: the padded copy, then acc_rows rows of sums. */
+static void mpt__q_direct_task(void *arg, int64_t b, int thread) {
+#if MPT__X86
+    const mpt__qdirect_job *j = (const mpt__qdirect_job *)arg;
+    const mpt__win *g = &j->op->g;
+    const int64_t N = j->op->info.out_channels;
+    uint8_t *padded = (uint8_t *)mpt__thread_scratch(j->ctx, thread);
+    int32_t *acc = (int32_t *)(void *)(padded + (j->hp * j->wp + 63) / 64 * 64);
+    int64_t oy, r;
+    mpt__q_direct_pad(j, j->x + b * g->h * g->w, padded);
+    if (!j->pool) {
+        int8_t *y = j->y + b * g->oh * g->ow * N;
+        for (oy = 0; oy < g->oh; oy++) {
+            mpt__q_direct_row(j, padded, oy, acc);
+            mpt__q_direct_store_row(j, acc, 1, oy, y + oy * g->ow * N);
+        }
+        return;
+    }
+    {
+        const mpt__win *p = &j->pool->g;
+        int8_t *y = j->y + b * p->oh * p->ow * N;
+        for (oy = 0; oy < p->oh; oy++) {
+            int64_t r0, r1, c0, c1;
+            mpt__win_span(p, oy, 0, &r0, &r1, &c0, &c1);
+            for (r = r0; r < r1; r++)
+                mpt__q_direct_row(j, padded, r, acc + (r - r0) * j->owp * j->npad);
+            mpt__q_direct_store_row(j, acc, r1 - r0, oy, y + oy * p->ow * N);
+        }
+    }
+#else
+    (void)arg, (void)b, (void)thread;
+#endif
+}
+
+/* Runs operation i (and i + 1 when it is a MaxPooling2D: *ran_pool set)
+   straight from the image when mpt__q_direct_prepare made its taps and a
+   sample fits the thread's scratch; returns whether it ran. */
+static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, const void *x,
+                              void *y, int64_t n, int *ran_pool) {
+    const mpt__qop *op = &Q->ops[i];
+    const mpt__qop *next = i + 1 < Q->n_ops ? &Q->ops[i + 1] : NULL;
+    const mpt__win *g = &op->g;
+    const int64_t per_row = (g->kw + 3) / 4;
+    mpt__qdirect_job j;
+    int64_t r, q, need;
+    *ran_pool = 0;
+    if (!op->direct_w || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 || g->ow < 1) return 0;
+    memset(&j, 0, sizeof j);
+    j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = (int8_t *)y;
+    j.pool = next && next->info.op == MPT_QOP_MAX_POOL_2D ? next : NULL;
+    j.npad = (op->info.out_channels + 15) / 16 * 16;
+    j.owp = (g->ow + MPT__QD_PIX - 1) / MPT__QD_PIX * MPT__QD_PIX;
+    j.hp = (g->oh - 1) * g->sh + g->kh;
+    j.wp = (j.owp - 1) * g->sw + 4 * per_row;
+    j.acc_rows = j.pool ? j.pool->g.kh : 1;
+    for (r = 0; r < g->kh; r++)
+        for (q = 0; q < per_row; q++) j.off[r * per_row + q] = (int32_t)(r * j.wp + 4 * q);
+    need = (j.hp * j.wp + 63) / 64 * 64 + 4 * j.acc_rows * j.owp * j.npad;
+    if ((double)j.hp * (double)j.wp > 1e9 || need > (int64_t)MPT__THREAD_SCRATCH_BYTES) return 0;
+    mpt__parallel_for(ctx, n, mpt__q_direct_task, &j);
+    *ran_pool = j.pool != NULL;
+    return 1;
+}
+
 /* Softmax of int8 logits as TFLite's: exp of each logit's distance to its
    row's largest from a table, the row's sum, and p·256 − 128 rounded. */
 static void mpt__q_softmax_int8(const mpt__qop *op, const int8_t *x, int8_t *y, int64_t rows,
@@ -22697,17 +22960,23 @@ static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
 }
 
 /* n samples through every operation: returns the last output (x itself
-   when there is none). The integer pass reads int8 x. With calib, every
-   tensor is observed (reference only). */
+   when there is none). The integer pass reads int8 x, and runs a
+   one-channel Conv2D (with the MaxPooling2D after it) from the image
+   where it can. With calib, every tensor is observed (reference only). */
 static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt__qexec ex,
                                  const void *x, int64_t n, mpt__qwork *w, mpt__qcalib *calib,
                                  const void **out) {
     const void *cur = x;
-    int i;
+    int i, pooled;
     if (calib) mpt__q_observe(calib, 0, (const float *)x, n * Q->in_count);
     for (i = 0; i < Q->n_ops; i++) {
         void *y = w->act[i & 1];
         if (cur == y) y = w->act[(i + 1) & 1];
+        if (ex == MPT__QX_INTEGER && mpt__q_direct_conv(ctx, Q, i, cur, y, n, &pooled)) {
+            i += pooled;
+            cur = y;
+            continue;
+        }
         MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, cur, y, n, w));
         if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * Q->ops[i].out_count);
         cur = y;
@@ -22745,7 +23014,7 @@ typedef struct mpt__qinput_job {
     int8_t *q;
     int64_t n, count;            /* samples, elements of one */
     const mpt_quant_params *p;
-    int avx512;                  /* the context has AVX-512       */
+    int avx512, vbmi;            /* the context has AVX-512, AVX-512 VBMI */
 } mpt__qinput_job;
 
 /* A uint8 dataset's byte values as a full-integer model's int8 input: the
@@ -22783,12 +23052,37 @@ MPT__TARGET_AVX512 static void mpt__q_quantize16_avx512(const float *x, const mp
 }
 #endif
 
+#if MPT__X86
+/* q[k] = table[bytes[k]] for k in [k, end) with AVX-512 VBMI: vpermi2b
+   looks 64 bytes up in 128 table entries at once (index bits 0-6), once
+   in each half of the table, and each byte's top bit picks the half. */
+MPT__TARGET_AVX512_VBMI static void mpt__q_lookup_bytes_vbmi(const int8_t *table,
+                                                            const uint8_t *bytes, int8_t *q,
+                                                            int64_t k, int64_t end) {
+    const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 64);
+    const __m512i t2 = _mm512_loadu_si512(table + 128), t3 = _mm512_loadu_si512(table + 192);
+    for (; k < end; k += 64) {
+        const __mmask64 m = end - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (end - k)) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi8(m, bytes + k);
+        const __m512i low = _mm512_permutex2var_epi8(t0, v, t1);
+        const __m512i high = _mm512_permutex2var_epi8(t2, v, t3);
+        _mm512_mask_storeu_epi8(q + k, m, _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), low, high));
+    }
+}
+#endif
+
 static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     const mpt__qinput_job *j = (const mpt__qinput_job *)arg;
     int64_t k = task * MPT__Q_TASK_ROWS * j->count;
     const int64_t end = MPT__MIN(task * MPT__Q_TASK_ROWS + MPT__Q_TASK_ROWS, j->n) * j->count;
     (void)thread;
     if (j->bytes) {
+#if MPT__X86
+        if (j->vbmi) {
+            mpt__q_lookup_bytes_vbmi(j->table, j->bytes, j->q, k, end);
+            return;
+        }
+#endif
         for (; k < end; k++) j->q[k] = j->table[j->bytes[k]];
         return;
     }
@@ -22820,6 +23114,7 @@ static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mp
     j.q = (int8_t *)w->act[1]; /* op 0 writes act[0] */
     j.n = n, j.count = Q->in_count, j.p = &Q->tensor[0];
     j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
+    j.vbmi = j.avx512 && (ctx->cpu & MPT_CPU_AVX512_VBMI);
     mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                       mpt__q_quantize_input_task, &j);
     MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, j.q, n, w, NULL, &out));
@@ -23043,6 +23338,7 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
         op->info.input = Q->tensor[i];
         op->info.output = *out;
         if (mpt__qop_weighted(op)) MPT__CHECK(mpt__q_integer_product(ctx, op));
+        if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op));
         if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
     }
     return MPT_OK;

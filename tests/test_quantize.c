@@ -841,6 +841,39 @@ static void test_quantize_input_lanes(void) {
     mpt_context_destroy(ctx);
 }
 
+/* A uint8 dataset's bytes through the 256-entry table, 64 at a time with
+   AVX-512 VBMI where the CPU has it and one by one otherwise, against the
+   table read in C: every byte value, runs that start and end anywhere in
+   a 64-byte block, poisoned outputs, and the bytes around a run untouched. */
+static void test_byte_table_lanes(void) {
+    enum { COUNT = 64 * 5 + 37 };
+    static uint8_t bytes[COUNT];
+    static int8_t table[256], q[COUNT + 64];
+    mpt_context *ctx = quiet_ctx();
+    const int has_vbmi = (mpt_context_cpu_features(ctx) & MPT_CPU_AVX512_VBMI) &&
+                         (mpt_context_cpu_features(ctx) & MPT_CPU_AVX512);
+    int vbmi, start, off;
+    int64_t k;
+    test_seed(58);
+    for (k = 0; k < 256; k++) table[k] = (int8_t)test_randint(-128, 127);
+    for (k = 0; k < COUNT; k++) bytes[k] = (uint8_t)(k < 256 ? k : test_randint(0, 255));
+    for (vbmi = 0; vbmi <= has_vbmi; vbmi++)
+        for (start = 0; start < 70; start += 13) {
+            mpt__qinput_job j;
+            memset(q, 0x5a, sizeof q);
+            memset(&j, 0, sizeof j);
+            j.bytes = bytes + start, j.table = table, j.q = q + 1;
+            j.n = 1, j.count = COUNT - start - start / 2, j.vbmi = vbmi, j.avx512 = vbmi;
+            mpt__q_quantize_input_task(&j, 0, 0);
+            for (off = 0, k = 0; k < j.count; k++) off += q[1 + k] != table[bytes[start + k]];
+            off += q[0] != 0x5a || q[1 + j.count] != 0x5a;
+            CHECK(off == 0, "vbmi %d, %lld bytes from %d: %d differ from the table", vbmi,
+                  (long long)j.count, start, off);
+        }
+    CHECK(has_vbmi || !(mpt__detect_cpu() & MPT_CPU_AVX512_VBMI), "VBMI detected but not used");
+    mpt_context_destroy(ctx);
+}
+
 /* A full-integer model reads a uint8 dataset's bytes through a table
    (the byte's normalised float, quantized once): predict and evaluate give
    the bits they give on the same samples as float32, on every model kind,
@@ -1498,6 +1531,109 @@ static void test_pool_int8_scalar_reference(void) {
     }
 }
 
+/* A one-channel Conv2D in a full-integer model runs from the image with
+   AVX-512 VNNI, and with a MaxPooling2D after it takes the maximum of its
+   sums before requantizing (mpt__q_direct_conv): the int8 codes of
+   shapes that reach its corners (filters in one, two and three blocks of
+   16, kernels wider than 4 taps, strides, 'same' padding on both layers,
+   overlapping pools, no pool) against the same model with VNNI disabled,
+   which takes im2col and the product (held to the scalar reference in
+   test_small_conv_scalar_reference and test_pool_int8_scalar_reference),
+   on 1 and 2 threads. */
+static void test_one_channel_conv_from_the_image(void) {
+    static const struct {
+        int64_t h, w, filters, kh, kw, sh, sw;
+        mpt_padding pad;
+        int relu;
+        int64_t pool, pool_stride; /* pool 0: none */
+        mpt_padding pool_pad;
+    } cases[] = {
+        {13, 11, 32, 3, 3, 1, 1, MPT_PADDING_VALID, 1, 2, 2, MPT_PADDING_VALID},
+        {12, 9, 37, 5, 5, 1, 1, MPT_PADDING_SAME, 0, 3, 2, MPT_PADDING_SAME},
+        {15, 10, 16, 3, 3, 2, 2, MPT_PADDING_VALID, 0, 0, 0, MPT_PADDING_VALID},
+        {9, 17, 20, 1, 1, 1, 1, MPT_PADDING_VALID, 1, 2, 1, MPT_PADDING_VALID},
+        {10, 21, 8, 2, 7, 1, 3, MPT_PADDING_SAME, 1, 2, 2, MPT_PADDING_SAME},
+        {28, 28, 48, 3, 3, 1, 1, MPT_PADDING_VALID, 1, 2, 2, MPT_PADDING_VALID},
+    };
+    enum { N = 9 };
+    int ci, threads;
+    for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++)
+        for (threads = 1; threads <= 2; threads++) {
+            int8_t *codes[2] = {NULL, NULL};
+            int64_t count = 0, k, diff = 0;
+            int variant, direct[2] = {0, 0};
+            for (variant = 0; variant < 2; variant++) { /* 0: all the CPU has; 1: no VNNI */
+                mpt_context *ctx = NULL;
+                mpt_context_desc cd;
+                mpt_model *m = NULL, *q = NULL;
+                mpt_dataset *d = NULL;
+                mpt_tensor tx, ty, x8, y8;
+                float *xs;
+                int32_t ys[N] = {0};
+                int64_t shape[4] = {N, cases[ci].h, cases[ci].w, 1}, yshape[1] = {N};
+                memset(&cd, 0, sizeof cd);
+                memset(&y8, 0, sizeof y8);
+                cd.num_threads = threads;
+                cd.disable_cpu_features = variant ? MPT_CPU_AVX512_VNNI : 0;
+                CHECK(mpt_context_create(&cd, &ctx) == MPT_OK, "context");
+                xs = (float *)malloc(sizeof(float) * (size_t)(N * cases[ci].h * cases[ci].w));
+                test_seed(90 + ci);
+                for (k = 0; k < N * cases[ci].h * cases[ci].w; k++)
+                    xs[k] = (float)test_uniform(-0.3, 1.0);
+                mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {cases[ci].h, cases[ci].w, 1},
+                                                        .input_rank = 3, .seed = 5}, &m);
+                mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+                    .filters = cases[ci].filters, .kernel_size = {cases[ci].kh, cases[ci].kw},
+                    .strides = {cases[ci].sh, cases[ci].sw}, .padding = cases[ci].pad,
+                    .activation = cases[ci].relu ? MPT_ACT_RELU : MPT_ACT_NONE});
+                if (cases[ci].pool)
+                    mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){
+                        .pool_size = {cases[ci].pool, cases[ci].pool},
+                        .strides = {cases[ci].pool_stride, cases[ci].pool_stride},
+                        .padding = cases[ci].pool_pad});
+                mpt_model_add_flatten(m, NULL);
+                CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+                randomize(m, 300 + ci);
+                mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+                mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+                CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+                      "dataset: %s", mpt_context_error(ctx));
+                q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_INT8);
+                if (q) {
+                    mpt_quantized_info info;
+                    mpt_model_quantized_info(q, &info);
+                    direct[variant] = q->quantized->ops[0].direct_w != NULL;
+                    mpt_tensor_alloc(ctx, &x8, MPT_INT8, 4, shape);
+                    for (k = 0; k < N * cases[ci].h * cases[ci].w; k++)
+                        ((int8_t *)x8.data)[k] = mpt__q_quantize(xs[k], &info.input);
+                    CHECK(mpt_model_quantized_invoke(q, &x8, &y8) == MPT_OK, "invoke: %s",
+                          mpt_context_error(ctx));
+                    count = mpt_tensor_count(&y8);
+                    codes[variant] = (int8_t *)malloc((size_t)count);
+                    if (y8.data) memcpy(codes[variant], y8.data, (size_t)count);
+                    mpt_tensor_free(ctx, &x8);
+                    mpt_tensor_free(ctx, &y8);
+                }
+                mpt_model_destroy(q);
+                mpt_dataset_destroy(d);
+                mpt_model_destroy(m);
+                mpt_context_destroy(ctx);
+                free(xs);
+            }
+            if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) && (mpt__detect_cpu() & MPT_CPU_AVX512))
+                CHECK(direct[0], "case %d: the conv does not run from the image", ci);
+            CHECK(!direct[1], "case %d: the conv runs from the image without VNNI", ci);
+            for (k = 0; codes[0] && codes[1] && k < count; k++) diff += codes[0][k] != codes[1][k];
+            CHECK(codes[0] && codes[1] && diff == 0,
+                  "case %d (%lldx%lld, %lld filters, %lldx%lld kernel, %d threads): %lld of %lld "
+                  "codes differ from im2col's", ci, (long long)cases[ci].h, (long long)cases[ci].w,
+                  (long long)cases[ci].filters, (long long)cases[ci].kh, (long long)cases[ci].kw,
+                  threads, (long long)diff, (long long)count);
+            free(codes[0]);
+            free(codes[1]);
+        }
+}
+
 int main(void) {
     TEST_RUN(test_rounding_ties_away_from_zero);
     TEST_RUN(test_batchnorm_folding_float);
@@ -1514,9 +1650,11 @@ int main(void) {
     TEST_RUN(test_allocation_failures);
     TEST_RUN(test_weights_packed_once);
     TEST_RUN(test_quantize_input_lanes);
+    TEST_RUN(test_byte_table_lanes);
     TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_binary_accuracy);
     TEST_RUN(test_small_conv_scalar_reference);
     TEST_RUN(test_calibration_mse);
+    TEST_RUN(test_one_channel_conv_from_the_image);
     return test_summary("test_quantize");
 }

@@ -4888,7 +4888,9 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
    portable C 4×8. For a short depth (4 ≤ K ≤ MPT__QGEMM_ROWS_MAX_K, as a
-   small conv's im2col rows) the VNNI kernel reads A's rows in place
+   small conv's im2col rows), and for any depth ≥ 4 where B is one panel
+   wide (a classifier's last Dense: each row of A meets B once, so packing
+   it cost more than the product), the VNNI kernel reads A's rows in place
    instead of a packed panel, except in the panel of A's last row (a
    group's bytes past K would lie past A). The raw sums go to an MR×NR
    int32 tile on the stack and the epilogue (zero points, bias,
@@ -5505,8 +5507,8 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uin
 }
 
 /* AVX-512 VNNI reading A's rows where they lie, for a short depth (4 ≤ K
-   ≤ MPT__QGEMM_ROWS_MAX_K): a 3×3 conv's im2col row is 9 bytes, and
-   packing it took longer than the product. Row i's group g is the 4 bytes
+   ≤ MPT__QGEMM_ROWS_MAX_K: a 3×3 conv's im2col row is 9 bytes) or a B one
+   panel wide, where packing took longer than the product. Row i's group g is the 4 bytes
    at rows[i] + 4g flipped to u as packing flips them; the bytes past K
    (at most 3, the next row's) meet B's zero padding and add nothing.
    rows[] holds 12 pointers (a short panel repeats its last row). */
@@ -5702,7 +5704,7 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     job.plain_requant = mpt__qgemm_is_plain_requant(d);
 #if MPT__X86
     job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4 &&
-                        d->k <= MPT__QGEMM_ROWS_MAX_K;
+                        (d->k <= MPT__QGEMM_ROWS_MAX_K || d->n <= job.nr);
 #endif
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
@@ -22960,9 +22962,10 @@ static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
 }
 
 /* n samples through every operation: returns the last output (x itself
-   when there is none). The integer pass reads int8 x, and runs a
-   one-channel Conv2D (with the MaxPooling2D after it) from the image
-   where it can. With calib, every tensor is observed (reference only). */
+   when there is none, or only reshapes, which copy nothing). The integer
+   pass reads int8 x, and runs a one-channel Conv2D (with the
+   MaxPooling2D after it) from the image where it can. With calib, every
+   tensor is observed (reference only). */
 static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt__qexec ex,
                                  const void *x, int64_t n, mpt__qwork *w, mpt__qcalib *calib,
                                  const void **out) {
@@ -22977,6 +22980,7 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
             cur = y;
             continue;
         }
+        if (Q->ops[i].info.op == MPT_QOP_RESHAPE && !calib) continue; /* the same bytes */
         MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, cur, y, n, w));
         if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * Q->ops[i].out_count);
         cur = y;

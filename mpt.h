@@ -4962,11 +4962,18 @@ static int64_t mpt__qgemm_byte_sum(const uint8_t *s, int64_t n, int x) {
     return total;
 }
 
+/* The sum of the n bytes s[k] ^ flip, as int8 values when is_signed, else
+   as uint8. */
+static int32_t mpt__qgemm_lane_sum(const uint8_t *s, int64_t n, int flip, int is_signed) {
+    const int sign = is_signed ? 0x80 : 0;
+    return (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
+}
+
 /* Packs one lane whose n depths are contiguous (a row of A, a column of a
-   transposed B), bytes s[k] ^ flip, into lane l of a panel w lanes wide;
-   returns their sum, as int8 values when is_signed, else as uint8. */
-static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, const uint8_t *s,
-                                    int64_t n, int flip, int is_signed) {
+   transposed B), bytes s[k] ^ flip, into lane l of a panel w lanes wide
+   (as int8 values into int16 pairs when is_signed and not quads). */
+static void mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, const uint8_t *s,
+                                 int64_t n, int flip, int is_signed) {
     const int sign = is_signed ? 0x80 : 0; /* (v ^ sign) − sign is the byte v as int8 */
     int64_t k;
     if (quads) { /* whole groups of 4 bytes */
@@ -4990,7 +4997,6 @@ static int32_t mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, con
         }
         if (k < n) d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
     }
-    return (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
 }
 
 /* Packs the B panel that starts at column panel·NR, and its column sums. */
@@ -5026,11 +5032,11 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
         for (l = 0; l < lanes; l++) job->colsum[j0 + l] = sum[l];
         return;
     }
-    for (l = 0; l < lanes; l++) /* transposed B: its columns are contiguous */
-        job->colsum[j0 + l] =
-            d->k ? mpt__qgemm_pack_lane(dst, job->quads, w, l,
-                                        (const uint8_t *)d->b + (j0 + l) * d->ldb, d->k, 0, 1)
-                 : 0;
+    for (l = 0; l < lanes; l++) { /* transposed B: its columns are contiguous */
+        const uint8_t *col = (const uint8_t *)d->b + (j0 + l) * d->ldb;
+        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, w, l, col, d->k, 0, 1);
+        job->colsum[j0 + l] = mpt__qgemm_lane_sum(col, d->k, 0, 1);
+    }
 }
 
 /* Packs a row of n ≤ 16 bytes (an im2col row of a small conv, K = 9 for
@@ -5065,11 +5071,11 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
                                                   d->k, flip);
         return;
     }
-    for (i = 0; i < mb; i++)
-        rowsum[i] = d->k ? mpt__qgemm_pack_lane(dst, job->quads, job->mr, i,
-                                                (const uint8_t *)d->a + (ir + i) * d->lda,
-                                                d->k, flip, 0)
-                         : 0;
+    for (i = 0; i < mb; i++) { /* Σu is needed only against B's zero point */
+        const uint8_t *row = (const uint8_t *)d->a + (ir + i) * d->lda;
+        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);
+        rowsum[i] = d->b_zero_point ? mpt__qgemm_lane_sum(row, d->k, flip, 0) : 0;
+    }
 }
 
 #if MPT__X86
@@ -5592,17 +5598,51 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     }
 }
 
-/* Tasks: up to 4 per thread (the pool hands them out as threads free up),
-   rows first, as splitting rows repacks nothing. */
+/* When the last of `tasks` tasks ends if each of `threads` threads takes
+   the next as it frees up: tasks are whole blocks of ur × uc tiles of the
+   um × un there are, in rows of blocks, the last row and column of
+   blocks shorter; a tile costs 1 and packing a panel of A `pack`. */
+static double mpt__qgemm_makespan(int64_t um, int64_t un, int64_t ur, int64_t uc, double pack,
+                                  int threads) {
+    double busy[64] = {0};
+    int64_t i, j;
+    int t, next;
+    threads = MPT__MIN(threads, 64);
+    for (i = 0; i < um; i += ur)
+        for (j = 0; j < un; j += uc) {
+            const int64_t rows = MPT__MIN(ur, um - i), cols = MPT__MIN(uc, un - j);
+            for (next = 0, t = 1; t < threads; t++) next = busy[t] < busy[next] ? t : next;
+            busy[next] += (double)(rows * cols) + (pack > 0 ? pack * (double)rows : 0);
+        }
+    for (next = 0, t = 1; t < threads; t++) next = busy[t] > busy[next] ? t : next;
+    return busy[next];
+}
+
+/* Tasks: rectangles of whole tiles, up to 4 per thread (the pool hands
+   them out as threads free up), shaped so that the last thread finishes
+   soonest (mpt__qgemm_makespan), each task packing its rows of A once (a
+   panel costs about a tile: reading, flipping and storing every byte of
+   A takes as long as the products of a 32-column tile); of equal plans,
+   the one with the most tasks. 128 rows of 12-row tiles over 2 threads
+   are 11 panels, which whole rows would split 6 : 5. */
 static void mpt__qgemm_plan_tasks(mpt__qgemm_job *job, int threads, int serial) {
     const mpt_qgemm_desc *d = job->d;
     const int64_t units_m = (d->m + job->mr - 1) / job->mr;
     const int64_t units_n = (d->n + job->nr - 1) / job->nr;
     const int64_t target = serial ? 1 : 4 * (int64_t)threads;
-    const int64_t tm = MPT__MIN(units_m, target);
-    const int64_t tn = MPT__MIN(units_n, (target + tm - 1) / tm);
-    job->task_rows = ((units_m + tm - 1) / tm) * job->mr;
-    job->task_cols = ((units_n + tn - 1) / tn) * job->nr;
+    const double pack = job->rows_in_place ? 0.0 : 1.0;
+    int64_t tm, tn, best_ur = units_m, best_uc = units_n, best_tasks = 1;
+    double best = -1;
+    for (tm = 1; tm <= MPT__MIN(units_m, target); tm++)
+        for (tn = 1; tn <= MPT__MIN(units_n, target / tm); tn++) {
+            const int64_t ur = (units_m + tm - 1) / tm, uc = (units_n + tn - 1) / tn;
+            const int64_t tasks = ((units_m + ur - 1) / ur) * ((units_n + uc - 1) / uc);
+            const double t = mpt__qgemm_makespan(units_m, units_n, ur, uc, pack, threads);
+            if (best < 0 || t < best || (t == best && tasks > best_tasks))
+                best = t, best_ur = ur, best_uc = uc, best_tasks = tasks;
+        }
+    job->task_rows = best_ur * job->mr;
+    job->task_cols = best_uc * job->nr;
     job->tasks_n = (d->n + job->task_cols - 1) / job->task_cols;
 }
 

@@ -5579,14 +5579,16 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uin
 /* AVX-512 VNNI reading A's rows where they lie, for a short depth (4 ≤ K
    ≤ MPT__QGEMM_ROWS_MAX_K: a 3×3 conv's im2col row is 9 bytes) or a B one
    panel wide, where packing took longer than the product. Row i's group g is the 4 bytes
-   at rows[i] + 4g flipped to u as packing flips them; the bytes past K
+   at rows[i] + 4g flipped to u as packing flips them (a vector xor with
+   the broadcast folded in: a scalar xor and a broadcast from a general
+   register took a fifth longer); the bytes past K
    (at most 3, the next row's) meet B's zero padding and add nothing.
    rows[] holds 12 pointers (a short panel repeats its last row). */
 MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
                                                                 const uint8_t *const *rows,
                                                                 int flip, const uint8_t *b,
                                                                 int bw, int32_t *tile) {
-    const int32_t flip4 = (int32_t)((uint32_t)flip * 0x01010101u);
+    const __m512i flip64 = _mm512_set1_epi8((char)flip);
     int64_t g;
 #define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
     MPT__ROWS12(MPT__D)
@@ -5594,9 +5596,9 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
     if (bw == 32) {
         for (g = 0; g < kg; g++, b += 128) {
             __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
+#define MPT__F(i)                                                                    \
+    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                                  \
     c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
             MPT__ROWS12(MPT__F)
 #undef MPT__F
@@ -5604,8 +5606,8 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
     } else {
         for (g = 0; g < kg; g++, b += 64) {
             __m512i b0 = _mm512_loadu_si512(b), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g) ^ flip4);     \
+#define MPT__F(i)                                                                    \
+    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
     c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
             MPT__ROWS12(MPT__F)
 #undef MPT__F

@@ -4887,11 +4887,11 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
-   portable C 4×8. For a short depth (4 ≤ K ≤ MPT__QGEMM_ROWS_MAX_K, as a
-   small conv's im2col rows), and for any depth ≥ 4 where B is one panel
-   wide (a classifier's last Dense: each row of A meets B once, so packing
-   it cost more than the product), the VNNI kernel reads A's rows in place
-   instead of a packed panel, except in the panel of A's last row (a
+   portable C 4×8. The VNNI kernel reads A's rows in place (K ≥ 4), as
+   fast as a packed panel once the flip is a vector xor, so that A is
+   never packed: packing cost as much as a tile's products per panel, and
+   more than the whole product of a 3×3 conv's 9-byte im2col rows or a
+   classifier's 10-column Dense; except in the panel of A's last row (a
    group's bytes past K would lie past A). The raw sums go to an MR×NR
    int32 tile on the stack and the epilogue (zero points, bias,
    requantization) stores them, 16 columns at a time with AVX-512 or 8
@@ -4905,7 +4905,6 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    steps, so the thread count cannot change a bit. */
 
 #define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
-#define MPT__QGEMM_ROWS_MAX_K 64 /* VNNI reads A unpacked up to this depth */
 
 #if MPT__X86
 #define MPT__TARGET_AVX512_VNNI \
@@ -4925,7 +4924,7 @@ typedef struct mpt__qgemm_job {
     int quads;         /* groups of 4 bytes; else of 2 int16                */
     int plain_requant; /* int8 C whose sums cannot saturate and whose
                           shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
-    int rows_in_place; /* the VNNI kernel reads A's rows unpacked (short K) */
+    int rows_in_place; /* the VNNI kernel reads A's rows unpacked (K ≥ 4)  */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -5576,13 +5575,11 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uin
     MPT__ROWS12(MPT__QGEMM_STORE512)
 }
 
-/* AVX-512 VNNI reading A's rows where they lie, for a short depth (4 ≤ K
-   ≤ MPT__QGEMM_ROWS_MAX_K: a 3×3 conv's im2col row is 9 bytes) or a B one
-   panel wide, where packing took longer than the product. Row i's group g is the 4 bytes
-   at rows[i] + 4g flipped to u as packing flips them (a vector xor with
-   the broadcast folded in: a scalar xor and a broadcast from a general
-   register took a fifth longer); the bytes past K
-   (at most 3, the next row's) meet B's zero padding and add nothing.
+/* AVX-512 VNNI reading A's rows where they lie (K ≥ 4). Row i's group g
+   is the 4 bytes at rows[i] + 4g flipped to u as packing flips them, by
+   a vector xor with the broadcast folded in (a scalar xor and a
+   broadcast from a general register took a fifth longer); the bytes past
+   K (at most 3, the next row's) meet B's zero padding and add nothing.
    rows[] holds 12 pointers (a short panel repeats its last row). */
 MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
                                                                 const uint8_t *const *rows,
@@ -5809,8 +5806,7 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
     job.plain_requant = mpt__qgemm_is_plain_requant(d);
 #if MPT__X86
-    job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4 &&
-                        (d->k <= MPT__QGEMM_ROWS_MAX_K || d->n <= job.nr);
+    job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4;
 #endif
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;

@@ -5056,49 +5056,6 @@ static int32_t mpt__qgemm_pack_short_row(uint8_t *panel, int w, int l, const uin
     return sum;
 }
 
-#if MPT__X86
-/* Packs the first 64·blocks bytes of rows[0..3], ^ flip, into 4 adjacent
-   lanes of a panel w lanes wide (panel: the first one's), 16 groups at a
-   time: a 4×4 transpose of 32-bit groups within each 128-bit lane puts
-   group g of the 4 rows together, 16 bytes to store where scalar code
-   stored 4 bytes four times. */
-MPT__TARGET_AVX512 static void mpt__qgemm_pack4_avx512(const uint8_t *const *rows,
-                                                       int64_t blocks, int flip, uint8_t *panel,
-                                                       int w) {
-    const __m512i f = _mm512_set1_epi8((char)flip);
-    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
-    const __mmask8 all8 = 0xff;
-    const int64_t step = 4 * (int64_t)w; /* bytes per group of the panel */
-    int64_t b;
-    for (b = 0; b < blocks; b++) {
-        const __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(rows[0] + 64 * b), f);
-        const __m512i a1 = _mm512_xor_si512(_mm512_loadu_si512(rows[1] + 64 * b), f);
-        const __m512i a2 = _mm512_xor_si512(_mm512_loadu_si512(rows[2] + 64 * b), f);
-        const __m512i a3 = _mm512_xor_si512(_mm512_loadu_si512(rows[3] + 64 * b), f);
-        const __m512i t0 = _mm512_maskz_unpacklo_epi32(all, a0, a1);
-        const __m512i t1 = _mm512_maskz_unpackhi_epi32(all, a0, a1);
-        const __m512i t2 = _mm512_maskz_unpacklo_epi32(all, a2, a3);
-        const __m512i t3 = _mm512_maskz_unpackhi_epi32(all, a2, a3);
-        const __m512i g0 = _mm512_maskz_unpacklo_epi64(all8, t0, t2);
-        const __m512i g1 = _mm512_maskz_unpackhi_epi64(all8, t0, t2);
-        const __m512i g2 = _mm512_maskz_unpacklo_epi64(all8, t1, t3);
-        const __m512i g3 = _mm512_maskz_unpackhi_epi64(all8, t1, t3);
-        uint8_t *d = panel + b * 16 * step;
-#define MPT__P(lane)                                                  \
-    _mm_storeu_si128((__m128i *)(void *)(d + (4 * lane + 0) * step),  \
-                     _mm512_maskz_extracti32x4_epi32(0xf, g0, lane)); \
-    _mm_storeu_si128((__m128i *)(void *)(d + (4 * lane + 1) * step),  \
-                     _mm512_maskz_extracti32x4_epi32(0xf, g1, lane)); \
-    _mm_storeu_si128((__m128i *)(void *)(d + (4 * lane + 2) * step),  \
-                     _mm512_maskz_extracti32x4_epi32(0xf, g2, lane)); \
-    _mm_storeu_si128((__m128i *)(void *)(d + (4 * lane + 3) * step),  \
-                     _mm512_maskz_extracti32x4_epi32(0xf, g3, lane));
-        MPT__P(0) MPT__P(1) MPT__P(2) MPT__P(3)
-#undef MPT__P
-    }
-}
-#endif
-
 /* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
 static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t ir, int mb,
                               int32_t *rowsum) {
@@ -5113,27 +5070,6 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
                                                   d->k, flip);
         return;
     }
-#if MPT__X86
-    if (job->quads && (job->ctx->cpu & MPT_CPU_AVX512) && d->k >= 64) {
-        const int64_t blocks = d->k / 64, done = 64 * blocks;
-        for (i = 0; i < mb; i += 4) { /* a short panel's last rows repeat its last */
-            const uint8_t *rows[4];
-            int r;
-            for (r = 0; r < 4; r++)
-                rows[r] = (const uint8_t *)d->a + (ir + MPT__MIN(i + r, mb - 1)) * d->lda;
-            mpt__qgemm_pack4_avx512(rows, blocks, flip, dst + 4 * i, job->mr);
-            for (r = 0; r < 4 && i + r < mb && done < d->k; r++)
-                mpt__qgemm_pack_lane(dst + blocks * 16 * 4 * job->mr, 1, job->mr, i + r,
-                                     rows[r] + done, d->k - done, flip, 0);
-        }
-        for (i = 0; i < mb; i++)
-            rowsum[i] = d->b_zero_point ? mpt__qgemm_lane_sum((const uint8_t *)d->a +
-                                                                  (ir + i) * d->lda,
-                                                              d->k, flip, 0)
-                                        : 0;
-        return;
-    }
-#endif
     for (i = 0; i < mb; i++) { /* Σu is needed only against B's zero point */
         const uint8_t *row = (const uint8_t *)d->a + (ir + i) * d->lda;
         if (d->k) mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);

@@ -22713,7 +22713,6 @@ typedef struct mpt__qdirect_job {
     int8_t *y;                  /* (n, OH, OW, N), or the pool's output             */
     int64_t hp, wp;             /* the padded copy of a sample                      */
     int64_t owp, npad;          /* OW and N rounded up to MPT__QD_PIX and 16        */
-    int64_t acc_rows;           /* rows of int32 sums a task keeps: the pool's height */
     int32_t off[MPT__QD_MAX_GROUPS]; /* each group's first byte from the window's corner */
 } mpt__qdirect_job;
 
@@ -22755,10 +22754,12 @@ static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op) {
 
 #if MPT__X86
 /* Sums of MPT__QD_PIX output pixels in a row, 16·nb filters from c0 (nb
-   1 or 2), into acc (a pixel's sums npad apart). src: the padded sample
-   at the first pixel's window corner; the pixels lie sw bytes apart. */
+   1 or 2), into acc (a pixel's sums npad apart), or where keep_max the
+   larger of them and what acc holds. src: the padded sample at the first
+   pixel's window corner; the pixels lie sw bytes apart. */
 MPT__TARGET_AVX512_VNNI static MPT__ALWAYS_INLINE void mpt__q_direct_block(
-    const mpt__qdirect_job *j, const uint8_t *src, const uint8_t *taps, int nb, int32_t *acc) {
+    const mpt__qdirect_job *j, const uint8_t *src, const uint8_t *taps, int nb, int keep_max,
+    int32_t *acc) {
     const int64_t sw = j->op->g.sw, npad = j->npad;
     int gi;
 #define MPT__D(p) __m512i c##p##0 = _mm512_setzero_si512(), c##p##1 = _mm512_setzero_si512();
@@ -22777,6 +22778,15 @@ MPT__TARGET_AVX512_VNNI static MPT__ALWAYS_INLINE void mpt__q_direct_block(
         MPT__F(0) MPT__F(1) MPT__F(2) MPT__F(3) MPT__F(4) MPT__F(5) MPT__F(6) MPT__F(7)
 #undef MPT__F
     }
+    if (keep_max) {
+        const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
+#define MPT__M(p)                                                                            \
+    c##p##0 = _mm512_maskz_max_epi32(all, c##p##0, _mm512_loadu_si512(acc + p * npad));     \
+    if (nb == 2)                                                                             \
+        c##p##1 = _mm512_maskz_max_epi32(all, c##p##1, _mm512_loadu_si512(acc + p * npad + 16));
+        MPT__M(0) MPT__M(1) MPT__M(2) MPT__M(3) MPT__M(4) MPT__M(5) MPT__M(6) MPT__M(7)
+#undef MPT__M
+    }
 #define MPT__S(p)                                                           \
     _mm512_storeu_si512(acc + p * npad, c##p##0);                           \
     if (nb == 2) _mm512_storeu_si512(acc + p * npad + 16, c##p##1);
@@ -22784,39 +22794,43 @@ MPT__TARGET_AVX512_VNNI static MPT__ALWAYS_INLINE void mpt__q_direct_block(
 #undef MPT__S
 }
 
-/* Output row oy's sums, (owp, npad) int32, from the padded sample. */
+/* Output row oy's sums, (owp, npad) int32, from the padded sample into
+   acc, or where keep_max the larger of them and what acc holds (the rows
+   of a pooling window, one after the other). */
 MPT__TARGET_AVX512_VNNI static void mpt__q_direct_row(const mpt__qdirect_job *j,
                                                       const uint8_t *padded, int64_t oy,
-                                                      int32_t *acc) {
+                                                      int keep_max, int32_t *acc) {
     const mpt__win *g = &j->op->g;
     const uint8_t *row = padded + oy * g->sh * j->wp;
     int64_t c0, ox;
     for (c0 = 0; c0 < j->npad; c0 += 32)
         for (ox = 0; ox < j->owp; ox += MPT__QD_PIX) {
             const uint8_t *src = row + ox * g->sw;
-            if (j->npad - c0 >= 32)
-                mpt__q_direct_block(j, src, j->op->direct_w + c0 * 4, 2, acc + ox * j->npad + c0);
-            else
-                mpt__q_direct_block(j, src, j->op->direct_w + c0 * 4, 1, acc + ox * j->npad + c0);
+            const uint8_t *taps = j->op->direct_w + c0 * 4;
+            int32_t *out = acc + ox * j->npad + c0;
+            if (j->npad - c0 < 32) mpt__q_direct_block(j, src, taps, 1, keep_max, out);
+            else if (keep_max) mpt__q_direct_block(j, src, taps, 2, 1, out);
+            else mpt__q_direct_block(j, src, taps, 2, 0, out);
         }
 }
 
-/* One output row from rows of sums in acc (owp·npad apart), 16 filters
-   at a time: each output pixel's own sums, or under the pool the maximum
-   over the window of pooled row oy, plus the constant term, requantized. */
+/* One output row from a row of sums in acc, 16 filters at a time: each
+   output pixel's own sums, or under the pool (acc holding the maximum
+   over its window's rows) the maximum over the window's columns in
+   pooled row oy, plus the constant term, requantized. */
 MPT__TARGET_AVX512 static void mpt__q_direct_store_row(const mpt__qdirect_job *j,
-                                                       const int32_t *acc, int64_t rows,
-                                                       int64_t oy, int8_t *out) {
+                                                       const int32_t *acc, int64_t oy,
+                                                       int8_t *out) {
     const mpt__qop *op = j->op;
     const mpt__win *p = j->pool ? &j->pool->g : NULL;
-    const int64_t N = op->info.out_channels, stride = j->owp * j->npad;
+    const int64_t N = op->info.out_channels;
     const int64_t cols = p ? p->ow : op->g.ow;
     const int zp = op->info.output.zero_point;
     const int lo = op->info.activation == MPT_ACT_RELU ? zp : -128;
     const __m512i qlo = _mm512_set1_epi32(lo - zp), qhi = _mm512_set1_epi32(127 - zp);
     const __m512i vzp = _mm512_set1_epi32(zp), zero = _mm512_setzero_si512();
     const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
-    int64_t c0, ox, r, q;
+    int64_t c0, ox, q;
     for (c0 = 0; c0 < N; c0 += 16) {
         const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, N - c0)) - 1u);
         const __m512i m = _mm512_maskz_loadu_epi32(k, op->mult + c0);
@@ -22826,10 +22840,8 @@ MPT__TARGET_AVX512 static void mpt__q_direct_store_row(const mpt__qdirect_job *j
             int64_t q0 = ox, q1 = ox + 1, r0, r1;
             __m512i best = _mm512_set1_epi32(INT32_MIN);
             if (p) mpt__win_span(p, oy, ox, &r0, &r1, &q0, &q1);
-            for (r = 0; r < rows; r++)
-                for (q = q0; q < q1; q++)
-                    best = _mm512_maskz_max_epi32(
-                        all, best, _mm512_loadu_si512(acc + r * stride + q * j->npad + c0));
+            for (q = q0; q < q1; q++)
+                best = _mm512_maskz_max_epi32(all, best, _mm512_loadu_si512(acc + q * j->npad + c0));
             mpt__store16_int8_avx512(
                 out + ox * N + c0, k,
                 mpt__requant16_avx512(_mm512_add_epi32(best, col), m, right, qlo, qhi, vzp));
@@ -22860,7 +22872,7 @@ static void mpt__q_direct_pad(const mpt__qdirect_job *j, const int8_t *x, uint8_
 #endif
 
 /* One sample through the Conv2D (and its MaxPooling2D), from the thread's
-   scratch: the padded copy, then acc_rows rows of sums. */
+   scratch: the padded copy, then a row of sums. */
 static void mpt__q_direct_task(void *arg, int64_t b, int thread) {
 #if MPT__X86
     const mpt__qdirect_job *j = (const mpt__qdirect_job *)arg;
@@ -22873,8 +22885,8 @@ static void mpt__q_direct_task(void *arg, int64_t b, int thread) {
     if (!j->pool) {
         int8_t *y = j->y + b * g->oh * g->ow * N;
         for (oy = 0; oy < g->oh; oy++) {
-            mpt__q_direct_row(j, padded, oy, acc);
-            mpt__q_direct_store_row(j, acc, 1, oy, y + oy * g->ow * N);
+            mpt__q_direct_row(j, padded, oy, 0, acc);
+            mpt__q_direct_store_row(j, acc, oy, y + oy * g->ow * N);
         }
         return;
     }
@@ -22884,9 +22896,8 @@ static void mpt__q_direct_task(void *arg, int64_t b, int thread) {
         for (oy = 0; oy < p->oh; oy++) {
             int64_t r0, r1, c0, c1;
             mpt__win_span(p, oy, 0, &r0, &r1, &c0, &c1);
-            for (r = r0; r < r1; r++)
-                mpt__q_direct_row(j, padded, r, acc + (r - r0) * j->owp * j->npad);
-            mpt__q_direct_store_row(j, acc, r1 - r0, oy, y + oy * p->ow * N);
+            for (r = r0; r < r1; r++) mpt__q_direct_row(j, padded, r, r > r0, acc);
+            mpt__q_direct_store_row(j, acc, oy, y + oy * p->ow * N);
         }
     }
 #else
@@ -22914,10 +22925,9 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     j.owp = (g->ow + MPT__QD_PIX - 1) / MPT__QD_PIX * MPT__QD_PIX;
     j.hp = (g->oh - 1) * g->sh + g->kh;
     j.wp = (j.owp - 1) * g->sw + 4 * per_row;
-    j.acc_rows = j.pool ? j.pool->g.kh : 1;
     for (r = 0; r < g->kh; r++)
         for (q = 0; q < per_row; q++) j.off[r * per_row + q] = (int32_t)(r * j.wp + 4 * q);
-    need = (j.hp * j.wp + 63) / 64 * 64 + 4 * j.acc_rows * j.owp * j.npad;
+    need = (j.hp * j.wp + 63) / 64 * 64 + 4 * j.owp * j.npad;
     if ((double)j.hp * (double)j.wp > 1e9 || need > (int64_t)MPT__THREAD_SCRATCH_BYTES) return 0;
     mpt__parallel_for(ctx, n, mpt__q_direct_task, &j);
     *ran_pool = j.pool != NULL;

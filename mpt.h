@@ -21909,9 +21909,10 @@ typedef struct mpt__qop {
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
     int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
-    uint8_t *direct_w;         /* full-integer one-channel conv from the image
+    uint8_t *direct_w;         /* int8 one-channel conv from the image
                                   (mpt__q_direct_prepare): (groups, npad, 4) taps, or NULL */
-    int32_t *direct_col;       /* (npad) bq − (zero point + 128)·Σ taps, per filter */
+    int32_t *direct_col;       /* (npad) the sums' constant term per filter: full
+                                  integer bq − (zero point + 128)·Σ taps, dynamic −128·Σ taps */
     int direct_groups;         /* kernel rows × groups of 4 taps in a row       */
     int8_t lut[256];           /* full-integer activation: out for in + 128    */
     float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
@@ -22690,19 +22691,20 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
 
 /* ---- a one-channel Conv2D from the image, and the MaxPooling2D after it ------------------- */
 
-/* A full-integer Conv2D on one channel (a first layer on grey images)
-   spent its time on im2col and on requantizing outputs of 9 multiply-adds
-   each. With AVX-512 VNNI it reads the image instead: a kernel row's
-   taps, 4 at a time, are 4 consecutive bytes of a padded copy of the
-   sample as u = int8 + 128, which one vpdpbusd multiplies with those taps
-   of 16 filters (bytes past the kernel's width meet zero taps; the padding
-   holds the zero point, whose real value is 0, as im2col's does). A
-   MaxPooling2D right after takes the maximum of the int32 sums and
-   requantizes only that: requantization is monotone (every multiplier is
-   positive), so the maximum of the requantized outputs is the requantized
-   maximum, and the pair gives the two operations' bits with a quarter of
-   the requantizing under a 2×2 pool. The sums are exact integers, so the
-   outputs are those of im2col and mpt_qgemm, bit for bit. */
+/* An int8 Conv2D on one channel (a first layer on grey images) spent its
+   time on im2col and on requantizing or dequantizing outputs of 9
+   multiply-adds each. With AVX-512 VNNI it reads the image instead: a
+   kernel row's taps, 4 at a time, are 4 consecutive bytes of a padded
+   copy of the sample as u = int8 + 128, which one vpdpbusd multiplies
+   with those taps of 16 filters (bytes past the kernel's width meet zero
+   taps; the padding holds the zero point, whose real value is 0, as
+   im2col's does). A MaxPooling2D right after takes the maximum of the
+   int32 sums and requantizes (full integer) or dequantizes (dynamic range)
+   only that: both are monotone (multipliers and scales are positive;
+   float rounding keeps order), so the maximum of the outputs is the
+   output of the maximum, and the pair gives the two operations' bits with
+   a quarter of the work under a 2×2 pool. The sums are exact integers, so
+   the outputs are those of im2col and mpt_qgemm, bit for bit. */
 #define MPT__QD_MAX_GROUPS 16 /* kernel rows × groups of 4 taps in a row */
 #define MPT__QD_PIX 8         /* output pixels one block of registers holds */
 
@@ -22710,21 +22712,24 @@ typedef struct mpt__qdirect_job {
     const mpt__qop *op, *pool;  /* pool: the MaxPooling2D run with it, or NULL     */
     const mpt_context *ctx;
     const int8_t *x;            /* (n, H, W, 1)                                    */
-    int8_t *y;                  /* (n, OH, OW, N), or the pool's output             */
+    const float *scale;         /* dynamic: (n) each sample's scale; NULL: full integer */
+    void *y;                    /* (n, OH, OW, N), or the pool's output: int8 or float */
+    int fill;                   /* what the padding holds, as u                     */
     int64_t hp, wp;             /* the padded copy of a sample                      */
     int64_t owp, npad;          /* OW and N rounded up to MPT__QD_PIX and 16        */
     int32_t off[MPT__QD_MAX_GROUPS]; /* each group's first byte from the window's corner */
 } mpt__qdirect_job;
 
 /* A one-channel Conv2D's taps as the direct pass reads them, and its
-   constant term; left NULL (the im2col path) where it does not apply:
-   no AVX-512 VNNI, another channel count, a kernel of more than
+   constant term (integer: full integer, with bq and the zero points; else
+   dynamic range); left NULL (the im2col path) where it does not apply: no
+   AVX-512 VNNI, another channel count, a kernel of more than
    MPT__QD_MAX_GROUPS groups, or a requantization that is not plain. */
-static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op) {
+static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op, int integer) {
     const mpt__win *g = &op->g;
     const int64_t N = op->info.out_channels, K = op->info.depth, npad = (N + 15) / 16 * 16;
     const int64_t per_row = (g->kw + 3) / 4, groups = g->kh * per_row;
-    const int64_t zu = (int64_t)op->info.input.zero_point + 128;
+    const int64_t zu = integer ? (int64_t)op->info.input.zero_point + 128 : 128;
     mpt_qgemm_desc d;
     int64_t f, i, j;
     memset(&d, 0, sizeof d);
@@ -22732,7 +22737,7 @@ static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op) {
     d.shift = op->shift, d.bias = op->bq, d.per_channel = 1;
     if (!MPT__X86 || op->info.op != MPT_QOP_CONV_2D || g->c != 1 || groups > MPT__QD_MAX_GROUPS ||
         !(ctx->cpu & MPT_CPU_AVX512) || !(ctx->cpu & MPT_CPU_AVX512_VNNI) ||
-        !mpt__qgemm_is_plain_requant(&d))
+        (integer && !mpt__qgemm_is_plain_requant(&d)))
         return MPT_OK;
     op->direct_w = (uint8_t *)mpt__calloc(ctx, (size_t)(groups * npad * 4 + npad * 4));
     if (!op->direct_w)
@@ -22747,7 +22752,7 @@ static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op) {
                 op->direct_w[((i * per_row + j / 4) * npad + f) * 4 + j % 4] = (uint8_t)w;
                 sum += w;
             }
-        op->direct_col[f] = (int32_t)(op->bq[f] - zu * sum); /* plain: it fits */
+        op->direct_col[f] = (int32_t)((integer ? op->bq[f] : 0) - zu * sum); /* plain: it fits */
     }
     return MPT_OK;
 }
@@ -22814,37 +22819,73 @@ MPT__TARGET_AVX512_VNNI static void mpt__q_direct_row(const mpt__qdirect_job *j,
         }
 }
 
-/* One output row from a row of sums in acc, 16 filters at a time: each
-   output pixel's own sums, or under the pool (acc holding the maximum
-   over its window's rows) the maximum over the window's columns in
-   pooled row oy, plus the constant term, requantized. */
+/* Filters [c0, c0 + 16) of output pixel ox of a row from the sums in
+   acc: the pixel's own, or under the pool (acc holding the maximum over
+   its window's rows) the maximum over the window's columns in pooled row
+   oy; plus the constant term. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__q_direct_sums(const mpt__qdirect_job *j,
+                                                                        const int32_t *acc,
+                                                                        int64_t oy, int64_t ox,
+                                                                        int64_t c0) {
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
+    int64_t q0 = ox, q1 = ox + 1, r0, r1, q;
+    __m512i best = _mm512_set1_epi32(INT32_MIN);
+    if (j->pool) mpt__win_span(&j->pool->g, oy, ox, &r0, &r1, &q0, &q1);
+    for (q = q0; q < q1; q++)
+        best = _mm512_maskz_max_epi32(all, best, _mm512_loadu_si512(acc + q * j->npad + c0));
+    return _mm512_add_epi32(best, _mm512_loadu_si512(j->op->direct_col + c0));
+}
+
+/* One output row of a full-integer model, 16 filters at a time, its sums
+   requantized. */
 MPT__TARGET_AVX512 static void mpt__q_direct_store_row(const mpt__qdirect_job *j,
                                                        const int32_t *acc, int64_t oy,
                                                        int8_t *out) {
     const mpt__qop *op = j->op;
-    const mpt__win *p = j->pool ? &j->pool->g : NULL;
-    const int64_t N = op->info.out_channels;
-    const int64_t cols = p ? p->ow : op->g.ow;
+    const int64_t N = op->info.out_channels, cols = j->pool ? j->pool->g.ow : op->g.ow;
     const int zp = op->info.output.zero_point;
     const int lo = op->info.activation == MPT_ACT_RELU ? zp : -128;
     const __m512i qlo = _mm512_set1_epi32(lo - zp), qhi = _mm512_set1_epi32(127 - zp);
     const __m512i vzp = _mm512_set1_epi32(zp), zero = _mm512_setzero_si512();
-    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
-    int64_t c0, ox, q;
+    int64_t c0, ox;
     for (c0 = 0; c0 < N; c0 += 16) {
         const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, N - c0)) - 1u);
         const __m512i m = _mm512_maskz_loadu_epi32(k, op->mult + c0);
         const __m512i right = _mm512_sub_epi32(zero, _mm512_maskz_loadu_epi32(k, op->shift + c0));
-        const __m512i col = _mm512_loadu_si512(op->direct_col + c0);
+        for (ox = 0; ox < cols; ox++)
+            mpt__store16_int8_avx512(out + ox * N + c0, k,
+                                     mpt__requant16_avx512(mpt__q_direct_sums(j, acc, oy, ox, c0),
+                                                           m, right, qlo, qhi, vzp));
+    }
+}
+
+/* One output row of a dynamic-range model (sample scale s), its sums
+   dequantized as mpt__q_dequantize_rows_task does: (float)sum·(s·w_scale)
+   + bias, then ReLU's floor, each step rounded on its own (the explicit
+   rounding forms: no fused multiply-add, which a compiler may otherwise
+   contract them into). */
+MPT__TARGET_AVX512 static void mpt__q_direct_store_row_float(const mpt__qdirect_job *j,
+                                                             const int32_t *acc, int64_t oy,
+                                                             float s, float *out) {
+    const mpt__qop *op = j->op;
+    const int64_t N = op->info.out_channels, cols = j->pool ? j->pool->g.ow : op->g.ow;
+    const __mmask16 all = 0xffff;
+    const __m512 lowest = _mm512_set1_ps(op->info.activation == MPT_ACT_RELU ? 0.0f : -INFINITY);
+    int64_t c0, ox;
+    for (c0 = 0; c0 < N; c0 += 16) {
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, N - c0)) - 1u);
+        const __m512 scale = _mm512_maskz_mul_round_ps(
+            all, _mm512_set1_ps(s), _mm512_maskz_loadu_ps(k, op->wscale + c0),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 bias = _mm512_maskz_loadu_ps(k, op->bias + c0);
         for (ox = 0; ox < cols; ox++) {
-            int64_t q0 = ox, q1 = ox + 1, r0, r1;
-            __m512i best = _mm512_set1_epi32(INT32_MIN);
-            if (p) mpt__win_span(p, oy, ox, &r0, &r1, &q0, &q1);
-            for (q = q0; q < q1; q++)
-                best = _mm512_maskz_max_epi32(all, best, _mm512_loadu_si512(acc + q * j->npad + c0));
-            mpt__store16_int8_avx512(
-                out + ox * N + c0, k,
-                mpt__requant16_avx512(_mm512_add_epi32(best, col), m, right, qlo, qhi, vzp));
+            const __m512 v = _mm512_maskz_add_round_ps(
+                all,
+                _mm512_maskz_mul_round_ps(
+                    all, _mm512_maskz_cvtepi32_ps(all, mpt__q_direct_sums(j, acc, oy, ox, c0)),
+                    scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                bias, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm512_mask_storeu_ps(out + ox * N + c0, k, _mm512_maskz_max_ps(all, lowest, v));
         }
     }
 }
@@ -22855,7 +22896,7 @@ static void mpt__q_direct_pad(const mpt__qdirect_job *j, const int8_t *x, uint8_
     const int64_t cols = MPT__MAX(0, MPT__MIN(g->w, j->wp - g->left));
     int64_t r, c;
     const uint64_t flip = 0x8080808080808080ull;
-    memset(padded, j->op->info.input.zero_point + 128, (size_t)(j->hp * j->wp));
+    memset(padded, j->fill, (size_t)(j->hp * j->wp));
     for (r = 0; r < g->h && r + g->top < j->hp; r++) {
         const int8_t *src = x + r * g->w;
         uint8_t *dst = padded + (r + g->top) * j->wp + g->left;
@@ -22876,29 +22917,24 @@ static void mpt__q_direct_pad(const mpt__qdirect_job *j, const int8_t *x, uint8_
 static void mpt__q_direct_task(void *arg, int64_t b, int thread) {
 #if MPT__X86
     const mpt__qdirect_job *j = (const mpt__qdirect_job *)arg;
-    const mpt__win *g = &j->op->g;
-    const int64_t N = j->op->info.out_channels;
+    const mpt__win *g = j->pool ? &j->pool->g : &j->op->g; /* the output's rows */
+    const int64_t row = g->ow * j->op->info.out_channels, first = b * g->oh * row;
     uint8_t *padded = (uint8_t *)mpt__thread_scratch(j->ctx, thread);
     int32_t *acc = (int32_t *)(void *)(padded + (j->hp * j->wp + 63) / 64 * 64);
-    int64_t oy, r;
-    mpt__q_direct_pad(j, j->x + b * g->h * g->w, padded);
-    if (!j->pool) {
-        int8_t *y = j->y + b * g->oh * g->ow * N;
-        for (oy = 0; oy < g->oh; oy++) {
-            mpt__q_direct_row(j, padded, oy, 0, acc);
-            mpt__q_direct_store_row(j, acc, oy, y + oy * g->ow * N);
-        }
-        return;
-    }
-    {
-        const mpt__win *p = &j->pool->g;
-        int8_t *y = j->y + b * p->oh * p->ow * N;
-        for (oy = 0; oy < p->oh; oy++) {
-            int64_t r0, r1, c0, c1;
-            mpt__win_span(p, oy, 0, &r0, &r1, &c0, &c1);
+    int64_t oy, r, r0, r1, c0, c1;
+    mpt__q_direct_pad(j, j->x + b * j->op->g.h * j->op->g.w, padded);
+    for (oy = 0; oy < g->oh; oy++) {
+        if (j->pool) { /* the window's rows, folded into one */
+            mpt__win_span(g, oy, 0, &r0, &r1, &c0, &c1);
             for (r = r0; r < r1; r++) mpt__q_direct_row(j, padded, r, r > r0, acc);
-            mpt__q_direct_store_row(j, acc, oy, y + oy * p->ow * N);
+        } else {
+            mpt__q_direct_row(j, padded, oy, 0, acc);
         }
+        if (j->scale)
+            mpt__q_direct_store_row_float(j, acc, oy, j->scale[b],
+                                          (float *)j->y + first + oy * row);
+        else
+            mpt__q_direct_store_row(j, acc, oy, (int8_t *)j->y + first + oy * row);
     }
 #else
     (void)arg, (void)b, (void)thread;
@@ -22906,10 +22942,13 @@ static void mpt__q_direct_task(void *arg, int64_t b, int thread) {
 }
 
 /* Runs operation i (and i + 1 when it is a MaxPooling2D: *ran_pool set)
-   straight from the image when mpt__q_direct_prepare made its taps and a
-   sample fits the thread's scratch; returns whether it ran. */
-static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, const void *x,
-                              void *y, int64_t n, int *ran_pool) {
+   of the integer or dynamic pass straight from the image, when
+   mpt__q_direct_prepare made its taps and a sample fits the thread's
+   scratch; returns whether it ran. Dynamic range quantizes each sample
+   first, as mpt__q_conv does, and leaves a batch with a sample whose
+   scale is not finite to it. */
+static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
+                              const void *x, void *y, int64_t n, mpt__qwork *w, int *ran_pool) {
     const mpt__qop *op = &Q->ops[i];
     const mpt__qop *next = i + 1 < Q->n_ops ? &Q->ops[i + 1] : NULL;
     const mpt__win *g = &op->g;
@@ -22917,9 +22956,12 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     mpt__qdirect_job j;
     int64_t r, q, need;
     *ran_pool = 0;
-    if (!op->direct_w || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 || g->ow < 1) return 0;
+    if (!op->direct_w || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 || g->ow < 1 ||
+        (ex != MPT__QX_INTEGER && ex != MPT__QX_DYNAMIC))
+        return 0;
     memset(&j, 0, sizeof j);
-    j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = (int8_t *)y;
+    j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y;
+    j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
     j.pool = next && next->info.op == MPT_QOP_MAX_POOL_2D ? next : NULL;
     j.npad = (op->info.out_channels + 15) / 16 * 16;
     j.owp = (g->ow + MPT__QD_PIX - 1) / MPT__QD_PIX * MPT__QD_PIX;
@@ -22929,6 +22971,13 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
         for (q = 0; q < per_row; q++) j.off[r * per_row + q] = (int32_t)(r * j.wp + 4 * q);
     need = (j.hp * j.wp + 63) / 64 * 64 + 4 * j.owp * j.npad;
     if ((double)j.hp * (double)j.wp > 1e9 || need > (int64_t)MPT__THREAD_SCRATCH_BYTES) return 0;
+    if (ex == MPT__QX_DYNAMIC) {
+        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
+                                       w->sample_scale);
+        for (r = 0; r < n; r++)
+            if (!(w->sample_scale[r] < INFINITY)) return 0;
+        j.x = w->xq, j.scale = w->sample_scale;
+    }
     mpt__parallel_for(ctx, n, mpt__q_direct_task, &j);
     *ran_pool = j.pool != NULL;
     return 1;
@@ -23038,9 +23087,9 @@ static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
 
 /* n samples through every operation: returns the last output (x itself
    when there is none, or only reshapes, which copy nothing). The integer
-   pass reads int8 x, and runs a one-channel Conv2D (with the
-   MaxPooling2D after it) from the image where it can. With calib, every
-   tensor is observed (reference only). */
+   pass reads int8 x. The int8 passes run a one-channel Conv2D (with the
+   MaxPooling2D after it) from the image where they can. With calib,
+   every tensor is observed (reference only). */
 static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt__qexec ex,
                                  const void *x, int64_t n, mpt__qwork *w, mpt__qcalib *calib,
                                  const void **out) {
@@ -23050,7 +23099,7 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
     for (i = 0; i < Q->n_ops; i++) {
         void *y = w->act[i & 1];
         if (cur == y) y = w->act[(i + 1) & 1];
-        if (ex == MPT__QX_INTEGER && mpt__q_direct_conv(ctx, Q, i, cur, y, n, &pooled)) {
+        if (mpt__q_direct_conv(ctx, Q, i, ex, cur, y, n, w, &pooled)) {
             i += pooled;
             cur = y;
             continue;
@@ -23417,7 +23466,7 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
         op->info.input = Q->tensor[i];
         op->info.output = *out;
         if (mpt__qop_weighted(op)) MPT__CHECK(mpt__q_integer_product(ctx, op));
-        if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op));
+        if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op, 1));
         if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
     }
     return MPT_OK;
@@ -23439,6 +23488,8 @@ static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
             Q->size_bytes += 2 * NK + 4 * N;
         } else {
             MPT__CHECK(mpt__q_weights_int8(ctx, op));
+            if (Q->mode == MPT_QUANTIZE_DYNAMIC_RANGE && op->info.op == MPT_QOP_CONV_2D)
+                MPT__CHECK(mpt__q_direct_prepare(ctx, op, 0));
             Q->size_bytes += NK + 8 * N; /* int8 weights, a scale and a bias per channel */
         }
         if (Q->mode != MPT_QUANTIZE_FULL_INTEGER) op->info.bias = op->bias;

@@ -1531,10 +1531,11 @@ static void test_pool_int8_scalar_reference(void) {
     }
 }
 
-/* A one-channel Conv2D in a full-integer model runs from the image with
-   AVX-512 VNNI, and with a MaxPooling2D after it takes the maximum of its
-   sums before requantizing (mpt__q_direct_conv): the int8 codes of
-   shapes that reach its corners (filters in one, two and three blocks of
+/* A one-channel Conv2D in a full-integer or dynamic-range model runs from
+   the image with AVX-512 VNNI, and with a MaxPooling2D after it takes the
+   maximum of its sums before requantizing or dequantizing
+   (mpt__q_direct_conv): the int8 codes (full integer) and the float
+   outputs (dynamic range) of shapes that reach its corners (filters in one, two and three blocks of
    16, kernels wider than 4 taps, strides, 'same' padding on both layers,
    overlapping pools, no pool) against the same model with VNNI disabled,
    which takes im2col and the product (held to the scalar reference in
@@ -1556,82 +1557,97 @@ static void test_one_channel_conv_from_the_image(void) {
         {28, 28, 48, 3, 3, 1, 1, MPT_PADDING_VALID, 1, 2, 2, MPT_PADDING_VALID},
     };
     enum { N = 9 };
-    int ci, threads;
+    int ci, threads, dynamic;
     for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++)
-        for (threads = 1; threads <= 2; threads++) {
-            int8_t *codes[2] = {NULL, NULL};
-            int64_t count = 0, k, diff = 0;
-            int variant, direct[2] = {0, 0};
-            for (variant = 0; variant < 2; variant++) { /* 0: all the CPU has; 1: no VNNI */
-                mpt_context *ctx = NULL;
-                mpt_context_desc cd;
-                mpt_model *m = NULL, *q = NULL;
-                mpt_dataset *d = NULL;
-                mpt_tensor tx, ty, x8, y8;
-                float *xs;
-                int32_t ys[N] = {0};
-                int64_t shape[4] = {N, cases[ci].h, cases[ci].w, 1}, yshape[1] = {N};
-                memset(&cd, 0, sizeof cd);
-                memset(&y8, 0, sizeof y8);
-                cd.num_threads = threads;
-                cd.disable_cpu_features = variant ? MPT_CPU_AVX512_VNNI : 0;
-                CHECK(mpt_context_create(&cd, &ctx) == MPT_OK, "context");
-                xs = (float *)malloc(sizeof(float) * (size_t)(N * cases[ci].h * cases[ci].w));
-                test_seed(90 + ci);
-                for (k = 0; k < N * cases[ci].h * cases[ci].w; k++)
-                    xs[k] = (float)test_uniform(-0.3, 1.0);
-                mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {cases[ci].h, cases[ci].w, 1},
-                                                        .input_rank = 3, .seed = 5}, &m);
-                mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
-                    .filters = cases[ci].filters, .kernel_size = {cases[ci].kh, cases[ci].kw},
-                    .strides = {cases[ci].sh, cases[ci].sw}, .padding = cases[ci].pad,
-                    .activation = cases[ci].relu ? MPT_ACT_RELU : MPT_ACT_NONE});
-                if (cases[ci].pool)
-                    mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){
-                        .pool_size = {cases[ci].pool, cases[ci].pool},
-                        .strides = {cases[ci].pool_stride, cases[ci].pool_stride},
-                        .padding = cases[ci].pool_pad});
-                mpt_model_add_flatten(m, NULL);
-                CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
-                randomize(m, 300 + ci);
-                mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
-                mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
-                CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-                      "dataset: %s", mpt_context_error(ctx));
-                q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_INT8);
-                if (q) {
-                    mpt_quantized_info info;
-                    mpt_model_quantized_info(q, &info);
-                    direct[variant] = q->quantized->ops[0].direct_w != NULL;
-                    mpt_tensor_alloc(ctx, &x8, MPT_INT8, 4, shape);
+        for (threads = 1; threads <= 2; threads++)
+            for (dynamic = 0; dynamic <= 1; dynamic++) {
+                unsigned char *codes[2] = {NULL, NULL};
+                int64_t count = 0, k, diff = 0;
+                int variant, direct[2] = {0, 0};
+                for (variant = 0; variant < 2; variant++) { /* 0: all the CPU has; 1: no VNNI */
+                    mpt_context *ctx = NULL;
+                    mpt_context_desc cd;
+                    mpt_model *m = NULL, *q = NULL;
+                    mpt_dataset *d = NULL;
+                    mpt_tensor tx, ty, x8, y8;
+                    float *xs;
+                    int32_t ys[N] = {0};
+                    int64_t shape[4] = {N, cases[ci].h, cases[ci].w, 1}, yshape[1] = {N};
+                    memset(&cd, 0, sizeof cd);
+                    memset(&y8, 0, sizeof y8);
+                    cd.num_threads = threads;
+                    cd.disable_cpu_features = variant ? MPT_CPU_AVX512_VNNI : 0;
+                    CHECK(mpt_context_create(&cd, &ctx) == MPT_OK, "context");
+                    xs = (float *)malloc(sizeof(float) * (size_t)(N * cases[ci].h * cases[ci].w));
+                    test_seed(90 + ci);
                     for (k = 0; k < N * cases[ci].h * cases[ci].w; k++)
-                        ((int8_t *)x8.data)[k] = mpt__q_quantize(xs[k], &info.input);
-                    CHECK(mpt_model_quantized_invoke(q, &x8, &y8) == MPT_OK, "invoke: %s",
-                          mpt_context_error(ctx));
-                    count = mpt_tensor_count(&y8);
-                    codes[variant] = (int8_t *)malloc((size_t)count);
-                    if (y8.data) memcpy(codes[variant], y8.data, (size_t)count);
-                    mpt_tensor_free(ctx, &x8);
-                    mpt_tensor_free(ctx, &y8);
+                        xs[k] = (float)test_uniform(-0.3, 1.0);
+                    mpt_model_create(ctx, &(mpt_model_desc){
+                        .input_shape = {cases[ci].h, cases[ci].w, 1}, .input_rank = 3, .seed = 5},
+                        &m);
+                    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+                        .filters = cases[ci].filters, .kernel_size = {cases[ci].kh, cases[ci].kw},
+                        .strides = {cases[ci].sh, cases[ci].sw}, .padding = cases[ci].pad,
+                        .activation = cases[ci].relu ? MPT_ACT_RELU : MPT_ACT_NONE});
+                    if (cases[ci].pool)
+                        mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){
+                            .pool_size = {cases[ci].pool, cases[ci].pool},
+                            .strides = {cases[ci].pool_stride, cases[ci].pool_stride},
+                            .padding = cases[ci].pool_pad});
+                    mpt_model_add_flatten(m, NULL);
+                    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+                    randomize(m, 300 + ci);
+                    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+                    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+                    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) ==
+                              MPT_OK, "dataset: %s", mpt_context_error(ctx));
+                    q = quantize(m, dynamic ? MPT_QUANTIZE_DYNAMIC_RANGE
+                                            : MPT_QUANTIZE_FULL_INTEGER,
+                                 d, dynamic ? MPT_DTYPE_DEFAULT : MPT_INT8);
+                    if (q && dynamic) {
+                        direct[variant] = q->quantized->ops[0].direct_w != NULL;
+                        CHECK(mpt_model_predict(q, d, 4, &y8) == MPT_OK, "predict: %s",
+                              mpt_context_error(ctx));
+                        count = (int64_t)mpt_tensor_bytes(&y8);
+                        codes[variant] = (unsigned char *)malloc((size_t)count);
+                        if (y8.data) memcpy(codes[variant], y8.data, (size_t)count);
+                        mpt_tensor_free(ctx, &y8);
+                    } else if (q) {
+                        mpt_quantized_info info;
+                        mpt_model_quantized_info(q, &info);
+                        direct[variant] = q->quantized->ops[0].direct_w != NULL;
+                        mpt_tensor_alloc(ctx, &x8, MPT_INT8, 4, shape);
+                        for (k = 0; k < N * cases[ci].h * cases[ci].w; k++)
+                            ((int8_t *)x8.data)[k] = mpt__q_quantize(xs[k], &info.input);
+                        CHECK(mpt_model_quantized_invoke(q, &x8, &y8) == MPT_OK, "invoke: %s",
+                              mpt_context_error(ctx));
+                        count = mpt_tensor_count(&y8);
+                        codes[variant] = (unsigned char *)malloc((size_t)count);
+                        if (y8.data) memcpy(codes[variant], y8.data, (size_t)count);
+                        mpt_tensor_free(ctx, &x8);
+                        mpt_tensor_free(ctx, &y8);
+                    }
+                    mpt_model_destroy(q);
+                    mpt_dataset_destroy(d);
+                    mpt_model_destroy(m);
+                    mpt_context_destroy(ctx);
+                    free(xs);
                 }
-                mpt_model_destroy(q);
-                mpt_dataset_destroy(d);
-                mpt_model_destroy(m);
-                mpt_context_destroy(ctx);
-                free(xs);
+                if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) &&
+                    (mpt__detect_cpu() & MPT_CPU_AVX512))
+                    CHECK(direct[0], "case %d: the conv does not run from the image", ci);
+                CHECK(!direct[1], "case %d: the conv runs from the image without VNNI", ci);
+                for (k = 0; codes[0] && codes[1] && k < count; k++)
+                    diff += codes[0][k] != codes[1][k];
+                CHECK(codes[0] && codes[1] && diff == 0,
+                      "case %d (%lldx%lld, %lld filters, %lldx%lld kernel, %d threads, %s): "
+                      "%lld of %lld bytes differ from im2col's", ci, (long long)cases[ci].h,
+                      (long long)cases[ci].w, (long long)cases[ci].filters, (long long)cases[ci].kh,
+                      (long long)cases[ci].kw, threads, dynamic ? "dynamic range" : "full integer",
+                      (long long)diff, (long long)count);
+                free(codes[0]);
+                free(codes[1]);
             }
-            if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) && (mpt__detect_cpu() & MPT_CPU_AVX512))
-                CHECK(direct[0], "case %d: the conv does not run from the image", ci);
-            CHECK(!direct[1], "case %d: the conv runs from the image without VNNI", ci);
-            for (k = 0; codes[0] && codes[1] && k < count; k++) diff += codes[0][k] != codes[1][k];
-            CHECK(codes[0] && codes[1] && diff == 0,
-                  "case %d (%lldx%lld, %lld filters, %lldx%lld kernel, %d threads): %lld of %lld "
-                  "codes differ from im2col's", ci, (long long)cases[ci].h, (long long)cases[ci].w,
-                  (long long)cases[ci].filters, (long long)cases[ci].kh, (long long)cases[ci].kw,
-                  threads, (long long)diff, (long long)count);
-            free(codes[0]);
-            free(codes[1]);
-        }
 }
 
 int main(void) {

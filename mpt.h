@@ -22313,14 +22313,15 @@ static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t 
    =============================================================================
 
    Each operation writes into one of two buffers of the batch's work block
-   in turn (a reshape writes nothing: the next reads its input). Convolutions
-   run as products over im2col rows, a chunk of samples at a time (as Conv2D
-   does); in the int8 passes a one-channel Conv2D, and the MaxPooling2D
-   after it, run straight from the image instead where the CPU has VNNI
-   ("a one-channel Conv2D from the image" below). The loops run over the context's threads a
-   sample or a few rows a task, each task writing only its own outputs, and
-   the products through mpt_gemm/mpt_qgemm, which split their work the
-   same way: no result depends on the thread count. */
+   in turn (a reshape writes nothing: the next reads its input).
+   Convolutions run as products over im2col rows, a chunk of samples at a
+   time (as Conv2D does); in the int8 passes a one-channel Conv2D, and the
+   MaxPooling2D after it, run straight from the image instead where the
+   CPU has VNNI ("a one-channel Conv2D from the image" below). The loops
+   run over the context's threads a sample or a few rows a task, each task
+   writing only its own outputs, and the products through
+   mpt_gemm/mpt_qgemm, which split their work the same way: no result
+   depends on the thread count. */
 
 /* n bytes from src to dst, n ≤ 16 a few moves (two that may overlap), no
    call: a 3×3 window of a one-channel int8 image is rows of 3 bytes, and

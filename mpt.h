@@ -4906,6 +4906,7 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    steps, so the thread count cannot change a bit. */
 
 #define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
+#define MPT__QGEMM_PLAN_THREADS 16 /* up to: tasks shaped by mpt__qgemm_makespan */
 
 #if MPT__X86
 #define MPT__TARGET_AVX512_VNNI \
@@ -5598,49 +5599,59 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     }
 }
 
-/* When the last of `tasks` tasks ends if each of `threads` threads takes
-   the next as it frees up: tasks are whole blocks of ur × uc tiles of the
-   um × un there are, in rows of blocks, the last row and column of
+/* When the last task ends if the tasks go round the threads in order (as
+   the pool hands them out when they cost alike): blocks of ur × uc tiles
+   of the um × un there are, in rows of blocks, the last row and column of
    blocks shorter; a tile costs 1 and packing a panel of A `pack`. */
 static double mpt__qgemm_makespan(int64_t um, int64_t un, int64_t ur, int64_t uc, double pack,
                                   int threads) {
-    double busy[64] = {0};
-    int64_t i, j;
-    int t, next;
-    threads = MPT__MIN(threads, 64);
+    double busy[MPT__QGEMM_PLAN_THREADS] = {0}, last = 0;
+    int64_t i, j, t = 0;
     for (i = 0; i < um; i += ur)
-        for (j = 0; j < un; j += uc) {
+        for (j = 0; j < un; j += uc, t = (t + 1) % threads) {
             const int64_t rows = MPT__MIN(ur, um - i), cols = MPT__MIN(uc, un - j);
-            for (next = 0, t = 1; t < threads; t++) next = busy[t] < busy[next] ? t : next;
-            busy[next] += (double)(rows * cols) + (pack > 0 ? pack * (double)rows : 0);
+            busy[t] += (double)(rows * cols) + pack * (double)rows;
+            last = busy[t] > last ? busy[t] : last;
         }
-    for (next = 0, t = 1; t < threads; t++) next = busy[t] > busy[next] ? t : next;
-    return busy[next];
+    return last;
 }
 
 /* Tasks: rectangles of whole tiles, up to 4 per thread (the pool hands
-   them out as threads free up), shaped so that the last thread finishes
-   soonest (mpt__qgemm_makespan), each task packing its rows of A once (a
-   panel costs about a tile: reading, flipping and storing every byte of
-   A takes as long as the products of a 32-column tile); of equal plans,
-   the one with the most tasks. 128 rows of 12-row tiles over 2 threads
-   are 11 panels, which whole rows would split 6 : 5. */
+   them out as threads free up). Up to MPT__QGEMM_PLAN_THREADS threads,
+   shaped so that the last thread finishes soonest (mpt__qgemm_makespan;
+   each distinct block height and width tried once), each task packing its
+   rows of A once (a panel costs about a tile: reading, flipping and
+   storing every byte of A takes as long as the products of a 32-column
+   tile); of equal plans, the one with the most tasks. 128 rows of 12-row
+   tiles over 2 threads are 11 panels, which whole rows would split 6 : 5.
+   More threads: rows first, as splitting rows repacks nothing. */
 static void mpt__qgemm_plan_tasks(mpt__qgemm_job *job, int threads, int serial) {
     const mpt_qgemm_desc *d = job->d;
     const int64_t units_m = (d->m + job->mr - 1) / job->mr;
     const int64_t units_n = (d->n + job->nr - 1) / job->nr;
     const int64_t target = serial ? 1 : 4 * (int64_t)threads;
     const double pack = job->rows_in_place ? 0.0 : 1.0;
-    int64_t tm, tn, best_ur = units_m, best_uc = units_n, best_tasks = 1;
+    int64_t tm, tn, ur, uc, last_ur = 0, last_uc, best_ur, best_uc, best_tasks = 0;
     double best = -1;
-    for (tm = 1; tm <= MPT__MIN(units_m, target); tm++)
+    tm = MPT__MIN(units_m, target);
+    tn = MPT__MIN(units_n, (target + tm - 1) / tm);
+    best_ur = (units_m + tm - 1) / tm, best_uc = (units_n + tn - 1) / tn;
+    for (tm = 1; threads <= MPT__QGEMM_PLAN_THREADS && !serial && tm <= MPT__MIN(units_m, target);
+         tm++) {
+        if ((ur = (units_m + tm - 1) / tm) == last_ur) continue;
+        last_ur = ur, last_uc = 0;
         for (tn = 1; tn <= MPT__MIN(units_n, target / tm); tn++) {
-            const int64_t ur = (units_m + tm - 1) / tm, uc = (units_n + tn - 1) / tn;
-            const int64_t tasks = ((units_m + ur - 1) / ur) * ((units_n + uc - 1) / uc);
-            const double t = mpt__qgemm_makespan(units_m, units_n, ur, uc, pack, threads);
+            int64_t tasks;
+            double t;
+            if ((uc = (units_n + tn - 1) / tn) == last_uc) continue;
+            last_uc = uc;
+            tasks = ((units_m + ur - 1) / ur) * ((units_n + uc - 1) / uc);
+            if (tasks > target) continue;
+            t = mpt__qgemm_makespan(units_m, units_n, ur, uc, pack, threads);
             if (best < 0 || t < best || (t == best && tasks > best_tasks))
                 best = t, best_ur = ur, best_uc = uc, best_tasks = tasks;
         }
+    }
     job->task_rows = best_ur * job->mr;
     job->task_cols = best_uc * job->nr;
     job->tasks_n = (d->n + job->task_cols - 1) / job->task_cols;

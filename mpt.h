@@ -22675,9 +22675,39 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
     return mpt__q_product(ctx, Q, i, ex, w->xq, n, w->row_scale, y, w);
 }
 
-/* Conv2D: chunks of samples through im2col and the product. Dynamic
-   quantizes each sample whole first (one scale per sample, so its zero
-   padding stays 0). */
+/* A float16 model's Conv2D as the float32 model's runs it, by the CPU's
+   direct convolution (a one-channel image's shallow kernel, Winograd for
+   3×3, tiles without im2col), its kernel widened into the (kh, kw, C, F)
+   layout that takes, at the start of the cols buffer, its workspace
+   after; returns whether it ran (no: another activation, a kernel or
+   workspace larger than the buffer, or a case conv_direct declines, which
+   then runs through im2col). The sums' order is conv_direct's, as in the
+   float32 model, not the im2col product's. */
+static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
+                                      const mpt__qop *op, const void *x, void *y, int64_t n,
+                                      mpt__qwork *w) {
+    const int64_t N = op->info.out_channels, K = op->info.depth;
+    const int64_t cols_bytes = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
+    const int64_t kernel_bytes = (4 * K * N + 63) / 64 * 64;
+    float *kernel = (float *)w->cols;
+    mpt_conv_args a;
+    int64_t f, k;
+    if ((op->info.activation != MPT_ACT_NONE && op->info.activation != MPT_ACT_RELU) ||
+        kernel_bytes + (int64_t)MPT_CONV_DIRECT_WS_BYTES(K, op->g.c, N) > cols_bytes ||
+        mpt_convert(ctx, MPT_FLOAT32, w->weights, MPT_FLOAT16, op->wh, N * K) != MPT_OK)
+        return 0;
+    for (f = 0; f < N; f++) /* (F, kh, kw, C) to (kh, kw, C, F) */
+        for (k = 0; k < K; k++) kernel[k * N + f] = w->weights[f * K + k];
+    memset(&a, 0, sizeof a);
+    a.g = &op->g, a.dtype = MPT_FLOAT32, a.n = n, a.f = N;
+    a.x = x, a.kernel = kernel, a.bias = op->bias, a.act = op->info.activation, a.y = y;
+    a.ws = (unsigned char *)w->cols + kernel_bytes;
+    return mpt__cpu_conv_direct(ctx, &a);
+}
+
+/* Conv2D: chunks of samples through im2col and the product (float16: the
+   direct convolution where it runs). Dynamic quantizes each sample whole
+   first (one scale per sample, so its zero padding stays 0). */
 static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
                               const void *x, void *y, int64_t n, mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
@@ -22688,6 +22718,8 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     const int8_t zp = (int8_t)(ex == MPT__QX_INTEGER ? op->info.input.zero_point : 0);
     int64_t chunk = MPT__MAX(1, MPT__MIN(n, MPT__Q_COLS_BUDGET / MPT__MAX(pix * K, 1))), b0;
     float *sample_scale = w->sample_scale;
+    if (ex == MPT__QX_FLOAT16 && mpt__q_conv_float16_direct(ctx, Q, op, x, y, n, w))
+        return MPT_OK;
     if (ex == MPT__QX_DYNAMIC) {
         mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, sample_scale);
         x = w->xq;

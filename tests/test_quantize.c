@@ -1139,6 +1139,79 @@ static void test_small_conv_scalar_reference(void) {
         }
 }
 
+/* A float16 model's Conv2D runs the float32 model's direct convolution on
+   its widened kernel (mpt__q_conv_float16_direct): the float16 model of a
+   float model whose weights are float16 values already predicts the
+   float model's bits, on shapes that take the one-channel kernel,
+   Winograd's 3×3 and the tiles, with and without ReLU, on 1 and 2 threads. */
+static void test_float16_conv_direct(void) {
+    static const struct { int64_t h, w, c, filters, k, stride; mpt_padding pad; int relu; } cases[] = {
+        {28, 28, 1, 32, 3, 1, MPT_PADDING_VALID, 1},
+        {10, 9, 16, 16, 3, 1, MPT_PADDING_SAME, 0},
+        {11, 9, 3, 8, 5, 2, MPT_PADDING_SAME, 1},
+    };
+    enum { N = 7 };
+    int ci, threads;
+    for (ci = 0; ci < 3; ci++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = threads_ctx(threads);
+            mpt_model *m = NULL, *q = NULL;
+            mpt_dataset *d = NULL;
+            mpt_tensor tx, ty, a, b;
+            const int64_t count = N * cases[ci].h * cases[ci].w * cases[ci].c;
+            int64_t shape[4] = {N, cases[ci].h, cases[ci].w, cases[ci].c}, yshape[1] = {N}, k;
+            float *xs = (float *)malloc(sizeof(float) * (size_t)count);
+            int32_t ys[N] = {0};
+            int i, diff = 0;
+            memset(&a, 0, sizeof a), memset(&b, 0, sizeof b);
+            test_seed(400 + ci);
+            for (k = 0; k < count; k++) xs[k] = (float)test_uniform(-1.0, 1.0);
+            mpt_model_create(ctx, &(mpt_model_desc){
+                .input_shape = {cases[ci].h, cases[ci].w, cases[ci].c}, .input_rank = 3,
+                .seed = 9}, &m);
+            mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+                .filters = cases[ci].filters, .kernel_size = {cases[ci].k, cases[ci].k},
+                .strides = {cases[ci].stride, cases[ci].stride}, .padding = cases[ci].pad,
+                .activation = cases[ci].relu ? MPT_ACT_RELU : MPT_ACT_NONE});
+            mpt_model_add_flatten(m, NULL);
+            CHECK(mpt_model_build(m, N) == MPT_OK, "build: %s", mpt_context_error(ctx));
+            randomize(m, 500 + ci);
+            for (i = 0; i < mpt_model_param_count(m); i++) { /* float16 values already */
+                mpt_param_info p;
+                mpt_half *h;
+                mpt_model_param(m, i, &p);
+                h = (mpt_half *)malloc(sizeof(mpt_half) * (size_t)mpt_tensor_count(&p.value));
+                mpt_convert(ctx, MPT_FLOAT16, h, MPT_FLOAT32, p.value.data,
+                            mpt_tensor_count(&p.value));
+                mpt_convert(ctx, MPT_FLOAT32, p.value.data, MPT_FLOAT16, h,
+                            mpt_tensor_count(&p.value));
+                free(h);
+            }
+            mpt_model_refresh_weights(m);
+            mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+            mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+            CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+                  "dataset: %s", mpt_context_error(ctx));
+            q = quantize(m, MPT_QUANTIZE_FLOAT16, NULL, MPT_DTYPE_DEFAULT);
+            CHECK(mpt_model_predict(m, d, N, &a) == MPT_OK, "predict float32: %s",
+                  mpt_context_error(ctx));
+            CHECK(q && mpt_model_predict(q, d, N, &b) == MPT_OK, "predict float16: %s",
+                  mpt_context_error(ctx));
+            for (k = 0; a.data && b.data && k < mpt_tensor_count(&a); k++)
+                diff += ((float *)a.data)[k] != ((float *)b.data)[k];
+            CHECK(a.data && b.data && diff == 0,
+                  "case %d, %d threads: %d of %lld outputs differ from the float32 model's", ci,
+                  threads, diff, (long long)mpt_tensor_count(&a));
+            mpt_tensor_free(ctx, &a);
+            mpt_tensor_free(ctx, &b);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+            free(xs);
+        }
+}
+
 /* ---- a trained model --------------------------------------------------------------------- */
 
 /* Four classes of 8×8×2 images, each brighter in its own quadrant; a
@@ -1655,6 +1728,7 @@ int main(void) {
     TEST_RUN(test_batchnorm_folding_float);
     TEST_RUN(test_layers_within_steps);
     TEST_RUN(test_float16_model);
+    TEST_RUN(test_float16_conv_direct);
     TEST_RUN(test_quantized_summary);
     TEST_RUN(test_layer_accessors_per_mode);
     TEST_RUN(test_bit_exact_across_threads);

@@ -23242,7 +23242,8 @@ MPT__TARGET_AVX512_VBMI static void mpt__q_lookup_bytes_vbmi(const int8_t *table
         const __m512i v = _mm512_maskz_loadu_epi8(m, bytes + k);
         const __m512i low = _mm512_permutex2var_epi8(t0, v, t1);
         const __m512i high = _mm512_permutex2var_epi8(t2, v, t3);
-        _mm512_mask_storeu_epi8(q + k, m, _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), low, high));
+        const __m512i both = _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), low, high);
+        _mm512_mask_storeu_epi8(q + k, m, both);
     }
 }
 #endif

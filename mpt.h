@@ -5687,15 +5687,20 @@ static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
    shift ≤ 0 (a multiplier below 1, as a layer's scale ratio is), and
    biases small enough that no sum saturates (|Σ| ≤ 255·255·K without the
    bias). The other paths give the same bits; only speed depends on it. */
-static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
-    const int64_t bound = INT32_MAX - (int64_t)255 * 255 * d->k;
+static int mpt__requant_is_plain(int64_t k, int64_t n, const int32_t *shift, int64_t shifts,
+                                  const int32_t *bias) {
+    const int64_t bound = INT32_MAX - (int64_t)255 * 255 * k;
     int64_t j;
-    if (!d->c_int8) return 0;
-    for (j = 0; j < (d->per_channel ? d->n : 1); j++)
-        if (d->shift[j] > 0) return 0;
-    for (j = 0; d->bias && j < d->n; j++)
-        if (d->bias[j] > bound || d->bias[j] < -bound) return 0;
+    for (j = 0; j < shifts; j++)
+        if (shift[j] > 0) return 0;
+    for (j = 0; bias && j < n; j++)
+        if (bias[j] > bound || bias[j] < -bound) return 0;
     return 1;
+}
+
+static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
+    return d->c_int8 && mpt__requant_is_plain(d->k, d->n, d->shift, d->per_channel ? d->n : 1,
+                                              d->bias);
 }
 
 /* B packed in the layout of one path (nr, quads: the micro-kernel's),
@@ -22778,14 +22783,10 @@ static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op, int inte
     const int64_t N = op->info.out_channels, K = op->info.depth, npad = (N + 15) / 16 * 16;
     const int64_t per_row = (g->kw + 3) / 4, groups = g->kh * per_row;
     const int64_t zu = integer ? (int64_t)op->info.input.zero_point + 128 : 128;
-    mpt_qgemm_desc d;
     int64_t f, i, j;
-    memset(&d, 0, sizeof d);
-    d.n = N, d.k = K, d.c_int8 = (int8_t *)op->wq; /* (only tested for NULL) */
-    d.shift = op->shift, d.bias = op->bq, d.per_channel = 1;
     if (!MPT__X86 || op->info.op != MPT_QOP_CONV_2D || g->c != 1 || groups > MPT__QD_MAX_GROUPS ||
         !(ctx->cpu & MPT_CPU_AVX512) || !(ctx->cpu & MPT_CPU_AVX512_VNNI) ||
-        (integer && !mpt__qgemm_is_plain_requant(&d)))
+        (integer && !mpt__requant_is_plain(K, N, op->shift, N, op->bq)))
         return MPT_OK;
     op->direct_w = (uint8_t *)mpt__calloc(ctx, (size_t)(groups * npad * 4 + npad * 4));
     if (!op->direct_w)
@@ -23032,9 +23033,8 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
 }
 
 /* Softmax of int8 logits as TFLite's: exp of each logit's distance to its
-   row's largest from a table, the row's sum, and p·256 − 128 rounded.
-   The largest's exp is 1, so the sum is ≥ 1 and each p·256 in [0, 256]:
-   truncating and adding one from a remainder of 0.5 up is roundf there. */
+   row's largest from a table, the row's sum, and p·256 − 128 rounded,
+   rows over the threads. */
 #define MPT__Q_SOFTMAX_TASK_ROWS 32
 
 typedef struct mpt__qsoftmax_job {
@@ -23058,11 +23058,8 @@ static void mpt__q_softmax_task(void *arg, int64_t task, int thread) {
         for (c = 0; c < j->cols; c++) max = x[c] > max ? x[c] : max;
         for (c = 0; c < j->cols; c++) sum += table[max - x[c]];
         inv = 256.0f / sum;
-        for (c = 0; c < j->cols; c++) {
-            const float v = table[max - x[c]] * inv;
-            const int32_t q = (int32_t)v + (v - (float)(int32_t)v >= 0.5f) - 128;
-            y[c] = (int8_t)(q > 127 ? 127 : q);
-        }
+        for (c = 0; c < j->cols; c++)
+            y[c] = mpt__q_clamp8((double)mpt__q_round(table[max - x[c]] * inv) - 128.0);
     }
 }
 

@@ -1922,17 +1922,23 @@ typedef struct mpt_conv_args {
 
 /* Workspace bytes of a float32 or float16 kernel_grad of n samples
    through window g (an mpt_window *) with f filters, for the CPU's
-   Winograd transform of a 3×3 kernel of stride 1: a transformed gradient (16 · C · F floats) for
-   each span of ⌈4096 / (C + F)⌉ tiles (C rounded up to 8, F to 32; a
-   tile is 2×2 output pixels), and a zero pixel. */
+   Winograd transform of a 3×3 kernel of stride 1: a transformed gradient
+   (16 · C · F floats) for each of at most 32 groups of spans of
+   ⌈4096 / (C + F)⌉ tiles (C rounded up to 8, F to 32; a tile is 2×2
+   output pixels), and a zero pixel. */
 #define MPT__CONV_WINO_WIDTH(c, f) (((c) + 7) / 8 * 8 + ((f) + 31) / 32 * 32)
 #define MPT_CONV_WINO_KGRAD_SPAN(c, f) \
     ((4096 + MPT__CONV_WINO_WIDTH(c, f) - 1) / MPT__CONV_WINO_WIDTH(c, f))
-#define MPT_CONV_WINO_KGRAD_WS_BYTES(g, n, f)                                          \
-    (64 * (g)->c * (f) *                                                               \
-         (((n) * (((g)->oh + 1) / 2) * (((g)->ow + 1) / 2) +                           \
-           MPT_CONV_WINO_KGRAD_SPAN((g)->c, f) - 1) /                                  \
-          MPT_CONV_WINO_KGRAD_SPAN((g)->c, f)) +                                       \
+#define MPT_CONV_WINO_KGRAD_GROUPS 32
+#define MPT__CONV_WINO_KGRAD_SPANS(g, n, f)                                    \
+    (((n) * (((g)->oh + 1) / 2) * (((g)->ow + 1) / 2) +                        \
+      MPT_CONV_WINO_KGRAD_SPAN((g)->c, f) - 1) /                               \
+     MPT_CONV_WINO_KGRAD_SPAN((g)->c, f))
+#define MPT_CONV_WINO_KGRAD_WS_BYTES(g, n, f)                                  \
+    (64 * (g)->c * (f) *                                                       \
+         (MPT__CONV_WINO_KGRAD_SPANS(g, n, f) < MPT_CONV_WINO_KGRAD_GROUPS     \
+              ? MPT__CONV_WINO_KGRAD_SPANS(g, n, f)                            \
+              : MPT_CONV_WINO_KGRAD_GROUPS) +                                  \
      4 * (g)->c + 256)
 
 /* Workspace bytes of a bfloat16 kernel_grad of n samples through window g
@@ -9185,14 +9191,18 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
        dM = A dY Aᵀ    (dY: the tile's 2×2 of dz, zero past the edge),
    the same 16 products, now of (C × tiles) by (tiles × F): 16·C·F
    multiply-adds per tile where the direct kernel gradient spends 36·C·F.
-   A task takes a span of tiles (as many as keep their V and dM within
-   256 KiB of the thread's scratch, so that the products read them from
-   the core's own cache): it transforms them (channels in blocks of 8,
-   filters in blocks of 32, each block's tiles one after the other, as
-   the products read them), runs the 16 products over its span with an
-   8 × 32 register block, and stores its own dU. A second pass adds the
-   tasks' dU in task order, turns the sum into dg and stores or adds it.
-   Spans depend on the layer alone: the same bits for any thread count. */
+   The tiles go in spans, as many as keep their V and dM within 256 KiB
+   of the thread's scratch, so that the products read them from the
+   core's own cache; the spans in at most MPT_CONV_WINO_KGRAD_GROUPS
+   groups of consecutive spans, a task each. A task transforms a span
+   (channels in blocks of 8, filters in blocks of 32, each block's tiles
+   one after the other, as the products read them), runs the 16 products
+   over it with an 8 × 32 register block, adds them to its own dU, and
+   goes on to its next span. A second pass adds the tasks' dU in task
+   order, turns the sum into dg and stores or adds it. (One dU per span
+   was 19 MB for the CNN's second layer, written and read back: with the
+   layer's x and dz, more than the L3 cache holds.) Spans and groups
+   depend on the layer alone: the same bits for any thread count. */
 
 typedef struct mpt__wkg_job {
     const mpt_conv_args *a;
@@ -9200,7 +9210,9 @@ typedef struct mpt__wkg_job {
     mpt_context *ctx;
     int64_t th, tw, tiles;    /* tile rows, columns per sample; n·th·tw      */
     int64_t cb, fb;           /* blocks of 8 channels, of 32 filters         */
-    int64_t span, tasks;      /* tiles per task; tasks                       */
+    int64_t span, spans;      /* tiles per span; spans                       */
+    int64_t tasks;            /* groups of consecutive spans                 */
+    int64_t v_plane, dm_plane; /* floats from one ξ to the next in v, dm      */
     float *du;                /* (tasks, 16, C, F): each task's dU           */
     const unsigned char *zero; /* C zeros: what the padding reads            */
 } mpt__wkg_job;
@@ -9208,6 +9220,12 @@ typedef struct mpt__wkg_job {
 /* Tiles per task for C channels and F filters: 16 floats of V and dM
    per tile and channel or filter, 256 KiB in all. */
 static int64_t mpt__wkg_span(int64_t c, int64_t f) { return MPT_CONV_WINO_KGRAD_SPAN(c, f); }
+
+/* Floats between v's (and dm's) 16 planes beyond their contents: planes a
+   multiple of 4 KiB apart put a tile's 16 stores in one set of the L1
+   cache, more lines than it has ways, and the transform waited on the
+   evictions (1,600 cycles a tile for 32 channels and filters). */
+#define MPT__WKG_PLANE_PAD 16
 
 /* Whether Winograd's kernel gradient takes this case: float32 or
    float16 with AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
@@ -9226,7 +9244,7 @@ static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
    (16, fb, span, 32). */
 /* lanes 0..7 to channel block c/8, lanes 8..15 to the next block */
 #define MPT__WKG_STORE8(xi, val)                                               \
-    dst = v + (((xi) * j->cb + c / 8) * j->span + i) * 8;                       \
+    dst = v + (xi) * j->v_plane + (c / 8 * j->span + i) * 8;                    \
     _mm256_storeu_ps(dst, _mm512_extractf32x8_ps(val, 0));                      \
     if (c / 8 + 1 < j->cb) _mm256_storeu_ps(dst + j->span * 8, _mm512_extractf32x8_ps(val, 1));
 #define MPT__WKG_COL(s)                                                 \
@@ -9239,7 +9257,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
     mpt_dtype dtype) {
     const mpt_window *g = j->g;
     const int64_t C = g->c, F = j->a->f;
-    const int64_t step = j->fb * j->span * 32; /* dm from ξ to ξ + 1 */
+    const int64_t step = j->dm_plane;
     const size_t es = mpt_dtype_size(dtype);
     const unsigned char *x = (const unsigned char *)j->a->x;
     const unsigned char *dz = (const unsigned char *)j->a->dz;
@@ -9299,10 +9317,15 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
 #undef MPT__WKG_STORE8
 #undef MPT__WKG_COL
 
-/* du (16, C, F) of a span of n tiles: for each ξ, 8 channels by 32
-   filters at a time, the tiles in order. */
+/* du (16, C, F) of a span of n tiles, added to du's sums unless first:
+   for each ξ, 8 channels by 32 filters at a time, the tiles in order. */
 #define MPT__WKG_ROWS(X) MPT__ROWS6(X) X(6) X(7)
-#define MPT__WKG_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__WKG_ACC(i)                                                               \
+    __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();              \
+    if (!first && c0 + i < C) {                                                       \
+        c##i##0 = _mm512_maskz_loadu_ps(k0, out + (c0 + i) * F);                      \
+        c##i##1 = _mm512_maskz_loadu_ps(k1, out + (c0 + i) * F + 16);                 \
+    }
 #define MPT__WKG_FMA(i)                                            \
     ai = _mm512_set1_ps(vt[i]);                                    \
     c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);                    \
@@ -9313,15 +9336,16 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         _mm512_mask_storeu_ps(out + (c0 + i) * F + 16, k1, c##i##1);               \
     }
 MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const float *v,
-                                                 const float *dm, int64_t n, float *du) {
+                                                 const float *dm, int64_t n, int first,
+                                                 float *du) {
     const int64_t C = j->g->c, F = j->a->f;
     int64_t xi, cbi, fbi, t;
     for (xi = 0; xi < 16; xi++)
         for (cbi = 0; cbi < j->cb; cbi++)
             for (fbi = 0; fbi < j->fb; fbi++) {
                 const int64_t c0 = cbi * 8, o0 = fbi * 32;
-                const float *vt = v + (xi * j->cb + cbi) * j->span * 8;
-                const float *d = dm + (xi * j->fb + fbi) * j->span * 32;
+                const float *vt = v + xi * j->v_plane + cbi * j->span * 8;
+                const float *d = dm + xi * j->dm_plane + fbi * j->span * 32;
                 const __mmask16 k0 = mpt__gemm_mask16((int)(F - o0));
                 const __mmask16 k1 = mpt__gemm_mask16((int)(F - o0 - 16));
                 float *out = du + xi * C * F + o0;
@@ -9363,26 +9387,30 @@ MPT__TARGET_AVX512 static void mpt__wkg_prefetch(const mpt__wkg_job *j, int64_t 
         }
 }
 
-/* Task: tiles [task·span, ...) transformed in the thread's scratch, their
-   dU stored as the task's. */
+/* Task: the spans of group `task` one by one, each transformed in the
+   thread's scratch and its products added to the task's dU. */
 MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread) {
     const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
-    const int64_t t0 = task * j->span, n = MPT__MIN(j->span, j->tiles - t0);
+    const int64_t s0 = task * j->spans / j->tasks, s1 = (task + 1) * j->spans / j->tasks;
+    const int64_t t0 = s0 * j->span;
     float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (16, cb, span, 8)  */
-    float *dm = v + 16 * j->cb * j->span * 8;                 /* (16, fb, span, 32) */
-    int64_t i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
-    for (i = 0; i < n; i++) {
-        if (tx + 2 < j->tw) mpt__wkg_prefetch(j, b, ty, tx + 2);
-        if (j->a->dtype == MPT_FLOAT16) /* (one copy per dtype, each with its loads inline) */
-            mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
-        else
-            mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
-        if (++tx == j->tw) {
-            tx = 0;
-            if (++ty == j->th) ty = 0, b++;
+    float *dm = v + 16 * j->v_plane;                          /* (16, fb, span, 32) */
+    int64_t s, i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
+    for (s = s0; s < s1; s++) {
+        const int64_t n = MPT__MIN(j->span, j->tiles - s * j->span);
+        for (i = 0; i < n; i++) {
+            if (tx + 2 < j->tw) mpt__wkg_prefetch(j, b, ty, tx + 2);
+            if (j->a->dtype == MPT_FLOAT16) /* (one copy per dtype, each with its loads inline) */
+                mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+            else
+                mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
+            if (++tx == j->tw) {
+                tx = 0;
+                if (++ty == j->th) ty = 0, b++;
+            }
         }
+        mpt__wkg_products(j, v, dm, n, s == s0, j->du + task * 16 * j->g->c * j->a->f);
     }
-    mpt__wkg_products(j, v, dm, n, j->du + task * 16 * j->g->c * j->a->f);
 }
 
 /* Pairs [task·256, task·256 + 256) of the C·F plane: dU summed over the
@@ -9451,7 +9479,10 @@ static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a) {
     j.cb = (g->c + 7) / 8;
     j.fb = (a->f + 31) / 32;
     j.span = mpt__wkg_span(g->c, a->f);
-    j.tasks = (j.tiles + j.span - 1) / j.span;
+    j.spans = (j.tiles + j.span - 1) / j.span;
+    j.tasks = MPT__MIN(j.spans, MPT_CONV_WINO_KGRAD_GROUPS);
+    j.v_plane = j.cb * j.span * 8 + MPT__WKG_PLANE_PAD;
+    j.dm_plane = j.fb * j.span * 32 + MPT__WKG_PLANE_PAD;
     j.du = (float *)a->ws;
     zero = j.du + j.tasks * 16 * g->c * a->f;
     memset(zero, 0, sizeof(float) * (size_t)g->c);

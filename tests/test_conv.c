@@ -1614,7 +1614,8 @@ static void test_winograd(void) {
    first) or added to what dkernel held; the same bits on 1 and 2 threads.
    Channel counts off the 8-channel blocks and the 16-lane vectors,
    filters off the 32-filter blocks, odd output sizes (half tiles), tile
-   counts that leave the last span short, paddings of 0, 1 and 2. */
+   counts that leave the last span short, more spans than groups,
+   paddings of 0, 1 and 2. */
 static void test_winograd_kernel_grad(void) {
     static const wino_case cases[] = {
         {3, 26, 26, 32, 32, 0, 0, 0, 0, 0, 0, 0}, /* the seed cnn's second layer */
@@ -1623,6 +1624,8 @@ static void test_winograd_kernel_grad(void) {
         {1, 8, 10, 24, 40, 2, 0, 0, 2, 0, 0, 0},
         {4, 11, 6, 20, 33, 0, 2, 2, 1, 0, 0, 0},
         {2, 10, 10, 64, 64, 1, 1, 1, 1, 0, 0, 0},
+        /* 34 spans of 64 tiles in 32 groups: two tasks sum two spans each */
+        {15, 26, 26, 32, 32, 0, 0, 0, 0, 0, 0, 0},
     };
     mpt_context *one = NULL;
     size_t q;

@@ -9195,14 +9195,15 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
    of the thread's scratch, so that the products read them from the
    core's own cache; the spans in at most MPT_CONV_WINO_KGRAD_GROUPS
    groups of consecutive spans, a task each. A task transforms a span
-   (channels in blocks of 8, filters in blocks of 32, each block's tiles
+   (channels in blocks of 16, filters in blocks of 32, each block's tiles
    one after the other, as the products read them), runs the 16 products
-   over it with an 8 × 32 register block, adds them to its own dU, and
-   goes on to its next span. A second pass adds the tasks' dU in task
-   order, turns the sum into dg and stores or adds it. (One dU per span
-   was 19 MB for the CNN's second layer, written and read back: with the
-   layer's x and dz, more than the L3 cache holds.) Spans and groups
-   depend on the layer alone: the same bits for any thread count. */
+   over it with an 8 × 32 register block (half a channel block), adds
+   them to its own dU, and goes on to its next span. A second pass adds
+   the tasks' dU in task order, turns the sum into dg and stores or adds
+   it. (One dU per span was 19 MB for the CNN's second layer, written and
+   read back: with the layer's x and dz, more than the L3 cache holds.)
+   Spans and groups depend on the layer alone: the same bits for any
+   thread count. */
 
 typedef struct mpt__wkg_job {
     const mpt_conv_args *a;
@@ -9217,7 +9218,7 @@ typedef struct mpt__wkg_job {
     const unsigned char *zero; /* C zeros: what the padding reads            */
 } mpt__wkg_job;
 
-/* Tiles per task for C channels and F filters: 16 floats of V and dM
+/* Tiles per span for C channels and F filters: 16 floats of V and dM
    per tile and channel or filter, 256 KiB in all. */
 static int64_t mpt__wkg_span(int64_t c, int64_t f) { return MPT_CONV_WINO_KGRAD_SPAN(c, f); }
 
@@ -9239,19 +9240,16 @@ static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
 }
 
 /* V of a span's tile i (of x's patch, as mpt__wino_input makes it, with
-   its MPT__WINO_ROW; 16 channels a vector, stored as two blocks of 8) and
-   its dM = A dY Aᵀ (16 filters a vector), into v (16, cb, span, 8) and dm
+   its MPT__WINO_ROW; 16 channels a vector, zeros past C) and its dM =
+   A dY Aᵀ (16 filters a vector), into v (16, ⌈C/16⌉, span, 16) and dm
    (16, fb, span, 32). */
-/* lanes 0..7 to channel block c/8, lanes 8..15 to the next block */
-#define MPT__WKG_STORE8(xi, val)                                               \
-    dst = v + (xi) * j->v_plane + (c / 8 * j->span + i) * 8;                    \
-    _mm256_storeu_ps(dst, _mm512_extractf32x8_ps(val, 0));                      \
-    if (c / 8 + 1 < j->cb) _mm256_storeu_ps(dst + j->span * 8, _mm512_extractf32x8_ps(val, 1));
+#define MPT__WKG_STORE16(xi, val) \
+    _mm512_storeu_ps(v + (xi) * j->v_plane + (c / 16 * j->span + i) * 16, val);
 #define MPT__WKG_COL(s)                                                 \
-    MPT__WKG_STORE8(s, _mm512_sub_ps(f0##s, f2##s))                     \
-    MPT__WKG_STORE8(4 + s, _mm512_add_ps(f1##s, f2##s))                 \
-    MPT__WKG_STORE8(8 + s, _mm512_sub_ps(f2##s, f1##s))                 \
-    MPT__WKG_STORE8(12 + s, _mm512_sub_ps(f1##s, f3##s))
+    MPT__WKG_STORE16(s, _mm512_sub_ps(f0##s, f2##s))                    \
+    MPT__WKG_STORE16(4 + s, _mm512_add_ps(f1##s, f2##s))                \
+    MPT__WKG_STORE16(8 + s, _mm512_sub_ps(f2##s, f1##s))                \
+    MPT__WKG_STORE16(12 + s, _mm512_sub_ps(f1##s, f3##s))
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
     const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
     mpt_dtype dtype) {
@@ -9280,7 +9278,6 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
         __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
         __m512 f20, f21, f22, f23, f30, f31, f32, f33;
-        float *dst;
         MPT__WINO_ROW(0)
         MPT__WINO_ROW(1)
         MPT__WINO_ROW(2)
@@ -9314,7 +9311,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
     }
 }
 #undef MPT__WINO_ROW
-#undef MPT__WKG_STORE8
+#undef MPT__WKG_STORE16
 #undef MPT__WKG_COL
 
 /* du (16, C, F) of a span of n tiles, added to du's sums unless first:
@@ -9344,13 +9341,13 @@ MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const fl
         for (cbi = 0; cbi < j->cb; cbi++)
             for (fbi = 0; fbi < j->fb; fbi++) {
                 const int64_t c0 = cbi * 8, o0 = fbi * 32;
-                const float *vt = v + xi * j->v_plane + cbi * j->span * 8;
+                const float *vt = v + xi * j->v_plane + cbi / 2 * j->span * 16 + cbi % 2 * 8;
                 const float *d = dm + xi * j->dm_plane + fbi * j->span * 32;
                 const __mmask16 k0 = mpt__gemm_mask16((int)(F - o0));
                 const __mmask16 k1 = mpt__gemm_mask16((int)(F - o0 - 16));
                 float *out = du + xi * C * F + o0;
                 MPT__WKG_ROWS(MPT__WKG_ACC)
-                for (t = 0; t < n; t++, vt += 8, d += 32) {
+                for (t = 0; t < n; t++, vt += 16, d += 32) {
                     const __m512 b0 = _mm512_loadu_ps(d), b1 = _mm512_loadu_ps(d + 16);
                     __m512 ai;
                     MPT__WKG_ROWS(MPT__WKG_FMA)
@@ -9393,7 +9390,7 @@ MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread
     const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
     const int64_t s0 = task * j->spans / j->tasks, s1 = (task + 1) * j->spans / j->tasks;
     const int64_t t0 = s0 * j->span;
-    float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (16, cb, span, 8)  */
+    float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (16, C/16, span, 16) */
     float *dm = v + 16 * j->v_plane;                          /* (16, fb, span, 32) */
     int64_t s, i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
     for (s = s0; s < s1; s++) {
@@ -9481,7 +9478,7 @@ static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a) {
     j.span = mpt__wkg_span(g->c, a->f);
     j.spans = (j.tiles + j.span - 1) / j.span;
     j.tasks = MPT__MIN(j.spans, MPT_CONV_WINO_KGRAD_GROUPS);
-    j.v_plane = j.cb * j.span * 8 + MPT__WKG_PLANE_PAD;
+    j.v_plane = (g->c + 15) / 16 * j.span * 16 + MPT__WKG_PLANE_PAD;
     j.dm_plane = j.fb * j.span * 32 + MPT__WKG_PLANE_PAD;
     j.du = (float *)a->ws;
     zero = j.du + j.tasks * 16 * g->c * a->f;

@@ -2109,7 +2109,8 @@ typedef struct mpt_backend {
     /* activation_grad, column_sums and the rounding of dz to dtype in one
        pass, where the backend can (else 0, nothing done; may be NULL):
        dz (rows, cols) in dtype = dy · act'(y) for act NONE or RELU, and,
-       unless bias_grad is NULL, bias_grad[j] (+)= Σ_r dz[r][j]. scratch
+       unless bias_grad is NULL, bias_grad[j] (+)= Σ_r dz[r][j]. With act
+       NONE, dz may be dy itself: then only the sums are made. scratch
        holds rows·cols floats. */
     int (*dz_and_bias_grad)(void *impl, mpt_activation act, mpt_dtype dtype, const void *y,
                             const void *dy, void *dz, float *bias_grad, int accumulate,
@@ -7621,7 +7622,8 @@ static void mpt__add_column_sums(int cpu, const float *dz, int64_t rows, int64_t
    in order within a block, and the blocks' sums are then added in order:
    the same bits for any thread count and with or without AVX-512. */
 
-/* One block: dz (rows, cols) in dtype and sums[j] = Σ_r dz[r][j]. */
+/* One block: dz (rows, cols) in dtype and sums[j] = Σ_r dz[r][j]; dz
+   NULL: the sums alone (dz is dy). */
 static void mpt__dz_block_scalar(mpt_dtype dtype, int relu, const void *y, const void *dy,
                                  void *dz, int64_t rows, int64_t cols, float *sums) {
     int64_t r, j;
@@ -7631,14 +7633,14 @@ static void mpt__dz_block_scalar(mpt_dtype dtype, int relu, const void *y, const
             const int64_t i = r * cols + j;
             float d = mpt__load_f32(dtype, dy, i);
             if (relu) d = mpt__relu_grad(mpt__load_f32(dtype, y, i), d);
-            mpt__store_f32(dtype, dz, i, d);
+            if (dz) mpt__store_f32(dtype, dz, i, d);
             sums[j] += d;
         }
 }
 
 #if MPT__X86
 /* dz's 16 columns [j, j + 16) ∩ m of the row at `at` (bytes), added to
-   their running sums. */
+   their running sums (and stored unless dz is NULL). */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__dz_vector(
     mpt_dtype dtype, int relu, const unsigned char *y, const unsigned char *dy,
     unsigned char *dz, size_t at, __mmask16 m, __m512 sum) {
@@ -7647,7 +7649,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__dz_vector(
         d = _mm512_maskz_mov_ps(_mm512_mask_cmp_ps_mask(m, mpt__avx512_load(dtype, y + at, m),
                                                         _mm512_setzero_ps(), _CMP_NLE_UQ),
                                 d);
-    mpt__avx512_store(dtype, dz + at, d, m);
+    if (dz) mpt__avx512_store(dtype, dz + at, d, m);
     return _mm512_add_ps(sum, d);
 }
 
@@ -10501,6 +10503,10 @@ static void mpt__conv2d_backward_rows(mpt__layer *L, const mpt__pass *p, const m
        may make it on the way instead of storing it. */
     if (!dx && mpt__conv2d_direct_kernel_grad(L, p, c, act, x, NULL, y, dy, n, b0 == 0, kgrad_ws))
         return;
+    /* Without an activation dz is dy, in dtype already: only the bias
+       gradient is summed (a Conv2D that ran its MaxPooling2D gets its dz
+       so, from the pooling's gradient). */
+    if (act == MPT_ACT_NONE && !z) dz_c = (void *)dy;
     /* The products run in the compute dtype, as the forward did. */
     mpt__layer_dz(L, p, act, z, y, dy, dz, tmp, dz_c, d->no_bias ? NULL : mpt__param_grad(L, 1),
                   b0 != 0, rows, c->f);
@@ -26978,7 +26984,7 @@ static void mpt__dz_task(void *arg, int64_t block, int thread) {
     const int64_t r0 = block * j->block_rows;
     const size_t at = (size_t)(r0 * j->cols) * mpt_dtype_size(j->dtype);
     (void)thread;
-    mpt__dz_block(j->cpu, j->dtype, j->relu, j->y + at, j->dy + at, j->dz + at,
+    mpt__dz_block(j->cpu, j->dtype, j->relu, j->y + at, j->dy + at, j->dz ? j->dz + at : NULL,
                   MPT__MIN(j->block_rows, j->rows - r0), j->cols,
                   j->block_sums + block * j->cols);
 }
@@ -26995,7 +27001,7 @@ static int mpt__cpu_dz_and_bias_grad(void *impl, mpt_activation act, mpt_dtype d
     j.dtype = dtype;
     j.y = (const unsigned char *)y;
     j.dy = (const unsigned char *)dy;
-    j.dz = (unsigned char *)dz;
+    j.dz = act == MPT_ACT_NONE && dz == dy ? NULL : (unsigned char *)dz; /* NULL: sums only */
     j.rows = rows;
     j.cols = cols;
     j.block_rows = mpt__elementwise_task_rows(cols);

@@ -1911,14 +1911,19 @@ typedef struct mpt_conv_args {
        without this declines (returns 0). */
     const void *out, *dy;       /* (n, OH, OW, F) in dtype                  */
     float *dbias;               /* (F)                                      */
+    /* forward and input_grad: ws holds what the previous call left there,
+       a call with the same kernel, window, dtype and direction (a later
+       chunk of one batch): a backend may keep the kernel it prepared. */
+    int ws_kept;
 } mpt_conv_args;
 
 /* Workspace bytes of conv_direct for kk = kh·kw·C and F filters: the
    kernel repacked (at most 4 bytes an element) and one zero pixel; for a
-   3×3 kernel's Winograd transform, 16·C·F floats and the kernel turned
-   around (9·C·F): under 12 bytes per element of kk·F. */
+   3×3 kernel's Winograd transforms, up to 36·C·F floats and the kernel
+   turned around (9·C·F): 20 bytes per element of kk·F. */
+#define MPT__CONV_DIRECT_WS_PER_KF 20
 #define MPT_CONV_DIRECT_WS_BYTES(kk, c, f) \
-    (12 * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
+    (MPT__CONV_DIRECT_WS_PER_KF * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
 
 /* Workspace bytes of a float32 or float16 kernel_grad of n samples
    through window g (an mpt_window *) with f filters, for the CPU's
@@ -8403,7 +8408,7 @@ static void mpt__dconv_pack(mpt__dconv_job *j, unsigned char *ws) {
     float *dst32 = (float *)(void *)ws;
     uint32_t *dst16 = (uint32_t *)(void *)ws;
     int64_t k, o;
-    for (k = 0; k < j->kk; k++) {
+    for (k = 0; k < j->kk && !j->a->ws_kept; k++) { /* (kept: packed by the previous chunk) */
         /* element (k, o) of B is kernel[row + o·step] */
         const int64_t row = j->a->input_grad ? (j->taps - 1 - k / f) * c * f + k % f : k * f;
         const int64_t step = j->a->input_grad ? f : 1;
@@ -8911,7 +8916,8 @@ typedef struct mpt__wino_job {
     int64_t oh, ow, oc;      /* the output's: y, or dx for input_grad         */
     int64_t top, left;       /* rows and columns of zeros before the image    */
     int64_t th, tw, tiles;   /* tile rows and columns per sample; n·th·tw     */
-    float *u;                /* U: (16, ic, oc)                               */
+    int tile, points;        /* 2 (F(2×2, 3×3)) or 4 (F(4×4, 3×3)); 16 or 36 */
+    float *u;                /* U: (points, ic, oc)                           */
     const unsigned char *zero; /* ic zeros: what the padding reads            */
 } mpt__wino_job;
 
@@ -9044,8 +9050,9 @@ MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t
         mpt__wino_input_as(j, t0, v, MPT_FLOAT32);
 }
 
-/* M (16, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), ξ = 0..15: the
-   direct tiles' 12 × 32 register block, the channels summed in order. */
+/* M (points, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), each ξ of
+   the tile's points: the direct tiles' 12 × 32 register block, the
+   channels summed in order. */
 #define MPT__WINO_SRC(i) const float *s##i = vx + i * ic;
 #define MPT__WINO_STORE(i)                          \
     _mm512_storeu_ps(tile + 32 * i, c##i##0);       \
@@ -9055,7 +9062,7 @@ MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const 
     const int64_t ic = j->ic, oc = j->oc;
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int xi;
-    for (xi = 0; xi < 16; xi++) {
+    for (xi = 0; xi < j->points; xi++) {
         const float *vx = v + xi * MPT__WINO_TILES * ic, *wr = j->u + xi * ic * oc + o0;
         float *tile = m + xi * MPT__WINO_TILES * 32;
         int64_t c;
@@ -9142,24 +9149,222 @@ MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const fl
 }
 #undef MPT__WINO_COL
 
-/* Tiles [task·12, task·12 + 12). */
-static void mpt__wino_task(void *arg, int64_t task, int thread) {
-    const mpt__wino_job *j = (const mpt__wino_job *)arg;
-    float *v = (float *)mpt__thread_scratch(j->ctx, thread);  /* (16, 12, ic) */
-    float *m = v + 16 * MPT__WINO_TILES * j->ic;              /* (16, 12, 32) */
-    const int64_t t0 = task * MPT__WINO_TILES;
-    int64_t o0;
-    mpt__wino_input(j, t0, v);
-    for (o0 = 0; o0 < j->oc; o0 += 32) {
-        const int nb = (int)MPT__MIN(32, j->oc - o0);
-        mpt__wino_products(j, v, o0, nb, m);
-        mpt__wino_output(j, m, t0, o0, nb);
+/* ---- F(4×4, 3×3): the same products on 4×4 tiles ----------------------------
+   A 4×4 block of outputs reads a 6×6 patch: 36 products per tile and
+   channel pair where the direct sums spend 144, 2.25 times fewer than
+   F(2×2, 3×3)'s 16 per 2×2 tile (64). Its transforms (Lavin and Gray's
+   points 0, ±1, ±2, ∞):
+       Bᵀ = | 4  0 −5  0  1  0 |   G = |  ¼     0    0 |   Aᵀ = | 1  1  1  1  1  0 |
+            | 0 −4 −4  1  1  0 |       | −⅙    −⅙   −⅙ |        | 0  1 −1  2 −2  0 |
+            | 0  4 −4 −1  1  0 |       | −⅙     ⅙   −⅙ |        | 0  1  1  4  4  0 |
+            | 0 −2 −1  2  1  0 |       | 1/24 1/12   ⅙ |        | 0  1 −1  8 −8  1 |
+            | 0  2 −1 −2  1  0 |       | 1/24 −1/12  ⅙ |
+            | 0  4  0 −5  0  1 |       |  0     0    1 |
+   Their larger coefficients cost accuracy: the sums' error is several
+   times F(2×2, 3×3)'s (test_conv bounds both alike). A 4×4 tile wastes
+   more past the output's edge, so each call takes the tile whose
+   products, edges counted, are fewer (mpt__wino_tile_for). */
+#define MPT__WINO4_MAX_C 1024   /* V (36 × 12 × C) and M fit the scratch */
+
+/* The six values G·(a0, a1, a2), for U = G g Gᵀ. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_g(__m512 a0, __m512 a1, __m512 a2,
+                                                              __m512 *w) {
+    const __m512 sixth = _mm512_set1_ps(1.0f / 6), twelfth = _mm512_set1_ps(1.0f / 12);
+    const __m512 a0_24 = _mm512_mul_ps(a0, _mm512_set1_ps(1.0f / 24));
+    const __m512 a2_6 = _mm512_mul_ps(a2, sixth), a1_12 = _mm512_mul_ps(a1, twelfth);
+    const __m512 even = _mm512_add_ps(a0, a2);
+    w[0] = _mm512_mul_ps(a0, _mm512_set1_ps(0.25f));
+    w[1] = _mm512_mul_ps(_mm512_add_ps(even, a1), _mm512_set1_ps(-1.0f / 6));
+    w[2] = _mm512_mul_ps(_mm512_sub_ps(even, a1), _mm512_set1_ps(-1.0f / 6));
+    w[3] = _mm512_add_ps(_mm512_add_ps(a0_24, a1_12), a2_6);
+    w[4] = _mm512_add_ps(_mm512_sub_ps(a0_24, a1_12), a2_6);
+    w[5] = a2;
+}
+
+/* U (36, ic, oc) = G g Gᵀ, as mpt__wino_kernel makes F(2×2, 3×3)'s. */
+MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const void *kernel,
+                                                 float *turned) {
+    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+    const unsigned char *g = (const unsigned char *)kernel;
+    mpt_dtype dtype = j->a->dtype;
+    int64_t e, t, c, o;
+    if (j->a->input_grad) {
+        for (t = 0; t < 9; t++)
+            for (o = 0; o < oc; o++)
+                for (c = 0; c < ic; c++)
+                    turned[(t * ic + c) * oc + o] =
+                        mpt__load_f32(dtype, kernel, ((8 - t) * oc + o) * ic + c);
+        g = (const unsigned char *)turned;
+        dtype = MPT_FLOAT32;
+    }
+    for (e = 0; e < plane; e += 16) {
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
+        const size_t es = mpt_dtype_size(dtype);
+        __m512 gg[9], col[3][6], row[6];
+        int r, q;
+        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
+        for (q = 0; q < 3; q++) mpt__wino4_g(gg[q], gg[3 + q], gg[6 + q], col[q]); /* G g */
+        for (r = 0; r < 6; r++) { /* (G g) Gᵀ: U_ξ for ξ = 6r .. 6r + 5 */
+            mpt__wino4_g(col[0][r], col[1][r], col[2][r], row);
+            for (q = 0; q < 6; q++)
+                _mm512_mask_storeu_ps(j->u + (6 * r + q) * plane + e, k, row[q]);
+        }
     }
 }
 
-/* The forward product or the input gradient by Winograd's F(2×2, 3×3).
-   ws (MPT_CONV_DIRECT_WS_BYTES): U, a zero pixel, the turned kernel. */
-static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
+/* The six values Bᵀ·(d0 .. d5). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_b(const __m512 *d, __m512 *out) {
+    const __m512 two = _mm512_set1_ps(2.0f), four = _mm512_set1_ps(4.0f);
+    const __m512 five = _mm512_set1_ps(5.0f);
+    const __m512 s12 = _mm512_add_ps(d[1], d[2]), s34 = _mm512_add_ps(d[3], d[4]);
+    const __m512 d12 = _mm512_sub_ps(d[1], d[2]), d43 = _mm512_sub_ps(d[4], d[3]);
+    const __m512 d31 = _mm512_sub_ps(d[3], d[1]), d42 = _mm512_sub_ps(d[4], d[2]);
+    out[0] = _mm512_fmadd_ps(four, d[0], _mm512_fnmadd_ps(five, d[2], d[4]));
+    out[1] = _mm512_fnmadd_ps(four, s12, s34);
+    out[2] = _mm512_fmadd_ps(four, d12, d43);
+    out[3] = _mm512_fmadd_ps(two, d31, d42);
+    out[4] = _mm512_fnmadd_ps(two, d31, d42);
+    out[5] = _mm512_fmadd_ps(four, d[1], _mm512_fnmadd_ps(five, d[3], d[5]));
+}
+
+/* V (36, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
+   each row of the patch through Bᵀ, then each column. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt__wino_job *j,
+                                                                      int64_t t0, float *v,
+                                                                      mpt_dtype dtype) {
+    const int64_t ic = j->ic, per = j->th * j->tw, step = MPT__WINO_TILES * ic;
+    const size_t es = mpt_dtype_size(dtype);
+    int64_t i, c;
+    for (i = 0; i < MPT__WINO_TILES; i++) {
+        const int64_t t = t0 + i, b = t / per, y0 = 4 * (t % per / j->tw) - j->top;
+        const int64_t x0 = 4 * (t % j->tw) - j->left;
+        const unsigned char *at[36]; /* the patch's pixels */
+        int r, s;
+        /* the columns the tile after next reads that the next one does not */
+        for (r = 0; r < 6 && t % j->tw + 2 < j->tw && t + 2 < j->tiles; r++)
+            for (s = 10; s < 14; s++)
+                if (y0 + r >= 0 && y0 + r < j->ih && x0 + s >= 0 && x0 + s < j->iw)
+                    mpt__prefetch_row(j->x, (size_t)((b * j->ih + y0 + r) * j->iw + x0 + s) *
+                                                (size_t)ic * es,
+                                      (size_t)ic * es);
+        for (r = 0; r < 6; r++)
+            for (s = 0; s < 6; s++) {
+                const int64_t y = y0 + r, x = x0 + s;
+                at[6 * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
+                                    ? j->x + (size_t)((b * j->ih + y) * j->iw + x) * ic * es
+                                    : j->zero;
+            }
+        for (c = 0; c < ic; c += 16) {
+            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
+            float *dst = v + i * ic + c;
+            __m512 d[6], rows[6][6], out[6];
+            for (r = 0; r < 6; r++) { /* d B, row by row */
+                for (s = 0; s < 6; s++) d[s] = mpt__gemm_load16(dtype, at[6 * r + s] + c * es, k);
+                mpt__wino4_b(d, rows[r]);
+            }
+            for (s = 0; s < 6; s++) { /* Bᵀ over each column */
+                for (r = 0; r < 6; r++) d[r] = rows[r][s];
+                mpt__wino4_b(d, out);
+                for (r = 0; r < 6; r++) _mm512_mask_storeu_ps(dst + (6 * r + s) * step, k, out[r]);
+            }
+        }
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t t0, float *v) {
+    if (j->a->dtype == MPT_FLOAT16)
+        mpt__wino4_input_as(j, t0, v, MPT_FLOAT16);
+    else
+        mpt__wino4_input_as(j, t0, v, MPT_FLOAT32);
+}
+
+/* The four values Aᵀ·(m0 .. m5). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(const __m512 *m, __m512 *out) {
+    const __m512 s12 = _mm512_add_ps(m[1], m[2]), d12 = _mm512_sub_ps(m[1], m[2]);
+    const __m512 s34 = _mm512_add_ps(m[3], m[4]), d34 = _mm512_sub_ps(m[3], m[4]);
+    out[0] = _mm512_add_ps(_mm512_add_ps(m[0], s12), s34);
+    out[1] = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34, d12);
+    out[2] = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34, s12);
+    out[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m[5]);
+}
+
+/* The tiles' 4×4 outputs for filters [o0, o0 + nb) from M (36, 12, 32),
+   as mpt__wino_output stores F(2×2, 3×3)'s. */
+MPT__TARGET_AVX512 static void mpt__wino4_output(const mpt__wino_job *j, const float *m,
+                                                 int64_t t0, int64_t o0, int nb) {
+    const mpt_conv_args *a = j->a;
+    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
+    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
+    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL; /* (as there) */
+    const size_t es = mpt_dtype_size(a->dtype);
+    unsigned char *y = (unsigned char *)a->y;
+    int64_t i;
+    int h, r, s;
+    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
+        const int64_t t = t0 + i, b = t / per, oy = 4 * (t % per / j->tw), ox = 4 * (t % j->tw);
+        for (h = 0; h < nb; h += 16) {
+            const __mmask16 k = mpt__gemm_mask16(nb - h);
+            const float *mi = m + i * 32 + h;
+            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
+            __m512 col[6][4], q[6], out[4];
+            for (s = 0; s < 6; s++) { /* Aᵀ M, column by column */
+                for (r = 0; r < 6; r++) q[r] = _mm512_loadu_ps(mi + (6 * r + s) * ld);
+                mpt__wino4_a(q, col[s]);
+            }
+            for (r = 0; r < 4 && oy + r < j->oh; r++) { /* then A along each row */
+                for (s = 0; s < 6; s++) q[s] = col[s][r];
+                mpt__wino4_a(q, out);
+                for (s = 0; s < 4 && ox + s < j->ow; s++) {
+                    __m512 val = _mm512_add_ps(out[s], bias);
+                    if (relu)
+                        val = _mm512_maskz_mov_ps(
+                            _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
+                    mpt__avx512_store(
+                        a->dtype, y + (size_t)(((b * j->oh + oy + r) * j->ow + ox + s) * j->oc + o0 + h) * es,
+                        val, k);
+                }
+            }
+        }
+    }
+}
+
+/* Tiles [task·12, task·12 + 12). */
+static void mpt__wino_task(void *arg, int64_t task, int thread) {
+    const mpt__wino_job *j = (const mpt__wino_job *)arg;
+    float *v = (float *)mpt__thread_scratch(j->ctx, thread);  /* (points, 12, ic) */
+    float *m = v + j->points * MPT__WINO_TILES * j->ic;       /* (points, 12, 32) */
+    const int64_t t0 = task * MPT__WINO_TILES;
+    int64_t o0;
+    if (j->tile == 4)
+        mpt__wino4_input(j, t0, v);
+    else
+        mpt__wino_input(j, t0, v);
+    for (o0 = 0; o0 < j->oc; o0 += 32) {
+        const int nb = (int)MPT__MIN(32, j->oc - o0);
+        mpt__wino_products(j, v, o0, nb, m);
+        if (j->tile == 4)
+            mpt__wino4_output(j, m, t0, o0, nb);
+        else
+            mpt__wino_output(j, m, t0, o0, nb);
+    }
+}
+
+/* The tile side, 2 or 4, whose products are fewer for this call's output
+   (4×4 tiles by a fifth at least: their transforms cost more per tile),
+   4 only where its V fits the scratch. */
+static int mpt__wino_tile_for(const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    const int64_t oh = a->input_grad ? g->h : g->oh, ow = a->input_grad ? g->w : g->ow;
+    const int64_t ic = a->input_grad ? a->f : g->c;
+    const int64_t cost2 = (oh + 1) / 2 * ((ow + 1) / 2) * 16;
+    const int64_t cost4 = (oh + 3) / 4 * ((ow + 3) / 4) * 36;
+    return ic <= MPT__WINO4_MAX_C && 5 * cost4 <= 4 * cost2 ? 4 : 2;
+}
+
+/* The forward product or the input gradient by Winograd's F(tile×tile,
+   3×3), tile 2 or 4. ws (MPT_CONV_DIRECT_WS_BYTES): U, a zero pixel, the
+   turned kernel. */
+static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     const mpt_window *g = a->g;
     mpt__wino_job j;
     float *zero;
@@ -9174,14 +9379,21 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a) {
     j.oc = a->input_grad ? g->c : a->f;
     j.top = a->input_grad ? 2 - g->top : g->top;
     j.left = a->input_grad ? 2 - g->left : g->left;
-    j.th = (j.oh + 1) / 2;
-    j.tw = (j.ow + 1) / 2;
+    j.tile = tile;
+    j.points = (tile + 2) * (tile + 2);
+    j.th = (j.oh + tile - 1) / tile;
+    j.tw = (j.ow + tile - 1) / tile;
     j.tiles = a->n * j.th * j.tw;
     j.u = (float *)a->ws;
-    zero = j.u + 16 * j.ic * j.oc;
+    zero = j.u + j.points * j.ic * j.oc;
     memset(zero, 0, sizeof(float) * (size_t)j.ic);
     j.zero = (const unsigned char *)zero;
-    mpt__wino_kernel(&j, a->kernel, zero + j.ic);
+    if (a->ws_kept) /* U as the previous chunk left it */
+        ;
+    else if (tile == 4)
+        mpt__wino4_kernel(&j, a->kernel, zero + j.ic);
+    else
+        mpt__wino_kernel(&j, a->kernel, zero + j.ic);
     mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
 }
 
@@ -10231,7 +10443,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
 #if MPT__X86
     if (mpt__wino_takes(ctx, a)) {
-        mpt__wino(ctx, a);
+        mpt__wino(ctx, a, mpt__wino_tile_for(a));
         return 1;
     }
 #endif
@@ -10327,7 +10539,7 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     if (mpt__conv_shallow(L->dtype, c.g.c)) /* MPT_CONV_SHALLOW_KGRAD_WS_BYTES */
         kgrad_bytes = MPT_CONV_SHALLOW_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
     /* and the backend's direct convolution (MPT_CONV_DIRECT_WS_BYTES) */
-    mpt__acc_mul(&direct_bytes, c.kk * c.f, 12); /* kk·F: the kernel, repacked */
+    mpt__acc_mul(&direct_bytes, c.kk * c.f, MPT__CONV_DIRECT_WS_PER_KF); /* kk·F: the kernel */
     mpt__acc_mul(&direct_bytes, MPT__MAX(c.g.c, c.f), 4);
     mpt__acc_mul(&direct_bytes, 256, 1);
     if (sample_bytes < 0 || direct_bytes < 0 ||
@@ -10342,7 +10554,8 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
 /* The backend's direct convolution (mpt_conv_args) of n samples, where it
    has one for this case; 0: nothing done. */
 static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
-                              int input_grad, const void *x, void *y, int64_t n, void *ws) {
+                              int input_grad, const void *x, void *y, int64_t n, void *ws,
+                              int ws_kept) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     mpt_conv_args a;
     if (!p->be->conv_direct) return 0;
@@ -10358,6 +10571,7 @@ static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv
     a.act = mpt__pass_activation(p, d->activation);
     a.y = y;
     a.ws = ws;
+    a.ws_kept = ws_kept;
     return p->be->conv_direct(p->impl, &a);
 }
 
@@ -10417,7 +10631,7 @@ static void mpt__conv2d_forward_batch(mpt__layer *L, const mpt__pass *p) {
     mpt__conv_plan c;
     mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
     if (act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX &&
-        mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace))
+        mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace, 0))
         return;
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
 }
@@ -10485,13 +10699,15 @@ static void mpt__conv2d_backward_rows(mpt__layer *L, const mpt__pass *p, const m
     const void *z = d->activation == MPT_ACT_GELU
                         ? (const unsigned char *)L->saved[0] + (size_t)y_off * c->es : NULL;
     mpt__ws w = {(unsigned char *)p->workspace};
+    /* first, at the same place for every chunk: the kernel the backend
+       prepares for dx in the first chunk serves the later ones */
+    void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
     float *dz = (float *)mpt__ws_take(&w, 4 * ny);                          /* (rows, F) */
     float *tmp = (float *)mpt__ws_take(&w, 4 * ny);                         /* (rows, F) */
     void *dz_c = f32 ? (void *)dz : mpt__ws_take(&w, ny * (int64_t)c->es); /* (rows, F) */
     void *cols = c->identity ? NULL : mpt__ws_take(&w, rows * c->kk * (int64_t)c->es);
     float *dcols = (float *)mpt__ws_take(&w, 4 * rows * c->kk);  /* (rows, kk) */
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
-    void *direct_ws = mpt__ws_take(&w, MPT_CONV_DIRECT_WS_BYTES(c->kk, c->g.c, c->f));
     void *kgrad_ws = mpt__conv_shallow(L->dtype, c->g.c)
                          ? mpt__ws_take(&w, MPT_CONV_SHALLOW_KGRAD_WS_BYTES(&c->g, n, c->f))
                      : L->dtype == MPT_BFLOAT16
@@ -10517,7 +10733,7 @@ static void mpt__conv2d_backward_rows(mpt__layer *L, const mpt__pass *p, const m
         mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
                                 b0 == 0);
     }
-    if (!dx || mpt__conv2d_direct(L, p, c, 1, dz_c, dx, n, direct_ws)) return;
+    if (!dx || mpt__conv2d_direct(L, p, c, 1, dz_c, dx, n, direct_ws, b0 != 0)) return;
     if (!c->identity) {
         mpt__conv2d_cols_grad(L, p, c, dz_c, rows, dcols);
         p->be->col2im(p->impl, &c->g, L->dtype, dcols, n, dxf, dx);
@@ -11258,7 +11474,7 @@ static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
         q.batch = MPT__MIN(n, p->batch - b0);
         q.x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c.es;
         q.y = scratch + off[MPT__CP_Y];
-        if (!mpt__conv2d_direct(L, &q, &c, 0, q.x, q.y, q.batch, q.workspace)) {
+        if (!mpt__conv2d_direct(L, &q, &c, 0, q.x, q.y, q.batch, q.workspace, b0 != 0)) {
             if (b0 == 0) return 0;
             mpt__conv2d_forward_batch(L, &q);
         }

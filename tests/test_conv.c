@@ -1643,7 +1643,7 @@ static void test_winograd_kernel_grad(void) {
         {1, 8, 10, 24, 40, 2, 0, 0, 2, 0, 0, 0},
         {4, 11, 6, 20, 33, 0, 2, 2, 1, 0, 0, 0},
         {2, 10, 10, 64, 64, 1, 1, 1, 1, 0, 0, 0},
-        /* 34 spans of 64 tiles in 32 groups: two tasks sum two spans each */
+        /* 34 spans of 64 tiles in 8 groups: tasks sum 4 or 5 spans each */
         {15, 26, 26, 32, 32, 0, 0, 0, 0, 0, 0, 0},
     };
     mpt_context *one = NULL;

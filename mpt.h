@@ -9212,23 +9212,42 @@ MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const v
     }
 }
 
-/* The six values Bᵀ·(d0 .. d5). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_b(const __m512 *d, __m512 *out) {
+/* The six values Bᵀ·(d0 .. d5). (The transforms below name each value
+   rather than index arrays: arrays indexed in loops stayed in memory, and
+   the transforms took as long as the products.) */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_b(__m512 d0, __m512 d1, __m512 d2,
+                                                              __m512 d3, __m512 d4, __m512 d5,
+                                                              __m512 *o0, __m512 *o1,
+                                                              __m512 *o2, __m512 *o3,
+                                                              __m512 *o4, __m512 *o5) {
     const __m512 two = _mm512_set1_ps(2.0f), four = _mm512_set1_ps(4.0f);
     const __m512 five = _mm512_set1_ps(5.0f);
-    const __m512 s12 = _mm512_add_ps(d[1], d[2]), s34 = _mm512_add_ps(d[3], d[4]);
-    const __m512 d12 = _mm512_sub_ps(d[1], d[2]), d43 = _mm512_sub_ps(d[4], d[3]);
-    const __m512 d31 = _mm512_sub_ps(d[3], d[1]), d42 = _mm512_sub_ps(d[4], d[2]);
-    out[0] = _mm512_fmadd_ps(four, d[0], _mm512_fnmadd_ps(five, d[2], d[4]));
-    out[1] = _mm512_fnmadd_ps(four, s12, s34);
-    out[2] = _mm512_fmadd_ps(four, d12, d43);
-    out[3] = _mm512_fmadd_ps(two, d31, d42);
-    out[4] = _mm512_fnmadd_ps(two, d31, d42);
-    out[5] = _mm512_fmadd_ps(four, d[1], _mm512_fnmadd_ps(five, d[3], d[5]));
+    const __m512 s12 = _mm512_add_ps(d1, d2), s34 = _mm512_add_ps(d3, d4);
+    const __m512 d12 = _mm512_sub_ps(d1, d2), d43 = _mm512_sub_ps(d4, d3);
+    const __m512 d31 = _mm512_sub_ps(d3, d1), d42 = _mm512_sub_ps(d4, d2);
+    *o0 = _mm512_fmadd_ps(four, d0, _mm512_fnmadd_ps(five, d2, d4));
+    *o1 = _mm512_fnmadd_ps(four, s12, s34);
+    *o2 = _mm512_fmadd_ps(four, d12, d43);
+    *o3 = _mm512_fmadd_ps(two, d31, d42);
+    *o4 = _mm512_fnmadd_ps(two, d31, d42);
+    *o5 = _mm512_fmadd_ps(four, d1, _mm512_fnmadd_ps(five, d3, d5));
 }
 
 /* V (36, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
    each row of the patch through Bᵀ, then each column. */
+#define MPT__W4_LOAD(i) mpt__gemm_load16(dtype, at[i] + c * es, k)
+#define MPT__W4_ROW(r)                                                                     \
+    mpt__wino4_b(MPT__W4_LOAD(6 * r), MPT__W4_LOAD(6 * r + 1), MPT__W4_LOAD(6 * r + 2),    \
+                 MPT__W4_LOAD(6 * r + 3), MPT__W4_LOAD(6 * r + 4), MPT__W4_LOAD(6 * r + 5), \
+                 &t##r##0, &t##r##1, &t##r##2, &t##r##3, &t##r##4, &t##r##5);
+#define MPT__W4_COL(s)                                                                     \
+    mpt__wino4_b(t0##s, t1##s, t2##s, t3##s, t4##s, t5##s, &o0, &o1, &o2, &o3, &o4, &o5);  \
+    _mm512_mask_storeu_ps(dst + (s) * step, k, o0);                                        \
+    _mm512_mask_storeu_ps(dst + (6 + (s)) * step, k, o1);                                  \
+    _mm512_mask_storeu_ps(dst + (12 + (s)) * step, k, o2);                                 \
+    _mm512_mask_storeu_ps(dst + (18 + (s)) * step, k, o3);                                 \
+    _mm512_mask_storeu_ps(dst + (24 + (s)) * step, k, o4);                                 \
+    _mm512_mask_storeu_ps(dst + (30 + (s)) * step, k, o5);
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt__wino_job *j,
                                                                       int64_t t0, float *v,
                                                                       mpt_dtype dtype) {
@@ -9257,19 +9276,28 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt_
         for (c = 0; c < ic; c += 16) {
             const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
             float *dst = v + i * ic + c;
-            __m512 d[6], rows[6][6], out[6];
-            for (r = 0; r < 6; r++) { /* d B, row by row */
-                for (s = 0; s < 6; s++) d[s] = mpt__gemm_load16(dtype, at[6 * r + s] + c * es, k);
-                mpt__wino4_b(d, rows[r]);
-            }
-            for (s = 0; s < 6; s++) { /* Bᵀ over each column */
-                for (r = 0; r < 6; r++) d[r] = rows[r][s];
-                mpt__wino4_b(d, out);
-                for (r = 0; r < 6; r++) _mm512_mask_storeu_ps(dst + (6 * r + s) * step, k, out[r]);
-            }
+            __m512 t00, t01, t02, t03, t04, t05, t10, t11, t12, t13, t14, t15;
+            __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
+            __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
+            __m512 o0, o1, o2, o3, o4, o5;
+            MPT__W4_ROW(0)
+            MPT__W4_ROW(1)
+            MPT__W4_ROW(2)
+            MPT__W4_ROW(3)
+            MPT__W4_ROW(4)
+            MPT__W4_ROW(5)
+            MPT__W4_COL(0)
+            MPT__W4_COL(1)
+            MPT__W4_COL(2)
+            MPT__W4_COL(3)
+            MPT__W4_COL(4)
+            MPT__W4_COL(5)
         }
     }
 }
+#undef MPT__W4_LOAD
+#undef MPT__W4_ROW
+#undef MPT__W4_COL
 
 MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t t0, float *v) {
     if (j->a->dtype == MPT_FLOAT16)
@@ -9279,54 +9307,81 @@ MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t 
 }
 
 /* The four values Aᵀ·(m0 .. m5). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(const __m512 *m, __m512 *out) {
-    const __m512 s12 = _mm512_add_ps(m[1], m[2]), d12 = _mm512_sub_ps(m[1], m[2]);
-    const __m512 s34 = _mm512_add_ps(m[3], m[4]), d34 = _mm512_sub_ps(m[3], m[4]);
-    out[0] = _mm512_add_ps(_mm512_add_ps(m[0], s12), s34);
-    out[1] = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34, d12);
-    out[2] = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34, s12);
-    out[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m[5]);
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(__m512 m0, __m512 m1, __m512 m2,
+                                                              __m512 m3, __m512 m4, __m512 m5,
+                                                              __m512 *o0, __m512 *o1,
+                                                              __m512 *o2, __m512 *o3) {
+    const __m512 s12 = _mm512_add_ps(m1, m2), d12 = _mm512_sub_ps(m1, m2);
+    const __m512 s34 = _mm512_add_ps(m3, m4), d34 = _mm512_sub_ps(m3, m4);
+    *o0 = _mm512_add_ps(_mm512_add_ps(m0, s12), s34);
+    *o1 = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34, d12);
+    *o2 = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34, s12);
+    *o3 = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m5);
+}
+
+/* One output pixel's 16 filters: + the bias, ReLU, stored in dtype if
+   inside the output. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
+    const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
+    int relu, __mmask16 k) {
+    const mpt_conv_args *a = j->a;
+    const size_t es = mpt_dtype_size(a->dtype);
+    if (y >= j->oh || x >= j->ow) return;
+    val = _mm512_add_ps(val, bias);
+    if (relu)
+        val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
+    mpt__avx512_store(a->dtype,
+                      (unsigned char *)a->y + (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o) * es,
+                      val, k);
 }
 
 /* The tiles' 4×4 outputs for filters [o0, o0 + nb) from M (36, 12, 32),
-   as mpt__wino_output stores F(2×2, 3×3)'s. */
+   as mpt__wino_output stores F(2×2, 3×3)'s: Aᵀ M column by column, then
+   A along each row. */
+#define MPT__W4_LOAD(x) _mm512_loadu_ps(mi + (x) * ld)
+#define MPT__W4_COL(s)                                                                      \
+    mpt__wino4_a(MPT__W4_LOAD(s), MPT__W4_LOAD(6 + s), MPT__W4_LOAD(12 + s),                \
+                 MPT__W4_LOAD(18 + s), MPT__W4_LOAD(24 + s), MPT__W4_LOAD(30 + s), &c0##s,   \
+                 &c1##s, &c2##s, &c3##s);
+#define MPT__W4_ROW(r)                                                                      \
+    mpt__wino4_a(c##r##0, c##r##1, c##r##2, c##r##3, c##r##4, c##r##5, &p0, &p1, &p2, &p3); \
+    mpt__wino4_store(j, b, oy + r, ox, o0 + h, p0, bias, relu, k);                           \
+    mpt__wino4_store(j, b, oy + r, ox + 1, o0 + h, p1, bias, relu, k);                       \
+    mpt__wino4_store(j, b, oy + r, ox + 2, o0 + h, p2, bias, relu, k);                       \
+    mpt__wino4_store(j, b, oy + r, ox + 3, o0 + h, p3, bias, relu, k);
 MPT__TARGET_AVX512 static void mpt__wino4_output(const mpt__wino_job *j, const float *m,
                                                  int64_t t0, int64_t o0, int nb) {
     const mpt_conv_args *a = j->a;
     const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
     const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
     const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL; /* (as there) */
-    const size_t es = mpt_dtype_size(a->dtype);
-    unsigned char *y = (unsigned char *)a->y;
     int64_t i;
-    int h, r, s;
+    int h;
     for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
         const int64_t t = t0 + i, b = t / per, oy = 4 * (t % per / j->tw), ox = 4 * (t % j->tw);
         for (h = 0; h < nb; h += 16) {
             const __mmask16 k = mpt__gemm_mask16(nb - h);
             const float *mi = m + i * 32 + h;
             const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
-            __m512 col[6][4], q[6], out[4];
-            for (s = 0; s < 6; s++) { /* Aᵀ M, column by column */
-                for (r = 0; r < 6; r++) q[r] = _mm512_loadu_ps(mi + (6 * r + s) * ld);
-                mpt__wino4_a(q, col[s]);
-            }
-            for (r = 0; r < 4 && oy + r < j->oh; r++) { /* then A along each row */
-                for (s = 0; s < 6; s++) q[s] = col[s][r];
-                mpt__wino4_a(q, out);
-                for (s = 0; s < 4 && ox + s < j->ow; s++) {
-                    __m512 val = _mm512_add_ps(out[s], bias);
-                    if (relu)
-                        val = _mm512_maskz_mov_ps(
-                            _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-                    mpt__avx512_store(
-                        a->dtype, y + (size_t)(((b * j->oh + oy + r) * j->ow + ox + s) * j->oc + o0 + h) * es,
-                        val, k);
-                }
-            }
+            __m512 c00, c01, c02, c03, c04, c05, c10, c11, c12, c13, c14, c15;
+            __m512 c20, c21, c22, c23, c24, c25, c30, c31, c32, c33, c34, c35;
+            __m512 p0, p1, p2, p3;
+            MPT__W4_COL(0)
+            MPT__W4_COL(1)
+            MPT__W4_COL(2)
+            MPT__W4_COL(3)
+            MPT__W4_COL(4)
+            MPT__W4_COL(5)
+            MPT__W4_ROW(0)
+            MPT__W4_ROW(1)
+            MPT__W4_ROW(2)
+            MPT__W4_ROW(3)
         }
     }
 }
+#undef MPT__W4_LOAD
+#undef MPT__W4_COL
+#undef MPT__W4_ROW
 
 /* Tiles [task·12, task·12 + 12). */
 static void mpt__wino_task(void *arg, int64_t task, int thread) {
@@ -9350,15 +9405,16 @@ static void mpt__wino_task(void *arg, int64_t task, int thread) {
 }
 
 /* The tile side, 2 or 4, whose products are fewer for this call's output
-   (4×4 tiles by a fifth at least: their transforms cost more per tile),
-   4 only where its V fits the scratch. */
+   (4×4 tiles by a tenth at least: 10×10 outputs, 0.81 as many, ran 10 %
+   faster in 4×4 tiles; 6×6, as many, 15 % slower), 4 only where its V
+   fits the scratch. */
 static int mpt__wino_tile_for(const mpt_conv_args *a) {
     const mpt_window *g = a->g;
     const int64_t oh = a->input_grad ? g->h : g->oh, ow = a->input_grad ? g->w : g->ow;
     const int64_t ic = a->input_grad ? a->f : g->c;
     const int64_t cost2 = (oh + 1) / 2 * ((ow + 1) / 2) * 16;
     const int64_t cost4 = (oh + 3) / 4 * ((ow + 3) / 4) * 36;
-    return ic <= MPT__WINO4_MAX_C && 5 * cost4 <= 4 * cost2 ? 4 : 2;
+    return ic <= MPT__WINO4_MAX_C && 10 * cost4 <= 9 * cost2 ? 4 : 2;
 }
 
 /* The forward product or the input gradient by Winograd's F(tile×tile,

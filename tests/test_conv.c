@@ -1616,6 +1616,8 @@ static void test_winograd(void) {
         CHECK(!mpt__wino_takes(one, &a), "took 8 filters");
         a.f = 32; /* 8×8 outputs: 4 tiles of 4×4 (144 products) or 16 of 2×2 (256) */
         CHECK(mpt__wino_tile_for(&a) == 4, "8×8 outputs not in 4×4 tiles");
+        g.oh = g.ow = 10; /* 9 tiles of 4×4 (324 products) or 25 of 2×2 (400) */
+        CHECK(mpt__wino_tile_for(&a) == 4, "10×10 outputs not in 4×4 tiles");
         g.oh = g.ow = 6; /* 4 tiles of 4×4, half of them past the edge: 144, as 2×2's */
         CHECK(mpt__wino_tile_for(&a) == 2, "6×6 outputs not in 2×2 tiles");
         g.oh = g.ow = 8, g.c = MPT__WINO4_MAX_C + 1; /* V would not fit the scratch */

@@ -1928,9 +1928,9 @@ typedef struct mpt_conv_args {
 /* Workspace bytes of a float32 or float16 kernel_grad of n samples
    through window g (an mpt_window *) with f filters, for the CPU's
    Winograd transform of a 3×3 kernel of stride 1: a transformed gradient
-   (16 · C · F floats) for each of at most 32 groups of spans of
-   ⌈4096 / (C + F)⌉ tiles (C rounded up to 8, F to 32; a tile is 2×2
-   output pixels), and a zero pixel. */
+   (at most 36 · C · F floats) for each of at most 32 groups, no more than
+   the spans of ⌈4096 / (C + F)⌉ 2×2 tiles (C rounded up to 8, F to 32),
+   and a zero pixel. */
 #define MPT__CONV_WINO_WIDTH(c, f) (((c) + 7) / 8 * 8 + ((f) + 31) / 32 * 32)
 #define MPT_CONV_WINO_KGRAD_SPAN(c, f) \
     ((4096 + MPT__CONV_WINO_WIDTH(c, f) - 1) / MPT__CONV_WINO_WIDTH(c, f))
@@ -1940,7 +1940,7 @@ typedef struct mpt_conv_args {
       MPT_CONV_WINO_KGRAD_SPAN((g)->c, f) - 1) /                               \
      MPT_CONV_WINO_KGRAD_SPAN((g)->c, f))
 #define MPT_CONV_WINO_KGRAD_WS_BYTES(g, n, f)                                  \
-    (64 * (g)->c * (f) *                                                       \
+    (144 * (g)->c * (f) *                                                      \
          (MPT__CONV_WINO_KGRAD_SPANS(g, n, f) < MPT_CONV_WINO_KGRAD_GROUPS     \
               ? MPT__CONV_WINO_KGRAD_SPANS(g, n, f)                            \
               : MPT_CONV_WINO_KGRAD_GROUPS) +                                  \
@@ -9458,34 +9458,37 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile) {
    tile; its gradient with respect to the taps g, summed over the tiles,
    is
        dg = Gᵀ dU G,   dU_ξ (C × F) = Σ over tiles of V_ξᵀ · dM_ξ,
-       dM = A dY Aᵀ    (dY: the tile's 2×2 of dz, zero past the edge),
-   the same 16 products, now of (C × tiles) by (tiles × F): 16·C·F
-   multiply-adds per tile where the direct kernel gradient spends 36·C·F.
+       dM = A dY Aᵀ    (dY: the tile's 2×2 or 4×4 of dz, zero past the edge),
+   the same 16 or 36 products, now of (C × tiles) by (tiles × F): per
+   output pixel 4·C·F multiply-adds (2×2 tiles) or 2.25·C·F (4×4) where
+   the direct kernel gradient spends 9·C·F. The tile is the forward's
+   choice (mpt__wino_tile_for).
    The tiles go in spans, as many as keep their V and dM within 256 KiB
    of the thread's scratch, so that the products read them from the
-   core's own cache; the spans in groups of consecutive spans, at least
-   MPT__WKG_GROUP_SPANS a group and at most MPT_CONV_WINO_KGRAD_GROUPS
-   groups, a task each. A task transforms a span (channels in blocks of
-   16, filters in blocks of 32, each block's tiles one after the other,
-   as the products read them), runs the 16 products over it with an 8 ×
-   32 register block (half a channel block), adds them to its own dU,
-   and goes on to its next span. A second pass adds
-   the tasks' dU in task order, turns the sum into dg and stores or adds
-   it. (One dU per span was 19 MB for the CNN's second layer, written and
-   read back: with the layer's x and dz, more than the L3 cache holds.)
-   Spans and groups depend on the layer alone: the same bits for any
-   thread count. */
+   core's own cache; the spans in groups of
+   consecutive spans, at least MPT__WKG_GROUP_SPANS a group and at most
+   MPT_CONV_WINO_KGRAD_GROUPS groups, a task each. A task transforms a
+   span (channels in blocks of 16, filters in blocks of 32, each block's
+   tiles one after the other, as the products read them), runs the
+   products over it with an 8 × 32 register block (half a channel
+   block), adds them to its own dU, and goes on to its next span. A
+   second pass adds the tasks' dU in task order, turns the sum into dg
+   and stores or adds it. (One dU per span was 19 MB for the CNN's
+   second layer, written and read back: with the layer's x and dz, more
+   than the L3 cache holds.) Spans and groups depend on the layer alone:
+   the same bits for any thread count. */
 
 typedef struct mpt__wkg_job {
     const mpt_conv_args *a;
     const mpt_window *g;
     mpt_context *ctx;
     int64_t th, tw, tiles;    /* tile rows, columns per sample; n·th·tw      */
+    int tile, points;         /* 2 or 4 (mpt__wino_tile_for); 16 or 36       */
     int64_t cb, fb;           /* blocks of 8 channels, of 32 filters         */
     int64_t span, spans;      /* tiles per span; spans                       */
     int64_t tasks;            /* groups of consecutive spans                 */
     int64_t v_plane, dm_plane; /* floats from one ξ to the next in v, dm      */
-    float *du;                /* (tasks, 16, C, F): each task's dU           */
+    float *du;                /* (tasks, points, C, F): each task's dU       */
     const unsigned char *zero; /* C zeros: what the padding reads            */
 } mpt__wkg_job;
 
@@ -9591,6 +9594,117 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
 #undef MPT__WKG_STORE16
 #undef MPT__WKG_COL
 
+/* The same for 4×4 tiles: V = Bᵀ d B of the 6×6 patch (as
+   mpt__wino4_input makes it) into v (36, ⌈C/16⌉, span, 16), and dM = A dY
+   Aᵀ of the tile's 4×4 of dz into dm (36, fb, span, 32), A = (F(4×4,
+   3×3)'s Aᵀ)ᵀ: A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3,
+   y0 + 2y1 + 4y2 + 8y3, y0 − 2y1 + 4y2 − 8y3, y3). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 y1, __m512 y2,
+                                                             __m512 y3, __m512 *o0, __m512 *o1,
+                                                             __m512 *o2, __m512 *o3, __m512 *o4,
+                                                             __m512 *o5) {
+    const __m512 e = _mm512_add_ps(y0, y2), od = _mm512_add_ps(y1, y3);
+    const __m512 e4 = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), y2, y0);
+    const __m512 od8 = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), y3, _mm512_add_ps(y1, y1));
+    *o0 = y0;
+    *o1 = _mm512_add_ps(e, od);
+    *o2 = _mm512_sub_ps(e, od);
+    *o3 = _mm512_add_ps(e4, od8);
+    *o4 = _mm512_sub_ps(e4, od8);
+    *o5 = y3;
+}
+#define MPT__W4_LOAD(i) mpt__gemm_load16(dtype, at[i] + c * es, k)
+#define MPT__W4_ROW(r)                                                                     \
+    mpt__wino4_b(MPT__W4_LOAD(6 * r), MPT__W4_LOAD(6 * r + 1), MPT__W4_LOAD(6 * r + 2),    \
+                 MPT__W4_LOAD(6 * r + 3), MPT__W4_LOAD(6 * r + 4), MPT__W4_LOAD(6 * r + 5), \
+                 &t##r##0, &t##r##1, &t##r##2, &t##r##3, &t##r##4, &t##r##5);
+#define MPT__W4_PUT(xi, val) \
+    _mm512_storeu_ps(v + (xi) * j->v_plane + (c / 16 * j->span + i) * 16, val);
+#define MPT__W4_COL(s)                                                                     \
+    mpt__wino4_b(t0##s, t1##s, t2##s, t3##s, t4##s, t5##s, &o0, &o1, &o2, &o3, &o4, &o5);  \
+    MPT__W4_PUT(s, o0) MPT__W4_PUT(6 + s, o1) MPT__W4_PUT(12 + s, o2)                      \
+    MPT__W4_PUT(18 + s, o3) MPT__W4_PUT(24 + s, o4) MPT__W4_PUT(30 + s, o5)
+#define MPT__W4_DY(r, s) \
+    (dy[4 * (r) + (s)] ? mpt__gemm_load16(dtype, dy[4 * (r) + (s)] + o * es, k) : zero)
+#define MPT__W4_DCOL(s) /* A over column s of dY */                                      \
+    mpt__wkg4_a(MPT__W4_DY(0, s), MPT__W4_DY(1, s), MPT__W4_DY(2, s), MPT__W4_DY(3, s),   \
+                &u0##s, &u1##s, &u2##s, &u3##s, &u4##s, &u5##s);
+#define MPT__W4_DPUT(xi, val) _mm512_storeu_ps(dst + (xi) * j->dm_plane, val);
+#define MPT__W4_DROW(r) /* then along row r */                                           \
+    mpt__wkg4_a(u##r##0, u##r##1, u##r##2, u##r##3, &o0, &o1, &o2, &o3, &o4, &o5);        \
+    MPT__W4_DPUT(6 * r, o0) MPT__W4_DPUT(6 * r + 1, o1) MPT__W4_DPUT(6 * r + 2, o2)       \
+    MPT__W4_DPUT(6 * r + 3, o3) MPT__W4_DPUT(6 * r + 4, o4) MPT__W4_DPUT(6 * r + 5, o5)
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
+    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
+    mpt_dtype dtype) {
+    const mpt_window *g = j->g;
+    const int64_t C = g->c, F = j->a->f;
+    const size_t es = mpt_dtype_size(dtype);
+    const unsigned char *x = (const unsigned char *)j->a->x;
+    const unsigned char *dz = (const unsigned char *)j->a->dz;
+    const unsigned char *at[36], *dy[16];
+    __m512 o0, o1, o2, o3, o4, o5;
+    int64_t c, o;
+    int r, s;
+    for (r = 0; r < 6; r++)
+        for (s = 0; s < 6; s++) {
+            const int64_t y = 4 * ty - g->top + r, xx = 4 * tx - g->left + s;
+            at[6 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
+                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
+                                : j->zero;
+        }
+    for (r = 0; r < 4; r++)
+        for (s = 0; s < 4; s++) {
+            const int64_t y = 4 * ty + r, xx = 4 * tx + s;
+            dy[4 * r + s] = y < g->oh && xx < g->ow
+                                ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
+                                : NULL;
+        }
+    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
+        __m512 t00, t01, t02, t03, t04, t05, t10, t11, t12, t13, t14, t15;
+        __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
+        __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
+        MPT__W4_ROW(0)
+        MPT__W4_ROW(1)
+        MPT__W4_ROW(2)
+        MPT__W4_ROW(3)
+        MPT__W4_ROW(4)
+        MPT__W4_ROW(5)
+        MPT__W4_COL(0)
+        MPT__W4_COL(1)
+        MPT__W4_COL(2)
+        MPT__W4_COL(3)
+        MPT__W4_COL(4)
+        MPT__W4_COL(5)
+    }
+    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
+        const __m512 zero = _mm512_setzero_ps();
+        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
+        __m512 u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23;
+        __m512 u30, u31, u32, u33, u40, u41, u42, u43, u50, u51, u52, u53;
+        MPT__W4_DCOL(0)
+        MPT__W4_DCOL(1)
+        MPT__W4_DCOL(2)
+        MPT__W4_DCOL(3)
+        MPT__W4_DROW(0)
+        MPT__W4_DROW(1)
+        MPT__W4_DROW(2)
+        MPT__W4_DROW(3)
+        MPT__W4_DROW(4)
+        MPT__W4_DROW(5)
+    }
+}
+#undef MPT__W4_LOAD
+#undef MPT__W4_ROW
+#undef MPT__W4_PUT
+#undef MPT__W4_COL
+#undef MPT__W4_DY
+#undef MPT__W4_DCOL
+#undef MPT__W4_DPUT
+#undef MPT__W4_DROW
+
 /* du (16, C, F) of a span of n tiles, added to du's sums unless first:
    for each ξ, 8 channels by 32 filters at a time, the tiles in order. */
 #define MPT__WKG_ROWS(X) MPT__ROWS6(X) X(6) X(7)
@@ -9614,7 +9728,7 @@ MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const fl
                                                  float *du) {
     const int64_t C = j->g->c, F = j->a->f;
     int64_t xi, cbi, fbi, t;
-    for (xi = 0; xi < 16; xi++)
+    for (xi = 0; xi < j->points; xi++)
         for (cbi = 0; cbi < j->cb; cbi++)
             for (fbi = 0; fbi < j->fb; fbi++) {
                 const int64_t c0 = cbi * 8, o0 = fbi * 32;
@@ -9638,23 +9752,24 @@ MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const fl
 #undef MPT__WKG_OUT
 
 /* The pixels tile (b, ty, tx) reads that the tile before it did not (its
-   patch's last two columns, its dY), asked for ahead of its transform. */
+   patch's last `tile` columns, its dY), asked for ahead of its transform. */
 MPT__TARGET_AVX512 static void mpt__wkg_prefetch(const mpt__wkg_job *j, int64_t b, int64_t ty,
                                                  int64_t tx) {
     const mpt_window *g = j->g;
     const size_t es = mpt_dtype_size(j->a->dtype);
     const size_t x_bytes = (size_t)g->c * es, dz_bytes = (size_t)j->a->f * es;
+    const int64_t T = j->tile;
     int64_t r, s, y, x;
-    for (r = 0; r < 4; r++)
-        for (s = 2; s < 4; s++) {
-            y = 2 * ty - g->top + r, x = 2 * tx - g->left + s;
+    for (r = 0; r < T + 2; r++)
+        for (s = 2; s < T + 2; s++) {
+            y = T * ty - g->top + r, x = T * tx - g->left + s;
             if (y >= 0 && y < g->h && x >= 0 && x < g->w)
                 mpt__prefetch_row(j->a->x, (size_t)((b * g->h + y) * g->w + x) * x_bytes,
                                   x_bytes);
         }
-    for (r = 0; r < 2; r++)
-        for (s = 0; s < 2; s++) {
-            y = 2 * ty + r, x = 2 * tx + s;
+    for (r = 0; r < T; r++)
+        for (s = 0; s < T; s++) {
+            y = T * ty + r, x = T * tx + s;
             if (y < g->oh && x < g->ow)
                 mpt__prefetch_row(j->a->dz, (size_t)((b * g->oh + y) * g->ow + x) * dz_bytes,
                                   dz_bytes);
@@ -9667,14 +9782,20 @@ MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread
     const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
     const int64_t s0 = task * j->spans / j->tasks, s1 = (task + 1) * j->spans / j->tasks;
     const int64_t t0 = s0 * j->span;
-    float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (16, C/16, span, 16) */
-    float *dm = v + 16 * j->v_plane;                          /* (16, fb, span, 32) */
+    float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (points, C/16, span, 16) */
+    float *dm = v + j->points * j->v_plane;                   /* (points, fb, span, 32) */
+    const mpt_dtype dtype = j->a->dtype;
     int64_t s, i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
     for (s = s0; s < s1; s++) {
         const int64_t n = MPT__MIN(j->span, j->tiles - s * j->span);
         for (i = 0; i < n; i++) {
             if (tx + 2 < j->tw) mpt__wkg_prefetch(j, b, ty, tx + 2);
-            if (j->a->dtype == MPT_FLOAT16) /* (one copy per dtype, each with its loads inline) */
+            /* (one copy per tile and dtype, each with its loads inline) */
+            if (j->tile == 4 && dtype == MPT_FLOAT16)
+                mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+            else if (j->tile == 4)
+                mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
+            else if (dtype == MPT_FLOAT16)
                 mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
             else
                 mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
@@ -9683,7 +9804,8 @@ MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread
                 if (++ty == j->th) ty = 0, b++;
             }
         }
-        mpt__wkg_products(j, v, dm, n, s == s0, j->du + task * 16 * j->g->c * j->a->f);
+        mpt__wkg_products(j, v, dm, n, s == s0,
+                          j->du + task * j->points * j->g->c * j->a->f);
     }
 }
 
@@ -9691,20 +9813,66 @@ MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread
    tasks in order (row by row of 256 floats, which the prefetcher
    follows), then dkernel (9, C, F) = Gᵀ dU G, stored or added. */
 #define MPT__WKG_FINISH 256
+/* The three values Gᵀ·(u0 .. u5) of F(4×4, 3×3)'s G. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_gt(const __m512 *u, __m512 *o) {
+    const __m512 s12 = _mm512_add_ps(u[1], u[2]), s34 = _mm512_add_ps(u[3], u[4]);
+    const __m512 d21 = _mm512_sub_ps(u[2], u[1]), d34 = _mm512_sub_ps(u[3], u[4]);
+    const __m512 sixth = _mm512_set1_ps(1.0f / 6);
+    o[0] = _mm512_add_ps(_mm512_fnmadd_ps(sixth, s12, _mm512_mul_ps(_mm512_set1_ps(0.25f), u[0])),
+                         _mm512_mul_ps(_mm512_set1_ps(1.0f / 24), s34));
+    o[1] = _mm512_fmadd_ps(sixth, d21, _mm512_mul_ps(_mm512_set1_ps(1.0f / 12), d34));
+    o[2] = _mm512_add_ps(_mm512_mul_ps(sixth, _mm512_sub_ps(s34, s12)), u[5]);
+}
+
+/* dkernel's 9 taps for 16 pairs of the plane from their dU (points rows
+   of 16 at `sum`, MPT__WKG_FINISH floats apart): Gᵀ dU G. */
+MPT__TARGET_AVX512 static void mpt__wkg_taps(const mpt__wkg_job *j, const float *sum,
+                                             __mmask16 k, __m512 *tap) {
+    const __m512 half = _mm512_set1_ps(0.5f);
+    int r, s;
+    if (j->tile == 4) {
+        __m512 u[6], t[3][6], row[6];
+        for (s = 0; s < 6; s++) { /* Gᵀ dU, column by column */
+            for (r = 0; r < 6; r++) u[r] = _mm512_maskz_loadu_ps(k, sum + (6 * r + s) * MPT__WKG_FINISH);
+            mpt__wkg4_gt(u, row);
+            for (r = 0; r < 3; r++) t[r][s] = row[r];
+        }
+        for (r = 0; r < 3; r++) mpt__wkg4_gt(t[r], tap + 3 * r); /* then G along each row */
+        return;
+    }
+    {
+        __m512 u[16], t[12];
+        for (r = 0; r < 16; r++) u[r] = _mm512_maskz_loadu_ps(k, sum + r * MPT__WKG_FINISH);
+        for (s = 0; s < 4; s++) { /* Gᵀ dU: rows u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3 */
+            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(u[4 + s], u[8 + s]));
+            t[s] = _mm512_add_ps(u[s], p);
+            t[4 + s] = _mm512_mul_ps(half, _mm512_sub_ps(u[4 + s], u[8 + s]));
+            t[8 + s] = _mm512_add_ps(p, u[12 + s]);
+        }
+        for (r = 0; r < 3; r++) { /* (Gᵀ dU) G: the same on each row */
+            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(t[4 * r + 1], t[4 * r + 2]));
+            tap[3 * r] = _mm512_add_ps(t[4 * r], p);
+            tap[3 * r + 1] = _mm512_mul_ps(half, _mm512_sub_ps(t[4 * r + 1], t[4 * r + 2]));
+            tap[3 * r + 2] = _mm512_add_ps(p, t[4 * r + 3]);
+        }
+    }
+}
+
 MPT__TARGET_AVX512 static void mpt__wkg_finish(void *arg, int64_t task, int thread) {
     const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
     const int64_t plane = j->g->c * j->a->f, e0 = task * MPT__WKG_FINISH;
     const int64_t len = MPT__MIN(MPT__WKG_FINISH, plane - e0);
-    const __m512 half = _mm512_set1_ps(0.5f);
-    float sum[16 * MPT__WKG_FINISH];
+    const int points = j->points;
+    float sum[36 * MPT__WKG_FINISH];
     float *dk = j->a->dkernel;
     int64_t q, e;
-    int r, s;
+    int r;
     (void)thread;
-    for (r = 0; r < 16; r++) memcpy(sum + r * MPT__WKG_FINISH, j->du + r * plane + e0, 4 * (size_t)len);
+    for (r = 0; r < points; r++)
+        memcpy(sum + r * MPT__WKG_FINISH, j->du + r * plane + e0, 4 * (size_t)len);
     for (q = 1; q < j->tasks; q++)
-        for (r = 0; r < 16; r++) {
-            const float *src = j->du + (q * 16 + r) * plane + e0;
+        for (r = 0; r < points; r++) {
+            const float *src = j->du + (q * points + r) * plane + e0;
             float *acc = sum + r * MPT__WKG_FINISH;
             for (e = 0; e < len; e += 16) {
                 const __mmask16 k = mpt__gemm_mask16((int)(len - e));
@@ -9714,51 +9882,44 @@ MPT__TARGET_AVX512 static void mpt__wkg_finish(void *arg, int64_t task, int thre
         }
     for (e = 0; e < len; e += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)(len - e));
-        __m512 u[16], t[12];
-        for (r = 0; r < 16; r++) u[r] = _mm512_maskz_loadu_ps(k, sum + r * MPT__WKG_FINISH + e);
-        for (s = 0; s < 4; s++) { /* Gᵀ dU: rows u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3 */
-            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(u[4 + s], u[8 + s]));
-            t[s] = _mm512_add_ps(u[s], p);
-            t[4 + s] = _mm512_mul_ps(half, _mm512_sub_ps(u[4 + s], u[8 + s]));
-            t[8 + s] = _mm512_add_ps(p, u[12 + s]);
-        }
-        for (r = 0; r < 3; r++) { /* (Gᵀ dU) G: the same on each row */
-            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(t[4 * r + 1], t[4 * r + 2]));
-            __m512 tap[3];
-            tap[0] = _mm512_add_ps(t[4 * r], p);
-            tap[1] = _mm512_mul_ps(half, _mm512_sub_ps(t[4 * r + 1], t[4 * r + 2]));
-            tap[2] = _mm512_add_ps(p, t[4 * r + 3]);
-            for (s = 0; s < 3; s++) {
-                float *dst = dk + (3 * r + s) * plane + e0 + e;
-                if (j->a->accumulate)
-                    tap[s] = _mm512_add_ps(tap[s], _mm512_maskz_loadu_ps(k, dst));
-                _mm512_mask_storeu_ps(dst, k, tap[s]);
-            }
+        __m512 tap[9];
+        mpt__wkg_taps(j, sum + e, k, tap);
+        for (r = 0; r < 9; r++) {
+            float *dst = dk + r * plane + e0 + e;
+            if (j->a->accumulate) tap[r] = _mm512_add_ps(tap[r], _mm512_maskz_loadu_ps(k, dst));
+            _mm512_mask_storeu_ps(dst, k, tap[r]);
         }
     }
 }
 
-/* The kernel gradient by Winograd's transform; ws:
-   MPT_CONV_WINO_KGRAD_WS_BYTES. */
-static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a) {
+/* The kernel gradient by Winograd's transform on tiles of tile × tile
+   outputs (2 or 4); ws: MPT_CONV_WINO_KGRAD_WS_BYTES. */
+static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     const mpt_window *g = a->g;
     mpt__wkg_job j;
     float *zero;
     j.a = a;
     j.g = g;
     j.ctx = ctx;
-    j.th = (g->oh + 1) / 2;
-    j.tw = (g->ow + 1) / 2;
+    j.tile = tile;
+    j.points = (j.tile + 2) * (j.tile + 2);
+    j.th = (g->oh + j.tile - 1) / j.tile;
+    j.tw = (g->ow + j.tile - 1) / j.tile;
     j.tiles = a->n * j.th * j.tw;
     j.cb = (g->c + 7) / 8;
     j.fb = (a->f + 31) / 32;
-    j.span = mpt__wkg_span(g->c, a->f);
+    /* 4×4 tiles: as many floats of V and dM in 36 planes as 2×2's in 16.
+       (Twice as many made the layer alone faster for 64 channels and
+       filters, but the CNN's training step 1.15× slower: the spans' V and
+       dM then crowd the core's cache, and a chunk's spans fall in fewer
+       groups, 2 or 3, unevenly shared by two threads.) */
+    j.span = MPT__MAX(1, mpt__wkg_span(g->c, a->f) * 16 / j.points);
     j.spans = (j.tiles + j.span - 1) / j.span;
     j.tasks = MPT__MIN(MPT__MAX(1, j.spans / MPT__WKG_GROUP_SPANS), MPT_CONV_WINO_KGRAD_GROUPS);
     j.v_plane = (g->c + 15) / 16 * j.span * 16 + MPT__WKG_PLANE_PAD;
     j.dm_plane = j.fb * j.span * 32 + MPT__WKG_PLANE_PAD;
     j.du = (float *)a->ws;
-    zero = j.du + j.tasks * 16 * g->c * a->f;
+    zero = j.du + j.tasks * j.points * g->c * a->f;
     memset(zero, 0, sizeof(float) * (size_t)g->c);
     j.zero = (const unsigned char *)zero;
     mpt__parallel_for(ctx, j.tasks, mpt__wkg_task, &j);
@@ -10450,7 +10611,7 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
     if (a->dy) return 0; /* only the shallow tiles make dz themselves */
 #if MPT__X86
     if (mpt__wkg_takes(ctx, a)) {
-        mpt__wkg(ctx, a);
+        mpt__wkg(ctx, a, mpt__wino_tile_for(a));
         return 1;
     }
 #endif

@@ -1881,14 +1881,13 @@ typedef enum mpt_pool_kind {
                  pixels of x's window ⊗ dz (n, OH, OW, F), added to what
                  dkernel holds when accumulate (or from out and dy, below:
                  then act is the forward's); kernel, bias, y unused;
-                 ws: MPT_CONV_KGRAD_WS_BYTES for bfloat16,
-                 MPT_CONV_WINO_KGRAD_WS_BYTES for float32 and float16,
-                 MPT_CONV_SHALLOW_KGRAD_WS_BYTES where the input has
-                 fewer channels than that names (or NULL: the CPU then
-                 takes a slower path).
-   x and y in dtype, sums in float32 (the CPU's float32 and float16 3×3
-   products of stride 1 by Winograd's transform: not the im2col path's
-   bits). ws:
+                 ws: MPT_CONV_WINO_KGRAD_WS_BYTES for a 3×3 kernel of
+                 stride 1 (any dtype), else MPT_CONV_KGRAD_WS_BYTES for
+                 bfloat16, MPT_CONV_SHALLOW_KGRAD_WS_BYTES where the input
+                 has fewer channels than that names (or NULL: the CPU
+                 then takes a slower path).
+   x and y in dtype, sums in float32 (the CPU's 3×3 products of stride 1
+   by Winograd's transform: not the im2col path's bits). ws:
    MPT_CONV_DIRECT_WS_BYTES. */
 typedef struct mpt_conv_args {
     const mpt_window *g;
@@ -1925,7 +1924,7 @@ typedef struct mpt_conv_args {
 #define MPT_CONV_DIRECT_WS_BYTES(kk, c, f) \
     (MPT__CONV_DIRECT_WS_PER_KF * (kk) * (f) + 4 * ((c) > (f) ? (c) : (f)) + 128)
 
-/* Workspace bytes of a float32 or float16 kernel_grad of n samples
+/* Workspace bytes of a kernel_grad of n samples
    through window g (an mpt_window *) with f filters, for the CPU's
    Winograd transform of a 3×3 kernel of stride 1: a transformed gradient
    (at most 36 · C · F floats) for each of at most 32 groups, no more than
@@ -8124,12 +8123,15 @@ typedef struct mpt__conv_plan {
     mpt_dtype dtype; /* the compute dtype                                 */
 } mpt__conv_plan;
 
-/* Whether Winograd's products are kept for this dtype: float32, and
-   float16, whose products the CPU makes in float32 anyway (it has no
-   float16 arithmetic); bfloat16's direct tiles with AVX-512 BF16 dot
-   products were as fast as float32 Winograd in bench/bench_conv.c. */
+/* Whether Winograd's products are kept for this dtype: every one. The
+   CPU makes them in float32 from the values widened (exactly), as it
+   makes float16's (it has no float16 arithmetic) and as the AVX-512 BF16
+   dot products of bfloat16's direct tiles sum (in float32, from exact
+   products): bfloat16 rounds the inputs and the outputs, not the sums.
+   Those direct tiles had been as fast as F(2×2, 3×3); against F(4×4,
+   3×3) the CNN's mixed_bfloat16 step ran 1.12× faster. */
 static int mpt__wino_dtype(mpt_dtype dtype) {
-    return dtype == MPT_FLOAT32 || dtype == MPT_FLOAT16;
+    return dtype == MPT_FLOAT32 || dtype == MPT_FLOAT16 || dtype == MPT_BFLOAT16;
 }
 
 /* Whether a layer's kernel gradient may take Winograd's transform
@@ -8922,8 +8924,8 @@ typedef struct mpt__wino_job {
 } mpt__wino_job;
 
 #if MPT__X86
-/* Whether the Winograd products take this case: float32 or float16 with
-   AVX-512, a 3×3 kernel of stride 1, 16 or more channels in and out
+/* Whether the Winograd products take this case: any dtype (widened to
+   float32) with AVX-512, a 3×3 kernel of stride 1, 16 or more channels in and out
    (fewer leaves most of each vector idle), the forward's activation none
    or ReLU. */
 static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a) {
@@ -9046,6 +9048,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__
 MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
     if (j->a->dtype == MPT_FLOAT16)
         mpt__wino_input_as(j, t0, v, MPT_FLOAT16);
+    else if (j->a->dtype == MPT_BFLOAT16)
+        mpt__wino_input_as(j, t0, v, MPT_BFLOAT16);
     else
         mpt__wino_input_as(j, t0, v, MPT_FLOAT32);
 }
@@ -9302,6 +9306,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt_
 MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t t0, float *v) {
     if (j->a->dtype == MPT_FLOAT16)
         mpt__wino4_input_as(j, t0, v, MPT_FLOAT16);
+    else if (j->a->dtype == MPT_BFLOAT16)
+        mpt__wino4_input_as(j, t0, v, MPT_BFLOAT16);
     else
         mpt__wino4_input_as(j, t0, v, MPT_FLOAT32);
 }
@@ -9508,8 +9514,8 @@ static int64_t mpt__wkg_span(int64_t c, int64_t f) { return MPT_CONV_WINO_KGRAD_
    2 threads took 0.33 ms in 32 groups, 0.28 in 16, 0.24 in 8, 4 or 2. */
 #define MPT__WKG_GROUP_SPANS 4
 
-/* Whether Winograd's kernel gradient takes this case: float32 or
-   float16 with AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
+/* Whether Winograd's kernel gradient takes this case: any dtype
+   (widened to float32) with AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
    filters, spans of 16 tiles or more (wider layers: the direct tiles,
    whose sums need no dU per task), a workspace given. */
 static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
@@ -9793,10 +9799,14 @@ MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread
             /* (one copy per tile and dtype, each with its loads inline) */
             if (j->tile == 4 && dtype == MPT_FLOAT16)
                 mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+            else if (j->tile == 4 && dtype == MPT_BFLOAT16)
+                mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
             else if (j->tile == 4)
                 mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
             else if (dtype == MPT_FLOAT16)
                 mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+            else if (dtype == MPT_BFLOAT16)
+                mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
             else
                 mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
             if (++tx == j->tw) {
@@ -10754,11 +10764,11 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     mpt__acc_mul(&row_bytes, c.kk, 4 + (int64_t)c.es);
     mpt__acc_mul(&sample_bytes, c.pix, row_bytes);
     mpt__acc_mul(&sample_bytes, L->in_count, 4);
-    if (L->dtype == MPT_BFLOAT16) { /* MPT_CONV_KGRAD_WS_BYTES of one sample */
+    if (mpt__conv_wino_shape(&c)) { /* MPT_CONV_WINO_KGRAD_WS_BYTES */
+        kgrad_bytes = MPT_CONV_WINO_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
+    } else if (L->dtype == MPT_BFLOAT16) { /* MPT_CONV_KGRAD_WS_BYTES of one sample */
         mpt__acc_mul(&sample_bytes, 4 * c.g.h * c.g.c, (c.g.ow - 1) * c.g.sw + c.g.kw);
         mpt__acc_mul(&sample_bytes, 2 * c.pix, c.f);
-    } else if (mpt__conv_wino_shape(&c)) { /* MPT_CONV_WINO_KGRAD_WS_BYTES */
-        kgrad_bytes = MPT_CONV_WINO_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
     }
     if (mpt__conv_shallow(L->dtype, c.g.c)) /* MPT_CONV_SHALLOW_KGRAD_WS_BYTES */
         kgrad_bytes = MPT_CONV_SHALLOW_KGRAD_WS_BYTES(&c.g, c.chunk, c.f);
@@ -10934,10 +10944,10 @@ static void mpt__conv2d_backward_rows(mpt__layer *L, const mpt__pass *p, const m
     float *dxf = (float *)mpt__ws_take(&w, 4 * n * L->in_count); /* (n, H, W, C) */
     void *kgrad_ws = mpt__conv_shallow(L->dtype, c->g.c)
                          ? mpt__ws_take(&w, MPT_CONV_SHALLOW_KGRAD_WS_BYTES(&c->g, n, c->f))
-                     : L->dtype == MPT_BFLOAT16
-                         ? mpt__ws_take(&w, MPT_CONV_KGRAD_WS_BYTES(&c->g, n, c->f))
                      : mpt__conv_wino_shape(c)
                          ? mpt__ws_take(&w, MPT_CONV_WINO_KGRAD_WS_BYTES(&c->g, n, c->f))
+                     : L->dtype == MPT_BFLOAT16
+                         ? mpt__ws_take(&w, MPT_CONV_KGRAD_WS_BYTES(&c->g, n, c->f))
                          : NULL;
     /* Without dx, dz serves only the kernel and bias gradients: a backend
        may make it on the way instead of storing it. */

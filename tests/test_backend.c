@@ -340,11 +340,9 @@ static int emu_conv_direct(void *impl, const mpt_conv_args *a) {
                                                                  : g->oh * g->ow * a->f)),
                  4);
     ws = calloc(1, (size_t)(!a->kernel_grad ? MPT_CONV_DIRECT_WS_BYTES(kk, g->c, a->f)
-                            : a->dtype == MPT_FLOAT32
-                                ? MPT_CONV_WINO_KGRAD_WS_BYTES(g, a->n, a->f) +
-                                      MPT_CONV_SHALLOW_KGRAD_WS_BYTES(g, a->n, a->f)
-                                : MPT_CONV_KGRAD_WS_BYTES(g, a->n, a->f) +
-                                      MPT_CONV_SHALLOW_KGRAD_WS_BYTES(g, a->n, a->f)));
+                                            : MPT_CONV_WINO_KGRAD_WS_BYTES(g, a->n, a->f) +
+                                                  MPT_CONV_KGRAD_WS_BYTES(g, a->n, a->f) +
+                                                  MPT_CONV_SHALLOW_KGRAD_WS_BYTES(g, a->n, a->f)));
     if (a->kernel_grad) probe.dkernel = (float *)out;
     else probe.y = out;
     if (a->ws) probe.ws = ws;

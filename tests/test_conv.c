@@ -1482,8 +1482,8 @@ static int wino_context(mpt_context **one, const char *name) {
     return 0;
 }
 
-/* Winograd's products (forward and input gradient, float32 and float16,
-   2×2 and 4×4 tiles) against sums in double: within 4e-6 of the terms'
+/* Winograd's products (forward and input gradient, float32, float16 and
+   bfloat16, 2×2 and 4×4 tiles) against sums in double: within 4e-6 of the terms'
    summed sizes for F(2×2, 3×3) (measured: 1e-7 to 5e-7), 2e-5 for
    F(4×4, 3×3), whose transforms' larger coefficients cost accuracy
    (measured: 2e-8 to 8.7e-6); a wrong tap, sign or transform coefficient
@@ -1509,10 +1509,11 @@ static void test_winograd(void) {
     int variant;
     if (!wino_context(&one, "winograd")) return;
     for (q = 0; q < sizeof cases / sizeof cases[0]; q++)
-        for (variant = 0; variant < 4; variant++) {
+        for (variant = 0; variant < 6; variant++) {
+            static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
             const wino_case *w = &cases[q];
-            const int half = variant & 1, tile = variant & 2 ? 4 : 2;
-            const mpt_dtype dt = half ? MPT_FLOAT16 : MPT_FLOAT32;
+            const int tile = variant >= 3 ? 4 : 2;
+            const mpt_dtype dt = dts[variant % 3];
             mpt_window g;
             mpt_conv_args a;
             int64_t n_in, n_out, n_k = 9 * w->c * w->f, i;
@@ -1574,8 +1575,11 @@ static void test_winograd(void) {
             wino_ref(w, &g, in, k, a.bias, ref, sizes);
             mpt_convert(one, MPT_FLOAT32, yf, dt, y1, n_out);
             for (i = 0; i < n_out; i++) {
-                /* float16: less one rounding of the result (half an ulp: 2^-11) */
-                const double rounding = half ? ldexp(fabs(ref[i]), -11) : 0;
+                /* less one rounding of the result (half an ulp: 2^-11 for
+                   float16, 2^-8 for bfloat16) */
+                const double rounding = dt == MPT_FLOAT16    ? ldexp(fabs(ref[i]), -11)
+                                        : dt == MPT_BFLOAT16 ? ldexp(fabs(ref[i]), -8)
+                                                             : 0;
                 const double e =
                     (fabs((double)yf[i] - ref[i]) - rounding) / (sizes[i] + 1e-30);
                 if (!isfinite(yf[i])) finite = 0;
@@ -1611,7 +1615,7 @@ static void test_winograd(void) {
         a.act = MPT_ACT_TANH;
         CHECK(!mpt__wino_takes(one, &a), "took tanh");
         a.act = MPT_ACT_RELU, a.dtype = MPT_BFLOAT16;
-        CHECK(!mpt__wino_takes(one, &a), "took bfloat16");
+        CHECK(mpt__wino_takes(one, &a), "declined bfloat16");
         a.dtype = MPT_FLOAT32, a.f = 8;
         CHECK(!mpt__wino_takes(one, &a), "took 8 filters");
         a.f = 32; /* 8×8 outputs: 4 tiles of 4×4 (144 products) or 16 of 2×2 (256) */
@@ -1623,13 +1627,13 @@ static void test_winograd(void) {
         g.oh = g.ow = 8, g.c = MPT__WINO4_MAX_C + 1; /* V would not fit the scratch */
         CHECK(mpt__wino_tile_for(&a) == 2, "%d channels in 4×4 tiles", MPT__WINO4_MAX_C + 1);
 #endif
-        test__end("winograd declines stride 2, tanh, bfloat16, 8 filters; picks its tile");
+        test__end("winograd declines stride 2, tanh, 8 filters; picks its tile");
     }
     mpt_context_destroy(one);
 }
 
-/* Winograd's kernel gradient (x and dz in float32 and in float16, 2×2
-   and 4×4 tiles) against sums in double: dkernel(i, j, c, o)
+/* Winograd's kernel gradient (x and dz in float32, float16 and
+   bfloat16, 2×2 and 4×4 tiles) against sums in double: dkernel(i, j, c, o)
    = Σ x(b, y − top + i, x − left + j, c) · dz(b, y, x, o), within 4e-6 of
    the terms' summed sizes for 2×2 tiles (measured: about 1e-7), 1e-5 for
    4×4 (measured: up to 1.5e-6), written whole (poisoned
@@ -1654,9 +1658,10 @@ static void test_winograd_kernel_grad(void) {
     int variant;
     if (!wino_context(&one, "winograd kernel gradient")) return;
     for (q = 0; q < sizeof cases / sizeof cases[0]; q++)
-        for (variant = 0; variant < 8; variant++) {
-            const int accumulate = variant & 1, tile = variant & 4 ? 4 : 2;
-            const mpt_dtype dt = variant & 2 ? MPT_FLOAT16 : MPT_FLOAT32;
+        for (variant = 0; variant < 12; variant++) {
+            static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+            const int accumulate = variant & 1, tile = variant >= 6 ? 4 : 2;
+            const mpt_dtype dt = dts[variant / 2 % 3];
             const wino_case *w = &cases[q];
             mpt_window g;
             mpt_conv_args a;

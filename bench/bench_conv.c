@@ -96,7 +96,7 @@ static void data_direct_chunk(mpt__layer *L, const mpt__pass *p, const mpt__conv
     if (!mpt__conv2d_direct(L, p, c, 1,
                             (const unsigned char *)p->dy + (size_t)(b0 * c->pix * c->f) * c->es,
                             (unsigned char *)p->dx + (size_t)(b0 * L->in_count) * c->es, n,
-                            p->workspace))
+                            p->workspace, b0 != 0))
         data_former_chunk(L, p, c, b0, n);
 }
 

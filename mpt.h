@@ -159,6 +159,11 @@
                             and no activation one pass on the CPU
                             (mpt__cpu_dz_and_bias_grad); otherwise, and on
                             CUDA, activation_grad, column_sums and convert
+       Conv2D's products    mpt__cpu_conv_direct (@impl-conv2d): 3×3 of
+                            stride 1 by Winograd's 2×2 or 4×4 tiles
+                            (mpt__wino_tile_for; mpt__wino, mpt__wkg),
+                            others by direct tiles; im2col + GEMM where
+                            neither takes the case (and on CUDA)
        Conv2D + pooling     a MaxPooling2D after a Conv2D runs inside it on
                             the CPU, chunk by chunk: mpt__conv_pool_plan,
                             mpt__conv2d_pool_forward/_backward (@impl-pooling)

@@ -9336,14 +9336,12 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
     const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
     int relu, __mmask16 k) {
     const mpt_conv_args *a = j->a;
-    const size_t es = mpt_dtype_size(a->dtype);
+    const size_t at = (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o);
     if (y >= j->oh || x >= j->ow) return;
     val = _mm512_add_ps(val, bias);
     if (relu)
         val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-    mpt__avx512_store(a->dtype,
-                      (unsigned char *)a->y + (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o) * es,
-                      val, k);
+    mpt__avx512_store(a->dtype, (unsigned char *)a->y + at * mpt_dtype_size(a->dtype), val, k);
 }
 
 /* The tiles' 4×4 outputs for filters [o0, o0 + nb) from M (36, 12, 32),
@@ -9848,7 +9846,8 @@ MPT__TARGET_AVX512 static void mpt__wkg_taps(const mpt__wkg_job *j, const float 
     if (j->tile == 4) {
         __m512 u[6], t[3][6], row[6];
         for (s = 0; s < 6; s++) { /* Gᵀ dU, column by column */
-            for (r = 0; r < 6; r++) u[r] = _mm512_maskz_loadu_ps(k, sum + (6 * r + s) * MPT__WKG_FINISH);
+            for (r = 0; r < 6; r++)
+                u[r] = _mm512_maskz_loadu_ps(k, sum + (6 * r + s) * MPT__WKG_FINISH);
             mpt__wkg4_gt(u, row);
             for (r = 0; r < 3; r++) t[r][s] = row[r];
         }

@@ -2479,6 +2479,35 @@ static inline MPT__HD int mpt__cuda_qgemm_acc_col(int lane, int e) {
     return (lane % 4) * 2 + (e & 1);
 }
 
+/* ---- the CUDA GEMMs' epilogue, staged -----------------------------------
+   The 16-bit GEMM kernels (mma.sync and wgmma) end with their float32 sums
+   in the accumulator layout above: a warp holds bands of 16 rows, and in
+   each 8-column block of a band lane l holds the pair (row l/4, columns
+   2(l%4), +1) and the same pair 8 rows lower. Finishing the pairs where
+   they lie takes one inlined copy of the epilogue (alpha, beta·C, bias,
+   activation, rounding, the store) per pair: 64 copies in a Hopper
+   kernel, 470 KB of code that no instruction cache holds. Instead a warp
+   writes 32 columns of a band at a time into its own 16 rows ×
+   MPT__CUDA_EPI_PITCH floats of shared memory and reads them back along
+   the rows, so that one copy of the epilogue, in a loop, finishes every
+   pair, and a half-warp stores 32 consecutive columns of one row of C.
+   The pitch, 8 mod 32 banks, keeps the 64-bit writes and reads free of
+   bank conflicts. */
+#define MPT__CUDA_EPI_COLS 32
+#define MPT__CUDA_EPI_PITCH 40
+#define MPT__CUDA_EPI_WARP_FLOATS (16 * MPT__CUDA_EPI_PITCH)
+
+/* Where lane writes its pair h (0: upper 8 rows, 1: lower 8) of the band's
+   8-column block j (0..3 of the 32 staged). */
+static inline MPT__HD int mpt__cuda_epi_put(int lane, int j, int h) {
+    return (lane / 4 + 8 * h) * MPT__CUDA_EPI_PITCH + 8 * j + 2 * (lane % 4);
+}
+
+/* The row (0..15) and first column (even) of the pair lane reads in step
+   s (0..7): two rows a step, a half-warp each. */
+static inline MPT__HD int mpt__cuda_epi_get_row(int lane, int s) { return 2 * s + lane / 16; }
+static inline MPT__HD int mpt__cuda_epi_get_col(int lane) { return 2 * (lane % 16); }
+
 /* ---- the CUDA GEMM's choices --------------------------------------------
    mpt_cuda.cu picks a tile, a K split and (in MPT_GEMM_AUTO) an engine for
    each GEMM shape by the rules below. The tile and the split are functions

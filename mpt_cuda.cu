@@ -321,11 +321,48 @@ static __device__ __forceinline__ void mpt__cuda_gemm_keep2_at(const mpt__cuda_g
     if (col + 1 < p.n) to[1] = acc1;
 }
 
-/* The same for the mma.sync kernels, whose block row blockIdx.y is the slice. */
-static __device__ __forceinline__ void mpt__cuda_gemm_keep2(const mpt__cuda_gemm_args &p,
-                                                            int64_t row, int64_t col, float acc0,
-                                                            float acc1) {
-    mpt__cuda_gemm_keep2_at(p, blockIdx.y, row, col, acc0, acc1);
+/* Finishes a warp's sums through shared memory (mpt.h, "the CUDA GEMMs'
+   epilogue, staged"): BANDS bands of 16 rows, band b at row row0 + 16b,
+   each NB 8-column blocks from column col0, sums(b, j, e) the value of
+   element e (the accumulator layout's four) of block j. stage: the warp's
+   own MPT__CUDA_EPI_WARP_FLOATS floats of shared memory. Split-K (p.partials):
+   the float32 sums go to K slice `slice`'s partials instead. The chunk
+   loop is rolled, so the epilogue's code exists once; a chunk's writes
+   pick their registers with compile-time indices under a run-time test. */
+template <int BANDS, int NB, class SUMS>
+static __device__ __forceinline__ void mpt__cuda_gemm_finish_staged(
+    const mpt__cuda_gemm_args &p, int64_t slice, float *stage, SUMS sums, int64_t row0,
+    int64_t col0, int lane) {
+    constexpr int CHUNKS_PER_BAND = NB * 8 / MPT__CUDA_EPI_COLS;
+    static_assert(CHUNKS_PER_BAND * MPT__CUDA_EPI_COLS == NB * 8, "bands of whole chunks");
+#pragma unroll 1
+    for (int c = 0; c < BANDS * CHUNKS_PER_BAND; c++) {
+        __syncwarp(); /* the warp has read the last chunk */
+#pragma unroll
+        for (int b = 0; b < BANDS; b++)
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                if (b * CHUNKS_PER_BAND + j / 4 != c) continue;
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    *(float2 *)(stage + mpt__cuda_epi_put(lane, j % 4, h)) =
+                        make_float2(sums(b, j, 2 * h), sums(b, j, 2 * h + 1));
+            }
+        __syncwarp();
+        const int64_t band_row = row0 + 16 * (c / CHUNKS_PER_BAND);
+        const int64_t col = col0 + (c % CHUNKS_PER_BAND) * MPT__CUDA_EPI_COLS +
+                            mpt__cuda_epi_get_col(lane);
+#pragma unroll 1
+        for (int s = 0; s < 8; s++) {
+            const int r = mpt__cuda_epi_get_row(lane, s);
+            const float2 v =
+                *(const float2 *)(stage + r * MPT__CUDA_EPI_PITCH + mpt__cuda_epi_get_col(lane));
+            const int64_t row = band_row + r;
+            if (row >= p.m || col >= p.n) continue;
+            if (p.partials) mpt__cuda_gemm_keep2_at(p, slice, row, col, v.x, v.y);
+            else mpt__cuda_gemm_finish2(p, row, col, v.x, v.y);
+        }
+    }
 }
 
 /* Split-K's second pass: C = act(alpha·Σ slices + beta·C + bias), the
@@ -647,6 +684,12 @@ static __device__ __forceinline__ void mpt__cuda_gemm_load_stage(const mpt__cuda
     else mpt__cuda_gemm_load_tile<BK, BN, PAD, TH, ASYNC>(sb, b, p.ldb, k0, n0, p.k, p.n, tid);
 }
 
+/* The ring's bytes (and, after the loop, the warps' staging blocks). */
+template <class TILE, bool TA, bool TB>
+__host__ __device__ static constexpr int mpt__cuda_gemm_tc_smem() {
+    return TILE::STAGES * (TILE::a_elems(!TA) + TILE::b_elems(TB)) * 2;
+}
+
 /* C = act(alpha·op(A)·op(B) + beta·C + bias) with mma.sync tensor cores.
 
    Tiling. Block b owns the BM×BN tile of C at (m0, n0) (M tiles vary
@@ -661,8 +704,9 @@ static __device__ __forceinline__ void mpt__cuda_gemm_load_stage(const mpt__cuda
    each owns a WTM×WTN sub-tile = MT×NT mma tiles of 16×8, whose float32
    accumulators stay in registers (thread t holds rows t/4 and t/4 + 8,
    columns 2(t%4) and +1 of each), and each BK step issues 2·MT·NT mmas.
-   The epilogue applies alpha, beta·C, bias and the activation to the
-   registers and stores C (float32 or rounded once to 16 bits).
+   The epilogue passes the sums through the emptied ring, a block per
+   warp (mpt__cuda_gemm_finish_staged), applies alpha, beta·C, bias and
+   the activation and stores C (float32 or rounded once to 16 bits).
    Split-K: block row blockIdx.y walks only its slice of K (whole BK
    steps) and stores its float32 sums for the second pass instead. */
 template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC>
@@ -735,30 +779,17 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
         }
     }
     mpt__cuda_gemm_cp_wait<0>();
-
-    const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int i = 0; i < MT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int64_t row = m0 + wm + i * 16 + g + h * 8;
-                const int64_t col = n0 + wn + j * 8 + q * 2;
-                if (row >= p.m || col >= p.n) continue;
-                if (p.partials)
-                    mpt__cuda_gemm_keep2(p, row, col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-                else
-                    mpt__cuda_gemm_finish2(p, row, col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-            }
+    /* every warp is done with the ring: its start becomes the staging */
+    __syncthreads();
+    static_assert(TILE::THREADS / 32 * MPT__CUDA_EPI_WARP_FLOATS * 4 <=
+                      mpt__cuda_gemm_tc_smem<TILE, TA, TB>(),
+                  "the ring holds every warp's staging block");
+    mpt__cuda_gemm_finish_staged<MT, NT>(
+        p, blockIdx.y, (float *)mpt__cuda_gemm_smem + warp * MPT__CUDA_EPI_WARP_FLOATS,
+        [&](int i, int j, int e) { return acc[i][j][e]; }, m0 + wm, n0 + wn, lane);
 #else
     (void)p;
 #endif
-}
-
-template <class TILE, bool TA, bool TB>
-static constexpr int mpt__cuda_gemm_tc_smem() {
-    return TILE::STAGES * (TILE::a_elems(!TA) + TILE::b_elems(TB)) * 2;
 }
 
 /* Launches one instantiation, or (prepare) raises its shared-memory limit,
@@ -879,7 +910,10 @@ static cudaError_t mpt__cuda_gemm_tc_dispatch(int variant, int bf16, int ta, int
      the bits repeat from run to run; no atomics anywhere.
    - The epilogue: the sums are in the mma.sync accumulator layout (thread
      t of warp w holds rows 16w + t/4 and +8, columns 2(t%4), +1 of each
-     8-column block), so the same finish2/keep2 store C. */
+     8-column block), so the same staged epilogue stores C: each warp
+     passes its sums through its own block of shared memory, beside the
+     ring (the producer may already be filling the ring for the next
+     tile), and one rolled copy of the epilogue's code finishes them. */
 
 /* MPT__CUDA_WGMMA: the code below is compiled (the sm_90a pass, and the
    host pass, which only parses it); the other device passes get empty
@@ -906,8 +940,10 @@ struct mpt__cuda_wgmma_tile {
     static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES; /* a multiple of 1024 */
     static constexpr int THREADS = 384, CONSUMER_WARPS = 8;
-    /* The stages, their 2·STAGES barriers, and up to 1023 bytes to align. */
-    static constexpr int SMEM = STAGES * STAGE_BYTES + 16 * STAGES + 1024;
+    /* The stages, their 2·STAGES barriers, the consumer warps' staging
+       blocks for the epilogue, and up to 1023 bytes to align. */
+    static constexpr int SMEM = STAGES * STAGE_BYTES + 16 * STAGES +
+                                CONSUMER_WARPS * MPT__CUDA_EPI_WARP_FLOATS * 4 + 1024;
     static_assert(STAGE_BYTES % 1024 == 0, "every stage 1024-byte aligned for the swizzle");
     static_assert(SMEM <= 227 * 1024, "over Hopper's 227 KiB per block");
 };
@@ -1111,6 +1147,7 @@ static __global__ void __launch_bounds__(384, 1)
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(mpt__cuda_wgmma_smem);
     const uint32_t tiles = (raw + 1023) & ~1023u; /* stage s at tiles + s·STAGE_BYTES */
     const uint32_t full = tiles + T::STAGES * T::STAGE_BYTES, empty = full + 8 * T::STAGES;
+    float *const stage = (float *)(mpt__cuda_wgmma_smem + (empty + 8 * T::STAGES - raw));
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < T::STAGES; s++) {
@@ -1191,21 +1228,11 @@ static __global__ void __launch_bounds__(384, 1)
             for (int i = 0; i < BN / 2; i++) mpt__cuda_wgmma_hold(d[i]);
             if (lane == 0) mpt__cuda_mbar_arrive(empty + 8 * ((use - 1) % T::STAGES));
 
-            /* The epilogue, straight from the registers. */
-            const int64_t row0 = at.tile_m * T::BM + half * 64 + warp * 16 + (lane >> 2);
-            const int64_t col0 = at.tile_n * BN + (lane & 3) * 2;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int64_t row = row0 + h * 8, col = col0 + j * 8;
-                    if (row >= p.m || col >= p.n) continue;
-                    if (p.partials)
-                        mpt__cuda_gemm_keep2_at(p, at.slice, row, col, d[4 * j + 2 * h],
-                                                d[4 * j + 2 * h + 1]);
-                    else
-                        mpt__cuda_gemm_finish2(p, row, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                }
+            /* The epilogue, through this warp's staging block. */
+            mpt__cuda_gemm_finish_staged<1, BN / 8>(
+                p, at.slice, stage + (4 * half + warp) * MPT__CUDA_EPI_WARP_FLOATS,
+                [&](int, int j, int e) { return d[4 * j + e]; },
+                at.tile_m * T::BM + half * 64 + warp * 16, at.tile_n * BN, lane);
         }
     }
 #else

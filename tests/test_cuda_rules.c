@@ -479,6 +479,73 @@ static void test_qgemm_fragments(void) {
     CHECK(bad == 0, "%lld accumulators differ from the product", (long long)bad);
 }
 
+/* The GEMMs' staged epilogue (mpt.h): a warp's pairs, written where
+   mpt__cuda_epi_put puts them from the accumulator layout and read back
+   where mpt__cuda_epi_get_row/col say, arrive at the rows and columns
+   they hold, each of the 16 × 32 staged values read exactly once; every
+   64-bit write and read (one per half-warp per phase) touches 32
+   different banks. */
+static void test_epilogue_staging(void) {
+    static float stage[MPT__CUDA_EPI_WARP_FLOATS];
+    int seen[16][MPT__CUDA_EPI_COLS], lane, j, h, s, bad_place = 0, bad_value = 0;
+    int conflicts = 0;
+    memset(seen, 0, sizeof seen);
+    for (s = 0; s < MPT__CUDA_EPI_WARP_FLOATS; s++) stage[s] = -1.0f;
+    for (j = 0; j < MPT__CUDA_EPI_COLS / 8; j++)
+        for (h = 0; h < 2; h++) {
+            int half;
+            for (half = 0; half < 2; half++) {
+                int banks[32] = {0}, b;
+                for (lane = 16 * half; lane < 16 * half + 16; lane++) {
+                    const int off = mpt__cuda_epi_put(lane, j, h);
+                    banks[off % 32]++, banks[(off + 1) % 32]++;
+                }
+                for (b = 0; b < 32; b++) conflicts += banks[b] != 1;
+            }
+            for (lane = 0; lane < 32; lane++) {
+                /* the pair this lane holds: elements 2h and 2h + 1 of block j */
+                const int row = mpt__cuda_qgemm_acc_row(lane, 2 * h);
+                const int col = 8 * j + mpt__cuda_qgemm_acc_col(lane, 2 * h);
+                const int off = mpt__cuda_epi_put(lane, j, h);
+                bad_place += off % 2 != 0 || off / MPT__CUDA_EPI_PITCH != row ||
+                             off % MPT__CUDA_EPI_PITCH != col ||
+                             mpt__cuda_qgemm_acc_col(lane, 2 * h + 1) != col % 8 + 1;
+                stage[off] = (float)(row * 100 + col);
+                stage[off + 1] = (float)(row * 100 + col + 1);
+            }
+        }
+    for (s = 0; s < 8; s++) {
+        int half;
+        for (half = 0; half < 2; half++) {
+            int banks[32] = {0}, b;
+            for (lane = 16 * half; lane < 16 * half + 16; lane++) {
+                const int off = mpt__cuda_epi_get_row(lane, s) * MPT__CUDA_EPI_PITCH +
+                                mpt__cuda_epi_get_col(lane);
+                banks[off % 32]++, banks[(off + 1) % 32]++;
+            }
+            for (b = 0; b < 32; b++) conflicts += banks[b] != 1;
+        }
+        for (lane = 0; lane < 32; lane++) {
+            const int row = mpt__cuda_epi_get_row(lane, s), col = mpt__cuda_epi_get_col(lane);
+            const int off = row * MPT__CUDA_EPI_PITCH + col;
+            if (row < 0 || row >= 16 || col < 0 || col % 2 || col + 1 >= MPT__CUDA_EPI_COLS) {
+                bad_place++;
+                continue;
+            }
+            seen[row][col]++, seen[row][col + 1]++;
+            bad_value += stage[off] != (float)(row * 100 + col) ||
+                         stage[off + 1] != (float)(row * 100 + col + 1);
+        }
+    }
+    for (s = 0; s < 16 * MPT__CUDA_EPI_COLS; s++)
+        bad_place += seen[s / MPT__CUDA_EPI_COLS][s % MPT__CUDA_EPI_COLS] != 1;
+    CHECK(MPT__CUDA_EPI_COLS % 8 == 0 && MPT__CUDA_EPI_PITCH >= MPT__CUDA_EPI_COLS,
+          "staging %d columns at pitch %d", MPT__CUDA_EPI_COLS, MPT__CUDA_EPI_PITCH);
+    CHECK(bad_place == 0, "%d pairs staged or read at the wrong place", bad_place);
+    CHECK(bad_value == 0, "%d pairs read back with another pair's values", bad_value);
+    CHECK(conflicts == 0, "%d banks hit twice or not at all by one access", conflicts);
+}
+
 int main(void) {
     test_seed(99);
     TEST_RUN(test_tile_choice);
@@ -494,5 +561,6 @@ int main(void) {
     TEST_RUN(test_loss_tally);
     TEST_RUN(test_requantize_int8);
     TEST_RUN(test_qgemm_fragments);
+    TEST_RUN(test_epilogue_staging);
     return test_summary("test_cuda_rules");
 }

@@ -14,8 +14,10 @@
    registers; 16 chains cover 4 cycles of latency × 2 pipes) for a fixed
    count; peak = 2 · lanes · FMAs / seconds, summed over threads. The clock
    is measured with a chain of dependent integer adds (one per cycle), so
-   the theoretical peak (Zen 4: two 256-bit FMA pipes = 32 float32 FLOP per
-   cycle per core) can be stated for the clock actually running. */
+   the peak is also printed per cycle: 32 float32 FLOP per cycle per core
+   on Zen 4 (two 256-bit FMA pipes), 64 on Zen 5 (two 512-bit ones). The
+   figure is measured, not assumed: the FMA width differs between CPUs
+   that report the same features. */
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
@@ -211,12 +213,14 @@ int main(int argc, char **argv) {
     for (t = 0; t < 2; t++) {
         if (mpt_context_cpu_features(ctx[t]) & MPT_CPU_AVX512) peak512[t] = measure_peak(ctx[t], 16);
         if (mpt_context_cpu_features(ctx[t]) & MPT_CPU_AVX2) peak256[t] = measure_peak(ctx[t], 8);
-        printf("# fp32 FMA peak, %d thread%s: %.1f GFLOP/s (zmm), %.1f GFLOP/s (ymm); "
-               "theoretical 32 FLOP/cycle/core x %.2f GHz x %d = %.1f GFLOP/s\n",
-               t + 1, t ? "s" : "", peak512[t], peak256[t], ghz, t + 1, 32.0 * ghz * (t + 1));
+        const double best = peak512[t] > peak256[t] ? peak512[t] : peak256[t];
+        const double per_cycle = ghz > 0 ? best / (ghz * (t + 1)) : 0;
+        printf("# fp32 FMA peak, %d thread%s: %.1f GFLOP/s (zmm), %.1f GFLOP/s (ymm) "
+               "= %.1f FLOP/cycle/core at %.2f GHz\n",
+               t + 1, t ? "s" : "", peak512[t], peak256[t], per_cycle, ghz);
         printf("{\"bench\":\"fma_peak\",\"threads\":%d,\"zmm_gflops\":%.1f,\"ymm_gflops\":%.1f,"
-               "\"clock_ghz\":%.3f,\"theoretical_gflops\":%.1f}\n",
-               t + 1, peak512[t], peak256[t], ghz, 32.0 * ghz * (t + 1));
+               "\"clock_ghz\":%.3f,\"flop_per_cycle_per_core\":%.1f}\n",
+               t + 1, peak512[t], peak256[t], ghz, per_cycle);
     }
     printf("\n| shape | M×N×K | op | dtype | 1 thread GFLOP/s | 2 threads GFLOP/s |\n");
     printf("|---|---|---|---|---:|---:|\n");
@@ -284,9 +288,8 @@ int main(int argc, char **argv) {
         double pk = pk1 * (t + 1) > pkt ? pk1 * (t + 1) : pkt;
         if (pk > 0)
             printf("# 1024^3 float32, %d thread%s: %.1f GFLOP/s = %.1f%% of the measured FMA "
-                   "peak (%.1f), %.1f%% of the theoretical (%.1f at %.2f GHz)\n",
-                   t + 1, t ? "s" : "", sq_f32[t], 100.0 * sq_f32[t] / pk, pk,
-                   100.0 * sq_f32[t] / (32.0 * ghz * (t + 1)), 32.0 * ghz * (t + 1), ghz);
+                   "peak (%.1f at %.2f GHz)\n",
+                   t + 1, t ? "s" : "", sq_f32[t], 100.0 * sq_f32[t] / pk, pk, ghz);
     }
     for (t = 0; t < 2; t++) mpt_context_destroy(ctx[t]);
     return 0;

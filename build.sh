@@ -26,6 +26,10 @@
 #   ./build.sh gpu-data [SRC]
 #                       copy Fashion-MNIST into data/fashion-mnist (git-ignored)
 #                       to carry to a GPU machine
+#   ./build.sh gpu-pack build the GPU programs here (sm_90a), stripped, with
+#                       the data, into build/gpu-pack; on the GPU machine
+#                       GPU_PREBUILT=build/gpu-pack ./build.sh gpu STEP runs
+#                       them without building
 set -uo pipefail
 cd "$(dirname "$0")"
 
@@ -832,20 +836,20 @@ gpu_bench_program() {
 
 gpu_step_test() {
     local line
-    gpu_test_program test_cuda "$GPU_TEST_SECONDS" "./$B/test_cuda_gpu"
+    gpu_test_program test_cuda "$GPU_TEST_SECONDS" "$GPU_BIN/test_cuda_gpu"
     line=$(grep -m1 '^# cuBLASLt refusals' "$GPU_OUT/test_cuda.out") && gpu_row test_cuda "${line#\# }"
     # without a device the rest would only train on the CPU
     if grep -q 'the CUDA backend did not open' "$GPU_OUT/test_cuda.out"; then
         gpu_row "the rest of gpu test" "not run: no CUDA device was reached"
         return
     fi
-    if [ -x "$B/test_cuda_nccl" ]; then
-        gpu_test_program test_cuda_nccl "$GPU_TEST_SECONDS" "./$B/test_cuda_nccl" quick
+    if [ -x "$GPU_BIN/test_cuda_nccl" ]; then
+        gpu_test_program test_cuda_nccl "$GPU_TEST_SECONDS" "$GPU_BIN/test_cuda_nccl" quick
     else
         record "tests/test_cuda.c with NCCL" skip "no nccl.h with libnccl.so.2 (system or the nvidia-nccl wheel)"
         gpu_row test_cuda_nccl "not built: no NCCL"
     fi
-    gpu_bench_program mlp 180 "./$B/mlp_gpu" --verbose 2 --data "$GPU_DATA"
+    gpu_bench_program mlp 180 "$GPU_BIN/mlp_gpu" --verbose 2 --data "$GPU_DATA"
 }
 
 # gpu_racecheck SANITIZER NAME PART: racecheck on `test_cuda_gpu PART`.
@@ -855,7 +859,7 @@ gpu_step_test() {
 gpu_racecheck() {
     local rc
     gpu_run "$2" "$GPU_SANITIZE_SECONDS" "$1" --tool racecheck --error-exitcode 99 \
-        --print-limit 40 "./$B/test_cuda_gpu" "$3"
+        --print-limit 40 "$GPU_BIN/test_cuda_gpu" "$3"
     rc=$?
     if [ $rc -eq 99 ] && ! grep -q '^FAIL ' "$GPU_OUT/$2.out" &&
         ! grep -E '^=+ +(Error|Warning)' "$GPU_OUT/$2.out" | grep -qv 'nvjet'; then
@@ -878,11 +882,11 @@ gpu_step_sanitize() {
         case $tool in
         initcheck)
             gpu_run "sanitize_$tool" "$GPU_SANITIZE_SECONDS" "$san" --tool "$tool" \
-                --error-exitcode 99 --print-limit 20 "./$B/mlp_gpu" --epochs 1 \
+                --error-exitcode 99 --print-limit 20 "$GPU_BIN/mlp_gpu" --epochs 1 \
                 --batch-size 1024 --data "$GPU_DATA" ;;
         memcheck | synccheck)
             gpu_run "sanitize_$tool" "$GPU_SANITIZE_SECONDS" "$san" --tool "$tool" \
-                --error-exitcode 99 --print-limit 20 "./$B/test_cuda_gpu" quick ;;
+                --error-exitcode 99 --print-limit 20 "$GPU_BIN/test_cuda_gpu" quick ;;
         racecheck)
             # The slowest tool: test_cuda quick in its two halves, each in its
             # own limit (the whole outlasted 190 s on an H200).
@@ -902,7 +906,7 @@ gpu_step_sanitize() {
     done
 }
 
-gpu_step_bench() { gpu_bench_program bench_cuda "$GPU_BENCH_SECONDS" "./$B/bench_cuda_gpu"; }
+gpu_step_bench() { gpu_bench_program bench_cuda "$GPU_BENCH_SECONDS" "$GPU_BIN/bench_cuda_gpu"; }
 
 gpu_step_torch() {
     local py
@@ -924,6 +928,56 @@ gpu_device_lines() {
         echo "mpt_device_query: no program reached a device"
 }
 
+# ./build.sh gpu-pack: the GPU programs built here (GPU_ARCH, default sm_90a:
+# the Hopper image) and stripped, with Fashion-MNIST's .gz files and a
+# BUILD note, in build/gpu-pack: one folder (about 62 MB) to carry to a GPU
+# machine, where `GPU_PREBUILT=build/gpu-pack ./build.sh gpu STEP` runs
+# them without building (bench/GPU.md). They need there the libraries they
+# were linked with here: CUDA's runtime, cuBLAS/cuBLASLt and zlib of the
+# same major versions, and libnccl.so.2 (the nvidia-nccl wheel's is found).
+gpu_pack() {
+    local nvcc zflags="" libs=$LIBS nccl pack=$B/gpu-pack p f src
+    nvcc=$(find_nvcc) || { echo "build.sh gpu-pack: needs nvcc (set NVCC=...)" >&2; return 1; }
+    have_zlib || { echo "build.sh gpu-pack: needs zlib.h (the programs read the .gz files)" >&2; return 1; }
+    GPU_ARCH=${GPU_ARCH:-sm_90a}
+    nccl=$(find_nccl "$nvcc") || nccl=""
+    mkdir -p "$B/gpu" && gpu_build "$nvcc" "$zflags" "$libs" "$nccl" >"$B/gpu/build.log" 2>&1 || {
+        cat "$B/gpu/build.log"
+        echo "build.sh gpu-pack: the build failed (see above and $B/gpu/build.log)" >&2
+        return 1
+    }
+    rm -rf "$pack" && mkdir -p "$pack/fashion-mnist" || return 1
+    for p in test_cuda_gpu bench_cuda_gpu mlp_gpu test_cuda_nccl; do
+        [ -e "$B/$p" ] && { strip -o "$pack/$p" "$B/$p" || return 1; }
+    done
+    src=/usr/share/datasets/fashion-mnist
+    [ -d "$src" ] || src=$GPU_DATA_COPY
+    for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte \
+        t10k-labels-idx1-ubyte; do
+        if [ -e "$src/$f.gz" ]; then cp "$src/$f.gz" "$pack/fashion-mnist/" || return 1
+        else echo "build.sh gpu-pack: no $src/$f.gz; the training steps will lack data" >&2
+        fi
+    done
+    echo "built $(date -u '+%Y-%m-%d %H:%M UTC') at $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)'), nvcc $("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), -arch=$GPU_ARCH, NCCL $([ -n "$nccl" ] && echo yes || echo no)" >"$pack/BUILD"
+    cat "$pack/BUILD"
+    du -sh "$pack"
+}
+
+# GPU_PREBUILT=DIR: run the programs ./build.sh gpu-pack left in DIR
+# instead of building; libnccl.so.2 from the nvidia-nccl wheel where the
+# system has none (find_nccl's second word).
+gpu_use_prebuilt() {
+    local inc lib p
+    read -r inc lib <<<"$1"
+    GPU_BIN=$GPU_PREBUILT
+    case $GPU_BIN in /* | ./*) ;; *) GPU_BIN=./$GPU_BIN ;; esac
+    for p in test_cuda_gpu bench_cuda_gpu mlp_gpu; do
+        [ -x "$GPU_BIN/$p" ] || { echo "build.sh gpu: no $GPU_BIN/$p (./build.sh gpu-pack makes them)" >&2; return 1; }
+    done
+    [ -n "${lib:-}" ] && export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    echo "build.sh gpu $step: prebuilt in $GPU_PREBUILT ($(cat "$GPU_PREBUILT/BUILD" 2>/dev/null || echo 'no BUILD note')), data $GPU_DATA, output $GPU_OUT"
+}
+
 run_gpu() {
     local step=all nvcc zflags libs=$LIBS nccl="" arg s
     GPU_DATA="" GPU_OUT=$B/gpu GPU_TOOLS=memcheck,racecheck,synccheck,initcheck
@@ -943,6 +997,7 @@ run_gpu() {
     if [ -z "$GPU_DATA" ]; then
         GPU_DATA=/usr/share/datasets/fashion-mnist
         [ -d "$GPU_DATA" ] || GPU_DATA=$GPU_DATA_COPY
+        [ -d "$GPU_DATA" ] || [ -z "${GPU_PREBUILT:-}" ] || GPU_DATA=$GPU_PREBUILT/fashion-mnist
     fi
     mkdir -p "$GPU_OUT" && : >"$GPU_OUT/results.jsonl"
     nvcc=$(find_nvcc) || { echo "build.sh gpu: needs nvcc (set NVCC=...)" >&2; return 1; }
@@ -950,18 +1005,23 @@ run_gpu() {
     if have_zlib; then zflags=""
     else
         zflags=-DMPT_NO_ZLIB libs="-lpthread -lm"
-        echo "build.sh gpu: no zlib.h: building with -DMPT_NO_ZLIB"
+        [ -n "${GPU_PREBUILT:-}" ] || echo "build.sh gpu: no zlib.h: building with -DMPT_NO_ZLIB"
     fi
     GPU_DATA=$(gpu_dataset "$GPU_DATA")
     [ -e "$GPU_DATA/train-images-idx3-ubyte" ] || [ -e "$GPU_DATA/train-images-idx3-ubyte.gz" ] ||
         echo "build.sh gpu: no Fashion-MNIST in '$GPU_DATA' (--data DIR, or ./build.sh gpu-data before the tree travels)" >&2
     nccl=$(find_nccl "$nvcc") || nccl=""
     [ -n "$GPU_ARCH" ] || GPU_ARCH=$(gpu_default_arch)
-    echo "build.sh gpu $step: nvcc $("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), -arch=$GPU_ARCH, data $GPU_DATA, NCCL $([ -z "$nccl" ] && echo none || { [ "$nccl" = " " ] && echo system || echo "$nccl"; }), output $GPU_OUT"
-    if ! gpu_build "$nvcc" "$zflags" "$libs" "$nccl" >"$GPU_OUT/build.log" 2>&1; then
-        cat "$GPU_OUT/build.log"
-        echo "build.sh gpu: the build failed (see above and $GPU_OUT/build.log)" >&2
-        return 1
+    if [ -n "${GPU_PREBUILT:-}" ]; then
+        gpu_use_prebuilt "$nccl" || return 1
+    else
+        GPU_BIN=./$B
+        echo "build.sh gpu $step: nvcc $("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), -arch=$GPU_ARCH, data $GPU_DATA, NCCL $([ -z "$nccl" ] && echo none || { [ "$nccl" = " " ] && echo system || echo "$nccl"; }), output $GPU_OUT"
+        if ! gpu_build "$nvcc" "$zflags" "$libs" "$nccl" >"$GPU_OUT/build.log" 2>&1; then
+            cat "$GPU_OUT/build.log"
+            echo "build.sh gpu: the build failed (see above and $GPU_OUT/build.log)" >&2
+            return 1
+        fi
     fi
     for s in test sanitize bench torch; do
         case $step in all) [ $s = sanitize ] && continue ;; "$s") ;; *) continue ;; esac
@@ -996,11 +1056,12 @@ bench)
     ;;
 gpu) shift; run_gpu "$@" ;;
 gpu-data) gpu_data "${2:-}" ;;
+gpu-pack) gpu_pack ;;
 fuzz)
     install_packages
     fuzz_all "${2:-60}"
     echo "$passed passed, $failed failed"
     [ $failed -eq 0 ]
     ;;
-*) echo "usage: ./build.sh [all|test|bench|run|gpu [STEP] [--data DIR] [--out DIR]|gpu-data [SRC]|fuzz [seconds]]" >&2; exit 2 ;;
+*) echo "usage: ./build.sh [all|test|bench|run|gpu [STEP] [--data DIR] [--out DIR]|gpu-data [SRC]|gpu-pack|fuzz [seconds]]" >&2; exit 2 ;;
 esac

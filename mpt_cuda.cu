@@ -467,19 +467,20 @@ static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cu
         }
         __syncthreads();
     }
+    /* The epilogue in a rolled loop, so that its code exists once (16
+       inlined copies made this kernel 500 KB): output q's sum is picked
+       from the registers by compile-time indices under a run-time test. */
+#pragma unroll 1
+    for (int q = 0; q < 16; q++) {
+        const int64_t row = m0 + ty + 16 * (q / 4), col = n0 + tx + 16 * (q % 4);
+        float sum = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int64_t row = m0 + ty + 16 * i;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int64_t col = n0 + tx + 16 * j;
-            if (row < p.m && col < p.n) {
-                const int64_t ci = row * p.ldc + col;
-                if (p.partials)
-                    p.partials[(blockIdx.y * p.m + row) * p.n + col] = acc[i][j];
-                else
-                    mpt__cuda_gemm_store_c(p, ci, mpt__cuda_gemm_epilogue(p, acc[i][j], ci, col));
-            }
+        for (int r = 0; r < 16; r++)
+            if (r == q) sum = acc[r / 4][r % 4];
+        if (row < p.m && col < p.n) {
+            const int64_t ci = row * p.ldc + col;
+            if (p.partials) p.partials[(blockIdx.y * p.m + row) * p.n + col] = sum;
+            else mpt__cuda_gemm_store_c(p, ci, mpt__cuda_gemm_epilogue(p, sum, ci, col));
         }
     }
 }

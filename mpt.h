@@ -8971,6 +8971,21 @@ static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a) {
            (a->input_grad || a->act == MPT_ACT_NONE || a->act == MPT_ACT_RELU);
 }
 
+/* The input gradient's taps: kernel[2 − i][2 − j][o][c] as (9, ic, oc)
+   float32 in `turned`, which it returns (and float32 in *dtype). */
+static const unsigned char *mpt__wino_turn(const mpt__wino_job *j, const void *kernel,
+                                           float *turned, mpt_dtype *dtype) {
+    const int64_t ic = j->ic, oc = j->oc;
+    int64_t t, c, o;
+    for (t = 0; t < 9; t++)
+        for (o = 0; o < oc; o++)
+            for (c = 0; c < ic; c++)
+                turned[(t * ic + c) * oc + o] =
+                    mpt__load_f32(*dtype, kernel, ((8 - t) * oc + o) * ic + c);
+    *dtype = MPT_FLOAT32;
+    return (const unsigned char *)turned;
+}
+
 /* U (16, ic, oc) = G g Gᵀ for each pair (c, o) of input and output
    channel, 16 pairs at a time; g are the 3×3 taps the product reads:
    kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the input
@@ -8982,16 +8997,8 @@ MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const vo
     const __m512 half = _mm512_set1_ps(0.5f);
     const unsigned char *g = (const unsigned char *)kernel;
     mpt_dtype dtype = j->a->dtype;
-    int64_t e, t, c, o;
-    if (j->a->input_grad) {
-        for (t = 0; t < 9; t++)
-            for (o = 0; o < oc; o++)
-                for (c = 0; c < ic; c++)
-                    turned[(t * ic + c) * oc + o] =
-                        mpt__load_f32(dtype, kernel, ((8 - t) * oc + o) * ic + c);
-        g = (const unsigned char *)turned;
-        dtype = MPT_FLOAT32;
-    }
+    int64_t e, t;
+    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
     for (e = 0; e < plane; e += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
         const size_t es = mpt_dtype_size(dtype);
@@ -9017,6 +9024,31 @@ MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const vo
     }
 }
 
+/* The (tile + 2)² pixels tile t (of `tile`×`tile` outputs) reads, row
+   by row: pointers into j->x, or j->zero in the padding and past the last
+   tile. First asks for the columns the tile after next reads that the
+   next one does not (as mpt__wkg_prefetch). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_patch(const mpt__wino_job *j,
+                                                                  int64_t t, int tile, size_t es,
+                                                                  const unsigned char **at) {
+    const int64_t per = j->th * j->tw, b = t / per, n = tile + 2;
+    const int64_t y0 = tile * (t % per / j->tw) - j->top, x0 = tile * (t % j->tw) - j->left;
+    const size_t pixel = (size_t)j->ic * es;
+    int64_t r, s;
+    for (r = 0; r < n && t % j->tw + 2 < j->tw && t + 2 < j->tiles; r++)
+        for (s = n + tile; s < n + 2 * tile; s++)
+            if (y0 + r >= 0 && y0 + r < j->ih && x0 + s >= 0 && x0 + s < j->iw)
+                mpt__prefetch_row(j->x, (size_t)((b * j->ih + y0 + r) * j->iw + x0 + s) * pixel,
+                                  pixel);
+    for (r = 0; r < n; r++)
+        for (s = 0; s < n; s++) {
+            const int64_t y = y0 + r, x = x0 + s;
+            at[n * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
+                                ? j->x + (size_t)((b * j->ih + y) * j->iw + x) * pixel
+                                : j->zero;
+        }
+}
+
 /* V (16, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
    d B row by row (four rows of four), then Bᵀ over them. Pixels in the
    padding, and tiles past the last, read j->zero. */
@@ -9037,29 +9069,12 @@ MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const vo
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__wino_job *j,
                                                                      int64_t t0, float *v,
                                                                      mpt_dtype dtype) {
-    const int64_t ic = j->ic, per = j->th * j->tw, step = MPT__WINO_TILES * ic;
+    const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
     const size_t es = mpt_dtype_size(dtype);
     int64_t i, c;
     for (i = 0; i < MPT__WINO_TILES; i++) {
-        const int64_t t = t0 + i, b = t / per, y0 = 2 * (t % per / j->tw) - j->top;
-        const int64_t x0 = 2 * (t % j->tw) - j->left;
         const unsigned char *at[16]; /* the patch's pixels */
-        int r, s;
-        /* the columns the tile after next reads that the next one does not,
-           asked for ahead (as mpt__wkg_prefetch) */
-        for (r = 0; r < 4 && t % j->tw + 2 < j->tw && t + 2 < j->tiles; r++)
-            for (s = 6; s < 8; s++)
-                if (y0 + r >= 0 && y0 + r < j->ih && x0 + s >= 0 && x0 + s < j->iw)
-                    mpt__prefetch_row(j->x, (size_t)((b * j->ih + y0 + r) * j->iw + x0 + s) *
-                                                (size_t)ic * es,
-                                      (size_t)ic * es);
-        for (r = 0; r < 4; r++)
-            for (s = 0; s < 4; s++) {
-                const int64_t y = y0 + r, x = x0 + s;
-                at[4 * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
-                                    ? j->x + (size_t)((b * j->ih + y) * j->iw + x) * ic * es
-                                    : j->zero;
-            }
+        mpt__wino_patch(j, t0 + i, 2, es, at);
         for (c = 0; c < ic; c += 16) {
             const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
             float *dst = v + i * ic + c;
@@ -9225,16 +9240,8 @@ MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const v
     const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
     const unsigned char *g = (const unsigned char *)kernel;
     mpt_dtype dtype = j->a->dtype;
-    int64_t e, t, c, o;
-    if (j->a->input_grad) {
-        for (t = 0; t < 9; t++)
-            for (o = 0; o < oc; o++)
-                for (c = 0; c < ic; c++)
-                    turned[(t * ic + c) * oc + o] =
-                        mpt__load_f32(dtype, kernel, ((8 - t) * oc + o) * ic + c);
-        g = (const unsigned char *)turned;
-        dtype = MPT_FLOAT32;
-    }
+    int64_t e, t;
+    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
     for (e = 0; e < plane; e += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
         const size_t es = mpt_dtype_size(dtype);
@@ -9271,8 +9278,11 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_b(__m512 d0, __m512
     *o5 = _mm512_fmadd_ps(four, d1, _mm512_fnmadd_ps(five, d3, d5));
 }
 
-/* V (36, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
-   each row of the patch through Bᵀ, then each column. */
+/* Bᵀ d B of one 6×6 patch for channels [c, c + 16) (k: those inside):
+   at[36] the patch's pixels in dtype, each row of the patch through Bᵀ,
+   then each column; point ξ goes to out + ξ·stride, its lanes outside k
+   stored only where keep is all ones (zeros: the kernel gradient's V
+   keeps 16 channels a vector). */
 #define MPT__W4_LOAD(i) mpt__gemm_load16(dtype, at[i] + c * es, k)
 #define MPT__W4_ROW(r)                                                                     \
     mpt__wino4_b(MPT__W4_LOAD(6 * r), MPT__W4_LOAD(6 * r + 1), MPT__W4_LOAD(6 * r + 2),    \
@@ -9280,62 +9290,52 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_b(__m512 d0, __m512
                  &t##r##0, &t##r##1, &t##r##2, &t##r##3, &t##r##4, &t##r##5);
 #define MPT__W4_COL(s)                                                                     \
     mpt__wino4_b(t0##s, t1##s, t2##s, t3##s, t4##s, t5##s, &o0, &o1, &o2, &o3, &o4, &o5);  \
-    _mm512_mask_storeu_ps(dst + (s) * step, k, o0);                                        \
-    _mm512_mask_storeu_ps(dst + (6 + (s)) * step, k, o1);                                  \
-    _mm512_mask_storeu_ps(dst + (12 + (s)) * step, k, o2);                                 \
-    _mm512_mask_storeu_ps(dst + (18 + (s)) * step, k, o3);                                 \
-    _mm512_mask_storeu_ps(dst + (24 + (s)) * step, k, o4);                                 \
-    _mm512_mask_storeu_ps(dst + (30 + (s)) * step, k, o5);
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt__wino_job *j,
-                                                                      int64_t t0, float *v,
-                                                                      mpt_dtype dtype) {
-    const int64_t ic = j->ic, per = j->th * j->tw, step = MPT__WINO_TILES * ic;
-    const size_t es = mpt_dtype_size(dtype);
-    int64_t i, c;
-    for (i = 0; i < MPT__WINO_TILES; i++) {
-        const int64_t t = t0 + i, b = t / per, y0 = 4 * (t % per / j->tw) - j->top;
-        const int64_t x0 = 4 * (t % j->tw) - j->left;
-        const unsigned char *at[36]; /* the patch's pixels */
-        int r, s;
-        /* the columns the tile after next reads that the next one does not */
-        for (r = 0; r < 6 && t % j->tw + 2 < j->tw && t + 2 < j->tiles; r++)
-            for (s = 10; s < 14; s++)
-                if (y0 + r >= 0 && y0 + r < j->ih && x0 + s >= 0 && x0 + s < j->iw)
-                    mpt__prefetch_row(j->x, (size_t)((b * j->ih + y0 + r) * j->iw + x0 + s) *
-                                                (size_t)ic * es,
-                                      (size_t)ic * es);
-        for (r = 0; r < 6; r++)
-            for (s = 0; s < 6; s++) {
-                const int64_t y = y0 + r, x = x0 + s;
-                at[6 * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
-                                    ? j->x + (size_t)((b * j->ih + y) * j->iw + x) * ic * es
-                                    : j->zero;
-            }
-        for (c = 0; c < ic; c += 16) {
-            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
-            float *dst = v + i * ic + c;
-            __m512 t00, t01, t02, t03, t04, t05, t10, t11, t12, t13, t14, t15;
-            __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
-            __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
-            __m512 o0, o1, o2, o3, o4, o5;
-            MPT__W4_ROW(0)
-            MPT__W4_ROW(1)
-            MPT__W4_ROW(2)
-            MPT__W4_ROW(3)
-            MPT__W4_ROW(4)
-            MPT__W4_ROW(5)
-            MPT__W4_COL(0)
-            MPT__W4_COL(1)
-            MPT__W4_COL(2)
-            MPT__W4_COL(3)
-            MPT__W4_COL(4)
-            MPT__W4_COL(5)
-        }
-    }
+    _mm512_mask_storeu_ps(out + (s) * stride, keep, o0);                                   \
+    _mm512_mask_storeu_ps(out + (6 + (s)) * stride, keep, o1);                             \
+    _mm512_mask_storeu_ps(out + (12 + (s)) * stride, keep, o2);                            \
+    _mm512_mask_storeu_ps(out + (18 + (s)) * stride, keep, o3);                            \
+    _mm512_mask_storeu_ps(out + (24 + (s)) * stride, keep, o4);                            \
+    _mm512_mask_storeu_ps(out + (30 + (s)) * stride, keep, o5);
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_patch_transform(
+    const unsigned char *const *at, int64_t c, mpt_dtype dtype, size_t es, __mmask16 k,
+    __mmask16 keep, float *out, int64_t stride) {
+    __m512 t00, t01, t02, t03, t04, t05, t10, t11, t12, t13, t14, t15;
+    __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
+    __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
+    __m512 o0, o1, o2, o3, o4, o5;
+    MPT__W4_ROW(0)
+    MPT__W4_ROW(1)
+    MPT__W4_ROW(2)
+    MPT__W4_ROW(3)
+    MPT__W4_ROW(4)
+    MPT__W4_ROW(5)
+    MPT__W4_COL(0)
+    MPT__W4_COL(1)
+    MPT__W4_COL(2)
+    MPT__W4_COL(3)
+    MPT__W4_COL(4)
+    MPT__W4_COL(5)
 }
 #undef MPT__W4_LOAD
 #undef MPT__W4_ROW
 #undef MPT__W4_COL
+
+/* V (36, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt__wino_job *j,
+                                                                      int64_t t0, float *v,
+                                                                      mpt_dtype dtype) {
+    const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
+    const size_t es = mpt_dtype_size(dtype);
+    int64_t i, c;
+    for (i = 0; i < MPT__WINO_TILES; i++) {
+        const unsigned char *at[36]; /* the patch's pixels */
+        mpt__wino_patch(j, t0 + i, 4, es, at);
+        for (c = 0; c < ic; c += 16) {
+            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
+            mpt__wino4_patch_transform(at, c, dtype, es, k, k, v + i * ic + c, step);
+        }
+    }
+}
 
 MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t t0, float *v) {
     if (j->a->dtype == MPT_FLOAT16)
@@ -9651,17 +9651,6 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 
     *o4 = _mm512_sub_ps(e4, od8);
     *o5 = y3;
 }
-#define MPT__W4_LOAD(i) mpt__gemm_load16(dtype, at[i] + c * es, k)
-#define MPT__W4_ROW(r)                                                                     \
-    mpt__wino4_b(MPT__W4_LOAD(6 * r), MPT__W4_LOAD(6 * r + 1), MPT__W4_LOAD(6 * r + 2),    \
-                 MPT__W4_LOAD(6 * r + 3), MPT__W4_LOAD(6 * r + 4), MPT__W4_LOAD(6 * r + 5), \
-                 &t##r##0, &t##r##1, &t##r##2, &t##r##3, &t##r##4, &t##r##5);
-#define MPT__W4_PUT(xi, val) \
-    _mm512_storeu_ps(v + (xi) * j->v_plane + (c / 16 * j->span + i) * 16, val);
-#define MPT__W4_COL(s)                                                                     \
-    mpt__wino4_b(t0##s, t1##s, t2##s, t3##s, t4##s, t5##s, &o0, &o1, &o2, &o3, &o4, &o5);  \
-    MPT__W4_PUT(s, o0) MPT__W4_PUT(6 + s, o1) MPT__W4_PUT(12 + s, o2)                      \
-    MPT__W4_PUT(18 + s, o3) MPT__W4_PUT(24 + s, o4) MPT__W4_PUT(30 + s, o5)
 #define MPT__W4_DY(r, s) \
     (dy[4 * (r) + (s)] ? mpt__gemm_load16(dtype, dy[4 * (r) + (s)] + o * es, k) : zero)
 #define MPT__W4_DCOL(s) /* A over column s of dY */                                      \
@@ -9698,24 +9687,10 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
                                 ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
                                 : NULL;
         }
-    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
-        __m512 t00, t01, t02, t03, t04, t05, t10, t11, t12, t13, t14, t15;
-        __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
-        __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
-        MPT__W4_ROW(0)
-        MPT__W4_ROW(1)
-        MPT__W4_ROW(2)
-        MPT__W4_ROW(3)
-        MPT__W4_ROW(4)
-        MPT__W4_ROW(5)
-        MPT__W4_COL(0)
-        MPT__W4_COL(1)
-        MPT__W4_COL(2)
-        MPT__W4_COL(3)
-        MPT__W4_COL(4)
-        MPT__W4_COL(5)
-    }
+    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
+        mpt__wino4_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
+                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
+                                   j->v_plane);
     for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
         const __m512 zero = _mm512_setzero_ps();
@@ -9734,10 +9709,6 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
         MPT__W4_DROW(5)
     }
 }
-#undef MPT__W4_LOAD
-#undef MPT__W4_ROW
-#undef MPT__W4_PUT
-#undef MPT__W4_COL
 #undef MPT__W4_DY
 #undef MPT__W4_DCOL
 #undef MPT__W4_DPUT
@@ -9814,6 +9785,23 @@ MPT__TARGET_AVX512 static void mpt__wkg_prefetch(const mpt__wkg_job *j, int64_t 
         }
 }
 
+/* Tile (b, ty, tx)'s V and dM into span slot i, by tile size and dtype:
+   one copy of each transform per pair, each with its loads inline. */
+MPT__TARGET_AVX512 static void mpt__wkg_transform_tile(const mpt__wkg_job *j, int64_t b,
+                                                       int64_t ty, int64_t tx, int64_t i,
+                                                       float *v, float *dm) {
+    const mpt_dtype dtype = j->a->dtype;
+    if (j->tile == 4) {
+        if (dtype == MPT_FLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+        else if (dtype == MPT_BFLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
+        else mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
+    } else {
+        if (dtype == MPT_FLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+        else if (dtype == MPT_BFLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
+        else mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
+    }
+}
+
 /* Task: the spans of group `task` one by one, each transformed in the
    thread's scratch and its products added to the task's dU. */
 MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread) {
@@ -9822,25 +9810,12 @@ MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread
     const int64_t t0 = s0 * j->span;
     float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (points, C/16, span, 16) */
     float *dm = v + j->points * j->v_plane;                   /* (points, fb, span, 32) */
-    const mpt_dtype dtype = j->a->dtype;
     int64_t s, i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
     for (s = s0; s < s1; s++) {
         const int64_t n = MPT__MIN(j->span, j->tiles - s * j->span);
         for (i = 0; i < n; i++) {
             if (tx + 2 < j->tw) mpt__wkg_prefetch(j, b, ty, tx + 2);
-            /* (one copy per tile and dtype, each with its loads inline) */
-            if (j->tile == 4 && dtype == MPT_FLOAT16)
-                mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
-            else if (j->tile == 4 && dtype == MPT_BFLOAT16)
-                mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
-            else if (j->tile == 4)
-                mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
-            else if (dtype == MPT_FLOAT16)
-                mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
-            else if (dtype == MPT_BFLOAT16)
-                mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
-            else
-                mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
+            mpt__wkg_transform_tile(j, b, ty, tx, i, v, dm);
             if (++tx == j->tw) {
                 tx = 0;
                 if (++ty == j->th) ty = 0, b++;

@@ -262,7 +262,9 @@
        values with MPT_. Functions that can fail return mpt_status; on failure
        the context holds a message naming the layer, file, shape or value
        (mpt_context_error) and the logger has been told. Nothing aborts or
-       exits on a caller's mistake. Sizes are int64_t. Images are NHWC.
+       exits on a caller's mistake. A function that fills a struct through
+       a pointer zeros it first, so a failed call leaves zeros, never stale
+       values. Sizes are int64_t. Images are NHWC.
        Descriptor structs are zero-initialised for defaults; each field's
        comment gives its default. A NULL descriptor means all defaults,
        everywhere; where a field is required, the error names it.
@@ -3437,9 +3439,9 @@ MPTDEF int mpt_device_count(const mpt_context *ctx) {
 
 MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info *out) {
     int count;
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "device: NULL out");
-    memset(out, 0, sizeof *out);
     count = mpt_device_count(ctx);
     if (index < 0 || index >= count)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -6881,6 +6883,7 @@ MPTDEF int mpt_model_param_count(const mpt_model *m) { return m && m->built ? m-
 
 MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info) {
     mpt__param *P;
+    if (info) memset(info, 0, sizeof *info); /* zeros, whatever fails below */
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!info) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL info");
     if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: parameters exist after build");
@@ -6888,7 +6891,6 @@ MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: parameter %d not in 0..%d",
                          index, m->n_params - 1);
     P = &m->params[index];
-    memset(info, 0, sizeof *info);
     info->name = P->name;
     info->layer_name = m->layers[P->layer].name;
     info->trainable = P->trainable;
@@ -6967,9 +6969,9 @@ static void mpt__memory_report_fill(const int64_t *b, mpt_memory_report *out) {
 }
 
 MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
-    memset(out, 0, sizeof *out);
     out->limit = m->desc.memory_limit;
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
@@ -6979,9 +6981,9 @@ MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
 }
 
 MPTDEF mpt_status mpt_model_memory_peak(const mpt_model *m, mpt_memory_report *out) {
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory_peak: NULL out");
-    memset(out, 0, sizeof *out);
     out->limit = m->desc.memory_limit;
     if (m->host_peak < 0)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory_peak: no fit yet (the peaks are "
@@ -15335,8 +15337,8 @@ static mpt_status mpt__history_append(mpt_model *m, const mpt_logs *logs) {
 
 MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out) {
     int k;
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
     if (!m || !out) return MPT_ERR_INVALID_ARGUMENT;
-    memset(out, 0, sizeof *out);
     out->epochs = m->history.epochs;
     out->n_keys = m->history.n_keys;
     for (k = 0; k < m->history.n_keys; k++) {
@@ -24320,9 +24322,9 @@ static mpt_quant_params mpt__q_io_params(const mpt__quantized *Q, int output) {
 
 MPTDEF mpt_status mpt_model_quantized_info(const mpt_model *m, mpt_quantized_info *out) {
     const mpt__quantized *Q;
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_info: NULL out");
-    memset(out, 0, sizeof *out);
     if (!m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_info: the model is not quantized");
     Q = m->quantized;
@@ -24339,9 +24341,9 @@ MPTDEF mpt_status mpt_model_quantized_info(const mpt_model *m, mpt_quantized_inf
 
 MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
                                             mpt_quantized_layer *out) {
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_layer: NULL out");
-    memset(out, 0, sizeof *out);
     if (!m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_layer: the model is not quantized");
     if (index < 0 || index >= m->quantized->n_ops)

@@ -277,6 +277,53 @@ static void test_policy_and_layer_getters(void) {
     mpt_model_destroy(m);
 }
 
+/* Every getter that fills a struct leaves zeros when it fails (NULL model,
+   an index that does not exist, a model not built, quantized or fitted),
+   never the bytes it was given. */
+static int all_zero(const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (b[i]) return 0;
+    return 1;
+}
+
+static void test_failed_getters_leave_zeros(void) {
+    mpt_model *built = mixed_model(ctx, 1), *unbuilt = mixed_model(ctx, 0);
+    mpt_param_info info;
+    mpt_history h;
+    mpt_memory_report mem;
+    mpt_quantized_info qi;
+    mpt_quantized_layer ql;
+    mpt_device_info dev;
+    int failures = 0, zeros = 0;
+#define TRY(call, out)                                  \
+    do {                                                \
+        memset(&(out), 0xAB, sizeof(out));              \
+        failures += (call) != MPT_OK;                   \
+        zeros += all_zero(&(out), sizeof(out));         \
+    } while (0)
+    TRY(mpt_model_param(NULL, 0, &info), info);
+    TRY(mpt_model_param(unbuilt, 0, &info), info);
+    TRY(mpt_model_param(built, 99, &info), info);
+    TRY(mpt_model_history(NULL, &h), h);
+    TRY(mpt_model_memory(NULL, &mem), mem);
+    TRY(mpt_model_memory(unbuilt, &mem), mem);
+    TRY(mpt_model_memory_peak(NULL, &mem), mem);
+    TRY(mpt_model_memory_peak(built, &mem), mem);
+    TRY(mpt_model_quantized_info(NULL, &qi), qi);
+    TRY(mpt_model_quantized_info(built, &qi), qi);
+    TRY(mpt_model_quantized_layer(NULL, 0, &ql), ql);
+    TRY(mpt_model_quantized_layer(built, 0, &ql), ql);
+    TRY(mpt_device_query(NULL, 0, &dev), dev);
+    TRY(mpt_device_query(ctx, 99, &dev), dev);
+#undef TRY
+    CHECK(failures == 14, "%d of 14 calls failed", failures);
+    CHECK(zeros == 14, "%d of 14 failed calls left their struct zero", zeros);
+    mpt_model_destroy(unbuilt);
+    mpt_model_destroy(built);
+}
+
 /* The summary names the policy and each layer's compute dtype. */
 static void test_summary_shows_the_policy(void) {
     char text[4096];
@@ -340,6 +387,7 @@ int main(void) {
     TEST_RUN(test_null_fit_and_evaluate);
     TEST_RUN(test_null_callback_and_strategy_descriptors);
     TEST_RUN(test_policy_and_layer_getters);
+    TEST_RUN(test_failed_getters_leave_zeros);
     TEST_RUN(test_summary_shows_the_policy);
     TEST_RUN(test_summary_before_build);
     TEST_RUN(test_forward_shape_message);

@@ -587,9 +587,9 @@ static void half_chain_forward_ref(const gc_case *c, const double *x, double *co
     geom_out(&d->c1, &h, &w, &t, &l);
     geom_out(&d->pool, &ph, &pw, &t, &l);
     geom_out(&d->c2, &oh, &ow, &t, &l);
-    a = (double *)malloc(sizeof(double) * (size_t)(c->batch * h * w * d->f1));
-    b = (double *)malloc(sizeof(double) * (size_t)(c->batch * ph * pw * d->f1));
-    e = (double *)malloc(sizeof(double) * (size_t)(c->batch * oh * ow * d->f2));
+    a = (double *)calloc((size_t)(c->batch * h * w * d->f1), sizeof(double));
+    b = (double *)calloc((size_t)(c->batch * ph * pw * d->f1), sizeof(double));
+    e = (double *)calloc((size_t)(c->batch * oh * ow * d->f2), sizeof(double));
     ref_conv(&d->c1, d->f1, MPT_ACT_TANH, c->batch, x, params[0], params[1], a);
     ref_pool(&d->pool, 0, c->batch, a, b);
     ref_conv(&d->c2, d->f2, MPT_ACT_SIGMOID, c->batch, b, params[2], params[3], e);

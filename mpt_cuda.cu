@@ -4546,28 +4546,37 @@ static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
     else col_sum[t - T] = my_sum;
     __syncthreads();
     const int64_t za = d.a_zero_point, zb = d.b_zero_point;
+    /* A rolled loop over the 2×4 mma tiles, so that the requantization's
+       code exists four times, not 32: tile q's sums are picked from the
+       registers by compile-time indices under a run-time test. */
+#pragma unroll 1
+    for (int q = 0; q < 8; q++) {
+        const int mt = q / 4, nt = q % 4;
+        int32_t sums[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+        for (int r = 0; r < 8; r++)
+            if (r == q)
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++)
+                for (int e = 0; e < 4; e++) sums[e] = acc[r / 4][r % 4][e];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int li = wm + mt * 16 + mpt__cuda_qgemm_acc_row(lane, e);
-                const int lj = wn + nt * 8 + mpt__cuda_qgemm_acc_col(lane, e);
-                const int64_t i = i0 + li, j = j0 + lj;
-                if (i >= d.m || j >= d.n) continue;
-                int64_t v = (int64_t)acc[mt][nt][e] - za * col_sum[lj] - zb * row_sum[li] +
-                            d.k * za * zb;
-                if (d.bias) v += d.bias[j];
-                const int32_t sum = mpt__saturate_i32(v);
-                if (d.c) {
-                    d.c[i * d.ldc + j] = sum;
-                } else {
-                    const int64_t ch = d.per_channel ? j : 0;
-                    d.c_int8[i * d.ldc + j] = mpt__requantize_int8(
-                        sum, d.multiplier[ch], (int)d.shift[ch], d.c_zero_point, p.lo, p.hi);
-                }
+        for (int e = 0; e < 4; e++) {
+            const int li = wm + mt * 16 + mpt__cuda_qgemm_acc_row(lane, e);
+            const int lj = wn + nt * 8 + mpt__cuda_qgemm_acc_col(lane, e);
+            const int64_t i = i0 + li, j = j0 + lj;
+            if (i >= d.m || j >= d.n) continue;
+            int64_t v =
+                (int64_t)sums[e] - za * col_sum[lj] - zb * row_sum[li] + d.k * za * zb;
+            if (d.bias) v += d.bias[j];
+            const int32_t sum = mpt__saturate_i32(v);
+            if (d.c) {
+                d.c[i * d.ldc + j] = sum;
+            } else {
+                const int64_t ch = d.per_channel ? j : 0;
+                d.c_int8[i * d.ldc + j] = mpt__requantize_int8(
+                    sum, d.multiplier[ch], (int)d.shift[ch], d.c_zero_point, p.lo, p.hi);
             }
+        }
+    }
 }
 
 template <bool A_UNSIGNED, bool TRANS_B>

@@ -34,9 +34,11 @@
                             the checked-call macros MPT__CU / MPT__LT, and
                             the element rules every kernel shares:
                             conversions and activations with the CPU's bits
-       GEMMs                the tensor-core kernel (mma.sync), the Hopper
-                            kernel (wgmma, TMA), cuBLASLt, per-shape plans,
-                            column sums (bias gradients)
+       GEMMs                the epilogue every kernel shares (staged
+                            through shared memory for the tensor-core
+                            ones), the tensor-core kernel (mma.sync), the
+                            Hopper kernel (wgmma, TMA), cuBLASLt,
+                            per-shape plans, column sums (bias gradients)
        layers               dtype conversion, activations, im2col/col2im,
                             pooling, batch normalization, dropout
        training             losses, gradient statistics, optimizer updates,

@@ -930,7 +930,7 @@ gpu_device_lines() {
 
 # ./build.sh gpu-pack: the GPU programs built here (GPU_ARCH, default sm_90a:
 # the Hopper image) and stripped, with Fashion-MNIST's .gz files and a
-# BUILD note, in build/gpu-pack: one folder (about 62 MB) to carry to a GPU
+# BUILD note, in build/gpu-pack: one folder (about 50 MB) to carry to a GPU
 # machine, where `GPU_PREBUILT=build/gpu-pack ./build.sh gpu STEP` runs
 # them without building (bench/GPU.md). They need there the libraries they
 # were linked with here: CUDA's runtime, cuBLAS/cuBLASLt and zlib of the

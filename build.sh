@@ -407,6 +407,26 @@ required_gpu_checks() {
             cmp -s "$d/train-images-idx3-ubyte" "$B/expected"
     ) && record "./build.sh gpu without zlib.h decompresses the data" pass ||
         record "./build.sh gpu without zlib.h decompresses the data" fail "see gpu_dataset"
+    # The pack for a GPU machine builds (every GPU program, the Hopper
+    # image included, nvcc -Werror), and run from it without a device the
+    # tests fail. (Subshells: the gpu steps' own counts stay out of ours.)
+    if find_nvcc >/dev/null && have_zlib; then
+        if (gpu_pack >"$B/gpu_pack.log" 2>&1); then
+            record "./build.sh gpu-pack builds every GPU program" pass
+            (GPU_PREBUILT=$B/gpu-pack run_gpu test --out "$B/gpu_prebuilt_check") \
+                >"$B/gpu_prebuilt_check.log" 2>&1
+            if [ $? -ne 0 ] &&
+                grep -q '^FAIL a CUDA device is reached' "$B/gpu_prebuilt_check/test_cuda.out"; then
+                record "GPU_PREBUILT ./build.sh gpu test without a device fails" pass
+            else
+                cat "$B/gpu_prebuilt_check.log"
+                record "GPU_PREBUILT ./build.sh gpu test without a device fails" fail "see above"
+            fi
+        else
+            cat "$B/gpu_pack.log"
+            record "./build.sh gpu-pack builds every GPU program" fail "see above"
+        fi
+    fi
     for f in $(declare -F | awk '{print $3}' |
         grep -E '^(gpu_|run_gpu$|find_nccl$|find_nvcc$|have_zlib$|find_torch_gpu_python$)'); do
         if declare -f "$f" | grep -qE 'install_packages|apt-get|dpkg|pip install|python_env'; then

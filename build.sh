@@ -681,20 +681,24 @@ GPU_BENCH_SECONDS=${GPU_BENCH_SECONDS:-480}
 GPU_BUILD_SECONDS=${GPU_BUILD_SECONDS:-480}
 
 # ./build.sh gpu-data [SRC]: copies Fashion-MNIST's four .gz files (about
-# 30 MB) from SRC (default the Debian path) into data/fashion-mnist, to be
+# 30 MB) from SRC (default the Debian path) into DEST (default
+# data/fashion-mnist; the pack gives its own), to be
 # carried to a GPU machine with the working tree.
 gpu_data() {
-    local src=${1:-/usr/share/datasets/fashion-mnist} f
-    mkdir -p "$GPU_DATA_COPY"
+    local src=${1:-/usr/share/datasets/fashion-mnist} dest=${2:-$GPU_DATA_COPY} f
+    mkdir -p "$dest"
     for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte \
         t10k-labels-idx1-ubyte; do
-        if [ -e "$src/$f.gz" ]; then cp "$src/$f.gz" "$GPU_DATA_COPY/"
-        elif [ -e "$src/$f" ]; then cp "$src/$f" "$GPU_DATA_COPY/"
+        if [ -e "$src/$f.gz" ]; then cp "$src/$f.gz" "$dest/"
+        elif [ -e "$src/$f" ]; then cp "$src/$f" "$dest/"
         else echo "build.sh gpu-data: $src has no $f(.gz)" >&2; return 1
         fi
     done
-    du -sh "$GPU_DATA_COPY"
+    du -sh "$dest"
 }
+
+# nvcc's release number (13.0), for the summaries.
+nvcc_release() { "$1" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'; }
 
 # True when the C compiler finds zlib.h (and MPT_GPU_NO_ZLIB is not 1).
 have_zlib() {
@@ -956,7 +960,7 @@ gpu_device_lines() {
 # were linked with here: CUDA's runtime, cuBLAS/cuBLASLt and zlib of the
 # same major versions, and libnccl.so.2 (the nvidia-nccl wheel's is found).
 gpu_pack() {
-    local nvcc zflags="" libs=$LIBS nccl pack=$B/gpu-pack p f src
+    local nvcc zflags="" libs=$LIBS nccl pack=$B/gpu-pack p src
     nvcc=$(find_nvcc) || { echo "build.sh gpu-pack: needs nvcc (set NVCC=...)" >&2; return 1; }
     have_zlib || { echo "build.sh gpu-pack: needs zlib.h (the programs read the .gz files)" >&2; return 1; }
     GPU_ARCH=${GPU_ARCH:-sm_90a}
@@ -966,19 +970,15 @@ gpu_pack() {
         echo "build.sh gpu-pack: the build failed (see above and $B/gpu/build.log)" >&2
         return 1
     }
-    rm -rf "$pack" && mkdir -p "$pack/fashion-mnist" || return 1
+    rm -rf "$pack" && mkdir -p "$pack" || return 1
     for p in test_cuda_gpu bench_cuda_gpu mlp_gpu test_cuda_nccl; do
         [ -e "$B/$p" ] && { strip -o "$pack/$p" "$B/$p" || return 1; }
     done
     src=/usr/share/datasets/fashion-mnist
     [ -d "$src" ] || src=$GPU_DATA_COPY
-    for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte \
-        t10k-labels-idx1-ubyte; do
-        if [ -e "$src/$f.gz" ]; then cp "$src/$f.gz" "$pack/fashion-mnist/" || return 1
-        else echo "build.sh gpu-pack: no $src/$f.gz; the training steps will lack data" >&2
-        fi
-    done
-    echo "built $(date -u '+%Y-%m-%d %H:%M UTC') at $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)'), nvcc $("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), -arch=$GPU_ARCH, NCCL $([ -n "$nccl" ] && echo yes || echo no)" >"$pack/BUILD"
+    gpu_data "$src" "$pack/fashion-mnist" >/dev/null ||
+        echo "build.sh gpu-pack: the training steps will lack data" >&2
+    echo "built $(date -u '+%Y-%m-%d %H:%M UTC') at $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)'), nvcc $(nvcc_release "$nvcc"), -arch=$GPU_ARCH, NCCL $([ -n "$nccl" ] && echo yes || echo no)" >"$pack/BUILD"
     cat "$pack/BUILD"
     du -sh "$pack"
 }
@@ -1036,7 +1036,7 @@ run_gpu() {
         gpu_use_prebuilt "$nccl" || return 1
     else
         GPU_BIN=./$B
-        echo "build.sh gpu $step: nvcc $("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), -arch=$GPU_ARCH, data $GPU_DATA, NCCL $([ -z "$nccl" ] && echo none || { [ "$nccl" = " " ] && echo system || echo "$nccl"; }), output $GPU_OUT"
+        echo "build.sh gpu $step: nvcc $(nvcc_release "$nvcc"), -arch=$GPU_ARCH, data $GPU_DATA, NCCL $([ -z "$nccl" ] && echo none || { [ "$nccl" = " " ] && echo system || echo "$nccl"; }), output $GPU_OUT"
         if ! gpu_build "$nvcc" "$zflags" "$libs" "$nccl" >"$GPU_OUT/build.log" 2>&1; then
             cat "$GPU_OUT/build.log"
             echo "build.sh gpu: the build failed (see above and $GPU_OUT/build.log)" >&2

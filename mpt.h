@@ -208,7 +208,9 @@
      for backend implementers (mpt_cuda.cu sees these too):
        @backend      the table a compute backend implements (CPU, CUDA)
        @backend-shared  the rules both backends run: Philox, loss scaling, the
-                        loss's tally, int8 requantization (internal)
+                        loss's tally, int8 requantization, and the CUDA GEMMs'
+                        fragment and staging places, tested on the host
+                        (internal)
      implementation (MPT_IMPLEMENTATION), along the data flow:
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,

@@ -225,6 +225,19 @@ static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
     }
 }
 
+/* Register q of N, picked at run time: get(r) for the r == q of an
+   unrolled loop, so that each get reads a register by a compile-time index
+   (an array indexed at run time would live in local memory). Lets an
+   epilogue be one rolled loop over its sums instead of N inlined copies. */
+template <int N, class GET>
+static __device__ __forceinline__ auto mpt__cuda_pick(int q, GET get) -> decltype(get(0)) {
+    decltype(get(0)) v = get(0);
+#pragma unroll
+    for (int r = 1; r < N; r++)
+        if (r == q) v = get(r);
+    return v;
+}
+
 /* The CUDA backend's matrix products: a hand-written tensor-core GEMM for
    float16/bfloat16, cuBLASLt for the same products, a plain FP32 kernel,
    the per-shape choice between the engines, and the bias-gradient column
@@ -470,15 +483,11 @@ static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cu
         __syncthreads();
     }
     /* The epilogue in a rolled loop, so that its code exists once (16
-       inlined copies made this kernel 500 KB): output q's sum is picked
-       from the registers by compile-time indices under a run-time test. */
+       inlined copies made this kernel 500 KB; mpt__cuda_pick). */
 #pragma unroll 1
     for (int q = 0; q < 16; q++) {
         const int64_t row = m0 + ty + 16 * (q / 4), col = n0 + tx + 16 * (q % 4);
-        float sum = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 16; r++)
-            if (r == q) sum = acc[r / 4][r % 4];
+        const float sum = mpt__cuda_pick<16>(q, [&](int r) { return acc[r / 4][r % 4]; });
         if (row < p.m && col < p.n) {
             const int64_t ci = row * p.ldc + col;
             if (p.partials) p.partials[(blockIdx.y * p.m + row) * p.n + col] = sum;
@@ -4549,17 +4558,14 @@ static __global__ void __launch_bounds__(mpt__cuda_qgemm_threads)
     __syncthreads();
     const int64_t za = d.a_zero_point, zb = d.b_zero_point;
     /* A rolled loop over the 2×4 mma tiles, so that the requantization's
-       code exists four times, not 32: tile q's sums are picked from the
-       registers by compile-time indices under a run-time test. */
+       code exists four times, not 32 (mpt__cuda_pick). */
 #pragma unroll 1
     for (int q = 0; q < 8; q++) {
         const int mt = q / 4, nt = q % 4;
-        int32_t sums[4] = {0, 0, 0, 0};
+        int32_t sums[4];
 #pragma unroll
-        for (int r = 0; r < 8; r++)
-            if (r == q)
-#pragma unroll
-                for (int e = 0; e < 4; e++) sums[e] = acc[r / 4][r % 4][e];
+        for (int e = 0; e < 4; e++)
+            sums[e] = mpt__cuda_pick<8>(q, [&](int r) { return acc[r / 4][r % 4][e]; });
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int li = wm + mt * 16 + mpt__cuda_qgemm_acc_row(lane, e);

@@ -364,14 +364,13 @@ static __device__ __forceinline__ void mpt__cuda_gemm_finish_staged(
                         make_float2(sums(b, j, 2 * h), sums(b, j, 2 * h + 1));
             }
         __syncwarp();
+        const int lane_col = mpt__cuda_epi_get_col(lane);
         const int64_t band_row = row0 + 16 * (c / CHUNKS_PER_BAND);
-        const int64_t col = col0 + (c % CHUNKS_PER_BAND) * MPT__CUDA_EPI_COLS +
-                            mpt__cuda_epi_get_col(lane);
+        const int64_t col = col0 + (c % CHUNKS_PER_BAND) * MPT__CUDA_EPI_COLS + lane_col;
 #pragma unroll 1
         for (int s = 0; s < 8; s++) {
             const int r = mpt__cuda_epi_get_row(lane, s);
-            const float2 v =
-                *(const float2 *)(stage + r * MPT__CUDA_EPI_PITCH + mpt__cuda_epi_get_col(lane));
+            const float2 v = *(const float2 *)(stage + r * MPT__CUDA_EPI_PITCH + lane_col);
             const int64_t row = band_row + r;
             if (row >= p.m || col >= p.n) continue;
             if (p.partials) mpt__cuda_gemm_keep2_at(p, slice, row, col, v.x, v.y);

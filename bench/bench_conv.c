@@ -23,19 +23,12 @@
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-
-#include <time.h>
+#include "common.h"
 
 /* --clock cpu: the process's CPU time instead of the wall clock. With
    --threads 1 that is the time the one thread ran, which a host busy
    with other work disturbs far less than the wall clock. */
 static clockid_t clock_id = CLOCK_MONOTONIC;
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(clock_id, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 typedef struct shape {
     const char *name;
@@ -60,16 +53,6 @@ static const struct {
 enum { FWD, BWD_W, BWD_ALL, BWD_DATA, IM2COL, COL2IM, N_TIMES };
 static const char *time_names[N_TIMES] = {"forward", "backward (no dx)", "backward",
                                           "backward-data", "im2col", "col2im"};
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 static uint64_t rng = 88172645463325252ull;
 static float uniform(void) {
@@ -113,24 +96,24 @@ static void time_round(mpt_model *m, const mpt_tensor *x, const mpt_tensor *dy, 
     int r;
     int64_t b0;
     mpt__conv_plan_init(&c, L, m->max_batch, m->be);
-    t0 = now();
+    t0 = clock_seconds(clock_id);
     for (r = 0; r < reps; r++) (void)mpt_model_forward(m, x, 1, &out);
-    t[FWD] = 1e3 * (now() - t0) / reps;
-    t0 = now();
+    t[FWD] = 1e3 * (clock_seconds(clock_id) - t0) / reps;
+    t0 = clock_seconds(clock_id);
     for (r = 0; r < reps; r++) (void)mpt_model_backward(m, dy, NULL);
-    t[BWD_W] = 1e3 * (now() - t0) / reps;
-    t0 = now();
+    t[BWD_W] = 1e3 * (clock_seconds(clock_id) - t0) / reps;
+    t0 = clock_seconds(clock_id);
     for (r = 0; r < reps; r++) (void)mpt_model_backward(m, dy, &dx);
-    t[BWD_ALL] = 1e3 * (now() - t0) / reps;
+    t[BWD_ALL] = 1e3 * (clock_seconds(clock_id) - t0) / reps;
     {
         mpt__pass pass;
         mpt__pass_init(m, x->shape[0], 1, &pass);
         pass.dy = dz;
         pass.dx = dxbuf;
-        t0 = now();
+        t0 = clock_seconds(clock_id);
         for (r = 0; r < reps; r++)
             mpt__conv2d_by_chunks(L, &pass, former ? data_former_chunk : data_direct_chunk);
-        t[BWD_DATA] = 1e3 * (now() - t0) / reps;
+        t[BWD_DATA] = 1e3 * (clock_seconds(clock_id) - t0) / reps;
     }
     /* the former path's memory passes, on the layer's own workspace */
     cols = m->arena[MPT__MEM_WORKSPACE];
@@ -138,18 +121,18 @@ static void time_round(mpt_model *m, const mpt_tensor *x, const mpt_tensor *dy, 
                       (c.chunk * c.pix * c.kk * (int64_t)c.es + 63) / 64 * 64);
     dxf = dcols + c.chunk * c.pix * c.kk + 16;
     dxo = m->grad_buf[0];
-    t0 = now();
+    t0 = clock_seconds(clock_id);
     for (r = 0; r < reps; r++)
         for (b0 = 0; b0 < x->shape[0]; b0 += c.chunk)
             m->be->im2col(m->impl, &c.g, L->dtype, x->data, MPT__MIN(c.chunk, x->shape[0] - b0),
                           cols);
-    t[IM2COL] = 1e3 * (now() - t0) / reps;
-    t0 = now();
+    t[IM2COL] = 1e3 * (clock_seconds(clock_id) - t0) / reps;
+    t0 = clock_seconds(clock_id);
     for (r = 0; r < reps; r++)
         for (b0 = 0; b0 < x->shape[0]; b0 += c.chunk)
             m->be->col2im(m->impl, &c.g, L->dtype, dcols, MPT__MIN(c.chunk, x->shape[0] - b0),
                           dxf, dxo);
-    t[COL2IM] = 1e3 * (now() - t0) / reps;
+    t[COL2IM] = 1e3 * (clock_seconds(clock_id) - t0) / reps;
 }
 
 int main(int argc, char **argv) {
@@ -208,9 +191,9 @@ int main(int argc, char **argv) {
                             (int64_t[]){batch, sh->h - 2, sh->w - 2, sh->f}, dyd);
             /* about 0.1 s per path and round */
             {
-                double t0 = now(), t1[N_TIMES];
+                double t0 = clock_seconds(clock_id), t1[N_TIMES];
                 time_round(m, &x, &dy, t1, 1, 0, dz, dxbuf);
-                reps = (int)(0.1 / MPT__MAX(now() - t0, 1e-4)) + 1;
+                reps = (int)(0.1 / MPT__MAX(clock_seconds(clock_id) - t0, 1e-4)) + 1;
             }
             for (r = 0; r < rounds; r++)
                 for (k = 0; k < 2; k++) {

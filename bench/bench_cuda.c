@@ -47,21 +47,12 @@
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
+#include "common.h"
 
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
 #ifdef MPT_CUDA
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 #endif
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int open_context(mpt_gemm_engine gemm, mpt_context **ctx) {
     mpt_context_desc d;
@@ -131,16 +122,7 @@ static const shape gemm_shapes[] = {
 /* Random values in [-1, 1) in dtype, uploaded to a new buffer. */
 static void *device_random(const mpt_backend *t, void *impl, mpt_dtype dt, int64_t n) {
     size_t bytes = (size_t)n * mpt_dtype_size(dt);
-    void *host = malloc(bytes), *dev = NULL;
-    uint32_t s = 12345;
-    int64_t i;
-    for (i = 0; i < n; i++) {
-        float f;
-        s = s * 1664525u + 1013904223u;
-        f = (float)((s >> 8) * (1.0 / 16777216.0) * 2.0 - 1.0);
-        if (dt == MPT_FLOAT16) ((mpt_half *)host)[i] = mpt_float_to_half(f);
-        else ((mpt_bf16 *)host)[i] = mpt_float_to_bf16(f);
-    }
+    void *host = random_values(dt, n), *dev = NULL;
     if (t->alloc(impl, MPT_MEMORY_WORKSPACE, bytes, &dev) != MPT_OK ||
         t->upload(impl, dev, host, bytes) != MPT_OK) {
         if (dev) t->free(impl, MPT_MEMORY_WORKSPACE, dev);
@@ -156,27 +138,12 @@ static double time_gemm(mpt_context *ctx, const shape *s, mpt_dtype dt) {
     void *impl;
     const mpt_backend *t = mpt_context_backend(ctx, &impl);
     mpt_dtype c_dtype = s->c_half ? dt : MPT_FLOAT32;
-    int64_t ar = s->ta ? s->k : s->m, ac = s->ta ? s->m : s->k;
-    int64_t br = s->tb ? s->n : s->k, bc = s->tb ? s->k : s->n;
-    void *a = device_random(t, impl, dt, ar * ac), *b = device_random(t, impl, dt, br * bc);
+    void *a = device_random(t, impl, dt, s->m * s->k), *b = device_random(t, impl, dt, s->k * s->n);
     void *c = NULL;
     double seconds = -1;
     int reps = 10, i;
-    mpt_gemm_desc d;
-    memset(&d, 0, sizeof d);
     if (a && b && t->alloc(impl, MPT_MEMORY_WORKSPACE, (size_t)(s->m * s->n) * 4, &c) == MPT_OK) {
-        d.trans_a = s->ta;
-        d.trans_b = s->tb;
-        d.m = s->m;
-        d.n = s->n;
-        d.k = s->k;
-        d.ab_dtype = dt;
-        d.a = a;
-        d.lda = ac;
-        d.b = b;
-        d.ldb = bc;
-        d.c = (float *)c;
-        d.ldc = s->n;
+        const mpt_gemm_desc d = gemm_desc(s->m, s->n, s->k, s->ta, s->tb, dt, a, b, (float *)c);
         if (!t->gemm_plan || t->gemm_plan(impl, &d, c_dtype) == MPT_OK) {
             double t0, dt_s;
             for (i = 0; i < 3; i++) t->gemm(impl, &d, c_dtype);
@@ -487,101 +454,19 @@ static void bench_qgemm(mpt_context *ctx) {
 typedef enum model_kind { MLP = 0, CNN = 1, LARGE_MLP = 2 } model_kind;
 static const char *const model_names[3] = {"mlp", "cnn", "large_mlp"};
 
-static mpt_status add_dense(mpt_model *m, int64_t units, mpt_activation act) {
-    mpt_dense_desc d;
-    memset(&d, 0, sizeof d);
-    d.units = units;
-    d.activation = act;
-    return mpt_model_add_dense(m, &d);
-}
-
-/* Conv2D(f, 3, relu) -> BN -> Conv2D(f, 3, relu) -> MaxPool(2) -> Dropout(0.25) */
-static mpt_status add_conv_block(mpt_model *m, int64_t filters) {
-    mpt_conv2d_desc c;
-    mpt_batchnorm_desc bn;
-    mpt_pool2d_desc p;
-    mpt_dropout_desc dr;
-    mpt_status s;
-    memset(&c, 0, sizeof c);
-    c.filters = filters;
-    c.kernel_size[0] = c.kernel_size[1] = 3;
-    c.activation = MPT_ACT_RELU;
-    memset(&bn, 0, sizeof bn);
-    memset(&p, 0, sizeof p);
-    p.pool_size[0] = p.pool_size[1] = 2;
-    memset(&dr, 0, sizeof dr);
-    dr.rate = 0.25f;
-    s = mpt_model_add_conv2d(m, &c);
-    if (s == MPT_OK) s = mpt_model_add_batch_normalization(m, &bn);
-    if (s == MPT_OK) s = mpt_model_add_conv2d(m, &c);
-    if (s == MPT_OK) s = mpt_model_add_max_pooling2d(m, &p);
-    if (s == MPT_OK) s = mpt_model_add_dropout(m, &dr);
-    return s;
-}
-
-/* examples/mlp.c, examples/cnn.c, or the large MLP; Adam 1e-3, sparse
-   categorical crossentropy, no metrics (as bench_train.c). */
-static mpt_status make_model(mpt_context *ctx, model_kind kind, mpt_policy policy, int64_t batch,
-                             mpt_model **out) {
-    mpt_model_desc md;
-    mpt_compile_desc cd;
-    mpt_batchnorm_desc bn;
-    mpt_dropout_desc dr;
-    mpt_model *m = NULL;
-    mpt_status s;
+/* Flatten -> 4 × Dense(4096, relu) -> Dense(10, softmax) */
+static mpt_status add_large_mlp_layers(mpt_model *m) {
+    mpt_status s = mpt_model_add_flatten(m, NULL);
     int i;
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = 28;
-    md.input_shape[1] = 28;
-    md.input_shape[2] = 1;
-    md.input_rank = 3;
-    md.policy = policy;
-    md.seed = 42;
-    s = mpt_model_create(ctx, &md, &m);
-    if (s != MPT_OK) return s;
-    if (kind == CNN) {
-        memset(&bn, 0, sizeof bn);
-        memset(&dr, 0, sizeof dr);
-        dr.rate = 0.5f;
-        s = add_conv_block(m, 32);
-        if (s == MPT_OK) s = add_conv_block(m, 64);
-        if (s == MPT_OK) s = mpt_model_add_flatten(m, NULL);
-        if (s == MPT_OK) s = add_dense(m, 512, MPT_ACT_RELU);
-        if (s == MPT_OK) s = mpt_model_add_batch_normalization(m, &bn);
-        if (s == MPT_OK) s = mpt_model_add_dropout(m, &dr);
-    } else {
-        s = mpt_model_add_flatten(m, NULL);
-        for (i = 0; s == MPT_OK && i < (kind == LARGE_MLP ? 4 : 1); i++)
-            s = add_dense(m, kind == LARGE_MLP ? 4096 : 1024, MPT_ACT_RELU);
-    }
+    for (i = 0; s == MPT_OK && i < 4; i++) s = add_dense(m, 4096, MPT_ACT_RELU);
     if (s == MPT_OK) s = add_dense(m, 10, MPT_ACT_SOFTMAX);
-    memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 1e-3f;
-    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-    if (s == MPT_OK) s = mpt_model_compile(m, &cd);
-    if (s == MPT_OK) s = mpt_model_build(m, batch);
-    if (s != MPT_OK) {
-        mpt_model_destroy(m);
-        m = NULL;
-    }
-    *out = m;
     return s;
 }
 
-static double history_last(const mpt_model *m, const char *key) {
-    mpt_history h;
-    int k;
-    if (mpt_model_history(m, &h) != MPT_OK || h.epochs < 1) return 0;
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key)) return h.values[k][h.epochs - 1];
-    return 0;
-}
-
-static int compare_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
+/* examples/mlp.c's, examples/cnn.c's or the large MLP's layers, as
+   make_train_model (common.h) compiles them for bench_train.c too. */
+static mpt_status (*const add_model[3])(mpt_model *) = {add_mlp_layers, add_cnn_layers,
+                                                        add_large_mlp_layers};
 
 #define REPEATS 3
 
@@ -601,7 +486,7 @@ static mpt_status measure(mpt_model *m, const mpt_dataset *warmup, const mpt_dat
         s = mpt_model_fit(m, data, &fd);
         sps[r] = history_last(m, "samples_per_second");
     }
-    qsort(sps, REPEATS, sizeof *sps, compare_double);
+    qsort(sps, REPEATS, sizeof *sps, compare_doubles);
     return s;
 }
 
@@ -661,7 +546,7 @@ static void bench_train(mpt_context *ctx, const mpt_dataset *all, int synthetic)
                 const mpt_dataset *warmup = first_samples(ctx, all, 8 * batches[bi], &warm_view);
                 mpt_model *m = NULL;
                 double sps[REPEATS];
-                mpt_status s = make_model(ctx, (model_kind)mi, policies[pi], batches[bi], &m);
+                mpt_status s = make_train_model(ctx, add_model[mi], policies[pi], batches[bi], &m);
                 if (s == MPT_OK) s = measure(m, warmup, data, batches[bi], sps);
                 if (s != MPT_OK) {
                     fprintf(stderr, "bench_cuda: %s %s batch %lld: %s\n", model_names[mi],
@@ -735,7 +620,7 @@ static void bench_large(mpt_context *ctx, const mpt_dataset *all) {
     const mpt_dataset *warmup = first_samples(ctx, all, 2 * batch, &warm_view);
     for (pi = 0; pi < 2; pi++) {
         mpt_model *m = NULL;
-        mpt_status s = make_model(ctx, LARGE_MLP, policies[pi], batch, &m);
+        mpt_status s = make_train_model(ctx, add_model[LARGE_MLP], policies[pi], batch, &m);
         if (s == MPT_OK) {
             n_lines[pi] = memory_lines(m, names[pi], sizes[pi]);
             s = measure(m, warmup, data, batch, sps[pi]);

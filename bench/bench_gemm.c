@@ -21,14 +21,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-
-#include <time.h>
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "common.h"
 
 /* ---- clock and FMA peak -------------------------------------------------- */
 
@@ -148,34 +141,8 @@ static const shape shapes[] = {
     {"square", 2048, 2048, 2048, 0, 0},
 };
 
-static void *rand_buf(mpt_dtype dt, int64_t n) {
-    void *p = malloc((size_t)n * mpt_dtype_size(dt));
-    int64_t i;
-    uint32_t s = 12345;
-    for (i = 0; i < n; i++) {
-        float f;
-        s = s * 1664525u + 1013904223u;
-        f = (float)((s >> 8) * (1.0 / 16777216.0) * 2.0 - 1.0);
-        if (dt == MPT_FLOAT32) ((float *)p)[i] = f;
-        else if (dt == MPT_FLOAT16) ((mpt_half *)p)[i] = mpt_float_to_half(f);
-        else ((mpt_bf16 *)p)[i] = mpt_float_to_bf16(f);
-    }
-    return p;
-}
-
-/* Best seconds of mpt_gemm over repetitions (at least 3, and min_total s). */
-static double time_gemm(mpt_context *ctx, const mpt_gemm_desc *d, double min_total) {
-    double best = 1e30, total = 0;
-    int rep;
-    mpt_gemm(ctx, d); /* warm-up: caches, pages, pool */
-    for (rep = 0; rep < 200 && (rep < 3 || total < min_total); rep++) {
-        double t = now(), s;
-        mpt_gemm(ctx, d);
-        s = now() - t;
-        total += s;
-        if (s < best) best = s;
-    }
-    return best;
+static void run_gemm(mpt_context *ctx, const void *desc) {
+    mpt_gemm(ctx, (const mpt_gemm_desc *)desc);
 }
 
 int main(int argc, char **argv) {
@@ -184,21 +151,8 @@ int main(int argc, char **argv) {
     mpt_context *ctx[2];
     double ghz, peak512[2] = {0, 0}, peak256[2] = {0, 0}, sq_f32[2] = {0, 0};
     int t, si, di;
-    char cpu[256] = "?";
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (f) {
-        char line[512];
-        while (fgets(line, sizeof line, f))
-            if (strncmp(line, "model name", 10) == 0) {
-                char *p = strchr(line, ':');
-                if (p) {
-                    snprintf(cpu, sizeof cpu, "%s", p + 2);
-                    cpu[strcspn(cpu, "\n")] = 0;
-                }
-                break;
-            }
-        fclose(f);
-    }
+    char cpu[256];
+    cpu_name(cpu, sizeof cpu);
     for (t = 0; t < 2; t++) {
         mpt_context_desc cd;
         memset(&cd, 0, sizeof cd);
@@ -229,28 +183,14 @@ int main(int argc, char **argv) {
         if (quick && (s->m != 1024 || s->n != 1024)) continue;
         for (di = 0; di < 3; di++) {
             mpt_dtype dt = dts[di];
-            int64_t ar = s->ta ? s->k : s->m, ac = s->ta ? s->m : s->k;
-            int64_t br = s->tb ? s->n : s->k, bc = s->tb ? s->k : s->n;
-            void *a = rand_buf(dt, ar * ac), *b = rand_buf(dt, br * bc);
+            void *a = random_values(dt, s->m * s->k), *b = random_values(dt, s->k * s->n);
             float *c = (float *)calloc((size_t)(s->m * s->n), sizeof(float));
             double gf[2];
             char tr[3] = {s->ta ? 't' : 'n', s->tb ? 't' : 'n', 0};
-            mpt_gemm_desc d;
-            memset(&d, 0, sizeof d);
-            d.m = s->m;
-            d.n = s->n;
-            d.k = s->k;
-            d.trans_a = s->ta;
-            d.trans_b = s->tb;
-            d.ab_dtype = dt;
-            d.a = a;
-            d.lda = ac;
-            d.b = b;
-            d.ldb = bc;
-            d.c = c;
-            d.ldc = s->n;
+            const mpt_gemm_desc d = gemm_desc(s->m, s->n, s->k, s->ta, s->tb, dt, a, b, c);
             for (t = 0; t < 2; t++) {
-                double sec = time_gemm(ctx[t], &d, s->m == 1024 && s->n == 1024 ? 1.5 : 0.3);
+                double sec = best_seconds(ctx[t], run_gemm, &d,
+                                          s->m == 1024 && s->n == 1024 ? 1.5 : 0.3);
                 gf[t] = 2.0 * (double)s->m * (double)s->n * (double)s->k / sec * 1e-9;
                 printf("{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,"
                        "\"trans\":\"%s\",\"dtype\":\"%s\",\"threads\":%d,\"gflops\":%.2f,"

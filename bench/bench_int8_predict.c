@@ -25,9 +25,9 @@
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <sys/stat.h>
-#include <time.h>
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
+#include "common.h"
 
 #define CHECK(call)                                                                     \
     do {                                                                                \
@@ -40,53 +40,6 @@
 enum { FLOAT32, FULL_INT8, DYNAMIC_INT8, VARIANTS };
 static const char *const variant_names[VARIANTS] = {"float32", "full_int8", "dynamic_int8"};
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int compare_doubles(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, compare_doubles);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* quantize.c's models: Flatten, Dense(1024, relu), Dense(10, softmax); or
-   Conv2D(32, 3×3, relu), MaxPool 2×2, Flatten, Dense(128, relu), Dense(10,
-   softmax). Compiled and built. */
-static mpt_status make_model(mpt_context *ctx, const char *name, mpt_policy policy,
-                             int64_t batch, mpt_model **out) {
-    mpt_model *m;
-    mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 },
-                                                            .input_rank = 3, .policy = policy,
-                                                            .seed = 1 }, &m);
-    if (s != MPT_OK) return s;
-    if (!strcmp(name, "cnn_small")) {
-        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = 32, .kernel_size = { 3, 3 },
-                                                    .activation = MPT_ACT_RELU });
-        mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
-        mpt_model_add_flatten(m, NULL);
-        mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 128, .activation = MPT_ACT_RELU });
-    } else {
-        mpt_model_add_flatten(m, NULL);
-        mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 1024, .activation = MPT_ACT_RELU });
-    }
-    mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10, .activation = MPT_ACT_SOFTMAX });
-    s = mpt_model_compile(m, &(mpt_compile_desc){
-        .optimizer = { .type = MPT_OPTIMIZER_ADAM },
-        .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
-        .metrics = MPT_METRIC_ACCURACY });
-    if (s == MPT_OK) s = mpt_model_build(m, batch);
-    if (s != MPT_OK) mpt_model_destroy(m);
-    else *out = m;
-    return s;
-}
-
 /* The float32 model's weights: loaded from path if it exists, else
    trained for one epoch in mixed_float16 (and saved to path if given). */
 static mpt_status get_weights(mpt_context *ctx, const char *name, const char *path,
@@ -96,7 +49,7 @@ static mpt_status get_weights(mpt_context *ctx, const char *name, const char *pa
     mpt_status s;
     int i;
     if (path && stat(path, &st) == 0) return mpt_model_load_weights(model, path);
-    s = make_model(ctx, name, MPT_POLICY_MIXED_FLOAT16, batch, &trained);
+    s = make_quantize_model(ctx, name, MPT_POLICY_MIXED_FLOAT16, batch, &trained);
     if (s != MPT_OK) return s;
     s = mpt_model_fit(trained, train, &(mpt_fit_desc){ .epochs = 1, .batch_size = batch });
     for (i = 0; s == MPT_OK && i < mpt_model_param_count(trained); i++) {
@@ -174,7 +127,7 @@ int main(int argc, char **argv) {
     CHECK(mpt_dataset_load_mnist(ctx, data, 0, &train));
     CHECK(mpt_dataset_load_mnist(ctx, data, 1, &test));
     CHECK(mpt_dataset_split(ctx, test, batch, &first, &rest));
-    CHECK(make_model(ctx, model_name, MPT_POLICY_FLOAT32, batch, &models[FLOAT32]));
+    CHECK(make_quantize_model(ctx, model_name, MPT_POLICY_FLOAT32, batch, &models[FLOAT32]));
     CHECK(get_weights(ctx, model_name, weights, train, batch, models[FLOAT32]));
     CHECK(mpt_model_quantize(models[FLOAT32], &(mpt_quantize_desc){
         .mode = MPT_QUANTIZE_FULL_INTEGER, .representative_data = train,

@@ -16,17 +16,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
+#include "common.h"
 
 static mpt_status add_layer(mpt_model *m, const char *layer) {
     if (!strcmp(layer, "bn") || !strcmp(layer, "bn_dense")) return mpt_model_add_batch_normalization(m, NULL);

@@ -12,48 +12,16 @@
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-
-#include <time.h>
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static mpt_model *make_model(mpt_context *ctx, int cnn, mpt_policy policy) {
-    mpt_model *m = NULL;
-    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3,
-                                            .policy = policy, .seed = 1}, &m);
-    if (cnn) {
-        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 32, .kernel_size = {3, 3},
-                                                   .activation = MPT_ACT_RELU});
-        mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {2, 2}});
-        mpt_model_add_flatten(m, NULL);
-        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 128, .activation = MPT_ACT_RELU});
-    } else {
-        mpt_model_add_flatten(m, NULL);
-        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1024, .activation = MPT_ACT_RELU});
-    }
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
-    mpt_model_compile(m, &(mpt_compile_desc){
-        .optimizer = {.type = MPT_OPTIMIZER_ADAM},
-        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-        .metrics = MPT_METRIC_ACCURACY});
-    if (mpt_model_build(m, 128) != MPT_OK) {
-        mpt_model_destroy(m);
-        return NULL;
-    }
-    return m;
-}
+#include "common.h"
 
 /* Samples per second of one epoch, quantization-aware or not; 0 on failure. */
-static double epoch_speed(mpt_context *ctx, const mpt_dataset *data, int cnn, mpt_policy policy,
-                          int aware) {
-    mpt_model *m = make_model(ctx, cnn, policy);
+static double epoch_speed(mpt_context *ctx, const mpt_dataset *data, const char *model,
+                          mpt_policy policy, int aware) {
+    mpt_model *m = NULL;
     double start, seconds;
     mpt_status s;
-    if (!m || (aware && mpt_model_quantize_aware(m, NULL) != MPT_OK)) {
+    if (make_quantize_model(ctx, model, policy, 128, &m) != MPT_OK ||
+        (aware && mpt_model_quantize_aware(m, NULL) != MPT_OK)) {
         fprintf(stderr, "bench_qat: %s\n", mpt_context_error(ctx));
         mpt_model_destroy(m);
         return 0;
@@ -64,11 +32,6 @@ static double epoch_speed(mpt_context *ctx, const mpt_dataset *data, int cnn, mp
     mpt_model_destroy(m);
     if (s != MPT_OK) fprintf(stderr, "bench_qat: %s\n", mpt_context_error(ctx));
     return s == MPT_OK ? (double)mpt_dataset_count(data) / seconds : 0;
-}
-
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 int main(int argc, char **argv) {
@@ -101,17 +64,15 @@ int main(int argc, char **argv) {
     for (r = 0; r < rounds; r++) {
         double speed[2];
         int first = r % 2; /* which goes first alternates */
-        speed[first] = epoch_speed(ctx, head ? head : train, !strcmp(model, "cnn_small"), policy, first);
-        speed[1 - first] = epoch_speed(ctx, head ? head : train, !strcmp(model, "cnn_small"), policy,
-                                       1 - first);
+        speed[first] = epoch_speed(ctx, head ? head : train, model, policy, first);
+        speed[1 - first] = epoch_speed(ctx, head ? head : train, model, policy, 1 - first);
         if (speed[0] <= 0 || speed[1] <= 0) return 1;
         ratio[r] = speed[1] / speed[0];
         printf("round %d: float %.0f, quantization-aware %.0f samples/s: %.2fx\n", r, speed[0],
                speed[1], ratio[r]);
     }
-    qsort(ratio, (size_t)rounds, sizeof ratio[0], by_value);
     printf("{\"model\":\"%s\",\"rounds\":%d,\"qat_speed_vs_float_median\":%.2f}\n", model, rounds,
-           rounds % 2 ? ratio[rounds / 2] : 0.5 * (ratio[rounds / 2 - 1] + ratio[rounds / 2]));
+           median(ratio, rounds));
     mpt_dataset_destroy(head);
     mpt_dataset_destroy(train);
     mpt_context_destroy(ctx);

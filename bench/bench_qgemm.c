@@ -16,14 +16,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-
-#include <time.h>
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "common.h"
 
 static const struct {
     const char *what;
@@ -51,24 +44,10 @@ typedef struct product {
     mpt_qgemm_desc q;
 } product;
 
-static void run(mpt_context *ctx, const product *p) {
+static void run(mpt_context *ctx, const void *arg) {
+    const product *p = (const product *)arg;
     if (p->is_float) mpt_gemm(ctx, &p->f);
     else mpt_qgemm(ctx, &p->q);
-}
-
-/* Best seconds over repetitions (at least 3, and at least min_total s). */
-static double best_seconds(mpt_context *ctx, const product *p, double min_total) {
-    double best = 1e30, total = 0;
-    int rep;
-    run(ctx, p); /* warm-up: caches, pages, pool */
-    for (rep = 0; rep < 200 && (rep < 3 || total < min_total); rep++) {
-        double t = now(), s;
-        run(ctx, p);
-        s = now() - t;
-        total += s;
-        if (s < best) best = s;
-    }
-    return best;
 }
 
 static void report(const char *what, int64_t m, int64_t n, int64_t k, const char *kind,
@@ -119,16 +98,9 @@ int main(void) {
             if (mpt_context_create(&cd, &ctx) != MPT_OK) return 1;
             memset(&p, 0, sizeof p);
             p.is_float = 1;
-            p.f.m = m;
-            p.f.n = n;
-            p.f.k = k;
-            p.f.a = af;
-            p.f.lda = k;
-            p.f.b = bf;
-            p.f.ldb = n;
-            p.f.c = cf;
-            p.f.ldc = n;
-            report(shapes[si].what, m, n, k, "float32 gemm", "best", t, best_seconds(ctx, &p, 0.3));
+            p.f = gemm_desc(m, n, k, 0, 0, MPT_DTYPE_DEFAULT, af, bf, cf);
+            report(shapes[si].what, m, n, k, "float32 gemm", "best", t,
+                   best_seconds(ctx, run, &p, 0.3));
             mpt_context_destroy(ctx);
             for (pi = 0; pi < (int)(sizeof paths / sizeof paths[0]); pi++) {
                 cd.disable_cpu_features = paths[pi].disable;
@@ -147,13 +119,13 @@ int main(void) {
                     p.q.c = c32;
                     p.q.ldc = n;
                     report(shapes[si].what, m, n, k, "int8 -> int32", paths[pi].name, t,
-                           best_seconds(ctx, &p, 0.3));
+                           best_seconds(ctx, run, &p, 0.3));
                     {
                         mpt_qgemm_packed *packed = NULL;
                         if (mpt_qgemm_pack_b(ctx, &p.q, &packed) != MPT_OK) return 1;
                         p.q.b_packed = packed;
                         report(shapes[si].what, m, n, k, "int8 -> int32, B packed ahead",
-                               paths[pi].name, t, best_seconds(ctx, &p, 0.3));
+                               paths[pi].name, t, best_seconds(ctx, run, &p, 0.3));
                         p.q.b_packed = NULL;
                         mpt_qgemm_packed_free(ctx, packed);
                     }
@@ -166,7 +138,7 @@ int main(void) {
                     p.q.c_min = -128;
                     p.q.c_max = 127;
                     report(shapes[si].what, m, n, k, "int8 -> int8 requantized", paths[pi].name, t,
-                           best_seconds(ctx, &p, 0.3));
+                           best_seconds(ctx, run, &p, 0.3));
                 }
                 mpt_context_destroy(ctx);
             }

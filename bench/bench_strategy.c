@@ -10,25 +10,16 @@
    2·(n − 1)/n · bytes / seconds.
 
    Prints a table and one JSON line per result. */
+#define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
+#include "common.h"
 
-#include <stdio.h>
-#include <string.h>
 #ifdef MPT_MPI
 #include <mpi.h>
 #endif
 
 enum { SAMPLES = 128 * 40, BATCH = 128, EPOCHS = 3 };
-
-static double history_last(const mpt_model *m, const char *key) {
-    mpt_history h;
-    int k;
-    mpt_model_history(m, &h);
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key) && h.epochs > 0) return h.values[k][h.epochs - 1];
-    return 0;
-}
 
 /* ms per step of the last of EPOCHS epochs (the first warms up). */
 static double step_ms(mpt_context *ctx, mpt_strategy *s, const mpt_dataset *train) {
@@ -37,12 +28,7 @@ static double step_ms(mpt_context *ctx, mpt_strategy *s, const mpt_dataset *trai
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3,
                                             .policy = MPT_POLICY_MIXED_BFLOAT16, .seed = 1,
                                             .strategy = s}, &m);
-    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 32, .kernel_size = {3, 3},
-                                               .activation = MPT_ACT_RELU});
-    mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {2, 2}});
-    mpt_model_add_flatten(m, NULL);
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 128, .activation = MPT_ACT_RELU});
-    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
+    add_cnn_small_layers(m);
     mpt_model_compile(m, &(mpt_compile_desc){
         .optimizer = {.type = MPT_OPTIMIZER_ADAM},
         .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});

@@ -37,10 +37,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
 #define MAX_REPEAT 32
 
@@ -97,76 +94,14 @@ static int parse_options(int argc, char **argv, options *o) {
     return 1;
 }
 
-/* ---- the three models -------------------------------------------------------- */
-
-/* Flatten -> Dense(1024, relu) -> Dense(10, softmax) */
-static mpt_status add_mlp(mpt_model *m) {
-    mpt_status s = mpt_model_add_flatten(m, NULL);
-    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 1024,
-                                                                   .activation = MPT_ACT_RELU });
-    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10,
-                                                                   .activation = MPT_ACT_SOFTMAX });
-    return s;
-}
-
-/* examples/cnn_small.c: Conv2D(32, 3, relu) -> MaxPool(2) -> Flatten ->
-   Dense(128, relu) -> Dense(10, softmax) */
-static mpt_status add_cnn_small(mpt_model *m) {
-    mpt_status s = mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = 32,
-                                                               .kernel_size = { 3, 3 },
-                                                               .activation = MPT_ACT_RELU });
-    if (s == MPT_OK) s = mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
-    if (s == MPT_OK) s = mpt_model_add_flatten(m, NULL);
-    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 128,
-                                                                   .activation = MPT_ACT_RELU });
-    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10,
-                                                                   .activation = MPT_ACT_SOFTMAX });
-    return s;
-}
-
-/* Conv2D(f, 3, relu) -> BN -> Conv2D(f, 3, relu) -> MaxPool(2) -> Dropout(0.25) */
-static mpt_status add_conv_block(mpt_model *m, int64_t filters) {
-    mpt_status s = mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = filters,
-                                                               .kernel_size = { 3, 3 },
-                                                               .activation = MPT_ACT_RELU });
-    if (s == MPT_OK) s = mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){ 0 });
-    if (s == MPT_OK) s = mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = filters,
-                                                                     .kernel_size = { 3, 3 },
-                                                                     .activation = MPT_ACT_RELU });
-    if (s == MPT_OK) s = mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
-    if (s == MPT_OK) s = mpt_model_add_dropout(m, &(mpt_dropout_desc){ .rate = 0.25f });
-    return s;
-}
-
-/* The examples/cnn.c model: two conv blocks (32, 64 filters), Flatten,
-   Dense(512, relu), BN, Dropout(0.5), Dense(10, softmax). */
-static mpt_status add_cnn(mpt_model *m) {
-    mpt_status s = add_conv_block(m, 32);
-    if (s == MPT_OK) s = add_conv_block(m, 64);
-    if (s == MPT_OK) s = mpt_model_add_flatten(m, NULL);
-    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 512,
-                                                                   .activation = MPT_ACT_RELU });
-    if (s == MPT_OK) s = mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){ 0 });
-    if (s == MPT_OK) s = mpt_model_add_dropout(m, &(mpt_dropout_desc){ .rate = 0.5f });
-    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 10,
-                                                                   .activation = MPT_ACT_SOFTMAX });
-    return s;
-}
+/* ---- the three models (their layers: common.h) ------------------------------- */
 
 #define N_MODELS 3
 static const char *const model_names[N_MODELS] = {"mlp", "cnn_small", "cnn"};
-static mpt_status (*const add_model[N_MODELS])(mpt_model *) = {add_mlp, add_cnn_small, add_cnn};
+static mpt_status (*const add_model[N_MODELS])(mpt_model *) = {
+    add_mlp_layers, add_cnn_small_layers, add_cnn_layers};
 
 /* ---- measuring ------------------------------------------------------------------ */
-
-static double history_last(const mpt_model *m, const char *key) {
-    mpt_history h;
-    int k;
-    if (mpt_model_history(m, &h) != MPT_OK || h.epochs < 1) return 0;
-    for (k = 0; k < h.n_keys; k++)
-        if (!strcmp(h.keys[k], key)) return h.values[k][h.epochs - 1];
-    return 0;
-}
 
 /* Builds the model, fits it once on `warmup`, then `repeat` times for one
    epoch on `train`, each fit's numbers into r[]. */
@@ -177,14 +112,7 @@ static mpt_status measure(mpt_context *ctx, int model, mpt_policy policy, const 
     int64_t steps = (mpt_dataset_count(train) + o->batch_size - 1) / o->batch_size;
     mpt_status s;
     int i;
-    s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 }, .input_rank = 3,
-                                                 .policy = policy, .seed = 42 }, &m);
-    if (s == MPT_OK) s = add_model[model](m);
-    if (s == MPT_OK)
-        s = mpt_model_compile(m, &(mpt_compile_desc){
-            .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-3f },
-            .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY } });
-    if (s == MPT_OK) s = mpt_model_build(m, o->batch_size);
+    s = make_train_model(ctx, add_model[model], policy, o->batch_size, &m);
     if (s == MPT_OK) s = mpt_model_fit(m, warmup, &fit);
     for (i = 0; s == MPT_OK && i < o->repeat; i++) {
         double step_ms;
@@ -199,17 +127,6 @@ static mpt_status measure(mpt_context *ctx, int model, mpt_policy policy, const 
     }
     mpt_model_destroy(m);
     return s;
-}
-
-static int compare_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* The median of n values (the mean of the middle two when n is even). */
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, compare_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /* Each field's median over n results (and the samples/s range). */
@@ -232,20 +149,6 @@ static result summarize(const result *r, int n, double *min_sps, double *max_sps
     out.update_ms = median(v[3], n);
     out.other_ms = median(v[4], n);
     return out;
-}
-
-static void cpu_name(char *buf, size_t size) {
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    char line[512];
-    snprintf(buf, size, "?");
-    if (!f) return;
-    while (fgets(line, sizeof line, f))
-        if (!strncmp(line, "model name", 10) && strchr(line, ':')) {
-            snprintf(buf, size, "%s", strchr(line, ':') + 2);
-            buf[strcspn(buf, "\n")] = 0;
-            break;
-        }
-    fclose(f);
 }
 
 int main(int argc, char **argv) {

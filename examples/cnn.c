@@ -31,20 +31,14 @@ static mpt_status add_conv_block(mpt_model *m, int64_t filters) {
 }
 
 int main(int argc, char **argv) {
-    options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 15, 128, 0, 1, 1, NULL, NULL, NULL};
+    options o = default_options(15);
     mpt_context *ctx;
-    mpt_model *model;
     mpt_dataset *all, *train, *validation, *test;
-    mpt_callback callbacks[4];
-    int n_callbacks = 3;
-    mpt_logs result;
+    mpt_model *model;
+    mpt_callback callbacks[3];
     char summary[8192];
-    if (!parse_options(argc, argv, &o)) return 2;
-    if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
-        return 1;
-    TRY(mpt_dataset_load_mnist(ctx, o.data, 0, &all));
-    TRY(mpt_dataset_load_mnist(ctx, o.data, 1, &test));
+    int i, rc = open_fashion_mnist(argc, argv, &o, &ctx, &all, &test);
+    if (rc) return rc;
     TRY(mpt_dataset_split(ctx, all, mpt_dataset_count(all) - 10000, &train, &validation));
 
     TRY(mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 }, .input_rank = 3,
@@ -70,19 +64,10 @@ int main(int argc, char **argv) {
     TRY(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){
         .filepath = "cnn_best.safetensors", .save_best_only = 1, .save_weights_only = 1,
         .verbose = 1 }, &callbacks[2]));
-    TRY(add_tensorboard(ctx, &o, callbacks, &n_callbacks));
-    TRY(mpt_model_fit(model, train, with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                                   .batch_size = o.batch_size,
-                                                                   .validation_data = validation,
-                                                                   .verbose = o.verbose,
-                                                                   .callbacks = callbacks,
-                                                                   .n_callbacks = n_callbacks })));
-    TRY(write_plot(ctx, &o, model, "cnn"));
-    TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
-                           &result));
-    print_result("cnn", &o, model, ctx, &result);
+    TRY(fit_with_flags(ctx, &o, model, train, validation, callbacks, 3));
+    TRY(evaluate_and_report(ctx, &o, model, "cnn", test));
 
-    while (n_callbacks > 0) mpt_callback_destroy(&callbacks[--n_callbacks]);
+    for (i = 2; i >= 0; i--) mpt_callback_destroy(&callbacks[i]);
     mpt_model_destroy(model);
     mpt_dataset_destroy(validation);
     mpt_dataset_destroy(train);

@@ -10,20 +10,13 @@
 #include "common.h"
 
 int main(int argc, char **argv) {
-    options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 5, 128, 0, 1, 1, NULL, NULL, NULL};
+    options o = default_options(5);
     mpt_context *ctx;
-    mpt_model *model;
     mpt_dataset *train, *test;
-    mpt_logs result;
-    mpt_callback tensorboard[1];
-    int n_callbacks = 0;
+    mpt_model *model;
     char summary[4096];
-    if (!parse_options(argc, argv, &o)) return 2;
-    if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
-        return 1;
-    TRY(mpt_dataset_load_mnist(ctx, o.data, 0, &train));
-    TRY(mpt_dataset_load_mnist(ctx, o.data, 1, &test));
+    int rc = open_fashion_mnist(argc, argv, &o, &ctx, &train, &test);
+    if (rc) return rc;
 
     TRY(mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 }, .input_rank = 3,
                                                  .policy = o.policy, .seed = o.seed }, &model));
@@ -40,18 +33,9 @@ int main(int argc, char **argv) {
     TRY(mpt_model_build(model, o.batch_size));
     if (o.verbose && mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
 
-    TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
-    TRY(mpt_model_fit(model, train, with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                                   .batch_size = o.batch_size,
-                                                                   .verbose = o.verbose,
-                                                                   .callbacks = tensorboard,
-                                                                   .n_callbacks = n_callbacks })));
-    TRY(write_plot(ctx, &o, model, "cnn_small"));
-    TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
-                           &result));
-    print_result("cnn_small", &o, model, ctx, &result);
+    TRY(fit_with_flags(ctx, &o, model, train, NULL, NULL, 0));
+    TRY(evaluate_and_report(ctx, &o, model, "cnn_small", test));
 
-    if (n_callbacks) mpt_callback_destroy(&tensorboard[0]);
     mpt_model_destroy(model);
     mpt_dataset_destroy(test);
     mpt_dataset_destroy(train);

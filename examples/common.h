@@ -1,5 +1,7 @@
-/* What the Fashion-MNIST examples share: their command-line flags and the
-   JSON line they end with. Include after mpt.h. */
+/* What the Fashion-MNIST examples share: their command-line flags, data,
+   fit and the JSON line they end with; TRY. Include after mpt.h. The
+   functions are static inline, so an example that calls only some of them
+   builds without warnings. */
 #ifndef MPT_EXAMPLES_COMMON_H
 #define MPT_EXAMPLES_COMMON_H
 
@@ -21,10 +23,20 @@ typedef struct options {
     const char *profile;     /* --profile DIR; NULL: no profiling */
 } options;
 
+/* The defaults the flags change: mixed_float16, Fashion-MNIST from
+   /usr/share/datasets/fashion-mnist, `epochs` epochs of batches of 128,
+   every CPU, verbose 1, seed 1, no TensorBoard, plot or profile. */
+static inline options default_options(int epochs) {
+    options o = { .policy = MPT_POLICY_MIXED_FLOAT16, .policy_name = "mixed_float16",
+                  .data = "/usr/share/datasets/fashion-mnist", .epochs = epochs,
+                  .batch_size = 128, .verbose = 1, .seed = 1 };
+    return o;
+}
+
 /* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
    --verbose, --tensorboard, --plot and --profile over the defaults already in *o;
    returns 0 after printing the usage when something is wrong. */
-static int parse_options(int argc, char **argv, options *o) {
+static inline int parse_options(int argc, char **argv, options *o) {
     int i;
     for (i = 1; i + 1 < argc; i += 2) {
         const char *flag = argv[i], *value = argv[i + 1];
@@ -59,8 +71,8 @@ static int parse_options(int argc, char **argv, options *o) {
    writing DIR/train (and DIR/validation when fit validates), with every
    parameter's histograms each epoch: `tensorboard --logdir DIR` shows
    them. */
-static mpt_status add_tensorboard(mpt_context *ctx, const options *o, mpt_callback *callbacks,
-                                  int *n) {
+static inline mpt_status add_tensorboard(mpt_context *ctx, const options *o,
+                                         mpt_callback *callbacks, int *n) {
     mpt_status s;
     if (!o->tensorboard) return MPT_OK;
     s = mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){ .log_dir = o->tensorboard,
@@ -73,7 +85,7 @@ static mpt_status add_tensorboard(mpt_context *ctx, const options *o, mpt_callba
 /* With --profile DIR, fit times steps 10 to 20 of the first epoch layer by
    layer (Keras' profile_batch=(10, 20)): a Chrome trace in
    DIR/plugins/profile/<run>/ and a per-layer table at the end. */
-static mpt_fit_desc *with_profile(const options *o, mpt_fit_desc *fit) {
+static inline mpt_fit_desc *with_profile(const options *o, mpt_fit_desc *fit) {
     if (!o->profile) return fit;
     fit->profile_batch[0] = 10;
     fit->profile_batch[1] = 20;
@@ -83,8 +95,8 @@ static mpt_fit_desc *with_profile(const options *o, mpt_fit_desc *fit) {
 
 /* With --plot FILE, draws the model's history (loss, metrics, learning
    rate, loss scale per epoch) into FILE, an SVG a browser opens. */
-static mpt_status write_plot(mpt_context *ctx, const options *o, const mpt_model *model,
-                             const char *model_name) {
+static inline mpt_status write_plot(mpt_context *ctx, const options *o, const mpt_model *model,
+                                    const char *model_name) {
     mpt_history h;
     char title[128];
     if (!o->plot) return MPT_OK;
@@ -94,7 +106,7 @@ static mpt_status write_plot(mpt_context *ctx, const options *o, const mpt_model
 }
 
 /* The last epoch's training speed from the model's history. */
-static double last_samples_per_second(const mpt_model *model) {
+static inline double last_samples_per_second(const mpt_model *model) {
     mpt_history h;
     int k;
     mpt_model_history(model, &h);
@@ -104,8 +116,8 @@ static double last_samples_per_second(const mpt_model *model) {
     return 0;
 }
 
-static void print_result(const char *model_name, const options *o, const mpt_model *model,
-                         mpt_context *ctx, const mpt_logs *test) {
+static inline void print_result(const char *model_name, const options *o, const mpt_model *model,
+                                mpt_context *ctx, const mpt_logs *test) {
     mpt_history h;
     mpt_model_history(model, &h);
     printf("{\"model\":\"%s\",\"policy\":\"%s\",\"epochs\":%d,\"batch_size\":%lld,"
@@ -116,6 +128,57 @@ static void print_result(const char *model_name, const options *o, const mpt_mod
            mpt_logs_get(test, "accuracy"), last_samples_per_second(model));
 }
 
+/* Parses the flags over o's defaults, creates the context (--threads)
+   and loads Fashion-MNIST's training and test sets (--data). Returns 0,
+   or the exit status after saying why: 2 for a wrong flag, 1 otherwise. */
+static inline int open_fashion_mnist(int argc, char **argv, options *o, mpt_context **ctx,
+                                     mpt_dataset **train, mpt_dataset **test) {
+    if (!parse_options(argc, argv, o)) return 2;
+    if (mpt_context_create(&(mpt_context_desc){ .num_threads = o->threads }, ctx) != MPT_OK)
+        return 1;
+    if (mpt_dataset_load_mnist(*ctx, o->data, 0, train) != MPT_OK ||
+        mpt_dataset_load_mnist(*ctx, o->data, 1, test) != MPT_OK) {
+        fprintf(stderr, "%s: %s\n", argv[0], mpt_context_error(*ctx));
+        return 1;
+    }
+    return 0;
+}
+
+/* model.fit(train, epochs, batch_size, verbose, validation_data (NULL:
+   none), callbacks) as the flags say: the example's own callbacks (at
+   most 7), then with --tensorboard DIR a TensorBoard callback (destroyed
+   again after the fit), and with --profile DIR the profiler. */
+static inline mpt_status fit_with_flags(mpt_context *ctx, const options *o, mpt_model *model,
+                                        const mpt_dataset *train, const mpt_dataset *validation,
+                                        const mpt_callback *callbacks, int n_callbacks) {
+    mpt_callback all[8]; /* the example's and TensorBoard's */
+    mpt_fit_desc fit = { .epochs = o->epochs, .batch_size = o->batch_size,
+                         .validation_data = validation, .verbose = o->verbose,
+                         .callbacks = all, .n_callbacks = n_callbacks };
+    mpt_status s;
+    int i;
+    if (n_callbacks > 7) return MPT_ERR_INVALID_ARGUMENT;
+    for (i = 0; i < n_callbacks; i++) all[i] = callbacks[i];
+    s = add_tensorboard(ctx, o, all, &fit.n_callbacks);
+    if (s == MPT_OK) s = mpt_model_fit(model, train, with_profile(o, &fit));
+    if (fit.n_callbacks > n_callbacks) mpt_callback_destroy(&all[n_callbacks]);
+    return s;
+}
+
+/* After the fit: the --plot SVG, model.evaluate(test) and the JSON line. */
+static inline mpt_status evaluate_and_report(mpt_context *ctx, const options *o, mpt_model *model,
+                                             const char *model_name, const mpt_dataset *test) {
+    mpt_logs result;
+    mpt_status s = write_plot(ctx, o, model, model_name);
+    if (s == MPT_OK)
+        s = mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o->batch_size },
+                               &result);
+    if (s == MPT_OK) print_result(model_name, o, model, ctx, &result);
+    return s;
+}
+
+/* On a failed call: the context's error on stderr, after the program's
+   name, and exit status 1. */
 #define TRY(call)                                                          \
     do {                                                                   \
         if ((call) != MPT_OK) {                                            \

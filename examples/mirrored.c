@@ -29,16 +29,13 @@ static int take_replicas(int *argc, char **argv) {
 }
 
 int main(int argc, char **argv) {
-    options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 5, 128, 0, 1, 1, NULL, NULL, NULL};
+    options o = default_options(5);
     int replicas = take_replicas(&argc, argv);
     mpt_context *ctx;
     mpt_strategy *strategy;
     mpt_model *model;
     mpt_dataset *train, *test;
     mpt_logs result;
-    mpt_callback tensorboard[1];
-    int n_callbacks = 0;
     if (!parse_options(argc, argv, &o)) return 2;
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
         return 1;
@@ -69,18 +66,12 @@ int main(int argc, char **argv) {
         .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
         .metrics = MPT_METRIC_ACCURACY }));
 
-    TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
-    TRY(mpt_model_fit(model, train, with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                                   .batch_size = o.batch_size,
-                                                                   .verbose = o.verbose,
-                                                                   .callbacks = tensorboard,
-                                                                   .n_callbacks = n_callbacks })));
+    TRY(fit_with_flags(ctx, &o, model, train, NULL, NULL, 0));
     if (mpt_strategy_worker(strategy) == 0) TRY(write_plot(ctx, &o, model, "mirrored"));
     TRY(mpt_model_evaluate(model, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));
     if (mpt_strategy_worker(strategy) == 0) print_result("mirrored", &o, model, ctx, &result);
 
-    if (n_callbacks) mpt_callback_destroy(&tensorboard[0]);
     mpt_model_destroy(model);
     mpt_dataset_destroy(test);
     mpt_dataset_destroy(train);

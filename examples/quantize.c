@@ -199,8 +199,7 @@ static mpt_status report(mpt_context *ctx, mpt_model *m, const char *model_name,
 }
 
 int main(int argc, char **argv) {
-    options o = {MPT_POLICY_MIXED_FLOAT16, "mixed_float16", "/usr/share/datasets/fashion-mnist",
-                 1, 128, 0, 0, 1, NULL, NULL, NULL};
+    options o = default_options(1);
     const char *model_name = take_flag(&argc, argv, "--model", "mlp");
     const char *weights = take_flag(&argc, argv, "--weights", NULL);
     int64_t calibration = atoll(take_flag(&argc, argv, "--calibration-samples", "500"));
@@ -219,6 +218,7 @@ int main(int argc, char **argv) {
     int64_t float_bytes = 0;
     exported files = { .written = 0 };
     int i;
+    o.verbose = 0; /* the result lines only */
     if (!parse_options(argc, argv, &o)) return 2;
     if (!strcmp(calibration_name, "percentile")) calibration_method = MPT_CALIBRATION_PERCENTILE;
     else if (!strcmp(calibration_name, "mse")) calibration_method = MPT_CALIBRATION_MSE;
@@ -247,21 +247,8 @@ int main(int argc, char **argv) {
     if (weights) {
         TRY(mpt_model_load_weights(trained, weights));
     } else {
-        mpt_callback tensorboard[1];
-        mpt_logs result;
-        int n_callbacks = 0;
-        TRY(add_tensorboard(ctx, &o, tensorboard, &n_callbacks));
-        TRY(mpt_model_fit(trained, train,
-                          with_profile(&o, &(mpt_fit_desc){ .epochs = o.epochs,
-                                                            .batch_size = o.batch_size,
-                                                            .verbose = o.verbose,
-                                                            .callbacks = tensorboard,
-                                                            .n_callbacks = n_callbacks })));
-        if (n_callbacks) mpt_callback_destroy(&tensorboard[0]);
-        TRY(write_plot(ctx, &o, trained, model_name));
-        TRY(mpt_model_evaluate(trained, test, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
-                               &result));
-        print_result(model_name, &o, trained, ctx, &result);
+        TRY(fit_with_flags(ctx, &o, trained, train, NULL, NULL, 0));
+        TRY(evaluate_and_report(ctx, &o, trained, model_name, test));
     }
     TRY(make_model(ctx, model_name, MPT_POLICY_FLOAT32, 0, &o, &model));
     TRY(copy_weights(trained, model));

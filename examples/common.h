@@ -1,10 +1,11 @@
-/* What the Fashion-MNIST examples share: their command-line flags, data,
-   fit and the JSON line they end with; TRY. Include after mpt.h. The
-   functions are static inline, so an example that calls only some of them
-   builds without warnings. */
+/* What the examples share: the Fashion-MNIST examples' command-line flags,
+   data, fit and the JSON line they end with; the hand-written loops' toy
+   problem; TRY. Include after mpt.h. The functions are static inline, so
+   an example that calls only some of them builds without warnings. */
 #ifndef MPT_EXAMPLES_COMMON_H
 #define MPT_EXAMPLES_COMMON_H
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -175,6 +176,23 @@ static inline mpt_status evaluate_and_report(mpt_context *ctx, const options *o,
                                &result);
     if (s == MPT_OK) print_result(model_name, o, model, ctx, &result);
     return s;
+}
+
+/* The hand-written loops' toy problem: n points on two noisy rings, class
+   0 inside (radius 0.5), class 1 outside (radius 1). No straight line
+   separates them, so the hidden layers must learn. x: (n, 2), y: (n). */
+static inline void make_rings(int n, float *x, int32_t *y) {
+    uint32_t r[4];
+    int i;
+    for (i = 0; i < n; i++) {
+        double angle, radius;
+        mpt_philox4x32(1234, 0, (uint64_t)i, r);
+        angle = 6.283185307 * r[0] / 4294967296.0;
+        y[i] = (int32_t)(r[1] & 1);
+        radius = (y[i] ? 1.0 : 0.5) + 0.15 * (r[2] / 4294967296.0 - 0.5);
+        x[2 * i] = (float)(radius * cos(angle));
+        x[2 * i + 1] = (float)(radius * sin(angle));
+    }
 }
 
 /* On a failed call: the context's error on stderr, after the program's

@@ -8,34 +8,9 @@
 #define MPT_NO_ZLIB /* it reads no files: no zlib, no -lz */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
-#include <stdio.h>
-#include <string.h>
+#include "common.h"
 
 enum { N = 512, BATCH = 64, EPOCHS = 200 };
-
-/* Two noisy rings, class 0 inside (radius 0.5), class 1 outside (radius
-   1): no straight line separates them, so the hidden layers must learn. */
-static void make_rings(float *x, int32_t *y) {
-    uint32_t r[4];
-    int i;
-    for (i = 0; i < N; i++) {
-        double angle, radius;
-        mpt_philox4x32(1234, 0, (uint64_t)i, r);
-        angle = 6.283185307 * r[0] / 4294967296.0;
-        y[i] = (int32_t)(r[1] & 1);
-        radius = (y[i] ? 1.0 : 0.5) + 0.15 * (r[2] / 4294967296.0 - 0.5);
-        x[2 * i] = (float)(radius * cos(angle));
-        x[2 * i + 1] = (float)(radius * sin(angle));
-    }
-}
-
-#define TRY(call)                                                          \
-    do {                                                                   \
-        if ((call) != MPT_OK) {                                            \
-            fprintf(stderr, "%s\n", mpt_context_error(ctx));               \
-            return 1;                                                      \
-        }                                                                  \
-    } while (0)
 
 int main(int argc, char **argv) {
     static float x[N * 2];
@@ -47,7 +22,7 @@ int main(int argc, char **argv) {
     double loss = 0;
     if (argc > 1 && strcmp(argv[1], "mixed_float16") == 0) policy = MPT_POLICY_MIXED_FLOAT16;
     if (argc > 1 && strcmp(argv[1], "mixed_bfloat16") == 0) policy = MPT_POLICY_MIXED_BFLOAT16;
-    make_rings(x, y);
+    make_rings(N, x, y); /* class 0 inside, 1 outside: no line separates them (common.h) */
 
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = 1 }, &ctx) != MPT_OK) return 1;
     TRY(mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 2 }, .input_rank = 1,

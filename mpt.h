@@ -24,6 +24,12 @@
 
    OPTIONAL DEFINES
        MPT_STATIC     make every function static to the implementing file.
+       MPT_NO_IMPLEMENTATION
+                      declarations only, even in a file that defines
+                      MPT_IMPLEMENTATION: the program links the
+                      implementation from another object file (build.sh
+                      compiles it once for every program that uses only
+                      the public API).
        MPT_NO_SIMD    compile only the portable paths (no AVX2/AVX-512/F16C);
                       without it those paths are chosen at run time by CPUID.
        MPT_NO_ZLIB    build without zlib (no -lz): gzip-compressed IDX files
@@ -2763,7 +2769,7 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
                                IMPLEMENTATION
    ============================================================================
    ============================================================================ */
-#ifdef MPT_IMPLEMENTATION
+#if defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)
 #ifndef MPT__IMPLEMENTED
 #define MPT__IMPLEMENTED
 

@@ -3,8 +3,9 @@
    Each test program includes this file, runs named tests with TEST_RUN(),
    and ends with test_summary(). Every test prints one line,
        PASS <name>   |   FAIL <name>: <why>   |   SKIP <name>: <why>
-   which ./build.sh test counts over all programs. A failed CHECK inside a
-   test records the first failure's file, line and message, and the test
+       OMIT <name>: <why>   (an interop case ./build.sh test leaves out)
+   which ./build.sh test and check count over all programs. A failed CHECK
+   inside a test records the first failure's file, line and message, and the test
    goes on (so its cleanup still runs). */
 #ifndef MPT_TEST_H
 #define MPT_TEST_H
@@ -15,11 +16,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int test__passed, test__failed, test__skipped;
+static int test__passed, test__failed, test__skipped, test__omitted;
 static int test__current_failed;
 static int test__open; /* checks made since test__begin, not yet reported */
 static char test__why[512];
 static const char *test__skip_reason;
+static const char *test__omit_reason;
 
 static void test__fail(const char *file, int line, const char *fmt, ...) {
     if (!test__current_failed) {
@@ -51,6 +53,7 @@ static inline void test__begin(void) {
     test__open = 1;
     test__current_failed = 0;
     test__skip_reason = NULL;
+    test__omit_reason = NULL;
     test__why[0] = 0;
 }
 
@@ -60,6 +63,9 @@ static inline void test__report(const char *name) {
     if (test__current_failed) {
         test__failed++;
         printf("FAIL %s: %s\n", name, test__why);
+    } else if (test__omit_reason) {
+        test__omitted++;
+        printf("OMIT %s: %s\n", name, test__omit_reason);
     } else if (test__skip_reason) {
         test__skipped++;
         printf("SKIP %s: %s\n", name, test__skip_reason);
@@ -91,8 +97,10 @@ static inline void test__end(const char *fmt, ...) {
 
 /* Prints this program's totals and returns the exit status. */
 static int test_summary(const char *program) {
-    printf("# %s: %d passed, %d failed, %d skipped\n", program, test__passed, test__failed,
+    printf("# %s: %d passed, %d failed, %d skipped", program, test__passed, test__failed,
            test__skipped);
+    if (test__omitted) printf(", %d interop cases left out (MPT_TEST_INTEROP=0)", test__omitted);
+    printf("\n");
     return test__failed ? 1 : 0;
 }
 
@@ -116,7 +124,7 @@ static inline int test_randint(int lo, int hi) { /* inclusive */
 /* ---- Python, for the interoperability tests ---------------------------------- */
 
 /* The Python the interoperability tests run: $MPT_TEST_PYTHON (./build.sh
-   test points it at the virtual environment it filled), else python3. */
+   check points it at the virtual environment it filled), else python3. */
 static inline const char *test_python(void) {
     const char *py = getenv("MPT_TEST_PYTHON");
     return py && *py ? py : "python3";
@@ -125,18 +133,26 @@ static inline const char *test_python(void) {
 /* 1 when test_python() imports `modules` ("numpy, safetensors.numpy").
    Else 0, and the running test is skipped, or fails where build.sh has
    installed the packages (MPT_TEST_PYTHON_REQUIRED=1): there a missing
-   module is a broken setup, not an optional one. */
+   module is a broken setup, not an optional one. Under MPT_TEST_INTEROP=0
+   (./build.sh test, which installs no Python package) 0 at once, and the
+   test is reported as OMIT: left to ./build.sh check, not skipped. */
 static inline int test_python_imports(const char *modules) {
     static char why[512];
     const char *required = getenv("MPT_TEST_PYTHON_REQUIRED");
+    const char *interop = getenv("MPT_TEST_INTEROP");
     char cmd[1024];
+    if (interop && strcmp(interop, "0") == 0) {
+        snprintf(why, sizeof why, "needs Python with %s: ./build.sh check runs it", modules);
+        test__omit_reason = why;
+        return 0;
+    }
     snprintf(cmd, sizeof cmd, "'%s' -c 'import %s' >/dev/null 2>&1", test_python(), modules);
     if (system(cmd) == 0) return 1;
     if (required && strcmp(required, "1") == 0) {
         test__fail(__FILE__, __LINE__, "%s cannot import %s, which build.sh installed "
                    "(MPT_TEST_PYTHON_REQUIRED=1)", test_python(), modules);
     } else {
-        snprintf(why, sizeof why, "%s cannot import %s (./build.sh test installs them)",
+        snprintf(why, sizeof why, "%s cannot import %s (./build.sh check installs them)",
                  test_python(), modules);
         SKIP(why);
     }

@@ -277,6 +277,26 @@
        comment gives its default. A NULL descriptor means all defaults,
        everywhere; where a field is required, the error names it.
 
+   PRIVATE PREFIXES: the families of mpt__ helpers, and where they live
+       bn_     BatchNormalization                      @impl-batchnorm
+       cb_     callbacks, and the text they write      @impl-callbacks
+       ckpt_   checkpoint files                        @impl-checkpoints
+       dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv2d
+       dz_     dz = dy · act'(y) and the bias sum      @impl-layer-helpers
+       fb_     FlatBuffers, TFLite's container         @impl-export-tflite
+       kgrad_  Conv2D's kernel gradient                @impl-conv2d
+       pb_     protobuf (TensorBoard's events, ONNX)   @impl-callbacks
+       q_      quantization parameters, rounding       @impl-quantize
+       qat_    quantization-aware training             @impl-qat
+       qgemm_  the int8 GEMM                           @impl-qgemm
+       st_     safetensors                             @impl-safetensors
+       tb_     TensorBoard's event files               @impl-callbacks
+       tfl_    the TFLite graph                        @impl-export-tflite
+       wino_   Winograd F(2×2, 3×3)                    @impl-conv2d
+       wino4_  Winograd F(4×4, 3×3)                    @impl-conv2d
+       wkg_    Winograd's kernel gradient              @impl-conv2d
+       ws_     a layer's workspace, cut in pieces      @impl-layer-helpers
+
    LICENSE: MIT, at the end of this file.
 */
 #ifndef MPT_H

@@ -36,6 +36,10 @@
                       then give MPT_ERR_UNSUPPORTED; plain ones still load.
        MPT_CUDA       with mpt_cuda.cu: contexts take a CUDA device.
        MPT_MPI        multi-worker strategies over MPI (build with mpicc).
+       MPT_BACKEND_SHARED
+                      (a backend's own file: mpt_cuda.cu) the rules both
+                      backends compute alike (@backend-shared), without
+                      the implementation.
 
    ENVIRONMENT
        MPT_NUM_THREADS   threads of a context whose descriptor leaves
@@ -211,13 +215,14 @@
                      (calibrated), float16; the quantized model's layers;
                      quantization-aware training
        @export       a model as a TFLite or ONNX file
-     for backend implementers (mpt_cuda.cu sees these too):
+     for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
-       @backend-shared  the rules both backends run: Philox, loss scaling, the
-                        loss's tally, int8 requantization, and the CUDA GEMMs'
-                        fragment and staging places, tested on the host
-                        (internal)
      implementation (MPT_IMPLEMENTATION), along the data flow:
+       @backend-shared    the rules both backends run: Philox, loss scaling, the
+                          loss's tally, int8 requantization, and the CUDA GEMMs'
+                          fragment and staging places, tested on the host
+                          (internal; MPT_BACKEND_SHARED compiles it alone, for
+                          mpt_cuda.cu)
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,
                           the devices
@@ -1843,10 +1848,11 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
 
    Nothing above needs what follows to train a model. @backend is the table
    of functions the CPU backend (@impl-cpu-backend) and the CUDA one
-   (mpt_cuda.cu) fill in, and @backend-shared the rules both run alike. It
-   stays in this half of the file, outside MPT_IMPLEMENTATION, because
-   mpt_cuda.cu includes the header without MPT_IMPLEMENTATION and needs
-   both. */
+   (mpt_cuda.cu) fill in. It stays in this half of the file, outside
+   MPT_IMPLEMENTATION, because mpt_cuda.cu includes the header without
+   MPT_IMPLEMENTATION. The rules both backends run alike (@backend-shared)
+   open the implementation half, where MPT_BACKEND_SHARED reaches them
+   too. */
 
 /* =============================================================================
    @backend: the table of functions a compute backend implements
@@ -2294,15 +2300,31 @@ extern int64_t mpt_cuda_lt_refusals(const void *impl);
 extern int64_t mpt_cuda_gemm_runs(const void *impl, mpt_gemm_engine engine);
 extern int mpt_cuda_wgmma_ready(const void *impl);
 
+#ifdef __cplusplus
+}
+#endif
+#endif /* MPT_H */
+
+/* ============================================================================
+   ============================================================================
+                               IMPLEMENTATION
+   ============================================================================
+   ============================================================================ */
+#if (defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)) || \
+    defined(MPT_BACKEND_SHARED)
+#ifndef MPT__BACKEND_SHARED_DONE
+#define MPT__BACKEND_SHARED_DONE
+
 /* =============================================================================
    @backend-shared: the rules both backends run (internal)
    =============================================================================
 
-   What the CPU backend (below, in MPT_IMPLEMENTATION) and the CUDA one
-   (mpt_cuda.cu, which includes this header without MPT_IMPLEMENTATION)
-   must compute alike, bit for bit, written once here: plain C99 that
-   also compiles as C++17 and, marked MPT__HD, as CUDA host and device
-   code. Not part of the API. */
+   What the CPU backend (the implementation below) and the CUDA one
+   (mpt_cuda.cu, which includes this header with MPT_BACKEND_SHARED and
+   without MPT_IMPLEMENTATION) must compute alike, bit for bit, written
+   once here: plain C99 that also compiles as C++17 and, marked MPT__HD,
+   as CUDA host and device code. Not part of the API: a program that only
+   uses mpt.h's API does not compile it. */
 
 #include <float.h> /* FLT_MIN, FLT_MAX */
 
@@ -2779,16 +2801,9 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
     return (uint32_t)((((uint64_t)n * f.mul >> 32) + n) >> f.shift);
 }
 
-#ifdef __cplusplus
-}
-#endif
-#endif /* MPT_H */
+#endif /* MPT__BACKEND_SHARED_DONE */
+#endif /* the implementation, or MPT_BACKEND_SHARED */
 
-/* ============================================================================
-   ============================================================================
-                               IMPLEMENTATION
-   ============================================================================
-   ============================================================================ */
 #if defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)
 #ifndef MPT__IMPLEMENTED
 #define MPT__IMPLEMENTED

@@ -27,7 +27,8 @@
        nvcc -O3 -arch=sm_90 -DMPT_CUDA -DMPT_NCCL examples/mlp.c mpt_cuda.cu \
             -lcublasLt -lcublas -lnccl -lz
 
-   This file includes mpt.h for its API alone (no MPT_IMPLEMENTATION).
+   This file includes mpt.h for its API and the rules both backends share
+   (MPT_BACKEND_SHARED, mpt.h @backend-shared), not the implementation.
 
    How it is organised:
        the shared state     mpt__cuda (the `impl` of every table function),
@@ -64,6 +65,7 @@
 #include <string.h>
 #include <type_traits>
 
+#define MPT_BACKEND_SHARED /* the rules both backends compute alike */
 #include "mpt.h"
 
 /* =============================================================================

@@ -6,7 +6,9 @@
    requantization (TFLite's rounding, which mpt_qgemm runs too) and
    fragment addresses (through ldmatrix and mma.sync emulated). The
    kernels that use them are compared with the CPU in tests/test_cuda.c, on
-   a GPU. */
+   a GPU. Like mpt_cuda.cu, it compiles those rules without the
+   implementation. */
+#define MPT_BACKEND_SHARED
 #include "mpt.h"
 #include "test.h"
 

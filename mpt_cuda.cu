@@ -30,26 +30,39 @@
    This file includes mpt.h for its API and the rules both backends share
    (MPT_BACKEND_SHARED, mpt.h @backend-shared), not the implementation.
 
-   How it is organised:
-       the shared state     mpt__cuda (the `impl` of every table function),
-                            the checked-call macros MPT__CU / MPT__LT, and
-                            the element rules every kernel shares:
-                            conversions and activations with the CPU's bits
-       GEMMs                the epilogue every kernel shares (staged
-                            through shared memory for the tensor-core
-                            ones), the tensor-core kernel (mma.sync), the
-                            Hopper kernel (wgmma, TMA), cuBLASLt,
-                            per-shape plans, column sums (bias gradients)
-       layers               dtype conversion, activations, im2col/col2im,
-                            pooling, batch normalization, dropout
-       training             losses, gradient statistics, optimizer updates,
-                            loss scaling
-       the int8 GEMM        mpt_qgemm's product on int8 tensor cores
-                            (mma.sync s8), the CPU's bits
-       the core             memory, copies, synchronisation, graphs, the
-                            table and mpt_cuda_backend_create
-       collectives          (-DMPT_NCCL) communicators and the all-reduce
-                            over NCCL, just before the table */
+   CONTENTS (grep an anchor to reach its section; mpt.h's @impl- sections
+   are the CPU code each one mirrors)
+       @cuda-state        mpt__cuda (the `impl` of every table function), the
+                          checked-call macros MPT__CU / MPT__LT, and the
+                          element rules every kernel shares: conversions and
+                          activations with the CPU's bits
+       @cuda-gemm         the matrix products (mpt.h @impl-gemm):
+         @cuda-gemm-epilogue  alpha, beta·C, bias, activation, store; staged
+                          through shared memory for the tensor-core kernels
+         @cuda-gemm-fp32  the plain FP32-arithmetic kernel
+         @cuda-gemm-mma   the tensor-core kernel (mma.sync, sm_80 and later)
+         @cuda-gemm-wgmma the Hopper kernel (sm_90a: TMA, mbarriers, wgmma)
+         @cuda-gemm-cache the per-shape cache: chosen engine, cuBLASLt plan
+         @cuda-cublaslt   cuBLASLt
+         @cuda-gemm-engine  launching the hand-written kernels
+         @cuda-wgmma-launch the Hopper kernel's tensor maps and launch
+         @cuda-gemm-choice  engine choice and the table's GEMM functions
+         @cuda-colsums    column sums (bias gradients)
+       @cuda-layers       dtype conversion, activations, im2col/col2im,
+                          pooling, BatchNormalization, Dropout (mpt.h's
+                          @impl-activations .. @impl-dropout)
+       @cuda-training     the loss with its metrics, gradient statistics, the
+                          fused optimizer update, loss scaling (mpt.h's
+                          @impl-losses, @impl-optimizers)
+       @cuda-qgemm        mpt_qgemm's product on int8 tensor cores (mma.sync
+                          s8), the CPU's bits (mpt.h @impl-qgemm)
+       @cuda-preload      every kernel loaded when the backend is created
+       @cuda-core         memory, copies, synchronisation, graphs, creation
+       @cuda-nccl         (-DMPT_NCCL) communicators and the all-reduce
+       @cuda-table        every entry on its context's device, the profiler's
+                          timers, devices, the table and
+                          mpt_cuda_backend_create (mpt.h @impl-cpu-backend is
+                          the CPU's) */
 
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -69,7 +82,7 @@
 #include "mpt.h"
 
 /* =============================================================================
-   The shared state and the checks
+   @cuda-state  The shared state and the checks
    ============================================================================= */
 
 struct mpt__gemm_cache; /* the GEMM part's: chosen engine + cuBLASLt plan per shape */
@@ -240,6 +253,10 @@ static __device__ __forceinline__ auto mpt__cuda_pick(int q, GET get) -> decltyp
     return v;
 }
 
+/* =============================================================================
+   @cuda-gemm  The GEMMs
+   ============================================================================= */
+
 /* The CUDA backend's matrix products: a hand-written tensor-core GEMM for
    float16/bfloat16, cuBLASLt for the same products, a plain FP32 kernel,
    the per-shape choice between the engines, and the bias-gradient column
@@ -250,7 +267,7 @@ static __device__ __forceinline__ auto mpt__cuda_pick(int q, GET get) -> decltyp
    accumulating in float32 and rounding once when C is float16/bfloat16. */
 
 /* -----------------------------------------------------------------------------
-   The epilogue shared by every kernel
+   @cuda-gemm-epilogue  The epilogue shared by every kernel
    ----------------------------------------------------------------------------- */
 
 /* What a GEMM kernel needs, passed by value. */
@@ -422,8 +439,8 @@ static __global__ void mpt__cuda_gemm_activate_kernel(mpt__cuda_gemm_args p) {
 }
 
 /* -----------------------------------------------------------------------------
-   The plain FP32-arithmetic kernel (float32 A and B, and the fallback on GPUs
-   without mma.sync for 16-bit types)
+   @cuda-gemm-fp32  The plain FP32-arithmetic kernel (float32 A and B, and the
+   fallback on GPUs without mma.sync for 16-bit types)
    ----------------------------------------------------------------------------- */
 
 static __device__ __forceinline__ float mpt__cuda_gemm_f32(float x) { return x; }
@@ -498,7 +515,7 @@ static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cu
 }
 
 /* -----------------------------------------------------------------------------
-   The tensor-core kernel (float16/bfloat16 A and B, sm_80 and later)
+   @cuda-gemm-mma  The tensor-core kernel (float16/bfloat16 A and B, sm_80 and later)
    ----------------------------------------------------------------------------- */
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -855,7 +872,7 @@ static cudaError_t mpt__cuda_gemm_tc_dispatch(int variant, int bf16, int ta, int
 }
 
 /* -----------------------------------------------------------------------------
-   The Hopper kernel (sm_90a: TMA, mbarriers, wgmma, setmaxnreg)
+   @cuda-gemm-wgmma  The Hopper kernel (sm_90a: TMA, mbarriers, wgmma, setmaxnreg)
    ----------------------------------------------------------------------------- */
 
 /* C = act(alpha·op(A)·op(B) + beta·C + bias), the same product and
@@ -1296,7 +1313,7 @@ static cudaError_t mpt__cuda_wgmma_dispatch(int bn, int bf16, int ta, int tb,
 }
 
 /* -----------------------------------------------------------------------------
-   The per-shape cache: chosen engine and cuBLASLt plan
+   @cuda-gemm-cache  The per-shape cache: chosen engine and cuBLASLt plan
    ----------------------------------------------------------------------------- */
 
 /* Everything that changes the chosen algorithm. All fields are 8 or 4 bytes
@@ -1433,7 +1450,7 @@ static mpt__cuda_gemm_entry *mpt__cuda_gemm_insert(struct mpt__gemm_cache *cache
 }
 
 /* -----------------------------------------------------------------------------
-   cuBLASLt
+   @cuda-cublaslt  cuBLASLt
    ----------------------------------------------------------------------------- */
 
 static cudaDataType_t mpt__cuda_gemm_lt_type(mpt_dtype t) {
@@ -1624,7 +1641,7 @@ static int mpt__cuda_gemm_lt_run(mpt__cuda *c, mpt__cuda_gemm_entry *e, const mp
 }
 
 /* -----------------------------------------------------------------------------
-   The hand-written engine
+   @cuda-gemm-engine  The hand-written engine
    ----------------------------------------------------------------------------- */
 
 static mpt__cuda_gemm_args mpt__cuda_gemm_make_args(const mpt_gemm_desc *d, mpt_dtype c_dtype,
@@ -1695,7 +1712,7 @@ static void mpt__cuda_gemm_run_mpt(mpt__cuda *c, const mpt_gemm_desc *d, mpt_dty
 }
 
 /* -----------------------------------------------------------------------------
-   The Hopper engine: tensor maps and launch
+   @cuda-wgmma-launch  The Hopper engine: tensor maps and launch
    ----------------------------------------------------------------------------- */
 
 /* Whether d can take the Hopper kernel here (mpt__wgmma_eligible). */
@@ -1830,7 +1847,7 @@ static void mpt__cuda_wgmma_setup(struct mpt__gemm_cache *cache) {
 }
 
 /* -----------------------------------------------------------------------------
-   Engine choice and the table functions
+   @cuda-gemm-choice  Engine choice and the table functions
    ----------------------------------------------------------------------------- */
 
 /* C's dtype as stored: float16/bfloat16 when asked, else float32. */
@@ -2181,7 +2198,7 @@ static mpt_status mpt__cuda_gemm_init(mpt__cuda *c) {
 }
 
 /* -----------------------------------------------------------------------------
-   Column sums (bias gradients)
+   @cuda-colsums  Column sums (bias gradients)
    ----------------------------------------------------------------------------- */
 
 /* out[j] (+)= Σ_r dz[r][j], in a fixed order chosen from rows and cols only
@@ -2273,6 +2290,11 @@ static void mpt__cuda_column_sums(void *impl, const float *dz, int64_t rows, int
         cache->colsum_partials, chunks, cols, chunks, out, accumulate);
     mpt__cuda_launched(c, "mpt__cuda_colsum_kernel (chunk sums)");
 }
+
+/* =============================================================================
+   @cuda-layers  The layers' kernels
+   ============================================================================= */
+
 /* The CUDA backend's layer kernels: dtype conversion, activations and their
    gradients, im2col/col2im, pooling, BatchNormalization and Dropout.
 
@@ -3439,6 +3461,11 @@ static void mpt__cuda_dropout(void *impl, uint64_t key, float rate, mpt_dtype dt
         mpt__cuda_launched(c, state ? "dropout" : "dropout backward");
     });
 }
+
+/* =============================================================================
+   @cuda-training  Training: the loss, the optimizer's passes, loss scaling
+   ============================================================================= */
+
 /* The training kernels of the CUDA backend: the loss with its metrics, the
    optimizer's two passes (sum of squares, fused update) and loss scaling.
 
@@ -4367,7 +4394,8 @@ static void mpt__cuda_add(void *impl, float *dst, const float *src, int64_t n) {
 }
 
 /* =============================================================================
-   The int8 GEMM (mpt_qgemm's semantics, mpt.h @qgemm), on int8 tensor cores
+   @cuda-qgemm  The int8 GEMM (mpt_qgemm's semantics, mpt.h @qgemm), on int8
+   tensor cores
    =============================================================================
 
    C = Σ_k (A − a_zero_point)(B − b_zero_point) + bias, stored as int32 or
@@ -4630,7 +4658,7 @@ static mpt_status mpt__cuda_qgemm(void *impl, const mpt_qgemm_desc *d) {
 }
 
 /* =============================================================================
-   Every kernel loaded when the backend is created
+   @cuda-preload  Every kernel loaded when the backend is created
    =============================================================================
 
    Under lazy loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA
@@ -4729,7 +4757,7 @@ int mpt_cuda_kernels_unloaded(void) {
 }
 
 /* =============================================================================
-   The core: memory, copies, synchronisation, graphs
+   @cuda-core  The core: memory, copies, synchronisation, graphs
    ============================================================================= */
 
 /* One live device allocation: free() needs its size and category. */
@@ -5206,7 +5234,7 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
 }
 
 /* =============================================================================
-   Collectives over NCCL (built with -DMPT_NCCL, linked with -lnccl)
+   @cuda-nccl  Collectives over NCCL (built with -DMPT_NCCL, linked with -lnccl)
    =============================================================================
 
    A communicator joins replicas on different devices, in this process and
@@ -5518,6 +5546,10 @@ static const char *mpt__cuda_comm_error(void *comm) {
     return comm ? ((mpt__cuda_comm *)comm)->error : "no communicator (NULL)";
 }
 #endif /* MPT_NCCL */
+
+/* =============================================================================
+   @cuda-table  The table: every entry on its device, timers, devices
+   ============================================================================= */
 
 /* ---- every entry on its context's device ---------------------------------------------------
 

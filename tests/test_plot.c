@@ -9,6 +9,8 @@
 #include "blobs.h"
 
 #include <dirent.h>
+#include <sys/stat.h> /* mkdir */
+#include <unistd.h>   /* rmdir, getpid */
 
 static mpt_context *ctx;
 static char tmpdir[256];

@@ -18065,14 +18065,32 @@ static mpt_status mpt__cb_csv_io_error(mpt_context *ctx, const mpt__cb_csv_logge
                      strerror(errno));
 }
 
-/* Whether the file exists and holds at least one byte. */
-static int mpt__cb_csv_has_content(const char *filename) {
-    FILE *f = fopen(filename, "rb");
-    int c;
-    if (!f) return 0;
-    c = fgetc(f);
-    fclose(f);
-    return c != EOF;
+/* Opens the log, and only a regular file: opening a FIFO for writing
+   waits for a reader, maybe forever, and a device is never what was meant.
+   So the open does not wait (O_NONBLOCK: a FIFO without a reader fails
+   with ENXIO), nothing is truncated before fstat says what was opened,
+   and the regular file is then opened again as a stream (ISO C has no
+   fdopen; only a rename in between could swap it). */
+static mpt_status mpt__cb_csv_open(mpt__cb_csv_logger *c, mpt_context *ctx) {
+    const char *what = c->append ? "open for appending" : "create";
+    struct stat st;
+    int fd = open(c->filename, O_WRONLY | O_CREAT | O_NONBLOCK | O_NOCTTY, 0666);
+    int err = fd < 0 ? errno : 0;
+    if (fd >= 0 && fstat(fd, &st) != 0) err = errno;
+    if (fd >= 0) close(fd);
+    if (err == ENXIO && stat(c->filename, &st) == 0 && !S_ISREG(st.st_mode))
+        err = 0; /* a FIFO without a reader: say what it is, below */
+    if (err) {
+        errno = err;
+        return mpt__cb_csv_io_error(ctx, c, what);
+    }
+    if (!S_ISREG(st.st_mode))
+        return mpt__fail(ctx, MPT_ERR_IO, "CSVLogger: cannot write \"%s\": it is %s, not a "
+                         "regular file", c->filename, mpt__file_kind(st.st_mode));
+    c->write_header = !(c->append && st.st_size > 0); /* appending to rows: no second header */
+    c->file = fopen(c->filename, c->append ? "a" : "w");
+    if (!c->file) return mpt__cb_csv_io_error(ctx, c, what);
+    return MPT_OK;
 }
 
 static mpt_status mpt__cb_csv_train_begin(void *user, mpt_model *m) {
@@ -18081,12 +18099,8 @@ static mpt_status mpt__cb_csv_train_begin(void *user, mpt_model *m) {
     c->file = NULL;
     c->elsewhere = !mpt__strategy_is_chief(m->strategy); /* worker 0 writes files */
     if (c->elsewhere) return MPT_OK;
-    c->write_header = !(c->append && mpt__cb_csv_has_content(c->filename));
     c->n_keys = -1;
-    c->file = fopen(c->filename, c->append ? "a" : "w");
-    if (!c->file)
-        return mpt__cb_csv_io_error(m->ctx, c, c->append ? "open for appending" : "create");
-    return MPT_OK;
+    return mpt__cb_csv_open(c, m->ctx);
 }
 
 /* A field as Python's csv module (excel dialect, minimal quoting) writes

@@ -1277,7 +1277,11 @@ typedef struct mpt_reduce_lr_desc {
 typedef struct mpt_model_checkpoint_desc {
     const char *filepath;       /* required; "{epoch}" or "{epoch:02d}" becomes
                                    the 1-based epoch, "{val_loss:.2f}" any log
-                                   value (e.g. "ckpt-{epoch:02d}.safetensors") */
+                                   value (e.g. "ckpt-{epoch:02d}.safetensors");
+                                   its directory must exist and take new
+                                   files when the callback is made (a file
+                                   is created there and removed), unless a
+                                   field names it                       */
     const char *monitor;        /* default "val_loss"                      */
     int save_best_only;         /* default 0                               */
     int save_weights_only;      /* default 0: the full training state      */
@@ -1329,8 +1333,10 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    in validation/, at step = the 0-based epoch; the model summary as the
    text "model_summary" at step 0; histograms and batch scalars as the
    descriptor asks. Worker 0 writes, creating log_dir when fit begins; the
-   other workers create nothing (making the callback only checks that
-   log_dir can be created). A killed run leaves files that read up to its
+   other workers create nothing. Making the callback checks that log_dir
+   can be created, by creating and removing a file in its deepest existing
+   directory, so that a log_dir that cannot be written (under /proc, say)
+   fails here rather than in fit. A killed run leaves files that read up to its
    last whole event. Freed by mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
@@ -3523,6 +3529,272 @@ static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const 
     }
     if (size) *size = (int64_t)st.st_size;
     return MPT_OK;
+}
+
+/* ---- writing a file: through a temporary file, renamed into place ------------------
+
+   Checkpoints, weights and exports go through this writer, and callbacks
+   check their paths with it, so that a crash or a full disk never leaves
+   a half-written file under the target's name. */
+
+#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
+
+/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
+   an expression: while it is >= 0, saving fails with ENOSPC once that many
+   bytes of the temporary file are written, as a full disk would. */
+
+typedef struct mpt__ckpt_writer {
+    mpt_context *ctx;
+    const char *what;      /* what messages call it: "checkpoint", "export" */
+    const char *path;      /* the target                              */
+    char *tmp;             /* "<path>.tmp-<pid>"                      */
+    int created;           /* tmp exists and is ours to remove        */
+    int fd;                /* the temporary file; -1 when closed      */
+    int64_t written;       /* bytes written to it                     */
+    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
+    int quiet;             /* a failure leaves the message to the caller */
+    int err;               /* the errno of the failure, 0 until one    */
+} mpt__ckpt_writer;
+
+static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
+    w->err = errno ? errno : EIO;
+    if (w->quiet) return MPT_ERR_IO;
+    return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
+                     w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(w->err));
+}
+
+/* The directory part of path ("." when it has none), allocated; NULL when
+   memory runs out. */
+static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
+    const char *slash = strrchr(path, '/');
+    size_t len = slash ? (size_t)(slash - path) : 0;
+    char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) */
+    if (!dir) return NULL;
+    if (!slash)
+        strcpy(dir, ".");
+    else if (len == 0)
+        strcpy(dir, "/");
+    else {
+        memcpy(dir, path, len);
+        dir[len] = 0;
+    }
+    return dir;
+}
+
+/* ---- temporary files that a killed save left behind ----------------------------
+
+   A save holds a write lock (fcntl) on its temporary file from creating it
+   to renaming it, and the kernel drops the lock when the process ends,
+   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
+   lock on is what a save killed mid-write left, and the next save to the
+   same target removes it (500 saves killed mid-write used to leave 178
+   files, 375 MB). Names with this process's pid are never touched: fcntl
+   locks belong to a process, so another thread's save in progress would
+   look unlocked, and closing any descriptor of a file drops all of this
+   process's locks on it. A file system without locks has no sweep. */
+
+/* A write lock on the whole file, without waiting; errno says why not. */
+static int mpt__ckpt_lock(int fd) {
+    struct flock l;
+    memset(&l, 0, sizeof l);
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    return fcntl(fd, F_SETLK, &l) == 0;
+}
+
+/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
+   of a pid other than this process's. */
+static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
+    const char *p;
+    long long pid = 0;
+    int digits = 0, k_digits = 0;
+    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
+    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
+        pid = pid * 10 + (*p - '0');
+    if (digits == 0) return 0;
+    if (*p == '-') {
+        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
+        if (k_digits == 0) return 0;
+    }
+    return *p == 0 && pid != (long long)getpid();
+}
+
+/* Removes path when nobody holds a lock on it. The lock is taken, and held
+   while unlinking, so that a save that has just created the file (and not
+   yet locked it) finds the lock taken or its file gone, and takes another
+   name; the identity check keeps a file renamed in between. */
+static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *what, const char *path) {
+    struct stat held, named;
+    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) return;
+    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
+        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
+        unlink(path) == 0)
+        mpt__log(ctx, MPT_LOG_INFO, "%s: removed '%s', left by a save that did not finish",
+                 what, path);
+    close(fd);
+}
+
+/* Removes the stale temporary files of target path. Best effort: a
+   directory that cannot be listed is simply not swept. */
+static void mpt__ckpt_sweep(mpt_context *ctx, const char *what, const char *path) {
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    size_t base_len = strlen(base), size = 0;
+    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
+    DIR *d;
+    struct dirent *e;
+    if (dir) {
+        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
+        temp = (char *)mpt__alloc(ctx, size);
+    }
+    if (!temp) {
+        mpt__log(ctx, MPT_LOG_WARNING, "%s: cannot look for stale temporary files of '%s': "
+                 "out of memory", what, path);
+        mpt__free(ctx, dir);
+        return;
+    }
+    d = opendir(dir);
+    while (d && (e = readdir(d)) != NULL) {
+        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
+        snprintf(temp, size, "%s/%s", dir, e->d_name);
+        mpt__ckpt_remove_if_stale(ctx, what, temp);
+    }
+    if (d) closedir(d);
+    mpt__free(ctx, temp);
+    mpt__free(ctx, dir);
+}
+
+/* The lock on a temporary file just created: whether the file is still
+   this save's. A sweep holding it, or having removed the file already,
+   means it is on its way out; a file system without locks leaves nothing
+   to check. */
+static int mpt__ckpt_hold(int fd) {
+    struct stat st;
+    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
+    return fstat(fd, &st) == 0 && st.st_nlink > 0;
+}
+
+/* Creates the temporary file next to the target, after sweeping away what
+   killed saves left there; O_EXCL so that nothing already there (another
+   writer's file, a link) is ever written through. `what` names the file
+   in messages ("checkpoint"); with quiet, a failure only sets w->err. */
+static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *what,
+                                        const char *path, int quiet) {
+    size_t size = strlen(path) + 48;
+    int k;
+    memset(w, 0, sizeof *w);
+    w->ctx = ctx;
+    w->what = what;
+    w->path = path;
+    w->fd = -1;
+    w->quiet = quiet;
+    w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
+    w->tmp = (char *)mpt__alloc(ctx, size);
+    if (!w->chunk || !w->tmp) {
+        w->err = ENOMEM;
+        if (quiet) return MPT_ERR_OUT_OF_MEMORY;
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
+    }
+    mpt__ckpt_sweep(ctx, what, path);
+    for (k = 0; k < 100; k++) {
+        if (k == 0)
+            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
+        else
+            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
+        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (w->fd < 0 && errno == EEXIST) continue;
+        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
+        close(w->fd); /* a sweep is removing it: another name */
+        w->fd = -1;
+    }
+    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
+    w->created = 1;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
+    const unsigned char *p = (const unsigned char *)src;
+    while (n > 0) {
+        size_t part = MPT__MIN(n, (size_t)1 << 30);
+        ssize_t got;
+#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
+        {
+            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
+            if (limit >= 0 && w->written + (int64_t)part > limit) {
+                if (limit <= w->written) {
+                    errno = ENOSPC;
+                    return mpt__ckpt_write_fail(w, "write");
+                }
+                part = (size_t)(limit - w->written);
+            }
+        }
+#endif
+        got = write(w->fd, p, part);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return mpt__ckpt_write_fail(w, "write");
+        }
+        p += got;
+        n -= (size_t)got;
+        w->written += got;
+    }
+    return MPT_OK;
+}
+
+/* Makes the rename durable. The new file is already in place, so a failure
+   here is a warning, not an error. */
+static void mpt__ckpt_sync_dir(const mpt__ckpt_writer *w) {
+    char *dir = mpt__ckpt_dir_of(w->ctx, w->path);
+    int fd;
+    if (!dir) {
+        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory: out "
+                 "of memory", w->what, w->path);
+        return;
+    }
+    fd = open(dir, O_RDONLY);
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
+        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory '%s': "
+                 "%s", w->what, w->path, dir, strerror(errno));
+    if (fd >= 0) close(fd);
+    mpt__free(w->ctx, dir);
+}
+
+/* fsync, close, and rename the temporary file over the target. */
+static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
+    int failed;
+    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
+    failed = close(w->fd) != 0;
+    w->fd = -1;
+    if (failed) return mpt__ckpt_write_fail(w, "close");
+    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
+    w->created = 0; /* renamed: nothing left to remove */
+    mpt__ckpt_sync_dir(w);
+    return MPT_OK;
+}
+
+/* Closes and removes the temporary file unless it was committed. */
+static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
+    if (w->fd >= 0) close(w->fd);
+    if (w->created) remove(w->tmp);
+    mpt__free(w->ctx, w->tmp);
+    mpt__free(w->ctx, w->chunk);
+    w->fd = -1;
+    w->created = 0;
+    w->tmp = NULL;
+    w->chunk = NULL;
+}
+
+/* Whether a file can be written at path, found out by starting to: the
+   temporary file created beside it, then removed. access() cannot tell
+   (it says yes to root on any writable mount, /proc included, where no new
+   file can be made). Callbacks check their paths so when they are made,
+   not after an epoch of training. 0 or an errno; quiet as above. */
+static int mpt__ckpt_can_write(mpt_context *ctx, const char *what, const char *path, int quiet) {
+    mpt__ckpt_writer w;
+    int err = mpt__ckpt_writer_open(&w, ctx, what, path, quiet) == MPT_OK ? 0 : w.err;
+    mpt__ckpt_writer_close(&w);
+    return err;
 }
 
 /* =============================================================================
@@ -18000,6 +18272,23 @@ static mpt_status mpt__cb_model_checkpoint_epoch_end(void *user, mpt_model *m, i
                                 : mpt_model_save_checkpoint(m, c->path);
 }
 
+/* The files' directory must exist and take files now, not only after the
+   first epoch's training; a directory named by a field ("{epoch}/w") is
+   known only at the epoch's end, and checked by the save then. */
+static mpt_status mpt__cb_model_checkpoint_check_dir(mpt_context *ctx, const char *pattern) {
+    const char *slash = strrchr(pattern, '/');
+    size_t k;
+    int err;
+    for (k = 0; slash && pattern + k < slash; k++)
+        if (pattern[k] == '{' || pattern[k] == '}') return MPT_OK;
+    err = mpt__ckpt_can_write(ctx, "ModelCheckpoint", pattern, 1);
+    if (err)
+        return mpt__fail(ctx, err == ENOMEM ? MPT_ERR_OUT_OF_MEMORY : MPT_ERR_IO,
+                         "ModelCheckpoint: filepath \"%s\": cannot create a file in its "
+                         "directory: %s", pattern, strerror(err));
+    return MPT_OK;
+}
+
 MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
                                                 const mpt_model_checkpoint_desc *d,
                                                 mpt_callback *out) {
@@ -18016,6 +18305,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
                          d->filepath ? "empty" : "NULL");
     MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
+    MPT__CHECK(mpt__cb_model_checkpoint_check_dir(ctx, d->filepath));
     c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
                                                 mpt__cb_model_checkpoint_release, &s);
     if (!c) return s;
@@ -18619,12 +18909,12 @@ static int mpt__tb_mkdirs(const char *path) {
     return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
 }
 
-/* Whether mpt__tb_mkdirs(path) can succeed, checked without creating
-   anything (the callback is made on every worker; only worker 0 creates
-   its directories, when fit begins): path, or else its deepest existing
-   ancestor, is a directory this process may write to and enter. 0 or an
-   errno. */
-static int mpt__tb_can_create(const char *path) {
+/* Whether mpt__tb_mkdirs(path) can succeed, checked without leaving
+   anything behind (the callback is made on every worker; only worker 0
+   creates its directories, when fit begins): path, or else its deepest
+   existing ancestor, is a directory in which a file can be created (and
+   is, then removed: see mpt__ckpt_can_write). 0 or an errno. */
+static int mpt__tb_can_create(mpt_context *ctx, const char *path) {
     char dir[MPT__CB_PATH_MAX];
     size_t n = strlen(path);
     struct stat st;
@@ -18639,7 +18929,9 @@ static int mpt__tb_can_create(const char *path) {
         dir[n] = 0;
     }
     if (!S_ISDIR(st.st_mode)) return ENOTDIR;
-    return access(dir, W_OK | X_OK) == 0 ? 0 : errno;
+    if (n + sizeof "/events" > sizeof dir) return ENAMETOOLONG;
+    strcpy(dir + n, "/events");
+    return mpt__ckpt_can_write(ctx, "TensorBoard", dir, 1);
 }
 
 /* Creates a new event file in log_dir/run. 0 or an errno. */
@@ -18956,7 +19248,7 @@ static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorbo
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "TensorBoard: log_dir has %zu characters, more than %d",
                          strlen(d->log_dir), MPT__CB_PATH_MAX - 512);
-    err = mpt__tb_can_create(d->log_dir);
+    err = mpt__tb_can_create(ctx, d->log_dir);
     if (err)
         return mpt__fail(ctx, MPT_ERR_IO, "TensorBoard: log_dir \"%s\" cannot be created or "
                          "written to: %s", d->log_dir, strerror(err));
@@ -20474,12 +20766,7 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
    taking the copy can leave it partly loaded, and the error says so. */
 
 
-#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
 #define MPT__CKPT_NAME 192               /* "optimizer/" + parameter name + "/momentum" */
-
-/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
-   an expression: while it is >= 0, saving fails with ENOSPC once that many
-   bytes of the temporary file are written, as a full disk would. */
 
 /* ---- the names a file gives optimizers, their slots and policies ------------------ */
 
@@ -20820,198 +21107,6 @@ static mpt_status mpt__ckpt_header(mpt_model *m, const mpt__ckpt_plan *pl, int f
 
 /* ---- writing the file -------------------------------------------------------- */
 
-typedef struct mpt__ckpt_writer {
-    mpt_context *ctx;
-    const char *what;      /* what messages call it: "checkpoint", "export" */
-    const char *path;      /* the target                              */
-    char *tmp;             /* "<path>.tmp-<pid>"                      */
-    int created;           /* tmp exists and is ours to remove        */
-    int fd;                /* the temporary file; -1 when closed      */
-    int64_t written;       /* bytes written to it                     */
-    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
-} mpt__ckpt_writer;
-
-static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
-    int err = errno;
-    return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
-                     w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(err));
-}
-
-/* The directory part of path ("." when it has none), allocated; NULL when
-   memory runs out. */
-static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
-    const char *slash = strrchr(path, '/');
-    size_t len = slash ? (size_t)(slash - path) : 0;
-    char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) */
-    if (!dir) return NULL;
-    if (!slash)
-        strcpy(dir, ".");
-    else if (len == 0)
-        strcpy(dir, "/");
-    else {
-        memcpy(dir, path, len);
-        dir[len] = 0;
-    }
-    return dir;
-}
-
-/* ---- temporary files that a killed save left behind ----------------------------
-
-   A save holds a write lock (fcntl) on its temporary file from creating it
-   to renaming it, and the kernel drops the lock when the process ends,
-   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
-   lock on is what a save killed mid-write left, and the next save to the
-   same target removes it (500 saves killed mid-write used to leave 178
-   files, 375 MB). Names with this process's pid are never touched: fcntl
-   locks belong to a process, so another thread's save in progress would
-   look unlocked, and closing any descriptor of a file drops all of this
-   process's locks on it. A file system without locks has no sweep. */
-
-/* A write lock on the whole file, without waiting; errno says why not. */
-static int mpt__ckpt_lock(int fd) {
-    struct flock l;
-    memset(&l, 0, sizeof l);
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    return fcntl(fd, F_SETLK, &l) == 0;
-}
-
-/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
-   of a pid other than this process's. */
-static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
-    const char *p;
-    long long pid = 0;
-    int digits = 0, k_digits = 0;
-    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
-    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
-        pid = pid * 10 + (*p - '0');
-    if (digits == 0) return 0;
-    if (*p == '-') {
-        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
-        if (k_digits == 0) return 0;
-    }
-    return *p == 0 && pid != (long long)getpid();
-}
-
-/* Removes path when nobody holds a lock on it. The lock is taken, and held
-   while unlinking, so that a save that has just created the file (and not
-   yet locked it) finds the lock taken or its file gone, and takes another
-   name; the identity check keeps a file renamed in between. */
-static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *path) {
-    struct stat held, named;
-    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
-    if (fd < 0) return;
-    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
-        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
-        unlink(path) == 0)
-        mpt__log(ctx, MPT_LOG_INFO, "checkpoint: removed '%s', left by a save that did not "
-                 "finish", path);
-    close(fd);
-}
-
-/* Removes the stale temporary files of target path. Best effort: a
-   directory that cannot be listed is simply not swept. */
-static void mpt__ckpt_sweep(mpt_context *ctx, const char *path) {
-    const char *slash = strrchr(path, '/');
-    const char *base = slash ? slash + 1 : path;
-    size_t base_len = strlen(base), size = 0;
-    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
-    DIR *d;
-    struct dirent *e;
-    if (dir) {
-        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
-        temp = (char *)mpt__alloc(ctx, size);
-    }
-    if (!temp) {
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: cannot look for stale temporary files of "
-                 "'%s': out of memory", path);
-        mpt__free(ctx, dir);
-        return;
-    }
-    d = opendir(dir);
-    while (d && (e = readdir(d)) != NULL) {
-        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
-        snprintf(temp, size, "%s/%s", dir, e->d_name);
-        mpt__ckpt_remove_if_stale(ctx, temp);
-    }
-    if (d) closedir(d);
-    mpt__free(ctx, temp);
-    mpt__free(ctx, dir);
-}
-
-/* The lock on a temporary file just created: whether the file is still
-   this save's. A sweep holding it, or having removed the file already,
-   means it is on its way out; a file system without locks leaves nothing
-   to check. */
-static int mpt__ckpt_hold(int fd) {
-    struct stat st;
-    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
-    return fstat(fd, &st) == 0 && st.st_nlink > 0;
-}
-
-/* Creates the temporary file next to the target, after sweeping away what
-   killed saves left there; O_EXCL so that nothing already there (another
-   writer's file, a link) is ever written through. `what` names the file
-   in messages ("checkpoint"). */
-static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *what,
-                                        const char *path) {
-    size_t size = strlen(path) + 48;
-    int k;
-    memset(w, 0, sizeof *w);
-    w->ctx = ctx;
-    w->what = what;
-    w->path = path;
-    w->fd = -1;
-    w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
-    w->tmp = (char *)mpt__alloc(ctx, size);
-    if (!w->chunk || !w->tmp)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
-    mpt__ckpt_sweep(ctx, path);
-    for (k = 0; k < 100; k++) {
-        if (k == 0)
-            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
-        else
-            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
-        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
-        if (w->fd < 0 && errno == EEXIST) continue;
-        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
-        close(w->fd); /* a sweep is removing it: another name */
-        w->fd = -1;
-    }
-    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
-    w->created = 1;
-    return MPT_OK;
-}
-
-static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
-    const unsigned char *p = (const unsigned char *)src;
-    while (n > 0) {
-        size_t part = MPT__MIN(n, (size_t)1 << 30);
-        ssize_t got;
-#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
-        {
-            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
-            if (limit >= 0 && w->written + (int64_t)part > limit) {
-                if (limit <= w->written) {
-                    errno = ENOSPC;
-                    return mpt__ckpt_write_fail(w, "write");
-                }
-                part = (size_t)(limit - w->written);
-            }
-        }
-#endif
-        got = write(w->fd, p, part);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return mpt__ckpt_write_fail(w, "write");
-        }
-        p += got;
-        n -= (size_t)got;
-        w->written += got;
-    }
-    return MPT_OK;
-}
-
 /* Writes `bytes` of `elem`-byte elements in little-endian order, a chunk at
    a time. */
 static mpt_status mpt__ckpt_write_le(mpt__ckpt_writer *w, const void *src, int64_t bytes,
@@ -21027,49 +21122,6 @@ static mpt_status mpt__ckpt_write_le(mpt__ckpt_writer *w, const void *src, int64
         bytes -= (int64_t)part;
     }
     return MPT_OK;
-}
-
-/* Makes the rename durable. The new file is already in place, so a failure
-   here is a warning, not an error. */
-static void mpt__ckpt_sync_dir(mpt_context *ctx, const char *path) {
-    char *dir = mpt__ckpt_dir_of(ctx, path);
-    int fd;
-    if (!dir) {
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory: "
-                 "out of memory", path);
-        return;
-    }
-    fd = open(dir, O_RDONLY);
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory "
-                 "'%s': %s", path, dir, strerror(errno));
-    if (fd >= 0) close(fd);
-    mpt__free(ctx, dir);
-}
-
-/* fsync, close, and rename the temporary file over the target. */
-static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
-    int failed;
-    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
-    failed = close(w->fd) != 0;
-    w->fd = -1;
-    if (failed) return mpt__ckpt_write_fail(w, "close");
-    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
-    w->created = 0; /* renamed: nothing left to remove */
-    mpt__ckpt_sync_dir(w->ctx, w->path);
-    return MPT_OK;
-}
-
-/* Closes and removes the temporary file unless it was committed. */
-static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
-    if (w->fd >= 0) close(w->fd);
-    if (w->created) remove(w->tmp);
-    mpt__free(w->ctx, w->tmp);
-    mpt__free(w->ctx, w->chunk);
-    w->fd = -1;
-    w->created = 0;
-    w->tmp = NULL;
-    w->chunk = NULL;
 }
 
 static mpt_status mpt__ckpt_write_file(mpt__ckpt_writer *w, const mpt__ckpt_plan *pl,
@@ -21122,7 +21174,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.loss_scale = m->loss_scale;
     s = mpt__ckpt_plan_init(m, full, 0, &pl);
     if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
-    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path);
+    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path, 0);
     if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
     mpt__ckpt_writer_close(&w);
     mpt__free(m->ctx, header.s);
@@ -25316,7 +25368,7 @@ static int mpt__export_out_shape(const mpt__export_step *s, int64_t *shape) {
 static mpt_status mpt__export_write(mpt_model *m, const char *path, const unsigned char *bytes,
                                     size_t n) {
     mpt__ckpt_writer w;
-    mpt_status s = mpt__ckpt_writer_open(&w, m->ctx, "export", path);
+    mpt_status s = mpt__ckpt_writer_open(&w, m->ctx, "export", path, 0);
     if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, bytes, n);
     if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
     mpt__ckpt_writer_close(&w);

@@ -382,6 +382,11 @@ typedef struct mpt_context_desc {
 typedef struct mpt_context mpt_context;
 
 MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context **out);
+/* Destroy what was made in a context (models, datasets, callbacks,
+   strategies, quantized models) before the context itself. Models alone
+   may outlive it: a context destroyed while models made in it remain is
+   kept, with a warning, until the last of them is destroyed, and freed
+   then; datasets, callbacks and strategies may not. */
 MPTDEF void mpt_context_destroy(mpt_context *ctx);
 /* The message of the last failure ("" if none). Valid until the next call. */
 MPTDEF const char *mpt_context_error(const mpt_context *ctx);
@@ -2893,6 +2898,9 @@ struct mpt_context {
     char error[1024];
     int64_t host_bytes;         /* held through mpt__alloc now            */
     int64_t host_peak;          /* their most since fit last reset it      */
+    int64_t n_models;           /* made in it and not yet destroyed        */
+    int destroyed;              /* mpt_context_destroy was called: the last
+                                   model's destroy frees the context       */
 };
 
 static void *mpt__default_alloc(void *user, size_t bytes, size_t alignment) {
@@ -3259,9 +3267,35 @@ MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **imp
     return ctx ? ctx->backend : NULL;
 }
 
+/* One more (+1) or one fewer (-1) model made in ctx; the count after. */
+static int64_t mpt__context_count_model(mpt_context *ctx, int64_t delta) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __atomic_add_fetch(&ctx->n_models, delta, __ATOMIC_ACQ_REL);
+#else
+    return ctx->n_models += delta;
+#endif
+}
+
+static void mpt__context_free(mpt_context *ctx);
+
+/* A model's memory, its thread pool and its backend are the context's, so
+   a context destroyed while models made in it remain is kept until the
+   last of them is destroyed (mpt_model_destroy frees it then), instead of
+   leaving them to free into freed memory. */
 MPTDEF void mpt_context_destroy(mpt_context *ctx) {
-    int i;
     if (!ctx) return;
+    ctx->destroyed = 1;
+    if (mpt__context_count_model(ctx, 0) > 0) {
+        mpt__log(ctx, MPT_LOG_WARNING, "context: destroyed before %lld of its models; it is "
+                 "freed when the last of them is destroyed",
+                 (long long)mpt__context_count_model(ctx, 0));
+        return;
+    }
+    mpt__context_free(ctx);
+}
+
+static void mpt__context_free(mpt_context *ctx) {
+    int i;
     if (ctx->backend && ctx->backend_impl != (void *)ctx) ctx->backend->destroy(ctx->backend_impl);
     mpt__pool_stop(ctx);
     mpt__free(ctx, ctx->worker_args);
@@ -6723,6 +6757,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
                          (long long)desc->memory_limit);
     m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
     if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    mpt__context_count_model(ctx, 1);
     m->ctx = ctx;
     m->host_peak = -1;
     m->be = mpt_context_backend(ctx, &m->impl);
@@ -6739,8 +6774,10 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
 static void mpt__free_update_args(mpt_model *m);
 
 MPTDEF void mpt_model_destroy(mpt_model *m) {
+    mpt_context *ctx;
     int c;
     if (!m) return;
+    ctx = m->ctx;
     for (c = 1; c < m->n_replicas; c++) mpt_model_destroy(m->replica[c]);
     mpt__free(m->ctx, m->replica);
     mpt__free(m->ctx, m->sync_scratch);
@@ -6752,7 +6789,9 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt__free(m->ctx, m->params);
     mpt__quantized_free(m->ctx, m->quantized);
     mpt__qat_free(m);
-    mpt__free(m->ctx, m);
+    mpt__free(ctx, m);
+    /* the last model of a context already destroyed frees it */
+    if (mpt__context_count_model(ctx, -1) == 0 && ctx->destroyed) mpt__context_free(ctx);
 }
 
 static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name) {

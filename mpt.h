@@ -3567,9 +3567,9 @@ static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const 
 
 /* ---- writing a file: through a temporary file, renamed into place ------------------
 
-   Checkpoints, weights and exports go through this writer, and callbacks
-   check their paths with it, so that a crash or a full disk never leaves
-   a half-written file under the target's name. */
+   Checkpoints, weights, exports and the profiler's trace go through this
+   writer, and callbacks check their paths with it, so that a crash or a
+   full disk never leaves a half-written file under the target's name. */
 
 #define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
 
@@ -3586,7 +3586,8 @@ typedef struct mpt__ckpt_writer {
     int fd;                /* the temporary file; -1 when closed      */
     int64_t written;       /* bytes written to it                     */
     unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
-    int quiet;             /* a failure leaves the message to the caller */
+    int quiet;             /* a failure leaves the message to the caller
+                              (a profiler's failure may be a warning)  */
     int err;               /* the errno of the failure, 0 until one    */
 } mpt__ckpt_writer;
 
@@ -19896,29 +19897,50 @@ static int mpt__profile_make_run_dir(mpt__profile *P) {
     return EEXIST;
 }
 
-/* text written whole to path (through path.tmp, renamed), gzip'd when
-   gz. 0 or an errno. */
-static int mpt__profile_write(const char *path, const char *text, size_t len, int gz) {
-    char tmp[MPT__CB_PATH_MAX + 128];
-    int err = 0, n = snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    if (n < 0 || (size_t)n >= sizeof tmp) return ENAMETOOLONG;
+/* text written whole to path, gzip'd when gz, by the writer every file
+   goes through (@impl-context): a unique temporary file beside path,
+   created anew (O_EXCL, so nothing planted at its name is written
+   through), locked while written and renamed into place; what a killed
+   run left there is swept. 0 or an errno; the caller reports it. */
+static int mpt__profile_write(mpt_context *ctx, const char *path, const char *text, size_t len,
+                              int gz) {
+    mpt__ckpt_writer w;
+    unsigned char *packed = NULL;
+    int err = 0;
 #ifndef MPT_NO_ZLIB
-    if (gz) {
-        gzFile f = gzopen(tmp, "wb");
-        if (!f) return errno ? errno : ENOMEM;
-        if (len > 0 && gzwrite(f, text, (unsigned)len) != (int)len) err = EIO;
-        if (gzclose(f) != Z_OK && !err) err = EIO;
-    } else
-#endif
-    {
-        FILE *f = fopen(tmp, "wb");
-        (void)gz;
-        if (!f) return errno;
-        if (fwrite(text, 1, len, f) != len) err = errno ? errno : EIO;
-        if (fclose(f) != 0 && !err) err = errno ? errno : EIO;
+    if (gz) { /* deflated in memory: the writer takes the bytes as they are */
+        z_stream z;
+        uLong bound;
+        memset(&z, 0, sizeof z);
+        if (len > (size_t)UINT_MAX / 2) return EFBIG;
+        if (deflateInit2(&z, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 15 + 16 /* gzip */, 8,
+                         Z_DEFAULT_STRATEGY) != Z_OK)
+            return ENOMEM;
+        bound = deflateBound(&z, (uLong)len);
+        packed = (unsigned char *)mpt__alloc(ctx, (size_t)bound); /* (bound) */
+        if (packed) {
+            z.next_in = (Bytef *)text;
+            z.avail_in = (uInt)len;
+            z.next_out = packed;
+            z.avail_out = (uInt)bound;
+            if (deflate(&z, Z_FINISH) != Z_STREAM_END) err = EIO;
+            text = (const char *)packed;
+            len = (size_t)z.total_out;
+        }
+        deflateEnd(&z);
+        if (!packed) return ENOMEM;
     }
-    if (!err && rename(tmp, path) != 0) err = errno;
-    if (err) remove(tmp);
+#else
+    (void)gz;
+#endif
+    if (!err) {
+        if (mpt__ckpt_writer_open(&w, ctx, "profiler", path, 1) == MPT_OK &&
+            mpt__ckpt_write_raw(&w, text, len) == MPT_OK)
+            mpt__ckpt_writer_commit(&w);
+        err = w.err; /* 0 unless a step failed */
+        mpt__ckpt_writer_close(&w);
+    }
+    mpt__free(ctx, packed);
     return err;
 }
 
@@ -19952,15 +19974,15 @@ static mpt_status mpt__profile_write_files(mpt__profile *P, const mpt__svg *trac
     if (err) return mpt__profile_io_failed(P, "create the directory", P->run_dir, err);
     if (uname(&names) == 0 && names.nodename[0]) host = names.nodename;
     if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json") ||
-        (err = mpt__profile_write(path, trace->text, trace->len, 0)) != 0)
+        (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #ifndef MPT_NO_ZLIB
     if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json.gz") ||
-        (err = mpt__profile_write(path, trace->text, trace->len, 1)) != 0)
+        (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 1)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #endif
     if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".layers.txt") ||
-        (err = mpt__profile_write(path, table->text, table->len, 0)) != 0)
+        (err = mpt__profile_write(P->m->ctx, path, table->text, table->len, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
     return MPT_OK;
 }

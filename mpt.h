@@ -748,6 +748,8 @@ typedef struct mpt_model mpt_model;
 
 MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
                                    mpt_model **out);
+/* Frees the model. It may come after its context's mpt_context_destroy,
+   which then frees the context here, with its last model. */
 MPTDEF void mpt_model_destroy(mpt_model *model);
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *desc);
@@ -1341,8 +1343,8 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    other workers create nothing. Making the callback checks that log_dir
    can be created, by creating and removing a file in its deepest existing
    directory, so that a log_dir that cannot be written (under /proc, say)
-   fails here rather than in fit. A killed run leaves files that read up to its
-   last whole event. Freed by mpt_callback_destroy like the others. */
+   fails here rather than in fit. A killed run leaves files that read up
+   to its last whole event. Freed by mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);

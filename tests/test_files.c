@@ -20,7 +20,8 @@ static mpt_context *ctx;
 static char dir[64]; /* a fresh directory for this run's files */
 
 static void on_alarm(int sig) {
-    static const char msg[] = "FAIL a loader or writer blocked on a file that is not a regular one\n";
+    static const char msg[] =
+        "FAIL a loader or writer blocked on a file that is not a regular one\n";
     (void)sig;
     /* Only async-signal-safe calls here. */
     if (write(STDOUT_FILENO, msg, sizeof msg - 1) < 0) _exit(2);

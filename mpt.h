@@ -2780,7 +2780,7 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
 #ifndef MPT__IMPLEMENTED
 #define MPT__IMPLEMENTED
 
-#include <dirent.h> /* sweeping a checkpoint's directory */
+#include <dirent.h> /* sweeping what killed writers left */
 #include <errno.h>
 #include <fcntl.h>
 #include <float.h>
@@ -19965,6 +19965,30 @@ static int mpt__profile_path(char *path, size_t size, const char *dir, const cha
     return n < 0 || (size_t)n >= size;
 }
 
+/* The files' names in a run directory, after the host's. */
+static const char *const mpt__profile_suffix[3] = {".trace.json", ".trace.json.gz",
+                                                   ".layers.txt"};
+
+/* What killed runs left: each run writes a new directory, so the writer's
+   own sweep (of the target's directory) would never meet a killed run's
+   temporary files; every earlier run's are swept here. Best effort. */
+static void mpt__profile_sweep_runs(mpt__profile *P, const char *host) {
+    char base[MPT__CB_PATH_MAX], path[2 * MPT__CB_PATH_MAX];
+    DIR *d;
+    struct dirent *e;
+    int k, n = snprintf(base, sizeof base, "%s/plugins/profile", P->dir);
+    if (n < 0 || (size_t)n >= sizeof base || !(d = opendir(base))) return;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        for (k = 0; k < 3; k++) {
+            n = snprintf(path, sizeof path, "%s/%s/%s%s", base, e->d_name, host,
+                         mpt__profile_suffix[k]);
+            if (n > 0 && (size_t)n < sizeof path) mpt__ckpt_sweep(P->m->ctx, "profiler", path);
+        }
+    }
+    closedir(d);
+}
+
 /* The trace (plain, and gzip'd with zlib) and the table, into a new run
    directory named by the host. */
 static mpt_status mpt__profile_write_files(mpt__profile *P, const mpt__svg *trace,
@@ -19975,15 +19999,16 @@ static mpt_status mpt__profile_write_files(mpt__profile *P, const mpt__svg *trac
     int err = mpt__profile_make_run_dir(P);
     if (err) return mpt__profile_io_failed(P, "create the directory", P->run_dir, err);
     if (uname(&names) == 0 && names.nodename[0]) host = names.nodename;
-    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json") ||
+    mpt__profile_sweep_runs(P, host);
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[0]) ||
         (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #ifndef MPT_NO_ZLIB
-    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json.gz") ||
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[1]) ||
         (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 1)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #endif
-    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".layers.txt") ||
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[2]) ||
         (err = mpt__profile_write(P->m->ctx, path, table->text, table->len, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
     return MPT_OK;

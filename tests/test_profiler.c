@@ -14,6 +14,7 @@
 
 #include <dirent.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 
 static mpt_context *ctx;
 static char tmpdir[256];
@@ -465,6 +466,41 @@ static void test_trace_files_crash_safe(void) {
     rmdir(dir);
 }
 
+/* Each run writes a new directory, so what a killed run left in its own
+   is swept by the next profiled fit into the same profile_dir. */
+static void test_killed_runs_swept(void) {
+    char dir[300], old_run[400], left[3][500];
+    static const char *const names[3] = {".trace.json.tmp-1", ".layers.txt.tmp-1-2",
+                                         ".trace.json.gz.tmp-1"};
+    const char *host = "localhost";
+    struct utsname u;
+    mpt_dataset *data = blobs_in(ctx);
+    mpt_model *m = make_model(ctx);
+    mpt_fit_desc f = fit_desc(1);
+    int k;
+    FILE *fp;
+    if (uname(&u) == 0 && u.nodename[0]) host = u.nodename;
+    snprintf(dir, sizeof dir, "%s/swept", tmpdir);
+    snprintf(old_run, sizeof old_run, "%s/plugins/profile/2000_01_01_00_00_00", dir);
+    CHECK(mpt__tb_mkdirs(old_run) == 0, "mkdir %s", old_run);
+    for (k = 0; k < 3; k++) {
+        snprintf(left[k], sizeof left[k], "%s/%s%s", old_run, host, names[k]);
+        fp = fopen(left[k], "w");
+        if (fp) {
+            fputs("half a file", fp);
+            fclose(fp);
+        }
+    }
+    f.profile_batch[0] = 2;
+    f.profile_batch[1] = 3;
+    f.profile_dir = dir;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    for (k = 0; k < 3; k++)
+        CHECK(access(left[k], F_OK) != 0, "%s, left by a killed run, is still there", left[k]);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+}
+
 /* A callback that stops training after batch `at` (0-based, in an epoch). */
 static mpt_status stop_at(void *user, mpt_model *m, int64_t batch, const mpt_logs *logs,
                           int *stop) {
@@ -532,6 +568,7 @@ int main(void) {
     TEST_RUN(test_bad_ranges);
     TEST_RUN(test_unwritable_directory);
     TEST_RUN(test_trace_files_crash_safe);
+    TEST_RUN(test_killed_runs_swept);
     TEST_RUN(test_run_ends_early);
     {
         char cmd[300];

@@ -3591,10 +3591,23 @@ typedef struct mpt__ckpt_writer {
     int quiet;             /* a failure leaves the message to the caller
                               (a profiler's failure may be a warning)  */
     int err;               /* the errno of the failure, 0 until one    */
+    const char *failed;    /* what failed: "create", "write", ...      */
 } mpt__ckpt_writer;
+
+/* The writer's memory: the context's, or malloc's for a caller without
+   one (mpt_history_plot_svg takes a NULL context). */
+static void *mpt__file_alloc(const mpt_context *ctx, size_t bytes) {
+    return ctx ? mpt__alloc(ctx, bytes) : mpt__default_alloc(NULL, bytes, MPT__ALIGN);
+}
+
+static void mpt__file_free(const mpt_context *ctx, void *ptr) {
+    if (ctx) mpt__free(ctx, ptr);
+    else mpt__default_free(NULL, ptr);
+}
 
 static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
     w->err = errno ? errno : EIO;
+    w->failed = what;
     if (w->quiet) return MPT_ERR_IO;
     return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
                      w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(w->err));
@@ -3605,7 +3618,7 @@ static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
 static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
     const char *slash = strrchr(path, '/');
     size_t len = slash ? (size_t)(slash - path) : 0;
-    char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) */
+    char *dir = (char *)mpt__file_alloc(ctx, len + 2); /* (len + 2) */
     if (!dir) return NULL;
     if (!slash)
         strcpy(dir, ".");
@@ -3683,12 +3696,12 @@ static void mpt__ckpt_sweep(mpt_context *ctx, const char *what, const char *path
     struct dirent *e;
     if (dir) {
         size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
-        temp = (char *)mpt__alloc(ctx, size);
+        temp = (char *)mpt__file_alloc(ctx, size);
     }
     if (!temp) {
         mpt__log(ctx, MPT_LOG_WARNING, "%s: cannot look for stale temporary files of '%s': "
                  "out of memory", what, path);
-        mpt__free(ctx, dir);
+        mpt__file_free(ctx, dir);
         return;
     }
     d = opendir(dir);
@@ -3698,8 +3711,8 @@ static void mpt__ckpt_sweep(mpt_context *ctx, const char *what, const char *path
         mpt__ckpt_remove_if_stale(ctx, what, temp);
     }
     if (d) closedir(d);
-    mpt__free(ctx, temp);
-    mpt__free(ctx, dir);
+    mpt__file_free(ctx, temp);
+    mpt__file_free(ctx, dir);
 }
 
 /* The lock on a temporary file just created: whether the file is still
@@ -3726,10 +3739,11 @@ static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, c
     w->path = path;
     w->fd = -1;
     w->quiet = quiet;
-    w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
-    w->tmp = (char *)mpt__alloc(ctx, size);
+    w->chunk = (unsigned char *)mpt__file_alloc(ctx, MPT__CKPT_CHUNK);
+    w->tmp = (char *)mpt__file_alloc(ctx, size);
     if (!w->chunk || !w->tmp) {
         w->err = ENOMEM;
+        w->failed = "allocate memory for";
         if (quiet) return MPT_ERR_OUT_OF_MEMORY;
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
     }
@@ -3794,7 +3808,7 @@ static void mpt__ckpt_sync_dir(const mpt__ckpt_writer *w) {
         mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory '%s': "
                  "%s", w->what, w->path, dir, strerror(errno));
     if (fd >= 0) close(fd);
-    mpt__free(w->ctx, dir);
+    mpt__file_free(w->ctx, dir);
 }
 
 /* fsync, close, and rename the temporary file over the target. */
@@ -3814,8 +3828,8 @@ static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
 static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
     if (w->fd >= 0) close(w->fd);
     if (w->created) remove(w->tmp);
-    mpt__free(w->ctx, w->tmp);
-    mpt__free(w->ctx, w->chunk);
+    mpt__file_free(w->ctx, w->tmp);
+    mpt__file_free(w->ctx, w->chunk);
     w->fd = -1;
     w->created = 0;
     w->tmp = NULL;
@@ -17511,60 +17525,22 @@ static mpt_status mpt__plot_fail(mpt_context *ctx, mpt_status status, const char
     return status;
 }
 
-/* Makes the rename durable: the directory of path synced. The file is in
-   place already, so a failure here is a warning. */
-static void mpt__plot_sync_dir(mpt_context *ctx, const char *path, char *scratch) {
-    char *slash;
-    int fd;
-    strcpy(scratch, path);
-    slash = strrchr(scratch, '/');
-    if (!slash) strcpy(scratch, ".");
-    else slash[slash == scratch] = 0; /* "/plot.svg": "/" */
-    fd = open(scratch, O_RDONLY);
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
-        mpt__log(ctx, MPT_LOG_WARNING, "plot: wrote '%s', but cannot sync its directory "
-                 "'%s': %s", path, scratch, strerror(errno));
-    if (fd >= 0) close(fd);
-}
-
-/* Writes text to path as a checkpoint is saved (@impl-checkpoints): into
-   "<path>.tmp-<pid>[-k]" (O_EXCL: nothing already there is written
-   through), fsynced and renamed over path; on a failure the temporary
-   file is removed and path left as it was. A plot is written in one go,
-   so unlike checkpoints there is no lock, nor a sweep for what a killed
-   process left. */
+/* Writes text to path through the writer every file goes through
+   (@impl-context): a unique temporary file beside path, created anew
+   (O_EXCL), locked while written, fsynced and renamed over path, after
+   sweeping what killed writers left there; on a failure the temporary
+   file is removed and path left as it was. */
 static mpt_status mpt__plot_write_file(mpt_context *ctx, const char *path, const char *text,
                                        size_t len) {
-    size_t size = strlen(path) + 48;
-    char *tmp = (char *)mpt__svg_alloc(ctx, size);
-    const char *failed = NULL;
-    int fd = -1, created, k, err = 0;
-    if (!tmp) return mpt__plot_fail(ctx, MPT_ERR_OUT_OF_MEMORY, "plot '%s': out of memory", path);
-    for (k = 0; k < 100 && fd < 0; k++) {
-        if (k == 0) snprintf(tmp, size, "%s.tmp-%ld", path, (long)getpid());
-        else snprintf(tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
-        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
-        if (fd < 0 && errno != EEXIST) break;
-    }
-    created = fd >= 0;
-    if (!created) failed = "create", err = errno;
-    while (!failed && len > 0) {
-        ssize_t got = write(fd, text, MPT__MIN(len, (size_t)1 << 30));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) failed = "write", err = errno;
-        else text += got, len -= (size_t)got;
-    }
-    if (!failed && fsync(fd) != 0 && errno != EINVAL) failed = "sync", err = errno;
-    if (created && close(fd) != 0 && !failed) failed = "close", err = errno;
-    if (!failed && rename(tmp, path) != 0) failed = "rename into place", err = errno;
-    if (failed && created) remove(tmp);
-    if (failed)
-        mpt__plot_fail(ctx, MPT_ERR_IO, "plot: cannot %s '%s' (for '%s'): %s", failed, tmp, path,
-                       strerror(err));
-    else
-        mpt__plot_sync_dir(ctx, path, tmp);
-    mpt__svg_free(ctx, tmp);
-    return failed ? MPT_ERR_IO : MPT_OK;
+    mpt__ckpt_writer w;
+    mpt_status s = mpt__ckpt_writer_open(&w, ctx, "plot", path, 1);
+    if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, text, len);
+    if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
+    if (s != MPT_OK)
+        mpt__plot_fail(ctx, s, "plot: cannot %s '%s' (for '%s'): %s", w.failed,
+                       w.tmp ? w.tmp : path, path, strerror(w.err));
+    mpt__ckpt_writer_close(&w);
+    return s;
 }
 
 static mpt_status mpt__plot_check(const mpt_history *h, const char *path, const mpt_plot_desc *d) {

@@ -1112,6 +1112,8 @@ enum {
    ({"name", "ph": "X", "ts", "dur", "pid", "tid", "args"}, microseconds)
    that Perfetto and chrome://tracing open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
    as <host>.layers.txt and, with verbose >= 1, to the printer at the end.
+   Each file is written whole and renamed into place, as checkpoints are;
+   the next profiled fit into profile_dir removes what a killed one left.
    Profiled steps run as they are queued, never replayed from a recorded
    CUDA graph; with profiling off a step is unchanged. */
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
@@ -1172,7 +1174,8 @@ typedef struct mpt_plot_desc {
    data-key attribute (its history key) holding one <polyline> per run of
    finite values: a NaN or inf breaks the curve. The file is written whole
    to "<path>.tmp-<pid>" and renamed over path, so a crash leaves the old
-   file or the new one. An empty history (0 epochs) is an error. */
+   file or the new one (and the next plot to path removes what it left).
+   An empty history (0 epochs) is an error. */
 MPTDEF mpt_status mpt_history_plot_svg(const mpt_history *history, const char *path,
                                        const mpt_plot_desc *desc);
 
@@ -3569,9 +3572,11 @@ static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const 
 
 /* ---- writing a file: through a temporary file, renamed into place ------------------
 
-   Checkpoints, weights, exports and the profiler's trace go through this
-   writer, and callbacks check their paths with it, so that a crash or a
-   full disk never leaves a half-written file under the target's name. */
+   Checkpoints, weights, exports, plots and the profiler's files go through
+   this writer, and callbacks check their paths with it, so that a crash or
+   a full disk never leaves a half-written file under the target's name.
+   (CSVLogger and TensorBoard append to their files as training goes, by
+   design, so that the logs of a run still going, or killed, can be read.) */
 
 #define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
 

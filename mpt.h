@@ -413,6 +413,11 @@ typedef struct mpt_context_desc {
 typedef struct mpt_context mpt_context;
 
 MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context **out);
+/* Destroy what was made in a context (models, datasets, callbacks,
+   strategies, quantized models) before the context itself. Models alone
+   may outlive it: a context destroyed while models made in it remain is
+   kept, with a warning, until the last of them is destroyed, and freed
+   then; datasets, callbacks and strategies may not. */
 MPTDEF void mpt_context_destroy(mpt_context *ctx);
 /* The message of the last failure ("" if none). Valid until the next call. */
 MPTDEF const char *mpt_context_error(const mpt_context *ctx);
@@ -774,6 +779,8 @@ typedef struct mpt_model mpt_model;
 
 MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
                                    mpt_model **out);
+/* Frees the model. It may come after its context's mpt_context_destroy,
+   which then frees the context here, with its last model. */
 MPTDEF void mpt_model_destroy(mpt_model *model);
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *desc);
@@ -1136,6 +1143,8 @@ enum {
    ({"name", "ph": "X", "ts", "dur", "pid", "tid", "args"}, microseconds)
    that Perfetto and chrome://tracing open; the per-layer table (ms, % of the step, GFLOP/s) goes beside it
    as <host>.layers.txt and, with verbose >= 1, to the printer at the end.
+   Each file is written whole and renamed into place, as checkpoints are;
+   the next profiled fit into profile_dir removes what a killed one left.
    Profiled steps run as they are queued, never replayed from a recorded
    CUDA graph; with profiling off a step is unchanged. */
 MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train,
@@ -1196,7 +1205,8 @@ typedef struct mpt_plot_desc {
    data-key attribute (its history key) holding one <polyline> per run of
    finite values: a NaN or inf breaks the curve. The file is written whole
    to "<path>.tmp-<pid>" and renamed over path, so a crash leaves the old
-   file or the new one. An empty history (0 epochs) is an error. */
+   file or the new one (and the next plot to path removes what it left).
+   An empty history (0 epochs) is an error. */
 MPTDEF mpt_status mpt_history_plot_svg(const mpt_history *history, const char *path,
                                        const mpt_plot_desc *desc);
 
@@ -1308,7 +1318,11 @@ typedef struct mpt_reduce_lr_desc {
 typedef struct mpt_model_checkpoint_desc {
     const char *filepath;       /* required; "{epoch}" or "{epoch:02d}" becomes
                                    the 1-based epoch, "{val_loss:.2f}" any log
-                                   value (e.g. "ckpt-{epoch:02d}.safetensors") */
+                                   value (e.g. "ckpt-{epoch:02d}.safetensors");
+                                   its directory must exist and take new
+                                   files when the callback is made (a file
+                                   is created there and removed), unless a
+                                   field names it                       */
     const char *monitor;        /* default "val_loss"                      */
     int save_best_only;         /* default 0                               */
     int save_weights_only;      /* default 0: the full training state      */
@@ -1360,9 +1374,11 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    in validation/, at step = the 0-based epoch; the model summary as the
    text "model_summary" at step 0; histograms and batch scalars as the
    descriptor asks. Worker 0 writes, creating log_dir when fit begins; the
-   other workers create nothing (making the callback only checks that
-   log_dir can be created). A killed run leaves files that read up to its
-   last whole event. Freed by mpt_callback_destroy like the others. */
+   other workers create nothing. Making the callback checks that log_dir
+   can be created, by creating and removing a file in its deepest existing
+   directory, so that a log_dir that cannot be written (under /proc, say)
+   fails here rather than in fit. A killed run leaves files that read up
+   to its last whole event. Freed by mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);
@@ -2808,7 +2824,7 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
 #ifndef MPT__IMPLEMENTED
 #define MPT__IMPLEMENTED
 
-#include <dirent.h> /* sweeping a checkpoint's directory */
+#include <dirent.h> /* sweeping what killed writers left */
 #include <errno.h>
 #include <fcntl.h>
 #include <float.h>
@@ -2928,6 +2944,9 @@ struct mpt_context {
     char error[1024];
     int64_t host_bytes;         /* held through mpt__alloc now            */
     int64_t host_peak;          /* their most since fit last reset it      */
+    int64_t n_models;           /* made in it and not yet destroyed        */
+    int destroyed;              /* mpt_context_destroy was called: the last
+                                   model's destroy frees the context       */
 };
 
 static void *mpt__default_alloc(void *user, size_t bytes, size_t alignment) {
@@ -3294,9 +3313,35 @@ MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **imp
     return ctx ? ctx->backend : NULL;
 }
 
+/* One more (+1) or one fewer (-1) model made in ctx; the count after. */
+static int64_t mpt__context_count_model(mpt_context *ctx, int64_t delta) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __atomic_add_fetch(&ctx->n_models, delta, __ATOMIC_ACQ_REL);
+#else
+    return ctx->n_models += delta;
+#endif
+}
+
+static void mpt__context_free(mpt_context *ctx);
+
+/* A model's memory, its thread pool and its backend are the context's, so
+   a context destroyed while models made in it remain is kept until the
+   last of them is destroyed (mpt_model_destroy frees it then), instead of
+   leaving them to free into freed memory. */
 MPTDEF void mpt_context_destroy(mpt_context *ctx) {
-    int i;
     if (!ctx) return;
+    ctx->destroyed = 1;
+    if (mpt__context_count_model(ctx, 0) > 0) {
+        mpt__log(ctx, MPT_LOG_WARNING, "context: destroyed before %lld of its models; it is "
+                 "freed when the last of them is destroyed",
+                 (long long)mpt__context_count_model(ctx, 0));
+        return;
+    }
+    mpt__context_free(ctx);
+}
+
+static void mpt__context_free(mpt_context *ctx) {
+    int i;
     if (ctx->backend && ctx->backend_impl != (void *)ctx) ctx->backend->destroy(ctx->backend_impl);
     mpt__pool_stop(ctx);
     mpt__free(ctx, ctx->worker_args);
@@ -3564,6 +3609,289 @@ static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const 
     }
     if (size) *size = (int64_t)st.st_size;
     return MPT_OK;
+}
+
+/* ---- writing a file: through a temporary file, renamed into place ------------------
+
+   Checkpoints, weights, exports, plots and the profiler's files go through
+   this writer, and callbacks check their paths with it, so that a crash or
+   a full disk never leaves a half-written file under the target's name.
+   (CSVLogger and TensorBoard append to their files as training goes, by
+   design, so that the logs of a run still going, or killed, can be read.) */
+
+#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
+
+/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
+   an expression: while it is >= 0, saving fails with ENOSPC once that many
+   bytes of the temporary file are written, as a full disk would. */
+
+typedef struct mpt__ckpt_writer {
+    mpt_context *ctx;
+    const char *what;      /* what messages call it: "checkpoint", "export" */
+    const char *path;      /* the target                              */
+    char *tmp;             /* "<path>.tmp-<pid>"                      */
+    int created;           /* tmp exists and is ours to remove        */
+    int fd;                /* the temporary file; -1 when closed      */
+    int64_t written;       /* bytes written to it                     */
+    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
+    int quiet;             /* a failure leaves the message to the caller
+                              (a profiler's failure may be a warning)  */
+    int err;               /* the errno of the failure, 0 until one    */
+    const char *failed;    /* what failed: "create", "write", ...      */
+} mpt__ckpt_writer;
+
+/* The writer's memory: the context's, or malloc's for a caller without
+   one (mpt_history_plot_svg takes a NULL context). */
+static void *mpt__file_alloc(const mpt_context *ctx, size_t bytes) {
+    return ctx ? mpt__alloc(ctx, bytes) : mpt__default_alloc(NULL, bytes, MPT__ALIGN);
+}
+
+static void mpt__file_free(const mpt_context *ctx, void *ptr) {
+    if (ctx) mpt__free(ctx, ptr);
+    else mpt__default_free(NULL, ptr);
+}
+
+static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
+    w->err = errno ? errno : EIO;
+    w->failed = what;
+    if (w->quiet) return MPT_ERR_IO;
+    return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
+                     w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(w->err));
+}
+
+/* The directory part of path ("." when it has none), allocated; NULL when
+   memory runs out. */
+static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
+    const char *slash = strrchr(path, '/');
+    size_t len = slash ? (size_t)(slash - path) : 0;
+    char *dir = (char *)mpt__file_alloc(ctx, len + 2); /* (len + 2) */
+    if (!dir) return NULL;
+    if (!slash)
+        strcpy(dir, ".");
+    else if (len == 0)
+        strcpy(dir, "/");
+    else {
+        memcpy(dir, path, len);
+        dir[len] = 0;
+    }
+    return dir;
+}
+
+/* ---- temporary files that a killed save left behind ----------------------------
+
+   A save holds a write lock (fcntl) on its temporary file from creating it
+   to renaming it, and the kernel drops the lock when the process ends,
+   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
+   lock on is what a save killed mid-write left, and the next save to the
+   same target removes it (500 saves killed mid-write used to leave 178
+   files, 375 MB). Names with this process's pid are never touched: fcntl
+   locks belong to a process, so another thread's save in progress would
+   look unlocked, and closing any descriptor of a file drops all of this
+   process's locks on it. A file system without locks has no sweep. */
+
+/* A write lock on the whole file, without waiting; errno says why not. */
+static int mpt__ckpt_lock(int fd) {
+    struct flock l;
+    memset(&l, 0, sizeof l);
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    return fcntl(fd, F_SETLK, &l) == 0;
+}
+
+/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
+   of a pid other than this process's. */
+static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
+    const char *p;
+    long long pid = 0;
+    int digits = 0, k_digits = 0;
+    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
+    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
+        pid = pid * 10 + (*p - '0');
+    if (digits == 0) return 0;
+    if (*p == '-') {
+        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
+        if (k_digits == 0) return 0;
+    }
+    return *p == 0 && pid != (long long)getpid();
+}
+
+/* Removes path when nobody holds a lock on it. The lock is taken, and held
+   while unlinking, so that a save that has just created the file (and not
+   yet locked it) finds the lock taken or its file gone, and takes another
+   name; the identity check keeps a file renamed in between. */
+static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *what, const char *path) {
+    struct stat held, named;
+    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) return;
+    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
+        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
+        unlink(path) == 0)
+        mpt__log(ctx, MPT_LOG_INFO, "%s: removed '%s', left by a save that did not finish",
+                 what, path);
+    close(fd);
+}
+
+/* Removes the stale temporary files of target path. Best effort: a
+   directory that cannot be listed is simply not swept. */
+static void mpt__ckpt_sweep(mpt_context *ctx, const char *what, const char *path) {
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    size_t base_len = strlen(base), size = 0;
+    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
+    DIR *d;
+    struct dirent *e;
+    if (dir) {
+        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
+        temp = (char *)mpt__file_alloc(ctx, size);
+    }
+    if (!temp) {
+        mpt__log(ctx, MPT_LOG_WARNING, "%s: cannot look for stale temporary files of '%s': "
+                 "out of memory", what, path);
+        mpt__file_free(ctx, dir);
+        return;
+    }
+    d = opendir(dir);
+    while (d && (e = readdir(d)) != NULL) {
+        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
+        snprintf(temp, size, "%s/%s", dir, e->d_name);
+        mpt__ckpt_remove_if_stale(ctx, what, temp);
+    }
+    if (d) closedir(d);
+    mpt__file_free(ctx, temp);
+    mpt__file_free(ctx, dir);
+}
+
+/* The lock on a temporary file just created: whether the file is still
+   this save's. A sweep holding it, or having removed the file already,
+   means it is on its way out; a file system without locks leaves nothing
+   to check. */
+static int mpt__ckpt_hold(int fd) {
+    struct stat st;
+    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
+    return fstat(fd, &st) == 0 && st.st_nlink > 0;
+}
+
+/* Creates the temporary file next to the target, after sweeping away what
+   killed saves left there; O_EXCL so that nothing already there (another
+   writer's file, a link) is ever written through. `what` names the file
+   in messages ("checkpoint"); with quiet, a failure only sets w->err. */
+static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *what,
+                                        const char *path, int quiet) {
+    size_t size = strlen(path) + 48;
+    int k;
+    memset(w, 0, sizeof *w);
+    w->ctx = ctx;
+    w->what = what;
+    w->path = path;
+    w->fd = -1;
+    w->quiet = quiet;
+    w->chunk = (unsigned char *)mpt__file_alloc(ctx, MPT__CKPT_CHUNK);
+    w->tmp = (char *)mpt__file_alloc(ctx, size);
+    if (!w->chunk || !w->tmp) {
+        w->err = ENOMEM;
+        w->failed = "allocate memory for";
+        if (quiet) return MPT_ERR_OUT_OF_MEMORY;
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
+    }
+    mpt__ckpt_sweep(ctx, what, path);
+    for (k = 0; k < 100; k++) {
+        if (k == 0)
+            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
+        else
+            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
+        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (w->fd < 0 && errno == EEXIST) continue;
+        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
+        close(w->fd); /* a sweep is removing it: another name */
+        w->fd = -1;
+    }
+    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
+    w->created = 1;
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
+    const unsigned char *p = (const unsigned char *)src;
+    while (n > 0) {
+        size_t part = MPT__MIN(n, (size_t)1 << 30);
+        ssize_t got;
+#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
+        {
+            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
+            if (limit >= 0 && w->written + (int64_t)part > limit) {
+                if (limit <= w->written) {
+                    errno = ENOSPC;
+                    return mpt__ckpt_write_fail(w, "write");
+                }
+                part = (size_t)(limit - w->written);
+            }
+        }
+#endif
+        got = write(w->fd, p, part);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return mpt__ckpt_write_fail(w, "write");
+        }
+        p += got;
+        n -= (size_t)got;
+        w->written += got;
+    }
+    return MPT_OK;
+}
+
+/* Makes the rename durable. The new file is already in place, so a failure
+   here is a warning, not an error. */
+static void mpt__ckpt_sync_dir(const mpt__ckpt_writer *w) {
+    char *dir = mpt__ckpt_dir_of(w->ctx, w->path);
+    int fd;
+    if (!dir) {
+        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory: out "
+                 "of memory", w->what, w->path);
+        return;
+    }
+    fd = open(dir, O_RDONLY);
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
+        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory '%s': "
+                 "%s", w->what, w->path, dir, strerror(errno));
+    if (fd >= 0) close(fd);
+    mpt__file_free(w->ctx, dir);
+}
+
+/* fsync, close, and rename the temporary file over the target. */
+static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
+    int failed;
+    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
+    failed = close(w->fd) != 0;
+    w->fd = -1;
+    if (failed) return mpt__ckpt_write_fail(w, "close");
+    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
+    w->created = 0; /* renamed: nothing left to remove */
+    mpt__ckpt_sync_dir(w);
+    return MPT_OK;
+}
+
+/* Closes and removes the temporary file unless it was committed. */
+static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
+    if (w->fd >= 0) close(w->fd);
+    if (w->created) remove(w->tmp);
+    mpt__file_free(w->ctx, w->tmp);
+    mpt__file_free(w->ctx, w->chunk);
+    w->fd = -1;
+    w->created = 0;
+    w->tmp = NULL;
+    w->chunk = NULL;
+}
+
+/* Whether a file can be written at path, found out by starting to: the
+   temporary file created beside it, then removed. access() cannot tell
+   (it says yes to root on any writable mount, /proc included, where no new
+   file can be made). Callbacks check their paths so when they are made,
+   not after an epoch of training. 0 or an errno; quiet as above. */
+static int mpt__ckpt_can_write(mpt_context *ctx, const char *what, const char *path, int quiet) {
+    mpt__ckpt_writer w;
+    int err = mpt__ckpt_writer_open(&w, ctx, what, path, quiet) == MPT_OK ? 0 : w.err;
+    mpt__ckpt_writer_close(&w);
+    return err;
 }
 
 /* =============================================================================
@@ -6492,6 +6820,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
                          (long long)desc->memory_limit);
     m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
     if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    mpt__context_count_model(ctx, 1);
     m->ctx = ctx;
     m->host_peak = -1;
     m->be = mpt_context_backend(ctx, &m->impl);
@@ -6508,8 +6837,10 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
 static void mpt__free_update_args(mpt_model *m);
 
 MPTDEF void mpt_model_destroy(mpt_model *m) {
+    mpt_context *ctx;
     int c;
     if (!m) return;
+    ctx = m->ctx;
     for (c = 1; c < m->n_replicas; c++) mpt_model_destroy(m->replica[c]);
     mpt__free(m->ctx, m->replica);
     mpt__free(m->ctx, m->sync_scratch);
@@ -6521,7 +6852,9 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt__free(m->ctx, m->params);
     mpt__quantized_free(m->ctx, m->quantized);
     mpt__qat_free(m);
-    mpt__free(m->ctx, m);
+    mpt__free(ctx, m);
+    /* the last model of a context already destroyed frees it */
+    if (mpt__context_count_model(ctx, -1) == 0 && ctx->destroyed) mpt__context_free(ctx);
 }
 
 static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name) {
@@ -17238,60 +17571,22 @@ static mpt_status mpt__plot_fail(mpt_context *ctx, mpt_status status, const char
     return status;
 }
 
-/* Makes the rename durable: the directory of path synced. The file is in
-   place already, so a failure here is a warning. */
-static void mpt__plot_sync_dir(mpt_context *ctx, const char *path, char *scratch) {
-    char *slash;
-    int fd;
-    strcpy(scratch, path);
-    slash = strrchr(scratch, '/');
-    if (!slash) strcpy(scratch, ".");
-    else slash[slash == scratch] = 0; /* "/plot.svg": "/" */
-    fd = open(scratch, O_RDONLY);
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
-        mpt__log(ctx, MPT_LOG_WARNING, "plot: wrote '%s', but cannot sync its directory "
-                 "'%s': %s", path, scratch, strerror(errno));
-    if (fd >= 0) close(fd);
-}
-
-/* Writes text to path as a checkpoint is saved (@impl-checkpoints): into
-   "<path>.tmp-<pid>[-k]" (O_EXCL: nothing already there is written
-   through), fsynced and renamed over path; on a failure the temporary
-   file is removed and path left as it was. A plot is written in one go,
-   so unlike checkpoints there is no lock, nor a sweep for what a killed
-   process left. */
+/* Writes text to path through the writer every file goes through
+   (@impl-context): a unique temporary file beside path, created anew
+   (O_EXCL), locked while written, fsynced and renamed over path, after
+   sweeping what killed writers left there; on a failure the temporary
+   file is removed and path left as it was. */
 static mpt_status mpt__plot_write_file(mpt_context *ctx, const char *path, const char *text,
                                        size_t len) {
-    size_t size = strlen(path) + 48;
-    char *tmp = (char *)mpt__svg_alloc(ctx, size);
-    const char *failed = NULL;
-    int fd = -1, created, k, err = 0;
-    if (!tmp) return mpt__plot_fail(ctx, MPT_ERR_OUT_OF_MEMORY, "plot '%s': out of memory", path);
-    for (k = 0; k < 100 && fd < 0; k++) {
-        if (k == 0) snprintf(tmp, size, "%s.tmp-%ld", path, (long)getpid());
-        else snprintf(tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
-        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
-        if (fd < 0 && errno != EEXIST) break;
-    }
-    created = fd >= 0;
-    if (!created) failed = "create", err = errno;
-    while (!failed && len > 0) {
-        ssize_t got = write(fd, text, MPT__MIN(len, (size_t)1 << 30));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) failed = "write", err = errno;
-        else text += got, len -= (size_t)got;
-    }
-    if (!failed && fsync(fd) != 0 && errno != EINVAL) failed = "sync", err = errno;
-    if (created && close(fd) != 0 && !failed) failed = "close", err = errno;
-    if (!failed && rename(tmp, path) != 0) failed = "rename into place", err = errno;
-    if (failed && created) remove(tmp);
-    if (failed)
-        mpt__plot_fail(ctx, MPT_ERR_IO, "plot: cannot %s '%s' (for '%s'): %s", failed, tmp, path,
-                       strerror(err));
-    else
-        mpt__plot_sync_dir(ctx, path, tmp);
-    mpt__svg_free(ctx, tmp);
-    return failed ? MPT_ERR_IO : MPT_OK;
+    mpt__ckpt_writer w;
+    mpt_status s = mpt__ckpt_writer_open(&w, ctx, "plot", path, 1);
+    if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, text, len);
+    if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
+    if (s != MPT_OK)
+        mpt__plot_fail(ctx, s, "plot: cannot %s '%s' (for '%s'): %s", w.failed,
+                       w.tmp ? w.tmp : path, path, strerror(w.err));
+    mpt__ckpt_writer_close(&w);
+    return s;
 }
 
 static mpt_status mpt__plot_check(const mpt_history *h, const char *path, const mpt_plot_desc *d) {
@@ -18041,6 +18336,23 @@ static mpt_status mpt__cb_model_checkpoint_epoch_end(void *user, mpt_model *m, i
                                 : mpt_model_save_checkpoint(m, c->path);
 }
 
+/* The files' directory must exist and take files now, not only after the
+   first epoch's training; a directory named by a field ("{epoch}/w") is
+   known only at the epoch's end, and checked by the save then. */
+static mpt_status mpt__cb_model_checkpoint_check_dir(mpt_context *ctx, const char *pattern) {
+    const char *slash = strrchr(pattern, '/');
+    size_t k;
+    int err;
+    for (k = 0; slash && pattern + k < slash; k++)
+        if (pattern[k] == '{' || pattern[k] == '}') return MPT_OK;
+    err = mpt__ckpt_can_write(ctx, "ModelCheckpoint", pattern, 1);
+    if (err)
+        return mpt__fail(ctx, err == ENOMEM ? MPT_ERR_OUT_OF_MEMORY : MPT_ERR_IO,
+                         "ModelCheckpoint: filepath \"%s\": cannot create a file in its "
+                         "directory: %s", pattern, strerror(err));
+    return MPT_OK;
+}
+
 MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
                                                 const mpt_model_checkpoint_desc *d,
                                                 mpt_callback *out) {
@@ -18057,6 +18369,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
                          d->filepath ? "empty" : "NULL");
     MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
+    MPT__CHECK(mpt__cb_model_checkpoint_check_dir(ctx, d->filepath));
     c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
                                                 mpt__cb_model_checkpoint_release, &s);
     if (!c) return s;
@@ -18106,14 +18419,32 @@ static mpt_status mpt__cb_csv_io_error(mpt_context *ctx, const mpt__cb_csv_logge
                      strerror(errno));
 }
 
-/* Whether the file exists and holds at least one byte. */
-static int mpt__cb_csv_has_content(const char *filename) {
-    FILE *f = fopen(filename, "rb");
-    int c;
-    if (!f) return 0;
-    c = fgetc(f);
-    fclose(f);
-    return c != EOF;
+/* Opens the log, and only a regular file: opening a FIFO for writing
+   waits for a reader, maybe forever, and a device is never what was meant.
+   So the open does not wait (O_NONBLOCK: a FIFO without a reader fails
+   with ENXIO), nothing is truncated before fstat says what was opened,
+   and the regular file is then opened again as a stream (ISO C has no
+   fdopen; only a rename in between could swap it). */
+static mpt_status mpt__cb_csv_open(mpt__cb_csv_logger *c, mpt_context *ctx) {
+    const char *what = c->append ? "open for appending" : "create";
+    struct stat st;
+    int fd = open(c->filename, O_WRONLY | O_CREAT | O_NONBLOCK | O_NOCTTY, 0666);
+    int err = fd < 0 ? errno : 0;
+    if (fd >= 0 && fstat(fd, &st) != 0) err = errno;
+    if (fd >= 0) close(fd);
+    if (err == ENXIO && stat(c->filename, &st) == 0 && !S_ISREG(st.st_mode))
+        err = 0; /* a FIFO without a reader: say what it is, below */
+    if (err) {
+        errno = err;
+        return mpt__cb_csv_io_error(ctx, c, what);
+    }
+    if (!S_ISREG(st.st_mode))
+        return mpt__fail(ctx, MPT_ERR_IO, "CSVLogger: cannot write \"%s\": it is %s, not a "
+                         "regular file", c->filename, mpt__file_kind(st.st_mode));
+    c->write_header = !(c->append && st.st_size > 0); /* appending to rows: no second header */
+    c->file = fopen(c->filename, c->append ? "a" : "w");
+    if (!c->file) return mpt__cb_csv_io_error(ctx, c, what);
+    return MPT_OK;
 }
 
 static mpt_status mpt__cb_csv_train_begin(void *user, mpt_model *m) {
@@ -18122,12 +18453,8 @@ static mpt_status mpt__cb_csv_train_begin(void *user, mpt_model *m) {
     c->file = NULL;
     c->elsewhere = !mpt__strategy_is_chief(m->strategy); /* worker 0 writes files */
     if (c->elsewhere) return MPT_OK;
-    c->write_header = !(c->append && mpt__cb_csv_has_content(c->filename));
     c->n_keys = -1;
-    c->file = fopen(c->filename, c->append ? "a" : "w");
-    if (!c->file)
-        return mpt__cb_csv_io_error(m->ctx, c, c->append ? "open for appending" : "create");
-    return MPT_OK;
+    return mpt__cb_csv_open(c, m->ctx);
 }
 
 /* A field as Python's csv module (excel dialect, minimal quoting) writes
@@ -18646,12 +18973,12 @@ static int mpt__tb_mkdirs(const char *path) {
     return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
 }
 
-/* Whether mpt__tb_mkdirs(path) can succeed, checked without creating
-   anything (the callback is made on every worker; only worker 0 creates
-   its directories, when fit begins): path, or else its deepest existing
-   ancestor, is a directory this process may write to and enter. 0 or an
-   errno. */
-static int mpt__tb_can_create(const char *path) {
+/* Whether mpt__tb_mkdirs(path) can succeed, checked without leaving
+   anything behind (the callback is made on every worker; only worker 0
+   creates its directories, when fit begins): path, or else its deepest
+   existing ancestor, is a directory in which a file can be created (and
+   is, then removed: see mpt__ckpt_can_write). 0 or an errno. */
+static int mpt__tb_can_create(mpt_context *ctx, const char *path) {
     char dir[MPT__CB_PATH_MAX];
     size_t n = strlen(path);
     struct stat st;
@@ -18666,7 +18993,9 @@ static int mpt__tb_can_create(const char *path) {
         dir[n] = 0;
     }
     if (!S_ISDIR(st.st_mode)) return ENOTDIR;
-    return access(dir, W_OK | X_OK) == 0 ? 0 : errno;
+    if (n + sizeof "/events" > sizeof dir) return ENAMETOOLONG;
+    strcpy(dir + n, "/events");
+    return mpt__ckpt_can_write(ctx, "TensorBoard", dir, 1);
 }
 
 /* Creates a new event file in log_dir/run. 0 or an errno. */
@@ -18983,7 +19312,7 @@ static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorbo
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "TensorBoard: log_dir has %zu characters, more than %d",
                          strlen(d->log_dir), MPT__CB_PATH_MAX - 512);
-    err = mpt__tb_can_create(d->log_dir);
+    err = mpt__tb_can_create(ctx, d->log_dir);
     if (err)
         return mpt__fail(ctx, MPT_ERR_IO, "TensorBoard: log_dir \"%s\" cannot be created or "
                          "written to: %s", d->log_dir, strerror(err));
@@ -19592,29 +19921,50 @@ static int mpt__profile_make_run_dir(mpt__profile *P) {
     return EEXIST;
 }
 
-/* text written whole to path (through path.tmp, renamed), gzip'd when
-   gz. 0 or an errno. */
-static int mpt__profile_write(const char *path, const char *text, size_t len, int gz) {
-    char tmp[MPT__CB_PATH_MAX + 128];
-    int err = 0, n = snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    if (n < 0 || (size_t)n >= sizeof tmp) return ENAMETOOLONG;
+/* text written whole to path, gzip'd when gz, by the writer every file
+   goes through (@impl-context): a unique temporary file beside path,
+   created anew (O_EXCL, so nothing planted at its name is written
+   through), locked while written and renamed into place; what a killed
+   run left there is swept. 0 or an errno; the caller reports it. */
+static int mpt__profile_write(mpt_context *ctx, const char *path, const char *text, size_t len,
+                              int gz) {
+    mpt__ckpt_writer w;
+    unsigned char *packed = NULL;
+    int err = 0;
 #ifndef MPT_NO_ZLIB
-    if (gz) {
-        gzFile f = gzopen(tmp, "wb");
-        if (!f) return errno ? errno : ENOMEM;
-        if (len > 0 && gzwrite(f, text, (unsigned)len) != (int)len) err = EIO;
-        if (gzclose(f) != Z_OK && !err) err = EIO;
-    } else
-#endif
-    {
-        FILE *f = fopen(tmp, "wb");
-        (void)gz;
-        if (!f) return errno;
-        if (fwrite(text, 1, len, f) != len) err = errno ? errno : EIO;
-        if (fclose(f) != 0 && !err) err = errno ? errno : EIO;
+    if (gz) { /* deflated in memory: the writer takes the bytes as they are */
+        z_stream z;
+        uLong bound;
+        memset(&z, 0, sizeof z);
+        if (len > (size_t)UINT_MAX / 2) return EFBIG;
+        if (deflateInit2(&z, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 15 + 16 /* gzip */, 8,
+                         Z_DEFAULT_STRATEGY) != Z_OK)
+            return ENOMEM;
+        bound = deflateBound(&z, (uLong)len);
+        packed = (unsigned char *)mpt__alloc(ctx, (size_t)bound); /* (bound) */
+        if (packed) {
+            z.next_in = (Bytef *)text;
+            z.avail_in = (uInt)len;
+            z.next_out = packed;
+            z.avail_out = (uInt)bound;
+            if (deflate(&z, Z_FINISH) != Z_STREAM_END) err = EIO;
+            text = (const char *)packed;
+            len = (size_t)z.total_out;
+        }
+        deflateEnd(&z);
+        if (!packed) return ENOMEM;
     }
-    if (!err && rename(tmp, path) != 0) err = errno;
-    if (err) remove(tmp);
+#else
+    (void)gz;
+#endif
+    if (!err) {
+        if (mpt__ckpt_writer_open(&w, ctx, "profiler", path, 1) == MPT_OK &&
+            mpt__ckpt_write_raw(&w, text, len) == MPT_OK)
+            mpt__ckpt_writer_commit(&w);
+        err = w.err; /* 0 unless a step failed */
+        mpt__ckpt_writer_close(&w);
+    }
+    mpt__free(ctx, packed);
     return err;
 }
 
@@ -19637,6 +19987,30 @@ static int mpt__profile_path(char *path, size_t size, const char *dir, const cha
     return n < 0 || (size_t)n >= size;
 }
 
+/* The files' names in a run directory, after the host's. */
+static const char *const mpt__profile_suffix[3] = {".trace.json", ".trace.json.gz",
+                                                   ".layers.txt"};
+
+/* What killed runs left: each run writes a new directory, so the writer's
+   own sweep (of the target's directory) would never meet a killed run's
+   temporary files; every earlier run's are swept here. Best effort. */
+static void mpt__profile_sweep_runs(mpt__profile *P, const char *host) {
+    char base[MPT__CB_PATH_MAX], path[2 * MPT__CB_PATH_MAX];
+    DIR *d;
+    struct dirent *e;
+    int k, n = snprintf(base, sizeof base, "%s/plugins/profile", P->dir);
+    if (n < 0 || (size_t)n >= sizeof base || !(d = opendir(base))) return;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        for (k = 0; k < 3; k++) {
+            n = snprintf(path, sizeof path, "%s/%s/%s%s", base, e->d_name, host,
+                         mpt__profile_suffix[k]);
+            if (n > 0 && (size_t)n < sizeof path) mpt__ckpt_sweep(P->m->ctx, "profiler", path);
+        }
+    }
+    closedir(d);
+}
+
 /* The trace (plain, and gzip'd with zlib) and the table, into a new run
    directory named by the host. */
 static mpt_status mpt__profile_write_files(mpt__profile *P, const mpt__svg *trace,
@@ -19647,16 +20021,17 @@ static mpt_status mpt__profile_write_files(mpt__profile *P, const mpt__svg *trac
     int err = mpt__profile_make_run_dir(P);
     if (err) return mpt__profile_io_failed(P, "create the directory", P->run_dir, err);
     if (uname(&names) == 0 && names.nodename[0]) host = names.nodename;
-    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json") ||
-        (err = mpt__profile_write(path, trace->text, trace->len, 0)) != 0)
+    mpt__profile_sweep_runs(P, host);
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[0]) ||
+        (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #ifndef MPT_NO_ZLIB
-    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".trace.json.gz") ||
-        (err = mpt__profile_write(path, trace->text, trace->len, 1)) != 0)
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[1]) ||
+        (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 1)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #endif
-    if (mpt__profile_path(path, sizeof path, P->run_dir, host, ".layers.txt") ||
-        (err = mpt__profile_write(path, table->text, table->len, 0)) != 0)
+    if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[2]) ||
+        (err = mpt__profile_write(P->m->ctx, path, table->text, table->len, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
     return MPT_OK;
 }
@@ -20501,12 +20876,7 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
    taking the copy can leave it partly loaded, and the error says so. */
 
 
-#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
 #define MPT__CKPT_NAME 192               /* "optimizer/" + parameter name + "/momentum" */
-
-/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
-   an expression: while it is >= 0, saving fails with ENOSPC once that many
-   bytes of the temporary file are written, as a full disk would. */
 
 /* ---- the names a file gives optimizers, their slots and policies ------------------ */
 
@@ -20847,198 +21217,6 @@ static mpt_status mpt__ckpt_header(mpt_model *m, const mpt__ckpt_plan *pl, int f
 
 /* ---- writing the file -------------------------------------------------------- */
 
-typedef struct mpt__ckpt_writer {
-    mpt_context *ctx;
-    const char *what;      /* what messages call it: "checkpoint", "export" */
-    const char *path;      /* the target                              */
-    char *tmp;             /* "<path>.tmp-<pid>"                      */
-    int created;           /* tmp exists and is ours to remove        */
-    int fd;                /* the temporary file; -1 when closed      */
-    int64_t written;       /* bytes written to it                     */
-    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
-} mpt__ckpt_writer;
-
-static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
-    int err = errno;
-    return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
-                     w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(err));
-}
-
-/* The directory part of path ("." when it has none), allocated; NULL when
-   memory runs out. */
-static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
-    const char *slash = strrchr(path, '/');
-    size_t len = slash ? (size_t)(slash - path) : 0;
-    char *dir = (char *)mpt__alloc(ctx, len + 2); /* (len + 2) */
-    if (!dir) return NULL;
-    if (!slash)
-        strcpy(dir, ".");
-    else if (len == 0)
-        strcpy(dir, "/");
-    else {
-        memcpy(dir, path, len);
-        dir[len] = 0;
-    }
-    return dir;
-}
-
-/* ---- temporary files that a killed save left behind ----------------------------
-
-   A save holds a write lock (fcntl) on its temporary file from creating it
-   to renaming it, and the kernel drops the lock when the process ends,
-   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
-   lock on is what a save killed mid-write left, and the next save to the
-   same target removes it (500 saves killed mid-write used to leave 178
-   files, 375 MB). Names with this process's pid are never touched: fcntl
-   locks belong to a process, so another thread's save in progress would
-   look unlocked, and closing any descriptor of a file drops all of this
-   process's locks on it. A file system without locks has no sweep. */
-
-/* A write lock on the whole file, without waiting; errno says why not. */
-static int mpt__ckpt_lock(int fd) {
-    struct flock l;
-    memset(&l, 0, sizeof l);
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    return fcntl(fd, F_SETLK, &l) == 0;
-}
-
-/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
-   of a pid other than this process's. */
-static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
-    const char *p;
-    long long pid = 0;
-    int digits = 0, k_digits = 0;
-    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
-    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
-        pid = pid * 10 + (*p - '0');
-    if (digits == 0) return 0;
-    if (*p == '-') {
-        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
-        if (k_digits == 0) return 0;
-    }
-    return *p == 0 && pid != (long long)getpid();
-}
-
-/* Removes path when nobody holds a lock on it. The lock is taken, and held
-   while unlinking, so that a save that has just created the file (and not
-   yet locked it) finds the lock taken or its file gone, and takes another
-   name; the identity check keeps a file renamed in between. */
-static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *path) {
-    struct stat held, named;
-    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
-    if (fd < 0) return;
-    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
-        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
-        unlink(path) == 0)
-        mpt__log(ctx, MPT_LOG_INFO, "checkpoint: removed '%s', left by a save that did not "
-                 "finish", path);
-    close(fd);
-}
-
-/* Removes the stale temporary files of target path. Best effort: a
-   directory that cannot be listed is simply not swept. */
-static void mpt__ckpt_sweep(mpt_context *ctx, const char *path) {
-    const char *slash = strrchr(path, '/');
-    const char *base = slash ? slash + 1 : path;
-    size_t base_len = strlen(base), size = 0;
-    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
-    DIR *d;
-    struct dirent *e;
-    if (dir) {
-        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
-        temp = (char *)mpt__alloc(ctx, size);
-    }
-    if (!temp) {
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: cannot look for stale temporary files of "
-                 "'%s': out of memory", path);
-        mpt__free(ctx, dir);
-        return;
-    }
-    d = opendir(dir);
-    while (d && (e = readdir(d)) != NULL) {
-        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
-        snprintf(temp, size, "%s/%s", dir, e->d_name);
-        mpt__ckpt_remove_if_stale(ctx, temp);
-    }
-    if (d) closedir(d);
-    mpt__free(ctx, temp);
-    mpt__free(ctx, dir);
-}
-
-/* The lock on a temporary file just created: whether the file is still
-   this save's. A sweep holding it, or having removed the file already,
-   means it is on its way out; a file system without locks leaves nothing
-   to check. */
-static int mpt__ckpt_hold(int fd) {
-    struct stat st;
-    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
-    return fstat(fd, &st) == 0 && st.st_nlink > 0;
-}
-
-/* Creates the temporary file next to the target, after sweeping away what
-   killed saves left there; O_EXCL so that nothing already there (another
-   writer's file, a link) is ever written through. `what` names the file
-   in messages ("checkpoint"). */
-static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *what,
-                                        const char *path) {
-    size_t size = strlen(path) + 48;
-    int k;
-    memset(w, 0, sizeof *w);
-    w->ctx = ctx;
-    w->what = what;
-    w->path = path;
-    w->fd = -1;
-    w->chunk = (unsigned char *)mpt__alloc(ctx, MPT__CKPT_CHUNK);
-    w->tmp = (char *)mpt__alloc(ctx, size);
-    if (!w->chunk || !w->tmp)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
-    mpt__ckpt_sweep(ctx, path);
-    for (k = 0; k < 100; k++) {
-        if (k == 0)
-            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
-        else
-            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
-        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
-        if (w->fd < 0 && errno == EEXIST) continue;
-        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
-        close(w->fd); /* a sweep is removing it: another name */
-        w->fd = -1;
-    }
-    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
-    w->created = 1;
-    return MPT_OK;
-}
-
-static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
-    const unsigned char *p = (const unsigned char *)src;
-    while (n > 0) {
-        size_t part = MPT__MIN(n, (size_t)1 << 30);
-        ssize_t got;
-#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
-        {
-            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
-            if (limit >= 0 && w->written + (int64_t)part > limit) {
-                if (limit <= w->written) {
-                    errno = ENOSPC;
-                    return mpt__ckpt_write_fail(w, "write");
-                }
-                part = (size_t)(limit - w->written);
-            }
-        }
-#endif
-        got = write(w->fd, p, part);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return mpt__ckpt_write_fail(w, "write");
-        }
-        p += got;
-        n -= (size_t)got;
-        w->written += got;
-    }
-    return MPT_OK;
-}
-
 /* Writes `bytes` of `elem`-byte elements in little-endian order, a chunk at
    a time. */
 static mpt_status mpt__ckpt_write_le(mpt__ckpt_writer *w, const void *src, int64_t bytes,
@@ -21054,49 +21232,6 @@ static mpt_status mpt__ckpt_write_le(mpt__ckpt_writer *w, const void *src, int64
         bytes -= (int64_t)part;
     }
     return MPT_OK;
-}
-
-/* Makes the rename durable. The new file is already in place, so a failure
-   here is a warning, not an error. */
-static void mpt__ckpt_sync_dir(mpt_context *ctx, const char *path) {
-    char *dir = mpt__ckpt_dir_of(ctx, path);
-    int fd;
-    if (!dir) {
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory: "
-                 "out of memory", path);
-        return;
-    }
-    fd = open(dir, O_RDONLY);
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
-        mpt__log(ctx, MPT_LOG_WARNING, "checkpoint: saved '%s', but cannot sync its directory "
-                 "'%s': %s", path, dir, strerror(errno));
-    if (fd >= 0) close(fd);
-    mpt__free(ctx, dir);
-}
-
-/* fsync, close, and rename the temporary file over the target. */
-static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
-    int failed;
-    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
-    failed = close(w->fd) != 0;
-    w->fd = -1;
-    if (failed) return mpt__ckpt_write_fail(w, "close");
-    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
-    w->created = 0; /* renamed: nothing left to remove */
-    mpt__ckpt_sync_dir(w->ctx, w->path);
-    return MPT_OK;
-}
-
-/* Closes and removes the temporary file unless it was committed. */
-static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
-    if (w->fd >= 0) close(w->fd);
-    if (w->created) remove(w->tmp);
-    mpt__free(w->ctx, w->tmp);
-    mpt__free(w->ctx, w->chunk);
-    w->fd = -1;
-    w->created = 0;
-    w->tmp = NULL;
-    w->chunk = NULL;
 }
 
 static mpt_status mpt__ckpt_write_file(mpt__ckpt_writer *w, const mpt__ckpt_plan *pl,
@@ -21149,7 +21284,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.loss_scale = m->loss_scale;
     s = mpt__ckpt_plan_init(m, full, 0, &pl);
     if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
-    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path);
+    if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path, 0);
     if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
     mpt__ckpt_writer_close(&w);
     mpt__free(m->ctx, header.s);
@@ -25343,7 +25478,7 @@ static int mpt__export_out_shape(const mpt__export_step *s, int64_t *shape) {
 static mpt_status mpt__export_write(mpt_model *m, const char *path, const unsigned char *bytes,
                                     size_t n) {
     mpt__ckpt_writer w;
-    mpt_status s = mpt__ckpt_writer_open(&w, m->ctx, "export", path);
+    mpt_status s = mpt__ckpt_writer_open(&w, m->ctx, "export", path, 0);
     if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, bytes, n);
     if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
     mpt__ckpt_writer_close(&w);

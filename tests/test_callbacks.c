@@ -726,13 +726,17 @@ static void test_checkpoint_errors_at_epoch_end(void) {
     mpt_callback cb;
     mpt_model *m = small_model();
     mpt_logs logs = one_log("loss", 0.5);
-    char path[256];
+    char path[256], dir[256];
     int stop = 0;
     mpt_status s;
     reset_capture();
-    tmp_path(path, sizeof path, "no-such-dir/x-{epoch}.safetensors");
-    mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){
-        .filepath = path, .save_weights_only = 1}, &cb);
+    tmp_path(dir, sizeof dir, "gone");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir %s", dir);
+    tmp_path(path, sizeof path, "gone/x-{epoch}.safetensors");
+    CHECK(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){
+              .filepath = path, .save_weights_only = 1}, &cb) == MPT_OK, "create: %s",
+          mpt_context_error(ctx));
+    rmdir(dir); /* removed after the check at creation */
     s = cb.on_epoch_end(cb.user_data, m, 0, &logs, &stop);
     CHECK(s != MPT_OK, "saving into a missing directory succeeded");
     CHECK(strstr(mpt_context_error(ctx), "x-1.safetensors"), "error does not name the file: %s",
@@ -759,6 +763,52 @@ static void test_checkpoint_errors_at_epoch_end(void) {
     CHECK(stop == 0, "stop set");
     mpt_callback_destroy(&cb);
     mpt_model_destroy(m);
+}
+
+/* Whether the test's directory holds a name containing part. */
+static int tmpdir_has(const char *part) {
+    DIR *d = opendir(tmpdir);
+    struct dirent *e;
+    int found = 0;
+    while (d && (e = readdir(d)) != NULL) found |= strstr(e->d_name, part) != NULL;
+    if (d) closedir(d);
+    return found;
+}
+
+/* A filepath whose directory is missing, or takes no new files (/proc,
+   which access() calls writable for root), fails when the callback is
+   made, with MPT_ERR_IO naming it, not after the first epoch's training;
+   the check leaves no file behind. A directory named by a field can only
+   be checked when the epoch ends. */
+static void test_checkpoint_path_checked_when_made(void) {
+    mpt_callback cb;
+    char paths[3][256], path[256];
+    int k;
+    reset_capture();
+    tmp_path(paths[0], sizeof paths[0], "no-such-dir/x-{epoch}.safetensors");
+    snprintf(paths[1], sizeof paths[1], "/proc/mpt-ckpt-{epoch}.safetensors");
+    snprintf(paths[2], sizeof paths[2], "/proc/no-such-dir/w.safetensors");
+    for (k = 0; k < 3; k++) {
+        snprintf(path, sizeof path, "%s", paths[k]);
+        memset(&cb, 0x5a, sizeof cb);
+        CHECK(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){.filepath = path},
+                                            &cb) == MPT_ERR_IO, "%s accepted", path);
+        CHECK(strstr(mpt_context_error(ctx), path) && strstr(mpt_context_error(ctx),
+                                                               "ModelCheckpoint"),
+              "error: %s", mpt_context_error(ctx));
+        CHECK(cb.user_data == NULL && cb.on_epoch_end == NULL, "*out not zeroed");
+        mpt_callback_destroy(&cb);
+    }
+    tmp_path(path, sizeof path, "ok-{epoch:02d}.safetensors");
+    CHECK(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){.filepath = path},
+                                        &cb) == MPT_OK, "create: %s", mpt_context_error(ctx));
+    CHECK(!tmpdir_has(".tmp-") && !tmpdir_has("ok-"), "the check left a file");
+    mpt_callback_destroy(&cb);
+    tmp_path(path, sizeof path, "run-{epoch}/w.safetensors");
+    CHECK(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){.filepath = path},
+                                        &cb) == MPT_OK, "a field in the directory: %s",
+          mpt_context_error(ctx));
+    mpt_callback_destroy(&cb);
 }
 
 /* ---- CSVLogger ------------------------------------------------------------------- */
@@ -1089,6 +1139,7 @@ int main(void) {
     TEST_RUN(test_checkpoint_best_only);
     TEST_RUN(test_checkpoint_single_file_max_mode);
     TEST_RUN(test_checkpoint_errors_at_epoch_end);
+    TEST_RUN(test_checkpoint_path_checked_when_made);
     TEST_RUN(test_csv_logger);
     TEST_RUN(test_csv_logger_append_new_and_empty);
     TEST_RUN(test_csv_logger_separator_and_quoting);

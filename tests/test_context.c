@@ -47,6 +47,42 @@ static void test_no_allocation_in_a_step(void) {
     CHECK(c.allocs == c.frees, "%ld allocations, %ld frees", c.allocs, c.frees);
 }
 
+/* A context destroyed before its models (built and compiled, one trained
+   a step) stays, with a warning, until the last of them is destroyed, and
+   is freed then: no use after free, every allocation freed at the end. */
+static void test_context_destroyed_before_its_models(void) {
+    counting_alloc c = {0, 0, -1};
+    mpt_context *ctx = counting_ctx(&c);
+    mpt_model *m[2] = {NULL, NULL};
+    float x[4 * 3] = {0.5f, -1, 2, 0, 1, 1, -0.25f, 3, 0, 1, 2, -2};
+    int32_t y[4] = {0, 1, 1, 0};
+    int64_t xs[2] = {4, 3}, ys[1] = {4};
+    mpt_tensor tx, ty;
+    mpt_dataset *data = NULL;
+    int k;
+    CHECK(ctx != NULL, "context");
+    if (!ctx) return;
+    for (k = 0; k < 2; k++) {
+        m[k] = small_classifier(ctx, &(classifier_desc){.features = 3, .hidden = 5,
+                                                        .classes = 2, .seed = 7});
+        CHECK(m[k] && mpt_model_build(m[k], 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    }
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, xs, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    CHECK(m[0] && data && mpt_model_fit(m[0], data, &(mpt_fit_desc){.epochs = 1,
+                                                                    .batch_size = 2}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(ctx);
+    CHECK(c.frees < c.allocs, "the context went while its models remain");
+    mpt_model_destroy(m[1]);
+    CHECK(c.frees < c.allocs, "the context went while a model remains");
+    mpt_model_destroy(m[0]); /* the last: frees the context too */
+    CHECK(c.allocs == c.frees, "%ld allocations, %ld frees", c.allocs, c.frees);
+}
+
 /* Every allocation failing in turn gives an out-of-memory status and no
    leak (the sanitizer's leak check covers the frees). */
 static void test_out_of_memory_everywhere(void) {
@@ -238,6 +274,7 @@ int main(void) {
     test_seed(5);
     TEST_RUN(test_no_allocation_in_a_step);
     TEST_RUN(test_out_of_memory_everywhere);
+    TEST_RUN(test_context_destroyed_before_its_models);
     TEST_RUN(test_parallel_for);
     TEST_RUN(test_parallel_for_back_to_back);
     TEST_RUN(test_threads_from_environment);

@@ -2,8 +2,9 @@
    plain open() would wait on for a writer, forever), a character device and
    a directory. Each loader (safetensors weights and checkpoints, IDX
    images and labels, plain or gzip-compressed) must refuse each quickly,
-   with MPT_ERR_IO and a message naming the file and what it is. Every load
-   runs under an alarm, so a regression fails here instead of hanging. */
+   with MPT_ERR_IO and a message naming the file and what it is; so must
+   the CSVLogger, which writes one. Every call runs under an alarm, so a
+   regression fails here instead of hanging. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, mkfifo */
 #include <signal.h>
 #include <sys/stat.h>
@@ -19,7 +20,8 @@ static mpt_context *ctx;
 static char dir[64]; /* a fresh directory for this run's files */
 
 static void on_alarm(int sig) {
-    static const char msg[] = "FAIL a loader blocked on a file that is not a regular one\n";
+    static const char msg[] =
+        "FAIL a loader or writer blocked on a file that is not a regular one\n";
     (void)sig;
     /* Only async-signal-safe calls here. */
     if (write(STDOUT_FILENO, msg, sizeof msg - 1) < 0) _exit(2);
@@ -155,6 +157,40 @@ static void test_device_and_directory(void) {
     remove(images);
 }
 
+/* The CSVLogger opens its file when fit begins: a FIFO there (appending or
+   not) is refused with MPT_ERR_IO, not waited on for a reader, and is left
+   a FIFO; so is a character device. */
+static void test_csv_logger_refuses(void) {
+    static const char *const kinds[2] = {"a FIFO", "a character device"};
+    char fifo[128];
+    mpt_model *m = make_tiny();
+    int k, append;
+    struct stat st;
+    snprintf(fifo, sizeof fifo, "%s/log.csv", dir);
+    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
+    CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
+    for (k = 0; m && k < 2; k++) {
+        const char *path = k == 0 ? fifo : "/dev/null";
+        for (append = 0; append < 2; append++) {
+            mpt_callback cb;
+            mpt_status s;
+            CHECK(mpt_callback_csv_logger(ctx, &(mpt_csv_logger_desc){.filename = path,
+                                                                       .append = append},
+                                          &cb) == MPT_OK, "create: %s", mpt_context_error(ctx));
+            alarm(GUARD_SECONDS);
+            s = cb.on_train_begin(cb.user_data, m);
+            alarm(0);
+            expect_refusal(s, path, kinds[k], append ? "CSVLogger (append)" : "CSVLogger");
+            CHECK(strstr(mpt_context_error(ctx), "CSVLogger") != NULL, "message names the "
+                  "callback: %s", mpt_context_error(ctx));
+            mpt_callback_destroy(&cb);
+        }
+    }
+    CHECK(stat(fifo, &st) == 0 && S_ISFIFO(st.st_mode), "the FIFO is still one");
+    remove(fifo);
+    mpt_model_destroy(m);
+}
+
 /* The regular files beside them still load. */
 static void test_regular_files_load(void) {
     char labels[128], images[128];
@@ -184,6 +220,7 @@ int main(void) {
     TEST_RUN(test_fifo);
     TEST_RUN(test_fifo_gz);
     TEST_RUN(test_device_and_directory);
+    TEST_RUN(test_csv_logger_refuses);
     TEST_RUN(test_regular_files_load);
     rmdir(dir);
     mpt_context_destroy(ctx);

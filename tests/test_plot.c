@@ -291,6 +291,34 @@ static void test_bad_input(void) {
     CHECK(mpt_history_plot_svg(&empty, NULL, NULL) == MPT_ERR_INVALID_ARGUMENT, "no context");
 }
 
+/* The plot goes through the writer every file goes through: what a killed
+   writer left beside the target ("<path>.tmp-<pid>", unlocked) is swept,
+   with a context or without one. */
+static void test_killed_writes_swept(void) {
+    fake_history f;
+    mpt_plot_desc d = {0};
+    char path[512], left[600];
+    int k;
+    FILE *file;
+    make_history(&f, 4);
+    d.ctx = ctx;
+    path_in_tmp(path, sizeof path, "swept.svg");
+    for (k = 0; k < 2; k++) {
+        snprintf(left, sizeof left, "%s.tmp-1%s", path, k ? "-3" : "");
+        file = fopen(left, "w");
+        if (file) {
+            fputs("<?xml half", file);
+            fclose(file);
+        }
+        CHECK(mpt_history_plot_svg(&f.h, path, k ? NULL : &d) == MPT_OK, "plot: %s",
+              mpt_context_error(ctx));
+        CHECK(access(left, F_OK) != 0, "%s, left by a killed write, is still there", left);
+        CHECK(files_starting("swept.svg") == 1, "temporary files left");
+        remove(left);
+    }
+    remove(path);
+}
+
 /* ---- a real fit: its plot and fit's closing summary ---------------------------------------- */
 
 static char printed[1 << 15];
@@ -456,6 +484,7 @@ int main(void) {
     TEST_RUN(test_nan_breaks_the_curve);
     TEST_RUN(test_small_histories);
     TEST_RUN(test_bad_input);
+    TEST_RUN(test_killed_writes_swept);
     TEST_RUN(test_fit_summary_and_plot);
     if (!getenv("MPT_TEST_KEEP_PLOTS")) { /* set, the SVGs stay in tmpdir to look at */
         static const char *const made[] = {"reader.py", "history.svg", "nan.svg", "one.svg",

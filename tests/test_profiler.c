@@ -6,7 +6,7 @@
    HTTP routes, $MPT_TEST_PYTHON with tensorboard-plugin-profile 2.19.0),
    training bit for bit as without profiling, and bad input: ranges outside
    the run, a directory that cannot be written. */
-#define _POSIX_C_SOURCE 200809L /* popen, mkdtemp */
+#define _POSIX_C_SOURCE 200809L /* popen, mkdtemp, symlink */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
@@ -14,6 +14,7 @@
 
 #include <dirent.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 
 static mpt_context *ctx;
 static char tmpdir[256];
@@ -410,6 +411,96 @@ static void test_unwritable_directory(void) {
     mpt_context_destroy(q);
 }
 
+/* The trace's files go through the writer every file goes through: a
+   symlink planted at the old fixed temporary name "<path>.tmp" is never
+   written through (its target keeps its bytes), what a killed run left
+   ("<path>.tmp-<pid>", unlocked) is swept, and a write leaves only the
+   file, whole (the gzip'd copy reads back). */
+#define PROFILE_WRITE(path, text, gz) mpt__profile_write(ctx, path, text, strlen(text), gz)
+static void test_trace_files_crash_safe(void) {
+    const char *text = "{\"traceEvents\": []}";
+    char dir[300], path[400], planted[420], victim[400], stale[420], got[64];
+    int gz;
+    FILE *fp;
+    snprintf(dir, sizeof dir, "%s/crash", tmpdir);
+    CHECK(mkdir(dir, 0700) == 0, "mkdir %s", dir);
+    for (gz = 0; gz < 2; gz++) {
+        snprintf(path, sizeof path, "%s/host.trace.json%s", dir, gz ? ".gz" : "");
+        snprintf(planted, sizeof planted, "%s.tmp", path);
+        snprintf(stale, sizeof stale, "%s.tmp-1", path); /* pid 1 holds no lock on it */
+        snprintf(victim, sizeof victim, "%s/victim%d", dir, gz);
+        fp = fopen(victim, "w");
+        if (fp) {
+            fputs("keep", fp);
+            fclose(fp);
+        }
+        fp = fopen(stale, "w");
+        if (fp) {
+            fputs("half a trace", fp);
+            fclose(fp);
+        }
+        CHECK(symlink(victim, planted) == 0, "symlink %s", planted);
+        CHECK(PROFILE_WRITE(path, text, gz) == 0, "write %s", path);
+        fp = fopen(victim, "r");
+        CHECK(fp && fgets(got, sizeof got, fp) && strcmp(got, "keep") == 0,
+              "written through the link planted at %s", planted);
+        if (fp) fclose(fp);
+        CHECK(access(stale, F_OK) != 0, "%s, left by a killed run, is still there", stale);
+        if (gz) {
+            gzFile z = gzopen(path, "rb");
+            int n = z ? gzread(z, got, sizeof got - 1) : -1;
+            if (z) gzclose(z);
+            CHECK(n == (int)strlen(text) && memcmp(got, text, (size_t)n) == 0, "%s reads back",
+                  path);
+        } else {
+            fp = fopen(path, "r");
+            CHECK(fp && fgets(got, sizeof got, fp) && strcmp(got, text) == 0, "%s reads back",
+                  path);
+            if (fp) fclose(fp);
+        }
+        remove(planted);
+        remove(stale);
+        remove(path);
+        remove(victim);
+    }
+    rmdir(dir);
+}
+
+/* Each run writes a new directory, so what a killed run left in its own
+   is swept by the next profiled fit into the same profile_dir. */
+static void test_killed_runs_swept(void) {
+    char dir[300], old_run[400], left[3][500];
+    static const char *const names[3] = {".trace.json.tmp-1", ".layers.txt.tmp-1-2",
+                                         ".trace.json.gz.tmp-1"};
+    const char *host = "localhost";
+    struct utsname u;
+    mpt_dataset *data = blobs_in(ctx);
+    mpt_model *m = make_model(ctx);
+    mpt_fit_desc f = fit_desc(1);
+    int k;
+    FILE *fp;
+    if (uname(&u) == 0 && u.nodename[0]) host = u.nodename;
+    snprintf(dir, sizeof dir, "%s/swept", tmpdir);
+    snprintf(old_run, sizeof old_run, "%s/plugins/profile/2000_01_01_00_00_00", dir);
+    CHECK(mpt__tb_mkdirs(old_run) == 0, "mkdir %s", old_run);
+    for (k = 0; k < 3; k++) {
+        snprintf(left[k], sizeof left[k], "%s/%s%s", old_run, host, names[k]);
+        fp = fopen(left[k], "w");
+        if (fp) {
+            fputs("half a file", fp);
+            fclose(fp);
+        }
+    }
+    f.profile_batch[0] = 2;
+    f.profile_batch[1] = 3;
+    f.profile_dir = dir;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    for (k = 0; k < 3; k++)
+        CHECK(access(left[k], F_OK) != 0, "%s, left by a killed run, is still there", left[k]);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+}
+
 /* A callback that stops training after batch `at` (0-based, in an epoch). */
 static mpt_status stop_at(void *user, mpt_model *m, int64_t batch, const mpt_logs *logs,
                           int *stop) {
@@ -476,6 +567,8 @@ int main(void) {
     TEST_RUN(test_conv_mixed_precision);
     TEST_RUN(test_bad_ranges);
     TEST_RUN(test_unwritable_directory);
+    TEST_RUN(test_trace_files_crash_safe);
+    TEST_RUN(test_killed_runs_swept);
     TEST_RUN(test_run_ends_early);
     {
         char cmd[300];

@@ -506,6 +506,13 @@ static void test_bad_descriptors(void) {
     CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = under_file}, &cb) ==
               MPT_ERR_IO && strstr(mpt_context_error(ctx), under_file) && cb.user_data == NULL,
           "log_dir under a file: %s", mpt_context_error(ctx));
+    /* a directory that cannot be written, though access() says root may:
+       /proc takes no new files; refused when the callback is made */
+    CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = "/proc/mpt-logs/a"},
+                                   &cb) == MPT_ERR_IO &&
+              strstr(mpt_context_error(ctx), "/proc/mpt-logs/a") && cb.user_data == NULL,
+          "log_dir under /proc: %s", mpt_context_error(ctx));
+    mpt_callback_destroy(&cb);
     CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = tmpdir}, NULL) ==
               MPT_ERR_INVALID_ARGUMENT, "NULL out");
     remove(file);

@@ -7,6 +7,7 @@
 #ifndef MPT_FUZZ_H
 #define MPT_FUZZ_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,7 +48,8 @@ static char fuzz__dir[256];
 
 static inline void fuzz__remove_dir(void) {
     static const char *const names[] = {"images", "labels", "input.safetensors",
-                                        "pristine.safetensors", "state.safetensors"};
+                                        "pristine.safetensors", "state.safetensors",
+                                        "trained.safetensors"};
     char path[512];
     size_t i;
     for (i = 0; i < sizeof names / sizeof *names; i++) {
@@ -261,6 +263,42 @@ static inline void fuzz_state_take(mpt_context *ctx, mpt_model *m, fuzz_state *s
     if (mpt_model_save_checkpoint(m, fuzz_path(path, "state.safetensors")) != MPT_OK)
         fuzz_die(mpt_context_error(ctx));
     s->checkpoint = fuzz_read(path, &s->checkpoint_size);
+}
+
+/* NULL when every master value and the loss scale are finite (and the
+   scale positive), else which is not. */
+static inline const char *fuzz_state_nonfinite(const fuzz_state *s) {
+    int64_t i;
+    for (i = 0; i < s->n_values; i++)
+        if (!isfinite(s->values[i])) return "a parameter's master value";
+    if (!isfinite(s->loss_scale) || !(s->loss_scale > 0)) return "the loss scale";
+    if (!isfinite(s->learning_rate)) return "the learning rate";
+    return NULL;
+}
+
+/* ---- the short epoch a loaded model trains ----------------------------------------
+
+   4 samples of the harness models' input (4, 4, 2), labels 0..3, in
+   batches of 2, shuffled by the model's seed: tiny, so that a harness
+   still runs many inputs a second. */
+
+static inline mpt_dataset *fuzz_train_data(mpt_context *ctx) {
+    enum { N = 4 };
+    static float x[N * 4 * 4 * 2]; /* (N, 4, 4, 2) */
+    static int32_t y[N] = {0, 1, 2, 3};
+    int64_t x_shape[4] = {N, 4, 4, 2}, y_shape[1] = {N};
+    uint64_t rng = 12345;
+    mpt_tensor xt, yt;
+    mpt_dataset *data = NULL;
+    mpt_dataset_desc dd;
+    fuzz__fill(x, N * 4 * 4 * 2, &rng);
+    memset(&dd, 0, sizeof dd);
+    dd.x = &xt, dd.y = &yt;
+    if (mpt_tensor_wrap(ctx, &xt, MPT_FLOAT32, 4, x_shape, x) != MPT_OK ||
+        mpt_tensor_wrap(ctx, &yt, MPT_INT32, 1, y_shape, y) != MPT_OK ||
+        mpt_dataset_create(ctx, &dd, &data) != MPT_OK)
+        fuzz_die(mpt_context_error(ctx));
+    return data;
 }
 
 static inline void fuzz_state_free(fuzz_state *s) {

@@ -1184,7 +1184,10 @@ typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
                               float16 or bfloat16                         */
     const mpt_tensor *y;   /* required: (n,) int32 class ids, or one per
-                              position, (n, H, W) for an (H, W, C) output;
+                              position, (n, H, W) for an (H, W, C) output
+                              (for an output whose last axis is 1 under
+                              another loss than sparse crossentropy, int32
+                              targets such as 0/1, converted to float);
                               or (n, ...) float32 targets; (n,) targets
                               fit an output of one unit, as (n, 1) do
                               (Keras)                                      */
@@ -3941,6 +3944,8 @@ static float mpt__load_f32(mpt_dtype dtype, const void *data, int64_t i) {
     switch (dtype) {
     case MPT_FLOAT16: return mpt_half_to_float(((const mpt_half *)data)[i]);
     case MPT_BFLOAT16: return mpt_bf16_to_float(((const mpt_bf16 *)data)[i]);
+    /* int32 targets of a non-sparse loss: the value, never the bits */
+    case MPT_INT32: return (float)((const int32_t *)data)[i];
     default: return ((const float *)data)[i];
     }
 }
@@ -15826,21 +15831,30 @@ static int mpt__labels_fit(int rank, const int64_t *shape, int out_rank, const i
 
 /* Checks that data fits the model: sample shape, target kind and labels. */
 static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
-    int64_t shape[MPT_MAX_RANK], out_count = 1;
-    int rank, i;
+    int64_t shape[MPT_MAX_RANK];
+    int rank;
     int32_t lo, hi;
     const mpt__layer *last = &m->layers[m->n_layers - 1];
     char a[96], b[96], c[96];
     MPT__CHECK(mpt__check_samples(m, d, what));
-    for (i = 0; i < last->out_rank; i++) out_count *= last->out_shape[i];
     rank = mpt__dataset_label_shape(d, shape);
     if (mpt__dataset_label_dtype(d) == MPT_INT32) {
         int64_t classes = last->out_shape[last->out_rank - 1];
+        int sparse = m->compile.loss.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
         mpt__dataset_label_range(d, &lo, &hi);
-        if (m->compile.loss.type != MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY && out_count > 1)
+        /* Under another loss, integers are targets that the loss converts
+           to float (mpt__load_f32), as Keras casts them: one per position
+           of a last axis of 1 (a binary classifier's 0/1). Beyond 2^24 a
+           float32 no longer holds every integer. */
+        if (!sparse && classes > 1)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: integer class labels need the sparse categorical "
                              "crossentropy loss (or one-hot float targets)", what);
+        if (!sparse && hi > (1 << 24))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "%s: integer target %d is not exact in float32 (%s takes "
+                             "integers up to 2^24 = %d)", what, (int)hi,
+                             mpt__loss_name(m->compile.loss.type), 1 << 24);
         if (!mpt__labels_fit(rank, shape, last->out_rank, last->out_shape))
             return mpt__fail(m->ctx, MPT_ERR_SHAPE,
                              "%s: class ids of shape %s for a model output of shape %s: one "
@@ -15848,7 +15862,7 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
                              mpt_shape_format(a, sizeof a, rank, shape),
                              mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape),
                              mpt_shape_format(c, sizeof c, last->out_rank - 1, last->out_shape));
-        if (out_count > 1 && (lo < 0 || hi >= classes))
+        if (sparse && (lo < 0 || hi >= classes))
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: labels range over %d..%d but the model has %lld classes "
                              "(0..%lld)", what, (int)lo, (int)hi, (long long)classes,

@@ -621,15 +621,15 @@ static void test_validation_split_as_keras(void) {
 
 /* ---- float targets (n,) for an output of one unit ---------------------------------- */
 
-/* Trains Dense(8, relu) -> Dense(1, act) on y of shape ty_rank == 1 ? (n,)
-   : (n, 1) for two epochs and returns the model. */
-static mpt_model *fit_one_unit(const float *x, const float *y, int ty_rank, mpt_loss_type loss,
-                               mpt_activation act, mpt_policy policy) {
+/* Trains Dense(8, relu) -> Dense(1, act) on y (float32 or int32) of shape
+   ty_rank == 1 ? (n,) : (n, 1) for two epochs and returns the model. */
+static mpt_model *fit_one_unit(const float *x, mpt_dtype y_dtype, const void *y, int ty_rank,
+                               mpt_loss_type loss, mpt_activation act, mpt_policy policy) {
     mpt_tensor tx, ty;
     mpt_dataset *d = NULL;
     mpt_model *m = NULL;
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, (void *)x);
-    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, ty_rank, (int64_t[]){N_SYN, 1}, (void *)y);
+    mpt_tensor_wrap(ctx, &ty, y_dtype, ty_rank, (int64_t[]){N_SYN, 1}, (void *)y);
     CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
           "dataset with y of rank %d: %s", ty_rank, mpt_context_error(ctx));
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
@@ -753,8 +753,8 @@ static void test_targets_of_shape_n(void) {
         mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
         mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
         mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
-        mpt_model *a = fit_one_unit(x, y, 2, loss, act, policy);
-        mpt_model *b = fit_one_unit(x, y, 1, loss, act, policy);
+        mpt_model *a = fit_one_unit(x, MPT_FLOAT32, y, 2, loss, act, policy);
+        mpt_model *b = fit_one_unit(x, MPT_FLOAT32, y, 1, loss, act, policy);
         CHECK(same_state(a, b), "%s: (n,) targets train otherwise than (n, 1)",
               mpt__loss_name(loss));
         CHECK(history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
@@ -783,6 +783,76 @@ static void test_targets_of_shape_n(void) {
         mpt_context_destroy(ctx);
         ctx = saved;
     }
+}
+
+/* int32 0/1 labels (what mpt_dataset_create documents for labels and the
+   IDX loader returns) for one output unit under binary crossentropy or
+   mean squared error are targets converted to float, as Keras casts them:
+   training and validation give what float32 labels give, bit for bit.
+   Sparse crossentropy over one class takes only label 0 (Keras raises for
+   1), and an integer past 2^24 (not exact in float32) is refused. */
+static void test_int32_targets_of_one_unit(void) {
+    static float x[N_SYN * FEATURES], yf[N_SYN];
+    static int32_t ids[N_SYN], yi[N_SYN];
+    mpt_context *saved = ctx;
+    int k, i;
+    make_blobs(x, ids, N_SYN, 14 + (uint64_t)test_randint(0, 1000));
+    for (i = 0; i < N_SYN; i++) {
+        yi[i] = ids[i] == 1;
+        yf[i] = (float)yi[i];
+    }
+    for (k = 0; k < 3; k++) {
+        mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
+        mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+        mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
+        mpt_model *a = fit_one_unit(x, MPT_FLOAT32, yf, 1, loss, act, policy);
+        mpt_model *b = fit_one_unit(x, MPT_INT32, yi, 1, loss, act, policy);
+        CHECK(same_state(a, b), "%s: int32 0/1 labels train otherwise than float32 ones",
+              mpt__loss_name(loss));
+        CHECK(history_value(a, "loss", 1) == history_value(b, "loss", 1) &&
+                  history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
+                  history_value(a, "val_accuracy", 1) == history_value(b, "val_accuracy", 1),
+              "%s: int32 labels: loss %.9g, val_loss %.9g, val_accuracy %g; float32: %.9g, "
+              "%.9g, %g", mpt__loss_name(loss), history_value(b, "loss", 1),
+              history_value(b, "val_loss", 1), history_value(b, "val_accuracy", 1),
+              history_value(a, "loss", 1), history_value(a, "val_loss", 1),
+              history_value(a, "val_accuracy", 1));
+        mpt_model_destroy(a);
+        mpt_model_destroy(b);
+    }
+    ctx = quiet_ctx();
+    for (k = 0; k < 2; k++) {
+        mpt_tensor tx, ty;
+        mpt_dataset *d = NULL;
+        mpt_model *m = NULL;
+        int32_t keep = yi[7];
+        mpt_status s;
+        if (k == 1) yi[7] = (1 << 24) + 1 + test_randint(0, 100);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, yi);
+        mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d);
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                                .seed = 3}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = k ? MPT_ACT_SIGMOID
+                                                                            : MPT_ACT_SOFTMAX});
+        mpt_model_compile(m, &(mpt_compile_desc){
+                                 .loss = {.type = k ? MPT_LOSS_BINARY_CROSSENTROPY
+                                                    : MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+        s = mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 16});
+        CHECK(s == MPT_ERR_INVALID_ARGUMENT,
+              k ? "an int32 target past 2^24 accepted (%s)"
+                : "sparse crossentropy over one class took label 1 (%s)",
+              mpt_status_string(s));
+        CHECK(strstr(mpt_context_error(ctx), k ? "2^24" : "1 classes") != NULL, "message: %s",
+              mpt_context_error(ctx));
+        s = mpt_model_evaluate(m, d, NULL, &(mpt_logs){0});
+        CHECK(s == MPT_ERR_INVALID_ARGUMENT, "evaluate: %s", mpt_status_string(s));
+        yi[7] = keep;
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+    }
+    mpt_context_destroy(ctx);
+    ctx = saved;
 }
 
 /* ---- a short real run on Fashion-MNIST ------------------------------------------------ */
@@ -836,6 +906,7 @@ int main(void) {
     TEST_RUN(test_batch_size_zero_means_32);
     TEST_RUN(test_validation_split_as_keras);
     TEST_RUN(test_targets_of_shape_n);
+    TEST_RUN(test_int32_targets_of_one_unit);
     TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);

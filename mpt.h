@@ -1373,7 +1373,9 @@ MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
    a non-finite weight or moment, a negative second moment. The model is
    unchanged when anything fails, a read error included (only a device
    failing as it takes the checked values can leave it partly loaded, and
-   the error says so).
+   the error says so). Saving checks the same before writing anything, and
+   refuses a model the loader would refuse (MPT_ERR_NUMERIC for a
+   non-finite value, MPT_ERR_STATE for a counter past its bound).
 
    A quantization-aware model (mpt_model_quantize_aware) also saves, in both
    files (tfmot keeps its quantizers' min and max among the weights), each
@@ -16351,22 +16353,24 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     return mpt__prepare(m, d->batch_size, 1, "fit");
 }
 
-/* The first trainable weight holding inf or NaN: its index in m->params
-   and element, read back one tensor at a time (only once something is
-   known to be wrong). *param is -1 when every one is finite. */
-static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int *param, int64_t *element,
-                                              float *value) {
+/* The first trainable weight (slot -1) or optimizer slot (0, 1) holding
+   inf or NaN: its index in m->params and element, read back one tensor at
+   a time (only once something is known to be wrong). *param is -1 when
+   every one is finite. */
+static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int slot, int *param,
+                                              int64_t *element, float *value) {
     int i;
     *param = -1;
     for (i = 0; i < m->n_params && *param < 0; i++) {
         const mpt__param *P = &m->params[i];
+        const float *src = slot < 0 ? P->value : P->slot[slot];
         float *host;
         int64_t e;
         mpt_status s;
         if (!P->trainable || P->count <= 0) continue;
         host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)P->count);
         if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
-        s = mpt__download(m, host, P->value, sizeof(float) * (size_t)P->count);
+        s = mpt__download(m, host, src, sizeof(float) * (size_t)P->count);
         for (e = 0; s == MPT_OK && e < P->count && *param < 0; e++)
             if (!isfinite(host[e])) *param = i, *element = e, *value = host[e];
         mpt__free(m->ctx, host);
@@ -16376,41 +16380,52 @@ static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int *param, int64_t 
 }
 
 /* After each epoch of fit: training stops with MPT_ERR_NUMERIC once a
-   trainable weight or the epoch's loss is inf or NaN, since no later step
-   can recover (every step after it is skipped, or it goes on from a broken
-   model) and callbacks would save it. A step skipped for overflowing
-   gradients (dynamic loss scaling) changes no weight and its loss is
-   finite, so it never stops training. The weights are checked by the
-   backend's grad_stats pass run over the masters instead of the
-   gradients, into evaluation's record of the scalars (unused between
-   evaluations). */
+   trainable weight, the optimizer's state or the epoch's loss is inf or
+   NaN, since no later step can recover (every step after it is skipped, a
+   parameter whose Adam v is inf stops moving, or it goes on from a broken
+   model) and callbacks would save it (a file load_checkpoint refuses).
+   A step skipped for overflowing gradients (dynamic loss scaling) changes
+   no weight and its loss is finite, so it never stops training. The
+   weights, then each slot, are checked by the backend's grad_stats pass
+   run over them instead of the gradients, into evaluation's record of the
+   scalars (unused between evaluations). */
 static void mpt__cb_repr(char *buf, size_t size, double v, int single);
+static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k);
 
 static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
                                         const mpt_logs *logs) {
     const double loss = mpt_logs_get(logs, "loss");
     mpt_update_args u = m->update;
     mpt_step_state st;
-    int param = -1;
+    int param = -1, slot;
     int64_t element = 0;
     float value = 0;
     char loss_text[40], value_text[40];
-    u.grad = (const float *const *)u.value;
     u.state = &m->state[1];
-    m->be->grad_stats(m->impl, &u);
-    MPT__CHECK(mpt__download(m, &st, u.state, sizeof st));
+    for (slot = -1; slot < m->n_slots; slot++) { /* -1: the weights */
+        float *const *what = slot < 0 ? u.value : slot == 0 ? u.slot0 : u.slot1;
+        u.grad = (const float *const *)what;
+        m->be->grad_stats(m->impl, &u);
+        MPT__CHECK(mpt__download(m, &st, u.state, sizeof st));
+        if (!st.finite) break;
+    }
     if (st.finite && isfinite(loss)) return MPT_OK;
-    if (!st.finite) MPT__CHECK(mpt__first_nonfinite_weight(m, &param, &element, &value));
+    if (!st.finite) MPT__CHECK(mpt__first_nonfinite_weight(m, slot, &param, &element, &value));
     mpt__cb_repr(loss_text, sizeof loss_text, loss, 0);
     mpt__cb_repr(value_text, sizeof value_text, value, 1);
     if (param >= 0) {
         const mpt__param *P = &m->params[param];
         const char *slash = strrchr(P->name, '/');
+        char state[48] = "";
+        if (slot >= 0)
+            snprintf(state, sizeof state, "'s optimizer slot \"%s\"",
+                     mpt__ckpt_slot_name(m->compile.optimizer.type, slot));
         return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
-                         "fit: epoch %d/%d: the weights became non-finite: layer %s, tensor "
-                         "%s, element %lld is %s (loss %s); training stopped — lower the "
+                         "fit: epoch %d/%d: the %s became non-finite: layer %s, tensor "
+                         "%s%s, element %lld is %s (loss %s); training stopped — lower the "
                          "learning rate, clip the gradients, or check the data",
-                         epoch + 1, epochs, m->layers[P->layer].name, slash ? slash + 1 : P->name,
+                         epoch + 1, epochs, slot < 0 ? "weights" : "optimizer state",
+                         m->layers[P->layer].name, slash ? slash + 1 : P->name, state,
                          (long long)element, value_text, loss_text);
     }
     return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
@@ -21100,6 +21115,30 @@ static mpt_status mpt__ckpt_check_model(mpt_model *m, const char *path, int full
     return MPT_OK;
 }
 
+static mpt_status mpt__ckpt_check_counters(mpt_model *m, const char *path,
+                                           const mpt__ckpt_train *t);
+static mpt_status mpt__ckpt_check_qat(mpt_model *m, const char *path, const mpt__ckpt_plan *pl);
+static mpt_status mpt__ckpt_check_values(mpt_model *m, const char *path,
+                                         const mpt__ckpt_entry *e);
+
+/* A file the loader would refuse is never written: the plan passes the
+   loader's own checks of the training counters, the ranges and every
+   value (mpt__ckpt_load_checked) before the file is opened. */
+static mpt_status mpt__ckpt_check_saving(mpt_model *m, const char *path,
+                                         const mpt__ckpt_plan *pl, int full, const char *what) {
+    char why[sizeof m->ctx->error];
+    mpt_status s = full ? mpt__ckpt_check_counters(m, path, &pl->train) : MPT_OK;
+    int i;
+    if (s == MPT_OK && pl->n_qat > 0) s = mpt__ckpt_check_qat(m, path, pl);
+    for (i = 0; s == MPT_OK && i < pl->n; i++)
+        if (!pl->e[i].qat) s = mpt__ckpt_check_values(m, path, &pl->e[i]);
+    if (s == MPT_OK) return MPT_OK;
+    snprintf(why, sizeof why, "%s", mpt_context_error(m->ctx));
+    /* a file's MPT_ERR_FORMAT is, before there is a file, the model's state */
+    return mpt__fail(m->ctx, s == MPT_ERR_FORMAT ? MPT_ERR_STATE : s,
+                     "%s: not written, since loading would refuse it: %s", what, why);
+}
+
 static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const char *what) {
     mpt__ckpt_plan pl;
     mpt__ckpt_text header;
@@ -21121,6 +21160,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.learning_rate = m->learning_rate;
     pl.train.loss_scale = m->loss_scale;
     s = mpt__ckpt_plan_init(m, full, 0, &pl);
+    if (s == MPT_OK) s = mpt__ckpt_check_saving(m, path, &pl, full, what);
     if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
     if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path);
     if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
@@ -21303,7 +21343,10 @@ static mpt_status mpt__ckpt_check_loss_scale(mpt_model *m, const char *path, flo
     return MPT_OK;
 }
 
-static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mpt__ckpt_train *t) {
+/* The counters and the learning rate; the loss scale apart, which a saving
+   model's mode keeps as the loader wants it. */
+static mpt_status mpt__ckpt_check_counters(mpt_model *m, const char *path,
+                                           const mpt__ckpt_train *t) {
     MPT__CHECK(mpt__ckpt_check_counter(m, path, "optimizer_steps", t->optimizer_steps,
                                        MPT__CKPT_MAX_STEPS));
     MPT__CHECK(mpt__ckpt_check_counter(m, path, "step", t->step, MPT__CKPT_MAX_STEPS));
@@ -21315,6 +21358,11 @@ static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mp
     if (!(t->learning_rate >= 0 && t->learning_rate <= FLT_MAX))
         return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/learning_rate is %g; it "
                          "must be finite and >= 0", path, (double)t->learning_rate);
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mpt__ckpt_train *t) {
+    MPT__CHECK(mpt__ckpt_check_counters(m, path, t));
     return mpt__ckpt_check_loss_scale(m, path, t->loss_scale);
 }
 

@@ -1087,9 +1087,12 @@ enum {
 /* Trains on `train` (builds the model for batch_size first if it is not
    built). Shuffling follows the model's seed and the epoch, so a run is
    reproducible. The history of every epoch is kept (mpt_model_history).
-   After an epoch whose loss or trainable weights hold inf or NaN, fit
-   stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
-   names the epoch and the first such weight's layer, tensor and element.
+   After an epoch whose loss, trainable weights or optimizer state hold
+   inf or NaN, fit stops with MPT_ERR_NUMERIC before that epoch's
+   callbacks; the message names the epoch and the first such value's
+   layer, tensor (and slot) and element, or for a quantization-aware
+   model the layer whose output overflowed float32 in training (its
+   range is then not kept: the ranges stay finite).
    With verbose >= 1, fit ends with a summary of the run: time, samples/s,
    the mean step's parts, the loss scale's changes and the skipped steps.
    Profiling (profile_batch): each profiled step's layers are timed one by
@@ -16391,15 +16394,16 @@ static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int slot, int *param
    scalars (unused between evaluations). */
 static void mpt__cb_repr(char *buf, size_t size, double v, int single);
 static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k);
+static int mpt__qat_overflow(mpt_model *m, int *layer, float *min, float *max);
 
 static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
                                         const mpt_logs *logs) {
     const double loss = mpt_logs_get(logs, "loss");
     mpt_update_args u = m->update;
     mpt_step_state st;
-    int param = -1, slot;
+    int param = -1, slot, overflowed, layer = 0;
     int64_t element = 0;
-    float value = 0;
+    float value = 0, lo = 0, hi = 0;
     char loss_text[40], value_text[40];
     u.state = &m->state[1];
     for (slot = -1; slot < m->n_slots; slot++) { /* -1: the weights */
@@ -16409,7 +16413,21 @@ static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
         MPT__CHECK(mpt__download(m, &st, u.state, sizeof st));
         if (!st.finite) break;
     }
+    overflowed = mpt__qat_overflow(m, &layer, &lo, &hi);
     if (st.finite && isfinite(loss)) return MPT_OK;
+    if (st.finite && overflowed) {
+        char lo_text[40], hi_text[40];
+        mpt__cb_repr(loss_text, sizeof loss_text, loss, 0);
+        mpt__cb_repr(lo_text, sizeof lo_text, lo, 1);
+        mpt__cb_repr(hi_text, sizeof hi_text, hi, 1);
+        return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
+                         "fit: epoch %d/%d: the %s%s%s overflowed float32: its quantization "
+                         "range became [%s, %s] (loss %s); training stopped — lower the "
+                         "learning rate, or check the weights and the data", epoch + 1, epochs,
+                         layer < 0 ? "model's input" : "output of layer '",
+                         layer < 0 ? "" : m->layers[layer].name, layer < 0 ? "" : "'", lo_text,
+                         hi_text, loss_text);
+    }
     if (!st.finite) MPT__CHECK(mpt__first_nonfinite_weight(m, slot, &param, &element, &value));
     mpt__cb_repr(loss_text, sizeof loss_text, loss, 0);
     mpt__cb_repr(value_text, sizeof value_text, value, 1);
@@ -22568,15 +22586,18 @@ static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what) {
 
 /* TFLite's choice for an int8 tensor over [lo, hi]: the range widened to
    hold 0 (so that zero padding is exact), scale (hi − lo)/255 and the zero
-   point that puts lo at −128, rounded and clamped. */
+   point that puts lo at −128, rounded and clamped. An infinite end (only a
+   training batch that overflowed gets here with one: mpt__qat_point_run)
+   makes the scale inf and the zero point −inf/inf, NaN, which is clamped
+   to −128 before any conversion to int (of NaN, undefined). */
 static mpt_quant_params mpt__q_params(float lo, float hi) {
     mpt_quant_params p;
     double a = lo < 0 ? lo : 0, b = hi > 0 ? hi : 0, zp;
     p.min = lo;
     p.max = hi;
     p.scale = b > a ? (float)((b - a) / 255.0) : 1.0f;
-    zp = -128.0 - a / (double)p.scale;
-    p.zero_point = (int32_t)MPT__MAX(-128.0, MPT__MIN(127.0, floor(zp + 0.5)));
+    zp = floor(-128.0 - a / (double)p.scale + 0.5);
+    p.zero_point = zp > -128.0 ? (int32_t)MPT__MIN(127.0, zp) : -128;
     return p;
 }
 
@@ -24516,6 +24537,10 @@ struct mpt__qat {
                                   span's min and max (mpt__qat_point_run)    */
     int softmax_last;          /* the last layer ends in softmax: its logits
                                   are quantized, then softmax runs here       */
+    int overflowed;            /* a training batch's range was not finite
+                                  since fit last looked (mpt__qat_overflow) */
+    int overflow_layer;        /* the first such: a layer, or −1 the input  */
+    float overflow_min, overflow_max; /* and its range                      */
 };
 
 #define MPT__QAT_CHUNK 1024
@@ -24691,7 +24716,16 @@ static void mpt__qat_point_run(mpt_model *m, mpt__qat_point *P, mpt_dtype dtype,
                 lo = decay * P->min + (1 - decay) * lo;
                 hi = decay * P->max + (1 - decay) * hi;
             }
-            P->next_min = lo, P->next_max = hi, P->measured = 1;
+            if (isfinite(lo) && isfinite(hi)) {
+                P->next_min = lo, P->next_max = hi, P->measured = 1;
+            } else if (!m->qat->overflowed) {
+                /* Values past float32: quantized with this range the
+                   tensor becomes NaN, so the step is skipped, and the range
+                   is not kept; fit names the layer (mpt__qat_overflow). */
+                m->qat->overflowed = 1;
+                m->qat->overflow_layer = P == &m->qat->input ? -1 : (int)(P - m->qat->point);
+                m->qat->overflow_min = lo, m->qat->overflow_max = hi;
+            }
         } else if (P->seen) {
             lo = P->min, hi = P->max;
         } else {
@@ -24811,6 +24845,18 @@ static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
     if (P->kind != MPT__QAT_LEARNED || !P->active) return;
     j = mpt__qat_job_of(m, L->dtype, pre, dy, n, &P->used, NULL);
     mpt__parallel_for(m->ctx, mpt__qat_spans(n), mpt__qat_mask_task, &j);
+}
+
+/* fit's question after each epoch: did a training batch's range overflow
+   since the last one? The first such layer (−1: the input) and its range;
+   the record is cleared. */
+static int mpt__qat_overflow(mpt_model *m, int *layer, float *min, float *max) {
+    int overflowed = m->qat && m->qat->overflowed;
+    if (!overflowed) return 0;
+    *layer = m->qat->overflow_layer;
+    *min = m->qat->overflow_min, *max = m->qat->overflow_max;
+    m->qat->overflowed = 0;
+    return 1;
 }
 
 static void mpt__qat_commit_point(mpt__qat_point *P) {

@@ -21327,7 +21327,9 @@ static mpt_status mpt__ckpt_check_metadata(mpt_model *m, const mpt__st_file *f) 
    - Step counters (optimizer_steps, step, good_steps, skipped_steps): 0 to
      2^62. No run gets there (at a billion steps a second: 146 years), and
      from there another 2^62 steps fit in an int64_t, so the "+ 1" of each
-     step that follows never overflows.
+     step that follows never overflows. A model trained past the bound
+     (from a file at it) is refused by the saver with the same check
+     (mpt__ckpt_check_saving), so no file outside it is ever written.
    - epoch: 0 to INT_MAX, fit's range (its epochs are ints).
    - learning_rate: finite and >= 0, as mpt_model_set_learning_rate.
    - loss_scale: what the model's loss-scale mode allows (below). */

@@ -1074,7 +1074,8 @@ typedef struct mpt_fit_desc {
        plan the model's memory again for it and go on from the sample it
        had reached, keeping the weights, the optimizer state and the
        epoch's tallies; each halving is logged as a warning and printed. */
-    int on_out_of_memory;               /* default MPT_OOM_FAIL              */
+    int on_out_of_memory;               /* default MPT_OOM_FAIL; another
+                                           value than the two is refused    */
     int64_t min_batch_size;             /* default 0: 1                       */
 } mpt_fit_desc;
 
@@ -1804,7 +1805,10 @@ typedef struct mpt_export_desc {
                                back into float32 in the graph (TFLite
                                DEQUANTIZE, as its converter's float16
                                quantization writes; ONNX Cast), so the
-                               file is half the size and computes in float32 */
+                               file is half the size and computes in float32.
+                               A quantized model's storage is its
+                               quantization's: leave it at the default (a
+                               float16 one also takes MPT_FLOAT16) */
 } mpt_export_desc;
 
 /* A built model (its float32 masters, with BatchNormalization's moving
@@ -16348,6 +16352,9 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     if (d->n_callbacks < 0 || (d->n_callbacks > 0 && !d->callbacks))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: %d callbacks but no array",
                          d->n_callbacks);
+    if (d->on_out_of_memory != MPT_OOM_FAIL && d->on_out_of_memory != MPT_OOM_HALVE_BATCH)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: on_out_of_memory %d is not "
+                         "MPT_OOM_FAIL (0) or MPT_OOM_HALVE_BATCH (1)", d->on_out_of_memory);
     if (m->strategy && d->batch_size % mpt__strategy_total(m->strategy) != 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "fit: batch_size %lld (the global batch) does not split evenly over "
@@ -25381,6 +25388,15 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     if (m->quantized) { /* written from its operations, not planned as steps */
         pl->weight_dtype =
             m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT_FLOAT16 : MPT_FLOAT32;
+        /* its quantization chose how the weights are stored: a request for
+           anything else would be silently ignored */
+        if (d.weight_dtype != MPT_DTYPE_DEFAULT &&
+            !(d.weight_dtype == MPT_FLOAT16 && pl->weight_dtype == MPT_FLOAT16))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s '%s': weight_dtype "
+                             "%s (%d) for a quantized model, whose quantization decides how its "
+                             "weights are stored: leave it at its default%s", format, path,
+                             mpt_dtype_name(d.weight_dtype), (int)d.weight_dtype,
+                             pl->weight_dtype == MPT_FLOAT16 ? " (or float16)" : "");
         return MPT_OK;
     }
     if (!m->built)

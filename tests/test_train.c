@@ -437,6 +437,14 @@ static void test_bad_input(void) {
               MPT_ERR_INVALID_ARGUMENT, "validation_split 1.5 accepted");
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32, .verbose = 3}) ==
               MPT_ERR_INVALID_ARGUMENT, "verbose 3 accepted");
+    {
+        mpt_dataset *good = blob_dataset(x, y, N_SYN); /* every label in range */
+        CHECK(mpt_model_fit(m, good, &(mpt_fit_desc){.batch_size = 32, .on_out_of_memory = 7}) ==
+                      MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "on_out_of_memory 7"),
+              "on_out_of_memory 7 accepted (%s)", mpt_context_error(ctx));
+        mpt_dataset_destroy(good);
+    }
     CHECK(mpt_model_fit(m, NULL, &(mpt_fit_desc){.batch_size = 32}) == MPT_ERR_INVALID_ARGUMENT,
           "NULL data accepted");
     CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = -1}, &logs) ==

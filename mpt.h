@@ -722,7 +722,9 @@ typedef struct mpt_strategy mpt_strategy;
 
 typedef struct mpt_model_desc {
     int64_t input_shape[MPT_MAX_RANK - 1]; /* required: one sample's shape,
-                                              e.g. {28, 28, 1} (HWC)         */
+                                              e.g. {28, 28, 1} (HWC); at
+                                              most 2^56 elements, at every
+                                              layer too (MPT_ERR_OVERFLOW) */
     int input_rank;                         /* required: 1..3                 */
     mpt_policy policy;                      /* default float32                */
     uint64_t seed;                          /* default 0; weights and dropout
@@ -6434,10 +6436,18 @@ static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->
 
 /* ---- building a model ----------------------------------------------------- */
 
+/* The most elements one sample may have at a model's input and at every
+   layer's output: 2^56, so that what the layers compute per sample (bytes
+   at up to 8 an element, a few buffers side by side, chunks rounded up)
+   never overflows an int64_t before mpt__batch_bytes checks the product
+   with the batch. No real sample comes near it (256 PiB in float32). */
+#define MPT__MAX_SAMPLE_ELEMENTS ((int64_t)1 << 56)
+
 MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
                                    mpt_model **out) {
     mpt_model *m;
     int i;
+    int64_t count;
     char s[96];
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL out");
@@ -6453,9 +6463,12 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
         if (desc->input_shape[i] <= 0)
             return mpt__fail(ctx, MPT_ERR_SHAPE, "model: input_shape %s has a dimension <= 0",
                              mpt_shape_format(s, sizeof s, desc->input_rank, desc->input_shape));
-    if (mpt__shape_count(desc->input_rank, desc->input_shape) < 0)
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "model: input_shape %s overflows",
-                         mpt_shape_format(s, sizeof s, desc->input_rank, desc->input_shape));
+    count = mpt__shape_count(desc->input_rank, desc->input_shape);
+    if (count < 0 || count > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "model: input_shape %s has more elements than "
+                         "the 2^56 a sample may have", mpt_shape_format(s, sizeof s,
+                                                                         desc->input_rank,
+                                                                         desc->input_shape));
     if (desc->policy < MPT_POLICY_FLOAT32 || desc->policy > MPT_POLICY_MIXED_BFLOAT16)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: unknown policy %d",
                          (int)desc->policy);
@@ -6735,10 +6748,10 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         L->pools_next = L->ran_next = L->ran_by_prev = 0;
         MPT__CHECK(L->ops->build(m, L));
         L->out_count = mpt__shape_count(L->out_rank, L->out_shape);
-        if (L->out_count < 0) {
+        if (L->out_count < 0 || L->out_count > MPT__MAX_SAMPLE_ELEMENTS) {
             char s[96];
-            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': output shape %s is too large",
-                             L->ops->class_name, L->name,
+            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': output shape %s is too large "
+                             "(a sample may have 2^56 elements)", L->ops->class_name, L->name,
                              mpt_shape_format(s, sizeof s, L->out_rank, L->out_shape));
         }
         /* The gradient buffers hold this layer's dy and dx in its dtype, and
@@ -6889,7 +6902,8 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     /* With a strategy, max_batch is the global batch: each replica is
        built for its share. */
     replicas = m->strategy ? mpt__strategy_total(m->strategy) : 1;
-    MPT__CHECK(mpt__build_one(m, (max_batch + replicas - 1) / replicas));
+    /* rounded up, without max_batch + replicas − 1 (past INT64_MAX) */
+    MPT__CHECK(mpt__build_one(m, max_batch / replicas + (max_batch % replicas != 0)));
     return m->strategy ? mpt__replicas_build(m) : MPT_OK;
 }
 
@@ -10771,6 +10785,12 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     L->out_shape[0] = c.g.oh;
     L->out_shape[1] = c.g.ow;
     L->out_shape[2] = c.f;
+    /* the bound mpt__build_layers applies after build, before the plan's
+       products of filters and positions below can overflow */
+    if (mpt__shape_count(3, L->out_shape) > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "Conv2D '%s': output shape %s is too large "
+                         "(a sample may have 2^56 elements)", L->name,
+                         mpt_shape_format(s, sizeof s, 3, L->out_shape));
     /* Keras' fans for a conv kernel: the receptive field times channels. */
     MPT__CHECK(mpt__layer_add_param(m, L, "kernel", 4, kshape,
                                     d->kernel_initializer ? d->kernel_initializer
@@ -16507,7 +16527,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     s = mpt__check_data(m, r.train, "fit");
     if (s == MPT_OK && r.val) s = mpt__check_data(m, r.val, "fit: validation data");
     r.n = mpt_dataset_count(r.train);
-    r.steps = (r.n + d.batch_size - 1) / d.batch_size;
+    r.steps = r.n / d.batch_size + (r.n % d.batch_size != 0); /* rounded up, no overflow */
     r.order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n) : NULL;
     if (s == MPT_OK && !r.order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
     if (s == MPT_OK && workers > 1) {

@@ -863,6 +863,47 @@ static void test_int32_targets_of_one_unit(void) {
     ctx = saved;
 }
 
+/* ---- sizes near INT64_MAX ------------------------------------------------------------ */
+
+/* max_batch INT64_MAX (mpt_model_build, and fit's batch_size on a model
+   fit builds) overflowed the rounding to the replicas' share before any
+   check; an input dimension of INT64_MAX was accepted and overflowed in
+   the layers' plans, then reported "out of memory"; so did a Conv2D whose
+   output is past what a sample may hold. Each is MPT_ERR_OVERFLOW with a
+   message naming it, and the model is left as it was (it then builds). */
+static void test_sizes_past_int64(void) {
+    mpt_context *saved = ctx;
+    mpt_model *m = NULL;
+    mpt_status s;
+    int64_t big = INT64_MAX - test_randint(0, 3);
+    ctx = quiet_ctx();
+    m = blob_model_for(MPT_POLICY_FLOAT32, 1, 0);
+    s = mpt_model_build(m, big);
+    CHECK(s == MPT_ERR_OVERFLOW && strstr(mpt_context_error(ctx), "overflow") && !m->built,
+          "build(%lld): status %d (%s)", (long long)big, (int)s, mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build(8) after: %s", mpt_context_error(ctx));
+    mpt_model_destroy(m);
+
+    m = NULL;
+    s = mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2, big}, .input_rank = 2}, &m);
+    CHECK(s == MPT_ERR_OVERFLOW && m == NULL && strstr(mpt_context_error(ctx), "2^56"),
+          "input (2, %lld): status %d (%s)", (long long)big, (int)s, mpt_context_error(ctx));
+    s = mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {big}, .input_rank = 1}, &m);
+    CHECK(s == MPT_ERR_OVERFLOW && m == NULL && strstr(mpt_context_error(ctx), "2^56"),
+          "input (%lld,): status %d (%s)", (long long)big, (int)s, mpt_context_error(ctx));
+
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4, 4, 2}, .input_rank = 3}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = ((int64_t)1 << 57) + test_randint(0, 9),
+                                               .kernel_size = {3, 3}});
+    s = mpt_model_build(m, 2);
+    CHECK(s == MPT_ERR_OVERFLOW && strstr(mpt_context_error(ctx), "conv2d") &&
+              strstr(mpt_context_error(ctx), "too large"),
+          "Conv2D of 2^57 filters: status %d (%s)", (int)s, mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+    ctx = saved;
+}
+
 /* ---- a short real run on Fashion-MNIST ------------------------------------------------ */
 
 /* An MLP (Flatten -> Dense(128, relu) -> Dense(10, softmax)) trained for
@@ -915,6 +956,7 @@ int main(void) {
     TEST_RUN(test_validation_split_as_keras);
     TEST_RUN(test_targets_of_shape_n);
     TEST_RUN(test_int32_targets_of_one_unit);
+    TEST_RUN(test_sizes_past_int64);
     TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);

@@ -1042,7 +1042,10 @@ typedef struct mpt_dataset mpt_dataset;
 typedef struct mpt_fit_desc {
     int epochs;                         /* default 1                           */
     int initial_epoch;                  /* default 0; resuming: the first epoch */
-    int64_t batch_size;                 /* default 32: the global batch        */
+    int64_t batch_size;                 /* default 32: the global batch; one
+                                           past the training samples trains on
+                                           them all in one batch, and the
+                                           model is built for that (Keras)   */
     int no_shuffle;                     /* default 0: reshuffled every epoch   */
     const mpt_dataset *validation_data; /* default none                        */
     float validation_split;             /* default 0; the last fraction of the
@@ -16354,6 +16357,22 @@ static int64_t mpt__validation_split_at(int64_t n, float validation_split) {
     return (int64_t)((double)n * (1.0 - mpt__float_as_written(validation_split)));
 }
 
+/* Keras: a batch_size past the training samples (after validation_split)
+   trains on all of them in one batch, so the model is built, and its
+   buffers planned, for them and not for batch_size (a batch of 2^26 for 16
+   samples planned 16 GB). Under a strategy the global batch stays a
+   multiple of the replicas; a batch_size that is not one is left for
+   mpt__fit_check to refuse. */
+static int64_t mpt__fit_batch_size(const mpt_model *m, const mpt_dataset *train,
+                                   const mpt_fit_desc *d) {
+    int64_t n = train ? mpt_dataset_count(train) : 0;
+    int64_t per = m->strategy ? mpt__strategy_total(m->strategy) : 1;
+    if (d->validation_split > 0 && d->validation_split < 1)
+        n = mpt__validation_split_at(n, d->validation_split);
+    if (n <= 0 || d->batch_size <= n || d->batch_size % per != 0) return d->batch_size;
+    return (n / per + (n % per != 0)) * per; /* <= batch_size, a multiple of per */
+}
+
 /* d: the caller's descriptor with its defaults filled in. */
 static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *d) {
     if (!train) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL training data");
@@ -16492,6 +16511,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (desc) d = *desc; /* NULL: every default */
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
+    d.batch_size = mpt__fit_batch_size(m, train, &d);
     s = mpt__fit_check(m, train, &d);
     while (!m->built && mpt__fit_may_halve(m, &d, s)) { /* building failed: no state to keep */
         int64_t to = mpt__fit_halved(&d);

@@ -904,6 +904,38 @@ static void test_sizes_past_int64(void) {
     ctx = saved;
 }
 
+/* Keras: a batch_size past the training samples trains on all of them in
+   one batch. fit(batch_size = 2^26) on 16 samples planned buffers for 2^26
+   samples (15.8 GB for this model); it must build for 16 and train as
+   batch_size 16 does, bit for bit; INT64_MAX too; and a model built for
+   16 takes such a batch_size rather than refusing it. */
+static void test_batch_size_past_the_data(void) {
+    static float x[16 * FEATURES];
+    static int32_t y[16];
+    const int64_t sizes[2] = {(int64_t)1 << 26, INT64_MAX};
+    mpt_dataset *d;
+    mpt_model *want = blob_model_for(MPT_POLICY_FLOAT32, 7, 0), *m;
+    int k;
+    make_blobs(x, y, 16, 20 + (uint64_t)test_randint(0, 1000));
+    d = blob_dataset(x, y, 16);
+    CHECK(mpt_model_fit(want, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16}) == MPT_OK,
+          "fit with batch_size 16: %s", mpt_context_error(ctx));
+    for (k = 0; k < 3; k++) {
+        int64_t batch = sizes[k % 2];
+        m = blob_model_for(MPT_POLICY_FLOAT32, 7, k == 2 ? 16 : 0);
+        m->desc.memory_limit = 64 << 20; /* a plan for 2^26 samples fails, not the machine */
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = batch}) == MPT_OK,
+              "fit with batch_size %lld: %s", (long long)batch, mpt_context_error(ctx));
+        CHECK(m->built && m->max_batch == 16, "batch_size %lld for 16 samples: built for %lld",
+              (long long)batch, (long long)m->max_batch);
+        CHECK(m->built && same_state(m, want), "batch_size %lld trains otherwise than 16",
+              (long long)batch);
+        mpt_model_destroy(m);
+    }
+    mpt_model_destroy(want);
+    mpt_dataset_destroy(d);
+}
+
 /* ---- a short real run on Fashion-MNIST ------------------------------------------------ */
 
 /* An MLP (Flatten -> Dense(128, relu) -> Dense(10, softmax)) trained for
@@ -957,6 +989,7 @@ int main(void) {
     TEST_RUN(test_targets_of_shape_n);
     TEST_RUN(test_int32_targets_of_one_unit);
     TEST_RUN(test_sizes_past_int64);
+    TEST_RUN(test_batch_size_past_the_data);
     TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);

@@ -758,7 +758,9 @@ typedef struct mpt_strategy mpt_strategy;
 
 typedef struct mpt_model_desc {
     int64_t input_shape[MPT_MAX_RANK - 1]; /* required: one sample's shape,
-                                              e.g. {28, 28, 1} (HWC)         */
+                                              e.g. {28, 28, 1} (HWC); at
+                                              most 2^56 elements, at every
+                                              layer too (MPT_ERR_OVERFLOW) */
     int input_rank;                         /* required: 1..3                 */
     mpt_policy policy;                      /* default float32                */
     uint64_t seed;                          /* default 0; weights and dropout
@@ -1078,7 +1080,10 @@ typedef struct mpt_dataset mpt_dataset;
 typedef struct mpt_fit_desc {
     int epochs;                         /* default 1                           */
     int initial_epoch;                  /* default 0; resuming: the first epoch */
-    int64_t batch_size;                 /* default 32: the global batch        */
+    int64_t batch_size;                 /* default 32: the global batch; one
+                                           past the training samples trains on
+                                           them all in one batch, and the
+                                           model is built for that (Keras)   */
     int no_shuffle;                     /* default 0: reshuffled every epoch   */
     const mpt_dataset *validation_data; /* default none                        */
     float validation_split;             /* default 0; the last fraction of the
@@ -1112,7 +1117,8 @@ typedef struct mpt_fit_desc {
        plan the model's memory again for it and go on from the sample it
        had reached, keeping the weights, the optimizer state and the
        epoch's tallies; each halving is logged as a warning and printed. */
-    int on_out_of_memory;               /* default MPT_OOM_FAIL              */
+    int on_out_of_memory;               /* default MPT_OOM_FAIL; another
+                                           value than the two is refused    */
     int64_t min_batch_size;             /* default 0: 1                       */
 } mpt_fit_desc;
 
@@ -1125,9 +1131,12 @@ enum {
 /* Trains on `train` (builds the model for batch_size first if it is not
    built). Shuffling follows the model's seed and the epoch, so a run is
    reproducible. The history of every epoch is kept (mpt_model_history).
-   After an epoch whose loss or trainable weights hold inf or NaN, fit
-   stops with MPT_ERR_NUMERIC before that epoch's callbacks; the message
-   names the epoch and the first such weight's layer, tensor and element.
+   After an epoch whose loss, trainable weights or optimizer state hold
+   inf or NaN, fit stops with MPT_ERR_NUMERIC before that epoch's
+   callbacks; the message names the epoch and the first such value's
+   layer, tensor (and slot) and element, or for a quantization-aware
+   model the layer whose output overflowed float32 in training (its
+   range is then not kept: the ranges stay finite).
    With verbose >= 1, fit ends with a summary of the run: time, samples/s,
    the mean step's parts, the loss scale's changes and the skipped steps.
    Profiling (profile_batch): each profiled step's layers are timed one by
@@ -1225,7 +1234,10 @@ typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
                               float16 or bfloat16                         */
     const mpt_tensor *y;   /* required: (n,) int32 class ids, or one per
-                              position, (n, H, W) for an (H, W, C) output;
+                              position, (n, H, W) for an (H, W, C) output
+                              (for an output whose last axis is 1 under
+                              another loss than sparse crossentropy, int32
+                              targets such as 0/1, converted to float);
                               or (n, ...) float32 targets; (n,) targets
                               fit an output of one unit, as (n, 1) do
                               (Keras)                                      */
@@ -1417,7 +1429,9 @@ MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path);
    a non-finite weight or moment, a negative second moment. The model is
    unchanged when anything fails, a read error included (only a device
    failing as it takes the checked values can leave it partly loaded, and
-   the error says so).
+   the error says so). Saving checks the same before writing anything, and
+   refuses a model the loader would refuse (MPT_ERR_NUMERIC for a
+   non-finite value, MPT_ERR_STATE for a counter past its bound).
 
    A quantization-aware model (mpt_model_quantize_aware) also saves, in both
    files (tfmot keeps its quantizers' min and max among the weights), each
@@ -1843,7 +1857,10 @@ typedef struct mpt_export_desc {
                                back into float32 in the graph (TFLite
                                DEQUANTIZE, as its converter's float16
                                quantization writes; ONNX Cast), so the
-                               file is half the size and computes in float32 */
+                               file is half the size and computes in float32.
+                               A quantized model's storage is its
+                               quantization's: leave it at the default (a
+                               float16 one also takes MPT_FLOAT16) */
 } mpt_export_desc;
 
 /* A built model (its float32 masters, with BatchNormalization's moving
@@ -4310,6 +4327,8 @@ static float mpt__load_f32(mpt_dtype dtype, const void *data, int64_t i) {
     switch (dtype) {
     case MPT_FLOAT16: return mpt_half_to_float(((const mpt_half *)data)[i]);
     case MPT_BFLOAT16: return mpt_bf16_to_float(((const mpt_bf16 *)data)[i]);
+    /* int32 targets of a non-sparse loss: the value, never the bits */
+    case MPT_INT32: return (float)((const int32_t *)data)[i];
     default: return ((const float *)data)[i];
     }
 }
@@ -6789,10 +6808,18 @@ static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->
 
 /* ---- building a model ----------------------------------------------------- */
 
+/* The most elements one sample may have at a model's input and at every
+   layer's output: 2^56, so that what the layers compute per sample (bytes
+   at up to 8 an element, a few buffers side by side, chunks rounded up)
+   never overflows an int64_t before mpt__batch_bytes checks the product
+   with the batch. No real sample comes near it (256 PiB in float32). */
+#define MPT__MAX_SAMPLE_ELEMENTS ((int64_t)1 << 56)
+
 MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
                                    mpt_model **out) {
     mpt_model *m;
     int i;
+    int64_t count;
     char s[96];
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL out");
@@ -6808,9 +6835,12 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
         if (desc->input_shape[i] <= 0)
             return mpt__fail(ctx, MPT_ERR_SHAPE, "model: input_shape %s has a dimension <= 0",
                              mpt_shape_format(s, sizeof s, desc->input_rank, desc->input_shape));
-    if (mpt__shape_count(desc->input_rank, desc->input_shape) < 0)
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "model: input_shape %s overflows",
-                         mpt_shape_format(s, sizeof s, desc->input_rank, desc->input_shape));
+    count = mpt__shape_count(desc->input_rank, desc->input_shape);
+    if (count < 0 || count > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "model: input_shape %s has more elements than "
+                         "the 2^56 a sample may have", mpt_shape_format(s, sizeof s,
+                                                                         desc->input_rank,
+                                                                         desc->input_shape));
     if (desc->policy < MPT_POLICY_FLOAT32 || desc->policy > MPT_POLICY_MIXED_BFLOAT16)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: unknown policy %d",
                          (int)desc->policy);
@@ -7095,10 +7125,10 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         L->pools_next = L->ran_next = L->ran_by_prev = 0;
         MPT__CHECK(L->ops->build(m, L));
         L->out_count = mpt__shape_count(L->out_rank, L->out_shape);
-        if (L->out_count < 0) {
+        if (L->out_count < 0 || L->out_count > MPT__MAX_SAMPLE_ELEMENTS) {
             char s[96];
-            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': output shape %s is too large",
-                             L->ops->class_name, L->name,
+            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': output shape %s is too large "
+                             "(a sample may have 2^56 elements)", L->ops->class_name, L->name,
                              mpt_shape_format(s, sizeof s, L->out_rank, L->out_shape));
         }
         /* The gradient buffers hold this layer's dy and dx in its dtype, and
@@ -7249,7 +7279,8 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     /* With a strategy, max_batch is the global batch: each replica is
        built for its share. */
     replicas = m->strategy ? mpt__strategy_total(m->strategy) : 1;
-    MPT__CHECK(mpt__build_one(m, (max_batch + replicas - 1) / replicas));
+    /* rounded up, without max_batch + replicas − 1 (past INT64_MAX) */
+    MPT__CHECK(mpt__build_one(m, max_batch / replicas + (max_batch % replicas != 0)));
     return m->strategy ? mpt__replicas_build(m) : MPT_OK;
 }
 
@@ -11131,6 +11162,12 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
     L->out_shape[0] = c.g.oh;
     L->out_shape[1] = c.g.ow;
     L->out_shape[2] = c.f;
+    /* the bound mpt__build_layers applies after build, before the plan's
+       products of filters and positions below can overflow */
+    if (mpt__shape_count(3, L->out_shape) > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "Conv2D '%s': output shape %s is too large "
+                         "(a sample may have 2^56 elements)", L->name,
+                         mpt_shape_format(s, sizeof s, 3, L->out_shape));
     /* Keras' fans for a conv kernel: the receptive field times channels. */
     MPT__CHECK(mpt__layer_add_param(m, L, "kernel", 4, kshape,
                                     d->kernel_initializer ? d->kernel_initializer
@@ -16200,21 +16237,30 @@ static int mpt__labels_fit(int rank, const int64_t *shape, int out_rank, const i
 
 /* Checks that data fits the model: sample shape, target kind and labels. */
 static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
-    int64_t shape[MPT_MAX_RANK], out_count = 1;
-    int rank, i;
+    int64_t shape[MPT_MAX_RANK];
+    int rank;
     int32_t lo, hi;
     const mpt__layer *last = &m->layers[m->n_layers - 1];
     char a[96], b[96], c[96];
     MPT__CHECK(mpt__check_samples(m, d, what));
-    for (i = 0; i < last->out_rank; i++) out_count *= last->out_shape[i];
     rank = mpt__dataset_label_shape(d, shape);
     if (mpt__dataset_label_dtype(d) == MPT_INT32) {
         int64_t classes = last->out_shape[last->out_rank - 1];
+        int sparse = m->compile.loss.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
         mpt__dataset_label_range(d, &lo, &hi);
-        if (m->compile.loss.type != MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY && out_count > 1)
+        /* Under another loss, integers are targets that the loss converts
+           to float (mpt__load_f32), as Keras casts them: one per position
+           of a last axis of 1 (a binary classifier's 0/1). Beyond 2^24 a
+           float32 no longer holds every integer. */
+        if (!sparse && classes > 1)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: integer class labels need the sparse categorical "
                              "crossentropy loss (or one-hot float targets)", what);
+        if (!sparse && hi > (1 << 24))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "%s: integer target %d is not exact in float32 (%s takes "
+                             "integers up to 2^24 = %d)", what, (int)hi,
+                             mpt__loss_name(m->compile.loss.type), 1 << 24);
         if (!mpt__labels_fit(rank, shape, last->out_rank, last->out_shape))
             return mpt__fail(m->ctx, MPT_ERR_SHAPE,
                              "%s: class ids of shape %s for a model output of shape %s: one "
@@ -16222,7 +16268,7 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
                              mpt_shape_format(a, sizeof a, rank, shape),
                              mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape),
                              mpt_shape_format(c, sizeof c, last->out_rank - 1, last->out_shape));
-        if (out_count > 1 && (lo < 0 || hi >= classes))
+        if (sparse && (lo < 0 || hi >= classes))
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: labels range over %d..%d but the model has %lld classes "
                              "(0..%lld)", what, (int)lo, (int)hi, (long long)classes,
@@ -16685,6 +16731,22 @@ static int64_t mpt__validation_split_at(int64_t n, float validation_split) {
     return (int64_t)((double)n * (1.0 - mpt__float_as_written(validation_split)));
 }
 
+/* Keras: a batch_size past the training samples (after validation_split)
+   trains on all of them in one batch, so the model is built, and its
+   buffers planned, for them and not for batch_size (a batch of 2^26 for 16
+   samples planned 16 GB). Under a strategy the global batch stays a
+   multiple of the replicas; a batch_size that is not one is left for
+   mpt__fit_check to refuse. */
+static int64_t mpt__fit_batch_size(const mpt_model *m, const mpt_dataset *train,
+                                   const mpt_fit_desc *d) {
+    int64_t n = train ? mpt_dataset_count(train) : 0;
+    int64_t per = m->strategy ? mpt__strategy_total(m->strategy) : 1;
+    if (d->validation_split > 0 && d->validation_split < 1)
+        n = mpt__validation_split_at(n, d->validation_split);
+    if (n <= 0 || d->batch_size <= n || d->batch_size % per != 0) return d->batch_size;
+    return (n / per + (n % per != 0)) * per; /* <= batch_size, a multiple of per */
+}
+
 /* d: the caller's descriptor with its defaults filled in. */
 static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *d) {
     if (!train) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL training data");
@@ -16703,6 +16765,9 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     if (d->n_callbacks < 0 || (d->n_callbacks > 0 && !d->callbacks))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: %d callbacks but no array",
                          d->n_callbacks);
+    if (d->on_out_of_memory != MPT_OOM_FAIL && d->on_out_of_memory != MPT_OOM_HALVE_BATCH)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: on_out_of_memory %d is not "
+                         "MPT_OOM_FAIL (0) or MPT_OOM_HALVE_BATCH (1)", d->on_out_of_memory);
     if (m->strategy && d->batch_size % mpt__strategy_total(m->strategy) != 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "fit: batch_size %lld (the global batch) does not split evenly over "
@@ -16711,22 +16776,24 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     return mpt__prepare(m, d->batch_size, 1, "fit");
 }
 
-/* The first trainable weight holding inf or NaN: its index in m->params
-   and element, read back one tensor at a time (only once something is
-   known to be wrong). *param is -1 when every one is finite. */
-static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int *param, int64_t *element,
-                                              float *value) {
+/* The first trainable weight (slot -1) or optimizer slot (0, 1) holding
+   inf or NaN: its index in m->params and element, read back one tensor at
+   a time (only once something is known to be wrong). *param is -1 when
+   every one is finite. */
+static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int slot, int *param,
+                                              int64_t *element, float *value) {
     int i;
     *param = -1;
     for (i = 0; i < m->n_params && *param < 0; i++) {
         const mpt__param *P = &m->params[i];
+        const float *src = slot < 0 ? P->value : P->slot[slot];
         float *host;
         int64_t e;
         mpt_status s;
         if (!P->trainable || P->count <= 0) continue;
         host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)P->count);
         if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
-        s = mpt__download(m, host, P->value, sizeof(float) * (size_t)P->count);
+        s = mpt__download(m, host, src, sizeof(float) * (size_t)P->count);
         for (e = 0; s == MPT_OK && e < P->count && *param < 0; e++)
             if (!isfinite(host[e])) *param = i, *element = e, *value = host[e];
         mpt__free(m->ctx, host);
@@ -16736,41 +16803,67 @@ static mpt_status mpt__first_nonfinite_weight(mpt_model *m, int *param, int64_t 
 }
 
 /* After each epoch of fit: training stops with MPT_ERR_NUMERIC once a
-   trainable weight or the epoch's loss is inf or NaN, since no later step
-   can recover (every step after it is skipped, or it goes on from a broken
-   model) and callbacks would save it. A step skipped for overflowing
-   gradients (dynamic loss scaling) changes no weight and its loss is
-   finite, so it never stops training. The weights are checked by the
-   backend's grad_stats pass run over the masters instead of the
-   gradients, into evaluation's record of the scalars (unused between
-   evaluations). */
+   trainable weight, the optimizer's state or the epoch's loss is inf or
+   NaN, since no later step can recover (every step after it is skipped, a
+   parameter whose Adam v is inf stops moving, or it goes on from a broken
+   model) and callbacks would save it (a file load_checkpoint refuses).
+   A step skipped for overflowing gradients (dynamic loss scaling) changes
+   no weight and its loss is finite, so it never stops training. The
+   weights, then each slot, are checked by the backend's grad_stats pass
+   run over them instead of the gradients, into evaluation's record of the
+   scalars (unused between evaluations). */
 static void mpt__cb_repr(char *buf, size_t size, double v, int single);
+static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k);
+static int mpt__qat_overflow(mpt_model *m, int *layer, float *min, float *max);
 
 static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
                                         const mpt_logs *logs) {
     const double loss = mpt_logs_get(logs, "loss");
     mpt_update_args u = m->update;
     mpt_step_state st;
-    int param = -1;
+    int param = -1, slot, overflowed, layer = 0;
     int64_t element = 0;
-    float value = 0;
+    float value = 0, lo = 0, hi = 0;
     char loss_text[40], value_text[40];
-    u.grad = (const float *const *)u.value;
     u.state = &m->state[1];
-    m->be->grad_stats(m->impl, &u);
-    MPT__CHECK(mpt__download(m, &st, u.state, sizeof st));
+    for (slot = -1; slot < m->n_slots; slot++) { /* -1: the weights */
+        float *const *what = slot < 0 ? u.value : slot == 0 ? u.slot0 : u.slot1;
+        u.grad = (const float *const *)what;
+        m->be->grad_stats(m->impl, &u);
+        MPT__CHECK(mpt__download(m, &st, u.state, sizeof st));
+        if (!st.finite) break;
+    }
+    overflowed = mpt__qat_overflow(m, &layer, &lo, &hi);
     if (st.finite && isfinite(loss)) return MPT_OK;
-    if (!st.finite) MPT__CHECK(mpt__first_nonfinite_weight(m, &param, &element, &value));
+    if (st.finite && overflowed) {
+        char lo_text[40], hi_text[40];
+        mpt__cb_repr(loss_text, sizeof loss_text, loss, 0);
+        mpt__cb_repr(lo_text, sizeof lo_text, lo, 1);
+        mpt__cb_repr(hi_text, sizeof hi_text, hi, 1);
+        return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
+                         "fit: epoch %d/%d: the %s%s%s overflowed float32: its quantization "
+                         "range became [%s, %s] (loss %s); training stopped — lower the "
+                         "learning rate, or check the weights and the data", epoch + 1, epochs,
+                         layer < 0 ? "model's input" : "output of layer '",
+                         layer < 0 ? "" : m->layers[layer].name, layer < 0 ? "" : "'", lo_text,
+                         hi_text, loss_text);
+    }
+    if (!st.finite) MPT__CHECK(mpt__first_nonfinite_weight(m, slot, &param, &element, &value));
     mpt__cb_repr(loss_text, sizeof loss_text, loss, 0);
     mpt__cb_repr(value_text, sizeof value_text, value, 1);
     if (param >= 0) {
         const mpt__param *P = &m->params[param];
         const char *slash = strrchr(P->name, '/');
+        char state[48] = "";
+        if (slot >= 0)
+            snprintf(state, sizeof state, "'s optimizer slot \"%s\"",
+                     mpt__ckpt_slot_name(m->compile.optimizer.type, slot));
         return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
-                         "fit: epoch %d/%d: the weights became non-finite: layer %s, tensor "
-                         "%s, element %lld is %s (loss %s); training stopped — lower the "
+                         "fit: epoch %d/%d: the %s became non-finite: layer %s, tensor "
+                         "%s%s, element %lld is %s (loss %s); training stopped — lower the "
                          "learning rate, clip the gradients, or check the data",
-                         epoch + 1, epochs, m->layers[P->layer].name, slash ? slash + 1 : P->name,
+                         epoch + 1, epochs, slot < 0 ? "weights" : "optimizer state",
+                         m->layers[P->layer].name, slash ? slash + 1 : P->name, state,
                          (long long)element, value_text, loss_text);
     }
     return mpt__fail(m->ctx, MPT_ERR_NUMERIC,
@@ -16792,6 +16885,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (desc) d = *desc; /* NULL: every default */
     if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
+    d.batch_size = mpt__fit_batch_size(m, train, &d);
     s = mpt__fit_check(m, train, &d);
     while (!m->built && mpt__fit_may_halve(m, &d, s)) { /* building failed: no state to keep */
         int64_t to = mpt__fit_halved(&d);
@@ -16827,7 +16921,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     s = mpt__check_data(m, r.train, "fit");
     if (s == MPT_OK && r.val) s = mpt__check_data(m, r.val, "fit: validation data");
     r.n = mpt_dataset_count(r.train);
-    r.steps = (r.n + d.batch_size - 1) / d.batch_size;
+    r.steps = r.n / d.batch_size + (r.n % d.batch_size != 0); /* rounded up, no overflow */
     r.order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n) : NULL;
     if (s == MPT_OK && !r.order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
     if (s == MPT_OK && workers > 1) {
@@ -21262,6 +21356,30 @@ static mpt_status mpt__ckpt_check_model(mpt_model *m, const char *path, int full
     return MPT_OK;
 }
 
+static mpt_status mpt__ckpt_check_counters(mpt_model *m, const char *path,
+                                           const mpt__ckpt_train *t);
+static mpt_status mpt__ckpt_check_qat(mpt_model *m, const char *path, const mpt__ckpt_plan *pl);
+static mpt_status mpt__ckpt_check_values(mpt_model *m, const char *path,
+                                         const mpt__ckpt_entry *e);
+
+/* A file the loader would refuse is never written: the plan passes the
+   loader's own checks of the training counters, the ranges and every
+   value (mpt__ckpt_load_checked) before the file is opened. */
+static mpt_status mpt__ckpt_check_saving(mpt_model *m, const char *path,
+                                         const mpt__ckpt_plan *pl, int full, const char *what) {
+    char why[sizeof m->ctx->error];
+    mpt_status s = full ? mpt__ckpt_check_counters(m, path, &pl->train) : MPT_OK;
+    int i;
+    if (s == MPT_OK && pl->n_qat > 0) s = mpt__ckpt_check_qat(m, path, pl);
+    for (i = 0; s == MPT_OK && i < pl->n; i++)
+        if (!pl->e[i].qat) s = mpt__ckpt_check_values(m, path, &pl->e[i]);
+    if (s == MPT_OK) return MPT_OK;
+    snprintf(why, sizeof why, "%s", mpt_context_error(m->ctx));
+    /* a file's MPT_ERR_FORMAT is, before there is a file, the model's state */
+    return mpt__fail(m->ctx, s == MPT_ERR_FORMAT ? MPT_ERR_STATE : s,
+                     "%s: not written, since loading would refuse it: %s", what, why);
+}
+
 static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const char *what) {
     mpt__ckpt_plan pl;
     mpt__ckpt_text header;
@@ -21283,6 +21401,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.learning_rate = m->learning_rate;
     pl.train.loss_scale = m->loss_scale;
     s = mpt__ckpt_plan_init(m, full, 0, &pl);
+    if (s == MPT_OK) s = mpt__ckpt_check_saving(m, path, &pl, full, what);
     if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
     if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path, 0);
     if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
@@ -21431,7 +21550,9 @@ static mpt_status mpt__ckpt_check_metadata(mpt_model *m, const mpt__st_file *f) 
    - Step counters (optimizer_steps, step, good_steps, skipped_steps): 0 to
      2^62. No run gets there (at a billion steps a second: 146 years), and
      from there another 2^62 steps fit in an int64_t, so the "+ 1" of each
-     step that follows never overflows.
+     step that follows never overflows. A model trained past the bound
+     (from a file at it) is refused by the saver with the same check
+     (mpt__ckpt_check_saving), so no file outside it is ever written.
    - epoch: 0 to INT_MAX, fit's range (its epochs are ints).
    - learning_rate: finite and >= 0, as mpt_model_set_learning_rate.
    - loss_scale: what the model's loss-scale mode allows (below). */
@@ -21465,7 +21586,10 @@ static mpt_status mpt__ckpt_check_loss_scale(mpt_model *m, const char *path, flo
     return MPT_OK;
 }
 
-static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mpt__ckpt_train *t) {
+/* The counters and the learning rate; the loss scale apart, which a saving
+   model's mode keeps as the loader wants it. */
+static mpt_status mpt__ckpt_check_counters(mpt_model *m, const char *path,
+                                           const mpt__ckpt_train *t) {
     MPT__CHECK(mpt__ckpt_check_counter(m, path, "optimizer_steps", t->optimizer_steps,
                                        MPT__CKPT_MAX_STEPS));
     MPT__CHECK(mpt__ckpt_check_counter(m, path, "step", t->step, MPT__CKPT_MAX_STEPS));
@@ -21477,6 +21601,11 @@ static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mp
     if (!(t->learning_rate >= 0 && t->learning_rate <= FLT_MAX))
         return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/learning_rate is %g; it "
                          "must be finite and >= 0", path, (double)t->learning_rate);
+    return MPT_OK;
+}
+
+static mpt_status mpt__ckpt_check_train(mpt_model *m, const char *path, const mpt__ckpt_train *t) {
+    MPT__CHECK(mpt__ckpt_check_counters(m, path, t));
     return mpt__ckpt_check_loss_scale(m, path, t->loss_scale);
 }
 
@@ -22682,15 +22811,18 @@ static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what) {
 
 /* TFLite's choice for an int8 tensor over [lo, hi]: the range widened to
    hold 0 (so that zero padding is exact), scale (hi − lo)/255 and the zero
-   point that puts lo at −128, rounded and clamped. */
+   point that puts lo at −128, rounded and clamped. An infinite end (only a
+   training batch that overflowed gets here with one: mpt__qat_point_run)
+   makes the scale inf and the zero point −inf/inf, NaN, which is clamped
+   to −128 before any conversion to int (of NaN, undefined). */
 static mpt_quant_params mpt__q_params(float lo, float hi) {
     mpt_quant_params p;
     double a = lo < 0 ? lo : 0, b = hi > 0 ? hi : 0, zp;
     p.min = lo;
     p.max = hi;
     p.scale = b > a ? (float)((b - a) / 255.0) : 1.0f;
-    zp = -128.0 - a / (double)p.scale;
-    p.zero_point = (int32_t)MPT__MAX(-128.0, MPT__MIN(127.0, floor(zp + 0.5)));
+    zp = floor(-128.0 - a / (double)p.scale + 0.5);
+    p.zero_point = zp > -128.0 ? (int32_t)MPT__MIN(127.0, zp) : -128;
     return p;
 }
 
@@ -24630,6 +24762,10 @@ struct mpt__qat {
                                   span's min and max (mpt__qat_point_run)    */
     int softmax_last;          /* the last layer ends in softmax: its logits
                                   are quantized, then softmax runs here       */
+    int overflowed;            /* a training batch's range was not finite
+                                  since fit last looked (mpt__qat_overflow) */
+    int overflow_layer;        /* the first such: a layer, or −1 the input  */
+    float overflow_min, overflow_max; /* and its range                      */
 };
 
 #define MPT__QAT_CHUNK 1024
@@ -24805,7 +24941,16 @@ static void mpt__qat_point_run(mpt_model *m, mpt__qat_point *P, mpt_dtype dtype,
                 lo = decay * P->min + (1 - decay) * lo;
                 hi = decay * P->max + (1 - decay) * hi;
             }
-            P->next_min = lo, P->next_max = hi, P->measured = 1;
+            if (isfinite(lo) && isfinite(hi)) {
+                P->next_min = lo, P->next_max = hi, P->measured = 1;
+            } else if (!m->qat->overflowed) {
+                /* Values past float32: quantized with this range the
+                   tensor becomes NaN, so the step is skipped, and the range
+                   is not kept; fit names the layer (mpt__qat_overflow). */
+                m->qat->overflowed = 1;
+                m->qat->overflow_layer = P == &m->qat->input ? -1 : (int)(P - m->qat->point);
+                m->qat->overflow_min = lo, m->qat->overflow_max = hi;
+            }
         } else if (P->seen) {
             lo = P->min, hi = P->max;
         } else {
@@ -24925,6 +25070,18 @@ static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
     if (P->kind != MPT__QAT_LEARNED || !P->active) return;
     j = mpt__qat_job_of(m, L->dtype, pre, dy, n, &P->used, NULL);
     mpt__parallel_for(m->ctx, mpt__qat_spans(n), mpt__qat_mask_task, &j);
+}
+
+/* fit's question after each epoch: did a training batch's range overflow
+   since the last one? The first such layer (−1: the input) and its range;
+   the record is cleared. */
+static int mpt__qat_overflow(mpt_model *m, int *layer, float *min, float *max) {
+    int overflowed = m->qat && m->qat->overflowed;
+    if (!overflowed) return 0;
+    *layer = m->qat->overflow_layer;
+    *min = m->qat->overflow_min, *max = m->qat->overflow_max;
+    m->qat->overflowed = 0;
+    return 1;
 }
 
 static void mpt__qat_commit_point(mpt__qat_point *P) {
@@ -25447,6 +25604,15 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     if (m->quantized) { /* written from its operations, not planned as steps */
         pl->weight_dtype =
             m->quantized->mode == MPT_QUANTIZE_FLOAT16 ? MPT_FLOAT16 : MPT_FLOAT32;
+        /* its quantization chose how the weights are stored: a request for
+           anything else would be silently ignored */
+        if (d.weight_dtype != MPT_DTYPE_DEFAULT &&
+            !(d.weight_dtype == MPT_FLOAT16 && pl->weight_dtype == MPT_FLOAT16))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s '%s': weight_dtype "
+                             "%s (%d) for a quantized model, whose quantization decides how its "
+                             "weights are stored: leave it at its default%s", format, path,
+                             mpt_dtype_name(d.weight_dtype), (int)d.weight_dtype,
+                             pl->weight_dtype == MPT_FLOAT16 ? " (or float16)" : "");
         return MPT_OK;
     }
     if (!m->built)

@@ -3579,6 +3579,8 @@ static __device__ __forceinline__ float mpt__cuda_train_load(mpt_dtype dtype, co
     switch (dtype) {
     case MPT_FLOAT16: return mpt__cuda_half_to_float(((const uint16_t *)data)[i]);
     case MPT_BFLOAT16: return mpt__cuda_bf16_to_float(((const uint16_t *)data)[i]);
+    /* int32 targets of a non-sparse loss: the value, never the bits */
+    case MPT_INT32: return (float)((const int32_t *)data)[i];
     default: return ((const float *)data)[i];
     }
 }

@@ -820,6 +820,40 @@ static void test_counter_bounds(void) {
     }
     mpt_model_destroy(m);
     test__end("bounds: counters at their limits load, train and save a loadable checkpoint");
+
+    /* From the limits themselves a step takes the counters past 2^62: the
+       checkpoint that would hold them is refused before any file is
+       written, by the loader's own bound (it would refuse the file). */
+    test__begin();
+    m = make_f16_adam(31);
+    CHECK(m && mpt_model_load_checkpoint(m, path_of(p, "at_limit.safetensors")) == MPT_OK,
+          "load: %s", mpt_context_error(ctx));
+    if (m) {
+        float x[4 * 6 * 6 * 2];
+        int32_t y[4];
+        mpt_tensor tx, ty;
+        mpt_dataset *data = NULL;
+        mpt_status s;
+        int j;
+        for (j = 0; j < 4 * 6 * 6 * 2; j++) x[j] = (float)test_uniform(-1, 1);
+        for (j = 0; j < 4; j++) y[j] = test_randint(0, 4);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){4, 6, 6, 2}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){4}, y);
+        mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data);
+        CHECK(mpt_model_fit(m, data, &(mpt_fit_desc){.epochs = 1, .batch_size = 4}) == MPT_OK,
+              "fit from the limits: %s", mpt_context_error(ctx));
+        CHECK(m->step == (1ull << 62) + 1, "step %llu", (unsigned long long)m->step);
+        s = mpt_model_save_checkpoint(m, path_of(p, "past_limit.safetensors"));
+        CHECK(s == MPT_ERR_STATE, "a checkpoint past the counters' bound: status %d (%s)",
+              (int)s, mpt_context_error(ctx));
+        CHECK(strstr(mpt_context_error(ctx), "not written") &&
+                  strstr(mpt_context_error(ctx), "outside 0..4611686018427387904"),
+              "message: %s", mpt_context_error(ctx));
+        CHECK(files_starting("past_limit") == 0, "a file was written");
+        mpt_dataset_destroy(data);
+    }
+    mpt_model_destroy(m);
+    test__end("bounds: a checkpoint past the counters' bound is refused, not written");
     mpt_model_destroy(src);
 }
 

@@ -765,6 +765,52 @@ static void test_unbuilt_model(void) {
     mpt_context_destroy(q);
 }
 
+/* A quantized model's weights are stored as its quantization made them:
+   weight_dtype 99, int8, or float32 for an int8 one, is refused, naming
+   the value, and nothing is written (both were ignored); the default
+   exports, and so does float16 for a float16 model. */
+static void test_quantized_weight_dtype(void) {
+    static const mpt_quantize_mode modes[2] = {MPT_QUANTIZE_DYNAMIC_RANGE, MPT_QUANTIZE_FLOAT16};
+    const mpt_dtype bad[3] = {(mpt_dtype)99, MPT_INT8, MPT_FLOAT32};
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL;
+    char p[256];
+    int i, k, f;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build");
+    randomize(m);
+    for (i = 0; i < 2; i++) {
+        mpt_model *qm = NULL;
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = modes[i]}, &qm) == MPT_OK,
+              "quantize: %s", mpt_context_error(q));
+        for (f = 0; qm && f < 2; f++) {
+            mpt_status (*export_fn)(mpt_model *, const char *, const mpt_export_desc *) =
+                f ? mpt_model_export_onnx : mpt_model_export_tflite;
+            const char *name = f ? "quantized.onnx" : "quantized.tflite";
+            for (k = 0; k < 3; k++) {
+                mpt_status s = export_fn(qm, path_of(p, name),
+                                         &(mpt_export_desc){.weight_dtype = bad[k]});
+                CHECK(s == MPT_ERR_INVALID_ARGUMENT &&
+                          strstr(mpt_context_error(q), "weight_dtype") && !exists(p),
+                      "mode %d, %s, weight_dtype %d: status %d (%s)", (int)modes[i], name,
+                      (int)bad[k], (int)s, mpt_context_error(q));
+            }
+            CHECK(export_fn(qm, path_of(p, name), NULL) == MPT_OK && exists(p),
+                  "mode %d, %s, the default: %s", (int)modes[i], name, mpt_context_error(q));
+            remove(p);
+            if (modes[i] == MPT_QUANTIZE_FLOAT16)
+                CHECK(export_fn(qm, path_of(p, name),
+                                &(mpt_export_desc){.weight_dtype = MPT_FLOAT16}) == MPT_OK,
+                      "float16 for a float16 model, %s: %s", name, mpt_context_error(q));
+            remove(p);
+        }
+        mpt_model_destroy(qm);
+    }
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
 /* ---- full-integer quantized models in LiteRT ---------------------------------------- */
 
 #define Q_SAMPLES 400 /* top-1 on 99.5 %: at most 2 samples may differ */
@@ -1500,6 +1546,7 @@ int main(void) {
     check_quantization_aware(1);
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_unbuilt_model);
+    TEST_RUN(test_quantized_weight_dtype);
     TEST_RUN(test_unwritable_path);
     TEST_RUN(test_out_of_memory);
     remove_dir();

@@ -520,6 +520,71 @@ static void expect(mpt_context *ctx, mpt_status got, mpt_status want, const char
           what, mpt_context_error(ctx), words);
 }
 
+/* two_dense, compiled with Adam (sparse crossentropy from logits) and made
+   quantization-aware, with random weights; the first kernel's times
+   kernel_scale. */
+static mpt_model *two_dense_adam(mpt_context *ctx, double kernel_scale) {
+    mpt_model *m = two_dense(ctx, MPT_POLICY_FLOAT32);
+    mpt_param_info p;
+    int64_t k;
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.001f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = 1}}) ==
+              MPT_OK, "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_quantize_aware(m, NULL) == MPT_OK, "qat: %s", mpt_context_error(ctx));
+    randomize(m, 0.8);
+    mpt_model_param(m, 0, &p);
+    for (k = 0; k < mpt_tensor_count(&p.value); k++)
+        ((float *)p.value.data)[k] = (float)(((float *)p.value.data)[k] * kernel_scale);
+    mpt_model_refresh_weights(m);
+    return m;
+}
+
+/* 8 random samples of 4 features (one batch of two_dense), labels 0..2. */
+static mpt_dataset *random_data(mpt_context *ctx) {
+    static float x[8 * 4];
+    static int32_t y[8];
+    int k;
+    for (k = 0; k < 8 * 4; k++) x[k] = (float)test_uniform(-1, 1);
+    for (k = 0; k < 8; k++) y[k] = test_randint(0, 2);
+    return dataset(ctx, 8, 1, (int64_t[]){4}, x, y);
+}
+
+/* Large finite weights (a first kernel near 1e20) make the second
+   kernel's gradients near 1e20, finite, so the step is taken, but their
+   squares overflow float32: Adam's v becomes inf and those weights stop
+   moving (and the next step makes v NaN: inf − inf). After an epoch whose
+   last step did that, fit must stop with MPT_ERR_NUMERIC naming the
+   optimizer state, not return OK, and no checkpoint may be written that
+   load_checkpoint would refuse. */
+static void test_infinite_optimizer_state_stops_fit(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = two_dense_adam(ctx, 1e20 * test_uniform(1, 2));
+    mpt_dataset *d = random_data(ctx);
+    char path[] = "/tmp/mpt_test_qat_XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "temporary file");
+    close(fd);
+    CHECK(mpt_model_save_checkpoint(m, path) == MPT_OK, "save before: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load_checkpoint(m, path) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    remove(path);
+    expect(ctx, mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}),
+           MPT_ERR_NUMERIC, "optimizer slot \"v\"", "fit into an infinite v");
+    CHECK(strstr(mpt_context_error(ctx), "layer dense_1, tensor kernel") != NULL,
+          "message: %s", mpt_context_error(ctx));
+    expect(ctx, mpt_model_save_checkpoint(m, path), MPT_ERR_NUMERIC, "not written",
+           "save of an infinite v");
+    {
+        FILE *f = fopen(path, "rb");
+        CHECK(f == NULL, "'%s' was written", path);
+        if (f) fclose(f);
+    }
+    remove(path);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
 static void test_bad_input(void) {
     mpt_context *ctx = quiet_ctx();
     mpt_model *m = NULL, *q = NULL;
@@ -565,6 +630,56 @@ static void test_bad_input(void) {
     mpt_context_destroy(ctx);
 }
 
+/* A range that becomes [−inf, inf] in training: once through the public
+   API (learning rate 1e30, so that one step sends the weights past what
+   the next forward can hold), once from a checkpoint the loader accepts
+   (kernels near 1e20, whose logits overflow float32). The zero point of
+   such a range was NaN converted to int (undefined behaviour, which
+   -fsanitize=float-cast-overflow reports); now every range the model
+   keeps stays finite and fit stops with MPT_ERR_NUMERIC naming the layer
+   whose output overflowed. */
+static void test_overflowing_range_stops_fit(void) {
+    int k, i;
+    for (k = 0; k < 2; k++) {
+        mpt_context *ctx = quiet_ctx();
+        mpt_model *m = two_dense_adam(ctx, k ? 1e20 * test_uniform(1, 2) : 1);
+        mpt_dataset *d = random_data(ctx);
+        mpt_status s;
+        float lo, hi;
+        if (k == 0) {
+            CHECK(mpt_model_set_learning_rate(m, 1e30f) == MPT_OK, "learning rate: %s",
+                  mpt_context_error(ctx));
+        } else {
+            char path[] = "/tmp/mpt_test_qat_XXXXXX";
+            mpt_param_info p;
+            int64_t e;
+            int fd = mkstemp(path);
+            CHECK(fd >= 0, "temporary file");
+            close(fd);
+            mpt_model_param(m, 2, &p); /* the second kernel as large as the first */
+            for (e = 0; e < mpt_tensor_count(&p.value); e++)
+                ((float *)p.value.data)[e] *= (float)(1e20 * test_uniform(1, 2));
+            mpt_model_refresh_weights(m);
+            CHECK(mpt_model_save_checkpoint(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+            CHECK(mpt_model_load_checkpoint(m, path) == MPT_OK, "load: %s", mpt_context_error(ctx));
+            remove(path);
+        }
+        s = mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 3, .batch_size = 8});
+        CHECK(s == MPT_ERR_NUMERIC, "%s: fit: status %d (%s)", k ? "checkpoint" : "learning rate",
+              (int)s, mpt_context_error(ctx));
+        CHECK(strstr(mpt_context_error(ctx), "overflowed float32") &&
+                  strstr(mpt_context_error(ctx), k ? "layer 'dense_1'" : "layer 'dense"),
+              "%s: message: %s", k ? "checkpoint" : "learning rate", mpt_context_error(ctx));
+        for (i = -1; i < 2; i++)
+            if (mpt_model_qat_range(m, i, &lo, &hi) == MPT_OK)
+                CHECK(isfinite(lo) && isfinite(hi), "layer %d's range [%g, %g]", i, (double)lo,
+                      (double)hi);
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(d);
+        mpt_context_destroy(ctx);
+    }
+}
+
 /* A device backend (here the CPU's table under another address, which is
    what tells a model it is not on the CPU) is refused: fake quantization
    runs on host memory. */
@@ -593,6 +708,8 @@ int main(void) {
     TEST_RUN(test_mixed_precision);
     TEST_RUN(test_save_and_load);
     TEST_RUN(test_bad_input);
+    TEST_RUN(test_infinite_optimizer_state_stops_fit);
+    TEST_RUN(test_overflowing_range_stops_fit);
     TEST_RUN(test_refused_off_the_cpu);
     return test_summary("test_qat");
 }

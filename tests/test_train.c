@@ -437,6 +437,14 @@ static void test_bad_input(void) {
               MPT_ERR_INVALID_ARGUMENT, "validation_split 1.5 accepted");
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32, .verbose = 3}) ==
               MPT_ERR_INVALID_ARGUMENT, "verbose 3 accepted");
+    {
+        mpt_dataset *good = blob_dataset(x, y, N_SYN); /* every label in range */
+        CHECK(mpt_model_fit(m, good, &(mpt_fit_desc){.batch_size = 32, .on_out_of_memory = 7}) ==
+                      MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "on_out_of_memory 7"),
+              "on_out_of_memory 7 accepted (%s)", mpt_context_error(ctx));
+        mpt_dataset_destroy(good);
+    }
     CHECK(mpt_model_fit(m, NULL, &(mpt_fit_desc){.batch_size = 32}) == MPT_ERR_INVALID_ARGUMENT,
           "NULL data accepted");
     CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = -1}, &logs) ==
@@ -621,15 +629,15 @@ static void test_validation_split_as_keras(void) {
 
 /* ---- float targets (n,) for an output of one unit ---------------------------------- */
 
-/* Trains Dense(8, relu) -> Dense(1, act) on y of shape ty_rank == 1 ? (n,)
-   : (n, 1) for two epochs and returns the model. */
-static mpt_model *fit_one_unit(const float *x, const float *y, int ty_rank, mpt_loss_type loss,
-                               mpt_activation act, mpt_policy policy) {
+/* Trains Dense(8, relu) -> Dense(1, act) on y (float32 or int32) of shape
+   ty_rank == 1 ? (n,) : (n, 1) for two epochs and returns the model. */
+static mpt_model *fit_one_unit(const float *x, mpt_dtype y_dtype, const void *y, int ty_rank,
+                               mpt_loss_type loss, mpt_activation act, mpt_policy policy) {
     mpt_tensor tx, ty;
     mpt_dataset *d = NULL;
     mpt_model *m = NULL;
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, (void *)x);
-    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, ty_rank, (int64_t[]){N_SYN, 1}, (void *)y);
+    mpt_tensor_wrap(ctx, &ty, y_dtype, ty_rank, (int64_t[]){N_SYN, 1}, (void *)y);
     CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
           "dataset with y of rank %d: %s", ty_rank, mpt_context_error(ctx));
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
@@ -753,8 +761,8 @@ static void test_targets_of_shape_n(void) {
         mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
         mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
         mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
-        mpt_model *a = fit_one_unit(x, y, 2, loss, act, policy);
-        mpt_model *b = fit_one_unit(x, y, 1, loss, act, policy);
+        mpt_model *a = fit_one_unit(x, MPT_FLOAT32, y, 2, loss, act, policy);
+        mpt_model *b = fit_one_unit(x, MPT_FLOAT32, y, 1, loss, act, policy);
         CHECK(same_state(a, b), "%s: (n,) targets train otherwise than (n, 1)",
               mpt__loss_name(loss));
         CHECK(history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
@@ -783,6 +791,149 @@ static void test_targets_of_shape_n(void) {
         mpt_context_destroy(ctx);
         ctx = saved;
     }
+}
+
+/* int32 0/1 labels (what mpt_dataset_create documents for labels and the
+   IDX loader returns) for one output unit under binary crossentropy or
+   mean squared error are targets converted to float, as Keras casts them:
+   training and validation give what float32 labels give, bit for bit.
+   Sparse crossentropy over one class takes only label 0 (Keras raises for
+   1), and an integer past 2^24 (not exact in float32) is refused. */
+static void test_int32_targets_of_one_unit(void) {
+    static float x[N_SYN * FEATURES], yf[N_SYN];
+    static int32_t ids[N_SYN], yi[N_SYN];
+    mpt_context *saved = ctx;
+    int k, i;
+    make_blobs(x, ids, N_SYN, 14 + (uint64_t)test_randint(0, 1000));
+    for (i = 0; i < N_SYN; i++) {
+        yi[i] = ids[i] == 1;
+        yf[i] = (float)yi[i];
+    }
+    for (k = 0; k < 3; k++) {
+        mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
+        mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+        mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
+        mpt_model *a = fit_one_unit(x, MPT_FLOAT32, yf, 1, loss, act, policy);
+        mpt_model *b = fit_one_unit(x, MPT_INT32, yi, 1, loss, act, policy);
+        CHECK(same_state(a, b), "%s: int32 0/1 labels train otherwise than float32 ones",
+              mpt__loss_name(loss));
+        CHECK(history_value(a, "loss", 1) == history_value(b, "loss", 1) &&
+                  history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
+                  history_value(a, "val_accuracy", 1) == history_value(b, "val_accuracy", 1),
+              "%s: int32 labels: loss %.9g, val_loss %.9g, val_accuracy %g; float32: %.9g, "
+              "%.9g, %g", mpt__loss_name(loss), history_value(b, "loss", 1),
+              history_value(b, "val_loss", 1), history_value(b, "val_accuracy", 1),
+              history_value(a, "loss", 1), history_value(a, "val_loss", 1),
+              history_value(a, "val_accuracy", 1));
+        mpt_model_destroy(a);
+        mpt_model_destroy(b);
+    }
+    ctx = quiet_ctx();
+    for (k = 0; k < 2; k++) {
+        mpt_tensor tx, ty;
+        mpt_dataset *d = NULL;
+        mpt_model *m = NULL;
+        int32_t keep = yi[7];
+        mpt_status s;
+        if (k == 1) yi[7] = (1 << 24) + 1 + test_randint(0, 100);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, yi);
+        mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d);
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                                .seed = 3}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = k ? MPT_ACT_SIGMOID
+                                                                            : MPT_ACT_SOFTMAX});
+        mpt_model_compile(m, &(mpt_compile_desc){
+                                 .loss = {.type = k ? MPT_LOSS_BINARY_CROSSENTROPY
+                                                    : MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+        s = mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 16});
+        CHECK(s == MPT_ERR_INVALID_ARGUMENT,
+              k ? "an int32 target past 2^24 accepted (%s)"
+                : "sparse crossentropy over one class took label 1 (%s)",
+              mpt_status_string(s));
+        CHECK(strstr(mpt_context_error(ctx), k ? "2^24" : "1 classes") != NULL, "message: %s",
+              mpt_context_error(ctx));
+        s = mpt_model_evaluate(m, d, NULL, &(mpt_logs){0});
+        CHECK(s == MPT_ERR_INVALID_ARGUMENT, "evaluate: %s", mpt_status_string(s));
+        yi[7] = keep;
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+    }
+    mpt_context_destroy(ctx);
+    ctx = saved;
+}
+
+/* ---- sizes near INT64_MAX ------------------------------------------------------------ */
+
+/* max_batch INT64_MAX (mpt_model_build, and fit's batch_size on a model
+   fit builds) overflowed the rounding to the replicas' share before any
+   check; an input dimension of INT64_MAX was accepted and overflowed in
+   the layers' plans, then reported "out of memory"; so did a Conv2D whose
+   output is past what a sample may hold. Each is MPT_ERR_OVERFLOW with a
+   message naming it, and the model is left as it was (it then builds). */
+static void test_sizes_past_int64(void) {
+    mpt_context *saved = ctx;
+    mpt_model *m = NULL;
+    mpt_status s;
+    int64_t big = INT64_MAX - test_randint(0, 3);
+    ctx = quiet_ctx();
+    m = blob_model_for(MPT_POLICY_FLOAT32, 1, 0);
+    s = mpt_model_build(m, big);
+    CHECK(s == MPT_ERR_OVERFLOW && strstr(mpt_context_error(ctx), "overflow") && !m->built,
+          "build(%lld): status %d (%s)", (long long)big, (int)s, mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build(8) after: %s", mpt_context_error(ctx));
+    mpt_model_destroy(m);
+
+    m = NULL;
+    s = mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {2, big}, .input_rank = 2}, &m);
+    CHECK(s == MPT_ERR_OVERFLOW && m == NULL && strstr(mpt_context_error(ctx), "2^56"),
+          "input (2, %lld): status %d (%s)", (long long)big, (int)s, mpt_context_error(ctx));
+    s = mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {big}, .input_rank = 1}, &m);
+    CHECK(s == MPT_ERR_OVERFLOW && m == NULL && strstr(mpt_context_error(ctx), "2^56"),
+          "input (%lld,): status %d (%s)", (long long)big, (int)s, mpt_context_error(ctx));
+
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4, 4, 2}, .input_rank = 3}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = ((int64_t)1 << 57) + test_randint(0, 9),
+                                               .kernel_size = {3, 3}});
+    s = mpt_model_build(m, 2);
+    CHECK(s == MPT_ERR_OVERFLOW && strstr(mpt_context_error(ctx), "conv2d") &&
+              strstr(mpt_context_error(ctx), "too large"),
+          "Conv2D of 2^57 filters: status %d (%s)", (int)s, mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+    ctx = saved;
+}
+
+/* Keras: a batch_size past the training samples trains on all of them in
+   one batch. fit(batch_size = 2^26) on 16 samples planned buffers for 2^26
+   samples (15.8 GB for this model); it must build for 16 and train as
+   batch_size 16 does, bit for bit; INT64_MAX too; and a model built for
+   16 takes such a batch_size rather than refusing it. */
+static void test_batch_size_past_the_data(void) {
+    static float x[16 * FEATURES];
+    static int32_t y[16];
+    const int64_t sizes[2] = {(int64_t)1 << 26, INT64_MAX};
+    mpt_dataset *d;
+    mpt_model *want = blob_model_for(MPT_POLICY_FLOAT32, 7, 0), *m;
+    int k;
+    make_blobs(x, y, 16, 20 + (uint64_t)test_randint(0, 1000));
+    d = blob_dataset(x, y, 16);
+    CHECK(mpt_model_fit(want, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16}) == MPT_OK,
+          "fit with batch_size 16: %s", mpt_context_error(ctx));
+    for (k = 0; k < 3; k++) {
+        int64_t batch = sizes[k % 2];
+        m = blob_model_for(MPT_POLICY_FLOAT32, 7, k == 2 ? 16 : 0);
+        m->desc.memory_limit = 64 << 20; /* a plan for 2^26 samples fails, not the machine */
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = batch}) == MPT_OK,
+              "fit with batch_size %lld: %s", (long long)batch, mpt_context_error(ctx));
+        CHECK(m->built && m->max_batch == 16, "batch_size %lld for 16 samples: built for %lld",
+              (long long)batch, (long long)m->max_batch);
+        CHECK(m->built && same_state(m, want), "batch_size %lld trains otherwise than 16",
+              (long long)batch);
+        mpt_model_destroy(m);
+    }
+    mpt_model_destroy(want);
+    mpt_dataset_destroy(d);
 }
 
 /* ---- a short real run on Fashion-MNIST ------------------------------------------------ */
@@ -836,6 +987,9 @@ int main(void) {
     TEST_RUN(test_batch_size_zero_means_32);
     TEST_RUN(test_validation_split_as_keras);
     TEST_RUN(test_targets_of_shape_n);
+    TEST_RUN(test_int32_targets_of_one_unit);
+    TEST_RUN(test_sizes_past_int64);
+    TEST_RUN(test_batch_size_past_the_data);
     TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
     mpt_context_destroy(ctx);

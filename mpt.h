@@ -16217,7 +16217,7 @@ static void mpt__epoch_order(const mpt_model *m, int epoch, int shuffle, int64_t
 
 /* A dataset's samples fit the model (predict needs no more). */
 static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const char *what) {
-    int64_t shape[MPT_MAX_RANK];
+    int64_t shape[MPT_MAX_RANK] = {0}; /* gcc -O2 cannot see the dataset fill it */
     int rank = mpt_dataset_sample_shape(d, shape);
     return mpt__check_sample_shape(m, rank, shape, what);
 }

@@ -787,7 +787,8 @@ static void test_quantized_weight_dtype(void) {
         for (f = 0; qm && f < 2; f++) {
             mpt_status (*export_fn)(mpt_model *, const char *, const mpt_export_desc *) =
                 f ? mpt_model_export_onnx : mpt_model_export_tflite;
-            const char *name = f ? "quantized.onnx" : "quantized.tflite";
+            const char *name = f ? "weight_dtype.onnx" : "weight_dtype.tflite";
+            remove(path_of(p, name)); /* no file of that name before the refusals */
             for (k = 0; k < 3; k++) {
                 mpt_status s = export_fn(qm, path_of(p, name),
                                          &(mpt_export_desc){.weight_dtype = bad[k]});

@@ -335,8 +335,9 @@ impl_job() {
 TEST_ORDER="test_conv test_train test_data test_quantize test_export test_qat test_faults
 test_checkpoint test_pool test_optim test_backend test_strategy test_tensorboard"
 
-# TESTS_LEFT_OUT: those run_test_programs does not run (./build.sh test
-# leaves out tests/test_cuda.c, whose cases need a CUDA build).
+# test_sources: the test programs in that order, less TESTS_LEFT_OUT
+# (./build.sh test leaves out tests/test_cuda.c, whose cases need a CUDA
+# build).
 test_sources() {
     local t src
     {

@@ -750,6 +750,15 @@ static void test_conv2d_final_softmax(void) {
     mpt_model_destroy(logits);
 }
 
+/* The three one-unit trainings the target tests compare: binary
+   crossentropy with a sigmoid in float32 (k = 0) and mixed_float16 (1),
+   mean squared error without activation in float32 (2). */
+static void one_unit_case(int k, mpt_loss_type *loss, mpt_activation *act, mpt_policy *policy) {
+    *loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
+    *act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+    *policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
+}
+
 static void test_targets_of_shape_n(void) {
     static float x[N_SYN * FEATURES], y[N_SYN];
     static int32_t ids[N_SYN];
@@ -758,9 +767,10 @@ static void test_targets_of_shape_n(void) {
     make_blobs(x, ids, N_SYN, 13);
     for (i = 0; i < N_SYN; i++) y[i] = ids[i] == 1 ? 0.9f : (float)(i % 5) * 0.05f;
     for (k = 0; k < 3; k++) {
-        mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
-        mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
-        mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
+        mpt_loss_type loss;
+        mpt_activation act;
+        mpt_policy policy;
+        one_unit_case(k, &loss, &act, &policy);
         mpt_model *a = fit_one_unit(x, MPT_FLOAT32, y, 2, loss, act, policy);
         mpt_model *b = fit_one_unit(x, MPT_FLOAT32, y, 1, loss, act, policy);
         CHECK(same_state(a, b), "%s: (n,) targets train otherwise than (n, 1)",
@@ -810,9 +820,10 @@ static void test_int32_targets_of_one_unit(void) {
         yf[i] = (float)yi[i];
     }
     for (k = 0; k < 3; k++) {
-        mpt_loss_type loss = k < 2 ? MPT_LOSS_BINARY_CROSSENTROPY : MPT_LOSS_MEAN_SQUARED_ERROR;
-        mpt_activation act = k < 2 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
-        mpt_policy policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
+        mpt_loss_type loss;
+        mpt_activation act;
+        mpt_policy policy;
+        one_unit_case(k, &loss, &act, &policy);
         mpt_model *a = fit_one_unit(x, MPT_FLOAT32, yf, 1, loss, act, policy);
         mpt_model *b = fit_one_unit(x, MPT_INT32, yi, 1, loss, act, policy);
         CHECK(same_state(a, b), "%s: int32 0/1 labels train otherwise than float32 ones",

@@ -654,9 +654,6 @@ static mpt_model *fit_one_unit(const float *x, mpt_dtype y_dtype, const void *y,
     return m;
 }
 
-/* As Keras: targets (n,) train a one-unit output under binary crossentropy
-   and mean squared error exactly as targets (n, 1) do; (n,) targets for an
-   output of 3 units are refused. */
 /* ---- a Conv2D that ends in softmax ---------------------------------------------------- */
 
 enum { PIX_N = 5, PIX_H = 5, PIX_W = 4, PIX_C = 4, PIX_F = 16, PIX_OH = 1, PIX_OW = 1 };
@@ -759,6 +756,9 @@ static void one_unit_case(int k, mpt_loss_type *loss, mpt_activation *act, mpt_p
     *policy = k == 1 ? MPT_POLICY_MIXED_FLOAT16 : MPT_POLICY_FLOAT32;
 }
 
+/* As Keras: targets (n,) train a one-unit output under binary crossentropy
+   and mean squared error exactly as targets (n, 1) do; (n,) targets for an
+   output of 3 units are refused. */
 static void test_targets_of_shape_n(void) {
     static float x[N_SYN * FEATURES], y[N_SYN];
     static int32_t ids[N_SYN];

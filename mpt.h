@@ -225,7 +225,8 @@
                           mpt_cuda.cu)
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,
-                          the devices
+                          the devices, opening files (regular files only) and the
+                          crash-safe writer every file mpt.h writes goes through
        @impl-dtypes       float16/bfloat16 conversions, scalar and SIMD
        @impl-tensors      tensors: allocation, wrapping, shapes
        @impl-activations  the activations the GEMM epilogue and layers share
@@ -286,6 +287,7 @@
        bn_     BatchNormalization                      @impl-batchnorm
        cb_     callbacks, and the text they write      @impl-callbacks
        ckpt_   checkpoint files                        @impl-checkpoints
+               the crash-safe writer (every file)      @impl-context
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv2d
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-helpers
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite

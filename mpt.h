@@ -6479,9 +6479,41 @@ typedef struct mpt__pass {
                         backward skip it                                     */
 } mpt__pass;
 
+/* Which layer a table is, for the code that turns each layer into steps
+   of its own (the export's plan, quantization's operations) and for the
+   strategy's synchronized BatchNormalization; everything else asks the
+   table's facets below. */
+typedef enum mpt__layer_kind {
+    MPT__LAYER_DENSE,
+    MPT__LAYER_FLATTEN,
+    MPT__LAYER_ACTIVATION,
+    MPT__LAYER_CONV2D,
+    MPT__LAYER_MAX_POOLING2D,
+    MPT__LAYER_AVERAGE_POOLING2D,
+    MPT__LAYER_GLOBAL_AVERAGE_POOLING2D,
+    MPT__LAYER_BATCH_NORMALIZATION,
+    MPT__LAYER_DROPOUT,
+    MPT__LAYER_KINDS /* how many; a new kind goes before it */
+} mpt__layer_kind;
+
+/* A layer's table: what it is, its three passes, and its facets, the
+   questions code outside its section asks of it. A layer's section fills
+   every member, in this order (C++ has no designated initialisers), NULL
+   or 0 where it has no answer:
+     class_name, default_name, kind   required
+     build, forward, backward         required
+     commit                           optional: state a training step keeps
+     activation                       optional: the activation it ends with
+     macs                             optional: the profiler's FLOPs
+     plan_next                        optional: runs the next layer inside
+     replica_statistics               optional: what a strategy averages
+     identity_at_inference            0 or 1
+   A kind the export or quantization do not know is refused there with
+   MPT_ERR_UNSUPPORTED, naming the layer, until their switch handles it. */
 typedef struct mpt__layer_ops {
     const char *class_name;   /* "Dense", as Keras' summary prints it     */
     const char *default_name; /* "dense"; then "dense_1", "dense_2", ... */
+    mpt__layer_kind kind;
     mpt_status (*build)(struct mpt_model *m, mpt__layer *L);
     void (*forward)(mpt__layer *L, const mpt__pass *p);
     void (*backward)(mpt__layer *L, const mpt__pass *p);
@@ -6492,6 +6524,22 @@ typedef struct mpt__layer_ops {
     /* Optional: the activation the layer ends with (Dense's, Activation's);
        NULL: none. */
     mpt_activation (*activation)(const mpt__layer *L);
+    /* Optional: multiply-adds of one sample's forward, which the profiler
+       counts as FLOPs (mpt__kernel_macs for a kernel's product); NULL:
+       none. */
+    double (*macs)(const mpt__layer *L);
+    /* Optional: called by build once the layer after L is built; may plan
+       to run that layer inside L's forward and backward (a Conv2D and the
+       MaxPooling2D after it), growing L's workspace. */
+    mpt_status (*plan_next)(struct mpt_model *m, mpt__layer *L);
+    /* Optional: how many of L's saved buffers, from saved[0], hold
+       statistics of a replica's batch that a strategy averages over the
+       replicas before commit, each *count floats (BatchNormalization's
+       mean and variance); NULL: none. */
+    int (*replica_statistics)(const mpt__layer *L, int64_t *count);
+    /* 1: inference passes x through unchanged (Dropout), so the export and
+       quantization leave the layer out. */
+    int identity_at_inference;
 } mpt__layer_ops;
 
 #define MPT__MAX_LAYER_PARAMS 4
@@ -7105,10 +7153,6 @@ static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
     return MPT_OK;
 }
 
-/* In @impl-pooling, with the pair it plans: whether the Conv2D before
-   layer i (a MaxPooling2D) runs it, and that Conv2D's scratch for it. */
-static mpt_status mpt__conv_pool_plan(mpt_model *m, int i);
-
 /* Checks each layer against its input shape and declares its buffers. */
 static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
                                     int64_t *workspace_bytes) {
@@ -7148,8 +7192,9 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         }
         *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
         *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
-        if (i > 0) { /* the layer before may run this one (its scratch grows) */
-            MPT__CHECK(mpt__conv_pool_plan(m, i));
+        if (i > 0 && m->layers[i - 1].ops->plan_next) {
+            /* the layer before may run this one (its scratch grows) */
+            MPT__CHECK(m->layers[i - 1].ops->plan_next(m, &m->layers[i - 1]));
             *workspace_bytes = MPT__MAX(*workspace_bytes, m->layers[i - 1].workspace_bytes);
         }
         rank = L->out_rank;
@@ -7841,6 +7886,16 @@ static void *mpt__ws_take(mpt__ws *w, int64_t bytes) {
 /* Workspace bytes for `pieces` pieces whose sizes add up to `bytes`. */
 static int64_t mpt__ws_bytes(int64_t bytes, int pieces) { return bytes + (int64_t)pieces * MPT__ALIGN; }
 
+/* Multiply-adds per sample of a layer whose first parameter is a kernel
+   that makes each output channel (Dense's, Conv2D's): the kernel's
+   entries times the output positions. Their tables' `macs`. */
+static double mpt__kernel_macs(const mpt__layer *L) {
+    double channels;
+    if (L->n_params < 1) return 0;
+    channels = (double)L->out_shape[L->out_rank - 1];
+    return channels > 0 ? (double)L->param[0]->count * (double)L->out_count / channels : 0;
+}
+
 static int mpt__initializer_valid(mpt_initializer init) {
     return init >= MPT_INIT_DEFAULT && init < MPT_INIT_COUNT_;
 }
@@ -8313,9 +8368,10 @@ static mpt_activation mpt__dense_activation(const mpt__layer *L) {
     return L->desc.dense.activation;
 }
 
-static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", mpt__dense_build,
-                                              mpt__dense_forward, mpt__dense_backward, NULL,
-                                              mpt__dense_activation};
+static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", MPT__LAYER_DENSE,
+                                              mpt__dense_build, mpt__dense_forward,
+                                              mpt__dense_backward, NULL, mpt__dense_activation,
+                                              mpt__kernel_macs, NULL, NULL, 0};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     mpt_dense_desc defaults;
@@ -8359,9 +8415,10 @@ static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
         p->be->copy(p->impl, p->dx, p->dy, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
 }
 
-static const mpt__layer_ops mpt__flatten_ops = {"Flatten", "flatten", mpt__flatten_build,
-                                                mpt__flatten_forward, mpt__flatten_backward, NULL,
-                                                NULL};
+static const mpt__layer_ops mpt__flatten_ops = {"Flatten", "flatten", MPT__LAYER_FLATTEN,
+                                                mpt__flatten_build, mpt__flatten_forward,
+                                                mpt__flatten_backward, NULL, NULL, NULL, NULL,
+                                                NULL, 0};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
     mpt_flatten_desc none;
@@ -8405,10 +8462,11 @@ static mpt_activation mpt__activation_layer_activation(const mpt__layer *L) {
 }
 
 static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
-                                                   mpt__activation_build,
+                                                   MPT__LAYER_ACTIVATION, mpt__activation_build,
                                                    mpt__activation_layer_forward,
                                                    mpt__activation_layer_backward, NULL,
-                                                   mpt__activation_layer_activation};
+                                                   mpt__activation_layer_activation, NULL, NULL,
+                                                   NULL, 0};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
     mpt_activation_desc defaults;
@@ -11413,8 +11471,10 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
                               (const unsigned char *)p->y + at, (const unsigned char *)p->dy + at);
 }
 
-/* In @impl-pooling, with the pooling they run: the pair's passes (the
-   forward returns 0, having written nothing, where it declines). */
+/* In @impl-pooling, with the pooling they run: the pair's plan (the
+   table's plan_next) and passes (the forward returns 0, having written
+   nothing, where it declines). */
+static mpt_status mpt__conv_pool_plan(mpt_model *m, mpt__layer *L);
 static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p);
 static void mpt__conv2d_pool_backward(mpt__layer *L, const mpt__pass *p);
 
@@ -11437,9 +11497,10 @@ static mpt_activation mpt__conv2d_activation(const mpt__layer *L) {
     return L->desc.conv2d.activation;
 }
 
-static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", mpt__conv2d_build,
-                                               mpt__conv2d_forward, mpt__conv2d_backward, NULL,
-                                               mpt__conv2d_activation};
+static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", MPT__LAYER_CONV2D,
+                                               mpt__conv2d_build, mpt__conv2d_forward,
+                                               mpt__conv2d_backward, NULL, mpt__conv2d_activation,
+                                               mpt__kernel_macs, mpt__conv_pool_plan, NULL, 0};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
@@ -12000,15 +12061,16 @@ static void mpt__global_pool_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__pool_backward(L, p, MPT_POOL_AVERAGE, mpt__global_pool_win);
 }
 
-static const mpt__layer_ops mpt__max_pool_ops = {"MaxPooling2D", "max_pooling2d",
-                                                 mpt__max_pool_build, mpt__max_pool_forward,
-                                                 mpt__max_pool_backward, NULL, NULL};
-static const mpt__layer_ops mpt__avg_pool_ops = {"AveragePooling2D", "average_pooling2d",
-                                                 mpt__avg_pool_build, mpt__avg_pool_forward,
-                                                 mpt__avg_pool_backward, NULL, NULL};
+static const mpt__layer_ops mpt__max_pool_ops = {
+    "MaxPooling2D", "max_pooling2d", MPT__LAYER_MAX_POOLING2D, mpt__max_pool_build,
+    mpt__max_pool_forward, mpt__max_pool_backward, NULL, NULL, NULL, NULL, NULL, 0};
+static const mpt__layer_ops mpt__avg_pool_ops = {
+    "AveragePooling2D", "average_pooling2d", MPT__LAYER_AVERAGE_POOLING2D, mpt__avg_pool_build,
+    mpt__avg_pool_forward, mpt__avg_pool_backward, NULL, NULL, NULL, NULL, NULL, 0};
 static const mpt__layer_ops mpt__global_pool_ops = {
-    "GlobalAveragePooling2D", "global_average_pooling2d", mpt__global_pool_build,
-    mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL};
+    "GlobalAveragePooling2D", "global_average_pooling2d", MPT__LAYER_GLOBAL_AVERAGE_POOLING2D,
+    mpt__global_pool_build, mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL,
+    NULL, NULL, NULL, 0};
 
 /* MaxPooling2D or AveragePooling2D (ops), its descriptor checked. */
 static mpt_status mpt__add_pool(mpt_model *m, const mpt__layer_ops *ops, const mpt_pool2d_desc *d) {
@@ -12103,12 +12165,13 @@ static int64_t mpt__conv_pool_setup(const mpt__layer *L, int64_t max_batch, cons
     return mpt__conv_pool_layout(L, c, pg, be, impl, mpt__conv_pool_chunk(c), off);
 }
 
-static mpt_status mpt__conv_pool_plan(mpt_model *m, int i) {
-    mpt__layer *L = &m->layers[i - 1]; /* the Conv2D; L[1] the pooling */
+/* Conv2D L's plan_next: whether it runs the layer after it (a
+   MaxPooling2D), and its scratch for that. */
+static mpt_status mpt__conv_pool_plan(mpt_model *m, mpt__layer *L) {
     mpt__conv_plan c;
     mpt__win pg;
     int64_t off[MPT__CP_PIECES], bytes, end;
-    if (L->ops != &mpt__conv2d_ops || L[1].ops != &mpt__max_pool_ops || L->dtype != L[1].dtype ||
+    if (L[1].ops != &mpt__max_pool_ops || L->dtype != L[1].dtype ||
         mpt__model_device(m) != MPT_DEVICE_CPU ||
         (L->desc.conv2d.activation != MPT_ACT_NONE && L->desc.conv2d.activation != MPT_ACT_RELU))
         return MPT_OK;
@@ -12826,9 +12889,18 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
     return mpt__layer_set_workspace(m, L, 0, fixed);
 }
 
+/* The batch mean and variance each replica measured (saved[0], saved[1],
+   C floats each), which a strategy averages before commit; none when
+   synchronized (every replica already holds the union's). */
+static int mpt__bn_replica_statistics(const mpt__layer *L, int64_t *count) {
+    *count = L->in_shape[L->in_rank - 1];
+    return L->desc.batchnorm.synchronized ? 0 : 2;
+}
+
 static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normalization",
-                                           mpt__bn_build, mpt__bn_forward, mpt__bn_backward,
-                                           mpt__bn_commit, NULL};
+                                           MPT__LAYER_BATCH_NORMALIZATION, mpt__bn_build,
+                                           mpt__bn_forward, mpt__bn_backward, mpt__bn_commit,
+                                           NULL, NULL, NULL, mpt__bn_replica_statistics, 0};
 
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
     mpt_batchnorm_desc defaults;
@@ -13072,9 +13144,10 @@ static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
     return mpt__layer_set_workspace(m, L, L->dtype == MPT_FLOAT32 ? 0 : 4 * L->in_count, 0);
 }
 
-static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", mpt__dropout_build,
-                                                mpt__dropout_forward, mpt__dropout_backward,
-                                                NULL, NULL};
+static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", MPT__LAYER_DROPOUT,
+                                                mpt__dropout_build, mpt__dropout_forward,
+                                                mpt__dropout_backward, NULL, NULL, NULL, NULL,
+                                                NULL, 1};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
     mpt_dropout_desc defaults;
@@ -19814,14 +19887,11 @@ static void mpt__profile_loop_end(mpt__fit_run *r) {
 
 /* ---- the trace ---------------------------------------------------------------- */
 
-/* Multiply-adds per sample of a layer's product (Dense's and Conv2D's:
-   the kernel's entries times the output positions), 0 for the others. */
+/* Multiply-adds per sample of layer i, as its table counts them (Dense's
+   and Conv2D's products), 0 for the others. */
 static double mpt__profile_macs(const mpt_model *m, int i) {
     const mpt__layer *L = &m->layers[i];
-    double channels;
-    if ((L->ops != &mpt__dense_ops && L->ops != &mpt__conv2d_ops) || L->n_params < 1) return 0;
-    channels = (double)L->out_shape[L->out_rank - 1];
-    return channels > 0 ? (double)L->param[0]->count * (double)L->out_count / channels : 0;
+    return L->ops->macs ? L->ops->macs(L) : 0;
 }
 
 /* Floating-point operations of a piece on `rows` samples: 2 per
@@ -22024,7 +22094,7 @@ static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles
 /* ---- BatchNormalization synchronized over the replicas ------------------------ */
 
 static int mpt__is_sync_bn(const mpt__layer *L) {
-    return L->ops == &mpt__bn_ops && L->desc.batchnorm.synchronized;
+    return L->ops->kind == MPT__LAYER_BATCH_NORMALIZATION && L->desc.batchnorm.synchronized;
 }
 
 /* Host room for the widest synchronized layer's sums (none: nothing). */
@@ -22475,25 +22545,31 @@ static mpt_status mpt__comm_sum(mpt_model *m, int arena, int layer, int which, i
                                     m->be->comm_error(m->strategy->comm));
 }
 
-/* BatchNormalization's batch statistics made the mean over the replicas
-   that had rows (here and on every worker) before every replica commits
-   them: the moving statistics, an average of linear updates, then equal
-   the mean of per-replica moving statistics, which is what TensorFlow
-   reads from its per-replica (ON_READ, MEAN) variables. They stay the
-   same on every replica. */
+/* How many of layer L's saved buffers hold statistics of a replica's
+   batch, each *count floats (its table's replica_statistics). */
+static int mpt__replica_statistics(const mpt__layer *L, int64_t *count) {
+    *count = 0;
+    return L->ops->replica_statistics ? L->ops->replica_statistics(L, count) : 0;
+}
+
+/* The layers' batch statistics (BatchNormalization's) made the mean over
+   the replicas that had rows (here and on every worker) before every
+   replica commits them: the moving statistics, an average of linear
+   updates, then equal the mean of per-replica moving statistics, which is
+   what TensorFlow reads from its per-replica (ON_READ, MEAN) variables.
+   They stay the same on every replica. */
 static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *had_rows) {
     int n = m->n_replicas, i, j, k, any = 0;
+    int64_t C;
     double contributors = 0;
-    for (i = 0; i < m->n_layers; i++)
-        any |= m->layers[i].ops == &mpt__bn_ops && !mpt__is_sync_bn(&m->layers[i]);
+    for (i = 0; i < m->n_layers; i++) any |= mpt__replica_statistics(&m->layers[i], &C) > 0;
     if (!any) return MPT_OK; /* nothing to average: no collective either */
     for (k = 0; k < n; k++) contributors += had_rows[k] != 0;
     MPT__CHECK(mpt__workers_sum(m, &contributors, 1, 1, "counting the replicas with rows"));
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
-        int64_t C = L->in_shape[L->in_rank - 1];
-        if (L->ops != &mpt__bn_ops || mpt__is_sync_bn(L)) continue; /* synchronized: equal */
-        for (j = 0; j < 2; j++) { /* saved[0]: mean, saved[1]: variance, (C) each */
+        int stats = mpt__replica_statistics(L, &C);
+        for (j = 0; j < stats; j++) { /* saved[j], C floats */
             float *sum = (float *)L->saved[j];
             if (m->strategy->comm) { /* several devices: through the communicator */
                 float inv = (float)(1.0 / MPT__MAX(contributors, 1));
@@ -22910,7 +22986,7 @@ static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt
 /* Dense or Conv2D: the kernel transposed into (N, K) rows, one per output
    channel, and the bias (zeros without one), checked finite. */
 static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const mpt__layer *L) {
-    int conv = strcmp(L->ops->class_name, "Conv2D") == 0;
+    int conv = L->ops->kind == MPT__LAYER_CONV2D;
     mpt__qop *op = mpt__q_append(Q, L, conv ? MPT_QOP_CONV_2D : MPT_QOP_FULLY_CONNECTED);
     const mpt__param *kernel = mpt__q_layer_param(L, "kernel"), *bias = mpt__q_layer_param(L, "bias");
     mpt_activation act = conv ? L->desc.conv2d.activation : L->desc.dense.activation;
@@ -23025,14 +23101,14 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
     if (!Q->ops) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
-        const char *cls = L->ops->class_name;
-        if (!strcmp(cls, "Dense") || !strcmp(cls, "Conv2D")) {
+        if (L->ops->identity_at_inference) continue;
+        switch (L->ops->kind) {
+        case MPT__LAYER_DENSE:
+        case MPT__LAYER_CONV2D:
             MPT__CHECK(mpt__q_append_weighted(m, Q, L));
             open = 1;
             continue;
-        }
-        if (!strcmp(cls, "Dropout")) continue; /* the identity at inference */
-        if (!strcmp(cls, "BatchNormalization")) {
+        case MPT__LAYER_BATCH_NORMALIZATION: {
             mpt__qop *op = mpt__q_open_product(Q, open);
             if (!op || op->info.folded_batchnorm)
                 return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
@@ -23042,23 +23118,23 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
             MPT__CHECK(mpt__q_fold_batchnorm(m, op, L));
             continue;
         }
-        if (!strcmp(cls, "Activation")) {
+        case MPT__LAYER_ACTIVATION: {
             mpt_activation act = L->desc.activation.activation;
             mpt__qop *op = mpt__q_open_product(Q, open);
             if (act == MPT_ACT_NONE) continue;
             if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU, op->last = L;
             else mpt__q_append_activation(Q, L, act);
-        } else if (!strcmp(cls, "MaxPooling2D")) {
-            mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D);
-        } else if (!strcmp(cls, "AveragePooling2D")) {
-            mpt__q_append_pool(Q, L, MPT_QOP_AVERAGE_POOL_2D);
-        } else if (!strcmp(cls, "GlobalAveragePooling2D")) {
+            break;
+        }
+        case MPT__LAYER_MAX_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D); break;
+        case MPT__LAYER_AVERAGE_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_AVERAGE_POOL_2D); break;
+        case MPT__LAYER_GLOBAL_AVERAGE_POOLING2D:
             mpt__q_append_pool(Q, L, MPT_QOP_GLOBAL_AVERAGE_POOL_2D);
-        } else if (!strcmp(cls, "Flatten")) {
-            mpt__q_append(Q, L, MPT_QOP_RESHAPE);
-        } else {
-            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                             "quantize: layer '%s' (%s) has no quantized form", L->name, cls);
+            break;
+        case MPT__LAYER_FLATTEN: mpt__q_append(Q, L, MPT_QOP_RESHAPE); break;
+        default:
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
+                             "quantized form", L->name, L->ops->class_name);
         }
         open = 0;
     }
@@ -25539,43 +25615,50 @@ static mpt_status mpt__export_unsupported(const mpt__export_plan *pl, const mpt_
                      pl->path, L->name, L->ops->class_name, why);
 }
 
-/* One layer's steps: a new step, a merge into the one before, or none. */
-static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
-    const mpt__layer_ops *ops = L->ops;
-    mpt__export_step *before = mpt__export_mergeable(pl);
-    if (ops == &mpt__dropout_ops) return MPT_OK; /* inference: the identity */
-    if (ops == &mpt__dense_ops) return mpt__export_weighted(pl, cap, L, MPT__EXPORT_DENSE);
-    if (ops == &mpt__conv2d_ops) return mpt__export_weighted(pl, cap, L, MPT__EXPORT_CONV2D);
-    if (ops == &mpt__activation_ops) {
-        mpt_activation act = L->desc.activation.activation;
-        if (act == MPT_ACT_NONE) return MPT_OK;
-        if (before) {
-            before->act = act;
-            return MPT_OK;
-        }
-        MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_ACTIVATION, L, 0, 0));
-        pl->steps[pl->n - 1].act = act;
+/* An Activation's step, or its activation merged into the step before. */
+static mpt_status mpt__export_activation(mpt__export_plan *pl, int *cap, const mpt__layer *L,
+                                         mpt__export_step *before) {
+    mpt_activation act = L->desc.activation.activation;
+    if (act == MPT_ACT_NONE) return MPT_OK;
+    if (before) {
+        before->act = act;
         return MPT_OK;
     }
-    if (ops == &mpt__bn_ops) {
+    MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_ACTIVATION, L, 0, 0));
+    pl->steps[pl->n - 1].act = act;
+    return MPT_OK;
+}
+
+/* A MaxPooling2D's or AveragePooling2D's step (kind), with its window. */
+static mpt_status mpt__export_pool(mpt__export_plan *pl, int *cap, const mpt__layer *L,
+                                   mpt__export_kind kind) {
+    MPT__CHECK(mpt__export_step_add(pl, cap, kind, L, 0, 0));
+    mpt__pool_win(&pl->steps[pl->n - 1].g, L);
+    pl->steps[pl->n - 1].padding = L->desc.pool2d.padding;
+    return MPT_OK;
+}
+
+/* One layer's steps: a new step, a merge into the one before, or none. */
+static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
+    mpt__export_step *before = mpt__export_mergeable(pl);
+    if (L->ops->identity_at_inference) return MPT_OK;
+    switch (L->ops->kind) {
+    case MPT__LAYER_DENSE: return mpt__export_weighted(pl, cap, L, MPT__EXPORT_DENSE);
+    case MPT__LAYER_CONV2D: return mpt__export_weighted(pl, cap, L, MPT__EXPORT_CONV2D);
+    case MPT__LAYER_ACTIVATION: return mpt__export_activation(pl, cap, L, before);
+    case MPT__LAYER_BATCH_NORMALIZATION:
         if (!before) return mpt__export_scale_shift(pl, cap, L);
         mpt__export_fold_bn(pl, before, L);
         return MPT_OK;
-    }
-    if (ops == &mpt__max_pool_ops || ops == &mpt__avg_pool_ops) {
-        MPT__CHECK(mpt__export_step_add(pl, cap, ops == &mpt__max_pool_ops
-                                                     ? MPT__EXPORT_MAX_POOL
-                                                     : MPT__EXPORT_AVG_POOL, L, 0, 0));
-        mpt__pool_win(&pl->steps[pl->n - 1].g, L);
-        pl->steps[pl->n - 1].padding = L->desc.pool2d.padding;
-        return MPT_OK;
-    }
-    if (ops == &mpt__global_pool_ops)
+    case MPT__LAYER_MAX_POOLING2D: return mpt__export_pool(pl, cap, L, MPT__EXPORT_MAX_POOL);
+    case MPT__LAYER_AVERAGE_POOLING2D: return mpt__export_pool(pl, cap, L, MPT__EXPORT_AVG_POOL);
+    case MPT__LAYER_GLOBAL_AVERAGE_POOLING2D:
         return mpt__export_step_add(pl, cap, MPT__EXPORT_GLOBAL_AVG_POOL, L, 0, 0);
-    if (ops == &mpt__flatten_ops)
+    case MPT__LAYER_FLATTEN:
         return L->in_rank == 1 ? MPT_OK /* already a vector */
                                : mpt__export_step_add(pl, cap, MPT__EXPORT_FLATTEN, L, 0, 0);
-    return mpt__export_unsupported(pl, L, "has no counterpart in the export");
+    default: return mpt__export_unsupported(pl, L, "has no counterpart in the export");
+    }
 }
 
 static void mpt__export_plan_free(mpt__export_plan *pl) {

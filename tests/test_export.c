@@ -728,6 +728,7 @@ static void test_unsupported_layer(void) {
     real = m->layers[2].ops;
     mystery = *real;
     mystery.class_name = "Mystery";
+    mystery.kind = MPT__LAYER_KINDS; /* past every kind mpt.h knows */
     m->layers[2].ops = &mystery;
     for (k = 0; k < 2; k++) {
         mpt_status s = fns[k](m, path_of(p, names[k]), NULL);

@@ -6479,10 +6479,10 @@ typedef struct mpt__pass {
                         backward skip it                                     */
 } mpt__pass;
 
-/* Which layer a table is, for the code that turns each layer into steps
-   of its own (the export's plan, quantization's operations) and for the
-   strategy's synchronized BatchNormalization; everything else asks the
-   table's facets below. */
+/* Which layer a table is, for the code that translates each layer into
+   steps of its own (the export's plan, quantization's operations) and for
+   the strategy's synchronized BatchNormalization; everything else asks
+   the table's facets. */
 typedef enum mpt__layer_kind {
     MPT__LAYER_DENSE,
     MPT__LAYER_FLATTEN,
@@ -6496,20 +6496,30 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
-/* A layer's table: what it is, its three passes, and its facets, the
-   questions code outside its section asks of it. A layer's section fills
-   every member, in this order (C++ has no designated initialisers), NULL
-   or 0 where it has no answer:
-     class_name, default_name, kind   required
-     build, forward, backward         required
-     commit                           optional: state a training step keeps
-     activation                       optional: the activation it ends with
-     macs                             optional: the profiler's FLOPs
-     plan_next                        optional: runs the next layer inside
-     replica_statistics               optional: what a strategy averages
-     identity_at_inference            0 or 1
-   A kind the export or quantization do not know is refused there with
-   MPT_ERR_UNSUPPORTED, naming the layer, until their switch handles it. */
+/* A layer's table: what it is, its passes, and its facets, the questions
+   code outside its section asks of it instead of naming it. Adding a
+   layer takes:
+     1. @layers: its descriptor mpt_<name>_desc and mpt_model_add_<name>;
+        @impl-layers: its member of mpt__layer_desc, its MPT__LAYER_ kind.
+     2. Its @impl-<name> section: build, forward, backward, and its table,
+        every member given, in this order (C++ has no designated
+        initialisers), an optional one NULL or 0 where it has no answer:
+          class_name, default_name  required: Keras' names
+          kind                      required: its MPT__LAYER_ value
+          build, forward, backward  required
+          commit                    optional: state a training step keeps
+          activation                optional: the activation it ends with
+          macs                      optional: what the profiler counts
+          plan_next                 optional: runs the next layer inside
+          replica_statistics        optional: what a strategy averages
+          identity_at_inference     optional: 1 where inference leaves it out
+     3. Its tests.
+     4. Only when its math is new: backend slots and their CPU and CUDA
+        functions.
+   Its parameters are then saved, loaded, initialised, updated and summed
+   over replicas with no further code. The export (mpt__export_layer) and
+   quantization (mpt__q_build_ops) refuse a kind they have no case for
+   with MPT_ERR_UNSUPPORTED, naming the layer. */
 typedef struct mpt__layer_ops {
     const char *class_name;   /* "Dense", as Keras' summary prints it     */
     const char *default_name; /* "dense"; then "dense_1", "dense_2", ... */

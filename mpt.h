@@ -2362,6 +2362,7 @@ extern int mpt_cuda_wgmma_ready(const void *impl);
    uses mpt.h's API does not compile it. */
 
 #include <float.h> /* FLT_MIN, FLT_MAX */
+#include <math.h>  /* the rules' sqrt, pow, cos, erff, expf, logf */
 
 #if defined(__CUDACC__)
 #define MPT__HD __host__ __device__
@@ -2457,14 +2458,36 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
     }
 }
 
-/* A product rounded once: no fused multiply-add forms with what is then
-   added to it, on the GPU either, so both backends get the same bits. */
-static inline MPT__HD double mpt__mul_rounded(double a, double b) {
+/* ---- arithmetic rounded at every step -------------------------------------
+   Each operation below is rounded once, to nearest even: no fused
+   multiply-add forms from a product and what is then added to it, so the
+   rules written with them give the same bits on both backends. In device
+   code they are the _rn intrinsics, which nvcc never contracts; on the
+   host the plain operators, which an ISO C or C++ build (-std=c99, c11,
+   c++17: -ffp-contract=off) never contracts either. */
 #if defined(__CUDA_ARCH__)
-    return __dmul_rn(a, b);
+#define MPT__ROUNDED(device, host) device
 #else
-    return a * b;
+#define MPT__ROUNDED(device, host) host
 #endif
+static inline MPT__HD float mpt__fadd_rn(float a, float b) {
+    return MPT__ROUNDED(__fadd_rn(a, b), a + b);
+}
+static inline MPT__HD float mpt__fsub_rn(float a, float b) {
+    return MPT__ROUNDED(__fsub_rn(a, b), a - b);
+}
+static inline MPT__HD float mpt__fmul_rn(float a, float b) {
+    return MPT__ROUNDED(__fmul_rn(a, b), a * b);
+}
+static inline MPT__HD float mpt__fdiv_rn(float a, float b) {
+    return MPT__ROUNDED(__fdiv_rn(a, b), a / b);
+}
+static inline MPT__HD float mpt__fsqrt_rn(float a) { return MPT__ROUNDED(__fsqrt_rn(a), sqrtf(a)); }
+static inline MPT__HD double mpt__dadd_rn(double a, double b) {
+    return MPT__ROUNDED(__dadd_rn(a, b), a + b);
+}
+static inline MPT__HD double mpt__dmul_rn(double a, double b) {
+    return MPT__ROUNDED(__dmul_rn(a, b), a * b);
 }
 
 /* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
@@ -2478,11 +2501,122 @@ static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, i
                                            double top_k) {
     int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
     double samples = (double)(rows / per);
-    state->loss_sum += mpt__mul_rounded(mean, samples);
+    state->loss_sum += mpt__dmul_rn(mean, samples);
     state->samples += samples;
     if (metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
         state->correct += correct / (double)per;
     if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
+}
+
+/* ---- the learning rate and the optimizers' update -------------------------
+   mpt__cpu_update (@impl-optimizers) and mpt__cuda_update run these: the
+   step's coefficients once per step, then one update per element. */
+
+/* The rate at optimizer step t (steps taken so far) for a base rate: a
+   linear warm-up over the first W steps, lr·(t + 1)/W, then the decay run
+   on t − W, as the header's mpt_lr_schedule describes. (pow and cos are
+   each platform's own: the host's libm and CUDA's may differ in the last
+   bit.) */
+static inline MPT__HD double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr,
+                                                   int64_t t) {
+    const mpt_lr_schedule *s = &d->schedule;
+    double D = (double)s->decay_steps;
+    int64_t W = s->warmup_steps;
+    if (t < 0) t = 0;
+    if (t < W) return base_lr * (double)(t + 1) / (double)W;
+    t -= W;
+    switch (s->type) {
+    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow((double)s->decay_rate, (double)t / D);
+    case MPT_LR_STEP_DECAY:
+        return base_lr * pow((double)s->decay_rate, (double)(t / s->decay_steps));
+    case MPT_LR_COSINE_DECAY: {
+        double progress = (double)(t < s->decay_steps ? t : s->decay_steps) / D; /* 0..1 */
+        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
+        double alpha = (double)s->alpha;
+        return base_lr * mpt__dadd_rn(mpt__dmul_rn(1.0 - alpha, cosine), alpha);
+    }
+    default: return base_lr;
+    }
+}
+
+/* Every number the per-element update uses, in float32 as Keras computes. */
+typedef struct mpt__update_coefs {
+    float gscale;   /* 1 / loss scale × the clipping factor             */
+    float l2;       /* coupled: added to the gradient as l2·w            */
+    float decay;    /* decoupled: w −= w·(lr·weight_decay)               */
+    float lr;       /* this step's scheduled rate                        */
+    float momentum; /* SGD                                               */
+    float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)         */
+} mpt__update_coefs;
+
+/* The step's coefficients: the scheduled rate, Adam's α with its bias
+   correction for t = optimizer_steps + 1, and the gradient multiplier,
+   1/scale (a reciprocal in double, as PyTorch; exact for a power of two)
+   times min(1, c/‖g‖), ‖g‖ the global norm after unscaling; in double,
+   each rounded to float once. */
+static inline MPT__HD mpt__update_coefs mpt__update_coefs_at(const mpt_optimizer_desc *d,
+                                                             const mpt_step_state *st) {
+    double lr = mpt__learning_rate_at(d, (double)st->learning_rate, st->optimizer_steps);
+    double inv_scale = 1.0 / (double)st->loss_scale;
+    double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
+    double t = (double)(st->optimizer_steps + 1);
+    double bias1 = 1.0 - pow((double)d->beta_1, t), bias2 = 1.0 - pow((double)d->beta_2, t);
+    mpt__update_coefs k;
+    if (d->clip_global_norm > 0 && norm > (double)d->clip_global_norm)
+        clip = (double)d->clip_global_norm / norm;
+    k.gscale = (float)(inv_scale * clip);
+    k.l2 = d->l2;
+    k.decay = (float)(lr * (double)d->weight_decay);
+    k.lr = (float)lr;
+    k.momentum = d->momentum;
+    k.one_minus_b1 = (float)(1.0 - (double)d->beta_1);
+    k.one_minus_b2 = (float)(1.0 - (double)d->beta_2);
+    k.alpha = (float)(lr * sqrt(bias2) / bias1);
+    k.epsilon = d->epsilon;
+    return k;
+}
+
+/* What every rule starts from (Keras 3): the gradient unscaled and
+   clipped, plus the coupled L2 term; and the master after the decoupled
+   decay. */
+static inline MPT__HD float mpt__update_grad(const mpt__update_coefs *k, float w, float g) {
+    return mpt__fadd_rn(mpt__fmul_rn(g, k->gscale), mpt__fmul_rn(k->l2, w));
+}
+static inline MPT__HD float mpt__update_decayed(const mpt__update_coefs *k, float w) {
+    return mpt__fsub_rn(w, mpt__fmul_rn(w, k->decay));
+}
+
+/* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
+   m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g² in the order Keras
+   rounds them; w −= α·m / (sqrt(v) + ε) with the bias correction folded
+   into α. Returns the new master; *m and *v are updated. */
+static inline MPT__HD float mpt__adam_update(const mpt__update_coefs *k, float w, float g,
+                                             float *m, float *v) {
+    float gi = mpt__update_grad(k, w, g), wi = mpt__update_decayed(k, w);
+    float mi = mpt__fadd_rn(*m, mpt__fmul_rn(mpt__fsub_rn(gi, *m), k->one_minus_b1));
+    float vi = mpt__fadd_rn(*v, mpt__fmul_rn(mpt__fsub_rn(mpt__fmul_rn(gi, gi), *v),
+                                             k->one_minus_b2));
+    float den = mpt__fadd_rn(mpt__fsqrt_rn(vi), k->epsilon);
+    *m = mi;
+    *v = vi;
+    return mpt__fsub_rn(wi, mpt__fdiv_rn(mpt__fmul_rn(mi, k->alpha), den));
+}
+
+/* SGD without momentum (Keras 3): w −= lr·g. */
+static inline MPT__HD float mpt__sgd_update(const mpt__update_coefs *k, float w, float g) {
+    return mpt__fsub_rn(mpt__update_decayed(k, w), mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr));
+}
+
+/* SGD with momentum (Keras 3): velocity = momentum·velocity − lr·g, then
+   w += velocity, or with nesterov w += momentum·velocity − lr·g. Returns
+   the new master; *velocity is updated. */
+static inline MPT__HD float mpt__momentum_update(const mpt__update_coefs *k, float w, float g,
+                                                 float *velocity, int nesterov) {
+    float step = mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr), wi = mpt__update_decayed(k, w);
+    float v = mpt__fsub_rn(mpt__fmul_rn(*velocity, k->momentum), step);
+    *velocity = v;
+    if (!nesterov) return mpt__fadd_rn(wi, v);
+    return mpt__fadd_rn(wi, mpt__fsub_rn(mpt__fmul_rn(v, k->momentum), step));
 }
 
 /* ---- the int8 GEMM's requantization ----------------------------------------
@@ -13803,30 +13937,9 @@ static int mpt__optimizer_slot_count(const mpt_optimizer_desc *d) {
     return 2;
 }
 
-/* ---- learning-rate schedules ---------------------------------------------- */
-
-/* The rate at optimizer step t (steps taken so far) for a base rate: a
-   linear warm-up over the first W steps, lr·(t + 1)/W, then the decay run
-   on t − W, as the header's mpt_lr_schedule describes. */
-static double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr, int64_t t) {
-    const mpt_lr_schedule *s = &d->schedule;
-    double D = (double)s->decay_steps;
-    int64_t W = s->warmup_steps;
-    if (t < 0) t = 0;
-    if (t < W) return base_lr * (double)(t + 1) / (double)W;
-    t -= W;
-    switch (s->type) {
-    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow(s->decay_rate, (double)t / D);
-    case MPT_LR_STEP_DECAY: return base_lr * pow(s->decay_rate, (double)(t / s->decay_steps));
-    case MPT_LR_COSINE_DECAY: {
-        double progress = (double)MPT__MIN(t, s->decay_steps) / D; /* 0..1 */
-        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
-        return base_lr * ((1.0 - s->alpha) * cosine + s->alpha);
-    }
-    default: return base_lr;
-    }
-}
-
+/* ---- learning-rate schedules ----------------------------------------------
+   mpt__learning_rate_at, the rate at a step, is @backend-shared's: the
+   CUDA backend's update runs it too. */
 
 /* ---- walking the trainable parameters as one vector ----------------------- */
 
@@ -13993,86 +14106,55 @@ typedef struct mpt__update_job mpt__update_job;
 typedef void (*mpt__block_fn)(const mpt__update_job *j, float *w, const float *g, float *s0,
                               float *s1, int64_t n);
 
-/* Every number the element loops use, in float32 as Keras computes. */
+/* The element loops' numbers: the step's coefficients (@backend-shared's
+   mpt__update_coefs_at, as the CUDA backend's). */
 struct mpt__update_job {
     const mpt_context *ctx;
     const mpt_update_args *u;
     mpt__ranges r;
     mpt__block_fn block; /* the optimizer's loop, for this CPU           */
     int nesterov;
-    float gscale;        /* 1 / loss scale × the clipping factor            */
-    float l2;            /* coupled: added to the gradient as l2·w           */
-    float decay;         /* decoupled: w −= w·(lr·weight_decay)              */
-    float lr;            /* this step's scheduled rate                       */
-    float momentum;      /* SGD                                              */
-    float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)             */
+    mpt__update_coefs k;
 };
 
-/* SGD (Keras 3): with a momentum, velocity = momentum·velocity − lr·g and
-   w += velocity (nesterov: w += momentum·velocity − lr·g); without one,
-   w −= lr·g. s0 is the velocity (NULL without momentum). */
+/* SGD, the rules of @backend-shared (mpt__sgd_update, and with a momentum
+   mpt__momentum_update) element by element. s0 is the velocity (NULL
+   without momentum). */
 static void mpt__sgd_block(const mpt__update_job *j, float *MPT__RESTRICT w,
                            const float *MPT__RESTRICT g, float *MPT__RESTRICT s0, float *s1,
                            int64_t n) {
-    const float gscale = j->gscale, l2 = j->l2, decay = j->decay, lr = j->lr;
-    const float mu = j->momentum;
+    const mpt__update_coefs k = j->k;
     int64_t i;
     (void)s1;
     if (!s0) {
-        for (i = 0; i < n; i++) {
-            float gi = g[i] * gscale + l2 * w[i];
-            float wi = w[i] - w[i] * decay;
-            w[i] = wi - gi * lr;
-        }
+        for (i = 0; i < n; i++) w[i] = mpt__sgd_update(&k, w[i], g[i]);
     } else if (!j->nesterov) {
-        for (i = 0; i < n; i++) {
-            float gi = g[i] * gscale + l2 * w[i];
-            float wi = w[i] - w[i] * decay;
-            float v = s0[i] * mu - gi * lr;
-            s0[i] = v;
-            w[i] = wi + v;
-        }
+        for (i = 0; i < n; i++) w[i] = mpt__momentum_update(&k, w[i], g[i], &s0[i], 0);
     } else {
-        for (i = 0; i < n; i++) {
-            float gi = g[i] * gscale + l2 * w[i];
-            float wi = w[i] - w[i] * decay;
-            float v = s0[i] * mu - gi * lr;
-            s0[i] = v;
-            w[i] = wi + (v * mu - gi * lr);
-        }
+        for (i = 0; i < n; i++) w[i] = mpt__momentum_update(&k, w[i], g[i], &s0[i], 1);
     }
 }
 
-/* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
-   m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g² in the order Keras
-   rounds them; w −= α·m / (sqrt(v) + ε) with the bias correction folded
-   into α. s0 is m, s1 is v. */
+/* Adam, @backend-shared's mpt__adam_update element by element. s0 is m,
+   s1 is v. */
 static void mpt__adam_block(const mpt__update_job *j, float *MPT__RESTRICT w,
                             const float *MPT__RESTRICT g, float *MPT__RESTRICT s0,
                             float *MPT__RESTRICT s1, int64_t n) {
-    const float gscale = j->gscale, l2 = j->l2, decay = j->decay;
-    const float c1 = j->one_minus_b1, c2 = j->one_minus_b2, alpha = j->alpha, eps = j->epsilon;
+    const mpt__update_coefs k = j->k;
     int64_t i;
-    for (i = 0; i < n; i++) {
-        float gi = g[i] * gscale + l2 * w[i];
-        float mi = s0[i] + (gi - s0[i]) * c1;
-        float vi = s1[i] + (gi * gi - s1[i]) * c2;
-        float wi = w[i] - w[i] * decay;
-        s0[i] = mi;
-        s1[i] = vi;
-        w[i] = wi - (mi * alpha) / (sqrtf(vi) + eps);
-    }
+    for (i = 0; i < n; i++) w[i] = mpt__adam_update(&k, w[i], g[i], &s0[i], &s1[i]);
 }
 
 #if MPT__X86
-/* The loops above, 8 lanes at a time; the last n % 8 elements go through
-   the portable loop. */
+/* The loops above, 8 lanes at a time: the same rules, the same float
+   operations in the same order, so the same bits (tests/test_optim.c
+   compares them); the last n % 8 elements go through the portable loop. */
 static MPT__TARGET_AVX2 void mpt__sgd_block_avx2(const mpt__update_job *j, float *w,
                                                  const float *g, float *s0, float *s1,
                                                  int64_t n) {
-    const __m256 gscale = _mm256_set1_ps(j->gscale), l2 = _mm256_set1_ps(j->l2);
-    const __m256 decay = _mm256_set1_ps(j->decay), lr = _mm256_set1_ps(j->lr);
-    const __m256 mu = _mm256_set1_ps(j->momentum);
+    const __m256 gscale = _mm256_set1_ps(j->k.gscale), l2 = _mm256_set1_ps(j->k.l2);
+    const __m256 decay = _mm256_set1_ps(j->k.decay), lr = _mm256_set1_ps(j->k.lr);
+    const __m256 mu = _mm256_set1_ps(j->k.momentum);
     int64_t i;
     for (i = 0; i + 8 <= n; i += 8) {
         __m256 w0 = _mm256_loadu_ps(w + i);
@@ -14095,10 +14177,10 @@ static MPT__TARGET_AVX2 void mpt__sgd_block_avx2(const mpt__update_job *j, float
 static MPT__TARGET_AVX2 void mpt__adam_block_avx2(const mpt__update_job *j, float *w,
                                                   const float *g, float *s0, float *s1,
                                                   int64_t n) {
-    const __m256 gscale = _mm256_set1_ps(j->gscale), l2 = _mm256_set1_ps(j->l2);
-    const __m256 decay = _mm256_set1_ps(j->decay), alpha = _mm256_set1_ps(j->alpha);
-    const __m256 c1 = _mm256_set1_ps(j->one_minus_b1), c2 = _mm256_set1_ps(j->one_minus_b2);
-    const __m256 eps = _mm256_set1_ps(j->epsilon);
+    const __m256 gscale = _mm256_set1_ps(j->k.gscale), l2 = _mm256_set1_ps(j->k.l2);
+    const __m256 decay = _mm256_set1_ps(j->k.decay), alpha = _mm256_set1_ps(j->k.alpha);
+    const __m256 c1 = _mm256_set1_ps(j->k.one_minus_b1), c2 = _mm256_set1_ps(j->k.one_minus_b2);
+    const __m256 eps = _mm256_set1_ps(j->k.epsilon);
     int64_t i;
     for (i = 0; i + 8 <= n; i += 8) {
         __m256 w0 = _mm256_loadu_ps(w + i), m0 = _mm256_loadu_ps(s0 + i);
@@ -14122,10 +14204,10 @@ static MPT__TARGET_AVX2 void mpt__adam_block_avx2(const mpt__update_job *j, floa
 MPT__TARGET_AVX512 static void mpt__adam_block_avx512(const mpt__update_job *j, float *w,
                                                       const float *g, float *s0, float *s1,
                                                       int64_t n) {
-    const __m512 gscale = _mm512_set1_ps(j->gscale), l2 = _mm512_set1_ps(j->l2);
-    const __m512 decay = _mm512_set1_ps(j->decay), alpha = _mm512_set1_ps(j->alpha);
-    const __m512 c1 = _mm512_set1_ps(j->one_minus_b1), c2 = _mm512_set1_ps(j->one_minus_b2);
-    const __m512 eps = _mm512_set1_ps(j->epsilon);
+    const __m512 gscale = _mm512_set1_ps(j->k.gscale), l2 = _mm512_set1_ps(j->k.l2);
+    const __m512 decay = _mm512_set1_ps(j->k.decay), alpha = _mm512_set1_ps(j->k.alpha);
+    const __m512 c1 = _mm512_set1_ps(j->k.one_minus_b1), c2 = _mm512_set1_ps(j->k.one_minus_b2);
+    const __m512 eps = _mm512_set1_ps(j->k.epsilon);
     int64_t i;
     for (i = 0; i + 16 <= n; i += 16) {
         __m512 w0 = _mm512_loadu_ps(w + i), m0 = _mm512_loadu_ps(s0 + i);
@@ -14172,34 +14254,18 @@ static void mpt__update_task(void *arg, int64_t task, int thread) {
     mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__update_span, j);
 }
 
-/* The per-step numbers of the update: the scheduled rate, Adam's α with
-   its bias correction for t = optimizer_steps + 1, and the gradient
-   multiplier, 1/scale (a reciprocal in double, as PyTorch; exact for a
-   power of two) times min(1, c/‖g‖), ‖g‖ the global norm after unscaling. */
+/* The step's loop for this CPU and its coefficients (@backend-shared's
+   mpt__update_coefs_at). */
 static void mpt__update_job_init(const mpt_update_args *u, mpt__update_job *j) {
     const mpt_optimizer_desc *d = &u->optimizer;
-    const mpt_step_state *st = u->state;
-    double lr = mpt__learning_rate_at(d, st->learning_rate, st->optimizer_steps);
-    double inv_scale = 1.0 / (double)st->loss_scale;
-    double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
-    double t = (double)(st->optimizer_steps + 1);
     int sgd = d->type == MPT_OPTIMIZER_SGD;
-    if (d->clip_global_norm > 0 && norm > d->clip_global_norm) clip = d->clip_global_norm / norm;
     j->block = sgd ? mpt__sgd_block : mpt__adam_block;
 #if MPT__X86
     if (j->ctx->cpu & MPT_CPU_AVX2) j->block = sgd ? mpt__sgd_block_avx2 : mpt__adam_block_avx2;
     if (!sgd && (j->ctx->cpu & MPT_CPU_AVX512)) j->block = mpt__adam_block_avx512;
 #endif
     j->nesterov = d->nesterov != 0;
-    j->gscale = (float)(inv_scale * clip);
-    j->l2 = d->l2;
-    j->decay = (float)(lr * d->weight_decay);
-    j->lr = (float)lr;
-    j->momentum = d->momentum;
-    j->one_minus_b1 = (float)(1.0 - d->beta_1);
-    j->one_minus_b2 = (float)(1.0 - d->beta_2);
-    j->alpha = (float)(lr * sqrt(1.0 - pow(d->beta_2, t)) / (1.0 - pow(d->beta_1, t)));
-    j->epsilon = d->epsilon;
+    j->k = mpt__update_coefs_at(d, u->state);
 }
 
 /* The CPU backend's second pass (mpt_backend.update): when the first found

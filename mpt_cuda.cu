@@ -3505,20 +3505,13 @@ typedef struct mpt__cuda_loss_partial {
     double loss, correct, top_k;
 } mpt__cuda_loss_partial;
 
-/* The per-step numbers of the update, in float32 as the CPU's job. */
-typedef struct mpt__cuda_update_coefs {
-    float gscale;       /* 1 / loss scale × the clipping factor */
-    float l2, decay, lr, momentum;
-    float one_minus_b1, one_minus_b2, alpha, epsilon;
-} mpt__cuda_update_coefs;
-
 /* Device buffers of the training kernels, allocated once per backend. */
 typedef struct mpt__cuda_train_scratch {
     void *base;                            /* the one allocation              */
     double *norm_partials;                 /* (mpt__cuda_norm_slots)          */
     double *norm_carry;                    /* Σ of partials already folded    */
     mpt__cuda_loss_partial *loss_partials; /* (mpt__cuda_loss_max_blocks)     */
-    mpt__cuda_update_coefs *coefs;
+    mpt__update_coefs *coefs;              /* mpt.h's mpt__update_coefs_at      */
 } mpt__cuda_train_scratch;
 
 /* The scratch of c, or NULL (and a pending error) if init never ran. */
@@ -3537,7 +3530,7 @@ static mpt_status mpt__cuda_train_init(mpt__cuda *c) {
     size_t norm = mpt__cuda_train_round_up(sizeof(double) * mpt__cuda_norm_slots);
     size_t carry = mpt__cuda_train_round_up(sizeof(double));
     size_t loss = mpt__cuda_train_round_up(sizeof(mpt__cuda_loss_partial) * mpt__cuda_loss_max_blocks);
-    size_t coefs = mpt__cuda_train_round_up(sizeof(mpt__cuda_update_coefs));
+    size_t coefs = mpt__cuda_train_round_up(sizeof(mpt__update_coefs));
     size_t bytes = norm + carry + loss + coefs;
     mpt__cuda_train_scratch *s = (mpt__cuda_train_scratch *)calloc(1, sizeof *s);
     char *p;
@@ -3560,7 +3553,7 @@ static mpt_status mpt__cuda_train_init(mpt__cuda *c) {
     s->norm_partials = (double *)p;
     s->norm_carry = (double *)(p + norm);
     s->loss_partials = (mpt__cuda_loss_partial *)(p + norm + carry);
-    s->coefs = (mpt__cuda_update_coefs *)(p + norm + carry + loss);
+    s->coefs = (mpt__update_coefs *)(p + norm + carry + loss);
     c->train_scratch = s;
     return MPT_OK;
 }
@@ -4075,53 +4068,15 @@ static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
 
 /* ---- pass 2: the fused update ---------------------------------------------- */
 
-/* The learning-rate schedule at optimizer step t, as mpt.h's. */
-static __device__ double mpt__cuda_learning_rate_at(const mpt_optimizer_desc &d, double base_lr,
-                                                    int64_t t) {
-    const mpt_lr_schedule &s = d.schedule;
-    double D = (double)s.decay_steps;
-    int64_t W = s.warmup_steps;
-    if (t < 0) t = 0;
-    if (t < W) return base_lr * (double)(t + 1) / (double)W;
-    t -= W;
-    switch (s.type) {
-    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow((double)s.decay_rate, (double)t / D);
-    case MPT_LR_STEP_DECAY:
-        return base_lr * pow((double)s.decay_rate, (double)(t / s.decay_steps));
-    case MPT_LR_COSINE_DECAY: {
-        double progress = (double)(t < s.decay_steps ? t : s.decay_steps) / D;
-        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
-        return base_lr * __dadd_rn(__dmul_rn(1.0 - (double)s.alpha, cosine), (double)s.alpha);
-    }
-    default: return base_lr;
-    }
-}
-
-/* One thread: the step's coefficients from the state (as the CPU's
-   mpt__update_job_init, in double, rounded to float once), and, the step
-   being applied, optimizer_steps + 1 (the update kernels after it read
-   only the coefficients, so counting it here saves a launch). Nothing when
-   the gradients are not finite. */
+/* One thread: the step's coefficients from the state (mpt.h's
+   mpt__update_coefs_at, @backend-shared, which the CPU runs too) and, the
+   step being applied, optimizer_steps + 1 (the update kernels after it
+   read only the coefficients, so counting it here saves a launch).
+   Nothing when the gradients are not finite. */
 static __global__ void mpt__cuda_update_coefs_kernel(mpt_optimizer_desc d, mpt_step_state *state,
-                                                     mpt__cuda_update_coefs *out) {
+                                                     mpt__update_coefs *out) {
     if (!state->finite) return;
-    double lr = mpt__cuda_learning_rate_at(d, (double)state->learning_rate, state->optimizer_steps);
-    double inv_scale = 1.0 / (double)state->loss_scale;
-    double norm = sqrt(state->sum_squares) * inv_scale, clip = 1.0;
-    double t = (double)(state->optimizer_steps + 1);
-    mpt__cuda_update_coefs k;
-    if (d.clip_global_norm > 0 && norm > (double)d.clip_global_norm)
-        clip = (double)d.clip_global_norm / norm;
-    k.gscale = (float)(inv_scale * clip);
-    k.l2 = d.l2;
-    k.decay = (float)(lr * (double)d.weight_decay);
-    k.lr = (float)lr;
-    k.momentum = d.momentum;
-    k.one_minus_b1 = (float)(1.0 - (double)d.beta_1);
-    k.one_minus_b2 = (float)(1.0 - (double)d.beta_2);
-    k.alpha = (float)(lr * sqrt(1.0 - pow((double)d.beta_2, t)) / (1.0 - pow((double)d.beta_1, t)));
-    k.epsilon = d.epsilon;
-    *out = k;
+    *out = mpt__update_coefs_at(&d, state);
     state->optimizer_steps += 1;
 }
 
@@ -4133,28 +4088,16 @@ enum {
     MPT__CUDA_RULE_NESTEROV
 };
 
-/* One element, the CPU's block loops' operations in their order (Keras 3):
-   unscale and clip, the coupled L2 term, the decoupled decay, then the
-   rule. Returns the new master; s0/s1 are updated in place. */
+/* One element by the rule (mpt.h's, @backend-shared, which the CPU's
+   block loops run too). Returns the new master; s0/s1 are updated in
+   place. */
 template <int RULE>
-static __device__ __forceinline__ float mpt__cuda_update_one(const mpt__cuda_update_coefs &k,
+static __device__ __forceinline__ float mpt__cuda_update_one(const mpt__update_coefs &k,
                                                              float w, float g, float &s0,
                                                              float &s1) {
-    float gi = __fadd_rn(__fmul_rn(g, k.gscale), __fmul_rn(k.l2, w));
-    float wi = __fsub_rn(w, __fmul_rn(w, k.decay));
-    if (RULE == MPT__CUDA_RULE_ADAM) {
-        float mi = __fadd_rn(s0, __fmul_rn(__fsub_rn(gi, s0), k.one_minus_b1));
-        float vi = __fadd_rn(s1, __fmul_rn(__fsub_rn(__fmul_rn(gi, gi), s1), k.one_minus_b2));
-        s0 = mi;
-        s1 = vi;
-        return __fsub_rn(wi, __fdiv_rn(__fmul_rn(mi, k.alpha), __fadd_rn(__fsqrt_rn(vi), k.epsilon)));
-    }
-    float step = __fmul_rn(gi, k.lr);
-    if (RULE == MPT__CUDA_RULE_SGD) return __fsub_rn(wi, step);
-    float v = __fsub_rn(__fmul_rn(s0, k.momentum), step);
-    s0 = v;
-    if (RULE == MPT__CUDA_RULE_MOMENTUM) return __fadd_rn(wi, v);
-    return __fadd_rn(wi, __fsub_rn(__fmul_rn(v, k.momentum), step));
+    if (RULE == MPT__CUDA_RULE_ADAM) return mpt__adam_update(&k, w, g, &s0, &s1);
+    if (RULE == MPT__CUDA_RULE_SGD) return mpt__sgd_update(&k, w, g);
+    return mpt__momentum_update(&k, w, g, &s0, RULE == MPT__CUDA_RULE_NESTEROV);
 }
 
 /* One parameter tensor's pointers, by value. */
@@ -4170,7 +4113,7 @@ typedef struct mpt__cuda_update_tensor {
 /* Element i, scalar. */
 template <int RULE>
 static __device__ __forceinline__ void mpt__cuda_update_scalar(const mpt__cuda_update_tensor &T,
-                                                               const mpt__cuda_update_coefs &k,
+                                                               const mpt__update_coefs &k,
                                                                int64_t i) {
     float s0 = RULE == MPT__CUDA_RULE_SGD ? 0.0f : T.s0[i];
     float s1 = RULE == MPT__CUDA_RULE_ADAM ? T.s1[i] : 0.0f;
@@ -4185,7 +4128,7 @@ static __device__ __forceinline__ void mpt__cuda_update_scalar(const mpt__cuda_u
    128 bits in float32, 64 in float16/bfloat16). */
 template <int RULE>
 static __device__ __forceinline__ void mpt__cuda_update_vec4(const mpt__cuda_update_tensor &T,
-                                                             const mpt__cuda_update_coefs &k,
+                                                             const mpt__update_coefs &k,
                                                              int64_t q) {
     float4 w = ((const float4 *)T.w)[q], g = ((const float4 *)T.g)[q];
     float4 s0 = make_float4(0, 0, 0, 0), s1 = make_float4(0, 0, 0, 0);
@@ -4230,12 +4173,12 @@ static_assert(sizeof(mpt__cuda_update_table) + 3 * sizeof(void *) + sizeof(int) 
    Returns at once when the step is skipped. */
 template <int RULE>
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
-mpt__cuda_update_kernel(mpt__cuda_update_table U, const mpt__cuda_update_coefs *coefs,
+mpt__cuda_update_kernel(mpt__cuda_update_table U, const mpt__update_coefs *coefs,
                         const mpt_step_state *state) {
     if (!state->finite) return;
     const int e = mpt__cuda_table_entry(U.first_block, U.count, (int)blockIdx.x);
     const mpt__cuda_update_tensor T = U.t[e]; /* 56 bytes, into registers */
-    const mpt__cuda_update_coefs k = *coefs;
+    const mpt__update_coefs k = *coefs;
     const int blocks = U.first_block[e + 1] - U.first_block[e];
     const int64_t first = (int64_t)(blockIdx.x - U.first_block[e]) * blockDim.x + threadIdx.x;
     const int64_t stride = (int64_t)blocks * blockDim.x;

@@ -2619,6 +2619,33 @@ static inline MPT__HD float mpt__momentum_update(const mpt__update_coefs *k, flo
     return mpt__fadd_rn(wi, mpt__fsub_rn(mpt__fmul_rn(v, k->momentum), step));
 }
 
+/* ---- activations ------------------------------------------------------------
+   @impl-activations and every CUDA kernel that applies an activation (the
+   layers' and the GEMM epilogues) run these; erff and expf are each
+   platform's own (the host's libm and CUDA's may differ in the last bit). */
+
+/* GELU, exact: x·Φ(x) = ½x·(1 + erf(x/√2)), as Keras' default
+   (approximate=False). */
+static inline MPT__HD float mpt__gelu(float x) {
+    float erf_term = erff(mpt__fmul_rn(x, 0.70710678118654752f));
+    return mpt__fmul_rn(mpt__fmul_rn(0.5f, x), mpt__fadd_rn(1.0f, erf_term));
+}
+
+/* GELU's derivative Φ(x) + x·φ(x): what dy is multiplied by. */
+static inline MPT__HD float mpt__gelu_derivative(float x) {
+    float cdf = mpt__fmul_rn(0.5f, mpt__fadd_rn(1.0f, erff(mpt__fmul_rn(x, 0.70710678118654752f))));
+    float pdf = mpt__fmul_rn(0.39894228040143268f, expf(mpt__fmul_rn(mpt__fmul_rn(-0.5f, x), x)));
+    return mpt__fadd_rn(cdf, mpt__fmul_rn(x, pdf));
+}
+
+/* The logistic sigmoid in two forms, so that exp never overflows. */
+static inline MPT__HD float mpt__sigmoid(float x) {
+    float e;
+    if (x >= 0) return mpt__fdiv_rn(1.0f, mpt__fadd_rn(1.0f, expf(-x)));
+    e = expf(x);
+    return mpt__fdiv_rn(e, mpt__fadd_rn(1.0f, e));
+}
+
 /* ---- the int8 GEMM's requantization ----------------------------------------
    TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm)
    and the CUDA int8 GEMM both run, so an int8 result has the same bits on
@@ -4598,16 +4625,9 @@ MPTDEF size_t mpt_tensor_bytes(const mpt_tensor *t) {
 static float mpt__relu(float x) { return x <= 0 ? 0.0f : x; }
 static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
 
-static float mpt__gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-
-static float mpt__sigmoid(float x) {
-    /* Two forms, so that exp never overflows. */
-    if (x >= 0) return 1.0f / (1.0f + expf(-x));
-    {
-        float e = expf(x);
-        return e / (1.0f + e);
-    }
-}
+/* GELU (and its derivative) and the sigmoid are @backend-shared's
+   mpt__gelu, mpt__gelu_derivative and mpt__sigmoid: the CUDA kernels run
+   them too. */
 
 /* Softmax of each row of x (rows × cols), in place, in float32. */
 static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols) {
@@ -4644,14 +4664,7 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
         if (dz != dy) memcpy(dz, dy, sizeof(float) * (size_t)n);
         break;
     case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
-    case MPT_ACT_GELU:
-        for (i = 0; i < n; i++) {
-            float x = z[i];
-            float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
-            float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
-            dz[i] = dy[i] * (cdf + x * pdf);
-        }
-        break;
+    case MPT_ACT_GELU: for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_derivative(z[i]); break;
     case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) dz[i] = dy[i] * y[i] * (1 - y[i]); break;
     case MPT_ACT_TANH: for (i = 0; i < n; i++) dz[i] = dy[i] * (1 - y[i] * y[i]); break;
     case MPT_ACT_SOFTMAX:

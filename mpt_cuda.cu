@@ -223,18 +223,14 @@ static __device__ __forceinline__ float mpt__cuda_relu(float x) {
     return __float_as_uint(x) - 0x80000000u <= 0x7f800000u ? 0.0f : x;
 }
 
-/* The elementwise activations with the CPU's formulas: the layers' kernels
-   and every GEMM epilogue apply them through this one function. */
+/* The elementwise activations, GELU and the sigmoid by mpt.h's rules
+   (@backend-shared, which the CPU runs too): the layers' kernels and every
+   GEMM epilogue apply them through this one function. */
 static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
     switch (act) {
     case MPT_ACT_RELU: return mpt__cuda_relu(x);
-    case MPT_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case MPT_ACT_SIGMOID:
-        if (x >= 0) return 1.0f / (1.0f + expf(-x)); /* two forms: exp never overflows */
-        {
-            float e = expf(x);
-            return e / (1.0f + e);
-        }
+    case MPT_ACT_GELU: return mpt__gelu(x);
+    case MPT_ACT_SIGMOID: return mpt__sigmoid(x);
     case MPT_ACT_TANH: return tanhf(x);
     default: return x;
     }
@@ -2473,12 +2469,7 @@ static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dt
 static __device__ __forceinline__ float mpt__cuda_act_derivative(int act, float dy, float kept) {
     switch (act) {
     case MPT_ACT_RELU: return kept <= 0 ? 0.0f : dy; /* a NaN y passes dy, as the CPU */
-    case MPT_ACT_GELU: {
-        float x = kept;
-        float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
-        float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
-        return dy * __fadd_rn(cdf, __fmul_rn(x, pdf));
-    }
+    case MPT_ACT_GELU: return dy * mpt__gelu_derivative(kept); /* mpt.h's */
     case MPT_ACT_SIGMOID: return dy * kept * (1 - kept);
     case MPT_ACT_TANH: return dy * __fsub_rn(1.0f, __fmul_rn(kept, kept));
     default: return dy;
@@ -3747,18 +3738,11 @@ static __device__ double mpt__cuda_xent_probs_row(const mpt__cuda_loss_params &p
     return loss;
 }
 
-/* mpt.h's sigmoid: two forms, so that exp never overflows. */
-static __device__ __forceinline__ float mpt__cuda_train_sigmoid(float x) {
-    if (x >= 0) return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
-    float e = expf(x);
-    return __fdiv_rn(e, __fadd_rn(1.0f, e));
-}
-
 /* Binary crossentropy of one element, and d/dpred into *g. */
 static __device__ __forceinline__ float mpt__cuda_bce_term(int from_logits, float x, float t,
                                                            float *g) {
     if (from_logits) { /* max(x, 0) − x·t + log(1 + exp(−|x|)) */
-        *g = __fsub_rn(mpt__cuda_train_sigmoid(x), t);
+        *g = __fsub_rn(mpt__sigmoid(x), t);
         return __fadd_rn(__fsub_rn(x > 0.0f ? x : 0.0f, __fmul_rn(x, t)), log1pf(expf(-fabsf(x))));
     }
     const float lo = MPT__CUDA_LOSS_EPS, hi = 1.0f - MPT__CUDA_LOSS_EPS;

@@ -2646,6 +2646,74 @@ static inline MPT__HD float mpt__sigmoid(float x) {
     return mpt__fdiv_rn(e, mpt__fadd_rn(1.0f, e));
 }
 
+/* ---- the losses' element terms ----------------------------------------------
+   mpt__cpu_loss (@impl-losses) and mpt__cuda_loss sum these over a row (in
+   their own orders: a loop, a warp) and tally the rows alike. With
+   from_logits = 0 a probability is clipped to [ε, 1 − ε] before its log,
+   as Keras 3, and the gradient through a clipped value is zero. */
+
+#define MPT__LOSS_EPS 1e-7f /* Keras' backend.epsilon() */
+
+/* A probability clipped to [ε, 1 − ε] (a NaN to ε). */
+static inline MPT__HD float mpt__loss_clip(float q) {
+    float m = q > MPT__LOSS_EPS ? q : MPT__LOSS_EPS;
+    return m < 1.0f - MPT__LOSS_EPS ? m : 1.0f - MPT__LOSS_EPS;
+}
+static inline MPT__HD int mpt__loss_clipped(float q) {
+    return q < MPT__LOSS_EPS || q > 1.0f - MPT__LOSS_EPS;
+}
+
+/* Crossentropy of softmax(z), one class: t·(lse − z), lse the row's
+   log Σ exp z. */
+static inline MPT__HD double mpt__xent_logit_term(float z, float t, double lse) {
+    return mpt__dmul_rn((double)t, lse - (double)z);
+}
+
+/* Its gradient for the class: softmax(z)·Σt − t. */
+static inline MPT__HD float mpt__xent_logit_grad(float z, float t, double lse, float tsum) {
+    return mpt__fsub_rn(mpt__fmul_rn(expf((float)((double)z - lse)), tsum), t);
+}
+
+/* Crossentropy of a probability row, one class: q = p / S (S the row's
+   sum) clipped to c; the loss term −t·log c, and into *g
+   d(−t·log c)/dq, zero where the clip holds q. */
+static inline MPT__HD float mpt__xent_prob_term(float p, float S, float t, float *g) {
+    float q = mpt__fdiv_rn(p, S), c = mpt__loss_clip(q);
+    *g = mpt__loss_clipped(q) ? 0.0f : mpt__fdiv_rn(-t, c);
+    return t != 0 ? mpt__fmul_rn(-t, logf(c)) : 0.0f;
+}
+
+/* Its gradient through q_k = p_k / S: dL/dp_k = (g_k − Σ_c g_c·q_c) / S,
+   `dot` the row's Σ_c g_c·q_c. */
+static inline MPT__HD float mpt__xent_prob_grad(float g, double dot, float S) {
+    return (float)(((double)g - dot) / (double)S);
+}
+
+/* Binary crossentropy of one element, and d/dpred into *g. From logits
+   max(x, 0) − x·t + log(1 + exp(−|x|)), which never overflows. */
+static inline MPT__HD float mpt__bce_term(int from_logits, float x, float t, float *g) {
+    float c, u;
+    if (from_logits) {
+        *g = mpt__fsub_rn(mpt__sigmoid(x), t);
+        return mpt__fadd_rn(mpt__fsub_rn(x > 0.0f ? x : 0.0f, mpt__fmul_rn(x, t)),
+                            log1pf(expf(-fabsf(x))));
+    }
+    c = mpt__loss_clip(x);
+    u = mpt__fsub_rn(1.0f, t);
+    *g = mpt__loss_clipped(x) ? 0.0f
+                              : mpt__fsub_rn(mpt__fdiv_rn(u, mpt__fsub_rn(1.0f, c)),
+                                             mpt__fdiv_rn(t, c));
+    return -mpt__fadd_rn(mpt__fmul_rn(t, logf(c)), mpt__fmul_rn(u, logf(mpt__fsub_rn(1.0f, c))));
+}
+
+/* Squared error of one element, (x − t)² in double (exact), and its
+   gradient 2·(x − t) into *g. */
+static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g) {
+    float d = mpt__fsub_rn(x, t);
+    *g = mpt__fmul_rn(2.0f, d);
+    return mpt__dmul_rn((double)d, (double)d);
+}
+
 /* ---- the int8 GEMM's requantization ----------------------------------------
    TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm)
    and the CUDA int8 GEMM both run, so an int8 result has the same bits on
@@ -13259,8 +13327,7 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
    gradient is that of those formulas, so it is zero through a clipped
    value. */
 
-#define MPT__LOSS_TASKS 64   /* tasks the rows are split into (at most) */
-#define MPT__LOSS_EPS 1e-7f  /* Keras' backend.epsilon()                */
+#define MPT__LOSS_TASKS 64 /* tasks the rows are split into (at most) */
 
 static const char *mpt__loss_name(mpt_loss_type type) {
     switch (type) {
@@ -13315,27 +13382,19 @@ static double mpt__xent_logits_row(const mpt__loss_job *j, int64_t r) {
     lse = mx + log(sum);
     for (c = 0; c < K; c++) {
         float t = mpt__loss_target(j, r, c);
-        if (t != 0) loss += t * (lse - mpt__loss_pred(j, base + c));
+        if (t != 0) loss += mpt__xent_logit_term(mpt__loss_pred(j, base + c), t, lse);
         tsum += t;
     }
     if (j->dpred)
-        for (c = 0; c < K; c++) {
-            float p = expf((float)(mpt__loss_pred(j, base + c) - lse));
-            mpt__loss_grad(j, base + c, p * (float)tsum - mpt__loss_target(j, r, c));
-        }
+        for (c = 0; c < K; c++)
+            mpt__loss_grad(j, base + c,
+                           mpt__xent_logit_grad(mpt__loss_pred(j, base + c),
+                                                mpt__loss_target(j, r, c), lse, (float)tsum));
     return loss;
 }
 
-/* One class of a probability row: q = p / S clipped to c; the loss term
-   −t·log c, and g = d(−t·log c)/dq, zero where the clip holds q. */
-static float mpt__xent_prob_term(float p, float S, float t, float *g) {
-    float q = p / S, c = MPT__MIN(MPT__MAX(q, MPT__LOSS_EPS), 1.0f - MPT__LOSS_EPS);
-    *g = (q < MPT__LOSS_EPS || q > 1.0f - MPT__LOSS_EPS) ? 0.0f : -t / c;
-    return t != 0 ? -t * logf(c) : 0.0f;
-}
-
-/* Crossentropy of a probability row (Keras: divided by its sum, clipped).
-   Through q_k = p_k / S the gradient is dL/dp_k = (g_k − Σ_c g_c·q_c) / S. */
+/* Crossentropy of a probability row (Keras: divided by its sum, clipped),
+   by @backend-shared's mpt__xent_prob_term and mpt__xent_prob_grad. */
 static double mpt__xent_probs_row(const mpt__loss_job *j, int64_t r) {
     int64_t K = j->K, base = r * K, c;
     double sum = 0, loss = 0, dot = 0;
@@ -13350,35 +13409,22 @@ static double mpt__xent_probs_row(const mpt__loss_job *j, int64_t r) {
     if (j->dpred)
         for (c = 0; c < K; c++) {
             mpt__xent_prob_term(mpt__loss_pred(j, base + c), S, mpt__loss_target(j, r, c), &g);
-            mpt__loss_grad(j, base + c, (float)((g - dot) / S));
+            mpt__loss_grad(j, base + c, mpt__xent_prob_grad(g, dot, S));
         }
     return loss;
 }
 
-/* Binary crossentropy of one element, and d/dpred into *g. */
-static float mpt__bce_term(int from_logits, float x, float t, float *g) {
-    if (from_logits) { /* max(x, 0) − x·t + log(1 + exp(−|x|)): no overflow */
-        *g = mpt__sigmoid(x) - t;
-        return MPT__MAX(x, 0.0f) - x * t + log1pf(expf(-fabsf(x)));
-    } else {
-        float c = MPT__MIN(MPT__MAX(x, MPT__LOSS_EPS), 1.0f - MPT__LOSS_EPS);
-        *g = (x < MPT__LOSS_EPS || x > 1.0f - MPT__LOSS_EPS) ? 0.0f : (1 - t) / (1 - c) - t / c;
-        return -(t * logf(c) + (1 - t) * logf(1 - c));
-    }
-}
-
-/* Binary crossentropy or squared error, summed over the row's elements. */
+/* Binary crossentropy or squared error, summed over the row's elements
+   (@backend-shared's mpt__bce_term and mpt__squared_error_term). */
 static double mpt__elementwise_row(const mpt__loss_job *j, int64_t r) {
     int64_t K = j->K, base = r * K, c;
     double loss = 0;
     for (c = 0; c < K; c++) {
         float x = mpt__loss_pred(j, base + c), t = mpt__loss_target(j, r, c), g;
-        if (j->type == MPT_LOSS_BINARY_CROSSENTROPY) {
+        if (j->type == MPT_LOSS_BINARY_CROSSENTROPY)
             loss += mpt__bce_term(j->from_logits, x, t, &g);
-        } else {
-            loss += (double)(x - t) * (x - t);
-            g = 2 * (x - t);
-        }
+        else
+            loss += mpt__squared_error_term(x, t, &g);
         if (j->dpred) mpt__loss_grad(j, base + c, g);
     }
     return loss;

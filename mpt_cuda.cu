@@ -3487,8 +3487,6 @@ static constexpr int64_t mpt__cuda_norm_max_blocks = 1024;  /* norm blocks per t
 static constexpr int mpt__cuda_norm_slots = 8192;           /* norm partials held at once  */
 static constexpr int mpt__cuda_tensors_per_launch = 48;     /* multi-tensor tables         */
 
-#define MPT__CUDA_LOSS_EPS 1e-7f /* Keras' backend.epsilon(), as the CPU loss */
-
 /* ---- device scratch -------------------------------------------------------- */
 
 /* One loss block's sums over its rows. */
@@ -3686,34 +3684,22 @@ static __device__ double mpt__cuda_xent_logits_row(const mpt__cuda_loss_params &
     for (int64_t c = lane; c < K; c += 32) {
         float t = mpt__cuda_loss_target(p, r, c, label);
         if (t != 0)
-            loss = __dadd_rn(loss, __dmul_rn((double)t,
-                                             __dsub_rn(lse, (double)mpt__cuda_loss_pred(p, base + c))));
+            loss = __dadd_rn(loss, mpt__xent_logit_term(mpt__cuda_loss_pred(p, base + c), t, lse));
         tsum += (double)t;
     }
     loss = mpt__cuda_train_warp_sum(loss);
     tsum = mpt__cuda_train_warp_sum(tsum);
     if (p.dpred)
         for (int64_t c = lane; c < K; c += 32) {
-            float x = mpt__cuda_loss_pred(p, base + c);
-            float q = expf((float)__dsub_rn((double)x, lse));
-            float g = __fsub_rn(__fmul_rn(q, (float)tsum), mpt__cuda_loss_target(p, r, c, label));
+            float g = mpt__xent_logit_grad(mpt__cuda_loss_pred(p, base + c),
+                                           mpt__cuda_loss_target(p, r, c, label), lse, (float)tsum);
             mpt__cuda_loss_grad(p, base + c, g, gscale);
         }
     return loss;
 }
 
-/* One class of a probability row: q = p / S clipped; −t·log(clip) and the
-   gradient with respect to q, zero where the clip holds q. */
-static __device__ __forceinline__ float mpt__cuda_xent_prob_term(float x, float S, float t,
-                                                                 float *g) {
-    const float lo = MPT__CUDA_LOSS_EPS, hi = 1.0f - MPT__CUDA_LOSS_EPS;
-    float q = __fdiv_rn(x, S), m = q > lo ? q : lo, c = m < hi ? m : hi;
-    *g = (q < lo || q > hi) ? 0.0f : __fdiv_rn(-t, c);
-    return t != 0 ? __fmul_rn(-t, logf(c)) : 0.0f;
-}
-
 /* Crossentropy of a probability row (divided by its sum, clipped), one
-   warp; dL/dp_k = (g_k − Σ_c g_c·q_c) / S. */
+   warp, by mpt.h's mpt__xent_prob_term and mpt__xent_prob_grad. */
 static __device__ double mpt__cuda_xent_probs_row(const mpt__cuda_loss_params &p, int64_t r,
                                                   int label, int lane, float gscale) {
     const int64_t K = p.K, base = r * K;
@@ -3723,49 +3709,32 @@ static __device__ double mpt__cuda_xent_probs_row(const mpt__cuda_loss_params &p
     S = (float)mpt__cuda_train_warp_sum(sum);
     for (int64_t c = lane; c < K; c += 32) {
         float x = mpt__cuda_loss_pred(p, base + c);
-        loss += (double)mpt__cuda_xent_prob_term(x, S, mpt__cuda_loss_target(p, r, c, label), &g);
+        loss += (double)mpt__xent_prob_term(x, S, mpt__cuda_loss_target(p, r, c, label), &g);
         dot = __dadd_rn(dot, __dmul_rn((double)g, (double)__fdiv_rn(x, S)));
     }
     loss = mpt__cuda_train_warp_sum(loss);
     dot = mpt__cuda_train_warp_sum(dot);
     if (p.dpred)
         for (int64_t c = lane; c < K; c += 32) {
-            mpt__cuda_xent_prob_term(mpt__cuda_loss_pred(p, base + c), S,
-                                     mpt__cuda_loss_target(p, r, c, label), &g);
-            mpt__cuda_loss_grad(p, base + c, (float)__ddiv_rn(__dsub_rn((double)g, dot), (double)S),
-                                gscale);
+            mpt__xent_prob_term(mpt__cuda_loss_pred(p, base + c), S,
+                                mpt__cuda_loss_target(p, r, c, label), &g);
+            mpt__cuda_loss_grad(p, base + c, mpt__xent_prob_grad(g, dot, S), gscale);
         }
     return loss;
 }
 
-/* Binary crossentropy of one element, and d/dpred into *g. */
-static __device__ __forceinline__ float mpt__cuda_bce_term(int from_logits, float x, float t,
-                                                           float *g) {
-    if (from_logits) { /* max(x, 0) − x·t + log(1 + exp(−|x|)) */
-        *g = __fsub_rn(mpt__sigmoid(x), t);
-        return __fadd_rn(__fsub_rn(x > 0.0f ? x : 0.0f, __fmul_rn(x, t)), log1pf(expf(-fabsf(x))));
-    }
-    const float lo = MPT__CUDA_LOSS_EPS, hi = 1.0f - MPT__CUDA_LOSS_EPS;
-    float m = x > lo ? x : lo, c = m < hi ? m : hi, u = __fsub_rn(1.0f, t);
-    *g = (x < lo || x > hi) ? 0.0f
-                            : __fsub_rn(__fdiv_rn(u, __fsub_rn(1.0f, c)), __fdiv_rn(t, c));
-    return -__fadd_rn(__fmul_rn(t, logf(c)), __fmul_rn(u, logf(__fsub_rn(1.0f, c))));
-}
-
-/* Binary crossentropy or squared error summed over row r, one warp. */
+/* Binary crossentropy or squared error summed over row r, one warp, by
+   mpt.h's mpt__bce_term and mpt__squared_error_term. */
 static __device__ double mpt__cuda_elementwise_row(const mpt__cuda_loss_params &p, int64_t r,
                                                    int lane, float gscale) {
     const int64_t K = p.K, base = r * K;
     double loss = 0;
     for (int64_t c = lane; c < K; c += 32) {
         float x = mpt__cuda_loss_pred(p, base + c), t = mpt__cuda_loss_target(p, r, c, 0), g;
-        if (p.type == MPT_LOSS_BINARY_CROSSENTROPY) {
-            loss += (double)mpt__cuda_bce_term(p.from_logits, x, t, &g);
-        } else {
-            float d = __fsub_rn(x, t);
-            loss = __dadd_rn(loss, __dmul_rn((double)d, (double)d));
-            g = __fmul_rn(2.0f, d);
-        }
+        if (p.type == MPT_LOSS_BINARY_CROSSENTROPY)
+            loss += (double)mpt__bce_term(p.from_logits, x, t, &g);
+        else
+            loss = __dadd_rn(loss, mpt__squared_error_term(x, t, &g));
         if (p.dpred) mpt__cuda_loss_grad(p, base + c, g, gscale);
     }
     return mpt__cuda_train_warp_sum(loss);

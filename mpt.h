@@ -2714,6 +2714,14 @@ static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g)
     return mpt__dmul_rn((double)d, (double)d);
 }
 
+/* ---- BatchNormalization -----------------------------------------------------
+   1 / sqrt(var + eps) of a channel, in double and rounded to float once:
+   @impl-batchnorm (forward, backward, and the folds of quantization and
+   export) and mpt_cuda.cu's mpt__cuda_bn_scale_kernel. */
+static inline MPT__HD float mpt__bn_inv_std(double var, float epsilon) {
+    return (float)(1.0 / sqrt(var + (double)epsilon));
+}
+
 /* ---- the int8 GEMM's requantization ----------------------------------------
    TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm)
    and the CUDA int8 GEMM both run, so an int8 result has the same bits on
@@ -12429,10 +12437,8 @@ static float mpt__bn_epsilon(const mpt__layer *L) {
     return L->desc.batchnorm.epsilon != 0 ? L->desc.batchnorm.epsilon : 1e-3f;
 }
 
-/* 1 / sqrt(var + eps), the same in forward and backward. */
-static float mpt__bn_inv_std(double var, float epsilon) {
-    return (float)(1.0 / sqrt(var + (double)epsilon));
-}
+/* 1 / sqrt(var + eps), the same in forward and backward: @backend-shared's
+   mpt__bn_inv_std. */
 
 /* How the rows of one batch are split into tasks. */
 typedef struct mpt__bn_plan {

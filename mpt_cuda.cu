@@ -3193,7 +3193,7 @@ __global__ void __launch_bounds__(256) mpt__cuda_bn_stat_kernel(const double *pa
     if (c < C) out[c] = (float)(mpt__cuda_bn_total(part, n_chunks, which, C, c) / (double)rows);
 }
 
-/* inv_std = 1 / sqrt(var + eps) in double, rounded to float (as the CPU, in
+/* inv_std = 1 / sqrt(var + eps) by mpt.h's mpt__bn_inv_std (the CPU's, in
    forward and backward); scale = gamma · inv_std in float32. */
 __global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *var,
                                                                  const float *gamma, float eps,
@@ -3201,7 +3201,7 @@ __global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *va
                                                                  float *scale) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    const float is = (float)(1.0 / sqrt((double)var[c] + (double)eps));
+    const float is = mpt__bn_inv_std((double)var[c], eps);
     inv_std[c] = is;
     scale[c] = (gamma ? gamma[c] : 1.0f) * is;
 }

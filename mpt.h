@@ -2391,6 +2391,16 @@ static inline MPT__HD uint32_t mpt__half_nan_to_f32(uint16_t h) {
     return ((uint32_t)(h & 0x8000u) << 16) | 0x7fc00000u | ((uint32_t)(h & 0x3ffu) << 13);
 }
 
+/* float32 bits to bfloat16 bits: round to nearest even on the low 16 bits
+   (float32 subnormals round like any other value, and a carry out of the
+   largest finite gives inf), a NaN as above. mpt_float_to_bf16 and the
+   CUDA kernels run this; the AVX2/AVX-512 conversions compute it lane by
+   lane (tests/test_convert.c compares them). */
+static inline MPT__HD uint16_t mpt__f32_bits_to_bf16(uint32_t x) {
+    if (mpt__f32_bits_is_nan(x)) return mpt__nan_to_bf16(x);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
    3", SC 2011): ten rounds of multiply-xor over a 128-bit counter keyed by
    64 bits; mpt_philox4x32's words. The counter is Random123's ctr[0..3] =
@@ -4260,13 +4270,9 @@ MPTDEF float mpt_half_to_float(mpt_half h) {
     return mpt__bits_f32(sign | ((e + 112) << 23) | (m << 13));
 }
 
+/* @backend-shared's rule, which the CUDA kernels run too. */
 MPTDEF mpt_bf16 mpt_float_to_bf16(float f) {
-    uint32_t x = mpt__f32_bits(f);
-    if (mpt__f32_bits_is_nan(x)) return (mpt_bf16)mpt__nan_to_bf16(x);
-    /* Round to nearest even on the low 16 bits; float subnormals round like
-       any other value and a carry out of the largest finite gives inf. */
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (mpt_bf16)(x >> 16);
+    return (mpt_bf16)mpt__f32_bits_to_bf16(mpt__f32_bits(f));
 }
 
 MPTDEF float mpt_bf16_to_float(mpt_bf16 b) { return mpt__bits_f32((uint32_t)b << 16); }
@@ -4313,8 +4319,8 @@ static void mpt__convert_scalar(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dt
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-/* bfloat16 rounding in integer arithmetic, the scalar function lane by lane.
-   (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
+/* bfloat16 rounding in integer arithmetic, @backend-shared's
+   mpt__f32_bits_to_bf16 lane by lane. (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
    which the scalar function does not.) */
 static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE __m256i mpt__avx2_bf16_bits(__m256 v) {
     __m256i x = _mm256_castps_si256(v);

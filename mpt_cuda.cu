@@ -204,10 +204,9 @@ static __device__ __forceinline__ uint16_t mpt__cuda_float_to_half(float f) {
     return __half_as_ushort(__float2half_rn(f));
 }
 
+/* mpt.h's rounding (@backend-shared), which mpt_float_to_bf16 runs too. */
 static __device__ __forceinline__ uint16_t mpt__cuda_float_to_bf16(float f) {
-    uint32_t x = __float_as_uint(f);
-    if (mpt__f32_bits_is_nan(x)) return mpt__nan_to_bf16(x);
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    return mpt__f32_bits_to_bf16(__float_as_uint(f));
 }
 
 static __device__ __forceinline__ float mpt__cuda_bf16_to_float(uint16_t b) {

@@ -181,7 +181,8 @@
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update
                             (@impl-optimizers); mpt__cuda_update_coefs_kernel,
-                            mpt__cuda_update
+                            mpt__cuda_update; their rules mpt__update_coefs_at
+                            and mpt__adam_update and kin (@backend-shared)
        compute copies       mpt__update_span (@impl-optimizers);
                             mpt__cuda_update_scalar/_vec4; after loading or
                             editing a master: mpt_model_refresh_weights
@@ -218,11 +219,15 @@
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
      implementation (MPT_IMPLEMENTATION), along the data flow:
-       @backend-shared    the rules both backends run: Philox, loss scaling, the
-                          loss's tally, int8 requantization, and the CUDA GEMMs'
-                          fragment and staging places, tested on the host
-                          (internal; MPT_BACKEND_SHARED compiles it alone, for
-                          mpt_cuda.cu)
+       @backend-shared    the rules both backends run: NaNs and bfloat16
+                          rounding, Philox, loss scaling, arithmetic rounded at
+                          every step, the loss's tally, the learning-rate
+                          schedule, the optimizers' coefficients and updates,
+                          GELU and the sigmoid, the losses' element terms,
+                          BatchNormalization's 1/sqrt(var + eps), int8
+                          requantization, and the CUDA GEMMs' fragment and
+                          staging places, tested on the host (internal;
+                          MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,
                           the devices, opening files (regular files only) and the

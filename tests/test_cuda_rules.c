@@ -2,7 +2,11 @@
    no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, the
    Hopper kernel's eligibility, tiles, split, work order and tensor maps,
    the fast division of the layout kernels' index arithmetic, how a loss's
-   batch is tallied into the step state, and the int8 GEMM's
+   batch is tallied into the step state, the training arithmetic (the
+   learning-rate schedule, the optimizers' coefficients and updates, GELU
+   and the sigmoid, the loss terms, BatchNormalization's 1/sqrt(var + eps),
+   bfloat16 rounding) against double precision and bit-level references,
+   and the int8 GEMM's
    requantization (TFLite's rounding, which mpt_qgemm runs too) and
    fragment addresses (through ldmatrix and mma.sync emulated). The
    kernels that use them are compared with the CPU in tests/test_cuda.c, on

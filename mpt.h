@@ -181,7 +181,8 @@
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update
                             (@impl-optimizers); mpt__cuda_update_coefs_kernel,
-                            mpt__cuda_update
+                            mpt__cuda_update; their rules mpt__update_coefs_at
+                            and mpt__adam_update and kin (@backend-shared)
        compute copies       mpt__update_span (@impl-optimizers);
                             mpt__cuda_update_scalar/_vec4; after loading or
                             editing a master: mpt_model_refresh_weights
@@ -218,11 +219,15 @@
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
      implementation (MPT_IMPLEMENTATION), along the data flow:
-       @backend-shared    the rules both backends run: Philox, loss scaling, the
-                          loss's tally, int8 requantization, and the CUDA GEMMs'
-                          fragment and staging places, tested on the host
-                          (internal; MPT_BACKEND_SHARED compiles it alone, for
-                          mpt_cuda.cu)
+       @backend-shared    the rules both backends run: NaNs and bfloat16
+                          rounding, Philox, loss scaling, arithmetic rounded at
+                          every step, the loss's tally, the learning-rate
+                          schedule, the optimizers' coefficients and updates,
+                          GELU and the sigmoid, the losses' element terms,
+                          BatchNormalization's 1/sqrt(var + eps), int8
+                          requantization, and the CUDA GEMMs' fragment and
+                          staging places, tested on the host (internal;
+                          MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
        @impl-context      thread pool, allocator, logging and errors, CPU features,
                           the devices, opening files (regular files only) and the
@@ -2362,6 +2367,7 @@ extern int mpt_cuda_wgmma_ready(const void *impl);
    uses mpt.h's API does not compile it. */
 
 #include <float.h> /* FLT_MIN, FLT_MAX */
+#include <math.h>  /* the rules' sqrt, pow, cos, erff, expf, logf */
 
 #if defined(__CUDACC__)
 #define MPT__HD __host__ __device__
@@ -2388,6 +2394,16 @@ static inline MPT__HD uint16_t mpt__nan_to_bf16(uint32_t x) { return (uint16_t)(
 static inline MPT__HD int mpt__half_bits_is_nan(uint16_t h) { return (h & 0x7fffu) > 0x7c00u; }
 static inline MPT__HD uint32_t mpt__half_nan_to_f32(uint16_t h) {
     return ((uint32_t)(h & 0x8000u) << 16) | 0x7fc00000u | ((uint32_t)(h & 0x3ffu) << 13);
+}
+
+/* float32 bits to bfloat16 bits: round to nearest even on the low 16 bits
+   (float32 subnormals round like any other value, and a carry out of the
+   largest finite gives inf), a NaN as above. mpt_float_to_bf16 and the
+   CUDA kernels run this; the AVX2/AVX-512 conversions compute it lane by
+   lane (tests/test_convert.c compares them). */
+static inline MPT__HD uint16_t mpt__f32_bits_to_bf16(uint32_t x) {
+    if (mpt__f32_bits_is_nan(x)) return mpt__nan_to_bf16(x);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
@@ -2457,14 +2473,36 @@ static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
     }
 }
 
-/* A product rounded once: no fused multiply-add forms with what is then
-   added to it, on the GPU either, so both backends get the same bits. */
-static inline MPT__HD double mpt__mul_rounded(double a, double b) {
+/* ---- arithmetic rounded at every step -------------------------------------
+   Each operation below is rounded once, to nearest even: no fused
+   multiply-add forms from a product and what is then added to it, so the
+   rules written with them give the same bits on both backends. In device
+   code they are the _rn intrinsics, which nvcc never contracts; on the
+   host the plain operators, which an ISO C or C++ build (-std=c99, c11,
+   c++17: -ffp-contract=off) never contracts either. */
 #if defined(__CUDA_ARCH__)
-    return __dmul_rn(a, b);
+#define MPT__ROUNDED(device, host) device
 #else
-    return a * b;
+#define MPT__ROUNDED(device, host) host
 #endif
+static inline MPT__HD float mpt__fadd_rn(float a, float b) {
+    return MPT__ROUNDED(__fadd_rn(a, b), a + b);
+}
+static inline MPT__HD float mpt__fsub_rn(float a, float b) {
+    return MPT__ROUNDED(__fsub_rn(a, b), a - b);
+}
+static inline MPT__HD float mpt__fmul_rn(float a, float b) {
+    return MPT__ROUNDED(__fmul_rn(a, b), a * b);
+}
+static inline MPT__HD float mpt__fdiv_rn(float a, float b) {
+    return MPT__ROUNDED(__fdiv_rn(a, b), a / b);
+}
+static inline MPT__HD float mpt__fsqrt_rn(float a) { return MPT__ROUNDED(__fsqrt_rn(a), sqrtf(a)); }
+static inline MPT__HD double mpt__dadd_rn(double a, double b) {
+    return MPT__ROUNDED(__dadd_rn(a, b), a + b);
+}
+static inline MPT__HD double mpt__dmul_rn(double a, double b) {
+    return MPT__ROUNDED(__dmul_rn(a, b), a * b);
 }
 
 /* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
@@ -2478,11 +2516,225 @@ static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, i
                                            double top_k) {
     int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
     double samples = (double)(rows / per);
-    state->loss_sum += mpt__mul_rounded(mean, samples);
+    state->loss_sum += mpt__dmul_rn(mean, samples);
     state->samples += samples;
     if (metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
         state->correct += correct / (double)per;
     if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
+}
+
+/* ---- the learning rate and the optimizers' update -------------------------
+   mpt__cpu_update (@impl-optimizers) and mpt__cuda_update run these: the
+   step's coefficients once per step, then one update per element. */
+
+/* The rate at optimizer step t (steps taken so far) for a base rate: a
+   linear warm-up over the first W steps, lr·(t + 1)/W, then the decay run
+   on t − W, as the header's mpt_lr_schedule describes. (pow and cos are
+   each platform's own: the host's libm and CUDA's may differ in the last
+   bit.) */
+static inline MPT__HD double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr,
+                                                   int64_t t) {
+    const mpt_lr_schedule *s = &d->schedule;
+    double D = (double)s->decay_steps;
+    int64_t W = s->warmup_steps;
+    if (t < 0) t = 0;
+    if (t < W) return base_lr * (double)(t + 1) / (double)W;
+    t -= W;
+    switch (s->type) {
+    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow((double)s->decay_rate, (double)t / D);
+    case MPT_LR_STEP_DECAY:
+        return base_lr * pow((double)s->decay_rate, (double)(t / s->decay_steps));
+    case MPT_LR_COSINE_DECAY: {
+        double progress = (double)(t < s->decay_steps ? t : s->decay_steps) / D; /* 0..1 */
+        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
+        double alpha = (double)s->alpha;
+        return base_lr * mpt__dadd_rn(mpt__dmul_rn(1.0 - alpha, cosine), alpha);
+    }
+    default: return base_lr;
+    }
+}
+
+/* Every number the per-element update uses, in float32 as Keras computes. */
+typedef struct mpt__update_coefs {
+    float gscale;   /* 1 / loss scale × the clipping factor             */
+    float l2;       /* coupled: added to the gradient as l2·w            */
+    float decay;    /* decoupled: w −= w·(lr·weight_decay)               */
+    float lr;       /* this step's scheduled rate                        */
+    float momentum; /* SGD                                               */
+    float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)         */
+} mpt__update_coefs;
+
+/* The step's coefficients: the scheduled rate, Adam's α with its bias
+   correction for t = optimizer_steps + 1, and the gradient multiplier,
+   1/scale (a reciprocal in double, as PyTorch; exact for a power of two)
+   times min(1, c/‖g‖), ‖g‖ the global norm after unscaling; in double,
+   each rounded to float once. */
+static inline MPT__HD mpt__update_coefs mpt__update_coefs_at(const mpt_optimizer_desc *d,
+                                                             const mpt_step_state *st) {
+    double lr = mpt__learning_rate_at(d, (double)st->learning_rate, st->optimizer_steps);
+    double inv_scale = 1.0 / (double)st->loss_scale;
+    double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
+    double t = (double)(st->optimizer_steps + 1);
+    double bias1 = 1.0 - pow((double)d->beta_1, t), bias2 = 1.0 - pow((double)d->beta_2, t);
+    mpt__update_coefs k;
+    if (d->clip_global_norm > 0 && norm > (double)d->clip_global_norm)
+        clip = (double)d->clip_global_norm / norm;
+    k.gscale = (float)(inv_scale * clip);
+    k.l2 = d->l2;
+    k.decay = (float)(lr * (double)d->weight_decay);
+    k.lr = (float)lr;
+    k.momentum = d->momentum;
+    k.one_minus_b1 = (float)(1.0 - (double)d->beta_1);
+    k.one_minus_b2 = (float)(1.0 - (double)d->beta_2);
+    k.alpha = (float)(lr * sqrt(bias2) / bias1);
+    k.epsilon = d->epsilon;
+    return k;
+}
+
+/* What every rule starts from (Keras 3): the gradient unscaled and
+   clipped, plus the coupled L2 term; and the master after the decoupled
+   decay. */
+static inline MPT__HD float mpt__update_grad(const mpt__update_coefs *k, float w, float g) {
+    return mpt__fadd_rn(mpt__fmul_rn(g, k->gscale), mpt__fmul_rn(k->l2, w));
+}
+static inline MPT__HD float mpt__update_decayed(const mpt__update_coefs *k, float w) {
+    return mpt__fsub_rn(w, mpt__fmul_rn(w, k->decay));
+}
+
+/* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
+   m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g² in the order Keras
+   rounds them; w −= α·m / (sqrt(v) + ε) with the bias correction folded
+   into α. Returns the new master; *m and *v are updated. */
+static inline MPT__HD float mpt__adam_update(const mpt__update_coefs *k, float w, float g,
+                                             float *m, float *v) {
+    float gi = mpt__update_grad(k, w, g), wi = mpt__update_decayed(k, w);
+    float mi = mpt__fadd_rn(*m, mpt__fmul_rn(mpt__fsub_rn(gi, *m), k->one_minus_b1));
+    float vi = mpt__fadd_rn(*v, mpt__fmul_rn(mpt__fsub_rn(mpt__fmul_rn(gi, gi), *v),
+                                             k->one_minus_b2));
+    float den = mpt__fadd_rn(mpt__fsqrt_rn(vi), k->epsilon);
+    *m = mi;
+    *v = vi;
+    return mpt__fsub_rn(wi, mpt__fdiv_rn(mpt__fmul_rn(mi, k->alpha), den));
+}
+
+/* SGD without momentum (Keras 3): w −= lr·g. */
+static inline MPT__HD float mpt__sgd_update(const mpt__update_coefs *k, float w, float g) {
+    return mpt__fsub_rn(mpt__update_decayed(k, w), mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr));
+}
+
+/* SGD with momentum (Keras 3): velocity = momentum·velocity − lr·g, then
+   w += velocity, or with nesterov w += momentum·velocity − lr·g. Returns
+   the new master; *velocity is updated. */
+static inline MPT__HD float mpt__momentum_update(const mpt__update_coefs *k, float w, float g,
+                                                 float *velocity, int nesterov) {
+    float step = mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr), wi = mpt__update_decayed(k, w);
+    float v = mpt__fsub_rn(mpt__fmul_rn(*velocity, k->momentum), step);
+    *velocity = v;
+    if (!nesterov) return mpt__fadd_rn(wi, v);
+    return mpt__fadd_rn(wi, mpt__fsub_rn(mpt__fmul_rn(v, k->momentum), step));
+}
+
+/* ---- activations ------------------------------------------------------------
+   @impl-activations and every CUDA kernel that applies an activation (the
+   layers' and the GEMM epilogues) run these; erff and expf are each
+   platform's own (the host's libm and CUDA's may differ in the last bit). */
+
+/* GELU, exact: x·Φ(x) = ½x·(1 + erf(x/√2)), as Keras' default
+   (approximate=False). */
+static inline MPT__HD float mpt__gelu(float x) {
+    float erf_term = erff(mpt__fmul_rn(x, 0.70710678118654752f));
+    return mpt__fmul_rn(mpt__fmul_rn(0.5f, x), mpt__fadd_rn(1.0f, erf_term));
+}
+
+/* GELU's derivative Φ(x) + x·φ(x): what dy is multiplied by. */
+static inline MPT__HD float mpt__gelu_derivative(float x) {
+    float cdf = mpt__fmul_rn(0.5f, mpt__fadd_rn(1.0f, erff(mpt__fmul_rn(x, 0.70710678118654752f))));
+    float pdf = mpt__fmul_rn(0.39894228040143268f, expf(mpt__fmul_rn(mpt__fmul_rn(-0.5f, x), x)));
+    return mpt__fadd_rn(cdf, mpt__fmul_rn(x, pdf));
+}
+
+/* The logistic sigmoid in two forms, so that exp never overflows. */
+static inline MPT__HD float mpt__sigmoid(float x) {
+    float e;
+    if (x >= 0) return mpt__fdiv_rn(1.0f, mpt__fadd_rn(1.0f, expf(-x)));
+    e = expf(x);
+    return mpt__fdiv_rn(e, mpt__fadd_rn(1.0f, e));
+}
+
+/* ---- the losses' element terms ----------------------------------------------
+   mpt__cpu_loss (@impl-losses) and mpt__cuda_loss sum these over a row (in
+   their own orders: a loop, a warp) and tally the rows alike. With
+   from_logits = 0 a probability is clipped to [ε, 1 − ε] before its log,
+   as Keras 3, and the gradient through a clipped value is zero. */
+
+#define MPT__LOSS_EPS 1e-7f /* Keras' backend.epsilon() */
+
+/* A probability clipped to [ε, 1 − ε] (a NaN to ε). */
+static inline MPT__HD float mpt__loss_clip(float q) {
+    float m = q > MPT__LOSS_EPS ? q : MPT__LOSS_EPS;
+    return m < 1.0f - MPT__LOSS_EPS ? m : 1.0f - MPT__LOSS_EPS;
+}
+static inline MPT__HD int mpt__loss_clipped(float q) {
+    return q < MPT__LOSS_EPS || q > 1.0f - MPT__LOSS_EPS;
+}
+
+/* Crossentropy of softmax(z), one class: t·(lse − z), lse the row's
+   log Σ exp z. */
+static inline MPT__HD double mpt__xent_logit_term(float z, float t, double lse) {
+    return mpt__dmul_rn((double)t, lse - (double)z);
+}
+
+/* Its gradient for the class: softmax(z)·Σt − t. */
+static inline MPT__HD float mpt__xent_logit_grad(float z, float t, double lse, float tsum) {
+    return mpt__fsub_rn(mpt__fmul_rn(expf((float)((double)z - lse)), tsum), t);
+}
+
+/* Crossentropy of a probability row, one class: q = p / S (S the row's
+   sum) clipped to c; the loss term −t·log c, and into *g
+   d(−t·log c)/dq, zero where the clip holds q. */
+static inline MPT__HD float mpt__xent_prob_term(float p, float S, float t, float *g) {
+    float q = mpt__fdiv_rn(p, S), c = mpt__loss_clip(q);
+    *g = mpt__loss_clipped(q) ? 0.0f : mpt__fdiv_rn(-t, c);
+    return t != 0 ? mpt__fmul_rn(-t, logf(c)) : 0.0f;
+}
+
+/* Its gradient through q_k = p_k / S: dL/dp_k = (g_k − Σ_c g_c·q_c) / S,
+   `dot` the row's Σ_c g_c·q_c. */
+static inline MPT__HD float mpt__xent_prob_grad(float g, double dot, float S) {
+    return (float)(((double)g - dot) / (double)S);
+}
+
+/* Binary crossentropy of one element, and d/dpred into *g. From logits
+   max(x, 0) − x·t + log(1 + exp(−|x|)), which never overflows. */
+static inline MPT__HD float mpt__bce_term(int from_logits, float x, float t, float *g) {
+    float c, u;
+    if (from_logits) {
+        *g = mpt__fsub_rn(mpt__sigmoid(x), t);
+        return mpt__fadd_rn(mpt__fsub_rn(x > 0.0f ? x : 0.0f, mpt__fmul_rn(x, t)),
+                            log1pf(expf(-fabsf(x))));
+    }
+    c = mpt__loss_clip(x);
+    u = mpt__fsub_rn(1.0f, t);
+    *g = mpt__loss_clipped(x) ? 0.0f
+                              : mpt__fsub_rn(mpt__fdiv_rn(u, mpt__fsub_rn(1.0f, c)),
+                                             mpt__fdiv_rn(t, c));
+    return -mpt__fadd_rn(mpt__fmul_rn(t, logf(c)), mpt__fmul_rn(u, logf(mpt__fsub_rn(1.0f, c))));
+}
+
+/* Squared error of one element, (x − t)² in double (exact), and its
+   gradient 2·(x − t) into *g. */
+static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g) {
+    float d = mpt__fsub_rn(x, t);
+    *g = mpt__fmul_rn(2.0f, d);
+    return mpt__dmul_rn((double)d, (double)d);
+}
+
+/* ---- BatchNormalization -----------------------------------------------------
+   1 / sqrt(var + eps) of a channel, in double and rounded to float once:
+   @impl-batchnorm (forward, backward, and the folds of quantization and
+   export) and mpt_cuda.cu's mpt__cuda_bn_scale_kernel. */
+static inline MPT__HD float mpt__bn_inv_std(double var, float epsilon) {
+    return (float)(1.0 / sqrt(var + (double)epsilon));
 }
 
 /* ---- the int8 GEMM's requantization ----------------------------------------
@@ -4023,13 +4275,9 @@ MPTDEF float mpt_half_to_float(mpt_half h) {
     return mpt__bits_f32(sign | ((e + 112) << 23) | (m << 13));
 }
 
+/* @backend-shared's rule, which the CUDA kernels run too. */
 MPTDEF mpt_bf16 mpt_float_to_bf16(float f) {
-    uint32_t x = mpt__f32_bits(f);
-    if (mpt__f32_bits_is_nan(x)) return (mpt_bf16)mpt__nan_to_bf16(x);
-    /* Round to nearest even on the low 16 bits; float subnormals round like
-       any other value and a carry out of the largest finite gives inf. */
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (mpt_bf16)(x >> 16);
+    return (mpt_bf16)mpt__f32_bits_to_bf16(mpt__f32_bits(f));
 }
 
 MPTDEF float mpt_bf16_to_float(mpt_bf16 b) { return mpt__bits_f32((uint32_t)b << 16); }
@@ -4076,8 +4324,8 @@ static void mpt__convert_scalar(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dt
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-/* bfloat16 rounding in integer arithmetic, the scalar function lane by lane.
-   (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
+/* bfloat16 rounding in integer arithmetic, @backend-shared's
+   mpt__f32_bits_to_bf16 lane by lane. (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
    which the scalar function does not.) */
 static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE __m256i mpt__avx2_bf16_bits(__m256 v) {
     __m256i x = _mm256_castps_si256(v);
@@ -4464,16 +4712,9 @@ MPTDEF size_t mpt_tensor_bytes(const mpt_tensor *t) {
 static float mpt__relu(float x) { return x <= 0 ? 0.0f : x; }
 static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
 
-static float mpt__gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-
-static float mpt__sigmoid(float x) {
-    /* Two forms, so that exp never overflows. */
-    if (x >= 0) return 1.0f / (1.0f + expf(-x));
-    {
-        float e = expf(x);
-        return e / (1.0f + e);
-    }
-}
+/* GELU (and its derivative) and the sigmoid are @backend-shared's
+   mpt__gelu, mpt__gelu_derivative and mpt__sigmoid: the CUDA kernels run
+   them too. */
 
 /* Softmax of each row of x (rows × cols), in place, in float32. */
 static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols) {
@@ -4510,14 +4751,7 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
         if (dz != dy) memcpy(dz, dy, sizeof(float) * (size_t)n);
         break;
     case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
-    case MPT_ACT_GELU:
-        for (i = 0; i < n; i++) {
-            float x = z[i];
-            float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
-            float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
-            dz[i] = dy[i] * (cdf + x * pdf);
-        }
-        break;
+    case MPT_ACT_GELU: for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_derivative(z[i]); break;
     case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) dz[i] = dy[i] * y[i] * (1 - y[i]); break;
     case MPT_ACT_TANH: for (i = 0; i < n; i++) dz[i] = dy[i] * (1 - y[i] * y[i]); break;
     case MPT_ACT_SOFTMAX:
@@ -12287,10 +12521,8 @@ static float mpt__bn_epsilon(const mpt__layer *L) {
     return L->desc.batchnorm.epsilon != 0 ? L->desc.batchnorm.epsilon : 1e-3f;
 }
 
-/* 1 / sqrt(var + eps), the same in forward and backward. */
-static float mpt__bn_inv_std(double var, float epsilon) {
-    return (float)(1.0 / sqrt(var + (double)epsilon));
-}
+/* 1 / sqrt(var + eps), the same in forward and backward: @backend-shared's
+   mpt__bn_inv_std. */
 
 /* How the rows of one batch are split into tasks. */
 typedef struct mpt__bn_plan {
@@ -13195,8 +13427,7 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
    gradient is that of those formulas, so it is zero through a clipped
    value. */
 
-#define MPT__LOSS_TASKS 64   /* tasks the rows are split into (at most) */
-#define MPT__LOSS_EPS 1e-7f  /* Keras' backend.epsilon()                */
+#define MPT__LOSS_TASKS 64 /* tasks the rows are split into (at most) */
 
 static const char *mpt__loss_name(mpt_loss_type type) {
     switch (type) {
@@ -13251,27 +13482,19 @@ static double mpt__xent_logits_row(const mpt__loss_job *j, int64_t r) {
     lse = mx + log(sum);
     for (c = 0; c < K; c++) {
         float t = mpt__loss_target(j, r, c);
-        if (t != 0) loss += t * (lse - mpt__loss_pred(j, base + c));
+        if (t != 0) loss += mpt__xent_logit_term(mpt__loss_pred(j, base + c), t, lse);
         tsum += t;
     }
     if (j->dpred)
-        for (c = 0; c < K; c++) {
-            float p = expf((float)(mpt__loss_pred(j, base + c) - lse));
-            mpt__loss_grad(j, base + c, p * (float)tsum - mpt__loss_target(j, r, c));
-        }
+        for (c = 0; c < K; c++)
+            mpt__loss_grad(j, base + c,
+                           mpt__xent_logit_grad(mpt__loss_pred(j, base + c),
+                                                mpt__loss_target(j, r, c), lse, (float)tsum));
     return loss;
 }
 
-/* One class of a probability row: q = p / S clipped to c; the loss term
-   −t·log c, and g = d(−t·log c)/dq, zero where the clip holds q. */
-static float mpt__xent_prob_term(float p, float S, float t, float *g) {
-    float q = p / S, c = MPT__MIN(MPT__MAX(q, MPT__LOSS_EPS), 1.0f - MPT__LOSS_EPS);
-    *g = (q < MPT__LOSS_EPS || q > 1.0f - MPT__LOSS_EPS) ? 0.0f : -t / c;
-    return t != 0 ? -t * logf(c) : 0.0f;
-}
-
-/* Crossentropy of a probability row (Keras: divided by its sum, clipped).
-   Through q_k = p_k / S the gradient is dL/dp_k = (g_k − Σ_c g_c·q_c) / S. */
+/* Crossentropy of a probability row (Keras: divided by its sum, clipped),
+   by @backend-shared's mpt__xent_prob_term and mpt__xent_prob_grad. */
 static double mpt__xent_probs_row(const mpt__loss_job *j, int64_t r) {
     int64_t K = j->K, base = r * K, c;
     double sum = 0, loss = 0, dot = 0;
@@ -13286,35 +13509,22 @@ static double mpt__xent_probs_row(const mpt__loss_job *j, int64_t r) {
     if (j->dpred)
         for (c = 0; c < K; c++) {
             mpt__xent_prob_term(mpt__loss_pred(j, base + c), S, mpt__loss_target(j, r, c), &g);
-            mpt__loss_grad(j, base + c, (float)((g - dot) / S));
+            mpt__loss_grad(j, base + c, mpt__xent_prob_grad(g, dot, S));
         }
     return loss;
 }
 
-/* Binary crossentropy of one element, and d/dpred into *g. */
-static float mpt__bce_term(int from_logits, float x, float t, float *g) {
-    if (from_logits) { /* max(x, 0) − x·t + log(1 + exp(−|x|)): no overflow */
-        *g = mpt__sigmoid(x) - t;
-        return MPT__MAX(x, 0.0f) - x * t + log1pf(expf(-fabsf(x)));
-    } else {
-        float c = MPT__MIN(MPT__MAX(x, MPT__LOSS_EPS), 1.0f - MPT__LOSS_EPS);
-        *g = (x < MPT__LOSS_EPS || x > 1.0f - MPT__LOSS_EPS) ? 0.0f : (1 - t) / (1 - c) - t / c;
-        return -(t * logf(c) + (1 - t) * logf(1 - c));
-    }
-}
-
-/* Binary crossentropy or squared error, summed over the row's elements. */
+/* Binary crossentropy or squared error, summed over the row's elements
+   (@backend-shared's mpt__bce_term and mpt__squared_error_term). */
 static double mpt__elementwise_row(const mpt__loss_job *j, int64_t r) {
     int64_t K = j->K, base = r * K, c;
     double loss = 0;
     for (c = 0; c < K; c++) {
         float x = mpt__loss_pred(j, base + c), t = mpt__loss_target(j, r, c), g;
-        if (j->type == MPT_LOSS_BINARY_CROSSENTROPY) {
+        if (j->type == MPT_LOSS_BINARY_CROSSENTROPY)
             loss += mpt__bce_term(j->from_logits, x, t, &g);
-        } else {
-            loss += (double)(x - t) * (x - t);
-            g = 2 * (x - t);
-        }
+        else
+            loss += mpt__squared_error_term(x, t, &g);
         if (j->dpred) mpt__loss_grad(j, base + c, g);
     }
     return loss;
@@ -13886,30 +14096,9 @@ static int mpt__optimizer_slot_count(const mpt_optimizer_desc *d) {
     return 2;
 }
 
-/* ---- learning-rate schedules ---------------------------------------------- */
-
-/* The rate at optimizer step t (steps taken so far) for a base rate: a
-   linear warm-up over the first W steps, lr·(t + 1)/W, then the decay run
-   on t − W, as the header's mpt_lr_schedule describes. */
-static double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr, int64_t t) {
-    const mpt_lr_schedule *s = &d->schedule;
-    double D = (double)s->decay_steps;
-    int64_t W = s->warmup_steps;
-    if (t < 0) t = 0;
-    if (t < W) return base_lr * (double)(t + 1) / (double)W;
-    t -= W;
-    switch (s->type) {
-    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow(s->decay_rate, (double)t / D);
-    case MPT_LR_STEP_DECAY: return base_lr * pow(s->decay_rate, (double)(t / s->decay_steps));
-    case MPT_LR_COSINE_DECAY: {
-        double progress = (double)MPT__MIN(t, s->decay_steps) / D; /* 0..1 */
-        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
-        return base_lr * ((1.0 - s->alpha) * cosine + s->alpha);
-    }
-    default: return base_lr;
-    }
-}
-
+/* ---- learning-rate schedules ----------------------------------------------
+   mpt__learning_rate_at, the rate at a step, is @backend-shared's: the
+   CUDA backend's update runs it too. */
 
 /* ---- walking the trainable parameters as one vector ----------------------- */
 
@@ -14076,86 +14265,55 @@ typedef struct mpt__update_job mpt__update_job;
 typedef void (*mpt__block_fn)(const mpt__update_job *j, float *w, const float *g, float *s0,
                               float *s1, int64_t n);
 
-/* Every number the element loops use, in float32 as Keras computes. */
+/* The element loops' numbers: the step's coefficients (@backend-shared's
+   mpt__update_coefs_at, as the CUDA backend's). */
 struct mpt__update_job {
     const mpt_context *ctx;
     const mpt_update_args *u;
     mpt__ranges r;
     mpt__block_fn block; /* the optimizer's loop, for this CPU           */
     int nesterov;
-    float gscale;        /* 1 / loss scale × the clipping factor            */
-    float l2;            /* coupled: added to the gradient as l2·w           */
-    float decay;         /* decoupled: w −= w·(lr·weight_decay)              */
-    float lr;            /* this step's scheduled rate                       */
-    float momentum;      /* SGD                                              */
-    float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)             */
+    mpt__update_coefs k;
 };
 
-/* SGD (Keras 3): with a momentum, velocity = momentum·velocity − lr·g and
-   w += velocity (nesterov: w += momentum·velocity − lr·g); without one,
-   w −= lr·g. s0 is the velocity (NULL without momentum). */
+/* SGD, the rules of @backend-shared (mpt__sgd_update, and with a momentum
+   mpt__momentum_update) element by element. s0 is the velocity (NULL
+   without momentum). */
 static void mpt__sgd_block(const mpt__update_job *j, float *MPT__RESTRICT w,
                            const float *MPT__RESTRICT g, float *MPT__RESTRICT s0, float *s1,
                            int64_t n) {
-    const float gscale = j->gscale, l2 = j->l2, decay = j->decay, lr = j->lr;
-    const float mu = j->momentum;
+    const mpt__update_coefs k = j->k;
     int64_t i;
     (void)s1;
     if (!s0) {
-        for (i = 0; i < n; i++) {
-            float gi = g[i] * gscale + l2 * w[i];
-            float wi = w[i] - w[i] * decay;
-            w[i] = wi - gi * lr;
-        }
+        for (i = 0; i < n; i++) w[i] = mpt__sgd_update(&k, w[i], g[i]);
     } else if (!j->nesterov) {
-        for (i = 0; i < n; i++) {
-            float gi = g[i] * gscale + l2 * w[i];
-            float wi = w[i] - w[i] * decay;
-            float v = s0[i] * mu - gi * lr;
-            s0[i] = v;
-            w[i] = wi + v;
-        }
+        for (i = 0; i < n; i++) w[i] = mpt__momentum_update(&k, w[i], g[i], &s0[i], 0);
     } else {
-        for (i = 0; i < n; i++) {
-            float gi = g[i] * gscale + l2 * w[i];
-            float wi = w[i] - w[i] * decay;
-            float v = s0[i] * mu - gi * lr;
-            s0[i] = v;
-            w[i] = wi + (v * mu - gi * lr);
-        }
+        for (i = 0; i < n; i++) w[i] = mpt__momentum_update(&k, w[i], g[i], &s0[i], 1);
     }
 }
 
-/* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
-   m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g² in the order Keras
-   rounds them; w −= α·m / (sqrt(v) + ε) with the bias correction folded
-   into α. s0 is m, s1 is v. */
+/* Adam, @backend-shared's mpt__adam_update element by element. s0 is m,
+   s1 is v. */
 static void mpt__adam_block(const mpt__update_job *j, float *MPT__RESTRICT w,
                             const float *MPT__RESTRICT g, float *MPT__RESTRICT s0,
                             float *MPT__RESTRICT s1, int64_t n) {
-    const float gscale = j->gscale, l2 = j->l2, decay = j->decay;
-    const float c1 = j->one_minus_b1, c2 = j->one_minus_b2, alpha = j->alpha, eps = j->epsilon;
+    const mpt__update_coefs k = j->k;
     int64_t i;
-    for (i = 0; i < n; i++) {
-        float gi = g[i] * gscale + l2 * w[i];
-        float mi = s0[i] + (gi - s0[i]) * c1;
-        float vi = s1[i] + (gi * gi - s1[i]) * c2;
-        float wi = w[i] - w[i] * decay;
-        s0[i] = mi;
-        s1[i] = vi;
-        w[i] = wi - (mi * alpha) / (sqrtf(vi) + eps);
-    }
+    for (i = 0; i < n; i++) w[i] = mpt__adam_update(&k, w[i], g[i], &s0[i], &s1[i]);
 }
 
 #if MPT__X86
-/* The loops above, 8 lanes at a time; the last n % 8 elements go through
-   the portable loop. */
+/* The loops above, 8 lanes at a time: the same rules, the same float
+   operations in the same order, so the same bits (tests/test_optim.c
+   compares them); the last n % 8 elements go through the portable loop. */
 static MPT__TARGET_AVX2 void mpt__sgd_block_avx2(const mpt__update_job *j, float *w,
                                                  const float *g, float *s0, float *s1,
                                                  int64_t n) {
-    const __m256 gscale = _mm256_set1_ps(j->gscale), l2 = _mm256_set1_ps(j->l2);
-    const __m256 decay = _mm256_set1_ps(j->decay), lr = _mm256_set1_ps(j->lr);
-    const __m256 mu = _mm256_set1_ps(j->momentum);
+    const __m256 gscale = _mm256_set1_ps(j->k.gscale), l2 = _mm256_set1_ps(j->k.l2);
+    const __m256 decay = _mm256_set1_ps(j->k.decay), lr = _mm256_set1_ps(j->k.lr);
+    const __m256 mu = _mm256_set1_ps(j->k.momentum);
     int64_t i;
     for (i = 0; i + 8 <= n; i += 8) {
         __m256 w0 = _mm256_loadu_ps(w + i);
@@ -14178,10 +14336,10 @@ static MPT__TARGET_AVX2 void mpt__sgd_block_avx2(const mpt__update_job *j, float
 static MPT__TARGET_AVX2 void mpt__adam_block_avx2(const mpt__update_job *j, float *w,
                                                   const float *g, float *s0, float *s1,
                                                   int64_t n) {
-    const __m256 gscale = _mm256_set1_ps(j->gscale), l2 = _mm256_set1_ps(j->l2);
-    const __m256 decay = _mm256_set1_ps(j->decay), alpha = _mm256_set1_ps(j->alpha);
-    const __m256 c1 = _mm256_set1_ps(j->one_minus_b1), c2 = _mm256_set1_ps(j->one_minus_b2);
-    const __m256 eps = _mm256_set1_ps(j->epsilon);
+    const __m256 gscale = _mm256_set1_ps(j->k.gscale), l2 = _mm256_set1_ps(j->k.l2);
+    const __m256 decay = _mm256_set1_ps(j->k.decay), alpha = _mm256_set1_ps(j->k.alpha);
+    const __m256 c1 = _mm256_set1_ps(j->k.one_minus_b1), c2 = _mm256_set1_ps(j->k.one_minus_b2);
+    const __m256 eps = _mm256_set1_ps(j->k.epsilon);
     int64_t i;
     for (i = 0; i + 8 <= n; i += 8) {
         __m256 w0 = _mm256_loadu_ps(w + i), m0 = _mm256_loadu_ps(s0 + i);
@@ -14205,10 +14363,10 @@ static MPT__TARGET_AVX2 void mpt__adam_block_avx2(const mpt__update_job *j, floa
 MPT__TARGET_AVX512 static void mpt__adam_block_avx512(const mpt__update_job *j, float *w,
                                                       const float *g, float *s0, float *s1,
                                                       int64_t n) {
-    const __m512 gscale = _mm512_set1_ps(j->gscale), l2 = _mm512_set1_ps(j->l2);
-    const __m512 decay = _mm512_set1_ps(j->decay), alpha = _mm512_set1_ps(j->alpha);
-    const __m512 c1 = _mm512_set1_ps(j->one_minus_b1), c2 = _mm512_set1_ps(j->one_minus_b2);
-    const __m512 eps = _mm512_set1_ps(j->epsilon);
+    const __m512 gscale = _mm512_set1_ps(j->k.gscale), l2 = _mm512_set1_ps(j->k.l2);
+    const __m512 decay = _mm512_set1_ps(j->k.decay), alpha = _mm512_set1_ps(j->k.alpha);
+    const __m512 c1 = _mm512_set1_ps(j->k.one_minus_b1), c2 = _mm512_set1_ps(j->k.one_minus_b2);
+    const __m512 eps = _mm512_set1_ps(j->k.epsilon);
     int64_t i;
     for (i = 0; i + 16 <= n; i += 16) {
         __m512 w0 = _mm512_loadu_ps(w + i), m0 = _mm512_loadu_ps(s0 + i);
@@ -14255,34 +14413,18 @@ static void mpt__update_task(void *arg, int64_t task, int thread) {
     mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__update_span, j);
 }
 
-/* The per-step numbers of the update: the scheduled rate, Adam's α with
-   its bias correction for t = optimizer_steps + 1, and the gradient
-   multiplier, 1/scale (a reciprocal in double, as PyTorch; exact for a
-   power of two) times min(1, c/‖g‖), ‖g‖ the global norm after unscaling. */
+/* The step's loop for this CPU and its coefficients (@backend-shared's
+   mpt__update_coefs_at). */
 static void mpt__update_job_init(const mpt_update_args *u, mpt__update_job *j) {
     const mpt_optimizer_desc *d = &u->optimizer;
-    const mpt_step_state *st = u->state;
-    double lr = mpt__learning_rate_at(d, st->learning_rate, st->optimizer_steps);
-    double inv_scale = 1.0 / (double)st->loss_scale;
-    double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
-    double t = (double)(st->optimizer_steps + 1);
     int sgd = d->type == MPT_OPTIMIZER_SGD;
-    if (d->clip_global_norm > 0 && norm > d->clip_global_norm) clip = d->clip_global_norm / norm;
     j->block = sgd ? mpt__sgd_block : mpt__adam_block;
 #if MPT__X86
     if (j->ctx->cpu & MPT_CPU_AVX2) j->block = sgd ? mpt__sgd_block_avx2 : mpt__adam_block_avx2;
     if (!sgd && (j->ctx->cpu & MPT_CPU_AVX512)) j->block = mpt__adam_block_avx512;
 #endif
     j->nesterov = d->nesterov != 0;
-    j->gscale = (float)(inv_scale * clip);
-    j->l2 = d->l2;
-    j->decay = (float)(lr * d->weight_decay);
-    j->lr = (float)lr;
-    j->momentum = d->momentum;
-    j->one_minus_b1 = (float)(1.0 - d->beta_1);
-    j->one_minus_b2 = (float)(1.0 - d->beta_2);
-    j->alpha = (float)(lr * sqrt(1.0 - pow(d->beta_2, t)) / (1.0 - pow(d->beta_1, t)));
-    j->epsilon = d->epsilon;
+    j->k = mpt__update_coefs_at(d, u->state);
 }
 
 /* The CPU backend's second pass (mpt_backend.update): when the first found

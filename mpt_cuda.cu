@@ -204,10 +204,9 @@ static __device__ __forceinline__ uint16_t mpt__cuda_float_to_half(float f) {
     return __half_as_ushort(__float2half_rn(f));
 }
 
+/* mpt.h's rounding (@backend-shared), which mpt_float_to_bf16 runs too. */
 static __device__ __forceinline__ uint16_t mpt__cuda_float_to_bf16(float f) {
-    uint32_t x = __float_as_uint(f);
-    if (mpt__f32_bits_is_nan(x)) return mpt__nan_to_bf16(x);
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    return mpt__f32_bits_to_bf16(__float_as_uint(f));
 }
 
 static __device__ __forceinline__ float mpt__cuda_bf16_to_float(uint16_t b) {
@@ -223,18 +222,14 @@ static __device__ __forceinline__ float mpt__cuda_relu(float x) {
     return __float_as_uint(x) - 0x80000000u <= 0x7f800000u ? 0.0f : x;
 }
 
-/* The elementwise activations with the CPU's formulas: the layers' kernels
-   and every GEMM epilogue apply them through this one function. */
+/* The elementwise activations, GELU and the sigmoid by mpt.h's rules
+   (@backend-shared, which the CPU runs too): the layers' kernels and every
+   GEMM epilogue apply them through this one function. */
 static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
     switch (act) {
     case MPT_ACT_RELU: return mpt__cuda_relu(x);
-    case MPT_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case MPT_ACT_SIGMOID:
-        if (x >= 0) return 1.0f / (1.0f + expf(-x)); /* two forms: exp never overflows */
-        {
-            float e = expf(x);
-            return e / (1.0f + e);
-        }
+    case MPT_ACT_GELU: return mpt__gelu(x);
+    case MPT_ACT_SIGMOID: return mpt__sigmoid(x);
     case MPT_ACT_TANH: return tanhf(x);
     default: return x;
     }
@@ -2473,12 +2468,7 @@ static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dt
 static __device__ __forceinline__ float mpt__cuda_act_derivative(int act, float dy, float kept) {
     switch (act) {
     case MPT_ACT_RELU: return kept <= 0 ? 0.0f : dy; /* a NaN y passes dy, as the CPU */
-    case MPT_ACT_GELU: {
-        float x = kept;
-        float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
-        float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
-        return dy * __fadd_rn(cdf, __fmul_rn(x, pdf));
-    }
+    case MPT_ACT_GELU: return dy * mpt__gelu_derivative(kept); /* mpt.h's */
     case MPT_ACT_SIGMOID: return dy * kept * (1 - kept);
     case MPT_ACT_TANH: return dy * __fsub_rn(1.0f, __fmul_rn(kept, kept));
     default: return dy;
@@ -3202,7 +3192,7 @@ __global__ void __launch_bounds__(256) mpt__cuda_bn_stat_kernel(const double *pa
     if (c < C) out[c] = (float)(mpt__cuda_bn_total(part, n_chunks, which, C, c) / (double)rows);
 }
 
-/* inv_std = 1 / sqrt(var + eps) in double, rounded to float (as the CPU, in
+/* inv_std = 1 / sqrt(var + eps) by mpt.h's mpt__bn_inv_std (the CPU's, in
    forward and backward); scale = gamma · inv_std in float32. */
 __global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *var,
                                                                  const float *gamma, float eps,
@@ -3210,7 +3200,7 @@ __global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *va
                                                                  float *scale) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    const float is = (float)(1.0 / sqrt((double)var[c] + (double)eps));
+    const float is = mpt__bn_inv_std((double)var[c], eps);
     inv_std[c] = is;
     scale[c] = (gamma ? gamma[c] : 1.0f) * is;
 }
@@ -3496,8 +3486,6 @@ static constexpr int64_t mpt__cuda_norm_max_blocks = 1024;  /* norm blocks per t
 static constexpr int mpt__cuda_norm_slots = 8192;           /* norm partials held at once  */
 static constexpr int mpt__cuda_tensors_per_launch = 48;     /* multi-tensor tables         */
 
-#define MPT__CUDA_LOSS_EPS 1e-7f /* Keras' backend.epsilon(), as the CPU loss */
-
 /* ---- device scratch -------------------------------------------------------- */
 
 /* One loss block's sums over its rows. */
@@ -3505,20 +3493,13 @@ typedef struct mpt__cuda_loss_partial {
     double loss, correct, top_k;
 } mpt__cuda_loss_partial;
 
-/* The per-step numbers of the update, in float32 as the CPU's job. */
-typedef struct mpt__cuda_update_coefs {
-    float gscale;       /* 1 / loss scale × the clipping factor */
-    float l2, decay, lr, momentum;
-    float one_minus_b1, one_minus_b2, alpha, epsilon;
-} mpt__cuda_update_coefs;
-
 /* Device buffers of the training kernels, allocated once per backend. */
 typedef struct mpt__cuda_train_scratch {
     void *base;                            /* the one allocation              */
     double *norm_partials;                 /* (mpt__cuda_norm_slots)          */
     double *norm_carry;                    /* Σ of partials already folded    */
     mpt__cuda_loss_partial *loss_partials; /* (mpt__cuda_loss_max_blocks)     */
-    mpt__cuda_update_coefs *coefs;
+    mpt__update_coefs *coefs;              /* mpt.h's mpt__update_coefs_at      */
 } mpt__cuda_train_scratch;
 
 /* The scratch of c, or NULL (and a pending error) if init never ran. */
@@ -3537,7 +3518,7 @@ static mpt_status mpt__cuda_train_init(mpt__cuda *c) {
     size_t norm = mpt__cuda_train_round_up(sizeof(double) * mpt__cuda_norm_slots);
     size_t carry = mpt__cuda_train_round_up(sizeof(double));
     size_t loss = mpt__cuda_train_round_up(sizeof(mpt__cuda_loss_partial) * mpt__cuda_loss_max_blocks);
-    size_t coefs = mpt__cuda_train_round_up(sizeof(mpt__cuda_update_coefs));
+    size_t coefs = mpt__cuda_train_round_up(sizeof(mpt__update_coefs));
     size_t bytes = norm + carry + loss + coefs;
     mpt__cuda_train_scratch *s = (mpt__cuda_train_scratch *)calloc(1, sizeof *s);
     char *p;
@@ -3560,7 +3541,7 @@ static mpt_status mpt__cuda_train_init(mpt__cuda *c) {
     s->norm_partials = (double *)p;
     s->norm_carry = (double *)(p + norm);
     s->loss_partials = (mpt__cuda_loss_partial *)(p + norm + carry);
-    s->coefs = (mpt__cuda_update_coefs *)(p + norm + carry + loss);
+    s->coefs = (mpt__update_coefs *)(p + norm + carry + loss);
     c->train_scratch = s;
     return MPT_OK;
 }
@@ -3702,34 +3683,22 @@ static __device__ double mpt__cuda_xent_logits_row(const mpt__cuda_loss_params &
     for (int64_t c = lane; c < K; c += 32) {
         float t = mpt__cuda_loss_target(p, r, c, label);
         if (t != 0)
-            loss = __dadd_rn(loss, __dmul_rn((double)t,
-                                             __dsub_rn(lse, (double)mpt__cuda_loss_pred(p, base + c))));
+            loss = __dadd_rn(loss, mpt__xent_logit_term(mpt__cuda_loss_pred(p, base + c), t, lse));
         tsum += (double)t;
     }
     loss = mpt__cuda_train_warp_sum(loss);
     tsum = mpt__cuda_train_warp_sum(tsum);
     if (p.dpred)
         for (int64_t c = lane; c < K; c += 32) {
-            float x = mpt__cuda_loss_pred(p, base + c);
-            float q = expf((float)__dsub_rn((double)x, lse));
-            float g = __fsub_rn(__fmul_rn(q, (float)tsum), mpt__cuda_loss_target(p, r, c, label));
+            float g = mpt__xent_logit_grad(mpt__cuda_loss_pred(p, base + c),
+                                           mpt__cuda_loss_target(p, r, c, label), lse, (float)tsum);
             mpt__cuda_loss_grad(p, base + c, g, gscale);
         }
     return loss;
 }
 
-/* One class of a probability row: q = p / S clipped; −t·log(clip) and the
-   gradient with respect to q, zero where the clip holds q. */
-static __device__ __forceinline__ float mpt__cuda_xent_prob_term(float x, float S, float t,
-                                                                 float *g) {
-    const float lo = MPT__CUDA_LOSS_EPS, hi = 1.0f - MPT__CUDA_LOSS_EPS;
-    float q = __fdiv_rn(x, S), m = q > lo ? q : lo, c = m < hi ? m : hi;
-    *g = (q < lo || q > hi) ? 0.0f : __fdiv_rn(-t, c);
-    return t != 0 ? __fmul_rn(-t, logf(c)) : 0.0f;
-}
-
 /* Crossentropy of a probability row (divided by its sum, clipped), one
-   warp; dL/dp_k = (g_k − Σ_c g_c·q_c) / S. */
+   warp, by mpt.h's mpt__xent_prob_term and mpt__xent_prob_grad. */
 static __device__ double mpt__cuda_xent_probs_row(const mpt__cuda_loss_params &p, int64_t r,
                                                   int label, int lane, float gscale) {
     const int64_t K = p.K, base = r * K;
@@ -3739,56 +3708,32 @@ static __device__ double mpt__cuda_xent_probs_row(const mpt__cuda_loss_params &p
     S = (float)mpt__cuda_train_warp_sum(sum);
     for (int64_t c = lane; c < K; c += 32) {
         float x = mpt__cuda_loss_pred(p, base + c);
-        loss += (double)mpt__cuda_xent_prob_term(x, S, mpt__cuda_loss_target(p, r, c, label), &g);
+        loss += (double)mpt__xent_prob_term(x, S, mpt__cuda_loss_target(p, r, c, label), &g);
         dot = __dadd_rn(dot, __dmul_rn((double)g, (double)__fdiv_rn(x, S)));
     }
     loss = mpt__cuda_train_warp_sum(loss);
     dot = mpt__cuda_train_warp_sum(dot);
     if (p.dpred)
         for (int64_t c = lane; c < K; c += 32) {
-            mpt__cuda_xent_prob_term(mpt__cuda_loss_pred(p, base + c), S,
-                                     mpt__cuda_loss_target(p, r, c, label), &g);
-            mpt__cuda_loss_grad(p, base + c, (float)__ddiv_rn(__dsub_rn((double)g, dot), (double)S),
-                                gscale);
+            mpt__xent_prob_term(mpt__cuda_loss_pred(p, base + c), S,
+                                mpt__cuda_loss_target(p, r, c, label), &g);
+            mpt__cuda_loss_grad(p, base + c, mpt__xent_prob_grad(g, dot, S), gscale);
         }
     return loss;
 }
 
-/* mpt.h's sigmoid: two forms, so that exp never overflows. */
-static __device__ __forceinline__ float mpt__cuda_train_sigmoid(float x) {
-    if (x >= 0) return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
-    float e = expf(x);
-    return __fdiv_rn(e, __fadd_rn(1.0f, e));
-}
-
-/* Binary crossentropy of one element, and d/dpred into *g. */
-static __device__ __forceinline__ float mpt__cuda_bce_term(int from_logits, float x, float t,
-                                                           float *g) {
-    if (from_logits) { /* max(x, 0) − x·t + log(1 + exp(−|x|)) */
-        *g = __fsub_rn(mpt__cuda_train_sigmoid(x), t);
-        return __fadd_rn(__fsub_rn(x > 0.0f ? x : 0.0f, __fmul_rn(x, t)), log1pf(expf(-fabsf(x))));
-    }
-    const float lo = MPT__CUDA_LOSS_EPS, hi = 1.0f - MPT__CUDA_LOSS_EPS;
-    float m = x > lo ? x : lo, c = m < hi ? m : hi, u = __fsub_rn(1.0f, t);
-    *g = (x < lo || x > hi) ? 0.0f
-                            : __fsub_rn(__fdiv_rn(u, __fsub_rn(1.0f, c)), __fdiv_rn(t, c));
-    return -__fadd_rn(__fmul_rn(t, logf(c)), __fmul_rn(u, logf(__fsub_rn(1.0f, c))));
-}
-
-/* Binary crossentropy or squared error summed over row r, one warp. */
+/* Binary crossentropy or squared error summed over row r, one warp, by
+   mpt.h's mpt__bce_term and mpt__squared_error_term. */
 static __device__ double mpt__cuda_elementwise_row(const mpt__cuda_loss_params &p, int64_t r,
                                                    int lane, float gscale) {
     const int64_t K = p.K, base = r * K;
     double loss = 0;
     for (int64_t c = lane; c < K; c += 32) {
         float x = mpt__cuda_loss_pred(p, base + c), t = mpt__cuda_loss_target(p, r, c, 0), g;
-        if (p.type == MPT_LOSS_BINARY_CROSSENTROPY) {
-            loss += (double)mpt__cuda_bce_term(p.from_logits, x, t, &g);
-        } else {
-            float d = __fsub_rn(x, t);
-            loss = __dadd_rn(loss, __dmul_rn((double)d, (double)d));
-            g = __fmul_rn(2.0f, d);
-        }
+        if (p.type == MPT_LOSS_BINARY_CROSSENTROPY)
+            loss += (double)mpt__bce_term(p.from_logits, x, t, &g);
+        else
+            loss = __dadd_rn(loss, mpt__squared_error_term(x, t, &g));
         if (p.dpred) mpt__cuda_loss_grad(p, base + c, g, gscale);
     }
     return mpt__cuda_train_warp_sum(loss);
@@ -4075,53 +4020,15 @@ static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
 
 /* ---- pass 2: the fused update ---------------------------------------------- */
 
-/* The learning-rate schedule at optimizer step t, as mpt.h's. */
-static __device__ double mpt__cuda_learning_rate_at(const mpt_optimizer_desc &d, double base_lr,
-                                                    int64_t t) {
-    const mpt_lr_schedule &s = d.schedule;
-    double D = (double)s.decay_steps;
-    int64_t W = s.warmup_steps;
-    if (t < 0) t = 0;
-    if (t < W) return base_lr * (double)(t + 1) / (double)W;
-    t -= W;
-    switch (s.type) {
-    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow((double)s.decay_rate, (double)t / D);
-    case MPT_LR_STEP_DECAY:
-        return base_lr * pow((double)s.decay_rate, (double)(t / s.decay_steps));
-    case MPT_LR_COSINE_DECAY: {
-        double progress = (double)(t < s.decay_steps ? t : s.decay_steps) / D;
-        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
-        return base_lr * __dadd_rn(__dmul_rn(1.0 - (double)s.alpha, cosine), (double)s.alpha);
-    }
-    default: return base_lr;
-    }
-}
-
-/* One thread: the step's coefficients from the state (as the CPU's
-   mpt__update_job_init, in double, rounded to float once), and, the step
-   being applied, optimizer_steps + 1 (the update kernels after it read
-   only the coefficients, so counting it here saves a launch). Nothing when
-   the gradients are not finite. */
+/* One thread: the step's coefficients from the state (mpt.h's
+   mpt__update_coefs_at, @backend-shared, which the CPU runs too) and, the
+   step being applied, optimizer_steps + 1 (the update kernels after it
+   read only the coefficients, so counting it here saves a launch).
+   Nothing when the gradients are not finite. */
 static __global__ void mpt__cuda_update_coefs_kernel(mpt_optimizer_desc d, mpt_step_state *state,
-                                                     mpt__cuda_update_coefs *out) {
+                                                     mpt__update_coefs *out) {
     if (!state->finite) return;
-    double lr = mpt__cuda_learning_rate_at(d, (double)state->learning_rate, state->optimizer_steps);
-    double inv_scale = 1.0 / (double)state->loss_scale;
-    double norm = sqrt(state->sum_squares) * inv_scale, clip = 1.0;
-    double t = (double)(state->optimizer_steps + 1);
-    mpt__cuda_update_coefs k;
-    if (d.clip_global_norm > 0 && norm > (double)d.clip_global_norm)
-        clip = (double)d.clip_global_norm / norm;
-    k.gscale = (float)(inv_scale * clip);
-    k.l2 = d.l2;
-    k.decay = (float)(lr * (double)d.weight_decay);
-    k.lr = (float)lr;
-    k.momentum = d.momentum;
-    k.one_minus_b1 = (float)(1.0 - (double)d.beta_1);
-    k.one_minus_b2 = (float)(1.0 - (double)d.beta_2);
-    k.alpha = (float)(lr * sqrt(1.0 - pow((double)d.beta_2, t)) / (1.0 - pow((double)d.beta_1, t)));
-    k.epsilon = d.epsilon;
-    *out = k;
+    *out = mpt__update_coefs_at(&d, state);
     state->optimizer_steps += 1;
 }
 
@@ -4133,28 +4040,16 @@ enum {
     MPT__CUDA_RULE_NESTEROV
 };
 
-/* One element, the CPU's block loops' operations in their order (Keras 3):
-   unscale and clip, the coupled L2 term, the decoupled decay, then the
-   rule. Returns the new master; s0/s1 are updated in place. */
+/* One element by the rule (mpt.h's, @backend-shared, which the CPU's
+   block loops run too). Returns the new master; s0/s1 are updated in
+   place. */
 template <int RULE>
-static __device__ __forceinline__ float mpt__cuda_update_one(const mpt__cuda_update_coefs &k,
+static __device__ __forceinline__ float mpt__cuda_update_one(const mpt__update_coefs &k,
                                                              float w, float g, float &s0,
                                                              float &s1) {
-    float gi = __fadd_rn(__fmul_rn(g, k.gscale), __fmul_rn(k.l2, w));
-    float wi = __fsub_rn(w, __fmul_rn(w, k.decay));
-    if (RULE == MPT__CUDA_RULE_ADAM) {
-        float mi = __fadd_rn(s0, __fmul_rn(__fsub_rn(gi, s0), k.one_minus_b1));
-        float vi = __fadd_rn(s1, __fmul_rn(__fsub_rn(__fmul_rn(gi, gi), s1), k.one_minus_b2));
-        s0 = mi;
-        s1 = vi;
-        return __fsub_rn(wi, __fdiv_rn(__fmul_rn(mi, k.alpha), __fadd_rn(__fsqrt_rn(vi), k.epsilon)));
-    }
-    float step = __fmul_rn(gi, k.lr);
-    if (RULE == MPT__CUDA_RULE_SGD) return __fsub_rn(wi, step);
-    float v = __fsub_rn(__fmul_rn(s0, k.momentum), step);
-    s0 = v;
-    if (RULE == MPT__CUDA_RULE_MOMENTUM) return __fadd_rn(wi, v);
-    return __fadd_rn(wi, __fsub_rn(__fmul_rn(v, k.momentum), step));
+    if (RULE == MPT__CUDA_RULE_ADAM) return mpt__adam_update(&k, w, g, &s0, &s1);
+    if (RULE == MPT__CUDA_RULE_SGD) return mpt__sgd_update(&k, w, g);
+    return mpt__momentum_update(&k, w, g, &s0, RULE == MPT__CUDA_RULE_NESTEROV);
 }
 
 /* One parameter tensor's pointers, by value. */
@@ -4170,7 +4065,7 @@ typedef struct mpt__cuda_update_tensor {
 /* Element i, scalar. */
 template <int RULE>
 static __device__ __forceinline__ void mpt__cuda_update_scalar(const mpt__cuda_update_tensor &T,
-                                                               const mpt__cuda_update_coefs &k,
+                                                               const mpt__update_coefs &k,
                                                                int64_t i) {
     float s0 = RULE == MPT__CUDA_RULE_SGD ? 0.0f : T.s0[i];
     float s1 = RULE == MPT__CUDA_RULE_ADAM ? T.s1[i] : 0.0f;
@@ -4185,7 +4080,7 @@ static __device__ __forceinline__ void mpt__cuda_update_scalar(const mpt__cuda_u
    128 bits in float32, 64 in float16/bfloat16). */
 template <int RULE>
 static __device__ __forceinline__ void mpt__cuda_update_vec4(const mpt__cuda_update_tensor &T,
-                                                             const mpt__cuda_update_coefs &k,
+                                                             const mpt__update_coefs &k,
                                                              int64_t q) {
     float4 w = ((const float4 *)T.w)[q], g = ((const float4 *)T.g)[q];
     float4 s0 = make_float4(0, 0, 0, 0), s1 = make_float4(0, 0, 0, 0);
@@ -4230,12 +4125,12 @@ static_assert(sizeof(mpt__cuda_update_table) + 3 * sizeof(void *) + sizeof(int) 
    Returns at once when the step is skipped. */
 template <int RULE>
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
-mpt__cuda_update_kernel(mpt__cuda_update_table U, const mpt__cuda_update_coefs *coefs,
+mpt__cuda_update_kernel(mpt__cuda_update_table U, const mpt__update_coefs *coefs,
                         const mpt_step_state *state) {
     if (!state->finite) return;
     const int e = mpt__cuda_table_entry(U.first_block, U.count, (int)blockIdx.x);
     const mpt__cuda_update_tensor T = U.t[e]; /* 56 bytes, into registers */
-    const mpt__cuda_update_coefs k = *coefs;
+    const mpt__update_coefs k = *coefs;
     const int blocks = U.first_block[e + 1] - U.first_block[e];
     const int64_t first = (int64_t)(blockIdx.x - U.first_block[e]) * blockDim.x + threadIdx.x;
     const int64_t stride = (int64_t)blocks * blockDim.x;

@@ -2,7 +2,11 @@
    no GPU: the GEMM's tile and K split, MPT_GEMM_AUTO's engine choice, the
    Hopper kernel's eligibility, tiles, split, work order and tensor maps,
    the fast division of the layout kernels' index arithmetic, how a loss's
-   batch is tallied into the step state, and the int8 GEMM's
+   batch is tallied into the step state, the training arithmetic (the
+   learning-rate schedule, the optimizers' coefficients and updates, GELU
+   and the sigmoid, the loss terms, BatchNormalization's 1/sqrt(var + eps),
+   bfloat16 rounding) against double precision and bit-level references,
+   and the int8 GEMM's
    requantization (TFLite's rounding, which mpt_qgemm runs too) and
    fragment addresses (through ldmatrix and mma.sync emulated). The
    kernels that use them are compared with the CPU in tests/test_cuda.c, on
@@ -313,6 +317,196 @@ static void test_loss_tally(void) {
           "no metrics: correct %g top_k %g counted", st.correct, st.top_k);
 }
 
+/* ---- the training arithmetic (the optimizers, activations, losses, BN) ---- */
+
+/* A float from random bits: the rules' inputs span every exponent. */
+static uint32_t rng_state = 2463534242u;
+static uint32_t next_bits(void) { /* xorshift32 */
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 17;
+    rng_state ^= rng_state << 5;
+    return rng_state;
+}
+static float uniform(float lo, float hi) {
+    return lo + (hi - lo) * (float)(next_bits() >> 8) * (1.0f / 16777216.0f);
+}
+static int close_to(double got, double want, double rel) {
+    return fabs(got - want) <= rel * fabs(want) + 1e-30;
+}
+/* |got − want| within tol of `scale`, the size of the terms that made
+   want (a difference of near terms cancels their leading bits). */
+static int near(double got, double want, double scale, double tol) {
+    return fabs(got - want) <= tol * scale;
+}
+
+/* The schedules at chosen steps against their formulas in double. */
+static void test_learning_rate_schedule(void) {
+    mpt_optimizer_desc d;
+    memset(&d, 0, sizeof d);
+    CHECK(mpt__learning_rate_at(&d, 0.5, 1000) == 0.5, "constant");
+    d.schedule.warmup_steps = 4;
+    CHECK(mpt__learning_rate_at(&d, 0.5, 0) == 0.125 && mpt__learning_rate_at(&d, 0.5, 3) == 0.5 &&
+              mpt__learning_rate_at(&d, 0.5, -3) == 0.125,
+          "warm-up: %g %g", mpt__learning_rate_at(&d, 0.5, 0), mpt__learning_rate_at(&d, 0.5, 3));
+    d.schedule.type = MPT_LR_EXPONENTIAL_DECAY;
+    d.schedule.decay_steps = 10;
+    d.schedule.decay_rate = 0.5f;
+    CHECK(close_to(mpt__learning_rate_at(&d, 1.0, 4 + 15), pow(0.5, 1.5), 1e-15),
+          "exponential after warm-up: %.17g", mpt__learning_rate_at(&d, 1.0, 19));
+    d.schedule.type = MPT_LR_STEP_DECAY;
+    CHECK(mpt__learning_rate_at(&d, 1.0, 4 + 29) == 0.25, "step decay: %.17g",
+          mpt__learning_rate_at(&d, 1.0, 33));
+    d.schedule.type = MPT_LR_COSINE_DECAY;
+    d.schedule.warmup_steps = 0;
+    d.schedule.alpha = 0.25f;
+    CHECK(mpt__learning_rate_at(&d, 2.0, 0) == 2.0 && mpt__learning_rate_at(&d, 2.0, 10) == 0.5 &&
+              mpt__learning_rate_at(&d, 2.0, 99) == 0.5,
+          "cosine ends: %.17g %.17g", mpt__learning_rate_at(&d, 2.0, 0),
+          mpt__learning_rate_at(&d, 2.0, 10));
+    CHECK(close_to(mpt__learning_rate_at(&d, 2.0, 5), 2.0 * (0.75 * 0.5 + 0.25), 1e-15),
+          "cosine halfway: %.17g", mpt__learning_rate_at(&d, 2.0, 5));
+}
+
+/* The coefficients: Adam's bias correction folded into α, the unscaling
+   and the clip of the global norm. */
+static void test_update_coefs(void) {
+    mpt_optimizer_desc d;
+    mpt_step_state st;
+    mpt__update_coefs k;
+    double t = 3, alpha;
+    memset(&d, 0, sizeof d);
+    memset(&st, 0, sizeof st);
+    d.beta_1 = 0.9f, d.beta_2 = 0.999f, d.epsilon = 1e-7f, d.weight_decay = 0.5f;
+    st.learning_rate = 0.01f, st.optimizer_steps = 2, st.loss_scale = 1024;
+    st.sum_squares = 4.0 * 1024 * 1024; /* ‖g‖ = 2 after unscaling */
+    k = mpt__update_coefs_at(&d, &st);
+    alpha = (double)0.01f * sqrt(1 - pow((double)0.999f, t)) / (1 - pow((double)0.9f, t));
+    CHECK(close_to(k.alpha, alpha, 1e-6), "alpha %.9g, want %.9g", (double)k.alpha, alpha);
+    CHECK(k.gscale == 1.0f / 1024 && k.lr == 0.01f && k.decay == 0.005f,
+          "gscale %g lr %g decay %g", (double)k.gscale, (double)k.lr, (double)k.decay);
+    CHECK(k.one_minus_b1 == (float)(1 - (double)0.9f), "1 - beta_1 %.9g", (double)k.one_minus_b1);
+    d.clip_global_norm = 0.5f; /* 2 clipped to 0.5: a quarter */
+    k = mpt__update_coefs_at(&d, &st);
+    CHECK(k.gscale == 0.25f / 1024, "clipped gscale %g", (double)k.gscale);
+}
+
+/* One element of each rule against the same rule in double, over random
+   masters, gradients and moments. */
+static void test_update_rules(void) {
+    mpt__update_coefs k;
+    int i, bad = 0;
+    k.gscale = 0.5f, k.l2 = 0.01f, k.decay = 0.001f, k.lr = 0.1f, k.momentum = 0.9f;
+    k.one_minus_b1 = 0.1f, k.one_minus_b2 = 0.001f, k.alpha = 0.003f, k.epsilon = 1e-7f;
+    for (i = 0; i < 100000; i++) {
+        float w = uniform(-2, 2), g = uniform(-8, 8), m = uniform(-1, 1), v = uniform(0, 4);
+        float m1 = m, v1 = v, vel = m, vel_n = m, w_adam, w_sgd, w_mom, w_nest;
+        double gi = (double)g * k.gscale + (double)k.l2 * w, wi = w - (double)w * k.decay;
+        double mi = m + (gi - m) * k.one_minus_b1, vi = v + (gi * gi - v) * k.one_minus_b2;
+        double want_adam = wi - mi * k.alpha / (sqrt(vi) + k.epsilon);
+        double velocity = (double)m * k.momentum - gi * k.lr;
+        w_adam = mpt__adam_update(&k, w, g, &m1, &v1);
+        w_sgd = mpt__sgd_update(&k, w, g);
+        w_mom = mpt__momentum_update(&k, w, g, &vel, 0);
+        w_nest = mpt__momentum_update(&k, w, g, &vel_n, 1);
+        double scale = 1 + fabs(w) + fabs(gi) + fabs(m);
+        bad += !near(w_adam, want_adam, scale, 1e-6) || !near(m1, mi, scale, 1e-6) ||
+               !near(v1, vi, 1 + gi * gi + v, 1e-6);
+        bad += !near(w_sgd, wi - gi * k.lr, scale, 1e-6);
+        bad += !near(w_mom, wi + velocity, scale, 1e-6) || !near(vel, velocity, scale, 1e-6);
+        bad += !near(w_nest, wi + velocity * k.momentum - gi * k.lr, scale, 1e-6) || vel_n != vel;
+    }
+    CHECK(bad == 0, "%d updates away from the rule in double", bad);
+}
+
+/* GELU, its derivative and the sigmoid against double precision. */
+static void test_activation_rules(void) {
+    int i, bad = 0;
+    CHECK(mpt__sigmoid(-200.0f) == 0.0f && mpt__sigmoid(200.0f) == 1.0f &&
+              mpt__sigmoid(0.0f) == 0.5f,
+          "sigmoid's ends");
+    CHECK(mpt__gelu(0.0f) == 0.0f && mpt__gelu(-50.0f) == 0.0f && mpt__gelu(50.0f) == 50.0f,
+          "GELU's ends");
+    for (i = 0; i < 100000; i++) {
+        float x = uniform(-12, 12);
+        double cdf = 0.5 * (1 + erf(x / sqrt(2.0))), pdf = exp(-0.5 * x * x) / sqrt(2 * 3.14159265358979323846);
+        bad += !near(mpt__gelu(x), x * cdf, 1 + fabs(x), 1e-6);
+        bad += !near(mpt__gelu_derivative(x), cdf + x * pdf, 1 + fabs(x), 1e-6);
+        bad += !close_to(mpt__sigmoid(x), 1 / (1 + exp(-(double)x)), 1e-6);
+    }
+    CHECK(bad == 0, "%d values away from double", bad);
+}
+
+/* The loss terms against double precision, and their clips. */
+static void test_loss_terms(void) {
+    float g;
+    int i, bad = 0;
+    CHECK(mpt__loss_clip(0.0f) == MPT__LOSS_EPS && mpt__loss_clip(1.0f) == 1.0f - MPT__LOSS_EPS &&
+              mpt__loss_clip(NAN) == MPT__LOSS_EPS && mpt__loss_clip(0.5f) == 0.5f,
+          "clip");
+    CHECK(mpt__bce_term(0, 0.0f, 1.0f, &g) > 16 && g == 0, "BCE at a clipped 0: gradient %g",
+          (double)g);
+    CHECK(mpt__xent_prob_term(0.0f, 1.0f, 1.0f, &g) > 16 && g == 0, "xent at a clipped 0");
+    CHECK(mpt__bce_term(1, 1000.0f, 0.0f, &g) == 1000.0f && g == 1.0f, "BCE from a big logit");
+    for (i = 0; i < 100000; i++) {
+        float x = uniform(0.001f, 0.999f), t = uniform(0, 1), z = uniform(-30, 30), gx;
+        double sz = 1 / (1 + exp(-(double)z)), q = exp(z - 35.0);
+        double bce = -(t * log(x) + (1 - (double)t) * log(1 - (double)x));
+        double bce_logits = t * log1p(exp(-(double)z)) + (1 - (double)t) * log1p(exp((double)z));
+        double up = (1 - (double)t) / (1 - (double)x), down = t / (double)x;
+        float loss = mpt__bce_term(0, x, t, &gx);
+        bad += !close_to(loss, bce, 1e-5) || !near(gx, up - down, up + down, 1e-5);
+        loss = mpt__bce_term(1, z, t, &gx);
+        bad += !near(loss, bce_logits, 1 + fabs(z), 1e-6) || !near(gx, sz - t, 1, 1e-6);
+        loss = mpt__xent_prob_term(x, 2.0f, t, &gx);
+        bad += !close_to(loss, -t * log(x / 2.0), 1e-5) || !close_to(gx, -t / (x / 2.0), 1e-5);
+        bad += mpt__squared_error_term(x, t, &gx) != ((double)(x - t)) * (x - t) ||
+               gx != 2 * (x - t);
+        bad += !close_to(mpt__xent_logit_term(z, t, 3.0), t * (3.0 - z), 1e-15);
+        bad += !near(mpt__xent_logit_grad(z, t, 35.0, 1.0f), q - t, 1 + q, 1e-6);
+    }
+    CHECK(bad == 0, "%d terms away from double", bad);
+}
+
+/* BatchNormalization's 1 / sqrt(var + eps): double, rounded once. */
+static void test_bn_inv_std(void) {
+    CHECK(mpt__bn_inv_std(3.999, 0.001f) == (float)(1 / sqrt(3.999 + (double)0.001f)) &&
+              mpt__bn_inv_std(0, 0.25f) == 2.0f,
+          "inv_std %.9g", (double)mpt__bn_inv_std(3.999, 0.001f));
+}
+
+/* float32 -> bfloat16 against a reference that looks at the bits the
+   other way: the kept half, then the dropped half compared with one half
+   of an ulp (above it up, at it to the even one). NaNs are quieted with
+   sign and payload top kept, as vcvtneps2bf16. */
+static uint16_t ref_bf16(uint32_t x) {
+    uint16_t kept = (uint16_t)(x >> 16);
+    uint32_t dropped = x & 0xffffu;
+    if ((x & 0x7f800000u) == 0x7f800000u && (x & 0x7fffffu)) return (uint16_t)(kept | 0x40u);
+    if (dropped > 0x8000u || (dropped == 0x8000u && (kept & 1u))) kept++;
+    return kept;
+}
+
+static void test_bf16_rounding(void) {
+    static const uint32_t special[] = {
+        0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u,
+        0x7f800001u, 0xff81ffffu, 0x7f7fffffu, 0x7f7f8000u, 0xff7f7fffu, 0x00000001u,
+        0x00008000u, 0x00018000u, 0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u,
+        0x807fffffu, 0x00ff8000u};
+    int64_t bad = 0;
+    int i;
+    for (i = 0; i < (int)(sizeof special / sizeof special[0]); i++)
+        CHECK(mpt__f32_bits_to_bf16(special[i]) == ref_bf16(special[i]), "%08x -> %04x, not %04x",
+              (unsigned)special[i], (unsigned)mpt__f32_bits_to_bf16(special[i]),
+              (unsigned)ref_bf16(special[i]));
+    CHECK(mpt__f32_bits_to_bf16(0x7f7fffffu) == 0x7f80u, "FLT_MAX does not round to inf");
+    for (i = 0; i < 4000000; i++) {
+        uint32_t x = next_bits();
+        if (i & 1) x = (x & 0xffff0000u) | 0x8000u; /* ties */
+        bad += mpt__f32_bits_to_bf16(x) != ref_bf16(x);
+    }
+    CHECK(bad == 0, "%lld random floats rounded otherwise", (long long)bad);
+}
+
 /* ---- the int8 GEMM's requantization (mpt__requantize_int8) ------------------- */
 
 /* gemmlowp's SaturatingRoundingDoublingHighMul and RoundingDivideByPOT
@@ -561,6 +755,13 @@ int main(void) {
     TEST_RUN(test_wgmma_operand_maps);
     TEST_RUN(test_fastdiv);
     TEST_RUN(test_loss_tally);
+    TEST_RUN(test_learning_rate_schedule);
+    TEST_RUN(test_update_coefs);
+    TEST_RUN(test_update_rules);
+    TEST_RUN(test_activation_rules);
+    TEST_RUN(test_loss_terms);
+    TEST_RUN(test_bn_inv_std);
+    TEST_RUN(test_bf16_rounding);
     TEST_RUN(test_requantize_int8);
     TEST_RUN(test_qgemm_fragments);
     TEST_RUN(test_epilogue_staging);

@@ -160,7 +160,7 @@
                             (@impl-training; the strategy's step too)
        inputs converted     mpt__dataset_gather (@impl-data),
                             mpt__forward_prepare (@impl-passes)
-       final softmax        mpt__final_softmax_in_float32 (@impl-layers)
+       final softmax        mpt__final_softmax_in_float32 (@impl-model)
        loss × S × weight    mpt__cpu_loss (@impl-losses); mpt__cuda_loss; one
                             row per position of the output's last axis
                             (mpt__loss_rows), the batch tallied by
@@ -169,7 +169,7 @@
                             and no activation one pass on the CPU
                             (mpt__cpu_dz_and_bias_grad); otherwise, and on
                             CUDA, activation_grad, column_sums and convert
-       Conv2D's products    mpt__cpu_conv_direct (@impl-conv2d): 3×3 of
+       Conv2D's products    mpt__cpu_conv_direct (@impl-conv-direct): 3×3 of
                             stride 1 by Winograd's 2×2 or 4×4 tiles
                             (mpt__wino_tile_for; mpt__wino, mpt__wkg),
                             others by direct tiles; im2col + GEMM where
@@ -218,63 +218,111 @@
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
-     implementation (MPT_IMPLEMENTATION), along the data flow:
+     implementation (MPT_IMPLEMENTATION), along a learner's path: the
+     training story first (a tensor, the GEMM, the layers, the model, the
+     loss, the optimizer, the step, fit), then the tools around it, then
+     the engineering that makes it fast, then quantization and export,
+     then the strategy and the backends. A function used above the place
+     it is defined is declared where it is used ("Defined below, in ...").
        @backend-shared    the rules both backends run: NaNs and bfloat16
                           rounding, Philox, loss scaling, arithmetic rounded at
                           every step, the loss's tally, the learning-rate
                           schedule, the optimizers' coefficients and updates,
                           GELU and the sigmoid, the losses' element terms,
                           BatchNormalization's 1/sqrt(var + eps), int8
-                          requantization, and the CUDA GEMMs' fragment and
-                          staging places, tested on the host (internal;
+                          requantization, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
-       @impl-context      thread pool, allocator, logging and errors, CPU features,
-                          the devices, opening files (regular files only) and the
-                          crash-safe writer every file mpt.h writes goes through
-       @impl-dtypes       float16/bfloat16 conversions, scalar and SIMD
+       @impl-context      the context: allocator, logging and errors, CPU
+                          features, checked size arithmetic
+       @impl-dtypes       float16/bfloat16 conversions, scalar; mpt__convert
        @impl-tensors      tensors: allocation, wrapping, shapes
        @impl-activations  the activations the GEMM epilogue and layers share
-       @impl-gemm         the CPU GEMM: blocking, packing, micro-kernels
-       @impl-qgemm        the int8 GEMM: zero points, VNNI/AVX-512/AVX2, the epilogue
+       @impl-gemm         the CPU GEMM: blocking, tasks, the driver
        @impl-rng          Philox for dropout masks and initial weights
-       @impl-layers       the layer interface, the model: create, add, build
-       @impl-passes       a batch in, forward and backward, a step by hand
-       @impl-layer-helpers  what the layers share: workspace, GEMM, gradients
+       @impl-layers       the layer interface: a layer's table, its parameters,
+                          the model struct
+       @impl-layer-helpers  what the layers share: workspace, dz, GEMM
        @impl-dense        Dense
        @impl-flatten      Flatten
        @impl-activation   Activation
        @impl-windows      the window geometry of Conv2D and pooling
-       @impl-conv2d       Conv2D
+       @impl-conv2d       Conv2D: im2col + GEMM, by chunks of samples
        @impl-pooling      MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D;
                           a Conv2D and the MaxPooling2D after it as one pass
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
+       @impl-model        the sequential model: create, add, initialise, lay
+                          out in memory, build
+       @impl-passes       a batch in, forward and backward, a step by hand
        @impl-losses       the losses, their gradients and metrics
        @impl-optimizers   descriptors, the fused update, loss scaling, compile
-       @impl-data         datasets, IDX files, the batch loader
-       @impl-training     the training loop, evaluate, predict, summary, history,
-                          the end-of-fit summary, the history's SVG plot
-       @impl-callbacks    the callbacks of @callbacks
+       @impl-data         datasets over caller arrays, views, a batch gathered
+       @impl-loader       the batch loader: batches gathered ahead on a thread
+       @impl-training     one training step, the history, the step's tally
+       @impl-feed         the GEMM plan; batches staged and uploaded ahead
+       @impl-fit-checks   fit's progress line, the checks of its data,
+                          evaluation's tally
+       @impl-fit          fit: epochs, callbacks, validation, out-of-memory
+                          recovery
+       @impl-predict      evaluate, predict, summary, the end-of-fit summary
+     the tools around training:
+       @impl-files        opening files (regular files only) and the crash-safe
+                          writer every file mpt.h writes goes through
+       @impl-idx          files plain or gzip-compressed; the IDX format
+       @impl-callbacks    EarlyStopping, ReduceLROnPlateau
+       @impl-callbacks-files  ModelCheckpoint, CSVLogger
+       @impl-tensorboard  TensorBoard's event files: protobuf (ONNX's encoder
+                          too), records, histograms, the callback
+       @impl-plot         the history's SVG plot
        @impl-profiler     fit's profile_batch: steps timed piece by piece, a
                           Chrome trace, the per-layer table
        @impl-safetensors  the file format: dtypes, byte order, the JSON header
-       @impl-checkpoints  the model in a file: what is saved, staging, loading
-       @impl-strategy     replicas in this process, workers over MPI
+       @impl-checkpoints  the model in a file: what is saved, staging, writing
+       @impl-checkpoints-load  loading: names, dtypes, shapes, counters checked
+     the engineering: threads and CPU kernels
+       @impl-threads      the thread pool: parallel-for over fixed workers
+       @impl-devices      the CPU as device 0, then the CUDA devices
+       @impl-convert-simd float16/bfloat16 conversions in AVX2 and AVX-512
+       @impl-gemm-kernels the GEMM's packing and micro-kernels: portable,
+                          AVX2, AVX-512, AVX-512 BF16
+       @impl-layer-kernels  ReLU's gradient, sums, dz and the bias gradient
+       @impl-conv-direct  Conv2D's direct AVX-512 tiles; mpt__cpu_conv_direct
+                          chooses among them and Winograd's
+       @impl-winograd     Winograd's F(2×2, 3×3) and F(4×4, 3×3)
+       @impl-winograd-grad  Conv2D's kernel gradient by Winograd's tiles
+       @impl-conv-kernel-grad  Conv2D's kernel gradient by direct tiles and
+                          pixel pairs
+     quantized inference and export:
+       @impl-qgemm        the int8 GEMM: zero points, packing, requantizing
+                          stores
+       @impl-qgemm-kernels  its micro-kernels (VNNI/AVX-512/AVX2), tasks,
+                          plan, mpt_qgemm
        @impl-quantize     the quantized model's operations from the float
                           layers, BatchNormalization folded
        @impl-quantized-passes  a batch through them: float32, float16,
-                          dynamic-range, int8; a one-channel Conv2D and its
-                          MaxPooling2D from the image
+                          dynamic-range, int8
+       @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
+                          and its MaxPooling2D from the image), int8 softmax,
+                          the batch's run
        @impl-quantized-model  calibration, mpt_model_quantize, predict,
                           evaluate, invoke, summary
        @impl-qat          quantization-aware training: fake quantization in
                           the forward and backward walks, ranges for the
                           conversion
        @impl-export       the plan both formats read: layers as steps, BN folded
-       @impl-export-tflite  FlatBuffers, the TFLite graph and file
-       @impl-export-onnx  the ONNX graph in protobuf (@impl-callbacks' encoder)
+       @impl-export-tflite  FlatBuffers, the float TFLite graph
+       @impl-tflite-quantized  the quantized TFLite graph; the file
+       @impl-export-onnx  the float ONNX graph in protobuf
+       @impl-onnx-quantized  the quantized ONNX graphs
+     data parallelism and the backends:
+       @impl-strategy     the strategy: devices, workers over MPI,
+                          synchronized BatchNormalization
+       @impl-replicas     the replicas' step: weights copied, gradients summed
        @impl-cpu-backend  the CPU's implementation of the @backend table
+       @backend-shared-cuda  the CUDA GEMMs' fragment places, tiles, split-K
+                          and engine choice, tested on the host (internal;
+                          compiled with @backend-shared)
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum
@@ -292,21 +340,21 @@
        bn_     BatchNormalization                      @impl-batchnorm
        cb_     callbacks, and the text they write      @impl-callbacks
        ckpt_   checkpoint files                        @impl-checkpoints
-               the crash-safe writer (every file)      @impl-context
-       dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv2d
-       dz_     dz = dy · act'(y) and the bias sum      @impl-layer-helpers
+               the crash-safe writer (every file)      @impl-files
+       dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
+       dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
-       kgrad_  Conv2D's kernel gradient                @impl-conv2d
-       pb_     protobuf (TensorBoard's events, ONNX)   @impl-callbacks
+       kgrad_  Conv2D's kernel gradient                @impl-conv-kernel-grad
+       pb_     protobuf (TensorBoard's events, ONNX)   @impl-tensorboard
        q_      quantization parameters, rounding       @impl-quantize
        qat_    quantization-aware training             @impl-qat
        qgemm_  the int8 GEMM                           @impl-qgemm
        st_     safetensors                             @impl-safetensors
-       tb_     TensorBoard's event files               @impl-callbacks
+       tb_     TensorBoard's event files               @impl-tensorboard
        tfl_    the TFLite graph                        @impl-export-tflite
-       wino_   Winograd F(2×2, 3×3)                    @impl-conv2d
-       wino4_  Winograd F(4×4, 3×3)                    @impl-conv2d
-       wkg_    Winograd's kernel gradient              @impl-conv2d
+       wino_   Winograd F(2×2, 3×3)                    @impl-winograd
+       wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
+       wkg_    Winograd's kernel gradient              @impl-winograd-grad
        ws_     a layer's workspace, cut in pieces      @impl-layer-helpers
 
    LICENSE: MIT, at the end of this file.
@@ -2738,7 +2786,7 @@ static inline MPT__HD float mpt__bn_inv_std(double var, float epsilon) {
 }
 
 /* ---- the int8 GEMM's requantization ----------------------------------------
-   TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm)
+   TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm-kernels)
    and the CUDA int8 GEMM both run, so an int8 result has the same bits on
    both backends. Integer steps only: nothing here depends on the
    compiler's float contraction or the device's rounding modes. */
@@ -2783,309 +2831,6 @@ static inline MPT__HD int8_t mpt__requantize_int8(int32_t acc, int32_t m, int sh
                                                   int32_t lo, int32_t hi) {
     const int64_t q = (int64_t)mpt__multiply_by_quantized_multiplier(acc, m, shift) + zp;
     return (int8_t)(q < lo ? lo : q > hi ? hi : q);
-}
-
-/* ---- the CUDA int8 GEMM's fragments -------------------------------------
-   mpt_cuda.cu's int8 kernel keeps A's rows and B's columns in shared
-   memory, depth-contiguous, MPT__CUDA_QGEMM_PITCH bytes apart, and reads
-   the operands of mma.sync m16n8k32 (s8) with ldmatrix.x4, where lane l
-   gives the address of row l % 8 of the 8-row × 16-byte matrix l / 8.
-   Here, rather than in mpt_cuda.cu, so that tests/test_cuda_rules.c can
-   run the kernel's own addresses through ldmatrix and mma.sync emulated
-   on the host. */
-
-#define MPT__CUDA_QGEMM_PITCH 80 /* 16 mod 128: 8 rows in 8 bank groups */
-
-/* Lane's ldmatrix offset from a 16-row A slice at some depth: matrices
-   rows 0–7 and 8–15 at bytes 0–15, then the same at bytes 16–31, which
-   are a0..a3 of the m16n8k32 A fragment. */
-static inline MPT__HD int mpt__cuda_qgemm_a_lane(int lane) {
-    return (lane % 16) * MPT__CUDA_QGEMM_PITCH + (lane / 16) * 16;
-}
-
-/* Lane's ldmatrix offset from two 8-column B tiles at some depth: the
-   first tile's bytes 0–15 and 16–31 (its b0, b1), then the second's. */
-static inline MPT__HD int mpt__cuda_qgemm_b_lane(int lane) {
-    return ((lane / 16) * 8 + lane % 8) * MPT__CUDA_QGEMM_PITCH + ((lane / 8) % 2) * 16;
-}
-
-/* The row and column, in mma.sync's 16×8 tile of C, of lane's
-   accumulator e (0..3). */
-static inline MPT__HD int mpt__cuda_qgemm_acc_row(int lane, int e) {
-    return lane / 4 + (e >= 2 ? 8 : 0);
-}
-static inline MPT__HD int mpt__cuda_qgemm_acc_col(int lane, int e) {
-    return (lane % 4) * 2 + (e & 1);
-}
-
-/* ---- the CUDA GEMMs' epilogue, staged -----------------------------------
-   The 16-bit GEMM kernels (mma.sync and wgmma) end with their float32 sums
-   in the accumulator layout above: a warp holds bands of 16 rows, and in
-   each 8-column block of a band lane l holds the pair (row l/4, columns
-   2(l%4), +1) and the same pair 8 rows lower. Finishing the pairs where
-   they lie takes one inlined copy of the epilogue (alpha, beta·C, bias,
-   activation, rounding, the store) per pair: 64 copies in a Hopper
-   kernel, 470 KB of code that no instruction cache holds. Instead a warp
-   writes 32 columns of a band at a time into its own 16 rows ×
-   MPT__CUDA_EPI_PITCH floats of shared memory and reads them back along
-   the rows, so that one copy of the epilogue, in a loop, finishes every
-   pair, and a half-warp stores 32 consecutive columns of one row of C.
-   The pitch, 8 mod 32 banks, keeps the 64-bit writes and reads free of
-   bank conflicts. */
-#define MPT__CUDA_EPI_COLS 32
-#define MPT__CUDA_EPI_PITCH 40
-#define MPT__CUDA_EPI_WARP_FLOATS (16 * MPT__CUDA_EPI_PITCH)
-
-/* Where lane writes its pair h (0: upper 8 rows, 1: lower 8) of the band's
-   8-column block j (0..3 of the 32 staged). */
-static inline MPT__HD int mpt__cuda_epi_put(int lane, int j, int h) {
-    return (lane / 4 + 8 * h) * MPT__CUDA_EPI_PITCH + 8 * j + 2 * (lane % 4);
-}
-
-/* The row (0..15) and first column (even) of the pair lane reads in step
-   s (0..7): two rows a step, a half-warp each. */
-static inline MPT__HD int mpt__cuda_epi_get_row(int lane, int s) { return 2 * s + lane / 16; }
-static inline MPT__HD int mpt__cuda_epi_get_col(int lane) { return 2 * (lane % 16); }
-
-/* ---- the CUDA GEMM's choices --------------------------------------------
-   mpt_cuda.cu picks a tile, a K split and (in MPT_GEMM_AUTO) an engine for
-   each GEMM shape by the rules below. The tile and the split are functions
-   of the shape and the GPU's SM count, never of the run, so a shape takes
-   the same path, hence gives the same bits, on every run on the same GPU
-   model; the engine comes from measured times, kept with a margin
-   (mpt__gemm_engine_choose). Here, rather than in mpt_cuda.cu, so that
-   they are tested without a GPU. */
-
-/* The hand-written tensor-core GEMM's tiles: 64×64 (3 stages) or 128×128
-   (4 stages, 16-byte aligned A and B only). 128 once those tiles alone
-   make a wave (one per SM), else 64: small problems need more blocks.
-   forced: 64 or 128 ($MPT_CUDA_GEMM_TILE), 0 to choose; 128 is given only
-   where it can run (big_ok: aligned operands, and the GPU has the shared
-   memory), else 64. */
-static inline int mpt__gemm_tile(int64_t m, int64_t n, int sm_count, int big_ok, int forced) {
-    if (!big_ok || forced == 64) return 64;
-    if (forced == 128) return 128;
-    return ((m + 127) / 128) * ((n + 127) / 128) >= sm_count ? 128 : 64;
-}
-
-/* $MPT_CUDA_GEMM_TILE: NULL or "" gives 0 (choose), "64" or "128" that
-   tile; anything else -1. */
-static inline int mpt__gemm_tile_from_env(const char *value) {
-    if (!value || !value[0]) return 0;
-    if (value[0] == '6' && value[1] == '4' && !value[2]) return 64;
-    if (value[0] == '1' && value[1] == '2' && value[2] == '8' && !value[3]) return 128;
-    return -1;
-}
-
-/* Split-K. A product with few M×N tiles and a long K (a convolution's
-   weight gradient: 288×32×73728 is 5 tiles of 64×64 for 132 SMs) is cut
-   along K into `splits` slices of `depth` (a multiple of 32, the last
-   slice shorter), computed as separate blocks into float32 partial sums
-   (splits × M × N, in a workspace of `capacity` floats), then added in
-   slice order by a second pass that applies the epilogue. The slices are
-   a function of the shape, the tile and the SM count, so the sums repeat
-   bit for bit. Split only where the tiles fill less than half the SMs and
-   every slice gets at least MPT__GEMM_SPLIT_MIN_DEPTH of K; at most
-   MPT__GEMM_SPLIT_MAX slices, and about one block per SM in all. */
-#define MPT__GEMM_SPLIT_MIN_DEPTH 512
-#define MPT__GEMM_SPLIT_MAX 64
-typedef struct mpt__gemm_split {
-    int64_t splits; /* 1: no split */
-    int64_t depth;  /* K per slice (K itself when splits is 1) */
-} mpt__gemm_split;
-
-/* The rule for `tiles` tiles of C and K walked in `step`-deep steps (32
-   for the mma.sync kernel, 64 for the Hopper one). */
-static inline mpt__gemm_split mpt__gemm_split_k_tiles(int64_t tiles, int64_t m, int64_t n,
-                                                      int64_t k, int64_t step, int sm_count,
-                                                      int64_t capacity) {
-    mpt__gemm_split s;
-    int64_t want, steps;
-    s.splits = 1;
-    s.depth = k;
-    if (m <= 0 || n <= 0 || k <= 0 || tiles <= 0) return s;
-    want = sm_count / tiles; /* < 2 where the tiles fill half the SMs */
-    if (want > k / MPT__GEMM_SPLIT_MIN_DEPTH) want = k / MPT__GEMM_SPLIT_MIN_DEPTH;
-    if (want > MPT__GEMM_SPLIT_MAX) want = MPT__GEMM_SPLIT_MAX;
-    if (want > capacity / (m * n)) want = capacity / (m * n);
-    if (want < 2) return s;
-    /* Equal slices of whole steps; the count again, so none is empty. */
-    steps = (k + step - 1) / step;
-    s.depth = (steps + want - 1) / want * step;
-    s.splits = (k + s.depth - 1) / s.depth;
-    if (s.splits < 2) s.depth = k, s.splits = 1;
-    return s;
-}
-
-static inline mpt__gemm_split mpt__gemm_split_k(int64_t m, int64_t n, int64_t k, int tile,
-                                                int sm_count, int64_t capacity) {
-    const int64_t tiles = ((m + tile - 1) / tile) * ((n + tile - 1) / tile);
-    return mpt__gemm_split_k_tiles(tiles, m, n, k, 32, sm_count, capacity);
-}
-
-/* MPT_GEMM_AUTO's engine for a shape it has timed: the engine the shape
-   runs untimed (`usual`: the hand-written one for 16-bit operands,
-   cuBLASLt for float32) stays unless the other one (`other`, when it did
-   not refuse the shape) is faster by more than MPT__GEMM_SWITCH_MARGIN,
-   a tie keeping `usual`. Times vary by a few per cent from run to run;
-   without a margin a near tie would flip from run to run, and with it
-   the bits. */
-#define MPT__GEMM_SWITCH_MARGIN 0.10
-static inline mpt_gemm_engine mpt__gemm_engine_choose(mpt_gemm_engine usual, double ms_usual,
-                                                      mpt_gemm_engine other, double ms_other,
-                                                      int other_refused) {
-    if (other_refused || !(ms_other < ms_usual * (1.0 - MPT__GEMM_SWITCH_MARGIN))) return usual;
-    return other;
-}
-
-/* The same among several candidates: engines[0] is the usual one, the
-   others (ms < 0: refused, or cannot run the shape) compete in order, the
-   fastest of them (the first on a tie) replacing it only by the margin. */
-static inline mpt_gemm_engine mpt__gemm_engine_choose_among(const mpt_gemm_engine *engines,
-                                                            const double *ms, int count) {
-    int best = -1, i;
-    for (i = 1; i < count; i++)
-        if (ms[i] >= 0 && (best < 0 || ms[i] < ms[best])) best = i;
-    if (best < 0) return engines[0];
-    return mpt__gemm_engine_choose(engines[0], ms[0], engines[best], ms[best], 0);
-}
-
-/* The engines AUTO times for a shape, in that order: the usual one first
-   (mpt__gemm_engine_choose_among's engines[0]), then the others; the
-   Hopper kernel only when asked ($MPT_GEMM_AUTO_WGMMA=1: on an H200 it
-   loses to cuBLASLt everywhere, so timing it costs warm-up for nothing).
-   Returns the count (2 or 3). */
-static inline int mpt__gemm_race_engines(mpt_gemm_engine usual, int with_wgmma,
-                                         mpt_gemm_engine engines[3]) {
-    int count = 0;
-    engines[count++] = usual;
-    if (usual != MPT_GEMM_MPT) engines[count++] = MPT_GEMM_MPT;
-    if (with_wgmma) engines[count++] = MPT_GEMM_WGMMA;
-    if (usual != MPT_GEMM_CUBLASLT) engines[count++] = MPT_GEMM_CUBLASLT;
-    return count;
-}
-
-/* ---- the Hopper GEMM's choices (mpt_cuda.cu, MPT_GEMM_WGMMA) ------------
-   Its tiles are 128 rows of C (two consumer warpgroups of 64) by
-   MPT__WGMMA_TILE_N = 128 or 256 columns, walked along K in 64-deep
-   stages: 64 16-bit values are 128 bytes, the span of the shared-memory
-   swizzle the copy engine (TMA) writes and wgmma reads. */
-#define MPT__WGMMA_BM 128
-#define MPT__WGMMA_BK 64
-#define MPT__WGMMA_BAND 8 /* tile rows per band of the persistent scheduler */
-
-/* Whether the Hopper kernel can run a product: 16-bit operands, and what
-   TMA asks of a matrix in global memory, an address and a row pitch that
-   are multiples of 16 bytes (ld a multiple of 8 elements), the pitch under
-   2^40 bytes; M, N, K (and a tile past them) within TMA's int32
-   coordinates. `ready`: the GPU and the build have the kernel
-   (mpt_cuda_wgmma_ready). Anything else takes the mma.sync kernel. */
-static inline int mpt__wgmma_eligible(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                                      uintptr_t a, uintptr_t b, mpt_dtype ab_dtype, int ready) {
-    const int64_t limit = ((int64_t)1 << 31) - 512;
-    if (!ready || (ab_dtype != MPT_FLOAT16 && ab_dtype != MPT_BFLOAT16)) return 0;
-    if (m <= 0 || n <= 0 || k <= 0 || m > limit || n > limit || k > limit) return 0;
-    if (a % 16 != 0 || b % 16 != 0 || lda % 8 != 0 || ldb % 8 != 0) return 0;
-    return lda > 0 && ldb > 0 && lda < ((int64_t)1 << 39) && ldb < ((int64_t)1 << 39);
-}
-
-/* Its tile width: 256 columns (one CTA per SM holds 128×256 float32
-   sums in two warpgroups' registers) once those tiles alone make a wave,
-   else 128, so that smaller products spread over more SMs. */
-static inline int mpt__wgmma_tile_n(int64_t m, int64_t n, int sm_count) {
-    const int64_t wide = ((m + MPT__WGMMA_BM - 1) / MPT__WGMMA_BM) * ((n + 255) / 256);
-    return n > 128 && wide >= sm_count ? 256 : 128;
-}
-
-/* Its K split: the rule above for its tiles and 64-deep stages. The
-   slices are added by the same second pass as the mma.sync kernel's, in
-   slice order, so the sums repeat bit for bit. */
-static inline mpt__gemm_split mpt__wgmma_split_k(int64_t m, int64_t n, int64_t k, int tile_n,
-                                                 int sm_count, int64_t capacity) {
-    const int64_t tiles = ((m + MPT__WGMMA_BM - 1) / MPT__WGMMA_BM) * ((n + tile_n - 1) / tile_n);
-    return mpt__gemm_split_k_tiles(tiles, m, n, k, MPT__WGMMA_BK, sm_count, capacity);
-}
-
-/* The persistent scheduler: a grid of min(work, SMs) CTAs, CTA b taking
-   work items b, b + grid, b + 2·grid, ... Item w is tile (tile_m, tile_n)
-   of K slice w / (tiles_m·tiles_n). Within a slice the tiles go in bands
-   of MPT__WGMMA_BAND tile rows, down a band's column of tiles first, then
-   to the band's next column: the CTAs running at once share a few tile
-   columns of B and the band's rows of A, which stay in L2. */
-typedef struct mpt__wgmma_work {
-    int64_t tile_m, tile_n, slice;
-} mpt__wgmma_work;
-
-static inline MPT__HD mpt__wgmma_work mpt__wgmma_work_at(int64_t w, int64_t tiles_m,
-                                                         int64_t tiles_n) {
-    const int64_t tiles = tiles_m * tiles_n, t = w % tiles;
-    const int64_t band = t / (MPT__WGMMA_BAND * tiles_n);
-    const int64_t first = band * MPT__WGMMA_BAND;
-    const int64_t rows = tiles_m - first < MPT__WGMMA_BAND ? tiles_m - first : MPT__WGMMA_BAND;
-    const int64_t within = t - first * tiles_n;
-    mpt__wgmma_work r;
-    r.slice = w / tiles;
-    r.tile_m = first + within % rows;
-    r.tile_n = within / rows;
-    return r;
-}
-
-static inline int64_t mpt__wgmma_grid(int64_t work, int sm_count) {
-    return work < sm_count ? work : sm_count;
-}
-
-/* One operand's TMA tensor map (cuTensorMapEncodeTiled's arguments), for
-   a matrix stored row-major as rows × cols with leading dimension ld
-   (elements), of which a stage holds tile_mn rows or columns of the
-   product by MPT__WGMMA_BK of K. The box's inner side is always 64
-   values, 128 bytes, the swizzle's span:
-   - K contiguous (A untransposed, B transposed): one box of 64 (K) ×
-     tile_mn rows, at (k0, mn0);
-   - M or N contiguous (A transposed, B untransposed): tile_mn / 64 boxes
-     of 64 (M or N) × 64 rows (K), at (mn0 + 64·i, k0), each box 8 KiB
-     after the last in shared memory. */
-typedef struct mpt__wgmma_map {
-    uint64_t dims[2];    /* elements: cols (contiguous), rows           */
-    uint64_t row_bytes;  /* the pitch: ld · 2                            */
-    uint32_t box[2];     /* elements: 64 contiguous, then rows           */
-    int boxes;           /* boxes per stage                              */
-} mpt__wgmma_map;
-
-static inline mpt__wgmma_map mpt__wgmma_operand_map(int64_t rows, int64_t cols, int64_t ld,
-                                                    int k_contiguous, int tile_mn) {
-    mpt__wgmma_map map;
-    map.dims[0] = (uint64_t)cols;
-    map.dims[1] = (uint64_t)rows;
-    map.row_bytes = (uint64_t)ld * 2;
-    map.box[0] = 64;
-    map.box[1] = k_contiguous ? (uint32_t)tile_mn : (uint32_t)MPT__WGMMA_BK;
-    map.boxes = k_contiguous ? 1 : tile_mn / 64;
-    return map;
-}
-
-/* ---- kernels' index arithmetic ------------------------------------------ */
-
-/* Division by an invariant divisor with a multiply and a shift, for index
-   arithmetic in kernels (a 64-bit division is a long subroutine on a
-   GPU): Granlund and Montgomery, "Division by invariant integers using
-   multiplication" (PLDI 1994), figure 4.1, with N = 32. For a divisor
-   1 ≤ d ≤ 2^31: shift = ⌈log2 d⌉, mul = ⌊2^32·(2^shift − d)/d⌋ + 1, and
-   then n / d = (⌊n·mul / 2^32⌋ + n) >> shift for every n < 2^32. */
-typedef struct mpt__fastdiv {
-    uint32_t d, mul, shift;
-} mpt__fastdiv;
-
-static inline mpt__fastdiv mpt__fastdiv_make(uint32_t d) {
-    mpt__fastdiv f;
-    f.d = d;
-    f.shift = 0;
-    while (f.shift < 31 && ((uint64_t)1 << f.shift) < d) f.shift++;
-    f.mul = (uint32_t)((((uint64_t)1 << 32) * (((uint64_t)1 << f.shift) - d)) / d + 1);
-    return f;
-}
-
-static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
-    return (uint32_t)((((uint64_t)n * f.mul >> 32) + n) >> f.shift);
 }
 
 #endif /* MPT__BACKEND_SHARED_DONE */
@@ -3133,6 +2878,9 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")))
 #define MPT__TARGET_AVX512_VBMI \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,fma,f16c")))
+/* Forced inline: one generic loop becomes a kernel per dtype pair (or per
+   case), its switches folded away at compile time. */
+#define MPT__ALWAYS_INLINE __attribute__((always_inline)) inline
 #else
 #define MPT__X86 0
 #endif
@@ -3167,7 +2915,8 @@ MPTDEF const char *mpt_status_string(mpt_status status) {
 }
 
 /* =============================================================================
-   @impl-context
+   @impl-context: the context: allocator, logging and errors, CPU features,
+   checked size arithmetic (its thread pool: @impl-threads)
    ============================================================================= */
 
 typedef void (*mpt__task_fn)(void *arg, int64_t task, int thread);
@@ -3349,204 +3098,6 @@ static int mpt__detect_cpu(void) {
     return f;
 }
 
-/* Takes and runs the current job's tasks until none is left. A task and
-   the job it belongs to (fn, arg) are read together under the mutex, so a
-   worker that wakes late, after its job ended, finds nothing to take. */
-static void mpt__pool_run_tasks(mpt__pool *pool, int thread) {
-    pthread_mutex_lock(&pool->mutex);
-    while (pool->next_task < pool->n_tasks) {
-        const int64_t task = pool->next_task++;
-        mpt__task_fn fn = pool->fn;
-        void *arg = pool->arg;
-        __atomic_add_fetch(&pool->running, 1, __ATOMIC_RELAXED);
-        pthread_mutex_unlock(&pool->mutex);
-        fn(arg, task, thread);
-        pthread_mutex_lock(&pool->mutex);
-        /* (release: what the task wrote is seen by whoever sees the count) */
-        if (__atomic_sub_fetch(&pool->running, 1, __ATOMIC_RELEASE) == 0 &&
-            pool->next_task >= pool->n_tasks)
-            pthread_cond_signal(&pool->done);
-    }
-    pthread_mutex_unlock(&pool->mutex);
-}
-
-/* How long an idle worker watches for the next job before it sleeps: a
-   training step or a predict is a chain of parallel-fors a few microseconds
-   apart, and a sleeping worker takes tens of microseconds to wake (a whole
-   scheduler tick when the other cores are busy). Short enough that a
-   worker left idle gives its core back almost at once. */
-#define MPT__POOL_SPIN_SECONDS 50e-6
-
-/* Seconds on a clock that never steps back (CLOCK_MONOTONIC where the
-   headers declare it, as under _POSIX_C_SOURCE; else the time of day). */
-static double mpt__clock(void) {
-    struct timeval tv;
-#if defined(CLOCK_MONOTONIC)
-    struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
-        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-#endif
-    gettimeofday(&tv, NULL);
-    return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
-}
-
-/* Whether the tasks still running (taken by workers) finished within
-   MPT__POOL_SPIN_SECONDS, watching without the mutex: the last one usually
-   ends microseconds after the caller's, sooner than a sleeping caller
-   would be woken. */
-static int mpt__pool_spin_running(mpt__pool *pool) {
-    const double until = mpt__clock() + MPT__POOL_SPIN_SECONDS;
-    int k;
-    for (;;) {
-        for (k = 0; k < 64; k++) {
-            if (__atomic_load_n(&pool->running, __ATOMIC_ACQUIRE) == 0) return 1;
-#if MPT__X86
-            _mm_pause();
-#endif
-        }
-        if (mpt__clock() > until) return 0;
-    }
-}
-
-/* Whether a job (or the stop) came within MPT__POOL_SPIN_SECONDS, watching
-   without the mutex. */
-static int mpt__pool_spin(mpt__pool *pool, uint64_t seen) {
-    const double until = mpt__clock() + MPT__POOL_SPIN_SECONDS;
-    int k;
-    for (;;) {
-        for (k = 0; k < 64; k++) {
-            if (__atomic_load_n(&pool->generation, __ATOMIC_ACQUIRE) != seen ||
-                __atomic_load_n(&pool->stop, __ATOMIC_ACQUIRE))
-                return 1;
-#if MPT__X86
-            _mm_pause();
-#endif
-        }
-        if (mpt__clock() > until) return 0;
-    }
-}
-
-static void *mpt__pool_worker(void *p) {
-    mpt__worker_arg *wa = (mpt__worker_arg *)p;
-    mpt__pool *pool = wa->pool;
-    uint64_t seen = 0;
-    for (;;) {
-        mpt__pool_spin(pool, seen);
-        pthread_mutex_lock(&pool->mutex);
-        while (!pool->stop && pool->generation == seen) {
-            pool->sleeping++;
-            pthread_cond_wait(&pool->wake, &pool->mutex);
-            pool->sleeping--;
-        }
-        if (pool->stop) {
-            pthread_mutex_unlock(&pool->mutex);
-            return NULL;
-        }
-        seen = pool->generation;
-        pthread_mutex_unlock(&pool->mutex);
-        mpt__pool_run_tasks(pool, wa->thread);
-    }
-}
-
-/* The pool index of the calling thread: 0 for the thread that created the
-   context (or any other), i + 1 for worker i. */
-static int mpt__pool_thread_index(const mpt__pool *pool) {
-    pthread_t self = pthread_self();
-    int i;
-    for (i = 0; i < pool->started; i++)
-        if (pthread_equal(pool->threads[i], self)) return i + 1;
-    return 0;
-}
-
-/* Runs fn(arg, task, thread) for task = 0..n_tasks-1 on the pool. */
-static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn, void *arg) {
-    mpt__pool *pool = &ctx->pool;
-    if (n_tasks <= 0) return;
-    /* A parallel-for inside a task (a GEMM called per image, say) runs on
-       the thread that asked, under that thread's index, so that it uses
-       that thread's scratch: the pool serves one job at a time. */
-    if (pool->started == 0 || n_tasks == 1 || pool->in_job) {
-        int64_t t;
-        int self = pool->in_job ? mpt__pool_thread_index(pool) : 0;
-        for (t = 0; t < n_tasks; t++) fn(arg, t, self);
-        return;
-    }
-    pthread_mutex_lock(&pool->mutex);
-    pool->in_job = 1;
-    pool->fn = fn;
-    pool->arg = arg;
-    pool->n_tasks = n_tasks;
-    pool->next_task = 0;
-    __atomic_store_n(&pool->generation, pool->generation + 1, __ATOMIC_RELEASE);
-    if (pool->sleeping) pthread_cond_broadcast(&pool->wake);
-    pthread_mutex_unlock(&pool->mutex);
-    mpt__pool_run_tasks(pool, 0);
-    /* Every task is taken; wait only for those still running, watching
-       first, then asleep. A worker that has not woken yet is not waited
-       for: on a busy machine that wait was a scheduler tick (4 ms) per
-       parallel-for. */
-    (void)mpt__pool_spin_running(pool);
-    pthread_mutex_lock(&pool->mutex);
-    while (pool->running > 0) pthread_cond_wait(&pool->done, &pool->mutex);
-    pool->in_job = 0;
-    pthread_mutex_unlock(&pool->mutex);
-}
-
-/* This thread's scratch buffer (MPT__THREAD_SCRATCH_BYTES, 64-byte aligned). */
-static void *mpt__thread_scratch(const mpt_context *ctx, int thread) {
-    return ctx->scratch[thread];
-}
-
-static int mpt__default_threads(void) {
-    const char *env = getenv("MPT_NUM_THREADS");
-    long n;
-    if (env && *env) {
-        n = strtol(env, NULL, 10);
-        if (n > 0 && n <= 1024) return (int)n;
-    }
-    n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)MPT__MIN(n, 256) : 1;
-}
-
-static void mpt__pool_stop(mpt_context *ctx) {
-    mpt__pool *pool = &ctx->pool;
-    int i;
-    if (!pool->threads) return;
-    pthread_mutex_lock(&pool->mutex);
-    __atomic_store_n(&pool->stop, 1, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&pool->wake);
-    pthread_mutex_unlock(&pool->mutex);
-    for (i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
-    pthread_mutex_destroy(&pool->mutex);
-    pthread_cond_destroy(&pool->wake);
-    pthread_cond_destroy(&pool->done);
-    mpt__free(ctx, pool->threads);
-    pool->threads = NULL;
-}
-
-static mpt_status mpt__pool_start(mpt_context *ctx) {
-    mpt__pool *pool = &ctx->pool;
-    int i, n = ctx->num_threads - 1;
-    if (n <= 0) return MPT_OK;
-    pool->threads = (pthread_t *)mpt__calloc(ctx, sizeof(pthread_t) * (size_t)n);
-    ctx->worker_args = (mpt__worker_arg *)mpt__calloc(ctx, sizeof(mpt__worker_arg) * (size_t)n);
-    if (!pool->threads || !ctx->worker_args)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "context: cannot allocate %d threads", n);
-    pthread_mutex_init(&pool->mutex, NULL);
-    pthread_cond_init(&pool->wake, NULL);
-    pthread_cond_init(&pool->done, NULL);
-    pool->n_workers = n;
-    for (i = 0; i < n; i++) {
-        ctx->worker_args[i].pool = pool;
-        ctx->worker_args[i].thread = i + 1;
-        if (pthread_create(&pool->threads[i], NULL, mpt__pool_worker, &ctx->worker_args[i]) != 0)
-            return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
-                             "context: could only start %d of %d worker threads", i, n);
-        pool->started++;
-    }
-    return MPT_OK;
-}
-
 static const mpt_backend *mpt__cpu_backend(void);
 
 /* The CUDA device when this build has one and the descriptor and
@@ -3611,6 +3162,9 @@ MPTDEF void mpt_context_destroy(mpt_context *ctx) {
     mpt__context_free(ctx);
 }
 
+/* Defined below, in @impl-threads. */
+static void mpt__pool_stop(mpt_context *ctx);
+
 static void mpt__context_free(mpt_context *ctx) {
     int i;
     if (ctx->backend && ctx->backend_impl != (void *)ctx) ctx->backend->destroy(ctx->backend_impl);
@@ -3622,6 +3176,10 @@ static void mpt__context_free(mpt_context *ctx) {
     }
     ctx->allocator.free(ctx->allocator.user_data, ctx);
 }
+
+/* Defined below, in @impl-threads. */
+static int mpt__default_threads(void);
+static mpt_status mpt__pool_start(mpt_context *ctx);
 
 MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context **out) {
     mpt_context_desc d;
@@ -3685,141 +3243,6 @@ MPTDEF const char *mpt_context_error(const mpt_context *ctx) { return ctx ? ctx-
 MPTDEF int mpt_context_num_threads(const mpt_context *ctx) { return ctx ? ctx->num_threads : 0; }
 MPTDEF int mpt_context_cpu_features(const mpt_context *ctx) { return ctx ? ctx->cpu : 0; }
 
-/* ---- devices: the CPU as device 0, then the CUDA devices ------------------- */
-
-/* Copies text without its leading and trailing blanks (the brand string
-   pads with spaces); returns whether anything was left. */
-static int mpt__trimmed_copy(char *out, size_t size, const char *text) {
-    size_t n;
-    while (*text == ' ' || *text == '\t') text++;
-    n = strlen(text);
-    while (n > 0 && (text[n - 1] == ' ' || text[n - 1] == '\t')) n--;
-    if (n == 0) return 0;
-    snprintf(out, size, "%.*s", (int)n, text);
-    return 1;
-}
-
-/* The CPU's model name: CPUID's brand string (leaves 0x80000002..4) where
-   there is one, else /proc/cpuinfo's "model name", else "CPU". */
-static void mpt__cpu_name(char *name, size_t size) {
-    FILE *f;
-    char line[512];
-    snprintf(name, size, "CPU");
-#if MPT__X86
-    {
-        unsigned r[12], leaf;
-        char brand[49];
-        __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
-                             : "a"(0x80000000u), "c"(0));
-        if (r[0] >= 0x80000004u) {
-            for (leaf = 0; leaf < 3; leaf++)
-                __asm__ __volatile__("cpuid"
-                                     : "=a"(r[4 * leaf]), "=b"(r[4 * leaf + 1]),
-                                       "=c"(r[4 * leaf + 2]), "=d"(r[4 * leaf + 3])
-                                     : "a"(0x80000002u + leaf), "c"(0));
-            memcpy(brand, r, 48);
-            brand[48] = 0;
-            if (mpt__trimmed_copy(name, size, brand)) return;
-        }
-    }
-#endif
-    f = fopen("/proc/cpuinfo", "r");
-    if (!f) return;
-    while (fgets(line, sizeof line, f)) {
-        char *colon = strchr(line, ':');
-        if (strncmp(line, "model name", 10) == 0 && colon) {
-            line[strcspn(line, "\n")] = 0;
-            mpt__trimmed_copy(name, size, colon + 1);
-            break;
-        }
-    }
-    fclose(f);
-}
-
-/* The MPT_CPU_* bits as the instruction-set names they stand for. */
-static void mpt__cpu_feature_words(int features, char *out, size_t size) {
-    static const struct { int bit; const char *words; } names[] = {
-        {MPT_CPU_AVX2, "avx2 fma"},
-        {MPT_CPU_F16C, "f16c"},
-        {MPT_CPU_AVX512, "avx512f avx512bw avx512dq avx512vl"},
-        {MPT_CPU_AVX512_BF16, "avx512bf16"},
-        {MPT_CPU_AVX512_VNNI, "avx512vnni"},
-        {MPT_CPU_AVX512_VBMI, "avx512vbmi"}};
-    size_t used = 0, i;
-    out[0] = 0;
-    for (i = 0; i < sizeof names / sizeof names[0]; i++) {
-        if (!(features & names[i].bit) || used >= size) continue;
-        snprintf(out + used, size - used, "%s%s", used ? " " : "", names[i].words);
-        used += strlen(out + used);
-    }
-}
-
-/* RAM in bytes from /proc/meminfo (MemTotal, MemAvailable); without it,
-   sysconf's page counts (whose "available" is the free pages only). */
-static void mpt__cpu_memory(int64_t *total, int64_t *available) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    char line[256];
-    long long kib;
-    *total = *available = 0;
-#if defined(_SC_PHYS_PAGES) && defined(_SC_AVPHYS_PAGES) /* not in POSIX: glibc's */
-    {
-        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-        *total = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
-        pages = sysconf(_SC_AVPHYS_PAGES);
-        *available = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
-    }
-#endif
-    if (!f) return;
-    while (fgets(line, sizeof line, f)) {
-        if (sscanf(line, "MemTotal: %lld kB", &kib) == 1) *total = (int64_t)kib * 1024;
-        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) *available = (int64_t)kib * 1024;
-    }
-    fclose(f);
-}
-
-static void mpt__cpu_device_info(mpt_device_info *out) {
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    out->kind = MPT_DEVICE_CPU;
-    mpt__cpu_name(out->name, sizeof out->name);
-    out->cores = cores > 0 ? (int)cores : 1;
-    out->cpu_features = mpt__detect_cpu();
-    mpt__cpu_feature_words(out->cpu_features, out->features, sizeof out->features);
-    mpt__cpu_memory(&out->memory_total, &out->memory_free);
-}
-
-MPTDEF int mpt_device_count(const mpt_context *ctx) {
-    (void)ctx;
-#ifdef MPT_CUDA
-    return 1 + mpt_cuda_device_count();
-#else
-    return 1;
-#endif
-}
-
-MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info *out) {
-    int count;
-    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "device: NULL out");
-    count = mpt_device_count(ctx);
-    if (index < 0 || index >= count)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "device: index %d is not in 0..%d (0 is the CPU%s)", index, count - 1,
-                         count > 1 ? ", 1.. the CUDA devices" : "; this build sees no other");
-    if (index == 0) {
-        mpt__cpu_device_info(out);
-        return MPT_OK;
-    }
-#ifdef MPT_CUDA
-    {
-        char message[512] = "";
-        mpt_status s = mpt_cuda_device_query(index - 1, out, message, sizeof message);
-        if (s != MPT_OK) return mpt__fail(ctx, s, "device %d: %s", index, message);
-    }
-#endif
-    return MPT_OK;
-}
-
 /* Overflow-checked arithmetic for sizes: every size that reaches an
    allocation goes through these. */
 static int mpt__mul_ok(int64_t a, int64_t b, int64_t *out) {
@@ -3835,338 +3258,9 @@ static int mpt__add_ok(int64_t a, int64_t b, int64_t *out) {
     return 1;
 }
 
-/* What a file that is not a regular one is, for messages. */
-static const char *mpt__file_kind(mode_t mode) {
-    if (S_ISDIR(mode)) return "a directory";
-    if (S_ISFIFO(mode)) return "a FIFO";
-    if (S_ISCHR(mode)) return "a character device";
-    if (S_ISBLK(mode)) return "a block device";
-    return "a socket or another special file";
-}
-
-/* Opens a file the caller named (a checkpoint, a dataset) for reading, and
-   only a regular file: a plain open() of a FIFO waits for a writer, maybe
-   forever, and a device or directory is never what was meant. So the open
-   does not wait (O_NONBLOCK), fstat says what was opened, and only then
-   does the descriptor go back to blocking reads. prefix starts messages
-   ("checkpoint: " or ""); *size, when wanted, gets the file's size. On
-   failure *fd is -1 and nothing is left open. */
-static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const char *path,
-                                    int *fd, int64_t *size) {
-    struct stat st;
-    int flags;
-    *fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY);
-    if (*fd < 0)
-        return mpt__fail(ctx, MPT_ERR_IO, "%scannot open '%s': %s", prefix, path,
-                         strerror(errno));
-    if (fstat(*fd, &st) != 0) {
-        int err = errno;
-        close(*fd);
-        *fd = -1;
-        return mpt__fail(ctx, MPT_ERR_IO, "%scannot stat '%s': %s", prefix, path, strerror(err));
-    }
-    if (!S_ISREG(st.st_mode)) {
-        close(*fd);
-        *fd = -1;
-        return mpt__fail(ctx, MPT_ERR_IO, "%scannot read '%s': it is %s, not a regular file",
-                         prefix, path, mpt__file_kind(st.st_mode));
-    }
-    flags = fcntl(*fd, F_GETFL);
-    if (flags < 0 || fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
-        int err = errno;
-        close(*fd);
-        *fd = -1;
-        return mpt__fail(ctx, MPT_ERR_IO, "%scannot read '%s': %s", prefix, path, strerror(err));
-    }
-    if (size) *size = (int64_t)st.st_size;
-    return MPT_OK;
-}
-
-/* ---- writing a file: through a temporary file, renamed into place ------------------
-
-   Checkpoints, weights, exports, plots and the profiler's files go through
-   this writer, and callbacks check their paths with it, so that a crash or
-   a full disk never leaves a half-written file under the target's name.
-   (CSVLogger and TensorBoard append to their files as training goes, by
-   design, so that the logs of a run still going, or killed, can be read.) */
-
-#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
-
-/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
-   an expression: while it is >= 0, saving fails with ENOSPC once that many
-   bytes of the temporary file are written, as a full disk would. */
-
-typedef struct mpt__ckpt_writer {
-    mpt_context *ctx;
-    const char *what;      /* what messages call it: "checkpoint", "export" */
-    const char *path;      /* the target                              */
-    char *tmp;             /* "<path>.tmp-<pid>"                      */
-    int created;           /* tmp exists and is ours to remove        */
-    int fd;                /* the temporary file; -1 when closed      */
-    int64_t written;       /* bytes written to it                     */
-    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
-    int quiet;             /* a failure leaves the message to the caller
-                              (a profiler's failure may be a warning)  */
-    int err;               /* the errno of the failure, 0 until one    */
-    const char *failed;    /* what failed: "create", "write", ...      */
-} mpt__ckpt_writer;
-
-/* The writer's memory: the context's, or malloc's for a caller without
-   one (mpt_history_plot_svg takes a NULL context). */
-static void *mpt__file_alloc(const mpt_context *ctx, size_t bytes) {
-    return ctx ? mpt__alloc(ctx, bytes) : mpt__default_alloc(NULL, bytes, MPT__ALIGN);
-}
-
-static void mpt__file_free(const mpt_context *ctx, void *ptr) {
-    if (ctx) mpt__free(ctx, ptr);
-    else mpt__default_free(NULL, ptr);
-}
-
-static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
-    w->err = errno ? errno : EIO;
-    w->failed = what;
-    if (w->quiet) return MPT_ERR_IO;
-    return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
-                     w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(w->err));
-}
-
-/* The directory part of path ("." when it has none), allocated; NULL when
-   memory runs out. */
-static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
-    const char *slash = strrchr(path, '/');
-    size_t len = slash ? (size_t)(slash - path) : 0;
-    char *dir = (char *)mpt__file_alloc(ctx, len + 2); /* (len + 2) */
-    if (!dir) return NULL;
-    if (!slash)
-        strcpy(dir, ".");
-    else if (len == 0)
-        strcpy(dir, "/");
-    else {
-        memcpy(dir, path, len);
-        dir[len] = 0;
-    }
-    return dir;
-}
-
-/* ---- temporary files that a killed save left behind ----------------------------
-
-   A save holds a write lock (fcntl) on its temporary file from creating it
-   to renaming it, and the kernel drops the lock when the process ends,
-   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
-   lock on is what a save killed mid-write left, and the next save to the
-   same target removes it (500 saves killed mid-write used to leave 178
-   files, 375 MB). Names with this process's pid are never touched: fcntl
-   locks belong to a process, so another thread's save in progress would
-   look unlocked, and closing any descriptor of a file drops all of this
-   process's locks on it. A file system without locks has no sweep. */
-
-/* A write lock on the whole file, without waiting; errno says why not. */
-static int mpt__ckpt_lock(int fd) {
-    struct flock l;
-    memset(&l, 0, sizeof l);
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    return fcntl(fd, F_SETLK, &l) == 0;
-}
-
-/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
-   of a pid other than this process's. */
-static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
-    const char *p;
-    long long pid = 0;
-    int digits = 0, k_digits = 0;
-    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
-    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
-        pid = pid * 10 + (*p - '0');
-    if (digits == 0) return 0;
-    if (*p == '-') {
-        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
-        if (k_digits == 0) return 0;
-    }
-    return *p == 0 && pid != (long long)getpid();
-}
-
-/* Removes path when nobody holds a lock on it. The lock is taken, and held
-   while unlinking, so that a save that has just created the file (and not
-   yet locked it) finds the lock taken or its file gone, and takes another
-   name; the identity check keeps a file renamed in between. */
-static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *what, const char *path) {
-    struct stat held, named;
-    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
-    if (fd < 0) return;
-    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
-        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
-        unlink(path) == 0)
-        mpt__log(ctx, MPT_LOG_INFO, "%s: removed '%s', left by a save that did not finish",
-                 what, path);
-    close(fd);
-}
-
-/* Removes the stale temporary files of target path. Best effort: a
-   directory that cannot be listed is simply not swept. */
-static void mpt__ckpt_sweep(mpt_context *ctx, const char *what, const char *path) {
-    const char *slash = strrchr(path, '/');
-    const char *base = slash ? slash + 1 : path;
-    size_t base_len = strlen(base), size = 0;
-    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
-    DIR *d;
-    struct dirent *e;
-    if (dir) {
-        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
-        temp = (char *)mpt__file_alloc(ctx, size);
-    }
-    if (!temp) {
-        mpt__log(ctx, MPT_LOG_WARNING, "%s: cannot look for stale temporary files of '%s': "
-                 "out of memory", what, path);
-        mpt__file_free(ctx, dir);
-        return;
-    }
-    d = opendir(dir);
-    while (d && (e = readdir(d)) != NULL) {
-        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
-        snprintf(temp, size, "%s/%s", dir, e->d_name);
-        mpt__ckpt_remove_if_stale(ctx, what, temp);
-    }
-    if (d) closedir(d);
-    mpt__file_free(ctx, temp);
-    mpt__file_free(ctx, dir);
-}
-
-/* The lock on a temporary file just created: whether the file is still
-   this save's. A sweep holding it, or having removed the file already,
-   means it is on its way out; a file system without locks leaves nothing
-   to check. */
-static int mpt__ckpt_hold(int fd) {
-    struct stat st;
-    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
-    return fstat(fd, &st) == 0 && st.st_nlink > 0;
-}
-
-/* Creates the temporary file next to the target, after sweeping away what
-   killed saves left there; O_EXCL so that nothing already there (another
-   writer's file, a link) is ever written through. `what` names the file
-   in messages ("checkpoint"); with quiet, a failure only sets w->err. */
-static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *what,
-                                        const char *path, int quiet) {
-    size_t size = strlen(path) + 48;
-    int k;
-    memset(w, 0, sizeof *w);
-    w->ctx = ctx;
-    w->what = what;
-    w->path = path;
-    w->fd = -1;
-    w->quiet = quiet;
-    w->chunk = (unsigned char *)mpt__file_alloc(ctx, MPT__CKPT_CHUNK);
-    w->tmp = (char *)mpt__file_alloc(ctx, size);
-    if (!w->chunk || !w->tmp) {
-        w->err = ENOMEM;
-        w->failed = "allocate memory for";
-        if (quiet) return MPT_ERR_OUT_OF_MEMORY;
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
-    }
-    mpt__ckpt_sweep(ctx, what, path);
-    for (k = 0; k < 100; k++) {
-        if (k == 0)
-            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
-        else
-            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
-        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
-        if (w->fd < 0 && errno == EEXIST) continue;
-        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
-        close(w->fd); /* a sweep is removing it: another name */
-        w->fd = -1;
-    }
-    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
-    w->created = 1;
-    return MPT_OK;
-}
-
-static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
-    const unsigned char *p = (const unsigned char *)src;
-    while (n > 0) {
-        size_t part = MPT__MIN(n, (size_t)1 << 30);
-        ssize_t got;
-#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
-        {
-            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
-            if (limit >= 0 && w->written + (int64_t)part > limit) {
-                if (limit <= w->written) {
-                    errno = ENOSPC;
-                    return mpt__ckpt_write_fail(w, "write");
-                }
-                part = (size_t)(limit - w->written);
-            }
-        }
-#endif
-        got = write(w->fd, p, part);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return mpt__ckpt_write_fail(w, "write");
-        }
-        p += got;
-        n -= (size_t)got;
-        w->written += got;
-    }
-    return MPT_OK;
-}
-
-/* Makes the rename durable. The new file is already in place, so a failure
-   here is a warning, not an error. */
-static void mpt__ckpt_sync_dir(const mpt__ckpt_writer *w) {
-    char *dir = mpt__ckpt_dir_of(w->ctx, w->path);
-    int fd;
-    if (!dir) {
-        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory: out "
-                 "of memory", w->what, w->path);
-        return;
-    }
-    fd = open(dir, O_RDONLY);
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
-        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory '%s': "
-                 "%s", w->what, w->path, dir, strerror(errno));
-    if (fd >= 0) close(fd);
-    mpt__file_free(w->ctx, dir);
-}
-
-/* fsync, close, and rename the temporary file over the target. */
-static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
-    int failed;
-    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
-    failed = close(w->fd) != 0;
-    w->fd = -1;
-    if (failed) return mpt__ckpt_write_fail(w, "close");
-    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
-    w->created = 0; /* renamed: nothing left to remove */
-    mpt__ckpt_sync_dir(w);
-    return MPT_OK;
-}
-
-/* Closes and removes the temporary file unless it was committed. */
-static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
-    if (w->fd >= 0) close(w->fd);
-    if (w->created) remove(w->tmp);
-    mpt__file_free(w->ctx, w->tmp);
-    mpt__file_free(w->ctx, w->chunk);
-    w->fd = -1;
-    w->created = 0;
-    w->tmp = NULL;
-    w->chunk = NULL;
-}
-
-/* Whether a file can be written at path, found out by starting to: the
-   temporary file created beside it, then removed. access() cannot tell
-   (it says yes to root on any writable mount, /proc included, where no new
-   file can be made). Callbacks check their paths so when they are made,
-   not after an epoch of training. 0 or an errno; quiet as above. */
-static int mpt__ckpt_can_write(mpt_context *ctx, const char *what, const char *path, int quiet) {
-    mpt__ckpt_writer w;
-    int err = mpt__ckpt_writer_open(&w, ctx, what, path, quiet) == MPT_OK ? 0 : w.err;
-    mpt__ckpt_writer_close(&w);
-    return err;
-}
-
 /* =============================================================================
-   @impl-dtypes
+   @impl-dtypes: dtypes; float16/bfloat16 conversions, scalar, and
+   mpt__convert over the pool (AVX2/AVX-512: @impl-convert-simd)
    ============================================================================= */
 
 MPTDEF const char *mpt_dtype_name(mpt_dtype dtype) {
@@ -4310,175 +3404,15 @@ static void mpt__convert_scalar(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dt
     }
 }
 
+/* Defined below, in @impl-convert-simd. */
 #if MPT__X86
-/* The vector kernels load a register of any float dtype as float32 and store
-   float32 as any dtype; a float16 <-> bfloat16 conversion goes through
-   float32, which is exact one way and rounds once the other, so it equals
-   the scalar composition. One generic loop is forced inline into a kernel
-   per dtype pair, so the dtype switches fold away at compile time. */
-#define MPT__ALWAYS_INLINE __attribute__((always_inline)) inline
-#if defined(__GNUC__) && !defined(__clang__)
-/* GCC 12's AVX-512 headers start "undefined" vectors as `__Y = __Y`, which
-   g++ reports as maybe-uninitialized once they are inlined here. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
-/* bfloat16 rounding in integer arithmetic, @backend-shared's
-   mpt__f32_bits_to_bf16 lane by lane. (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
-   which the scalar function does not.) */
-static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE __m256i mpt__avx2_bf16_bits(__m256 v) {
-    __m256i x = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
-    /* |x| > inf as signed int32 compares: both sides are non-negative. */
-    __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
-                                        _mm256_set1_epi32(0x7f800000));
-    return _mm256_blendv_epi8(r, qnan, is_nan);
-}
-
-static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE __m256 mpt__avx2_load(mpt_dtype t, const void *p) {
-    switch (t) {
-    case MPT_FLOAT16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    case MPT_BFLOAT16:
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-    default: return _mm256_loadu_ps((const float *)p);
-    }
-}
-
-static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE void mpt__avx2_store(mpt_dtype t, void *p, __m256 v) {
-    switch (t) {
-    case MPT_FLOAT16:
-        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-        break;
-    case MPT_BFLOAT16: {
-        /* Lanes hold values <= 0xffff, so the saturating pack is exact. */
-        __m256i b = mpt__avx2_bf16_bits(v);
-        _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b),
-                                                        _mm256_extracti128_si256(b, 1)));
-        break;
-    }
-    default: _mm256_storeu_ps((float *)p, v); break;
-    }
-}
-
-/* 8 elements a step; the last n % 8 go through the scalar kernel. */
-static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE void mpt__avx2_loop(mpt_dtype dt, void *dst,
-                                                               mpt_dtype st, const void *src,
-                                                               int64_t n) {
-    size_t ds = dt == MPT_FLOAT32 ? 4 : 2, ss = st == MPT_FLOAT32 ? 4 : 2;
-    int64_t i;
-    for (i = 0; i + 8 <= n; i += 8)
-        mpt__avx2_store(dt, (char *)dst + (size_t)i * ds,
-                        mpt__avx2_load(st, (const char *)src + (size_t)i * ss));
-    if (i < n)
-        mpt__convert_scalar(dt, (char *)dst + (size_t)i * ds, st,
-                            (const char *)src + (size_t)i * ss, n - i);
-}
-
-/* Calls loop(dst_dtype, dst, src_dtype, src, n) with the pair's dtypes as
-   constants, so that each always-inline loop is compiled once per pair of
-   different dtypes with its loads' and stores' switches folded away; the
-   one list of pairs for the AVX2 and the AVX-512 kernels. */
-#define MPT__CONVERT_PAIRS(loop, dst_dtype, dst, src_dtype, src, n)                                \
-    do {                                                                                           \
-        if ((src_dtype) == MPT_FLOAT32 && (dst_dtype) == MPT_FLOAT16)                              \
-            loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);                                           \
-        else if ((src_dtype) == MPT_FLOAT32)                                                       \
-            loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);                                          \
-        else if ((src_dtype) == MPT_FLOAT16 && (dst_dtype) == MPT_FLOAT32)                         \
-            loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);                                           \
-        else if ((src_dtype) == MPT_FLOAT16)                                                       \
-            loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);                                          \
-        else if ((dst_dtype) == MPT_FLOAT32)                                                       \
-            loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);                                          \
-        else                                                                                       \
-            loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);                                          \
-    } while (0)
-
-/* Needs AVX2, and F16C for the pairs that involve float16. */
 static MPT__TARGET_AVX2 void mpt__convert_avx2(mpt_dtype dst_dtype, void *dst,
                                               mpt_dtype src_dtype, const void *src,
-                                              int64_t n) {
-    MPT__CONVERT_PAIRS(mpt__avx2_loop, dst_dtype, dst, src_dtype, src, n);
-}
-
-static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512i mpt__avx512_bf16_bits(__m512 v) {
-    __m512i x = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
-    __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
-        _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, is_nan, qnan);
-}
-
-/* The cache lines of a row of bytes at t + at (up to 128 bytes: a row of
-   32 float32 channels), asked for ahead of their use. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__prefetch_row(const void *t, size_t at,
-                                                                   size_t bytes) {
-    const char *p = (const char *)t + at;
-    _mm_prefetch(p, _MM_HINT_T0);
-    if (bytes > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
-}
-
-/* Masked loads and stores touch only the lanes in m, so the tail needs no
-   scalar loop and never reads past the end. */
-static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__avx512_load(mpt_dtype t, const void *p,
-                                                                     __mmask16 m) {
-    switch (t) {
-    case MPT_FLOAT16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-    case MPT_BFLOAT16:
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-    default: return _mm512_maskz_loadu_ps(m, p);
-    }
-}
-
-static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE void mpt__avx512_store(mpt_dtype t, void *p,
-                                                                    __m512 v, __mmask16 m) {
-    switch (t) {
-    case MPT_FLOAT16:
-        _mm256_mask_storeu_epi16(p, m,
-                                 _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        break;
-    case MPT_BFLOAT16: /* vpmovdw truncates each lane to its low 16 bits */
-        _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(mpt__avx512_bf16_bits(v)));
-        break;
-    default: _mm512_mask_storeu_ps(p, m, v); break;
-    }
-}
-
-static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE void mpt__avx512_loop(mpt_dtype dt, void *dst,
-                                                                   mpt_dtype st, const void *src,
-                                                                   int64_t n) {
-    size_t ds = dt == MPT_FLOAT32 ? 4 : 2, ss = st == MPT_FLOAT32 ? 4 : 2;
-    int64_t i;
-    for (i = 0; i + 16 <= n; i += 16)
-        mpt__avx512_store(dt, (char *)dst + (size_t)i * ds,
-                          mpt__avx512_load(st, (const char *)src + (size_t)i * ss, 0xffff),
-                          0xffff);
-    if (i < n) {
-        __mmask16 m = (__mmask16)((1u << (unsigned)(n - i)) - 1);
-        mpt__avx512_store(dt, (char *)dst + (size_t)i * ds,
-                          mpt__avx512_load(st, (const char *)src + (size_t)i * ss, m), m);
-    }
-}
-
+                                              int64_t n);
 static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *dst,
                                                   mpt_dtype src_dtype, const void *src,
-                                                  int64_t n) {
-    MPT__CONVERT_PAIRS(mpt__avx512_loop, dst_dtype, dst, src_dtype, src, n);
-}
-#undef MPT__CONVERT_PAIRS
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
+                                                  int64_t n);
 #endif
-#endif /* MPT__X86 */
 
 /* The fastest kernel the CPU bits allow for this dtype pair. */
 static mpt__convert_fn mpt__convert_kernel(int cpu, mpt_dtype dst_dtype, mpt_dtype src_dtype) {
@@ -4519,6 +3453,9 @@ static void mpt__convert_task(void *arg, int64_t task, int thread) {
     job->fn(job->dst_dtype, job->dst + (size_t)begin * mpt_dtype_size(job->dst_dtype),
             job->src_dtype, job->src + (size_t)begin * mpt_dtype_size(job->src_dtype), count);
 }
+
+/* Defined below, in @impl-threads. */
+static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn, void *arg);
 
 /* Unchecked conversion of n elements between float dtypes (ctx may be NULL:
    portable path, one thread). Bit-identical to the scalar functions on
@@ -4773,7 +3710,8 @@ MPTDEF const char *mpt_activation_name(mpt_activation act) {
 }
 
 /* =============================================================================
-   @impl-gemm
+   @impl-gemm: the CPU GEMM: blocking, tasks and the driver (packing and
+   micro-kernels: @impl-gemm-kernels)
    ============================================================================= */
 
 /* The CPU matrix product: C = alpha · op(A) · op(B) + beta · C, then
@@ -4872,437 +3810,6 @@ typedef struct mpt__gemm_job {
 } mpt__gemm_job;
 
 /* -----------------------------------------------------------------------------
-   Packing. A panel is `w` lanes (rows of A or columns of B) by kc depth;
-   element (lane l, depth k) of the source is at index off + l·ls + k·ks,
-   where either ls = 1 (lanes contiguous: A transposed, B not) or ks = 1
-   (depth contiguous: A not transposed, B transposed). float32 panels are
-   laid out [k][w]; bfloat16-pair panels [k/2][w] of uint32 (k low, k+1 high).
-   Lanes ≥ `lanes` and the half of a last odd pair are zero.
-   ----------------------------------------------------------------------------- */
-
-#if MPT__X86
-MPT__TARGET_AVX2 static void mpt__gemm_f16_to_f32_avx2(const mpt_half *s, float *d, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-    for (; i < n; i++) d[i] = mpt_half_to_float(s[i]);
-}
-#endif
-
-/* n contiguous source elements from index i on, as float32. */
-static void mpt__gemm_row_f32(const mpt__gemm_job *job, const void *src, int64_t i, int64_t n,
-                              float *d) {
-    int64_t t;
-    if (job->dtype == MPT_FLOAT32) {
-        memcpy(d, (const float *)src + i, sizeof(float) * (size_t)n);
-    } else if (job->dtype == MPT_BFLOAT16) {
-        const mpt_bf16 *s = (const mpt_bf16 *)src + i;
-        for (t = 0; t < n; t++) d[t] = mpt_bf16_to_float(s[t]);
-    } else {
-#if MPT__X86
-        if (job->ctx->cpu & MPT_CPU_F16C) {
-            mpt__gemm_f16_to_f32_avx2((const mpt_half *)src + i, d, n);
-            return;
-        }
-#endif
-        for (t = 0; t < n; t++) d[t] = mpt__load_f32(MPT_FLOAT16, src, i + t);
-    }
-}
-
-static void mpt__gemm_pack_f32(const mpt__gemm_job *job, float *dst, int w, const void *src,
-                               int64_t off, int64_t ls, int64_t ks, int lanes, int64_t kc) {
-    int64_t k, l;
-    if (ls == 1) {
-        for (k = 0; k < kc; k++) {
-            float *d = dst + k * w;
-            mpt__gemm_row_f32(job, src, off + k * ks, lanes, d);
-            for (l = lanes; l < w; l++) d[l] = 0;
-        }
-    } else if (job->dtype == MPT_FLOAT32) {
-        /* A transpose: 8 depths of each lane at a time, so the reads are
-           runs of 32 bytes and the writes stay within a few cache lines. */
-        const float *s = (const float *)src + off;
-        int64_t k0;
-        for (k0 = 0; k0 < kc; k0 += 8) {
-            int64_t kn = MPT__MIN(8, kc - k0);
-            for (l = 0; l < lanes; l++) {
-                const float *sl = s + l * ls + k0;
-                float *d = dst + k0 * w + l;
-                for (k = 0; k < kn; k++) d[k * w] = sl[k];
-            }
-        }
-        for (l = lanes; l < w; l++)
-            for (k = 0; k < kc; k++) dst[k * w + l] = 0;
-    } else {
-        float tmp[64];
-        int64_t k0;
-        for (l = 0; l < w; l++) {
-            for (k0 = 0; k0 < kc; k0 += 64) {
-                int64_t kn = MPT__MIN(64, kc - k0);
-                if (l < lanes) mpt__gemm_row_f32(job, src, off + l * ls + k0, kn, tmp);
-                for (k = 0; k < kn; k++) dst[(k0 + k) * w + l] = l < lanes ? tmp[k] : 0.0f;
-            }
-        }
-    }
-}
-
-static void mpt__gemm_pack_pairs(float *dst_f, int w, const void *src, int64_t off, int64_t ls,
-                                 int64_t ks, int lanes, int64_t kc) {
-    uint32_t *dst = (uint32_t *)(void *)dst_f;
-    const mpt_bf16 *s = (const mpt_bf16 *)src + off;
-    int64_t kp, l, npairs = (kc + 1) / 2;
-    for (kp = 0; kp < npairs; kp++) {
-        int64_t k = 2 * kp;
-        int odd_end = k + 1 >= kc;
-        uint32_t *d = dst + kp * w;
-        if (ls == 1) {
-            const mpt_bf16 *s0 = s + k * ks, *s1 = odd_end ? s0 : s0 + ks;
-            for (l = 0; l < lanes; l++)
-                d[l] = (uint32_t)s0[l] | (odd_end ? 0u : (uint32_t)s1[l] << 16);
-        } else {
-            for (l = 0; l < lanes; l++) {
-                const mpt_bf16 *sl = s + l * ls + k;
-                d[l] = (uint32_t)sl[0] | (odd_end ? 0u : (uint32_t)sl[1] << 16);
-            }
-        }
-        for (l = lanes; l < w; l++) d[l] = 0;
-    }
-}
-
-#if MPT__X86
-static __mmask16 mpt__gemm_mask16(int n) {
-    return (__mmask16)(n >= 16 ? 0xffffu : n <= 0 ? 0u : (1u << n) - 1u);
-}
-
-/* 16 elements of dtype dt at p (lanes outside m read as 0), as float32. */
-MPT__TARGET_AVX512 static inline __m512 mpt__gemm_load16(mpt_dtype dt, const void *p,
-                                                         __mmask16 m) {
-    __m256i h;
-    if (dt == MPT_FLOAT32) return _mm512_maskz_loadu_ps(m, p);
-    h = _mm256_maskz_loadu_epi16(m, p);
-    /* (maskz forms: g++ 12 warns about the _mm512_undefined_* in the plain ones) */
-    if (dt == MPT_FLOAT16) return _mm512_maskz_cvtph_ps(m, h);
-    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(m, _mm512_maskz_cvtepu16_epi32(m, h), 16));
-}
-
-/* The AVX-512 packer for contiguous lanes (A transposed, B not): one
-   masked load and store per 16 lanes and depth, converting to float32 or
-   interleaving two depths into bfloat16 pairs. */
-MPT__TARGET_AVX512 static void mpt__gemm_pack_lanes_avx512(const mpt__gemm_job *job, float *dst,
-                                                           int w, const void *src, int64_t off,
-                                                           int64_t ks, int lanes, int64_t kc) {
-    const mpt_dtype dt = job->dtype;
-    const int64_t es = (int64_t)mpt_dtype_size(dt);
-    const char *s = (const char *)src + off * es;
-    const int nch = (w + 15) / 16;
-    uint32_t *d32 = (uint32_t *)(void *)dst;
-    __mmask16 lm[2], wm[2];
-    int64_t k;
-    int c;
-    for (c = 0; c < 2; c++) {
-        lm[c] = mpt__gemm_mask16(lanes - 16 * c);
-        wm[c] = mpt__gemm_mask16(w - 16 * c);
-    }
-    if (!job->pairs) {
-        for (k = 0; k < kc; k++)
-            for (c = 0; c < nch; c++)
-                _mm512_mask_storeu_ps(dst + k * w + 16 * c, wm[c],
-                                      mpt__gemm_load16(dt, s + (k * ks + 16 * c) * es, lm[c]));
-        return;
-    }
-    for (k = 0; k < kc; k += 2)
-        for (c = 0; c < nch; c++) {
-            const char *r0 = s + (k * ks + 16 * c) * 2;
-            __m256i h0 = _mm256_maskz_loadu_epi16(lm[c], r0);
-            __m256i h1 = k + 1 < kc ? _mm256_maskz_loadu_epi16(lm[c], r0 + ks * 2)
-                                    : _mm256_setzero_si256();
-            __m512i lo = _mm512_maskz_cvtepu16_epi32(lm[c], h0);
-            __m512i hi = _mm512_maskz_slli_epi32(lm[c], _mm512_maskz_cvtepu16_epi32(lm[c], h1), 16);
-            _mm512_mask_storeu_epi32(d32 + (k / 2) * w + 16 * c, wm[c], _mm512_or_si512(lo, hi));
-        }
-}
-
-/* The transposing packer for contiguous depth (A not transposed, B
-   transposed): 8 depths of 8 lanes are loaded as 8 vectors (converted to
-   float32, or 8 bfloat16 pairs as 32-bit units), transposed in registers
-   and stored with masks; depths after the last full 8 (and an odd last
-   half pair) are left to the portable packer. Returns the depths done. */
-MPT__TARGET_AVX512 static int64_t mpt__gemm_pack_depth_avx512(const mpt__gemm_job *job,
-                                                              float *dst, int w, const void *src,
-                                                              int64_t off, int64_t ls, int lanes,
-                                                              int64_t kc) {
-    const mpt_dtype dt = job->dtype;
-    const int64_t units = job->pairs ? kc / 2 : kc; /* 32-bit depth units */
-    const int mode = dt == MPT_FLOAT32 || job->pairs ? 0 : dt == MPT_FLOAT16 ? 1 : 2;
-    const float *sf = (const float *)src + off;
-    const uint16_t *sh = (const uint16_t *)src + off;
-    const int64_t step = mode == 0 && dt != MPT_FLOAT32 ? 2 : 1; /* source elements per unit */
-    int64_t u0;
-    int l0;
-    for (l0 = 0; l0 < w; l0 += 8) {
-        const __mmask8 wm = (__mmask8)(w - l0 >= 8 ? 0xff : (1u << (w - l0)) - 1u);
-        const float *pf[8];
-        const uint16_t *ph[8];
-        int i;
-        for (i = 0; i < 8; i++) {
-            /* Lanes past the valid ones read lane 0 again; zeroed below. */
-            int64_t l = l0 + i < lanes ? l0 + i : 0;
-            pf[i] = sf + l * ls;
-            ph[i] = sh + l * ls;
-        }
-        for (u0 = 0; u0 + 8 <= units; u0 += 8) {
-            __m256 r0, r1, r2, r3, r4, r5, r6, r7, t0, t1, t2, t3, t4, t5, t6, t7;
-#define MPT__LD(i)                                                                          \
-    if (mode == 0)                                                                          \
-        r##i = step == 1 ? _mm256_loadu_ps(pf[i] + u0)                                      \
-                         : _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(ph[i] + 2 * u0))); \
-    else if (mode == 1)                                                                     \
-        r##i = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ph[i] + u0)));             \
-    else                                                                                    \
-        r##i = _mm256_castsi256_ps(_mm256_slli_epi32(                                       \
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(ph[i] + u0))), 16));     \
-    if (l0 + i >= lanes) r##i = _mm256_setzero_ps();
-            MPT__LD(0) MPT__LD(1) MPT__LD(2) MPT__LD(3) MPT__LD(4) MPT__LD(5) MPT__LD(6) MPT__LD(7)
-#undef MPT__LD
-            t0 = _mm256_unpacklo_ps(r0, r1);
-            t1 = _mm256_unpackhi_ps(r0, r1);
-            t2 = _mm256_unpacklo_ps(r2, r3);
-            t3 = _mm256_unpackhi_ps(r2, r3);
-            t4 = _mm256_unpacklo_ps(r4, r5);
-            t5 = _mm256_unpackhi_ps(r4, r5);
-            t6 = _mm256_unpacklo_ps(r6, r7);
-            t7 = _mm256_unpackhi_ps(r6, r7);
-            r0 = _mm256_shuffle_ps(t0, t2, 0x44);
-            r1 = _mm256_shuffle_ps(t0, t2, 0xee);
-            r2 = _mm256_shuffle_ps(t1, t3, 0x44);
-            r3 = _mm256_shuffle_ps(t1, t3, 0xee);
-            r4 = _mm256_shuffle_ps(t4, t6, 0x44);
-            r5 = _mm256_shuffle_ps(t4, t6, 0xee);
-            r6 = _mm256_shuffle_ps(t5, t7, 0x44);
-            r7 = _mm256_shuffle_ps(t5, t7, 0xee);
-            {
-                float *d = dst + u0 * w + l0;
-                _mm256_mask_storeu_ps(d + 0 * w, wm, _mm256_permute2f128_ps(r0, r4, 0x20));
-                _mm256_mask_storeu_ps(d + 1 * w, wm, _mm256_permute2f128_ps(r1, r5, 0x20));
-                _mm256_mask_storeu_ps(d + 2 * w, wm, _mm256_permute2f128_ps(r2, r6, 0x20));
-                _mm256_mask_storeu_ps(d + 3 * w, wm, _mm256_permute2f128_ps(r3, r7, 0x20));
-                _mm256_mask_storeu_ps(d + 4 * w, wm, _mm256_permute2f128_ps(r0, r4, 0x31));
-                _mm256_mask_storeu_ps(d + 5 * w, wm, _mm256_permute2f128_ps(r1, r5, 0x31));
-                _mm256_mask_storeu_ps(d + 6 * w, wm, _mm256_permute2f128_ps(r2, r6, 0x31));
-                _mm256_mask_storeu_ps(d + 7 * w, wm, _mm256_permute2f128_ps(r3, r7, 0x31));
-            }
-        }
-    }
-    u0 = units / 8 * 8;
-    return job->pairs ? 2 * u0 : u0;
-}
-#endif
-
-static void mpt__gemm_pack(const mpt__gemm_job *job, float *dst, int w, const void *src,
-                           int64_t off, int64_t ls, int64_t ks, int lanes, int64_t kc) {
-#if MPT__X86
-    if (job->path >= MPT__GEMM_AVX512 && ls == 1) {
-        mpt__gemm_pack_lanes_avx512(job, dst, w, src, off, ks, lanes, kc);
-        return;
-    }
-    if (job->path >= MPT__GEMM_AVX512 && ks == 1) {
-        int64_t done = mpt__gemm_pack_depth_avx512(job, dst, w, src, off, ls, lanes, kc);
-        if (done == kc) return;
-        dst += (job->pairs ? done / 2 : done) * w;
-        off += done;
-        kc -= done;
-    }
-#endif
-    if (job->pairs)
-        mpt__gemm_pack_pairs(dst, w, src, off, ls, ks, lanes, kc);
-    else
-        mpt__gemm_pack_f32(job, dst, w, src, off, ls, ks, lanes, kc);
-}
-
-/* -----------------------------------------------------------------------------
-   Micro-kernels
-   ----------------------------------------------------------------------------- */
-
-static void mpt__gemm_kernel_scalar(int64_t kc, const void *av, const void *bv, int bw,
-                                    float *c, int64_t ldc, int m, int n,
-                                    const mpt__gemm_epi *e) {
-    const float *a = (const float *)av, *b = (const float *)bv;
-    float acc[4][8];
-    int64_t p;
-    int i, j;
-    memset(acc, 0, sizeof acc);
-    for (p = 0; p < kc; p++, a += 4, b += bw)
-        for (i = 0; i < 4; i++)
-            for (j = 0; j < bw; j++) acc[i][j] += a[i] * b[j];
-    for (i = 0; i < m; i++) {
-        float *ci = c + i * ldc;
-        for (j = 0; j < n; j++) {
-            float v = e->alpha * acc[i][j];
-            if (e->load_c) v += e->beta * ci[j];
-            if (e->bias) v += e->bias[j];
-            if (e->relu) v = mpt__relu(v);
-            ci[j] = v;
-        }
-    }
-}
-
-/* Row lists for the register-blocked kernels: X(row) for each row. */
-#define MPT__ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define MPT__ROWS12(X) MPT__ROWS6(X) X(6) X(7) X(8) X(9) X(10) X(11)
-
-#if MPT__X86
-
-MPT__TARGET_AVX2 static inline void mpt__gemm_store_avx2(float *c, __m256 acc, __m256i mask,
-                                                         const float *bias,
-                                                         const mpt__gemm_epi *e) {
-    __m256 v = _mm256_mul_ps(acc, _mm256_set1_ps(e->alpha));
-    if (e->load_c)
-        v = _mm256_fmadd_ps(_mm256_maskload_ps(c, mask), _mm256_set1_ps(e->beta), v);
-    if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias, mask));
-    /* mpt__relu: zero where v <= 0 (ordered, so NaN stays); max_ps would
-       turn NaN into 0. */
-    if (e->relu) v = _mm256_andnot_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LE_OQ), v);
-    _mm256_maskstore_ps(c, mask, v);
-}
-
-MPT__TARGET_AVX2 static inline __m256i mpt__gemm_mask_avx2(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-MPT__TARGET_AVX2 static void mpt__gemm_kernel_avx2(int64_t kc, const void *av, const void *bv,
-                                                   int bw, float *c, int64_t ldc, int m, int n,
-                                                   const mpt__gemm_epi *e) {
-    const float *a = (const float *)av, *b = (const float *)bv;
-    const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 8 : NULL;
-    __m256i k0 = mpt__gemm_mask_avx2(n), k1 = mpt__gemm_mask_avx2(n - 8);
-    int64_t p;
-#define MPT__D(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
-    MPT__ROWS6(MPT__D)
-#undef MPT__D
-    if (bw == 16) {
-        for (p = 0; p < kc; p++, a += 6, b += 16) {
-            __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), ai;
-#define MPT__F(i)                                  \
-    ai = _mm256_broadcast_ss(a + i);               \
-    c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm256_fmadd_ps(ai, b1, c##i##1);
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (p = 0; p < kc; p++, a += 6, b += 8) {
-            __m256 b0 = _mm256_load_ps(b), ai;
-#define MPT__F(i)                                  \
-    ai = _mm256_broadcast_ss(a + i);               \
-    c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0);
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    }
-#define MPT__S(i)                                                              \
-    if (i < m) {                                                               \
-        mpt__gemm_store_avx2(c + i * ldc, c##i##0, k0, bias0, e);              \
-        if (n > 8) mpt__gemm_store_avx2(c + i * ldc + 8, c##i##1, k1, bias1, e); \
-    }
-    MPT__ROWS6(MPT__S)
-#undef MPT__S
-}
-
-MPT__TARGET_AVX512 static inline void mpt__gemm_store_avx512(float *c, __m512 acc,
-                                                             __mmask16 mask, const float *bias,
-                                                             const mpt__gemm_epi *e) {
-    __m512 v = _mm512_mul_ps(acc, _mm512_set1_ps(e->alpha));
-    if (e->load_c)
-        v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, c), _mm512_set1_ps(e->beta), v);
-    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-    /* mpt__relu: keep v where !(v <= 0), so NaN stays and -0 gives +0. */
-    if (e->relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
-    _mm512_mask_storeu_ps(c, mask, v);
-}
-
-#define MPT__STORE512(i)                                                           \
-    if (i < m) {                                                                   \
-        mpt__gemm_store_avx512(c + i * ldc, c##i##0, k0, bias0, e);                \
-        if (n > 16) mpt__gemm_store_avx512(c + i * ldc + 16, c##i##1, k1, bias1, e); \
-    }
-
-MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512(int64_t kc, const void *av,
-                                                       const void *bv, int bw, float *c,
-                                                       int64_t ldc, int m, int n,
-                                                       const mpt__gemm_epi *e) {
-    const float *a = (const float *)av, *b = (const float *)bv;
-    const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;
-    __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);
-    int64_t p;
-#define MPT__D(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (p = 0; p < kc; p++, a += 12, b += 32) {
-            __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16), ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(a[i]);                     \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (p = 0; p < kc; p++, a += 12, b += 16) {
-            __m512 b0 = _mm512_load_ps(b), ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(a[i]);                     \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__STORE512)
-}
-
-/* bfloat16 pairs: each 32-bit lane of A and B holds (k, k+1); one
-   vdpbf16ps adds a[k]·b[k] + a[k+1]·b[k+1] to each float32 lane. */
-MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, const void *av,
-                                                                 const void *bv, int bw,
-                                                                 float *c, int64_t ldc, int m,
-                                                                 int n, const mpt__gemm_epi *e) {
-    const uint32_t *a = (const uint32_t *)av;
-    const uint32_t *b = (const uint32_t *)bv;
-    const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;
-    __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);
-    int64_t p, npairs = (kc + 1) / 2;
-#define MPT__D(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (p = 0; p < npairs; p++, a += 12, b += 32) {
-            __m512bh b0 = (__m512bh)_mm512_load_si512(b);
-            __m512bh b1 = (__m512bh)_mm512_load_si512(b + 16);
-            __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
-    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (p = 0; p < npairs; p++, a += 12, b += 16) {
-            __m512bh b0 = (__m512bh)_mm512_load_si512(b), ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__STORE512)
-}
-#undef MPT__STORE512
-
-#endif /* MPT__X86 */
-
-/* -----------------------------------------------------------------------------
    The driver
    ----------------------------------------------------------------------------- */
 
@@ -5327,6 +3834,12 @@ static int64_t mpt__gemm_depth_block(int64_t k) {
     int64_t nkb = (k + MPT__GEMM_KC - 1) / MPT__GEMM_KC;
     return ((k + nkb - 1) / nkb + 7) / 8 * 8;
 }
+
+/* Defined below, in @impl-threads. */
+static void *mpt__thread_scratch(const mpt_context *ctx, int thread);
+/* Defined below, in @impl-gemm-kernels. */
+static void mpt__gemm_pack(const mpt__gemm_job *job, float *dst, int w, const void *src,
+                           int64_t off, int64_t ls, int64_t ks, int lanes, int64_t kc);
 
 static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
@@ -5418,6 +3931,24 @@ static void mpt__gemm_plan_tasks(mpt__gemm_job *job, int threads) {
     job->tasks_n = (d->n + job->task_cols - 1) / job->task_cols;
     if (job->tasks_n < 1) job->tasks_n = 1;
 }
+
+/* Defined below, in @impl-gemm-kernels. */
+static void mpt__gemm_kernel_scalar(int64_t kc, const void *av, const void *bv, int bw,
+                                    float *c, int64_t ldc, int m, int n,
+                                    const mpt__gemm_epi *e);
+#if MPT__X86
+MPT__TARGET_AVX2 static void mpt__gemm_kernel_avx2(int64_t kc, const void *av, const void *bv,
+                                                   int bw, float *c, int64_t ldc, int m, int n,
+                                                   const mpt__gemm_epi *e);
+MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512(int64_t kc, const void *av,
+                                                       const void *bv, int bw, float *c,
+                                                       int64_t ldc, int m, int n,
+                                                       const mpt__gemm_epi *e);
+MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, const void *av,
+                                                                 const void *bv, int bw,
+                                                                 float *c, int64_t ldc, int m,
+                                                                 int n, const mpt__gemm_epi *e);
+#endif
 
 static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt__gemm_job job;
@@ -5529,1127 +4060,6 @@ MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
 }
 
 /* =============================================================================
-   @impl-qgemm  the int8 matrix product (mpt_qgemm)
-   =============================================================================
-
-   ZERO POINTS. The fast kernels multiply unsigned by signed bytes (the
-   operand types of vpdpbusd), so A is shifted to u = A + o, o = 128 for
-   int8 A (the byte with its top bit flipped) and 0 for uint8, and its zero
-   point with it: zu = a_zero_point + o, in [0, 255]. With zb = b_zero_point,
-
-       Σ_k (A − a_zero_point)(B − zb) = Σ_k (u − zu)(B − zb)
-                                      = Σ_k u·B − zu·Σ_k B − zb·Σ_k u + K·zu·zb
-
-   so the kernels compute only the raw Σ u·B (|u·B| ≤ 255·128, exact in
-   int32 up to K = 2^16), and the epilogue adds the rest from the column
-   sums of B (taken while packing B) and the row sums of u (taken while
-   packing A), in int64, or in wrapping int32 arithmetic, which is exact
-   because the result fits (MPT_QGEMM_MAX_K). Nothing is rounded before
-   the requantization, and it does the same integer steps on every path.
-
-   PACKING. The depth is cut into groups that fill a 32-bit lane: 4 k as
-   bytes for vpdpbusd (and the portable kernel), 2 k as int16 for the
-   AVX-512 and AVX2 kernels, whose vpmaddwd multiplies and adds pairs of
-   int16 exactly (vpmaddubsw would saturate its int16 pair sums). B is
-   packed once per call (or ahead, by mpt_qgemm_pack_b, into the same
-   layout), whole (K ≤ MPT_QGEMM_MAX_K), in panels of NR
-   columns × every group, [group][column][4 bytes | 2 int16], zero-padded;
-   a last panel of at most NR/2 columns is packed NR/2 wide. Each task
-   packs an MR-row panel of A, [group][row][...], into its thread's scratch
-   (at most 768 KiB) and runs the micro-kernel over its columns.
-
-   TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
-   multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
-   are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
-   portable C 4×8. The VNNI kernel reads A's rows in place (K ≥ 4), as
-   fast as a packed panel once the flip is a vector xor, so that A is
-   never packed: packing cost as much as a tile's products per panel, and
-   more than the whole product of a 3×3 conv's 9-byte im2col rows or a
-   classifier's 10-column Dense; except in the panel of A's last row (a
-   group's bytes past K would lie past A). The raw sums go to an MR×NR
-   int32 tile on the stack and the epilogue (zero points, bias,
-   requantization) stores them, 16 columns at a time with AVX-512 or 8
-   with AVX2 (in 32-bit lanes), else one by one; with AVX-512, a product
-   whose shifts are all ≤ 0 and whose sums cannot saturate (every layer's)
-   takes the whole tile at once (mpt__qgemm_store_tile_avx512).
-
-   WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
-   is packed before them, so splitting rows costs nothing, and splitting
-   columns repacks A. Every element is computed by one task with integer
-   steps, so the thread count cannot change a bit. */
-
-#define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
-#define MPT__QGEMM_PLAN_THREADS 16 /* up to: tasks shaped by mpt__qgemm_makespan */
-
-#if MPT__X86
-#define MPT__TARGET_AVX512_VNNI \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
-#endif
-
-/* kg: depth groups; a: packed A panel (kg × MR groups); b: packed B panel
-   (kg × bw groups), bw = NR or NR/2; tile: MR×NR raw int32 sums, row-major. */
-typedef void (*mpt__qgemm_kernel_fn)(int64_t kg, const uint8_t *a, const uint8_t *b, int bw,
-                                     int32_t *tile);
-
-typedef struct mpt__qgemm_job {
-    const mpt_qgemm_desc *d;
-    mpt_context *ctx;
-    mpt__qgemm_kernel_fn kernel;
-    int mr, nr;        /* micro-tile                                        */
-    int quads;         /* groups of 4 bytes; else of 2 int16                */
-    int plain_requant; /* int8 C whose sums cannot saturate and whose
-                          shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
-    int rows_in_place; /* the VNNI kernel reads A's rows unpacked (K ≥ 4)  */
-    int64_t kg;        /* depth groups                                      */
-    int64_t zu;        /* A's zero point, shifted with A to uint8           */
-    uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
-    int32_t *colsum;   /* (n) Σ_k B[k][n]                                   */
-    int64_t task_rows, task_cols, tasks_n;
-} mpt__qgemm_job;
-
-/* TFLite's fixed-point requantization (mpt__multiply_by_quantized_multiplier
-   and its steps) is in @backend-shared: the CUDA int8 GEMM runs it too. */
-
-/* -----------------------------------------------------------------------------
-   Packing and the epilogue
-   ----------------------------------------------------------------------------- */
-
-/* Σ of the n bytes s[k] ^ x, as unsigned: eight at a time in a uint64
-   whose four 16-bit fields gain at most 2·255 per word, folded every 128
-   words before they can overflow. */
-static int64_t mpt__qgemm_byte_sum(const uint8_t *s, int64_t n, int x) {
-    const uint64_t lo = 0x00ff00ff00ff00ffull, x8 = (uint64_t)x * 0x0101010101010101ull;
-    int64_t k = 0, total = 0;
-    while (n - k >= 8) {
-        const int64_t stop = k + 8 * MPT__MIN(128, (n - k) / 8);
-        uint64_t acc = 0;
-        for (; k < stop; k += 8) {
-            uint64_t w;
-            memcpy(&w, s + k, 8);
-            w ^= x8;
-            acc += (w & lo) + ((w >> 8) & lo);
-        }
-        total += (int64_t)((acc & 0xffff) + ((acc >> 16) & 0xffff) + ((acc >> 32) & 0xffff) +
-                           (acc >> 48));
-    }
-    for (; k < n; k++) total += s[k] ^ x;
-    return total;
-}
-
-/* The sum of the n bytes s[k] ^ flip, as int8 values when is_signed, else
-   as uint8. */
-static int32_t mpt__qgemm_lane_sum(const uint8_t *s, int64_t n, int flip, int is_signed) {
-    const int sign = is_signed ? 0x80 : 0;
-    return (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
-}
-
-/* Packs one lane whose n depths are contiguous (a row of A, a column of a
-   transposed B), bytes s[k] ^ flip, into lane l of a panel w lanes wide
-   (as int8 values into int16 pairs when is_signed and not quads). */
-static void mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, const uint8_t *s,
-                                 int64_t n, int flip, int is_signed) {
-    const int sign = is_signed ? 0x80 : 0; /* (v ^ sign) − sign is the byte v as int8 */
-    int64_t k;
-    if (quads) { /* whole groups of 4 bytes */
-        const uint32_t flip4 = (uint32_t)flip * 0x01010101u;
-        const int64_t step = 4 * (int64_t)w, whole = n / 4; /* bytes per group of the panel */
-        uint8_t *d = panel + 4 * l;
-        int64_t g;
-        for (g = 0; g < whole; g++) {
-            uint32_t v;
-            memcpy(&v, s + 4 * g, 4);
-            v ^= flip4;
-            memcpy(d + g * step, &v, 4);
-        }
-        for (k = 4 * whole; k < n; k++) d[whole * step + (k & 3)] = (uint8_t)(s[k] ^ flip);
-    } else { /* pairs of int16 */
-        int16_t *d = (int16_t *)(void *)panel + 2 * l;
-        const int64_t step = 2 * (int64_t)w; /* int16 per group of the panel */
-        for (k = 0; k + 1 < n; k += 2) {
-            d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
-            d[(k >> 1) * step + 1] = (int16_t)(((s[k + 1] ^ flip) ^ sign) - sign);
-        }
-        if (k < n) d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
-    }
-}
-
-/* Packs the B panel that starts at column panel·NR, and its column sums. */
-static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
-    const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
-    const mpt_qgemm_desc *d = job->d;
-    const int64_t j0 = panel * job->nr;
-    const int lanes = (int)MPT__MIN(job->nr, d->n - j0);
-    const int w = lanes <= job->nr / 2 ? job->nr / 2 : job->nr;
-    uint8_t *dst = job->bpack + j0 * job->kg * 4;
-    int l;
-    (void)thread;
-    memset(dst, 0, (size_t)(job->kg * w * 4));
-    if (d->k && !d->trans_b) { /* rows of B are contiguous: read them in order */
-        int32_t sum[32] = {0}; /* NR ≤ 32 */
-        int64_t k;
-        for (k = 0; k < d->k; k++) {
-            const int8_t *row = d->b + k * d->ldb + j0;
-            if (job->quads) {
-                uint8_t *g = dst + (k >> 2) * w * 4 + (k & 3);
-                for (l = 0; l < lanes; l++) {
-                    g[4 * l] = (uint8_t)row[l];
-                    sum[l] += row[l];
-                }
-            } else {
-                int16_t *g = (int16_t *)(void *)dst + (k >> 1) * w * 2 + (k & 1);
-                for (l = 0; l < lanes; l++) {
-                    g[2 * l] = row[l];
-                    sum[l] += row[l];
-                }
-            }
-        }
-        for (l = 0; l < lanes; l++) job->colsum[j0 + l] = sum[l];
-        return;
-    }
-    for (l = 0; l < lanes; l++) { /* transposed B: its columns are contiguous */
-        const uint8_t *col = (const uint8_t *)d->b + (j0 + l) * d->ldb;
-        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, w, l, col, d->k, 0, 1);
-        job->colsum[j0 + l] = mpt__qgemm_lane_sum(col, d->k, 0, 1);
-    }
-}
-
-/* Packs a row of n ≤ 16 bytes (an im2col row of a small conv, K = 9 for
-   3×3 on one channel) into lane l of a panel w wide in groups of 4 bytes,
-   flipped, and returns the sum of its bytes as packed: as
-   mpt__qgemm_pack_lane, without its calls and loops, which cost more than
-   the kernel that reads such a row. */
-static int32_t mpt__qgemm_pack_short_row(uint8_t *panel, int w, int l, const uint8_t *s,
-                                         int64_t n, int flip) {
-    uint8_t buf[16] = {0};
-    int32_t sum = 0;
-    int64_t k, g;
-    for (k = 0; k < n; k++) {
-        buf[k] = (uint8_t)(s[k] ^ flip);
-        sum += buf[k];
-    }
-    for (g = 0; g < (n + 3) / 4; g++) memcpy(panel + g * 4 * w + 4 * l, buf + 4 * g, 4);
-    return sum;
-}
-
-/* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
-static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t ir, int mb,
-                              int32_t *rowsum) {
-    const mpt_qgemm_desc *d = job->d;
-    const int flip = d->a_unsigned ? 0 : 0x80; /* int8 a + 128 = its byte ^ 0x80 */
-    int i;
-    memset(dst, 0, (size_t)(job->kg * job->mr * 4));
-    if (job->quads && d->k > 0 && d->k <= 16) {
-        for (i = 0; i < mb; i++)
-            rowsum[i] = mpt__qgemm_pack_short_row(dst, job->mr, i,
-                                                  (const uint8_t *)d->a + (ir + i) * d->lda,
-                                                  d->k, flip);
-        return;
-    }
-    for (i = 0; i < mb; i++) { /* Σu is needed only against B's zero point */
-        const uint8_t *row = (const uint8_t *)d->a + (ir + i) * d->lda;
-        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);
-        rowsum[i] = d->b_zero_point ? mpt__qgemm_lane_sum(row, d->k, flip, 0) : 0;
-    }
-}
-
-#if MPT__X86
-/* (The maskz forms with every lane set, all and all8: g++ 12 warns about
-   the _mm512_undefined_* inside the plain vpmaxsd, vpsllvd, vpmuldq, ...) */
-/* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
-   truncated, in the low half of each 64-bit lane (the quotient fits in
-   int32, so the high half is left as it comes). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_high_mul_even_avx512(__m512i a,
-                                                                                      __m512i b) {
-    const __mmask8 all8 = 0xff;
-    __m512i t = _mm512_maskz_mul_epi32(all8, a, b);
-    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_movepi64_mask(t),
-                                                    _mm512_set1_epi64((int64_t)1 << 30),
-                                                    _mm512_set1_epi64(1 - ((int64_t)1 << 30))));
-    t = _mm512_add_epi64(t, _mm512_and_si512(_mm512_maskz_srai_epi64(all8, t, 63),
-                                             _mm512_set1_epi64(((int64_t)1 << 31) - 1)));
-    return _mm512_maskz_srli_epi64(all8, t, 31);
-}
-
-/* The epilogue for 16 columns of one row with AVX-512, in 32-bit lanes,
-   the same steps as mpt__qgemm_store8_avx2: the sum without bias fits in
-   int32, so wrapping arithmetic gets it exactly, and the bias add
-   saturates where the signs say it overflowed (multipliers are positive,
-   so INT32_MIN² never arises). */
-MPT__TARGET_AVX512 static void mpt__qgemm_store16_avx512(const mpt__qgemm_job *job,
-                                                         const int32_t *raw, int64_t row_term,
-                                                         int64_t i, int64_t n, int cnt) {
-    const mpt_qgemm_desc *d = job->d;
-    const __mmask16 k = (__mmask16)((1u << cnt) - 1u), all = 0xffff;
-    const __mmask8 all8 = 0xff;
-    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
-    const __m512i max32 = _mm512_set1_epi32(INT32_MAX);
-    const uint32_t row_low = (uint32_t)(uint64_t)row_term; /* row_term mod 2^32 */
-    int32_t row32;
-    __m512i x, m, sh, left, right, xl, h, q, mask;
-    __mmask16 up;
-    int lo, hi;
-    memcpy(&row32, &row_low, 4);
-    x = _mm512_add_epi32(_mm512_maskz_loadu_epi32(k, raw), _mm512_set1_epi32(row32));
-    x = _mm512_sub_epi32(x, _mm512_maskz_mullo_epi32(all,
-                                                     _mm512_maskz_loadu_epi32(k, job->colsum + n),
-                                                     _mm512_set1_epi32((int)job->zu)));
-    if (d->bias) {
-        const __m512i b = _mm512_maskz_loadu_epi32(k, d->bias + n);
-        const __m512i sum = _mm512_add_epi32(x, b);
-        const __m512i ovf = _mm512_and_si512(_mm512_xor_si512(x, sum), _mm512_xor_si512(b, sum));
-        const __m512i sat = _mm512_xor_si512(_mm512_maskz_srai_epi32(all, x, 31), max32);
-        x = _mm512_mask_blend_epi32(_mm512_movepi32_mask(ovf), sum, sat);
-    }
-    if (d->c) {
-        _mm512_mask_storeu_epi32(d->c + i * d->ldc + n, k, x);
-        return;
-    }
-    m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
-                       : _mm512_set1_epi32(d->multiplier[0]);
-    sh = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->shift + n)
-                        : _mm512_set1_epi32(d->shift[0]);
-    left = _mm512_maskz_max_epi32(all, sh, zero);
-    right = _mm512_maskz_max_epi32(all, _mm512_sub_epi32(zero, sh), zero);
-    /* x·2^left, saturated where shifting back does not give x */
-    xl = _mm512_maskz_sllv_epi32(all, x, left);
-    xl = _mm512_mask_blend_epi32(
-        _mm512_cmpneq_epi32_mask(_mm512_maskz_srav_epi32(all, xl, left), x), xl,
-        _mm512_xor_si512(_mm512_maskz_srai_epi32(all, x, 31), max32));
-    /* the doubling high multiply, even lanes and odd lanes */
-    h = mpt__qgemm_high_mul_even_avx512(_mm512_maskz_srli_epi64(all8, xl, 32),
-                                        _mm512_maskz_srli_epi64(all8, m, 32));
-    h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, mpt__qgemm_high_mul_even_avx512(xl, m),
-                                _mm512_maskz_slli_epi64(all8, h, 32));
-    /* the rounding divide by 2^right: the floor, plus one past the
-       threshold (2^right − 1) / 2, + 1 for a negative h */
-    q = _mm512_maskz_srav_epi32(all, h, right);
-    mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
-    up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(h, mask),
-                                 _mm512_add_epi32(_mm512_maskz_srli_epi32(all, mask, 1),
-                                                  _mm512_maskz_srli_epi32(all, h, 31)));
-    q = _mm512_mask_add_epi32(q, up, q, one);
-    /* clamp(q + c_zero_point, lo, hi), clamping first so the add cannot wrap */
-    lo = d->c_min || d->c_max ? d->c_min : -128;
-    hi = d->c_min || d->c_max ? d->c_max : 127;
-    q = _mm512_maskz_max_epi32(all, q, _mm512_set1_epi32(lo - d->c_zero_point));
-    q = _mm512_maskz_min_epi32(all, q, _mm512_set1_epi32(hi - d->c_zero_point));
-    q = _mm512_add_epi32(q, _mm512_set1_epi32(d->c_zero_point));
-    _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + i * d->ldc + n, k, q);
-}
-
-/* TFLite's requantization of 16 int32 sums x (bias and zero-point terms
-   in) with AVX-512, where it is plain (mpt__qgemm_is_plain_requant: the
-   sums cannot saturate, no shift is to the left): m the multipliers,
-   right the shifts negated, [qlo, qhi] the clamp less the zero point zp.
-   The doubling high multiply is (x·m + 2^30) >> 31 (arithmetic): for a
-   negative product p the nudge-and-truncate of
-   mpt__rounding_doubling_high_mul, trunc((p + 1 − 2^30) / 2^31), is the
-   same floor, so one form serves both signs and the steps stay TFLite's.
-   Inlined into loops over rows, whose constants the compiler hoists. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__requant16_avx512(
-    __m512i x, __m512i m, __m512i right, __m512i qlo, __m512i qhi, __m512i zp) {
-    const __mmask16 all = 0xffff;
-    const __mmask8 all8 = 0xff;
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512i half_unit = _mm512_set1_epi64((int64_t)1 << 30);
-    const __m512i m_odd = _mm512_maskz_srli_epi64(all8, m, 32);
-    const __m512i mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
-    const __m512i half = _mm512_maskz_srli_epi32(all, mask, 1);
-    const __m512i even = _mm512_maskz_srli_epi64(
-        all8, _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, x, m), half_unit), 31);
-    const __m512i odd = _mm512_maskz_slli_epi64(
-        all8,
-        _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, _mm512_maskz_srli_epi64(all8, x, 32), m_odd),
-                         half_unit),
-        1);
-    const __m512i h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, even, odd);
-    /* the rounding divide by 2^right, as in mpt__qgemm_store16_avx512 */
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(
-        _mm512_and_si512(h, mask), _mm512_add_epi32(half, _mm512_maskz_srli_epi32(all, h, 31)));
-    __m512i q = _mm512_maskz_srav_epi32(all, h, right);
-    q = _mm512_mask_add_epi32(q, up, q, one);
-    q = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, qlo), qhi);
-    return _mm512_add_epi32(q, zp);
-}
-
-/* 16 int32 lanes in [−128, 127] stored as bytes, lanes k only; all 16
-   by a plain store, as the masked vpmovdb to memory is slow on AMD. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__store16_int8_avx512(int8_t *dst,
-                                                                          __mmask16 k, __m512i q) {
-    if (k == 0xffff) _mm_storeu_si128((__m128i *)(void *)dst, _mm512_maskz_cvtepi32_epi8(k, q));
-    else _mm512_mask_cvtepi32_storeu_epi8(dst, k, q);
-}
-
-/* The requantizing epilogue of a whole tile with AVX-512, when
-   job->plain_requant: the zero-point terms and the bias fold into one
-   int32 per column, added in wrapping arithmetic that is exact because
-   the result fits. */
-MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job *job,
-                                                           const int32_t *tile,
-                                                           const int32_t *rowsum, int64_t i0,
-                                                           int64_t j0, int mb, int nb) {
-    const mpt_qgemm_desc *d = job->d;
-    const __mmask16 all = 0xffff;
-    const __m512i zero = _mm512_setzero_si512();
-    const int lo = d->c_min || d->c_max ? d->c_min : -128;
-    const int hi = d->c_min || d->c_max ? d->c_max : 127;
-    const __m512i qlo = _mm512_set1_epi32(lo - d->c_zero_point);
-    const __m512i qhi = _mm512_set1_epi32(hi - d->c_zero_point);
-    const __m512i zp = _mm512_set1_epi32(d->c_zero_point);
-    const int64_t zb = d->b_zero_point;
-    int32_t row[12]; /* MR ≤ 12: each row's zero-point term, mod 2^32 */
-    int i, j;
-    for (i = 0; i < mb; i++) {
-        const uint32_t low = (uint32_t)(uint64_t)(d->k * job->zu * zb - zb * rowsum[i]);
-        memcpy(&row[i], &low, 4);
-    }
-    for (j = 0; j < nb; j += 16) {
-        const int64_t n = j0 + j;
-        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, nb - j)) - 1u);
-        const __m512i bias = d->bias ? _mm512_maskz_loadu_epi32(k, d->bias + n) : zero;
-        const __m512i col = _mm512_sub_epi32(
-            bias, _mm512_maskz_mullo_epi32(all, _mm512_maskz_loadu_epi32(k, job->colsum + n),
-                                           _mm512_set1_epi32((int)job->zu)));
-        const __m512i m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
-                                         : _mm512_set1_epi32(d->multiplier[0]);
-        const __m512i right = _mm512_sub_epi32(zero, d->per_channel
-                                                         ? _mm512_maskz_loadu_epi32(k, d->shift + n)
-                                                         : _mm512_set1_epi32(d->shift[0]));
-        for (i = 0; i < mb; i++) {
-            const __m512i x = _mm512_add_epi32(_mm512_loadu_si512(tile + i * job->nr + j),
-                                               _mm512_add_epi32(col, _mm512_set1_epi32(row[i])));
-            mpt__store16_int8_avx512(d->c_int8 + (i0 + i) * d->ldc + n, k,
-                                     mpt__requant16_avx512(x, m, right, qlo, qhi, zp));
-        }
-    }
-}
-
-/* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
-   truncated, in the low half of each 64-bit lane (a logical shift gives
-   the right low half, as the quotient fits in int32). */
-MPT__TARGET_AVX2 static MPT__ALWAYS_INLINE __m256i mpt__qgemm_high_mul_even_avx2(__m256i a,
-                                                                                  __m256i b) {
-    const __m256i zero = _mm256_setzero_si256();
-    __m256i t = _mm256_mul_epi32(a, b);
-    t = _mm256_add_epi64(t, _mm256_blendv_epi8(_mm256_set1_epi64x((int64_t)1 << 30),
-                                               _mm256_set1_epi64x(1 - ((int64_t)1 << 30)),
-                                               _mm256_cmpgt_epi64(zero, t)));
-    t = _mm256_add_epi64(t, _mm256_and_si256(_mm256_cmpgt_epi64(zero, t),
-                                             _mm256_set1_epi64x(((int64_t)1 << 31) - 1)));
-    return _mm256_srli_epi64(t, 31);
-}
-
-/* The epilogue for 8 columns of one row with AVX2, in 32-bit lanes: the
-   sum without bias fits in int32, so wrapping arithmetic gets it exactly,
-   and the bias add saturates where the signs say it overflowed. */
-MPT__TARGET_AVX2 static void mpt__qgemm_store8_avx2(const mpt__qgemm_job *job, const int32_t *raw,
-                                                    int64_t row_term, int64_t i, int64_t n,
-                                                    int cnt) {
-    const mpt_qgemm_desc *d = job->d;
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
-    const uint32_t row_low = (uint32_t)(uint64_t)row_term; /* row_term mod 2^32 */
-    int32_t row32, out[8];
-    __m256i x, m, sh, left, right, xl, h, q, mask, up;
-    int lo, hi, j;
-    memcpy(&row32, &row_low, 4);
-    x = _mm256_add_epi32(_mm256_maskload_epi32(raw, lanes), _mm256_set1_epi32(row32));
-    x = _mm256_sub_epi32(x, _mm256_mullo_epi32(_mm256_maskload_epi32(job->colsum + n, lanes),
-                                               _mm256_set1_epi32((int)job->zu)));
-    if (d->bias) {
-        const __m256i b = _mm256_maskload_epi32(d->bias + n, lanes);
-        const __m256i sum = _mm256_add_epi32(x, b);
-        const __m256i ovf = _mm256_and_si256(_mm256_xor_si256(x, sum), _mm256_xor_si256(b, sum));
-        const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(x, 31),
-                                             _mm256_set1_epi32(INT32_MAX));
-        x = _mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31));
-    }
-    if (d->c) {
-        _mm256_maskstore_epi32(d->c + i * d->ldc + n, lanes, x);
-        return;
-    }
-    m = d->per_channel ? _mm256_maskload_epi32(d->multiplier + n, lanes)
-                       : _mm256_set1_epi32(d->multiplier[0]);
-    sh = d->per_channel ? _mm256_maskload_epi32(d->shift + n, lanes)
-                        : _mm256_set1_epi32(d->shift[0]);
-    left = _mm256_max_epi32(sh, zero);
-    right = _mm256_max_epi32(_mm256_sub_epi32(zero, sh), zero);
-    /* x·2^left, saturated where shifting back does not give x */
-    xl = _mm256_sllv_epi32(x, left);
-    xl = _mm256_blendv_epi8(
-        xl, _mm256_xor_si256(_mm256_srai_epi32(x, 31), _mm256_set1_epi32(INT32_MAX)),
-        _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srav_epi32(xl, left), x),
-                         _mm256_set1_epi32(-1)));
-    /* the doubling high multiply, even lanes and odd lanes */
-    h = _mm256_blend_epi32(
-        mpt__qgemm_high_mul_even_avx2(xl, m),
-        _mm256_slli_epi64(mpt__qgemm_high_mul_even_avx2(_mm256_srli_epi64(xl, 32),
-                                                        _mm256_srli_epi64(m, 32)), 32),
-        0xaa);
-    /* the rounding divide by 2^right: the floor, plus one past the
-       threshold (2^right − 1) / 2, + 1 for a negative h */
-    q = _mm256_srav_epi32(h, right);
-    mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, right), one);
-    up = _mm256_cmpgt_epi32(_mm256_and_si256(h, mask),
-                            _mm256_add_epi32(_mm256_srli_epi32(mask, 1), _mm256_srli_epi32(h, 31)));
-    q = _mm256_sub_epi32(q, up);
-    /* clamp(q + c_zero_point, lo, hi), clamping first so the add cannot wrap */
-    lo = d->c_min || d->c_max ? d->c_min : -128;
-    hi = d->c_min || d->c_max ? d->c_max : 127;
-    q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(lo - d->c_zero_point)),
-                         _mm256_set1_epi32(hi - d->c_zero_point));
-    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi32(q, _mm256_set1_epi32(d->c_zero_point)));
-    for (j = 0; j < cnt; j++) d->c_int8[i * d->ldc + n + j] = (int8_t)out[j];
-}
-#endif
-
-/* Adds the zero-point terms and the bias to an mb×nb tile of raw sums
-   (row-major, NR wide) and stores it at C[i0..][j0..], as int32 or
-   requantized to int8. */
-static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
-                             const int32_t *rowsum, int64_t i0, int64_t j0, int mb, int nb) {
-    const mpt_qgemm_desc *d = job->d;
-    const int64_t zu = job->zu, zb = d->b_zero_point;
-    const int32_t lo = d->c_min || d->c_max ? d->c_min : -128;
-    const int32_t hi = d->c_min || d->c_max ? d->c_max : 127;
-    int i, j;
-#if MPT__X86
-    if (job->plain_requant && (job->ctx->cpu & MPT_CPU_AVX512)) {
-        mpt__qgemm_store_tile_avx512(job, tile, rowsum, i0, j0, mb, nb);
-        return;
-    }
-#endif
-    for (i = 0; i < mb; i++) {
-        const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
-#if MPT__X86
-        if (job->ctx->cpu & (MPT_CPU_AVX512 | MPT_CPU_AVX2)) {
-            if (job->ctx->cpu & MPT_CPU_AVX512)
-                for (j = 0; j < nb; j += 16)
-                    mpt__qgemm_store16_avx512(job, tile + i * job->nr + j, row_term, i0 + i,
-                                              j0 + j, MPT__MIN(16, nb - j));
-            else
-                for (j = 0; j < nb; j += 8)
-                    mpt__qgemm_store8_avx2(job, tile + i * job->nr + j, row_term, i0 + i,
-                                           j0 + j, MPT__MIN(8, nb - j));
-            continue;
-        }
-#endif
-        for (j = 0; j < nb; j++) {
-            const int64_t n = j0 + j;
-            int64_t v = tile[i * job->nr + j] + row_term - zu * job->colsum[n];
-            int32_t acc;
-            if (d->bias) v += d->bias[n];
-            acc = mpt__saturate_i32(v);
-            if (d->c) {
-                d->c[(i0 + i) * d->ldc + n] = acc;
-            } else {
-                const int64_t ch = d->per_channel ? n : 0;
-                d->c_int8[(i0 + i) * d->ldc + n] = mpt__requantize_int8(
-                    acc, d->multiplier[ch], (int)d->shift[ch], d->c_zero_point, lo, hi);
-            }
-        }
-    }
-}
-
-/* -----------------------------------------------------------------------------
-   Micro-kernels: raw Σ u·B over kg groups into an MR×NR tile
-   ----------------------------------------------------------------------------- */
-
-/* Portable: 4×8, groups of 4 bytes. */
-static void mpt__qgemm_kernel_scalar(int64_t kg, const uint8_t *a, const uint8_t *bv, int bw,
-                                     int32_t *tile) {
-    const int8_t *b = (const int8_t *)bv;
-    int32_t acc[4][8];
-    int64_t g;
-    int i, j;
-    memset(acc, 0, sizeof acc);
-    for (g = 0; g < kg; g++, a += 16, b += bw * 4)
-        for (i = 0; i < 4; i++) {
-            const uint8_t *ai = a + 4 * i;
-            for (j = 0; j < bw; j++) {
-                const int8_t *bj = b + 4 * j;
-                acc[i][j] += ai[0] * bj[0] + ai[1] * bj[1] + ai[2] * bj[2] + ai[3] * bj[3];
-            }
-        }
-    for (i = 0; i < 4; i++) memcpy(tile + i * 8, acc[i], sizeof acc[i]);
-}
-
-#if MPT__X86
-/* The 32-bit group at p (packed panels are byte arrays: memcpy, not a cast). */
-static inline int32_t mpt__qgemm_group(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-/* AVX2: 6×16, groups of 2 int16; vpmaddwd gives a[k]·b[k] + a[k+1]·b[k+1]
-   per 32-bit lane. */
-MPT__TARGET_AVX2 static void mpt__qgemm_kernel_avx2(int64_t kg, const uint8_t *a,
-                                                    const uint8_t *b, int bw, int32_t *tile) {
-    int64_t g;
-#define MPT__D(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = _mm256_setzero_si256();
-    MPT__ROWS6(MPT__D)
-#undef MPT__D
-    if (bw == 16) {
-        for (g = 0; g < kg; g++, a += 24, b += 64) {
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
-            __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 32)), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));        \
-    c##i##1 = _mm256_add_epi32(c##i##1, _mm256_madd_epi16(ai, b1));
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, a += 24, b += 32) {
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)b), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    }
-#define MPT__S(i)                                                          \
-    _mm256_storeu_si256((__m256i *)(tile + 16 * i), c##i##0);              \
-    _mm256_storeu_si256((__m256i *)(tile + 16 * i + 8), c##i##1);
-    MPT__ROWS6(MPT__S)
-#undef MPT__S
-}
-
-#define MPT__QGEMM_STORE512(i)                                             \
-    _mm512_storeu_si512(tile + 32 * i, c##i##0);                           \
-    _mm512_storeu_si512(tile + 32 * i + 16, c##i##1);
-
-/* AVX-512 without VNNI: 12×32, groups of 2 int16, vpmaddwd as in AVX2. */
-MPT__TARGET_AVX512 static void mpt__qgemm_kernel_avx512(int64_t kg, const uint8_t *a,
-                                                        const uint8_t *b, int bw, int32_t *tile) {
-    int64_t g;
-#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (g = 0; g < kg; g++, a += 48, b += 128) {
-            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));        \
-    c##i##1 = _mm512_add_epi32(c##i##1, _mm512_madd_epi16(ai, b1));
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, a += 48, b += 64) {
-            __m512i b0 = _mm512_loadu_si512(b), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__QGEMM_STORE512)
-}
-
-/* AVX-512 VNNI: 12×32, groups of 4 bytes; vpdpbusd adds four u8·s8
-   products to each int32 lane (without saturation): u = A + 128 times B,
-   whose zero points the epilogue takes out (ZERO POINTS above). */
-MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uint8_t *a,
-                                                           const uint8_t *b, int bw,
-                                                           int32_t *tile) {
-    int64_t g;
-#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (g = 0; g < kg; g++, a += 48, b += 128) {
-            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
-    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, a += 48, b += 64) {
-            __m512i b0 = _mm512_loadu_si512(b), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__QGEMM_STORE512)
-}
-
-/* AVX-512 VNNI reading A's rows where they lie (K ≥ 4). Row i's group g
-   is the 4 bytes at rows[i] + 4g flipped to u as packing flips them, by
-   a vector xor with the broadcast folded in (a scalar xor and a
-   broadcast from a general register took a fifth longer); the bytes past
-   K (at most 3, the next row's) meet B's zero padding and add nothing.
-   rows[] holds 12 pointers (a short panel repeats its last row). */
-MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
-                                                                const uint8_t *const *rows,
-                                                                int flip, const uint8_t *b,
-                                                                int bw, int32_t *tile) {
-    const __m512i flip64 = _mm512_set1_epi8((char)flip);
-    int64_t g;
-#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (g = 0; g < kg; g++, b += 128) {
-            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
-#define MPT__F(i)                                                                    \
-    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                                  \
-    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, b += 64) {
-            __m512i b0 = _mm512_loadu_si512(b), ai;
-#define MPT__F(i)                                                                    \
-    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__QGEMM_STORE512)
-}
-#undef MPT__QGEMM_STORE512
-#endif /* MPT__X86 */
-
-/* -----------------------------------------------------------------------------
-   The driver
-   ----------------------------------------------------------------------------- */
-
-static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
-    const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
-    const mpt_qgemm_desc *d = job->d;
-    const int mr = job->mr, nr = job->nr;
-    const int64_t i0 = (task / job->tasks_n) * job->task_rows;
-    const int64_t j0 = (task % job->tasks_n) * job->task_cols;
-    const int64_t i1 = MPT__MIN(d->m, i0 + job->task_rows);
-    const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
-    uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
-    int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
-    const uint8_t *rows[12];
-    int64_t ir, jr;
-    int i;
-    for (ir = i0; ir < i1; ir += mr) {
-        const int mb = (int)MPT__MIN(mr, i1 - ir);
-        /* rows read in place: not in the panel of A's last row, whose
-           bytes past K would lie past A */
-        const int in_place = job->rows_in_place && ir + mb < d->m;
-        if (in_place) {
-            const int flip = d->a_unsigned ? 0 : 0x80;
-            for (i = 0; i < mr; i++)
-                rows[i] = (const uint8_t *)d->a + (ir + MPT__MIN(i, mb - 1)) * d->lda;
-            for (i = 0; i < mb; i++) /* Σu is needed only against B's zero point */
-                rowsum[i] = d->b_zero_point
-                                ? (int32_t)mpt__qgemm_byte_sum(rows[i], d->k, flip) : 0;
-        } else {
-            mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
-        }
-        for (jr = j0; jr < j1; jr += nr) {
-            const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
-#if MPT__X86
-            if (in_place)
-                mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
-                                            job->bpack + jr * job->kg * 4, w, tile);
-            else
-#endif
-                job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
-            mpt__qgemm_store(job, tile, rowsum, ir, jr, mb, (int)MPT__MIN(nr, j1 - jr));
-        }
-    }
-}
-
-/* When the last task ends if the tasks go round the threads in order (as
-   the pool hands them out when they cost alike): blocks of ur × uc tiles
-   of the um × un there are, in rows of blocks, the last row and column of
-   blocks shorter; a tile costs 1 and packing a panel of A `pack`. */
-static double mpt__qgemm_makespan(int64_t um, int64_t un, int64_t ur, int64_t uc, double pack,
-                                  int threads) {
-    double busy[MPT__QGEMM_PLAN_THREADS] = {0}, last = 0;
-    int64_t i, j, t = 0;
-    for (i = 0; i < um; i += ur)
-        for (j = 0; j < un; j += uc, t = (t + 1) % threads) {
-            const int64_t rows = MPT__MIN(ur, um - i), cols = MPT__MIN(uc, un - j);
-            busy[t] += (double)(rows * cols) + pack * (double)rows;
-            last = busy[t] > last ? busy[t] : last;
-        }
-    return last;
-}
-
-/* Tasks: rectangles of whole tiles, up to 4 per thread (the pool hands
-   them out as threads free up). Up to MPT__QGEMM_PLAN_THREADS threads,
-   shaped so that the last thread finishes soonest (mpt__qgemm_makespan;
-   each distinct block height and width tried once), each task packing its
-   rows of A once (a panel costs about a tile: reading, flipping and
-   storing every byte of A takes as long as the products of a 32-column
-   tile); of equal plans, the one with the most tasks. 128 rows of 12-row
-   tiles over 2 threads are 11 panels, which whole rows would split 6 : 5.
-   More threads: rows first, as splitting rows repacks nothing. */
-static void mpt__qgemm_plan_tasks(mpt__qgemm_job *job, int threads, int serial) {
-    const mpt_qgemm_desc *d = job->d;
-    const int64_t units_m = (d->m + job->mr - 1) / job->mr;
-    const int64_t units_n = (d->n + job->nr - 1) / job->nr;
-    const int64_t target = serial ? 1 : 4 * (int64_t)threads;
-    const double pack = job->rows_in_place ? 0.0 : 1.0;
-    int64_t tm, tn, ur, uc, last_ur = 0, last_uc, best_ur, best_uc, best_tasks = 0;
-    double best = -1;
-    tm = MPT__MIN(units_m, target);
-    tn = MPT__MIN(units_n, (target + tm - 1) / tm);
-    best_ur = (units_m + tm - 1) / tm, best_uc = (units_n + tn - 1) / tn;
-    for (tm = 1; threads <= MPT__QGEMM_PLAN_THREADS && !serial && tm <= MPT__MIN(units_m, target);
-         tm++) {
-        if ((ur = (units_m + tm - 1) / tm) == last_ur) continue;
-        last_ur = ur, last_uc = 0;
-        for (tn = 1; tn <= MPT__MIN(units_n, target / tm); tn++) {
-            int64_t tasks;
-            double t;
-            if ((uc = (units_n + tn - 1) / tn) == last_uc) continue;
-            last_uc = uc;
-            tasks = ((units_m + ur - 1) / ur) * ((units_n + uc - 1) / uc);
-            if (tasks > target) continue;
-            t = mpt__qgemm_makespan(units_m, units_n, ur, uc, pack, threads);
-            if (best < 0 || t < best || (t == best && tasks > best_tasks))
-                best = t, best_ur = ur, best_uc = uc, best_tasks = tasks;
-        }
-    }
-    job->task_rows = best_ur * job->mr;
-    job->task_cols = best_uc * job->nr;
-    job->tasks_n = (d->n + job->task_cols - 1) / job->task_cols;
-}
-
-static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
-    job->kernel = mpt__qgemm_kernel_scalar;
-    job->mr = 4;
-    job->nr = 8;
-    job->quads = 1;
-#if MPT__X86
-    if ((cpu & MPT_CPU_AVX512) && (cpu & MPT_CPU_AVX512_VNNI)) {
-        job->kernel = mpt__qgemm_kernel_vnni;
-        job->mr = 12;
-        job->nr = 32;
-    } else if (cpu & MPT_CPU_AVX512) {
-        job->kernel = mpt__qgemm_kernel_avx512;
-        job->mr = 12;
-        job->nr = 32;
-        job->quads = 0;
-    } else if (cpu & MPT_CPU_AVX2) {
-        job->kernel = mpt__qgemm_kernel_avx2;
-        job->mr = 6;
-        job->nr = 16;
-        job->quads = 0;
-    }
-#else
-    (void)cpu;
-#endif
-}
-
-/* Whether d's requantization can take the plain epilogue: int8 C, every
-   shift ≤ 0 (a multiplier below 1, as a layer's scale ratio is), and
-   biases small enough that no sum saturates (|Σ| ≤ 255·255·K without the
-   bias). The other paths give the same bits; only speed depends on it. */
-static int mpt__requant_is_plain(int64_t k, int64_t n, const int32_t *shift, int64_t shifts,
-                                  const int32_t *bias) {
-    const int64_t bound = INT32_MAX - (int64_t)255 * 255 * k;
-    int64_t j;
-    for (j = 0; j < shifts; j++)
-        if (shift[j] > 0) return 0;
-    for (j = 0; bias && j < n; j++)
-        if (bias[j] > bound || bias[j] < -bound) return 0;
-    return 1;
-}
-
-static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
-    return d->c_int8 && mpt__requant_is_plain(d->k, d->n, d->shift, d->per_channel ? d->n : 1,
-                                              d->bias);
-}
-
-/* B packed in the layout of one path (nr, quads: the micro-kernel's),
-   with its column sums; by mpt_qgemm_pack_b, or by a call for itself. */
-struct mpt_qgemm_packed {
-    int64_t n, k;
-    int nr, quads;   /* the layout: which kernels can read it            */
-    uint8_t *bpack;  /* the panels, then (n) column sums at colsum        */
-    int32_t *colsum;
-};
-
-/* The packing layout's name, for a message. */
-static const char *mpt__qgemm_layout_name(int nr, int quads) {
-    return nr == 32 ? (quads ? "avx512 vnni" : "avx512") : nr == 16 ? "avx2" : "portable";
-}
-
-/* Packs the checked B of d into p (fields and block) for job's kernel;
-   serial, or over ctx's threads (the bytes are the same either way). */
-static mpt_status mpt__qgemm_pack(mpt_context *ctx, const mpt_qgemm_desc *d, mpt__qgemm_job *job,
-                                  int serial, mpt_qgemm_packed *p) {
-    const int64_t panels = (d->n + job->nr - 1) / job->nr;
-    int64_t bbytes, q;
-    if (!mpt__mul_ok(panels * job->nr, job->kg * 4, &bbytes) ||
-        !mpt__add_ok((bbytes + 63) / 64 * 64, d->n * 4, &bbytes) || (uint64_t)bbytes > SIZE_MAX)
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: the packed B (k = %lld, n = %lld) "
-                         "overflows", (long long)d->k, (long long)d->n);
-    p->n = d->n, p->k = d->k, p->nr = job->nr, p->quads = job->quads;
-    p->bpack = (uint8_t *)mpt__alloc(ctx, (size_t)bbytes);
-    if (!p->bpack)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
-                         "qgemm: cannot allocate %lld bytes for the packed B (k = %lld, n = %lld)",
-                         (long long)bbytes, (long long)d->k, (long long)d->n);
-    p->colsum = (int32_t *)(void *)(p->bpack + (panels * job->nr * job->kg * 4 + 63) / 64 * 64);
-    job->bpack = p->bpack;
-    job->colsum = p->colsum;
-    if (serial)
-        for (q = 0; q < panels; q++) mpt__qgemm_pack_b_task(job, q, 0);
-    else
-        mpt__parallel_for(ctx, panels, mpt__qgemm_pack_b_task, job);
-    return MPT_OK;
-}
-
-/* The product of a checked descriptor with m, n > 0 (and a b_packed of
-   this n, k and ctx's layout). */
-static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
-    mpt__qgemm_job job;
-    mpt_qgemm_packed own;
-    int64_t macs;
-    int serial;
-    memset(&own, 0, sizeof own);
-    memset(&job, 0, sizeof job);
-    job.d = d;
-    job.ctx = ctx;
-    mpt__qgemm_choose_kernel(&job, ctx->cpu);
-    job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
-    job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
-    job.plain_requant = mpt__qgemm_is_plain_requant(d);
-#if MPT__X86
-    job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4;
-#endif
-    macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
-               ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
-    serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
-    if (d->b_packed) {
-        job.bpack = d->b_packed->bpack;
-        job.colsum = d->b_packed->colsum;
-    } else {
-        MPT__CHECK(mpt__qgemm_pack(ctx, d, &job, serial, &own));
-    }
-    mpt__qgemm_plan_tasks(&job, ctx->num_threads, serial);
-    mpt__parallel_for(ctx, ((d->m + job.task_rows - 1) / job.task_rows) * job.tasks_n,
-                      mpt__qgemm_task, &job);
-    if (!d->b_packed) mpt__free(ctx, own.bpack);
-    return MPT_OK;
-}
-
-/* -----------------------------------------------------------------------------
-   The checked entry points
-   ----------------------------------------------------------------------------- */
-
-/* Checks one operand: stored rows × cols with leading dimension ld. */
-static mpt_status mpt__qgemm_check_operand(mpt_context *ctx, const char *name, const void *p,
-                                           int64_t rows, int64_t cols, int64_t ld,
-                                           const char *ld_name) {
-    int64_t last;
-    if (rows == 0 || cols == 0) return MPT_OK; /* not referenced */
-    if (!p) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: %s is NULL", name);
-    if (ld < cols)
-        return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "qgemm: %s = %lld is less than the %lld columns of %s as stored "
-                         "(%lld×%lld)", ld_name, (long long)ld, (long long)cols, name,
-                         (long long)rows, (long long)cols);
-    if (!mpt__mul_ok(rows - 1, ld, &last) || !mpt__add_ok(last, cols, &last))
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: %s (%lld×%lld, %s = %lld) overflows",
-                         name, (long long)rows, (long long)cols, ld_name, (long long)ld);
-    return MPT_OK;
-}
-
-static mpt_status mpt__qgemm_check_int8(mpt_context *ctx, const char *name, int64_t v) {
-    if (v < -128 || v > 127)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: %s = %lld is outside the int8 "
-                         "range [-128, 127]", name, (long long)v);
-    return MPT_OK;
-}
-
-/* The requantization fields of an int8 output. */
-static mpt_status mpt__qgemm_check_requant(mpt_context *ctx, const mpt_qgemm_desc *d) {
-    const int64_t channels = d->per_channel ? d->n : 1;
-    int64_t ch;
-    if (!d->multiplier || !d->shift)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "qgemm: c_int8 needs multiplier and shift (%s is NULL)",
-                         d->multiplier ? "shift" : "multiplier");
-    for (ch = 0; ch < channels; ch++) {
-        if (d->multiplier[ch] <= 0)
-            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "qgemm: multiplier[%lld] = %ld is not positive", (long long)ch,
-                             (long)d->multiplier[ch]);
-        if (d->shift[ch] < -31 || d->shift[ch] > 30)
-            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "qgemm: shift[%lld] = %ld is outside [-31, 30]", (long long)ch,
-                             (long)d->shift[ch]);
-    }
-    MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_zero_point", d->c_zero_point));
-    if (d->c_min || d->c_max) {
-        MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_min", d->c_min));
-        MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_max", d->c_max));
-        if (d->c_min > d->c_max)
-            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: c_min = %ld > c_max = %ld",
-                             (long)d->c_min, (long)d->c_max);
-    }
-    return MPT_OK;
-}
-
-/* m, n, k not negative, and k within MPT_QGEMM_MAX_K. */
-static mpt_status mpt__qgemm_check_depth(mpt_context *ctx, const mpt_qgemm_desc *d) {
-    if (d->m < 0 || d->n < 0 || d->k < 0)
-        return mpt__fail(ctx, MPT_ERR_SHAPE, "qgemm: m = %lld, n = %lld, k = %lld (negative)",
-                         (long long)d->m, (long long)d->n, (long long)d->k);
-    if (d->k > MPT_QGEMM_MAX_K)
-        return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "qgemm: k = %lld is more than MPT_QGEMM_MAX_K = %d, past which the "
-                         "int32 sums could overflow", (long long)d->k, MPT_QGEMM_MAX_K);
-    return MPT_OK;
-}
-
-static mpt_status mpt__qgemm_check_b(mpt_context *ctx, const mpt_qgemm_desc *d) {
-    return mpt__qgemm_check_operand(ctx, "b", d->b, d->trans_b ? d->n : d->k,
-                                    d->trans_b ? d->k : d->n, d->ldb, "ldb");
-}
-
-/* A b_packed of the call's n and k, packed for the kernels ctx runs. */
-static mpt_status mpt__qgemm_check_packed(mpt_context *ctx, const mpt_qgemm_desc *d) {
-    const mpt_qgemm_packed *p = d->b_packed;
-    mpt__qgemm_job job;
-    if (p->n != d->n || p->k != d->k)
-        return mpt__fail(ctx, MPT_ERR_SHAPE, "qgemm: b_packed holds a B of n = %lld, k = %lld; "
-                         "the call has n = %lld, k = %lld", (long long)p->n, (long long)p->k,
-                         (long long)d->n, (long long)d->k);
-    memset(&job, 0, sizeof job);
-    mpt__qgemm_choose_kernel(&job, ctx->cpu);
-    if (p->nr != job.nr || p->quads != job.quads)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: b_packed was packed for the %s "
-                         "kernels; this context runs the %s ones (pack B with it)",
-                         mpt__qgemm_layout_name(p->nr, p->quads),
-                         mpt__qgemm_layout_name(job.nr, job.quads));
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!d) return MPT_OK; /* NULL: every default, the empty product */
-    MPT__CHECK(mpt__qgemm_check_depth(ctx, d));
-    if ((d->trans_b != 0 && d->trans_b != 1) || (d->a_unsigned != 0 && d->a_unsigned != 1) ||
-        (d->per_channel != 0 && d->per_channel != 1))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "qgemm: trans_b = %d, a_unsigned = %d, per_channel = %d (each 0 or 1)",
-                         d->trans_b, d->a_unsigned, d->per_channel);
-    if (d->a_unsigned ? d->a_zero_point < 0 || d->a_zero_point > 255
-                      : d->a_zero_point < -128 || d->a_zero_point > 127)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "qgemm: a_zero_point = %ld is outside the %s range %s",
-                         (long)d->a_zero_point, d->a_unsigned ? "uint8" : "int8",
-                         d->a_unsigned ? "[0, 255]" : "[-128, 127]");
-    MPT__CHECK(mpt__qgemm_check_int8(ctx, "b_zero_point", d->b_zero_point));
-    if (d->m == 0 || d->n == 0) return MPT_OK;
-    if (!d->c == !d->c_int8)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "qgemm: give exactly one of c (int32) and c_int8 (%s)",
-                         d->c ? "both are set" : "both are NULL");
-    if (d->c && (d->multiplier || d->shift))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "qgemm: multiplier and shift requantize c_int8; c is int32");
-    if (d->c_int8) MPT__CHECK(mpt__qgemm_check_requant(ctx, d));
-    MPT__CHECK(mpt__qgemm_check_operand(ctx, d->c ? "c" : "c_int8",
-                                        d->c ? (const void *)d->c : (const void *)d->c_int8,
-                                        d->m, d->n, d->ldc, "ldc"));
-    MPT__CHECK(mpt__qgemm_check_operand(ctx, "a", d->a, d->m, d->k, d->lda, "lda"));
-    if (d->b_packed) MPT__CHECK(mpt__qgemm_check_packed(ctx, d));
-    else MPT__CHECK(mpt__qgemm_check_b(ctx, d));
-    return mpt__qgemm(ctx, d);
-}
-
-MPTDEF mpt_status mpt_qgemm_pack_b(mpt_context *ctx, const mpt_qgemm_desc *d,
-                                   mpt_qgemm_packed **packed) {
-    mpt__qgemm_job job;
-    mpt_qgemm_packed *p;
-    mpt_status s;
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!d || !packed)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm_pack_b: %s is NULL",
-                         d ? "packed" : "desc");
-    *packed = NULL;
-    MPT__CHECK(mpt__qgemm_check_depth(ctx, d));
-    if (d->trans_b != 0 && d->trans_b != 1)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm_pack_b: trans_b = %d (0 or 1)",
-                         d->trans_b);
-    MPT__CHECK(mpt__qgemm_check_b(ctx, d));
-    p = (mpt_qgemm_packed *)mpt__calloc(ctx, sizeof *p);
-    if (!p) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "qgemm_pack_b: out of memory");
-    memset(&job, 0, sizeof job);
-    job.d = d;
-    job.ctx = ctx;
-    mpt__qgemm_choose_kernel(&job, ctx->cpu);
-    job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
-    s = mpt__qgemm_pack(ctx, d, &job, ctx->num_threads <= 1 || d->n * d->k < (1 << 16), p);
-    if (s != MPT_OK) {
-        mpt__free(ctx, p);
-        return s;
-    }
-    *packed = p;
-    return MPT_OK;
-}
-
-static void mpt__qgemm_packed_free(const mpt_context *ctx, mpt_qgemm_packed *packed) {
-    if (!ctx || !packed) return;
-    mpt__free(ctx, packed->bpack);
-    mpt__free(ctx, packed);
-}
-
-MPTDEF void mpt_qgemm_packed_free(mpt_context *ctx, mpt_qgemm_packed *packed) {
-    mpt__qgemm_packed_free(ctx, packed);
-}
-
-MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t *multiplier,
-                                          int32_t *shift) {
-    int e;
-    int64_t q;
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!multiplier || !shift)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize_multiplier: %s is NULL",
-                         multiplier ? "shift" : "multiplier");
-    if (!(real > 0) || !isfinite(real))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "quantize_multiplier: %g is not a positive finite number", real);
-    /* real = f·2^e, f in [0.5, 1): the multiplier is f in Q0.31. */
-    q = (int64_t)round(ldexp(frexp(real, &e), 31));
-    if (q == (int64_t)1 << 31) { /* f rounded up to 1 */
-        q /= 2;
-        e++;
-    }
-    if (e < -31)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "quantize_multiplier: %g is below 2^-32; every output would be the "
-                         "zero point", real);
-    if (e > 30) { /* as TFLite: the largest multiplier MultiplyByQuantizedMultiplier takes */
-        q = INT32_MAX;
-        e = 30;
-    }
-    *multiplier = (int32_t)q;
-    *shift = e;
-    return MPT_OK;
-}
-
-
-/* =============================================================================
    @impl-rng
    ============================================================================= */
 
@@ -6670,8 +4080,8 @@ static uint64_t mpt__mix64(uint64_t z) {
 }
 
 /* =============================================================================
-   @impl-layers: the layer interface and the sequential model: create, add,
-   initialise, lay out in memory, build
+   @impl-layers: the layer interface: a layer, its table of functions, its
+   parameters, the model that holds them (built in @impl-model)
    =============================================================================
 
    Every layer is a descriptor plus a table of three functions:
@@ -6785,6 +4195,13 @@ typedef struct mpt__layer_ops {
        quantization leave the layer out. */
     int identity_at_inference;
 } mpt__layer_ops;
+
+/* The most elements one sample may have at a model's input and at every
+   layer's output: 2^56, so that what the layers compute per sample (bytes
+   at up to 8 an element, a few buffers side by side, chunks rounded up)
+   never overflows an int64_t before mpt__batch_bytes checks the product
+   with the batch. No real sample comes near it (256 PiB in float32). */
+#define MPT__MAX_SAMPLE_ELEMENTS ((int64_t)1 << 56)
 
 #define MPT__MAX_LAYER_PARAMS 4
 #define MPT__MAX_LAYER_SAVED 4
@@ -7100,1016 +4517,6 @@ static const void *mpt__param_compute_copy(const mpt__layer *L, int k) { return 
 static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]->value; }
 static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
 
-/* ---- building a model ----------------------------------------------------- */
-
-/* The most elements one sample may have at a model's input and at every
-   layer's output: 2^56, so that what the layers compute per sample (bytes
-   at up to 8 an element, a few buffers side by side, chunks rounded up)
-   never overflows an int64_t before mpt__batch_bytes checks the product
-   with the batch. No real sample comes near it (256 PiB in float32). */
-#define MPT__MAX_SAMPLE_ELEMENTS ((int64_t)1 << 56)
-
-MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
-                                   mpt_model **out) {
-    mpt_model *m;
-    int i;
-    int64_t count;
-    char s[96];
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL out");
-    *out = NULL;
-    if (!desc) /* NULL: every default, but the input's shape is required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: input_shape and input_rank are "
-                         "required (NULL descriptor)");
-    if (desc->input_rank < 1 || desc->input_rank > MPT_MAX_RANK - 1)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "model: input_rank %d is not in 1..%d (one sample, without the batch; "
-                         "required)", desc->input_rank, MPT_MAX_RANK - 1);
-    for (i = 0; i < desc->input_rank; i++)
-        if (desc->input_shape[i] <= 0)
-            return mpt__fail(ctx, MPT_ERR_SHAPE, "model: input_shape %s has a dimension <= 0",
-                             mpt_shape_format(s, sizeof s, desc->input_rank, desc->input_shape));
-    count = mpt__shape_count(desc->input_rank, desc->input_shape);
-    if (count < 0 || count > MPT__MAX_SAMPLE_ELEMENTS)
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "model: input_shape %s has more elements than "
-                         "the 2^56 a sample may have", mpt_shape_format(s, sizeof s,
-                                                                         desc->input_rank,
-                                                                         desc->input_shape));
-    if (desc->policy < MPT_POLICY_FLOAT32 || desc->policy > MPT_POLICY_MIXED_BFLOAT16)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: unknown policy %d",
-                         (int)desc->policy);
-    if (desc->memory_limit < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "model: memory_limit %lld is negative (0: no limit)",
-                         (long long)desc->memory_limit);
-    m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
-    if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-    mpt__context_count_model(ctx, 1);
-    m->ctx = ctx;
-    m->host_peak = -1;
-    m->be = mpt_context_backend(ctx, &m->impl);
-    m->desc = *desc;
-    m->strategy = desc->strategy;
-    m->n_replicas = 1;
-    m->policy_dtype = desc->policy == MPT_POLICY_MIXED_FLOAT16    ? MPT_FLOAT16
-                      : desc->policy == MPT_POLICY_MIXED_BFLOAT16 ? MPT_BFLOAT16
-                                                                  : MPT_FLOAT32;
-    *out = m;
-    return MPT_OK;
-}
-
-static void mpt__free_update_args(mpt_model *m);
-
-MPTDEF void mpt_model_destroy(mpt_model *m) {
-    mpt_context *ctx;
-    int c;
-    if (!m) return;
-    ctx = m->ctx;
-    for (c = 1; c < m->n_replicas; c++) mpt_model_destroy(m->replica[c]);
-    mpt__free(m->ctx, m->replica);
-    mpt__free(m->ctx, m->sync_scratch);
-    for (c = 0; c < MPT__MEM_COUNT_; c++) m->be->free(m->impl, c, m->arena[c]);
-    m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
-    mpt__free_update_args(m);
-    for (c = 0; c < MPT_MAX_LOGS; c++) mpt__free(m->ctx, m->history.values[c]);
-    mpt__free(m->ctx, m->layers);
-    mpt__free(m->ctx, m->params);
-    mpt__quantized_free(m->ctx, m->quantized);
-    mpt__qat_free(m);
-    mpt__free(ctx, m);
-    /* the last model of a context already destroyed frees it */
-    if (mpt__context_count_model(ctx, -1) == 0 && ctx->destroyed) mpt__context_free(ctx);
-}
-
-static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name) {
-    int i;
-    for (i = 0; i < m->n_layers; i++)
-        if (strcmp(m->layers[i].name, name) == 0) return &m->layers[i];
-    return NULL;
-}
-
-/* Appends a layer whose descriptor the caller has already checked. */
-static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
-                                 const mpt__layer_desc *desc, const char *name, mpt_dtype dtype) {
-    mpt__layer *L;
-    MPT__CHECK(mpt__refuse_quantized(m, "add a layer"));
-    if (m->built)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "model: cannot add a %s layer after build",
-                         ops->class_name);
-    if (dtype != MPT_DTYPE_DEFAULT && !mpt_dtype_is_float(dtype))
-        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: compute dtype must be float32, float16 "
-                         "or bfloat16, not %s (%d)", ops->class_name, mpt_dtype_name(dtype),
-                         (int)dtype);
-    if (name && (strlen(name) == 0 || strlen(name) >= sizeof L->name || strchr(name, '/')))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "%s: name \"%s\" must have 1..%d characters and no '/'",
-                         ops->class_name, name, (int)sizeof L->name - 1);
-    if (name && mpt__find_layer(m, name))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "%s: the model already has a layer named \"%s\"", ops->class_name, name);
-    if (m->n_layers == m->cap_layers) {
-        int cap = m->cap_layers ? 2 * m->cap_layers : 8;
-        mpt__layer *grown = (mpt__layer *)mpt__calloc(m->ctx, sizeof *grown * (size_t)cap);
-        if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-        if (m->layers) memcpy(grown, m->layers, sizeof *grown * (size_t)m->n_layers);
-        mpt__free(m->ctx, m->layers);
-        m->layers = grown;
-        m->cap_layers = cap;
-    }
-    L = &m->layers[m->n_layers];
-    memset(L, 0, sizeof *L);
-    L->ops = ops;
-    L->desc = *desc;
-    L->dtype = dtype ? dtype : m->policy_dtype;
-    if (name) {
-        snprintf(L->name, sizeof L->name, "%s", name);
-    } else {
-        /* Keras naming: dense, dense_1, dense_2, ... skipping names taken. */
-        int k = 0;
-        snprintf(L->name, sizeof L->name, "%s", ops->default_name);
-        while (mpt__find_layer(m, L->name))
-            snprintf(L->name, sizeof L->name, "%s_%d", ops->default_name, ++k);
-    }
-    L->seed = mpt__mix64(m->desc.seed ^ mpt__mix64((uint64_t)m->n_layers + 1));
-    m->n_layers++;
-    return MPT_OK;
-}
-
-/* Initial values, keyed by (model seed, parameter index, element), so they
-   do not depend on threads or on the order of anything else. */
-static void mpt__init_param(const mpt_model *m, int index, float *value) {
-    const mpt__param *P = &m->params[index];
-    uint64_t key = mpt__mix64(m->desc.seed ^ (0x5EEDull << 32) ^ (uint64_t)index);
-    int64_t i;
-    uint32_t r[4];
-    switch (P->init) {
-    case MPT_INIT_ONES:
-        for (i = 0; i < P->count; i++) value[i] = 1.0f;
-        break;
-    case MPT_INIT_GLOROT_UNIFORM: {
-        double limit = sqrt(6.0 / (double)(P->fan_in + P->fan_out));
-        for (i = 0; i < P->count; i++) {
-            mpt_philox4x32(key, 0, (uint64_t)i, r);
-            value[i] = (float)((2.0 * mpt__uniform01(r[0]) - 1.0) * limit);
-        }
-        break;
-    }
-    case MPT_INIT_HE_NORMAL: {
-        /* Keras: a normal truncated at two standard deviations, its stddev
-           divided by 0.8796 (the truncated normal's own stddev) so that the
-           values end up with variance 2 / fan_in. */
-        double stddev = sqrt(2.0 / (double)P->fan_in) / 0.87962566103423978;
-        for (i = 0; i < P->count; i++) {
-            uint64_t attempt;
-            double z = 0;
-            for (attempt = 0; attempt < 64; attempt++) {
-                double u1, u2;
-                mpt_philox4x32(key, attempt, (uint64_t)i, r);
-                u1 = ((double)r[0] + 1.0) / 4294967296.0; /* (0, 1] */
-                u2 = (double)r[1] / 4294967296.0;
-                z = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-                if (fabs(z) <= 2.0) break;
-            }
-            if (fabs(z) > 2.0) z = 0; /* 64 rejections in a row: p < 1e-80 */
-            value[i] = (float)(z * stddev);
-        }
-        break;
-    }
-    default: /* zeros */
-        memset(value, 0, sizeof(float) * (size_t)P->count);
-        break;
-    }
-}
-
-/* Every parameter's initial value, made on the host and copied in. */
-static mpt_status mpt__init_params(mpt_model *m) {
-    int64_t most = 1;
-    float *host;
-    int i;
-    mpt_status s = MPT_OK;
-    for (i = 0; i < m->n_params; i++) most = MPT__MAX(most, m->params[i].count);
-    host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)most);
-    if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-    for (i = 0; i < m->n_params && s == MPT_OK; i++) {
-        mpt__init_param(m, i, host);
-        s = m->be->upload(m->impl, m->params[i].value, host,
-                          sizeof(float) * (size_t)m->params[i].count);
-    }
-    mpt__free(m->ctx, host);
-    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
-}
-
-/* The compute-dtype copies rewritten from the masters. */
-static void mpt__copy_masters(mpt_model *m) {
-    int i;
-    for (i = 0; i < m->n_params; i++) {
-        mpt__param *P = &m->params[i];
-        if (P->compute != (void *)P->value)
-            m->be->convert(m->impl, P->compute_dtype, P->compute, MPT_FLOAT32, P->value,
-                           P->count);
-    }
-}
-
-MPTDEF void mpt_model_refresh_weights(mpt_model *m) {
-    if (!m || !m->built) return;
-    mpt__copy_masters(m);
-    m->weights_given = 1;
-}
-
-/* Hands out 64-byte-aligned pieces of one arena. */
-typedef struct mpt__carver {
-    unsigned char *base;
-    int64_t used;
-} mpt__carver;
-
-static void *mpt__carve(mpt__carver *c, int64_t bytes) {
-    void *p = c->base ? c->base + c->used : NULL;
-    c->used += mpt__align_up(bytes);
-    return p;
-}
-
-/* Lays out every buffer. Run twice: first with NULL bases to measure each
-   arena, then with the allocated ones to assign the pointers. */
-static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
-    int i, k;
-    for (i = 0; i < m->n_params; i++) {
-        mpt__param *P = &m->params[i];
-        P->value = (float *)mpt__carve(&c[MPT__MEM_PARAMS], 4 * P->count);
-        P->grad = P->trainable ? (float *)mpt__carve(&c[MPT__MEM_GRADS], 4 * P->count) : NULL;
-        P->compute = P->compute_dtype == MPT_FLOAT32
-                         ? (void *)P->value
-                         : mpt__carve(&c[MPT__MEM_WEIGHT_COPY],
-                                      mpt__dbytes(P->compute_dtype, P->count));
-    }
-    for (i = 0; i < m->n_layers; i++) {
-        mpt__layer *L = &m->layers[i];
-        mpt_dtype in_dtype = i == 0 ? MPT_DTYPE_DEFAULT : m->layers[i - 1].dtype;
-        /* The first layer always gets a cast buffer: the caller's dtype is
-           only known at forward time. */
-        L->x_cast = in_dtype != L->dtype && !L->staged
-                        ? mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                     mpt__dbytes(L->dtype, L->in_count * m->max_batch))
-                        : NULL;
-        L->y = L->output_is_input ? NULL
-                                  : mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                               mpt__dbytes(L->dtype, L->out_count * m->max_batch));
-        for (k = 0; k < L->n_saved; k++)
-            L->saved[k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], L->saved_bytes[k]);
-        for (k = 0; k < L->n_params; k++) L->param[k] = &m->params[L->param_index[k]];
-    }
-    m->grad_buf[0] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
-    m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
-    if (mpt__model_device(m) != MPT_DEVICE_CPU) { /* the CPU reads the host's batches in place */
-        const mpt__layer *last = &m->layers[m->n_layers - 1];
-        for (i = 0; i < 2; i++) {
-            m->input_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                         4 * m->layers[0].in_count * m->max_batch);
-            m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                          4 * last->out_count * m->max_batch);
-        }
-    }
-}
-
-/* Where layer i computes in another dtype than the layer before it (a
-   final softmax in float32 after float16 layers, say), its input must be
-   converted and its dx converted back. Kept all step, the converted input
-   and the wider dx would cost activation memory in the wide dtype (on the
-   large MLP: 128 MiB of 351); staged in the workspace instead, the input
-   is converted again before backward from the previous output, which
-   lives on. Not for the first layer (the caller's input need not live
-   until backward), a layer whose output is its input, or one with a
-   commit (which reads x after the step). */
-static int mpt__stages_input(const mpt_model *m, int i) {
-    const mpt__layer *L = &m->layers[i];
-    return i > 0 && m->layers[i - 1].dtype != L->dtype && !L->output_is_input &&
-           !L->ops->commit;
-}
-
-/* A staged layer's workspace: its own scratch, then the converted input,
-   then dx in its dtype (each B · in_count elements). */
-static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
-    int64_t bytes = 0, end; /* (set by mpt__batch_bytes; -O3 cannot tell) */
-    MPT__CHECK(mpt__batch_bytes(m, L, mpt__dbytes(L->dtype, L->in_count), 0, &bytes));
-    L->stage_x = mpt__align_up(L->workspace_bytes);
-    L->stage_dx = L->stage_x + mpt__align_up(bytes);
-    if (!mpt__add_ok(L->stage_dx, bytes, &end)) return mpt__batch_overflow(m, L);
-    L->workspace_bytes = end;
-    return MPT_OK;
-}
-
-/* Checks each layer against its input shape and declares its buffers. */
-static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
-                                    int64_t *workspace_bytes) {
-    int i, rank = m->desc.input_rank;
-    int64_t shape[MPT_MAX_RANK - 1];
-    memcpy(shape, m->desc.input_shape, sizeof shape);
-    *grad_buf_bytes = *workspace_bytes = 0;
-    for (i = 0; i < m->n_layers; i++) {
-        mpt__layer *L = &m->layers[i];
-        int64_t grad_bytes = 0;
-        L->in_rank = rank;
-        memcpy(L->in_shape, shape, sizeof shape);
-        L->in_count = mpt__shape_count(rank, shape);
-        L->n_params = L->n_saved = 0;
-        L->workspace_bytes = 0;
-        L->pools_next = L->ran_next = L->ran_by_prev = 0;
-        MPT__CHECK(L->ops->build(m, L));
-        L->out_count = mpt__shape_count(L->out_rank, L->out_shape);
-        if (L->out_count < 0 || L->out_count > MPT__MAX_SAMPLE_ELEMENTS) {
-            char s[96];
-            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': output shape %s is too large "
-                             "(a sample may have 2^56 elements)", L->ops->class_name, L->name,
-                             mpt_shape_format(s, sizeof s, L->out_rank, L->out_shape));
-        }
-        /* The gradient buffers hold this layer's dy and dx in its dtype, and
-           dx again in the previous layer's dtype when the two differ (a
-           staged layer's dx in its own dtype is in the workspace). */
-        {
-            int64_t size = (int64_t)mpt_dtype_size(L->dtype);
-            int64_t prev = i > 0 ? (int64_t)mpt_dtype_size(m->layers[i - 1].dtype) : size;
-            L->staged = mpt__stages_input(m, i);
-            if (L->staged) MPT__CHECK(mpt__stage_in_workspace(m, L));
-            MPT__CHECK(mpt__batch_bytes(
-                m, L, MPT__MAX(size * L->out_count, (L->staged ? prev : MPT__MAX(size, prev)) *
-                                                        L->in_count),
-                0, &grad_bytes));
-        }
-        *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
-        *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
-        if (i > 0 && m->layers[i - 1].ops->plan_next) {
-            /* the layer before may run this one (its scratch grows) */
-            MPT__CHECK(m->layers[i - 1].ops->plan_next(m, &m->layers[i - 1]));
-            *workspace_bytes = MPT__MAX(*workspace_bytes, m->layers[i - 1].workspace_bytes);
-        }
-        rank = L->out_rank;
-        memcpy(shape, L->out_shape, sizeof shape);
-    }
-    return MPT_OK;
-}
-
-/* In @impl-optimizers, with what uses it: build allocates the state when
-   the model was compiled first, compile when it was built first. */
-static mpt_status mpt__alloc_optimizer_state(mpt_model *m);
-
-/* The activation a layer ends with (none for most). */
-static mpt_activation mpt__layer_activation(const mpt__layer *L) {
-    return L->ops->activation ? L->ops->activation(L) : MPT_ACT_NONE;
-}
-
-/* Keras' advice for mixed precision, followed by default: the final
-   softmax computes in float32, so the probabilities (and the logits the
-   loss reads) are float32. A dtype given for that layer wins. */
-static void mpt__final_softmax_in_float32(mpt_model *m) {
-    mpt__layer *L = &m->layers[m->n_layers - 1];
-    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.common.dtype == MPT_DTYPE_DEFAULT)
-        L->dtype = MPT_FLOAT32;
-}
-
-static int64_t mpt__optimizer_state_bytes(const mpt_model *m);
-
-/* memory_limit: whether the model may hold `bytes` more of `category` on
-   top of `held`; if not, fails naming the category, the bytes and the
-   limit. */
-static mpt_status mpt__within_memory_limit(mpt_model *m, int category, int64_t held,
-                                           int64_t bytes) {
-    int64_t limit = m->desc.memory_limit;
-    if (limit <= 0 || bytes <= limit - held) return MPT_OK;
-    return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                     "model: %s for batches of %lld needs %lld bytes, on top of %lld already "
-                     "planned: over the model's memory_limit of %lld bytes",
-                     mpt__memory_category[category], (long long)m->max_batch, (long long)bytes,
-                     (long long)held, (long long)limit);
-}
-
-/* Checks the whole plan, category by category (MPT_MEMORY_* order), before
-   anything is allocated. */
-static mpt_status mpt__plan_within_memory_limit(mpt_model *m, const mpt__carver *c) {
-    int64_t held = 0, bytes;
-    int i;
-    for (i = 0; i < MPT__MEM_COUNT_; i++) {
-        bytes = i == MPT__MEM_OPTIMIZER ? (m->compiled ? mpt__optimizer_state_bytes(m) : 0)
-                                        : c[i].used;
-        MPT__CHECK(mpt__within_memory_limit(m, i, held, bytes));
-        held += bytes;
-    }
-    return MPT_OK;
-}
-
-/* Gives back every buffer of a build that failed half-way. */
-static void mpt__free_arenas(mpt_model *m) {
-    int i;
-    for (i = 0; i < MPT__MEM_COUNT_; i++) {
-        m->be->free(m->impl, i, m->arena[i]);
-        m->arena[i] = NULL;
-    }
-    m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
-    m->state = NULL;
-}
-
-/* Builds this replica for batches of max_batch. */
-static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
-    mpt__carver c[MPT__MEM_COUNT_];
-    int64_t grad_buf_bytes, workspace_bytes;
-    int i;
-    m->max_batch = max_batch;
-    m->n_params = 0;
-    mpt__final_softmax_in_float32(m);
-    MPT__CHECK(mpt__build_layers(m, &grad_buf_bytes, &workspace_bytes));
-    memset(c, 0, sizeof c);
-    mpt__layout(m, c, grad_buf_bytes);
-    c[MPT__MEM_WORKSPACE].used = workspace_bytes;
-    MPT__CHECK(mpt__plan_within_memory_limit(m, c));
-    for (i = 0; i < MPT__MEM_COUNT_; i++) {
-        if (i == MPT__MEM_OPTIMIZER) continue; /* mpt__alloc_optimizer_state's */
-        m->arena_bytes[i] = c[i].used;
-        if (m->be->alloc(m->impl, i, (size_t)c[i].used, &m->arena[i]) != MPT_OK) {
-            mpt__free_arenas(m);
-            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                             "model: cannot allocate %lld bytes for batches of %lld: %s",
-                             (long long)c[i].used, (long long)max_batch,
-                             m->be->error(m->impl));
-        }
-        /* Zeroed, so that nothing ever reads garbage (a gradient buffer
-           read before it is written would turn into NaN in a product). */
-        m->be->zero(m->impl, m->arena[i], (size_t)c[i].used);
-        c[i].base = (unsigned char *)m->arena[i];
-        c[i].used = 0;
-    }
-    if (m->be->alloc(m->impl, MPT__MEM_WORKSPACE, 2 * sizeof(mpt_step_state),
-                     (void **)&m->state) != MPT_OK) {
-        mpt__free_arenas(m);
-        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: %s", m->be->error(m->impl));
-    }
-    m->be->zero(m->impl, m->state, 2 * sizeof(mpt_step_state));
-    mpt__layout(m, c, grad_buf_bytes);
-    if (mpt__init_params(m) != MPT_OK) {
-        mpt__free_arenas(m);
-        return MPT_ERR_OUT_OF_MEMORY;
-    }
-    m->built = 1;
-    mpt__copy_masters(m);
-    if (m->compiled && mpt__alloc_optimizer_state(m) != MPT_OK) {
-        /* unbuilt again: a model without its optimizer state must not train */
-        mpt__free_update_args(m);
-        mpt__free_arenas(m);
-        m->built = 0;
-        return MPT_ERR_OUT_OF_MEMORY;
-    }
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
-    int replicas;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: already built");
-    MPT__CHECK(mpt__refuse_quantized(m, "build"));
-    if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
-    if (max_batch <= 0)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
-                         (long long)max_batch);
-    /* With a strategy, max_batch is the global batch: each replica is
-       built for its share. */
-    replicas = m->strategy ? mpt__strategy_total(m->strategy) : 1;
-    /* rounded up, without max_batch + replicas − 1 (past INT64_MAX) */
-    MPT__CHECK(mpt__build_one(m, max_batch / replicas + (max_batch % replicas != 0)));
-    return m->strategy ? mpt__replicas_build(m) : MPT_OK;
-}
-
-/* ---- looking inside a model ------------------------------------------------ */
-
-MPTDEF int mpt_model_param_count(const mpt_model *m) { return m && m->built ? m->n_params : 0; }
-
-MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info) {
-    mpt__param *P;
-    if (info) memset(info, 0, sizeof *info); /* zeros, whatever fails below */
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!info) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL info");
-    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: parameters exist after build");
-    if (index < 0 || index >= m->n_params)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: parameter %d not in 0..%d",
-                         index, m->n_params - 1);
-    P = &m->params[index];
-    info->name = P->name;
-    info->layer_name = m->layers[P->layer].name;
-    info->trainable = P->trainable;
-    info->value.dtype = info->grad.dtype = MPT_FLOAT32;
-    info->value.rank = info->grad.rank = P->rank;
-    memcpy(info->value.shape, P->shape, sizeof P->shape);
-    memcpy(info->grad.shape, P->shape, sizeof P->shape);
-    info->value.data = P->value;
-    info->grad.data = P->grad;
-    info->value.device = info->grad.device = mpt__model_device(m);
-    return MPT_OK;
-}
-
-MPTDEF int mpt_model_input_shape(const mpt_model *m, int64_t *shape) {
-    if (!m || !shape) return 0;
-    memcpy(shape, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
-    return m->desc.input_rank;
-}
-
-MPTDEF int mpt_model_layer_count(const mpt_model *m) { return m ? m->n_layers : 0; }
-
-MPTDEF const char *mpt_model_layer_name(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? m->layers[index].name : NULL;
-}
-
-MPTDEF mpt_dtype mpt_model_layer_dtype(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? m->layers[index].dtype : MPT_DTYPE_DEFAULT;
-}
-
-MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *shape) {
-    const mpt__layer *L;
-    if (!m || !m->built || index < 0 || index >= m->n_layers || !shape) return 0;
-    L = &m->layers[index];
-    memcpy(shape, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
-    return L->out_rank;
-}
-
-MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? m->layers[index].ops->class_name : NULL;
-}
-
-MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index) {
-    return m && index >= 0 && index < m->n_layers ? MPT_FLOAT32 : MPT_DTYPE_DEFAULT;
-}
-
-MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
-    return m ? m->desc.policy : MPT_POLICY_FLOAT32;
-}
-
-/* Raises the peaks to what the model holds now, `extra` bytes of
-   workspace besides (the profiler's records). */
-static void mpt__memory_peak_note(mpt_model *m, int64_t extra_workspace) {
-    int i;
-    for (i = 0; i < MPT__MEM_COUNT_; i++) {
-        int64_t held = m->arena_bytes[i] + (i == MPT__MEM_WORKSPACE ? extra_workspace : 0);
-        m->memory_peak[i] = MPT__MAX(m->memory_peak[i], held);
-    }
-}
-
-/* fit's start: the peaks start from what is held now. */
-static void mpt__memory_peak_reset(mpt_model *m) {
-    memset(m->memory_peak, 0, sizeof m->memory_peak);
-    mpt__memory_peak_note(m, 0);
-    m->ctx->host_peak = m->ctx->host_bytes;
-}
-
-static void mpt__memory_report_fill(const int64_t *b, mpt_memory_report *out) {
-    out->parameters = b[MPT__MEM_PARAMS];
-    out->gradients = b[MPT__MEM_GRADS];
-    out->optimizer = b[MPT__MEM_OPTIMIZER];
-    out->weight_copies = b[MPT__MEM_WEIGHT_COPY];
-    out->activations = b[MPT__MEM_ACTIVATIONS];
-    out->workspace = b[MPT__MEM_WORKSPACE];
-    out->total = out->parameters + out->gradients + out->optimizer + out->weight_copies +
-                 out->activations + out->workspace;
-}
-
-MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
-    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
-    out->limit = m->desc.memory_limit;
-    if (!m->built)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
-                         "plans its memory)");
-    mpt__memory_report_fill(m->arena_bytes, out);
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_model_memory_peak(const mpt_model *m, mpt_memory_report *out) {
-    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory_peak: NULL out");
-    out->limit = m->desc.memory_limit;
-    if (m->host_peak < 0)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory_peak: no fit yet (the peaks are "
-                         "a fit's)");
-    mpt__memory_report_fill(m->memory_peak, out);
-    out->host = m->host_peak;
-    return MPT_OK;
-}
-
-MPTDEF const char *mpt_policy_name(mpt_policy policy) {
-    switch (policy) {
-    case MPT_POLICY_FLOAT32: return "float32";
-    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
-    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
-    }
-    return "?";
-}
-
-/* =============================================================================
-   @impl-passes: a batch onto the backend, the forward and backward walks over
-   the layers, and fit's step one public piece at a time
-   ============================================================================= */
-
-/* ---- running a model ------------------------------------------------------ */
-
-/* The one rule for data given to a model (forward, fit, evaluate, predict):
-   each sample's shape is the model's input shape. A wrong one would make
-   the layers read past the end of the batch or misalign its samples. */
-static mpt_status mpt__check_sample_shape(mpt_model *m, int rank, const int64_t *shape,
-                                          const char *what) {
-    char got[96], want[96];
-    int i, ok = rank == m->desc.input_rank;
-    for (i = 0; ok && i < rank; i++) ok = shape[i] == m->desc.input_shape[i];
-    if (ok) return MPT_OK;
-    return mpt__fail(m->ctx, MPT_ERR_SHAPE,
-                     "%s: samples of shape %s do not fit the model's input %s", what,
-                     mpt_shape_format(got, sizeof got, rank, shape),
-                     mpt_shape_format(want, sizeof want, m->desc.input_rank, m->desc.input_shape));
-}
-
-static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
-    char got[96], what[128];
-    if (!x || !x->data)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL input tensor%s",
-                         x ? " data" : "");
-    if (!mpt_dtype_is_float(x->dtype))
-        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "model: input dtype %s is not a float dtype",
-                         mpt_dtype_name(x->dtype));
-    if (x->rank < 1 || x->rank > MPT_MAX_RANK || x->shape[0] < 1 || x->shape[0] > m->max_batch)
-        return mpt__fail(m->ctx, MPT_ERR_SHAPE,
-                         "model: input shape %s is not (batch, sample...) with batch in 1..%lld",
-                         mpt_shape_format(got, sizeof got, x->rank, x->shape),
-                         (long long)m->max_batch);
-    snprintf(what, sizeof what, "model: input %s",
-             mpt_shape_format(got, sizeof got, x->rank, x->shape));
-    return mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what);
-}
-
-/* Copies host memory into the backend's, turning a failure into a status. */
-static mpt_status mpt__upload(mpt_model *m, void *dst, const void *src, size_t bytes) {
-    mpt_status s = m->be->upload(m->impl, dst, src, bytes);
-    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
-}
-
-static mpt_status mpt__download(mpt_model *m, void *dst, const void *src, size_t bytes) {
-    mpt_status s = m->be->download(m->impl, dst, src, bytes);
-    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
-}
-
-/* A batch tensor (inputs or targets) as the backend can read it: itself on
-   the CPU backend or when it is already in the device's memory, else
-   copied into buf (input_buf[0] or target_buf[0]). */
-static mpt_status mpt__batch_on_backend(mpt_model *m, const mpt_tensor *t, void *buf,
-                                        mpt_tensor *out) {
-    *out = *t;
-    if (mpt__model_device(m) == MPT_DEVICE_CPU || t->device != MPT_DEVICE_CPU) return MPT_OK;
-    out->data = buf;
-    out->device = MPT_DEVICE_CUDA;
-    return mpt__upload(m, buf, t->data, mpt_tensor_bytes(t));
-}
-
-static mpt_status mpt__input_on_backend(mpt_model *m, const mpt_tensor *x, mpt_tensor *in) {
-    return mpt__batch_on_backend(m, x, m->input_buf[0], in);
-}
-
-/* In @impl-training, with the other training scalars' code; forward's
-   training mode pushes them first. */
-static mpt_status mpt__state_push(mpt_model *m);
-
-static void mpt__layer_view(const mpt_model *m, const mpt__layer *L, void *data, int use_input,
-                            mpt_tensor *t) {
-    mpt__batch_view(t, L->dtype, m->last_batch, use_input ? L->in_rank : L->out_rank,
-                    use_input ? L->in_shape : L->out_shape, data, mpt__model_device(m));
-}
-
-static void mpt__pass_init(mpt_model *m, int64_t batch, int training, mpt__pass *p) {
-    memset(p, 0, sizeof *p);
-    p->ctx = m->ctx;
-    p->model = m;
-    p->be = m->be;
-    p->impl = m->impl;
-    p->state = m->state;
-    p->batch = batch;
-    p->training = training != 0;
-    p->workspace = m->arena[MPT__MEM_WORKSPACE];
-}
-
-/* Folds what the last training forward measured into each layer's state
-   (BatchNormalization's moving statistics). fit calls it only for steps
-   that are applied, so a skipped step leaves every statistic as it was. */
-static void mpt__model_commit(mpt_model *m) {
-    mpt__pass p;
-    int i;
-    mpt__pass_init(m, m->last_batch, 1, &p);
-    for (i = 0; i < m->n_layers; i++) {
-        mpt__layer *L = &m->layers[i];
-        p.x = L->x;
-        p.y = L->y;
-        if (L->ops->commit) L->ops->commit(L, &p);
-    }
-    if (m->qat) mpt__qat_commit(m);
-}
-
-/* A forward pass in progress, one layer at a time (replicas run theirs in
-   step, layer by layer, when a layer synchronizes them). */
-typedef struct mpt__forward_walk {
-    mpt__pass p;
-    const void *cur;     /* the next layer's input  */
-    mpt_dtype cur_dtype;
-} mpt__forward_walk;
-
-static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
-                               mpt__forward_walk *w) {
-    mpt__pass_init(m, x->shape[0], training, &w->p);
-    w->cur = x->data;
-    w->cur_dtype = x->dtype;
-    m->last_batch = w->p.batch;
-    m->last_training = w->p.training;
-    if (m->qat) mpt__qat_forward_begin(m, &w->cur, w->cur_dtype, w->p.batch, w->p.training);
-}
-
-/* Layer i's input in its dtype, and its pass set up (not yet run). */
-static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *w) {
-    mpt__layer *L = &m->layers[i];
-    if (w->cur_dtype != L->dtype) {
-        void *x = L->staged ? (unsigned char *)w->p.workspace + L->stage_x : L->x_cast;
-        L->x_src = w->cur;
-        L->x_src_dtype = w->cur_dtype;
-        m->be->convert(m->impl, L->dtype, x, w->cur_dtype, w->cur, w->p.batch * L->in_count);
-        w->cur = x;
-    }
-    L->x = w->cur;
-    if (L->output_is_input) L->y = (void *)w->cur;
-    w->p.x = L->x;
-    w->p.y = L->y;
-    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
-    return L;
-}
-
-static void mpt__forward_finish(mpt__layer *L, mpt__forward_walk *w) {
-    w->cur = L->y;
-    w->cur_dtype = L->dtype;
-    if (w->p.model->qat) mpt__qat_forward_end(w->p.model, (int)(L - w->p.model->layers), &w->cur);
-}
-
-static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) {
-    mpt__forward_walk w;
-    int i;
-    mpt__forward_begin(m, x, training, &w);
-    for (i = 0; i < m->n_layers; i++) {
-        mpt__layer *L = mpt__forward_prepare(m, i, &w);
-        L->ops->forward(L, &w.p);
-        mpt__forward_finish(L, &w);
-    }
-}
-
-MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
-                                    mpt_tensor *out) {
-    mpt_tensor in;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    MPT__CHECK(mpt__refuse_quantized(m, "forward"));
-    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: forward before build");
-    MPT__CHECK(mpt__check_input(m, x));
-    MPT__CHECK(mpt__input_on_backend(m, x, &in));
-    if (training) MPT__CHECK(mpt__state_push(m)); /* the step keys dropout's masks */
-    mpt__model_forward(m, &in, training);
-    if (training) mpt__model_commit(m);
-    if (out) mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, out);
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout) {
-    if (!m || !dout) return m ? mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL dout")
-                              : MPT_ERR_INVALID_ARGUMENT;
-    if (!m->last_batch)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "model: output_grad before a forward pass");
-    mpt__layer_view(m, &m->layers[m->n_layers - 1], m->grad_buf[0], 0, dout);
-    return MPT_OK;
-}
-
-/* The first layer with a trainable parameter (n_layers if none). */
-static int mpt__first_trainable_layer(const mpt_model *m) {
-    int i, k;
-    for (i = 0; i < m->n_layers; i++)
-        for (k = 0; k < m->layers[i].n_params; k++)
-            if (m->layers[i].param[k]->trainable) return i;
-    return m->n_layers;
-}
-
-/* A backward pass in progress, one layer at a time, from the last. Unless
-   the caller wants the input's gradient, it ends at the first layer with
-   trainable parameters, and that layer skips its input gradient: below it
-   nothing needs one (a Flatten in front of a Dense, say, would otherwise
-   cost a third of the Dense's backward). */
-typedef struct mpt__backward_walk {
-    mpt__pass p;
-    int first;     /* the last layer to run      */
-    int cur;       /* grad_buf[cur] holds dy     */
-    int want_dinput;
-} mpt__backward_walk;
-
-static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_walk *w) {
-    w->first = want_dinput ? 0 : mpt__first_trainable_layer(m);
-    w->cur = 0;
-    w->want_dinput = want_dinput;
-    mpt__pass_init(m, m->last_batch, 1, &w->p);
-}
-
-static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk *w) {
-    mpt__layer *L = &m->layers[i];
-    w->p.x = L->x;
-    w->p.y = L->y;
-    w->p.dy = m->grad_buf[w->cur];
-    w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
-    /* A layer whose output is its input (Flatten) has dx = dy, the same
-       memory seen with another shape: nothing to copy. So does a pooling
-       that the Conv2D before it ran: that Conv2D takes the pooled dy. */
-    if (w->p.dx && (L->output_is_input || L->ran_by_prev)) w->p.dx = m->grad_buf[w->cur];
-    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
-    if (L->staged) { /* the workspace has been written since forward */
-        unsigned char *ws = (unsigned char *)w->p.workspace;
-        m->be->convert(m->impl, L->dtype, ws + L->stage_x, L->x_src_dtype, L->x_src,
-                       w->p.batch * L->in_count);
-        if (w->p.dx) w->p.dx = ws + L->stage_dx;
-    }
-    if (m->qat) mpt__qat_backward_mask(m, i, m->grad_buf[w->cur]);
-    return L;
-}
-
-static void mpt__backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
-    mpt__layer *L = &m->layers[i];
-    if (m->exchange) mpt__exchange_layer_done(m, i);
-    if (w->p.dx && w->p.dx == w->p.dy) { /* dx is dy, in grad_buf[cur] */
-        if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
-            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
-                           w->p.dy, w->p.batch * L->in_count);
-            w->cur = 1 - w->cur;
-        }
-    } else if (L->staged) {
-        if (w->p.dx) { /* dx in the previous dtype, into the free buffer */
-            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
-                           w->p.dx, w->p.batch * L->in_count);
-            w->cur = 1 - w->cur;
-        }
-    } else if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
-        /* dy is spent: the converted gradient goes back into its buffer. */
-        m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[w->cur], L->dtype,
-                       m->grad_buf[1 - w->cur], w->p.batch * L->in_count);
-    } else if (w->p.dx) {
-        w->cur = 1 - w->cur;
-    }
-}
-
-MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_tensor *dinput) {
-    mpt__backward_walk w;
-    int i;
-    mpt__layer *last;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!m->last_batch || !m->last_training)
-        return mpt__fail(m->ctx, MPT_ERR_STATE,
-                         "model: backward needs a forward pass with training = 1 first");
-    last = &m->layers[m->n_layers - 1];
-    if (dout) {
-        mpt_tensor want;
-        int ok, d;
-        mpt__layer_view(m, last, NULL, 0, &want);
-        ok = dout->data && mpt_dtype_is_float(dout->dtype) && dout->rank == want.rank;
-        for (d = 0; ok && d < want.rank; d++) ok = dout->shape[d] == want.shape[d];
-        if (!ok) {
-            char got[96], exp[96];
-            return mpt__fail(m->ctx, MPT_ERR_SHAPE,
-                             "model: output gradient %s %s does not match the output %s",
-                             mpt_dtype_name(dout->dtype),
-                             mpt_shape_format(got, sizeof got, dout->rank, dout->shape),
-                             mpt_shape_format(exp, sizeof exp, want.rank, want.shape));
-        }
-        if (dout->data != m->grad_buf[0]) {
-            const void *src = dout->data;
-            if (dout->device != mpt__model_device(m)) { /* in from the host */
-                MPT__CHECK(mpt__upload(m, m->target_buf[0], src, mpt_tensor_bytes(dout)));
-                src = m->target_buf[0];
-            }
-            m->be->convert(m->impl, last->dtype, m->grad_buf[0], dout->dtype, src,
-                           mpt_tensor_count(dout));
-        }
-    }
-    mpt__backward_begin(m, dinput != NULL, &w);
-    for (i = m->n_layers - 1; i >= w.first; i--) {
-        mpt__layer *L = mpt__backward_prepare(m, i, &w);
-        L->ops->backward(L, &w.p);
-        mpt__backward_finish(m, i, &w);
-    }
-    if (dinput) mpt__layer_view(m, &m->layers[0], m->grad_buf[w.cur], 1, dinput);
-    return MPT_OK;
-}
-
-/* ---- a training step by hand: fit's step, one public piece at a time ---------
-   The pieces reach the weights and gradients through the backend, as fit
-   does, so a hand-written loop runs on a GPU too. The numbers a piece
-   hands back pass through the evaluation record (m->state[1]): fit and
-   evaluate reset what they read of it before they read it. */
-
-/* A model a hand step can run on: built, and one replica. */
-static mpt_status mpt__hand_check(mpt_model *m, const char *what) {
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "%s: build the model first", what);
-    if (m->n_replicas > 1 || m->strategy)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                         "%s: not under a strategy (use fit, which sums the replicas' gradients)",
-                         what);
-    return MPT_OK;
-}
-
-/* The trainable parameters as the backend's optimizer passes take them,
-   with no optimizer slots (one allocation, *block, for the caller to free). */
-static mpt_status mpt__hand_update_args(mpt_model *m, mpt_update_args *u, void **block) {
-    size_t n = 0;
-    int i, k = 0;
-    float **value, **grad, **no_slot;
-    void **compute;
-    int64_t *count;
-    mpt_dtype *dtype;
-    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
-    /* value, grad, the slots (all NULL), compute; then count and dtype */
-    *block = mpt__calloc(m->ctx, 4 * n * sizeof(void *) +
-                                     n * (sizeof(int64_t) + sizeof(mpt_dtype)) + 1);
-    if (!*block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-    value = (float **)*block;
-    grad = value + n;
-    no_slot = grad + n;
-    compute = (void **)(no_slot + n);
-    count = (int64_t *)(compute + n);
-    dtype = (mpt_dtype *)(count + n);
-    for (i = 0; i < m->n_params; i++) {
-        const mpt__param *P = &m->params[i];
-        if (!P->trainable) continue;
-        value[k] = P->value;
-        grad[k] = P->grad;
-        compute[k] = P->compute;
-        count[k] = P->count;
-        dtype[k] = P->compute_dtype;
-        k++;
-    }
-    memset(u, 0, sizeof *u);
-    u->n = (int)n;
-    u->value = value;
-    u->grad = (const float *const *)grad;
-    u->slot0 = u->slot1 = no_slot;
-    u->compute = compute;
-    u->compute_dtype = dtype;
-    u->count = count;
-    u->state = &m->state[1];
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_model_grad_stats(mpt_model *m, int *all_finite, double *global_norm) {
-    mpt_update_args u;
-    mpt_step_state st;
-    void *block;
-    mpt_status s;
-    MPT__CHECK(mpt__hand_check(m, "grad_stats"));
-    MPT__CHECK(mpt__hand_update_args(m, &u, &block));
-    m->be->grad_stats(m->impl, &u); /* Σg² and its finiteness, into state[1] */
-    s = mpt__download(m, &st, &m->state[1], sizeof st);
-    mpt__free(m->ctx, block);
-    if (s != MPT_OK) return s;
-    if (all_finite) *all_finite = st.finite != 0;
-    if (global_norm) *global_norm = sqrt(st.sum_squares);
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_model_scale_grads(mpt_model *m, float factor) {
-    int i;
-    MPT__CHECK(mpt__hand_check(m, "scale_grads"));
-    if (!isfinite(factor))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "scale_grads: factor %g must be finite",
-                         (double)factor);
-    for (i = 0; i < m->n_params; i++)
-        if (m->params[i].trainable)
-            m->be->scale(m->impl, m->params[i].grad, factor, m->params[i].count);
-    return MPT_OK;
-}
-
-/* The backend's fused update with plain SGD at this rate, on a record that
-   says: gradients finite, no loss scale, optimizer step 0. */
-MPTDEF mpt_status mpt_model_sgd_step(mpt_model *m, float learning_rate) {
-    mpt_update_args u;
-    mpt_step_state st;
-    void *block;
-    MPT__CHECK(mpt__hand_check(m, "sgd_step"));
-    if (!(learning_rate >= 0 && learning_rate < INFINITY))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "sgd_step: learning_rate %g must be finite and >= 0",
-                         (double)learning_rate);
-    memset(&st, 0, sizeof st);
-    st.learning_rate = learning_rate;
-    st.loss_scale = 1;
-    st.finite = 1;
-    MPT__CHECK(mpt__upload(m, &m->state[1], &st, sizeof st));
-    MPT__CHECK(mpt__hand_update_args(m, &u, &block));
-    u.optimizer.type = MPT_OPTIMIZER_SGD; /* no momentum, decay, L2 or clipping */
-    u.optimizer.learning_rate = learning_rate;
-    m->be->update(m->impl, &u);
-    /* the backend reads u's arrays while queueing, not after */
-    mpt__free(m->ctx, block);
-    return MPT_OK;
-}
-
 /* =============================================================================
    @impl-layer-helpers: what the layers below (@impl-dense .. @impl-dropout) share
    ============================================================================= */
@@ -8142,313 +4549,6 @@ static double mpt__kernel_macs(const mpt__layer *L) {
 
 static int mpt__initializer_valid(mpt_initializer init) {
     return init >= MPT_INIT_DEFAULT && init < MPT_INIT_COUNT_;
-}
-
-#if MPT__X86
-/* ReLU's gradient 16 lanes at a time: mpt__relu_grad, dy where !(y <= 0)
-   (a NaN y passes dy, as the scalar loop does). The compiler does not
-   vectorise that loop itself, and it is a tenth of an MLP's step. */
-MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const float *dy,
-                                                        float *dz, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __mmask16 passed = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_setzero_ps(),
-                                              _CMP_NLE_UQ);
-        _mm512_storeu_ps(dz + i, _mm512_maskz_mov_ps(passed, _mm512_loadu_ps(dy + i)));
-    }
-    for (; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]);
-}
-#endif
-
-#if MPT__X86
-/* The same for y and dy in float16 or bfloat16, widened in registers
-   (exactly): one pass over memory where widening both first took three.
-   The widened values are what mpt__relu_backward_avx512 would read, so
-   the result is the same bits. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__relu_backward_half_loop(
-    mpt_dtype dtype, const mpt_half *y, const mpt_half *dy, float *dz, int64_t n) {
-    int64_t i;
-    for (i = 0; i < n; i += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
-        const __m512 yv = mpt__avx512_load(dtype, y + i, m), dyv = mpt__avx512_load(dtype, dy + i, m);
-        const __mmask16 passed = _mm512_mask_cmp_ps_mask(m, yv, _mm512_setzero_ps(), _CMP_NLE_UQ);
-        _mm512_mask_storeu_ps(dz + i, m, _mm512_maskz_mov_ps(passed, dyv));
-    }
-}
-
-MPT__TARGET_AVX512 static void mpt__relu_backward_half_avx512(mpt_dtype dtype, const void *y,
-                                                             const void *dy, float *dz,
-                                                             int64_t n) {
-    if (dtype == MPT_BFLOAT16)
-        mpt__relu_backward_half_loop(MPT_BFLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
-    else
-        mpt__relu_backward_half_loop(MPT_FLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
-}
-
-typedef struct mpt__relu_half_job {
-    mpt_dtype dtype;
-    const mpt_half *y, *dy;
-    float *dz;
-    int64_t n;
-} mpt__relu_half_job;
-
-static void mpt__relu_half_task(void *arg, int64_t task, int thread) {
-    const mpt__relu_half_job *j = (const mpt__relu_half_job *)arg;
-    const int64_t i = task * MPT__CONVERT_CHUNK;
-    (void)thread;
-    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i,
-                                   MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
-}
-
-/* Split as mpt__convert splits: each element on its own, so any split
-   gives the same bits. */
-static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const void *y,
-                                    const void *dy, float *dz, int64_t n) {
-    mpt__relu_half_job j;
-    j.dtype = dtype;
-    j.y = (const mpt_half *)y;
-    j.dy = (const mpt_half *)dy;
-    j.dz = dz;
-    j.n = n;
-    if (n < MPT__CONVERT_PARALLEL_MIN)
-        mpt__relu_backward_half_avx512(dtype, y, dy, dz, n);
-    else
-        mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__relu_half_task, &j);
-}
-#endif
-
-/* dz = dy · act'(...) in float32, reading dy, the output y and (for GELU)
-   the pre-activation z in `dtype`. tmp holds n floats. */
-static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
-                                 const void *z, const void *y, const void *dy, float *dz,
-                                 float *tmp, int64_t n, int64_t cols) {
-    const float *dyf = (const float *)dy, *kept = (const float *)(act == MPT_ACT_GELU ? z : y);
-#if MPT__X86
-    if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
-        mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);
-        return;
-    }
-#endif
-    if (dtype != MPT_FLOAT32) { /* float32 is read in place, halves are widened */
-        mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
-        dyf = dz;
-        if (act != MPT_ACT_NONE) {
-            mpt__convert(ctx, MPT_FLOAT32, tmp, dtype, act == MPT_ACT_GELU ? z : y, n);
-            kept = tmp;
-        }
-    }
-#if MPT__X86
-    if (act == MPT_ACT_RELU && (ctx->cpu & MPT_CPU_AVX512)) {
-        mpt__relu_backward_avx512(kept, dyf, dz, n);
-        return;
-    }
-#endif
-    mpt__activation_backward(act, act == MPT_ACT_GELU ? kept : NULL,
-                             act == MPT_ACT_GELU ? NULL : kept, dyf, dz, n, cols);
-}
-
-#if MPT__X86
-/* to[0..n) += from[0..n), 16 lanes at a time, the tail masked: at -O2 gcc
-   made of the portable loop below 128-bit adds through a stack copy, and
-   col2im's scatter-adds spent 4 % of a bfloat16 CNN step in it. */
-MPT__TARGET_AVX512 static void mpt__add_f32_avx512(float *to, const float *from, int64_t n) {
-    int64_t i;
-    for (i = 0; i < n; i += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
-        _mm512_mask_storeu_ps(to + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, to + i),
-                                                       _mm512_maskz_loadu_ps(m, from + i)));
-    }
-}
-#endif
-
-/* to[0..n) += from[0..n) (each sum one float32 add: the same bits on
-   every path). cpu: the context's features. The portable loop goes in
-   blocks of 16 through a local array, which tells the compiler the two
-   do not overlap: at -O2 its cheap cost model vectorises only loops like
-   these (fixed length, no overlap checks). */
-static void mpt__add_f32(int cpu, float *to, const float *from, int64_t n) {
-    int64_t i = 0;
-    int k;
-#if MPT__X86
-    if (cpu & MPT_CPU_AVX512) {
-        mpt__add_f32_avx512(to, from, n);
-        return;
-    }
-#else
-    (void)cpu;
-#endif
-    for (; i + 16 <= n; i += 16) {
-        float t[16];
-        for (k = 0; k < 16; k++) t[k] = to[i + k] + from[i + k];
-        for (k = 0; k < 16; k++) to[i + k] = t[k];
-    }
-    for (; i < n; i++) to[i] += from[i];
-}
-
-/* out[j] += Σ_r dz[r][j]: a bias gradient, rows in order
-   (Conv2D adds chunk after chunk; Dense zeroes out first). By blocks of
-   MPT__COLUMN_BLOCK columns, each block's sums kept in a local array
-   (registers) rather than stored to out and loaded back every row: a
-   column adds its rows in the same order whichever block or thread holds
-   it, so blocks may run in parallel and give one thread's bits. */
-#define MPT__COLUMN_BLOCK 16
-
-#if MPT__X86
-/* Each lane adds its column's rows in order, as the loop below does. */
-MPT__TARGET_AVX512 static void mpt__add_column_block_avx512(const float *dz, int64_t rows,
-                                                            int64_t cols, int64_t j0, float *out) {
-    const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(MPT__COLUMN_BLOCK, cols - j0));
-    __m512 sum = _mm512_maskz_loadu_ps(m, out + j0);
-    int64_t r;
-    for (r = 0; r < rows; r++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(m, dz + r * cols + j0));
-    _mm512_mask_storeu_ps(out + j0, m, sum);
-}
-
-/* A whole block of 16 columns in two registers. */
-MPT__TARGET_AVX2 static void mpt__add_column_block_avx2(const float *dz, int64_t rows,
-                                                        int64_t cols, int64_t j0, float *out) {
-    __m256 lo = _mm256_loadu_ps(out + j0), hi = _mm256_loadu_ps(out + j0 + 8);
-    int64_t r;
-    for (r = 0; r < rows; r++) {
-        lo = _mm256_add_ps(lo, _mm256_loadu_ps(dz + r * cols + j0));
-        hi = _mm256_add_ps(hi, _mm256_loadu_ps(dz + r * cols + j0 + 8));
-    }
-    _mm256_storeu_ps(out + j0, lo);
-    _mm256_storeu_ps(out + j0 + 8, hi);
-}
-#endif
-
-/* cpu: the context's features (mpt_context.cpu), which pick the loop. */
-static void mpt__add_column_block(int cpu, const float *dz, int64_t rows, int64_t cols,
-                                  int64_t j0, float *out) {
-    const int nb = (int)MPT__MIN(MPT__COLUMN_BLOCK, cols - j0);
-    float sum[MPT__COLUMN_BLOCK];
-    int64_t r;
-    int k;
-#if MPT__X86
-    if (cpu & MPT_CPU_AVX512) {
-        mpt__add_column_block_avx512(dz, rows, cols, j0, out);
-        return;
-    }
-    if ((cpu & MPT_CPU_AVX2) && nb == MPT__COLUMN_BLOCK) {
-        mpt__add_column_block_avx2(dz, rows, cols, j0, out);
-        return;
-    }
-#else
-    (void)cpu;
-#endif
-    /* (the sums stay in memory here: a store and a load per row) */
-    for (k = 0; k < MPT__COLUMN_BLOCK; k++) sum[k] = k < nb ? out[j0 + k] : 0.0f;
-    if (nb == MPT__COLUMN_BLOCK) {
-        for (r = 0; r < rows; r++)
-            for (k = 0; k < MPT__COLUMN_BLOCK; k++) sum[k] += dz[r * cols + j0 + k];
-    } else {
-        for (r = 0; r < rows; r++)
-            for (k = 0; k < nb; k++) sum[k] += dz[r * cols + j0 + k];
-    }
-    for (k = 0; k < nb; k++) out[j0 + k] = sum[k];
-}
-
-static void mpt__add_column_sums(int cpu, const float *dz, int64_t rows, int64_t cols,
-                                 float *out) {
-    int64_t j0;
-    for (j0 = 0; j0 < cols; j0 += MPT__COLUMN_BLOCK)
-        mpt__add_column_block(cpu, dz, rows, cols, j0, out);
-}
-
-/* ---- dz and the bias gradient in one pass -----------------------------------
-   Dense and Conv2D begin their backward with dz = dy · act'(y), the bias
-   gradient Σ_r dz[r][j], and dz rounded to the compute dtype for the two
-   products. One after the other, those write dz in float32, read it back
-   twice and write it again in dtype: on the CNN's 26×26×32 outputs that
-   took about as long as the kernel gradient's multiply-adds. For ReLU and
-   no activation, the common cases, one pass reads y and dy once and
-   writes dz once, in dtype, summing its columns on the way. The rounding
-   is mpt__convert's, so dz has the same bits as before; the sums run
-   over blocks of rows (mpt__elementwise_task_rows), each column's rows
-   in order within a block, and the blocks' sums are then added in order:
-   the same bits for any thread count and with or without AVX-512. */
-
-/* One block: dz (rows, cols) in dtype and sums[j] = Σ_r dz[r][j]; dz
-   NULL: the sums alone (dz is dy). */
-static void mpt__dz_block_scalar(mpt_dtype dtype, int relu, const void *y, const void *dy,
-                                 void *dz, int64_t rows, int64_t cols, float *sums) {
-    int64_t r, j;
-    for (j = 0; j < cols; j++) sums[j] = 0.0f;
-    for (r = 0; r < rows; r++)
-        for (j = 0; j < cols; j++) {
-            const int64_t i = r * cols + j;
-            float d = mpt__load_f32(dtype, dy, i);
-            if (relu) d = mpt__relu_grad(mpt__load_f32(dtype, y, i), d);
-            if (dz) mpt__store_f32(dtype, dz, i, d);
-            sums[j] += d;
-        }
-}
-
-#if MPT__X86
-/* dz's 16 columns [j, j + 16) ∩ m of the row at `at` (bytes), added to
-   their running sums (and stored unless dz is NULL). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__dz_vector(
-    mpt_dtype dtype, int relu, const unsigned char *y, const unsigned char *dy,
-    unsigned char *dz, size_t at, __mmask16 m, __m512 sum) {
-    __m512 d = mpt__avx512_load(dtype, dy + at, m);
-    if (relu)
-        d = _mm512_maskz_mov_ps(_mm512_mask_cmp_ps_mask(m, mpt__avx512_load(dtype, y + at, m),
-                                                        _mm512_setzero_ps(), _CMP_NLE_UQ),
-                                d);
-    if (dz) mpt__avx512_store(dtype, dz + at, d, m);
-    return _mm512_add_ps(sum, d);
-}
-
-/* The same 32 columns at a time (whole cache lines of the CNN's 32- and
-   64-channel rows), each lane its column's running sum. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dz_block_loop(
-    mpt_dtype dtype, int relu, const unsigned char *y, const unsigned char *dy,
-    unsigned char *dz, int64_t rows, int64_t cols, float *sums) {
-    const size_t es = mpt_dtype_size(dtype);
-    int64_t r, j0;
-    for (j0 = 0; j0 < cols; j0 += 32) {
-        const __mmask16 m0 = mpt__gemm_mask16((int)MPT__MIN(16, cols - j0));
-        const __mmask16 m1 = mpt__gemm_mask16((int)MPT__MIN(16, cols - j0 - 16));
-        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-        for (r = 0; r < rows; r++) {
-            const size_t at = (size_t)(r * cols + j0) * es;
-            sum0 = mpt__dz_vector(dtype, relu, y, dy, dz, at, m0, sum0);
-            if (m1) sum1 = mpt__dz_vector(dtype, relu, y, dy, dz, at + 16 * es, m1, sum1);
-        }
-        _mm512_mask_storeu_ps(sums + j0, m0, sum0);
-        if (m1) _mm512_mask_storeu_ps(sums + j0 + 16, m1, sum1);
-    }
-}
-
-MPT__TARGET_AVX512 static void mpt__dz_block_avx512(mpt_dtype dtype, int relu, const void *y,
-                                                   const void *dy, void *dz, int64_t rows,
-                                                   int64_t cols, float *sums) {
-    const unsigned char *yb = (const unsigned char *)y, *dyb = (const unsigned char *)dy;
-    unsigned char *dzb = (unsigned char *)dz;
-    /* one loop per dtype, so its loads and stores are decided once */
-    if (dtype == MPT_BFLOAT16)
-        mpt__dz_block_loop(MPT_BFLOAT16, relu, yb, dyb, dzb, rows, cols, sums);
-    else if (dtype == MPT_FLOAT16)
-        mpt__dz_block_loop(MPT_FLOAT16, relu, yb, dyb, dzb, rows, cols, sums);
-    else
-        mpt__dz_block_loop(MPT_FLOAT32, relu, yb, dyb, dzb, rows, cols, sums);
-}
-#endif
-
-/* cpu: the context's features, which pick the loop. */
-static void mpt__dz_block(int cpu, mpt_dtype dtype, int relu, const void *y, const void *dy,
-                          void *dz, int64_t rows, int64_t cols, float *sums) {
-#if MPT__X86
-    if (cpu & MPT_CPU_AVX512) {
-        mpt__dz_block_avx512(dtype, relu, y, dy, dz, rows, cols, sums);
-        return;
-    }
-#else
-    (void)cpu;
-#endif
-    mpt__dz_block_scalar(dtype, relu, y, dy, dz, rows, cols, sums);
 }
 
 /* The start of a Dense or Conv2D backward: dz (rows, cols) = dy · act'(z
@@ -8500,6 +4600,10 @@ static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int 
     g.ldc = n;
     return g;
 }
+
+/* Defined below, in @impl-model. */
+static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
+                                 const mpt__layer_desc *desc, const char *name, mpt_dtype dtype);
 
 /* Appends a layer of `ops` described by desc (one of the descriptor
    structs, `size` bytes; each starts with the common name and dtype). */
@@ -8966,6 +5070,9 @@ static void mpt__im2col_task(void *arg, int64_t task, int thread) {
     }
 }
 
+/* Defined below, in @impl-layer-kernels. */
+static void mpt__add_f32(int cpu, float *to, const float *from, int64_t n);
+
 /* Input row y of sample b's dx: the entries of dcols copied from it, added
    output pixel after output pixel (the same sums whichever thread runs
    it), then stored in the compute dtype. Row by row, not window by window,
@@ -9032,2416 +5139,6 @@ static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, co
     j.dtype = dtype;
     j.out = dx;
     mpt__parallel_for(ctx, n * g->h, mpt__col2im_task, &j);
-}
-
-/* ---- direct convolution: no cols (AVX-512) -----------------------------------
-   The GEMM's 12×32 micro-kernel, reading its A straight from the images: a
-   tile is 12 output pixels in a row of the batch (across image rows and
-   samples), and a table holds, for each pixel and tap, where that pixel's
-   input channels start, or a zero pixel where the tap lies in the
-   padding. The kernel broadcasts from there as the GEMM does from its
-   packed A panel, so cols is never written (for a 3×3 kernel, 9 times the
-   image). The sum over k = (tap, channel) runs in the GEMM's order and
-   depth blocks (mpt__gemm_depth_block), the padding's zeros included, and
-   the epilogue (bias, activation, conversion) is the GEMM path's: the
-   forward pass gives the im2col path's bits exactly.
-   The input gradient is the same product over dz with the kernel turned
-   around (taps reversed, C and F swapped): dx pixel (y, x) reads at tap
-   (i, j) the dz pixel ((y + top − i)/sh, (x + left − j)/sw) where both
-   divide exactly and lie inside, else zero. That replaces dcols = dz ·
-   kernelᵀ and col2im's scatter-adds by one sum per dx element, in another
-   order than col2im's (not the former path's bits).
-   Each output pixel is one tile's, whatever the thread count. */
-
-#define MPT__DCONV_MR 12       /* output pixels per tile                  */
-#define MPT__DCONV_MAX_TAPS 64 /* larger kernels take the im2col path     */
-#define MPT__DCONV_TILES_PER_TASK 8 /* tiles per parallel-for task    */
-#define MPT__DCONV_KGRAD_F32_ROWS 8 /* float32 kernel gradient: channels per tile */
-#ifndef MPT__DCONV_KGRAD_F32_MAX_F
-#define MPT__DCONV_KGRAD_F32_MAX_F 64 /* more filters: the GEMM path */
-#endif
-
-struct mpt__dconv_job;
-/* tile (MR × 32 float32) = the sums of output channels [o0, o0 + nb)
-   for the tile's pixels; src: [taps][MR] where each pixel's taps start. */
-typedef void (*mpt__dconv_tile_fn)(const struct mpt__dconv_job *j,
-                                   const unsigned char *const *src, int64_t o0, int nb,
-                                   float *tile);
-
-typedef struct mpt__dconv_job {
-    mpt_context *ctx;
-    const mpt_conv_args *a;
-    const mpt_window *g;
-    const unsigned char *x;    /* the image read: x, or dz for input_grad       */
-    int64_t ih, iw, ic;        /* its sample shape                              */
-    int64_t oh, ow, oc;        /* the output's: y, or dx for input_grad         */
-    int64_t taps, kk, kc;      /* kh·kw, taps·ic, depth block                   */
-    int64_t pixels;            /* n·oh·ow                                       */
-    size_t es;                 /* bytes per element of dtype                    */
-    const void *w;             /* kernel packed as the product's (kk, oc) B:
-                                  float32, or bfloat16 k-pairs (kk/2, oc) uint32 */
-    const unsigned char *zero; /* ic zero elements                              */
-    size_t tap_bytes[MPT__DCONV_MAX_TAPS]; /* tap t's offset in a whole window */
-    mpt__dconv_tile_fn tile;
-    mpt__convert_fn convert;   /* float32 to dtype                              */
-} mpt__dconv_job;
-
-/* The input row or column that output row or column o reads at window
-   offset i along an axis of stride s and padding `before`; −1 where it
-   reads none. input_grad: the forward's offset is k − 1 − i, and the dz
-   row is (o + before − (k − 1 − i)) / s where that divides exactly. */
-static int64_t mpt__dconv_axis(int input_grad, int64_t o, int64_t i, int64_t k, int64_t s,
-                               int64_t before, int64_t in) {
-    int64_t v;
-    if (!input_grad) {
-        v = o * s - before + i;
-    } else {
-        v = o + before - (k - 1 - i);
-        if (s != 1) v = v >= 0 && v % s == 0 ? v / s : -1; /* divides only where it must */
-    }
-    return v >= 0 && v < in ? v : -1;
-}
-
-/* Where output pixel (b, oy, ox)'s taps read their ic channels: src[t·MR]
-   for tap t = i·kw + k, a zero pixel where the tap lies in the padding. */
-static void mpt__dconv_taps(const mpt__dconv_job *j, int64_t b, int64_t oy, int64_t ox,
-                            const unsigned char **src) {
-    const mpt_window *g = j->g;
-    const int grad = j->a->input_grad;
-    const unsigned char *image = j->x + (size_t)(b * j->ih * j->iw * j->ic) * j->es;
-    const size_t pixel = (size_t)j->ic * j->es;
-    int64_t i, k, xs[MPT__DCONV_MAX_TAPS];
-    for (k = 0; k < g->kw; k++) /* the columns once, not once per kernel row */
-        xs[k] = mpt__dconv_axis(grad, ox, k, g->kw, g->sw, g->left, j->iw);
-    for (i = 0; i < g->kh; i++) {
-        const int64_t y = mpt__dconv_axis(grad, oy, i, g->kh, g->sh, g->top, j->ih);
-        const unsigned char *row = image + (size_t)(y * j->iw) * pixel;
-        for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR)
-            *src = y < 0 || xs[k] < 0 ? j->zero : row + (size_t)xs[k] * pixel;
-    }
-}
-
-/* Where output pixel (b, oy, ox)'s window starts in the image read, when
-   all of it lies inside (tap t then reads at + tap_bytes[t]); NULL where
-   some tap reads padding, or the input gradient's stride skips rows:
-   mpt__dconv_taps then. Inside the image, tap (i, k) reads row y0 + i,
-   column x0 + k (mpt__dconv_axis at stride 1 for the input gradient). */
-static const unsigned char *mpt__dconv_window(const mpt__dconv_job *j, int64_t b, int64_t oy,
-                                              int64_t ox) {
-    const mpt_window *g = j->g;
-    int64_t y0, x0;
-    if (!j->a->input_grad) {
-        y0 = oy * g->sh - g->top;
-        x0 = ox * g->sw - g->left;
-    } else if (g->sh == 1 && g->sw == 1) {
-        y0 = oy + g->top - (g->kh - 1);
-        x0 = ox + g->left - (g->kw - 1);
-    } else {
-        return NULL;
-    }
-    if (y0 < 0 || x0 < 0 || y0 + g->kh > j->ih || x0 + g->kw > j->iw) return NULL;
-    return j->x + (size_t)((b * j->ih + y0) * j->iw + x0) * (size_t)j->ic * j->es;
-}
-
-/* The kernel (kh, kw, C, F) as the product's B, (kk, oc), into ws, then
-   the zero pixel after it. Forward: the kernel as (kk, F); input_grad:
-   row k = (tap, f) of the kernel turned around is column f of the
-   forward's tap taps − 1 − tap, o = c. bfloat16 keeps rows k and k + 1
-   side by side in 32-bit lanes (kk is even). */
-static void mpt__dconv_pack(mpt__dconv_job *j, unsigned char *ws) {
-    const int64_t c = j->g->c, f = j->a->f, oc = j->oc;
-    const mpt_dtype dtype = j->a->dtype;
-    const int pairs = dtype == MPT_BFLOAT16; /* float16: widened to float32 */
-    const float *src32 = (const float *)j->a->kernel;
-    const mpt_bf16 *src16 = (const mpt_bf16 *)j->a->kernel;
-    float *dst32 = (float *)(void *)ws;
-    uint32_t *dst16 = (uint32_t *)(void *)ws;
-    int64_t k, o;
-    for (k = 0; k < j->kk && !j->a->ws_kept; k++) { /* (kept: packed by the previous chunk) */
-        /* element (k, o) of B is kernel[row + o·step] */
-        const int64_t row = j->a->input_grad ? (j->taps - 1 - k / f) * c * f + k % f : k * f;
-        const int64_t step = j->a->input_grad ? f : 1;
-        for (o = 0; o < oc; o++) {
-            if (dtype == MPT_FLOAT16)
-                dst32[k * oc + o] = mpt_half_to_float(src16[row + o * step]);
-            else if (!pairs)
-                dst32[k * oc + o] = src32[row + o * step];
-            else if (k % 2 == 0)
-                dst16[k / 2 * oc + o] = src16[row + o * step];
-            else
-                dst16[k / 2 * oc + o] |= (uint32_t)src16[row + o * step] << 16;
-        }
-    }
-    j->w = ws;
-    ws += (4 * j->kk * oc + 63) / 64 * 64;
-    memset(ws, 0, (size_t)j->ic * j->es);
-    j->zero = ws;
-}
-
-#if MPT__X86
-/* The twelve accumulator pairs and the depth blocks' running sums in
-   tile: the first block stores, the later ones add (the GEMM's
-   C = C + alpha·AB with alpha 1). */
-#define MPT__DCONV_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-#define MPT__DCONV_FOLD(i)                                                                 \
-    if (first) {                                                                           \
-        _mm512_storeu_ps(tile + 32 * i, c##i##0);                                           \
-        _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);                                      \
-    } else {                                                                               \
-        _mm512_storeu_ps(tile + 32 * i, _mm512_add_ps(_mm512_loadu_ps(tile + 32 * i), c##i##0)); \
-        _mm512_storeu_ps(tile + 32 * i + 16,                                                \
-                        _mm512_add_ps(_mm512_loadu_ps(tile + 32 * i + 16), c##i##1));       \
-    }                                                                                      \
-    c##i##0 = _mm512_setzero_ps();                                                         \
-    c##i##1 = _mm512_setzero_ps();
-#define MPT__DCONV_SRC(i, T) const T *s##i = (const T *)(const void *)src[t * MPT__DCONV_MR + i];
-
-MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
-                                                   const unsigned char *const *src, int64_t o0,
-                                                   int nb, float *tile) {
-    const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
-    const float *w = (const float *)j->w + o0, *zero = (const float *)(const void *)j->zero;
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int64_t t, c;
-    int first = 1;
-    MPT__ROWS12(MPT__DCONV_ACC)
-    for (t = 0; t < j->taps; t++) {
-#define MPT__S(i) MPT__DCONV_SRC(i, float)
-        MPT__ROWS12(MPT__S)
-#undef MPT__S
-        /* The input gradient skips a tap that reads dz's padding for every
-           pixel of the tile (the border rows of a 'valid' layer's dx): it
-           would add only zeros. The depth blocks' folds stay where they
-           were. The forward keeps every tap, to give the im2col path's
-           bits even where a weight is not finite. */
-#define MPT__Z(i) && s##i == zero
-        const int skip = j->a->input_grad MPT__ROWS12(MPT__Z);
-#undef MPT__Z
-        for (c = 0; c < ic;) {
-            const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
-            /* (wr walks B's rows: no index multiplied per row) */
-            const float *wr = w + (t * ic + c) * oc;
-            if (skip) {
-                c = stop;
-            } else if (nb > 16) {
-                for (; c < stop; c++, wr += oc) {
-                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
-                    __m512 ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(s##i[c]);                  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
-                    MPT__ROWS12(MPT__F)
-#undef MPT__F
-                }
-            } else {
-                for (; c < stop; c++, wr += oc) {
-                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(s##i[c]);                  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
-                    MPT__ROWS12(MPT__F)
-#undef MPT__F
-                }
-            }
-            if ((t * ic + c) % kc == 0 || t * ic + c == j->kk) {
-                MPT__ROWS12(MPT__DCONV_FOLD)
-                first = 0;
-            }
-        }
-    }
-}
-
-/* bfloat16 pairs of channels (ic is even), one vdpbf16ps per pair. */
-MPT__TARGET_AVX512_BF16 static void mpt__dconv_tile_bf16(const mpt__dconv_job *j,
-                                                         const unsigned char *const *src,
-                                                         int64_t o0, int nb, float *tile) {
-    const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
-    const uint32_t *w = (const uint32_t *)j->w + o0;
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int64_t t, c;
-    int first = 1;
-    MPT__ROWS12(MPT__DCONV_ACC)
-    for (t = 0; t < j->taps; t++) {
-#define MPT__S(i) MPT__DCONV_SRC(i, uint32_t)
-        MPT__ROWS12(MPT__S)
-#undef MPT__S
-        for (c = 0; c < ic;) { /* c counts channels, two at a time */
-            const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
-            const uint32_t *wr = w + (t * ic + c) / 2 * oc; /* B's row of pairs */
-            int64_t q = c / 2;                               /* the pixels' pair */
-            if (nb > 16) {
-                for (; q < stop / 2; q++, wr += oc) {
-                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
-                    __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, wr + 16);
-                    __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
-    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
-                    MPT__ROWS12(MPT__F)
-#undef MPT__F
-                }
-            } else {
-                for (; q < stop / 2; q++, wr += oc) {
-                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
-                    __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
-                    MPT__ROWS12(MPT__F)
-#undef MPT__F
-                }
-            }
-            c = stop;
-            if ((t * ic + c) % kc == 0 || t * ic + c == j->kk) {
-                MPT__ROWS12(MPT__DCONV_FOLD)
-                first = 0;
-            }
-        }
-    }
-}
-
-/* + bias, then ReLU, on the tile's 12 × 32 sums. */
-MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float *bias, int relu,
-                                                        int nb) {
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + 16) : _mm512_setzero_ps();
-    int i, h;
-    for (i = 0; i < MPT__DCONV_MR; i++)
-        for (h = 0; h < 2; h++) {
-            float *t = tile + 32 * i + 16 * h;
-            __m512 v = _mm512_loadu_ps(t);
-            if (bias) v = _mm512_add_ps(v, h ? b1 : b0);
-            if (relu)
-                v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
-            _mm512_storeu_ps(t, v);
-        }
-}
-
-/* The tile's first m rows of nb sums stored in dtype into rows ld elements
-   apart: float32 copied, float16/bfloat16 with the rounding of
-   mpt__convert; inline, not a call (convert or memcpy) per 32-element row. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dconv_store_rows(mpt_dtype dtype,
-                                                                      const float *tile,
-                                                                      unsigned char *dst,
-                                                                      int64_t ld, int m, int nb) {
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    const size_t es = mpt_dtype_size(dtype);
-    int p;
-    for (p = 0; p < m; p++, dst += (size_t)ld * es) {
-        mpt__avx512_store(dtype, dst, _mm512_loadu_ps(tile + 32 * p), k0);
-        if (nb > 16) mpt__avx512_store(dtype, dst + 16 * es, _mm512_loadu_ps(tile + 32 * p + 16), k1);
-    }
-}
-
-MPT__TARGET_AVX512 static void mpt__dconv_store_avx512(mpt_dtype dtype, const float *tile,
-                                                       void *dst, int64_t ld, int m, int nb) {
-    unsigned char *d = (unsigned char *)dst;
-    if (dtype == MPT_BFLOAT16)
-        mpt__dconv_store_rows(MPT_BFLOAT16, tile, d, ld, m, nb);
-    else if (dtype == MPT_FLOAT16)
-        mpt__dconv_store_rows(MPT_FLOAT16, tile, d, ld, m, nb);
-    else
-        mpt__dconv_store_rows(MPT_FLOAT32, tile, d, ld, m, nb);
-}
-#undef MPT__DCONV_FOLD
-#undef MPT__DCONV_SRC
-#endif /* MPT__X86 */
-
-/* The GEMM path's epilogue for the tile's first m pixels: + bias, the
-   activation (forward only; ReLU and the bias as mpt__gemm_store_avx512
-   does them), stored in dtype. */
-static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, int m, int64_t o0,
-                             int nb) {
-    const mpt_conv_args *a = j->a;
-    const int other_act = !a->input_grad && a->act != MPT_ACT_NONE && a->act != MPT_ACT_RELU;
-    int p;
-#if MPT__X86
-    if (!a->input_grad)
-        mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
-    if (!other_act) {
-        mpt__dconv_store_avx512(a->dtype, tile,
-                                (unsigned char *)a->y + (size_t)(p0 * j->oc + o0) * j->es, j->oc,
-                                m, nb);
-        return;
-    }
-#endif
-    for (p = 0; p < m; p++) {
-        float *row = tile + 32 * p;
-        unsigned char *dst = (unsigned char *)a->y + (size_t)((p0 + p) * j->oc + o0) * j->es;
-        if (other_act) mpt__activation_forward(a->act, row, nb);
-        if (a->dtype == MPT_FLOAT32)
-            memcpy(dst, row, sizeof(float) * (size_t)nb);
-        else
-            j->convert(a->dtype, dst, MPT_FLOAT32, row, nb);
-    }
-}
-
-/* Tiles [task·TILES_PER_TASK, ...) of the output pixels. */
-static void mpt__dconv_task(void *arg, int64_t task, int thread) {
-    const mpt__dconv_job *j = (const mpt__dconv_job *)arg;
-    const unsigned char *src[MPT__DCONV_MAX_TAPS * MPT__DCONV_MR];
-    float tile[MPT__DCONV_MR * 32];
-    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0, t;
-    (void)thread;
-    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
-        const int64_t p0 = tile_i * MPT__DCONV_MR;
-        int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
-        int m, p;
-        if (p0 >= j->pixels) return;
-        m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
-        for (p = 0; p < MPT__DCONV_MR; p++) { /* past the end: the last pixel again */
-            const unsigned char *at = mpt__dconv_window(j, b, oy, ox);
-            if (at) /* (most pixels: one add per tap) */
-                for (t = 0; t < j->taps; t++) src[t * MPT__DCONV_MR + p] = at + j->tap_bytes[t];
-            else
-                mpt__dconv_taps(j, b, oy, ox, src + p);
-            if (p + 1 >= m) continue;
-            if (++ox == j->ow) {
-                ox = 0;
-                if (++oy == j->oh) oy = 0, b++;
-            }
-        }
-        for (o0 = 0; o0 < j->oc; o0 += 32) {
-            const int nb = (int)MPT__MIN(32, j->oc - o0);
-            j->tile(j, src, o0, nb, tile);
-            mpt__dconv_store(j, tile, p0, m, o0, nb);
-        }
-    }
-}
-
-/* ---- the forward of a one-channel image ---------------------------------------
-   One input channel (a first layer's grey image) makes the depth
-   kk = kh·kw a handful of taps (9 for a 3×3): the tile above would spend
-   more on its table of tap addresses than on multiply-adds, and im2col +
-   GEMM writes cols to memory, then reads them back to pack them. Here
-   each tile of 12 output pixels has its windows gathered straight from
-   the image into an A panel laid out as the GEMM packs one (k-major, 12
-   pixels a row; bfloat16 as pairs (k, k + 1), a zero after an odd kk;
-   zeros in the padding), which then meets the packed kernel 32 filters at
-   a time, so the image is read once and nothing but y is written. With
-   stride 1 along the width, a tap's pixels of one output row are
-   consecutive in the image: one masked vector load. With kk within one
-   depth block (MPT__GEMM_KC) the sums run as the GEMM's kernels run them
-   (float32 FMAs from zero in k order, bfloat16 one vdpbf16ps per pair) and
-   the epilogue is mpt__dconv_store's: the im2col path's bits.
-   More channels would need a transposing gather per tap: done element by
-   element, it was slower than the former paths for 3 to 7 channels in
-   bench/bench_conv.c, so those keep them. */
-#define MPT__SHALLOW_MAX_KK 160 /* the panel: 160 × 12 elements, 7.5 KiB */
-
-#if MPT__X86
-#define MPT__SHALLOW_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-#define MPT__SHALLOW_STORE(i)                      \
-    _mm512_storeu_ps(tile + 32 * i, c##i##0);      \
-    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
-
-/* tile (12 × 32) = panel (kk × 12)ᵀ · kernel columns [o0, o0 + nb). */
-MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, const void *panel,
-                                                     int64_t o0, int nb, float *tile) {
-    const float *a = (const float *)panel, *w = (const float *)j->w + o0;
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int64_t k;
-    MPT__ROWS12(MPT__SHALLOW_ACC)
-    if (nb > 16) {
-        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
-            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
-            __m512 ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(a[i]);                     \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
-            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w);
-#define MPT__F(i) c##i##0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b0, c##i##0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__SHALLOW_STORE)
-}
-
-/* The same with bfloat16 pairs, as mpt__gemm_kernel_avx512_bf16. */
-MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job *j,
-                                                           const void *panel, int64_t o0, int nb,
-                                                           float *tile) {
-    const uint32_t *a = (const uint32_t *)panel, *w = (const uint32_t *)j->w + o0;
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    const int64_t pairs = (j->kk + 1) / 2;
-    int64_t k;
-    MPT__ROWS12(MPT__SHALLOW_ACC)
-    if (nb > 16) {
-        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
-            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
-            const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, w + 16);
-            __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
-    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
-            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
-#define MPT__F(i) \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, (__m512bh)_mm512_set1_epi32((int)a[i]), b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__SHALLOW_STORE)
-}
-#undef MPT__SHALLOW_ACC
-#undef MPT__SHALLOW_STORE
-#endif /* MPT__X86 */
-
-#if MPT__X86
-/* Staging rows (kk × 12 elements of es bytes), lanes [p, p + n): the
-   windows of output pixels (b, oy, ox..ox + n), one output row, of a
-   one-channel image read with stride 1 along the width. Padding reads
-   zeros. */
-MPT__TARGET_AVX512 static void mpt__shallow_gather(const mpt__dconv_job *j, int64_t b, int64_t oy,
-                                                   int64_t ox, int p, int n,
-                                                   unsigned char *stage) {
-    const mpt_window *g = j->g;
-    const size_t es = j->es, row_bytes = MPT__DCONV_MR * es;
-    const __mmask16 lanes = mpt__gemm_mask16(n);
-    int64_t i, k;
-    for (i = 0; i < g->kh; i++) {
-        const int64_t y = oy * g->sh - g->top + i;
-        for (k = 0; k < g->kw; k++) {
-            /* pixels q in [q0, q1) read columns x0 + q inside the image */
-            const int64_t x0 = ox - g->left + k;
-            const int64_t q0 = MPT__MAX(-x0, 0);
-            const int64_t q1 = y < 0 || y >= g->h ? 0 : MPT__MAX(MPT__MIN(n, g->w - x0), 0);
-            const __mmask16 inside = (__mmask16)(q1 > q0 ? mpt__gemm_mask16((int)(q1 - q0)) : 0);
-            unsigned char *dst = stage + (size_t)(i * g->kw + k) * row_bytes;
-            const unsigned char *src = j->x;
-            if (q1 > q0) /* (only then is the pixel inside the image) */
-                src += (size_t)((b * g->h + y) * g->w + x0 + q0) * es;
-            if (es == 4) {
-                float *d = (float *)(void *)dst + p;
-                if (q1 - q0 < n) _mm512_mask_storeu_ps(d, lanes, _mm512_setzero_ps());
-                if (q1 > q0)
-                    _mm512_mask_storeu_ps(d + q0, inside, _mm512_maskz_loadu_ps(inside, src));
-            } else {
-                mpt_bf16 *d = (mpt_bf16 *)(void *)dst + p;
-                if (q1 - q0 < n) _mm256_mask_storeu_epi16(d, lanes, _mm256_setzero_si256());
-                if (q1 > q0)
-                    _mm256_mask_storeu_epi16(d + q0, inside, _mm256_maskz_loadu_epi16(inside, src));
-            }
-        }
-    }
-}
-
-/* 16 bfloat16 pairs (p[l], q[l]) in 32-bit lanes, p low: two pixels' (or
-   two depth rows') values side by side, as vdpbf16ps multiplies them.
-   Lanes outside kp (kq) read 0 from p (q). */
-MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, const mpt_bf16 *p,
-                                                              __mmask16 kq, const mpt_bf16 *q) {
-    __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
-    __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
-    /* (the maskz forms, as mpt__bf16_widen_avx512's) */
-    return _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kq, hi, 16));
-}
-
-/* bfloat16 staging rows (kk × 12) as the kernel's pairs: row 2·r in the
-   low halves of panel row r, row 2·r + 1 (0 past an odd kk) in the high. */
-MPT__TARGET_AVX512 static void mpt__shallow_pair_rows(const mpt_bf16 *stage, int64_t kk,
-                                                      uint32_t *panel) {
-    const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
-    int64_t r;
-    for (r = 0; r < (kk + 1) / 2; r++)
-        _mm512_mask_storeu_epi32(
-            panel + r * MPT__DCONV_MR, row,
-            mpt__bf16_interleave_avx512(row, stage + 2 * r * MPT__DCONV_MR,
-                                        2 * r + 1 < kk ? row : 0,
-                                        stage + (2 * r + 1) * MPT__DCONV_MR));
-}
-
-/* float16 staging rows (kk × 12) as float32 ones: exact. */
-MPT__TARGET_AVX512 static void mpt__shallow_widen_rows(const mpt_half *stage, int64_t kk,
-                                                       float *panel) {
-    const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
-    int64_t r;
-    for (r = 0; r < kk; r++)
-        _mm512_mask_storeu_ps(panel + r * MPT__DCONV_MR, row,
-                              _mm512_maskz_cvtph_ps(row, _mm256_maskz_loadu_epi16(
-                                                             row, stage + r * MPT__DCONV_MR)));
-}
-
-/* Tiles [task·TILES_PER_TASK, ...) of the output pixels, as mpt__dconv_task
-   cuts them; a tile's pixels past the end read zeros. */
-MPT__TARGET_AVX512 static void mpt__shallow_tiles(const mpt__dconv_job *j, int64_t task) {
-    uint32_t panel[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* float32, or bfloat16 pairs */
-    mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* bfloat16 or float16 */
-    unsigned char *stage = j->es == 4 ? (unsigned char *)panel : (unsigned char *)stage16;
-    float tile[MPT__DCONV_MR * 32];
-    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
-    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
-        const int64_t p0 = tile_i * MPT__DCONV_MR;
-        int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
-        int m, p, n;
-        if (p0 >= j->pixels) return;
-        m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
-        if (m < MPT__DCONV_MR) memset(stage, 0, (size_t)j->kk * MPT__DCONV_MR * j->es);
-        for (p = 0; p < m; p += n, ox = 0) { /* one output row at a time */
-            n = (int)MPT__MIN(m - p, j->ow - ox);
-            mpt__shallow_gather(j, b, oy, ox, p, n, stage);
-            if (++oy == j->oh) oy = 0, b++;
-        }
-        if (j->a->dtype == MPT_BFLOAT16)
-            mpt__shallow_pair_rows(stage16, j->kk, panel);
-        else if (j->a->dtype == MPT_FLOAT16)
-            mpt__shallow_widen_rows((const mpt_half *)stage16, j->kk, (float *)(void *)panel);
-        for (o0 = 0; o0 < j->oc; o0 += 32) {
-            const int nb = (int)MPT__MIN(32, j->oc - o0);
-            if (j->a->dtype != MPT_BFLOAT16)
-                mpt__shallow_tile_f32(j, panel, o0, nb, tile);
-            else
-                mpt__shallow_tile_bf16(j, panel, o0, nb, tile);
-            mpt__dconv_store(j, tile, p0, m, o0, nb);
-        }
-    }
-}
-#endif /* MPT__X86 */
-
-static void mpt__shallow_task(void *arg, int64_t task, int thread) {
-    (void)thread;
-#if MPT__X86
-    mpt__shallow_tiles((const mpt__dconv_job *)arg, task);
-#else
-    (void)arg, (void)task; /* never called: conv_direct declines first */
-#endif
-}
-
-/* ---- Winograd F(2×2, 3×3): float32 3×3 products of stride 1 ---------------
-   A 2×2 block of output pixels (a "tile") reads a 4×4 patch d of each
-   input channel through the 3×3 kernel g: 36 multiply-adds per channel
-   and filter. Winograd's minimal filtering gets the same four sums from
-   16 products:
-       Y = Aᵀ [ (G g Gᵀ) ⊙ (Bᵀ d B) ] A,   with
-       Bᵀ = | 1  0 −1  0 |    G = | 1   0   0 |    Aᵀ = | 1  1  1  0 |
-            | 0  1  1  0 |        | ½   ½   ½ |         | 0  1 −1 −1 |
-            | 0 −1  1  0 |        | ½  −½   ½ |
-            | 0  1  0 −1 |        | 0   0   1 |
-   Summed over C channels for F filters, the 16 elementwise products
-   become 16 independent matrix products, one per position ξ of the 4×4
-   grid:  M_ξ (tiles × F) = V_ξ (tiles × C) · U_ξ (C × F),  where V = Bᵀ d B
-   (the input transform, per tile and channel: additions only) and U =
-   G g Gᵀ (the kernel transform, once per call). That is 16·C·F
-   multiplies per tile instead of 36·C·F: 2.25 times fewer. The price is
-   the transforms' additions, and another rounding: the transforms add
-   and subtract before the products, so the sums are not the direct
-   path's and their error is a few times larger (test_conv bounds it by
-   1e-5 of the sum of the terms' sizes, and compares the layer's results
-   with the im2col path's).
-   A task takes 12 consecutive tiles (across tile rows and samples, as
-   mpt__dconv_task takes pixels): it transforms their patches into V (16
-   × 12 × C, in the thread's scratch), then for each block of 32 filters
-   runs the 16 products with the direct tiles' 12 × 32 register block
-   into M (16 × 12 × 32), turns M into the tiles' 2×2 outputs, adds the
-   bias, applies ReLU and stores the pixels inside the image. Each output
-   is one task's, summed in a fixed order: the same bits for any thread
-   count. The input gradient is the same product over dz with the kernel
-   turned around (the direct tiles' rule): 2 − top rows of zeros before
-   dz, taps reversed, C and F swapped. */
-#define MPT__WINO_TILES 12      /* tiles per task: the register block's rows */
-#define MPT__WINO_MAX_C 2048    /* V and M fit the thread's scratch below this */
-
-typedef struct mpt__wino_job {
-    mpt_context *ctx;
-    const mpt_conv_args *a;
-    const unsigned char *x;  /* the image read: x, or dz for input_grad       */
-    int64_t ih, iw, ic;      /* its sample shape                              */
-    int64_t oh, ow, oc;      /* the output's: y, or dx for input_grad         */
-    int64_t top, left;       /* rows and columns of zeros before the image    */
-    int64_t th, tw, tiles;   /* tile rows and columns per sample; n·th·tw     */
-    int tile, points;        /* 2 (F(2×2, 3×3)) or 4 (F(4×4, 3×3)); 16 or 36 */
-    float *u;                /* U: (points, ic, oc)                           */
-    const unsigned char *zero; /* ic zeros: what the padding reads            */
-} mpt__wino_job;
-
-#if MPT__X86
-/* Whether the Winograd products take this case: any dtype (widened to
-   float32) with AVX-512, a 3×3 kernel of stride 1, 16 or more channels in and out
-   (fewer leaves most of each vector idle), the forward's activation none
-   or ReLU. */
-static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a) {
-    const mpt_window *g = a->g;
-    const int64_t ic = a->input_grad ? a->f : g->c, oc = a->input_grad ? g->c : a->f;
-    return mpt__wino_dtype(a->dtype) && (ctx->cpu & MPT_CPU_AVX512) && !a->kernel_grad &&
-           g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
-           g->left <= 2 && ic >= 16 && oc >= 16 && ic <= MPT__WINO_MAX_C &&
-           (a->input_grad || a->act == MPT_ACT_NONE || a->act == MPT_ACT_RELU);
-}
-
-/* The input gradient's taps: kernel[2 − i][2 − j][o][c] as (9, ic, oc)
-   float32 in `turned`, which it returns (and float32 in *dtype). */
-static const unsigned char *mpt__wino_turn(const mpt__wino_job *j, const void *kernel,
-                                           float *turned, mpt_dtype *dtype) {
-    const int64_t ic = j->ic, oc = j->oc;
-    int64_t t, c, o;
-    for (t = 0; t < 9; t++)
-        for (o = 0; o < oc; o++)
-            for (c = 0; c < ic; c++)
-                turned[(t * ic + c) * oc + o] =
-                    mpt__load_f32(*dtype, kernel, ((8 - t) * oc + o) * ic + c);
-    *dtype = MPT_FLOAT32;
-    return (const unsigned char *)turned;
-}
-
-/* U (16, ic, oc) = G g Gᵀ for each pair (c, o) of input and output
-   channel, 16 pairs at a time; g are the 3×3 taps the product reads:
-   kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the input
-   gradient, which first turns the kernel into `turned` (9, ic, oc)
-   float32. */
-MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const void *kernel,
-                                                float *turned) {
-    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
-    const __m512 half = _mm512_set1_ps(0.5f);
-    const unsigned char *g = (const unsigned char *)kernel;
-    mpt_dtype dtype = j->a->dtype;
-    int64_t e, t;
-    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
-    for (e = 0; e < plane; e += 16) {
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
-        const size_t es = mpt_dtype_size(dtype);
-        __m512 gg[9], tt[12];
-        int r, s;
-        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
-        for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
-            tt[s] = gg[s];
-            tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
-            tt[6 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(gg[s], gg[3 + s]), gg[6 + s]));
-            tt[9 + s] = gg[6 + s];
-        }
-        for (r = 0; r < 4; r++) { /* (G g) Gᵀ: U_ξ for ξ = 4r .. 4r + 3 */
-            const __m512 a0 = tt[3 * r], a1 = tt[3 * r + 1], a2 = tt[3 * r + 2];
-            float *d = j->u + 4 * r * plane + e;
-            _mm512_mask_storeu_ps(d, k, a0);
-            _mm512_mask_storeu_ps(d + plane, k,
-                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(a0, a1), a2)));
-            _mm512_mask_storeu_ps(d + 2 * plane, k,
-                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(a0, a1), a2)));
-            _mm512_mask_storeu_ps(d + 3 * plane, k, a2);
-        }
-    }
-}
-
-/* The (tile + 2)² pixels tile t (of `tile`×`tile` outputs) reads, row
-   by row: pointers into j->x, or j->zero in the padding and past the last
-   tile. First asks for the columns the tile after next reads that the
-   next one does not (as mpt__wkg_prefetch). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_patch(const mpt__wino_job *j,
-                                                                  int64_t t, int tile, size_t es,
-                                                                  const unsigned char **at) {
-    const int64_t per = j->th * j->tw, b = t / per, n = tile + 2;
-    const int64_t y0 = tile * (t % per / j->tw) - j->top, x0 = tile * (t % j->tw) - j->left;
-    const size_t pixel = (size_t)j->ic * es;
-    int64_t r, s;
-    for (r = 0; r < n && t % j->tw + 2 < j->tw && t + 2 < j->tiles; r++)
-        for (s = n + tile; s < n + 2 * tile; s++)
-            if (y0 + r >= 0 && y0 + r < j->ih && x0 + s >= 0 && x0 + s < j->iw)
-                mpt__prefetch_row(j->x, (size_t)((b * j->ih + y0 + r) * j->iw + x0 + s) * pixel,
-                                  pixel);
-    for (r = 0; r < n; r++)
-        for (s = 0; s < n; s++) {
-            const int64_t y = y0 + r, x = x0 + s;
-            at[n * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
-                                ? j->x + (size_t)((b * j->ih + y) * j->iw + x) * pixel
-                                : j->zero;
-        }
-}
-
-/* V (16, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
-   d B row by row (four rows of four), then Bᵀ over them. Pixels in the
-   padding, and tiles past the last, read j->zero. */
-#define MPT__WINO_ROW(r)                                                              \
-    d0 = mpt__gemm_load16(dtype, at[4 * r] + c * es, k);                              \
-    d1 = mpt__gemm_load16(dtype, at[4 * r + 1] + c * es, k);                          \
-    d2 = mpt__gemm_load16(dtype, at[4 * r + 2] + c * es, k);                          \
-    d3 = mpt__gemm_load16(dtype, at[4 * r + 3] + c * es, k);                          \
-    f##r##0 = _mm512_sub_ps(d0, d2);                                                  \
-    f##r##1 = _mm512_add_ps(d1, d2);                                                  \
-    f##r##2 = _mm512_sub_ps(d2, d1);                                                  \
-    f##r##3 = _mm512_sub_ps(d1, d3);
-#define MPT__WINO_COL(s)                                                                  \
-    _mm512_mask_storeu_ps(dst + s * step, k, _mm512_sub_ps(f0##s, f2##s));                \
-    _mm512_mask_storeu_ps(dst + (4 + s) * step, k, _mm512_add_ps(f1##s, f2##s));          \
-    _mm512_mask_storeu_ps(dst + (8 + s) * step, k, _mm512_sub_ps(f2##s, f1##s));          \
-    _mm512_mask_storeu_ps(dst + (12 + s) * step, k, _mm512_sub_ps(f1##s, f3##s));
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__wino_job *j,
-                                                                     int64_t t0, float *v,
-                                                                     mpt_dtype dtype) {
-    const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
-    const size_t es = mpt_dtype_size(dtype);
-    int64_t i, c;
-    for (i = 0; i < MPT__WINO_TILES; i++) {
-        const unsigned char *at[16]; /* the patch's pixels */
-        mpt__wino_patch(j, t0 + i, 2, es, at);
-        for (c = 0; c < ic; c += 16) {
-            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
-            float *dst = v + i * ic + c;
-            __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
-            __m512 f20, f21, f22, f23, f30, f31, f32, f33;
-            MPT__WINO_ROW(0)
-            MPT__WINO_ROW(1)
-            MPT__WINO_ROW(2)
-            MPT__WINO_ROW(3)
-            MPT__WINO_COL(0)
-            MPT__WINO_COL(1)
-            MPT__WINO_COL(2)
-            MPT__WINO_COL(3)
-        }
-    }
-}
-#undef MPT__WINO_COL /* (MPT__WINO_ROW serves the kernel gradient too) */
-
-/* (one copy per dtype, each with its loads inline) */
-MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
-    if (j->a->dtype == MPT_FLOAT16)
-        mpt__wino_input_as(j, t0, v, MPT_FLOAT16);
-    else if (j->a->dtype == MPT_BFLOAT16)
-        mpt__wino_input_as(j, t0, v, MPT_BFLOAT16);
-    else
-        mpt__wino_input_as(j, t0, v, MPT_FLOAT32);
-}
-
-/* M (points, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), each ξ of
-   the tile's points: the direct tiles' 12 × 32 register block, the
-   channels summed in order. */
-#define MPT__WINO_SRC(i) const float *s##i = vx + i * ic;
-#define MPT__WINO_STORE(i)                          \
-    _mm512_storeu_ps(tile + 32 * i, c##i##0);       \
-    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
-MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const float *v,
-                                                  int64_t o0, int nb, float *m) {
-    const int64_t ic = j->ic, oc = j->oc;
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int xi;
-    for (xi = 0; xi < j->points; xi++) {
-        const float *vx = v + xi * MPT__WINO_TILES * ic, *wr = j->u + xi * ic * oc + o0;
-        float *tile = m + xi * MPT__WINO_TILES * 32;
-        int64_t c;
-        MPT__ROWS12(MPT__DCONV_ACC)
-        MPT__ROWS12(MPT__WINO_SRC)
-        if (nb > 16) {
-            for (c = 0; c < ic; c++, wr += oc) {
-                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
-                __m512 ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(s##i[c]);                  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
-                MPT__ROWS12(MPT__F)
-#undef MPT__F
-            }
-        } else {
-            for (c = 0; c < ic; c++, wr += oc) {
-                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(s##i[c]);                  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
-                MPT__ROWS12(MPT__F)
-#undef MPT__F
-            }
-        }
-        MPT__ROWS12(MPT__WINO_STORE)
-    }
-}
-#undef MPT__WINO_SRC
-#undef MPT__WINO_STORE
-
-/* The tiles' 2×2 outputs for filters [o0, o0 + nb) from M: Aᵀ M column
-   by column, then A over them; + the bias, ReLU (as
-   mpt__dconv_finish_avx512 does them), stored where they lie inside the
-   output, in the layer's dtype. */
-#define MPT__WINO_COL(x)                                                                     \
-    q0 = _mm512_loadu_ps(mi + (x) * ld);                                                    \
-    q1 = _mm512_loadu_ps(mi + (4 + x) * ld);                                                \
-    q2 = _mm512_loadu_ps(mi + (8 + x) * ld);                                                \
-    q3 = _mm512_loadu_ps(mi + (12 + x) * ld);                                               \
-    r0##x = _mm512_add_ps(_mm512_add_ps(q0, q1), q2);                                       \
-    r1##x = _mm512_sub_ps(_mm512_sub_ps(q1, q2), q3);
-MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const float *m,
-                                                int64_t t0, int64_t o0, int nb) {
-    const mpt_conv_args *a = j->a;
-    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
-    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
-    /* (no masked load without a bias: one that names an unmapped address,
-       even with every lane masked off, costs a microcode assist) */
-    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL;
-    const size_t es = mpt_dtype_size(a->dtype);
-    unsigned char *y = (unsigned char *)a->y;
-    int64_t i;
-    int h, p;
-    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
-        const int64_t t = t0 + i, b = t / per, oy = 2 * (t % per / j->tw), ox = 2 * (t % j->tw);
-        for (h = 0; h < nb; h += 16) {
-            const __mmask16 k = mpt__gemm_mask16(nb - h);
-            const float *mi = m + i * 32 + h;
-            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
-            __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
-            MPT__WINO_COL(0)
-            MPT__WINO_COL(1)
-            MPT__WINO_COL(2)
-            MPT__WINO_COL(3)
-            out[0] = _mm512_add_ps(_mm512_add_ps(r00, r01), r02);
-            out[1] = _mm512_sub_ps(_mm512_sub_ps(r01, r02), r03);
-            out[2] = _mm512_add_ps(_mm512_add_ps(r10, r11), r12);
-            out[3] = _mm512_sub_ps(_mm512_sub_ps(r11, r12), r13);
-            for (p = 0; p < 4; p++) {
-                const int64_t yy = oy + p / 2, xx = ox + p % 2;
-                __m512 val = _mm512_add_ps(out[p], bias);
-                if (yy >= j->oh || xx >= j->ow) continue;
-                if (relu)
-                    val = _mm512_maskz_mov_ps(
-                        _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-                mpt__avx512_store(a->dtype,
-                                  y + (size_t)(((b * j->oh + yy) * j->ow + xx) * j->oc + o0 + h) * es,
-                                  val, k);
-            }
-        }
-    }
-}
-#undef MPT__WINO_COL
-
-/* ---- F(4×4, 3×3): the same products on 4×4 tiles ----------------------------
-   A 4×4 block of outputs reads a 6×6 patch: 36 products per tile and
-   channel pair where the direct sums spend 144, 2.25 times fewer than
-   F(2×2, 3×3)'s 16 per 2×2 tile (64). Its transforms (Lavin and Gray's
-   points 0, ±1, ±2, ∞):
-       Bᵀ = | 4  0 −5  0  1  0 |   G = |  ¼     0    0 |   Aᵀ = | 1  1  1  1  1  0 |
-            | 0 −4 −4  1  1  0 |       | −⅙    −⅙   −⅙ |        | 0  1 −1  2 −2  0 |
-            | 0  4 −4 −1  1  0 |       | −⅙     ⅙   −⅙ |        | 0  1  1  4  4  0 |
-            | 0 −2 −1  2  1  0 |       | 1/24 1/12   ⅙ |        | 0  1 −1  8 −8  1 |
-            | 0  2 −1 −2  1  0 |       | 1/24 −1/12  ⅙ |
-            | 0  4  0 −5  0  1 |       |  0     0    1 |
-   Their larger coefficients cost accuracy: the sums' error is several
-   times F(2×2, 3×3)'s (test_conv bounds both alike). A 4×4 tile wastes
-   more past the output's edge, so each call takes the tile whose
-   products, edges counted, are fewer (mpt__wino_tile_for). */
-#define MPT__WINO4_MAX_C 1024   /* V (36 × 12 × C) and M fit the scratch */
-
-/* The six values G·(a0, a1, a2), for U = G g Gᵀ. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_g(__m512 a0, __m512 a1, __m512 a2,
-                                                              __m512 *w) {
-    const __m512 sixth = _mm512_set1_ps(1.0f / 6), twelfth = _mm512_set1_ps(1.0f / 12);
-    const __m512 a0_24 = _mm512_mul_ps(a0, _mm512_set1_ps(1.0f / 24));
-    const __m512 a2_6 = _mm512_mul_ps(a2, sixth), a1_12 = _mm512_mul_ps(a1, twelfth);
-    const __m512 even = _mm512_add_ps(a0, a2);
-    w[0] = _mm512_mul_ps(a0, _mm512_set1_ps(0.25f));
-    w[1] = _mm512_mul_ps(_mm512_add_ps(even, a1), _mm512_set1_ps(-1.0f / 6));
-    w[2] = _mm512_mul_ps(_mm512_sub_ps(even, a1), _mm512_set1_ps(-1.0f / 6));
-    w[3] = _mm512_add_ps(_mm512_add_ps(a0_24, a1_12), a2_6);
-    w[4] = _mm512_add_ps(_mm512_sub_ps(a0_24, a1_12), a2_6);
-    w[5] = a2;
-}
-
-/* U (36, ic, oc) = G g Gᵀ, as mpt__wino_kernel makes F(2×2, 3×3)'s. */
-MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const void *kernel,
-                                                 float *turned) {
-    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
-    const unsigned char *g = (const unsigned char *)kernel;
-    mpt_dtype dtype = j->a->dtype;
-    int64_t e, t;
-    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
-    for (e = 0; e < plane; e += 16) {
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
-        const size_t es = mpt_dtype_size(dtype);
-        __m512 gg[9], col[3][6], row[6];
-        int r, q;
-        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
-        for (q = 0; q < 3; q++) mpt__wino4_g(gg[q], gg[3 + q], gg[6 + q], col[q]); /* G g */
-        for (r = 0; r < 6; r++) { /* (G g) Gᵀ: U_ξ for ξ = 6r .. 6r + 5 */
-            mpt__wino4_g(col[0][r], col[1][r], col[2][r], row);
-            for (q = 0; q < 6; q++)
-                _mm512_mask_storeu_ps(j->u + (6 * r + q) * plane + e, k, row[q]);
-        }
-    }
-}
-
-/* The six values Bᵀ·(d0 .. d5). (The transforms below name each value
-   rather than index arrays: arrays indexed in loops stayed in memory, and
-   the transforms took as long as the products.) */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_b(__m512 d0, __m512 d1, __m512 d2,
-                                                              __m512 d3, __m512 d4, __m512 d5,
-                                                              __m512 *o0, __m512 *o1,
-                                                              __m512 *o2, __m512 *o3,
-                                                              __m512 *o4, __m512 *o5) {
-    const __m512 two = _mm512_set1_ps(2.0f), four = _mm512_set1_ps(4.0f);
-    const __m512 five = _mm512_set1_ps(5.0f);
-    const __m512 s12 = _mm512_add_ps(d1, d2), s34 = _mm512_add_ps(d3, d4);
-    const __m512 d12 = _mm512_sub_ps(d1, d2), d43 = _mm512_sub_ps(d4, d3);
-    const __m512 d31 = _mm512_sub_ps(d3, d1), d42 = _mm512_sub_ps(d4, d2);
-    *o0 = _mm512_fmadd_ps(four, d0, _mm512_fnmadd_ps(five, d2, d4));
-    *o1 = _mm512_fnmadd_ps(four, s12, s34);
-    *o2 = _mm512_fmadd_ps(four, d12, d43);
-    *o3 = _mm512_fmadd_ps(two, d31, d42);
-    *o4 = _mm512_fnmadd_ps(two, d31, d42);
-    *o5 = _mm512_fmadd_ps(four, d1, _mm512_fnmadd_ps(five, d3, d5));
-}
-
-/* Bᵀ d B of one 6×6 patch for channels [c, c + 16) (k: those inside):
-   at[36] the patch's pixels in dtype, each row of the patch through Bᵀ,
-   then each column; point ξ goes to out + ξ·stride, its lanes outside k
-   stored only where keep is all ones (zeros: the kernel gradient's V
-   keeps 16 channels a vector). */
-#define MPT__W4_LOAD(i) mpt__gemm_load16(dtype, at[i] + c * es, k)
-#define MPT__W4_ROW(r)                                                                     \
-    mpt__wino4_b(MPT__W4_LOAD(6 * r), MPT__W4_LOAD(6 * r + 1), MPT__W4_LOAD(6 * r + 2),    \
-                 MPT__W4_LOAD(6 * r + 3), MPT__W4_LOAD(6 * r + 4), MPT__W4_LOAD(6 * r + 5), \
-                 &t##r##0, &t##r##1, &t##r##2, &t##r##3, &t##r##4, &t##r##5);
-#define MPT__W4_COL(s)                                                                     \
-    mpt__wino4_b(t0##s, t1##s, t2##s, t3##s, t4##s, t5##s, &o0, &o1, &o2, &o3, &o4, &o5);  \
-    _mm512_mask_storeu_ps(out + (s) * stride, keep, o0);                                   \
-    _mm512_mask_storeu_ps(out + (6 + (s)) * stride, keep, o1);                             \
-    _mm512_mask_storeu_ps(out + (12 + (s)) * stride, keep, o2);                            \
-    _mm512_mask_storeu_ps(out + (18 + (s)) * stride, keep, o3);                            \
-    _mm512_mask_storeu_ps(out + (24 + (s)) * stride, keep, o4);                            \
-    _mm512_mask_storeu_ps(out + (30 + (s)) * stride, keep, o5);
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_patch_transform(
-    const unsigned char *const *at, int64_t c, mpt_dtype dtype, size_t es, __mmask16 k,
-    __mmask16 keep, float *out, int64_t stride) {
-    __m512 t00, t01, t02, t03, t04, t05, t10, t11, t12, t13, t14, t15;
-    __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
-    __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
-    __m512 o0, o1, o2, o3, o4, o5;
-    MPT__W4_ROW(0)
-    MPT__W4_ROW(1)
-    MPT__W4_ROW(2)
-    MPT__W4_ROW(3)
-    MPT__W4_ROW(4)
-    MPT__W4_ROW(5)
-    MPT__W4_COL(0)
-    MPT__W4_COL(1)
-    MPT__W4_COL(2)
-    MPT__W4_COL(3)
-    MPT__W4_COL(4)
-    MPT__W4_COL(5)
-}
-#undef MPT__W4_LOAD
-#undef MPT__W4_ROW
-#undef MPT__W4_COL
-
-/* V (36, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt__wino_job *j,
-                                                                      int64_t t0, float *v,
-                                                                      mpt_dtype dtype) {
-    const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
-    const size_t es = mpt_dtype_size(dtype);
-    int64_t i, c;
-    for (i = 0; i < MPT__WINO_TILES; i++) {
-        const unsigned char *at[36]; /* the patch's pixels */
-        mpt__wino_patch(j, t0 + i, 4, es, at);
-        for (c = 0; c < ic; c += 16) {
-            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
-            mpt__wino4_patch_transform(at, c, dtype, es, k, k, v + i * ic + c, step);
-        }
-    }
-}
-
-MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t t0, float *v) {
-    if (j->a->dtype == MPT_FLOAT16)
-        mpt__wino4_input_as(j, t0, v, MPT_FLOAT16);
-    else if (j->a->dtype == MPT_BFLOAT16)
-        mpt__wino4_input_as(j, t0, v, MPT_BFLOAT16);
-    else
-        mpt__wino4_input_as(j, t0, v, MPT_FLOAT32);
-}
-
-/* The four values Aᵀ·(m0 .. m5). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(__m512 m0, __m512 m1, __m512 m2,
-                                                              __m512 m3, __m512 m4, __m512 m5,
-                                                              __m512 *o0, __m512 *o1,
-                                                              __m512 *o2, __m512 *o3) {
-    const __m512 s12 = _mm512_add_ps(m1, m2), d12 = _mm512_sub_ps(m1, m2);
-    const __m512 s34 = _mm512_add_ps(m3, m4), d34 = _mm512_sub_ps(m3, m4);
-    *o0 = _mm512_add_ps(_mm512_add_ps(m0, s12), s34);
-    *o1 = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34, d12);
-    *o2 = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34, s12);
-    *o3 = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m5);
-}
-
-/* One output pixel's 16 filters: + the bias, ReLU, stored in dtype if
-   inside the output. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
-    const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
-    int relu, __mmask16 k) {
-    const mpt_conv_args *a = j->a;
-    const size_t at = (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o);
-    if (y >= j->oh || x >= j->ow) return;
-    val = _mm512_add_ps(val, bias);
-    if (relu)
-        val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-    mpt__avx512_store(a->dtype, (unsigned char *)a->y + at * mpt_dtype_size(a->dtype), val, k);
-}
-
-/* The tiles' 4×4 outputs for filters [o0, o0 + nb) from M (36, 12, 32),
-   as mpt__wino_output stores F(2×2, 3×3)'s: Aᵀ M column by column, then
-   A along each row. */
-#define MPT__W4_LOAD(x) _mm512_loadu_ps(mi + (x) * ld)
-#define MPT__W4_COL(s)                                                                      \
-    mpt__wino4_a(MPT__W4_LOAD(s), MPT__W4_LOAD(6 + s), MPT__W4_LOAD(12 + s),                \
-                 MPT__W4_LOAD(18 + s), MPT__W4_LOAD(24 + s), MPT__W4_LOAD(30 + s), &c0##s,   \
-                 &c1##s, &c2##s, &c3##s);
-#define MPT__W4_ROW(r)                                                                      \
-    mpt__wino4_a(c##r##0, c##r##1, c##r##2, c##r##3, c##r##4, c##r##5, &p0, &p1, &p2, &p3); \
-    mpt__wino4_store(j, b, oy + r, ox, o0 + h, p0, bias, relu, k);                           \
-    mpt__wino4_store(j, b, oy + r, ox + 1, o0 + h, p1, bias, relu, k);                       \
-    mpt__wino4_store(j, b, oy + r, ox + 2, o0 + h, p2, bias, relu, k);                       \
-    mpt__wino4_store(j, b, oy + r, ox + 3, o0 + h, p3, bias, relu, k);
-MPT__TARGET_AVX512 static void mpt__wino4_output(const mpt__wino_job *j, const float *m,
-                                                 int64_t t0, int64_t o0, int nb) {
-    const mpt_conv_args *a = j->a;
-    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
-    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
-    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL; /* (as there) */
-    int64_t i;
-    int h;
-    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
-        const int64_t t = t0 + i, b = t / per, oy = 4 * (t % per / j->tw), ox = 4 * (t % j->tw);
-        for (h = 0; h < nb; h += 16) {
-            const __mmask16 k = mpt__gemm_mask16(nb - h);
-            const float *mi = m + i * 32 + h;
-            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
-            __m512 c00, c01, c02, c03, c04, c05, c10, c11, c12, c13, c14, c15;
-            __m512 c20, c21, c22, c23, c24, c25, c30, c31, c32, c33, c34, c35;
-            __m512 p0, p1, p2, p3;
-            MPT__W4_COL(0)
-            MPT__W4_COL(1)
-            MPT__W4_COL(2)
-            MPT__W4_COL(3)
-            MPT__W4_COL(4)
-            MPT__W4_COL(5)
-            MPT__W4_ROW(0)
-            MPT__W4_ROW(1)
-            MPT__W4_ROW(2)
-            MPT__W4_ROW(3)
-        }
-    }
-}
-#undef MPT__W4_LOAD
-#undef MPT__W4_COL
-#undef MPT__W4_ROW
-
-/* Tiles [task·12, task·12 + 12). */
-static void mpt__wino_task(void *arg, int64_t task, int thread) {
-    const mpt__wino_job *j = (const mpt__wino_job *)arg;
-    float *v = (float *)mpt__thread_scratch(j->ctx, thread);  /* (points, 12, ic) */
-    float *m = v + j->points * MPT__WINO_TILES * j->ic;       /* (points, 12, 32) */
-    const int64_t t0 = task * MPT__WINO_TILES;
-    int64_t o0;
-    if (j->tile == 4)
-        mpt__wino4_input(j, t0, v);
-    else
-        mpt__wino_input(j, t0, v);
-    for (o0 = 0; o0 < j->oc; o0 += 32) {
-        const int nb = (int)MPT__MIN(32, j->oc - o0);
-        mpt__wino_products(j, v, o0, nb, m);
-        if (j->tile == 4)
-            mpt__wino4_output(j, m, t0, o0, nb);
-        else
-            mpt__wino_output(j, m, t0, o0, nb);
-    }
-}
-
-/* The tile side, 2 or 4, whose products are fewer for this call's output
-   (4×4 tiles by a tenth at least: 10×10 outputs, 0.81 as many, ran 10 %
-   faster in 4×4 tiles; 6×6, as many, 15 % slower), 4 only where its V
-   fits the scratch. */
-static int mpt__wino_tile_for(const mpt_conv_args *a) {
-    const mpt_window *g = a->g;
-    const int64_t oh = a->input_grad ? g->h : g->oh, ow = a->input_grad ? g->w : g->ow;
-    const int64_t ic = a->input_grad ? a->f : g->c;
-    const int64_t cost2 = (oh + 1) / 2 * ((ow + 1) / 2) * 16;
-    const int64_t cost4 = (oh + 3) / 4 * ((ow + 3) / 4) * 36;
-    return ic <= MPT__WINO4_MAX_C && 10 * cost4 <= 9 * cost2 ? 4 : 2;
-}
-
-/* The forward product or the input gradient by Winograd's F(tile×tile,
-   3×3), tile 2 or 4. ws (MPT_CONV_DIRECT_WS_BYTES): U, a zero pixel, the
-   turned kernel. */
-static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile) {
-    const mpt_window *g = a->g;
-    mpt__wino_job j;
-    float *zero;
-    j.ctx = ctx;
-    j.a = a;
-    j.x = (const unsigned char *)a->x;
-    j.ih = a->input_grad ? g->oh : g->h;
-    j.iw = a->input_grad ? g->ow : g->w;
-    j.ic = a->input_grad ? a->f : g->c;
-    j.oh = a->input_grad ? g->h : g->oh;
-    j.ow = a->input_grad ? g->w : g->ow;
-    j.oc = a->input_grad ? g->c : a->f;
-    j.top = a->input_grad ? 2 - g->top : g->top;
-    j.left = a->input_grad ? 2 - g->left : g->left;
-    j.tile = tile;
-    j.points = (tile + 2) * (tile + 2);
-    j.th = (j.oh + tile - 1) / tile;
-    j.tw = (j.ow + tile - 1) / tile;
-    j.tiles = a->n * j.th * j.tw;
-    j.u = (float *)a->ws;
-    zero = j.u + j.points * j.ic * j.oc;
-    memset(zero, 0, sizeof(float) * (size_t)j.ic);
-    j.zero = (const unsigned char *)zero;
-    if (a->ws_kept) /* U as the previous chunk left it */
-        ;
-    else if (tile == 4)
-        mpt__wino4_kernel(&j, a->kernel, zero + j.ic);
-    else
-        mpt__wino_kernel(&j, a->kernel, zero + j.ic);
-    mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
-}
-
-/* ---- Winograd's kernel gradient ---------------------------------------------
-   The forward above sums Y = Aᵀ [(G g Gᵀ) ⊙ V] A over channels, tile by
-   tile; its gradient with respect to the taps g, summed over the tiles,
-   is
-       dg = Gᵀ dU G,   dU_ξ (C × F) = Σ over tiles of V_ξᵀ · dM_ξ,
-       dM = A dY Aᵀ    (dY: the tile's 2×2 or 4×4 of dz, zero past the edge),
-   the same 16 or 36 products, now of (C × tiles) by (tiles × F): per
-   output pixel 4·C·F multiply-adds (2×2 tiles) or 2.25·C·F (4×4) where
-   the direct kernel gradient spends 9·C·F. The tile is the forward's
-   choice (mpt__wino_tile_for).
-   The tiles go in spans, as many as keep their V and dM within 256 KiB
-   of the thread's scratch, so that the products read them from the
-   core's own cache; the spans in groups of
-   consecutive spans, at least MPT__WKG_GROUP_SPANS a group and at most
-   MPT_CONV_WINO_KGRAD_GROUPS groups, a task each. A task transforms a
-   span (channels in blocks of 16, filters in blocks of 32, each block's
-   tiles one after the other, as the products read them), runs the
-   products over it with an 8 × 32 register block (half a channel
-   block), adds them to its own dU, and goes on to its next span. A
-   second pass adds the tasks' dU in task order, turns the sum into dg
-   and stores or adds it. (One dU per span was 19 MB for the CNN's
-   second layer, written and read back: with the layer's x and dz, more
-   than the L3 cache holds.) Spans and groups depend on the layer alone:
-   the same bits for any thread count. */
-
-typedef struct mpt__wkg_job {
-    const mpt_conv_args *a;
-    const mpt_window *g;
-    mpt_context *ctx;
-    int64_t th, tw, tiles;    /* tile rows, columns per sample; n·th·tw      */
-    int tile, points;         /* 2 or 4 (mpt__wino_tile_for); 16 or 36       */
-    int64_t cb, fb;           /* blocks of 8 channels, of 32 filters         */
-    int64_t span, spans;      /* tiles per span; spans                       */
-    int64_t tasks;            /* groups of consecutive spans                 */
-    int64_t v_plane, dm_plane; /* floats from one ξ to the next in v, dm      */
-    float *du;                /* (tasks, points, C, F): each task's dU       */
-    const unsigned char *zero; /* C zeros: what the padding reads            */
-} mpt__wkg_job;
-
-/* Tiles per span for C channels and F filters: 16 floats of V and dM
-   per tile and channel or filter, 256 KiB in all. */
-static int64_t mpt__wkg_span(int64_t c, int64_t f) { return MPT_CONV_WINO_KGRAD_SPAN(c, f); }
-
-/* Floats between v's (and dm's) 16 planes beyond their contents: planes a
-   multiple of 4 KiB apart put a tile's 16 stores in one set of the L1
-   cache, more lines than it has ways, and the transform waited on the
-   evictions (1,600 cycles a tile for 32 channels and filters). */
-#define MPT__WKG_PLANE_PAD 16
-
-/* Spans a group sums at least (fewer where there are fewer): every group
-   writes a dU the second pass reads back, 64 KiB for 32 channels and
-   filters. A chunk of 14 samples of the CNN's second layer (32 spans) on
-   2 threads took 0.33 ms in 32 groups, 0.28 in 16, 0.24 in 8, 4 or 2. */
-#define MPT__WKG_GROUP_SPANS 4
-
-/* Whether Winograd's kernel gradient takes this case: any dtype
-   (widened to float32) with AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
-   filters, spans of 16 tiles or more (wider layers: the direct tiles,
-   whose sums need no dU per task), a workspace given. */
-static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
-    const mpt_window *g = a->g;
-    return a->kernel_grad && a->ws && mpt__wino_dtype(a->dtype) && (ctx->cpu & MPT_CPU_AVX512) &&
-           g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
-           g->left <= 2 && g->c >= 8 && a->f >= 16 && mpt__wkg_span(g->c, a->f) >= 16;
-}
-
-/* V of a span's tile i (of x's patch, as mpt__wino_input makes it, with
-   its MPT__WINO_ROW; 16 channels a vector, zeros past C) and its dM =
-   A dY Aᵀ (16 filters a vector), into v (16, ⌈C/16⌉, span, 16) and dm
-   (16, fb, span, 32). */
-#define MPT__WKG_STORE16(xi, val) \
-    _mm512_storeu_ps(v + (xi) * j->v_plane + (c / 16 * j->span + i) * 16, val);
-#define MPT__WKG_COL(s)                                                 \
-    MPT__WKG_STORE16(s, _mm512_sub_ps(f0##s, f2##s))                    \
-    MPT__WKG_STORE16(4 + s, _mm512_add_ps(f1##s, f2##s))                \
-    MPT__WKG_STORE16(8 + s, _mm512_sub_ps(f2##s, f1##s))                \
-    MPT__WKG_STORE16(12 + s, _mm512_sub_ps(f1##s, f3##s))
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
-    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
-    mpt_dtype dtype) {
-    const mpt_window *g = j->g;
-    const int64_t C = g->c, F = j->a->f;
-    const int64_t step = j->dm_plane;
-    const size_t es = mpt_dtype_size(dtype);
-    const unsigned char *x = (const unsigned char *)j->a->x;
-    const unsigned char *dz = (const unsigned char *)j->a->dz;
-    const unsigned char *at[16], *dy[4];
-    int64_t c, o;
-    int r, s;
-    for (r = 0; r < 4; r++)
-        for (s = 0; s < 4; s++) {
-            const int64_t y = 2 * ty - g->top + r, xx = 2 * tx - g->left + s;
-            at[4 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
-                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
-                                : j->zero;
-        }
-    for (r = 0; r < 4; r++) {
-        const int64_t y = 2 * ty + r / 2, xx = 2 * tx + r % 2;
-        dy[r] = y < g->oh && xx < g->ow ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
-                                        : NULL;
-    }
-    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
-        __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
-        __m512 f20, f21, f22, f23, f30, f31, f32, f33;
-        MPT__WINO_ROW(0)
-        MPT__WINO_ROW(1)
-        MPT__WINO_ROW(2)
-        MPT__WINO_ROW(3)
-        MPT__WKG_COL(0)
-        MPT__WKG_COL(1)
-        MPT__WKG_COL(2)
-        MPT__WKG_COL(3)
-    }
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
-        const __m512 zero = _mm512_setzero_ps();
-        const __m512 y00 = dy[0] ? mpt__gemm_load16(dtype, dy[0] + o * es, k) : zero;
-        const __m512 y01 = dy[1] ? mpt__gemm_load16(dtype, dy[1] + o * es, k) : zero;
-        const __m512 y10 = dy[2] ? mpt__gemm_load16(dtype, dy[2] + o * es, k) : zero;
-        const __m512 y11 = dy[3] ? mpt__gemm_load16(dtype, dy[3] + o * es, k) : zero;
-        /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
-        __m512 rows[8];
-        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
-        rows[0] = y00, rows[1] = y01;
-        rows[2] = _mm512_add_ps(y00, y10), rows[3] = _mm512_add_ps(y01, y11);
-        rows[4] = _mm512_sub_ps(y00, y10), rows[5] = _mm512_sub_ps(y01, y11);
-        rows[6] = _mm512_sub_ps(zero, y10), rows[7] = _mm512_sub_ps(zero, y11);
-        for (r = 0; r < 4; r++) { /* (A dY) Aᵀ: the same on each row */
-            const __m512 u0 = rows[2 * r], u1 = rows[2 * r + 1];
-            _mm512_storeu_ps(dst + (4 * r) * step, u0);
-            _mm512_storeu_ps(dst + (4 * r + 1) * step, _mm512_add_ps(u0, u1));
-            _mm512_storeu_ps(dst + (4 * r + 2) * step, _mm512_sub_ps(u0, u1));
-            _mm512_storeu_ps(dst + (4 * r + 3) * step, _mm512_sub_ps(zero, u1));
-        }
-    }
-}
-#undef MPT__WINO_ROW
-#undef MPT__WKG_STORE16
-#undef MPT__WKG_COL
-
-/* The same for 4×4 tiles: V = Bᵀ d B of the 6×6 patch (as
-   mpt__wino4_input makes it) into v (36, ⌈C/16⌉, span, 16), and dM = A dY
-   Aᵀ of the tile's 4×4 of dz into dm (36, fb, span, 32), A = (F(4×4,
-   3×3)'s Aᵀ)ᵀ: A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3,
-   y0 + 2y1 + 4y2 + 8y3, y0 − 2y1 + 4y2 − 8y3, y3). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 y1, __m512 y2,
-                                                             __m512 y3, __m512 *o0, __m512 *o1,
-                                                             __m512 *o2, __m512 *o3, __m512 *o4,
-                                                             __m512 *o5) {
-    const __m512 e = _mm512_add_ps(y0, y2), od = _mm512_add_ps(y1, y3);
-    const __m512 e4 = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), y2, y0);
-    const __m512 od8 = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), y3, _mm512_add_ps(y1, y1));
-    *o0 = y0;
-    *o1 = _mm512_add_ps(e, od);
-    *o2 = _mm512_sub_ps(e, od);
-    *o3 = _mm512_add_ps(e4, od8);
-    *o4 = _mm512_sub_ps(e4, od8);
-    *o5 = y3;
-}
-#define MPT__W4_DY(r, s) \
-    (dy[4 * (r) + (s)] ? mpt__gemm_load16(dtype, dy[4 * (r) + (s)] + o * es, k) : zero)
-#define MPT__W4_DCOL(s) /* A over column s of dY */                                      \
-    mpt__wkg4_a(MPT__W4_DY(0, s), MPT__W4_DY(1, s), MPT__W4_DY(2, s), MPT__W4_DY(3, s),   \
-                &u0##s, &u1##s, &u2##s, &u3##s, &u4##s, &u5##s);
-#define MPT__W4_DPUT(xi, val) _mm512_storeu_ps(dst + (xi) * j->dm_plane, val);
-#define MPT__W4_DROW(r) /* then along row r */                                           \
-    mpt__wkg4_a(u##r##0, u##r##1, u##r##2, u##r##3, &o0, &o1, &o2, &o3, &o4, &o5);        \
-    MPT__W4_DPUT(6 * r, o0) MPT__W4_DPUT(6 * r + 1, o1) MPT__W4_DPUT(6 * r + 2, o2)       \
-    MPT__W4_DPUT(6 * r + 3, o3) MPT__W4_DPUT(6 * r + 4, o4) MPT__W4_DPUT(6 * r + 5, o5)
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
-    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
-    mpt_dtype dtype) {
-    const mpt_window *g = j->g;
-    const int64_t C = g->c, F = j->a->f;
-    const size_t es = mpt_dtype_size(dtype);
-    const unsigned char *x = (const unsigned char *)j->a->x;
-    const unsigned char *dz = (const unsigned char *)j->a->dz;
-    const unsigned char *at[36], *dy[16];
-    __m512 o0, o1, o2, o3, o4, o5;
-    int64_t c, o;
-    int r, s;
-    for (r = 0; r < 6; r++)
-        for (s = 0; s < 6; s++) {
-            const int64_t y = 4 * ty - g->top + r, xx = 4 * tx - g->left + s;
-            at[6 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
-                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
-                                : j->zero;
-        }
-    for (r = 0; r < 4; r++)
-        for (s = 0; s < 4; s++) {
-            const int64_t y = 4 * ty + r, xx = 4 * tx + s;
-            dy[4 * r + s] = y < g->oh && xx < g->ow
-                                ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
-                                : NULL;
-        }
-    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
-        mpt__wino4_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
-                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
-                                   j->v_plane);
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
-        const __m512 zero = _mm512_setzero_ps();
-        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
-        __m512 u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23;
-        __m512 u30, u31, u32, u33, u40, u41, u42, u43, u50, u51, u52, u53;
-        MPT__W4_DCOL(0)
-        MPT__W4_DCOL(1)
-        MPT__W4_DCOL(2)
-        MPT__W4_DCOL(3)
-        MPT__W4_DROW(0)
-        MPT__W4_DROW(1)
-        MPT__W4_DROW(2)
-        MPT__W4_DROW(3)
-        MPT__W4_DROW(4)
-        MPT__W4_DROW(5)
-    }
-}
-#undef MPT__W4_DY
-#undef MPT__W4_DCOL
-#undef MPT__W4_DPUT
-#undef MPT__W4_DROW
-
-/* du (16, C, F) of a span of n tiles, added to du's sums unless first:
-   for each ξ, 8 channels by 32 filters at a time, the tiles in order. */
-#define MPT__WKG_ROWS(X) MPT__ROWS6(X) X(6) X(7)
-#define MPT__WKG_ACC(i)                                                               \
-    __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();              \
-    if (!first && c0 + i < C) {                                                       \
-        c##i##0 = _mm512_maskz_loadu_ps(k0, out + (c0 + i) * F);                      \
-        c##i##1 = _mm512_maskz_loadu_ps(k1, out + (c0 + i) * F + 16);                 \
-    }
-#define MPT__WKG_FMA(i)                                            \
-    ai = _mm512_set1_ps(vt[i]);                                    \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);                    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
-#define MPT__WKG_OUT(i)                                                            \
-    if (c0 + i < C) {                                                              \
-        _mm512_mask_storeu_ps(out + (c0 + i) * F, k0, c##i##0);                    \
-        _mm512_mask_storeu_ps(out + (c0 + i) * F + 16, k1, c##i##1);               \
-    }
-MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const float *v,
-                                                 const float *dm, int64_t n, int first,
-                                                 float *du) {
-    const int64_t C = j->g->c, F = j->a->f;
-    int64_t xi, cbi, fbi, t;
-    for (xi = 0; xi < j->points; xi++)
-        for (cbi = 0; cbi < j->cb; cbi++)
-            for (fbi = 0; fbi < j->fb; fbi++) {
-                const int64_t c0 = cbi * 8, o0 = fbi * 32;
-                const float *vt = v + xi * j->v_plane + cbi / 2 * j->span * 16 + cbi % 2 * 8;
-                const float *d = dm + xi * j->dm_plane + fbi * j->span * 32;
-                const __mmask16 k0 = mpt__gemm_mask16((int)(F - o0));
-                const __mmask16 k1 = mpt__gemm_mask16((int)(F - o0 - 16));
-                float *out = du + xi * C * F + o0;
-                MPT__WKG_ROWS(MPT__WKG_ACC)
-                for (t = 0; t < n; t++, vt += 16, d += 32) {
-                    const __m512 b0 = _mm512_loadu_ps(d), b1 = _mm512_loadu_ps(d + 16);
-                    __m512 ai;
-                    MPT__WKG_ROWS(MPT__WKG_FMA)
-                }
-                MPT__WKG_ROWS(MPT__WKG_OUT)
-            }
-}
-#undef MPT__WKG_ROWS
-#undef MPT__WKG_ACC
-#undef MPT__WKG_FMA
-#undef MPT__WKG_OUT
-
-/* The pixels tile (b, ty, tx) reads that the tile before it did not (its
-   patch's last `tile` columns, its dY), asked for ahead of its transform. */
-MPT__TARGET_AVX512 static void mpt__wkg_prefetch(const mpt__wkg_job *j, int64_t b, int64_t ty,
-                                                 int64_t tx) {
-    const mpt_window *g = j->g;
-    const size_t es = mpt_dtype_size(j->a->dtype);
-    const size_t x_bytes = (size_t)g->c * es, dz_bytes = (size_t)j->a->f * es;
-    const int64_t T = j->tile;
-    int64_t r, s, y, x;
-    for (r = 0; r < T + 2; r++)
-        for (s = 2; s < T + 2; s++) {
-            y = T * ty - g->top + r, x = T * tx - g->left + s;
-            if (y >= 0 && y < g->h && x >= 0 && x < g->w)
-                mpt__prefetch_row(j->a->x, (size_t)((b * g->h + y) * g->w + x) * x_bytes,
-                                  x_bytes);
-        }
-    for (r = 0; r < T; r++)
-        for (s = 0; s < T; s++) {
-            y = T * ty + r, x = T * tx + s;
-            if (y < g->oh && x < g->ow)
-                mpt__prefetch_row(j->a->dz, (size_t)((b * g->oh + y) * g->ow + x) * dz_bytes,
-                                  dz_bytes);
-        }
-}
-
-/* Tile (b, ty, tx)'s V and dM into span slot i, by tile size and dtype:
-   one copy of each transform per pair, each with its loads inline. */
-MPT__TARGET_AVX512 static void mpt__wkg_transform_tile(const mpt__wkg_job *j, int64_t b,
-                                                       int64_t ty, int64_t tx, int64_t i,
-                                                       float *v, float *dm) {
-    const mpt_dtype dtype = j->a->dtype;
-    if (j->tile == 4) {
-        if (dtype == MPT_FLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
-        else if (dtype == MPT_BFLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
-        else mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
-    } else {
-        if (dtype == MPT_FLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
-        else if (dtype == MPT_BFLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
-        else mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
-    }
-}
-
-/* Task: the spans of group `task` one by one, each transformed in the
-   thread's scratch and its products added to the task's dU. */
-MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread) {
-    const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
-    const int64_t s0 = task * j->spans / j->tasks, s1 = (task + 1) * j->spans / j->tasks;
-    const int64_t t0 = s0 * j->span;
-    float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (points, C/16, span, 16) */
-    float *dm = v + j->points * j->v_plane;                   /* (points, fb, span, 32) */
-    int64_t s, i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
-    for (s = s0; s < s1; s++) {
-        const int64_t n = MPT__MIN(j->span, j->tiles - s * j->span);
-        for (i = 0; i < n; i++) {
-            if (tx + 2 < j->tw) mpt__wkg_prefetch(j, b, ty, tx + 2);
-            mpt__wkg_transform_tile(j, b, ty, tx, i, v, dm);
-            if (++tx == j->tw) {
-                tx = 0;
-                if (++ty == j->th) ty = 0, b++;
-            }
-        }
-        mpt__wkg_products(j, v, dm, n, s == s0,
-                          j->du + task * j->points * j->g->c * j->a->f);
-    }
-}
-
-/* Pairs [task·256, task·256 + 256) of the C·F plane: dU summed over the
-   tasks in order (row by row of 256 floats, which the prefetcher
-   follows), then dkernel (9, C, F) = Gᵀ dU G, stored or added. */
-#define MPT__WKG_FINISH 256
-/* The three values Gᵀ·(u0 .. u5) of F(4×4, 3×3)'s G. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_gt(const __m512 *u, __m512 *o) {
-    const __m512 s12 = _mm512_add_ps(u[1], u[2]), s34 = _mm512_add_ps(u[3], u[4]);
-    const __m512 d21 = _mm512_sub_ps(u[2], u[1]), d34 = _mm512_sub_ps(u[3], u[4]);
-    const __m512 sixth = _mm512_set1_ps(1.0f / 6);
-    o[0] = _mm512_add_ps(_mm512_fnmadd_ps(sixth, s12, _mm512_mul_ps(_mm512_set1_ps(0.25f), u[0])),
-                         _mm512_mul_ps(_mm512_set1_ps(1.0f / 24), s34));
-    o[1] = _mm512_fmadd_ps(sixth, d21, _mm512_mul_ps(_mm512_set1_ps(1.0f / 12), d34));
-    o[2] = _mm512_add_ps(_mm512_mul_ps(sixth, _mm512_sub_ps(s34, s12)), u[5]);
-}
-
-/* dkernel's 9 taps for 16 pairs of the plane from their dU (points rows
-   of 16 at `sum`, MPT__WKG_FINISH floats apart): Gᵀ dU G. */
-MPT__TARGET_AVX512 static void mpt__wkg_taps(const mpt__wkg_job *j, const float *sum,
-                                             __mmask16 k, __m512 *tap) {
-    const __m512 half = _mm512_set1_ps(0.5f);
-    int r, s;
-    if (j->tile == 4) {
-        __m512 u[6], t[3][6], row[6];
-        for (s = 0; s < 6; s++) { /* Gᵀ dU, column by column */
-            for (r = 0; r < 6; r++)
-                u[r] = _mm512_maskz_loadu_ps(k, sum + (6 * r + s) * MPT__WKG_FINISH);
-            mpt__wkg4_gt(u, row);
-            for (r = 0; r < 3; r++) t[r][s] = row[r];
-        }
-        for (r = 0; r < 3; r++) mpt__wkg4_gt(t[r], tap + 3 * r); /* then G along each row */
-        return;
-    }
-    {
-        __m512 u[16], t[12];
-        for (r = 0; r < 16; r++) u[r] = _mm512_maskz_loadu_ps(k, sum + r * MPT__WKG_FINISH);
-        for (s = 0; s < 4; s++) { /* Gᵀ dU: rows u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3 */
-            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(u[4 + s], u[8 + s]));
-            t[s] = _mm512_add_ps(u[s], p);
-            t[4 + s] = _mm512_mul_ps(half, _mm512_sub_ps(u[4 + s], u[8 + s]));
-            t[8 + s] = _mm512_add_ps(p, u[12 + s]);
-        }
-        for (r = 0; r < 3; r++) { /* (Gᵀ dU) G: the same on each row */
-            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(t[4 * r + 1], t[4 * r + 2]));
-            tap[3 * r] = _mm512_add_ps(t[4 * r], p);
-            tap[3 * r + 1] = _mm512_mul_ps(half, _mm512_sub_ps(t[4 * r + 1], t[4 * r + 2]));
-            tap[3 * r + 2] = _mm512_add_ps(p, t[4 * r + 3]);
-        }
-    }
-}
-
-MPT__TARGET_AVX512 static void mpt__wkg_finish(void *arg, int64_t task, int thread) {
-    const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
-    const int64_t plane = j->g->c * j->a->f, e0 = task * MPT__WKG_FINISH;
-    const int64_t len = MPT__MIN(MPT__WKG_FINISH, plane - e0);
-    const int points = j->points;
-    float sum[36 * MPT__WKG_FINISH];
-    float *dk = j->a->dkernel;
-    int64_t q, e;
-    int r;
-    (void)thread;
-    for (r = 0; r < points; r++)
-        memcpy(sum + r * MPT__WKG_FINISH, j->du + r * plane + e0, 4 * (size_t)len);
-    for (q = 1; q < j->tasks; q++)
-        for (r = 0; r < points; r++) {
-            const float *src = j->du + (q * points + r) * plane + e0;
-            float *acc = sum + r * MPT__WKG_FINISH;
-            for (e = 0; e < len; e += 16) {
-                const __mmask16 k = mpt__gemm_mask16((int)(len - e));
-                _mm512_mask_storeu_ps(acc + e, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + e),
-                                                                _mm512_maskz_loadu_ps(k, src + e)));
-            }
-        }
-    for (e = 0; e < len; e += 16) {
-        const __mmask16 k = mpt__gemm_mask16((int)(len - e));
-        __m512 tap[9];
-        mpt__wkg_taps(j, sum + e, k, tap);
-        for (r = 0; r < 9; r++) {
-            float *dst = dk + r * plane + e0 + e;
-            if (j->a->accumulate) tap[r] = _mm512_add_ps(tap[r], _mm512_maskz_loadu_ps(k, dst));
-            _mm512_mask_storeu_ps(dst, k, tap[r]);
-        }
-    }
-}
-
-/* The kernel gradient by Winograd's transform on tiles of tile × tile
-   outputs (2 or 4); ws: MPT_CONV_WINO_KGRAD_WS_BYTES. */
-static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a, int tile) {
-    const mpt_window *g = a->g;
-    mpt__wkg_job j;
-    float *zero;
-    j.a = a;
-    j.g = g;
-    j.ctx = ctx;
-    j.tile = tile;
-    j.points = (j.tile + 2) * (j.tile + 2);
-    j.th = (g->oh + j.tile - 1) / j.tile;
-    j.tw = (g->ow + j.tile - 1) / j.tile;
-    j.tiles = a->n * j.th * j.tw;
-    j.cb = (g->c + 7) / 8;
-    j.fb = (a->f + 31) / 32;
-    /* 4×4 tiles: as many floats of V and dM in 36 planes as 2×2's in 16.
-       (Twice as many made the layer alone faster for 64 channels and
-       filters, but the CNN's training step 1.15× slower: the spans' V and
-       dM then crowd the core's cache, and a chunk's spans fall in fewer
-       groups, 2 or 3, unevenly shared by two threads.) */
-    j.span = MPT__MAX(1, mpt__wkg_span(g->c, a->f) * 16 / j.points);
-    j.spans = (j.tiles + j.span - 1) / j.span;
-    j.tasks = MPT__MIN(MPT__MAX(1, j.spans / MPT__WKG_GROUP_SPANS), MPT_CONV_WINO_KGRAD_GROUPS);
-    j.v_plane = (g->c + 15) / 16 * j.span * 16 + MPT__WKG_PLANE_PAD;
-    j.dm_plane = j.fb * j.span * 32 + MPT__WKG_PLANE_PAD;
-    j.du = (float *)a->ws;
-    zero = j.du + j.tasks * j.points * g->c * a->f;
-    memset(zero, 0, sizeof(float) * (size_t)g->c);
-    j.zero = (const unsigned char *)zero;
-    mpt__parallel_for(ctx, j.tasks, mpt__wkg_task, &j);
-    mpt__parallel_for(ctx, (g->c * a->f + MPT__WKG_FINISH - 1) / MPT__WKG_FINISH, mpt__wkg_finish,
-                      &j);
-}
-#endif /* MPT__X86 */
-
-/* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
-   over the output pixels of x's channel c at that tap times the pixel's
-   dz row. A task owns a block of 12 rows (float32: 8; channels c0.. of
-   one tap) by 32 filters and runs over every pixel in order, so nothing depends on the
-   thread count; taps in the padding add nothing and are skipped. Per
-   pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
-   broadcasts, dz's row (widened) loaded, 24 FMAs. With AVX-512 BF16,
-   bfloat16 takes the pixels two at a time instead (24 vdpbf16ps per
-   pair: mpt__dconv_kgrad_tile_bf16), where the pixel-pair tables below
-   (mpt__kgrad_pairs) do not take the case: an odd number of output
-   columns. The sums are float32 in another order than the GEMM's (not its
-   bits). */
-typedef struct mpt__dconv_kgrad_job {
-    const mpt_conv_args *a;
-    const mpt_window *g;
-    int rows;                 /* channels per block: 12, float32's 8    */
-    int64_t cblocks, fblocks; /* channel and 32-filter blocks            */
-    int dot_pairs;            /* bfloat16 with AVX-512 BF16: pixel pairs */
-} mpt__dconv_kgrad_job;
-
-#if MPT__X86
-/* 16 bfloat16 (lanes under k; the others 0) as float32: exact. The masked
-   forms, as the GEMM's packing writes them (g++ warns of the unmasked
-   ones' undefined source). */
-MPT__TARGET_AVX512 static __m512 mpt__bf16_widen_avx512(__mmask16 k, const mpt_bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
-        k, _mm512_maskz_cvtepu16_epi32(k, _mm256_maskz_loadu_epi16(k, p)), 16));
-}
-
-MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job *j, int64_t t,
-                                                     int64_t c0, int m, int64_t f0, int nb,
-                                                     float *tile) {
-    const mpt_conv_args *a = j->a;
-    const mpt_window *g = j->g;
-    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
-    const int bf16 = a->dtype == MPT_BFLOAT16;
-    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
-                    k1 = mpt__gemm_mask16(nb - 16);
-    float chans[16];
-    int64_t b, oy, ox;
-    MPT__ROWS12(MPT__DCONV_ACC)
-    for (b = 0; b < a->n; b++)
-        for (oy = 0; oy < g->oh; oy++) {
-            const int64_t y = oy * g->sh - g->top + i;
-            if (y < 0 || y >= g->h) continue;
-            for (ox = 0; ox < g->ow; ox++) {
-                const int64_t x = ox * g->sw - g->left + k;
-                const int64_t src = ((b * g->h + y) * g->w + x) * g->c + c0;
-                const int64_t dst = ((b * g->oh + oy) * g->ow + ox) * f + f0;
-                __m512 d0, d1, ai;
-                if (x < 0 || x >= g->w) continue;
-                if (bf16) {
-                    _mm512_storeu_ps(chans, mpt__bf16_widen_avx512(km, (const mpt_bf16 *)a->x + src));
-                    d0 = mpt__bf16_widen_avx512(k0, (const mpt_bf16 *)a->dz + dst);
-                    d1 = mpt__bf16_widen_avx512(k1, (const mpt_bf16 *)a->dz + dst + 16);
-                } else {
-                    _mm512_storeu_ps(chans, _mm512_maskz_loadu_ps(km, (const float *)a->x + src));
-                    d0 = _mm512_maskz_loadu_ps(k0, (const float *)a->dz + dst);
-                    d1 = _mm512_maskz_loadu_ps(k1, (const float *)a->dz + dst + 16);
-                }
-#define MPT__F(r)                                  \
-    ai = _mm512_set1_ps(chans[r]);                 \
-    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
-    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
-                MPT__ROWS12(MPT__F)
-#undef MPT__F
-            }
-        }
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS12(MPT__S)
-#undef MPT__S
-}
-
-/* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a
-   time (an odd last one with a zero partner), one vdpbf16ps per pair of
-   pixels for 16 filters, so half the instructions of the widening tile.
-   The products are exact in float32; the pairs' sums are float32, in
-   another order than the widening tile's (neither is the GEMM's bits).
-   No calls inside the loop: each would spill the 24 accumulators. */
-MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_kgrad_job *j,
-                                                               int64_t t, int64_t c0, int m,
-                                                               int64_t f0, int nb, float *tile) {
-    const mpt_conv_args *a = j->a;
-    const mpt_window *g = j->g;
-    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
-    const mpt_bf16 *x = (const mpt_bf16 *)a->x + c0, *dz = (const mpt_bf16 *)a->dz + f0;
-    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
-                    k1 = mpt__gemm_mask16(nb - 16);
-    uint32_t chans[16];
-    const mpt_bf16 *x0 = NULL, *dz0 = NULL; /* the pixel waiting for its partner */
-    __m512bh b0, b1, ai;
-    int64_t b, oy, ox;
-    MPT__ROWS12(MPT__DCONV_ACC)
-/* The pair (x0, dz0) and (x1, dz1); masks 0 read the partner as zeros. */
-#define MPT__PAIR(x1, dz1, qm, q0, q1)                                                        \
-    _mm512_storeu_si512(chans, mpt__bf16_interleave_avx512(km, x0, qm, x1));                \
-    b0 = (__m512bh)mpt__bf16_interleave_avx512(k0, dz0, q0, dz1);                           \
-    b1 = (__m512bh)mpt__bf16_interleave_avx512(k1, dz0 + 16, q1, (dz1) + 16);               \
-    MPT__ROWS12(MPT__F)
-#define MPT__F(r)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)chans[r]);         \
-    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, b0);             \
-    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, b1);
-    for (b = 0; b < a->n; b++)
-        for (oy = 0; oy < g->oh; oy++) {
-            const int64_t y = oy * g->sh - g->top + i;
-            if (y < 0 || y >= g->h) continue;
-            for (ox = 0; ox < g->ow; ox++) {
-                const int64_t xx = ox * g->sw - g->left + k;
-                const mpt_bf16 *xp = x + ((b * g->h + y) * g->w + xx) * g->c;
-                const mpt_bf16 *dp = dz + ((b * g->oh + oy) * g->ow + ox) * f;
-                if (xx < 0 || xx >= g->w) continue;
-                if (!x0) {
-                    x0 = xp, dz0 = dp;
-                    continue;
-                }
-                MPT__PAIR(xp, dp, km, k0, k1)
-                x0 = NULL;
-            }
-        }
-    if (x0) {
-        MPT__PAIR(x0, dz0, 0, 0, 0)
-    }
-#undef MPT__F
-#undef MPT__PAIR
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS12(MPT__S)
-#undef MPT__S
-}
-
-/* float32's tile: 8 channels by 32 filters, 16 accumulators. The 8
-   channels are broadcast straight from x (a block of them read by each
-   pixel) and only the pixels whose tap lies inside the image are visited,
-   so the loop body is 2 loads of dz, 8 broadcasts and 16 FMAs. c0 is at
-   most C − 8: a last block that would run past C starts earlier and
-   recomputes rows its neighbour owns (the caller stores only its own). */
-#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_job *j,
-                                                         int64_t t, int64_t c0, int64_t f0,
-                                                         int nb, float *tile) {
-    const mpt_conv_args *a = j->a;
-    const mpt_window *g = j->g;
-    const int64_t i = t / g->kw, k = t % g->kw, f = a->f, c = g->c;
-    const int64_t x_step = g->sw * c;
-    /* the output columns whose tap column x = ox·sw − left + k is inside */
-    const int64_t lo = g->left - k, hi = g->w - 1 + g->left - k;
-    const int64_t ox0 = lo <= 0 ? 0 : (lo + g->sw - 1) / g->sw;
-    const int64_t ox1 = hi < 0 ? -1 : MPT__MIN(g->ow - 1, hi / g->sw);
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int64_t b, oy, ox;
-#define MPT__ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();
-    MPT__ROWS8(MPT__ACC)
-#undef MPT__ACC
-    for (b = 0; b < a->n && ox0 <= ox1; b++)
-        for (oy = 0; oy < g->oh; oy++) {
-            const int64_t y = oy * g->sh - g->top + i;
-            const float *xs, *ds;
-            if (y < 0 || y >= g->h) continue;
-            xs = (const float *)a->x + ((b * g->h + y) * g->w + ox0 * g->sw - g->left + k) * c + c0;
-            ds = (const float *)a->dz + ((b * g->oh + oy) * g->ow + ox0) * f + f0;
-            for (ox = ox0; ox <= ox1; ox++, xs += x_step, ds += f) {
-                const __m512 d0 = _mm512_maskz_loadu_ps(k0, ds);
-                const __m512 d1 = _mm512_maskz_loadu_ps(k1, ds + 16);
-                __m512 ai;
-#define MPT__F(r)                                  \
-    ai = _mm512_set1_ps(xs[r]);                    \
-    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
-    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
-                MPT__ROWS8(MPT__F)
-#undef MPT__F
-            }
-        }
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS8(MPT__S)
-#undef MPT__S
-}
-#undef MPT__ROWS8
-#undef MPT__DCONV_ACC
-
-/* ---- bfloat16 kernel gradient from tables of pixel pairs ------------------
-   vdpbf16ps multiplies pairs, and the kernel gradient sums over output
-   pixels, so its pairs are pairs of pixels. mpt__dconv_kgrad_tile_bf16
-   builds each pair of x and of dz inside its loop, again for every tap and
-   channel block: about as many loads, widenings and shuffles as
-   vdpbf16ps, and half the forward's speed (bench/bench_conv.c). Here the
-   pairs are built once per call, into two tables in ws:
-     dp (n, OH, OW/2, F): dz of pixels (oy, 2j) and (oy, 2j + 1), low, high;
-     xp (n, H, WP, C), WP = (OW − 1)·sw + kw: x at columns X and X + sw,
-        X = col − left, 0 outside the image;
-   the pair (2j, 2j + 1) meets x at columns 2j·sw + k − left and one stride
-   further, entry 2j·sw + k of xp's row, whatever the tap (i, k). The
-   tile's loop is then the forward's: per pair of pixels two loads of dz,
-   eight broadcasts straight from xp and sixteen vdpbf16ps. A pair never
-   spans two output rows (OW even), so a tap whose row is in the padding
-   skips whole pairs, and pairs with both pixels' taps outside are
-   skipped; a pair with one of them outside multiplies xp's zero, as the
-   GEMM multiplies im2col's.
-   A task owns 8 channels (a last block that would run past C starts early
-   and recomputes rows its neighbour owns) by 32 filters of a group of
-   taps. It runs over the output rows a strip at a time and, per strip,
-   tap after tap, each tap's sums kept in memory in between: the strip's
-   rows of both tables are read from L1 by every tap rather than streamed
-   again per tap. Each sum adds the pairs in the same order whatever the
-   task split or the thread count; the sums are float32, in another order
-   than the GEMM's. */
-#define MPT__KGRAD_PAIRS_ROWS 8   /* channels per tile                */
-#define MPT__KGRAD_PAIRS_STRIP 8  /* output rows per step of a task    */
-#define MPT__KGRAD_PAIRS_TAPS 16  /* taps per task at most             */
-#define MPT__KGRAD_PACK_ROWS 8    /* table rows per packing task       */
-
-typedef struct mpt__kgrad_pairs_job {
-    const mpt_conv_args *a;
-    const mpt_window *g;
-    int64_t wp;                   /* xp's columns: (OW − 1)·sw + kw        */
-    uint32_t *xp, *dp;            /* the tables above, in ws               */
-    int64_t cblocks, fblocks;     /* 8-channel and 32-filter blocks        */
-    int64_t group;                /* taps per task                         */
-} mpt__kgrad_pairs_job;
-
-/* The pair tables' rows [row, row + MPT__KGRAD_PACK_ROWS): xp's n·H rows,
-   then dp's n·OH. */
-MPT__TARGET_AVX512 static void mpt__kgrad_pairs_pack(const mpt__kgrad_pairs_job *j, int64_t row) {
-    const mpt_conv_args *a = j->a;
-    const mpt_window *g = j->g;
-    const int64_t xrows = a->n * g->h, end = MPT__MIN(row + MPT__KGRAD_PACK_ROWS,
-                                                      xrows + a->n * g->oh);
-    int64_t col, c;
-    for (; row < end; row++) {
-        if (row < xrows) { /* xp's row (b, y) */
-            const mpt_bf16 *src = (const mpt_bf16 *)a->x + row * g->w * g->c;
-            uint32_t *dst = j->xp + row * j->wp * g->c;
-            for (col = 0; col < j->wp; col++, dst += g->c) {
-                const int64_t xl = col - g->left, xh = xl + g->sw;
-                const int in_l = xl >= 0 && xl < g->w, in_h = xh >= 0 && xh < g->w;
-                /* a pixel outside reads nothing (mask 0) at the row's start */
-                const mpt_bf16 *pl = src + (in_l ? xl : 0) * g->c;
-                const mpt_bf16 *ph = src + (in_h ? xh : 0) * g->c;
-                for (c = 0; c < g->c; c += 16) {
-                    const __mmask16 kc = mpt__gemm_mask16((int)MPT__MIN(16, g->c - c));
-                    _mm512_mask_storeu_epi32(dst + c, kc,
-                                             mpt__bf16_interleave_avx512(in_l ? kc : 0, pl + c,
-                                                                         in_h ? kc : 0, ph + c));
-                }
-            }
-        } else { /* dp's row (b, oy) */
-            const int64_t r = row - xrows, half = g->ow / 2, f = a->f;
-            const mpt_bf16 *src = (const mpt_bf16 *)a->dz + r * g->ow * f;
-            uint32_t *dst = j->dp + r * half * f;
-            for (col = 0; col < half; col++, dst += f, src += 2 * f)
-                for (c = 0; c < f; c += 16) {
-                    const __mmask16 kc = mpt__gemm_mask16((int)MPT__MIN(16, f - c));
-                    _mm512_mask_storeu_epi32(dst + c, kc,
-                                             mpt__bf16_interleave_avx512(kc, src + c, kc,
-                                                                         src + f + c));
-                }
-        }
-    }
-}
-
-static void mpt__kgrad_pairs_pack_task(void *arg, int64_t task, int thread) {
-    (void)thread;
-    mpt__kgrad_pairs_pack((const mpt__kgrad_pairs_job *)arg, task * MPT__KGRAD_PACK_ROWS);
-}
-
-#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-/* Adds tap t's sums over the output rows [q0, q1) (q = b·OH + oy) to
-   tile: channels c0.. by filters f0.. (nb of them), 32 floats a row. */
-MPT__TARGET_AVX512_BF16 static void mpt__kgrad_pairs_tile(const mpt__kgrad_pairs_job *j,
-                                                          int64_t t, int64_t c0, int64_t f0,
-                                                          int nb, int64_t q0, int64_t q1,
-                                                          float *tile) {
-    const mpt_window *g = j->g;
-    const int64_t i = t / g->kw, k = t % g->kw, f = j->a->f, half = g->ow / 2;
-    const int64_t step = 2 * g->sw * g->c; /* xp from one pair to the next */
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int64_t p0 = 0, p1 = half, q, p;
-    /* the pairs with a pixel whose tap column is inside the image */
-    while (p0 < half && (2 * p0 + 1) * g->sw + k - g->left < 0) p0++;
-    while (p1 > p0 && 2 * (p1 - 1) * g->sw + k - g->left >= g->w) p1--;
-#define MPT__ACC(r)                                     \
-    __m512 c##r##0 = _mm512_loadu_ps(tile + 32 * r);    \
-    __m512 c##r##1 = _mm512_loadu_ps(tile + 32 * r + 16);
-    MPT__ROWS8(MPT__ACC)
-#undef MPT__ACC
-    for (q = q0; q < q1; q++) {
-        const int64_t b = q / g->oh, y = q % g->oh * g->sh - g->top + i;
-        const uint32_t *xs, *ds;
-        if (y < 0 || y >= g->h) continue;
-        xs = j->xp + ((b * g->h + y) * j->wp + 2 * p0 * g->sw + k) * g->c + c0;
-        ds = j->dp + (q * half + p0) * f + f0;
-        for (p = p0; p < p1; p++, xs += step, ds += f) {
-            const __m512bh d0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, ds);
-            const __m512bh d1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, ds + 16);
-            __m512bh ai;
-#define MPT__F(r)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)xs[r]);            \
-    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, d0);             \
-    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, d1);
-            MPT__ROWS8(MPT__F)
-#undef MPT__F
-        }
-    }
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS8(MPT__S)
-#undef MPT__S
-}
-#undef MPT__ROWS8
-
-/* Task: (group of taps, channel block, filter block). */
-static void mpt__kgrad_pairs_task(void *arg, int64_t task, int thread) {
-    const mpt__kgrad_pairs_job *j = (const mpt__kgrad_pairs_job *)arg;
-    const mpt_conv_args *a = j->a;
-    const int64_t per_group = j->cblocks * j->fblocks, taps = j->g->kh * j->g->kw;
-    const int64_t t0 = task / per_group * j->group, t1 = MPT__MIN(taps, t0 + j->group);
-    const int64_t own = task % per_group / j->fblocks * MPT__KGRAD_PAIRS_ROWS;
-    const int64_t c0 = MPT__MIN(own, j->g->c - MPT__KGRAD_PAIRS_ROWS);
-    const int64_t f0 = task % j->fblocks * 32, rows = a->n * j->g->oh;
-    const int nb = (int)MPT__MIN(32, a->f - f0);
-    float tiles[MPT__KGRAD_PAIRS_TAPS][MPT__KGRAD_PAIRS_ROWS * 32];
-    int64_t q0, t;
-    int r, o;
-    (void)thread;
-    memset(tiles, 0, sizeof tiles);
-    for (q0 = 0; q0 < rows; q0 += MPT__KGRAD_PAIRS_STRIP)
-        for (t = t0; t < t1; t++)
-            mpt__kgrad_pairs_tile(j, t, c0, f0, nb, q0, MPT__MIN(rows, q0 + MPT__KGRAD_PAIRS_STRIP),
-                                  tiles[t - t0]);
-    for (t = t0; t < t1; t++)
-        for (r = (int)(own - c0); r < MPT__KGRAD_PAIRS_ROWS; r++) {
-            float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
-            const float *sum = tiles[t - t0] + 32 * r;
-            for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
-        }
-}
-
-/* Whether mpt__kgrad_pairs takes the case: bfloat16 on a CPU with AVX-512
-   BF16, an even number of output columns, the tables' workspace given, at
-   least 12 channels (fewer: mpt__kgrad_win_sums) and at most 64 filters:
-   the CNN's 32- and 64-filter layers ran their backward without dx 1.6×
-   (32 filters, against the former pairs) and 1.0-1.2× (64, against
-   im2col + GEMM) as fast in bench/bench_conv.c (1 thread, CPU time);
-   more filters were not measured. */
-static int mpt__kgrad_pairs_takes(const mpt_context *ctx, const mpt_conv_args *a) {
-    return a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && a->ws &&
-           a->g->ow % 2 == 0 && a->g->c >= MPT__DCONV_MR && a->f <= 64;
-}
-
-/* The kernel gradient from the pair tables: packed, then summed. */
-static void mpt__kgrad_pairs(mpt_context *ctx, const mpt_conv_args *a) {
-    mpt__kgrad_pairs_job j;
-    const int64_t taps = a->g->kh * a->g->kw, threads = ctx->pool.started + 1;
-    const int64_t pack_rows = a->n * (a->g->h + a->g->oh);
-    int64_t groups;
-    j.a = a;
-    j.g = a->g;
-    j.wp = (a->g->ow - 1) * a->g->sw + a->g->kw;
-    j.xp = (uint32_t *)a->ws;
-    j.dp = j.xp + (a->n * a->g->h * j.wp * a->g->c + 15) / 16 * 16;
-    j.cblocks = (a->g->c + MPT__KGRAD_PAIRS_ROWS - 1) / MPT__KGRAD_PAIRS_ROWS;
-    j.fblocks = (a->f + 31) / 32;
-    /* Taps split only as far as it takes for two tasks a thread: each
-       group reads dz again. The split leaves every sum as it was. */
-    groups = MPT__MAX((taps + MPT__KGRAD_PAIRS_TAPS - 1) / MPT__KGRAD_PAIRS_TAPS,
-                      MPT__MIN(taps, (2 * threads + j.cblocks * j.fblocks - 1) /
-                                         (j.cblocks * j.fblocks)));
-    j.group = (taps + groups - 1) / groups;
-    groups = (taps + j.group - 1) / j.group;
-    mpt__parallel_for(ctx, (pack_rows + MPT__KGRAD_PACK_ROWS - 1) / MPT__KGRAD_PACK_ROWS,
-                      mpt__kgrad_pairs_pack_task, &j);
-    mpt__parallel_for(ctx, groups * j.cblocks * j.fblocks, mpt__kgrad_pairs_task, &j);
-}
-#endif
-
-/* The kernel gradient of a shallow input: fewer channels than a tile
-   above has rows (a first layer's one-channel or RGB image), which would
-   leave most of each tile idle, while the GEMM path's product has only
-   kk = kh·kw·C rows (9 for a one-channel 3×3, under one 12-row tile) and
-   needs im2col first. Here a tile is 12 consecutive rows k = (tap,
-   channel) of dkernel, across taps, by 32 filters: per output pixel, the
-   12 inputs its window reads at those rows (0 in the padding, multiplied
-   like im2col's zeros) are broadcast against dz's 32 values, so each of
-   dz's cache lines is read once. With so few tiles (one for the CNN's
-   first layer), a task takes a tile over one part of the pixels,
-   MPT_CONV_SHALLOW_KGRAD_PART of them, and stores its sums in the
-   workspace; a second pass adds the parts in order. Parts depend on the
-   shape alone: the same bits for any thread count (float32 sums in
-   another order than the GEMM's: not its bits). A first layer needs no
-   dx, so dz serves only this and the bias gradient: given dy and the
-   forward's output instead (mpt_conv_args.dy), a task makes ReLU's dz in
-   registers and sums the bias too, in a 13th row of its tile, and dz is
-   never written (two passes over an 11 MB tensor fewer in the CNN's first
-   layer, float32). dkernel's bits are the same either way. */
-#define MPT__KGRAD_WIN_ROWS 12
-#define MPT__KGRAD_WIN_FILTERS 32
-#define MPT__KGRAD_WIN_TILE ((MPT__KGRAD_WIN_ROWS + 1) * MPT__KGRAD_WIN_FILTERS) /* + the bias */
-
-typedef struct mpt__kgrad_win_job {
-    const mpt_conv_args *a;
-    const mpt_window *g;
-    int64_t kk;               /* kh·kw·C: dkernel's rows             */
-    int64_t kblocks, fblocks; /* 12-row and 32-filter blocks         */
-    int64_t pixels, parts;    /* n·OH·OW, in parts of ..._PART       */
-    float *sums;              /* (parts, kblocks, fblocks, tile)     */
-} mpt__kgrad_win_job;
-
-#if MPT__X86
-/* Element idx of x (float32, bfloat16 or float16) as float32: exact. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE float mpt__kgrad_win_value(mpt_dtype dtype,
-                                                                        const void *x,
-                                                                        int64_t idx) {
-    return dtype == MPT_BFLOAT16  ? mpt_bf16_to_float(((const mpt_bf16 *)x)[idx])
-           : dtype == MPT_FLOAT16 ? _cvtsh_ss(((const mpt_half *)x)[idx])
-                                  : ((const float *)x)[idx];
-}
-
-/* 16 values of a (n, OH, OW, F) tensor at element idx, as float32 (k:
-   which) */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_load(mpt_dtype dtype,
-                                                                        __mmask16 k,
-                                                                        const void *t,
-                                                                        int64_t idx) {
-    if (dtype == MPT_BFLOAT16) return mpt__bf16_widen_avx512(k, (const mpt_bf16 *)t + idx);
-    if (dtype == MPT_FLOAT16) /* (the maskz form: g++ warns of the other's undefined lanes) */
-        return _mm512_maskz_cvtph_ps(k, _mm256_maskz_loadu_epi16(k, (const mpt_half *)t + idx));
-    return _mm512_maskz_loadu_ps(k, (const float *)t + idx);
-}
-
-/* dz at idx: read, or made from dy (from_dy) as mpt__relu_backward_avx512
-   makes it (dy where !(out <= 0); no activation: dy) */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(mpt_dtype dtype,
-                                                                      int from_dy, __mmask16 k,
-                                                                      const mpt_conv_args *a,
-                                                                      int64_t idx) {
-    __m512 dy;
-    if (!from_dy) return mpt__kgrad_win_load(dtype, k, a->dz, idx);
-    dy = mpt__kgrad_win_load(dtype, k, a->dy, idx);
-    if (a->act != MPT_ACT_RELU) return dy;
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mpt__kgrad_win_load(dtype, k, a->out, idx),
-                                                  _mm512_setzero_ps(), _CMP_NLE_UQ),
-                               dy);
-}
-
-/* How many pixels ahead the shallow kernel gradient asks for dz (or dy
-   and the output): its part's rows stream from memory (11 MB in the
-   CNN's first layer), and the hardware's prefetch alone left it waiting
-   on them, at 9 GB/s (bench_conv conv1 backward without dx, float32:
-   1.38–1.87 → 0.74–1.23 ms with 8 or 16 ahead; bfloat16 1.03 → 0.71). */
-#define MPT__KGRAD_WIN_AHEAD 8
-
-#define MPT__KGRAD_WIN_ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0;
-/* Tile rows k0.. (m of them) by filters f0.. (nb of them; two: more than
-   16) over pixels [q0, q1), 32 floats a row; from_dy: dz made from dy,
-   and the bias's sums in row 12. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
-    const mpt__kgrad_win_job *j, mpt_dtype dtype, int two, int from_dy, int64_t k0, int m,
-    int64_t f0, int nb, int64_t q0, int64_t q1, float *tile) {
-    const mpt_conv_args *a = j->a;
-    const mpt_window *g = j->g;
-    const int64_t c = g->c, f = a->f, per = g->oh * g->ow;
-    const __mmask16 k_lo = mpt__gemm_mask16(nb), k_hi = mpt__gemm_mask16(nb - 16);
-    int64_t di[MPT__KGRAD_WIN_ROWS], dj[MPT__KGRAD_WIN_ROWS], off[MPT__KGRAD_WIN_ROWS];
-    float v[MPT__KGRAD_WIN_ROWS];
-    const size_t es = mpt_dtype_size(dtype), row_bytes = (size_t)nb * es;
-    int64_t q, b = q0 / per, oy = q0 % per / g->ow, ox = q0 % g->ow; /* pixel q */
-    int r;
-    __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0;
-    MPT__ROWS12(MPT__KGRAD_WIN_ACC)
-    for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
-        /* rows past m repeat the last one; the caller stores only m */
-        const int64_t k = k0 + MPT__MIN(r, m - 1), t = k / c;
-        di[r] = t / g->kw;
-        dj[r] = t % g->kw;
-        off[r] = (di[r] * g->w + dj[r]) * c + k % c; /* from the window's corner */
-    }
-    for (q = q0; q < q1; q++) {
-        const int64_t y0 = oy * g->sh - g->top, x0 = ox * g->sw - g->left;
-        const int64_t corner = ((b * g->h + y0) * g->w + x0) * c, dst = q * f + f0;
-        const __m512 d0 = mpt__kgrad_win_dz(dtype, from_dy, k_lo, a, dst);
-        const __m512 d1 = two ? mpt__kgrad_win_dz(dtype, from_dy, k_hi, a, dst + 16) : d0;
-        __m512 xr;
-        if (q + MPT__KGRAD_WIN_AHEAD < q1) {
-            const size_t at = (size_t)(dst + MPT__KGRAD_WIN_AHEAD * f) * es;
-            mpt__prefetch_row(from_dy ? a->dy : a->dz, at, row_bytes);
-            if (from_dy && a->act == MPT_ACT_RELU) mpt__prefetch_row(a->out, at, row_bytes);
-        }
-        if (from_dy) {
-            bias0 = _mm512_add_ps(bias0, d0);
-            if (two) bias1 = _mm512_add_ps(bias1, d1);
-        }
-        if (y0 >= 0 && y0 + g->kh <= g->h && x0 >= 0 && x0 + g->kw <= g->w) {
-#define MPT__F(r)                                                                       \
-    xr = _mm512_set1_ps(mpt__kgrad_win_value(dtype, a->x, corner + off[r]));           \
-    c##r##0 = _mm512_fmadd_ps(xr, d0, c##r##0);                                         \
-    if (two) c##r##1 = _mm512_fmadd_ps(xr, d1, c##r##1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        } else { /* the window crosses the padding */
-            for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
-                const int64_t y = y0 + di[r], x = x0 + dj[r];
-                v[r] = y >= 0 && y < g->h && x >= 0 && x < g->w
-                           ? mpt__kgrad_win_value(dtype, a->x, corner + off[r])
-                           : 0.0f;
-            }
-#define MPT__F(r)                                                                       \
-    xr = _mm512_set1_ps(v[r]);                                                          \
-    c##r##0 = _mm512_fmadd_ps(xr, d0, c##r##0);                                         \
-    if (two) c##r##1 = _mm512_fmadd_ps(xr, d1, c##r##1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-        if (++ox == g->ow) { /* the next pixel, without a division */
-            ox = 0;
-            if (++oy == g->oh) oy = 0, b++;
-        }
-    }
-#define MPT__S(r)                                                                       \
-    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r, c##r##0);                      \
-    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r + 16, two ? c##r##1 : _mm512_setzero_ps());
-    MPT__ROWS12(MPT__S)
-#undef MPT__S
-    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * 12, bias0);
-    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * 12 + 16, bias1);
-}
-#undef MPT__KGRAD_WIN_ACC
-
-/* One copy per dtype, width (two: more than 16 filters) and source of dz
-   (from_dy), each with its loads inline; [float32, bfloat16, float16][two][from_dy]. */
-#define MPT__KGRAD_WIN_SUMS(name, dtype, two, from_dy)                                        \
-    MPT__TARGET_AVX512 static void name(const mpt__kgrad_win_job *j, int64_t k0, int m,      \
-                                        int64_t f0, int nb, int64_t q0, int64_t q1,          \
-                                        float *tile) {                                       \
-        mpt__kgrad_win_sums(j, dtype, two, from_dy, k0, m, f0, nb, q0, q1, tile);            \
-    }
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, MPT_FLOAT32, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16_dy, MPT_FLOAT32, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, MPT_FLOAT32, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_dy, MPT_FLOAT32, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, MPT_BFLOAT16, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16_dy, MPT_BFLOAT16, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, MPT_BFLOAT16, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_dy, MPT_BFLOAT16, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16, MPT_FLOAT16, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16_dy, MPT_FLOAT16, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16, MPT_FLOAT16, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_dy, MPT_FLOAT16, 1, 1)
-#undef MPT__KGRAD_WIN_SUMS
-
-typedef void (*mpt__kgrad_win_sums_fn)(const mpt__kgrad_win_job *j, int64_t k0, int m,
-                                       int64_t f0, int nb, int64_t q0, int64_t q1, float *tile);
-static const mpt__kgrad_win_sums_fn mpt__kgrad_win_sums_fns[3][2][2] = {
-    {{mpt__kgrad_win_sums_f32_16, mpt__kgrad_win_sums_f32_16_dy},
-     {mpt__kgrad_win_sums_f32, mpt__kgrad_win_sums_f32_dy}},
-    {{mpt__kgrad_win_sums_bf16_16, mpt__kgrad_win_sums_bf16_16_dy},
-     {mpt__kgrad_win_sums_bf16, mpt__kgrad_win_sums_bf16_dy}},
-    {{mpt__kgrad_win_sums_f16_16, mpt__kgrad_win_sums_f16_16_dy},
-     {mpt__kgrad_win_sums_f16, mpt__kgrad_win_sums_f16_dy}}};
-#endif
-
-/* Task = (part, row block, filter block): its tile's sums over its part. */
-static void mpt__kgrad_win_task(void *arg, int64_t task, int thread) {
-    const mpt__kgrad_win_job *j = (const mpt__kgrad_win_job *)arg;
-    const mpt_conv_args *a = j->a;
-    const int64_t tile = task % (j->kblocks * j->fblocks), part = task / (j->kblocks * j->fblocks);
-    const int64_t k0 = tile / j->fblocks * MPT__KGRAD_WIN_ROWS;
-    const int64_t f0 = tile % j->fblocks * MPT__KGRAD_WIN_FILTERS;
-    const int64_t q0 = part * MPT_CONV_SHALLOW_KGRAD_PART;
-    const int64_t q1 = MPT__MIN(j->pixels, q0 + MPT_CONV_SHALLOW_KGRAD_PART);
-    const int m = (int)MPT__MIN(MPT__KGRAD_WIN_ROWS, j->kk - k0);
-    const int nb = (int)MPT__MIN(MPT__KGRAD_WIN_FILTERS, a->f - f0);
-    float *sums = j->sums + task * MPT__KGRAD_WIN_TILE;
-    (void)thread;
-#if MPT__X86
-    mpt__kgrad_win_sums_fns[a->dtype == MPT_BFLOAT16 ? 1 : a->dtype == MPT_FLOAT16 ? 2 : 0]
-                           [nb > 16][a->dy != NULL](j, k0, m, f0, nb, q0, q1, sums);
-#else
-    (void)k0, (void)f0, (void)q0, (void)q1, (void)m, (void)nb;
-    memset(sums, 0, sizeof(float) * MPT__KGRAD_WIN_TILE); /* never called: conv_direct declines */
-#endif
-}
-
-/* Element at of every part's tiles, added in part order. */
-static float mpt__kgrad_win_parts_sum(const mpt__kgrad_win_job *j, int64_t at) {
-    const int64_t stride = j->kblocks * j->fblocks * MPT__KGRAD_WIN_TILE;
-    float sum = j->sums[at];
-    int64_t part;
-    for (part = 1; part < j->parts; part++) sum += j->sums[part * stride + at];
-    return sum;
-}
-
-/* dkernel (and dbias, from the first row block's tiles) from the parts'
-   sums (added to what they hold when accumulating). */
-static void mpt__kgrad_win_finish(const mpt__kgrad_win_job *j) {
-    const mpt_conv_args *a = j->a;
-    const int64_t rows = MPT__KGRAD_WIN_ROWS, cols = MPT__KGRAD_WIN_FILTERS;
-    int64_t k, o;
-    for (o = 0; a->dy && a->dbias && o < a->f; o++) {
-        const float sum =
-            mpt__kgrad_win_parts_sum(j, o / cols * MPT__KGRAD_WIN_TILE + rows * cols + o % cols);
-        a->dbias[o] = a->accumulate ? a->dbias[o] + sum : sum;
-    }
-    for (k = 0; k < j->kk; k++)
-        for (o = 0; o < a->f; o++) {
-            const float sum = mpt__kgrad_win_parts_sum(
-                j, (k / rows * j->fblocks + o / cols) * MPT__KGRAD_WIN_TILE + k % rows * cols +
-                       o % cols);
-            a->dkernel[k * a->f + o] = a->accumulate ? a->dkernel[k * a->f + o] + sum : sum;
-        }
-}
-
-static void mpt__kgrad_win(mpt_context *ctx, const mpt_conv_args *a) {
-    mpt__kgrad_win_job w;
-    w.a = a;
-    w.g = a->g;
-    w.kk = a->g->kh * a->g->kw * a->g->c;
-    w.kblocks = (w.kk + MPT__KGRAD_WIN_ROWS - 1) / MPT__KGRAD_WIN_ROWS;
-    w.fblocks = (a->f + MPT__KGRAD_WIN_FILTERS - 1) / MPT__KGRAD_WIN_FILTERS;
-    w.pixels = a->n * a->g->oh * a->g->ow;
-    w.parts = (w.pixels + MPT_CONV_SHALLOW_KGRAD_PART - 1) / MPT_CONV_SHALLOW_KGRAD_PART;
-    w.sums = (float *)a->ws;
-    mpt__parallel_for(ctx, w.parts * w.kblocks * w.fblocks, mpt__kgrad_win_task, &w);
-    mpt__kgrad_win_finish(&w);
-}
-
-static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
-    const mpt__dconv_kgrad_job *j = (const mpt__dconv_kgrad_job *)arg;
-    const mpt_conv_args *a = j->a;
-    const int64_t per_tap = j->cblocks * j->fblocks, t = task / per_tap;
-    const int64_t c0 = task % per_tap / j->fblocks * j->rows;
-    const int64_t f0 = task % j->fblocks * 32;
-    const int m = (int)MPT__MIN(j->rows, j->g->c - c0), nb = (int)MPT__MIN(32, a->f - f0);
-    /* float32's last block starts early (shift rows) rather than run past C */
-    const int64_t shift = a->dtype == MPT_FLOAT32 ? j->rows - m : 0;
-    float tile[MPT__DCONV_MR * 32];
-    int r, o;
-    (void)thread;
-#if MPT__X86
-    if (a->dtype == MPT_FLOAT32)
-        mpt__dconv_kgrad_tile_f32(j, t, c0 - shift, f0, nb, tile);
-    else if (j->dot_pairs)
-        mpt__dconv_kgrad_tile_bf16(j, t, c0, m, f0, nb, tile);
-    else
-        mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
-#else
-    memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
-#endif
-    for (r = 0; r < m; r++) {
-        float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
-        const float *sum = tile + 32 * (r + shift);
-        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
-    }
-}
-
-/* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
-   a tile's channels (fewer would leave most of each tile idle). bfloat16:
-   at most 32 filters (with more, each pixel's channels are widened once
-   per 32 filters, and bench/bench_conv.c measured 0.8-1.0× the GEMM's
-   speed at 64; the bfloat16 pairs 0.66-0.76×). float32, which broadcasts
-   its channels straight from x: up to 64 filters, where bench/bench_conv.c
-   measured the CNN's 32- and 64-filter layers' backward without dx
-   1.1-1.3× faster than before (1 thread, CPU time). Fewer channels than
-   that (float32 or bfloat16, any number of filters): the tiles across
-   taps of mpt__kgrad_win_sums. bfloat16 with AVX-512 BF16 and the
-   workspace (the layer's backward gives it): the pixel-pair tables of
-   mpt__kgrad_pairs where mpt__kgrad_pairs_takes says so, before all
-   these. */
-static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
-    mpt__dconv_kgrad_job j;
-    if ((ctx->cpu & MPT_CPU_AVX512) && mpt__conv_shallow(a->dtype, a->g->c)) {
-        if (!a->ws || (a->dy && a->act != MPT_ACT_RELU && a->act != MPT_ACT_NONE)) return 0;
-        mpt__kgrad_win(ctx, a);
-        return 1;
-    }
-    if (a->dy) return 0; /* only the shallow tiles make dz themselves */
-#if MPT__X86
-    if (mpt__wkg_takes(ctx, a)) {
-        mpt__wkg(ctx, a, mpt__wino_tile_for(a));
-        return 1;
-    }
-#endif
-    j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
-    j.rows = a->dtype == MPT_FLOAT32 ? MPT__DCONV_KGRAD_F32_ROWS : MPT__DCONV_MR;
-#if MPT__X86
-    if (mpt__kgrad_pairs_takes(ctx, a)) {
-        mpt__kgrad_pairs(ctx, a);
-        return 1;
-    }
-#endif
-    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < j.rows ||
-        (a->dtype == MPT_FLOAT32 ? a->f > MPT__DCONV_KGRAD_F32_MAX_F
-                                 : a->dtype != MPT_BFLOAT16 || a->f > 32))
-        return 0;
-    j.a = a;
-    j.g = a->g;
-    j.cblocks = (a->g->c + j.rows - 1) / j.rows;
-    j.fblocks = (a->f + 31) / 32;
-    mpt__parallel_for(ctx, a->g->kh * a->g->kw * j.cblocks * j.fblocks, mpt__dconv_kgrad_task, &j);
-    return 1;
-}
-
-/* Whether the tiles of mpt__dconv_task take this case. */
-static int mpt__dconv_takes(const mpt_conv_args *a, const mpt__dconv_job *j) {
-    const mpt_window *g = a->g;
-    /* Fewer than 16 outputs per pixel would leave most of each vector idle
-       (a first layer's one-channel dx): the GEMM path does better there.
-       The input gradient multiplies the zeros of its padding and strides
-       too: where dz has under 4/5 of dx's pixels (a small image under
-       'valid' padding, any stride 2) col2im, which adds only what is
-       there, was as fast or faster in bench/bench_conv.c. */
-    if (a->input_grad && 5 * g->oh * g->ow < 4 * g->h * g->w) return 0;
-    /* A depth under 32 (a first layer's one-channel 3×3: 9) gives each
-       tile's table and epilogue too few multiply-adds to pay for; im2col
-       is cheap there (0.9× in bench/bench_conv.c). */
-    if (g->kh * g->kw * j->ic < 32) return 0;
-    return j->tile && (a->input_grad ? g->c : a->f) >= 16 &&
-           g->kh * g->kw <= MPT__DCONV_MAX_TAPS &&
-           (a->input_grad || (a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX));
-}
-
-/* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
-   BF16 for bfloat16 when the channels summed over come in pairs, or for
-   the forward of a one-channel image (mpt__shallow_task, either dtype). */
-static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
-    mpt_context *ctx = (mpt_context *)impl;
-    const mpt_window *g = a->g;
-    const int fused_act = a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX;
-    mpt__dconv_job j;
-    int64_t t;
-    int shallow;
-    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
-#if MPT__X86
-    if (mpt__wino_takes(ctx, a)) {
-        mpt__wino(ctx, a, mpt__wino_tile_for(a));
-        return 1;
-    }
-#endif
-    memset(&j, 0, sizeof j);
-    j.ic = a->input_grad ? a->f : g->c;
-#if MPT__X86
-    if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
-        j.tile = mpt__dconv_tile_f32;
-    else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
-        j.tile = mpt__dconv_tile_bf16;
-#endif
-    /* A one-channel image's forward (stride 1 along the width) takes the
-       gathered panels of mpt__shallow_task, any filter count: each block
-       of 32 reuses them. float16 runs float32's tiles. */
-    shallow = !a->input_grad && fused_act && g->c == 1 && g->sw == 1 &&
-              g->kh * g->kw <= MPT__SHALLOW_MAX_KK &&
-              (((a->dtype == MPT_FLOAT32 || a->dtype == MPT_FLOAT16) &&
-                (ctx->cpu & MPT_CPU_AVX512)) ||
-               (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16)));
-    if (!shallow && !mpt__dconv_takes(a, &j)) return 0;
-    j.ctx = ctx;
-    j.a = a;
-    j.g = g;
-    j.x = (const unsigned char *)a->x;
-    j.ih = a->input_grad ? g->oh : g->h;
-    j.iw = a->input_grad ? g->ow : g->w;
-    j.oh = a->input_grad ? g->h : g->oh;
-    j.ow = a->input_grad ? g->w : g->ow;
-    j.oc = a->input_grad ? g->c : a->f;
-    j.taps = g->kh * g->kw;
-    j.kk = j.taps * j.ic;
-    j.kc = mpt__gemm_depth_block(j.kk);
-    j.pixels = a->n * j.oh * j.ow;
-    j.es = mpt_dtype_size(a->dtype);
-    j.convert = mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32);
-    for (t = 0; t < j.taps; t++)
-        j.tap_bytes[t] = (size_t)((t / g->kw) * j.iw + t % g->kw) * (size_t)j.ic * j.es;
-    mpt__dconv_pack(&j, (unsigned char *)a->ws);
-    mpt__parallel_for(ctx,
-                      (j.pixels + MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK - 1) /
-                          (MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK),
-                      shallow ? mpt__shallow_task : mpt__dconv_task, &j);
-    return 1;
 }
 
 /* ---- Conv2D build, forward, backward -------------------------------------- */
@@ -11951,6 +5648,14 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
         }
 }
 
+/* Defined below, in @impl-convert-simd. */
+#if MPT__X86
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__avx512_load(mpt_dtype t, const void *p,
+                                                                     __mmask16 m);
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE void mpt__avx512_store(mpt_dtype t, void *p,
+                                                                    __m512 v, __mmask16 m);
+#endif
+
 #if MPT__X86
 /* mpt__max_window in 512-bit lanes, the channel tail masked: the same
    rule as mpt__max_takes lane by lane (a pixel wins when it is greater, or
@@ -12114,6 +5819,11 @@ static void mpt__max_dx_row(const mpt__pool_job *j, int64_t oy, int64_t r, const
         }
     }
 }
+
+/* Defined below, in @impl-gemm-kernels. */
+#if MPT__X86
+static __mmask16 mpt__gemm_mask16(int n);
+#endif
 
 #if MPT__X86
 /* mpt__max_dx_row, 16 channels a vector, the tail masked. */
@@ -13402,6 +7112,1014 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
     return mpt__add_layer(m, &mpt__dropout_ops, d, sizeof(mpt_dropout_desc));
 }
 /* =============================================================================
+   @impl-model: the sequential model: create, add, initialise, lay out in memory, build
+   ============================================================================= */
+
+/* ---- building a model ----------------------------------------------------- */
+
+
+MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
+                                   mpt_model **out) {
+    mpt_model *m;
+    int i;
+    int64_t count;
+    char s[96];
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL out");
+    *out = NULL;
+    if (!desc) /* NULL: every default, but the input's shape is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: input_shape and input_rank are "
+                         "required (NULL descriptor)");
+    if (desc->input_rank < 1 || desc->input_rank > MPT_MAX_RANK - 1)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "model: input_rank %d is not in 1..%d (one sample, without the batch; "
+                         "required)", desc->input_rank, MPT_MAX_RANK - 1);
+    for (i = 0; i < desc->input_rank; i++)
+        if (desc->input_shape[i] <= 0)
+            return mpt__fail(ctx, MPT_ERR_SHAPE, "model: input_shape %s has a dimension <= 0",
+                             mpt_shape_format(s, sizeof s, desc->input_rank, desc->input_shape));
+    count = mpt__shape_count(desc->input_rank, desc->input_shape);
+    if (count < 0 || count > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "model: input_shape %s has more elements than "
+                         "the 2^56 a sample may have", mpt_shape_format(s, sizeof s,
+                                                                         desc->input_rank,
+                                                                         desc->input_shape));
+    if (desc->policy < MPT_POLICY_FLOAT32 || desc->policy > MPT_POLICY_MIXED_BFLOAT16)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "model: unknown policy %d",
+                         (int)desc->policy);
+    if (desc->memory_limit < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "model: memory_limit %lld is negative (0: no limit)",
+                         (long long)desc->memory_limit);
+    m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
+    if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    mpt__context_count_model(ctx, 1);
+    m->ctx = ctx;
+    m->host_peak = -1;
+    m->be = mpt_context_backend(ctx, &m->impl);
+    m->desc = *desc;
+    m->strategy = desc->strategy;
+    m->n_replicas = 1;
+    m->policy_dtype = desc->policy == MPT_POLICY_MIXED_FLOAT16    ? MPT_FLOAT16
+                      : desc->policy == MPT_POLICY_MIXED_BFLOAT16 ? MPT_BFLOAT16
+                                                                  : MPT_FLOAT32;
+    *out = m;
+    return MPT_OK;
+}
+
+static void mpt__free_update_args(mpt_model *m);
+
+MPTDEF void mpt_model_destroy(mpt_model *m) {
+    mpt_context *ctx;
+    int c;
+    if (!m) return;
+    ctx = m->ctx;
+    for (c = 1; c < m->n_replicas; c++) mpt_model_destroy(m->replica[c]);
+    mpt__free(m->ctx, m->replica);
+    mpt__free(m->ctx, m->sync_scratch);
+    for (c = 0; c < MPT__MEM_COUNT_; c++) m->be->free(m->impl, c, m->arena[c]);
+    m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
+    mpt__free_update_args(m);
+    for (c = 0; c < MPT_MAX_LOGS; c++) mpt__free(m->ctx, m->history.values[c]);
+    mpt__free(m->ctx, m->layers);
+    mpt__free(m->ctx, m->params);
+    mpt__quantized_free(m->ctx, m->quantized);
+    mpt__qat_free(m);
+    mpt__free(ctx, m);
+    /* the last model of a context already destroyed frees it */
+    if (mpt__context_count_model(ctx, -1) == 0 && ctx->destroyed) mpt__context_free(ctx);
+}
+
+static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name) {
+    int i;
+    for (i = 0; i < m->n_layers; i++)
+        if (strcmp(m->layers[i].name, name) == 0) return &m->layers[i];
+    return NULL;
+}
+
+/* Appends a layer whose descriptor the caller has already checked. */
+static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
+                                 const mpt__layer_desc *desc, const char *name, mpt_dtype dtype) {
+    mpt__layer *L;
+    MPT__CHECK(mpt__refuse_quantized(m, "add a layer"));
+    if (m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model: cannot add a %s layer after build",
+                         ops->class_name);
+    if (dtype != MPT_DTYPE_DEFAULT && !mpt_dtype_is_float(dtype))
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: compute dtype must be float32, float16 "
+                         "or bfloat16, not %s (%d)", ops->class_name, mpt_dtype_name(dtype),
+                         (int)dtype);
+    if (name && (strlen(name) == 0 || strlen(name) >= sizeof L->name || strchr(name, '/')))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: name \"%s\" must have 1..%d characters and no '/'",
+                         ops->class_name, name, (int)sizeof L->name - 1);
+    if (name && mpt__find_layer(m, name))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: the model already has a layer named \"%s\"", ops->class_name, name);
+    if (m->n_layers == m->cap_layers) {
+        int cap = m->cap_layers ? 2 * m->cap_layers : 8;
+        mpt__layer *grown = (mpt__layer *)mpt__calloc(m->ctx, sizeof *grown * (size_t)cap);
+        if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+        if (m->layers) memcpy(grown, m->layers, sizeof *grown * (size_t)m->n_layers);
+        mpt__free(m->ctx, m->layers);
+        m->layers = grown;
+        m->cap_layers = cap;
+    }
+    L = &m->layers[m->n_layers];
+    memset(L, 0, sizeof *L);
+    L->ops = ops;
+    L->desc = *desc;
+    L->dtype = dtype ? dtype : m->policy_dtype;
+    if (name) {
+        snprintf(L->name, sizeof L->name, "%s", name);
+    } else {
+        /* Keras naming: dense, dense_1, dense_2, ... skipping names taken. */
+        int k = 0;
+        snprintf(L->name, sizeof L->name, "%s", ops->default_name);
+        while (mpt__find_layer(m, L->name))
+            snprintf(L->name, sizeof L->name, "%s_%d", ops->default_name, ++k);
+    }
+    L->seed = mpt__mix64(m->desc.seed ^ mpt__mix64((uint64_t)m->n_layers + 1));
+    m->n_layers++;
+    return MPT_OK;
+}
+
+/* Initial values, keyed by (model seed, parameter index, element), so they
+   do not depend on threads or on the order of anything else. */
+static void mpt__init_param(const mpt_model *m, int index, float *value) {
+    const mpt__param *P = &m->params[index];
+    uint64_t key = mpt__mix64(m->desc.seed ^ (0x5EEDull << 32) ^ (uint64_t)index);
+    int64_t i;
+    uint32_t r[4];
+    switch (P->init) {
+    case MPT_INIT_ONES:
+        for (i = 0; i < P->count; i++) value[i] = 1.0f;
+        break;
+    case MPT_INIT_GLOROT_UNIFORM: {
+        double limit = sqrt(6.0 / (double)(P->fan_in + P->fan_out));
+        for (i = 0; i < P->count; i++) {
+            mpt_philox4x32(key, 0, (uint64_t)i, r);
+            value[i] = (float)((2.0 * mpt__uniform01(r[0]) - 1.0) * limit);
+        }
+        break;
+    }
+    case MPT_INIT_HE_NORMAL: {
+        /* Keras: a normal truncated at two standard deviations, its stddev
+           divided by 0.8796 (the truncated normal's own stddev) so that the
+           values end up with variance 2 / fan_in. */
+        double stddev = sqrt(2.0 / (double)P->fan_in) / 0.87962566103423978;
+        for (i = 0; i < P->count; i++) {
+            uint64_t attempt;
+            double z = 0;
+            for (attempt = 0; attempt < 64; attempt++) {
+                double u1, u2;
+                mpt_philox4x32(key, attempt, (uint64_t)i, r);
+                u1 = ((double)r[0] + 1.0) / 4294967296.0; /* (0, 1] */
+                u2 = (double)r[1] / 4294967296.0;
+                z = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+                if (fabs(z) <= 2.0) break;
+            }
+            if (fabs(z) > 2.0) z = 0; /* 64 rejections in a row: p < 1e-80 */
+            value[i] = (float)(z * stddev);
+        }
+        break;
+    }
+    default: /* zeros */
+        memset(value, 0, sizeof(float) * (size_t)P->count);
+        break;
+    }
+}
+
+/* Every parameter's initial value, made on the host and copied in. */
+static mpt_status mpt__init_params(mpt_model *m) {
+    int64_t most = 1;
+    float *host;
+    int i;
+    mpt_status s = MPT_OK;
+    for (i = 0; i < m->n_params; i++) most = MPT__MAX(most, m->params[i].count);
+    host = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)most);
+    if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    for (i = 0; i < m->n_params && s == MPT_OK; i++) {
+        mpt__init_param(m, i, host);
+        s = m->be->upload(m->impl, m->params[i].value, host,
+                          sizeof(float) * (size_t)m->params[i].count);
+    }
+    mpt__free(m->ctx, host);
+    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
+}
+
+/* The compute-dtype copies rewritten from the masters. */
+static void mpt__copy_masters(mpt_model *m) {
+    int i;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        if (P->compute != (void *)P->value)
+            m->be->convert(m->impl, P->compute_dtype, P->compute, MPT_FLOAT32, P->value,
+                           P->count);
+    }
+}
+
+MPTDEF void mpt_model_refresh_weights(mpt_model *m) {
+    if (!m || !m->built) return;
+    mpt__copy_masters(m);
+    m->weights_given = 1;
+}
+
+/* Hands out 64-byte-aligned pieces of one arena. */
+typedef struct mpt__carver {
+    unsigned char *base;
+    int64_t used;
+} mpt__carver;
+
+static void *mpt__carve(mpt__carver *c, int64_t bytes) {
+    void *p = c->base ? c->base + c->used : NULL;
+    c->used += mpt__align_up(bytes);
+    return p;
+}
+
+/* Lays out every buffer. Run twice: first with NULL bases to measure each
+   arena, then with the allocated ones to assign the pointers. */
+static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
+    int i, k;
+    for (i = 0; i < m->n_params; i++) {
+        mpt__param *P = &m->params[i];
+        P->value = (float *)mpt__carve(&c[MPT__MEM_PARAMS], 4 * P->count);
+        P->grad = P->trainable ? (float *)mpt__carve(&c[MPT__MEM_GRADS], 4 * P->count) : NULL;
+        P->compute = P->compute_dtype == MPT_FLOAT32
+                         ? (void *)P->value
+                         : mpt__carve(&c[MPT__MEM_WEIGHT_COPY],
+                                      mpt__dbytes(P->compute_dtype, P->count));
+    }
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = &m->layers[i];
+        mpt_dtype in_dtype = i == 0 ? MPT_DTYPE_DEFAULT : m->layers[i - 1].dtype;
+        /* The first layer always gets a cast buffer: the caller's dtype is
+           only known at forward time. */
+        L->x_cast = in_dtype != L->dtype && !L->staged
+                        ? mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                     mpt__dbytes(L->dtype, L->in_count * m->max_batch))
+                        : NULL;
+        L->y = L->output_is_input ? NULL
+                                  : mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                               mpt__dbytes(L->dtype, L->out_count * m->max_batch));
+        for (k = 0; k < L->n_saved; k++)
+            L->saved[k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], L->saved_bytes[k]);
+        for (k = 0; k < L->n_params; k++) L->param[k] = &m->params[L->param_index[k]];
+    }
+    m->grad_buf[0] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
+    m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
+    if (mpt__model_device(m) != MPT_DEVICE_CPU) { /* the CPU reads the host's batches in place */
+        const mpt__layer *last = &m->layers[m->n_layers - 1];
+        for (i = 0; i < 2; i++) {
+            m->input_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                         4 * m->layers[0].in_count * m->max_batch);
+            m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                          4 * last->out_count * m->max_batch);
+        }
+    }
+}
+
+/* Where layer i computes in another dtype than the layer before it (a
+   final softmax in float32 after float16 layers, say), its input must be
+   converted and its dx converted back. Kept all step, the converted input
+   and the wider dx would cost activation memory in the wide dtype (on the
+   large MLP: 128 MiB of 351); staged in the workspace instead, the input
+   is converted again before backward from the previous output, which
+   lives on. Not for the first layer (the caller's input need not live
+   until backward), a layer whose output is its input, or one with a
+   commit (which reads x after the step). */
+static int mpt__stages_input(const mpt_model *m, int i) {
+    const mpt__layer *L = &m->layers[i];
+    return i > 0 && m->layers[i - 1].dtype != L->dtype && !L->output_is_input &&
+           !L->ops->commit;
+}
+
+/* A staged layer's workspace: its own scratch, then the converted input,
+   then dx in its dtype (each B · in_count elements). */
+static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
+    int64_t bytes = 0, end; /* (set by mpt__batch_bytes; -O3 cannot tell) */
+    MPT__CHECK(mpt__batch_bytes(m, L, mpt__dbytes(L->dtype, L->in_count), 0, &bytes));
+    L->stage_x = mpt__align_up(L->workspace_bytes);
+    L->stage_dx = L->stage_x + mpt__align_up(bytes);
+    if (!mpt__add_ok(L->stage_dx, bytes, &end)) return mpt__batch_overflow(m, L);
+    L->workspace_bytes = end;
+    return MPT_OK;
+}
+
+/* Checks each layer against its input shape and declares its buffers. */
+static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
+                                    int64_t *workspace_bytes) {
+    int i, rank = m->desc.input_rank;
+    int64_t shape[MPT_MAX_RANK - 1];
+    memcpy(shape, m->desc.input_shape, sizeof shape);
+    *grad_buf_bytes = *workspace_bytes = 0;
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = &m->layers[i];
+        int64_t grad_bytes = 0;
+        L->in_rank = rank;
+        memcpy(L->in_shape, shape, sizeof shape);
+        L->in_count = mpt__shape_count(rank, shape);
+        L->n_params = L->n_saved = 0;
+        L->workspace_bytes = 0;
+        L->pools_next = L->ran_next = L->ran_by_prev = 0;
+        MPT__CHECK(L->ops->build(m, L));
+        L->out_count = mpt__shape_count(L->out_rank, L->out_shape);
+        if (L->out_count < 0 || L->out_count > MPT__MAX_SAMPLE_ELEMENTS) {
+            char s[96];
+            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': output shape %s is too large "
+                             "(a sample may have 2^56 elements)", L->ops->class_name, L->name,
+                             mpt_shape_format(s, sizeof s, L->out_rank, L->out_shape));
+        }
+        /* The gradient buffers hold this layer's dy and dx in its dtype, and
+           dx again in the previous layer's dtype when the two differ (a
+           staged layer's dx in its own dtype is in the workspace). */
+        {
+            int64_t size = (int64_t)mpt_dtype_size(L->dtype);
+            int64_t prev = i > 0 ? (int64_t)mpt_dtype_size(m->layers[i - 1].dtype) : size;
+            L->staged = mpt__stages_input(m, i);
+            if (L->staged) MPT__CHECK(mpt__stage_in_workspace(m, L));
+            MPT__CHECK(mpt__batch_bytes(
+                m, L, MPT__MAX(size * L->out_count, (L->staged ? prev : MPT__MAX(size, prev)) *
+                                                        L->in_count),
+                0, &grad_bytes));
+        }
+        *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
+        *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
+        if (i > 0 && m->layers[i - 1].ops->plan_next) {
+            /* the layer before may run this one (its scratch grows) */
+            MPT__CHECK(m->layers[i - 1].ops->plan_next(m, &m->layers[i - 1]));
+            *workspace_bytes = MPT__MAX(*workspace_bytes, m->layers[i - 1].workspace_bytes);
+        }
+        rank = L->out_rank;
+        memcpy(shape, L->out_shape, sizeof shape);
+    }
+    return MPT_OK;
+}
+
+/* In @impl-optimizers, with what uses it: build allocates the state when
+   the model was compiled first, compile when it was built first. */
+static mpt_status mpt__alloc_optimizer_state(mpt_model *m);
+
+/* The activation a layer ends with (none for most). */
+static mpt_activation mpt__layer_activation(const mpt__layer *L) {
+    return L->ops->activation ? L->ops->activation(L) : MPT_ACT_NONE;
+}
+
+/* Keras' advice for mixed precision, followed by default: the final
+   softmax computes in float32, so the probabilities (and the logits the
+   loss reads) are float32. A dtype given for that layer wins. */
+static void mpt__final_softmax_in_float32(mpt_model *m) {
+    mpt__layer *L = &m->layers[m->n_layers - 1];
+    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.common.dtype == MPT_DTYPE_DEFAULT)
+        L->dtype = MPT_FLOAT32;
+}
+
+static int64_t mpt__optimizer_state_bytes(const mpt_model *m);
+
+/* memory_limit: whether the model may hold `bytes` more of `category` on
+   top of `held`; if not, fails naming the category, the bytes and the
+   limit. */
+static mpt_status mpt__within_memory_limit(mpt_model *m, int category, int64_t held,
+                                           int64_t bytes) {
+    int64_t limit = m->desc.memory_limit;
+    if (limit <= 0 || bytes <= limit - held) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                     "model: %s for batches of %lld needs %lld bytes, on top of %lld already "
+                     "planned: over the model's memory_limit of %lld bytes",
+                     mpt__memory_category[category], (long long)m->max_batch, (long long)bytes,
+                     (long long)held, (long long)limit);
+}
+
+/* Checks the whole plan, category by category (MPT_MEMORY_* order), before
+   anything is allocated. */
+static mpt_status mpt__plan_within_memory_limit(mpt_model *m, const mpt__carver *c) {
+    int64_t held = 0, bytes;
+    int i;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        bytes = i == MPT__MEM_OPTIMIZER ? (m->compiled ? mpt__optimizer_state_bytes(m) : 0)
+                                        : c[i].used;
+        MPT__CHECK(mpt__within_memory_limit(m, i, held, bytes));
+        held += bytes;
+    }
+    return MPT_OK;
+}
+
+/* Gives back every buffer of a build that failed half-way. */
+static void mpt__free_arenas(mpt_model *m) {
+    int i;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        m->be->free(m->impl, i, m->arena[i]);
+        m->arena[i] = NULL;
+    }
+    m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
+    m->state = NULL;
+}
+
+/* Builds this replica for batches of max_batch. */
+static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
+    mpt__carver c[MPT__MEM_COUNT_];
+    int64_t grad_buf_bytes, workspace_bytes;
+    int i;
+    m->max_batch = max_batch;
+    m->n_params = 0;
+    mpt__final_softmax_in_float32(m);
+    MPT__CHECK(mpt__build_layers(m, &grad_buf_bytes, &workspace_bytes));
+    memset(c, 0, sizeof c);
+    mpt__layout(m, c, grad_buf_bytes);
+    c[MPT__MEM_WORKSPACE].used = workspace_bytes;
+    MPT__CHECK(mpt__plan_within_memory_limit(m, c));
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        if (i == MPT__MEM_OPTIMIZER) continue; /* mpt__alloc_optimizer_state's */
+        m->arena_bytes[i] = c[i].used;
+        if (m->be->alloc(m->impl, i, (size_t)c[i].used, &m->arena[i]) != MPT_OK) {
+            mpt__free_arenas(m);
+            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                             "model: cannot allocate %lld bytes for batches of %lld: %s",
+                             (long long)c[i].used, (long long)max_batch,
+                             m->be->error(m->impl));
+        }
+        /* Zeroed, so that nothing ever reads garbage (a gradient buffer
+           read before it is written would turn into NaN in a product). */
+        m->be->zero(m->impl, m->arena[i], (size_t)c[i].used);
+        c[i].base = (unsigned char *)m->arena[i];
+        c[i].used = 0;
+    }
+    if (m->be->alloc(m->impl, MPT__MEM_WORKSPACE, 2 * sizeof(mpt_step_state),
+                     (void **)&m->state) != MPT_OK) {
+        mpt__free_arenas(m);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: %s", m->be->error(m->impl));
+    }
+    m->be->zero(m->impl, m->state, 2 * sizeof(mpt_step_state));
+    mpt__layout(m, c, grad_buf_bytes);
+    if (mpt__init_params(m) != MPT_OK) {
+        mpt__free_arenas(m);
+        return MPT_ERR_OUT_OF_MEMORY;
+    }
+    m->built = 1;
+    mpt__copy_masters(m);
+    if (m->compiled && mpt__alloc_optimizer_state(m) != MPT_OK) {
+        /* unbuilt again: a model without its optimizer state must not train */
+        mpt__free_update_args(m);
+        mpt__free_arenas(m);
+        m->built = 0;
+        return MPT_ERR_OUT_OF_MEMORY;
+    }
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
+    int replicas;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: already built");
+    MPT__CHECK(mpt__refuse_quantized(m, "build"));
+    if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
+    if (max_batch <= 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
+                         (long long)max_batch);
+    /* With a strategy, max_batch is the global batch: each replica is
+       built for its share. */
+    replicas = m->strategy ? mpt__strategy_total(m->strategy) : 1;
+    /* rounded up, without max_batch + replicas − 1 (past INT64_MAX) */
+    MPT__CHECK(mpt__build_one(m, max_batch / replicas + (max_batch % replicas != 0)));
+    return m->strategy ? mpt__replicas_build(m) : MPT_OK;
+}
+
+/* ---- looking inside a model ------------------------------------------------ */
+
+MPTDEF int mpt_model_param_count(const mpt_model *m) { return m && m->built ? m->n_params : 0; }
+
+MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info) {
+    mpt__param *P;
+    if (info) memset(info, 0, sizeof *info); /* zeros, whatever fails below */
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!info) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL info");
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: parameters exist after build");
+    if (index < 0 || index >= m->n_params)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: parameter %d not in 0..%d",
+                         index, m->n_params - 1);
+    P = &m->params[index];
+    info->name = P->name;
+    info->layer_name = m->layers[P->layer].name;
+    info->trainable = P->trainable;
+    info->value.dtype = info->grad.dtype = MPT_FLOAT32;
+    info->value.rank = info->grad.rank = P->rank;
+    memcpy(info->value.shape, P->shape, sizeof P->shape);
+    memcpy(info->grad.shape, P->shape, sizeof P->shape);
+    info->value.data = P->value;
+    info->grad.data = P->grad;
+    info->value.device = info->grad.device = mpt__model_device(m);
+    return MPT_OK;
+}
+
+MPTDEF int mpt_model_input_shape(const mpt_model *m, int64_t *shape) {
+    if (!m || !shape) return 0;
+    memcpy(shape, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
+    return m->desc.input_rank;
+}
+
+MPTDEF int mpt_model_layer_count(const mpt_model *m) { return m ? m->n_layers : 0; }
+
+MPTDEF const char *mpt_model_layer_name(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].name : NULL;
+}
+
+MPTDEF mpt_dtype mpt_model_layer_dtype(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].dtype : MPT_DTYPE_DEFAULT;
+}
+
+MPTDEF int mpt_model_layer_output_shape(const mpt_model *m, int index, int64_t *shape) {
+    const mpt__layer *L;
+    if (!m || !m->built || index < 0 || index >= m->n_layers || !shape) return 0;
+    L = &m->layers[index];
+    memcpy(shape, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
+    return L->out_rank;
+}
+
+MPTDEF const char *mpt_model_layer_class_name(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? m->layers[index].ops->class_name : NULL;
+}
+
+MPTDEF mpt_dtype mpt_model_layer_variable_dtype(const mpt_model *m, int index) {
+    return m && index >= 0 && index < m->n_layers ? MPT_FLOAT32 : MPT_DTYPE_DEFAULT;
+}
+
+MPTDEF mpt_policy mpt_model_policy(const mpt_model *m) {
+    return m ? m->desc.policy : MPT_POLICY_FLOAT32;
+}
+
+/* Raises the peaks to what the model holds now, `extra` bytes of
+   workspace besides (the profiler's records). */
+static void mpt__memory_peak_note(mpt_model *m, int64_t extra_workspace) {
+    int i;
+    for (i = 0; i < MPT__MEM_COUNT_; i++) {
+        int64_t held = m->arena_bytes[i] + (i == MPT__MEM_WORKSPACE ? extra_workspace : 0);
+        m->memory_peak[i] = MPT__MAX(m->memory_peak[i], held);
+    }
+}
+
+/* fit's start: the peaks start from what is held now. */
+static void mpt__memory_peak_reset(mpt_model *m) {
+    memset(m->memory_peak, 0, sizeof m->memory_peak);
+    mpt__memory_peak_note(m, 0);
+    m->ctx->host_peak = m->ctx->host_bytes;
+}
+
+static void mpt__memory_report_fill(const int64_t *b, mpt_memory_report *out) {
+    out->parameters = b[MPT__MEM_PARAMS];
+    out->gradients = b[MPT__MEM_GRADS];
+    out->optimizer = b[MPT__MEM_OPTIMIZER];
+    out->weight_copies = b[MPT__MEM_WEIGHT_COPY];
+    out->activations = b[MPT__MEM_ACTIVATIONS];
+    out->workspace = b[MPT__MEM_WORKSPACE];
+    out->total = out->parameters + out->gradients + out->optimizer + out->weight_copies +
+                 out->activations + out->workspace;
+}
+
+MPTDEF mpt_status mpt_model_memory(const mpt_model *m, mpt_memory_report *out) {
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory: NULL out");
+    out->limit = m->desc.memory_limit;
+    if (!m->built)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory: build the model first (build "
+                         "plans its memory)");
+    mpt__memory_report_fill(m->arena_bytes, out);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_memory_peak(const mpt_model *m, mpt_memory_report *out) {
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model_memory_peak: NULL out");
+    out->limit = m->desc.memory_limit;
+    if (m->host_peak < 0)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model_memory_peak: no fit yet (the peaks are "
+                         "a fit's)");
+    mpt__memory_report_fill(m->memory_peak, out);
+    out->host = m->host_peak;
+    return MPT_OK;
+}
+
+MPTDEF const char *mpt_policy_name(mpt_policy policy) {
+    switch (policy) {
+    case MPT_POLICY_FLOAT32: return "float32";
+    case MPT_POLICY_MIXED_FLOAT16: return "mixed_float16";
+    case MPT_POLICY_MIXED_BFLOAT16: return "mixed_bfloat16";
+    }
+    return "?";
+}
+
+/* =============================================================================
+   @impl-passes: a batch onto the backend, the forward and backward walks over
+   the layers, and fit's step one public piece at a time
+   ============================================================================= */
+
+/* ---- running a model ------------------------------------------------------ */
+
+/* The one rule for data given to a model (forward, fit, evaluate, predict):
+   each sample's shape is the model's input shape. A wrong one would make
+   the layers read past the end of the batch or misalign its samples. */
+static mpt_status mpt__check_sample_shape(mpt_model *m, int rank, const int64_t *shape,
+                                          const char *what) {
+    char got[96], want[96];
+    int i, ok = rank == m->desc.input_rank;
+    for (i = 0; ok && i < rank; i++) ok = shape[i] == m->desc.input_shape[i];
+    if (ok) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                     "%s: samples of shape %s do not fit the model's input %s", what,
+                     mpt_shape_format(got, sizeof got, rank, shape),
+                     mpt_shape_format(want, sizeof want, m->desc.input_rank, m->desc.input_shape));
+}
+
+static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
+    char got[96], what[128];
+    if (!x || !x->data)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL input tensor%s",
+                         x ? " data" : "");
+    if (!mpt_dtype_is_float(x->dtype))
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "model: input dtype %s is not a float dtype",
+                         mpt_dtype_name(x->dtype));
+    if (x->rank < 1 || x->rank > MPT_MAX_RANK || x->shape[0] < 1 || x->shape[0] > m->max_batch)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                         "model: input shape %s is not (batch, sample...) with batch in 1..%lld",
+                         mpt_shape_format(got, sizeof got, x->rank, x->shape),
+                         (long long)m->max_batch);
+    snprintf(what, sizeof what, "model: input %s",
+             mpt_shape_format(got, sizeof got, x->rank, x->shape));
+    return mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what);
+}
+
+/* Copies host memory into the backend's, turning a failure into a status. */
+static mpt_status mpt__upload(mpt_model *m, void *dst, const void *src, size_t bytes) {
+    mpt_status s = m->be->upload(m->impl, dst, src, bytes);
+    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
+}
+
+static mpt_status mpt__download(mpt_model *m, void *dst, const void *src, size_t bytes) {
+    mpt_status s = m->be->download(m->impl, dst, src, bytes);
+    return s == MPT_OK ? s : mpt__fail(m->ctx, s, "model: %s", m->be->error(m->impl));
+}
+
+/* A batch tensor (inputs or targets) as the backend can read it: itself on
+   the CPU backend or when it is already in the device's memory, else
+   copied into buf (input_buf[0] or target_buf[0]). */
+static mpt_status mpt__batch_on_backend(mpt_model *m, const mpt_tensor *t, void *buf,
+                                        mpt_tensor *out) {
+    *out = *t;
+    if (mpt__model_device(m) == MPT_DEVICE_CPU || t->device != MPT_DEVICE_CPU) return MPT_OK;
+    out->data = buf;
+    out->device = MPT_DEVICE_CUDA;
+    return mpt__upload(m, buf, t->data, mpt_tensor_bytes(t));
+}
+
+static mpt_status mpt__input_on_backend(mpt_model *m, const mpt_tensor *x, mpt_tensor *in) {
+    return mpt__batch_on_backend(m, x, m->input_buf[0], in);
+}
+
+/* In @impl-training, with the other training scalars' code; forward's
+   training mode pushes them first. */
+static mpt_status mpt__state_push(mpt_model *m);
+
+static void mpt__layer_view(const mpt_model *m, const mpt__layer *L, void *data, int use_input,
+                            mpt_tensor *t) {
+    mpt__batch_view(t, L->dtype, m->last_batch, use_input ? L->in_rank : L->out_rank,
+                    use_input ? L->in_shape : L->out_shape, data, mpt__model_device(m));
+}
+
+static void mpt__pass_init(mpt_model *m, int64_t batch, int training, mpt__pass *p) {
+    memset(p, 0, sizeof *p);
+    p->ctx = m->ctx;
+    p->model = m;
+    p->be = m->be;
+    p->impl = m->impl;
+    p->state = m->state;
+    p->batch = batch;
+    p->training = training != 0;
+    p->workspace = m->arena[MPT__MEM_WORKSPACE];
+}
+
+/* Folds what the last training forward measured into each layer's state
+   (BatchNormalization's moving statistics). fit calls it only for steps
+   that are applied, so a skipped step leaves every statistic as it was. */
+static void mpt__model_commit(mpt_model *m) {
+    mpt__pass p;
+    int i;
+    mpt__pass_init(m, m->last_batch, 1, &p);
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = &m->layers[i];
+        p.x = L->x;
+        p.y = L->y;
+        if (L->ops->commit) L->ops->commit(L, &p);
+    }
+    if (m->qat) mpt__qat_commit(m);
+}
+
+/* A forward pass in progress, one layer at a time (replicas run theirs in
+   step, layer by layer, when a layer synchronizes them). */
+typedef struct mpt__forward_walk {
+    mpt__pass p;
+    const void *cur;     /* the next layer's input  */
+    mpt_dtype cur_dtype;
+} mpt__forward_walk;
+
+static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
+                               mpt__forward_walk *w) {
+    mpt__pass_init(m, x->shape[0], training, &w->p);
+    w->cur = x->data;
+    w->cur_dtype = x->dtype;
+    m->last_batch = w->p.batch;
+    m->last_training = w->p.training;
+    if (m->qat) mpt__qat_forward_begin(m, &w->cur, w->cur_dtype, w->p.batch, w->p.training);
+}
+
+/* Layer i's input in its dtype, and its pass set up (not yet run). */
+static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    if (w->cur_dtype != L->dtype) {
+        void *x = L->staged ? (unsigned char *)w->p.workspace + L->stage_x : L->x_cast;
+        L->x_src = w->cur;
+        L->x_src_dtype = w->cur_dtype;
+        m->be->convert(m->impl, L->dtype, x, w->cur_dtype, w->cur, w->p.batch * L->in_count);
+        w->cur = x;
+    }
+    L->x = w->cur;
+    if (L->output_is_input) L->y = (void *)w->cur;
+    w->p.x = L->x;
+    w->p.y = L->y;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    return L;
+}
+
+static void mpt__forward_finish(mpt__layer *L, mpt__forward_walk *w) {
+    w->cur = L->y;
+    w->cur_dtype = L->dtype;
+    if (w->p.model->qat) mpt__qat_forward_end(w->p.model, (int)(L - w->p.model->layers), &w->cur);
+}
+
+static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) {
+    mpt__forward_walk w;
+    int i;
+    mpt__forward_begin(m, x, training, &w);
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = mpt__forward_prepare(m, i, &w);
+        L->ops->forward(L, &w.p);
+        mpt__forward_finish(L, &w);
+    }
+}
+
+MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
+                                    mpt_tensor *out) {
+    mpt_tensor in;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__refuse_quantized(m, "forward"));
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: forward before build");
+    MPT__CHECK(mpt__check_input(m, x));
+    MPT__CHECK(mpt__input_on_backend(m, x, &in));
+    if (training) MPT__CHECK(mpt__state_push(m)); /* the step keys dropout's masks */
+    mpt__model_forward(m, &in, training);
+    if (training) mpt__model_commit(m);
+    if (out) mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, out);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout) {
+    if (!m || !dout) return m ? mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL dout")
+                              : MPT_ERR_INVALID_ARGUMENT;
+    if (!m->last_batch)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model: output_grad before a forward pass");
+    mpt__layer_view(m, &m->layers[m->n_layers - 1], m->grad_buf[0], 0, dout);
+    return MPT_OK;
+}
+
+/* The first layer with a trainable parameter (n_layers if none). */
+static int mpt__first_trainable_layer(const mpt_model *m) {
+    int i, k;
+    for (i = 0; i < m->n_layers; i++)
+        for (k = 0; k < m->layers[i].n_params; k++)
+            if (m->layers[i].param[k]->trainable) return i;
+    return m->n_layers;
+}
+
+/* A backward pass in progress, one layer at a time, from the last. Unless
+   the caller wants the input's gradient, it ends at the first layer with
+   trainable parameters, and that layer skips its input gradient: below it
+   nothing needs one (a Flatten in front of a Dense, say, would otherwise
+   cost a third of the Dense's backward). */
+typedef struct mpt__backward_walk {
+    mpt__pass p;
+    int first;     /* the last layer to run      */
+    int cur;       /* grad_buf[cur] holds dy     */
+    int want_dinput;
+} mpt__backward_walk;
+
+static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_walk *w) {
+    w->first = want_dinput ? 0 : mpt__first_trainable_layer(m);
+    w->cur = 0;
+    w->want_dinput = want_dinput;
+    mpt__pass_init(m, m->last_batch, 1, &w->p);
+}
+
+static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    w->p.x = L->x;
+    w->p.y = L->y;
+    w->p.dy = m->grad_buf[w->cur];
+    w->p.dx = (i > w->first || w->want_dinput) ? m->grad_buf[1 - w->cur] : NULL;
+    /* A layer whose output is its input (Flatten) has dx = dy, the same
+       memory seen with another shape: nothing to copy. So does a pooling
+       that the Conv2D before it ran: that Conv2D takes the pooled dy. */
+    if (w->p.dx && (L->output_is_input || L->ran_by_prev)) w->p.dx = m->grad_buf[w->cur];
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    if (L->staged) { /* the workspace has been written since forward */
+        unsigned char *ws = (unsigned char *)w->p.workspace;
+        m->be->convert(m->impl, L->dtype, ws + L->stage_x, L->x_src_dtype, L->x_src,
+                       w->p.batch * L->in_count);
+        if (w->p.dx) w->p.dx = ws + L->stage_dx;
+    }
+    if (m->qat) mpt__qat_backward_mask(m, i, m->grad_buf[w->cur]);
+    return L;
+}
+
+static void mpt__backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    if (m->exchange) mpt__exchange_layer_done(m, i);
+    if (w->p.dx && w->p.dx == w->p.dy) { /* dx is dy, in grad_buf[cur] */
+        if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
+            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
+                           w->p.dy, w->p.batch * L->in_count);
+            w->cur = 1 - w->cur;
+        }
+    } else if (L->staged) {
+        if (w->p.dx) { /* dx in the previous dtype, into the free buffer */
+            m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[1 - w->cur], L->dtype,
+                           w->p.dx, w->p.batch * L->in_count);
+            w->cur = 1 - w->cur;
+        }
+    } else if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
+        /* dy is spent: the converted gradient goes back into its buffer. */
+        m->be->convert(m->impl, m->layers[i - 1].dtype, m->grad_buf[w->cur], L->dtype,
+                       m->grad_buf[1 - w->cur], w->p.batch * L->in_count);
+    } else if (w->p.dx) {
+        w->cur = 1 - w->cur;
+    }
+}
+
+MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_tensor *dinput) {
+    mpt__backward_walk w;
+    int i;
+    mpt__layer *last;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!m->last_batch || !m->last_training)
+        return mpt__fail(m->ctx, MPT_ERR_STATE,
+                         "model: backward needs a forward pass with training = 1 first");
+    last = &m->layers[m->n_layers - 1];
+    if (dout) {
+        mpt_tensor want;
+        int ok, d;
+        mpt__layer_view(m, last, NULL, 0, &want);
+        ok = dout->data && mpt_dtype_is_float(dout->dtype) && dout->rank == want.rank;
+        for (d = 0; ok && d < want.rank; d++) ok = dout->shape[d] == want.shape[d];
+        if (!ok) {
+            char got[96], exp[96];
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                             "model: output gradient %s %s does not match the output %s",
+                             mpt_dtype_name(dout->dtype),
+                             mpt_shape_format(got, sizeof got, dout->rank, dout->shape),
+                             mpt_shape_format(exp, sizeof exp, want.rank, want.shape));
+        }
+        if (dout->data != m->grad_buf[0]) {
+            const void *src = dout->data;
+            if (dout->device != mpt__model_device(m)) { /* in from the host */
+                MPT__CHECK(mpt__upload(m, m->target_buf[0], src, mpt_tensor_bytes(dout)));
+                src = m->target_buf[0];
+            }
+            m->be->convert(m->impl, last->dtype, m->grad_buf[0], dout->dtype, src,
+                           mpt_tensor_count(dout));
+        }
+    }
+    mpt__backward_begin(m, dinput != NULL, &w);
+    for (i = m->n_layers - 1; i >= w.first; i--) {
+        mpt__layer *L = mpt__backward_prepare(m, i, &w);
+        L->ops->backward(L, &w.p);
+        mpt__backward_finish(m, i, &w);
+    }
+    if (dinput) mpt__layer_view(m, &m->layers[0], m->grad_buf[w.cur], 1, dinput);
+    return MPT_OK;
+}
+
+/* ---- a training step by hand: fit's step, one public piece at a time ---------
+   The pieces reach the weights and gradients through the backend, as fit
+   does, so a hand-written loop runs on a GPU too. The numbers a piece
+   hands back pass through the evaluation record (m->state[1]): fit and
+   evaluate reset what they read of it before they read it. */
+
+/* A model a hand step can run on: built, and one replica. */
+static mpt_status mpt__hand_check(mpt_model *m, const char *what) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "%s: build the model first", what);
+    if (m->n_replicas > 1 || m->strategy)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "%s: not under a strategy (use fit, which sums the replicas' gradients)",
+                         what);
+    return MPT_OK;
+}
+
+/* The trainable parameters as the backend's optimizer passes take them,
+   with no optimizer slots (one allocation, *block, for the caller to free). */
+static mpt_status mpt__hand_update_args(mpt_model *m, mpt_update_args *u, void **block) {
+    size_t n = 0;
+    int i, k = 0;
+    float **value, **grad, **no_slot;
+    void **compute;
+    int64_t *count;
+    mpt_dtype *dtype;
+    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
+    /* value, grad, the slots (all NULL), compute; then count and dtype */
+    *block = mpt__calloc(m->ctx, 4 * n * sizeof(void *) +
+                                     n * (sizeof(int64_t) + sizeof(mpt_dtype)) + 1);
+    if (!*block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    value = (float **)*block;
+    grad = value + n;
+    no_slot = grad + n;
+    compute = (void **)(no_slot + n);
+    count = (int64_t *)(compute + n);
+    dtype = (mpt_dtype *)(count + n);
+    for (i = 0; i < m->n_params; i++) {
+        const mpt__param *P = &m->params[i];
+        if (!P->trainable) continue;
+        value[k] = P->value;
+        grad[k] = P->grad;
+        compute[k] = P->compute;
+        count[k] = P->count;
+        dtype[k] = P->compute_dtype;
+        k++;
+    }
+    memset(u, 0, sizeof *u);
+    u->n = (int)n;
+    u->value = value;
+    u->grad = (const float *const *)grad;
+    u->slot0 = u->slot1 = no_slot;
+    u->compute = compute;
+    u->compute_dtype = dtype;
+    u->count = count;
+    u->state = &m->state[1];
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_grad_stats(mpt_model *m, int *all_finite, double *global_norm) {
+    mpt_update_args u;
+    mpt_step_state st;
+    void *block;
+    mpt_status s;
+    MPT__CHECK(mpt__hand_check(m, "grad_stats"));
+    MPT__CHECK(mpt__hand_update_args(m, &u, &block));
+    m->be->grad_stats(m->impl, &u); /* Σg² and its finiteness, into state[1] */
+    s = mpt__download(m, &st, &m->state[1], sizeof st);
+    mpt__free(m->ctx, block);
+    if (s != MPT_OK) return s;
+    if (all_finite) *all_finite = st.finite != 0;
+    if (global_norm) *global_norm = sqrt(st.sum_squares);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_scale_grads(mpt_model *m, float factor) {
+    int i;
+    MPT__CHECK(mpt__hand_check(m, "scale_grads"));
+    if (!isfinite(factor))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "scale_grads: factor %g must be finite",
+                         (double)factor);
+    for (i = 0; i < m->n_params; i++)
+        if (m->params[i].trainable)
+            m->be->scale(m->impl, m->params[i].grad, factor, m->params[i].count);
+    return MPT_OK;
+}
+
+/* The backend's fused update with plain SGD at this rate, on a record that
+   says: gradients finite, no loss scale, optimizer step 0. */
+MPTDEF mpt_status mpt_model_sgd_step(mpt_model *m, float learning_rate) {
+    mpt_update_args u;
+    mpt_step_state st;
+    void *block;
+    MPT__CHECK(mpt__hand_check(m, "sgd_step"));
+    if (!(learning_rate >= 0 && learning_rate < INFINITY))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "sgd_step: learning_rate %g must be finite and >= 0",
+                         (double)learning_rate);
+    memset(&st, 0, sizeof st);
+    st.learning_rate = learning_rate;
+    st.loss_scale = 1;
+    st.finite = 1;
+    MPT__CHECK(mpt__upload(m, &m->state[1], &st, sizeof st));
+    MPT__CHECK(mpt__hand_update_args(m, &u, &block));
+    u.optimizer.type = MPT_OPTIMIZER_SGD; /* no momentum, decay, L2 or clipping */
+    u.optimizer.learning_rate = learning_rate;
+    m->be->update(m->impl, &u);
+    /* the backend reads u's arrays while queueing, not after */
+    mpt__free(m->ctx, block);
+    return MPT_OK;
+}
+
+/* =============================================================================
    @impl-losses
    =============================================================================
 
@@ -14628,7 +9346,8 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
     return m->compiled ? m->loss_scale : 1.0f;
 }
 /* =============================================================================
-   @impl-data: datasets over caller arrays and IDX files, and the batch loader
+   @impl-data: datasets over caller arrays, views, a batch gathered (IDX
+   files: @impl-idx; the batch loader: @impl-loader)
    =============================================================================
 
    A dataset is x (n, sample shape...) in uint8, float32, float16 or
@@ -15093,504 +9812,9 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
    member ("trailing garbage"), so a damaged .gz file would load where the
    same damage to a plain one is refused. */
 
-#define MPT__FILE_CHUNK ((size_t)1 << 17) /* bytes read at a time: fewer reads of 26 MB */
-
-typedef struct mpt__file {
-    const char *path;
-    FILE *f;
-    int cut;              /* the gzip stream ended early: a truncated .gz file */
-#ifndef MPT_NO_ZLIB
-    mpt_context *ctx;     /* allocated `in`                                 */
-    int started;          /* the first bytes were looked at                 */
-    int gz;               /* gzip: read through inflate                     */
-    int inflating;        /* inflateInit2 succeeded: inflateEnd is due      */
-    int member_ended;     /* a member's CRC and length checked, no next yet */
-    int eof;              /* fread reached the end of the file              */
-    int64_t file_bytes;   /* bytes read from the file so far                */
-    z_stream z;           /* z.next_in, z.avail_in: the unused part of in   */
-    unsigned char *in;    /* (MPT__FILE_CHUNK) the file's bytes read ahead  */
-#endif
-} mpt__file;
-
-static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *path) {
-    int fd;
-    f->path = path;
-    MPT__CHECK(mpt__open_regular(ctx, "", path, &fd, NULL));
-    /* ISO C has no fdopen: the path is opened again, now known to be a
-       regular file (only a rename in between could swap it). */
-    close(fd);
-    errno = 0;
-    f->f = fopen(path, "rb");
-    if (!f->f)
-        return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path,
-                         errno ? strerror(errno) : "out of memory");
-    return MPT_OK;
-}
-
-static void mpt__file_close(mpt__file *f) {
-#ifndef MPT_NO_ZLIB
-    if (f->inflating) inflateEnd(&f->z);
-    f->inflating = 0;
-    if (f->in) mpt__free(f->ctx, f->in);
-    f->in = NULL;
-#endif
-    if (f->f) fclose(f->f);
-    f->f = NULL;
-}
-
-static mpt_status mpt__file_read_error(mpt_context *ctx, const mpt__file *f) {
-    return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, strerror(errno));
-}
-
-/* Up to n bytes as they are in the file (what was read ahead first). */
-static mpt_status mpt__file_read_plain(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
-                                       int64_t *got) {
-    size_t r;
-#ifndef MPT_NO_ZLIB
-    size_t ahead = (size_t)MPT__MIN(n, (int64_t)f->z.avail_in);
-    memcpy(buf, f->z.next_in, ahead);
-    f->z.next_in += ahead;
-    f->z.avail_in -= (uInt)ahead;
-    *got = (int64_t)ahead;
-#endif
-    r = fread((char *)buf + *got, 1, (size_t)(n - *got), f->f);
-    *got += (int64_t)r;
-    if (*got < n && ferror(f->f)) return mpt__file_read_error(ctx, f);
-    return MPT_OK;
-}
-
-#ifndef MPT_NO_ZLIB
-
-/* Reads more of the file behind the bytes inflate has not used yet. */
-static mpt_status mpt__gz_fill(mpt_context *ctx, mpt__file *f) {
-    size_t keep = f->z.avail_in, r;
-    if (f->eof) return MPT_OK;
-    memmove(f->in, f->z.next_in, keep);
-    r = fread(f->in + keep, 1, MPT__FILE_CHUNK - keep, f->f);
-    if (r < MPT__FILE_CHUNK - keep) {
-        if (ferror(f->f)) return mpt__file_read_error(ctx, f);
-        f->eof = 1;
-    }
-    f->file_bytes += (int64_t)r;
-    f->z.next_in = f->in;
-    f->z.avail_in = (uInt)(keep + r);
-    return MPT_OK;
-}
-
-/* The first read: the buffer, and gzip or not by the first two bytes. */
-static mpt_status mpt__file_start(mpt_context *ctx, mpt__file *f) {
-    f->started = 1;
-    f->ctx = ctx;
-    f->in = (unsigned char *)mpt__alloc(ctx, MPT__FILE_CHUNK);
-    if (!f->in) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory", f->path);
-    f->z.next_in = f->in;
-    f->z.avail_in = 0;
-    MPT__CHECK(mpt__gz_fill(ctx, f));
-    f->gz = f->z.avail_in >= 2 && f->in[0] == 0x1f && f->in[1] == 0x8b;
-    if (!f->gz) return MPT_OK;
-    if (inflateInit2(&f->z, 16 + MAX_WBITS) != Z_OK) /* 16: the gzip wrapper only */
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
-                         f->path);
-    f->inflating = 1;
-    return MPT_OK;
-}
-
-/* After a member: the end of the file, or the next member (*more). */
-static mpt_status mpt__gz_next_member(mpt_context *ctx, mpt__file *f, int *more) {
-    struct stat st;
-    int64_t at;
-    *more = 0;
-    if (f->z.avail_in < 2) MPT__CHECK(mpt__gz_fill(ctx, f));
-    if (f->z.avail_in == 0) return MPT_OK;
-    if (f->z.avail_in >= 2 && f->z.next_in[0] == 0x1f && f->z.next_in[1] == 0x8b) {
-        inflateReset(&f->z);
-        *more = 1;
-        return MPT_OK;
-    }
-    at = f->file_bytes - (int64_t)f->z.avail_in;
-    if (stat(f->path, &st) != 0 || (int64_t)st.st_size <= at)
-        return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has bytes after the end of its gzip data "
-                         "(at byte %lld) that are not another gzip member", f->path,
-                         (long long)at);
-    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has %lld byte%s after the end of its gzip data "
-                     "(at byte %lld of %lld) that %s not another gzip member", f->path,
-                     (long long)(st.st_size - at), st.st_size - at == 1 ? "" : "s",
-                     (long long)at, (long long)st.st_size, st.st_size - at == 1 ? "is" : "are");
-}
-
-static mpt_status mpt__gz_error(mpt_context *ctx, const mpt__file *f, int err) {
-    if (err == Z_MEM_ERROR)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
-                         f->path);
-    /* zlib decompresses ahead of what was asked, so where the damage is
-       cannot be told. */
-    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is corrupted: bad gzip data (zlib: %s)", f->path,
-                     f->z.msg ? f->z.msg : "inflate failed");
-}
-
-/* Up to n decompressed bytes; fewer at the end of the last member, or
-   where the file ends inside a member (f->cut). */
-static mpt_status mpt__gz_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
-                               int64_t *got) {
-    while (*got < n) {
-        int more, err;
-        /* avail_out counts in unsigned int: at most 1 GiB at a time */
-        uInt ask = (uInt)MPT__MIN(n - *got, (int64_t)1 << 30);
-        if (f->member_ended) {
-            MPT__CHECK(mpt__gz_next_member(ctx, f, &more));
-            if (!more) return MPT_OK;
-            f->member_ended = 0;
-        }
-        if (f->z.avail_in == 0) MPT__CHECK(mpt__gz_fill(ctx, f));
-        if (f->z.avail_in == 0) {
-            f->cut = 1;
-            return MPT_OK;
-        }
-        f->z.next_out = (Bytef *)buf + *got;
-        f->z.avail_out = ask;
-        err = inflate(&f->z, Z_NO_FLUSH);
-        *got += (int64_t)(ask - f->z.avail_out);
-        if (err == Z_STREAM_END) f->member_ended = 1;
-        else if (err != Z_OK) return mpt__gz_error(ctx, f, err);
-    }
-    return MPT_OK;
-}
-
-#endif /* MPT_NO_ZLIB */
-
-/* Reads up to n bytes; *got is less than n only at the end of the file,
-   where f->cut tells a gzip stream cut short (the caller, which knows how
-   many bytes it expected, words that error). */
-static mpt_status mpt__file_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
-                                 int64_t *got) {
-    *got = 0;
-#ifndef MPT_NO_ZLIB
-    if (!f->started) MPT__CHECK(mpt__file_start(ctx, f));
-    if (f->gz) return mpt__gz_read(ctx, f, buf, n, got);
-#endif
-    return mpt__file_read_plain(ctx, f, buf, n, got);
-}
-
-/* ---- IDX (MNIST-format) files --------------------------------------------
-
-   Big-endian: bytes 0 and 1 zero, byte 2 the element type (0x08 unsigned
-   byte), byte 3 the number of dimensions; then each dimension as a u32;
-   then the elements, row-major. Images are 0x00000803 (n, rows, cols),
-   labels 0x00000801 (n). */
-
-typedef struct mpt__idx {
-    mpt__file file;
-    int n_dims;
-    int64_t dims[3];
-    int64_t header_bytes;  /* 4 + 4 · n_dims                   */
-    int64_t data_bytes;    /* the product of dims (uint8 data) */
-} mpt__idx;
-
-static uint32_t mpt__be32(const unsigned char *p) {
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
-}
-
-static const char *mpt__idx_type_name(int code) {
-    switch (code) {
-    case 0x08: return "unsigned byte";
-    case 0x09: return "signed byte";
-    case 0x0b: return "int16";
-    case 0x0c: return "int32";
-    case 0x0d: return "float32";
-    case 0x0e: return "float64";
-    default: return NULL;
-    }
-}
-
-static mpt_status mpt__idx_check_magic(mpt_context *ctx, const mpt__idx *idx,
-                                       const unsigned char *m, const char *what, int dims) {
-    const char *path = idx->file.path;
-    const char *type = mpt__idx_type_name(m[2]);
-#ifdef MPT_NO_ZLIB
-    if (m[0] == 0x1f && m[1] == 0x8b)
-        return mpt__fail(ctx, MPT_ERR_UNSUPPORTED,
-                         "'%s' is gzip-compressed, and this build has no zlib (MPT_NO_ZLIB): "
-                         "gunzip it first", path);
-#endif
-    if (m[0] != 0 || m[1] != 0 || !type)
-        return mpt__fail(ctx, MPT_ERR_FORMAT,
-                         "'%s' is not an IDX file: magic number 0x%08x (an IDX %s file starts "
-                         "with 0x%08x)",
-                         path, (unsigned)mpt__be32(m), what, 0x800u + (unsigned)dims);
-    if (m[2] != 0x08)
-        return mpt__fail(ctx, MPT_ERR_UNSUPPORTED,
-                         "'%s' holds IDX elements of type 0x%02x (%s); only 0x08 (unsigned "
-                         "byte) is supported", path, m[2], type);
-    if (m[3] != dims)
-        return mpt__fail(ctx, MPT_ERR_FORMAT,
-                         "'%s' has %d dimension%s (magic 0x%08x); an IDX %s file has %d (0x%08x)",
-                         path, m[3], m[3] == 1 ? "" : "s", (unsigned)mpt__be32(m), what, dims,
-                         0x800u + (unsigned)dims);
-    return MPT_OK;
-}
-
-/* The header's sizes: each > 0, and their product (the data bytes) must
-   fit in memory's sizes. */
-static mpt_status mpt__idx_check_dims(mpt_context *ctx, mpt__idx *idx) {
-    int i;
-    idx->data_bytes = 1;
-    for (i = 0; i < idx->n_dims; i++) {
-        if (idx->dims[i] == 0)
-            return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s': IDX dimension %d of %d is 0",
-                             idx->file.path, i, idx->n_dims);
-        if (!mpt__mul_ok(idx->data_bytes, idx->dims[i], &idx->data_bytes) ||
-            (uint64_t)idx->data_bytes > (uint64_t)SIZE_MAX / 4)
-            return mpt__fail(ctx, MPT_ERR_OVERFLOW,
-                             "'%s': IDX dimensions %lld x %lld x %lld are too large",
-                             idx->file.path, (long long)idx->dims[0],
-                             (long long)(idx->n_dims > 1 ? idx->dims[1] : 1),
-                             (long long)(idx->n_dims > 2 ? idx->dims[2] : 1));
-    }
-    return MPT_OK;
-}
-
-/* "'f' is truncated: its IDX header promises 7856 bytes, the file has 7000". */
-static mpt_status mpt__idx_truncated(mpt_context *ctx, const mpt__idx *idx, const char *part,
-                                     int64_t expected, int64_t actual) {
-    const char *how = "";
-#ifndef MPT_NO_ZLIB
-    if (idx->file.cut)
-        how = " (uncompressed; its gzip stream is cut short)";
-    else if (idx->file.gz)
-        how = " (uncompressed)";
-#endif
-    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is truncated: %s %lld bytes, the file has %lld%s",
-                     idx->file.path, part, (long long)expected, (long long)actual, how);
-}
-
-/* Opens path and reads its header: `dims` dimensions of IDX unsigned bytes. */
-static mpt_status mpt__idx_open(mpt_context *ctx, mpt__idx *idx, const char *path,
-                                const char *what, int dims) {
-    unsigned char h[16]; /* magic + up to 3 dimensions */
-    int64_t got;
-    int i;
-    memset(idx, 0, sizeof *idx);
-    MPT__CHECK(mpt__file_open(ctx, &idx->file, path));
-    MPT__CHECK(mpt__file_read(ctx, &idx->file, h, 4, &got));
-    if (got < 4) return mpt__idx_truncated(ctx, idx, "an IDX magic number needs", 4, got);
-    MPT__CHECK(mpt__idx_check_magic(ctx, idx, h, what, dims));
-    idx->n_dims = dims;
-    idx->header_bytes = 4 + 4 * (int64_t)dims;
-    MPT__CHECK(mpt__file_read(ctx, &idx->file, h + 4, 4 * (int64_t)dims, &got));
-    if (got < 4 * dims)
-        return mpt__idx_truncated(ctx, idx, "its IDX header needs", idx->header_bytes, 4 + got);
-    for (i = 0; i < dims; i++) idx->dims[i] = mpt__be32(h + 4 + 4 * i);
-    return mpt__idx_check_dims(ctx, idx);
-}
-
-/* After the data: anything left is an error (a file that does not match its
-   header); reading on also makes zlib check the gzip CRC and length. */
-static mpt_status mpt__idx_expect_end(mpt_context *ctx, mpt__idx *idx) {
-    unsigned char rest[4096];
-    int64_t got, extra = 0, end = idx->header_bytes + idx->data_bytes;
-    do {
-        MPT__CHECK(mpt__file_read(ctx, &idx->file, rest, sizeof rest, &got));
-        extra += got;
-    } while (got == (int64_t)sizeof rest && extra < ((int64_t)1 << 20));
-    if (extra == 0 && idx->file.cut) /* all the data, but no CRC to check it by */
-        return mpt__fail(ctx, MPT_ERR_FORMAT,
-                         "'%s' is truncated: its gzip stream ends before its CRC and length",
-                         idx->file.path);
-    if (extra == 0) return MPT_OK;
-    return mpt__fail(ctx, MPT_ERR_FORMAT,
-                     "'%s' has %s%lld trailing byte%s after the %lld bytes its IDX header "
-                     "describes",
-                     idx->file.path, got == (int64_t)sizeof rest ? "more than " : "",
-                     (long long)extra, extra == 1 ? "" : "s", (long long)end);
-}
-
-/* The first buffer for the data; it doubles as data arrives, up to what
-   the header promises, so a corrupted header that promises terabytes ends
-   as a truncated file rather than as a huge allocation. */
-#define MPT__IDX_FIRST_CHUNK ((int64_t)64 << 20)
-
-static mpt_status mpt__idx_grow(mpt_context *ctx, const mpt__idx *idx, unsigned char **buf,
-                                int64_t have, int64_t *cap) {
-    int64_t next = MPT__MIN(*cap * 2, idx->data_bytes);
-    unsigned char *bigger = (unsigned char *)mpt__alloc(ctx, (size_t)next);
-    if (!bigger)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
-                         "reading '%s': cannot allocate %lld bytes", idx->file.path,
-                         (long long)next);
-    memcpy(bigger, *buf, (size_t)have);
-    mpt__free(ctx, *buf);
-    *buf = bigger;
-    *cap = next;
-    return MPT_OK;
-}
-
-/* Reads the data (idx->data_bytes) into *out, a new buffer, and checks that
-   the file ends there. */
-static mpt_status mpt__idx_read_data(mpt_context *ctx, mpt__idx *idx, unsigned char **out) {
-    int64_t cap = MPT__MIN(idx->data_bytes, MPT__IDX_FIRST_CHUNK), have = 0, got;
-    unsigned char *buf = (unsigned char *)mpt__alloc(ctx, (size_t)cap); /* (data_bytes) */
-    mpt_status s = MPT_OK;
-    if (!buf)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': cannot allocate %lld bytes",
-                         idx->file.path, (long long)cap);
-    for (;;) {
-        s = mpt__file_read(ctx, &idx->file, buf + have, cap - have, &got);
-        have += got;
-        if (s != MPT_OK) break;
-        if (have < cap) {
-            s = mpt__idx_truncated(ctx, idx, "its IDX header promises",
-                                   idx->header_bytes + idx->data_bytes, idx->header_bytes + have);
-            break;
-        }
-        if (have == idx->data_bytes) {
-            s = mpt__idx_expect_end(ctx, idx);
-            break;
-        }
-        s = mpt__idx_grow(ctx, idx, &buf, have, &cap);
-        if (s != MPT_OK) break;
-    }
-    if (s != MPT_OK) {
-        mpt__free(ctx, buf);
-        return s;
-    }
-    *out = buf;
-    return MPT_OK;
-}
-
-/* Labels: n unsigned bytes widened to int32 class ids. */
-static mpt_status mpt__idx_read_labels(mpt_context *ctx, mpt__idx *idx, int32_t **out) {
-    unsigned char *bytes = NULL; /* (n) */
-    int32_t *labels;             /* (n) */
-    int64_t i;
-    MPT__CHECK(mpt__idx_read_data(ctx, idx, &bytes));
-    labels = (int32_t *)mpt__alloc(ctx, (size_t)idx->data_bytes * sizeof(int32_t));
-    if (!labels) {
-        mpt__free(ctx, bytes);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory",
-                         idx->file.path);
-    }
-    for (i = 0; i < idx->data_bytes; i++) labels[i] = bytes[i];
-    mpt__free(ctx, bytes);
-    *out = labels;
-    return MPT_OK;
-}
-
-/* Both headers first, so that a count mismatch is found before any data is
-   read; then images, then labels. */
-static mpt_status mpt__load_idx(mpt_context *ctx, mpt__idx *img, mpt__idx *lab,
-                                const char *images_path, const char *labels_path,
-                                mpt_dataset *d) {
-    unsigned char *x = NULL;
-    int32_t *y = NULL;
-    MPT__CHECK(mpt__idx_open(ctx, img, images_path, "image", 3));
-    MPT__CHECK(mpt__idx_open(ctx, lab, labels_path, "label", 1));
-    if (img->dims[0] != lab->dims[0])
-        return mpt__fail(ctx, MPT_ERR_SHAPE, "'%s' holds %lld images but '%s' holds %lld labels",
-                         images_path, (long long)img->dims[0], labels_path,
-                         (long long)lab->dims[0]);
-    MPT__CHECK(mpt__idx_read_data(ctx, img, &x));
-    d->owned_x = x;
-    MPT__CHECK(mpt__idx_read_labels(ctx, lab, &y));
-    d->owned_y = y;
-    d->n = img->dims[0];
-    d->x_dtype = MPT_UINT8;
-    d->x_rank = 3;
-    d->x_shape[0] = img->dims[1];
-    d->x_shape[1] = img->dims[2];
-    d->x_shape[2] = 1;
-    d->x_count = img->dims[1] * img->dims[2];
-    d->x = x;
-    d->y_dtype = MPT_INT32;
-    d->y_count = 1;
-    d->y = y;
-    mpt__dataset_set_scale(d, 1.0f / 255.0f, 0.0f);
-    mpt__dataset_find_label_range(d);
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
-                                       const char *labels_path, mpt_dataset **out) {
-    mpt__idx img, lab;
-    mpt_dataset *d;
-    mpt_status s;
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out || !images_path || !labels_path)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_idx: NULL %s",
-                         !out ? "out" : !images_path ? "images_path" : "labels_path");
-    *out = NULL;
-    d = mpt__dataset_new(ctx);
-    if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "load_idx: out of memory");
-    memset(&img, 0, sizeof img);
-    memset(&lab, 0, sizeof lab);
-    s = mpt__load_idx(ctx, &img, &lab, images_path, labels_path, d);
-    mpt__file_close(&img.file);
-    mpt__file_close(&lab.file);
-    if (s != MPT_OK) {
-        mpt_dataset_destroy(d);
-        return s;
-    }
-    *out = d;
-    return MPT_OK;
-}
-
-/* dir/name, compressed first (then plain) where zlib is there, plain
-   first otherwise so that a plain copy beside a .gz one still loads. */
-static mpt_status mpt__mnist_path(mpt_context *ctx, const char *dir, const char *name,
-                                  char *path, size_t size) {
-    struct stat st;
-    int k;
-    for (k = 0; k < 2; k++) {
-#ifndef MPT_NO_ZLIB
-        int gz = k == 0;
-#else
-        int gz = k == 1;
-#endif
-        int len = snprintf(path, size, "%s/%s%s", dir, name, gz ? ".gz" : "");
-        if (len < 0 || (size_t)len >= size)
-            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_mnist: directory name '%s' is "
-                             "too long", dir);
-        if (stat(path, &st) == 0) return MPT_OK;
-    }
-    return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: neither '%s/%s.gz' nor '%s/%s' exists", dir,
-                     name, dir, name);
-}
-
-MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int test,
-                                         mpt_dataset **out) {
-    char images[4096], labels[4096];
-    const char *part = test ? "t10k" : "train";
-    char name[64];
-    struct stat st;
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out || !dir)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_mnist: NULL %s", dir ? "out" : "dir");
-    *out = NULL;
-    if (stat(dir, &st) != 0)
-        return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: cannot open directory '%s': %s", dir,
-                         strerror(errno));
-    if (!S_ISDIR(st.st_mode))
-        return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: '%s' is not a directory", dir);
-    snprintf(name, sizeof name, "%s-images-idx3-ubyte", part);
-    MPT__CHECK(mpt__mnist_path(ctx, dir, name, images, sizeof images));
-    snprintf(name, sizeof name, "%s-labels-idx1-ubyte", part);
-    MPT__CHECK(mpt__mnist_path(ctx, dir, name, labels, sizeof labels));
-    return mpt_dataset_load_idx(ctx, images, labels, out);
-}
-
-/* ---- the prefetching batch loader -----------------------------------------
-
-   Two slots, batch b in slot b % 2. The consumer (fit's thread) holds the
-   batch it last received until its next call; meanwhile the loader thread
-   fills the other slot with the batch after. So loading b + 1 overlaps
-   computing on b, and a slot is never written while it is being read.
-
-   An epoch of one batch has nothing to overlap, and a predict of one batch
-   would pay a thread's start and two hand-offs for it: such an epoch is
-   gathered by the caller's thread, in next(). So is an epoch whose samples
-   lie in order in the dataset already in the batch dtype, where a caller
-   that only reads its batches (mpt__loader_allow_views) gets views of the
-   dataset's own memory and nothing is copied. The buffers and the thread
-   are made by the first epoch that needs them. */
+/* =============================================================================
+   @impl-loader: the batch loader: shuffled batches gathered ahead on a thread of its own
+   ============================================================================= */
 
 typedef struct mpt__loader {
     mpt_context *ctx;
@@ -15844,7 +10068,8 @@ static void mpt__loader_destroy(mpt__loader *l) {
     mpt__free(l->ctx, l);
 }
 /* =============================================================================
-   @impl-training: the training loop, evaluate, predict, summary, history
+   @impl-training: one training step, the history, the tally of a step's
+   logs (fit itself: @impl-fit)
    =============================================================================
 
    One training step is, in order:
@@ -16111,6 +10336,10 @@ static mpt_status mpt__train_step(mpt_model *m, const mpt_tensor *x, const mpt_t
     return MPT_OK;
 }
 
+/* =============================================================================
+   @impl-feed: the GEMM plan and the step's feed: batches staged and uploaded ahead of the step
+   ============================================================================= */
+
 /* Before the first step at a batch size, on a backend that chooses its
    GEMM engine per shape: one forward and backward pass on whatever the
    input buffer holds, with every GEMM timed. Nothing is committed or
@@ -16340,6 +10569,10 @@ static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     mpt__tally_from_state(&st, t);
     return MPT_OK;
 }
+
+/* =============================================================================
+   @impl-fit-checks: fit's progress line, the checks of its data, evaluation's tally
+   ============================================================================= */
 
 /* ---- progress output, as Keras 2 prints it ---------------------------------------- */
 
@@ -16592,6 +10825,10 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     mpt__free(m->ctx, order);
     return s;
 }
+
+/* =============================================================================
+   @impl-fit: fit: epochs, callbacks, validation, out-of-memory recovery
+   ============================================================================= */
 
 /* Calls one function of every callback in turn, while the status `s` of
    the calling function is MPT_OK: the first error ends the round. */
@@ -17196,6 +11433,10 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     return s;
 }
 
+/* =============================================================================
+   @impl-predict: evaluate, predict, summary, and the summary at the end of fit
+   ============================================================================= */
+
 /* ---- evaluate, predict --------------------------------------------------------------- */
 
 MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
@@ -17465,507 +11706,846 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
     mpt__fit_print_memory_peak(m);
 }
 
-/* ---- the history as an SVG plot ------------------------------------------------------------
+/* =============================================================================
+   @impl-files: opening files (regular files only) and the crash-safe writer every file mpt.h writes goes through
+   ============================================================================= */
 
-   A grid of panels, two across, one per quantity: the loss, each metric
-   (with their "val_" twins on the same axes), the learning rate, the loss
-   scale. Each panel is a frame with its ticks, labels and legend, and a
-   <g data-key="..."> per series holding a <polyline> per run of finite
-   values (and a dot per point when there are few epochs, or when a run is
-   one point long and would otherwise not show). Coordinates are written
-   with integer arithmetic, so no locale can put a comma in them; every
-   caller's string goes through mpt__svg_escaped. */
+/* What a file that is not a regular one is, for messages. */
+static const char *mpt__file_kind(mode_t mode) {
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    return "a socket or another special file";
+}
 
-/* The SVG text, grown as it is written; oom once an allocation failed. */
-typedef struct mpt__svg {
-    mpt_context *ctx; /* whose allocator; NULL: malloc */
-    char *text;       /* (cap) */
-    size_t len, cap;
-    int oom;
-} mpt__svg;
+/* Opens a file the caller named (a checkpoint, a dataset) for reading, and
+   only a regular file: a plain open() of a FIFO waits for a writer, maybe
+   forever, and a device or directory is never what was meant. So the open
+   does not wait (O_NONBLOCK), fstat says what was opened, and only then
+   does the descriptor go back to blocking reads. prefix starts messages
+   ("checkpoint: " or ""); *size, when wanted, gets the file's size. On
+   failure *fd is -1 and nothing is left open. */
+static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const char *path,
+                                    int *fd, int64_t *size) {
+    struct stat st;
+    int flags;
+    *fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY);
+    if (*fd < 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot open '%s': %s", prefix, path,
+                         strerror(errno));
+    if (fstat(*fd, &st) != 0) {
+        int err = errno;
+        close(*fd);
+        *fd = -1;
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot stat '%s': %s", prefix, path, strerror(err));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot read '%s': it is %s, not a regular file",
+                         prefix, path, mpt__file_kind(st.st_mode));
+    }
+    flags = fcntl(*fd, F_GETFL);
+    if (flags < 0 || fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        int err = errno;
+        close(*fd);
+        *fd = -1;
+        return mpt__fail(ctx, MPT_ERR_IO, "%scannot read '%s': %s", prefix, path, strerror(err));
+    }
+    if (size) *size = (int64_t)st.st_size;
+    return MPT_OK;
+}
 
-static void *mpt__svg_alloc(mpt_context *ctx, size_t bytes) {
+/* ---- writing a file: through a temporary file, renamed into place ------------------
+
+   Checkpoints, weights, exports, plots and the profiler's files go through
+   this writer, and callbacks check their paths with it, so that a crash or
+   a full disk never leaves a half-written file under the target's name.
+   (CSVLogger and TensorBoard append to their files as training goes, by
+   design, so that the logs of a run still going, or killed, can be read.) */
+
+#define MPT__CKPT_CHUNK ((size_t)1 << 16) /* bytes staged per write               */
+
+/* Tests define MPT__CHECKPOINT_FAIL_AFTER_BYTES (before including mpt.h) as
+   an expression: while it is >= 0, saving fails with ENOSPC once that many
+   bytes of the temporary file are written, as a full disk would. */
+
+typedef struct mpt__ckpt_writer {
+    mpt_context *ctx;
+    const char *what;      /* what messages call it: "checkpoint", "export" */
+    const char *path;      /* the target                              */
+    char *tmp;             /* "<path>.tmp-<pid>"                      */
+    int created;           /* tmp exists and is ours to remove        */
+    int fd;                /* the temporary file; -1 when closed      */
+    int64_t written;       /* bytes written to it                     */
+    unsigned char *chunk;  /* (MPT__CKPT_CHUNK) little-endian staging  */
+    int quiet;             /* a failure leaves the message to the caller
+                              (a profiler's failure may be a warning)  */
+    int err;               /* the errno of the failure, 0 until one    */
+    const char *failed;    /* what failed: "create", "write", ...      */
+} mpt__ckpt_writer;
+
+/* The writer's memory: the context's, or malloc's for a caller without
+   one (mpt_history_plot_svg takes a NULL context). */
+static void *mpt__file_alloc(const mpt_context *ctx, size_t bytes) {
     return ctx ? mpt__alloc(ctx, bytes) : mpt__default_alloc(NULL, bytes, MPT__ALIGN);
 }
 
-static void mpt__svg_free(mpt_context *ctx, void *ptr) {
+static void mpt__file_free(const mpt_context *ctx, void *ptr) {
     if (ctx) mpt__free(ctx, ptr);
     else mpt__default_free(NULL, ptr);
 }
 
-/* Room for `more` bytes and a terminating 0. */
-static int mpt__svg_reserve(mpt__svg *b, size_t more) {
-    size_t cap = b->cap ? b->cap : 16384;
-    char *grown;
-    if (b->oom) return 0;
-    if (more > SIZE_MAX / 4 - b->len) {
-        b->oom = 1;
-        return 0;
+static mpt_status mpt__ckpt_write_fail(mpt__ckpt_writer *w, const char *what) {
+    w->err = errno ? errno : EIO;
+    w->failed = what;
+    if (w->quiet) return MPT_ERR_IO;
+    return mpt__fail(w->ctx, MPT_ERR_IO, "%s: cannot %s '%s' (for '%s'): %s",
+                     w->what ? w->what : "checkpoint", what, w->tmp, w->path, strerror(w->err));
+}
+
+/* The directory part of path ("." when it has none), allocated; NULL when
+   memory runs out. */
+static char *mpt__ckpt_dir_of(const mpt_context *ctx, const char *path) {
+    const char *slash = strrchr(path, '/');
+    size_t len = slash ? (size_t)(slash - path) : 0;
+    char *dir = (char *)mpt__file_alloc(ctx, len + 2); /* (len + 2) */
+    if (!dir) return NULL;
+    if (!slash)
+        strcpy(dir, ".");
+    else if (len == 0)
+        strcpy(dir, "/");
+    else {
+        memcpy(dir, path, len);
+        dir[len] = 0;
     }
-    if (b->len + more < b->cap) return 1;
-    while (cap <= b->len + more) cap *= 2;
-    grown = (char *)mpt__svg_alloc(b->ctx, cap);
-    if (!grown) {
-        b->oom = 1;
-        return 0;
+    return dir;
+}
+
+/* ---- temporary files that a killed save left behind ----------------------------
+
+   A save holds a write lock (fcntl) on its temporary file from creating it
+   to renaming it, and the kernel drops the lock when the process ends,
+   however it ends. So a "<target>.tmp-<pid>[-<k>]" that nobody holds a
+   lock on is what a save killed mid-write left, and the next save to the
+   same target removes it (500 saves killed mid-write used to leave 178
+   files, 375 MB). Names with this process's pid are never touched: fcntl
+   locks belong to a process, so another thread's save in progress would
+   look unlocked, and closing any descriptor of a file drops all of this
+   process's locks on it. A file system without locks has no sweep. */
+
+/* A write lock on the whole file, without waiting; errno says why not. */
+static int mpt__ckpt_lock(int fd) {
+    struct flock l;
+    memset(&l, 0, sizeof l);
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    return fcntl(fd, F_SETLK, &l) == 0;
+}
+
+/* Whether name is "<base>.tmp-<pid>" or "<base>.tmp-<pid>-<k>", k < 1000,
+   of a pid other than this process's. */
+static int mpt__ckpt_is_others_temp(const char *name, const char *base, size_t base_len) {
+    const char *p;
+    long long pid = 0;
+    int digits = 0, k_digits = 0;
+    if (strncmp(name, base, base_len) != 0 || strncmp(name + base_len, ".tmp-", 5) != 0) return 0;
+    for (p = name + base_len + 5; *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
+        pid = pid * 10 + (*p - '0');
+    if (digits == 0) return 0;
+    if (*p == '-') {
+        for (p++; *p >= '0' && *p <= '9' && k_digits < 3; p++) k_digits++;
+        if (k_digits == 0) return 0;
     }
-    if (b->len) memcpy(grown, b->text, b->len);
-    mpt__svg_free(b->ctx, b->text);
-    b->text = grown;
-    b->cap = cap;
-    return 1;
+    return *p == 0 && pid != (long long)getpid();
 }
 
-static void mpt__svg_printf(mpt__svg *b, const char *fmt, ...) {
-    va_list ap;
-    int n;
-    va_start(ap, fmt);
-    n = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (n < 0) b->oom = 1;
-    if (n < 0 || !mpt__svg_reserve(b, (size_t)n)) return;
-    va_start(ap, fmt);
-    vsnprintf(b->text + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
+/* Removes path when nobody holds a lock on it. The lock is taken, and held
+   while unlinking, so that a save that has just created the file (and not
+   yet locked it) finds the lock taken or its file gone, and takes another
+   name; the identity check keeps a file renamed in between. */
+static void mpt__ckpt_remove_if_stale(mpt_context *ctx, const char *what, const char *path) {
+    struct stat held, named;
+    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) return;
+    if (fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && mpt__ckpt_lock(fd) &&
+        stat(path, &named) == 0 && named.st_dev == held.st_dev && named.st_ino == held.st_ino &&
+        unlink(path) == 0)
+        mpt__log(ctx, MPT_LOG_INFO, "%s: removed '%s', left by a save that did not finish",
+                 what, path);
+    close(fd);
 }
 
-static int mpt__st_utf8_len(const unsigned char *p, int64_t avail);
-
-/* A caller's string as XML character data or an attribute's value: the
-   five special characters escaped; a byte that is not UTF-8, a control
-   character, U+FFFE or U+FFFF (none of which XML 1.0 allows, escaped or
-   not) written as '?'. */
-static void mpt__svg_escaped(mpt__svg *b, const char *text) {
-    const unsigned char *p = (const unsigned char *)text;
-    int64_t left = (int64_t)strlen(text);
-    while (left > 0) {
-        int len = mpt__st_utf8_len(p, left);
-        const char *entity = *p == '&' ? "&amp;" : *p == '<' ? "&lt;" : *p == '>' ? "&gt;"
-                           : *p == '"' ? "&quot;" : *p == '\'' ? "&apos;" : NULL;
-        int forbidden = len == 0 || (*p < 0x20 && *p != '\t' && *p != '\n') || *p == 0x7f ||
-                        (len == 3 && p[0] == 0xef && p[1] == 0xbf && p[2] >= 0xbe);
-        if (entity) mpt__svg_printf(b, "%s", entity);
-        else if (forbidden) mpt__svg_printf(b, "?");
-        else mpt__svg_printf(b, "%.*s", len, (const char *)p);
-        p += len ? len : 1;
-        left -= len ? len : 1;
+/* Removes the stale temporary files of target path. Best effort: a
+   directory that cannot be listed is simply not swept. */
+static void mpt__ckpt_sweep(mpt_context *ctx, const char *what, const char *path) {
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    size_t base_len = strlen(base), size = 0;
+    char *dir = mpt__ckpt_dir_of(ctx, path), *temp = NULL;
+    DIR *d;
+    struct dirent *e;
+    if (dir) {
+        size = strlen(dir) + base_len + 40; /* "/" ".tmp-" pid "-" k: what is_others_temp allows */
+        temp = (char *)mpt__file_alloc(ctx, size);
     }
+    if (!temp) {
+        mpt__log(ctx, MPT_LOG_WARNING, "%s: cannot look for stale temporary files of '%s': "
+                 "out of memory", what, path);
+        mpt__file_free(ctx, dir);
+        return;
+    }
+    d = opendir(dir);
+    while (d && (e = readdir(d)) != NULL) {
+        if (!mpt__ckpt_is_others_temp(e->d_name, base, base_len)) continue;
+        snprintf(temp, size, "%s/%s", dir, e->d_name);
+        mpt__ckpt_remove_if_stale(ctx, what, temp);
+    }
+    if (d) closedir(d);
+    mpt__file_free(ctx, temp);
+    mpt__file_free(ctx, dir);
 }
 
-/* A coordinate with one decimal, whatever the locale's decimal point. */
-static void mpt__svg_number(mpt__svg *b, double v) {
-    long long tenths = llround(MPT__MIN(MPT__MAX(v, -1e6), 1e6) * 10);
-    long long whole = tenths < 0 ? -tenths : tenths;
-    mpt__svg_printf(b, "%s%lld.%lld", tenths < 0 ? "-" : "", whole / 10, whole % 10);
+/* The lock on a temporary file just created: whether the file is still
+   this save's. A sweep holding it, or having removed the file already,
+   means it is on its way out; a file system without locks leaves nothing
+   to check. */
+static int mpt__ckpt_hold(int fd) {
+    struct stat st;
+    if (!mpt__ckpt_lock(fd) && (errno == EAGAIN || errno == EACCES)) return 0;
+    return fstat(fd, &st) == 0 && st.st_nlink > 0;
 }
 
-/* "x,y" for polyline points. */
-static void mpt__svg_point(mpt__svg *b, double x, double y) {
-    mpt__svg_number(b, x);
-    mpt__svg_printf(b, ",");
-    mpt__svg_number(b, y);
-}
-
-/* <text x y ...>escaped text</text>; attributes: e.g. "text-anchor=\"end\"". */
-static void mpt__svg_text(mpt__svg *b, double x, double y, const char *attributes,
-                          const char *text) {
-    mpt__svg_printf(b, "<text x=\"");
-    mpt__svg_number(b, x);
-    mpt__svg_printf(b, "\" y=\"");
-    mpt__svg_number(b, y);
-    mpt__svg_printf(b, "\" %s>", attributes);
-    mpt__svg_escaped(b, text);
-    mpt__svg_printf(b, "</text>\n");
-}
-
-static void mpt__svg_line(mpt__svg *b, double x0, double y0, double x1, double y1,
-                          const char *attributes) {
-    mpt__svg_printf(b, "<line x1=\"");
-    mpt__svg_number(b, x0);
-    mpt__svg_printf(b, "\" y1=\"");
-    mpt__svg_number(b, y0);
-    mpt__svg_printf(b, "\" x2=\"");
-    mpt__svg_number(b, x1);
-    mpt__svg_printf(b, "\" y2=\"");
-    mpt__svg_number(b, y1);
-    mpt__svg_printf(b, "\" %s/>\n", attributes);
-}
-
-/* One panel: up to two series on one y axis. */
-typedef struct mpt__plot_panel {
-    const char *title;
-    int key[2];            /* history keys: the training series, the validation
-                              one ("val_"); -1: none                          */
-    const char *color[2];
-    int log_scale;         /* log2 axis                                      */
-} mpt__plot_panel;
-
-/* A value the plot can place: finite, and on a log axis positive. Beyond
-   ±1e300 the axis arithmetic would overflow, so those count as inf. */
-static int mpt__plot_drawable(double v, int log_scale) {
-    return isfinite(v) && fabs(v) <= 1e300 && (!log_scale || v >= 1e-300);
-}
-
-static int mpt__plot_find_key(const mpt_history *h, const char *prefix, const char *name) {
-    size_t n = strlen(prefix);
+/* Creates the temporary file next to the target, after sweeping away what
+   killed saves left there; O_EXCL so that nothing already there (another
+   writer's file, a link) is ever written through. `what` names the file
+   in messages ("checkpoint"); with quiet, a failure only sets w->err. */
+static mpt_status mpt__ckpt_writer_open(mpt__ckpt_writer *w, mpt_context *ctx, const char *what,
+                                        const char *path, int quiet) {
+    size_t size = strlen(path) + 48;
     int k;
-    for (k = 0; k < h->n_keys; k++)
-        if (strncmp(h->keys[k], prefix, n) == 0 && strcmp(h->keys[k] + n, name) == 0) return k;
-    return -1;
-}
-
-/* Whether key k's drawable values span more than a factor of 10, all > 0. */
-static int mpt__plot_wants_log(const mpt_history *h, int k) {
-    double lo = INFINITY, hi = 0;
-    int e;
-    for (e = 0; e < h->epochs; e++) {
-        double v = h->values[k][e];
-        if (!mpt__plot_drawable(v, 0)) continue;
-        if (v <= 0) return 0;
-        lo = MPT__MIN(lo, v);
-        hi = MPT__MAX(hi, v);
+    memset(w, 0, sizeof *w);
+    w->ctx = ctx;
+    w->what = what;
+    w->path = path;
+    w->fd = -1;
+    w->quiet = quiet;
+    w->chunk = (unsigned char *)mpt__file_alloc(ctx, MPT__CKPT_CHUNK);
+    w->tmp = (char *)mpt__file_alloc(ctx, size);
+    if (!w->chunk || !w->tmp) {
+        w->err = ENOMEM;
+        w->failed = "allocate memory for";
+        if (quiet) return MPT_ERR_OUT_OF_MEMORY;
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s '%s': out of memory", what, path);
     }
-    return hi > 10 * lo;
-}
-
-static int mpt__plot_add_single(const mpt_history *h, const char *key, const char *title,
-                                const char *color, mpt__plot_panel *p) {
-    int k = mpt__plot_find_key(h, "", key);
-    if (k < 0) return 0;
-    memset(p, 0, sizeof *p);
-    p->title = title;
-    p->key[0] = k;
-    p->key[1] = -1;
-    p->color[0] = color;
-    p->log_scale = strcmp(key, "loss_scale") == 0 && mpt__plot_wants_log(h, k);
-    return 1;
-}
-
-/* The panels, in order: the loss and the metrics as the history has them,
-   then the learning rate and the loss scale. */
-static int mpt__plot_panels(const mpt_history *h, mpt__plot_panel *panels) {
-    int n = 0, k;
-    for (k = 0; k < h->n_keys; k++) {
-        const char *key = h->keys[k];
-        int validation = strncmp(key, "val_", 4) == 0;
-        mpt__plot_panel *p = &panels[n];
-        if (mpt__log_is_measurement(key)) continue;
-        if (validation && mpt__plot_find_key(h, "", key + 4) >= 0) continue; /* with its twin */
-        memset(p, 0, sizeof *p);
-        p->title = validation ? key + 4 : key;
-        p->key[0] = validation ? -1 : k;
-        p->key[1] = validation ? k : mpt__plot_find_key(h, "val_", key);
-        p->color[0] = "#1f77b4";
-        p->color[1] = "#ff7f0e";
-        n++;
+    mpt__ckpt_sweep(ctx, what, path);
+    for (k = 0; k < 100; k++) {
+        if (k == 0)
+            snprintf(w->tmp, size, "%s.tmp-%ld", path, (long)getpid());
+        else
+            snprintf(w->tmp, size, "%s.tmp-%ld-%d", path, (long)getpid(), k);
+        w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (w->fd < 0 && errno == EEXIST) continue;
+        if (w->fd < 0 || mpt__ckpt_hold(w->fd)) break;
+        close(w->fd); /* a sweep is removing it: another name */
+        w->fd = -1;
     }
-    n += mpt__plot_add_single(h, "learning_rate", "learning rate", "#2ca02c", &panels[n]);
-    n += mpt__plot_add_single(h, "loss_scale", "loss scale", "#9467bd", &panels[n]);
-    return n;
-}
-
-/* A y axis: its ends and tick step, in the axis' units (log2 of the value
-   on a log axis). */
-typedef struct mpt__plot_axis {
-    double lo, hi, step;
-    int log_scale;
-} mpt__plot_axis;
-
-/* 1, 2 or 5 times a power of ten, near x > 0. */
-static double mpt__plot_nice(double x) {
-    double p = pow(10, floor(log10(x))), f = x / p;
-    return (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * p;
-}
-
-static mpt__plot_axis mpt__plot_y_axis(const mpt_history *h, const mpt__plot_panel *p) {
-    mpt__plot_axis a;
-    double lo = INFINITY, hi = -INFINITY;
-    int i, e;
-    a.log_scale = p->log_scale;
-    for (i = 0; i < 2; i++)
-        for (e = 0; p->key[i] >= 0 && e < h->epochs; e++) {
-            double v = h->values[p->key[i]][e];
-            if (!mpt__plot_drawable(v, a.log_scale)) continue;
-            if (a.log_scale) v = log2(v);
-            lo = MPT__MIN(lo, v);
-            hi = MPT__MAX(hi, v);
-        }
-    if (lo > hi) lo = 0, hi = 1; /* nothing drawable: an empty frame */
-    if (a.log_scale) {
-        lo = floor(lo);
-        hi = MPT__MAX(ceil(hi), lo + 1);
-        a.step = ceil((hi - lo) / 6);
-        a.lo = lo;
-        a.hi = lo + a.step * ceil((hi - lo) / a.step);
-        return a;
-    }
-    if (lo == hi) { /* a constant: a band around it */
-        double pad = lo != 0 ? fabs(lo) * 0.1 : 1;
-        lo -= pad;
-        hi += pad;
-    }
-    a.step = mpt__plot_nice((hi - lo) / 4);
-    a.lo = floor(lo / a.step) * a.step;
-    a.hi = ceil(hi / a.step) * a.step;
-    return a;
-}
-
-static void mpt__plot_tick_label(char *buf, size_t size, const mpt__plot_axis *a, double u) {
-    if (!a->log_scale)
-        snprintf(buf, size, "%g", fabs(u) < a->step * 1e-6 ? 0.0 : u);
-    else if (u >= 0 && u <= 20)
-        snprintf(buf, size, "%.0f", ldexp(1, (int)u));
-    else
-        snprintf(buf, size, "2^%d", (int)u);
-}
-
-/* Where a panel's data goes on the page. */
-typedef struct mpt__plot_area {
-    double x0, y0, x1, y1;
-    int epochs;
-} mpt__plot_area;
-
-/* Epoch e (from 0) is drawn at e + 1 on an axis over 1..epochs; a single
-   epoch in the middle of 0..2. */
-static double mpt__plot_x(const mpt__plot_area *r, int e) {
-    double lo = r->epochs > 1 ? 1 : 0, hi = r->epochs > 1 ? r->epochs : 2;
-    return r->x0 + ((double)e + 1 - lo) / (hi - lo) * (r->x1 - r->x0);
-}
-
-static double mpt__plot_y(const mpt__plot_area *r, const mpt__plot_axis *a, double v) {
-    double u = a->log_scale ? log2(v) : v;
-    return r->y1 - (u - a->lo) / (a->hi - a->lo) * (r->y1 - r->y0);
-}
-
-/* The frame, grid, ticks and their labels of a panel. */
-static void mpt__plot_axes(mpt__svg *b, const mpt__plot_area *r, const mpt__plot_axis *a) {
-    int ticks = (int)floor((a->hi - a->lo) / a->step + 0.5), i;
-    int x_step = r->epochs > 8 ? (int)mpt__plot_nice((r->epochs - 1) / 8.0) : 1, e;
-    char label[48];
-    for (i = 0; i <= ticks; i++) {
-        double u = a->lo + i * a->step;
-        double y = r->y1 - (u - a->lo) / (a->hi - a->lo) * (r->y1 - r->y0);
-        mpt__svg_line(b, r->x0, y, r->x1, y, "stroke=\"#e6e6e6\"");
-        mpt__plot_tick_label(label, sizeof label, a, u);
-        mpt__svg_text(b, r->x0 - 6, y + 4, "text-anchor=\"end\"", label);
-    }
-    for (e = 1; e <= r->epochs; e = e < x_step ? x_step : e + x_step) { /* 1, then steps */
-        double x = mpt__plot_x(r, e - 1);
-        mpt__svg_line(b, x, r->y0, x, r->y1, "stroke=\"#e6e6e6\"");
-        snprintf(label, sizeof label, "%d", e);
-        mpt__svg_text(b, x, r->y1 + 16, "text-anchor=\"middle\"", label);
-    }
-    mpt__svg_printf(b, "<rect x=\"");
-    mpt__svg_number(b, r->x0);
-    mpt__svg_printf(b, "\" y=\"");
-    mpt__svg_number(b, r->y0);
-    mpt__svg_printf(b, "\" width=\"");
-    mpt__svg_number(b, r->x1 - r->x0);
-    mpt__svg_printf(b, "\" height=\"");
-    mpt__svg_number(b, r->y1 - r->y0);
-    mpt__svg_printf(b, "\" fill=\"none\" stroke=\"#888888\"/>\n");
-    mpt__svg_text(b, (r->x0 + r->x1) / 2, r->y1 + 34, "text-anchor=\"middle\"", "epoch");
-}
-
-/* One series: a polyline per run of drawable values. */
-static void mpt__plot_series(mpt__svg *b, const mpt_history *h, int k, const char *color,
-                             const mpt__plot_area *r, const mpt__plot_axis *a) {
-    const double *v = h->values[k];
-    int e = 0, end, i;
-    mpt__svg_printf(b, "<g class=\"series\" data-key=\"");
-    mpt__svg_escaped(b, h->keys[k]);
-    mpt__svg_printf(b, "\" fill=\"%s\" stroke=\"%s\">\n<title>", color, color);
-    mpt__svg_escaped(b, h->keys[k]);
-    mpt__svg_printf(b, "</title>\n");
-    while (e < h->epochs) {
-        if (!mpt__plot_drawable(v[e], a->log_scale)) {
-            e++;
-            continue;
-        }
-        for (end = e; end < h->epochs && mpt__plot_drawable(v[end], a->log_scale); end++) {}
-        mpt__svg_printf(b, "<polyline fill=\"none\" stroke-width=\"2\" points=\"");
-        for (i = e; i < end; i++) {
-            if (i > e) mpt__svg_printf(b, " ");
-            mpt__svg_point(b, mpt__plot_x(r, i), mpt__plot_y(r, a, v[i]));
-        }
-        mpt__svg_printf(b, "\"/>\n");
-        for (i = e; i < end && (h->epochs <= 40 || end - e == 1); i++) {
-            mpt__svg_printf(b, "<circle r=\"3\" stroke=\"none\" cx=\"");
-            mpt__svg_number(b, mpt__plot_x(r, i));
-            mpt__svg_printf(b, "\" cy=\"");
-            mpt__svg_number(b, mpt__plot_y(r, a, v[i]));
-            mpt__svg_printf(b, "\"/>\n");
-        }
-        e = end;
-    }
-    mpt__svg_printf(b, "</g>\n");
-}
-
-/* Text widths are estimated, at 7 px a character (12 px text), 8 for the
-   panels' bold 14 px titles. */
-static double mpt__plot_text_width(const char *text, double per_char) {
-    return per_char * (double)strlen(text);
-}
-
-/* What the legend calls series i: "training" and "validation" when the
-   panel has both (its title names the quantity), else the series' key. */
-static const char *mpt__plot_legend_label(const mpt_history *h, const mpt__plot_panel *p, int i) {
-    if (p->key[0] >= 0 && p->key[1] >= 0) return i == 0 ? "training" : "validation";
-    return h->keys[p->key[i]];
-}
-
-static double mpt__plot_legend_width(const mpt_history *h, const mpt__plot_panel *p) {
-    double w = 0;
-    int i;
-    for (i = 0; i < 2; i++)
-        if (p->key[i] >= 0) w += mpt__plot_text_width(mpt__plot_legend_label(h, p, i), 7) + 40;
-    return w;
-}
-
-/* The legend, right-aligned at `right`: a stroke and a label per series. */
-static void mpt__plot_legend(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
-                             double right, double y) {
-    double x = right;
-    int i;
-    for (i = 1; i >= 0; i--) {
-        char stroke[64];
-        const char *label;
-        if (p->key[i] < 0) continue;
-        label = mpt__plot_legend_label(h, p, i);
-        x -= mpt__plot_text_width(label, 7);
-        mpt__svg_text(b, x, y + 4, "", label);
-        snprintf(stroke, sizeof stroke, "stroke=\"%s\" stroke-width=\"2\"", p->color[i]);
-        mpt__svg_line(b, x - 24, y, x - 6, y, stroke);
-        x -= 40;
-    }
-}
-
-/* Panel p in the box at (x, y) of size w × h: the title, and the legend
-   on its line, or on a line of its own when they would overlap. */
-static void mpt__plot_panel_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
-                                 double x, double y, double w, double ht) {
-    mpt__plot_axis a = mpt__plot_y_axis(h, p);
-    mpt__plot_area r;
-    double title_end;
-    int i, own_line;
-    r.x0 = x + 70;
-    r.x1 = x + w - 24;
-    r.y1 = y + ht - 44;
-    r.epochs = h->epochs;
-    title_end = r.x0 + mpt__plot_text_width(p->title, 8) + (a.log_scale ? 100 : 0);
-    own_line = title_end + 16 > r.x1 - mpt__plot_legend_width(h, p);
-    r.y0 = y + (own_line ? 54 : 36);
-    mpt__svg_text(b, r.x0, y + 22, "font-size=\"14\" font-weight=\"bold\"", p->title);
-    if (a.log_scale) mpt__svg_text(b, r.x0 + mpt__plot_text_width(p->title, 8) + 12, y + 22,
-                                   "fill=\"#666666\"", "(log scale)");
-    mpt__plot_legend(b, h, p, r.x1, y + (own_line ? 38 : 18));
-    mpt__plot_axes(b, &r, &a);
-    for (i = 0; i < 2; i++)
-        if (p->key[i] >= 0) mpt__plot_series(b, h, p->key[i], p->color[i], &r, &a);
-}
-
-static void mpt__plot_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *panels,
-                           int n, int width, int height, const char *title) {
-    int cols = n > 1 ? 2 : 1, rows = (n + cols - 1) / cols, i;
-    double w = (double)width / cols, ht = (double)(height - 50) / rows;
-    mpt__svg_printf(b, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-                       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
-                       "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n"
-                       "<rect width=\"%d\" height=\"%d\" fill=\"white\"/>\n",
-                       width, height, width, height, width, height);
-    mpt__svg_text(b, width / 2.0, 32, "text-anchor=\"middle\" font-size=\"20\"", title);
-    for (i = 0; i < n; i++)
-        mpt__plot_panel_draw(b, h, &panels[i], (i % cols) * w, 50 + (i / cols) * ht, w, ht);
-    mpt__svg_printf(b, "</svg>\n");
-}
-
-/* A failure's message: into ctx (and its logger), or without one to stderr. */
-static mpt_status mpt__plot_fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
-    char message[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(message, sizeof message, fmt, ap);
-    va_end(ap);
-    if (ctx) return mpt__fail(ctx, status, "%s", message);
-    mpt__log(NULL, MPT_LOG_ERROR, "%s (%s)", message, mpt_status_string(status));
-    return status;
-}
-
-/* Writes text to path through the writer every file goes through
-   (@impl-context): a unique temporary file beside path, created anew
-   (O_EXCL), locked while written, fsynced and renamed over path, after
-   sweeping what killed writers left there; on a failure the temporary
-   file is removed and path left as it was. */
-static mpt_status mpt__plot_write_file(mpt_context *ctx, const char *path, const char *text,
-                                       size_t len) {
-    mpt__ckpt_writer w;
-    mpt_status s = mpt__ckpt_writer_open(&w, ctx, "plot", path, 1);
-    if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, text, len);
-    if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
-    if (s != MPT_OK)
-        mpt__plot_fail(ctx, s, "plot: cannot %s '%s' (for '%s'): %s", w.failed,
-                       w.tmp ? w.tmp : path, path, strerror(w.err));
-    mpt__ckpt_writer_close(&w);
-    return s;
-}
-
-static mpt_status mpt__plot_check(const mpt_history *h, const char *path, const mpt_plot_desc *d) {
-    int k;
-    if (!path || !*path)
-        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot: %s path",
-                              path ? "an empty" : "a NULL");
-    if (!h) return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': NULL history", path);
-    if (h->epochs <= 0)
-        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': the history has %d "
-                              "epochs: nothing to draw (fit first)", path, h->epochs);
-    if (h->n_keys < 0 || h->n_keys > MPT_MAX_LOGS)
-        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': n_keys %d is not in "
-                              "0..%d", path, h->n_keys, MPT_MAX_LOGS);
-    for (k = 0; k < h->n_keys; k++)
-        if (!h->keys[k] || !h->values[k])
-            return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': key %d has a "
-                                  "NULL %s", path, k, h->keys[k] ? "values array" : "name");
-    if (d->width < 0 || d->height < 0)
-        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': width %d and height "
-                              "%d must not be negative", path, d->width, d->height);
+    if (w->fd < 0) return mpt__ckpt_write_fail(w, "create");
+    w->created = 1;
     return MPT_OK;
 }
 
-MPTDEF mpt_status mpt_history_plot_svg(const mpt_history *history, const char *path,
-                                       const mpt_plot_desc *desc) {
-    mpt_plot_desc d;
-    mpt__plot_panel panels[MPT_MAX_LOGS];
-    mpt__svg svg;
-    int n, rows, width, height;
-    mpt_status s;
-    memset(&d, 0, sizeof d);
-    if (desc) d = *desc; /* NULL: every default */
-    MPT__CHECK(mpt__plot_check(history, path, &d));
-    n = mpt__plot_panels(history, panels);
-    if (n == 0)
-        return mpt__plot_fail(d.ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': the history has no "
-                              "loss, metric, learning rate or loss scale to draw", path);
-    rows = n > 1 ? (n + 1) / 2 : 1;
-    width = d.width ? d.width : 1000;
-    height = d.height ? d.height : 60 + 320 * rows;
-    if (width < 320 || height < 200 || height < 50 + 120 * rows)
-        return mpt__plot_fail(d.ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': %d × %d pixels is "
-                              "too small for %d rows of panels (at least 320 × %d)", path, width,
-                              height, rows, MPT__MAX(200, 50 + 120 * rows));
-    memset(&svg, 0, sizeof svg);
-    svg.ctx = d.ctx;
-    mpt__plot_draw(&svg, history, panels, n, width, height,
-                   d.title ? d.title : "Training history");
-    if (svg.oom)
-        s = mpt__plot_fail(d.ctx, MPT_ERR_OUT_OF_MEMORY, "plot '%s': out of memory", path);
-    else
-        s = mpt__plot_write_file(d.ctx, path, svg.text, svg.len);
-    mpt__svg_free(d.ctx, svg.text);
-    return s;
+static mpt_status mpt__ckpt_write_raw(mpt__ckpt_writer *w, const void *src, size_t n) {
+    const unsigned char *p = (const unsigned char *)src;
+    while (n > 0) {
+        size_t part = MPT__MIN(n, (size_t)1 << 30);
+        ssize_t got;
+#ifdef MPT__CHECKPOINT_FAIL_AFTER_BYTES
+        {
+            int64_t limit = (int64_t)(MPT__CHECKPOINT_FAIL_AFTER_BYTES);
+            if (limit >= 0 && w->written + (int64_t)part > limit) {
+                if (limit <= w->written) {
+                    errno = ENOSPC;
+                    return mpt__ckpt_write_fail(w, "write");
+                }
+                part = (size_t)(limit - w->written);
+            }
+        }
+#endif
+        got = write(w->fd, p, part);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return mpt__ckpt_write_fail(w, "write");
+        }
+        p += got;
+        n -= (size_t)got;
+        w->written += got;
+    }
+    return MPT_OK;
 }
+
+/* Makes the rename durable. The new file is already in place, so a failure
+   here is a warning, not an error. */
+static void mpt__ckpt_sync_dir(const mpt__ckpt_writer *w) {
+    char *dir = mpt__ckpt_dir_of(w->ctx, w->path);
+    int fd;
+    if (!dir) {
+        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory: out "
+                 "of memory", w->what, w->path);
+        return;
+    }
+    fd = open(dir, O_RDONLY);
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != EBADF))
+        mpt__log(w->ctx, MPT_LOG_WARNING, "%s: saved '%s', but cannot sync its directory '%s': "
+                 "%s", w->what, w->path, dir, strerror(errno));
+    if (fd >= 0) close(fd);
+    mpt__file_free(w->ctx, dir);
+}
+
+/* fsync, close, and rename the temporary file over the target. */
+static mpt_status mpt__ckpt_writer_commit(mpt__ckpt_writer *w) {
+    int failed;
+    if (fsync(w->fd) != 0) return mpt__ckpt_write_fail(w, "sync");
+    failed = close(w->fd) != 0;
+    w->fd = -1;
+    if (failed) return mpt__ckpt_write_fail(w, "close");
+    if (rename(w->tmp, w->path) != 0) return mpt__ckpt_write_fail(w, "rename into place");
+    w->created = 0; /* renamed: nothing left to remove */
+    mpt__ckpt_sync_dir(w);
+    return MPT_OK;
+}
+
+/* Closes and removes the temporary file unless it was committed. */
+static void mpt__ckpt_writer_close(mpt__ckpt_writer *w) {
+    if (w->fd >= 0) close(w->fd);
+    if (w->created) remove(w->tmp);
+    mpt__file_free(w->ctx, w->tmp);
+    mpt__file_free(w->ctx, w->chunk);
+    w->fd = -1;
+    w->created = 0;
+    w->tmp = NULL;
+    w->chunk = NULL;
+}
+
+/* Whether a file can be written at path, found out by starting to: the
+   temporary file created beside it, then removed. access() cannot tell
+   (it says yes to root on any writable mount, /proc included, where no new
+   file can be made). Callbacks check their paths so when they are made,
+   not after an epoch of training. 0 or an errno; quiet as above. */
+static int mpt__ckpt_can_write(mpt_context *ctx, const char *what, const char *path, int quiet) {
+    mpt__ckpt_writer w;
+    int err = mpt__ckpt_writer_open(&w, ctx, what, path, quiet) == MPT_OK ? 0 : w.err;
+    mpt__ckpt_writer_close(&w);
+    return err;
+}
+
 /* =============================================================================
-   @impl-callbacks  EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger, TensorBoard
+   @impl-idx: reading files, plain or gzip-compressed, and the IDX format
+   ============================================================================= */
+
+#define MPT__FILE_CHUNK ((size_t)1 << 17) /* bytes read at a time: fewer reads of 26 MB */
+
+typedef struct mpt__file {
+    const char *path;
+    FILE *f;
+    int cut;              /* the gzip stream ended early: a truncated .gz file */
+#ifndef MPT_NO_ZLIB
+    mpt_context *ctx;     /* allocated `in`                                 */
+    int started;          /* the first bytes were looked at                 */
+    int gz;               /* gzip: read through inflate                     */
+    int inflating;        /* inflateInit2 succeeded: inflateEnd is due      */
+    int member_ended;     /* a member's CRC and length checked, no next yet */
+    int eof;              /* fread reached the end of the file              */
+    int64_t file_bytes;   /* bytes read from the file so far                */
+    z_stream z;           /* z.next_in, z.avail_in: the unused part of in   */
+    unsigned char *in;    /* (MPT__FILE_CHUNK) the file's bytes read ahead  */
+#endif
+} mpt__file;
+
+static mpt_status mpt__file_open(mpt_context *ctx, mpt__file *f, const char *path) {
+    int fd;
+    f->path = path;
+    MPT__CHECK(mpt__open_regular(ctx, "", path, &fd, NULL));
+    /* ISO C has no fdopen: the path is opened again, now known to be a
+       regular file (only a rename in between could swap it). */
+    close(fd);
+    errno = 0;
+    f->f = fopen(path, "rb");
+    if (!f->f)
+        return mpt__fail(ctx, MPT_ERR_IO, "cannot open '%s': %s", path,
+                         errno ? strerror(errno) : "out of memory");
+    return MPT_OK;
+}
+
+static void mpt__file_close(mpt__file *f) {
+#ifndef MPT_NO_ZLIB
+    if (f->inflating) inflateEnd(&f->z);
+    f->inflating = 0;
+    if (f->in) mpt__free(f->ctx, f->in);
+    f->in = NULL;
+#endif
+    if (f->f) fclose(f->f);
+    f->f = NULL;
+}
+
+static mpt_status mpt__file_read_error(mpt_context *ctx, const mpt__file *f) {
+    return mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", f->path, strerror(errno));
+}
+
+/* Up to n bytes as they are in the file (what was read ahead first). */
+static mpt_status mpt__file_read_plain(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                                       int64_t *got) {
+    size_t r;
+#ifndef MPT_NO_ZLIB
+    size_t ahead = (size_t)MPT__MIN(n, (int64_t)f->z.avail_in);
+    memcpy(buf, f->z.next_in, ahead);
+    f->z.next_in += ahead;
+    f->z.avail_in -= (uInt)ahead;
+    *got = (int64_t)ahead;
+#endif
+    r = fread((char *)buf + *got, 1, (size_t)(n - *got), f->f);
+    *got += (int64_t)r;
+    if (*got < n && ferror(f->f)) return mpt__file_read_error(ctx, f);
+    return MPT_OK;
+}
+
+#ifndef MPT_NO_ZLIB
+
+/* Reads more of the file behind the bytes inflate has not used yet. */
+static mpt_status mpt__gz_fill(mpt_context *ctx, mpt__file *f) {
+    size_t keep = f->z.avail_in, r;
+    if (f->eof) return MPT_OK;
+    memmove(f->in, f->z.next_in, keep);
+    r = fread(f->in + keep, 1, MPT__FILE_CHUNK - keep, f->f);
+    if (r < MPT__FILE_CHUNK - keep) {
+        if (ferror(f->f)) return mpt__file_read_error(ctx, f);
+        f->eof = 1;
+    }
+    f->file_bytes += (int64_t)r;
+    f->z.next_in = f->in;
+    f->z.avail_in = (uInt)(keep + r);
+    return MPT_OK;
+}
+
+/* The first read: the buffer, and gzip or not by the first two bytes. */
+static mpt_status mpt__file_start(mpt_context *ctx, mpt__file *f) {
+    f->started = 1;
+    f->ctx = ctx;
+    f->in = (unsigned char *)mpt__alloc(ctx, MPT__FILE_CHUNK);
+    if (!f->in) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory", f->path);
+    f->z.next_in = f->in;
+    f->z.avail_in = 0;
+    MPT__CHECK(mpt__gz_fill(ctx, f));
+    f->gz = f->z.avail_in >= 2 && f->in[0] == 0x1f && f->in[1] == 0x8b;
+    if (!f->gz) return MPT_OK;
+    if (inflateInit2(&f->z, 16 + MAX_WBITS) != Z_OK) /* 16: the gzip wrapper only */
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
+                         f->path);
+    f->inflating = 1;
+    return MPT_OK;
+}
+
+/* After a member: the end of the file, or the next member (*more). */
+static mpt_status mpt__gz_next_member(mpt_context *ctx, mpt__file *f, int *more) {
+    struct stat st;
+    int64_t at;
+    *more = 0;
+    if (f->z.avail_in < 2) MPT__CHECK(mpt__gz_fill(ctx, f));
+    if (f->z.avail_in == 0) return MPT_OK;
+    if (f->z.avail_in >= 2 && f->z.next_in[0] == 0x1f && f->z.next_in[1] == 0x8b) {
+        inflateReset(&f->z);
+        *more = 1;
+        return MPT_OK;
+    }
+    at = f->file_bytes - (int64_t)f->z.avail_in;
+    if (stat(f->path, &st) != 0 || (int64_t)st.st_size <= at)
+        return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has bytes after the end of its gzip data "
+                         "(at byte %lld) that are not another gzip member", f->path,
+                         (long long)at);
+    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' has %lld byte%s after the end of its gzip data "
+                     "(at byte %lld of %lld) that %s not another gzip member", f->path,
+                     (long long)(st.st_size - at), st.st_size - at == 1 ? "" : "s",
+                     (long long)at, (long long)st.st_size, st.st_size - at == 1 ? "is" : "are");
+}
+
+static mpt_status mpt__gz_error(mpt_context *ctx, const mpt__file *f, int err) {
+    if (err == Z_MEM_ERROR)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': zlib is out of memory",
+                         f->path);
+    /* zlib decompresses ahead of what was asked, so where the damage is
+       cannot be told. */
+    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is corrupted: bad gzip data (zlib: %s)", f->path,
+                     f->z.msg ? f->z.msg : "inflate failed");
+}
+
+/* Up to n decompressed bytes; fewer at the end of the last member, or
+   where the file ends inside a member (f->cut). */
+static mpt_status mpt__gz_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                               int64_t *got) {
+    while (*got < n) {
+        int more, err;
+        /* avail_out counts in unsigned int: at most 1 GiB at a time */
+        uInt ask = (uInt)MPT__MIN(n - *got, (int64_t)1 << 30);
+        if (f->member_ended) {
+            MPT__CHECK(mpt__gz_next_member(ctx, f, &more));
+            if (!more) return MPT_OK;
+            f->member_ended = 0;
+        }
+        if (f->z.avail_in == 0) MPT__CHECK(mpt__gz_fill(ctx, f));
+        if (f->z.avail_in == 0) {
+            f->cut = 1;
+            return MPT_OK;
+        }
+        f->z.next_out = (Bytef *)buf + *got;
+        f->z.avail_out = ask;
+        err = inflate(&f->z, Z_NO_FLUSH);
+        *got += (int64_t)(ask - f->z.avail_out);
+        if (err == Z_STREAM_END) f->member_ended = 1;
+        else if (err != Z_OK) return mpt__gz_error(ctx, f, err);
+    }
+    return MPT_OK;
+}
+
+#endif /* MPT_NO_ZLIB */
+
+/* Reads up to n bytes; *got is less than n only at the end of the file,
+   where f->cut tells a gzip stream cut short (the caller, which knows how
+   many bytes it expected, words that error). */
+static mpt_status mpt__file_read(mpt_context *ctx, mpt__file *f, void *buf, int64_t n,
+                                 int64_t *got) {
+    *got = 0;
+#ifndef MPT_NO_ZLIB
+    if (!f->started) MPT__CHECK(mpt__file_start(ctx, f));
+    if (f->gz) return mpt__gz_read(ctx, f, buf, n, got);
+#endif
+    return mpt__file_read_plain(ctx, f, buf, n, got);
+}
+
+/* ---- IDX (MNIST-format) files --------------------------------------------
+
+   Big-endian: bytes 0 and 1 zero, byte 2 the element type (0x08 unsigned
+   byte), byte 3 the number of dimensions; then each dimension as a u32;
+   then the elements, row-major. Images are 0x00000803 (n, rows, cols),
+   labels 0x00000801 (n). */
+
+typedef struct mpt__idx {
+    mpt__file file;
+    int n_dims;
+    int64_t dims[3];
+    int64_t header_bytes;  /* 4 + 4 · n_dims                   */
+    int64_t data_bytes;    /* the product of dims (uint8 data) */
+} mpt__idx;
+
+static uint32_t mpt__be32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+static const char *mpt__idx_type_name(int code) {
+    switch (code) {
+    case 0x08: return "unsigned byte";
+    case 0x09: return "signed byte";
+    case 0x0b: return "int16";
+    case 0x0c: return "int32";
+    case 0x0d: return "float32";
+    case 0x0e: return "float64";
+    default: return NULL;
+    }
+}
+
+static mpt_status mpt__idx_check_magic(mpt_context *ctx, const mpt__idx *idx,
+                                       const unsigned char *m, const char *what, int dims) {
+    const char *path = idx->file.path;
+    const char *type = mpt__idx_type_name(m[2]);
+#ifdef MPT_NO_ZLIB
+    if (m[0] == 0x1f && m[1] == 0x8b)
+        return mpt__fail(ctx, MPT_ERR_UNSUPPORTED,
+                         "'%s' is gzip-compressed, and this build has no zlib (MPT_NO_ZLIB): "
+                         "gunzip it first", path);
+#endif
+    if (m[0] != 0 || m[1] != 0 || !type)
+        return mpt__fail(ctx, MPT_ERR_FORMAT,
+                         "'%s' is not an IDX file: magic number 0x%08x (an IDX %s file starts "
+                         "with 0x%08x)",
+                         path, (unsigned)mpt__be32(m), what, 0x800u + (unsigned)dims);
+    if (m[2] != 0x08)
+        return mpt__fail(ctx, MPT_ERR_UNSUPPORTED,
+                         "'%s' holds IDX elements of type 0x%02x (%s); only 0x08 (unsigned "
+                         "byte) is supported", path, m[2], type);
+    if (m[3] != dims)
+        return mpt__fail(ctx, MPT_ERR_FORMAT,
+                         "'%s' has %d dimension%s (magic 0x%08x); an IDX %s file has %d (0x%08x)",
+                         path, m[3], m[3] == 1 ? "" : "s", (unsigned)mpt__be32(m), what, dims,
+                         0x800u + (unsigned)dims);
+    return MPT_OK;
+}
+
+/* The header's sizes: each > 0, and their product (the data bytes) must
+   fit in memory's sizes. */
+static mpt_status mpt__idx_check_dims(mpt_context *ctx, mpt__idx *idx) {
+    int i;
+    idx->data_bytes = 1;
+    for (i = 0; i < idx->n_dims; i++) {
+        if (idx->dims[i] == 0)
+            return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s': IDX dimension %d of %d is 0",
+                             idx->file.path, i, idx->n_dims);
+        if (!mpt__mul_ok(idx->data_bytes, idx->dims[i], &idx->data_bytes) ||
+            (uint64_t)idx->data_bytes > (uint64_t)SIZE_MAX / 4)
+            return mpt__fail(ctx, MPT_ERR_OVERFLOW,
+                             "'%s': IDX dimensions %lld x %lld x %lld are too large",
+                             idx->file.path, (long long)idx->dims[0],
+                             (long long)(idx->n_dims > 1 ? idx->dims[1] : 1),
+                             (long long)(idx->n_dims > 2 ? idx->dims[2] : 1));
+    }
+    return MPT_OK;
+}
+
+/* "'f' is truncated: its IDX header promises 7856 bytes, the file has 7000". */
+static mpt_status mpt__idx_truncated(mpt_context *ctx, const mpt__idx *idx, const char *part,
+                                     int64_t expected, int64_t actual) {
+    const char *how = "";
+#ifndef MPT_NO_ZLIB
+    if (idx->file.cut)
+        how = " (uncompressed; its gzip stream is cut short)";
+    else if (idx->file.gz)
+        how = " (uncompressed)";
+#endif
+    return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is truncated: %s %lld bytes, the file has %lld%s",
+                     idx->file.path, part, (long long)expected, (long long)actual, how);
+}
+
+/* Opens path and reads its header: `dims` dimensions of IDX unsigned bytes. */
+static mpt_status mpt__idx_open(mpt_context *ctx, mpt__idx *idx, const char *path,
+                                const char *what, int dims) {
+    unsigned char h[16]; /* magic + up to 3 dimensions */
+    int64_t got;
+    int i;
+    memset(idx, 0, sizeof *idx);
+    MPT__CHECK(mpt__file_open(ctx, &idx->file, path));
+    MPT__CHECK(mpt__file_read(ctx, &idx->file, h, 4, &got));
+    if (got < 4) return mpt__idx_truncated(ctx, idx, "an IDX magic number needs", 4, got);
+    MPT__CHECK(mpt__idx_check_magic(ctx, idx, h, what, dims));
+    idx->n_dims = dims;
+    idx->header_bytes = 4 + 4 * (int64_t)dims;
+    MPT__CHECK(mpt__file_read(ctx, &idx->file, h + 4, 4 * (int64_t)dims, &got));
+    if (got < 4 * dims)
+        return mpt__idx_truncated(ctx, idx, "its IDX header needs", idx->header_bytes, 4 + got);
+    for (i = 0; i < dims; i++) idx->dims[i] = mpt__be32(h + 4 + 4 * i);
+    return mpt__idx_check_dims(ctx, idx);
+}
+
+/* After the data: anything left is an error (a file that does not match its
+   header); reading on also makes zlib check the gzip CRC and length. */
+static mpt_status mpt__idx_expect_end(mpt_context *ctx, mpt__idx *idx) {
+    unsigned char rest[4096];
+    int64_t got, extra = 0, end = idx->header_bytes + idx->data_bytes;
+    do {
+        MPT__CHECK(mpt__file_read(ctx, &idx->file, rest, sizeof rest, &got));
+        extra += got;
+    } while (got == (int64_t)sizeof rest && extra < ((int64_t)1 << 20));
+    if (extra == 0 && idx->file.cut) /* all the data, but no CRC to check it by */
+        return mpt__fail(ctx, MPT_ERR_FORMAT,
+                         "'%s' is truncated: its gzip stream ends before its CRC and length",
+                         idx->file.path);
+    if (extra == 0) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_FORMAT,
+                     "'%s' has %s%lld trailing byte%s after the %lld bytes its IDX header "
+                     "describes",
+                     idx->file.path, got == (int64_t)sizeof rest ? "more than " : "",
+                     (long long)extra, extra == 1 ? "" : "s", (long long)end);
+}
+
+/* The first buffer for the data; it doubles as data arrives, up to what
+   the header promises, so a corrupted header that promises terabytes ends
+   as a truncated file rather than as a huge allocation. */
+#define MPT__IDX_FIRST_CHUNK ((int64_t)64 << 20)
+
+static mpt_status mpt__idx_grow(mpt_context *ctx, const mpt__idx *idx, unsigned char **buf,
+                                int64_t have, int64_t *cap) {
+    int64_t next = MPT__MIN(*cap * 2, idx->data_bytes);
+    unsigned char *bigger = (unsigned char *)mpt__alloc(ctx, (size_t)next);
+    if (!bigger)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "reading '%s': cannot allocate %lld bytes", idx->file.path,
+                         (long long)next);
+    memcpy(bigger, *buf, (size_t)have);
+    mpt__free(ctx, *buf);
+    *buf = bigger;
+    *cap = next;
+    return MPT_OK;
+}
+
+/* Reads the data (idx->data_bytes) into *out, a new buffer, and checks that
+   the file ends there. */
+static mpt_status mpt__idx_read_data(mpt_context *ctx, mpt__idx *idx, unsigned char **out) {
+    int64_t cap = MPT__MIN(idx->data_bytes, MPT__IDX_FIRST_CHUNK), have = 0, got;
+    unsigned char *buf = (unsigned char *)mpt__alloc(ctx, (size_t)cap); /* (data_bytes) */
+    mpt_status s = MPT_OK;
+    if (!buf)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': cannot allocate %lld bytes",
+                         idx->file.path, (long long)cap);
+    for (;;) {
+        s = mpt__file_read(ctx, &idx->file, buf + have, cap - have, &got);
+        have += got;
+        if (s != MPT_OK) break;
+        if (have < cap) {
+            s = mpt__idx_truncated(ctx, idx, "its IDX header promises",
+                                   idx->header_bytes + idx->data_bytes, idx->header_bytes + have);
+            break;
+        }
+        if (have == idx->data_bytes) {
+            s = mpt__idx_expect_end(ctx, idx);
+            break;
+        }
+        s = mpt__idx_grow(ctx, idx, &buf, have, &cap);
+        if (s != MPT_OK) break;
+    }
+    if (s != MPT_OK) {
+        mpt__free(ctx, buf);
+        return s;
+    }
+    *out = buf;
+    return MPT_OK;
+}
+
+/* Labels: n unsigned bytes widened to int32 class ids. */
+static mpt_status mpt__idx_read_labels(mpt_context *ctx, mpt__idx *idx, int32_t **out) {
+    unsigned char *bytes = NULL; /* (n) */
+    int32_t *labels;             /* (n) */
+    int64_t i;
+    MPT__CHECK(mpt__idx_read_data(ctx, idx, &bytes));
+    labels = (int32_t *)mpt__alloc(ctx, (size_t)idx->data_bytes * sizeof(int32_t));
+    if (!labels) {
+        mpt__free(ctx, bytes);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory",
+                         idx->file.path);
+    }
+    for (i = 0; i < idx->data_bytes; i++) labels[i] = bytes[i];
+    mpt__free(ctx, bytes);
+    *out = labels;
+    return MPT_OK;
+}
+
+/* Both headers first, so that a count mismatch is found before any data is
+   read; then images, then labels. */
+static mpt_status mpt__load_idx(mpt_context *ctx, mpt__idx *img, mpt__idx *lab,
+                                const char *images_path, const char *labels_path,
+                                mpt_dataset *d) {
+    unsigned char *x = NULL;
+    int32_t *y = NULL;
+    MPT__CHECK(mpt__idx_open(ctx, img, images_path, "image", 3));
+    MPT__CHECK(mpt__idx_open(ctx, lab, labels_path, "label", 1));
+    if (img->dims[0] != lab->dims[0])
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "'%s' holds %lld images but '%s' holds %lld labels",
+                         images_path, (long long)img->dims[0], labels_path,
+                         (long long)lab->dims[0]);
+    MPT__CHECK(mpt__idx_read_data(ctx, img, &x));
+    d->owned_x = x;
+    MPT__CHECK(mpt__idx_read_labels(ctx, lab, &y));
+    d->owned_y = y;
+    d->n = img->dims[0];
+    d->x_dtype = MPT_UINT8;
+    d->x_rank = 3;
+    d->x_shape[0] = img->dims[1];
+    d->x_shape[1] = img->dims[2];
+    d->x_shape[2] = 1;
+    d->x_count = img->dims[1] * img->dims[2];
+    d->x = x;
+    d->y_dtype = MPT_INT32;
+    d->y_count = 1;
+    d->y = y;
+    mpt__dataset_set_scale(d, 1.0f / 255.0f, 0.0f);
+    mpt__dataset_find_label_range(d);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path,
+                                       const char *labels_path, mpt_dataset **out) {
+    mpt__idx img, lab;
+    mpt_dataset *d;
+    mpt_status s;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !images_path || !labels_path)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_idx: NULL %s",
+                         !out ? "out" : !images_path ? "images_path" : "labels_path");
+    *out = NULL;
+    d = mpt__dataset_new(ctx);
+    if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "load_idx: out of memory");
+    memset(&img, 0, sizeof img);
+    memset(&lab, 0, sizeof lab);
+    s = mpt__load_idx(ctx, &img, &lab, images_path, labels_path, d);
+    mpt__file_close(&img.file);
+    mpt__file_close(&lab.file);
+    if (s != MPT_OK) {
+        mpt_dataset_destroy(d);
+        return s;
+    }
+    *out = d;
+    return MPT_OK;
+}
+
+/* dir/name, compressed first (then plain) where zlib is there, plain
+   first otherwise so that a plain copy beside a .gz one still loads. */
+static mpt_status mpt__mnist_path(mpt_context *ctx, const char *dir, const char *name,
+                                  char *path, size_t size) {
+    struct stat st;
+    int k;
+    for (k = 0; k < 2; k++) {
+#ifndef MPT_NO_ZLIB
+        int gz = k == 0;
+#else
+        int gz = k == 1;
+#endif
+        int len = snprintf(path, size, "%s/%s%s", dir, name, gz ? ".gz" : "");
+        if (len < 0 || (size_t)len >= size)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_mnist: directory name '%s' is "
+                             "too long", dir);
+        if (stat(path, &st) == 0) return MPT_OK;
+    }
+    return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: neither '%s/%s.gz' nor '%s/%s' exists", dir,
+                     name, dir, name);
+}
+
+MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int test,
+                                         mpt_dataset **out) {
+    char images[4096], labels[4096];
+    const char *part = test ? "t10k" : "train";
+    char name[64];
+    struct stat st;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !dir)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_mnist: NULL %s", dir ? "out" : "dir");
+    *out = NULL;
+    if (stat(dir, &st) != 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: cannot open directory '%s': %s", dir,
+                         strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        return mpt__fail(ctx, MPT_ERR_IO, "load_mnist: '%s' is not a directory", dir);
+    snprintf(name, sizeof name, "%s-images-idx3-ubyte", part);
+    MPT__CHECK(mpt__mnist_path(ctx, dir, name, images, sizeof images));
+    snprintf(name, sizeof name, "%s-labels-idx1-ubyte", part);
+    MPT__CHECK(mpt__mnist_path(ctx, dir, name, labels, sizeof labels));
+    return mpt_dataset_load_idx(ctx, images, labels, out);
+}
+
+/* ---- the prefetching batch loader -----------------------------------------
+
+   Two slots, batch b in slot b % 2. The consumer (fit's thread) holds the
+   batch it last received until its next call; meanwhile the loader thread
+   fills the other slot with the batch after. So loading b + 1 overlaps
+   computing on b, and a slot is never written while it is being read.
+
+   An epoch of one batch has nothing to overlap, and a predict of one batch
+   would pay a thread's start and two hand-offs for it: such an epoch is
+   gathered by the caller's thread, in next(). So is an epoch whose samples
+   lie in order in the dataset already in the batch dtype, where a caller
+   that only reads its batches (mpt__loader_allow_views) gets views of the
+   dataset's own memory and nothing is copied. The buffers and the thread
+   are made by the first epoch that needs them. */
+
+/* =============================================================================
+   @impl-callbacks  EarlyStopping, ReduceLROnPlateau (ModelCheckpoint and
+   CSVLogger: @impl-callbacks-files; TensorBoard: @impl-tensorboard)
    =============================================================================
 
    Each callback is a state struct behind mpt_callback.user_data. Every
@@ -18458,6 +13038,10 @@ MPTDEF mpt_status mpt_callback_reduce_lr_on_plateau(mpt_context *ctx,
 
 /* =============================================================================
    ModelCheckpoint
+   ============================================================================= */
+
+/* =============================================================================
+   @impl-callbacks-files: ModelCheckpoint and CSVLogger: the callbacks that write files
    ============================================================================= */
 
 /* A replacement field's format spec, the part of Python's mini-language a
@@ -18957,6 +13541,10 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    - Keras writes the model as a graph ("keras", graph_keras_model); mpt.h
      writes mpt_model_summary's table as the text "model_summary" (the text
      plugin's markdown; indented, so it shows as a fixed-width block). */
+
+/* =============================================================================
+   @impl-tensorboard: TensorBoard's event files: protobuf, records, histograms, the callback
+   ============================================================================= */
 
 #define MPT__TB_BUCKETS 1551   /* TensorFlow's default bucket count          */
 #define MPT__TB_DT_STRING 7    /* DataType DT_STRING (types.proto)            */
@@ -19689,6 +14277,509 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
     memset(cb, 0, sizeof *cb);
 }
 /* =============================================================================
+   @impl-plot: the history as an SVG plot
+   ============================================================================= */
+
+/* ---- the history as an SVG plot ------------------------------------------------------------
+
+   A grid of panels, two across, one per quantity: the loss, each metric
+   (with their "val_" twins on the same axes), the learning rate, the loss
+   scale. Each panel is a frame with its ticks, labels and legend, and a
+   <g data-key="..."> per series holding a <polyline> per run of finite
+   values (and a dot per point when there are few epochs, or when a run is
+   one point long and would otherwise not show). Coordinates are written
+   with integer arithmetic, so no locale can put a comma in them; every
+   caller's string goes through mpt__svg_escaped. */
+
+/* The SVG text, grown as it is written; oom once an allocation failed. */
+typedef struct mpt__svg {
+    mpt_context *ctx; /* whose allocator; NULL: malloc */
+    char *text;       /* (cap) */
+    size_t len, cap;
+    int oom;
+} mpt__svg;
+
+static void *mpt__svg_alloc(mpt_context *ctx, size_t bytes) {
+    return ctx ? mpt__alloc(ctx, bytes) : mpt__default_alloc(NULL, bytes, MPT__ALIGN);
+}
+
+static void mpt__svg_free(mpt_context *ctx, void *ptr) {
+    if (ctx) mpt__free(ctx, ptr);
+    else mpt__default_free(NULL, ptr);
+}
+
+/* Room for `more` bytes and a terminating 0. */
+static int mpt__svg_reserve(mpt__svg *b, size_t more) {
+    size_t cap = b->cap ? b->cap : 16384;
+    char *grown;
+    if (b->oom) return 0;
+    if (more > SIZE_MAX / 4 - b->len) {
+        b->oom = 1;
+        return 0;
+    }
+    if (b->len + more < b->cap) return 1;
+    while (cap <= b->len + more) cap *= 2;
+    grown = (char *)mpt__svg_alloc(b->ctx, cap);
+    if (!grown) {
+        b->oom = 1;
+        return 0;
+    }
+    if (b->len) memcpy(grown, b->text, b->len);
+    mpt__svg_free(b->ctx, b->text);
+    b->text = grown;
+    b->cap = cap;
+    return 1;
+}
+
+static void mpt__svg_printf(mpt__svg *b, const char *fmt, ...) {
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) b->oom = 1;
+    if (n < 0 || !mpt__svg_reserve(b, (size_t)n)) return;
+    va_start(ap, fmt);
+    vsnprintf(b->text + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+
+static int mpt__st_utf8_len(const unsigned char *p, int64_t avail);
+
+/* A caller's string as XML character data or an attribute's value: the
+   five special characters escaped; a byte that is not UTF-8, a control
+   character, U+FFFE or U+FFFF (none of which XML 1.0 allows, escaped or
+   not) written as '?'. */
+static void mpt__svg_escaped(mpt__svg *b, const char *text) {
+    const unsigned char *p = (const unsigned char *)text;
+    int64_t left = (int64_t)strlen(text);
+    while (left > 0) {
+        int len = mpt__st_utf8_len(p, left);
+        const char *entity = *p == '&' ? "&amp;" : *p == '<' ? "&lt;" : *p == '>' ? "&gt;"
+                           : *p == '"' ? "&quot;" : *p == '\'' ? "&apos;" : NULL;
+        int forbidden = len == 0 || (*p < 0x20 && *p != '\t' && *p != '\n') || *p == 0x7f ||
+                        (len == 3 && p[0] == 0xef && p[1] == 0xbf && p[2] >= 0xbe);
+        if (entity) mpt__svg_printf(b, "%s", entity);
+        else if (forbidden) mpt__svg_printf(b, "?");
+        else mpt__svg_printf(b, "%.*s", len, (const char *)p);
+        p += len ? len : 1;
+        left -= len ? len : 1;
+    }
+}
+
+/* A coordinate with one decimal, whatever the locale's decimal point. */
+static void mpt__svg_number(mpt__svg *b, double v) {
+    long long tenths = llround(MPT__MIN(MPT__MAX(v, -1e6), 1e6) * 10);
+    long long whole = tenths < 0 ? -tenths : tenths;
+    mpt__svg_printf(b, "%s%lld.%lld", tenths < 0 ? "-" : "", whole / 10, whole % 10);
+}
+
+/* "x,y" for polyline points. */
+static void mpt__svg_point(mpt__svg *b, double x, double y) {
+    mpt__svg_number(b, x);
+    mpt__svg_printf(b, ",");
+    mpt__svg_number(b, y);
+}
+
+/* <text x y ...>escaped text</text>; attributes: e.g. "text-anchor=\"end\"". */
+static void mpt__svg_text(mpt__svg *b, double x, double y, const char *attributes,
+                          const char *text) {
+    mpt__svg_printf(b, "<text x=\"");
+    mpt__svg_number(b, x);
+    mpt__svg_printf(b, "\" y=\"");
+    mpt__svg_number(b, y);
+    mpt__svg_printf(b, "\" %s>", attributes);
+    mpt__svg_escaped(b, text);
+    mpt__svg_printf(b, "</text>\n");
+}
+
+static void mpt__svg_line(mpt__svg *b, double x0, double y0, double x1, double y1,
+                          const char *attributes) {
+    mpt__svg_printf(b, "<line x1=\"");
+    mpt__svg_number(b, x0);
+    mpt__svg_printf(b, "\" y1=\"");
+    mpt__svg_number(b, y0);
+    mpt__svg_printf(b, "\" x2=\"");
+    mpt__svg_number(b, x1);
+    mpt__svg_printf(b, "\" y2=\"");
+    mpt__svg_number(b, y1);
+    mpt__svg_printf(b, "\" %s/>\n", attributes);
+}
+
+/* One panel: up to two series on one y axis. */
+typedef struct mpt__plot_panel {
+    const char *title;
+    int key[2];            /* history keys: the training series, the validation
+                              one ("val_"); -1: none                          */
+    const char *color[2];
+    int log_scale;         /* log2 axis                                      */
+} mpt__plot_panel;
+
+/* A value the plot can place: finite, and on a log axis positive. Beyond
+   ±1e300 the axis arithmetic would overflow, so those count as inf. */
+static int mpt__plot_drawable(double v, int log_scale) {
+    return isfinite(v) && fabs(v) <= 1e300 && (!log_scale || v >= 1e-300);
+}
+
+static int mpt__plot_find_key(const mpt_history *h, const char *prefix, const char *name) {
+    size_t n = strlen(prefix);
+    int k;
+    for (k = 0; k < h->n_keys; k++)
+        if (strncmp(h->keys[k], prefix, n) == 0 && strcmp(h->keys[k] + n, name) == 0) return k;
+    return -1;
+}
+
+/* Whether key k's drawable values span more than a factor of 10, all > 0. */
+static int mpt__plot_wants_log(const mpt_history *h, int k) {
+    double lo = INFINITY, hi = 0;
+    int e;
+    for (e = 0; e < h->epochs; e++) {
+        double v = h->values[k][e];
+        if (!mpt__plot_drawable(v, 0)) continue;
+        if (v <= 0) return 0;
+        lo = MPT__MIN(lo, v);
+        hi = MPT__MAX(hi, v);
+    }
+    return hi > 10 * lo;
+}
+
+static int mpt__plot_add_single(const mpt_history *h, const char *key, const char *title,
+                                const char *color, mpt__plot_panel *p) {
+    int k = mpt__plot_find_key(h, "", key);
+    if (k < 0) return 0;
+    memset(p, 0, sizeof *p);
+    p->title = title;
+    p->key[0] = k;
+    p->key[1] = -1;
+    p->color[0] = color;
+    p->log_scale = strcmp(key, "loss_scale") == 0 && mpt__plot_wants_log(h, k);
+    return 1;
+}
+
+/* The panels, in order: the loss and the metrics as the history has them,
+   then the learning rate and the loss scale. */
+static int mpt__plot_panels(const mpt_history *h, mpt__plot_panel *panels) {
+    int n = 0, k;
+    for (k = 0; k < h->n_keys; k++) {
+        const char *key = h->keys[k];
+        int validation = strncmp(key, "val_", 4) == 0;
+        mpt__plot_panel *p = &panels[n];
+        if (mpt__log_is_measurement(key)) continue;
+        if (validation && mpt__plot_find_key(h, "", key + 4) >= 0) continue; /* with its twin */
+        memset(p, 0, sizeof *p);
+        p->title = validation ? key + 4 : key;
+        p->key[0] = validation ? -1 : k;
+        p->key[1] = validation ? k : mpt__plot_find_key(h, "val_", key);
+        p->color[0] = "#1f77b4";
+        p->color[1] = "#ff7f0e";
+        n++;
+    }
+    n += mpt__plot_add_single(h, "learning_rate", "learning rate", "#2ca02c", &panels[n]);
+    n += mpt__plot_add_single(h, "loss_scale", "loss scale", "#9467bd", &panels[n]);
+    return n;
+}
+
+/* A y axis: its ends and tick step, in the axis' units (log2 of the value
+   on a log axis). */
+typedef struct mpt__plot_axis {
+    double lo, hi, step;
+    int log_scale;
+} mpt__plot_axis;
+
+/* 1, 2 or 5 times a power of ten, near x > 0. */
+static double mpt__plot_nice(double x) {
+    double p = pow(10, floor(log10(x))), f = x / p;
+    return (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * p;
+}
+
+static mpt__plot_axis mpt__plot_y_axis(const mpt_history *h, const mpt__plot_panel *p) {
+    mpt__plot_axis a;
+    double lo = INFINITY, hi = -INFINITY;
+    int i, e;
+    a.log_scale = p->log_scale;
+    for (i = 0; i < 2; i++)
+        for (e = 0; p->key[i] >= 0 && e < h->epochs; e++) {
+            double v = h->values[p->key[i]][e];
+            if (!mpt__plot_drawable(v, a.log_scale)) continue;
+            if (a.log_scale) v = log2(v);
+            lo = MPT__MIN(lo, v);
+            hi = MPT__MAX(hi, v);
+        }
+    if (lo > hi) lo = 0, hi = 1; /* nothing drawable: an empty frame */
+    if (a.log_scale) {
+        lo = floor(lo);
+        hi = MPT__MAX(ceil(hi), lo + 1);
+        a.step = ceil((hi - lo) / 6);
+        a.lo = lo;
+        a.hi = lo + a.step * ceil((hi - lo) / a.step);
+        return a;
+    }
+    if (lo == hi) { /* a constant: a band around it */
+        double pad = lo != 0 ? fabs(lo) * 0.1 : 1;
+        lo -= pad;
+        hi += pad;
+    }
+    a.step = mpt__plot_nice((hi - lo) / 4);
+    a.lo = floor(lo / a.step) * a.step;
+    a.hi = ceil(hi / a.step) * a.step;
+    return a;
+}
+
+static void mpt__plot_tick_label(char *buf, size_t size, const mpt__plot_axis *a, double u) {
+    if (!a->log_scale)
+        snprintf(buf, size, "%g", fabs(u) < a->step * 1e-6 ? 0.0 : u);
+    else if (u >= 0 && u <= 20)
+        snprintf(buf, size, "%.0f", ldexp(1, (int)u));
+    else
+        snprintf(buf, size, "2^%d", (int)u);
+}
+
+/* Where a panel's data goes on the page. */
+typedef struct mpt__plot_area {
+    double x0, y0, x1, y1;
+    int epochs;
+} mpt__plot_area;
+
+/* Epoch e (from 0) is drawn at e + 1 on an axis over 1..epochs; a single
+   epoch in the middle of 0..2. */
+static double mpt__plot_x(const mpt__plot_area *r, int e) {
+    double lo = r->epochs > 1 ? 1 : 0, hi = r->epochs > 1 ? r->epochs : 2;
+    return r->x0 + ((double)e + 1 - lo) / (hi - lo) * (r->x1 - r->x0);
+}
+
+static double mpt__plot_y(const mpt__plot_area *r, const mpt__plot_axis *a, double v) {
+    double u = a->log_scale ? log2(v) : v;
+    return r->y1 - (u - a->lo) / (a->hi - a->lo) * (r->y1 - r->y0);
+}
+
+/* The frame, grid, ticks and their labels of a panel. */
+static void mpt__plot_axes(mpt__svg *b, const mpt__plot_area *r, const mpt__plot_axis *a) {
+    int ticks = (int)floor((a->hi - a->lo) / a->step + 0.5), i;
+    int x_step = r->epochs > 8 ? (int)mpt__plot_nice((r->epochs - 1) / 8.0) : 1, e;
+    char label[48];
+    for (i = 0; i <= ticks; i++) {
+        double u = a->lo + i * a->step;
+        double y = r->y1 - (u - a->lo) / (a->hi - a->lo) * (r->y1 - r->y0);
+        mpt__svg_line(b, r->x0, y, r->x1, y, "stroke=\"#e6e6e6\"");
+        mpt__plot_tick_label(label, sizeof label, a, u);
+        mpt__svg_text(b, r->x0 - 6, y + 4, "text-anchor=\"end\"", label);
+    }
+    for (e = 1; e <= r->epochs; e = e < x_step ? x_step : e + x_step) { /* 1, then steps */
+        double x = mpt__plot_x(r, e - 1);
+        mpt__svg_line(b, x, r->y0, x, r->y1, "stroke=\"#e6e6e6\"");
+        snprintf(label, sizeof label, "%d", e);
+        mpt__svg_text(b, x, r->y1 + 16, "text-anchor=\"middle\"", label);
+    }
+    mpt__svg_printf(b, "<rect x=\"");
+    mpt__svg_number(b, r->x0);
+    mpt__svg_printf(b, "\" y=\"");
+    mpt__svg_number(b, r->y0);
+    mpt__svg_printf(b, "\" width=\"");
+    mpt__svg_number(b, r->x1 - r->x0);
+    mpt__svg_printf(b, "\" height=\"");
+    mpt__svg_number(b, r->y1 - r->y0);
+    mpt__svg_printf(b, "\" fill=\"none\" stroke=\"#888888\"/>\n");
+    mpt__svg_text(b, (r->x0 + r->x1) / 2, r->y1 + 34, "text-anchor=\"middle\"", "epoch");
+}
+
+/* One series: a polyline per run of drawable values. */
+static void mpt__plot_series(mpt__svg *b, const mpt_history *h, int k, const char *color,
+                             const mpt__plot_area *r, const mpt__plot_axis *a) {
+    const double *v = h->values[k];
+    int e = 0, end, i;
+    mpt__svg_printf(b, "<g class=\"series\" data-key=\"");
+    mpt__svg_escaped(b, h->keys[k]);
+    mpt__svg_printf(b, "\" fill=\"%s\" stroke=\"%s\">\n<title>", color, color);
+    mpt__svg_escaped(b, h->keys[k]);
+    mpt__svg_printf(b, "</title>\n");
+    while (e < h->epochs) {
+        if (!mpt__plot_drawable(v[e], a->log_scale)) {
+            e++;
+            continue;
+        }
+        for (end = e; end < h->epochs && mpt__plot_drawable(v[end], a->log_scale); end++) {}
+        mpt__svg_printf(b, "<polyline fill=\"none\" stroke-width=\"2\" points=\"");
+        for (i = e; i < end; i++) {
+            if (i > e) mpt__svg_printf(b, " ");
+            mpt__svg_point(b, mpt__plot_x(r, i), mpt__plot_y(r, a, v[i]));
+        }
+        mpt__svg_printf(b, "\"/>\n");
+        for (i = e; i < end && (h->epochs <= 40 || end - e == 1); i++) {
+            mpt__svg_printf(b, "<circle r=\"3\" stroke=\"none\" cx=\"");
+            mpt__svg_number(b, mpt__plot_x(r, i));
+            mpt__svg_printf(b, "\" cy=\"");
+            mpt__svg_number(b, mpt__plot_y(r, a, v[i]));
+            mpt__svg_printf(b, "\"/>\n");
+        }
+        e = end;
+    }
+    mpt__svg_printf(b, "</g>\n");
+}
+
+/* Text widths are estimated, at 7 px a character (12 px text), 8 for the
+   panels' bold 14 px titles. */
+static double mpt__plot_text_width(const char *text, double per_char) {
+    return per_char * (double)strlen(text);
+}
+
+/* What the legend calls series i: "training" and "validation" when the
+   panel has both (its title names the quantity), else the series' key. */
+static const char *mpt__plot_legend_label(const mpt_history *h, const mpt__plot_panel *p, int i) {
+    if (p->key[0] >= 0 && p->key[1] >= 0) return i == 0 ? "training" : "validation";
+    return h->keys[p->key[i]];
+}
+
+static double mpt__plot_legend_width(const mpt_history *h, const mpt__plot_panel *p) {
+    double w = 0;
+    int i;
+    for (i = 0; i < 2; i++)
+        if (p->key[i] >= 0) w += mpt__plot_text_width(mpt__plot_legend_label(h, p, i), 7) + 40;
+    return w;
+}
+
+/* The legend, right-aligned at `right`: a stroke and a label per series. */
+static void mpt__plot_legend(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
+                             double right, double y) {
+    double x = right;
+    int i;
+    for (i = 1; i >= 0; i--) {
+        char stroke[64];
+        const char *label;
+        if (p->key[i] < 0) continue;
+        label = mpt__plot_legend_label(h, p, i);
+        x -= mpt__plot_text_width(label, 7);
+        mpt__svg_text(b, x, y + 4, "", label);
+        snprintf(stroke, sizeof stroke, "stroke=\"%s\" stroke-width=\"2\"", p->color[i]);
+        mpt__svg_line(b, x - 24, y, x - 6, y, stroke);
+        x -= 40;
+    }
+}
+
+/* Panel p in the box at (x, y) of size w × h: the title, and the legend
+   on its line, or on a line of its own when they would overlap. */
+static void mpt__plot_panel_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *p,
+                                 double x, double y, double w, double ht) {
+    mpt__plot_axis a = mpt__plot_y_axis(h, p);
+    mpt__plot_area r;
+    double title_end;
+    int i, own_line;
+    r.x0 = x + 70;
+    r.x1 = x + w - 24;
+    r.y1 = y + ht - 44;
+    r.epochs = h->epochs;
+    title_end = r.x0 + mpt__plot_text_width(p->title, 8) + (a.log_scale ? 100 : 0);
+    own_line = title_end + 16 > r.x1 - mpt__plot_legend_width(h, p);
+    r.y0 = y + (own_line ? 54 : 36);
+    mpt__svg_text(b, r.x0, y + 22, "font-size=\"14\" font-weight=\"bold\"", p->title);
+    if (a.log_scale) mpt__svg_text(b, r.x0 + mpt__plot_text_width(p->title, 8) + 12, y + 22,
+                                   "fill=\"#666666\"", "(log scale)");
+    mpt__plot_legend(b, h, p, r.x1, y + (own_line ? 38 : 18));
+    mpt__plot_axes(b, &r, &a);
+    for (i = 0; i < 2; i++)
+        if (p->key[i] >= 0) mpt__plot_series(b, h, p->key[i], p->color[i], &r, &a);
+}
+
+static void mpt__plot_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_panel *panels,
+                           int n, int width, int height, const char *title) {
+    int cols = n > 1 ? 2 : 1, rows = (n + cols - 1) / cols, i;
+    double w = (double)width / cols, ht = (double)(height - 50) / rows;
+    mpt__svg_printf(b, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+                       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+                       "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n"
+                       "<rect width=\"%d\" height=\"%d\" fill=\"white\"/>\n",
+                       width, height, width, height, width, height);
+    mpt__svg_text(b, width / 2.0, 32, "text-anchor=\"middle\" font-size=\"20\"", title);
+    for (i = 0; i < n; i++)
+        mpt__plot_panel_draw(b, h, &panels[i], (i % cols) * w, 50 + (i / cols) * ht, w, ht);
+    mpt__svg_printf(b, "</svg>\n");
+}
+
+/* A failure's message: into ctx (and its logger), or without one to stderr. */
+static mpt_status mpt__plot_fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
+    char message[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    if (ctx) return mpt__fail(ctx, status, "%s", message);
+    mpt__log(NULL, MPT_LOG_ERROR, "%s (%s)", message, mpt_status_string(status));
+    return status;
+}
+
+/* Writes text to path through the writer every file goes through
+   (@impl-context): a unique temporary file beside path, created anew
+   (O_EXCL), locked while written, fsynced and renamed over path, after
+   sweeping what killed writers left there; on a failure the temporary
+   file is removed and path left as it was. */
+static mpt_status mpt__plot_write_file(mpt_context *ctx, const char *path, const char *text,
+                                       size_t len) {
+    mpt__ckpt_writer w;
+    mpt_status s = mpt__ckpt_writer_open(&w, ctx, "plot", path, 1);
+    if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, text, len);
+    if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
+    if (s != MPT_OK)
+        mpt__plot_fail(ctx, s, "plot: cannot %s '%s' (for '%s'): %s", w.failed,
+                       w.tmp ? w.tmp : path, path, strerror(w.err));
+    mpt__ckpt_writer_close(&w);
+    return s;
+}
+
+static mpt_status mpt__plot_check(const mpt_history *h, const char *path, const mpt_plot_desc *d) {
+    int k;
+    if (!path || !*path)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot: %s path",
+                              path ? "an empty" : "a NULL");
+    if (!h) return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': NULL history", path);
+    if (h->epochs <= 0)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': the history has %d "
+                              "epochs: nothing to draw (fit first)", path, h->epochs);
+    if (h->n_keys < 0 || h->n_keys > MPT_MAX_LOGS)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': n_keys %d is not in "
+                              "0..%d", path, h->n_keys, MPT_MAX_LOGS);
+    for (k = 0; k < h->n_keys; k++)
+        if (!h->keys[k] || !h->values[k])
+            return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': key %d has a "
+                                  "NULL %s", path, k, h->keys[k] ? "values array" : "name");
+    if (d->width < 0 || d->height < 0)
+        return mpt__plot_fail(d->ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': width %d and height "
+                              "%d must not be negative", path, d->width, d->height);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_history_plot_svg(const mpt_history *history, const char *path,
+                                       const mpt_plot_desc *desc) {
+    mpt_plot_desc d;
+    mpt__plot_panel panels[MPT_MAX_LOGS];
+    mpt__svg svg;
+    int n, rows, width, height;
+    mpt_status s;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc; /* NULL: every default */
+    MPT__CHECK(mpt__plot_check(history, path, &d));
+    n = mpt__plot_panels(history, panels);
+    if (n == 0)
+        return mpt__plot_fail(d.ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': the history has no "
+                              "loss, metric, learning rate or loss scale to draw", path);
+    rows = n > 1 ? (n + 1) / 2 : 1;
+    width = d.width ? d.width : 1000;
+    height = d.height ? d.height : 60 + 320 * rows;
+    if (width < 320 || height < 200 || height < 50 + 120 * rows)
+        return mpt__plot_fail(d.ctx, MPT_ERR_INVALID_ARGUMENT, "plot '%s': %d × %d pixels is "
+                              "too small for %d rows of panels (at least 320 × %d)", path, width,
+                              height, rows, MPT__MAX(200, 50 + 120 * rows));
+    memset(&svg, 0, sizeof svg);
+    svg.ctx = d.ctx;
+    mpt__plot_draw(&svg, history, panels, n, width, height,
+                   d.title ? d.title : "Training history");
+    if (svg.oom)
+        s = mpt__plot_fail(d.ctx, MPT_ERR_OUT_OF_MEMORY, "plot '%s': out of memory", path);
+    else
+        s = mpt__plot_write_file(d.ctx, path, svg.text, svg.len);
+    mpt__svg_free(d.ctx, svg.text);
+    return s;
+}
+/* =============================================================================
    @impl-profiler  fit's profile_batch: the steps of a range timed piece by
    piece, written as a Chrome trace, and a table of the layers' times
    =============================================================================
@@ -19875,6 +14966,9 @@ static mpt_status mpt__profile_open(mpt_model *m, const mpt_fit_desc *d, int64_t
 }
 
 /* ---- a profiled step --------------------------------------------------------- */
+
+/* Defined below, in @impl-threads. */
+static double mpt__clock(void);
 
 /* Marker number n_marks, ending `piece` of `layer` (−1: none). */
 static void mpt__profile_mark(mpt__profile *P, int piece, int layer) {
@@ -21152,7 +16246,7 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
 
 /* =============================================================================
    @impl-checkpoints  the model in a safetensors file: the weights and the full
-   training state
+   training state, saved (loaded: @impl-checkpoints-load)
    =============================================================================
 
    What mpt.h stores, in this order in the data:
@@ -21635,6 +16729,10 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     return s;
 }
 
+/* =============================================================================
+   @impl-checkpoints-load: a checkpoint loaded into a model: names, dtypes, shapes and counters checked
+   ============================================================================= */
+
 /* ---- loading into a model ---------------------------------------------------- */
 
 /* "F32 (3, 2)" */
@@ -21999,920 +17097,4827 @@ MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path) {
 MPTDEF int mpt_model_epoch(const mpt_model *m) { return m ? m->epoch : 0; }
 
 /* =============================================================================
-   @impl-strategy  data parallelism: replicas in this process, workers over MPI
-   =============================================================================
+   @impl-threads: the thread pool: parallel-for over a fixed set of workers
+   ============================================================================= */
 
-   A replicated model is replica 0; the others (m->replica[1..]) are
-   ordinary models with the same layers, built and compiled with it, whose
-   weights are copied from it once built. fit gives each replica its rows
-   of the batch, sums the gradients (replica by replica, in order, then
-   across workers), and has every replica apply the same update. */
-
-/* The strategy: its replicas in this process, its place among the
-   workers, and the devices and communicator of replicas on several GPUs.
-   Code before this section reaches it through the public getters. */
-struct mpt_strategy {
-    mpt_context *ctx;
-    mpt_strategy_type type;
-    int local;              /* replicas in this process                   */
-    int worker, workers;    /* this process's index, and how many         */
-    double timeout;         /* seconds a collective may wait              */
-    int64_t bucket_bytes;   /* gradient bytes per all-reduce              */
-    int began_mpi;          /* MPI_Finalize at destroy                    */
-    /* Replicas on several GPUs (or GPU workers): the backend of replica k,
-       [0] the context's, and the communicator over them (NCCL). */
-    int n_backends;
-    const mpt_backend *backend[MPT__MAX_REPLICAS];
-    void *impl[MPT__MAX_REPLICAS];
-    void *comm;
-};
-
-static int mpt__strategy_total(const mpt_strategy *s) { return s->local * s->workers; }
-static int mpt__strategy_is_chief(const mpt_strategy *s) { return !s || s->worker == 0; }
-
-MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s) { return s ? mpt__strategy_total(s) : 0; }
-MPTDEF int mpt_strategy_worker(const mpt_strategy *s) { return s ? s->worker : 0; }
-MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s) { return s ? s->workers : 0; }
-
-/* Joins the processes mpirun started (MPI begun here unless the program
-   began it). */
-static mpt_status mpt__strategy_join_workers(mpt_strategy *s) {
-#ifdef MPT_MPI
-    int ready = 0, provided;
-    MPI_Initialized(&ready);
-    if (!ready) {
-        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
-            return mpt__fail(s->ctx, MPT_ERR_STATE, "strategy: MPI_Init_thread failed");
-        s->began_mpi = 1;
+/* Takes and runs the current job's tasks until none is left. A task and
+   the job it belongs to (fn, arg) are read together under the mutex, so a
+   worker that wakes late, after its job ended, finds nothing to take. */
+static void mpt__pool_run_tasks(mpt__pool *pool, int thread) {
+    pthread_mutex_lock(&pool->mutex);
+    while (pool->next_task < pool->n_tasks) {
+        const int64_t task = pool->next_task++;
+        mpt__task_fn fn = pool->fn;
+        void *arg = pool->arg;
+        __atomic_add_fetch(&pool->running, 1, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&pool->mutex);
+        fn(arg, task, thread);
+        pthread_mutex_lock(&pool->mutex);
+        /* (release: what the task wrote is seen by whoever sees the count) */
+        if (__atomic_sub_fetch(&pool->running, 1, __ATOMIC_RELEASE) == 0 &&
+            pool->next_task >= pool->n_tasks)
+            pthread_cond_signal(&pool->done);
     }
-    MPI_Comm_rank(MPI_COMM_WORLD, &s->worker);
-    MPI_Comm_size(MPI_COMM_WORLD, &s->workers);
-    return MPT_OK;
-#else
-    return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED,
-                     "strategy: multi-worker needs a build with -DMPT_MPI (mpicc)");
+    pthread_mutex_unlock(&pool->mutex);
+}
+
+/* How long an idle worker watches for the next job before it sleeps: a
+   training step or a predict is a chain of parallel-fors a few microseconds
+   apart, and a sleeping worker takes tens of microseconds to wake (a whole
+   scheduler tick when the other cores are busy). Short enough that a
+   worker left idle gives its core back almost at once. */
+#define MPT__POOL_SPIN_SECONDS 50e-6
+
+/* Seconds on a clock that never steps back (CLOCK_MONOTONIC where the
+   headers declare it, as under _POSIX_C_SOURCE; else the time of day). */
+static double mpt__clock(void) {
+    struct timeval tv;
+#if defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 #endif
+    gettimeofday(&tv, NULL);
+    return (double)tv.tv_sec + 1e-6 * (double)tv.tv_usec;
 }
 
-#ifdef MPT_CUDA
-/* Another CUDA device's backend, made as the context made its own. */
-static mpt_status mpt__strategy_add_device(mpt_strategy *s, int device) {
-    mpt_context_desc d = s->ctx->desc;
-    char message[512] = "";
-    mpt_status st;
-    d.cuda_device = device;
-    st = mpt_cuda_backend_create(&d, &s->backend[s->n_backends], &s->impl[s->n_backends], message,
-                                 sizeof message);
-    if (st != MPT_OK) return mpt__fail(s->ctx, st, "strategy: CUDA device %d: %s", device, message);
-    s->n_backends++;
-    return MPT_OK;
-}
-
-/* The devices of a mirrored strategy on a GPU context: the listed ones, or
-   every visible one (devices are tried in order until one is not there). */
-static mpt_status mpt__strategy_mirror_devices(mpt_strategy *s, const mpt_strategy_desc *desc) {
-    int own = s->ctx->desc.cuda_device, k;
-    if (desc->n_devices > 0) {
-        if (desc->devices[0] != own)
-            return mpt__fail(s->ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "strategy: devices[0] is %d, not the context's device %d",
-                             desc->devices[0], own);
-        for (k = 1; k < desc->n_devices; k++) MPT__CHECK(mpt__strategy_add_device(s, desc->devices[k]));
-        return MPT_OK;
-    }
-    for (k = 0; k < MPT__MAX_REPLICAS && s->n_backends < MPT__MAX_REPLICAS; k++) {
-        mpt_context_desc d = s->ctx->desc;
-        char message[512];
-        if (k == own) continue;
-        d.cuda_device = k;
-        if (mpt_cuda_backend_create(&d, &s->backend[s->n_backends], &s->impl[s->n_backends],
-                                    message, sizeof message) != MPT_OK)
-            break; /* no device k */
-        s->n_backends++;
-    }
-    return MPT_OK;
-}
-#endif
-
-/* On a GPU context: a mirrored strategy puts one replica on each of its
-   devices (unless num_replicas asks for logical replicas on the context's
-   one), a multi-worker one joins the workers' devices; either way a
-   communicator (NCCL) sums the gradients between devices. */
-static mpt_status mpt__strategy_open_devices(mpt_strategy *s, const mpt_strategy_desc *desc) {
-    const mpt_backend *be = mpt_context_backend(s->ctx, &s->impl[0]);
-    s->backend[0] = be;
-    s->n_backends = 1;
-    if (be == mpt__cpu_backend()) {
-        if (desc->n_devices > 0)
-            return mpt__fail(s->ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "strategy: a list of CUDA devices, but the context is on the CPU");
-        return MPT_OK;
-    }
-#ifdef MPT_CUDA
-    if (s->type == MPT_STRATEGY_MIRRORED && desc->num_replicas == 0) {
-        MPT__CHECK(mpt__strategy_mirror_devices(s, desc));
-        s->local = s->n_backends;
-    }
-#endif
-    if (s->n_backends == 1 && s->workers == 1) return MPT_OK; /* one device: nothing to join */
-    if (!be->comm_create)
-        return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED,
-                         "strategy: replicas on %d GPUs need mpt_cuda.cu built with -DMPT_NCCL "
-                         "(and -lnccl)", s->n_backends * s->workers);
-    if (s->workers == 1) {
-        if (be->comm_create(s->impl, s->n_backends, 0, s->n_backends, NULL, &s->comm) != MPT_OK)
-            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
-        return MPT_OK;
-    }
-#ifdef MPT_MPI
-    {
-        unsigned char id[MPT_COMM_ID_BYTES];
-        memset(id, 0, sizeof id);
-        if (s->worker == 0 && be->comm_id(s->impl[0], id) != MPT_OK)
-            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
-        MPI_Bcast(id, MPT_COMM_ID_BYTES, MPI_BYTE, 0, MPI_COMM_WORLD);
-        if (be->comm_create(s->impl, 1, s->worker, s->workers, id, &s->comm) != MPT_OK)
-            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
-    }
-#endif
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc *desc,
-                                      mpt_strategy **out) {
-    mpt_strategy *s;
-    mpt_status st = MPT_OK;
-    mpt_strategy_desc defaults;
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: NULL out");
-    *out = NULL;
-    memset(&defaults, 0, sizeof defaults);
-    if (!desc) desc = &defaults; /* NULL: every default */
-    if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
-                         (int)desc->type);
-    if (desc->num_replicas > MPT__MAX_REPLICAS)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "strategy: num_replicas %d: a model can have at most %d replicas",
-                         desc->num_replicas, MPT__MAX_REPLICAS);
-    if (desc->n_devices > MPT__MAX_REPLICAS)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "strategy: %d devices: a model can have at most %d replicas, one a device",
-                         desc->n_devices, MPT__MAX_REPLICAS);
-    if (desc->n_devices < 0 || (desc->n_devices > 0 && !desc->devices))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: %d devices (0..%d, with a list)",
-                         desc->n_devices, MPT__MAX_REPLICAS);
-    if (desc->num_replicas < 0 || (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "strategy: num_replicas %d (0..%d, and above 1 only for mirrored)",
-                         desc->num_replicas, MPT__MAX_REPLICAS);
-    if (!(desc->timeout_seconds >= 0 && desc->timeout_seconds < 1e9) || desc->bucket_bytes < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "strategy: timeout_seconds %g and bucket_bytes %lld must be >= 0",
-                         desc->timeout_seconds, (long long)desc->bucket_bytes);
-    s = (mpt_strategy *)mpt__calloc(ctx, sizeof *s);
-    if (!s) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
-    s->ctx = ctx;
-    s->type = desc->type;
-    s->local = desc->num_replicas ? desc->num_replicas : 1;
-    s->workers = 1;
-    s->timeout = desc->timeout_seconds ? desc->timeout_seconds : 60;
-    s->bucket_bytes = desc->bucket_bytes ? desc->bucket_bytes : (int64_t)4 << 20;
-    if (s->type == MPT_STRATEGY_MULTI_WORKER) st = mpt__strategy_join_workers(s);
-    if (st == MPT_OK) st = mpt__strategy_open_devices(s, desc);
-    if (st != MPT_OK) {
-        mpt_strategy_destroy(s);
-        return st;
-    }
-    *out = s;
-    return MPT_OK;
-}
-
-MPTDEF void mpt_strategy_destroy(mpt_strategy *s) {
+/* Whether the tasks still running (taken by workers) finished within
+   MPT__POOL_SPIN_SECONDS, watching without the mutex: the last one usually
+   ends microseconds after the caller's, sooner than a sleeping caller
+   would be woken. */
+static int mpt__pool_spin_running(mpt__pool *pool) {
+    const double until = mpt__clock() + MPT__POOL_SPIN_SECONDS;
     int k;
-    if (!s) return;
-    if (s->comm) s->backend[0]->comm_destroy(s->comm);
-    for (k = 1; k < s->n_backends; k++) s->backend[k]->destroy(s->impl[k]);
-#ifdef MPT_MPI
-    if (s->began_mpi) MPI_Finalize();
+    for (;;) {
+        for (k = 0; k < 64; k++) {
+            if (__atomic_load_n(&pool->running, __ATOMIC_ACQUIRE) == 0) return 1;
+#if MPT__X86
+            _mm_pause();
 #endif
-    mpt__free(s->ctx, s);
-}
-
-/* ---- waiting for the other workers, never forever --------------------------- */
-
-#ifdef MPT_MPI
-/* Completes n requests, polling, or fails after the strategy's timeout
-   naming what was awaited: another worker has died or is stuck. */
-static mpt_status mpt__mpi_wait(mpt_model *m, MPI_Request *req, int n, const char *what) {
-    double start = mpt__now();
-    int done = 0;
-    while (!done) {
-        if (MPI_Testall(n, req, &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
-            return mpt__fail(m->ctx, MPT_ERR_STATE, "worker %d: %s: MPI failed",
-                             m->strategy->worker, what);
-        if (done) break;
-        if (mpt__now() - start > m->strategy->timeout)
-            return mpt__fail(m->ctx, MPT_ERR_STATE,
-                             "worker %d: %s: no answer from the other workers in %g s "
-                             "(one has stopped or is stuck); giving up",
-                             m->strategy->worker, what, m->strategy->timeout);
-        sched_yield();
+        }
+        if (mpt__clock() > until) return 0;
     }
-    return MPT_OK;
 }
-#endif
 
-/* Σ over the workers, in place, of n values in host memory: doubles (the
-   tallies) when `doubles`, else floats (on the CPU backend, its buffers). */
-static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles,
-                                   const char *what) {
-#ifdef MPT_MPI
-    if (m->strategy && m->strategy->workers > 1) {
-        MPI_Request r;
-        MPI_Iallreduce(MPI_IN_PLACE, v, (int)n, doubles ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM,
-                       MPI_COMM_WORLD, &r);
-        return mpt__mpi_wait(m, &r, 1, what);
+/* Whether a job (or the stop) came within MPT__POOL_SPIN_SECONDS, watching
+   without the mutex. */
+static int mpt__pool_spin(mpt__pool *pool, uint64_t seen) {
+    const double until = mpt__clock() + MPT__POOL_SPIN_SECONDS;
+    int k;
+    for (;;) {
+        for (k = 0; k < 64; k++) {
+            if (__atomic_load_n(&pool->generation, __ATOMIC_ACQUIRE) != seen ||
+                __atomic_load_n(&pool->stop, __ATOMIC_ACQUIRE))
+                return 1;
+#if MPT__X86
+            _mm_pause();
+#endif
+        }
+        if (mpt__clock() > until) return 0;
     }
-#endif
-    (void)m;
-    (void)v;
-    (void)n;
-    (void)doubles;
-    (void)what;
-    return MPT_OK;
 }
 
-/* ---- BatchNormalization synchronized over the replicas ------------------------ */
-
-static int mpt__is_sync_bn(const mpt__layer *L) {
-    return L->ops->kind == MPT__LAYER_BATCH_NORMALIZATION && L->desc.batchnorm.synchronized;
+static void *mpt__pool_worker(void *p) {
+    mpt__worker_arg *wa = (mpt__worker_arg *)p;
+    mpt__pool *pool = wa->pool;
+    uint64_t seen = 0;
+    for (;;) {
+        mpt__pool_spin(pool, seen);
+        pthread_mutex_lock(&pool->mutex);
+        while (!pool->stop && pool->generation == seen) {
+            pool->sleeping++;
+            pthread_cond_wait(&pool->wake, &pool->mutex);
+            pool->sleeping--;
+        }
+        if (pool->stop) {
+            pthread_mutex_unlock(&pool->mutex);
+            return NULL;
+        }
+        seen = pool->generation;
+        pthread_mutex_unlock(&pool->mutex);
+        mpt__pool_run_tasks(pool, wa->thread);
+    }
 }
 
-/* Host room for the widest synchronized layer's sums (none: nothing). */
-static mpt_status mpt__sync_scratch_alloc(mpt_model *m) {
-    int64_t widest = 0;
+/* The pool index of the calling thread: 0 for the thread that created the
+   context (or any other), i + 1 for worker i. */
+static int mpt__pool_thread_index(const mpt__pool *pool) {
+    pthread_t self = pthread_self();
     int i;
-    for (i = 0; i < m->n_layers; i++)
-        if (mpt__is_sync_bn(&m->layers[i]))
-            widest = MPT__MAX(widest, m->layers[i].in_shape[m->layers[i].in_rank - 1]);
-    if (!widest) return MPT_OK;
-    m->sync_scratch = (double *)mpt__alloc(m->ctx, (size_t)(2 * widest + 1) * sizeof(double) +
-                                                       (size_t)(2 * widest) * sizeof(float));
-    return m->sync_scratch ? MPT_OK
-                           : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    for (i = 0; i < pool->started; i++)
+        if (pthread_equal(pool->threads[i], self)) return i + 1;
+    return 0;
 }
 
-
-/* Replica r's layer i's saved[ia] and saved[ib], C floats each, into fa
-   and fb on the host. */
-static mpt_status mpt__sync_download(mpt_model *r, int i, int ia, int ib, float *fa, float *fb,
-                                     int64_t C) {
-    MPT__CHECK(mpt__download(r, fa, r->layers[i].saved[ia], sizeof(float) * (size_t)C));
-    return mpt__download(r, fb, r->layers[i].saved[ib], sizeof(float) * (size_t)C);
+/* Runs fn(arg, task, thread) for task = 0..n_tasks-1 on the pool. */
+static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn, void *arg) {
+    mpt__pool *pool = &ctx->pool;
+    if (n_tasks <= 0) return;
+    /* A parallel-for inside a task (a GEMM called per image, say) runs on
+       the thread that asked, under that thread's index, so that it uses
+       that thread's scratch: the pool serves one job at a time. */
+    if (pool->started == 0 || n_tasks == 1 || pool->in_job) {
+        int64_t t;
+        int self = pool->in_job ? mpt__pool_thread_index(pool) : 0;
+        for (t = 0; t < n_tasks; t++) fn(arg, t, self);
+        return;
+    }
+    pthread_mutex_lock(&pool->mutex);
+    pool->in_job = 1;
+    pool->fn = fn;
+    pool->arg = arg;
+    pool->n_tasks = n_tasks;
+    pool->next_task = 0;
+    __atomic_store_n(&pool->generation, pool->generation + 1, __ATOMIC_RELEASE);
+    if (pool->sleeping) pthread_cond_broadcast(&pool->wake);
+    pthread_mutex_unlock(&pool->mutex);
+    mpt__pool_run_tasks(pool, 0);
+    /* Every task is taken; wait only for those still running, watching
+       first, then asleep. A worker that has not woken yet is not waited
+       for: on a busy machine that wait was a scheduler tick (4 ms) per
+       parallel-for. */
+    (void)mpt__pool_spin_running(pool);
+    pthread_mutex_lock(&pool->mutex);
+    while (pool->running > 0) pthread_cond_wait(&pool->done, &pool->mutex);
+    pool->in_job = 0;
+    pthread_mutex_unlock(&pool->mutex);
 }
 
-/* Forward's: from each replica's batch mean and variance of layer i
-   (saved[0], saved[1]) over its rows, sums[0..C) = Σ rows·mean and
-   sums[C..2C) = Σ rows·(variance + mean²), and sums[2C] = Σ rows, over the
-   replicas and then the workers. */
-static mpt_status mpt__sync_gather_moments(mpt_model *m, int i, const int64_t *rows,
-                                           double *sums, int64_t C) {
-    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
-    int64_t c;
-    int k;
-    for (c = 0; c <= 2 * C; c++) sums[c] = 0;
-    for (k = 0; k < m->n_replicas; k++) {
-        double n = (double)rows[k];
-        if (!rows[k]) continue;
-        MPT__CHECK(mpt__sync_download(m->replica[k], i, 0, 1, mean, var, C));
-        for (c = 0; c < C; c++) {
-            sums[c] += n * mean[c];
-            sums[C + c] += n * ((double)var[c] + (double)mean[c] * mean[c]);
-        }
-        sums[2 * C] += n;
-    }
-    return mpt__workers_sum(m, sums, 2 * C + 1, 1, "synchronizing BatchNormalization");
+/* This thread's scratch buffer (MPT__THREAD_SCRATCH_BYTES, 64-byte aligned). */
+static void *mpt__thread_scratch(const mpt_context *ctx, int thread) {
+    return ctx->scratch[thread];
 }
 
-/* Backward's: from each replica's per-channel Σdy and Σdy·x̂ of layer i
-   (saved[2], saved[3]), sums[0..C) = Σdy and sums[C..2C) = Σdy·x̂ over the
-   replicas and then the workers. */
-static mpt_status mpt__sync_gather_sums(mpt_model *m, int i, const int64_t *rows, double *sums,
-                                        int64_t C) {
-    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
-    int64_t c;
-    int k;
-    for (c = 0; c < 2 * C; c++) sums[c] = 0;
-    for (k = 0; k < m->n_replicas; k++) {
-        if (!rows[k]) continue;
-        MPT__CHECK(mpt__sync_download(m->replica[k], i, 2, 3, sum_dy, sum_dyx, C));
-        for (c = 0; c < C; c++) {
-            sums[c] += sum_dy[c];
-            sums[C + c] += sum_dyx[c];
-        }
+static int mpt__default_threads(void) {
+    const char *env = getenv("MPT_NUM_THREADS");
+    long n;
+    if (env && *env) {
+        n = strtol(env, NULL, 10);
+        if (n > 0 && n <= 1024) return (int)n;
     }
-    return mpt__workers_sum(m, sums, 2 * C, 1, "synchronizing BatchNormalization");
+    n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)MPT__MIN(n, 256) : 1;
 }
 
-/* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
-   on every replica. */
-static mpt_status mpt__sync_scatter(mpt_model *m, int i, int ia, int ib, const float *a,
-                                    const float *b, int64_t C) {
-    int k;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ia], a, sizeof(float) * (size_t)C));
-        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ib], b, sizeof(float) * (size_t)C));
-    }
-    return MPT_OK;
-}
-
-/* Forward of synchronized layer i: each replica measures its batch, the
-   statistics of the union (mean, biased variance: Σx/N and Σx²/N − mean²
-   from each part's mean and variance, in double) go to every replica's
-   saved mean and variance, and each normalises with them. */
-static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *fw,
-                                       const int64_t *rows) {
-    const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
-    double *sums = m->sync_scratch, N;
-    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
-    int k;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt_batchnorm_args a;
-        bn_rows[k] = 0;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(&r->layers[i], &fw[k].p);
-        bn_rows[k] = a.rows;
-        r->be->batchnorm_forward(r->impl, &a);
-    }
-    MPT__CHECK(mpt__sync_gather_moments(m, i, bn_rows, sums, C));
-    N = MPT__MAX(sums[2 * C], 1);
-    for (c = 0; c < C; c++) {
-        double mu = sums[c] / N;
-        mean[c] = (float)mu;
-        var[c] = (float)MPT__MAX(sums[C + c] / N - mu * mu, 0.0);
-    }
-    MPT__CHECK(mpt__sync_scatter(m, i, 0, 1, mean, var, C));
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt_batchnorm_args a;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(&r->layers[i], &fw[k].p);
-        a.training = 0; /* normalise with the union's statistics, just saved */
-        a.moving_mean = a.mean;
-        a.moving_variance = a.variance;
-        r->be->batchnorm_forward(r->impl, &a);
-    }
-    return MPT_OK;
-}
-
-/* Backward of synchronized layer i: each replica sums dy and dy·x̂ over its
-   rows (into dbeta and dgamma, or saved[2] and saved[3] where the layer
-   has no beta or gamma), the sums over every replica go to each, and dx
-   subtracts their means. */
-static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk *bw,
-                                        const int64_t *rows) {
-    const mpt__layer *L0 = &m->layers[i];
-    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
-    double *sums = m->sync_scratch;
-    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
-    int k;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt__layer *L = &r->layers[i];
-        mpt_batchnorm_args a;
-        bn_rows[k] = 0;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(L, &bw[k].p);
-        bn_rows[k] = a.rows;
-        a.dx = NULL;
-        a.dbeta = (float *)L->saved[2];
-        a.dgamma = (float *)L->saved[3];
-        r->be->batchnorm_backward(r->impl, &a);
-    }
-    MPT__CHECK(mpt__sync_gather_sums(m, i, bn_rows, sums, C));
-    for (c = 0; c < C; c++) {
-        sum_dy[c] = (float)sums[c];
-        sum_dyx[c] = (float)sums[C + c];
-    }
-    MPT__CHECK(mpt__sync_scatter(m, i, 2, 3, sum_dy, sum_dyx, C));
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        mpt__layer *L = &r->layers[i];
-        mpt_batchnorm_args a;
-        if (!rows[k]) continue;
-        a = mpt__bn_args(L, &bw[k].p);
-        a.sum_dy = (const float *)L->saved[2];
-        a.sum_dy_xhat = (const float *)L->saved[3];
-        a.total_rows = (int64_t)sums[2 * C];
-        r->be->batchnorm_backward(r->impl, &a);
-    }
-    return MPT_OK;
-}
-
-/* ---- building the replicas ---------------------------------------------------- */
-
-#ifdef MPT_MPI
-/* A hash of everything that must match between workers: the input, the
-   policy and seed, each layer's class, name, dtype and output shape, every
-   parameter's shape, and the batch each replica is built for. */
-static uint64_t mpt__model_signature(const mpt_model *m) {
-    uint64_t h = 0xcbf29ce484222325ull;
-#define MPT__MIX(v) (h = mpt__mix64(h ^ (uint64_t)(v)))
-    int i, k;
-    const char *c;
-    for (i = 0; i < m->desc.input_rank; i++) MPT__MIX(m->desc.input_shape[i]);
-    MPT__MIX(m->desc.policy);
-    MPT__MIX(m->desc.seed);
-    MPT__MIX(m->max_batch);
-    for (i = 0; i < m->n_layers; i++) {
-        const mpt__layer *L = &m->layers[i];
-        for (c = L->ops->class_name; *c; c++) MPT__MIX(*c);
-        for (c = L->name; *c; c++) MPT__MIX(*c);
-        MPT__MIX(L->dtype);
-        for (k = 0; k < L->out_rank; k++) MPT__MIX(L->out_shape[k]);
-    }
-    for (i = 0; i < m->n_params; i++)
-        for (k = 0; k < m->params[i].rank; k++) MPT__MIX(m->params[i].shape[k]);
-#undef MPT__MIX
-    return h;
-}
-#endif
-
-/* Multi-worker: every worker built the same model (else all fail, naming
-   the workers that differ), and all take worker 0's weights. */
-static mpt_status mpt__workers_agree(mpt_model *m) {
-#ifdef MPT_MPI
-    mpt_strategy *s = m->strategy;
-    uint64_t mine = mpt__model_signature(m), *all;
-    MPI_Request r;
-    int w, bad = 0;
-    char which[256] = "";
-    size_t used = 0;
-    if (s->workers <= 1) return MPT_OK;
-    all = (uint64_t *)mpt__alloc(m->ctx, sizeof(uint64_t) * (size_t)s->workers);
-    if (!all) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
-    MPI_Iallgather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, MPI_COMM_WORLD, &r);
-    if (mpt__mpi_wait(m, &r, 1, "comparing the workers' models") != MPT_OK) {
-        mpt__free(m->ctx, all);
-        return MPT_ERR_STATE;
-    }
-    for (w = 1; w < s->workers; w++)
-        if (all[w] != all[0]) {
-            bad++;
-            if (used < sizeof which)
-                used += (size_t)snprintf(which + used, sizeof which - used, " %d", w);
-        }
-    mpt__free(m->ctx, all);
-    if (bad)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "strategy: workers built different models (layers, shapes, policy, "
-                         "seed or batch): worker%s%s differ%s from worker 0",
-                         bad > 1 ? "s" : "", which, bad > 1 ? "" : "s");
-    {
-        /* worker 0's weights, in pieces that fit MPI's int counts (through
-           the host from a GPU) */
-        int64_t bytes = m->arena_bytes[MPT__MEM_PARAMS], left = bytes;
-        int on_host = mpt__model_device(m) == MPT_DEVICE_CPU;
-        unsigned char *host = on_host ? (unsigned char *)m->arena[MPT__MEM_PARAMS]
-                                      : (unsigned char *)mpt__alloc(m->ctx, (size_t)bytes + 1);
-        unsigned char *p = host;
-        mpt_status st = host ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "out of memory");
-        if (st == MPT_OK && !on_host) st = mpt__download(m, host, m->arena[MPT__MEM_PARAMS], bytes);
-        while (st == MPT_OK && left > 0) {
-            int piece = (int)MPT__MIN(left, (int64_t)1 << 30);
-            MPI_Ibcast(p, piece, MPI_BYTE, 0, MPI_COMM_WORLD, &r);
-            st = mpt__mpi_wait(m, &r, 1, "receiving worker 0's weights");
-            p += piece;
-            left -= piece;
-        }
-        if (st == MPT_OK && !on_host) st = mpt__upload(m, m->arena[MPT__MEM_PARAMS], host, bytes);
-        if (!on_host) mpt__free(m->ctx, host);
-        MPT__CHECK(st);
-        mpt_model_refresh_weights(m);
-    }
-#else
-    (void)m;
-#endif
-    return MPT_OK;
-}
-
-/* to's parameters (values and moving statistics) become from's: in place
-   on one device, through the host between devices. */
-static mpt_status mpt__copy_params(mpt_model *to, mpt_model *from) {
-    size_t bytes = (size_t)from->arena_bytes[MPT__MEM_PARAMS];
-    void *host;
-    mpt_status s;
-    if (to->impl == from->impl) {
-        to->be->copy(to->impl, to->arena[MPT__MEM_PARAMS], from->arena[MPT__MEM_PARAMS], bytes);
-        mpt_model_refresh_weights(to);
-        return MPT_OK;
-    }
-    host = mpt__alloc(to->ctx, bytes + 1);
-    if (!host) return mpt__fail(to->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
-    s = mpt__download(from, host, from->arena[MPT__MEM_PARAMS], bytes);
-    if (s == MPT_OK) s = mpt__upload(to, to->arena[MPT__MEM_PARAMS], host, bytes);
-    mpt__free(to->ctx, host);
-    if (s == MPT_OK) mpt_model_refresh_weights(to);
-    return s;
-}
-
-static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
-    mpt_model_desc d = m->desc;
-    mpt_model *r = NULL;
+static void mpt__pool_stop(mpt_context *ctx) {
+    mpt__pool *pool = &ctx->pool;
     int i;
-    mpt_status s;
-    d.strategy = NULL;
-    MPT__CHECK(mpt_model_create(m->ctx, &d, &r));
-    r->replica_index = m->replica_index + k;
-    if (m->strategy->n_backends > 1) { /* its own GPU */
-        r->be = m->strategy->backend[k];
-        r->impl = m->strategy->impl[k];
-    }
-    for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++)
-        s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
-                           m->layers[i].desc.common.dtype);
-    if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
-    if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
-    if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */
-    if (s != MPT_OK) {
-        mpt_model_destroy(r);
-        return s;
-    }
-    *out = r;
-    return MPT_OK;
+    if (!pool->threads) return;
+    pthread_mutex_lock(&pool->mutex);
+    __atomic_store_n(&pool->stop, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool->wake);
+    pthread_mutex_unlock(&pool->mutex);
+    for (i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
+    pthread_mutex_destroy(&pool->mutex);
+    pthread_cond_destroy(&pool->wake);
+    pthread_cond_destroy(&pool->done);
+    mpt__free(ctx, pool->threads);
+    pool->threads = NULL;
 }
 
-/* After replica 0 is built: the other replicas of this process, then the
-   agreement between workers. A failure leaves the model unbuilt. */
-static mpt_status mpt__replicas_build(mpt_model *m) {
-    mpt_strategy *s = m->strategy;
-    mpt_status st = MPT_OK;
-    int k;
-    m->replica = (mpt_model **)mpt__calloc(m->ctx, sizeof(mpt_model *) * (size_t)s->local);
-    if (!m->replica) st = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
-    if (st == MPT_OK && s->workers > 1 && mpt__model_device(m) != MPT_DEVICE_CPU && !s->comm)
-        st = mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                       "strategy: several workers on GPUs need mpt_cuda.cu built with -DMPT_NCCL");
-    if (st == MPT_OK) {
-        m->replica[0] = m;
-        m->replica_index = s->worker * s->local;
-    }
-    for (k = 1; st == MPT_OK && k < s->local; k++) {
-        st = mpt__replica_new(m, k, &m->replica[k]);
-        if (st == MPT_OK) m->n_replicas = k + 1;
-    }
-    if (st == MPT_OK) st = mpt__sync_scratch_alloc(m);
-    if (st == MPT_OK) st = mpt__workers_agree(m);
-    if (st != MPT_OK) {
-        for (k = 1; k < m->n_replicas; k++) mpt_model_destroy(m->replica[k]);
-        mpt__free(m->ctx, m->replica);
-        mpt__free(m->ctx, m->sync_scratch);
-        m->replica = NULL;
-        m->sync_scratch = NULL;
-        m->n_replicas = 1;
-        mpt__free_arenas(m);
-        m->built = 0;
-    }
-    return st;
-}
-
-/* ---- the gradients between workers, bucket by bucket ---------------------------- */
-
-/* One step's all-reduce of the gradient arena (float32 sums), cut into
-   buckets that start as soon as the layers filling them are done with
-   their backward pass: the layers' gradients lie in layer order in the
-   arena, and backward runs from the last layer, so what is finished is
-   always the arena's tail [offset of layer i, end). */
-typedef struct mpt__exchange {
-    int64_t pending;        /* floats [0, pending) not yet sent            */
-    int64_t bucket;         /* floats per bucket                           */
-    int n, cap;
-#ifdef MPT_MPI
-    MPI_Request *req;       /* [cap]                                       */
-#endif
-} mpt__exchange;
-
-static void mpt__exchange_free(mpt_model *m) {
-    if (!m->exchange) return;
-#ifdef MPT_MPI
-    mpt__free(m->ctx, m->exchange->req);
-#endif
-    mpt__free(m->ctx, m->exchange);
-    m->exchange = NULL;
-}
-
-/* Allocated when fit starts (a step allocates nothing); only with workers. */
-static mpt_status mpt__exchange_open(mpt_model *m) {
-    mpt__exchange *x;
-    int64_t floats = m->arena_bytes[MPT__MEM_GRADS] / 4;
-    if (!m->strategy || m->strategy->workers <= 1 || m->n_replicas > 1 || m->strategy->comm)
-        return MPT_OK; /* (a communicator sums GPUs' gradients itself) */
-    x = (mpt__exchange *)mpt__calloc(m->ctx, sizeof *x);
-    if (!x) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
-    m->exchange = x;
-    x->bucket = MPT__MAX(m->strategy->bucket_bytes / 4, 1);
-    /* a bucket per layer at most, each in pieces below 2^30 floats */
-    x->cap = 2 * m->n_layers + (int)(floats >> 30) + 4;
-#ifdef MPT_MPI
-    x->req = (MPI_Request *)mpt__calloc(m->ctx, sizeof(MPI_Request) * (size_t)x->cap);
-    if (!x->req) {
-        mpt__exchange_free(m);
-        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
-    }
-#endif
-    return MPT_OK;
-}
-
-/* Starts the all-reduce of floats [from, pending). */
-static void mpt__exchange_send(mpt_model *m, int64_t from) {
-    mpt__exchange *x = m->exchange;
-#ifdef MPT_MPI
-    float *g = (float *)m->arena[MPT__MEM_GRADS];
-    while (x->pending > from && x->n < x->cap) {
-        int64_t piece = MPT__MIN(x->pending - from, (int64_t)1 << 30);
-        MPI_Iallreduce(MPI_IN_PLACE, g + x->pending - piece, (int)piece, MPI_FLOAT, MPI_SUM,
-                       MPI_COMM_WORLD, &x->req[x->n++]);
-        x->pending -= piece;
-    }
-#else
-    (void)m;
-#endif
-    x->pending = MPT__MIN(x->pending, from);
-}
-
-/* Called by backward after each layer: sends the finished tail once it
-   holds a bucket, and lets MPI progress what is in flight. */
-static void mpt__exchange_layer_done(mpt_model *m, int layer) {
-    mpt__exchange *x = m->exchange;
-    const mpt__layer *L = &m->layers[layer];
-    int k;
-    for (k = 0; k < L->n_params; k++)
-        if (L->param[k]->trainable) {
-            int64_t at = L->param[k]->grad - (float *)m->arena[MPT__MEM_GRADS];
-            if (x->pending - at >= x->bucket) mpt__exchange_send(m, at);
-            break;
-        }
-#ifdef MPT_MPI
-    if (x->n) {
-        int done;
-        MPI_Testall(x->n, x->req, &done, MPI_STATUSES_IGNORE);
-    }
-#endif
-}
-
-/* The step's exchange: before backward, arm it; after, send the rest and
-   wait (with the strategy's timeout) for every bucket. */
-static void mpt__exchange_arm(mpt_model *m) {
-    m->exchange->pending = m->arena_bytes[MPT__MEM_GRADS] / 4;
-    m->exchange->n = 0;
-}
-
-static mpt_status mpt__exchange_finish(mpt_model *m) {
-    mpt__exchange_send(m, 0);
-#ifdef MPT_MPI
-    return mpt__mpi_wait(m, m->exchange->req, m->exchange->n, "summing the gradients");
-#else
-    return MPT_OK;
-#endif
-}
-
-/* count floats summed over every replica on every device and worker,
-   through the strategy's communicator, in place on each: each replica's
-   arena `arena` (layer < 0) or layer `layer`'s saved[which]. */
-static mpt_status mpt__comm_sum(mpt_model *m, int arena, int layer, int which, int64_t count) {
-    float *bufs[MPT__MAX_REPLICAS];
-    mpt_status st;
-    int k;
-    for (k = 0; k < m->n_replicas; k++) {
-        mpt_model *r = m->replica[k];
-        bufs[k] = layer < 0 ? (float *)r->arena[arena] : (float *)r->layers[layer].saved[which];
-    }
-    st = m->be->allreduce_sum(m->strategy->comm, bufs, count);
-    return st == MPT_OK ? st
-                        : mpt__fail(m->ctx, st, "strategy: %s",
-                                    m->be->comm_error(m->strategy->comm));
-}
-
-/* How many of layer L's saved buffers hold statistics of a replica's
-   batch, each *count floats (its table's replica_statistics). */
-static int mpt__replica_statistics(const mpt__layer *L, int64_t *count) {
-    *count = 0;
-    return L->ops->replica_statistics ? L->ops->replica_statistics(L, count) : 0;
-}
-
-/* The layers' batch statistics (BatchNormalization's) made the mean over
-   the replicas that had rows (here and on every worker) before every
-   replica commits them: the moving statistics, an average of linear
-   updates, then equal the mean of per-replica moving statistics, which is
-   what TensorFlow reads from its per-replica (ON_READ, MEAN) variables.
-   They stay the same on every replica. */
-static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *had_rows) {
-    int n = m->n_replicas, i, j, k, any = 0;
-    int64_t C;
-    double contributors = 0;
-    for (i = 0; i < m->n_layers; i++) any |= mpt__replica_statistics(&m->layers[i], &C) > 0;
-    if (!any) return MPT_OK; /* nothing to average: no collective either */
-    for (k = 0; k < n; k++) contributors += had_rows[k] != 0;
-    MPT__CHECK(mpt__workers_sum(m, &contributors, 1, 1, "counting the replicas with rows"));
-    for (i = 0; i < m->n_layers; i++) {
-        mpt__layer *L = &m->layers[i];
-        int stats = mpt__replica_statistics(L, &C);
-        for (j = 0; j < stats; j++) { /* saved[j], C floats */
-            float *sum = (float *)L->saved[j];
-            if (m->strategy->comm) { /* several devices: through the communicator */
-                float inv = (float)(1.0 / MPT__MAX(contributors, 1));
-                for (k = 0; k < n; k++)
-                    if (!had_rows[k])
-                        m->replica[k]->be->zero(m->replica[k]->impl,
-                                                m->replica[k]->layers[i].saved[j],
-                                                sizeof(float) * (size_t)C);
-                MPT__CHECK(mpt__comm_sum(m, 0, i, j, C));
-                for (k = 0; k < n; k++)
-                    m->replica[k]->be->scale(m->replica[k]->impl,
-                                             (float *)m->replica[k]->layers[i].saved[j], inv, C);
-                continue;
-            }
-            if (!had_rows[0]) m->be->zero(m->impl, sum, sizeof(float) * (size_t)C);
-            for (k = 1; k < n; k++)
-                if (had_rows[k])
-                    m->be->add(m->impl, sum, (const float *)m->replica[k]->layers[i].saved[j], C);
-            MPT__CHECK(mpt__workers_sum(m, sum, C, 0, "averaging the batch statistics"));
-            m->be->scale(m->impl, sum, (float)(1.0 / MPT__MAX(contributors, 1)), C);
-            for (k = 1; k < n; k++)
-                m->be->copy(m->impl, m->replica[k]->layers[i].saved[j], sum,
-                            sizeof(float) * (size_t)C);
-        }
+static mpt_status mpt__pool_start(mpt_context *ctx) {
+    mpt__pool *pool = &ctx->pool;
+    int i, n = ctx->num_threads - 1;
+    if (n <= 0) return MPT_OK;
+    pool->threads = (pthread_t *)mpt__calloc(ctx, sizeof(pthread_t) * (size_t)n);
+    ctx->worker_args = (mpt__worker_arg *)mpt__calloc(ctx, sizeof(mpt__worker_arg) * (size_t)n);
+    if (!pool->threads || !ctx->worker_args)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "context: cannot allocate %d threads", n);
+    pthread_mutex_init(&pool->mutex, NULL);
+    pthread_cond_init(&pool->wake, NULL);
+    pthread_cond_init(&pool->done, NULL);
+    pool->n_workers = n;
+    for (i = 0; i < n; i++) {
+        ctx->worker_args[i].pool = pool;
+        ctx->worker_args[i].thread = i + 1;
+        if (pthread_create(&pool->threads[i], NULL, mpt__pool_worker, &ctx->worker_args[i]) != 0)
+            return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
+                             "context: could only start %d of %d worker threads", i, n);
+        pool->started++;
     }
     return MPT_OK;
 }
 
-/* ---- one replicated training step --------------------------------------------- */
+/* =============================================================================
+   @impl-devices: devices: the CPU as device 0, then the CUDA devices
+   ============================================================================= */
 
-/* Rows [b0, b1) of a batch tensor, as a view. */
-static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
-    mpt_tensor v = *t;
-    v.shape[0] = b1 - b0;
-    v.data = (unsigned char *)t->data + (size_t)b0 * (mpt_tensor_bytes(t) / (size_t)t->shape[0]);
-    return v;
-}
+/* ---- devices: the CPU as device 0, then the CUDA devices ------------------- */
 
-/* Replica k's rows of this worker's batch of `rows` (a contiguous share:
-   xs[k], ys[k]; none, when the batch has fewer rows than replicas: empty
-   tensors, shape[0] 0). */
-static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                              int64_t rows, mpt_tensor *xs, mpt_tensor *ys) {
-    int n = m->n_replicas, k;
-    for (k = 0; k < n; k++) {
-        int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
-        memset(&xs[k], 0, sizeof xs[k]);
-        memset(&ys[k], 0, sizeof ys[k]);
-        if (b1 > b0) {
-            xs[k] = mpt__rows(x, b0, b1);
-            ys[k] = mpt__rows(y, b0, b1);
-        }
-    }
-}
-
-/* Every replica's forward, loss and backward on its rows xs[k], ys[k]
-   (none: then its gradients are zero), layer by layer in step (a
-   synchronized layer needs every replica at the same layer), each loss
-   divided by the global batch. */
-static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor *xs,
-                                                 const mpt_tensor *ys, int64_t global_rows,
-                                                 int64_t *had) {
-    int n = m->n_replicas, k, i, first = m->n_layers;
-    mpt__forward_walk fw[MPT__MAX_REPLICAS];
-    mpt__backward_walk bw[MPT__MAX_REPLICAS];
-    mpt_tensor target[MPT__MAX_REPLICAS];
-    for (k = 0; k < n; k++) {
-        mpt_model *r = m->replica[k];
-        had[k] = xs[k].shape[0];
-        if (had[k] > 0) {
-            mpt_tensor in;
-            MPT__CHECK(mpt__input_on_backend(r, &xs[k], &in));
-            MPT__CHECK(mpt__target_on_backend(r, &ys[k], &target[k]));
-            mpt__forward_begin(r, &in, 1, &fw[k]);
-        } else {
-            r->be->zero(r->impl, r->arena[MPT__MEM_GRADS], (size_t)r->arena_bytes[MPT__MEM_GRADS]);
-        }
-    }
-    for (i = 0; i < m->n_layers; i++) {
-        for (k = 0; k < n; k++)
-            if (had[k]) mpt__forward_prepare(m->replica[k], i, &fw[k]);
-        if (mpt__is_sync_bn(&m->layers[i])) {
-            MPT__CHECK(mpt__sync_bn_forward(m, i, fw, had));
-        } else {
-            for (k = 0; k < n; k++)
-                if (had[k]) m->replica[k]->layers[i].ops->forward(&m->replica[k]->layers[i], &fw[k].p);
-        }
-        for (k = 0; k < n; k++)
-            if (had[k]) mpt__forward_finish(&m->replica[k]->layers[i], &fw[k]);
-    }
-    for (k = 0; k < n; k++) {
-        mpt_model *r = m->replica[k];
-        mpt_loss_args loss;
-        if (!had[k]) continue;
-        loss = mpt__loss_args(r, &target[k], 1);
-        loss.grad_weight = (float)((double)had[k] / (double)global_rows);
-        r->be->loss(r->impl, &loss);
-        mpt__backward_begin(r, 0, &bw[k]);
-        first = bw[k].first;
-    }
-    for (i = m->n_layers - 1; i >= first; i--) {
-        for (k = 0; k < n; k++)
-            if (had[k]) mpt__backward_prepare(m->replica[k], i, &bw[k]);
-        if (mpt__is_sync_bn(&m->layers[i])) {
-            MPT__CHECK(mpt__sync_bn_backward(m, i, bw, had));
-        } else {
-            for (k = 0; k < n; k++)
-                if (had[k])
-                    m->replica[k]->layers[i].ops->backward(&m->replica[k]->layers[i], &bw[k].p);
-        }
-        for (k = 0; k < n; k++)
-            if (had[k]) mpt__backward_finish(m->replica[k], i, &bw[k]);
-    }
-    return MPT_OK;
-}
-
-/* The replicas' gradients summed on one device: replica 0 adds the others'
-   in order, the workers' sum follows (MPI, in buckets), and every replica
-   takes the result. */
-static mpt_status mpt__local_sum_grads(mpt_model *m, int64_t grads) {
-    int k;
-    for (k = 1; k < m->n_replicas; k++)
-        m->be->add(m->impl, (float *)m->arena[MPT__MEM_GRADS],
-                   (const float *)m->replica[k]->arena[MPT__MEM_GRADS], grads / 4);
-    if (m->exchange) MPT__CHECK(mpt__exchange_finish(m));
-    for (k = 1; k < m->n_replicas; k++)
-        m->be->copy(m->impl, m->replica[k]->arena[MPT__MEM_GRADS], m->arena[MPT__MEM_GRADS],
-                    (size_t)grads);
-    return MPT_OK;
-}
-
-/* The step: forward and backward on every replica, the gradients summed
-   over the replicas (in order) and the workers, the same update on every
-   replica. xs[k], ys[k]: replica k's rows, where it can read them (on a
-   GPU, fit's feed uploaded them). */
-static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const mpt_tensor *ys,
-                                     int64_t global_rows, mpt__step_times *times) {
-    int n = m->n_replicas, k;
-    int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[MPT__MAX_REPLICAS];
-    double t0 = mpt__now(), t1;
-    if (m->exchange) mpt__exchange_arm(m);
-    MPT__CHECK(mpt__replicas_forward_backward(m, xs, ys, global_rows, had));
-    if (m->strategy->comm) { /* GPUs: the communicator sums them, on every device */
-        MPT__CHECK(mpt__comm_sum(m, MPT__MEM_GRADS, -1, 0, grads / 4));
-    } else {
-        MPT__CHECK(mpt__local_sum_grads(m, grads));
-    }
-    t1 = mpt__now();
-    MPT__CHECK(mpt__replicas_average_statistics(m, had));
-    for (k = 0; k < n; k++) mpt__queue_update(m->replica[k]); /* the averaged statistics */
-    times->backward += t1 - t0;
-    times->update += mpt__now() - t1;
-    return MPT_OK;
-}
-
-/* The step on this worker's batch of `rows` in host memory. */
-static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
-    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
-    mpt__replica_rows(m, x, y, rows, xs, ys);
-    return mpt__replicas_step(m, xs, ys, global_rows, times);
-}
-
-/* Whether fit may record the replicas' step in a CUDA graph and replay it:
-   when they share one device and one worker. Collectives between devices
-   stay out (NCCL's, replayed in graphs of several devices from one thread,
-   can deadlock), as do MPI's between workers and a synchronized
-   BatchNormalization (both pass through the host every step). */
-static int mpt__replicas_capturable(const mpt_model *m) {
-    int i;
-    if (m->strategy->comm || m->strategy->workers > 1) return 0;
-    for (i = 0; i < m->n_layers; i++)
-        if (mpt__is_sync_bn(&m->layers[i])) return 0;
+/* Copies text without its leading and trailing blanks (the brand string
+   pads with spaces); returns whether anything was left. */
+static int mpt__trimmed_copy(char *out, size_t size, const char *text) {
+    size_t n;
+    while (*text == ' ' || *text == '\t') text++;
+    n = strlen(text);
+    while (n > 0 && (text[n - 1] == ' ' || text[n - 1] == '\t')) n--;
+    if (n == 0) return 0;
+    snprintf(out, size, "%.*s", (int)n, text);
     return 1;
 }
 
-/* This worker's share of an epoch's order: of each global batch of
-   `batch` samples (the last may be shorter), its contiguous slice.
-   Returns how many samples that is. */
-static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64_t n,
-                                 int64_t batch, int64_t *mine) {
-    int64_t g, used = 0;
-    int w = m->strategy->worker, W = m->strategy->workers;
-    for (g = 0; g < n; g += batch) {
-        int64_t rows = MPT__MIN(batch, n - g);
-        int64_t b0 = rows * w / W, b1 = rows * (w + 1) / W;
-        memcpy(mine + used, order + g + b0, sizeof(int64_t) * (size_t)(b1 - b0));
-        used += b1 - b0;
+/* The CPU's model name: CPUID's brand string (leaves 0x80000002..4) where
+   there is one, else /proc/cpuinfo's "model name", else "CPU". */
+static void mpt__cpu_name(char *name, size_t size) {
+    FILE *f;
+    char line[512];
+    snprintf(name, size, "CPU");
+#if MPT__X86
+    {
+        unsigned r[12], leaf;
+        char brand[49];
+        __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                             : "a"(0x80000000u), "c"(0));
+        if (r[0] >= 0x80000004u) {
+            for (leaf = 0; leaf < 3; leaf++)
+                __asm__ __volatile__("cpuid"
+                                     : "=a"(r[4 * leaf]), "=b"(r[4 * leaf + 1]),
+                                       "=c"(r[4 * leaf + 2]), "=d"(r[4 * leaf + 3])
+                                     : "a"(0x80000002u + leaf), "c"(0));
+            memcpy(brand, r, 48);
+            brand[48] = 0;
+            if (mpt__trimmed_copy(name, size, brand)) return;
+        }
     }
-    return used;
+#endif
+    f = fopen("/proc/cpuinfo", "r");
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) == 0 && colon) {
+            line[strcspn(line, "\n")] = 0;
+            mpt__trimmed_copy(name, size, colon + 1);
+            break;
+        }
+    }
+    fclose(f);
 }
+
+/* The MPT_CPU_* bits as the instruction-set names they stand for. */
+static void mpt__cpu_feature_words(int features, char *out, size_t size) {
+    static const struct { int bit; const char *words; } names[] = {
+        {MPT_CPU_AVX2, "avx2 fma"},
+        {MPT_CPU_F16C, "f16c"},
+        {MPT_CPU_AVX512, "avx512f avx512bw avx512dq avx512vl"},
+        {MPT_CPU_AVX512_BF16, "avx512bf16"},
+        {MPT_CPU_AVX512_VNNI, "avx512vnni"},
+        {MPT_CPU_AVX512_VBMI, "avx512vbmi"}};
+    size_t used = 0, i;
+    out[0] = 0;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (!(features & names[i].bit) || used >= size) continue;
+        snprintf(out + used, size - used, "%s%s", used ? " " : "", names[i].words);
+        used += strlen(out + used);
+    }
+}
+
+/* RAM in bytes from /proc/meminfo (MemTotal, MemAvailable); without it,
+   sysconf's page counts (whose "available" is the free pages only). */
+static void mpt__cpu_memory(int64_t *total, int64_t *available) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    long long kib;
+    *total = *available = 0;
+#if defined(_SC_PHYS_PAGES) && defined(_SC_AVPHYS_PAGES) /* not in POSIX: glibc's */
+    {
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        *total = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+        pages = sysconf(_SC_AVPHYS_PAGES);
+        *available = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+    }
+#endif
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemTotal: %lld kB", &kib) == 1) *total = (int64_t)kib * 1024;
+        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) *available = (int64_t)kib * 1024;
+    }
+    fclose(f);
+}
+
+static void mpt__cpu_device_info(mpt_device_info *out) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    out->kind = MPT_DEVICE_CPU;
+    mpt__cpu_name(out->name, sizeof out->name);
+    out->cores = cores > 0 ? (int)cores : 1;
+    out->cpu_features = mpt__detect_cpu();
+    mpt__cpu_feature_words(out->cpu_features, out->features, sizeof out->features);
+    mpt__cpu_memory(&out->memory_total, &out->memory_free);
+}
+
+MPTDEF int mpt_device_count(const mpt_context *ctx) {
+    (void)ctx;
+#ifdef MPT_CUDA
+    return 1 + mpt_cuda_device_count();
+#else
+    return 1;
+#endif
+}
+
+MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info *out) {
+    int count;
+    if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "device: NULL out");
+    count = mpt_device_count(ctx);
+    if (index < 0 || index >= count)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "device: index %d is not in 0..%d (0 is the CPU%s)", index, count - 1,
+                         count > 1 ? ", 1.. the CUDA devices" : "; this build sees no other");
+    if (index == 0) {
+        mpt__cpu_device_info(out);
+        return MPT_OK;
+    }
+#ifdef MPT_CUDA
+    {
+        char message[512] = "";
+        mpt_status s = mpt_cuda_device_query(index - 1, out, message, sizeof message);
+        if (s != MPT_OK) return mpt__fail(ctx, s, "device %d: %s", index, message);
+    }
+#endif
+    return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-convert-simd: float16/bfloat16 conversions in AVX2 and AVX-512
+   ============================================================================= */
+
+#if MPT__X86
+/* The vector kernels load a register of any float dtype as float32 and store
+   float32 as any dtype; a float16 <-> bfloat16 conversion goes through
+   float32, which is exact one way and rounds once the other, so it equals
+   the scalar composition. One generic loop is forced inline into a kernel
+   per dtype pair, so the dtype switches fold away at compile time. */
+#if defined(__GNUC__) && !defined(__clang__)
+/* GCC 12's AVX-512 headers start "undefined" vectors as `__Y = __Y`, which
+   g++ reports as maybe-uninitialized once they are inlined here. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+/* bfloat16 rounding in integer arithmetic, @backend-shared's
+   mpt__f32_bits_to_bf16 lane by lane. (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
+   which the scalar function does not.) */
+static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE __m256i mpt__avx2_bf16_bits(__m256 v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+    /* |x| > inf as signed int32 compares: both sides are non-negative. */
+    __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+                                        _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, qnan, is_nan);
+}
+
+static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE __m256 mpt__avx2_load(mpt_dtype t, const void *p) {
+    switch (t) {
+    case MPT_FLOAT16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    case MPT_BFLOAT16:
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    default: return _mm256_loadu_ps((const float *)p);
+    }
+}
+
+static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE void mpt__avx2_store(mpt_dtype t, void *p, __m256 v) {
+    switch (t) {
+    case MPT_FLOAT16:
+        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        break;
+    case MPT_BFLOAT16: {
+        /* Lanes hold values <= 0xffff, so the saturating pack is exact. */
+        __m256i b = mpt__avx2_bf16_bits(v);
+        _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b),
+                                                        _mm256_extracti128_si256(b, 1)));
+        break;
+    }
+    default: _mm256_storeu_ps((float *)p, v); break;
+    }
+}
+
+/* 8 elements a step; the last n % 8 go through the scalar kernel. */
+static MPT__TARGET_AVX2 MPT__ALWAYS_INLINE void mpt__avx2_loop(mpt_dtype dt, void *dst,
+                                                               mpt_dtype st, const void *src,
+                                                               int64_t n) {
+    size_t ds = dt == MPT_FLOAT32 ? 4 : 2, ss = st == MPT_FLOAT32 ? 4 : 2;
+    int64_t i;
+    for (i = 0; i + 8 <= n; i += 8)
+        mpt__avx2_store(dt, (char *)dst + (size_t)i * ds,
+                        mpt__avx2_load(st, (const char *)src + (size_t)i * ss));
+    if (i < n)
+        mpt__convert_scalar(dt, (char *)dst + (size_t)i * ds, st,
+                            (const char *)src + (size_t)i * ss, n - i);
+}
+
+/* Calls loop(dst_dtype, dst, src_dtype, src, n) with the pair's dtypes as
+   constants, so that each always-inline loop is compiled once per pair of
+   different dtypes with its loads' and stores' switches folded away; the
+   one list of pairs for the AVX2 and the AVX-512 kernels. */
+#define MPT__CONVERT_PAIRS(loop, dst_dtype, dst, src_dtype, src, n)                                \
+    do {                                                                                           \
+        if ((src_dtype) == MPT_FLOAT32 && (dst_dtype) == MPT_FLOAT16)                              \
+            loop(MPT_FLOAT16, dst, MPT_FLOAT32, src, n);                                           \
+        else if ((src_dtype) == MPT_FLOAT32)                                                       \
+            loop(MPT_BFLOAT16, dst, MPT_FLOAT32, src, n);                                          \
+        else if ((src_dtype) == MPT_FLOAT16 && (dst_dtype) == MPT_FLOAT32)                         \
+            loop(MPT_FLOAT32, dst, MPT_FLOAT16, src, n);                                           \
+        else if ((src_dtype) == MPT_FLOAT16)                                                       \
+            loop(MPT_BFLOAT16, dst, MPT_FLOAT16, src, n);                                          \
+        else if ((dst_dtype) == MPT_FLOAT32)                                                       \
+            loop(MPT_FLOAT32, dst, MPT_BFLOAT16, src, n);                                          \
+        else                                                                                       \
+            loop(MPT_FLOAT16, dst, MPT_BFLOAT16, src, n);                                          \
+    } while (0)
+
+/* Needs AVX2, and F16C for the pairs that involve float16. */
+static MPT__TARGET_AVX2 void mpt__convert_avx2(mpt_dtype dst_dtype, void *dst,
+                                              mpt_dtype src_dtype, const void *src,
+                                              int64_t n) {
+    MPT__CONVERT_PAIRS(mpt__avx2_loop, dst_dtype, dst, src_dtype, src, n);
+}
+
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512i mpt__avx512_bf16_bits(__m512 v) {
+    __m512i x = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
+    __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, is_nan, qnan);
+}
+
+/* The cache lines of a row of bytes at t + at (up to 128 bytes: a row of
+   32 float32 channels), asked for ahead of their use. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__prefetch_row(const void *t, size_t at,
+                                                                   size_t bytes) {
+    const char *p = (const char *)t + at;
+    _mm_prefetch(p, _MM_HINT_T0);
+    if (bytes > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
+}
+
+/* Masked loads and stores touch only the lanes in m, so the tail needs no
+   scalar loop and never reads past the end. */
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__avx512_load(mpt_dtype t, const void *p,
+                                                                     __mmask16 m) {
+    switch (t) {
+    case MPT_FLOAT16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    case MPT_BFLOAT16:
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    default: return _mm512_maskz_loadu_ps(m, p);
+    }
+}
+
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE void mpt__avx512_store(mpt_dtype t, void *p,
+                                                                    __m512 v, __mmask16 m) {
+    switch (t) {
+    case MPT_FLOAT16:
+        _mm256_mask_storeu_epi16(p, m,
+                                 _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        break;
+    case MPT_BFLOAT16: /* vpmovdw truncates each lane to its low 16 bits */
+        _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(mpt__avx512_bf16_bits(v)));
+        break;
+    default: _mm512_mask_storeu_ps(p, m, v); break;
+    }
+}
+
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE void mpt__avx512_loop(mpt_dtype dt, void *dst,
+                                                                   mpt_dtype st, const void *src,
+                                                                   int64_t n) {
+    size_t ds = dt == MPT_FLOAT32 ? 4 : 2, ss = st == MPT_FLOAT32 ? 4 : 2;
+    int64_t i;
+    for (i = 0; i + 16 <= n; i += 16)
+        mpt__avx512_store(dt, (char *)dst + (size_t)i * ds,
+                          mpt__avx512_load(st, (const char *)src + (size_t)i * ss, 0xffff),
+                          0xffff);
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (unsigned)(n - i)) - 1);
+        mpt__avx512_store(dt, (char *)dst + (size_t)i * ds,
+                          mpt__avx512_load(st, (const char *)src + (size_t)i * ss, m), m);
+    }
+}
+
+static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *dst,
+                                                  mpt_dtype src_dtype, const void *src,
+                                                  int64_t n) {
+    MPT__CONVERT_PAIRS(mpt__avx512_loop, dst_dtype, dst, src_dtype, src, n);
+}
+#undef MPT__CONVERT_PAIRS
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* MPT__X86 */
+
+/* =============================================================================
+   @impl-gemm-kernels: the CPU GEMM's packing and micro-kernels: portable, AVX2, AVX-512, AVX-512 BF16
+   ============================================================================= */
+
+/* -----------------------------------------------------------------------------
+   Packing. A panel is `w` lanes (rows of A or columns of B) by kc depth;
+   element (lane l, depth k) of the source is at index off + l·ls + k·ks,
+   where either ls = 1 (lanes contiguous: A transposed, B not) or ks = 1
+   (depth contiguous: A not transposed, B transposed). float32 panels are
+   laid out [k][w]; bfloat16-pair panels [k/2][w] of uint32 (k low, k+1 high).
+   Lanes ≥ `lanes` and the half of a last odd pair are zero.
+   ----------------------------------------------------------------------------- */
+
+#if MPT__X86
+MPT__TARGET_AVX2 static void mpt__gemm_f16_to_f32_avx2(const mpt_half *s, float *d, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    for (; i < n; i++) d[i] = mpt_half_to_float(s[i]);
+}
+#endif
+
+/* n contiguous source elements from index i on, as float32. */
+static void mpt__gemm_row_f32(const mpt__gemm_job *job, const void *src, int64_t i, int64_t n,
+                              float *d) {
+    int64_t t;
+    if (job->dtype == MPT_FLOAT32) {
+        memcpy(d, (const float *)src + i, sizeof(float) * (size_t)n);
+    } else if (job->dtype == MPT_BFLOAT16) {
+        const mpt_bf16 *s = (const mpt_bf16 *)src + i;
+        for (t = 0; t < n; t++) d[t] = mpt_bf16_to_float(s[t]);
+    } else {
+#if MPT__X86
+        if (job->ctx->cpu & MPT_CPU_F16C) {
+            mpt__gemm_f16_to_f32_avx2((const mpt_half *)src + i, d, n);
+            return;
+        }
+#endif
+        for (t = 0; t < n; t++) d[t] = mpt__load_f32(MPT_FLOAT16, src, i + t);
+    }
+}
+
+static void mpt__gemm_pack_f32(const mpt__gemm_job *job, float *dst, int w, const void *src,
+                               int64_t off, int64_t ls, int64_t ks, int lanes, int64_t kc) {
+    int64_t k, l;
+    if (ls == 1) {
+        for (k = 0; k < kc; k++) {
+            float *d = dst + k * w;
+            mpt__gemm_row_f32(job, src, off + k * ks, lanes, d);
+            for (l = lanes; l < w; l++) d[l] = 0;
+        }
+    } else if (job->dtype == MPT_FLOAT32) {
+        /* A transpose: 8 depths of each lane at a time, so the reads are
+           runs of 32 bytes and the writes stay within a few cache lines. */
+        const float *s = (const float *)src + off;
+        int64_t k0;
+        for (k0 = 0; k0 < kc; k0 += 8) {
+            int64_t kn = MPT__MIN(8, kc - k0);
+            for (l = 0; l < lanes; l++) {
+                const float *sl = s + l * ls + k0;
+                float *d = dst + k0 * w + l;
+                for (k = 0; k < kn; k++) d[k * w] = sl[k];
+            }
+        }
+        for (l = lanes; l < w; l++)
+            for (k = 0; k < kc; k++) dst[k * w + l] = 0;
+    } else {
+        float tmp[64];
+        int64_t k0;
+        for (l = 0; l < w; l++) {
+            for (k0 = 0; k0 < kc; k0 += 64) {
+                int64_t kn = MPT__MIN(64, kc - k0);
+                if (l < lanes) mpt__gemm_row_f32(job, src, off + l * ls + k0, kn, tmp);
+                for (k = 0; k < kn; k++) dst[(k0 + k) * w + l] = l < lanes ? tmp[k] : 0.0f;
+            }
+        }
+    }
+}
+
+static void mpt__gemm_pack_pairs(float *dst_f, int w, const void *src, int64_t off, int64_t ls,
+                                 int64_t ks, int lanes, int64_t kc) {
+    uint32_t *dst = (uint32_t *)(void *)dst_f;
+    const mpt_bf16 *s = (const mpt_bf16 *)src + off;
+    int64_t kp, l, npairs = (kc + 1) / 2;
+    for (kp = 0; kp < npairs; kp++) {
+        int64_t k = 2 * kp;
+        int odd_end = k + 1 >= kc;
+        uint32_t *d = dst + kp * w;
+        if (ls == 1) {
+            const mpt_bf16 *s0 = s + k * ks, *s1 = odd_end ? s0 : s0 + ks;
+            for (l = 0; l < lanes; l++)
+                d[l] = (uint32_t)s0[l] | (odd_end ? 0u : (uint32_t)s1[l] << 16);
+        } else {
+            for (l = 0; l < lanes; l++) {
+                const mpt_bf16 *sl = s + l * ls + k;
+                d[l] = (uint32_t)sl[0] | (odd_end ? 0u : (uint32_t)sl[1] << 16);
+            }
+        }
+        for (l = lanes; l < w; l++) d[l] = 0;
+    }
+}
+
+#if MPT__X86
+static __mmask16 mpt__gemm_mask16(int n) {
+    return (__mmask16)(n >= 16 ? 0xffffu : n <= 0 ? 0u : (1u << n) - 1u);
+}
+
+/* 16 elements of dtype dt at p (lanes outside m read as 0), as float32. */
+MPT__TARGET_AVX512 static inline __m512 mpt__gemm_load16(mpt_dtype dt, const void *p,
+                                                         __mmask16 m) {
+    __m256i h;
+    if (dt == MPT_FLOAT32) return _mm512_maskz_loadu_ps(m, p);
+    h = _mm256_maskz_loadu_epi16(m, p);
+    /* (maskz forms: g++ 12 warns about the _mm512_undefined_* in the plain ones) */
+    if (dt == MPT_FLOAT16) return _mm512_maskz_cvtph_ps(m, h);
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(m, _mm512_maskz_cvtepu16_epi32(m, h), 16));
+}
+
+/* The AVX-512 packer for contiguous lanes (A transposed, B not): one
+   masked load and store per 16 lanes and depth, converting to float32 or
+   interleaving two depths into bfloat16 pairs. */
+MPT__TARGET_AVX512 static void mpt__gemm_pack_lanes_avx512(const mpt__gemm_job *job, float *dst,
+                                                           int w, const void *src, int64_t off,
+                                                           int64_t ks, int lanes, int64_t kc) {
+    const mpt_dtype dt = job->dtype;
+    const int64_t es = (int64_t)mpt_dtype_size(dt);
+    const char *s = (const char *)src + off * es;
+    const int nch = (w + 15) / 16;
+    uint32_t *d32 = (uint32_t *)(void *)dst;
+    __mmask16 lm[2], wm[2];
+    int64_t k;
+    int c;
+    for (c = 0; c < 2; c++) {
+        lm[c] = mpt__gemm_mask16(lanes - 16 * c);
+        wm[c] = mpt__gemm_mask16(w - 16 * c);
+    }
+    if (!job->pairs) {
+        for (k = 0; k < kc; k++)
+            for (c = 0; c < nch; c++)
+                _mm512_mask_storeu_ps(dst + k * w + 16 * c, wm[c],
+                                      mpt__gemm_load16(dt, s + (k * ks + 16 * c) * es, lm[c]));
+        return;
+    }
+    for (k = 0; k < kc; k += 2)
+        for (c = 0; c < nch; c++) {
+            const char *r0 = s + (k * ks + 16 * c) * 2;
+            __m256i h0 = _mm256_maskz_loadu_epi16(lm[c], r0);
+            __m256i h1 = k + 1 < kc ? _mm256_maskz_loadu_epi16(lm[c], r0 + ks * 2)
+                                    : _mm256_setzero_si256();
+            __m512i lo = _mm512_maskz_cvtepu16_epi32(lm[c], h0);
+            __m512i hi = _mm512_maskz_slli_epi32(lm[c], _mm512_maskz_cvtepu16_epi32(lm[c], h1), 16);
+            _mm512_mask_storeu_epi32(d32 + (k / 2) * w + 16 * c, wm[c], _mm512_or_si512(lo, hi));
+        }
+}
+
+/* The transposing packer for contiguous depth (A not transposed, B
+   transposed): 8 depths of 8 lanes are loaded as 8 vectors (converted to
+   float32, or 8 bfloat16 pairs as 32-bit units), transposed in registers
+   and stored with masks; depths after the last full 8 (and an odd last
+   half pair) are left to the portable packer. Returns the depths done. */
+MPT__TARGET_AVX512 static int64_t mpt__gemm_pack_depth_avx512(const mpt__gemm_job *job,
+                                                              float *dst, int w, const void *src,
+                                                              int64_t off, int64_t ls, int lanes,
+                                                              int64_t kc) {
+    const mpt_dtype dt = job->dtype;
+    const int64_t units = job->pairs ? kc / 2 : kc; /* 32-bit depth units */
+    const int mode = dt == MPT_FLOAT32 || job->pairs ? 0 : dt == MPT_FLOAT16 ? 1 : 2;
+    const float *sf = (const float *)src + off;
+    const uint16_t *sh = (const uint16_t *)src + off;
+    const int64_t step = mode == 0 && dt != MPT_FLOAT32 ? 2 : 1; /* source elements per unit */
+    int64_t u0;
+    int l0;
+    for (l0 = 0; l0 < w; l0 += 8) {
+        const __mmask8 wm = (__mmask8)(w - l0 >= 8 ? 0xff : (1u << (w - l0)) - 1u);
+        const float *pf[8];
+        const uint16_t *ph[8];
+        int i;
+        for (i = 0; i < 8; i++) {
+            /* Lanes past the valid ones read lane 0 again; zeroed below. */
+            int64_t l = l0 + i < lanes ? l0 + i : 0;
+            pf[i] = sf + l * ls;
+            ph[i] = sh + l * ls;
+        }
+        for (u0 = 0; u0 + 8 <= units; u0 += 8) {
+            __m256 r0, r1, r2, r3, r4, r5, r6, r7, t0, t1, t2, t3, t4, t5, t6, t7;
+#define MPT__LD(i)                                                                          \
+    if (mode == 0)                                                                          \
+        r##i = step == 1 ? _mm256_loadu_ps(pf[i] + u0)                                      \
+                         : _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(ph[i] + 2 * u0))); \
+    else if (mode == 1)                                                                     \
+        r##i = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ph[i] + u0)));             \
+    else                                                                                    \
+        r##i = _mm256_castsi256_ps(_mm256_slli_epi32(                                       \
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(ph[i] + u0))), 16));     \
+    if (l0 + i >= lanes) r##i = _mm256_setzero_ps();
+            MPT__LD(0) MPT__LD(1) MPT__LD(2) MPT__LD(3) MPT__LD(4) MPT__LD(5) MPT__LD(6) MPT__LD(7)
+#undef MPT__LD
+            t0 = _mm256_unpacklo_ps(r0, r1);
+            t1 = _mm256_unpackhi_ps(r0, r1);
+            t2 = _mm256_unpacklo_ps(r2, r3);
+            t3 = _mm256_unpackhi_ps(r2, r3);
+            t4 = _mm256_unpacklo_ps(r4, r5);
+            t5 = _mm256_unpackhi_ps(r4, r5);
+            t6 = _mm256_unpacklo_ps(r6, r7);
+            t7 = _mm256_unpackhi_ps(r6, r7);
+            r0 = _mm256_shuffle_ps(t0, t2, 0x44);
+            r1 = _mm256_shuffle_ps(t0, t2, 0xee);
+            r2 = _mm256_shuffle_ps(t1, t3, 0x44);
+            r3 = _mm256_shuffle_ps(t1, t3, 0xee);
+            r4 = _mm256_shuffle_ps(t4, t6, 0x44);
+            r5 = _mm256_shuffle_ps(t4, t6, 0xee);
+            r6 = _mm256_shuffle_ps(t5, t7, 0x44);
+            r7 = _mm256_shuffle_ps(t5, t7, 0xee);
+            {
+                float *d = dst + u0 * w + l0;
+                _mm256_mask_storeu_ps(d + 0 * w, wm, _mm256_permute2f128_ps(r0, r4, 0x20));
+                _mm256_mask_storeu_ps(d + 1 * w, wm, _mm256_permute2f128_ps(r1, r5, 0x20));
+                _mm256_mask_storeu_ps(d + 2 * w, wm, _mm256_permute2f128_ps(r2, r6, 0x20));
+                _mm256_mask_storeu_ps(d + 3 * w, wm, _mm256_permute2f128_ps(r3, r7, 0x20));
+                _mm256_mask_storeu_ps(d + 4 * w, wm, _mm256_permute2f128_ps(r0, r4, 0x31));
+                _mm256_mask_storeu_ps(d + 5 * w, wm, _mm256_permute2f128_ps(r1, r5, 0x31));
+                _mm256_mask_storeu_ps(d + 6 * w, wm, _mm256_permute2f128_ps(r2, r6, 0x31));
+                _mm256_mask_storeu_ps(d + 7 * w, wm, _mm256_permute2f128_ps(r3, r7, 0x31));
+            }
+        }
+    }
+    u0 = units / 8 * 8;
+    return job->pairs ? 2 * u0 : u0;
+}
+#endif
+
+static void mpt__gemm_pack(const mpt__gemm_job *job, float *dst, int w, const void *src,
+                           int64_t off, int64_t ls, int64_t ks, int lanes, int64_t kc) {
+#if MPT__X86
+    if (job->path >= MPT__GEMM_AVX512 && ls == 1) {
+        mpt__gemm_pack_lanes_avx512(job, dst, w, src, off, ks, lanes, kc);
+        return;
+    }
+    if (job->path >= MPT__GEMM_AVX512 && ks == 1) {
+        int64_t done = mpt__gemm_pack_depth_avx512(job, dst, w, src, off, ls, lanes, kc);
+        if (done == kc) return;
+        dst += (job->pairs ? done / 2 : done) * w;
+        off += done;
+        kc -= done;
+    }
+#endif
+    if (job->pairs)
+        mpt__gemm_pack_pairs(dst, w, src, off, ls, ks, lanes, kc);
+    else
+        mpt__gemm_pack_f32(job, dst, w, src, off, ls, ks, lanes, kc);
+}
+
+/* -----------------------------------------------------------------------------
+   Micro-kernels
+   ----------------------------------------------------------------------------- */
+
+static void mpt__gemm_kernel_scalar(int64_t kc, const void *av, const void *bv, int bw,
+                                    float *c, int64_t ldc, int m, int n,
+                                    const mpt__gemm_epi *e) {
+    const float *a = (const float *)av, *b = (const float *)bv;
+    float acc[4][8];
+    int64_t p;
+    int i, j;
+    memset(acc, 0, sizeof acc);
+    for (p = 0; p < kc; p++, a += 4, b += bw)
+        for (i = 0; i < 4; i++)
+            for (j = 0; j < bw; j++) acc[i][j] += a[i] * b[j];
+    for (i = 0; i < m; i++) {
+        float *ci = c + i * ldc;
+        for (j = 0; j < n; j++) {
+            float v = e->alpha * acc[i][j];
+            if (e->load_c) v += e->beta * ci[j];
+            if (e->bias) v += e->bias[j];
+            if (e->relu) v = mpt__relu(v);
+            ci[j] = v;
+        }
+    }
+}
+
+/* Row lists for the register-blocked kernels: X(row) for each row. */
+#define MPT__ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define MPT__ROWS12(X) MPT__ROWS6(X) X(6) X(7) X(8) X(9) X(10) X(11)
+
+#if MPT__X86
+
+MPT__TARGET_AVX2 static inline void mpt__gemm_store_avx2(float *c, __m256 acc, __m256i mask,
+                                                         const float *bias,
+                                                         const mpt__gemm_epi *e) {
+    __m256 v = _mm256_mul_ps(acc, _mm256_set1_ps(e->alpha));
+    if (e->load_c)
+        v = _mm256_fmadd_ps(_mm256_maskload_ps(c, mask), _mm256_set1_ps(e->beta), v);
+    if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias, mask));
+    /* mpt__relu: zero where v <= 0 (ordered, so NaN stays); max_ps would
+       turn NaN into 0. */
+    if (e->relu) v = _mm256_andnot_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LE_OQ), v);
+    _mm256_maskstore_ps(c, mask, v);
+}
+
+MPT__TARGET_AVX2 static inline __m256i mpt__gemm_mask_avx2(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+MPT__TARGET_AVX2 static void mpt__gemm_kernel_avx2(int64_t kc, const void *av, const void *bv,
+                                                   int bw, float *c, int64_t ldc, int m, int n,
+                                                   const mpt__gemm_epi *e) {
+    const float *a = (const float *)av, *b = (const float *)bv;
+    const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 8 : NULL;
+    __m256i k0 = mpt__gemm_mask_avx2(n), k1 = mpt__gemm_mask_avx2(n - 8);
+    int64_t p;
+#define MPT__D(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
+    MPT__ROWS6(MPT__D)
+#undef MPT__D
+    if (bw == 16) {
+        for (p = 0; p < kc; p++, a += 6, b += 16) {
+            __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), ai;
+#define MPT__F(i)                                  \
+    ai = _mm256_broadcast_ss(a + i);               \
+    c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm256_fmadd_ps(ai, b1, c##i##1);
+            MPT__ROWS6(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (p = 0; p < kc; p++, a += 6, b += 8) {
+            __m256 b0 = _mm256_load_ps(b), ai;
+#define MPT__F(i)                                  \
+    ai = _mm256_broadcast_ss(a + i);               \
+    c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0);
+            MPT__ROWS6(MPT__F)
+#undef MPT__F
+        }
+    }
+#define MPT__S(i)                                                              \
+    if (i < m) {                                                               \
+        mpt__gemm_store_avx2(c + i * ldc, c##i##0, k0, bias0, e);              \
+        if (n > 8) mpt__gemm_store_avx2(c + i * ldc + 8, c##i##1, k1, bias1, e); \
+    }
+    MPT__ROWS6(MPT__S)
+#undef MPT__S
+}
+
+MPT__TARGET_AVX512 static inline void mpt__gemm_store_avx512(float *c, __m512 acc,
+                                                             __mmask16 mask, const float *bias,
+                                                             const mpt__gemm_epi *e) {
+    __m512 v = _mm512_mul_ps(acc, _mm512_set1_ps(e->alpha));
+    if (e->load_c)
+        v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, c), _mm512_set1_ps(e->beta), v);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+    /* mpt__relu: keep v where !(v <= 0), so NaN stays and -0 gives +0. */
+    if (e->relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
+    _mm512_mask_storeu_ps(c, mask, v);
+}
+
+#define MPT__STORE512(i)                                                           \
+    if (i < m) {                                                                   \
+        mpt__gemm_store_avx512(c + i * ldc, c##i##0, k0, bias0, e);                \
+        if (n > 16) mpt__gemm_store_avx512(c + i * ldc + 16, c##i##1, k1, bias1, e); \
+    }
+
+MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512(int64_t kc, const void *av,
+                                                       const void *bv, int bw, float *c,
+                                                       int64_t ldc, int m, int n,
+                                                       const mpt__gemm_epi *e) {
+    const float *a = (const float *)av, *b = (const float *)bv;
+    const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;
+    __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);
+    int64_t p;
+#define MPT__D(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (p = 0; p < kc; p++, a += 12, b += 32) {
+            __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16), ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(a[i]);                     \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (p = 0; p < kc; p++, a += 12, b += 16) {
+            __m512 b0 = _mm512_load_ps(b), ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(a[i]);                     \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__STORE512)
+}
+
+/* bfloat16 pairs: each 32-bit lane of A and B holds (k, k+1); one
+   vdpbf16ps adds a[k]·b[k] + a[k+1]·b[k+1] to each float32 lane. */
+MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, const void *av,
+                                                                 const void *bv, int bw,
+                                                                 float *c, int64_t ldc, int m,
+                                                                 int n, const mpt__gemm_epi *e) {
+    const uint32_t *a = (const uint32_t *)av;
+    const uint32_t *b = (const uint32_t *)bv;
+    const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;
+    __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);
+    int64_t p, npairs = (kc + 1) / 2;
+#define MPT__D(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (p = 0; p < npairs; p++, a += 12, b += 32) {
+            __m512bh b0 = (__m512bh)_mm512_load_si512(b);
+            __m512bh b1 = (__m512bh)_mm512_load_si512(b + 16);
+            __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
+    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (p = 0; p < npairs; p++, a += 12, b += 16) {
+            __m512bh b0 = (__m512bh)_mm512_load_si512(b), ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__STORE512)
+}
+#undef MPT__STORE512
+
+#endif /* MPT__X86 */
+
+/* =============================================================================
+   @impl-layer-kernels: the layers' elementwise kernels: ReLU's gradient, sums, dz and the bias gradient in one pass
+   ============================================================================= */
+
+#if MPT__X86
+/* ReLU's gradient 16 lanes at a time: mpt__relu_grad, dy where !(y <= 0)
+   (a NaN y passes dy, as the scalar loop does). The compiler does not
+   vectorise that loop itself, and it is a tenth of an MLP's step. */
+MPT__TARGET_AVX512 static void mpt__relu_backward_avx512(const float *y, const float *dy,
+                                                        float *dz, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __mmask16 passed = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_setzero_ps(),
+                                              _CMP_NLE_UQ);
+        _mm512_storeu_ps(dz + i, _mm512_maskz_mov_ps(passed, _mm512_loadu_ps(dy + i)));
+    }
+    for (; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]);
+}
+#endif
+
+#if MPT__X86
+/* The same for y and dy in float16 or bfloat16, widened in registers
+   (exactly): one pass over memory where widening both first took three.
+   The widened values are what mpt__relu_backward_avx512 would read, so
+   the result is the same bits. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__relu_backward_half_loop(
+    mpt_dtype dtype, const mpt_half *y, const mpt_half *dy, float *dz, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        const __m512 yv = mpt__avx512_load(dtype, y + i, m), dyv = mpt__avx512_load(dtype, dy + i, m);
+        const __mmask16 passed = _mm512_mask_cmp_ps_mask(m, yv, _mm512_setzero_ps(), _CMP_NLE_UQ);
+        _mm512_mask_storeu_ps(dz + i, m, _mm512_maskz_mov_ps(passed, dyv));
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__relu_backward_half_avx512(mpt_dtype dtype, const void *y,
+                                                             const void *dy, float *dz,
+                                                             int64_t n) {
+    if (dtype == MPT_BFLOAT16)
+        mpt__relu_backward_half_loop(MPT_BFLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+    else
+        mpt__relu_backward_half_loop(MPT_FLOAT16, (const mpt_half *)y, (const mpt_half *)dy, dz, n);
+}
+
+typedef struct mpt__relu_half_job {
+    mpt_dtype dtype;
+    const mpt_half *y, *dy;
+    float *dz;
+    int64_t n;
+} mpt__relu_half_job;
+
+static void mpt__relu_half_task(void *arg, int64_t task, int thread) {
+    const mpt__relu_half_job *j = (const mpt__relu_half_job *)arg;
+    const int64_t i = task * MPT__CONVERT_CHUNK;
+    (void)thread;
+    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i,
+                                   MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+}
+
+/* Split as mpt__convert splits: each element on its own, so any split
+   gives the same bits. */
+static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const void *y,
+                                    const void *dy, float *dz, int64_t n) {
+    mpt__relu_half_job j;
+    j.dtype = dtype;
+    j.y = (const mpt_half *)y;
+    j.dy = (const mpt_half *)dy;
+    j.dz = dz;
+    j.n = n;
+    if (n < MPT__CONVERT_PARALLEL_MIN)
+        mpt__relu_backward_half_avx512(dtype, y, dy, dz, n);
+    else
+        mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
+                          mpt__relu_half_task, &j);
+}
+#endif
+
+/* dz = dy · act'(...) in float32, reading dy, the output y and (for GELU)
+   the pre-activation z in `dtype`. tmp holds n floats. */
+static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
+                                 const void *z, const void *y, const void *dy, float *dz,
+                                 float *tmp, int64_t n, int64_t cols) {
+    const float *dyf = (const float *)dy, *kept = (const float *)(act == MPT_ACT_GELU ? z : y);
+#if MPT__X86
+    if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);
+        return;
+    }
+#endif
+    if (dtype != MPT_FLOAT32) { /* float32 is read in place, halves are widened */
+        mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
+        dyf = dz;
+        if (act != MPT_ACT_NONE) {
+            mpt__convert(ctx, MPT_FLOAT32, tmp, dtype, act == MPT_ACT_GELU ? z : y, n);
+            kept = tmp;
+        }
+    }
+#if MPT__X86
+    if (act == MPT_ACT_RELU && (ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__relu_backward_avx512(kept, dyf, dz, n);
+        return;
+    }
+#endif
+    mpt__activation_backward(act, act == MPT_ACT_GELU ? kept : NULL,
+                             act == MPT_ACT_GELU ? NULL : kept, dyf, dz, n, cols);
+}
+
+#if MPT__X86
+/* to[0..n) += from[0..n), 16 lanes at a time, the tail masked: at -O2 gcc
+   made of the portable loop below 128-bit adds through a stack copy, and
+   col2im's scatter-adds spent 4 % of a bfloat16 CNN step in it. */
+MPT__TARGET_AVX512 static void mpt__add_f32_avx512(float *to, const float *from, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        _mm512_mask_storeu_ps(to + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, to + i),
+                                                       _mm512_maskz_loadu_ps(m, from + i)));
+    }
+}
+#endif
+
+/* to[0..n) += from[0..n) (each sum one float32 add: the same bits on
+   every path). cpu: the context's features. The portable loop goes in
+   blocks of 16 through a local array, which tells the compiler the two
+   do not overlap: at -O2 its cheap cost model vectorises only loops like
+   these (fixed length, no overlap checks). */
+static void mpt__add_f32(int cpu, float *to, const float *from, int64_t n) {
+    int64_t i = 0;
+    int k;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__add_f32_avx512(to, from, n);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
+    for (; i + 16 <= n; i += 16) {
+        float t[16];
+        for (k = 0; k < 16; k++) t[k] = to[i + k] + from[i + k];
+        for (k = 0; k < 16; k++) to[i + k] = t[k];
+    }
+    for (; i < n; i++) to[i] += from[i];
+}
+
+/* out[j] += Σ_r dz[r][j]: a bias gradient, rows in order
+   (Conv2D adds chunk after chunk; Dense zeroes out first). By blocks of
+   MPT__COLUMN_BLOCK columns, each block's sums kept in a local array
+   (registers) rather than stored to out and loaded back every row: a
+   column adds its rows in the same order whichever block or thread holds
+   it, so blocks may run in parallel and give one thread's bits. */
+#define MPT__COLUMN_BLOCK 16
+
+#if MPT__X86
+/* Each lane adds its column's rows in order, as the loop below does. */
+MPT__TARGET_AVX512 static void mpt__add_column_block_avx512(const float *dz, int64_t rows,
+                                                            int64_t cols, int64_t j0, float *out) {
+    const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(MPT__COLUMN_BLOCK, cols - j0));
+    __m512 sum = _mm512_maskz_loadu_ps(m, out + j0);
+    int64_t r;
+    for (r = 0; r < rows; r++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(m, dz + r * cols + j0));
+    _mm512_mask_storeu_ps(out + j0, m, sum);
+}
+
+/* A whole block of 16 columns in two registers. */
+MPT__TARGET_AVX2 static void mpt__add_column_block_avx2(const float *dz, int64_t rows,
+                                                        int64_t cols, int64_t j0, float *out) {
+    __m256 lo = _mm256_loadu_ps(out + j0), hi = _mm256_loadu_ps(out + j0 + 8);
+    int64_t r;
+    for (r = 0; r < rows; r++) {
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(dz + r * cols + j0));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(dz + r * cols + j0 + 8));
+    }
+    _mm256_storeu_ps(out + j0, lo);
+    _mm256_storeu_ps(out + j0 + 8, hi);
+}
+#endif
+
+/* cpu: the context's features (mpt_context.cpu), which pick the loop. */
+static void mpt__add_column_block(int cpu, const float *dz, int64_t rows, int64_t cols,
+                                  int64_t j0, float *out) {
+    const int nb = (int)MPT__MIN(MPT__COLUMN_BLOCK, cols - j0);
+    float sum[MPT__COLUMN_BLOCK];
+    int64_t r;
+    int k;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__add_column_block_avx512(dz, rows, cols, j0, out);
+        return;
+    }
+    if ((cpu & MPT_CPU_AVX2) && nb == MPT__COLUMN_BLOCK) {
+        mpt__add_column_block_avx2(dz, rows, cols, j0, out);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
+    /* (the sums stay in memory here: a store and a load per row) */
+    for (k = 0; k < MPT__COLUMN_BLOCK; k++) sum[k] = k < nb ? out[j0 + k] : 0.0f;
+    if (nb == MPT__COLUMN_BLOCK) {
+        for (r = 0; r < rows; r++)
+            for (k = 0; k < MPT__COLUMN_BLOCK; k++) sum[k] += dz[r * cols + j0 + k];
+    } else {
+        for (r = 0; r < rows; r++)
+            for (k = 0; k < nb; k++) sum[k] += dz[r * cols + j0 + k];
+    }
+    for (k = 0; k < nb; k++) out[j0 + k] = sum[k];
+}
+
+static void mpt__add_column_sums(int cpu, const float *dz, int64_t rows, int64_t cols,
+                                 float *out) {
+    int64_t j0;
+    for (j0 = 0; j0 < cols; j0 += MPT__COLUMN_BLOCK)
+        mpt__add_column_block(cpu, dz, rows, cols, j0, out);
+}
+
+/* ---- dz and the bias gradient in one pass -----------------------------------
+   Dense and Conv2D begin their backward with dz = dy · act'(y), the bias
+   gradient Σ_r dz[r][j], and dz rounded to the compute dtype for the two
+   products. One after the other, those write dz in float32, read it back
+   twice and write it again in dtype: on the CNN's 26×26×32 outputs that
+   took about as long as the kernel gradient's multiply-adds. For ReLU and
+   no activation, the common cases, one pass reads y and dy once and
+   writes dz once, in dtype, summing its columns on the way. The rounding
+   is mpt__convert's, so dz has the same bits as before; the sums run
+   over blocks of rows (mpt__elementwise_task_rows), each column's rows
+   in order within a block, and the blocks' sums are then added in order:
+   the same bits for any thread count and with or without AVX-512. */
+
+/* One block: dz (rows, cols) in dtype and sums[j] = Σ_r dz[r][j]; dz
+   NULL: the sums alone (dz is dy). */
+static void mpt__dz_block_scalar(mpt_dtype dtype, int relu, const void *y, const void *dy,
+                                 void *dz, int64_t rows, int64_t cols, float *sums) {
+    int64_t r, j;
+    for (j = 0; j < cols; j++) sums[j] = 0.0f;
+    for (r = 0; r < rows; r++)
+        for (j = 0; j < cols; j++) {
+            const int64_t i = r * cols + j;
+            float d = mpt__load_f32(dtype, dy, i);
+            if (relu) d = mpt__relu_grad(mpt__load_f32(dtype, y, i), d);
+            if (dz) mpt__store_f32(dtype, dz, i, d);
+            sums[j] += d;
+        }
+}
+
+#if MPT__X86
+/* dz's 16 columns [j, j + 16) ∩ m of the row at `at` (bytes), added to
+   their running sums (and stored unless dz is NULL). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__dz_vector(
+    mpt_dtype dtype, int relu, const unsigned char *y, const unsigned char *dy,
+    unsigned char *dz, size_t at, __mmask16 m, __m512 sum) {
+    __m512 d = mpt__avx512_load(dtype, dy + at, m);
+    if (relu)
+        d = _mm512_maskz_mov_ps(_mm512_mask_cmp_ps_mask(m, mpt__avx512_load(dtype, y + at, m),
+                                                        _mm512_setzero_ps(), _CMP_NLE_UQ),
+                                d);
+    if (dz) mpt__avx512_store(dtype, dz + at, d, m);
+    return _mm512_add_ps(sum, d);
+}
+
+/* The same 32 columns at a time (whole cache lines of the CNN's 32- and
+   64-channel rows), each lane its column's running sum. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dz_block_loop(
+    mpt_dtype dtype, int relu, const unsigned char *y, const unsigned char *dy,
+    unsigned char *dz, int64_t rows, int64_t cols, float *sums) {
+    const size_t es = mpt_dtype_size(dtype);
+    int64_t r, j0;
+    for (j0 = 0; j0 < cols; j0 += 32) {
+        const __mmask16 m0 = mpt__gemm_mask16((int)MPT__MIN(16, cols - j0));
+        const __mmask16 m1 = mpt__gemm_mask16((int)MPT__MIN(16, cols - j0 - 16));
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+        for (r = 0; r < rows; r++) {
+            const size_t at = (size_t)(r * cols + j0) * es;
+            sum0 = mpt__dz_vector(dtype, relu, y, dy, dz, at, m0, sum0);
+            if (m1) sum1 = mpt__dz_vector(dtype, relu, y, dy, dz, at + 16 * es, m1, sum1);
+        }
+        _mm512_mask_storeu_ps(sums + j0, m0, sum0);
+        if (m1) _mm512_mask_storeu_ps(sums + j0 + 16, m1, sum1);
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__dz_block_avx512(mpt_dtype dtype, int relu, const void *y,
+                                                   const void *dy, void *dz, int64_t rows,
+                                                   int64_t cols, float *sums) {
+    const unsigned char *yb = (const unsigned char *)y, *dyb = (const unsigned char *)dy;
+    unsigned char *dzb = (unsigned char *)dz;
+    /* one loop per dtype, so its loads and stores are decided once */
+    if (dtype == MPT_BFLOAT16)
+        mpt__dz_block_loop(MPT_BFLOAT16, relu, yb, dyb, dzb, rows, cols, sums);
+    else if (dtype == MPT_FLOAT16)
+        mpt__dz_block_loop(MPT_FLOAT16, relu, yb, dyb, dzb, rows, cols, sums);
+    else
+        mpt__dz_block_loop(MPT_FLOAT32, relu, yb, dyb, dzb, rows, cols, sums);
+}
+#endif
+
+/* cpu: the context's features, which pick the loop. */
+static void mpt__dz_block(int cpu, mpt_dtype dtype, int relu, const void *y, const void *dy,
+                          void *dz, int64_t rows, int64_t cols, float *sums) {
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__dz_block_avx512(dtype, relu, y, dy, dz, rows, cols, sums);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
+    mpt__dz_block_scalar(dtype, relu, y, dy, dz, rows, cols, sums);
+}
+
+/* =============================================================================
+   @impl-conv-direct: Conv2D's direct AVX-512 tiles, forward and input gradient
+   ============================================================================= */
+
+/* ---- direct convolution: no cols (AVX-512) -----------------------------------
+   The GEMM's 12×32 micro-kernel, reading its A straight from the images: a
+   tile is 12 output pixels in a row of the batch (across image rows and
+   samples), and a table holds, for each pixel and tap, where that pixel's
+   input channels start, or a zero pixel where the tap lies in the
+   padding. The kernel broadcasts from there as the GEMM does from its
+   packed A panel, so cols is never written (for a 3×3 kernel, 9 times the
+   image). The sum over k = (tap, channel) runs in the GEMM's order and
+   depth blocks (mpt__gemm_depth_block), the padding's zeros included, and
+   the epilogue (bias, activation, conversion) is the GEMM path's: the
+   forward pass gives the im2col path's bits exactly.
+   The input gradient is the same product over dz with the kernel turned
+   around (taps reversed, C and F swapped): dx pixel (y, x) reads at tap
+   (i, j) the dz pixel ((y + top − i)/sh, (x + left − j)/sw) where both
+   divide exactly and lie inside, else zero. That replaces dcols = dz ·
+   kernelᵀ and col2im's scatter-adds by one sum per dx element, in another
+   order than col2im's (not the former path's bits).
+   Each output pixel is one tile's, whatever the thread count. */
+
+#define MPT__DCONV_MR 12       /* output pixels per tile                  */
+#define MPT__DCONV_MAX_TAPS 64 /* larger kernels take the im2col path     */
+#define MPT__DCONV_TILES_PER_TASK 8 /* tiles per parallel-for task    */
+#define MPT__DCONV_KGRAD_F32_ROWS 8 /* float32 kernel gradient: channels per tile */
+#ifndef MPT__DCONV_KGRAD_F32_MAX_F
+#define MPT__DCONV_KGRAD_F32_MAX_F 64 /* more filters: the GEMM path */
+#endif
+
+struct mpt__dconv_job;
+/* tile (MR × 32 float32) = the sums of output channels [o0, o0 + nb)
+   for the tile's pixels; src: [taps][MR] where each pixel's taps start. */
+typedef void (*mpt__dconv_tile_fn)(const struct mpt__dconv_job *j,
+                                   const unsigned char *const *src, int64_t o0, int nb,
+                                   float *tile);
+
+typedef struct mpt__dconv_job {
+    mpt_context *ctx;
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    const unsigned char *x;    /* the image read: x, or dz for input_grad       */
+    int64_t ih, iw, ic;        /* its sample shape                              */
+    int64_t oh, ow, oc;        /* the output's: y, or dx for input_grad         */
+    int64_t taps, kk, kc;      /* kh·kw, taps·ic, depth block                   */
+    int64_t pixels;            /* n·oh·ow                                       */
+    size_t es;                 /* bytes per element of dtype                    */
+    const void *w;             /* kernel packed as the product's (kk, oc) B:
+                                  float32, or bfloat16 k-pairs (kk/2, oc) uint32 */
+    const unsigned char *zero; /* ic zero elements                              */
+    size_t tap_bytes[MPT__DCONV_MAX_TAPS]; /* tap t's offset in a whole window */
+    mpt__dconv_tile_fn tile;
+    mpt__convert_fn convert;   /* float32 to dtype                              */
+} mpt__dconv_job;
+
+/* The input row or column that output row or column o reads at window
+   offset i along an axis of stride s and padding `before`; −1 where it
+   reads none. input_grad: the forward's offset is k − 1 − i, and the dz
+   row is (o + before − (k − 1 − i)) / s where that divides exactly. */
+static int64_t mpt__dconv_axis(int input_grad, int64_t o, int64_t i, int64_t k, int64_t s,
+                               int64_t before, int64_t in) {
+    int64_t v;
+    if (!input_grad) {
+        v = o * s - before + i;
+    } else {
+        v = o + before - (k - 1 - i);
+        if (s != 1) v = v >= 0 && v % s == 0 ? v / s : -1; /* divides only where it must */
+    }
+    return v >= 0 && v < in ? v : -1;
+}
+
+/* Where output pixel (b, oy, ox)'s taps read their ic channels: src[t·MR]
+   for tap t = i·kw + k, a zero pixel where the tap lies in the padding. */
+static void mpt__dconv_taps(const mpt__dconv_job *j, int64_t b, int64_t oy, int64_t ox,
+                            const unsigned char **src) {
+    const mpt_window *g = j->g;
+    const int grad = j->a->input_grad;
+    const unsigned char *image = j->x + (size_t)(b * j->ih * j->iw * j->ic) * j->es;
+    const size_t pixel = (size_t)j->ic * j->es;
+    int64_t i, k, xs[MPT__DCONV_MAX_TAPS];
+    for (k = 0; k < g->kw; k++) /* the columns once, not once per kernel row */
+        xs[k] = mpt__dconv_axis(grad, ox, k, g->kw, g->sw, g->left, j->iw);
+    for (i = 0; i < g->kh; i++) {
+        const int64_t y = mpt__dconv_axis(grad, oy, i, g->kh, g->sh, g->top, j->ih);
+        const unsigned char *row = image + (size_t)(y * j->iw) * pixel;
+        for (k = 0; k < g->kw; k++, src += MPT__DCONV_MR)
+            *src = y < 0 || xs[k] < 0 ? j->zero : row + (size_t)xs[k] * pixel;
+    }
+}
+
+/* Where output pixel (b, oy, ox)'s window starts in the image read, when
+   all of it lies inside (tap t then reads at + tap_bytes[t]); NULL where
+   some tap reads padding, or the input gradient's stride skips rows:
+   mpt__dconv_taps then. Inside the image, tap (i, k) reads row y0 + i,
+   column x0 + k (mpt__dconv_axis at stride 1 for the input gradient). */
+static const unsigned char *mpt__dconv_window(const mpt__dconv_job *j, int64_t b, int64_t oy,
+                                              int64_t ox) {
+    const mpt_window *g = j->g;
+    int64_t y0, x0;
+    if (!j->a->input_grad) {
+        y0 = oy * g->sh - g->top;
+        x0 = ox * g->sw - g->left;
+    } else if (g->sh == 1 && g->sw == 1) {
+        y0 = oy + g->top - (g->kh - 1);
+        x0 = ox + g->left - (g->kw - 1);
+    } else {
+        return NULL;
+    }
+    if (y0 < 0 || x0 < 0 || y0 + g->kh > j->ih || x0 + g->kw > j->iw) return NULL;
+    return j->x + (size_t)((b * j->ih + y0) * j->iw + x0) * (size_t)j->ic * j->es;
+}
+
+/* The kernel (kh, kw, C, F) as the product's B, (kk, oc), into ws, then
+   the zero pixel after it. Forward: the kernel as (kk, F); input_grad:
+   row k = (tap, f) of the kernel turned around is column f of the
+   forward's tap taps − 1 − tap, o = c. bfloat16 keeps rows k and k + 1
+   side by side in 32-bit lanes (kk is even). */
+static void mpt__dconv_pack(mpt__dconv_job *j, unsigned char *ws) {
+    const int64_t c = j->g->c, f = j->a->f, oc = j->oc;
+    const mpt_dtype dtype = j->a->dtype;
+    const int pairs = dtype == MPT_BFLOAT16; /* float16: widened to float32 */
+    const float *src32 = (const float *)j->a->kernel;
+    const mpt_bf16 *src16 = (const mpt_bf16 *)j->a->kernel;
+    float *dst32 = (float *)(void *)ws;
+    uint32_t *dst16 = (uint32_t *)(void *)ws;
+    int64_t k, o;
+    for (k = 0; k < j->kk && !j->a->ws_kept; k++) { /* (kept: packed by the previous chunk) */
+        /* element (k, o) of B is kernel[row + o·step] */
+        const int64_t row = j->a->input_grad ? (j->taps - 1 - k / f) * c * f + k % f : k * f;
+        const int64_t step = j->a->input_grad ? f : 1;
+        for (o = 0; o < oc; o++) {
+            if (dtype == MPT_FLOAT16)
+                dst32[k * oc + o] = mpt_half_to_float(src16[row + o * step]);
+            else if (!pairs)
+                dst32[k * oc + o] = src32[row + o * step];
+            else if (k % 2 == 0)
+                dst16[k / 2 * oc + o] = src16[row + o * step];
+            else
+                dst16[k / 2 * oc + o] |= (uint32_t)src16[row + o * step] << 16;
+        }
+    }
+    j->w = ws;
+    ws += (4 * j->kk * oc + 63) / 64 * 64;
+    memset(ws, 0, (size_t)j->ic * j->es);
+    j->zero = ws;
+}
+
+#if MPT__X86
+/* The twelve accumulator pairs and the depth blocks' running sums in
+   tile: the first block stores, the later ones add (the GEMM's
+   C = C + alpha·AB with alpha 1). */
+#define MPT__DCONV_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__DCONV_FOLD(i)                                                                 \
+    if (first) {                                                                           \
+        _mm512_storeu_ps(tile + 32 * i, c##i##0);                                           \
+        _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);                                      \
+    } else {                                                                               \
+        _mm512_storeu_ps(tile + 32 * i, _mm512_add_ps(_mm512_loadu_ps(tile + 32 * i), c##i##0)); \
+        _mm512_storeu_ps(tile + 32 * i + 16,                                                \
+                        _mm512_add_ps(_mm512_loadu_ps(tile + 32 * i + 16), c##i##1));       \
+    }                                                                                      \
+    c##i##0 = _mm512_setzero_ps();                                                         \
+    c##i##1 = _mm512_setzero_ps();
+#define MPT__DCONV_SRC(i, T) const T *s##i = (const T *)(const void *)src[t * MPT__DCONV_MR + i];
+
+MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
+                                                   const unsigned char *const *src, int64_t o0,
+                                                   int nb, float *tile) {
+    const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
+    const float *w = (const float *)j->w + o0, *zero = (const float *)(const void *)j->zero;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t t, c;
+    int first = 1;
+    MPT__ROWS12(MPT__DCONV_ACC)
+    for (t = 0; t < j->taps; t++) {
+#define MPT__S(i) MPT__DCONV_SRC(i, float)
+        MPT__ROWS12(MPT__S)
+#undef MPT__S
+        /* The input gradient skips a tap that reads dz's padding for every
+           pixel of the tile (the border rows of a 'valid' layer's dx): it
+           would add only zeros. The depth blocks' folds stay where they
+           were. The forward keeps every tap, to give the im2col path's
+           bits even where a weight is not finite. */
+#define MPT__Z(i) && s##i == zero
+        const int skip = j->a->input_grad MPT__ROWS12(MPT__Z);
+#undef MPT__Z
+        for (c = 0; c < ic;) {
+            const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
+            /* (wr walks B's rows: no index multiplied per row) */
+            const float *wr = w + (t * ic + c) * oc;
+            if (skip) {
+                c = stop;
+            } else if (nb > 16) {
+                for (; c < stop; c++, wr += oc) {
+                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
+                    __m512 ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            } else {
+                for (; c < stop; c++, wr += oc) {
+                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            }
+            if ((t * ic + c) % kc == 0 || t * ic + c == j->kk) {
+                MPT__ROWS12(MPT__DCONV_FOLD)
+                first = 0;
+            }
+        }
+    }
+}
+
+/* bfloat16 pairs of channels (ic is even), one vdpbf16ps per pair. */
+MPT__TARGET_AVX512_BF16 static void mpt__dconv_tile_bf16(const mpt__dconv_job *j,
+                                                         const unsigned char *const *src,
+                                                         int64_t o0, int nb, float *tile) {
+    const int64_t ic = j->ic, oc = j->oc, kc = j->kc;
+    const uint32_t *w = (const uint32_t *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t t, c;
+    int first = 1;
+    MPT__ROWS12(MPT__DCONV_ACC)
+    for (t = 0; t < j->taps; t++) {
+#define MPT__S(i) MPT__DCONV_SRC(i, uint32_t)
+        MPT__ROWS12(MPT__S)
+#undef MPT__S
+        for (c = 0; c < ic;) { /* c counts channels, two at a time */
+            const int64_t stop = MPT__MIN(ic, c + kc - (t * ic + c) % kc);
+            const uint32_t *wr = w + (t * ic + c) / 2 * oc; /* B's row of pairs */
+            int64_t q = c / 2;                               /* the pixels' pair */
+            if (nb > 16) {
+                for (; q < stop / 2; q++, wr += oc) {
+                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
+                    __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, wr + 16);
+                    __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
+    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            } else {
+                for (; q < stop / 2; q++, wr += oc) {
+                    __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
+                    __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
+                    MPT__ROWS12(MPT__F)
+#undef MPT__F
+                }
+            }
+            c = stop;
+            if ((t * ic + c) % kc == 0 || t * ic + c == j->kk) {
+                MPT__ROWS12(MPT__DCONV_FOLD)
+                first = 0;
+            }
+        }
+    }
+}
+
+/* + bias, then ReLU, on the tile's 12 × 32 sums. */
+MPT__TARGET_AVX512 static void mpt__dconv_finish_avx512(float *tile, const float *bias, int relu,
+                                                        int nb) {
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + 16) : _mm512_setzero_ps();
+    int i, h;
+    for (i = 0; i < MPT__DCONV_MR; i++)
+        for (h = 0; h < 2; h++) {
+            float *t = tile + 32 * i + 16 * h;
+            __m512 v = _mm512_loadu_ps(t);
+            if (bias) v = _mm512_add_ps(v, h ? b1 : b0);
+            if (relu)
+                v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
+            _mm512_storeu_ps(t, v);
+        }
+}
+
+/* The tile's first m rows of nb sums stored in dtype into rows ld elements
+   apart: float32 copied, float16/bfloat16 with the rounding of
+   mpt__convert; inline, not a call (convert or memcpy) per 32-element row. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dconv_store_rows(mpt_dtype dtype,
+                                                                      const float *tile,
+                                                                      unsigned char *dst,
+                                                                      int64_t ld, int m, int nb) {
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    const size_t es = mpt_dtype_size(dtype);
+    int p;
+    for (p = 0; p < m; p++, dst += (size_t)ld * es) {
+        mpt__avx512_store(dtype, dst, _mm512_loadu_ps(tile + 32 * p), k0);
+        if (nb > 16) mpt__avx512_store(dtype, dst + 16 * es, _mm512_loadu_ps(tile + 32 * p + 16), k1);
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__dconv_store_avx512(mpt_dtype dtype, const float *tile,
+                                                       void *dst, int64_t ld, int m, int nb) {
+    unsigned char *d = (unsigned char *)dst;
+    if (dtype == MPT_BFLOAT16)
+        mpt__dconv_store_rows(MPT_BFLOAT16, tile, d, ld, m, nb);
+    else if (dtype == MPT_FLOAT16)
+        mpt__dconv_store_rows(MPT_FLOAT16, tile, d, ld, m, nb);
+    else
+        mpt__dconv_store_rows(MPT_FLOAT32, tile, d, ld, m, nb);
+}
+#undef MPT__DCONV_FOLD
+#undef MPT__DCONV_SRC
+#endif /* MPT__X86 */
+
+/* The GEMM path's epilogue for the tile's first m pixels: + bias, the
+   activation (forward only; ReLU and the bias as mpt__gemm_store_avx512
+   does them), stored in dtype. */
+static void mpt__dconv_store(const mpt__dconv_job *j, float *tile, int64_t p0, int m, int64_t o0,
+                             int nb) {
+    const mpt_conv_args *a = j->a;
+    const int other_act = !a->input_grad && a->act != MPT_ACT_NONE && a->act != MPT_ACT_RELU;
+    int p;
+#if MPT__X86
+    if (!a->input_grad)
+        mpt__dconv_finish_avx512(tile, a->bias ? a->bias + o0 : NULL, a->act == MPT_ACT_RELU, nb);
+    if (!other_act) {
+        mpt__dconv_store_avx512(a->dtype, tile,
+                                (unsigned char *)a->y + (size_t)(p0 * j->oc + o0) * j->es, j->oc,
+                                m, nb);
+        return;
+    }
+#endif
+    for (p = 0; p < m; p++) {
+        float *row = tile + 32 * p;
+        unsigned char *dst = (unsigned char *)a->y + (size_t)((p0 + p) * j->oc + o0) * j->es;
+        if (other_act) mpt__activation_forward(a->act, row, nb);
+        if (a->dtype == MPT_FLOAT32)
+            memcpy(dst, row, sizeof(float) * (size_t)nb);
+        else
+            j->convert(a->dtype, dst, MPT_FLOAT32, row, nb);
+    }
+}
+
+/* Tiles [task·TILES_PER_TASK, ...) of the output pixels. */
+static void mpt__dconv_task(void *arg, int64_t task, int thread) {
+    const mpt__dconv_job *j = (const mpt__dconv_job *)arg;
+    const unsigned char *src[MPT__DCONV_MAX_TAPS * MPT__DCONV_MR];
+    float tile[MPT__DCONV_MR * 32];
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0, t;
+    (void)thread;
+    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
+        const int64_t p0 = tile_i * MPT__DCONV_MR;
+        int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
+        int m, p;
+        if (p0 >= j->pixels) return;
+        m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
+        for (p = 0; p < MPT__DCONV_MR; p++) { /* past the end: the last pixel again */
+            const unsigned char *at = mpt__dconv_window(j, b, oy, ox);
+            if (at) /* (most pixels: one add per tap) */
+                for (t = 0; t < j->taps; t++) src[t * MPT__DCONV_MR + p] = at + j->tap_bytes[t];
+            else
+                mpt__dconv_taps(j, b, oy, ox, src + p);
+            if (p + 1 >= m) continue;
+            if (++ox == j->ow) {
+                ox = 0;
+                if (++oy == j->oh) oy = 0, b++;
+            }
+        }
+        for (o0 = 0; o0 < j->oc; o0 += 32) {
+            const int nb = (int)MPT__MIN(32, j->oc - o0);
+            j->tile(j, src, o0, nb, tile);
+            mpt__dconv_store(j, tile, p0, m, o0, nb);
+        }
+    }
+}
+
+/* ---- the forward of a one-channel image ---------------------------------------
+   One input channel (a first layer's grey image) makes the depth
+   kk = kh·kw a handful of taps (9 for a 3×3): the tile above would spend
+   more on its table of tap addresses than on multiply-adds, and im2col +
+   GEMM writes cols to memory, then reads them back to pack them. Here
+   each tile of 12 output pixels has its windows gathered straight from
+   the image into an A panel laid out as the GEMM packs one (k-major, 12
+   pixels a row; bfloat16 as pairs (k, k + 1), a zero after an odd kk;
+   zeros in the padding), which then meets the packed kernel 32 filters at
+   a time, so the image is read once and nothing but y is written. With
+   stride 1 along the width, a tap's pixels of one output row are
+   consecutive in the image: one masked vector load. With kk within one
+   depth block (MPT__GEMM_KC) the sums run as the GEMM's kernels run them
+   (float32 FMAs from zero in k order, bfloat16 one vdpbf16ps per pair) and
+   the epilogue is mpt__dconv_store's: the im2col path's bits.
+   More channels would need a transposing gather per tap: done element by
+   element, it was slower than the former paths for 3 to 7 channels in
+   bench/bench_conv.c, so those keep them. */
+#define MPT__SHALLOW_MAX_KK 160 /* the panel: 160 × 12 elements, 7.5 KiB */
+
+#if MPT__X86
+#define MPT__SHALLOW_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__SHALLOW_STORE(i)                      \
+    _mm512_storeu_ps(tile + 32 * i, c##i##0);      \
+    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
+
+/* tile (12 × 32) = panel (kk × 12)ᵀ · kernel columns [o0, o0 + nb). */
+MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, const void *panel,
+                                                     int64_t o0, int nb, float *tile) {
+    const float *a = (const float *)panel, *w = (const float *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t k;
+    MPT__ROWS12(MPT__SHALLOW_ACC)
+    if (nb > 16) {
+        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
+            __m512 ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(a[i]);                     \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512 b0 = _mm512_maskz_loadu_ps(k0, w);
+#define MPT__F(i) c##i##0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b0, c##i##0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__SHALLOW_STORE)
+}
+
+/* The same with bfloat16 pairs, as mpt__gemm_kernel_avx512_bf16. */
+MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job *j,
+                                                           const void *panel, int64_t o0, int nb,
+                                                           float *tile) {
+    const uint32_t *a = (const uint32_t *)panel, *w = (const uint32_t *)j->w + o0;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    const int64_t pairs = (j->kk + 1) / 2;
+    int64_t k;
+    MPT__ROWS12(MPT__SHALLOW_ACC)
+    if (nb > 16) {
+        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
+            const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, w + 16);
+            __m512bh ai;
+#define MPT__F(i)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
+    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
+            const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
+#define MPT__F(i) \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, (__m512bh)_mm512_set1_epi32((int)a[i]), b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__SHALLOW_STORE)
+}
+#undef MPT__SHALLOW_ACC
+#undef MPT__SHALLOW_STORE
+#endif /* MPT__X86 */
+
+#if MPT__X86
+/* Staging rows (kk × 12 elements of es bytes), lanes [p, p + n): the
+   windows of output pixels (b, oy, ox..ox + n), one output row, of a
+   one-channel image read with stride 1 along the width. Padding reads
+   zeros. */
+MPT__TARGET_AVX512 static void mpt__shallow_gather(const mpt__dconv_job *j, int64_t b, int64_t oy,
+                                                   int64_t ox, int p, int n,
+                                                   unsigned char *stage) {
+    const mpt_window *g = j->g;
+    const size_t es = j->es, row_bytes = MPT__DCONV_MR * es;
+    const __mmask16 lanes = mpt__gemm_mask16(n);
+    int64_t i, k;
+    for (i = 0; i < g->kh; i++) {
+        const int64_t y = oy * g->sh - g->top + i;
+        for (k = 0; k < g->kw; k++) {
+            /* pixels q in [q0, q1) read columns x0 + q inside the image */
+            const int64_t x0 = ox - g->left + k;
+            const int64_t q0 = MPT__MAX(-x0, 0);
+            const int64_t q1 = y < 0 || y >= g->h ? 0 : MPT__MAX(MPT__MIN(n, g->w - x0), 0);
+            const __mmask16 inside = (__mmask16)(q1 > q0 ? mpt__gemm_mask16((int)(q1 - q0)) : 0);
+            unsigned char *dst = stage + (size_t)(i * g->kw + k) * row_bytes;
+            const unsigned char *src = j->x;
+            if (q1 > q0) /* (only then is the pixel inside the image) */
+                src += (size_t)((b * g->h + y) * g->w + x0 + q0) * es;
+            if (es == 4) {
+                float *d = (float *)(void *)dst + p;
+                if (q1 - q0 < n) _mm512_mask_storeu_ps(d, lanes, _mm512_setzero_ps());
+                if (q1 > q0)
+                    _mm512_mask_storeu_ps(d + q0, inside, _mm512_maskz_loadu_ps(inside, src));
+            } else {
+                mpt_bf16 *d = (mpt_bf16 *)(void *)dst + p;
+                if (q1 - q0 < n) _mm256_mask_storeu_epi16(d, lanes, _mm256_setzero_si256());
+                if (q1 > q0)
+                    _mm256_mask_storeu_epi16(d + q0, inside, _mm256_maskz_loadu_epi16(inside, src));
+            }
+        }
+    }
+}
+
+/* 16 bfloat16 pairs (p[l], q[l]) in 32-bit lanes, p low: two pixels' (or
+   two depth rows') values side by side, as vdpbf16ps multiplies them.
+   Lanes outside kp (kq) read 0 from p (q). */
+MPT__TARGET_AVX512 static __m512i mpt__bf16_interleave_avx512(__mmask16 kp, const mpt_bf16 *p,
+                                                              __mmask16 kq, const mpt_bf16 *q) {
+    __m512i lo = _mm512_maskz_cvtepu16_epi32(kp, _mm256_maskz_loadu_epi16(kp, p));
+    __m512i hi = _mm512_maskz_cvtepu16_epi32(kq, _mm256_maskz_loadu_epi16(kq, q));
+    /* (the maskz forms, as mpt__bf16_widen_avx512's) */
+    return _mm512_or_si512(lo, _mm512_maskz_slli_epi32(kq, hi, 16));
+}
+
+/* bfloat16 staging rows (kk × 12) as the kernel's pairs: row 2·r in the
+   low halves of panel row r, row 2·r + 1 (0 past an odd kk) in the high. */
+MPT__TARGET_AVX512 static void mpt__shallow_pair_rows(const mpt_bf16 *stage, int64_t kk,
+                                                      uint32_t *panel) {
+    const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
+    int64_t r;
+    for (r = 0; r < (kk + 1) / 2; r++)
+        _mm512_mask_storeu_epi32(
+            panel + r * MPT__DCONV_MR, row,
+            mpt__bf16_interleave_avx512(row, stage + 2 * r * MPT__DCONV_MR,
+                                        2 * r + 1 < kk ? row : 0,
+                                        stage + (2 * r + 1) * MPT__DCONV_MR));
+}
+
+/* float16 staging rows (kk × 12) as float32 ones: exact. */
+MPT__TARGET_AVX512 static void mpt__shallow_widen_rows(const mpt_half *stage, int64_t kk,
+                                                       float *panel) {
+    const __mmask16 row = mpt__gemm_mask16(MPT__DCONV_MR);
+    int64_t r;
+    for (r = 0; r < kk; r++)
+        _mm512_mask_storeu_ps(panel + r * MPT__DCONV_MR, row,
+                              _mm512_maskz_cvtph_ps(row, _mm256_maskz_loadu_epi16(
+                                                             row, stage + r * MPT__DCONV_MR)));
+}
+
+/* Tiles [task·TILES_PER_TASK, ...) of the output pixels, as mpt__dconv_task
+   cuts them; a tile's pixels past the end read zeros. */
+MPT__TARGET_AVX512 static void mpt__shallow_tiles(const mpt__dconv_job *j, int64_t task) {
+    uint32_t panel[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* float32, or bfloat16 pairs */
+    mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* bfloat16 or float16 */
+    unsigned char *stage = j->es == 4 ? (unsigned char *)panel : (unsigned char *)stage16;
+    float tile[MPT__DCONV_MR * 32];
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
+    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
+        const int64_t p0 = tile_i * MPT__DCONV_MR;
+        int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
+        int m, p, n;
+        if (p0 >= j->pixels) return;
+        m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
+        if (m < MPT__DCONV_MR) memset(stage, 0, (size_t)j->kk * MPT__DCONV_MR * j->es);
+        for (p = 0; p < m; p += n, ox = 0) { /* one output row at a time */
+            n = (int)MPT__MIN(m - p, j->ow - ox);
+            mpt__shallow_gather(j, b, oy, ox, p, n, stage);
+            if (++oy == j->oh) oy = 0, b++;
+        }
+        if (j->a->dtype == MPT_BFLOAT16)
+            mpt__shallow_pair_rows(stage16, j->kk, panel);
+        else if (j->a->dtype == MPT_FLOAT16)
+            mpt__shallow_widen_rows((const mpt_half *)stage16, j->kk, (float *)(void *)panel);
+        for (o0 = 0; o0 < j->oc; o0 += 32) {
+            const int nb = (int)MPT__MIN(32, j->oc - o0);
+            if (j->a->dtype != MPT_BFLOAT16)
+                mpt__shallow_tile_f32(j, panel, o0, nb, tile);
+            else
+                mpt__shallow_tile_bf16(j, panel, o0, nb, tile);
+            mpt__dconv_store(j, tile, p0, m, o0, nb);
+        }
+    }
+}
+#endif /* MPT__X86 */
+
+static void mpt__shallow_task(void *arg, int64_t task, int thread) {
+    (void)thread;
+#if MPT__X86
+    mpt__shallow_tiles((const mpt__dconv_job *)arg, task);
+#else
+    (void)arg, (void)task; /* never called: conv_direct declines first */
+#endif
+}
+
+/* Whether the tiles of mpt__dconv_task take this case. */
+static int mpt__dconv_takes(const mpt_conv_args *a, const mpt__dconv_job *j) {
+    const mpt_window *g = a->g;
+    /* Fewer than 16 outputs per pixel would leave most of each vector idle
+       (a first layer's one-channel dx): the GEMM path does better there.
+       The input gradient multiplies the zeros of its padding and strides
+       too: where dz has under 4/5 of dx's pixels (a small image under
+       'valid' padding, any stride 2) col2im, which adds only what is
+       there, was as fast or faster in bench/bench_conv.c. */
+    if (a->input_grad && 5 * g->oh * g->ow < 4 * g->h * g->w) return 0;
+    /* A depth under 32 (a first layer's one-channel 3×3: 9) gives each
+       tile's table and epilogue too few multiply-adds to pay for; im2col
+       is cheap there (0.9× in bench/bench_conv.c). */
+    if (g->kh * g->kw * j->ic < 32) return 0;
+    return j->tile && (a->input_grad ? g->c : a->f) >= 16 &&
+           g->kh * g->kw <= MPT__DCONV_MAX_TAPS &&
+           (a->input_grad || (a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX));
+}
+
+/* Defined below, in @impl-winograd. */
+#if MPT__X86
+static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a);
+static int mpt__wino_tile_for(const mpt_conv_args *a);
+static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile);
+#endif
+/* Defined below, in @impl-conv-kernel-grad. */
+static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a);
+
+/* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
+   BF16 for bfloat16 when the channels summed over come in pairs, or for
+   the forward of a one-channel image (mpt__shallow_task, either dtype). */
+static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    const mpt_window *g = a->g;
+    const int fused_act = a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX;
+    mpt__dconv_job j;
+    int64_t t;
+    int shallow;
+    if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
+#if MPT__X86
+    if (mpt__wino_takes(ctx, a)) {
+        mpt__wino(ctx, a, mpt__wino_tile_for(a));
+        return 1;
+    }
+#endif
+    memset(&j, 0, sizeof j);
+    j.ic = a->input_grad ? a->f : g->c;
+#if MPT__X86
+    if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
+        j.tile = mpt__dconv_tile_f32;
+    else if (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && j.ic % 2 == 0)
+        j.tile = mpt__dconv_tile_bf16;
+#endif
+    /* A one-channel image's forward (stride 1 along the width) takes the
+       gathered panels of mpt__shallow_task, any filter count: each block
+       of 32 reuses them. float16 runs float32's tiles. */
+    shallow = !a->input_grad && fused_act && g->c == 1 && g->sw == 1 &&
+              g->kh * g->kw <= MPT__SHALLOW_MAX_KK &&
+              (((a->dtype == MPT_FLOAT32 || a->dtype == MPT_FLOAT16) &&
+                (ctx->cpu & MPT_CPU_AVX512)) ||
+               (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16)));
+    if (!shallow && !mpt__dconv_takes(a, &j)) return 0;
+    j.ctx = ctx;
+    j.a = a;
+    j.g = g;
+    j.x = (const unsigned char *)a->x;
+    j.ih = a->input_grad ? g->oh : g->h;
+    j.iw = a->input_grad ? g->ow : g->w;
+    j.oh = a->input_grad ? g->h : g->oh;
+    j.ow = a->input_grad ? g->w : g->ow;
+    j.oc = a->input_grad ? g->c : a->f;
+    j.taps = g->kh * g->kw;
+    j.kk = j.taps * j.ic;
+    j.kc = mpt__gemm_depth_block(j.kk);
+    j.pixels = a->n * j.oh * j.ow;
+    j.es = mpt_dtype_size(a->dtype);
+    j.convert = mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32);
+    for (t = 0; t < j.taps; t++)
+        j.tap_bytes[t] = (size_t)((t / g->kw) * j.iw + t % g->kw) * (size_t)j.ic * j.es;
+    mpt__dconv_pack(&j, (unsigned char *)a->ws);
+    mpt__parallel_for(ctx,
+                      (j.pixels + MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK - 1) /
+                          (MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK),
+                      shallow ? mpt__shallow_task : mpt__dconv_task, &j);
+    return 1;
+}
+
+/* =============================================================================
+   @impl-winograd: Winograd's F(2×2, 3×3) and F(4×4, 3×3) for Conv2D's 3×3 products
+   ============================================================================= */
+
+/* ---- Winograd F(2×2, 3×3): float32 3×3 products of stride 1 ---------------
+   A 2×2 block of output pixels (a "tile") reads a 4×4 patch d of each
+   input channel through the 3×3 kernel g: 36 multiply-adds per channel
+   and filter. Winograd's minimal filtering gets the same four sums from
+   16 products:
+       Y = Aᵀ [ (G g Gᵀ) ⊙ (Bᵀ d B) ] A,   with
+       Bᵀ = | 1  0 −1  0 |    G = | 1   0   0 |    Aᵀ = | 1  1  1  0 |
+            | 0  1  1  0 |        | ½   ½   ½ |         | 0  1 −1 −1 |
+            | 0 −1  1  0 |        | ½  −½   ½ |
+            | 0  1  0 −1 |        | 0   0   1 |
+   Summed over C channels for F filters, the 16 elementwise products
+   become 16 independent matrix products, one per position ξ of the 4×4
+   grid:  M_ξ (tiles × F) = V_ξ (tiles × C) · U_ξ (C × F),  where V = Bᵀ d B
+   (the input transform, per tile and channel: additions only) and U =
+   G g Gᵀ (the kernel transform, once per call). That is 16·C·F
+   multiplies per tile instead of 36·C·F: 2.25 times fewer. The price is
+   the transforms' additions, and another rounding: the transforms add
+   and subtract before the products, so the sums are not the direct
+   path's and their error is a few times larger (test_conv bounds it by
+   1e-5 of the sum of the terms' sizes, and compares the layer's results
+   with the im2col path's).
+   A task takes 12 consecutive tiles (across tile rows and samples, as
+   mpt__dconv_task takes pixels): it transforms their patches into V (16
+   × 12 × C, in the thread's scratch), then for each block of 32 filters
+   runs the 16 products with the direct tiles' 12 × 32 register block
+   into M (16 × 12 × 32), turns M into the tiles' 2×2 outputs, adds the
+   bias, applies ReLU and stores the pixels inside the image. Each output
+   is one task's, summed in a fixed order: the same bits for any thread
+   count. The input gradient is the same product over dz with the kernel
+   turned around (the direct tiles' rule): 2 − top rows of zeros before
+   dz, taps reversed, C and F swapped. */
+#define MPT__WINO_TILES 12      /* tiles per task: the register block's rows */
+#define MPT__WINO_MAX_C 2048    /* V and M fit the thread's scratch below this */
+
+typedef struct mpt__wino_job {
+    mpt_context *ctx;
+    const mpt_conv_args *a;
+    const unsigned char *x;  /* the image read: x, or dz for input_grad       */
+    int64_t ih, iw, ic;      /* its sample shape                              */
+    int64_t oh, ow, oc;      /* the output's: y, or dx for input_grad         */
+    int64_t top, left;       /* rows and columns of zeros before the image    */
+    int64_t th, tw, tiles;   /* tile rows and columns per sample; n·th·tw     */
+    int tile, points;        /* 2 (F(2×2, 3×3)) or 4 (F(4×4, 3×3)); 16 or 36 */
+    float *u;                /* U: (points, ic, oc)                           */
+    const unsigned char *zero; /* ic zeros: what the padding reads            */
+} mpt__wino_job;
+
+#if MPT__X86
+/* Whether the Winograd products take this case: any dtype (widened to
+   float32) with AVX-512, a 3×3 kernel of stride 1, 16 or more channels in and out
+   (fewer leaves most of each vector idle), the forward's activation none
+   or ReLU. */
+static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    const int64_t ic = a->input_grad ? a->f : g->c, oc = a->input_grad ? g->c : a->f;
+    return mpt__wino_dtype(a->dtype) && (ctx->cpu & MPT_CPU_AVX512) && !a->kernel_grad &&
+           g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
+           g->left <= 2 && ic >= 16 && oc >= 16 && ic <= MPT__WINO_MAX_C &&
+           (a->input_grad || a->act == MPT_ACT_NONE || a->act == MPT_ACT_RELU);
+}
+
+/* The input gradient's taps: kernel[2 − i][2 − j][o][c] as (9, ic, oc)
+   float32 in `turned`, which it returns (and float32 in *dtype). */
+static const unsigned char *mpt__wino_turn(const mpt__wino_job *j, const void *kernel,
+                                           float *turned, mpt_dtype *dtype) {
+    const int64_t ic = j->ic, oc = j->oc;
+    int64_t t, c, o;
+    for (t = 0; t < 9; t++)
+        for (o = 0; o < oc; o++)
+            for (c = 0; c < ic; c++)
+                turned[(t * ic + c) * oc + o] =
+                    mpt__load_f32(*dtype, kernel, ((8 - t) * oc + o) * ic + c);
+    *dtype = MPT_FLOAT32;
+    return (const unsigned char *)turned;
+}
+
+/* U (16, ic, oc) = G g Gᵀ for each pair (c, o) of input and output
+   channel, 16 pairs at a time; g are the 3×3 taps the product reads:
+   kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the input
+   gradient, which first turns the kernel into `turned` (9, ic, oc)
+   float32. */
+MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const void *kernel,
+                                                float *turned) {
+    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const unsigned char *g = (const unsigned char *)kernel;
+    mpt_dtype dtype = j->a->dtype;
+    int64_t e, t;
+    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
+    for (e = 0; e < plane; e += 16) {
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
+        const size_t es = mpt_dtype_size(dtype);
+        __m512 gg[9], tt[12];
+        int r, s;
+        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
+        for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
+            tt[s] = gg[s];
+            tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
+            tt[6 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(gg[s], gg[3 + s]), gg[6 + s]));
+            tt[9 + s] = gg[6 + s];
+        }
+        for (r = 0; r < 4; r++) { /* (G g) Gᵀ: U_ξ for ξ = 4r .. 4r + 3 */
+            const __m512 a0 = tt[3 * r], a1 = tt[3 * r + 1], a2 = tt[3 * r + 2];
+            float *d = j->u + 4 * r * plane + e;
+            _mm512_mask_storeu_ps(d, k, a0);
+            _mm512_mask_storeu_ps(d + plane, k,
+                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(a0, a1), a2)));
+            _mm512_mask_storeu_ps(d + 2 * plane, k,
+                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(a0, a1), a2)));
+            _mm512_mask_storeu_ps(d + 3 * plane, k, a2);
+        }
+    }
+}
+
+/* The (tile + 2)² pixels tile t (of `tile`×`tile` outputs) reads, row
+   by row: pointers into j->x, or j->zero in the padding and past the last
+   tile. First asks for the columns the tile after next reads that the
+   next one does not (as mpt__wkg_prefetch). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_patch(const mpt__wino_job *j,
+                                                                  int64_t t, int tile, size_t es,
+                                                                  const unsigned char **at) {
+    const int64_t per = j->th * j->tw, b = t / per, n = tile + 2;
+    const int64_t y0 = tile * (t % per / j->tw) - j->top, x0 = tile * (t % j->tw) - j->left;
+    const size_t pixel = (size_t)j->ic * es;
+    int64_t r, s;
+    for (r = 0; r < n && t % j->tw + 2 < j->tw && t + 2 < j->tiles; r++)
+        for (s = n + tile; s < n + 2 * tile; s++)
+            if (y0 + r >= 0 && y0 + r < j->ih && x0 + s >= 0 && x0 + s < j->iw)
+                mpt__prefetch_row(j->x, (size_t)((b * j->ih + y0 + r) * j->iw + x0 + s) * pixel,
+                                  pixel);
+    for (r = 0; r < n; r++)
+        for (s = 0; s < n; s++) {
+            const int64_t y = y0 + r, x = x0 + s;
+            at[n * r + s] = t < j->tiles && y >= 0 && y < j->ih && x >= 0 && x < j->iw
+                                ? j->x + (size_t)((b * j->ih + y) * j->iw + x) * pixel
+                                : j->zero;
+        }
+}
+
+/* V (16, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
+   d B row by row (four rows of four), then Bᵀ over them. Pixels in the
+   padding, and tiles past the last, read j->zero. */
+#define MPT__WINO_ROW(r)                                                              \
+    d0 = mpt__gemm_load16(dtype, at[4 * r] + c * es, k);                              \
+    d1 = mpt__gemm_load16(dtype, at[4 * r + 1] + c * es, k);                          \
+    d2 = mpt__gemm_load16(dtype, at[4 * r + 2] + c * es, k);                          \
+    d3 = mpt__gemm_load16(dtype, at[4 * r + 3] + c * es, k);                          \
+    f##r##0 = _mm512_sub_ps(d0, d2);                                                  \
+    f##r##1 = _mm512_add_ps(d1, d2);                                                  \
+    f##r##2 = _mm512_sub_ps(d2, d1);                                                  \
+    f##r##3 = _mm512_sub_ps(d1, d3);
+#define MPT__WINO_COL(s)                                                                  \
+    _mm512_mask_storeu_ps(dst + s * step, k, _mm512_sub_ps(f0##s, f2##s));                \
+    _mm512_mask_storeu_ps(dst + (4 + s) * step, k, _mm512_add_ps(f1##s, f2##s));          \
+    _mm512_mask_storeu_ps(dst + (8 + s) * step, k, _mm512_sub_ps(f2##s, f1##s));          \
+    _mm512_mask_storeu_ps(dst + (12 + s) * step, k, _mm512_sub_ps(f1##s, f3##s));
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__wino_job *j,
+                                                                     int64_t t0, float *v,
+                                                                     mpt_dtype dtype) {
+    const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
+    const size_t es = mpt_dtype_size(dtype);
+    int64_t i, c;
+    for (i = 0; i < MPT__WINO_TILES; i++) {
+        const unsigned char *at[16]; /* the patch's pixels */
+        mpt__wino_patch(j, t0 + i, 2, es, at);
+        for (c = 0; c < ic; c += 16) {
+            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
+            float *dst = v + i * ic + c;
+            __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
+            __m512 f20, f21, f22, f23, f30, f31, f32, f33;
+            MPT__WINO_ROW(0)
+            MPT__WINO_ROW(1)
+            MPT__WINO_ROW(2)
+            MPT__WINO_ROW(3)
+            MPT__WINO_COL(0)
+            MPT__WINO_COL(1)
+            MPT__WINO_COL(2)
+            MPT__WINO_COL(3)
+        }
+    }
+}
+#undef MPT__WINO_COL /* (MPT__WINO_ROW serves the kernel gradient too) */
+
+/* (one copy per dtype, each with its loads inline) */
+MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
+    if (j->a->dtype == MPT_FLOAT16)
+        mpt__wino_input_as(j, t0, v, MPT_FLOAT16);
+    else if (j->a->dtype == MPT_BFLOAT16)
+        mpt__wino_input_as(j, t0, v, MPT_BFLOAT16);
+    else
+        mpt__wino_input_as(j, t0, v, MPT_FLOAT32);
+}
+
+/* M (points, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), each ξ of
+   the tile's points: the direct tiles' 12 × 32 register block, the
+   channels summed in order. */
+#define MPT__WINO_SRC(i) const float *s##i = vx + i * ic;
+#define MPT__WINO_STORE(i)                          \
+    _mm512_storeu_ps(tile + 32 * i, c##i##0);       \
+    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
+MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const float *v,
+                                                  int64_t o0, int nb, float *m) {
+    const int64_t ic = j->ic, oc = j->oc;
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int xi;
+    for (xi = 0; xi < j->points; xi++) {
+        const float *vx = v + xi * MPT__WINO_TILES * ic, *wr = j->u + xi * ic * oc + o0;
+        float *tile = m + xi * MPT__WINO_TILES * 32;
+        int64_t c;
+        MPT__ROWS12(MPT__DCONV_ACC)
+        MPT__ROWS12(MPT__WINO_SRC)
+        if (nb > 16) {
+            for (c = 0; c < ic; c++, wr += oc) {
+                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
+                __m512 ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+                MPT__ROWS12(MPT__F)
+#undef MPT__F
+            }
+        } else {
+            for (c = 0; c < ic; c++, wr += oc) {
+                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
+#define MPT__F(i)                                  \
+    ai = _mm512_set1_ps(s##i[c]);                  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
+                MPT__ROWS12(MPT__F)
+#undef MPT__F
+            }
+        }
+        MPT__ROWS12(MPT__WINO_STORE)
+    }
+}
+#undef MPT__WINO_SRC
+#undef MPT__WINO_STORE
+
+/* The tiles' 2×2 outputs for filters [o0, o0 + nb) from M: Aᵀ M column
+   by column, then A over them; + the bias, ReLU (as
+   mpt__dconv_finish_avx512 does them), stored where they lie inside the
+   output, in the layer's dtype. */
+#define MPT__WINO_COL(x)                                                                     \
+    q0 = _mm512_loadu_ps(mi + (x) * ld);                                                    \
+    q1 = _mm512_loadu_ps(mi + (4 + x) * ld);                                                \
+    q2 = _mm512_loadu_ps(mi + (8 + x) * ld);                                                \
+    q3 = _mm512_loadu_ps(mi + (12 + x) * ld);                                               \
+    r0##x = _mm512_add_ps(_mm512_add_ps(q0, q1), q2);                                       \
+    r1##x = _mm512_sub_ps(_mm512_sub_ps(q1, q2), q3);
+MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const float *m,
+                                                int64_t t0, int64_t o0, int nb) {
+    const mpt_conv_args *a = j->a;
+    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
+    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
+    /* (no masked load without a bias: one that names an unmapped address,
+       even with every lane masked off, costs a microcode assist) */
+    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL;
+    const size_t es = mpt_dtype_size(a->dtype);
+    unsigned char *y = (unsigned char *)a->y;
+    int64_t i;
+    int h, p;
+    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
+        const int64_t t = t0 + i, b = t / per, oy = 2 * (t % per / j->tw), ox = 2 * (t % j->tw);
+        for (h = 0; h < nb; h += 16) {
+            const __mmask16 k = mpt__gemm_mask16(nb - h);
+            const float *mi = m + i * 32 + h;
+            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
+            __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
+            MPT__WINO_COL(0)
+            MPT__WINO_COL(1)
+            MPT__WINO_COL(2)
+            MPT__WINO_COL(3)
+            out[0] = _mm512_add_ps(_mm512_add_ps(r00, r01), r02);
+            out[1] = _mm512_sub_ps(_mm512_sub_ps(r01, r02), r03);
+            out[2] = _mm512_add_ps(_mm512_add_ps(r10, r11), r12);
+            out[3] = _mm512_sub_ps(_mm512_sub_ps(r11, r12), r13);
+            for (p = 0; p < 4; p++) {
+                const int64_t yy = oy + p / 2, xx = ox + p % 2;
+                __m512 val = _mm512_add_ps(out[p], bias);
+                if (yy >= j->oh || xx >= j->ow) continue;
+                if (relu)
+                    val = _mm512_maskz_mov_ps(
+                        _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
+                mpt__avx512_store(a->dtype,
+                                  y + (size_t)(((b * j->oh + yy) * j->ow + xx) * j->oc + o0 + h) * es,
+                                  val, k);
+            }
+        }
+    }
+}
+#undef MPT__WINO_COL
+
+/* ---- F(4×4, 3×3): the same products on 4×4 tiles ----------------------------
+   A 4×4 block of outputs reads a 6×6 patch: 36 products per tile and
+   channel pair where the direct sums spend 144, 2.25 times fewer than
+   F(2×2, 3×3)'s 16 per 2×2 tile (64). Its transforms (Lavin and Gray's
+   points 0, ±1, ±2, ∞):
+       Bᵀ = | 4  0 −5  0  1  0 |   G = |  ¼     0    0 |   Aᵀ = | 1  1  1  1  1  0 |
+            | 0 −4 −4  1  1  0 |       | −⅙    −⅙   −⅙ |        | 0  1 −1  2 −2  0 |
+            | 0  4 −4 −1  1  0 |       | −⅙     ⅙   −⅙ |        | 0  1  1  4  4  0 |
+            | 0 −2 −1  2  1  0 |       | 1/24 1/12   ⅙ |        | 0  1 −1  8 −8  1 |
+            | 0  2 −1 −2  1  0 |       | 1/24 −1/12  ⅙ |
+            | 0  4  0 −5  0  1 |       |  0     0    1 |
+   Their larger coefficients cost accuracy: the sums' error is several
+   times F(2×2, 3×3)'s (test_conv bounds both alike). A 4×4 tile wastes
+   more past the output's edge, so each call takes the tile whose
+   products, edges counted, are fewer (mpt__wino_tile_for). */
+#define MPT__WINO4_MAX_C 1024   /* V (36 × 12 × C) and M fit the scratch */
+
+/* The six values G·(a0, a1, a2), for U = G g Gᵀ. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_g(__m512 a0, __m512 a1, __m512 a2,
+                                                              __m512 *w) {
+    const __m512 sixth = _mm512_set1_ps(1.0f / 6), twelfth = _mm512_set1_ps(1.0f / 12);
+    const __m512 a0_24 = _mm512_mul_ps(a0, _mm512_set1_ps(1.0f / 24));
+    const __m512 a2_6 = _mm512_mul_ps(a2, sixth), a1_12 = _mm512_mul_ps(a1, twelfth);
+    const __m512 even = _mm512_add_ps(a0, a2);
+    w[0] = _mm512_mul_ps(a0, _mm512_set1_ps(0.25f));
+    w[1] = _mm512_mul_ps(_mm512_add_ps(even, a1), _mm512_set1_ps(-1.0f / 6));
+    w[2] = _mm512_mul_ps(_mm512_sub_ps(even, a1), _mm512_set1_ps(-1.0f / 6));
+    w[3] = _mm512_add_ps(_mm512_add_ps(a0_24, a1_12), a2_6);
+    w[4] = _mm512_add_ps(_mm512_sub_ps(a0_24, a1_12), a2_6);
+    w[5] = a2;
+}
+
+/* U (36, ic, oc) = G g Gᵀ, as mpt__wino_kernel makes F(2×2, 3×3)'s. */
+MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const void *kernel,
+                                                 float *turned) {
+    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+    const unsigned char *g = (const unsigned char *)kernel;
+    mpt_dtype dtype = j->a->dtype;
+    int64_t e, t;
+    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
+    for (e = 0; e < plane; e += 16) {
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
+        const size_t es = mpt_dtype_size(dtype);
+        __m512 gg[9], col[3][6], row[6];
+        int r, q;
+        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
+        for (q = 0; q < 3; q++) mpt__wino4_g(gg[q], gg[3 + q], gg[6 + q], col[q]); /* G g */
+        for (r = 0; r < 6; r++) { /* (G g) Gᵀ: U_ξ for ξ = 6r .. 6r + 5 */
+            mpt__wino4_g(col[0][r], col[1][r], col[2][r], row);
+            for (q = 0; q < 6; q++)
+                _mm512_mask_storeu_ps(j->u + (6 * r + q) * plane + e, k, row[q]);
+        }
+    }
+}
+
+/* The six values Bᵀ·(d0 .. d5). (The transforms below name each value
+   rather than index arrays: arrays indexed in loops stayed in memory, and
+   the transforms took as long as the products.) */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_b(__m512 d0, __m512 d1, __m512 d2,
+                                                              __m512 d3, __m512 d4, __m512 d5,
+                                                              __m512 *o0, __m512 *o1,
+                                                              __m512 *o2, __m512 *o3,
+                                                              __m512 *o4, __m512 *o5) {
+    const __m512 two = _mm512_set1_ps(2.0f), four = _mm512_set1_ps(4.0f);
+    const __m512 five = _mm512_set1_ps(5.0f);
+    const __m512 s12 = _mm512_add_ps(d1, d2), s34 = _mm512_add_ps(d3, d4);
+    const __m512 d12 = _mm512_sub_ps(d1, d2), d43 = _mm512_sub_ps(d4, d3);
+    const __m512 d31 = _mm512_sub_ps(d3, d1), d42 = _mm512_sub_ps(d4, d2);
+    *o0 = _mm512_fmadd_ps(four, d0, _mm512_fnmadd_ps(five, d2, d4));
+    *o1 = _mm512_fnmadd_ps(four, s12, s34);
+    *o2 = _mm512_fmadd_ps(four, d12, d43);
+    *o3 = _mm512_fmadd_ps(two, d31, d42);
+    *o4 = _mm512_fnmadd_ps(two, d31, d42);
+    *o5 = _mm512_fmadd_ps(four, d1, _mm512_fnmadd_ps(five, d3, d5));
+}
+
+/* Bᵀ d B of one 6×6 patch for channels [c, c + 16) (k: those inside):
+   at[36] the patch's pixels in dtype, each row of the patch through Bᵀ,
+   then each column; point ξ goes to out + ξ·stride, its lanes outside k
+   stored only where keep is all ones (zeros: the kernel gradient's V
+   keeps 16 channels a vector). */
+#define MPT__W4_LOAD(i) mpt__gemm_load16(dtype, at[i] + c * es, k)
+#define MPT__W4_ROW(r)                                                                     \
+    mpt__wino4_b(MPT__W4_LOAD(6 * r), MPT__W4_LOAD(6 * r + 1), MPT__W4_LOAD(6 * r + 2),    \
+                 MPT__W4_LOAD(6 * r + 3), MPT__W4_LOAD(6 * r + 4), MPT__W4_LOAD(6 * r + 5), \
+                 &t##r##0, &t##r##1, &t##r##2, &t##r##3, &t##r##4, &t##r##5);
+#define MPT__W4_COL(s)                                                                     \
+    mpt__wino4_b(t0##s, t1##s, t2##s, t3##s, t4##s, t5##s, &o0, &o1, &o2, &o3, &o4, &o5);  \
+    _mm512_mask_storeu_ps(out + (s) * stride, keep, o0);                                   \
+    _mm512_mask_storeu_ps(out + (6 + (s)) * stride, keep, o1);                             \
+    _mm512_mask_storeu_ps(out + (12 + (s)) * stride, keep, o2);                            \
+    _mm512_mask_storeu_ps(out + (18 + (s)) * stride, keep, o3);                            \
+    _mm512_mask_storeu_ps(out + (24 + (s)) * stride, keep, o4);                            \
+    _mm512_mask_storeu_ps(out + (30 + (s)) * stride, keep, o5);
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_patch_transform(
+    const unsigned char *const *at, int64_t c, mpt_dtype dtype, size_t es, __mmask16 k,
+    __mmask16 keep, float *out, int64_t stride) {
+    __m512 t00, t01, t02, t03, t04, t05, t10, t11, t12, t13, t14, t15;
+    __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
+    __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
+    __m512 o0, o1, o2, o3, o4, o5;
+    MPT__W4_ROW(0)
+    MPT__W4_ROW(1)
+    MPT__W4_ROW(2)
+    MPT__W4_ROW(3)
+    MPT__W4_ROW(4)
+    MPT__W4_ROW(5)
+    MPT__W4_COL(0)
+    MPT__W4_COL(1)
+    MPT__W4_COL(2)
+    MPT__W4_COL(3)
+    MPT__W4_COL(4)
+    MPT__W4_COL(5)
+}
+#undef MPT__W4_LOAD
+#undef MPT__W4_ROW
+#undef MPT__W4_COL
+
+/* V (36, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt__wino_job *j,
+                                                                      int64_t t0, float *v,
+                                                                      mpt_dtype dtype) {
+    const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
+    const size_t es = mpt_dtype_size(dtype);
+    int64_t i, c;
+    for (i = 0; i < MPT__WINO_TILES; i++) {
+        const unsigned char *at[36]; /* the patch's pixels */
+        mpt__wino_patch(j, t0 + i, 4, es, at);
+        for (c = 0; c < ic; c += 16) {
+            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
+            mpt__wino4_patch_transform(at, c, dtype, es, k, k, v + i * ic + c, step);
+        }
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t t0, float *v) {
+    if (j->a->dtype == MPT_FLOAT16)
+        mpt__wino4_input_as(j, t0, v, MPT_FLOAT16);
+    else if (j->a->dtype == MPT_BFLOAT16)
+        mpt__wino4_input_as(j, t0, v, MPT_BFLOAT16);
+    else
+        mpt__wino4_input_as(j, t0, v, MPT_FLOAT32);
+}
+
+/* The four values Aᵀ·(m0 .. m5). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(__m512 m0, __m512 m1, __m512 m2,
+                                                              __m512 m3, __m512 m4, __m512 m5,
+                                                              __m512 *o0, __m512 *o1,
+                                                              __m512 *o2, __m512 *o3) {
+    const __m512 s12 = _mm512_add_ps(m1, m2), d12 = _mm512_sub_ps(m1, m2);
+    const __m512 s34 = _mm512_add_ps(m3, m4), d34 = _mm512_sub_ps(m3, m4);
+    *o0 = _mm512_add_ps(_mm512_add_ps(m0, s12), s34);
+    *o1 = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34, d12);
+    *o2 = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34, s12);
+    *o3 = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m5);
+}
+
+/* One output pixel's 16 filters: + the bias, ReLU, stored in dtype if
+   inside the output. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
+    const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
+    int relu, __mmask16 k) {
+    const mpt_conv_args *a = j->a;
+    const size_t at = (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o);
+    if (y >= j->oh || x >= j->ow) return;
+    val = _mm512_add_ps(val, bias);
+    if (relu)
+        val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
+    mpt__avx512_store(a->dtype, (unsigned char *)a->y + at * mpt_dtype_size(a->dtype), val, k);
+}
+
+/* The tiles' 4×4 outputs for filters [o0, o0 + nb) from M (36, 12, 32),
+   as mpt__wino_output stores F(2×2, 3×3)'s: Aᵀ M column by column, then
+   A along each row. */
+#define MPT__W4_LOAD(x) _mm512_loadu_ps(mi + (x) * ld)
+#define MPT__W4_COL(s)                                                                      \
+    mpt__wino4_a(MPT__W4_LOAD(s), MPT__W4_LOAD(6 + s), MPT__W4_LOAD(12 + s),                \
+                 MPT__W4_LOAD(18 + s), MPT__W4_LOAD(24 + s), MPT__W4_LOAD(30 + s), &c0##s,   \
+                 &c1##s, &c2##s, &c3##s);
+#define MPT__W4_ROW(r)                                                                      \
+    mpt__wino4_a(c##r##0, c##r##1, c##r##2, c##r##3, c##r##4, c##r##5, &p0, &p1, &p2, &p3); \
+    mpt__wino4_store(j, b, oy + r, ox, o0 + h, p0, bias, relu, k);                           \
+    mpt__wino4_store(j, b, oy + r, ox + 1, o0 + h, p1, bias, relu, k);                       \
+    mpt__wino4_store(j, b, oy + r, ox + 2, o0 + h, p2, bias, relu, k);                       \
+    mpt__wino4_store(j, b, oy + r, ox + 3, o0 + h, p3, bias, relu, k);
+MPT__TARGET_AVX512 static void mpt__wino4_output(const mpt__wino_job *j, const float *m,
+                                                 int64_t t0, int64_t o0, int nb) {
+    const mpt_conv_args *a = j->a;
+    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
+    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
+    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL; /* (as there) */
+    int64_t i;
+    int h;
+    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
+        const int64_t t = t0 + i, b = t / per, oy = 4 * (t % per / j->tw), ox = 4 * (t % j->tw);
+        for (h = 0; h < nb; h += 16) {
+            const __mmask16 k = mpt__gemm_mask16(nb - h);
+            const float *mi = m + i * 32 + h;
+            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
+            __m512 c00, c01, c02, c03, c04, c05, c10, c11, c12, c13, c14, c15;
+            __m512 c20, c21, c22, c23, c24, c25, c30, c31, c32, c33, c34, c35;
+            __m512 p0, p1, p2, p3;
+            MPT__W4_COL(0)
+            MPT__W4_COL(1)
+            MPT__W4_COL(2)
+            MPT__W4_COL(3)
+            MPT__W4_COL(4)
+            MPT__W4_COL(5)
+            MPT__W4_ROW(0)
+            MPT__W4_ROW(1)
+            MPT__W4_ROW(2)
+            MPT__W4_ROW(3)
+        }
+    }
+}
+#undef MPT__W4_LOAD
+#undef MPT__W4_COL
+#undef MPT__W4_ROW
+
+/* Tiles [task·12, task·12 + 12). */
+static void mpt__wino_task(void *arg, int64_t task, int thread) {
+    const mpt__wino_job *j = (const mpt__wino_job *)arg;
+    float *v = (float *)mpt__thread_scratch(j->ctx, thread);  /* (points, 12, ic) */
+    float *m = v + j->points * MPT__WINO_TILES * j->ic;       /* (points, 12, 32) */
+    const int64_t t0 = task * MPT__WINO_TILES;
+    int64_t o0;
+    if (j->tile == 4)
+        mpt__wino4_input(j, t0, v);
+    else
+        mpt__wino_input(j, t0, v);
+    for (o0 = 0; o0 < j->oc; o0 += 32) {
+        const int nb = (int)MPT__MIN(32, j->oc - o0);
+        mpt__wino_products(j, v, o0, nb, m);
+        if (j->tile == 4)
+            mpt__wino4_output(j, m, t0, o0, nb);
+        else
+            mpt__wino_output(j, m, t0, o0, nb);
+    }
+}
+
+/* The tile side, 2 or 4, whose products are fewer for this call's output
+   (4×4 tiles by a tenth at least: 10×10 outputs, 0.81 as many, ran 10 %
+   faster in 4×4 tiles; 6×6, as many, 15 % slower), 4 only where its V
+   fits the scratch. */
+static int mpt__wino_tile_for(const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    const int64_t oh = a->input_grad ? g->h : g->oh, ow = a->input_grad ? g->w : g->ow;
+    const int64_t ic = a->input_grad ? a->f : g->c;
+    const int64_t cost2 = (oh + 1) / 2 * ((ow + 1) / 2) * 16;
+    const int64_t cost4 = (oh + 3) / 4 * ((ow + 3) / 4) * 36;
+    return ic <= MPT__WINO4_MAX_C && 10 * cost4 <= 9 * cost2 ? 4 : 2;
+}
+
+/* The forward product or the input gradient by Winograd's F(tile×tile,
+   3×3), tile 2 or 4. ws (MPT_CONV_DIRECT_WS_BYTES): U, a zero pixel, the
+   turned kernel. */
+static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile) {
+    const mpt_window *g = a->g;
+    mpt__wino_job j;
+    float *zero;
+    j.ctx = ctx;
+    j.a = a;
+    j.x = (const unsigned char *)a->x;
+    j.ih = a->input_grad ? g->oh : g->h;
+    j.iw = a->input_grad ? g->ow : g->w;
+    j.ic = a->input_grad ? a->f : g->c;
+    j.oh = a->input_grad ? g->h : g->oh;
+    j.ow = a->input_grad ? g->w : g->ow;
+    j.oc = a->input_grad ? g->c : a->f;
+    j.top = a->input_grad ? 2 - g->top : g->top;
+    j.left = a->input_grad ? 2 - g->left : g->left;
+    j.tile = tile;
+    j.points = (tile + 2) * (tile + 2);
+    j.th = (j.oh + tile - 1) / tile;
+    j.tw = (j.ow + tile - 1) / tile;
+    j.tiles = a->n * j.th * j.tw;
+    j.u = (float *)a->ws;
+    zero = j.u + j.points * j.ic * j.oc;
+    memset(zero, 0, sizeof(float) * (size_t)j.ic);
+    j.zero = (const unsigned char *)zero;
+    if (a->ws_kept) /* U as the previous chunk left it */
+        ;
+    else if (tile == 4)
+        mpt__wino4_kernel(&j, a->kernel, zero + j.ic);
+    else
+        mpt__wino_kernel(&j, a->kernel, zero + j.ic);
+    mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
+}
+#endif /* MPT__X86 */
+
+
+/* =============================================================================
+   @impl-winograd-grad: Conv2D's kernel gradient by Winograd's tiles
+   ============================================================================= */
+
+#if MPT__X86
+/* ---- Winograd's kernel gradient ---------------------------------------------
+   The forward above sums Y = Aᵀ [(G g Gᵀ) ⊙ V] A over channels, tile by
+   tile; its gradient with respect to the taps g, summed over the tiles,
+   is
+       dg = Gᵀ dU G,   dU_ξ (C × F) = Σ over tiles of V_ξᵀ · dM_ξ,
+       dM = A dY Aᵀ    (dY: the tile's 2×2 or 4×4 of dz, zero past the edge),
+   the same 16 or 36 products, now of (C × tiles) by (tiles × F): per
+   output pixel 4·C·F multiply-adds (2×2 tiles) or 2.25·C·F (4×4) where
+   the direct kernel gradient spends 9·C·F. The tile is the forward's
+   choice (mpt__wino_tile_for).
+   The tiles go in spans, as many as keep their V and dM within 256 KiB
+   of the thread's scratch, so that the products read them from the
+   core's own cache; the spans in groups of
+   consecutive spans, at least MPT__WKG_GROUP_SPANS a group and at most
+   MPT_CONV_WINO_KGRAD_GROUPS groups, a task each. A task transforms a
+   span (channels in blocks of 16, filters in blocks of 32, each block's
+   tiles one after the other, as the products read them), runs the
+   products over it with an 8 × 32 register block (half a channel
+   block), adds them to its own dU, and goes on to its next span. A
+   second pass adds the tasks' dU in task order, turns the sum into dg
+   and stores or adds it. (One dU per span was 19 MB for the CNN's
+   second layer, written and read back: with the layer's x and dz, more
+   than the L3 cache holds.) Spans and groups depend on the layer alone:
+   the same bits for any thread count. */
+
+typedef struct mpt__wkg_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    mpt_context *ctx;
+    int64_t th, tw, tiles;    /* tile rows, columns per sample; n·th·tw      */
+    int tile, points;         /* 2 or 4 (mpt__wino_tile_for); 16 or 36       */
+    int64_t cb, fb;           /* blocks of 8 channels, of 32 filters         */
+    int64_t span, spans;      /* tiles per span; spans                       */
+    int64_t tasks;            /* groups of consecutive spans                 */
+    int64_t v_plane, dm_plane; /* floats from one ξ to the next in v, dm      */
+    float *du;                /* (tasks, points, C, F): each task's dU       */
+    const unsigned char *zero; /* C zeros: what the padding reads            */
+} mpt__wkg_job;
+
+/* Tiles per span for C channels and F filters: 16 floats of V and dM
+   per tile and channel or filter, 256 KiB in all. */
+static int64_t mpt__wkg_span(int64_t c, int64_t f) { return MPT_CONV_WINO_KGRAD_SPAN(c, f); }
+
+/* Floats between v's (and dm's) 16 planes beyond their contents: planes a
+   multiple of 4 KiB apart put a tile's 16 stores in one set of the L1
+   cache, more lines than it has ways, and the transform waited on the
+   evictions (1,600 cycles a tile for 32 channels and filters). */
+#define MPT__WKG_PLANE_PAD 16
+
+/* Spans a group sums at least (fewer where there are fewer): every group
+   writes a dU the second pass reads back, 64 KiB for 32 channels and
+   filters. A chunk of 14 samples of the CNN's second layer (32 spans) on
+   2 threads took 0.33 ms in 32 groups, 0.28 in 16, 0.24 in 8, 4 or 2. */
+#define MPT__WKG_GROUP_SPANS 4
+
+/* Whether Winograd's kernel gradient takes this case: any dtype
+   (widened to float32) with AVX-512, a 3×3 kernel of stride 1, 8 or more channels and 16 or more
+   filters, spans of 16 tiles or more (wider layers: the direct tiles,
+   whose sums need no dU per task), a workspace given. */
+static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    return a->kernel_grad && a->ws && mpt__wino_dtype(a->dtype) && (ctx->cpu & MPT_CPU_AVX512) &&
+           g->kh == 3 && g->kw == 3 && g->sh == 1 && g->sw == 1 && g->top <= 2 &&
+           g->left <= 2 && g->c >= 8 && a->f >= 16 && mpt__wkg_span(g->c, a->f) >= 16;
+}
+
+/* V of a span's tile i (of x's patch, as mpt__wino_input makes it, with
+   its MPT__WINO_ROW; 16 channels a vector, zeros past C) and its dM =
+   A dY Aᵀ (16 filters a vector), into v (16, ⌈C/16⌉, span, 16) and dm
+   (16, fb, span, 32). */
+#define MPT__WKG_STORE16(xi, val) \
+    _mm512_storeu_ps(v + (xi) * j->v_plane + (c / 16 * j->span + i) * 16, val);
+#define MPT__WKG_COL(s)                                                 \
+    MPT__WKG_STORE16(s, _mm512_sub_ps(f0##s, f2##s))                    \
+    MPT__WKG_STORE16(4 + s, _mm512_add_ps(f1##s, f2##s))                \
+    MPT__WKG_STORE16(8 + s, _mm512_sub_ps(f2##s, f1##s))                \
+    MPT__WKG_STORE16(12 + s, _mm512_sub_ps(f1##s, f3##s))
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
+    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
+    mpt_dtype dtype) {
+    const mpt_window *g = j->g;
+    const int64_t C = g->c, F = j->a->f;
+    const int64_t step = j->dm_plane;
+    const size_t es = mpt_dtype_size(dtype);
+    const unsigned char *x = (const unsigned char *)j->a->x;
+    const unsigned char *dz = (const unsigned char *)j->a->dz;
+    const unsigned char *at[16], *dy[4];
+    int64_t c, o;
+    int r, s;
+    for (r = 0; r < 4; r++)
+        for (s = 0; s < 4; s++) {
+            const int64_t y = 2 * ty - g->top + r, xx = 2 * tx - g->left + s;
+            at[4 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
+                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
+                                : j->zero;
+        }
+    for (r = 0; r < 4; r++) {
+        const int64_t y = 2 * ty + r / 2, xx = 2 * tx + r % 2;
+        dy[r] = y < g->oh && xx < g->ow ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
+                                        : NULL;
+    }
+    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
+        __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
+        __m512 f20, f21, f22, f23, f30, f31, f32, f33;
+        MPT__WINO_ROW(0)
+        MPT__WINO_ROW(1)
+        MPT__WINO_ROW(2)
+        MPT__WINO_ROW(3)
+        MPT__WKG_COL(0)
+        MPT__WKG_COL(1)
+        MPT__WKG_COL(2)
+        MPT__WKG_COL(3)
+    }
+    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
+        const __m512 zero = _mm512_setzero_ps();
+        const __m512 y00 = dy[0] ? mpt__gemm_load16(dtype, dy[0] + o * es, k) : zero;
+        const __m512 y01 = dy[1] ? mpt__gemm_load16(dtype, dy[1] + o * es, k) : zero;
+        const __m512 y10 = dy[2] ? mpt__gemm_load16(dtype, dy[2] + o * es, k) : zero;
+        const __m512 y11 = dy[3] ? mpt__gemm_load16(dtype, dy[3] + o * es, k) : zero;
+        /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
+        __m512 rows[8];
+        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
+        rows[0] = y00, rows[1] = y01;
+        rows[2] = _mm512_add_ps(y00, y10), rows[3] = _mm512_add_ps(y01, y11);
+        rows[4] = _mm512_sub_ps(y00, y10), rows[5] = _mm512_sub_ps(y01, y11);
+        rows[6] = _mm512_sub_ps(zero, y10), rows[7] = _mm512_sub_ps(zero, y11);
+        for (r = 0; r < 4; r++) { /* (A dY) Aᵀ: the same on each row */
+            const __m512 u0 = rows[2 * r], u1 = rows[2 * r + 1];
+            _mm512_storeu_ps(dst + (4 * r) * step, u0);
+            _mm512_storeu_ps(dst + (4 * r + 1) * step, _mm512_add_ps(u0, u1));
+            _mm512_storeu_ps(dst + (4 * r + 2) * step, _mm512_sub_ps(u0, u1));
+            _mm512_storeu_ps(dst + (4 * r + 3) * step, _mm512_sub_ps(zero, u1));
+        }
+    }
+}
+#undef MPT__WINO_ROW
+#undef MPT__WKG_STORE16
+#undef MPT__WKG_COL
+
+/* The same for 4×4 tiles: V = Bᵀ d B of the 6×6 patch (as
+   mpt__wino4_input makes it) into v (36, ⌈C/16⌉, span, 16), and dM = A dY
+   Aᵀ of the tile's 4×4 of dz into dm (36, fb, span, 32), A = (F(4×4,
+   3×3)'s Aᵀ)ᵀ: A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3,
+   y0 + 2y1 + 4y2 + 8y3, y0 − 2y1 + 4y2 − 8y3, y3). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 y1, __m512 y2,
+                                                             __m512 y3, __m512 *o0, __m512 *o1,
+                                                             __m512 *o2, __m512 *o3, __m512 *o4,
+                                                             __m512 *o5) {
+    const __m512 e = _mm512_add_ps(y0, y2), od = _mm512_add_ps(y1, y3);
+    const __m512 e4 = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), y2, y0);
+    const __m512 od8 = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), y3, _mm512_add_ps(y1, y1));
+    *o0 = y0;
+    *o1 = _mm512_add_ps(e, od);
+    *o2 = _mm512_sub_ps(e, od);
+    *o3 = _mm512_add_ps(e4, od8);
+    *o4 = _mm512_sub_ps(e4, od8);
+    *o5 = y3;
+}
+#define MPT__W4_DY(r, s) \
+    (dy[4 * (r) + (s)] ? mpt__gemm_load16(dtype, dy[4 * (r) + (s)] + o * es, k) : zero)
+#define MPT__W4_DCOL(s) /* A over column s of dY */                                      \
+    mpt__wkg4_a(MPT__W4_DY(0, s), MPT__W4_DY(1, s), MPT__W4_DY(2, s), MPT__W4_DY(3, s),   \
+                &u0##s, &u1##s, &u2##s, &u3##s, &u4##s, &u5##s);
+#define MPT__W4_DPUT(xi, val) _mm512_storeu_ps(dst + (xi) * j->dm_plane, val);
+#define MPT__W4_DROW(r) /* then along row r */                                           \
+    mpt__wkg4_a(u##r##0, u##r##1, u##r##2, u##r##3, &o0, &o1, &o2, &o3, &o4, &o5);        \
+    MPT__W4_DPUT(6 * r, o0) MPT__W4_DPUT(6 * r + 1, o1) MPT__W4_DPUT(6 * r + 2, o2)       \
+    MPT__W4_DPUT(6 * r + 3, o3) MPT__W4_DPUT(6 * r + 4, o4) MPT__W4_DPUT(6 * r + 5, o5)
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
+    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
+    mpt_dtype dtype) {
+    const mpt_window *g = j->g;
+    const int64_t C = g->c, F = j->a->f;
+    const size_t es = mpt_dtype_size(dtype);
+    const unsigned char *x = (const unsigned char *)j->a->x;
+    const unsigned char *dz = (const unsigned char *)j->a->dz;
+    const unsigned char *at[36], *dy[16];
+    __m512 o0, o1, o2, o3, o4, o5;
+    int64_t c, o;
+    int r, s;
+    for (r = 0; r < 6; r++)
+        for (s = 0; s < 6; s++) {
+            const int64_t y = 4 * ty - g->top + r, xx = 4 * tx - g->left + s;
+            at[6 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
+                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
+                                : j->zero;
+        }
+    for (r = 0; r < 4; r++)
+        for (s = 0; s < 4; s++) {
+            const int64_t y = 4 * ty + r, xx = 4 * tx + s;
+            dy[4 * r + s] = y < g->oh && xx < g->ow
+                                ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
+                                : NULL;
+        }
+    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
+        mpt__wino4_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
+                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
+                                   j->v_plane);
+    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
+        const __m512 zero = _mm512_setzero_ps();
+        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
+        __m512 u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23;
+        __m512 u30, u31, u32, u33, u40, u41, u42, u43, u50, u51, u52, u53;
+        MPT__W4_DCOL(0)
+        MPT__W4_DCOL(1)
+        MPT__W4_DCOL(2)
+        MPT__W4_DCOL(3)
+        MPT__W4_DROW(0)
+        MPT__W4_DROW(1)
+        MPT__W4_DROW(2)
+        MPT__W4_DROW(3)
+        MPT__W4_DROW(4)
+        MPT__W4_DROW(5)
+    }
+}
+#undef MPT__W4_DY
+#undef MPT__W4_DCOL
+#undef MPT__W4_DPUT
+#undef MPT__W4_DROW
+
+/* du (16, C, F) of a span of n tiles, added to du's sums unless first:
+   for each ξ, 8 channels by 32 filters at a time, the tiles in order. */
+#define MPT__WKG_ROWS(X) MPT__ROWS6(X) X(6) X(7)
+#define MPT__WKG_ACC(i)                                                               \
+    __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();              \
+    if (!first && c0 + i < C) {                                                       \
+        c##i##0 = _mm512_maskz_loadu_ps(k0, out + (c0 + i) * F);                      \
+        c##i##1 = _mm512_maskz_loadu_ps(k1, out + (c0 + i) * F + 16);                 \
+    }
+#define MPT__WKG_FMA(i)                                            \
+    ai = _mm512_set1_ps(vt[i]);                                    \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);                    \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+#define MPT__WKG_OUT(i)                                                            \
+    if (c0 + i < C) {                                                              \
+        _mm512_mask_storeu_ps(out + (c0 + i) * F, k0, c##i##0);                    \
+        _mm512_mask_storeu_ps(out + (c0 + i) * F + 16, k1, c##i##1);               \
+    }
+MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const float *v,
+                                                 const float *dm, int64_t n, int first,
+                                                 float *du) {
+    const int64_t C = j->g->c, F = j->a->f;
+    int64_t xi, cbi, fbi, t;
+    for (xi = 0; xi < j->points; xi++)
+        for (cbi = 0; cbi < j->cb; cbi++)
+            for (fbi = 0; fbi < j->fb; fbi++) {
+                const int64_t c0 = cbi * 8, o0 = fbi * 32;
+                const float *vt = v + xi * j->v_plane + cbi / 2 * j->span * 16 + cbi % 2 * 8;
+                const float *d = dm + xi * j->dm_plane + fbi * j->span * 32;
+                const __mmask16 k0 = mpt__gemm_mask16((int)(F - o0));
+                const __mmask16 k1 = mpt__gemm_mask16((int)(F - o0 - 16));
+                float *out = du + xi * C * F + o0;
+                MPT__WKG_ROWS(MPT__WKG_ACC)
+                for (t = 0; t < n; t++, vt += 16, d += 32) {
+                    const __m512 b0 = _mm512_loadu_ps(d), b1 = _mm512_loadu_ps(d + 16);
+                    __m512 ai;
+                    MPT__WKG_ROWS(MPT__WKG_FMA)
+                }
+                MPT__WKG_ROWS(MPT__WKG_OUT)
+            }
+}
+#undef MPT__WKG_ROWS
+#undef MPT__WKG_ACC
+#undef MPT__WKG_FMA
+#undef MPT__WKG_OUT
+
+/* The pixels tile (b, ty, tx) reads that the tile before it did not (its
+   patch's last `tile` columns, its dY), asked for ahead of its transform. */
+MPT__TARGET_AVX512 static void mpt__wkg_prefetch(const mpt__wkg_job *j, int64_t b, int64_t ty,
+                                                 int64_t tx) {
+    const mpt_window *g = j->g;
+    const size_t es = mpt_dtype_size(j->a->dtype);
+    const size_t x_bytes = (size_t)g->c * es, dz_bytes = (size_t)j->a->f * es;
+    const int64_t T = j->tile;
+    int64_t r, s, y, x;
+    for (r = 0; r < T + 2; r++)
+        for (s = 2; s < T + 2; s++) {
+            y = T * ty - g->top + r, x = T * tx - g->left + s;
+            if (y >= 0 && y < g->h && x >= 0 && x < g->w)
+                mpt__prefetch_row(j->a->x, (size_t)((b * g->h + y) * g->w + x) * x_bytes,
+                                  x_bytes);
+        }
+    for (r = 0; r < T; r++)
+        for (s = 0; s < T; s++) {
+            y = T * ty + r, x = T * tx + s;
+            if (y < g->oh && x < g->ow)
+                mpt__prefetch_row(j->a->dz, (size_t)((b * g->oh + y) * g->ow + x) * dz_bytes,
+                                  dz_bytes);
+        }
+}
+
+/* Tile (b, ty, tx)'s V and dM into span slot i, by tile size and dtype:
+   one copy of each transform per pair, each with its loads inline. */
+MPT__TARGET_AVX512 static void mpt__wkg_transform_tile(const mpt__wkg_job *j, int64_t b,
+                                                       int64_t ty, int64_t tx, int64_t i,
+                                                       float *v, float *dm) {
+    const mpt_dtype dtype = j->a->dtype;
+    if (j->tile == 4) {
+        if (dtype == MPT_FLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+        else if (dtype == MPT_BFLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
+        else mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
+    } else {
+        if (dtype == MPT_FLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
+        else if (dtype == MPT_BFLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
+        else mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
+    }
+}
+
+/* Task: the spans of group `task` one by one, each transformed in the
+   thread's scratch and its products added to the task's dU. */
+MPT__TARGET_AVX512 static void mpt__wkg_task(void *arg, int64_t task, int thread) {
+    const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
+    const int64_t s0 = task * j->spans / j->tasks, s1 = (task + 1) * j->spans / j->tasks;
+    const int64_t t0 = s0 * j->span;
+    float *v = (float *)mpt__thread_scratch(j->ctx, thread); /* (points, C/16, span, 16) */
+    float *dm = v + j->points * j->v_plane;                   /* (points, fb, span, 32) */
+    int64_t s, i, b = t0 / (j->th * j->tw), ty = t0 / j->tw % j->th, tx = t0 % j->tw;
+    for (s = s0; s < s1; s++) {
+        const int64_t n = MPT__MIN(j->span, j->tiles - s * j->span);
+        for (i = 0; i < n; i++) {
+            if (tx + 2 < j->tw) mpt__wkg_prefetch(j, b, ty, tx + 2);
+            mpt__wkg_transform_tile(j, b, ty, tx, i, v, dm);
+            if (++tx == j->tw) {
+                tx = 0;
+                if (++ty == j->th) ty = 0, b++;
+            }
+        }
+        mpt__wkg_products(j, v, dm, n, s == s0,
+                          j->du + task * j->points * j->g->c * j->a->f);
+    }
+}
+
+/* Pairs [task·256, task·256 + 256) of the C·F plane: dU summed over the
+   tasks in order (row by row of 256 floats, which the prefetcher
+   follows), then dkernel (9, C, F) = Gᵀ dU G, stored or added. */
+#define MPT__WKG_FINISH 256
+/* The three values Gᵀ·(u0 .. u5) of F(4×4, 3×3)'s G. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_gt(const __m512 *u, __m512 *o) {
+    const __m512 s12 = _mm512_add_ps(u[1], u[2]), s34 = _mm512_add_ps(u[3], u[4]);
+    const __m512 d21 = _mm512_sub_ps(u[2], u[1]), d34 = _mm512_sub_ps(u[3], u[4]);
+    const __m512 sixth = _mm512_set1_ps(1.0f / 6);
+    o[0] = _mm512_add_ps(_mm512_fnmadd_ps(sixth, s12, _mm512_mul_ps(_mm512_set1_ps(0.25f), u[0])),
+                         _mm512_mul_ps(_mm512_set1_ps(1.0f / 24), s34));
+    o[1] = _mm512_fmadd_ps(sixth, d21, _mm512_mul_ps(_mm512_set1_ps(1.0f / 12), d34));
+    o[2] = _mm512_add_ps(_mm512_mul_ps(sixth, _mm512_sub_ps(s34, s12)), u[5]);
+}
+
+/* dkernel's 9 taps for 16 pairs of the plane from their dU (points rows
+   of 16 at `sum`, MPT__WKG_FINISH floats apart): Gᵀ dU G. */
+MPT__TARGET_AVX512 static void mpt__wkg_taps(const mpt__wkg_job *j, const float *sum,
+                                             __mmask16 k, __m512 *tap) {
+    const __m512 half = _mm512_set1_ps(0.5f);
+    int r, s;
+    if (j->tile == 4) {
+        __m512 u[6], t[3][6], row[6];
+        for (s = 0; s < 6; s++) { /* Gᵀ dU, column by column */
+            for (r = 0; r < 6; r++)
+                u[r] = _mm512_maskz_loadu_ps(k, sum + (6 * r + s) * MPT__WKG_FINISH);
+            mpt__wkg4_gt(u, row);
+            for (r = 0; r < 3; r++) t[r][s] = row[r];
+        }
+        for (r = 0; r < 3; r++) mpt__wkg4_gt(t[r], tap + 3 * r); /* then G along each row */
+        return;
+    }
+    {
+        __m512 u[16], t[12];
+        for (r = 0; r < 16; r++) u[r] = _mm512_maskz_loadu_ps(k, sum + r * MPT__WKG_FINISH);
+        for (s = 0; s < 4; s++) { /* Gᵀ dU: rows u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3 */
+            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(u[4 + s], u[8 + s]));
+            t[s] = _mm512_add_ps(u[s], p);
+            t[4 + s] = _mm512_mul_ps(half, _mm512_sub_ps(u[4 + s], u[8 + s]));
+            t[8 + s] = _mm512_add_ps(p, u[12 + s]);
+        }
+        for (r = 0; r < 3; r++) { /* (Gᵀ dU) G: the same on each row */
+            const __m512 p = _mm512_mul_ps(half, _mm512_add_ps(t[4 * r + 1], t[4 * r + 2]));
+            tap[3 * r] = _mm512_add_ps(t[4 * r], p);
+            tap[3 * r + 1] = _mm512_mul_ps(half, _mm512_sub_ps(t[4 * r + 1], t[4 * r + 2]));
+            tap[3 * r + 2] = _mm512_add_ps(p, t[4 * r + 3]);
+        }
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__wkg_finish(void *arg, int64_t task, int thread) {
+    const mpt__wkg_job *j = (const mpt__wkg_job *)arg;
+    const int64_t plane = j->g->c * j->a->f, e0 = task * MPT__WKG_FINISH;
+    const int64_t len = MPT__MIN(MPT__WKG_FINISH, plane - e0);
+    const int points = j->points;
+    float sum[36 * MPT__WKG_FINISH];
+    float *dk = j->a->dkernel;
+    int64_t q, e;
+    int r;
+    (void)thread;
+    for (r = 0; r < points; r++)
+        memcpy(sum + r * MPT__WKG_FINISH, j->du + r * plane + e0, 4 * (size_t)len);
+    for (q = 1; q < j->tasks; q++)
+        for (r = 0; r < points; r++) {
+            const float *src = j->du + (q * points + r) * plane + e0;
+            float *acc = sum + r * MPT__WKG_FINISH;
+            for (e = 0; e < len; e += 16) {
+                const __mmask16 k = mpt__gemm_mask16((int)(len - e));
+                _mm512_mask_storeu_ps(acc + e, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + e),
+                                                                _mm512_maskz_loadu_ps(k, src + e)));
+            }
+        }
+    for (e = 0; e < len; e += 16) {
+        const __mmask16 k = mpt__gemm_mask16((int)(len - e));
+        __m512 tap[9];
+        mpt__wkg_taps(j, sum + e, k, tap);
+        for (r = 0; r < 9; r++) {
+            float *dst = dk + r * plane + e0 + e;
+            if (j->a->accumulate) tap[r] = _mm512_add_ps(tap[r], _mm512_maskz_loadu_ps(k, dst));
+            _mm512_mask_storeu_ps(dst, k, tap[r]);
+        }
+    }
+}
+
+/* The kernel gradient by Winograd's transform on tiles of tile × tile
+   outputs (2 or 4); ws: MPT_CONV_WINO_KGRAD_WS_BYTES. */
+static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a, int tile) {
+    const mpt_window *g = a->g;
+    mpt__wkg_job j;
+    float *zero;
+    j.a = a;
+    j.g = g;
+    j.ctx = ctx;
+    j.tile = tile;
+    j.points = (j.tile + 2) * (j.tile + 2);
+    j.th = (g->oh + j.tile - 1) / j.tile;
+    j.tw = (g->ow + j.tile - 1) / j.tile;
+    j.tiles = a->n * j.th * j.tw;
+    j.cb = (g->c + 7) / 8;
+    j.fb = (a->f + 31) / 32;
+    /* 4×4 tiles: as many floats of V and dM in 36 planes as 2×2's in 16.
+       (Twice as many made the layer alone faster for 64 channels and
+       filters, but the CNN's training step 1.15× slower: the spans' V and
+       dM then crowd the core's cache, and a chunk's spans fall in fewer
+       groups, 2 or 3, unevenly shared by two threads.) */
+    j.span = MPT__MAX(1, mpt__wkg_span(g->c, a->f) * 16 / j.points);
+    j.spans = (j.tiles + j.span - 1) / j.span;
+    j.tasks = MPT__MIN(MPT__MAX(1, j.spans / MPT__WKG_GROUP_SPANS), MPT_CONV_WINO_KGRAD_GROUPS);
+    j.v_plane = (g->c + 15) / 16 * j.span * 16 + MPT__WKG_PLANE_PAD;
+    j.dm_plane = j.fb * j.span * 32 + MPT__WKG_PLANE_PAD;
+    j.du = (float *)a->ws;
+    zero = j.du + j.tasks * j.points * g->c * a->f;
+    memset(zero, 0, sizeof(float) * (size_t)g->c);
+    j.zero = (const unsigned char *)zero;
+    mpt__parallel_for(ctx, j.tasks, mpt__wkg_task, &j);
+    mpt__parallel_for(ctx, (g->c * a->f + MPT__WKG_FINISH - 1) / MPT__WKG_FINISH, mpt__wkg_finish,
+                      &j);
+}
+#endif /* MPT__X86 */
+
+/* =============================================================================
+   @impl-conv-kernel-grad: Conv2D's kernel gradient by direct tiles and pixel pairs
+   ============================================================================= */
+
+/* The kernel gradient without cols: dkernel row k = (tap, c) is the sum
+   over the output pixels of x's channel c at that tap times the pixel's
+   dz row. A task owns a block of 12 rows (float32: 8; channels c0.. of
+   one tap) by 32 filters and runs over every pixel in order, so nothing depends on the
+   thread count; taps in the padding add nothing and are skipped. Per
+   pixel: the 12 channels (bfloat16 widened, exactly) stored once for the
+   broadcasts, dz's row (widened) loaded, 24 FMAs. With AVX-512 BF16,
+   bfloat16 takes the pixels two at a time instead (24 vdpbf16ps per
+   pair: mpt__dconv_kgrad_tile_bf16), where the pixel-pair tables below
+   (mpt__kgrad_pairs) do not take the case: an odd number of output
+   columns. The sums are float32 in another order than the GEMM's (not its
+   bits). */
+typedef struct mpt__dconv_kgrad_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    int rows;                 /* channels per block: 12, float32's 8    */
+    int64_t cblocks, fblocks; /* channel and 32-filter blocks            */
+    int dot_pairs;            /* bfloat16 with AVX-512 BF16: pixel pairs */
+} mpt__dconv_kgrad_job;
+
+#if MPT__X86
+/* 16 bfloat16 (lanes under k; the others 0) as float32: exact. The masked
+   forms, as the GEMM's packing writes them (g++ warns of the unmasked
+   ones' undefined source). */
+MPT__TARGET_AVX512 static __m512 mpt__bf16_widen_avx512(__mmask16 k, const mpt_bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+        k, _mm512_maskz_cvtepu16_epi32(k, _mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job *j, int64_t t,
+                                                     int64_t c0, int m, int64_t f0, int nb,
+                                                     float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
+    const int bf16 = a->dtype == MPT_BFLOAT16;
+    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
+                    k1 = mpt__gemm_mask16(nb - 16);
+    float chans[16];
+    int64_t b, oy, ox;
+    MPT__ROWS12(MPT__DCONV_ACC)
+    for (b = 0; b < a->n; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            if (y < 0 || y >= g->h) continue;
+            for (ox = 0; ox < g->ow; ox++) {
+                const int64_t x = ox * g->sw - g->left + k;
+                const int64_t src = ((b * g->h + y) * g->w + x) * g->c + c0;
+                const int64_t dst = ((b * g->oh + oy) * g->ow + ox) * f + f0;
+                __m512 d0, d1, ai;
+                if (x < 0 || x >= g->w) continue;
+                if (bf16) {
+                    _mm512_storeu_ps(chans, mpt__bf16_widen_avx512(km, (const mpt_bf16 *)a->x + src));
+                    d0 = mpt__bf16_widen_avx512(k0, (const mpt_bf16 *)a->dz + dst);
+                    d1 = mpt__bf16_widen_avx512(k1, (const mpt_bf16 *)a->dz + dst + 16);
+                } else {
+                    _mm512_storeu_ps(chans, _mm512_maskz_loadu_ps(km, (const float *)a->x + src));
+                    d0 = _mm512_maskz_loadu_ps(k0, (const float *)a->dz + dst);
+                    d1 = _mm512_maskz_loadu_ps(k1, (const float *)a->dz + dst + 16);
+                }
+#define MPT__F(r)                                  \
+    ai = _mm512_set1_ps(chans[r]);                 \
+    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
+    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
+                MPT__ROWS12(MPT__F)
+#undef MPT__F
+            }
+        }
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+}
+
+/* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a
+   time (an odd last one with a zero partner), one vdpbf16ps per pair of
+   pixels for 16 filters, so half the instructions of the widening tile.
+   The products are exact in float32; the pairs' sums are float32, in
+   another order than the widening tile's (neither is the GEMM's bits).
+   No calls inside the loop: each would spill the 24 accumulators. */
+MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_kgrad_job *j,
+                                                               int64_t t, int64_t c0, int m,
+                                                               int64_t f0, int nb, float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f;
+    const mpt_bf16 *x = (const mpt_bf16 *)a->x + c0, *dz = (const mpt_bf16 *)a->dz + f0;
+    const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
+                    k1 = mpt__gemm_mask16(nb - 16);
+    uint32_t chans[16];
+    const mpt_bf16 *x0 = NULL, *dz0 = NULL; /* the pixel waiting for its partner */
+    __m512bh b0, b1, ai;
+    int64_t b, oy, ox;
+    MPT__ROWS12(MPT__DCONV_ACC)
+/* The pair (x0, dz0) and (x1, dz1); masks 0 read the partner as zeros. */
+#define MPT__PAIR(x1, dz1, qm, q0, q1)                                                        \
+    _mm512_storeu_si512(chans, mpt__bf16_interleave_avx512(km, x0, qm, x1));                \
+    b0 = (__m512bh)mpt__bf16_interleave_avx512(k0, dz0, q0, dz1);                           \
+    b1 = (__m512bh)mpt__bf16_interleave_avx512(k1, dz0 + 16, q1, (dz1) + 16);               \
+    MPT__ROWS12(MPT__F)
+#define MPT__F(r)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)chans[r]);         \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, b0);             \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, b1);
+    for (b = 0; b < a->n; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            if (y < 0 || y >= g->h) continue;
+            for (ox = 0; ox < g->ow; ox++) {
+                const int64_t xx = ox * g->sw - g->left + k;
+                const mpt_bf16 *xp = x + ((b * g->h + y) * g->w + xx) * g->c;
+                const mpt_bf16 *dp = dz + ((b * g->oh + oy) * g->ow + ox) * f;
+                if (xx < 0 || xx >= g->w) continue;
+                if (!x0) {
+                    x0 = xp, dz0 = dp;
+                    continue;
+                }
+                MPT__PAIR(xp, dp, km, k0, k1)
+                x0 = NULL;
+            }
+        }
+    if (x0) {
+        MPT__PAIR(x0, dz0, 0, 0, 0)
+    }
+#undef MPT__F
+#undef MPT__PAIR
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+}
+
+/* float32's tile: 8 channels by 32 filters, 16 accumulators. The 8
+   channels are broadcast straight from x (a block of them read by each
+   pixel) and only the pixels whose tap lies inside the image are visited,
+   so the loop body is 2 loads of dz, 8 broadcasts and 16 FMAs. c0 is at
+   most C − 8: a last block that would run past C starts earlier and
+   recomputes rows its neighbour owns (the caller stores only its own). */
+#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_job *j,
+                                                         int64_t t, int64_t c0, int64_t f0,
+                                                         int nb, float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = a->f, c = g->c;
+    const int64_t x_step = g->sw * c;
+    /* the output columns whose tap column x = ox·sw − left + k is inside */
+    const int64_t lo = g->left - k, hi = g->w - 1 + g->left - k;
+    const int64_t ox0 = lo <= 0 ? 0 : (lo + g->sw - 1) / g->sw;
+    const int64_t ox1 = hi < 0 ? -1 : MPT__MIN(g->ow - 1, hi / g->sw);
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t b, oy, ox;
+#define MPT__ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();
+    MPT__ROWS8(MPT__ACC)
+#undef MPT__ACC
+    for (b = 0; b < a->n && ox0 <= ox1; b++)
+        for (oy = 0; oy < g->oh; oy++) {
+            const int64_t y = oy * g->sh - g->top + i;
+            const float *xs, *ds;
+            if (y < 0 || y >= g->h) continue;
+            xs = (const float *)a->x + ((b * g->h + y) * g->w + ox0 * g->sw - g->left + k) * c + c0;
+            ds = (const float *)a->dz + ((b * g->oh + oy) * g->ow + ox0) * f + f0;
+            for (ox = ox0; ox <= ox1; ox++, xs += x_step, ds += f) {
+                const __m512 d0 = _mm512_maskz_loadu_ps(k0, ds);
+                const __m512 d1 = _mm512_maskz_loadu_ps(k1, ds + 16);
+                __m512 ai;
+#define MPT__F(r)                                  \
+    ai = _mm512_set1_ps(xs[r]);                    \
+    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
+    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
+                MPT__ROWS8(MPT__F)
+#undef MPT__F
+            }
+        }
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS8(MPT__S)
+#undef MPT__S
+}
+#undef MPT__ROWS8
+#undef MPT__DCONV_ACC
+
+/* ---- bfloat16 kernel gradient from tables of pixel pairs ------------------
+   vdpbf16ps multiplies pairs, and the kernel gradient sums over output
+   pixels, so its pairs are pairs of pixels. mpt__dconv_kgrad_tile_bf16
+   builds each pair of x and of dz inside its loop, again for every tap and
+   channel block: about as many loads, widenings and shuffles as
+   vdpbf16ps, and half the forward's speed (bench/bench_conv.c). Here the
+   pairs are built once per call, into two tables in ws:
+     dp (n, OH, OW/2, F): dz of pixels (oy, 2j) and (oy, 2j + 1), low, high;
+     xp (n, H, WP, C), WP = (OW − 1)·sw + kw: x at columns X and X + sw,
+        X = col − left, 0 outside the image;
+   the pair (2j, 2j + 1) meets x at columns 2j·sw + k − left and one stride
+   further, entry 2j·sw + k of xp's row, whatever the tap (i, k). The
+   tile's loop is then the forward's: per pair of pixels two loads of dz,
+   eight broadcasts straight from xp and sixteen vdpbf16ps. A pair never
+   spans two output rows (OW even), so a tap whose row is in the padding
+   skips whole pairs, and pairs with both pixels' taps outside are
+   skipped; a pair with one of them outside multiplies xp's zero, as the
+   GEMM multiplies im2col's.
+   A task owns 8 channels (a last block that would run past C starts early
+   and recomputes rows its neighbour owns) by 32 filters of a group of
+   taps. It runs over the output rows a strip at a time and, per strip,
+   tap after tap, each tap's sums kept in memory in between: the strip's
+   rows of both tables are read from L1 by every tap rather than streamed
+   again per tap. Each sum adds the pairs in the same order whatever the
+   task split or the thread count; the sums are float32, in another order
+   than the GEMM's. */
+#define MPT__KGRAD_PAIRS_ROWS 8   /* channels per tile                */
+#define MPT__KGRAD_PAIRS_STRIP 8  /* output rows per step of a task    */
+#define MPT__KGRAD_PAIRS_TAPS 16  /* taps per task at most             */
+#define MPT__KGRAD_PACK_ROWS 8    /* table rows per packing task       */
+
+typedef struct mpt__kgrad_pairs_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    int64_t wp;                   /* xp's columns: (OW − 1)·sw + kw        */
+    uint32_t *xp, *dp;            /* the tables above, in ws               */
+    int64_t cblocks, fblocks;     /* 8-channel and 32-filter blocks        */
+    int64_t group;                /* taps per task                         */
+} mpt__kgrad_pairs_job;
+
+/* The pair tables' rows [row, row + MPT__KGRAD_PACK_ROWS): xp's n·H rows,
+   then dp's n·OH. */
+MPT__TARGET_AVX512 static void mpt__kgrad_pairs_pack(const mpt__kgrad_pairs_job *j, int64_t row) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t xrows = a->n * g->h, end = MPT__MIN(row + MPT__KGRAD_PACK_ROWS,
+                                                      xrows + a->n * g->oh);
+    int64_t col, c;
+    for (; row < end; row++) {
+        if (row < xrows) { /* xp's row (b, y) */
+            const mpt_bf16 *src = (const mpt_bf16 *)a->x + row * g->w * g->c;
+            uint32_t *dst = j->xp + row * j->wp * g->c;
+            for (col = 0; col < j->wp; col++, dst += g->c) {
+                const int64_t xl = col - g->left, xh = xl + g->sw;
+                const int in_l = xl >= 0 && xl < g->w, in_h = xh >= 0 && xh < g->w;
+                /* a pixel outside reads nothing (mask 0) at the row's start */
+                const mpt_bf16 *pl = src + (in_l ? xl : 0) * g->c;
+                const mpt_bf16 *ph = src + (in_h ? xh : 0) * g->c;
+                for (c = 0; c < g->c; c += 16) {
+                    const __mmask16 kc = mpt__gemm_mask16((int)MPT__MIN(16, g->c - c));
+                    _mm512_mask_storeu_epi32(dst + c, kc,
+                                             mpt__bf16_interleave_avx512(in_l ? kc : 0, pl + c,
+                                                                         in_h ? kc : 0, ph + c));
+                }
+            }
+        } else { /* dp's row (b, oy) */
+            const int64_t r = row - xrows, half = g->ow / 2, f = a->f;
+            const mpt_bf16 *src = (const mpt_bf16 *)a->dz + r * g->ow * f;
+            uint32_t *dst = j->dp + r * half * f;
+            for (col = 0; col < half; col++, dst += f, src += 2 * f)
+                for (c = 0; c < f; c += 16) {
+                    const __mmask16 kc = mpt__gemm_mask16((int)MPT__MIN(16, f - c));
+                    _mm512_mask_storeu_epi32(dst + c, kc,
+                                             mpt__bf16_interleave_avx512(kc, src + c, kc,
+                                                                         src + f + c));
+                }
+        }
+    }
+}
+
+static void mpt__kgrad_pairs_pack_task(void *arg, int64_t task, int thread) {
+    (void)thread;
+    mpt__kgrad_pairs_pack((const mpt__kgrad_pairs_job *)arg, task * MPT__KGRAD_PACK_ROWS);
+}
+
+#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+/* Adds tap t's sums over the output rows [q0, q1) (q = b·OH + oy) to
+   tile: channels c0.. by filters f0.. (nb of them), 32 floats a row. */
+MPT__TARGET_AVX512_BF16 static void mpt__kgrad_pairs_tile(const mpt__kgrad_pairs_job *j,
+                                                          int64_t t, int64_t c0, int64_t f0,
+                                                          int nb, int64_t q0, int64_t q1,
+                                                          float *tile) {
+    const mpt_window *g = j->g;
+    const int64_t i = t / g->kw, k = t % g->kw, f = j->a->f, half = g->ow / 2;
+    const int64_t step = 2 * g->sw * g->c; /* xp from one pair to the next */
+    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
+    int64_t p0 = 0, p1 = half, q, p;
+    /* the pairs with a pixel whose tap column is inside the image */
+    while (p0 < half && (2 * p0 + 1) * g->sw + k - g->left < 0) p0++;
+    while (p1 > p0 && 2 * (p1 - 1) * g->sw + k - g->left >= g->w) p1--;
+#define MPT__ACC(r)                                     \
+    __m512 c##r##0 = _mm512_loadu_ps(tile + 32 * r);    \
+    __m512 c##r##1 = _mm512_loadu_ps(tile + 32 * r + 16);
+    MPT__ROWS8(MPT__ACC)
+#undef MPT__ACC
+    for (q = q0; q < q1; q++) {
+        const int64_t b = q / g->oh, y = q % g->oh * g->sh - g->top + i;
+        const uint32_t *xs, *ds;
+        if (y < 0 || y >= g->h) continue;
+        xs = j->xp + ((b * g->h + y) * j->wp + 2 * p0 * g->sw + k) * g->c + c0;
+        ds = j->dp + (q * half + p0) * f + f0;
+        for (p = p0; p < p1; p++, xs += step, ds += f) {
+            const __m512bh d0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, ds);
+            const __m512bh d1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, ds + 16);
+            __m512bh ai;
+#define MPT__F(r)                                            \
+    ai = (__m512bh)_mm512_set1_epi32((int)xs[r]);            \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, d0);             \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, d1);
+            MPT__ROWS8(MPT__F)
+#undef MPT__F
+        }
+    }
+#define MPT__S(r)                                  \
+    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
+    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
+    MPT__ROWS8(MPT__S)
+#undef MPT__S
+}
+#undef MPT__ROWS8
+
+/* Task: (group of taps, channel block, filter block). */
+static void mpt__kgrad_pairs_task(void *arg, int64_t task, int thread) {
+    const mpt__kgrad_pairs_job *j = (const mpt__kgrad_pairs_job *)arg;
+    const mpt_conv_args *a = j->a;
+    const int64_t per_group = j->cblocks * j->fblocks, taps = j->g->kh * j->g->kw;
+    const int64_t t0 = task / per_group * j->group, t1 = MPT__MIN(taps, t0 + j->group);
+    const int64_t own = task % per_group / j->fblocks * MPT__KGRAD_PAIRS_ROWS;
+    const int64_t c0 = MPT__MIN(own, j->g->c - MPT__KGRAD_PAIRS_ROWS);
+    const int64_t f0 = task % j->fblocks * 32, rows = a->n * j->g->oh;
+    const int nb = (int)MPT__MIN(32, a->f - f0);
+    float tiles[MPT__KGRAD_PAIRS_TAPS][MPT__KGRAD_PAIRS_ROWS * 32];
+    int64_t q0, t;
+    int r, o;
+    (void)thread;
+    memset(tiles, 0, sizeof tiles);
+    for (q0 = 0; q0 < rows; q0 += MPT__KGRAD_PAIRS_STRIP)
+        for (t = t0; t < t1; t++)
+            mpt__kgrad_pairs_tile(j, t, c0, f0, nb, q0, MPT__MIN(rows, q0 + MPT__KGRAD_PAIRS_STRIP),
+                                  tiles[t - t0]);
+    for (t = t0; t < t1; t++)
+        for (r = (int)(own - c0); r < MPT__KGRAD_PAIRS_ROWS; r++) {
+            float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
+            const float *sum = tiles[t - t0] + 32 * r;
+            for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
+        }
+}
+
+/* Whether mpt__kgrad_pairs takes the case: bfloat16 on a CPU with AVX-512
+   BF16, an even number of output columns, the tables' workspace given, at
+   least 12 channels (fewer: mpt__kgrad_win_sums) and at most 64 filters:
+   the CNN's 32- and 64-filter layers ran their backward without dx 1.6×
+   (32 filters, against the former pairs) and 1.0-1.2× (64, against
+   im2col + GEMM) as fast in bench/bench_conv.c (1 thread, CPU time);
+   more filters were not measured. */
+static int mpt__kgrad_pairs_takes(const mpt_context *ctx, const mpt_conv_args *a) {
+    return a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16) && a->ws &&
+           a->g->ow % 2 == 0 && a->g->c >= MPT__DCONV_MR && a->f <= 64;
+}
+
+/* The kernel gradient from the pair tables: packed, then summed. */
+static void mpt__kgrad_pairs(mpt_context *ctx, const mpt_conv_args *a) {
+    mpt__kgrad_pairs_job j;
+    const int64_t taps = a->g->kh * a->g->kw, threads = ctx->pool.started + 1;
+    const int64_t pack_rows = a->n * (a->g->h + a->g->oh);
+    int64_t groups;
+    j.a = a;
+    j.g = a->g;
+    j.wp = (a->g->ow - 1) * a->g->sw + a->g->kw;
+    j.xp = (uint32_t *)a->ws;
+    j.dp = j.xp + (a->n * a->g->h * j.wp * a->g->c + 15) / 16 * 16;
+    j.cblocks = (a->g->c + MPT__KGRAD_PAIRS_ROWS - 1) / MPT__KGRAD_PAIRS_ROWS;
+    j.fblocks = (a->f + 31) / 32;
+    /* Taps split only as far as it takes for two tasks a thread: each
+       group reads dz again. The split leaves every sum as it was. */
+    groups = MPT__MAX((taps + MPT__KGRAD_PAIRS_TAPS - 1) / MPT__KGRAD_PAIRS_TAPS,
+                      MPT__MIN(taps, (2 * threads + j.cblocks * j.fblocks - 1) /
+                                         (j.cblocks * j.fblocks)));
+    j.group = (taps + groups - 1) / groups;
+    groups = (taps + j.group - 1) / j.group;
+    mpt__parallel_for(ctx, (pack_rows + MPT__KGRAD_PACK_ROWS - 1) / MPT__KGRAD_PACK_ROWS,
+                      mpt__kgrad_pairs_pack_task, &j);
+    mpt__parallel_for(ctx, groups * j.cblocks * j.fblocks, mpt__kgrad_pairs_task, &j);
+}
+#endif
+
+/* The kernel gradient of a shallow input: fewer channels than a tile
+   above has rows (a first layer's one-channel or RGB image), which would
+   leave most of each tile idle, while the GEMM path's product has only
+   kk = kh·kw·C rows (9 for a one-channel 3×3, under one 12-row tile) and
+   needs im2col first. Here a tile is 12 consecutive rows k = (tap,
+   channel) of dkernel, across taps, by 32 filters: per output pixel, the
+   12 inputs its window reads at those rows (0 in the padding, multiplied
+   like im2col's zeros) are broadcast against dz's 32 values, so each of
+   dz's cache lines is read once. With so few tiles (one for the CNN's
+   first layer), a task takes a tile over one part of the pixels,
+   MPT_CONV_SHALLOW_KGRAD_PART of them, and stores its sums in the
+   workspace; a second pass adds the parts in order. Parts depend on the
+   shape alone: the same bits for any thread count (float32 sums in
+   another order than the GEMM's: not its bits). A first layer needs no
+   dx, so dz serves only this and the bias gradient: given dy and the
+   forward's output instead (mpt_conv_args.dy), a task makes ReLU's dz in
+   registers and sums the bias too, in a 13th row of its tile, and dz is
+   never written (two passes over an 11 MB tensor fewer in the CNN's first
+   layer, float32). dkernel's bits are the same either way. */
+#define MPT__KGRAD_WIN_ROWS 12
+#define MPT__KGRAD_WIN_FILTERS 32
+#define MPT__KGRAD_WIN_TILE ((MPT__KGRAD_WIN_ROWS + 1) * MPT__KGRAD_WIN_FILTERS) /* + the bias */
+
+typedef struct mpt__kgrad_win_job {
+    const mpt_conv_args *a;
+    const mpt_window *g;
+    int64_t kk;               /* kh·kw·C: dkernel's rows             */
+    int64_t kblocks, fblocks; /* 12-row and 32-filter blocks         */
+    int64_t pixels, parts;    /* n·OH·OW, in parts of ..._PART       */
+    float *sums;              /* (parts, kblocks, fblocks, tile)     */
+} mpt__kgrad_win_job;
+
+#if MPT__X86
+/* Element idx of x (float32, bfloat16 or float16) as float32: exact. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE float mpt__kgrad_win_value(mpt_dtype dtype,
+                                                                        const void *x,
+                                                                        int64_t idx) {
+    return dtype == MPT_BFLOAT16  ? mpt_bf16_to_float(((const mpt_bf16 *)x)[idx])
+           : dtype == MPT_FLOAT16 ? _cvtsh_ss(((const mpt_half *)x)[idx])
+                                  : ((const float *)x)[idx];
+}
+
+/* 16 values of a (n, OH, OW, F) tensor at element idx, as float32 (k:
+   which) */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_load(mpt_dtype dtype,
+                                                                        __mmask16 k,
+                                                                        const void *t,
+                                                                        int64_t idx) {
+    if (dtype == MPT_BFLOAT16) return mpt__bf16_widen_avx512(k, (const mpt_bf16 *)t + idx);
+    if (dtype == MPT_FLOAT16) /* (the maskz form: g++ warns of the other's undefined lanes) */
+        return _mm512_maskz_cvtph_ps(k, _mm256_maskz_loadu_epi16(k, (const mpt_half *)t + idx));
+    return _mm512_maskz_loadu_ps(k, (const float *)t + idx);
+}
+
+/* dz at idx: read, or made from dy (from_dy) as mpt__relu_backward_avx512
+   makes it (dy where !(out <= 0); no activation: dy) */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__kgrad_win_dz(mpt_dtype dtype,
+                                                                      int from_dy, __mmask16 k,
+                                                                      const mpt_conv_args *a,
+                                                                      int64_t idx) {
+    __m512 dy;
+    if (!from_dy) return mpt__kgrad_win_load(dtype, k, a->dz, idx);
+    dy = mpt__kgrad_win_load(dtype, k, a->dy, idx);
+    if (a->act != MPT_ACT_RELU) return dy;
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mpt__kgrad_win_load(dtype, k, a->out, idx),
+                                                  _mm512_setzero_ps(), _CMP_NLE_UQ),
+                               dy);
+}
+
+/* How many pixels ahead the shallow kernel gradient asks for dz (or dy
+   and the output): its part's rows stream from memory (11 MB in the
+   CNN's first layer), and the hardware's prefetch alone left it waiting
+   on them, at 9 GB/s (bench_conv conv1 backward without dx, float32:
+   1.38–1.87 → 0.74–1.23 ms with 8 or 16 ahead; bfloat16 1.03 → 0.71). */
+#define MPT__KGRAD_WIN_AHEAD 8
+
+#define MPT__KGRAD_WIN_ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0;
+/* Tile rows k0.. (m of them) by filters f0.. (nb of them; two: more than
+   16) over pixels [q0, q1), 32 floats a row; from_dy: dz made from dy,
+   and the bias's sums in row 12. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
+    const mpt__kgrad_win_job *j, mpt_dtype dtype, int two, int from_dy, int64_t k0, int m,
+    int64_t f0, int nb, int64_t q0, int64_t q1, float *tile) {
+    const mpt_conv_args *a = j->a;
+    const mpt_window *g = j->g;
+    const int64_t c = g->c, f = a->f, per = g->oh * g->ow;
+    const __mmask16 k_lo = mpt__gemm_mask16(nb), k_hi = mpt__gemm_mask16(nb - 16);
+    int64_t di[MPT__KGRAD_WIN_ROWS], dj[MPT__KGRAD_WIN_ROWS], off[MPT__KGRAD_WIN_ROWS];
+    float v[MPT__KGRAD_WIN_ROWS];
+    const size_t es = mpt_dtype_size(dtype), row_bytes = (size_t)nb * es;
+    int64_t q, b = q0 / per, oy = q0 % per / g->ow, ox = q0 % g->ow; /* pixel q */
+    int r;
+    __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0;
+    MPT__ROWS12(MPT__KGRAD_WIN_ACC)
+    for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
+        /* rows past m repeat the last one; the caller stores only m */
+        const int64_t k = k0 + MPT__MIN(r, m - 1), t = k / c;
+        di[r] = t / g->kw;
+        dj[r] = t % g->kw;
+        off[r] = (di[r] * g->w + dj[r]) * c + k % c; /* from the window's corner */
+    }
+    for (q = q0; q < q1; q++) {
+        const int64_t y0 = oy * g->sh - g->top, x0 = ox * g->sw - g->left;
+        const int64_t corner = ((b * g->h + y0) * g->w + x0) * c, dst = q * f + f0;
+        const __m512 d0 = mpt__kgrad_win_dz(dtype, from_dy, k_lo, a, dst);
+        const __m512 d1 = two ? mpt__kgrad_win_dz(dtype, from_dy, k_hi, a, dst + 16) : d0;
+        __m512 xr;
+        if (q + MPT__KGRAD_WIN_AHEAD < q1) {
+            const size_t at = (size_t)(dst + MPT__KGRAD_WIN_AHEAD * f) * es;
+            mpt__prefetch_row(from_dy ? a->dy : a->dz, at, row_bytes);
+            if (from_dy && a->act == MPT_ACT_RELU) mpt__prefetch_row(a->out, at, row_bytes);
+        }
+        if (from_dy) {
+            bias0 = _mm512_add_ps(bias0, d0);
+            if (two) bias1 = _mm512_add_ps(bias1, d1);
+        }
+        if (y0 >= 0 && y0 + g->kh <= g->h && x0 >= 0 && x0 + g->kw <= g->w) {
+#define MPT__F(r)                                                                       \
+    xr = _mm512_set1_ps(mpt__kgrad_win_value(dtype, a->x, corner + off[r]));           \
+    c##r##0 = _mm512_fmadd_ps(xr, d0, c##r##0);                                         \
+    if (two) c##r##1 = _mm512_fmadd_ps(xr, d1, c##r##1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        } else { /* the window crosses the padding */
+            for (r = 0; r < MPT__KGRAD_WIN_ROWS; r++) {
+                const int64_t y = y0 + di[r], x = x0 + dj[r];
+                v[r] = y >= 0 && y < g->h && x >= 0 && x < g->w
+                           ? mpt__kgrad_win_value(dtype, a->x, corner + off[r])
+                           : 0.0f;
+            }
+#define MPT__F(r)                                                                       \
+    xr = _mm512_set1_ps(v[r]);                                                          \
+    c##r##0 = _mm512_fmadd_ps(xr, d0, c##r##0);                                         \
+    if (two) c##r##1 = _mm512_fmadd_ps(xr, d1, c##r##1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+        if (++ox == g->ow) { /* the next pixel, without a division */
+            ox = 0;
+            if (++oy == g->oh) oy = 0, b++;
+        }
+    }
+#define MPT__S(r)                                                                       \
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r, c##r##0);                      \
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * r + 16, two ? c##r##1 : _mm512_setzero_ps());
+    MPT__ROWS12(MPT__S)
+#undef MPT__S
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * 12, bias0);
+    _mm512_storeu_ps(tile + MPT__KGRAD_WIN_FILTERS * 12 + 16, bias1);
+}
+#undef MPT__KGRAD_WIN_ACC
+
+/* One copy per dtype, width (two: more than 16 filters) and source of dz
+   (from_dy), each with its loads inline; [float32, bfloat16, float16][two][from_dy]. */
+#define MPT__KGRAD_WIN_SUMS(name, dtype, two, from_dy)                                        \
+    MPT__TARGET_AVX512 static void name(const mpt__kgrad_win_job *j, int64_t k0, int m,      \
+                                        int64_t f0, int nb, int64_t q0, int64_t q1,          \
+                                        float *tile) {                                       \
+        mpt__kgrad_win_sums(j, dtype, two, from_dy, k0, m, f0, nb, q0, q1, tile);            \
+    }
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, MPT_FLOAT32, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16_dy, MPT_FLOAT32, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, MPT_FLOAT32, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_dy, MPT_FLOAT32, 1, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, MPT_BFLOAT16, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16_dy, MPT_BFLOAT16, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, MPT_BFLOAT16, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_dy, MPT_BFLOAT16, 1, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16, MPT_FLOAT16, 0, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16_dy, MPT_FLOAT16, 0, 1)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16, MPT_FLOAT16, 1, 0)
+MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_dy, MPT_FLOAT16, 1, 1)
+#undef MPT__KGRAD_WIN_SUMS
+
+typedef void (*mpt__kgrad_win_sums_fn)(const mpt__kgrad_win_job *j, int64_t k0, int m,
+                                       int64_t f0, int nb, int64_t q0, int64_t q1, float *tile);
+static const mpt__kgrad_win_sums_fn mpt__kgrad_win_sums_fns[3][2][2] = {
+    {{mpt__kgrad_win_sums_f32_16, mpt__kgrad_win_sums_f32_16_dy},
+     {mpt__kgrad_win_sums_f32, mpt__kgrad_win_sums_f32_dy}},
+    {{mpt__kgrad_win_sums_bf16_16, mpt__kgrad_win_sums_bf16_16_dy},
+     {mpt__kgrad_win_sums_bf16, mpt__kgrad_win_sums_bf16_dy}},
+    {{mpt__kgrad_win_sums_f16_16, mpt__kgrad_win_sums_f16_16_dy},
+     {mpt__kgrad_win_sums_f16, mpt__kgrad_win_sums_f16_dy}}};
+#endif
+
+/* Task = (part, row block, filter block): its tile's sums over its part. */
+static void mpt__kgrad_win_task(void *arg, int64_t task, int thread) {
+    const mpt__kgrad_win_job *j = (const mpt__kgrad_win_job *)arg;
+    const mpt_conv_args *a = j->a;
+    const int64_t tile = task % (j->kblocks * j->fblocks), part = task / (j->kblocks * j->fblocks);
+    const int64_t k0 = tile / j->fblocks * MPT__KGRAD_WIN_ROWS;
+    const int64_t f0 = tile % j->fblocks * MPT__KGRAD_WIN_FILTERS;
+    const int64_t q0 = part * MPT_CONV_SHALLOW_KGRAD_PART;
+    const int64_t q1 = MPT__MIN(j->pixels, q0 + MPT_CONV_SHALLOW_KGRAD_PART);
+    const int m = (int)MPT__MIN(MPT__KGRAD_WIN_ROWS, j->kk - k0);
+    const int nb = (int)MPT__MIN(MPT__KGRAD_WIN_FILTERS, a->f - f0);
+    float *sums = j->sums + task * MPT__KGRAD_WIN_TILE;
+    (void)thread;
+#if MPT__X86
+    mpt__kgrad_win_sums_fns[a->dtype == MPT_BFLOAT16 ? 1 : a->dtype == MPT_FLOAT16 ? 2 : 0]
+                           [nb > 16][a->dy != NULL](j, k0, m, f0, nb, q0, q1, sums);
+#else
+    (void)k0, (void)f0, (void)q0, (void)q1, (void)m, (void)nb;
+    memset(sums, 0, sizeof(float) * MPT__KGRAD_WIN_TILE); /* never called: conv_direct declines */
+#endif
+}
+
+/* Element at of every part's tiles, added in part order. */
+static float mpt__kgrad_win_parts_sum(const mpt__kgrad_win_job *j, int64_t at) {
+    const int64_t stride = j->kblocks * j->fblocks * MPT__KGRAD_WIN_TILE;
+    float sum = j->sums[at];
+    int64_t part;
+    for (part = 1; part < j->parts; part++) sum += j->sums[part * stride + at];
+    return sum;
+}
+
+/* dkernel (and dbias, from the first row block's tiles) from the parts'
+   sums (added to what they hold when accumulating). */
+static void mpt__kgrad_win_finish(const mpt__kgrad_win_job *j) {
+    const mpt_conv_args *a = j->a;
+    const int64_t rows = MPT__KGRAD_WIN_ROWS, cols = MPT__KGRAD_WIN_FILTERS;
+    int64_t k, o;
+    for (o = 0; a->dy && a->dbias && o < a->f; o++) {
+        const float sum =
+            mpt__kgrad_win_parts_sum(j, o / cols * MPT__KGRAD_WIN_TILE + rows * cols + o % cols);
+        a->dbias[o] = a->accumulate ? a->dbias[o] + sum : sum;
+    }
+    for (k = 0; k < j->kk; k++)
+        for (o = 0; o < a->f; o++) {
+            const float sum = mpt__kgrad_win_parts_sum(
+                j, (k / rows * j->fblocks + o / cols) * MPT__KGRAD_WIN_TILE + k % rows * cols +
+                       o % cols);
+            a->dkernel[k * a->f + o] = a->accumulate ? a->dkernel[k * a->f + o] + sum : sum;
+        }
+}
+
+static void mpt__kgrad_win(mpt_context *ctx, const mpt_conv_args *a) {
+    mpt__kgrad_win_job w;
+    w.a = a;
+    w.g = a->g;
+    w.kk = a->g->kh * a->g->kw * a->g->c;
+    w.kblocks = (w.kk + MPT__KGRAD_WIN_ROWS - 1) / MPT__KGRAD_WIN_ROWS;
+    w.fblocks = (a->f + MPT__KGRAD_WIN_FILTERS - 1) / MPT__KGRAD_WIN_FILTERS;
+    w.pixels = a->n * a->g->oh * a->g->ow;
+    w.parts = (w.pixels + MPT_CONV_SHALLOW_KGRAD_PART - 1) / MPT_CONV_SHALLOW_KGRAD_PART;
+    w.sums = (float *)a->ws;
+    mpt__parallel_for(ctx, w.parts * w.kblocks * w.fblocks, mpt__kgrad_win_task, &w);
+    mpt__kgrad_win_finish(&w);
+}
+
+static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
+    const mpt__dconv_kgrad_job *j = (const mpt__dconv_kgrad_job *)arg;
+    const mpt_conv_args *a = j->a;
+    const int64_t per_tap = j->cblocks * j->fblocks, t = task / per_tap;
+    const int64_t c0 = task % per_tap / j->fblocks * j->rows;
+    const int64_t f0 = task % j->fblocks * 32;
+    const int m = (int)MPT__MIN(j->rows, j->g->c - c0), nb = (int)MPT__MIN(32, a->f - f0);
+    /* float32's last block starts early (shift rows) rather than run past C */
+    const int64_t shift = a->dtype == MPT_FLOAT32 ? j->rows - m : 0;
+    float tile[MPT__DCONV_MR * 32];
+    int r, o;
+    (void)thread;
+#if MPT__X86
+    if (a->dtype == MPT_FLOAT32)
+        mpt__dconv_kgrad_tile_f32(j, t, c0 - shift, f0, nb, tile);
+    else if (j->dot_pairs)
+        mpt__dconv_kgrad_tile_bf16(j, t, c0, m, f0, nb, tile);
+    else
+        mpt__dconv_kgrad_tile(j, t, c0, m, f0, nb, tile);
+#else
+    memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
+#endif
+    for (r = 0; r < m; r++) {
+        float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
+        const float *sum = tile + 32 * (r + shift);
+        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
+    }
+}
+
+/* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least
+   a tile's channels (fewer would leave most of each tile idle). bfloat16:
+   at most 32 filters (with more, each pixel's channels are widened once
+   per 32 filters, and bench/bench_conv.c measured 0.8-1.0× the GEMM's
+   speed at 64; the bfloat16 pairs 0.66-0.76×). float32, which broadcasts
+   its channels straight from x: up to 64 filters, where bench/bench_conv.c
+   measured the CNN's 32- and 64-filter layers' backward without dx
+   1.1-1.3× faster than before (1 thread, CPU time). Fewer channels than
+   that (float32 or bfloat16, any number of filters): the tiles across
+   taps of mpt__kgrad_win_sums. bfloat16 with AVX-512 BF16 and the
+   workspace (the layer's backward gives it): the pixel-pair tables of
+   mpt__kgrad_pairs where mpt__kgrad_pairs_takes says so, before all
+   these. */
+static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
+    mpt__dconv_kgrad_job j;
+    if ((ctx->cpu & MPT_CPU_AVX512) && mpt__conv_shallow(a->dtype, a->g->c)) {
+        if (!a->ws || (a->dy && a->act != MPT_ACT_RELU && a->act != MPT_ACT_NONE)) return 0;
+        mpt__kgrad_win(ctx, a);
+        return 1;
+    }
+    if (a->dy) return 0; /* only the shallow tiles make dz themselves */
+#if MPT__X86
+    if (mpt__wkg_takes(ctx, a)) {
+        mpt__wkg(ctx, a, mpt__wino_tile_for(a));
+        return 1;
+    }
+#endif
+    j.dot_pairs = a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16);
+    j.rows = a->dtype == MPT_FLOAT32 ? MPT__DCONV_KGRAD_F32_ROWS : MPT__DCONV_MR;
+#if MPT__X86
+    if (mpt__kgrad_pairs_takes(ctx, a)) {
+        mpt__kgrad_pairs(ctx, a);
+        return 1;
+    }
+#endif
+    if (!(ctx->cpu & MPT_CPU_AVX512) || a->g->c < j.rows ||
+        (a->dtype == MPT_FLOAT32 ? a->f > MPT__DCONV_KGRAD_F32_MAX_F
+                                 : a->dtype != MPT_BFLOAT16 || a->f > 32))
+        return 0;
+    j.a = a;
+    j.g = a->g;
+    j.cblocks = (a->g->c + j.rows - 1) / j.rows;
+    j.fblocks = (a->f + 31) / 32;
+    mpt__parallel_for(ctx, a->g->kh * a->g->kw * j.cblocks * j.fblocks, mpt__dconv_kgrad_task, &j);
+    return 1;
+}
+
+/* =============================================================================
+   @impl-qgemm  the int8 matrix product (mpt_qgemm)
+   =============================================================================
+
+   ZERO POINTS. The fast kernels multiply unsigned by signed bytes (the
+   operand types of vpdpbusd), so A is shifted to u = A + o, o = 128 for
+   int8 A (the byte with its top bit flipped) and 0 for uint8, and its zero
+   point with it: zu = a_zero_point + o, in [0, 255]. With zb = b_zero_point,
+
+       Σ_k (A − a_zero_point)(B − zb) = Σ_k (u − zu)(B − zb)
+                                      = Σ_k u·B − zu·Σ_k B − zb·Σ_k u + K·zu·zb
+
+   so the kernels compute only the raw Σ u·B (|u·B| ≤ 255·128, exact in
+   int32 up to K = 2^16), and the epilogue adds the rest from the column
+   sums of B (taken while packing B) and the row sums of u (taken while
+   packing A), in int64, or in wrapping int32 arithmetic, which is exact
+   because the result fits (MPT_QGEMM_MAX_K). Nothing is rounded before
+   the requantization, and it does the same integer steps on every path.
+
+   PACKING. The depth is cut into groups that fill a 32-bit lane: 4 k as
+   bytes for vpdpbusd (and the portable kernel), 2 k as int16 for the
+   AVX-512 and AVX2 kernels, whose vpmaddwd multiplies and adds pairs of
+   int16 exactly (vpmaddubsw would saturate its int16 pair sums). B is
+   packed once per call (or ahead, by mpt_qgemm_pack_b, into the same
+   layout), whole (K ≤ MPT_QGEMM_MAX_K), in panels of NR
+   columns × every group, [group][column][4 bytes | 2 int16], zero-padded;
+   a last panel of at most NR/2 columns is packed NR/2 wide. Each task
+   packs an MR-row panel of A, [group][row][...], into its thread's scratch
+   (at most 768 KiB) and runs the micro-kernel over its columns.
+
+   TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
+   multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
+   are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
+   portable C 4×8. The VNNI kernel reads A's rows in place (K ≥ 4), as
+   fast as a packed panel once the flip is a vector xor, so that A is
+   never packed: packing cost as much as a tile's products per panel, and
+   more than the whole product of a 3×3 conv's 9-byte im2col rows or a
+   classifier's 10-column Dense; except in the panel of A's last row (a
+   group's bytes past K would lie past A). The raw sums go to an MR×NR
+   int32 tile on the stack and the epilogue (zero points, bias,
+   requantization) stores them, 16 columns at a time with AVX-512 or 8
+   with AVX2 (in 32-bit lanes), else one by one; with AVX-512, a product
+   whose shifts are all ≤ 0 and whose sums cannot saturate (every layer's)
+   takes the whole tile at once (mpt__qgemm_store_tile_avx512).
+
+   WORK SPLIT. Tasks are rectangles of C, pulled by the pool's threads; B
+   is packed before them, so splitting rows costs nothing, and splitting
+   columns repacks A. Every element is computed by one task with integer
+   steps, so the thread count cannot change a bit. */
+
+#define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
+#define MPT__QGEMM_PLAN_THREADS 16 /* up to: tasks shaped by mpt__qgemm_makespan */
+
+#if MPT__X86
+#define MPT__TARGET_AVX512_VNNI \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
+#endif
+
+/* kg: depth groups; a: packed A panel (kg × MR groups); b: packed B panel
+   (kg × bw groups), bw = NR or NR/2; tile: MR×NR raw int32 sums, row-major. */
+typedef void (*mpt__qgemm_kernel_fn)(int64_t kg, const uint8_t *a, const uint8_t *b, int bw,
+                                     int32_t *tile);
+
+typedef struct mpt__qgemm_job {
+    const mpt_qgemm_desc *d;
+    mpt_context *ctx;
+    mpt__qgemm_kernel_fn kernel;
+    int mr, nr;        /* micro-tile                                        */
+    int quads;         /* groups of 4 bytes; else of 2 int16                */
+    int plain_requant; /* int8 C whose sums cannot saturate and whose
+                          shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
+    int rows_in_place; /* the VNNI kernel reads A's rows unpacked (K ≥ 4)  */
+    int64_t kg;        /* depth groups                                      */
+    int64_t zu;        /* A's zero point, shifted with A to uint8           */
+    uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
+    int32_t *colsum;   /* (n) Σ_k B[k][n]                                   */
+    int64_t task_rows, task_cols, tasks_n;
+} mpt__qgemm_job;
+
+/* TFLite's fixed-point requantization (mpt__multiply_by_quantized_multiplier
+   and its steps) is in @backend-shared: the CUDA int8 GEMM runs it too. */
+
+/* -----------------------------------------------------------------------------
+   Packing and the epilogue
+   ----------------------------------------------------------------------------- */
+
+/* Σ of the n bytes s[k] ^ x, as unsigned: eight at a time in a uint64
+   whose four 16-bit fields gain at most 2·255 per word, folded every 128
+   words before they can overflow. */
+static int64_t mpt__qgemm_byte_sum(const uint8_t *s, int64_t n, int x) {
+    const uint64_t lo = 0x00ff00ff00ff00ffull, x8 = (uint64_t)x * 0x0101010101010101ull;
+    int64_t k = 0, total = 0;
+    while (n - k >= 8) {
+        const int64_t stop = k + 8 * MPT__MIN(128, (n - k) / 8);
+        uint64_t acc = 0;
+        for (; k < stop; k += 8) {
+            uint64_t w;
+            memcpy(&w, s + k, 8);
+            w ^= x8;
+            acc += (w & lo) + ((w >> 8) & lo);
+        }
+        total += (int64_t)((acc & 0xffff) + ((acc >> 16) & 0xffff) + ((acc >> 32) & 0xffff) +
+                           (acc >> 48));
+    }
+    for (; k < n; k++) total += s[k] ^ x;
+    return total;
+}
+
+/* The sum of the n bytes s[k] ^ flip, as int8 values when is_signed, else
+   as uint8. */
+static int32_t mpt__qgemm_lane_sum(const uint8_t *s, int64_t n, int flip, int is_signed) {
+    const int sign = is_signed ? 0x80 : 0;
+    return (int32_t)(mpt__qgemm_byte_sum(s, n, flip ^ sign) - (sign ? 128 * n : 0));
+}
+
+/* Packs one lane whose n depths are contiguous (a row of A, a column of a
+   transposed B), bytes s[k] ^ flip, into lane l of a panel w lanes wide
+   (as int8 values into int16 pairs when is_signed and not quads). */
+static void mpt__qgemm_pack_lane(uint8_t *panel, int quads, int w, int l, const uint8_t *s,
+                                 int64_t n, int flip, int is_signed) {
+    const int sign = is_signed ? 0x80 : 0; /* (v ^ sign) − sign is the byte v as int8 */
+    int64_t k;
+    if (quads) { /* whole groups of 4 bytes */
+        const uint32_t flip4 = (uint32_t)flip * 0x01010101u;
+        const int64_t step = 4 * (int64_t)w, whole = n / 4; /* bytes per group of the panel */
+        uint8_t *d = panel + 4 * l;
+        int64_t g;
+        for (g = 0; g < whole; g++) {
+            uint32_t v;
+            memcpy(&v, s + 4 * g, 4);
+            v ^= flip4;
+            memcpy(d + g * step, &v, 4);
+        }
+        for (k = 4 * whole; k < n; k++) d[whole * step + (k & 3)] = (uint8_t)(s[k] ^ flip);
+    } else { /* pairs of int16 */
+        int16_t *d = (int16_t *)(void *)panel + 2 * l;
+        const int64_t step = 2 * (int64_t)w; /* int16 per group of the panel */
+        for (k = 0; k + 1 < n; k += 2) {
+            d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
+            d[(k >> 1) * step + 1] = (int16_t)(((s[k + 1] ^ flip) ^ sign) - sign);
+        }
+        if (k < n) d[(k >> 1) * step] = (int16_t)(((s[k] ^ flip) ^ sign) - sign);
+    }
+}
+
+/* Packs the B panel that starts at column panel·NR, and its column sums. */
+static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
+    const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
+    const mpt_qgemm_desc *d = job->d;
+    const int64_t j0 = panel * job->nr;
+    const int lanes = (int)MPT__MIN(job->nr, d->n - j0);
+    const int w = lanes <= job->nr / 2 ? job->nr / 2 : job->nr;
+    uint8_t *dst = job->bpack + j0 * job->kg * 4;
+    int l;
+    (void)thread;
+    memset(dst, 0, (size_t)(job->kg * w * 4));
+    if (d->k && !d->trans_b) { /* rows of B are contiguous: read them in order */
+        int32_t sum[32] = {0}; /* NR ≤ 32 */
+        int64_t k;
+        for (k = 0; k < d->k; k++) {
+            const int8_t *row = d->b + k * d->ldb + j0;
+            if (job->quads) {
+                uint8_t *g = dst + (k >> 2) * w * 4 + (k & 3);
+                for (l = 0; l < lanes; l++) {
+                    g[4 * l] = (uint8_t)row[l];
+                    sum[l] += row[l];
+                }
+            } else {
+                int16_t *g = (int16_t *)(void *)dst + (k >> 1) * w * 2 + (k & 1);
+                for (l = 0; l < lanes; l++) {
+                    g[2 * l] = row[l];
+                    sum[l] += row[l];
+                }
+            }
+        }
+        for (l = 0; l < lanes; l++) job->colsum[j0 + l] = sum[l];
+        return;
+    }
+    for (l = 0; l < lanes; l++) { /* transposed B: its columns are contiguous */
+        const uint8_t *col = (const uint8_t *)d->b + (j0 + l) * d->ldb;
+        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, w, l, col, d->k, 0, 1);
+        job->colsum[j0 + l] = mpt__qgemm_lane_sum(col, d->k, 0, 1);
+    }
+}
+
+/* Packs a row of n ≤ 16 bytes (an im2col row of a small conv, K = 9 for
+   3×3 on one channel) into lane l of a panel w wide in groups of 4 bytes,
+   flipped, and returns the sum of its bytes as packed: as
+   mpt__qgemm_pack_lane, without its calls and loops, which cost more than
+   the kernel that reads such a row. */
+static int32_t mpt__qgemm_pack_short_row(uint8_t *panel, int w, int l, const uint8_t *s,
+                                         int64_t n, int flip) {
+    uint8_t buf[16] = {0};
+    int32_t sum = 0;
+    int64_t k, g;
+    for (k = 0; k < n; k++) {
+        buf[k] = (uint8_t)(s[k] ^ flip);
+        sum += buf[k];
+    }
+    for (g = 0; g < (n + 3) / 4; g++) memcpy(panel + g * 4 * w + 4 * l, buf + 4 * g, 4);
+    return sum;
+}
+
+/* Packs rows ir .. ir+mb−1 of A as u = A + o into an MR-wide panel. */
+static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t ir, int mb,
+                              int32_t *rowsum) {
+    const mpt_qgemm_desc *d = job->d;
+    const int flip = d->a_unsigned ? 0 : 0x80; /* int8 a + 128 = its byte ^ 0x80 */
+    int i;
+    memset(dst, 0, (size_t)(job->kg * job->mr * 4));
+    if (job->quads && d->k > 0 && d->k <= 16) {
+        for (i = 0; i < mb; i++)
+            rowsum[i] = mpt__qgemm_pack_short_row(dst, job->mr, i,
+                                                  (const uint8_t *)d->a + (ir + i) * d->lda,
+                                                  d->k, flip);
+        return;
+    }
+    for (i = 0; i < mb; i++) { /* Σu is needed only against B's zero point */
+        const uint8_t *row = (const uint8_t *)d->a + (ir + i) * d->lda;
+        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);
+        rowsum[i] = d->b_zero_point ? mpt__qgemm_lane_sum(row, d->k, flip, 0) : 0;
+    }
+}
+
+#if MPT__X86
+/* (The maskz forms with every lane set, all and all8: g++ 12 warns about
+   the _mm512_undefined_* inside the plain vpmaxsd, vpsllvd, vpmuldq, ...) */
+/* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
+   truncated, in the low half of each 64-bit lane (the quotient fits in
+   int32, so the high half is left as it comes). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qgemm_high_mul_even_avx512(__m512i a,
+                                                                                      __m512i b) {
+    const __mmask8 all8 = 0xff;
+    __m512i t = _mm512_maskz_mul_epi32(all8, a, b);
+    t = _mm512_add_epi64(t, _mm512_mask_blend_epi64(_mm512_movepi64_mask(t),
+                                                    _mm512_set1_epi64((int64_t)1 << 30),
+                                                    _mm512_set1_epi64(1 - ((int64_t)1 << 30))));
+    t = _mm512_add_epi64(t, _mm512_and_si512(_mm512_maskz_srai_epi64(all8, t, 63),
+                                             _mm512_set1_epi64(((int64_t)1 << 31) - 1)));
+    return _mm512_maskz_srli_epi64(all8, t, 31);
+}
+
+/* The epilogue for 16 columns of one row with AVX-512, in 32-bit lanes,
+   the same steps as mpt__qgemm_store8_avx2: the sum without bias fits in
+   int32, so wrapping arithmetic gets it exactly, and the bias add
+   saturates where the signs say it overflowed (multipliers are positive,
+   so INT32_MIN² never arises). */
+MPT__TARGET_AVX512 static void mpt__qgemm_store16_avx512(const mpt__qgemm_job *job,
+                                                         const int32_t *raw, int64_t row_term,
+                                                         int64_t i, int64_t n, int cnt) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask16 k = (__mmask16)((1u << cnt) - 1u), all = 0xffff;
+    const __mmask8 all8 = 0xff;
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i max32 = _mm512_set1_epi32(INT32_MAX);
+    const uint32_t row_low = (uint32_t)(uint64_t)row_term; /* row_term mod 2^32 */
+    int32_t row32;
+    __m512i x, m, sh, left, right, xl, h, q, mask;
+    __mmask16 up;
+    int lo, hi;
+    memcpy(&row32, &row_low, 4);
+    x = _mm512_add_epi32(_mm512_maskz_loadu_epi32(k, raw), _mm512_set1_epi32(row32));
+    x = _mm512_sub_epi32(x, _mm512_maskz_mullo_epi32(all,
+                                                     _mm512_maskz_loadu_epi32(k, job->colsum + n),
+                                                     _mm512_set1_epi32((int)job->zu)));
+    if (d->bias) {
+        const __m512i b = _mm512_maskz_loadu_epi32(k, d->bias + n);
+        const __m512i sum = _mm512_add_epi32(x, b);
+        const __m512i ovf = _mm512_and_si512(_mm512_xor_si512(x, sum), _mm512_xor_si512(b, sum));
+        const __m512i sat = _mm512_xor_si512(_mm512_maskz_srai_epi32(all, x, 31), max32);
+        x = _mm512_mask_blend_epi32(_mm512_movepi32_mask(ovf), sum, sat);
+    }
+    if (d->c) {
+        _mm512_mask_storeu_epi32(d->c + i * d->ldc + n, k, x);
+        return;
+    }
+    m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
+                       : _mm512_set1_epi32(d->multiplier[0]);
+    sh = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->shift + n)
+                        : _mm512_set1_epi32(d->shift[0]);
+    left = _mm512_maskz_max_epi32(all, sh, zero);
+    right = _mm512_maskz_max_epi32(all, _mm512_sub_epi32(zero, sh), zero);
+    /* x·2^left, saturated where shifting back does not give x */
+    xl = _mm512_maskz_sllv_epi32(all, x, left);
+    xl = _mm512_mask_blend_epi32(
+        _mm512_cmpneq_epi32_mask(_mm512_maskz_srav_epi32(all, xl, left), x), xl,
+        _mm512_xor_si512(_mm512_maskz_srai_epi32(all, x, 31), max32));
+    /* the doubling high multiply, even lanes and odd lanes */
+    h = mpt__qgemm_high_mul_even_avx512(_mm512_maskz_srli_epi64(all8, xl, 32),
+                                        _mm512_maskz_srli_epi64(all8, m, 32));
+    h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, mpt__qgemm_high_mul_even_avx512(xl, m),
+                                _mm512_maskz_slli_epi64(all8, h, 32));
+    /* the rounding divide by 2^right: the floor, plus one past the
+       threshold (2^right − 1) / 2, + 1 for a negative h */
+    q = _mm512_maskz_srav_epi32(all, h, right);
+    mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
+    up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(h, mask),
+                                 _mm512_add_epi32(_mm512_maskz_srli_epi32(all, mask, 1),
+                                                  _mm512_maskz_srli_epi32(all, h, 31)));
+    q = _mm512_mask_add_epi32(q, up, q, one);
+    /* clamp(q + c_zero_point, lo, hi), clamping first so the add cannot wrap */
+    lo = d->c_min || d->c_max ? d->c_min : -128;
+    hi = d->c_min || d->c_max ? d->c_max : 127;
+    q = _mm512_maskz_max_epi32(all, q, _mm512_set1_epi32(lo - d->c_zero_point));
+    q = _mm512_maskz_min_epi32(all, q, _mm512_set1_epi32(hi - d->c_zero_point));
+    q = _mm512_add_epi32(q, _mm512_set1_epi32(d->c_zero_point));
+    _mm512_mask_cvtepi32_storeu_epi8(d->c_int8 + i * d->ldc + n, k, q);
+}
+
+/* TFLite's requantization of 16 int32 sums x (bias and zero-point terms
+   in) with AVX-512, where it is plain (mpt__qgemm_is_plain_requant: the
+   sums cannot saturate, no shift is to the left): m the multipliers,
+   right the shifts negated, [qlo, qhi] the clamp less the zero point zp.
+   The doubling high multiply is (x·m + 2^30) >> 31 (arithmetic): for a
+   negative product p the nudge-and-truncate of
+   mpt__rounding_doubling_high_mul, trunc((p + 1 − 2^30) / 2^31), is the
+   same floor, so one form serves both signs and the steps stay TFLite's.
+   Inlined into loops over rows, whose constants the compiler hoists. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__requant16_avx512(
+    __m512i x, __m512i m, __m512i right, __m512i qlo, __m512i qhi, __m512i zp) {
+    const __mmask16 all = 0xffff;
+    const __mmask8 all8 = 0xff;
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i half_unit = _mm512_set1_epi64((int64_t)1 << 30);
+    const __m512i m_odd = _mm512_maskz_srli_epi64(all8, m, 32);
+    const __m512i mask = _mm512_sub_epi32(_mm512_maskz_sllv_epi32(all, one, right), one);
+    const __m512i half = _mm512_maskz_srli_epi32(all, mask, 1);
+    const __m512i even = _mm512_maskz_srli_epi64(
+        all8, _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, x, m), half_unit), 31);
+    const __m512i odd = _mm512_maskz_slli_epi64(
+        all8,
+        _mm512_add_epi64(_mm512_maskz_mul_epi32(all8, _mm512_maskz_srli_epi64(all8, x, 32), m_odd),
+                         half_unit),
+        1);
+    const __m512i h = _mm512_mask_blend_epi32((__mmask16)0xaaaa, even, odd);
+    /* the rounding divide by 2^right, as in mpt__qgemm_store16_avx512 */
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(h, mask), _mm512_add_epi32(half, _mm512_maskz_srli_epi32(all, h, 31)));
+    __m512i q = _mm512_maskz_srav_epi32(all, h, right);
+    q = _mm512_mask_add_epi32(q, up, q, one);
+    q = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, qlo), qhi);
+    return _mm512_add_epi32(q, zp);
+}
+
+/* 16 int32 lanes in [−128, 127] stored as bytes, lanes k only; all 16
+   by a plain store, as the masked vpmovdb to memory is slow on AMD. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__store16_int8_avx512(int8_t *dst,
+                                                                          __mmask16 k, __m512i q) {
+    if (k == 0xffff) _mm_storeu_si128((__m128i *)(void *)dst, _mm512_maskz_cvtepi32_epi8(k, q));
+    else _mm512_mask_cvtepi32_storeu_epi8(dst, k, q);
+}
+
+/* The requantizing epilogue of a whole tile with AVX-512, when
+   job->plain_requant: the zero-point terms and the bias fold into one
+   int32 per column, added in wrapping arithmetic that is exact because
+   the result fits. */
+MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job *job,
+                                                           const int32_t *tile,
+                                                           const int32_t *rowsum, int64_t i0,
+                                                           int64_t j0, int mb, int nb) {
+    const mpt_qgemm_desc *d = job->d;
+    const __mmask16 all = 0xffff;
+    const __m512i zero = _mm512_setzero_si512();
+    const int lo = d->c_min || d->c_max ? d->c_min : -128;
+    const int hi = d->c_min || d->c_max ? d->c_max : 127;
+    const __m512i qlo = _mm512_set1_epi32(lo - d->c_zero_point);
+    const __m512i qhi = _mm512_set1_epi32(hi - d->c_zero_point);
+    const __m512i zp = _mm512_set1_epi32(d->c_zero_point);
+    const int64_t zb = d->b_zero_point;
+    int32_t row[12]; /* MR ≤ 12: each row's zero-point term, mod 2^32 */
+    int i, j;
+    for (i = 0; i < mb; i++) {
+        const uint32_t low = (uint32_t)(uint64_t)(d->k * job->zu * zb - zb * rowsum[i]);
+        memcpy(&row[i], &low, 4);
+    }
+    for (j = 0; j < nb; j += 16) {
+        const int64_t n = j0 + j;
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, nb - j)) - 1u);
+        const __m512i bias = d->bias ? _mm512_maskz_loadu_epi32(k, d->bias + n) : zero;
+        const __m512i col = _mm512_sub_epi32(
+            bias, _mm512_maskz_mullo_epi32(all, _mm512_maskz_loadu_epi32(k, job->colsum + n),
+                                           _mm512_set1_epi32((int)job->zu)));
+        const __m512i m = d->per_channel ? _mm512_maskz_loadu_epi32(k, d->multiplier + n)
+                                         : _mm512_set1_epi32(d->multiplier[0]);
+        const __m512i right = _mm512_sub_epi32(zero, d->per_channel
+                                                         ? _mm512_maskz_loadu_epi32(k, d->shift + n)
+                                                         : _mm512_set1_epi32(d->shift[0]));
+        for (i = 0; i < mb; i++) {
+            const __m512i x = _mm512_add_epi32(_mm512_loadu_si512(tile + i * job->nr + j),
+                                               _mm512_add_epi32(col, _mm512_set1_epi32(row[i])));
+            mpt__store16_int8_avx512(d->c_int8 + (i0 + i) * d->ldc + n, k,
+                                     mpt__requant16_avx512(x, m, right, qlo, qhi, zp));
+        }
+    }
+}
+
+/* The signed product of the even 32-bit lanes of a and b, +nudge, / 2^31
+   truncated, in the low half of each 64-bit lane (a logical shift gives
+   the right low half, as the quotient fits in int32). */
+MPT__TARGET_AVX2 static MPT__ALWAYS_INLINE __m256i mpt__qgemm_high_mul_even_avx2(__m256i a,
+                                                                                  __m256i b) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i t = _mm256_mul_epi32(a, b);
+    t = _mm256_add_epi64(t, _mm256_blendv_epi8(_mm256_set1_epi64x((int64_t)1 << 30),
+                                               _mm256_set1_epi64x(1 - ((int64_t)1 << 30)),
+                                               _mm256_cmpgt_epi64(zero, t)));
+    t = _mm256_add_epi64(t, _mm256_and_si256(_mm256_cmpgt_epi64(zero, t),
+                                             _mm256_set1_epi64x(((int64_t)1 << 31) - 1)));
+    return _mm256_srli_epi64(t, 31);
+}
+
+/* The epilogue for 8 columns of one row with AVX2, in 32-bit lanes: the
+   sum without bias fits in int32, so wrapping arithmetic gets it exactly,
+   and the bias add saturates where the signs say it overflowed. */
+MPT__TARGET_AVX2 static void mpt__qgemm_store8_avx2(const mpt__qgemm_job *job, const int32_t *raw,
+                                                    int64_t row_term, int64_t i, int64_t n,
+                                                    int cnt) {
+    const mpt_qgemm_desc *d = job->d;
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const uint32_t row_low = (uint32_t)(uint64_t)row_term; /* row_term mod 2^32 */
+    int32_t row32, out[8];
+    __m256i x, m, sh, left, right, xl, h, q, mask, up;
+    int lo, hi, j;
+    memcpy(&row32, &row_low, 4);
+    x = _mm256_add_epi32(_mm256_maskload_epi32(raw, lanes), _mm256_set1_epi32(row32));
+    x = _mm256_sub_epi32(x, _mm256_mullo_epi32(_mm256_maskload_epi32(job->colsum + n, lanes),
+                                               _mm256_set1_epi32((int)job->zu)));
+    if (d->bias) {
+        const __m256i b = _mm256_maskload_epi32(d->bias + n, lanes);
+        const __m256i sum = _mm256_add_epi32(x, b);
+        const __m256i ovf = _mm256_and_si256(_mm256_xor_si256(x, sum), _mm256_xor_si256(b, sum));
+        const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(x, 31),
+                                             _mm256_set1_epi32(INT32_MAX));
+        x = _mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31));
+    }
+    if (d->c) {
+        _mm256_maskstore_epi32(d->c + i * d->ldc + n, lanes, x);
+        return;
+    }
+    m = d->per_channel ? _mm256_maskload_epi32(d->multiplier + n, lanes)
+                       : _mm256_set1_epi32(d->multiplier[0]);
+    sh = d->per_channel ? _mm256_maskload_epi32(d->shift + n, lanes)
+                        : _mm256_set1_epi32(d->shift[0]);
+    left = _mm256_max_epi32(sh, zero);
+    right = _mm256_max_epi32(_mm256_sub_epi32(zero, sh), zero);
+    /* x·2^left, saturated where shifting back does not give x */
+    xl = _mm256_sllv_epi32(x, left);
+    xl = _mm256_blendv_epi8(
+        xl, _mm256_xor_si256(_mm256_srai_epi32(x, 31), _mm256_set1_epi32(INT32_MAX)),
+        _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srav_epi32(xl, left), x),
+                         _mm256_set1_epi32(-1)));
+    /* the doubling high multiply, even lanes and odd lanes */
+    h = _mm256_blend_epi32(
+        mpt__qgemm_high_mul_even_avx2(xl, m),
+        _mm256_slli_epi64(mpt__qgemm_high_mul_even_avx2(_mm256_srli_epi64(xl, 32),
+                                                        _mm256_srli_epi64(m, 32)), 32),
+        0xaa);
+    /* the rounding divide by 2^right: the floor, plus one past the
+       threshold (2^right − 1) / 2, + 1 for a negative h */
+    q = _mm256_srav_epi32(h, right);
+    mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, right), one);
+    up = _mm256_cmpgt_epi32(_mm256_and_si256(h, mask),
+                            _mm256_add_epi32(_mm256_srli_epi32(mask, 1), _mm256_srli_epi32(h, 31)));
+    q = _mm256_sub_epi32(q, up);
+    /* clamp(q + c_zero_point, lo, hi), clamping first so the add cannot wrap */
+    lo = d->c_min || d->c_max ? d->c_min : -128;
+    hi = d->c_min || d->c_max ? d->c_max : 127;
+    q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(lo - d->c_zero_point)),
+                         _mm256_set1_epi32(hi - d->c_zero_point));
+    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi32(q, _mm256_set1_epi32(d->c_zero_point)));
+    for (j = 0; j < cnt; j++) d->c_int8[i * d->ldc + n + j] = (int8_t)out[j];
+}
+#endif
+
+/* Adds the zero-point terms and the bias to an mb×nb tile of raw sums
+   (row-major, NR wide) and stores it at C[i0..][j0..], as int32 or
+   requantized to int8. */
+static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
+                             const int32_t *rowsum, int64_t i0, int64_t j0, int mb, int nb) {
+    const mpt_qgemm_desc *d = job->d;
+    const int64_t zu = job->zu, zb = d->b_zero_point;
+    const int32_t lo = d->c_min || d->c_max ? d->c_min : -128;
+    const int32_t hi = d->c_min || d->c_max ? d->c_max : 127;
+    int i, j;
+#if MPT__X86
+    if (job->plain_requant && (job->ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__qgemm_store_tile_avx512(job, tile, rowsum, i0, j0, mb, nb);
+        return;
+    }
+#endif
+    for (i = 0; i < mb; i++) {
+        const int64_t row_term = d->k * zu * zb - zb * rowsum[i];
+#if MPT__X86
+        if (job->ctx->cpu & (MPT_CPU_AVX512 | MPT_CPU_AVX2)) {
+            if (job->ctx->cpu & MPT_CPU_AVX512)
+                for (j = 0; j < nb; j += 16)
+                    mpt__qgemm_store16_avx512(job, tile + i * job->nr + j, row_term, i0 + i,
+                                              j0 + j, MPT__MIN(16, nb - j));
+            else
+                for (j = 0; j < nb; j += 8)
+                    mpt__qgemm_store8_avx2(job, tile + i * job->nr + j, row_term, i0 + i,
+                                           j0 + j, MPT__MIN(8, nb - j));
+            continue;
+        }
+#endif
+        for (j = 0; j < nb; j++) {
+            const int64_t n = j0 + j;
+            int64_t v = tile[i * job->nr + j] + row_term - zu * job->colsum[n];
+            int32_t acc;
+            if (d->bias) v += d->bias[n];
+            acc = mpt__saturate_i32(v);
+            if (d->c) {
+                d->c[(i0 + i) * d->ldc + n] = acc;
+            } else {
+                const int64_t ch = d->per_channel ? n : 0;
+                d->c_int8[(i0 + i) * d->ldc + n] = mpt__requantize_int8(
+                    acc, d->multiplier[ch], (int)d->shift[ch], d->c_zero_point, lo, hi);
+            }
+        }
+    }
+}
+
+/* =============================================================================
+   @impl-qgemm-kernels: the int8 GEMM's micro-kernels (portable, AVX2, AVX-512, VNNI), tasks and plan, mpt_qgemm
+   ============================================================================= */
+
+/* -----------------------------------------------------------------------------
+   Micro-kernels: raw Σ u·B over kg groups into an MR×NR tile
+   ----------------------------------------------------------------------------- */
+
+/* Portable: 4×8, groups of 4 bytes. */
+static void mpt__qgemm_kernel_scalar(int64_t kg, const uint8_t *a, const uint8_t *bv, int bw,
+                                     int32_t *tile) {
+    const int8_t *b = (const int8_t *)bv;
+    int32_t acc[4][8];
+    int64_t g;
+    int i, j;
+    memset(acc, 0, sizeof acc);
+    for (g = 0; g < kg; g++, a += 16, b += bw * 4)
+        for (i = 0; i < 4; i++) {
+            const uint8_t *ai = a + 4 * i;
+            for (j = 0; j < bw; j++) {
+                const int8_t *bj = b + 4 * j;
+                acc[i][j] += ai[0] * bj[0] + ai[1] * bj[1] + ai[2] * bj[2] + ai[3] * bj[3];
+            }
+        }
+    for (i = 0; i < 4; i++) memcpy(tile + i * 8, acc[i], sizeof acc[i]);
+}
+
+#if MPT__X86
+/* The 32-bit group at p (packed panels are byte arrays: memcpy, not a cast). */
+static inline int32_t mpt__qgemm_group(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* AVX2: 6×16, groups of 2 int16; vpmaddwd gives a[k]·b[k] + a[k+1]·b[k+1]
+   per 32-bit lane. */
+MPT__TARGET_AVX2 static void mpt__qgemm_kernel_avx2(int64_t kg, const uint8_t *a,
+                                                    const uint8_t *b, int bw, int32_t *tile) {
+    int64_t g;
+#define MPT__D(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = _mm256_setzero_si256();
+    MPT__ROWS6(MPT__D)
+#undef MPT__D
+    if (bw == 16) {
+        for (g = 0; g < kg; g++, a += 24, b += 64) {
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 32)), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));        \
+    c##i##1 = _mm256_add_epi32(c##i##1, _mm256_madd_epi16(ai, b1));
+            MPT__ROWS6(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, a += 24, b += 32) {
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));
+            MPT__ROWS6(MPT__F)
+#undef MPT__F
+        }
+    }
+#define MPT__S(i)                                                          \
+    _mm256_storeu_si256((__m256i *)(tile + 16 * i), c##i##0);              \
+    _mm256_storeu_si256((__m256i *)(tile + 16 * i + 8), c##i##1);
+    MPT__ROWS6(MPT__S)
+#undef MPT__S
+}
+
+#define MPT__QGEMM_STORE512(i)                                             \
+    _mm512_storeu_si512(tile + 32 * i, c##i##0);                           \
+    _mm512_storeu_si512(tile + 32 * i + 16, c##i##1);
+
+/* AVX-512 without VNNI: 12×32, groups of 2 int16, vpmaddwd as in AVX2. */
+MPT__TARGET_AVX512 static void mpt__qgemm_kernel_avx512(int64_t kg, const uint8_t *a,
+                                                        const uint8_t *b, int bw, int32_t *tile) {
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, a += 48, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));        \
+    c##i##1 = _mm512_add_epi32(c##i##1, _mm512_madd_epi16(ai, b1));
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, a += 48, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
+
+/* AVX-512 VNNI: 12×32, groups of 4 bytes; vpdpbusd adds four u8·s8
+   products to each int32 lane (without saturation): u = A + 128 times B,
+   whose zero points the epilogue takes out (ZERO POINTS above). */
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uint8_t *a,
+                                                           const uint8_t *b, int bw,
+                                                           int32_t *tile) {
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, a += 48, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
+    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, a += 48, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                          \
+    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
+
+/* AVX-512 VNNI reading A's rows where they lie (K ≥ 4). Row i's group g
+   is the 4 bytes at rows[i] + 4g flipped to u as packing flips them, by
+   a vector xor with the broadcast folded in (a scalar xor and a
+   broadcast from a general register took a fifth longer); the bytes past
+   K (at most 3, the next row's) meet B's zero padding and add nothing.
+   rows[] holds 12 pointers (a short panel repeats its last row). */
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
+                                                                const uint8_t *const *rows,
+                                                                int flip, const uint8_t *b,
+                                                                int bw, int32_t *tile) {
+    const __m512i flip64 = _mm512_set1_epi8((char)flip);
+    int64_t g;
+#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
+    MPT__ROWS12(MPT__D)
+#undef MPT__D
+    if (bw == 32) {
+        for (g = 0; g < kg; g++, b += 128) {
+            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
+#define MPT__F(i)                                                                    \
+    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                                  \
+    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    } else {
+        for (g = 0; g < kg; g++, b += 64) {
+            __m512i b0 = _mm512_loadu_si512(b), ai;
+#define MPT__F(i)                                                                    \
+    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
+            MPT__ROWS12(MPT__F)
+#undef MPT__F
+        }
+    }
+    MPT__ROWS12(MPT__QGEMM_STORE512)
+}
+#undef MPT__QGEMM_STORE512
+#endif /* MPT__X86 */
+
+/* -----------------------------------------------------------------------------
+   The driver
+   ----------------------------------------------------------------------------- */
+
+static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
+    const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
+    const mpt_qgemm_desc *d = job->d;
+    const int mr = job->mr, nr = job->nr;
+    const int64_t i0 = (task / job->tasks_n) * job->task_rows;
+    const int64_t j0 = (task % job->tasks_n) * job->task_cols;
+    const int64_t i1 = MPT__MIN(d->m, i0 + job->task_rows);
+    const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
+    uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
+    int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
+    const uint8_t *rows[12];
+    int64_t ir, jr;
+    int i;
+    for (ir = i0; ir < i1; ir += mr) {
+        const int mb = (int)MPT__MIN(mr, i1 - ir);
+        /* rows read in place: not in the panel of A's last row, whose
+           bytes past K would lie past A */
+        const int in_place = job->rows_in_place && ir + mb < d->m;
+        if (in_place) {
+            const int flip = d->a_unsigned ? 0 : 0x80;
+            for (i = 0; i < mr; i++)
+                rows[i] = (const uint8_t *)d->a + (ir + MPT__MIN(i, mb - 1)) * d->lda;
+            for (i = 0; i < mb; i++) /* Σu is needed only against B's zero point */
+                rowsum[i] = d->b_zero_point
+                                ? (int32_t)mpt__qgemm_byte_sum(rows[i], d->k, flip) : 0;
+        } else {
+            mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
+        }
+        for (jr = j0; jr < j1; jr += nr) {
+            const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
+#if MPT__X86
+            if (in_place)
+                mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
+                                            job->bpack + jr * job->kg * 4, w, tile);
+            else
+#endif
+                job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);
+            mpt__qgemm_store(job, tile, rowsum, ir, jr, mb, (int)MPT__MIN(nr, j1 - jr));
+        }
+    }
+}
+
+/* When the last task ends if the tasks go round the threads in order (as
+   the pool hands them out when they cost alike): blocks of ur × uc tiles
+   of the um × un there are, in rows of blocks, the last row and column of
+   blocks shorter; a tile costs 1 and packing a panel of A `pack`. */
+static double mpt__qgemm_makespan(int64_t um, int64_t un, int64_t ur, int64_t uc, double pack,
+                                  int threads) {
+    double busy[MPT__QGEMM_PLAN_THREADS] = {0}, last = 0;
+    int64_t i, j, t = 0;
+    for (i = 0; i < um; i += ur)
+        for (j = 0; j < un; j += uc, t = (t + 1) % threads) {
+            const int64_t rows = MPT__MIN(ur, um - i), cols = MPT__MIN(uc, un - j);
+            busy[t] += (double)(rows * cols) + pack * (double)rows;
+            last = busy[t] > last ? busy[t] : last;
+        }
+    return last;
+}
+
+/* Tasks: rectangles of whole tiles, up to 4 per thread (the pool hands
+   them out as threads free up). Up to MPT__QGEMM_PLAN_THREADS threads,
+   shaped so that the last thread finishes soonest (mpt__qgemm_makespan;
+   each distinct block height and width tried once), each task packing its
+   rows of A once (a panel costs about a tile: reading, flipping and
+   storing every byte of A takes as long as the products of a 32-column
+   tile); of equal plans, the one with the most tasks. 128 rows of 12-row
+   tiles over 2 threads are 11 panels, which whole rows would split 6 : 5.
+   More threads: rows first, as splitting rows repacks nothing. */
+static void mpt__qgemm_plan_tasks(mpt__qgemm_job *job, int threads, int serial) {
+    const mpt_qgemm_desc *d = job->d;
+    const int64_t units_m = (d->m + job->mr - 1) / job->mr;
+    const int64_t units_n = (d->n + job->nr - 1) / job->nr;
+    const int64_t target = serial ? 1 : 4 * (int64_t)threads;
+    const double pack = job->rows_in_place ? 0.0 : 1.0;
+    int64_t tm, tn, ur, uc, last_ur = 0, last_uc, best_ur, best_uc, best_tasks = 0;
+    double best = -1;
+    tm = MPT__MIN(units_m, target);
+    tn = MPT__MIN(units_n, (target + tm - 1) / tm);
+    best_ur = (units_m + tm - 1) / tm, best_uc = (units_n + tn - 1) / tn;
+    for (tm = 1; threads <= MPT__QGEMM_PLAN_THREADS && !serial && tm <= MPT__MIN(units_m, target);
+         tm++) {
+        if ((ur = (units_m + tm - 1) / tm) == last_ur) continue;
+        last_ur = ur, last_uc = 0;
+        for (tn = 1; tn <= MPT__MIN(units_n, target / tm); tn++) {
+            int64_t tasks;
+            double t;
+            if ((uc = (units_n + tn - 1) / tn) == last_uc) continue;
+            last_uc = uc;
+            tasks = ((units_m + ur - 1) / ur) * ((units_n + uc - 1) / uc);
+            if (tasks > target) continue;
+            t = mpt__qgemm_makespan(units_m, units_n, ur, uc, pack, threads);
+            if (best < 0 || t < best || (t == best && tasks > best_tasks))
+                best = t, best_ur = ur, best_uc = uc, best_tasks = tasks;
+        }
+    }
+    job->task_rows = best_ur * job->mr;
+    job->task_cols = best_uc * job->nr;
+    job->tasks_n = (d->n + job->task_cols - 1) / job->task_cols;
+}
+
+static void mpt__qgemm_choose_kernel(mpt__qgemm_job *job, int cpu) {
+    job->kernel = mpt__qgemm_kernel_scalar;
+    job->mr = 4;
+    job->nr = 8;
+    job->quads = 1;
+#if MPT__X86
+    if ((cpu & MPT_CPU_AVX512) && (cpu & MPT_CPU_AVX512_VNNI)) {
+        job->kernel = mpt__qgemm_kernel_vnni;
+        job->mr = 12;
+        job->nr = 32;
+    } else if (cpu & MPT_CPU_AVX512) {
+        job->kernel = mpt__qgemm_kernel_avx512;
+        job->mr = 12;
+        job->nr = 32;
+        job->quads = 0;
+    } else if (cpu & MPT_CPU_AVX2) {
+        job->kernel = mpt__qgemm_kernel_avx2;
+        job->mr = 6;
+        job->nr = 16;
+        job->quads = 0;
+    }
+#else
+    (void)cpu;
+#endif
+}
+
+/* Whether d's requantization can take the plain epilogue: int8 C, every
+   shift ≤ 0 (a multiplier below 1, as a layer's scale ratio is), and
+   biases small enough that no sum saturates (|Σ| ≤ 255·255·K without the
+   bias). The other paths give the same bits; only speed depends on it. */
+static int mpt__requant_is_plain(int64_t k, int64_t n, const int32_t *shift, int64_t shifts,
+                                  const int32_t *bias) {
+    const int64_t bound = INT32_MAX - (int64_t)255 * 255 * k;
+    int64_t j;
+    for (j = 0; j < shifts; j++)
+        if (shift[j] > 0) return 0;
+    for (j = 0; bias && j < n; j++)
+        if (bias[j] > bound || bias[j] < -bound) return 0;
+    return 1;
+}
+
+static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
+    return d->c_int8 && mpt__requant_is_plain(d->k, d->n, d->shift, d->per_channel ? d->n : 1,
+                                              d->bias);
+}
+
+/* B packed in the layout of one path (nr, quads: the micro-kernel's),
+   with its column sums; by mpt_qgemm_pack_b, or by a call for itself. */
+struct mpt_qgemm_packed {
+    int64_t n, k;
+    int nr, quads;   /* the layout: which kernels can read it            */
+    uint8_t *bpack;  /* the panels, then (n) column sums at colsum        */
+    int32_t *colsum;
+};
+
+/* The packing layout's name, for a message. */
+static const char *mpt__qgemm_layout_name(int nr, int quads) {
+    return nr == 32 ? (quads ? "avx512 vnni" : "avx512") : nr == 16 ? "avx2" : "portable";
+}
+
+/* Packs the checked B of d into p (fields and block) for job's kernel;
+   serial, or over ctx's threads (the bytes are the same either way). */
+static mpt_status mpt__qgemm_pack(mpt_context *ctx, const mpt_qgemm_desc *d, mpt__qgemm_job *job,
+                                  int serial, mpt_qgemm_packed *p) {
+    const int64_t panels = (d->n + job->nr - 1) / job->nr;
+    int64_t bbytes, q;
+    if (!mpt__mul_ok(panels * job->nr, job->kg * 4, &bbytes) ||
+        !mpt__add_ok((bbytes + 63) / 64 * 64, d->n * 4, &bbytes) || (uint64_t)bbytes > SIZE_MAX)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: the packed B (k = %lld, n = %lld) "
+                         "overflows", (long long)d->k, (long long)d->n);
+    p->n = d->n, p->k = d->k, p->nr = job->nr, p->quads = job->quads;
+    p->bpack = (uint8_t *)mpt__alloc(ctx, (size_t)bbytes);
+    if (!p->bpack)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
+                         "qgemm: cannot allocate %lld bytes for the packed B (k = %lld, n = %lld)",
+                         (long long)bbytes, (long long)d->k, (long long)d->n);
+    p->colsum = (int32_t *)(void *)(p->bpack + (panels * job->nr * job->kg * 4 + 63) / 64 * 64);
+    job->bpack = p->bpack;
+    job->colsum = p->colsum;
+    if (serial)
+        for (q = 0; q < panels; q++) mpt__qgemm_pack_b_task(job, q, 0);
+    else
+        mpt__parallel_for(ctx, panels, mpt__qgemm_pack_b_task, job);
+    return MPT_OK;
+}
+
+/* The product of a checked descriptor with m, n > 0 (and a b_packed of
+   this n, k and ctx's layout). */
+static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    mpt__qgemm_job job;
+    mpt_qgemm_packed own;
+    int64_t macs;
+    int serial;
+    memset(&own, 0, sizeof own);
+    memset(&job, 0, sizeof job);
+    job.d = d;
+    job.ctx = ctx;
+    mpt__qgemm_choose_kernel(&job, ctx->cpu);
+    job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
+    job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
+    job.plain_requant = mpt__qgemm_is_plain_requant(d);
+#if MPT__X86
+    job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4;
+#endif
+    macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
+               ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
+    serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
+    if (d->b_packed) {
+        job.bpack = d->b_packed->bpack;
+        job.colsum = d->b_packed->colsum;
+    } else {
+        MPT__CHECK(mpt__qgemm_pack(ctx, d, &job, serial, &own));
+    }
+    mpt__qgemm_plan_tasks(&job, ctx->num_threads, serial);
+    mpt__parallel_for(ctx, ((d->m + job.task_rows - 1) / job.task_rows) * job.tasks_n,
+                      mpt__qgemm_task, &job);
+    if (!d->b_packed) mpt__free(ctx, own.bpack);
+    return MPT_OK;
+}
+
+/* -----------------------------------------------------------------------------
+   The checked entry points
+   ----------------------------------------------------------------------------- */
+
+/* Checks one operand: stored rows × cols with leading dimension ld. */
+static mpt_status mpt__qgemm_check_operand(mpt_context *ctx, const char *name, const void *p,
+                                           int64_t rows, int64_t cols, int64_t ld,
+                                           const char *ld_name) {
+    int64_t last;
+    if (rows == 0 || cols == 0) return MPT_OK; /* not referenced */
+    if (!p) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: %s is NULL", name);
+    if (ld < cols)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "qgemm: %s = %lld is less than the %lld columns of %s as stored "
+                         "(%lld×%lld)", ld_name, (long long)ld, (long long)cols, name,
+                         (long long)rows, (long long)cols);
+    if (!mpt__mul_ok(rows - 1, ld, &last) || !mpt__add_ok(last, cols, &last))
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: %s (%lld×%lld, %s = %lld) overflows",
+                         name, (long long)rows, (long long)cols, ld_name, (long long)ld);
+    return MPT_OK;
+}
+
+static mpt_status mpt__qgemm_check_int8(mpt_context *ctx, const char *name, int64_t v) {
+    if (v < -128 || v > 127)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: %s = %lld is outside the int8 "
+                         "range [-128, 127]", name, (long long)v);
+    return MPT_OK;
+}
+
+/* The requantization fields of an int8 output. */
+static mpt_status mpt__qgemm_check_requant(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    const int64_t channels = d->per_channel ? d->n : 1;
+    int64_t ch;
+    if (!d->multiplier || !d->shift)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: c_int8 needs multiplier and shift (%s is NULL)",
+                         d->multiplier ? "shift" : "multiplier");
+    for (ch = 0; ch < channels; ch++) {
+        if (d->multiplier[ch] <= 0)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "qgemm: multiplier[%lld] = %ld is not positive", (long long)ch,
+                             (long)d->multiplier[ch]);
+        if (d->shift[ch] < -31 || d->shift[ch] > 30)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "qgemm: shift[%lld] = %ld is outside [-31, 30]", (long long)ch,
+                             (long)d->shift[ch]);
+    }
+    MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_zero_point", d->c_zero_point));
+    if (d->c_min || d->c_max) {
+        MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_min", d->c_min));
+        MPT__CHECK(mpt__qgemm_check_int8(ctx, "c_max", d->c_max));
+        if (d->c_min > d->c_max)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: c_min = %ld > c_max = %ld",
+                             (long)d->c_min, (long)d->c_max);
+    }
+    return MPT_OK;
+}
+
+/* m, n, k not negative, and k within MPT_QGEMM_MAX_K. */
+static mpt_status mpt__qgemm_check_depth(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    if (d->m < 0 || d->n < 0 || d->k < 0)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "qgemm: m = %lld, n = %lld, k = %lld (negative)",
+                         (long long)d->m, (long long)d->n, (long long)d->k);
+    if (d->k > MPT_QGEMM_MAX_K)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "qgemm: k = %lld is more than MPT_QGEMM_MAX_K = %d, past which the "
+                         "int32 sums could overflow", (long long)d->k, MPT_QGEMM_MAX_K);
+    return MPT_OK;
+}
+
+static mpt_status mpt__qgemm_check_b(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    return mpt__qgemm_check_operand(ctx, "b", d->b, d->trans_b ? d->n : d->k,
+                                    d->trans_b ? d->k : d->n, d->ldb, "ldb");
+}
+
+/* A b_packed of the call's n and k, packed for the kernels ctx runs. */
+static mpt_status mpt__qgemm_check_packed(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    const mpt_qgemm_packed *p = d->b_packed;
+    mpt__qgemm_job job;
+    if (p->n != d->n || p->k != d->k)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "qgemm: b_packed holds a B of n = %lld, k = %lld; "
+                         "the call has n = %lld, k = %lld", (long long)p->n, (long long)p->k,
+                         (long long)d->n, (long long)d->k);
+    memset(&job, 0, sizeof job);
+    mpt__qgemm_choose_kernel(&job, ctx->cpu);
+    if (p->nr != job.nr || p->quads != job.quads)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm: b_packed was packed for the %s "
+                         "kernels; this context runs the %s ones (pack B with it)",
+                         mpt__qgemm_layout_name(p->nr, p->quads),
+                         mpt__qgemm_layout_name(job.nr, job.quads));
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d) return MPT_OK; /* NULL: every default, the empty product */
+    MPT__CHECK(mpt__qgemm_check_depth(ctx, d));
+    if ((d->trans_b != 0 && d->trans_b != 1) || (d->a_unsigned != 0 && d->a_unsigned != 1) ||
+        (d->per_channel != 0 && d->per_channel != 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: trans_b = %d, a_unsigned = %d, per_channel = %d (each 0 or 1)",
+                         d->trans_b, d->a_unsigned, d->per_channel);
+    if (d->a_unsigned ? d->a_zero_point < 0 || d->a_zero_point > 255
+                      : d->a_zero_point < -128 || d->a_zero_point > 127)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: a_zero_point = %ld is outside the %s range %s",
+                         (long)d->a_zero_point, d->a_unsigned ? "uint8" : "int8",
+                         d->a_unsigned ? "[0, 255]" : "[-128, 127]");
+    MPT__CHECK(mpt__qgemm_check_int8(ctx, "b_zero_point", d->b_zero_point));
+    if (d->m == 0 || d->n == 0) return MPT_OK;
+    if (!d->c == !d->c_int8)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: give exactly one of c (int32) and c_int8 (%s)",
+                         d->c ? "both are set" : "both are NULL");
+    if (d->c && (d->multiplier || d->shift))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "qgemm: multiplier and shift requantize c_int8; c is int32");
+    if (d->c_int8) MPT__CHECK(mpt__qgemm_check_requant(ctx, d));
+    MPT__CHECK(mpt__qgemm_check_operand(ctx, d->c ? "c" : "c_int8",
+                                        d->c ? (const void *)d->c : (const void *)d->c_int8,
+                                        d->m, d->n, d->ldc, "ldc"));
+    MPT__CHECK(mpt__qgemm_check_operand(ctx, "a", d->a, d->m, d->k, d->lda, "lda"));
+    if (d->b_packed) MPT__CHECK(mpt__qgemm_check_packed(ctx, d));
+    else MPT__CHECK(mpt__qgemm_check_b(ctx, d));
+    return mpt__qgemm(ctx, d);
+}
+
+MPTDEF mpt_status mpt_qgemm_pack_b(mpt_context *ctx, const mpt_qgemm_desc *d,
+                                   mpt_qgemm_packed **packed) {
+    mpt__qgemm_job job;
+    mpt_qgemm_packed *p;
+    mpt_status s;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d || !packed)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm_pack_b: %s is NULL",
+                         d ? "packed" : "desc");
+    *packed = NULL;
+    MPT__CHECK(mpt__qgemm_check_depth(ctx, d));
+    if (d->trans_b != 0 && d->trans_b != 1)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "qgemm_pack_b: trans_b = %d (0 or 1)",
+                         d->trans_b);
+    MPT__CHECK(mpt__qgemm_check_b(ctx, d));
+    p = (mpt_qgemm_packed *)mpt__calloc(ctx, sizeof *p);
+    if (!p) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "qgemm_pack_b: out of memory");
+    memset(&job, 0, sizeof job);
+    job.d = d;
+    job.ctx = ctx;
+    mpt__qgemm_choose_kernel(&job, ctx->cpu);
+    job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
+    s = mpt__qgemm_pack(ctx, d, &job, ctx->num_threads <= 1 || d->n * d->k < (1 << 16), p);
+    if (s != MPT_OK) {
+        mpt__free(ctx, p);
+        return s;
+    }
+    *packed = p;
+    return MPT_OK;
+}
+
+static void mpt__qgemm_packed_free(const mpt_context *ctx, mpt_qgemm_packed *packed) {
+    if (!ctx || !packed) return;
+    mpt__free(ctx, packed->bpack);
+    mpt__free(ctx, packed);
+}
+
+MPTDEF void mpt_qgemm_packed_free(mpt_context *ctx, mpt_qgemm_packed *packed) {
+    mpt__qgemm_packed_free(ctx, packed);
+}
+
+MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t *multiplier,
+                                          int32_t *shift) {
+    int e;
+    int64_t q;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!multiplier || !shift)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize_multiplier: %s is NULL",
+                         multiplier ? "shift" : "multiplier");
+    if (!(real > 0) || !isfinite(real))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "quantize_multiplier: %g is not a positive finite number", real);
+    /* real = f·2^e, f in [0.5, 1): the multiplier is f in Q0.31. */
+    q = (int64_t)round(ldexp(frexp(real, &e), 31));
+    if (q == (int64_t)1 << 31) { /* f rounded up to 1 */
+        q /= 2;
+        e++;
+    }
+    if (e < -31)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "quantize_multiplier: %g is below 2^-32; every output would be the "
+                         "zero point", real);
+    if (e > 30) { /* as TFLite: the largest multiplier MultiplyByQuantizedMultiplier takes */
+        q = INT32_MAX;
+        e = 30;
+    }
+    *multiplier = (int32_t)q;
+    *shift = e;
+    return MPT_OK;
+}
+
 
 /* =============================================================================
    @impl-quantize  post-training quantization: the operations from the layers
@@ -23775,6 +22780,10 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     }
     return MPT_OK;
 }
+
+/* =============================================================================
+   @impl-quantized-direct: the direct int8 Conv2D, the int8 softmax, and a batch through the operations
+   ============================================================================= */
 
 /* ---- a one-channel Conv2D from the image, and the MaxPooling2D after it ------------------- */
 
@@ -25889,7 +24898,8 @@ static mpt_status mpt__export_write(mpt_model *m, const char *path, const unsign
 }
 
 /* =============================================================================
-   @impl-export-tflite  the plan as a TFLite file: FlatBuffers, then the graph
+   @impl-export-tflite  the plan as a TFLite file: FlatBuffers, then the float
+   graph (the quantized graph and the file: @impl-tflite-quantized)
    =============================================================================
 
    ---- FlatBuffers, built back to front ---------------------------------------------
@@ -26416,6 +25426,10 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, int32_t x) 
     }
     return x;
 }
+
+/* =============================================================================
+   @impl-tflite-quantized: TFLite's quantized graph, and the graph serialised to the file
+   ============================================================================= */
 
 /* ---- TFLite: a full-integer quantized model ----------------------------------------
 
@@ -26944,7 +25958,8 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
 }
 
 /* =============================================================================
-   @impl-export-onnx  the plan as an ONNX file: nodes and initializers in protobuf
+   @impl-export-onnx  the plan as an ONNX file: nodes and initializers in
+   protobuf, the float graph (quantized graphs: @impl-onnx-quantized)
    =============================================================================
 
    Field numbers from onnx/onnx.proto: ModelProto {ir_version 1,
@@ -27337,6 +26352,10 @@ static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_
    without the Q/DQ pairs; only its Dense and Conv2D differ (float16
    kernels with a Cast; dynamic range: the input quantized per sample in
    the graph, then MatMulInteger or ConvInteger). */
+
+/* =============================================================================
+   @impl-onnx-quantized: ONNX's quantized graphs: Q/DQ pairs, float16 and dynamic-range kernels
+   ============================================================================= */
 
 /* A float32 initializer of n values shaped dims (rank 0: a scalar). */
 static void mpt__onnx_floats_shaped(mpt__onnx *o, const char *name, int rank,
@@ -27820,6 +26839,926 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
 }
 
 /* =============================================================================
+   @impl-strategy  data parallelism: replicas in this process, workers over MPI
+   =============================================================================
+
+   A replicated model is replica 0; the others (m->replica[1..]) are
+   ordinary models with the same layers, built and compiled with it, whose
+   weights are copied from it once built. fit gives each replica its rows
+   of the batch, sums the gradients (replica by replica, in order, then
+   across workers), and has every replica apply the same update. */
+
+/* The strategy: its replicas in this process, its place among the
+   workers, and the devices and communicator of replicas on several GPUs.
+   Code before this section reaches it through the public getters. */
+struct mpt_strategy {
+    mpt_context *ctx;
+    mpt_strategy_type type;
+    int local;              /* replicas in this process                   */
+    int worker, workers;    /* this process's index, and how many         */
+    double timeout;         /* seconds a collective may wait              */
+    int64_t bucket_bytes;   /* gradient bytes per all-reduce              */
+    int began_mpi;          /* MPI_Finalize at destroy                    */
+    /* Replicas on several GPUs (or GPU workers): the backend of replica k,
+       [0] the context's, and the communicator over them (NCCL). */
+    int n_backends;
+    const mpt_backend *backend[MPT__MAX_REPLICAS];
+    void *impl[MPT__MAX_REPLICAS];
+    void *comm;
+};
+
+static int mpt__strategy_total(const mpt_strategy *s) { return s->local * s->workers; }
+static int mpt__strategy_is_chief(const mpt_strategy *s) { return !s || s->worker == 0; }
+
+MPTDEF int mpt_strategy_num_replicas(const mpt_strategy *s) { return s ? mpt__strategy_total(s) : 0; }
+MPTDEF int mpt_strategy_worker(const mpt_strategy *s) { return s ? s->worker : 0; }
+MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s) { return s ? s->workers : 0; }
+
+/* Joins the processes mpirun started (MPI begun here unless the program
+   began it). */
+static mpt_status mpt__strategy_join_workers(mpt_strategy *s) {
+#ifdef MPT_MPI
+    int ready = 0, provided;
+    MPI_Initialized(&ready);
+    if (!ready) {
+        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+            return mpt__fail(s->ctx, MPT_ERR_STATE, "strategy: MPI_Init_thread failed");
+        s->began_mpi = 1;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &s->worker);
+    MPI_Comm_size(MPI_COMM_WORLD, &s->workers);
+    return MPT_OK;
+#else
+    return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED,
+                     "strategy: multi-worker needs a build with -DMPT_MPI (mpicc)");
+#endif
+}
+
+#ifdef MPT_CUDA
+/* Another CUDA device's backend, made as the context made its own. */
+static mpt_status mpt__strategy_add_device(mpt_strategy *s, int device) {
+    mpt_context_desc d = s->ctx->desc;
+    char message[512] = "";
+    mpt_status st;
+    d.cuda_device = device;
+    st = mpt_cuda_backend_create(&d, &s->backend[s->n_backends], &s->impl[s->n_backends], message,
+                                 sizeof message);
+    if (st != MPT_OK) return mpt__fail(s->ctx, st, "strategy: CUDA device %d: %s", device, message);
+    s->n_backends++;
+    return MPT_OK;
+}
+
+/* The devices of a mirrored strategy on a GPU context: the listed ones, or
+   every visible one (devices are tried in order until one is not there). */
+static mpt_status mpt__strategy_mirror_devices(mpt_strategy *s, const mpt_strategy_desc *desc) {
+    int own = s->ctx->desc.cuda_device, k;
+    if (desc->n_devices > 0) {
+        if (desc->devices[0] != own)
+            return mpt__fail(s->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "strategy: devices[0] is %d, not the context's device %d",
+                             desc->devices[0], own);
+        for (k = 1; k < desc->n_devices; k++) MPT__CHECK(mpt__strategy_add_device(s, desc->devices[k]));
+        return MPT_OK;
+    }
+    for (k = 0; k < MPT__MAX_REPLICAS && s->n_backends < MPT__MAX_REPLICAS; k++) {
+        mpt_context_desc d = s->ctx->desc;
+        char message[512];
+        if (k == own) continue;
+        d.cuda_device = k;
+        if (mpt_cuda_backend_create(&d, &s->backend[s->n_backends], &s->impl[s->n_backends],
+                                    message, sizeof message) != MPT_OK)
+            break; /* no device k */
+        s->n_backends++;
+    }
+    return MPT_OK;
+}
+#endif
+
+/* On a GPU context: a mirrored strategy puts one replica on each of its
+   devices (unless num_replicas asks for logical replicas on the context's
+   one), a multi-worker one joins the workers' devices; either way a
+   communicator (NCCL) sums the gradients between devices. */
+static mpt_status mpt__strategy_open_devices(mpt_strategy *s, const mpt_strategy_desc *desc) {
+    const mpt_backend *be = mpt_context_backend(s->ctx, &s->impl[0]);
+    s->backend[0] = be;
+    s->n_backends = 1;
+    if (be == mpt__cpu_backend()) {
+        if (desc->n_devices > 0)
+            return mpt__fail(s->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "strategy: a list of CUDA devices, but the context is on the CPU");
+        return MPT_OK;
+    }
+#ifdef MPT_CUDA
+    if (s->type == MPT_STRATEGY_MIRRORED && desc->num_replicas == 0) {
+        MPT__CHECK(mpt__strategy_mirror_devices(s, desc));
+        s->local = s->n_backends;
+    }
+#endif
+    if (s->n_backends == 1 && s->workers == 1) return MPT_OK; /* one device: nothing to join */
+    if (!be->comm_create)
+        return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED,
+                         "strategy: replicas on %d GPUs need mpt_cuda.cu built with -DMPT_NCCL "
+                         "(and -lnccl)", s->n_backends * s->workers);
+    if (s->workers == 1) {
+        if (be->comm_create(s->impl, s->n_backends, 0, s->n_backends, NULL, &s->comm) != MPT_OK)
+            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
+        return MPT_OK;
+    }
+#ifdef MPT_MPI
+    {
+        unsigned char id[MPT_COMM_ID_BYTES];
+        memset(id, 0, sizeof id);
+        if (s->worker == 0 && be->comm_id(s->impl[0], id) != MPT_OK)
+            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
+        MPI_Bcast(id, MPT_COMM_ID_BYTES, MPI_BYTE, 0, MPI_COMM_WORLD);
+        if (be->comm_create(s->impl, 1, s->worker, s->workers, id, &s->comm) != MPT_OK)
+            return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "strategy: %s", be->error(s->impl[0]));
+    }
+#endif
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_strategy_create(mpt_context *ctx, const mpt_strategy_desc *desc,
+                                      mpt_strategy **out) {
+    mpt_strategy *s;
+    mpt_status st = MPT_OK;
+    mpt_strategy_desc defaults;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: NULL out");
+    *out = NULL;
+    memset(&defaults, 0, sizeof defaults);
+    if (!desc) desc = &defaults; /* NULL: every default */
+    if (desc->type < MPT_STRATEGY_DEFAULT || desc->type > MPT_STRATEGY_MULTI_WORKER)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: unknown type %d",
+                         (int)desc->type);
+    if (desc->num_replicas > MPT__MAX_REPLICAS)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: num_replicas %d: a model can have at most %d replicas",
+                         desc->num_replicas, MPT__MAX_REPLICAS);
+    if (desc->n_devices > MPT__MAX_REPLICAS)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: %d devices: a model can have at most %d replicas, one a device",
+                         desc->n_devices, MPT__MAX_REPLICAS);
+    if (desc->n_devices < 0 || (desc->n_devices > 0 && !desc->devices))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "strategy: %d devices (0..%d, with a list)",
+                         desc->n_devices, MPT__MAX_REPLICAS);
+    if (desc->num_replicas < 0 || (desc->num_replicas > 1 && desc->type != MPT_STRATEGY_MIRRORED))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: num_replicas %d (0..%d, and above 1 only for mirrored)",
+                         desc->num_replicas, MPT__MAX_REPLICAS);
+    if (!(desc->timeout_seconds >= 0 && desc->timeout_seconds < 1e9) || desc->bucket_bytes < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: timeout_seconds %g and bucket_bytes %lld must be >= 0",
+                         desc->timeout_seconds, (long long)desc->bucket_bytes);
+    s = (mpt_strategy *)mpt__calloc(ctx, sizeof *s);
+    if (!s) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    s->ctx = ctx;
+    s->type = desc->type;
+    s->local = desc->num_replicas ? desc->num_replicas : 1;
+    s->workers = 1;
+    s->timeout = desc->timeout_seconds ? desc->timeout_seconds : 60;
+    s->bucket_bytes = desc->bucket_bytes ? desc->bucket_bytes : (int64_t)4 << 20;
+    if (s->type == MPT_STRATEGY_MULTI_WORKER) st = mpt__strategy_join_workers(s);
+    if (st == MPT_OK) st = mpt__strategy_open_devices(s, desc);
+    if (st != MPT_OK) {
+        mpt_strategy_destroy(s);
+        return st;
+    }
+    *out = s;
+    return MPT_OK;
+}
+
+MPTDEF void mpt_strategy_destroy(mpt_strategy *s) {
+    int k;
+    if (!s) return;
+    if (s->comm) s->backend[0]->comm_destroy(s->comm);
+    for (k = 1; k < s->n_backends; k++) s->backend[k]->destroy(s->impl[k]);
+#ifdef MPT_MPI
+    if (s->began_mpi) MPI_Finalize();
+#endif
+    mpt__free(s->ctx, s);
+}
+
+/* ---- waiting for the other workers, never forever --------------------------- */
+
+#ifdef MPT_MPI
+/* Completes n requests, polling, or fails after the strategy's timeout
+   naming what was awaited: another worker has died or is stuck. */
+static mpt_status mpt__mpi_wait(mpt_model *m, MPI_Request *req, int n, const char *what) {
+    double start = mpt__now();
+    int done = 0;
+    while (!done) {
+        if (MPI_Testall(n, req, &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "worker %d: %s: MPI failed",
+                             m->strategy->worker, what);
+        if (done) break;
+        if (mpt__now() - start > m->strategy->timeout)
+            return mpt__fail(m->ctx, MPT_ERR_STATE,
+                             "worker %d: %s: no answer from the other workers in %g s "
+                             "(one has stopped or is stuck); giving up",
+                             m->strategy->worker, what, m->strategy->timeout);
+        sched_yield();
+    }
+    return MPT_OK;
+}
+#endif
+
+/* Σ over the workers, in place, of n values in host memory: doubles (the
+   tallies) when `doubles`, else floats (on the CPU backend, its buffers). */
+static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles,
+                                   const char *what) {
+#ifdef MPT_MPI
+    if (m->strategy && m->strategy->workers > 1) {
+        MPI_Request r;
+        MPI_Iallreduce(MPI_IN_PLACE, v, (int)n, doubles ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM,
+                       MPI_COMM_WORLD, &r);
+        return mpt__mpi_wait(m, &r, 1, what);
+    }
+#endif
+    (void)m;
+    (void)v;
+    (void)n;
+    (void)doubles;
+    (void)what;
+    return MPT_OK;
+}
+
+/* ---- BatchNormalization synchronized over the replicas ------------------------ */
+
+static int mpt__is_sync_bn(const mpt__layer *L) {
+    return L->ops->kind == MPT__LAYER_BATCH_NORMALIZATION && L->desc.batchnorm.synchronized;
+}
+
+/* Host room for the widest synchronized layer's sums (none: nothing). */
+static mpt_status mpt__sync_scratch_alloc(mpt_model *m) {
+    int64_t widest = 0;
+    int i;
+    for (i = 0; i < m->n_layers; i++)
+        if (mpt__is_sync_bn(&m->layers[i]))
+            widest = MPT__MAX(widest, m->layers[i].in_shape[m->layers[i].in_rank - 1]);
+    if (!widest) return MPT_OK;
+    m->sync_scratch = (double *)mpt__alloc(m->ctx, (size_t)(2 * widest + 1) * sizeof(double) +
+                                                       (size_t)(2 * widest) * sizeof(float));
+    return m->sync_scratch ? MPT_OK
+                           : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+}
+
+
+/* Replica r's layer i's saved[ia] and saved[ib], C floats each, into fa
+   and fb on the host. */
+static mpt_status mpt__sync_download(mpt_model *r, int i, int ia, int ib, float *fa, float *fb,
+                                     int64_t C) {
+    MPT__CHECK(mpt__download(r, fa, r->layers[i].saved[ia], sizeof(float) * (size_t)C));
+    return mpt__download(r, fb, r->layers[i].saved[ib], sizeof(float) * (size_t)C);
+}
+
+/* Forward's: from each replica's batch mean and variance of layer i
+   (saved[0], saved[1]) over its rows, sums[0..C) = Σ rows·mean and
+   sums[C..2C) = Σ rows·(variance + mean²), and sums[2C] = Σ rows, over the
+   replicas and then the workers. */
+static mpt_status mpt__sync_gather_moments(mpt_model *m, int i, const int64_t *rows,
+                                           double *sums, int64_t C) {
+    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
+    int64_t c;
+    int k;
+    for (c = 0; c <= 2 * C; c++) sums[c] = 0;
+    for (k = 0; k < m->n_replicas; k++) {
+        double n = (double)rows[k];
+        if (!rows[k]) continue;
+        MPT__CHECK(mpt__sync_download(m->replica[k], i, 0, 1, mean, var, C));
+        for (c = 0; c < C; c++) {
+            sums[c] += n * mean[c];
+            sums[C + c] += n * ((double)var[c] + (double)mean[c] * mean[c]);
+        }
+        sums[2 * C] += n;
+    }
+    return mpt__workers_sum(m, sums, 2 * C + 1, 1, "synchronizing BatchNormalization");
+}
+
+/* Backward's: from each replica's per-channel Σdy and Σdy·x̂ of layer i
+   (saved[2], saved[3]), sums[0..C) = Σdy and sums[C..2C) = Σdy·x̂ over the
+   replicas and then the workers. */
+static mpt_status mpt__sync_gather_sums(mpt_model *m, int i, const int64_t *rows, double *sums,
+                                        int64_t C) {
+    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
+    int64_t c;
+    int k;
+    for (c = 0; c < 2 * C; c++) sums[c] = 0;
+    for (k = 0; k < m->n_replicas; k++) {
+        if (!rows[k]) continue;
+        MPT__CHECK(mpt__sync_download(m->replica[k], i, 2, 3, sum_dy, sum_dyx, C));
+        for (c = 0; c < C; c++) {
+            sums[c] += sum_dy[c];
+            sums[C + c] += sum_dyx[c];
+        }
+    }
+    return mpt__workers_sum(m, sums, 2 * C, 1, "synchronizing BatchNormalization");
+}
+
+/* Two C-float arrays (from host floats) into layer i's saved[ia], saved[ib]
+   on every replica. */
+static mpt_status mpt__sync_scatter(mpt_model *m, int i, int ia, int ib, const float *a,
+                                    const float *b, int64_t C) {
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ia], a, sizeof(float) * (size_t)C));
+        MPT__CHECK(mpt__upload(r, r->layers[i].saved[ib], b, sizeof(float) * (size_t)C));
+    }
+    return MPT_OK;
+}
+
+/* Forward of synchronized layer i: each replica measures its batch, the
+   statistics of the union (mean, biased variance: Σx/N and Σx²/N − mean²
+   from each part's mean and variance, in double) go to every replica's
+   saved mean and variance, and each normalises with them. */
+static mpt_status mpt__sync_bn_forward(mpt_model *m, int i, mpt__forward_walk *fw,
+                                       const int64_t *rows) {
+    const mpt__layer *L0 = &m->layers[i];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
+    double *sums = m->sync_scratch, N;
+    float *mean = (float *)(sums + 2 * C + 1), *var = mean + C;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_batchnorm_args a;
+        bn_rows[k] = 0;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(&r->layers[i], &fw[k].p);
+        bn_rows[k] = a.rows;
+        r->be->batchnorm_forward(r->impl, &a);
+    }
+    MPT__CHECK(mpt__sync_gather_moments(m, i, bn_rows, sums, C));
+    N = MPT__MAX(sums[2 * C], 1);
+    for (c = 0; c < C; c++) {
+        double mu = sums[c] / N;
+        mean[c] = (float)mu;
+        var[c] = (float)MPT__MAX(sums[C + c] / N - mu * mu, 0.0);
+    }
+    MPT__CHECK(mpt__sync_scatter(m, i, 0, 1, mean, var, C));
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_batchnorm_args a;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(&r->layers[i], &fw[k].p);
+        a.training = 0; /* normalise with the union's statistics, just saved */
+        a.moving_mean = a.mean;
+        a.moving_variance = a.variance;
+        r->be->batchnorm_forward(r->impl, &a);
+    }
+    return MPT_OK;
+}
+
+/* Backward of synchronized layer i: each replica sums dy and dy·x̂ over its
+   rows (into dbeta and dgamma, or saved[2] and saved[3] where the layer
+   has no beta or gamma), the sums over every replica go to each, and dx
+   subtracts their means. */
+static mpt_status mpt__sync_bn_backward(mpt_model *m, int i, mpt__backward_walk *bw,
+                                        const int64_t *rows) {
+    const mpt__layer *L0 = &m->layers[i];
+    int64_t C = L0->in_shape[L0->in_rank - 1], c, bn_rows[MPT__MAX_REPLICAS];
+    double *sums = m->sync_scratch;
+    float *sum_dy = (float *)(sums + 2 * C + 1), *sum_dyx = sum_dy + C;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt__layer *L = &r->layers[i];
+        mpt_batchnorm_args a;
+        bn_rows[k] = 0;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(L, &bw[k].p);
+        bn_rows[k] = a.rows;
+        a.dx = NULL;
+        a.dbeta = (float *)L->saved[2];
+        a.dgamma = (float *)L->saved[3];
+        r->be->batchnorm_backward(r->impl, &a);
+    }
+    MPT__CHECK(mpt__sync_gather_sums(m, i, bn_rows, sums, C));
+    for (c = 0; c < C; c++) {
+        sum_dy[c] = (float)sums[c];
+        sum_dyx[c] = (float)sums[C + c];
+    }
+    MPT__CHECK(mpt__sync_scatter(m, i, 2, 3, sum_dy, sum_dyx, C));
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        mpt__layer *L = &r->layers[i];
+        mpt_batchnorm_args a;
+        if (!rows[k]) continue;
+        a = mpt__bn_args(L, &bw[k].p);
+        a.sum_dy = (const float *)L->saved[2];
+        a.sum_dy_xhat = (const float *)L->saved[3];
+        a.total_rows = (int64_t)sums[2 * C];
+        r->be->batchnorm_backward(r->impl, &a);
+    }
+    return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-replicas: the replicas' step: weights copied, gradients summed, statistics averaged
+   ============================================================================= */
+
+/* ---- building the replicas ---------------------------------------------------- */
+
+#ifdef MPT_MPI
+/* A hash of everything that must match between workers: the input, the
+   policy and seed, each layer's class, name, dtype and output shape, every
+   parameter's shape, and the batch each replica is built for. */
+static uint64_t mpt__model_signature(const mpt_model *m) {
+    uint64_t h = 0xcbf29ce484222325ull;
+#define MPT__MIX(v) (h = mpt__mix64(h ^ (uint64_t)(v)))
+    int i, k;
+    const char *c;
+    for (i = 0; i < m->desc.input_rank; i++) MPT__MIX(m->desc.input_shape[i]);
+    MPT__MIX(m->desc.policy);
+    MPT__MIX(m->desc.seed);
+    MPT__MIX(m->max_batch);
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        for (c = L->ops->class_name; *c; c++) MPT__MIX(*c);
+        for (c = L->name; *c; c++) MPT__MIX(*c);
+        MPT__MIX(L->dtype);
+        for (k = 0; k < L->out_rank; k++) MPT__MIX(L->out_shape[k]);
+    }
+    for (i = 0; i < m->n_params; i++)
+        for (k = 0; k < m->params[i].rank; k++) MPT__MIX(m->params[i].shape[k]);
+#undef MPT__MIX
+    return h;
+}
+#endif
+
+/* Multi-worker: every worker built the same model (else all fail, naming
+   the workers that differ), and all take worker 0's weights. */
+static mpt_status mpt__workers_agree(mpt_model *m) {
+#ifdef MPT_MPI
+    mpt_strategy *s = m->strategy;
+    uint64_t mine = mpt__model_signature(m), *all;
+    MPI_Request r;
+    int w, bad = 0;
+    char which[256] = "";
+    size_t used = 0;
+    if (s->workers <= 1) return MPT_OK;
+    all = (uint64_t *)mpt__alloc(m->ctx, sizeof(uint64_t) * (size_t)s->workers);
+    if (!all) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    MPI_Iallgather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, MPI_COMM_WORLD, &r);
+    if (mpt__mpi_wait(m, &r, 1, "comparing the workers' models") != MPT_OK) {
+        mpt__free(m->ctx, all);
+        return MPT_ERR_STATE;
+    }
+    for (w = 1; w < s->workers; w++)
+        if (all[w] != all[0]) {
+            bad++;
+            if (used < sizeof which)
+                used += (size_t)snprintf(which + used, sizeof which - used, " %d", w);
+        }
+    mpt__free(m->ctx, all);
+    if (bad)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "strategy: workers built different models (layers, shapes, policy, "
+                         "seed or batch): worker%s%s differ%s from worker 0",
+                         bad > 1 ? "s" : "", which, bad > 1 ? "" : "s");
+    {
+        /* worker 0's weights, in pieces that fit MPI's int counts (through
+           the host from a GPU) */
+        int64_t bytes = m->arena_bytes[MPT__MEM_PARAMS], left = bytes;
+        int on_host = mpt__model_device(m) == MPT_DEVICE_CPU;
+        unsigned char *host = on_host ? (unsigned char *)m->arena[MPT__MEM_PARAMS]
+                                      : (unsigned char *)mpt__alloc(m->ctx, (size_t)bytes + 1);
+        unsigned char *p = host;
+        mpt_status st = host ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "out of memory");
+        if (st == MPT_OK && !on_host) st = mpt__download(m, host, m->arena[MPT__MEM_PARAMS], bytes);
+        while (st == MPT_OK && left > 0) {
+            int piece = (int)MPT__MIN(left, (int64_t)1 << 30);
+            MPI_Ibcast(p, piece, MPI_BYTE, 0, MPI_COMM_WORLD, &r);
+            st = mpt__mpi_wait(m, &r, 1, "receiving worker 0's weights");
+            p += piece;
+            left -= piece;
+        }
+        if (st == MPT_OK && !on_host) st = mpt__upload(m, m->arena[MPT__MEM_PARAMS], host, bytes);
+        if (!on_host) mpt__free(m->ctx, host);
+        MPT__CHECK(st);
+        mpt_model_refresh_weights(m);
+    }
+#else
+    (void)m;
+#endif
+    return MPT_OK;
+}
+
+/* to's parameters (values and moving statistics) become from's: in place
+   on one device, through the host between devices. */
+static mpt_status mpt__copy_params(mpt_model *to, mpt_model *from) {
+    size_t bytes = (size_t)from->arena_bytes[MPT__MEM_PARAMS];
+    void *host;
+    mpt_status s;
+    if (to->impl == from->impl) {
+        to->be->copy(to->impl, to->arena[MPT__MEM_PARAMS], from->arena[MPT__MEM_PARAMS], bytes);
+        mpt_model_refresh_weights(to);
+        return MPT_OK;
+    }
+    host = mpt__alloc(to->ctx, bytes + 1);
+    if (!host) return mpt__fail(to->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    s = mpt__download(from, host, from->arena[MPT__MEM_PARAMS], bytes);
+    if (s == MPT_OK) s = mpt__upload(to, to->arena[MPT__MEM_PARAMS], host, bytes);
+    mpt__free(to->ctx, host);
+    if (s == MPT_OK) mpt_model_refresh_weights(to);
+    return s;
+}
+
+static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
+    mpt_model_desc d = m->desc;
+    mpt_model *r = NULL;
+    int i;
+    mpt_status s;
+    d.strategy = NULL;
+    MPT__CHECK(mpt_model_create(m->ctx, &d, &r));
+    r->replica_index = m->replica_index + k;
+    if (m->strategy->n_backends > 1) { /* its own GPU */
+        r->be = m->strategy->backend[k];
+        r->impl = m->strategy->impl[k];
+    }
+    for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++)
+        s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
+                           m->layers[i].desc.common.dtype);
+    if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
+    if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
+    if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */
+    if (s != MPT_OK) {
+        mpt_model_destroy(r);
+        return s;
+    }
+    *out = r;
+    return MPT_OK;
+}
+
+/* After replica 0 is built: the other replicas of this process, then the
+   agreement between workers. A failure leaves the model unbuilt. */
+static mpt_status mpt__replicas_build(mpt_model *m) {
+    mpt_strategy *s = m->strategy;
+    mpt_status st = MPT_OK;
+    int k;
+    m->replica = (mpt_model **)mpt__calloc(m->ctx, sizeof(mpt_model *) * (size_t)s->local);
+    if (!m->replica) st = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
+    if (st == MPT_OK && s->workers > 1 && mpt__model_device(m) != MPT_DEVICE_CPU && !s->comm)
+        st = mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                       "strategy: several workers on GPUs need mpt_cuda.cu built with -DMPT_NCCL");
+    if (st == MPT_OK) {
+        m->replica[0] = m;
+        m->replica_index = s->worker * s->local;
+    }
+    for (k = 1; st == MPT_OK && k < s->local; k++) {
+        st = mpt__replica_new(m, k, &m->replica[k]);
+        if (st == MPT_OK) m->n_replicas = k + 1;
+    }
+    if (st == MPT_OK) st = mpt__sync_scratch_alloc(m);
+    if (st == MPT_OK) st = mpt__workers_agree(m);
+    if (st != MPT_OK) {
+        for (k = 1; k < m->n_replicas; k++) mpt_model_destroy(m->replica[k]);
+        mpt__free(m->ctx, m->replica);
+        mpt__free(m->ctx, m->sync_scratch);
+        m->replica = NULL;
+        m->sync_scratch = NULL;
+        m->n_replicas = 1;
+        mpt__free_arenas(m);
+        m->built = 0;
+    }
+    return st;
+}
+
+/* ---- the gradients between workers, bucket by bucket ---------------------------- */
+
+/* One step's all-reduce of the gradient arena (float32 sums), cut into
+   buckets that start as soon as the layers filling them are done with
+   their backward pass: the layers' gradients lie in layer order in the
+   arena, and backward runs from the last layer, so what is finished is
+   always the arena's tail [offset of layer i, end). */
+typedef struct mpt__exchange {
+    int64_t pending;        /* floats [0, pending) not yet sent            */
+    int64_t bucket;         /* floats per bucket                           */
+    int n, cap;
+#ifdef MPT_MPI
+    MPI_Request *req;       /* [cap]                                       */
+#endif
+} mpt__exchange;
+
+static void mpt__exchange_free(mpt_model *m) {
+    if (!m->exchange) return;
+#ifdef MPT_MPI
+    mpt__free(m->ctx, m->exchange->req);
+#endif
+    mpt__free(m->ctx, m->exchange);
+    m->exchange = NULL;
+}
+
+/* Allocated when fit starts (a step allocates nothing); only with workers. */
+static mpt_status mpt__exchange_open(mpt_model *m) {
+    mpt__exchange *x;
+    int64_t floats = m->arena_bytes[MPT__MEM_GRADS] / 4;
+    if (!m->strategy || m->strategy->workers <= 1 || m->n_replicas > 1 || m->strategy->comm)
+        return MPT_OK; /* (a communicator sums GPUs' gradients itself) */
+    x = (mpt__exchange *)mpt__calloc(m->ctx, sizeof *x);
+    if (!x) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    m->exchange = x;
+    x->bucket = MPT__MAX(m->strategy->bucket_bytes / 4, 1);
+    /* a bucket per layer at most, each in pieces below 2^30 floats */
+    x->cap = 2 * m->n_layers + (int)(floats >> 30) + 4;
+#ifdef MPT_MPI
+    x->req = (MPI_Request *)mpt__calloc(m->ctx, sizeof(MPI_Request) * (size_t)x->cap);
+    if (!x->req) {
+        mpt__exchange_free(m);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    }
+#endif
+    return MPT_OK;
+}
+
+/* Starts the all-reduce of floats [from, pending). */
+static void mpt__exchange_send(mpt_model *m, int64_t from) {
+    mpt__exchange *x = m->exchange;
+#ifdef MPT_MPI
+    float *g = (float *)m->arena[MPT__MEM_GRADS];
+    while (x->pending > from && x->n < x->cap) {
+        int64_t piece = MPT__MIN(x->pending - from, (int64_t)1 << 30);
+        MPI_Iallreduce(MPI_IN_PLACE, g + x->pending - piece, (int)piece, MPI_FLOAT, MPI_SUM,
+                       MPI_COMM_WORLD, &x->req[x->n++]);
+        x->pending -= piece;
+    }
+#else
+    (void)m;
+#endif
+    x->pending = MPT__MIN(x->pending, from);
+}
+
+/* Called by backward after each layer: sends the finished tail once it
+   holds a bucket, and lets MPI progress what is in flight. */
+static void mpt__exchange_layer_done(mpt_model *m, int layer) {
+    mpt__exchange *x = m->exchange;
+    const mpt__layer *L = &m->layers[layer];
+    int k;
+    for (k = 0; k < L->n_params; k++)
+        if (L->param[k]->trainable) {
+            int64_t at = L->param[k]->grad - (float *)m->arena[MPT__MEM_GRADS];
+            if (x->pending - at >= x->bucket) mpt__exchange_send(m, at);
+            break;
+        }
+#ifdef MPT_MPI
+    if (x->n) {
+        int done;
+        MPI_Testall(x->n, x->req, &done, MPI_STATUSES_IGNORE);
+    }
+#endif
+}
+
+/* The step's exchange: before backward, arm it; after, send the rest and
+   wait (with the strategy's timeout) for every bucket. */
+static void mpt__exchange_arm(mpt_model *m) {
+    m->exchange->pending = m->arena_bytes[MPT__MEM_GRADS] / 4;
+    m->exchange->n = 0;
+}
+
+static mpt_status mpt__exchange_finish(mpt_model *m) {
+    mpt__exchange_send(m, 0);
+#ifdef MPT_MPI
+    return mpt__mpi_wait(m, m->exchange->req, m->exchange->n, "summing the gradients");
+#else
+    return MPT_OK;
+#endif
+}
+
+/* count floats summed over every replica on every device and worker,
+   through the strategy's communicator, in place on each: each replica's
+   arena `arena` (layer < 0) or layer `layer`'s saved[which]. */
+static mpt_status mpt__comm_sum(mpt_model *m, int arena, int layer, int which, int64_t count) {
+    float *bufs[MPT__MAX_REPLICAS];
+    mpt_status st;
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        bufs[k] = layer < 0 ? (float *)r->arena[arena] : (float *)r->layers[layer].saved[which];
+    }
+    st = m->be->allreduce_sum(m->strategy->comm, bufs, count);
+    return st == MPT_OK ? st
+                        : mpt__fail(m->ctx, st, "strategy: %s",
+                                    m->be->comm_error(m->strategy->comm));
+}
+
+/* How many of layer L's saved buffers hold statistics of a replica's
+   batch, each *count floats (its table's replica_statistics). */
+static int mpt__replica_statistics(const mpt__layer *L, int64_t *count) {
+    *count = 0;
+    return L->ops->replica_statistics ? L->ops->replica_statistics(L, count) : 0;
+}
+
+/* The layers' batch statistics (BatchNormalization's) made the mean over
+   the replicas that had rows (here and on every worker) before every
+   replica commits them: the moving statistics, an average of linear
+   updates, then equal the mean of per-replica moving statistics, which is
+   what TensorFlow reads from its per-replica (ON_READ, MEAN) variables.
+   They stay the same on every replica. */
+static mpt_status mpt__replicas_average_statistics(mpt_model *m, const int64_t *had_rows) {
+    int n = m->n_replicas, i, j, k, any = 0;
+    int64_t C;
+    double contributors = 0;
+    for (i = 0; i < m->n_layers; i++) any |= mpt__replica_statistics(&m->layers[i], &C) > 0;
+    if (!any) return MPT_OK; /* nothing to average: no collective either */
+    for (k = 0; k < n; k++) contributors += had_rows[k] != 0;
+    MPT__CHECK(mpt__workers_sum(m, &contributors, 1, 1, "counting the replicas with rows"));
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__layer *L = &m->layers[i];
+        int stats = mpt__replica_statistics(L, &C);
+        for (j = 0; j < stats; j++) { /* saved[j], C floats */
+            float *sum = (float *)L->saved[j];
+            if (m->strategy->comm) { /* several devices: through the communicator */
+                float inv = (float)(1.0 / MPT__MAX(contributors, 1));
+                for (k = 0; k < n; k++)
+                    if (!had_rows[k])
+                        m->replica[k]->be->zero(m->replica[k]->impl,
+                                                m->replica[k]->layers[i].saved[j],
+                                                sizeof(float) * (size_t)C);
+                MPT__CHECK(mpt__comm_sum(m, 0, i, j, C));
+                for (k = 0; k < n; k++)
+                    m->replica[k]->be->scale(m->replica[k]->impl,
+                                             (float *)m->replica[k]->layers[i].saved[j], inv, C);
+                continue;
+            }
+            if (!had_rows[0]) m->be->zero(m->impl, sum, sizeof(float) * (size_t)C);
+            for (k = 1; k < n; k++)
+                if (had_rows[k])
+                    m->be->add(m->impl, sum, (const float *)m->replica[k]->layers[i].saved[j], C);
+            MPT__CHECK(mpt__workers_sum(m, sum, C, 0, "averaging the batch statistics"));
+            m->be->scale(m->impl, sum, (float)(1.0 / MPT__MAX(contributors, 1)), C);
+            for (k = 1; k < n; k++)
+                m->be->copy(m->impl, m->replica[k]->layers[i].saved[j], sum,
+                            sizeof(float) * (size_t)C);
+        }
+    }
+    return MPT_OK;
+}
+
+/* ---- one replicated training step --------------------------------------------- */
+
+/* Rows [b0, b1) of a batch tensor, as a view. */
+static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
+    mpt_tensor v = *t;
+    v.shape[0] = b1 - b0;
+    v.data = (unsigned char *)t->data + (size_t)b0 * (mpt_tensor_bytes(t) / (size_t)t->shape[0]);
+    return v;
+}
+
+/* Replica k's rows of this worker's batch of `rows` (a contiguous share:
+   xs[k], ys[k]; none, when the batch has fewer rows than replicas: empty
+   tensors, shape[0] 0). */
+static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                              int64_t rows, mpt_tensor *xs, mpt_tensor *ys) {
+    int n = m->n_replicas, k;
+    for (k = 0; k < n; k++) {
+        int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
+        memset(&xs[k], 0, sizeof xs[k]);
+        memset(&ys[k], 0, sizeof ys[k]);
+        if (b1 > b0) {
+            xs[k] = mpt__rows(x, b0, b1);
+            ys[k] = mpt__rows(y, b0, b1);
+        }
+    }
+}
+
+/* Every replica's forward, loss and backward on its rows xs[k], ys[k]
+   (none: then its gradients are zero), layer by layer in step (a
+   synchronized layer needs every replica at the same layer), each loss
+   divided by the global batch. */
+static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor *xs,
+                                                 const mpt_tensor *ys, int64_t global_rows,
+                                                 int64_t *had) {
+    int n = m->n_replicas, k, i, first = m->n_layers;
+    mpt__forward_walk fw[MPT__MAX_REPLICAS];
+    mpt__backward_walk bw[MPT__MAX_REPLICAS];
+    mpt_tensor target[MPT__MAX_REPLICAS];
+    for (k = 0; k < n; k++) {
+        mpt_model *r = m->replica[k];
+        had[k] = xs[k].shape[0];
+        if (had[k] > 0) {
+            mpt_tensor in;
+            MPT__CHECK(mpt__input_on_backend(r, &xs[k], &in));
+            MPT__CHECK(mpt__target_on_backend(r, &ys[k], &target[k]));
+            mpt__forward_begin(r, &in, 1, &fw[k]);
+        } else {
+            r->be->zero(r->impl, r->arena[MPT__MEM_GRADS], (size_t)r->arena_bytes[MPT__MEM_GRADS]);
+        }
+    }
+    for (i = 0; i < m->n_layers; i++) {
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__forward_prepare(m->replica[k], i, &fw[k]);
+        if (mpt__is_sync_bn(&m->layers[i])) {
+            MPT__CHECK(mpt__sync_bn_forward(m, i, fw, had));
+        } else {
+            for (k = 0; k < n; k++)
+                if (had[k]) m->replica[k]->layers[i].ops->forward(&m->replica[k]->layers[i], &fw[k].p);
+        }
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__forward_finish(&m->replica[k]->layers[i], &fw[k]);
+    }
+    for (k = 0; k < n; k++) {
+        mpt_model *r = m->replica[k];
+        mpt_loss_args loss;
+        if (!had[k]) continue;
+        loss = mpt__loss_args(r, &target[k], 1);
+        loss.grad_weight = (float)((double)had[k] / (double)global_rows);
+        r->be->loss(r->impl, &loss);
+        mpt__backward_begin(r, 0, &bw[k]);
+        first = bw[k].first;
+    }
+    for (i = m->n_layers - 1; i >= first; i--) {
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__backward_prepare(m->replica[k], i, &bw[k]);
+        if (mpt__is_sync_bn(&m->layers[i])) {
+            MPT__CHECK(mpt__sync_bn_backward(m, i, bw, had));
+        } else {
+            for (k = 0; k < n; k++)
+                if (had[k])
+                    m->replica[k]->layers[i].ops->backward(&m->replica[k]->layers[i], &bw[k].p);
+        }
+        for (k = 0; k < n; k++)
+            if (had[k]) mpt__backward_finish(m->replica[k], i, &bw[k]);
+    }
+    return MPT_OK;
+}
+
+/* The replicas' gradients summed on one device: replica 0 adds the others'
+   in order, the workers' sum follows (MPI, in buckets), and every replica
+   takes the result. */
+static mpt_status mpt__local_sum_grads(mpt_model *m, int64_t grads) {
+    int k;
+    for (k = 1; k < m->n_replicas; k++)
+        m->be->add(m->impl, (float *)m->arena[MPT__MEM_GRADS],
+                   (const float *)m->replica[k]->arena[MPT__MEM_GRADS], grads / 4);
+    if (m->exchange) MPT__CHECK(mpt__exchange_finish(m));
+    for (k = 1; k < m->n_replicas; k++)
+        m->be->copy(m->impl, m->replica[k]->arena[MPT__MEM_GRADS], m->arena[MPT__MEM_GRADS],
+                    (size_t)grads);
+    return MPT_OK;
+}
+
+/* The step: forward and backward on every replica, the gradients summed
+   over the replicas (in order) and the workers, the same update on every
+   replica. xs[k], ys[k]: replica k's rows, where it can read them (on a
+   GPU, fit's feed uploaded them). */
+static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const mpt_tensor *ys,
+                                     int64_t global_rows, mpt__step_times *times) {
+    int n = m->n_replicas, k;
+    int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[MPT__MAX_REPLICAS];
+    double t0 = mpt__now(), t1;
+    if (m->exchange) mpt__exchange_arm(m);
+    MPT__CHECK(mpt__replicas_forward_backward(m, xs, ys, global_rows, had));
+    if (m->strategy->comm) { /* GPUs: the communicator sums them, on every device */
+        MPT__CHECK(mpt__comm_sum(m, MPT__MEM_GRADS, -1, 0, grads / 4));
+    } else {
+        MPT__CHECK(mpt__local_sum_grads(m, grads));
+    }
+    t1 = mpt__now();
+    MPT__CHECK(mpt__replicas_average_statistics(m, had));
+    for (k = 0; k < n; k++) mpt__queue_update(m->replica[k]); /* the averaged statistics */
+    times->backward += t1 - t0;
+    times->update += mpt__now() - t1;
+    return MPT_OK;
+}
+
+/* The step on this worker's batch of `rows` in host memory. */
+static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
+                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
+    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
+    mpt__replica_rows(m, x, y, rows, xs, ys);
+    return mpt__replicas_step(m, xs, ys, global_rows, times);
+}
+
+/* Whether fit may record the replicas' step in a CUDA graph and replay it:
+   when they share one device and one worker. Collectives between devices
+   stay out (NCCL's, replayed in graphs of several devices from one thread,
+   can deadlock), as do MPI's between workers and a synchronized
+   BatchNormalization (both pass through the host every step). */
+static int mpt__replicas_capturable(const mpt_model *m) {
+    int i;
+    if (m->strategy->comm || m->strategy->workers > 1) return 0;
+    for (i = 0; i < m->n_layers; i++)
+        if (mpt__is_sync_bn(&m->layers[i])) return 0;
+    return 1;
+}
+
+/* This worker's share of an epoch's order: of each global batch of
+   `batch` samples (the last may be shorter), its contiguous slice.
+   Returns how many samples that is. */
+static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64_t n,
+                                 int64_t batch, int64_t *mine) {
+    int64_t g, used = 0;
+    int w = m->strategy->worker, W = m->strategy->workers;
+    for (g = 0; g < n; g += batch) {
+        int64_t rows = MPT__MIN(batch, n - g);
+        int64_t b0 = rows * w / W, b1 = rows * (w + 1) / W;
+        memcpy(mine + used, order + g + b0, sizeof(int64_t) * (size_t)(b1 - b0));
+        used += b1 - b0;
+    }
+    return used;
+}
+
+/* =============================================================================
    @impl-cpu-backend  the CPU's implementation of @backend's table
    =============================================================================
 
@@ -28163,6 +28102,322 @@ static const mpt_backend *mpt__cpu_backend(void) {
 
 #endif /* MPT__IMPLEMENTED */
 #endif /* MPT_IMPLEMENTATION */
+
+
+#if (defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)) || \
+    defined(MPT_BACKEND_SHARED)
+#ifndef MPT__BACKEND_SHARED_CUDA_DONE
+#define MPT__BACKEND_SHARED_CUDA_DONE
+
+/* =============================================================================
+   @backend-shared-cuda: the CUDA GEMMs' rules: fragment places, tiles, split-K, engine choice (internal)
+   ============================================================================= */
+
+/* ---- the CUDA int8 GEMM's fragments -------------------------------------
+   mpt_cuda.cu's int8 kernel keeps A's rows and B's columns in shared
+   memory, depth-contiguous, MPT__CUDA_QGEMM_PITCH bytes apart, and reads
+   the operands of mma.sync m16n8k32 (s8) with ldmatrix.x4, where lane l
+   gives the address of row l % 8 of the 8-row × 16-byte matrix l / 8.
+   Here, rather than in mpt_cuda.cu, so that tests/test_cuda_rules.c can
+   run the kernel's own addresses through ldmatrix and mma.sync emulated
+   on the host. */
+
+#define MPT__CUDA_QGEMM_PITCH 80 /* 16 mod 128: 8 rows in 8 bank groups */
+
+/* Lane's ldmatrix offset from a 16-row A slice at some depth: matrices
+   rows 0–7 and 8–15 at bytes 0–15, then the same at bytes 16–31, which
+   are a0..a3 of the m16n8k32 A fragment. */
+static inline MPT__HD int mpt__cuda_qgemm_a_lane(int lane) {
+    return (lane % 16) * MPT__CUDA_QGEMM_PITCH + (lane / 16) * 16;
+}
+
+/* Lane's ldmatrix offset from two 8-column B tiles at some depth: the
+   first tile's bytes 0–15 and 16–31 (its b0, b1), then the second's. */
+static inline MPT__HD int mpt__cuda_qgemm_b_lane(int lane) {
+    return ((lane / 16) * 8 + lane % 8) * MPT__CUDA_QGEMM_PITCH + ((lane / 8) % 2) * 16;
+}
+
+/* The row and column, in mma.sync's 16×8 tile of C, of lane's
+   accumulator e (0..3). */
+static inline MPT__HD int mpt__cuda_qgemm_acc_row(int lane, int e) {
+    return lane / 4 + (e >= 2 ? 8 : 0);
+}
+static inline MPT__HD int mpt__cuda_qgemm_acc_col(int lane, int e) {
+    return (lane % 4) * 2 + (e & 1);
+}
+
+/* ---- the CUDA GEMMs' epilogue, staged -----------------------------------
+   The 16-bit GEMM kernels (mma.sync and wgmma) end with their float32 sums
+   in the accumulator layout above: a warp holds bands of 16 rows, and in
+   each 8-column block of a band lane l holds the pair (row l/4, columns
+   2(l%4), +1) and the same pair 8 rows lower. Finishing the pairs where
+   they lie takes one inlined copy of the epilogue (alpha, beta·C, bias,
+   activation, rounding, the store) per pair: 64 copies in a Hopper
+   kernel, 470 KB of code that no instruction cache holds. Instead a warp
+   writes 32 columns of a band at a time into its own 16 rows ×
+   MPT__CUDA_EPI_PITCH floats of shared memory and reads them back along
+   the rows, so that one copy of the epilogue, in a loop, finishes every
+   pair, and a half-warp stores 32 consecutive columns of one row of C.
+   The pitch, 8 mod 32 banks, keeps the 64-bit writes and reads free of
+   bank conflicts. */
+#define MPT__CUDA_EPI_COLS 32
+#define MPT__CUDA_EPI_PITCH 40
+#define MPT__CUDA_EPI_WARP_FLOATS (16 * MPT__CUDA_EPI_PITCH)
+
+/* Where lane writes its pair h (0: upper 8 rows, 1: lower 8) of the band's
+   8-column block j (0..3 of the 32 staged). */
+static inline MPT__HD int mpt__cuda_epi_put(int lane, int j, int h) {
+    return (lane / 4 + 8 * h) * MPT__CUDA_EPI_PITCH + 8 * j + 2 * (lane % 4);
+}
+
+/* The row (0..15) and first column (even) of the pair lane reads in step
+   s (0..7): two rows a step, a half-warp each. */
+static inline MPT__HD int mpt__cuda_epi_get_row(int lane, int s) { return 2 * s + lane / 16; }
+static inline MPT__HD int mpt__cuda_epi_get_col(int lane) { return 2 * (lane % 16); }
+
+/* ---- the CUDA GEMM's choices --------------------------------------------
+   mpt_cuda.cu picks a tile, a K split and (in MPT_GEMM_AUTO) an engine for
+   each GEMM shape by the rules below. The tile and the split are functions
+   of the shape and the GPU's SM count, never of the run, so a shape takes
+   the same path, hence gives the same bits, on every run on the same GPU
+   model; the engine comes from measured times, kept with a margin
+   (mpt__gemm_engine_choose). Here, rather than in mpt_cuda.cu, so that
+   they are tested without a GPU. */
+
+/* The hand-written tensor-core GEMM's tiles: 64×64 (3 stages) or 128×128
+   (4 stages, 16-byte aligned A and B only). 128 once those tiles alone
+   make a wave (one per SM), else 64: small problems need more blocks.
+   forced: 64 or 128 ($MPT_CUDA_GEMM_TILE), 0 to choose; 128 is given only
+   where it can run (big_ok: aligned operands, and the GPU has the shared
+   memory), else 64. */
+static inline int mpt__gemm_tile(int64_t m, int64_t n, int sm_count, int big_ok, int forced) {
+    if (!big_ok || forced == 64) return 64;
+    if (forced == 128) return 128;
+    return ((m + 127) / 128) * ((n + 127) / 128) >= sm_count ? 128 : 64;
+}
+
+/* $MPT_CUDA_GEMM_TILE: NULL or "" gives 0 (choose), "64" or "128" that
+   tile; anything else -1. */
+static inline int mpt__gemm_tile_from_env(const char *value) {
+    if (!value || !value[0]) return 0;
+    if (value[0] == '6' && value[1] == '4' && !value[2]) return 64;
+    if (value[0] == '1' && value[1] == '2' && value[2] == '8' && !value[3]) return 128;
+    return -1;
+}
+
+/* Split-K. A product with few M×N tiles and a long K (a convolution's
+   weight gradient: 288×32×73728 is 5 tiles of 64×64 for 132 SMs) is cut
+   along K into `splits` slices of `depth` (a multiple of 32, the last
+   slice shorter), computed as separate blocks into float32 partial sums
+   (splits × M × N, in a workspace of `capacity` floats), then added in
+   slice order by a second pass that applies the epilogue. The slices are
+   a function of the shape, the tile and the SM count, so the sums repeat
+   bit for bit. Split only where the tiles fill less than half the SMs and
+   every slice gets at least MPT__GEMM_SPLIT_MIN_DEPTH of K; at most
+   MPT__GEMM_SPLIT_MAX slices, and about one block per SM in all. */
+#define MPT__GEMM_SPLIT_MIN_DEPTH 512
+#define MPT__GEMM_SPLIT_MAX 64
+typedef struct mpt__gemm_split {
+    int64_t splits; /* 1: no split */
+    int64_t depth;  /* K per slice (K itself when splits is 1) */
+} mpt__gemm_split;
+
+/* The rule for `tiles` tiles of C and K walked in `step`-deep steps (32
+   for the mma.sync kernel, 64 for the Hopper one). */
+static inline mpt__gemm_split mpt__gemm_split_k_tiles(int64_t tiles, int64_t m, int64_t n,
+                                                      int64_t k, int64_t step, int sm_count,
+                                                      int64_t capacity) {
+    mpt__gemm_split s;
+    int64_t want, steps;
+    s.splits = 1;
+    s.depth = k;
+    if (m <= 0 || n <= 0 || k <= 0 || tiles <= 0) return s;
+    want = sm_count / tiles; /* < 2 where the tiles fill half the SMs */
+    if (want > k / MPT__GEMM_SPLIT_MIN_DEPTH) want = k / MPT__GEMM_SPLIT_MIN_DEPTH;
+    if (want > MPT__GEMM_SPLIT_MAX) want = MPT__GEMM_SPLIT_MAX;
+    if (want > capacity / (m * n)) want = capacity / (m * n);
+    if (want < 2) return s;
+    /* Equal slices of whole steps; the count again, so none is empty. */
+    steps = (k + step - 1) / step;
+    s.depth = (steps + want - 1) / want * step;
+    s.splits = (k + s.depth - 1) / s.depth;
+    if (s.splits < 2) s.depth = k, s.splits = 1;
+    return s;
+}
+
+static inline mpt__gemm_split mpt__gemm_split_k(int64_t m, int64_t n, int64_t k, int tile,
+                                                int sm_count, int64_t capacity) {
+    const int64_t tiles = ((m + tile - 1) / tile) * ((n + tile - 1) / tile);
+    return mpt__gemm_split_k_tiles(tiles, m, n, k, 32, sm_count, capacity);
+}
+
+/* MPT_GEMM_AUTO's engine for a shape it has timed: the engine the shape
+   runs untimed (`usual`: the hand-written one for 16-bit operands,
+   cuBLASLt for float32) stays unless the other one (`other`, when it did
+   not refuse the shape) is faster by more than MPT__GEMM_SWITCH_MARGIN,
+   a tie keeping `usual`. Times vary by a few per cent from run to run;
+   without a margin a near tie would flip from run to run, and with it
+   the bits. */
+#define MPT__GEMM_SWITCH_MARGIN 0.10
+static inline mpt_gemm_engine mpt__gemm_engine_choose(mpt_gemm_engine usual, double ms_usual,
+                                                      mpt_gemm_engine other, double ms_other,
+                                                      int other_refused) {
+    if (other_refused || !(ms_other < ms_usual * (1.0 - MPT__GEMM_SWITCH_MARGIN))) return usual;
+    return other;
+}
+
+/* The same among several candidates: engines[0] is the usual one, the
+   others (ms < 0: refused, or cannot run the shape) compete in order, the
+   fastest of them (the first on a tie) replacing it only by the margin. */
+static inline mpt_gemm_engine mpt__gemm_engine_choose_among(const mpt_gemm_engine *engines,
+                                                            const double *ms, int count) {
+    int best = -1, i;
+    for (i = 1; i < count; i++)
+        if (ms[i] >= 0 && (best < 0 || ms[i] < ms[best])) best = i;
+    if (best < 0) return engines[0];
+    return mpt__gemm_engine_choose(engines[0], ms[0], engines[best], ms[best], 0);
+}
+
+/* The engines AUTO times for a shape, in that order: the usual one first
+   (mpt__gemm_engine_choose_among's engines[0]), then the others; the
+   Hopper kernel only when asked ($MPT_GEMM_AUTO_WGMMA=1: on an H200 it
+   loses to cuBLASLt everywhere, so timing it costs warm-up for nothing).
+   Returns the count (2 or 3). */
+static inline int mpt__gemm_race_engines(mpt_gemm_engine usual, int with_wgmma,
+                                         mpt_gemm_engine engines[3]) {
+    int count = 0;
+    engines[count++] = usual;
+    if (usual != MPT_GEMM_MPT) engines[count++] = MPT_GEMM_MPT;
+    if (with_wgmma) engines[count++] = MPT_GEMM_WGMMA;
+    if (usual != MPT_GEMM_CUBLASLT) engines[count++] = MPT_GEMM_CUBLASLT;
+    return count;
+}
+
+/* ---- the Hopper GEMM's choices (mpt_cuda.cu, MPT_GEMM_WGMMA) ------------
+   Its tiles are 128 rows of C (two consumer warpgroups of 64) by
+   MPT__WGMMA_TILE_N = 128 or 256 columns, walked along K in 64-deep
+   stages: 64 16-bit values are 128 bytes, the span of the shared-memory
+   swizzle the copy engine (TMA) writes and wgmma reads. */
+#define MPT__WGMMA_BM 128
+#define MPT__WGMMA_BK 64
+#define MPT__WGMMA_BAND 8 /* tile rows per band of the persistent scheduler */
+
+/* Whether the Hopper kernel can run a product: 16-bit operands, and what
+   TMA asks of a matrix in global memory, an address and a row pitch that
+   are multiples of 16 bytes (ld a multiple of 8 elements), the pitch under
+   2^40 bytes; M, N, K (and a tile past them) within TMA's int32
+   coordinates. `ready`: the GPU and the build have the kernel
+   (mpt_cuda_wgmma_ready). Anything else takes the mma.sync kernel. */
+static inline int mpt__wgmma_eligible(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                                      uintptr_t a, uintptr_t b, mpt_dtype ab_dtype, int ready) {
+    const int64_t limit = ((int64_t)1 << 31) - 512;
+    if (!ready || (ab_dtype != MPT_FLOAT16 && ab_dtype != MPT_BFLOAT16)) return 0;
+    if (m <= 0 || n <= 0 || k <= 0 || m > limit || n > limit || k > limit) return 0;
+    if (a % 16 != 0 || b % 16 != 0 || lda % 8 != 0 || ldb % 8 != 0) return 0;
+    return lda > 0 && ldb > 0 && lda < ((int64_t)1 << 39) && ldb < ((int64_t)1 << 39);
+}
+
+/* Its tile width: 256 columns (one CTA per SM holds 128×256 float32
+   sums in two warpgroups' registers) once those tiles alone make a wave,
+   else 128, so that smaller products spread over more SMs. */
+static inline int mpt__wgmma_tile_n(int64_t m, int64_t n, int sm_count) {
+    const int64_t wide = ((m + MPT__WGMMA_BM - 1) / MPT__WGMMA_BM) * ((n + 255) / 256);
+    return n > 128 && wide >= sm_count ? 256 : 128;
+}
+
+/* Its K split: the rule above for its tiles and 64-deep stages. The
+   slices are added by the same second pass as the mma.sync kernel's, in
+   slice order, so the sums repeat bit for bit. */
+static inline mpt__gemm_split mpt__wgmma_split_k(int64_t m, int64_t n, int64_t k, int tile_n,
+                                                 int sm_count, int64_t capacity) {
+    const int64_t tiles = ((m + MPT__WGMMA_BM - 1) / MPT__WGMMA_BM) * ((n + tile_n - 1) / tile_n);
+    return mpt__gemm_split_k_tiles(tiles, m, n, k, MPT__WGMMA_BK, sm_count, capacity);
+}
+
+/* The persistent scheduler: a grid of min(work, SMs) CTAs, CTA b taking
+   work items b, b + grid, b + 2·grid, ... Item w is tile (tile_m, tile_n)
+   of K slice w / (tiles_m·tiles_n). Within a slice the tiles go in bands
+   of MPT__WGMMA_BAND tile rows, down a band's column of tiles first, then
+   to the band's next column: the CTAs running at once share a few tile
+   columns of B and the band's rows of A, which stay in L2. */
+typedef struct mpt__wgmma_work {
+    int64_t tile_m, tile_n, slice;
+} mpt__wgmma_work;
+
+static inline MPT__HD mpt__wgmma_work mpt__wgmma_work_at(int64_t w, int64_t tiles_m,
+                                                         int64_t tiles_n) {
+    const int64_t tiles = tiles_m * tiles_n, t = w % tiles;
+    const int64_t band = t / (MPT__WGMMA_BAND * tiles_n);
+    const int64_t first = band * MPT__WGMMA_BAND;
+    const int64_t rows = tiles_m - first < MPT__WGMMA_BAND ? tiles_m - first : MPT__WGMMA_BAND;
+    const int64_t within = t - first * tiles_n;
+    mpt__wgmma_work r;
+    r.slice = w / tiles;
+    r.tile_m = first + within % rows;
+    r.tile_n = within / rows;
+    return r;
+}
+
+static inline int64_t mpt__wgmma_grid(int64_t work, int sm_count) {
+    return work < sm_count ? work : sm_count;
+}
+
+/* One operand's TMA tensor map (cuTensorMapEncodeTiled's arguments), for
+   a matrix stored row-major as rows × cols with leading dimension ld
+   (elements), of which a stage holds tile_mn rows or columns of the
+   product by MPT__WGMMA_BK of K. The box's inner side is always 64
+   values, 128 bytes, the swizzle's span:
+   - K contiguous (A untransposed, B transposed): one box of 64 (K) ×
+     tile_mn rows, at (k0, mn0);
+   - M or N contiguous (A transposed, B untransposed): tile_mn / 64 boxes
+     of 64 (M or N) × 64 rows (K), at (mn0 + 64·i, k0), each box 8 KiB
+     after the last in shared memory. */
+typedef struct mpt__wgmma_map {
+    uint64_t dims[2];    /* elements: cols (contiguous), rows           */
+    uint64_t row_bytes;  /* the pitch: ld · 2                            */
+    uint32_t box[2];     /* elements: 64 contiguous, then rows           */
+    int boxes;           /* boxes per stage                              */
+} mpt__wgmma_map;
+
+static inline mpt__wgmma_map mpt__wgmma_operand_map(int64_t rows, int64_t cols, int64_t ld,
+                                                    int k_contiguous, int tile_mn) {
+    mpt__wgmma_map map;
+    map.dims[0] = (uint64_t)cols;
+    map.dims[1] = (uint64_t)rows;
+    map.row_bytes = (uint64_t)ld * 2;
+    map.box[0] = 64;
+    map.box[1] = k_contiguous ? (uint32_t)tile_mn : (uint32_t)MPT__WGMMA_BK;
+    map.boxes = k_contiguous ? 1 : tile_mn / 64;
+    return map;
+}
+
+/* ---- kernels' index arithmetic ------------------------------------------ */
+
+/* Division by an invariant divisor with a multiply and a shift, for index
+   arithmetic in kernels (a 64-bit division is a long subroutine on a
+   GPU): Granlund and Montgomery, "Division by invariant integers using
+   multiplication" (PLDI 1994), figure 4.1, with N = 32. For a divisor
+   1 ≤ d ≤ 2^31: shift = ⌈log2 d⌉, mul = ⌊2^32·(2^shift − d)/d⌋ + 1, and
+   then n / d = (⌊n·mul / 2^32⌋ + n) >> shift for every n < 2^32. */
+typedef struct mpt__fastdiv {
+    uint32_t d, mul, shift;
+} mpt__fastdiv;
+
+static inline mpt__fastdiv mpt__fastdiv_make(uint32_t d) {
+    mpt__fastdiv f;
+    f.d = d;
+    f.shift = 0;
+    while (f.shift < 31 && ((uint64_t)1 << f.shift) < d) f.shift++;
+    f.mul = (uint32_t)((((uint64_t)1 << 32) * (((uint64_t)1 << f.shift) - d)) / d + 1);
+    return f;
+}
+
+static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
+    return (uint32_t)((((uint64_t)n * f.mul >> 32) + n) >> f.shift);
+}
+
+#endif /* MPT__BACKEND_SHARED_CUDA_DONE */
+#endif /* the implementation, or MPT_BACKEND_SHARED */
 
 /*
 MIT License

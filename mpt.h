@@ -6272,6 +6272,9 @@ static mpt__bn_ws mpt__bn_ws_carve(const mpt_batchnorm_args *a, const mpt__bn_pl
 
 /* One pass over the rows, chunk by chunk. Reductions write part[chunk];
    elementwise passes write out. */
+struct mpt__bn_job;
+/* A pass over one chunk's rows [r0, r1): s is the chunk's part. */
+typedef void (*mpt__bn_rows_fn)(const struct mpt__bn_job *j, double *s, int64_t r0, int64_t r1);
 typedef struct mpt__bn_job {
     mpt__bn_plan plan;
     mpt_dtype dtype;           /* of x, dy and out                            */
@@ -6286,6 +6289,7 @@ typedef struct mpt__bn_job {
     const float *mean_dy;      /* (C) backward: mean of dy                    */
     const float *mean_dy_xhat; /* (C) backward: mean of dy · x̂                */
     int avx512;                /* the CPU has AVX-512 and the context may use it */
+    mpt__bn_rows_fn rows;      /* the pass mpt__bn_run runs over each chunk   */
 } mpt__bn_job;
 
 /* The rows [*r0, *r1) of a chunk. */
@@ -6472,41 +6476,37 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__bn_elementwise_lanes(
         else call_f32;                                                                             \
     } while (0)
 
-MPT__TARGET_AVX512 static void mpt__bn_moments_avx512(const mpt__bn_job *j, double *s, int64_t r0,
-                                                      int64_t r1) {
-    int64_t c;
-    for (c = 0; c < j->plan.channels; c += MPT__BN_BAND) {
-        int two = j->plan.channels - c > 16;
-#define MPT__BN_MOMENTS(dt)                                                                        \
-    (two ? mpt__bn_moments_lanes(dt, 2, j, s, c, r0, r1)                                           \
-         : mpt__bn_moments_lanes(dt, 1, j, s, c, r0, r1))
-        MPT__BN_PER_DTYPE(MPT__BN_MOMENTS(MPT_FLOAT32), MPT__BN_MOMENTS(MPT_FLOAT16),
-                          MPT__BN_MOMENTS(MPT_BFLOAT16), j->dtype);
-#undef MPT__BN_MOMENTS
+/* A reduction's pass, `lanes` over the channels a band at a time (one
+   vector of 16 or two). */
+#define MPT__BN_BAND_PASS(name, lanes)                                                             \
+    MPT__TARGET_AVX512 static void name(const mpt__bn_job *j, double *s, int64_t r0, int64_t r1) { \
+        int64_t c;                                                                                 \
+        for (c = 0; c < j->plan.channels; c += MPT__BN_BAND) {                                     \
+            int two = j->plan.channels - c > 16;                                                   \
+            MPT__BN_PER_DTYPE(MPT__BN_BAND_LANES(lanes, MPT_FLOAT32),                              \
+                              MPT__BN_BAND_LANES(lanes, MPT_FLOAT16),                              \
+                              MPT__BN_BAND_LANES(lanes, MPT_BFLOAT16), j->dtype);                  \
+        }                                                                                          \
     }
-}
+#define MPT__BN_BAND_LANES(lanes, dt)                                                              \
+    (two ? lanes(dt, 2, j, s, c, r0, r1) : lanes(dt, 1, j, s, c, r0, r1))
+MPT__BN_BAND_PASS(mpt__bn_moments_avx512, mpt__bn_moments_lanes)
+MPT__BN_BAND_PASS(mpt__bn_grad_sums_avx512, mpt__bn_grad_sums_lanes)
+#undef MPT__BN_BAND_PASS
+#undef MPT__BN_BAND_LANES
 
-MPT__TARGET_AVX512 static void mpt__bn_grad_sums_avx512(const mpt__bn_job *j, double *s,
-                                                        int64_t r0, int64_t r1) {
-    int64_t c;
-    for (c = 0; c < j->plan.channels; c += MPT__BN_BAND) {
-        int two = j->plan.channels - c > 16;
-#define MPT__BN_GRAD_SUMS(dt)                                                                      \
-    (two ? mpt__bn_grad_sums_lanes(dt, 2, j, s, c, r0, r1)                                         \
-         : mpt__bn_grad_sums_lanes(dt, 1, j, s, c, r0, r1))
-        MPT__BN_PER_DTYPE(MPT__BN_GRAD_SUMS(MPT_FLOAT32), MPT__BN_GRAD_SUMS(MPT_FLOAT16),
-                          MPT__BN_GRAD_SUMS(MPT_BFLOAT16), j->dtype);
-#undef MPT__BN_GRAD_SUMS
-    }
-}
-
-MPT__TARGET_AVX512 static void mpt__bn_elementwise_avx512(const mpt__bn_job *j, int64_t r0,
-                                                          int64_t r1) {
+/* Normalize's and dx's pass (dy tells them apart); s unused. */
+MPT__TARGET_AVX512 static void mpt__bn_elementwise_avx512(const mpt__bn_job *j, double *s,
+                                                          int64_t r0, int64_t r1) {
+    (void)s;
     MPT__BN_PER_DTYPE(mpt__bn_elementwise_lanes(MPT_FLOAT32, j, r0, r1),
                       mpt__bn_elementwise_lanes(MPT_FLOAT16, j, r0, r1),
                       mpt__bn_elementwise_lanes(MPT_BFLOAT16, j, r0, r1), j->dtype);
 }
 #undef MPT__BN_PER_DTYPE
+#define MPT__BN_AVX512(pass) pass
+#else
+#define MPT__BN_AVX512(pass) NULL /* (no AVX-512 passes: the portable ones) */
 #endif
 
 /* Element i of x or dy (in the layer's dtype) as float32. */
@@ -6518,18 +6518,8 @@ static float mpt__bn_get(const mpt__bn_job *j, const void *p, int64_t i) {
    own mean m = Σ x / rows, [1][c] = Σ (x − m)², from one reading of the
    chunk, shifted by its first row (which keeps the precision when |mean|
    is large against the spread); mpt__bn_combine_moments joins the chunks. */
-static void mpt__bn_moments_task(void *arg, int64_t chunk, int thread) {
-    const mpt__bn_job *j = (const mpt__bn_job *)arg;
-    int64_t C = j->plan.channels, r, r0, r1, c0;
-    double *s = j->part + 2 * C * chunk;
-    (void)thread;
-    mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
-#if MPT__X86
-    if (j->avx512) {
-        mpt__bn_moments_avx512(j, s, r0, r1);
-        return;
-    }
-#endif
+static void mpt__bn_moments_rows(const mpt__bn_job *j, double *s, int64_t r0, int64_t r1) {
+    int64_t C = j->plan.channels, r, c0;
     for (c0 = 0; c0 < C; c0 += MPT__BN_BAND) { /* as the vectors: a band at a time */
         int64_t band = MPT__MIN(MPT__BN_BAND, C - c0), k;
         double n = (double)(r1 - r0), shift[MPT__BN_BAND], sum[MPT__BN_BAND], sq[MPT__BN_BAND];
@@ -6551,17 +6541,9 @@ static void mpt__bn_moments_task(void *arg, int64_t chunk, int thread) {
 }
 
 /* y = (x − mean) · gamma · inv_std + beta. */
-static void mpt__bn_normalize_task(void *arg, int64_t chunk, int thread) {
-    const mpt__bn_job *j = (const mpt__bn_job *)arg;
-    int64_t C = j->plan.channels, r, r0, r1, c;
-    (void)thread;
-    mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
-#if MPT__X86
-    if (j->avx512) {
-        mpt__bn_elementwise_avx512(j, r0, r1);
-        return;
-    }
-#endif
+static void mpt__bn_normalize_rows(const mpt__bn_job *j, double *s, int64_t r0, int64_t r1) {
+    int64_t C = j->plan.channels, r, c;
+    (void)s;
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c++)
             mpt__store_f32(j->dtype, j->out, r * C + c,
@@ -6570,18 +6552,8 @@ static void mpt__bn_normalize_task(void *arg, int64_t chunk, int thread) {
 }
 
 /* part[chunk][0][c] = Σ dy, part[chunk][1][c] = Σ dy · x̂. */
-static void mpt__bn_grad_sums_task(void *arg, int64_t chunk, int thread) {
-    const mpt__bn_job *j = (const mpt__bn_job *)arg;
-    int64_t C = j->plan.channels, r, r0, r1, c;
-    double *s = j->part + 2 * C * chunk;
-    (void)thread;
-    mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
-#if MPT__X86
-    if (j->avx512) {
-        mpt__bn_grad_sums_avx512(j, s, r0, r1);
-        return;
-    }
-#endif
+static void mpt__bn_grad_sums_rows(const mpt__bn_job *j, double *s, int64_t r0, int64_t r1) {
+    int64_t C = j->plan.channels, r, c;
     for (c = 0; c < 2 * C; c++) s[c] = 0;
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c++) {
@@ -6594,17 +6566,9 @@ static void mpt__bn_grad_sums_task(void *arg, int64_t chunk, int thread) {
 
 /* dx = gamma · inv_std · (dy − mean(dy) − x̂ · mean(dy · x̂)): the batch
    statistics depend on x too, which gives the two subtracted terms. */
-static void mpt__bn_dx_task(void *arg, int64_t chunk, int thread) {
-    const mpt__bn_job *j = (const mpt__bn_job *)arg;
-    int64_t C = j->plan.channels, r, r0, r1, c;
-    (void)thread;
-    mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
-#if MPT__X86
-    if (j->avx512) {
-        mpt__bn_elementwise_avx512(j, r0, r1);
-        return;
-    }
-#endif
+static void mpt__bn_dx_rows(const mpt__bn_job *j, double *s, int64_t r0, int64_t r1) {
+    int64_t C = j->plan.channels, r, c;
+    (void)s;
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c++) {
             float xhat = (mpt__bn_get(j, j->x, r * C + c) - j->mean[c]) * j->inv_std[c];
@@ -6612,6 +6576,37 @@ static void mpt__bn_dx_task(void *arg, int64_t chunk, int thread) {
             mpt__store_f32(j->dtype, j->out, r * C + c,
                            j->scale[c] * (dy - j->mean_dy[c] - xhat * j->mean_dy_xhat[c]));
         }
+}
+
+/* One task: chunk's rows through the job's pass. */
+static void mpt__bn_task(void *arg, int64_t chunk, int thread) {
+    const mpt__bn_job *j = (const mpt__bn_job *)arg;
+    int64_t r0, r1;
+    (void)thread;
+    mpt__bn_chunk(&j->plan, chunk, &r0, &r1);
+    j->rows(j, j->part + 2 * j->plan.channels * chunk, r0, r1);
+}
+
+/* Runs a pass over every chunk: its AVX-512 form (MPT__BN_AVX512) where
+   the job may use AVX-512, else the portable one; the same bits either
+   way. */
+static void mpt__bn_run(mpt_context *ctx, mpt__bn_job *j, mpt__bn_rows_fn portable,
+                        mpt__bn_rows_fn avx512) {
+    j->rows = j->avx512 && avx512 ? avx512 : portable;
+    mpt__parallel_for(ctx, j->plan.n_chunks, mpt__bn_task, j);
+}
+
+/* A job over a's x (in its dtype), its chunks' sums into w's parts. */
+static mpt__bn_job mpt__bn_job_for(const mpt_context *ctx, const mpt_batchnorm_args *a,
+                                   const mpt__bn_plan *pl, const mpt__bn_ws *w) {
+    mpt__bn_job j;
+    memset(&j, 0, sizeof j);
+    j.plan = *pl;
+    j.part = w->part;
+    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
+    j.dtype = a->dtype;
+    j.x = a->x;
+    return j;
 }
 
 /* sum[c] = Σ over chunks, in chunk order, of part[chunk][which][c]. */
@@ -6647,7 +6642,7 @@ static void mpt__bn_combine_moments(const mpt__bn_plan *pl, const double *part, 
 static void mpt__bn_batch_stats(mpt_context *ctx, const mpt_batchnorm_args *a, mpt__bn_job *j,
                                 const mpt__bn_ws *w) {
     int64_t C = j->plan.channels, c;
-    mpt__parallel_for(ctx, j->plan.n_chunks, mpt__bn_moments_task, j);
+    mpt__bn_run(ctx, j, mpt__bn_moments_rows, MPT__BN_AVX512(mpt__bn_moments_avx512));
     mpt__bn_combine_moments(&j->plan, w->part, w->sum);
     for (c = 0; c < C; c++) {
         a->mean[c] = (float)(w->sum[c] / (double)j->plan.rows);
@@ -6665,13 +6660,7 @@ static void mpt__cpu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) 
     int64_t C = pl.channels, c;
     float *scale = w.coef, *beta = w.coef + C; /* (C) each */
     const float *mean, *var;
-    mpt__bn_job j;
-    memset(&j, 0, sizeof j);
-    j.plan = pl;
-    j.part = w.part;
-    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
-    j.dtype = a->dtype;
-    j.x = a->x;
+    mpt__bn_job j = mpt__bn_job_for(ctx, a, &pl, &w);
     if (a->training) {
         mpt__bn_batch_stats(ctx, a, &j, &w);
         mean = a->mean;
@@ -6688,7 +6677,7 @@ static void mpt__cpu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) 
     j.scale = scale;
     j.beta = beta;
     j.out = a->y;
-    mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_normalize_task, &j);
+    mpt__bn_run(ctx, &j, mpt__bn_normalize_rows, MPT__BN_AVX512(mpt__bn_elementwise_avx512));
 }
 
 /* Folds the batch statistics of the last training forward into the moving
@@ -6713,13 +6702,7 @@ static void mpt__cpu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a)
     mpt__bn_ws w = mpt__bn_ws_carve(a, &pl);
     int64_t C = pl.channels, c;
     float *scale = w.coef, *inv_std = w.coef + C, *mdy = inv_std + C, *mdyx = mdy + C; /* (C) */
-    mpt__bn_job j;
-    memset(&j, 0, sizeof j);
-    j.plan = pl;
-    j.part = w.part;
-    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
-    j.dtype = a->dtype;
-    j.x = a->x;
+    mpt__bn_job j = mpt__bn_job_for(ctx, a, &pl, &w);
     j.dy = a->dy;
     j.mean = a->mean;
     for (c = 0; c < C; c++) {
@@ -6727,7 +6710,7 @@ static void mpt__cpu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a)
         scale[c] = (a->gamma ? a->gamma[c] : 1.0f) * inv_std[c];
     }
     j.inv_std = inv_std;
-    mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_grad_sums_task, &j);
+    mpt__bn_run(ctx, &j, mpt__bn_grad_sums_rows, MPT__BN_AVX512(mpt__bn_grad_sums_avx512));
     mpt__bn_combine(&pl, w.part, 0, w.sum);
     mpt__bn_combine(&pl, w.part, 1, w.sum + C);
     for (c = 0; c < C; c++) { /* dbeta = Σ dy, dgamma = Σ dy · x̂ */
@@ -6746,8 +6729,9 @@ static void mpt__cpu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a)
     j.mean_dy = mdy;
     j.mean_dy_xhat = mdyx;
     j.out = a->dx;
-    mpt__parallel_for(ctx, pl.n_chunks, mpt__bn_dx_task, &j);
+    mpt__bn_run(ctx, &j, mpt__bn_dx_rows, MPT__BN_AVX512(mpt__bn_elementwise_avx512));
 }
+#undef MPT__BN_AVX512
 
 /* Workspace: the chunk sums (at most rows / chunk_rows + 1 chunks), sum
    and coef; -1 on overflow. */

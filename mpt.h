@@ -19163,9 +19163,10 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_patch(const mpt__win
         }
 }
 
-/* V (16, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time:
-   d B row by row (four rows of four), then Bᵀ over them. Pixels in the
-   padding, and tiles past the last, read j->zero. */
+/* Bᵀ d B of one 4×4 patch for channels [c, c + 16) (k: those inside):
+   at[16] the patch's pixels in dtype, d B row by row (four rows of four),
+   then Bᵀ over them; point ξ goes to out + ξ·stride, its lanes outside k
+   stored only where keep is all ones (as mpt__wino4_patch_transform). */
 #define MPT__WINO_ROW(r)                                                              \
     d0 = mpt__gemm_load16(dtype, at[4 * r] + c * es, k);                              \
     d1 = mpt__gemm_load16(dtype, at[4 * r + 1] + c * es, k);                          \
@@ -19176,46 +19177,26 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_patch(const mpt__win
     f##r##2 = _mm512_sub_ps(d2, d1);                                                  \
     f##r##3 = _mm512_sub_ps(d1, d3);
 #define MPT__WINO_COL(s)                                                                  \
-    _mm512_mask_storeu_ps(dst + s * step, k, _mm512_sub_ps(f0##s, f2##s));                \
-    _mm512_mask_storeu_ps(dst + (4 + s) * step, k, _mm512_add_ps(f1##s, f2##s));          \
-    _mm512_mask_storeu_ps(dst + (8 + s) * step, k, _mm512_sub_ps(f2##s, f1##s));          \
-    _mm512_mask_storeu_ps(dst + (12 + s) * step, k, _mm512_sub_ps(f1##s, f3##s));
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__wino_job *j,
-                                                                     int64_t t0, float *v,
-                                                                     mpt_dtype dtype) {
-    const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
-    const size_t es = mpt_dtype_size(dtype);
-    int64_t i, c;
-    for (i = 0; i < MPT__WINO_TILES; i++) {
-        const unsigned char *at[16]; /* the patch's pixels */
-        mpt__wino_patch(j, t0 + i, 2, es, at);
-        for (c = 0; c < ic; c += 16) {
-            const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
-            float *dst = v + i * ic + c;
-            __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
-            __m512 f20, f21, f22, f23, f30, f31, f32, f33;
-            MPT__WINO_ROW(0)
-            MPT__WINO_ROW(1)
-            MPT__WINO_ROW(2)
-            MPT__WINO_ROW(3)
-            MPT__WINO_COL(0)
-            MPT__WINO_COL(1)
-            MPT__WINO_COL(2)
-            MPT__WINO_COL(3)
-        }
-    }
+    _mm512_mask_storeu_ps(out + s * stride, keep, _mm512_sub_ps(f0##s, f2##s));           \
+    _mm512_mask_storeu_ps(out + (4 + s) * stride, keep, _mm512_add_ps(f1##s, f2##s));     \
+    _mm512_mask_storeu_ps(out + (8 + s) * stride, keep, _mm512_sub_ps(f2##s, f1##s));     \
+    _mm512_mask_storeu_ps(out + (12 + s) * stride, keep, _mm512_sub_ps(f1##s, f3##s));
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino2_patch_transform(
+    const unsigned char *const *at, int64_t c, mpt_dtype dtype, size_t es, __mmask16 k,
+    __mmask16 keep, float *out, int64_t stride) {
+    __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
+    __m512 f20, f21, f22, f23, f30, f31, f32, f33;
+    MPT__WINO_ROW(0)
+    MPT__WINO_ROW(1)
+    MPT__WINO_ROW(2)
+    MPT__WINO_ROW(3)
+    MPT__WINO_COL(0)
+    MPT__WINO_COL(1)
+    MPT__WINO_COL(2)
+    MPT__WINO_COL(3)
 }
-#undef MPT__WINO_COL /* (MPT__WINO_ROW serves the kernel gradient too) */
-
-/* (one copy per dtype, each with its loads inline) */
-MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
-    if (j->a->dtype == MPT_FLOAT16)
-        mpt__wino_input_as(j, t0, v, MPT_FLOAT16);
-    else if (j->a->dtype == MPT_BFLOAT16)
-        mpt__wino_input_as(j, t0, v, MPT_BFLOAT16);
-    else
-        mpt__wino_input_as(j, t0, v, MPT_FLOAT32);
-}
+#undef MPT__WINO_ROW
+#undef MPT__WINO_COL
 
 /* M (points, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), each ξ of
    the tile's points: the direct tiles' 12 × 32 register block, the
@@ -19434,31 +19415,41 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_patch_transform(
 #undef MPT__W4_ROW
 #undef MPT__W4_COL
 
-/* V (36, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12), 16 channels at a time. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_input_as(const mpt__wino_job *j,
-                                                                      int64_t t0, float *v,
-                                                                      mpt_dtype dtype) {
+/* V (points, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12) of side `tile`,
+   16 channels at a time. Pixels in the padding, and tiles past the last,
+   read j->zero. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__wino_job *j,
+                                                                     int64_t t0, float *v,
+                                                                     mpt_dtype dtype, int tile) {
     const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
     const size_t es = mpt_dtype_size(dtype);
     int64_t i, c;
     for (i = 0; i < MPT__WINO_TILES; i++) {
-        const unsigned char *at[36]; /* the patch's pixels */
-        mpt__wino_patch(j, t0 + i, 4, es, at);
+        const unsigned char *at[36]; /* the patch's pixels: (tile + 2)² */
+        mpt__wino_patch(j, t0 + i, tile, es, at);
         for (c = 0; c < ic; c += 16) {
             const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, ic - c));
-            mpt__wino4_patch_transform(at, c, dtype, es, k, k, v + i * ic + c, step);
+            if (tile == 4)
+                mpt__wino4_patch_transform(at, c, dtype, es, k, k, v + i * ic + c, step);
+            else
+                mpt__wino2_patch_transform(at, c, dtype, es, k, k, v + i * ic + c, step);
         }
     }
 }
 
-MPT__TARGET_AVX512 static void mpt__wino4_input(const mpt__wino_job *j, int64_t t0, float *v) {
-    if (j->a->dtype == MPT_FLOAT16)
-        mpt__wino4_input_as(j, t0, v, MPT_FLOAT16);
-    else if (j->a->dtype == MPT_BFLOAT16)
-        mpt__wino4_input_as(j, t0, v, MPT_BFLOAT16);
+/* One copy per tile side and dtype, each with its transform and loads
+   inline (the tests on tile and dtype fold away). */
+#define MPT__WINO_INPUT_AS(tile)                                                                  \
+    (j->a->dtype == MPT_FLOAT16    ? mpt__wino_input_as(j, t0, v, MPT_FLOAT16, tile)              \
+     : j->a->dtype == MPT_BFLOAT16 ? mpt__wino_input_as(j, t0, v, MPT_BFLOAT16, tile)             \
+                                   : mpt__wino_input_as(j, t0, v, MPT_FLOAT32, tile))
+MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
+    if (j->tile == 4)
+        MPT__WINO_INPUT_AS(4);
     else
-        mpt__wino4_input_as(j, t0, v, MPT_FLOAT32);
+        MPT__WINO_INPUT_AS(2);
 }
+#undef MPT__WINO_INPUT_AS
 
 /* The four values Aᵀ·(m0 .. m5). */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(__m512 m0, __m512 m1, __m512 m2,
@@ -19542,10 +19533,7 @@ static void mpt__wino_task(void *arg, int64_t task, int thread) {
     float *m = v + j->points * MPT__WINO_TILES * j->ic;       /* (points, 12, 32) */
     const int64_t t0 = task * MPT__WINO_TILES;
     int64_t o0;
-    if (j->tile == 4)
-        mpt__wino4_input(j, t0, v);
-    else
-        mpt__wino_input(j, t0, v);
+    mpt__wino_input(j, t0, v);
     for (o0 = 0; o0 < j->oc; o0 += 32) {
         const int nb = (int)MPT__MIN(32, j->oc - o0);
         mpt__wino_products(j, v, o0, nb, m);
@@ -19678,54 +19666,50 @@ static int mpt__wkg_takes(const mpt_context *ctx, const mpt_conv_args *a) {
            g->left <= 2 && g->c >= 8 && a->f >= 16 && mpt__wkg_span(g->c, a->f) >= 16;
 }
 
-/* V of a span's tile i (of x's patch, as mpt__wino_input makes it, with
-   its MPT__WINO_ROW; 16 channels a vector, zeros past C) and its dM =
-   A dY Aᵀ (16 filters a vector), into v (16, ⌈C/16⌉, span, 16) and dm
-   (16, fb, span, 32). */
-#define MPT__WKG_STORE16(xi, val) \
-    _mm512_storeu_ps(v + (xi) * j->v_plane + (c / 16 * j->span + i) * 16, val);
-#define MPT__WKG_COL(s)                                                 \
-    MPT__WKG_STORE16(s, _mm512_sub_ps(f0##s, f2##s))                    \
-    MPT__WKG_STORE16(4 + s, _mm512_add_ps(f1##s, f2##s))                \
-    MPT__WKG_STORE16(8 + s, _mm512_sub_ps(f2##s, f1##s))                \
-    MPT__WKG_STORE16(12 + s, _mm512_sub_ps(f1##s, f3##s))
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
-    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
-    mpt_dtype dtype) {
+/* The pixels tile (b, ty, tx) of side `tile` reads and gives: at, its
+   (tile + 2)² of x row by row (j->zero in the padding); dy, its tile² of
+   dz (NULL past the output's edge). */
+static MPT__ALWAYS_INLINE void mpt__wkg_pixels(const mpt__wkg_job *j, int64_t b, int64_t ty,
+                                               int64_t tx, int tile, size_t es,
+                                               const unsigned char **at, const unsigned char **dy) {
     const mpt_window *g = j->g;
-    const int64_t C = g->c, F = j->a->f;
-    const int64_t step = j->dm_plane;
-    const size_t es = mpt_dtype_size(dtype);
+    const int64_t C = g->c, F = j->a->f, n = tile + 2;
     const unsigned char *x = (const unsigned char *)j->a->x;
     const unsigned char *dz = (const unsigned char *)j->a->dz;
-    const unsigned char *at[16], *dy[4];
-    int64_t c, o;
-    int r, s;
-    for (r = 0; r < 4; r++)
-        for (s = 0; s < 4; s++) {
-            const int64_t y = 2 * ty - g->top + r, xx = 2 * tx - g->left + s;
-            at[4 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
+    int64_t r, s;
+    for (r = 0; r < n; r++)
+        for (s = 0; s < n; s++) {
+            const int64_t y = tile * ty - g->top + r, xx = tile * tx - g->left + s;
+            at[n * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
                                 ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
                                 : j->zero;
         }
-    for (r = 0; r < 4; r++) {
-        const int64_t y = 2 * ty + r / 2, xx = 2 * tx + r % 2;
-        dy[r] = y < g->oh && xx < g->ow ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
-                                        : NULL;
-    }
-    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
-        __m512 d0, d1, d2, d3, f00, f01, f02, f03, f10, f11, f12, f13;
-        __m512 f20, f21, f22, f23, f30, f31, f32, f33;
-        MPT__WINO_ROW(0)
-        MPT__WINO_ROW(1)
-        MPT__WINO_ROW(2)
-        MPT__WINO_ROW(3)
-        MPT__WKG_COL(0)
-        MPT__WKG_COL(1)
-        MPT__WKG_COL(2)
-        MPT__WKG_COL(3)
-    }
+    for (r = 0; r < tile; r++)
+        for (s = 0; s < tile; s++) {
+            const int64_t y = tile * ty + r, xx = tile * tx + s;
+            dy[tile * r + s] = y < g->oh && xx < g->ow
+                                   ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
+                                   : NULL;
+        }
+}
+
+/* V of a span's tile i (of x's patch, as mpt__wino_input makes it; 16
+   channels a vector, zeros past C) and its dM = A dY Aᵀ (16 filters a
+   vector), into v (16, ⌈C/16⌉, span, 16) and dm (16, fb, span, 32). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
+    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
+    mpt_dtype dtype) {
+    const int64_t C = j->g->c, F = j->a->f;
+    const int64_t step = j->dm_plane;
+    const size_t es = mpt_dtype_size(dtype);
+    const unsigned char *at[16], *dy[4];
+    int64_t c, o;
+    int r;
+    mpt__wkg_pixels(j, b, ty, tx, 2, es, at, dy);
+    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
+        mpt__wino2_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
+                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
+                                   j->v_plane);
     for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
         const __m512 zero = _mm512_setzero_ps();
@@ -19749,12 +19733,9 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         }
     }
 }
-#undef MPT__WINO_ROW
-#undef MPT__WKG_STORE16
-#undef MPT__WKG_COL
 
 /* The same for 4×4 tiles: V = Bᵀ d B of the 6×6 patch (as
-   mpt__wino4_input makes it) into v (36, ⌈C/16⌉, span, 16), and dM = A dY
+   mpt__wino_input makes it) into v (36, ⌈C/16⌉, span, 16), and dM = A dY
    Aᵀ of the tile's 4×4 of dz into dm (36, fb, span, 32), A = (F(4×4,
    3×3)'s Aᵀ)ᵀ: A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3,
    y0 + 2y1 + 4y2 + 8y3, y0 − 2y1 + 4y2 − 8y3, y3). */
@@ -19785,29 +19766,12 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
     const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
     mpt_dtype dtype) {
-    const mpt_window *g = j->g;
-    const int64_t C = g->c, F = j->a->f;
+    const int64_t C = j->g->c, F = j->a->f;
     const size_t es = mpt_dtype_size(dtype);
-    const unsigned char *x = (const unsigned char *)j->a->x;
-    const unsigned char *dz = (const unsigned char *)j->a->dz;
     const unsigned char *at[36], *dy[16];
     __m512 o0, o1, o2, o3, o4, o5;
     int64_t c, o;
-    int r, s;
-    for (r = 0; r < 6; r++)
-        for (s = 0; s < 6; s++) {
-            const int64_t y = 4 * ty - g->top + r, xx = 4 * tx - g->left + s;
-            at[6 * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
-                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
-                                : j->zero;
-        }
-    for (r = 0; r < 4; r++)
-        for (s = 0; s < 4; s++) {
-            const int64_t y = 4 * ty + r, xx = 4 * tx + s;
-            dy[4 * r + s] = y < g->oh && xx < g->ow
-                                ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
-                                : NULL;
-        }
+    mpt__wkg_pixels(j, b, ty, tx, 4, es, at, dy);
     for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
         mpt__wino4_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
                                    (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
@@ -19912,15 +19876,15 @@ MPT__TARGET_AVX512 static void mpt__wkg_transform_tile(const mpt__wkg_job *j, in
                                                        int64_t ty, int64_t tx, int64_t i,
                                                        float *v, float *dm) {
     const mpt_dtype dtype = j->a->dtype;
-    if (j->tile == 4) {
-        if (dtype == MPT_FLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
-        else if (dtype == MPT_BFLOAT16) mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
-        else mpt__wkg4_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
-    } else {
-        if (dtype == MPT_FLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16);
-        else if (dtype == MPT_BFLOAT16) mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16);
-        else mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32);
-    }
+#define MPT__WKG_TRANSFORM_AS(transform)                                                           \
+    (dtype == MPT_FLOAT16    ? transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16)                      \
+     : dtype == MPT_BFLOAT16 ? transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16)                     \
+                             : transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32))
+    if (j->tile == 4)
+        MPT__WKG_TRANSFORM_AS(mpt__wkg4_transform);
+    else
+        MPT__WKG_TRANSFORM_AS(mpt__wkg_transform);
+#undef MPT__WKG_TRANSFORM_AS
 }
 
 /* Task: the spans of group `task` one by one, each transformed in the

@@ -5109,15 +5109,22 @@ static void mpt__col2im_task(void *arg, int64_t task, int thread) {
                      MPT_FLOAT32, dx, n_row);
 }
 
-/* The CPU backend's im2col (mpt_backend.im2col). */
-static void mpt__cpu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, const void *x,
-                            int64_t n, void *cols) {
-    mpt_context *ctx = (mpt_context *)impl;
+/* A job over window g of dtype's elements; the caller names the tensors. */
+static mpt__im2col_job mpt__im2col_job_for(mpt_context *ctx, const mpt_window *g,
+                                           mpt_dtype dtype) {
     mpt__im2col_job j;
     memset(&j, 0, sizeof j);
     j.ctx = ctx;
     j.g = g;
     j.es = mpt_dtype_size(dtype);
+    return j;
+}
+
+/* The CPU backend's im2col (mpt_backend.im2col). */
+static void mpt__cpu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, const void *x,
+                            int64_t n, void *cols) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__im2col_job j = mpt__im2col_job_for(ctx, g, dtype);
     j.x = (const unsigned char *)x;
     j.cols = (unsigned char *)cols;
     mpt__parallel_for(ctx, n * g->oh, mpt__im2col_task, &j);
@@ -5129,11 +5136,7 @@ static void mpt__cpu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, co
 static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, const float *dcols,
                             int64_t n, float *dxf, void *dx) {
     mpt_context *ctx = (mpt_context *)impl;
-    mpt__im2col_job j;
-    memset(&j, 0, sizeof j);
-    j.ctx = ctx;
-    j.g = g;
-    j.es = mpt_dtype_size(dtype);
+    mpt__im2col_job j = mpt__im2col_job_for(ctx, g, dtype);
     j.dcols = dcols;
     j.dx = dtype == MPT_FLOAT32 ? (float *)dx : dxf;
     j.dtype = dtype;

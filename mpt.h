@@ -18492,10 +18492,15 @@ static void mpt__dconv_pack(mpt__dconv_job *j, unsigned char *ws) {
 }
 
 #if MPT__X86
-/* The twelve accumulator pairs and the depth blocks' running sums in
-   tile: the first block stores, the later ones add (the GEMM's
-   C = C + alpha·AB with alpha 1). */
+/* The register block's accumulator pair of row i, zeroed, and stored
+   into row i of tile (32 floats a row): the direct tiles', the shallow
+   ones', Winograd's products and the kernel gradient's tiles. */
 #define MPT__DCONV_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+#define MPT__DCONV_STORE(i)                                                                    \
+    _mm512_storeu_ps(tile + 32 * i, c##i##0);                                                  \
+    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
+/* The depth blocks' running sums in tile: the first block stores, the
+   later ones add (the GEMM's C = C + alpha·AB with alpha 1). */
 #define MPT__DCONV_FOLD(i)                                                                 \
     if (first) {                                                                           \
         _mm512_storeu_ps(tile + 32 * i, c##i##0);                                           \
@@ -18746,18 +18751,13 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
 #define MPT__SHALLOW_MAX_KK 160 /* the panel: 160 × 12 elements, 7.5 KiB */
 
 #if MPT__X86
-#define MPT__SHALLOW_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-#define MPT__SHALLOW_STORE(i)                      \
-    _mm512_storeu_ps(tile + 32 * i, c##i##0);      \
-    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
-
 /* tile (12 × 32) = panel (kk × 12)ᵀ · kernel columns [o0, o0 + nb). */
 MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, const void *panel,
                                                      int64_t o0, int nb, float *tile) {
     const float *a = (const float *)panel, *w = (const float *)j->w + o0;
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int64_t k;
-    MPT__ROWS12(MPT__SHALLOW_ACC)
+    MPT__ROWS12(MPT__DCONV_ACC)
     if (nb > 16) {
         for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
@@ -18777,7 +18777,7 @@ MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, co
 #undef MPT__F
         }
     }
-    MPT__ROWS12(MPT__SHALLOW_STORE)
+    MPT__ROWS12(MPT__DCONV_STORE)
 }
 
 /* The same with bfloat16 pairs, as mpt__gemm_kernel_avx512_bf16. */
@@ -18788,7 +18788,7 @@ MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job 
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     const int64_t pairs = (j->kk + 1) / 2;
     int64_t k;
-    MPT__ROWS12(MPT__SHALLOW_ACC)
+    MPT__ROWS12(MPT__DCONV_ACC)
     if (nb > 16) {
         for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
@@ -18810,10 +18810,8 @@ MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job 
 #undef MPT__F
         }
     }
-    MPT__ROWS12(MPT__SHALLOW_STORE)
+    MPT__ROWS12(MPT__DCONV_STORE)
 }
-#undef MPT__SHALLOW_ACC
-#undef MPT__SHALLOW_STORE
 #endif /* MPT__X86 */
 
 #if MPT__X86
@@ -19205,9 +19203,6 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino2_patch_transform(
    the tile's points: the direct tiles' 12 × 32 register block, the
    channels summed in order. */
 #define MPT__WINO_SRC(i) const float *s##i = vx + i * ic;
-#define MPT__WINO_STORE(i)                          \
-    _mm512_storeu_ps(tile + 32 * i, c##i##0);       \
-    _mm512_storeu_ps(tile + 32 * i + 16, c##i##1);
 MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const float *v,
                                                   int64_t o0, int nb, float *m) {
     const int64_t ic = j->ic, oc = j->oc;
@@ -19240,11 +19235,10 @@ MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const 
 #undef MPT__F
             }
         }
-        MPT__ROWS12(MPT__WINO_STORE)
+        MPT__ROWS12(MPT__DCONV_STORE)
     }
 }
 #undef MPT__WINO_SRC
-#undef MPT__WINO_STORE
 
 /* The tiles' 2×2 outputs for filters [o0, o0 + nb) from M: Aᵀ M column
    by column, then A over them; + the bias, ReLU (as
@@ -20106,11 +20100,7 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
 #undef MPT__F
             }
         }
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS12(MPT__S)
-#undef MPT__S
+    MPT__ROWS12(MPT__DCONV_STORE)
 }
 
 /* bfloat16 with AVX-512 BF16: the same sums over the pixels taken two at a
@@ -20165,11 +20155,7 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_
     }
 #undef MPT__F
 #undef MPT__PAIR
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS12(MPT__S)
-#undef MPT__S
+    MPT__ROWS12(MPT__DCONV_STORE)
 }
 
 /* float32's tile: 8 channels by 32 filters, 16 accumulators. The 8
@@ -20192,9 +20178,7 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_
     const int64_t ox1 = hi < 0 ? -1 : MPT__MIN(g->ow - 1, hi / g->sw);
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int64_t b, oy, ox;
-#define MPT__ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();
-    MPT__ROWS8(MPT__ACC)
-#undef MPT__ACC
+    MPT__ROWS8(MPT__DCONV_ACC)
     for (b = 0; b < a->n && ox0 <= ox1; b++)
         for (oy = 0; oy < g->oh; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
@@ -20214,13 +20198,8 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_
 #undef MPT__F
             }
         }
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS8(MPT__S)
-#undef MPT__S
+    MPT__ROWS8(MPT__DCONV_STORE)
 }
-#undef MPT__ROWS8
 #undef MPT__DCONV_ACC
 
 /* ---- bfloat16 kernel gradient from tables of pixel pairs ------------------
@@ -20308,7 +20287,6 @@ static void mpt__kgrad_pairs_pack_task(void *arg, int64_t task, int thread) {
     mpt__kgrad_pairs_pack((const mpt__kgrad_pairs_job *)arg, task * MPT__KGRAD_PACK_ROWS);
 }
 
-#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 /* Adds tap t's sums over the output rows [q0, q1) (q = b·OH + oy) to
    tile: channels c0.. by filters f0.. (nb of them), 32 floats a row. */
 MPT__TARGET_AVX512_BF16 static void mpt__kgrad_pairs_tile(const mpt__kgrad_pairs_job *j,
@@ -20346,13 +20324,10 @@ MPT__TARGET_AVX512_BF16 static void mpt__kgrad_pairs_tile(const mpt__kgrad_pairs
 #undef MPT__F
         }
     }
-#define MPT__S(r)                                  \
-    _mm512_storeu_ps(tile + 32 * r, c##r##0);      \
-    _mm512_storeu_ps(tile + 32 * r + 16, c##r##1);
-    MPT__ROWS8(MPT__S)
-#undef MPT__S
+    MPT__ROWS8(MPT__DCONV_STORE)
 }
 #undef MPT__ROWS8
+#undef MPT__DCONV_STORE
 
 /* Task: (group of taps, channel block, filter block). */
 static void mpt__kgrad_pairs_task(void *arg, int64_t task, int thread) {

@@ -20052,6 +20052,19 @@ typedef struct mpt__dconv_kgrad_job {
     int dot_pairs;            /* bfloat16 with AVX-512 BF16: pixel pairs */
 } mpt__dconv_kgrad_job;
 
+/* A tile's rows [r0, r1) (32 floats apart) into dkernel's rows (tap t,
+   channel c0 + r), filters [f0, f0 + nb): stored, or added to what they
+   hold when accumulating. */
+static void mpt__kgrad_store_rows(const mpt_conv_args *a, int64_t t, int64_t c0, int r0, int r1,
+                                  int64_t f0, int nb, const float *tile) {
+    int r, o;
+    for (r = r0; r < r1; r++) {
+        float *row = a->dkernel + (t * a->g->c + c0 + r) * a->f + f0;
+        const float *sum = tile + 32 * r;
+        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
+    }
+}
+
 #if MPT__X86
 /* 16 bfloat16 (lanes under k; the others 0) as float32: exact. The masked
    forms, as the GEMM's packing writes them (g++ warns of the unmasked
@@ -20341,19 +20354,15 @@ static void mpt__kgrad_pairs_task(void *arg, int64_t task, int thread) {
     const int nb = (int)MPT__MIN(32, a->f - f0);
     float tiles[MPT__KGRAD_PAIRS_TAPS][MPT__KGRAD_PAIRS_ROWS * 32];
     int64_t q0, t;
-    int r, o;
     (void)thread;
     memset(tiles, 0, sizeof tiles);
     for (q0 = 0; q0 < rows; q0 += MPT__KGRAD_PAIRS_STRIP)
         for (t = t0; t < t1; t++)
             mpt__kgrad_pairs_tile(j, t, c0, f0, nb, q0, MPT__MIN(rows, q0 + MPT__KGRAD_PAIRS_STRIP),
                                   tiles[t - t0]);
-    for (t = t0; t < t1; t++)
-        for (r = (int)(own - c0); r < MPT__KGRAD_PAIRS_ROWS; r++) {
-            float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
-            const float *sum = tiles[t - t0] + 32 * r;
-            for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
-        }
+    for (t = t0; t < t1; t++) /* only the rows this block owns */
+        mpt__kgrad_store_rows(a, t, c0, (int)(own - c0), MPT__KGRAD_PAIRS_ROWS, f0, nb,
+                              tiles[t - t0]);
 }
 
 /* Whether mpt__kgrad_pairs takes the case: bfloat16 on a CPU with AVX-512
@@ -20654,7 +20663,6 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
     /* float32's last block starts early (shift rows) rather than run past C */
     const int64_t shift = a->dtype == MPT_FLOAT32 ? j->rows - m : 0;
     float tile[MPT__DCONV_MR * 32];
-    int r, o;
     (void)thread;
 #if MPT__X86
     if (a->dtype == MPT_FLOAT32)
@@ -20666,11 +20674,7 @@ static void mpt__dconv_kgrad_task(void *arg, int64_t task, int thread) {
 #else
     memset(tile, 0, sizeof tile); /* never called: conv_direct declines first */
 #endif
-    for (r = 0; r < m; r++) {
-        float *row = a->dkernel + (t * j->g->c + c0 + r) * a->f + f0;
-        const float *sum = tile + 32 * (r + shift);
-        for (o = 0; o < nb; o++) row[o] = a->accumulate ? row[o] + sum[o] : sum[o];
-    }
+    mpt__kgrad_store_rows(a, t, c0, 0, m, f0, nb, tile + 32 * shift);
 }
 
 /* conv_direct's kernel_grad: float32 and bfloat16 with AVX-512, at least

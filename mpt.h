@@ -4436,6 +4436,26 @@ MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name) {
     return NAN;
 }
 
+/* Room for one more item in a growing array of `elem`-byte items, n of
+   them in use and *cap allocated: when full, *items is moved to one twice
+   as large (16 to start), its new part zeroed. Returns 0 when memory runs
+   out; *items is then unchanged, still valid and still the caller's. The
+   arrays of the model (layers, parameters), of checkpoints and of exports. */
+static int mpt__grow_array(const mpt_context *ctx, void **items, int *cap, int n, size_t elem) {
+    void *grown;
+    int more;
+    if (n < *cap) return 1;
+    if (*cap > INT_MAX / 2) return 0;
+    more = *cap ? 2 * *cap : 16;
+    grown = mpt__calloc(ctx, elem * (size_t)more);
+    if (!grown) return 0;
+    if (n) memcpy(grown, *items, elem * (size_t)n);
+    mpt__free(ctx, *items);
+    *items = grown;
+    *cap = more;
+    return 1;
+}
+
 /* ---- declaring what a layer needs (called from its build) ---------------- */
 
 static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const char *name,
@@ -4449,15 +4469,9 @@ static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': %s of shape %s is too large",
                          L->ops->class_name, L->name, name,
                          mpt_shape_format(s, sizeof s, rank, shape));
-    if (m->n_params == m->cap_params) {
-        int cap = m->cap_params ? 2 * m->cap_params : 16;
-        mpt__param *grown = (mpt__param *)mpt__calloc(m->ctx, sizeof *grown * (size_t)cap);
-        if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-        if (m->params) memcpy(grown, m->params, sizeof *grown * (size_t)m->n_params);
-        mpt__free(m->ctx, m->params);
-        m->params = grown;
-        m->cap_params = cap;
-    }
+    if (!mpt__grow_array(m->ctx, (void **)&m->params, &m->cap_params, m->n_params,
+                         sizeof *m->params))
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     P = &m->params[m->n_params];
     memset(P, 0, sizeof *P);
     snprintf(P->name, sizeof P->name, "%s/%s", L->name, name);
@@ -7216,15 +7230,9 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
     if (name && mpt__find_layer(m, name))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "%s: the model already has a layer named \"%s\"", ops->class_name, name);
-    if (m->n_layers == m->cap_layers) {
-        int cap = m->cap_layers ? 2 * m->cap_layers : 8;
-        mpt__layer *grown = (mpt__layer *)mpt__calloc(m->ctx, sizeof *grown * (size_t)cap);
-        if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-        if (m->layers) memcpy(grown, m->layers, sizeof *grown * (size_t)m->n_layers);
-        mpt__free(m->ctx, m->layers);
-        m->layers = grown;
-        m->cap_layers = cap;
-    }
+    if (!mpt__grow_array(m->ctx, (void **)&m->layers, &m->cap_layers, m->n_layers,
+                         sizeof *m->layers))
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     L = &m->layers[m->n_layers];
     memset(L, 0, sizeof *L);
     L->ops = ops;
@@ -15612,23 +15620,6 @@ static int mpt__st_utf8_len(const unsigned char *p, int64_t avail) {
     return len;
 }
 
-/* Room for one more item in a growing array of `size`-byte items: returns
-   the array to use from now on (items itself while there is room), or NULL
-   when memory runs out (items is then still valid and still the caller's). */
-static void *mpt__ckpt_grow(const mpt_context *ctx, void *items, int n, int *cap, size_t size) {
-    void *grown;
-    int want;
-    if (n < *cap) return items;
-    if (*cap > INT_MAX / 2) return NULL;
-    want = *cap ? 2 * *cap : 16;
-    grown = mpt__alloc(ctx, size * (size_t)want);
-    if (!grown) return NULL;
-    if (items) memcpy(grown, items, size * (size_t)n);
-    mpt__free(ctx, items);
-    *cap = want;
-    return grown;
-}
-
 /* ---- writing the JSON header: a growing string -------------------------------- */
 
 /* A growing string (for the JSON header). Out of memory is remembered and
@@ -15990,13 +15981,12 @@ static mpt_status mpt__st_check_extent(mpt__st_file *f, const mpt__st_tensor *T)
 /* One tensor's {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
 static mpt_status mpt__st_tensor_entry(mpt__st_file *f, const char *name, int64_t at) {
     static const char *const keys[3] = {"dtype", "shape", "data_offsets"};
-    mpt__st_tensor *T, *grown;
+    mpt__st_tensor *T;
     const char *key, *dtype;
     int64_t key_at = at, offsets[2] = {0, 0};
     int seen = 0, first, k, n_offsets = 0;
-    grown = (mpt__st_tensor *)mpt__ckpt_grow(f->ctx, f->t, f->n_t, &f->cap_t, sizeof *f->t);
-    if (!grown) return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-    f->t = grown;
+    if (!mpt__grow_array(f->ctx, (void **)&f->t, &f->cap_t, f->n_t, sizeof *f->t))
+        return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     T = &f->t[f->n_t];
     memset(T, 0, sizeof *T);
     T->name = name;
@@ -16040,7 +16030,6 @@ static mpt_status mpt__st_tensor_entry(mpt__st_file *f, const char *name, int64_
 
 /* "__metadata__": {"key": "value", ...}, strings only. */
 static mpt_status mpt__st_metadata(mpt__st_file *f, int64_t at) {
-    mpt__st_meta *grown;
     const char *key, *value;
     int64_t key_at = at;
     int first = 1;
@@ -16054,10 +16043,8 @@ static mpt_status mpt__st_metadata(mpt__st_file *f, int64_t at) {
         if (mpt__st_peek(f) != '"')
             return mpt__st_bad(f, f->pos, "\"__metadata__\" value of \"%s\" is not a string", key);
         MPT__CHECK(mpt__st_string(f, &value));
-        grown = (mpt__st_meta *)mpt__ckpt_grow(f->ctx, f->meta, f->n_meta, &f->cap_meta,
-                                               sizeof *f->meta);
-        if (!grown) return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-        f->meta = grown;
+        if (!mpt__grow_array(f->ctx, (void **)&f->meta, &f->cap_meta, f->n_meta, sizeof *f->meta))
+            return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
         f->meta[f->n_meta].key = key;
         f->meta[f->n_meta].value = value;
         f->meta[f->n_meta].at = key_at;
@@ -24641,21 +24628,6 @@ typedef struct mpt__export_plan {
                                 model is on a GPU; else NULL                 */
 } mpt__export_plan;
 
-/* An array of `elem`-byte items with room for one more; 0 when memory runs out. */
-static int mpt__export_grow(const mpt_context *ctx, void **items, int *cap, int n, size_t elem) {
-    void *grown;
-    int more;
-    if (n < *cap) return 1;
-    more = *cap ? 2 * *cap : 16;
-    grown = mpt__calloc(ctx, elem * (size_t)more);
-    if (!grown) return 0;
-    if (n) memcpy(grown, *items, elem * (size_t)n);
-    mpt__free(ctx, *items);
-    *items = grown;
-    *cap = more;
-    return 1;
-}
-
 /* The host copy of a layer's parameter ("kernel", "moving_mean"); NULL if
    the layer has none by that name (a Dense without bias). */
 static const float *mpt__export_param(const mpt__export_plan *pl, const mpt__layer *L,
@@ -24681,7 +24653,7 @@ static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__expo
                                        int64_t bias_count) {
     mpt_context *ctx = pl->m->ctx;
     mpt__export_step *s;
-    if (!mpt__export_grow(ctx, (void **)&pl->steps, cap, pl->n, sizeof *pl->steps))
+    if (!mpt__grow_array(ctx, (void **)&pl->steps, cap, pl->n, sizeof *pl->steps))
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", pl->path);
     s = &pl->steps[pl->n++];
     memset(s, 0, sizeof *s);
@@ -25140,7 +25112,7 @@ static int32_t mpt__tfl_tensor_add(mpt__tfl *g, const char *layer, const char *w
                                    int rank, const int64_t *shape, int batched, uint32_t buffer) {
     mpt__tfl_tensor *t;
     int i;
-    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->tensors, &g->cap_tensors,
+    if (g->failed || !mpt__grow_array(g->pl->m->ctx, (void **)&g->tensors, &g->cap_tensors,
                                        g->n_tensors, sizeof *g->tensors)) {
         g->failed = 1;
         return 0;
@@ -25158,7 +25130,7 @@ static int32_t mpt__tfl_tensor_add(mpt__tfl *g, const char *layer, const char *w
 
 /* A buffer taking `bytes` of data (owned from here on, freed on failure). */
 static uint32_t mpt__tfl_buffer_add(mpt__tfl *g, unsigned char *data, size_t bytes) {
-    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->buffers, &g->cap_buffers,
+    if (g->failed || !mpt__grow_array(g->pl->m->ctx, (void **)&g->buffers, &g->cap_buffers,
                                        g->n_buffers, sizeof *g->buffers)) {
         mpt__free(g->pl->m->ctx, data);
         g->failed = 1;
@@ -25172,7 +25144,7 @@ static uint32_t mpt__tfl_buffer_add(mpt__tfl *g, unsigned char *data, size_t byt
 static mpt__tfl_op *mpt__tfl_op_add(mpt__tfl *g, int code, int32_t in0, int32_t in1, int32_t in2,
                                     int n_inputs, int32_t output) {
     mpt__tfl_op *op;
-    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->ops, &g->cap_ops, g->n_ops,
+    if (g->failed || !mpt__grow_array(g->pl->m->ctx, (void **)&g->ops, &g->cap_ops, g->n_ops,
                                        sizeof *g->ops)) {
         g->failed = 1;
         return NULL;
@@ -25452,7 +25424,7 @@ static void mpt__tfl_set_quant(mpt__tfl *g, int32_t t, int n, int dimension, con
     int64_t *zp;
     float *sc;
     int i;
-    if (g->failed || !mpt__export_grow(ctx, (void **)&g->owned, &g->cap_owned, g->n_owned,
+    if (g->failed || !mpt__grow_array(ctx, (void **)&g->owned, &g->cap_owned, g->n_owned,
                                        sizeof *g->owned)) {
         g->failed = 1;
         return;

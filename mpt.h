@@ -25255,25 +25255,39 @@ static int32_t mpt__tfl_main_output(mpt__tfl *g, const mpt__export_step *s) {
                                MPT__TFL_FLOAT32, rank, shape, 1, 0);
 }
 
-/* Dense: FULLY_CONNECTED, weights [units, in] (the kernel transposed). */
-static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
-    int64_t units = s->bias_count, in = s->kernel_count / units, shape[2], i, j;
+/* A Dense's or Conv2D's op, code(x, kernel, bias) into the step's main
+   output (*y), its options left to the caller; NULL when memory ran out.
+   The kernel's (..., F) is stored as filters of kernel_shape, (F, ...):
+   TFLite keeps the output channels first. */
+static mpt__tfl_op *mpt__tfl_weighted_op(mpt__tfl *g, const mpt__export_step *s, int code,
+                                         int32_t x, int kernel_rank, const int64_t *kernel_shape,
+                                         int32_t *y) {
+    int64_t F = s->bias_count, per_filter = s->kernel_count / F, i, f;
     float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)s->kernel_count + 1);
-    int32_t kernel, bias, y;
-    mpt__tfl_op *op;
+    int32_t kernel, bias;
+    *y = 0;
     if (!w) {
         g->failed = 1;
-        return 0;
+        return NULL;
     }
-    for (i = 0; i < in; i++)
-        for (j = 0; j < units; j++) w[j * in + i] = s->kernel[i * units + j];
-    shape[0] = units;
-    shape[1] = in;
-    kernel = mpt__tfl_constant(g, s->L->name, "kernel", 2, shape, w, s->kernel_count);
+    for (i = 0; i < per_filter; i++)
+        for (f = 0; f < F; f++) w[f * per_filter + i] = s->kernel[i * F + f];
+    kernel = mpt__tfl_constant(g, s->L->name, "kernel", kernel_rank, kernel_shape, w,
+                               s->kernel_count);
     mpt__free(g->pl->m->ctx, w);
-    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &units, s->bias, units);
-    y = mpt__tfl_main_output(g, s);
-    op = mpt__tfl_op_add(g, MPT__TFL_FULLY_CONNECTED, x, kernel, bias, 3, y);
+    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &F, s->bias, F);
+    *y = mpt__tfl_main_output(g, s);
+    return mpt__tfl_op_add(g, code, x, kernel, bias, 3, *y);
+}
+
+/* Dense: FULLY_CONNECTED, weights [units, in] (the kernel transposed). */
+static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    int64_t shape[2];
+    int32_t y;
+    mpt__tfl_op *op;
+    shape[0] = s->bias_count;
+    shape[1] = s->kernel_count / s->bias_count;
+    op = mpt__tfl_weighted_op(g, s, MPT__TFL_FULLY_CONNECTED, x, 2, shape, &y);
     if (op) {
         op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
         op->opt[0] = MPT__MAX(mpt__tfl_fused(s->act), 0);
@@ -25284,25 +25298,14 @@ static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x)
 
 /* Conv2D: CONV_2D, filters [F, kh, kw, C] (the kernel's (kh, kw, C, F) with F first). */
 static int32_t mpt__tfl_conv2d(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
-    int64_t F = s->bias_count, khwc = s->kernel_count / F, shape[4], i, f;
-    float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)s->kernel_count + 1);
-    int32_t kernel, bias, y;
+    int64_t shape[4];
+    int32_t y;
     mpt__tfl_op *op;
-    if (!w) {
-        g->failed = 1;
-        return 0;
-    }
-    for (i = 0; i < khwc; i++)
-        for (f = 0; f < F; f++) w[f * khwc + i] = s->kernel[i * F + f];
-    shape[0] = F;
+    shape[0] = s->bias_count;
     shape[1] = s->g.kh;
     shape[2] = s->g.kw;
     shape[3] = s->g.c;
-    kernel = mpt__tfl_constant(g, s->L->name, "kernel", 4, shape, w, s->kernel_count);
-    mpt__free(g->pl->m->ctx, w);
-    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &F, s->bias, F);
-    y = mpt__tfl_main_output(g, s);
-    op = mpt__tfl_op_add(g, MPT__TFL_CONV_2D, x, kernel, bias, 3, y);
+    op = mpt__tfl_weighted_op(g, s, MPT__TFL_CONV_2D, x, 4, shape, &y);
     if (op) {
         op->options = MPT__TFL_CONV2D_OPTIONS;
         op->opt[0] = s->padding == MPT_PADDING_SAME ? MPT__TFL_SAME : MPT__TFL_VALID;

@@ -9708,12 +9708,12 @@ MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape) {
     return d->y_rank;
 }
 
-/* The checks mpt_dataset_labels and _targets share: d holds `dtype`
-   targets (the other kind is named), and [first, first + count) are
-   samples of d. */
-static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
-                                         const mpt_dataset *d, mpt_dtype dtype, int64_t first,
-                                         int64_t count, const void *out) {
+/* mpt_dataset_labels and _targets: checks that d holds `dtype` targets
+   (the other kind is named) and that [first, first + count) are samples
+   of d, then copies their targets to out. */
+static mpt_status mpt__dataset_copy_targets(mpt_context *ctx, const char *what,
+                                            const mpt_dataset *d, mpt_dtype dtype, int64_t first,
+                                            int64_t count, void *out) {
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!d || !out)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset %s: NULL %s", what,
@@ -9728,23 +9728,19 @@ static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
                          "dataset %s: %lld samples from sample %lld are not all there (the "
                          "dataset has %lld: 0..%lld)", what, (long long)count, (long long)first,
                          (long long)d->n, (long long)d->n - 1);
+    memcpy(out, (const unsigned char *)d->y + mpt__dbytes(dtype, first * d->y_count),
+           (size_t)mpt__dbytes(dtype, count * d->y_count));
     return MPT_OK;
 }
 
 MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                      int64_t count, int32_t *labels) {
-    MPT__CHECK(mpt__check_label_range(ctx, "labels", d, MPT_INT32, first, count, labels));
-    memcpy(labels, (const int32_t *)d->y + first * d->y_count,
-           sizeof(int32_t) * (size_t)(count * d->y_count));
-    return MPT_OK;
+    return mpt__dataset_copy_targets(ctx, "labels", d, MPT_INT32, first, count, labels);
 }
 
 MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                       int64_t count, float *targets) {
-    MPT__CHECK(mpt__check_label_range(ctx, "targets", d, MPT_FLOAT32, first, count, targets));
-    memcpy(targets, (const float *)d->y + first * d->y_count,
-           sizeof(float) * (size_t)(count * d->y_count));
-    return MPT_OK;
+    return mpt__dataset_copy_targets(ctx, "targets", d, MPT_FLOAT32, first, count, targets);
 }
 
 /* ---- what the training loop reads ----------------------------------------- */

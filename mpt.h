@@ -26455,6 +26455,25 @@ static int mpt__onnx_q_kernel_dims(const mpt__qop *op, int64_t *dims) {
     return conv ? 4 : 2;
 }
 
+/* A float16 or full-integer model's Dense or Conv2D once its kernel and
+   bias are there (float32 values, or dequantized): Gemm (transB, the kernel
+   being (F, K)) or Conv into "<layer>/linear", the running value, and ReLU
+   after it. */
+static void mpt__onnx_q_linear(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named,
+                               const char *kernel, const char *bias) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    char y[96];
+    size_t body;
+    snprintf(y, sizeof y, "%s/linear", L->name);
+    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
+    if (conv) mpt__onnx_window(&o->nodes, &op->g);
+    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+}
+
 /* A float16 model's Dense or Conv2D: its float16 kernel with a Cast to
    float32 (as mpt__onnx_constant stores float16 weights), its float32
    bias, then Gemm (transB) or Conv in float32, ReLU after it. */
@@ -26464,7 +26483,7 @@ static void mpt__onnx_q_float16_weighted(mpt__onnx *o, const mpt__qop *op,
     int conv = L->op == MPT_QOP_CONV_2D;
     int64_t dims[4], n = L->out_channels * L->depth;
     int rank = mpt__onnx_q_kernel_dims(op, dims);
-    char stored[96], kernel[128], bias[96], y[96];
+    char stored[96], kernel[128], bias[96];
     unsigned char *data;
     size_t body;
     snprintf(stored, sizeof stored, "%s/kernel", L->name);
@@ -26486,13 +26505,7 @@ static void mpt__onnx_q_float16_weighted(mpt__onnx *o, const mpt__qop *op,
     mpt__pb_end(&o->nodes, body);
     mpt__onnx_floats(o, bias, 1, L->out_channels, L->bias);
     if (conv) mpt__onnx_layout(o, named, 1);
-    snprintf(y, sizeof y, "%s/linear", L->name);
-    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
-    if (conv) mpt__onnx_window(&o->nodes, &op->g);
-    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
-    mpt__pb_end(&o->nodes, body);
-    snprintf(o->x, sizeof o->x, "%s", y);
-    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+    mpt__onnx_q_linear(o, op, named, kernel, bias);
 }
 
 /* op(a, b[, c]) -> "<layer>/<what>", which becomes the running value: a
@@ -26632,8 +26645,7 @@ static void mpt__onnx_q_int8_weighted(mpt__onnx *o, const mpt__qop *op,
     int8_t *w = (int8_t *)mpt__alloc(ctx, (size_t)n + 1);
     unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
     float *bias_scale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)F + 1);
-    char kernel[96], bias[96], y[96];
-    size_t body;
+    char kernel[96], bias[96];
     if (w && b && bias_scale) {
         for (f = 0; f < F; f++) { /* conv: OHWI -> (F, C, kh, kw); dense: as it is */
             for (p = 0; p < khw && conv; p++)
@@ -26659,13 +26671,7 @@ static void mpt__onnx_q_int8_weighted(mpt__onnx *o, const mpt__qop *op,
     snprintf(kernel, sizeof kernel, "%s/kernel", L->name);
     snprintf(bias, sizeof bias, "%s/bias", L->name);
     if (conv) mpt__onnx_q_layout(o, named, 1, &L->input);
-    snprintf(y, sizeof y, "%s/linear", L->name);
-    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
-    if (conv) mpt__onnx_window(&o->nodes, &op->g);
-    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
-    mpt__pb_end(&o->nodes, body);
-    snprintf(o->x, sizeof o->x, "%s", y);
-    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+    mpt__onnx_q_linear(o, op, named, kernel, bias);
     mpt__onnx_qdq(o, L->name, "output", &L->output);
 }
 

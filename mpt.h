@@ -16395,26 +16395,22 @@ static void mpt__ckpt_stage(mpt__ckpt_plan *pl, int first, int qat) {
     for (; first < pl->n; first++) pl->e[first].staged = 1, pl->e[first].qat = qat;
 }
 
-/* The training scalars: the counters (I64), or the rates (F32). */
+/* The training scalars "train/<name>": the counters (I64), or the rates
+   (F32), in this order. */
 static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl, int rates) {
+    static const char *const rate_names[2] = {"learning_rate", "loss_scale"};
+    static const char *const counter_names[5] = {"optimizer_steps", "step", "epoch",
+                                                 "good_steps", "skipped_steps"};
     mpt__ckpt_train *t = &pl->train;
-    int first = pl->n;
-    if (rates) {
-        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
-                                 &t->learning_rate, 1));
-        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
-                                 &t->loss_scale, 1));
-        mpt__ckpt_stage(pl, first, 0);
-        return MPT_OK;
-    }
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "optimizer_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->optimizer_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "step", "", MPT__ST_I64, 0, NULL, &t->step, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "epoch", "", MPT__ST_I64, 0, NULL, &t->epoch, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "good_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->good_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "skipped_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->skipped_steps, 1));
+    void *const rate_values[2] = {&t->learning_rate, &t->loss_scale};
+    void *const counter_values[5] = {&t->optimizer_steps, &t->step, &t->epoch, &t->good_steps,
+                                     &t->skipped_steps};
+    const char *const *names = rates ? rate_names : counter_names;
+    void *const *values = rates ? rate_values : counter_values;
+    int first = pl->n, n = rates ? 2 : 5, i;
+    for (i = 0; i < n; i++)
+        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", names[i], "", rates ? MPT__ST_F32 : MPT__ST_I64,
+                                 0, NULL, values[i], 1));
     mpt__ckpt_stage(pl, first, 0);
     return MPT_OK;
 }

@@ -23677,10 +23677,29 @@ MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc
 
 /* ---- predict, evaluate, invoke -------------------------------------------------------------- */
 
+/* predict's and evaluate's loader: every sample of data once, in order
+   (*order, the caller's to free with *loader), in batches of `batch` in
+   the dtype the first operation reads (uint8 images through byte_table,
+   filled here). */
+static mpt_status mpt__q_loader_open(mpt_model *m, const mpt_dataset *data, int64_t batch,
+                                     const char *what, int8_t *byte_table, int64_t **order,
+                                     mpt__loader **loader) {
+    const mpt__quantized *Q = m->quantized;
+    mpt_dtype dtype = mpt__q_batch_dtype(Q, data);
+    int64_t n = mpt_dataset_count(data), k;
+    *order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
+    if (!*order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    for (k = 0; k < n; k++) (*order)[k] = k;
+    if (dtype == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
+    MPT__CHECK(mpt__loader_create(m->ctx, data, batch, dtype, loader));
+    mpt__loader_allow_views(*loader); /* the passes only read x */
+    return mpt__loader_start_epoch(*loader, *order, n, batch);
+}
+
 static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
                                          int64_t batch_size, mpt_tensor *out) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
+    int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order = NULL;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
@@ -23699,14 +23718,8 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, mpt__q_batch_shape(m, n, shape), shape));
     batch_size = MPT__MAX(1, MPT__MIN(batch_size, n));
     s = mpt__qwork_reuse(m->ctx, m->quantized, batch_size, &w);
-    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
-    if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
-    for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
     if (s == MPT_OK)
-        s = mpt__loader_create(m->ctx, data, batch_size, mpt__q_batch_dtype(Q, data), &loader);
-    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
-    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
+        s = mpt__q_loader_open(m, data, batch_size, "predict", byte_table, &order, &loader);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         s = mpt__q_run(m->ctx, Q, &x, byte_table, (float *)out->data + done * per, w);
         done += x.shape[0];
@@ -23751,7 +23764,7 @@ static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows,
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, batch, per = mpt__q_out_count(Q), *order, k, classes;
+    int64_t n, batch, per = mpt__q_out_count(Q), *order = NULL, classes;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
@@ -23775,16 +23788,11 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
     s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);
-    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
-    if (s == MPT_OK && (!order || !pred))
+    if (s == MPT_OK && !pred)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
-    for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
     if (s == MPT_OK)
-        s = mpt__loader_create(m->ctx, data, batch, mpt__q_batch_dtype(Q, data), &loader);
-    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
-    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch);
+        s = mpt__q_loader_open(m, data, batch, "evaluate", byte_table, &order, &loader);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor p;
         double loss = 0;

@@ -12623,6 +12623,34 @@ static char *mpt__cb_strdup(mpt_context *ctx, const char *s) {
     return copy;
 }
 
+/* A new state's own copy of the caller's path (a file or directory it
+   writes) into *copy. Out of memory frees the state, which owns nothing
+   else yet, and says so for `what`. */
+static mpt_status mpt__cb_own_path(mpt__cb_head *state, const char *what, const char *path,
+                                   char **copy) {
+    mpt_context *ctx = state->ctx;
+    *copy = mpt__cb_strdup(ctx, path);
+    if (*copy) return MPT_OK;
+    mpt__free(ctx, state);
+    return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+}
+
+/* Makes *buf (its contents dropped; *count 0 until done) hold n floats,
+   for a callback's copy of what lives on the model: weights, a
+   parameter's values; the failure names `who` and `for_what`. */
+static mpt_status mpt__cb_float_buffer(mpt__cb_head *state, mpt_model *m, float **buf,
+                                       int64_t *count, int64_t n, const char *who,
+                                       const char *for_what) {
+    mpt__free(state->ctx, *buf);
+    *count = 0;
+    *buf = (float *)mpt__alloc(state->ctx, sizeof(float) * (size_t)n);
+    if (!*buf)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes for %s",
+                         who, (long long)n * 4, for_what);
+    *count = n;
+    return MPT_OK;
+}
+
 /* The quantity a callback watches and which way is better. */
 typedef struct mpt__cb_monitor {
     char name[MPT__CB_NAME_MAX];
@@ -12798,16 +12826,9 @@ static mpt_status mpt__cb_early_stopping_prepare_weights(mpt__cb_early_stopping 
                          "on_train_begin");
     n = mpt__cb_weights_count(m);
     if (n == es->weights_count && es->best_weights) return MPT_OK;
-    mpt__free(es->head.ctx, es->best_weights);
-    es->weights_count = 0;
     es->has_best_weights = 0;
-    es->best_weights = (float *)mpt__alloc(es->head.ctx, sizeof(float) * (size_t)n);
-    if (!es->best_weights)
-        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                         "EarlyStopping: cannot allocate %lld bytes for the best weights",
-                         (long long)n * 4);
-    es->weights_count = n;
-    return MPT_OK;
+    return mpt__cb_float_buffer(&es->head, m, &es->best_weights, &es->weights_count, n,
+                                "EarlyStopping", "the best weights");
 }
 
 static mpt_status mpt__cb_early_stopping_train_begin(void *user, mpt_model *m) {
@@ -13282,11 +13303,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
                                                 mpt__cb_model_checkpoint_release, &s);
     if (!c) return s;
-    c->filepath = mpt__cb_strdup(ctx, d->filepath);
-    if (!c->filepath) {
-        mpt__free(ctx, c);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "ModelCheckpoint: out of memory");
-    }
+    MPT__CHECK(mpt__cb_own_path(&c->head, "ModelCheckpoint", d->filepath, &c->filepath));
     c->mon = mon;
     c->save_best_only = d->save_best_only != 0;
     c->save_weights_only = d->save_weights_only != 0;
@@ -13482,11 +13499,7 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
                          d->filename, (unsigned)(unsigned char)sep);
     c = (mpt__cb_csv_logger *)mpt__cb_new(ctx, sizeof *c, "CSVLogger", mpt__cb_csv_release, &s);
     if (!c) return s;
-    c->filename = mpt__cb_strdup(ctx, d->filename);
-    if (!c->filename) {
-        mpt__free(ctx, c);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "CSVLogger: out of memory");
-    }
+    MPT__CHECK(mpt__cb_own_path(&c->head, "CSVLogger", d->filename, &c->filename));
     c->separator = sep;
     c->append = d->append != 0;
     c->n_keys = -1;
@@ -14093,16 +14106,9 @@ static mpt_status mpt__tb_host_values(mpt__cb_tensorboard *t, mpt_model *m, cons
         *values = (const float *)v->data;
         return MPT_OK;
     }
-    if (n > t->host_count) {
-        mpt__free(t->head.ctx, t->host);
-        t->host_count = 0;
-        t->host = (float *)mpt__alloc(t->head.ctx, sizeof(float) * (size_t)n);
-        if (!t->host)
-            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                             "TensorBoard: cannot allocate %lld bytes for a histogram",
-                             (long long)n * 4);
-        t->host_count = n;
-    }
+    if (n > t->host_count)
+        MPT__CHECK(mpt__cb_float_buffer(&t->head, m, &t->host, &t->host_count, n, "TensorBoard",
+                                        "a histogram"));
     *values = t->host;
     return mpt__download(m, t->host, v->data, sizeof(float) * (size_t)n);
 }
@@ -14243,11 +14249,7 @@ MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboa
     if (!t) return s;
     t->train.fd = t->validation.fd = -1;
     t->event.ctx = ctx;
-    t->log_dir = mpt__cb_strdup(ctx, d->log_dir);
-    if (!t->log_dir) {
-        mpt__free(ctx, t);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "TensorBoard: out of memory");
-    }
+    MPT__CHECK(mpt__cb_own_path(&t->head, "TensorBoard", d->log_dir, &t->log_dir));
     t->histogram_freq = d->histogram_freq;
     t->update_freq = d->update_freq_batches;
     t->fail_on_error = d->fail_on_error != 0;
@@ -24852,6 +24854,18 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     return MPT_OK;
 }
 
+/* Starts an export to path: plans it, and says whether this process
+   writes the file. 0: the caller returns *s at once (nothing left to
+   free), a failure, or MPT_OK on a replica that is not the chief, which
+   writes the file for all. */
+static int mpt__export_begin(mpt__export_plan *pl, mpt_model *m, const char *format,
+                             const char *path, const mpt_export_desc *desc, mpt_status *s) {
+    *s = mpt__export_plan_init(pl, m, format, path, desc);
+    if (*s == MPT_OK && mpt__strategy_is_chief(m->strategy)) return 1;
+    mpt__export_plan_free(pl);
+    return 0;
+}
+
 /* The step's output: one sample's rank and shape. */
 static int mpt__export_out_shape(const mpt__export_step *s, int64_t *shape) {
     memcpy(shape, s->L->out_shape, sizeof s->L->out_shape);
@@ -25904,11 +25918,7 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
     int64_t shape[MPT_MAX_RANK - 1];
     int i, rank;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    s = mpt__export_plan_init(&pl, m, "TFLite", path, desc);
-    if (s != MPT_OK || !mpt__strategy_is_chief(m->strategy)) {
-        mpt__export_plan_free(&pl);
-        return s;
-    }
+    if (!mpt__export_begin(&pl, m, "TFLite", path, desc, &s)) return s;
     memset(&g, 0, sizeof g);
     memset(&b, 0, sizeof b);
     g.pl = &pl;
@@ -26786,11 +26796,7 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
     int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
     int i, in_rank, out_rank;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    s = mpt__export_plan_init(&pl, m, "ONNX", path, desc);
-    if (s != MPT_OK || !mpt__strategy_is_chief(m->strategy)) {
-        mpt__export_plan_free(&pl);
-        return s;
-    }
+    if (!mpt__export_begin(&pl, m, "ONNX", path, desc, &s)) return s;
     memset(&o, 0, sizeof o);
     memset(&b, 0, sizeof b);
     o.pl = &pl;

@@ -4436,6 +4436,26 @@ MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name) {
     return NAN;
 }
 
+/* Room for one more item in a growing array of `elem`-byte items, n of
+   them in use and *cap allocated: when full, *items is moved to one twice
+   as large (16 to start), its new part zeroed. Returns 0 when memory runs
+   out; *items is then unchanged, still valid and still the caller's. The
+   arrays of the model (layers, parameters), of checkpoints and of exports. */
+static int mpt__grow_array(const mpt_context *ctx, void **items, int *cap, int n, size_t elem) {
+    void *grown;
+    int more;
+    if (n < *cap) return 1;
+    if (*cap > INT_MAX / 2) return 0;
+    more = *cap ? 2 * *cap : 16;
+    grown = mpt__calloc(ctx, elem * (size_t)more);
+    if (!grown) return 0;
+    if (n) memcpy(grown, *items, elem * (size_t)n);
+    mpt__free(ctx, *items);
+    *items = grown;
+    *cap = more;
+    return 1;
+}
+
 /* ---- declaring what a layer needs (called from its build) ---------------- */
 
 static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const char *name,
@@ -4449,15 +4469,9 @@ static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': %s of shape %s is too large",
                          L->ops->class_name, L->name, name,
                          mpt_shape_format(s, sizeof s, rank, shape));
-    if (m->n_params == m->cap_params) {
-        int cap = m->cap_params ? 2 * m->cap_params : 16;
-        mpt__param *grown = (mpt__param *)mpt__calloc(m->ctx, sizeof *grown * (size_t)cap);
-        if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-        if (m->params) memcpy(grown, m->params, sizeof *grown * (size_t)m->n_params);
-        mpt__free(m->ctx, m->params);
-        m->params = grown;
-        m->cap_params = cap;
-    }
+    if (!mpt__grow_array(m->ctx, (void **)&m->params, &m->cap_params, m->n_params,
+                         sizeof *m->params))
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     P = &m->params[m->n_params];
     memset(P, 0, sizeof *P);
     snprintf(P->name, sizeof P->name, "%s/%s", L->name, name);
@@ -7203,15 +7217,9 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
     if (name && mpt__find_layer(m, name))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "%s: the model already has a layer named \"%s\"", ops->class_name, name);
-    if (m->n_layers == m->cap_layers) {
-        int cap = m->cap_layers ? 2 * m->cap_layers : 8;
-        mpt__layer *grown = (mpt__layer *)mpt__calloc(m->ctx, sizeof *grown * (size_t)cap);
-        if (!grown) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-        if (m->layers) memcpy(grown, m->layers, sizeof *grown * (size_t)m->n_layers);
-        mpt__free(m->ctx, m->layers);
-        m->layers = grown;
-        m->cap_layers = cap;
-    }
+    if (!mpt__grow_array(m->ctx, (void **)&m->layers, &m->cap_layers, m->n_layers,
+                         sizeof *m->layers))
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     L = &m->layers[m->n_layers];
     memset(L, 0, sizeof *L);
     L->ops = ops;
@@ -9687,12 +9695,12 @@ MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape) {
     return d->y_rank;
 }
 
-/* The checks mpt_dataset_labels and _targets share: d holds `dtype`
-   targets (the other kind is named), and [first, first + count) are
-   samples of d. */
-static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
-                                         const mpt_dataset *d, mpt_dtype dtype, int64_t first,
-                                         int64_t count, const void *out) {
+/* mpt_dataset_labels and _targets: checks that d holds `dtype` targets
+   (the other kind is named) and that [first, first + count) are samples
+   of d, then copies their targets to out. */
+static mpt_status mpt__dataset_copy_targets(mpt_context *ctx, const char *what,
+                                            const mpt_dataset *d, mpt_dtype dtype, int64_t first,
+                                            int64_t count, void *out) {
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!d || !out)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset %s: NULL %s", what,
@@ -9707,23 +9715,19 @@ static mpt_status mpt__check_label_range(mpt_context *ctx, const char *what,
                          "dataset %s: %lld samples from sample %lld are not all there (the "
                          "dataset has %lld: 0..%lld)", what, (long long)count, (long long)first,
                          (long long)d->n, (long long)d->n - 1);
+    memcpy(out, (const unsigned char *)d->y + mpt__dbytes(dtype, first * d->y_count),
+           (size_t)mpt__dbytes(dtype, count * d->y_count));
     return MPT_OK;
 }
 
 MPTDEF mpt_status mpt_dataset_labels(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                      int64_t count, int32_t *labels) {
-    MPT__CHECK(mpt__check_label_range(ctx, "labels", d, MPT_INT32, first, count, labels));
-    memcpy(labels, (const int32_t *)d->y + first * d->y_count,
-           sizeof(int32_t) * (size_t)(count * d->y_count));
-    return MPT_OK;
+    return mpt__dataset_copy_targets(ctx, "labels", d, MPT_INT32, first, count, labels);
 }
 
 MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                       int64_t count, float *targets) {
-    MPT__CHECK(mpt__check_label_range(ctx, "targets", d, MPT_FLOAT32, first, count, targets));
-    memcpy(targets, (const float *)d->y + first * d->y_count,
-           sizeof(float) * (size_t)(count * d->y_count));
-    return MPT_OK;
+    return mpt__dataset_copy_targets(ctx, "targets", d, MPT_FLOAT32, first, count, targets);
 }
 
 /* ---- what the training loop reads ----------------------------------------- */
@@ -12606,6 +12610,34 @@ static char *mpt__cb_strdup(mpt_context *ctx, const char *s) {
     return copy;
 }
 
+/* A new state's own copy of the caller's path (a file or directory it
+   writes) into *copy. Out of memory frees the state, which owns nothing
+   else yet, and says so for `what`. */
+static mpt_status mpt__cb_own_path(mpt__cb_head *state, const char *what, const char *path,
+                                   char **copy) {
+    mpt_context *ctx = state->ctx;
+    *copy = mpt__cb_strdup(ctx, path);
+    if (*copy) return MPT_OK;
+    mpt__free(ctx, state);
+    return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+}
+
+/* Makes *buf (its contents dropped; *count 0 until done) hold n floats,
+   for a callback's copy of what lives on the model: weights, a
+   parameter's values; the failure names `who` and `for_what`. */
+static mpt_status mpt__cb_float_buffer(mpt__cb_head *state, mpt_model *m, float **buf,
+                                       int64_t *count, int64_t n, const char *who,
+                                       const char *for_what) {
+    mpt__free(state->ctx, *buf);
+    *count = 0;
+    *buf = (float *)mpt__alloc(state->ctx, sizeof(float) * (size_t)n);
+    if (!*buf)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes for %s",
+                         who, (long long)n * 4, for_what);
+    *count = n;
+    return MPT_OK;
+}
+
 /* The quantity a callback watches and which way is better. */
 typedef struct mpt__cb_monitor {
     char name[MPT__CB_NAME_MAX];
@@ -12781,16 +12813,9 @@ static mpt_status mpt__cb_early_stopping_prepare_weights(mpt__cb_early_stopping 
                          "on_train_begin");
     n = mpt__cb_weights_count(m);
     if (n == es->weights_count && es->best_weights) return MPT_OK;
-    mpt__free(es->head.ctx, es->best_weights);
-    es->weights_count = 0;
     es->has_best_weights = 0;
-    es->best_weights = (float *)mpt__alloc(es->head.ctx, sizeof(float) * (size_t)n);
-    if (!es->best_weights)
-        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                         "EarlyStopping: cannot allocate %lld bytes for the best weights",
-                         (long long)n * 4);
-    es->weights_count = n;
-    return MPT_OK;
+    return mpt__cb_float_buffer(&es->head, m, &es->best_weights, &es->weights_count, n,
+                                "EarlyStopping", "the best weights");
 }
 
 static mpt_status mpt__cb_early_stopping_train_begin(void *user, mpt_model *m) {
@@ -13265,11 +13290,7 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     c = (mpt__cb_model_checkpoint *)mpt__cb_new(ctx, sizeof *c, "ModelCheckpoint",
                                                 mpt__cb_model_checkpoint_release, &s);
     if (!c) return s;
-    c->filepath = mpt__cb_strdup(ctx, d->filepath);
-    if (!c->filepath) {
-        mpt__free(ctx, c);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "ModelCheckpoint: out of memory");
-    }
+    MPT__CHECK(mpt__cb_own_path(&c->head, "ModelCheckpoint", d->filepath, &c->filepath));
     c->mon = mon;
     c->save_best_only = d->save_best_only != 0;
     c->save_weights_only = d->save_weights_only != 0;
@@ -13465,11 +13486,7 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
                          d->filename, (unsigned)(unsigned char)sep);
     c = (mpt__cb_csv_logger *)mpt__cb_new(ctx, sizeof *c, "CSVLogger", mpt__cb_csv_release, &s);
     if (!c) return s;
-    c->filename = mpt__cb_strdup(ctx, d->filename);
-    if (!c->filename) {
-        mpt__free(ctx, c);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "CSVLogger: out of memory");
-    }
+    MPT__CHECK(mpt__cb_own_path(&c->head, "CSVLogger", d->filename, &c->filename));
     c->separator = sep;
     c->append = d->append != 0;
     c->n_keys = -1;
@@ -14076,16 +14093,9 @@ static mpt_status mpt__tb_host_values(mpt__cb_tensorboard *t, mpt_model *m, cons
         *values = (const float *)v->data;
         return MPT_OK;
     }
-    if (n > t->host_count) {
-        mpt__free(t->head.ctx, t->host);
-        t->host_count = 0;
-        t->host = (float *)mpt__alloc(t->head.ctx, sizeof(float) * (size_t)n);
-        if (!t->host)
-            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
-                             "TensorBoard: cannot allocate %lld bytes for a histogram",
-                             (long long)n * 4);
-        t->host_count = n;
-    }
+    if (n > t->host_count)
+        MPT__CHECK(mpt__cb_float_buffer(&t->head, m, &t->host, &t->host_count, n, "TensorBoard",
+                                        "a histogram"));
     *values = t->host;
     return mpt__download(m, t->host, v->data, sizeof(float) * (size_t)n);
 }
@@ -14226,11 +14236,7 @@ MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboa
     if (!t) return s;
     t->train.fd = t->validation.fd = -1;
     t->event.ctx = ctx;
-    t->log_dir = mpt__cb_strdup(ctx, d->log_dir);
-    if (!t->log_dir) {
-        mpt__free(ctx, t);
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "TensorBoard: out of memory");
-    }
+    MPT__CHECK(mpt__cb_own_path(&t->head, "TensorBoard", d->log_dir, &t->log_dir));
     t->histogram_freq = d->histogram_freq;
     t->update_freq = d->update_freq_batches;
     t->fail_on_error = d->fail_on_error != 0;
@@ -15599,23 +15605,6 @@ static int mpt__st_utf8_len(const unsigned char *p, int64_t avail) {
     return len;
 }
 
-/* Room for one more item in a growing array of `size`-byte items: returns
-   the array to use from now on (items itself while there is room), or NULL
-   when memory runs out (items is then still valid and still the caller's). */
-static void *mpt__ckpt_grow(const mpt_context *ctx, void *items, int n, int *cap, size_t size) {
-    void *grown;
-    int want;
-    if (n < *cap) return items;
-    if (*cap > INT_MAX / 2) return NULL;
-    want = *cap ? 2 * *cap : 16;
-    grown = mpt__alloc(ctx, size * (size_t)want);
-    if (!grown) return NULL;
-    if (items) memcpy(grown, items, size * (size_t)n);
-    mpt__free(ctx, items);
-    *cap = want;
-    return grown;
-}
-
 /* ---- writing the JSON header: a growing string -------------------------------- */
 
 /* A growing string (for the JSON header). Out of memory is remembered and
@@ -15977,13 +15966,12 @@ static mpt_status mpt__st_check_extent(mpt__st_file *f, const mpt__st_tensor *T)
 /* One tensor's {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
 static mpt_status mpt__st_tensor_entry(mpt__st_file *f, const char *name, int64_t at) {
     static const char *const keys[3] = {"dtype", "shape", "data_offsets"};
-    mpt__st_tensor *T, *grown;
+    mpt__st_tensor *T;
     const char *key, *dtype;
     int64_t key_at = at, offsets[2] = {0, 0};
     int seen = 0, first, k, n_offsets = 0;
-    grown = (mpt__st_tensor *)mpt__ckpt_grow(f->ctx, f->t, f->n_t, &f->cap_t, sizeof *f->t);
-    if (!grown) return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-    f->t = grown;
+    if (!mpt__grow_array(f->ctx, (void **)&f->t, &f->cap_t, f->n_t, sizeof *f->t))
+        return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     T = &f->t[f->n_t];
     memset(T, 0, sizeof *T);
     T->name = name;
@@ -16027,7 +16015,6 @@ static mpt_status mpt__st_tensor_entry(mpt__st_file *f, const char *name, int64_
 
 /* "__metadata__": {"key": "value", ...}, strings only. */
 static mpt_status mpt__st_metadata(mpt__st_file *f, int64_t at) {
-    mpt__st_meta *grown;
     const char *key, *value;
     int64_t key_at = at;
     int first = 1;
@@ -16041,10 +16028,8 @@ static mpt_status mpt__st_metadata(mpt__st_file *f, int64_t at) {
         if (mpt__st_peek(f) != '"')
             return mpt__st_bad(f, f->pos, "\"__metadata__\" value of \"%s\" is not a string", key);
         MPT__CHECK(mpt__st_string(f, &value));
-        grown = (mpt__st_meta *)mpt__ckpt_grow(f->ctx, f->meta, f->n_meta, &f->cap_meta,
-                                               sizeof *f->meta);
-        if (!grown) return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
-        f->meta = grown;
+        if (!mpt__grow_array(f->ctx, (void **)&f->meta, &f->cap_meta, f->n_meta, sizeof *f->meta))
+            return mpt__fail(f->ctx, MPT_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
         f->meta[f->n_meta].key = key;
         f->meta[f->n_meta].value = value;
         f->meta[f->n_meta].at = key_at;
@@ -16399,26 +16384,22 @@ static void mpt__ckpt_stage(mpt__ckpt_plan *pl, int first, int qat) {
     for (; first < pl->n; first++) pl->e[first].staged = 1, pl->e[first].qat = qat;
 }
 
-/* The training scalars: the counters (I64), or the rates (F32). */
+/* The training scalars "train/<name>": the counters (I64), or the rates
+   (F32), in this order. */
 static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl, int rates) {
+    static const char *const rate_names[2] = {"learning_rate", "loss_scale"};
+    static const char *const counter_names[5] = {"optimizer_steps", "step", "epoch",
+                                                 "good_steps", "skipped_steps"};
     mpt__ckpt_train *t = &pl->train;
-    int first = pl->n;
-    if (rates) {
-        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "learning_rate", "", MPT__ST_F32, 0, NULL,
-                                 &t->learning_rate, 1));
-        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "loss_scale", "", MPT__ST_F32, 0, NULL,
-                                 &t->loss_scale, 1));
-        mpt__ckpt_stage(pl, first, 0);
-        return MPT_OK;
-    }
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "optimizer_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->optimizer_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "step", "", MPT__ST_I64, 0, NULL, &t->step, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "epoch", "", MPT__ST_I64, 0, NULL, &t->epoch, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "good_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->good_steps, 1));
-    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "skipped_steps", "", MPT__ST_I64, 0, NULL,
-                             &t->skipped_steps, 1));
+    void *const rate_values[2] = {&t->learning_rate, &t->loss_scale};
+    void *const counter_values[5] = {&t->optimizer_steps, &t->step, &t->epoch, &t->good_steps,
+                                     &t->skipped_steps};
+    const char *const *names = rates ? rate_names : counter_names;
+    void *const *values = rates ? rate_values : counter_values;
+    int first = pl->n, n = rates ? 2 : 5, i;
+    for (i = 0; i < n; i++)
+        MPT__CHECK(mpt__ckpt_add(m, pl, "train/", names[i], "", rates ? MPT__ST_F32 : MPT__ST_I64,
+                                 0, NULL, values[i], 1));
     mpt__ckpt_stage(pl, first, 0);
     return MPT_OK;
 }
@@ -23628,10 +23609,29 @@ MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc
 
 /* ---- predict, evaluate, invoke -------------------------------------------------------------- */
 
+/* predict's and evaluate's loader: every sample of data once, in order
+   (*order, the caller's to free with *loader), in batches of `batch` in
+   the dtype the first operation reads (uint8 images through byte_table,
+   filled here). */
+static mpt_status mpt__q_loader_open(mpt_model *m, const mpt_dataset *data, int64_t batch,
+                                     const char *what, int8_t *byte_table, int64_t **order,
+                                     mpt__loader **loader) {
+    const mpt__quantized *Q = m->quantized;
+    mpt_dtype dtype = mpt__q_batch_dtype(Q, data);
+    int64_t n = mpt_dataset_count(data), k;
+    *order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
+    if (!*order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    for (k = 0; k < n; k++) (*order)[k] = k;
+    if (dtype == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
+    MPT__CHECK(mpt__loader_create(m->ctx, data, batch, dtype, loader));
+    mpt__loader_allow_views(*loader); /* the passes only read x */
+    return mpt__loader_start_epoch(*loader, *order, n, batch);
+}
+
 static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
                                          int64_t batch_size, mpt_tensor *out) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order, k;
+    int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order = NULL;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
@@ -23650,14 +23650,8 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, mpt__q_batch_shape(m, n, shape), shape));
     batch_size = MPT__MAX(1, MPT__MIN(batch_size, n));
     s = mpt__qwork_reuse(m->ctx, m->quantized, batch_size, &w);
-    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
-    if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
-    for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
     if (s == MPT_OK)
-        s = mpt__loader_create(m->ctx, data, batch_size, mpt__q_batch_dtype(Q, data), &loader);
-    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
-    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
+        s = mpt__q_loader_open(m, data, batch_size, "predict", byte_table, &order, &loader);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         s = mpt__q_run(m->ctx, Q, &x, byte_table, (float *)out->data + done * per, w);
         done += x.shape[0];
@@ -23702,7 +23696,7 @@ static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows,
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, batch, per = mpt__q_out_count(Q), *order, k, classes;
+    int64_t n, batch, per = mpt__q_out_count(Q), *order = NULL, classes;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
@@ -23726,16 +23720,11 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
     s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);
-    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
     pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
-    if (s == MPT_OK && (!order || !pred))
+    if (s == MPT_OK && !pred)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
-    for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
-    if (mpt__q_batch_dtype(Q, data) == MPT_UINT8) mpt__q_byte_table(Q, data, byte_table);
     if (s == MPT_OK)
-        s = mpt__loader_create(m->ctx, data, batch, mpt__q_batch_dtype(Q, data), &loader);
-    if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
-    if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch);
+        s = mpt__q_loader_open(m, data, batch, "evaluate", byte_table, &order, &loader);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor p;
         double loss = 0;
@@ -24571,21 +24560,6 @@ typedef struct mpt__export_plan {
                                 model is on a GPU; else NULL                 */
 } mpt__export_plan;
 
-/* An array of `elem`-byte items with room for one more; 0 when memory runs out. */
-static int mpt__export_grow(const mpt_context *ctx, void **items, int *cap, int n, size_t elem) {
-    void *grown;
-    int more;
-    if (n < *cap) return 1;
-    more = *cap ? 2 * *cap : 16;
-    grown = mpt__calloc(ctx, elem * (size_t)more);
-    if (!grown) return 0;
-    if (n) memcpy(grown, *items, elem * (size_t)n);
-    mpt__free(ctx, *items);
-    *items = grown;
-    *cap = more;
-    return 1;
-}
-
 /* The host copy of a layer's parameter ("kernel", "moving_mean"); NULL if
    the layer has none by that name (a Dense without bias). */
 static const float *mpt__export_param(const mpt__export_plan *pl, const mpt__layer *L,
@@ -24611,7 +24585,7 @@ static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__expo
                                        int64_t bias_count) {
     mpt_context *ctx = pl->m->ctx;
     mpt__export_step *s;
-    if (!mpt__export_grow(ctx, (void **)&pl->steps, cap, pl->n, sizeof *pl->steps))
+    if (!mpt__grow_array(ctx, (void **)&pl->steps, cap, pl->n, sizeof *pl->steps))
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", pl->path);
     s = &pl->steps[pl->n++];
     memset(s, 0, sizeof *s);
@@ -24808,6 +24782,18 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     }
     for (i = 0; i < m->n_layers; i++) MPT__CHECK(mpt__export_layer(pl, &cap, &m->layers[i]));
     return MPT_OK;
+}
+
+/* Starts an export to path: plans it, and says whether this process
+   writes the file. 0: the caller returns *s at once (nothing left to
+   free), a failure, or MPT_OK on a replica that is not the chief, which
+   writes the file for all. */
+static int mpt__export_begin(mpt__export_plan *pl, mpt_model *m, const char *format,
+                             const char *path, const mpt_export_desc *desc, mpt_status *s) {
+    *s = mpt__export_plan_init(pl, m, format, path, desc);
+    if (*s == MPT_OK && mpt__strategy_is_chief(m->strategy)) return 1;
+    mpt__export_plan_free(pl);
+    return 0;
 }
 
 /* The step's output: one sample's rank and shape. */
@@ -25070,7 +25056,7 @@ static int32_t mpt__tfl_tensor_add(mpt__tfl *g, const char *layer, const char *w
                                    int rank, const int64_t *shape, int batched, uint32_t buffer) {
     mpt__tfl_tensor *t;
     int i;
-    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->tensors, &g->cap_tensors,
+    if (g->failed || !mpt__grow_array(g->pl->m->ctx, (void **)&g->tensors, &g->cap_tensors,
                                        g->n_tensors, sizeof *g->tensors)) {
         g->failed = 1;
         return 0;
@@ -25088,7 +25074,7 @@ static int32_t mpt__tfl_tensor_add(mpt__tfl *g, const char *layer, const char *w
 
 /* A buffer taking `bytes` of data (owned from here on, freed on failure). */
 static uint32_t mpt__tfl_buffer_add(mpt__tfl *g, unsigned char *data, size_t bytes) {
-    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->buffers, &g->cap_buffers,
+    if (g->failed || !mpt__grow_array(g->pl->m->ctx, (void **)&g->buffers, &g->cap_buffers,
                                        g->n_buffers, sizeof *g->buffers)) {
         mpt__free(g->pl->m->ctx, data);
         g->failed = 1;
@@ -25102,7 +25088,7 @@ static uint32_t mpt__tfl_buffer_add(mpt__tfl *g, unsigned char *data, size_t byt
 static mpt__tfl_op *mpt__tfl_op_add(mpt__tfl *g, int code, int32_t in0, int32_t in1, int32_t in2,
                                     int n_inputs, int32_t output) {
     mpt__tfl_op *op;
-    if (g->failed || !mpt__export_grow(g->pl->m->ctx, (void **)&g->ops, &g->cap_ops, g->n_ops,
+    if (g->failed || !mpt__grow_array(g->pl->m->ctx, (void **)&g->ops, &g->cap_ops, g->n_ops,
                                        sizeof *g->ops)) {
         g->failed = 1;
         return NULL;
@@ -25213,25 +25199,39 @@ static int32_t mpt__tfl_main_output(mpt__tfl *g, const mpt__export_step *s) {
                                MPT__TFL_FLOAT32, rank, shape, 1, 0);
 }
 
-/* Dense: FULLY_CONNECTED, weights [units, in] (the kernel transposed). */
-static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
-    int64_t units = s->bias_count, in = s->kernel_count / units, shape[2], i, j;
+/* A Dense's or Conv2D's op, code(x, kernel, bias) into the step's main
+   output (*y), its options left to the caller; NULL when memory ran out.
+   The kernel's (..., F) is stored as filters of kernel_shape, (F, ...):
+   TFLite keeps the output channels first. */
+static mpt__tfl_op *mpt__tfl_weighted_op(mpt__tfl *g, const mpt__export_step *s, int code,
+                                         int32_t x, int kernel_rank, const int64_t *kernel_shape,
+                                         int32_t *y) {
+    int64_t F = s->bias_count, per_filter = s->kernel_count / F, i, f;
     float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)s->kernel_count + 1);
-    int32_t kernel, bias, y;
-    mpt__tfl_op *op;
+    int32_t kernel, bias;
+    *y = 0;
     if (!w) {
         g->failed = 1;
-        return 0;
+        return NULL;
     }
-    for (i = 0; i < in; i++)
-        for (j = 0; j < units; j++) w[j * in + i] = s->kernel[i * units + j];
-    shape[0] = units;
-    shape[1] = in;
-    kernel = mpt__tfl_constant(g, s->L->name, "kernel", 2, shape, w, s->kernel_count);
+    for (i = 0; i < per_filter; i++)
+        for (f = 0; f < F; f++) w[f * per_filter + i] = s->kernel[i * F + f];
+    kernel = mpt__tfl_constant(g, s->L->name, "kernel", kernel_rank, kernel_shape, w,
+                               s->kernel_count);
     mpt__free(g->pl->m->ctx, w);
-    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &units, s->bias, units);
-    y = mpt__tfl_main_output(g, s);
-    op = mpt__tfl_op_add(g, MPT__TFL_FULLY_CONNECTED, x, kernel, bias, 3, y);
+    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &F, s->bias, F);
+    *y = mpt__tfl_main_output(g, s);
+    return mpt__tfl_op_add(g, code, x, kernel, bias, 3, *y);
+}
+
+/* Dense: FULLY_CONNECTED, weights [units, in] (the kernel transposed). */
+static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    int64_t shape[2];
+    int32_t y;
+    mpt__tfl_op *op;
+    shape[0] = s->bias_count;
+    shape[1] = s->kernel_count / s->bias_count;
+    op = mpt__tfl_weighted_op(g, s, MPT__TFL_FULLY_CONNECTED, x, 2, shape, &y);
     if (op) {
         op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
         op->opt[0] = MPT__MAX(mpt__tfl_fused(s->act), 0);
@@ -25242,25 +25242,14 @@ static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x)
 
 /* Conv2D: CONV_2D, filters [F, kh, kw, C] (the kernel's (kh, kw, C, F) with F first). */
 static int32_t mpt__tfl_conv2d(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
-    int64_t F = s->bias_count, khwc = s->kernel_count / F, shape[4], i, f;
-    float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)s->kernel_count + 1);
-    int32_t kernel, bias, y;
+    int64_t shape[4];
+    int32_t y;
     mpt__tfl_op *op;
-    if (!w) {
-        g->failed = 1;
-        return 0;
-    }
-    for (i = 0; i < khwc; i++)
-        for (f = 0; f < F; f++) w[f * khwc + i] = s->kernel[i * F + f];
-    shape[0] = F;
+    shape[0] = s->bias_count;
     shape[1] = s->g.kh;
     shape[2] = s->g.kw;
     shape[3] = s->g.c;
-    kernel = mpt__tfl_constant(g, s->L->name, "kernel", 4, shape, w, s->kernel_count);
-    mpt__free(g->pl->m->ctx, w);
-    bias = mpt__tfl_constant(g, s->L->name, "bias", 1, &F, s->bias, F);
-    y = mpt__tfl_main_output(g, s);
-    op = mpt__tfl_op_add(g, MPT__TFL_CONV_2D, x, kernel, bias, 3, y);
+    op = mpt__tfl_weighted_op(g, s, MPT__TFL_CONV_2D, x, 4, shape, &y);
     if (op) {
         op->options = MPT__TFL_CONV2D_OPTIONS;
         op->opt[0] = s->padding == MPT_PADDING_SAME ? MPT__TFL_SAME : MPT__TFL_VALID;
@@ -25382,7 +25371,7 @@ static void mpt__tfl_set_quant(mpt__tfl *g, int32_t t, int n, int dimension, con
     int64_t *zp;
     float *sc;
     int i;
-    if (g->failed || !mpt__export_grow(ctx, (void **)&g->owned, &g->cap_owned, g->n_owned,
+    if (g->failed || !mpt__grow_array(ctx, (void **)&g->owned, &g->cap_owned, g->n_owned,
                                        sizeof *g->owned)) {
         g->failed = 1;
         return;
@@ -25859,11 +25848,7 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
     int64_t shape[MPT_MAX_RANK - 1];
     int i, rank;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    s = mpt__export_plan_init(&pl, m, "TFLite", path, desc);
-    if (s != MPT_OK || !mpt__strategy_is_chief(m->strategy)) {
-        mpt__export_plan_free(&pl);
-        return s;
-    }
+    if (!mpt__export_begin(&pl, m, "TFLite", path, desc, &s)) return s;
     memset(&g, 0, sizeof g);
     memset(&b, 0, sizeof b);
     g.pl = &pl;
@@ -26414,6 +26399,25 @@ static int mpt__onnx_q_kernel_dims(const mpt__qop *op, int64_t *dims) {
     return conv ? 4 : 2;
 }
 
+/* A float16 or full-integer model's Dense or Conv2D once its kernel and
+   bias are there (float32 values, or dequantized): Gemm (transB, the kernel
+   being (F, K)) or Conv into "<layer>/linear", the running value, and ReLU
+   after it. */
+static void mpt__onnx_q_linear(mpt__onnx *o, const mpt__qop *op, const mpt__layer *named,
+                               const char *kernel, const char *bias) {
+    const mpt_quantized_layer *L = &op->info;
+    int conv = L->op == MPT_QOP_CONV_2D;
+    char y[96];
+    size_t body;
+    snprintf(y, sizeof y, "%s/linear", L->name);
+    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
+    if (conv) mpt__onnx_window(&o->nodes, &op->g);
+    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+}
+
 /* A float16 model's Dense or Conv2D: its float16 kernel with a Cast to
    float32 (as mpt__onnx_constant stores float16 weights), its float32
    bias, then Gemm (transB) or Conv in float32, ReLU after it. */
@@ -26423,7 +26427,7 @@ static void mpt__onnx_q_float16_weighted(mpt__onnx *o, const mpt__qop *op,
     int conv = L->op == MPT_QOP_CONV_2D;
     int64_t dims[4], n = L->out_channels * L->depth;
     int rank = mpt__onnx_q_kernel_dims(op, dims);
-    char stored[96], kernel[128], bias[96], y[96];
+    char stored[96], kernel[128], bias[96];
     unsigned char *data;
     size_t body;
     snprintf(stored, sizeof stored, "%s/kernel", L->name);
@@ -26445,13 +26449,7 @@ static void mpt__onnx_q_float16_weighted(mpt__onnx *o, const mpt__qop *op,
     mpt__pb_end(&o->nodes, body);
     mpt__onnx_floats(o, bias, 1, L->out_channels, L->bias);
     if (conv) mpt__onnx_layout(o, named, 1);
-    snprintf(y, sizeof y, "%s/linear", L->name);
-    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
-    if (conv) mpt__onnx_window(&o->nodes, &op->g);
-    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
-    mpt__pb_end(&o->nodes, body);
-    snprintf(o->x, sizeof o->x, "%s", y);
-    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+    mpt__onnx_q_linear(o, op, named, kernel, bias);
 }
 
 /* op(a, b[, c]) -> "<layer>/<what>", which becomes the running value: a
@@ -26591,8 +26589,7 @@ static void mpt__onnx_q_int8_weighted(mpt__onnx *o, const mpt__qop *op,
     int8_t *w = (int8_t *)mpt__alloc(ctx, (size_t)n + 1);
     unsigned char *b = (unsigned char *)mpt__alloc(ctx, 4 * (size_t)F + 1);
     float *bias_scale = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)F + 1);
-    char kernel[96], bias[96], y[96];
-    size_t body;
+    char kernel[96], bias[96];
     if (w && b && bias_scale) {
         for (f = 0; f < F; f++) { /* conv: OHWI -> (F, C, kh, kw); dense: as it is */
             for (p = 0; p < khw && conv; p++)
@@ -26618,13 +26615,7 @@ static void mpt__onnx_q_int8_weighted(mpt__onnx *o, const mpt__qop *op,
     snprintf(kernel, sizeof kernel, "%s/kernel", L->name);
     snprintf(bias, sizeof bias, "%s/bias", L->name);
     if (conv) mpt__onnx_q_layout(o, named, 1, &L->input);
-    snprintf(y, sizeof y, "%s/linear", L->name);
-    body = mpt__onnx_node(o, conv ? "Conv" : "Gemm", y, o->x, kernel, bias);
-    if (conv) mpt__onnx_window(&o->nodes, &op->g);
-    else mpt__onnx_attr_int(&o->nodes, "transB", 1);
-    mpt__pb_end(&o->nodes, body);
-    snprintf(o->x, sizeof o->x, "%s", y);
-    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, named, "Relu", "relu");
+    mpt__onnx_q_linear(o, op, named, kernel, bias);
     mpt__onnx_qdq(o, L->name, "output", &L->output);
 }
 
@@ -26735,11 +26726,7 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
     int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
     int i, in_rank, out_rank;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    s = mpt__export_plan_init(&pl, m, "ONNX", path, desc);
-    if (s != MPT_OK || !mpt__strategy_is_chief(m->strategy)) {
-        mpt__export_plan_free(&pl);
-        return s;
-    }
+    if (!mpt__export_begin(&pl, m, "ONNX", path, desc, &s)) return s;
     memset(&o, 0, sizeof o);
     memset(&b, 0, sizeof b);
     o.pl = &pl;

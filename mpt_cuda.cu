@@ -1055,83 +1055,80 @@ static __device__ __forceinline__ void mpt__cuda_wgmma_hold(float &r) {
 
 #endif /* MPT__CUDA_WGMMA */
 
-/* Accumulators d[i..i+7] as operands that wgmma reads and writes. */
+/* Accumulators d[i..i+7], and d[i..i+63], as operands that wgmma reads and writes. */
 #define MPT__WGMMA_D8(i)                                                                     \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
         "+f"(d[i + 6]), "+f"(d[i + 7])
+#define MPT__WGMMA_D64(i)                                                                    \
+    MPT__WGMMA_D8(i), MPT__WGMMA_D8(i + 8), MPT__WGMMA_D8(i + 16), MPT__WGMMA_D8(i + 24),    \
+        MPT__WGMMA_D8(i + 32), MPT__WGMMA_D8(i + 40), MPT__WGMMA_D8(i + 48), MPT__WGMMA_D8(i + 56)
 
-/* d (64×128 float32 sums, 64 per thread) += A (64×16, descriptor
-   desc_a) · B (16×128, desc_b); TRANS_A, TRANS_B: 0 for a K-major
-   operand, 1 for an M- or N-major one. Asynchronous: the sums may be read
-   only after wgmma.commit_group and wgmma.wait_group. */
+/* Those operands' numbers in the instruction's text: the first 64
+   accumulators (all of n128's), and n256's other 64. */
+#define MPT__WGMMA_REGS_0_63 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, " \
+    "%8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63"
+#define MPT__WGMMA_REGS_64_127 \
+    "%64, %65, %66, %67, %68, %69, %70, %71, " \
+    "%72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, " \
+    "%88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, " \
+    "%104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, " \
+    "%120, %121, %122, %123, %124, %125, %126, %127"
+
+/* One wgmma.mma_async of SHAPE on TYPE inputs, into the accumulators
+   listed last (the outputs). Operands are numbered outputs first: the
+   accumulators (ACC_REGS), then desc_a, desc_b, the scale-d flag (1: add
+   to d) and TRANS_A, TRANS_B. SCALE_D names the flag's operand, REST the
+   instruction's operands after the accumulators: n128 has 64 accumulators,
+   so its desc_a is %64; n256 has 128. */
+#define MPT__WGMMA_ASYNC(SHAPE, TYPE, ACC_REGS, SCALE_D, REST, ...)                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                    \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {"         \
+                 ACC_REGS "}, " REST ";\n}\n"                                            \
+                 : __VA_ARGS__                                                          \
+                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
 #define MPT__WGMMA_N128(TYPE)                                                            \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                            \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
-                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
-                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
-                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
-                 "%56, %57, %58, %59, %60, %61, %62, %63" \
-                 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                  \
-                 : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
-                   MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56) \
-                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
-template <bool BF16, int TRANS_A, int TRANS_B>
-static __device__ __forceinline__ void mpt__cuda_wgmma_n128(float (&d)[64], uint64_t desc_a,
-                                                          uint64_t desc_b) {
-#if MPT__CUDA_WGMMA
-    if (BF16) MPT__WGMMA_N128("bf16");
-    else MPT__WGMMA_N128("f16");
-#else
-    (void)d, (void)desc_a, (void)desc_b;
-#endif
-}
-#undef MPT__WGMMA_N128
-
-/* d (64×256 float32 sums, 128 per thread) += A (64×16, descriptor
-   desc_a) · B (16×256, desc_b); TRANS_A, TRANS_B: 0 for a K-major
-   operand, 1 for an M- or N-major one. Asynchronous: the sums may be read
-   only after wgmma.commit_group and wgmma.wait_group. */
+    MPT__WGMMA_ASYNC("m64n128k16", TYPE, MPT__WGMMA_REGS_0_63, "%66",                    \
+                     "%64, %65, p, 1, 1, %67, %68", MPT__WGMMA_D64(0))
 #define MPT__WGMMA_N256(TYPE)                                                            \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                           \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
-                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
-                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
-                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
-                 "%56, %57, %58, %59, %60, %61, %62, %63, " \
-                 "%64, %65, %66, %67, %68, %69, %70, %71, " \
-                 "%72, %73, %74, %75, %76, %77, %78, %79, " \
-                 "%80, %81, %82, %83, %84, %85, %86, %87, " \
-                 "%88, %89, %90, %91, %92, %93, %94, %95, " \
-                 "%96, %97, %98, %99, %100, %101, %102, %103, " \
-                 "%104, %105, %106, %107, %108, %109, %110, %111, " \
-                 "%112, %113, %114, %115, %116, %117, %118, %119, " \
-                 "%120, %121, %122, %123, %124, %125, %126, %127" \
-                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                              \
-                 : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
-                   MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56), \
-                   MPT__WGMMA_D8(64), MPT__WGMMA_D8(72), MPT__WGMMA_D8(80), MPT__WGMMA_D8(88), \
-                   MPT__WGMMA_D8(96), MPT__WGMMA_D8(104), MPT__WGMMA_D8(112), MPT__WGMMA_D8(120) \
-                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
-template <bool BF16, int TRANS_A, int TRANS_B>
-static __device__ __forceinline__ void mpt__cuda_wgmma_n256(float (&d)[128], uint64_t desc_a,
-                                                          uint64_t desc_b) {
+    MPT__WGMMA_ASYNC("m64n256k16", TYPE, MPT__WGMMA_REGS_0_63 ", " MPT__WGMMA_REGS_64_127, \
+                     "%130", "%128, %129, p, 1, 1, %131, %132", MPT__WGMMA_D64(0),       \
+                     MPT__WGMMA_D64(64))
+
+/* d (64×BN float32 sums, BN/2 per thread; BN 128 or 256) += A (64×16,
+   descriptor desc_a) · B (16×BN, desc_b); TRANS_A, TRANS_B: 0 for a
+   K-major operand, 1 for an M- or N-major one. Asynchronous: the sums may
+   be read only after wgmma.commit_group and wgmma.wait_group. */
+template <int BN, bool BF16, int TRANS_A, int TRANS_B>
+static __device__ __forceinline__ void mpt__cuda_wgmma(float (&d)[BN / 2], uint64_t desc_a,
+                                                      uint64_t desc_b) {
 #if MPT__CUDA_WGMMA
-    if (BF16) MPT__WGMMA_N256("bf16");
-    else MPT__WGMMA_N256("f16");
+    if constexpr (BN == 256) {
+        if (BF16) MPT__WGMMA_N256("bf16");
+        else MPT__WGMMA_N256("f16");
+    } else {
+        if (BF16) MPT__WGMMA_N128("bf16");
+        else MPT__WGMMA_N128("f16");
+    }
 #else
     (void)d, (void)desc_a, (void)desc_b;
 #endif
 }
 #undef MPT__WGMMA_N256
-
+#undef MPT__WGMMA_N128
+#undef MPT__WGMMA_ASYNC
+#undef MPT__WGMMA_REGS_64_127
+#undef MPT__WGMMA_REGS_0_63
+#undef MPT__WGMMA_D64
 #undef MPT__WGMMA_D8
 
 /* d (64×BN) += one 64-deep stage: four wgmma of K = 16. a: the stage's A
@@ -1146,8 +1143,7 @@ static __device__ __forceinline__ void mpt__cuda_wgmma_stage(float (&d)[BN / 2],
     for (int kk = 0; kk < 4; kk++) {
         const uint64_t da = mpt__cuda_wgmma_desc(a + (TA ? kk * 2048 : kk * 32), !TA);
         const uint64_t db = mpt__cuda_wgmma_desc(b + (TB ? kk * 32 : kk * 2048), TB);
-        if constexpr (BN == 256) mpt__cuda_wgmma_n256<BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
-        else mpt__cuda_wgmma_n128<BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
+        mpt__cuda_wgmma<BN, BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
     }
 }
 

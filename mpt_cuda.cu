@@ -3288,38 +3288,65 @@ static unsigned mpt__cuda_bn_channel_blocks(int64_t C) {
     return mpt__cuda_blocks(C, mpt__cuda_layers_threads);
 }
 
-/* Training: the batch mean into a->mean, then Σ (x − mean)² with that
-   (float) mean for the biased variance in a->variance (two passes, as the
-   CPU); inference: the moving statistics. Then y. */
+/* w->inv_std and w->scale from the variance var (forward's batch or
+   moving one, backward's batch one). */
+static void mpt__cuda_bn_scale(mpt__cuda *c, const mpt_batchnorm_args *a,
+                               const mpt__cuda_bn_ws *w, const float *var) {
+    const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
+    mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        var, a->gamma, a->epsilon, a->channels, w->inv_std, w->scale);
+    mpt__cuda_launched(c, "batchnorm scale");
+}
+
+/* The batch mean into a->mean, then Σ (x − mean)² with that (float) mean
+   for the biased variance in a->variance (two passes, as the CPU). */
+template <typename T>
+static void mpt__cuda_bn_batch_stats(mpt__cuda *c, const mpt_batchnorm_args *a,
+                                     const mpt__cuda_bn_ws *w) {
+    const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_X>(c, a, w, NULL, NULL, "batchnorm sum");
+    mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        w->part, w->n_chunks, 0, a->rows, a->channels, a->mean);
+    mpt__cuda_launched(c, "batchnorm mean");
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_SQDEV>(c, a, w, a->mean, NULL,
+                                                     "batchnorm squared deviations");
+    mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        w->part, w->n_chunks, 1, a->rows, a->channels, a->variance);
+    mpt__cuda_launched(c, "batchnorm variance");
+}
+
+/* dbeta, dgamma and the means dx needs (w->mean_dy, w->mean_dy_xhat), with
+   w->inv_std already made from the batch variance. */
+template <typename T>
+static void mpt__cuda_bn_grad_stats(mpt__cuda *c, const mpt_batchnorm_args *a,
+                                    const mpt__cuda_bn_ws *w) {
+    const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a, w, a->mean, w->inv_std,
+                                                     "batchnorm gradient sums");
+    mpt__cuda_bn_grad_stats_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        w->part, w->n_chunks, a->rows, a->channels, a->dbeta, a->dgamma, w->mean_dy,
+        w->mean_dy_xhat, a->sum_dy, a->sum_dy_xhat, a->total_rows);
+    mpt__cuda_launched(c, "batchnorm gradient statistics");
+}
+
+/* Training: the batch statistics; inference: the moving ones. Then y. */
 static void mpt__cuda_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
     mpt__cuda *c = (mpt__cuda *)impl;
     const mpt__cuda_bn_ws w = mpt__cuda_bn_carve(a);
-    const int64_t C = a->channels, n = a->rows * a->channels;
-    const unsigned cb = mpt__cuda_bn_channel_blocks(C);
-    if (a->rows <= 0 || C <= 0) return;
+    if (a->rows <= 0 || a->channels <= 0) return;
     mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
         typedef decltype(tag) T;
         const float *mean = a->moving_mean, *var = a->moving_variance;
         if (a->training) {
-            mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_X>(c, a, &w, NULL, NULL,
-                                                         "batchnorm sum");
-            mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-                w.part, w.n_chunks, 0, a->rows, C, a->mean);
-            mpt__cuda_launched(c, "batchnorm mean");
-            mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_SQDEV>(c, a, &w, a->mean, NULL,
-                                                             "batchnorm squared deviations");
-            mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-                w.part, w.n_chunks, 1, a->rows, C, a->variance);
-            mpt__cuda_launched(c, "batchnorm variance");
+            mpt__cuda_bn_batch_stats<T>(c, a, &w);
             mean = a->mean;
             var = a->variance;
         }
-        mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-            var, a->gamma, a->epsilon, C, w.inv_std, w.scale);
-        mpt__cuda_launched(c, "batchnorm scale");
-        mpt__cuda_bn_normalize_op<T> op = {(const T *)a->x, (T *)a->y, C, mean, w.scale, a->beta};
+        mpt__cuda_bn_scale(c, a, &w, var);
+        mpt__cuda_bn_normalize_op<T> op = {(const T *)a->x, (T *)a->y, a->channels,
+                                           mean, w.scale, a->beta};
         bool vec = mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->y, 16);
-        mpt__cuda_layers_launch(c, op, n, vec, "batchnorm normalize");
+        mpt__cuda_layers_launch(c, op, a->rows * a->channels, vec, "batchnorm normalize");
     });
 }
 
@@ -3327,26 +3354,17 @@ static void mpt__cuda_batchnorm_forward(void *impl, const mpt_batchnorm_args *a)
 static void mpt__cuda_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
     mpt__cuda *c = (mpt__cuda *)impl;
     const mpt__cuda_bn_ws w = mpt__cuda_bn_carve(a);
-    const int64_t C = a->channels, n = a->rows * a->channels;
-    const unsigned cb = mpt__cuda_bn_channel_blocks(C);
-    if (a->rows <= 0 || C <= 0) return;
+    if (a->rows <= 0 || a->channels <= 0) return;
     mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
         typedef decltype(tag) T;
-        mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-            a->variance, a->gamma, a->epsilon, C, w.inv_std, w.scale);
-        mpt__cuda_launched(c, "batchnorm scale");
-        mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a, &w, a->mean, w.inv_std,
-                                                         "batchnorm gradient sums");
-        mpt__cuda_bn_grad_stats_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-            w.part, w.n_chunks, a->rows, C, a->dbeta, a->dgamma, w.mean_dy, w.mean_dy_xhat,
-            a->sum_dy, a->sum_dy_xhat, a->total_rows);
-        mpt__cuda_launched(c, "batchnorm gradient statistics");
+        mpt__cuda_bn_scale(c, a, &w, a->variance);
+        mpt__cuda_bn_grad_stats<T>(c, a, &w);
         if (!a->dx) return;
-        mpt__cuda_bn_dx_op<T> op = {(const T *)a->x, (const T *)a->dy, (T *)a->dx, C,
+        mpt__cuda_bn_dx_op<T> op = {(const T *)a->x, (const T *)a->dy, (T *)a->dx, a->channels,
                                     a->mean, w.inv_std, w.scale, w.mean_dy, w.mean_dy_xhat};
         bool vec = mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->dy, 16) &&
                    mpt__cuda_layers_aligned(a->dx, 16);
-        mpt__cuda_layers_launch(c, op, n, vec, "batchnorm dx");
+        mpt__cuda_layers_launch(c, op, a->rows * a->channels, vec, "batchnorm dx");
     });
 }
 

@@ -601,23 +601,24 @@ static __device__ __forceinline__ void mpt__cuda_gemm_ldmatrix4(uint32_t r[4], c
 /* One mma.sync, d[0..3] += a[0..3]·b[0..1] in place, as this GEMM and the
    int8 one (@cuda-qgemm) issue it: SHAPE_TYPES names the shape and the
    types of D, A, B and C ("m16n8k16.row.col.f32.bf16.bf16.f32"), D_REG the
-   accumulators' constraint ("+f" float32, "+r" int32). */
+   accumulators' constraint ("+f" float32, "+r" int32). Device code below
+   sm_80, where mma.sync does not exist, leaves d as it is. */
+#if MPT__CUDA_GEMM_MMA
 #define MPT__CUDA_MMA_SYNC(SHAPE_TYPES, D_REG)                                             \
     asm volatile("mma.sync.aligned." SHAPE_TYPES " "                                       \
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                  \
                  : D_REG(d[0]), D_REG(d[1]), D_REG(d[2]), D_REG(d[3])                      \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+#else
+#define MPT__CUDA_MMA_SYNC(SHAPE_TYPES, D_REG) ((void)d, (void)a, (void)b)
+#endif
 
 /* d += a·b for one 16×8×16 step, float32 accumulators. */
 template <bool BF16>
 static __device__ __forceinline__ void mpt__cuda_gemm_mma(float d[4], const uint32_t a[4],
                                                           const uint32_t b[2]) {
-#if MPT__CUDA_GEMM_MMA
     if (BF16) MPT__CUDA_MMA_SYNC("m16n8k16.row.col.f32.bf16.bf16.f32", "+f");
     else MPT__CUDA_MMA_SYNC("m16n8k16.row.col.f32.f16.f16.f32", "+f");
-#else
-    (void)d, (void)a, (void)b;
-#endif
 }
 
 /* Loads a ROWS×COLS tile of a stored row-major matrix (rows × cols, leading
@@ -4351,12 +4352,8 @@ typedef struct mpt__cuda_qgemm_args {
 template <bool A_UNSIGNED>
 static __device__ __forceinline__ void mpt__cuda_qgemm_mma(int32_t d[4], const uint32_t a[4],
                                                            const uint32_t b[2]) {
-#if MPT__CUDA_GEMM_MMA
     if (A_UNSIGNED) MPT__CUDA_MMA_SYNC("m16n8k32.row.col.s32.u8.s8.s32", "+r");
     else MPT__CUDA_MMA_SYNC("m16n8k32.row.col.s32.s8.s8.s32", "+r");
-#else
-    (void)d, (void)a, (void)b;
-#endif
 }
 
 /* A 64×64 byte tile of a depth-contiguous operand (rows × depth, leading

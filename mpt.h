@@ -9046,58 +9046,47 @@ static MPT__TARGET_AVX2 void mpt__sgd_block_avx2(const mpt__update_job *j, float
     if (i < n) mpt__sgd_block(j, w + i, g + i, s0 ? s0 + i : NULL, s1, n - i);
 }
 
-static MPT__TARGET_AVX2 void mpt__adam_block_avx2(const mpt__update_job *j, float *w,
-                                                  const float *g, float *s0, float *s1,
-                                                  int64_t n) {
-    const __m256 gscale = _mm256_set1_ps(j->k.gscale), l2 = _mm256_set1_ps(j->k.l2);
-    const __m256 decay = _mm256_set1_ps(j->k.decay), alpha = _mm256_set1_ps(j->k.alpha);
-    const __m256 c1 = _mm256_set1_ps(j->k.one_minus_b1), c2 = _mm256_set1_ps(j->k.one_minus_b2);
-    const __m256 eps = _mm256_set1_ps(j->k.epsilon);
-    int64_t i;
-    for (i = 0; i + 8 <= n; i += 8) {
-        __m256 w0 = _mm256_loadu_ps(w + i), m0 = _mm256_loadu_ps(s0 + i);
-        __m256 v0 = _mm256_loadu_ps(s1 + i);
-        __m256 gi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(g + i), gscale),
-                                  _mm256_mul_ps(l2, w0));
-        __m256 mi = _mm256_add_ps(m0, _mm256_mul_ps(_mm256_sub_ps(gi, m0), c1));
-        __m256 vi = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(gi, gi), v0), c2));
-        __m256 wi = _mm256_sub_ps(w0, _mm256_mul_ps(w0, decay));
-        __m256 den = _mm256_add_ps(_mm256_sqrt_ps(vi), eps);
-        _mm256_storeu_ps(s0 + i, mi);
-        _mm256_storeu_ps(s1 + i, vi);
-        _mm256_storeu_ps(w + i, _mm256_sub_ps(wi, _mm256_div_ps(_mm256_mul_ps(mi, alpha), den)));
+/* Adam LANES at a time: VEC the vector type (__m256, __m512), P its
+   intrinsics' prefix (_mm256, _mm512), SQRT its square root; the last
+   n % LANES elements go to TAIL. The same operations in the same order as
+   mpt__adam_block, so the same bits; one definition for both widths, so
+   they cannot drift apart. */
+#define MPT__ADAM_BLOCK_SIMD(TARGET, NAME, VEC, P, LANES, SQRT, TAIL)                          \
+    TARGET static void NAME(const mpt__update_job *j, float *w, const float *g, float *s0,     \
+                            float *s1, int64_t n) {                                            \
+        const VEC gscale = P##_set1_ps(j->k.gscale), l2 = P##_set1_ps(j->k.l2);               \
+        const VEC decay = P##_set1_ps(j->k.decay), alpha = P##_set1_ps(j->k.alpha);           \
+        const VEC c1 = P##_set1_ps(j->k.one_minus_b1), c2 = P##_set1_ps(j->k.one_minus_b2);   \
+        const VEC eps = P##_set1_ps(j->k.epsilon);                                             \
+        int64_t i;                                                                             \
+        for (i = 0; i + LANES <= n; i += LANES) {                                              \
+            VEC w0 = P##_loadu_ps(w + i), m0 = P##_loadu_ps(s0 + i);                           \
+            VEC v0 = P##_loadu_ps(s1 + i);                                                     \
+            VEC gi = P##_add_ps(P##_mul_ps(P##_loadu_ps(g + i), gscale), P##_mul_ps(l2, w0));  \
+            VEC mi = P##_add_ps(m0, P##_mul_ps(P##_sub_ps(gi, m0), c1));                       \
+            VEC vi = P##_add_ps(v0, P##_mul_ps(P##_sub_ps(P##_mul_ps(gi, gi), v0), c2));       \
+            VEC wi = P##_sub_ps(w0, P##_mul_ps(w0, decay));                                    \
+            VEC den = P##_add_ps(SQRT(vi), eps);                                               \
+            P##_storeu_ps(s0 + i, mi);                                                         \
+            P##_storeu_ps(s1 + i, vi);                                                         \
+            P##_storeu_ps(w + i, P##_sub_ps(wi, P##_div_ps(P##_mul_ps(mi, alpha), den)));      \
+        }                                                                                      \
+        if (i < n) TAIL(j, w + i, g + i, s0 + i, s1 + i, n - i);                               \
     }
-    if (i < n) mpt__adam_block(j, w + i, g + i, s0 + i, s1 + i, n - i);
-}
 
-/* Adam 16 lanes at a time (the same operations in the same order: the
-   same bits as the loops above), its tail through the AVX2 loop. Adam's
-   square root and division dominate an MLP's update. */
-MPT__TARGET_AVX512 static void mpt__adam_block_avx512(const mpt__update_job *j, float *w,
-                                                      const float *g, float *s0, float *s1,
-                                                      int64_t n) {
-    const __m512 gscale = _mm512_set1_ps(j->k.gscale), l2 = _mm512_set1_ps(j->k.l2);
-    const __m512 decay = _mm512_set1_ps(j->k.decay), alpha = _mm512_set1_ps(j->k.alpha);
-    const __m512 c1 = _mm512_set1_ps(j->k.one_minus_b1), c2 = _mm512_set1_ps(j->k.one_minus_b2);
-    const __m512 eps = _mm512_set1_ps(j->k.epsilon);
-    int64_t i;
-    for (i = 0; i + 16 <= n; i += 16) {
-        __m512 w0 = _mm512_loadu_ps(w + i), m0 = _mm512_loadu_ps(s0 + i);
-        __m512 v0 = _mm512_loadu_ps(s1 + i);
-        __m512 gi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(g + i), gscale),
-                                  _mm512_mul_ps(l2, w0));
-        __m512 mi = _mm512_add_ps(m0, _mm512_mul_ps(_mm512_sub_ps(gi, m0), c1));
-        __m512 vi = _mm512_add_ps(v0, _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(gi, gi), v0), c2));
-        __m512 wi = _mm512_sub_ps(w0, _mm512_mul_ps(w0, decay));
-        /* (the zero-masked form of vsqrtps, whose full mask makes it the
-           plain one: g++ warns about _mm512_sqrt_ps's undefined source) */
-        __m512 den = _mm512_add_ps(_mm512_maskz_sqrt_ps((__mmask16)0xffff, vi), eps);
-        _mm512_storeu_ps(s0 + i, mi);
-        _mm512_storeu_ps(s1 + i, vi);
-        _mm512_storeu_ps(w + i, _mm512_sub_ps(wi, _mm512_div_ps(_mm512_mul_ps(mi, alpha), den)));
-    }
-    if (i < n) mpt__adam_block_avx2(j, w + i, g + i, s0 + i, s1 + i, n - i);
-}
+/* AVX-512's square root is the zero-masked form of vsqrtps, whose full
+   mask makes it the plain one (g++ warns about _mm512_sqrt_ps's undefined
+   source). */
+#define MPT__ADAM_SQRT_AVX512(v) _mm512_maskz_sqrt_ps((__mmask16)0xffff, v)
+
+MPT__ADAM_BLOCK_SIMD(MPT__TARGET_AVX2, mpt__adam_block_avx2, __m256, _mm256, 8, _mm256_sqrt_ps,
+                     mpt__adam_block)
+/* Adam's square root and division dominate an MLP's update: 16 lanes where
+   AVX-512 exists, the tail through the AVX2 loop. */
+MPT__ADAM_BLOCK_SIMD(MPT__TARGET_AVX512, mpt__adam_block_avx512, __m512, _mm512, 16,
+                     MPT__ADAM_SQRT_AVX512, mpt__adam_block_avx2)
+#undef MPT__ADAM_SQRT_AVX512
+#undef MPT__ADAM_BLOCK_SIMD
 #endif
 
 /* Updates elements [begin, end) of P, a block at a time, and converts each

@@ -598,24 +598,27 @@ static __device__ __forceinline__ void mpt__cuda_gemm_ldmatrix4(uint32_t r[4], c
 #endif
 }
 
+/* One mma.sync, d[0..3] += a[0..3]·b[0..1] in place, as this GEMM and the
+   int8 one (@cuda-qgemm) issue it: SHAPE_TYPES names the shape and the
+   types of D, A, B and C ("m16n8k16.row.col.f32.bf16.bf16.f32"), D_REG the
+   accumulators' constraint ("+f" float32, "+r" int32). Device code below
+   sm_80, where mma.sync does not exist, leaves d as it is. */
+#if MPT__CUDA_GEMM_MMA
+#define MPT__CUDA_MMA_SYNC(SHAPE_TYPES, D_REG)                                             \
+    asm volatile("mma.sync.aligned." SHAPE_TYPES " "                                       \
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                  \
+                 : D_REG(d[0]), D_REG(d[1]), D_REG(d[2]), D_REG(d[3])                      \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+#else
+#define MPT__CUDA_MMA_SYNC(SHAPE_TYPES, D_REG) ((void)d, (void)a, (void)b)
+#endif
+
 /* d += a·b for one 16×8×16 step, float32 accumulators. */
 template <bool BF16>
 static __device__ __forceinline__ void mpt__cuda_gemm_mma(float d[4], const uint32_t a[4],
                                                           const uint32_t b[2]) {
-#if MPT__CUDA_GEMM_MMA
-    if (BF16)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    (void)d, (void)a, (void)b;
-#endif
+    if (BF16) MPT__CUDA_MMA_SYNC("m16n8k16.row.col.f32.bf16.bf16.f32", "+f");
+    else MPT__CUDA_MMA_SYNC("m16n8k16.row.col.f32.f16.f16.f32", "+f");
 }
 
 /* Loads a ROWS×COLS tile of a stored row-major matrix (rows × cols, leading
@@ -1053,83 +1056,80 @@ static __device__ __forceinline__ void mpt__cuda_wgmma_hold(float &r) {
 
 #endif /* MPT__CUDA_WGMMA */
 
-/* Accumulators d[i..i+7] as operands that wgmma reads and writes. */
+/* Accumulators d[i..i+7], and d[i..i+63], as operands that wgmma reads and writes. */
 #define MPT__WGMMA_D8(i)                                                                     \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
         "+f"(d[i + 6]), "+f"(d[i + 7])
+#define MPT__WGMMA_D64(i)                                                                    \
+    MPT__WGMMA_D8(i), MPT__WGMMA_D8(i + 8), MPT__WGMMA_D8(i + 16), MPT__WGMMA_D8(i + 24),    \
+        MPT__WGMMA_D8(i + 32), MPT__WGMMA_D8(i + 40), MPT__WGMMA_D8(i + 48), MPT__WGMMA_D8(i + 56)
 
-/* d (64×128 float32 sums, 64 per thread) += A (64×16, descriptor
-   desc_a) · B (16×128, desc_b); TRANS_A, TRANS_B: 0 for a K-major
-   operand, 1 for an M- or N-major one. Asynchronous: the sums may be read
-   only after wgmma.commit_group and wgmma.wait_group. */
+/* Those operands' numbers in the instruction's text: the first 64
+   accumulators (all of n128's), and n256's other 64. */
+#define MPT__WGMMA_REGS_0_63 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, " \
+    "%8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63"
+#define MPT__WGMMA_REGS_64_127 \
+    "%64, %65, %66, %67, %68, %69, %70, %71, " \
+    "%72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, " \
+    "%88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, " \
+    "%104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, " \
+    "%120, %121, %122, %123, %124, %125, %126, %127"
+
+/* One wgmma.mma_async of SHAPE on TYPE inputs, into the accumulators
+   listed last (the outputs). Operands are numbered outputs first: the
+   accumulators (ACC_REGS), then desc_a, desc_b, the scale-d flag (1: add
+   to d) and TRANS_A, TRANS_B. SCALE_D names the flag's operand, REST the
+   instruction's operands after the accumulators: n128 has 64 accumulators,
+   so its desc_a is %64; n256 has 128. */
+#define MPT__WGMMA_ASYNC(SHAPE, TYPE, ACC_REGS, SCALE_D, REST, ...)                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                    \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {"         \
+                 ACC_REGS "}, " REST ";\n}\n"                                            \
+                 : __VA_ARGS__                                                          \
+                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
 #define MPT__WGMMA_N128(TYPE)                                                            \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                            \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
-                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
-                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
-                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
-                 "%56, %57, %58, %59, %60, %61, %62, %63" \
-                 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                  \
-                 : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
-                   MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56) \
-                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
-template <bool BF16, int TRANS_A, int TRANS_B>
-static __device__ __forceinline__ void mpt__cuda_wgmma_n128(float (&d)[64], uint64_t desc_a,
-                                                          uint64_t desc_b) {
-#if MPT__CUDA_WGMMA
-    if (BF16) MPT__WGMMA_N128("bf16");
-    else MPT__WGMMA_N128("f16");
-#else
-    (void)d, (void)desc_a, (void)desc_b;
-#endif
-}
-#undef MPT__WGMMA_N128
-
-/* d (64×256 float32 sums, 128 per thread) += A (64×16, descriptor
-   desc_a) · B (16×256, desc_b); TRANS_A, TRANS_B: 0 for a K-major
-   operand, 1 for an M- or N-major one. Asynchronous: the sums may be read
-   only after wgmma.commit_group and wgmma.wait_group. */
+    MPT__WGMMA_ASYNC("m64n128k16", TYPE, MPT__WGMMA_REGS_0_63, "%66",                    \
+                     "%64, %65, p, 1, 1, %67, %68", MPT__WGMMA_D64(0))
 #define MPT__WGMMA_N256(TYPE)                                                            \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                           \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, " \
-                 "%8, %9, %10, %11, %12, %13, %14, %15, " \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, " \
-                 "%24, %25, %26, %27, %28, %29, %30, %31, " \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, " \
-                 "%40, %41, %42, %43, %44, %45, %46, %47, " \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, " \
-                 "%56, %57, %58, %59, %60, %61, %62, %63, " \
-                 "%64, %65, %66, %67, %68, %69, %70, %71, " \
-                 "%72, %73, %74, %75, %76, %77, %78, %79, " \
-                 "%80, %81, %82, %83, %84, %85, %86, %87, " \
-                 "%88, %89, %90, %91, %92, %93, %94, %95, " \
-                 "%96, %97, %98, %99, %100, %101, %102, %103, " \
-                 "%104, %105, %106, %107, %108, %109, %110, %111, " \
-                 "%112, %113, %114, %115, %116, %117, %118, %119, " \
-                 "%120, %121, %122, %123, %124, %125, %126, %127" \
-                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                              \
-                 : MPT__WGMMA_D8(0), MPT__WGMMA_D8(8), MPT__WGMMA_D8(16), MPT__WGMMA_D8(24), \
-                   MPT__WGMMA_D8(32), MPT__WGMMA_D8(40), MPT__WGMMA_D8(48), MPT__WGMMA_D8(56), \
-                   MPT__WGMMA_D8(64), MPT__WGMMA_D8(72), MPT__WGMMA_D8(80), MPT__WGMMA_D8(88), \
-                   MPT__WGMMA_D8(96), MPT__WGMMA_D8(104), MPT__WGMMA_D8(112), MPT__WGMMA_D8(120) \
-                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B))
-template <bool BF16, int TRANS_A, int TRANS_B>
-static __device__ __forceinline__ void mpt__cuda_wgmma_n256(float (&d)[128], uint64_t desc_a,
-                                                          uint64_t desc_b) {
+    MPT__WGMMA_ASYNC("m64n256k16", TYPE, MPT__WGMMA_REGS_0_63 ", " MPT__WGMMA_REGS_64_127, \
+                     "%130", "%128, %129, p, 1, 1, %131, %132", MPT__WGMMA_D64(0),       \
+                     MPT__WGMMA_D64(64))
+
+/* d (64×BN float32 sums, BN/2 per thread; BN 128 or 256) += A (64×16,
+   descriptor desc_a) · B (16×BN, desc_b); TRANS_A, TRANS_B: 0 for a
+   K-major operand, 1 for an M- or N-major one. Asynchronous: the sums may
+   be read only after wgmma.commit_group and wgmma.wait_group. */
+template <int BN, bool BF16, int TRANS_A, int TRANS_B>
+static __device__ __forceinline__ void mpt__cuda_wgmma(float (&d)[BN / 2], uint64_t desc_a,
+                                                      uint64_t desc_b) {
 #if MPT__CUDA_WGMMA
-    if (BF16) MPT__WGMMA_N256("bf16");
-    else MPT__WGMMA_N256("f16");
+    if constexpr (BN == 256) {
+        if (BF16) MPT__WGMMA_N256("bf16");
+        else MPT__WGMMA_N256("f16");
+    } else {
+        if (BF16) MPT__WGMMA_N128("bf16");
+        else MPT__WGMMA_N128("f16");
+    }
 #else
     (void)d, (void)desc_a, (void)desc_b;
 #endif
 }
 #undef MPT__WGMMA_N256
-
+#undef MPT__WGMMA_N128
+#undef MPT__WGMMA_ASYNC
+#undef MPT__WGMMA_REGS_64_127
+#undef MPT__WGMMA_REGS_0_63
+#undef MPT__WGMMA_D64
 #undef MPT__WGMMA_D8
 
 /* d (64×BN) += one 64-deep stage: four wgmma of K = 16. a: the stage's A
@@ -1144,8 +1144,7 @@ static __device__ __forceinline__ void mpt__cuda_wgmma_stage(float (&d)[BN / 2],
     for (int kk = 0; kk < 4; kk++) {
         const uint64_t da = mpt__cuda_wgmma_desc(a + (TA ? kk * 2048 : kk * 32), !TA);
         const uint64_t db = mpt__cuda_wgmma_desc(b + (TB ? kk * 32 : kk * 2048), TB);
-        if constexpr (BN == 256) mpt__cuda_wgmma_n256<BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
-        else mpt__cuda_wgmma_n128<BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
+        mpt__cuda_wgmma<BN, BF16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db);
     }
 }
 
@@ -3290,38 +3289,65 @@ static unsigned mpt__cuda_bn_channel_blocks(int64_t C) {
     return mpt__cuda_blocks(C, mpt__cuda_layers_threads);
 }
 
-/* Training: the batch mean into a->mean, then Σ (x − mean)² with that
-   (float) mean for the biased variance in a->variance (two passes, as the
-   CPU); inference: the moving statistics. Then y. */
+/* w->inv_std and w->scale from the variance var (forward's batch or
+   moving one, backward's batch one). */
+static void mpt__cuda_bn_scale(mpt__cuda *c, const mpt_batchnorm_args *a,
+                               const mpt__cuda_bn_ws *w, const float *var) {
+    const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
+    mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        var, a->gamma, a->epsilon, a->channels, w->inv_std, w->scale);
+    mpt__cuda_launched(c, "batchnorm scale");
+}
+
+/* The batch mean into a->mean, then Σ (x − mean)² with that (float) mean
+   for the biased variance in a->variance (two passes, as the CPU). */
+template <typename T>
+static void mpt__cuda_bn_batch_stats(mpt__cuda *c, const mpt_batchnorm_args *a,
+                                     const mpt__cuda_bn_ws *w) {
+    const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_X>(c, a, w, NULL, NULL, "batchnorm sum");
+    mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        w->part, w->n_chunks, 0, a->rows, a->channels, a->mean);
+    mpt__cuda_launched(c, "batchnorm mean");
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_SQDEV>(c, a, w, a->mean, NULL,
+                                                     "batchnorm squared deviations");
+    mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        w->part, w->n_chunks, 1, a->rows, a->channels, a->variance);
+    mpt__cuda_launched(c, "batchnorm variance");
+}
+
+/* dbeta, dgamma and the means dx needs (w->mean_dy, w->mean_dy_xhat), with
+   w->inv_std already made from the batch variance. */
+template <typename T>
+static void mpt__cuda_bn_grad_stats(mpt__cuda *c, const mpt_batchnorm_args *a,
+                                    const mpt__cuda_bn_ws *w) {
+    const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a, w, a->mean, w->inv_std,
+                                                     "batchnorm gradient sums");
+    mpt__cuda_bn_grad_stats_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
+        w->part, w->n_chunks, a->rows, a->channels, a->dbeta, a->dgamma, w->mean_dy,
+        w->mean_dy_xhat, a->sum_dy, a->sum_dy_xhat, a->total_rows);
+    mpt__cuda_launched(c, "batchnorm gradient statistics");
+}
+
+/* Training: the batch statistics; inference: the moving ones. Then y. */
 static void mpt__cuda_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
     mpt__cuda *c = (mpt__cuda *)impl;
     const mpt__cuda_bn_ws w = mpt__cuda_bn_carve(a);
-    const int64_t C = a->channels, n = a->rows * a->channels;
-    const unsigned cb = mpt__cuda_bn_channel_blocks(C);
-    if (a->rows <= 0 || C <= 0) return;
+    if (a->rows <= 0 || a->channels <= 0) return;
     mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
         typedef decltype(tag) T;
         const float *mean = a->moving_mean, *var = a->moving_variance;
         if (a->training) {
-            mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_X>(c, a, &w, NULL, NULL,
-                                                         "batchnorm sum");
-            mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-                w.part, w.n_chunks, 0, a->rows, C, a->mean);
-            mpt__cuda_launched(c, "batchnorm mean");
-            mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_SQDEV>(c, a, &w, a->mean, NULL,
-                                                             "batchnorm squared deviations");
-            mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-                w.part, w.n_chunks, 1, a->rows, C, a->variance);
-            mpt__cuda_launched(c, "batchnorm variance");
+            mpt__cuda_bn_batch_stats<T>(c, a, &w);
             mean = a->mean;
             var = a->variance;
         }
-        mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-            var, a->gamma, a->epsilon, C, w.inv_std, w.scale);
-        mpt__cuda_launched(c, "batchnorm scale");
-        mpt__cuda_bn_normalize_op<T> op = {(const T *)a->x, (T *)a->y, C, mean, w.scale, a->beta};
+        mpt__cuda_bn_scale(c, a, &w, var);
+        mpt__cuda_bn_normalize_op<T> op = {(const T *)a->x, (T *)a->y, a->channels,
+                                           mean, w.scale, a->beta};
         bool vec = mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->y, 16);
-        mpt__cuda_layers_launch(c, op, n, vec, "batchnorm normalize");
+        mpt__cuda_layers_launch(c, op, a->rows * a->channels, vec, "batchnorm normalize");
     });
 }
 
@@ -3329,26 +3355,17 @@ static void mpt__cuda_batchnorm_forward(void *impl, const mpt_batchnorm_args *a)
 static void mpt__cuda_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
     mpt__cuda *c = (mpt__cuda *)impl;
     const mpt__cuda_bn_ws w = mpt__cuda_bn_carve(a);
-    const int64_t C = a->channels, n = a->rows * a->channels;
-    const unsigned cb = mpt__cuda_bn_channel_blocks(C);
-    if (a->rows <= 0 || C <= 0) return;
+    if (a->rows <= 0 || a->channels <= 0) return;
     mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
         typedef decltype(tag) T;
-        mpt__cuda_bn_scale_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-            a->variance, a->gamma, a->epsilon, C, w.inv_std, w.scale);
-        mpt__cuda_launched(c, "batchnorm scale");
-        mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a, &w, a->mean, w.inv_std,
-                                                         "batchnorm gradient sums");
-        mpt__cuda_bn_grad_stats_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
-            w.part, w.n_chunks, a->rows, C, a->dbeta, a->dgamma, w.mean_dy, w.mean_dy_xhat,
-            a->sum_dy, a->sum_dy_xhat, a->total_rows);
-        mpt__cuda_launched(c, "batchnorm gradient statistics");
+        mpt__cuda_bn_scale(c, a, &w, a->variance);
+        mpt__cuda_bn_grad_stats<T>(c, a, &w);
         if (!a->dx) return;
-        mpt__cuda_bn_dx_op<T> op = {(const T *)a->x, (const T *)a->dy, (T *)a->dx, C,
+        mpt__cuda_bn_dx_op<T> op = {(const T *)a->x, (const T *)a->dy, (T *)a->dx, a->channels,
                                     a->mean, w.inv_std, w.scale, w.mean_dy, w.mean_dy_xhat};
         bool vec = mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->dy, 16) &&
                    mpt__cuda_layers_aligned(a->dx, 16);
-        mpt__cuda_layers_launch(c, op, n, vec, "batchnorm dx");
+        mpt__cuda_layers_launch(c, op, a->rows * a->channels, vec, "batchnorm dx");
     });
 }
 
@@ -4335,20 +4352,8 @@ typedef struct mpt__cuda_qgemm_args {
 template <bool A_UNSIGNED>
 static __device__ __forceinline__ void mpt__cuda_qgemm_mma(int32_t d[4], const uint32_t a[4],
                                                            const uint32_t b[2]) {
-#if MPT__CUDA_GEMM_MMA
-    if (A_UNSIGNED)
-        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    else
-        asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    (void)d, (void)a, (void)b;
-#endif
+    if (A_UNSIGNED) MPT__CUDA_MMA_SYNC("m16n8k32.row.col.s32.u8.s8.s32", "+r");
+    else MPT__CUDA_MMA_SYNC("m16n8k32.row.col.s32.s8.s8.s32", "+r");
 }
 
 /* A 64×64 byte tile of a depth-contiguous operand (rows × depth, leading

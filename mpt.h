@@ -9374,7 +9374,6 @@ struct mpt_dataset {
     int64_t y_count;              /* elements of one target (class ids: one per
                                      position of the model's output)             */
     const void *y;                /* (n, y_shape) y_dtype                        */
-    int32_t label_min, label_max; /* class ids: their range over these n samples */
     float scale, offset;          /* uint8 x: x·scale + offset                   */
     float u8_f32[256];            /* uint8 x: each byte value normalised         */
     mpt_half u8_f16[256];         /*   the same, rounded to float16              */
@@ -9403,17 +9402,6 @@ static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
         d->u8_f32[i] = fmaf((float)i, scale, offset);
         d->u8_f16[i] = mpt_float_to_half(d->u8_f32[i]);
         d->u8_bf16[i] = mpt_float_to_bf16(d->u8_f32[i]);
-    }
-}
-
-static void mpt__dataset_find_label_range(mpt_dataset *d) {
-    const int32_t *y = (const int32_t *)d->y; /* (n, positions...) */
-    int64_t i;
-    if (d->y_dtype != MPT_INT32) return;
-    d->label_min = d->label_max = y[0];
-    for (i = 1; i < d->n * d->y_count; i++) {
-        d->label_min = MPT__MIN(d->label_min, y[i]);
-        d->label_max = MPT__MAX(d->label_max, y[i]);
     }
 }
 
@@ -9601,7 +9589,6 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
         return s;
     }
     mpt__dataset_set_scale(d, desc->scale != 0 ? desc->scale : 1.0f / 255.0f, desc->offset);
-    mpt__dataset_find_label_range(d);
     *out = d;
     return MPT_OK;
 }
@@ -9621,7 +9608,6 @@ static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, in
            (size_t)first * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
     v->y = (const char *)d->y +
            (size_t)first * (size_t)d->y_count * mpt_dtype_size(d->y_dtype);
-    mpt__dataset_find_label_range(v);
     /* The one change split makes to its const argument: the root counts
        the view, so that it outlives it whatever the order of destroys. */
     v->root->refs++;
@@ -9724,11 +9710,23 @@ MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, in
 /* MPT_INT32 (class ids) or MPT_FLOAT32 (targets). */
 static mpt_dtype mpt__dataset_label_dtype(const mpt_dataset *d) { return d->y_dtype; }
 
-/* 1 and the smallest and largest class id for class ids; 0 for targets. */
+/* 1 and the smallest and largest class id for class ids; 0 for targets.
+   Found when asked (once a fit, evaluate or predict), not when the dataset
+   is made: borrowed labels are the caller's array, which may change
+   between calls, and a class id past the model's classes would have the
+   loss and the metrics read past a prediction's row. */
 static int mpt__dataset_label_range(const mpt_dataset *d, int32_t *min, int32_t *max) {
+    const int32_t *y = (const int32_t *)d->y; /* (n, positions...) */
+    int32_t lo, hi;
+    int64_t i;
     if (d->y_dtype != MPT_INT32) return 0;
-    if (min) *min = d->label_min;
-    if (max) *max = d->label_max;
+    lo = hi = d->n * d->y_count > 0 ? y[0] : 0;
+    for (i = 1; i < d->n * d->y_count; i++) {
+        lo = MPT__MIN(lo, y[i]);
+        hi = MPT__MAX(hi, y[i]);
+    }
+    if (min) *min = lo;
+    if (max) *max = hi;
     return 1;
 }
 
@@ -12435,7 +12433,6 @@ static mpt_status mpt__load_idx(mpt_context *ctx, mpt__idx *img, mpt__idx *lab,
     d->y_count = 1;
     d->y = y;
     mpt__dataset_set_scale(d, 1.0f / 255.0f, 0.0f);
-    mpt__dataset_find_label_range(d);
     return MPT_OK;
 }
 

@@ -948,8 +948,54 @@ static void test_create_copy(void) {
     CHECK(got[0] == 9.0f && label == 1, "the copy changed with the caller's array");
     mpt__dataset_gather(ctx, borrowed, &i3, 1, MPT_FLOAT32, got, &label);
     CHECK(got[0] == 100.0f && label == 7, "the borrowed dataset did not see the change");
+    CHECK(mpt__dataset_label_range(copied, &lo, &hi) && lo == 1 && hi == 4,
+          "the copy's range became %d..%d", (int)lo, (int)hi);
+    CHECK(mpt__dataset_label_range(borrowed, &lo, &hi) && lo == 1 && hi == 7,
+          "the borrowed labels' range is %d..%d, not the edited 1..7", (int)lo, (int)hi);
     mpt_dataset_destroy(copied);
     mpt_dataset_destroy(borrowed);
+}
+
+/* Borrowed class ids edited between two fits: the second fit (and
+   evaluate) sees the edited ids and refuses one past the model's classes,
+   rather than having the loss and the metrics read past a prediction's
+   row. */
+static void test_borrowed_labels_edited(void) {
+    float xf[8 * 3];
+    int32_t yi[8] = {0, 1, 2, 3, 4, 0, 1, 2};
+    mpt_tensor x = tensor(MPT_FLOAT32, 2, 8, 3, 0, xf), y = tensor(MPT_INT32, 1, 8, 0, 0, yi);
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_fit_desc fit = {0};
+    mpt_logs logs;
+    int i;
+    for (i = 0; i < 24; i++) xf[i] = (float)((i * 7) % 11) / 11.0f;
+    fit.epochs = 1;
+    fit.batch_size = 4;
+    CHECK(create(q, &x, &y, 0, &d) == MPT_OK, "%s", mpt_context_error(q));
+    CHECK(mpt_model_create(q, &(mpt_model_desc){ .input_shape = { 3 }, .input_rank = 1,
+                                                 .seed = 1 }, &m) == MPT_OK &&
+          mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 5,
+                                                    .activation = MPT_ACT_SOFTMAX }) == MPT_OK &&
+          mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = { .type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f },
+              .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
+              .metrics = MPT_METRIC_ACCURACY }) == MPT_OK,
+          "model: %s", mpt_context_error(q));
+    CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "first fit: %s", mpt_context_error(q));
+    yi[6] = 5; /* the model has classes 0..4 */
+    expect_error(mpt_model_fit(m, d, &fit), MPT_ERR_INVALID_ARGUMENT, "fit after the edit",
+                 "labels range over 0..5", "5 classes", NULL);
+    expect_error(mpt_model_evaluate(m, d, NULL, &logs), MPT_ERR_INVALID_ARGUMENT,
+                 "evaluate after the edit", "0..5", NULL, NULL);
+    yi[6] = -1;
+    expect_error(mpt_model_fit(m, d, &fit), MPT_ERR_INVALID_ARGUMENT, "a negative id",
+                 "labels range over -1..4", NULL, NULL);
+    yi[6] = 1;
+    CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit after the edit was undone: %s",
+          mpt_context_error(q));
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
 }
 
 /* ---- split views ------------------------------------------------------------ */
@@ -1698,6 +1744,7 @@ int main(void) {
     test_fashion_mnist();
     test_create_validation();
     TEST_RUN(test_create_copy);
+    TEST_RUN(test_borrowed_labels_edited);
     test_split();
     test_reshape();
     test_labels_and_targets();

@@ -2709,6 +2709,16 @@ static inline MPT__HD float mpt__sigmoid(float x) {
     return mpt__fdiv_rn(e, mpt__fadd_rn(1.0f, e));
 }
 
+/* dy · act'(z) from the output y alone: the sigmoid's y·(1 − y) and tanh's
+   1 − y², in this order of rounding (dy·y first for the sigmoid). */
+static inline MPT__HD float mpt__sigmoid_grad(float y, float dy) {
+    return mpt__fmul_rn(mpt__fmul_rn(dy, y), mpt__fsub_rn(1.0f, y));
+}
+
+static inline MPT__HD float mpt__tanh_grad(float y, float dy) {
+    return mpt__fmul_rn(dy, mpt__fsub_rn(1.0f, mpt__fmul_rn(y, y)));
+}
+
 /* ---- the losses' element terms ----------------------------------------------
    mpt__cpu_loss (@impl-losses) and mpt__cuda_loss sum these over a row (in
    their own orders: a loop, a warp) and tally the rows alike. With
@@ -3649,8 +3659,9 @@ MPTDEF size_t mpt_tensor_bytes(const mpt_tensor *t) {
 static float mpt__relu(float x) { return x <= 0 ? 0.0f : x; }
 static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
 
-/* GELU (and its derivative) and the sigmoid are @backend-shared's
-   mpt__gelu, mpt__gelu_derivative and mpt__sigmoid: the CUDA kernels run
+/* GELU (and its derivative), the sigmoid and the sigmoid's and tanh's
+   gradients are @backend-shared's mpt__gelu, mpt__gelu_derivative,
+   mpt__sigmoid, mpt__sigmoid_grad and mpt__tanh_grad: the CUDA kernels run
    them too. */
 
 /* Softmax of each row of x (rows × cols), in place, in float32. */
@@ -3689,8 +3700,8 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
         break;
     case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
     case MPT_ACT_GELU: for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_derivative(z[i]); break;
-    case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) dz[i] = dy[i] * y[i] * (1 - y[i]); break;
-    case MPT_ACT_TANH: for (i = 0; i < n; i++) dz[i] = dy[i] * (1 - y[i] * y[i]); break;
+    case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) dz[i] = mpt__sigmoid_grad(y[i], dy[i]); break;
+    case MPT_ACT_TANH: for (i = 0; i < n; i++) dz[i] = mpt__tanh_grad(y[i], dy[i]); break;
     case MPT_ACT_SOFTMAX:
         for (i = 0; i < n; i += cols) {
             float dot = 0;

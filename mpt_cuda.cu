@@ -2468,8 +2468,8 @@ static __device__ __forceinline__ float mpt__cuda_act_derivative(int act, float 
     switch (act) {
     case MPT_ACT_RELU: return kept <= 0 ? 0.0f : dy; /* a NaN y passes dy, as the CPU */
     case MPT_ACT_GELU: return dy * mpt__gelu_derivative(kept); /* mpt.h's */
-    case MPT_ACT_SIGMOID: return dy * kept * (1 - kept);
-    case MPT_ACT_TANH: return dy * __fsub_rn(1.0f, __fmul_rn(kept, kept));
+    case MPT_ACT_SIGMOID: return mpt__sigmoid_grad(kept, dy); /* mpt.h's */
+    case MPT_ACT_TANH: return mpt__tanh_grad(kept, dy);
     default: return dy;
     }
 }

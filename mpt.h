@@ -3841,14 +3841,31 @@ static void *mpt__thread_scratch(const mpt_context *ctx, int thread);
 static void mpt__gemm_pack(const mpt__gemm_job *job, float *dst, int w, const void *src,
                            int64_t off, int64_t ls, int64_t ks, int lanes, int64_t kc);
 
+/* A task's rectangle of C: rows [i0, i1), columns [j0, j1). */
+typedef struct mpt__task_rect {
+    int64_t i0, i1, j0, j1;
+} mpt__task_rect;
+
+/* Task `task` of the grid both CPU GEMMs (this and mpt_qgemm) cut their
+   m × n C into: tasks of task_rows × task_cols, tasks_n to a row of
+   tasks, numbered row by row; the last row and column cut at m and n. */
+static mpt__task_rect mpt__gemm_task_rect(int64_t task, int64_t tasks_n, int64_t task_rows,
+                                          int64_t task_cols, int64_t m, int64_t n) {
+    mpt__task_rect r;
+    r.i0 = (task / tasks_n) * task_rows;
+    r.j0 = (task % tasks_n) * task_cols;
+    r.i1 = MPT__MIN(m, r.i0 + task_rows);
+    r.j1 = MPT__MIN(n, r.j0 + task_cols);
+    return r;
+}
+
 static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     const mpt_gemm_desc *d = job->d;
     const int mr = job->mr, nr = job->nr;
-    const int64_t i0 = (task / job->tasks_n) * job->task_rows;
-    const int64_t j0 = (task % job->tasks_n) * job->task_cols;
-    const int64_t i1 = MPT__MIN(d->m, i0 + job->task_rows);
-    const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
+    const mpt__task_rect r = mpt__gemm_task_rect(task, job->tasks_n, job->task_rows,
+                                                 job->task_cols, d->m, d->n);
+    const int64_t i0 = r.i0, i1 = r.i1, j0 = r.j0, j1 = r.j1;
     /* Scratch: the B block (kc × nc), then one A panel (kc × mr). */
     float *bpack = (float *)mpt__thread_scratch(job->ctx, thread);
     float *apack = bpack + job->kc * job->nc;
@@ -21404,10 +21421,9 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
     const mpt_qgemm_desc *d = job->d;
     const int mr = job->mr, nr = job->nr;
-    const int64_t i0 = (task / job->tasks_n) * job->task_rows;
-    const int64_t j0 = (task % job->tasks_n) * job->task_cols;
-    const int64_t i1 = MPT__MIN(d->m, i0 + job->task_rows);
-    const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
+    const mpt__task_rect r = mpt__gemm_task_rect(task, job->tasks_n, job->task_rows,
+                                                 job->task_cols, d->m, d->n);
+    const int64_t i0 = r.i0, i1 = r.i1, j0 = r.j0, j1 = r.j1;
     uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
     int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
     const uint8_t *rows[12];

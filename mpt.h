@@ -3852,14 +3852,31 @@ static void *mpt__thread_scratch(const mpt_context *ctx, int thread);
 static void mpt__gemm_pack(const mpt__gemm_job *job, float *dst, int w, const void *src,
                            int64_t off, int64_t ls, int64_t ks, int lanes, int64_t kc);
 
+/* A task's rectangle of C: rows [i0, i1), columns [j0, j1). */
+typedef struct mpt__task_rect {
+    int64_t i0, i1, j0, j1;
+} mpt__task_rect;
+
+/* Task `task` of the grid both CPU GEMMs (this and mpt_qgemm) cut their
+   m × n C into: tasks of task_rows × task_cols, tasks_n to a row of
+   tasks, numbered row by row; the last row and column cut at m and n. */
+static mpt__task_rect mpt__gemm_task_rect(int64_t task, int64_t tasks_n, int64_t task_rows,
+                                          int64_t task_cols, int64_t m, int64_t n) {
+    mpt__task_rect r;
+    r.i0 = (task / tasks_n) * task_rows;
+    r.j0 = (task % tasks_n) * task_cols;
+    r.i1 = MPT__MIN(m, r.i0 + task_rows);
+    r.j1 = MPT__MIN(n, r.j0 + task_cols);
+    return r;
+}
+
 static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     const mpt_gemm_desc *d = job->d;
     const int mr = job->mr, nr = job->nr;
-    const int64_t i0 = (task / job->tasks_n) * job->task_rows;
-    const int64_t j0 = (task % job->tasks_n) * job->task_cols;
-    const int64_t i1 = MPT__MIN(d->m, i0 + job->task_rows);
-    const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
+    const mpt__task_rect r = mpt__gemm_task_rect(task, job->tasks_n, job->task_rows,
+                                                 job->task_cols, d->m, d->n);
+    const int64_t i0 = r.i0, i1 = r.i1, j0 = r.j0, j1 = r.j1;
     /* Scratch: the B block (kc × nc), then one A panel (kc × mr). */
     float *bpack = (float *)mpt__thread_scratch(job->ctx, thread);
     float *apack = bpack + job->kc * job->nc;
@@ -17854,9 +17871,70 @@ static void mpt__gemm_kernel_scalar(int64_t kc, const void *av, const void *bv, 
     }
 }
 
-/* Row lists for the register-blocked kernels: X(row) for each row. */
+/* Row lists for the register-blocked kernels: X(row) for each row; the
+   _WITH forms hand their further arguments on, X(row, ...). */
 #define MPT__ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define MPT__ROWS12(X) MPT__ROWS6(X) X(6) X(7) X(8) X(9) X(10) X(11)
+#define MPT__ROWS6_WITH(X, ...)                                                               \
+    X(0, __VA_ARGS__) X(1, __VA_ARGS__) X(2, __VA_ARGS__) X(3, __VA_ARGS__) X(4, __VA_ARGS__) \
+    X(5, __VA_ARGS__)
+#define MPT__ROWS12_WITH(X, ...)                                                              \
+    MPT__ROWS6_WITH(X, __VA_ARGS__) X(6, __VA_ARGS__) X(7, __VA_ARGS__) X(8, __VA_ARGS__)     \
+    X(9, __VA_ARGS__) X(10, __VA_ARGS__) X(11, __VA_ARGS__)
+
+/* -----------------------------------------------------------------------------
+   The register block, written once for every kernel that keeps a rows × 2
+   vectors tile of sums in registers (these GEMMs, the int8 GEMM's, the
+   direct convolution's and the kernel gradient's tiles): accumulators
+   c<row>0 and c<row>1, each depth step one broadcast of the row's A value
+   (ai) times one or two vectors of B (b0, b1).
+   ----------------------------------------------------------------------------- */
+
+/* Row i's part of one depth step: ai = x (row i's A value, broadcast),
+   then c<i>0 += ai·v0 and, in the two-vector form, c<i>1 += ai·v1, by
+   mac(acc, a, b): one of the MPT__MAC_* (each puts the accumulator where
+   its instruction takes it). */
+#define MPT__RB_STEP1(i, x, mac, v0) \
+    ai = (x);                        \
+    c##i##0 = mac(c##i##0, ai, v0);
+#define MPT__RB_STEP2(i, x, mac, v0, v1) \
+    MPT__RB_STEP1(i, x, mac, v0)         \
+    c##i##1 = mac(c##i##1, ai, v1);
+
+#define MPT__MAC_FMA256(acc, a, b) _mm256_fmadd_ps(a, b, acc)
+#define MPT__MAC_FMA512(acc, a, b) _mm512_fmadd_ps(a, b, acc)
+/* bfloat16 pairs: a[k]·b[k] + a[k+1]·b[k+1] into each float32 lane, with
+   A's pair (k, k+1), the 32 bits x, broadcast by MPT__BF16_PAIR. */
+#define MPT__MAC_BF16(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
+#define MPT__BF16_PAIR(x) ((__m512bh)_mm512_set1_epi32((int)(x)))
+
+/* The register block's accumulators, zeroed, and its depth loop, in the
+   kernel's own names: B's panel b, bw columns wide, and A's values a_of(i)
+   for row i at the current step. rows: MPT__ROWS6 or MPT__ROWS12; acc_t:
+   the accumulators' vector of 32-bit lanes, zero its zero; d counts the
+   steps; next_a moves A on a step. A step loads B's two vectors (b0, b1:
+   vec_t by load_b) when the panel fills two accumulators, else one, and
+   moves b past them. A macro, so that the accumulators stay in registers
+   and every intrinsic is inline in the kernel's target. */
+#define MPT__RB_LOOP(rows, acc_t, zero, d, steps, next_a, vec_t, load_b, a_of, mac)         \
+    rows##_WITH(MPT__RB_ZERO, acc_t, zero)                                                  \
+    if (bw == 2 * MPT__RB_LANES(acc_t)) {                                                   \
+        for (d = 0; d < (steps); d++, next_a, b += 2 * MPT__RB_VEC(acc_t)) {                \
+            vec_t b0 = load_b(b), b1 = load_b(b + MPT__RB_VEC(acc_t)), ai;                  \
+            rows##_WITH(MPT__RB_STEP2_AT, a_of, mac)                                        \
+        }                                                                                   \
+    } else {                                                                                \
+        for (d = 0; d < (steps); d++, next_a, b += MPT__RB_VEC(acc_t)) {                    \
+            vec_t b0 = load_b(b), ai;                                                       \
+            rows##_WITH(MPT__RB_STEP1_AT, a_of, mac)                                        \
+        }                                                                                   \
+    }
+#define MPT__RB_ZERO(i, acc_t, zero) acc_t c##i##0 = zero, c##i##1 = zero;
+#define MPT__RB_STEP1_AT(i, a_of, mac) MPT__RB_STEP1(i, a_of(i), mac, b0)
+#define MPT__RB_STEP2_AT(i, a_of, mac) MPT__RB_STEP2(i, a_of(i), mac, b0, b1)
+/* An accumulator's lanes (float32 or int32), and B's elements a vector. */
+#define MPT__RB_LANES(acc_t) ((int)(sizeof(acc_t) / 4))
+#define MPT__RB_VEC(acc_t) ((int64_t)(sizeof(acc_t) / sizeof *b))
 
 #if MPT__X86
 
@@ -17877,6 +17955,15 @@ MPT__TARGET_AVX2 static inline __m256i mpt__gemm_mask_avx2(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* Row i of the tile through the epilogue into C: its first `lanes`
+   columns by store (the width's mpt__gemm_store_*), the rest where n
+   reaches them. */
+#define MPT__GEMM_STORE_ROW(i, store, lanes)                                          \
+    if (i < m) {                                                                      \
+        store(c + i * ldc, c##i##0, k0, bias0, e);                                    \
+        if (n > lanes) store(c + i * ldc + lanes, c##i##1, k1, bias1, e);             \
+    }
+
 MPT__TARGET_AVX2 static void mpt__gemm_kernel_avx2(int64_t kc, const void *av, const void *bv,
                                                    int bw, float *c, int64_t ldc, int m, int n,
                                                    const mpt__gemm_epi *e) {
@@ -17884,36 +17971,11 @@ MPT__TARGET_AVX2 static void mpt__gemm_kernel_avx2(int64_t kc, const void *av, c
     const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 8 : NULL;
     __m256i k0 = mpt__gemm_mask_avx2(n), k1 = mpt__gemm_mask_avx2(n - 8);
     int64_t p;
-#define MPT__D(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
-    MPT__ROWS6(MPT__D)
-#undef MPT__D
-    if (bw == 16) {
-        for (p = 0; p < kc; p++, a += 6, b += 16) {
-            __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), ai;
-#define MPT__F(i)                                  \
-    ai = _mm256_broadcast_ss(a + i);               \
-    c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm256_fmadd_ps(ai, b1, c##i##1);
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (p = 0; p < kc; p++, a += 6, b += 8) {
-            __m256 b0 = _mm256_load_ps(b), ai;
-#define MPT__F(i)                                  \
-    ai = _mm256_broadcast_ss(a + i);               \
-    c##i##0 = _mm256_fmadd_ps(ai, b0, c##i##0);
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    }
-#define MPT__S(i)                                                              \
-    if (i < m) {                                                               \
-        mpt__gemm_store_avx2(c + i * ldc, c##i##0, k0, bias0, e);              \
-        if (n > 8) mpt__gemm_store_avx2(c + i * ldc + 8, c##i##1, k1, bias1, e); \
-    }
-    MPT__ROWS6(MPT__S)
-#undef MPT__S
+#define MPT__A(i) _mm256_broadcast_ss(a + i)
+    MPT__RB_LOOP(MPT__ROWS6, __m256, _mm256_setzero_ps(), p, kc, a += 6, __m256,
+                 _mm256_load_ps, MPT__A, MPT__MAC_FMA256)
+#undef MPT__A
+    MPT__ROWS6_WITH(MPT__GEMM_STORE_ROW, mpt__gemm_store_avx2, 8)
 }
 
 MPT__TARGET_AVX512 static inline void mpt__gemm_store_avx512(float *c, __m512 acc,
@@ -17928,12 +17990,6 @@ MPT__TARGET_AVX512 static inline void mpt__gemm_store_avx512(float *c, __m512 ac
     _mm512_mask_storeu_ps(c, mask, v);
 }
 
-#define MPT__STORE512(i)                                                           \
-    if (i < m) {                                                                   \
-        mpt__gemm_store_avx512(c + i * ldc, c##i##0, k0, bias0, e);                \
-        if (n > 16) mpt__gemm_store_avx512(c + i * ldc + 16, c##i##1, k1, bias1, e); \
-    }
-
 MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512(int64_t kc, const void *av,
                                                        const void *bv, int bw, float *c,
                                                        int64_t ldc, int m, int n,
@@ -17942,34 +17998,16 @@ MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512(int64_t kc, const void *a
     const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;
     __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);
     int64_t p;
-#define MPT__D(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (p = 0; p < kc; p++, a += 12, b += 32) {
-            __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16), ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(a[i]);                     \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (p = 0; p < kc; p++, a += 12, b += 16) {
-            __m512 b0 = _mm512_load_ps(b), ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(a[i]);                     \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__STORE512)
+#define MPT__A(i) _mm512_set1_ps(a[i])
+    MPT__RB_LOOP(MPT__ROWS12, __m512, _mm512_setzero_ps(), p, kc, a += 12, __m512,
+                 _mm512_load_ps, MPT__A, MPT__MAC_FMA512)
+#undef MPT__A
+    MPT__ROWS12_WITH(MPT__GEMM_STORE_ROW, mpt__gemm_store_avx512, 16)
 }
 
 /* bfloat16 pairs: each 32-bit lane of A and B holds (k, k+1); one
    vdpbf16ps adds a[k]·b[k] + a[k+1]·b[k+1] to each float32 lane. */
+#define MPT__LOAD_BF16_PAIRS(p) ((__m512bh)_mm512_load_si512(p))
 MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, const void *av,
                                                                  const void *bv, int bw,
                                                                  float *c, int64_t ldc, int m,
@@ -17979,34 +18017,14 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
     const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;
     __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);
     int64_t p, npairs = (kc + 1) / 2;
-#define MPT__D(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (p = 0; p < npairs; p++, a += 12, b += 32) {
-            __m512bh b0 = (__m512bh)_mm512_load_si512(b);
-            __m512bh b1 = (__m512bh)_mm512_load_si512(b + 16);
-            __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
-    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (p = 0; p < npairs; p++, a += 12, b += 16) {
-            __m512bh b0 = (__m512bh)_mm512_load_si512(b), ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__STORE512)
+#define MPT__A(i) MPT__BF16_PAIR(a[i])
+    MPT__RB_LOOP(MPT__ROWS12, __m512, _mm512_setzero_ps(), p, npairs, a += 12, __m512bh,
+                 MPT__LOAD_BF16_PAIRS, MPT__A, MPT__MAC_BF16)
+#undef MPT__A
+    MPT__ROWS12_WITH(MPT__GEMM_STORE_ROW, mpt__gemm_store_avx512, 16)
 }
-#undef MPT__STORE512
+#undef MPT__LOAD_BF16_PAIRS
+#undef MPT__GEMM_STORE_ROW
 
 #endif /* MPT__X86 */
 
@@ -18523,19 +18541,14 @@ MPT__TARGET_AVX512 static void mpt__dconv_tile_f32(const mpt__dconv_job *j,
                 for (; c < stop; c++, wr += oc) {
                     __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
                     __m512 ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(s##i[c]);                  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+#define MPT__F(i) MPT__RB_STEP2(i, _mm512_set1_ps(s##i[c]), MPT__MAC_FMA512, b0, b1)
                     MPT__ROWS12(MPT__F)
 #undef MPT__F
                 }
             } else {
                 for (; c < stop; c++, wr += oc) {
                     __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(s##i[c]);                  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
+#define MPT__F(i) MPT__RB_STEP1(i, _mm512_set1_ps(s##i[c]), MPT__MAC_FMA512, b0)
                     MPT__ROWS12(MPT__F)
 #undef MPT__F
                 }
@@ -18571,10 +18584,7 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_tile_bf16(const mpt__dconv_job *j
                     __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
                     __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, wr + 16);
                     __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
-    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+#define MPT__F(i) MPT__RB_STEP2(i, MPT__BF16_PAIR(s##i[q]), MPT__MAC_BF16, b0, b1)
                     MPT__ROWS12(MPT__F)
 #undef MPT__F
                 }
@@ -18582,9 +18592,7 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_tile_bf16(const mpt__dconv_job *j
                 for (; q < stop / 2; q++, wr += oc) {
                     __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, wr);
                     __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)s##i[q]);          \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);
+#define MPT__F(i) MPT__RB_STEP1(i, MPT__BF16_PAIR(s##i[q]), MPT__MAC_BF16, b0)
                     MPT__ROWS12(MPT__F)
 #undef MPT__F
                 }
@@ -18740,10 +18748,7 @@ MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, co
         for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
             __m512 ai;
-#define MPT__F(i)                                  \
-    ai = _mm512_set1_ps(a[i]);                     \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
+#define MPT__F(i) MPT__RB_STEP2(i, _mm512_set1_ps(a[i]), MPT__MAC_FMA512, b0, b1)
             MPT__ROWS12(MPT__F)
 #undef MPT__F
         }
@@ -18772,10 +18777,7 @@ MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job 
             const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
             const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, w + 16);
             __m512bh ai;
-#define MPT__F(i)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)a[i]);             \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);             \
-    c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);
+#define MPT__F(i) MPT__RB_STEP2(i, MPT__BF16_PAIR(a[i]), MPT__MAC_BF16, b0, b1)
             MPT__ROWS12(MPT__F)
 #undef MPT__F
         }
@@ -20083,10 +20085,7 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
                     d0 = _mm512_maskz_loadu_ps(k0, (const float *)a->dz + dst);
                     d1 = _mm512_maskz_loadu_ps(k1, (const float *)a->dz + dst + 16);
                 }
-#define MPT__F(r)                                  \
-    ai = _mm512_set1_ps(chans[r]);                 \
-    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
-    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
+#define MPT__F(r) MPT__RB_STEP2(r, _mm512_set1_ps(chans[r]), MPT__MAC_FMA512, d0, d1)
                 MPT__ROWS12(MPT__F)
 #undef MPT__F
             }
@@ -20120,10 +20119,7 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_
     b0 = (__m512bh)mpt__bf16_interleave_avx512(k0, dz0, q0, dz1);                           \
     b1 = (__m512bh)mpt__bf16_interleave_avx512(k1, dz0 + 16, q1, (dz1) + 16);               \
     MPT__ROWS12(MPT__F)
-#define MPT__F(r)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)chans[r]);         \
-    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, b0);             \
-    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, b1);
+#define MPT__F(r) MPT__RB_STEP2(r, MPT__BF16_PAIR(chans[r]), MPT__MAC_BF16, b0, b1)
     for (b = 0; b < a->n; b++)
         for (oy = 0; oy < g->oh; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
@@ -20181,10 +20177,7 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_
                 const __m512 d0 = _mm512_maskz_loadu_ps(k0, ds);
                 const __m512 d1 = _mm512_maskz_loadu_ps(k1, ds + 16);
                 __m512 ai;
-#define MPT__F(r)                                  \
-    ai = _mm512_set1_ps(xs[r]);                    \
-    c##r##0 = _mm512_fmadd_ps(ai, d0, c##r##0);    \
-    c##r##1 = _mm512_fmadd_ps(ai, d1, c##r##1);
+#define MPT__F(r) MPT__RB_STEP2(r, _mm512_set1_ps(xs[r]), MPT__MAC_FMA512, d0, d1)
                 MPT__ROWS8(MPT__F)
 #undef MPT__F
             }
@@ -20307,10 +20300,7 @@ MPT__TARGET_AVX512_BF16 static void mpt__kgrad_pairs_tile(const mpt__kgrad_pairs
             const __m512bh d0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, ds);
             const __m512bh d1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, ds + 16);
             __m512bh ai;
-#define MPT__F(r)                                            \
-    ai = (__m512bh)_mm512_set1_epi32((int)xs[r]);            \
-    c##r##0 = _mm512_dpbf16_ps(c##r##0, ai, d0);             \
-    c##r##1 = _mm512_dpbf16_ps(c##r##1, ai, d1);
+#define MPT__F(r) MPT__RB_STEP2(r, MPT__BF16_PAIR(xs[r]), MPT__MAC_BF16, d0, d1)
             MPT__ROWS8(MPT__F)
 #undef MPT__F
         }
@@ -21261,108 +21251,48 @@ static inline int32_t mpt__qgemm_group(const uint8_t *p) {
     return v;
 }
 
+/* The int8 kernels' register block (MPT__RB_LOOP): int32 sums, B's
+   vectors loaded unaligned (packed panels are byte arrays). */
+#define MPT__MAC_MADD256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#define MPT__MAC_MADD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#define MPT__MAC_VNNI(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
+#define MPT__LOAD_256I(p) _mm256_loadu_si256((const __m256i *)(p))
+/* Row i's group at the current step, from the packed panel a (MR groups a step). */
+#define MPT__QGEMM_A256(i) _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i))
+#define MPT__QGEMM_A512(i) _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i))
+/* Row i of the tile (2·lanes int32 a row): its two accumulators stored
+   by store, a vec_t at a time. */
+#define MPT__QGEMM_STORE_ROW(i, store, vec_t, lanes)                       \
+    store((vec_t *)(tile + 2 * lanes * i), c##i##0);                       \
+    store((vec_t *)(tile + 2 * lanes * i + lanes), c##i##1);
+
 /* AVX2: 6×16, groups of 2 int16; vpmaddwd gives a[k]·b[k] + a[k+1]·b[k+1]
    per 32-bit lane. */
 MPT__TARGET_AVX2 static void mpt__qgemm_kernel_avx2(int64_t kg, const uint8_t *a,
                                                     const uint8_t *b, int bw, int32_t *tile) {
     int64_t g;
-#define MPT__D(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = _mm256_setzero_si256();
-    MPT__ROWS6(MPT__D)
-#undef MPT__D
-    if (bw == 16) {
-        for (g = 0; g < kg; g++, a += 24, b += 64) {
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
-            __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 32)), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));        \
-    c##i##1 = _mm256_add_epi32(c##i##1, _mm256_madd_epi16(ai, b1));
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, a += 24, b += 32) {
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)b), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm256_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(ai, b0));
-            MPT__ROWS6(MPT__F)
-#undef MPT__F
-        }
-    }
-#define MPT__S(i)                                                          \
-    _mm256_storeu_si256((__m256i *)(tile + 16 * i), c##i##0);              \
-    _mm256_storeu_si256((__m256i *)(tile + 16 * i + 8), c##i##1);
-    MPT__ROWS6(MPT__S)
-#undef MPT__S
+    MPT__RB_LOOP(MPT__ROWS6, __m256i, _mm256_setzero_si256(), g, kg, a += 24, __m256i,
+                 MPT__LOAD_256I, MPT__QGEMM_A256, MPT__MAC_MADD256)
+    MPT__ROWS6_WITH(MPT__QGEMM_STORE_ROW, _mm256_storeu_si256, __m256i, 8)
 }
 
-#define MPT__QGEMM_STORE512(i)                                             \
-    _mm512_storeu_si512(tile + 32 * i, c##i##0);                           \
-    _mm512_storeu_si512(tile + 32 * i + 16, c##i##1);
-
-/* AVX-512 without VNNI: 12×32, groups of 2 int16, vpmaddwd as in AVX2. */
-MPT__TARGET_AVX512 static void mpt__qgemm_kernel_avx512(int64_t kg, const uint8_t *a,
-                                                        const uint8_t *b, int bw, int32_t *tile) {
-    int64_t g;
-#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (g = 0; g < kg; g++, a += 48, b += 128) {
-            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));        \
-    c##i##1 = _mm512_add_epi32(c##i##1, _mm512_madd_epi16(ai, b1));
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, a += 48, b += 64) {
-            __m512i b0 = _mm512_loadu_si512(b), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_add_epi32(c##i##0, _mm512_madd_epi16(ai, b0));
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
+/* The AVX-512 kernels, 12×32, alike but for the instruction (mac) that
+   multiplies a group in; the groups are as packed for it. */
+#define MPT__QGEMM_KERNEL512(name, target, mac)                                                \
+    target static void name(int64_t kg, const uint8_t *a, const uint8_t *b, int bw,            \
+                            int32_t *tile) {                                                   \
+        int64_t g;                                                                             \
+        MPT__RB_LOOP(MPT__ROWS12, __m512i, _mm512_setzero_si512(), g, kg, a += 48, __m512i,    \
+                     _mm512_loadu_si512, MPT__QGEMM_A512, mac)                                 \
+        MPT__ROWS12_WITH(MPT__QGEMM_STORE_ROW, _mm512_storeu_si512, void, 16)                  \
     }
-    MPT__ROWS12(MPT__QGEMM_STORE512)
-}
-
-/* AVX-512 VNNI: 12×32, groups of 4 bytes; vpdpbusd adds four u8·s8
-   products to each int32 lane (without saturation): u = A + 128 times B,
-   whose zero points the epilogue takes out (ZERO POINTS above). */
-MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni(int64_t kg, const uint8_t *a,
-                                                           const uint8_t *b, int bw,
-                                                           int32_t *tile) {
-    int64_t g;
-#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (g = 0; g < kg; g++, a += 48, b += 128) {
-            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                        \
-    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, a += 48, b += 64) {
-            __m512i b0 = _mm512_loadu_si512(b), ai;
-#define MPT__F(i)                                                          \
-    ai = _mm512_set1_epi32(mpt__qgemm_group(a + 4 * i));                   \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__QGEMM_STORE512)
-}
+/* Without VNNI: groups of 2 int16, vpmaddwd as in AVX2. */
+MPT__QGEMM_KERNEL512(mpt__qgemm_kernel_avx512, MPT__TARGET_AVX512, MPT__MAC_MADD512)
+/* VNNI: groups of 4 bytes; vpdpbusd adds four u8·s8 products to each
+   int32 lane (without saturation): u = A + 128 times B, whose zero points
+   the epilogue takes out (ZERO POINTS above). */
+MPT__QGEMM_KERNEL512(mpt__qgemm_kernel_vnni, MPT__TARGET_AVX512_VNNI, MPT__MAC_VNNI)
+#undef MPT__QGEMM_KERNEL512
 
 /* AVX-512 VNNI reading A's rows where they lie (K ≥ 4). Row i's group g
    is the 4 bytes at rows[i] + 4g flipped to u as packing flips them, by
@@ -21376,32 +21306,19 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
                                                                 int bw, int32_t *tile) {
     const __m512i flip64 = _mm512_set1_epi8((char)flip);
     int64_t g;
-#define MPT__D(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = _mm512_setzero_si512();
-    MPT__ROWS12(MPT__D)
-#undef MPT__D
-    if (bw == 32) {
-        for (g = 0; g < kg; g++, b += 128) {
-            __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), ai;
-#define MPT__F(i)                                                                    \
-    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);                                  \
-    c##i##1 = _mm512_dpbusd_epi32(c##i##1, ai, b1);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    } else {
-        for (g = 0; g < kg; g++, b += 64) {
-            __m512i b0 = _mm512_loadu_si512(b), ai;
-#define MPT__F(i)                                                                    \
-    ai = _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64); \
-    c##i##0 = _mm512_dpbusd_epi32(c##i##0, ai, b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
-        }
-    }
-    MPT__ROWS12(MPT__QGEMM_STORE512)
+#define MPT__A(i) _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64)
+    MPT__RB_LOOP(MPT__ROWS12, __m512i, _mm512_setzero_si512(), g, kg, (void)0, __m512i,
+                 _mm512_loadu_si512, MPT__A, MPT__MAC_VNNI)
+#undef MPT__A
+    MPT__ROWS12_WITH(MPT__QGEMM_STORE_ROW, _mm512_storeu_si512, void, 16)
 }
-#undef MPT__QGEMM_STORE512
+#undef MPT__MAC_MADD256
+#undef MPT__MAC_MADD512
+#undef MPT__MAC_VNNI
+#undef MPT__LOAD_256I
+#undef MPT__QGEMM_A256
+#undef MPT__QGEMM_A512
+#undef MPT__QGEMM_STORE_ROW
 #endif /* MPT__X86 */
 
 /* -----------------------------------------------------------------------------
@@ -21412,10 +21329,9 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
     const mpt_qgemm_desc *d = job->d;
     const int mr = job->mr, nr = job->nr;
-    const int64_t i0 = (task / job->tasks_n) * job->task_rows;
-    const int64_t j0 = (task % job->tasks_n) * job->task_cols;
-    const int64_t i1 = MPT__MIN(d->m, i0 + job->task_rows);
-    const int64_t j1 = MPT__MIN(d->n, j0 + job->task_cols);
+    const mpt__task_rect r = mpt__gemm_task_rect(task, job->tasks_n, job->task_rows,
+                                                 job->task_cols, d->m, d->n);
+    const int64_t i0 = r.i0, i1 = r.i1, j0 = r.j0, j1 = r.j1;
     uint8_t *apack = (uint8_t *)mpt__thread_scratch(job->ctx, thread); /* kg × mr groups */
     int32_t tile[12 * 32], rowsum[12];                                   /* MR×NR, MR     */
     const uint8_t *rows[12];

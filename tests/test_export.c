@@ -895,101 +895,6 @@ static mpt_model *quantize_full_integer(mpt_model *m, mpt_dtype io) {
     return qm;
 }
 
-/* One model quantized to full integer with io float32, uint8 or int8, exported,
-   run in LiteRT and compared with mpt_model_quantized_invoke in steps of
-   the output's scale: TFLite's kernels requantize with the same integer
-   multipliers, but round some sums (average pooling, softmax's and the
-   activations' tables) their own way, so an output may be one step off;
-   within one step on >= 99 % of the elements, top-1 the same on >= 99.5 %
-   of the samples (LiteRT's top class one of mpt.h's: the random models'
-   outputs tie often at softmax's 1/256). */
-static void litert_matches(mpt_model *qm, mpt_dtype io, const char *name);
-
-static void check_full_integer(arch a, mpt_dtype io) {
-    char name[64];
-    mpt_model *m, *qm = NULL;
-    int64_t k;
-    snprintf(name, sizeof name, "export_full_integer_%s_%s_io", arch_name(a), mpt_dtype_name(io));
-    test__begin();
-    test_seed(300 + 3 * a + (io == MPT_UINT8) + 2 * (io == MPT_INT8));
-    m = make_model(a, 0);
-    if (!test_python_imports("numpy, ai_edge_litert.interpreter") || !m) {
-        mpt_model_destroy(m);
-        test__end("%s", name);
-        return;
-    }
-    randomize(m);
-    for (k = 0; k < Q_SAMPLES * SAMPLE; k++) {
-        xq_host[k] = (float)test_uniform(0, 1);
-        xq_codes[k] = (uint8_t)(test_uniform(0, 256));
-    }
-    qm = quantize_full_integer(m, io);
-    if (qm) litert_matches(qm, io, name);
-    mpt_model_destroy(qm);
-    mpt_model_destroy(m);
-    test__end("%s", name);
-}
-
-/* qm (io dtype io) exported as name.tflite, run in LiteRT on the Q_SAMPLES
-   inputs in xq_host (float32 io) or xq_codes and compared with qm's own
-   outputs as check_full_integer says. */
-static void litert_matches(mpt_model *qm, mpt_dtype io, const char *name) {
-    char x_path[256], tfl[256], script[256], out[256], cmd[1400];
-    mpt_quantized_info info;
-    float *want = NULL, *got = NULL;
-    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
-    double worst = 0, step;
-    FILE *f;
-    mpt_model_quantized_info(qm, &info);
-    step = io == MPT_FLOAT32 ? (double)info.output.scale : 1.0;
-    want = quantized_outputs(qm, io, &per_sample);
-    count = per_sample * Q_SAMPLES;
-    snprintf(tfl, sizeof tfl, "%s/%s.tflite", dir, name);
-    CHECK(mpt_model_export_tflite(qm, tfl, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
-    f = fopen(path_of(x_path, "xq.bin"), "wb");
-    if (!want || !f || !write_quantized_script(script)) {
-        if (f) fclose(f);
-        CHECK(0, "cannot write %s", x_path);
-        goto done;
-    }
-    if (io == MPT_FLOAT32) fwrite(xq_host, sizeof(float), Q_SAMPLES * SAMPLE, f);
-    else fwrite(xq_codes, 1, sizeof xq_codes, f);
-    fclose(f);
-    path_of(out, "yq.bin");
-    remove(out);
-    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s %s", test_python(), script, tfl, x_path,
-             Q_SAMPLES, out, mpt_dtype_name(io));
-    if (system(cmd) != 0) {
-        CHECK(0, "LiteRT failed on %s (%s)", tfl, cmd);
-        goto done;
-    }
-    got = (float *)malloc(sizeof(float) * (size_t)count + 4);
-    f = fopen(out, "rb");
-    CHECK(got && f && (int64_t)fread(got, sizeof(float), (size_t)count + 1, f) == count,
-          "%s: LiteRT's outputs", name);
-    if (f) fclose(f);
-    if (!got) goto done;
-    for (k = 0; k < count; k++) {
-        double d = fabs((double)got[k] - (double)want[k]) / step;
-        within += d <= 1.001; /* one step, and float32's rounding of the dequantized value */
-        if (d > worst) worst = d;
-    }
-    for (i = 0; i < Q_SAMPLES; i++) { /* LiteRT's top class is one of mpt.h's (ties) */
-        const float *w = want + i * per_sample;
-        top1_same += w[argmax(got + i * per_sample, per_sample)] == w[argmax(w, per_sample)];
-    }
-    printf("# %s: LiteRT within one step of mpt.h on %lld of %lld outputs (largest %.3g steps), "
-           "top-1 the same on %lld of %d samples\n", name, (long long)within, (long long)count,
-           worst, (long long)top1_same, Q_SAMPLES);
-    CHECK(within >= 0.99 * (double)count, "%s: %lld of %lld outputs within one step", name,
-          (long long)within, (long long)count);
-    CHECK(top1_same >= 0.995 * Q_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
-          (long long)top1_same, Q_SAMPLES);
-done:
-    free(want);
-    free(got);
-}
-
 /* ---- full-integer quantized models in ONNX Runtime ---------------------------------- */
 
 /* Runs a QDQ .onnx in ONNX Runtime (after onnx.checker) on the Q_SAMPLES
@@ -1035,29 +940,107 @@ static const char *write_qdq_script(char *buf) {
     return buf;
 }
 
-/* One model quantized to full integer (float32, uint8 or int8 io)
-   exported to ONNX in the QDQ form, run in ONNX Runtime and compared with
-   mpt_model_quantized_invoke in steps of the output's scale (uint8 and
-   int8 io: in codes, the random codes of xq_codes in). ONNX Runtime
-   computes the graph either in float between the Q/DQ pairs or in its own
-   fused int8 kernels, both rounding the requantization their own way
-   (float products and sums instead of mpt.h's integer multiplier and
-   shift, its own exp, tanh and erf), so an output may be a step or two
-   off: within two steps on >= 99 % of the elements, top-1 the same on
-   >= 99.5 % of the samples (ONNX Runtime's top class one of mpt.h's, for
-   the ties at softmax's 1/256). */
-static void onnx_runtime_matches(mpt_model *qm, mpt_dtype io, const char *name);
+/* ---- full-integer quantized models in both runtimes, against mpt.h's --------------- */
 
-static void check_full_integer_onnx(arch a, mpt_dtype io) {
-    char name[64];
+/* A runtime the full-integer models are exported for and run in: the
+   format, the Python modules and script that run it, and how far (in steps
+   of the output's scale, with float32's rounding of the dequantized value)
+   its outputs may be from mpt_model_quantized_invoke's. */
+typedef struct {
+    const char *name, *ext, *imports;
+    mpt_status (*export_fn)(mpt_model *m, const char *path, const mpt_export_desc *desc);
+    const char *(*write_script)(char *buf);
+    double within;         /* steps */
+    const char *within_in; /* the same, in words */
+} runtime;
+
+/* LiteRT: TFLite's kernels requantize with the same integer multipliers,
+   but round some sums (average pooling, softmax's and the activations'
+   tables) their own way, so an output may be one step off. */
+static const runtime litert = {"LiteRT", "tflite", "numpy, ai_edge_litert.interpreter",
+                               mpt_model_export_tflite, write_quantized_script, 1.001, "one step"};
+/* ONNX Runtime, the QDQ form: it computes the graph either in float between
+   the Q/DQ pairs or in its own fused int8 kernels, both rounding the
+   requantization their own way (float products and sums instead of mpt.h's
+   integer multiplier and shift, its own exp, tanh and erf), so an output
+   may be a step or two off. */
+static const runtime onnx_runtime = {"ONNX Runtime", "onnx", "numpy, onnx, onnxruntime",
+                                     mpt_model_export_onnx, write_qdq_script, 2.001, "two steps"};
+
+/* qm (io dtype io) exported as name.EXT, run in rt on the Q_SAMPLES inputs
+   in xq_host (float32 io) or xq_codes and compared with qm's own outputs
+   (int8 and uint8 io: in codes, a step each): within rt's steps on >= 99 %
+   of the elements, top-1 the same on >= 99.5 % of the samples (the
+   runtime's top class one of mpt.h's: the random models' outputs tie often
+   at softmax's 1/256). */
+static void runtime_matches(const runtime *rt, mpt_model *qm, mpt_dtype io, const char *name) {
+    char x_path[256], model[256], script[256], out[256], cmd[1400];
+    mpt_quantized_info info;
+    float *want = NULL, *got = NULL;
+    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
+    double worst = 0, step;
+    FILE *f;
+    mpt_model_quantized_info(qm, &info);
+    step = io == MPT_FLOAT32 ? (double)info.output.scale : 1.0;
+    want = quantized_outputs(qm, io, &per_sample);
+    count = per_sample * Q_SAMPLES;
+    snprintf(model, sizeof model, "%s/%s.%s", dir, name, rt->ext);
+    CHECK(rt->export_fn(qm, model, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
+    f = fopen(path_of(x_path, "xq.bin"), "wb");
+    if (!want || !f || !rt->write_script(script)) {
+        if (f) fclose(f);
+        CHECK(0, "cannot write %s", x_path);
+        goto done;
+    }
+    if (io == MPT_FLOAT32) fwrite(xq_host, sizeof(float), Q_SAMPLES * SAMPLE, f);
+    else fwrite(xq_codes, 1, sizeof xq_codes, f);
+    fclose(f);
+    path_of(out, "yq.bin");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s %s", test_python(), script, model, x_path,
+             Q_SAMPLES, out, mpt_dtype_name(io));
+    if (system(cmd) != 0) {
+        CHECK(0, "%s failed on %s (%s)", rt->name, model, cmd);
+        goto done;
+    }
+    got = (float *)malloc(sizeof(float) * (size_t)count + 4);
+    f = fopen(out, "rb");
+    CHECK(got && f && (int64_t)fread(got, sizeof(float), (size_t)count + 1, f) == count,
+          "%s: %s's outputs", name, rt->name);
+    if (f) fclose(f);
+    if (!got) goto done;
+    for (k = 0; k < count; k++) {
+        double d = fabs((double)got[k] - (double)want[k]) / step;
+        within += d <= rt->within;
+        if (d > worst) worst = d;
+    }
+    for (i = 0; i < Q_SAMPLES; i++) { /* the runtime's top class is one of mpt.h's (ties) */
+        const float *w = want + i * per_sample;
+        top1_same += w[argmax(got + i * per_sample, per_sample)] == w[argmax(w, per_sample)];
+    }
+    printf("# %s: %s within %s of mpt.h on %lld of %lld outputs (largest %.3g steps), "
+           "top-1 the same on %lld of %d samples\n", name, rt->name, rt->within_in,
+           (long long)within, (long long)count, worst, (long long)top1_same, Q_SAMPLES);
+    CHECK(within >= 0.99 * (double)count, "%s: %lld of %lld outputs within %s", name,
+          (long long)within, (long long)count, rt->within_in);
+    CHECK(top1_same >= 0.995 * Q_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
+          (long long)top1_same, Q_SAMPLES);
+done:
+    free(want);
+    free(got);
+}
+
+/* The case name: model a (random weights) quantized to full integer with io
+   float32, uint8 or int8 on random inputs (uint8 and int8 io: the random
+   codes of xq_codes), exported and run in rt as runtime_matches says. */
+static void check_full_integer_in(const runtime *rt, const char *name, unsigned long long seed,
+                                  arch a, mpt_dtype io) {
     mpt_model *m, *qm = NULL;
     int64_t k;
-    snprintf(name, sizeof name, "export_full_integer_onnx_%s%s%s", arch_name(a),
-             io == MPT_FLOAT32 ? "" : "_", io == MPT_FLOAT32 ? "" : mpt_dtype_name(io));
     test__begin();
-    test_seed(500 + a + 17 * (io == MPT_UINT8) + 31 * (io == MPT_INT8));
+    test_seed(seed);
     m = make_model(a, 0);
-    if (!test_python_imports("numpy, onnx, onnxruntime") || !m) {
+    if (!test_python_imports(rt->imports) || !m) {
         mpt_model_destroy(m);
         test__end("%s", name);
         return;
@@ -1068,71 +1051,27 @@ static void check_full_integer_onnx(arch a, mpt_dtype io) {
         xq_codes[k] = (uint8_t)(test_uniform(0, 256));
     }
     qm = quantize_full_integer(m, io);
-    if (qm) onnx_runtime_matches(qm, io, name);
+    if (qm) runtime_matches(rt, qm, io, name);
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
     test__end("%s", name);
 }
 
-/* qm (io dtype io) exported as name.onnx, run in ONNX Runtime on the
-   Q_SAMPLES inputs in xq_host (float32 io) or xq_codes and compared with
-   qm's own outputs as check_full_integer_onnx says (int8 and uint8 io: in
-   codes, a step each). */
-static void onnx_runtime_matches(mpt_model *qm, mpt_dtype io, const char *name) {
-    char x_path[256], onnx[256], script[256], out[256], cmd[1400];
-    mpt_quantized_info info;
-    float *want = NULL, *got = NULL;
-    int64_t per_sample = 1, count, k, within = 0, top1_same = 0, i;
-    double worst = 0, step;
-    FILE *f;
-    mpt_model_quantized_info(qm, &info);
-    step = io == MPT_FLOAT32 ? (double)info.output.scale : 1.0;
-    want = quantized_outputs(qm, io, &per_sample);
-    count = per_sample * Q_SAMPLES;
-    snprintf(onnx, sizeof onnx, "%s/%s.onnx", dir, name);
-    CHECK(mpt_model_export_onnx(qm, onnx, NULL) == MPT_OK, "export: %s", mpt_context_error(ctx));
-    f = fopen(path_of(x_path, "xq.bin"), "wb");
-    if (!want || !f || !write_qdq_script(script)) {
-        if (f) fclose(f);
-        CHECK(0, "cannot write %s", x_path);
-        goto done;
-    }
-    if (io == MPT_FLOAT32) fwrite(xq_host, sizeof(float), Q_SAMPLES * SAMPLE, f);
-    else fwrite(xq_codes, 1, sizeof xq_codes, f);
-    fclose(f);
-    path_of(out, "yq.bin");
-    remove(out);
-    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s %s", test_python(), script, onnx, x_path,
-             Q_SAMPLES, out, mpt_dtype_name(io));
-    if (system(cmd) != 0) {
-        CHECK(0, "ONNX Runtime failed on %s (%s)", onnx, cmd);
-        goto done;
-    }
-    got = (float *)malloc(sizeof(float) * (size_t)count + 4);
-    f = fopen(out, "rb");
-    CHECK(got && f && (int64_t)fread(got, sizeof(float), (size_t)count + 1, f) == count,
-          "%s: ONNX Runtime's outputs", name);
-    if (f) fclose(f);
-    if (!got) goto done;
-    for (k = 0; k < count; k++) {
-        double d = fabs((double)got[k] - (double)want[k]) / step;
-        within += d <= 2.001; /* two steps, and float32's rounding of the dequantized value */
-        if (d > worst) worst = d;
-    }
-    for (i = 0; i < Q_SAMPLES; i++) {
-        const float *w = want + i * per_sample;
-        top1_same += w[argmax(got + i * per_sample, per_sample)] == w[argmax(w, per_sample)];
-    }
-    printf("# %s: ONNX Runtime within two steps of mpt.h on %lld of %lld outputs (largest %.3g "
-           "steps), top-1 the same on %lld of %d samples\n", name, (long long)within,
-           (long long)count, worst, (long long)top1_same, Q_SAMPLES);
-    CHECK(within >= 0.99 * (double)count, "%s: %lld of %lld outputs within two steps", name,
-          (long long)within, (long long)count);
-    CHECK(top1_same >= 0.995 * Q_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
-          (long long)top1_same, Q_SAMPLES);
-done:
-    free(want);
-    free(got);
+/* In LiteRT (.tflite). */
+static void check_full_integer(arch a, mpt_dtype io) {
+    char name[64];
+    snprintf(name, sizeof name, "export_full_integer_%s_%s_io", arch_name(a), mpt_dtype_name(io));
+    check_full_integer_in(&litert, name, 300 + 3 * a + (io == MPT_UINT8) + 2 * (io == MPT_INT8),
+                          a, io);
+}
+
+/* In ONNX Runtime (.onnx, the QDQ form). */
+static void check_full_integer_onnx(arch a, mpt_dtype io) {
+    char name[64];
+    snprintf(name, sizeof name, "export_full_integer_onnx_%s%s%s", arch_name(a),
+             io == MPT_FLOAT32 ? "" : "_", io == MPT_FLOAT32 ? "" : mpt_dtype_name(io));
+    check_full_integer_in(&onnx_runtime, name,
+                          500 + a + 17 * (io == MPT_UINT8) + 31 * (io == MPT_INT8), a, io);
 }
 
 /* ---- quantization-aware trained models in both runtimes ------------------------------ */
@@ -1299,8 +1238,8 @@ static void integer_io_matches(mpt_model *m, mpt_model *qm, mpt_dtype io, const 
           (long long)off, (long long)mpt_tensor_count(&y));
     mpt_tensor_free(ctx, &y);
     mpt_tensor_free(ctx, &yf);
-    litert_matches(qio, io, io_name);
-    onnx_runtime_matches(qio, io, io_name);
+    runtime_matches(&litert, qio, io, io_name);
+    runtime_matches(&onnx_runtime, qio, io, io_name);
     mpt_model_destroy(qio);
 }
 
@@ -1344,8 +1283,8 @@ static void check_quantization_aware(int cnn) {
         goto done;
     }
     matches_fake_quantized(m, qm, fresh, name);
-    litert_matches(qm, MPT_FLOAT32, name);
-    onnx_runtime_matches(qm, MPT_FLOAT32, name);
+    runtime_matches(&litert, qm, MPT_FLOAT32, name);
+    runtime_matches(&onnx_runtime, qm, MPT_FLOAT32, name);
     integer_io_matches(m, qm, MPT_UINT8, name);
     integer_io_matches(m, qm, MPT_INT8, name);
 done:

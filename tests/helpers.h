@@ -240,4 +240,20 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     return NULL;
 }
 
+/* ---- contexts on one SIMD path (test_gemm, test_qgemm, test_relu) ------------- */
+
+/* A quiet context of `threads` threads with the CPU features in
+   disable_cpu_features turned off (~0: the portable path); NULL when it
+   cannot be made. */
+static inline mpt_context *path_ctx(int threads, int disable_cpu_features) {
+    mpt_context *c = NULL;
+    mpt_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.num_threads = threads;
+    d.disable_cpu_features = disable_cpu_features;
+    d.logger.fn = quiet_logger;
+    if (mpt_context_create(&d, &c) != MPT_OK) return NULL;
+    return c;
+}
+
 #endif

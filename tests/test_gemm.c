@@ -16,40 +16,13 @@
    8 ulps of the result and of the input for the float32 erff/expf/tanhf. */
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-#include "test.h"
-
-static void quiet_logger(void *user, mpt_log_level level, const char *message) {
-    (void)user;
-    (void)level;
-    (void)message;
-}
-
-static mpt_context *make_ctx(int threads, int disable) {
-    mpt_context *ctx = NULL;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = threads;
-    d.disable_cpu_features = disable;
-    d.logger.fn = quiet_logger;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return NULL;
-    return ctx;
-}
+#include "helpers.h"
 
 static const char *path_name(int cpu) {
     if (cpu & MPT_CPU_AVX512_BF16) return "avx512bf16";
     if (cpu & MPT_CPU_AVX512) return "avx512";
     if (cpu & MPT_CPU_AVX2) return "avx2";
     return "scalar";
-}
-
-static double act_ref(mpt_activation act, double x) {
-    switch (act) {
-    case MPT_ACT_RELU: return x > 0 ? x : 0;
-    case MPT_ACT_GELU: return 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
-    case MPT_ACT_SIGMOID: return 1.0 / (1.0 + exp(-x));
-    case MPT_ACT_TANH: return tanh(x);
-    default: return x;
-    }
 }
 
 /* Random matrix of rows × ld elements in dtype; vals receives the values
@@ -158,7 +131,7 @@ static void run_case(mpt_context *ctx, const gemm_case *g, float **c_out) {
                 x += bias[j];
                 mag += fabs(bias[j]);
             }
-            want = act_ref(g->act, x);
+            want = ref_act(g->act, x);
             tol = 2.0 * (double)(k + 2) * ldexp(1.0, -24) * mag;
             if (g->act != MPT_ACT_NONE)
                 tol = 1.2 * tol + 8 * ldexp(1.0, -24) * (fabs(want) + fabs(x)) + 1e-30;
@@ -207,7 +180,7 @@ static void test_random_shapes(void) {
     static const mpt_dtype dts[] = {MPT_DTYPE_DEFAULT, MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
     int pi, rep;
     for (pi = 0; pi < N_PATHS; pi++) {
-        mpt_context *ctx = make_ctx(2, paths[pi].disable);
+        mpt_context *ctx = path_ctx(2, paths[pi].disable);
         int have = ctx && (mpt_context_cpu_features(ctx) & paths[pi].needs) == paths[pi].needs;
         int di;
         for (di = 0; di < 4; di++) {
@@ -255,7 +228,7 @@ static void test_large_shapes(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
     int pi, si, di;
     for (pi = 0; pi < N_PATHS; pi++) {
-        mpt_context *ctx = make_ctx(2, paths[pi].disable);
+        mpt_context *ctx = path_ctx(2, paths[pi].disable);
         int have = ctx && (mpt_context_cpu_features(ctx) & paths[pi].needs) == paths[pi].needs;
         if (pi == 3) { /* f16c off only changes the float16 packing; covered above */
             mpt_context_destroy(ctx);
@@ -294,7 +267,7 @@ static void test_epilogue(void) {
                                           MPT_ACT_SIGMOID, MPT_ACT_TANH};
     int pi, ai;
     for (pi = 0; pi < N_PATHS; pi += N_PATHS - 1) {
-        mpt_context *ctx = make_ctx(2, paths[pi].disable);
+        mpt_context *ctx = path_ctx(2, paths[pi].disable);
         for (ai = 0; ai < 5; ai++) {
             int rep;
             test__begin();
@@ -327,15 +300,10 @@ static void test_epilogue(void) {
 }
 
 static void test_empty(void) {
-    mpt_context *ctx = make_ctx(2, 0);
+    mpt_context *ctx = path_ctx(2, 0);
     float c[4] = {1, 2, 3, 4};
     mpt_gemm_desc d;
-    memset(&d, 0, sizeof d);
-    d.m = 0;
-    d.n = 2;
-    d.k = 3;
-    d.c = c;
-    d.ldc = 2;
+    d = (mpt_gemm_desc){.m = 0, .n = 2, .k = 3, .c = c, .ldc = 2};
     CHECK(mpt_gemm(ctx, &d) == MPT_OK, "m = 0: %s", mpt_context_error(ctx));
     d.m = 2;
     d.n = 0;
@@ -357,7 +325,7 @@ static void test_determinism(void) {
         mpt_context *ctx[3];
         int have;
         if (pi == 3) continue;
-        for (t = 0; t < 3; t++) ctx[t] = make_ctx(t + 1, paths[pi].disable);
+        for (t = 0; t < 3; t++) ctx[t] = path_ctx(t + 1, paths[pi].disable);
         have = ctx[0] && (mpt_context_cpu_features(ctx[0]) & paths[pi].needs) == paths[pi].needs;
         test__begin();
         if (!have) SKIP("this CPU lacks the path");
@@ -401,21 +369,13 @@ static void expect_error(mpt_context *ctx, const mpt_gemm_desc *d, mpt_status wa
 }
 
 static void test_bad_arguments(void) {
-    mpt_context *ctx = make_ctx(1, 0);
+    mpt_context *ctx = path_ctx(1, 0);
     float a[64], b[64], c[64];
     mpt_gemm_desc d, good;
     memset(a, 0, sizeof a);
     memset(b, 0, sizeof b);
-    memset(&good, 0, sizeof good);
-    good.m = 4;
-    good.n = 5;
-    good.k = 6;
-    good.a = a;
-    good.lda = 6;
-    good.b = b;
-    good.ldb = 5;
-    good.c = c;
-    good.ldc = 5;
+    good = (mpt_gemm_desc){.m = 4, .n = 5, .k = 6, .a = a, .lda = 6, .b = b, .ldb = 5,
+                           .c = c, .ldc = 5};
     CHECK(mpt_gemm(ctx, &good) == MPT_OK, "good call failed: %s", mpt_context_error(ctx));
     CHECK(mpt_gemm(NULL, &good) == MPT_ERR_INVALID_ARGUMENT, "NULL context accepted");
     CHECK(mpt_gemm(ctx, NULL) == MPT_OK, "NULL desc (the empty product) refused");

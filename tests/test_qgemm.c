@@ -12,24 +12,7 @@
    of C must keep its poison. */
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
-#include "test.h"
-
-static void quiet_logger(void *user, mpt_log_level level, const char *message) {
-    (void)user;
-    (void)level;
-    (void)message;
-}
-
-static mpt_context *make_ctx(int threads, int disable) {
-    mpt_context *ctx = NULL;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = threads;
-    d.disable_cpu_features = disable;
-    d.logger.fn = quiet_logger;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return NULL;
-    return ctx;
-}
+#include "helpers.h"
 
 static const struct {
     const char *name;
@@ -41,6 +24,11 @@ static const struct {
     {"portable", ~0, 0},
 };
 #define N_PATHS ((int)(sizeof paths / sizeof paths[0]))
+
+/* Whether ctx was made and this CPU has what path p needs. */
+static int on_path(mpt_context *ctx, int p) {
+    return ctx && (mpt_context_cpu_features(ctx) & paths[p].needs) == paths[p].needs;
+}
 
 #define POISON8 ((int8_t)0x5a)
 #define POISON32 ((int32_t)0x5a5a5a5a)
@@ -278,7 +266,7 @@ static void test_shapes(void) {
     int p, t, mi, ni, ki;
     test_seed(77);
     for (p = 0; p < N_PATHS; p++) {
-        for (t = 0; t < 2; t++) ctx[p][t] = make_ctx(t + 1, paths[p].disable);
+        for (t = 0; t < 2; t++) ctx[p][t] = path_ctx(t + 1, paths[p].disable);
         have[p] = ctx[p][0] && ctx[p][1] &&
                   (mpt_context_cpu_features(ctx[p][0]) & paths[p].needs) == paths[p].needs;
         failed[p] = 0;
@@ -345,7 +333,7 @@ static void test_large(void) {
     for (p = 0; p < N_PATHS; p++) {
         test__begin();
         for (t = 1; t <= 3; t++) {
-            mpt_context *ctx = make_ctx(t, paths[p].disable);
+            mpt_context *ctx = path_ctx(t, paths[p].disable);
             if (!ctx) {
                 CHECK(0, "context creation failed");
                 break;
@@ -390,7 +378,7 @@ static void test_quantize_multiplier(void) {
         {1e12, INT32_MAX, 30},           /* saturated, as TFLite */
         {1.0 / 4294967296.0, 1 << 30, -31}, /* 2^-32 = 0.5·2^-31, the smallest taken */
     };
-    mpt_context *ctx = make_ctx(1, 0);
+    mpt_context *ctx = path_ctx(1, 0);
     int32_t m = 0, s = 0;
     int i;
     for (i = 0; i < (int)(sizeof known / sizeof known[0]); i++) {
@@ -470,10 +458,10 @@ static void test_rounding_and_saturation(void) {
         {0, 1 << 30, INT32_MAX, -31, 0, 0, 0, 1},
         {0, -(1 << 30), INT32_MAX, -31, 0, 0, 0, 0},
     };
-    mpt_context *ctx = make_ctx(1, 0);
+    mpt_context *ctx = path_ctx(1, 0);
     int i, p;
     for (p = 0; p < N_PATHS; p++) { /* each path has its own epilogue */
-        mpt_context *pc = make_ctx(1, paths[p].disable);
+        mpt_context *pc = path_ctx(1, paths[p].disable);
         for (i = 0; pc && i < (int)(sizeof cases / sizeof cases[0]); i++) {
             int got = requant_one(pc, cases[i].a, cases[i].bias, cases[i].m, cases[i].s,
                                   cases[i].zp, cases[i].lo, cases[i].hi);
@@ -484,7 +472,7 @@ static void test_rounding_and_saturation(void) {
         mpt_context_destroy(pc);
     }
     for (p = 0; p < N_PATHS; p++) { /* int32 output: the bias add saturates, both ways */
-        mpt_context *pc = make_ctx(1, paths[p].disable);
+        mpt_context *pc = path_ctx(1, paths[p].disable);
         int8_t a = 127, b[2] = {127, -128};
         int32_t bias[2] = {INT32_MAX - 5, INT32_MIN + 5}, c[2] = {POISON32, POISON32};
         mpt_qgemm_desc d;
@@ -506,6 +494,28 @@ static void test_rounding_and_saturation(void) {
     mpt_context_destroy(ctx);
 }
 
+/* How many of d's int8 outputs (A int8, B K×N, a bias) differ from
+   ref_requantize of the sums in int64 (saturated to int32), c's zero point
+   added and clamped to c_min..c_max (or the int8 range). */
+static int64_t requantized_off(const mpt_qgemm_desc *d) {
+    const int8_t *a = (const int8_t *)d->a;
+    const int64_t lo = d->c_min || d->c_max ? d->c_min : -128;
+    const int64_t hi = d->c_min || d->c_max ? d->c_max : 127;
+    int64_t i, j, kk, off = 0;
+    for (i = 0; i < d->m; i++)
+        for (j = 0; j < d->n; j++) {
+            const int64_t ch = d->per_channel ? j : 0;
+            int64_t sum = d->bias[j], q;
+            for (kk = 0; kk < d->k; kk++)
+                sum += (int64_t)(a[i * d->lda + kk] - d->a_zero_point) *
+                       (d->b[kk * d->ldb + j] - d->b_zero_point);
+            q = (int64_t)ref_requantize(sat32(sum), d->multiplier[ch], (int)d->shift[ch]) +
+                d->c_zero_point;
+            off += d->c_int8[i * d->ldc + j] != (q < lo ? lo : q > hi ? hi : q);
+        }
+    return off;
+}
+
 /* The requantizing epilogue on every path against ref_requantize, column
    counts around its vector widths (1, 15, 16, 17, 33): sums and biases
    over the whole int32 range (some saturate), multipliers in [2^30, 2^31),
@@ -518,8 +528,8 @@ static void test_requantize_columns(void) {
     test_seed(91);
     for (p = 0; p < N_PATHS; p++)
         for (t = 1; t <= 2; t++) {
-            mpt_context *ctx = make_ctx(t, paths[p].disable);
-            if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+            mpt_context *ctx = path_ctx(t, paths[p].disable);
+            if (!on_path(ctx, p)) {
                 mpt_context_destroy(ctx);
                 continue;
             }
@@ -529,7 +539,7 @@ static void test_requantize_columns(void) {
                     int8_t a[7 * 3], b[3 * 33], out[7 * 33];
                     int32_t bias[33], mult[33], shift[33];
                     mpt_qgemm_desc d;
-                    int64_t i, j, kk, off = 0;
+                    int64_t i, j, off;
                     memset(&d, 0, sizeof d);
                     for (i = 0; i < m * k; i++) a[i] = (int8_t)test_randint(-128, 127);
                     for (i = 0; i < k * n; i++) b[i] = (int8_t)test_randint(-128, 127);
@@ -551,19 +561,7 @@ static void test_requantize_columns(void) {
                     if (ci % 2) d.c_min = test_randint(-128, -60), d.c_max = test_randint(60, 127);
                     memset(out, POISON8, sizeof out);
                     CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
-                    for (i = 0; i < m; i++)
-                        for (j = 0; j < n; j++) {
-                            const int64_t ch = per_channel ? j : 0;
-                            const int64_t lo = d.c_min || d.c_max ? d.c_min : -128;
-                            const int64_t hi = d.c_min || d.c_max ? d.c_max : 127;
-                            int64_t sum = bias[j], q;
-                            for (kk = 0; kk < k; kk++)
-                                sum += (int64_t)(a[i * k + kk] - d.a_zero_point) *
-                                       (b[kk * n + j] - d.b_zero_point);
-                            q = (int64_t)ref_requantize(sat32(sum), mult[ch], (int)shift[ch]) +
-                                d.c_zero_point;
-                            off += out[i * n + j] != (q < lo ? lo : q > hi ? hi : q);
-                        }
+                    off = requantized_off(&d);
                     CHECK(off == 0, "%s, %d thread(s), n %lld, %s: %lld of %lld outputs differ "
                           "from the reference", paths[p].name, t, (long long)n,
                           per_channel ? "per channel" : "per tensor", (long long)off,
@@ -591,8 +589,8 @@ static void test_requantize_plain(void) {
     test_seed(92);
     for (p = 0; p < N_PATHS; p++)
         for (t = 1; t <= 2; t++) {
-            mpt_context *ctx = make_ctx(t, paths[p].disable);
-            if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+            mpt_context *ctx = path_ctx(t, paths[p].disable);
+            if (!on_path(ctx, p)) {
                 mpt_context_destroy(ctx);
                 continue;
             }
@@ -604,7 +602,7 @@ static void test_requantize_plain(void) {
                         int8_t out[29 * 48];
                         int32_t bias[48], mult[48], shift[48];
                         mpt_qgemm_desc d;
-                        int64_t i, j, kk, off = 0;
+                        int64_t i, j, off;
                         memset(&d, 0, sizeof d);
                         for (i = 0; i < m * k; i++) a[i] = (int8_t)test_randint(-128, 127);
                         for (i = 0; i < k * n; i++) b[i] = (int8_t)test_randint(-128, 127);
@@ -632,19 +630,7 @@ static void test_requantize_plain(void) {
                         if (ci % 2) d.c_min = d.c_zero_point, d.c_max = test_randint(60, 127);
                         memset(out, POISON8, sizeof out);
                         CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
-                        for (i = 0; i < m; i++)
-                            for (j = 0; j < n; j++) {
-                                const int64_t ch = per_channel ? j : 0;
-                                const int64_t lo = d.c_min || d.c_max ? d.c_min : -128;
-                                const int64_t hi = d.c_min || d.c_max ? d.c_max : 127;
-                                int64_t sum = bias[j], q;
-                                for (kk = 0; kk < k; kk++)
-                                    sum += (int64_t)(a[i * k + kk] - d.a_zero_point) *
-                                           (b[kk * n + j] - d.b_zero_point);
-                                q = (int64_t)ref_requantize(sat32(sum), mult[ch],
-                                                            (int)shift[ch]) + d.c_zero_point;
-                                off += out[i * n + j] != (q < lo ? lo : q > hi ? hi : q);
-                            }
+                        off = requantized_off(&d);
                         CHECK(off == 0, "%s, %d thread(s), k %lld, n %lld, %s: %lld of %lld "
                               "outputs differ from the reference", paths[p].name, t,
                               (long long)k, (long long)n,
@@ -676,9 +662,9 @@ static void test_extremes(void) {
     int32_t c[15];
     int p, ci, tb, i;
     for (p = 0; p < N_PATHS; p++) {
-        mpt_context *ctx = make_ctx(2, paths[p].disable);
+        mpt_context *ctx = path_ctx(2, paths[p].disable);
         test__begin();
-        if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+        if (!on_path(ctx, p)) {
             SKIP("this CPU lacks the path");
         } else {
             for (ci = 0; ci < 4; ci++)
@@ -718,7 +704,7 @@ static void test_extremes(void) {
 
 /* K = 0: C is the bias (or 0), requantized when asked; A and B unread. */
 static void test_empty_depth(void) {
-    mpt_context *ctx = make_ctx(2, 0);
+    mpt_context *ctx = path_ctx(2, 0);
     int32_t bias[3] = {7, -9, 1000}, c[6], m = 1 << 30, s = 0;
     int8_t c8[6];
     mpt_qgemm_desc d;
@@ -762,12 +748,12 @@ static void test_empty_depth(void) {
 static void test_packed_reuse(void) {
     int p, r;
     for (p = 0; p < N_PATHS; p++) {
-        mpt_context *ctx = make_ctx(2, paths[p].disable);
+        mpt_context *ctx = path_ctx(2, paths[p].disable);
         mpt_qgemm_packed *packed = NULL;
         qcase q;
         qdata first;
         test__begin();
-        if (!ctx || (mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+        if (!on_path(ctx, p)) {
             SKIP("this CPU lacks the path");
             test__end("qgemm one packed B over many products, %s", paths[p].name);
             mpt_context_destroy(ctx);
@@ -807,22 +793,14 @@ static void expect_error(mpt_context *ctx, const mpt_qgemm_desc *d, mpt_status w
 }
 
 static void test_bad_arguments(void) {
-    mpt_context *ctx = make_ctx(1, 0);
+    mpt_context *ctx = path_ctx(1, 0);
     int8_t a[64], b[64], c8[64];
     int32_t c[64], m[8] = {1 << 30, 1 << 30, 1 << 30, 1 << 30, -4, 0, 0, 0}, s[8] = {0};
     mpt_qgemm_desc d, good, good8;
     memset(a, 1, sizeof a);
     memset(b, 2, sizeof b);
-    memset(&good, 0, sizeof good);
-    good.m = 4;
-    good.n = 5;
-    good.k = 6;
-    good.a = a;
-    good.lda = 6;
-    good.b = b;
-    good.ldb = 5;
-    good.c = c;
-    good.ldc = 5;
+    good = (mpt_qgemm_desc){.m = 4, .n = 5, .k = 6, .a = a, .lda = 6, .b = b, .ldb = 5,
+                            .c = c, .ldc = 5};
     good8 = good;
     good8.c = NULL;
     good8.c_int8 = c8;
@@ -883,7 +861,7 @@ static void test_bad_arguments(void) {
 
 /* mpt_qgemm_pack_b's own errors, and a packed B that does not fit the call. */
 static void test_bad_packed(void) {
-    mpt_context *ctx = make_ctx(1, 0), *portable = make_ctx(1, ~0);
+    mpt_context *ctx = path_ctx(1, 0), *portable = path_ctx(1, ~0);
     int8_t a[64], b[64];
     int32_t c[64];
     mpt_qgemm_desc good, d;
@@ -942,7 +920,7 @@ static void test_bad_packed(void) {
    runs on the CPU and the GPU and compares): the reference's bits, int32
    and int8 output, B both ways, padding left alone. */
 static void test_backend_slot(void) {
-    mpt_context *ctx = make_ctx(2, 0);
+    mpt_context *ctx = path_ctx(2, 0);
     void *impl = NULL;
     const mpt_backend *t = ctx ? mpt_context_backend(ctx, &impl) : NULL;
     int c;

@@ -24,15 +24,10 @@ static const struct {
 };
 #define LEVELS ((int)(sizeof levels / sizeof levels[0]))
 
+/* A quiet context at that level, or NULL where the CPU lacks it. */
 static mpt_context *level_ctx(int level, int threads) {
-    mpt_context *c = NULL;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = threads;
-    d.disable_cpu_features = levels[level].disable;
-    d.logger.fn = quiet_logger;
-    if (mpt_context_create(&d, &c) != MPT_OK) return NULL;
-    if ((mpt_context_cpu_features(c) & levels[level].needs) != levels[level].needs) {
+    mpt_context *c = path_ctx(threads, levels[level].disable);
+    if (c && (mpt_context_cpu_features(c) & levels[level].needs) != levels[level].needs) {
         mpt_context_destroy(c);
         return NULL;
     }

@@ -256,4 +256,16 @@ static inline mpt_context *path_ctx(int threads, int disable_cpu_features) {
     return c;
 }
 
+/* ---- a call's status and message (test_qat, test_quantize) ---------------------- */
+
+/* got is want, and where it is an error, ctx's message holds words; what
+   names the call in the failures. */
+static inline void expect_status(mpt_context *ctx, mpt_status got, mpt_status want,
+                                 const char *words, const char *what) {
+    CHECK(got == want, "%s: status %d (%s), want %d", what, (int)got, mpt_context_error(ctx),
+          (int)want);
+    CHECK(got == MPT_OK || strstr(mpt_context_error(ctx), words),
+          "%s: message \"%s\" lacks \"%s\"", what, mpt_context_error(ctx), words);
+}
+
 #endif

@@ -512,14 +512,6 @@ static void test_save_and_load(void) {
     mpt_context_destroy(ctx);
 }
 
-static void expect(mpt_context *ctx, mpt_status got, mpt_status want, const char *words,
-                   const char *what) {
-    CHECK(got == want, "%s: status %d (%s), want %d", what, (int)got, mpt_context_error(ctx),
-          (int)want);
-    CHECK(got == MPT_OK || strstr(mpt_context_error(ctx), words), "%s: message \"%s\" lacks \"%s\"",
-          what, mpt_context_error(ctx), words);
-}
-
 /* two_dense, compiled with Adam (sparse crossentropy from logits) and made
    quantization-aware, with random weights; the first kernel's times
    kernel_scale. */
@@ -568,12 +560,12 @@ static void test_infinite_optimizer_state_stops_fit(void) {
     CHECK(mpt_model_save_checkpoint(m, path) == MPT_OK, "save before: %s", mpt_context_error(ctx));
     CHECK(mpt_model_load_checkpoint(m, path) == MPT_OK, "load: %s", mpt_context_error(ctx));
     remove(path);
-    expect(ctx, mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}),
-           MPT_ERR_NUMERIC, "optimizer slot \"v\"", "fit into an infinite v");
+    expect_status(ctx, mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}),
+                  MPT_ERR_NUMERIC, "optimizer slot \"v\"", "fit into an infinite v");
     CHECK(strstr(mpt_context_error(ctx), "layer dense_1, tensor kernel") != NULL,
           "message: %s", mpt_context_error(ctx));
-    expect(ctx, mpt_model_save_checkpoint(m, path), MPT_ERR_NUMERIC, "not written",
-           "save of an infinite v");
+    expect_status(ctx, mpt_model_save_checkpoint(m, path), MPT_ERR_NUMERIC, "not written",
+                  "save of an infinite v");
     {
         FILE *f = fopen(path, "rb");
         CHECK(f == NULL, "'%s' was written", path);
@@ -591,21 +583,22 @@ static void test_bad_input(void) {
     float lo, hi;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
-    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_STATE, "build", "unbuilt");
-    expect(ctx, mpt_model_qat_range(m, 0, &lo, &hi), MPT_ERR_STATE, "not quantization-aware",
-           "range of a float model");
+    expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_STATE, "build", "unbuilt");
+    expect_status(ctx, mpt_model_qat_range(m, 0, &lo, &hi), MPT_ERR_STATE, "not quantization-aware",
+                  "range of a float model");
     mpt_model_build(m, 4);
-    expect(ctx, mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 1}), MPT_ERR_INVALID_ARGUMENT,
-           "ema_decay", "decay 1");
-    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_OK, "", "defaults");
-    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_STATE, "already", "twice");
-    expect(ctx, mpt_model_qat_range(m, 0, &lo, &hi), MPT_ERR_INVALID_ARGUMENT, "training batch",
-           "range before training");
-    expect(ctx, mpt_model_qat_range(m, 7, &lo, &hi), MPT_ERR_INVALID_ARGUMENT, "-1..0",
-           "range of no layer");
+    expect_status(ctx, mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 1}),
+                  MPT_ERR_INVALID_ARGUMENT, "ema_decay", "decay 1");
+    expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_OK, "", "defaults");
+    expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_STATE, "already", "twice");
+    expect_status(ctx, mpt_model_qat_range(m, 0, &lo, &hi), MPT_ERR_INVALID_ARGUMENT,
+                  "training batch", "range before training");
+    expect_status(ctx, mpt_model_qat_range(m, 7, &lo, &hi), MPT_ERR_INVALID_ARGUMENT, "-1..0",
+                  "range of no layer");
     m->weights_given = 1;
-    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q),
-           MPT_ERR_STATE, "not trained", "convert before training");
+    expect_status(
+        ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q),
+        MPT_ERR_STATE, "not trained", "convert before training");
     CHECK(q == NULL, "no model on failure");
     mpt_model_destroy(m);
 
@@ -614,8 +607,8 @@ static void test_bad_input(void) {
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .activation = MPT_ACT_TANH});
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
     mpt_model_build(m, 4);
-    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, "'dense' ends in tanh",
-           "tanh inside a Dense");
+    expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                  "'dense' ends in tanh", "tanh inside a Dense");
     CHECK(m->qat == NULL, "nothing left behind");
     mpt_model_destroy(m);
 
@@ -624,8 +617,8 @@ static void test_bad_input(void) {
     mpt_model_add_batch_normalization(m, NULL);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
     mpt_model_build(m, 4);
-    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-           "'batch_normalization' does not directly follow", "unfoldable BatchNormalization");
+    expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                  "'batch_normalization' does not directly follow", "unfoldable BatchNormalization");
     mpt_model_destroy(m);
     mpt_context_destroy(ctx);
 }
@@ -692,7 +685,8 @@ static void test_refused_off_the_cpu(void) {
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
     CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    expect(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, "CUDA", "a device model");
+    expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, "CUDA",
+                  "a device model");
     CHECK(m->qat == NULL, "nothing left behind");
     mpt_model_destroy(m);
     mpt_context_destroy(ctx);

@@ -66,12 +66,7 @@ enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE };
    BatchNormalization → Dense(4, relu). WIDE: Conv2D(300, 1×1) →
    MaxPooling2D → AveragePooling2D → Flatten → Dense(softmax): pooling
    over more channels than a block of its int32 sums. */
-static mpt_model *make_model(mpt_context *ctx, int kind, unsigned long long seed) {
-    mpt_model *m = NULL;
-    mpt_status s;
-    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
-                                                  .seed = 7}, &m) == MPT_OK, "create");
-    if (!m) return NULL;
+static void add_layers(mpt_model *m, int kind) {
     if (kind == MODEL_CNN) {
         mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
                                                    .padding = MPT_PADDING_SAME});
@@ -109,6 +104,16 @@ static mpt_model *make_model(mpt_context *ctx, int kind, unsigned long long seed
         mpt_model_add_batch_normalization(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_RELU});
     }
+}
+
+/* A model of that kind, built for batches of 32, its weights random from seed. */
+static mpt_model *make_model(mpt_context *ctx, int kind, unsigned long long seed) {
+    mpt_model *m = NULL;
+    mpt_status s;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                                  .seed = 7}, &m) == MPT_OK, "create");
+    if (!m) return NULL;
+    add_layers(m, kind);
     s = mpt_model_build(m, 32);
     CHECK(s == MPT_OK, "build: %s", mpt_context_error(ctx));
     randomize(m, seed);
@@ -409,21 +414,7 @@ static void test_layer_accessors_per_mode(void) {
     d = samples_dataset(ctx, N_SAMPLES, sample_x);
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
                                             .policy = MPT_POLICY_MIXED_FLOAT16}, &mixed);
-    mpt_model_add_conv2d(mixed, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
-                                                   .padding = MPT_PADDING_SAME});
-    mpt_model_add_batch_normalization(mixed, NULL);
-    mpt_model_add_activation(mixed, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
-    mpt_model_add_max_pooling2d(mixed, NULL);
-    mpt_model_add_conv2d(mixed, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {2, 2},
-                                                   .activation = MPT_ACT_TANH});
-    mpt_model_add_average_pooling2d(mixed, &(mpt_pool2d_desc){.pool_size = {2, 2},
-                                                              .strides = {1, 1},
-                                                              .padding = MPT_PADDING_SAME});
-    mpt_model_add_flatten(mixed, NULL);
-    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_GELU});
-    mpt_model_add_dropout(mixed, &(mpt_dropout_desc){.rate = 0.3f});
-    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = 7, .activation = MPT_ACT_SIGMOID});
-    mpt_model_add_dense(mixed, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    add_layers(mixed, MODEL_CNN);
     CHECK(mpt_model_build(mixed, 32) == MPT_OK, "build mixed");
     randomize(mixed, 260);
     for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
@@ -1297,14 +1288,6 @@ static void test_trained_model_accuracy(void) {
 
 /* ---- bad input ------------------------------------------------------------------------------ */
 
-static void expect(mpt_context *ctx, mpt_status got, mpt_status want, const char *words,
-                   const char *what) {
-    CHECK(got == want, "%s: status %d (%s), want %d", what, (int)got, mpt_context_error(ctx),
-          (int)want);
-    CHECK(got == MPT_OK || strstr(mpt_context_error(ctx), words), "%s: message \"%s\" lacks \"%s\"",
-          what, mpt_context_error(ctx), words);
-}
-
 static void test_bad_input(void) {
     mpt_context *ctx = quiet_ctx();
     mpt_model *m = NULL, *q = NULL, *raw = NULL;
@@ -1324,39 +1307,48 @@ static void test_bad_input(void) {
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3}, &raw);
     mpt_model_add_flatten(raw, NULL);
     mpt_model_add_dense(raw, &(mpt_dense_desc){.units = 3});
-    expect(ctx, mpt_model_quantize(raw, NULL, &q), MPT_ERR_STATE, "not built", "unbuilt");
+    expect_status(ctx, mpt_model_quantize(raw, NULL, &q), MPT_ERR_STATE, "not built", "unbuilt");
     mpt_model_build(raw, 8);
-    expect(ctx, mpt_model_quantize(raw, NULL, &q), MPT_ERR_STATE, "initial weights", "untrained");
+    expect_status(ctx, mpt_model_quantize(raw, NULL, &q), MPT_ERR_STATE, "initial weights",
+                  "untrained");
     CHECK(q == NULL, "no model on failure");
 
     m = make_model(ctx, MODEL_DENSE, 700);
-    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q),
-           MPT_ERR_INVALID_ARGUMENT, "representative_data", "no calibration data");
-    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
-                                                           .representative_data = wrong}, &q),
-           MPT_ERR_SHAPE, "representative_data", "mismatched calibration data");
-    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.io_dtype = MPT_INT8}, &q),
-           MPT_ERR_INVALID_ARGUMENT, "full-integer", "int8 io in dynamic-range");
-    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
-                                                           .representative_data = d,
-                                                           .io_dtype = MPT_FLOAT16}, &q),
-           MPT_ERR_DTYPE, "io_dtype", "float16 io");
-    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = (mpt_quantize_mode)9}, &q),
-           MPT_ERR_INVALID_ARGUMENT, "mode", "unknown mode");
-    expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
-                                                           .representative_data = d,
-                                                           .calibration = MPT_CALIBRATION_PERCENTILE,
-                                                           .percentile = 120}, &q),
-           MPT_ERR_INVALID_ARGUMENT, "percentile", "percentile out of range");
+    expect_status(
+        ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q),
+        MPT_ERR_INVALID_ARGUMENT, "representative_data", "no calibration data");
+    expect_status(ctx,
+                  mpt_model_quantize(m,
+                                     &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                          .representative_data = wrong},
+                                     &q),
+                  MPT_ERR_SHAPE, "representative_data", "mismatched calibration data");
+    expect_status(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.io_dtype = MPT_INT8}, &q),
+                  MPT_ERR_INVALID_ARGUMENT, "full-integer", "int8 io in dynamic-range");
+    expect_status(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                                  .representative_data = d,
+                                                                  .io_dtype = MPT_FLOAT16}, &q),
+                  MPT_ERR_DTYPE, "io_dtype", "float16 io");
+    expect_status(ctx,
+                  mpt_model_quantize(m, &(mpt_quantize_desc){.mode = (mpt_quantize_mode)9}, &q),
+                  MPT_ERR_INVALID_ARGUMENT, "mode", "unknown mode");
+    expect_status(ctx,
+                  mpt_model_quantize(m,
+                                     &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                          .representative_data = d,
+                                                          .calibration = MPT_CALIBRATION_PERCENTILE,
+                                                          .percentile = 120},
+                                     &q),
+                  MPT_ERR_INVALID_ARGUMENT, "percentile", "percentile out of range");
     {   /* an empty dataset: none can be made through the API (a dimension of
            0 is refused), so a one-sample one is emptied by hand */
         mpt_dataset *empty = samples_dataset(ctx, 1, sample_x);
         if (empty) {
             empty->n = 0;
-            expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
-                                                  .mode = MPT_QUANTIZE_FULL_INTEGER,
-                                                  .representative_data = empty}, &q),
-                   MPT_ERR_INVALID_ARGUMENT, "empty", "empty calibration data");
+            expect_status(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
+                                                         .mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                         .representative_data = empty}, &q),
+                          MPT_ERR_INVALID_ARGUMENT, "empty", "empty calibration data");
             empty->n = 1;
             mpt_dataset_destroy(empty);
         }
@@ -1368,7 +1360,8 @@ static void test_bad_input(void) {
         mpt_model_param(m, 0, &p);
         keep = ((float *)p.value.data)[3];
         ((float *)p.value.data)[3] = NAN;
-        expect(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_NUMERIC, p.layer_name, "NaN weight");
+        expect_status(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_NUMERIC, p.layer_name,
+                      "NaN weight");
         ((float *)p.value.data)[3] = keep;
     }
     /* calibration that overflows names the layer, with either method */
@@ -1380,44 +1373,46 @@ static void test_bad_input(void) {
         memcpy(keep, p.value.data, sizeof keep);
         for (k = 0; k < H * W * C * 16; k++) ((float *)p.value.data)[k] = 3e38f;
         for (method = 0; method < MPT_CALIBRATION_COUNT_; method++)
-            expect(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
-                                               .mode = MPT_QUANTIZE_FULL_INTEGER,
-                                               .representative_data = d,
-                                               .calibration = (mpt_calibration)method}, &q),
-                   MPT_ERR_NUMERIC, "not finite in the output of 'dense'", "overflow");
+            expect_status(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
+                                                      .mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                      .representative_data = d,
+                                                      .calibration = (mpt_calibration)method}, &q),
+                          MPT_ERR_NUMERIC, "not finite in the output of 'dense'", "overflow");
         memcpy(p.value.data, keep, sizeof keep);
     }
     /* the quantized model refuses what only a float model does */
     q = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
     if (q) {
         mpt_model *qq = NULL;
-        expect(ctx, mpt_model_fit(q, d, NULL), MPT_ERR_STATE, "quantized", "fit");
-        expect(ctx, mpt_model_build(q, 4), MPT_ERR_STATE, "quantized", "build");
-        expect(ctx, mpt_model_add_dense(q, &(mpt_dense_desc){.units = 2}), MPT_ERR_STATE,
-               "quantized", "add");
+        expect_status(ctx, mpt_model_fit(q, d, NULL), MPT_ERR_STATE, "quantized", "fit");
+        expect_status(ctx, mpt_model_build(q, 4), MPT_ERR_STATE, "quantized", "build");
+        expect_status(ctx, mpt_model_add_dense(q, &(mpt_dense_desc){.units = 2}), MPT_ERR_STATE,
+                      "quantized", "add");
         mpt_tensor_wrap(ctx, &t, MPT_FLOAT32, 4, (int64_t[]){2, H, W, C}, sample_x);
         {
             mpt_tensor o;
-            expect(ctx, mpt_model_forward(q, &t, 0, &o), MPT_ERR_STATE, "quantized", "forward");
-            expect(ctx, mpt_model_quantized_invoke(q, &t, &o), MPT_OK, "", "invoke float32");
+            expect_status(ctx, mpt_model_forward(q, &t, 0, &o), MPT_ERR_STATE, "quantized",
+                          "forward");
+            expect_status(ctx, mpt_model_quantized_invoke(q, &t, &o), MPT_OK, "", "invoke float32");
             mpt_tensor_free(ctx, &o);
             t.dtype = MPT_INT8;
-            expect(ctx, mpt_model_quantized_invoke(q, &t, &o), MPT_ERR_DTYPE, "float32",
-                   "invoke int8 on float io");
+            expect_status(ctx, mpt_model_quantized_invoke(q, &t, &o), MPT_ERR_DTYPE, "float32",
+                          "invoke int8 on float io");
         }
-        expect(ctx, mpt_model_quantize(q, NULL, &qq), MPT_ERR_STATE, "quantized already",
-               "quantize twice");
-        expect(ctx, mpt_model_save_weights(q, "/tmp/mpt_test_quantize_never.safetensors"),
-               MPT_ERR_STATE, "quantized", "save_weights");
-        expect(ctx, mpt_model_evaluate(q, d, NULL, &logs), MPT_ERR_STATE, "compile",
-               "evaluate uncompiled");
-        expect(ctx, mpt_model_predict(q, wrong, 0, &t), MPT_ERR_SHAPE, "predict", "predict shape");
+        expect_status(ctx, mpt_model_quantize(q, NULL, &qq), MPT_ERR_STATE, "quantized already",
+                      "quantize twice");
+        expect_status(ctx, mpt_model_save_weights(q, "/tmp/mpt_test_quantize_never.safetensors"),
+                      MPT_ERR_STATE, "quantized", "save_weights");
+        expect_status(ctx, mpt_model_evaluate(q, d, NULL, &logs), MPT_ERR_STATE, "compile",
+                      "evaluate uncompiled");
+        expect_status(ctx, mpt_model_predict(q, wrong, 0, &t), MPT_ERR_SHAPE, "predict",
+                      "predict shape");
         mpt_model_destroy(q);
     }
     {
         mpt_quantized_info info;
-        expect(ctx, mpt_model_quantized_info(m, &info), MPT_ERR_STATE, "not quantized",
-               "info of a float model");
+        expect_status(ctx, mpt_model_quantized_info(m, &info), MPT_ERR_STATE, "not quantized",
+                      "info of a float model");
     }
     mpt_model_destroy(m);
     /* BatchNormalization after an activation, or first, cannot be folded */
@@ -1433,8 +1428,8 @@ static void test_bad_input(void) {
             if (order == 1) mpt_model_add_batch_normalization(b, &(mpt_batchnorm_desc){.name = "bn_after_relu"});
             mpt_model_build(b, 8);
             randomize(b, 800);
-            expect(ctx, mpt_model_quantize(b, NULL, &q), MPT_ERR_UNSUPPORTED,
-                   order == 0 ? "bn_first" : "bn_after_relu", "unfoldable BatchNormalization");
+            expect_status(ctx, mpt_model_quantize(b, NULL, &q), MPT_ERR_UNSUPPORTED,
+                          order == 0 ? "bn_first" : "bn_after_relu", "unfoldable BatchNormalization");
             mpt_model_destroy(b);
         }
     }

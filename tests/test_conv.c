@@ -147,7 +147,6 @@ static void add_layer(mpt_model *m, const layer_ref *d, mpt_dtype dtype) {
 static void check_layer(int64_t batch, layer_ref d, mpt_dtype dtype) {
     static const char *kinds[] = {"conv2d", "max_pool", "avg_pool", "global_avg_pool"};
     mpt_model *m = NULL;
-    gc_case c;
     char label[200];
     test__begin();
     if (d.kind == 0)
@@ -171,13 +170,9 @@ static void check_layer(int64_t batch, layer_ref d, mpt_dtype dtype) {
           "create");
     add_layer(m, &d, dtype);
     CHECK(mpt_model_build(m, batch + 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    memset(&c, 0, sizeof c);
-    c.model = m;
-    c.batch = batch;
-    c.training = 1;
-    c.ref_forward = layer_forward_ref;
-    c.user = &d;
-    if (!test__current_failed) gc_check(ctx, &c, label);
+    if (!test__current_failed)
+        gc_check(ctx, &(gc_case){.model = m, .batch = batch, .training = 1,
+                                 .ref_forward = layer_forward_ref, .user = &d}, label);
     mpt_model_destroy(m);
     test__end("gradcheck %s", label);
 }
@@ -533,7 +528,6 @@ static void test_chain_gradients(void) {
     int k;
     for (k = 0; k < 3; k++) {
         mpt_model *m = NULL;
-        gc_case c;
         chain_ref d;
         int64_t oh, ow, t, l;
         memset(&d, 0, sizeof d);
@@ -557,13 +551,9 @@ static void test_chain_gradients(void) {
         mpt_model_add_flatten(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = d.units});
         CHECK(mpt_model_build(m, 3) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        memset(&c, 0, sizeof c);
-        c.model = m;
-        c.batch = 3;
-        c.training = 1;
-        c.ref_forward = chain_forward_ref;
-        c.user = &d;
-        gc_check(ctx, &c, "conv2d -> max_pool -> flatten -> dense");
+        gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 1,
+                                 .ref_forward = chain_forward_ref, .user = &d},
+                 "conv2d -> max_pool -> flatten -> dense");
         mpt_model_destroy(m);
         test__end("gradcheck conv2d(%s, %s) -> max_pool(%s) -> flatten -> dense",
                   pad_name(d.conv.pad), mpt_activation_name(d.act), pad_name(d.pool.pad));
@@ -608,7 +598,6 @@ static void test_half_chain_gradients(void) {
     int t;
     for (t = 1; t < 3; t++) {
         mpt_model *m = NULL;
-        gc_case c;
         half_chain_ref d = {{7, 6, 2, 3, 3, 1, 1, MPT_PADDING_SAME},
                             {7, 6, 5, 2, 2, 2, 2, MPT_PADDING_SAME},
                             {4, 3, 5, 2, 2, 1, 1, MPT_PADDING_VALID}, 5, 3};
@@ -624,13 +613,8 @@ static void test_half_chain_gradients(void) {
                                                    .activation = MPT_ACT_SIGMOID});
         mpt_model_add_global_average_pooling2d(m, NULL);
         CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        memset(&c, 0, sizeof c);
-        c.model = m;
-        c.batch = 2;
-        c.training = 1;
-        c.ref_forward = half_chain_forward_ref;
-        c.user = &d;
-        gc_check(ctx, &c, "half chain");
+        gc_check(ctx, &(gc_case){.model = m, .batch = 2, .training = 1,
+                                 .ref_forward = half_chain_forward_ref, .user = &d}, "half chain");
         mpt_model_destroy(m);
         test__end("gradcheck conv2d -> avg_pool -> conv2d -> global_avg_pool %s",
                   mpt_dtype_name(dtypes[t]));
@@ -1470,6 +1454,33 @@ static void wino_window(const wino_case *w, mpt_window *g) {
     g->oh = w->h + w->top + w->bottom - 2, g->ow = w->w + w->left + w->right - 2;
 }
 
+/* values (n float32) in dt: as_dt, and values themselves rounded to what
+   as_dt holds (float16, bfloat16), so that the reference sums the values
+   the products read. */
+static void wino_round(mpt_context *c, mpt_dtype dt, float *values, void *as_dt, int64_t n) {
+    mpt_convert(c, dt, as_dt, MPT_FLOAT32, values, n);
+    mpt_convert(c, MPT_FLOAT32, values, dt, as_dt, n);
+}
+
+/* The largest error of got (n) against the double-precision sums ref, in
+   the terms' summed sizes, less one rounding of the result to dt (half an
+   ulp: 2^-11 for float16, 2^-8 for bfloat16; none for float32); *finite
+   cleared where got holds a NaN or an infinity. */
+static double wino_worst(const float *got, const double *ref, const double *sizes, int64_t n,
+                         mpt_dtype dt, int *finite) {
+    double worst = 0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        const double rounding = dt == MPT_FLOAT16    ? ldexp(fabs(ref[i]), -11)
+                                : dt == MPT_BFLOAT16 ? ldexp(fabs(ref[i]), -8)
+                                                     : 0;
+        const double e = (fabs((double)got[i] - ref[i]) - rounding) / (sizes[i] + 1e-30);
+        if (!isfinite(got[i])) *finite = 0;
+        if (!(e <= worst)) worst = e;
+    }
+    return worst;
+}
+
 /* A 1-thread context where the CPU has AVX-512; else the test named
    `name` is reported skipped and 0 returned. */
 static int wino_context(mpt_context **one, const char *name) {
@@ -1519,7 +1530,7 @@ static void test_winograd(void) {
             int64_t n_in, n_out, n_k = 9 * w->c * w->f, i;
             float *in, *k, *bias, *y1, *y2, *yf;
             void *in_dt, *k_dt;
-            double *ref, *sizes, worst = 0;
+            double *ref, *sizes, worst;
             void *ws;
             int taken = 0, done1, done2, finite = 1;
             wino_window(w, &g);
@@ -1540,11 +1551,8 @@ static void test_winograd(void) {
             for (i = 0; i < n_in; i++) in[i] = (float)test_uniform(-1, 1);
             for (i = 0; i < n_k; i++) k[i] = (float)test_uniform(-0.3, 0.3);
             for (i = 0; i < w->f; i++) bias[i] = (float)test_uniform(-0.5, 0.5);
-            /* float16: the values the reference sums are the rounded ones */
-            mpt_convert(one, dt, in_dt, MPT_FLOAT32, in, n_in);
-            mpt_convert(one, MPT_FLOAT32, in, dt, in_dt, n_in);
-            mpt_convert(one, dt, k_dt, MPT_FLOAT32, k, n_k);
-            mpt_convert(one, MPT_FLOAT32, k, dt, k_dt, n_k);
+            wino_round(one, dt, in, in_dt, n_in);
+            wino_round(one, dt, k, k_dt, n_k);
             memset(&a, 0, sizeof a);
             a.g = &g;
             a.dtype = dt;
@@ -1574,17 +1582,7 @@ static void test_winograd(void) {
     #endif
             wino_ref(w, &g, in, k, a.bias, ref, sizes);
             mpt_convert(one, MPT_FLOAT32, yf, dt, y1, n_out);
-            for (i = 0; i < n_out; i++) {
-                /* less one rounding of the result (half an ulp: 2^-11 for
-                   float16, 2^-8 for bfloat16) */
-                const double rounding = dt == MPT_FLOAT16    ? ldexp(fabs(ref[i]), -11)
-                                        : dt == MPT_BFLOAT16 ? ldexp(fabs(ref[i]), -8)
-                                                             : 0;
-                const double e =
-                    (fabs((double)yf[i] - ref[i]) - rounding) / (sizes[i] + 1e-30);
-                if (!isfinite(yf[i])) finite = 0;
-                if (!(e <= worst)) worst = e;
-            }
+            worst = wino_worst(yf, ref, sizes, n_out, dt, &finite);
             CHECK(taken && done1 && done2, "Winograd's products did not take the case");
             CHECK(finite, "an output was not written (NaN left)");
             CHECK(worst <= (tile == 4 ? 2e-5 : 4e-6),
@@ -1668,7 +1666,7 @@ static void test_winograd_kernel_grad(void) {
             int64_t n_x, n_dz, n_k = 9 * w->c * w->f, i, b, y, x, t, c, o;
             float *xs, *dz, *start, *k1, *k2;
             void *xs_dt, *dz_dt;
-            double *ref, *sizes, worst = 0;
+            double *ref, *sizes, worst;
             void *ws;
             int taken = 0, done1, done2, finite = 1;
             wino_window(w, &g);
@@ -1687,11 +1685,8 @@ static void test_winograd_kernel_grad(void) {
             test_seed(800 + 4 * q + (size_t)variant);
             for (i = 0; i < n_x; i++) xs[i] = (float)test_uniform(-1, 1);
             for (i = 0; i < n_dz; i++) dz[i] = (float)test_uniform(-1, 1);
-            /* float16: the values the reference sums are the rounded ones */
-            mpt_convert(one, dt, xs_dt, MPT_FLOAT32, xs, n_x);
-            mpt_convert(one, MPT_FLOAT32, xs, dt, xs_dt, n_x);
-            mpt_convert(one, dt, dz_dt, MPT_FLOAT32, dz, n_dz);
-            mpt_convert(one, MPT_FLOAT32, dz, dt, dz_dt, n_dz);
+            wino_round(one, dt, xs, xs_dt, n_x);
+            wino_round(one, dt, dz, dz_dt, n_dz);
             for (i = 0; i < n_k; i++) start[i] = (float)test_uniform(-2, 2);
             for (i = 0; i < n_k; i++) {
                 ref[i] = accumulate ? start[i] : 0;
@@ -1743,11 +1738,7 @@ static void test_winograd_kernel_grad(void) {
                 done1 = done2 = 1;
             }
 #endif
-            for (i = 0; i < n_k; i++) {
-                const double e = fabs((double)k1[i] - ref[i]) / (sizes[i] + 1e-30);
-                if (!isfinite(k1[i])) finite = 0;
-                if (!(e <= worst)) worst = e;
-            }
+            worst = wino_worst(k1, ref, sizes, n_k, MPT_FLOAT32, &finite); /* dkernel: float32 */
             CHECK(taken && done1 && done2, "Winograd's kernel gradient did not take the case");
             CHECK(finite, "a kernel gradient element was not written (NaN left)");
             CHECK(worst <= (tile == 4 ? 1e-5 : 4e-6),

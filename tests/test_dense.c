@@ -31,7 +31,6 @@ static void check_dense(int64_t batch, int64_t in, int64_t units, mpt_activation
                         mpt_dtype dtype) {
     mpt_model *m = NULL;
     dense_ref d;
-    gc_case c;
     char label[160];
     test__begin();
     d.in = in;
@@ -47,13 +46,8 @@ static void check_dense(int64_t batch, int64_t in, int64_t units, mpt_activation
                                                    .no_bias = !bias, .dtype = dtype}) == MPT_OK,
           "add: %s", mpt_context_error(ctx));
     CHECK(mpt_model_build(m, batch + 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    memset(&c, 0, sizeof c);
-    c.model = m;
-    c.batch = batch;
-    c.training = 1;
-    c.ref_forward = dense_forward_ref;
-    c.user = &d;
-    gc_check(ctx, &c, label);
+    gc_check(ctx, &(gc_case){.model = m, .batch = batch, .training = 1,
+                             .ref_forward = dense_forward_ref, .user = &d}, label);
     mpt_model_destroy(m);
     test__end("gradcheck %s", label);
 }
@@ -97,20 +91,15 @@ static void test_flatten_activation_gradients(void) {
     for (a = 0; a < 6; a++) {
         mpt_model *m = NULL;
         chain_ref d = {3, 2, 2, 5, acts[a]};
-        gc_case c;
         test__begin();
         mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 2, 2}, .input_rank = 3}, &m);
         mpt_model_add_flatten(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = 5});
         mpt_model_add_activation(m, &(mpt_activation_desc){.activation = acts[a]});
         CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        memset(&c, 0, sizeof c);
-        c.model = m;
-        c.batch = 4;
-        c.training = 1;
-        c.ref_forward = chain_forward_ref;
-        c.user = &d;
-        gc_check(ctx, &c, "flatten+dense+activation");
+        gc_check(ctx, &(gc_case){.model = m, .batch = 4, .training = 1,
+                                 .ref_forward = chain_forward_ref, .user = &d},
+                 "flatten+dense+activation");
         mpt_model_destroy(m);
         test__end("gradcheck flatten -> dense -> activation(%s)", mpt_activation_name(acts[a]));
     }
@@ -430,7 +419,6 @@ static void test_bad_input(void) {
    casts between them in both directions. */
 static void test_mixed_chain(void) {
     mpt_model *m = NULL;
-    gc_case c;
     chain_ref d = {1, 1, 6, 4, MPT_ACT_NONE};
     (void)d;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
@@ -446,13 +434,9 @@ static void test_mixed_chain(void) {
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_TANH});
         CHECK(mpt_model_build(m, 3) == MPT_OK, "build");
         CHECK(mpt_model_layer_dtype(m, 0) == MPT_BFLOAT16, "policy ignored");
-        memset(&c, 0, sizeof c);
-        c.model = m;
-        c.batch = 3;
-        c.training = 1;
-        c.ref_forward = dense_forward_ref;
-        c.user = &dr;
-        gc_check(ctx, &c, "mixed_bfloat16 dense");
+        gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 1,
+                                 .ref_forward = dense_forward_ref, .user = &dr},
+                 "mixed_bfloat16 dense");
         mpt_model_destroy(m);
     }
 }

@@ -76,7 +76,6 @@ static void check_bn(int64_t batch, int rank, const int64_t *shape, mpt_dtype dt
     mpt_model *m = NULL;
     mpt_model_desc md;
     bn_ref d;
-    gc_case c;
     char label[160], s[64];
     int i;
     test__begin();
@@ -101,13 +100,8 @@ static void check_bn(int64_t batch, int rank, const int64_t *shape, mpt_dtype dt
     CHECK(mpt_model_build(m, batch + 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
     CHECK(mpt_model_param_count(m) == 2 + center + scale, "%d parameters",
           mpt_model_param_count(m));
-    memset(&c, 0, sizeof c);
-    c.model = m;
-    c.batch = batch;
-    c.training = training;
-    c.ref_forward = bn_forward_ref;
-    c.user = &d;
-    gc_check(ctx, &c, label);
+    gc_check(ctx, &(gc_case){.model = m, .batch = batch, .training = training,
+                             .ref_forward = bn_forward_ref, .user = &d}, label);
     mpt_model_destroy(m);
     test__end("gradcheck %s", label);
 }
@@ -548,7 +542,6 @@ static void dropout_forward_ref(const gc_case *c, const double *x, double *const
 static void check_dropout(mpt_dtype dtype, float rate, int rank) {
     mpt_model *m = NULL;
     dropout_ref d;
-    gc_case c;
     char label[96];
     test__begin();
     snprintf(label, sizeof label, "dropout rate %g rank %d %s", (double)rate, rank,
@@ -561,13 +554,8 @@ static void check_dropout(mpt_dtype dtype, float rate, int rank) {
     m->step = 17;
     d.m = m;
     d.rate = rate;
-    memset(&c, 0, sizeof c);
-    c.model = m;
-    c.batch = 4;
-    c.training = 1;
-    c.ref_forward = dropout_forward_ref;
-    c.user = &d;
-    gc_check(ctx, &c, label);
+    gc_check(ctx, &(gc_case){.model = m, .batch = 4, .training = 1,
+                             .ref_forward = dropout_forward_ref, .user = &d}, label);
     mpt_model_destroy(m);
     test__end("gradcheck %s", label);
 }

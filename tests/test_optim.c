@@ -219,123 +219,84 @@ static double lr_warmup_cosine(int t) {                                    /* W 
     return t < 2 ? 0.1 * (t + 1) / 2 : 0.1 * 0.5 * (1 + cos(pi * fmin(t - 2, 3) / 3));
 }
 
+/* Adam's float32 defaults, exactly */
+#define ADAM_DEFAULTS .b1 = 0.9f, .b2 = 0.999f, .eps = 1e-7f
+
 static void test_optimizers(void) {
-    const double b1 = 0.9f, b2 = 0.999f, eps = 1e-7f; /* the float32 defaults, exactly */
-    ref_opt r;
-    /* plain SGD */
-    memset(&r, 0, sizeof r);
-    r.type = MPT_OPTIMIZER_SGD;
-    r.lr = 0.1f;
-    check_optimizer("SGD", (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f},
-                    &r, 1, NULL, 4);
-    r.lr = 0.01f; /* Keras' default rate for SGD */
-    check_optimizer("SGD default rate", (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD}, &r, 1,
-                    NULL, 3);
-    r.lr = 0.1f;
-    r.l2 = 0.25f;
-    r.wd = 0.05f;
-    check_optimizer("SGD + weight decay + l2",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f,
-                                         .weight_decay = 0.05f, .l2 = 0.25f}, &r, 1, NULL, 4);
-    r.l2 = 0;
-    r.wd = 0;
-    r.momentum = 0.9f;
-    check_optimizer("SGD momentum 0.9",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f,
-                                         .momentum = 0.9f}, &r, 1, NULL, 4);
-    r.nesterov = 1;
-    check_optimizer("SGD nesterov",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f,
-                                         .momentum = 0.9f, .nesterov = 1}, &r, 1, NULL, 4);
-    r.nesterov = 0;
-    r.wd = 0.05f;
-    r.l2 = 0.25f;
-    check_optimizer("SGD momentum + weight decay + l2",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f,
-                                         .momentum = 0.9f, .weight_decay = 0.05f, .l2 = 0.25f},
-                    &r, 1, NULL, 4);
-    /* Adam: the first steps are where the bias correction matters most. */
-    memset(&r, 0, sizeof r);
-    r.type = MPT_OPTIMIZER_ADAM;
-    r.lr = 0.01f;
-    r.b1 = b1;
-    r.b2 = b2;
-    r.eps = eps;
-    check_optimizer("Adam", (mpt_optimizer_desc){.learning_rate = 0.01f}, &r, 1, NULL, 5);
-    r.b1 = 0.5f;
-    r.b2 = 0.75f;
-    r.eps = 1e-3f;
-    check_optimizer("Adam beta 0.5/0.75 eps 1e-3",
-                    (mpt_optimizer_desc){.learning_rate = 0.01f, .beta_1 = 0.5f, .beta_2 = 0.75f,
-                                         .epsilon = 1e-3f}, &r, 1, NULL, 5);
-    r.b1 = b1;
-    r.b2 = b2;
-    r.eps = eps;
-    r.l2 = 0.5f;
-    check_optimizer("Adam + l2", (mpt_optimizer_desc){.learning_rate = 0.01f, .l2 = 0.5f}, &r, 1,
-                    NULL, 4);
-    r.l2 = 0;
-    r.type = MPT_OPTIMIZER_ADAMW;
-    r.wd = 0.004f; /* Keras' AdamW default */
-    check_optimizer("AdamW default decay",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAMW, .learning_rate = 0.01f}, &r,
-                    1, NULL, 4);
-    r.wd = 0.5f; /* large enough that a decay applied after the update would show */
-    check_optimizer("AdamW decay 0.5",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAMW, .learning_rate = 0.01f,
-                                         .weight_decay = 0.5f}, &r, 1, NULL, 4);
-    /* Clipping by the global norm over both tensors (the gradients' norm is
-       about 4.5: clipped to 1; 100 leaves them alone), with and without a
-       loss scale, which must be removed before the norm is taken. */
-    memset(&r, 0, sizeof r);
-    r.type = MPT_OPTIMIZER_SGD;
-    r.lr = 0.5f;
-    r.clip = 1;
-    check_optimizer("SGD clip 1",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f,
-                                         .clip_global_norm = 1}, &r, 1, NULL, 3);
-    check_optimizer("SGD clip 1, loss scale 1024",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f,
-                                         .clip_global_norm = 1}, &r, 1024, NULL, 3);
-    check_optimizer("SGD clip 1, loss scale 3 (not a power of two)",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f,
-                                         .clip_global_norm = 1}, &r, 3, NULL, 3);
-    r.clip = 100;
-    check_optimizer("SGD clip 100 (no effect)",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f,
-                                         .clip_global_norm = 100}, &r, 1, NULL, 3);
-    memset(&r, 0, sizeof r);
-    r.type = MPT_OPTIMIZER_ADAM;
-    r.lr = 0.01f;
-    r.b1 = b1;
-    r.b2 = b2;
-    r.eps = eps;
-    r.clip = 0.5f;
-    r.l2 = 0.125f;
-    check_optimizer("Adam clip 0.5 + l2 (l2 after clipping)",
-                    (mpt_optimizer_desc){.learning_rate = 0.01f, .clip_global_norm = 0.5f,
-                                         .l2 = 0.125f}, &r, 1, NULL, 4);
-    /* The scheduled rate is the one each step uses. */
-    memset(&r, 0, sizeof r);
-    r.type = MPT_OPTIMIZER_SGD;
-    r.momentum = 0.5f;
-    check_optimizer("SGD momentum, step decay",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f,
-                                         .momentum = 0.5f,
-                                         .schedule = {.type = MPT_LR_STEP_DECAY, .decay_steps = 2,
-                                                      .decay_rate = 0.5f}},
-                    &r, 1, lr_step_decay, 6);
-    r.type = MPT_OPTIMIZER_ADAMW;
-    r.momentum = 0;
-    r.b1 = b1;
-    r.b2 = b2;
-    r.eps = eps;
-    r.wd = 0.004f;
-    check_optimizer("AdamW, warm-up + cosine (decay uses the scheduled rate)",
-                    (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAMW, .learning_rate = 0.1f,
-                                         .schedule = {.type = MPT_LR_COSINE_DECAY, .decay_steps = 3,
-                                                      .warmup_steps = 2}},
-                    &r, 1, lr_warmup_cosine, 7);
+    static const struct {
+        const char *name;
+        mpt_optimizer_desc opt;
+        ref_opt ref;
+        float scale;
+        double (*lr_at)(int t); /* NULL: ref's lr */
+        int steps;
+    } cases[] = {
+        /* plain SGD */
+        {"SGD", {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.1f}, 1, NULL, 4},
+        {"SGD default rate", {.type = MPT_OPTIMIZER_SGD}, /* Keras' default rate for SGD */
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.01f}, 1, NULL, 3},
+        {"SGD + weight decay + l2",
+         {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f, .weight_decay = 0.05f, .l2 = 0.25f},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.1f, .wd = 0.05f, .l2 = 0.25f}, 1, NULL, 4},
+        {"SGD momentum 0.9", {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f, .momentum = 0.9f},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.1f, .momentum = 0.9f}, 1, NULL, 4},
+        {"SGD nesterov",
+         {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f, .momentum = 0.9f, .nesterov = 1},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.1f, .momentum = 0.9f, .nesterov = 1}, 1, NULL, 4},
+        {"SGD momentum + weight decay + l2",
+         {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f, .momentum = 0.9f,
+          .weight_decay = 0.05f, .l2 = 0.25f},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.1f, .momentum = 0.9f, .wd = 0.05f, .l2 = 0.25f}, 1,
+         NULL, 4},
+        /* Adam: the first steps are where the bias correction matters most. */
+        {"Adam", {.learning_rate = 0.01f},
+         {.type = MPT_OPTIMIZER_ADAM, .lr = 0.01f, ADAM_DEFAULTS}, 1, NULL, 5},
+        {"Adam beta 0.5/0.75 eps 1e-3",
+         {.learning_rate = 0.01f, .beta_1 = 0.5f, .beta_2 = 0.75f, .epsilon = 1e-3f},
+         {.type = MPT_OPTIMIZER_ADAM, .lr = 0.01f, .b1 = 0.5f, .b2 = 0.75f, .eps = 1e-3f}, 1,
+         NULL, 5},
+        {"Adam + l2", {.learning_rate = 0.01f, .l2 = 0.5f},
+         {.type = MPT_OPTIMIZER_ADAM, .lr = 0.01f, ADAM_DEFAULTS, .l2 = 0.5f}, 1, NULL, 4},
+        {"AdamW default decay", {.type = MPT_OPTIMIZER_ADAMW, .learning_rate = 0.01f},
+         {.type = MPT_OPTIMIZER_ADAMW, .lr = 0.01f, ADAM_DEFAULTS, .wd = 0.004f /* Keras' */}, 1,
+         NULL, 4},
+        /* large enough that a decay applied after the update would show */
+        {"AdamW decay 0.5",
+         {.type = MPT_OPTIMIZER_ADAMW, .learning_rate = 0.01f, .weight_decay = 0.5f},
+         {.type = MPT_OPTIMIZER_ADAMW, .lr = 0.01f, ADAM_DEFAULTS, .wd = 0.5f}, 1, NULL, 4},
+        /* Clipping by the global norm over both tensors (the gradients' norm is
+           about 4.5: clipped to 1; 100 leaves them alone), with and without a
+           loss scale, which must be removed before the norm is taken. */
+        {"SGD clip 1", {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f, .clip_global_norm = 1},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.5f, .clip = 1}, 1, NULL, 3},
+        {"SGD clip 1, loss scale 1024",
+         {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f, .clip_global_norm = 1},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.5f, .clip = 1}, 1024, NULL, 3},
+        {"SGD clip 1, loss scale 3 (not a power of two)",
+         {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f, .clip_global_norm = 1},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.5f, .clip = 1}, 3, NULL, 3},
+        {"SGD clip 100 (no effect)",
+         {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f, .clip_global_norm = 100},
+         {.type = MPT_OPTIMIZER_SGD, .lr = 0.5f, .clip = 100}, 1, NULL, 3},
+        {"Adam clip 0.5 + l2 (l2 after clipping)",
+         {.learning_rate = 0.01f, .clip_global_norm = 0.5f, .l2 = 0.125f},
+         {.type = MPT_OPTIMIZER_ADAM, .lr = 0.01f, ADAM_DEFAULTS, .clip = 0.5f, .l2 = 0.125f}, 1,
+         NULL, 4},
+        /* The scheduled rate is the one each step uses. */
+        {"SGD momentum, step decay",
+         {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f, .momentum = 0.5f,
+          .schedule = {.type = MPT_LR_STEP_DECAY, .decay_steps = 2, .decay_rate = 0.5f}},
+         {.type = MPT_OPTIMIZER_SGD, .momentum = 0.5f}, 1, lr_step_decay, 6},
+        {"AdamW, warm-up + cosine (decay uses the scheduled rate)",
+         {.type = MPT_OPTIMIZER_ADAMW, .learning_rate = 0.1f,
+          .schedule = {.type = MPT_LR_COSINE_DECAY, .decay_steps = 3, .warmup_steps = 2}},
+         {.type = MPT_OPTIMIZER_ADAMW, ADAM_DEFAULTS, .wd = 0.004f}, 1, lr_warmup_cosine, 7},
+    };
+    size_t i;
+    for (i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        check_optimizer(cases[i].name, cases[i].opt, &cases[i].ref, cases[i].scale,
+                        cases[i].lr_at, cases[i].steps);
 }
 
 /* Adam's first step moves every weight by lr·g/(|g| + ε') ≈ lr·sign(g):

@@ -225,32 +225,29 @@ static void test_bf16_round_trip_exhaustive(void) {
     }
 }
 
-static void test_float_to_half_reference(void) {
+/* convert (float to the 16-bit format named to) against ref on every
+   input, each mismatch named. */
+static void check_against_reference(const char *to, uint16_t (*convert)(float),
+                                    uint16_t (*ref)(float)) {
     size_t i, bad = 0;
     for (i = 0; i < inputs.n; i++) {
         float f = inputs.v[i];
-        uint16_t got = mpt_float_to_half(f), want = ref_float_to_half(f);
+        uint16_t got = convert(f), want = ref(f);
         if (got != want) {
             bad++;
-            CHECK(0, "float %08x (%.9g) -> half %04x, want %04x", (unsigned)bits_of(f),
-                  (double)f, got, want);
+            CHECK(0, "float %08x (%.9g) -> %s %04x, want %04x", (unsigned)bits_of(f),
+                  (double)f, to, got, want);
         }
     }
     CHECK(bad == 0, "%zu mismatches", bad);
 }
 
+static void test_float_to_half_reference(void) {
+    check_against_reference("half", mpt_float_to_half, ref_float_to_half);
+}
+
 static void test_float_to_bf16_reference(void) {
-    size_t i, bad = 0;
-    for (i = 0; i < inputs.n; i++) {
-        float f = inputs.v[i];
-        uint16_t got = mpt_float_to_bf16(f), want = ref_float_to_bf16(f);
-        if (got != want) {
-            bad++;
-            CHECK(0, "float %08x (%.9g) -> bf16 %04x, want %04x", (unsigned)bits_of(f),
-                  (double)f, got, want);
-        }
-    }
-    CHECK(bad == 0, "%zu mismatches", bad);
+    check_against_reference("bf16", mpt_float_to_bf16, ref_float_to_bf16);
 }
 
 /* A few named cases, so a regression says plainly what broke. */

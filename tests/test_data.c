@@ -738,6 +738,14 @@ static mpt_status create(mpt_context *c, const mpt_tensor *x, const mpt_tensor *
     return mpt_dataset_create(c, &desc, out);
 }
 
+/* create takes x and y (borrowed); the dataset is destroyed again. */
+static void expect_created(mpt_context *c, const mpt_tensor *x, const mpt_tensor *y,
+                           const char *what) {
+    mpt_dataset *d = NULL;
+    CHECK(create(c, x, y, 0, &d) == MPT_OK, "%s: %s", what, mpt_context_error(c));
+    mpt_dataset_destroy(d);
+}
+
 static mpt_tensor tensor(mpt_dtype dtype, int rank, int64_t d0, int64_t d1, int64_t d2,
                          void *data) {
     mpt_tensor t;
@@ -814,21 +822,14 @@ static void test_create_validation(void) {
     xb[0] = 0x7c00;
     xb[1] = 0x7f7f;
     xb[2] = 0xff7f;
-    CHECK(create(q, &x, &y, 0, &d) == MPT_OK, "finite bfloat16 extremes: %s",
-          mpt_context_error(q));
-    mpt_dataset_destroy(d);
-    d = NULL;
+    expect_created(q, &x, &y, "finite bfloat16 extremes");
     x = tensor(MPT_FLOAT16, 2, 6, 4, 0, xh);
     xh[0] = 0x7bff;
     xh[1] = 0xfbff;
-    CHECK(create(q, &x, &y, 0, &d) == MPT_OK, "finite float16 extremes: %s",
-          mpt_context_error(q));
-    mpt_dataset_destroy(d);
-    d = NULL;
+    expect_created(q, &x, &y, "finite float16 extremes");
     x = tensor(MPT_FLOAT32, 2, 6, 4, 0, xf);
     xf[0] = 3.4028235e38f;
-    CHECK(create(q, &x, &y, 0, &d) == MPT_OK, "FLT_MAX: %s", mpt_context_error(q));
-    mpt_dataset_destroy(d);
+    expect_created(q, &x, &y, "FLT_MAX");
     d = NULL;
     y = tensor(MPT_FLOAT32, 2, 6, 2, 0, yf);
     yf[9] = NAN;

@@ -240,4 +240,69 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     return NULL;
 }
 
+/* ---- a test program's main(), its scratch directory, its data ---------------------------- */
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Removes path: a file, or a directory with everything below it. */
+static inline void test_remove_tree(const char *path) {
+    DIR *dir = opendir(path);
+    struct dirent *e;
+    char child[1024];
+    while (dir && (e = readdir(dir)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        snprintf(child, sizeof child, "%s/%s", path, e->d_name);
+        test_remove_tree(child);
+    }
+    if (dir) closedir(dir);
+    remove(path);
+}
+
+/* What a test program's main() sets up around its cases (test_main). */
+typedef struct test_program {
+    const char *name;         /* the program's, for the summary line            */
+    mpt_context **ctx;        /* NULL: none; else made before the cases and
+                                 destroyed after them                            */
+    int threads;              /* its num_threads (0: the default)                */
+    void (*logger)(void *user, mpt_log_level level, const char *msg); /* NULL: stderr */
+    unsigned long long seed;  /* test_seed(seed) first, when not 0               */
+    void (*setup)(void);      /* NULL, or run once the context is made           */
+    char *tmpdir;             /* NULL, or a buffer of tmpdir_size that receives a
+                                 new directory /tmp/mpt_<name>_<pid> for the
+                                 cases' files, removed with them at the end      */
+    size_t tmpdir_size;
+    const char *keep_env;     /* NULL, or a variable that, set, keeps tmpdir     */
+    void (*cases)(void);      /* the cases (TEST_RUN, or loops of their own)     */
+} test_program;
+
+/* Runs a test program as p says and returns its exit status. */
+static inline int test_main(const test_program *p) {
+    mpt_context_desc d;
+    if (p->seed) test_seed(p->seed);
+    if (p->ctx) {
+        memset(&d, 0, sizeof d);
+        d.num_threads = p->threads;
+        d.logger.fn = p->logger;
+        if (mpt_context_create(&d, p->ctx) != MPT_OK) {
+            printf("FAIL %s: cannot create a context\n", p->name);
+            return 1;
+        }
+    }
+    if (p->setup) p->setup();
+    if (p->tmpdir) {
+        snprintf(p->tmpdir, p->tmpdir_size, "/tmp/mpt_%s_%d", p->name, (int)getpid());
+        test_remove_tree(p->tmpdir); /* what an earlier run of the same id left */
+        if (mkdir(p->tmpdir, 0700) != 0) {
+            printf("FAIL cannot create a temporary directory %s\n", p->tmpdir);
+            return 1;
+        }
+    }
+    p->cases();
+    if (p->tmpdir && !(p->keep_env && getenv(p->keep_env))) test_remove_tree(p->tmpdir);
+    if (p->ctx) mpt_context_destroy(*p->ctx);
+    return test_summary(p->name);
+}
+
 #endif

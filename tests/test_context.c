@@ -270,8 +270,7 @@ static void test_dtypes_and_shapes(void) {
           "truncated format: %s", buf);
 }
 
-int main(void) {
-    test_seed(5);
+static void run_cases(void) {
     TEST_RUN(test_no_allocation_in_a_step);
     TEST_RUN(test_out_of_memory_everywhere);
     TEST_RUN(test_context_destroyed_before_its_models);
@@ -281,5 +280,9 @@ int main(void) {
     TEST_RUN(test_errors_reach_logger_and_context);
     TEST_RUN(test_cpu_features_can_be_disabled);
     TEST_RUN(test_dtypes_and_shapes);
-    return test_summary("test_context");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_context", .seed = 5, .cases = run_cases};
+    return test_main(&p);
 }

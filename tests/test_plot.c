@@ -470,33 +470,20 @@ static void test_fit_summary_and_plot(void) {
     mpt_dataset_destroy(all);
 }
 
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = quiet_logger;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
-    test_seed(41);
-    make_blobs();
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_test_plot_%d", (int)getpid());
-    mkdir(tmpdir, 0700);
+static void run_cases(void) {
     TEST_RUN(test_well_formed);
     TEST_RUN(test_nan_breaks_the_curve);
     TEST_RUN(test_small_histories);
     TEST_RUN(test_bad_input);
     TEST_RUN(test_killed_writes_swept);
     TEST_RUN(test_fit_summary_and_plot);
-    if (!getenv("MPT_TEST_KEEP_PLOTS")) { /* set, the SVGs stay in tmpdir to look at */
-        static const char *const made[] = {"reader.py", "history.svg", "nan.svg", "one.svg",
-                                           "long.svg", "fit.svg"};
-        char path[512];
-        size_t i;
-        for (i = 0; i < sizeof made / sizeof made[0]; i++) {
-            path_in_tmp(path, sizeof path, made[i]);
-            remove(path);
-        }
-        rmdir(tmpdir);
-    }
-    mpt_context_destroy(ctx);
-    return test_summary("test_plot");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_plot", .ctx = &ctx, .threads = 2,
+                                   .logger = quiet_logger, .seed = 41, .setup = make_blobs,
+                                   .tmpdir = tmpdir, .tmpdir_size = sizeof tmpdir,
+                                   /* set, the SVGs stay in tmpdir to look at */
+                                   .keep_env = "MPT_TEST_KEEP_PLOTS", .cases = run_cases};
+    return test_main(&p);
 }

@@ -6,7 +6,7 @@
    HTTP routes, $MPT_TEST_PYTHON with tensorboard-plugin-profile 2.19.0),
    training bit for bit as without profiling, and bad input: ranges outside
    the run, a directory that cannot be written. */
-#define _POSIX_C_SOURCE 200809L /* popen, mkdtemp, symlink */
+#define _POSIX_C_SOURCE 200809L /* popen, symlink */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
@@ -554,14 +554,7 @@ done:
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    mpt_context_create(&d, &ctx);
-    make_blobs();
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_profiler_XXXXXX");
-    if (!mkdtemp(tmpdir)) return 1;
+static void run_cases(void) {
     TEST_RUN(test_trace_per_layer);
     TEST_RUN(test_tensorboard_reads_trace);
     TEST_RUN(test_conv_mixed_precision);
@@ -570,11 +563,11 @@ int main(void) {
     TEST_RUN(test_trace_files_crash_safe);
     TEST_RUN(test_killed_runs_swept);
     TEST_RUN(test_run_ends_early);
-    {
-        char cmd[300];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-        if (system(cmd) != 0) return 1;
-    }
-    mpt_context_destroy(ctx);
-    return test_summary("test_profiler");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_profiler", .ctx = &ctx, .threads = 2,
+                                   .setup = make_blobs, .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir, .cases = run_cases};
+    return test_main(&p);
 }

@@ -351,14 +351,17 @@ static void test_bad_arguments(void) {
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+static void run_cases(void) {
     TEST_RUN(test_compute_loss_is_loss_compute);
     TEST_RUN(test_grad_stats_is_the_norm);
     TEST_RUN(test_grad_stats_finds_inf_and_nan);
     TEST_RUN(test_scale_grads_multiplies_each);
     TEST_RUN(test_sgd_step_updates_masters_and_copies);
     TEST_RUN(test_bad_arguments);
-    mpt_context_destroy(ctx);
-    return test_summary("test_step");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_step", .ctx = &ctx, .threads = 2,
+                                   .cases = run_cases};
+    return test_main(&p);
 }

@@ -278,15 +278,17 @@ static void test_bad_input(void) {
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
-    make_blobs();
+static void run_cases(void) {
     TEST_RUN(test_replicas_match_one);
     TEST_RUN(test_synchronized_batchnorm);
     TEST_RUN(test_replicas_stay_identical);
     TEST_RUN(test_skips_are_global);
     TEST_RUN(test_evaluate_predict_checkpoint);
     TEST_RUN(test_bad_input);
-    mpt_context_destroy(ctx);
-    return test_summary("test_strategy");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_strategy", .ctx = &ctx, .threads = 2,
+                                   .setup = make_blobs, .cases = run_cases};
+    return test_main(&p);
 }

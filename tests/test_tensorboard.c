@@ -696,30 +696,7 @@ static void test_unusable_runs(void) {
     mpt_model_destroy(m);
 }
 
-/* ---- files this test wrote ----------------------------------------------------------- */
-
-static void remove_tree(const char *path) {
-    DIR *dir = opendir(path);
-    struct dirent *e;
-    char child[1024];
-    while (dir && (e = readdir(dir)) != NULL) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(child, sizeof child, "%s/%s", path, e->d_name);
-        remove_tree(child);
-    }
-    if (dir) closedir(dir);
-    remove(path);
-}
-
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = capture_log;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
-    test_seed(23);
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_test_tensorboard_%d", (int)getpid());
-    mkdir(tmpdir, 0700);
+static void run_cases(void) {
     TEST_RUN(test_crc32c_vectors);
     TEST_RUN(test_framing);
     TEST_RUN(test_nested_lengths);
@@ -730,7 +707,11 @@ int main(void) {
     TEST_RUN(test_write_failure);
     TEST_RUN(test_workers_and_fits);
     TEST_RUN(test_unusable_runs);
-    remove_tree(tmpdir);
-    mpt_context_destroy(ctx);
-    return test_summary("test_tensorboard");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_tensorboard", .ctx = &ctx, .threads = 2,
+                                   .logger = capture_log, .seed = 23, .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir, .cases = run_cases};
+    return test_main(&p);
 }

@@ -984,8 +984,7 @@ static void test_fashion_mnist_short_run(void) {
     mpt_dataset_destroy(all);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+static void run_cases(void) {
     TEST_RUN(test_fit_learns_and_reports);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
@@ -1003,6 +1002,10 @@ int main(void) {
     TEST_RUN(test_batch_size_past_the_data);
     TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
-    mpt_context_destroy(ctx);
-    return test_summary("test_train");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_train", .ctx = &ctx, .threads = 2,
+                                   .cases = run_cases};
+    return test_main(&p);
 }

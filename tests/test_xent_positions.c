@@ -406,12 +406,14 @@ static void test_bad_labels(void) {
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_create(NULL, &ctx);
+static void run_cases(void) {
     TEST_RUN(test_compute_loss_per_position);
     TEST_RUN(test_evaluate_per_position);
     TEST_RUN(test_mirrored_per_position);
     TEST_RUN(test_bad_labels);
-    mpt_context_destroy(ctx);
-    return test_summary("test_xent_positions");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_xent_positions", .ctx = &ctx, .cases = run_cases};
+    return test_main(&p);
 }

@@ -305,4 +305,34 @@ static inline int test_main(const test_program *p) {
     return test_summary(p->name);
 }
 
+/* A dataset over n samples of x (n × features floats) with the int32 class
+   ids y (borrowed, not copied). */
+static inline mpt_dataset *test_dataset_xy(mpt_context *c, float *x, int32_t *y, int64_t n,
+                                           int64_t features) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, (int64_t[]){n, features}, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+#ifndef MPT_NO_IMPLEMENTATION
+/* ‖a − b‖ / ‖b‖ over every weight of two models of one architecture (NaN
+   if either has one); reads the models' private parameters. */
+static inline double test_weight_diff(const mpt_model *a, const mpt_model *b) {
+    double num = 0, den = 0;
+    int i;
+    int64_t e;
+    for (i = 0; i < a->n_params; i++)
+        for (e = 0; e < a->params[i].count; e++) {
+            double x = a->params[i].value[e], y = b->params[i].value[e];
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+    return sqrt(num / den);
+}
+#endif
+
 #endif

@@ -42,20 +42,6 @@ static mpt_strategy *mirrored(int replicas) {
     return s;
 }
 
-/* ‖a − b‖ / ‖b‖ over every weight (NaN if either has one). */
-static double weight_diff(const mpt_model *a, const mpt_model *b) {
-    double num = 0, den = 0;
-    int i;
-    int64_t e;
-    for (i = 0; i < a->n_params; i++)
-        for (e = 0; e < a->params[i].count; e++) {
-            double x = a->params[i].value[e], y = b->params[i].value[e];
-            num += (x - y) * (x - y);
-            den += y * y;
-        }
-    return sqrt(num / den);
-}
-
 static int replicas_identical(const mpt_model *m) {
     int k;
     for (k = 1; k < m->n_replicas; k++)
@@ -95,7 +81,7 @@ static void test_replicas_match_one(void) {
             CHECK(many->n_replicas == counts[c] && mpt_strategy_num_replicas(s) == counts[c],
                   "%d replicas built, %d in the strategy", many->n_replicas,
                   mpt_strategy_num_replicas(s));
-            diff = weight_diff(many, one);
+            diff = test_weight_diff(many, one);
             CHECK(diff <= 1e-5, "optimizer %d, %d replicas: relative norm error %.3g",
                   (int)opts[o], counts[c], diff);
             printf("# optimizer %d, %d replicas vs 1: relative norm error of the weights %.3g\n",
@@ -133,7 +119,7 @@ static void test_synchronized_batchnorm(void) {
         CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
         CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", counts[c],
               mpt_context_error(ctx));
-        diff = weight_diff(many, one);
+        diff = test_weight_diff(many, one);
         printf("# synchronized BatchNormalization, %d replicas vs 1: relative norm error %.3g\n",
                counts[c], diff);
         CHECK(diff <= 1e-5, "%d replicas: relative norm error %.3g", counts[c], diff);

@@ -26,13 +26,7 @@ static void make_blobs(float *x, int32_t *y, int n, uint64_t seed) {
 }
 
 static mpt_dataset *blob_dataset(float *x, int32_t *y, int n) {
-    mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){n, FEATURES}, x);
-    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    return d;
+    return test_dataset_xy(ctx, x, y, n, FEATURES);
 }
 
 /* Dense(16, relu) -> BatchNormalization -> Dropout -> Dense(3, softmax),

@@ -48,15 +48,10 @@ typedef struct svg_read {
 } svg_read;
 
 static void read_svg(const char *path, svg_read *r) {
-    char script[512], cmd[1024], line[8192];
-    FILE *f, *p;
+    char cmd[1024], line[8192];
+    FILE *p;
     memset(r, 0, sizeof *r);
-    snprintf(script, sizeof script, "%s/reader.py", tmpdir);
-    f = fopen(script, "w");
-    if (!f) return;
-    fputs(reader_py, f);
-    fclose(f);
-    snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' 2>&1", test_python(), script, path);
+    if (!test_python_script(cmd, sizeof cmd, tmpdir, "reader.py", reader_py, path)) return;
     p = popen(cmd, "r");
     if (!p) return;
     while (fgets(line, sizeof line, p)) {

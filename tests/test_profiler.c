@@ -75,15 +75,10 @@ typedef struct trace_read {
 } trace_read;
 
 static void read_trace(const char *path, trace_read *r) {
-    char script[512], cmd[1024], line[1024];
-    FILE *f, *p;
+    char cmd[1024], line[1024];
+    FILE *p;
     memset(r, 0, sizeof *r);
-    snprintf(script, sizeof script, "%s/check.py", tmpdir);
-    f = fopen(script, "w");
-    if (!f) return;
-    fputs(check_py, f);
-    fclose(f);
-    snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' 2>&1", test_python(), script, path);
+    if (!test_python_script(cmd, sizeof cmd, tmpdir, "check.py", check_py, path)) return;
     p = popen(cmd, "r");
     if (!p) return;
     while (fgets(line, sizeof line, p))

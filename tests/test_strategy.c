@@ -54,6 +54,17 @@ static int replicas_identical(const mpt_model *m) {
     return 1;
 }
 
+/* Fits one (a single replica) and many (`replicas` of them) on d, three
+   epochs of global batch 32; the relative norm error of many's weights
+   against one's. */
+static double fit_both(mpt_model *one, mpt_model *many, mpt_dataset *d, int replicas) {
+    mpt_fit_desc fit = fit_for(3, 32);
+    CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", replicas,
+          mpt_context_error(ctx));
+    return test_weight_diff(many, one);
+}
+
 /* N replicas, global batch 32 (the epoch's last batch has 8 samples: 2 or
    4 per replica, or 0 for some of 4 in a batch of 2), give after three
    epochs the weights one replica gets with the same global batch. The
@@ -70,18 +81,10 @@ static void test_replicas_match_one(void) {
             mpt_strategy *s = mirrored(counts[c]);
             mpt_model *one = model(NULL, MPT_POLICY_FLOAT32, 0, opts[o]);
             mpt_model *many = model(s, MPT_POLICY_FLOAT32, 0, opts[o]);
-            mpt_fit_desc fit;
-            double diff;
-            memset(&fit, 0, sizeof fit);
-            fit.epochs = 3;
-            fit.batch_size = 32;
-            CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-            CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", counts[c],
-                  mpt_context_error(ctx));
+            double diff = fit_both(one, many, d, counts[c]);
             CHECK(many->n_replicas == counts[c] && mpt_strategy_num_replicas(s) == counts[c],
                   "%d replicas built, %d in the strategy", many->n_replicas,
                   mpt_strategy_num_replicas(s));
-            diff = test_weight_diff(many, one);
             CHECK(diff <= 1e-5, "optimizer %d, %d replicas: relative norm error %.3g",
                   (int)opts[o], counts[c], diff);
             printf("# optimizer %d, %d replicas vs 1: relative norm error of the weights %.3g\n",
@@ -111,15 +114,7 @@ static void test_synchronized_batchnorm(void) {
         mpt_strategy *s = mirrored(counts[c]);
         mpt_model *one = model(NULL, MPT_POLICY_FLOAT32, 2, MPT_OPTIMIZER_ADAM);
         mpt_model *many = model(s, MPT_POLICY_FLOAT32, 2, MPT_OPTIMIZER_ADAM);
-        mpt_fit_desc fit;
-        double diff;
-        memset(&fit, 0, sizeof fit);
-        fit.epochs = 3;
-        fit.batch_size = 32;
-        CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-        CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", counts[c],
-              mpt_context_error(ctx));
-        diff = test_weight_diff(many, one);
+        double diff = fit_both(one, many, d, counts[c]);
         printf("# synchronized BatchNormalization, %d replicas vs 1: relative norm error %.3g\n",
                counts[c], diff);
         CHECK(diff <= 1e-5, "%d replicas: relative norm error %.3g", counts[c], diff);

@@ -318,6 +318,15 @@ static inline mpt_dataset *test_dataset_xy(mpt_context *c, float *x, int32_t *y,
     return d;
 }
 
+/* A call's status is want and the context's message (q's) holds words;
+   call names it in the failure. */
+static inline void test_expect_error(mpt_context *q, mpt_status got, mpt_status want,
+                                     const char *words, const char *call) {
+    CHECK(got == want, "%s: status %d, expected %d", call, (int)got, (int)want);
+    CHECK(strstr(mpt_context_error(q), words) != NULL, "%s: message '%s' lacks '%s'", call,
+          mpt_context_error(q), words);
+}
+
 #ifndef MPT_NO_IMPLEMENTATION
 /* ‖a − b‖ / ‖b‖ over every weight of two models of one architecture (NaN
    if either has one); reads the models' private parameters. */

@@ -122,6 +122,15 @@ static void path_in_tmp(char *buf, size_t size, const char *name) {
     snprintf(buf, size, "%s/%s", tmpdir, name);
 }
 
+/* Plots h into tmpdir/name with the defaults, and reads the SVG back. */
+static void plot_and_read(const mpt_history *h, const char *name, svg_read *r) {
+    char path[512];
+    path_in_tmp(path, sizeof path, name);
+    CHECK(mpt_history_plot_svg(h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot %s: %s",
+          name, mpt_context_error(ctx));
+    read_svg(path, r);
+}
+
 /* ---- the tests --------------------------------------------------------------------------- */
 
 static void test_well_formed(void) {
@@ -160,7 +169,6 @@ static void test_well_formed(void) {
 static void test_nan_breaks_the_curve(void) {
     fake_history f;
     svg_read r;
-    char path[512];
     int e;
     make_history(&f, 10);
     f.values[0][3] = NAN;      /* loss: 0-2, 4-6, 8-9 */
@@ -169,10 +177,7 @@ static void test_nan_breaks_the_curve(void) {
     f.values[1][8] = NAN;
     for (e = 0; e < 10; e++) f.values[2][e] = NAN; /* val_loss: nothing */
     f.values[3][5] = 1e308;                         /* val_accuracy: too large to place */
-    path_in_tmp(path, sizeof path, "nan.svg");
-    CHECK(mpt_history_plot_svg(&f.h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&f.h, "nan.svg", &r);
     CHECK(r.ok, "not well-formed XML: %s", r.n ? r.lines[r.n - 1] : "(no output)");
     check_series(&r, "loss", 3, "3,3,2");
     check_series(&r, "accuracy", 2, "7,1");
@@ -186,22 +191,15 @@ static void test_nan_breaks_the_curve(void) {
 static void test_small_histories(void) {
     fake_history f;
     svg_read r;
-    char path[512];
     memset(&f, 0, sizeof f);
     f.h.epochs = 40;
     add_key(&f, "loss", 0.2, 0.3);
-    path_in_tmp(path, sizeof path, "long.svg");
-    CHECK(mpt_history_plot_svg(&f.h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&f.h, "long.svg", &r);
     CHECK(r.ok && strstr(r.texts, "|1|5|10|15|20|25|30|35|40|epoch"), "epoch ticks: %s", r.texts);
     memset(&f, 0, sizeof f);
     f.h.epochs = 1;
     add_key(&f, "val_loss", 0.5, 1.5);
-    path_in_tmp(path, sizeof path, "one.svg");
-    CHECK(mpt_history_plot_svg(&f.h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&f.h, "one.svg", &r);
     CHECK(r.ok && r.n == 1, "one epoch: %d series, %s", r.n, r.n ? r.lines[0] : "");
     check_series(&r, "val_loss", 1, "1");
 }
@@ -384,7 +382,6 @@ static void test_fit_summary_and_plot(void) {
     int epochs = 0, grew = -1, shrank = -1;
     long long steps = 0, skipped = -1;
     double total = 0, training = 0, rate = 0, ms[5] = {0}, first = 0, final = 0;
-    char path[512];
     CHECK(mpt_dataset_split(ctx, all, 160, &train, &val) == MPT_OK, "split");
     memset(&cb, 0, sizeof cb);
     cb.on_batch_end = watch_scale;
@@ -434,10 +431,7 @@ static void test_fit_summary_and_plot(void) {
           "grew %d shrank %d; seen %d and %d", grew, shrank, w.grew, w.shrank);
     CHECK(first == 16777216 && final == mpt_model_loss_scale(m), "scale %g -> %g", first, final);
     /* the plot of a real history */
-    path_in_tmp(path, sizeof path, "fit.svg");
-    CHECK(mpt_history_plot_svg(&h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&h, "fit.svg", &r);
     CHECK(r.ok && r.n == 6, "fit's plot: %d series, %s", r.n, r.n ? r.lines[r.n - 1] : "");
     check_series(&r, "loss", 1, "4");
     check_series(&r, "val_loss", 1, "4");

@@ -327,6 +327,27 @@ static inline void test_expect_error(mpt_context *q, mpt_status got, mpt_status 
           mpt_context_error(q), words);
 }
 
+/* What a printer received (mpt_printer {test_text_append, &t}): each text
+   appended to buf while it fits, one that does not dropped whole. */
+typedef struct test_text {
+    char *buf;
+    size_t size, len;
+} test_text;
+
+static inline void test_text_clear(test_text *t) {
+    t->len = 0;
+    t->buf[0] = 0;
+}
+
+static inline void test_text_append(void *user, const char *text) {
+    test_text *t = (test_text *)user;
+    size_t n = strlen(text);
+    if (t->len + n < t->size) {
+        memcpy(t->buf + t->len, text, n + 1);
+        t->len += n;
+    }
+}
+
 #ifndef MPT_NO_IMPLEMENTATION
 /* ‖a − b‖ / ‖b‖ over every weight of two models of one architecture (NaN
    if either has one); reads the models' private parameters. */

@@ -315,15 +315,11 @@ static void test_killed_writes_swept(void) {
 /* ---- a real fit: its plot and fit's closing summary ---------------------------------------- */
 
 static char printed[1 << 15];
-static size_t printed_len;
+static test_text printed_to = {printed, sizeof printed, 0};
 
-static void capture(void *user, const char *text) {
-    size_t n = strlen(text);
+static void capture(void *user, const char *text) { /* fit's printer */
     (void)user;
-    if (printed_len + n < sizeof printed) {
-        memcpy(printed + printed_len, text, n + 1);
-        printed_len += n;
-    }
+    test_text_append(&printed_to, text);
 }
 
 /* The loss scale seen after every step: its rises and falls. */
@@ -388,8 +384,7 @@ static void test_fit_summary_and_plot(void) {
     cb.user_data = &w;
     w.last = mpt_model_loss_scale(m);
     w.grew = w.shrank = 0;
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 4, .batch_size = 16, .verbose = 1,
                                                   .validation_data = val, .callbacks = &cb,
                                                   .n_callbacks = 1,
@@ -440,12 +435,11 @@ static void test_fit_summary_and_plot(void) {
     check_series(&r, "learning_rate", 1, "4");
     check_series(&r, "loss_scale", 1, "4");
     /* verbose 0 prints nothing, the summary included */
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 1, .batch_size = 16,
                                                   .printer = {capture, NULL}}) == MPT_OK,
           "fit");
-    CHECK(printed_len == 0, "verbose 0 printed:\n%s", printed);
+    CHECK(printed_to.len == 0, "verbose 0 printed:\n%s", printed);
     /* verbose 2 ends with it too */
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 2, .batch_size = 16, .verbose = 2,
                                                   .printer = {capture, NULL}}) == MPT_OK,

@@ -258,14 +258,11 @@ static void test_default_loss_scale(void) {
 /* ---- output: summary and progress ---------------------------------------------------- */
 
 static char printed[1 << 16];
-static size_t printed_len;
-static void capture(void *user, const char *text) {
-    size_t n = strlen(text);
+static test_text printed_to = {printed, sizeof printed, 0};
+
+static void capture(void *user, const char *text) { /* fit's printer */
     (void)user;
-    if (printed_len + n < sizeof printed) {
-        memcpy(printed + printed_len, text, n + 1);
-        printed_len += n;
-    }
+    test_text_append(&printed_to, text);
 }
 
 static void test_summary_and_progress(void) {
@@ -287,16 +284,14 @@ static void test_summary_and_progress(void) {
     CHECK(mpt_model_summary(m, text, 10) == n, "needed size differs when truncated");
     make_blobs(x, y, N_SYN, 3);
     d = blob_dataset(x, y, N_SYN);
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32, .verbose = 1,
                                               .printer = {capture, NULL}}) == MPT_OK, "fit");
     CHECK(strstr(printed, "Epoch 1/2\n") && strstr(printed, "Epoch 2/2\n"), "epochs:\n%s", printed);
     CHECK(strstr(printed, "7/7 [==============================] - ") &&
               strstr(printed, "/step - loss: ") && strstr(printed, " - accuracy: "),
           "progress:\n%s", printed);
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 32, .verbose = 2,
                                               .printer = {capture, NULL}}) == MPT_OK, "fit");
     CHECK(strstr(printed, "7/7 - ") && !strchr(printed, '['), "verbose 2:\n%s", printed);

@@ -789,7 +789,7 @@ static void test_checkpoint_path_checked_when_made(void) {
     snprintf(paths[1], sizeof paths[1], "/proc/mpt-ckpt-{epoch}.safetensors");
     snprintf(paths[2], sizeof paths[2], "/proc/no-such-dir/w.safetensors");
     for (k = 0; k < 3; k++) {
-        snprintf(path, sizeof path, "%s", paths[k]);
+        memcpy(path, paths[k], sizeof path); /* both 256 bytes */
         memset(&cb, 0x5a, sizeof cb);
         CHECK(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){.filepath = path},
                                             &cb) == MPT_ERR_IO, "%s accepted", path);

@@ -580,25 +580,33 @@ static void test_mismatches(void) {
                    "a checkpoint with a negative loss scale");
     mpt_model_destroy(m);
 
-    /* A file whose dense/bias is F16: the right shape, the wrong dtype. */
+    /* A file whose dense/bias is F16: the right shape, the wrong dtype;
+       one whose kernel is transposed. */
     {
+        static const struct {
+            const char *file, *header;
+            mpt_status status;
+            const char *word1, *word2, *what;
+        } wrong[] = {
+            {"f16.safetensors",
+             "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]},"
+             "\"dense/bias\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[24,28]}}",
+             MPT_ERR_FORMAT, "dense/bias", "F16 (2,)", "a dtype other than F32"},
+            {"transposed.safetensors",
+             "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]},"
+             "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[24,28]}}",
+             MPT_ERR_SHAPE, "(2, 3)", "(3, 2)", "a transposed kernel"},
+        };
         unsigned char data[28];
-        memset(data, 0, sizeof data);
-        write_st(path_of(p, "f16.safetensors"),
-                 "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]},"
-                 "\"dense/bias\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[24,28]}}",
-                 data, sizeof data);
-        m = make_tiny();
-        expect_refused(m, p, 0, MPT_ERR_FORMAT, "dense/bias", "F16 (2,)", "a dtype other than F32");
-        mpt_model_destroy(m);
-        memset(data, 0, sizeof data);
-        write_st(path_of(p, "transposed.safetensors"),
-                 "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]},"
-                 "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[24,28]}}",
-                 data, sizeof data);
-        m = make_tiny();
-        expect_refused(m, p, 0, MPT_ERR_SHAPE, "(2, 3)", "(3, 2)", "a transposed kernel");
-        mpt_model_destroy(m);
+        size_t i;
+        for (i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
+            memset(data, 0, sizeof data);
+            write_st(path_of(p, wrong[i].file), wrong[i].header, data, sizeof data);
+            m = make_tiny();
+            expect_refused(m, p, 0, wrong[i].status, wrong[i].word1, wrong[i].word2,
+                           wrong[i].what);
+            mpt_model_destroy(m);
+        }
     }
 
     /* The wrong order of calls. */

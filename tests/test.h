@@ -132,18 +132,18 @@ static inline const char *test_python(void) {
 
 /* Writes the Python program `text` to dir/name, and into cmd (size bytes)
    the shell command that runs it in test_python() on one argument, arg,
-   its errors joined to its output. 0 when the file cannot be written. */
+   its errors joined to its output. 0 when the file cannot be written or
+   the command does not fit. */
 static inline int test_python_script(char *cmd, size_t size, const char *dir, const char *name,
                                      const char *text, const char *arg) {
     char script[512];
     FILE *f;
-    snprintf(script, sizeof script, "%s/%s", dir, name);
+    if (snprintf(script, sizeof script, "%s/%s", dir, name) >= (int)sizeof script) return 0;
     f = fopen(script, "w");
     if (!f) return 0;
     fputs(text, f);
     fclose(f);
-    snprintf(cmd, size, "'%s' '%s' '%s' 2>&1", test_python(), script, arg);
-    return 1;
+    return snprintf(cmd, size, "'%s' '%s' '%s' 2>&1", test_python(), script, arg) < (int)size;
 }
 
 /* 1 when test_python() imports `modules` ("numpy, safetensors.numpy").

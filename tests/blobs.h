@@ -22,13 +22,7 @@ static void make_blobs(void) {
 
 /* A dataset over the arrays (borrowed). */
 static mpt_dataset *blobs_in(mpt_context *c) {
-    mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
-    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, blob_x);
-    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, blob_y);
-    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(c));
-    return d;
+    return test_dataset_xy(c, blob_x, blob_y, N_SYN, FEATURES);
 }
 
 #endif

@@ -268,4 +268,130 @@ static inline void expect_status(mpt_context *ctx, mpt_status got, mpt_status wa
           "%s: message \"%s\" lacks \"%s\"", what, mpt_context_error(ctx), words);
 }
 
+/* ---- a test program's main(), its scratch directory, its data ---------------------------- */
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Removes path: a file, or a directory with everything below it. */
+static inline void test_remove_tree(const char *path) {
+    DIR *dir = opendir(path);
+    struct dirent *e;
+    char child[1024];
+    while (dir && (e = readdir(dir)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (snprintf(child, sizeof child, "%s/%s", path, e->d_name) >= (int)sizeof child)
+            continue; /* a name longer than the tests make */
+        test_remove_tree(child);
+    }
+    if (dir) closedir(dir);
+    remove(path);
+}
+
+/* What a test program's main() sets up around its cases (test_main). */
+typedef struct test_program {
+    const char *name;         /* the program's, for the summary line            */
+    mpt_context **ctx;        /* NULL: none; else made before the cases and
+                                 destroyed after them                            */
+    int threads;              /* its num_threads (0: the default)                */
+    void (*logger)(void *user, mpt_log_level level, const char *msg); /* NULL: stderr */
+    unsigned long long seed;  /* test_seed(seed) first, when not 0               */
+    void (*setup)(void);      /* NULL, or run once the context is made           */
+    char *tmpdir;             /* NULL, or a buffer of tmpdir_size that receives a
+                                 new directory /tmp/mpt_<name>_<pid> for the
+                                 cases' files, removed with them at the end      */
+    size_t tmpdir_size;
+    const char *keep_env;     /* NULL, or a variable that, set, keeps tmpdir     */
+    void (*cases)(void);      /* the cases (TEST_RUN, or loops of their own)     */
+} test_program;
+
+/* Runs a test program as p says and returns its exit status. */
+static inline int test_main(const test_program *p) {
+    mpt_context_desc d;
+    if (p->seed) test_seed(p->seed);
+    if (p->ctx) {
+        memset(&d, 0, sizeof d);
+        d.num_threads = p->threads;
+        d.logger.fn = p->logger;
+        if (mpt_context_create(&d, p->ctx) != MPT_OK) {
+            printf("FAIL %s: cannot create a context\n", p->name);
+            return 1;
+        }
+    }
+    if (p->setup) p->setup();
+    if (p->tmpdir) {
+        snprintf(p->tmpdir, p->tmpdir_size, "/tmp/mpt_%s_%d", p->name, (int)getpid());
+        test_remove_tree(p->tmpdir); /* what an earlier run of the same id left */
+        if (mkdir(p->tmpdir, 0700) != 0) {
+            printf("FAIL cannot create a temporary directory %s\n", p->tmpdir);
+            return 1;
+        }
+    }
+    p->cases();
+    if (p->tmpdir && !(p->keep_env && getenv(p->keep_env))) test_remove_tree(p->tmpdir);
+    if (p->ctx) mpt_context_destroy(*p->ctx);
+    return test_summary(p->name);
+}
+
+/* A dataset over n samples of x (n × features floats) with the int32 class
+   ids y (borrowed, not copied). */
+static inline mpt_dataset *test_dataset_xy(mpt_context *c, float *x, int32_t *y, int64_t n,
+                                           int64_t features) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, (int64_t[]){n, features}, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+/* A call's status is want and the context's message (q's) holds words;
+   call names it in the failure. */
+static inline void test_expect_error(mpt_context *q, mpt_status got, mpt_status want,
+                                     const char *words, const char *call) {
+    CHECK(got == want, "%s: status %d, expected %d", call, (int)got, (int)want);
+    CHECK(strstr(mpt_context_error(q), words) != NULL, "%s: message '%s' lacks '%s'", call,
+          mpt_context_error(q), words);
+}
+
+/* What a printer received (mpt_printer {test_text_append, &t}): each text
+   appended to buf while it fits, one that does not dropped whole. */
+typedef struct test_text {
+    char *buf;
+    size_t size, len;
+} test_text;
+
+static inline void test_text_clear(test_text *t) {
+    t->len = 0;
+    t->buf[0] = 0;
+}
+
+static inline void test_text_append(void *user, const char *text) {
+    test_text *t = (test_text *)user;
+    size_t n = strlen(text);
+    if (t->len + n < t->size) {
+        memcpy(t->buf + t->len, text, n + 1);
+        t->len += n;
+    }
+}
+
+#ifndef MPT_NO_IMPLEMENTATION
+/* ‖a − b‖ / ‖b‖ over every weight of two models of one architecture (NaN
+   if either has one); reads the models' private parameters. */
+static inline double test_weight_diff(const mpt_model *a, const mpt_model *b) {
+    double num = 0, den = 0;
+    int i;
+    int64_t e;
+    for (i = 0; i < a->n_params; i++)
+        for (e = 0; e < a->params[i].count; e++) {
+            double x = a->params[i].value[e], y = b->params[i].value[e];
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+    return sqrt(num / den);
+}
+#endif
+
 #endif

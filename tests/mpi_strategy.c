@@ -59,19 +59,6 @@ static mpt_strategy *workers(double timeout) {
     return s;
 }
 
-static double weight_diff(const mpt_model *a, const mpt_model *b) {
-    double num = 0, den = 0;
-    int i;
-    int64_t e;
-    for (i = 0; i < a->n_params; i++)
-        for (e = 0; e < a->params[i].count; e++) {
-            double x = a->params[i].value[e], y = b->params[i].value[e];
-            num += (x - y) * (x - y);
-            den += y * y;
-        }
-    return sqrt(num / den);
-}
-
 static void discard_text(void *user, const char *text) { (void)user, (void)text; }
 
 /* Two workers, global batch 32 (16 each; the last batch of 8: 4 each):
@@ -111,7 +98,7 @@ static void match(int bn) {
     if (rank == 0) {
         double diff;
         CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit alone: %s", mpt_context_error(ctx));
-        diff = weight_diff(m, one);
+        diff = test_weight_diff(m, one);
         printf("# 2 workers vs 1 process (bn %d): relative norm error of the weights %.3g\n",
                bn, diff);
         CHECK(diff <= 1e-5, "2 workers vs 1 process (bn %d): relative norm error %.3g", bn,

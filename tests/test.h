@@ -130,6 +130,22 @@ static inline const char *test_python(void) {
     return py && *py ? py : "python3";
 }
 
+/* Writes the Python program `text` to dir/name, and into cmd (size bytes)
+   the shell command that runs it in test_python() on one argument, arg,
+   its errors joined to its output. 0 when the file cannot be written or
+   the command does not fit. */
+static inline int test_python_script(char *cmd, size_t size, const char *dir, const char *name,
+                                     const char *text, const char *arg) {
+    char script[512];
+    FILE *f;
+    if (snprintf(script, sizeof script, "%s/%s", dir, name) >= (int)sizeof script) return 0;
+    f = fopen(script, "w");
+    if (!f) return 0;
+    fputs(text, f);
+    fclose(f);
+    return snprintf(cmd, size, "'%s' '%s' '%s' 2>&1", test_python(), script, arg) < (int)size;
+}
+
 /* 1 when test_python() imports `modules` ("numpy, safetensors.numpy").
    Else 0, and the running test is skipped, or fails where build.sh has
    installed the packages (MPT_TEST_PYTHON_REQUIRED=1): there a missing

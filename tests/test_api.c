@@ -381,9 +381,7 @@ static void test_forward_shape_message(void) {
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
-    make_blobs();
+static void run_cases(void) {
     TEST_RUN(test_fit_stops_on_nan_loss);
     TEST_RUN(test_fit_names_the_nonfinite_weight);
     TEST_RUN(test_fit_goes_on_after_skipped_steps);
@@ -396,6 +394,10 @@ int main(void) {
     TEST_RUN(test_summary_shows_the_policy);
     TEST_RUN(test_summary_before_build);
     TEST_RUN(test_forward_shape_message);
-    mpt_context_destroy(ctx);
-    return test_summary("test_api");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_api", .ctx = &ctx, .threads = 2,
+                                   .setup = make_blobs, .cases = run_cases};
+    return test_main(&p);
 }

@@ -789,7 +789,7 @@ static void test_checkpoint_path_checked_when_made(void) {
     snprintf(paths[1], sizeof paths[1], "/proc/mpt-ckpt-{epoch}.safetensors");
     snprintf(paths[2], sizeof paths[2], "/proc/no-such-dir/w.safetensors");
     for (k = 0; k < 3; k++) {
-        snprintf(path, sizeof path, "%s", paths[k]);
+        memcpy(path, paths[k], sizeof path); /* both 256 bytes */
         memset(&cb, 0x5a, sizeof cb);
         CHECK(mpt_callback_model_checkpoint(ctx, &(mpt_model_checkpoint_desc){.filepath = path},
                                             &cb) == MPT_ERR_IO, "%s accepted", path);
@@ -1100,30 +1100,7 @@ static void test_through_fit(void) {
     mpt_model_destroy(m);
 }
 
-/* ---- files this test wrote ---------------------------------------------------------- */
-
-/* Removes the directory and everything in it, whatever a failing run left. */
-static void remove_tmpdir(void) {
-    DIR *dir = opendir(tmpdir);
-    struct dirent *e;
-    char path[512];
-    while (dir && (e = readdir(dir)) != NULL) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(path, sizeof path, "%s/%s", tmpdir, e->d_name);
-        remove(path);
-    }
-    if (dir) closedir(dir);
-    rmdir(tmpdir);
-}
-
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = capture_log;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_test_callbacks_%d", (int)getpid());
-    mkdir(tmpdir, 0700);
+static void run_cases(void) {
     test_early_stopping_rules();
     TEST_RUN(test_early_stopping_missing_monitor);
     TEST_RUN(test_early_stopping_nan);
@@ -1147,7 +1124,11 @@ int main(void) {
     TEST_RUN(test_bad_descriptors);
     TEST_RUN(test_destroy);
     TEST_RUN(test_through_fit);
-    remove_tmpdir();
-    mpt_context_destroy(ctx);
-    return test_summary("test_callbacks");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_callbacks", .ctx = &ctx, .threads = 2,
+                                   .logger = capture_log, .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir, .cases = run_cases};
+    return test_main(&p);
 }

@@ -2,7 +2,7 @@
    full training state, the exact bytes of a file, models that do not match
    a file, malformed files, crash safety of saving, and (where Python has
    safetensors and numpy) files that the reference library reads and writes. */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp, opendir, fork, kill */
+#define _POSIX_C_SOURCE 200809L /* opendir, fork, kill */
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -107,20 +107,6 @@ static int files_starting(const char *prefix) {
     while ((e = readdir(d)) != NULL) n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
     closedir(d);
     return n;
-}
-
-static void remove_dir(void) {
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    char p[512];
-    if (!d) return;
-    while ((e = readdir(d)) != NULL) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        remove(p);
-    }
-    closedir(d);
-    rmdir(dir);
 }
 
 /* ---- models ------------------------------------------------------------------ */
@@ -594,25 +580,33 @@ static void test_mismatches(void) {
                    "a checkpoint with a negative loss scale");
     mpt_model_destroy(m);
 
-    /* A file whose dense/bias is F16: the right shape, the wrong dtype. */
+    /* A file whose dense/bias is F16: the right shape, the wrong dtype;
+       one whose kernel is transposed. */
     {
+        static const struct {
+            const char *file, *header;
+            mpt_status status;
+            const char *word1, *word2, *what;
+        } wrong[] = {
+            {"f16.safetensors",
+             "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]},"
+             "\"dense/bias\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[24,28]}}",
+             MPT_ERR_FORMAT, "dense/bias", "F16 (2,)", "a dtype other than F32"},
+            {"transposed.safetensors",
+             "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]},"
+             "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[24,28]}}",
+             MPT_ERR_SHAPE, "(2, 3)", "(3, 2)", "a transposed kernel"},
+        };
         unsigned char data[28];
-        memset(data, 0, sizeof data);
-        write_st(path_of(p, "f16.safetensors"),
-                 "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[3,2],\"data_offsets\":[0,24]},"
-                 "\"dense/bias\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[24,28]}}",
-                 data, sizeof data);
-        m = make_tiny();
-        expect_refused(m, p, 0, MPT_ERR_FORMAT, "dense/bias", "F16 (2,)", "a dtype other than F32");
-        mpt_model_destroy(m);
-        memset(data, 0, sizeof data);
-        write_st(path_of(p, "transposed.safetensors"),
-                 "{\"dense/kernel\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]},"
-                 "\"dense/bias\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[24,28]}}",
-                 data, sizeof data);
-        m = make_tiny();
-        expect_refused(m, p, 0, MPT_ERR_SHAPE, "(2, 3)", "(3, 2)", "a transposed kernel");
-        mpt_model_destroy(m);
+        size_t i;
+        for (i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
+            memset(data, 0, sizeof data);
+            write_st(path_of(p, wrong[i].file), wrong[i].header, data, sizeof data);
+            m = make_tiny();
+            expect_refused(m, p, 0, wrong[i].status, wrong[i].word1, wrong[i].word2,
+                           wrong[i].what);
+            mpt_model_destroy(m);
+        }
     }
 
     /* The wrong order of calls. */
@@ -2029,17 +2023,7 @@ static void test_qat_python_interop(void) {
     mpt_dataset_destroy(d);
 }
 
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 1;
-    d.logger.fn = test_logger;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
-    snprintf(dir, sizeof dir, "/tmp/mpt_ckpt_XXXXXX");
-    if (!mkdtemp(dir)) {
-        printf("FAIL cannot create a temporary directory\n");
-        return 1;
-    }
+static void run_cases(void) {
     test_weights_round_trip();
     test_full_round_trip();
     TEST_RUN(test_file_layout);
@@ -2057,7 +2041,11 @@ int main(void) {
     test_qat_bad_values();
     TEST_RUN(test_python_interop);
     TEST_RUN(test_qat_python_interop);
-    remove_dir();
-    mpt_context_destroy(ctx);
-    return test_summary("test_checkpoint");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_checkpoint", .ctx = &ctx, .threads = 1,
+                                   .logger = test_logger, .tmpdir = dir,
+                                   .tmpdir_size = sizeof dir, .cases = run_cases};
+    return test_main(&p);
 }

@@ -15,20 +15,14 @@ static void quiet(void *user, mpt_log_level level, const char *msg) {
    allocation is freed by destroy. */
 static void test_no_allocation_in_a_step(void) {
     counting_alloc c = {0, 0, -1};
-    mpt_context *ctx;
+    mpt_context *ctx = counting_ctx(&c);
     mpt_model *m = NULL;
     float x[4 * 12];
     int64_t shape[2] = {4, 12};
     mpt_tensor tx, ty, dx;
     long before;
     int i;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.allocator.alloc = count_alloc;
-    d.allocator.free = count_free;
-    d.allocator.user_data = &c;
-    CHECK(mpt_context_create(&d, &ctx) == MPT_OK, "create");
+    CHECK(ctx != NULL, "create");
     for (i = 0; i < 48; i++) x[i] = (float)test_uniform(-1, 1);
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {12}, .input_rank = 1,
                                             .policy = MPT_POLICY_MIXED_FLOAT16}, &m);
@@ -56,9 +50,7 @@ static void test_context_destroyed_before_its_models(void) {
     mpt_model *m[2] = {NULL, NULL};
     float x[4 * 3] = {0.5f, -1, 2, 0, 1, 1, -0.25f, 3, 0, 1, 2, -2};
     int32_t y[4] = {0, 1, 1, 0};
-    int64_t xs[2] = {4, 3}, ys[1] = {4};
-    mpt_tensor tx, ty;
-    mpt_dataset *data = NULL;
+    mpt_dataset *data;
     int k;
     CHECK(ctx != NULL, "context");
     if (!ctx) return;
@@ -67,10 +59,7 @@ static void test_context_destroyed_before_its_models(void) {
                                                         .classes = 2, .seed = 7});
         CHECK(m[k] && mpt_model_build(m[k], 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
     }
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, xs, x);
-    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, y);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
+    data = test_dataset_xy(ctx, x, y, 4, 3);
     CHECK(m[0] && data && mpt_model_fit(m[0], data, &(mpt_fit_desc){.epochs = 1,
                                                                     .batch_size = 2}) == MPT_OK,
           "fit: %s", mpt_context_error(ctx));
@@ -270,8 +259,7 @@ static void test_dtypes_and_shapes(void) {
           "truncated format: %s", buf);
 }
 
-int main(void) {
-    test_seed(5);
+static void run_cases(void) {
     TEST_RUN(test_no_allocation_in_a_step);
     TEST_RUN(test_out_of_memory_everywhere);
     TEST_RUN(test_context_destroyed_before_its_models);
@@ -281,5 +269,9 @@ int main(void) {
     TEST_RUN(test_errors_reach_logger_and_context);
     TEST_RUN(test_cpu_features_can_be_disabled);
     TEST_RUN(test_dtypes_and_shapes);
-    return test_summary("test_context");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_context", .seed = 5, .cases = run_cases};
+    return test_main(&p);
 }

@@ -5,7 +5,7 @@
 
    The program re-executes itself (through /proc/self/exe) for the
    processes of the resume test: "test_faults resume <phase> <policy> <dir>". */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp, kill, nanosleep */
+#define _POSIX_C_SOURCE 200809L /* kill, nanosleep */
 #include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
@@ -82,20 +82,6 @@ static int temporaries(const char *prefix) {
         n += strncmp(e->d_name, prefix, len) == 0 && strstr(e->d_name + len, ".tmp-") != NULL;
     closedir(d);
     return n;
-}
-
-static void remove_dir(void) {
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    char p[512];
-    if (!d) return;
-    while ((e = readdir(d)) != NULL) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        remove(p);
-    }
-    closedir(d);
-    rmdir(dir);
 }
 
 static double now_seconds(void) {
@@ -1079,16 +1065,15 @@ static void test_resume_across_processes(void) {
     mpt_context_destroy(c);
 }
 
-int main(int argc, char **argv) {
-    if (argc == 5 && strcmp(argv[1], "resume") == 0) return resume_phase(argv[2], argv[3], argv[4]);
-    snprintf(dir, sizeof dir, "/tmp/mpt_faults_XXXXXX");
-    if (!mkdtemp(dir)) {
-        printf("FAIL cannot create a temporary directory\n");
-        return 1;
-    }
+static void run_cases(void) {
     test_out_of_memory();
     test_killed_while_saving();
     test_resume_across_processes();
-    remove_dir();
-    return test_summary("test_faults");
+}
+
+int main(int argc, char **argv) {
+    static const test_program p = {.name = "test_faults", .tmpdir = dir,
+                                   .tmpdir_size = sizeof dir, .cases = run_cases};
+    if (argc == 5 && strcmp(argv[1], "resume") == 0) return resume_phase(argv[2], argv[3], argv[4]);
+    return test_main(&p);
 }

@@ -5,7 +5,7 @@
    with MPT_ERR_IO and a message naming the file and what it is; so must
    the CSVLogger, which writes one. Every call runs under an alarm, so a
    regression fails here instead of hanging. */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp, mkfifo */
+#define _POSIX_C_SOURCE 200809L /* mkfifo */
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -207,22 +207,20 @@ static void test_regular_files_load(void) {
     remove(images);
 }
 
-int main(void) {
-    signal(SIGALRM, on_alarm);
-    ctx = quiet_ctx();
-    if (!ctx) return 1;
-    test_seed(17);
-    snprintf(dir, sizeof dir, "/tmp/mpt_files_XXXXXX");
-    if (!mkdtemp(dir)) {
-        printf("FAIL cannot create a temporary directory\n");
-        return 1;
-    }
+static void run_cases(void) {
     TEST_RUN(test_fifo);
     TEST_RUN(test_fifo_gz);
     TEST_RUN(test_device_and_directory);
     TEST_RUN(test_csv_logger_refuses);
     TEST_RUN(test_regular_files_load);
-    rmdir(dir);
-    mpt_context_destroy(ctx);
-    return test_summary("test_files");
+}
+
+static void guard_with_alarm(void) { signal(SIGALRM, on_alarm); }
+
+int main(void) {
+    static const test_program p = {.name = "test_files", .ctx = &ctx, .threads = 1,
+                                   .logger = quiet_logger, .seed = 17,
+                                   .setup = guard_with_alarm, .tmpdir = dir,
+                                   .tmpdir_size = sizeof dir, .cases = run_cases};
+    return test_main(&p);
 }

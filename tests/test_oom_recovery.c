@@ -285,16 +285,15 @@ static void test_peak_in_summary(void) {
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    mpt_context_create(&d, &ctx);
-    make_blobs();
+static void run_cases(void) {
     TEST_RUN(test_build_halves_to_what_fits);
     TEST_RUN(test_allocator_refusing_large_blocks);
     TEST_RUN(test_step_halves_mid_epoch);
     TEST_RUN(test_peak_in_summary);
-    mpt_context_destroy(ctx);
-    return test_summary("test_oom_recovery");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_oom_recovery", .ctx = &ctx, .threads = 2,
+                                   .setup = make_blobs, .cases = run_cases};
+    return test_main(&p);
 }

@@ -48,15 +48,10 @@ typedef struct svg_read {
 } svg_read;
 
 static void read_svg(const char *path, svg_read *r) {
-    char script[512], cmd[1024], line[8192];
-    FILE *f, *p;
+    char cmd[1024], line[8192];
+    FILE *p;
     memset(r, 0, sizeof *r);
-    snprintf(script, sizeof script, "%s/reader.py", tmpdir);
-    f = fopen(script, "w");
-    if (!f) return;
-    fputs(reader_py, f);
-    fclose(f);
-    snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' 2>&1", test_python(), script, path);
+    if (!test_python_script(cmd, sizeof cmd, tmpdir, "reader.py", reader_py, path)) return;
     p = popen(cmd, "r");
     if (!p) return;
     while (fgets(line, sizeof line, p)) {
@@ -127,6 +122,15 @@ static void path_in_tmp(char *buf, size_t size, const char *name) {
     snprintf(buf, size, "%s/%s", tmpdir, name);
 }
 
+/* Plots h into tmpdir/name with the defaults, and reads the SVG back. */
+static void plot_and_read(const mpt_history *h, const char *name, svg_read *r) {
+    char path[512];
+    path_in_tmp(path, sizeof path, name);
+    CHECK(mpt_history_plot_svg(h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot %s: %s",
+          name, mpt_context_error(ctx));
+    read_svg(path, r);
+}
+
 /* ---- the tests --------------------------------------------------------------------------- */
 
 static void test_well_formed(void) {
@@ -165,7 +169,6 @@ static void test_well_formed(void) {
 static void test_nan_breaks_the_curve(void) {
     fake_history f;
     svg_read r;
-    char path[512];
     int e;
     make_history(&f, 10);
     f.values[0][3] = NAN;      /* loss: 0-2, 4-6, 8-9 */
@@ -174,10 +177,7 @@ static void test_nan_breaks_the_curve(void) {
     f.values[1][8] = NAN;
     for (e = 0; e < 10; e++) f.values[2][e] = NAN; /* val_loss: nothing */
     f.values[3][5] = 1e308;                         /* val_accuracy: too large to place */
-    path_in_tmp(path, sizeof path, "nan.svg");
-    CHECK(mpt_history_plot_svg(&f.h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&f.h, "nan.svg", &r);
     CHECK(r.ok, "not well-formed XML: %s", r.n ? r.lines[r.n - 1] : "(no output)");
     check_series(&r, "loss", 3, "3,3,2");
     check_series(&r, "accuracy", 2, "7,1");
@@ -191,22 +191,15 @@ static void test_nan_breaks_the_curve(void) {
 static void test_small_histories(void) {
     fake_history f;
     svg_read r;
-    char path[512];
     memset(&f, 0, sizeof f);
     f.h.epochs = 40;
     add_key(&f, "loss", 0.2, 0.3);
-    path_in_tmp(path, sizeof path, "long.svg");
-    CHECK(mpt_history_plot_svg(&f.h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&f.h, "long.svg", &r);
     CHECK(r.ok && strstr(r.texts, "|1|5|10|15|20|25|30|35|40|epoch"), "epoch ticks: %s", r.texts);
     memset(&f, 0, sizeof f);
     f.h.epochs = 1;
     add_key(&f, "val_loss", 0.5, 1.5);
-    path_in_tmp(path, sizeof path, "one.svg");
-    CHECK(mpt_history_plot_svg(&f.h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&f.h, "one.svg", &r);
     CHECK(r.ok && r.n == 1, "one epoch: %d series, %s", r.n, r.n ? r.lines[0] : "");
     check_series(&r, "val_loss", 1, "1");
 }
@@ -322,15 +315,11 @@ static void test_killed_writes_swept(void) {
 /* ---- a real fit: its plot and fit's closing summary ---------------------------------------- */
 
 static char printed[1 << 15];
-static size_t printed_len;
+static test_text printed_to = {printed, sizeof printed, 0};
 
-static void capture(void *user, const char *text) {
-    size_t n = strlen(text);
+static void capture(void *user, const char *text) { /* fit's printer */
     (void)user;
-    if (printed_len + n < sizeof printed) {
-        memcpy(printed + printed_len, text, n + 1);
-        printed_len += n;
-    }
+    test_text_append(&printed_to, text);
 }
 
 /* The loss scale seen after every step: its rises and falls. */
@@ -389,15 +378,13 @@ static void test_fit_summary_and_plot(void) {
     int epochs = 0, grew = -1, shrank = -1;
     long long steps = 0, skipped = -1;
     double total = 0, training = 0, rate = 0, ms[5] = {0}, first = 0, final = 0;
-    char path[512];
     CHECK(mpt_dataset_split(ctx, all, 160, &train, &val) == MPT_OK, "split");
     memset(&cb, 0, sizeof cb);
     cb.on_batch_end = watch_scale;
     cb.user_data = &w;
     w.last = mpt_model_loss_scale(m);
     w.grew = w.shrank = 0;
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 4, .batch_size = 16, .verbose = 1,
                                                   .validation_data = val, .callbacks = &cb,
                                                   .n_callbacks = 1,
@@ -439,10 +426,7 @@ static void test_fit_summary_and_plot(void) {
           "grew %d shrank %d; seen %d and %d", grew, shrank, w.grew, w.shrank);
     CHECK(first == 16777216 && final == mpt_model_loss_scale(m), "scale %g -> %g", first, final);
     /* the plot of a real history */
-    path_in_tmp(path, sizeof path, "fit.svg");
-    CHECK(mpt_history_plot_svg(&h, path, &(mpt_plot_desc){.ctx = ctx}) == MPT_OK, "plot: %s",
-          mpt_context_error(ctx));
-    read_svg(path, &r);
+    plot_and_read(&h, "fit.svg", &r);
     CHECK(r.ok && r.n == 6, "fit's plot: %d series, %s", r.n, r.n ? r.lines[r.n - 1] : "");
     check_series(&r, "loss", 1, "4");
     check_series(&r, "val_loss", 1, "4");
@@ -451,12 +435,11 @@ static void test_fit_summary_and_plot(void) {
     check_series(&r, "learning_rate", 1, "4");
     check_series(&r, "loss_scale", 1, "4");
     /* verbose 0 prints nothing, the summary included */
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 1, .batch_size = 16,
                                                   .printer = {capture, NULL}}) == MPT_OK,
           "fit");
-    CHECK(printed_len == 0, "verbose 0 printed:\n%s", printed);
+    CHECK(printed_to.len == 0, "verbose 0 printed:\n%s", printed);
     /* verbose 2 ends with it too */
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 2, .batch_size = 16, .verbose = 2,
                                                   .printer = {capture, NULL}}) == MPT_OK,
@@ -470,33 +453,20 @@ static void test_fit_summary_and_plot(void) {
     mpt_dataset_destroy(all);
 }
 
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = quiet_logger;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
-    test_seed(41);
-    make_blobs();
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_test_plot_%d", (int)getpid());
-    mkdir(tmpdir, 0700);
+static void run_cases(void) {
     TEST_RUN(test_well_formed);
     TEST_RUN(test_nan_breaks_the_curve);
     TEST_RUN(test_small_histories);
     TEST_RUN(test_bad_input);
     TEST_RUN(test_killed_writes_swept);
     TEST_RUN(test_fit_summary_and_plot);
-    if (!getenv("MPT_TEST_KEEP_PLOTS")) { /* set, the SVGs stay in tmpdir to look at */
-        static const char *const made[] = {"reader.py", "history.svg", "nan.svg", "one.svg",
-                                           "long.svg", "fit.svg"};
-        char path[512];
-        size_t i;
-        for (i = 0; i < sizeof made / sizeof made[0]; i++) {
-            path_in_tmp(path, sizeof path, made[i]);
-            remove(path);
-        }
-        rmdir(tmpdir);
-    }
-    mpt_context_destroy(ctx);
-    return test_summary("test_plot");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_plot", .ctx = &ctx, .threads = 2,
+                                   .logger = quiet_logger, .seed = 41, .setup = make_blobs,
+                                   .tmpdir = tmpdir, .tmpdir_size = sizeof tmpdir,
+                                   /* set, the SVGs stay in tmpdir to look at */
+                                   .keep_env = "MPT_TEST_KEEP_PLOTS", .cases = run_cases};
+    return test_main(&p);
 }

@@ -6,7 +6,7 @@
    HTTP routes, $MPT_TEST_PYTHON with tensorboard-plugin-profile 2.19.0),
    training bit for bit as without profiling, and bad input: ranges outside
    the run, a directory that cannot be written. */
-#define _POSIX_C_SOURCE 200809L /* popen, mkdtemp, symlink */
+#define _POSIX_C_SOURCE 200809L /* popen, symlink */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
@@ -75,15 +75,10 @@ typedef struct trace_read {
 } trace_read;
 
 static void read_trace(const char *path, trace_read *r) {
-    char script[512], cmd[1024], line[1024];
-    FILE *f, *p;
+    char cmd[1024], line[1024];
+    FILE *p;
     memset(r, 0, sizeof *r);
-    snprintf(script, sizeof script, "%s/check.py", tmpdir);
-    f = fopen(script, "w");
-    if (!f) return;
-    fputs(check_py, f);
-    fclose(f);
-    snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' 2>&1", test_python(), script, path);
+    if (!test_python_script(cmd, sizeof cmd, tmpdir, "check.py", check_py, path)) return;
     p = popen(cmd, "r");
     if (!p) return;
     while (fgets(line, sizeof line, p))
@@ -111,31 +106,46 @@ static float *weights_of(mpt_model *m, int64_t *n) {
     return all;
 }
 
+/* f profiles steps first..last into tmpdir/sub: dir (size bytes), which
+   f points to. */
+static void profile_steps(mpt_fit_desc *f, char *dir, size_t size, const char *sub,
+                          int64_t first, int64_t last) {
+    snprintf(dir, size, "%s/%s", tmpdir, sub);
+    f->profile_batch[0] = first;
+    f->profile_batch[1] = last;
+    f->profile_dir = dir;
+}
+
+/* Reads the trace of the one run that fit's profiler wrote under dir into
+   r; prefix receives "<run directory>/<host>", the run's files' name less
+   their endings. */
+static void read_run_trace(const char *dir, char *prefix, size_t prefix_size, trace_read *r) {
+    char plugin[400], run[700] = "", path[1200];
+    struct utsname names;
+    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
+    CHECK(only_entry(plugin, run, sizeof run), "one run directory in %s", plugin);
+    uname(&names);
+    snprintf(prefix, prefix_size, "%s/%s", run, names.nodename);
+    snprintf(path, sizeof path, "%s.trace.json", prefix);
+    read_trace(path, r);
+}
+
 static void test_trace_per_layer(void) {
     mpt_dataset *data = blobs_in(ctx);
     mpt_model *plain = make_model(ctx), *profiled = make_model(ctx);
     mpt_fit_desc f = fit_desc(2);
-    char dir[300], plugin[400], run[700], path[1200], host[256];
+    char dir[300], prefix[1100], path[1200];
     trace_read r;
     mpt_history h1, h2;
     float *w1, *w2;
     int64_t n1, n2;
     int k;
-    struct utsname names;
     if (!test_python_imports("json, gzip")) goto done;
     CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-    snprintf(dir, sizeof dir, "%s/logs", tmpdir);
-    f.profile_batch[0] = 5; /* epoch 1's steps 5..7 and epoch 2's 1..2 */
-    f.profile_batch[1] = 9;
-    f.profile_dir = dir;
+    profile_steps(&f, dir, sizeof dir, "logs", 5, 9); /* epoch 1's 5..7 and epoch 2's 1..2 */
     CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
-    CHECK(only_entry(plugin, run, sizeof run), "one run directory in %s", plugin);
-    uname(&names);
-    snprintf(host, sizeof host, "%s", names.nodename);
-    snprintf(path, sizeof path, "%s/%s.trace.json", run, host);
-    read_trace(path, &r);
-    CHECK(r.ok, "the trace %s parses: %s", path, r.n ? r.lines[r.n - 1] : "");
+    read_run_trace(dir, prefix, sizeof prefix, &r);
+    CHECK(r.ok, "the trace %s.trace.json parses: %s", prefix, r.n ? r.lines[r.n - 1] : "");
     CHECK(r.n == 6, "5 steps and the gzip line, got %d lines", r.n);
     for (k = 0; k < 5 && k < r.n; k++) {
         char want[256];
@@ -145,7 +155,7 @@ static void test_trace_per_layer(void) {
               r.lines[k], want);
     }
     CHECK(r.n == 6 && strcmp(r.lines[5], "gz=1") == 0, "the .gz copy holds the same events");
-    snprintf(path, sizeof path, "%s/%s.layers.txt", run, host);
+    snprintf(path, sizeof path, "%s.layers.txt", prefix);
     CHECK(access(path, R_OK) == 0, "the table %s", path);
     /* training itself is the same, bit for bit */
     w1 = weights_of(plain, &n1);
@@ -216,10 +226,7 @@ static void test_tensorboard_reads_trace(void) {
     FILE *fp;
     int read = 0;
     if (!test_python_imports("tensorboard_plugin_profile, werkzeug")) goto done;
-    snprintf(dir, sizeof dir, "%s/tensorboard", tmpdir);
-    f.profile_batch[0] = 2;
-    f.profile_batch[1] = 3;
-    f.profile_dir = dir;
+    profile_steps(&f, dir, sizeof dir, "tensorboard", 2, 3);
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
     if (!only_entry(plugin, run, sizeof run)) {
@@ -288,8 +295,7 @@ static void test_conv_mixed_precision(void) {
     mpt_dataset *data = NULL;
     mpt_model *plain, *profiled;
     mpt_fit_desc f = fit_desc(2); /* 3 steps an epoch */
-    char dir[300], plugin[400], run[700], path[1200];
-    struct utsname names;
+    char dir[300], prefix[1100];
     trace_read r;
     float *w1, *w2;
     int64_t n1, n2, i;
@@ -304,17 +310,11 @@ static void test_conv_mixed_precision(void) {
     plain = make_conv_model(ctx);
     profiled = make_conv_model(ctx);
     CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-    snprintf(dir, sizeof dir, "%s/conv", tmpdir);
-    f.profile_batch[0] = 2;
-    f.profile_batch[1] = 4;
-    f.profile_dir = dir;
+    profile_steps(&f, dir, sizeof dir, "conv", 2, 4);
     CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
-    CHECK(only_entry(plugin, run, sizeof run), "one run directory in %s", plugin);
-    uname(&names);
-    snprintf(path, sizeof path, "%s/%s.trace.json", run, names.nodename);
-    read_trace(path, &r);
-    CHECK(r.ok && r.n >= 3, "the trace %s parses: %s", path, r.n ? r.lines[r.n - 1] : "");
+    read_run_trace(dir, prefix, sizeof prefix, &r);
+    CHECK(r.ok && r.n >= 3, "the trace %s.trace.json parses: %s", prefix,
+          r.n ? r.lines[r.n - 1] : "");
     for (k = 0; k < 3 && k < r.n; k++) {
         char want[256];
         snprintf(want, sizeof want, "step %d fwd=conv2d,batch_normalization,max_pooling2d,flatten,"
@@ -518,8 +518,7 @@ static void test_run_ends_early(void) {
     mpt_fit_desc f = fit_desc(1);
     mpt_callback cb;
     int64_t at = 3;
-    char dir[300], plugin[400], run[700], path[1200];
-    struct utsname names;
+    char dir[300], prefix[1100];
     trace_read r;
     memset(&cd, 0, sizeof cd);
     cd.num_threads = 1;
@@ -531,20 +530,13 @@ static void test_run_ends_early(void) {
     memset(&cb, 0, sizeof cb);
     cb.on_batch_end = stop_at;
     cb.user_data = &at;
-    snprintf(dir, sizeof dir, "%s/early", tmpdir);
-    f.profile_batch[0] = 3;
-    f.profile_batch[1] = 6;
-    f.profile_dir = dir;
+    profile_steps(&f, dir, sizeof dir, "early", 3, 6);
     f.callbacks = &cb;
     f.n_callbacks = 1;
     warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
     CHECK(warnings == 1, "a warning that the range was cut short (%d)", warnings);
-    snprintf(plugin, sizeof plugin, "%s/plugins/profile", dir);
-    CHECK(only_entry(plugin, run, sizeof run), "one run directory");
-    uname(&names);
-    snprintf(path, sizeof path, "%s/%s.trace.json", run, names.nodename);
-    read_trace(path, &r);
+    read_run_trace(dir, prefix, sizeof prefix, &r);
     CHECK(r.ok && r.n >= 2 && !strncmp(r.lines[0], "step 3 ", 7) && !strncmp(r.lines[1], "step 4 ", 7) &&
               strncmp(r.lines[2], "step", 4) != 0,
           "steps 3 and 4 only: '%s' '%s'", r.lines[0], r.lines[1]);
@@ -554,14 +546,7 @@ done:
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    mpt_context_create(&d, &ctx);
-    make_blobs();
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_profiler_XXXXXX");
-    if (!mkdtemp(tmpdir)) return 1;
+static void run_cases(void) {
     TEST_RUN(test_trace_per_layer);
     TEST_RUN(test_tensorboard_reads_trace);
     TEST_RUN(test_conv_mixed_precision);
@@ -570,11 +555,11 @@ int main(void) {
     TEST_RUN(test_trace_files_crash_safe);
     TEST_RUN(test_killed_runs_swept);
     TEST_RUN(test_run_ends_early);
-    {
-        char cmd[300];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-        if (system(cmd) != 0) return 1;
-    }
-    mpt_context_destroy(ctx);
-    return test_summary("test_profiler");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_profiler", .ctx = &ctx, .threads = 2,
+                                   .setup = make_blobs, .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir, .cases = run_cases};
+    return test_main(&p);
 }

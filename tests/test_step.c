@@ -275,13 +275,6 @@ static void test_sgd_step_updates_masters_and_copies(void) {
 
 /* ---- bad arguments -------------------------------------------------------------- */
 
-static void expect_error(mpt_context *q, mpt_status got, mpt_status want, const char *words,
-                         const char *call) {
-    CHECK(got == want, "%s: status %d, expected %d", call, (int)got, (int)want);
-    CHECK(strstr(mpt_context_error(q), words) != NULL, "%s: message '%s' lacks '%s'", call,
-          mpt_context_error(q), words);
-}
-
 static void test_bad_arguments(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *unbuilt = NULL, *m;
@@ -302,14 +295,14 @@ static void test_bad_arguments(void) {
 
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1}, &unbuilt);
     mpt_model_add_dense(unbuilt, &(mpt_dense_desc){.units = 2});
-    expect_error(q, mpt_model_grad_stats(unbuilt, &finite, NULL), MPT_ERR_STATE, "build",
-                 "grad_stats before build");
-    expect_error(q, mpt_model_scale_grads(unbuilt, 2), MPT_ERR_STATE, "build",
-                 "scale_grads before build");
-    expect_error(q, mpt_model_sgd_step(unbuilt, 0.1f), MPT_ERR_STATE, "build",
-                 "sgd_step before build");
-    expect_error(q, mpt_model_compute_loss(unbuilt, &d, &yb, &loss), MPT_ERR_STATE, "build",
-                 "compute_loss before build");
+    test_expect_error(q, mpt_model_grad_stats(unbuilt, &finite, NULL), MPT_ERR_STATE, "build",
+                      "grad_stats before build");
+    test_expect_error(q, mpt_model_scale_grads(unbuilt, 2), MPT_ERR_STATE, "build",
+                      "scale_grads before build");
+    test_expect_error(q, mpt_model_sgd_step(unbuilt, 0.1f), MPT_ERR_STATE, "build",
+                      "sgd_step before build");
+    test_expect_error(q, mpt_model_compute_loss(unbuilt, &d, &yb, &loss), MPT_ERR_STATE, "build",
+                      "compute_loss before build");
     mpt_model_destroy(unbuilt);
 
     m = step_model(q, MPT_POLICY_MIXED_FLOAT16);
@@ -317,48 +310,51 @@ static void test_bad_arguments(void) {
         mpt_context_destroy(q);
         return;
     }
-    expect_error(q, mpt_model_scale_grads(m, INFINITY), MPT_ERR_INVALID_ARGUMENT, "factor inf",
-                 "scale_grads(inf)");
-    expect_error(q, mpt_model_scale_grads(m, NAN), MPT_ERR_INVALID_ARGUMENT, "factor nan",
-                 "scale_grads(NaN)");
-    expect_error(q, mpt_model_sgd_step(m, NAN), MPT_ERR_INVALID_ARGUMENT, "learning_rate nan",
-                 "sgd_step(NaN)");
-    expect_error(q, mpt_model_sgd_step(m, INFINITY), MPT_ERR_INVALID_ARGUMENT,
-                 "learning_rate inf", "sgd_step(inf)");
-    expect_error(q, mpt_model_sgd_step(m, -0.5f), MPT_ERR_INVALID_ARGUMENT, "learning_rate -0.5",
-                 "sgd_step(-0.5)");
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_STATE, "forward",
-                 "compute_loss before a forward pass");
+    test_expect_error(q, mpt_model_scale_grads(m, INFINITY), MPT_ERR_INVALID_ARGUMENT, "factor inf",
+                      "scale_grads(inf)");
+    test_expect_error(q, mpt_model_scale_grads(m, NAN), MPT_ERR_INVALID_ARGUMENT, "factor nan",
+                      "scale_grads(NaN)");
+    test_expect_error(q, mpt_model_sgd_step(m, NAN), MPT_ERR_INVALID_ARGUMENT, "learning_rate nan",
+                      "sgd_step(NaN)");
+    test_expect_error(q, mpt_model_sgd_step(m, INFINITY), MPT_ERR_INVALID_ARGUMENT,
+                      "learning_rate inf", "sgd_step(inf)");
+    test_expect_error(q, mpt_model_sgd_step(m, -0.5f), MPT_ERR_INVALID_ARGUMENT,
+                      "learning_rate -0.5", "sgd_step(-0.5)");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_STATE, "forward",
+                      "compute_loss before a forward pass");
     CHECK(mpt_model_forward(m, &xb, 1, NULL) == MPT_OK, "forward: %s", mpt_context_error(q));
-    expect_error(q, mpt_model_compute_loss(m, NULL, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
-                 "NULL desc", "compute_loss(NULL desc)");
-    expect_error(q, mpt_model_compute_loss(m, &d, NULL, &loss), MPT_ERR_INVALID_ARGUMENT,
-                 "NULL target", "compute_loss(NULL target)");
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, NULL), MPT_ERR_INVALID_ARGUMENT,
-                 "NULL loss", "compute_loss(NULL loss)");
+    test_expect_error(q, mpt_model_compute_loss(m, NULL, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
+                      "NULL desc", "compute_loss(NULL desc)");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, NULL, &loss), MPT_ERR_INVALID_ARGUMENT,
+                      "NULL target", "compute_loss(NULL target)");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, NULL), MPT_ERR_INVALID_ARGUMENT,
+                      "NULL loss", "compute_loss(NULL loss)");
     y[BATCH / 2] = CLASSES;
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
-                 "label 3 of sample 6", "compute_loss(label out of range)");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
+                      "label 3 of sample 6", "compute_loss(label out of range)");
     y[BATCH / 2] = 0;
     d.grad_scale = INFINITY;
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
-                 "grad_scale inf", "compute_loss(grad_scale inf)");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
+                      "grad_scale inf", "compute_loss(grad_scale inf)");
     d.grad_scale = 0;
     mpt_tensor_wrap(q, &yb, MPT_INT32, 1, (int64_t[]){BATCH - 1}, y);
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_SHAPE, "(11,)",
-                 "compute_loss(target of 11 rows)");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_SHAPE, "(11,)",
+                      "compute_loss(target of 11 rows)");
     mpt_model_destroy(m);
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+static void run_cases(void) {
     TEST_RUN(test_compute_loss_is_loss_compute);
     TEST_RUN(test_grad_stats_is_the_norm);
     TEST_RUN(test_grad_stats_finds_inf_and_nan);
     TEST_RUN(test_scale_grads_multiplies_each);
     TEST_RUN(test_sgd_step_updates_masters_and_copies);
     TEST_RUN(test_bad_arguments);
-    mpt_context_destroy(ctx);
-    return test_summary("test_step");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_step", .ctx = &ctx, .threads = 2,
+                                   .cases = run_cases};
+    return test_main(&p);
 }

@@ -42,20 +42,6 @@ static mpt_strategy *mirrored(int replicas) {
     return s;
 }
 
-/* ‖a − b‖ / ‖b‖ over every weight (NaN if either has one). */
-static double weight_diff(const mpt_model *a, const mpt_model *b) {
-    double num = 0, den = 0;
-    int i;
-    int64_t e;
-    for (i = 0; i < a->n_params; i++)
-        for (e = 0; e < a->params[i].count; e++) {
-            double x = a->params[i].value[e], y = b->params[i].value[e];
-            num += (x - y) * (x - y);
-            den += y * y;
-        }
-    return sqrt(num / den);
-}
-
 static int replicas_identical(const mpt_model *m) {
     int k;
     for (k = 1; k < m->n_replicas; k++)
@@ -66,6 +52,17 @@ static int replicas_identical(const mpt_model *m) {
                     (size_t)m->arena_bytes[MPT__MEM_OPTIMIZER])))
             return 0;
     return 1;
+}
+
+/* Fits one (a single replica) and many (`replicas` of them) on d, three
+   epochs of global batch 32; the relative norm error of many's weights
+   against one's. */
+static double fit_both(mpt_model *one, mpt_model *many, mpt_dataset *d, int replicas) {
+    mpt_fit_desc fit = fit_for(3, 32);
+    CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", replicas,
+          mpt_context_error(ctx));
+    return test_weight_diff(many, one);
 }
 
 /* N replicas, global batch 32 (the epoch's last batch has 8 samples: 2 or
@@ -84,18 +81,10 @@ static void test_replicas_match_one(void) {
             mpt_strategy *s = mirrored(counts[c]);
             mpt_model *one = model(NULL, MPT_POLICY_FLOAT32, 0, opts[o]);
             mpt_model *many = model(s, MPT_POLICY_FLOAT32, 0, opts[o]);
-            mpt_fit_desc fit;
-            double diff;
-            memset(&fit, 0, sizeof fit);
-            fit.epochs = 3;
-            fit.batch_size = 32;
-            CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-            CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", counts[c],
-                  mpt_context_error(ctx));
+            double diff = fit_both(one, many, d, counts[c]);
             CHECK(many->n_replicas == counts[c] && mpt_strategy_num_replicas(s) == counts[c],
                   "%d replicas built, %d in the strategy", many->n_replicas,
                   mpt_strategy_num_replicas(s));
-            diff = weight_diff(many, one);
             CHECK(diff <= 1e-5, "optimizer %d, %d replicas: relative norm error %.3g",
                   (int)opts[o], counts[c], diff);
             printf("# optimizer %d, %d replicas vs 1: relative norm error of the weights %.3g\n",
@@ -125,15 +114,7 @@ static void test_synchronized_batchnorm(void) {
         mpt_strategy *s = mirrored(counts[c]);
         mpt_model *one = model(NULL, MPT_POLICY_FLOAT32, 2, MPT_OPTIMIZER_ADAM);
         mpt_model *many = model(s, MPT_POLICY_FLOAT32, 2, MPT_OPTIMIZER_ADAM);
-        mpt_fit_desc fit;
-        double diff;
-        memset(&fit, 0, sizeof fit);
-        fit.epochs = 3;
-        fit.batch_size = 32;
-        CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-        CHECK(mpt_model_fit(many, d, &fit) == MPT_OK, "fit %d replicas: %s", counts[c],
-              mpt_context_error(ctx));
-        diff = weight_diff(many, one);
+        double diff = fit_both(one, many, d, counts[c]);
         printf("# synchronized BatchNormalization, %d replicas vs 1: relative norm error %.3g\n",
                counts[c], diff);
         CHECK(diff <= 1e-5, "%d replicas: relative norm error %.3g", counts[c], diff);
@@ -278,15 +259,17 @@ static void test_bad_input(void) {
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
-    make_blobs();
+static void run_cases(void) {
     TEST_RUN(test_replicas_match_one);
     TEST_RUN(test_synchronized_batchnorm);
     TEST_RUN(test_replicas_stay_identical);
     TEST_RUN(test_skips_are_global);
     TEST_RUN(test_evaluate_predict_checkpoint);
     TEST_RUN(test_bad_input);
-    mpt_context_destroy(ctx);
-    return test_summary("test_strategy");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_strategy", .ctx = &ctx, .threads = 2,
+                                   .setup = make_blobs, .cases = run_cases};
+    return test_main(&p);
 }

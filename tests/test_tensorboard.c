@@ -587,6 +587,23 @@ static int count_files(const char *log_dir, const char *run) {
     return n;
 }
 
+/* The logs an epoch's end gives (a random loss and val_loss) into *logs,
+   and m built for BATCH: 1. Else 0, the failure recorded, m destroyed. */
+static int epoch_logs_and_built(mpt_model *m, mpt_logs *logs) {
+    memset(logs, 0, sizeof *logs);
+    logs->count = 2;
+    logs->names[0] = "loss";
+    logs->values[0] = test_uniform(0.1, 2);
+    logs->names[1] = "val_loss";
+    logs->values[1] = test_uniform(0.1, 2);
+    if (!m || mpt_model_build(m, BATCH) != MPT_OK) {
+        CHECK(0, "model: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+        return 0;
+    }
+    return 1;
+}
+
 /* The callback driven by hand as fit drives it: making it creates no
    directory, and a worker other than 0 creates and writes nothing (every
    worker makes the callback; worker 0 creates log_dir when fit begins); a
@@ -600,17 +617,7 @@ static void test_workers_and_fits(void) {
     char parent[256], log_dir[300];
     struct stat st;
     int fit;
-    memset(&logs, 0, sizeof logs);
-    logs.count = 2;
-    logs.names[0] = "loss";
-    logs.values[0] = test_uniform(0.1, 2);
-    logs.names[1] = "val_loss";
-    logs.values[1] = test_uniform(0.1, 2);
-    if (!m || mpt_model_build(m, BATCH) != MPT_OK) {
-        CHECK(0, "model: %s", mpt_context_error(ctx));
-        mpt_model_destroy(m);
-        return;
-    }
+    if (!epoch_logs_and_built(m, &logs)) return;
     tmp_path(parent, sizeof parent, "by_hand");
     snprintf(log_dir, sizeof log_dir, "%s/logs", parent);
     CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = log_dir}, &cb) ==
@@ -656,17 +663,7 @@ static void test_unusable_runs(void) {
     char log_dir[256], blocker[300];
     FILE *f;
     int run;
-    memset(&logs, 0, sizeof logs);
-    logs.count = 2;
-    logs.names[0] = "loss";
-    logs.values[0] = test_uniform(0.1, 2);
-    logs.names[1] = "val_loss";
-    logs.values[1] = test_uniform(0.1, 2);
-    if (!m || mpt_model_build(m, BATCH) != MPT_OK) {
-        CHECK(0, "model: %s", mpt_context_error(ctx));
-        mpt_model_destroy(m);
-        return;
-    }
+    if (!epoch_logs_and_built(m, &logs)) return;
     for (run = 0; run < 2; run++) {
         const char *name = run ? "validation" : "train";
         snprintf(log_dir, sizeof log_dir, "%s/blocked_%s", tmpdir, name);
@@ -696,30 +693,7 @@ static void test_unusable_runs(void) {
     mpt_model_destroy(m);
 }
 
-/* ---- files this test wrote ----------------------------------------------------------- */
-
-static void remove_tree(const char *path) {
-    DIR *dir = opendir(path);
-    struct dirent *e;
-    char child[1024];
-    while (dir && (e = readdir(dir)) != NULL) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(child, sizeof child, "%s/%s", path, e->d_name);
-        remove_tree(child);
-    }
-    if (dir) closedir(dir);
-    remove(path);
-}
-
-int main(void) {
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = capture_log;
-    if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
-    test_seed(23);
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/mpt_test_tensorboard_%d", (int)getpid());
-    mkdir(tmpdir, 0700);
+static void run_cases(void) {
     TEST_RUN(test_crc32c_vectors);
     TEST_RUN(test_framing);
     TEST_RUN(test_nested_lengths);
@@ -730,7 +704,11 @@ int main(void) {
     TEST_RUN(test_write_failure);
     TEST_RUN(test_workers_and_fits);
     TEST_RUN(test_unusable_runs);
-    remove_tree(tmpdir);
-    mpt_context_destroy(ctx);
-    return test_summary("test_tensorboard");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_tensorboard", .ctx = &ctx, .threads = 2,
+                                   .logger = capture_log, .seed = 23, .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir, .cases = run_cases};
+    return test_main(&p);
 }

@@ -26,13 +26,7 @@ static void make_blobs(float *x, int32_t *y, int n, uint64_t seed) {
 }
 
 static mpt_dataset *blob_dataset(float *x, int32_t *y, int n) {
-    mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){n, FEATURES}, x);
-    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    return d;
+    return test_dataset_xy(ctx, x, y, n, FEATURES);
 }
 
 /* Dense(16, relu) -> BatchNormalization -> Dropout -> Dense(3, softmax),
@@ -264,14 +258,11 @@ static void test_default_loss_scale(void) {
 /* ---- output: summary and progress ---------------------------------------------------- */
 
 static char printed[1 << 16];
-static size_t printed_len;
-static void capture(void *user, const char *text) {
-    size_t n = strlen(text);
+static test_text printed_to = {printed, sizeof printed, 0};
+
+static void capture(void *user, const char *text) { /* fit's printer */
     (void)user;
-    if (printed_len + n < sizeof printed) {
-        memcpy(printed + printed_len, text, n + 1);
-        printed_len += n;
-    }
+    test_text_append(&printed_to, text);
 }
 
 static void test_summary_and_progress(void) {
@@ -293,16 +284,14 @@ static void test_summary_and_progress(void) {
     CHECK(mpt_model_summary(m, text, 10) == n, "needed size differs when truncated");
     make_blobs(x, y, N_SYN, 3);
     d = blob_dataset(x, y, N_SYN);
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32, .verbose = 1,
                                               .printer = {capture, NULL}}) == MPT_OK, "fit");
     CHECK(strstr(printed, "Epoch 1/2\n") && strstr(printed, "Epoch 2/2\n"), "epochs:\n%s", printed);
     CHECK(strstr(printed, "7/7 [==============================] - ") &&
               strstr(printed, "/step - loss: ") && strstr(printed, " - accuracy: "),
           "progress:\n%s", printed);
-    printed_len = 0;
-    printed[0] = 0;
+    test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 32, .verbose = 2,
                                               .printer = {capture, NULL}}) == MPT_OK, "fit");
     CHECK(strstr(printed, "7/7 - ") && !strchr(printed, '['), "verbose 2:\n%s", printed);
@@ -984,8 +973,7 @@ static void test_fashion_mnist_short_run(void) {
     mpt_dataset_destroy(all);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
+static void run_cases(void) {
     TEST_RUN(test_fit_learns_and_reports);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
@@ -1003,6 +991,10 @@ int main(void) {
     TEST_RUN(test_batch_size_past_the_data);
     TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
-    mpt_context_destroy(ctx);
-    return test_summary("test_train");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_train", .ctx = &ctx, .threads = 2,
+                                   .cases = run_cases};
+    return test_main(&p);
 }

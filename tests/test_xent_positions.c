@@ -350,13 +350,6 @@ static void test_mirrored_per_position(void) {
 
 /* ---- bad labels ---------------------------------------------------------------------- */
 
-static void expect_error(mpt_context *q, mpt_status got, mpt_status want, const char *words,
-                         const char *call) {
-    CHECK(got == want, "%s: status %d, expected %d", call, (int)got, (int)want);
-    CHECK(strstr(mpt_context_error(q), words) != NULL, "%s: message '%s' lacks '%s'", call,
-          mpt_context_error(q), words);
-}
-
 static void test_bad_labels(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = head_model(q, 0, MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 1);
@@ -376,19 +369,20 @@ static void test_bad_labels(void) {
     CHECK(mpt_model_forward(m, &xb, 1, NULL) == MPT_OK, "forward: %s", mpt_context_error(q));
     /* one label per sample, as for a flat output: not one per position */
     mpt_tensor_wrap(q, &yb, MPT_INT32, 1, (int64_t[]){N}, labels);
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_SHAPE,
-                 "sparse_categorical_crossentropy: target shape (3,)", "labels per sample");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_SHAPE,
+                      "sparse_categorical_crossentropy: target shape (3,)", "labels per sample");
     /* a label out of 0..C−1 at a position */
     labels[N * POS - 2] = C;
     mpt_tensor_wrap(q, &yb, MPT_INT32, 3, (int64_t[]){N, H, W}, labels);
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
-                 "label 5 of sample 2 position 10 is not a class id in 0..4", "label out of range");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_INVALID_ARGUMENT,
+                      "label 5 of sample 2 position 10 is not a class id in 0..4",
+                      "label out of range");
     labels[N * POS - 2] = 0;
     /* categorical targets (N, C) for an (N, H, W, C) output */
     d.type = MPT_LOSS_CATEGORICAL_CROSSENTROPY;
     mpt_tensor_wrap(q, &yb, MPT_FLOAT32, 2, (int64_t[]){N, C}, tf);
-    expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_SHAPE,
-                 "categorical_crossentropy: target shape (3, 5)", "targets per sample");
+    test_expect_error(q, mpt_model_compute_loss(m, &d, &yb, &loss), MPT_ERR_SHAPE,
+                      "categorical_crossentropy: target shape (3, 5)", "targets per sample");
     /* fit and evaluate on a dataset of one class id per sample */
     mpt_tensor_wrap(q, &yb, MPT_INT32, 1, (int64_t[]){N}, labels);
     CHECK(mpt_dataset_create(q, &(mpt_dataset_desc){.x = &xb, .y = &yb}, &data) == MPT_OK,
@@ -396,22 +390,24 @@ static void test_bad_labels(void) {
     if (data) {
         mpt_logs logs;
         mpt_fit_desc f = fit_for(1, N);
-        expect_error(q, mpt_model_evaluate(m, data, NULL, &logs), MPT_ERR_SHAPE, "(3, 4)",
-                     "evaluate on labels per sample");
-        expect_error(q, mpt_model_fit(m, data, &f), MPT_ERR_SHAPE, "(3, 4)",
-                     "fit on labels per sample");
+        test_expect_error(q, mpt_model_evaluate(m, data, NULL, &logs), MPT_ERR_SHAPE, "(3, 4)",
+                          "evaluate on labels per sample");
+        test_expect_error(q, mpt_model_fit(m, data, &f), MPT_ERR_SHAPE, "(3, 4)",
+                          "fit on labels per sample");
         mpt_dataset_destroy(data);
     }
     mpt_model_destroy(m);
     mpt_context_destroy(q);
 }
 
-int main(void) {
-    mpt_context_create(NULL, &ctx);
+static void run_cases(void) {
     TEST_RUN(test_compute_loss_per_position);
     TEST_RUN(test_evaluate_per_position);
     TEST_RUN(test_mirrored_per_position);
     TEST_RUN(test_bad_labels);
-    mpt_context_destroy(ctx);
-    return test_summary("test_xent_positions");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_xent_positions", .ctx = &ctx, .cases = run_cases};
+    return test_main(&p);
 }

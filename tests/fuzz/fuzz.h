@@ -136,6 +136,22 @@ static inline void fuzz_idx_load(mpt_context *ctx, const char *images, const cha
     mpt_dataset_destroy(d);
 }
 
+/* The IDX harnesses' run: the input split into the images and the labels
+   file, each written to this process's directory by `put` (as it is, or
+   compressed), and the two loaded by fuzz_idx_load. */
+static inline void fuzz_idx_run(const uint8_t *data, size_t size,
+                                void (*put)(const char *path, const void *data, size_t size)) {
+    static mpt_context *ctx;
+    char images[512], labels[512];
+    const uint8_t *img, *lab;
+    size_t img_size, lab_size;
+    if (!ctx) ctx = fuzz_context();
+    fuzz_idx_split(data, size, &img, &img_size, &lab, &lab_size);
+    put(fuzz_path(images, "images"), img, img_size);
+    put(fuzz_path(labels, "labels"), lab, lab_size);
+    fuzz_idx_load(ctx, images, labels);
+}
+
 /* ---- the model the weights and checkpoint harnesses load into ---------------
 
    Conv2D (kernel, bias) → BatchNormalization (gamma, beta and the moving

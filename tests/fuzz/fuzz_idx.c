@@ -11,14 +11,6 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static mpt_context *ctx;
-    char images[512], labels[512];
-    const uint8_t *img, *lab;
-    size_t img_size, lab_size;
-    if (!ctx) ctx = fuzz_context();
-    fuzz_idx_split(data, size, &img, &img_size, &lab, &lab_size);
-    fuzz_write(fuzz_path(images, "images"), img, img_size);
-    fuzz_write(fuzz_path(labels, "labels"), lab, lab_size);
-    fuzz_idx_load(ctx, images, labels);
+    fuzz_idx_run(data, size, fuzz_write);
     return 0;
 }

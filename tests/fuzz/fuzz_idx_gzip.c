@@ -11,7 +11,8 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-static void write_gzip(const char *path, const uint8_t *data, size_t size) {
+static void write_gzip(const char *path, const void *bytes, size_t size) {
+    const uint8_t *data = (const uint8_t *)bytes;
     gzFile gz;
     if (size >= 2 && data[0] == 0x1f && data[1] == 0x8b) {
         fuzz_write(path, data, size);
@@ -23,14 +24,6 @@ static void write_gzip(const char *path, const uint8_t *data, size_t size) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static mpt_context *ctx;
-    char images[512], labels[512];
-    const uint8_t *img, *lab;
-    size_t img_size, lab_size;
-    if (!ctx) ctx = fuzz_context();
-    fuzz_idx_split(data, size, &img, &img_size, &lab, &lab_size);
-    write_gzip(fuzz_path(images, "images"), img, img_size);
-    write_gzip(fuzz_path(labels, "labels"), lab, lab_size);
-    fuzz_idx_load(ctx, images, labels);
+    fuzz_idx_run(data, size, write_gzip);
     return 0;
 }

@@ -338,12 +338,20 @@ static inline int test_main(const test_program *p) {
    ids y (borrowed, not copied). */
 static inline mpt_dataset *test_dataset_xy(mpt_context *c, float *x, int32_t *y, int64_t n,
                                            int64_t features) {
+    /* no compound literals: tests/test_cuda.c includes this as C++ */
+    int64_t x_shape[2], y_shape[1];
     mpt_tensor tx, ty;
+    mpt_dataset_desc desc;
     mpt_dataset *d = NULL;
-    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, (int64_t[]){n, features}, x);
-    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
-    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(c));
+    x_shape[0] = n;
+    x_shape[1] = features;
+    y_shape[0] = n;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, x_shape, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, y_shape, y);
+    memset(&desc, 0, sizeof desc);
+    desc.x = &tx;
+    desc.y = &ty;
+    CHECK(mpt_dataset_create(c, &desc, &d) == MPT_OK, "dataset: %s", mpt_context_error(c));
     return d;
 }
 

@@ -2259,17 +2259,7 @@ static void make_blobs(void) {
 }
 
 static mpt_dataset *blob_dataset(mpt_context *ctx) {
-    mpt_tensor tx, ty;
-    mpt_dataset_desc d;
-    mpt_dataset *out = NULL;
-    int64_t xs[2] = {N_BLOBS, FEATURES}, ys[1] = {N_BLOBS};
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, xs, blob_x);
-    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, blob_y);
-    memset(&d, 0, sizeof d);
-    d.x = &tx;
-    d.y = &ty;
-    CHECK(mpt_dataset_create(ctx, &d, &out) == MPT_OK, "dataset: %s", mpt_context_error(ctx));
-    return out;
+    return test_dataset_xy(ctx, blob_x, blob_y, N_BLOBS, FEATURES);
 }
 
 /* Dense(64, relu) -> BatchNormalization -> Dropout(0.2) -> Dense(4, softmax),

@@ -202,7 +202,8 @@
        @gemm         the CPU matrix product
        @qgemm        the int8 matrix product (quantized inference)
        @rng          the counter-based random numbers
-       @layers       layer descriptors and the sequential model
+       @layers       layer descriptors, the sequential model and its functional
+                     form (nodes, merge layers)
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
@@ -716,7 +717,7 @@ MPTDEF void mpt_philox4x32(uint64_t key, uint64_t counter_hi, uint64_t counter_l
                            uint32_t out[4]);
 
 /* =============================================================================
-   @layers: layer descriptors and the sequential model
+   @layers: layer descriptors, the sequential model and its functional form
    ============================================================================= */
 
 /* The Keras precision policies: variables are float32; the compute dtype
@@ -851,6 +852,67 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m,
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *desc);
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *desc);
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *desc);
+
+/* ---- the functional form: layers applied to nodes (Keras' functional API) --
+
+   A node is a tensor of the model's graph: its input, or what a layer
+   gave. Each call below adds one layer, applied to the nodes it is given,
+   and returns the node of its output, as `keras.layers.Dense(64)(x)`:
+
+       mpt_node x = mpt_model_input(m);
+       mpt_node y = mpt_conv2d(m, x, &(mpt_conv2d_desc){ .filters = 16,
+                       .kernel_size = {3, 3}, .padding = MPT_PADDING_SAME });
+       y = mpt_batch_normalization(m, y, NULL);
+       y = mpt_activation_layer(m, y, &(mpt_activation_desc){ MPT_ACT_RELU });
+       mpt_node both[2] = { y, x };
+       y = mpt_add(m, 2, both, NULL);            (a residual connection)
+
+   The model's output is the last layer added, and every layer must lead
+   to it (build names one that does not). The mpt_model_add_* calls above
+   are this form applied to the last node, so a Sequential stack is a
+   chain of nodes. A node may feed several layers: its gradient is the sum
+   of theirs, added in a fixed order (the reverse of the layers' order), so
+   training repeats bit for bit whatever the thread count.
+
+   A failed call returns MPT_NODE_FAILED, says why in mpt_context_error,
+   and the model keeps its first failure: later calls given the failed
+   node fail quietly, and mpt_model_build returns that first status with
+   its message. So a graph can be written without a check per line. */
+typedef int mpt_node;
+#define MPT_NODE_FAILED (-1)
+
+/* The model's input (its desc's input_shape). */
+MPTDEF mpt_node mpt_model_input(mpt_model *m);
+
+MPTDEF mpt_node mpt_dense(mpt_model *m, mpt_node x, const mpt_dense_desc *desc);
+MPTDEF mpt_node mpt_conv2d(mpt_model *m, mpt_node x, const mpt_conv2d_desc *desc);
+MPTDEF mpt_node mpt_max_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *desc);
+MPTDEF mpt_node mpt_average_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *desc);
+MPTDEF mpt_node mpt_global_average_pooling2d(mpt_model *m, mpt_node x,
+                                             const mpt_global_pool2d_desc *desc);
+MPTDEF mpt_node mpt_batch_normalization(mpt_model *m, mpt_node x, const mpt_batchnorm_desc *desc);
+MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *desc);
+MPTDEF mpt_node mpt_flatten(mpt_model *m, mpt_node x, const mpt_flatten_desc *desc);
+/* Keras' Activation layer (mpt_activation is the enum of activations). */
+MPTDEF mpt_node mpt_activation_layer(mpt_model *m, mpt_node x, const mpt_activation_desc *desc);
+
+/* The merge layers: n (2..MPT_MAX_MERGE_INPUTS) nodes of one shape, cast
+   to the layer's compute dtype as Keras casts them, combined element by
+   element in that dtype, each operation rounded to it: Add x0 + x1 + ...,
+   left to right; Subtract x0 − x1 (two inputs); Multiply x0 · x1 · ...;
+   Average (x0 + x1 + ...) / n. */
+#define MPT_MAX_MERGE_INPUTS 8
+typedef struct mpt_merge_desc {
+    MPT_LAYER_COMMON_FIELDS;
+} mpt_merge_desc;
+
+MPTDEF mpt_node mpt_add(mpt_model *m, int n, const mpt_node *inputs, const mpt_merge_desc *desc);
+MPTDEF mpt_node mpt_subtract(mpt_model *m, int n, const mpt_node *inputs,
+                             const mpt_merge_desc *desc);
+MPTDEF mpt_node mpt_multiply(mpt_model *m, int n, const mpt_node *inputs,
+                             const mpt_merge_desc *desc);
+MPTDEF mpt_node mpt_average(mpt_model *m, int n, const mpt_node *inputs,
+                            const mpt_merge_desc *desc);
 
 /* Checks every layer's shapes, plans and allocates every buffer for batches
    of up to max_batch samples, and initialises the weights. After this, a
@@ -2188,6 +2250,16 @@ typedef struct mpt_update_args {
     mpt_step_state *state;
 } mpt_update_args;
 
+/* The element-wise operations of mpt_backend.elementwise: the merge layers
+   (Add, Subtract, Multiply, Average) and the sum of a node's gradients. */
+typedef enum mpt_elementwise_op {
+    MPT_ELEMENTWISE_ADD = 0,      /* a + b       */
+    MPT_ELEMENTWISE_SUBTRACT = 1, /* a − b       */
+    MPT_ELEMENTWISE_MULTIPLY = 2, /* a · b       */
+    MPT_ELEMENTWISE_DIVIDE = 3,   /* a / alpha   */
+    MPT_ELEMENTWISE_NEGATE = 4    /* −a          */
+} mpt_elementwise_op;
+
 typedef struct mpt_backend {
     const char *name;           /* "cpu", "cuda"                           */
     int gemm_rounds_c;          /* gemm can store C in float16/bfloat16    */
@@ -2296,6 +2368,12 @@ typedef struct mpt_backend {
     void (*add)(void *impl, float *dst, const float *src, int64_t n);
     /* x[i] *= alpha for n floats (a sum over replicas made a mean). */
     void (*scale)(void *impl, float *x, float alpha, int64_t n);
+    /* y[i] = a[i] op b[i] for n elements of dtype: computed in float32 and
+       rounded to dtype once (mpt__elementwise_rule, @backend-shared). b
+       is read only by the ops of two operands, alpha only by DIVIDE; y may
+       be a or b. */
+    void (*elementwise)(void *impl, mpt_elementwise_op op, mpt_dtype dtype, void *y,
+                        const void *a, const void *b, float alpha, int64_t n);
     /* The int8 matrix product, as mpt_qgemm (@qgemm): d's a, b, bias,
        c or c_int8, multiplier and shift in the backend's memory, d checked
        as mpt_qgemm checks it, b_packed NULL. The result has the same bits
@@ -2686,6 +2764,20 @@ static inline MPT__HD float mpt__momentum_update(const mpt__update_coefs *k, flo
    @impl-activations and every CUDA kernel that applies an activation (the
    layers' and the GEMM epilogues) run these; erff and expf are each
    platform's own (the host's libm and CUDA's may differ in the last bit). */
+
+/* One element of mpt_backend.elementwise, in float32; the caller rounds
+   the result to the dtype once. */
+static inline MPT__HD float mpt__elementwise_rule(mpt_elementwise_op op, float a, float b,
+                                                  float alpha) {
+    switch (op) {
+    case MPT_ELEMENTWISE_ADD: return mpt__fadd_rn(a, b);
+    case MPT_ELEMENTWISE_SUBTRACT: return mpt__fsub_rn(a, b);
+    case MPT_ELEMENTWISE_MULTIPLY: return mpt__fmul_rn(a, b);
+    case MPT_ELEMENTWISE_DIVIDE: return mpt__fdiv_rn(a, alpha);
+    case MPT_ELEMENTWISE_NEGATE: return -a;
+    }
+    return a;
+}
 
 /* GELU, exact: x·Φ(x) = ½x·(1 + erf(x/√2)), as Keras' default
    (approximate=False). */
@@ -4143,6 +4235,11 @@ typedef struct mpt__pass {
     void *y;         /* (batch, out_shape)                                  */
     const void *dy;  /* backward: (batch, out_shape)                        */
     void *dx;        /* backward: (batch, in_shape); NULL when nobody needs it */
+    /* Every input, for a layer of several (the merges): xs[0] is x and
+       dxs[0] is dx; a dxs entry is NULL where nobody needs it. */
+    int n_x;
+    const void *const *xs;
+    void *const *dxs;
     void *workspace; /* the layer's scratch (as its build declared), free for
                         this call's use; a staged layer's converted input and
                         dx lie past it                                       */
@@ -4165,6 +4262,10 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_GLOBAL_AVERAGE_POOLING2D,
     MPT__LAYER_BATCH_NORMALIZATION,
     MPT__LAYER_DROPOUT,
+    MPT__LAYER_ADD,
+    MPT__LAYER_SUBTRACT,
+    MPT__LAYER_MULTIPLY,
+    MPT__LAYER_AVERAGE,
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4270,11 +4371,17 @@ typedef union mpt__layer_desc {
     mpt_dropout_desc dropout;
     mpt_activation_desc activation;
     mpt_flatten_desc flatten;
+    mpt_merge_desc merge;
 } mpt__layer_desc;
 
 struct mpt__layer {
     const mpt__layer_ops *ops;
     mpt__layer_desc desc;
+    /* What it is applied to: nodes of the model's graph (@impl-model's
+       mpt__node_*), node 0 the model's input and node i + 1 layer i's
+       output. A layer of a Sequential stack has one, the node before it. */
+    int n_in;
+    int in_node[MPT_MAX_MERGE_INPUTS];
     char name[64];
     mpt_dtype dtype;                        /* resolved compute dtype        */
     int in_rank, out_rank;                  /* one sample's rank: 1..3       */
@@ -4310,6 +4417,16 @@ struct mpt__layer {
     const void *x_src;                      /* staged: what forward converted */
     mpt_dtype x_src_dtype;
     void *y;                                /* output of the last forward     */
+    /* Set by a graph model (m->graph) only: */
+    const void *xs[MPT_MAX_MERGE_INPUTS];    /* each input of the last forward,
+                                                in dtype; xs[0] is x           */
+    void *xs_cast[MPT_MAX_MERGE_INPUTS];     /* where an input is converted to
+                                                dtype; NULL where it need not be */
+    void *dxs[MPT_MAX_MERGE_INPUTS];         /* backward: where each input's
+                                                gradient goes                  */
+    void *dy_buf;                            /* the gradient w.r.t. y: the sum
+                                                of what the layers it feeds give
+                                                back (the last layer's: grad_buf[0]) */
 };
 
 /* fit's per-epoch history: values[k][e] for key k, epoch e. */
@@ -4352,7 +4469,20 @@ struct mpt_model {
     int64_t memory_peak[MPT__MEM_COUNT_]; /* the most arena_bytes during fit */
     int64_t host_peak;                   /* the context's, during fit; −1:
                                             no fit yet                       */
-    void *grad_buf[2];                   /* ping-pong activation gradients */
+    void *grad_buf[2];                   /* ping-pong activation gradients; in a
+                                            graph: [0] the output's, [1] scratch */
+    /* The graph (@impl-model): */
+    int graph;                           /* 1: some layer's inputs are not just
+                                            the layer before it               */
+    int n_pending;                       /* the functional form's inputs for */
+    int pending[MPT_MAX_MERGE_INPUTS];   /* the next layer added              */
+    mpt_status graph_status;             /* the first failed functional call */
+    char graph_error[1024];              /* and its message                   */
+    void *input_grad;                    /* a graph's gradient w.r.t. its input,
+                                            in layers[0]'s dtype              */
+    int64_t graph_slot_bytes;            /* a graph's scratch per input slot */
+    unsigned char *node_written;         /* a graph's backward: which nodes'
+                                            gradients hold a sum (host)       */
     void *input_buf[2];                  /* (max_batch, in) batches copied in from
                                             the host (two: one is filled while
                                             the other is read); NULL on the CPU */
@@ -4661,6 +4791,73 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
    its zero defaults when NULL (a required field's own check names it). */
 static mpt_status mpt__check_add(mpt_model *m) { return m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT; }
 
+/* ---- the functional form: a layer applied to nodes ---------------------------
+   Each mpt_<layer>(m, x, desc) is mpt__apply, then the layer's own
+   mpt_model_add_<layer>, then mpt__applied: the add takes the nodes
+   mpt__apply left pending (mpt__take_inputs) instead of the last one. */
+
+/* Keeps the functional form's first failure (s, and the context's
+   message) for build. */
+static void mpt__graph_keep(mpt_model *m, mpt_status s) {
+    if (m->graph_status != MPT_OK) return;
+    m->graph_status = s;
+    memcpy(m->graph_error, m->ctx->error, sizeof m->graph_error);
+}
+
+/* Checks the nodes a layer is applied to and leaves them pending; 0 when
+   one is not a node of m (an earlier failure's MPT_NODE_FAILED fails
+   quietly: the model keeps the first message). */
+static int mpt__apply(mpt_model *m, const mpt_node *inputs, int n, int least, int most,
+                      const char *what) {
+    int s;
+    if (!m) return 0;
+    m->n_pending = 0;
+    if (m->graph_status != MPT_OK) return 0;
+    if (!inputs || n < least || n > most) {
+        char want[32];
+        snprintf(want, sizeof want, least == most ? "%d" : "%d..%d", least, most);
+        mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                     "%s: takes %s input node%s, not %d%s", what, want,
+                                     most > 1 ? "s" : "", n, inputs ? "" : " (NULL)"));
+        return 0;
+    }
+    for (s = 0; s < n; s++)
+        if (inputs[s] < 0 || inputs[s] > m->n_layers) {
+            mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                         "%s: input %d is node %d, not one of this model's "
+                                         "(0..%d)", what, s, inputs[s], m->n_layers));
+            return 0;
+        }
+    memcpy(m->pending, inputs, sizeof(mpt_node) * (size_t)n);
+    m->n_pending = n;
+    return 1;
+}
+
+/* The node a layer added with status s gives: its output, or on failure
+   MPT_NODE_FAILED, the model keeping the first failure for build. */
+static mpt_node mpt__applied(mpt_model *m, mpt_status s) {
+    if (!m) return MPT_NODE_FAILED;
+    m->n_pending = 0;
+    if (s == MPT_OK) return m->n_layers;
+    mpt__graph_keep(m, s);
+    return MPT_NODE_FAILED;
+}
+
+MPTDEF mpt_node mpt_model_input(mpt_model *m) { return m ? 0 : MPT_NODE_FAILED; }
+
+/* One sample's shape at a node (layers before it built); returns its rank. */
+static int mpt__node_shape(const mpt_model *m, int node, int64_t *shape) {
+    const mpt__layer *L = node > 0 ? &m->layers[node - 1] : NULL;
+    int rank = L ? L->out_rank : m->desc.input_rank;
+    memcpy(shape, L ? L->out_shape : m->desc.input_shape, sizeof(int64_t) * (size_t)rank);
+    return rank;
+}
+
+/* A node's name in messages: the layer that gives it, or "input". */
+static const char *mpt__node_name(const mpt_model *m, int node) {
+    return node > 0 ? m->layers[node - 1].name : "input";
+}
+
 /* =============================================================================
    @impl-dense  Dense: y = act(x · kernel + bias)                x: (B, in)  y: (B, units)
    ============================================================================= */
@@ -4783,6 +4980,11 @@ MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     return mpt__add_layer(m, &mpt__dense_ops, d, sizeof(mpt_dense_desc));
 }
 
+MPTDEF mpt_node mpt_dense(mpt_model *m, mpt_node x, const mpt_dense_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "Dense")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_dense(m, d));
+}
+
 /* =============================================================================
    @impl-flatten  Flatten: (B, h, w, c) -> (B, h·w·c), the same memory as vectors
    ============================================================================= */
@@ -4815,6 +5017,11 @@ MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d)
     MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
     memset(&none, 0, sizeof none);
     return mpt__add_layer(m, &mpt__flatten_ops, d ? d : &none, sizeof(mpt_flatten_desc));
+}
+
+MPTDEF mpt_node mpt_flatten(mpt_model *m, mpt_node x, const mpt_flatten_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "Flatten")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_flatten(m, d));
 }
 
 /* =============================================================================
@@ -4867,6 +5074,11 @@ MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_de
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
                          (int)d->activation);
     return mpt__add_layer(m, &mpt__activation_ops, d, sizeof(mpt_activation_desc));
+}
+
+MPTDEF mpt_node mpt_activation_layer(mpt_model *m, mpt_node x, const mpt_activation_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "Activation")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_activation(m, d));
 }
 /* =============================================================================
    @impl-windows  the geometry Conv2D and the pooling layers share
@@ -5510,6 +5722,11 @@ MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     return mpt__add_layer(m, &mpt__conv2d_ops, d, sizeof(mpt_conv2d_desc));
 }
 
+MPTDEF mpt_node mpt_conv2d(mpt_model *m, mpt_node x, const mpt_conv2d_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "Conv2D")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_conv2d(m, d));
+}
+
 /* =============================================================================
    @impl-pooling  MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
            x: (B, H, W, C)  y: (B, OH, OW, C)   (global: y (B, C))
@@ -6086,8 +6303,18 @@ MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_des
     return mpt__add_pool(m, &mpt__max_pool_ops, d);
 }
 
+MPTDEF mpt_node mpt_max_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "MaxPooling2D")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_max_pooling2d(m, d));
+}
+
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
     return mpt__add_pool(m, &mpt__avg_pool_ops, d);
+}
+
+MPTDEF mpt_node mpt_average_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "AveragePooling2D")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_average_pooling2d(m, d));
 }
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
@@ -6097,6 +6324,11 @@ MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
     memset(&none, 0, sizeof none);
     return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none,
                           sizeof(mpt_global_pool2d_desc));
+}
+
+MPTDEF mpt_node mpt_global_average_pooling2d(mpt_model *m, mpt_node x, const mpt_global_pool2d_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "GlobalAveragePooling2D")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_global_average_pooling2d(m, d));
 }
 
 /* ---- a Conv2D and the MaxPooling2D after it, as one pass ---------------------
@@ -6898,6 +7130,11 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batc
     return mpt__add_layer(m, &mpt__bn_ops, d, sizeof(mpt_batchnorm_desc));
 }
 
+MPTDEF mpt_node mpt_batch_normalization(mpt_model *m, mpt_node x, const mpt_batchnorm_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "BatchNormalization")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_batch_normalization(m, d));
+}
+
 /* =============================================================================
    @impl-dropout  Dropout: inverted dropout                  x, y: (B, ...)
    =============================================================================
@@ -7140,6 +7377,226 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
                          (double)d->rate);
     return mpt__add_layer(m, &mpt__dropout_ops, d, sizeof(mpt_dropout_desc));
 }
+
+MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "Dropout")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_dropout(m, d));
+}
+/* =============================================================================
+   @impl-merge  Add, Subtract, Multiply, Average: n inputs of one shape, one output
+   =============================================================================
+
+   Keras' merge layers combine their inputs element by element in the
+   layer's compute dtype, each operation rounded to it, left to right; the
+   walk (@impl-passes) has cast every input to that dtype. Their backward
+   passes follow the chain rule through the same operations: an Add hands
+   dy to every input, a Subtract dy and −dy, an Average dy / n to each, a
+   Multiply dy times the product of the other inputs, taken in the
+   forward's order. One backend slot does the arithmetic:
+   mpt_backend.elementwise. */
+
+/* ---- the CPU backend's element-wise operations ------------------------------- */
+
+#define MPT__ELEMENTWISE_CHUNK ((int64_t)1 << 14) /* elements per task          */
+#define MPT__ELEMENTWISE_PIECE 256                /* floats converted at a time */
+
+typedef struct mpt__elementwise_job {
+    mpt_context *ctx;
+    mpt_elementwise_op op;
+    mpt_dtype dtype;
+    void *y;
+    const void *a, *b; /* b NULL where the op reads one operand */
+    float alpha;
+    int64_t n;
+} mpt__elementwise_job;
+
+/* Elements [i0, i0 + k) of a half dtype, through float32 on the stack. */
+static void mpt__elementwise_half(const mpt__elementwise_job *j, int64_t i0, int64_t k) {
+    float a[MPT__ELEMENTWISE_PIECE], b[MPT__ELEMENTWISE_PIECE];
+    mpt__convert_fn widen = mpt__convert_kernel(j->ctx->cpu, MPT_FLOAT32, j->dtype);
+    mpt__convert_fn narrow = mpt__convert_kernel(j->ctx->cpu, j->dtype, MPT_FLOAT32);
+    size_t at = (size_t)i0 * 2;
+    int64_t i;
+    widen(MPT_FLOAT32, a, j->dtype, (const char *)j->a + at, k);
+    if (j->b) widen(MPT_FLOAT32, b, j->dtype, (const char *)j->b + at, k);
+    for (i = 0; i < k; i++) a[i] = mpt__elementwise_rule(j->op, a[i], j->b ? b[i] : 0, j->alpha);
+    narrow(j->dtype, (char *)j->y + at, MPT_FLOAT32, a, k);
+}
+
+static void mpt__elementwise_task(void *arg, int64_t chunk, int thread) {
+    const mpt__elementwise_job *j = (const mpt__elementwise_job *)arg;
+    int64_t i0 = chunk * MPT__ELEMENTWISE_CHUNK;
+    int64_t i1 = MPT__MIN(j->n, i0 + MPT__ELEMENTWISE_CHUNK), i;
+    (void)thread;
+    if (j->dtype == MPT_FLOAT32) {
+        const float *a = (const float *)j->a, *b = (const float *)j->b;
+        float *y = (float *)j->y;
+        for (i = i0; i < i1; i++) y[i] = mpt__elementwise_rule(j->op, a[i], b ? b[i] : 0, j->alpha);
+        return;
+    }
+    for (i = i0; i < i1; i += MPT__ELEMENTWISE_PIECE)
+        mpt__elementwise_half(j, i, MPT__MIN(MPT__ELEMENTWISE_PIECE, i1 - i));
+}
+
+/* mpt_backend.elementwise on the CPU. */
+static void mpt__cpu_elementwise(void *impl, mpt_elementwise_op op, mpt_dtype dtype, void *y,
+                                 const void *a, const void *b, float alpha, int64_t n) {
+    mpt__elementwise_job j;
+    j.ctx = (mpt_context *)impl;
+    j.op = op;
+    j.dtype = dtype;
+    j.y = y;
+    j.a = a;
+    j.b = op == MPT_ELEMENTWISE_DIVIDE || op == MPT_ELEMENTWISE_NEGATE ? NULL : b;
+    j.alpha = alpha;
+    j.n = n;
+    mpt__parallel_for(j.ctx, (n + MPT__ELEMENTWISE_CHUNK - 1) / MPT__ELEMENTWISE_CHUNK,
+                      mpt__elementwise_task, &j);
+}
+
+/* ---- the layers ------------------------------------------------------------ */
+
+/* Every input of L has the first one's shape (Keras' merges also
+   broadcast; these do not yet). */
+static mpt_status mpt__merge_build(struct mpt_model *m, mpt__layer *L) {
+    int64_t shape[MPT_MAX_RANK - 1];
+    int s, d;
+    for (s = 1; s < L->n_in; s++) {
+        int rank = mpt__node_shape(m, L->in_node[s], shape), same = rank == L->in_rank;
+        for (d = 0; same && d < rank; d++) same = shape[d] == L->in_shape[d];
+        if (!same) {
+            char a[96], b[96];
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                             "%s '%s': input %d ('%s') has shape %s, input 0 ('%s') %s: a merge "
+                             "takes inputs of one shape", L->ops->class_name, L->name, s,
+                             mpt__node_name(m, L->in_node[s]),
+                             mpt_shape_format(a, sizeof a, rank, shape),
+                             mpt__node_name(m, L->in_node[0]),
+                             mpt_shape_format(b, sizeof b, L->in_rank, L->in_shape));
+        }
+    }
+    L->out_rank = L->in_rank;
+    memcpy(L->out_shape, L->in_shape, sizeof L->out_shape);
+    /* Multiply's backward: the running products x0·x1, x0·x1·x2, ...
+       (all but the last) and the gradient carried down, in dtype. */
+    if (L->ops->kind == MPT__LAYER_MULTIPLY && L->n_in > 2) {
+        int64_t bytes = 0;
+        MPT__CHECK(mpt__batch_bytes(m, L, mpt__dbytes(L->dtype, L->in_count) * (L->n_in - 1), 0,
+                                    &bytes));
+        MPT__CHECK(mpt__layer_set_workspace(m, L, bytes, 0));
+    }
+    return MPT_OK;
+}
+
+static void mpt__merge_op(const mpt__layer *L, const mpt__pass *p, mpt_elementwise_op op,
+                          void *y, const void *a, const void *b, float alpha) {
+    p->be->elementwise(p->impl, op, L->dtype, y, a, b, alpha, p->batch * L->in_count);
+}
+
+/* y = x0 op x1 op x2 ..., left to right; an Average then divided by n. */
+static void mpt__merge_forward(mpt__layer *L, const mpt__pass *p) {
+    static const mpt_elementwise_op fold[] = {MPT_ELEMENTWISE_ADD, MPT_ELEMENTWISE_SUBTRACT,
+                                              MPT_ELEMENTWISE_MULTIPLY, MPT_ELEMENTWISE_ADD};
+    mpt_elementwise_op op = fold[L->ops->kind - MPT__LAYER_ADD];
+    int s;
+    mpt__merge_op(L, p, op, p->y, p->xs[0], p->xs[1], 0);
+    for (s = 2; s < p->n_x; s++) mpt__merge_op(L, p, op, p->y, p->y, p->xs[s], 0);
+    if (L->ops->kind == MPT__LAYER_AVERAGE)
+        mpt__merge_op(L, p, MPT_ELEMENTWISE_DIVIDE, p->y, p->y, NULL, (float)p->n_x);
+}
+
+/* Multiply's backward through the forward's fold ((x0·x1)·x2)·...: the
+   gradient g carried down from dy gives dx_k = g · (x0·...·x_{k−1}) and
+   then g · x_k for the inputs before. */
+static void mpt__multiply_backward(mpt__layer *L, const mpt__pass *p) {
+    int64_t bytes = mpt__dbytes(L->dtype, p->batch * L->in_count);
+    unsigned char *ws = (unsigned char *)p->workspace;
+    const void *g = p->dy;
+    int k;
+    /* products[k − 1] = x0·...·xk for k = 1 .. n − 2 */
+    for (k = 1; k + 1 < p->n_x; k++)
+        mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, ws + (k - 1) * bytes,
+                      k == 1 ? p->xs[0] : ws + (k - 2) * bytes, p->xs[k], 0);
+    for (k = p->n_x - 1; k >= 1; k--) {
+        const void *before = k == 1 ? p->xs[0] : ws + (k - 2) * bytes;
+        void *carried = ws + (int64_t)(p->n_x - 2) * bytes;
+        if (p->dxs[k]) mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, p->dxs[k], g, before, 0);
+        if (k == 1) {
+            if (p->dxs[0]) mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, p->dxs[0], g, p->xs[1], 0);
+        } else {
+            mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, carried, g, p->xs[k], 0);
+            g = carried;
+        }
+    }
+}
+
+static void mpt__merge_backward(mpt__layer *L, const mpt__pass *p) {
+    size_t bytes = (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count);
+    const void *share = p->dy; /* what each input gets (Add, Average) */
+    int s;
+    switch (L->ops->kind) {
+    case MPT__LAYER_MULTIPLY: mpt__multiply_backward(L, p); return;
+    case MPT__LAYER_SUBTRACT:
+        if (p->dxs[0]) p->be->copy(p->impl, p->dxs[0], p->dy, bytes);
+        if (p->dxs[1]) mpt__merge_op(L, p, MPT_ELEMENTWISE_NEGATE, p->dxs[1], p->dy, NULL, 0);
+        return;
+    case MPT__LAYER_AVERAGE: /* dy / n once, into the first input that wants it */
+        for (s = 0; s < p->n_x && !p->dxs[s]; s++) continue;
+        if (s == p->n_x) return;
+        mpt__merge_op(L, p, MPT_ELEMENTWISE_DIVIDE, p->dxs[s], p->dy, NULL, (float)p->n_x);
+        share = p->dxs[s];
+        break;
+    default: break;
+    }
+    for (s = 0; s < p->n_x; s++)
+        if (p->dxs[s] && p->dxs[s] != share) p->be->copy(p->impl, p->dxs[s], share, bytes);
+}
+
+static const mpt__layer_ops mpt__add_ops = {"Add", "add", MPT__LAYER_ADD, mpt__merge_build,
+                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
+                                             NULL, NULL, NULL, 0};
+
+static const mpt__layer_ops mpt__subtract_ops = {"Subtract", "subtract", MPT__LAYER_SUBTRACT, mpt__merge_build,
+                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
+                                             NULL, NULL, NULL, 0};
+
+static const mpt__layer_ops mpt__multiply_ops = {"Multiply", "multiply", MPT__LAYER_MULTIPLY, mpt__merge_build,
+                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
+                                             NULL, NULL, NULL, 0};
+
+static const mpt__layer_ops mpt__average_ops = {"Average", "average", MPT__LAYER_AVERAGE, mpt__merge_build,
+                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
+                                             NULL, NULL, NULL, 0};
+
+/* The merges' one entry: n nodes (two for a Subtract) into a layer of ops. */
+static mpt_node mpt__merge(mpt_model *m, const mpt__layer_ops *ops, int n, const mpt_node *inputs,
+                           const mpt_merge_desc *d) {
+    mpt_merge_desc defaults;
+    int most = ops->kind == MPT__LAYER_SUBTRACT ? 2 : MPT_MAX_MERGE_INPUTS;
+    memset(&defaults, 0, sizeof defaults);
+    if (!mpt__apply(m, inputs, n, 2, most, ops->class_name)) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt__add_layer(m, ops, d ? d : &defaults, sizeof defaults));
+}
+
+MPTDEF mpt_node mpt_add(mpt_model *m, int n, const mpt_node *inputs, const mpt_merge_desc *d) {
+    return mpt__merge(m, &mpt__add_ops, n, inputs, d);
+}
+
+MPTDEF mpt_node mpt_subtract(mpt_model *m, int n, const mpt_node *inputs,
+                             const mpt_merge_desc *d) {
+    return mpt__merge(m, &mpt__subtract_ops, n, inputs, d);
+}
+
+MPTDEF mpt_node mpt_multiply(mpt_model *m, int n, const mpt_node *inputs,
+                             const mpt_merge_desc *d) {
+    return mpt__merge(m, &mpt__multiply_ops, n, inputs, d);
+}
+
+MPTDEF mpt_node mpt_average(mpt_model *m, int n, const mpt_node *inputs,
+                            const mpt_merge_desc *d) {
+    return mpt__merge(m, &mpt__average_ops, n, inputs, d);
+}
+
 /* =============================================================================
    @impl-model: the sequential model: create, add, initialise, lay out in memory, build
    ============================================================================= */
@@ -7212,6 +7669,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     for (c = 0; c < MPT_MAX_LOGS; c++) mpt__free(m->ctx, m->history.values[c]);
     mpt__free(m->ctx, m->layers);
     mpt__free(m->ctx, m->params);
+    mpt__free(m->ctx, m->node_written);
     mpt__quantized_free(m->ctx, m->quantized);
     mpt__qat_free(m);
     mpt__free(ctx, m);
@@ -7224,6 +7682,23 @@ static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name) {
     for (i = 0; i < m->n_layers; i++)
         if (strcmp(m->layers[i].name, name) == 0) return &m->layers[i];
     return NULL;
+}
+
+/* A new layer's inputs: those the functional form gave (mpt__apply), or
+   else the node before it, as in a Sequential stack. */
+static void mpt__take_inputs(mpt_model *m, mpt__layer *L) {
+    int s;
+    if (m->n_pending == 0) {
+        L->n_in = 1;
+        L->in_node[0] = m->n_layers;
+        return;
+    }
+    L->n_in = m->n_pending;
+    for (s = 0; s < L->n_in; s++) {
+        L->in_node[s] = m->pending[s];
+        if (m->pending[s] != m->n_layers) m->graph = 1;
+    }
+    if (L->n_in > 1) m->graph = 1;
 }
 
 /* Appends a layer whose descriptor the caller has already checked. */
@@ -7251,6 +7726,7 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
     L = &m->layers[m->n_layers];
     memset(L, 0, sizeof *L);
     L->ops = ops;
+    mpt__take_inputs(m, L);
     L->desc = *desc;
     L->dtype = dtype ? dtype : m->policy_dtype;
     if (name) {
@@ -7360,6 +7836,88 @@ static void *mpt__carve(mpt__carver *c, int64_t bytes) {
     return p;
 }
 
+/* ---- the graph ------------------------------------------------------------
+   A model whose layers are not a chain (m->graph: a merge, or a layer
+   applied to a node other than the one before it) keeps every node's
+   output all step and gives each node a gradient buffer of its own, the
+   sum of what the layers it feeds give back (@impl-passes' graph walks).
+   The layers are in the order they were added, which is an order of the
+   graph: a layer can only be applied to nodes that exist. A chain keeps
+   the leaner plan of a Sequential stack (two gradient buffers in turn). */
+
+/* Layer L's buffers of a graph: its inputs converted to its dtype where
+   they are not in it (the model's input always: the caller's dtype is
+   only known at forward time), the gradient w.r.t. its output. */
+static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L, int last) {
+    int64_t bytes = mpt__dbytes(L->dtype, L->in_count * m->max_batch);
+    int s;
+    for (s = 0; s < L->n_in; s++) {
+        int j = L->in_node[s];
+        L->xs_cast[s] = j == 0 || m->layers[j - 1].dtype != L->dtype
+                            ? mpt__carve(&c[MPT__MEM_ACTIVATIONS], bytes)
+                            : NULL;
+    }
+    L->dy_buf = last ? NULL /* the loss's grad_buf[0] */
+                     : mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                  mpt__dbytes(L->dtype, L->out_count * m->max_batch));
+}
+
+/* A graph's gradient buffers: the output's (grad_buf[0], which the loss
+   writes); a scratch slot per input of the widest layer and one more
+   (grad_buf[1]: what a layer gives back that must be added to a sum, or
+   converted, first lands there); the input's (mpt_model_backward's
+   dinput). */
+static void mpt__graph_layout_grads(mpt_model *m, mpt__carver *c) {
+    mpt__layer *last = &m->layers[m->n_layers - 1];
+    int64_t slot = 0, input = mpt__shape_count(m->desc.input_rank, m->desc.input_shape);
+    int i, slots = 0;
+    for (i = 0; i < m->n_layers; i++) {
+        slot = MPT__MAX(slot, mpt__align_up(4 * m->layers[i].in_count * m->max_batch));
+        slots = MPT__MAX(slots, m->layers[i].n_in + 1);
+    }
+    m->graph_slot_bytes = slot;
+    m->grad_buf[0] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                mpt__dbytes(last->dtype, last->out_count * m->max_batch));
+    m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], slot * slots);
+    m->input_grad = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                               mpt__dbytes(m->layers[0].dtype, input * m->max_batch));
+    last->dy_buf = m->grad_buf[0];
+}
+
+/* Before a graph is built: the functional form's first failure, and every
+   layer leading to the output (the last layer added), as only such layers
+   are part of a Keras model. */
+static mpt_status mpt__graph_check(mpt_model *m) {
+    unsigned char *leads;
+    int i, s;
+    if (m->graph_status != MPT_OK) return mpt__fail(m->ctx, m->graph_status, "%s", m->graph_error);
+    if (!m->graph || m->n_layers == 0) return MPT_OK;
+    mpt__free(m->ctx, m->node_written);
+    m->node_written = (unsigned char *)mpt__calloc(m->ctx, (size_t)m->n_layers + 1);
+    leads = m->node_written; /* borrowed until the first backward */
+    if (!leads) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    leads[m->n_layers] = 1;
+    for (i = m->n_layers - 1; i >= 0; i--)
+        for (s = 0; s < m->layers[i].n_in && leads[i + 1]; s++) leads[m->layers[i].in_node[s]] = 1;
+    for (i = 0; i < m->n_layers; i++)
+        if (!leads[i + 1])
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "model: layer '%s' (%s) does not lead to the output, the last layer "
+                             "added ('%s'); a model is what leads from its input to its output",
+                             m->layers[i].name, m->layers[i].ops->class_name,
+                             m->layers[m->n_layers - 1].name);
+    return MPT_OK;
+}
+
+/* What reads the layers as a chain (quantization, its training, the
+   export) refuses a graph for now, naming what was asked. */
+static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
+    if (!m->graph) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                     "%s: not for a model whose layers are not a chain (a merge, or a layer "
+                     "applied to an earlier node) yet", what);
+}
+
 /* Lays out every buffer. Run twice: first with NULL bases to measure each
    arena, then with the allocated ones to assign the pointers. */
 static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
@@ -7378,10 +7936,11 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
         mpt_dtype in_dtype = i == 0 ? MPT_DTYPE_DEFAULT : m->layers[i - 1].dtype;
         /* The first layer always gets a cast buffer: the caller's dtype is
            only known at forward time. */
-        L->x_cast = in_dtype != L->dtype && !L->staged
+        L->x_cast = in_dtype != L->dtype && !L->staged && !m->graph
                         ? mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                      mpt__dbytes(L->dtype, L->in_count * m->max_batch))
                         : NULL;
+        if (m->graph) mpt__graph_layout_layer(m, c, L, i == m->n_layers - 1);
         L->y = L->output_is_input ? NULL
                                   : mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                                mpt__dbytes(L->dtype, L->out_count * m->max_batch));
@@ -7389,8 +7948,12 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
             L->saved[k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], L->saved_bytes[k]);
         for (k = 0; k < L->n_params; k++) L->param[k] = &m->params[L->param_index[k]];
     }
-    m->grad_buf[0] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
-    m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
+    if (m->graph) {
+        mpt__graph_layout_grads(m, c);
+    } else {
+        m->grad_buf[0] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
+        m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
+    }
     if (mpt__model_device(m) != MPT_DEVICE_CPU) { /* the CPU reads the host's batches in place */
         const mpt__layer *last = &m->layers[m->n_layers - 1];
         for (i = 0; i < 2; i++) {
@@ -7432,16 +7995,14 @@ static mpt_status mpt__stage_in_workspace(mpt_model *m, mpt__layer *L) {
 /* Checks each layer against its input shape and declares its buffers. */
 static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
                                     int64_t *workspace_bytes) {
-    int i, rank = m->desc.input_rank;
-    int64_t shape[MPT_MAX_RANK - 1];
-    memcpy(shape, m->desc.input_shape, sizeof shape);
+    int i;
     *grad_buf_bytes = *workspace_bytes = 0;
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
         int64_t grad_bytes = 0;
-        L->in_rank = rank;
-        memcpy(L->in_shape, shape, sizeof shape);
-        L->in_count = mpt__shape_count(rank, shape);
+        memset(L->in_shape, 0, sizeof L->in_shape);
+        L->in_rank = mpt__node_shape(m, L->in_node[0], L->in_shape);
+        L->in_count = mpt__shape_count(L->in_rank, L->in_shape);
         L->n_params = L->n_saved = 0;
         L->workspace_bytes = 0;
         L->pools_next = L->ran_next = L->ran_by_prev = 0;
@@ -7459,22 +8020,22 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         {
             int64_t size = (int64_t)mpt_dtype_size(L->dtype);
             int64_t prev = i > 0 ? (int64_t)mpt_dtype_size(m->layers[i - 1].dtype) : size;
-            L->staged = mpt__stages_input(m, i);
+            L->staged = !m->graph && mpt__stages_input(m, i);
             if (L->staged) MPT__CHECK(mpt__stage_in_workspace(m, L));
             MPT__CHECK(mpt__batch_bytes(
                 m, L, MPT__MAX(size * L->out_count, (L->staged ? prev : MPT__MAX(size, prev)) *
                                                         L->in_count),
                 0, &grad_bytes));
         }
+        if (m->graph) /* its scratch slots (mpt__graph_layout_grads) */
+            MPT__CHECK(mpt__batch_bytes(m, L, 4 * L->in_count * (L->n_in + 1), 0, &grad_bytes));
         *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
         *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
-        if (i > 0 && m->layers[i - 1].ops->plan_next) {
+        if (i > 0 && m->layers[i - 1].ops->plan_next && !m->graph) {
             /* the layer before may run this one (its scratch grows) */
             MPT__CHECK(m->layers[i - 1].ops->plan_next(m, &m->layers[i - 1]));
             *workspace_bytes = MPT__MAX(*workspace_bytes, m->layers[i - 1].workspace_bytes);
         }
-        rank = L->out_rank;
-        memcpy(shape, L->out_shape, sizeof shape);
     }
     return MPT_OK;
 }
@@ -7595,6 +8156,7 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: already built");
     MPT__CHECK(mpt__refuse_quantized(m, "build"));
+    MPT__CHECK(mpt__graph_check(m));
     if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
     if (max_batch <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
@@ -7843,21 +8405,49 @@ typedef struct mpt__forward_walk {
     mpt__pass p;
     const void *cur;     /* the next layer's input  */
     mpt_dtype cur_dtype;
+    const void *input;   /* the model's (a graph's node 0) */
+    mpt_dtype input_dtype;
 } mpt__forward_walk;
 
 static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
                                mpt__forward_walk *w) {
     mpt__pass_init(m, x->shape[0], training, &w->p);
-    w->cur = x->data;
-    w->cur_dtype = x->dtype;
+    w->cur = w->input = x->data;
+    w->cur_dtype = w->input_dtype = x->dtype;
     m->last_batch = w->p.batch;
     m->last_training = w->p.training;
     if (m->qat) mpt__qat_forward_begin(m, &w->cur, w->cur_dtype, w->p.batch, w->p.training);
 }
 
+/* A graph's layer i: each input node's output, converted where its dtype
+   is not the layer's (mpt__graph_layout_layer's buffers). */
+static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    int s;
+    for (s = 0; s < L->n_in; s++) {
+        int j = L->in_node[s];
+        const void *src = j == 0 ? w->input : m->layers[j - 1].y;
+        mpt_dtype dtype = j == 0 ? w->input_dtype : m->layers[j - 1].dtype;
+        L->xs[s] = src;
+        if (dtype != L->dtype) {
+            m->be->convert(m->impl, L->dtype, L->xs_cast[s], dtype, src, w->p.batch * L->in_count);
+            L->xs[s] = L->xs_cast[s];
+        }
+    }
+    L->x = L->xs[0];
+    if (L->output_is_input) L->y = (void *)L->x;
+    w->p.x = L->x;
+    w->p.y = L->y;
+    w->p.n_x = L->n_in;
+    w->p.xs = L->xs;
+    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    return L;
+}
+
 /* Layer i's input in its dtype, and its pass set up (not yet run). */
 static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *w) {
     mpt__layer *L = &m->layers[i];
+    if (m->graph) return mpt__graph_forward_prepare(m, i, w);
     if (w->cur_dtype != L->dtype) {
         void *x = L->staged ? (unsigned char *)w->p.workspace + L->stage_x : L->x_cast;
         L->x_src = w->cur;
@@ -7869,6 +8459,8 @@ static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *
     if (L->output_is_input) L->y = (void *)w->cur;
     w->p.x = L->x;
     w->p.y = L->y;
+    w->p.n_x = 1;
+    w->p.xs = &w->p.x;
     w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     return L;
 }
@@ -7940,10 +8532,88 @@ static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_wal
     w->cur = 0;
     w->want_dinput = want_dinput;
     mpt__pass_init(m, m->last_batch, 1, &w->p);
+    if (m->graph) { /* only the output's gradient holds anything yet */
+        memset(m->node_written, 0, (size_t)m->n_layers + 1);
+        m->node_written[m->n_layers] = 1;
+    }
+}
+
+/* Whether a graph's backward wants node j's gradient: the input's when
+   the caller asks for it, a layer's when that layer runs backward. */
+static int mpt__graph_wants_grad(const mpt_model *m, const mpt__backward_walk *w, int j) {
+    (void)m;
+    return j == 0 ? w->want_dinput : j - 1 >= w->first;
+}
+
+/* A node's gradient buffer in a graph: the input's, or its layer's dy. */
+static void *mpt__graph_grad(const mpt_model *m, int j) {
+    return j == 0 ? m->input_grad : m->layers[j - 1].dy_buf;
+}
+
+/* A graph's layer i: dy is its own buffer; each input's gradient goes
+   straight into the node's buffer where it is the first to arrive there
+   in the node's dtype, else into a scratch slot, to be converted or added
+   by mpt__graph_backward_finish. */
+static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    int s;
+    for (s = 0; s < L->n_in; s++) {
+        int j = L->in_node[s];
+        mpt_dtype dtype = j == 0 ? m->layers[0].dtype : m->layers[j - 1].dtype;
+        if (!mpt__graph_wants_grad(m, w, j)) {
+            L->dxs[s] = NULL;
+        } else if (!m->node_written[j] && dtype == L->dtype) {
+            L->dxs[s] = mpt__graph_grad(m, j);
+            m->node_written[j] = 2; /* taken: a second input of the same node adds */
+        } else {
+            L->dxs[s] = (unsigned char *)m->grad_buf[1] + (int64_t)s * m->graph_slot_bytes;
+        }
+    }
+    w->p.x = L->x;
+    w->p.y = L->y;
+    w->p.n_x = L->n_in;
+    w->p.xs = L->xs;
+    w->p.dy = L->dy_buf;
+    w->p.dx = L->dxs[0];
+    w->p.dxs = L->dxs;
+    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    return L;
+}
+
+/* After a graph's layer i: each input gradient left in a scratch slot
+   becomes the node's (converted) or is added to its sum, in the node's
+   dtype. The sums come in the reverse of the layers' order, whatever the
+   threads: a step repeats bit for bit. */
+static void mpt__graph_backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
+    mpt__layer *L = &m->layers[i];
+    unsigned char *spare = (unsigned char *)m->grad_buf[1] + (int64_t)L->n_in * m->graph_slot_bytes;
+    int64_t n = w->p.batch * L->in_count;
+    int s;
+    for (s = 0; s < L->n_in; s++) {
+        int j = L->in_node[s];
+        mpt_dtype dtype = j == 0 ? m->layers[0].dtype : m->layers[j - 1].dtype;
+        void *grad = mpt__graph_grad(m, j);
+        if (!L->dxs[s]) continue;
+        if (L->dxs[s] == grad) {
+            m->node_written[j] = 1;
+        } else if (!m->node_written[j]) { /* first, in another dtype */
+            m->be->convert(m->impl, dtype, grad, L->dtype, L->dxs[s], n);
+            m->node_written[j] = 1;
+        } else {
+            const void *add = L->dxs[s];
+            if (dtype != L->dtype) {
+                m->be->convert(m->impl, dtype, spare, L->dtype, add, n);
+                add = spare;
+            }
+            m->be->elementwise(m->impl, MPT_ELEMENTWISE_ADD, dtype, grad, grad, add, 0, n);
+        }
+    }
+    if (m->exchange) mpt__exchange_layer_done(m, i);
 }
 
 static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
+    if (m->graph) return mpt__graph_backward_prepare(m, i, w);
     w->p.x = L->x;
     w->p.y = L->y;
     w->p.dy = m->grad_buf[w->cur];
@@ -7953,6 +8623,9 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
        that the Conv2D before it ran: that Conv2D takes the pooled dy. */
     if (w->p.dx && (L->output_is_input || L->ran_by_prev)) w->p.dx = m->grad_buf[w->cur];
     w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    w->p.n_x = 1;
+    w->p.xs = &w->p.x;
+    w->p.dxs = &w->p.dx;
     if (L->staged) { /* the workspace has been written since forward */
         unsigned char *ws = (unsigned char *)w->p.workspace;
         m->be->convert(m->impl, L->dtype, ws + L->stage_x, L->x_src_dtype, L->x_src,
@@ -7965,6 +8638,10 @@ static mpt__layer *mpt__backward_prepare(mpt_model *m, int i, mpt__backward_walk
 
 static void mpt__backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
+    if (m->graph) {
+        mpt__graph_backward_finish(m, i, w);
+        return;
+    }
     if (m->exchange) mpt__exchange_layer_done(m, i);
     if (w->p.dx && w->p.dx == w->p.dy) { /* dx is dy, in grad_buf[cur] */
         if (i > w->first && m->layers[i - 1].dtype != L->dtype) {
@@ -8026,7 +8703,9 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
         L->ops->backward(L, &w.p);
         mpt__backward_finish(m, i, &w);
     }
-    if (dinput) mpt__layer_view(m, &m->layers[0], m->grad_buf[w.cur], 1, dinput);
+    if (dinput)
+        mpt__layer_view(m, &m->layers[0], m->graph ? m->input_grad : m->grad_buf[w.cur], 1,
+                        dinput);
     return MPT_OK;
 }
 
@@ -23424,6 +24103,7 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
 
 static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     mpt_context *ctx = m->ctx;
+    MPT__CHECK(mpt__refuse_graph(m, "quantize"));
     if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: unknown mode %d", (int)d->mode);
     if (d->calibration < 0 || d->calibration >= MPT_CALIBRATION_COUNT_)
@@ -24258,6 +24938,7 @@ static float mpt__qat_decay(const mpt_model *m) { return m->qat ? m->qat->decay 
 
 static mpt_status mpt__qat_check(mpt_model *m, const mpt_qat_desc *d) {
     MPT__CHECK(mpt__refuse_quantized(m, "quantize_aware"));
+    MPT__CHECK(mpt__refuse_graph(m, "quantize_aware"));
     if (m->qat)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: the model is quantization-aware "
                          "already");
@@ -24703,7 +25384,10 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
    writes the file for all. */
 static int mpt__export_begin(mpt__export_plan *pl, mpt_model *m, const char *format,
                              const char *path, const mpt_export_desc *desc, mpt_status *s) {
-    *s = mpt__export_plan_init(pl, m, format, path, desc);
+    memset(pl, 0, sizeof *pl);
+    pl->m = m;
+    *s = mpt__refuse_graph(m, format);
+    if (*s == MPT_OK) *s = mpt__export_plan_init(pl, m, format, path, desc);
     if (*s == MPT_OK && mpt__strategy_is_chief(m->strategy)) return 1;
     mpt__export_plan_free(pl);
     return 0;
@@ -27206,9 +27890,13 @@ static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
         r->be = m->strategy->backend[k];
         r->impl = m->strategy->impl[k];
     }
-    for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++)
+    for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++) {
+        r->n_pending = m->layers[i].n_in; /* the same graph */
+        memcpy(r->pending, m->layers[i].in_node, sizeof r->pending);
         s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
                            m->layers[i].desc.common.dtype);
+        r->n_pending = 0;
+    }
     if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
     if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
     if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */
@@ -27913,6 +28601,7 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->update = mpt__cpu_update;
     t->loss_scale_update = mpt__cpu_loss_scale_update;
     t->add = mpt__cpu_add;
+    t->elementwise = mpt__cpu_elementwise;
     t->scale = mpt__cpu_scale;
     t->qgemm = mpt__cpu_qgemm;
     /* no collectives (comm_*, allreduce_sum): the replicas share memory */

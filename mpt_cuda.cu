@@ -3469,6 +3469,46 @@ static void mpt__cuda_dropout(void *impl, uint64_t key, float rate, mpt_dtype dt
     });
 }
 
+/* ---- the merge layers' arithmetic (mpt.h's @impl-merge) -------------------- */
+
+/* y = a op b, element by element: mpt.h's mpt__elementwise_rule in float32,
+   rounded to T once, as the CPU backend. y may be a or b. */
+template <typename T> struct mpt__cuda_elementwise_op {
+    mpt_elementwise_op op;
+    float alpha;
+    const T *a, *b; /* b NULL where op reads one operand */
+    T *y;
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<T, N> va = mpt__cuda_layers_load<N>(a + i), vb = va;
+        if (b) vb = mpt__cuda_layers_load<N>(b + i);
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            va.v[k] = mpt__cuda_layers_narrow<T>(
+                mpt__elementwise_rule(op, mpt__cuda_layers_widen(va.v[k]),
+                                      b ? mpt__cuda_layers_widen(vb.v[k]) : 0.0f, alpha));
+        mpt__cuda_layers_store<N>(y + i, va);
+    }
+};
+
+static void mpt__cuda_elementwise(void *impl, mpt_elementwise_op op, mpt_dtype dtype, void *y,
+                                  const void *a, const void *b, float alpha, int64_t n) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const bool two = op == MPT_ELEMENTWISE_ADD || op == MPT_ELEMENTWISE_SUBTRACT ||
+                     op == MPT_ELEMENTWISE_MULTIPLY;
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        mpt__cuda_elementwise_op<T> e;
+        e.op = op;
+        e.alpha = alpha;
+        e.a = (const T *)a;
+        e.b = two ? (const T *)b : NULL;
+        e.y = (T *)y;
+        const bool vec = mpt__cuda_layers_aligned(y, 16) && mpt__cuda_layers_aligned(a, 16) &&
+                         (!two || mpt__cuda_layers_aligned(b, 16));
+        mpt__cuda_layers_launch(c, e, n, vec, "elementwise");
+    });
+}
+
 /* =============================================================================
    @cuda-training  Training: the loss, the optimizer's passes, loss scaling
    ============================================================================= */
@@ -5601,6 +5641,7 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.update = MPT__CUDA_ENTRY(mpt__cuda_update);
     t.loss_scale_update = MPT__CUDA_ENTRY(mpt__cuda_loss_scale_update);
     t.add = MPT__CUDA_ENTRY(mpt__cuda_add);
+    t.elementwise = MPT__CUDA_ENTRY(mpt__cuda_elementwise);
     t.scale = MPT__CUDA_ENTRY(mpt__cuda_scale);
     t.qgemm = MPT__CUDA_ENTRY(mpt__cuda_qgemm);
 #ifdef MPT_NCCL

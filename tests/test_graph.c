@@ -1,0 +1,360 @@
+/* Models as graphs (the functional form): gradients of residual
+   connections, fan-out and every merge layer against finite differences
+   in double precision, in the three policies and across dtype boundaries;
+   training that repeats bit for bit on 1 and 2 threads; and the errors of
+   the functional calls and of build. */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "gradcheck.h"
+#include "blobs.h"
+
+static mpt_context *ctx;
+
+static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                      MPT_POLICY_MIXED_BFLOAT16};
+
+static mpt_model *new_model(int64_t features, mpt_policy policy) {
+    mpt_model *m = NULL;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {features}, .input_rank = 1,
+                                                  .policy = policy, .seed = 7},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* x · kernel + bias for one sample of a Dense (in → out, params in Keras order). */
+static void ref_dense(const double *x, const double *kernel, const double *bias, int64_t in,
+                      int64_t out, double *y) {
+    int64_t i, o;
+    for (o = 0; o < out; o++) {
+        double s = bias ? bias[o] : 0;
+        for (i = 0; i < in; i++) s += x[i] * kernel[i * out + o];
+        y[o] = s;
+    }
+}
+
+/* ---- a residual block: y = Dense(Add(tanh(Dense(x)), x)) --------------------- */
+
+enum { RES_F = 6, RES_OUT = 3 };
+
+static void residual_ref(const gc_case *c, const double *x, double *const *p, double *y) {
+    int64_t b, i;
+    for (b = 0; b < c->batch; b++) {
+        double h[RES_F];
+        ref_dense(x + b * RES_F, p[0], p[1], RES_F, RES_F, h);
+        for (i = 0; i < RES_F; i++) h[i] = tanh(h[i]) + x[b * RES_F + i];
+        ref_dense(h, p[2], p[3], RES_F, RES_OUT, y + b * RES_OUT);
+    }
+}
+
+static void test_residual_gradients(void) {
+    int k;
+    for (k = 0; k < 3; k++) {
+        mpt_model *m = new_model(RES_F, policies[k]);
+        mpt_node x = mpt_model_input(m), both[2];
+        char label[96];
+        test__begin();
+        both[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = RES_F, .activation = MPT_ACT_TANH});
+        both[1] = x;
+        mpt_dense(m, mpt_add(m, 2, both, NULL), &(mpt_dense_desc){.units = RES_OUT});
+        CHECK(mpt_model_build(m, 9) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        snprintf(label, sizeof label, "residual %s", mpt_policy_name(policies[k]));
+        gc_check(ctx, &(gc_case){.model = m, .batch = 7, .training = 1,
+                                 .ref_forward = residual_ref},
+                 label);
+        mpt_model_destroy(m);
+        test__end("gradcheck %s", label);
+    }
+}
+
+/* ---- every merge: y = merge(Dense_0(x), Dense_1(x), ...), some inputs x itself ------ */
+
+enum { MERGE_F = 5 };
+
+typedef struct merge_ref {
+    int kind;         /* 0 add, 1 subtract, 2 multiply, 3 average */
+    int n;            /* inputs                                   */
+    int source[4];    /* each input: the Dense of that index, or -1 for x */
+    int dense_count;
+} merge_ref;
+
+static void merge_forward_ref(const gc_case *c, const double *x, double *const *p, double *y) {
+    const merge_ref *d = (const merge_ref *)c->user;
+    int64_t b, i;
+    int s;
+    for (b = 0; b < c->batch; b++) {
+        double in[4][MERGE_F];
+        const double *xb = x + b * MERGE_F;
+        for (s = 0; s < d->n; s++) {
+            if (d->source[s] < 0)
+                memcpy(in[s], xb, sizeof in[s]);
+            else
+                ref_dense(xb, p[2 * d->source[s]], p[2 * d->source[s] + 1], MERGE_F, MERGE_F,
+                          in[s]);
+        }
+        for (i = 0; i < MERGE_F; i++) {
+            double v = in[0][i];
+            for (s = 1; s < d->n; s++)
+                v = d->kind == 1 ? v - in[s][i] : d->kind == 2 ? v * in[s][i] : v + in[s][i];
+            y[b * MERGE_F + i] = d->kind == 3 ? v / d->n : v;
+        }
+    }
+}
+
+static void check_merge(const merge_ref *d, mpt_policy policy) {
+    static const char *const names[] = {"Add", "Subtract", "Multiply", "Average"};
+    mpt_model *m = new_model(MERGE_F, policy);
+    mpt_node x = mpt_model_input(m), dense[4], in[4];
+    char label[128];
+    int s;
+    test__begin();
+    for (s = 0; s < d->dense_count; s++)
+        dense[s] = mpt_dense(m, x, &(mpt_dense_desc){.units = MERGE_F});
+    for (s = 0; s < d->n; s++) in[s] = d->source[s] < 0 ? x : dense[d->source[s]];
+    switch (d->kind) {
+    case 0: mpt_add(m, d->n, in, NULL); break;
+    case 1: mpt_subtract(m, d->n, in, NULL); break;
+    case 2: mpt_multiply(m, d->n, in, NULL); break;
+    default: mpt_average(m, d->n, in, NULL); break;
+    }
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    snprintf(label, sizeof label, "%s of %d inputs (sources %d %d %d %d) %s", names[d->kind], d->n,
+             d->source[0], d->source[1], d->n > 2 ? d->source[2] : 9, d->n > 3 ? d->source[3] : 9,
+             mpt_policy_name(policy));
+    gc_check(ctx, &(gc_case){.model = m, .batch = 6, .training = 1, .ref_forward = merge_forward_ref,
+                             .user = (void *)d},
+             label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+static void test_merge_gradients(void) {
+    static const merge_ref cases[] = {
+        {0, 2, {0, 1}, 2},       {0, 3, {0, -1, 1}, 2},   {0, 2, {0, 0}, 1},
+        {1, 2, {0, 1}, 2},       {1, 2, {-1, 0}, 1},      {2, 2, {0, 1}, 2},
+        {2, 3, {0, -1, 1}, 2},   {2, 4, {0, 1, 2, 0}, 3}, {2, 2, {0, 0}, 1},
+        {3, 2, {0, 1}, 2},       {3, 3, {1, 0, -1}, 2},
+    };
+    size_t c;
+    int k;
+    for (c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (k = 0; k < 3; k++) check_merge(&cases[c], policies[k]);
+}
+
+/* ---- fan-out across dtypes: h feeds two Dense layers of other dtypes ---------------- */
+
+typedef struct fan_ref {
+    int64_t f;
+} fan_ref;
+
+/* h = relu(x W0 + b0); y = (h W1 + b1) + (h W2 + b2), then a Dense. */
+static void fan_out_ref(const gc_case *c, const double *x, double *const *p, double *y) {
+    const int64_t F = 4;
+    int64_t b, i;
+    (void)c;
+    for (b = 0; b < c->batch; b++) {
+        double h[4], u[4], v[4];
+        ref_dense(x + b * F, p[0], p[1], F, F, h);
+        for (i = 0; i < F; i++) h[i] = h[i] > 0 ? h[i] : 0;
+        ref_dense(h, p[2], p[3], F, F, u);
+        ref_dense(h, p[4], p[5], F, F, v);
+        for (i = 0; i < F; i++) u[i] += v[i];
+        ref_dense(u, p[6], p[7], F, 2, y + b * 2);
+    }
+}
+
+/* dtypes[k]: the compute dtype given to each of the two branches, so that
+   the gradient of h (float16) arrives converted first, added second, or
+   both. */
+static void test_fan_out_across_dtypes(void) {
+    static const mpt_dtype branch[3][2] = {
+        {MPT_FLOAT32, MPT_DTYPE_DEFAULT}, {MPT_DTYPE_DEFAULT, MPT_FLOAT32}, {MPT_FLOAT32, MPT_BFLOAT16}};
+    int k;
+    for (k = 0; k < 3; k++) {
+        mpt_model *m = new_model(4, MPT_POLICY_MIXED_FLOAT16);
+        mpt_node x = mpt_model_input(m), h, sum[2];
+        char label[96];
+        test__begin();
+        h = mpt_dense(m, x, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_RELU});
+        sum[0] = mpt_dense(m, h, &(mpt_dense_desc){.units = 4, .dtype = branch[k][0]});
+        sum[1] = mpt_dense(m, h, &(mpt_dense_desc){.units = 4, .dtype = branch[k][1]});
+        mpt_dense(m, mpt_add(m, 2, sum, NULL), &(mpt_dense_desc){.units = 2});
+        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        snprintf(label, sizeof label, "fan-out, branches %s and %s",
+                 branch[k][0] ? mpt_dtype_name(branch[k][0]) : "float16 (the policy's)",
+                 branch[k][1] ? mpt_dtype_name(branch[k][1]) : "float16 (the policy's)");
+        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1, .ref_forward = fan_out_ref,
+                                 .x_lo = 0.1, .x_hi = 1},
+                 label);
+        mpt_model_destroy(m);
+        test__end("gradcheck %s", label);
+    }
+}
+
+/* ---- training: a residual MLP learns, the same bits on 1 and 2 threads ------------- */
+
+static mpt_model *residual_mlp(mpt_context *c, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_node x, h, both[2];
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                          .policy = policy, .seed = 11},
+                     &m);
+    x = mpt_model_input(m);
+    h = mpt_dense(m, x, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    both[0] = mpt_dense(m, h, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    both[1] = h;
+    h = mpt_add(m, 2, both, NULL);
+    mpt_dense(m, h, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                                   .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+                                   .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                   .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+/* Trains on `threads` threads; returns the final accuracy, the weights in w. */
+static double train_residual(int threads, mpt_policy policy, float *w, int64_t w_size) {
+    mpt_context *c = NULL;
+    mpt_model *m;
+    mpt_dataset *data;
+    mpt_logs logs;
+    double acc = -1;
+    int p, n;
+    int64_t at = 0;
+    mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c);
+    m = residual_mlp(c, policy);
+    data = blobs_in(c);
+    CHECK(mpt_model_fit(m, data, &(mpt_fit_desc){.epochs = 8, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(c));
+    CHECK(mpt_model_evaluate(m, data, NULL, &logs) == MPT_OK, "evaluate: %s",
+          mpt_context_error(c));
+    acc = mpt_logs_get(&logs, "accuracy");
+    n = mpt_model_param_count(m);
+    for (p = 0; p < n; p++) {
+        mpt_param_info info;
+        int64_t count;
+        mpt_model_param(m, p, &info);
+        count = mpt_tensor_count(&info.value);
+        if (at + count <= w_size) memcpy(w + at, info.value.data, sizeof(float) * (size_t)count);
+        at += count;
+    }
+    CHECK(at <= w_size, "%lld weights", (long long)at);
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+    return acc;
+}
+
+static void test_residual_training(void) {
+    static float w1[4096], w2[4096];
+    int k;
+    make_blobs();
+    for (k = 0; k < 3; k++) {
+        double a1 = train_residual(1, policies[k], w1, 4096);
+        double a2 = train_residual(2, policies[k], w2, 4096);
+        CHECK(a2 >= 0.9, "%s: accuracy %.3f after 8 epochs", mpt_policy_name(policies[k]), a2);
+        CHECK(a1 == a2 && memcmp(w1, w2, sizeof w1) == 0,
+              "%s: 1 and 2 threads train otherwise (accuracy %.4f, %.4f)",
+              mpt_policy_name(policies[k]), a1, a2);
+    }
+}
+
+/* ---- errors --------------------------------------------------------------------- */
+
+static void test_bad_nodes(void) {
+    mpt_model *m = new_model(4, MPT_POLICY_FLOAT32);
+    mpt_node x = mpt_model_input(m), two[2];
+    CHECK(mpt_dense(m, 5, &(mpt_dense_desc){.units = 2}) == MPT_NODE_FAILED, "node 5 accepted");
+    test_expect_error(ctx, MPT_ERR_INVALID_ARGUMENT, MPT_ERR_INVALID_ARGUMENT,
+                      "input 0 is node 5, not one of this model's (0..0)", "dense on node 5");
+    /* later calls fail quietly; build reports the first failure */
+    CHECK(mpt_dense(m, x, &(mpt_dense_desc){.units = 0}) == MPT_NODE_FAILED, "after a failure");
+    test_expect_error(ctx, mpt_model_build(m, 4), MPT_ERR_INVALID_ARGUMENT, "node 5", "build");
+    mpt_model_destroy(m);
+
+    m = new_model(4, MPT_POLICY_FLOAT32);
+    x = mpt_model_input(m);
+    two[0] = two[1] = x;
+    CHECK(mpt_add(m, 1, two, NULL) == MPT_NODE_FAILED, "Add of one input");
+    test_expect_error(ctx, MPT_ERR_INVALID_ARGUMENT, MPT_ERR_INVALID_ARGUMENT,
+                      "Add: takes 2..8 input nodes, not 1", "add of 1");
+    mpt_model_destroy(m);
+
+    m = new_model(4, MPT_POLICY_FLOAT32);
+    CHECK(mpt_subtract(m, 3, two, NULL) == MPT_NODE_FAILED, "Subtract of three inputs");
+    test_expect_error(ctx, MPT_ERR_INVALID_ARGUMENT, MPT_ERR_INVALID_ARGUMENT,
+                      "Subtract: takes 2 input nodes, not 3", "subtract of 3");
+    CHECK(mpt_multiply(m, 2, NULL, NULL) == MPT_NODE_FAILED, "NULL inputs");
+    mpt_model_destroy(m);
+
+    /* a layer's own descriptor error comes back through the node */
+    m = new_model(4, MPT_POLICY_FLOAT32);
+    CHECK(mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 0}) == MPT_NODE_FAILED,
+          "units 0");
+    test_expect_error(ctx, mpt_model_build(m, 4), MPT_ERR_INVALID_ARGUMENT, "units", "build");
+    mpt_model_destroy(m);
+}
+
+static void test_bad_graphs(void) {
+    mpt_model *m = new_model(4, MPT_POLICY_FLOAT32);
+    mpt_node x = mpt_model_input(m), two[2];
+    two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 3});
+    two[1] = mpt_dense(m, x, &(mpt_dense_desc){.units = 5, .name = "wide"});
+    mpt_add(m, 2, two, NULL);
+    test_expect_error(ctx, mpt_model_build(m, 4), MPT_ERR_SHAPE,
+                      "Add 'add': input 1 ('wide') has shape (5,), input 0 ('dense') (3,)",
+                      "add of (3) and (5)");
+    mpt_model_destroy(m);
+
+    m = new_model(4, MPT_POLICY_FLOAT32);
+    x = mpt_model_input(m);
+    two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4});
+    mpt_dense(m, x, &(mpt_dense_desc){.units = 4, .name = "unused"});
+    mpt_dense(m, two[0], &(mpt_dense_desc){.units = 2});
+    test_expect_error(ctx, mpt_model_build(m, 4), MPT_ERR_INVALID_ARGUMENT,
+                      "layer 'unused' (Dense) does not lead to the output", "dangling layer");
+    mpt_model_destroy(m);
+}
+
+/* What still reads the layers as a chain refuses a graph, saying so. */
+static void test_refused_for_graphs(void) {
+    mpt_model *m = new_model(4, MPT_POLICY_FLOAT32), *q = NULL;
+    mpt_node x = mpt_model_input(m), two[2];
+    two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4});
+    two[1] = x;
+    mpt_dense(m, mpt_add(m, 2, two, NULL), &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    test_expect_error(ctx, mpt_model_export_tflite(m, "/tmp/mpt_graph_never.tflite", NULL),
+                      MPT_ERR_UNSUPPORTED, "TFLite: not for a model whose layers are not a chain",
+                      "export_tflite");
+    test_expect_error(ctx, mpt_model_export_onnx(m, "/tmp/mpt_graph_never.onnx", NULL),
+                      MPT_ERR_UNSUPPORTED, "ONNX: not for a model", "export_onnx");
+    test_expect_error(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
+                      "quantize: not for a model", "quantize");
+    test_expect_error(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                      "quantize_aware: not for a model", "quantize_aware");
+    CHECK(access("/tmp/mpt_graph_never.tflite", F_OK) != 0, "an export was written");
+    mpt_model_destroy(m);
+}
+
+static void cases(void) {
+    TEST_RUN(test_bad_nodes);
+    TEST_RUN(test_bad_graphs);
+    TEST_RUN(test_refused_for_graphs);
+    test_residual_gradients();
+    test_merge_gradients();
+    test_fan_out_across_dtypes();
+    TEST_RUN(test_residual_training);
+}
+
+int main(void) {
+    test_program p;
+    memset(&p, 0, sizeof p);
+    p.name = "test_graph";
+    p.ctx = &ctx;
+    p.threads = 2;
+    p.seed = 5;
+    p.cases = cases;
+    return test_main(&p);
+}

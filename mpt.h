@@ -12251,11 +12251,23 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
                     "builds it for its batch size).\n");
         return used;
     }
-    mpt__append(buf, size, &used, "Model: \"sequential\"\n");
+    /* A graph is Keras' functional model: an input row, and what each
+       layer is connected to ("dense[0][0]": layer, call, output). */
+    mpt__append(buf, size, &used, "Model: \"%s\"\n", m->graph ? "functional" : "sequential");
     mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s",
                 mpt_policy_name(m->desc.policy), mpt_dtype_name(m->policy_dtype), rule);
-    mpt__append(buf, size, &used, " %-44s %-24s %-12s %s\n%s", "Layer (type)", "Output Shape",
-                "Param #", "Dtype", bold);
+    mpt__append(buf, size, &used, " %-44s %-24s %-12s %-*s%s\n%s", "Layer (type)",
+                "Output Shape", "Param #", m->graph ? 10 : 0, "Dtype",
+                m->graph ? "Connected to" : "", bold);
+    if (m->graph) {
+        int64_t shape[MPT_MAX_RANK];
+        shape[0] = 1;
+        memcpy(shape + 1, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
+        mpt_shape_format(b, sizeof b, m->desc.input_rank + 1, shape);
+        snprintf(c, sizeof c, "(None%s", strchr(b, ','));
+        mpt__append(buf, size, &used, " %-44s %-24s %-12d %-10s-\n", "input (InputLayer)", c, 0,
+                    "");
+    }
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
         int64_t count = 0, shape[MPT_MAX_RANK];
@@ -12270,8 +12282,12 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
         memcpy(shape + 1, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
         mpt_shape_format(b, sizeof b, L->out_rank + 1, shape);
         snprintf(c, sizeof c, "(None%s", strchr(b, ','));
-        mpt__append(buf, size, &used, " %-44s %-24s %-12lld %s\n", a, c, (long long)count,
-                    mpt_dtype_name(L->dtype));
+        mpt__append(buf, size, &used, " %-44s %-24s %-12lld %-*s", a, c, (long long)count,
+                    m->graph ? 10 : 0, mpt_dtype_name(L->dtype));
+        for (k = 0; m->graph && k < L->n_in; k++) /* one input a line, as Keras */
+            mpt__append(buf, size, &used, "%*s%s[0][0]%s", k ? 94 : 0, "",
+                        mpt__node_name(m, L->in_node[k]), k + 1 < L->n_in ? ",\n" : "");
+        mpt__append(buf, size, &used, "\n");
     }
     mpt__append(buf, size, &used, "%s", bold);
     mpt__append(buf, size, &used, "Total params: %lld (%s)\n", (long long)total,

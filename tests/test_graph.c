@@ -338,7 +338,27 @@ static void test_refused_for_graphs(void) {
     mpt_model_destroy(m);
 }
 
+/* Keras' functional summary: an input row and the "Connected to" column,
+   one input a line. */
+static void test_functional_summary(void) {
+    mpt_model *m = new_model(4, MPT_POLICY_FLOAT32);
+    mpt_node x = mpt_model_input(m), two[2];
+    char text[4096], want[256];
+    two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4});
+    two[1] = x;
+    mpt_add(m, 2, two, NULL);
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_model_summary(m, text, sizeof text);
+    CHECK(strstr(text, "Model: \"functional\"") && strstr(text, "Connected to"), "%s", text);
+    CHECK(strstr(text, " input (InputLayer)") && strstr(text, "float32   input[0][0]\n"), "%s",
+          text);
+    snprintf(want, sizeof want, "float32   dense[0][0],\n%94sinput[0][0]\n", "");
+    CHECK(strstr(text, want) != NULL, "no \"%s\" in\n%s", want, text);
+    mpt_model_destroy(m);
+}
+
 static void cases(void) {
+    TEST_RUN(test_functional_summary);
     TEST_RUN(test_bad_nodes);
     TEST_RUN(test_bad_graphs);
     TEST_RUN(test_refused_for_graphs);

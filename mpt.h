@@ -914,6 +914,28 @@ MPTDEF mpt_node mpt_multiply(mpt_model *m, int n, const mpt_node *inputs,
 MPTDEF mpt_node mpt_average(mpt_model *m, int n, const mpt_node *inputs,
                             const mpt_merge_desc *desc);
 
+/* Concatenate: n (2..MPT_MAX_MERGE_INPUTS) nodes joined along one axis,
+   cast to the layer's compute dtype; every other axis must agree. */
+typedef struct mpt_concatenate_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    int axis; /* default (0) −1: the last, as Keras. Counted as Keras counts
+                 them, with the batch as axis 0: 1..rank, or −rank..−1 from
+                 the end */
+} mpt_concatenate_desc;
+
+MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
+                                const mpt_concatenate_desc *desc);
+
+/* ZeroPadding2D: rows and columns of zeros around each (H, W, C) image. */
+typedef struct mpt_zero_padding2d_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    int64_t padding[2][2]; /* ((top, bottom), (left, right)), each >= 0;
+                              default (all 0): 1 on every side, as Keras */
+} mpt_zero_padding2d_desc;
+
+MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *desc);
+MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *desc);
+
 /* Checks every layer's shapes, plans and allocates every buffer for batches
    of up to max_batch samples, and initialises the weights. After this, a
    forward or backward pass allocates nothing. */
@@ -2374,6 +2396,13 @@ typedef struct mpt_backend {
        be a or b. */
     void (*elementwise)(void *impl, mpt_elementwise_op op, mpt_dtype dtype, void *y,
                         const void *a, const void *b, float alpha, int64_t n);
+    /* Rows of bytes between two layouts (Concatenate, ZeroPadding2D): in
+       each of `planes` planes, `rows` rows of `width` bytes, row r of
+       plane p from src + p·src_plane + r·src_pitch to dst + p·dst_plane +
+       r·dst_pitch (every step in bytes, >= 0). */
+    void (*copy_rows)(void *impl, void *dst, int64_t dst_pitch, int64_t dst_plane,
+                      const void *src, int64_t src_pitch, int64_t src_plane, int64_t width,
+                      int64_t rows, int64_t planes);
     /* The int8 matrix product, as mpt_qgemm (@qgemm): d's a, b, bias,
        c or c_int8, multiplier and shift in the backend's memory, d checked
        as mpt_qgemm checks it, b_packed NULL. The result has the same bits
@@ -4266,6 +4295,8 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_SUBTRACT,
     MPT__LAYER_MULTIPLY,
     MPT__LAYER_AVERAGE,
+    MPT__LAYER_CONCATENATE,
+    MPT__LAYER_ZERO_PADDING2D,
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4372,6 +4403,8 @@ typedef union mpt__layer_desc {
     mpt_activation_desc activation;
     mpt_flatten_desc flatten;
     mpt_merge_desc merge;
+    mpt_concatenate_desc concatenate;
+    mpt_zero_padding2d_desc zero_padding2d;
 } mpt__layer_desc;
 
 struct mpt__layer {
@@ -4851,6 +4884,12 @@ static int mpt__node_shape(const mpt_model *m, int node, int64_t *shape) {
     int rank = L ? L->out_rank : m->desc.input_rank;
     memcpy(shape, L ? L->out_shape : m->desc.input_shape, sizeof(int64_t) * (size_t)rank);
     return rank;
+}
+
+/* One sample's elements at a node (layers before it built). */
+static int64_t mpt__node_count(const mpt_model *m, int node) {
+    return node > 0 ? m->layers[node - 1].out_count
+                    : mpt__shape_count(m->desc.input_rank, m->desc.input_shape);
 }
 
 /* A node's name in messages: the layer that gives it, or "input". */
@@ -6468,6 +6507,86 @@ static void mpt__conv2d_pool_backward(mpt__layer *L, const mpt__pass *p) {
     }
 }
 /* =============================================================================
+   @impl-zero-padding2d  ZeroPadding2D       x: (B, H, W, C)  y: (B, top+H+bottom, left+W+right, C)
+   =============================================================================
+
+   The image's rows land inside the padded one, row by row (one
+   copy_rows a batch); backward takes dx back out of dy's interior. */
+
+static void mpt__zero_padding2d_sides(const mpt__layer *L, int64_t pad[2][2]) {
+    const mpt_zero_padding2d_desc *d = &L->desc.zero_padding2d;
+    int given = d->padding[0][0] || d->padding[0][1] || d->padding[1][0] || d->padding[1][1];
+    int i, k;
+    for (i = 0; i < 2; i++)
+        for (k = 0; k < 2; k++) pad[i][k] = given ? d->padding[i][k] : 1;
+}
+
+static mpt_status mpt__zero_padding2d_build(struct mpt_model *m, mpt__layer *L) {
+    int64_t pad[2][2];
+    MPT__CHECK(mpt__expect_image(m, L));
+    mpt__zero_padding2d_sides(L, pad);
+    L->out_rank = 3;
+    L->out_shape[0] = L->in_shape[0] + pad[0][0] + pad[0][1];
+    L->out_shape[1] = L->in_shape[1] + pad[1][0] + pad[1][1];
+    L->out_shape[2] = L->in_shape[2];
+    return MPT_OK;
+}
+
+/* Where the image lies in the padded one, in bytes: its first pixel, and
+   a padded row and image. */
+static void mpt__zero_padding2d_place(const mpt__layer *L, int64_t *first, int64_t *row,
+                                      int64_t *image) {
+    int64_t pad[2][2], es = (int64_t)mpt_dtype_size(L->dtype);
+    mpt__zero_padding2d_sides(L, pad);
+    *row = L->out_shape[1] * L->in_shape[2] * es;
+    *image = L->out_shape[0] * *row;
+    *first = pad[0][0] * *row + pad[1][0] * L->in_shape[2] * es;
+}
+
+static void mpt__zero_padding2d_forward(mpt__layer *L, const mpt__pass *p) {
+    int64_t first, row, image, es = (int64_t)mpt_dtype_size(L->dtype);
+    int64_t in_row = L->in_shape[1] * L->in_shape[2] * es;
+    mpt__zero_padding2d_place(L, &first, &row, &image);
+    p->be->zero(p->impl, p->y, (size_t)(image * p->batch));
+    p->be->copy_rows(p->impl, (unsigned char *)p->y + first, row, image, p->x, in_row,
+                     in_row * L->in_shape[0], in_row, L->in_shape[0], p->batch);
+}
+
+static void mpt__zero_padding2d_backward(mpt__layer *L, const mpt__pass *p) {
+    int64_t first, row, image, es = (int64_t)mpt_dtype_size(L->dtype);
+    int64_t in_row = L->in_shape[1] * L->in_shape[2] * es;
+    if (!p->dx) return;
+    mpt__zero_padding2d_place(L, &first, &row, &image);
+    p->be->copy_rows(p->impl, p->dx, in_row, in_row * L->in_shape[0],
+                     (const unsigned char *)p->dy + first, row, image, in_row, L->in_shape[0],
+                     p->batch);
+}
+
+static const mpt__layer_ops mpt__zero_padding2d_ops = {
+    "ZeroPadding2D", "zero_padding2d", MPT__LAYER_ZERO_PADDING2D, mpt__zero_padding2d_build,
+    mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0};
+
+MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *d) {
+    mpt_zero_padding2d_desc defaults;
+    int i, k;
+    MPT__CHECK(mpt__check_add(m));
+    memset(&defaults, 0, sizeof defaults);
+    if (!d) d = &defaults; /* NULL: every default */
+    for (i = 0; i < 2; i++)
+        for (k = 0; k < 2; k++)
+            if (d->padding[i][k] < 0 || d->padding[i][k] > MPT__MAX_SAMPLE_ELEMENTS)
+                return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                 "ZeroPadding2D: padding[%d][%d] %lld is not in 0..2^56", i, k,
+                                 (long long)d->padding[i][k]);
+    return mpt__add_layer(m, &mpt__zero_padding2d_ops, d, sizeof(mpt_zero_padding2d_desc));
+}
+
+MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *d) {
+    if (!mpt__apply(m, &x, 1, 1, 1, "ZeroPadding2D")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt_model_add_zero_padding2d(m, d));
+}
+
+/* =============================================================================
    @impl-batchnorm  BatchNormalization: each channel (the last axis)
    normalised over the batch and every spatial position
                                          x, y: (B, ..., C)   parameters: (C)
@@ -7597,6 +7716,95 @@ MPTDEF mpt_node mpt_average(mpt_model *m, int n, const mpt_node *inputs,
     return mpt__merge(m, &mpt__average_ops, n, inputs, d);
 }
 
+/* ---- Concatenate ------------------------------------------------------------
+   Seen around its axis, each input is (outer, inner_s): outer counts
+   everything before the axis (the batch too), inner_s the input's extent
+   along the axis times everything after it. The output's rows are the
+   inputs' rows side by side, so each input moves as one copy_rows. */
+
+/* The sample axis (0-based, without the batch) a descriptor's axis names
+   for samples of `rank`; −1 when it names none. */
+static int mpt__concat_axis(int axis, int rank) {
+    if (axis == 0) axis = -1; /* the default, Keras' −1 */
+    if (axis < 0) axis += rank + 1;
+    return axis >= 1 && axis <= rank ? axis - 1 : -1;
+}
+
+static mpt_status mpt__concat_build(struct mpt_model *m, mpt__layer *L) {
+    int axis = mpt__concat_axis(L->desc.concatenate.axis, L->in_rank), s, d;
+    int64_t shape[MPT_MAX_RANK - 1];
+    if (axis < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "Concatenate '%s': axis %d is not an axis of its (batch, %d more) "
+                         "inputs (1..%d, or -%d..-1)", L->name, L->desc.concatenate.axis,
+                         L->in_rank, L->in_rank, L->in_rank);
+    L->out_rank = L->in_rank;
+    memcpy(L->out_shape, L->in_shape, sizeof L->out_shape);
+    for (s = 1; s < L->n_in; s++) {
+        int rank = mpt__node_shape(m, L->in_node[s], shape), same = rank == L->in_rank;
+        for (d = 0; same && d < rank; d++) same = d == axis || shape[d] == L->in_shape[d];
+        if (!same) {
+            char a[96], b[96];
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                             "Concatenate '%s': input %d ('%s') has shape %s, input 0 ('%s') "
+                             "%s: only axis %d may differ", L->name, s,
+                             mpt__node_name(m, L->in_node[s]),
+                             mpt_shape_format(a, sizeof a, rank, shape),
+                             mpt__node_name(m, L->in_node[0]),
+                             mpt_shape_format(b, sizeof b, L->in_rank, L->in_shape), axis + 1);
+        }
+        L->out_shape[axis] += shape[axis]; /* each at most 2^56: no overflow */
+    }
+    return MPT_OK;
+}
+
+/* outer (per sample) and each input's inner extent, in elements. */
+static int64_t mpt__concat_geometry(const mpt__layer *L, const mpt__pass *p, int64_t *inner) {
+    int axis = mpt__concat_axis(L->desc.concatenate.axis, L->in_rank), s, d;
+    int64_t outer = 1, after = 1, shape[MPT_MAX_RANK - 1];
+    for (d = 0; d < axis; d++) outer *= L->in_shape[d];
+    for (d = axis + 1; d < L->in_rank; d++) after *= L->in_shape[d];
+    for (s = 0; s < L->n_in; s++) {
+        mpt__node_shape(p->model, L->in_node[s], shape);
+        inner[s] = shape[axis] * after;
+    }
+    return outer;
+}
+
+/* Forward: each input's rows into its columns of y; backward: back out
+   of dy into each dx that is wanted. */
+static void mpt__concat_move(mpt__layer *L, const mpt__pass *p, int backward) {
+    int64_t inner[MPT_MAX_MERGE_INPUTS], rows = p->batch * mpt__concat_geometry(L, p, inner);
+    int64_t es = (int64_t)mpt_dtype_size(L->dtype), width = L->out_count / (rows / p->batch), at = 0;
+    int s;
+    for (s = 0; s < L->n_in; s++) {
+        unsigned char *joined = (unsigned char *)(backward ? (void *)p->dy : p->y) + at * es;
+        if (!backward)
+            p->be->copy_rows(p->impl, joined, width * es, 0, p->xs[s], inner[s] * es, 0,
+                             inner[s] * es, rows, 1);
+        else if (p->dxs[s])
+            p->be->copy_rows(p->impl, p->dxs[s], inner[s] * es, 0, joined, width * es, 0,
+                             inner[s] * es, rows, 1);
+        at += inner[s];
+    }
+}
+
+static void mpt__concat_forward(mpt__layer *L, const mpt__pass *p) { mpt__concat_move(L, p, 0); }
+static void mpt__concat_backward(mpt__layer *L, const mpt__pass *p) { mpt__concat_move(L, p, 1); }
+
+static const mpt__layer_ops mpt__concatenate_ops = {
+    "Concatenate", "concatenate", MPT__LAYER_CONCATENATE, mpt__concat_build,
+    mpt__concat_forward, mpt__concat_backward, NULL, NULL, NULL, NULL, NULL, 0};
+
+MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
+                                const mpt_concatenate_desc *d) {
+    mpt_concatenate_desc defaults;
+    memset(&defaults, 0, sizeof defaults);
+    if (!mpt__apply(m, inputs, n, 2, MPT_MAX_MERGE_INPUTS, "Concatenate")) return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt__add_layer(m, &mpt__concatenate_ops, d ? d : &defaults,
+                                          sizeof defaults));
+}
+
 /* =============================================================================
    @impl-model: the sequential model: create, add, initialise, lay out in memory, build
    ============================================================================= */
@@ -7849,10 +8057,10 @@ static void *mpt__carve(mpt__carver *c, int64_t bytes) {
    they are not in it (the model's input always: the caller's dtype is
    only known at forward time), the gradient w.r.t. its output. */
 static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L, int last) {
-    int64_t bytes = mpt__dbytes(L->dtype, L->in_count * m->max_batch);
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
+        int64_t bytes = mpt__dbytes(L->dtype, mpt__node_count(m, j) * m->max_batch);
         L->xs_cast[s] = j == 0 || m->layers[j - 1].dtype != L->dtype
                             ? mpt__carve(&c[MPT__MEM_ACTIVATIONS], bytes)
                             : NULL;
@@ -7860,6 +8068,14 @@ static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L,
     L->dy_buf = last ? NULL /* the loss's grad_buf[0] */
                      : mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                   mpt__dbytes(L->dtype, L->out_count * m->max_batch));
+}
+
+/* The most elements one sample has at any of L's inputs. */
+static int64_t mpt__widest_input(const mpt_model *m, const mpt__layer *L) {
+    int64_t most = 0;
+    int s;
+    for (s = 0; s < L->n_in; s++) most = MPT__MAX(most, mpt__node_count(m, L->in_node[s]));
+    return most;
 }
 
 /* A graph's gradient buffers: the output's (grad_buf[0], which the loss
@@ -7872,7 +8088,7 @@ static void mpt__graph_layout_grads(mpt_model *m, mpt__carver *c) {
     int64_t slot = 0, input = mpt__shape_count(m->desc.input_rank, m->desc.input_shape);
     int i, slots = 0;
     for (i = 0; i < m->n_layers; i++) {
-        slot = MPT__MAX(slot, mpt__align_up(4 * m->layers[i].in_count * m->max_batch));
+        slot = MPT__MAX(slot, mpt__align_up(4 * mpt__widest_input(m, &m->layers[i]) * m->max_batch));
         slots = MPT__MAX(slots, m->layers[i].n_in + 1);
     }
     m->graph_slot_bytes = slot;
@@ -8028,7 +8244,8 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
                 0, &grad_bytes));
         }
         if (m->graph) /* its scratch slots (mpt__graph_layout_grads) */
-            MPT__CHECK(mpt__batch_bytes(m, L, 4 * L->in_count * (L->n_in + 1), 0, &grad_bytes));
+            MPT__CHECK(mpt__batch_bytes(m, L, 4 * mpt__widest_input(m, L) * (L->n_in + 1), 0,
+                                        &grad_bytes));
         *grad_buf_bytes = MPT__MAX(*grad_buf_bytes, grad_bytes);
         *workspace_bytes = MPT__MAX(*workspace_bytes, L->workspace_bytes);
         if (i > 0 && m->layers[i - 1].ops->plan_next && !m->graph) {
@@ -8430,7 +8647,8 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
         mpt_dtype dtype = j == 0 ? w->input_dtype : m->layers[j - 1].dtype;
         L->xs[s] = src;
         if (dtype != L->dtype) {
-            m->be->convert(m->impl, L->dtype, L->xs_cast[s], dtype, src, w->p.batch * L->in_count);
+            m->be->convert(m->impl, L->dtype, L->xs_cast[s], dtype, src,
+                           w->p.batch * mpt__node_count(m, j));
             L->xs[s] = L->xs_cast[s];
         }
     }
@@ -8587,10 +8805,10 @@ static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backwar
 static void mpt__graph_backward_finish(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
     unsigned char *spare = (unsigned char *)m->grad_buf[1] + (int64_t)L->n_in * m->graph_slot_bytes;
-    int64_t n = w->p.batch * L->in_count;
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
+        int64_t n = w->p.batch * mpt__node_count(m, j);
         mpt_dtype dtype = j == 0 ? m->layers[0].dtype : m->layers[j - 1].dtype;
         void *grad = mpt__graph_grad(m, j);
         if (!L->dxs[s]) continue;
@@ -28338,6 +28556,38 @@ static void mpt__cpu_copy(void *impl, void *dst, const void *src, size_t bytes) 
     mpt__cpu_upload(impl, dst, src, bytes);
 }
 
+typedef struct mpt__copy_rows_job {
+    unsigned char *dst;
+    const unsigned char *src;
+    int64_t dst_pitch, dst_plane, src_pitch, src_plane, width, rows;
+} mpt__copy_rows_job;
+
+static void mpt__copy_rows_task(void *arg, int64_t plane, int thread) {
+    const mpt__copy_rows_job *j = (const mpt__copy_rows_job *)arg;
+    int64_t r;
+    (void)thread;
+    for (r = 0; r < j->rows; r++)
+        memcpy(j->dst + plane * j->dst_plane + r * j->dst_pitch,
+               j->src + plane * j->src_plane + r * j->src_pitch, (size_t)j->width);
+}
+
+/* mpt_backend.copy_rows: a plane a task. */
+static void mpt__cpu_copy_rows(void *impl, void *dst, int64_t dst_pitch, int64_t dst_plane,
+                               const void *src, int64_t src_pitch, int64_t src_plane,
+                               int64_t width, int64_t rows, int64_t planes) {
+    mpt__copy_rows_job j;
+    j.dst = (unsigned char *)dst;
+    j.src = (const unsigned char *)src;
+    j.dst_pitch = dst_pitch;
+    j.dst_plane = dst_plane;
+    j.src_pitch = src_pitch;
+    j.src_plane = src_plane;
+    j.width = width;
+    j.rows = rows;
+    if (width > 0 && rows > 0)
+        mpt__parallel_for((mpt_context *)impl, planes, mpt__copy_rows_task, &j);
+}
+
 static void mpt__cpu_zero(void *impl, void *dst, size_t bytes) {
     (void)impl;
     if (bytes) memset(dst, 0, bytes);
@@ -28618,6 +28868,7 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->loss_scale_update = mpt__cpu_loss_scale_update;
     t->add = mpt__cpu_add;
     t->elementwise = mpt__cpu_elementwise;
+    t->copy_rows = mpt__cpu_copy_rows;
     t->scale = mpt__cpu_scale;
     t->qgemm = mpt__cpu_qgemm;
     /* no collectives (comm_*, allreduce_sum): the replicas share memory */

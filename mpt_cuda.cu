@@ -4965,6 +4965,55 @@ static void mpt__cuda_copy(void *impl, void *dst, const void *src, size_t bytes)
                          "copy (cudaMemcpyAsync)");
 }
 
+/* mpt_backend.copy_rows: one thread a unit of U bytes, U the widest of
+   16, 4, 2, 1 that every pointer, pitch and width is a multiple of. */
+template <typename U>
+__global__ void mpt__cuda_copy_rows_kernel(unsigned char *dst, int64_t dst_pitch,
+                                           int64_t dst_plane, const unsigned char *src,
+                                           int64_t src_pitch, int64_t src_plane, int64_t units,
+                                           int64_t rows, int64_t total) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t u = i % units, r = i / units % rows, p = i / units / rows;
+        *(U *)(dst + p * dst_plane + r * dst_pitch + u * (int64_t)sizeof(U)) =
+            *(const U *)(src + p * src_plane + r * src_pitch + u * (int64_t)sizeof(U));
+    }
+}
+
+/* Launches the kernel for units of U. */
+template <typename U>
+static void mpt__cuda_copy_rows_as(mpt__cuda *c, void *dst, int64_t dst_pitch, int64_t dst_plane,
+                                   const void *src, int64_t src_pitch, int64_t src_plane,
+                                   int64_t width, int64_t rows, int64_t planes) {
+    const int64_t units = width / (int64_t)sizeof(U), total = units * rows * planes;
+    if (total <= 0) return;
+    mpt__cuda_copy_rows_kernel<U><<<mpt__cuda_blocks(total, 256), 256, 0, c->stream>>>(
+        (unsigned char *)dst, dst_pitch, dst_plane, (const unsigned char *)src, src_pitch,
+        src_plane, units, rows, total);
+    mpt__cuda_launched(c, "copy_rows");
+}
+
+static void mpt__cuda_copy_rows(void *impl, void *dst, int64_t dst_pitch, int64_t dst_plane,
+                                const void *src, int64_t src_pitch, int64_t src_plane,
+                                int64_t width, int64_t rows, int64_t planes) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const uint64_t all = (uint64_t)(uintptr_t)dst | (uint64_t)(uintptr_t)src |
+                         (uint64_t)dst_pitch | (uint64_t)dst_plane | (uint64_t)src_pitch |
+                         (uint64_t)src_plane | (uint64_t)width;
+    if (all % 16 == 0)
+        mpt__cuda_copy_rows_as<uint4>(c, dst, dst_pitch, dst_plane, src, src_pitch, src_plane,
+                                      width, rows, planes);
+    else if (all % 4 == 0)
+        mpt__cuda_copy_rows_as<uint32_t>(c, dst, dst_pitch, dst_plane, src, src_pitch, src_plane,
+                                         width, rows, planes);
+    else if (all % 2 == 0)
+        mpt__cuda_copy_rows_as<uint16_t>(c, dst, dst_pitch, dst_plane, src, src_pitch, src_plane,
+                                         width, rows, planes);
+    else
+        mpt__cuda_copy_rows_as<uint8_t>(c, dst, dst_pitch, dst_plane, src, src_pitch, src_plane,
+                                        width, rows, planes);
+}
+
 static void mpt__cuda_zero(void *impl, void *dst, size_t bytes) {
     mpt__cuda *c = (mpt__cuda *)impl;
     if (bytes == 0) return;
@@ -5642,6 +5691,7 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.loss_scale_update = MPT__CUDA_ENTRY(mpt__cuda_loss_scale_update);
     t.add = MPT__CUDA_ENTRY(mpt__cuda_add);
     t.elementwise = MPT__CUDA_ENTRY(mpt__cuda_elementwise);
+    t.copy_rows = MPT__CUDA_ENTRY(mpt__cuda_copy_rows);
     t.scale = MPT__CUDA_ENTRY(mpt__cuda_scale);
     t.qgemm = MPT__CUDA_ENTRY(mpt__cuda_qgemm);
 #ifdef MPT_NCCL

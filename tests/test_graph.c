@@ -191,6 +191,124 @@ static void test_fan_out_across_dtypes(void) {
     }
 }
 
+/* ---- Concatenate and ZeroPadding2D on images: y = Concatenate(x, pad(x)) ----------- */
+
+enum { IMG_H = 2, IMG_W = 3, IMG_C = 2 };
+
+typedef struct concat_ref {
+    int axis;           /* 1..3 as Keras counts (the batch is 0)          */
+    int64_t pad[2][2];  /* of the second input; all 0: it is x itself    */
+} concat_ref;
+
+static void pad_ref(const double *x, const concat_ref *d, double *y) {
+    const int64_t(*pad)[2] = d->pad;
+    int64_t H = IMG_H + pad[0][0] + pad[0][1], W = IMG_W + pad[1][0] + pad[1][1], h, w, c;
+    for (h = 0; h < H; h++)
+        for (w = 0; w < W; w++)
+            for (c = 0; c < IMG_C; c++) {
+                int64_t sh = h - pad[0][0], sw = w - pad[1][0];
+                y[(h * W + w) * IMG_C + c] = sh >= 0 && sh < IMG_H && sw >= 0 && sw < IMG_W
+                                                 ? x[(sh * IMG_W + sw) * IMG_C + c]
+                                                 : 0;
+            }
+}
+
+/* Both inputs as (outer, inner_s), their rows side by side. */
+static void concat_forward_ref(const gc_case *c, const double *x, double *const *p, double *y) {
+    const concat_ref *d = (const concat_ref *)c->user;
+    int64_t shape[2][3] = {{IMG_H, IMG_W, IMG_C}, {IMG_H + d->pad[0][0] + d->pad[0][1],
+                                                   IMG_W + d->pad[1][0] + d->pad[1][1], IMG_C}};
+    int64_t outer = 1, inner[2] = {1, 1}, b, o, k, at = 0;
+    double second[64];
+    int i;
+    (void)p;
+    for (i = 0; i < d->axis - 1; i++) outer *= shape[0][i];
+    for (i = d->axis - 1; i < 3; i++) inner[0] *= shape[0][i], inner[1] *= shape[1][i];
+    for (b = 0; b < c->batch; b++) {
+        const double *xb = x + b * IMG_H * IMG_W * IMG_C;
+        pad_ref(xb, d, second);
+        for (o = 0; o < outer; o++) {
+            for (k = 0; k < inner[0]; k++) y[at++] = xb[o * inner[0] + k];
+            for (k = 0; k < inner[1]; k++) y[at++] = second[o * inner[1] + k];
+        }
+    }
+}
+
+static void test_concatenate_gradients(void) {
+    static const concat_ref cases[] = {
+        {3, {{0, 0}, {0, 0}}}, {1, {{0, 1}, {0, 0}}}, {2, {{0, 0}, {2, 1}}}, {1, {{2, 2}, {0, 0}}}};
+    size_t k;
+    int q;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        for (q = 0; q < 3; q++) {
+            const concat_ref *d = &cases[k];
+            mpt_model *m = NULL;
+            mpt_node in[2];
+            int padded = d->pad[0][0] || d->pad[0][1] || d->pad[1][0] || d->pad[1][1];
+            char label[128];
+            test__begin();
+            CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C},
+                                                          .input_rank = 3, .policy = policies[q]},
+                                   &m) == MPT_OK,
+                  "create: %s", mpt_context_error(ctx));
+            in[0] = mpt_model_input(m);
+            in[1] = padded ? mpt_zero_padding2d(m, in[0], &(mpt_zero_padding2d_desc){
+                                                              .padding = {{d->pad[0][0], d->pad[0][1]},
+                                                                          {d->pad[1][0], d->pad[1][1]}}})
+                           : in[0];
+            /* axis as Keras' negative count in one case in two */
+            mpt_concatenate(m, 2, in, &(mpt_concatenate_desc){.axis = k % 2 ? d->axis : d->axis - 4});
+            CHECK(mpt_model_build(m, 5) == MPT_OK, "build: %s", mpt_context_error(ctx));
+            snprintf(label, sizeof label, "Concatenate axis %d of x and x padded ((%lld, %lld), "
+                     "(%lld, %lld)) %s", d->axis, (long long)d->pad[0][0], (long long)d->pad[0][1],
+                     (long long)d->pad[1][0], (long long)d->pad[1][1], mpt_policy_name(policies[q]));
+            gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 1,
+                                     .ref_forward = concat_forward_ref, .user = (void *)d},
+                     label);
+            mpt_model_destroy(m);
+            test__end("gradcheck %s", label);
+        }
+}
+
+/* ZeroPadding2D's default is one pixel on every side; bad paddings and
+   axes are refused. */
+static void test_padding_and_axis_checks(void) {
+    mpt_model *m = NULL;
+    int64_t shape[3];
+    mpt_node in[2];
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C},
+                                                  .input_rank = 3},
+                           &m) == MPT_OK,
+          "create");
+    CHECK(mpt_model_add_zero_padding2d(m, NULL) == MPT_OK, "%s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_layer_output_shape(m, 0, shape) == 3 && shape[0] == IMG_H + 2 &&
+              shape[1] == IMG_W + 2 && shape[2] == IMG_C,
+          "default padding gives (%lld, %lld, %lld)", (long long)shape[0], (long long)shape[1],
+          (long long)shape[2]);
+    mpt_model_destroy(m);
+
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C}, .input_rank = 3},
+                     &m);
+    test_expect_error(ctx, mpt_model_add_zero_padding2d(m, &(mpt_zero_padding2d_desc){
+                                                               .padding = {{0, -1}, {0, 0}}}),
+                      MPT_ERR_INVALID_ARGUMENT, "padding[0][1] -1", "negative padding");
+    in[0] = in[1] = mpt_model_input(m);
+    mpt_concatenate(m, 2, in, &(mpt_concatenate_desc){.axis = 4});
+    test_expect_error(ctx, mpt_model_build(m, 2), MPT_ERR_INVALID_ARGUMENT,
+                      "Concatenate 'concatenate': axis 4 is not an axis", "axis 4");
+    mpt_model_destroy(m);
+
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C}, .input_rank = 3},
+                     &m);
+    in[0] = mpt_model_input(m);
+    in[1] = mpt_zero_padding2d(m, in[0], NULL);
+    mpt_concatenate(m, 2, in, NULL);
+    test_expect_error(ctx, mpt_model_build(m, 2), MPT_ERR_SHAPE, "only axis 3 may differ",
+                      "concatenate (2, 3, 2) and (4, 5, 2) on the last axis");
+    mpt_model_destroy(m);
+}
+
 /* ---- training: a residual MLP learns, the same bits on 1 and 2 threads ------------- */
 
 static mpt_model *residual_mlp(mpt_context *c, mpt_policy policy) {
@@ -365,6 +483,8 @@ static void cases(void) {
     test_residual_gradients();
     test_merge_gradients();
     test_fan_out_across_dtypes();
+    test_concatenate_gradients();
+    TEST_RUN(test_padding_and_axis_checks);
     TEST_RUN(test_residual_training);
 }
 

@@ -1200,6 +1200,84 @@ static void test_dropout(void) {
             }
 }
 
+/* ---- the graphs' element-wise operations and row moves ------------------------------------ */
+
+/* Every op of elementwise, each dtype, odd counts, an operand one element
+   off its alignment, and y written over a: the GPU's bits are the CPU's
+   (both run mpt__elementwise_rule and round once). */
+static void test_elementwise(void) {
+    static const int64_t counts[4] = {1, 7, 1000, 65536 + 3};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int op, di, ci, in_place;
+    for (op = MPT_ELEMENTWISE_ADD; op <= MPT_ELEMENTWISE_NEGATE; op++)
+        for (di = 0; di < 3; di++)
+            for (ci = 0; ci < 4; ci++)
+                for (in_place = 0; in_place < 2; in_place++) {
+                    mpt_dtype dt = float_dtypes[di];
+                    int64_t n = counts[ci];
+                    size_t es = mpt_dtype_size(dt);
+                    void *a = random_values(dt, n + 1, -3, 3), *b = random_values(dt, n, -3, 3);
+                    void *out[2];
+                    int w;
+                    for (w = 0; w < 2; w++) {
+                        backend *be = w ? gpu : &cpu_be;
+                        unsigned char *ad = (unsigned char *)be_upload(be, a, nbytes(dt, n + 1));
+                        const void *bd = be_upload(be, b, nbytes(dt, n));
+                        void *y = in_place ? (void *)(ad + es) : be_poisoned(be, nbytes(dt, n));
+                        be->t->elementwise(be->impl, (mpt_elementwise_op)op, dt, y, ad + es, bd,
+                                           op == MPT_ELEMENTWISE_DIVIDE ? 3.0f : 0.0f, n);
+                        out[w] = be_fetch(be, y, nbytes(dt, n), "elementwise");
+                        be_release(be);
+                    }
+                    CHECK(memcmp(out[0], out[1], nbytes(dt, n)) == 0,
+                          "elementwise op %d %s n %lld%s: element %lld differs (exact)", op,
+                          mpt_dtype_name(dt), (long long)n, in_place ? " in place" : "",
+                          (long long)first_difference(out[1], out[0], n, es));
+                    free(out[0]);
+                    free(out[1]);
+                    free(a);
+                    free(b);
+                }
+}
+
+/* copy_rows against memcpy on the host: planes of rows with pitches and
+   plane steps of every alignment (each width of 1..16-byte units). */
+static void test_copy_rows(void) {
+    static const int64_t widths[5] = {1, 6, 32, 48, 200};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int wi, shift;
+    for (wi = 0; wi < 5; wi++)
+        for (shift = 0; shift < 3; shift++) {
+            int64_t width = widths[wi], rows = 5, planes = 3, r, p;
+            int64_t src_pitch = width + shift * 2, src_plane = rows * src_pitch + 16 * shift;
+            int64_t dst_pitch = width * 2 + shift, dst_plane = rows * dst_pitch + 7 * shift;
+            size_t src_bytes = (size_t)(planes * src_plane), dst_bytes = (size_t)(planes * dst_plane);
+            unsigned char *src = (unsigned char *)random_values(MPT_FLOAT32, (int64_t)src_bytes / 4 + 1, -1, 1);
+            unsigned char *want = (unsigned char *)malloc(dst_bytes), *got;
+            memset(want, 0xFF, dst_bytes);
+            for (p = 0; p < planes; p++)
+                for (r = 0; r < rows; r++)
+                    memcpy(want + p * dst_plane + r * dst_pitch, src + p * src_plane + r * src_pitch,
+                           (size_t)width);
+            {
+                const void *sd = be_upload(gpu, src, src_bytes);
+                void *dd = be_poisoned(gpu, dst_bytes);
+                gpu->t->copy_rows(gpu->impl, dd, dst_pitch, dst_plane, sd, src_pitch, src_plane,
+                                  width, rows, planes);
+                got = (unsigned char *)be_fetch(gpu, dd, dst_bytes, "copy_rows");
+                be_release(gpu);
+            }
+            CHECK(memcmp(got, want, dst_bytes) == 0,
+                  "copy_rows width %lld pitches %lld/%lld planes %lld/%lld: byte %lld differs",
+                  (long long)width, (long long)src_pitch, (long long)dst_pitch,
+                  (long long)src_plane, (long long)dst_plane,
+                  (long long)first_difference(got, want, (int64_t)dst_bytes, 1));
+            free(got);
+            free(want);
+            free(src);
+        }
+}
+
 /* ---- losses ------------------------------------------------------------------------------- */
 
 static const char *loss_name(mpt_loss_type type) {
@@ -3555,6 +3633,9 @@ static void run_layer_tests(void) {
     test__run("pool forward and backward, max and average (max forward exact)", test_pool);
     test__run("batchnorm forward, backward, commit", test_batchnorm);
     test__run("dropout forward and backward (bit-exact mask)", test_dropout);
+    test__run("elementwise: every op, each dtype, in place and unaligned (exact)",
+              test_elementwise);
+    test__run("copy_rows: planes of rows, every alignment (exact)", test_copy_rows);
     test__run("loss: every type, logits and probabilities, with metrics", test_loss);
     test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
     test__run("grad_stats + update over 111 odd-sized tensors, packed unaligned, in tables",

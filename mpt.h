@@ -90,6 +90,16 @@
        mpt_dataset_destroy(train);
        mpt_context_destroy(ctx);
 
+   A model that is not a stack is written as Keras' functional API writes
+   it, each layer applied to nodes (@layers' functional form; a residual
+   block of examples/resnet.c):
+
+       mpt_node y = mpt_conv2d(m, x, &(mpt_conv2d_desc){ .filters = 16,
+                                   .kernel_size = {3, 3}, .padding = MPT_PADDING_SAME });
+       y = mpt_batch_normalization(m, y, NULL);
+       mpt_node both[2] = { y, x };
+       y = mpt_add(m, 2, both, NULL);
+
    Underneath fit, the same steps are public: mpt_model_forward,
    mpt_loss_compute, mpt_model_backward, and every parameter's float32
    master and gradient (mpt_model_param); and, in the model's own memory
@@ -251,11 +261,14 @@
        @impl-conv2d       Conv2D: im2col + GEMM, by chunks of samples
        @impl-pooling      MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D;
                           a Conv2D and the MaxPooling2D after it as one pass
+       @impl-zero-padding2d  ZeroPadding2D
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
-       @impl-model        the sequential model: create, add, initialise, lay
+       @impl-merge        Add, Subtract, Multiply, Average, Concatenate
+       @impl-model        the model: create, add, initialise, the graph, lay
                           out in memory, build
-       @impl-passes       a batch in, forward and backward, a step by hand
+       @impl-passes       a batch in, forward and backward (a chain's and a
+                          graph's walks), a step by hand
        @impl-losses       the losses, their gradients and metrics
        @impl-optimizers   descriptors, the fused update, loss scaling, compile
        @impl-data         datasets over caller arrays, views, a batch gathered
@@ -4303,8 +4316,9 @@ typedef enum mpt__layer_kind {
 /* A layer's table: what it is, its passes, and its facets, the questions
    code outside its section asks of it instead of naming it. Adding a
    layer takes:
-     1. @layers: its descriptor mpt_<name>_desc and mpt_model_add_<name>;
-        @impl-layers: its member of mpt__layer_desc, its MPT__LAYER_ kind.
+     1. @layers: its descriptor mpt_<name>_desc, mpt_model_add_<name> and
+        its functional form mpt_<name>(m, x, desc); @impl-layers: its
+        member of mpt__layer_desc, its MPT__LAYER_ kind.
      2. Its @impl-<name> section: build, forward, backward, and its table,
         every member given, in this order (C++ has no designated
         initialisers), an optional one NULL or 0 where it has no answer:
@@ -7502,7 +7516,7 @@ MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *d)
     return mpt__applied(m, mpt_model_add_dropout(m, d));
 }
 /* =============================================================================
-   @impl-merge  Add, Subtract, Multiply, Average: n inputs of one shape, one output
+   @impl-merge  Add, Subtract, Multiply, Average, Concatenate: n inputs, one output
    =============================================================================
 
    Keras' merge layers combine their inputs element by element in the
@@ -7806,7 +7820,7 @@ MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
 }
 
 /* =============================================================================
-   @impl-model: the sequential model: create, add, initialise, lay out in memory, build
+   @impl-model: the model: create, add, initialise, the graph, lay out in memory, build
    ============================================================================= */
 
 /* ---- building a model ----------------------------------------------------- */

@@ -221,6 +221,7 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     REQUIRED(batchnorm_forward); REQUIRED(batchnorm_backward); REQUIRED(batchnorm_commit);
     REQUIRED(batchnorm_workspace); REQUIRED(dropout); REQUIRED(loss); REQUIRED(grad_stats);
     REQUIRED(update); REQUIRED(loss_scale_update); REQUIRED(add); REQUIRED(scale);
+    REQUIRED(elementwise); REQUIRED(copy_rows);
     REQUIRED(qgemm);
 #undef REQUIRED
     named++; /* gemm_plan: optional */

@@ -295,6 +295,8 @@
        @impl-checkpoints  the model in a file: what is saved, staging, writing
        @impl-checkpoints-load  loading: names, dtypes, shapes, counters checked
      the engineering: threads and CPU kernels
+       @impl-model-files  the whole model in a file: its architecture as JSON
+                          (mpt_model_save, mpt_model_load; a JSON reader)
        @impl-threads      the thread pool: parallel-for over fixed workers
        @impl-devices      the CPU as device 0, then the CUDA devices
        @impl-convert-simd float16/bfloat16 conversions in AVX2 and AVX-512
@@ -1608,6 +1610,25 @@ MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path);
 MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path);
 /* Epochs completed, as recorded by fit and restored by load_checkpoint. */
 MPTDEF int mpt_model_epoch(const mpt_model *m);
+
+/* The whole model in one safetensors file, as keras.Model.save: its
+   architecture (layers, their descriptors, the graph, the policy, seed,
+   max_batch and the compile settings) as JSON in the metadata's
+   "architecture", with what save_checkpoint writes when the model is
+   compiled (weights, optimizer state, counters: training resumes from
+   it) or what save_weights writes when it is not. The model must be
+   built; a quantized or quantization-aware one is refused
+   (MPT_ERR_UNSUPPORTED: save_checkpoint keeps a quantization-aware one). */
+MPTDEF mpt_status mpt_model_save(mpt_model *m, const char *path);
+/* Rebuilds a model saved by mpt_model_save with no code, as
+   keras.models.load_model: created in ctx, its layers added, compiled as
+   it was, built for the same max_batch, its weights (and training state)
+   loaded. Without a strategy (give the rebuilt model's weights to one with
+   save_weights). A file without an architecture, or whose architecture
+   JSON is malformed or names what this version cannot build, is refused
+   with MPT_ERR_FORMAT naming the file, the byte or the layer and key; *out
+   is then NULL. */
+MPTDEF mpt_status mpt_model_load(mpt_context *ctx, const char *path, mpt_model **out);
 
 /* =============================================================================
    @strategy: synchronous data parallelism, as TensorFlow's MirroredStrategy
@@ -4313,6 +4334,33 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
+/* A descriptor field as model files keep it (@impl-model-files): its key
+   (the member's name), how it is written, where it lies in the
+   descriptor. A list of them ends with a NULL key. */
+typedef enum mpt__field_type {
+    MPT__FIELD_INT,         /* int (a flag)                                */
+    MPT__FIELD_INT64,
+    MPT__FIELD_INT64_PAIR,  /* int64_t[2]                                  */
+    MPT__FIELD_INT64_2X2,   /* int64_t[2][2]                               */
+    MPT__FIELD_UINT64,
+    MPT__FIELD_FLOAT,
+    MPT__FIELD_ACTIVATION,  /* mpt_activation, by name ("relu")            */
+    MPT__FIELD_PADDING,     /* mpt_padding: "valid", "same"                */
+    MPT__FIELD_INITIALIZER, /* mpt_initializer: "he_normal", ...           */
+    MPT__FIELD_ENUM         /* any other enum, as its number               */
+} mpt__field_type;
+
+typedef struct mpt__field {
+    const char *key;
+    mpt__field_type type;
+    size_t offset;
+} mpt__field;
+
+#define MPT__FIELD(desc, member, type) {#member, type, offsetof(desc, member)}
+#define MPT__FIELDS_END {NULL, MPT__FIELD_INT, 0}
+
+typedef union mpt__layer_desc mpt__layer_desc;
+
 /* A layer's table: what it is, its passes, and its facets, the questions
    code outside its section asks of it instead of naming it. Adding a
    layer takes:
@@ -4331,6 +4379,9 @@ typedef enum mpt__layer_kind {
           plan_next                 optional: runs the next layer inside
           replica_statistics        optional: what a strategy averages
           identity_at_inference     optional: 1 where inference leaves it out
+          fields                    required: its descriptor in model files
+          add                       required: its add, from a read descriptor
+          min_inputs, max_inputs    required: 1, 1 but for the merges
      3. Its tests.
      4. Only when its math is new: backend slots and their CPU and CUDA
         functions.
@@ -4368,6 +4419,15 @@ typedef struct mpt__layer_ops {
     /* 1: inference passes x through unchanged (Dropout), so the export and
        quantization leave the layer out. */
     int identity_at_inference;
+    /* What a model file keeps of its descriptor past the common fields
+       (mpt_model_save): a list ending with MPT__FIELDS_END. */
+    const mpt__field *fields;
+    /* Adds a layer of this table from a descriptor read back from a file,
+       through the checks of its add function (mpt_model_load). */
+    mpt_status (*add)(struct mpt_model *m, const struct mpt__layer_ops *ops,
+                      const mpt__layer_desc *d);
+    /* How many input nodes it takes: 1, or a merge's 2..MPT_MAX_MERGE_INPUTS. */
+    int min_inputs, max_inputs;
 } mpt__layer_ops;
 
 /* The most elements one sample may have at a model's input and at every
@@ -4406,7 +4466,7 @@ typedef struct mpt__layer_common_desc {
 
 /* Any layer's descriptor; its name and dtype are read through `common`
    whatever the layer (the members share those first fields). */
-typedef union mpt__layer_desc {
+union mpt__layer_desc {
     mpt__layer_common_desc common;
     mpt_dense_desc dense;
     mpt_conv2d_desc conv2d;
@@ -4419,7 +4479,7 @@ typedef union mpt__layer_desc {
     mpt_merge_desc merge;
     mpt_concatenate_desc concatenate;
     mpt_zero_padding2d_desc zero_padding2d;
-} mpt__layer_desc;
+};
 
 struct mpt__layer {
     const mpt__layer_ops *ops;
@@ -4838,6 +4898,9 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
    its zero defaults when NULL (a required field's own check names it). */
 static mpt_status mpt__check_add(mpt_model *m) { return m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT; }
 
+/* The fields of a descriptor that has only the common ones. */
+static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
+
 /* ---- the functional form: a layer applied to nodes ---------------------------
    Each mpt_<layer>(m, x, desc) is mpt__apply, then the layer's own
    mpt_model_add_<layer>, then mpt__applied: the add takes the nodes
@@ -5008,10 +5071,24 @@ static mpt_activation mpt__dense_activation(const mpt__layer *L) {
     return L->desc.dense.activation;
 }
 
-static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", MPT__LAYER_DENSE,
-                                              mpt__dense_build, mpt__dense_forward,
-                                              mpt__dense_backward, NULL, mpt__dense_activation,
-                                              mpt__kernel_macs, NULL, NULL, 0};
+static const mpt__field mpt__dense_fields[] = {
+    MPT__FIELD(mpt_dense_desc, units, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_dense_desc, activation, MPT__FIELD_ACTIVATION),
+    MPT__FIELD(mpt_dense_desc, no_bias, MPT__FIELD_INT),
+    MPT__FIELD(mpt_dense_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELD(mpt_dense_desc, bias_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELDS_END};
+
+static mpt_status mpt__dense_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                      const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_dense(m, &d->dense);
+}
+
+static const mpt__layer_ops mpt__dense_ops = {
+    "Dense", "dense", MPT__LAYER_DENSE, mpt__dense_build, mpt__dense_forward, mpt__dense_backward,
+    NULL, mpt__dense_activation, mpt__kernel_macs, NULL, NULL, 0, mpt__dense_fields,
+    mpt__dense_add_desc, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     mpt_dense_desc defaults;
@@ -5060,10 +5137,16 @@ static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
         p->be->copy(p->impl, p->dx, p->dy, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
 }
 
-static const mpt__layer_ops mpt__flatten_ops = {"Flatten", "flatten", MPT__LAYER_FLATTEN,
-                                                mpt__flatten_build, mpt__flatten_forward,
-                                                mpt__flatten_backward, NULL, NULL, NULL, NULL,
-                                                NULL, 0};
+static mpt_status mpt__flatten_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                        const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_flatten(m, &d->flatten);
+}
+
+static const mpt__layer_ops mpt__flatten_ops = {
+    "Flatten", "flatten", MPT__LAYER_FLATTEN, mpt__flatten_build, mpt__flatten_forward,
+    mpt__flatten_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__flatten_add_desc,
+    1, 1};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
     mpt_flatten_desc none;
@@ -5111,12 +5194,21 @@ static mpt_activation mpt__activation_layer_activation(const mpt__layer *L) {
     return L->desc.activation.activation;
 }
 
-static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
-                                                   MPT__LAYER_ACTIVATION, mpt__activation_build,
-                                                   mpt__activation_layer_forward,
-                                                   mpt__activation_layer_backward, NULL,
-                                                   mpt__activation_layer_activation, NULL, NULL,
-                                                   NULL, 0};
+static const mpt__field mpt__activation_fields[] = {
+    MPT__FIELD(mpt_activation_desc, activation, MPT__FIELD_ACTIVATION),
+    MPT__FIELDS_END};
+
+static mpt_status mpt__activation_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                           const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_activation(m, &d->activation);
+}
+
+static const mpt__layer_ops mpt__activation_ops = {
+    "Activation", "activation", MPT__LAYER_ACTIVATION, mpt__activation_build,
+    mpt__activation_layer_forward, mpt__activation_layer_backward, NULL,
+    mpt__activation_layer_activation, NULL, NULL, NULL, 0, mpt__activation_fields,
+    mpt__activation_add_desc, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
     mpt_activation_desc defaults;
@@ -5748,10 +5840,27 @@ static mpt_activation mpt__conv2d_activation(const mpt__layer *L) {
     return L->desc.conv2d.activation;
 }
 
-static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", MPT__LAYER_CONV2D,
-                                               mpt__conv2d_build, mpt__conv2d_forward,
-                                               mpt__conv2d_backward, NULL, mpt__conv2d_activation,
-                                               mpt__kernel_macs, mpt__conv_pool_plan, NULL, 0};
+static const mpt__field mpt__conv2d_fields[] = {
+    MPT__FIELD(mpt_conv2d_desc, filters, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_conv2d_desc, kernel_size, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_conv2d_desc, strides, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_conv2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__FIELD(mpt_conv2d_desc, activation, MPT__FIELD_ACTIVATION),
+    MPT__FIELD(mpt_conv2d_desc, no_bias, MPT__FIELD_INT),
+    MPT__FIELD(mpt_conv2d_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELD(mpt_conv2d_desc, bias_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELDS_END};
+
+static mpt_status mpt__conv2d_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                       const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_conv2d(m, &d->conv2d);
+}
+
+static const mpt__layer_ops mpt__conv2d_ops = {
+    "Conv2D", "conv2d", MPT__LAYER_CONV2D, mpt__conv2d_build, mpt__conv2d_forward,
+    mpt__conv2d_backward, NULL, mpt__conv2d_activation, mpt__kernel_macs, mpt__conv_pool_plan, NULL,
+    0, mpt__conv2d_fields, mpt__conv2d_add_desc, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
@@ -6330,16 +6439,42 @@ static void mpt__global_pool_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__pool_backward(L, p, MPT_POOL_AVERAGE, mpt__global_pool_win);
 }
 
+static const mpt__field mpt__pool2d_fields[] = {
+    MPT__FIELD(mpt_pool2d_desc, pool_size, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_pool2d_desc, strides, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_pool2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__FIELDS_END};
+
+static mpt_status mpt__max_pool_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                         const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_max_pooling2d(m, &d->pool2d);
+}
+
 static const mpt__layer_ops mpt__max_pool_ops = {
     "MaxPooling2D", "max_pooling2d", MPT__LAYER_MAX_POOLING2D, mpt__max_pool_build,
-    mpt__max_pool_forward, mpt__max_pool_backward, NULL, NULL, NULL, NULL, NULL, 0};
+    mpt__max_pool_forward, mpt__max_pool_backward, NULL, NULL, NULL, NULL, NULL, 0,
+    mpt__pool2d_fields, mpt__max_pool_add_desc, 1, 1};
+static mpt_status mpt__avg_pool_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                         const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_average_pooling2d(m, &d->pool2d);
+}
+
 static const mpt__layer_ops mpt__avg_pool_ops = {
     "AveragePooling2D", "average_pooling2d", MPT__LAYER_AVERAGE_POOLING2D, mpt__avg_pool_build,
-    mpt__avg_pool_forward, mpt__avg_pool_backward, NULL, NULL, NULL, NULL, NULL, 0};
+    mpt__avg_pool_forward, mpt__avg_pool_backward, NULL, NULL, NULL, NULL, NULL, 0,
+    mpt__pool2d_fields, mpt__avg_pool_add_desc, 1, 1};
+static mpt_status mpt__global_pool_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                            const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_global_average_pooling2d(m, &d->global_pool2d);
+}
+
 static const mpt__layer_ops mpt__global_pool_ops = {
     "GlobalAveragePooling2D", "global_average_pooling2d", MPT__LAYER_GLOBAL_AVERAGE_POOLING2D,
-    mpt__global_pool_build, mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL,
-    NULL, NULL, NULL, 0};
+    mpt__global_pool_build, mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL, NULL,
+    NULL, NULL, 0, mpt__no_fields, mpt__global_pool_add_desc, 1, 1};
 
 /* MaxPooling2D or AveragePooling2D (ops), its descriptor checked. */
 static mpt_status mpt__add_pool(mpt_model *m, const mpt__layer_ops *ops, const mpt_pool2d_desc *d) {
@@ -6576,9 +6711,20 @@ static void mpt__zero_padding2d_backward(mpt__layer *L, const mpt__pass *p) {
                      p->batch);
 }
 
+static const mpt__field mpt__zero_padding2d_fields[] = {
+    MPT__FIELD(mpt_zero_padding2d_desc, padding, MPT__FIELD_INT64_2X2),
+    MPT__FIELDS_END};
+
+static mpt_status mpt__zero_padding2d_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                               const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_zero_padding2d(m, &d->zero_padding2d);
+}
+
 static const mpt__layer_ops mpt__zero_padding2d_ops = {
     "ZeroPadding2D", "zero_padding2d", MPT__LAYER_ZERO_PADDING2D, mpt__zero_padding2d_build,
-    mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0};
+    mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0,
+    mpt__zero_padding2d_fields, mpt__zero_padding2d_add_desc, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *d) {
     mpt_zero_padding2d_desc defaults;
@@ -7243,10 +7389,24 @@ static int mpt__bn_replica_statistics(const mpt__layer *L, int64_t *count) {
     return L->desc.batchnorm.synchronized ? 0 : 2;
 }
 
-static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normalization",
-                                           MPT__LAYER_BATCH_NORMALIZATION, mpt__bn_build,
-                                           mpt__bn_forward, mpt__bn_backward, mpt__bn_commit,
-                                           NULL, NULL, NULL, mpt__bn_replica_statistics, 0};
+static const mpt__field mpt__bn_fields[] = {
+    MPT__FIELD(mpt_batchnorm_desc, momentum, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_batchnorm_desc, epsilon, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_batchnorm_desc, no_center, MPT__FIELD_INT),
+    MPT__FIELD(mpt_batchnorm_desc, no_scale, MPT__FIELD_INT),
+    MPT__FIELD(mpt_batchnorm_desc, synchronized, MPT__FIELD_INT),
+    MPT__FIELDS_END};
+
+static mpt_status mpt__bn_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                   const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_batch_normalization(m, &d->batchnorm);
+}
+
+static const mpt__layer_ops mpt__bn_ops = {
+    "BatchNormalization", "batch_normalization", MPT__LAYER_BATCH_NORMALIZATION, mpt__bn_build,
+    mpt__bn_forward, mpt__bn_backward, mpt__bn_commit, NULL, NULL, NULL, mpt__bn_replica_statistics,
+    0, mpt__bn_fields, mpt__bn_add_desc, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
     mpt_batchnorm_desc defaults;
@@ -7495,10 +7655,21 @@ static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
     return mpt__layer_set_workspace(m, L, L->dtype == MPT_FLOAT32 ? 0 : 4 * L->in_count, 0);
 }
 
-static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", MPT__LAYER_DROPOUT,
-                                                mpt__dropout_build, mpt__dropout_forward,
-                                                mpt__dropout_backward, NULL, NULL, NULL, NULL,
-                                                NULL, 1};
+static const mpt__field mpt__dropout_fields[] = {
+    MPT__FIELD(mpt_dropout_desc, rate, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_dropout_desc, seed, MPT__FIELD_UINT64),
+    MPT__FIELDS_END};
+
+static mpt_status mpt__dropout_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                        const mpt__layer_desc *d) {
+    (void)ops;
+    return mpt_model_add_dropout(m, &d->dropout);
+}
+
+static const mpt__layer_ops mpt__dropout_ops = {
+    "Dropout", "dropout", MPT__LAYER_DROPOUT, mpt__dropout_build, mpt__dropout_forward,
+    mpt__dropout_backward, NULL, NULL, NULL, NULL, NULL, 1, mpt__dropout_fields,
+    mpt__dropout_add_desc, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
     mpt_dropout_desc defaults;
@@ -7685,29 +7856,38 @@ static void mpt__merge_backward(mpt__layer *L, const mpt__pass *p) {
         if (p->dxs[s] && p->dxs[s] != share) p->be->copy(p->impl, p->dxs[s], share, bytes);
 }
 
-static const mpt__layer_ops mpt__add_ops = {"Add", "add", MPT__LAYER_ADD, mpt__merge_build,
-                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
-                                             NULL, NULL, NULL, 0};
+/* The merges' descriptors hold only the common fields. */
+static mpt_status mpt__merge_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                      const mpt__layer_desc *d) {
+    return mpt__add_layer(m, ops, d, sizeof(mpt_merge_desc));
+}
 
-static const mpt__layer_ops mpt__subtract_ops = {"Subtract", "subtract", MPT__LAYER_SUBTRACT, mpt__merge_build,
-                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
-                                             NULL, NULL, NULL, 0};
+static const mpt__layer_ops mpt__add_ops = {
+    "Add", "add", MPT__LAYER_ADD, mpt__merge_build, mpt__merge_forward, mpt__merge_backward, NULL,
+    NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2, MPT_MAX_MERGE_INPUTS};
 
-static const mpt__layer_ops mpt__multiply_ops = {"Multiply", "multiply", MPT__LAYER_MULTIPLY, mpt__merge_build,
-                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
-                                             NULL, NULL, NULL, 0};
+static const mpt__layer_ops mpt__subtract_ops = {
+    "Subtract", "subtract", MPT__LAYER_SUBTRACT, mpt__merge_build, mpt__merge_forward,
+    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2,
+    2};
 
-static const mpt__layer_ops mpt__average_ops = {"Average", "average", MPT__LAYER_AVERAGE, mpt__merge_build,
-                                             mpt__merge_forward, mpt__merge_backward, NULL, NULL,
-                                             NULL, NULL, NULL, 0};
+static const mpt__layer_ops mpt__multiply_ops = {
+    "Multiply", "multiply", MPT__LAYER_MULTIPLY, mpt__merge_build, mpt__merge_forward,
+    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2,
+    MPT_MAX_MERGE_INPUTS};
+
+static const mpt__layer_ops mpt__average_ops = {
+    "Average", "average", MPT__LAYER_AVERAGE, mpt__merge_build, mpt__merge_forward,
+    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2,
+    MPT_MAX_MERGE_INPUTS};
 
 /* The merges' one entry: n nodes (two for a Subtract) into a layer of ops. */
 static mpt_node mpt__merge(mpt_model *m, const mpt__layer_ops *ops, int n, const mpt_node *inputs,
                            const mpt_merge_desc *d) {
     mpt_merge_desc defaults;
-    int most = ops->kind == MPT__LAYER_SUBTRACT ? 2 : MPT_MAX_MERGE_INPUTS;
     memset(&defaults, 0, sizeof defaults);
-    if (!mpt__apply(m, inputs, n, 2, most, ops->class_name)) return MPT_NODE_FAILED;
+    if (!mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name))
+        return MPT_NODE_FAILED;
     return mpt__applied(m, mpt__add_layer(m, ops, d ? d : &defaults, sizeof defaults));
 }
 
@@ -7806,9 +7986,18 @@ static void mpt__concat_move(mpt__layer *L, const mpt__pass *p, int backward) {
 static void mpt__concat_forward(mpt__layer *L, const mpt__pass *p) { mpt__concat_move(L, p, 0); }
 static void mpt__concat_backward(mpt__layer *L, const mpt__pass *p) { mpt__concat_move(L, p, 1); }
 
+static const mpt__field mpt__concatenate_fields[] = {
+    MPT__FIELD(mpt_concatenate_desc, axis, MPT__FIELD_INT), MPT__FIELDS_END};
+
+static mpt_status mpt__concatenate_add_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                            const mpt__layer_desc *d) {
+    return mpt__add_layer(m, ops, d, sizeof(mpt_concatenate_desc));
+}
+
 static const mpt__layer_ops mpt__concatenate_ops = {
-    "Concatenate", "concatenate", MPT__LAYER_CONCATENATE, mpt__concat_build,
-    mpt__concat_forward, mpt__concat_backward, NULL, NULL, NULL, NULL, NULL, 0};
+    "Concatenate", "concatenate", MPT__LAYER_CONCATENATE, mpt__concat_build, mpt__concat_forward,
+    mpt__concat_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__concatenate_fields,
+    mpt__concatenate_add_desc, 2, MPT_MAX_MERGE_INPUTS};
 
 MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
                                 const mpt_concatenate_desc *d) {
@@ -7950,6 +8139,7 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
     L->ops = ops;
     mpt__take_inputs(m, L);
     L->desc = *desc;
+    L->desc.common.name = NULL; /* the caller's string need not outlive the call */
     L->dtype = dtype ? dtype : m->policy_dtype;
     if (name) {
         snprintf(L->name, sizeof L->name, "%s", name);
@@ -17463,7 +17653,8 @@ static void mpt__ckpt_put_model(mpt__ckpt_text *t, const mpt_model *m) {
     mpt__free(t->ctx, lines.s);
 }
 
-static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int full) {
+static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int full,
+                                   const char *architecture) {
     char seed[32], shape[96];
     snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->desc.seed);
     mpt_shape_format(shape, sizeof shape, m->desc.input_rank, m->desc.input_shape);
@@ -17482,6 +17673,7 @@ static void mpt__ckpt_put_metadata(mpt__ckpt_text *t, const mpt_model *m, int fu
         mpt__ckpt_put_pair(t, "qat_ema_decay", decay, 0);
     }
     mpt__ckpt_put_model(t, m);
+    if (architecture) mpt__ckpt_put_pair(t, "architecture", architecture, 0);
     mpt__ckpt_puts(t, "}");
 }
 
@@ -17524,11 +17716,11 @@ static mpt_status mpt__ckpt_check_names(mpt_model *m) {
 
 /* The JSON header, space-padded to a multiple of 8 bytes. */
 static mpt_status mpt__ckpt_header(mpt_model *m, const mpt__ckpt_plan *pl, int full,
-                                   mpt__ckpt_text *t) {
+                                   const char *architecture, mpt__ckpt_text *t) {
     int i;
     MPT__CHECK(mpt__ckpt_check_names(m));
     mpt__ckpt_puts(t, "{");
-    mpt__ckpt_put_metadata(t, m, full);
+    mpt__ckpt_put_metadata(t, m, full, architecture);
     for (i = 0; i < pl->n; i++) mpt__ckpt_put_entry(t, &pl->e[i]);
     mpt__ckpt_puts(t, "}");
     while (!t->oom && t->len % 8) mpt__ckpt_puts(t, " ");
@@ -17607,7 +17799,10 @@ static mpt_status mpt__ckpt_check_saving(mpt_model *m, const char *path,
                      "%s: not written, since loading would refuse it: %s", what, why);
 }
 
-static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const char *what) {
+/* architecture: NULL, or the model's JSON (@impl-model-files) for the
+   metadata's "architecture". */
+static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const char *what,
+                                 const char *architecture) {
     mpt__ckpt_plan pl;
     mpt__ckpt_text header;
     mpt__ckpt_writer w;
@@ -17629,7 +17824,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.loss_scale = m->loss_scale;
     s = mpt__ckpt_plan_init(m, full, 0, &pl);
     if (s == MPT_OK) s = mpt__ckpt_check_saving(m, path, &pl, full, what);
-    if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, &header);
+    if (s == MPT_OK) s = mpt__ckpt_header(m, &pl, full, architecture, &header);
     if (s == MPT_OK) s = mpt__ckpt_writer_open(&w, m->ctx, "checkpoint", path, 0);
     if (s == MPT_OK) s = mpt__ckpt_write_file(&w, &pl, &header);
     mpt__ckpt_writer_close(&w);
@@ -17988,7 +18183,7 @@ static mpt_status mpt__ckpt_load(mpt_model *m, const char *path, int full, const
 /* ---- the public functions -------------------------------------------------------- */
 
 MPTDEF mpt_status mpt_model_save_weights(mpt_model *m, const char *path) {
-    return mpt__ckpt_save(m, path, 0, "save_weights");
+    return mpt__ckpt_save(m, path, 0, "save_weights", NULL);
 }
 
 MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path) {
@@ -17996,7 +18191,7 @@ MPTDEF mpt_status mpt_model_load_weights(mpt_model *m, const char *path) {
 }
 
 MPTDEF mpt_status mpt_model_save_checkpoint(mpt_model *m, const char *path) {
-    return mpt__ckpt_save(m, path, 1, "save_checkpoint");
+    return mpt__ckpt_save(m, path, 1, "save_checkpoint", NULL);
 }
 
 MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path) {
@@ -18004,6 +18199,826 @@ MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path) {
 }
 
 MPTDEF int mpt_model_epoch(const mpt_model *m) { return m ? m->epoch : 0; }
+
+/* =============================================================================
+   @impl-model-files: the whole model in a file: its architecture as JSON
+   beside the weights (mpt_model_save, mpt_model_load)
+   =============================================================================
+
+   The architecture is one JSON object, kept as a string in the
+   safetensors metadata ("architecture"):
+       {"format": "mpt.h model", "version": 1,
+        "input_shape": [28, 28, 1], "policy": "mixed_float16", "seed": 0,
+        "memory_limit": 0, "max_batch": 128,
+        "layers": [{"class": "Conv2D", "name": "conv2d", "inputs": [0],
+                    "config": {"filters": 16, "kernel_size": [3, 3], ...}},
+                   ...],
+        "compile": {"optimizer.type": 0, "optimizer.learning_rate": 0.001, ...}}
+   A layer's "dtype" is there when its descriptor gives one; "inputs" are
+   nodes (0 the model's input, i + 1 layer i's output); "config" holds
+   the fields of its table's list (mpt__layer_ops.fields), and reading
+   refuses any other. Loading adds each layer through its own add
+   function, so a file gets exactly the checks a program does. */
+
+static const char *const mpt__initializer_names[MPT_INIT_COUNT_] = {
+    "default", "glorot_uniform", "he_normal", "zeros", "ones"};
+
+/* Every layer table a file may name. A new layer's table goes here too. */
+static const mpt__layer_ops *const mpt__file_layers[] = {
+    &mpt__dense_ops,       &mpt__flatten_ops,        &mpt__activation_ops,
+    &mpt__conv2d_ops,      &mpt__max_pool_ops,       &mpt__avg_pool_ops,
+    &mpt__global_pool_ops, &mpt__zero_padding2d_ops, &mpt__bn_ops,
+    &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
+    &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops};
+
+/* The compile settings, each member by its path in mpt_compile_desc. */
+static const mpt__field mpt__compile_fields[] = {
+    MPT__FIELD(mpt_compile_desc, optimizer.type, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, optimizer.learning_rate, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.momentum, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.nesterov, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, optimizer.beta_1, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.beta_2, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.epsilon, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.weight_decay, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.l2, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.clip_global_norm, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.type, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.decay_steps, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.decay_rate, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.alpha, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.warmup_steps, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_compile_desc, loss.type, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, loss.from_logits, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, loss.grad_scale, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, metrics, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, top_k, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, loss_scale.mode, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, loss_scale.initial_scale, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, loss_scale.growth_interval, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_compile_desc, loss_scale.growth_factor, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, loss_scale.backoff_factor, MPT__FIELD_FLOAT),
+    MPT__FIELDS_END};
+
+/* ---- writing ------------------------------------------------------------------- */
+
+/* One field of the descriptor at base, as `"key":value`. */
+static void mpt__put_field(mpt__ckpt_text *t, const mpt__field *f, const void *base, int first) {
+    const unsigned char *p = (const unsigned char *)base + f->offset;
+    char num[96];
+    int i;
+    int64_t v[4];
+    if (!first) mpt__ckpt_puts(t, ",");
+    mpt__ckpt_put_json(t, f->key);
+    mpt__ckpt_puts(t, ":");
+    switch (f->type) {
+    case MPT__FIELD_INT:
+    case MPT__FIELD_ENUM:
+        memcpy(&i, p, sizeof i); /* an enum is stored as an int */
+        snprintf(num, sizeof num, "%d", i);
+        break;
+    case MPT__FIELD_INT64:
+        memcpy(v, p, 8);
+        snprintf(num, sizeof num, "%lld", (long long)v[0]);
+        break;
+    case MPT__FIELD_INT64_PAIR:
+        memcpy(v, p, 16);
+        snprintf(num, sizeof num, "[%lld,%lld]", (long long)v[0], (long long)v[1]);
+        break;
+    case MPT__FIELD_INT64_2X2:
+        memcpy(v, p, 32);
+        snprintf(num, sizeof num, "[[%lld,%lld],[%lld,%lld]]", (long long)v[0], (long long)v[1],
+                 (long long)v[2], (long long)v[3]);
+        break;
+    case MPT__FIELD_UINT64: {
+        uint64_t u;
+        memcpy(&u, p, 8);
+        snprintf(num, sizeof num, "%llu", (unsigned long long)u);
+        break;
+    }
+    case MPT__FIELD_FLOAT: {
+        float x;
+        memcpy(&x, p, 4);
+        /* 9 digits give the float back exactly; JSON has no inf or NaN */
+        snprintf(num, sizeof num, isfinite(x) ? "%.9g" : "null", (double)x);
+        break;
+    }
+    default: { /* the named enums, as strings */
+        const char *name = "?";
+        memcpy(&i, p, sizeof i);
+        if (f->type == MPT__FIELD_ACTIVATION) name = mpt_activation_name((mpt_activation)i);
+        if (f->type == MPT__FIELD_PADDING) name = i == MPT_PADDING_SAME ? "same" : "valid";
+        if (f->type == MPT__FIELD_INITIALIZER && i >= 0 && i < MPT_INIT_COUNT_)
+            name = mpt__initializer_names[i];
+        mpt__ckpt_put_json(t, name);
+        return;
+    }
+    }
+    mpt__ckpt_puts(t, num);
+}
+
+static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *base) {
+    int k;
+    mpt__ckpt_puts(t, "{");
+    for (k = 0; f[k].key; k++) mpt__put_field(t, &f[k], base, k == 0);
+    mpt__ckpt_puts(t, "}");
+}
+
+static void mpt__put_layer(mpt__ckpt_text *t, const mpt__layer *L) {
+    char num[32];
+    int s;
+    mpt__ckpt_puts(t, "{\"class\":");
+    mpt__ckpt_put_json(t, L->ops->class_name);
+    mpt__ckpt_puts(t, ",\"name\":");
+    mpt__ckpt_put_json(t, L->name);
+    if (L->desc.common.dtype != MPT_DTYPE_DEFAULT) {
+        mpt__ckpt_puts(t, ",\"dtype\":");
+        mpt__ckpt_put_json(t, mpt_dtype_name(L->desc.common.dtype));
+    }
+    mpt__ckpt_puts(t, ",\"inputs\":[");
+    for (s = 0; s < L->n_in; s++) {
+        snprintf(num, sizeof num, "%s%d", s ? "," : "", L->in_node[s]);
+        mpt__ckpt_puts(t, num);
+    }
+    mpt__ckpt_puts(t, "],\"config\":");
+    mpt__put_fields(t, L->ops->fields, &L->desc);
+    mpt__ckpt_puts(t, "}");
+}
+
+/* The model's architecture JSON, into t. */
+static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
+    char num[160];
+    int i;
+    mpt__ckpt_puts(t, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[");
+    for (i = 0; i < m->desc.input_rank; i++) {
+        snprintf(num, sizeof num, "%s%lld", i ? "," : "", (long long)m->desc.input_shape[i]);
+        mpt__ckpt_puts(t, num);
+    }
+    snprintf(num, sizeof num, "],\"policy\":\"%s\",\"seed\":%llu,\"memory_limit\":%lld,"
+             "\"max_batch\":%lld,\"layers\":[", mpt_policy_name(m->desc.policy),
+             (unsigned long long)m->desc.seed, (long long)m->desc.memory_limit,
+             (long long)m->max_batch);
+    mpt__ckpt_puts(t, num);
+    for (i = 0; i < m->n_layers; i++) {
+        if (i) mpt__ckpt_puts(t, ",");
+        mpt__put_layer(t, &m->layers[i]);
+    }
+    mpt__ckpt_puts(t, "]");
+    if (m->compiled) {
+        mpt__ckpt_puts(t, ",\"compile\":");
+        mpt__put_fields(t, mpt__compile_fields, &m->compile);
+    }
+    mpt__ckpt_puts(t, "}");
+}
+
+MPTDEF mpt_status mpt_model_save(mpt_model *m, const char *path) {
+    mpt__ckpt_text arch;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__refuse_quantized(m, "save"));
+    if (m->qat)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "save: not for a quantization-aware model "
+                         "yet (mpt_model_save_checkpoint keeps its ranges)");
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "save: build the model first");
+    memset(&arch, 0, sizeof arch);
+    arch.ctx = m->ctx;
+    mpt__put_architecture(&arch, m);
+    if (arch.oom) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "save: out of memory");
+    else s = mpt__ckpt_save(m, path, m->compiled, "save", arch.s);
+    mpt__free(m->ctx, arch.s);
+    return s;
+}
+
+/* ---- a JSON reader ---------------------------------------------------------------
+   The whole document parsed into a flat array of values (children linked
+   by index), strings unescaped in place in a copy of the text. Every
+   limit is checked: nesting depth, members of an object (and no key
+   twice), escapes, numbers' syntax; a failure names the byte. */
+
+#define MPT__JSON_MAX_DEPTH 32
+#define MPT__JSON_MAX_MEMBERS 256
+
+typedef struct mpt__jv {
+    char type;       /* 'o' object, 'a' array, 's' string, 'n' number, 't', 'f', 'z' null */
+    int first, next; /* the first child, the next sibling; -1: none */
+    int count;       /* an object's members, an array's elements */
+    const char *key; /* a member's key, unescaped                  */
+    const char *str; /* a string, unescaped; a number's characters */
+    int len;         /* a number's characters                       */
+    int64_t at;      /* its first byte in the text                  */
+} mpt__jv;
+
+typedef struct mpt__json {
+    mpt_context *ctx;
+    const char *where; /* for messages: "model file 'm.safetensors'" */
+    char *text;        /* a copy (unescaped in place), NUL-terminated */
+    int64_t len, pos;
+    mpt__jv *v;
+    int n, cap;
+} mpt__json;
+
+static mpt_status mpt__json_bad(mpt__json *j, int64_t at, const char *fmt, ...) {
+    char why[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    return mpt__fail(j->ctx, MPT_ERR_FORMAT, "%s: architecture JSON, byte %lld: %s", j->where,
+                     (long long)at, why);
+}
+
+static void mpt__json_ws(mpt__json *j) {
+    while (j->pos < j->len && strchr(" \t\r\n", j->text[j->pos]) && j->text[j->pos]) j->pos++;
+}
+
+/* A new value of `type` at the current byte; its index, or -1. */
+static int mpt__json_new(mpt__json *j, char type, const char *key) {
+    mpt__jv *v;
+    if (j->n == j->cap) {
+        int cap = j->cap ? 2 * j->cap : 64;
+        mpt__jv *grown = (mpt__jv *)mpt__alloc(j->ctx, sizeof *grown * (size_t)cap);
+        if (!grown) return -1;
+        if (j->n) memcpy(grown, j->v, sizeof *grown * (size_t)j->n);
+        mpt__free(j->ctx, j->v);
+        j->v = grown;
+        j->cap = cap;
+    }
+    v = &j->v[j->n];
+    memset(v, 0, sizeof *v);
+    v->type = type;
+    v->first = v->next = -1;
+    v->key = key;
+    v->at = j->pos;
+    return j->n++;
+}
+
+/* Four hex digits at text[at..at+3], or -1. */
+static long mpt__json_hex4(const mpt__json *j, int64_t at) {
+    long v = 0;
+    int k;
+    if (at + 4 > j->len) return -1;
+    for (k = 0; k < 4; k++) {
+        char c = j->text[at + k];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
+/* A \u escape at pos (the 'u'), a surrogate pair taking two: its code
+   point, or -1 when malformed; pos moves past it. */
+static long mpt__json_code_point(mpt__json *j) {
+    long hi = mpt__json_hex4(j, j->pos + 1), lo;
+    j->pos += 5;
+    if (hi < 0 || (hi >= 0xDC00 && hi < 0xE000) || hi == 0) return -1; /* no lone low, no NUL */
+    if (hi < 0xD800 || hi >= 0xDC00) return hi;
+    if (j->pos + 6 > j->len || j->text[j->pos] != '\\' || j->text[j->pos + 1] != 'u') return -1;
+    lo = mpt__json_hex4(j, j->pos + 2);
+    if (lo < 0xDC00 || lo >= 0xE000) return -1;
+    j->pos += 6;
+    return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+}
+
+/* The string at pos (its opening quote), unescaped in place and
+   NUL-terminated (the text only shrinks); *out points at it. */
+static mpt_status mpt__json_string(mpt__json *j, const char **out) {
+    int64_t start = j->pos, w;
+    w = ++j->pos;
+    *out = j->text + w;
+    for (;;) {
+        unsigned char c;
+        if (j->pos >= j->len) return mpt__json_bad(j, start, "a string that does not end");
+        c = (unsigned char)j->text[j->pos];
+        if (c == '"') break;
+        if (c < 0x20) return mpt__json_bad(j, j->pos, "a control character in a string");
+        if (c != '\\') {
+            j->text[w++] = (char)c;
+            j->pos++;
+            continue;
+        }
+        if (j->pos + 1 >= j->len) return mpt__json_bad(j, j->pos, "an escape that does not end");
+        c = (unsigned char)j->text[++j->pos];
+        if (c == 'u') {
+            long cp = mpt__json_code_point(j);
+            if (cp < 0) return mpt__json_bad(j, j->pos, "a malformed \\u escape");
+            if (cp < 0x80) {
+                j->text[w++] = (char)cp;
+            } else if (cp < 0x800) {
+                j->text[w++] = (char)(0xC0 | (cp >> 6));
+                j->text[w++] = (char)(0x80 | (cp & 0x3F));
+            } else if (cp < 0x10000) {
+                j->text[w++] = (char)(0xE0 | (cp >> 12));
+                j->text[w++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+                j->text[w++] = (char)(0x80 | (cp & 0x3F));
+            } else {
+                j->text[w++] = (char)(0xF0 | (cp >> 18));
+                j->text[w++] = (char)(0x80 | ((cp >> 12) & 0x3F));
+                j->text[w++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+                j->text[w++] = (char)(0x80 | (cp & 0x3F));
+            }
+            continue; /* (an escape of 6 or 12 bytes gives at most 4) */
+        }
+        {
+            const char *from = "\"\\/bfnrt", *to = "\"\\/\b\f\n\r\t", *k = strchr(from, c);
+            if (!k || !c) return mpt__json_bad(j, j->pos, "an unknown escape \\%c", c ? c : '0');
+            j->text[w++] = to[k - from];
+            j->pos++;
+        }
+    }
+    j->text[w] = 0;
+    j->pos++; /* the closing quote */
+    return MPT_OK;
+}
+
+/* A number's characters, as JSON's grammar has them. */
+static mpt_status mpt__json_number(mpt__json *j, int index) {
+    int64_t p = j->pos;
+    const char *t = j->text;
+    int digits = 0;
+    if (p < j->len && t[p] == '-') p++;
+    while (p < j->len && t[p] >= '0' && t[p] <= '9') p++, digits++;
+    if (!digits) return mpt__json_bad(j, j->pos, "an unexpected character '%c'", t[j->pos]);
+    if (p < j->len && t[p] == '.') {
+        for (p++, digits = 0; p < j->len && t[p] >= '0' && t[p] <= '9'; p++) digits++;
+        if (!digits) return mpt__json_bad(j, p, "a number without digits after its '.'");
+    }
+    if (p < j->len && (t[p] == 'e' || t[p] == 'E')) {
+        p++;
+        if (p < j->len && (t[p] == '+' || t[p] == '-')) p++;
+        for (digits = 0; p < j->len && t[p] >= '0' && t[p] <= '9'; p++) digits++;
+        if (!digits) return mpt__json_bad(j, p, "a number without digits in its exponent");
+    }
+    if (p - j->pos > 64) return mpt__json_bad(j, j->pos, "a number of more than 64 characters");
+    j->v[index].str = t + j->pos;
+    j->v[index].len = (int)(p - j->pos);
+    j->pos = p;
+    return MPT_OK;
+}
+
+static mpt_status mpt__json_value(mpt__json *j, const char *key, int depth, int *out);
+
+/* The members of an object or the elements of an array, after its
+   opening bracket. */
+static mpt_status mpt__json_children(mpt__json *j, int parent, int depth) {
+    const char close = j->v[parent].type == 'o' ? '}' : ']';
+    int last = -1;
+    mpt__json_ws(j);
+    if (j->pos < j->len && j->text[j->pos] == close) {
+        j->pos++;
+        return MPT_OK;
+    }
+    for (;;) {
+        const char *key = NULL;
+        int child, k;
+        mpt__json_ws(j);
+        if (close == '}') {
+            if (j->pos >= j->len || j->text[j->pos] != '"')
+                return mpt__json_bad(j, j->pos, "an object member without a quoted key");
+            MPT__CHECK(mpt__json_string(j, &key));
+            for (k = j->v[parent].first; k >= 0; k = j->v[k].next)
+                if (strcmp(j->v[k].key, key) == 0)
+                    return mpt__json_bad(j, j->pos, "the key \"%s\" twice in one object", key);
+            if (j->v[parent].count == MPT__JSON_MAX_MEMBERS)
+                return mpt__json_bad(j, j->pos, "an object of more than %d members",
+                                     MPT__JSON_MAX_MEMBERS);
+            mpt__json_ws(j);
+            if (j->pos >= j->len || j->text[j->pos] != ':')
+                return mpt__json_bad(j, j->pos, "no ':' after the key \"%s\"", key);
+            j->pos++;
+        }
+        MPT__CHECK(mpt__json_value(j, key, depth + 1, &child));
+        if (last < 0) j->v[parent].first = child;
+        else j->v[last].next = child;
+        last = child;
+        j->v[parent].count++;
+        mpt__json_ws(j);
+        if (j->pos < j->len && j->text[j->pos] == ',') {
+            j->pos++;
+            continue;
+        }
+        if (j->pos < j->len && j->text[j->pos] == close) {
+            j->pos++;
+            return MPT_OK;
+        }
+        return mpt__json_bad(j, j->pos, "expected ',' or '%c'", close);
+    }
+}
+
+static mpt_status mpt__json_value(mpt__json *j, const char *key, int depth, int *out) {
+    char c;
+    int index;
+    mpt__json_ws(j);
+    if (j->pos >= j->len) return mpt__json_bad(j, j->pos, "the text ends where a value should be");
+    if (depth > MPT__JSON_MAX_DEPTH)
+        return mpt__json_bad(j, j->pos, "nested more than %d deep", MPT__JSON_MAX_DEPTH);
+    c = j->text[j->pos];
+    index = mpt__json_new(j, c == '{' ? 'o' : c == '[' ? 'a' : c == '"' ? 's' : 'n', key);
+    if (index < 0) return mpt__fail(j->ctx, MPT_ERR_OUT_OF_MEMORY, "%s: out of memory", j->where);
+    *out = index;
+    if (c == '{' || c == '[') {
+        j->pos++;
+        return mpt__json_children(j, index, depth);
+    }
+    if (c == '"') return mpt__json_string(j, &j->v[index].str);
+    if (j->len - j->pos >= 4 && (!strncmp(j->text + j->pos, "true", 4) ||
+                                 !strncmp(j->text + j->pos, "null", 4))) {
+        j->v[index].type = c == 't' ? 't' : 'z';
+        j->pos += 4;
+        return MPT_OK;
+    }
+    if (j->len - j->pos >= 5 && !strncmp(j->text + j->pos, "false", 5)) {
+        j->v[index].type = 'f';
+        j->pos += 5;
+        return MPT_OK;
+    }
+    return mpt__json_number(j, index);
+}
+
+/* Parses text (len bytes, copied); the root is value 0. */
+static mpt_status mpt__json_parse(mpt__json *j, mpt_context *ctx, const char *where,
+                                  const char *text, int64_t len) {
+    int root;
+    memset(j, 0, sizeof *j);
+    j->ctx = ctx;
+    j->where = where;
+    j->text = (char *)mpt__alloc(ctx, (size_t)len + 1);
+    if (!j->text) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s: out of memory", where);
+    memcpy(j->text, text, (size_t)len);
+    j->text[len] = 0;
+    j->len = len;
+    MPT__CHECK(mpt__json_value(j, NULL, 0, &root));
+    mpt__json_ws(j);
+    if (j->pos != j->len) return mpt__json_bad(j, j->pos, "more after the document's end");
+    return MPT_OK;
+}
+
+static void mpt__json_free(mpt__json *j) {
+    mpt__free(j->ctx, j->text);
+    mpt__free(j->ctx, j->v);
+    j->text = NULL;
+    j->v = NULL;
+}
+
+/* An object's member `key`: its index, or -1. */
+static int mpt__json_get(const mpt__json *j, int object, const char *key) {
+    int k;
+    if (object < 0 || j->v[object].type != 'o') return -1;
+    for (k = j->v[object].first; k >= 0; k = j->v[k].next)
+        if (strcmp(j->v[k].key, key) == 0) return k;
+    return -1;
+}
+
+/* ---- reading values, each a clear error naming what it is ------------------------- */
+
+/* An integer in [lo, hi] (a number without fraction or exponent). */
+static mpt_status mpt__json_int64(mpt__json *j, int index, int64_t lo, int64_t hi, int64_t *out,
+                                  const char *what) {
+    const mpt__jv *v = index >= 0 ? &j->v[index] : NULL;
+    int64_t x = 0;
+    int k, neg;
+    if (!v) return mpt__json_bad(j, 0, "%s is missing", what);
+    neg = v->type == 'n' && v->str[0] == '-';
+    if (v->type != 'n' || v->len == neg)
+        return mpt__json_bad(j, v->at, "%s is not a whole number", what);
+    for (k = neg; k < v->len; k++) {
+        int d = v->str[k] - '0';
+        if (d < 0 || d > 9) return mpt__json_bad(j, v->at, "%s is not a whole number", what);
+        if (x > (INT64_MAX - d) / 10) return mpt__json_bad(j, v->at, "%s is too large", what);
+        x = 10 * x + d;
+    }
+    if (neg) x = -x;
+    if (x < lo || x > hi)
+        return mpt__json_bad(j, v->at, "%s %lld is not in %lld..%lld", what, (long long)x,
+                             (long long)lo, (long long)hi);
+    *out = x;
+    return MPT_OK;
+}
+
+static mpt_status mpt__json_uint64(mpt__json *j, int index, uint64_t *out, const char *what) {
+    const mpt__jv *v = index >= 0 ? &j->v[index] : NULL;
+    uint64_t x = 0;
+    int k;
+    if (!v) return mpt__json_bad(j, 0, "%s is missing", what);
+    if (v->type != 'n' || v->str[0] == '-')
+        return mpt__json_bad(j, v->at, "%s is not a whole number >= 0", what);
+    for (k = 0; k < v->len; k++) {
+        unsigned d = (unsigned)(v->str[k] - '0');
+        if (d > 9) return mpt__json_bad(j, v->at, "%s is not a whole number >= 0", what);
+        if (x > (UINT64_MAX - d) / 10) return mpt__json_bad(j, v->at, "%s is too large", what);
+        x = 10 * x + d;
+    }
+    *out = x;
+    return MPT_OK;
+}
+
+/* A number a float holds: finite, within ±FLT_MAX. */
+static mpt_status mpt__json_float(mpt__json *j, int index, float *out, const char *what) {
+    const mpt__jv *v = index >= 0 ? &j->v[index] : NULL;
+    char buf[72];
+    double x;
+    if (!v) return mpt__json_bad(j, 0, "%s is missing", what);
+    if (v->type != 'n') return mpt__json_bad(j, v->at, "%s is not a number", what);
+    memcpy(buf, v->str, (size_t)v->len); /* (at most 64 characters: mpt__json_number) */
+    buf[v->len] = 0;
+    x = strtod(buf, NULL);
+    if (!(x >= -FLT_MAX && x <= FLT_MAX))
+        return mpt__json_bad(j, v->at, "%s %s is not a finite float", what, buf);
+    *out = (float)x;
+    return MPT_OK;
+}
+
+/* A string; NULL (and the error) if it is not one. */
+static const char *mpt__json_str(mpt__json *j, int index, const char *what, mpt_status *s) {
+    if (index >= 0 && j->v[index].type == 's') return j->v[index].str;
+    *s = mpt__json_bad(j, index >= 0 ? j->v[index].at : 0, "%s is %s", what,
+                       index >= 0 ? "not a string" : "missing");
+    return NULL;
+}
+
+/* An array of exactly n whole numbers in [lo, hi]. */
+static mpt_status mpt__json_int64s(mpt__json *j, int index, int n, int64_t lo, int64_t hi,
+                                   int64_t *out, const char *what) {
+    int k, e;
+    if (index < 0 || j->v[index].type != 'a' || j->v[index].count != n)
+        return mpt__json_bad(j, index >= 0 ? j->v[index].at : 0, "%s is not an array of %d "
+                             "numbers", what, n);
+    for (k = 0, e = j->v[index].first; e >= 0; k++, e = j->v[e].next)
+        MPT__CHECK(mpt__json_int64(j, e, lo, hi, &out[k], what));
+    return MPT_OK;
+}
+
+/* A named enum's value from its string. */
+static mpt_status mpt__json_named(mpt__json *j, int index, mpt__field_type type, int *out,
+                                  const char *what) {
+    mpt_status s = MPT_OK;
+    const char *name = mpt__json_str(j, index, what, &s);
+    int k, count = type == MPT__FIELD_ACTIVATION ? MPT_ACT_COUNT_
+                   : type == MPT__FIELD_PADDING  ? 2
+                                                 : MPT_INIT_COUNT_;
+    if (!name) return s;
+    for (k = 0; k < count; k++) {
+        const char *known = type == MPT__FIELD_ACTIVATION ? mpt_activation_name((mpt_activation)k)
+                            : type == MPT__FIELD_PADDING  ? (k ? "same" : "valid")
+                                                          : mpt__initializer_names[k];
+        if (strcmp(name, known) == 0) {
+            *out = k;
+            return MPT_OK;
+        }
+    }
+    return mpt__json_bad(j, j->v[index].at, "%s \"%s\" is not one this version knows", what,
+                         name);
+}
+
+/* One field from the member at index into the descriptor at base. */
+static mpt_status mpt__json_field(mpt__json *j, int index, const mpt__field *f, void *base,
+                                  const char *what) {
+    unsigned char *p = (unsigned char *)base + f->offset;
+    int64_t v[4] = {0, 0, 0, 0};
+    int i = 0;
+    float x = 0;
+    uint64_t u = 0;
+    switch (f->type) {
+    case MPT__FIELD_INT:
+    case MPT__FIELD_ENUM:
+        MPT__CHECK(mpt__json_int64(j, index, INT_MIN, INT_MAX, v, what));
+        i = (int)v[0];
+        memcpy(p, &i, sizeof i);
+        return MPT_OK;
+    case MPT__FIELD_INT64:
+        MPT__CHECK(mpt__json_int64(j, index, INT64_MIN, INT64_MAX, v, what));
+        memcpy(p, v, 8);
+        return MPT_OK;
+    case MPT__FIELD_INT64_PAIR:
+        MPT__CHECK(mpt__json_int64s(j, index, 2, INT64_MIN, INT64_MAX, v, what));
+        memcpy(p, v, 16);
+        return MPT_OK;
+    case MPT__FIELD_INT64_2X2: {
+        int e = index >= 0 && j->v[index].type == 'a' && j->v[index].count == 2
+                    ? j->v[index].first : -1;
+        if (e < 0) return mpt__json_bad(j, index >= 0 ? j->v[index].at : 0, "%s is not two "
+                                        "pairs", what);
+        MPT__CHECK(mpt__json_int64s(j, e, 2, INT64_MIN, INT64_MAX, v, what));
+        MPT__CHECK(mpt__json_int64s(j, j->v[e].next, 2, INT64_MIN, INT64_MAX, v + 2, what));
+        memcpy(p, v, 32);
+        return MPT_OK;
+    }
+    case MPT__FIELD_UINT64:
+        MPT__CHECK(mpt__json_uint64(j, index, &u, what));
+        memcpy(p, &u, 8);
+        return MPT_OK;
+    case MPT__FIELD_FLOAT:
+        MPT__CHECK(mpt__json_float(j, index, &x, what));
+        memcpy(p, &x, 4);
+        return MPT_OK;
+    default:
+        MPT__CHECK(mpt__json_named(j, index, f->type, &i, what));
+        memcpy(p, &i, sizeof i);
+        return MPT_OK;
+    }
+}
+
+/* Every member of the object at index into base, by the list f; a member
+   the list lacks is refused (a newer file, or a typo). label names the
+   object in messages. */
+static mpt_status mpt__json_fields(mpt__json *j, int index, const mpt__field *f, void *base,
+                                   const char *label) {
+    int e, k;
+    char what[256];
+    if (index < 0 || j->v[index].type != 'o')
+        return mpt__json_bad(j, index >= 0 ? j->v[index].at : 0, "%s is not an object", label);
+    for (e = j->v[index].first; e >= 0; e = j->v[e].next) {
+        for (k = 0; f[k].key && strcmp(f[k].key, j->v[e].key) != 0; k++) continue;
+        if (!f[k].key)
+            return mpt__json_bad(j, j->v[e].at, "%s has no field \"%s\"", label, j->v[e].key);
+        snprintf(what, sizeof what, "%s's %s", label, f[k].key);
+        MPT__CHECK(mpt__json_field(j, e, &f[k], base, what));
+    }
+    return MPT_OK;
+}
+
+/* ---- the model from its JSON ------------------------------------------------------ */
+
+static const mpt__layer_ops *mpt__file_layer_ops(const char *class_name) {
+    size_t k;
+    for (k = 0; k < sizeof mpt__file_layers / sizeof mpt__file_layers[0]; k++)
+        if (strcmp(mpt__file_layers[k]->class_name, class_name) == 0) return mpt__file_layers[k];
+    return NULL;
+}
+
+/* Layer i of the file, added to m with its inputs. */
+static mpt_status mpt__load_layer(mpt__json *j, int index, int i, mpt_model *m) {
+    const mpt__layer_ops *ops;
+    mpt__layer_desc d;
+    mpt_node inputs[MPT_MAX_MERGE_INPUTS];
+    mpt_status s = MPT_OK;
+    const char *cls, *name, *dtype_name;
+    char label[128];
+    int in = mpt__json_get(j, index, "inputs"), e, k, n;
+    snprintf(label, sizeof label, "layer %d", i);
+    if (index < 0 || j->v[index].type != 'o')
+        return mpt__json_bad(j, index >= 0 ? j->v[index].at : 0, "%s is not an object", label);
+    cls = mpt__json_str(j, mpt__json_get(j, index, "class"), "its class", &s);
+    if (!cls) return s;
+    ops = mpt__file_layer_ops(cls);
+    if (!ops) return mpt__json_bad(j, j->v[index].at, "%s: unknown class \"%s\"", label, cls);
+    name = mpt__json_str(j, mpt__json_get(j, index, "name"), "its name", &s);
+    if (!name) return s;
+    snprintf(label, sizeof label, "layer %d ('%.64s', %s)", i, name, ops->class_name);
+    memset(&d, 0, sizeof d);
+    d.common.name = name;
+    e = mpt__json_get(j, index, "dtype");
+    if (e >= 0) {
+        dtype_name = mpt__json_str(j, e, "its dtype", &s);
+        if (!dtype_name) return s;
+        for (k = 0; k < MPT_DTYPE_COUNT_ && strcmp(mpt_dtype_name((mpt_dtype)k), dtype_name); k++)
+            continue;
+        if (k == MPT_DTYPE_COUNT_)
+            return mpt__json_bad(j, j->v[e].at, "%s: unknown dtype \"%s\"", label, dtype_name);
+        d.common.dtype = (mpt_dtype)k;
+    }
+    for (e = j->v[index].first; e >= 0; e = j->v[e].next)
+        if (strcmp(j->v[e].key, "class") && strcmp(j->v[e].key, "name") &&
+            strcmp(j->v[e].key, "dtype") && strcmp(j->v[e].key, "inputs") &&
+            strcmp(j->v[e].key, "config"))
+            return mpt__json_bad(j, j->v[e].at, "%s has no member \"%s\"", label, j->v[e].key);
+    e = mpt__json_get(j, index, "config");
+    if (e < 0 || j->v[e].type != 'o')
+        return mpt__json_bad(j, e >= 0 ? j->v[e].at : j->v[index].at, "%s: \"config\" is not an "
+                             "object", label);
+    MPT__CHECK(mpt__json_fields(j, e, ops->fields, &d, label));
+    n = in >= 0 && j->v[in].type == 'a' ? j->v[in].count : -1;
+    if (n < ops->min_inputs || n > ops->max_inputs)
+        return mpt__json_bad(j, in >= 0 ? j->v[in].at : j->v[index].at, "%s: \"inputs\" is not "
+                             "an array of %d..%d nodes", label, ops->min_inputs, ops->max_inputs);
+    for (k = 0, e = j->v[in].first; e >= 0; k++, e = j->v[e].next) {
+        int64_t node;
+        MPT__CHECK(mpt__json_int64(j, e, 0, i, &node, "an input node"));
+        inputs[k] = (mpt_node)node;
+    }
+    /* The functional form's way in, checks and all. */
+    if (!mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name))
+        return m->graph_status;
+    s = ops->add(m, ops, &d);
+    m->n_pending = 0;
+    return s;
+}
+
+/* The model's descriptor from the root object. */
+static mpt_status mpt__load_model_desc(mpt__json *j, mpt_model_desc *md, int64_t *max_batch) {
+    mpt_status s = MPT_OK;
+    const char *format = mpt__json_str(j, mpt__json_get(j, 0, "format"), "\"format\"", &s);
+    const char *policy;
+    int shape = mpt__json_get(j, 0, "input_shape"), k, e;
+    int64_t version;
+    if (!format) return s;
+    if (strcmp(format, "mpt.h model") != 0)
+        return mpt__json_bad(j, 0, "\"format\" is \"%s\", not \"mpt.h model\"", format);
+    MPT__CHECK(mpt__json_int64(j, mpt__json_get(j, 0, "version"), 1, 1, &version, "\"version\""));
+    memset(md, 0, sizeof *md);
+    if (shape < 0 || j->v[shape].type != 'a' || j->v[shape].count < 1 ||
+        j->v[shape].count > MPT_MAX_RANK - 1)
+        return mpt__json_bad(j, shape >= 0 ? j->v[shape].at : 0, "\"input_shape\" is not an "
+                             "array of 1..%d sizes", MPT_MAX_RANK - 1);
+    md->input_rank = j->v[shape].count;
+    for (k = 0, e = j->v[shape].first; e >= 0; k++, e = j->v[e].next)
+        MPT__CHECK(mpt__json_int64(j, e, 1, MPT__MAX_SAMPLE_ELEMENTS, &md->input_shape[k],
+                                   "an input size"));
+    policy = mpt__json_str(j, mpt__json_get(j, 0, "policy"), "\"policy\"", &s);
+    if (!policy) return s;
+    for (k = MPT_POLICY_FLOAT32; k <= MPT_POLICY_MIXED_BFLOAT16; k++)
+        if (strcmp(policy, mpt_policy_name((mpt_policy)k)) == 0) md->policy = (mpt_policy)k;
+    if (strcmp(policy, mpt_policy_name(md->policy)) != 0)
+        return mpt__json_bad(j, 0, "unknown policy \"%s\"", policy);
+    MPT__CHECK(mpt__json_uint64(j, mpt__json_get(j, 0, "seed"), &md->seed, "\"seed\""));
+    MPT__CHECK(mpt__json_int64(j, mpt__json_get(j, 0, "memory_limit"), 0, INT64_MAX,
+                               &md->memory_limit, "\"memory_limit\""));
+    return mpt__json_int64(j, mpt__json_get(j, 0, "max_batch"), 1, (int64_t)1 << 40, max_batch,
+                           "\"max_batch\"");
+}
+
+/* The whole model from the architecture JSON, built; not yet loaded. */
+static mpt_status mpt__model_from_json(mpt__json *j, mpt_context *ctx, mpt_model **out) {
+    static const char *const known[] = {"format", "version", "input_shape", "policy", "seed",
+                                        "memory_limit", "max_batch", "layers", "compile"};
+    mpt_model_desc md;
+    mpt_model *m = NULL;
+    int64_t max_batch = 0;
+    int layers = mpt__json_get(j, 0, "layers"), compile = mpt__json_get(j, 0, "compile"), e, i;
+    size_t k;
+    mpt_status s;
+    if (j->v[0].type != 'o') return mpt__json_bad(j, 0, "the document is not an object");
+    for (e = j->v[0].first; e >= 0; e = j->v[e].next) {
+        for (k = 0; k < sizeof known / sizeof known[0] && strcmp(known[k], j->v[e].key); k++)
+            continue;
+        if (k == sizeof known / sizeof known[0])
+            return mpt__json_bad(j, j->v[e].at, "no member \"%s\" in this version", j->v[e].key);
+    }
+    MPT__CHECK(mpt__load_model_desc(j, &md, &max_batch));
+    if (layers < 0 || j->v[layers].type != 'a' || j->v[layers].count < 1)
+        return mpt__json_bad(j, layers >= 0 ? j->v[layers].at : 0, "\"layers\" is not an array "
+                             "of one layer or more");
+    MPT__CHECK(mpt_model_create(ctx, &md, &m));
+    s = MPT_OK;
+    for (i = 0, e = j->v[layers].first; s == MPT_OK && e >= 0; i++, e = j->v[e].next)
+        s = mpt__load_layer(j, e, i, m);
+    if (s == MPT_OK && compile >= 0) {
+        mpt_compile_desc cd;
+        memset(&cd, 0, sizeof cd);
+        s = mpt__json_fields(j, compile, mpt__compile_fields, &cd, "\"compile\"");
+        if (s == MPT_OK) s = mpt_model_compile(m, &cd);
+    }
+    if (s == MPT_OK) s = mpt_model_build(m, max_batch);
+    if (s != MPT_OK) {
+        mpt_model_destroy(m);
+        return s;
+    }
+    *out = m;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_load(mpt_context *ctx, const char *path, mpt_model **out) {
+    mpt__st_file f;
+    mpt__json j;
+    mpt_model *m = NULL;
+    const char *arch, *kind;
+    char where[320];
+    int full = 0;
+    mpt_status s;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !path)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load: NULL %s", out ? "path" : "out");
+    *out = NULL;
+    snprintf(where, sizeof where, "model file '%.256s'", path);
+    MPT__CHECK(mpt__st_open(&f, ctx, path));
+    arch = mpt__st_meta_get(&f, "architecture");
+    kind = mpt__st_meta_get(&f, "kind");
+    full = kind && strcmp(kind, "checkpoint") == 0;
+    if (!arch) {
+        mpt__st_close(&f);
+        return mpt__fail(ctx, MPT_ERR_FORMAT, "%s holds no architecture (it was not written by "
+                         "mpt_model_save): build the model in code and load the file with "
+                         "mpt_model_load_weights", where);
+    }
+    s = mpt__json_parse(&j, ctx, where, arch, (int64_t)strlen(arch));
+    mpt__st_close(&f);
+    if (s == MPT_OK) s = mpt__model_from_json(&j, ctx, &m);
+    mpt__json_free(&j);
+    if (s == MPT_OK && full && !m->compiled)
+        s = mpt__fail(ctx, MPT_ERR_FORMAT, "%s holds a training state but no compile settings",
+                      where);
+    if (s == MPT_OK) s = mpt__ckpt_load(m, path, full, "load");
+    if (s != MPT_OK) {
+        char why[sizeof ctx->error];
+        mpt_model_destroy(m);
+        if (strncmp(ctx->error, where, strlen(where)) == 0) return s;
+        snprintf(why, sizeof why, "%s", ctx->error); /* a layer's or build's own words */
+        return mpt__fail(ctx, s, "%s: %s", where, why);
+    }
+    *out = m;
+    return MPT_OK;
+}
 
 /* =============================================================================
    @impl-threads: the thread pool: parallel-for over a fixed set of workers

@@ -15,9 +15,11 @@ static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT
 
 static mpt_model *new_model(int64_t features, mpt_policy policy) {
     mpt_model *m = NULL;
-    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {features}, .input_rank = 1,
-                                                  .policy = policy, .seed = 7},
-                           &m) == MPT_OK,
+    CHECK(mpt_model_create(
+              ctx,
+              &(mpt_model_desc){
+                  .input_shape = {features}, .input_rank = 1, .policy = policy, .seed = 7},
+              &m) == MPT_OK,
           "create: %s", mpt_context_error(ctx));
     return m;
 }
@@ -59,8 +61,8 @@ static void test_residual_gradients(void) {
         mpt_dense(m, mpt_add(m, 2, both, NULL), &(mpt_dense_desc){.units = RES_OUT});
         CHECK(mpt_model_build(m, 9) == MPT_OK, "build: %s", mpt_context_error(ctx));
         snprintf(label, sizeof label, "residual %s", mpt_policy_name(policies[k]));
-        gc_check(ctx, &(gc_case){.model = m, .batch = 7, .training = 1,
-                                 .ref_forward = residual_ref},
+        gc_check(ctx,
+                 &(gc_case){.model = m, .batch = 7, .training = 1, .ref_forward = residual_ref},
                  label);
         mpt_model_destroy(m);
         test__end("gradcheck %s", label);
@@ -72,9 +74,9 @@ static void test_residual_gradients(void) {
 enum { MERGE_F = 5 };
 
 typedef struct merge_ref {
-    int kind;         /* 0 add, 1 subtract, 2 multiply, 3 average */
-    int n;            /* inputs                                   */
-    int source[4];    /* each input: the Dense of that index, or -1 for x */
+    int kind;      /* 0 add, 1 subtract, 2 multiply, 3 average */
+    int n;         /* inputs                                   */
+    int source[4]; /* each input: the Dense of that index, or -1 for x */
     int dense_count;
 } merge_ref;
 
@@ -112,17 +114,29 @@ static void check_merge(const merge_ref *d, mpt_policy policy) {
         dense[s] = mpt_dense(m, x, &(mpt_dense_desc){.units = MERGE_F});
     for (s = 0; s < d->n; s++) in[s] = d->source[s] < 0 ? x : dense[d->source[s]];
     switch (d->kind) {
-    case 0: mpt_add(m, d->n, in, NULL); break;
-    case 1: mpt_subtract(m, d->n, in, NULL); break;
-    case 2: mpt_multiply(m, d->n, in, NULL); break;
-    default: mpt_average(m, d->n, in, NULL); break;
+    case 0:
+        mpt_add(m, d->n, in, NULL);
+        break;
+    case 1:
+        mpt_subtract(m, d->n, in, NULL);
+        break;
+    case 2:
+        mpt_multiply(m, d->n, in, NULL);
+        break;
+    default:
+        mpt_average(m, d->n, in, NULL);
+        break;
     }
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
     snprintf(label, sizeof label, "%s of %d inputs (sources %d %d %d %d) %s", names[d->kind], d->n,
              d->source[0], d->source[1], d->n > 2 ? d->source[2] : 9, d->n > 3 ? d->source[3] : 9,
              mpt_policy_name(policy));
-    gc_check(ctx, &(gc_case){.model = m, .batch = 6, .training = 1, .ref_forward = merge_forward_ref,
-                             .user = (void *)d},
+    gc_check(ctx,
+             &(gc_case){.model = m,
+                        .batch = 6,
+                        .training = 1,
+                        .ref_forward = merge_forward_ref,
+                        .user = (void *)d},
              label);
     mpt_model_destroy(m);
     test__end("gradcheck %s", label);
@@ -130,10 +144,9 @@ static void check_merge(const merge_ref *d, mpt_policy policy) {
 
 static void test_merge_gradients(void) {
     static const merge_ref cases[] = {
-        {0, 2, {0, 1}, 2},       {0, 3, {0, -1, 1}, 2},   {0, 2, {0, 0}, 1},
-        {1, 2, {0, 1}, 2},       {1, 2, {-1, 0}, 1},      {2, 2, {0, 1}, 2},
-        {2, 3, {0, -1, 1}, 2},   {2, 4, {0, 1, 2, 0}, 3}, {2, 2, {0, 0}, 1},
-        {3, 2, {0, 1}, 2},       {3, 3, {1, 0, -1}, 2},
+        {0, 2, {0, 1}, 2},  {0, 3, {0, -1, 1}, 2}, {0, 2, {0, 0}, 1},     {1, 2, {0, 1}, 2},
+        {1, 2, {-1, 0}, 1}, {2, 2, {0, 1}, 2},     {2, 3, {0, -1, 1}, 2}, {2, 4, {0, 1, 2, 0}, 3},
+        {2, 2, {0, 0}, 1},  {3, 2, {0, 1}, 2},     {3, 3, {1, 0, -1}, 2},
     };
     size_t c;
     int k;
@@ -167,8 +180,9 @@ static void fan_out_ref(const gc_case *c, const double *x, double *const *p, dou
    the gradient of h (float16) arrives converted first, added second, or
    both. */
 static void test_fan_out_across_dtypes(void) {
-    static const mpt_dtype branch[3][2] = {
-        {MPT_FLOAT32, MPT_DTYPE_DEFAULT}, {MPT_DTYPE_DEFAULT, MPT_FLOAT32}, {MPT_FLOAT32, MPT_BFLOAT16}};
+    static const mpt_dtype branch[3][2] = {{MPT_FLOAT32, MPT_DTYPE_DEFAULT},
+                                           {MPT_DTYPE_DEFAULT, MPT_FLOAT32},
+                                           {MPT_FLOAT32, MPT_BFLOAT16}};
     int k;
     for (k = 0; k < 3; k++) {
         mpt_model *m = new_model(4, MPT_POLICY_MIXED_FLOAT16);
@@ -183,8 +197,13 @@ static void test_fan_out_across_dtypes(void) {
         snprintf(label, sizeof label, "fan-out, branches %s and %s",
                  branch[k][0] ? mpt_dtype_name(branch[k][0]) : "float16 (the policy's)",
                  branch[k][1] ? mpt_dtype_name(branch[k][1]) : "float16 (the policy's)");
-        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1, .ref_forward = fan_out_ref,
-                                 .x_lo = 0.1, .x_hi = 1},
+        gc_check(ctx,
+                 &(gc_case){.model = m,
+                            .batch = 5,
+                            .training = 1,
+                            .ref_forward = fan_out_ref,
+                            .x_lo = 0.1,
+                            .x_hi = 1},
                  label);
         mpt_model_destroy(m);
         test__end("gradcheck %s", label);
@@ -196,8 +215,8 @@ static void test_fan_out_across_dtypes(void) {
 enum { IMG_H = 2, IMG_W = 3, IMG_C = 2 };
 
 typedef struct concat_ref {
-    int axis;           /* 1..3 as Keras counts (the batch is 0)          */
-    int64_t pad[2][2];  /* of the second input; all 0: it is x itself    */
+    int axis;          /* 1..3 as Keras counts (the batch is 0)          */
+    int64_t pad[2][2]; /* of the second input; all 0: it is x itself    */
 } concat_ref;
 
 static void pad_ref(const double *x, const concat_ref *d, double *y) {
@@ -216,8 +235,9 @@ static void pad_ref(const double *x, const concat_ref *d, double *y) {
 /* Both inputs as (outer, inner_s), their rows side by side. */
 static void concat_forward_ref(const gc_case *c, const double *x, double *const *p, double *y) {
     const concat_ref *d = (const concat_ref *)c->user;
-    int64_t shape[2][3] = {{IMG_H, IMG_W, IMG_C}, {IMG_H + d->pad[0][0] + d->pad[0][1],
-                                                   IMG_W + d->pad[1][0] + d->pad[1][1], IMG_C}};
+    int64_t shape[2][3] = {
+        {IMG_H, IMG_W, IMG_C},
+        {IMG_H + d->pad[0][0] + d->pad[0][1], IMG_W + d->pad[1][0] + d->pad[1][1], IMG_C}};
     int64_t outer = 1, inner[2] = {1, 1}, b, o, k, at = 0;
     double second[64];
     int i;
@@ -247,23 +267,34 @@ static void test_concatenate_gradients(void) {
             int padded = d->pad[0][0] || d->pad[0][1] || d->pad[1][0] || d->pad[1][1];
             char label[128];
             test__begin();
-            CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C},
-                                                          .input_rank = 3, .policy = policies[q]},
+            CHECK(mpt_model_create(ctx,
+                                   &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C},
+                                                     .input_rank = 3,
+                                                     .policy = policies[q]},
                                    &m) == MPT_OK,
                   "create: %s", mpt_context_error(ctx));
             in[0] = mpt_model_input(m);
-            in[1] = padded ? mpt_zero_padding2d(m, in[0], &(mpt_zero_padding2d_desc){
-                                                              .padding = {{d->pad[0][0], d->pad[0][1]},
-                                                                          {d->pad[1][0], d->pad[1][1]}}})
+            in[1] = padded ? mpt_zero_padding2d(m, in[0],
+                                                &(mpt_zero_padding2d_desc){
+                                                    .padding = {{d->pad[0][0], d->pad[0][1]},
+                                                                {d->pad[1][0], d->pad[1][1]}}})
                            : in[0];
             /* axis as Keras' negative count in one case in two */
-            mpt_concatenate(m, 2, in, &(mpt_concatenate_desc){.axis = k % 2 ? d->axis : d->axis - 4});
+            mpt_concatenate(m, 2, in,
+                            &(mpt_concatenate_desc){.axis = k % 2 ? d->axis : d->axis - 4});
             CHECK(mpt_model_build(m, 5) == MPT_OK, "build: %s", mpt_context_error(ctx));
-            snprintf(label, sizeof label, "Concatenate axis %d of x and x padded ((%lld, %lld), "
-                     "(%lld, %lld)) %s", d->axis, (long long)d->pad[0][0], (long long)d->pad[0][1],
-                     (long long)d->pad[1][0], (long long)d->pad[1][1], mpt_policy_name(policies[q]));
-            gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 1,
-                                     .ref_forward = concat_forward_ref, .user = (void *)d},
+            snprintf(label, sizeof label,
+                     "Concatenate axis %d of x and x padded ((%lld, %lld), "
+                     "(%lld, %lld)) %s",
+                     d->axis, (long long)d->pad[0][0], (long long)d->pad[0][1],
+                     (long long)d->pad[1][0], (long long)d->pad[1][1],
+                     mpt_policy_name(policies[q]));
+            gc_check(ctx,
+                     &(gc_case){.model = m,
+                                .batch = 3,
+                                .training = 1,
+                                .ref_forward = concat_forward_ref,
+                                .user = (void *)d},
                      label);
             mpt_model_destroy(m);
             test__end("gradcheck %s", label);
@@ -276,8 +307,8 @@ static void test_padding_and_axis_checks(void) {
     mpt_model *m = NULL;
     int64_t shape[3];
     mpt_node in[2];
-    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C},
-                                                  .input_rank = 3},
+    CHECK(mpt_model_create(ctx,
+                           &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C}, .input_rank = 3},
                            &m) == MPT_OK,
           "create");
     CHECK(mpt_model_add_zero_padding2d(m, NULL) == MPT_OK, "%s", mpt_context_error(ctx));
@@ -290,9 +321,10 @@ static void test_padding_and_axis_checks(void) {
 
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C}, .input_rank = 3},
                      &m);
-    test_expect_error(ctx, mpt_model_add_zero_padding2d(m, &(mpt_zero_padding2d_desc){
-                                                               .padding = {{0, -1}, {0, 0}}}),
-                      MPT_ERR_INVALID_ARGUMENT, "padding[0][1] -1", "negative padding");
+    test_expect_error(
+        ctx,
+        mpt_model_add_zero_padding2d(m, &(mpt_zero_padding2d_desc){.padding = {{0, -1}, {0, 0}}}),
+        MPT_ERR_INVALID_ARGUMENT, "padding[0][1] -1", "negative padding");
     in[0] = in[1] = mpt_model_input(m);
     mpt_concatenate(m, 2, in, &(mpt_concatenate_desc){.axis = 4});
     test_expect_error(ctx, mpt_model_build(m, 2), MPT_ERR_INVALID_ARGUMENT,
@@ -314,19 +346,21 @@ static void test_padding_and_axis_checks(void) {
 static mpt_model *residual_mlp(mpt_context *c, mpt_policy policy) {
     mpt_model *m = NULL;
     mpt_node x, h, both[2];
-    mpt_model_create(c, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
-                                          .policy = policy, .seed = 11},
-                     &m);
+    mpt_model_create(
+        c,
+        &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1, .policy = policy, .seed = 11},
+        &m);
     x = mpt_model_input(m);
     h = mpt_dense(m, x, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
     both[0] = mpt_dense(m, h, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
     both[1] = h;
     h = mpt_add(m, 2, both, NULL);
     mpt_dense(m, h, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-                                   .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
-                                   .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                   .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+    CHECK(mpt_model_compile(
+              m,
+              &(mpt_compile_desc){.optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                  .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
           "compile: %s", mpt_context_error(c));
     return m;
 }
@@ -345,8 +379,7 @@ static double train_residual(int threads, mpt_policy policy, float *w, int64_t w
     data = blobs_in(c);
     CHECK(mpt_model_fit(m, data, &(mpt_fit_desc){.epochs = 8, .batch_size = 32}) == MPT_OK,
           "fit: %s", mpt_context_error(c));
-    CHECK(mpt_model_evaluate(m, data, NULL, &logs) == MPT_OK, "evaluate: %s",
-          mpt_context_error(c));
+    CHECK(mpt_model_evaluate(m, data, NULL, &logs) == MPT_OK, "evaluate: %s", mpt_context_error(c));
     acc = mpt_logs_get(&logs, "accuracy");
     n = mpt_model_param_count(m);
     for (p = 0; p < n; p++) {

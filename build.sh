@@ -777,7 +777,7 @@ mpi_tests() {
 # $FUZZ/corpus/<name> for the next run. Inputs that once crashed a harness
 # live in tests/fuzz/findings/<name>/ and are replayed before every run.
 
-FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat"
+FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat model"
 FUZZ=$B/fuzz
 FUZZ_CC=${FUZZ_CC:-clang}
 FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -g -O1"
@@ -786,6 +786,7 @@ FUZZ_TEST_SECONDS=30 # per harness, in ./build.sh check
 fuzz_dict() {
     case $1 in
     idx*) echo tests/fuzz/idx.dict ;;
+    model) echo tests/fuzz/model.dict ;;
     *) echo tests/fuzz/safetensors.dict ;;
     esac
 }

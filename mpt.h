@@ -18452,19 +18452,10 @@ static int mpt__json_new(mpt__json *j, char type, const char *key) {
     return j->n++;
 }
 
-/* Four hex digits at text[at..at+3], or -1. */
+/* Four hex digits at text[at..at+3] (@impl-safetensors' reader), or -1. */
 static long mpt__json_hex4(const mpt__json *j, int64_t at) {
-    long v = 0;
-    int k;
-    if (at + 4 > j->len) return -1;
-    for (k = 0; k < 4; k++) {
-        char c = j->text[at + k];
-        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-        if (d < 0) return -1;
-        v = v * 16 + d;
-    }
-    return v;
+    uint32_t v;
+    return at + 4 <= j->len && mpt__st_hex4(j->text + at, &v) ? (long)v : -1;
 }
 
 /* A \u escape at pos (the 'u'), a surrogate pair taking two: its code
@@ -18493,9 +18484,12 @@ static mpt_status mpt__json_string(mpt__json *j, const char **out) {
         c = (unsigned char)j->text[j->pos];
         if (c == '"') break;
         if (c < 0x20) return mpt__json_bad(j, j->pos, "a control character in a string");
-        if (c != '\\') {
-            j->text[w++] = (char)c;
-            j->pos++;
+        if (c != '\\') { /* a whole UTF-8 sequence, as JSON text is */
+            int n = mpt__st_utf8_len((const unsigned char *)j->text + j->pos, j->len - j->pos);
+            if (!n) return mpt__json_bad(j, j->pos, "invalid UTF-8 byte 0x%02x in a string", c);
+            memmove(j->text + w, j->text + j->pos, (size_t)n);
+            w += n;
+            j->pos += n;
             continue;
         }
         if (j->pos + 1 >= j->len) return mpt__json_bad(j, j->pos, "an escape that does not end");
@@ -18503,22 +18497,8 @@ static mpt_status mpt__json_string(mpt__json *j, const char **out) {
         if (c == 'u') {
             long cp = mpt__json_code_point(j);
             if (cp < 0) return mpt__json_bad(j, j->pos, "a malformed \\u escape");
-            if (cp < 0x80) {
-                j->text[w++] = (char)cp;
-            } else if (cp < 0x800) {
-                j->text[w++] = (char)(0xC0 | (cp >> 6));
-                j->text[w++] = (char)(0x80 | (cp & 0x3F));
-            } else if (cp < 0x10000) {
-                j->text[w++] = (char)(0xE0 | (cp >> 12));
-                j->text[w++] = (char)(0x80 | ((cp >> 6) & 0x3F));
-                j->text[w++] = (char)(0x80 | (cp & 0x3F));
-            } else {
-                j->text[w++] = (char)(0xF0 | (cp >> 18));
-                j->text[w++] = (char)(0x80 | ((cp >> 12) & 0x3F));
-                j->text[w++] = (char)(0x80 | ((cp >> 6) & 0x3F));
-                j->text[w++] = (char)(0x80 | (cp & 0x3F));
-            }
-            continue; /* (an escape of 6 or 12 bytes gives at most 4) */
+            w += mpt__st_put_utf8(j->text + w, (uint32_t)cp); /* 6 or 12 bytes give <= 4 */
+            continue;
         }
         {
             const char *from = "\"\\/bfnrt", *to = "\"\\/\b\f\n\r\t", *k = strchr(from, c);

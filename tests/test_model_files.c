@@ -303,6 +303,7 @@ static void test_hostile_architectures(void) {
         {"{\"a\":\"\\ud800\"}", "a malformed \\u escape", MPT_ERR_FORMAT},
         {"{\"a\":\"\\u0000\"}", "a malformed \\u escape", MPT_ERR_FORMAT},
         {"{\"a\":1} x", "more after the document's end", MPT_ERR_FORMAT},
+        {"{\"a\":\"\x97\"}", "invalid UTF-8 byte 0x97", MPT_ERR_FORMAT},
         {"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]",
          "nested more than 32 deep", MPT_ERR_FORMAT},
         {"{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[0]}",

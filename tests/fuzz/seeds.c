@@ -100,6 +100,64 @@ static void model_seeds(mpt_context *ctx, mpt_model *m, const char *prefix,
     }
 }
 
+/* A model's architecture JSON (what mpt_model_save keeps in the metadata),
+   a seed of the model harness. */
+static void architecture_seed(mpt_context *ctx, mpt_model *m, const char *name) {
+    mpt__ckpt_text t;
+    memset(&t, 0, sizeof t);
+    t.ctx = ctx;
+    mpt__put_architecture(&t, m);
+    if (t.oom || !t.s) fuzz_die("out of memory");
+    put("model", name, t.s, t.len);
+    mpt__free(ctx, t.s);
+}
+
+/* A graph of every merge, ZeroPadding2D and a dtype given, compiled. */
+static mpt_model *graph_model(mpt_context *ctx) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_conv2d_desc conv;
+    mpt_zero_padding2d_desc pad;
+    mpt_concatenate_desc cat;
+    mpt_dense_desc dense;
+    mpt_compile_desc cd;
+    mpt_node x, a, b, two[2];
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 6, md.input_shape[1] = 6, md.input_shape[2] = 1;
+    md.input_rank = 3;
+    md.policy = MPT_POLICY_MIXED_BFLOAT16;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
+    memset(&conv, 0, sizeof conv);
+    conv.filters = 2, conv.kernel_size[0] = conv.kernel_size[1] = 3;
+    conv.padding = MPT_PADDING_SAME;
+    memset(&pad, 0, sizeof pad);
+    pad.padding[1][0] = 2;
+    memset(&cat, 0, sizeof cat);
+    cat.axis = 2;
+    x = mpt_model_input(m);
+    a = mpt_conv2d(m, x, &conv);             /* c1 */
+    b = mpt_conv2d(m, x, &conv);             /* c2 */
+    two[0] = a, two[1] = b;
+    two[0] = mpt_add(m, 2, two, NULL);       /* s = c1 + c2 */
+    two[1] = a;
+    two[1] = mpt_multiply(m, 2, two, NULL);  /* s · c1 */
+    two[0] = b;
+    two[1] = mpt_subtract(m, 2, two, NULL);  /* c2 − s · c1 */
+    two[0] = a;
+    a = mpt_average(m, 2, two, NULL);
+    two[0] = a;
+    two[1] = mpt_conv2d(m, mpt_zero_padding2d(m, x, &pad), &conv);
+    a = mpt_concatenate(m, 2, two, &cat);
+    memset(&dense, 0, sizeof dense);
+    dense.units = 3, dense.dtype = MPT_FLOAT32;
+    mpt_dense(m, mpt_flatten(m, a, NULL), &dense);
+    memset(&cd, 0, sizeof cd);
+    cd.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
+    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
+        fuzz_die(mpt_context_error(ctx));
+    return m;
+}
+
 int main(int argc, char **argv) {
     mpt_context *ctx;
     if (argc != 2) {
@@ -119,6 +177,12 @@ int main(int argc, char **argv) {
         mpt_model_destroy(m);
         m = fuzz_qat_model(ctx, 1);
         model_seeds(ctx, m, "qat_", aware);
+        mpt_model_destroy(m);
+        m = fuzz_model(ctx, 1);
+        architecture_seed(ctx, m, "conv_bn_pool_dense.json");
+        mpt_model_destroy(m);
+        m = graph_model(ctx);
+        architecture_seed(ctx, m, "merges_graph.json");
         mpt_model_destroy(m);
     }
     mpt_context_destroy(ctx);

@@ -18395,6 +18395,21 @@ typedef struct mpt__dconv_job {
     mpt__convert_fn convert;   /* float32 to dtype                              */
 } mpt__dconv_job;
 
+/* The per-sample shapes a convolution's product reads (in) and writes
+   (out): the forward reads x (h, w, c) into y (oh, ow, f); the input
+   gradient runs the same product backwards, from dz (oh, ow, f) into dx
+   (h, w, c). The direct tiles and Winograd's both work in these terms. */
+static void mpt__conv_product_shapes(const mpt_conv_args *a, int64_t *ih, int64_t *iw,
+                                     int64_t *ic, int64_t *oh, int64_t *ow, int64_t *oc) {
+    const mpt_window *g = a->g;
+    *ih = a->input_grad ? g->oh : g->h;
+    *iw = a->input_grad ? g->ow : g->w;
+    *ic = a->input_grad ? a->f : g->c;
+    *oh = a->input_grad ? g->h : g->oh;
+    *ow = a->input_grad ? g->w : g->ow;
+    *oc = a->input_grad ? g->c : a->f;
+}
+
 /* The input row or column that output row or column o reads at window
    offset i along an axis of stride s and padding `before`; −1 where it
    reads none. input_grad: the forward's offset is k − 1 − i, and the dz
@@ -18960,7 +18975,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     }
 #endif
     memset(&j, 0, sizeof j);
-    j.ic = a->input_grad ? a->f : g->c;
+    mpt__conv_product_shapes(a, &j.ih, &j.iw, &j.ic, &j.oh, &j.ow, &j.oc);
 #if MPT__X86
     if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
         j.tile = mpt__dconv_tile_f32;
@@ -18980,11 +18995,6 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     j.a = a;
     j.g = g;
     j.x = (const unsigned char *)a->x;
-    j.ih = a->input_grad ? g->oh : g->h;
-    j.iw = a->input_grad ? g->ow : g->w;
-    j.oh = a->input_grad ? g->h : g->oh;
-    j.ow = a->input_grad ? g->w : g->ow;
-    j.oc = a->input_grad ? g->c : a->f;
     j.taps = g->kh * g->kw;
     j.kk = j.taps * j.ic;
     j.kc = mpt__gemm_depth_block(j.kk);
@@ -19534,6 +19544,24 @@ static int mpt__wino_tile_for(const mpt_conv_args *a) {
     return ic <= MPT__WINO4_MAX_C && 10 * cost4 <= 9 * cost2 ? 4 : 2;
 }
 
+/* Cut a sample's oh × ow outputs into tile × tile tiles: th rows and tw
+   columns of them (the last ones may reach past the edge), n·th·tw tiles
+   in the batch, each transformed at (tile + 2)² points. The forward, the
+   input gradient and the kernel gradient cut alike. */
+static void mpt__wino_cut(int tile, int64_t n, int64_t oh, int64_t ow, int *points, int64_t *th,
+                          int64_t *tw, int64_t *tiles) {
+    *points = (tile + 2) * (tile + 2);
+    *th = (oh + tile - 1) / tile;
+    *tw = (ow + tile - 1) / tile;
+    *tiles = n * *th * *tw;
+}
+
+/* c float zeros at `at`: the pixel that taps in the padding read. */
+static const unsigned char *mpt__wino_zero_pixel(float *at, int64_t c) {
+    memset(at, 0, sizeof(float) * (size_t)c);
+    return (const unsigned char *)at;
+}
+
 /* The forward product or the input gradient by Winograd's F(tile×tile,
    3×3), tile 2 or 4. ws (MPT_CONV_DIRECT_WS_BYTES): U, a zero pixel, the
    turned kernel. */
@@ -19544,23 +19572,14 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     j.ctx = ctx;
     j.a = a;
     j.x = (const unsigned char *)a->x;
-    j.ih = a->input_grad ? g->oh : g->h;
-    j.iw = a->input_grad ? g->ow : g->w;
-    j.ic = a->input_grad ? a->f : g->c;
-    j.oh = a->input_grad ? g->h : g->oh;
-    j.ow = a->input_grad ? g->w : g->ow;
-    j.oc = a->input_grad ? g->c : a->f;
+    mpt__conv_product_shapes(a, &j.ih, &j.iw, &j.ic, &j.oh, &j.ow, &j.oc);
     j.top = a->input_grad ? 2 - g->top : g->top;
     j.left = a->input_grad ? 2 - g->left : g->left;
     j.tile = tile;
-    j.points = (tile + 2) * (tile + 2);
-    j.th = (j.oh + tile - 1) / tile;
-    j.tw = (j.ow + tile - 1) / tile;
-    j.tiles = a->n * j.th * j.tw;
+    mpt__wino_cut(tile, a->n, j.oh, j.ow, &j.points, &j.th, &j.tw, &j.tiles);
     j.u = (float *)a->ws;
     zero = j.u + j.points * j.ic * j.oc;
-    memset(zero, 0, sizeof(float) * (size_t)j.ic);
-    j.zero = (const unsigned char *)zero;
+    j.zero = mpt__wino_zero_pixel(zero, j.ic);
     if (a->ws_kept) /* U as the previous chunk left it */
         ;
     else if (tile == 4)
@@ -19977,15 +19996,11 @@ MPT__TARGET_AVX512 static void mpt__wkg_finish(void *arg, int64_t task, int thre
 static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     const mpt_window *g = a->g;
     mpt__wkg_job j;
-    float *zero;
     j.a = a;
     j.g = g;
     j.ctx = ctx;
     j.tile = tile;
-    j.points = (j.tile + 2) * (j.tile + 2);
-    j.th = (g->oh + j.tile - 1) / j.tile;
-    j.tw = (g->ow + j.tile - 1) / j.tile;
-    j.tiles = a->n * j.th * j.tw;
+    mpt__wino_cut(tile, a->n, g->oh, g->ow, &j.points, &j.th, &j.tw, &j.tiles);
     j.cb = (g->c + 7) / 8;
     j.fb = (a->f + 31) / 32;
     /* 4×4 tiles: as many floats of V and dM in 36 planes as 2×2's in 16.
@@ -19999,9 +20014,7 @@ static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     j.v_plane = (g->c + 15) / 16 * j.span * 16 + MPT__WKG_PLANE_PAD;
     j.dm_plane = j.fb * j.span * 32 + MPT__WKG_PLANE_PAD;
     j.du = (float *)a->ws;
-    zero = j.du + j.tasks * j.points * g->c * a->f;
-    memset(zero, 0, sizeof(float) * (size_t)g->c);
-    j.zero = (const unsigned char *)zero;
+    j.zero = mpt__wino_zero_pixel(j.du + j.tasks * j.points * g->c * a->f, g->c);
     mpt__parallel_for(ctx, j.tasks, mpt__wkg_task, &j);
     mpt__parallel_for(ctx, (g->c * a->f + MPT__WKG_FINISH - 1) / MPT__WKG_FINISH, mpt__wkg_finish,
                       &j);

@@ -4648,18 +4648,27 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
                                  const mpt__layer_desc *desc, const char *name, mpt_dtype dtype);
 
 /* Appends a layer of `ops` described by desc (one of the descriptor
-   structs, `size` bytes; each starts with the common name and dtype). */
+   structs, `size` bytes; each starts with the common name and dtype), or
+   by its zero defaults when desc is NULL. */
 static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc,
                                  size_t size) {
     mpt__layer_desc ld;
     memset(&ld, 0, sizeof ld);
-    memcpy(&ld, desc, size);
+    if (desc) memcpy(&ld, desc, size);
     return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
 /* Before the checks of a layer's descriptor, which the caller has made
    its zero defaults when NULL (a required field's own check names it). */
 static mpt_status mpt__check_add(mpt_model *m) { return m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT; }
+
+/* The descriptor to check: desc, or, where the caller passed NULL,
+   `defaults` (size bytes) zeroed, which is every field's default. */
+static const void *mpt__desc_or_defaults(const void *desc, void *defaults, size_t size) {
+    if (desc) return desc;
+    memset(defaults, 0, size);
+    return defaults;
+}
 
 /* =============================================================================
    @impl-dense  Dense: y = act(x · kernel + bias)                x: (B, in)  y: (B, units)
@@ -4766,8 +4775,7 @@ static const mpt__layer_ops mpt__dense_ops = {"Dense", "dense", MPT__LAYER_DENSE
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     mpt_dense_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_dense_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (d->units <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: units %lld must be > 0",
                          (long long)d->units);
@@ -4811,10 +4819,8 @@ static const mpt__layer_ops mpt__flatten_ops = {"Flatten", "flatten", MPT__LAYER
                                                 NULL, 0};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
-    mpt_flatten_desc none;
-    MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
-    memset(&none, 0, sizeof none);
-    return mpt__add_layer(m, &mpt__flatten_ops, d ? d : &none, sizeof(mpt_flatten_desc));
+    MPT__CHECK(mpt__check_add(m));
+    return mpt__add_layer(m, &mpt__flatten_ops, d, sizeof(mpt_flatten_desc)); /* NULL: defaults */
 }
 
 /* =============================================================================
@@ -4861,8 +4867,7 @@ static const mpt__layer_ops mpt__activation_ops = {"Activation", "activation",
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
     mpt_activation_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_activation_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (!mpt__activation_valid(d->activation))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
                          (int)d->activation);
@@ -5491,8 +5496,7 @@ static const mpt__layer_ops mpt__conv2d_ops = {"Conv2D", "conv2d", MPT__LAYER_CO
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_conv2d_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (d->filters <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Conv2D: filters %lld must be > 0",
                          (long long)d->filters);
@@ -6074,9 +6078,8 @@ static const mpt__layer_ops mpt__global_pool_ops = {
 /* MaxPooling2D or AveragePooling2D (ops), its descriptor checked. */
 static mpt_status mpt__add_pool(mpt_model *m, const mpt__layer_ops *ops, const mpt_pool2d_desc *d) {
     mpt_pool2d_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_add(m));
+    d = (const mpt_pool2d_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     MPT__CHECK(mpt__check_window_desc(m, ops->class_name, "pool_size", d->pool_size, 0, d->strides,
                                       d->padding));
     return mpt__add_layer(m, ops, d, sizeof(mpt_pool2d_desc));
@@ -6092,10 +6095,8 @@ MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
                                                          const mpt_global_pool2d_desc *d) {
-    mpt_global_pool2d_desc none;
-    MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
-    memset(&none, 0, sizeof none);
-    return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none,
+    MPT__CHECK(mpt__check_add(m));
+    return mpt__add_layer(m, &mpt__global_pool_ops, d, /* NULL: defaults */
                           sizeof(mpt_global_pool2d_desc));
 }
 
@@ -6886,8 +6887,7 @@ static const mpt__layer_ops mpt__bn_ops = {"BatchNormalization", "batch_normaliz
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
     mpt_batchnorm_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_batchnorm_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (!(d->momentum >= 0 && d->momentum <= 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: momentum %g is not in [0, 1]", (double)d->momentum);
@@ -7133,8 +7133,7 @@ static const mpt__layer_ops mpt__dropout_ops = {"Dropout", "dropout", MPT__LAYER
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
     mpt_dropout_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_dropout_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (!(d->rate >= 0 && d->rate < 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dropout: rate %g is not in [0, 1)",
                          (double)d->rate);

@@ -12921,6 +12921,16 @@ static mpt_status mpt__cb_check_out(mpt_context *ctx, const char *what, mpt_call
     return MPT_OK;
 }
 
+/* A path the callback cannot default (what's `field`): path points at the
+   descriptor's field, or is NULL where the whole descriptor is; a NULL
+   or empty path fails, naming which, followed by `example` ("" for none). */
+static mpt_status mpt__cb_require_path(mpt_context *ctx, const char *what, const char *field,
+                                       const char *const *path, const char *example) {
+    if (path && *path && **path) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: %s is %s; it is required%s", what, field,
+                     !path ? "NULL (NULL descriptor)" : *path ? "empty" : "NULL", example);
+}
+
 MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
                                               mpt_callback *out) {
     mpt_early_stopping_desc defaults;
@@ -13290,13 +13300,9 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     mpt__cb_monitor mon;
     mpt_status s;
     MPT__CHECK(mpt__cb_check_out(ctx, "ModelCheckpoint", out));
-    if (!d) /* NULL: every default, but filepath is required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is NULL (NULL "
-                         "descriptor); it is required (e.g. \"ckpt-{epoch}.safetensors\")");
-    if (!d->filepath || !d->filepath[0])
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is %s; it is "
-                         "required (e.g. \"ckpt-{epoch}.safetensors\")",
-                         d->filepath ? "empty" : "NULL");
+    /* NULL: every default, but filepath is required */
+    MPT__CHECK(mpt__cb_require_path(ctx, "ModelCheckpoint", "filepath", d ? &d->filepath : NULL,
+                                    " (e.g. \"ckpt-{epoch}.safetensors\")"));
     MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
     MPT__CHECK(mpt__cb_model_checkpoint_check_dir(ctx, d->filepath));
@@ -13486,12 +13492,8 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
     mpt_status s;
     char sep;
     MPT__CHECK(mpt__cb_check_out(ctx, "CSVLogger", out));
-    if (!d) /* NULL: every default, but filename is required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "CSVLogger: filename is NULL (NULL descriptor); it is required");
-    if (!d->filename || !d->filename[0])
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: filename is %s; it is required",
-                         d->filename ? "empty" : "NULL");
+    /* NULL: every default, but filename is required */
+    MPT__CHECK(mpt__cb_require_path(ctx, "CSVLogger", "filename", d ? &d->filename : NULL, ""));
     sep = d->separator ? d->separator : ',';
     if (sep == '"' || sep == '\n' || sep == '\r')
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -14215,13 +14217,8 @@ static mpt_status mpt__cb_tensorboard_train_end(void *user, mpt_model *m, const 
 
 static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorboard_desc *d) {
     int err;
-    if (!d) /* NULL: every default, but log_dir is required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "TensorBoard: log_dir is NULL (NULL descriptor); it is required");
-    if (!d->log_dir || !d->log_dir[0])
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "TensorBoard: log_dir is %s; it is required",
-                         d->log_dir ? "empty" : "NULL");
+    /* NULL: every default, but log_dir is required */
+    MPT__CHECK(mpt__cb_require_path(ctx, "TensorBoard", "log_dir", d ? &d->log_dir : NULL, ""));
     if (d->histogram_freq < 0 || d->update_freq_batches < 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "TensorBoard \"%s\": histogram_freq %d and update_freq_batches %lld "

@@ -19087,41 +19087,30 @@ static const unsigned char *mpt__wino_turn(const mpt__wino_job *j, const void *k
     return (const unsigned char *)turned;
 }
 
-/* U (16, ic, oc) = G g Gᵀ for each pair (c, o) of input and output
-   channel, 16 pairs at a time; g are the 3×3 taps the product reads:
-   kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the input
-   gradient, which first turns the kernel into `turned` (9, ic, oc)
-   float32. */
-MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const void *kernel,
-                                                float *turned) {
-    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+/* F(2×2, 3×3)'s U (16, ic, oc) = G g Gᵀ at the 16 channel pairs e ..
+   e + 15 (mask k) whose 3×3 taps g are gg (mpt__wino_kernel). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino2_u(const mpt__wino_job *j,
+                                                              const __m512 *gg, int64_t e,
+                                                              __mmask16 k) {
+    const int64_t plane = j->ic * j->oc;
     const __m512 half = _mm512_set1_ps(0.5f);
-    const unsigned char *g = (const unsigned char *)kernel;
-    mpt_dtype dtype = j->a->dtype;
-    int64_t e, t;
-    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
-    for (e = 0; e < plane; e += 16) {
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
-        const size_t es = mpt_dtype_size(dtype);
-        __m512 gg[9], tt[12];
-        int r, s;
-        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
-        for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
-            tt[s] = gg[s];
-            tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
-            tt[6 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(gg[s], gg[3 + s]), gg[6 + s]));
-            tt[9 + s] = gg[6 + s];
-        }
-        for (r = 0; r < 4; r++) { /* (G g) Gᵀ: U_ξ for ξ = 4r .. 4r + 3 */
-            const __m512 a0 = tt[3 * r], a1 = tt[3 * r + 1], a2 = tt[3 * r + 2];
-            float *d = j->u + 4 * r * plane + e;
-            _mm512_mask_storeu_ps(d, k, a0);
-            _mm512_mask_storeu_ps(d + plane, k,
-                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(a0, a1), a2)));
-            _mm512_mask_storeu_ps(d + 2 * plane, k,
-                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(a0, a1), a2)));
-            _mm512_mask_storeu_ps(d + 3 * plane, k, a2);
-        }
+    __m512 tt[12];
+    int r, s;
+    for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
+        tt[s] = gg[s];
+        tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
+        tt[6 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(gg[s], gg[3 + s]), gg[6 + s]));
+        tt[9 + s] = gg[6 + s];
+    }
+    for (r = 0; r < 4; r++) { /* (G g) Gᵀ: U_ξ for ξ = 4r .. 4r + 3 */
+        const __m512 a0 = tt[3 * r], a1 = tt[3 * r + 1], a2 = tt[3 * r + 2];
+        float *d = j->u + 4 * r * plane + e;
+        _mm512_mask_storeu_ps(d, k, a0);
+        _mm512_mask_storeu_ps(d + plane, k,
+                              _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(a0, a1), a2)));
+        _mm512_mask_storeu_ps(d + 2 * plane, k,
+                              _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(a0, a1), a2)));
+        _mm512_mask_storeu_ps(d + 3 * plane, k, a2);
     }
 }
 
@@ -19226,10 +19215,24 @@ MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const 
 }
 #undef MPT__WINO_SRC
 
-/* The tiles' 2×2 outputs for filters [o0, o0 + nb) from M: Aᵀ M column
-   by column, then A over them; + the bias, ReLU (as
-   mpt__dconv_finish_avx512 does them), stored where they lie inside the
-   output, in the layer's dtype. */
+/* One output pixel's 16 filters from o (mask k): + the bias, ReLU (as
+   mpt__dconv_finish_avx512 does them), stored in the layer's dtype if
+   the pixel lies inside the output. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_store(
+    const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
+    int relu, __mmask16 k) {
+    const mpt_conv_args *a = j->a;
+    const size_t at = (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o);
+    if (y >= j->oh || x >= j->ow) return;
+    val = _mm512_add_ps(val, bias);
+    if (relu)
+        val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
+    mpt__avx512_store(a->dtype, (unsigned char *)a->y + at * mpt_dtype_size(a->dtype), val, k);
+}
+
+/* A tile's 2×2 outputs at (oy, ox) of sample b, filters o .. o + 15,
+   from its column mi of M (16, 12, 32): Aᵀ M column by column, then A
+   over them (mpt__wino_output). */
 #define MPT__WINO_COL(x)                                                                     \
     q0 = _mm512_loadu_ps(mi + (x) * ld);                                                    \
     q1 = _mm512_loadu_ps(mi + (4 + x) * ld);                                                \
@@ -19237,46 +19240,22 @@ MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const 
     q3 = _mm512_loadu_ps(mi + (12 + x) * ld);                                               \
     r0##x = _mm512_add_ps(_mm512_add_ps(q0, q1), q2);                                       \
     r1##x = _mm512_sub_ps(_mm512_sub_ps(q1, q2), q3);
-MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const float *m,
-                                                int64_t t0, int64_t o0, int nb) {
-    const mpt_conv_args *a = j->a;
-    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
-    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
-    /* (no masked load without a bias: one that names an unmapped address,
-       even with every lane masked off, costs a microcode assist) */
-    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL;
-    const size_t es = mpt_dtype_size(a->dtype);
-    unsigned char *y = (unsigned char *)a->y;
-    int64_t i;
-    int h, p;
-    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
-        const int64_t t = t0 + i, b = t / per, oy = 2 * (t % per / j->tw), ox = 2 * (t % j->tw);
-        for (h = 0; h < nb; h += 16) {
-            const __mmask16 k = mpt__gemm_mask16(nb - h);
-            const float *mi = m + i * 32 + h;
-            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
-            __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
-            MPT__WINO_COL(0)
-            MPT__WINO_COL(1)
-            MPT__WINO_COL(2)
-            MPT__WINO_COL(3)
-            out[0] = _mm512_add_ps(_mm512_add_ps(r00, r01), r02);
-            out[1] = _mm512_sub_ps(_mm512_sub_ps(r01, r02), r03);
-            out[2] = _mm512_add_ps(_mm512_add_ps(r10, r11), r12);
-            out[3] = _mm512_sub_ps(_mm512_sub_ps(r11, r12), r13);
-            for (p = 0; p < 4; p++) {
-                const int64_t yy = oy + p / 2, xx = ox + p % 2;
-                __m512 val = _mm512_add_ps(out[p], bias);
-                if (yy >= j->oh || xx >= j->ow) continue;
-                if (relu)
-                    val = _mm512_maskz_mov_ps(
-                        _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-                mpt__avx512_store(a->dtype,
-                                  y + (size_t)(((b * j->oh + yy) * j->ow + xx) * j->oc + o0 + h) * es,
-                                  val, k);
-            }
-        }
-    }
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino2_y(const mpt__wino_job *j,
+                                                              const float *mi, int64_t b,
+                                                              int64_t oy, int64_t ox, int64_t o,
+                                                              __m512 bias, int relu, __mmask16 k) {
+    const int64_t ld = MPT__WINO_TILES * 32;
+    __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
+    int p;
+    MPT__WINO_COL(0)
+    MPT__WINO_COL(1)
+    MPT__WINO_COL(2)
+    MPT__WINO_COL(3)
+    out[0] = _mm512_add_ps(_mm512_add_ps(r00, r01), r02);
+    out[1] = _mm512_sub_ps(_mm512_sub_ps(r01, r02), r03);
+    out[2] = _mm512_add_ps(_mm512_add_ps(r10, r11), r12);
+    out[3] = _mm512_sub_ps(_mm512_sub_ps(r11, r12), r13);
+    for (p = 0; p < 4; p++) mpt__wino_store(j, b, oy + p / 2, ox + p % 2, o, out[p], bias, relu, k);
 }
 #undef MPT__WINO_COL
 
@@ -19312,10 +19291,28 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_g(__m512 a0, __m512
     w[5] = a2;
 }
 
-/* U (36, ic, oc) = G g Gᵀ, as mpt__wino_kernel makes F(2×2, 3×3)'s. */
-MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const void *kernel,
-                                                 float *turned) {
-    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+/* F(4×4, 3×3)'s U (36, ic, oc), as mpt__wino2_u makes F(2×2, 3×3)'s. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_u(const mpt__wino_job *j,
+                                                              const __m512 *gg, int64_t e,
+                                                              __mmask16 k) {
+    const int64_t plane = j->ic * j->oc;
+    __m512 col[3][6], row[6];
+    int r, q;
+    for (q = 0; q < 3; q++) mpt__wino4_g(gg[q], gg[3 + q], gg[6 + q], col[q]); /* G g */
+    for (r = 0; r < 6; r++) { /* (G g) Gᵀ: U_ξ for ξ = 6r .. 6r + 5 */
+        mpt__wino4_g(col[0][r], col[1][r], col[2][r], row);
+        for (q = 0; q < 6; q++) _mm512_mask_storeu_ps(j->u + (6 * r + q) * plane + e, k, row[q]);
+    }
+}
+
+/* U ((tile + 2)², ic, oc) = G g Gᵀ for each pair (c, o) of input and
+   output channel, 16 pairs at a time; g are the 3×3 taps the product
+   reads: kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the
+   input gradient, which first turns the kernel into `turned` (9, ic, oc)
+   float32. */
+MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const void *kernel,
+                                                float *turned) {
+    const int64_t plane = j->ic * j->oc;
     const unsigned char *g = (const unsigned char *)kernel;
     mpt_dtype dtype = j->a->dtype;
     int64_t e, t;
@@ -19323,15 +19320,12 @@ MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const v
     for (e = 0; e < plane; e += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
         const size_t es = mpt_dtype_size(dtype);
-        __m512 gg[9], col[3][6], row[6];
-        int r, q;
+        __m512 gg[9];
         for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
-        for (q = 0; q < 3; q++) mpt__wino4_g(gg[q], gg[3 + q], gg[6 + q], col[q]); /* G g */
-        for (r = 0; r < 6; r++) { /* (G g) Gᵀ: U_ξ for ξ = 6r .. 6r + 5 */
-            mpt__wino4_g(col[0][r], col[1][r], col[2][r], row);
-            for (q = 0; q < 6; q++)
-                _mm512_mask_storeu_ps(j->u + (6 * r + q) * plane + e, k, row[q]);
-        }
+        if (j->tile == 4)
+            mpt__wino4_u(j, gg, e, k);
+        else
+            mpt__wino2_u(j, gg, e, k);
     }
 }
 
@@ -19381,18 +19375,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_patch_transform(
     __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
     __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
     __m512 o0, o1, o2, o3, o4, o5;
-    MPT__W4_ROW(0)
-    MPT__W4_ROW(1)
-    MPT__W4_ROW(2)
-    MPT__W4_ROW(3)
-    MPT__W4_ROW(4)
-    MPT__W4_ROW(5)
-    MPT__W4_COL(0)
-    MPT__W4_COL(1)
-    MPT__W4_COL(2)
-    MPT__W4_COL(3)
-    MPT__W4_COL(4)
-    MPT__W4_COL(5)
+    MPT__ROWS6(MPT__W4_ROW) /* Bᵀ d */
+    MPT__ROWS6(MPT__W4_COL) /* (Bᵀ d) B */
 }
 #undef MPT__W4_LOAD
 #undef MPT__W4_ROW
@@ -19447,23 +19431,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(__m512 m0, __m512
     *o3 = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m5);
 }
 
-/* One output pixel's 16 filters: + the bias, ReLU, stored in dtype if
-   inside the output. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
-    const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
-    int relu, __mmask16 k) {
-    const mpt_conv_args *a = j->a;
-    const size_t at = (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o);
-    if (y >= j->oh || x >= j->ow) return;
-    val = _mm512_add_ps(val, bias);
-    if (relu)
-        val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-    mpt__avx512_store(a->dtype, (unsigned char *)a->y + at * mpt_dtype_size(a->dtype), val, k);
-}
-
-/* The tiles' 4×4 outputs for filters [o0, o0 + nb) from M (36, 12, 32),
-   as mpt__wino_output stores F(2×2, 3×3)'s: Aᵀ M column by column, then
-   A along each row. */
+/* A tile's 4×4 outputs from M (36, 12, 32), as mpt__wino2_y makes
+   F(2×2, 3×3)'s: Aᵀ M column by column, then A along each row. */
 #define MPT__W4_LOAD(x) _mm512_loadu_ps(mi + (x) * ld)
 #define MPT__W4_COL(s)                                                                      \
     mpt__wino4_a(MPT__W4_LOAD(s), MPT__W4_LOAD(6 + s), MPT__W4_LOAD(12 + s),                \
@@ -19471,43 +19440,55 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
                  &c1##s, &c2##s, &c3##s);
 #define MPT__W4_ROW(r)                                                                      \
     mpt__wino4_a(c##r##0, c##r##1, c##r##2, c##r##3, c##r##4, c##r##5, &p0, &p1, &p2, &p3); \
-    mpt__wino4_store(j, b, oy + r, ox, o0 + h, p0, bias, relu, k);                           \
-    mpt__wino4_store(j, b, oy + r, ox + 1, o0 + h, p1, bias, relu, k);                       \
-    mpt__wino4_store(j, b, oy + r, ox + 2, o0 + h, p2, bias, relu, k);                       \
-    mpt__wino4_store(j, b, oy + r, ox + 3, o0 + h, p3, bias, relu, k);
-MPT__TARGET_AVX512 static void mpt__wino4_output(const mpt__wino_job *j, const float *m,
-                                                 int64_t t0, int64_t o0, int nb) {
-    const mpt_conv_args *a = j->a;
-    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
-    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
-    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL; /* (as there) */
-    int64_t i;
-    int h;
-    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
-        const int64_t t = t0 + i, b = t / per, oy = 4 * (t % per / j->tw), ox = 4 * (t % j->tw);
-        for (h = 0; h < nb; h += 16) {
-            const __mmask16 k = mpt__gemm_mask16(nb - h);
-            const float *mi = m + i * 32 + h;
-            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
-            __m512 c00, c01, c02, c03, c04, c05, c10, c11, c12, c13, c14, c15;
-            __m512 c20, c21, c22, c23, c24, c25, c30, c31, c32, c33, c34, c35;
-            __m512 p0, p1, p2, p3;
-            MPT__W4_COL(0)
-            MPT__W4_COL(1)
-            MPT__W4_COL(2)
-            MPT__W4_COL(3)
-            MPT__W4_COL(4)
-            MPT__W4_COL(5)
-            MPT__W4_ROW(0)
-            MPT__W4_ROW(1)
-            MPT__W4_ROW(2)
-            MPT__W4_ROW(3)
-        }
-    }
+    mpt__wino_store(j, b, oy + r, ox, o, p0, bias, relu, k);                                 \
+    mpt__wino_store(j, b, oy + r, ox + 1, o, p1, bias, relu, k);                             \
+    mpt__wino_store(j, b, oy + r, ox + 2, o, p2, bias, relu, k);                             \
+    mpt__wino_store(j, b, oy + r, ox + 3, o, p3, bias, relu, k);
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_y(const mpt__wino_job *j,
+                                                              const float *mi, int64_t b,
+                                                              int64_t oy, int64_t ox, int64_t o,
+                                                              __m512 bias, int relu, __mmask16 k) {
+    const int64_t ld = MPT__WINO_TILES * 32;
+    __m512 c00, c01, c02, c03, c04, c05, c10, c11, c12, c13, c14, c15;
+    __m512 c20, c21, c22, c23, c24, c25, c30, c31, c32, c33, c34, c35;
+    __m512 p0, p1, p2, p3;
+    MPT__ROWS6(MPT__W4_COL) /* Aᵀ M */
+    MPT__W4_ROW(0)
+    MPT__W4_ROW(1)
+    MPT__W4_ROW(2)
+    MPT__W4_ROW(3)
 }
 #undef MPT__W4_LOAD
 #undef MPT__W4_COL
 #undef MPT__W4_ROW
+
+/* The tiles' outputs for filters [o0, o0 + nb) from M, 16 filters at a
+   time: tile × tile pixels a tile (mpt__wino2_y, mpt__wino4_y), each + the
+   bias, ReLU, stored where it lies inside the output. */
+MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const float *m,
+                                                int64_t t0, int64_t o0, int nb) {
+    const mpt_conv_args *a = j->a;
+    const int64_t per = j->th * j->tw;
+    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
+    /* (no masked load without a bias: one that names an unmapped address,
+       even with every lane masked off, costs a microcode assist) */
+    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL;
+    int64_t i;
+    int h;
+    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
+        const int64_t t = t0 + i, b = t / per;
+        const int64_t oy = j->tile * (t % per / j->tw), ox = j->tile * (t % j->tw);
+        for (h = 0; h < nb; h += 16) {
+            const __mmask16 k = mpt__gemm_mask16(nb - h);
+            const float *mi = m + i * 32 + h;
+            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
+            if (j->tile == 4)
+                mpt__wino4_y(j, mi, b, oy, ox, o0 + h, bias, relu, k);
+            else
+                mpt__wino2_y(j, mi, b, oy, ox, o0 + h, bias, relu, k);
+        }
+    }
+}
 
 /* Tiles [task·12, task·12 + 12). */
 static void mpt__wino_task(void *arg, int64_t task, int thread) {
@@ -19520,10 +19501,7 @@ static void mpt__wino_task(void *arg, int64_t task, int thread) {
     for (o0 = 0; o0 < j->oc; o0 += 32) {
         const int nb = (int)MPT__MIN(32, j->oc - o0);
         mpt__wino_products(j, v, o0, nb, m);
-        if (j->tile == 4)
-            mpt__wino4_output(j, m, t0, o0, nb);
-        else
-            mpt__wino_output(j, m, t0, o0, nb);
+        mpt__wino_output(j, m, t0, o0, nb);
     }
 }
 
@@ -19576,11 +19554,7 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     j.u = (float *)a->ws;
     zero = j.u + j.points * j.ic * j.oc;
     j.zero = mpt__wino_zero_pixel(zero, j.ic);
-    if (a->ws_kept) /* U as the previous chunk left it */
-        ;
-    else if (tile == 4)
-        mpt__wino4_kernel(&j, a->kernel, zero + j.ic);
-    else
+    if (!a->ws_kept) /* else U as the previous chunk left it */
         mpt__wino_kernel(&j, a->kernel, zero + j.ic);
     mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
 }
@@ -19685,52 +19659,37 @@ static MPT__ALWAYS_INLINE void mpt__wkg_pixels(const mpt__wkg_job *j, int64_t b,
         }
 }
 
-/* V of a span's tile i (of x's patch, as mpt__wino_input makes it; 16
-   channels a vector, zeros past C) and its dM = A dY Aᵀ (16 filters a
-   vector), into v (16, ⌈C/16⌉, span, 16) and dm (16, fb, span, 32). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
-    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
-    mpt_dtype dtype) {
-    const int64_t C = j->g->c, F = j->a->f;
-    const int64_t step = j->dm_plane;
-    const size_t es = mpt_dtype_size(dtype);
-    const unsigned char *at[16], *dy[4];
-    int64_t c, o;
+/* dM = A dY Aᵀ of a 2×2 tile's dY (dy: its four pixels of dz, NULL past
+   the edge) for filters o .. o + 15 (mask k), into dst (16 planes of
+   dm, `step` floats apart). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg2_dm(const unsigned char *const *dy,
+                                                              mpt_dtype dtype, size_t es,
+                                                              int64_t o, __mmask16 k,
+                                                              float *dst, int64_t step) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 y00 = dy[0] ? mpt__gemm_load16(dtype, dy[0] + o * es, k) : zero;
+    const __m512 y01 = dy[1] ? mpt__gemm_load16(dtype, dy[1] + o * es, k) : zero;
+    const __m512 y10 = dy[2] ? mpt__gemm_load16(dtype, dy[2] + o * es, k) : zero;
+    const __m512 y11 = dy[3] ? mpt__gemm_load16(dtype, dy[3] + o * es, k) : zero;
+    /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
+    __m512 rows[8];
     int r;
-    mpt__wkg_pixels(j, b, ty, tx, 2, es, at, dy);
-    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
-        mpt__wino2_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
-                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
-                                   j->v_plane);
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
-        const __m512 zero = _mm512_setzero_ps();
-        const __m512 y00 = dy[0] ? mpt__gemm_load16(dtype, dy[0] + o * es, k) : zero;
-        const __m512 y01 = dy[1] ? mpt__gemm_load16(dtype, dy[1] + o * es, k) : zero;
-        const __m512 y10 = dy[2] ? mpt__gemm_load16(dtype, dy[2] + o * es, k) : zero;
-        const __m512 y11 = dy[3] ? mpt__gemm_load16(dtype, dy[3] + o * es, k) : zero;
-        /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
-        __m512 rows[8];
-        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
-        rows[0] = y00, rows[1] = y01;
-        rows[2] = _mm512_add_ps(y00, y10), rows[3] = _mm512_add_ps(y01, y11);
-        rows[4] = _mm512_sub_ps(y00, y10), rows[5] = _mm512_sub_ps(y01, y11);
-        rows[6] = _mm512_sub_ps(zero, y10), rows[7] = _mm512_sub_ps(zero, y11);
-        for (r = 0; r < 4; r++) { /* (A dY) Aᵀ: the same on each row */
-            const __m512 u0 = rows[2 * r], u1 = rows[2 * r + 1];
-            _mm512_storeu_ps(dst + (4 * r) * step, u0);
-            _mm512_storeu_ps(dst + (4 * r + 1) * step, _mm512_add_ps(u0, u1));
-            _mm512_storeu_ps(dst + (4 * r + 2) * step, _mm512_sub_ps(u0, u1));
-            _mm512_storeu_ps(dst + (4 * r + 3) * step, _mm512_sub_ps(zero, u1));
-        }
+    rows[0] = y00, rows[1] = y01;
+    rows[2] = _mm512_add_ps(y00, y10), rows[3] = _mm512_add_ps(y01, y11);
+    rows[4] = _mm512_sub_ps(y00, y10), rows[5] = _mm512_sub_ps(y01, y11);
+    rows[6] = _mm512_sub_ps(zero, y10), rows[7] = _mm512_sub_ps(zero, y11);
+    for (r = 0; r < 4; r++) { /* (A dY) Aᵀ: the same on each row */
+        const __m512 u0 = rows[2 * r], u1 = rows[2 * r + 1];
+        _mm512_storeu_ps(dst + (4 * r) * step, u0);
+        _mm512_storeu_ps(dst + (4 * r + 1) * step, _mm512_add_ps(u0, u1));
+        _mm512_storeu_ps(dst + (4 * r + 2) * step, _mm512_sub_ps(u0, u1));
+        _mm512_storeu_ps(dst + (4 * r + 3) * step, _mm512_sub_ps(zero, u1));
     }
 }
 
-/* The same for 4×4 tiles: V = Bᵀ d B of the 6×6 patch (as
-   mpt__wino_input makes it) into v (36, ⌈C/16⌉, span, 16), and dM = A dY
-   Aᵀ of the tile's 4×4 of dz into dm (36, fb, span, 32), A = (F(4×4,
-   3×3)'s Aᵀ)ᵀ: A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3,
-   y0 + 2y1 + 4y2 + 8y3, y0 − 2y1 + 4y2 − 8y3, y3). */
+/* The same for a 4×4 tile: dM (36 planes), A = (F(4×4, 3×3)'s Aᵀ)ᵀ:
+   A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3, y0 + 2y1 + 4y2 + 8y3,
+   y0 − 2y1 + 4y2 − 8y3, y3). */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 y1, __m512 y2,
                                                              __m512 y3, __m512 *o0, __m512 *o1,
                                                              __m512 *o2, __m512 *o3, __m512 *o4,
@@ -19750,46 +19709,59 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 
 #define MPT__W4_DCOL(s) /* A over column s of dY */                                      \
     mpt__wkg4_a(MPT__W4_DY(0, s), MPT__W4_DY(1, s), MPT__W4_DY(2, s), MPT__W4_DY(3, s),   \
                 &u0##s, &u1##s, &u2##s, &u3##s, &u4##s, &u5##s);
-#define MPT__W4_DPUT(xi, val) _mm512_storeu_ps(dst + (xi) * j->dm_plane, val);
+#define MPT__W4_DPUT(xi, val) _mm512_storeu_ps(dst + (xi) * step, val);
 #define MPT__W4_DROW(r) /* then along row r */                                           \
     mpt__wkg4_a(u##r##0, u##r##1, u##r##2, u##r##3, &o0, &o1, &o2, &o3, &o4, &o5);        \
     MPT__W4_DPUT(6 * r, o0) MPT__W4_DPUT(6 * r + 1, o1) MPT__W4_DPUT(6 * r + 2, o2)       \
     MPT__W4_DPUT(6 * r + 3, o3) MPT__W4_DPUT(6 * r + 4, o4) MPT__W4_DPUT(6 * r + 5, o5)
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
-    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
-    mpt_dtype dtype) {
-    const int64_t C = j->g->c, F = j->a->f;
-    const size_t es = mpt_dtype_size(dtype);
-    const unsigned char *at[36], *dy[16];
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_dm(const unsigned char *const *dy,
+                                                              mpt_dtype dtype, size_t es,
+                                                              int64_t o, __mmask16 k,
+                                                              float *dst, int64_t step) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23;
+    __m512 u30, u31, u32, u33, u40, u41, u42, u43, u50, u51, u52, u53;
     __m512 o0, o1, o2, o3, o4, o5;
-    int64_t c, o;
-    mpt__wkg_pixels(j, b, ty, tx, 4, es, at, dy);
-    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
-        mpt__wino4_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
-                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
-                                   j->v_plane);
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
-        const __m512 zero = _mm512_setzero_ps();
-        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
-        __m512 u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23;
-        __m512 u30, u31, u32, u33, u40, u41, u42, u43, u50, u51, u52, u53;
-        MPT__W4_DCOL(0)
-        MPT__W4_DCOL(1)
-        MPT__W4_DCOL(2)
-        MPT__W4_DCOL(3)
-        MPT__W4_DROW(0)
-        MPT__W4_DROW(1)
-        MPT__W4_DROW(2)
-        MPT__W4_DROW(3)
-        MPT__W4_DROW(4)
-        MPT__W4_DROW(5)
-    }
+    MPT__W4_DCOL(0)
+    MPT__W4_DCOL(1)
+    MPT__W4_DCOL(2)
+    MPT__W4_DCOL(3)
+    MPT__ROWS6(MPT__W4_DROW)
 }
 #undef MPT__W4_DY
 #undef MPT__W4_DCOL
 #undef MPT__W4_DPUT
 #undef MPT__W4_DROW
+
+/* V of a span's tile i (of x's patch, as mpt__wino_input makes it; 16
+   channels a vector, zeros past C) and its dM = A dY Aᵀ (16 filters a
+   vector), into v (points, ⌈C/16⌉, span, 16) and dm (points, fb, span,
+   32), for tiles of side `tile`. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
+    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
+    mpt_dtype dtype, int tile) {
+    const int64_t C = j->g->c, F = j->a->f;
+    const size_t es = mpt_dtype_size(dtype);
+    const unsigned char *at[36], *dy[16]; /* (tile + 2)², tile² */
+    int64_t c, o;
+    mpt__wkg_pixels(j, b, ty, tx, tile, es, at, dy);
+    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
+        float *dst = v + (c / 16 * j->span + i) * 16;
+        if (tile == 4)
+            mpt__wino4_patch_transform(at, c, dtype, es, k, (__mmask16)0xffff, dst, j->v_plane);
+        else
+            mpt__wino2_patch_transform(at, c, dtype, es, k, (__mmask16)0xffff, dst, j->v_plane);
+    }
+    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
+        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
+        if (tile == 4)
+            mpt__wkg4_dm(dy, dtype, es, o, k, dst, j->dm_plane);
+        else
+            mpt__wkg2_dm(dy, dtype, es, o, k, dst, j->dm_plane);
+    }
+}
 
 /* du (16, C, F) of a span of n tiles, added to du's sums unless first:
    for each ξ, 8 channels by 32 filters at a time, the tiles in order. */
@@ -19868,14 +19840,14 @@ MPT__TARGET_AVX512 static void mpt__wkg_transform_tile(const mpt__wkg_job *j, in
                                                        int64_t ty, int64_t tx, int64_t i,
                                                        float *v, float *dm) {
     const mpt_dtype dtype = j->a->dtype;
-#define MPT__WKG_TRANSFORM_AS(transform)                                                           \
-    (dtype == MPT_FLOAT16    ? transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16)                      \
-     : dtype == MPT_BFLOAT16 ? transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16)                     \
-                             : transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32))
+#define MPT__WKG_TRANSFORM_AS(tile)                                                                \
+    (dtype == MPT_FLOAT16    ? mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16, tile)      \
+     : dtype == MPT_BFLOAT16 ? mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16, tile)     \
+                             : mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32, tile))
     if (j->tile == 4)
-        MPT__WKG_TRANSFORM_AS(mpt__wkg4_transform);
+        MPT__WKG_TRANSFORM_AS(4);
     else
-        MPT__WKG_TRANSFORM_AS(mpt__wkg_transform);
+        MPT__WKG_TRANSFORM_AS(2);
 #undef MPT__WKG_TRANSFORM_AS
 }
 

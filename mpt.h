@@ -20035,6 +20035,17 @@ MPT__TARGET_AVX512 static __m512 mpt__bf16_widen_avx512(__mmask16 k, const mpt_b
         k, _mm512_maskz_cvtepu16_epi32(k, _mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
+/* The outputs [*o0, *o1] (none when *o0 > *o1), of n along one axis
+   with this stride and padding before, whose tap `tap` reads inside the
+   image's `size`: o·stride − pad + tap in [0, size). The tiles below
+   visit only those, rows and columns alike. */
+static void mpt__kgrad_tap_inside(int64_t n, int64_t stride, int64_t pad, int64_t size,
+                                  int64_t tap, int64_t *o0, int64_t *o1) {
+    const int64_t lo = pad - tap, hi = size - 1 + pad - tap;
+    *o0 = lo <= 0 ? 0 : (lo + stride - 1) / stride;
+    *o1 = hi < 0 ? -1 : MPT__MIN(n - 1, hi / stride);
+}
+
 MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job *j, int64_t t,
                                                      int64_t c0, int m, int64_t f0, int nb,
                                                      float *tile) {
@@ -20045,18 +20056,18 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
     const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
                     k1 = mpt__gemm_mask16(nb - 16);
     float chans[16];
-    int64_t b, oy, ox;
+    int64_t b, oy, ox, oy0, oy1, ox0, ox1;
+    mpt__kgrad_tap_inside(g->oh, g->sh, g->top, g->h, i, &oy0, &oy1);
+    mpt__kgrad_tap_inside(g->ow, g->sw, g->left, g->w, k, &ox0, &ox1);
     MPT__ROWS12(MPT__DCONV_ACC)
     for (b = 0; b < a->n; b++)
-        for (oy = 0; oy < g->oh; oy++) {
+        for (oy = oy0; oy <= oy1; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
-            if (y < 0 || y >= g->h) continue;
-            for (ox = 0; ox < g->ow; ox++) {
+            for (ox = ox0; ox <= ox1; ox++) {
                 const int64_t x = ox * g->sw - g->left + k;
                 const int64_t src = ((b * g->h + y) * g->w + x) * g->c + c0;
                 const int64_t dst = ((b * g->oh + oy) * g->ow + ox) * f + f0;
                 __m512 d0, d1, ai;
-                if (x < 0 || x >= g->w) continue;
                 if (bf16) {
                     _mm512_storeu_ps(chans, mpt__bf16_widen_avx512(km, (const mpt_bf16 *)a->x + src));
                     d0 = mpt__bf16_widen_avx512(k0, (const mpt_bf16 *)a->dz + dst);
@@ -20092,7 +20103,9 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_
     uint32_t chans[16];
     const mpt_bf16 *x0 = NULL, *dz0 = NULL; /* the pixel waiting for its partner */
     __m512bh b0, b1, ai;
-    int64_t b, oy, ox;
+    int64_t b, oy, ox, oy0, oy1, ox0, ox1;
+    mpt__kgrad_tap_inside(g->oh, g->sh, g->top, g->h, i, &oy0, &oy1);
+    mpt__kgrad_tap_inside(g->ow, g->sw, g->left, g->w, k, &ox0, &ox1);
     MPT__ROWS12(MPT__DCONV_ACC)
 /* The pair (x0, dz0) and (x1, dz1); masks 0 read the partner as zeros. */
 #define MPT__PAIR(x1, dz1, qm, q0, q1)                                                        \
@@ -20102,14 +20115,12 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_
     MPT__ROWS12(MPT__F)
 #define MPT__F(r) MPT__RB_STEP2(r, MPT__BF16_PAIR(chans[r]), MPT__MAC_BF16, b0, b1)
     for (b = 0; b < a->n; b++)
-        for (oy = 0; oy < g->oh; oy++) {
+        for (oy = oy0; oy <= oy1; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
-            if (y < 0 || y >= g->h) continue;
-            for (ox = 0; ox < g->ow; ox++) {
+            for (ox = ox0; ox <= ox1; ox++) {
                 const int64_t xx = ox * g->sw - g->left + k;
                 const mpt_bf16 *xp = x + ((b * g->h + y) * g->w + xx) * g->c;
                 const mpt_bf16 *dp = dz + ((b * g->oh + oy) * g->ow + ox) * f;
-                if (xx < 0 || xx >= g->w) continue;
                 if (!x0) {
                     x0 = xp, dz0 = dp;
                     continue;
@@ -20140,18 +20151,15 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_
     const mpt_window *g = j->g;
     const int64_t i = t / g->kw, k = t % g->kw, f = a->f, c = g->c;
     const int64_t x_step = g->sw * c;
-    /* the output columns whose tap column x = ox·sw − left + k is inside */
-    const int64_t lo = g->left - k, hi = g->w - 1 + g->left - k;
-    const int64_t ox0 = lo <= 0 ? 0 : (lo + g->sw - 1) / g->sw;
-    const int64_t ox1 = hi < 0 ? -1 : MPT__MIN(g->ow - 1, hi / g->sw);
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int64_t b, oy, ox;
+    int64_t b, oy, ox, oy0, oy1, ox0, ox1;
+    mpt__kgrad_tap_inside(g->oh, g->sh, g->top, g->h, i, &oy0, &oy1);
+    mpt__kgrad_tap_inside(g->ow, g->sw, g->left, g->w, k, &ox0, &ox1);
     MPT__ROWS8(MPT__DCONV_ACC)
     for (b = 0; b < a->n && ox0 <= ox1; b++)
-        for (oy = 0; oy < g->oh; oy++) {
+        for (oy = oy0; oy <= oy1; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
             const float *xs, *ds;
-            if (y < 0 || y >= g->h) continue;
             xs = (const float *)a->x + ((b * g->h + y) * g->w + ox0 * g->sw - g->left + k) * c + c0;
             ds = (const float *)a->dz + ((b * g->oh + oy) * g->ow + ox0) * f + f0;
             for (ox = ox0; ox <= ox1; ox++, xs += x_step, ds += f) {
@@ -20504,37 +20512,28 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
 }
 #undef MPT__KGRAD_WIN_ACC
 
-/* One copy per dtype, width (two: more than 16 filters) and source of dz
-   (from_dy), each with its loads inline; [float32, bfloat16, float16][two][from_dy]. */
-#define MPT__KGRAD_WIN_SUMS(name, dtype, two, from_dy)                                        \
-    MPT__TARGET_AVX512 static void name(const mpt__kgrad_win_job *j, int64_t k0, int m,      \
-                                        int64_t f0, int nb, int64_t q0, int64_t q1,          \
-                                        float *tile) {                                       \
-        mpt__kgrad_win_sums(j, dtype, two, from_dy, k0, m, f0, nb, q0, q1, tile);            \
-    }
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, MPT_FLOAT32, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16_dy, MPT_FLOAT32, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, MPT_FLOAT32, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_dy, MPT_FLOAT32, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, MPT_BFLOAT16, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16_dy, MPT_BFLOAT16, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, MPT_BFLOAT16, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_dy, MPT_BFLOAT16, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16, MPT_FLOAT16, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16_dy, MPT_FLOAT16, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16, MPT_FLOAT16, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_dy, MPT_FLOAT16, 1, 1)
-#undef MPT__KGRAD_WIN_SUMS
-
-typedef void (*mpt__kgrad_win_sums_fn)(const mpt__kgrad_win_job *j, int64_t k0, int m,
-                                       int64_t f0, int nb, int64_t q0, int64_t q1, float *tile);
-static const mpt__kgrad_win_sums_fn mpt__kgrad_win_sums_fns[3][2][2] = {
-    {{mpt__kgrad_win_sums_f32_16, mpt__kgrad_win_sums_f32_16_dy},
-     {mpt__kgrad_win_sums_f32, mpt__kgrad_win_sums_f32_dy}},
-    {{mpt__kgrad_win_sums_bf16_16, mpt__kgrad_win_sums_bf16_16_dy},
-     {mpt__kgrad_win_sums_bf16, mpt__kgrad_win_sums_bf16_dy}},
-    {{mpt__kgrad_win_sums_f16_16, mpt__kgrad_win_sums_f16_16_dy},
-     {mpt__kgrad_win_sums_f16, mpt__kgrad_win_sums_f16_dy}}};
+/* The tile's sums in one copy of mpt__kgrad_win_sums per dtype, width
+   (two: more than 16 filters) and source of dz (from_dy), each with its
+   loads inline (the tests on the three fold away in each). */
+MPT__TARGET_AVX512 static void mpt__kgrad_win_tile(const mpt__kgrad_win_job *j, int64_t k0, int m,
+                                                   int64_t f0, int nb, int64_t q0, int64_t q1,
+                                                   float *tile) {
+    const mpt_dtype dtype = j->a->dtype;
+    const int from_dy = j->a->dy != NULL;
+#define MPT__KGRAD_WIN_AS(dt, two)                                                        \
+    (from_dy ? mpt__kgrad_win_sums(j, dt, two, 1, k0, m, f0, nb, q0, q1, tile)           \
+             : mpt__kgrad_win_sums(j, dt, two, 0, k0, m, f0, nb, q0, q1, tile))
+#define MPT__KGRAD_WIN_AS_DTYPE(two)                                                      \
+    (dtype == MPT_BFLOAT16  ? MPT__KGRAD_WIN_AS(MPT_BFLOAT16, two)                        \
+     : dtype == MPT_FLOAT16 ? MPT__KGRAD_WIN_AS(MPT_FLOAT16, two)                         \
+                            : MPT__KGRAD_WIN_AS(MPT_FLOAT32, two))
+    if (nb > 16)
+        MPT__KGRAD_WIN_AS_DTYPE(1);
+    else
+        MPT__KGRAD_WIN_AS_DTYPE(0);
+#undef MPT__KGRAD_WIN_AS_DTYPE
+#undef MPT__KGRAD_WIN_AS
+}
 #endif
 
 /* Task = (part, row block, filter block): its tile's sums over its part. */
@@ -20551,8 +20550,7 @@ static void mpt__kgrad_win_task(void *arg, int64_t task, int thread) {
     float *sums = j->sums + task * MPT__KGRAD_WIN_TILE;
     (void)thread;
 #if MPT__X86
-    mpt__kgrad_win_sums_fns[a->dtype == MPT_BFLOAT16 ? 1 : a->dtype == MPT_FLOAT16 ? 2 : 0]
-                           [nb > 16][a->dy != NULL](j, k0, m, f0, nb, q0, q1, sums);
+    mpt__kgrad_win_tile(j, k0, m, f0, nb, q0, q1, sums);
 #else
     (void)k0, (void)f0, (void)q0, (void)q1, (void)m, (void)nb;
     memset(sums, 0, sizeof(float) * MPT__KGRAD_WIN_TILE); /* never called: conv_direct declines */

@@ -18755,22 +18755,21 @@ MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, co
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int64_t k;
     MPT__ROWS12(MPT__DCONV_ACC)
+#define MPT__A(i) _mm512_set1_ps(a[i])
     if (nb > 16) {
         for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
             __m512 ai;
-#define MPT__F(i) MPT__RB_STEP2(i, _mm512_set1_ps(a[i]), MPT__MAC_FMA512, b0, b1)
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            MPT__ROWS12_WITH(MPT__RB_STEP2_AT, MPT__A, MPT__MAC_FMA512)
         }
     } else {
         for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w);
-#define MPT__F(i) c##i##0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b0, c##i##0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            __m512 ai;
+            MPT__ROWS12_WITH(MPT__RB_STEP1_AT, MPT__A, MPT__MAC_FMA512)
         }
     }
+#undef MPT__A
     MPT__ROWS12(MPT__DCONV_STORE)
 }
 
@@ -18783,24 +18782,22 @@ MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job 
     const int64_t pairs = (j->kk + 1) / 2;
     int64_t k;
     MPT__ROWS12(MPT__DCONV_ACC)
+#define MPT__A(i) MPT__BF16_PAIR(a[i])
     if (nb > 16) {
         for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
             const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, w + 16);
             __m512bh ai;
-#define MPT__F(i) MPT__RB_STEP2(i, MPT__BF16_PAIR(a[i]), MPT__MAC_BF16, b0, b1)
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            MPT__ROWS12_WITH(MPT__RB_STEP2_AT, MPT__A, MPT__MAC_BF16)
         }
     } else {
         for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
-#define MPT__F(i) \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, (__m512bh)_mm512_set1_epi32((int)a[i]), b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            __m512bh ai;
+            MPT__ROWS12_WITH(MPT__RB_STEP1_AT, MPT__A, MPT__MAC_BF16)
         }
     }
+#undef MPT__A
     MPT__ROWS12(MPT__DCONV_STORE)
 }
 #endif /* MPT__X86 */

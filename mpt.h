@@ -3065,16 +3065,22 @@ static void mpt__log(const mpt_context *ctx, mpt_log_level level, const char *fm
 /* Records why a call failed, tells the logger, and returns the status, so
    that error paths read `return mpt__fail(ctx, MPT_ERR_SHAPE, "...", ...);`.
    The arguments may be the context's own message (the CPU backend's error
-   is): it is formatted aside first, as vsnprintf must not read what it writes. */
-static mpt_status mpt__fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
+   is): it is formatted aside first, as vsnprintf must not read what it writes.
+   mpt__failv takes the arguments as a va_list, for a caller's own varargs. */
+static mpt_status mpt__failv(mpt_context *ctx, mpt_status status, const char *fmt, va_list ap) {
     char message[sizeof ctx->error];
-    va_list ap;
     if (!ctx) return status;
-    va_start(ap, fmt);
     vsnprintf(message, sizeof message, fmt, ap);
-    va_end(ap);
     memcpy(ctx->error, message, sizeof message);
     mpt__log(ctx, MPT_LOG_ERROR, "%s (%s)", ctx->error, mpt_status_string(status));
+    return status;
+}
+
+static mpt_status mpt__fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    status = mpt__failv(ctx, status, fmt, ap);
+    va_end(ap);
     return status;
 }
 
@@ -14700,13 +14706,16 @@ static void mpt__plot_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_pa
 
 /* A failure's message: into ctx (and its logger), or without one to stderr. */
 static mpt_status mpt__plot_fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
-    char message[1024];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(message, sizeof message, fmt, ap);
+    if (ctx) {
+        status = mpt__failv(ctx, status, fmt, ap);
+    } else {
+        char message[1024];
+        vsnprintf(message, sizeof message, fmt, ap);
+        mpt__log(NULL, MPT_LOG_ERROR, "%s (%s)", message, mpt_status_string(status));
+    }
     va_end(ap);
-    if (ctx) return mpt__fail(ctx, status, "%s", message);
-    mpt__log(NULL, MPT_LOG_ERROR, "%s (%s)", message, mpt_status_string(status));
     return status;
 }
 

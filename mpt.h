@@ -24682,18 +24682,6 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     return MPT_OK;
 }
 
-/* Starts an export to path: plans it, and says whether this process
-   writes the file. 0: the caller returns *s at once (nothing left to
-   free), a failure, or MPT_OK on a replica that is not the chief, which
-   writes the file for all. */
-static int mpt__export_begin(mpt__export_plan *pl, mpt_model *m, const char *format,
-                             const char *path, const mpt_export_desc *desc, mpt_status *s) {
-    *s = mpt__export_plan_init(pl, m, format, path, desc);
-    if (*s == MPT_OK && mpt__strategy_is_chief(m->strategy)) return 1;
-    mpt__export_plan_free(pl);
-    return 0;
-}
-
 /* The step's output: one sample's rank and shape. */
 static int mpt__export_out_shape(const mpt__export_step *s, int64_t *shape) {
     memcpy(shape, s->L->out_shape, sizeof s->L->out_shape);
@@ -24708,6 +24696,32 @@ static mpt_status mpt__export_write(mpt_model *m, const char *path, const unsign
     if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, bytes, n);
     if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
     mpt__ckpt_writer_close(&w);
+    return s;
+}
+
+/* A format's part of an export: the file's n bytes from the plan, at
+   *bytes inside *owned (freed after the write), or a failure. */
+typedef mpt_status (*mpt__export_encode_fn)(mpt__export_plan *pl, unsigned char **owned,
+                                            const unsigned char **bytes, size_t *n);
+
+/* Every export: plans it, and on the process that writes the file (a
+   replica that is not the chief leaves it to the chief) has the format
+   encode it and writes the bytes as checkpoints are written. */
+static mpt_status mpt__export(mpt_model *m, const char *format, const char *path,
+                              const mpt_export_desc *desc, mpt__export_encode_fn encode) {
+    mpt__export_plan pl;
+    unsigned char *owned = NULL;
+    const unsigned char *bytes = NULL;
+    size_t n = 0;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    s = mpt__export_plan_init(&pl, m, format, path, desc);
+    if (s == MPT_OK && mpt__strategy_is_chief(m->strategy)) {
+        s = encode(&pl, &owned, &bytes, &n);
+        if (s == MPT_OK) s = mpt__export_write(m, path, bytes, n);
+        mpt__free(m->ctx, owned);
+    }
+    mpt__export_plan_free(&pl);
     return s;
 }
 
@@ -25736,20 +25750,20 @@ static void mpt__tfl_free(mpt__tfl *g) {
     mpt__free(ctx, g->ops);
 }
 
-MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
-                                          const mpt_export_desc *desc) {
-    mpt__export_plan pl;
+/* The TFLite file (mpt__export_encode_fn), built back to front: its
+   bytes end the builder's buffer. */
+static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
+                                  const unsigned char **bytes, size_t *n) {
+    mpt_model *m = pl->m;
     mpt__tfl g;
     mpt__fb b;
     mpt_status s;
     int32_t x, input;
     int64_t shape[MPT_MAX_RANK - 1];
     int i, rank;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!mpt__export_begin(&pl, m, "TFLite", path, desc, &s)) return s;
     memset(&g, 0, sizeof g);
     memset(&b, 0, sizeof b);
-    g.pl = &pl;
+    g.pl = pl;
     b.ctx = m->ctx;
     mpt__tfl_buffer_add(&g, NULL, 0); /* the empty sentinel */
     if (m->quantized) {
@@ -25757,17 +25771,25 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
     } else {
         rank = mpt_model_input_shape(m, shape);
         x = input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, rank, shape, 1, 0);
-        for (i = 0; i < pl.n; i++) x = mpt__tfl_step(&g, &pl.steps[i], x);
+        for (i = 0; i < pl->n; i++) x = mpt__tfl_step(&g, &pl->steps[i], x);
     }
     if (g.failed)
-        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory", path);
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory",
+                      pl->path);
     else
         s = mpt__tfl_serialise(&g, input, x, &b);
-    if (s == MPT_OK) s = mpt__export_write(m, path, b.data + b.cap - b.size, b.size);
-    mpt__free(m->ctx, b.data);
+    *owned = b.data;
+    if (s == MPT_OK) {
+        *bytes = b.data + b.cap - b.size;
+        *n = b.size;
+    }
     mpt__tfl_free(&g);
-    mpt__export_plan_free(&pl);
     return s;
+}
+
+MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
+                                          const mpt_export_desc *desc) {
+    return mpt__export(m, "TFLite", path, desc, mpt__tfl_encode);
 }
 
 /* =============================================================================
@@ -26615,19 +26637,18 @@ static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     return Q->ops[Q->n_ops - 1].info.out_rank;
 }
 
-MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
-                                        const mpt_export_desc *desc) {
-    mpt__export_plan pl;
+/* The ONNX file (mpt__export_encode_fn). */
+static mpt_status mpt__onnx_encode(mpt__export_plan *pl, unsigned char **owned,
+                                   const unsigned char **bytes, size_t *n) {
+    mpt_model *m = pl->m;
     mpt__onnx o;
     mpt__pb b;
-    mpt_status s;
+    mpt_status s = MPT_OK;
     int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
     int i, in_rank, out_rank;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!mpt__export_begin(&pl, m, "ONNX", path, desc, &s)) return s;
     memset(&o, 0, sizeof o);
     memset(&b, 0, sizeof b);
-    o.pl = &pl;
+    o.pl = pl;
     o.nodes.ctx = o.inits.ctx = b.ctx = m->ctx;
     snprintf(o.x, sizeof o.x, "input");
     o.rank = 1 + m->desc.input_rank;
@@ -26636,21 +26657,26 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
     if (m->quantized) {
         out_rank = mpt__onnx_quantized_graph(&o, out_shape);
     } else {
-        for (i = 0; i < pl.n; i++) mpt__onnx_step(&o, &pl.steps[i]);
-        if (pl.n) mpt__onnx_layout(&o, pl.steps[pl.n - 1].L, 0); /* the output is NHWC */
-        out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
-        if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
+        for (i = 0; i < pl->n; i++) mpt__onnx_step(&o, &pl->steps[i]);
+        if (pl->n) mpt__onnx_layout(&o, pl->steps[pl->n - 1].L, 0); /* the output is NHWC */
+        out_rank = pl->n ? mpt__export_out_shape(&pl->steps[pl->n - 1], out_shape) : in_rank;
+        if (!pl->n) memcpy(out_shape, in_shape, sizeof in_shape);
     }
     mpt__onnx_model(&o, mpt__onnx_io_type(m), in_rank, in_shape, out_rank, out_shape, &b);
     if (b.failed)
-        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);
-    else
-        s = mpt__export_write(m, path, b.data, b.size);
-    mpt__free(m->ctx, b.data);
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory",
+                      pl->path);
+    *owned = b.data;
+    *bytes = b.data;
+    *n = b.size;
     mpt__free(m->ctx, o.nodes.data);
     mpt__free(m->ctx, o.inits.data);
-    mpt__export_plan_free(&pl);
     return s;
+}
+
+MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
+                                        const mpt_export_desc *desc) {
+    return mpt__export(m, "ONNX", path, desc, mpt__onnx_encode);
 }
 
 /* =============================================================================

@@ -3220,16 +3220,22 @@ static void mpt__log(const mpt_context *ctx, mpt_log_level level, const char *fm
 /* Records why a call failed, tells the logger, and returns the status, so
    that error paths read `return mpt__fail(ctx, MPT_ERR_SHAPE, "...", ...);`.
    The arguments may be the context's own message (the CPU backend's error
-   is): it is formatted aside first, as vsnprintf must not read what it writes. */
-static mpt_status mpt__fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
+   is): it is formatted aside first, as vsnprintf must not read what it writes.
+   mpt__failv takes the arguments as a va_list, for a caller's own varargs. */
+static mpt_status mpt__failv(mpt_context *ctx, mpt_status status, const char *fmt, va_list ap) {
     char message[sizeof ctx->error];
-    va_list ap;
     if (!ctx) return status;
-    va_start(ap, fmt);
     vsnprintf(message, sizeof message, fmt, ap);
-    va_end(ap);
     memcpy(ctx->error, message, sizeof message);
     mpt__log(ctx, MPT_LOG_ERROR, "%s (%s)", ctx->error, mpt_status_string(status));
+    return status;
+}
+
+static mpt_status mpt__fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    status = mpt__failv(ctx, status, fmt, ap);
+    va_end(ap);
     return status;
 }
 
@@ -4885,18 +4891,27 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
                                  const mpt__layer_desc *desc, const char *name, mpt_dtype dtype);
 
 /* Appends a layer of `ops` described by desc (one of the descriptor
-   structs, `size` bytes; each starts with the common name and dtype). */
+   structs, `size` bytes; each starts with the common name and dtype), or
+   by its zero defaults when desc is NULL. */
 static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc,
                                  size_t size) {
     mpt__layer_desc ld;
     memset(&ld, 0, sizeof ld);
-    memcpy(&ld, desc, size);
+    if (desc) memcpy(&ld, desc, size);
     return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
 /* Before the checks of a layer's descriptor, which the caller has made
    its zero defaults when NULL (a required field's own check names it). */
 static mpt_status mpt__check_add(mpt_model *m) { return m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT; }
+
+/* The descriptor to check: desc, or, where the caller passed NULL,
+   `defaults` (size bytes) zeroed, which is every field's default. */
+static const void *mpt__desc_or_defaults(const void *desc, void *defaults, size_t size) {
+    if (desc) return desc;
+    memset(defaults, 0, size);
+    return defaults;
+}
 
 /* The fields of a descriptor that has only the common ones. */
 static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
@@ -5093,8 +5108,7 @@ static const mpt__layer_ops mpt__dense_ops = {
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     mpt_dense_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_dense_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (d->units <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: units %lld must be > 0",
                          (long long)d->units);
@@ -5149,10 +5163,8 @@ static const mpt__layer_ops mpt__flatten_ops = {
     1, 1};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
-    mpt_flatten_desc none;
-    MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
-    memset(&none, 0, sizeof none);
-    return mpt__add_layer(m, &mpt__flatten_ops, d ? d : &none, sizeof(mpt_flatten_desc));
+    MPT__CHECK(mpt__check_add(m));
+    return mpt__add_layer(m, &mpt__flatten_ops, d, sizeof(mpt_flatten_desc)); /* NULL: defaults */
 }
 
 MPTDEF mpt_node mpt_flatten(mpt_model *m, mpt_node x, const mpt_flatten_desc *d) {
@@ -5213,8 +5225,7 @@ static const mpt__layer_ops mpt__activation_ops = {
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
     mpt_activation_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_activation_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (!mpt__activation_valid(d->activation))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
                          (int)d->activation);
@@ -5865,8 +5876,7 @@ static const mpt__layer_ops mpt__conv2d_ops = {
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     mpt_conv2d_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_conv2d_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (d->filters <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Conv2D: filters %lld must be > 0",
                          (long long)d->filters);
@@ -6479,9 +6489,8 @@ static const mpt__layer_ops mpt__global_pool_ops = {
 /* MaxPooling2D or AveragePooling2D (ops), its descriptor checked. */
 static mpt_status mpt__add_pool(mpt_model *m, const mpt__layer_ops *ops, const mpt_pool2d_desc *d) {
     mpt_pool2d_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
     MPT__CHECK(mpt__check_add(m));
+    d = (const mpt_pool2d_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     MPT__CHECK(mpt__check_window_desc(m, ops->class_name, "pool_size", d->pool_size, 0, d->strides,
                                       d->padding));
     return mpt__add_layer(m, ops, d, sizeof(mpt_pool2d_desc));
@@ -6507,10 +6516,8 @@ MPTDEF mpt_node mpt_average_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
                                                          const mpt_global_pool2d_desc *d) {
-    mpt_global_pool2d_desc none;
-    MPT__CHECK(m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT);
-    memset(&none, 0, sizeof none);
-    return mpt__add_layer(m, &mpt__global_pool_ops, d ? d : &none,
+    MPT__CHECK(mpt__check_add(m));
+    return mpt__add_layer(m, &mpt__global_pool_ops, d, /* NULL: defaults */
                           sizeof(mpt_global_pool2d_desc));
 }
 
@@ -7411,8 +7418,7 @@ static const mpt__layer_ops mpt__bn_ops = {
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
     mpt_batchnorm_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_batchnorm_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (!(d->momentum >= 0 && d->momentum <= 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: momentum %g is not in [0, 1]", (double)d->momentum);
@@ -7674,8 +7680,7 @@ static const mpt__layer_ops mpt__dropout_ops = {
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
     mpt_dropout_desc defaults;
     MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    d = (const mpt_dropout_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (!(d->rate >= 0 && d->rate < 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dropout: rate %g is not in [0, 1)",
                          (double)d->rate);
@@ -14039,6 +14044,16 @@ static mpt_status mpt__cb_check_out(mpt_context *ctx, const char *what, mpt_call
     return MPT_OK;
 }
 
+/* A path the callback cannot default (what's `field`): path points at the
+   descriptor's field, or is NULL where the whole descriptor is; a NULL
+   or empty path fails, naming which, followed by `example` ("" for none). */
+static mpt_status mpt__cb_require_path(mpt_context *ctx, const char *what, const char *field,
+                                       const char *const *path, const char *example) {
+    if (path && *path && **path) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: %s is %s; it is required%s", what, field,
+                     !path ? "NULL (NULL descriptor)" : *path ? "empty" : "NULL", example);
+}
+
 MPTDEF mpt_status mpt_callback_early_stopping(mpt_context *ctx, const mpt_early_stopping_desc *d,
                                               mpt_callback *out) {
     mpt_early_stopping_desc defaults;
@@ -14408,13 +14423,9 @@ MPTDEF mpt_status mpt_callback_model_checkpoint(mpt_context *ctx,
     mpt__cb_monitor mon;
     mpt_status s;
     MPT__CHECK(mpt__cb_check_out(ctx, "ModelCheckpoint", out));
-    if (!d) /* NULL: every default, but filepath is required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is NULL (NULL "
-                         "descriptor); it is required (e.g. \"ckpt-{epoch}.safetensors\")");
-    if (!d->filepath || !d->filepath[0])
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "ModelCheckpoint: filepath is %s; it is "
-                         "required (e.g. \"ckpt-{epoch}.safetensors\")",
-                         d->filepath ? "empty" : "NULL");
+    /* NULL: every default, but filepath is required */
+    MPT__CHECK(mpt__cb_require_path(ctx, "ModelCheckpoint", "filepath", d ? &d->filepath : NULL,
+                                    " (e.g. \"ckpt-{epoch}.safetensors\")"));
     MPT__CHECK(mpt__cb_format_path(ctx, d->filepath, 1, NULL, NULL, 0));
     MPT__CHECK(mpt__cb_monitor_init(ctx, "ModelCheckpoint", d->monitor, d->mode, 0, &mon));
     MPT__CHECK(mpt__cb_model_checkpoint_check_dir(ctx, d->filepath));
@@ -14604,12 +14615,8 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
     mpt_status s;
     char sep;
     MPT__CHECK(mpt__cb_check_out(ctx, "CSVLogger", out));
-    if (!d) /* NULL: every default, but filename is required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "CSVLogger: filename is NULL (NULL descriptor); it is required");
-    if (!d->filename || !d->filename[0])
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "CSVLogger: filename is %s; it is required",
-                         d->filename ? "empty" : "NULL");
+    /* NULL: every default, but filename is required */
+    MPT__CHECK(mpt__cb_require_path(ctx, "CSVLogger", "filename", d ? &d->filename : NULL, ""));
     sep = d->separator ? d->separator : ',';
     if (sep == '"' || sep == '\n' || sep == '\r')
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -15333,13 +15340,8 @@ static mpt_status mpt__cb_tensorboard_train_end(void *user, mpt_model *m, const 
 
 static mpt_status mpt__cb_tensorboard_check(mpt_context *ctx, const mpt_tensorboard_desc *d) {
     int err;
-    if (!d) /* NULL: every default, but log_dir is required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "TensorBoard: log_dir is NULL (NULL descriptor); it is required");
-    if (!d->log_dir || !d->log_dir[0])
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "TensorBoard: log_dir is %s; it is required",
-                         d->log_dir ? "empty" : "NULL");
+    /* NULL: every default, but log_dir is required */
+    MPT__CHECK(mpt__cb_require_path(ctx, "TensorBoard", "log_dir", d ? &d->log_dir : NULL, ""));
     if (d->histogram_freq < 0 || d->update_freq_batches < 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "TensorBoard \"%s\": histogram_freq %d and update_freq_batches %lld "
@@ -15821,13 +15823,16 @@ static void mpt__plot_draw(mpt__svg *b, const mpt_history *h, const mpt__plot_pa
 
 /* A failure's message: into ctx (and its logger), or without one to stderr. */
 static mpt_status mpt__plot_fail(mpt_context *ctx, mpt_status status, const char *fmt, ...) {
-    char message[1024];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(message, sizeof message, fmt, ap);
+    if (ctx) {
+        status = mpt__failv(ctx, status, fmt, ap);
+    } else {
+        char message[1024];
+        vsnprintf(message, sizeof message, fmt, ap);
+        mpt__log(NULL, MPT_LOG_ERROR, "%s (%s)", message, mpt_status_string(status));
+    }
     va_end(ap);
-    if (ctx) return mpt__fail(ctx, status, "%s", message);
-    mpt__log(NULL, MPT_LOG_ERROR, "%s (%s)", message, mpt_status_string(status));
     return status;
 }
 
@@ -20317,6 +20322,21 @@ typedef struct mpt__dconv_job {
     mpt__convert_fn convert;   /* float32 to dtype                              */
 } mpt__dconv_job;
 
+/* The per-sample shapes a convolution's product reads (in) and writes
+   (out): the forward reads x (h, w, c) into y (oh, ow, f); the input
+   gradient runs the same product backwards, from dz (oh, ow, f) into dx
+   (h, w, c). The direct tiles and Winograd's both work in these terms. */
+static void mpt__conv_product_shapes(const mpt_conv_args *a, int64_t *ih, int64_t *iw,
+                                     int64_t *ic, int64_t *oh, int64_t *ow, int64_t *oc) {
+    const mpt_window *g = a->g;
+    *ih = a->input_grad ? g->oh : g->h;
+    *iw = a->input_grad ? g->ow : g->w;
+    *ic = a->input_grad ? a->f : g->c;
+    *oh = a->input_grad ? g->h : g->oh;
+    *ow = a->input_grad ? g->w : g->ow;
+    *oc = a->input_grad ? g->c : a->f;
+}
+
 /* The input row or column that output row or column o reads at window
    offset i along an axis of stride s and padding `before`; −1 where it
    reads none. input_grad: the forward's offset is k − 1 − i, and the dz
@@ -20666,22 +20686,21 @@ MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, co
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int64_t k;
     MPT__ROWS12(MPT__DCONV_ACC)
+#define MPT__A(i) _mm512_set1_ps(a[i])
     if (nb > 16) {
         for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
             __m512 ai;
-#define MPT__F(i) MPT__RB_STEP2(i, _mm512_set1_ps(a[i]), MPT__MAC_FMA512, b0, b1)
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            MPT__ROWS12_WITH(MPT__RB_STEP2_AT, MPT__A, MPT__MAC_FMA512)
         }
     } else {
         for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w);
-#define MPT__F(i) c##i##0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b0, c##i##0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            __m512 ai;
+            MPT__ROWS12_WITH(MPT__RB_STEP1_AT, MPT__A, MPT__MAC_FMA512)
         }
     }
+#undef MPT__A
     MPT__ROWS12(MPT__DCONV_STORE)
 }
 
@@ -20694,24 +20713,22 @@ MPT__TARGET_AVX512_BF16 static void mpt__shallow_tile_bf16(const mpt__dconv_job 
     const int64_t pairs = (j->kk + 1) / 2;
     int64_t k;
     MPT__ROWS12(MPT__DCONV_ACC)
+#define MPT__A(i) MPT__BF16_PAIR(a[i])
     if (nb > 16) {
         for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
             const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, w + 16);
             __m512bh ai;
-#define MPT__F(i) MPT__RB_STEP2(i, MPT__BF16_PAIR(a[i]), MPT__MAC_BF16, b0, b1)
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            MPT__ROWS12_WITH(MPT__RB_STEP2_AT, MPT__A, MPT__MAC_BF16)
         }
     } else {
         for (k = 0; k < pairs; k++, a += MPT__DCONV_MR, w += j->oc) {
             const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, w);
-#define MPT__F(i) \
-    c##i##0 = _mm512_dpbf16_ps(c##i##0, (__m512bh)_mm512_set1_epi32((int)a[i]), b0);
-            MPT__ROWS12(MPT__F)
-#undef MPT__F
+            __m512bh ai;
+            MPT__ROWS12_WITH(MPT__RB_STEP1_AT, MPT__A, MPT__MAC_BF16)
         }
     }
+#undef MPT__A
     MPT__ROWS12(MPT__DCONV_STORE)
 }
 #endif /* MPT__X86 */
@@ -20882,7 +20899,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     }
 #endif
     memset(&j, 0, sizeof j);
-    j.ic = a->input_grad ? a->f : g->c;
+    mpt__conv_product_shapes(a, &j.ih, &j.iw, &j.ic, &j.oh, &j.ow, &j.oc);
 #if MPT__X86
     if (a->dtype == MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512))
         j.tile = mpt__dconv_tile_f32;
@@ -20902,11 +20919,6 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     j.a = a;
     j.g = g;
     j.x = (const unsigned char *)a->x;
-    j.ih = a->input_grad ? g->oh : g->h;
-    j.iw = a->input_grad ? g->ow : g->w;
-    j.oh = a->input_grad ? g->h : g->oh;
-    j.ow = a->input_grad ? g->w : g->ow;
-    j.oc = a->input_grad ? g->c : a->f;
     j.taps = g->kh * g->kw;
     j.kk = j.taps * j.ic;
     j.kc = mpt__gemm_depth_block(j.kk);
@@ -21003,41 +21015,30 @@ static const unsigned char *mpt__wino_turn(const mpt__wino_job *j, const void *k
     return (const unsigned char *)turned;
 }
 
-/* U (16, ic, oc) = G g Gᵀ for each pair (c, o) of input and output
-   channel, 16 pairs at a time; g are the 3×3 taps the product reads:
-   kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the input
-   gradient, which first turns the kernel into `turned` (9, ic, oc)
-   float32. */
-MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const void *kernel,
-                                                float *turned) {
-    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+/* F(2×2, 3×3)'s U (16, ic, oc) = G g Gᵀ at the 16 channel pairs e ..
+   e + 15 (mask k) whose 3×3 taps g are gg (mpt__wino_kernel). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino2_u(const mpt__wino_job *j,
+                                                              const __m512 *gg, int64_t e,
+                                                              __mmask16 k) {
+    const int64_t plane = j->ic * j->oc;
     const __m512 half = _mm512_set1_ps(0.5f);
-    const unsigned char *g = (const unsigned char *)kernel;
-    mpt_dtype dtype = j->a->dtype;
-    int64_t e, t;
-    if (j->a->input_grad) g = mpt__wino_turn(j, kernel, turned, &dtype);
-    for (e = 0; e < plane; e += 16) {
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
-        const size_t es = mpt_dtype_size(dtype);
-        __m512 gg[9], tt[12];
-        int r, s;
-        for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
-        for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
-            tt[s] = gg[s];
-            tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
-            tt[6 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(gg[s], gg[3 + s]), gg[6 + s]));
-            tt[9 + s] = gg[6 + s];
-        }
-        for (r = 0; r < 4; r++) { /* (G g) Gᵀ: U_ξ for ξ = 4r .. 4r + 3 */
-            const __m512 a0 = tt[3 * r], a1 = tt[3 * r + 1], a2 = tt[3 * r + 2];
-            float *d = j->u + 4 * r * plane + e;
-            _mm512_mask_storeu_ps(d, k, a0);
-            _mm512_mask_storeu_ps(d + plane, k,
-                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(a0, a1), a2)));
-            _mm512_mask_storeu_ps(d + 2 * plane, k,
-                                  _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(a0, a1), a2)));
-            _mm512_mask_storeu_ps(d + 3 * plane, k, a2);
-        }
+    __m512 tt[12];
+    int r, s;
+    for (s = 0; s < 3; s++) { /* G g: rows 0..3 of column s */
+        tt[s] = gg[s];
+        tt[3 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(gg[s], gg[3 + s]), gg[6 + s]));
+        tt[6 + s] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(gg[s], gg[3 + s]), gg[6 + s]));
+        tt[9 + s] = gg[6 + s];
+    }
+    for (r = 0; r < 4; r++) { /* (G g) Gᵀ: U_ξ for ξ = 4r .. 4r + 3 */
+        const __m512 a0 = tt[3 * r], a1 = tt[3 * r + 1], a2 = tt[3 * r + 2];
+        float *d = j->u + 4 * r * plane + e;
+        _mm512_mask_storeu_ps(d, k, a0);
+        _mm512_mask_storeu_ps(d + plane, k,
+                              _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(a0, a1), a2)));
+        _mm512_mask_storeu_ps(d + 2 * plane, k,
+                              _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(a0, a1), a2)));
+        _mm512_mask_storeu_ps(d + 3 * plane, k, a2);
     }
 }
 
@@ -21142,10 +21143,24 @@ MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const 
 }
 #undef MPT__WINO_SRC
 
-/* The tiles' 2×2 outputs for filters [o0, o0 + nb) from M: Aᵀ M column
-   by column, then A over them; + the bias, ReLU (as
-   mpt__dconv_finish_avx512 does them), stored where they lie inside the
-   output, in the layer's dtype. */
+/* One output pixel's 16 filters from o (mask k): + the bias, ReLU (as
+   mpt__dconv_finish_avx512 does them), stored in the layer's dtype if
+   the pixel lies inside the output. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_store(
+    const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
+    int relu, __mmask16 k) {
+    const mpt_conv_args *a = j->a;
+    const size_t at = (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o);
+    if (y >= j->oh || x >= j->ow) return;
+    val = _mm512_add_ps(val, bias);
+    if (relu)
+        val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
+    mpt__avx512_store(a->dtype, (unsigned char *)a->y + at * mpt_dtype_size(a->dtype), val, k);
+}
+
+/* A tile's 2×2 outputs at (oy, ox) of sample b, filters o .. o + 15,
+   from its column mi of M (16, 12, 32): Aᵀ M column by column, then A
+   over them (mpt__wino_output). */
 #define MPT__WINO_COL(x)                                                                     \
     q0 = _mm512_loadu_ps(mi + (x) * ld);                                                    \
     q1 = _mm512_loadu_ps(mi + (4 + x) * ld);                                                \
@@ -21153,46 +21168,22 @@ MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const 
     q3 = _mm512_loadu_ps(mi + (12 + x) * ld);                                               \
     r0##x = _mm512_add_ps(_mm512_add_ps(q0, q1), q2);                                       \
     r1##x = _mm512_sub_ps(_mm512_sub_ps(q1, q2), q3);
-MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const float *m,
-                                                int64_t t0, int64_t o0, int nb) {
-    const mpt_conv_args *a = j->a;
-    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
-    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
-    /* (no masked load without a bias: one that names an unmapped address,
-       even with every lane masked off, costs a microcode assist) */
-    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL;
-    const size_t es = mpt_dtype_size(a->dtype);
-    unsigned char *y = (unsigned char *)a->y;
-    int64_t i;
-    int h, p;
-    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
-        const int64_t t = t0 + i, b = t / per, oy = 2 * (t % per / j->tw), ox = 2 * (t % j->tw);
-        for (h = 0; h < nb; h += 16) {
-            const __mmask16 k = mpt__gemm_mask16(nb - h);
-            const float *mi = m + i * 32 + h;
-            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
-            __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
-            MPT__WINO_COL(0)
-            MPT__WINO_COL(1)
-            MPT__WINO_COL(2)
-            MPT__WINO_COL(3)
-            out[0] = _mm512_add_ps(_mm512_add_ps(r00, r01), r02);
-            out[1] = _mm512_sub_ps(_mm512_sub_ps(r01, r02), r03);
-            out[2] = _mm512_add_ps(_mm512_add_ps(r10, r11), r12);
-            out[3] = _mm512_sub_ps(_mm512_sub_ps(r11, r12), r13);
-            for (p = 0; p < 4; p++) {
-                const int64_t yy = oy + p / 2, xx = ox + p % 2;
-                __m512 val = _mm512_add_ps(out[p], bias);
-                if (yy >= j->oh || xx >= j->ow) continue;
-                if (relu)
-                    val = _mm512_maskz_mov_ps(
-                        _mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-                mpt__avx512_store(a->dtype,
-                                  y + (size_t)(((b * j->oh + yy) * j->ow + xx) * j->oc + o0 + h) * es,
-                                  val, k);
-            }
-        }
-    }
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino2_y(const mpt__wino_job *j,
+                                                              const float *mi, int64_t b,
+                                                              int64_t oy, int64_t ox, int64_t o,
+                                                              __m512 bias, int relu, __mmask16 k) {
+    const int64_t ld = MPT__WINO_TILES * 32;
+    __m512 q0, q1, q2, q3, r00, r01, r02, r03, r10, r11, r12, r13, out[4];
+    int p;
+    MPT__WINO_COL(0)
+    MPT__WINO_COL(1)
+    MPT__WINO_COL(2)
+    MPT__WINO_COL(3)
+    out[0] = _mm512_add_ps(_mm512_add_ps(r00, r01), r02);
+    out[1] = _mm512_sub_ps(_mm512_sub_ps(r01, r02), r03);
+    out[2] = _mm512_add_ps(_mm512_add_ps(r10, r11), r12);
+    out[3] = _mm512_sub_ps(_mm512_sub_ps(r11, r12), r13);
+    for (p = 0; p < 4; p++) mpt__wino_store(j, b, oy + p / 2, ox + p % 2, o, out[p], bias, relu, k);
 }
 #undef MPT__WINO_COL
 
@@ -21228,10 +21219,28 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_g(__m512 a0, __m512
     w[5] = a2;
 }
 
-/* U (36, ic, oc) = G g Gᵀ, as mpt__wino_kernel makes F(2×2, 3×3)'s. */
-MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const void *kernel,
-                                                 float *turned) {
-    const int64_t ic = j->ic, oc = j->oc, plane = ic * oc;
+/* F(4×4, 3×3)'s U (36, ic, oc), as mpt__wino2_u makes F(2×2, 3×3)'s. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_u(const mpt__wino_job *j,
+                                                              const __m512 *gg, int64_t e,
+                                                              __mmask16 k) {
+    const int64_t plane = j->ic * j->oc;
+    __m512 col[3][6], row[6];
+    int r, q;
+    for (q = 0; q < 3; q++) mpt__wino4_g(gg[q], gg[3 + q], gg[6 + q], col[q]); /* G g */
+    for (r = 0; r < 6; r++) { /* (G g) Gᵀ: U_ξ for ξ = 6r .. 6r + 5 */
+        mpt__wino4_g(col[0][r], col[1][r], col[2][r], row);
+        for (q = 0; q < 6; q++) _mm512_mask_storeu_ps(j->u + (6 * r + q) * plane + e, k, row[q]);
+    }
+}
+
+/* U ((tile + 2)², ic, oc) = G g Gᵀ for each pair (c, o) of input and
+   output channel, 16 pairs at a time; g are the 3×3 taps the product
+   reads: kernel[i][j][c][o] forward, kernel[2 − i][2 − j][o][c] for the
+   input gradient, which first turns the kernel into `turned` (9, ic, oc)
+   float32. */
+MPT__TARGET_AVX512 static void mpt__wino_kernel(const mpt__wino_job *j, const void *kernel,
+                                                float *turned) {
+    const int64_t plane = j->ic * j->oc;
     const unsigned char *g = (const unsigned char *)kernel;
     mpt_dtype dtype = j->a->dtype;
     int64_t e, t;
@@ -21239,15 +21248,12 @@ MPT__TARGET_AVX512 static void mpt__wino4_kernel(const mpt__wino_job *j, const v
     for (e = 0; e < plane; e += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, plane - e));
         const size_t es = mpt_dtype_size(dtype);
-        __m512 gg[9], col[3][6], row[6];
-        int r, q;
+        __m512 gg[9];
         for (t = 0; t < 9; t++) gg[t] = mpt__gemm_load16(dtype, g + (size_t)(t * plane + e) * es, k);
-        for (q = 0; q < 3; q++) mpt__wino4_g(gg[q], gg[3 + q], gg[6 + q], col[q]); /* G g */
-        for (r = 0; r < 6; r++) { /* (G g) Gᵀ: U_ξ for ξ = 6r .. 6r + 5 */
-            mpt__wino4_g(col[0][r], col[1][r], col[2][r], row);
-            for (q = 0; q < 6; q++)
-                _mm512_mask_storeu_ps(j->u + (6 * r + q) * plane + e, k, row[q]);
-        }
+        if (j->tile == 4)
+            mpt__wino4_u(j, gg, e, k);
+        else
+            mpt__wino2_u(j, gg, e, k);
     }
 }
 
@@ -21297,18 +21303,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_patch_transform(
     __m512 t20, t21, t22, t23, t24, t25, t30, t31, t32, t33, t34, t35;
     __m512 t40, t41, t42, t43, t44, t45, t50, t51, t52, t53, t54, t55;
     __m512 o0, o1, o2, o3, o4, o5;
-    MPT__W4_ROW(0)
-    MPT__W4_ROW(1)
-    MPT__W4_ROW(2)
-    MPT__W4_ROW(3)
-    MPT__W4_ROW(4)
-    MPT__W4_ROW(5)
-    MPT__W4_COL(0)
-    MPT__W4_COL(1)
-    MPT__W4_COL(2)
-    MPT__W4_COL(3)
-    MPT__W4_COL(4)
-    MPT__W4_COL(5)
+    MPT__ROWS6(MPT__W4_ROW) /* Bᵀ d */
+    MPT__ROWS6(MPT__W4_COL) /* (Bᵀ d) B */
 }
 #undef MPT__W4_LOAD
 #undef MPT__W4_ROW
@@ -21363,23 +21359,8 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_a(__m512 m0, __m512
     *o3 = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m5);
 }
 
-/* One output pixel's 16 filters: + the bias, ReLU, stored in dtype if
-   inside the output. */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
-    const mpt__wino_job *j, int64_t b, int64_t y, int64_t x, int64_t o, __m512 val, __m512 bias,
-    int relu, __mmask16 k) {
-    const mpt_conv_args *a = j->a;
-    const size_t at = (size_t)(((b * j->oh + y) * j->ow + x) * j->oc + o);
-    if (y >= j->oh || x >= j->ow) return;
-    val = _mm512_add_ps(val, bias);
-    if (relu)
-        val = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(val, _mm512_setzero_ps(), _CMP_NLE_UQ), val);
-    mpt__avx512_store(a->dtype, (unsigned char *)a->y + at * mpt_dtype_size(a->dtype), val, k);
-}
-
-/* The tiles' 4×4 outputs for filters [o0, o0 + nb) from M (36, 12, 32),
-   as mpt__wino_output stores F(2×2, 3×3)'s: Aᵀ M column by column, then
-   A along each row. */
+/* A tile's 4×4 outputs from M (36, 12, 32), as mpt__wino2_y makes
+   F(2×2, 3×3)'s: Aᵀ M column by column, then A along each row. */
 #define MPT__W4_LOAD(x) _mm512_loadu_ps(mi + (x) * ld)
 #define MPT__W4_COL(s)                                                                      \
     mpt__wino4_a(MPT__W4_LOAD(s), MPT__W4_LOAD(6 + s), MPT__W4_LOAD(12 + s),                \
@@ -21387,43 +21368,55 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_store(
                  &c1##s, &c2##s, &c3##s);
 #define MPT__W4_ROW(r)                                                                      \
     mpt__wino4_a(c##r##0, c##r##1, c##r##2, c##r##3, c##r##4, c##r##5, &p0, &p1, &p2, &p3); \
-    mpt__wino4_store(j, b, oy + r, ox, o0 + h, p0, bias, relu, k);                           \
-    mpt__wino4_store(j, b, oy + r, ox + 1, o0 + h, p1, bias, relu, k);                       \
-    mpt__wino4_store(j, b, oy + r, ox + 2, o0 + h, p2, bias, relu, k);                       \
-    mpt__wino4_store(j, b, oy + r, ox + 3, o0 + h, p3, bias, relu, k);
-MPT__TARGET_AVX512 static void mpt__wino4_output(const mpt__wino_job *j, const float *m,
-                                                 int64_t t0, int64_t o0, int nb) {
-    const mpt_conv_args *a = j->a;
-    const int64_t per = j->th * j->tw, ld = MPT__WINO_TILES * 32;
-    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
-    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL; /* (as there) */
-    int64_t i;
-    int h;
-    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
-        const int64_t t = t0 + i, b = t / per, oy = 4 * (t % per / j->tw), ox = 4 * (t % j->tw);
-        for (h = 0; h < nb; h += 16) {
-            const __mmask16 k = mpt__gemm_mask16(nb - h);
-            const float *mi = m + i * 32 + h;
-            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
-            __m512 c00, c01, c02, c03, c04, c05, c10, c11, c12, c13, c14, c15;
-            __m512 c20, c21, c22, c23, c24, c25, c30, c31, c32, c33, c34, c35;
-            __m512 p0, p1, p2, p3;
-            MPT__W4_COL(0)
-            MPT__W4_COL(1)
-            MPT__W4_COL(2)
-            MPT__W4_COL(3)
-            MPT__W4_COL(4)
-            MPT__W4_COL(5)
-            MPT__W4_ROW(0)
-            MPT__W4_ROW(1)
-            MPT__W4_ROW(2)
-            MPT__W4_ROW(3)
-        }
-    }
+    mpt__wino_store(j, b, oy + r, ox, o, p0, bias, relu, k);                                 \
+    mpt__wino_store(j, b, oy + r, ox + 1, o, p1, bias, relu, k);                             \
+    mpt__wino_store(j, b, oy + r, ox + 2, o, p2, bias, relu, k);                             \
+    mpt__wino_store(j, b, oy + r, ox + 3, o, p3, bias, relu, k);
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_y(const mpt__wino_job *j,
+                                                              const float *mi, int64_t b,
+                                                              int64_t oy, int64_t ox, int64_t o,
+                                                              __m512 bias, int relu, __mmask16 k) {
+    const int64_t ld = MPT__WINO_TILES * 32;
+    __m512 c00, c01, c02, c03, c04, c05, c10, c11, c12, c13, c14, c15;
+    __m512 c20, c21, c22, c23, c24, c25, c30, c31, c32, c33, c34, c35;
+    __m512 p0, p1, p2, p3;
+    MPT__ROWS6(MPT__W4_COL) /* Aᵀ M */
+    MPT__W4_ROW(0)
+    MPT__W4_ROW(1)
+    MPT__W4_ROW(2)
+    MPT__W4_ROW(3)
 }
 #undef MPT__W4_LOAD
 #undef MPT__W4_COL
 #undef MPT__W4_ROW
+
+/* The tiles' outputs for filters [o0, o0 + nb) from M, 16 filters at a
+   time: tile × tile pixels a tile (mpt__wino2_y, mpt__wino4_y), each + the
+   bias, ReLU, stored where it lies inside the output. */
+MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const float *m,
+                                                int64_t t0, int64_t o0, int nb) {
+    const mpt_conv_args *a = j->a;
+    const int64_t per = j->th * j->tw;
+    const int relu = !a->input_grad && a->act == MPT_ACT_RELU;
+    /* (no masked load without a bias: one that names an unmapped address,
+       even with every lane masked off, costs a microcode assist) */
+    const float *bias_at = a->bias && !a->input_grad ? a->bias + o0 : NULL;
+    int64_t i;
+    int h;
+    for (i = 0; i < MPT__WINO_TILES && t0 + i < j->tiles; i++) {
+        const int64_t t = t0 + i, b = t / per;
+        const int64_t oy = j->tile * (t % per / j->tw), ox = j->tile * (t % j->tw);
+        for (h = 0; h < nb; h += 16) {
+            const __mmask16 k = mpt__gemm_mask16(nb - h);
+            const float *mi = m + i * 32 + h;
+            const __m512 bias = bias_at ? _mm512_maskz_loadu_ps(k, bias_at + h) : _mm512_setzero_ps();
+            if (j->tile == 4)
+                mpt__wino4_y(j, mi, b, oy, ox, o0 + h, bias, relu, k);
+            else
+                mpt__wino2_y(j, mi, b, oy, ox, o0 + h, bias, relu, k);
+        }
+    }
+}
 
 /* Tiles [task·12, task·12 + 12). */
 static void mpt__wino_task(void *arg, int64_t task, int thread) {
@@ -21436,10 +21429,7 @@ static void mpt__wino_task(void *arg, int64_t task, int thread) {
     for (o0 = 0; o0 < j->oc; o0 += 32) {
         const int nb = (int)MPT__MIN(32, j->oc - o0);
         mpt__wino_products(j, v, o0, nb, m);
-        if (j->tile == 4)
-            mpt__wino4_output(j, m, t0, o0, nb);
-        else
-            mpt__wino_output(j, m, t0, o0, nb);
+        mpt__wino_output(j, m, t0, o0, nb);
     }
 }
 
@@ -21456,6 +21446,24 @@ static int mpt__wino_tile_for(const mpt_conv_args *a) {
     return ic <= MPT__WINO4_MAX_C && 10 * cost4 <= 9 * cost2 ? 4 : 2;
 }
 
+/* Cut a sample's oh × ow outputs into tile × tile tiles: th rows and tw
+   columns of them (the last ones may reach past the edge), n·th·tw tiles
+   in the batch, each transformed at (tile + 2)² points. The forward, the
+   input gradient and the kernel gradient cut alike. */
+static void mpt__wino_cut(int tile, int64_t n, int64_t oh, int64_t ow, int *points, int64_t *th,
+                          int64_t *tw, int64_t *tiles) {
+    *points = (tile + 2) * (tile + 2);
+    *th = (oh + tile - 1) / tile;
+    *tw = (ow + tile - 1) / tile;
+    *tiles = n * *th * *tw;
+}
+
+/* c float zeros at `at`: the pixel that taps in the padding read. */
+static const unsigned char *mpt__wino_zero_pixel(float *at, int64_t c) {
+    memset(at, 0, sizeof(float) * (size_t)c);
+    return (const unsigned char *)at;
+}
+
 /* The forward product or the input gradient by Winograd's F(tile×tile,
    3×3), tile 2 or 4. ws (MPT_CONV_DIRECT_WS_BYTES): U, a zero pixel, the
    turned kernel. */
@@ -21466,28 +21474,15 @@ static void mpt__wino(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     j.ctx = ctx;
     j.a = a;
     j.x = (const unsigned char *)a->x;
-    j.ih = a->input_grad ? g->oh : g->h;
-    j.iw = a->input_grad ? g->ow : g->w;
-    j.ic = a->input_grad ? a->f : g->c;
-    j.oh = a->input_grad ? g->h : g->oh;
-    j.ow = a->input_grad ? g->w : g->ow;
-    j.oc = a->input_grad ? g->c : a->f;
+    mpt__conv_product_shapes(a, &j.ih, &j.iw, &j.ic, &j.oh, &j.ow, &j.oc);
     j.top = a->input_grad ? 2 - g->top : g->top;
     j.left = a->input_grad ? 2 - g->left : g->left;
     j.tile = tile;
-    j.points = (tile + 2) * (tile + 2);
-    j.th = (j.oh + tile - 1) / tile;
-    j.tw = (j.ow + tile - 1) / tile;
-    j.tiles = a->n * j.th * j.tw;
+    mpt__wino_cut(tile, a->n, j.oh, j.ow, &j.points, &j.th, &j.tw, &j.tiles);
     j.u = (float *)a->ws;
     zero = j.u + j.points * j.ic * j.oc;
-    memset(zero, 0, sizeof(float) * (size_t)j.ic);
-    j.zero = (const unsigned char *)zero;
-    if (a->ws_kept) /* U as the previous chunk left it */
-        ;
-    else if (tile == 4)
-        mpt__wino4_kernel(&j, a->kernel, zero + j.ic);
-    else
+    j.zero = mpt__wino_zero_pixel(zero, j.ic);
+    if (!a->ws_kept) /* else U as the previous chunk left it */
         mpt__wino_kernel(&j, a->kernel, zero + j.ic);
     mpt__parallel_for(ctx, (j.tiles + MPT__WINO_TILES - 1) / MPT__WINO_TILES, mpt__wino_task, &j);
 }
@@ -21592,52 +21587,37 @@ static MPT__ALWAYS_INLINE void mpt__wkg_pixels(const mpt__wkg_job *j, int64_t b,
         }
 }
 
-/* V of a span's tile i (of x's patch, as mpt__wino_input makes it; 16
-   channels a vector, zeros past C) and its dM = A dY Aᵀ (16 filters a
-   vector), into v (16, ⌈C/16⌉, span, 16) and dm (16, fb, span, 32). */
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
-    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
-    mpt_dtype dtype) {
-    const int64_t C = j->g->c, F = j->a->f;
-    const int64_t step = j->dm_plane;
-    const size_t es = mpt_dtype_size(dtype);
-    const unsigned char *at[16], *dy[4];
-    int64_t c, o;
+/* dM = A dY Aᵀ of a 2×2 tile's dY (dy: its four pixels of dz, NULL past
+   the edge) for filters o .. o + 15 (mask k), into dst (16 planes of
+   dm, `step` floats apart). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg2_dm(const unsigned char *const *dy,
+                                                              mpt_dtype dtype, size_t es,
+                                                              int64_t o, __mmask16 k,
+                                                              float *dst, int64_t step) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 y00 = dy[0] ? mpt__gemm_load16(dtype, dy[0] + o * es, k) : zero;
+    const __m512 y01 = dy[1] ? mpt__gemm_load16(dtype, dy[1] + o * es, k) : zero;
+    const __m512 y10 = dy[2] ? mpt__gemm_load16(dtype, dy[2] + o * es, k) : zero;
+    const __m512 y11 = dy[3] ? mpt__gemm_load16(dtype, dy[3] + o * es, k) : zero;
+    /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
+    __m512 rows[8];
     int r;
-    mpt__wkg_pixels(j, b, ty, tx, 2, es, at, dy);
-    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
-        mpt__wino2_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
-                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
-                                   j->v_plane);
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
-        const __m512 zero = _mm512_setzero_ps();
-        const __m512 y00 = dy[0] ? mpt__gemm_load16(dtype, dy[0] + o * es, k) : zero;
-        const __m512 y01 = dy[1] ? mpt__gemm_load16(dtype, dy[1] + o * es, k) : zero;
-        const __m512 y10 = dy[2] ? mpt__gemm_load16(dtype, dy[2] + o * es, k) : zero;
-        const __m512 y11 = dy[3] ? mpt__gemm_load16(dtype, dy[3] + o * es, k) : zero;
-        /* A dY: rows y0, y0 + y1, y0 − y1, −y1 (two columns each) */
-        __m512 rows[8];
-        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
-        rows[0] = y00, rows[1] = y01;
-        rows[2] = _mm512_add_ps(y00, y10), rows[3] = _mm512_add_ps(y01, y11);
-        rows[4] = _mm512_sub_ps(y00, y10), rows[5] = _mm512_sub_ps(y01, y11);
-        rows[6] = _mm512_sub_ps(zero, y10), rows[7] = _mm512_sub_ps(zero, y11);
-        for (r = 0; r < 4; r++) { /* (A dY) Aᵀ: the same on each row */
-            const __m512 u0 = rows[2 * r], u1 = rows[2 * r + 1];
-            _mm512_storeu_ps(dst + (4 * r) * step, u0);
-            _mm512_storeu_ps(dst + (4 * r + 1) * step, _mm512_add_ps(u0, u1));
-            _mm512_storeu_ps(dst + (4 * r + 2) * step, _mm512_sub_ps(u0, u1));
-            _mm512_storeu_ps(dst + (4 * r + 3) * step, _mm512_sub_ps(zero, u1));
-        }
+    rows[0] = y00, rows[1] = y01;
+    rows[2] = _mm512_add_ps(y00, y10), rows[3] = _mm512_add_ps(y01, y11);
+    rows[4] = _mm512_sub_ps(y00, y10), rows[5] = _mm512_sub_ps(y01, y11);
+    rows[6] = _mm512_sub_ps(zero, y10), rows[7] = _mm512_sub_ps(zero, y11);
+    for (r = 0; r < 4; r++) { /* (A dY) Aᵀ: the same on each row */
+        const __m512 u0 = rows[2 * r], u1 = rows[2 * r + 1];
+        _mm512_storeu_ps(dst + (4 * r) * step, u0);
+        _mm512_storeu_ps(dst + (4 * r + 1) * step, _mm512_add_ps(u0, u1));
+        _mm512_storeu_ps(dst + (4 * r + 2) * step, _mm512_sub_ps(u0, u1));
+        _mm512_storeu_ps(dst + (4 * r + 3) * step, _mm512_sub_ps(zero, u1));
     }
 }
 
-/* The same for 4×4 tiles: V = Bᵀ d B of the 6×6 patch (as
-   mpt__wino_input makes it) into v (36, ⌈C/16⌉, span, 16), and dM = A dY
-   Aᵀ of the tile's 4×4 of dz into dm (36, fb, span, 32), A = (F(4×4,
-   3×3)'s Aᵀ)ᵀ: A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3,
-   y0 + 2y1 + 4y2 + 8y3, y0 − 2y1 + 4y2 − 8y3, y3). */
+/* The same for a 4×4 tile: dM (36 planes), A = (F(4×4, 3×3)'s Aᵀ)ᵀ:
+   A y = (y0, y0 + y1 + y2 + y3, y0 − y1 + y2 − y3, y0 + 2y1 + 4y2 + 8y3,
+   y0 − 2y1 + 4y2 − 8y3, y3). */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 y1, __m512 y2,
                                                              __m512 y3, __m512 *o0, __m512 *o1,
                                                              __m512 *o2, __m512 *o3, __m512 *o4,
@@ -21657,46 +21637,59 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_a(__m512 y0, __m512 
 #define MPT__W4_DCOL(s) /* A over column s of dY */                                      \
     mpt__wkg4_a(MPT__W4_DY(0, s), MPT__W4_DY(1, s), MPT__W4_DY(2, s), MPT__W4_DY(3, s),   \
                 &u0##s, &u1##s, &u2##s, &u3##s, &u4##s, &u5##s);
-#define MPT__W4_DPUT(xi, val) _mm512_storeu_ps(dst + (xi) * j->dm_plane, val);
+#define MPT__W4_DPUT(xi, val) _mm512_storeu_ps(dst + (xi) * step, val);
 #define MPT__W4_DROW(r) /* then along row r */                                           \
     mpt__wkg4_a(u##r##0, u##r##1, u##r##2, u##r##3, &o0, &o1, &o2, &o3, &o4, &o5);        \
     MPT__W4_DPUT(6 * r, o0) MPT__W4_DPUT(6 * r + 1, o1) MPT__W4_DPUT(6 * r + 2, o2)       \
     MPT__W4_DPUT(6 * r + 3, o3) MPT__W4_DPUT(6 * r + 4, o4) MPT__W4_DPUT(6 * r + 5, o5)
-MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_transform(
-    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
-    mpt_dtype dtype) {
-    const int64_t C = j->g->c, F = j->a->f;
-    const size_t es = mpt_dtype_size(dtype);
-    const unsigned char *at[36], *dy[16];
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg4_dm(const unsigned char *const *dy,
+                                                              mpt_dtype dtype, size_t es,
+                                                              int64_t o, __mmask16 k,
+                                                              float *dst, int64_t step) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23;
+    __m512 u30, u31, u32, u33, u40, u41, u42, u43, u50, u51, u52, u53;
     __m512 o0, o1, o2, o3, o4, o5;
-    int64_t c, o;
-    mpt__wkg_pixels(j, b, ty, tx, 4, es, at, dy);
-    for (c = 0; c < C; c += 16) /* V = Bᵀ d B */
-        mpt__wino4_patch_transform(at, c, dtype, es, mpt__gemm_mask16((int)MPT__MIN(16, C - c)),
-                                   (__mmask16)0xffff, v + (c / 16 * j->span + i) * 16,
-                                   j->v_plane);
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
-        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
-        const __m512 zero = _mm512_setzero_ps();
-        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
-        __m512 u00, u01, u02, u03, u10, u11, u12, u13, u20, u21, u22, u23;
-        __m512 u30, u31, u32, u33, u40, u41, u42, u43, u50, u51, u52, u53;
-        MPT__W4_DCOL(0)
-        MPT__W4_DCOL(1)
-        MPT__W4_DCOL(2)
-        MPT__W4_DCOL(3)
-        MPT__W4_DROW(0)
-        MPT__W4_DROW(1)
-        MPT__W4_DROW(2)
-        MPT__W4_DROW(3)
-        MPT__W4_DROW(4)
-        MPT__W4_DROW(5)
-    }
+    MPT__W4_DCOL(0)
+    MPT__W4_DCOL(1)
+    MPT__W4_DCOL(2)
+    MPT__W4_DCOL(3)
+    MPT__ROWS6(MPT__W4_DROW)
 }
 #undef MPT__W4_DY
 #undef MPT__W4_DCOL
 #undef MPT__W4_DPUT
 #undef MPT__W4_DROW
+
+/* V of a span's tile i (of x's patch, as mpt__wino_input makes it; 16
+   channels a vector, zeros past C) and its dM = A dY Aᵀ (16 filters a
+   vector), into v (points, ⌈C/16⌉, span, 16) and dm (points, fb, span,
+   32), for tiles of side `tile`. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
+    const mpt__wkg_job *j, int64_t b, int64_t ty, int64_t tx, int64_t i, float *v, float *dm,
+    mpt_dtype dtype, int tile) {
+    const int64_t C = j->g->c, F = j->a->f;
+    const size_t es = mpt_dtype_size(dtype);
+    const unsigned char *at[36], *dy[16]; /* (tile + 2)², tile² */
+    int64_t c, o;
+    mpt__wkg_pixels(j, b, ty, tx, tile, es, at, dy);
+    for (c = 0; c < C; c += 16) { /* V = Bᵀ d B */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, C - c));
+        float *dst = v + (c / 16 * j->span + i) * 16;
+        if (tile == 4)
+            mpt__wino4_patch_transform(at, c, dtype, es, k, (__mmask16)0xffff, dst, j->v_plane);
+        else
+            mpt__wino2_patch_transform(at, c, dtype, es, k, (__mmask16)0xffff, dst, j->v_plane);
+    }
+    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+        const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
+        float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
+        if (tile == 4)
+            mpt__wkg4_dm(dy, dtype, es, o, k, dst, j->dm_plane);
+        else
+            mpt__wkg2_dm(dy, dtype, es, o, k, dst, j->dm_plane);
+    }
+}
 
 /* du (16, C, F) of a span of n tiles, added to du's sums unless first:
    for each ξ, 8 channels by 32 filters at a time, the tiles in order. */
@@ -21775,14 +21768,14 @@ MPT__TARGET_AVX512 static void mpt__wkg_transform_tile(const mpt__wkg_job *j, in
                                                        int64_t ty, int64_t tx, int64_t i,
                                                        float *v, float *dm) {
     const mpt_dtype dtype = j->a->dtype;
-#define MPT__WKG_TRANSFORM_AS(transform)                                                           \
-    (dtype == MPT_FLOAT16    ? transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16)                      \
-     : dtype == MPT_BFLOAT16 ? transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16)                     \
-                             : transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32))
+#define MPT__WKG_TRANSFORM_AS(tile)                                                                \
+    (dtype == MPT_FLOAT16    ? mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT16, tile)      \
+     : dtype == MPT_BFLOAT16 ? mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_BFLOAT16, tile)     \
+                             : mpt__wkg_transform(j, b, ty, tx, i, v, dm, MPT_FLOAT32, tile))
     if (j->tile == 4)
-        MPT__WKG_TRANSFORM_AS(mpt__wkg4_transform);
+        MPT__WKG_TRANSFORM_AS(4);
     else
-        MPT__WKG_TRANSFORM_AS(mpt__wkg_transform);
+        MPT__WKG_TRANSFORM_AS(2);
 #undef MPT__WKG_TRANSFORM_AS
 }
 
@@ -21899,15 +21892,11 @@ MPT__TARGET_AVX512 static void mpt__wkg_finish(void *arg, int64_t task, int thre
 static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     const mpt_window *g = a->g;
     mpt__wkg_job j;
-    float *zero;
     j.a = a;
     j.g = g;
     j.ctx = ctx;
     j.tile = tile;
-    j.points = (j.tile + 2) * (j.tile + 2);
-    j.th = (g->oh + j.tile - 1) / j.tile;
-    j.tw = (g->ow + j.tile - 1) / j.tile;
-    j.tiles = a->n * j.th * j.tw;
+    mpt__wino_cut(tile, a->n, g->oh, g->ow, &j.points, &j.th, &j.tw, &j.tiles);
     j.cb = (g->c + 7) / 8;
     j.fb = (a->f + 31) / 32;
     /* 4×4 tiles: as many floats of V and dM in 36 planes as 2×2's in 16.
@@ -21921,9 +21910,7 @@ static void mpt__wkg(mpt_context *ctx, const mpt_conv_args *a, int tile) {
     j.v_plane = (g->c + 15) / 16 * j.span * 16 + MPT__WKG_PLANE_PAD;
     j.dm_plane = j.fb * j.span * 32 + MPT__WKG_PLANE_PAD;
     j.du = (float *)a->ws;
-    zero = j.du + j.tasks * j.points * g->c * a->f;
-    memset(zero, 0, sizeof(float) * (size_t)g->c);
-    j.zero = (const unsigned char *)zero;
+    j.zero = mpt__wino_zero_pixel(j.du + j.tasks * j.points * g->c * a->f, g->c);
     mpt__parallel_for(ctx, j.tasks, mpt__wkg_task, &j);
     mpt__parallel_for(ctx, (g->c * a->f + MPT__WKG_FINISH - 1) / MPT__WKG_FINISH, mpt__wkg_finish,
                       &j);
@@ -21976,6 +21963,17 @@ MPT__TARGET_AVX512 static __m512 mpt__bf16_widen_avx512(__mmask16 k, const mpt_b
         k, _mm512_maskz_cvtepu16_epi32(k, _mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
+/* The outputs [*o0, *o1] (none when *o0 > *o1), of n along one axis
+   with this stride and padding before, whose tap `tap` reads inside the
+   image's `size`: o·stride − pad + tap in [0, size). The tiles below
+   visit only those, rows and columns alike. */
+static void mpt__kgrad_tap_inside(int64_t n, int64_t stride, int64_t pad, int64_t size,
+                                  int64_t tap, int64_t *o0, int64_t *o1) {
+    const int64_t lo = pad - tap, hi = size - 1 + pad - tap;
+    *o0 = lo <= 0 ? 0 : (lo + stride - 1) / stride;
+    *o1 = hi < 0 ? -1 : MPT__MIN(n - 1, hi / stride);
+}
+
 MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job *j, int64_t t,
                                                      int64_t c0, int m, int64_t f0, int nb,
                                                      float *tile) {
@@ -21986,18 +21984,18 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile(const mpt__dconv_kgrad_job 
     const __mmask16 km = mpt__gemm_mask16(m), k0 = mpt__gemm_mask16(nb),
                     k1 = mpt__gemm_mask16(nb - 16);
     float chans[16];
-    int64_t b, oy, ox;
+    int64_t b, oy, ox, oy0, oy1, ox0, ox1;
+    mpt__kgrad_tap_inside(g->oh, g->sh, g->top, g->h, i, &oy0, &oy1);
+    mpt__kgrad_tap_inside(g->ow, g->sw, g->left, g->w, k, &ox0, &ox1);
     MPT__ROWS12(MPT__DCONV_ACC)
     for (b = 0; b < a->n; b++)
-        for (oy = 0; oy < g->oh; oy++) {
+        for (oy = oy0; oy <= oy1; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
-            if (y < 0 || y >= g->h) continue;
-            for (ox = 0; ox < g->ow; ox++) {
+            for (ox = ox0; ox <= ox1; ox++) {
                 const int64_t x = ox * g->sw - g->left + k;
                 const int64_t src = ((b * g->h + y) * g->w + x) * g->c + c0;
                 const int64_t dst = ((b * g->oh + oy) * g->ow + ox) * f + f0;
                 __m512 d0, d1, ai;
-                if (x < 0 || x >= g->w) continue;
                 if (bf16) {
                     _mm512_storeu_ps(chans, mpt__bf16_widen_avx512(km, (const mpt_bf16 *)a->x + src));
                     d0 = mpt__bf16_widen_avx512(k0, (const mpt_bf16 *)a->dz + dst);
@@ -22033,7 +22031,9 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_
     uint32_t chans[16];
     const mpt_bf16 *x0 = NULL, *dz0 = NULL; /* the pixel waiting for its partner */
     __m512bh b0, b1, ai;
-    int64_t b, oy, ox;
+    int64_t b, oy, ox, oy0, oy1, ox0, ox1;
+    mpt__kgrad_tap_inside(g->oh, g->sh, g->top, g->h, i, &oy0, &oy1);
+    mpt__kgrad_tap_inside(g->ow, g->sw, g->left, g->w, k, &ox0, &ox1);
     MPT__ROWS12(MPT__DCONV_ACC)
 /* The pair (x0, dz0) and (x1, dz1); masks 0 read the partner as zeros. */
 #define MPT__PAIR(x1, dz1, qm, q0, q1)                                                        \
@@ -22043,14 +22043,12 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_
     MPT__ROWS12(MPT__F)
 #define MPT__F(r) MPT__RB_STEP2(r, MPT__BF16_PAIR(chans[r]), MPT__MAC_BF16, b0, b1)
     for (b = 0; b < a->n; b++)
-        for (oy = 0; oy < g->oh; oy++) {
+        for (oy = oy0; oy <= oy1; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
-            if (y < 0 || y >= g->h) continue;
-            for (ox = 0; ox < g->ow; ox++) {
+            for (ox = ox0; ox <= ox1; ox++) {
                 const int64_t xx = ox * g->sw - g->left + k;
                 const mpt_bf16 *xp = x + ((b * g->h + y) * g->w + xx) * g->c;
                 const mpt_bf16 *dp = dz + ((b * g->oh + oy) * g->ow + ox) * f;
-                if (xx < 0 || xx >= g->w) continue;
                 if (!x0) {
                     x0 = xp, dz0 = dp;
                     continue;
@@ -22081,18 +22079,15 @@ MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_
     const mpt_window *g = j->g;
     const int64_t i = t / g->kw, k = t % g->kw, f = a->f, c = g->c;
     const int64_t x_step = g->sw * c;
-    /* the output columns whose tap column x = ox·sw − left + k is inside */
-    const int64_t lo = g->left - k, hi = g->w - 1 + g->left - k;
-    const int64_t ox0 = lo <= 0 ? 0 : (lo + g->sw - 1) / g->sw;
-    const int64_t ox1 = hi < 0 ? -1 : MPT__MIN(g->ow - 1, hi / g->sw);
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int64_t b, oy, ox;
+    int64_t b, oy, ox, oy0, oy1, ox0, ox1;
+    mpt__kgrad_tap_inside(g->oh, g->sh, g->top, g->h, i, &oy0, &oy1);
+    mpt__kgrad_tap_inside(g->ow, g->sw, g->left, g->w, k, &ox0, &ox1);
     MPT__ROWS8(MPT__DCONV_ACC)
     for (b = 0; b < a->n && ox0 <= ox1; b++)
-        for (oy = 0; oy < g->oh; oy++) {
+        for (oy = oy0; oy <= oy1; oy++) {
             const int64_t y = oy * g->sh - g->top + i;
             const float *xs, *ds;
-            if (y < 0 || y >= g->h) continue;
             xs = (const float *)a->x + ((b * g->h + y) * g->w + ox0 * g->sw - g->left + k) * c + c0;
             ds = (const float *)a->dz + ((b * g->oh + oy) * g->ow + ox0) * f + f0;
             for (ox = ox0; ox <= ox1; ox++, xs += x_step, ds += f) {
@@ -22445,37 +22440,28 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__kgrad_win_sums(
 }
 #undef MPT__KGRAD_WIN_ACC
 
-/* One copy per dtype, width (two: more than 16 filters) and source of dz
-   (from_dy), each with its loads inline; [float32, bfloat16, float16][two][from_dy]. */
-#define MPT__KGRAD_WIN_SUMS(name, dtype, two, from_dy)                                        \
-    MPT__TARGET_AVX512 static void name(const mpt__kgrad_win_job *j, int64_t k0, int m,      \
-                                        int64_t f0, int nb, int64_t q0, int64_t q1,          \
-                                        float *tile) {                                       \
-        mpt__kgrad_win_sums(j, dtype, two, from_dy, k0, m, f0, nb, q0, q1, tile);            \
-    }
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16, MPT_FLOAT32, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_16_dy, MPT_FLOAT32, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32, MPT_FLOAT32, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f32_dy, MPT_FLOAT32, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16, MPT_BFLOAT16, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_16_dy, MPT_BFLOAT16, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16, MPT_BFLOAT16, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_bf16_dy, MPT_BFLOAT16, 1, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16, MPT_FLOAT16, 0, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_16_dy, MPT_FLOAT16, 0, 1)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16, MPT_FLOAT16, 1, 0)
-MPT__KGRAD_WIN_SUMS(mpt__kgrad_win_sums_f16_dy, MPT_FLOAT16, 1, 1)
-#undef MPT__KGRAD_WIN_SUMS
-
-typedef void (*mpt__kgrad_win_sums_fn)(const mpt__kgrad_win_job *j, int64_t k0, int m,
-                                       int64_t f0, int nb, int64_t q0, int64_t q1, float *tile);
-static const mpt__kgrad_win_sums_fn mpt__kgrad_win_sums_fns[3][2][2] = {
-    {{mpt__kgrad_win_sums_f32_16, mpt__kgrad_win_sums_f32_16_dy},
-     {mpt__kgrad_win_sums_f32, mpt__kgrad_win_sums_f32_dy}},
-    {{mpt__kgrad_win_sums_bf16_16, mpt__kgrad_win_sums_bf16_16_dy},
-     {mpt__kgrad_win_sums_bf16, mpt__kgrad_win_sums_bf16_dy}},
-    {{mpt__kgrad_win_sums_f16_16, mpt__kgrad_win_sums_f16_16_dy},
-     {mpt__kgrad_win_sums_f16, mpt__kgrad_win_sums_f16_dy}}};
+/* The tile's sums in one copy of mpt__kgrad_win_sums per dtype, width
+   (two: more than 16 filters) and source of dz (from_dy), each with its
+   loads inline (the tests on the three fold away in each). */
+MPT__TARGET_AVX512 static void mpt__kgrad_win_tile(const mpt__kgrad_win_job *j, int64_t k0, int m,
+                                                   int64_t f0, int nb, int64_t q0, int64_t q1,
+                                                   float *tile) {
+    const mpt_dtype dtype = j->a->dtype;
+    const int from_dy = j->a->dy != NULL;
+#define MPT__KGRAD_WIN_AS(dt, two)                                                        \
+    (from_dy ? mpt__kgrad_win_sums(j, dt, two, 1, k0, m, f0, nb, q0, q1, tile)           \
+             : mpt__kgrad_win_sums(j, dt, two, 0, k0, m, f0, nb, q0, q1, tile))
+#define MPT__KGRAD_WIN_AS_DTYPE(two)                                                      \
+    (dtype == MPT_BFLOAT16  ? MPT__KGRAD_WIN_AS(MPT_BFLOAT16, two)                        \
+     : dtype == MPT_FLOAT16 ? MPT__KGRAD_WIN_AS(MPT_FLOAT16, two)                         \
+                            : MPT__KGRAD_WIN_AS(MPT_FLOAT32, two))
+    if (nb > 16)
+        MPT__KGRAD_WIN_AS_DTYPE(1);
+    else
+        MPT__KGRAD_WIN_AS_DTYPE(0);
+#undef MPT__KGRAD_WIN_AS_DTYPE
+#undef MPT__KGRAD_WIN_AS
+}
 #endif
 
 /* Task = (part, row block, filter block): its tile's sums over its part. */
@@ -22492,8 +22478,7 @@ static void mpt__kgrad_win_task(void *arg, int64_t task, int thread) {
     float *sums = j->sums + task * MPT__KGRAD_WIN_TILE;
     (void)thread;
 #if MPT__X86
-    mpt__kgrad_win_sums_fns[a->dtype == MPT_BFLOAT16 ? 1 : a->dtype == MPT_FLOAT16 ? 2 : 0]
-                           [nb > 16][a->dy != NULL](j, k0, m, f0, nb, q0, q1, sums);
+    mpt__kgrad_win_tile(j, k0, m, f0, nb, q0, q1, sums);
 #else
     (void)k0, (void)f0, (void)q0, (void)q1, (void)m, (void)nb;
     memset(sums, 0, sizeof(float) * MPT__KGRAD_WIN_TILE); /* never called: conv_direct declines */
@@ -26585,6 +26570,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     pl->m = m;
     pl->format = format;
     pl->path = path;
+    MPT__CHECK(mpt__refuse_graph(m, format));
     if (!path || !*path)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s: %s path", format,
                          path ? "an empty" : "a NULL");
@@ -26621,21 +26607,6 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     return MPT_OK;
 }
 
-/* Starts an export to path: plans it, and says whether this process
-   writes the file. 0: the caller returns *s at once (nothing left to
-   free), a failure, or MPT_OK on a replica that is not the chief, which
-   writes the file for all. */
-static int mpt__export_begin(mpt__export_plan *pl, mpt_model *m, const char *format,
-                             const char *path, const mpt_export_desc *desc, mpt_status *s) {
-    memset(pl, 0, sizeof *pl);
-    pl->m = m;
-    *s = mpt__refuse_graph(m, format);
-    if (*s == MPT_OK) *s = mpt__export_plan_init(pl, m, format, path, desc);
-    if (*s == MPT_OK && mpt__strategy_is_chief(m->strategy)) return 1;
-    mpt__export_plan_free(pl);
-    return 0;
-}
-
 /* The step's output: one sample's rank and shape. */
 static int mpt__export_out_shape(const mpt__export_step *s, int64_t *shape) {
     memcpy(shape, s->L->out_shape, sizeof s->L->out_shape);
@@ -26650,6 +26621,32 @@ static mpt_status mpt__export_write(mpt_model *m, const char *path, const unsign
     if (s == MPT_OK) s = mpt__ckpt_write_raw(&w, bytes, n);
     if (s == MPT_OK) s = mpt__ckpt_writer_commit(&w);
     mpt__ckpt_writer_close(&w);
+    return s;
+}
+
+/* A format's part of an export: the file's n bytes from the plan, at
+   *bytes inside *owned (freed after the write), or a failure. */
+typedef mpt_status (*mpt__export_encode_fn)(mpt__export_plan *pl, unsigned char **owned,
+                                            const unsigned char **bytes, size_t *n);
+
+/* Every export: plans it, and on the process that writes the file (a
+   replica that is not the chief leaves it to the chief) has the format
+   encode it and writes the bytes as checkpoints are written. */
+static mpt_status mpt__export(mpt_model *m, const char *format, const char *path,
+                              const mpt_export_desc *desc, mpt__export_encode_fn encode) {
+    mpt__export_plan pl;
+    unsigned char *owned = NULL;
+    const unsigned char *bytes = NULL;
+    size_t n = 0;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    s = mpt__export_plan_init(&pl, m, format, path, desc);
+    if (s == MPT_OK && mpt__strategy_is_chief(m->strategy)) {
+        s = encode(&pl, &owned, &bytes, &n);
+        if (s == MPT_OK) s = mpt__export_write(m, path, bytes, n);
+        mpt__free(m->ctx, owned);
+    }
+    mpt__export_plan_free(&pl);
     return s;
 }
 
@@ -27678,20 +27675,20 @@ static void mpt__tfl_free(mpt__tfl *g) {
     mpt__free(ctx, g->ops);
 }
 
-MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
-                                          const mpt_export_desc *desc) {
-    mpt__export_plan pl;
+/* The TFLite file (mpt__export_encode_fn), built back to front: its
+   bytes end the builder's buffer. */
+static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
+                                  const unsigned char **bytes, size_t *n) {
+    mpt_model *m = pl->m;
     mpt__tfl g;
     mpt__fb b;
     mpt_status s;
     int32_t x, input;
     int64_t shape[MPT_MAX_RANK - 1];
     int i, rank;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!mpt__export_begin(&pl, m, "TFLite", path, desc, &s)) return s;
     memset(&g, 0, sizeof g);
     memset(&b, 0, sizeof b);
-    g.pl = &pl;
+    g.pl = pl;
     b.ctx = m->ctx;
     mpt__tfl_buffer_add(&g, NULL, 0); /* the empty sentinel */
     if (m->quantized) {
@@ -27699,17 +27696,25 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
     } else {
         rank = mpt_model_input_shape(m, shape);
         x = input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, rank, shape, 1, 0);
-        for (i = 0; i < pl.n; i++) x = mpt__tfl_step(&g, &pl.steps[i], x);
+        for (i = 0; i < pl->n; i++) x = mpt__tfl_step(&g, &pl->steps[i], x);
     }
     if (g.failed)
-        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory", path);
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory",
+                      pl->path);
     else
         s = mpt__tfl_serialise(&g, input, x, &b);
-    if (s == MPT_OK) s = mpt__export_write(m, path, b.data + b.cap - b.size, b.size);
-    mpt__free(m->ctx, b.data);
+    *owned = b.data;
+    if (s == MPT_OK) {
+        *bytes = b.data + b.cap - b.size;
+        *n = b.size;
+    }
     mpt__tfl_free(&g);
-    mpt__export_plan_free(&pl);
     return s;
+}
+
+MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
+                                          const mpt_export_desc *desc) {
+    return mpt__export(m, "TFLite", path, desc, mpt__tfl_encode);
 }
 
 /* =============================================================================
@@ -28557,19 +28562,18 @@ static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     return Q->ops[Q->n_ops - 1].info.out_rank;
 }
 
-MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
-                                        const mpt_export_desc *desc) {
-    mpt__export_plan pl;
+/* The ONNX file (mpt__export_encode_fn). */
+static mpt_status mpt__onnx_encode(mpt__export_plan *pl, unsigned char **owned,
+                                   const unsigned char **bytes, size_t *n) {
+    mpt_model *m = pl->m;
     mpt__onnx o;
     mpt__pb b;
-    mpt_status s;
+    mpt_status s = MPT_OK;
     int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
     int i, in_rank, out_rank;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!mpt__export_begin(&pl, m, "ONNX", path, desc, &s)) return s;
     memset(&o, 0, sizeof o);
     memset(&b, 0, sizeof b);
-    o.pl = &pl;
+    o.pl = pl;
     o.nodes.ctx = o.inits.ctx = b.ctx = m->ctx;
     snprintf(o.x, sizeof o.x, "input");
     o.rank = 1 + m->desc.input_rank;
@@ -28578,21 +28582,26 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
     if (m->quantized) {
         out_rank = mpt__onnx_quantized_graph(&o, out_shape);
     } else {
-        for (i = 0; i < pl.n; i++) mpt__onnx_step(&o, &pl.steps[i]);
-        if (pl.n) mpt__onnx_layout(&o, pl.steps[pl.n - 1].L, 0); /* the output is NHWC */
-        out_rank = pl.n ? mpt__export_out_shape(&pl.steps[pl.n - 1], out_shape) : in_rank;
-        if (!pl.n) memcpy(out_shape, in_shape, sizeof in_shape);
+        for (i = 0; i < pl->n; i++) mpt__onnx_step(&o, &pl->steps[i]);
+        if (pl->n) mpt__onnx_layout(&o, pl->steps[pl->n - 1].L, 0); /* the output is NHWC */
+        out_rank = pl->n ? mpt__export_out_shape(&pl->steps[pl->n - 1], out_shape) : in_rank;
+        if (!pl->n) memcpy(out_shape, in_shape, sizeof in_shape);
     }
     mpt__onnx_model(&o, mpt__onnx_io_type(m), in_rank, in_shape, out_rank, out_shape, &b);
     if (b.failed)
-        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory", path);
-    else
-        s = mpt__export_write(m, path, b.data, b.size);
-    mpt__free(m->ctx, b.data);
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory",
+                      pl->path);
+    *owned = b.data;
+    *bytes = b.data;
+    *n = b.size;
     mpt__free(m->ctx, o.nodes.data);
     mpt__free(m->ctx, o.inits.data);
-    mpt__export_plan_free(&pl);
     return s;
+}
+
+MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
+                                        const mpt_export_desc *desc) {
+    return mpt__export(m, "ONNX", path, desc, mpt__onnx_encode);
 }
 
 /* =============================================================================

@@ -18976,7 +18976,11 @@ MPTDEF mpt_status mpt_model_load(mpt_context *ctx, const char *path, mpt_model *
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load: NULL %s", out ? "path" : "out");
     *out = NULL;
     snprintf(where, sizeof where, "model file '%.256s'", path);
-    MPT__CHECK(mpt__st_open(&f, ctx, path));
+    s = mpt__st_open(&f, ctx, path);
+    if (s != MPT_OK) {
+        mpt__st_close(&f); /* what a failed open holds */
+        return s;
+    }
     arch = mpt__st_meta_get(&f, "architecture");
     kind = mpt__st_meta_get(&f, "kind");
     full = kind && strcmp(kind, "checkpoint") == 0;

@@ -8532,6 +8532,10 @@ static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
     int i;
     m->max_batch = max_batch;
     m->n_params = 0;
+    if (m->graph && !m->node_written) { /* a replica's (its model's checked the graph) */
+        m->node_written = (unsigned char *)mpt__calloc(m->ctx, (size_t)m->n_layers + 1);
+        if (!m->node_written) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    }
     mpt__final_softmax_in_float32(m);
     MPT__CHECK(mpt__build_layers(m, &grad_buf_bytes, &workspace_bytes));
     memset(c, 0, sizeof c);

@@ -22,6 +22,11 @@ typedef struct options {
     const char *tensorboard; /* --tensorboard DIR; NULL: no event files */
     const char *plot;        /* --plot FILE; NULL: no SVG of the history */
     const char *profile;     /* --profile DIR; NULL: no profiling */
+    const char *save;        /* --save FILE: the trained model (mpt_model_save) */
+    const char *load;        /* --load FILE: the model from a file, not built in
+                                code (mpt_model_load); with --epochs 0 only
+                                evaluated */
+    int model_files;         /* 1: the example takes --save and --load */
 } options;
 
 /* The defaults the flags change: mixed_float16, Fashion-MNIST from
@@ -35,7 +40,8 @@ static inline options default_options(int epochs) {
 }
 
 /* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
-   --verbose, --tensorboard, --plot and --profile over the defaults already in *o;
+   --verbose, --tensorboard, --plot, --profile, --save and --load (the
+   examples that offer them) over the defaults already in *o;
    returns 0 after printing the usage when something is wrong. */
 static inline int parse_options(int argc, char **argv, options *o) {
     int i;
@@ -51,6 +57,8 @@ static inline int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(flag, "--tensorboard")) o->tensorboard = value;
         else if (!strcmp(flag, "--plot")) o->plot = value;
         else if (!strcmp(flag, "--profile")) o->profile = value;
+        else if (o->model_files && !strcmp(flag, "--save")) o->save = value;
+        else if (o->model_files && !strcmp(flag, "--load")) o->load = value;
         else break;
     }
     if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
@@ -61,8 +69,8 @@ static inline int parse_options(int argc, char **argv, options *o) {
         fprintf(stderr, "usage: %s [--policy float32|mixed_float16|mixed_bfloat16] [--epochs N]\n"
                         "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
                         "          [--verbose 0|1|2] [--tensorboard DIR] [--plot FILE]\n"
-                        "          [--profile DIR]\n",
-                argv[0]);
+                        "          [--profile DIR]%s\n",
+                argv[0], o->model_files ? " [--save FILE] [--load FILE]" : "");
         return 0;
     }
     return 1;
@@ -153,7 +161,9 @@ static inline mpt_status fit_with_flags(mpt_context *ctx, const options *o, mpt_
                                         const mpt_dataset *train, const mpt_dataset *validation,
                                         const mpt_callback *callbacks, int n_callbacks) {
     mpt_callback all[8]; /* the example's and TensorBoard's */
-    mpt_fit_desc fit = { .epochs = o->epochs, .batch_size = o->batch_size,
+    /* --epochs more than the model has (a loaded one may have some) */
+    mpt_fit_desc fit = { .epochs = mpt_model_epoch(model) + o->epochs,
+                         .initial_epoch = mpt_model_epoch(model), .batch_size = o->batch_size,
                          .validation_data = validation, .verbose = o->verbose,
                          .callbacks = all, .n_callbacks = n_callbacks };
     mpt_status s;

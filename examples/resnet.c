@@ -13,7 +13,11 @@
    Build: cc -O2 resnet.c -lpthread -lm -lz -o resnet       (in examples/)
    Run:   ./resnet [--policy ...] [--epochs 15] [--batch-size 128] [--threads N]
                    [--data DIR] [--verbose 1] [--tensorboard DIR]
-                   [--plot FILE] [--profile DIR] */
+                   [--plot FILE] [--profile DIR] [--save FILE] [--load FILE]
+   --save FILE writes the trained model with mpt_model_save; --load FILE
+   rebuilds it with mpt_model_load instead of building it in code (with
+   --epochs 0 it is only evaluated; a larger --epochs trains it on from
+   the epochs it has). */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -68,18 +72,26 @@ int main(int argc, char **argv) {
     mpt_dataset *all, *train, *validation, *test;
     mpt_model *model;
     char summary[16384];
-    int rc = open_fashion_mnist(argc, argv, &o, &ctx, &all, &test);
+    int rc;
+    o.model_files = 1;
+    rc = open_fashion_mnist(argc, argv, &o, &ctx, &all, &test);
     if (rc) return rc;
     TRY(mpt_dataset_split(ctx, all, mpt_dataset_count(all) - 10000, &train, &validation));
 
-    TRY(build_resnet20(ctx, &o, &model));
-    TRY(mpt_model_compile(model, &(mpt_compile_desc){
-        .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-3f },
-        .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
-        .metrics = MPT_METRIC_ACCURACY }));
-    TRY(mpt_model_build(model, o.batch_size));
+    if (o.load) { /* the architecture, weights and training state from the file */
+        TRY(mpt_model_load(ctx, o.load, &model));
+    } else {
+        TRY(build_resnet20(ctx, &o, &model));
+        TRY(mpt_model_compile(model, &(mpt_compile_desc){
+            .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-3f },
+            .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
+            .metrics = MPT_METRIC_ACCURACY }));
+        TRY(mpt_model_build(model, o.batch_size));
+    }
     if (o.verbose && mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
-    TRY(fit_with_flags(ctx, &o, model, train, validation, NULL, 0));
+    if (o.epochs > 0) /* (a loaded model goes on from the epochs it has) */
+        TRY(fit_with_flags(ctx, &o, model, train, validation, NULL, 0));
+    if (o.save) TRY(mpt_model_save(model, o.save));
     TRY(evaluate_and_report(ctx, &o, model, "resnet", test));
 
     mpt_model_destroy(model);

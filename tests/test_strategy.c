@@ -103,6 +103,50 @@ static void test_replicas_match_one(void) {
     mpt_dataset_destroy(d);
 }
 
+/* A residual graph: h = Dense(16, relu); a synchronized
+   BatchNormalization of Add(Dense(16, relu)(h), h); Dense(3, softmax);
+   SGD (Adam turns the last bits of the sums' order, in gradients that
+   BatchNormalization drives towards zero, into whole steps). */
+static mpt_model *graph_model(mpt_strategy *s) {
+    mpt_model *m = NULL;
+    mpt_node h, two[2];
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .seed = 5, .strategy = s}, &m);
+    h = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    two[0] = mpt_dense(m, h, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    two[1] = h;
+    h = mpt_batch_normalization(m, mpt_add(m, 2, two, NULL),
+                                &(mpt_batchnorm_desc){.synchronized = 1});
+    mpt_dense(m, h, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.05f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* A graph's replicas are the same graph: 2 and 4 of them match one
+   replica given the global batch, as a chain's do (1e-5 relative norm
+   error), and stay identical. */
+static void test_graph_replicas_match_one(void) {
+    int counts[2] = {2, 4}, c;
+    mpt_dataset *d = blobs();
+    for (c = 0; c < 2; c++) {
+        mpt_strategy *s = mirrored(counts[c]);
+        mpt_model *one = graph_model(NULL), *many = graph_model(s);
+        double diff = fit_both(one, many, d, counts[c]);
+        CHECK(diff <= 1e-5, "graph, %d replicas: relative norm error %.3g", counts[c], diff);
+        printf("# graph, %d replicas vs 1: relative norm error of the weights %.3g\n", counts[c],
+               diff);
+        CHECK(replicas_identical(many), "%d replicas of a graph drifted apart", counts[c]);
+        mpt_model_destroy(one);
+        mpt_model_destroy(many);
+        mpt_strategy_destroy(s);
+    }
+    mpt_dataset_destroy(d);
+}
+
 /* A synchronized BatchNormalization normalises every replica's rows with
    the global batch's statistics and backpropagates through them, so N
    replicas again match one replica given the global batch (its moving
@@ -262,6 +306,7 @@ static void test_bad_input(void) {
 static void run_cases(void) {
     TEST_RUN(test_replicas_match_one);
     TEST_RUN(test_synchronized_batchnorm);
+    TEST_RUN(test_graph_replicas_match_one);
     TEST_RUN(test_replicas_stay_identical);
     TEST_RUN(test_skips_are_global);
     TEST_RUN(test_evaluate_predict_checkpoint);

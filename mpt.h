@@ -295,8 +295,9 @@
        @impl-checkpoints  the model in a file: what is saved, staging, writing
        @impl-checkpoints-load  loading: names, dtypes, shapes, counters checked
      the engineering: threads and CPU kernels
+       @impl-json         a JSON reader (the architecture's) and its getters
        @impl-model-files  the whole model in a file: its architecture as JSON
-                          (mpt_model_save, mpt_model_load; a JSON reader)
+                          (mpt_model_save, mpt_model_load)
        @impl-threads      the thread pool: parallel-for over fixed workers
        @impl-devices      the CPU as device 0, then the CUDA devices
        @impl-convert-simd float16/bfloat16 conversions in AVX2 and AVX-512
@@ -18210,199 +18211,14 @@ MPTDEF mpt_status mpt_model_load_checkpoint(mpt_model *m, const char *path) {
 MPTDEF int mpt_model_epoch(const mpt_model *m) { return m ? m->epoch : 0; }
 
 /* =============================================================================
-   @impl-model-files: the whole model in a file: its architecture as JSON
-   beside the weights (mpt_model_save, mpt_model_load)
+   @impl-json: a JSON reader (the architecture in a model file) and its
+   typed getters
    =============================================================================
 
-   The architecture is one JSON object, kept as a string in the
-   safetensors metadata ("architecture"):
-       {"format": "mpt.h model", "version": 1,
-        "input_shape": [28, 28, 1], "policy": "mixed_float16", "seed": 0,
-        "memory_limit": 0, "max_batch": 128,
-        "layers": [{"class": "Conv2D", "name": "conv2d", "inputs": [0],
-                    "config": {"filters": 16, "kernel_size": [3, 3], ...}},
-                   ...],
-        "compile": {"optimizer.type": 0, "optimizer.learning_rate": 0.001, ...}}
-   A layer's "dtype" is there when its descriptor gives one; "inputs" are
-   nodes (0 the model's input, i + 1 layer i's output); "config" holds
-   the fields of its table's list (mpt__layer_ops.fields), and reading
-   refuses any other. Loading adds each layer through its own add
-   function, so a file gets exactly the checks a program does. */
-
-static const char *const mpt__initializer_names[MPT_INIT_COUNT_] = {
-    "default", "glorot_uniform", "he_normal", "zeros", "ones"};
-
-/* Every layer table a file may name. A new layer's table goes here too. */
-static const mpt__layer_ops *const mpt__file_layers[] = {
-    &mpt__dense_ops,       &mpt__flatten_ops,        &mpt__activation_ops,
-    &mpt__conv2d_ops,      &mpt__max_pool_ops,       &mpt__avg_pool_ops,
-    &mpt__global_pool_ops, &mpt__zero_padding2d_ops, &mpt__bn_ops,
-    &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
-    &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops};
-
-/* The compile settings, each member by its path in mpt_compile_desc. */
-static const mpt__field mpt__compile_fields[] = {
-    MPT__FIELD(mpt_compile_desc, optimizer.type, MPT__FIELD_ENUM),
-    MPT__FIELD(mpt_compile_desc, optimizer.learning_rate, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.momentum, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.nesterov, MPT__FIELD_INT),
-    MPT__FIELD(mpt_compile_desc, optimizer.beta_1, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.beta_2, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.epsilon, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.weight_decay, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.l2, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.clip_global_norm, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.schedule.type, MPT__FIELD_ENUM),
-    MPT__FIELD(mpt_compile_desc, optimizer.schedule.decay_steps, MPT__FIELD_INT64),
-    MPT__FIELD(mpt_compile_desc, optimizer.schedule.decay_rate, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.schedule.alpha, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, optimizer.schedule.warmup_steps, MPT__FIELD_INT64),
-    MPT__FIELD(mpt_compile_desc, loss.type, MPT__FIELD_ENUM),
-    MPT__FIELD(mpt_compile_desc, loss.from_logits, MPT__FIELD_INT),
-    MPT__FIELD(mpt_compile_desc, loss.grad_scale, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, metrics, MPT__FIELD_INT),
-    MPT__FIELD(mpt_compile_desc, top_k, MPT__FIELD_INT),
-    MPT__FIELD(mpt_compile_desc, loss_scale.mode, MPT__FIELD_ENUM),
-    MPT__FIELD(mpt_compile_desc, loss_scale.initial_scale, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, loss_scale.growth_interval, MPT__FIELD_INT64),
-    MPT__FIELD(mpt_compile_desc, loss_scale.growth_factor, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_compile_desc, loss_scale.backoff_factor, MPT__FIELD_FLOAT),
-    MPT__FIELDS_END};
-
-/* ---- writing ------------------------------------------------------------------- */
-
-/* One field of the descriptor at base, as `"key":value`. */
-static void mpt__put_field(mpt__ckpt_text *t, const mpt__field *f, const void *base, int first) {
-    const unsigned char *p = (const unsigned char *)base + f->offset;
-    char num[96];
-    int i;
-    int64_t v[4];
-    if (!first) mpt__ckpt_puts(t, ",");
-    mpt__ckpt_put_json(t, f->key);
-    mpt__ckpt_puts(t, ":");
-    switch (f->type) {
-    case MPT__FIELD_INT:
-    case MPT__FIELD_ENUM:
-        memcpy(&i, p, sizeof i); /* an enum is stored as an int */
-        snprintf(num, sizeof num, "%d", i);
-        break;
-    case MPT__FIELD_INT64:
-        memcpy(v, p, 8);
-        snprintf(num, sizeof num, "%lld", (long long)v[0]);
-        break;
-    case MPT__FIELD_INT64_PAIR:
-        memcpy(v, p, 16);
-        snprintf(num, sizeof num, "[%lld,%lld]", (long long)v[0], (long long)v[1]);
-        break;
-    case MPT__FIELD_INT64_2X2:
-        memcpy(v, p, 32);
-        snprintf(num, sizeof num, "[[%lld,%lld],[%lld,%lld]]", (long long)v[0], (long long)v[1],
-                 (long long)v[2], (long long)v[3]);
-        break;
-    case MPT__FIELD_UINT64: {
-        uint64_t u;
-        memcpy(&u, p, 8);
-        snprintf(num, sizeof num, "%llu", (unsigned long long)u);
-        break;
-    }
-    case MPT__FIELD_FLOAT: {
-        float x;
-        memcpy(&x, p, 4);
-        /* 9 digits give the float back exactly; JSON has no inf or NaN */
-        snprintf(num, sizeof num, isfinite(x) ? "%.9g" : "null", (double)x);
-        break;
-    }
-    default: { /* the named enums, as strings */
-        const char *name = "?";
-        memcpy(&i, p, sizeof i);
-        if (f->type == MPT__FIELD_ACTIVATION) name = mpt_activation_name((mpt_activation)i);
-        if (f->type == MPT__FIELD_PADDING) name = i == MPT_PADDING_SAME ? "same" : "valid";
-        if (f->type == MPT__FIELD_INITIALIZER && i >= 0 && i < MPT_INIT_COUNT_)
-            name = mpt__initializer_names[i];
-        mpt__ckpt_put_json(t, name);
-        return;
-    }
-    }
-    mpt__ckpt_puts(t, num);
-}
-
-static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *base) {
-    int k;
-    mpt__ckpt_puts(t, "{");
-    for (k = 0; f[k].key; k++) mpt__put_field(t, &f[k], base, k == 0);
-    mpt__ckpt_puts(t, "}");
-}
-
-static void mpt__put_layer(mpt__ckpt_text *t, const mpt__layer *L) {
-    char num[32];
-    int s;
-    mpt__ckpt_puts(t, "{\"class\":");
-    mpt__ckpt_put_json(t, L->ops->class_name);
-    mpt__ckpt_puts(t, ",\"name\":");
-    mpt__ckpt_put_json(t, L->name);
-    if (L->desc.common.dtype != MPT_DTYPE_DEFAULT) {
-        mpt__ckpt_puts(t, ",\"dtype\":");
-        mpt__ckpt_put_json(t, mpt_dtype_name(L->desc.common.dtype));
-    }
-    mpt__ckpt_puts(t, ",\"inputs\":[");
-    for (s = 0; s < L->n_in; s++) {
-        snprintf(num, sizeof num, "%s%d", s ? "," : "", L->in_node[s]);
-        mpt__ckpt_puts(t, num);
-    }
-    mpt__ckpt_puts(t, "],\"config\":");
-    mpt__put_fields(t, L->ops->fields, &L->desc);
-    mpt__ckpt_puts(t, "}");
-}
-
-/* The model's architecture JSON, into t. */
-static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
-    char num[160];
-    int i;
-    mpt__ckpt_puts(t, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[");
-    for (i = 0; i < m->desc.input_rank; i++) {
-        snprintf(num, sizeof num, "%s%lld", i ? "," : "", (long long)m->desc.input_shape[i]);
-        mpt__ckpt_puts(t, num);
-    }
-    snprintf(num, sizeof num, "],\"policy\":\"%s\",\"seed\":%llu,\"memory_limit\":%lld,"
-             "\"max_batch\":%lld,\"layers\":[", mpt_policy_name(m->desc.policy),
-             (unsigned long long)m->desc.seed, (long long)m->desc.memory_limit,
-             (long long)m->max_batch);
-    mpt__ckpt_puts(t, num);
-    for (i = 0; i < m->n_layers; i++) {
-        if (i) mpt__ckpt_puts(t, ",");
-        mpt__put_layer(t, &m->layers[i]);
-    }
-    mpt__ckpt_puts(t, "]");
-    if (m->compiled) {
-        mpt__ckpt_puts(t, ",\"compile\":");
-        mpt__put_fields(t, mpt__compile_fields, &m->compile);
-    }
-    mpt__ckpt_puts(t, "}");
-}
-
-MPTDEF mpt_status mpt_model_save(mpt_model *m, const char *path) {
-    mpt__ckpt_text arch;
-    mpt_status s;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    MPT__CHECK(mpt__refuse_quantized(m, "save"));
-    if (m->qat)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "save: not for a quantization-aware model "
-                         "yet (mpt_model_save_checkpoint keeps its ranges)");
-    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "save: build the model first");
-    memset(&arch, 0, sizeof arch);
-    arch.ctx = m->ctx;
-    mpt__put_architecture(&arch, m);
-    if (arch.oom) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "save: out of memory");
-    else s = mpt__ckpt_save(m, path, m->compiled, "save", arch.s);
-    mpt__free(m->ctx, arch.s);
-    return s;
-}
-
-/* ---- a JSON reader ---------------------------------------------------------------
    The whole document parsed into a flat array of values (children linked
    by index), strings unescaped in place in a copy of the text. Every
    limit is checked: nesting depth, members of an object (and no key
-   twice), escapes, numbers' syntax; a failure names the byte. */
+   twice), UTF-8, escapes, numbers' syntax; a failure names the byte. */
 
 #define MPT__JSON_MAX_DEPTH 32
 #define MPT__JSON_MAX_MEMBERS 256
@@ -18737,6 +18553,197 @@ static mpt_status mpt__json_int64s(mpt__json *j, int index, int n, int64_t lo, i
         MPT__CHECK(mpt__json_int64(j, e, lo, hi, &out[k], what));
     return MPT_OK;
 }
+
+/* =============================================================================
+   @impl-model-files: the whole model in a file: its architecture as JSON
+   beside the weights (mpt_model_save, mpt_model_load)
+   =============================================================================
+
+   The architecture is one JSON object, kept as a string in the
+   safetensors metadata ("architecture"):
+       {"format": "mpt.h model", "version": 1,
+        "input_shape": [28, 28, 1], "policy": "mixed_float16", "seed": 0,
+        "memory_limit": 0, "max_batch": 128,
+        "layers": [{"class": "Conv2D", "name": "conv2d", "inputs": [0],
+                    "config": {"filters": 16, "kernel_size": [3, 3], ...}},
+                   ...],
+        "compile": {"optimizer.type": 0, "optimizer.learning_rate": 0.001, ...}}
+   A layer's "dtype" is there when its descriptor gives one; "inputs" are
+   nodes (0 the model's input, i + 1 layer i's output); "config" holds
+   the fields of its table's list (mpt__layer_ops.fields), and reading
+   refuses any other. Loading adds each layer through its own add
+   function, so a file gets exactly the checks a program does. */
+
+static const char *const mpt__initializer_names[MPT_INIT_COUNT_] = {
+    "default", "glorot_uniform", "he_normal", "zeros", "ones"};
+
+/* Every layer table a file may name. A new layer's table goes here too. */
+static const mpt__layer_ops *const mpt__file_layers[] = {
+    &mpt__dense_ops,       &mpt__flatten_ops,        &mpt__activation_ops,
+    &mpt__conv2d_ops,      &mpt__max_pool_ops,       &mpt__avg_pool_ops,
+    &mpt__global_pool_ops, &mpt__zero_padding2d_ops, &mpt__bn_ops,
+    &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
+    &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops};
+
+/* The compile settings, each member by its path in mpt_compile_desc. */
+static const mpt__field mpt__compile_fields[] = {
+    MPT__FIELD(mpt_compile_desc, optimizer.type, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, optimizer.learning_rate, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.momentum, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.nesterov, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, optimizer.beta_1, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.beta_2, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.epsilon, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.weight_decay, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.l2, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.clip_global_norm, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.type, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.decay_steps, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.decay_rate, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.alpha, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, optimizer.schedule.warmup_steps, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_compile_desc, loss.type, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, loss.from_logits, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, loss.grad_scale, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, metrics, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, top_k, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, loss_scale.mode, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_compile_desc, loss_scale.initial_scale, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, loss_scale.growth_interval, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_compile_desc, loss_scale.growth_factor, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_compile_desc, loss_scale.backoff_factor, MPT__FIELD_FLOAT),
+    MPT__FIELDS_END};
+
+/* ---- writing ------------------------------------------------------------------- */
+
+/* One field of the descriptor at base, as `"key":value`. */
+static void mpt__put_field(mpt__ckpt_text *t, const mpt__field *f, const void *base, int first) {
+    const unsigned char *p = (const unsigned char *)base + f->offset;
+    char num[96];
+    int i;
+    int64_t v[4];
+    if (!first) mpt__ckpt_puts(t, ",");
+    mpt__ckpt_put_json(t, f->key);
+    mpt__ckpt_puts(t, ":");
+    switch (f->type) {
+    case MPT__FIELD_INT:
+    case MPT__FIELD_ENUM:
+        memcpy(&i, p, sizeof i); /* an enum is stored as an int */
+        snprintf(num, sizeof num, "%d", i);
+        break;
+    case MPT__FIELD_INT64:
+        memcpy(v, p, 8);
+        snprintf(num, sizeof num, "%lld", (long long)v[0]);
+        break;
+    case MPT__FIELD_INT64_PAIR:
+        memcpy(v, p, 16);
+        snprintf(num, sizeof num, "[%lld,%lld]", (long long)v[0], (long long)v[1]);
+        break;
+    case MPT__FIELD_INT64_2X2:
+        memcpy(v, p, 32);
+        snprintf(num, sizeof num, "[[%lld,%lld],[%lld,%lld]]", (long long)v[0], (long long)v[1],
+                 (long long)v[2], (long long)v[3]);
+        break;
+    case MPT__FIELD_UINT64: {
+        uint64_t u;
+        memcpy(&u, p, 8);
+        snprintf(num, sizeof num, "%llu", (unsigned long long)u);
+        break;
+    }
+    case MPT__FIELD_FLOAT: {
+        float x;
+        memcpy(&x, p, 4);
+        /* 9 digits give the float back exactly; JSON has no inf or NaN */
+        snprintf(num, sizeof num, isfinite(x) ? "%.9g" : "null", (double)x);
+        break;
+    }
+    default: { /* the named enums, as strings */
+        const char *name = "?";
+        memcpy(&i, p, sizeof i);
+        if (f->type == MPT__FIELD_ACTIVATION) name = mpt_activation_name((mpt_activation)i);
+        if (f->type == MPT__FIELD_PADDING) name = i == MPT_PADDING_SAME ? "same" : "valid";
+        if (f->type == MPT__FIELD_INITIALIZER && i >= 0 && i < MPT_INIT_COUNT_)
+            name = mpt__initializer_names[i];
+        mpt__ckpt_put_json(t, name);
+        return;
+    }
+    }
+    mpt__ckpt_puts(t, num);
+}
+
+static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *base) {
+    int k;
+    mpt__ckpt_puts(t, "{");
+    for (k = 0; f[k].key; k++) mpt__put_field(t, &f[k], base, k == 0);
+    mpt__ckpt_puts(t, "}");
+}
+
+static void mpt__put_layer(mpt__ckpt_text *t, const mpt__layer *L) {
+    char num[32];
+    int s;
+    mpt__ckpt_puts(t, "{\"class\":");
+    mpt__ckpt_put_json(t, L->ops->class_name);
+    mpt__ckpt_puts(t, ",\"name\":");
+    mpt__ckpt_put_json(t, L->name);
+    if (L->desc.common.dtype != MPT_DTYPE_DEFAULT) {
+        mpt__ckpt_puts(t, ",\"dtype\":");
+        mpt__ckpt_put_json(t, mpt_dtype_name(L->desc.common.dtype));
+    }
+    mpt__ckpt_puts(t, ",\"inputs\":[");
+    for (s = 0; s < L->n_in; s++) {
+        snprintf(num, sizeof num, "%s%d", s ? "," : "", L->in_node[s]);
+        mpt__ckpt_puts(t, num);
+    }
+    mpt__ckpt_puts(t, "],\"config\":");
+    mpt__put_fields(t, L->ops->fields, &L->desc);
+    mpt__ckpt_puts(t, "}");
+}
+
+/* The model's architecture JSON, into t. */
+static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
+    char num[160];
+    int i;
+    mpt__ckpt_puts(t, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[");
+    for (i = 0; i < m->desc.input_rank; i++) {
+        snprintf(num, sizeof num, "%s%lld", i ? "," : "", (long long)m->desc.input_shape[i]);
+        mpt__ckpt_puts(t, num);
+    }
+    snprintf(num, sizeof num, "],\"policy\":\"%s\",\"seed\":%llu,\"memory_limit\":%lld,"
+             "\"max_batch\":%lld,\"layers\":[", mpt_policy_name(m->desc.policy),
+             (unsigned long long)m->desc.seed, (long long)m->desc.memory_limit,
+             (long long)m->max_batch);
+    mpt__ckpt_puts(t, num);
+    for (i = 0; i < m->n_layers; i++) {
+        if (i) mpt__ckpt_puts(t, ",");
+        mpt__put_layer(t, &m->layers[i]);
+    }
+    mpt__ckpt_puts(t, "]");
+    if (m->compiled) {
+        mpt__ckpt_puts(t, ",\"compile\":");
+        mpt__put_fields(t, mpt__compile_fields, &m->compile);
+    }
+    mpt__ckpt_puts(t, "}");
+}
+
+MPTDEF mpt_status mpt_model_save(mpt_model *m, const char *path) {
+    mpt__ckpt_text arch;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__refuse_quantized(m, "save"));
+    if (m->qat)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "save: not for a quantization-aware model "
+                         "yet (mpt_model_save_checkpoint keeps its ranges)");
+    if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "save: build the model first");
+    memset(&arch, 0, sizeof arch);
+    arch.ctx = m->ctx;
+    mpt__put_architecture(&arch, m);
+    if (arch.oom) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "save: out of memory");
+    else s = mpt__ckpt_save(m, path, m->compiled, "save", arch.s);
+    mpt__free(m->ctx, arch.s);
+    return s;
+}
+
+/* ---- reading fields ---------------------------------------------------------------- */
 
 /* A named enum's value from its string. */
 static mpt_status mpt__json_named(mpt__json *j, int index, mpt__field_type type, int *out,

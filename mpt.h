@@ -361,7 +361,12 @@
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
+       graph_  a graph's first failure, layout, walks  @impl-layer-helpers,
+                                                       @impl-model, @impl-passes
+       json_   the JSON reader                         @impl-json
        kgrad_  Conv2D's kernel gradient                @impl-conv-kernel-grad
+       merge_  Add, Subtract, Multiply, Average        @impl-merge
+       node_   a graph's nodes                         @impl-layer-helpers
        pb_     protobuf (TensorBoard's events, ONNX)   @impl-tensorboard
        q_      quantization parameters, rounding       @impl-quantize
        qat_    quantization-aware training             @impl-qat
@@ -4804,7 +4809,7 @@ static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]
 static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
 
 /* =============================================================================
-   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-dropout) share
+   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-merge) share
    ============================================================================= */
 
 /* ---- helpers shared by the layers ----------------------------------------- */

@@ -2340,8 +2340,13 @@ static mpt_dataset *blob_dataset(mpt_context *ctx) {
     return test_dataset_xy(ctx, blob_x, blob_y, N_BLOBS, FEATURES);
 }
 
+/* 1: blob_model is a graph (test_model_graph_on_the_gpu). */
+static int blobs_graph;
+
 /* Dense(64, relu) -> BatchNormalization -> Dropout(0.2) -> Dense(4, softmax),
-   Adam, built for batches of 64. */
+   Adam, built for batches of 64. With blobs_graph: h = Dense(64, relu);
+   Concatenate(Add(BatchNormalization(Dense(64, relu)(h)), h), h) ->
+   Dropout(0.2) -> Dense(4, softmax): fan-out, a merge's casts and sums. */
 static mpt_model *blob_model(mpt_context *ctx, mpt_policy policy) {
     mpt_model *m = NULL;
     mpt_model_desc md;
@@ -2361,12 +2366,20 @@ static mpt_model *blob_model(mpt_context *ctx, mpt_policy policy) {
     memset(&dd, 0, sizeof dd);
     dd.units = 64;
     dd.activation = MPT_ACT_RELU;
-    mpt_model_add_dense(m, &dd);
     memset(&bd, 0, sizeof bd);
-    mpt_model_add_batch_normalization(m, &bd);
     memset(&od, 0, sizeof od);
     od.rate = 0.2f;
-    mpt_model_add_dropout(m, &od);
+    if (blobs_graph) {
+        mpt_node h = mpt_dense(m, mpt_model_input(m), &dd), two[2];
+        two[0] = mpt_batch_normalization(m, mpt_dense(m, h, &dd), &bd);
+        two[1] = h;
+        two[0] = mpt_add(m, 2, two, NULL);
+        mpt_dropout(m, mpt_concatenate(m, 2, two, NULL), &od);
+    } else {
+        mpt_model_add_dense(m, &dd);
+        mpt_model_add_batch_normalization(m, &bd);
+        mpt_model_add_dropout(m, &od);
+    }
     dd.units = CLASSES;
     dd.activation = MPT_ACT_SOFTMAX;
     mpt_model_add_dense(m, &dd);
@@ -2465,6 +2478,34 @@ static void test_model_graphs_and_determinism(void) {
     CHECK(!strcmp(dev, "cuda"), "the model trained on '%s'", dev);
     CHECK(acc_on >= 0.9, "the blobs are not learnt: accuracy %g", acc_on);
     CHECK(acc_on == acc_off, "accuracy with graphs %.9g, without %.9g", acc_on, acc_off);
+    CHECK(same_file(off, on), "weights with CUDA graphs differ from those without (%s, %s)", on,
+          off);
+    CHECK(same_file(on, again), "two runs on the GPU gave different weights (%s, %s)", on, again);
+    if (!test__current_failed) {
+        remove(off);
+        remove(on);
+        remove(again);
+    }
+}
+
+/* A graph on the GPU (fan-out, Add, Concatenate): learns the blobs, the
+   same bits with and without CUDA graphs and from run to run, as a chain. */
+static void test_model_graph_on_the_gpu(void) {
+    char off[512], on[512], again[512];
+    double acc_off, acc_on;
+    const char *dev = "?";
+    temp_path(off, sizeof off, "graph_model_off");
+    temp_path(on, sizeof on, "graph_model_on");
+    temp_path(again, sizeof again, "graph_model_again");
+    make_blobs();
+    blobs_graph = 1;
+    acc_off = train_blobs("0", MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
+    acc_on = train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, &dev);
+    train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, again, NULL);
+    blobs_graph = 0;
+    CHECK(!strcmp(dev, "cuda"), "the model trained on '%s'", dev);
+    CHECK(acc_on >= 0.9, "the blobs are not learnt: accuracy %g", acc_on);
+    CHECK(acc_on == acc_off, "accuracy with CUDA graphs %.9g, without %.9g", acc_on, acc_off);
     CHECK(same_file(off, on), "weights with CUDA graphs differ from those without (%s, %s)", on,
           off);
     CHECK(same_file(on, again), "two runs on the GPU gave different weights (%s, %s)", on, again);
@@ -3732,6 +3773,8 @@ int main(int argc, char **argv) {
     if (!quick && !gemm_only && !layers_only) {
         test__run("model: graphs on and off, and two runs, give identical weights",
                   test_model_graphs_and_determinism);
+        test__run("model: a graph (fan-out, Add, Concatenate) learns, CUDA graphs on and off "
+                  "and two runs identical", test_model_graph_on_the_gpu);
         test__run("model: profiled steps (CUDA events) end where unprofiled ones do, bit for bit",
                   test_model_profiled);
         test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "

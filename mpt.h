@@ -914,6 +914,13 @@ MPTDEF mpt_node mpt_global_average_pooling2d(mpt_model *m, mpt_node x,
 MPTDEF mpt_node mpt_batch_normalization(mpt_model *m, mpt_node x, const mpt_batchnorm_desc *desc);
 MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *desc);
 MPTDEF mpt_node mpt_flatten(mpt_model *m, mpt_node x, const mpt_flatten_desc *desc);
+/* The layer named `name` applied again, to n other nodes, with the same
+   weights (Keras' shared layers: one Dense called on two inputs): a new
+   node. The weights' gradient is the sum of every call's, in a fixed
+   order. Each call's inputs must give the weights' shapes (build says
+   which does not). */
+MPTDEF mpt_node mpt_apply_layer(mpt_model *m, const char *name, int n, const mpt_node *inputs);
+
 /* Keras' Activation layer (mpt_activation is the enum of activations). */
 MPTDEF mpt_node mpt_activation_layer(mpt_model *m, mpt_node x, const mpt_activation_desc *desc);
 
@@ -4501,6 +4508,11 @@ struct mpt__layer {
        output. A layer of a Sequential stack has one, the node before it. */
     int n_in;
     int in_node[MPT_MAX_MERGE_INPUTS];
+    /* 0, or a shared layer's later call (mpt_apply_layer): 1 + the index
+       of the layer whose weights it uses. Its parameters are shadows
+       (m->shadows) of that layer's: the same values, a gradient of their
+       own, added to the layer's after its backward. */
+    int call_of;
     char name[64];
     mpt_dtype dtype;                        /* resolved compute dtype        */
     int in_rank, out_rank;                  /* one sample's rank: 1..3       */
@@ -4595,6 +4607,9 @@ struct mpt_model {
                                             the layer before it               */
     int n_pending;                       /* the functional form's inputs for */
     int pending[MPT_MAX_MERGE_INPUTS];   /* the next layer added              */
+    int pending_call_of;                 /* ... and the layer it calls again  */
+    mpt__param *shadows;                 /* shared calls' parameters (call_of) */
+    int n_shadows, cap_shadows;
     mpt_status graph_status;             /* the first failed functional call */
     char graph_error[1024];              /* and its message                   */
     void *input_grad;                    /* a graph's gradient w.r.t. its input,
@@ -4746,10 +4761,17 @@ static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s': %s of shape %s is too large",
                          L->ops->class_name, L->name, name,
                          mpt_shape_format(s, sizeof s, rank, shape));
-    if (!mpt__grow_array(m->ctx, (void **)&m->params, &m->cap_params, m->n_params,
-                         sizeof *m->params))
-        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-    P = &m->params[m->n_params];
+    if (L->call_of) { /* a shared call's: a shadow of its layer's */
+        if (!mpt__grow_array(m->ctx, (void **)&m->shadows, &m->cap_shadows, m->n_shadows,
+                             sizeof *m->shadows))
+            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+        P = &m->shadows[m->n_shadows];
+    } else {
+        if (!mpt__grow_array(m->ctx, (void **)&m->params, &m->cap_params, m->n_params,
+                             sizeof *m->params))
+            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+        P = &m->params[m->n_params];
+    }
     memset(P, 0, sizeof *P);
     snprintf(P->name, sizeof P->name, "%s/%s", L->name, name);
     P->layer = (int)(L - m->layers);
@@ -4761,7 +4783,7 @@ static mpt_status mpt__layer_add_param(struct mpt_model *m, mpt__layer *L, const
     P->fan_in = fan_in;
     P->fan_out = fan_out;
     P->compute_dtype = compute_dtype;
-    L->param_index[L->n_params++] = m->n_params++;
+    L->param_index[L->n_params++] = L->call_of ? m->n_shadows++ : m->n_params++;
     return MPT_OK;
 }
 
@@ -4976,6 +4998,31 @@ static mpt_node mpt__applied(mpt_model *m, mpt_status s) {
 
 MPTDEF mpt_node mpt_model_input(mpt_model *m) { return m ? 0 : MPT_NODE_FAILED; }
 
+/* Defined below, in @impl-model. */
+static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name);
+
+/* A shared call of layer O (m->layers[owner]) on the pending inputs. */
+static mpt_status mpt__add_call(mpt_model *m, int owner) {
+    const mpt__layer *O = &m->layers[owner];
+    m->pending_call_of = owner + 1;
+    return mpt__model_add(m, O->ops, &O->desc, O->name, O->desc.common.dtype);
+}
+
+MPTDEF mpt_node mpt_apply_layer(mpt_model *m, const char *name, int n, const mpt_node *inputs) {
+    const mpt__layer *O;
+    if (!m || m->graph_status != MPT_OK) return MPT_NODE_FAILED;
+    O = name ? mpt__find_layer(m, name) : NULL;
+    if (!O) {
+        mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                     "apply_layer: the model has no layer named \"%s\"",
+                                     name ? name : "(NULL)"));
+        return MPT_NODE_FAILED;
+    }
+    if (!mpt__apply(m, inputs, n, O->ops->min_inputs, O->ops->max_inputs, O->ops->class_name))
+        return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt__add_call(m, (int)(O - m->layers)));
+}
+
 /* One sample's shape at a node (layers before it built); returns its rank. */
 static int mpt__node_shape(const mpt_model *m, int node, int64_t *shape) {
     const mpt__layer *L = node > 0 ? &m->layers[node - 1] : NULL;
@@ -4988,6 +5035,14 @@ static int mpt__node_shape(const mpt_model *m, int node, int64_t *shape) {
 static int64_t mpt__node_count(const mpt_model *m, int node) {
     return node > 0 ? m->layers[node - 1].out_count
                     : mpt__shape_count(m->desc.input_rank, m->desc.input_shape);
+}
+
+/* Which call of its layer gives a node, as Keras numbers them ("dense[1][0]":
+   the second): 0 but for a shared layer's later calls. */
+static int mpt__node_call(const mpt_model *m, int node) {
+    int owner = node > 0 ? m->layers[node - 1].call_of : 0, j, k = 0;
+    for (j = 0; owner && j < node - 1; j++) k += m->layers[j].call_of == owner;
+    return owner ? k + 1 : 0;
 }
 
 /* A node's name in messages: the layer that gives it, or "input". */
@@ -8092,6 +8147,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt__free(m->ctx, m->layers);
     mpt__free(m->ctx, m->params);
     mpt__free(m->ctx, m->node_written);
+    mpt__free(m->ctx, m->shadows);
     mpt__quantized_free(m->ctx, m->quantized);
     mpt__qat_free(m);
     mpt__free(ctx, m);
@@ -8139,7 +8195,7 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "%s: name \"%s\" must have 1..%d characters and no '/'",
                          ops->class_name, name, (int)sizeof L->name - 1);
-    if (name && mpt__find_layer(m, name))
+    if (name && mpt__find_layer(m, name) && !m->pending_call_of)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "%s: the model already has a layer named \"%s\"", ops->class_name, name);
     if (!mpt__grow_array(m->ctx, (void **)&m->layers, &m->cap_layers, m->n_layers,
@@ -8151,6 +8207,9 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
     mpt__take_inputs(m, L);
     L->desc = *desc;
     L->desc.common.name = NULL; /* the caller's string need not outlive the call */
+    L->call_of = m->pending_call_of;
+    m->pending_call_of = 0;
+    if (L->call_of) m->graph = 1;
     L->dtype = dtype ? dtype : m->policy_dtype;
     if (name) {
         snprintf(L->name, sizeof L->name, "%s", name);
@@ -8293,6 +8352,63 @@ static int64_t mpt__widest_input(const mpt_model *m, const mpt__layer *L) {
     return most;
 }
 
+/* A shared call's parameters: shadows holding its layer's values and
+   compute copies, with gradients of their own. */
+static void mpt__graph_layout_call(mpt_model *m, mpt__carver *c, mpt__layer *L) {
+    const mpt__layer *O = &m->layers[L->call_of - 1];
+    int k;
+    for (k = 0; k < L->n_params; k++) {
+        mpt__param *S = &m->shadows[L->param_index[k]];
+        S->value = O->param[k]->value;
+        S->compute = O->param[k]->compute;
+        S->grad = S->trainable ? (float *)mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * S->count)
+                               : NULL;
+        L->param[k] = S;
+    }
+}
+
+/* A shared call's weights must be its layer's: the same shapes and dtype. */
+static mpt_status mpt__graph_check_call(mpt_model *m, const mpt__layer *L) {
+    const mpt__layer *O = &m->layers[L->call_of - 1];
+    int k, d, same = L->n_params == O->n_params && L->dtype == O->dtype;
+    for (k = 0; same && k < L->n_params; k++) {
+        const mpt__param *S = &m->shadows[L->param_index[k]], *P = &m->params[O->param_index[k]];
+        same = S->rank == P->rank && S->compute_dtype == P->compute_dtype;
+        for (d = 0; same && d < S->rank; d++) same = S->shape[d] == P->shape[d];
+        if (!same) {
+            char in[96], need[96], have[96];
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                             "%s '%s' applied again (layer %d) to input %s needs a %s of %s, "
+                             "but its weights are %s", O->ops->class_name, O->name,
+                             (int)(L - m->layers),
+                             mpt_shape_format(in, sizeof in, L->in_rank, L->in_shape),
+                             S->name + strlen(O->name) + 1,
+                             mpt_shape_format(need, sizeof need, S->rank, S->shape),
+                             mpt_shape_format(have, sizeof have, P->rank, P->shape));
+        }
+    }
+    if (!same)
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s '%s' applied again (layer %d) computes in %s, "
+                         "its layer in %s: a shared layer computes in one dtype",
+                         O->ops->class_name, O->name, (int)(L - m->layers),
+                         mpt_dtype_name(L->dtype), mpt_dtype_name(O->dtype));
+    return MPT_OK;
+}
+
+/* After layer i's backward in a graph: its later calls' gradients added to
+   its own, in the calls' order. */
+static void mpt__graph_sum_calls(mpt_model *m, int i) {
+    const mpt__layer *O = &m->layers[i];
+    int c, k;
+    for (c = i + 1; c < m->n_layers; c++) {
+        const mpt__layer *L = &m->layers[c];
+        if (L->call_of != i + 1) continue;
+        for (k = 0; k < L->n_params; k++)
+            if (O->param[k]->grad)
+                m->be->add(m->impl, O->param[k]->grad, L->param[k]->grad, O->param[k]->count);
+    }
+}
+
 /* A graph's gradient buffers: the output's (grad_buf[0], which the loss
    writes); a scratch slot per input of the widest layer and one more
    (grad_buf[1]: what a layer gives back that must be added to a sum, or
@@ -8378,6 +8494,7 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
         for (k = 0; k < L->n_saved; k++)
             L->saved[k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], L->saved_bytes[k]);
         for (k = 0; k < L->n_params; k++) L->param[k] = &m->params[L->param_index[k]];
+        if (L->call_of) mpt__graph_layout_call(m, c, L);
     }
     if (m->graph) {
         mpt__graph_layout_grads(m, c);
@@ -8438,6 +8555,7 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         L->workspace_bytes = 0;
         L->pools_next = L->ran_next = L->ran_by_prev = 0;
         MPT__CHECK(L->ops->build(m, L));
+        if (L->call_of) MPT__CHECK(mpt__graph_check_call(m, L));
         L->out_count = mpt__shape_count(L->out_rank, L->out_shape);
         if (L->out_count < 0 || L->out_count > MPT__MAX_SAMPLE_ELEMENTS) {
             char s[96];
@@ -8486,6 +8604,7 @@ static mpt_activation mpt__layer_activation(const mpt__layer *L) {
    loss reads) are float32. A dtype given for that layer wins. */
 static void mpt__final_softmax_in_float32(mpt_model *m) {
     mpt__layer *L = &m->layers[m->n_layers - 1];
+    if (L->call_of) return; /* its layer's dtype, which is not last */
     if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.common.dtype == MPT_DTYPE_DEFAULT)
         L->dtype = MPT_FLOAT32;
 }
@@ -8537,7 +8656,7 @@ static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
     int64_t grad_buf_bytes, workspace_bytes;
     int i;
     m->max_batch = max_batch;
-    m->n_params = 0;
+    m->n_params = m->n_shadows = 0;
     if (m->graph && !m->node_written) { /* a replica's (its model's checked the graph) */
         m->node_written = (unsigned char *)mpt__calloc(m->ctx, (size_t)m->n_layers + 1);
         if (!m->node_written) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
@@ -9045,6 +9164,7 @@ static void mpt__graph_backward_finish(mpt_model *m, int i, mpt__backward_walk *
             m->be->elementwise(m->impl, MPT_ELEMENTWISE_ADD, dtype, grad, grad, add, 0, n);
         }
     }
+    mpt__graph_sum_calls(m, i);
     if (m->exchange) mpt__exchange_layer_done(m, i);
 }
 
@@ -12708,7 +12828,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
         int64_t count = 0, shape[MPT_MAX_RANK];
-        for (k = 0; k < L->n_params; k++) {
+        for (k = 0; k < L->n_params && !L->call_of; k++) { /* a call's are its layer's */
             count += L->param[k]->count;
             if (L->param[k]->trainable) trainable += L->param[k]->count;
         }
@@ -12722,8 +12842,9 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
         mpt__append(buf, size, &used, " %-44s %-24s %-12lld %-*s", a, c, (long long)count,
                     m->graph ? 10 : 0, mpt_dtype_name(L->dtype));
         for (k = 0; m->graph && k < L->n_in; k++) /* one input a line, as Keras */
-            mpt__append(buf, size, &used, "%*s%s[0][0]%s", k ? 94 : 0, "",
-                        mpt__node_name(m, L->in_node[k]), k + 1 < L->n_in ? ",\n" : "");
+            mpt__append(buf, size, &used, "%*s%s[%d][0]%s", k ? 94 : 0, "",
+                        mpt__node_name(m, L->in_node[k]), mpt__node_call(m, L->in_node[k]),
+                        k + 1 < L->n_in ? ",\n" : "");
         mpt__append(buf, size, &used, "\n");
     }
     mpt__append(buf, size, &used, "%s", bold);
@@ -18683,9 +18804,28 @@ static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *
     mpt__ckpt_puts(t, "}");
 }
 
-static void mpt__put_layer(mpt__ckpt_text *t, const mpt__layer *L) {
+static void mpt__put_inputs(mpt__ckpt_text *t, const mpt__layer *L) {
     char num[32];
     int s;
+    mpt__ckpt_puts(t, "\"inputs\":[");
+    for (s = 0; s < L->n_in; s++) {
+        snprintf(num, sizeof num, "%s%d", s ? "," : "", L->in_node[s]);
+        mpt__ckpt_puts(t, num);
+    }
+    mpt__ckpt_puts(t, "]");
+}
+
+/* A layer, or a shared layer's later call: {"call_of": its layer's index,
+   "inputs": [...]}. */
+static void mpt__put_layer(mpt__ckpt_text *t, const mpt__layer *L) {
+    char num[32];
+    if (L->call_of) {
+        snprintf(num, sizeof num, "{\"call_of\":%d,", L->call_of - 1);
+        mpt__ckpt_puts(t, num);
+        mpt__put_inputs(t, L);
+        mpt__ckpt_puts(t, "}");
+        return;
+    }
     mpt__ckpt_puts(t, "{\"class\":");
     mpt__ckpt_put_json(t, L->ops->class_name);
     mpt__ckpt_puts(t, ",\"name\":");
@@ -18694,12 +18834,9 @@ static void mpt__put_layer(mpt__ckpt_text *t, const mpt__layer *L) {
         mpt__ckpt_puts(t, ",\"dtype\":");
         mpt__ckpt_put_json(t, mpt_dtype_name(L->desc.common.dtype));
     }
-    mpt__ckpt_puts(t, ",\"inputs\":[");
-    for (s = 0; s < L->n_in; s++) {
-        snprintf(num, sizeof num, "%s%d", s ? "," : "", L->in_node[s]);
-        mpt__ckpt_puts(t, num);
-    }
-    mpt__ckpt_puts(t, "],\"config\":");
+    mpt__ckpt_puts(t, ",");
+    mpt__put_inputs(t, L);
+    mpt__ckpt_puts(t, ",\"config\":");
     mpt__put_fields(t, L->ops->fields, &L->desc);
     mpt__ckpt_puts(t, "}");
 }
@@ -18848,18 +18985,56 @@ static const mpt__layer_ops *mpt__file_layer_ops(const char *class_name) {
     return NULL;
 }
 
+/* Layer i's "inputs": nodes 0..i (those before it), as many as ops takes,
+   left pending for its add (the functional form's checks and all). */
+static mpt_status mpt__load_inputs(mpt__json *j, int index, int i, mpt_model *m,
+                                   const mpt__layer_ops *ops, const char *label) {
+    mpt_node inputs[MPT_MAX_MERGE_INPUTS];
+    int in = mpt__json_get(j, index, "inputs"), e, k;
+    int n = in >= 0 && j->v[in].type == 'a' ? j->v[in].count : -1;
+    if (n < ops->min_inputs || n > ops->max_inputs)
+        return mpt__json_bad(j, in >= 0 ? j->v[in].at : j->v[index].at, "%s: \"inputs\" is not "
+                             "an array of %d..%d nodes", label, ops->min_inputs, ops->max_inputs);
+    for (k = 0, e = j->v[in].first; e >= 0; k++, e = j->v[e].next) {
+        int64_t node;
+        MPT__CHECK(mpt__json_int64(j, e, 0, i, &node, "an input node"));
+        inputs[k] = (mpt_node)node;
+    }
+    return mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name)
+               ? MPT_OK
+               : m->graph_status;
+}
+
+/* Layer i of the file that is a shared layer's later call. */
+static mpt_status mpt__load_call(mpt__json *j, int index, int i, mpt_model *m, int call_of) {
+    int64_t owner;
+    char label[96];
+    int e;
+    snprintf(label, sizeof label, "layer %d (a call)", i);
+    MPT__CHECK(mpt__json_int64(j, call_of, 0, i - 1, &owner, "its \"call_of\""));
+    if (m->layers[owner].call_of)
+        return mpt__json_bad(j, j->v[call_of].at, "%s: layer %lld is itself a call", label,
+                             (long long)owner);
+    for (e = j->v[index].first; e >= 0; e = j->v[e].next)
+        if (strcmp(j->v[e].key, "call_of") && strcmp(j->v[e].key, "inputs"))
+            return mpt__json_bad(j, j->v[e].at, "%s has no member \"%s\"", label, j->v[e].key);
+    MPT__CHECK(mpt__load_inputs(j, index, i, m, m->layers[owner].ops, label));
+    return mpt__add_call(m, (int)owner);
+}
+
 /* Layer i of the file, added to m with its inputs. */
 static mpt_status mpt__load_layer(mpt__json *j, int index, int i, mpt_model *m) {
     const mpt__layer_ops *ops;
     mpt__layer_desc d;
-    mpt_node inputs[MPT_MAX_MERGE_INPUTS];
     mpt_status s = MPT_OK;
     const char *cls, *name, *dtype_name;
     char label[128];
-    int in = mpt__json_get(j, index, "inputs"), e, k, n;
+    int e, k;
     snprintf(label, sizeof label, "layer %d", i);
     if (index < 0 || j->v[index].type != 'o')
         return mpt__json_bad(j, index >= 0 ? j->v[index].at : 0, "%s is not an object", label);
+    e = mpt__json_get(j, index, "call_of");
+    if (e >= 0) return mpt__load_call(j, index, i, m, e);
     cls = mpt__json_str(j, mpt__json_get(j, index, "class"), "its class", &s);
     if (!cls) return s;
     ops = mpt__file_layer_ops(cls);
@@ -18889,18 +19064,7 @@ static mpt_status mpt__load_layer(mpt__json *j, int index, int i, mpt_model *m) 
         return mpt__json_bad(j, e >= 0 ? j->v[e].at : j->v[index].at, "%s: \"config\" is not an "
                              "object", label);
     MPT__CHECK(mpt__json_fields(j, e, ops->fields, &d, label));
-    n = in >= 0 && j->v[in].type == 'a' ? j->v[in].count : -1;
-    if (n < ops->min_inputs || n > ops->max_inputs)
-        return mpt__json_bad(j, in >= 0 ? j->v[in].at : j->v[index].at, "%s: \"inputs\" is not "
-                             "an array of %d..%d nodes", label, ops->min_inputs, ops->max_inputs);
-    for (k = 0, e = j->v[in].first; e >= 0; k++, e = j->v[e].next) {
-        int64_t node;
-        MPT__CHECK(mpt__json_int64(j, e, 0, i, &node, "an input node"));
-        inputs[k] = (mpt_node)node;
-    }
-    /* The functional form's way in, checks and all. */
-    if (!mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name))
-        return m->graph_status;
+    MPT__CHECK(mpt__load_inputs(j, index, i, m, ops, label));
     s = ops->add(m, ops, &d);
     m->n_pending = 0;
     return s;
@@ -29165,6 +29329,7 @@ static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
     for (i = 0, s = MPT_OK; s == MPT_OK && i < m->n_layers; i++) {
         r->n_pending = m->layers[i].n_in; /* the same graph */
         memcpy(r->pending, m->layers[i].in_node, sizeof r->pending);
+        r->pending_call_of = m->layers[i].call_of;
         s = mpt__model_add(r, m->layers[i].ops, &m->layers[i].desc, m->layers[i].name,
                            m->layers[i].desc.common.dtype);
         r->n_pending = 0;

@@ -210,6 +210,69 @@ static void test_fan_out_across_dtypes(void) {
     }
 }
 
+/* ---- a shared layer: y = A(x) + A(relu(B(x))), A one Dense called twice ------------- */
+
+static void shared_ref(const gc_case *c, const double *x, double *const *p, double *y) {
+    const int64_t F = 4;
+    int64_t b, i;
+    for (b = 0; b < c->batch; b++) {
+        double a1[4], h[4], a2[4];
+        ref_dense(x + b * F, p[0], p[1], F, F, a1);
+        ref_dense(x + b * F, p[2], p[3], F, F, h);
+        for (i = 0; i < F; i++) h[i] = h[i] > 0 ? h[i] : 0;
+        ref_dense(h, p[0], p[1], F, F, a2);
+        for (i = 0; i < F; i++) y[b * F + i] = tanh(a1[i]) + tanh(a2[i]);
+    }
+}
+
+static void test_shared_layer_gradients(void) {
+    int k;
+    for (k = 0; k < 3; k++) {
+        mpt_model *m = new_model(4, policies[k]);
+        mpt_node x = mpt_model_input(m), h, two[2];
+        char label[96], text[4096], want[128];
+        test__begin();
+        two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_TANH,
+                                                   .name = "shared"});
+        h = mpt_dense(m, x, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_RELU});
+        two[1] = mpt_apply_layer(m, "shared", 1, &h);
+        mpt_add(m, 2, two, NULL);
+        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_param_count(m) == 4, "%d parameters (the shared layer's once)",
+              mpt_model_param_count(m));
+        mpt_model_summary(m, text, sizeof text);
+        snprintf(want, sizeof want, "shared[0][0],\n%94sshared[1][0]\n", "");
+        CHECK(strstr(text, want) && strstr(text, "Total params: 40 "), "summary:\n%s", text);
+        snprintf(label, sizeof label, "shared Dense %s", mpt_policy_name(policies[k]));
+        gc_check(ctx,
+                 &(gc_case){.model = m, .batch = 6, .training = 1, .ref_forward = shared_ref},
+                 label);
+        mpt_model_destroy(m);
+        test__end("gradcheck %s", label);
+    }
+}
+
+/* A shared call's inputs must fit its weights, and it must name a layer. */
+static void test_shared_layer_errors(void) {
+    mpt_model *m = new_model(4, MPT_POLICY_FLOAT32);
+    mpt_node x = mpt_model_input(m), wide, two[2];
+    two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 3, .name = "d"});
+    wide = mpt_dense(m, x, &(mpt_dense_desc){.units = 6});
+    two[1] = mpt_apply_layer(m, "d", 1, &wide);
+    mpt_add(m, 2, two, NULL);
+    test_expect_error(ctx, mpt_model_build(m, 2), MPT_ERR_SHAPE,
+                      "Dense 'd' applied again (layer 2) to input (6,) needs a kernel of (6, 3), "
+                      "but its weights are (4, 3)",
+                      "shared Dense on a wider input");
+    mpt_model_destroy(m);
+    m = new_model(4, MPT_POLICY_FLOAT32);
+    x = mpt_model_input(m);
+    CHECK(mpt_apply_layer(m, "nothing", 1, &x) == MPT_NODE_FAILED, "no such layer");
+    test_expect_error(ctx, MPT_ERR_INVALID_ARGUMENT, MPT_ERR_INVALID_ARGUMENT,
+                      "apply_layer: the model has no layer named \"nothing\"", "no such layer");
+    mpt_model_destroy(m);
+}
+
 /* ---- Concatenate and ZeroPadding2D on images: y = Concatenate(x, pad(x)) ----------- */
 
 enum { IMG_H = 2, IMG_W = 3, IMG_C = 2 };
@@ -517,6 +580,8 @@ static void cases(void) {
     test_merge_gradients();
     test_fan_out_across_dtypes();
     test_concatenate_gradients();
+    test_shared_layer_gradients();
+    TEST_RUN(test_shared_layer_errors);
     TEST_RUN(test_padding_and_axis_checks);
     TEST_RUN(test_residual_training);
 }

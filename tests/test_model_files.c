@@ -182,7 +182,7 @@ static mpt_model *every_layer_model(void) {
     a = mpt_dropout(m, a, &(mpt_dropout_desc){.rate = 0.3f, .seed = 77});
     three[0] = mpt_dense(m, a, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_SIGMOID});
     three[1] = mpt_dense(m, a, &(mpt_dense_desc){.units = 5, .no_bias = 1});
-    three[2] = three[0];
+    three[2] = mpt_apply_layer(m, "dense", 1, &a); /* a shared layer's second call */
     three[2] = mpt_multiply(m, 3, three, NULL);
     two[0] = mpt_subtract(m, 2, three, NULL);
     two[1] = mpt_average(m, 2, three + 1, NULL);
@@ -303,6 +303,15 @@ static void test_hostile_architectures(void) {
         {"{\"a\":\"\\ud800\"}", "a malformed \\u escape", MPT_ERR_FORMAT},
         {"{\"a\":\"\\u0000\"}", "a malformed \\u escape", MPT_ERR_FORMAT},
         {"{\"a\":1} x", "more after the document's end", MPT_ERR_FORMAT},
+        {"{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[4],\"policy\":"
+         "\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":2,\"layers\":["
+         "{\"call_of\":0,\"inputs\":[0]}]}",
+         "its \"call_of\" 0 is not in 0..-1", MPT_ERR_FORMAT},
+        {"{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[4],\"policy\":"
+         "\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":2,\"layers\":["
+         "{\"class\":\"Dense\",\"name\":\"d\",\"inputs\":[0],\"config\":{\"units\":4}},"
+         "{\"call_of\":0,\"inputs\":[1],\"name\":\"x\"}]}",
+         "layer 1 (a call) has no member \"name\"", MPT_ERR_FORMAT},
         {"{\"a\":\"\x97\"}", "invalid UTF-8 byte 0x97", MPT_ERR_FORMAT},
         {"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]",
          "nested more than 32 deep", MPT_ERR_FORMAT},

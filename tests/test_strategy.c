@@ -103,8 +103,9 @@ static void test_replicas_match_one(void) {
     mpt_dataset_destroy(d);
 }
 
-/* A residual graph: h = Dense(16, relu); a synchronized
-   BatchNormalization of Add(Dense(16, relu)(h), h); Dense(3, softmax);
+/* A residual graph with a shared layer: h = Dense(16, relu); s = a Dense
+   S(16, relu) called twice, S(h) + S(S(h)); a synchronized
+   BatchNormalization of Add(s, h); Dense(3, softmax);
    SGD (Adam turns the last bits of the sums' order, in gradients that
    BatchNormalization drives towards zero, into whole steps). */
 static mpt_model *graph_model(mpt_strategy *s) {
@@ -113,7 +114,10 @@ static mpt_model *graph_model(mpt_strategy *s) {
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
                                             .seed = 5, .strategy = s}, &m);
     h = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
-    two[0] = mpt_dense(m, h, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    two[0] = mpt_dense(m, h, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU,
+                                               .name = "shared"});
+    two[1] = mpt_apply_layer(m, "shared", 1, &two[0]); /* the same weights again */
+    two[0] = mpt_add(m, 2, two, NULL);
     two[1] = h;
     h = mpt_batch_normalization(m, mpt_add(m, 2, two, NULL),
                                 &(mpt_batchnorm_desc){.synchronized = 1});

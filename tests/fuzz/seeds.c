@@ -112,7 +112,8 @@ static void architecture_seed(mpt_context *ctx, mpt_model *m, const char *name) 
     mpt__free(ctx, t.s);
 }
 
-/* A graph of every merge, ZeroPadding2D and a dtype given, compiled. */
+/* A graph of every merge, ZeroPadding2D, a shared layer and a dtype given,
+   compiled. */
 static mpt_model *graph_model(mpt_context *ctx) {
     mpt_model *m = NULL;
     mpt_model_desc md;
@@ -136,7 +137,7 @@ static mpt_model *graph_model(mpt_context *ctx) {
     cat.axis = 2;
     x = mpt_model_input(m);
     a = mpt_conv2d(m, x, &conv);             /* c1 */
-    b = mpt_conv2d(m, x, &conv);             /* c2 */
+    b = mpt_apply_layer(m, "conv2d", 1, &x); /* c2: c1's weights again */
     two[0] = a, two[1] = b;
     two[0] = mpt_add(m, 2, two, NULL);       /* s = c1 + c2 */
     two[1] = a;

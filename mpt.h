@@ -8446,13 +8446,21 @@ static mpt_status mpt__graph_check(mpt_model *m) {
     leads[m->n_layers] = 1;
     for (i = m->n_layers - 1; i >= 0; i--)
         for (s = 0; s < m->layers[i].n_in && leads[i + 1]; s++) leads[m->layers[i].in_node[s]] = 1;
-    for (i = 0; i < m->n_layers; i++)
-        if (!leads[i + 1])
+    /* A shared layer whose own output leads nowhere, while a later call's
+       does, is allowed, as Keras leaves such a call out of its model: its
+       gradient buffer stays the zeros build wrote (no layer writes it), so
+       it gives its weights nothing. */
+    for (i = 0; i < m->n_layers; i++) {
+        int c, called = 0;
+        for (c = i + 1; c < m->n_layers && !leads[i + 1]; c++)
+            called |= m->layers[c].call_of == i + 1 && leads[c + 1];
+        if (!leads[i + 1] && !called)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "model: layer '%s' (%s) does not lead to the output, the last layer "
                              "added ('%s'); a model is what leads from its input to its output",
                              m->layers[i].name, m->layers[i].ops->class_name,
                              m->layers[m->n_layers - 1].name);
+    }
     return MPT_OK;
 }
 

@@ -252,6 +252,43 @@ static void test_shared_layer_gradients(void) {
     }
 }
 
+/* A shared layer whose first call's output leads nowhere, as Keras allows:
+   y = A(relu(B(x))); A(x) is computed but gives A's weights no gradient. */
+static void unused_first_call_ref(const gc_case *c, const double *x, double *const *p,
+                                  double *y) {
+    const int64_t F = 4;
+    int64_t b, i;
+    for (b = 0; b < c->batch; b++) {
+        double h[4];
+        ref_dense(x + b * F, p[2], p[3], F, F, h);
+        for (i = 0; i < F; i++) h[i] = h[i] > 0 ? h[i] : 0;
+        ref_dense(h, p[0], p[1], F, F, y + b * F);
+        for (i = 0; i < F; i++) y[b * F + i] = tanh(y[b * F + i]);
+    }
+}
+
+static void test_shared_layer_first_call_unused(void) {
+    int k;
+    for (k = 0; k < 3; k++) {
+        mpt_model *m = new_model(4, policies[k]);
+        mpt_node x = mpt_model_input(m), h;
+        char label[96];
+        test__begin();
+        mpt_dense(m, x, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_TANH, .name = "a"});
+        h = mpt_dense(m, x, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_RELU});
+        mpt_apply_layer(m, "a", 1, &h);
+        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        snprintf(label, sizeof label, "shared Dense, first call unused, %s",
+                 mpt_policy_name(policies[k]));
+        gc_check(ctx,
+                 &(gc_case){.model = m, .batch = 5, .training = 1,
+                            .ref_forward = unused_first_call_ref},
+                 label);
+        mpt_model_destroy(m);
+        test__end("gradcheck %s", label);
+    }
+}
+
 /* A shared call's inputs must fit its weights, and it must name a layer. */
 static void test_shared_layer_errors(void) {
     mpt_model *m = new_model(4, MPT_POLICY_FLOAT32);
@@ -581,6 +618,7 @@ static void cases(void) {
     test_fan_out_across_dtypes();
     test_concatenate_gradients();
     test_shared_layer_gradients();
+    test_shared_layer_first_call_unused();
     TEST_RUN(test_shared_layer_errors);
     TEST_RUN(test_padding_and_axis_checks);
     TEST_RUN(test_residual_training);

@@ -2461,44 +2461,21 @@ static void temp_path(char *buf, size_t size, const char *name) {
              (long)getpid(), name);
 }
 
-/* (a) CUDA graphs change nothing: the same fit with capture off
-   (MPT_CUDA_GRAPHS=0) and on gives the same weights, bit for bit;
-   (d) and two runs with graphs give the same weights. */
-static void test_model_graphs_and_determinism(void) {
-    char off[512], on[512], again[512];
+/* Trains the blob model (a graph with `graph`) three epochs on the GPU
+   with CUDA graphs off, on, and on again: it learns, and all three give
+   the same bits. `name` tells the weight files apart. */
+static void check_gpu_determinism(int graph, const char *name) {
+    char off[512], on[512], again[512], base[128];
     double acc_off, acc_on;
     const char *dev = "?";
-    temp_path(off, sizeof off, "graphs_off");
-    temp_path(on, sizeof on, "graphs_on");
-    temp_path(again, sizeof again, "graphs_on_again");
+    snprintf(base, sizeof base, "%s_off", name);
+    temp_path(off, sizeof off, base);
+    snprintf(base, sizeof base, "%s_on", name);
+    temp_path(on, sizeof on, base);
+    snprintf(base, sizeof base, "%s_on_again", name);
+    temp_path(again, sizeof again, base);
     make_blobs();
-    acc_off = train_blobs("0", MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
-    acc_on = train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, &dev);
-    train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, again, NULL);
-    CHECK(!strcmp(dev, "cuda"), "the model trained on '%s'", dev);
-    CHECK(acc_on >= 0.9, "the blobs are not learnt: accuracy %g", acc_on);
-    CHECK(acc_on == acc_off, "accuracy with graphs %.9g, without %.9g", acc_on, acc_off);
-    CHECK(same_file(off, on), "weights with CUDA graphs differ from those without (%s, %s)", on,
-          off);
-    CHECK(same_file(on, again), "two runs on the GPU gave different weights (%s, %s)", on, again);
-    if (!test__current_failed) {
-        remove(off);
-        remove(on);
-        remove(again);
-    }
-}
-
-/* A graph on the GPU (fan-out, Add, Concatenate): learns the blobs, the
-   same bits with and without CUDA graphs and from run to run, as a chain. */
-static void test_model_graph_on_the_gpu(void) {
-    char off[512], on[512], again[512];
-    double acc_off, acc_on;
-    const char *dev = "?";
-    temp_path(off, sizeof off, "graph_model_off");
-    temp_path(on, sizeof on, "graph_model_on");
-    temp_path(again, sizeof again, "graph_model_again");
-    make_blobs();
-    blobs_graph = 1;
+    blobs_graph = graph;
     acc_off = train_blobs("0", MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
     acc_on = train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, &dev);
     train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, again, NULL);
@@ -2515,6 +2492,11 @@ static void test_model_graph_on_the_gpu(void) {
         remove(again);
     }
 }
+
+static void test_model_graphs_and_determinism(void) { check_gpu_determinism(0, "graphs"); }
+
+/* A model graph on the GPU (fan-out, Add, Concatenate), as a chain. */
+static void test_model_graph_on_the_gpu(void) { check_gpu_determinism(1, "graph_model"); }
 
 /* Occurrences of `needle` in the file `path`'s first MiB; -1 if unreadable. */
 static long count_in_file(const char *path, const char *needle) {

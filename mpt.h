@@ -253,7 +253,8 @@
        @impl-rng          Philox for dropout masks and initial weights
        @impl-layers       the layer interface: a layer's table, its parameters,
                           the model struct
-       @impl-layer-helpers  what the layers share: workspace, dz, GEMM
+       @impl-layer-helpers  what the layers share: workspace, dz, GEMM; the
+                          functional form (nodes, a layer applied to them)
        @impl-dense        Dense
        @impl-flatten      Flatten
        @impl-activation   Activation
@@ -9104,14 +9105,18 @@ static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_wal
 
 /* Whether a graph's backward wants node j's gradient: the input's when
    the caller asks for it, a layer's when that layer runs backward. */
-static int mpt__graph_wants_grad(const mpt_model *m, const mpt__backward_walk *w, int j) {
-    (void)m;
+static int mpt__graph_wants_grad(const mpt__backward_walk *w, int j) {
     return j == 0 ? w->want_dinput : j - 1 >= w->first;
 }
 
 /* A node's gradient buffer in a graph: the input's, or its layer's dy. */
 static void *mpt__graph_grad(const mpt_model *m, int j) {
     return j == 0 ? m->input_grad : m->layers[j - 1].dy_buf;
+}
+
+/* ... and its dtype: the input's is the first layer's (mpt__graph_layout_grads). */
+static mpt_dtype mpt__graph_grad_dtype(const mpt_model *m, int j) {
+    return m->layers[j == 0 ? 0 : j - 1].dtype;
 }
 
 /* A graph's layer i: dy is its own buffer; each input's gradient goes
@@ -9123,8 +9128,8 @@ static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backwar
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
-        mpt_dtype dtype = j == 0 ? m->layers[0].dtype : m->layers[j - 1].dtype;
-        if (!mpt__graph_wants_grad(m, w, j)) {
+        mpt_dtype dtype = mpt__graph_grad_dtype(m, j);
+        if (!mpt__graph_wants_grad(w, j)) {
             L->dxs[s] = NULL;
         } else if (!m->node_written[j] && dtype == L->dtype) {
             L->dxs[s] = mpt__graph_grad(m, j);
@@ -9155,7 +9160,7 @@ static void mpt__graph_backward_finish(mpt_model *m, int i, mpt__backward_walk *
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
         int64_t n = w->p.batch * mpt__node_count(m, j);
-        mpt_dtype dtype = j == 0 ? m->layers[0].dtype : m->layers[j - 1].dtype;
+        mpt_dtype dtype = mpt__graph_grad_dtype(m, j);
         void *grad = mpt__graph_grad(m, j);
         if (!L->dxs[s]) continue;
         if (L->dxs[s] == grad) {

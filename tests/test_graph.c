@@ -9,6 +9,7 @@
 #include "blobs.h"
 
 static mpt_context *ctx;
+static char tmpdir[512];
 
 static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
                                       MPT_POLICY_MIXED_BFLOAT16};
@@ -465,6 +466,21 @@ static mpt_model *residual_mlp(mpt_context *c, mpt_policy policy) {
     return m;
 }
 
+/* Every parameter's float32 values, in order, into w (size floats). */
+static void weights_of(mpt_model *m, float *w, int64_t size) {
+    int64_t at = 0;
+    int p;
+    for (p = 0; p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        int64_t count;
+        mpt_model_param(m, p, &info);
+        count = mpt_tensor_count(&info.value);
+        if (at + count <= size) memcpy(w + at, info.value.data, sizeof(float) * (size_t)count);
+        at += count;
+    }
+    CHECK(at <= size, "%lld weights", (long long)at);
+}
+
 /* Trains on `threads` threads; returns the final accuracy, the weights in w. */
 static double train_residual(int threads, mpt_policy policy, float *w, int64_t w_size) {
     mpt_context *c = NULL;
@@ -472,8 +488,6 @@ static double train_residual(int threads, mpt_policy policy, float *w, int64_t w
     mpt_dataset *data;
     mpt_logs logs;
     double acc = -1;
-    int p, n;
-    int64_t at = 0;
     mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c);
     m = residual_mlp(c, policy);
     data = blobs_in(c);
@@ -481,16 +495,7 @@ static double train_residual(int threads, mpt_policy policy, float *w, int64_t w
           "fit: %s", mpt_context_error(c));
     CHECK(mpt_model_evaluate(m, data, NULL, &logs) == MPT_OK, "evaluate: %s", mpt_context_error(c));
     acc = mpt_logs_get(&logs, "accuracy");
-    n = mpt_model_param_count(m);
-    for (p = 0; p < n; p++) {
-        mpt_param_info info;
-        int64_t count;
-        mpt_model_param(m, p, &info);
-        count = mpt_tensor_count(&info.value);
-        if (at + count <= w_size) memcpy(w + at, info.value.data, sizeof(float) * (size_t)count);
-        at += count;
-    }
-    CHECK(at <= w_size, "%lld weights", (long long)at);
+    weights_of(m, w, w_size);
     mpt_dataset_destroy(data);
     mpt_model_destroy(m);
     mpt_context_destroy(c);
@@ -509,6 +514,36 @@ static void test_residual_training(void) {
               "%s: 1 and 2 threads train otherwise (accuracy %.4f, %.4f)",
               mpt_policy_name(policies[k]), a1, a2);
     }
+}
+
+/* The profiler's walk over a graph (its steps timed layer by layer, the
+   residual Add's branch included) ends where the unprofiled fit ends, bit
+   for bit, and writes its trace. */
+static void test_profiled_graph(void) {
+    static float plain_w[4096], profiled_w[4096];
+    mpt_model *plain = residual_mlp(ctx, MPT_POLICY_MIXED_FLOAT16);
+    mpt_model *profiled = residual_mlp(ctx, MPT_POLICY_MIXED_FLOAT16);
+    mpt_dataset *data = blobs_in(ctx);
+    mpt_fit_desc f;
+    char dir[600], plugins[700];
+    make_blobs();
+    memset(&f, 0, sizeof f);
+    f.epochs = 2;
+    f.batch_size = 32;
+    CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(dir, sizeof dir, "%s/logs", tmpdir);
+    f.profile_batch[0] = 3;
+    f.profile_batch[1] = 9; /* into the second epoch */
+    f.profile_dir = dir;
+    CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "profiled fit: %s", mpt_context_error(ctx));
+    weights_of(plain, plain_w, 4096);
+    weights_of(profiled, profiled_w, 4096);
+    CHECK(memcmp(plain_w, profiled_w, sizeof plain_w) == 0, "profiling changed the weights");
+    snprintf(plugins, sizeof plugins, "%s/plugins/profile", dir);
+    CHECK(access(plugins, F_OK) == 0, "no profile written under %s", plugins);
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(profiled);
 }
 
 /* ---- errors --------------------------------------------------------------------- */
@@ -622,6 +657,7 @@ static void cases(void) {
     TEST_RUN(test_shared_layer_errors);
     TEST_RUN(test_padding_and_axis_checks);
     TEST_RUN(test_residual_training);
+    TEST_RUN(test_profiled_graph);
 }
 
 int main(void) {
@@ -631,6 +667,9 @@ int main(void) {
     p.ctx = &ctx;
     p.threads = 2;
     p.seed = 5;
+    p.tmpdir = tmpdir;
+    p.tmpdir_size = sizeof tmpdir;
+    p.keep_env = "MPT_KEEP_TEST_FILES";
     p.cases = cases;
     return test_main(&p);
 }

@@ -4399,8 +4399,9 @@ typedef union mpt__layer_desc mpt__layer_desc;
           plan_next                 optional: runs the next layer inside
           replica_statistics        optional: what a strategy averages
           identity_at_inference     optional: 1 where inference leaves it out
+          desc_size                 required: sizeof its descriptor
+          check                     optional: its descriptor's checks
           fields                    required: its descriptor in model files
-          add                       required: its add, from a read descriptor
           min_inputs, max_inputs    required: 1, 1 but for the merges
      3. Its tests.
      4. Only when its math is new: backend slots and their CPU and CUDA
@@ -4439,13 +4440,19 @@ typedef struct mpt__layer_ops {
     /* 1: inference passes x through unchanged (Dropout), so the export and
        quantization leave the layer out. */
     int identity_at_inference;
+    /* The size of its descriptor (mpt_dense_desc, ...), which every add
+       copies into a mpt__layer_desc, zeros past it. */
+    size_t desc_size;
+    /* Optional: refuses a descriptor no build could make sense of (units
+       0, an unknown activation), naming the layer kind and the value;
+       zero fields are their defaults. Every way in runs it: the
+       mpt_model_add_ calls, the functional form, model files. NULL: every
+       descriptor will do. */
+    mpt_status (*check)(struct mpt_model *m, const struct mpt__layer_ops *ops,
+                        const mpt__layer_desc *d);
     /* What a model file keeps of its descriptor past the common fields
        (mpt_model_save): a list ending with MPT__FIELDS_END. */
     const mpt__field *fields;
-    /* Adds a layer of this table from a descriptor read back from a file,
-       through the checks of its add function (mpt_model_load). */
-    mpt_status (*add)(struct mpt_model *m, const struct mpt__layer_ops *ops,
-                      const mpt__layer_desc *d);
     /* How many input nodes it takes: 1, or a merge's 2..MPT_MAX_MERGE_INPUTS. */
     int min_inputs, max_inputs;
 } mpt__layer_ops;
@@ -4919,36 +4926,38 @@ static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int 
 static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
                                  const mpt__layer_desc *desc, const char *name, mpt_dtype dtype);
 
-/* Appends a layer of `ops` described by desc (one of the descriptor
-   structs, `size` bytes; each starts with the common name and dtype), or
-   by its zero defaults when desc is NULL. */
-static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc,
-                                 size_t size) {
+/* Every mpt_model_add_<layer>: appends a layer of `ops` described by desc
+   (its descriptor struct; each starts with the common name and dtype), or
+   by its zero defaults when desc is NULL, once its checks pass. */
+static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const void *desc) {
     mpt__layer_desc ld;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
     memset(&ld, 0, sizeof ld);
-    if (desc) memcpy(&ld, desc, size);
+    if (desc) memcpy(&ld, desc, ops->desc_size);
+    if (ops->check) MPT__CHECK(ops->check(m, ops, &ld));
     return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
-/* Before the checks of a layer's descriptor, which the caller has made
-   its zero defaults when NULL (a required field's own check names it). */
-static mpt_status mpt__check_add(mpt_model *m) { return m ? MPT_OK : MPT_ERR_INVALID_ARGUMENT; }
-
-/* The descriptor to check: desc, or, where the caller passed NULL,
-   `defaults` (size bytes) zeroed, which is every field's default. */
-static const void *mpt__desc_or_defaults(const void *desc, void *defaults, size_t size) {
-    if (desc) return desc;
-    memset(defaults, 0, size);
-    return defaults;
+/* The checks Dense and Conv2D share: their activation and initializers. */
+static mpt_status mpt__check_kernel_desc(mpt_model *m, const mpt__layer_ops *ops,
+                                         mpt_activation activation, mpt_initializer kernel,
+                                         mpt_initializer bias) {
+    if (!mpt__activation_valid(activation))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: unknown activation %d",
+                         ops->class_name, (int)activation);
+    if (!mpt__initializer_valid(kernel) || !mpt__initializer_valid(bias))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: unknown initializer %d",
+                         ops->class_name, (int)(mpt__initializer_valid(kernel) ? bias : kernel));
+    return MPT_OK;
 }
 
 /* The fields of a descriptor that has only the common ones. */
 static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
 
 /* ---- the functional form: a layer applied to nodes ---------------------------
-   Each mpt_<layer>(m, x, desc) is mpt__apply, then the layer's own
-   mpt_model_add_<layer>, then mpt__applied: the add takes the nodes
-   mpt__apply left pending (mpt__take_inputs) instead of the last one. */
+   Each mpt_<layer>(m, x, desc) is mpt__call_layer: mpt__apply, then the
+   layer's add, then mpt__applied; the add takes the nodes mpt__apply left
+   pending (mpt__take_inputs) instead of the last one. */
 
 /* Keeps the functional form's first failure (s, and the context's
    message) for build. */
@@ -4995,6 +5004,14 @@ static mpt_node mpt__applied(mpt_model *m, mpt_status s) {
     if (s == MPT_OK) return m->n_layers;
     mpt__graph_keep(m, s);
     return MPT_NODE_FAILED;
+}
+
+/* A new layer of ops, described by desc, applied to n nodes. */
+static mpt_node mpt__call_layer(mpt_model *m, const mpt__layer_ops *ops, int n,
+                                const mpt_node *inputs, const void *desc) {
+    if (!mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name))
+        return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt__add_layer(m, ops, desc));
 }
 
 MPTDEF mpt_node mpt_model_input(mpt_model *m) { return m ? 0 : MPT_NODE_FAILED; }
@@ -5156,39 +5173,27 @@ static const mpt__field mpt__dense_fields[] = {
     MPT__FIELD(mpt_dense_desc, bias_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELDS_END};
 
-static mpt_status mpt__dense_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                      const mpt__layer_desc *d) {
-    (void)ops;
-    return mpt_model_add_dense(m, &d->dense);
+static mpt_status mpt__dense_check(mpt_model *m, const mpt__layer_ops *ops,
+                                   const mpt__layer_desc *desc) {
+    const mpt_dense_desc *d = &desc->dense;
+    if (d->units <= 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: units %lld must be > 0",
+                         (long long)d->units);
+    return mpt__check_kernel_desc(m, ops, d->activation, d->kernel_initializer,
+                                  d->bias_initializer);
 }
 
 static const mpt__layer_ops mpt__dense_ops = {
     "Dense", "dense", MPT__LAYER_DENSE, mpt__dense_build, mpt__dense_forward, mpt__dense_backward,
-    NULL, mpt__dense_activation, mpt__kernel_macs, NULL, NULL, 0, mpt__dense_fields,
-    mpt__dense_add_desc, 1, 1};
+    NULL, mpt__dense_activation, mpt__kernel_macs, NULL, NULL, 0, sizeof(mpt_dense_desc),
+    mpt__dense_check, mpt__dense_fields, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
-    mpt_dense_desc defaults;
-    MPT__CHECK(mpt__check_add(m));
-    d = (const mpt_dense_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
-    if (d->units <= 0)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: units %lld must be > 0",
-                         (long long)d->units);
-    if (!mpt__activation_valid(d->activation))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: unknown activation %d",
-                         (int)d->activation);
-    if (!mpt__initializer_valid(d->kernel_initializer) ||
-        !mpt__initializer_valid(d->bias_initializer))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dense: unknown initializer %d",
-                         (int)(mpt__initializer_valid(d->kernel_initializer)
-                                   ? d->bias_initializer
-                                   : d->kernel_initializer));
-    return mpt__add_layer(m, &mpt__dense_ops, d, sizeof(mpt_dense_desc));
+    return mpt__add_layer(m, &mpt__dense_ops, d);
 }
 
 MPTDEF mpt_node mpt_dense(mpt_model *m, mpt_node x, const mpt_dense_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "Dense")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_dense(m, d));
+    return mpt__call_layer(m, &mpt__dense_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -5213,25 +5218,17 @@ static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
         p->be->copy(p->impl, p->dx, p->dy, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
 }
 
-static mpt_status mpt__flatten_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                        const mpt__layer_desc *d) {
-    (void)ops;
-    return mpt_model_add_flatten(m, &d->flatten);
-}
-
 static const mpt__layer_ops mpt__flatten_ops = {
     "Flatten", "flatten", MPT__LAYER_FLATTEN, mpt__flatten_build, mpt__flatten_forward,
-    mpt__flatten_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__flatten_add_desc,
-    1, 1};
+    mpt__flatten_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_flatten_desc), NULL,
+    mpt__no_fields, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
-    MPT__CHECK(mpt__check_add(m));
-    return mpt__add_layer(m, &mpt__flatten_ops, d, sizeof(mpt_flatten_desc)); /* NULL: defaults */
+    return mpt__add_layer(m, &mpt__flatten_ops, d);
 }
 
 MPTDEF mpt_node mpt_flatten(mpt_model *m, mpt_node x, const mpt_flatten_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "Flatten")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_flatten(m, d));
+    return mpt__call_layer(m, &mpt__flatten_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -5272,31 +5269,27 @@ static const mpt__field mpt__activation_fields[] = {
     MPT__FIELD(mpt_activation_desc, activation, MPT__FIELD_ACTIVATION),
     MPT__FIELDS_END};
 
-static mpt_status mpt__activation_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                           const mpt__layer_desc *d) {
+static mpt_status mpt__activation_check(mpt_model *m, const mpt__layer_ops *ops,
+                                        const mpt__layer_desc *d) {
     (void)ops;
-    return mpt_model_add_activation(m, &d->activation);
+    if (!mpt__activation_valid(d->activation.activation))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
+                         (int)d->activation.activation);
+    return MPT_OK;
 }
 
 static const mpt__layer_ops mpt__activation_ops = {
     "Activation", "activation", MPT__LAYER_ACTIVATION, mpt__activation_build,
     mpt__activation_layer_forward, mpt__activation_layer_backward, NULL,
-    mpt__activation_layer_activation, NULL, NULL, NULL, 0, mpt__activation_fields,
-    mpt__activation_add_desc, 1, 1};
+    mpt__activation_layer_activation, NULL, NULL, NULL, 0, sizeof(mpt_activation_desc),
+    mpt__activation_check, mpt__activation_fields, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
-    mpt_activation_desc defaults;
-    MPT__CHECK(mpt__check_add(m));
-    d = (const mpt_activation_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
-    if (!mpt__activation_valid(d->activation))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Activation: unknown activation %d",
-                         (int)d->activation);
-    return mpt__add_layer(m, &mpt__activation_ops, d, sizeof(mpt_activation_desc));
+    return mpt__add_layer(m, &mpt__activation_ops, d);
 }
 
 MPTDEF mpt_node mpt_activation_layer(mpt_model *m, mpt_node x, const mpt_activation_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "Activation")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_activation(m, d));
+    return mpt__call_layer(m, &mpt__activation_ops, 1, &x, d);
 }
 /* =============================================================================
    @impl-windows  the geometry Conv2D and the pooling layers share
@@ -5924,41 +5917,29 @@ static const mpt__field mpt__conv2d_fields[] = {
     MPT__FIELD(mpt_conv2d_desc, bias_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELDS_END};
 
-static mpt_status mpt__conv2d_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                       const mpt__layer_desc *d) {
-    (void)ops;
-    return mpt_model_add_conv2d(m, &d->conv2d);
-}
-
-static const mpt__layer_ops mpt__conv2d_ops = {
-    "Conv2D", "conv2d", MPT__LAYER_CONV2D, mpt__conv2d_build, mpt__conv2d_forward,
-    mpt__conv2d_backward, NULL, mpt__conv2d_activation, mpt__kernel_macs, mpt__conv_pool_plan, NULL,
-    0, mpt__conv2d_fields, mpt__conv2d_add_desc, 1, 1};
-
-MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
-    mpt_conv2d_desc defaults;
-    MPT__CHECK(mpt__check_add(m));
-    d = (const mpt_conv2d_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
+static mpt_status mpt__conv2d_check(mpt_model *m, const mpt__layer_ops *ops,
+                                    const mpt__layer_desc *desc) {
+    const mpt_conv2d_desc *d = &desc->conv2d;
     if (d->filters <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Conv2D: filters %lld must be > 0",
                          (long long)d->filters);
     MPT__CHECK(mpt__check_window_desc(m, "Conv2D", "kernel_size", d->kernel_size, 1, d->strides,
                                       d->padding));
-    if (!mpt__activation_valid(d->activation))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Conv2D: unknown activation %d",
-                         (int)d->activation);
-    if (!mpt__initializer_valid(d->kernel_initializer) ||
-        !mpt__initializer_valid(d->bias_initializer))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Conv2D: unknown initializer %d",
-                         (int)(mpt__initializer_valid(d->kernel_initializer)
-                                   ? d->bias_initializer
-                                   : d->kernel_initializer));
-    return mpt__add_layer(m, &mpt__conv2d_ops, d, sizeof(mpt_conv2d_desc));
+    return mpt__check_kernel_desc(m, ops, d->activation, d->kernel_initializer,
+                                  d->bias_initializer);
+}
+
+static const mpt__layer_ops mpt__conv2d_ops = {
+    "Conv2D", "conv2d", MPT__LAYER_CONV2D, mpt__conv2d_build, mpt__conv2d_forward,
+    mpt__conv2d_backward, NULL, mpt__conv2d_activation, mpt__kernel_macs, mpt__conv_pool_plan, NULL,
+    0, sizeof(mpt_conv2d_desc), mpt__conv2d_check, mpt__conv2d_fields, 1, 1};
+
+MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
+    return mpt__add_layer(m, &mpt__conv2d_ops, d);
 }
 
 MPTDEF mpt_node mpt_conv2d(mpt_model *m, mpt_node x, const mpt_conv2d_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "Conv2D")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_conv2d(m, d));
+    return mpt__call_layer(m, &mpt__conv2d_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -6517,75 +6498,53 @@ static const mpt__field mpt__pool2d_fields[] = {
     MPT__FIELD(mpt_pool2d_desc, padding, MPT__FIELD_PADDING),
     MPT__FIELDS_END};
 
-static mpt_status mpt__max_pool_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                         const mpt__layer_desc *d) {
-    (void)ops;
-    return mpt_model_add_max_pooling2d(m, &d->pool2d);
+/* MaxPooling2D's and AveragePooling2D's checks. */
+static mpt_status mpt__pool_check(mpt_model *m, const mpt__layer_ops *ops,
+                                  const mpt__layer_desc *desc) {
+    const mpt_pool2d_desc *d = &desc->pool2d;
+    return mpt__check_window_desc(m, ops->class_name, "pool_size", d->pool_size, 0, d->strides,
+                                  d->padding);
 }
 
 static const mpt__layer_ops mpt__max_pool_ops = {
     "MaxPooling2D", "max_pooling2d", MPT__LAYER_MAX_POOLING2D, mpt__max_pool_build,
     mpt__max_pool_forward, mpt__max_pool_backward, NULL, NULL, NULL, NULL, NULL, 0,
-    mpt__pool2d_fields, mpt__max_pool_add_desc, 1, 1};
-static mpt_status mpt__avg_pool_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                         const mpt__layer_desc *d) {
-    (void)ops;
-    return mpt_model_add_average_pooling2d(m, &d->pool2d);
-}
+    sizeof(mpt_pool2d_desc), mpt__pool_check, mpt__pool2d_fields, 1, 1};
 
 static const mpt__layer_ops mpt__avg_pool_ops = {
     "AveragePooling2D", "average_pooling2d", MPT__LAYER_AVERAGE_POOLING2D, mpt__avg_pool_build,
     mpt__avg_pool_forward, mpt__avg_pool_backward, NULL, NULL, NULL, NULL, NULL, 0,
-    mpt__pool2d_fields, mpt__avg_pool_add_desc, 1, 1};
-static mpt_status mpt__global_pool_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                            const mpt__layer_desc *d) {
-    (void)ops;
-    return mpt_model_add_global_average_pooling2d(m, &d->global_pool2d);
-}
+    sizeof(mpt_pool2d_desc), mpt__pool_check, mpt__pool2d_fields, 1, 1};
 
 static const mpt__layer_ops mpt__global_pool_ops = {
     "GlobalAveragePooling2D", "global_average_pooling2d", MPT__LAYER_GLOBAL_AVERAGE_POOLING2D,
     mpt__global_pool_build, mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL, NULL,
-    NULL, NULL, 0, mpt__no_fields, mpt__global_pool_add_desc, 1, 1};
-
-/* MaxPooling2D or AveragePooling2D (ops), its descriptor checked. */
-static mpt_status mpt__add_pool(mpt_model *m, const mpt__layer_ops *ops, const mpt_pool2d_desc *d) {
-    mpt_pool2d_desc defaults;
-    MPT__CHECK(mpt__check_add(m));
-    d = (const mpt_pool2d_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
-    MPT__CHECK(mpt__check_window_desc(m, ops->class_name, "pool_size", d->pool_size, 0, d->strides,
-                                      d->padding));
-    return mpt__add_layer(m, ops, d, sizeof(mpt_pool2d_desc));
-}
+    NULL, NULL, 0, sizeof(mpt_global_pool2d_desc), NULL, mpt__no_fields, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    return mpt__add_pool(m, &mpt__max_pool_ops, d);
+    return mpt__add_layer(m, &mpt__max_pool_ops, d);
 }
 
 MPTDEF mpt_node mpt_max_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "MaxPooling2D")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_max_pooling2d(m, d));
+    return mpt__call_layer(m, &mpt__max_pool_ops, 1, &x, d);
 }
 
 MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    return mpt__add_pool(m, &mpt__avg_pool_ops, d);
+    return mpt__add_layer(m, &mpt__avg_pool_ops, d);
 }
 
 MPTDEF mpt_node mpt_average_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "AveragePooling2D")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_average_pooling2d(m, d));
+    return mpt__call_layer(m, &mpt__avg_pool_ops, 1, &x, d);
 }
 
 MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
                                                          const mpt_global_pool2d_desc *d) {
-    MPT__CHECK(mpt__check_add(m));
-    return mpt__add_layer(m, &mpt__global_pool_ops, d, /* NULL: defaults */
-                          sizeof(mpt_global_pool2d_desc));
+    return mpt__add_layer(m, &mpt__global_pool_ops, d);
 }
 
-MPTDEF mpt_node mpt_global_average_pooling2d(mpt_model *m, mpt_node x, const mpt_global_pool2d_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "GlobalAveragePooling2D")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_global_average_pooling2d(m, d));
+MPTDEF mpt_node mpt_global_average_pooling2d(mpt_model *m, mpt_node x,
+                                             const mpt_global_pool2d_desc *d) {
+    return mpt__call_layer(m, &mpt__global_pool_ops, 1, &x, d);
 }
 
 /* ---- a Conv2D and the MaxPooling2D after it, as one pass ---------------------
@@ -6784,35 +6743,31 @@ static const mpt__field mpt__zero_padding2d_fields[] = {
     MPT__FIELD(mpt_zero_padding2d_desc, padding, MPT__FIELD_INT64_2X2),
     MPT__FIELDS_END};
 
-static mpt_status mpt__zero_padding2d_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                               const mpt__layer_desc *d) {
-    (void)ops;
-    return mpt_model_add_zero_padding2d(m, &d->zero_padding2d);
-}
-
-static const mpt__layer_ops mpt__zero_padding2d_ops = {
-    "ZeroPadding2D", "zero_padding2d", MPT__LAYER_ZERO_PADDING2D, mpt__zero_padding2d_build,
-    mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0,
-    mpt__zero_padding2d_fields, mpt__zero_padding2d_add_desc, 1, 1};
-
-MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *d) {
-    mpt_zero_padding2d_desc defaults;
+static mpt_status mpt__zero_padding2d_check(mpt_model *m, const mpt__layer_ops *ops,
+                                            const mpt__layer_desc *desc) {
+    const mpt_zero_padding2d_desc *d = &desc->zero_padding2d;
     int i, k;
-    MPT__CHECK(mpt__check_add(m));
-    memset(&defaults, 0, sizeof defaults);
-    if (!d) d = &defaults; /* NULL: every default */
+    (void)ops;
     for (i = 0; i < 2; i++)
         for (k = 0; k < 2; k++)
             if (d->padding[i][k] < 0 || d->padding[i][k] > MPT__MAX_SAMPLE_ELEMENTS)
                 return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                                  "ZeroPadding2D: padding[%d][%d] %lld is not in 0..2^56", i, k,
                                  (long long)d->padding[i][k]);
-    return mpt__add_layer(m, &mpt__zero_padding2d_ops, d, sizeof(mpt_zero_padding2d_desc));
+    return MPT_OK;
+}
+
+static const mpt__layer_ops mpt__zero_padding2d_ops = {
+    "ZeroPadding2D", "zero_padding2d", MPT__LAYER_ZERO_PADDING2D, mpt__zero_padding2d_build,
+    mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0,
+    sizeof(mpt_zero_padding2d_desc), mpt__zero_padding2d_check, mpt__zero_padding2d_fields, 1, 1};
+
+MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *d) {
+    return mpt__add_layer(m, &mpt__zero_padding2d_ops, d);
 }
 
 MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "ZeroPadding2D")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_zero_padding2d(m, d));
+    return mpt__call_layer(m, &mpt__zero_padding2d_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -7466,21 +7421,10 @@ static const mpt__field mpt__bn_fields[] = {
     MPT__FIELD(mpt_batchnorm_desc, synchronized, MPT__FIELD_INT),
     MPT__FIELDS_END};
 
-static mpt_status mpt__bn_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                   const mpt__layer_desc *d) {
+static mpt_status mpt__bn_check(mpt_model *m, const mpt__layer_ops *ops,
+                                const mpt__layer_desc *desc) {
+    const mpt_batchnorm_desc *d = &desc->batchnorm;
     (void)ops;
-    return mpt_model_add_batch_normalization(m, &d->batchnorm);
-}
-
-static const mpt__layer_ops mpt__bn_ops = {
-    "BatchNormalization", "batch_normalization", MPT__LAYER_BATCH_NORMALIZATION, mpt__bn_build,
-    mpt__bn_forward, mpt__bn_backward, mpt__bn_commit, NULL, NULL, NULL, mpt__bn_replica_statistics,
-    0, mpt__bn_fields, mpt__bn_add_desc, 1, 1};
-
-MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
-    mpt_batchnorm_desc defaults;
-    MPT__CHECK(mpt__check_add(m));
-    d = (const mpt_batchnorm_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
     if (!(d->momentum >= 0 && d->momentum <= 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: momentum %g is not in [0, 1]", (double)d->momentum);
@@ -7488,12 +7432,20 @@ MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batc
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: epsilon %g must be > 0 and finite (0: 1e-3)",
                          (double)d->epsilon);
-    return mpt__add_layer(m, &mpt__bn_ops, d, sizeof(mpt_batchnorm_desc));
+    return MPT_OK;
+}
+
+static const mpt__layer_ops mpt__bn_ops = {
+    "BatchNormalization", "batch_normalization", MPT__LAYER_BATCH_NORMALIZATION, mpt__bn_build,
+    mpt__bn_forward, mpt__bn_backward, mpt__bn_commit, NULL, NULL, NULL, mpt__bn_replica_statistics,
+    0, sizeof(mpt_batchnorm_desc), mpt__bn_check, mpt__bn_fields, 1, 1};
+
+MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
+    return mpt__add_layer(m, &mpt__bn_ops, d);
 }
 
 MPTDEF mpt_node mpt_batch_normalization(mpt_model *m, mpt_node x, const mpt_batchnorm_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "BatchNormalization")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_batch_normalization(m, d));
+    return mpt__call_layer(m, &mpt__bn_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -7728,31 +7680,28 @@ static const mpt__field mpt__dropout_fields[] = {
     MPT__FIELD(mpt_dropout_desc, seed, MPT__FIELD_UINT64),
     MPT__FIELDS_END};
 
-static mpt_status mpt__dropout_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                        const mpt__layer_desc *d) {
+static mpt_status mpt__dropout_check(mpt_model *m, const mpt__layer_ops *ops,
+                                     const mpt__layer_desc *d) {
     (void)ops;
-    return mpt_model_add_dropout(m, &d->dropout);
+    if (!(d->dropout.rate >= 0 && d->dropout.rate < 1))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dropout: rate %g is not in [0, 1)",
+                         (double)d->dropout.rate);
+    return MPT_OK;
 }
 
 static const mpt__layer_ops mpt__dropout_ops = {
     "Dropout", "dropout", MPT__LAYER_DROPOUT, mpt__dropout_build, mpt__dropout_forward,
-    mpt__dropout_backward, NULL, NULL, NULL, NULL, NULL, 1, mpt__dropout_fields,
-    mpt__dropout_add_desc, 1, 1};
+    mpt__dropout_backward, NULL, NULL, NULL, NULL, NULL, 1, sizeof(mpt_dropout_desc),
+    mpt__dropout_check, mpt__dropout_fields, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
-    mpt_dropout_desc defaults;
-    MPT__CHECK(mpt__check_add(m));
-    d = (const mpt_dropout_desc *)mpt__desc_or_defaults(d, &defaults, sizeof defaults);
-    if (!(d->rate >= 0 && d->rate < 1))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "Dropout: rate %g is not in [0, 1)",
-                         (double)d->rate);
-    return mpt__add_layer(m, &mpt__dropout_ops, d, sizeof(mpt_dropout_desc));
+    return mpt__add_layer(m, &mpt__dropout_ops, d);
 }
 
 MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *d) {
-    if (!mpt__apply(m, &x, 1, 1, 1, "Dropout")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt_model_add_dropout(m, d));
+    return mpt__call_layer(m, &mpt__dropout_ops, 1, &x, d);
 }
+
 /* =============================================================================
    @impl-merge  Add, Subtract, Multiply, Average, Concatenate: n inputs, one output
    =============================================================================
@@ -7923,58 +7872,43 @@ static void mpt__merge_backward(mpt__layer *L, const mpt__pass *p) {
         if (p->dxs[s] && p->dxs[s] != share) p->be->copy(p->impl, p->dxs[s], share, bytes);
 }
 
-/* The merges' descriptors hold only the common fields. */
-static mpt_status mpt__merge_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                      const mpt__layer_desc *d) {
-    return mpt__add_layer(m, ops, d, sizeof(mpt_merge_desc));
-}
-
 static const mpt__layer_ops mpt__add_ops = {
     "Add", "add", MPT__LAYER_ADD, mpt__merge_build, mpt__merge_forward, mpt__merge_backward, NULL,
-    NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2, MPT_MAX_MERGE_INPUTS};
+    NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL, mpt__no_fields, 2,
+    MPT_MAX_MERGE_INPUTS};
 
 static const mpt__layer_ops mpt__subtract_ops = {
     "Subtract", "subtract", MPT__LAYER_SUBTRACT, mpt__merge_build, mpt__merge_forward,
-    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2,
-    2};
+    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL,
+    mpt__no_fields, 2, 2};
 
 static const mpt__layer_ops mpt__multiply_ops = {
     "Multiply", "multiply", MPT__LAYER_MULTIPLY, mpt__merge_build, mpt__merge_forward,
-    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2,
-    MPT_MAX_MERGE_INPUTS};
+    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL,
+    mpt__no_fields, 2, MPT_MAX_MERGE_INPUTS};
 
 static const mpt__layer_ops mpt__average_ops = {
     "Average", "average", MPT__LAYER_AVERAGE, mpt__merge_build, mpt__merge_forward,
-    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__no_fields, mpt__merge_add_desc, 2,
-    MPT_MAX_MERGE_INPUTS};
-
-/* The merges' one entry: n nodes (two for a Subtract) into a layer of ops. */
-static mpt_node mpt__merge(mpt_model *m, const mpt__layer_ops *ops, int n, const mpt_node *inputs,
-                           const mpt_merge_desc *d) {
-    mpt_merge_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name))
-        return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt__add_layer(m, ops, d ? d : &defaults, sizeof defaults));
-}
+    mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL,
+    mpt__no_fields, 2, MPT_MAX_MERGE_INPUTS};
 
 MPTDEF mpt_node mpt_add(mpt_model *m, int n, const mpt_node *inputs, const mpt_merge_desc *d) {
-    return mpt__merge(m, &mpt__add_ops, n, inputs, d);
+    return mpt__call_layer(m, &mpt__add_ops, n, inputs, d);
 }
 
 MPTDEF mpt_node mpt_subtract(mpt_model *m, int n, const mpt_node *inputs,
                              const mpt_merge_desc *d) {
-    return mpt__merge(m, &mpt__subtract_ops, n, inputs, d);
+    return mpt__call_layer(m, &mpt__subtract_ops, n, inputs, d);
 }
 
 MPTDEF mpt_node mpt_multiply(mpt_model *m, int n, const mpt_node *inputs,
                              const mpt_merge_desc *d) {
-    return mpt__merge(m, &mpt__multiply_ops, n, inputs, d);
+    return mpt__call_layer(m, &mpt__multiply_ops, n, inputs, d);
 }
 
 MPTDEF mpt_node mpt_average(mpt_model *m, int n, const mpt_node *inputs,
                             const mpt_merge_desc *d) {
-    return mpt__merge(m, &mpt__average_ops, n, inputs, d);
+    return mpt__call_layer(m, &mpt__average_ops, n, inputs, d);
 }
 
 /* ---- Concatenate ------------------------------------------------------------
@@ -8056,23 +7990,14 @@ static void mpt__concat_backward(mpt__layer *L, const mpt__pass *p) { mpt__conca
 static const mpt__field mpt__concatenate_fields[] = {
     MPT__FIELD(mpt_concatenate_desc, axis, MPT__FIELD_INT), MPT__FIELDS_END};
 
-static mpt_status mpt__concatenate_add_desc(mpt_model *m, const mpt__layer_ops *ops,
-                                            const mpt__layer_desc *d) {
-    return mpt__add_layer(m, ops, d, sizeof(mpt_concatenate_desc));
-}
-
 static const mpt__layer_ops mpt__concatenate_ops = {
     "Concatenate", "concatenate", MPT__LAYER_CONCATENATE, mpt__concat_build, mpt__concat_forward,
-    mpt__concat_backward, NULL, NULL, NULL, NULL, NULL, 0, mpt__concatenate_fields,
-    mpt__concatenate_add_desc, 2, MPT_MAX_MERGE_INPUTS};
+    mpt__concat_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_concatenate_desc), NULL,
+    mpt__concatenate_fields, 2, MPT_MAX_MERGE_INPUTS};
 
 MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
                                 const mpt_concatenate_desc *d) {
-    mpt_concatenate_desc defaults;
-    memset(&defaults, 0, sizeof defaults);
-    if (!mpt__apply(m, inputs, n, 2, MPT_MAX_MERGE_INPUTS, "Concatenate")) return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt__add_layer(m, &mpt__concatenate_ops, d ? d : &defaults,
-                                          sizeof defaults));
+    return mpt__call_layer(m, &mpt__concatenate_ops, n, inputs, d);
 }
 
 /* =============================================================================
@@ -18710,8 +18635,8 @@ static mpt_status mpt__json_int64s(mpt__json *j, int index, int n, int64_t lo, i
    A layer's "dtype" is there when its descriptor gives one; "inputs" are
    nodes (0 the model's input, i + 1 layer i's output); "config" holds
    the fields of its table's list (mpt__layer_ops.fields), and reading
-   refuses any other. Loading adds each layer through its own add
-   function, so a file gets exactly the checks a program does. */
+   refuses any other. Loading adds each layer through mpt__add_layer and
+   its table's check, so a file gets exactly the checks a program does. */
 
 static const char *const mpt__initializer_names[MPT_INIT_COUNT_] = {
     "default", "glorot_uniform", "he_normal", "zeros", "ones"};
@@ -19078,7 +19003,7 @@ static mpt_status mpt__load_layer(mpt__json *j, int index, int i, mpt_model *m) 
                              "object", label);
     MPT__CHECK(mpt__json_fields(j, e, ops->fields, &d, label));
     MPT__CHECK(mpt__load_inputs(j, index, i, m, ops, label));
-    s = ops->add(m, ops, &d);
+    s = mpt__add_layer(m, ops, &d);
     m->n_pending = 0;
     return s;
 }

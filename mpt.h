@@ -4938,6 +4938,13 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
     return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
+/* The fields Dense and Conv2D share, as model files keep them. */
+#define MPT__KERNEL_FIELDS(desc)                                                           \
+    MPT__FIELD(desc, activation, MPT__FIELD_ACTIVATION),                                   \
+        MPT__FIELD(desc, no_bias, MPT__FIELD_INT),                                         \
+        MPT__FIELD(desc, kernel_initializer, MPT__FIELD_INITIALIZER),                      \
+        MPT__FIELD(desc, bias_initializer, MPT__FIELD_INITIALIZER)
+
 /* The checks Dense and Conv2D share: their activation and initializers. */
 static mpt_status mpt__check_kernel_desc(mpt_model *m, const mpt__layer_ops *ops,
                                          mpt_activation activation, mpt_initializer kernel,
@@ -5165,14 +5172,6 @@ static mpt_activation mpt__dense_activation(const mpt__layer *L) {
     return L->desc.dense.activation;
 }
 
-static const mpt__field mpt__dense_fields[] = {
-    MPT__FIELD(mpt_dense_desc, units, MPT__FIELD_INT64),
-    MPT__FIELD(mpt_dense_desc, activation, MPT__FIELD_ACTIVATION),
-    MPT__FIELD(mpt_dense_desc, no_bias, MPT__FIELD_INT),
-    MPT__FIELD(mpt_dense_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
-    MPT__FIELD(mpt_dense_desc, bias_initializer, MPT__FIELD_INITIALIZER),
-    MPT__FIELDS_END};
-
 static mpt_status mpt__dense_check(mpt_model *m, const mpt__layer_ops *ops,
                                    const mpt__layer_desc *desc) {
     const mpt_dense_desc *d = &desc->dense;
@@ -5182,6 +5181,11 @@ static mpt_status mpt__dense_check(mpt_model *m, const mpt__layer_ops *ops,
     return mpt__check_kernel_desc(m, ops, d->activation, d->kernel_initializer,
                                   d->bias_initializer);
 }
+
+static const mpt__field mpt__dense_fields[] = {
+    MPT__FIELD(mpt_dense_desc, units, MPT__FIELD_INT64),
+    MPT__KERNEL_FIELDS(mpt_dense_desc),
+    MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__dense_ops = {
     "Dense", "dense", MPT__LAYER_DENSE, mpt__dense_build, mpt__dense_forward, mpt__dense_backward,
@@ -5265,10 +5269,6 @@ static mpt_activation mpt__activation_layer_activation(const mpt__layer *L) {
     return L->desc.activation.activation;
 }
 
-static const mpt__field mpt__activation_fields[] = {
-    MPT__FIELD(mpt_activation_desc, activation, MPT__FIELD_ACTIVATION),
-    MPT__FIELDS_END};
-
 static mpt_status mpt__activation_check(mpt_model *m, const mpt__layer_ops *ops,
                                         const mpt__layer_desc *d) {
     (void)ops;
@@ -5277,6 +5277,10 @@ static mpt_status mpt__activation_check(mpt_model *m, const mpt__layer_ops *ops,
                          (int)d->activation.activation);
     return MPT_OK;
 }
+
+static const mpt__field mpt__activation_fields[] = {
+    MPT__FIELD(mpt_activation_desc, activation, MPT__FIELD_ACTIVATION),
+    MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__activation_ops = {
     "Activation", "activation", MPT__LAYER_ACTIVATION, mpt__activation_build,
@@ -5906,17 +5910,6 @@ static mpt_activation mpt__conv2d_activation(const mpt__layer *L) {
     return L->desc.conv2d.activation;
 }
 
-static const mpt__field mpt__conv2d_fields[] = {
-    MPT__FIELD(mpt_conv2d_desc, filters, MPT__FIELD_INT64),
-    MPT__FIELD(mpt_conv2d_desc, kernel_size, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_conv2d_desc, strides, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_conv2d_desc, padding, MPT__FIELD_PADDING),
-    MPT__FIELD(mpt_conv2d_desc, activation, MPT__FIELD_ACTIVATION),
-    MPT__FIELD(mpt_conv2d_desc, no_bias, MPT__FIELD_INT),
-    MPT__FIELD(mpt_conv2d_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
-    MPT__FIELD(mpt_conv2d_desc, bias_initializer, MPT__FIELD_INITIALIZER),
-    MPT__FIELDS_END};
-
 static mpt_status mpt__conv2d_check(mpt_model *m, const mpt__layer_ops *ops,
                                     const mpt__layer_desc *desc) {
     const mpt_conv2d_desc *d = &desc->conv2d;
@@ -5928,6 +5921,14 @@ static mpt_status mpt__conv2d_check(mpt_model *m, const mpt__layer_ops *ops,
     return mpt__check_kernel_desc(m, ops, d->activation, d->kernel_initializer,
                                   d->bias_initializer);
 }
+
+static const mpt__field mpt__conv2d_fields[] = {
+    MPT__FIELD(mpt_conv2d_desc, filters, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_conv2d_desc, kernel_size, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_conv2d_desc, strides, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_conv2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__KERNEL_FIELDS(mpt_conv2d_desc),
+    MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__conv2d_ops = {
     "Conv2D", "conv2d", MPT__LAYER_CONV2D, mpt__conv2d_build, mpt__conv2d_forward,
@@ -6492,12 +6493,6 @@ static void mpt__global_pool_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__pool_backward(L, p, MPT_POOL_AVERAGE, mpt__global_pool_win);
 }
 
-static const mpt__field mpt__pool2d_fields[] = {
-    MPT__FIELD(mpt_pool2d_desc, pool_size, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_pool2d_desc, strides, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_pool2d_desc, padding, MPT__FIELD_PADDING),
-    MPT__FIELDS_END};
-
 /* MaxPooling2D's and AveragePooling2D's checks. */
 static mpt_status mpt__pool_check(mpt_model *m, const mpt__layer_ops *ops,
                                   const mpt__layer_desc *desc) {
@@ -6505,6 +6500,12 @@ static mpt_status mpt__pool_check(mpt_model *m, const mpt__layer_ops *ops,
     return mpt__check_window_desc(m, ops->class_name, "pool_size", d->pool_size, 0, d->strides,
                                   d->padding);
 }
+
+static const mpt__field mpt__pool2d_fields[] = {
+    MPT__FIELD(mpt_pool2d_desc, pool_size, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_pool2d_desc, strides, MPT__FIELD_INT64_PAIR),
+    MPT__FIELD(mpt_pool2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__max_pool_ops = {
     "MaxPooling2D", "max_pooling2d", MPT__LAYER_MAX_POOLING2D, mpt__max_pool_build,
@@ -6739,10 +6740,6 @@ static void mpt__zero_padding2d_backward(mpt__layer *L, const mpt__pass *p) {
                      p->batch);
 }
 
-static const mpt__field mpt__zero_padding2d_fields[] = {
-    MPT__FIELD(mpt_zero_padding2d_desc, padding, MPT__FIELD_INT64_2X2),
-    MPT__FIELDS_END};
-
 static mpt_status mpt__zero_padding2d_check(mpt_model *m, const mpt__layer_ops *ops,
                                             const mpt__layer_desc *desc) {
     const mpt_zero_padding2d_desc *d = &desc->zero_padding2d;
@@ -6756,6 +6753,10 @@ static mpt_status mpt__zero_padding2d_check(mpt_model *m, const mpt__layer_ops *
                                  (long long)d->padding[i][k]);
     return MPT_OK;
 }
+
+static const mpt__field mpt__zero_padding2d_fields[] = {
+    MPT__FIELD(mpt_zero_padding2d_desc, padding, MPT__FIELD_INT64_2X2),
+    MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__zero_padding2d_ops = {
     "ZeroPadding2D", "zero_padding2d", MPT__LAYER_ZERO_PADDING2D, mpt__zero_padding2d_build,
@@ -7413,14 +7414,6 @@ static int mpt__bn_replica_statistics(const mpt__layer *L, int64_t *count) {
     return L->desc.batchnorm.synchronized ? 0 : 2;
 }
 
-static const mpt__field mpt__bn_fields[] = {
-    MPT__FIELD(mpt_batchnorm_desc, momentum, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_batchnorm_desc, epsilon, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_batchnorm_desc, no_center, MPT__FIELD_INT),
-    MPT__FIELD(mpt_batchnorm_desc, no_scale, MPT__FIELD_INT),
-    MPT__FIELD(mpt_batchnorm_desc, synchronized, MPT__FIELD_INT),
-    MPT__FIELDS_END};
-
 static mpt_status mpt__bn_check(mpt_model *m, const mpt__layer_ops *ops,
                                 const mpt__layer_desc *desc) {
     const mpt_batchnorm_desc *d = &desc->batchnorm;
@@ -7434,6 +7427,14 @@ static mpt_status mpt__bn_check(mpt_model *m, const mpt__layer_ops *ops,
                          (double)d->epsilon);
     return MPT_OK;
 }
+
+static const mpt__field mpt__bn_fields[] = {
+    MPT__FIELD(mpt_batchnorm_desc, momentum, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_batchnorm_desc, epsilon, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_batchnorm_desc, no_center, MPT__FIELD_INT),
+    MPT__FIELD(mpt_batchnorm_desc, no_scale, MPT__FIELD_INT),
+    MPT__FIELD(mpt_batchnorm_desc, synchronized, MPT__FIELD_INT),
+    MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__bn_ops = {
     "BatchNormalization", "batch_normalization", MPT__LAYER_BATCH_NORMALIZATION, mpt__bn_build,
@@ -7675,11 +7676,6 @@ static mpt_status mpt__dropout_build(mpt_model *m, mpt__layer *L) {
     return mpt__layer_set_workspace(m, L, L->dtype == MPT_FLOAT32 ? 0 : 4 * L->in_count, 0);
 }
 
-static const mpt__field mpt__dropout_fields[] = {
-    MPT__FIELD(mpt_dropout_desc, rate, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_dropout_desc, seed, MPT__FIELD_UINT64),
-    MPT__FIELDS_END};
-
 static mpt_status mpt__dropout_check(mpt_model *m, const mpt__layer_ops *ops,
                                      const mpt__layer_desc *d) {
     (void)ops;
@@ -7688,6 +7684,11 @@ static mpt_status mpt__dropout_check(mpt_model *m, const mpt__layer_ops *ops,
                          (double)d->dropout.rate);
     return MPT_OK;
 }
+
+static const mpt__field mpt__dropout_fields[] = {
+    MPT__FIELD(mpt_dropout_desc, rate, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_dropout_desc, seed, MPT__FIELD_UINT64),
+    MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__dropout_ops = {
     "Dropout", "dropout", MPT__LAYER_DROPOUT, mpt__dropout_build, mpt__dropout_forward,

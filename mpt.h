@@ -252,8 +252,8 @@
        @impl-rng          Philox for dropout masks and initial weights
        @impl-layers       the layer interface: a layer's table, its parameters,
                           the model struct
-       @impl-layer-helpers  what the layers share: workspace, dz, GEMM; the
-                          functional form (nodes, a layer applied to them)
+       @impl-layer-helpers  what the layers share: workspace, dz, GEMM, checks,
+                          the add every layer's entry calls, its input nodes
        @impl-dense        Dense
        @impl-flatten      Flatten
        @impl-activation   Activation
@@ -265,8 +265,9 @@
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
        @impl-merge        Add, Subtract, Multiply, Average, Concatenate
-       @impl-model        the model: create, add, initialise, the graph, lay
-                          out in memory, build
+       @impl-model        the model: create, add, the functional form (a layer
+                          applied to nodes, shared layers), initialise, the
+                          graph, lay out in memory, build
        @impl-passes       a batch in, forward and backward (a chain's and a
                           graph's walks), a step by hand
        @impl-losses       the losses, their gradients and metrics
@@ -363,8 +364,7 @@
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
-       graph_  a graph's first failure, layout, walks  @impl-layer-helpers,
-                                                       @impl-model, @impl-passes
+       graph_  a graph's first failure, layout, walks  @impl-model, @impl-passes
        json_   the JSON reader                         @impl-json
        kgrad_  Conv2D's kernel gradient                @impl-conv-kernel-grad
        merge_  Add, Subtract, Multiply, Average        @impl-merge
@@ -4021,8 +4021,10 @@ typedef union mpt__layer_desc mpt__layer_desc;
      1. @layers: its descriptor mpt_<name>_desc, mpt_model_add_<name> and
         its functional form mpt_<name>(m, x, desc); @impl-layers: its
         member of mpt__layer_desc, its MPT__LAYER_ kind.
-     2. Its @impl-<name> section: build, forward, backward, and its table,
-        every member given, in this order (C++ has no designated
+     2. Its @impl-<name> section: its check, build, forward, backward,
+        its table, and its two public entries, one line each
+        (mpt__add_layer and mpt__call_layer with the table). The table
+        gives every member, in this order (C++ has no designated
         initialisers), an optional one NULL or 0 where it has no answer:
           class_name, default_name  required: Keras' names
           kind                      required: its MPT__LAYER_ value
@@ -4037,8 +4039,10 @@ typedef union mpt__layer_desc mpt__layer_desc;
           check                     optional: its descriptor's checks
           fields                    required: its descriptor in model files
           min_inputs, max_inputs    required: 1, 1 but for the merges
-     3. Its tests.
-     4. Only when its math is new: backend slots and their CPU and CUDA
+     3. Its table in mpt__file_layers (@impl-model-files), so that model
+        files can name it.
+     4. Its tests.
+     5. Only when its math is new: backend slots and their CPU and CUDA
         functions.
    Its parameters are then saved, loaded, initialised, updated and summed
    over replicas with no further code. The export (mpt__export_layer) and
@@ -4595,92 +4599,10 @@ static mpt_status mpt__check_kernel_desc(mpt_model *m, const mpt__layer_ops *ops
 /* The fields of a descriptor that has only the common ones. */
 static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
 
-/* ---- the functional form: a layer applied to nodes ---------------------------
-   Each mpt_<layer>(m, x, desc) is mpt__call_layer: mpt__apply, then the
-   layer's add, then mpt__applied; the add takes the nodes mpt__apply left
-   pending (mpt__take_inputs) instead of the last one. */
-
-/* Keeps the functional form's first failure (s, and the context's
-   message) for build. */
-static void mpt__graph_keep(mpt_model *m, mpt_status s) {
-    if (m->graph_status != MPT_OK) return;
-    m->graph_status = s;
-    memcpy(m->graph_error, m->ctx->error, sizeof m->graph_error);
-}
-
-/* Checks the nodes a layer is applied to and leaves them pending; 0 when
-   one is not a node of m (an earlier failure's MPT_NODE_FAILED fails
-   quietly: the model keeps the first message). */
-static int mpt__apply(mpt_model *m, const mpt_node *inputs, int n, int least, int most,
-                      const char *what) {
-    int s;
-    if (!m) return 0;
-    m->n_pending = 0;
-    if (m->graph_status != MPT_OK) return 0;
-    if (!inputs || n < least || n > most) {
-        char want[32];
-        snprintf(want, sizeof want, least == most ? "%d" : "%d..%d", least, most);
-        mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                                     "%s: takes %s input node%s, not %d%s", what, want,
-                                     most > 1 ? "s" : "", n, inputs ? "" : " (NULL)"));
-        return 0;
-    }
-    for (s = 0; s < n; s++)
-        if (inputs[s] < 0 || inputs[s] > m->n_layers) {
-            mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                                         "%s: input %d is node %d, not one of this model's "
-                                         "(0..%d)", what, s, inputs[s], m->n_layers));
-            return 0;
-        }
-    memcpy(m->pending, inputs, sizeof(mpt_node) * (size_t)n);
-    m->n_pending = n;
-    return 1;
-}
-
-/* The node a layer added with status s gives: its output, or on failure
-   MPT_NODE_FAILED, the model keeping the first failure for build. */
-static mpt_node mpt__applied(mpt_model *m, mpt_status s) {
-    if (!m) return MPT_NODE_FAILED;
-    m->n_pending = 0;
-    if (s == MPT_OK) return m->n_layers;
-    mpt__graph_keep(m, s);
-    return MPT_NODE_FAILED;
-}
-
-/* A new layer of ops, described by desc, applied to n nodes. */
+/* Defined below, in @impl-model (the functional form): a new layer of ops,
+   described by desc, applied to n nodes. */
 static mpt_node mpt__call_layer(mpt_model *m, const mpt__layer_ops *ops, int n,
-                                const mpt_node *inputs, const void *desc) {
-    if (!mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name))
-        return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt__add_layer(m, ops, desc));
-}
-
-MPTDEF mpt_node mpt_model_input(mpt_model *m) { return m ? 0 : MPT_NODE_FAILED; }
-
-/* Defined below, in @impl-model. */
-static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name);
-
-/* A shared call of layer O (m->layers[owner]) on the pending inputs. */
-static mpt_status mpt__add_call(mpt_model *m, int owner) {
-    const mpt__layer *O = &m->layers[owner];
-    m->pending_call_of = owner + 1;
-    return mpt__model_add(m, O->ops, &O->desc, O->name, O->desc.common.dtype);
-}
-
-MPTDEF mpt_node mpt_apply_layer(mpt_model *m, const char *name, int n, const mpt_node *inputs) {
-    const mpt__layer *O;
-    if (!m || m->graph_status != MPT_OK) return MPT_NODE_FAILED;
-    O = name ? mpt__find_layer(m, name) : NULL;
-    if (!O) {
-        mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                                     "apply_layer: the model has no layer named \"%s\"",
-                                     name ? name : "(NULL)"));
-        return MPT_NODE_FAILED;
-    }
-    if (!mpt__apply(m, inputs, n, O->ops->min_inputs, O->ops->max_inputs, O->ops->class_name))
-        return MPT_NODE_FAILED;
-    return mpt__applied(m, mpt__add_call(m, (int)(O - m->layers)));
-}
+                                const mpt_node *inputs, const void *desc);
 
 /* One sample's shape at a node (layers before it built); returns its rank. */
 static int mpt__node_shape(const mpt_model *m, int node, int64_t *shape) {
@@ -7785,6 +7707,92 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
     m->n_layers++;
     return MPT_OK;
 }
+
+/* ---- the functional form: a layer applied to nodes ---------------------------
+   Each mpt_<layer>(m, x, desc) is mpt__call_layer: mpt__apply, then the
+   layer's add, then mpt__applied; the add takes the nodes mpt__apply left
+   pending (mpt__take_inputs) instead of the last one. */
+
+/* Keeps the functional form's first failure (s, and the context's
+   message) for build. */
+static void mpt__graph_keep(mpt_model *m, mpt_status s) {
+    if (m->graph_status != MPT_OK) return;
+    m->graph_status = s;
+    memcpy(m->graph_error, m->ctx->error, sizeof m->graph_error);
+}
+
+/* Checks the nodes a layer is applied to and leaves them pending; 0 when
+   one is not a node of m (an earlier failure's MPT_NODE_FAILED fails
+   quietly: the model keeps the first message). */
+static int mpt__apply(mpt_model *m, const mpt_node *inputs, int n, int least, int most,
+                      const char *what) {
+    int s;
+    if (!m) return 0;
+    m->n_pending = 0;
+    if (m->graph_status != MPT_OK) return 0;
+    if (!inputs || n < least || n > most) {
+        char want[32];
+        snprintf(want, sizeof want, least == most ? "%d" : "%d..%d", least, most);
+        mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                     "%s: takes %s input node%s, not %d%s", what, want,
+                                     most > 1 ? "s" : "", n, inputs ? "" : " (NULL)"));
+        return 0;
+    }
+    for (s = 0; s < n; s++)
+        if (inputs[s] < 0 || inputs[s] > m->n_layers) {
+            mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                         "%s: input %d is node %d, not one of this model's "
+                                         "(0..%d)", what, s, inputs[s], m->n_layers));
+            return 0;
+        }
+    memcpy(m->pending, inputs, sizeof(mpt_node) * (size_t)n);
+    m->n_pending = n;
+    return 1;
+}
+
+/* The node a layer added with status s gives: its output, or on failure
+   MPT_NODE_FAILED, the model keeping the first failure for build. */
+static mpt_node mpt__applied(mpt_model *m, mpt_status s) {
+    if (!m) return MPT_NODE_FAILED;
+    m->n_pending = 0;
+    if (s == MPT_OK) return m->n_layers;
+    mpt__graph_keep(m, s);
+    return MPT_NODE_FAILED;
+}
+
+/* A new layer of ops, described by desc, applied to n nodes. */
+static mpt_node mpt__call_layer(mpt_model *m, const mpt__layer_ops *ops, int n,
+                                const mpt_node *inputs, const void *desc) {
+    if (!mpt__apply(m, inputs, n, ops->min_inputs, ops->max_inputs, ops->class_name))
+        return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt__add_layer(m, ops, desc));
+}
+
+MPTDEF mpt_node mpt_model_input(mpt_model *m) { return m ? 0 : MPT_NODE_FAILED; }
+
+/* A shared call of layer O (m->layers[owner]) on the pending inputs. */
+static mpt_status mpt__add_call(mpt_model *m, int owner) {
+    const mpt__layer *O = &m->layers[owner];
+    m->pending_call_of = owner + 1;
+    return mpt__model_add(m, O->ops, &O->desc, O->name, O->desc.common.dtype);
+}
+
+MPTDEF mpt_node mpt_apply_layer(mpt_model *m, const char *name, int n, const mpt_node *inputs) {
+    const mpt__layer *O;
+    if (!m || m->graph_status != MPT_OK) return MPT_NODE_FAILED;
+    O = name ? mpt__find_layer(m, name) : NULL;
+    if (!O) {
+        mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                     "apply_layer: the model has no layer named \"%s\"",
+                                     name ? name : "(NULL)"));
+        return MPT_NODE_FAILED;
+    }
+    if (!mpt__apply(m, inputs, n, O->ops->min_inputs, O->ops->max_inputs, O->ops->class_name))
+        return MPT_NODE_FAILED;
+    return mpt__applied(m, mpt__add_call(m, (int)(O - m->layers)));
+}
+
+/* ---- initial weights -------------------------------------------------------- */
 
 /* Initial values, keyed by (model seed, parameter index, element), so they
    do not depend on threads or on the order of anything else. */

@@ -1979,8 +1979,17 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        gelu (exact)           GELU                       Mul, Erf, Add, Mul, Mul
        BatchNormalization     folded into the Dense or Conv2D before it when
                               nothing comes between them (its activation
-                              none); else a per-channel MUL and ADD (Mul, Add)
+                              none) and nothing else reads that layer's
+                              output; else a per-channel MUL and ADD (Mul, Add)
        Dropout                nothing (inference)
+       ZeroPadding2D          PAD                        Pad
+       Add, Subtract          ADD, SUB (two at a time)   Sum, Sub
+       Multiply               MUL (two at a time)        Mul (two at a time)
+       Average                ADD, then MUL by 1/n       Mean
+       Concatenate            CONCATENATION              Concat (its axis in
+                                                         the inputs' layout)
+   A graph (@layers' functional form) is written as its nodes connect; a
+   shared layer's later call is refused (MPT_ERR_UNSUPPORTED) for now.
    The weights are the float32 masters whatever the policy, so a model
    trained in mixed precision computes in float32 in the file (its outputs
    differ from a float16 predict's by float16's rounding).
@@ -8033,8 +8042,8 @@ static mpt_status mpt__graph_check(mpt_model *m) {
     return MPT_OK;
 }
 
-/* What reads the layers as a chain (quantization, its training, the
-   export) refuses a graph for now, naming what was asked. */
+/* What reads the layers as a chain (quantization and its training)
+   refuses a graph for now, naming what was asked. */
 static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
     if (!m->graph) return MPT_OK;
     return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
@@ -26486,8 +26495,11 @@ typedef enum mpt__export_kind {
     MPT__EXPORT_GLOBAL_AVG_POOL, /* (H, W, C) -> (C)                                 */
     MPT__EXPORT_FLATTEN,         /* (H, W, C) -> (H·W·C), NHWC order                 */
     MPT__EXPORT_ACTIVATION,      /* act(x)                                           */
-    MPT__EXPORT_SCALE_SHIFT      /* x · kernel + bias per channel (the last axis):
+    MPT__EXPORT_SCALE_SHIFT,     /* x · kernel + bias per channel (the last axis):
                                     a BatchNormalization with nothing to fold into */
+    MPT__EXPORT_MERGE,           /* Add, Subtract, Multiply, Average: the layer's kind */
+    MPT__EXPORT_CONCATENATE,     /* along the layer's axis                           */
+    MPT__EXPORT_PAD              /* ZeroPadding2D: zeros around the image            */
 } mpt__export_kind;
 
 typedef struct mpt__export_step {
@@ -26501,6 +26513,9 @@ typedef struct mpt__export_step {
     float *bias;          /* (bias_count): zeros where the layer has none;
                              SCALE_SHIFT: the shift (C)                          */
     int64_t kernel_count, bias_count;
+    int n_in;             /* the nodes it reads (mpt__export_plan.alias'd)  */
+    int in_node[MPT_MAX_MERGE_INPUTS];
+    int out_node;         /* the node it gives                              */
 } mpt__export_step;
 
 typedef struct mpt__export_plan {
@@ -26512,6 +26527,12 @@ typedef struct mpt__export_plan {
     int n;
     unsigned char *mirror;   /* the parameter arena on the host, when the
                                 model is on a GPU; else NULL                 */
+    /* The graph, as the steps see it (nodes: @impl-model's, 0 the input,
+       i + 1 layer i's output): alias[n] is the node whose value node n
+       holds (itself, or for a layer inference passes through, such as
+       Dropout, that layer's input's); uses[n] counts the layers that read
+       node n, the model's output counting as one more. */
+    int *alias, *uses;       /* [n_layers + 1]                            */
 } mpt__export_plan;
 
 /* The host copy of a layer's parameter ("kernel", "moving_mean"); NULL if
@@ -26539,12 +26560,16 @@ static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__expo
                                        int64_t bias_count) {
     mpt_context *ctx = pl->m->ctx;
     mpt__export_step *s;
+    int k;
     if (!mpt__grow_array(ctx, (void **)&pl->steps, cap, pl->n, sizeof *pl->steps))
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", pl->path);
     s = &pl->steps[pl->n++];
     memset(s, 0, sizeof *s);
     s->kind = kind;
     s->L = L;
+    s->n_in = L->n_in;
+    for (k = 0; k < L->n_in; k++) s->in_node[k] = pl->alias[L->in_node[k]];
+    s->out_node = (int)(L - pl->m->layers) + 1;
     s->kernel_count = kernel_count;
     s->bias_count = bias_count;
     if (kernel_count + bias_count > 0) {
@@ -26617,14 +26642,50 @@ static mpt_status mpt__export_scale_shift(mpt__export_plan *pl, int *cap, const 
     return MPT_OK;
 }
 
-/* The step before, when a layer can merge into it: a Dense or Conv2D that
-   ends without an activation. */
-static mpt__export_step *mpt__export_mergeable(mpt__export_plan *pl) {
-    mpt__export_step *s = pl->n ? &pl->steps[pl->n - 1] : NULL;
-    if (s && (s->kind == MPT__EXPORT_DENSE || s->kind == MPT__EXPORT_CONV2D) &&
-        s->act == MPT_ACT_NONE)
-        return s;
+/* The step layer L can merge into: the Dense or Conv2D, ending without
+   an activation, that gives L's input when nothing else reads it. */
+static mpt__export_step *mpt__export_mergeable(mpt__export_plan *pl, const mpt__layer *L) {
+    int node = pl->alias[L->in_node[0]], i;
+    if (pl->uses[node] != 1) return NULL;
+    for (i = pl->n - 1; i >= 0; i--) {
+        mpt__export_step *s = &pl->steps[i];
+        if (s->out_node != node) continue;
+        if ((s->kind == MPT__EXPORT_DENSE || s->kind == MPT__EXPORT_CONV2D) &&
+            s->act == MPT_ACT_NONE)
+            return s;
+        return NULL;
+    }
     return NULL;
+}
+
+/* A layer inference passes x through: Dropout, a linear Activation, a
+   Flatten of vectors. Its output node is its input's. */
+static int mpt__export_passes_through(const mpt__layer *L) {
+    return L->ops->identity_at_inference ||
+           (L->ops->kind == MPT__LAYER_FLATTEN && L->in_rank == 1) ||
+           (L->ops->kind == MPT__LAYER_ACTIVATION && L->desc.activation.activation == MPT_ACT_NONE);
+}
+
+/* The plan's alias and uses (mpt__export_plan) from the model's graph. */
+static mpt_status mpt__export_graph(mpt__export_plan *pl) {
+    mpt_model *m = pl->m;
+    size_t bytes = sizeof(int) * (size_t)(m->n_layers + 1);
+    int i, k;
+    pl->alias = (int *)mpt__calloc(m->ctx, bytes);
+    pl->uses = (int *)mpt__calloc(m->ctx, bytes);
+    if (!pl->alias || !pl->uses)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", pl->path);
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        if (mpt__export_passes_through(L)) {
+            pl->alias[i + 1] = pl->alias[L->in_node[0]];
+            continue;
+        }
+        pl->alias[i + 1] = i + 1;
+        for (k = 0; k < L->n_in; k++) pl->uses[pl->alias[L->in_node[k]]]++;
+    }
+    pl->uses[pl->alias[m->n_layers]]++;
+    return MPT_OK;
 }
 
 static mpt_status mpt__export_unsupported(const mpt__export_plan *pl, const mpt__layer *L,
@@ -26638,9 +26699,9 @@ static mpt_status mpt__export_unsupported(const mpt__export_plan *pl, const mpt_
 static mpt_status mpt__export_activation(mpt__export_plan *pl, int *cap, const mpt__layer *L,
                                          mpt__export_step *before) {
     mpt_activation act = L->desc.activation.activation;
-    if (act == MPT_ACT_NONE) return MPT_OK;
     if (before) {
         before->act = act;
+        before->out_node = (int)(L - pl->m->layers) + 1;
         return MPT_OK;
     }
     MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_ACTIVATION, L, 0, 0));
@@ -26659,8 +26720,12 @@ static mpt_status mpt__export_pool(mpt__export_plan *pl, int *cap, const mpt__la
 
 /* One layer's steps: a new step, a merge into the one before, or none. */
 static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
-    mpt__export_step *before = mpt__export_mergeable(pl);
-    if (L->ops->identity_at_inference) return MPT_OK;
+    mpt__export_step *before;
+    if (mpt__export_passes_through(L)) return MPT_OK;
+    if (L->call_of) /* its constants and names would be the first call's */
+        return mpt__export_unsupported(pl, L, "is a shared layer's later call, which the export "
+                                       "does not write yet");
+    before = mpt__export_mergeable(pl, L);
     switch (L->ops->kind) {
     case MPT__LAYER_DENSE: return mpt__export_weighted(pl, cap, L, MPT__EXPORT_DENSE);
     case MPT__LAYER_CONV2D: return mpt__export_weighted(pl, cap, L, MPT__EXPORT_CONV2D);
@@ -26668,14 +26733,20 @@ static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__l
     case MPT__LAYER_BATCH_NORMALIZATION:
         if (!before) return mpt__export_scale_shift(pl, cap, L);
         mpt__export_fold_bn(pl, before, L);
+        before->out_node = (int)(L - pl->m->layers) + 1;
         return MPT_OK;
     case MPT__LAYER_MAX_POOLING2D: return mpt__export_pool(pl, cap, L, MPT__EXPORT_MAX_POOL);
     case MPT__LAYER_AVERAGE_POOLING2D: return mpt__export_pool(pl, cap, L, MPT__EXPORT_AVG_POOL);
     case MPT__LAYER_GLOBAL_AVERAGE_POOLING2D:
         return mpt__export_step_add(pl, cap, MPT__EXPORT_GLOBAL_AVG_POOL, L, 0, 0);
-    case MPT__LAYER_FLATTEN:
-        return L->in_rank == 1 ? MPT_OK /* already a vector */
-                               : mpt__export_step_add(pl, cap, MPT__EXPORT_FLATTEN, L, 0, 0);
+    case MPT__LAYER_FLATTEN: return mpt__export_step_add(pl, cap, MPT__EXPORT_FLATTEN, L, 0, 0);
+    case MPT__LAYER_ADD:
+    case MPT__LAYER_SUBTRACT:
+    case MPT__LAYER_MULTIPLY:
+    case MPT__LAYER_AVERAGE: return mpt__export_step_add(pl, cap, MPT__EXPORT_MERGE, L, 0, 0);
+    case MPT__LAYER_CONCATENATE:
+        return mpt__export_step_add(pl, cap, MPT__EXPORT_CONCATENATE, L, 0, 0);
+    case MPT__LAYER_ZERO_PADDING2D: return mpt__export_step_add(pl, cap, MPT__EXPORT_PAD, L, 0, 0);
     default: return mpt__export_unsupported(pl, L, "has no counterpart in the export");
     }
 }
@@ -26686,8 +26757,11 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     for (i = 0; i < pl->n; i++) mpt__free(ctx, pl->steps[i].kernel);
     mpt__free(ctx, pl->steps);
     mpt__free(ctx, pl->mirror);
+    mpt__free(ctx, pl->alias);
+    mpt__free(ctx, pl->uses);
     pl->steps = NULL;
     pl->mirror = NULL;
+    pl->alias = pl->uses = NULL;
     pl->n = 0;
 }
 
@@ -26702,7 +26776,6 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
     pl->m = m;
     pl->format = format;
     pl->path = path;
-    MPT__CHECK(mpt__refuse_graph(m, format));
     if (!path || !*path)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s: %s path", format,
                          path ? "an empty" : "a NULL");
@@ -26735,6 +26808,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
             return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", path);
         MPT__CHECK(mpt__download(m, pl->mirror, m->arena[MPT__MEM_PARAMS], bytes));
     }
+    MPT__CHECK(mpt__export_graph(pl));
     for (i = 0; i < m->n_layers; i++) MPT__CHECK(mpt__export_layer(pl, &cap, &m->layers[i]));
     return MPT_OK;
 }
@@ -26953,10 +27027,11 @@ static void mpt__fb_finish(mpt__fb *b, size_t root, const char identifier[4]) {
    as two: its type, then its value). */
 
 enum { /* BuiltinOperator */
-    MPT__TFL_ADD = 0, MPT__TFL_AVERAGE_POOL_2D = 1, MPT__TFL_CONV_2D = 3,
-    MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9, MPT__TFL_LOGISTIC = 14,
-    MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19, MPT__TFL_RESHAPE = 22,
-    MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150
+    MPT__TFL_ADD = 0, MPT__TFL_AVERAGE_POOL_2D = 1, MPT__TFL_CONCATENATION = 2,
+    MPT__TFL_CONV_2D = 3, MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9,
+    MPT__TFL_LOGISTIC = 14, MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19,
+    MPT__TFL_RESHAPE = 22, MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_PAD = 34,
+    MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150
 };
 enum { /* TensorType */
     MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2, MPT__TFL_UINT8 = 3,
@@ -26965,7 +27040,8 @@ enum { /* TensorType */
 enum { /* BuiltinOptions: the union's type ids */
     MPT__TFL_NO_OPTIONS = 0, MPT__TFL_CONV2D_OPTIONS = 1, MPT__TFL_POOL2D_OPTIONS = 5,
     MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
-    MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17, MPT__TFL_MUL_OPTIONS = 21,
+    MPT__TFL_CONCATENATION_OPTIONS = 10, MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17,
+    MPT__TFL_MUL_OPTIONS = 21, MPT__TFL_PAD_OPTIONS = 22, MPT__TFL_SUB_OPTIONS = 28,
     MPT__TFL_GELU_OPTIONS = 116
 };
 enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
@@ -26993,7 +27069,7 @@ typedef struct mpt__tfl_tensor {
 
 typedef struct mpt__tfl_op {
     int code;             /* BuiltinOperator                                */
-    int32_t inputs[3];
+    int32_t inputs[MPT_MAX_MERGE_INPUTS];
     int n_inputs;
     int32_t output;
     int options;          /* BuiltinOptions type                            */
@@ -27108,18 +27184,23 @@ static int32_t mpt__tfl_constant(mpt__tfl *g, const char *layer, const char *wha
 }
 
 /* An int32 vector constant (RESHAPE's shape). */
-static int32_t mpt__tfl_int32_constant(mpt__tfl *g, const char *layer, const char *what,
-                                       const int32_t *values, int n) {
+static int32_t mpt__tfl_int32_tensor(mpt__tfl *g, const char *layer, const char *what,
+                                     const int32_t *values, int rank, const int64_t *shape) {
+    int64_t n = mpt__shape_count(rank, shape), i;
     unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4 * (size_t)n);
-    int64_t shape = n;
-    int i;
     if (!data) {
         g->failed = 1;
         return 0;
     }
     for (i = 0; i < n; i++) mpt__tb_put_le(data + 4 * i, (uint32_t)values[i], 4);
-    return mpt__tfl_tensor_add(g, layer, what, MPT__TFL_INT32, 1, &shape, 0,
+    return mpt__tfl_tensor_add(g, layer, what, MPT__TFL_INT32, rank, shape, 0,
                                mpt__tfl_buffer_add(g, data, 4 * (size_t)n));
+}
+
+static int32_t mpt__tfl_int32_constant(mpt__tfl *g, const char *layer, const char *what,
+                                       const int32_t *values, int n) {
+    int64_t shape = n;
+    return mpt__tfl_int32_tensor(g, layer, what, values, 1, &shape);
 }
 
 /* The activation FULLY_CONNECTED and CONV_2D fuse; -1 when it needs an op
@@ -27261,11 +27342,98 @@ static void mpt__tfl_to_vectors(mpt__tfl *g, const char *layer, int64_t n, int32
     op->n_opt = 2;
 }
 
-/* One step's ops, reading tensor x; returns the step's output tensor. */
-static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+/* op(a, b) into y, with no fused activation. */
+static void mpt__tfl_binary(mpt__tfl *g, int code, int options, int32_t a, int32_t b, int32_t y) {
+    mpt__tfl_op *op = mpt__tfl_op_add(g, code, a, b, 0, 2, y);
+    if (op) op->options = options, op->n_opt = 1;
+}
+
+/* Add, Subtract and Multiply: ADD, SUB or MUL two inputs at a time, left
+   to right; Average: their sum times 1/n (a float32 constant whatever the
+   weights' dtype: it is part of the op). */
+static int32_t mpt__tfl_merge(mpt__tfl *g, const mpt__export_step *s, const int32_t *value) {
+    int64_t shape[MPT_MAX_RANK], one = 1;
+    int rank = mpt__export_out_shape(s, shape), kind = s->L->ops->kind, k;
+    int code = kind == MPT__LAYER_SUBTRACT ? MPT__TFL_SUB
+               : kind == MPT__LAYER_MULTIPLY ? MPT__TFL_MUL
+                                            : MPT__TFL_ADD;
+    int options = kind == MPT__LAYER_SUBTRACT ? MPT__TFL_SUB_OPTIONS
+                  : kind == MPT__LAYER_MULTIPLY ? MPT__TFL_MUL_OPTIONS
+                                               : MPT__TFL_ADD_OPTIONS;
+    int32_t acc = value[s->in_node[0]], y, inverse;
+    unsigned char *data;
+    char what[32];
+    for (k = 1; k < s->n_in; k++) {
+        int last = k == s->n_in - 1 && kind != MPT__LAYER_AVERAGE;
+        snprintf(what, sizeof what, last ? "output" : "partial_%d", k);
+        y = mpt__tfl_tensor_add(g, s->L->name, what, MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        mpt__tfl_binary(g, code, options, acc, value[s->in_node[k]], y);
+        acc = y;
+    }
+    if (kind != MPT__LAYER_AVERAGE) return acc;
+    data = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4);
+    if (!data) {
+        g->failed = 1;
+        return acc;
+    }
+    {
+        float inv = 1.0f / (float)s->n_in;
+        uint32_t bits;
+        memcpy(&bits, &inv, 4);
+        mpt__tb_put_le(data, bits, 4);
+    }
+    inverse = mpt__tfl_tensor_add(g, s->L->name, "inverse_count", MPT__TFL_FLOAT32, 1, &one, 0,
+                                  mpt__tfl_buffer_add(g, data, 4));
+    y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    mpt__tfl_binary(g, MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, acc, inverse, y);
+    return y;
+}
+
+/* CONCATENATION of every input along the layer's axis (the batch is
+   axis 0 in TFLite as in Keras). */
+static int32_t mpt__tfl_concatenate(mpt__tfl *g, const mpt__export_step *s,
+                                    const int32_t *value) {
+    int64_t shape[MPT_MAX_RANK];
+    int rank = mpt__export_out_shape(s, shape), k;
+    int32_t y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    mpt__tfl_op *op = mpt__tfl_op_add(g, MPT__TFL_CONCATENATION, 0, 0, 0, s->n_in, y);
+    if (!op) return y;
+    for (k = 0; k < s->n_in; k++) op->inputs[k] = value[s->in_node[k]];
+    op->options = MPT__TFL_CONCATENATION_OPTIONS;
+    op->opt[0] = 1 + mpt__concat_axis(s->L->desc.concatenate.axis, s->L->in_rank);
+    op->opt[1] = MPT__TFL_ACT_NONE;
+    op->n_opt = 2;
+    return y;
+}
+
+/* ZeroPadding2D: PAD with paddings ((0, 0), (top, bottom), (left, right),
+   (0, 0)), zeros being PAD's value. */
+static int32_t mpt__tfl_pad(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    int64_t shape[MPT_MAX_RANK], pad[2][2], dims[2];
+    int32_t paddings[8] = {0}, y;
+    int rank = mpt__export_out_shape(s, shape);
+    mpt__tfl_op *op;
+    mpt__zero_padding2d_sides(s->L, pad);
+    paddings[2] = (int32_t)pad[0][0];
+    paddings[3] = (int32_t)pad[0][1];
+    paddings[4] = (int32_t)pad[1][0];
+    paddings[5] = (int32_t)pad[1][1];
+    dims[0] = 4;
+    dims[1] = 2;
+    y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    op = mpt__tfl_op_add(g, MPT__TFL_PAD, x,
+                         mpt__tfl_int32_tensor(g, s->L->name, "paddings", paddings, 2, dims), 0,
+                         2, y);
+    if (op) op->options = MPT__TFL_PAD_OPTIONS;
+    return y;
+}
+
+/* One step's ops, reading its inputs' tensors (value: each node's);
+   returns the step's output tensor. */
+static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32_t *value) {
     int64_t shape[MPT_MAX_RANK], C;
     int rank = mpt__export_out_shape(s, shape);
-    int32_t y, t, scale, shift;
+    int32_t x = value[s->in_node[0]], y, t, scale, shift;
     mpt__win whole;
     switch (s->kind) {
     case MPT__EXPORT_DENSE: return mpt__tfl_dense(g, s, x);
@@ -27311,6 +27479,9 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, int32_t x) 
             if (add) add->options = MPT__TFL_ADD_OPTIONS, add->n_opt = 1;
         }
         return y;
+    case MPT__EXPORT_MERGE: return mpt__tfl_merge(g, s, value);
+    case MPT__EXPORT_CONCATENATE: return mpt__tfl_concatenate(g, s, value);
+    case MPT__EXPORT_PAD: return mpt__tfl_pad(g, s, x);
     }
     return x;
 }
@@ -27699,9 +27870,14 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         if (op->n_opt > 1) mpt__fb_field_scalar(b, 3, (uint64_t)op->opt[1], 1);
         break;
     case MPT__TFL_ADD_OPTIONS:
+    case MPT__TFL_SUB_OPTIONS:
     case MPT__TFL_MUL_OPTIONS:
     case MPT__TFL_GELU_OPTIONS: /* approximate */
         mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        break;
+    case MPT__TFL_CONCATENATION_OPTIONS: /* axis, fused_activation_function */
+        mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4);
+        mpt__fb_field_scalar(b, 1, (uint64_t)op->opt[1], 1);
         break;
     case MPT__TFL_SOFTMAX_OPTIONS: mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4); break;
     case MPT__TFL_RESHAPE_OPTIONS: mpt__fb_field_offset(b, 0, new_shape); break;
@@ -27815,7 +27991,7 @@ static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
     mpt__tfl g;
     mpt__fb b;
     mpt_status s;
-    int32_t x, input;
+    int32_t x, input, *value = NULL; /* value[node]: its tensor */
     int64_t shape[MPT_MAX_RANK - 1];
     int i, rank;
     memset(&g, 0, sizeof g);
@@ -27828,7 +28004,13 @@ static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
     } else {
         rank = mpt_model_input_shape(m, shape);
         x = input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, rank, shape, 1, 0);
-        for (i = 0; i < pl->n; i++) x = mpt__tfl_step(&g, &pl->steps[i], x);
+        value = (int32_t *)mpt__calloc(m->ctx, sizeof(int32_t) * (size_t)(m->n_layers + 1));
+        if (!value) g.failed = 1;
+        if (value) value[0] = input;
+        for (i = 0; value && i < pl->n; i++)
+            value[pl->steps[i].out_node] = mpt__tfl_step(&g, &pl->steps[i], value);
+        if (value) x = value[pl->alias[m->n_layers]];
+        mpt__free(m->ctx, value);
     }
     if (g.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory",
@@ -27870,11 +28052,19 @@ MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
 
 enum { /* TensorProto.DataType */
     MPT__ONNX_FLOAT = 1, MPT__ONNX_UINT8 = 2, MPT__ONNX_INT8 = 3, MPT__ONNX_INT32 = 6,
-    MPT__ONNX_FLOAT16 = 10
+    MPT__ONNX_INT64 = 7, MPT__ONNX_FLOAT16 = 10
 };
 enum { MPT__ONNX_ATTR_INT = 2, MPT__ONNX_ATTR_INTS = 7 }; /* AttributeProto.AttributeType */
 #define MPT__ONNX_IR_VERSION 7 /* what opset 13 needs */
 #define MPT__ONNX_OPSET 13     /* per-axis DequantizeLinear for the int8 weights */
+
+/* A value of the graph as the writer left it: its name, its rank (the
+   batch included), and its layout (4-D values may be channels first). */
+typedef struct mpt__onnx_value {
+    char x[96];
+    int rank;
+    int nchw;
+} mpt__onnx_value;
 
 typedef struct mpt__onnx {
     mpt__export_plan *pl;
@@ -27901,19 +28091,28 @@ static void mpt__onnx_attr_ints(mpt__pb *b, const char *name, const int64_t *v, 
     mpt__pb_end(b, body);
 }
 
-/* Starts a node op(inputs...) -> output; the caller adds its attributes and
-   ends it with mpt__pb_end(&o->nodes, returned body). */
-static size_t mpt__onnx_node(mpt__onnx *o, const char *op, const char *output, const char *in0,
-                             const char *in1, const char *in2) {
+/* Starts a node op(inputs[0..n)) -> output; the caller adds its attributes
+   and ends it with mpt__pb_end(&o->nodes, returned body). */
+static size_t mpt__onnx_node_of(mpt__onnx *o, const char *op, const char *output,
+                                const char *const *inputs, int n) {
     mpt__pb *b = &o->nodes;
     size_t body = mpt__pb_begin(b, 1);
-    mpt__pb_string(b, 1, in0);
-    if (in1) mpt__pb_string(b, 1, in1);
-    if (in2) mpt__pb_string(b, 1, in2);
+    int k;
+    for (k = 0; k < n; k++) mpt__pb_string(b, 1, inputs[k]);
     mpt__pb_string(b, 2, output);
     mpt__pb_string(b, 3, output); /* the node is named after what it makes */
     mpt__pb_string(b, 4, op);
     return body;
+}
+
+/* mpt__onnx_node_of with up to three inputs, the unused ones NULL. */
+static size_t mpt__onnx_node(mpt__onnx *o, const char *op, const char *output, const char *in0,
+                             const char *in1, const char *in2) {
+    const char *inputs[3];
+    inputs[0] = in0;
+    inputs[1] = in1;
+    inputs[2] = in2;
+    return mpt__onnx_node_of(o, op, output, inputs, in2 ? 3 : in1 ? 2 : 1);
 }
 
 /* name = "<layer>/<what>" into out. */
@@ -27976,19 +28175,36 @@ static void mpt__onnx_constant(mpt__onnx *o, const mpt__layer *L, const char *wh
     mpt__pb_end(&o->nodes, body);
 }
 
-/* Makes the running value NCHW (nchw = 1) or NHWC (0), by a Transpose when
-   it is 4-D and not so already. */
-static void mpt__onnx_layout(mpt__onnx *o, const mpt__layer *L, int nchw) {
+/* Makes the running value NCHW (nchw = 1) or NHWC (0), by a Transpose
+   ("<layer>/<what>") when it is 4-D and not so already. */
+static void mpt__onnx_layout_as(mpt__onnx *o, const mpt__layer *L, int nchw, const char *what) {
     static const int64_t to_nchw[4] = {0, 3, 1, 2}, to_nhwc[4] = {0, 2, 3, 1};
     char y[96];
     size_t body;
     if (o->rank != 4 || o->nchw == nchw) return;
-    mpt__onnx_name(y, sizeof y, L, nchw ? "nchw" : "nhwc");
+    mpt__onnx_name(y, sizeof y, L, what);
     body = mpt__onnx_node(o, "Transpose", y, o->x, NULL, NULL);
     mpt__onnx_attr_ints(&o->nodes, "perm", nchw ? to_nchw : to_nhwc, 4);
     mpt__pb_end(&o->nodes, body);
     snprintf(o->x, sizeof o->x, "%s", y);
     o->nchw = nchw;
+}
+
+static void mpt__onnx_layout(mpt__onnx *o, const mpt__layer *L, int nchw) {
+    mpt__onnx_layout_as(o, L, nchw, nchw ? "nchw" : "nhwc");
+}
+
+/* The running value from a saved one, and back. */
+static void mpt__onnx_load(mpt__onnx *o, const mpt__onnx_value *v) {
+    memcpy(o->x, v->x, sizeof o->x);
+    o->rank = v->rank;
+    o->nchw = v->nchw;
+}
+
+static void mpt__onnx_save(const mpt__onnx *o, mpt__onnx_value *v) {
+    memcpy(v->x, o->x, sizeof v->x);
+    v->rank = o->rank;
+    v->nchw = o->nchw;
 }
 
 /* A node of one input with no attributes: op(x) -> "<layer>/<what>". */
@@ -28151,7 +28367,86 @@ static void mpt__onnx_flatten(mpt__onnx *o, const mpt__layer *L) {
     o->nchw = 0;
 }
 
-static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s) {
+/* Every input of a step, in the first one's layout (a Transpose named
+   "<layer>/input<k>_<layout>" where one differs), into names; leaves the
+   running value the first input's. */
+static void mpt__onnx_inputs(mpt__onnx *o, const mpt__export_step *s,
+                             const mpt__onnx_value *values, char names[][96]) {
+    int nchw = values[s->in_node[0]].nchw, k;
+    for (k = s->n_in - 1; k >= 0; k--) {
+        char what[32];
+        snprintf(what, sizeof what, "input%d_%s", k, nchw ? "nchw" : "nhwc");
+        mpt__onnx_load(o, &values[s->in_node[k]]);
+        mpt__onnx_layout_as(o, s->L, nchw, what);
+        memcpy(names[k], o->x, sizeof o->x);
+    }
+}
+
+/* Add as Sum and Average as Mean (any number of inputs), Subtract as Sub,
+   Multiply as a chain of Mul, left to right. */
+static void mpt__onnx_merge(mpt__onnx *o, const mpt__export_step *s,
+                            const mpt__onnx_value *values) {
+    char names[MPT_MAX_MERGE_INPUTS][96], y[96];
+    const char *inputs[MPT_MAX_MERGE_INPUTS];
+    int kind = s->L->ops->kind, k;
+    mpt__onnx_inputs(o, s, values, names);
+    for (k = 0; k < s->n_in; k++) inputs[k] = names[k];
+    if (kind != MPT__LAYER_MULTIPLY) {
+        const char *op = kind == MPT__LAYER_ADD ? "Sum" : kind == MPT__LAYER_AVERAGE ? "Mean" : "Sub";
+        mpt__onnx_name(y, sizeof y, s->L, "output");
+        mpt__pb_end(&o->nodes, mpt__onnx_node_of(o, op, y, inputs, s->n_in));
+        snprintf(o->x, sizeof o->x, "%s", y);
+        return;
+    }
+    for (k = 1; k < s->n_in; k++) {
+        char what[32];
+        snprintf(what, sizeof what, k == s->n_in - 1 ? "output" : "partial_%d", k);
+        mpt__onnx_binary(o, s->L, "Mul", names[k], what);
+    }
+}
+
+/* Concat along the layer's axis, counted in the inputs' layout. */
+static void mpt__onnx_concatenate(mpt__onnx *o, const mpt__export_step *s,
+                                  const mpt__onnx_value *values) {
+    static const int nchw_axis[4] = {0, 2, 3, 1}; /* NHWC's axis -> NCHW's */
+    char names[MPT_MAX_MERGE_INPUTS][96], y[96];
+    const char *inputs[MPT_MAX_MERGE_INPUTS];
+    int axis = 1 + mpt__concat_axis(s->L->desc.concatenate.axis, s->L->in_rank), k;
+    size_t body;
+    mpt__onnx_inputs(o, s, values, names);
+    for (k = 0; k < s->n_in; k++) inputs[k] = names[k];
+    mpt__onnx_name(y, sizeof y, s->L, "output");
+    body = mpt__onnx_node_of(o, "Concat", y, inputs, s->n_in);
+    mpt__onnx_attr_int(&o->nodes, "axis", o->nchw ? nchw_axis[axis] : axis);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* ZeroPadding2D: Pad (zeros, its default) with the pads as an int64
+   initializer: every axis's start, then every axis's end, in the running
+   value's layout. */
+static void mpt__onnx_pad(mpt__onnx *o, const mpt__export_step *s) {
+    int64_t pad[2][2], pads[8] = {0}, count = 8;
+    int h = o->nchw ? 2 : 1, k; /* the height's axis; the width's follows */
+    char name[96];
+    size_t body;
+    unsigned char *data;
+    mpt__zero_padding2d_sides(s->L, pad);
+    pads[h] = pad[0][0];
+    pads[h + 1] = pad[1][0];
+    pads[4 + h] = pad[0][1];
+    pads[4 + h + 1] = pad[1][1];
+    mpt__onnx_name(name, sizeof name, s->L, "pads");
+    data = mpt__onnx_initializer(o, name, MPT__ONNX_INT64, 1, &count, 64, &body);
+    for (k = 0; data && k < 8; k++) mpt__tb_put_le(data + 8 * k, (uint64_t)pads[k], 8);
+    mpt__pb_end(&o->inits, body);
+    mpt__onnx_binary(o, s->L, "Pad", name, "output");
+}
+
+/* One step's nodes, its first input the running value (values: every
+   node's, for the merges); the running value becomes its output. */
+static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
+                           const mpt__onnx_value *values) {
     char y[96];
     size_t body;
     switch (s->kind) {
@@ -28175,6 +28470,9 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s) {
     case MPT__EXPORT_FLATTEN: mpt__onnx_flatten(o, s->L); break;
     case MPT__EXPORT_ACTIVATION: mpt__onnx_activation(o, s); break;
     case MPT__EXPORT_SCALE_SHIFT: mpt__onnx_scale_shift(o, s); break;
+    case MPT__EXPORT_MERGE: mpt__onnx_merge(o, s, values); break;
+    case MPT__EXPORT_CONCATENATE: mpt__onnx_concatenate(o, s, values); break;
+    case MPT__EXPORT_PAD: mpt__onnx_pad(o, s); break;
     }
 }
 
@@ -28701,6 +28999,7 @@ static mpt_status mpt__onnx_encode(mpt__export_plan *pl, unsigned char **owned,
     mpt__onnx o;
     mpt__pb b;
     mpt_status s = MPT_OK;
+    mpt__onnx_value *values = NULL; /* values[node] */
     int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
     int i, in_rank, out_rank;
     memset(&o, 0, sizeof o);
@@ -28714,7 +29013,17 @@ static mpt_status mpt__onnx_encode(mpt__export_plan *pl, unsigned char **owned,
     if (m->quantized) {
         out_rank = mpt__onnx_quantized_graph(&o, out_shape);
     } else {
-        for (i = 0; i < pl->n; i++) mpt__onnx_step(&o, &pl->steps[i]);
+        values = (mpt__onnx_value *)mpt__calloc(m->ctx, sizeof *values *
+                                                            (size_t)(m->n_layers + 1));
+        if (!values) b.failed = 1;
+        if (values) mpt__onnx_save(&o, &values[0]);
+        for (i = 0; values && i < pl->n; i++) {
+            mpt__onnx_load(&o, &values[pl->steps[i].in_node[0]]);
+            mpt__onnx_step(&o, &pl->steps[i], values);
+            mpt__onnx_save(&o, &values[pl->steps[i].out_node]);
+        }
+        if (values) mpt__onnx_load(&o, &values[pl->alias[m->n_layers]]);
+        mpt__free(m->ctx, values);
         if (pl->n) mpt__onnx_layout(&o, pl->steps[pl->n - 1].L, 0); /* the output is NHWC */
         out_rank = pl->n ? mpt__export_out_shape(&pl->steps[pl->n - 1], out_shape) : in_rank;
         if (!pl->n) memcpy(out_shape, in_shape, sizeof in_shape);

@@ -1989,7 +1989,8 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        Concatenate            CONCATENATION              Concat (its axis in
                                                          the inputs' layout)
    A graph (@layers' functional form) is written as its nodes connect; a
-   shared layer's later call is refused (MPT_ERR_UNSUPPORTED) for now.
+   shared layer's later call (mpt_apply_layer) as the layer again, named
+   "<name>/call<k>", with the same weights stored once more.
    The weights are the float32 masters whatever the policy, so a model
    trained in mixed precision computes in float32 in the file (its outputs
    differ from a float16 predict's by float16's rounding).
@@ -26533,6 +26534,11 @@ typedef struct mpt__export_plan {
        Dropout, that layer's input's); uses[n] counts the layers that read
        node n, the model's output counting as one more. */
     int *alias, *uses;       /* [n_layers + 1]                            */
+    /* A shared layer's later calls as their steps see them: copies of the
+       layers named "<name>/call<k>" (each name in a file must be its own),
+       the same weights (a call's parameters are its layer's). */
+    mpt__layer *calls;       /* [n_layers]                                 */
+    int n_calls;
 } mpt__export_plan;
 
 /* The host copy of a layer's parameter ("kernel", "moving_mean"); NULL if
@@ -26570,6 +26576,13 @@ static mpt_status mpt__export_step_add(mpt__export_plan *pl, int *cap, mpt__expo
     s->n_in = L->n_in;
     for (k = 0; k < L->n_in; k++) s->in_node[k] = pl->alias[L->in_node[k]];
     s->out_node = (int)(L - pl->m->layers) + 1;
+    if (L->call_of) {
+        mpt__layer *C = &pl->calls[pl->n_calls++];
+        *C = *L;
+        snprintf(C->name, sizeof C->name, "%.48s/call%d", L->name,
+                 mpt__node_call(pl->m, s->out_node));
+        s->L = C;
+    }
     s->kernel_count = kernel_count;
     s->bias_count = bias_count;
     if (kernel_count + bias_count > 0) {
@@ -26673,7 +26686,8 @@ static mpt_status mpt__export_graph(mpt__export_plan *pl) {
     int i, k;
     pl->alias = (int *)mpt__calloc(m->ctx, bytes);
     pl->uses = (int *)mpt__calloc(m->ctx, bytes);
-    if (!pl->alias || !pl->uses)
+    pl->calls = (mpt__layer *)mpt__calloc(m->ctx, sizeof *pl->calls * (size_t)(m->n_layers + 1));
+    if (!pl->alias || !pl->uses || !pl->calls)
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", pl->path);
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
@@ -26722,9 +26736,6 @@ static mpt_status mpt__export_pool(mpt__export_plan *pl, int *cap, const mpt__la
 static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
     mpt__export_step *before;
     if (mpt__export_passes_through(L)) return MPT_OK;
-    if (L->call_of) /* its constants and names would be the first call's */
-        return mpt__export_unsupported(pl, L, "is a shared layer's later call, which the export "
-                                       "does not write yet");
     before = mpt__export_mergeable(pl, L);
     switch (L->ops->kind) {
     case MPT__LAYER_DENSE: return mpt__export_weighted(pl, cap, L, MPT__EXPORT_DENSE);
@@ -26759,9 +26770,11 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     mpt__free(ctx, pl->mirror);
     mpt__free(ctx, pl->alias);
     mpt__free(ctx, pl->uses);
+    mpt__free(ctx, pl->calls);
     pl->steps = NULL;
     pl->mirror = NULL;
     pl->alias = pl->uses = NULL;
+    pl->calls = NULL;
     pl->n = 0;
 }
 

@@ -65,11 +65,11 @@ static mpt_node conv_node(mpt_model *m, mpt_node x, int64_t filters, int64_t k,
    ReLU after it), one read once has it folded; ZeroPadding2D with
    uneven sides; Add of three (Sum), Subtract, Multiply, Average of three;
    Concatenate over the channels (one input the model's, NHWC in ONNX)
-   and over the rows (two Conv2D outputs, NCHW in ONNX); Dropout and a
-   linear Activation, which leave nothing. with_bn 0 leaves
-   BatchNormalization out. */
+   and over the rows (two Conv2D outputs, NCHW in ONNX); a Conv2D applied
+   twice (a shared layer); Dropout and a linear Activation, which leave
+   nothing. with_bn 0 leaves BatchNormalization out. */
 static void add_graph(mpt_model *m, int with_bn) {
-    mpt_node x = mpt_model_input(m), in[3], a, r, c0, s1, d, mul, av, pool, c2, e, y;
+    mpt_node x = mpt_model_input(m), in[3], a, r, c0, s1, d, mul, av, pool, twin, c2, e, y;
     mpt_zero_padding2d_desc pad = {.padding = {{1, 2}, {0, 3}}};
     c0 = conv_node(m, mpt_zero_padding2d(m, x, &pad), 4, 4, MPT_PADDING_VALID); /* (28, 28, 4) */
     a = conv_node(m, x, 4, 3, MPT_PADDING_SAME);
@@ -85,7 +85,14 @@ static void add_graph(mpt_model *m, int with_bn) {
     av = mpt_average(m, 3, in, NULL);
     in[0] = av, in[1] = x;
     pool = mpt_max_pooling2d(m, mpt_concatenate(m, 2, in, NULL), NULL); /* (14, 14, 5) */
-    c2 = conv_node(m, pool, 3, 3, MPT_PADDING_SAME);
+    twin = mpt_conv2d(m, pool,
+                      &(mpt_conv2d_desc){.name = "twin",
+                                         .filters = 5,
+                                         .kernel_size = {3, 3},
+                                         .padding = MPT_PADDING_SAME,
+                                         .activation = MPT_ACT_RELU});
+    twin = mpt_apply_layer(m, "twin", 1, &twin); /* its own output, through it again */
+    c2 = conv_node(m, twin, 3, 3, MPT_PADDING_SAME);
     if (with_bn) c2 = mpt_batch_normalization(m, c2, NULL); /* read once: folded */
     c2 = mpt_activation_layer(m, c2, &(mpt_activation_desc){.activation = MPT_ACT_TANH});
     e = conv_node(m, pool, 3, 1, MPT_PADDING_VALID);

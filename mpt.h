@@ -352,7 +352,9 @@
        values. Sizes are int64_t. Images are NHWC.
        Descriptor structs are zero-initialised for defaults; each field's
        comment gives its default. A NULL descriptor means all defaults,
-       everywhere; where a field is required, the error names it.
+       everywhere; where a field is required, the error names it. Where
+       Keras gives 0 a meaning of its own (fit's epochs: train nothing),
+       0 keeps that meaning and the field has no zero default.
 
    PRIVATE PREFIXES: the families of mpt__ helpers, and where they live
        bn_     BatchNormalization                      @impl-batchnorm
@@ -1246,7 +1248,12 @@ typedef struct mpt_printer {
 typedef struct mpt_dataset mpt_dataset;
 
 typedef struct mpt_fit_desc {
-    int epochs;                         /* default 1                           */
+    int epochs;                         /* the epoch to stop before, as Keras'
+                                           epochs: trains initial_epoch ..
+                                           epochs - 1, so 0 trains nothing
+                                           (Keras' fit(epochs=0)); no zero
+                                           default, 0 being meaningful; a
+                                           NULL descriptor: 1, Keras' default */
     int initial_epoch;                  /* default 0; resuming: the first epoch */
     int64_t batch_size;                 /* default 32: the global batch; one
                                            past the training samples trains on
@@ -1299,6 +1306,9 @@ enum {
 /* Trains on `train` (builds the model for batch_size first if it is not
    built). Shuffling follows the model's seed and the epoch, so a run is
    reproducible. The history of every epoch is kept (mpt_model_history).
+   With epochs <= initial_epoch nothing is trained, as in Keras: the model
+   is still built and checked against the data, the callbacks' train
+   begin and end run, and the history is left empty.
    After an epoch whose loss, trainable weights or optimizer state hold
    inf or NaN, fit stops with MPT_ERR_NUMERIC before that epoch's
    callbacks; the message names the epoch and the first such value's
@@ -12601,8 +12611,8 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     MPT__CHECK(mpt__refuse_quantized(m, "fit"));
     memset(&d, 0, sizeof d);
-    if (desc) d = *desc; /* NULL: every default */
-    if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
+    if (desc) d = *desc;
+    else d.epochs = 1; /* NULL: every default, Keras' epochs=1 among them */
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
     d.batch_size = mpt__fit_batch_size(m, train, &d);
     s = mpt__fit_check(m, train, &d);

@@ -1560,15 +1560,16 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
 /* TensorBoard event files as Keras' TensorBoard callback writes them, read
    by `tensorboard --logdir log_dir`: every epoch, each training log as
    "epoch_<name>" (epoch_loss, epoch_accuracy, epoch_learning_rate,
-   epoch_loss_scale, ...) in train/ and each "val_<name>" as "epoch_<name>"
-   in validation/, at step = the 0-based epoch; the model summary as the
-   text "model_summary" at step 0; histograms and batch scalars as the
-   descriptor asks. Worker 0 writes, creating log_dir when fit begins; the
-   other workers create nothing. Making the callback checks that log_dir
-   can be created, by creating and removing a file in its deepest existing
-   directory, so that a log_dir that cannot be written (under /proc, say)
-   fails here rather than in fit. A killed run leaves files that read up
-   to its last whole event. Freed by mpt_callback_destroy like the others. */
+   epoch_loss_scale, ...; fit's epoch_seconds as itself) in train/ and each
+   "val_<name>" as "epoch_<name>" in validation/, at step = the 0-based
+   epoch; the model summary as the text "model_summary" at step 0;
+   histograms and batch scalars as the descriptor asks. Worker 0 writes,
+   creating log_dir when fit begins; the other workers create nothing.
+   Making the callback checks that log_dir can be created, by creating and
+   removing a file in its deepest existing directory, so that a log_dir
+   that cannot be written (under /proc, say) fails here rather than in fit.
+   A killed run leaves files that read up to its last whole event. Freed by
+   mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);
@@ -14827,7 +14828,9 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    step); histograms at the epochs where epoch % histogram_freq == 0.
    Where mpt.h chooses:
    - Scalars are simple_value (float32), which every TensorBoard reads; one
-     Event carries all of a step's scalars.
+     Event carries all of a step's scalars. fit's epoch_seconds is tagged
+     "epoch_seconds", not Keras' mechanical "epoch_epoch_seconds" (Keras
+     has no such key: its steps_per_second becomes epoch_steps_per_second).
    - Histograms are HistogramProto over TensorFlow's default buckets
      (tensorflow/core/lib/histogram/histogram.cc), runs of empty buckets
      collapsed as its EncodeToProto does; tag "<layer>/<param>". Gradients
@@ -15341,7 +15344,14 @@ static mpt_status mpt__cb_tensorboard_train_begin(void *user, mpt_model *m) {
 }
 
 /* One event of the logs whose names start with "val_" (val = 1; written
-   without the prefix) or do not (val = 0), each tagged prefix + name. */
+   without the prefix) or do not (val = 0), each tagged prefix + name.
+   Keras writes "epoch_" + every key of its logs, and none of its own keys
+   starts with "epoch_"; fit's measurement epoch_seconds does, and
+   "epoch_epoch_seconds" would say the epoch twice. So a measurement of
+   fit's own that already starts with the prefix is tagged with its name
+   alone, which is also its history key. Other names get the prefix as
+   Keras gives it, so an output layer named "epoch" still writes
+   "epoch_epoch_loss", not fit's "epoch_loss". */
 static mpt_status mpt__tb_scalars(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f,
                                   const char *prefix, int64_t step, const mpt_logs *logs,
                                   int val) {
@@ -15351,8 +15361,11 @@ static mpt_status mpt__tb_scalars(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_
     summary = mpt__pb_begin(&t->event, 5);
     for (i = 0; logs && i < logs->count; i++) {
         const char *name = logs->names[i];
+        int named; /* the name already says the prefix */
         if (!name || (strncmp(name, "val_", 4) == 0) != val) continue;
-        mpt__tb_scalar(&t->event, prefix, val ? name + 4 : name, logs->values[i]);
+        if (val) name += 4;
+        named = mpt__log_is_measurement(name) && strncmp(name, prefix, strlen(prefix)) == 0;
+        mpt__tb_scalar(&t->event, named ? "" : prefix, name, logs->values[i]);
         any = 1;
     }
     mpt__pb_end(&t->event, summary);

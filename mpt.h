@@ -1356,7 +1356,9 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
 /* Writes a Keras-like table (the dtype policy, then per layer its output
    shape, parameters and compute dtype, then memory per category, as
    mpt_model_memory reports it, and the memory_limit if one is set) into buf;
-   returns the length it needs, like snprintf. Before build the text is, as
+   returns the length it needs, like snprintf. The layer and shape columns
+   are Keras' widths, wider where a name or shape is longer, so that every
+   row stays aligned. Before build the text is, as
    Keras raises, that the model has not yet been built and what builds it. */
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
 
@@ -12812,16 +12814,49 @@ static void mpt__append(char *buf, size_t size, size_t *used, const char *fmt, .
     if (n > 0) *used += (size_t)n;
 }
 
+/* A summary row's first two cells: "dense (Dense)" and "(None, 26, 26,
+   32)", Keras' way of saying "any batch size"; for L NULL, a graph's
+   input row. */
+static void mpt__summary_cells(const mpt_model *m, const mpt__layer *L, char *name, char *shape,
+                               size_t size) {
+    int64_t dims[MPT_MAX_RANK];
+    int rank = L ? L->out_rank : m->desc.input_rank;
+    char text[96];
+    dims[0] = 1;
+    memcpy(dims + 1, L ? L->out_shape : m->desc.input_shape, sizeof(int64_t) * (size_t)rank);
+    mpt_shape_format(text, sizeof text, rank + 1, dims);
+    snprintf(shape, size, "(None%s", strchr(text, ','));
+    if (L) snprintf(name, size, "%s (%s)", L->name, L->ops->class_name);
+    else snprintf(name, size, "input (InputLayer)");
+}
+
+/* The widths of the layer and output shape columns: Keras' 44 and 24,
+   widened to the longest cell. A fixed width lets a long cell such as
+   "global_average_pooling2d (GlobalAveragePooling2D)" push the rest of
+   its row out of line; Keras 2 wraps such a cell over several lines
+   inside the column, but one line per layer keeps every row greppable
+   and reads as well in TensorBoard's text tab. */
+static void mpt__summary_widths(const mpt_model *m, int *name_width, int *shape_width) {
+    char name[96], shape[96];
+    int i;
+    *name_width = 44;
+    *shape_width = 24;
+    for (i = m->graph ? -1 : 0; i < m->n_layers; i++) { /* -1: the graph's input row */
+        mpt__summary_cells(m, i < 0 ? NULL : &m->layers[i], name, shape, sizeof name);
+        *name_width = MPT__MAX(*name_width, (int)strlen(name));
+        *shape_width = MPT__MAX(*shape_width, (int)strlen(shape));
+    }
+}
+
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     static const char *const category[MPT__MEM_COUNT_] = {
         "parameters (float32)", "gradients", "optimizer state", "weight copies",
         "activations", "workspace"};
-    const char *rule = "______________________________________________________________________________________________\n";
-    const char *bold = "==============================================================================================\n";
+    char rule[256], bold[256]; /* as wide as the columns before "Connected to": 94 and up */
     size_t used = 0;
     int64_t total = 0, trainable = 0, bytes = 0;
-    int i, k;
-    char a[96], b[96], c[96];
+    int i, k, name_width, shape_width, width;
+    char a[96], c[96];
     if (!m) return 0;
     if (size) buf[0] = 0;
     if (m->quantized) return mpt__quantized_summary(m, buf, size);
@@ -12832,51 +12867,47 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
                     "builds it for its batch size).\n");
         return used;
     }
+    mpt__summary_widths(m, &name_width, &shape_width);
+    width = 1 + name_width + 1 + shape_width + 1 + 12 + 1 + 10;
+    memset(rule, '_', (size_t)width);
+    memset(bold, '=', (size_t)width);
+    rule[width] = bold[width] = 0;
     /* A graph is Keras' functional model: an input row, and what each
        layer is connected to ("dense[0][0]": layer, call, output). */
     mpt__append(buf, size, &used, "Model: \"%s\"\n", m->graph ? "functional" : "sequential");
-    mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s",
+    mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s\n",
                 mpt_policy_name(m->desc.policy), mpt_dtype_name(m->policy_dtype), rule);
-    mpt__append(buf, size, &used, " %-44s %-24s %-12s %-*s%s\n%s", "Layer (type)",
-                "Output Shape", "Param #", m->graph ? 10 : 0, "Dtype",
+    mpt__append(buf, size, &used, " %-*s %-*s %-12s %-*s%s\n%s\n", name_width, "Layer (type)",
+                shape_width, "Output Shape", "Param #", m->graph ? 10 : 0, "Dtype",
                 m->graph ? "Connected to" : "", bold);
     if (m->graph) {
-        int64_t shape[MPT_MAX_RANK];
-        shape[0] = 1;
-        memcpy(shape + 1, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
-        mpt_shape_format(b, sizeof b, m->desc.input_rank + 1, shape);
-        snprintf(c, sizeof c, "(None%s", strchr(b, ','));
-        mpt__append(buf, size, &used, " %-44s %-24s %-12d %-10s-\n", "input (InputLayer)", c, 0,
+        mpt__summary_cells(m, NULL, a, c, sizeof a);
+        mpt__append(buf, size, &used, " %-*s %-*s %-12d %-10s-\n", name_width, a, shape_width, c, 0,
                     "");
     }
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
-        int64_t count = 0, shape[MPT_MAX_RANK];
+        int64_t count = 0;
         for (k = 0; k < L->n_params && !L->call_of; k++) { /* a call's are its layer's */
             count += L->param[k]->count;
             if (L->param[k]->trainable) trainable += L->param[k]->count;
         }
         total += count;
-        snprintf(a, sizeof a, "%s (%s)", L->name, L->ops->class_name);
-        /* "(None, 26, 26, 32)": Keras' way of saying "any batch size" */
-        shape[0] = 1;
-        memcpy(shape + 1, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
-        mpt_shape_format(b, sizeof b, L->out_rank + 1, shape);
-        snprintf(c, sizeof c, "(None%s", strchr(b, ','));
-        mpt__append(buf, size, &used, " %-44s %-24s %-12lld %-*s", a, c, (long long)count,
-                    m->graph ? 10 : 0, mpt_dtype_name(L->dtype));
+        mpt__summary_cells(m, L, a, c, sizeof a);
+        mpt__append(buf, size, &used, " %-*s %-*s %-12lld %-*s", name_width, a, shape_width, c,
+                    (long long)count, m->graph ? 10 : 0, mpt_dtype_name(L->dtype));
         for (k = 0; m->graph && k < L->n_in; k++) /* one input a line, as Keras */
-            mpt__append(buf, size, &used, "%*s%s[%d][0]%s", k ? 94 : 0, "",
+            mpt__append(buf, size, &used, "%*s%s[%d][0]%s", k ? width : 0, "",
                         mpt__node_name(m, L->in_node[k]), mpt__node_call(m, L->in_node[k]),
                         k + 1 < L->n_in ? ",\n" : "");
         mpt__append(buf, size, &used, "\n");
     }
-    mpt__append(buf, size, &used, "%s", bold);
+    mpt__append(buf, size, &used, "%s\n", bold);
     mpt__append(buf, size, &used, "Total params: %lld (%s)\n", (long long)total,
                 mpt__bytes_text(c, sizeof c, 4.0 * (double)total));
     mpt__append(buf, size, &used, "Trainable params: %lld (%s)\n", (long long)trainable,
                 mpt__bytes_text(c, sizeof c, 4.0 * (double)trainable));
-    mpt__append(buf, size, &used, "Non-trainable params: %lld (%s)\n%s",
+    mpt__append(buf, size, &used, "Non-trainable params: %lld (%s)\n%s\n",
                 (long long)(total - trainable),
                 mpt__bytes_text(c, sizeof c, 4.0 * (double)(total - trainable)), rule);
     mpt__append(buf, size, &used, "Memory for batches of %lld:\n", (long long)m->max_batch);
@@ -12890,7 +12921,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     if (m->desc.memory_limit > 0)
         mpt__append(buf, size, &used, "  %-22s %s\n", "memory_limit",
                     mpt__bytes_text(c, sizeof c, (double)m->desc.memory_limit));
-    mpt__append(buf, size, &used, "%s", rule);
+    mpt__append(buf, size, &used, "%s\n", rule);
     return used;
 }
 /* ---- fit's closing summary ---------------------------------------------------------------

@@ -1,8 +1,8 @@
 /* The public API's conventions: fit stops on a model that became
    non-finite; a NULL descriptor means all defaults; fit's epochs 0 trains
    nothing; the getters of a model's policy and each layer's class and
-   dtypes; the summary's policy line and its refusal before build; the
-   messages of shape errors. */
+   dtypes; the summary's policy line, its columns with long names and its
+   refusal before build; the messages of shape errors. */
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
 #include "helpers.h"
@@ -421,6 +421,37 @@ static void test_summary_shows_the_policy(void) {
     mpt_model_destroy(m);
 }
 
+/* Long names keep the table aligned: the layer column widens to
+   "global_average_pooling2d (GlobalAveragePooling2D)" and to a long name
+   of the user's, and the rules with it; short names keep Keras' widths. */
+static void test_summary_long_names(void) {
+    char text[4096], want[128];
+    mpt_model *m = NULL;
+    const char *why;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {8, 8, 3}, .input_rank = 3},
+                           &m) == MPT_OK &&
+              mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3}}) ==
+                  MPT_OK &&
+              mpt_model_add_global_average_pooling2d(m, NULL) == MPT_OK &&
+              mpt_model_add_dense(m, &(mpt_dense_desc){
+                  .units = 2, .name = "classifier_head_of_a_model_with_long_names"}) == MPT_OK &&
+              mpt_model_build(m, 2) == MPT_OK,
+          "model: %s", mpt_context_error(ctx));
+    mpt_model_summary(m, text, sizeof text);
+    why = test_summary_misaligned(text);
+    CHECK(strstr(text, " global_average_pooling2d (GlobalAveragePooling2D) ") &&
+              strstr(text, " classifier_head_of_a_model_with_long_names (Dense) ") && !why,
+          "%s in\n%s", why ? why : "a name missing", text);
+    mpt_model_destroy(m);
+    m = mixed_model(ctx, 1);
+    mpt_model_summary(m, text, sizeof text);
+    why = test_summary_misaligned(text);
+    snprintf(want, sizeof want, "\n %-44s %-24s %-12d float16\n", "dense (Dense)", "(None, 8)", 56);
+    CHECK(!why && strstr(text, want), "%s in\n%s", why ? why : "short names: not Keras' widths",
+          text);
+    mpt_model_destroy(m);
+}
+
 /* Before build, the summary says why it has no table, as Keras raises. */
 static void test_summary_before_build(void) {
     char text[512];
@@ -472,6 +503,7 @@ static void run_cases(void) {
     TEST_RUN(test_policy_and_layer_getters);
     TEST_RUN(test_failed_getters_leave_zeros);
     TEST_RUN(test_summary_shows_the_policy);
+    TEST_RUN(test_summary_long_names);
     TEST_RUN(test_summary_before_build);
     TEST_RUN(test_forward_shape_message);
 }

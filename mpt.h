@@ -381,6 +381,12 @@
        wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
        wkg_    Winograd's kernel gradient              @impl-winograd-grad
        ws_     a layer's workspace, cut in pieces      @impl-layer-helpers
+       Every mpt__ function and table is static: the implementation is one
+       translation unit, and it and mpt_cuda.cu reach each other only
+       through public functions (mpt.h calls mpt_cuda_*, mpt_cuda.cu calls
+       mpt_dtype_*), the mpt_backend table and @backend-shared's rules,
+       which mpt_cuda.cu compiles itself. A helper another file needs
+       becomes public rather than extern.
 
    LICENSE: MIT, at the end of this file.
 */

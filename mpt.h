@@ -354,7 +354,9 @@
        values. Sizes are int64_t. Images are NHWC.
        Descriptor structs are zero-initialised for defaults; each field's
        comment gives its default. A NULL descriptor means all defaults,
-       everywhere; where a field is required, the error names it.
+       everywhere; where a field is required, the error names it. Where
+       Keras gives 0 a meaning of its own (fit's epochs: train nothing),
+       0 keeps that meaning and the field has no zero default.
 
    PRIVATE PREFIXES: the families of mpt__ helpers, and where they live
        bn_     BatchNormalization                      @impl-batchnorm
@@ -380,6 +382,12 @@
        wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
        wkg_    Winograd's kernel gradient              @impl-winograd-grad
        ws_     a layer's workspace, cut in pieces      @impl-layer-helpers
+       Every mpt__ function and table is static: the implementation is one
+       translation unit, and it and mpt_cuda.cu reach each other only
+       through public functions (mpt.h calls mpt_cuda_*, mpt_cuda.cu calls
+       mpt_dtype_*), the mpt_backend table and @backend-shared's rules,
+       which mpt_cuda.cu compiles itself. A helper another file needs
+       becomes public rather than extern.
 
    LICENSE: MIT, at the end of this file.
 */
@@ -1247,7 +1255,12 @@ typedef struct mpt_printer {
 typedef struct mpt_dataset mpt_dataset;
 
 typedef struct mpt_fit_desc {
-    int epochs;                         /* default 1                           */
+    int epochs;                         /* the epoch to stop before, as Keras'
+                                           epochs: trains initial_epoch ..
+                                           epochs - 1, so 0 trains nothing
+                                           (Keras' fit(epochs=0)); no zero
+                                           default, 0 being meaningful; a
+                                           NULL descriptor: 1, Keras' default */
     int initial_epoch;                  /* default 0; resuming: the first epoch */
     int64_t batch_size;                 /* default 32: the global batch; one
                                            past the training samples trains on
@@ -1300,6 +1313,9 @@ enum {
 /* Trains on `train` (builds the model for batch_size first if it is not
    built). Shuffling follows the model's seed and the epoch, so a run is
    reproducible. The history of every epoch is kept (mpt_model_history).
+   With epochs <= initial_epoch nothing is trained, as in Keras: the model
+   is still built and checked against the data, the callbacks' train
+   begin and end run, and the history is left empty.
    After an epoch whose loss, trainable weights or optimizer state hold
    inf or NaN, fit stops with MPT_ERR_NUMERIC before that epoch's
    callbacks; the message names the epoch and the first such value's
@@ -1347,7 +1363,9 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
 /* Writes a Keras-like table (the dtype policy, then per layer its output
    shape, parameters and compute dtype, then memory per category, as
    mpt_model_memory reports it, and the memory_limit if one is set) into buf;
-   returns the length it needs, like snprintf. Before build the text is, as
+   returns the length it needs, like snprintf. The layer and shape columns
+   are Keras' widths, wider where a name or shape is longer, so that every
+   row stays aligned. Before build the text is, as
    Keras raises, that the model has not yet been built and what builds it. */
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
 
@@ -1551,15 +1569,16 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
 /* TensorBoard event files as Keras' TensorBoard callback writes them, read
    by `tensorboard --logdir log_dir`: every epoch, each training log as
    "epoch_<name>" (epoch_loss, epoch_accuracy, epoch_learning_rate,
-   epoch_loss_scale, ...) in train/ and each "val_<name>" as "epoch_<name>"
-   in validation/, at step = the 0-based epoch; the model summary as the
-   text "model_summary" at step 0; histograms and batch scalars as the
-   descriptor asks. Worker 0 writes, creating log_dir when fit begins; the
-   other workers create nothing. Making the callback checks that log_dir
-   can be created, by creating and removing a file in its deepest existing
-   directory, so that a log_dir that cannot be written (under /proc, say)
-   fails here rather than in fit. A killed run leaves files that read up
-   to its last whole event. Freed by mpt_callback_destroy like the others. */
+   epoch_loss_scale, ...; fit's epoch_seconds as itself) in train/ and each
+   "val_<name>" as "epoch_<name>" in validation/, at step = the 0-based
+   epoch; the model summary as the text "model_summary" at step 0;
+   histograms and batch scalars as the descriptor asks. Worker 0 writes,
+   creating log_dir when fit begins; the other workers create nothing.
+   Making the callback checks that log_dir can be created, by creating and
+   removing a file in its deepest existing directory, so that a log_dir
+   that cannot be written (under /proc, say) fails here rather than in fit.
+   A killed run leaves files that read up to its last whole event. Freed by
+   mpt_callback_destroy like the others. */
 MPTDEF mpt_status mpt_callback_tensorboard(mpt_context *ctx, const mpt_tensorboard_desc *d,
                                            mpt_callback *out);
 MPTDEF void mpt_callback_destroy(mpt_callback *cb);
@@ -12179,8 +12198,8 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     MPT__CHECK(mpt__refuse_quantized(m, "fit"));
     memset(&d, 0, sizeof d);
-    if (desc) d = *desc; /* NULL: every default */
-    if (d.epochs == 0 && d.initial_epoch == 0) d.epochs = 1;
+    if (desc) d = *desc;
+    else d.epochs = 1; /* NULL: every default, Keras' epochs=1 among them */
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
     d.batch_size = mpt__fit_batch_size(m, train, &d);
     s = mpt__fit_check(m, train, &d);
@@ -12379,16 +12398,49 @@ static void mpt__append(char *buf, size_t size, size_t *used, const char *fmt, .
     if (n > 0) *used += (size_t)n;
 }
 
+/* A summary row's first two cells: "dense (Dense)" and "(None, 26, 26,
+   32)", Keras' way of saying "any batch size"; for L NULL, a graph's
+   input row. */
+static void mpt__summary_cells(const mpt_model *m, const mpt__layer *L, char *name, char *shape,
+                               size_t size) {
+    int64_t dims[MPT_MAX_RANK];
+    int rank = L ? L->out_rank : m->desc.input_rank;
+    char text[96];
+    dims[0] = 1;
+    memcpy(dims + 1, L ? L->out_shape : m->desc.input_shape, sizeof(int64_t) * (size_t)rank);
+    mpt_shape_format(text, sizeof text, rank + 1, dims);
+    snprintf(shape, size, "(None%s", strchr(text, ','));
+    if (L) snprintf(name, size, "%s (%s)", L->name, L->ops->class_name);
+    else snprintf(name, size, "input (InputLayer)");
+}
+
+/* The widths of the layer and output shape columns: Keras' 44 and 24,
+   widened to the longest cell. A fixed width lets a long cell such as
+   "global_average_pooling2d (GlobalAveragePooling2D)" push the rest of
+   its row out of line; Keras 2 wraps such a cell over several lines
+   inside the column, but one line per layer keeps every row greppable
+   and reads as well in TensorBoard's text tab. */
+static void mpt__summary_widths(const mpt_model *m, int *name_width, int *shape_width) {
+    char name[96], shape[96];
+    int i;
+    *name_width = 44;
+    *shape_width = 24;
+    for (i = m->graph ? -1 : 0; i < m->n_layers; i++) { /* -1: the graph's input row */
+        mpt__summary_cells(m, i < 0 ? NULL : &m->layers[i], name, shape, sizeof name);
+        *name_width = MPT__MAX(*name_width, (int)strlen(name));
+        *shape_width = MPT__MAX(*shape_width, (int)strlen(shape));
+    }
+}
+
 MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     static const char *const category[MPT__MEM_COUNT_] = {
         "parameters (float32)", "gradients", "optimizer state", "weight copies",
         "activations", "workspace"};
-    const char *rule = "______________________________________________________________________________________________\n";
-    const char *bold = "==============================================================================================\n";
+    char rule[256], bold[256]; /* as wide as the columns before "Connected to": 94 and up */
     size_t used = 0;
     int64_t total = 0, trainable = 0, bytes = 0;
-    int i, k;
-    char a[96], b[96], c[96];
+    int i, k, name_width, shape_width, width;
+    char a[96], c[96];
     if (!m) return 0;
     if (size) buf[0] = 0;
     if (m->quantized) return mpt__quantized_summary(m, buf, size);
@@ -12399,51 +12451,47 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
                     "builds it for its batch size).\n");
         return used;
     }
+    mpt__summary_widths(m, &name_width, &shape_width);
+    width = 1 + name_width + 1 + shape_width + 1 + 12 + 1 + 10;
+    memset(rule, '_', (size_t)width);
+    memset(bold, '=', (size_t)width);
+    rule[width] = bold[width] = 0;
     /* A graph is Keras' functional model: an input row, and what each
        layer is connected to ("dense[0][0]": layer, call, output). */
     mpt__append(buf, size, &used, "Model: \"%s\"\n", m->graph ? "functional" : "sequential");
-    mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s",
+    mpt__append(buf, size, &used, "Dtype policy: \"%s\" (variables float32, compute %s)\n%s\n",
                 mpt_policy_name(m->desc.policy), mpt_dtype_name(m->policy_dtype), rule);
-    mpt__append(buf, size, &used, " %-44s %-24s %-12s %-*s%s\n%s", "Layer (type)",
-                "Output Shape", "Param #", m->graph ? 10 : 0, "Dtype",
+    mpt__append(buf, size, &used, " %-*s %-*s %-12s %-*s%s\n%s\n", name_width, "Layer (type)",
+                shape_width, "Output Shape", "Param #", m->graph ? 10 : 0, "Dtype",
                 m->graph ? "Connected to" : "", bold);
     if (m->graph) {
-        int64_t shape[MPT_MAX_RANK];
-        shape[0] = 1;
-        memcpy(shape + 1, m->desc.input_shape, sizeof(int64_t) * (size_t)m->desc.input_rank);
-        mpt_shape_format(b, sizeof b, m->desc.input_rank + 1, shape);
-        snprintf(c, sizeof c, "(None%s", strchr(b, ','));
-        mpt__append(buf, size, &used, " %-44s %-24s %-12d %-10s-\n", "input (InputLayer)", c, 0,
+        mpt__summary_cells(m, NULL, a, c, sizeof a);
+        mpt__append(buf, size, &used, " %-*s %-*s %-12d %-10s-\n", name_width, a, shape_width, c, 0,
                     "");
     }
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
-        int64_t count = 0, shape[MPT_MAX_RANK];
+        int64_t count = 0;
         for (k = 0; k < L->n_params && !L->call_of; k++) { /* a call's are its layer's */
             count += L->param[k]->count;
             if (L->param[k]->trainable) trainable += L->param[k]->count;
         }
         total += count;
-        snprintf(a, sizeof a, "%s (%s)", L->name, L->ops->class_name);
-        /* "(None, 26, 26, 32)": Keras' way of saying "any batch size" */
-        shape[0] = 1;
-        memcpy(shape + 1, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
-        mpt_shape_format(b, sizeof b, L->out_rank + 1, shape);
-        snprintf(c, sizeof c, "(None%s", strchr(b, ','));
-        mpt__append(buf, size, &used, " %-44s %-24s %-12lld %-*s", a, c, (long long)count,
-                    m->graph ? 10 : 0, mpt_dtype_name(L->dtype));
+        mpt__summary_cells(m, L, a, c, sizeof a);
+        mpt__append(buf, size, &used, " %-*s %-*s %-12lld %-*s", name_width, a, shape_width, c,
+                    (long long)count, m->graph ? 10 : 0, mpt_dtype_name(L->dtype));
         for (k = 0; m->graph && k < L->n_in; k++) /* one input a line, as Keras */
-            mpt__append(buf, size, &used, "%*s%s[%d][0]%s", k ? 94 : 0, "",
+            mpt__append(buf, size, &used, "%*s%s[%d][0]%s", k ? width : 0, "",
                         mpt__node_name(m, L->in_node[k]), mpt__node_call(m, L->in_node[k]),
                         k + 1 < L->n_in ? ",\n" : "");
         mpt__append(buf, size, &used, "\n");
     }
-    mpt__append(buf, size, &used, "%s", bold);
+    mpt__append(buf, size, &used, "%s\n", bold);
     mpt__append(buf, size, &used, "Total params: %lld (%s)\n", (long long)total,
                 mpt__bytes_text(c, sizeof c, 4.0 * (double)total));
     mpt__append(buf, size, &used, "Trainable params: %lld (%s)\n", (long long)trainable,
                 mpt__bytes_text(c, sizeof c, 4.0 * (double)trainable));
-    mpt__append(buf, size, &used, "Non-trainable params: %lld (%s)\n%s",
+    mpt__append(buf, size, &used, "Non-trainable params: %lld (%s)\n%s\n",
                 (long long)(total - trainable),
                 mpt__bytes_text(c, sizeof c, 4.0 * (double)(total - trainable)), rule);
     mpt__append(buf, size, &used, "Memory for batches of %lld:\n", (long long)m->max_batch);
@@ -12457,7 +12505,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     if (m->desc.memory_limit > 0)
         mpt__append(buf, size, &used, "  %-22s %s\n", "memory_limit",
                     mpt__bytes_text(c, sizeof c, (double)m->desc.memory_limit));
-    mpt__append(buf, size, &used, "%s", rule);
+    mpt__append(buf, size, &used, "%s\n", rule);
     return used;
 }
 /* ---- fit's closing summary ---------------------------------------------------------------
@@ -14395,7 +14443,9 @@ MPTDEF mpt_status mpt_callback_csv_logger(mpt_context *ctx, const mpt_csv_logger
    step); histograms at the epochs where epoch % histogram_freq == 0.
    Where mpt.h chooses:
    - Scalars are simple_value (float32), which every TensorBoard reads; one
-     Event carries all of a step's scalars.
+     Event carries all of a step's scalars. fit's epoch_seconds is tagged
+     "epoch_seconds", not Keras' mechanical "epoch_epoch_seconds" (Keras
+     has no such key: its steps_per_second becomes epoch_steps_per_second).
    - Histograms are HistogramProto over TensorFlow's default buckets
      (tensorflow/core/lib/histogram/histogram.cc), runs of empty buckets
      collapsed as its EncodeToProto does; tag "<layer>/<param>". Gradients
@@ -14909,7 +14959,14 @@ static mpt_status mpt__cb_tensorboard_train_begin(void *user, mpt_model *m) {
 }
 
 /* One event of the logs whose names start with "val_" (val = 1; written
-   without the prefix) or do not (val = 0), each tagged prefix + name. */
+   without the prefix) or do not (val = 0), each tagged prefix + name.
+   Keras writes "epoch_" + every key of its logs, and none of its own keys
+   starts with "epoch_"; fit's measurement epoch_seconds does, and
+   "epoch_epoch_seconds" would say the epoch twice. So a measurement of
+   fit's own that already starts with the prefix is tagged with its name
+   alone, which is also its history key. Other names get the prefix as
+   Keras gives it, so an output layer named "epoch" still writes
+   "epoch_epoch_loss", not fit's "epoch_loss". */
 static mpt_status mpt__tb_scalars(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_file *f,
                                   const char *prefix, int64_t step, const mpt_logs *logs,
                                   int val) {
@@ -14919,8 +14976,11 @@ static mpt_status mpt__tb_scalars(mpt__cb_tensorboard *t, mpt_model *m, mpt__tb_
     summary = mpt__pb_begin(&t->event, 5);
     for (i = 0; logs && i < logs->count; i++) {
         const char *name = logs->names[i];
+        int named; /* the name already says the prefix */
         if (!name || (strncmp(name, "val_", 4) == 0) != val) continue;
-        mpt__tb_scalar(&t->event, prefix, val ? name + 4 : name, logs->values[i]);
+        if (val) name += 4;
+        named = mpt__log_is_measurement(name) && strncmp(name, prefix, strlen(prefix)) == 0;
+        mpt__tb_scalar(&t->event, named ? "" : prefix, name, logs->values[i]);
         any = 1;
     }
     mpt__pb_end(&t->event, summary);

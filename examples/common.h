@@ -5,6 +5,9 @@
 #ifndef MPT_EXAMPLES_COMMON_H
 #define MPT_EXAMPLES_COMMON_H
 
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,21 +42,44 @@ static inline options default_options(int epochs) {
     return o;
 }
 
+/* Reads a flag's value as a whole number from 0 to max into *n, all of
+   it: atoi would read "abc" as 0 (and --epochs 0 trains nothing) and "5x"
+   as 5. Returns 0 after saying what is wrong. */
+static inline int read_number(const char *program, const char *flag, const char *value,
+                              unsigned long long max, unsigned long long *n) {
+    char *end;
+    errno = 0;
+    *n = strtoull(value, &end, 10);
+    if (!isdigit((unsigned char)value[0]) || *end || errno == ERANGE || *n > max) {
+        fprintf(stderr, "%s: %s takes a whole number from 0 to %llu, not \"%s\"\n", program, flag,
+                max, value);
+        return 0;
+    }
+    return 1;
+}
+
 /* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
    --verbose, --tensorboard, --plot, --profile, --save and --load (the
-   examples that offer them) over the defaults already in *o;
-   returns 0 after printing the usage when something is wrong. */
+   examples that offer them) over the defaults already in *o; returns 0
+   after printing the usage (and what is wrong with a number) when
+   something is wrong. */
 static inline int parse_options(int argc, char **argv, options *o) {
     int i;
     for (i = 1; i + 1 < argc; i += 2) {
         const char *flag = argv[i], *value = argv[i + 1];
+        unsigned long long n; /* a value that is not a number matches no branch: the loop stops */
         if (!strcmp(flag, "--policy")) o->policy_name = value;
-        else if (!strcmp(flag, "--epochs")) o->epochs = atoi(value);
-        else if (!strcmp(flag, "--batch-size")) o->batch_size = atoll(value);
-        else if (!strcmp(flag, "--threads")) o->threads = atoi(value);
+        else if (!strcmp(flag, "--epochs") && read_number(argv[0], flag, value, INT_MAX / 2, &n))
+            o->epochs = (int)n; /* (half: room for the epochs a loaded model has) */
+        else if (!strcmp(flag, "--batch-size") && read_number(argv[0], flag, value, INT64_MAX, &n))
+            o->batch_size = (int64_t)n;
+        else if (!strcmp(flag, "--threads") && read_number(argv[0], flag, value, INT_MAX, &n))
+            o->threads = (int)n;
         else if (!strcmp(flag, "--data")) o->data = value;
-        else if (!strcmp(flag, "--seed")) o->seed = strtoull(value, NULL, 10);
-        else if (!strcmp(flag, "--verbose")) o->verbose = atoi(value);
+        else if (!strcmp(flag, "--seed") && read_number(argv[0], flag, value, UINT64_MAX, &n))
+            o->seed = (uint64_t)n;
+        else if (!strcmp(flag, "--verbose") && read_number(argv[0], flag, value, 2, &n))
+            o->verbose = (int)n;
         else if (!strcmp(flag, "--tensorboard")) o->tensorboard = value;
         else if (!strcmp(flag, "--plot")) o->plot = value;
         else if (!strcmp(flag, "--profile")) o->profile = value;
@@ -93,9 +119,10 @@ static inline mpt_status add_tensorboard(mpt_context *ctx, const options *o,
 
 /* With --profile DIR, fit times steps 10 to 20 of the first epoch layer by
    layer (Keras' profile_batch=(10, 20)): a Chrome trace in
-   DIR/plugins/profile/<run>/ and a per-layer table at the end. */
+   DIR/plugins/profile/<run>/ and a per-layer table at the end. With
+   --epochs 0 there is no step to time (fit would refuse the range). */
 static inline mpt_fit_desc *with_profile(const options *o, mpt_fit_desc *fit) {
-    if (!o->profile) return fit;
+    if (!o->profile || o->epochs == 0) return fit;
     fit->profile_batch[0] = 10;
     fit->profile_batch[1] = 20;
     fit->profile_dir = o->profile;

@@ -15,12 +15,14 @@
 #include "../mpt.h"
 #include "common.h"
 
-/* Takes "--replicas N" out of argv (the other flags are common.h's). */
+/* Takes "--replicas N" out of argv (the other flags are common.h's);
+   -1 after saying what is wrong when N is not a number. */
 static int take_replicas(int *argc, char **argv) {
     int i, replicas = 1;
+    unsigned long long n;
     for (i = 1; i + 1 < *argc; i++)
         if (!strcmp(argv[i], "--replicas")) {
-            replicas = atoi(argv[i + 1]);
+            replicas = read_number(argv[0], "--replicas", argv[i + 1], INT_MAX, &n) ? (int)n : -1;
             memmove(argv + i, argv + i + 2, sizeof(char *) * (size_t)(*argc - i - 2));
             *argc -= 2;
             break;
@@ -36,7 +38,7 @@ int main(int argc, char **argv) {
     mpt_model *model;
     mpt_dataset *train, *test;
     mpt_logs result;
-    if (!parse_options(argc, argv, &o)) return 2;
+    if (replicas < 0 || !parse_options(argc, argv, &o)) return 2;
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
         return 1;
 #ifdef MPT_MPI

@@ -47,6 +47,7 @@
    (the range of least quantization error, MPT_CALIBRATION_MSE). */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
+#include <float.h>
 #include <sys/stat.h>
 #include <time.h>
 #define MPT_IMPLEMENTATION
@@ -71,6 +72,21 @@ static const char *take_flag(int *argc, char **argv, const char *name, const cha
             return value;
         }
     return fallback;
+}
+
+/* --qat-learning-rate's value, all of it a number from 0 (Keras' default)
+   to float32's largest: atof would read "abc" as 0. Returns 0 after
+   saying what is wrong. */
+static int read_rate(const char *program, const char *value, float *rate) {
+    char *end;
+    double r = strtod(value, &end);
+    if (end == value || *end || !(r >= 0) || r > FLT_MAX) {
+        fprintf(stderr, "%s: --qat-learning-rate takes a number from 0, not \"%s\"\n", program,
+                value);
+        return 0;
+    }
+    *rate = (float)r;
+    return 1;
 }
 
 /* The seed MLP or cnn_small, compiled (Adam at learning_rate; 0: Keras'
@@ -202,12 +218,12 @@ int main(int argc, char **argv) {
     options o = default_options(1);
     const char *model_name = take_flag(&argc, argv, "--model", "mlp");
     const char *weights = take_flag(&argc, argv, "--weights", NULL);
-    int64_t calibration = atoll(take_flag(&argc, argv, "--calibration-samples", "500"));
+    const char *calibration_text = take_flag(&argc, argv, "--calibration-samples", "500");
     const char *export_dir = take_flag(&argc, argv, "--export", NULL);
     const char *calibration_name = take_flag(&argc, argv, "--calibration", "minmax");
     mpt_calibration calibration_method = MPT_CALIBRATION_MIN_MAX;
-    int qat_epochs = atoi(take_flag(&argc, argv, "--qat-epochs", "1"));
-    float qat_rate = (float)atof(take_flag(&argc, argv, "--qat-learning-rate", "0.0001"));
+    const char *qat_epochs_text = take_flag(&argc, argv, "--qat-epochs", "1");
+    const char *qat_rate_text = take_flag(&argc, argv, "--qat-learning-rate", "0.0001");
     static const struct { const char *name; mpt_quantize_mode mode; } variants[] = {
         { "float16", MPT_QUANTIZE_FLOAT16 },
         { "dynamic_int8", MPT_QUANTIZE_DYNAMIC_RANGE },
@@ -215,11 +231,18 @@ int main(int argc, char **argv) {
     mpt_context *ctx;
     mpt_model *trained, *model;
     mpt_dataset *train, *test;
-    int64_t float_bytes = 0;
+    int64_t calibration, float_bytes = 0;
     exported files = { .written = 0 };
-    int i;
+    unsigned long long n;
+    int i, qat_epochs;
+    float qat_rate;
     o.verbose = 0; /* the result lines only */
     if (!parse_options(argc, argv, &o)) return 2;
+    if (!read_number(argv[0], "--calibration-samples", calibration_text, INT64_MAX, &n)) return 2;
+    calibration = (int64_t)n;
+    if (!read_number(argv[0], "--qat-epochs", qat_epochs_text, INT_MAX, &n)) return 2;
+    qat_epochs = (int)n;
+    if (!read_rate(argv[0], qat_rate_text, &qat_rate)) return 2;
     if (!strcmp(calibration_name, "percentile")) calibration_method = MPT_CALIBRATION_PERCENTILE;
     else if (!strcmp(calibration_name, "mse")) calibration_method = MPT_CALIBRATION_MSE;
     else if (strcmp(calibration_name, "minmax")) {

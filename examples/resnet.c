@@ -89,6 +89,9 @@ int main(int argc, char **argv) {
         TRY(mpt_model_build(model, o.batch_size));
     }
     if (o.verbose && mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
+    /* fit would train no epoch for --epochs 0 either, but it would first
+       hold --batch-size to the batch a loaded model was built for, and
+       evaluate runs any batch size */
     if (o.epochs > 0) /* (a loaded model goes on from the epochs it has) */
         TRY(fit_with_flags(ctx, &o, model, train, validation, NULL, 0));
     if (o.save) TRY(mpt_model_save(model, o.save));

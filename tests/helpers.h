@@ -386,6 +386,57 @@ static inline void test_text_append(void *user, const char *text) {
     }
 }
 
+/* NULL when mpt_model_summary's table is aligned, else what is not: every
+   layer row has each cell starting at its header's column ("Output
+   Shape", "Param #", "Dtype", "Connected to") after a space, a
+   "Connected to" line that goes on starts at that column, and the rules
+   are as wide as the columns before "Connected to" (at least 94). */
+static inline const char *test_summary_misaligned(const char *text) {
+    static char why[256];
+    static const char *const titles[4] = {"Output Shape", "Param #", "Dtype", "Connected to"};
+    const char *header = strstr(text, "\n Layer (type)"), *line, *end;
+    size_t column[4], n_columns = 0, rule = 0, k;
+    int in_table = 0;
+    if (!header) return "no \" Layer (type)\" header";
+    header++;
+    end = strchr(header, '\n');
+    for (k = 0; k < 4 && end; k++) {
+        const char *at = strstr(header, titles[k]);
+        if (at && at < end) column[n_columns++] = (size_t)(at - header);
+    }
+    if (n_columns < 3) return "the header lacks a column";
+    for (line = text; *line; line = *end ? end + 1 : end) {
+        size_t len;
+        end = strchr(line, '\n');
+        if (!end) end = line + strlen(line);
+        len = (size_t)(end - line);
+        if (line[0] == '_' || line[0] == '=') {
+            if (!rule) rule = len;
+            if (len != rule || len < 94 || (n_columns == 4 && len != column[3])) {
+                snprintf(why, sizeof why, "a rule of %zu characters (the first: %zu)", len, rule);
+                return why;
+            }
+            if (line[0] == '=') in_table = !in_table && line > header;
+            continue;
+        }
+        if (!in_table) continue;
+        if (line[1] != ' ') { /* a layer's row; the graph's input row has no dtype */
+            int input = strncmp(line, " input (InputLayer) ", 20) == 0;
+            for (k = 0; k < n_columns; k++)
+                if (len <= column[k] || line[column[k] - 1] != ' ' ||
+                    (line[column[k]] == ' ' && !(input && k == 2))) {
+                    snprintf(why, sizeof why, "\"%.*s\": no %s at column %zu", (int)len, line,
+                             titles[k], column[k]);
+                    return why;
+                }
+        } else if (n_columns < 4 || strspn(line, " ") != column[3]) { /* Connected to, went on */
+            snprintf(why, sizeof why, "\"%.*s\" does not start at Connected to", (int)len, line);
+            return why;
+        }
+    }
+    return NULL;
+}
+
 #ifndef MPT_NO_IMPLEMENTATION
 /* ‖a − b‖ / ‖b‖ over every weight of two models of one architecture (NaN
    if either has one); reads the models' private parameters. */

@@ -1,7 +1,8 @@
 /* The public API's conventions: fit stops on a model that became
-   non-finite; a NULL descriptor means all defaults; the getters of a
-   model's policy and each layer's class and dtypes; the summary's policy
-   line and its refusal before build; the messages of shape errors. */
+   non-finite; a NULL descriptor means all defaults; fit's epochs 0 trains
+   nothing; the getters of a model's policy and each layer's class and
+   dtypes; the summary's policy line, its columns with long names and its
+   refusal before build; the messages of shape errors. */
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
 #include "helpers.h"
@@ -214,6 +215,84 @@ static void test_null_fit_and_evaluate(void) {
     mpt_dataset_destroy(d);
 }
 
+/* Counts the calls of the callbacks fit makes around its epochs. */
+typedef struct fit_calls {
+    int train_begin, epoch_begin, epoch_end, train_end;
+} fit_calls;
+
+static mpt_status count_train_begin(void *user, mpt_model *m) {
+    (void)m;
+    ((fit_calls *)user)->train_begin++;
+    return MPT_OK;
+}
+
+static mpt_status count_epoch_begin(void *user, mpt_model *m, int epoch) {
+    (void)m, (void)epoch;
+    ((fit_calls *)user)->epoch_begin++;
+    return MPT_OK;
+}
+
+static mpt_status count_every_epoch_end(void *user, mpt_model *m, int epoch, const mpt_logs *logs,
+                                        int *stop) {
+    (void)m, (void)epoch, (void)logs, (void)stop;
+    ((fit_calls *)user)->epoch_end++;
+    return MPT_OK;
+}
+
+static mpt_status count_train_end(void *user, mpt_model *m, const mpt_logs *logs) {
+    (void)m, (void)logs;
+    ((fit_calls *)user)->train_end++;
+    return MPT_OK;
+}
+
+/* epochs 0 trains nothing, as Keras' fit(epochs=0): the model is built,
+   the callbacks' train begin and end run, no epoch does, the history is
+   empty and the weights are the initial ones; so does epochs below
+   initial_epoch (Keras' range(initial_epoch, epochs) is empty). A
+   descriptor that leaves epochs at 0 is such a request, not the default
+   (NULL trains one epoch: test_null_fit_and_evaluate). */
+static void test_fit_zero_epochs_trains_nothing(void) {
+    mpt_dataset *d = blobs_in(ctx);
+    mpt_model *a = blob_model(ctx, MPT_POLICY_FLOAT32, 0.05f, (mpt_loss_scale_desc){0});
+    mpt_model *b = blob_model(ctx, MPT_POLICY_FLOAT32, 0.05f, (mpt_loss_scale_desc){0});
+    mpt_param_info pa, pb;
+    mpt_fit_desc f;
+    fit_calls calls = {0, 0, 0, 0};
+    mpt_callback cb = {0};
+    cb.on_train_begin = count_train_begin;
+    cb.on_epoch_begin = count_epoch_begin;
+    cb.on_epoch_end = count_every_epoch_end;
+    cb.on_train_end = count_train_end;
+    cb.user_data = &calls;
+    f = fit_for(0, 20);
+    f.callbacks = &cb;
+    f.n_callbacks = 1;
+    CHECK(mpt_model_fit(a, d, &f) == MPT_OK, "fit epochs 0: %s", mpt_context_error(ctx));
+    CHECK(calls.train_begin == 1 && calls.train_end == 1 && calls.epoch_begin == 0 &&
+              calls.epoch_end == 0,
+          "train begin %d, end %d, epoch begin %d, end %d (Keras: 1, 1, 0, 0)", calls.train_begin,
+          calls.train_end, calls.epoch_begin, calls.epoch_end);
+    CHECK(history_epochs(a) == 0 && mpt_model_epoch(a) == 0 && a->optimizer_steps == 0,
+          "%d epochs in the history, epoch %d, %lld steps", history_epochs(a), mpt_model_epoch(a),
+          (long long)a->optimizer_steps);
+    CHECK(a->built && a->max_batch == 20, "fit built the model for 20: built %d for %lld", a->built,
+          (long long)a->max_batch);
+    CHECK(mpt_model_build(b, 20) == MPT_OK && mpt_model_param(a, 0, &pa) == MPT_OK &&
+              mpt_model_param(b, 0, &pb) == MPT_OK &&
+              !memcmp(pa.value.data, pb.value.data, mpt_tensor_bytes(&pa.value)),
+          "fit with epochs 0 changed the initial weights");
+    CHECK(mpt_model_fit(a, d, &(mpt_fit_desc){.batch_size = 20}) == MPT_OK &&
+              history_epochs(a) == 0 && a->optimizer_steps == 0,
+          "a descriptor without epochs trained %d epochs", history_epochs(a));
+    f = fit_for(1, 20);
+    f.initial_epoch = 3;
+    CHECK(mpt_model_fit(a, d, &f) == MPT_OK && history_epochs(a) == 0 && a->optimizer_steps == 0,
+          "epochs 1 from initial_epoch 3 trained %d epochs", history_epochs(a));
+    mpt_model_destroy(a);
+    mpt_model_destroy(b);
+    mpt_dataset_destroy(d);
+}
+
 /* Callbacks and the strategy: NULL where every field has a default;
    ModelCheckpoint and CSVLogger name the path they require. */
 static void test_null_callback_and_strategy_descriptors(void) {
@@ -342,6 +421,37 @@ static void test_summary_shows_the_policy(void) {
     mpt_model_destroy(m);
 }
 
+/* Long names keep the table aligned: the layer column widens to
+   "global_average_pooling2d (GlobalAveragePooling2D)" and to a long name
+   of the user's, and the rules with it; short names keep Keras' widths. */
+static void test_summary_long_names(void) {
+    char text[4096], want[128];
+    mpt_model *m = NULL;
+    const char *why;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {8, 8, 3}, .input_rank = 3},
+                           &m) == MPT_OK &&
+              mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3}}) ==
+                  MPT_OK &&
+              mpt_model_add_global_average_pooling2d(m, NULL) == MPT_OK &&
+              mpt_model_add_dense(m, &(mpt_dense_desc){
+                  .units = 2, .name = "classifier_head_of_a_model_with_long_names"}) == MPT_OK &&
+              mpt_model_build(m, 2) == MPT_OK,
+          "model: %s", mpt_context_error(ctx));
+    mpt_model_summary(m, text, sizeof text);
+    why = test_summary_misaligned(text);
+    CHECK(strstr(text, " global_average_pooling2d (GlobalAveragePooling2D) ") &&
+              strstr(text, " classifier_head_of_a_model_with_long_names (Dense) ") && !why,
+          "%s in\n%s", why ? why : "a name missing", text);
+    mpt_model_destroy(m);
+    m = mixed_model(ctx, 1);
+    mpt_model_summary(m, text, sizeof text);
+    why = test_summary_misaligned(text);
+    snprintf(want, sizeof want, "\n %-44s %-24s %-12d float16\n", "dense (Dense)", "(None, 8)", 56);
+    CHECK(!why && strstr(text, want), "%s in\n%s", why ? why : "short names: not Keras' widths",
+          text);
+    mpt_model_destroy(m);
+}
+
 /* Before build, the summary says why it has no table, as Keras raises. */
 static void test_summary_before_build(void) {
     char text[512];
@@ -388,10 +498,12 @@ static void run_cases(void) {
     TEST_RUN(test_null_layer_descriptors);
     TEST_RUN(test_null_descriptors_with_required_fields);
     TEST_RUN(test_null_fit_and_evaluate);
+    TEST_RUN(test_fit_zero_epochs_trains_nothing);
     TEST_RUN(test_null_callback_and_strategy_descriptors);
     TEST_RUN(test_policy_and_layer_getters);
     TEST_RUN(test_failed_getters_leave_zeros);
     TEST_RUN(test_summary_shows_the_policy);
+    TEST_RUN(test_summary_long_names);
     TEST_RUN(test_summary_before_build);
     TEST_RUN(test_forward_shape_message);
 }

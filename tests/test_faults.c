@@ -583,7 +583,7 @@ static void recompile_check(fixture *fx, mpt_status s, long k) {
     mpt_compile_desc cd = sgd_momentum();
     if (!fitted) return;
     if (s != MPT_OK && !fitted->compiled) {
-        CHECK(mpt_model_fit(fitted, fx->train.d, &(mpt_fit_desc){.batch_size = 8}) ==
+        CHECK(mpt_model_fit(fitted, fx->train.d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) ==
                       MPT_ERR_STATE &&
                   strstr(mpt_context_error(fx->c), "compile"),
               "request %ld refused: fit on the uncompiled model says so: %s", k,
@@ -591,7 +591,8 @@ static void recompile_check(fixture *fx, mpt_status s, long k) {
         CHECK(mpt_model_compile(fitted, &cd) == MPT_OK, "request %ld refused: compile again: %s",
               k, mpt_context_error(fx->c));
     }
-    CHECK(mpt_model_fit(fitted, fx->train.d, &(mpt_fit_desc){.batch_size = 8}) == MPT_OK,
+    CHECK(mpt_model_fit(fitted, fx->train.d, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) ==
+              MPT_OK,
           "request %ld refused: the model then trains: %s", k, mpt_context_error(fx->c));
 }
 

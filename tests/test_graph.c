@@ -636,11 +636,40 @@ static void test_functional_summary(void) {
           text);
     snprintf(want, sizeof want, "float32   dense[0][0],\n%94sinput[0][0]\n", "");
     CHECK(strstr(text, want) != NULL, "no \"%s\" in\n%s", want, text);
+    CHECK(test_summary_misaligned(text) == NULL, "%s in\n%s", test_summary_misaligned(text), text);
+    mpt_model_destroy(m);
+}
+
+/* Long names widen the columns and the rules, and "Connected to" moves
+   with them: global_average_pooling2d (GlobalAveragePooling2D), a long
+   name of the user's, an Add whose second input goes on its own line. */
+static void test_functional_summary_long_names(void) {
+    mpt_model *m = NULL;
+    mpt_node x, pooled, two[2];
+    char text[4096];
+    const char *why, *long_name = "a_dense_layer_with_a_rather_long_name_of_its_own";
+    CHECK(mpt_model_create(ctx,
+                           &(mpt_model_desc){.input_shape = {6, 6, 2}, .input_rank = 3, .seed = 7},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(ctx));
+    x = mpt_model_input(m);
+    x = mpt_conv2d(m, x, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3}});
+    pooled = mpt_global_average_pooling2d(m, x, NULL);
+    two[0] = mpt_dense(m, pooled, &(mpt_dense_desc){.units = 3, .name = long_name});
+    two[1] = mpt_dense(m, pooled, &(mpt_dense_desc){.units = 3});
+    mpt_add(m, 2, two, NULL);
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_model_summary(m, text, sizeof text);
+    why = test_summary_misaligned(text);
+    CHECK(strstr(text, " global_average_pooling2d (GlobalAveragePooling2D) ") &&
+              strstr(text, "a_dense_layer_with_a_rather_long_name_of_its_own[0][0],\n ") && !why,
+          "%s in\n%s", why ? why : "a name missing", text);
     mpt_model_destroy(m);
 }
 
 static void cases(void) {
     TEST_RUN(test_functional_summary);
+    TEST_RUN(test_functional_summary_long_names);
     TEST_RUN(test_bad_nodes);
     TEST_RUN(test_bad_graphs);
     TEST_RUN(test_refused_for_graphs);

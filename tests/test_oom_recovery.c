@@ -132,7 +132,7 @@ static void test_allocator_refusing_large_blocks(void) {
     mpt_model_memory(probe, &at16);
     mpt_model_destroy(probe);
     ref = make_model(q, 0, NULL);
-    f = fit_for(0, 16);
+    f = fit_for(1, 16);
     CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
 
     m = make_model(q, 0, NULL);
@@ -269,7 +269,7 @@ static void test_peak_in_summary(void) {
     mpt_fit_desc f;
     const char *line;
     CHECK(mpt_model_memory_peak(m, &peak) == MPT_ERR_STATE, "no peaks before a fit");
-    f = fit_for(0, 50);
+    f = fit_for(1, 50);
     f.verbose = 2;
     f.printer.fn = capture;
     printed[0] = 0;

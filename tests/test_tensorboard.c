@@ -358,8 +358,9 @@ static void write_expectations(const char *path, mpt_model *m, const batch_recor
             const char *key = h.keys[k];
             int val = strncmp(key, "val_", 4) == 0;
             if (val != run) continue;
-            fprintf(f, "scalars['%s']['epoch_%s'] = [", run ? "validation" : "train",
-                    val ? key + 4 : key);
+            /* fit's epoch_seconds is its own tag, not epoch_epoch_seconds */
+            fprintf(f, "scalars['%s']['%s%s'] = [", run ? "validation" : "train",
+                    strncmp(key, "epoch_", 6) == 0 ? "" : "epoch_", val ? key + 4 : key);
             for (e = 0; e < h.epochs; e++) fprintf(f, "(%d, %.17g), ", e, h.values[k][e]);
             fprintf(f, "]\n");
         }
@@ -653,6 +654,86 @@ static void test_workers_and_fits(void) {
     mpt_model_destroy(m);
 }
 
+/* The bytes of the one event file in log_dir/run, malloc'd, into *n;
+   NULL if there is none. */
+static unsigned char *read_run(const char *log_dir, const char *run, long *n) {
+    char dir[512], path[1024];
+    unsigned char *data = NULL;
+    DIR *d;
+    struct dirent *e;
+    FILE *f = NULL;
+    snprintf(dir, sizeof dir, "%s/%s", log_dir, run);
+    d = opendir(dir);
+    while (d && !f && (e = readdir(d)) != NULL)
+        if (strncmp(e->d_name, "events.out.tfevents.", 20) == 0) {
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            f = fopen(path, "rb");
+        }
+    if (d) closedir(d);
+    if (f && fseek(f, 0, SEEK_END) == 0 && (*n = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0) {
+        data = (unsigned char *)malloc((size_t)*n);
+        if (data && fread(data, 1, (size_t)*n, f) != (size_t)*n) {
+            free(data);
+            data = NULL;
+        }
+    }
+    if (f) fclose(f);
+    return data;
+}
+
+/* 1 when the event bytes hold a Summary.Value whose tag is exactly tag:
+   field 1 (key 0x0a), its length, the tag's bytes. */
+static int has_tag(const unsigned char *data, long n, const char *tag) {
+    size_t len = strlen(tag);
+    long i;
+    for (i = 0; i + 2 + (long)len <= n; i++)
+        if (data[i] == 0x0a && data[i + 1] == len && memcmp(data + i + 2, tag, len) == 0) return 1;
+    return 0;
+}
+
+/* Tags as Keras names them, "epoch_" + the log's name, but for fit's
+   epoch_seconds, which is "epoch_seconds" rather than
+   "epoch_epoch_seconds"; a log of the user's that starts with "epoch_"
+   (an output layer named "epoch": epoch_loss) keeps Keras' prefix, so it
+   cannot be taken for fit's epoch_loss. */
+static void test_epoch_tags(void) {
+    mpt_model *m = small_model(11);
+    mpt_callback cb;
+    mpt_logs logs;
+    char log_dir[256];
+    unsigned char *train = NULL, *validation = NULL;
+    long n_train = 0, n_validation = 0;
+    if (!epoch_logs_and_built(m, &logs)) return;
+    logs.names[2] = "epoch_seconds";
+    logs.values[2] = 1.5;
+    logs.names[3] = "epoch_loss";
+    logs.values[3] = 0.25;
+    logs.count = 4;
+    tmp_path(log_dir, sizeof log_dir, "tags");
+    CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = log_dir}, &cb) ==
+                  MPT_OK &&
+              cb.on_train_begin(cb.user_data, m) == MPT_OK &&
+              cb.on_epoch_end(cb.user_data, m, 0, &logs, NULL) == MPT_OK &&
+              cb.on_train_end(cb.user_data, m, &logs) == MPT_OK,
+          "callback: %s", mpt_context_error(ctx));
+    train = read_run(log_dir, "train", &n_train);
+    validation = read_run(log_dir, "validation", &n_validation);
+    CHECK(train && validation, "event files in %s", log_dir);
+    CHECK(has_tag(train, n_train, "epoch_seconds") &&
+              !has_tag(train, n_train, "epoch_epoch_seconds"),
+          "epoch_seconds tagged %s",
+          has_tag(train, n_train, "epoch_epoch_seconds") ? "epoch_epoch_seconds" : "otherwise");
+    CHECK(has_tag(train, n_train, "epoch_loss") && has_tag(train, n_train, "epoch_epoch_loss"),
+          "the loss as epoch_loss, the output \"epoch\"'s as epoch_epoch_loss");
+    CHECK(has_tag(validation, n_validation, "epoch_loss") &&
+              !has_tag(validation, n_validation, "epoch_seconds"),
+          "validation: val_loss as epoch_loss, nothing else");
+    free(train);
+    free(validation);
+    mpt_callback_destroy(&cb);
+    mpt_model_destroy(m);
+}
+
 /* A run's directory that cannot be made (a regular file holds its name):
    the train run's fails fit before training, naming it; the validation
    run's, found mid-training, warns and training goes on. */
@@ -703,6 +784,7 @@ static void run_cases(void) {
     TEST_RUN(test_bad_descriptors);
     TEST_RUN(test_write_failure);
     TEST_RUN(test_workers_and_fits);
+    TEST_RUN(test_epoch_tags);
     TEST_RUN(test_unusable_runs);
 }
 

@@ -550,7 +550,8 @@ static void test_batch_size_zero_means_32(void) {
     cb.user_data = &steps;
     make_blobs(x, y, N_SYN, 11);
     d = blob_dataset(x, y, N_SYN);
-    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.callbacks = &cb, .n_callbacks = 1}) == MPT_OK,
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .callbacks = &cb, .n_callbacks = 1}) ==
+              MPT_OK,
           "fit with batch_size 0: %s", mpt_context_error(ctx));
     CHECK(steps == 7, "%d batches for 200 samples (batches of 32: 7)", steps);
     CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){0}, &with0) == MPT_OK,
@@ -607,8 +608,9 @@ static void test_validation_split_as_keras(void) {
     memset(&cb, 0, sizeof cb);
     cb.on_batch_end = count_steps;
     cb.user_data = &steps;
-    CHECK(mpt_model_fit(m, ten, &(mpt_fit_desc){.batch_size = 1, .validation_split = 0.1f,
-                                                .callbacks = &cb, .n_callbacks = 1}) == MPT_OK,
+    CHECK(mpt_model_fit(m, ten, &(mpt_fit_desc){.epochs = 1, .batch_size = 1,
+                                                .validation_split = 0.1f, .callbacks = &cb,
+                                                .n_callbacks = 1}) == MPT_OK,
           "fit: %s", mpt_context_error(ctx));
     CHECK(steps == 9, "0.1 of 10 samples trained on %d (Keras: 9)", steps);
     mpt_model_destroy(m);

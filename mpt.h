@@ -7927,8 +7927,9 @@ static void *mpt__carve(mpt__carver *c, int64_t bytes) {
 
 /* Layer L's buffers of a graph: its inputs converted to its dtype where
    they are not in it (the model's input always: the caller's dtype is
-   only known at forward time), the gradient w.r.t. its output. */
-static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L, int last) {
+   only known at forward time). The gradients w.r.t. the layers' outputs
+   come after (mpt__graph_layout_node_grads). */
+static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L) {
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
@@ -7937,9 +7938,85 @@ static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L,
                             ? mpt__carve(&c[MPT__MEM_ACTIVATIONS], bytes)
                             : NULL;
     }
-    L->dy_buf = last ? NULL /* the loss's grad_buf[0] */
-                     : mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                  mpt__dbytes(L->dtype, L->out_count * m->max_batch));
+}
+
+/* The last layer that reads node j; -1 when none does. */
+static int mpt__node_last_reader(const mpt_model *m, int j) {
+    int i, s;
+    for (i = m->n_layers - 1; i >= j; i--)
+        for (s = 0; s < m->layers[i].n_in; s++)
+            if (m->layers[i].in_node[s] == j) return i;
+    return -1;
+}
+
+/* Whether a free block of `size` bytes suits a node of `need` better than
+   one of `best` bytes: one that holds it, the smallest such; else the
+   largest, to be grown the least. */
+static int mpt__better_block(int64_t size, int64_t best, int64_t need) {
+    if ((size >= need) != (best >= need)) return size >= need;
+    return size >= need ? size < best : size > best;
+}
+
+/* The gradients w.r.t. the layers' outputs (each layer's dy_buf; the
+   last layer's is the loss's grad_buf[0]) share memory where their lives
+   in the backward walk do not overlap. The walk runs from the last layer
+   down: node j's gradient is first written by the backward of the last
+   layer that reads it, and last read, as dy, by the backward of layer
+   j - 1, after which its memory is free for a node whose life starts
+   below layer j - 1. Taking the nodes as their lives start, each gets the
+   smallest free block that holds it, else the largest free one (grown),
+   else a new one; with a residual network's skips this keeps a few
+   blocks where one a node would hold every layer's. A node nothing reads
+   keeps a block of its own: its buffer must stay the zeros build wrote (a
+   shared layer whose own output leads nowhere, mpt__graph_check). The
+   blocks follow from the graph alone, so both layout passes agree; where
+   the plan's scratch cannot be had, every node gets its own block. */
+static void mpt__graph_layout_node_grads(mpt_model *m, mpt__carver *c) {
+    int n = m->n_layers, j, r, b, n_blocks = 0;
+    /* block_of[j]: node j's block; free_below[b]: block b is free for a
+       node whose life starts below it; last_reader[j - 1]: node j's. */
+    int *block_of = (int *)mpt__alloc(m->ctx, sizeof(int) * (size_t)(3 * n + 1));
+    int64_t *size = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)(n + 1));
+    int *free_below, *last_reader;
+    if (!block_of || !size) { /* every node a block of its own */
+        for (j = 1; j < n; j++)
+            m->layers[j - 1].dy_buf = mpt__carve(
+                &c[MPT__MEM_ACTIVATIONS],
+                mpt__dbytes(m->layers[j - 1].dtype, m->layers[j - 1].out_count * m->max_batch));
+        mpt__free(m->ctx, block_of);
+        mpt__free(m->ctx, size);
+        return;
+    }
+    free_below = block_of + n + 1;
+    last_reader = block_of + 2 * n + 1;
+    for (j = 1; j < n; j++) last_reader[j - 1] = mpt__node_last_reader(m, j);
+    for (j = 1; j < n; j++) /* nodes nothing reads first: blocks of their own */
+        if (last_reader[j - 1] < 0) free_below[n_blocks] = -1, block_of[j] = n_blocks++;
+    for (r = n - 1; r >= 0; r--)
+        for (j = n - 1; j >= 1; j--) {
+            int64_t need = mpt__align_up(
+                mpt__dbytes(m->layers[j - 1].dtype, m->layers[j - 1].out_count * m->max_batch));
+            int best = -1;
+            if (last_reader[j - 1] != r) continue;
+            for (b = 0; b < n_blocks; b++)
+                if (r < free_below[b] && (best < 0 || mpt__better_block(size[b], size[best], need)))
+                    best = b;
+            if (best < 0) size[best = n_blocks++] = 0;
+            size[best] = MPT__MAX(size[best], need);
+            free_below[best] = j - 1;
+            block_of[j] = best;
+        }
+    for (j = 1; j < n; j++) /* the unread nodes' blocks, sized now */
+        if (last_reader[j - 1] < 0)
+            size[block_of[j]] = mpt__dbytes(m->layers[j - 1].dtype,
+                                            m->layers[j - 1].out_count * m->max_batch);
+    for (b = 0; b < n_blocks; b++) {
+        void *base = mpt__carve(&c[MPT__MEM_ACTIVATIONS], size[b]);
+        for (j = 1; j < n; j++)
+            if (block_of[j] == b) m->layers[j - 1].dy_buf = base;
+    }
+    mpt__free(m->ctx, block_of);
+    mpt__free(m->ctx, size);
 }
 
 /* The most elements one sample has at any of L's inputs. */
@@ -8027,6 +8104,7 @@ static void mpt__graph_layout_grads(mpt_model *m, mpt__carver *c) {
     m->input_grad = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                mpt__dbytes(m->layers[0].dtype, input * m->max_batch));
     last->dy_buf = m->grad_buf[0];
+    mpt__graph_layout_node_grads(m, c);
 }
 
 /* Before a graph is built: the functional form's first failure, and every
@@ -8093,7 +8171,7 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
                         ? mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                      mpt__dbytes(L->dtype, L->in_count * m->max_batch))
                         : NULL;
-        if (m->graph) mpt__graph_layout_layer(m, c, L, i == m->n_layers - 1);
+        if (m->graph) mpt__graph_layout_layer(m, c, L);
         L->y = L->output_is_input ? NULL
                                   : mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                                mpt__dbytes(L->dtype, L->out_count * m->max_batch));

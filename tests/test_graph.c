@@ -603,6 +603,57 @@ static void test_bad_graphs(void) {
     mpt_model_destroy(m);
 }
 
+/* ---- the gradients' memory plan ---------------------------------------------------- */
+
+/* A residual MLP of `blocks` blocks (Dense, BatchNormalization, ReLU,
+   Dense, Add), built for batches of 32. */
+static mpt_model *deep_residual(int blocks) {
+    mpt_model *m = new_model(24, MPT_POLICY_MIXED_FLOAT16);
+    mpt_node x = mpt_model_input(m), both[2];
+    int b;
+    x = mpt_dense(m, x, &(mpt_dense_desc){.units = 24, .activation = MPT_ACT_RELU});
+    for (b = 0; b < blocks; b++) {
+        mpt_node y = mpt_dense(m, x, &(mpt_dense_desc){.units = 24});
+        y = mpt_batch_normalization(m, y, NULL);
+        y = mpt_activation_layer(m, y, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+        both[0] = x;
+        both[1] = mpt_dense(m, y, &(mpt_dense_desc){.units = 24});
+        x = mpt_add(m, 2, both, NULL);
+    }
+    mpt_dense(m, x, &(mpt_dense_desc){.units = 3, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* Node gradients share memory only where their lives in the backward walk
+   (from the backward of the last layer reading the node down to that of
+   the layer giving it) do not overlap, and a deep residual graph holds a
+   handful of them whatever its depth. (That sharing changes no result is
+   what the gradient checks above prove: they run on the plan.) */
+static void test_gradient_memory_plan(void) {
+    int depths[2] = {4, 16}, d, i, j;
+    for (d = 0; d < 2; d++) {
+        mpt_model *m = deep_residual(depths[d]);
+        const void *seen[8];
+        int distinct = 0, n = m ? m->n_layers : 0;
+        for (i = 0; i + 1 < n; i++) { /* the last layer's is the loss's */
+            int known = 0;
+            for (j = 0; j < distinct; j++) known |= seen[j] == m->layers[i].dy_buf;
+            if (!known && distinct < 8) seen[distinct] = m->layers[i].dy_buf;
+            distinct += !known;
+            for (j = 0; j < i; j++) { /* nodes i + 1 and j + 1 */
+                int ri = mpt__node_last_reader(m, i + 1), rj = mpt__node_last_reader(m, j + 1);
+                CHECK(m->layers[i].dy_buf != m->layers[j].dy_buf || ri < j || rj < i,
+                      "depth %d: nodes %d (read until layer %d) and %d (until %d) share a "
+                      "buffer while both are alive", depths[d], i + 1, ri, j + 1, rj);
+            }
+        }
+        CHECK(distinct <= 4, "depth %d: %d gradient buffers for %d layers", depths[d], distinct,
+              n);
+        mpt_model_destroy(m);
+    }
+}
+
 /* What still reads the layers as a chain refuses a graph, saying so: the
    quantizations. (The export writes graphs, shared layers too:
    tests/test_export.c runs them in LiteRT and ONNX Runtime.) */
@@ -672,6 +723,7 @@ static void cases(void) {
     TEST_RUN(test_functional_summary_long_names);
     TEST_RUN(test_bad_nodes);
     TEST_RUN(test_bad_graphs);
+    TEST_RUN(test_gradient_memory_plan);
     TEST_RUN(test_refused_for_graphs);
     test_residual_gradients();
     test_merge_gradients();

@@ -12476,6 +12476,20 @@ static void mpt__append(char *buf, size_t size, size_t *used, const char *fmt, .
     if (n > 0) *used += (size_t)n;
 }
 
+/* Whether a shared layer's later calls give other output shapes than
+   its first (Keras' summary then says "multiple"). */
+static int mpt__calls_differ(const mpt_model *m, const mpt__layer *L) {
+    int i = (int)(L - m->layers), c;
+    for (c = i + 1; c < m->n_layers; c++) {
+        const mpt__layer *C = &m->layers[c];
+        if (C->call_of == i + 1 &&
+            (C->out_rank != L->out_rank ||
+             memcmp(C->out_shape, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank) != 0))
+            return 1;
+    }
+    return 0;
+}
+
 /* A summary row's first two cells: "dense (Dense)" and "(None, 26, 26,
    32)", Keras' way of saying "any batch size"; for L NULL, a graph's
    input row. */
@@ -12488,6 +12502,7 @@ static void mpt__summary_cells(const mpt_model *m, const mpt__layer *L, char *na
     memcpy(dims + 1, L ? L->out_shape : m->desc.input_shape, sizeof(int64_t) * (size_t)rank);
     mpt_shape_format(text, sizeof text, rank + 1, dims);
     snprintf(shape, size, "(None%s", strchr(text, ','));
+    if (L && mpt__calls_differ(m, L)) snprintf(shape, size, "multiple");
     if (L) snprintf(name, size, "%s (%s)", L->name, L->ops->class_name);
     else snprintf(name, size, "input (InputLayer)");
 }
@@ -12550,7 +12565,9 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
         int64_t count = 0;
-        for (k = 0; k < L->n_params && !L->call_of; k++) { /* a call's are its layer's */
+        int call, first = 1;
+        if (L->call_of) continue; /* a shared layer is one row, as in Keras */
+        for (k = 0; k < L->n_params; k++) {
             count += L->param[k]->count;
             if (L->param[k]->trainable) trainable += L->param[k]->count;
         }
@@ -12558,10 +12575,14 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
         mpt__summary_cells(m, L, a, c, sizeof a);
         mpt__append(buf, size, &used, " %-*s %-*s %-12lld %-*s", name_width, a, shape_width, c,
                     (long long)count, m->graph ? 10 : 0, mpt_dtype_name(L->dtype));
-        for (k = 0; m->graph && k < L->n_in; k++) /* one input a line, as Keras */
-            mpt__append(buf, size, &used, "%*s%s[%d][0]%s", k ? width : 0, "",
-                        mpt__node_name(m, L->in_node[k]), mpt__node_call(m, L->in_node[k]),
-                        k + 1 < L->n_in ? ",\n" : "");
+        for (call = i; m->graph && call < m->n_layers; call++) { /* every call's inputs */
+            const mpt__layer *C = &m->layers[call];
+            if (call != i && C->call_of != i + 1) continue;
+            for (k = 0; k < C->n_in; k++, first = 0) /* one input a line, as Keras */
+                mpt__append(buf, size, &used, "%s%*s%s[%d][0]", first ? "" : ",\n",
+                            first ? 0 : width, "", mpt__node_name(m, C->in_node[k]),
+                            mpt__node_call(m, C->in_node[k]));
+        }
         mpt__append(buf, size, &used, "\n");
     }
     mpt__append(buf, size, &used, "%s\n", bold);

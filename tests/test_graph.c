@@ -231,7 +231,7 @@ static void test_shared_layer_gradients(void) {
     for (k = 0; k < 3; k++) {
         mpt_model *m = new_model(4, policies[k]);
         mpt_node x = mpt_model_input(m), h, two[2];
-        char label[96], text[4096], want[128];
+        char label[96], text[4096], want[192];
         test__begin();
         two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_TANH,
                                                    .name = "shared"});
@@ -242,8 +242,13 @@ static void test_shared_layer_gradients(void) {
         CHECK(mpt_model_param_count(m) == 4, "%d parameters (the shared layer's once)",
               mpt_model_param_count(m));
         mpt_model_summary(m, text, sizeof text);
+        /* one row for the shared layer, every call's input in it, as Keras */
         snprintf(want, sizeof want, "shared[0][0],\n%94sshared[1][0]\n", "");
         CHECK(strstr(text, want) && strstr(text, "Total params: 40 "), "summary:\n%s", text);
+        snprintf(want, sizeof want, " input[0][0],\n%94sdense[0][0]\n", "");
+        CHECK(strstr(text, want) && strstr(text, "shared (Dense)") &&
+                  !strstr(strstr(text, "shared (Dense)") + 1, "shared (Dense)"),
+              "the shared layer's row:\n%s", text);
         snprintf(label, sizeof label, "shared Dense %s", mpt_policy_name(policies[k]));
         gc_check(ctx,
                  &(gc_case){.model = m, .batch = 6, .training = 1, .ref_forward = shared_ref},

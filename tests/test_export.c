@@ -60,14 +60,35 @@ static mpt_node conv_node(mpt_model *m, mpt_node x, int64_t filters, int64_t k,
                                          .padding = padding});
 }
 
+/* ResNet's downsampling block: two 3×3 Conv2D (the first of stride 2)
+   beside a 1×1 projection of stride 2, each with its BatchNormalization
+   (folded), added, then ReLU. */
+static mpt_node down_block(mpt_model *m, mpt_node x, int64_t filters, int with_bn) {
+    mpt_conv2d_desc d = {.filters = filters, .kernel_size = {3, 3}, .strides = {2, 2},
+                         .padding = MPT_PADDING_SAME};
+    mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
+    mpt_node two[2];
+    two[0] = mpt_conv2d(m, x, &d);
+    if (with_bn) two[0] = mpt_batch_normalization(m, two[0], NULL);
+    two[0] = conv_node(m, mpt_activation_layer(m, two[0], &relu), filters, 3, MPT_PADDING_SAME);
+    d.kernel_size[0] = d.kernel_size[1] = 1;
+    two[1] = mpt_conv2d(m, x, &d);
+    if (with_bn) {
+        two[0] = mpt_batch_normalization(m, two[0], NULL);
+        two[1] = mpt_batch_normalization(m, two[1], NULL);
+    }
+    return mpt_activation_layer(m, mpt_add(m, 2, two, NULL), &relu);
+}
+
 /* A graph with every merge and what the walk must not fold: a Conv2D
    whose output two layers read keeps its BatchNormalization apart (and the
    ReLU after it), one read once has it folded; ZeroPadding2D with
    uneven sides; Add of three (Sum), Subtract, Multiply, Average of three;
    Concatenate over the channels (one input the model's, NHWC in ONNX)
    and over the rows (two Conv2D outputs, NCHW in ONNX); a Conv2D applied
-   twice (a shared layer); Dropout and a linear Activation, which leave
-   nothing. with_bn 0 leaves BatchNormalization out. */
+   twice (a shared layer); ResNet's downsampling block; Dropout and a
+   linear Activation, which leave nothing. with_bn 0 leaves
+   BatchNormalization out. */
 static void add_graph(mpt_model *m, int with_bn) {
     mpt_node x = mpt_model_input(m), in[3], a, r, c0, s1, d, mul, av, pool, twin, c2, e, y;
     mpt_zero_padding2d_desc pad = {.padding = {{1, 2}, {0, 3}}};
@@ -99,6 +120,7 @@ static void add_graph(mpt_model *m, int with_bn) {
     e = mpt_activation_layer(m, e, NULL); /* linear */
     in[0] = c2, in[1] = e;
     y = mpt_concatenate(m, 2, in, &(mpt_concatenate_desc){.axis = 1}); /* (28, 14, 3) */
+    y = down_block(m, y, 6, with_bn);                                 /* (14, 7, 6) */
     y = mpt_dropout(m, y, &(mpt_dropout_desc){.rate = 0.2f});
     y = mpt_flatten(m, y, NULL);
     mpt_dense(m, y, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});

@@ -7994,10 +7994,11 @@ static void mpt__graph_layout_node_grads(mpt_model *m, mpt__carver *c) {
         if (last_reader[j - 1] < 0) free_below[n_blocks] = -1, block_of[j] = n_blocks++;
     for (r = n - 1; r >= 0; r--)
         for (j = n - 1; j >= 1; j--) {
-            int64_t need = mpt__align_up(
-                mpt__dbytes(m->layers[j - 1].dtype, m->layers[j - 1].out_count * m->max_batch));
+            int64_t need;
             int best = -1;
             if (last_reader[j - 1] != r) continue;
+            need = mpt__align_up(
+                mpt__dbytes(m->layers[j - 1].dtype, m->layers[j - 1].out_count * m->max_batch));
             for (b = 0; b < n_blocks; b++)
                 if (r < free_below[b] && (best < 0 || mpt__better_block(size[b], size[best], need)))
                     best = b;
@@ -28564,7 +28565,9 @@ static void mpt__onnx_merge(mpt__onnx *o, const mpt__export_step *s,
     mpt__onnx_inputs(o, s, values, names);
     for (k = 0; k < s->n_in; k++) inputs[k] = names[k];
     if (kind != MPT__LAYER_MULTIPLY) {
-        const char *op = kind == MPT__LAYER_ADD ? "Sum" : kind == MPT__LAYER_AVERAGE ? "Mean" : "Sub";
+        const char *op = kind == MPT__LAYER_ADD       ? "Sum"
+                         : kind == MPT__LAYER_AVERAGE ? "Mean"
+                                                      : "Sub";
         mpt__onnx_name(y, sizeof y, s->L, "output");
         mpt__pb_end(&o->nodes, mpt__onnx_node_of(o, op, y, inputs, s->n_in));
         snprintf(o->x, sizeof o->x, "%s", y);

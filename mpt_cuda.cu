@@ -452,9 +452,8 @@ static __device__ __forceinline__ float mpt__cuda_gemm_f32(__nv_bfloat16 x) {
    rows ty + 16·i and columns tx + 16·j, summing k in order (over its K
    slice, when split: slices start at multiples of 32). */
 template <typename T>
-static __global__ void __launch_bounds__(256) mpt__cuda_gemm_simt_kernel(mpt__cuda_gemm_args p,
-                                                                         int trans_a,
-                                                                         int trans_b) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_gemm_simt_kernel(mpt__cuda_gemm_args p, int trans_a, int trans_b) {
     __shared__ float as[16][64 + 4], bs[16][64 + 4];
     const T *a = (const T *)p.a, *b = (const T *)p.b;
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
@@ -2403,8 +2402,8 @@ static __device__ __forceinline__ void mpt__cuda_layers_for_each(const Op &op, i
 }
 
 template <typename Op>
-__global__ void __launch_bounds__(256) mpt__cuda_layers_elementwise_kernel(Op op, int64_t n,
-                                                                           int vectorized) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_layers_elementwise_kernel(Op op, int64_t n, int vectorized) {
     mpt__cuda_layers_for_each(op, n, vectorized);
 }
 
@@ -2519,8 +2518,8 @@ static __device__ __forceinline__ float mpt__cuda_layers_warp_sum(float v) {
 
 /* Softmax over each row: one warp per row (grid-stride over rows); lane l
    handles columns l, l + 32, ...; max and sum are warp reductions. */
-__global__ void __launch_bounds__(256) mpt__cuda_act_softmax_kernel(float *x, int64_t rows,
-                                                                    int64_t cols) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_act_softmax_kernel(float *x, int64_t rows, int64_t cols) {
     const int lane = threadIdx.x & 31;
     const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
     for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
@@ -2536,9 +2535,9 @@ __global__ void __launch_bounds__(256) mpt__cuda_act_softmax_kernel(float *x, in
 /* Softmax backward, one warp per row: dz = y · (dy − Σ dy·y). Each lane
    writes only the columns it read, so dz may be dy (float32). */
 template <typename T>
-__global__ void __launch_bounds__(256) mpt__cuda_act_softmax_grad_kernel(const T *y, const T *dy,
-                                                                         float *dz, int64_t rows,
-                                                                         int64_t cols) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_act_softmax_grad_kernel(const T *y, const T *dy, float *dz, int64_t rows,
+                                      int64_t cols) {
     const int lane = threadIdx.x & 31;
     const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
     for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
@@ -2706,9 +2705,9 @@ static __device__ __forceinline__ void mpt__cuda_layers_covering(int64_t y, int6
    consecutive bytes; pixels outside the image are zeros. I and DIV: the
    index path (uint32_t with mpt__fastdiv, or int64_t). */
 template <typename U, typename I, typename DIV>
-__global__ void __launch_bounds__(256) mpt__cuda_im2col_kernel(mpt_window g, const U *x, U *cols,
-                                                               DIV units_per_pixel, DIV kw,
-                                                               DIV kh, DIV ow, DIV oh, I total) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_im2col_kernel(mpt_window g, const U *x, U *cols, DIV units_per_pixel, DIV kw, DIV kh,
+                            DIV ow, DIV oh, I total) {
     const I stride = (I)gridDim.x * blockDim.x;
     for (I u = (I)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
         I t = u;
@@ -2776,9 +2775,9 @@ static void mpt__cuda_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, c
    one rounding to dtype; no atomics, every output written once. I and
    DIV: the index path, as im2col's. */
 template <typename T, int V, typename I, typename DIV>
-__global__ void __launch_bounds__(256) mpt__cuda_col2im_kernel(mpt_window g, const float *dcols,
-                                                               T *dx, DIV channel_groups, DIV w,
-                                                               DIV h, DIV sh, DIV sw, I total) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_col2im_kernel(mpt_window g, const float *dcols, T *dx, DIV channel_groups, DIV w,
+                            DIV h, DIV sh, DIV sw, I total) {
     const I stride = (I)gridDim.x * blockDim.x;
     for (I u = (I)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
         I t = u;
@@ -2890,9 +2889,8 @@ static __device__ __forceinline__ void mpt__cuda_pool_unit(int64_t u, int64_t gr
 /* Max: the first largest wins, a NaN wins over numbers; argmax is the
    index within the sample. Average: Σ in window order, times 1/count. */
 template <typename T, int V, bool MAX>
-__global__ void __launch_bounds__(256) mpt__cuda_pool_forward_kernel(mpt_window g, const T *x,
-                                                                     T *y, int32_t *argmax,
-                                                                     int64_t total) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_pool_forward_kernel(mpt_window g, const T *x, T *y, int32_t *argmax, int64_t total) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x, groups = g.c / V;
     const int64_t n_in = g.h * g.w * g.c, n_out = g.oh * g.ow * g.c;
     for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
@@ -2945,10 +2943,9 @@ __global__ void __launch_bounds__(256) mpt__cuda_pool_forward_kernel(mpt_window 
    is this element; average takes dy · 1/count. Windows may overlap (stride
    < size) or leave pixels out (stride > size: their dx is 0). */
 template <typename T, int V, bool MAX>
-__global__ void __launch_bounds__(256) mpt__cuda_pool_backward_kernel(mpt_window g, const T *dy,
-                                                                      T *dx,
-                                                                      const int32_t *argmax,
-                                                                      int64_t total) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_pool_backward_kernel(mpt_window g, const T *dy, T *dx, const int32_t *argmax,
+                                   int64_t total) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x, groups = g.c / V;
     const int64_t n_out = g.oh * g.ow * g.c;
     for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
@@ -3128,9 +3125,10 @@ enum { MPT__CUDA_BN_SUM_X, MPT__CUDA_BN_SUM_SQDEV, MPT__CUDA_BN_SUM_GRADS };
    SUM_GRADS Σ dy into 0 and Σ dy · x̂ into 1 (x̂ in float32, as the CPU).
    grid (channel tiles, chunks), block (32, 8). */
 template <typename T, int MODE>
-__global__ void __launch_bounds__(256) mpt__cuda_bn_partials_kernel(
-    const T *x, const T *dy, int64_t rows, int64_t C, int64_t chunk_rows, const float *mean,
-    const float *inv_std, double *part) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_bn_partials_kernel(const T *x, const T *dy, int64_t rows, int64_t C,
+                                 int64_t chunk_rows, const float *mean, const float *inv_std,
+                                 double *part) {
     __shared__ double s0[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
     __shared__ double s1[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -3183,20 +3181,18 @@ static __device__ __forceinline__ double mpt__cuda_bn_total(const double *part, 
 
 /* out[c] = (float)(Σ part[.][which][c] / rows): the batch mean (which 0)
    or the biased variance (which 1). One thread per channel. */
-__global__ void __launch_bounds__(256) mpt__cuda_bn_stat_kernel(const double *part,
-                                                                int64_t n_chunks, int which,
-                                                                int64_t rows, int64_t C,
-                                                                float *out) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_bn_stat_kernel(const double *part, int64_t n_chunks, int which, int64_t rows,
+                             int64_t C, float *out) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) out[c] = (float)(mpt__cuda_bn_total(part, n_chunks, which, C, c) / (double)rows);
 }
 
 /* inv_std = 1 / sqrt(var + eps) by mpt.h's mpt__bn_inv_std (the CPU's, in
    forward and backward); scale = gamma · inv_std in float32. */
-__global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *var,
-                                                                 const float *gamma, float eps,
-                                                                 int64_t C, float *inv_std,
-                                                                 float *scale) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_bn_scale_kernel(const float *var, const float *gamma, float eps, int64_t C,
+                              float *inv_std, float *scale) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const float is = mpt__bn_inv_std((double)var[c], eps);
@@ -3205,10 +3201,11 @@ __global__ void __launch_bounds__(256) mpt__cuda_bn_scale_kernel(const float *va
 }
 
 /* dbeta = Σ dy, dgamma = Σ dy · x̂ (each when wanted), and their means. */
-__global__ void __launch_bounds__(256) mpt__cuda_bn_grad_stats_kernel(
-    const double *part, int64_t n_chunks, int64_t rows, int64_t C, float *dbeta, float *dgamma,
-    float *mean_dy, float *mean_dy_xhat, const float *sum_dy, const float *sum_dy_xhat,
-    int64_t total_rows) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_bn_grad_stats_kernel(const double *part, int64_t n_chunks, int64_t rows, int64_t C,
+                                   float *dbeta, float *dgamma, float *mean_dy, float *mean_dy_xhat,
+                                   const float *sum_dy, const float *sum_dy_xhat,
+                                   int64_t total_rows) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const double sdy = mpt__cuda_bn_total(part, n_chunks, 0, C, c);
@@ -3371,9 +3368,10 @@ static void mpt__cuda_batchnorm_backward(void *impl, const mpt_batchnorm_args *a
 
 /* moving = moving · m + batch · (1 − m) in double, rounded to float; only
    after a step whose gradients were finite (read here, on the device). */
-__global__ void __launch_bounds__(256) mpt__cuda_bn_commit_kernel(
-    const float *mean, const float *var, float *moving_mean, float *moving_var, double momentum,
-    int64_t C, const mpt_step_state *state) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_bn_commit_kernel(const float *mean, const float *var, float *moving_mean,
+                               float *moving_var, double momentum, int64_t C,
+                               const mpt_step_state *state) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C || !state->finite) return;
     const double keep = 1 - momentum;
@@ -3429,10 +3427,9 @@ template <typename T> struct mpt__cuda_dropout_op {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(256) mpt__cuda_dropout_kernel(mpt__cuda_dropout_op<T> op,
-                                                                int64_t n, int vectorized,
-                                                                const int64_t *step_src,
-                                                                int64_t *step_save) {
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_dropout_kernel(mpt__cuda_dropout_op<T> op, int64_t n, int vectorized,
+                             const int64_t *step_src, int64_t *step_save) {
     op.step = (uint64_t)*step_src;
     if (step_save && blockIdx.x == 0 && threadIdx.x == 0) *step_save = (int64_t)op.step;
     mpt__cuda_layers_for_each(op, n, vectorized);
@@ -4968,10 +4965,10 @@ static void mpt__cuda_copy(void *impl, void *dst, const void *src, size_t bytes)
 /* mpt_backend.copy_rows: one thread a unit of U bytes, U the widest of
    16, 4, 2, 1 that every pointer, pitch and width is a multiple of. */
 template <typename U>
-__global__ void mpt__cuda_copy_rows_kernel(unsigned char *dst, int64_t dst_pitch,
-                                           int64_t dst_plane, const unsigned char *src,
-                                           int64_t src_pitch, int64_t src_plane, int64_t units,
-                                           int64_t rows, int64_t total) {
+static __global__ void mpt__cuda_copy_rows_kernel(unsigned char *dst, int64_t dst_pitch,
+                                                  int64_t dst_plane, const unsigned char *src,
+                                                  int64_t src_pitch, int64_t src_plane,
+                                                  int64_t units, int64_t rows, int64_t total) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         const int64_t u = i % units, r = i / units % rows, p = i / units / rows;

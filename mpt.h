@@ -230,7 +230,7 @@
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
      implementation (MPT_IMPLEMENTATION), along a learner's path: the
-     training story first (a tensor, the GEMM, the layers, the model, the
+     training story first (a tensor, an activation, the layers, the model, the
      loss, the optimizer, the step, fit), then the tools around it, then
      the engineering that makes it fast, then quantization and export,
      then the strategy and the backends. A function used above the place

@@ -1356,9 +1356,15 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
 
 /* The model's float32 outputs for every sample of `data`, in order, into
    out (an owned tensor of shape (n, output shape...); free it with
-   mpt_tensor_free). batch_size 0 means 32. */
+   mpt_tensor_free), whatever the policy. batch_size 0 means 32. data may
+   hold inputs alone (mpt_dataset_desc.y NULL). */
 MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
+/* The same for a tensor of inputs, Keras' model.predict(x): x (n, the
+   model's input shape...) uint8 (scaled by 1/255), float32, float16 or
+   bfloat16 in CPU memory, read in place. */
+MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
+                                           int64_t batch_size, mpt_tensor *out);
 
 /* Writes a Keras-like table (the dtype policy, then per layer its output
    shape, parameters and compute dtype, then memory per category, as
@@ -1420,7 +1426,9 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m);
 typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
                               float16 or bfloat16                         */
-    const mpt_tensor *y;   /* required: (n,) int32 class ids, or one per
+    const mpt_tensor *y;   /* NULL: x alone, a dataset that predict reads
+                              and fit and evaluate refuse (Keras'
+                              model.predict(x)); else (n,) int32 class ids, or one per
                               position, (n, H, W) for an (H, W, C) output
                               (for an output whose last axis is 1 under
                               another loss than sparse crossentropy, int32
@@ -1436,7 +1444,9 @@ typedef struct mpt_dataset_desc {
 } mpt_dataset_desc;
 
 /* A dataset over caller arrays. Float inputs are checked for NaN and inf,
-   and the counts of x and y must agree. */
+   and the counts of x and y must agree. Without y it holds inputs alone:
+   predict reads it, fit, evaluate and mpt_dataset_labels/_targets refuse
+   it, naming what is missing. */
 MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
                                      mpt_dataset **out);
 /* Reads an IDX (MNIST-format) image file and label file, plain or gzip
@@ -10326,7 +10336,8 @@ struct mpt_dataset {
     int64_t y_shape[MPT_MAX_RANK - 1];
     int64_t y_count;              /* elements of one target (class ids: one per
                                      position of the model's output)             */
-    const void *y;                /* (n, y_shape) y_dtype                        */
+    const void *y;                /* (n, y_shape) y_dtype; NULL for x alone      */
+    int x_only;                   /* 1: no targets (y_count 0): for predict      */
     float scale, offset;          /* uint8 x: x·scale + offset                   */
     float u8_f32[256];            /* uint8 x: each byte value normalised         */
     mpt_half u8_f16[256];         /*   the same, rounded to float16              */
@@ -10479,12 +10490,12 @@ static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
 
 static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc) {
     char sx[96], sy[96];
-    if (!desc) /* NULL: every default, but x and y are required */
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x and y are required (NULL "
+    if (!desc) /* NULL: every default, but x is required */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x is required (NULL "
                          "descriptor)");
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "x", desc->x));
-    MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
-    if (desc->x->shape[0] != desc->y->shape[0])
+    if (desc->y) MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
+    if (desc->y && desc->x->shape[0] != desc->y->shape[0])
         return mpt__fail(ctx, MPT_ERR_SHAPE,
                          "dataset: x %s has %lld samples but y %s has %lld",
                          mpt_shape_format(sx, sizeof sx, desc->x->rank, desc->x->shape),
@@ -10495,7 +10506,7 @@ static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_de
         return mpt__fail(ctx, MPT_ERR_NUMERIC, "dataset: scale %g and offset %g must be finite",
                          (double)desc->scale, (double)desc->offset);
     MPT__CHECK(mpt__check_dataset_x(ctx, desc->x));
-    return mpt__check_dataset_y(ctx, desc->y);
+    return desc->y ? mpt__check_dataset_y(ctx, desc->y) : MPT_OK;
 }
 
 /* d->x or d->y: the caller's buffer, or an owned copy of it. */
@@ -10528,15 +10539,18 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     d->x_rank = desc->x->rank - 1;
     memcpy(d->x_shape, desc->x->shape + 1, sizeof(int64_t) * (size_t)d->x_rank);
     d->x_count = mpt__shape_count(d->x_rank, d->x_shape);
-    d->y_dtype = desc->y->dtype;
+    d->y_dtype = desc->y ? desc->y->dtype : MPT_INT32;
     /* one class id a sample, (n) or (n, 1), has rank 0: the rank of an
        output of one axis without it */
-    d->y_rank = d->y_dtype == MPT_INT32 && mpt_tensor_count(desc->y) == d->n ? 0
-                                                                           : desc->y->rank - 1;
-    memcpy(d->y_shape, desc->y->shape + 1, sizeof(int64_t) * (size_t)d->y_rank);
-    d->y_count = mpt__shape_count(d->y_rank, d->y_shape);
+    d->y_rank = !desc->y || (d->y_dtype == MPT_INT32 && mpt_tensor_count(desc->y) == d->n)
+                    ? 0
+                    : desc->y->rank - 1;
+    if (desc->y) memcpy(d->y_shape, desc->y->shape + 1, sizeof(int64_t) * (size_t)d->y_rank);
+    d->y_count = desc->y ? mpt__shape_count(d->y_rank, d->y_shape) : 0;
+    d->x_only = !desc->y;
     s = mpt__dataset_take(ctx, desc->x, desc->copy, &d->x, &d->owned_x);
-    if (s == MPT_OK) s = mpt__dataset_take(ctx, desc->y, desc->copy, &d->y, &d->owned_y);
+    if (s == MPT_OK && desc->y)
+        s = mpt__dataset_take(ctx, desc->y, desc->copy, &d->y, &d->owned_y);
     if (s != MPT_OK) {
         mpt_dataset_destroy(d);
         return s;
@@ -10559,8 +10573,9 @@ static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, in
     v->n = n;
     v->x = (const char *)d->x +
            (size_t)first * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
-    v->y = (const char *)d->y +
-           (size_t)first * (size_t)d->y_count * mpt_dtype_size(d->y_dtype);
+    v->y = d->x_only ? NULL
+                     : (const char *)d->y +
+                           (size_t)first * (size_t)d->y_count * mpt_dtype_size(d->y_dtype);
     /* The one change split makes to its const argument: the root counts
        the view, so that it outlives it whatever the order of destroys. */
     v->root->refs++;
@@ -10633,6 +10648,9 @@ static mpt_status mpt__dataset_copy_targets(mpt_context *ctx, const char *what,
     if (!d || !out)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset %s: NULL %s", what,
                          d ? what : "dataset");
+    if (d->x_only)
+        return mpt__fail(ctx, MPT_ERR_STATE, "dataset %s: the dataset holds inputs alone (made "
+                         "without y)", what);
     if (d->y_dtype != dtype)
         return mpt__fail(ctx, MPT_ERR_DTYPE, "dataset %s: the dataset holds %s; use "
                          "mpt_dataset_%s", what,
@@ -10729,7 +10747,7 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
         else
             convert(x_dtype, dst, d->x_dtype, src, d->x_count);
     }
-    for (i = 0; y && i < n; i++)
+    for (i = 0; y && !d->x_only && i < n; i++)
         memcpy((char *)y + (size_t)i * y_bytes, (const char *)d->y + (size_t)indices[i] * y_bytes,
                y_bytes);
 }
@@ -10942,7 +10960,7 @@ static int mpt__loader_next_inline(mpt__loader *l, mpt_tensor *x, mpt_tensor *y)
     if (l->view_epoch) {
         const int64_t at = l->order[first];
         xb = (const char *)d->x + (size_t)at * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
-        yb = (const char *)d->y + (size_t)at * (size_t)d->y_count * 4;
+        yb = d->x_only ? NULL : (const char *)d->y + (size_t)at * (size_t)d->y_count * 4;
     } else {
         mpt__dataset_gather(l->ctx, d, l->order + first, count, l->x_dtype, l->x_buf[0],
                             l->y_buf[0]);
@@ -11613,6 +11631,14 @@ static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const c
     return mpt__check_sample_shape(m, rank, shape, what);
 }
 
+/* What fit and evaluate read has targets. */
+static mpt_status mpt__check_has_targets(mpt_model *m, const mpt_dataset *d, const char *what) {
+    if (!d->x_only) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: the dataset holds inputs alone (made "
+                     "without y): there is nothing to compare the outputs with (predict reads "
+                     "such a dataset)", what);
+}
+
 /* A sample's class ids fit an output: one per position, the output's shape
    without its last axis, or with it 1 (as mpt_loss_compute takes them);
    one id, rank 0, where there is one position. */
@@ -11634,6 +11660,7 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
     const mpt__layer *last = &m->layers[m->n_layers - 1];
     char a[96], b[96], c[96];
     MPT__CHECK(mpt__check_samples(m, d, what));
+    MPT__CHECK(mpt__check_has_targets(m, d, what));
     rank = mpt__dataset_label_shape(d, shape);
     if (mpt__dataset_label_dtype(d) == MPT_INT32) {
         int64_t classes = last->out_shape[last->out_rank - 1];
@@ -12409,6 +12436,21 @@ static mpt_status mpt__output_to_host(mpt_model *m, float *dst, int64_t n) {
     /* through the target buffer, which holds a batch of float32 outputs */
     m->be->convert(m->impl, MPT_FLOAT32, m->target_buf[0], last->dtype, last->y, n);
     return mpt__download(m, dst, m->target_buf[0], sizeof(float) * (size_t)n);
+}
+
+MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
+                                           int64_t batch_size, mpt_tensor *out) {
+    mpt_dataset_desc d;
+    mpt_dataset *data = NULL;
+    mpt_status s;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!x) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL x");
+    memset(&d, 0, sizeof d);
+    d.x = x; /* no y: inputs alone */
+    MPT__CHECK(mpt_dataset_create(m->ctx, &d, &data));
+    s = mpt_model_predict(m, data, batch_size, out);
+    mpt_dataset_destroy(data);
+    return s;
 }
 
 MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64_t batch_size,
@@ -25840,6 +25882,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: batch_size %lld must be > 0",
                          (long long)batch);
     MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
+    MPT__CHECK(mpt__check_has_targets(m, data, "evaluate"));
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
     s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);

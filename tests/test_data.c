@@ -908,8 +908,6 @@ static void test_create_validation(void) {
                  "descriptor", NULL, NULL);
     expect_error(create(q, NULL, &y, 0, &d), MPT_ERR_INVALID_ARGUMENT, "NULL x", "NULL x", NULL,
                  NULL);
-    expect_error(create(q, &x, NULL, 0, &d), MPT_ERR_INVALID_ARGUMENT, "NULL y", "NULL y", NULL,
-                 NULL);
     expect_error(create(q, &x, &y, 0, NULL), MPT_ERR_INVALID_ARGUMENT, "NULL out", "out", NULL,
                  NULL);
     CHECK(create(NULL, &x, &y, 0, &d) == MPT_ERR_INVALID_ARGUMENT, "NULL ctx");
@@ -925,6 +923,82 @@ static void test_create_validation(void) {
     CHECK(mpt_dataset_count(NULL) == 0 && mpt_dataset_sample_shape(NULL, NULL) == 0, "NULL d");
     mpt_dataset_destroy(NULL);
     test__end("create: NULL arguments, a non-finite scale");
+}
+
+/* A dataset of inputs alone (y NULL), Keras' model.predict(x): predict
+   gives what it gives with the labels beside the inputs, bit for bit, on
+   the whole and on split views; mpt_model_predict_tensor the same from the
+   tensor; fit, evaluate and the labels refuse it, saying why. */
+static void test_inputs_alone(void) {
+    static float xs[30 * 5];
+    static int32_t ys[30];
+    mpt_tensor x = tensor(MPT_FLOAT32, 2, 30, 5, 0, xs), y = tensor(MPT_INT32, 1, 30, 0, 0, ys);
+    mpt_tensor want, got, head_out, tail_out;
+    mpt_dataset *labelled = NULL, *alone = NULL, *head = NULL, *tail = NULL;
+    mpt_model *m = NULL;
+    mpt_logs logs;
+    int32_t label;
+    int i;
+    for (i = 0; i < 30 * 5; i++) xs[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < 30; i++) ys[i] = i % 3;
+    memset(&want, 0, sizeof want);
+    memset(&got, 0, sizeof got);
+    memset(&head_out, 0, sizeof head_out);
+    memset(&tail_out, 0, sizeof tail_out);
+    CHECK(create(q, &x, &y, 0, &labelled) == MPT_OK && create(q, &x, NULL, 0, &alone) == MPT_OK,
+          "create: %s", mpt_context_error(q));
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {5}, .input_rank = 1, .seed = 3}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 7, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .activation = MPT_ACT_SOFTMAX});
+    mpt_model_compile(m, &(mpt_compile_desc){
+                             .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+    if (labelled && alone) {
+        CHECK(mpt_model_fit(m, labelled, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}) ==
+                  MPT_OK,
+              "fit: %s", mpt_context_error(q));
+        CHECK(mpt_model_predict(m, labelled, 8, &want) == MPT_OK &&
+                  mpt_model_predict(m, alone, 8, &got) == MPT_OK,
+              "predict: %s", mpt_context_error(q));
+        CHECK(got.data && want.data && got.shape[0] == 30 && got.shape[1] == 3 &&
+                  !memcmp(got.data, want.data, mpt_tensor_bytes(&want)),
+              "predict on inputs alone differs from predict with the labels");
+        mpt_tensor_free(q, &got);
+        CHECK(mpt_model_predict_tensor(m, &x, 8, &got) == MPT_OK && got.data &&
+                  !memcmp(got.data, want.data, mpt_tensor_bytes(&want)),
+              "predict_tensor: %s", mpt_context_error(q));
+        CHECK(mpt_dataset_split(q, alone, 11, &head, &tail) == MPT_OK &&
+                  mpt_model_predict(m, head, 4, &head_out) == MPT_OK &&
+                  mpt_model_predict(m, tail, 4, &tail_out) == MPT_OK && head_out.data &&
+                  tail_out.data &&
+                  !memcmp(head_out.data, want.data, mpt_tensor_bytes(&head_out)) &&
+                  !memcmp(tail_out.data, (const float *)want.data + 11 * 3,
+                          mpt_tensor_bytes(&tail_out)),
+              "predict on split views of inputs alone: %s", mpt_context_error(q));
+        test_expect_error(q, mpt_model_fit(m, alone, &(mpt_fit_desc){.epochs = 1, .batch_size = 8}),
+                          MPT_ERR_INVALID_ARGUMENT, "fit: the dataset holds inputs alone", "fit");
+        test_expect_error(q, mpt_model_fit(m, labelled, &(mpt_fit_desc){
+                                                            .epochs = 1,
+                                                            .batch_size = 8,
+                                                            .validation_data = alone}),
+                          MPT_ERR_INVALID_ARGUMENT, "validation data: the dataset holds inputs "
+                          "alone", "fit with validation_data");
+        test_expect_error(q, mpt_model_evaluate(m, alone, NULL, &logs), MPT_ERR_INVALID_ARGUMENT,
+                          "evaluate: the dataset holds inputs alone", "evaluate");
+        test_expect_error(q, mpt_dataset_labels(q, alone, 0, 1, &label), MPT_ERR_STATE,
+                          "labels: the dataset holds inputs alone", "labels");
+        CHECK(mpt_dataset_target_shape(alone, NULL) == 0, "a target shape for inputs alone");
+    }
+    test_expect_error(q, mpt_model_predict_tensor(m, NULL, 8, &got), MPT_ERR_INVALID_ARGUMENT,
+                      "predict: NULL x", "predict_tensor NULL x");
+    mpt_tensor_free(q, &want);
+    mpt_tensor_free(q, &got);
+    mpt_tensor_free(q, &head_out);
+    mpt_tensor_free(q, &tail_out);
+    mpt_dataset_destroy(head);
+    mpt_dataset_destroy(tail);
+    mpt_dataset_destroy(alone);
+    mpt_dataset_destroy(labelled);
+    mpt_model_destroy(m);
 }
 
 /* copy = 1 keeps its own copy; copy = 0 reads the caller's arrays. */
@@ -1745,6 +1819,7 @@ int main(void) {
     test_fashion_mnist();
     test_create_validation();
     TEST_RUN(test_create_copy);
+    TEST_RUN(test_inputs_alone);
     TEST_RUN(test_borrowed_labels_edited);
     test_split();
     test_reshape();

@@ -218,7 +218,7 @@
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
                      evaluate, predict, summary, history and its SVG plot
-       @data         datasets: caller arrays, IDX files, NumPy's .npy/.npz
+       @data         datasets: caller arrays, IDX files, NumPy's .npy/.npz, CSV
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger,
                      TensorBoard
        @checkpoints  safetensors weights and full training state
@@ -287,6 +287,7 @@
        @impl-idx          files plain or gzip-compressed; the IDX format
        @impl-npy          NumPy's .npy files and .npz archives (zip: the
                           central directory, stored and deflated members)
+       @impl-csv          a CSV file of numbers
        @impl-callbacks    EarlyStopping, ReduceLROnPlateau
        @impl-callbacks-files  ModelCheckpoint, CSVLogger
        @impl-tensorboard  TensorBoard's event files: protobuf (ONNX's encoder
@@ -361,6 +362,7 @@
        cb_     callbacks, and the text they write      @impl-callbacks
        ckpt_   checkpoint files                        @impl-checkpoints
                the crash-safe writer (every file)      @impl-files
+       csv_    CSV files                               @impl-csv
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
@@ -1463,6 +1465,21 @@ typedef struct mpt_npy_desc {
 MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, const char *y_path,
                                        const mpt_npy_desc *desc, mpt_dataset **out);
 
+typedef struct mpt_csv_desc {
+    const char *label_column; /* required: the header's name of y's column */
+    char separator;        /* default ','                                 */
+    int float_targets;     /* default 0: y holds class ids (whole numbers
+                              >= 0), int32; 1: float32 targets             */
+} mpt_csv_desc;
+
+/* Reads a CSV file of numbers: a header row of column names, then a row
+   per sample; y is the column desc names, x (n, columns - 1) float32 the
+   others in their order. Blank lines are skipped, "\r\n" taken, spaces
+   around fields allowed; quoted fields (RFC 4180) are refused, as are
+   empty fields, NaN and inf. A message points at path:line:column
+   ("data.csv:17:3: 'abc' is not a number"). */
+MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
+                                       const mpt_csv_desc *desc, mpt_dataset **out);
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
 /* One sample's shape; returns its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
@@ -14622,6 +14639,268 @@ MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, con
     mpt__npy_close(&arrays[0].src);
     mpt__npy_close(&arrays[1].src);
     mpt__free(ctx, arrays);
+    return st;
+}
+
+/* =============================================================================
+   @impl-csv: a CSV file of numbers as a dataset
+   =============================================================================
+
+   What pandas' read_csv reads with its defaults, narrowed to numbers: a
+   header row naming the columns, then a row per sample; fields separated
+   by one character (',' by default); lines ended by "\n" or "\r\n"; blank
+   lines skipped; a UTF-8 byte-order mark skipped. A field is a number as
+   strtod reads it (finite: "nan" and "inf" are refused), spaces and tabs
+   around it allowed; the label column's fields are class ids (whole
+   numbers >= 0) unless float targets are asked for. Quoted fields (RFC
+   4180's '"') are refused rather than half-handled: a quote means text,
+   and every field here is a number.
+
+   The file is read into memory whole. A first pass checks that every row
+   has the header's number of fields, so the buffers' size follows from the
+   file's own bytes (each row's separators); the second parses. Messages
+   point at path:line:column, the column counted in fields from 1. */
+
+typedef struct mpt__csv {
+    mpt_context *ctx;
+    const char *path;
+    const char *text;     /* the file after a byte-order mark, NUL-ended */
+    const char *end;      /* its end                                     */
+    char sep;
+    int64_t cols;         /* fields of the header                        */
+    int64_t label;        /* the label column, from 0                    */
+} mpt__csv;
+
+/* The line at *at: [*line, *line + *len) without its "\n" or "\r\n";
+   *at moves past it. 0 at the end of the text. */
+static int mpt__csv_line(const mpt__csv *c, const char **at, const char **line, int64_t *len) {
+    const char *nl;
+    if (*at >= c->end) return 0;
+    nl = (const char *)memchr(*at, '\n', (size_t)(c->end - *at));
+    if (!nl) nl = c->end;
+    *line = *at;
+    *len = nl - *at;
+    if (*len > 0 && (*line)[*len - 1] == '\r') (*len)--;
+    *at = nl < c->end ? nl + 1 : nl;
+    return 1;
+}
+
+/* Field `*start` of a line: [*f, *f + *flen), spaces and tabs around it
+   trimmed; *next is where the following field starts (past the line's
+   end after the last). */
+static void mpt__csv_field(const mpt__csv *c, const char *p, const char *e, const char **f,
+                           int64_t *flen, const char **next) {
+    const char *q = p;
+    while (q < e && *q != c->sep) q++;
+    *next = q + 1;
+    while (p < q && (*p == ' ' || *p == '\t')) p++;
+    while (q > p && (q[-1] == ' ' || q[-1] == '\t')) q--;
+    *f = p;
+    *flen = q - p;
+}
+
+/* Fields of a line: its separators plus one; a quote anywhere is refused. */
+static mpt_status mpt__csv_count(const mpt__csv *c, const char *line, int64_t len, int64_t lineno,
+                                 int64_t *fields) {
+    int64_t i;
+    *fields = 1;
+    for (i = 0; i < len; i++) {
+        if (line[i] == '"')
+            return mpt__fail(c->ctx, MPT_ERR_UNSUPPORTED, "%s:%lld:%lld: a quoted field: quoting "
+                             "(RFC 4180) is not supported; every field must be a number or, in "
+                             "the header, a plain name", c->path, (long long)lineno,
+                             (long long)*fields);
+        if (line[i] == c->sep) (*fields)++;
+    }
+    return MPT_OK;
+}
+
+/* The header: the label column found once among the names. */
+static mpt_status mpt__csv_header(mpt__csv *c, const char *line, int64_t len,
+                                  const char *label) {
+    const char *p = line, *e = line + len, *f;
+    char names[200] = "";
+    int64_t flen, k;
+    size_t label_len = strlen(label);
+    MPT__CHECK(mpt__csv_count(c, line, len, 1, &c->cols));
+    c->label = -1;
+    for (k = 0; k < c->cols; k++) {
+        size_t used = strlen(names);
+        mpt__csv_field(c, p, e, &f, &flen, &p);
+        if (used + (size_t)flen + 8 < sizeof names)
+            snprintf(names + used, sizeof names - used, "%s%.*s", used ? ", " : "", (int)flen, f);
+        else if (used + 5 < sizeof names && !strstr(names, "..."))
+            strcat(names, ", ...");
+        if ((size_t)flen != label_len || memcmp(f, label, label_len) != 0) continue;
+        if (c->label >= 0)
+            return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:1: column '%s' is named twice (columns "
+                             "%lld and %lld)", c->path, label, (long long)c->label + 1,
+                             (long long)k + 1);
+        c->label = k;
+    }
+    if (c->label < 0)
+        return mpt__fail(c->ctx, MPT_ERR_INVALID_ARGUMENT, "%s:1: no column '%s' in the header "
+                         "(its columns: %s)", c->path, label, names);
+    if (c->cols < 2)
+        return mpt__fail(c->ctx, MPT_ERR_SHAPE, "%s:1: the header names only the label column "
+                         "'%s'; x needs at least one more", c->path, label);
+    return MPT_OK;
+}
+
+/* One field as a float32 (x, or a float target) or a class id. */
+static mpt_status mpt__csv_number(const mpt__csv *c, const char *f, int64_t flen, int64_t lineno,
+                                  int64_t col, int class_id, float *x, int32_t *id) {
+    char buf[128], *stop;
+    double v;
+    int64_t i;
+    if (flen == 0)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: an empty field (a missing "
+                         "value?) where a number belongs", c->path, (long long)lineno,
+                         (long long)col);
+    if (flen >= (int64_t)sizeof buf)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: '%.24s...' is not a number "
+                         "(%lld characters)", c->path, (long long)lineno, (long long)col, f,
+                         (long long)flen);
+    memcpy(buf, f, (size_t)flen);
+    buf[flen] = 0;
+    if (class_id) {
+        int64_t v64 = 0;
+        for (i = buf[0] == '+'; i < flen && buf[i] >= '0' && buf[i] <= '9' && v64 <= INT32_MAX;
+             i++)
+            v64 = 10 * v64 + (buf[i] - '0');
+        if (i < flen || i == (buf[0] == '+') || v64 > INT32_MAX)
+            return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: '%s' is not a class id (a "
+                             "whole number in 0..2147483647)", c->path, (long long)lineno,
+                             (long long)col, buf);
+        *id = (int32_t)v64;
+        return MPT_OK;
+    }
+    errno = 0;
+    v = strtod(buf, &stop);
+    if (stop != buf + flen)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: '%s' is not a number", c->path,
+                         (long long)lineno, (long long)col, buf);
+    if (!(v >= -FLT_MAX && v <= FLT_MAX))
+        return mpt__fail(c->ctx, MPT_ERR_NUMERIC, "%s:%lld:%lld: '%s' is not a finite float32",
+                         c->path, (long long)lineno, (long long)col, buf);
+    *x = (float)v;
+    return MPT_OK;
+}
+
+/* The rows: counted and checked for their number of fields, then, with x
+   (n, cols - 1) and y (n) allocated, parsed. */
+static mpt_status mpt__csv_rows(mpt__csv *c, const char *body, int64_t first_line,
+                                int float_targets, float **x, void **y, int64_t *n) {
+    const char *at = body, *line, *p, *f;
+    int64_t len, lineno, fields, k, row, bytes, flen;
+    float *xv;
+    *n = 0;
+    for (lineno = first_line; mpt__csv_line(c, &at, &line, &len); lineno++) {
+        if (len == 0) continue;
+        MPT__CHECK(mpt__csv_count(c, line, len, lineno, &fields));
+        if (fields != c->cols)
+            return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld: %lld field%s, the header has %lld",
+                             c->path, (long long)lineno, (long long)fields,
+                             fields == 1 ? "" : "s", (long long)c->cols);
+        (*n)++;
+    }
+    if (*n == 0)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "'%s' has no rows after its header", c->path);
+    /* n · (cols - 1) <= the file's bytes: each row has cols - 1 separators */
+    if (!mpt__mul_ok(*n, (c->cols - 1) * (int64_t)sizeof(float), &bytes))
+        return mpt__fail(c->ctx, MPT_ERR_OVERFLOW, "'%s' is too large", c->path);
+    *x = xv = (float *)mpt__alloc(c->ctx, (size_t)bytes);  /* (n, cols - 1) */
+    *y = mpt__alloc(c->ctx, (size_t)*n * sizeof(float));    /* (n) int32 or float32 */
+    if (!*x || !*y)
+        return mpt__fail(c->ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': cannot allocate %lld bytes",
+                         c->path, (long long)bytes);
+    for (at = body, lineno = first_line, row = 0; mpt__csv_line(c, &at, &line, &len); lineno++) {
+        if (len == 0) continue;
+        for (k = 0, p = line; k < c->cols; k++) {
+            int is_label = k == c->label;
+            mpt__csv_field(c, p, line + len, &f, &flen, &p);
+            MPT__CHECK(mpt__csv_number(c, f, flen, lineno, k + 1, is_label && !float_targets,
+                                       is_label ? (float *)*y + row : xv++,
+                                       (int32_t *)*y + row));
+        }
+        row++;
+    }
+    return MPT_OK;
+}
+
+static mpt_status mpt__load_csv(mpt__csv *c, const char *text, const mpt_csv_desc *desc,
+                                mpt_dataset **out) {
+    const char *at = text, *line;
+    int64_t len, n = 0, xs[2], ys[1];
+    float *x = NULL;
+    void *y = NULL;
+    mpt_tensor xt, yt;
+    mpt_dataset_desc dd;
+    mpt_dtype yd = desc->float_targets ? MPT_FLOAT32 : MPT_INT32;
+    mpt_status st;
+    if (!mpt__csv_line(c, &at, &line, &len) || len == 0)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "'%s' has no header row (its first line is "
+                         "%s)", c->path, at < c->end ? "empty" : "missing");
+    MPT__CHECK(mpt__csv_header(c, line, len, desc->label_column));
+    st = mpt__csv_rows(c, at, 2, desc->float_targets, &x, &y, &n);
+    xs[0] = ys[0] = n;
+    xs[1] = c->cols - 1;
+    memset(&dd, 0, sizeof dd);
+    dd.x = &xt;
+    dd.y = &yt;
+    if (st == MPT_OK) st = mpt_tensor_wrap(c->ctx, &xt, MPT_FLOAT32, 2, xs, x);
+    if (st == MPT_OK) st = mpt_tensor_wrap(c->ctx, &yt, yd, 1, ys, y);
+    if (st == MPT_OK) st = mpt_dataset_create(c->ctx, &dd, out);
+    if (st != MPT_OK) {
+        mpt__free(c->ctx, x);
+        mpt__free(c->ctx, y);
+        return st;
+    }
+    (*out)->owned_x = x; /* the dataset borrowed them: now it owns them */
+    (*out)->owned_y = y;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
+                                       const mpt_csv_desc *desc, mpt_dataset **out) {
+    mpt__csv c;
+    char *text = NULL; /* (size + 1) */
+    int64_t size = 0, have = 0;
+    int fd = -1;
+    mpt_status st;
+    if (out) *out = NULL;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !path || !desc || !desc->label_column)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_csv: NULL %s",
+                         !out ? "out" : !path ? "path" : "label_column (required)");
+    memset(&c, 0, sizeof c);
+    c.ctx = ctx;
+    c.path = path;
+    c.sep = desc->separator ? desc->separator : ',';
+    if (c.sep == '"' || c.sep == '\n' || c.sep == '\r')
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_csv: separator 0x%02x cannot "
+                         "separate fields", (unsigned)(unsigned char)c.sep);
+    st = mpt__open_regular(ctx, "", path, &fd, &size);
+    if (st == MPT_OK && !(text = (char *)mpt__alloc(ctx, (size_t)size + 1)))
+        st = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': cannot allocate %lld bytes",
+                       path, (long long)size + 1);
+    while (st == MPT_OK && have < size) {
+        ssize_t got = read(fd, text + have, (size_t)MPT__MIN(size - have, (int64_t)1 << 30));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0)
+            st = mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", path,
+                           got < 0 ? strerror(errno) : "it became shorter while being read");
+        else
+            have += got;
+    }
+    if (fd >= 0) close(fd);
+    if (st == MPT_OK) {
+        text[size] = 0;
+        c.text = size >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0 ? text + 3 : text;
+        c.end = text + size;
+        st = mpt__load_csv(&c, c.text, desc, out);
+    }
+    mpt__free(ctx, text);
     return st;
 }
 

@@ -14397,6 +14397,8 @@ static mpt_status mpt__npy_header(mpt__npy *a) {
         return mpt__fail(a->src.ctx, MPT_ERR_FORMAT, "%s: its .npy header claims %lld bytes (more "
                          "than %lld)", a->src.name, (long long)len,
                          (long long)MPT__NPY_MAX_HEADER);
+    if (len > a->src.size - a->src.pos) /* before allocating for it */
+        return mpt__npy_read(&a->src, NULL, len, "its .npy header");
     h = (char *)mpt__alloc(a->src.ctx, (size_t)len + 1); /* (len + 1) */
     if (!h) return mpt__fail(a->src.ctx, MPT_ERR_OUT_OF_MEMORY, "reading %s: out of memory",
                              a->src.name);

@@ -249,6 +249,13 @@ static void test_npz(void) {
               mpt_context_error(q));
         if (d) check_x(d, &f16), check_labels(d, "xy.npz");
         mpt_dataset_destroy(d);
+        d = NULL;
+        if (HAVE_ZLIB) {
+            CHECK(mpt_dataset_load_npy(q, fixture("xy_z.npz"), NULL, NULL, &d) == MPT_OK,
+                  "xy_z.npz: %s", mpt_context_error(q));
+            if (d) check_x(d, &f16), check_labels(d, "xy_z.npz");
+            mpt_dataset_destroy(d);
+        }
         test__end("npz: x from an archive, y from an .npy; the default keys x and y");
     }
 }

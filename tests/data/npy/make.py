@@ -52,6 +52,7 @@ np.savez("data.npz", x_train=floats((N, 2, 3), "<f4"), y_train=labels("<i8"),
          note=np.arange(3))
 np.savez_compressed("data_z.npz", x_train=floats((N, 2, 3), "<f4"), y_train=labels("<i8"))
 np.savez("xy.npz", x=floats((N, 6), "<f2"), y=labels("|u1"))
+np.savez_compressed("xy_z.npz", x=floats((N, 6), "<f2"), y=labels("|u1"))
 
 # refused
 save("fortran.npy", np.asfortranarray(floats((N, 3), "<f4")))

@@ -1440,14 +1440,14 @@ MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int 
 
 /* Which arrays of an .npz archive mpt_dataset_load_npy reads, and how it
    scales uint8 x. */
-typedef struct mpt_npy_desc {
+typedef struct mpt_dataset_npy_desc {
     const char *x_key;     /* the array of x in an .npz (np.savez(f, x=...));
                               default "x"                                  */
     const char *y_key;     /* the array of y in an .npz; default "y"       */
     float scale;           /* uint8 x becomes x·scale + offset as it is
                               batched; default (0) 1/255                  */
     float offset;          /* default 0                                   */
-} mpt_npy_desc;
+} mpt_dataset_npy_desc;
 
 /* Reads NumPy arrays as np.save and np.savez write them: x from x_path, y
    from y_path, each an .npy file (format 1.0, 2.0 or 3.0) or an .npz
@@ -1459,18 +1459,18 @@ typedef struct mpt_npy_desc {
    x (n, ...): float32, float16 and uint8 kept, float64, int32 and int64
    become float32; (n,) is taken as (n, 1). y: whole numbers become int32
    class ids (each in 0..2^31-1), floats float32 targets, as in
-   mpt_dataset_desc. Checks every header against its file's size (and a
-   deflated array against its CRC), the counts of x and y, and NaN/inf;
+   mpt_dataset_desc. Checks every header against its file's size (and an
+   .npz member against its CRC-32), the counts of x and y, and NaN/inf;
    a message names the file, the array and what is wrong. */
 MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, const char *y_path,
-                                       const mpt_npy_desc *desc, mpt_dataset **out);
+                                       const mpt_dataset_npy_desc *desc, mpt_dataset **out);
 
-typedef struct mpt_csv_desc {
+typedef struct mpt_dataset_csv_desc {
     const char *label_column; /* required: the header's name of y's column */
     char separator;        /* default ','                                 */
     int float_targets;     /* default 0: y holds class ids (whole numbers
                               >= 0), int32; 1: float32 targets             */
-} mpt_csv_desc;
+} mpt_dataset_csv_desc;
 
 /* Reads a CSV file of numbers: a header row of column names, then a row
    per sample; y is the column desc names, x (n, columns - 1) float32 the
@@ -1479,7 +1479,7 @@ typedef struct mpt_csv_desc {
    empty fields, NaN and inf. A message points at path:line:column
    ("data.csv:17:3: 'abc' is not a number"). */
 MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
-                                       const mpt_csv_desc *desc, mpt_dataset **out);
+                                       const mpt_dataset_csv_desc *desc, mpt_dataset **out);
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
 /* One sample's shape; returns its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
@@ -14581,7 +14581,8 @@ static mpt_status mpt__npy_read_data(mpt__npy *a, mpt_dtype to, void **out) {
 /* Both headers first, so that a count mismatch is found before any data is
    read; then the data of each; then the dataset over the two buffers. */
 static mpt_status mpt__load_npy(mpt_context *ctx, mpt__npy *x, mpt__npy *y, const char *x_path,
-                                const char *y_path, const mpt_npy_desc *desc, mpt_dataset **out) {
+                                const char *y_path, const mpt_dataset_npy_desc *desc,
+                                mpt_dataset **out) {
     const char *x_key = desc && desc->x_key ? desc->x_key : "x";
     const char *y_key = desc && desc->y_key ? desc->y_key : "y";
     mpt_dtype xd, yd;
@@ -14621,7 +14622,7 @@ static mpt_status mpt__load_npy(mpt_context *ctx, mpt__npy *x, mpt__npy *y, cons
 }
 
 MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, const char *y_path,
-                                       const mpt_npy_desc *desc, mpt_dataset **out) {
+                                       const mpt_dataset_npy_desc *desc, mpt_dataset **out) {
     mpt__npy *arrays; /* (2) x, y: a header's shape is 64 axes, kept off the stack */
     mpt_status st;
     if (out) *out = NULL;
@@ -14830,7 +14831,7 @@ static mpt_status mpt__csv_rows(mpt__csv *c, const char *body, int64_t first_lin
     return MPT_OK;
 }
 
-static mpt_status mpt__load_csv(mpt__csv *c, const char *text, const mpt_csv_desc *desc,
+static mpt_status mpt__load_csv(mpt__csv *c, const char *text, const mpt_dataset_csv_desc *desc,
                                 mpt_dataset **out) {
     const char *at = text, *line;
     int64_t len, n = 0, xs[2], ys[1];
@@ -14864,7 +14865,7 @@ static mpt_status mpt__load_csv(mpt__csv *c, const char *text, const mpt_csv_des
 }
 
 MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
-                                       const mpt_csv_desc *desc, mpt_dataset **out) {
+                                       const mpt_dataset_csv_desc *desc, mpt_dataset **out) {
     mpt__csv c;
     char *text = NULL; /* (size + 1) */
     int64_t size = 0, have = 0;

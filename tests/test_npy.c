@@ -211,7 +211,7 @@ static void test_npy_y_dtypes(void) {
 static void test_npz(void) {
     x_case f32 = {"x_f32.npy", MPT_FLOAT32, 2, {2, 3, 0}};
     x_case f16 = {"x_f16.npy", MPT_FLOAT16, 1, {6, 0, 0}};
-    mpt_npy_desc desc;
+    mpt_dataset_npy_desc desc;
     int z;
     memset(&desc, 0, sizeof desc);
     desc.x_key = "x_train";
@@ -265,7 +265,7 @@ static void test_npz(void) {
 /* The load fails with `want`, leaves *out NULL, and its message holds the
    path and each of the (up to two) words given. */
 static void expect_refusal(const char *what, const char *x, const char *y,
-                           const mpt_npy_desc *desc, mpt_status want, const char *w1,
+                           const mpt_dataset_npy_desc *desc, mpt_status want, const char *w1,
                            const char *w2) {
     mpt_dataset *d = (mpt_dataset *)&d;
     mpt_status s;
@@ -288,7 +288,7 @@ static void expect_refusal(const char *what, const char *x, const char *y,
 
 static void test_npy_refusals(void) {
     const char *x = fixture("x_f32.npy");
-    mpt_npy_desc desc;
+    mpt_dataset_npy_desc desc;
     memset(&desc, 0, sizeof desc);
     expect_refusal("Fortran order", fixture("fortran.npy"), fixture("y_i64.npy"), NULL,
                    MPT_ERR_UNSUPPORTED, "Fortran order", NULL);
@@ -449,7 +449,7 @@ static void test_npz_damaged(void) {
     size_t n = read_fixture("data.npz", buf, sizeof buf), nz;
     unsigned char *e, *end;
     const char *path;
-    mpt_npy_desc desc;
+    mpt_dataset_npy_desc desc;
     memset(&desc, 0, sizeof desc);
     desc.x_key = "x_train";
     desc.y_key = "y_train";
@@ -545,7 +545,7 @@ static void test_allocation_failures(void) {
     const char *csv = write_file("oom.csv", "a,y\n1,2\n3,4\n", 12);
     long k;
     int saw_oom = 0;
-    mpt_npy_desc desc;
+    mpt_dataset_npy_desc desc;
     memset(&desc, 0, sizeof desc);
     desc.x_key = "x_train";
     desc.y_key = "y_train";
@@ -553,7 +553,7 @@ static void test_allocation_failures(void) {
         counting_alloc c = {0, 0, -1};
         mpt_context *cc = counting_ctx(&c);
         mpt_dataset *d = NULL;
-        mpt_csv_desc cd;
+        mpt_dataset_csv_desc cd;
         mpt_status s;
         if (!cc) continue;
         c.fail_after = c.allocs + k / 2;
@@ -593,7 +593,7 @@ static const char *csv_file(const char *name, int n) {
 }
 
 static void test_csv_round_trip(void) {
-    mpt_csv_desc desc;
+    mpt_dataset_csv_desc desc;
     mpt_dataset *d = NULL;
     int64_t shape[3] = {0};
     int i, bad = 0;
@@ -620,7 +620,7 @@ static void test_csv_forms(void) {
     static const char text[] = "\xef\xbb\xbf x , label\t,z\r\n\r\n 1.5 ,\t3, -2e-3\r\n"
                                "\n0x10,+7,.25\r\n\r\n";
     static const char semi[] = "p;q;t\n1;2;0.5\n3;4;-1.5\n";
-    mpt_csv_desc desc;
+    mpt_dataset_csv_desc desc;
     mpt_dataset *d = NULL;
     float t[2];
     memset(&desc, 0, sizeof desc);
@@ -659,7 +659,7 @@ static void test_csv_forms(void) {
 static void expect_csv_error(const char *what, const char *text, mpt_status want,
                              const char *w1, const char *w2) {
     const char *path = write_file("bad.csv", text, strlen(text));
-    mpt_csv_desc desc;
+    mpt_dataset_csv_desc desc;
     mpt_dataset *d = (mpt_dataset *)&d;
     mpt_status s;
     memset(&desc, 0, sizeof desc);

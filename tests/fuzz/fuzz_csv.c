@@ -15,7 +15,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static mpt_context *ctx;
     char path[512];
     mpt_dataset *d = (mpt_dataset *)&d; /* the load must set it */
-    mpt_csv_desc desc;
+    mpt_dataset_csv_desc desc;
     int64_t which[2], shape[4] = {0};
     float *xs, ys[2];
     if (!ctx) ctx = fuzz_context();

@@ -14126,7 +14126,7 @@ static void mpt__zip_list(char *list, size_t size, const unsigned char *name, ui
    s at its bytes. */
 static mpt_status mpt__zip_find(mpt__npy_src *s, const char *path, int64_t file_size,
                                 const char *key) {
-    int64_t cd_at, cd_size, entries, k, left, lho, data, csize;
+    int64_t cd_at = 0, cd_size = 0, entries = 0, k, left, lho, data, csize;
     size_t key_len = strlen(key);
     unsigned char *cd, local[30];
     const unsigned char *p, *hit = NULL;
@@ -14444,7 +14444,7 @@ static mpt_status mpt__npy_header(mpt__npy *a) {
 static mpt_status mpt__npy_open(mpt_context *ctx, mpt__npy *a, const char *path, const char *key,
                                 int need_npz) {
     unsigned char magic[6] = {0, 0, 0, 0, 0, 0};
-    int64_t size, have;
+    int64_t size = 0, have;
     memset(a, 0, sizeof *a);
     a->src.ctx = ctx;
     a->src.fd = -1;

@@ -507,9 +507,9 @@ static void test_npz_damaged(void) {
     memcpy(work, buf, n);
     work[get_le32(e + 42) + 30 + 11 + 20 + 130] ^= 0x40; /* a byte of x_train's data */
     path = write_file("crc.npz", work, n);
-    expect_refusal("a data byte changed (CRC-32)", path, NULL, &desc,
-                   HAVE_ZLIB ? MPT_ERR_FORMAT : MPT_ERR_INVALID_ARGUMENT,
-                   HAVE_ZLIB ? "CRC-32" : NULL, NULL);
+    if (HAVE_ZLIB) /* without zlib, stored members go unchecked */
+        expect_refusal("a data byte changed (CRC-32)", path, NULL, &desc, MPT_ERR_FORMAT,
+                       "CRC-32", NULL);
     expect_refusal("no end record", write_file("short.npz", buf, n - 1), NULL, &desc,
                    MPT_ERR_FORMAT, "no end-of-central-directory record", NULL);
     expect_refusal("only a local header's magic", write_file("pk.npz", "PK\x03\x04", 4), NULL,

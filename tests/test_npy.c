@@ -6,10 +6,11 @@
    files damaged here byte by byte (truncated, a bad magic, a header that
    lies about the shape, a shape whose product overflows, zip offsets out
    of range, zip64, a CRC that does not match, corrupted deflate data),
-   each message naming the file and the reason; no allocation failure
-   leaks. mpt_dataset_load_csv: a round trip, the forms it takes (CRLF,
-   blank lines, spaces, a byte-order mark, another separator, float
-   targets) and its errors at line and column. */
+   each message naming the file and the reason; arrays of many read
+   chunks (big-endian, stored and deflated in archives built here); no
+   allocation failure leaks. mpt_dataset_load_csv: a round trip, the forms
+   it takes (CRLF, blank lines, spaces, a byte-order mark, another
+   separator, float targets) and its errors at line and column. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
@@ -539,6 +540,145 @@ static void test_npz_damaged(void) {
                    NULL);
 }
 
+/* ---- arrays larger than a chunk ------------------------------------------------------ */
+
+/* An .npy (format 1.0) of `header` then `data` bytes into out; its size. */
+static size_t npy_bytes(unsigned char *out, const char *header, const void *data, size_t n) {
+    size_t len = strlen(header), total = (10 + len + 1 + 63) / 64 * 64;
+    memcpy(out, "\x93NUMPY\x01\x00", 8);
+    out[8] = (unsigned char)((total - 10) & 255);
+    out[9] = (unsigned char)((total - 10) >> 8);
+    memset(out + 10, ' ', total - 10);
+    memcpy(out + 10, header, len);
+    out[total - 1] = '\n';
+    memcpy(out + total, data, n);
+    return total + n;
+}
+
+static void put_le16(unsigned char *p, unsigned v) {
+    p[0] = (unsigned char)v, p[1] = (unsigned char)(v >> 8);
+}
+
+/* A zip archive of one member "name" holding bytes[0, n), deflated (raw,
+   as zip stores it) or stored, into out; its size. */
+static size_t zip_one(unsigned char *out, const char *name, const unsigned char *bytes, size_t n,
+                      int deflated) {
+    size_t nl = strlen(name), at = 30 + nl, csize = n, cd;
+    uint32_t crc = 0;
+#if HAVE_ZLIB
+    crc = (uint32_t)crc32(0L, bytes, (uInt)n);
+    if (deflated) {
+        z_stream z;
+        memset(&z, 0, sizeof z);
+        if (deflateInit2(&z, 6, Z_DEFLATED, -15, 8, Z_DEFAULT_STRATEGY) != Z_OK) return 0;
+        z.next_in = (Bytef *)bytes;
+        z.avail_in = (uInt)n;
+        z.next_out = out + at;
+        z.avail_out = (uInt)(n + 1024);
+        if (deflate(&z, Z_FINISH) != Z_STREAM_END) n = 0;
+        csize = z.total_out;
+        deflateEnd(&z);
+    } else
+#endif
+        memcpy(out + at, bytes, n);
+    memset(out, 0, 30);
+    put_le32(out, 0x04034b50u);
+    put_le16(out + 4, 20);
+    put_le16(out + 8, deflated ? 8 : 0);
+    put_le32(out + 14, crc);
+    put_le32(out + 18, (uint32_t)csize);
+    put_le32(out + 22, (uint32_t)n);
+    put_le16(out + 26, (unsigned)nl);
+    memcpy(out + 30, name, nl);
+    cd = at + csize;
+    memset(out + cd, 0, 46);
+    put_le32(out + cd, 0x02014b50u);
+    put_le16(out + cd + 4, 20);
+    put_le16(out + cd + 6, 20);
+    put_le16(out + cd + 10, deflated ? 8 : 0);
+    put_le32(out + cd + 16, crc);
+    put_le32(out + cd + 20, (uint32_t)csize);
+    put_le32(out + cd + 24, (uint32_t)n);
+    put_le16(out + cd + 28, (unsigned)nl);
+    memcpy(out + cd + 46, name, nl);
+    memset(out + cd + 46 + nl, 0, 22);
+    put_le32(out + cd + 46 + nl, 0x06054b50u);
+    put_le16(out + cd + 46 + nl + 8, 1);
+    put_le16(out + cd + 46 + nl + 10, 1);
+    put_le32(out + cd + 46 + nl + 12, (uint32_t)(46 + nl));
+    put_le32(out + cd + 46 + nl + 16, (uint32_t)cd);
+    return cd + 46 + nl + 22;
+}
+
+/* 20,000 samples: x big-endian float32 (20000, 3), 240,000 bytes, and y
+   int64 class ids, 160,000 bytes, each several of the loader's 64 KiB
+   chunks; then x again as the member of a stored and of a deflated
+   archive, whose compressed bytes (random-looking floats) span several
+   reads. Every value is checked. */
+static void test_npy_many_chunks(void) {
+    enum { N = 20000 };
+    static unsigned char x_be[N * 3 * 4], y_le[N * 8];
+    static unsigned char file[N * 3 * 4 + 2048], zip[N * 3 * 4 + 4096];
+    const char *x_path, *y_path, *z_path;
+    int64_t i, bad = 0;
+    size_t n;
+    int z;
+    for (i = 0; i < N * 3; i++) {
+        float f = (float)((double)((i * 2654435761u) % 1000003u) / 7.0);
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        x_be[4 * i] = (unsigned char)(u >> 24), x_be[4 * i + 1] = (unsigned char)(u >> 16);
+        x_be[4 * i + 2] = (unsigned char)(u >> 8), x_be[4 * i + 3] = (unsigned char)u;
+    }
+    for (i = 0; i < N; i++) {
+        memset(y_le + 8 * i, 0, 8);
+        y_le[8 * i] = (unsigned char)label_at(i);
+    }
+    n = npy_bytes(file, "{'descr': '>f4', 'fortran_order': False, 'shape': (20000, 3), }", x_be,
+                  sizeof x_be);
+    x_path = write_file("many_x.npy", file, n);
+    n = npy_bytes(file, "{'descr': '<i8', 'fortran_order': False, 'shape': (20000,), }", y_le,
+                  sizeof y_le);
+    y_path = write_file("many_y.npy", file, n);
+    n = npy_bytes(file, "{'descr': '>f4', 'fortran_order': False, 'shape': (20000, 3), }", x_be,
+                  sizeof x_be);
+    for (z = 0; z < 3; z++) {
+        mpt_dataset *d = NULL;
+        mpt_dataset_npy_desc desc;
+        int32_t *y = (int32_t *)malloc(N * sizeof(int32_t));
+        test__begin();
+        memset(&desc, 0, sizeof desc);
+        z_path = x_path;
+        if (z > 0) {
+            size_t zn = zip_one(zip, "x.npy", file, n, z == 2);
+            z_path = write_file(z == 2 ? "many_z.npz" : "many.npz", zip, zn);
+        }
+        if (z == 2 && !HAVE_ZLIB) {
+            free(y);
+            SKIP("no zlib: deflated archives are refused");
+            test__end("npy: 20,000 samples, x deflated in an .npz");
+            continue;
+        }
+        CHECK(mpt_dataset_load_npy(q, z_path, y_path, &desc, &d) == MPT_OK, "%s",
+              mpt_context_error(q));
+        if (d && y) {
+            for (i = 0, bad = 0; i < N * 3; i++) {
+                float want = (float)((double)((i * 2654435761u) % 1000003u) / 7.0);
+                bad += ((const float *)d->x)[i] != want;
+            }
+            CHECK(bad == 0, "%lld of x's values differ", (long long)bad);
+            CHECK(mpt_dataset_labels(q, d, 0, N, y) == MPT_OK, "%s", mpt_context_error(q));
+            for (i = 0, bad = 0; i < N; i++) bad += y[i] != label_at(i);
+            CHECK(bad == 0, "%lld labels differ", (long long)bad);
+        }
+        mpt_dataset_destroy(d);
+        free(y);
+        test__end("npy: 20,000 samples, x %s", z == 0   ? "big-endian in an .npy"
+                                                 : z == 1 ? "stored in an .npz"
+                                                          : "deflated in an .npz");
+    }
+}
+
 /* Every allocation of a deflated .npz load and of a CSV load failing in
    turn: a status (never a crash), and as many frees as allocations. */
 static void test_allocation_failures(void) {
@@ -549,7 +689,7 @@ static void test_allocation_failures(void) {
     memset(&desc, 0, sizeof desc);
     desc.x_key = "x_train";
     desc.y_key = "y_train";
-    for (k = 0; k < 24; k++) {
+    for (k = 0; k < 48; k++) {
         counting_alloc c = {0, 0, -1};
         mpt_context *cc = counting_ctx(&c);
         mpt_dataset *d = NULL;
@@ -736,6 +876,7 @@ int main(void) {
     test_npy_refusals();
     test_npy_damaged();
     test_npz_damaged();
+    test_npy_many_chunks();
     TEST_RUN(test_allocation_failures);
     TEST_RUN(test_csv_round_trip);
     test_csv_forms();

@@ -8,7 +8,10 @@ that test_npy.c computes too, so the test reads each file back bit for bit.
    uint8   (37 k + 11) mod 256
    int32   (7919 k) mod 100003 - 50000
    int64   2^40 + 12345 k (rounded to float32 when loaded as x)
-   labels  (7 k + 3) mod 10"""
+   labels  (7 k + 3) mod 10
+The .npz archives hold the time they were written (zip member dates), so a
+rerun changes those bytes but no array; the tests read arrays, never dates.
+(No NumPy here? python3 -m venv /tmp/venv && /tmp/venv/bin/pip install numpy)"""
 import numpy as np
 import numpy.lib.format as fmt
 

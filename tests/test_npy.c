@@ -878,6 +878,11 @@ int main(void) {
         fprintf(stderr, "cannot create a context or %s\n", tmp_dir);
         return 1;
     }
+    if (access(fixture("x_f32.npy"), R_OK) != 0) { /* __FILE__ is relative to the build's folder */
+        printf("FAIL fixtures: no %s (run from the repository's root)\n", fixture("x_f32.npy"));
+        rmdir(tmp_dir);
+        return 1;
+    }
     test_npy_x_dtypes();
     test_npy_y_dtypes();
     test_npz();

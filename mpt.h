@@ -10657,7 +10657,8 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
 }
 /* =============================================================================
    @impl-data: datasets over caller arrays, views, a batch gathered (IDX
-   files: @impl-idx; the batch loader: @impl-loader)
+   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; the
+   batch loader: @impl-loader)
    =============================================================================
 
    A dataset is x (n, sample shape...) in uint8, float32, float16 or

@@ -777,7 +777,7 @@ mpi_tests() {
 # $FUZZ/corpus/<name> for the next run. Inputs that once crashed a harness
 # live in tests/fuzz/findings/<name>/ and are replayed before every run.
 
-FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat model"
+FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat model npy csv"
 FUZZ=$B/fuzz
 FUZZ_CC=${FUZZ_CC:-clang}
 FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -g -O1"
@@ -787,6 +787,8 @@ fuzz_dict() {
     case $1 in
     idx*) echo tests/fuzz/idx.dict ;;
     model) echo tests/fuzz/model.dict ;;
+    npy) echo tests/fuzz/npy.dict ;;
+    csv) echo tests/fuzz/csv.dict ;;
     *) echo tests/fuzz/safetensors.dict ;;
     esac
 }

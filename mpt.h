@@ -218,7 +218,7 @@
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
                      evaluate, predict, summary, history and its SVG plot
-       @data         datasets: caller arrays, IDX files
+       @data         datasets: caller arrays, IDX files, NumPy's .npy/.npz, CSV
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger,
                      TensorBoard
        @checkpoints  safetensors weights and full training state
@@ -285,6 +285,9 @@
        @impl-files        opening files (regular files only) and the crash-safe
                           writer every file mpt.h writes goes through
        @impl-idx          files plain or gzip-compressed; the IDX format
+       @impl-npy          NumPy's .npy files and .npz archives (zip: the
+                          central directory, stored and deflated members)
+       @impl-csv          a CSV file of numbers
        @impl-callbacks    EarlyStopping, ReduceLROnPlateau
        @impl-callbacks-files  ModelCheckpoint, CSVLogger
        @impl-tensorboard  TensorBoard's event files: protobuf (ONNX's encoder
@@ -363,6 +366,7 @@
        cb_     callbacks, and the text they write      @impl-callbacks
        ckpt_   checkpoint files                        @impl-checkpoints
                the crash-safe writer (every file)      @impl-files
+       csv_    CSV files                               @impl-csv
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
@@ -371,6 +375,7 @@
        kgrad_  Conv2D's kernel gradient                @impl-conv-kernel-grad
        merge_  Add, Subtract, Multiply, Average        @impl-merge
        node_   a graph's nodes                         @impl-layer-helpers
+       npy_    NumPy's .npy files                      @impl-npy
        pb_     protobuf (TensorBoard's events, ONNX)   @impl-tensorboard
        q_      quantization parameters, rounding       @impl-quantize
        qat_    quantization-aware training             @impl-qat
@@ -382,6 +387,7 @@
        wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
        wkg_    Winograd's kernel gradient              @impl-winograd-grad
        ws_     a layer's workspace, cut in pieces      @impl-layer-helpers
+       zip_    zip archives (.npz)                     @impl-npy
        Every mpt__ function and table is static: the implementation is one
        translation unit, and it and mpt_cuda.cu reach each other only
        through public functions (mpt.h calls mpt_cuda_*, mpt_cuda.cu calls
@@ -1460,6 +1466,49 @@ MPTDEF mpt_status mpt_dataset_load_idx(mpt_context *ctx, const char *images_path
    train-images-idx3-ubyte.gz, t10k-..., with or without .gz). */
 MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int test,
                                          mpt_dataset **out);
+
+/* Which arrays of an .npz archive mpt_dataset_load_npy reads, and how it
+   scales uint8 x. */
+typedef struct mpt_dataset_npy_desc {
+    const char *x_key;     /* the array of x in an .npz (np.savez(f, x=...));
+                              default "x"                                  */
+    const char *y_key;     /* the array of y in an .npz; default "y"       */
+    float scale;           /* uint8 x becomes x·scale + offset as it is
+                              batched; default (0) 1/255                  */
+    float offset;          /* default 0                                   */
+} mpt_dataset_npy_desc;
+
+/* Reads NumPy arrays as np.save and np.savez write them: x from x_path, y
+   from y_path, each an .npy file (format 1.0, 2.0 or 3.0) or an .npz
+   archive (stored or deflated: np.savez, np.savez_compressed), told apart
+   by their first bytes, whose array desc names; y_path NULL: y from the
+   same .npz as x. dtypes float32, float16, float64, int32, int64, uint8,
+   little- or big-endian ('>' is converted), C order; Fortran order,
+   object and structured arrays are refused, and so are zip64 archives.
+   x (n, ...): float32, float16 and uint8 kept, float64, int32 and int64
+   become float32; (n,) is taken as (n, 1). y: whole numbers become int32
+   class ids (each in 0..2^31-1), floats float32 targets, as in
+   mpt_dataset_desc. Checks every header against its file's size (and an
+   .npz member against its CRC-32), the counts of x and y, and NaN/inf;
+   a message names the file, the array and what is wrong. */
+MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, const char *y_path,
+                                       const mpt_dataset_npy_desc *desc, mpt_dataset **out);
+
+typedef struct mpt_dataset_csv_desc {
+    const char *label_column; /* required: the header's name of y's column */
+    char separator;        /* default ','                                 */
+    int float_targets;     /* default 0: y holds class ids (whole numbers
+                              >= 0), int32; 1: float32 targets             */
+} mpt_dataset_csv_desc;
+
+/* Reads a CSV file of numbers: a header row of column names, then a row
+   per sample; y is the column desc names, x (n, columns - 1) float32 the
+   others in their order. Blank lines are skipped, "\r\n" taken, spaces
+   around fields allowed; quoted fields (RFC 4180) are refused, as are
+   empty fields, NaN and inf. A message points at path:line:column
+   ("data.csv:17:3: 'abc' is not a number"). */
+MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
+                                       const mpt_dataset_csv_desc *desc, mpt_dataset **out);
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
 /* One sample's shape; returns its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
@@ -10294,7 +10343,8 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
 }
 /* =============================================================================
    @impl-data: datasets over caller arrays, views, a batch gathered (IDX
-   files: @impl-idx; the batch loader: @impl-loader)
+   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; the
+   batch loader: @impl-loader)
    =============================================================================
 
    A dataset is x (n, sample shape...) in uint8, float32, float16 or
@@ -13581,6 +13631,1050 @@ MPTDEF mpt_status mpt_dataset_load_mnist(mpt_context *ctx, const char *dir, int 
    that only reads its batches (mpt__loader_allow_views) gets views of the
    dataset's own memory and nothing is copied. The buffers and the thread
    are made by the first epoch that needs them. */
+
+/* =============================================================================
+   @impl-npy: NumPy's .npy files and .npz archives as a dataset
+   =============================================================================
+
+   An .npy file (numpy.lib.format; versions 1.0, 2.0 and 3.0):
+       "\x93NUMPY" | major, minor | the header's length: u16 (1.0) or u32
+       (2.0, 3.0), little-endian | the header | the data, all of it, nothing
+       after
+   The header is a Python dict literal, padded with spaces to a multiple of
+   64 bytes and ended by a newline:
+       {'descr': '<f4', 'fortran_order': False, 'shape': (60000, 28, 28), }
+   'descr' is the dtype: byte order ('<' little, '>' big, '|' none) and
+   kind and size ("f4"). 3.0 differs from 2.0 only in allowing UTF-8 in the
+   header, which only structured dtypes' field names use (refused here).
+
+   An .npz file is a zip archive of "<key>.npy" members, stored (np.savez)
+   or deflated (np.savez_compressed). Its central directory, at the end of
+   the file, says where each member starts and how large it is. np.savez
+   writes every local header in zip64 form (0xffffffff for the sizes, the
+   real ones in an extra field), so sizes come from the directory alone and
+   a local header gives only the lengths of its name and extra field.
+   Archives that do need zip64 (a member or the archive past 4 GiB, or more
+   than 65535 members) are refused.
+
+   Every offset and size a file states is checked against the file's size
+   (or, for a deflated member, against what deflate can expand its
+   compressed bytes to) before anything is allocated or read, so a lying
+   header makes a load fail and never makes it allocate more than the file
+   could fill. */
+
+#define MPT__NPY_MAX_HEADER ((int64_t)1 << 20) /* bytes; NumPy writes a few hundred      */
+#define MPT__NPY_MAX_DIMS 64                   /* axes a header may list (NumPy 2: 64)   */
+#define MPT__NPY_CHUNK ((int64_t)1 << 16)      /* bytes converted or inflated at a time   */
+#define MPT__ZIP_MAX_RATIO 1032                /* deflate's largest expansion: 258 bytes
+                                                  per 2 bits of a repeated match        */
+
+/* Defined below, in @impl-safetensors. */
+static int mpt__ckpt_little_endian(void);
+
+/* ---- the bytes of one array: a file, or a member of an archive ------------- */
+
+typedef struct mpt__npy_src {
+    mpt_context *ctx;
+    char name[320];       /* for messages: "'x.npy'" or "'d.npz', array 'x'" */
+    int fd;               /* -1 when closed                                   */
+    int64_t at, end;      /* the file's bytes still to read: [at, end)        */
+    int64_t size, pos;    /* the .npy's bytes (uncompressed), and those read  */
+    int deflated;         /* a deflated member: read through inflate         */
+    int check_crc;        /* a member: its CRC-32 is compared at the end      */
+    uint32_t want_crc;    /* the zip directory's CRC-32 of the member         */
+#ifndef MPT_NO_ZLIB
+    uLong crc;            /* of the bytes read so far                         */
+    int inflating;        /* inflateInit2 succeeded: inflateEnd is due        */
+    int ended;            /* inflate reached the end of the deflate stream    */
+    z_stream z;
+    unsigned char *in;    /* (MPT__NPY_CHUNK) compressed bytes read ahead     */
+#endif
+} mpt__npy_src;
+
+static uint32_t mpt__le16(const unsigned char *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8; }
+
+static uint32_t mpt__le32(const unsigned char *p) {
+    return mpt__le16(p) | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Bytes [offset, offset + bytes) of the file, which the caller has checked
+   lie inside it: getting fewer means the file changed under the load. */
+static mpt_status mpt__npy_read_at(mpt__npy_src *s, int64_t offset, void *dst, int64_t bytes) {
+    unsigned char *p = (unsigned char *)dst;
+    if (lseek(s->fd, (off_t)offset, SEEK_SET) < 0)
+        return mpt__fail(s->ctx, MPT_ERR_IO, "%s: cannot seek: %s", s->name, strerror(errno));
+    while (bytes > 0) {
+        ssize_t got = read(s->fd, p, (size_t)MPT__MIN(bytes, (int64_t)1 << 30));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0)
+            return mpt__fail(s->ctx, MPT_ERR_IO, "%s: cannot read: %s", s->name, strerror(errno));
+        if (got == 0)
+            return mpt__fail(s->ctx, MPT_ERR_IO, "%s: the file ended %lld bytes early: it changed "
+                             "while being read", s->name, (long long)bytes);
+        p += got;
+        bytes -= got;
+    }
+    return MPT_OK;
+}
+
+#ifndef MPT_NO_ZLIB
+static mpt_status mpt__npy_inflate_error(mpt__npy_src *s, int err) {
+    if (err == Z_MEM_ERROR)
+        return mpt__fail(s->ctx, MPT_ERR_OUT_OF_MEMORY, "%s: zlib is out of memory", s->name);
+    return mpt__fail(s->ctx, MPT_ERR_FORMAT, "%s is corrupted: bad deflate data (zlib: %s)",
+                     s->name, s->z.msg ? s->z.msg : "inflate failed");
+}
+
+/* Inflates into dst[0, n) (n may be 0: only to reach the stream's end);
+   *got says how many bytes came out. */
+static mpt_status mpt__npy_inflate(mpt__npy_src *s, unsigned char *dst, int64_t n, int64_t *got) {
+    *got = 0;
+    while (*got < n || (n == 0 && !s->ended)) {
+        unsigned char spare;
+        uInt ask = n == 0 ? 1 : (uInt)MPT__MIN(n - *got, (int64_t)1 << 30);
+        int err;
+        if (s->ended) return MPT_OK;
+        if (s->z.avail_in == 0) {
+            int64_t k = MPT__MIN(MPT__NPY_CHUNK, s->end - s->at);
+            if (k == 0) return MPT_OK; /* the compressed bytes are all used: cut short */
+            MPT__CHECK(mpt__npy_read_at(s, s->at, s->in, k));
+            s->at += k;
+            s->z.next_in = s->in;
+            s->z.avail_in = (uInt)k;
+        }
+        s->z.next_out = n == 0 ? &spare : dst + *got;
+        s->z.avail_out = ask;
+        err = inflate(&s->z, Z_NO_FLUSH);
+        *got += (int64_t)(ask - s->z.avail_out);
+        if (err == Z_STREAM_END) s->ended = 1;
+        else if (err == Z_BUF_ERROR && s->z.avail_in == 0) continue;
+        else if (err != Z_OK) return mpt__npy_inflate_error(s, err);
+        if (n == 0 && *got > 0) return MPT_OK; /* more than the directory says */
+    }
+    return MPT_OK;
+}
+#endif
+
+/* The next n bytes of the .npy, exactly: `what` names them when there are
+   fewer ("its header"). */
+static mpt_status mpt__npy_read(mpt__npy_src *s, void *dst, int64_t n, const char *what) {
+    if (n > s->size - s->pos)
+        return mpt__fail(s->ctx, MPT_ERR_FORMAT, "%s is truncated: %s needs %lld bytes, only %lld "
+                         "are left", s->name, what, (long long)n, (long long)(s->size - s->pos));
+#ifndef MPT_NO_ZLIB
+    if (s->deflated) {
+        int64_t got;
+        MPT__CHECK(mpt__npy_inflate(s, (unsigned char *)dst, n, &got));
+        if (got < n)
+            return mpt__fail(s->ctx, MPT_ERR_FORMAT, "%s is truncated: its deflated data %s "
+                             "after %lld bytes, the zip directory says %lld", s->name,
+                             s->ended ? "ends" : "is cut short", (long long)(s->pos + got),
+                             (long long)s->size);
+    } else
+#endif
+    {
+        MPT__CHECK(mpt__npy_read_at(s, s->at, dst, n));
+        s->at += n;
+    }
+#ifndef MPT_NO_ZLIB
+    if (s->check_crc) {
+        const unsigned char *p = (const unsigned char *)dst;
+        int64_t left = n;
+        while (left > 0) { /* crc32 counts in uInt */
+            uInt k = (uInt)MPT__MIN(left, (int64_t)1 << 30);
+            s->crc = crc32(s->crc, p, k);
+            p += k;
+            left -= k;
+        }
+    }
+#endif
+    s->pos += n;
+    return MPT_OK;
+}
+
+/* After the data: a deflated member's stream must end there, and a
+   member's CRC-32 must match (without zlib, stored members go unchecked). */
+static mpt_status mpt__npy_finish(mpt__npy_src *s) {
+#ifndef MPT_NO_ZLIB
+    if (s->deflated) {
+        int64_t more;
+        MPT__CHECK(mpt__npy_inflate(s, NULL, 0, &more));
+        if (more > 0)
+            return mpt__fail(s->ctx, MPT_ERR_FORMAT, "%s: its deflated data holds more than the "
+                             "%lld bytes the zip directory says", s->name, (long long)s->size);
+        if (!s->ended)
+            return mpt__fail(s->ctx, MPT_ERR_FORMAT, "%s is truncated: its deflate stream is cut "
+                             "short", s->name);
+    }
+    if (s->check_crc && (uint32_t)s->crc != s->want_crc)
+        return mpt__fail(s->ctx, MPT_ERR_FORMAT, "%s is corrupted: its CRC-32 is 0x%08x, the zip "
+                         "directory says 0x%08x", s->name, (unsigned)s->crc,
+                         (unsigned)s->want_crc);
+#else
+    (void)s;
+#endif
+    return MPT_OK;
+}
+
+static void mpt__npy_close(mpt__npy_src *s) {
+#ifndef MPT_NO_ZLIB
+    if (s->inflating) inflateEnd(&s->z);
+    s->inflating = 0;
+    mpt__free(s->ctx, s->in);
+    s->in = NULL;
+#endif
+    if (s->fd >= 0) close(s->fd);
+    s->fd = -1;
+}
+
+/* ---- .npz: the member "<key>.npy" found through the central directory ---- */
+
+static mpt_status mpt__zip_bad(mpt__npy_src *s, const char *path, const char *why, int64_t at) {
+    return mpt__fail(s->ctx, MPT_ERR_FORMAT, "'%s' is not a valid .npz (zip) archive: %s (at byte "
+                     "%lld)", path, why, (long long)at);
+}
+
+static mpt_status mpt__zip64_refused(mpt__npy_src *s, const char *path) {
+    return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "'%s' is a zip64 archive (an array or the "
+                     "archive past 4 GiB, or more than 65535 arrays): not supported; save the "
+                     "arrays as .npy files", path);
+}
+
+/* The end-of-central-directory record: the last 22 bytes, or fewer ahead
+   of a comment that ends the file. *cd_at and *cd_size: the directory. */
+static mpt_status mpt__zip_directory(mpt__npy_src *s, const char *path, int64_t file_size,
+                                     int64_t *cd_at, int64_t *cd_size, int64_t *entries) {
+    int64_t tail = MPT__MIN(file_size, (int64_t)22 + 65535), i, at;
+    unsigned char *t = (unsigned char *)mpt__alloc(s->ctx, (size_t)tail); /* (tail) */
+    const unsigned char *e = NULL;
+    mpt_status st;
+    if (!t) return mpt__fail(s->ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory", path);
+    st = mpt__npy_read_at(s, file_size - tail, t, tail);
+    for (i = tail - 22; st == MPT_OK && i >= 0 && !e; i--)
+        if (mpt__le32(t + i) == 0x06054b50u && mpt__le16(t + i + 20) == (uint32_t)(tail - i - 22))
+            e = t + i;
+    if (st != MPT_OK) {
+        mpt__free(s->ctx, t);
+        return st;
+    }
+    if (!e) {
+        mpt__free(s->ctx, t);
+        return mpt__zip_bad(s, path, "no end-of-central-directory record", file_size);
+    }
+    at = file_size - tail + (int64_t)(e - t);
+    *entries = mpt__le16(e + 10);
+    *cd_size = mpt__le32(e + 12);
+    *cd_at = mpt__le32(e + 16);
+    i = mpt__le16(e + 4) != 0 || mpt__le16(e + 6) != 0 || mpt__le16(e + 8) != *entries;
+    mpt__free(s->ctx, t);
+    if (*entries == 0xffff || *cd_size == 0xffffffff || *cd_at == 0xffffffff)
+        return mpt__zip64_refused(s, path);
+    if (i) return mpt__zip_bad(s, path, "a multi-disk (split) archive", at);
+    if (*cd_at + *cd_size > at)
+        return mpt__zip_bad(s, path, "the central directory runs past its end record", at);
+    return MPT_OK;
+}
+
+/* Appends the array name of a directory entry ("x" of "x.npy") to list,
+   for the message of a key that is not there. */
+static void mpt__zip_list(char *list, size_t size, const unsigned char *name, uint32_t len) {
+    size_t used = strlen(list);
+    if (len >= 4 && memcmp(name + len - 4, ".npy", 4) == 0) len -= 4;
+    if (used + len + 8 >= size) {
+        if (used + 4 < size && (used < 3 || strcmp(list + used - 3, "...") != 0))
+            strcat(list, used ? ", ..." : "...");
+        return;
+    }
+    if (used) strcat(list, ", ");
+    used = strlen(list);
+    memcpy(list + used, name, len);
+    list[used + len] = 0;
+}
+
+/* Finds "<key>.npy" (or, failing that, "<key>") in the archive and points
+   s at its bytes. */
+static mpt_status mpt__zip_find(mpt__npy_src *s, const char *path, int64_t file_size,
+                                const char *key) {
+    int64_t cd_at = 0, cd_size = 0, entries = 0, k, left, lho, data, csize;
+    size_t key_len = strlen(key);
+    unsigned char *cd, local[30];
+    const unsigned char *p, *hit = NULL;
+    char names[200] = "";
+    uint32_t method, flags;
+    int exact = 0;
+    mpt_status st;
+    MPT__CHECK(mpt__zip_directory(s, path, file_size, &cd_at, &cd_size, &entries));
+    cd = (unsigned char *)mpt__alloc(s->ctx, (size_t)cd_size); /* (cd_size) */
+    if (!cd) return mpt__fail(s->ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': out of memory", path);
+    st = mpt__npy_read_at(s, cd_at, cd, cd_size);
+    if (st != MPT_OK) {
+        mpt__free(s->ctx, cd);
+        return st;
+    }
+    for (k = 0, p = cd, left = cd_size; k < entries; k++) {
+        uint32_t n, len;
+        if (left < 46 || mpt__le32(p) != 0x02014b50u) break;
+        n = mpt__le16(p + 28);
+        len = 46 + n + mpt__le16(p + 30) + mpt__le16(p + 32);
+        if (len > left) break;
+        if (!exact && n == key_len + 4 && memcmp(p + 46, key, key_len) == 0 &&
+            memcmp(p + 46 + key_len, ".npy", 4) == 0)
+            hit = p, exact = 1;
+        else if (!hit && n == key_len && memcmp(p + 46, key, key_len) == 0)
+            hit = p;
+        mpt__zip_list(names, sizeof names, p + 46, n);
+        p += len;
+        left -= len;
+    }
+    if (k < entries) {
+        mpt__free(s->ctx, cd);
+        return mpt__zip_bad(s, path, "a central directory entry is malformed or cut short",
+                            cd_at + (p - cd));
+    }
+    if (!hit) {
+        mpt__free(s->ctx, cd);
+        return mpt__fail(s->ctx, MPT_ERR_INVALID_ARGUMENT, "'%s' has no array '%s' (its arrays: "
+                         "%s)", path, key, names[0] ? names : "none");
+    }
+    flags = mpt__le16(hit + 8);
+    method = mpt__le16(hit + 10);
+    s->want_crc = mpt__le32(hit + 16);
+    csize = mpt__le32(hit + 20);
+    s->size = mpt__le32(hit + 24);
+    lho = mpt__le32(hit + 42);
+    k = mpt__le16(hit + 34); /* the disk the member starts on */
+    mpt__free(s->ctx, cd);
+    if (csize == 0xffffffff || s->size == 0xffffffff || lho == 0xffffffff)
+        return mpt__zip64_refused(s, path);
+    if (flags & 1)
+        return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "%s is encrypted: not supported", s->name);
+    if (method != 0 && method != 8)
+        return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "%s is compressed by zip method %u: only "
+                         "stored (0) and deflated (8) members are supported", s->name,
+                         (unsigned)method);
+    if (k != 0) return mpt__zip_bad(s, path, "a member on another disk", lho);
+    if (lho + 30 > cd_at) return mpt__zip_bad(s, path, "a member's offset is out of range", lho);
+    MPT__CHECK(mpt__npy_read_at(s, lho, local, 30));
+    if (mpt__le32(local) != 0x04034b50u)
+        return mpt__zip_bad(s, path, "no local file header where the directory points", lho);
+    data = lho + 30 + mpt__le16(local + 26) + mpt__le16(local + 28);
+    if (data + csize > cd_at)
+        return mpt__zip_bad(s, path, "a member's data runs into the central directory", data);
+    if (method == 0 && csize != s->size)
+        return mpt__zip_bad(s, path, "a stored member whose sizes differ", lho);
+    /* deflate expands at most ~1032:1: a size past that is a lie, caught
+       before it is allocated */
+    if (method == 8 && s->size / MPT__ZIP_MAX_RATIO > csize)
+        return mpt__zip_bad(s, path, "a deflated member claims more bytes than its compressed "
+                            "size can hold", lho);
+    s->at = data;
+    s->end = data + csize;
+    s->check_crc = 1;
+    s->deflated = method == 8;
+#ifdef MPT_NO_ZLIB
+    if (s->deflated)
+        return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED, "%s is deflated (np.savez_compressed), and "
+                         "this build has no zlib (MPT_NO_ZLIB): save it with np.savez", s->name);
+#else
+    s->crc = crc32(0L, Z_NULL, 0);
+    if (s->deflated) {
+        s->in = (unsigned char *)mpt__alloc(s->ctx, (size_t)MPT__NPY_CHUNK);
+        if (!s->in || inflateInit2(&s->z, -MAX_WBITS) != Z_OK) /* raw deflate, no wrapper */
+            return mpt__fail(s->ctx, MPT_ERR_OUT_OF_MEMORY, "reading %s: out of memory", s->name);
+        s->inflating = 1;
+    }
+#endif
+    return MPT_OK;
+}
+
+/* ---- the .npy header ---------------------------------------------------------- */
+
+typedef struct mpt__npy {
+    mpt__npy_src src;
+    char descr[16];       /* as the header gives it ("<f4"), for messages       */
+    char kind;            /* 'f', 'i' or 'u'                                     */
+    int size;             /* bytes per element                                   */
+    int big;              /* '>': big-endian elements, converted as they are read */
+    int rank;
+    int64_t shape[MPT__NPY_MAX_DIMS];
+    int64_t count;        /* elements                                            */
+    int64_t data_bytes;   /* count · size                                        */
+} mpt__npy;
+
+/* A header that is not the dict literal NumPy writes: where, and why. */
+static mpt_status mpt__npy_bad_header(mpt__npy *a, const char *h, const char *p, const char *why) {
+    return mpt__fail(a->src.ctx, MPT_ERR_FORMAT, "%s: malformed .npy header at character %lld: "
+                     "%s", a->src.name, (long long)(p - h), why);
+}
+
+static const char *mpt__npy_space(const char *p) {
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    return p;
+}
+
+/* A quoted Python string without escapes: *s, *len; NULL if not one. */
+static const char *mpt__npy_string(const char *p, const char **s, size_t *len) {
+    char q = *p;
+    const char *end;
+    if (q != '\'' && q != '"') return NULL;
+    for (end = p + 1; *end && *end != q && *end != '\\'; end++) continue;
+    if (*end != q) return NULL;
+    *s = p + 1;
+    *len = (size_t)(end - p - 1);
+    return end + 1;
+}
+
+/* 'descr': the dtypes a dataset takes; byte order '<' or '>', '|' for
+   bytes (any of the three, for one byte, as order does not apply). */
+static mpt_status mpt__npy_descr(mpt__npy *a, const char *h, const char *p, const char *s,
+                                 size_t len) {
+    static const char *const known[] = {"f2", "f4", "f8", "i4", "i8", "u1"};
+    size_t i;
+    if (*p == '[')
+        return mpt__fail(a->src.ctx, MPT_ERR_UNSUPPORTED, "%s holds a structured array (a list "
+                         "of fields as its dtype): not supported", a->src.name);
+    if (len >= sizeof a->descr) return mpt__npy_bad_header(a, h, p, "'descr' is too long");
+    memcpy(a->descr, s, len);
+    a->descr[len] = 0;
+    if (strchr(a->descr, 'O'))
+        return mpt__fail(a->src.ctx, MPT_ERR_UNSUPPORTED, "%s holds an object array (dtype "
+                         "'%s': pickled Python objects): not supported; save a numeric array "
+                         "(np.asarray(a, dtype=np.float32))", a->src.name, a->descr);
+    for (i = 0; i < sizeof known / sizeof *known; i++)
+        if (len == 3 && strcmp(a->descr + 1, known[i]) == 0 &&
+            (a->descr[0] == '<' || a->descr[0] == '>' ||
+             (a->descr[0] == '|' && known[i][1] == '1')))
+            break;
+    if (i == sizeof known / sizeof *known)
+        return mpt__fail(a->src.ctx, MPT_ERR_UNSUPPORTED, "%s has dtype '%s': supported are "
+                         "float32, float16, float64, int32, int64 and uint8 ('<f4', '<f2', "
+                         "'<f8', '<i4', '<i8', '|u1'; '>' too)", a->src.name, a->descr);
+    a->kind = a->descr[1];
+    a->size = a->descr[2] - '0';
+    a->big = a->descr[0] == '>' && a->size > 1;
+    return MPT_OK;
+}
+
+/* 'shape': a tuple of whole numbers, "()", "(5,)", "(2, 3)"; Python 2's
+   long suffix "3L" is taken too. */
+static const char *mpt__npy_shape(mpt__npy *a, const char *h, const char *p, mpt_status *st) {
+    if (*p != '(') {
+        *st = mpt__npy_bad_header(a, h, p, "'shape' is not a tuple");
+        return NULL;
+    }
+    for (p = mpt__npy_space(p + 1); *p != ')'; p = mpt__npy_space(p)) {
+        int64_t v = 0;
+        if (*p < '0' || *p > '9') {
+            *st = mpt__npy_bad_header(a, h, p, "'shape' holds something other than whole "
+                                      "numbers >= 0");
+            return NULL;
+        }
+        for (; *p >= '0' && *p <= '9'; p++) {
+            if (v > (INT64_MAX - (*p - '0')) / 10) {
+                *st = mpt__fail(a->src.ctx, MPT_ERR_OVERFLOW, "%s: a dimension in its header's "
+                                "'shape' is too large (past 2^63)", a->src.name);
+                return NULL;
+            }
+            v = 10 * v + (*p - '0');
+        }
+        if (*p == 'L') p++;
+        if (a->rank == MPT__NPY_MAX_DIMS) {
+            *st = mpt__npy_bad_header(a, h, p, "'shape' has more than 64 dimensions");
+            return NULL;
+        }
+        a->shape[a->rank++] = v;
+        p = mpt__npy_space(p);
+        if (*p == ',') p++;
+        else if (*p != ')') {
+            *st = mpt__npy_bad_header(a, h, p, "'shape' is not a tuple of numbers");
+            return NULL;
+        }
+    }
+    return p + 1;
+}
+
+/* The dict: each of 'descr', 'fortran_order' and 'shape' once, nothing
+   else, then only padding. h is NUL-ended. */
+static mpt_status mpt__npy_parse(mpt__npy *a, const char *h) {
+    const char *p = mpt__npy_space(h), *s;
+    size_t len;
+    int seen = 0, fortran = 0;
+    mpt_status st = MPT_OK;
+    if (*p != '{') return mpt__npy_bad_header(a, h, p, "it is not a dict ('{' expected)");
+    for (p = mpt__npy_space(p + 1); *p != '}'; p = mpt__npy_space(p)) {
+        const char *q = mpt__npy_string(p, &s, &len);
+        int key = !q ? -1
+                  : len == 5 && memcmp(s, "descr", 5) == 0 ? 0
+                  : len == 13 && memcmp(s, "fortran_order", 13) == 0 ? 1
+                  : len == 5 && memcmp(s, "shape", 5) == 0 ? 2 : -1;
+        if (key < 0 || (seen & (1 << key)))
+            return mpt__npy_bad_header(a, h, p, key < 0 ? "a key other than 'descr', "
+                                       "'fortran_order' and 'shape'" : "a key given twice");
+        seen |= 1 << key;
+        p = mpt__npy_space(q);
+        if (*p != ':') return mpt__npy_bad_header(a, h, p, "':' expected");
+        p = mpt__npy_space(p + 1);
+        if (key == 0) {
+            q = *p == '[' ? p : mpt__npy_string(p, &s, &len);
+            if (!q) return mpt__npy_bad_header(a, h, p, "'descr' is not a string");
+            MPT__CHECK(mpt__npy_descr(a, h, p, s, len));
+            p = q;
+        } else if (key == 1) {
+            if (strncmp(p, "True", 4) == 0) fortran = 1, p += 4;
+            else if (strncmp(p, "False", 5) == 0) p += 5;
+            else return mpt__npy_bad_header(a, h, p, "'fortran_order' is neither True nor False");
+        } else if (!(p = mpt__npy_shape(a, h, p, &st)))
+            return st;
+        p = mpt__npy_space(p);
+        if (*p == ',') p++;
+        else if (*p != '}') return mpt__npy_bad_header(a, h, p, "',' or '}' expected");
+    }
+    if (seen != 7)
+        return mpt__npy_bad_header(a, h, p, !(seen & 1) ? "no 'descr'" : !(seen & 2)
+                                   ? "no 'fortran_order'" : "no 'shape'");
+    if (*mpt__npy_space(p + 1))
+        return mpt__npy_bad_header(a, h, mpt__npy_space(p + 1), "more after the dict");
+    if (fortran)
+        return mpt__fail(a->src.ctx, MPT_ERR_UNSUPPORTED, "%s is in Fortran order "
+                         "(fortran_order: True): not supported; save a C-ordered copy "
+                         "(np.ascontiguousarray(a))", a->src.name);
+    return MPT_OK;
+}
+
+/* The magic, the version, the header; then the header's shape against the
+   bytes that follow it, which must be exactly its data. */
+static mpt_status mpt__npy_header(mpt__npy *a) {
+    unsigned char pre[12]; /* magic, version, length */
+    char *h, shape[96];
+    int64_t len, at;
+    mpt_status st;
+    int i;
+    MPT__CHECK(mpt__npy_read(&a->src, pre, 10, "the .npy magic and version"));
+    if (memcmp(pre, "\x93NUMPY", 6) != 0)
+        return mpt__fail(a->src.ctx, MPT_ERR_FORMAT, "%s is not an .npy file: it does not start "
+                         "with \"\\x93NUMPY\"", a->src.name);
+    if ((pre[6] < 1 || pre[6] > 3) || pre[7] != 0)
+        return mpt__fail(a->src.ctx, MPT_ERR_UNSUPPORTED, "%s is .npy format version %d.%d: "
+                         "only 1.0, 2.0 and 3.0 are supported", a->src.name, pre[6], pre[7]);
+    if (pre[6] == 1)
+        len = mpt__le16(pre + 8);
+    else {
+        MPT__CHECK(mpt__npy_read(&a->src, pre + 10, 2, "the .npy header length"));
+        len = mpt__le32(pre + 8);
+    }
+    if (len > MPT__NPY_MAX_HEADER)
+        return mpt__fail(a->src.ctx, MPT_ERR_FORMAT, "%s: its .npy header claims %lld bytes (more "
+                         "than %lld)", a->src.name, (long long)len,
+                         (long long)MPT__NPY_MAX_HEADER);
+    if (len > a->src.size - a->src.pos) /* before allocating for it */
+        return mpt__npy_read(&a->src, NULL, len, "its .npy header");
+    h = (char *)mpt__alloc(a->src.ctx, (size_t)len + 1); /* (len + 1) */
+    if (!h) return mpt__fail(a->src.ctx, MPT_ERR_OUT_OF_MEMORY, "reading %s: out of memory",
+                             a->src.name);
+    st = mpt__npy_read(&a->src, h, len, "its .npy header");
+    h[len] = 0;
+    if (st == MPT_OK && (int64_t)strlen(h) != len)
+        st = mpt__npy_bad_header(a, h, h + strlen(h), "a NUL byte");
+    if (st == MPT_OK) st = mpt__npy_parse(a, h);
+    mpt__free(a->src.ctx, h);
+    MPT__CHECK(st);
+    mpt_shape_format(shape, sizeof shape, a->rank, a->shape);
+    if (a->rank == 0)
+        return mpt__fail(a->src.ctx, MPT_ERR_SHAPE, "%s holds a scalar (shape ()), not samples",
+                         a->src.name);
+    if (a->rank > MPT_MAX_RANK)
+        return mpt__fail(a->src.ctx, MPT_ERR_SHAPE, "%s has shape %s: a dataset's arrays have at "
+                         "most %d axes (samples, then up to %d per sample)", a->src.name, shape,
+                         MPT_MAX_RANK, MPT_MAX_RANK - 1);
+    a->count = 1;
+    for (i = 0; i < a->rank; i++)
+        if (!mpt__mul_ok(a->count, a->shape[i], &a->count))
+            return mpt__fail(a->src.ctx, MPT_ERR_OVERFLOW, "%s: shape %s is too large (its "
+                             "elements overflow 64 bits)", a->src.name, shape);
+    if (!mpt__mul_ok(a->count, a->size, &a->data_bytes) ||
+        (uint64_t)a->data_bytes > (uint64_t)SIZE_MAX / 4)
+        return mpt__fail(a->src.ctx, MPT_ERR_OVERFLOW, "%s: shape %s of '%s' is too large",
+                         a->src.name, shape, a->descr);
+    if (a->count == 0)
+        return mpt__fail(a->src.ctx, MPT_ERR_SHAPE, "%s has shape %s: no samples", a->src.name,
+                         shape);
+    at = a->src.pos;
+    if (a->data_bytes != a->src.size - at)
+        return mpt__fail(a->src.ctx, MPT_ERR_FORMAT, "%s: its header says shape %s of '%s', %lld "
+                         "bytes of data, but %lld bytes follow the header%s", a->src.name, shape,
+                         a->descr, (long long)a->data_bytes, (long long)(a->src.size - at),
+                         a->data_bytes > a->src.size - at ? " (truncated?)" : "");
+    return MPT_OK;
+}
+
+/* Opens an array: an .npy file, or the array `key` of an .npz archive
+   (told apart by their first bytes). need_npz: y_path was NULL, so y
+   must come from an archive. */
+static mpt_status mpt__npy_open(mpt_context *ctx, mpt__npy *a, const char *path, const char *key,
+                                int need_npz) {
+    unsigned char magic[6] = {0, 0, 0, 0, 0, 0};
+    int64_t size = 0, have;
+    memset(a, 0, sizeof *a);
+    a->src.ctx = ctx;
+    a->src.fd = -1;
+    snprintf(a->src.name, sizeof a->src.name, "'%s'", path);
+    MPT__CHECK(mpt__open_regular(ctx, "", path, &a->src.fd, &size));
+    have = MPT__MIN(size, 6);
+    MPT__CHECK(mpt__npy_read_at(&a->src, 0, magic, have));
+    if (have >= 4 && magic[0] == 'P' && magic[1] == 'K' &&
+        ((magic[2] == 3 && magic[3] == 4) || (magic[2] == 5 && magic[3] == 6))) {
+        snprintf(a->src.name, sizeof a->src.name, "'%.200s', array '%.80s'", path, key);
+        MPT__CHECK(mpt__zip_find(&a->src, path, size, key));
+        return mpt__npy_header(a);
+    }
+    if (need_npz)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_npy: y_path is NULL, so y is to "
+                         "come from x's .npz archive, but '%s' is not a zip archive", path);
+    if (have == 0 || memcmp(magic, "\x93NUMPY", (size_t)have) != 0)
+        return mpt__fail(ctx, MPT_ERR_FORMAT, "'%s' is neither an .npy file (it would start with "
+                         "\"\\x93NUMPY\") nor an .npz archive (\"PK\")", path);
+    a->src.end = a->src.size = size;
+    return mpt__npy_header(a);
+}
+
+/* ---- the data, converted to what a dataset holds ------------------------------ */
+
+/* The dtype an array becomes: x keeps float32, float16 and uint8 (the
+   dataset normalises uint8 as it batches) and takes float64, int32 and
+   int64 as float32; y takes whole numbers as int32 class ids and floats
+   as float32 targets. */
+static mpt_dtype mpt__npy_dtype(const mpt__npy *a, int is_y) {
+    if (is_y) return a->kind == 'f' ? MPT_FLOAT32 : MPT_INT32;
+    if (a->kind == 'u') return MPT_UINT8;
+    return a->kind == 'f' && a->size == 2 ? MPT_FLOAT16 : MPT_FLOAT32;
+}
+
+/* Element i of raw (the file's bytes) as unsigned bits, in either order. */
+static uint64_t mpt__npy_bits(const unsigned char *raw, int size, int big) {
+    uint64_t v = 0;
+    int k;
+    for (k = 0; k < size; k++) v |= (uint64_t)raw[big ? size - 1 - k : k] << (8 * k);
+    return v;
+}
+
+/* n elements of raw into out[first, first + n) as `to`; class ids are
+   checked to be in 0..INT32_MAX. */
+static mpt_status mpt__npy_convert(const mpt__npy *a, const unsigned char *raw, int64_t n,
+                                   mpt_dtype to, void *out, int64_t first) {
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        uint64_t b = mpt__npy_bits(raw + i * a->size, a->size, a->big);
+        int64_t v;
+        if (to == MPT_FLOAT16) {
+            ((mpt_half *)out)[first + i] = (mpt_half)b;
+            continue;
+        }
+        if (a->kind == 'f' && to == MPT_FLOAT32) {
+            float *f = (float *)out + first + i;
+            if (a->size == 2) {
+                *f = mpt_half_to_float((mpt_half)b);
+            } else if (a->size == 4) {
+                uint32_t u = (uint32_t)b;
+                memcpy(f, &u, 4);
+            } else {
+                double d;
+                memcpy(&d, &b, 8);
+                *f = (float)d; /* beyond float32's range: inf, refused afterwards */
+            }
+            continue;
+        }
+        if (a->size == 4) {
+            int32_t w;
+            uint32_t u = (uint32_t)b;
+            memcpy(&w, &u, 4);
+            v = w;
+        } else if (a->size == 8 && a->kind == 'i') {
+            memcpy(&v, &b, 8);
+        } else {
+            v = (int64_t)b; /* uint8 */
+        }
+        if (to == MPT_FLOAT32) {
+            ((float *)out)[first + i] = (float)v;
+        } else if (v < 0 || v > INT32_MAX) {
+            return mpt__fail(a->src.ctx, MPT_ERR_INVALID_ARGUMENT, "%s: element %lld is %lld, "
+                             "not a class id (0..2147483647)", a->src.name,
+                             (long long)(first + i), (long long)v);
+        } else {
+            ((int32_t *)out)[first + i] = (int32_t)v;
+        }
+    }
+    return MPT_OK;
+}
+
+/* The data into *out (a new buffer of `to`): read in place where the file
+   already holds it as this machine does, else a chunk at a time through
+   mpt__npy_convert. Floats are checked for NaN and inf. */
+static mpt_status mpt__npy_read_data(mpt__npy *a, mpt_dtype to, void **out) {
+    mpt_context *ctx = a->src.ctx;
+    int64_t per = MPT__NPY_CHUNK / a->size, done, bad;
+    unsigned char *raw = NULL; /* (MPT__NPY_CHUNK) */
+    void *data;                /* (count) of `to` */
+    /* class ids go through the conversion, which checks their range */
+    int same = (int)mpt_dtype_size(to) == a->size && to != MPT_INT32 &&
+               (a->kind == 'f') == mpt_dtype_is_float(to) &&
+               (a->size == 1 || (!a->big && mpt__ckpt_little_endian()));
+    mpt_status st = MPT_OK;
+    data = mpt__alloc(ctx, (size_t)a->count * mpt_dtype_size(to));
+    if (!data || (!same && !(raw = (unsigned char *)mpt__alloc(ctx, (size_t)MPT__NPY_CHUNK)))) {
+        mpt__free(ctx, data);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading %s: cannot allocate %lld bytes",
+                         a->src.name, (long long)a->count * (long long)mpt_dtype_size(to));
+    }
+    if (same) st = mpt__npy_read(&a->src, data, a->data_bytes, "its data");
+    for (done = 0; !same && st == MPT_OK && done < a->count; done += per) {
+        int64_t n = MPT__MIN(per, a->count - done);
+        st = mpt__npy_read(&a->src, raw, n * a->size, "its data");
+        if (st == MPT_OK) st = mpt__npy_convert(a, raw, n, to, data, done);
+    }
+    mpt__free(ctx, raw);
+    if (st == MPT_OK) st = mpt__npy_finish(&a->src);
+    if (st == MPT_OK && mpt_dtype_is_float(to) &&
+        (bad = mpt__first_nonfinite(to, data, a->count)) >= 0)
+        st = mpt__fail(ctx, MPT_ERR_NUMERIC, "%s: element %lld (of sample %lld) is %g: a dataset "
+                       "takes finite numbers only", a->src.name, (long long)bad,
+                       (long long)(bad / (a->count / a->shape[0])),
+                       (double)mpt__load_f32(to, data, bad));
+    if (st != MPT_OK) {
+        mpt__free(ctx, data);
+        return st;
+    }
+    *out = data;
+    return MPT_OK;
+}
+
+/* Both headers first, so that a count mismatch is found before any data is
+   read; then the data of each; then the dataset over the two buffers. */
+static mpt_status mpt__load_npy(mpt_context *ctx, mpt__npy *x, mpt__npy *y, const char *x_path,
+                                const char *y_path, const mpt_dataset_npy_desc *desc,
+                                mpt_dataset **out) {
+    const char *x_key = desc && desc->x_key ? desc->x_key : "x";
+    const char *y_key = desc && desc->y_key ? desc->y_key : "y";
+    mpt_dtype xd, yd;
+    void *xb = NULL, *yb = NULL;
+    int64_t xs[MPT_MAX_RANK] = {0, 1, 1, 1};
+    mpt_tensor xt, yt;
+    mpt_dataset_desc dd;
+    mpt_status st;
+    MPT__CHECK(mpt__npy_open(ctx, x, x_path, x_key, 0));
+    MPT__CHECK(mpt__npy_open(ctx, y, y_path ? y_path : x_path, y_key, !y_path));
+    if (x->shape[0] != y->shape[0])
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "load_npy: x %s holds %lld samples but y %s holds "
+                         "%lld", x->src.name, (long long)x->shape[0], y->src.name,
+                         (long long)y->shape[0]);
+    xd = mpt__npy_dtype(x, 0);
+    yd = mpt__npy_dtype(y, 1);
+    MPT__CHECK(mpt__npy_read_data(x, xd, &xb));
+    st = mpt__npy_read_data(y, yd, &yb);
+    /* x (n,) is n samples of one feature, (n, 1), as Keras takes it */
+    memcpy(xs, x->shape, sizeof(int64_t) * (size_t)x->rank);
+    memset(&dd, 0, sizeof dd);
+    dd.x = &xt;
+    dd.y = &yt;
+    dd.scale = desc ? desc->scale : 0.0f;
+    dd.offset = desc ? desc->offset : 0.0f;
+    if (st == MPT_OK) st = mpt_tensor_wrap(ctx, &xt, xd, MPT__MAX(x->rank, 2), xs, xb);
+    if (st == MPT_OK) st = mpt_tensor_wrap(ctx, &yt, yd, y->rank, y->shape, yb);
+    if (st == MPT_OK) st = mpt_dataset_create(ctx, &dd, out);
+    if (st != MPT_OK) {
+        mpt__free(ctx, xb);
+        mpt__free(ctx, yb);
+        return st;
+    }
+    (*out)->owned_x = xb; /* the dataset borrowed them: now it owns them */
+    (*out)->owned_y = yb;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, const char *y_path,
+                                       const mpt_dataset_npy_desc *desc, mpt_dataset **out) {
+    mpt__npy *arrays; /* (2) x, y: a header's shape is 64 axes, kept off the stack */
+    mpt_status st;
+    if (out) *out = NULL;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !x_path)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_npy: NULL %s",
+                         !out ? "out" : "x_path");
+    if (desc && (!isfinite(desc->scale) || !isfinite(desc->offset)))
+        return mpt__fail(ctx, MPT_ERR_NUMERIC, "load_npy: scale %g and offset %g must be finite",
+                         (double)desc->scale, (double)desc->offset);
+    arrays = (mpt__npy *)mpt__alloc(ctx, 2 * sizeof *arrays);
+    if (!arrays) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "load_npy: out of memory");
+    memset(arrays, 0, 2 * sizeof *arrays);
+    arrays[0].src.fd = arrays[1].src.fd = -1;
+    arrays[0].src.ctx = arrays[1].src.ctx = ctx;
+    st = mpt__load_npy(ctx, &arrays[0], &arrays[1], x_path, y_path, desc, out);
+    mpt__npy_close(&arrays[0].src);
+    mpt__npy_close(&arrays[1].src);
+    mpt__free(ctx, arrays);
+    return st;
+}
+
+/* =============================================================================
+   @impl-csv: a CSV file of numbers as a dataset
+   =============================================================================
+
+   What pandas' read_csv reads with its defaults, narrowed to numbers: a
+   header row naming the columns, then a row per sample; fields separated
+   by one character (',' by default); lines ended by "\n" or "\r\n"; blank
+   lines skipped; a UTF-8 byte-order mark skipped. A field is a number as
+   strtod reads it (finite: "nan" and "inf" are refused), spaces and tabs
+   around it allowed; the label column's fields are class ids (whole
+   numbers >= 0) unless float targets are asked for. Quoted fields (RFC
+   4180's '"') are refused rather than half-handled: a quote means text,
+   and every field here is a number.
+
+   The file is read into memory whole. A first pass checks that every row
+   has the header's number of fields, so the buffers' size follows from the
+   file's own bytes (each row's separators); the second parses. Messages
+   point at path:line:column, the column counted in fields from 1. */
+
+typedef struct mpt__csv {
+    mpt_context *ctx;
+    const char *path;
+    const char *text;     /* the file after a byte-order mark, NUL-ended */
+    const char *end;      /* its end                                     */
+    char sep;
+    int64_t cols;         /* fields of the header                        */
+    int64_t label;        /* the label column, from 0                    */
+} mpt__csv;
+
+/* The line at *at: [*line, *line + *len) without its "\n" or "\r\n";
+   *at moves past it. 0 at the end of the text. */
+static int mpt__csv_line(const mpt__csv *c, const char **at, const char **line, int64_t *len) {
+    const char *nl;
+    if (*at >= c->end) return 0;
+    nl = (const char *)memchr(*at, '\n', (size_t)(c->end - *at));
+    if (!nl) nl = c->end;
+    *line = *at;
+    *len = nl - *at;
+    if (*len > 0 && (*line)[*len - 1] == '\r') (*len)--;
+    *at = nl < c->end ? nl + 1 : nl;
+    return 1;
+}
+
+/* Field `*start` of a line: [*f, *f + *flen), spaces and tabs around it
+   trimmed; *next is where the following field starts (past the line's
+   end after the last). */
+static void mpt__csv_field(const mpt__csv *c, const char *p, const char *e, const char **f,
+                           int64_t *flen, const char **next) {
+    const char *q = p;
+    while (q < e && *q != c->sep) q++;
+    *next = q + 1;
+    while (p < q && (*p == ' ' || *p == '\t')) p++;
+    while (q > p && (q[-1] == ' ' || q[-1] == '\t')) q--;
+    *f = p;
+    *flen = q - p;
+}
+
+/* Fields of a line: its separators plus one; a quote anywhere is refused. */
+static mpt_status mpt__csv_count(const mpt__csv *c, const char *line, int64_t len, int64_t lineno,
+                                 int64_t *fields) {
+    int64_t i;
+    *fields = 1;
+    for (i = 0; i < len; i++) {
+        if (line[i] == '"')
+            return mpt__fail(c->ctx, MPT_ERR_UNSUPPORTED, "%s:%lld:%lld: a quoted field: quoting "
+                             "(RFC 4180) is not supported; every field must be a number or, in "
+                             "the header, a plain name", c->path, (long long)lineno,
+                             (long long)*fields);
+        if (line[i] == c->sep) (*fields)++;
+    }
+    return MPT_OK;
+}
+
+/* The header: the label column found once among the names. */
+static mpt_status mpt__csv_header(mpt__csv *c, const char *line, int64_t len,
+                                  const char *label) {
+    const char *p = line, *e = line + len, *f;
+    char names[200] = "";
+    int64_t flen, k;
+    size_t label_len = strlen(label);
+    MPT__CHECK(mpt__csv_count(c, line, len, 1, &c->cols));
+    c->label = -1;
+    for (k = 0; k < c->cols; k++) {
+        size_t used = strlen(names);
+        mpt__csv_field(c, p, e, &f, &flen, &p);
+        if (used + (size_t)flen + 8 < sizeof names)
+            snprintf(names + used, sizeof names - used, "%s%.*s", used ? ", " : "", (int)flen, f);
+        else if (used + 5 < sizeof names && !strstr(names, "..."))
+            strcat(names, ", ...");
+        if ((size_t)flen != label_len || memcmp(f, label, label_len) != 0) continue;
+        if (c->label >= 0)
+            return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:1: column '%s' is named twice (columns "
+                             "%lld and %lld)", c->path, label, (long long)c->label + 1,
+                             (long long)k + 1);
+        c->label = k;
+    }
+    if (c->label < 0)
+        return mpt__fail(c->ctx, MPT_ERR_INVALID_ARGUMENT, "%s:1: no column '%s' in the header "
+                         "(its columns: %s)", c->path, label, names);
+    if (c->cols < 2)
+        return mpt__fail(c->ctx, MPT_ERR_SHAPE, "%s:1: the header names only the label column "
+                         "'%s'; x needs at least one more", c->path, label);
+    return MPT_OK;
+}
+
+/* One field as a float32 (x, or a float target) or a class id. */
+static mpt_status mpt__csv_number(const mpt__csv *c, const char *f, int64_t flen, int64_t lineno,
+                                  int64_t col, int class_id, float *x, int32_t *id) {
+    char buf[128], *stop;
+    double v;
+    int64_t i;
+    if (flen == 0)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: an empty field (a missing "
+                         "value?) where a number belongs", c->path, (long long)lineno,
+                         (long long)col);
+    if (flen >= (int64_t)sizeof buf)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: '%.24s...' is not a number "
+                         "(%lld characters)", c->path, (long long)lineno, (long long)col, f,
+                         (long long)flen);
+    memcpy(buf, f, (size_t)flen);
+    buf[flen] = 0;
+    if (class_id) {
+        int64_t v64 = 0;
+        for (i = buf[0] == '+'; i < flen && buf[i] >= '0' && buf[i] <= '9' && v64 <= INT32_MAX;
+             i++)
+            v64 = 10 * v64 + (buf[i] - '0');
+        if (i < flen || i == (buf[0] == '+') || v64 > INT32_MAX)
+            return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: '%s' is not a class id (a "
+                             "whole number in 0..2147483647)", c->path, (long long)lineno,
+                             (long long)col, buf);
+        *id = (int32_t)v64;
+        return MPT_OK;
+    }
+    errno = 0;
+    v = strtod(buf, &stop);
+    if (stop != buf + flen)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld:%lld: '%s' is not a number", c->path,
+                         (long long)lineno, (long long)col, buf);
+    if (!(v >= -FLT_MAX && v <= FLT_MAX))
+        return mpt__fail(c->ctx, MPT_ERR_NUMERIC, "%s:%lld:%lld: '%s' is not a finite float32",
+                         c->path, (long long)lineno, (long long)col, buf);
+    *x = (float)v;
+    return MPT_OK;
+}
+
+/* The rows: counted and checked for their number of fields, then, with x
+   (n, cols - 1) and y (n) allocated, parsed. */
+static mpt_status mpt__csv_rows(mpt__csv *c, const char *body, int64_t first_line,
+                                int float_targets, float **x, void **y, int64_t *n) {
+    const char *at = body, *line, *p, *f;
+    int64_t len, lineno, fields, k, row, bytes, flen;
+    float *xv;
+    *n = 0;
+    for (lineno = first_line; mpt__csv_line(c, &at, &line, &len); lineno++) {
+        if (len == 0) continue;
+        MPT__CHECK(mpt__csv_count(c, line, len, lineno, &fields));
+        if (fields != c->cols)
+            return mpt__fail(c->ctx, MPT_ERR_FORMAT, "%s:%lld: %lld field%s, the header has %lld",
+                             c->path, (long long)lineno, (long long)fields,
+                             fields == 1 ? "" : "s", (long long)c->cols);
+        (*n)++;
+    }
+    if (*n == 0)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "'%s' has no rows after its header", c->path);
+    /* n · (cols - 1) <= the file's bytes: each row has cols - 1 separators */
+    if (!mpt__mul_ok(*n, (c->cols - 1) * (int64_t)sizeof(float), &bytes))
+        return mpt__fail(c->ctx, MPT_ERR_OVERFLOW, "'%s' is too large", c->path);
+    *x = xv = (float *)mpt__alloc(c->ctx, (size_t)bytes);  /* (n, cols - 1) */
+    *y = mpt__alloc(c->ctx, (size_t)*n * sizeof(float));    /* (n) int32 or float32 */
+    if (!*x || !*y)
+        return mpt__fail(c->ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': cannot allocate %lld bytes",
+                         c->path, (long long)bytes);
+    for (at = body, lineno = first_line, row = 0; mpt__csv_line(c, &at, &line, &len); lineno++) {
+        if (len == 0) continue;
+        for (k = 0, p = line; k < c->cols; k++) {
+            int is_label = k == c->label;
+            mpt__csv_field(c, p, line + len, &f, &flen, &p);
+            MPT__CHECK(mpt__csv_number(c, f, flen, lineno, k + 1, is_label && !float_targets,
+                                       is_label ? (float *)*y + row : xv++,
+                                       (int32_t *)*y + row));
+        }
+        row++;
+    }
+    return MPT_OK;
+}
+
+static mpt_status mpt__load_csv(mpt__csv *c, const char *text, const mpt_dataset_csv_desc *desc,
+                                mpt_dataset **out) {
+    const char *at = text, *line;
+    int64_t len, n = 0, xs[2], ys[1];
+    float *x = NULL;
+    void *y = NULL;
+    mpt_tensor xt, yt;
+    mpt_dataset_desc dd;
+    mpt_dtype yd = desc->float_targets ? MPT_FLOAT32 : MPT_INT32;
+    mpt_status st;
+    if (!mpt__csv_line(c, &at, &line, &len) || len == 0)
+        return mpt__fail(c->ctx, MPT_ERR_FORMAT, "'%s' has no header row (its first line is "
+                         "%s)", c->path, at < c->end ? "empty" : "missing");
+    MPT__CHECK(mpt__csv_header(c, line, len, desc->label_column));
+    st = mpt__csv_rows(c, at, 2, desc->float_targets, &x, &y, &n);
+    xs[0] = ys[0] = n;
+    xs[1] = c->cols - 1;
+    memset(&dd, 0, sizeof dd);
+    dd.x = &xt;
+    dd.y = &yt;
+    if (st == MPT_OK) st = mpt_tensor_wrap(c->ctx, &xt, MPT_FLOAT32, 2, xs, x);
+    if (st == MPT_OK) st = mpt_tensor_wrap(c->ctx, &yt, yd, 1, ys, y);
+    if (st == MPT_OK) st = mpt_dataset_create(c->ctx, &dd, out);
+    if (st != MPT_OK) {
+        mpt__free(c->ctx, x);
+        mpt__free(c->ctx, y);
+        return st;
+    }
+    (*out)->owned_x = x; /* the dataset borrowed them: now it owns them */
+    (*out)->owned_y = y;
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
+                                       const mpt_dataset_csv_desc *desc, mpt_dataset **out) {
+    mpt__csv c;
+    char *text = NULL; /* (size + 1) */
+    int64_t size = 0, have = 0;
+    int fd = -1;
+    mpt_status st;
+    if (out) *out = NULL;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!out || !path || !desc || !desc->label_column)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_csv: NULL %s",
+                         !out ? "out" : !path ? "path" : "label_column (required)");
+    memset(&c, 0, sizeof c);
+    c.ctx = ctx;
+    c.path = path;
+    c.sep = desc->separator ? desc->separator : ',';
+    if (c.sep == '"' || c.sep == '\n' || c.sep == '\r')
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_csv: separator 0x%02x cannot "
+                         "separate fields", (unsigned)(unsigned char)c.sep);
+    st = mpt__open_regular(ctx, "", path, &fd, &size);
+    if (st == MPT_OK && !(text = (char *)mpt__alloc(ctx, (size_t)size + 1)))
+        st = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "reading '%s': cannot allocate %lld bytes",
+                       path, (long long)size + 1);
+    while (st == MPT_OK && have < size) {
+        ssize_t got = read(fd, text + have, (size_t)MPT__MIN(size - have, (int64_t)1 << 30));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0)
+            st = mpt__fail(ctx, MPT_ERR_IO, "cannot read '%s': %s", path,
+                           got < 0 ? strerror(errno) : "it became shorter while being read");
+        else
+            have += got;
+    }
+    if (fd >= 0) close(fd);
+    if (st == MPT_OK) {
+        text[size] = 0;
+        c.text = size >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0 ? text + 3 : text;
+        c.end = text + size;
+        st = mpt__load_csv(&c, c.text, desc, out);
+    }
+    mpt__free(ctx, text);
+    return st;
+}
 
 /* =============================================================================
    @impl-callbacks  EarlyStopping, ReduceLROnPlateau (ModelCheckpoint and

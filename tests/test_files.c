@@ -1,10 +1,10 @@
 /* Files that are not regular files, given to the loaders: a FIFO (which a
    plain open() would wait on for a writer, forever), a character device and
    a directory. Each loader (safetensors weights and checkpoints, IDX
-   images and labels, plain or gzip-compressed) must refuse each quickly,
-   with MPT_ERR_IO and a message naming the file and what it is; so must
-   the CSVLogger, which writes one. Every call runs under an alarm, so a
-   regression fails here instead of hanging. */
+   images and labels, plain or gzip-compressed, NumPy's .npy and .npz, CSV)
+   must refuse each quickly, with MPT_ERR_IO and a message naming the file
+   and what it is; so must the CSVLogger, which writes one. Every call runs
+   under an alarm, so a regression fails here instead of hanging. */
 #define _POSIX_C_SOURCE 200809L /* mkfifo */
 #include <signal.h>
 #include <sys/stat.h>
@@ -85,7 +85,10 @@ static void check_loaders(const char *path, const char *kind, const char *labels
                           const char *images) {
     mpt_model *m = make_tiny();
     mpt_dataset *d = NULL;
+    mpt_dataset_csv_desc csv;
     mpt_status s;
+    memset(&csv, 0, sizeof csv);
+    csv.label_column = "y";
     CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
     if (!m) return;
     alarm(GUARD_SECONDS);
@@ -105,6 +108,16 @@ static void check_loaders(const char *path, const char *kind, const char *labels
     s = mpt_dataset_load_idx(ctx, images, path, &d);
     alarm(0);
     expect_refusal(s, path, kind, "load_idx (labels)");
+    CHECK(d == NULL, "no dataset");
+    alarm(GUARD_SECONDS);
+    s = mpt_dataset_load_npy(ctx, path, NULL, NULL, &d);
+    alarm(0);
+    expect_refusal(s, path, kind, "load_npy");
+    CHECK(d == NULL, "no dataset");
+    alarm(GUARD_SECONDS);
+    s = mpt_dataset_load_csv(ctx, path, &csv, &d);
+    alarm(0);
+    expect_refusal(s, path, kind, "load_csv");
     CHECK(d == NULL, "no dataset");
     mpt_model_destroy(m);
 }

@@ -6,6 +6,10 @@
        weights         the weights and the full checkpoint of fuzz_model
        checkpoint      the same two files
        qat             those two of fuzz_qat_model, and the same two files
+       npy             NumPy's own files (tests/data/npy/, read from the
+                       repository's root): x and y .npy files in one input
+                       (fuzz_idx_split), and .npz archives alone
+       csv             small CSV files whose label column is "y"
    Usage: seeds DIR (DIR/<harness> must exist). */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #define MPT_IMPLEMENTATION
@@ -78,6 +82,30 @@ static void idx_seed(const char *name, uint32_t n, uint32_t rows, uint32_t cols)
     memcpy(input + at, gz_lab, len);
     snprintf(gz_name, sizeof gz_name, "%s.gz", name);
     put("idx_gzip", gz_name, input, at + len);
+}
+
+/* x's and y's .npy files of tests/data/npy/ in one input (fuzz_idx_split),
+   or an .npz archive alone (y NULL: an empty y part). */
+static void npy_seed(const char *name, const char *x, const char *y) {
+    char path[512];
+    unsigned char *xb, *yb = NULL, *input;
+    size_t xn, yn = 0;
+    snprintf(path, sizeof path, "tests/data/npy/%s", x);
+    xb = fuzz_read(path, &xn);
+    if (y) {
+        snprintf(path, sizeof path, "tests/data/npy/%s", y);
+        yb = fuzz_read(path, &yn);
+    }
+    input = (unsigned char *)malloc(4 + xn + yn);
+    if (!input) fuzz_die("out of memory");
+    input[0] = (unsigned char)(xn >> 24), input[1] = (unsigned char)(xn >> 16);
+    input[2] = (unsigned char)(xn >> 8), input[3] = (unsigned char)xn;
+    memcpy(input + 4, xb, xn);
+    if (yn) memcpy(input + 4 + xn, yb, yn);
+    put("npy", name, input, 4 + xn + yn);
+    free(input);
+    free(xb);
+    free(yb);
 }
 
 /* A model's weights and checkpoint (prefix + "weights.safetensors", ...),
@@ -170,6 +198,26 @@ int main(int argc, char **argv) {
     idx_seed("three_4x5", 3, 4, 5);
     idx_seed("one_1x1", 1, 1, 1);
     idx_seed("ten_7x3", 10, 7, 3);
+    npy_seed("f32_i64", "x_f32.npy", "y_i64.npy");
+    npy_seed("f16_u8", "x_f16.npy", "y_u8.npy");
+    npy_seed("v2_f32_targets", "x_f32_v2.npy", "y_f32.npy");
+    npy_seed("v3_be", "x_f32_v3.npy", "y_i64_be.npy");
+    npy_seed("u8_i32", "x_u8.npy", "y_i32.npy");
+    npy_seed("f64_f16", "x_f64.npy", "y_f16.npy");
+    npy_seed("stored", "xy.npz", NULL);
+    npy_seed("deflated", "xy_z.npz", NULL);
+    {
+        static const char *const csv[] = {
+            "a,b,y\n1,2,3\n4.5,-6e-3,7\n",
+            "y,x\r\n0,0.25\r\n\r\n1, 1e3\r\n",
+            "\xef\xbb\xbfp,q,r,y\n1,2,3,4\n5,6,7,8\n9,10,11,12\n"};
+        char name[16];
+        size_t k;
+        for (k = 0; k < sizeof csv / sizeof *csv; k++) {
+            snprintf(name, sizeof name, "rows%zu.csv", k);
+            put("csv", name, csv[k], strlen(csv[k]));
+        }
+    }
     {
         static const char *const plain[] = {"weights", "checkpoint", "qat", NULL};
         static const char *const aware[] = {"qat", NULL};

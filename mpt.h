@@ -170,7 +170,7 @@
                             (@impl-training; the strategy's step too)
        inputs converted     mpt__dataset_gather (@impl-data),
                             mpt__forward_prepare (@impl-passes)
-       final softmax        mpt__final_softmax_in_float32 (@impl-model)
+       final softmax        mpt__final_softmax_in_float32 (@impl-build)
        loss × S × weight    mpt__cpu_loss (@impl-losses); mpt__cuda_loss; one
                             row per position of the output's last axis
                             (mpt__loss_rows), the batch tallied by
@@ -266,8 +266,11 @@
        @impl-dropout      Dropout
        @impl-merge        Add, Subtract, Multiply, Average, Concatenate
        @impl-model        the model: create, add, the functional form (a layer
-                          applied to nodes, shared layers), initialise, the
-                          graph, lay out in memory, build
+                          applied to nodes, shared layers), initial weights
+       @impl-graph        a graph's buffers: inputs cast, the node gradients'
+                          memory plan, shared calls; its checks
+       @impl-build        the model laid out in memory and built; looking
+                          inside it (parameters, layers, memory)
        @impl-passes       a batch in, forward and backward (a chain's and a
                           graph's walks), a step by hand
        @impl-losses       the losses, their gradients and metrics
@@ -370,7 +373,8 @@
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
-       graph_  a graph's first failure, layout, walks  @impl-model, @impl-passes
+       graph_  a graph's first failure, layout, walks  @impl-model, @impl-graph,
+                                                       @impl-passes
        json_   the JSON reader                         @impl-json
        kgrad_  Conv2D's kernel gradient                @impl-conv-kernel-grad
        merge_  Add, Subtract, Multiply, Average        @impl-merge
@@ -4006,7 +4010,7 @@ static uint64_t mpt__mix64(uint64_t z) {
 
 /* =============================================================================
    @impl-layers: the layer interface: a layer, its table of functions, its
-   parameters, the model that holds them (built in @impl-model)
+   parameters, the model that holds them (built in @impl-build)
    =============================================================================
 
    Every layer is a descriptor plus a table of three functions:
@@ -4237,7 +4241,7 @@ union mpt__layer_desc {
 struct mpt__layer {
     const mpt__layer_ops *ops;
     mpt__layer_desc desc;
-    /* What it is applied to: nodes of the model's graph (@impl-model's
+    /* What it is applied to: nodes of the model's graph (@impl-layer-helpers'
        mpt__node_*), node 0 the model's input and node i + 1 layer i's
        output. A layer of a Sequential stack has one, the node before it. */
     int n_in;
@@ -7646,7 +7650,7 @@ MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
 }
 
 /* =============================================================================
-   @impl-model: the model: create, add, initialise, the graph, lay out in memory, build
+   @impl-model: the model: create, add, the functional form, initial weights
    ============================================================================= */
 
 /* ---- building a model ----------------------------------------------------- */
@@ -7975,12 +7979,17 @@ static void *mpt__carve(mpt__carver *c, int64_t bytes) {
     return p;
 }
 
-/* ---- the graph ------------------------------------------------------------
+/* =============================================================================
+   @impl-graph: a graph's buffers (its inputs cast, the node gradients'
+   memory plan, shared calls) and its checks
+   =============================================================================
+
    A model whose layers are not a chain (m->graph: a merge, or a layer
    applied to a node other than the one before it) keeps every node's
-   output all step and gives each node a gradient buffer of its own, the
-   sum of what the layers it feeds give back (@impl-passes' graph walks).
-   The layers are in the order they were added, which is an order of the
+   output all step and gives each node a gradient buffer, the sum of what
+   the layers it feeds give back (@impl-passes' graph walks); nodes whose
+   lives in the backward walk do not overlap share one's memory. The
+   layers are in the order they were added, which is an order of the
    graph: a layer can only be applied to nodes that exist. A chain keeps
    the leaner plan of a Sequential stack (two gradient buffers in turn). */
 
@@ -8208,6 +8217,10 @@ static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
                      "%s: not for a model whose layers are not a chain (a merge, or a layer "
                      "applied to an earlier node) yet", what);
 }
+
+/* =============================================================================
+   @impl-build: the model laid out in memory and built; looking inside it
+   ============================================================================= */
 
 /* Lays out every buffer. Run twice: first with NULL bases to measure each
    arena, then with the allocated ones to assign the pointers. */
@@ -27825,7 +27838,7 @@ typedef struct mpt__export_plan {
     int n;
     unsigned char *mirror;   /* the parameter arena on the host, when the
                                 model is on a GPU; else NULL                 */
-    /* The graph, as the steps see it (nodes: @impl-model's, 0 the input,
+    /* The graph, as the steps see it (nodes: @impl-layers', 0 the input,
        i + 1 layer i's output): alias[n] is the node whose value node n
        holds (itself, or for a layer inference passes through, such as
        Dropout, that layer's input's); uses[n] counts the layers that read

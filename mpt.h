@@ -12860,6 +12860,29 @@ static mpt_status mpt__open_regular(mpt_context *ctx, const char *prefix, const 
     return MPT_OK;
 }
 
+/* Bytes [offset, offset + bytes) of an open file into dst, the caller
+   having checked that they lie inside it: reads until they are all there
+   (a read may return fewer), so getting none means the file changed while
+   being read. Messages start with label, the file as the caller names it
+   ("checkpoint 'm.safetensors'"). */
+static mpt_status mpt__read_at(mpt_context *ctx, const char *label, int fd, int64_t offset,
+                               void *dst, int64_t bytes) {
+    unsigned char *p = (unsigned char *)dst;
+    if (lseek(fd, (off_t)offset, SEEK_SET) < 0)
+        return mpt__fail(ctx, MPT_ERR_IO, "%s: cannot seek: %s", label, strerror(errno));
+    while (bytes > 0) {
+        ssize_t got = read(fd, p, (size_t)MPT__MIN(bytes, (int64_t)1 << 30));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return mpt__fail(ctx, MPT_ERR_IO, "%s: cannot read: %s", label, strerror(errno));
+        if (got == 0)
+            return mpt__fail(ctx, MPT_ERR_IO, "%s: the file ended %lld bytes early: it changed "
+                             "while being read", label, (long long)bytes);
+        p += got;
+        bytes -= got;
+    }
+    return MPT_OK;
+}
+
 /* ---- writing a file: through a temporary file, renamed into place ------------------
 
    Checkpoints, weights, exports, plots and the profiler's files go through
@@ -13713,21 +13736,7 @@ static uint32_t mpt__le32(const unsigned char *p) {
 /* Bytes [offset, offset + bytes) of the file, which the caller has checked
    lie inside it: getting fewer means the file changed under the load. */
 static mpt_status mpt__npy_read_at(mpt__npy_src *s, int64_t offset, void *dst, int64_t bytes) {
-    unsigned char *p = (unsigned char *)dst;
-    if (lseek(s->fd, (off_t)offset, SEEK_SET) < 0)
-        return mpt__fail(s->ctx, MPT_ERR_IO, "%s: cannot seek: %s", s->name, strerror(errno));
-    while (bytes > 0) {
-        ssize_t got = read(s->fd, p, (size_t)MPT__MIN(bytes, (int64_t)1 << 30));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0)
-            return mpt__fail(s->ctx, MPT_ERR_IO, "%s: cannot read: %s", s->name, strerror(errno));
-        if (got == 0)
-            return mpt__fail(s->ctx, MPT_ERR_IO, "%s: the file ended %lld bytes early: it changed "
-                             "while being read", s->name, (long long)bytes);
-        p += got;
-        bytes -= got;
-    }
-    return MPT_OK;
+    return mpt__read_at(s->ctx, s->name, s->fd, offset, dst, bytes);
 }
 
 #ifndef MPT_NO_ZLIB
@@ -18297,23 +18306,9 @@ static mpt_status mpt__st_check_layout(mpt__st_file *f) {
 
 /* Reads bytes [offset, offset + bytes) of the file into dst. */
 static mpt_status mpt__st_read_at(mpt__st_file *f, int64_t offset, void *dst, int64_t bytes) {
-    unsigned char *p = (unsigned char *)dst;
-    if (lseek(f->fd, (off_t)offset, SEEK_SET) < 0)
-        return mpt__fail(f->ctx, MPT_ERR_IO, "checkpoint: cannot seek in '%s': %s", f->path,
-                         strerror(errno));
-    while (bytes > 0) {
-        ssize_t got = read(f->fd, p, (size_t)MPT__MIN(bytes, (int64_t)1 << 30));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0)
-            return mpt__fail(f->ctx, MPT_ERR_IO, "checkpoint: cannot read '%s': %s", f->path,
-                             strerror(errno));
-        if (got == 0)
-            return mpt__fail(f->ctx, MPT_ERR_IO, "checkpoint: '%s' ended %lld bytes early: it "
-                             "changed while being read", f->path, (long long)bytes);
-        p += got;
-        bytes -= got;
-    }
-    return MPT_OK;
+    char label[512];
+    snprintf(label, sizeof label, "checkpoint '%s'", f->path);
+    return mpt__read_at(f->ctx, label, f->fd, offset, dst, bytes);
 }
 
 static void mpt__st_close(mpt__st_file *f) {

@@ -778,6 +778,9 @@ mpi_tests() {
 # live in tests/fuzz/findings/<name>/ and are replayed before every run.
 
 FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat model npy csv"
+# The harnesses tests/fuzz/fuzz_loaders.c holds in one binary (one compile
+# of mpt.h under the fuzzer instead of five), linked under each one's name.
+FUZZ_SHARED="idx idx_gzip model npy csv"
 FUZZ=$B/fuzz
 FUZZ_CC=${FUZZ_CC:-clang}
 FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -g -O1"
@@ -793,10 +796,24 @@ fuzz_dict() {
     esac
 }
 
-# fuzz_build_job NAME: one harness (mpt.h under three sanitizers),
-# or the seed corpora for NAME=seeds.
+# fuzz_build_job NAME: one harness (mpt.h under three sanitizers), the
+# FUZZ_SHARED harnesses' binary for NAME=loaders, or the seed corpora for
+# NAME=seeds.
 fuzz_build_job() {
-    local name=$1
+    local name=$1 shared
+    if [ "$name" = loaders ]; then
+        if "$FUZZ_CC" -std=c99 $WARN -DMPT_STATIC -Wno-unused-function $FUZZ_FLAGS -I. \
+            tests/fuzz/fuzz_loaders.c -o "$FUZZ/fuzz_loaders" $LIBS >"$FUZZ/loaders.build.log" 2>&1
+        then
+            for shared in $FUZZ_SHARED; do ln -sf fuzz_loaders "$FUZZ/fuzz_$shared"; done
+        else
+            for shared in $FUZZ_SHARED; do
+                cp "$FUZZ/loaders.build.log" "$FUZZ/$shared.build.log"
+                touch "$FUZZ/$shared.build.failed"
+            done
+        fi
+        return
+    fi
     if [ "$name" = seeds ]; then
         $CC -std=c99 $WARN -DMPT_STATIC -Wno-unused-function -O1 -g -I. tests/fuzz/seeds.c \
             -o "$FUZZ/seeds_gen" $LIBS \
@@ -822,8 +839,12 @@ fuzz_build_jobs() {
     for name in qat checkpoint weights; do
         case " $FUZZ_HARNESSES " in *" $name "*) spawn fuzz_build_job "$name" ;; esac
     done
+    spawn fuzz_build_job loaders
     for name in $FUZZ_HARNESSES; do
-        case $name in qat | checkpoint | weights) ;; *) spawn fuzz_build_job "$name" ;; esac
+        case " qat checkpoint weights $FUZZ_SHARED " in
+        *" $name "*) ;;
+        *) spawn fuzz_build_job "$name" ;;
+        esac
     done
     spawn fuzz_build_job seeds
 }
@@ -842,7 +863,8 @@ fuzz_build_results() {
     for name in $FUZZ_HARNESSES; do
         [ -e "$FUZZ/$name.build.failed" ] || continue
         cat "$FUZZ/$name.build.log"
-        record "build tests/fuzz/fuzz_$name.c with $FUZZ_CC" fail "compile error (see above)"
+        record "build tests/fuzz/fuzz_$name.c with $FUZZ_CC$(case " $FUZZ_SHARED " in
+            *" $name "*) echo " (in tests/fuzz/fuzz_loaders.c)" ;; esac)" fail "compile error (see above)"
     done
 }
 

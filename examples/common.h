@@ -29,7 +29,9 @@ typedef struct options {
     const char *load;        /* --load FILE: the model from a file, not built in
                                 code (mpt_model_load); with --epochs 0 only
                                 evaluated */
-    int model_files;         /* 1: the example takes --save and --load */
+    const char *export_stem; /* --export STEM: STEM.tflite and STEM.onnx of the
+                                model (float32 weights) */
+    int model_files;         /* 1: the example takes --save, --load and --export */
 } options;
 
 /* The defaults the flags change: mixed_float16, Fashion-MNIST from
@@ -85,6 +87,7 @@ static inline int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(flag, "--profile")) o->profile = value;
         else if (o->model_files && !strcmp(flag, "--save")) o->save = value;
         else if (o->model_files && !strcmp(flag, "--load")) o->load = value;
+        else if (o->model_files && !strcmp(flag, "--export")) o->export_stem = value;
         else break;
     }
     if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
@@ -96,7 +99,7 @@ static inline int parse_options(int argc, char **argv, options *o) {
                         "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
                         "          [--verbose 0|1|2] [--tensorboard DIR] [--plot FILE]\n"
                         "          [--profile DIR]%s\n",
-                argv[0], o->model_files ? " [--save FILE] [--load FILE]" : "");
+                argv[0], o->model_files ? " [--save FILE] [--load FILE] [--export STEM]" : "");
         return 0;
     }
     return 1;

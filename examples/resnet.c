@@ -14,10 +14,13 @@
    Run:   ./resnet [--policy ...] [--epochs 15] [--batch-size 128] [--threads N]
                    [--data DIR] [--verbose 1] [--tensorboard DIR]
                    [--plot FILE] [--profile DIR] [--save FILE] [--load FILE]
+                   [--export STEM]
    --save FILE writes the trained model with mpt_model_save; --load FILE
    rebuilds it with mpt_model_load instead of building it in code (with
    --epochs 0 it is only evaluated; a larger --epochs trains it on from
-   the epochs it has). */
+   the epochs it has). --export STEM writes STEM.tflite and STEM.onnx
+   (float32 weights), which bench/run_exported.py runs in LiteRT and ONNX
+   Runtime on the test images. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -95,6 +98,13 @@ int main(int argc, char **argv) {
     if (o.epochs > 0) /* (a loaded model goes on from the epochs it has) */
         TRY(fit_with_flags(ctx, &o, model, train, validation, NULL, 0));
     if (o.save) TRY(mpt_model_save(model, o.save));
+    if (o.export_stem) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s.tflite", o.export_stem);
+        TRY(mpt_model_export_tflite(model, path, NULL));
+        snprintf(path, sizeof path, "%s.onnx", o.export_stem);
+        TRY(mpt_model_export_onnx(model, path, NULL));
+    }
     TRY(evaluate_and_report(ctx, &o, model, "resnet", test));
 
     mpt_model_destroy(model);

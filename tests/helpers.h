@@ -356,6 +356,22 @@ static inline mpt_dataset *test_dataset_xy(mpt_context *c, float *x, int32_t *y,
     return d;
 }
 
+/* Every parameter's float32 values, in the model's order, into w (room
+   for size floats); the test fails where they do not fit. */
+static inline void test_weights_of(mpt_model *m, float *w, int64_t size) {
+    int64_t at = 0;
+    int p;
+    for (p = 0; p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        int64_t count;
+        mpt_model_param(m, p, &info);
+        count = mpt_tensor_count(&info.value);
+        if (at + count <= size) memcpy(w + at, info.value.data, sizeof(float) * (size_t)count);
+        at += count;
+    }
+    CHECK(at <= size, "%lld weights, room for %lld", (long long)at, (long long)size);
+}
+
 /* A call's status is want and the context's message (q's) holds words;
    call names it in the failure. */
 static inline void test_expect_error(mpt_context *q, mpt_status got, mpt_status want,

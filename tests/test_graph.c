@@ -471,21 +471,6 @@ static mpt_model *residual_mlp(mpt_context *c, mpt_policy policy) {
     return m;
 }
 
-/* Every parameter's float32 values, in order, into w (size floats). */
-static void weights_of(mpt_model *m, float *w, int64_t size) {
-    int64_t at = 0;
-    int p;
-    for (p = 0; p < mpt_model_param_count(m); p++) {
-        mpt_param_info info;
-        int64_t count;
-        mpt_model_param(m, p, &info);
-        count = mpt_tensor_count(&info.value);
-        if (at + count <= size) memcpy(w + at, info.value.data, sizeof(float) * (size_t)count);
-        at += count;
-    }
-    CHECK(at <= size, "%lld weights", (long long)at);
-}
-
 /* Trains on `threads` threads; returns the final accuracy, the weights in w. */
 static double train_residual(int threads, mpt_policy policy, float *w, int64_t w_size) {
     mpt_context *c = NULL;
@@ -500,7 +485,7 @@ static double train_residual(int threads, mpt_policy policy, float *w, int64_t w
           "fit: %s", mpt_context_error(c));
     CHECK(mpt_model_evaluate(m, data, NULL, &logs) == MPT_OK, "evaluate: %s", mpt_context_error(c));
     acc = mpt_logs_get(&logs, "accuracy");
-    weights_of(m, w, w_size);
+    test_weights_of(m, w, w_size);
     mpt_dataset_destroy(data);
     mpt_model_destroy(m);
     mpt_context_destroy(c);
@@ -541,8 +526,8 @@ static void test_profiled_graph(void) {
     f.profile_batch[1] = 9; /* into the second epoch */
     f.profile_dir = dir;
     CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "profiled fit: %s", mpt_context_error(ctx));
-    weights_of(plain, plain_w, 4096);
-    weights_of(profiled, profiled_w, 4096);
+    test_weights_of(plain, plain_w, 4096);
+    test_weights_of(profiled, profiled_w, 4096);
     CHECK(memcmp(plain_w, profiled_w, sizeof plain_w) == 0, "profiling changed the weights");
     snprintf(plugins, sizeof plugins, "%s/plugins/profile", dir);
     CHECK(access(plugins, F_OK) == 0, "no profile written under %s", plugins);

@@ -86,19 +86,6 @@ static mpt_model *residual_blobs_model(mpt_context *c) {
     return m;
 }
 
-static void weights_of(mpt_model *m, float *w, int64_t size) {
-    int64_t at = 0;
-    int p;
-    for (p = 0; p < mpt_model_param_count(m); p++) {
-        mpt_param_info info;
-        int64_t n;
-        mpt_model_param(m, p, &info);
-        n = mpt_tensor_count(&info.value);
-        if (at + n <= size) memcpy(w + at, info.value.data, sizeof(float) * (size_t)n);
-        at += n;
-    }
-}
-
 static void test_trained_graph_round_trip(void) {
     static float w_a[2048], w_b[2048], out_a[N_SYN * CLASSES], out_b[N_SYN * CLASSES];
     char path[600], again[600], sum_a[8192], sum_b[8192];
@@ -134,8 +121,8 @@ static void test_trained_graph_round_trip(void) {
                         &(mpt_fit_desc){.epochs = 3, .initial_epoch = 2, .batch_size = 32}) ==
               MPT_OK,
           "fit the loaded one on: %s", mpt_context_error(other));
-    weights_of(m, w_a, 2048);
-    weights_of(loaded, w_b, 2048);
+    test_weights_of(m, w_a, 2048);
+    test_weights_of(loaded, w_b, 2048);
     CHECK(memcmp(w_a, w_b, sizeof w_a) == 0, "an epoch more: the weights differ");
     mpt_dataset_destroy(data2);
 done:

@@ -285,8 +285,9 @@
                           recovery
        @impl-predict      evaluate, predict, summary, the end-of-fit summary
      the tools around training:
-       @impl-files        opening files (regular files only) and the crash-safe
-                          writer every file mpt.h writes goes through
+       @impl-files        opening files (regular files only), reading one at
+                          an offset (mpt__read_at), and the crash-safe writer
+                          every file mpt.h writes goes through
        @impl-idx          files plain or gzip-compressed; the IDX format
        @impl-npy          NumPy's .npy files and .npz archives (zip: the
                           central directory, stored and deflated members)
@@ -12810,7 +12811,7 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
 }
 
 /* =============================================================================
-   @impl-files: opening files (regular files only) and the crash-safe writer every file mpt.h writes goes through
+   @impl-files: opening and reading files (regular files only) and the crash-safe writer every file mpt.h writes goes through
    ============================================================================= */
 
 /* What a file that is not a regular one is, for messages. */

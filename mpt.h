@@ -244,9 +244,9 @@
                           requantization, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
-       @impl-context      the context: allocator, logging and errors, CPU
-                          features, checked size arithmetic
-       @impl-dtypes       float16/bfloat16 conversions, scalar; mpt__convert
+       @impl-context      the context: allocator, logging and errors,
+                          checked size arithmetic (made: @impl-context-life)
+       @impl-dtypes       float16/bfloat16 conversions, scalar
        @impl-tensors      tensors: allocation, wrapping, shapes
        @impl-activations  the activations the GEMM epilogue and layers share
        @impl-rng          Philox for dropout masks and initial weights
@@ -307,8 +307,11 @@
                           (mpt_model_save, mpt_model_load)
      the engineering: threads and CPU kernels
        @impl-threads      the thread pool: parallel-for over fixed workers
+       @impl-context-life a context made and destroyed: CPU features, its
+                          pool, its backend chosen
        @impl-devices      the CPU as device 0, then the CUDA devices
-       @impl-convert-simd float16/bfloat16 conversions in AVX2 and AVX-512
+       @impl-convert      float conversions: the kernel the CPU allows, over
+                          the pool (mpt__convert); AVX2 and AVX-512 kernels
        @impl-gemm         the CPU GEMM: blocking, tasks, the driver (the
                           layers reach it through the backend's gemm)
        @impl-gemm-kernels the GEMM's packing and micro-kernels: portable,
@@ -3188,11 +3191,15 @@ MPTDEF const char *mpt_status_string(mpt_status status) {
 }
 
 /* =============================================================================
-   @impl-context: the context: allocator, logging and errors, CPU features,
-   checked size arithmetic (its thread pool: @impl-threads)
+   @impl-context: the context: allocator, logging and errors,
+   checked size arithmetic (its thread pool: @impl-threads; made and
+   destroyed: @impl-context-life)
    ============================================================================= */
 
 typedef void (*mpt__task_fn)(void *arg, int64_t task, int thread);
+/* Runs fn(arg, task, thread) for every task in 0..n_tasks-1 on the pool
+   (@impl-threads). */
+static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn, void *arg);
 
 /* A fixed set of worker threads that run the tasks of one parallel-for at
    a time; the calling thread works too and is thread 0. Which thread runs
@@ -3353,66 +3360,8 @@ static mpt_status mpt__fail(mpt_context *ctx, mpt_status status, const char *fmt
         if (mpt__s_ != MPT_OK) return mpt__s_;   \
     } while (0)
 
-static int mpt__detect_cpu(void) {
-    int f = 0;
-#if MPT__X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= MPT_CPU_AVX2;
-    {
-        /* F16C: CPUID leaf 1, ECX bit 29 (needs the OS to save AVX state,
-           which avx2 above already implies where it is set). */
-        unsigned r[4]; /* eax, ebx, ecx, edx */
-        __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
-                             : "a"(1), "c"(0));
-        if ((r[2] >> 29) & 1u && (f & MPT_CPU_AVX2)) f |= MPT_CPU_F16C;
-    }
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-        (f & MPT_CPU_AVX2) && (f & MPT_CPU_F16C))
-        f |= MPT_CPU_AVX512;
-    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512bf16")) f |= MPT_CPU_AVX512_BF16;
-    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= MPT_CPU_AVX512_VNNI;
-    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vbmi")) f |= MPT_CPU_AVX512_VBMI;
-#endif
-    return f;
-}
-
+/* The CPU backend's table (@impl-cpu-backend). */
 static const mpt_backend *mpt__cpu_backend(void);
-
-/* The CUDA device when this build has one and the descriptor and
-   $MPT_DEVICE allow it; the CPU otherwise (saying why when a GPU was
-   wanted but not found). */
-static mpt_status mpt__choose_backend(mpt_context *ctx, const mpt_context_desc *d) {
-    const char *env = getenv("MPT_DEVICE");
-    ctx->backend = mpt__cpu_backend();
-    ctx->backend_impl = ctx;
-    if (env && *env && strcmp(env, "cpu") != 0 && strcmp(env, "cuda") != 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "context: MPT_DEVICE=\"%s\" is neither \"cpu\" nor \"cuda\"", env);
-    if (d->use_cpu || (env && strcmp(env, "cpu") == 0)) return MPT_OK;
-#ifdef MPT_CUDA
-    {
-        char message[512] = "";
-        const mpt_backend *table = NULL;
-        void *impl = NULL;
-        mpt_status s = mpt_cuda_backend_create(d, &table, &impl, message, sizeof message);
-        if (s == MPT_ERR_UNSUPPORTED) {
-            mpt__log(ctx, MPT_LOG_WARNING, "%s: training on the CPU", message);
-            return MPT_OK;
-        }
-        if (s != MPT_OK) return mpt__fail(ctx, s, "context: %s", message);
-        ctx->backend = table;
-        ctx->backend_impl = impl;
-        mpt__log(ctx, MPT_LOG_INFO, "%s", message);
-    }
-#endif
-    return MPT_OK;
-}
-
-MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **impl) {
-    if (impl) *impl = ctx ? ctx->backend_impl : NULL;
-    return ctx ? ctx->backend : NULL;
-}
 
 /* One more (+1) or one fewer (-1) model made in ctx; the count after. */
 static int64_t mpt__context_count_model(mpt_context *ctx, int64_t delta) {
@@ -3423,104 +3372,9 @@ static int64_t mpt__context_count_model(mpt_context *ctx, int64_t delta) {
 #endif
 }
 
+/* Frees a context (@impl-context-life): mpt_context_destroy, or the last
+   of its models' destroy. */
 static void mpt__context_free(mpt_context *ctx);
-
-/* A model's memory, its thread pool and its backend are the context's, so
-   a context destroyed while models made in it remain is kept until the
-   last of them is destroyed (mpt_model_destroy frees it then), instead of
-   leaving them to free into freed memory. */
-MPTDEF void mpt_context_destroy(mpt_context *ctx) {
-    if (!ctx) return;
-    ctx->destroyed = 1;
-    if (mpt__context_count_model(ctx, 0) > 0) {
-        mpt__log(ctx, MPT_LOG_WARNING, "context: destroyed before %lld of its models; it is "
-                 "freed when the last of them is destroyed",
-                 (long long)mpt__context_count_model(ctx, 0));
-        return;
-    }
-    mpt__context_free(ctx);
-}
-
-/* Defined below, in @impl-threads. */
-static void mpt__pool_stop(mpt_context *ctx);
-
-static void mpt__context_free(mpt_context *ctx) {
-    int i;
-    if (ctx->backend && ctx->backend_impl != (void *)ctx) ctx->backend->destroy(ctx->backend_impl);
-    mpt__pool_stop(ctx);
-    mpt__free(ctx, ctx->worker_args);
-    if (ctx->scratch) {
-        for (i = 0; i < ctx->num_threads; i++) mpt__free(ctx, ctx->scratch[i]);
-        mpt__free(ctx, ctx->scratch);
-    }
-    ctx->allocator.free(ctx->allocator.user_data, ctx);
-}
-
-/* Defined below, in @impl-threads. */
-static int mpt__default_threads(void);
-static mpt_status mpt__pool_start(mpt_context *ctx);
-
-MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context **out) {
-    mpt_context_desc d;
-    mpt_context *ctx, early;
-    int i;
-    mpt_status s;
-    if (!out) return MPT_ERR_INVALID_ARGUMENT;
-    *out = NULL;
-    memset(&d, 0, sizeof d);
-    if (desc) d = *desc;
-    /* Until the context exists, messages go to the descriptor's logger. */
-    memset(&early, 0, sizeof early);
-    early.logger = d.logger;
-    if ((d.allocator.alloc == NULL) != (d.allocator.free == NULL)) {
-        mpt__log(&early, MPT_LOG_ERROR, "context: allocator needs both alloc and free");
-        return MPT_ERR_INVALID_ARGUMENT;
-    }
-    if (!d.allocator.alloc) {
-        d.allocator.alloc = mpt__default_alloc;
-        d.allocator.free = mpt__default_free;
-    }
-    if (d.num_threads < 0 || d.num_threads > 1024) {
-        mpt__log(&early, MPT_LOG_ERROR, "context: num_threads %d is not in 0..1024",
-                 d.num_threads);
-        return MPT_ERR_INVALID_ARGUMENT;
-    }
-    ctx = (mpt_context *)d.allocator.alloc(d.allocator.user_data, sizeof *ctx, MPT__ALIGN);
-    if (!ctx) return MPT_ERR_OUT_OF_MEMORY;
-    memset(ctx, 0, sizeof *ctx);
-    ctx->allocator = d.allocator;
-    ctx->logger = d.logger;
-    ctx->num_threads = d.num_threads ? d.num_threads : mpt__default_threads();
-    ctx->cpu = mpt__detect_cpu() & ~d.disable_cpu_features;
-    ctx->scratch = (void **)mpt__calloc(ctx, sizeof(void *) * (size_t)ctx->num_threads);
-    if (!ctx->scratch) {
-        s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "context: out of memory");
-        goto fail;
-    }
-    for (i = 0; i < ctx->num_threads; i++) {
-        ctx->scratch[i] = mpt__alloc(ctx, MPT__THREAD_SCRATCH_BYTES);
-        if (!ctx->scratch[i]) {
-            s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
-                          "context: cannot allocate %zu bytes of scratch for thread %d",
-                          (size_t)MPT__THREAD_SCRATCH_BYTES, i);
-            goto fail;
-        }
-    }
-    s = mpt__pool_start(ctx);
-    if (s != MPT_OK) goto fail;
-    ctx->desc = d;
-    s = mpt__choose_backend(ctx, &d);
-    if (s != MPT_OK) goto fail;
-    *out = ctx;
-    return MPT_OK;
-fail:
-    mpt_context_destroy(ctx);
-    return s;
-}
-
-MPTDEF const char *mpt_context_error(const mpt_context *ctx) { return ctx ? ctx->error : ""; }
-MPTDEF int mpt_context_num_threads(const mpt_context *ctx) { return ctx ? ctx->num_threads : 0; }
-MPTDEF int mpt_context_cpu_features(const mpt_context *ctx) { return ctx ? ctx->cpu : 0; }
 
 /* Overflow-checked arithmetic for sizes: every size that reaches an
    allocation goes through these. */
@@ -3538,8 +3392,8 @@ static int mpt__add_ok(int64_t a, int64_t b, int64_t *out) {
 }
 
 /* =============================================================================
-   @impl-dtypes: dtypes; float16/bfloat16 conversions, scalar, and
-   mpt__convert over the pool (AVX2/AVX-512: @impl-convert-simd)
+   @impl-dtypes: dtypes; float16/bfloat16 conversions, scalar (over arrays,
+   by the CPU's fastest kernel and the pool: @impl-convert)
    ============================================================================= */
 
 MPTDEF const char *mpt_dtype_name(mpt_dtype dtype) {
@@ -3656,136 +3510,13 @@ MPTDEF mpt_bf16 mpt_float_to_bf16(float f) {
 MPTDEF float mpt_bf16_to_float(mpt_bf16 b) { return mpt__bits_f32((uint32_t)b << 16); }
 
 /* A conversion kernel: n elements from src to dst. The dtypes are any two
-   different float dtypes. */
+   different float dtypes. The kernels, the one the CPU allows chosen
+   (mpt__convert_kernel), and mpt__convert over the pool: @impl-convert. */
 typedef void (*mpt__convert_fn)(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
                                 const void *src, int64_t n);
-
-static void mpt__convert_scalar(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
-                                const void *src, int64_t n) {
-    const float *sf = (const float *)src;
-    const uint16_t *s16 = (const uint16_t *)src;
-    float *df = (float *)dst;
-    uint16_t *d16 = (uint16_t *)dst;
-    int64_t i;
-    /* One loop per pair so nothing is decided per element. */
-    if (src_dtype == MPT_FLOAT32 && dst_dtype == MPT_FLOAT16) {
-        for (i = 0; i < n; i++) d16[i] = mpt_float_to_half(sf[i]);
-    } else if (src_dtype == MPT_FLOAT32) {
-        for (i = 0; i < n; i++) d16[i] = mpt_float_to_bf16(sf[i]);
-    } else if (src_dtype == MPT_FLOAT16 && dst_dtype == MPT_FLOAT32) {
-        for (i = 0; i < n; i++) df[i] = mpt_half_to_float(s16[i]);
-    } else if (src_dtype == MPT_FLOAT16) {
-        for (i = 0; i < n; i++) d16[i] = mpt_float_to_bf16(mpt_half_to_float(s16[i]));
-    } else if (dst_dtype == MPT_FLOAT32) {
-        for (i = 0; i < n; i++) df[i] = mpt_bf16_to_float(s16[i]);
-    } else {
-        for (i = 0; i < n; i++) d16[i] = mpt_float_to_half(mpt_bf16_to_float(s16[i]));
-    }
-}
-
-/* Defined below, in @impl-convert-simd. */
-#if MPT__X86
-static MPT__TARGET_AVX2 void mpt__convert_avx2(mpt_dtype dst_dtype, void *dst,
-                                              mpt_dtype src_dtype, const void *src,
-                                              int64_t n);
-static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *dst,
-                                                  mpt_dtype src_dtype, const void *src,
-                                                  int64_t n);
-#endif
-
-/* The fastest kernel the CPU bits allow for this dtype pair. */
-static mpt__convert_fn mpt__convert_kernel(int cpu, mpt_dtype dst_dtype, mpt_dtype src_dtype) {
-#if MPT__X86
-    int f16 = dst_dtype == MPT_FLOAT16 || src_dtype == MPT_FLOAT16;
-    /* The EVEX vcvtps2ph/vcvtph2ps belong to AVX-512F: no F16C bit needed. */
-    if (cpu & MPT_CPU_AVX512) return mpt__convert_avx512;
-    if ((cpu & MPT_CPU_AVX2) && (!f16 || (cpu & MPT_CPU_F16C))) return mpt__convert_avx2;
-#else
-    (void)cpu;
-    (void)dst_dtype;
-    (void)src_dtype;
-#endif
-    return mpt__convert_scalar;
-}
-
-/* Large conversions are cut into fixed chunks, one task each; every element
-   is converted on its own, so the split never changes a result. One core
-   converts ~10^10 elements/s while the data sit in cache, faster than
-   waking the pool pays back, so only conversions that stream from memory
-   (a few MB and up) are split. */
-#define MPT__CONVERT_CHUNK ((int64_t)1 << 16)
-#define MPT__CONVERT_PARALLEL_MIN ((int64_t)1 << 20)
-
-typedef struct mpt__convert_job {
-    mpt__convert_fn fn;
-    mpt_dtype dst_dtype, src_dtype;
-    char *dst;
-    const char *src;
-    int64_t n;
-} mpt__convert_job;
-
-static void mpt__convert_task(void *arg, int64_t task, int thread) {
-    const mpt__convert_job *job = (const mpt__convert_job *)arg;
-    int64_t begin = task * MPT__CONVERT_CHUNK;
-    int64_t count = MPT__MIN(MPT__CONVERT_CHUNK, job->n - begin);
-    (void)thread;
-    job->fn(job->dst_dtype, job->dst + (size_t)begin * mpt_dtype_size(job->dst_dtype),
-            job->src_dtype, job->src + (size_t)begin * mpt_dtype_size(job->src_dtype), count);
-}
-
-/* Defined below, in @impl-threads. */
-static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn, void *arg);
-
-/* Unchecked conversion of n elements between float dtypes (ctx may be NULL:
-   portable path, one thread). Bit-identical to the scalar functions on
-   every path. dst and src must not overlap unless they are the same buffer
-   of the same dtype. */
+static mpt__convert_fn mpt__convert_kernel(int cpu, mpt_dtype dst_dtype, mpt_dtype src_dtype);
 static void mpt__convert(const mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
-                         mpt_dtype src_dtype, const void *src, int64_t n) {
-    mpt__convert_job job;
-    if (n <= 0) return; /* also keeps NULL pointers away from memmove */
-    if (dst_dtype == src_dtype) {
-        if (dst != src) memmove(dst, src, (size_t)n * mpt_dtype_size(src_dtype));
-        return;
-    }
-    job.fn = mpt__convert_kernel(ctx ? ctx->cpu : 0, dst_dtype, src_dtype);
-    job.dst_dtype = dst_dtype;
-    job.src_dtype = src_dtype;
-    job.dst = (char *)dst;
-    job.src = (const char *)src;
-    job.n = n;
-    if (ctx && n >= MPT__CONVERT_PARALLEL_MIN) {
-        /* The pool is the only part of the context this touches. Called
-           from inside a task (a layer's own parallel-for), this runs
-           inline on that thread. */
-        mpt__parallel_for((mpt_context *)ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__convert_task, &job);
-        return;
-    }
-    job.fn(dst_dtype, dst, src_dtype, src, n);
-}
-
-MPTDEF mpt_status mpt_convert(mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
-                              mpt_dtype src_dtype, const void *src, int64_t n) {
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!mpt_dtype_is_float(dst_dtype) || !mpt_dtype_is_float(src_dtype))
-        return mpt__fail(ctx, MPT_ERR_DTYPE, "convert: %s -> %s is not between float dtypes",
-                         mpt_dtype_name(src_dtype), mpt_dtype_name(dst_dtype));
-    if (n < 0) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "convert: count %lld < 0", (long long)n);
-    if (n > 0 && (!dst || !src))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "convert: NULL %s", dst ? "src" : "dst");
-    if (n > 0 && dst_dtype != src_dtype) {
-        /* Elements of different sizes: an overlap would read what was just written. */
-        uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
-        if (d < s + (uintptr_t)n * mpt_dtype_size(src_dtype) &&
-            s < d + (uintptr_t)n * mpt_dtype_size(dst_dtype))
-            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "convert: dst and src overlap (%s -> %s)",
-                             mpt_dtype_name(src_dtype), mpt_dtype_name(dst_dtype));
-    }
-    mpt__convert(ctx, dst_dtype, dst, src_dtype, src, n);
-    return MPT_OK;
-}
+                         mpt_dtype src_dtype, const void *src, int64_t n);
 
 /* Element i of an array of any float dtype, as float32, and back (for the
    few places that touch single elements; bulk work uses mpt__convert). */
@@ -4401,70 +4132,9 @@ struct mpt_model {
                                             ranges and buffers (@impl-qat)   */
 };
 
-typedef struct mpt__quantized mpt__quantized;
-static void mpt__quantized_free(const mpt_context *ctx, mpt__quantized *Q);
-static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what);
-static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
-                                         int64_t batch_size, mpt_tensor *out);
-static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
-                                          const mpt_evaluate_desc *desc, mpt_logs *logs);
-static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size);
-/* Quantization-aware training's hooks in the walks (@impl-qat). */
-typedef struct mpt__qat mpt__qat;
-static void mpt__qat_free(mpt_model *m);
-static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
-                                   int training);
-static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
-static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
-static void mpt__qat_commit(mpt_model *m);
-/* A learned range as checkpoints hold it (@impl-checkpoints), in the order
-   mpt__qat_ranges_out lists them: the model's input, then the layers'
-   outputs that have a learned range. */
-typedef struct mpt__qat_saved {
-    int layer;           /* whose output; -1: the model's input            */
-    int64_t initialized; /* 1: a training batch has set min and max; 0: not */
-    float min, max;
-} mpt__qat_saved;
-static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out);
-static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in);
-static float mpt__qat_decay(const mpt_model *m);
-
-static int mpt__strategy_total(const mpt_strategy *s);
-static int mpt__strategy_is_chief(const mpt_strategy *s);
-static mpt_status mpt__replicas_build(mpt_model *m);
-static mpt_status mpt__workers_agree(mpt_model *m);
-static void mpt__exchange_layer_done(mpt_model *m, int layer);
-static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles,
-                                   const char *what);
-static mpt_status mpt__exchange_open(mpt_model *m);
-static void mpt__exchange_free(mpt_model *m);
-
 /* Where a model's buffers are, for the tensors that show them. */
 static mpt_device mpt__model_device(const mpt_model *m) {
     return m->be == mpt__cpu_backend() ? MPT_DEVICE_CPU : MPT_DEVICE_CUDA;
-}
-
-/* Prints through the model's printer (stdout by default): progress bars,
-   summaries, callbacks' messages. */
-static void mpt__print(const mpt_model *m, const char *fmt, ...) {
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    if (m->printer.fn) {
-        m->printer.fn(m->printer.user_data, text);
-    } else {
-        fputs(text, stdout);
-        fflush(stdout);
-    }
-}
-
-MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name) {
-    int i;
-    for (i = 0; logs && name && i < logs->count; i++)
-        if (strcmp(logs->names[i], name) == 0) return logs->values[i];
-    return NAN;
 }
 
 /* Room for one more item in a growing array of `elem`-byte items, n of
@@ -5775,7 +5445,7 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
         }
 }
 
-/* Defined below, in @impl-convert-simd. */
+/* Defined below, in @impl-convert. */
 #if MPT__X86
 static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__avx512_load(mpt_dtype t, const void *p,
                                                                      __mmask16 m);
@@ -7654,8 +7324,70 @@ MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
    @impl-model: the model: create, add, the functional form, initial weights
    ============================================================================= */
 
-/* ---- building a model ----------------------------------------------------- */
+/* Defined in the sections that follow the training story. Post-training
+   quantization (@impl-quantized-model): */
+typedef struct mpt__quantized mpt__quantized;
+static void mpt__quantized_free(const mpt_context *ctx, mpt__quantized *Q);
+static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what);
+static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
+                                         int64_t batch_size, mpt_tensor *out);
+static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
+                                          const mpt_evaluate_desc *desc, mpt_logs *logs);
+static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size);
+/* Quantization-aware training's hooks in the walks (@impl-qat). */
+typedef struct mpt__qat mpt__qat;
+static void mpt__qat_free(mpt_model *m);
+static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
+                                   int training);
+static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
+static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
+static void mpt__qat_commit(mpt_model *m);
+/* A learned range as checkpoints hold it (@impl-checkpoints), in the order
+   mpt__qat_ranges_out lists them: the model's input, then the layers'
+   outputs that have a learned range. */
+typedef struct mpt__qat_saved {
+    int layer;           /* whose output; -1: the model's input            */
+    int64_t initialized; /* 1: a training batch has set min and max; 0: not */
+    float min, max;
+} mpt__qat_saved;
+static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out);
+static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in);
+static float mpt__qat_decay(const mpt_model *m);
+/* The strategy's replicas and workers (@impl-strategy, @impl-replicas): */
+static int mpt__strategy_total(const mpt_strategy *s);
+static int mpt__strategy_is_chief(const mpt_strategy *s);
+static mpt_status mpt__replicas_build(mpt_model *m);
+static mpt_status mpt__workers_agree(mpt_model *m);
+static void mpt__exchange_layer_done(mpt_model *m, int layer);
+static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles,
+                                   const char *what);
+static mpt_status mpt__exchange_open(mpt_model *m);
+static void mpt__exchange_free(mpt_model *m);
 
+/* Prints through the model's printer (stdout by default): progress bars,
+   summaries, callbacks' messages. */
+static void mpt__print(const mpt_model *m, const char *fmt, ...) {
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    if (m->printer.fn) {
+        m->printer.fn(m->printer.user_data, text);
+    } else {
+        fputs(text, stdout);
+        fflush(stdout);
+    }
+}
+
+MPTDEF double mpt_logs_get(const mpt_logs *logs, const char *name) {
+    int i;
+    for (i = 0; logs && name && i < logs->count; i++)
+        if (strcmp(logs->names[i], name) == 0) return logs->values[i];
+    return NAN;
+}
+
+/* ---- building a model ----------------------------------------------------- */
 
 MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
                                    mpt_model **out) {
@@ -20288,6 +20020,165 @@ static mpt_status mpt__pool_start(mpt_context *ctx) {
 }
 
 /* =============================================================================
+   @impl-context-life: a context made and destroyed: the CPU's features read,
+   its pool started, its backend chosen
+   ============================================================================= */
+
+/* The SIMD features this CPU has (MPT_CPU_*), as a context and a device
+   query report them. */
+static int mpt__detect_cpu(void) {
+    int f = 0;
+#if MPT__X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= MPT_CPU_AVX2;
+    {
+        /* F16C: CPUID leaf 1, ECX bit 29 (needs the OS to save AVX state,
+           which avx2 above already implies where it is set). */
+        unsigned r[4]; /* eax, ebx, ecx, edx */
+        __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                             : "a"(1), "c"(0));
+        if ((r[2] >> 29) & 1u && (f & MPT_CPU_AVX2)) f |= MPT_CPU_F16C;
+    }
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+        (f & MPT_CPU_AVX2) && (f & MPT_CPU_F16C))
+        f |= MPT_CPU_AVX512;
+    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512bf16")) f |= MPT_CPU_AVX512_BF16;
+    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= MPT_CPU_AVX512_VNNI;
+    if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vbmi")) f |= MPT_CPU_AVX512_VBMI;
+#endif
+    return f;
+}
+
+
+/* The CUDA device when this build has one and the descriptor and
+   $MPT_DEVICE allow it; the CPU otherwise (saying why when a GPU was
+   wanted but not found). */
+static mpt_status mpt__choose_backend(mpt_context *ctx, const mpt_context_desc *d) {
+    const char *env = getenv("MPT_DEVICE");
+    ctx->backend = mpt__cpu_backend();
+    ctx->backend_impl = ctx;
+    if (env && *env && strcmp(env, "cpu") != 0 && strcmp(env, "cuda") != 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "context: MPT_DEVICE=\"%s\" is neither \"cpu\" nor \"cuda\"", env);
+    if (d->use_cpu || (env && strcmp(env, "cpu") == 0)) return MPT_OK;
+#ifdef MPT_CUDA
+    {
+        char message[512] = "";
+        const mpt_backend *table = NULL;
+        void *impl = NULL;
+        mpt_status s = mpt_cuda_backend_create(d, &table, &impl, message, sizeof message);
+        if (s == MPT_ERR_UNSUPPORTED) {
+            mpt__log(ctx, MPT_LOG_WARNING, "%s: training on the CPU", message);
+            return MPT_OK;
+        }
+        if (s != MPT_OK) return mpt__fail(ctx, s, "context: %s", message);
+        ctx->backend = table;
+        ctx->backend_impl = impl;
+        mpt__log(ctx, MPT_LOG_INFO, "%s", message);
+    }
+#endif
+    return MPT_OK;
+}
+
+MPTDEF const mpt_backend *mpt_context_backend(const mpt_context *ctx, void **impl) {
+    if (impl) *impl = ctx ? ctx->backend_impl : NULL;
+    return ctx ? ctx->backend : NULL;
+}
+
+/* A model's memory, its thread pool and its backend are the context's, so
+   a context destroyed while models made in it remain is kept until the
+   last of them is destroyed (mpt_model_destroy frees it then), instead of
+   leaving them to free into freed memory. */
+MPTDEF void mpt_context_destroy(mpt_context *ctx) {
+    if (!ctx) return;
+    ctx->destroyed = 1;
+    if (mpt__context_count_model(ctx, 0) > 0) {
+        mpt__log(ctx, MPT_LOG_WARNING, "context: destroyed before %lld of its models; it is "
+                 "freed when the last of them is destroyed",
+                 (long long)mpt__context_count_model(ctx, 0));
+        return;
+    }
+    mpt__context_free(ctx);
+}
+
+
+static void mpt__context_free(mpt_context *ctx) {
+    int i;
+    if (ctx->backend && ctx->backend_impl != (void *)ctx) ctx->backend->destroy(ctx->backend_impl);
+    mpt__pool_stop(ctx);
+    mpt__free(ctx, ctx->worker_args);
+    if (ctx->scratch) {
+        for (i = 0; i < ctx->num_threads; i++) mpt__free(ctx, ctx->scratch[i]);
+        mpt__free(ctx, ctx->scratch);
+    }
+    ctx->allocator.free(ctx->allocator.user_data, ctx);
+}
+
+
+MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context **out) {
+    mpt_context_desc d;
+    mpt_context *ctx, early;
+    int i;
+    mpt_status s;
+    if (!out) return MPT_ERR_INVALID_ARGUMENT;
+    *out = NULL;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    /* Until the context exists, messages go to the descriptor's logger. */
+    memset(&early, 0, sizeof early);
+    early.logger = d.logger;
+    if ((d.allocator.alloc == NULL) != (d.allocator.free == NULL)) {
+        mpt__log(&early, MPT_LOG_ERROR, "context: allocator needs both alloc and free");
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    if (!d.allocator.alloc) {
+        d.allocator.alloc = mpt__default_alloc;
+        d.allocator.free = mpt__default_free;
+    }
+    if (d.num_threads < 0 || d.num_threads > 1024) {
+        mpt__log(&early, MPT_LOG_ERROR, "context: num_threads %d is not in 0..1024",
+                 d.num_threads);
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    ctx = (mpt_context *)d.allocator.alloc(d.allocator.user_data, sizeof *ctx, MPT__ALIGN);
+    if (!ctx) return MPT_ERR_OUT_OF_MEMORY;
+    memset(ctx, 0, sizeof *ctx);
+    ctx->allocator = d.allocator;
+    ctx->logger = d.logger;
+    ctx->num_threads = d.num_threads ? d.num_threads : mpt__default_threads();
+    ctx->cpu = mpt__detect_cpu() & ~d.disable_cpu_features;
+    ctx->scratch = (void **)mpt__calloc(ctx, sizeof(void *) * (size_t)ctx->num_threads);
+    if (!ctx->scratch) {
+        s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "context: out of memory");
+        goto fail;
+    }
+    for (i = 0; i < ctx->num_threads; i++) {
+        ctx->scratch[i] = mpt__alloc(ctx, MPT__THREAD_SCRATCH_BYTES);
+        if (!ctx->scratch[i]) {
+            s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
+                          "context: cannot allocate %zu bytes of scratch for thread %d",
+                          (size_t)MPT__THREAD_SCRATCH_BYTES, i);
+            goto fail;
+        }
+    }
+    s = mpt__pool_start(ctx);
+    if (s != MPT_OK) goto fail;
+    ctx->desc = d;
+    s = mpt__choose_backend(ctx, &d);
+    if (s != MPT_OK) goto fail;
+    *out = ctx;
+    return MPT_OK;
+fail:
+    mpt_context_destroy(ctx);
+    return s;
+}
+
+MPTDEF const char *mpt_context_error(const mpt_context *ctx) { return ctx ? ctx->error : ""; }
+MPTDEF int mpt_context_num_threads(const mpt_context *ctx) { return ctx ? ctx->num_threads : 0; }
+MPTDEF int mpt_context_cpu_features(const mpt_context *ctx) { return ctx ? ctx->cpu : 0; }
+
+/* =============================================================================
    @impl-devices: devices: the CPU as device 0, then the CUDA devices
    ============================================================================= */
 
@@ -20427,8 +20318,133 @@ MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info 
 }
 
 /* =============================================================================
-   @impl-convert-simd: float16/bfloat16 conversions in AVX2 and AVX-512
+   @impl-convert: float conversions: the kernel the CPU allows, over the pool;
+   the AVX2 and AVX-512 kernels
    ============================================================================= */
+
+static void mpt__convert_scalar(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
+                                const void *src, int64_t n) {
+    const float *sf = (const float *)src;
+    const uint16_t *s16 = (const uint16_t *)src;
+    float *df = (float *)dst;
+    uint16_t *d16 = (uint16_t *)dst;
+    int64_t i;
+    /* One loop per pair so nothing is decided per element. */
+    if (src_dtype == MPT_FLOAT32 && dst_dtype == MPT_FLOAT16) {
+        for (i = 0; i < n; i++) d16[i] = mpt_float_to_half(sf[i]);
+    } else if (src_dtype == MPT_FLOAT32) {
+        for (i = 0; i < n; i++) d16[i] = mpt_float_to_bf16(sf[i]);
+    } else if (src_dtype == MPT_FLOAT16 && dst_dtype == MPT_FLOAT32) {
+        for (i = 0; i < n; i++) df[i] = mpt_half_to_float(s16[i]);
+    } else if (src_dtype == MPT_FLOAT16) {
+        for (i = 0; i < n; i++) d16[i] = mpt_float_to_bf16(mpt_half_to_float(s16[i]));
+    } else if (dst_dtype == MPT_FLOAT32) {
+        for (i = 0; i < n; i++) df[i] = mpt_bf16_to_float(s16[i]);
+    } else {
+        for (i = 0; i < n; i++) d16[i] = mpt_float_to_half(mpt_bf16_to_float(s16[i]));
+    }
+}
+
+/* Defined below, in @impl-convert. */
+#if MPT__X86
+static MPT__TARGET_AVX2 void mpt__convert_avx2(mpt_dtype dst_dtype, void *dst,
+                                              mpt_dtype src_dtype, const void *src,
+                                              int64_t n);
+static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *dst,
+                                                  mpt_dtype src_dtype, const void *src,
+                                                  int64_t n);
+#endif
+
+/* The fastest kernel the CPU bits allow for this dtype pair. */
+static mpt__convert_fn mpt__convert_kernel(int cpu, mpt_dtype dst_dtype, mpt_dtype src_dtype) {
+#if MPT__X86
+    int f16 = dst_dtype == MPT_FLOAT16 || src_dtype == MPT_FLOAT16;
+    /* The EVEX vcvtps2ph/vcvtph2ps belong to AVX-512F: no F16C bit needed. */
+    if (cpu & MPT_CPU_AVX512) return mpt__convert_avx512;
+    if ((cpu & MPT_CPU_AVX2) && (!f16 || (cpu & MPT_CPU_F16C))) return mpt__convert_avx2;
+#else
+    (void)cpu;
+    (void)dst_dtype;
+    (void)src_dtype;
+#endif
+    return mpt__convert_scalar;
+}
+
+/* Large conversions are cut into fixed chunks, one task each; every element
+   is converted on its own, so the split never changes a result. One core
+   converts ~10^10 elements/s while the data sit in cache, faster than
+   waking the pool pays back, so only conversions that stream from memory
+   (a few MB and up) are split. */
+#define MPT__CONVERT_CHUNK ((int64_t)1 << 16)
+#define MPT__CONVERT_PARALLEL_MIN ((int64_t)1 << 20)
+
+typedef struct mpt__convert_job {
+    mpt__convert_fn fn;
+    mpt_dtype dst_dtype, src_dtype;
+    char *dst;
+    const char *src;
+    int64_t n;
+} mpt__convert_job;
+
+static void mpt__convert_task(void *arg, int64_t task, int thread) {
+    const mpt__convert_job *job = (const mpt__convert_job *)arg;
+    int64_t begin = task * MPT__CONVERT_CHUNK;
+    int64_t count = MPT__MIN(MPT__CONVERT_CHUNK, job->n - begin);
+    (void)thread;
+    job->fn(job->dst_dtype, job->dst + (size_t)begin * mpt_dtype_size(job->dst_dtype),
+            job->src_dtype, job->src + (size_t)begin * mpt_dtype_size(job->src_dtype), count);
+}
+
+/* Unchecked conversion of n elements between float dtypes (ctx may be NULL:
+   portable path, one thread). Bit-identical to the scalar functions on
+   every path. dst and src must not overlap unless they are the same buffer
+   of the same dtype. */
+static void mpt__convert(const mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
+                         mpt_dtype src_dtype, const void *src, int64_t n) {
+    mpt__convert_job job;
+    if (n <= 0) return; /* also keeps NULL pointers away from memmove */
+    if (dst_dtype == src_dtype) {
+        if (dst != src) memmove(dst, src, (size_t)n * mpt_dtype_size(src_dtype));
+        return;
+    }
+    job.fn = mpt__convert_kernel(ctx ? ctx->cpu : 0, dst_dtype, src_dtype);
+    job.dst_dtype = dst_dtype;
+    job.src_dtype = src_dtype;
+    job.dst = (char *)dst;
+    job.src = (const char *)src;
+    job.n = n;
+    if (ctx && n >= MPT__CONVERT_PARALLEL_MIN) {
+        /* The pool is the only part of the context this touches. Called
+           from inside a task (a layer's own parallel-for), this runs
+           inline on that thread. */
+        mpt__parallel_for((mpt_context *)ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
+                          mpt__convert_task, &job);
+        return;
+    }
+    job.fn(dst_dtype, dst, src_dtype, src, n);
+}
+
+MPTDEF mpt_status mpt_convert(mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
+                              mpt_dtype src_dtype, const void *src, int64_t n) {
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!mpt_dtype_is_float(dst_dtype) || !mpt_dtype_is_float(src_dtype))
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "convert: %s -> %s is not between float dtypes",
+                         mpt_dtype_name(src_dtype), mpt_dtype_name(dst_dtype));
+    if (n < 0) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "convert: count %lld < 0", (long long)n);
+    if (n > 0 && (!dst || !src))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "convert: NULL %s", dst ? "src" : "dst");
+    if (n > 0 && dst_dtype != src_dtype) {
+        /* Elements of different sizes: an overlap would read what was just written. */
+        uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+        if (d < s + (uintptr_t)n * mpt_dtype_size(src_dtype) &&
+            s < d + (uintptr_t)n * mpt_dtype_size(dst_dtype))
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "convert: dst and src overlap (%s -> %s)",
+                             mpt_dtype_name(src_dtype), mpt_dtype_name(dst_dtype));
+    }
+    mpt__convert(ctx, dst_dtype, dst, src_dtype, src, n);
+    return MPT_OK;
+}
 
 #if MPT__X86
 /* The vector kernels load a register of any float dtype as float32 and store

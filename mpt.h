@@ -12899,6 +12899,56 @@ static int mpt__ckpt_can_write(mpt_context *ctx, const char *what, const char *p
     return err;
 }
 
+/* ---- a buffer grown as it is written ---------------------------------------------
+
+   What a file's bytes are written into before the file itself: TensorBoard's
+   and ONNX's protobuf messages, the SVG plot, the profiler's trace and
+   table. A failed allocation sets `failed`, and every later append does
+   nothing, so a writer checks once, at the end. ctx NULL: the default
+   allocator (the plot may be drawn without a context). */
+typedef struct mpt__bytes {
+    const mpt_context *ctx;
+    unsigned char *data; /* (cap) */
+    size_t size, cap;
+    int failed;
+} mpt__bytes;
+
+static void mpt__bytes_release(const mpt_context *ctx, void *data) {
+    if (ctx) mpt__free(ctx, data);
+    else mpt__default_free(NULL, data);
+}
+
+static void mpt__bytes_free(mpt__bytes *b) {
+    mpt__bytes_release(b->ctx, b->data);
+    b->data = NULL;
+    b->size = b->cap = 0;
+}
+
+/* Room for `more` bytes after the `size` written; 0 once an allocation
+   failed (now or before). */
+static int mpt__bytes_reserve(mpt__bytes *b, size_t more) {
+    unsigned char *grown;
+    size_t cap;
+    if (b->failed) return 0;
+    if (b->size + more <= b->cap) return 1;
+    if (more > SIZE_MAX / 4 - b->size) {
+        b->failed = 1;
+        return 0;
+    }
+    cap = MPT__MAX(2 * b->cap, b->size + more + 256);
+    grown = (unsigned char *)(b->ctx ? mpt__alloc(b->ctx, cap)
+                                     : mpt__default_alloc(NULL, cap, MPT__ALIGN));
+    if (!grown) {
+        b->failed = 1;
+        return 0;
+    }
+    if (b->size) memcpy(grown, b->data, b->size);
+    mpt__bytes_release(b->ctx, b->data);
+    b->data = grown;
+    b->cap = cap;
+    return 1;
+}
+
 /* =============================================================================
    @impl-idx: reading files, plain or gzip-compressed, and the IDX format
    ============================================================================= */
@@ -15484,37 +15534,13 @@ static void mpt__tb_put_le(unsigned char *dst, uint64_t v, int bytes) {
 
 /* ---- protobuf encoding --------------------------------------------------------- */
 
-/* A growing buffer a message is encoded into. A failed allocation sets
-   `failed`, and every later append does nothing. */
-typedef struct mpt__pb {
-    const mpt_context *ctx;
-    unsigned char *data;
-    size_t size, cap;
-    int failed;
-} mpt__pb;
+/* A message is encoded into a buffer grown as it is written (@impl-files). */
+typedef mpt__bytes mpt__pb;
 
 enum { MPT__PB_VARINT = 0, MPT__PB_FIXED64 = 1, MPT__PB_LEN = 2, MPT__PB_FIXED32 = 5 };
 
-static int mpt__pb_reserve(mpt__pb *b, size_t more) {
-    unsigned char *grown;
-    size_t cap;
-    if (b->failed) return 0;
-    if (b->size + more <= b->cap) return 1;
-    cap = MPT__MAX(2 * b->cap, b->size + more + 256);
-    grown = (unsigned char *)mpt__alloc(b->ctx, cap);
-    if (!grown) {
-        b->failed = 1;
-        return 0;
-    }
-    if (b->size) memcpy(grown, b->data, b->size);
-    mpt__free(b->ctx, b->data);
-    b->data = grown;
-    b->cap = cap;
-    return 1;
-}
-
 static void mpt__pb_bytes(mpt__pb *b, const void *src, size_t n) {
-    if (!mpt__pb_reserve(b, n)) return;
+    if (!mpt__bytes_reserve(b, n)) return;
     if (n) memcpy(b->data + b->size, src, n);
     b->size += n;
 }
@@ -15586,7 +15612,7 @@ static void mpt__pb_end(mpt__pb *b, size_t body) {
     if (b->failed) return;
     n = b->size - body;
     k = mpt__pb_varint_bytes(n, len);
-    if (!mpt__pb_reserve(b, k)) return;
+    if (!mpt__bytes_reserve(b, k)) return;
     memmove(b->data + body + k, b->data + body, n);
     memcpy(b->data + body, len, k);
     b->size += k;
@@ -16190,45 +16216,9 @@ MPTDEF void mpt_callback_destroy(mpt_callback *cb) {
    with integer arithmetic, so no locale can put a comma in them; every
    caller's string goes through mpt__svg_escaped. */
 
-/* The SVG text, grown as it is written; oom once an allocation failed. */
-typedef struct mpt__svg {
-    mpt_context *ctx; /* whose allocator; NULL: malloc */
-    char *text;       /* (cap) */
-    size_t len, cap;
-    int oom;
-} mpt__svg;
-
-static void *mpt__svg_alloc(mpt_context *ctx, size_t bytes) {
-    return ctx ? mpt__alloc(ctx, bytes) : mpt__default_alloc(NULL, bytes, MPT__ALIGN);
-}
-
-static void mpt__svg_free(mpt_context *ctx, void *ptr) {
-    if (ctx) mpt__free(ctx, ptr);
-    else mpt__default_free(NULL, ptr);
-}
-
-/* Room for `more` bytes and a terminating 0. */
-static int mpt__svg_reserve(mpt__svg *b, size_t more) {
-    size_t cap = b->cap ? b->cap : 16384;
-    char *grown;
-    if (b->oom) return 0;
-    if (more > SIZE_MAX / 4 - b->len) {
-        b->oom = 1;
-        return 0;
-    }
-    if (b->len + more < b->cap) return 1;
-    while (cap <= b->len + more) cap *= 2;
-    grown = (char *)mpt__svg_alloc(b->ctx, cap);
-    if (!grown) {
-        b->oom = 1;
-        return 0;
-    }
-    if (b->len) memcpy(grown, b->text, b->len);
-    mpt__svg_free(b->ctx, b->text);
-    b->text = grown;
-    b->cap = cap;
-    return 1;
-}
+/* The SVG text, in a buffer grown as it is written (@impl-files); the
+   text is kept 0-terminated. */
+typedef mpt__bytes mpt__svg;
 
 static void mpt__svg_printf(mpt__svg *b, const char *fmt, ...) {
     va_list ap;
@@ -16236,12 +16226,12 @@ static void mpt__svg_printf(mpt__svg *b, const char *fmt, ...) {
     va_start(ap, fmt);
     n = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
-    if (n < 0) b->oom = 1;
-    if (n < 0 || !mpt__svg_reserve(b, (size_t)n)) return;
+    if (n < 0) b->failed = 1;
+    if (n < 0 || !mpt__bytes_reserve(b, (size_t)n + 1)) return;
     va_start(ap, fmt);
-    vsnprintf(b->text + b->len, (size_t)n + 1, fmt, ap);
+    vsnprintf((char *)b->data + b->size, (size_t)n + 1, fmt, ap);
     va_end(ap);
-    b->len += (size_t)n;
+    b->size += (size_t)n;
 }
 
 static int mpt__st_utf8_len(const unsigned char *p, int64_t avail);
@@ -16674,11 +16664,11 @@ MPTDEF mpt_status mpt_history_plot_svg(const mpt_history *history, const char *p
     svg.ctx = d.ctx;
     mpt__plot_draw(&svg, history, panels, n, width, height,
                    d.title ? d.title : "Training history");
-    if (svg.oom)
+    if (svg.failed)
         s = mpt__plot_fail(d.ctx, MPT_ERR_OUT_OF_MEMORY, "plot '%s': out of memory", path);
     else
-        s = mpt__plot_write_file(d.ctx, path, svg.text, svg.len);
-    mpt__svg_free(d.ctx, svg.text);
+        s = mpt__plot_write_file(d.ctx, path, (const char *)svg.data, svg.size);
+    mpt__bytes_free(&svg);
     return s;
 }
 /* =============================================================================
@@ -16772,7 +16762,7 @@ static void mpt__profile_free(mpt__profile *P) {
     mpt__free(m->ctx, P->layer);
     mpt__free(m->ctx, P->seconds);
     mpt__free(m->ctx, P->dir);
-    mpt__svg_free(m->ctx, P->table);
+    mpt__free(m->ctx, P->table);
     mpt__free(m->ctx, P);
 }
 
@@ -17337,15 +17327,15 @@ static mpt_status mpt__profile_write_files(mpt__profile *P, const mpt__svg *trac
     if (uname(&names) == 0 && names.nodename[0]) host = names.nodename;
     mpt__profile_sweep_runs(P, host);
     if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[0]) ||
-        (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 0)) != 0)
+        (err = mpt__profile_write(P->m->ctx, path, (const char *)trace->data, trace->size, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #ifndef MPT_NO_ZLIB
     if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[1]) ||
-        (err = mpt__profile_write(P->m->ctx, path, trace->text, trace->len, 1)) != 0)
+        (err = mpt__profile_write(P->m->ctx, path, (const char *)trace->data, trace->size, 1)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
 #endif
     if (mpt__profile_path(path, sizeof path, P->run_dir, host, mpt__profile_suffix[2]) ||
-        (err = mpt__profile_write(P->m->ctx, path, table->text, table->len, 0)) != 0)
+        (err = mpt__profile_write(P->m->ctx, path, (const char *)table->data, table->size, 0)) != 0)
         return mpt__profile_io_failed(P, "write", path, err ? err : ENAMETOOLONG);
     return MPT_OK;
 }
@@ -17375,15 +17365,15 @@ static mpt_status mpt__profile_finish(mpt__profile *P) {
     trace.ctx = table.ctx = m->ctx;
     mpt__profile_trace(&trace, P);
     mpt__profile_table(&table, P);
-    if (trace.oom || table.oom)
+    if (trace.failed || table.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: profiler: out of memory for the trace");
     else
         s = mpt__profile_write_files(P, &trace, &table);
-    mpt__svg_free(m->ctx, trace.text);
-    if (s == MPT_OK && !table.oom) {
-        P->table = table.text;
+    mpt__bytes_free(&trace);
+    if (s == MPT_OK) {
+        P->table = (char *)table.data; /* kept for fit's end: the profile frees it */
     } else {
-        mpt__svg_free(m->ctx, table.text);
+        mpt__bytes_free(&table);
     }
     return s;
 }
@@ -29474,7 +29464,7 @@ static unsigned char *mpt__onnx_initializer(mpt__onnx *o, const char *name, int 
     mpt__pb_string(b, 8, name);
     mpt__pb_key(b, 9, MPT__PB_LEN); /* raw_data */
     mpt__pb_varint(b, bytes);
-    if (!mpt__pb_reserve(b, bytes)) return NULL;
+    if (!mpt__bytes_reserve(b, bytes)) return NULL;
     b->size += bytes;
     return b->data + b->size - bytes;
 }

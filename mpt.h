@@ -1220,7 +1220,22 @@ enum {
                                               labels) or == argmax of target,
                                               the fraction of positions right for
                                               an output of several (as Keras)    */
-    MPT_METRIC_SPARSE_TOP_K = 1 << 1      /* "sparse_top_k_categorical_accuracy" */
+    MPT_METRIC_SPARSE_TOP_K = 1 << 1,     /* "sparse_top_k_categorical_accuracy"
+                                              (sparse labels), or
+                                              "top_k_categorical_accuracy" with
+                                              one-hot targets: the label among
+                                              the top_k highest scores        */
+    MPT_METRIC_TOP_K = MPT_METRIC_SPARSE_TOP_K,
+    /* A regression's errors, as Keras' metrics of these names: the mean
+       over every output value, summed over batches as Keras' Mean does.
+       With the mean squared error loss (the outputs are then the values
+       themselves; with a crossentropy they are class scores). */
+    MPT_METRIC_MEAN_ABSOLUTE_ERROR = 1 << 2,           /* "mean_absolute_error": |y − p|  */
+    MPT_METRIC_MEAN_SQUARED_ERROR = 1 << 3,            /* "mean_squared_error": (y − p)²  */
+    MPT_METRIC_ROOT_MEAN_SQUARED_ERROR = 1 << 4,       /* "root_mean_squared_error": the
+                                                          root of the mean (y − p)²    */
+    MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR = 1 << 5 /* "mean_absolute_percentage_error":
+                                                          100·|y − p| / max(|y|, 1e-7) */
 };
 
 typedef struct mpt_compile_desc {
@@ -1236,7 +1251,7 @@ typedef struct mpt_compile_desc {
 MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc);
 
 /* Up to MPT_MAX_LOGS named values: one epoch's results, or one batch's. */
-#define MPT_MAX_LOGS 16
+#define MPT_MAX_LOGS 32
 typedef struct mpt_logs {
     int count;
     const char *names[MPT_MAX_LOGS];   /* "loss", "accuracy", "val_loss", ... */
@@ -2358,6 +2373,9 @@ typedef struct mpt_step_state {
     double loss_sum;          /* Σ over samples of this epoch's batch losses */
     double correct;           /* samples whose prediction was right        */
     double top_k;             /* samples whose label was in the top k      */
+    double abs_error;         /* Σ over samples of the mean |y − p|,       */
+    double squared_error;     /* of the mean (y − p)²                      */
+    double percent_error;     /* and of the mean 100·|y − p| / max(|y|, ε) */
     double samples;           /* samples tallied                           */
     double sum_squares;       /* Σ g² of the last step's gradients (scaled) */
     int64_t step;             /* training steps taken (keys dropout masks)  */
@@ -2805,22 +2823,47 @@ static inline MPT__HD double mpt__dmul_rn(double a, double b) {
     return MPT__ROUNDED(__dmul_rn(a, b), a * b);
 }
 
+/* The metrics that tally a regression's errors (mpt__error_sums). */
+#define MPT__METRICS_ERRORS                                                  \
+    (MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |       \
+     MPT_METRIC_ROOT_MEAN_SQUARED_ERROR | MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
+
+/* A batch's errors over every output value, in double: Σ |y − p|,
+   Σ (y − p)² and Σ 100·|y − p| / max(|y|, ε), ε = 1e-7 as Keras' epsilon. */
+typedef struct mpt__error_sums {
+    double abs, squared, percent;
+} mpt__error_sums;
+
+static inline MPT__HD void mpt__error_add(mpt__error_sums *e, float pred, float target) {
+    const double d = (double)target - (double)pred, a = fabs(d), y = fabs((double)target);
+    e->abs += a;
+    e->squared += d * d;
+    e->percent += 100.0 * a / (y > 1e-7 ? y : 1e-7);
+}
+
 /* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
-   the batch's mean loss, `correct` and `top_k` counts of rows. A sample
-   whose output has several positions (rows_per_sample) counts once, its
-   positions' hits as fractions of it, so the epoch's accuracy is the
-   fraction of positions right, as Keras' mean over positions, and
-   samples_per_second counts samples. */
+   the batch's mean loss, `correct` and `top_k` counts of rows, `errors`
+   the sums over its rows × K values. A sample whose output has several
+   positions (rows_per_sample) counts once, its positions' hits as
+   fractions of it, so the epoch's accuracy is the fraction of positions
+   right, as Keras' mean over positions, and samples_per_second counts
+   samples; its errors likewise count as their mean over its values. */
 static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, int64_t rows,
-                                           int64_t rows_per_sample, double mean, double correct,
-                                           double top_k) {
+                                           int64_t rows_per_sample, int64_t K, double mean,
+                                           double correct, double top_k,
+                                           const mpt__error_sums *errors) {
     int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
-    double samples = (double)(rows / per);
+    double samples = (double)(rows / per), values = (double)per * (double)K;
     state->loss_sum += mpt__dmul_rn(mean, samples);
     state->samples += samples;
     if (metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
         state->correct += correct / (double)per;
     if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
+    if (metrics & MPT__METRICS_ERRORS) {
+        state->abs_error += errors->abs / values;
+        state->squared_error += errors->squared / values;
+        state->percent_error += errors->percent / values;
+    }
 }
 
 /* ---- the learning rate and the optimizers' update -------------------------
@@ -9268,6 +9311,14 @@ static void mpt__count_hits(int metrics, int k, int from_logits, const mpt_tenso
     }
 }
 
+/* A regression's errors over n output values against float32 targets
+   (mpt__error_add), in order. */
+static void mpt__count_errors(mpt_dtype dtype, const void *pred, const float *target, int64_t n,
+                              mpt__error_sums *errors) {
+    int64_t i;
+    for (i = 0; i < n; i++) mpt__error_add(errors, mpt__load_f32(dtype, pred, i), target[i]);
+}
+
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred) {
@@ -9301,6 +9352,7 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     mpt_tensor pred, target, dpred;
     int64_t shape[2], correct = 0, top_k = 0;
+    mpt__error_sums errors = {0, 0, 0};
     mpt__loss_job j;
     double loss;
     shape[0] = a->rows;
@@ -9319,11 +9371,14 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     j.rows = a->rows;
     /* counted first: dpred may be pred, which the gradient then replaces */
     mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
+    if (a->metrics & MPT__METRICS_ERRORS)
+        mpt__count_errors(a->pred_dtype, a->pred, (const float *)a->target, a->rows * a->K,
+                          &errors);
     loss = mpt__loss_run(ctx, &j,
                          (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
                              (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
-    mpt__loss_tally(a->state, a->metrics, a->rows, a->rows_per_sample, loss, (double)correct,
-                    (double)top_k);
+    mpt__loss_tally(a->state, a->metrics, a->rows, a->rows_per_sample, a->K, loss,
+                    (double)correct, (double)top_k, &errors);
 }
 
 /* How many of a sample's last-axis values make one row. Classes that share
@@ -9399,7 +9454,7 @@ MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc
     mpt__loss_rows(last, m->last_batch, &a);
     a.grad_weight = desc->grad_scale; /* the gradient's multiplier; 0: 1 */
     a.state = &m->state[1];
-    m->be->zero(m->impl, &m->state[1], 4 * sizeof(double)); /* loss_sum .. samples */
+    m->be->zero(m->impl, &m->state[1], offsetof(mpt_step_state, sum_squares)); /* the tallies */
     m->be->loss(m->impl, &a);
     MPT__CHECK(mpt__download(m, &st, &m->state[1], sizeof st));
     *loss = st.loss_sum / st.samples;
@@ -10018,7 +10073,7 @@ static int mpt__model_any_float16(const mpt_model *m) {
 }
 
 static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
-    const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K;
+    const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K | MPT__METRICS_ERRORS;
     if (d->loss.type == MPT_LOSS_NONE)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: loss.type is required (MPT_LOSS_NONE given)");
@@ -10031,6 +10086,14 @@ static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
     if (d->top_k < 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: top_k %d must be >= 0 (0: 5)",
                          d->top_k);
+    /* With a crossentropy the outputs fit sees are class scores (logits
+       where the last activation is fused into the loss), not the values
+       a regression's errors are about. */
+    if ((d->metrics & MPT__METRICS_ERRORS) && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: metrics mean_absolute_error, mean_squared_error, "
+                         "root_mean_squared_error and mean_absolute_percentage_error need the "
+                         "mean_squared_error loss, not %s", mpt__loss_name(d->loss.type));
     return MPT_OK;
 }
 
@@ -10880,6 +10943,9 @@ static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
         st->loss_sum += rs.loss_sum;
         st->correct += rs.correct;
         st->top_k += rs.top_k;
+        st->abs_error += rs.abs_error;
+        st->squared_error += rs.squared_error;
+        st->percent_error += rs.percent_error;
         st->samples += rs.samples;
     }
     mpt__state_to_host(m, st);
@@ -10967,6 +11033,9 @@ typedef struct mpt__tally {
     double correct;      /* accuracy: samples right, a sample of several
                             positions in the fraction of them right   */
     double top_k;        /* sparse top-k accuracy, alike              */
+    double abs_error;    /* Σ over samples of their mean |y − p|,     */
+    double squared_error; /* (y − p)² and                             */
+    double percent_error; /* 100·|y − p| / max(|y|, ε)                */
 } mpt__tally;
 
 /* A tally from the backend's record of it. */
@@ -10975,20 +11044,37 @@ static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
     t->samples = (int64_t)st->samples;
     t->correct = st->correct;
     t->top_k = st->top_k;
+    t->abs_error = st->abs_error;
+    t->squared_error = st->squared_error;
+    t->percent_error = st->percent_error;
 }
 
-/* Loss, accuracy and top-k of a tally into logs, names prefixed ("val_"). */
+/* A metric into logs, named as Keras does: "val_" before it in validation
+   (logs keep the name's pointer: NAME is a string literal). */
+#define MPT__METRIC_LOG(logs, validation, NAME, value) \
+    mpt__logs_set(logs, (validation) ? "val_" NAME : NAME, value)
+
+/* Loss, accuracy, top-k and errors of a tally into logs, names prefixed
+   ("val_"). */
 static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validation,
                             mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0;
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
     if (m->compile.metrics & MPT_METRIC_ACCURACY)
         mpt__logs_set(logs, validation ? "val_accuracy" : "accuracy", t->correct / n);
-    if (m->compile.metrics & MPT_METRIC_SPARSE_TOP_K)
-        mpt__logs_set(logs,
-                      validation ? "val_sparse_top_k_categorical_accuracy"
-                                 : "sparse_top_k_categorical_accuracy",
-                      t->top_k / n);
+    if ((m->compile.metrics & MPT_METRIC_SPARSE_TOP_K) &&
+        m->compile.loss.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
+        MPT__METRIC_LOG(logs, validation, "sparse_top_k_categorical_accuracy", t->top_k / n);
+    else if (m->compile.metrics & MPT_METRIC_SPARSE_TOP_K)
+        MPT__METRIC_LOG(logs, validation, "top_k_categorical_accuracy", t->top_k / n);
+    if (m->compile.metrics & MPT_METRIC_MEAN_ABSOLUTE_ERROR)
+        MPT__METRIC_LOG(logs, validation, "mean_absolute_error", t->abs_error / n);
+    if (m->compile.metrics & MPT_METRIC_MEAN_SQUARED_ERROR)
+        MPT__METRIC_LOG(logs, validation, "mean_squared_error", t->squared_error / n);
+    if (m->compile.metrics & MPT_METRIC_ROOT_MEAN_SQUARED_ERROR)
+        MPT__METRIC_LOG(logs, validation, "root_mean_squared_error", sqrt(t->squared_error / n));
+    if (m->compile.metrics & MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
+        MPT__METRIC_LOG(logs, validation, "mean_absolute_percentage_error", t->percent_error / n);
 }
 
 /* ---- one step ------------------------------------------------------------------ */
@@ -11300,17 +11386,23 @@ static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int b, mpt__step_ti
    training scalars brought up to date. */
 static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     mpt_step_state st;
-    double sum[4];
+    double sum[7];
     MPT__CHECK(mpt__state_pull(m, &st)); /* summed over this process's replicas */
     sum[0] = st.loss_sum;
     sum[1] = st.correct;
     sum[2] = st.top_k;
     sum[3] = st.samples;
-    MPT__CHECK(mpt__workers_sum(m, sum, 4, 1, "summing the metrics")); /* and the workers' */
+    sum[4] = st.abs_error;
+    sum[5] = st.squared_error;
+    sum[6] = st.percent_error;
+    MPT__CHECK(mpt__workers_sum(m, sum, 7, 1, "summing the metrics")); /* and the workers' */
     st.loss_sum = sum[0];
     st.correct = sum[1];
     st.top_k = sum[2];
     st.samples = sum[3];
+    st.abs_error = sum[4];
+    st.squared_error = sum[5];
+    st.percent_error = sum[6];
     mpt__tally_from_state(&st, t);
     return MPT_OK;
 }
@@ -11525,7 +11617,7 @@ static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compil
 
 /* Evaluation's record on the backend: tallies zeroed. */
 static mpt_status mpt__state_reset_evaluation(mpt_model *m) {
-    m->be->zero(m->impl, &m->state[1], 4 * sizeof(double)); /* loss_sum .. samples */
+    m->be->zero(m->impl, &m->state[1], offsetof(mpt_step_state, sum_squares)); /* the tallies */
     return MPT_OK;
 }
 
@@ -26967,6 +27059,17 @@ static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows,
     t->top_k += (double)top_k / (double)rows_per_sample;
 }
 
+/* A batch's regression errors (b samples of `per` values) added to t as
+   the float model's are (mpt__loss_tally). */
+static void mpt__q_tally_errors(const float *pred, const float *target, int64_t b, int64_t per,
+                                mpt__tally *t) {
+    mpt__error_sums e = {0, 0, 0};
+    mpt__count_errors(MPT_FLOAT32, pred, target, b * per, &e);
+    t->abs_error += e.abs / (double)per;
+    t->squared_error += e.squared / (double)per;
+    t->percent_error += e.percent / (double)per;
+}
+
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
@@ -27013,6 +27116,8 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         t.samples += b;
         classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
         mpt__q_tally_batch(m, pred, b * (per / classes), classes, per / classes, &y, &t);
+        if (m->compile.metrics & MPT__METRICS_ERRORS)
+            mpt__q_tally_errors(pred, (const float *)y.data, b, per, &t);
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);

@@ -1380,6 +1380,9 @@ static void test_loss(void) {
                         a.K = K;
                         a.rows_per_sample = per;
                         a.metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K;
+                        if (lt == MPT_LOSS_MEAN_SQUARED_ERROR) /* a regression's errors too */
+                            a.metrics |= MPT_METRIC_MEAN_ABSOLUTE_ERROR |
+                                         MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR;
                         a.top_k = 5;
                         a.scale_by_loss_scale = (int)(v % 2);
                         a.state = (mpt_step_state *)be_upload(b, &st, sizeof st);
@@ -1400,6 +1403,18 @@ static void test_loss(void) {
                           "%s: samples/correct/top_k GPU %g/%g/%g, CPU %g/%g/%g (exact)", what,
                           res[1]->samples, res[1]->correct, res[1]->top_k, res[0]->samples,
                           res[0]->correct, res[0]->top_k);
+                    /* sums of doubles in another order: 1e-12 relative */
+                    CHECK(fabs(res[1]->abs_error - res[0]->abs_error) <=
+                                  1e-12 * fabs(res[0]->abs_error) &&
+                              fabs(res[1]->squared_error - res[0]->squared_error) <=
+                                  1e-12 * fabs(res[0]->squared_error) &&
+                              fabs(res[1]->percent_error - res[0]->percent_error) <=
+                                  1e-12 * fabs(res[0]->percent_error),
+                          "%s: errors GPU %.17g/%.17g/%.17g, CPU %.17g/%.17g/%.17g", what,
+                          res[1]->abs_error, res[1]->squared_error, res[1]->percent_error,
+                          res[0]->abs_error, res[0]->squared_error, res[0]->percent_error);
+                    CHECK((lt == MPT_LOSS_MEAN_SQUARED_ERROR) == (res[0]->abs_error > 0),
+                          "%s: CPU abs_error %g", what, res[0]->abs_error);
                     if (dpred[0]) {
                         double err = rel_error(dt, dpred[1], dt, dpred[0], rows * K);
                         CHECK(err <= tolerance(dt), "%s: dpred relative error %.3g > %g", what, err,

@@ -121,6 +121,144 @@ static void test_fit_learns_and_reports(void) {
     mpt_dataset_destroy(d);
 }
 
+/* ---- a regression's metrics --------------------------------------------------- */
+
+enum { N_REG = 120, REG_IN = 4, REG_OUT = 2 };
+
+/* A dataset of float x (n, REG_IN) and float targets (n, REG_OUT). */
+static mpt_dataset *regression_dataset(float *x, float *y, int64_t n) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){n, REG_IN}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){n, REG_OUT}, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+/* mean_absolute_error, mean_squared_error, root_mean_squared_error and
+   mean_absolute_percentage_error in fit's history (and their val_ twins)
+   and in evaluate's logs equal Keras' definitions computed in double from
+   predict's outputs, over uneven batches, in float32 and mixed_float16;
+   a target of 0 takes Keras' epsilon; a crossentropy refuses them. */
+static void test_regression_metrics(void) {
+    static float x[N_REG * REG_IN], y[N_REG * REG_OUT];
+    const int metrics = MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |
+                        MPT_METRIC_ROOT_MEAN_SQUARED_ERROR |
+                        MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR;
+    mpt_policy policies[2] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16};
+    mpt_dataset *d;
+    int64_t i, k;
+    int pi;
+    for (i = 0; i < N_REG; i++) {
+        for (k = 0; k < REG_IN; k++) x[i * REG_IN + k] = (float)test_uniform(-1, 1);
+        y[i * REG_OUT] = 2 * x[i * REG_IN] - x[i * REG_IN + 1] + (float)test_uniform(-0.1, 0.1);
+        y[i * REG_OUT + 1] = x[i * REG_IN + 2] * x[i * REG_IN + 3] + 0.5f;
+    }
+    y[5 * REG_OUT] = 0; /* |y| < epsilon: divided by 1e-7 */
+    d = regression_dataset(x, y, N_REG);
+    for (pi = 0; pi < 2; pi++) {
+        mpt_model *m = NULL;
+        mpt_logs logs;
+        mpt_tensor pred;
+        double sum_abs = 0, sum_sq = 0, sum_pct = 0, n = (double)N_REG * REG_OUT;
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {REG_IN}, .input_rank = 1,
+                                                .policy = policies[pi], .seed = 4}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = REG_OUT});
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+                  .loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR}, .metrics = metrics}) == MPT_OK,
+              "compile: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 3, .batch_size = 16,
+                                                  .validation_split = 0.25f}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        CHECK(history_value(m, "mean_absolute_error", 2) < history_value(m, "mean_absolute_error", 0),
+              "mae did not fall: %g -> %g", history_value(m, "mean_absolute_error", 0),
+              history_value(m, "mean_absolute_error", 2));
+        CHECK(fabs(history_value(m, "root_mean_squared_error", 2) -
+                   sqrt(history_value(m, "mean_squared_error", 2))) < 1e-12,
+              "rmse %g, mse %g", history_value(m, "root_mean_squared_error", 2),
+              history_value(m, "mean_squared_error", 2));
+        CHECK(history_value(m, "val_mean_absolute_percentage_error", 2) > 0, "val_mape missing");
+        /* the loss is the mean squared error itself */
+        CHECK(fabs(history_value(m, "mean_squared_error", 2) - history_value(m, "loss", 2)) <
+                  1e-5 * history_value(m, "loss", 2),
+              "mse %g, loss %g", history_value(m, "mean_squared_error", 2),
+              history_value(m, "loss", 2));
+        CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(m, d, 32, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+        for (i = 0; i < N_REG * REG_OUT; i++) {
+            double t = y[i], e = fabs(t - ((const float *)pred.data)[i]);
+            sum_abs += e;
+            sum_sq += e * e;
+            sum_pct += 100 * e / (fabs(t) > 1e-7 ? fabs(t) : 1e-7);
+        }
+        CHECK(fabs(mpt_logs_get(&logs, "mean_absolute_error") - sum_abs / n) <= 1e-12 * sum_abs / n,
+              "%s mae %.17g vs %.17g", mpt_policy_name(policies[pi]),
+              mpt_logs_get(&logs, "mean_absolute_error"), sum_abs / n);
+        CHECK(fabs(mpt_logs_get(&logs, "mean_squared_error") - sum_sq / n) <= 1e-12 * sum_sq / n,
+              "mse %.17g vs %.17g", mpt_logs_get(&logs, "mean_squared_error"), sum_sq / n);
+        CHECK(fabs(mpt_logs_get(&logs, "root_mean_squared_error") - sqrt(sum_sq / n)) <=
+                  1e-12 * sqrt(sum_sq / n),
+              "rmse %.17g vs %.17g", mpt_logs_get(&logs, "root_mean_squared_error"),
+              sqrt(sum_sq / n));
+        CHECK(sum_pct / n > 1e6, "the zero target's term is missing: %g", sum_pct / n);
+        CHECK(fabs(mpt_logs_get(&logs, "mean_absolute_percentage_error") - sum_pct / n) <=
+                  1e-12 * sum_pct / n,
+              "mape %.17g vs %.17g", mpt_logs_get(&logs, "mean_absolute_percentage_error"),
+              sum_pct / n);
+        mpt_tensor_free(ctx, &pred);
+        mpt_model_destroy(m);
+    }
+    mpt_dataset_destroy(d);
+    {
+        mpt_model *m = blob_model(MPT_POLICY_FLOAT32, 3);
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                  .metrics = MPT_METRIC_MEAN_ABSOLUTE_ERROR}) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "need the mean_squared_error loss"),
+              "error metrics with a crossentropy: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+    }
+}
+
+/* With one-hot targets Keras names the top-k metric
+   top_k_categorical_accuracy; it counts as the sparse one does. */
+static void test_top_k_of_one_hot_targets(void) {
+    static float x[N_SYN * FEATURES], onehot[N_SYN * CLASSES];
+    static int32_t y[N_SYN];
+    mpt_logs sparse_logs, logs;
+    mpt_dataset *ds, *dh;
+    mpt_tensor tx, ty;
+    mpt_model *m;
+    int64_t i;
+    make_blobs(x, y, N_SYN, 2);
+    for (i = 0; i < N_SYN; i++) onehot[i * CLASSES + y[i]] = 1;
+    ds = blob_dataset(x, y, N_SYN);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){N_SYN, CLASSES}, onehot);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &dh) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    m = blob_model(MPT_POLICY_FLOAT32, 5);
+    CHECK(mpt_model_evaluate(m, ds, NULL, &sparse_logs) == MPT_OK, "evaluate: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .loss = {.type = MPT_LOSS_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_TOP_K, .top_k = 2}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, dh, NULL, &logs) == MPT_OK, "evaluate: %s", mpt_context_error(ctx));
+    CHECK(isnan(mpt_logs_get(&logs, "sparse_top_k_categorical_accuracy")), "sparse name kept");
+    CHECK(mpt_logs_get(&logs, "top_k_categorical_accuracy") ==
+              mpt_logs_get(&sparse_logs, "sparse_top_k_categorical_accuracy"),
+          "one-hot %g vs sparse %g", mpt_logs_get(&logs, "top_k_categorical_accuracy"),
+          mpt_logs_get(&sparse_logs, "sparse_top_k_categorical_accuracy"));
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(ds);
+    mpt_dataset_destroy(dh);
+}
+
 /* ---- the same seed gives the same run; resuming is bit-identical ---------------------- */
 
 static void test_reproducible_and_resumable(void) {
@@ -977,6 +1115,8 @@ static void test_fashion_mnist_short_run(void) {
 
 static void run_cases(void) {
     TEST_RUN(test_fit_learns_and_reports);
+    TEST_RUN(test_regression_metrics);
+    TEST_RUN(test_top_k_of_one_hot_targets);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
     TEST_RUN(test_default_loss_scale);

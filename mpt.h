@@ -2394,8 +2394,9 @@ typedef struct mpt_step_state {
    (crossentropies) or of the elements, float32 math whatever pred's dtype.
    Adds the batch's mean loss × samples to state->loss_sum, its samples
    (rows / rows_per_sample) to state->samples and (metrics) its correct and
-   top-k rows / rows_per_sample, so that a sample counts once however many
-   positions it has (mpt__loss_tally). Binary crossentropy's units are
+   top-k rows / rows_per_sample and its errors' sums / (rows_per_sample·K),
+   so that a sample counts once however many positions it has
+   (mpt__loss_tally). Binary crossentropy's units are
    rows of one (K = 1), each its own label, so that its accuracy is over
    every unit (mpt__loss_row_width). Writes grad_scale_by_state ·
    d(mean loss)/d(pred) into dpred (which may be pred). Sparse targets are

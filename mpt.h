@@ -1234,8 +1234,14 @@ enum {
     MPT_METRIC_MEAN_SQUARED_ERROR = 1 << 3,            /* "mean_squared_error": (y − p)²  */
     MPT_METRIC_ROOT_MEAN_SQUARED_ERROR = 1 << 4,       /* "root_mean_squared_error": the
                                                           root of the mean (y − p)²    */
-    MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR = 1 << 5 /* "mean_absolute_percentage_error":
-                                                          100·|y − p| / max(|y|, 1e-7) */
+    MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR = 1 << 5, /* "mean_absolute_percentage_error":
+                                                           100·|y − p| / max(|y|, 1e-7) */
+    /* A binary classifier's (binary crossentropy; or mean squared error),
+       as Keras' Precision() and Recall(): every output value counts, a
+       positive prediction being p > 0.5 (a logit > 0), a positive label
+       y != 0; 0 where nothing was predicted (labelled) positive. */
+    MPT_METRIC_PRECISION = 1 << 6,                     /* "precision": TP / (TP + FP)     */
+    MPT_METRIC_RECALL = 1 << 7                         /* "recall": TP / (TP + FN)        */
 };
 
 typedef struct mpt_compile_desc {
@@ -2376,6 +2382,9 @@ typedef struct mpt_step_state {
     double abs_error;         /* Σ over samples of the mean |y − p|,       */
     double squared_error;     /* of the mean (y − p)²                      */
     double percent_error;     /* and of the mean 100·|y − p| / max(|y|, ε) */
+    double true_positives;    /* output values predicted positive, rightly */
+    double false_positives;   /* wrongly                                   */
+    double false_negatives;   /* predicted negative, wrongly               */
     double samples;           /* samples tallied                           */
     double sum_squares;       /* Σ g² of the last step's gradients (scaled) */
     int64_t step;             /* training steps taken (keys dropout masks)  */
@@ -2824,22 +2833,34 @@ static inline MPT__HD double mpt__dmul_rn(double a, double b) {
     return MPT__ROUNDED(__dmul_rn(a, b), a * b);
 }
 
-/* The metrics that tally a regression's errors (mpt__error_sums). */
+/* The metrics that tally every output value (mpt__value_sums): a
+   regression's errors, a binary classifier's confusion counts. */
 #define MPT__METRICS_ERRORS                                                  \
     (MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |       \
      MPT_METRIC_ROOT_MEAN_SQUARED_ERROR | MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
+#define MPT__METRICS_CONFUSION (MPT_METRIC_PRECISION | MPT_METRIC_RECALL)
+#define MPT__METRICS_VALUES (MPT__METRICS_ERRORS | MPT__METRICS_CONFUSION)
 
-/* A batch's errors over every output value, in double: Σ |y − p|,
-   Σ (y − p)² and Σ 100·|y − p| / max(|y|, ε), ε = 1e-7 as Keras' epsilon. */
-typedef struct mpt__error_sums {
+/* A batch's sums over every output value, in double: Σ |y − p|,
+   Σ (y − p)² and Σ 100·|y − p| / max(|y|, ε), ε = 1e-7 as Keras'
+   epsilon; and the counts of true positives, false positives and false
+   negatives (p past the threshold: 0 for logits, 0.5 for probabilities;
+   y != 0 a positive label, as Keras casts labels to bool). */
+typedef struct mpt__value_sums {
     double abs, squared, percent;
-} mpt__error_sums;
+    double tp, fp, fn;
+} mpt__value_sums;
 
-static inline MPT__HD void mpt__error_add(mpt__error_sums *e, float pred, float target) {
+static inline MPT__HD void mpt__value_add(mpt__value_sums *e, float pred, float target,
+                                          int from_logits) {
     const double d = (double)target - (double)pred, a = fabs(d), y = fabs((double)target);
+    const int predicted = pred > (from_logits ? 0.0f : 0.5f), labelled = target != 0.0f;
     e->abs += a;
     e->squared += d * d;
     e->percent += 100.0 * a / (y > 1e-7 ? y : 1e-7);
+    e->tp += predicted && labelled;
+    e->fp += predicted && !labelled;
+    e->fn += !predicted && labelled;
 }
 
 /* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
@@ -2852,7 +2873,7 @@ static inline MPT__HD void mpt__error_add(mpt__error_sums *e, float pred, float 
 static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, int64_t rows,
                                            int64_t rows_per_sample, int64_t K, double mean,
                                            double correct, double top_k,
-                                           const mpt__error_sums *errors) {
+                                           const mpt__value_sums *errors) {
     int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
     double samples = (double)(rows / per), values = (double)per * (double)K;
     state->loss_sum += mpt__dmul_rn(mean, samples);
@@ -2864,6 +2885,11 @@ static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, i
         state->abs_error += errors->abs / values;
         state->squared_error += errors->squared / values;
         state->percent_error += errors->percent / values;
+    }
+    if (metrics & MPT__METRICS_CONFUSION) {
+        state->true_positives += errors->tp;
+        state->false_positives += errors->fp;
+        state->false_negatives += errors->fn;
     }
 }
 
@@ -9312,12 +9338,13 @@ static void mpt__count_hits(int metrics, int k, int from_logits, const mpt_tenso
     }
 }
 
-/* A regression's errors over n output values against float32 targets
-   (mpt__error_add), in order. */
-static void mpt__count_errors(mpt_dtype dtype, const void *pred, const float *target, int64_t n,
-                              mpt__error_sums *errors) {
+/* The sums over n output values against float32 targets (mpt__value_add),
+   in order. */
+static void mpt__count_values(mpt_dtype dtype, const void *pred, const float *target, int64_t n,
+                              int from_logits, mpt__value_sums *sums) {
     int64_t i;
-    for (i = 0; i < n; i++) mpt__error_add(errors, mpt__load_f32(dtype, pred, i), target[i]);
+    for (i = 0; i < n; i++)
+        mpt__value_add(sums, mpt__load_f32(dtype, pred, i), target[i], from_logits);
 }
 
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
@@ -9353,7 +9380,7 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     mpt_tensor pred, target, dpred;
     int64_t shape[2], correct = 0, top_k = 0;
-    mpt__error_sums errors = {0, 0, 0};
+    mpt__value_sums errors = {0, 0, 0, 0, 0, 0};
     mpt__loss_job j;
     double loss;
     shape[0] = a->rows;
@@ -9372,9 +9399,9 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     j.rows = a->rows;
     /* counted first: dpred may be pred, which the gradient then replaces */
     mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
-    if (a->metrics & MPT__METRICS_ERRORS)
-        mpt__count_errors(a->pred_dtype, a->pred, (const float *)a->target, a->rows * a->K,
-                          &errors);
+    if (a->metrics & MPT__METRICS_VALUES)
+        mpt__count_values(a->pred_dtype, a->pred, (const float *)a->target, a->rows * a->K,
+                          a->from_logits, &errors);
     loss = mpt__loss_run(ctx, &j,
                          (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
                              (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
@@ -10074,7 +10101,7 @@ static int mpt__model_any_float16(const mpt_model *m) {
 }
 
 static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
-    const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K | MPT__METRICS_ERRORS;
+    const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K | MPT__METRICS_VALUES;
     if (d->loss.type == MPT_LOSS_NONE)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: loss.type is required (MPT_LOSS_NONE given)");
@@ -10095,6 +10122,13 @@ static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
                          "compile: metrics mean_absolute_error, mean_squared_error, "
                          "root_mean_squared_error and mean_absolute_percentage_error need the "
                          "mean_squared_error loss, not %s", mpt__loss_name(d->loss.type));
+    /* A softmax's classes are not each a yes or no against 0.5 here. */
+    if ((d->metrics & MPT__METRICS_CONFUSION) &&
+        d->loss.type != MPT_LOSS_BINARY_CROSSENTROPY && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: metrics precision and recall count binary outputs: they need "
+                         "the binary_crossentropy or mean_squared_error loss, not %s",
+                         mpt__loss_name(d->loss.type));
     return MPT_OK;
 }
 
@@ -10947,6 +10981,9 @@ static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
         st->abs_error += rs.abs_error;
         st->squared_error += rs.squared_error;
         st->percent_error += rs.percent_error;
+        st->true_positives += rs.true_positives;
+        st->false_positives += rs.false_positives;
+        st->false_negatives += rs.false_negatives;
         st->samples += rs.samples;
     }
     mpt__state_to_host(m, st);
@@ -11037,6 +11074,8 @@ typedef struct mpt__tally {
     double abs_error;    /* Σ over samples of their mean |y − p|,     */
     double squared_error; /* (y − p)² and                             */
     double percent_error; /* 100·|y − p| / max(|y|, ε)                */
+    double tp, fp, fn;   /* output values: true positives, false ones,
+                            false negatives                           */
 } mpt__tally;
 
 /* A tally from the backend's record of it. */
@@ -11048,6 +11087,9 @@ static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
     t->abs_error = st->abs_error;
     t->squared_error = st->squared_error;
     t->percent_error = st->percent_error;
+    t->tp = st->true_positives;
+    t->fp = st->false_positives;
+    t->fn = st->false_negatives;
 }
 
 /* A metric into logs, named as Keras does: "val_" before it in validation
@@ -11076,6 +11118,10 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
         MPT__METRIC_LOG(logs, validation, "root_mean_squared_error", sqrt(t->squared_error / n));
     if (m->compile.metrics & MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
         MPT__METRIC_LOG(logs, validation, "mean_absolute_percentage_error", t->percent_error / n);
+    if (m->compile.metrics & MPT_METRIC_PRECISION)
+        MPT__METRIC_LOG(logs, validation, "precision", t->tp > 0 ? t->tp / (t->tp + t->fp) : 0.0);
+    if (m->compile.metrics & MPT_METRIC_RECALL)
+        MPT__METRIC_LOG(logs, validation, "recall", t->tp > 0 ? t->tp / (t->tp + t->fn) : 0.0);
 }
 
 /* ---- one step ------------------------------------------------------------------ */
@@ -11387,7 +11433,7 @@ static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int b, mpt__step_ti
    training scalars brought up to date. */
 static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     mpt_step_state st;
-    double sum[7];
+    double sum[10];
     MPT__CHECK(mpt__state_pull(m, &st)); /* summed over this process's replicas */
     sum[0] = st.loss_sum;
     sum[1] = st.correct;
@@ -11396,7 +11442,10 @@ static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     sum[4] = st.abs_error;
     sum[5] = st.squared_error;
     sum[6] = st.percent_error;
-    MPT__CHECK(mpt__workers_sum(m, sum, 7, 1, "summing the metrics")); /* and the workers' */
+    sum[7] = st.true_positives;
+    sum[8] = st.false_positives;
+    sum[9] = st.false_negatives;
+    MPT__CHECK(mpt__workers_sum(m, sum, 10, 1, "summing the metrics")); /* and the workers' */
     st.loss_sum = sum[0];
     st.correct = sum[1];
     st.top_k = sum[2];
@@ -11404,6 +11453,9 @@ static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     st.abs_error = sum[4];
     st.squared_error = sum[5];
     st.percent_error = sum[6];
+    st.true_positives = sum[7];
+    st.false_positives = sum[8];
+    st.false_negatives = sum[9];
     mpt__tally_from_state(&st, t);
     return MPT_OK;
 }
@@ -27060,15 +27112,18 @@ static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows,
     t->top_k += (double)top_k / (double)rows_per_sample;
 }
 
-/* A batch's regression errors (b samples of `per` values) added to t as
-   the float model's are (mpt__loss_tally). */
-static void mpt__q_tally_errors(const float *pred, const float *target, int64_t b, int64_t per,
-                                mpt__tally *t) {
-    mpt__error_sums e = {0, 0, 0};
-    mpt__count_errors(MPT_FLOAT32, pred, target, b * per, &e);
+/* A batch's sums over its values (b samples of `per` values) added to t
+   as the float model's are (mpt__loss_tally). */
+static void mpt__q_tally_values(const float *pred, const float *target, int64_t b, int64_t per,
+                                int from_logits, mpt__tally *t) {
+    mpt__value_sums e = {0, 0, 0, 0, 0, 0};
+    mpt__count_values(MPT_FLOAT32, pred, target, b * per, from_logits, &e);
     t->abs_error += e.abs / (double)per;
     t->squared_error += e.squared / (double)per;
     t->percent_error += e.percent / (double)per;
+    t->tp += e.tp;
+    t->fp += e.fp;
+    t->fn += e.fn;
 }
 
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
@@ -27117,8 +27172,9 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         t.samples += b;
         classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
         mpt__q_tally_batch(m, pred, b * (per / classes), classes, per / classes, &y, &t);
-        if (m->compile.metrics & MPT__METRICS_ERRORS)
-            mpt__q_tally_errors(pred, (const float *)y.data, b, per, &t);
+        if (m->compile.metrics & MPT__METRICS_VALUES)
+            mpt__q_tally_values(pred, (const float *)y.data, b, per,
+                                m->compile.loss.from_logits, &t);
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);

@@ -3545,7 +3545,7 @@ static constexpr int mpt__cuda_tensors_per_launch = 48;     /* multi-tensor tabl
 /* One loss block's sums over its rows. */
 typedef struct mpt__cuda_loss_partial {
     double loss, correct, top_k;
-    mpt__error_sums errors; /* a regression's (mpt.h's mpt__error_add) */
+    mpt__value_sums values; /* sums over output values (mpt.h's mpt__value_add) */
 } mpt__cuda_loss_partial;
 
 /* Device buffers of the training kernels, allocated once per backend. */
@@ -3830,25 +3830,36 @@ static __device__ void mpt__cuda_loss_tally_row(const mpt__cuda_loss_params &p, 
     }
 }
 
-/* A regression's errors over row r (mpt.h's mpt__error_add, each lane
-   its every 32nd value, then the lanes' sums added), for lane 0. Reads
-   pred only. */
-static __device__ mpt__error_sums mpt__cuda_loss_errors_row(const mpt__cuda_loss_params &p,
+/* The sums over row r's values (mpt.h's mpt__value_add, each lane its
+   every 32nd value, then the lanes' sums added), for lane 0. Reads pred
+   only. */
+static __device__ void mpt__cuda_values_warp_sum(mpt__value_sums *e) {
+    e->abs = mpt__cuda_train_warp_sum(e->abs);
+    e->squared = mpt__cuda_train_warp_sum(e->squared);
+    e->percent = mpt__cuda_train_warp_sum(e->percent);
+    e->tp = mpt__cuda_train_warp_sum(e->tp);
+    e->fp = mpt__cuda_train_warp_sum(e->fp);
+    e->fn = mpt__cuda_train_warp_sum(e->fn);
+}
+
+static __device__ mpt__value_sums mpt__cuda_loss_values_row(const mpt__cuda_loss_params &p,
                                                             int64_t r, int lane) {
-    mpt__error_sums e = {0, 0, 0};
+    mpt__value_sums e = {0, 0, 0, 0, 0, 0};
     for (int64_t c = lane; c < p.K; c += 32)
-        mpt__error_add(&e, mpt__cuda_loss_pred(p, r * p.K + c), mpt__cuda_loss_target(p, r, c, 0));
-    e.abs = mpt__cuda_train_warp_sum(e.abs);
-    e.squared = mpt__cuda_train_warp_sum(e.squared);
-    e.percent = mpt__cuda_train_warp_sum(e.percent);
+        mpt__value_add(&e, mpt__cuda_loss_pred(p, r * p.K + c), mpt__cuda_loss_target(p, r, c, 0),
+                       p.from_logits);
+    mpt__cuda_values_warp_sum(&e);
     return e;
 }
 
-static __device__ __forceinline__ void mpt__cuda_errors_add(mpt__error_sums *to,
-                                                            const mpt__error_sums &e) {
+static __device__ __forceinline__ void mpt__cuda_values_add(mpt__value_sums *to,
+                                                            const mpt__value_sums &e) {
     to->abs += e.abs;
     to->squared += e.squared;
     to->percent += e.percent;
+    to->tp += e.tp;
+    to->fp += e.fp;
+    to->fn += e.fn;
 }
 
 /* The row losses and gradients. One warp per row; block b takes the rows
@@ -3861,11 +3872,11 @@ static __global__ void __launch_bounds__(mpt__cuda_train_threads)
 mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
     __shared__ double warp_loss[mpt__cuda_train_warps];
     __shared__ int warp_correct[mpt__cuda_train_warps], warp_top_k[mpt__cuda_train_warps];
-    __shared__ mpt__error_sums warp_errors[mpt__cuda_train_warps];
+    __shared__ mpt__value_sums warp_values[mpt__cuda_train_warps];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r0 = p.rows * blockIdx.x / gridDim.x, r1 = p.rows * (blockIdx.x + 1) / gridDim.x;
     const bool tally = (p.metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K)) != 0;
-    const bool errors = (p.metrics & MPT__METRICS_ERRORS) != 0;
+    const bool values = (p.metrics & MPT__METRICS_VALUES) != 0;
     const bool categorical = p.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
                              p.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
     float scale = p.scale_by_loss_scale ? p.state->loss_scale : 1.0f;
@@ -3873,13 +3884,13 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
         (float)((scale != 0 ? (double)scale : 1.0) * (double)p.grad_weight / p.count);
     double loss_sum = 0;
     int correct_sum = 0, top_k_sum = 0;
-    mpt__error_sums errors_sum = {0, 0, 0};
+    mpt__value_sums values_sum = {0, 0, 0, 0, 0, 0};
     for (int64_t r = r0 + warp; r < r1; r += mpt__cuda_train_warps) {
         int label = mpt__cuda_loss_sparse(p) ? ((const int32_t *)p.target)[r] : 0;
         int correct = 0, top_k = 0;
         double loss;
         if (tally) mpt__cuda_loss_tally_row(p, r, label, lane, &correct, &top_k);
-        if (errors) mpt__cuda_errors_add(&errors_sum, mpt__cuda_loss_errors_row(p, r, lane));
+        if (values) mpt__cuda_values_add(&values_sum, mpt__cuda_loss_values_row(p, r, lane));
         __syncwarp(); /* the tally's reads of other lanes' classes come before any write */
         if (!categorical) loss = mpt__cuda_elementwise_row(p, r, lane, gscale);
         else if (p.from_logits) loss = mpt__cuda_xent_logits_row(p, r, label, lane, gscale);
@@ -3892,16 +3903,16 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
         warp_loss[warp] = loss_sum;
         warp_correct[warp] = correct_sum;
         warp_top_k[warp] = top_k_sum;
-        warp_errors[warp] = errors_sum;
+        warp_values[warp] = values_sum;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        mpt__cuda_loss_partial out = {0, 0, 0, {0, 0, 0}};
+        mpt__cuda_loss_partial out = {0, 0, 0, {0, 0, 0, 0, 0, 0}};
         for (int w = 0; w < mpt__cuda_train_warps; w++) {
             out.loss += warp_loss[w];
             out.correct += (double)warp_correct[w];
             out.top_k += (double)warp_top_k[w];
-            mpt__cuda_errors_add(&out.errors, warp_errors[w]);
+            mpt__cuda_values_add(&out.values, warp_values[w]);
         }
         p.partials[blockIdx.x] = out;
     }
@@ -3913,12 +3924,12 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
 mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
     double loss = 0, correct = 0, top_k = 0;
-    mpt__error_sums e = {0, 0, 0};
+    mpt__value_sums e = {0, 0, 0, 0, 0, 0};
     for (int i = threadIdx.x; i < n_partials; i += blockDim.x) {
         loss += p.partials[i].loss;
         correct += p.partials[i].correct;
         top_k += p.partials[i].top_k;
-        mpt__cuda_errors_add(&e, p.partials[i].errors);
+        mpt__cuda_values_add(&e, p.partials[i].values);
     }
     loss = mpt__cuda_train_block_sum(loss);
     correct = mpt__cuda_train_block_sum(correct);
@@ -3926,6 +3937,9 @@ mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
     e.abs = mpt__cuda_train_block_sum(e.abs);
     e.squared = mpt__cuda_train_block_sum(e.squared);
     e.percent = mpt__cuda_train_block_sum(e.percent);
+    e.tp = mpt__cuda_train_block_sum(e.tp);
+    e.fp = mpt__cuda_train_block_sum(e.fp);
+    e.fn = mpt__cuda_train_block_sum(e.fn);
     if (threadIdx.x == 0)
         mpt__loss_tally(p.state, p.metrics, p.rows, p.rows_per_sample, p.K, loss / p.count,
                         correct, top_k, &e);

@@ -1383,6 +1383,8 @@ static void test_loss(void) {
                         if (lt == MPT_LOSS_MEAN_SQUARED_ERROR) /* a regression's errors too */
                             a.metrics |= MPT_METRIC_MEAN_ABSOLUTE_ERROR |
                                          MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR;
+                        if (lt == MPT_LOSS_MEAN_SQUARED_ERROR || lt == MPT_LOSS_BINARY_CROSSENTROPY)
+                            a.metrics |= MPT_METRIC_PRECISION | MPT_METRIC_RECALL;
                         a.top_k = 5;
                         a.scale_by_loss_scale = (int)(v % 2);
                         a.state = (mpt_step_state *)be_upload(b, &st, sizeof st);
@@ -1415,6 +1417,13 @@ static void test_loss(void) {
                           res[0]->abs_error, res[0]->squared_error, res[0]->percent_error);
                     CHECK((lt == MPT_LOSS_MEAN_SQUARED_ERROR) == (res[0]->abs_error > 0),
                           "%s: CPU abs_error %g", what, res[0]->abs_error);
+                    CHECK(res[1]->true_positives == res[0]->true_positives &&
+                              res[1]->false_positives == res[0]->false_positives &&
+                              res[1]->false_negatives == res[0]->false_negatives,
+                          "%s: TP/FP/FN GPU %g/%g/%g, CPU %g/%g/%g (exact)", what,
+                          res[1]->true_positives, res[1]->false_positives,
+                          res[1]->false_negatives, res[0]->true_positives,
+                          res[0]->false_positives, res[0]->false_negatives);
                     if (dpred[0]) {
                         double err = rel_error(dt, dpred[1], dt, dpred[0], rows * K);
                         CHECK(err <= tolerance(dt), "%s: dpred relative error %.3g > %g", what, err,

@@ -224,6 +224,64 @@ static void test_regression_metrics(void) {
     }
 }
 
+/* precision and recall of a binary classifier (a sigmoid unit and binary
+   crossentropy, its sigmoid fused into the loss during fit) as Keras
+   counts them, from predict's probabilities against 0.5, over uneven
+   batches; with the history's val_ twins; refused with a softmax. */
+static void test_precision_and_recall(void) {
+    static float x[N_SYN * FEATURES], t[N_SYN];
+    static int32_t y[N_SYN];
+    mpt_dataset *d;
+    mpt_tensor tx, ty, pred;
+    mpt_model *m = NULL;
+    mpt_logs logs;
+    double tp = 0, fp = 0, fn = 0;
+    int64_t i;
+    make_blobs(x, y, N_SYN, 3);
+    for (i = 0; i < N_SYN; i++) t[i] = y[i] == 1 ? 1.0f : 0.0f; /* class 1 against the rest */
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){N_SYN, 1}, t);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 6}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = MPT_ACT_SIGMOID});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.learning_rate = 0.05f}, .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
+              .metrics = MPT_METRIC_PRECISION | MPT_METRIC_RECALL}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32,
+                                              .validation_split = 0.25f}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(history_value(m, "val_recall", 1) >= 0 && history_value(m, "precision", 1) >= 0,
+          "val_recall %g, precision %g", history_value(m, "val_recall", 1),
+          history_value(m, "precision", 1));
+    CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+          "evaluate: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_predict(m, d, 32, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+    for (i = 0; i < N_SYN; i++) {
+        int predicted = ((const float *)pred.data)[i] > 0.5f, labelled = t[i] != 0;
+        tp += predicted && labelled;
+        fp += predicted && !labelled;
+        fn += !predicted && labelled;
+    }
+    CHECK(tp > 0 && tp + fp < N_SYN, "a degenerate classifier: TP %g FP %g FN %g", tp, fp, fn);
+    CHECK(mpt_logs_get(&logs, "precision") == tp / (tp + fp), "precision %.17g vs %.17g",
+          mpt_logs_get(&logs, "precision"), tp / (tp + fp));
+    CHECK(mpt_logs_get(&logs, "recall") == tp / (tp + fn), "recall %.17g vs %.17g",
+          mpt_logs_get(&logs, "recall"), tp / (tp + fn));
+    mpt_tensor_free(ctx, &pred);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    m = blob_model(MPT_POLICY_FLOAT32, 3);
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_RECALL}) == MPT_ERR_INVALID_ARGUMENT &&
+              strstr(mpt_context_error(ctx), "count binary outputs"),
+          "recall with a softmax: %s", mpt_context_error(ctx));
+    mpt_model_destroy(m);
+}
+
 /* With one-hot targets Keras names the top-k metric
    top_k_categorical_accuracy; it counts as the sparse one does. */
 static void test_top_k_of_one_hot_targets(void) {
@@ -1117,6 +1175,7 @@ static void run_cases(void) {
     TEST_RUN(test_fit_learns_and_reports);
     TEST_RUN(test_regression_metrics);
     TEST_RUN(test_top_k_of_one_hot_targets);
+    TEST_RUN(test_precision_and_recall);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
     TEST_RUN(test_default_loss_scale);

@@ -1337,6 +1337,16 @@ typedef struct mpt_fit_desc {
     int on_out_of_memory;               /* default MPT_OOM_FAIL; another
                                            value than the two is refused    */
     int64_t min_batch_size;             /* default 0: 1                       */
+    /* Keras' class_weight: each training row's loss and gradient times
+       the weight of its class (its label, the argmax of a one-hot target,
+       or a binary target past 0.5: class 1), the mean still over the
+       batch's rows (Keras' sum_over_batch_size), so the logged loss is
+       the weighted one. Training only: validation, evaluate and the
+       metrics are unweighted, as Keras' `metrics`. One weight a class
+       (the softmax's classes; 2 for one sigmoid unit), each finite and
+       >= 0; crossentropy losses only. */
+    const float *class_weight;          /* default NULL: every class 1        */
+    int class_weight_count;             /* its length                         */
 } mpt_fit_desc;
 
 /* mpt_fit_desc.on_out_of_memory. */
@@ -2428,6 +2438,9 @@ typedef struct mpt_loss_args {
                                    that the replicas' gradients sum to the
                                    mean's); default 0: 1                    */
     mpt_step_state *state;
+    const float *class_weight;  /* (classes) or NULL: each row's loss and
+                                   gradient times its class's weight
+                                   (mpt__row_class_weight)                  */
 } mpt_loss_args;
 
 /* The trainable parameters, as arrays of n pointers (host arrays of
@@ -3074,6 +3087,17 @@ static inline MPT__HD int mpt__loss_clipped(float q) {
 
 /* Crossentropy of softmax(z), one class: t·(lse − z), lse the row's
    log Σ exp z. */
+/* The weight of a row's class (mpt_fit_desc.class_weight: K weights, or 2
+   for one binary unit, K = 1): `cls` its label or the argmax of its
+   target; for a binary unit its target past 0.5 is class 1. A class
+   outside the table (never, after fit's checks) weighs 0 rather than
+   reading past it. */
+static inline MPT__HD float mpt__row_class_weight(const float *weights, int64_t K, int64_t cls,
+                                                  float binary_target) {
+    if (K == 1) return weights[binary_target > 0.5f ? 1 : 0];
+    return cls >= 0 && cls < K ? weights[cls] : 0.0f;
+}
+
 static inline MPT__HD double mpt__xent_logit_term(float z, float t, double lse) {
     return mpt__dmul_rn((double)t, lse - (double)z);
 }
@@ -4168,6 +4192,8 @@ struct mpt_model {
     int64_t last_batch;                  /* of the last forward, 0 if none */
     int last_training;
     int emit_logits;                     /* the last layer skips its softmax */
+    float *class_weight;                 /* fit's class weights in the backend's
+                                            memory (NULL: none)               */
     int planning;                        /* GEMMs are being timed (fit's first step) */
     int64_t planned_batch;               /* the batch size they were timed at */
     /* Training: set by compile, advanced by fit, saved in checkpoints. */
@@ -8988,6 +9014,7 @@ typedef struct mpt__loss_job {
     mpt_tensor *dpred;        /* (rows, K) any float dtype, or NULL            */
     int64_t rows, K;
     float gscale;             /* grad_scale / the count the loss is a mean over */
+    const float *class_weight; /* a row's weight by its class; NULL: 1 each   */
     int n_tasks;
     double partial[MPT__LOSS_TASKS]; /* each task's sum of row losses           */
 } mpt__loss_job;
@@ -9006,15 +9033,28 @@ static float mpt__loss_pred(const mpt__loss_job *j, int64_t i) {
     return mpt__load_f32(j->pred->dtype, j->pred->data, i);
 }
 
-static void mpt__loss_grad(const mpt__loss_job *j, int64_t i, float g) {
-    mpt__store_f32(j->dpred->dtype, j->dpred->data, i, g * j->gscale);
+/* g times the row's gradient scale (gscale times its class's weight). */
+static void mpt__loss_grad(const mpt__loss_job *j, int64_t i, float g, float row_scale) {
+    mpt__store_f32(j->dpred->dtype, j->dpred->data, i, g * row_scale);
+}
+
+/* Row r's class weight (1 without class weights): its label, the argmax
+   of its target, or its binary target. */
+static float mpt__loss_row_weight(const mpt__loss_job *j, int64_t r) {
+    int64_t c, best = 0;
+    if (!j->class_weight) return 1.0f;
+    if (mpt__loss_sparse(j)) best = ((const int32_t *)j->target->data)[r];
+    else
+        for (c = 1; c < j->K; c++)
+            best = mpt__loss_target(j, r, c) > mpt__loss_target(j, r, best) ? c : best;
+    return mpt__row_class_weight(j->class_weight, j->K, best, mpt__loss_target(j, r, 0));
 }
 
 /* Crossentropy of softmax(z) for row r: Σ t·(lse − z), lse = log Σ exp z
    taken around the row's max so that no exp overflows. The gradient
    softmax(z)·Σt − t is written after every read of the row, so dpred may
    be pred itself. */
-static double mpt__xent_logits_row(const mpt__loss_job *j, int64_t r) {
+static double mpt__xent_logits_row(const mpt__loss_job *j, int64_t r, float row_scale) {
     int64_t K = j->K, base = r * K, c;
     float mx = mpt__loss_pred(j, base);
     double sum = 0, loss = 0, tsum = 0, lse;
@@ -9030,13 +9070,14 @@ static double mpt__xent_logits_row(const mpt__loss_job *j, int64_t r) {
         for (c = 0; c < K; c++)
             mpt__loss_grad(j, base + c,
                            mpt__xent_logit_grad(mpt__loss_pred(j, base + c),
-                                                mpt__loss_target(j, r, c), lse, (float)tsum));
+                                                mpt__loss_target(j, r, c), lse, (float)tsum),
+                           row_scale);
     return loss;
 }
 
 /* Crossentropy of a probability row (Keras: divided by its sum, clipped),
    by @backend-shared's mpt__xent_prob_term and mpt__xent_prob_grad. */
-static double mpt__xent_probs_row(const mpt__loss_job *j, int64_t r) {
+static double mpt__xent_probs_row(const mpt__loss_job *j, int64_t r, float row_scale) {
     int64_t K = j->K, base = r * K, c;
     double sum = 0, loss = 0, dot = 0;
     float S, g;
@@ -9050,14 +9091,14 @@ static double mpt__xent_probs_row(const mpt__loss_job *j, int64_t r) {
     if (j->dpred)
         for (c = 0; c < K; c++) {
             mpt__xent_prob_term(mpt__loss_pred(j, base + c), S, mpt__loss_target(j, r, c), &g);
-            mpt__loss_grad(j, base + c, mpt__xent_prob_grad(g, dot, S));
+            mpt__loss_grad(j, base + c, mpt__xent_prob_grad(g, dot, S), row_scale);
         }
     return loss;
 }
 
 /* Binary crossentropy or squared error, summed over the row's elements
    (@backend-shared's mpt__bce_term and mpt__squared_error_term). */
-static double mpt__elementwise_row(const mpt__loss_job *j, int64_t r) {
+static double mpt__elementwise_row(const mpt__loss_job *j, int64_t r, float row_scale) {
     int64_t K = j->K, base = r * K, c;
     double loss = 0;
     for (c = 0; c < K; c++) {
@@ -9066,7 +9107,7 @@ static double mpt__elementwise_row(const mpt__loss_job *j, int64_t r) {
             loss += mpt__bce_term(j->from_logits, x, t, &g);
         else
             loss += mpt__squared_error_term(x, t, &g);
-        if (j->dpred) mpt__loss_grad(j, base + c, g);
+        if (j->dpred) mpt__loss_grad(j, base + c, g, row_scale);
     }
     return loss;
 }
@@ -9077,11 +9118,16 @@ static void mpt__loss_task(void *arg, int64_t task, int thread) {
     double sum = 0;
     (void)thread;
     for (r = r0; r < r1; r++) {
+        /* times 1 exactly without class weights */
+        const float w = mpt__loss_row_weight(j, r), row_scale = j->gscale * w;
+        double loss;
         if (j->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
             j->type == MPT_LOSS_CATEGORICAL_CROSSENTROPY)
-            sum += j->from_logits ? mpt__xent_logits_row(j, r) : mpt__xent_probs_row(j, r);
+            loss = j->from_logits ? mpt__xent_logits_row(j, r, row_scale)
+                                  : mpt__xent_probs_row(j, r, row_scale);
         else
-            sum += mpt__elementwise_row(j, r);
+            loss = mpt__elementwise_row(j, r, row_scale);
+        sum += loss * (double)w;
     }
     j->partial[task] = sum;
 }
@@ -9397,6 +9443,7 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     j.dpred = a->dpred ? &dpred : NULL;
     j.K = a->K;
     j.rows = a->rows;
+    j.class_weight = a->class_weight;
     /* counted first: dpred may be pred, which the gradient then replaces */
     mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
     if (a->metrics & MPT__METRICS_VALUES)
@@ -11169,6 +11216,7 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int train
     a.top_k = m->compile.top_k;
     a.scale_by_loss_scale = training;
     a.state = &m->state[training ? 0 : 1];
+    a.class_weight = training ? m->class_weight : NULL;
     return a;
 }
 
@@ -12111,6 +12159,81 @@ static int64_t mpt__fit_batch_size(const mpt_model *m, const mpt_dataset *train,
 }
 
 /* d: the caller's descriptor with its defaults filled in. */
+/* ---- class weights ------------------------------------------------------------ */
+
+/* The classes a class_weight table must cover: the softmax's, or 2 for
+   one binary unit; 0 where the loss has no classes. */
+static int64_t mpt__class_weight_classes(const mpt_model *m) {
+    const mpt__layer *last = &m->layers[m->n_layers - 1];
+    switch (m->compile.loss.type) {
+    case MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY:
+    case MPT_LOSS_CATEGORICAL_CROSSENTROPY: return last->out_shape[last->out_rank - 1];
+    case MPT_LOSS_BINARY_CROSSENTROPY: return last->out_count == 1 ? 2 : 0;
+    default: return 0;
+    }
+}
+
+/* fit's class_weight: a weight for every class, each finite and >= 0;
+   binary targets in [0, 1] (a row's class is its target past 0.5). */
+static mpt_status mpt__check_class_weight(mpt_model *m, const mpt_dataset *train,
+                                          const mpt_fit_desc *d) {
+    int64_t classes = mpt__class_weight_classes(m), i;
+    if (!d->class_weight && d->class_weight_count == 0) return MPT_OK;
+    if (classes == 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: class_weight needs a crossentropy over classes (a softmax's, or "
+                         "one sigmoid unit's), not %s over %lld output values",
+                         mpt__loss_name(m->compile.loss.type),
+                         (long long)m->layers[m->n_layers - 1].out_count);
+    if (!d->class_weight || d->class_weight_count != classes)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: class_weight has %d weights%s; the model's %s needs one for each "
+                         "of its %lld classes", d->class_weight_count,
+                         d->class_weight ? "" : " but no array", mpt__loss_name(m->compile.loss.type),
+                         (long long)classes);
+    for (i = 0; i < classes; i++)
+        if (!(d->class_weight[i] >= 0 && d->class_weight[i] < INFINITY))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "fit: class_weight[%lld] = %g must be finite and >= 0",
+                             (long long)i, (double)d->class_weight[i]);
+    if (m->compile.loss.type == MPT_LOSS_BINARY_CROSSENTROPY && train->y &&
+        train->y_dtype == MPT_FLOAT32) {
+        const float *y = (const float *)train->y;
+        for (i = 0; i < train->n * train->y_count; i++)
+            if (!(y[i] >= 0 && y[i] <= 1))
+                return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                 "fit: class_weight: binary target %lld is %g, not in [0, 1]",
+                                 (long long)i, (double)y[i]);
+    }
+    return MPT_OK;
+}
+
+/* The class weights into the backend's memory of the model and each of
+   its replicas, for fit's training rows (mpt__loss_args); freed by
+   mpt__class_weight_close. */
+static mpt_status mpt__class_weight_open(mpt_model *m, const mpt_fit_desc *d) {
+    size_t bytes = sizeof(float) * (size_t)d->class_weight_count;
+    int k;
+    if (!d->class_weight) return MPT_OK;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = k == 0 ? m : m->replica[k];
+        mpt_status s = r->be->alloc(r->impl, MPT_MEMORY_WORKSPACE, bytes, (void **)&r->class_weight);
+        if (s != MPT_OK)
+            return mpt__fail(m->ctx, s, "fit: class_weight: %s", r->be->error(r->impl));
+        MPT__CHECK(mpt__upload(r, r->class_weight, d->class_weight, bytes));
+    }
+    return MPT_OK;
+}
+
+static void mpt__class_weight_close(mpt_model *m) {
+    int k;
+    for (k = 0; k < m->n_replicas; k++) {
+        mpt_model *r = k == 0 ? m : m->replica[k];
+        if (r->class_weight) r->be->free(r->impl, MPT_MEMORY_WORKSPACE, r->class_weight);
+        r->class_weight = NULL;
+    }
+}
+
 static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const mpt_fit_desc *d) {
     if (!train) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: NULL training data");
     if (d->epochs < 0 || d->initial_epoch < 0)
@@ -12136,7 +12259,8 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
                          "fit: batch_size %lld (the global batch) does not split evenly over "
                          "%d replicas", (long long)d->batch_size,
                          mpt__strategy_total(m->strategy));
-    return mpt__prepare(m, d->batch_size, 1, "fit");
+    MPT__CHECK(mpt__prepare(m, d->batch_size, 1, "fit"));
+    return mpt__check_class_weight(m, train, d);
 }
 
 /* The first trainable weight (slot -1) or optimizer slot (0, 1) holding
@@ -12299,6 +12423,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
             s = mpt__plan_gemms(m->replica[i], share);
     }
     if (s == MPT_OK) s = mpt__exchange_open(m);
+    if (s == MPT_OK) s = mpt__class_weight_open(m, &d);
     if (s == MPT_OK)
         s = mpt__profile_open(m, &d, (int64_t)(d.epochs - d.initial_epoch) * r.steps, &r.profile);
     if (s == MPT_OK) {
@@ -12324,7 +12449,8 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     mpt__profile_free(r.profile ? r.profile : r.profiled);
     mpt__set_emit_logits(m, 0);
     mpt__exchange_free(m);
-    mpt__fit_close_batches(&r);
+    mpt__fit_close_batches(&r); /* its recorded steps read the class weights */
+    mpt__class_weight_close(m);
     mpt__free(m->ctx, r.order);
     mpt__free(m->ctx, r.mine);
     mpt_dataset_destroy(head);

@@ -3696,6 +3696,7 @@ typedef struct mpt__cuda_loss_params {
     double count; /* the loss is a mean over rows (crossentropy) or elements */
     mpt_step_state *state; /* loss_scale read, the tallies written        */
     mpt__cuda_loss_partial *partials;
+    const float *class_weight; /* NULL, or a row's weight by its class    */
 } mpt__cuda_loss_params;
 
 static __device__ __forceinline__ bool mpt__cuda_loss_sparse(const mpt__cuda_loss_params &p) {
@@ -3862,6 +3863,25 @@ static __device__ __forceinline__ void mpt__cuda_values_add(mpt__value_sums *to,
     to->fn += e.fn;
 }
 
+/* Row r's class weight (1 without class weights), for every lane: mpt.h's
+   mpt__row_class_weight of its label, the argmax of its target (the first
+   of equal ones, as the CPU's), or its binary target. */
+static __device__ float mpt__cuda_loss_row_weight(const mpt__cuda_loss_params &p, int64_t r,
+                                                  int label, int lane) {
+    float best_t = -INFINITY;
+    int64_t best = INT64_MAX;
+    if (!p.class_weight) return 1.0f;
+    if (!mpt__cuda_loss_sparse(p) && p.K > 1) {
+        for (int64_t c = lane; c < p.K; c += 32) {
+            float t = mpt__cuda_loss_target(p, r, c, 0);
+            if (best == INT64_MAX || t > best_t) best_t = t, best = c;
+        }
+        best = mpt__cuda_train_warp_argmax(best_t, best);
+    }
+    return mpt__row_class_weight(p.class_weight, p.K, mpt__cuda_loss_sparse(p) ? label : best,
+                                 mpt__cuda_loss_target(p, r, 0, label));
+}
+
 /* The row losses and gradients. One warp per row; block b takes the rows
    [rows·b/G, rows·(b+1)/G) of a grid of G blocks (G depends on rows only)
    and its warps take every 8th of them. Each warp's lane 0 adds its rows'
@@ -3891,11 +3911,13 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
         double loss;
         if (tally) mpt__cuda_loss_tally_row(p, r, label, lane, &correct, &top_k);
         if (values) mpt__cuda_values_add(&values_sum, mpt__cuda_loss_values_row(p, r, lane));
+        /* times 1 exactly without class weights */
+        const float w = mpt__cuda_loss_row_weight(p, r, label, lane), row_scale = __fmul_rn(gscale, w);
         __syncwarp(); /* the tally's reads of other lanes' classes come before any write */
-        if (!categorical) loss = mpt__cuda_elementwise_row(p, r, lane, gscale);
-        else if (p.from_logits) loss = mpt__cuda_xent_logits_row(p, r, label, lane, gscale);
-        else loss = mpt__cuda_xent_probs_row(p, r, label, lane, gscale);
-        loss_sum += loss;
+        if (!categorical) loss = mpt__cuda_elementwise_row(p, r, lane, row_scale);
+        else if (p.from_logits) loss = mpt__cuda_xent_logits_row(p, r, label, lane, row_scale);
+        else loss = mpt__cuda_xent_probs_row(p, r, label, lane, row_scale);
+        loss_sum += __dmul_rn(loss, (double)w);
         correct_sum += correct;
         top_k_sum += top_k;
     }
@@ -3971,6 +3993,7 @@ static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
     p.count = categorical ? (double)a->rows : (double)a->rows * (double)a->K;
     p.state = a->state;
     p.partials = s->loss_partials;
+    p.class_weight = a->class_weight;
     blocks = (a->rows + mpt__cuda_train_warps - 1) / mpt__cuda_train_warps;
     if (blocks > mpt__cuda_loss_max_blocks) blocks = mpt__cuda_loss_max_blocks;
     mpt__cuda_loss_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(p);

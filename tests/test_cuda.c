@@ -1351,12 +1351,17 @@ static void test_loss(void) {
                     mpt_dtype tdt = sparse ? MPT_INT32 : MPT_FLOAT32;
                     size_t tb = sparse ? nbytes(MPT_INT32, rows) : nbytes(MPT_FLOAT32, rows * K);
                     void *pred, *target, *dpred[2] = {NULL, NULL};
+                    /* class weights (fit's class_weight) on every fourth case:
+                       K of them, 2 for one unit */
+                    float weights[40];
+                    int weighted = v % 4 == 3 && lt != MPT_LOSS_MEAN_SQUARED_ERROR;
                     mpt_step_state st, *res[2];
                     char what[160];
                     int w;
                     if (logits && lt == MPT_LOSS_MEAN_SQUARED_ERROR) continue;
                     pred = loss_pred(lt, logits, dt, rows, K);
                     target = loss_target(lt, rows, K);
+                    for (w = 0; w < 40; w++) weights[w] = (float)test_uniform(0, 3);
                     memset(&st, 0, sizeof st);
                     st.loss_sum = 5; /* the batch adds to what is there */
                     st.correct = 3;
@@ -1388,13 +1393,17 @@ static void test_loss(void) {
                         a.top_k = 5;
                         a.scale_by_loss_scale = (int)(v % 2);
                         a.state = (mpt_step_state *)be_upload(b, &st, sizeof st);
+                        if (weighted)
+                            a.class_weight = (const float *)be_upload(
+                                b, weights, sizeof(float) * (size_t)(K > 1 ? K : 2));
                         b->t->loss(b->impl, &a);
                         res[w] = (mpt_step_state *)be_fetch(b, a.state, sizeof st, "loss");
                         if (a.dpred) dpred[w] = be_fetch(b, a.dpred, nbytes(dt, rows * K), "loss");
                         be_release(b);
                     }
-                    snprintf(what, sizeof what, "loss %s%s %s %lldx%lld (%lld a sample) dpred %s",
-                             loss_name(lt), logits ? " from logits" : "", mpt_dtype_name(dt),
+                    snprintf(what, sizeof what, "loss %s%s%s %s %lldx%lld (%lld a sample) dpred %s",
+                             loss_name(lt), logits ? " from logits" : "",
+                             weighted ? " class-weighted" : "", mpt_dtype_name(dt),
                              (long long)rows, (long long)K, (long long)per,
                              grad == 0 ? "apart" : grad == 1 ? "none" : "in pred");
                     CHECK(fabs(res[1]->loss_sum - res[0]->loss_sum) <= 1e-5 * fabs(res[0]->loss_sum),

@@ -282,6 +282,124 @@ static void test_precision_and_recall(void) {
     mpt_model_destroy(m);
 }
 
+/* A one-layer classifier of the blobs: Dense(3, softmax), or one sigmoid
+   unit for binary crossentropy, SGD at lr. */
+static mpt_model *weighted_model(mpt_loss_type loss, float lr) {
+    mpt_model *m = NULL;
+    int binary = loss == MPT_LOSS_BINARY_CROSSENTROPY;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .seed = 8}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = binary ? 1 : CLASSES,
+                                             .activation = binary ? MPT_ACT_SIGMOID
+                                                                  : MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){.optimizer = {.type = MPT_OPTIMIZER_SGD,
+                                                                 .learning_rate = lr},
+                                                   .loss = {.type = loss}}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* fit's class_weight as Keras': (1) the first epoch's loss (one batch of
+   every sample, at the initial weights) is Σ w[class]·loss / rows,
+   computed here from predict's probabilities, for class ids, one-hot
+   targets and one binary unit; (2) weights of 1 train bit for bit as no
+   weights; (3) weights of 2 train exactly as SGD at twice the rate;
+   (4) bad tables, losses and binary targets are refused, naming them. */
+static void test_class_weight(void) {
+    static float x[N_SYN * FEATURES], onehot[N_SYN * CLASSES], binary[N_SYN];
+    static int32_t y[N_SYN];
+    const float w3[CLASSES] = {0.5f, 3.0f, 0.0f}, w2[2] = {0.25f, 4.0f};
+    const mpt_loss_type losses[3] = {MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY,
+                                     MPT_LOSS_CATEGORICAL_CROSSENTROPY,
+                                     MPT_LOSS_BINARY_CROSSENTROPY};
+    const char *loss_names[3] = {"sparse", "one-hot", "binary"};
+    mpt_dataset *data[3];
+    mpt_tensor tx, ty;
+    int64_t i;
+    int li;
+    make_blobs(x, y, N_SYN, 4);
+    for (i = 0; i < N_SYN; i++) {
+        onehot[i * CLASSES + y[i]] = 1;
+        binary[i] = y[i] == 2 ? 1.0f : 0.0f;
+    }
+    data[0] = blob_dataset(x, y, N_SYN);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){N_SYN, CLASSES}, onehot);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data[1]) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){N_SYN, 1}, binary);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data[2]) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    for (li = 0; li < 3; li++) {
+        int bin = losses[li] == MPT_LOSS_BINARY_CROSSENTROPY;
+        const float *w = bin ? w2 : w3;
+        mpt_model *m = weighted_model(losses[li], 0.01f);
+        mpt_tensor pred;
+        double sum = 0, got;
+        CHECK(mpt_model_predict(m, data[li], N_SYN, &pred) == MPT_OK, "predict: %s",
+              mpt_context_error(ctx));
+        for (i = 0; i < N_SYN; i++) {
+            const float *p = (const float *)pred.data + i * (bin ? 1 : CLASSES);
+            if (bin)
+                sum += w[binary[i] > 0.5f] * -(binary[i] ? log(p[0]) : log(1 - (double)p[0]));
+            else
+                sum += w[y[i]] * -log(p[y[i]]);
+        }
+        mpt_tensor_free(ctx, &pred);
+        CHECK(mpt_model_fit(m, data[li], &(mpt_fit_desc){.epochs = 1, .batch_size = N_SYN,
+                                                         .class_weight = w,
+                                                         .class_weight_count = bin ? 2 : CLASSES})
+                  == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        got = history_value(m, "loss", 0);
+        CHECK(fabs(got - sum / N_SYN) <= 1e-5 * (sum / N_SYN), "%s: weighted loss %.9g, by hand %.9g",
+              loss_names[li], got, sum / N_SYN);
+        mpt_model_destroy(m);
+    }
+    {   /* weights 1: no weights; weights 2: twice the rate (both exact) */
+        const float ones[CLASSES] = {1, 1, 1}, twos[CLASSES] = {2, 2, 2};
+        mpt_model *a = weighted_model(losses[0], 0.02f), *b = weighted_model(losses[0], 0.02f),
+                  *c = weighted_model(losses[0], 0.01f), *d = weighted_model(losses[0], 0.02f);
+        mpt_fit_desc fit = {.epochs = 2, .batch_size = 16};
+        CHECK(mpt_model_fit(a, data[0], &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        fit.class_weight = ones;
+        fit.class_weight_count = CLASSES;
+        CHECK(mpt_model_fit(b, data[0], &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        fit.class_weight = twos;
+        CHECK(mpt_model_fit(c, data[0], &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(same_state(a, b), "class weights of 1 changed the training");
+        CHECK(same_state(a, c), "class weights of 2 differ from twice the learning rate");
+        CHECK(history_value(c, "loss", 1) == 2 * history_value(a, "loss", 1),
+              "loss %.17g, not twice %.17g", history_value(c, "loss", 1), history_value(a, "loss", 1));
+        /* refusals */
+        fit.class_weight_count = 2;
+        CHECK(mpt_model_fit(d, data[0], &fit) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "class_weight has 2 weights"),
+              "short table: %s", mpt_context_error(ctx));
+        fit.class_weight = (const float[]){1, -1, 1};
+        fit.class_weight_count = CLASSES;
+        CHECK(mpt_model_fit(d, data[0], &fit) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "class_weight[1] = -1"),
+              "negative weight: %s", mpt_context_error(ctx));
+        mpt_model_destroy(a);
+        mpt_model_destroy(b);
+        mpt_model_destroy(c);
+        mpt_model_destroy(d);
+    }
+    {
+        mpt_model *m = weighted_model(losses[2], 0.01f);
+        binary[7] = 1.5f;
+        CHECK(mpt_model_fit(m, data[2], &(mpt_fit_desc){.epochs = 1, .class_weight = w2,
+                                                        .class_weight_count = 2})
+                      == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "binary target 7 is 1.5"),
+              "binary target out of range: %s", mpt_context_error(ctx));
+        binary[7] = 0;
+        mpt_model_destroy(m);
+    }
+    for (li = 0; li < 3; li++) mpt_dataset_destroy(data[li]);
+}
+
 /* With one-hot targets Keras names the top-k metric
    top_k_categorical_accuracy; it counts as the sparse one does. */
 static void test_top_k_of_one_hot_targets(void) {
@@ -1176,6 +1294,7 @@ static void run_cases(void) {
     TEST_RUN(test_regression_metrics);
     TEST_RUN(test_top_k_of_one_hot_targets);
     TEST_RUN(test_precision_and_recall);
+    TEST_RUN(test_class_weight);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
     TEST_RUN(test_default_loss_scale);

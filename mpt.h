@@ -239,7 +239,7 @@
                           rounding, Philox, loss scaling, arithmetic rounded at
                           every step, the loss's tally, the learning-rate
                           schedule, the optimizers' coefficients and updates,
-                          GELU and the sigmoid, the losses' element terms,
+                          GELU (both forms) and the sigmoid, the losses' element terms,
                           BatchNormalization's 1/sqrt(var + eps), int8
                           requantization, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
@@ -254,7 +254,7 @@
                           the model struct
        @impl-layer-helpers  what the layers share: workspace, dz, GEMM, checks,
                           the add every layer's entry calls, its input nodes
-       @impl-dense        Dense
+       @impl-dense        Dense, over the last axis of any rank
        @impl-flatten      Flatten
        @impl-activation   Activation
        @impl-windows      the window geometry of Conv2D and pooling
@@ -788,6 +788,10 @@ typedef enum mpt_padding { MPT_PADDING_VALID = 0, MPT_PADDING_SAME = 1 } mpt_pad
     const char *name;   /* default: "dense", "dense_1", ... as Keras         */ \
     mpt_dtype dtype     /* compute dtype; default: the model's policy        */
 
+/* Dense: y = act(x · kernel + bias) over the last axis of each sample, as
+   Keras': a sample (..., in) gives (..., units) (a vector (in) gives
+   (units); a sequence (T, in) gives (T, units)); kernel (in, units), bias
+   (units). Softmax is over the last axis, for each position. */
 typedef struct mpt_dense_desc {
     MPT_LAYER_COMMON_FIELDS;
     int64_t units;                      /* required, > 0                    */

@@ -213,6 +213,31 @@ static void test_dense_ranked_is_rows(void) {
     mpt_context_destroy(one);
 }
 
+/* What reads a layer's shapes: the summary prints Keras' (None, T, units)
+   and the kernel's in·units + units parameters; the profiler counts
+   T·in·units multiply-adds a sample; memory plans per sample. */
+static void test_dense_ranked_summary(void) {
+    mpt_model *m = NULL;
+    char text[4096];
+    const mpt__layer *L;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6, 8}, .input_rank = 2}, &m) ==
+              MPT_OK, "create");
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_GELU_TANH});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_model_summary(m, text, sizeof text);
+    CHECK(strstr(text, "(None, 6, 16)") && strstr(text, "(None, 6, 5)") &&
+              strstr(text, "144") && strstr(text, "85"),
+          "summary:\n%s", text);
+    L = &m->layers[0];
+    CHECK(mpt__profile_macs(m, 0) == 6.0 * 8 * 16 && mpt__profile_macs(m, 1) == 6.0 * 16 * 5,
+          "profiler's multiply-adds %g and %g, not 768 and 480", mpt__profile_macs(m, 0),
+          mpt__profile_macs(m, 1));
+    CHECK(L->n_saved == 1 && L->saved_bytes[0] >= 4 * 6 * 16 * 4,
+          "GELU's z not planned for 6 positions: %lld bytes", (long long)L->saved_bytes[0]);
+    mpt_model_destroy(m);
+}
+
 /* GELU's tanh form, mpt.h's float rule, against double over [-12, 12] and
    beyond; its derivative against the double formula and against central
    differences of the double function. */
@@ -268,10 +293,11 @@ static void chain_forward_ref(const gc_case *c, const double *x, double *const *
 }
 
 static void test_flatten_activation_gradients(void) {
-    static const mpt_activation acts[] = {MPT_ACT_RELU, MPT_ACT_GELU, MPT_ACT_SIGMOID,
-                                          MPT_ACT_TANH, MPT_ACT_SOFTMAX, MPT_ACT_NONE};
+    static const mpt_activation acts[] = {MPT_ACT_RELU,    MPT_ACT_GELU, MPT_ACT_SIGMOID,
+                                          MPT_ACT_TANH,    MPT_ACT_SOFTMAX, MPT_ACT_NONE,
+                                          MPT_ACT_GELU_TANH};
     int a;
-    for (a = 0; a < 6; a++) {
+    for (a = 0; a < 7; a++) {
         mpt_model *m = NULL;
         chain_ref d = {3, 2, 2, 5, acts[a]};
         test__begin();
@@ -638,6 +664,7 @@ int main(void) {
     test_flatten_activation_gradients();
     test_dense_ranked_gradients();
     TEST_RUN(test_dense_ranked_is_rows);
+    TEST_RUN(test_dense_ranked_summary);
     TEST_RUN(test_gelu_tanh_rule);
     TEST_RUN(test_initializers);
     TEST_RUN(test_seeded_init);

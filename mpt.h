@@ -1819,14 +1819,16 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                     calibrated on a representative dataset; int32 biases of
                     scale input_scale·weight_scale[c]; every product
                     requantized with integer multipliers and shifts
-                    (mpt_quantize_multiplier); sigmoid, tanh, GELU through a
-                    256-entry table; softmax out at scale 1/256, zero point
-                    −128, sigmoid likewise, tanh at 1/128, 0 (TFLite's
-                    TFLITE_BUILTINS_INT8). The model's input and output are
+                    (mpt_quantize_multiplier); sigmoid, tanh, both GELUs
+                    through a 256-entry table; softmax out at scale 1/256,
+                    zero point −128, sigmoid likewise, tanh at 1/128, 0
+                    (TFLite's TFLITE_BUILTINS_INT8). The model's input and output are
                     float32 (quantized and dequantized at the ends) or, with
                     io_dtype, int8 or uint8 (mpt_model_quantized_invoke).
      float16        weights stored as float16, computed in float32.
-   Every layer with weights (Dense, Conv2D) is quantized, with a
+   Every layer with weights (Dense, Conv2D) is quantized (Dense on vectors
+   only: one over the last axis of a sequence or an image is refused with
+   MPT_ERR_UNSUPPORTED naming it and its input's shape), with a
    BatchNormalization right after it (a Dropout between is fine) folded
    into its kernel and bias first: w'[c] = w[c]·s[c], b'[c] = (b[c] −
    mean[c])·s[c] + beta[c], s = gamma / sqrt(moving_variance + epsilon).

@@ -239,8 +239,9 @@
                           rounding, Philox, loss scaling, arithmetic rounded at
                           every step, the loss's tally, the learning-rate
                           schedule, the optimizers' coefficients and updates,
-                          GELU (both forms) and the sigmoid, the losses' element terms,
-                          BatchNormalization's 1/sqrt(var + eps), int8
+                          GELU (both forms) and the sigmoid, the losses'
+                          element terms, BatchNormalization's 1/sqrt(var +
+                          eps), int8
                           requantization, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
@@ -1822,9 +1823,10 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                     (mpt_quantize_multiplier); sigmoid, tanh, both GELUs
                     through a 256-entry table; softmax out at scale 1/256,
                     zero point −128, sigmoid likewise, tanh at 1/128, 0
-                    (TFLite's TFLITE_BUILTINS_INT8). The model's input and output are
-                    float32 (quantized and dequantized at the ends) or, with
-                    io_dtype, int8 or uint8 (mpt_model_quantized_invoke).
+                    (TFLite's TFLITE_BUILTINS_INT8). The model's input and
+                    output are float32 (quantized and dequantized at the
+                    ends) or, with io_dtype, int8 or uint8
+                    (mpt_model_quantized_invoke).
      float16        weights stored as float16, computed in float32.
    Every layer with weights (Dense, Conv2D) is quantized (Dense on vectors
    only: one over the last axis of a sequence or an image is refused with
@@ -21544,7 +21546,8 @@ static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const voi
 static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
                                  const void *z, const void *y, const void *dy, float *dz,
                                  float *tmp, int64_t n, int64_t cols) {
-    const float *dyf = (const float *)dy, *kept = (const float *)(mpt__activation_keeps_z(act) ? z : y);
+    const float *dyf = (const float *)dy;
+    const float *kept = (const float *)(mpt__activation_keeps_z(act) ? z : y);
 #if MPT__X86
     if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
         mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);

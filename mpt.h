@@ -239,8 +239,9 @@
                           rounding, Philox, loss scaling, arithmetic rounded at
                           every step, the loss's tally, the learning-rate
                           schedule, the optimizers' coefficients and updates,
-                          GELU and the sigmoid, the losses' element terms,
-                          BatchNormalization's 1/sqrt(var + eps), int8
+                          GELU (both forms) and the sigmoid, the losses'
+                          element terms, BatchNormalization's 1/sqrt(var +
+                          eps), int8
                           requantization, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
@@ -254,7 +255,7 @@
                           the model struct
        @impl-layer-helpers  what the layers share: workspace, dz, GEMM, checks,
                           the add every layer's entry calls, its input nodes
-       @impl-dense        Dense
+       @impl-dense        Dense, over the last axis of any rank
        @impl-flatten      Flatten
        @impl-activation   Activation
        @impl-windows      the window geometry of Conv2D and pooling
@@ -641,6 +642,8 @@ typedef enum mpt_activation {
     MPT_ACT_SIGMOID,
     MPT_ACT_TANH,
     MPT_ACT_SOFTMAX,  /* over the last axis; computed in float32 */
+    MPT_ACT_GELU_TANH, /* ½x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): Keras' approximate=True,
+                          PyTorch's approximate='tanh' (GPT-2) */
     MPT_ACT_COUNT_
 } mpt_activation;
 
@@ -789,6 +792,10 @@ typedef enum mpt_padding { MPT_PADDING_VALID = 0, MPT_PADDING_SAME = 1 } mpt_pad
     const char *name;   /* default: "dense", "dense_1", ... as Keras         */ \
     mpt_dtype dtype     /* compute dtype; default: the model's policy        */
 
+/* Dense: y = act(x · kernel + bias) over the last axis of each sample, as
+   Keras': a sample (..., in) gives (..., units) (a vector (in) gives
+   (units); a sequence (T, in) gives (T, units)); kernel (in, units), bias
+   (units). Softmax is over the last axis, for each position. */
 typedef struct mpt_dense_desc {
     MPT_LAYER_COMMON_FIELDS;
     int64_t units;                      /* required, > 0                    */
@@ -1847,14 +1854,17 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                     calibrated on a representative dataset; int32 biases of
                     scale input_scale·weight_scale[c]; every product
                     requantized with integer multipliers and shifts
-                    (mpt_quantize_multiplier); sigmoid, tanh, GELU through a
-                    256-entry table; softmax out at scale 1/256, zero point
-                    −128, sigmoid likewise, tanh at 1/128, 0 (TFLite's
-                    TFLITE_BUILTINS_INT8). The model's input and output are
-                    float32 (quantized and dequantized at the ends) or, with
-                    io_dtype, int8 or uint8 (mpt_model_quantized_invoke).
+                    (mpt_quantize_multiplier); sigmoid, tanh, both GELUs
+                    through a 256-entry table; softmax out at scale 1/256,
+                    zero point −128, sigmoid likewise, tanh at 1/128, 0
+                    (TFLite's TFLITE_BUILTINS_INT8). The model's input and
+                    output are float32 (quantized and dequantized at the
+                    ends) or, with io_dtype, int8 or uint8
+                    (mpt_model_quantized_invoke).
      float16        weights stored as float16, computed in float32.
-   Every layer with weights (Dense, Conv2D) is quantized, with a
+   Every layer with weights (Dense, Conv2D) is quantized (Dense on vectors
+   only: one over the last axis of a sequence or an image is refused with
+   MPT_ERR_UNSUPPORTED naming it and its input's shape), with a
    BatchNormalization right after it (a Dropout between is fine) folded
    into its kernel and bias first: w'[c] = w[c]·s[c], b'[c] = (b[c] −
    mean[c])·s[c] + beta[c], s = gamma / sqrt(moving_variance + epsilon).
@@ -2082,6 +2092,8 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    NHWC, scaled as in training, with N free; they return the last layer's
    float32 outputs. What goes where:
        Dense                  TFLite FULLY_CONNECTED     ONNX Gemm
+       Dense on (N, ..., D)   FULLY_CONNECTED with       MatMul + Add (over
+                              keep_num_dims              the last axis, NHWC)
        Conv2D                 CONV_2D (NHWC)             Conv (NCHW, with a
                                                          Transpose from NHWC)
        MaxPooling2D           MAX_POOL_2D                MaxPool
@@ -2094,6 +2106,8 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                               (else RELU)
        tanh, sigmoid, softmax TANH, LOGISTIC, SOFTMAX    Tanh, Sigmoid, Softmax
        gelu (exact)           GELU                       Mul, Erf, Add, Mul, Mul
+       gelu_tanh              GELU (approximate)         Mul, Add, Tanh (the
+                                                         formula)
        BatchNormalization     folded into the Dense or Conv2D before it when
                               nothing comes between them (its activation
                               none) and nothing else reads that layer's
@@ -3050,6 +3064,38 @@ static inline MPT__HD float mpt__gelu_derivative(float x) {
     return mpt__fadd_rn(cdf, mpt__fmul_rn(x, pdf));
 }
 
+/* GELU, tanh form: ½x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³), as
+   Keras' approximate=True and PyTorch's approximate='tanh', in their order
+   of operations. */
+static inline MPT__HD float mpt__gelu_tanh_inner(float x) {
+    float cube = mpt__fmul_rn(mpt__fmul_rn(x, x), x);
+    return mpt__fmul_rn(0.79788456080286536f, mpt__fadd_rn(x, mpt__fmul_rn(0.044715f, cube)));
+}
+
+static inline MPT__HD float mpt__gelu_tanh(float x) {
+    float t = tanhf(mpt__gelu_tanh_inner(x));
+    return mpt__fmul_rn(mpt__fmul_rn(0.5f, x), mpt__fadd_rn(1.0f, t));
+}
+
+/* Its derivative ½(1 + t) + ½x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²), t =
+   tanh(u). Where t is ±1 the second term is 0, and is returned as 0: x² may
+   have overflowed there, and 0·inf would be NaN. */
+static inline MPT__HD float mpt__gelu_tanh_derivative(float x) {
+    float t = tanhf(mpt__gelu_tanh_inner(x));
+    float sech2 = mpt__fsub_rn(1.0f, mpt__fmul_rn(t, t));
+    float left = mpt__fmul_rn(0.5f, mpt__fadd_rn(1.0f, t)), slope;
+    if (sech2 == 0.0f) return left;
+    slope = mpt__fmul_rn(0.79788456080286536f,
+                         mpt__fadd_rn(1.0f, mpt__fmul_rn(0.134145f, mpt__fmul_rn(x, x))));
+    return mpt__fadd_rn(left, mpt__fmul_rn(mpt__fmul_rn(mpt__fmul_rn(0.5f, x), sech2), slope));
+}
+
+/* Whether act's derivative reads the pre-activation z (the GELUs), which a
+   layer then keeps from its forward, rather than its output y. */
+static inline MPT__HD int mpt__activation_keeps_z(mpt_activation act) {
+    return act == MPT_ACT_GELU || act == MPT_ACT_GELU_TANH;
+}
+
 /* The logistic sigmoid in two forms, so that exp never overflows. */
 static inline MPT__HD float mpt__sigmoid(float x) {
     float e;
@@ -3775,6 +3821,7 @@ static void mpt__activation_forward(mpt_activation act, float *x, int64_t n) {
     switch (act) {
     case MPT_ACT_RELU: for (i = 0; i < n; i++) x[i] = mpt__relu(x[i]); break;
     case MPT_ACT_GELU: for (i = 0; i < n; i++) x[i] = mpt__gelu(x[i]); break;
+    case MPT_ACT_GELU_TANH: for (i = 0; i < n; i++) x[i] = mpt__gelu_tanh(x[i]); break;
     case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) x[i] = mpt__sigmoid(x[i]); break;
     case MPT_ACT_TANH: for (i = 0; i < n; i++) x[i] = tanhf(x[i]); break;
     default: break;
@@ -3794,6 +3841,9 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
         break;
     case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
     case MPT_ACT_GELU: for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_derivative(z[i]); break;
+    case MPT_ACT_GELU_TANH:
+        for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_tanh_derivative(z[i]);
+        break;
     case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) dz[i] = mpt__sigmoid_grad(y[i], dy[i]); break;
     case MPT_ACT_TANH: for (i = 0; i < n; i++) dz[i] = mpt__tanh_grad(y[i], dy[i]); break;
     case MPT_ACT_SOFTMAX:
@@ -3810,7 +3860,8 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
 static int mpt__activation_valid(mpt_activation act) { return act >= 0 && act < MPT_ACT_COUNT_; }
 
 MPTDEF const char *mpt_activation_name(mpt_activation act) {
-    static const char *names[] = {"linear", "relu", "gelu", "sigmoid", "tanh", "softmax"};
+    static const char *names[] = {"linear", "relu",    "gelu",     "sigmoid",
+                                  "tanh",   "softmax", "gelu_tanh"};
     return mpt__activation_valid(act) ? names[act] : "?";
 }
 
@@ -4491,24 +4542,32 @@ static const char *mpt__node_name(const mpt_model *m, int node) {
 }
 
 /* =============================================================================
-   @impl-dense  Dense: y = act(x · kernel + bias)                x: (B, in)  y: (B, units)
+   @impl-dense  Dense: y = act(x · kernel + bias) over the last axis
+   x: (B, ..., in)  y: (B, ..., units)
    ============================================================================= */
+
+/* Rows of the GEMM per sample: the product of the axes before the last
+   (1 for a vector), as Keras' Dense, which applies the kernel to the last
+   axis of any rank. A batch's rows are B of these. */
+static int64_t mpt__dense_rows(const mpt__layer *L) {
+    int64_t in = L->in_shape[L->in_rank - 1];
+    return in > 0 ? L->in_count / in : 0;
+}
 
 static mpt_status mpt__dense_build(mpt_model *m, mpt__layer *L) {
     const mpt_dense_desc *d = &L->desc.dense;
-    int64_t in = L->in_shape[L->in_rank - 1], units = d->units;
+    int64_t in = L->in_shape[L->in_rank - 1], units = d->units, r = mpt__dense_rows(L);
     int64_t kshape[2];
-    if (L->in_rank != 1) {
-        char s[96];
+    if (L->in_rank < 1) {
         return mpt__fail(m->ctx, MPT_ERR_SHAPE,
-                         "Dense '%s' expects one sample to be a vector (batch, features), got "
-                         "(batch, %s; add a Flatten layer before it",
-                         L->name, mpt_shape_format(s, sizeof s, L->in_rank, L->in_shape) + 1);
+                         "Dense '%s' expects a sample of at least one axis, got a scalar",
+                         L->name);
     }
     kshape[0] = in;
     kshape[1] = units;
-    L->out_rank = 1;
-    L->out_shape[0] = units;
+    L->out_rank = L->in_rank;
+    memcpy(L->out_shape, L->in_shape, sizeof L->out_shape);
+    L->out_shape[L->out_rank - 1] = units;
     MPT__CHECK(mpt__layer_add_param(m, L, "kernel", 2, kshape,
                                     d->kernel_initializer ? d->kernel_initializer
                                                           : MPT_INIT_GLOROT_UNIFORM,
@@ -4518,11 +4577,11 @@ static mpt_status mpt__dense_build(mpt_model *m, mpt__layer *L) {
                                         d->bias_initializer ? d->bias_initializer
                                                             : MPT_INIT_ZEROS,
                                         in, units, 1, MPT_FLOAT32));
-    if (d->activation == MPT_ACT_GELU)
-        MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, units), 0)); /* z (B, units) */
-    /* forward: acc (B, units) f32; backward: dz, tmp (B, units) f32, dz in
-       dtype (B, units), dx (B, in) f32 */
-    return mpt__layer_set_workspace(m, L, 12 * units + 2 * units + 4 * in, 5 * MPT__ALIGN);
+    if (mpt__activation_keeps_z(d->activation)) /* z (B, ..., units) */
+        MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, r * units), 0));
+    /* forward: acc (rows, units) f32; backward: dz, tmp (rows, units) f32,
+       dz in dtype (rows, units), dx (rows, in) f32; rows = B·r */
+    return mpt__layer_set_workspace(m, L, r * (12 * units + 2 * units + 4 * in), 5 * MPT__ALIGN);
 }
 
 /* The activation a pass applies: none where the loss takes the logits. */
@@ -4532,9 +4591,10 @@ static mpt_activation mpt__pass_activation(const mpt__pass *p, mpt_activation ac
 
 static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     const mpt_dense_desc *d = &L->desc.dense;
-    int64_t B = p->batch, in = L->in_count, units = d->units, n = B * units;
+    int64_t B = p->batch * mpt__dense_rows(L), in = L->in_shape[L->in_rank - 1];
+    int64_t units = d->units, n = B * units;
     mpt_activation act = mpt__pass_activation(p, d->activation);
-    int fused = act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX;
+    int fused = !mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX;
     /* A backend that rounds C in its epilogue writes y in the compute
        dtype directly; otherwise the product lands in float32 first. */
     int rounds_c = fused && L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c;
@@ -4542,16 +4602,16 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     float *acc = ((L->dtype == MPT_FLOAT32 || rounds_c) && fused)
                      ? (float *)p->y
                      : (float *)mpt__ws_take(&w, 4 * n);
-    /* acc (B, units) = x · kernel */
+    /* acc (rows, units) = x · kernel */
     mpt_gemm_desc g = mpt__layer_gemm_desc(L, 0, 0, B, units, in, p->x,
                                            mpt__param_compute_copy(L, 0), acc);
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
-    if (act == MPT_ACT_GELU) {
+    if (mpt__activation_keeps_z(act)) {
         p->be->convert(p->impl, L->dtype, L->saved[0], MPT_FLOAT32, acc, n);
-        p->be->activation(p->impl, MPT_ACT_GELU, acc, B, units);
-    } else if (act == MPT_ACT_SOFTMAX) {
+        p->be->activation(p->impl, act, acc, B, units);
+    } else if (act == MPT_ACT_SOFTMAX) { /* per row: over the last axis */
         p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, B, units);
     }
     if (acc != p->y) p->be->convert(p->impl, L->dtype, p->y, MPT_FLOAT32, acc, n);
@@ -4559,7 +4619,8 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
 
 static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
     const mpt_dense_desc *d = &L->desc.dense;
-    int64_t B = p->batch, in = L->in_count, units = d->units, n = B * units;
+    int64_t B = p->batch * mpt__dense_rows(L), in = L->in_shape[L->in_rank - 1];
+    int64_t units = d->units, n = B * units;
     mpt__ws w = {(unsigned char *)p->workspace};
     float *dz = (float *)mpt__ws_take(&w, 4 * n);
     float *tmp = (float *)mpt__ws_take(&w, 4 * n);
@@ -4569,10 +4630,10 @@ static void mpt__dense_backward(mpt__layer *L, const mpt__pass *p) {
        as the forward was: dz is rounded to it once. */
     mpt__layer_dz(L, p, mpt__pass_activation(p, d->activation), L->saved[0], p->y, p->dy, dz,
                   tmp, dz_c, d->no_bias ? NULL : mpt__param_grad(L, 1), 0, B, units);
-    /* dkernel (in, units) = xᵀ · dz */
+    /* dkernel (in, units) = xᵀ · dz, summed over every row */
     g = mpt__layer_gemm_desc(L, 1, 0, in, units, B, p->x, dz_c, mpt__param_grad(L, 0));
     mpt__layer_gemm(p, &g, MPT_FLOAT32);
-    if (p->dx) { /* dx (B, in) = dz · kernelᵀ */
+    if (p->dx) { /* dx (rows, in) = dz · kernelᵀ */
         float *dxf = L->dtype == MPT_FLOAT32 ? (float *)p->dx
                                              : (float *)mpt__ws_take(&w, 4 * B * in);
         g = mpt__layer_gemm_desc(L, 0, 1, B, in, units, dz_c, mpt__param_compute_copy(L, 0),
@@ -5066,7 +5127,7 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
                                         d->bias_initializer ? d->bias_initializer
                                                             : MPT_INIT_ZEROS,
                                         c.kk, c.g.kh * c.g.kw * c.f, 1, MPT_FLOAT32));
-    if (d->activation == MPT_ACT_GELU) /* z (B, OH, OW, F) */
+    if (mpt__activation_keeps_z(d->activation)) /* z (B, OH, OW, F) */
         MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, c.pix * c.f), 0));
     /* Per chunk (backward needs the most): dz, tmp (rows, F) f32; dz in
        dtype (rows, F); cols (rows, kk) dtype; dcols (rows, kk) f32; dx
@@ -5126,7 +5187,7 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     const int64_t rows = n * c->pix, ny = rows * c->f;
     const mpt_activation act = mpt__pass_activation(p, d->activation);
-    const int fused = act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX;
+    const int fused = !mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX;
     const unsigned char *x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c->es;
     unsigned char *y = (unsigned char *)p->y + (size_t)(b0 * c->pix * c->f) * c->es;
     mpt__ws w = {(unsigned char *)p->workspace};
@@ -5144,10 +5205,10 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
-    if (act == MPT_ACT_GELU) {
+    if (mpt__activation_keeps_z(act)) {
         unsigned char *z = (unsigned char *)L->saved[0] + (size_t)(b0 * c->pix * c->f) * c->es;
         p->be->convert(p->impl, L->dtype, z, MPT_FLOAT32, acc, ny);
-        p->be->activation(p->impl, MPT_ACT_GELU, acc, rows, c->f);
+        p->be->activation(p->impl, act, acc, rows, c->f);
     } else if (act == MPT_ACT_SOFTMAX) {
         /* over the channels of each pixel */
         p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, rows, c->f);
@@ -5175,7 +5236,7 @@ static void mpt__conv2d_forward_batch(mpt__layer *L, const mpt__pass *p) {
     const mpt_activation act = mpt__pass_activation(p, L->desc.conv2d.activation);
     mpt__conv_plan c;
     mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
-    if (act != MPT_ACT_GELU && act != MPT_ACT_SOFTMAX &&
+    if (!mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX &&
         mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace, 0))
         return;
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
@@ -5241,7 +5302,7 @@ static void mpt__conv2d_backward_rows(mpt__layer *L, const mpt__pass *p, const m
     const int f32 = L->dtype == MPT_FLOAT32;
     const unsigned char *x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c->es;
     unsigned char *dx = p->dx ? (unsigned char *)p->dx + (size_t)(b0 * L->in_count) * c->es : NULL;
-    const void *z = d->activation == MPT_ACT_GELU
+    const void *z = mpt__activation_keeps_z(d->activation)
                         ? (const unsigned char *)L->saved[0] + (size_t)y_off * c->es : NULL;
     mpt__ws w = {(unsigned char *)p->workspace};
     /* first, at the same place for every chunk: the kernel the backend
@@ -21757,12 +21818,13 @@ static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const voi
 }
 #endif
 
-/* dz = dy · act'(...) in float32, reading dy, the output y and (for GELU)
-   the pre-activation z in `dtype`. tmp holds n floats. */
+/* dz = dy · act'(...) in float32, reading dy, the output y and (for the
+   GELUs) the pre-activation z in `dtype`. tmp holds n floats. */
 static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype dtype,
                                  const void *z, const void *y, const void *dy, float *dz,
                                  float *tmp, int64_t n, int64_t cols) {
-    const float *dyf = (const float *)dy, *kept = (const float *)(act == MPT_ACT_GELU ? z : y);
+    const float *dyf = (const float *)dy;
+    const float *kept = (const float *)(mpt__activation_keeps_z(act) ? z : y);
 #if MPT__X86
     if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
         mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);
@@ -21773,7 +21835,7 @@ static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype
         mpt__convert(ctx, MPT_FLOAT32, dz, dtype, dy, n);
         dyf = dz;
         if (act != MPT_ACT_NONE) {
-            mpt__convert(ctx, MPT_FLOAT32, tmp, dtype, act == MPT_ACT_GELU ? z : y, n);
+            mpt__convert(ctx, MPT_FLOAT32, tmp, dtype, mpt__activation_keeps_z(act) ? z : y, n);
             kept = tmp;
         }
     }
@@ -21783,8 +21845,8 @@ static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype
         return;
     }
 #endif
-    mpt__activation_backward(act, act == MPT_ACT_GELU ? kept : NULL,
-                             act == MPT_ACT_GELU ? NULL : kept, dyf, dz, n, cols);
+    mpt__activation_backward(act, mpt__activation_keeps_z(act) ? kept : NULL,
+                             mpt__activation_keeps_z(act) ? NULL : kept, dyf, dz, n, cols);
 }
 
 #if MPT__X86
@@ -22593,7 +22655,7 @@ static int mpt__dconv_takes(const mpt_conv_args *a, const mpt__dconv_job *j) {
     if (g->kh * g->kw * j->ic < 32) return 0;
     return j->tile && (a->input_grad ? g->c : a->f) >= 16 &&
            g->kh * g->kw <= MPT__DCONV_MAX_TAPS &&
-           (a->input_grad || (a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX));
+           (a->input_grad || (!mpt__activation_keeps_z(a->act) && a->act != MPT_ACT_SOFTMAX));
 }
 
 /* Defined below, in @impl-winograd. */
@@ -22611,7 +22673,7 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a);
 static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     const mpt_window *g = a->g;
-    const int fused_act = a->act != MPT_ACT_GELU && a->act != MPT_ACT_SOFTMAX;
+    const int fused_act = !mpt__activation_keeps_z(a->act) && a->act != MPT_ACT_SOFTMAX;
     mpt__dconv_job j;
     int64_t t;
     int shallow;
@@ -25621,6 +25683,14 @@ static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const 
     } else {
         N = L->desc.dense.units;
         K = L->in_count;
+        if (L->in_rank != 1) { /* the quantized passes take one vector a sample */
+            char sh[96];
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                             "quantize: Dense '%s' applies to the last axis of samples of shape "
+                             "%s; the quantized model takes Dense on vectors only (add a "
+                             "Flatten layer before it)",
+                             L->name, mpt_shape_format(sh, sizeof sh, L->in_rank, L->in_shape));
+        }
     }
     op->info.out_channels = N;
     op->info.depth = K;
@@ -28826,6 +28896,15 @@ static int mpt__tfl_fused(mpt_activation act) {
     }
 }
 
+/* GELU into y, its option `approximate` saying which of the two. */
+static void mpt__tfl_gelu(mpt__tfl *g, mpt_activation act, int32_t x, int32_t y) {
+    mpt__tfl_op *op = mpt__tfl_op_add(g, MPT__TFL_GELU, x, 0, 0, 1, y);
+    if (!op) return;
+    op->options = MPT__TFL_GELU_OPTIONS;
+    op->opt[0] = act == MPT_ACT_GELU_TANH;
+    op->n_opt = 1;
+}
+
 /* act(x) as an op of its own into a new tensor of the step's output shape. */
 static int32_t mpt__tfl_activation(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
     int64_t shape[MPT_MAX_RANK];
@@ -28837,8 +28916,8 @@ static int32_t mpt__tfl_activation(mpt__tfl *g, const mpt__export_step *s, int32
     case MPT_ACT_TANH: mpt__tfl_op_add(g, MPT__TFL_TANH, x, 0, 0, 1, y); break;
     case MPT_ACT_SIGMOID: mpt__tfl_op_add(g, MPT__TFL_LOGISTIC, x, 0, 0, 1, y); break;
     case MPT_ACT_GELU: /* exact (approximate false), as mpt.h's */
-        op = mpt__tfl_op_add(g, MPT__TFL_GELU, x, 0, 0, 1, y);
-        if (op) op->options = MPT__TFL_GELU_OPTIONS, op->n_opt = 1;
+    case MPT_ACT_GELU_TANH: /* approximate true */
+        mpt__tfl_gelu(g, s->act, x, y);
         break;
     default: /* softmax, over the last axis */
         op = mpt__tfl_op_add(g, MPT__TFL_SOFTMAX, x, 0, 0, 1, y);
@@ -28887,7 +28966,9 @@ static mpt__tfl_op *mpt__tfl_weighted_op(mpt__tfl *g, const mpt__export_step *s,
     return mpt__tfl_op_add(g, code, x, kernel, bias, 3, *y);
 }
 
-/* Dense: FULLY_CONNECTED, weights [units, in] (the kernel transposed). */
+/* Dense: FULLY_CONNECTED, weights [units, in] (the kernel transposed); on
+   samples of more than one axis with keep_num_dims, so that the output is
+   (N, ..., units) as Keras', not the rows flattened. */
 static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
     int64_t shape[2];
     int32_t y;
@@ -28899,6 +28980,7 @@ static int32_t mpt__tfl_dense(mpt__tfl *g, const mpt__export_step *s, int32_t x)
         op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
         op->opt[0] = MPT__MAX(mpt__tfl_fused(s->act), 0);
         op->n_opt = 1;
+        if (s->L->in_rank > 1) op->opt[2] = 1, op->n_opt = 3;
     }
     return mpt__tfl_fused(s->act) < 0 ? mpt__tfl_activation(g, s, y) : y;
 }
@@ -29312,9 +29394,7 @@ static int32_t mpt__tfl_q_activation(mpt__tfl *g, const mpt_quantized_layer *L, 
     case MPT_ACT_TANH: mpt__tfl_op_add(g, MPT__TFL_TANH, x, 0, 0, 1, y); break;
     case MPT_ACT_SIGMOID: mpt__tfl_op_add(g, MPT__TFL_LOGISTIC, x, 0, 0, 1, y); break;
     case MPT_ACT_GELU:
-        op = mpt__tfl_op_add(g, MPT__TFL_GELU, x, 0, 0, 1, y);
-        if (op) op->options = MPT__TFL_GELU_OPTIONS, op->n_opt = 1;
-        break;
+    case MPT_ACT_GELU_TANH: mpt__tfl_gelu(g, L->activation, x, y); break;
     default: /* softmax */
         op = mpt__tfl_op_add(g, MPT__TFL_SOFTMAX, x, 0, 0, 1, y);
         if (op) {
@@ -29478,9 +29558,11 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         mpt__fb_field_scalar(b, 5, (uint64_t)op->opt[5], 1);
         break;
     case MPT__TFL_FULLY_CONNECTED_OPTIONS: /* fused_activation_function, then (a hybrid
-                                              one's) asymmetric_quantize_inputs, field 3 */
+                                              one's) asymmetric_quantize_inputs, field 3,
+                                              and keep_num_dims, field 2 */
         mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
-        if (op->n_opt > 1) mpt__fb_field_scalar(b, 3, (uint64_t)op->opt[1], 1);
+        if (op->n_opt > 1 && op->opt[1]) mpt__fb_field_scalar(b, 3, (uint64_t)op->opt[1], 1);
+        if (op->n_opt > 2 && op->opt[2]) mpt__fb_field_scalar(b, 2, (uint64_t)op->opt[2], 1);
         break;
     case MPT__TFL_ADD_OPTIONS:
     case MPT__TFL_SUB_OPTIONS:
@@ -29866,6 +29948,27 @@ static void mpt__onnx_gelu(mpt__onnx *o, const mpt__layer *L) {
     mpt__onnx_binary(o, L, "Mul", x, "activation");
 }
 
+/* GELU, tanh form: ½x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) in Mul, Add and
+   Tanh, in mpt.h's order of operations (½ is exact, so (½(1 + t))·x is
+   ½x·(1 + t)). */
+static void mpt__onnx_gelu_tanh(mpt__onnx *o, const mpt__layer *L) {
+    char x[96], c[96], k0[96], one[96], half[96];
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_scalar(o, L, "gelu_cubic", 0.044715f, c, sizeof c);
+    mpt__onnx_scalar(o, L, "gelu_sqrt_2_over_pi", 0.79788456080286536f, k0, sizeof k0);
+    mpt__onnx_scalar(o, L, "gelu_one", 1.0f, one, sizeof one);
+    mpt__onnx_scalar(o, L, "gelu_half", 0.5f, half, sizeof half);
+    mpt__onnx_binary(o, L, "Mul", x, "gelu_square");
+    mpt__onnx_binary(o, L, "Mul", x, "gelu_cube");
+    mpt__onnx_binary(o, L, "Mul", c, "gelu_cube_scaled");
+    mpt__onnx_binary(o, L, "Add", x, "gelu_inner");
+    mpt__onnx_binary(o, L, "Mul", k0, "gelu_scaled");
+    mpt__onnx_unary(o, L, "Tanh", "gelu_tanh");
+    mpt__onnx_binary(o, L, "Add", one, "gelu_sum");
+    mpt__onnx_binary(o, L, "Mul", half, "gelu_half_sum");
+    mpt__onnx_binary(o, L, "Mul", x, "activation");
+}
+
 /* The step's activation on the running value (softmax over the channels:
    the last axis, or axis 1 when NCHW). */
 static void mpt__onnx_activation(mpt__onnx *o, const mpt__export_step *s) {
@@ -29873,6 +29976,7 @@ static void mpt__onnx_activation(mpt__onnx *o, const mpt__export_step *s) {
     size_t body;
     switch (s->act) {
     case MPT_ACT_GELU: mpt__onnx_gelu(o, s->L); break;
+    case MPT_ACT_GELU_TANH: mpt__onnx_gelu_tanh(o, s->L); break;
     case MPT_ACT_RELU: mpt__onnx_unary(o, s->L, "Relu", "activation"); break;
     case MPT_ACT_TANH: mpt__onnx_unary(o, s->L, "Tanh", "activation"); break;
     case MPT_ACT_SIGMOID: mpt__onnx_unary(o, s->L, "Sigmoid", "activation"); break;
@@ -29905,7 +30009,9 @@ static void mpt__onnx_window(mpt__pb *b, const mpt__win *g) {
     mpt__onnx_attr_ints(b, "pads", pads, 4);
 }
 
-/* Dense: Gemm(x, kernel (in, units), bias). */
+/* Dense: Gemm(x, kernel (in, units), bias); on samples of more than one
+   axis MatMul, which broadcasts over the leading axes, then Add, over the
+   last axis of the NHWC value. */
 static void mpt__onnx_dense(mpt__onnx *o, const mpt__export_step *s) {
     char kernel[128], bias[128], y[96];
     int64_t dims[2];
@@ -29914,9 +30020,15 @@ static void mpt__onnx_dense(mpt__onnx *o, const mpt__export_step *s) {
     mpt__onnx_constant(o, s->L, "kernel", 2, dims, s->kernel, s->kernel_count, kernel,
                        sizeof kernel);
     mpt__onnx_constant(o, s->L, "bias", 1, &dims[1], s->bias, dims[1], bias, sizeof bias);
-    mpt__onnx_name(y, sizeof y, s->L, "linear");
-    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Gemm", y, o->x, kernel, bias));
-    snprintf(o->x, sizeof o->x, "%s", y);
+    if (s->L->in_rank > 1) {
+        mpt__onnx_layout(o, s->L, 0);
+        mpt__onnx_binary(o, s->L, "MatMul", kernel, "product");
+        mpt__onnx_binary(o, s->L, "Add", bias, "linear");
+    } else {
+        mpt__onnx_name(y, sizeof y, s->L, "linear");
+        mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Gemm", y, o->x, kernel, bias));
+        snprintf(o->x, sizeof o->x, "%s", y);
+    }
     mpt__onnx_activation(o, s);
 }
 
@@ -31748,7 +31860,7 @@ static void mpt__activation_grad_task(void *arg, int64_t task, int thread) {
     const int64_t r0 = task * j->task_rows, e0 = r0 * j->cols;
     const size_t at = (size_t)e0 * mpt_dtype_size(j->dtype);
     (void)thread;
-    /* z (GELU's) and y (the others') are NULL where the activation
+    /* z (the GELUs') and y (the others') are NULL where the activation
        reads only the other */
     mpt__activation_grad(j->ctx, j->act, j->dtype, j->z ? j->z + at : NULL,
                          j->y ? j->y + at : NULL, j->dy + at, j->dz + e0, j->tmp + e0,

@@ -222,7 +222,7 @@ static __device__ __forceinline__ float mpt__cuda_relu(float x) {
     return __float_as_uint(x) - 0x80000000u <= 0x7f800000u ? 0.0f : x;
 }
 
-/* The elementwise activations, GELU and the sigmoid by mpt.h's rules
+/* The elementwise activations, the GELUs and the sigmoid by mpt.h's rules
    (@backend-shared, which the CPU runs too): the layers' kernels and every
    GEMM epilogue apply them through this one function. */
 static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
@@ -231,6 +231,7 @@ static __device__ __forceinline__ float mpt__cuda_act_apply(int act, float x) {
     case MPT_ACT_GELU: return mpt__gelu(x);
     case MPT_ACT_SIGMOID: return mpt__sigmoid(x);
     case MPT_ACT_TANH: return tanhf(x);
+    case MPT_ACT_GELU_TANH: return mpt__gelu_tanh(x);
     default: return x;
     }
 }
@@ -2462,13 +2463,14 @@ static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dt
 
 /* ---- activations -------------------------------------------------------- */
 
-/* dy · act'(.) where `kept` is z for GELU and y for the others. */
+/* dy · act'(.) where `kept` is z for the GELUs and y for the others. */
 static __device__ __forceinline__ float mpt__cuda_act_derivative(int act, float dy, float kept) {
     switch (act) {
     case MPT_ACT_RELU: return kept <= 0 ? 0.0f : dy; /* a NaN y passes dy, as the CPU */
     case MPT_ACT_GELU: return dy * mpt__gelu_derivative(kept); /* mpt.h's */
     case MPT_ACT_SIGMOID: return mpt__sigmoid_grad(kept, dy); /* mpt.h's */
     case MPT_ACT_TANH: return mpt__tanh_grad(kept, dy);
+    case MPT_ACT_GELU_TANH: return dy * mpt__gelu_tanh_derivative(kept); /* mpt.h's */
     default: return dy;
     }
 }
@@ -2577,6 +2579,10 @@ static void mpt__cuda_activation(void *impl, mpt_activation act, float *x, int64
     case MPT_ACT_TANH:
         mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_TANH>{x}, n, vec, "tanh");
         break;
+    case MPT_ACT_GELU_TANH:
+        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_GELU_TANH>{x}, n, vec,
+                                "gelu_tanh");
+        break;
     case MPT_ACT_SOFTMAX:
         mpt__cuda_act_softmax_kernel<<<mpt__cuda_layers_row_blocks(rows), mpt__cuda_layers_threads,
                                        0, c->stream>>>(x, rows, cols);
@@ -2604,7 +2610,8 @@ static void mpt__cuda_activation_grad(void *impl, mpt_activation act, mpt_dtype 
     (void)tmp;
     if (n <= 0) return;
     if (act != MPT_ACT_RELU && act != MPT_ACT_GELU && act != MPT_ACT_SIGMOID &&
-        act != MPT_ACT_TANH && act != MPT_ACT_SOFTMAX) { /* linear: dz = dy */
+        act != MPT_ACT_TANH && act != MPT_ACT_SOFTMAX &&
+        act != MPT_ACT_GELU_TANH) { /* linear: dz = dy */
         mpt__cuda_convert(impl, MPT_FLOAT32, dz, dtype, dy, n);
         return;
     }
@@ -2623,6 +2630,10 @@ static void mpt__cuda_activation_grad(void *impl, mpt_activation act, mpt_dtype 
             break;
         case MPT_ACT_TANH:
             mpt__cuda_act_grad_typed<MPT_ACT_TANH>(c, kept, d, dz, n, "tanh backward");
+            break;
+        case MPT_ACT_GELU_TANH:
+            mpt__cuda_act_grad_typed<MPT_ACT_GELU_TANH>(c, (const T *)z, d, dz, n,
+                                                        "gelu_tanh backward");
             break;
         default: /* softmax */
             mpt__cuda_act_softmax_grad_kernel<T><<<mpt__cuda_layers_row_blocks(rows),

@@ -163,6 +163,8 @@ static inline double ref_act(mpt_activation act, double z) {
     case MPT_ACT_GELU: return 0.5 * z * (1 + erf(z / sqrt(2.0)));
     case MPT_ACT_SIGMOID: return 1 / (1 + exp(-z));
     case MPT_ACT_TANH: return tanh(z);
+    case MPT_ACT_GELU_TANH:
+        return 0.5 * z * (1 + tanh(sqrt(2 / 3.14159265358979323846) * (z + 0.044715 * z * z * z)));
     default: return z;
     }
 }

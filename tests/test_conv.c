@@ -191,7 +191,8 @@ static layer_ref conv_case(int64_t h, int64_t w, int64_t c, int64_t f, int64_t k
 
 static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
 static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
-                                      MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_SOFTMAX};
+                                      MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_SOFTMAX,
+                                      MPT_ACT_GELU_TANH};
 
 /* A random window that fits the image (for 'valid') or not (for 'same'). */
 static void random_geom(geom *g, int max_side, int max_c, int max_k) {
@@ -209,7 +210,7 @@ static void test_conv_gradients(void) {
     int a, t, k;
     /* every activation in every dtype, a rectangular kernel, strides (1, 2) */
     for (t = 0; t < 3; t++)
-        for (a = 0; a < 6; a++)
+        for (a = 0; a < 7; a++)
             check_layer(3, conv_case(6, 5, 3, 4, 3, 2, 1, 2, (a & 1) ? MPT_PADDING_SAME
                                                                      : MPT_PADDING_VALID,
                                      acts[a], 1), dtypes[t]);

@@ -399,8 +399,8 @@ static const int64_t gemm_sizes[8] = {1, 7, 33, 64, 127, 128, 255, 1000};
    epilogue, C dtype, alpha, beta and padding varied from case to case,
    plus k = 0 and alpha_is_zero. */
 static void test_gemm_engine(backend *gpu) {
-    static const mpt_activation acts[7] = {MPT_ACT_NONE, MPT_ACT_NONE, MPT_ACT_RELU,
-                                           MPT_ACT_GELU, MPT_ACT_GELU, MPT_ACT_SIGMOID,
+    static const mpt_activation acts[7] = {MPT_ACT_NONE, MPT_ACT_NONE,      MPT_ACT_RELU,
+                                           MPT_ACT_GELU, MPT_ACT_GELU_TANH, MPT_ACT_SIGMOID,
                                            MPT_ACT_TANH};
     static const int with_bias[7] = {0, 1, 1, 0, 1, 1, 0};
     static const float alphas[3] = {0.0f, 0.5f, -2.0f};
@@ -1966,8 +1966,8 @@ static void test_gemm_tiles(void) {
     static const char *const tiles[3] = {"", "64", "128"};
     static const char *const labels[3] = {"cuda (gemm mpt, tile chosen)", "cuda (gemm mpt, tile 64)",
                                           "cuda (gemm mpt, tile 128)"};
-    static const mpt_activation acts[4] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
-                                           MPT_ACT_TANH};
+    static const mpt_activation acts[5] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                           MPT_ACT_GELU_TANH, MPT_ACT_TANH};
     backend be[3];
     int t, tr, di, v = 0;
     memset(be, 0, sizeof be);
@@ -1989,7 +1989,7 @@ static void test_gemm_tiles(void) {
             g.c_dtype = float_dtypes[v % 3];
             g.alpha = v % 2 ? 0.5f : 0.0f;
             g.bias = v % 3 != 1;
-            g.act = acts[v % 4];
+            g.act = acts[v % 5];
             in = gemm_make_inputs(&g);
             ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
             describe_gemm(what, sizeof what, &g);
@@ -2150,7 +2150,7 @@ static long long wgmma_runs(const backend *b) {
    both tile widths, 128 and 256: 2304×2560 is 18·10 = 180 tiles of
    128×256 for 132 SMs), leading dimensions rounded up to 8 elements (TMA's
    16-byte pitch; C's stays odd), each epilogue (alpha, beta·C, bias,
-   ReLU, GELU, sigmoid, tanh), C in each dtype and poisoned first. Every
+   ReLU, both GELUs, sigmoid, tanh), C in each dtype and poisoned first. Every
    case must have run on the Hopper kernel (its run count grows by 2),
    twice with the same bits. Relative norm error <= 1e-2 against the CPU
    in float32 rounded to C's dtype, as every 16-bit GEMM, and <= 1e-2
@@ -2160,8 +2160,8 @@ static void test_gemm_wgmma(void) {
     static const int64_t shapes[][3] = {{1, 7, 33},     {127, 129, 65},  {128, 256, 64},
                                         {255, 300, 1000}, {1000, 513, 77}, {64, 8, 4096},
                                         {2304, 2560, 256}, {333, 1030, 1}};
-    static const mpt_activation acts[5] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
-                                           MPT_ACT_SIGMOID, MPT_ACT_TANH};
+    static const mpt_activation acts[6] = {MPT_ACT_NONE,    MPT_ACT_RELU, MPT_ACT_GELU,
+                                           MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_GELU_TANH};
     backend *w = &gpu_be[GPU_WGMMA], *lt = &gpu_be[GPU_CUBLASLT];
     size_t si;
     int tr, di, v = 0;
@@ -2184,7 +2184,7 @@ static void test_gemm_wgmma(void) {
                 g.alpha = v % 3 == 1 ? 0.5f : v % 3 == 2 ? -2.0f : 0.0f;
                 g.beta = g.c_dtype == MPT_FLOAT32 && v % 4 == 1 ? 0.75f : 0.0f;
                 g.bias = v % 2;
-                g.act = acts[v % 5];
+                g.act = acts[v % 6];
                 g.pad = v % 3 == 0 ? 3 : 0;
                 g.ld8 = 1;
                 in = gemm_make_inputs(&g);

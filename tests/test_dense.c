@@ -1,5 +1,7 @@
 /* Dense, Flatten and Activation: gradients against finite differences in
-   double, known answers, and bad input. */
+   double, known answers, and bad input. Dense on samples of more than one
+   axis (B, T, D), as Keras: its kernel applied to the last axis, the same
+   bits as on the rows (B·T, D). GELU's tanh form against double. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "gradcheck.h"
@@ -53,16 +55,222 @@ static void check_dense(int64_t batch, int64_t in, int64_t units, mpt_activation
 }
 
 static void test_dense_gradients(void) {
-    static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
-                                          MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_SOFTMAX};
+    static const mpt_activation acts[] = {MPT_ACT_NONE,    MPT_ACT_RELU, MPT_ACT_GELU,
+                                          MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_SOFTMAX,
+                                          MPT_ACT_GELU_TANH};
     static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
     int a, t, k;
     for (t = 0; t < 3; t++)
-        for (a = 0; a < 6; a++) check_dense(3, 7, 5, acts[a], 1, dtypes[t]);
+        for (a = 0; a < 7; a++) check_dense(3, 7, 5, acts[a], 1, dtypes[t]);
     /* random shapes, batch 1, sizes not multiples of 8 */
     for (k = 0; k < 6; k++)
         check_dense(k == 0 ? 1 : test_randint(1, 9), test_randint(1, 40), test_randint(1, 37),
                     acts[test_randint(0, 5)], k & 1, dtypes[k % 3]);
+}
+
+/* ---- Dense over the last axis of (B, T, D) and (B, H, W, D) ---------------- */
+
+typedef struct dense3_ref {
+    int64_t rows, in, units; /* rows per sample: the product of the middle axes */
+    mpt_activation act;
+} dense3_ref;
+
+static void dense3_forward_ref(const gc_case *c, const double *x, double *const *params,
+                               double *y) {
+    const dense3_ref *d = (const dense3_ref *)c->user;
+    int64_t r, i, u, rows = c->batch * d->rows;
+    for (r = 0; r < rows; r++)
+        for (u = 0; u < d->units; u++) {
+            double z = params[1][u];
+            for (i = 0; i < d->in; i++) z += x[r * d->in + i] * params[0][i * d->units + u];
+            y[r * d->units + u] = ref_act(d->act, z);
+        }
+    if (d->act == MPT_ACT_SOFTMAX) ref_softmax_rows(y, rows, d->units);
+}
+
+/* x, kernel and bias gradients of a Dense on samples of shape `shape`
+   (rank 2 or 3) under `policy`, against double. */
+static void check_dense_ranked(int rank, const int64_t *shape, int64_t units, mpt_activation act,
+                               mpt_policy policy) {
+    static const char *policies[] = {"float32", "mixed_float16", "mixed_bfloat16"};
+    mpt_model *m = NULL;
+    mpt_model_desc md = {.input_rank = rank, .seed = 11, .policy = policy};
+    dense3_ref d = {1, shape[rank - 1], units, act};
+    int64_t out[MPT_MAX_RANK];
+    char label[160];
+    int k;
+    test__begin();
+    for (k = 0; k < rank; k++) md.input_shape[k] = shape[k];
+    for (k = 0; k < rank - 1; k++) d.rows *= shape[k];
+    snprintf(label, sizeof label, "dense rank %d rows/sample=%lld in=%lld units=%lld %s %s",
+             rank + 1, (long long)d.rows, (long long)d.in, (long long)units,
+             mpt_activation_name(act), policies[policy]);
+    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = units, .activation = act,
+                                                   .bias_initializer = MPT_INIT_GLOROT_UNIFORM}) ==
+              MPT_OK, "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_layer_output_shape(m, 0, out) == rank && out[rank - 1] == units &&
+              out[0] == shape[0],
+          "output shape of %s", label);
+    gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 1,
+                             .ref_forward = dense3_forward_ref, .user = &d}, label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+static void test_dense_ranked_gradients(void) {
+    static const mpt_activation acts[] = {MPT_ACT_NONE,    MPT_ACT_RELU, MPT_ACT_GELU,
+                                          MPT_ACT_SIGMOID, MPT_ACT_TANH, MPT_ACT_SOFTMAX,
+                                          MPT_ACT_GELU_TANH};
+    static const int64_t seq[2] = {4, 6}, image[3] = {2, 3, 5};
+    int a, p;
+    for (p = 0; p < 3; p++)
+        for (a = 0; a < 7; a++) check_dense_ranked(2, seq, 5, acts[a], (mpt_policy)p);
+    for (a = 0; a < 7; a++) check_dense_ranked(3, image, 7, acts[a], MPT_POLICY_FLOAT32);
+}
+
+/* A pass through m on x (rank 1 + sample rank) with output gradient dy:
+   the output, dx and every parameter gradient copied out as float32. */
+static void dense_pass(mpt_model *m, int rank, const int64_t *xshape, const float *x,
+                       const float *dy, float *y, float *dx, float *grads) {
+    mpt_tensor tx, ty, tdy, tdx;
+    mpt_param_info pi;
+    int64_t n, off = 0;
+    int k;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, rank, xshape, (void *)x);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward: %s", mpt_context_error(ctx));
+    n = mpt_tensor_count(&ty);
+    mpt_convert(ctx, MPT_FLOAT32, y, ty.dtype, ty.data, n);
+    mpt_model_output_grad(m, &tdy);
+    mpt_convert(ctx, tdy.dtype, tdy.data, MPT_FLOAT32, dy, n);
+    CHECK(mpt_model_backward(m, NULL, &tdx) == MPT_OK, "backward: %s", mpt_context_error(ctx));
+    mpt_convert(ctx, MPT_FLOAT32, dx, tdx.dtype, tdx.data, mpt_tensor_count(&tdx));
+    for (k = 0; k < mpt_model_param_count(m); k++) {
+        mpt_model_param(m, k, &pi);
+        memcpy(grads + off, pi.grad.data, mpt_tensor_bytes(&pi.grad));
+        off += mpt_tensor_count(&pi.grad);
+    }
+}
+
+/* A model of one Dense on samples of rank `rank` (shape s), policy p,
+   the weights of `like` copied in when given. */
+static mpt_model *dense_model(mpt_context *c, int rank, const int64_t *s, mpt_activation act,
+                              mpt_policy p, mpt_model *like) {
+    mpt_model *m = NULL;
+    mpt_model_desc md = {.input_rank = rank, .seed = 5, .policy = p};
+    int k;
+    for (k = 0; k < rank; k++) md.input_shape[k] = s[k];
+    mpt_model_create(c, &md, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 11, .activation = act,
+                                             .bias_initializer = MPT_INIT_GLOROT_UNIFORM});
+    CHECK(mpt_model_build(m, 24) == MPT_OK, "build: %s", mpt_context_error(c));
+    for (k = 0; like && k < mpt_model_param_count(m); k++) {
+        mpt_param_info a, b;
+        mpt_model_param(like, k, &a);
+        mpt_model_param(m, k, &b);
+        memcpy(b.value.data, a.value.data, mpt_tensor_bytes(&a.value));
+    }
+    if (like) mpt_model_refresh_weights(m);
+    return m;
+}
+
+/* Dense on (B, T, D) is Dense on (B·T, D): the same output, dx and
+   gradients, bit for bit, for each activation and policy; and a context of
+   one thread gives the bits of one of two. */
+static void test_dense_ranked_is_rows(void) {
+    static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU,
+                                          MPT_ACT_SOFTMAX, MPT_ACT_GELU_TANH};
+    enum { B = 3, T = 7, D = 13, U = 11 };
+    static float x[B * T * D], dy[B * T * U];
+    static float y[2][B * T * U], dx[2][B * T * D], g[2][D * U + U];
+    const int64_t seq[2] = {T, D}, vec[1] = {D}, xs3[3] = {B, T, D}, xs2[2] = {B * T, D};
+    mpt_context *one = NULL;
+    int a, p, k, i;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+    for (i = 0; i < B * T * D; i++) x[i] = (float)test_uniform(-2, 2);
+    for (i = 0; i < B * T * U; i++) dy[i] = (float)test_uniform(-1, 1);
+    for (p = 0; p < 3; p++)
+        for (a = 0; a < 5; a++) {
+            mpt_model *m3 = dense_model(ctx, 2, seq, acts[a], (mpt_policy)p, NULL);
+            mpt_model *m2 = dense_model(ctx, 1, vec, acts[a], (mpt_policy)p, m3);
+            mpt_model *m1 = dense_model(one, 2, seq, acts[a], (mpt_policy)p, m3);
+            dense_pass(m3, 3, xs3, x, dy, y[0], dx[0], g[0]);
+            dense_pass(m2, 2, xs2, x, dy, y[1], dx[1], g[1]);
+            for (k = 0; k < 2; k++) {
+                CHECK(!memcmp(y[0], y[1], sizeof y[0]), "%s %d: y differs from the rows'",
+                      mpt_activation_name(acts[a]), p);
+                CHECK(!memcmp(dx[0], dx[1], sizeof dx[0]), "%s %d: dx differs from the rows'",
+                      mpt_activation_name(acts[a]), p);
+                CHECK(!memcmp(g[0], g[1], sizeof g[0]), "%s %d: gradients differ from the rows'",
+                      mpt_activation_name(acts[a]), p);
+                if (k == 0) dense_pass(m1, 3, xs3, x, dy, y[1], dx[1], g[1]); /* one thread */
+            }
+            mpt_model_destroy(m1);
+            mpt_model_destroy(m2);
+            mpt_model_destroy(m3);
+        }
+    mpt_context_destroy(one);
+}
+
+/* What reads a layer's shapes: the summary prints Keras' (None, T, units)
+   and the kernel's in·units + units parameters; the profiler counts
+   T·in·units multiply-adds a sample; memory plans per sample. */
+static void test_dense_ranked_summary(void) {
+    mpt_model *m = NULL;
+    char text[4096];
+    const mpt__layer *L;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {6, 8}, .input_rank = 2}, &m) ==
+              MPT_OK, "create");
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_GELU_TANH});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_model_summary(m, text, sizeof text);
+    CHECK(strstr(text, "(None, 6, 16)") && strstr(text, "(None, 6, 5)") &&
+              strstr(text, "144") && strstr(text, "85"),
+          "summary:\n%s", text);
+    L = &m->layers[0];
+    CHECK(mpt__profile_macs(m, 0) == 6.0 * 8 * 16 && mpt__profile_macs(m, 1) == 6.0 * 16 * 5,
+          "profiler's multiply-adds %g and %g, not 768 and 480", mpt__profile_macs(m, 0),
+          mpt__profile_macs(m, 1));
+    CHECK(L->n_saved == 1 && L->saved_bytes[0] >= 4 * 6 * 16 * 4,
+          "GELU's z not planned for 6 positions: %lld bytes", (long long)L->saved_bytes[0]);
+    mpt_model_destroy(m);
+}
+
+/* GELU's tanh form, mpt.h's float rule, against double over [-12, 12] and
+   beyond; its derivative against the double formula and against central
+   differences of the double function. */
+static void test_gelu_tanh_rule(void) {
+    const double k0 = sqrt(2 / 3.14159265358979323846);
+    int64_t bad = 0, bad_fd = 0, i;
+    double worst = 0;
+    for (i = 0; i <= 24000; i++) {
+        double x = -12 + i * 1e-3 + test_uniform(0, 1e-3), h = 1e-5;
+        float xf = (float)x;
+        double xd = xf, t = tanh(k0 * (xd + 0.044715 * xd * xd * xd));
+        double ref = 0.5 * xd * (1 + t);
+        double dref = 0.5 * (1 + t) + 0.5 * xd * (1 - t * t) * k0 * (1 + 3 * 0.044715 * xd * xd);
+        double fd = (ref_act(MPT_ACT_GELU_TANH, xd + h) - ref_act(MPT_ACT_GELU_TANH, xd - h)) /
+                    (2 * h);
+        double e = fabs(mpt__gelu_tanh(xf) - ref) / (1 + fabs(xd));
+        worst = e > worst ? e : worst;
+        bad += e > 1e-6;
+        bad += fabs(mpt__gelu_tanh_derivative(xf) - dref) > 1e-6 * (1 + fabs(xd));
+        bad_fd += fabs(dref - fd) > 1e-7;
+    }
+    CHECK(bad == 0 && bad_fd == 0, "%lld values off double, %lld derivatives off the differences "
+          "(worst value error %.3g)", (long long)bad, (long long)bad_fd, worst);
+    CHECK(mpt__gelu_tanh(0.0f) == 0.0f && mpt__gelu_tanh(60.0f) == 60.0f &&
+              mpt__gelu_tanh(-60.0f) == 0.0f && mpt__gelu_tanh(1e30f) == 1e30f,
+          "the ends");
+    CHECK(mpt__gelu_tanh_derivative(1e30f) == 1.0f && mpt__gelu_tanh_derivative(-1e30f) == 0.0f &&
+              mpt__gelu_tanh_derivative(0.0f) == 0.5f,
+          "the derivative's ends (no 0·inf): %g %g", mpt__gelu_tanh_derivative(1e30f),
+          mpt__gelu_tanh_derivative(-1e30f));
+    CHECK(isnan(mpt__gelu_tanh(NAN)) && isnan(mpt__gelu_tanh_derivative(NAN)), "NaN passes");
+    CHECK(fabs(mpt__gelu_tanh(1.0f) - 0.8411920f) < 1e-6, "gelu_tanh(1) = %.8g (Keras 0.841192)",
+          mpt__gelu_tanh(1.0f));
 }
 
 /* Flatten + Activation chained behind a Dense, so the input gradient of
@@ -85,10 +293,11 @@ static void chain_forward_ref(const gc_case *c, const double *x, double *const *
 }
 
 static void test_flatten_activation_gradients(void) {
-    static const mpt_activation acts[] = {MPT_ACT_RELU, MPT_ACT_GELU, MPT_ACT_SIGMOID,
-                                          MPT_ACT_TANH, MPT_ACT_SOFTMAX, MPT_ACT_NONE};
+    static const mpt_activation acts[] = {MPT_ACT_RELU,    MPT_ACT_GELU, MPT_ACT_SIGMOID,
+                                          MPT_ACT_TANH,    MPT_ACT_SOFTMAX, MPT_ACT_NONE,
+                                          MPT_ACT_GELU_TANH};
     int a;
-    for (a = 0; a < 6; a++) {
+    for (a = 0; a < 7; a++) {
         mpt_model *m = NULL;
         chain_ref d = {3, 2, 2, 5, acts[a]};
         test__begin();
@@ -336,7 +545,7 @@ static void test_bad_input(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL;
     mpt_tensor t, out;
-    int64_t shape[2] = {3, 5};
+    int64_t shape[2] = {3, 5}, shape3[MPT_MAX_RANK];
     float data[15] = {0};
     CHECK(mpt_model_create(q, &(mpt_model_desc){.input_rank = 0}, &m) == MPT_ERR_INVALID_ARGUMENT,
           "input_rank 0 accepted");
@@ -362,13 +571,15 @@ static void test_bad_input(void) {
     CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .name = "a/b"}) ==
               MPT_ERR_INVALID_ARGUMENT, "name with / accepted");
     CHECK(mpt_model_build(m, 4) == MPT_ERR_STATE, "built with no layers");
-    /* Dense straight after an image input: a shape mismatch naming both. */
+    /* Dense straight after an image input applies to its last axis, as
+       Keras': (4, 4, 2) -> (4, 4, 3). */
     CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .name = "head"}) == MPT_OK, "add");
     CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .name = "head"}) ==
               MPT_ERR_INVALID_ARGUMENT, "duplicate name accepted");
-    CHECK(mpt_model_build(m, 4) == MPT_ERR_SHAPE, "Dense on a 3-D sample accepted");
-    CHECK(strstr(mpt_context_error(q), "head") && strstr(mpt_context_error(q), "4, 4, 2"),
-          "message: %s", mpt_context_error(q));
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "Dense on a 3-D sample: %s", mpt_context_error(q));
+    CHECK(mpt_model_layer_output_shape(m, 0, shape3) == 3 && shape3[0] == 4 && shape3[1] == 4 &&
+              shape3[2] == 3,
+          "output (None, 4, 4, 3)");
     mpt_model_destroy(m);
 
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {5}, .input_rank = 1}, &m);
@@ -451,6 +662,10 @@ int main(void) {
     TEST_RUN(test_relu_gradient_paths_agree);
     test_dense_gradients();
     test_flatten_activation_gradients();
+    test_dense_ranked_gradients();
+    TEST_RUN(test_dense_ranked_is_rows);
+    TEST_RUN(test_dense_ranked_summary);
+    TEST_RUN(test_gelu_tanh_rule);
     TEST_RUN(test_initializers);
     TEST_RUN(test_seeded_init);
     TEST_RUN(test_mixed_chain);

@@ -25,11 +25,11 @@ static const char *path_of(char *buf, const char *name) {
 
 /* ---- models with every layer the export writes ---------------------------------- */
 
-typedef enum { MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH } arch;
+typedef enum { MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH, SEQ, PIXELS } arch;
 
 static const char *arch_name(arch a) {
-    static const char *names[] = {"mlp",     "mlp_vectors", "mlp_rows", "cnn",
-                                  "cnn_gap", "cnn_open",    "graph"};
+    static const char *names[] = {"mlp",   "mlp_vectors", "mlp_rows", "cnn",   "cnn_gap",
+                                  "cnn_open", "graph",    "seq",      "pixels"};
     return names[a];
 }
 
@@ -136,7 +136,7 @@ static mpt_model *make_model(arch a, int with_bn) {
     if (a == MLP_VECTORS) { /* samples (784,) */
         desc.input_shape[0] = 784;
         desc.input_rank = 1;
-    } else if (a == MLP_ROWS) { /* samples (28, 28) */
+    } else if (a == MLP_ROWS || a == SEQ) { /* samples (28, 28) */
         desc.input_rank = 2;
     }
     if (mpt_model_create(ctx, &desc, &m) != MPT_OK) return NULL;
@@ -158,7 +158,23 @@ static mpt_model *make_model(arch a, int with_bn) {
         add_act(m, MPT_ACT_TANH);
         add_dense(m, 19, MPT_ACT_SIGMOID);
         add_act(m, MPT_ACT_GELU);
+        add_act(m, MPT_ACT_GELU_TANH);
         add_dense(m, 10, MPT_ACT_SOFTMAX);
+        break;
+    case SEQ: /* Dense over the last axis of (28, 28): 28 positions */
+        add_dense(m, 16, MPT_ACT_GELU_TANH);
+        add_dense(m, 14, MPT_ACT_SOFTMAX); /* per position */
+        add_dense(m, 12, MPT_ACT_NONE);
+        if (with_bn) add_bn(m); /* folded into the Dense */
+        /* last, so that the two GELUs' difference (up to 4.7e-4) shows */
+        add_act(m, MPT_ACT_GELU_TANH);
+        break;
+    case PIXELS: /* Dense over the channels of a Conv2D's (H, W, C) */
+        add_conv(m, 6, 3, 3, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU);
+        add_dense(m, 5, MPT_ACT_GELU);
+        add_dense(m, 4, MPT_ACT_TANH);
+        add_conv(m, 3, 2, 2, 1, 1, MPT_PADDING_SAME, MPT_ACT_NONE);
+        add_dense(m, 7, MPT_ACT_SOFTMAX);
         break;
     case CNN:
         add_conv(m, 5, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU);
@@ -1544,8 +1560,8 @@ int main(void) {
         printf("FAIL cannot create a temporary directory\n");
         return 1;
     }
-    for (a = MLP; a <= GRAPH; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
-    for (a = MLP; a <= GRAPH; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
+    for (a = MLP; a <= PIXELS; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
+    for (a = MLP; a <= PIXELS; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
     TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_tflite_quantization);
     TEST_RUN(test_onnx_qdq);

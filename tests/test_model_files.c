@@ -165,6 +165,10 @@ static mpt_model *every_layer_model(void) {
     two[1] = mpt_conv2d(
         m, b, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {1, 3}, .padding = MPT_PADDING_SAME});
     a = mpt_concatenate(m, 2, two, &(mpt_concatenate_desc){.axis = -1});
+    /* Dense over the channels of each pixel: (4, 8, 8) -> (4, 8, 3) */
+    a = mpt_dense(m, a,
+                  &(mpt_dense_desc){
+                      .units = 3, .activation = MPT_ACT_GELU_TANH, .name = "per_pixel"});
     a = mpt_global_average_pooling2d(m, a, NULL);
     a = mpt_dropout(m, a, &(mpt_dropout_desc){.rate = 0.3f, .seed = 77});
     three[0] = mpt_dense(m, a, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_SIGMOID});
@@ -193,6 +197,21 @@ static void test_every_layer_round_trip(void) {
     if (!loaded) goto done;
     CHECK(mpt_model_save(loaded, again) == MPT_OK, "save again: %s", mpt_context_error(ctx));
     CHECK(same_files(path, again), "%s and %s differ", path, again);
+    {
+        long n = 0;
+        unsigned char *bytes = read_all(path, &n);
+        int64_t px[4];
+        int at = -1, k;
+        long j, named = 0;
+        for (k = 0; k < mpt_model_layer_count(loaded); k++)
+            if (!strcmp(mpt_model_layer_name(loaded, k), "per_pixel")) at = k;
+        for (j = 0; bytes && j + 9 <= n; j++) named += !memcmp(bytes + j, "gelu_tanh", 9);
+        CHECK(named == 1, "the file names gelu_tanh %ld times", named);
+        CHECK(at >= 0 && mpt_model_layer_output_shape(loaded, at, px) == 3 && px[0] == 4 &&
+                  px[1] == 8 && px[2] == 3,
+              "the per-pixel Dense came back as another shape");
+        free(bytes);
+    }
     for (i = 0; i < 7 * 128; i++) x[i] = (float)test_uniform(-1, 1);
     mpt_tensor_wrap(ctx, &t, MPT_FLOAT32, 4, shape, x);
     CHECK(mpt_model_forward(m, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));

@@ -4,7 +4,10 @@
    and samples, and accuracy counted per position. Checked on a model's own
    output (mpt_model_compute_loss, evaluate, fit) against a reference in
    double computed per position, the output gradient against central
-   differences of that reference, and bad labels refused with a message. */
+   differences of that reference, and bad labels refused with a message.
+   The same for a sequence's head: Dense(vocab) over the last axis of (N,
+   T, D), which fit trains, alike on one replica and two, and which the
+   quantized model refuses by name and shape. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
@@ -348,6 +351,171 @@ static void test_mirrored_per_position(void) {
     mpt_strategy_destroy(st);
 }
 
+/* ---- a sequence's head: Dense(vocab) on (N, T, D) ------------------------------------ */
+
+#define T 6
+#define D 8
+
+/* (T, D) -> Dense(16, gelu_tanh) -> Dense(C, softmax): one distribution
+   per position. */
+static mpt_model *seq_model(mpt_context *c, mpt_strategy *strategy) {
+    mpt_model *m = NULL;
+    mpt_compile_desc cd;
+    CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {T, D}, .input_rank = 2,
+                                                 .seed = 9, .strategy = strategy}, &m) == MPT_OK,
+          "create: %s", mpt_context_error(c));
+    if (!m) return NULL;
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_GELU_TANH});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = C, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 16) == MPT_OK, "build: %s", mpt_context_error(c));
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.optimizer.learning_rate = 0.01f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.metrics = MPT_METRIC_ACCURACY;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+/* Random positions, each labelled with the largest of its first C
+   features: what a per-position head can learn. */
+static void seq_data(float *x, int32_t *labels, double *target, int64_t n) {
+    int64_t r, k;
+    for (r = 0; r < n * T; r++) {
+        for (k = 0; k < D; k++) x[r * D + k] = (float)test_uniform(-1, 1);
+        labels[r] = 0;
+        for (k = 1; k < C; k++)
+            if (x[r * D + k] > x[r * D + labels[r]]) labels[r] = (int32_t)k;
+        for (k = 0; k < C; k++) target[r * C + k] = k == labels[r];
+    }
+}
+
+static void test_dense_head_per_position(void) {
+    enum { n = 64 };
+    static float x[n * T * D];
+    static int32_t labels[n * T];
+    static double target[n * T * C], pred[n * T * C];
+    mpt_model *m = seq_model(ctx, NULL);
+    mpt_tensor xt, yt, out;
+    mpt_dataset *data = NULL;
+    mpt_logs logs;
+    mpt_fit_desc f = fit_for(40, 16);
+    double before;
+    int64_t i;
+    test_seed(2405);
+    seq_data(x, labels, target, n);
+    mpt_tensor_wrap(ctx, &xt, MPT_FLOAT32, 3, (int64_t[]){n, T, D}, x);
+    mpt_tensor_wrap(ctx, &yt, MPT_INT32, 2, (int64_t[]){n, T}, labels);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &xt, .y = &yt}, &data) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    if (!m || !data) goto done;
+    CHECK(mpt_model_predict(m, data, 16, &out) == MPT_OK && out.rank == 3 && out.shape[1] == T &&
+              out.shape[2] == C,
+          "predict (n, T, C): %s", mpt_context_error(ctx));
+    for (i = 0; i < n * T * C; i++) pred[i] = ((const float *)out.data)[i];
+    mpt_tensor_free(ctx, &out);
+    CHECK(mpt_model_evaluate(m, data, &(mpt_evaluate_desc){.batch_size = 16}, &logs) == MPT_OK,
+          "evaluate: %s", mpt_context_error(ctx));
+    before = mpt_logs_get(&logs, "loss");
+    CHECK(fabs(before - ref_loss(0, pred, target, n * T)) <= 1e-5 * before,
+          "evaluate loss %.9g, per-position reference %.9g", before,
+          ref_loss(0, pred, target, n * T));
+    CHECK(fabs(mpt_logs_get(&logs, "accuracy") - ref_accuracy(pred, target, n * T)) <= 1e-12,
+          "evaluate accuracy %.9g, per-position reference %.9g", mpt_logs_get(&logs, "accuracy"),
+          ref_accuracy(pred, target, n * T));
+    f.no_shuffle = 1;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, data, &(mpt_evaluate_desc){.batch_size = 16}, &logs) == MPT_OK,
+          "evaluate: %s", mpt_context_error(ctx));
+    CHECK(mpt_logs_get(&logs, "loss") < 0.5 * before && mpt_logs_get(&logs, "accuracy") > 0.8,
+          "fit took the loss from %.4f to only %.4f (accuracy %.3f)", before,
+          mpt_logs_get(&logs, "loss"), mpt_logs_get(&logs, "accuracy"));
+    printf("# Dense head on (64, %d, %d): loss %.4f -> %.4f, accuracy %.3f after 40 epochs\n", T,
+           D, before, mpt_logs_get(&logs, "loss"), mpt_logs_get(&logs, "accuracy"));
+done:
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(m);
+}
+
+/* Two replicas train the Dense head as one does. */
+static void test_dense_head_mirrored(void) {
+    enum { n = 12 };
+    static float x[n * T * D];
+    static int32_t labels[n * T];
+    static double target[n * T * C];
+    mpt_strategy *st = NULL;
+    mpt_model *one, *two;
+    mpt_tensor xt, yt;
+    mpt_dataset *data = NULL;
+    mpt_fit_desc f = fit_for(3, 6);
+    double num = 0, den = 0;
+    int i;
+    int64_t e;
+    test_seed(2406);
+    seq_data(x, labels, target, n);
+    CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                        .num_replicas = 2}, &st) == MPT_OK,
+          "strategy: %s", mpt_context_error(ctx));
+    one = seq_model(ctx, NULL);
+    two = seq_model(ctx, st);
+    mpt_tensor_wrap(ctx, &xt, MPT_FLOAT32, 3, (int64_t[]){n, T, D}, x);
+    mpt_tensor_wrap(ctx, &yt, MPT_INT32, 2, (int64_t[]){n, T}, labels);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &xt, .y = &yt}, &data) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    f.no_shuffle = 1;
+    if (one && two && data) {
+        CHECK(mpt_model_fit(one, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(two, data, &f) == MPT_OK, "fit mirrored: %s", mpt_context_error(ctx));
+        CHECK(fabs(history_value(two, "loss", -1) - history_value(one, "loss", -1)) <=
+                  1e-5 * history_value(one, "loss", -1),
+              "loss: 2 replicas %.9g, 1 replica %.9g", history_value(two, "loss", -1),
+              history_value(one, "loss", -1));
+        for (i = 0; i < one->n_params; i++)
+            for (e = 0; e < one->params[i].count; e++) {
+                double a = one->params[i].value[e], b = two->params[i].value[e];
+                num += (a - b) * (a - b);
+                den += a * a;
+            }
+        CHECK(den > 0 && sqrt(num / den) <= 1e-5,
+              "weights: 2 replicas differ from 1 by %.3g (relative norm)", sqrt(num / den));
+    }
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(one);
+    mpt_model_destroy(two);
+    mpt_strategy_destroy(st);
+}
+
+/* The quantized model and quantization-aware training take Dense on
+   vectors only: the head is refused, by name and shape. */
+static void test_dense_head_not_quantized(void) {
+    enum { n = 4 };
+    static float x[n * T * D];
+    static int32_t labels[n * T];
+    static double target[n * T * C];
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = seq_model(q, NULL), *qm = NULL;
+    mpt_tensor xt, yt;
+    mpt_dataset *data = NULL;
+    mpt_fit_desc f = fit_for(1, n);
+    if (!m) return;
+    seq_data(x, labels, target, n); /* trained a step: the weights are its own */
+    mpt_tensor_wrap(q, &xt, MPT_FLOAT32, 3, (int64_t[]){n, T, D}, x);
+    mpt_tensor_wrap(q, &yt, MPT_INT32, 2, (int64_t[]){n, T}, labels);
+    CHECK(mpt_dataset_create(q, &(mpt_dataset_desc){.x = &xt, .y = &yt}, &data) == MPT_OK &&
+              mpt_model_fit(m, data, &f) == MPT_OK,
+          "fit: %s", mpt_context_error(q));
+    mpt_dataset_destroy(data);
+    test_expect_error(q, mpt_model_quantize(m, NULL, &qm), MPT_ERR_UNSUPPORTED,
+                      "Dense 'dense' applies to the last axis of samples of shape (6, 8)",
+                      "quantize");
+    CHECK(qm == NULL, "a quantized model came back");
+    test_expect_error(q, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                      "Dense 'dense' applies to the last axis of samples of shape (6, 8)",
+                      "quantize_aware");
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
 /* ---- bad labels ---------------------------------------------------------------------- */
 
 static void test_bad_labels(void) {
@@ -405,6 +573,9 @@ static void run_cases(void) {
     TEST_RUN(test_evaluate_per_position);
     TEST_RUN(test_mirrored_per_position);
     TEST_RUN(test_bad_labels);
+    TEST_RUN(test_dense_head_per_position);
+    TEST_RUN(test_dense_head_mirrored);
+    TEST_RUN(test_dense_head_not_quantized);
 }
 
 int main(void) {

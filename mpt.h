@@ -111,7 +111,9 @@
    float16), the buffers of one training step and their dtypes:
        inputs               the first layer's compute dtype: the batch loader
                             converts each sample as it gathers it (uint8
-                            pixels become x·scale + offset on the way)
+                            pixels become x·scale + offset on the way);
+                            int32 token ids (input_dtype) stay int32, and
+                            Embedding turns them into compute-dtype rows
        activations          each layer's compute dtype (float16); a layer
                             whose neighbour differs converts on the way in
        GEMMs, convolutions  float16 operands, float32 accumulation, then
@@ -265,6 +267,8 @@
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
        @impl-merge        Add, Subtract, Multiply, Average, Concatenate
+       @impl-embedding    Embedding, PositionEmbedding; the model's int32
+                          token ids (checked against the tables)
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
@@ -1043,7 +1047,9 @@ MPTDEF mpt_node mpt_position_embedding(mpt_model *m, mpt_node x,
    forward or backward pass allocates nothing. */
 MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch);
 
-/* Runs the layers on x (batch, input_shape...), float32/float16/bfloat16.
+/* Runs the layers on x (batch, input_shape...), float32/float16/bfloat16,
+   or int32 token ids for a model whose input_dtype is MPT_INT32 (checked
+   against the Embeddings' tables when x is in host memory).
    `out` receives a borrowed view of the last layer's output (its compute
    dtype), valid until the next forward. training: dropout active and
    BatchNormalization on batch statistics (updating its moving ones). */
@@ -1426,7 +1432,8 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
 /* The same for a tensor of inputs, Keras' model.predict(x): x (n, the
    model's input shape...) uint8 (scaled by 1/255), float32, float16 or
-   bfloat16 in CPU memory, read in place. */
+   bfloat16 (int32 token ids for a model of ids) in CPU memory, read in
+   place. */
 MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
                                            int64_t batch_size, mpt_tensor *out);
 
@@ -1538,6 +1545,11 @@ typedef struct mpt_dataset_npy_desc {
     float scale;           /* uint8 x becomes x·scale + offset as it is
                               batched; default (0) 1/255                  */
     float offset;          /* default 0                                   */
+    int x_ids;             /* default 0: whole-number x becomes float32;
+                              1: x holds token ids (int32, int64 or uint8),
+                              kept as int32, each in 0..2^31-1, for a
+                              model whose input_dtype is MPT_INT32; float
+                              x is then refused                           */
 } mpt_dataset_npy_desc;
 
 /* Reads NumPy arrays as np.save and np.savez write them: x from x_path, y
@@ -1548,7 +1560,7 @@ typedef struct mpt_dataset_npy_desc {
    little- or big-endian ('>' is converted), C order; Fortran order,
    object and structured arrays are refused, and so are zip64 archives.
    x (n, ...): float32, float16 and uint8 kept, float64, int32 and int64
-   become float32; (n,) is taken as (n, 1). y: whole numbers become int32
+   become float32 (int32 ids with desc's x_ids); (n,) is taken as (n, 1). y: whole numbers become int32
    class ids (each in 0..2^31-1), floats float32 targets, as in
    mpt_dataset_desc. Checks every header against its file's size (and an
    .npz member against its CRC-32), the counts of x and y, and NaN/inf;
@@ -2128,6 +2140,8 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        Average                ADD, then MUL by 1/n       Mean
        Concatenate            CONCATENATION              Concat (its axis in
                                                          the inputs' layout)
+       Embedding,             not yet: MPT_ERR_UNSUPPORTED, naming the layer
+       PositionEmbedding      (quantization too)
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.
@@ -14767,7 +14781,7 @@ static mpt_status mpt__npy_convert(const mpt__npy *a, const unsigned char *raw, 
             ((float *)out)[first + i] = (float)v;
         } else if (v < 0 || v > INT32_MAX) {
             return mpt__fail(a->src.ctx, MPT_ERR_INVALID_ARGUMENT, "%s: element %lld is %lld, "
-                             "not a class id (0..2147483647)", a->src.name,
+                             "not a class or token id (0..2147483647)", a->src.name,
                              (long long)(first + i), (long long)v);
         } else {
             ((int32_t *)out)[first + i] = (int32_t)v;
@@ -14836,7 +14850,10 @@ static mpt_status mpt__load_npy(mpt_context *ctx, mpt__npy *x, mpt__npy *y, cons
         return mpt__fail(ctx, MPT_ERR_SHAPE, "load_npy: x %s holds %lld samples but y %s holds "
                          "%lld", x->src.name, (long long)x->shape[0], y->src.name,
                          (long long)y->shape[0]);
-    xd = mpt__npy_dtype(x, 0);
+    if (desc && desc->x_ids && x->kind == 'f')
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "load_npy: x %s holds floats, not token ids "
+                         "(x_ids)", x->src.name);
+    xd = desc && desc->x_ids ? MPT_INT32 : mpt__npy_dtype(x, 0);
     yd = mpt__npy_dtype(y, 1);
     MPT__CHECK(mpt__npy_read_data(x, xd, &xb));
     st = mpt__npy_read_data(y, yd, &yb);

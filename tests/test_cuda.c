@@ -1278,6 +1278,69 @@ static void test_copy_rows(void) {
         }
 }
 
+/* ---- Embedding's rows of a table ---------------------------------------------------------- */
+
+/* n ids in [0, rows) with repeats, and ids outside the table (−1, rows,
+   INT32_MAX, INT32_MIN) among them. */
+static int32_t *random_ids(int64_t n, int64_t rows) {
+    static const int32_t bad[4] = {-1, 0, INT32_MAX, INT32_MIN};
+    int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+    int64_t i;
+    for (i = 0; i < n; i++)
+        ids[i] = i % 17 == 5 ? (bad[i % 4] == 0 ? (int32_t)rows : bad[i % 4])
+                             : (int32_t)(test_next() % (unsigned long long)rows);
+    return ids;
+}
+
+/* gather_rows and scatter_add_rows, each dtype, tables of 1 to 300 rows
+   of odd widths, repeated and bad ids: the GPU's bits are the CPU's
+   (gather moves bits; each gradient row adds its dy rows in the ids'
+   order in float32 on both). */
+static void test_gather_scatter_rows(void) {
+    static const int64_t shapes[4][3] = {{1, 1, 5}, {7, 3, 40}, {300, 33, 1000}, {64, 768, 257}};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int di, si;
+    for (di = 0; di < 3; di++)
+        for (si = 0; si < 4; si++) {
+            mpt_dtype dt = float_dtypes[di];
+            int64_t rows = shapes[si][0], width = shapes[si][1], n = shapes[si][2];
+            void *table = random_values(dt, rows * width, -2, 2);
+            void *dy = random_values(dt, n * width, -1, 1);
+            int32_t *ids = random_ids(n, rows);
+            void *y[2], *dt_out[2];
+            int w;
+            for (w = 0; w < 2; w++) {
+                backend *be = w ? gpu : &cpu_be;
+                const void *td = be_upload(be, table, nbytes(dt, rows * width));
+                const void *dyd = be_upload(be, dy, nbytes(dt, n * width));
+                const int32_t *idd = (const int32_t *)be_upload(be, ids, sizeof(int32_t) * (size_t)n);
+                void *yd = be_poisoned(be, nbytes(dt, n * width));
+                float *gd = (float *)be_poisoned(be, sizeof(float) * (size_t)(rows * width));
+                be->t->gather_rows(be->impl, dt, yd, td, rows, width, idd, n);
+                be->t->scatter_add_rows(be->impl, dt, gd, rows, width, dyd, idd, n);
+                y[w] = be_fetch(be, yd, nbytes(dt, n * width), "gather_rows");
+                dt_out[w] = be_fetch(be, gd, sizeof(float) * (size_t)(rows * width),
+                                     "scatter_add_rows");
+                be_release(be);
+            }
+            CHECK(memcmp(y[0], y[1], nbytes(dt, n * width)) == 0,
+                  "gather_rows %s (%lld, %lld) n %lld: element %lld differs (exact)",
+                  mpt_dtype_name(dt), (long long)rows, (long long)width, (long long)n,
+                  (long long)first_difference(y[1], y[0], n * width, mpt_dtype_size(dt)));
+            CHECK(memcmp(dt_out[0], dt_out[1], sizeof(float) * (size_t)(rows * width)) == 0,
+                  "scatter_add_rows %s (%lld, %lld) n %lld: element %lld differs (exact)",
+                  mpt_dtype_name(dt), (long long)rows, (long long)width, (long long)n,
+                  (long long)first_difference(dt_out[1], dt_out[0], rows * width, 4));
+            for (w = 0; w < 2; w++) {
+                free(y[w]);
+                free(dt_out[w]);
+            }
+            free(table);
+            free(dy);
+            free(ids);
+        }
+}
+
 /* ---- losses ------------------------------------------------------------------------------- */
 
 static const char *loss_name(mpt_loss_type type) {
@@ -3659,6 +3722,8 @@ static void run_layer_tests(void) {
     test__run("elementwise: every op, each dtype, in place and unaligned (exact)",
               test_elementwise);
     test__run("copy_rows: planes of rows, every alignment (exact)", test_copy_rows);
+    test__run("gather_rows, scatter_add_rows: each dtype, repeated and bad ids (exact)",
+              test_gather_scatter_rows);
     test__run("loss: every type, logits and probabilities, with metrics", test_loss);
     test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
     test__run("grad_stats + update over 111 odd-sized tensors, packed unaligned, in tables",

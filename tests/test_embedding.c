@@ -618,6 +618,65 @@ static void test_loader_keeps_ids(void) {
     mpt_dataset_destroy(d);
 }
 
+/* An .npy file (format 1.0) of `count` elements of `descr` ("<i8") and
+   the given shape; the data as given. */
+static void write_npy(const char *path, const char *descr, const char *shape, const void *data,
+                      size_t bytes) {
+    char header[128];
+    unsigned char prefix[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, 0, 0};
+    int n = snprintf(header, sizeof header, "{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
+                     descr, shape);
+    FILE *f = fopen(path, "wb");
+    while ((10 + n + 1) % 64) header[n++] = ' ';
+    header[n++] = '\n';
+    prefix[8] = (unsigned char)n;
+    if (!f) return;
+    fwrite(prefix, 1, 10, f);
+    fwrite(header, 1, (size_t)n, f);
+    fwrite(data, 1, bytes, f);
+    fclose(f);
+}
+
+/* NumPy files of ids: with x_ids, int64 and int32 x come in as int32 ids,
+   exact past 2^24; without it as float32, as before; float x and a
+   negative id are refused with x_ids. */
+static void test_npy_ids(void) {
+    int64_t x64[4 * 3];
+    int32_t y[4] = {0, 1, 2, 3};
+    float xf[4 * 3] = {0};
+    char xp[600], yp[600], fp[600];
+    mpt_dataset *d = NULL;
+    int i;
+    for (i = 0; i < 12; i++) x64[i] = (1 << 24) + 1 + i;
+    snprintf(xp, sizeof xp, "%s/x.npy", tmpdir);
+    snprintf(yp, sizeof yp, "%s/y.npy", tmpdir);
+    snprintf(fp, sizeof fp, "%s/xf.npy", tmpdir);
+    write_npy(xp, "<i8", "(4, 3)", x64, sizeof x64);
+    write_npy(yp, "<i4", "(4,)", y, sizeof y);
+    write_npy(fp, "<f4", "(4, 3)", xf, sizeof xf);
+    CHECK(mpt_dataset_load_npy(ctx, xp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d) == MPT_OK,
+          "load ids: %s", mpt_context_error(ctx));
+    if (d) {
+        CHECK(d->x_dtype == MPT_INT32, "x is %s", mpt_dtype_name(d->x_dtype));
+        for (i = 0; i < 12; i++)
+            if (((const int32_t *)d->x)[i] != x64[i]) break;
+        CHECK(i == 12, "id %d is %d, want %lld", i, (int)((const int32_t *)d->x)[i],
+              (long long)x64[i]);
+        mpt_dataset_destroy(d);
+    }
+    d = NULL;
+    CHECK(mpt_dataset_load_npy(ctx, xp, yp, NULL, &d) == MPT_OK, "load numbers: %s",
+          mpt_context_error(ctx));
+    CHECK(d && d->x_dtype == MPT_FLOAT32, "without x_ids x is not float32");
+    mpt_dataset_destroy(d);
+    test_expect_error(ctx, mpt_dataset_load_npy(ctx, fp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d),
+                      MPT_ERR_DTYPE, "holds floats, not token ids", "load float x as ids");
+    x64[7] = -3;
+    write_npy(xp, "<i8", "(4, 3)", x64, sizeof x64);
+    test_expect_error(ctx, mpt_dataset_load_npy(ctx, xp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d),
+                      MPT_ERR_INVALID_ARGUMENT, "element 7 is -3", "load a negative id");
+}
+
 /* ---- model files, summary, export, quantization ----------------------------------- */
 
 static void test_model_file(void) {
@@ -742,6 +801,7 @@ static void cases(void) {
     test_bad_ids();
     TEST_RUN(test_refusals);
     TEST_RUN(test_loader_keeps_ids);
+    TEST_RUN(test_npy_ids);
     TEST_RUN(test_model_file);
     TEST_RUN(test_summary_rows);
     TEST_RUN(test_export_and_quantize_refused);

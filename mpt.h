@@ -1560,11 +1560,12 @@ typedef struct mpt_dataset_npy_desc {
    little- or big-endian ('>' is converted), C order; Fortran order,
    object and structured arrays are refused, and so are zip64 archives.
    x (n, ...): float32, float16 and uint8 kept, float64, int32 and int64
-   become float32 (int32 ids with desc's x_ids); (n,) is taken as (n, 1). y: whole numbers become int32
-   class ids (each in 0..2^31-1), floats float32 targets, as in
-   mpt_dataset_desc. Checks every header against its file's size (and an
-   .npz member against its CRC-32), the counts of x and y, and NaN/inf;
-   a message names the file, the array and what is wrong. */
+   become float32 (int32 token ids with desc's x_ids); (n,) is taken as
+   (n, 1). y: whole numbers become int32 class ids (each in 0..2^31-1),
+   floats float32 targets, as in mpt_dataset_desc. Checks every header
+   against its file's size (and an .npz member against its CRC-32), the
+   counts of x and y, and NaN/inf; a message names the file, the array
+   and what is wrong. */
 MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, const char *y_path,
                                        const mpt_dataset_npy_desc *desc, mpt_dataset **out);
 
@@ -10811,11 +10812,11 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
    =============================================================================
 
    A dataset is x (n, sample shape...) in uint8, float32, float16 or
-   bfloat16 (or int32 token ids, batched as they are), and y: int32 class ids (n,) or float32 targets (n, ...). uint8
-   images stay uint8 in memory (a quarter of float32) and are normalised
-   (x·scale + offset) only when a batch is gathered, through a 256-entry
-   table per dtype, so every value is rounded exactly once, as mpt__convert
-   rounds it.
+   bfloat16 (or int32 token ids, batched as they are), and y: int32 class
+   ids (n,) or float32 targets (n, ...). uint8 images stay uint8 in memory
+   (a quarter of float32) and are normalised (x·scale + offset) only when
+   a batch is gathered, through a 256-entry table per dtype, so every
+   value is rounded exactly once, as mpt__convert rounds it.
 
    A view (mpt_dataset_split) points into its root's buffers. The root
    counts its live views and frees its buffers when the last of itself and
@@ -31275,6 +31276,7 @@ static uint64_t mpt__model_signature(const mpt_model *m) {
     int i, k;
     const char *c;
     for (i = 0; i < m->desc.input_rank; i++) MPT__MIX(m->desc.input_shape[i]);
+    MPT__MIX(m->desc.input_dtype);
     MPT__MIX(m->desc.policy);
     MPT__MIX(m->desc.seed);
     MPT__MIX(m->max_batch);

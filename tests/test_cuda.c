@@ -1313,7 +1313,8 @@ static void test_gather_scatter_rows(void) {
                 backend *be = w ? gpu : &cpu_be;
                 const void *td = be_upload(be, table, nbytes(dt, rows * width));
                 const void *dyd = be_upload(be, dy, nbytes(dt, n * width));
-                const int32_t *idd = (const int32_t *)be_upload(be, ids, sizeof(int32_t) * (size_t)n);
+                const int32_t *idd =
+                    (const int32_t *)be_upload(be, ids, sizeof(int32_t) * (size_t)n);
                 void *yd = be_poisoned(be, nbytes(dt, n * width));
                 float *gd = (float *)be_poisoned(be, sizeof(float) * (size_t)(rows * width));
                 be->t->gather_rows(be->impl, dt, yd, td, rows, width, idd, n);

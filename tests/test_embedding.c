@@ -119,8 +119,8 @@ static void ids_gradcheck(mpt_model *m, const int32_t *ids, int64_t batch, int64
             lib[j] = ((float *)info[p].grad.data)[j];
         }
         e = rel_err(lib, num, n);
-        CHECK(e <= tol_grad, "%s: gradient of %s relative error %.3g > %.3g", label,
-              info[p].name, e, tol_grad);
+        CHECK(e <= tol_grad, "%s: gradient of %s relative error %.3g > %.3g", label, info[p].name,
+              e, tol_grad);
         free(num);
         free(lib);
     }
@@ -162,8 +162,7 @@ static void test_embedding_gradients(void) {
         ids[1] = ids[3] = ids[9] = 2;
         mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = EG_V, .output_dim = EG_D});
         mpt_model_add_flatten(m, NULL);
-        mpt_model_add_dense(m,
-                            &(mpt_dense_desc){.units = EG_U, .activation = MPT_ACT_TANH});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = EG_U, .activation = MPT_ACT_TANH});
         CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
         snprintf(label, sizeof label, "Embedding %s", mpt_policy_name(policies[k]));
         ids_gradcheck(m, ids, EG_B, EG_T, embedding_dense_ref, label);
@@ -188,7 +187,8 @@ static void position_ref(const gc_case *c, const double *x, double *const *p, do
     for (b = 0; b < c->batch; b++)
         for (u = 0; u < PG_U; u++) {
             double s = p[2][u];
-            for (i = 0; i < PG_T * PG_D; i++) s += (x[b * PG_T * PG_D + i] + p[0][i]) * p[1][i * PG_U + u];
+            for (i = 0; i < PG_T * PG_D; i++)
+                s += (x[b * PG_T * PG_D + i] + p[0][i]) * p[1][i * PG_U + u];
             y[b * PG_U + u] = tanh(s);
         }
 }
@@ -210,13 +210,14 @@ static void test_position_embedding_gradients(void) {
         x = mpt_model_input(m);
         both[0] = x;
         /* sequence_length 5 > T = 3: rows 3 and 4 get no gradient */
-        both[1] = mpt_position_embedding(
-            m, x, &(mpt_position_embedding_desc){.sequence_length = PG_L});
+        both[1] =
+            mpt_position_embedding(m, x, &(mpt_position_embedding_desc){.sequence_length = PG_L});
         mpt_dense(m, mpt_flatten(m, mpt_add(m, 2, both, NULL), NULL),
                   &(mpt_dense_desc){.units = PG_U, .activation = MPT_ACT_TANH});
         CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
         snprintf(label, sizeof label, "PositionEmbedding %s", mpt_policy_name(policies[k]));
-        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1, .ref_forward = position_ref},
+        gc_check(ctx,
+                 &(gc_case){.model = m, .batch = 5, .training = 1, .ref_forward = position_ref},
                  label);
         {
             mpt_param_info info;
@@ -243,7 +244,8 @@ static void test_known_answer(void) {
     mpt_node e, p2, both[2];
     int64_t dy_shape[3] = {2, 3, 2};
     int i, d;
-    e = mpt_embedding(m, mpt_model_input(m), &(mpt_embedding_desc){.input_dim = 4, .output_dim = 2});
+    e = mpt_embedding(m, mpt_model_input(m),
+                      &(mpt_embedding_desc){.input_dim = 4, .output_dim = 2});
     p2 = mpt_position_embedding(m, e, &(mpt_position_embedding_desc){.sequence_length = 4});
     both[0] = e;
     both[1] = p2;
@@ -269,8 +271,8 @@ static void test_known_answer(void) {
         for (d = 0; d < 2; d++) want_grad[ids[i] * 2 + d] += dy[i * 2 + d];
     for (i = 0; i < 8; i++) {
         float want_pos = i < 6 ? dy[i] + dy[6 + i] : 0;
-        CHECK(((float *)table.grad.data)[i] == want_grad[i], "embeddings grad[%d] = %g, want %g",
-              i, (double)((float *)table.grad.data)[i], (double)want_grad[i]);
+        CHECK(((float *)table.grad.data)[i] == want_grad[i], "embeddings grad[%d] = %g, want %g", i,
+              (double)((float *)table.grad.data)[i], (double)want_grad[i]);
         CHECK(((float *)pos.grad.data)[i] == want_pos, "position grad[%d] = %g, want %g", i,
               (double)((float *)pos.grad.data)[i], (double)want_pos);
     }
@@ -296,8 +298,8 @@ static void test_kernels_skip_bad_ids(void) {
                   y[2 * i + 1] == (ok ? table[2 * ids[i] + 1] : 0),
               "gather: row %d (id %d) is %g %g", i, ids[i], (double)y[2 * i], (double)y[2 * i + 1]);
     }
-    CHECK(dtable[0] == 9 && dtable[1] == 10 && dtable[2] == 1 && dtable[3] == 2 &&
-              dtable[4] == 0 && dtable[5] == 0,
+    CHECK(dtable[0] == 9 && dtable[1] == 10 && dtable[2] == 1 && dtable[3] == 2 && dtable[4] == 0 &&
+              dtable[5] == 0,
           "scatter: %g %g %g %g %g %g", (double)dtable[0], (double)dtable[1], (double)dtable[2],
           (double)dtable[3], (double)dtable[4], (double)dtable[5]);
 }
@@ -314,8 +316,7 @@ static void pattern_data(int32_t *x, int32_t *y, int64_t n) {
     for (i = 0; i < n; i++) {
         int32_t sym[4];
         int k, j;
-        for (k = 0; k < 4; k++)
-            do {
+        for (k = 0; k < 4; k++) do {
                 sym[k] = test_randint(0, LM_V - 1);
                 for (j = 0; j < k && sym[j] != sym[k]; j++) continue;
             } while (j < k);
@@ -338,9 +339,18 @@ static mpt_dataset *ids_dataset(mpt_context *c, int32_t *x, int32_t *y, int64_t 
     return d;
 }
 
-static mpt_model *language_model(mpt_context *c, mpt_policy policy) {
-    mpt_model *m = ids_model(c, LM_T, policy);
+static mpt_model *language_model_on(mpt_context *c, mpt_policy policy, mpt_strategy *strategy) {
+    mpt_model *m = NULL;
     mpt_node tok, pos, both[2];
+    CHECK(mpt_model_create(c,
+                           &(mpt_model_desc){.input_shape = {LM_T},
+                                             .input_rank = 1,
+                                             .input_dtype = MPT_INT32,
+                                             .policy = policy,
+                                             .seed = 11,
+                                             .strategy = strategy},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(c));
     tok = mpt_embedding(m, mpt_model_input(m),
                         &(mpt_embedding_desc){.input_dim = LM_V, .output_dim = 16});
     pos = mpt_position_embedding(m, tok, &(mpt_position_embedding_desc){.sequence_length = 8});
@@ -348,12 +358,41 @@ static mpt_model *language_model(mpt_context *c, mpt_policy policy) {
     both[1] = pos;
     mpt_dense(m, mpt_flatten(m, mpt_add(m, 2, both, NULL), NULL),
               &(mpt_dense_desc){.units = LM_V, .activation = MPT_ACT_SOFTMAX});
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-                                   .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-2f},
-                                   .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                   .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+    CHECK(mpt_model_compile(
+              m,
+              &(mpt_compile_desc){.optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-2f},
+                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                  .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
           "compile: %s", mpt_context_error(c));
     return m;
+}
+
+static mpt_model *language_model(mpt_context *c, mpt_policy policy) {
+    return language_model_on(c, policy, NULL);
+}
+
+/* Mirrored over 2 replicas, each its share of the ids: it learns too. */
+static void test_mirrored(void) {
+    static int32_t x[256 * LM_T], y[256];
+    mpt_strategy *st = NULL;
+    mpt_model *m;
+    mpt_dataset *d;
+    mpt_logs logs;
+    CHECK(mpt_strategy_create(
+              ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2}, &st) ==
+              MPT_OK,
+          "strategy: %s", mpt_context_error(ctx));
+    m = language_model_on(ctx, MPT_POLICY_MIXED_FLOAT16, st);
+    pattern_data(x, y, 256);
+    d = ids_dataset(ctx, x, y, 256, LM_T);
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 15, .batch_size = 32}) == MPT_OK, "fit: %s",
+          mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, d, NULL, &logs) == MPT_OK, "evaluate: %s", mpt_context_error(ctx));
+    CHECK(mpt_logs_get(&logs, "accuracy") >= 0.9, "accuracy %.3f < 0.9",
+          mpt_logs_get(&logs, "accuracy"));
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_strategy_destroy(st);
 }
 
 static void test_learns_pattern(void) {
@@ -365,13 +404,13 @@ static void test_learns_pattern(void) {
     pattern_data(vx, vy, 128);
     train = ids_dataset(ctx, x, y, LM_N, LM_T);
     val = ids_dataset(ctx, vx, vy, 128, LM_T);
-    CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 15, .batch_size = 32}) ==
-              MPT_OK,
+    CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 15, .batch_size = 32}) == MPT_OK,
           "fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_evaluate(m, val, NULL, &logs) == MPT_OK, "evaluate: %s",
           mpt_context_error(ctx));
-    CHECK(mpt_logs_get(&logs, "accuracy") >= 0.95, "accuracy on new samples %.3f < 0.95 (loss %.3f)",
-          mpt_logs_get(&logs, "accuracy"), mpt_logs_get(&logs, "loss"));
+    CHECK(mpt_logs_get(&logs, "accuracy") >= 0.95,
+          "accuracy on new samples %.3f < 0.95 (loss %.3f)", mpt_logs_get(&logs, "accuracy"),
+          mpt_logs_get(&logs, "loss"));
     printf("# mixed_float16 pattern model: held-out accuracy %.3f, loss %.4f\n",
            mpt_logs_get(&logs, "accuracy"), mpt_logs_get(&logs, "loss"));
     mpt_dataset_destroy(train);
@@ -393,11 +432,11 @@ static void test_threads_bit_identical(void) {
             mpt_model *m;
             mpt_dataset *d;
             int p;
-            mpt_context_create(&(mpt_context_desc){.num_threads = t + 1, .logger = {quiet_logger, NULL}}, &c);
+            mpt_context_create(
+                &(mpt_context_desc){.num_threads = t + 1, .logger = {quiet_logger, NULL}}, &c);
             m = language_model(c, policies[k]);
             d = ids_dataset(c, x, y, 256, LM_T);
-            CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 64}) ==
-                      MPT_OK,
+            CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 64}) == MPT_OK,
                   "fit on %d threads: %s", t + 1, mpt_context_error(c));
             for (size = 0, p = 0; p < mpt_model_param_count(m); p++) {
                 mpt_param_info info;
@@ -452,11 +491,11 @@ static void test_bad_ids(void) {
         test_expect_error(ctx, mpt_model_predict(m, d, 16, &out), MPT_ERR_INVALID_ARGUMENT, words,
                           "predict");
         xt = ids_tensor(x, 64, LM_T);
-        test_expect_error(ctx, mpt_model_predict_tensor(m, &xt, 16, &out),
-                          MPT_ERR_INVALID_ARGUMENT, words, "predict_tensor");
+        test_expect_error(ctx, mpt_model_predict_tensor(m, &xt, 16, &out), MPT_ERR_INVALID_ARGUMENT,
+                          words, "predict_tensor");
         xt = ids_tensor(x, 16, LM_T);
-        test_expect_error(ctx, mpt_model_forward(m, &xt, 1, NULL), MPT_ERR_INVALID_ARGUMENT,
-                          words, "forward");
+        test_expect_error(ctx, mpt_model_forward(m, &xt, 1, NULL), MPT_ERR_INVALID_ARGUMENT, words,
+                          "forward");
         after = ((float *)info.value.data)[0];
         CHECK(before == after, "a refused call changed the weights");
         CHECK(strstr(mpt_context_error(ctx), "0..9 (input_dim 10)") != NULL,
@@ -481,17 +520,18 @@ static void test_refusals(void) {
     /* a Dense straight on the ids */
     m = ids_model(ctx, 3, MPT_POLICY_FLOAT32);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
-    test_expect_error(ctx, mpt_model_build(m, 4), MPT_ERR_DTYPE, "Dense 'dense' reads the model's "
-                      "input, which is int32 token ids", "build: Dense on ids");
+    test_expect_error(ctx, mpt_model_build(m, 4), MPT_ERR_DTYPE,
+                      "Dense 'dense' reads the model's "
+                      "input, which is int32 token ids",
+                      "build: Dense on ids");
     mpt_model_destroy(m);
     /* the ids read by an Embedding and by a Flatten too */
     m = ids_model(ctx, 3, MPT_POLICY_MIXED_FLOAT16);
     x = mpt_model_input(m);
     {
         mpt_node both[2];
-        both[0] = mpt_flatten(m, mpt_embedding(m, x, &(mpt_embedding_desc){.input_dim = 4,
-                                                                          .output_dim = 1}),
-                              NULL);
+        both[0] = mpt_flatten(
+            m, mpt_embedding(m, x, &(mpt_embedding_desc){.input_dim = 4, .output_dim = 1}), NULL);
         both[1] = mpt_flatten(m, x, &(mpt_flatten_desc){.name = "ids_flat"});
         mpt_add(m, 2, both, NULL);
     }
@@ -513,14 +553,14 @@ static void test_refusals(void) {
     test_expect_error(ctx, mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = 4}),
                       MPT_ERR_INVALID_ARGUMENT, "output_dim 0", "embedding output_dim");
     test_expect_error(ctx,
-                      mpt_model_add_embedding(m, &(mpt_embedding_desc){
-                                                     .input_dim = (int64_t)1 << 31, .output_dim = 2}),
+                      mpt_model_add_embedding(
+                          m, &(mpt_embedding_desc){.input_dim = (int64_t)1 << 31, .output_dim = 2}),
                       MPT_ERR_INVALID_ARGUMENT, "input_dim 2147483648", "embedding input_dim");
     test_expect_error(ctx,
-                      mpt_model_add_embedding(m, &(mpt_embedding_desc){
-                                                     .input_dim = 4,
-                                                     .output_dim = 2,
-                                                     .embeddings_initializer = MPT_INIT_COUNT_}),
+                      mpt_model_add_embedding(
+                          m, &(mpt_embedding_desc){.input_dim = 4,
+                                                   .output_dim = 2,
+                                                   .embeddings_initializer = MPT_INIT_COUNT_}),
                       MPT_ERR_INVALID_ARGUMENT, "embeddings_initializer", "embedding initializer");
     test_expect_error(ctx, mpt_model_add_position_embedding(m, NULL), MPT_ERR_INVALID_ARGUMENT,
                       "sequence_length 0", "position NULL");
@@ -530,20 +570,19 @@ static void test_refusals(void) {
                       "position T > sequence_length");
     mpt_model_destroy(m);
     /* input_dtype itself */
-    test_expect_error(ctx,
-                      mpt_model_create(ctx,
-                                       &(mpt_model_desc){.input_shape = {3},
-                                                         .input_rank = 1,
-                                                         .input_dtype = MPT_FLOAT16},
-                                       &m),
-                      MPT_ERR_DTYPE, "input_dtype float16", "create input_dtype");
+    test_expect_error(
+        ctx,
+        mpt_model_create(
+            ctx, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1, .input_dtype = MPT_FLOAT16},
+            &m),
+        MPT_ERR_DTYPE, "input_dtype float16", "create input_dtype");
     /* a dataset of the other kind, a tensor of the other dtype, and dinput */
     m = ids_model(ctx, 3, MPT_POLICY_FLOAT32);
     mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = 4, .output_dim = 2});
     mpt_model_add_flatten(m, NULL);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2, .activation = MPT_ACT_SOFTMAX});
-    mpt_model_compile(m, &(mpt_compile_desc){
-                             .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+    mpt_model_compile(
+        m, &(mpt_compile_desc){.loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
     d = test_dataset_xy(ctx, fx, y, 4, 3);
     test_expect_error(ctx, mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 4}),
                       MPT_ERR_DTYPE, "the dataset's x is float32 but the model's input is int32",
@@ -569,8 +608,8 @@ static void test_refusals(void) {
               MPT_OK,
           "create");
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2, .activation = MPT_ACT_SOFTMAX});
-    mpt_model_compile(m, &(mpt_compile_desc){
-                             .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+    mpt_model_compile(
+        m, &(mpt_compile_desc){.loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
     d = ids_dataset(ctx, ids, y, 4, 3);
     test_expect_error(ctx, mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 4}),
                       MPT_ERR_DTYPE, "int32 ids need input_dtype MPT_INT32", "fit: ids dataset");
@@ -624,8 +663,8 @@ static void write_npy(const char *path, const char *descr, const char *shape, co
                       size_t bytes) {
     char header[128];
     unsigned char prefix[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, 0, 0};
-    int n = snprintf(header, sizeof header, "{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
-                     descr, shape);
+    int n = snprintf(header, sizeof header,
+                     "{'descr': '%s', 'fortran_order': False, 'shape': %s, }", descr, shape);
     FILE *f = fopen(path, "wb");
     while ((10 + n + 1) % 64) header[n++] = ' ';
     header[n++] = '\n';
@@ -669,11 +708,13 @@ static void test_npy_ids(void) {
           mpt_context_error(ctx));
     CHECK(d && d->x_dtype == MPT_FLOAT32, "without x_ids x is not float32");
     mpt_dataset_destroy(d);
-    test_expect_error(ctx, mpt_dataset_load_npy(ctx, fp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d),
+    test_expect_error(ctx,
+                      mpt_dataset_load_npy(ctx, fp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d),
                       MPT_ERR_DTYPE, "holds floats, not token ids", "load float x as ids");
     x64[7] = -3;
     write_npy(xp, "<i8", "(4, 3)", x64, sizeof x64);
-    test_expect_error(ctx, mpt_dataset_load_npy(ctx, xp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d),
+    test_expect_error(ctx,
+                      mpt_dataset_load_npy(ctx, xp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d),
                       MPT_ERR_INVALID_ARGUMENT, "element 7 is -3", "load a negative id");
 }
 
@@ -737,8 +778,8 @@ static void test_export_and_quantize_refused(void) {
     char path[600];
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
     snprintf(path, sizeof path, "%s/lm.tflite", tmpdir);
-    test_expect_error(ctx, mpt_model_export_tflite(m, path, NULL), MPT_ERR_UNSUPPORTED,
-                      "embedding", "export TFLite");
+    test_expect_error(ctx, mpt_model_export_tflite(m, path, NULL), MPT_ERR_UNSUPPORTED, "embedding",
+                      "export TFLite");
     snprintf(path, sizeof path, "%s/lm.onnx", tmpdir);
     test_expect_error(ctx, mpt_model_export_onnx(m, path, NULL), MPT_ERR_UNSUPPORTED, "embedding",
                       "export ONNX");
@@ -770,10 +811,10 @@ static void test_initializers(void) {
     int64_t i, n;
     mpt_node x = mpt_model_input(m), both[2];
     both[0] = mpt_embedding(m, x, &(mpt_embedding_desc){.input_dim = 100, .output_dim = 50});
-    both[1] = mpt_embedding(m, x, &(mpt_embedding_desc){
-                                      .input_dim = 100,
-                                      .output_dim = 50,
-                                      .embeddings_initializer = MPT_INIT_GPT2_NORMAL});
+    both[1] = mpt_embedding(m, x,
+                            &(mpt_embedding_desc){.input_dim = 100,
+                                                  .output_dim = 50,
+                                                  .embeddings_initializer = MPT_INIT_GPT2_NORMAL});
     mpt_add(m, 2, both, NULL);
     CHECK(mpt_model_build(m, 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
     mpt_model_param(m, 0, &u);
@@ -807,6 +848,7 @@ static void cases(void) {
     TEST_RUN(test_export_and_quantize_refused);
     test_threads_bit_identical();
     TEST_RUN(test_learns_pattern);
+    TEST_RUN(test_mirrored);
 }
 
 int main(void) {

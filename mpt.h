@@ -14484,6 +14484,7 @@ typedef struct mpt__npy {
     int64_t shape[MPT__NPY_MAX_DIMS];
     int64_t count;        /* elements                                            */
     int64_t data_bytes;   /* count · size                                        */
+    int ids;              /* x read as token ids (x_ids): named so in messages   */
 } mpt__npy;
 
 /* A header that is not the dict literal NumPy writes: where, and why. */
@@ -14782,8 +14783,8 @@ static mpt_status mpt__npy_convert(const mpt__npy *a, const unsigned char *raw, 
             ((float *)out)[first + i] = (float)v;
         } else if (v < 0 || v > INT32_MAX) {
             return mpt__fail(a->src.ctx, MPT_ERR_INVALID_ARGUMENT, "%s: element %lld is %lld, "
-                             "not a class or token id (0..2147483647)", a->src.name,
-                             (long long)(first + i), (long long)v);
+                             "not a %s id (0..2147483647)", a->src.name,
+                             (long long)(first + i), (long long)v, a->ids ? "token" : "class");
         } else {
             ((int32_t *)out)[first + i] = (int32_t)v;
         }
@@ -14854,7 +14855,8 @@ static mpt_status mpt__load_npy(mpt_context *ctx, mpt__npy *x, mpt__npy *y, cons
     if (desc && desc->x_ids && x->kind == 'f')
         return mpt__fail(ctx, MPT_ERR_DTYPE, "load_npy: x %s holds floats, not token ids "
                          "(x_ids)", x->src.name);
-    xd = desc && desc->x_ids ? MPT_INT32 : mpt__npy_dtype(x, 0);
+    x->ids = desc && desc->x_ids;
+    xd = x->ids ? MPT_INT32 : mpt__npy_dtype(x, 0);
     yd = mpt__npy_dtype(y, 1);
     MPT__CHECK(mpt__npy_read_data(x, xd, &xb));
     st = mpt__npy_read_data(y, yd, &yb);

@@ -715,7 +715,7 @@ static void test_npy_ids(void) {
     write_npy(xp, "<i8", "(4, 3)", x64, sizeof x64);
     test_expect_error(ctx,
                       mpt_dataset_load_npy(ctx, xp, yp, &(mpt_dataset_npy_desc){.x_ids = 1}, &d),
-                      MPT_ERR_INVALID_ARGUMENT, "element 7 is -3", "load a negative id");
+                      MPT_ERR_INVALID_ARGUMENT, "element 7 is -3, not a token id", "load a negative id");
 }
 
 /* ---- model files, summary, export, quantization ----------------------------------- */

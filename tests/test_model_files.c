@@ -25,6 +25,7 @@ static unsigned char *read_all(const char *path, long *n) {
     fseek(f, 0, SEEK_SET);
     b = (unsigned char *)malloc((size_t)*n + 1);
     if (fread(b, 1, (size_t)*n, f) != (size_t)*n) *n = -1;
+    if (*n >= 0) b[*n] = 0; /* a text's end, for strstr */
     fclose(f);
     return b;
 }
@@ -266,8 +267,9 @@ static void test_ids_layers_round_trip(void) {
     /* the same file with "input_dtype":"float16" */
     text = read_all(path, &n);
     if (text && n > 0) {
-        /* the architecture is a string in the header: its quotes escaped */
-        char *at = strstr((char *)text, "input_dtype");
+        /* the architecture is a string in the header, after the header's
+           length (8 bytes, zeros among them), its quotes escaped */
+        char *at = n > 8 ? strstr((char *)text + 8, "input_dtype") : NULL;
         FILE *f;
         at = at ? strstr(at, "int32") : NULL;
         CHECK(at != NULL, "the file does not say its input is int32");

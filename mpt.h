@@ -111,7 +111,9 @@
    float16), the buffers of one training step and their dtypes:
        inputs               the first layer's compute dtype: the batch loader
                             converts each sample as it gathers it (uint8
-                            pixels become x·scale + offset on the way)
+                            pixels become x·scale + offset on the way);
+                            int32 token ids (input_dtype) stay int32, and
+                            Embedding turns them into compute-dtype rows
        activations          each layer's compute dtype (float16); a layer
                             whose neighbour differs converts on the way in
        GEMMs, convolutions  float16 operands, float32 accumulation, then
@@ -266,6 +268,8 @@
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
        @impl-merge        Add, Subtract, Multiply, Average, Concatenate
+       @impl-embedding    Embedding, PositionEmbedding; the model's int32
+                          token ids (checked against the tables)
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
@@ -782,6 +786,10 @@ typedef enum mpt_initializer {
     MPT_INIT_HE_NORMAL,        /* truncated normal, stddev sqrt(2 / fan_in)  */
     MPT_INIT_ZEROS,
     MPT_INIT_ONES,
+    MPT_INIT_RANDOM_UNIFORM,   /* U(−0.05, 0.05): Keras' RandomUniform with its
+                                  defaults ("uniform", Embedding's)          */
+    MPT_INIT_GPT2_NORMAL,      /* N(0, 0.02²): GPT-2's embeddings and weights
+                                  (Keras' RandomNormal(stddev=0.02))         */
     MPT_INIT_COUNT_
 } mpt_initializer;
 
@@ -883,6 +891,13 @@ typedef struct mpt_model_desc {
        has this limit. The context's device_memory_limit caps a whole CUDA
        context besides. */
     int64_t memory_limit;                   /* default 0: no limit; else bytes */
+    /* What a sample holds: by default (0) numbers, in any float dtype,
+       cast to each layer's compute dtype on the way in; MPT_INT32: token
+       ids (Keras' Input(dtype="int32")), which are never converted: every
+       layer that reads the input must take ids (Embedding), else build
+       names it. An id is checked against each Embedding's input_dim
+       before fit, evaluate and predict read it. */
+    mpt_dtype input_dtype;                  /* default 0: float; MPT_INT32  */
 } mpt_model_desc;
 
 typedef struct mpt_model mpt_model;
@@ -995,12 +1010,56 @@ typedef struct mpt_zero_padding2d_desc {
 MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *desc);
 MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *desc);
 
+/* Embedding: each int32 token id in [0, input_dim) becomes its row of a
+   learned (input_dim, output_dim) table, (B, ...) ids to (B, ...,
+   output_dim) in the layer's compute dtype (Keras' Embedding). It reads
+   the model's input, which must be int32 ids (mpt_model_desc.input_dtype
+   MPT_INT32); an id outside [0, input_dim) is refused before fit,
+   evaluate or predict runs, naming the layer, the id and where it is
+   (mpt_model_forward checks a batch in host memory; one in device memory
+   gets zeros for such ids). The ids get no gradient. */
+typedef struct mpt_embedding_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    int64_t input_dim;                      /* required, > 0: the vocabulary  */
+    int64_t output_dim;                     /* required, > 0: a row's width   */
+    mpt_initializer embeddings_initializer; /* default U(−0.05, 0.05) (Keras'
+                                               "uniform"); GPT-2 takes
+                                               MPT_INIT_GPT2_NORMAL          */
+} mpt_embedding_desc;
+
+MPTDEF mpt_status mpt_model_add_embedding(mpt_model *m, const mpt_embedding_desc *desc);
+MPTDEF mpt_node mpt_embedding(mpt_model *m, mpt_node x, const mpt_embedding_desc *desc);
+
+/* PositionEmbedding (keras_hub.layers.PositionEmbedding): a learned
+   (sequence_length, D) table whose first T rows are the output for
+   every (T, D) sample of its input, T <= sequence_length; the input
+   gives only the shape. Added to the token embeddings (mpt_add), it
+   gives a GPT its input:
+       mpt_node tok = mpt_embedding(m, mpt_model_input(m), &(mpt_embedding_desc){
+                          .input_dim = vocab, .output_dim = 64 });
+       mpt_node pos = mpt_position_embedding(m, tok, &(mpt_position_embedding_desc){
+                          .sequence_length = 128 });
+       mpt_node both[2] = { tok, pos };
+       mpt_node h = mpt_add(m, 2, both, NULL); */
+typedef struct mpt_position_embedding_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    int64_t sequence_length;                /* required, > 0: the most positions */
+    mpt_initializer initializer;            /* default glorot_uniform        */
+} mpt_position_embedding_desc;
+
+MPTDEF mpt_status mpt_model_add_position_embedding(mpt_model *m,
+                                                   const mpt_position_embedding_desc *desc);
+MPTDEF mpt_node mpt_position_embedding(mpt_model *m, mpt_node x,
+                                       const mpt_position_embedding_desc *desc);
+
 /* Checks every layer's shapes, plans and allocates every buffer for batches
    of up to max_batch samples, and initialises the weights. After this, a
    forward or backward pass allocates nothing. */
 MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch);
 
-/* Runs the layers on x (batch, input_shape...), float32/float16/bfloat16.
+/* Runs the layers on x (batch, input_shape...), float32/float16/bfloat16,
+   or int32 token ids for a model whose input_dtype is MPT_INT32 (checked
+   against the Embeddings' tables when x is in host memory).
    `out` receives a borrowed view of the last layer's output (its compute
    dtype), valid until the next forward. training: dropout active and
    BatchNormalization on batch statistics (updating its moving ones). */
@@ -1414,7 +1473,8 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
 /* The same for a tensor of inputs, Keras' model.predict(x): x (n, the
    model's input shape...) uint8 (scaled by 1/255), float32, float16 or
-   bfloat16 in CPU memory, read in place. */
+   bfloat16 (int32 token ids for a model of ids) in CPU memory, read in
+   place. */
 MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
                                            int64_t batch_size, mpt_tensor *out);
 
@@ -1477,7 +1537,11 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m);
 
 typedef struct mpt_dataset_desc {
     const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
-                              float16 or bfloat16                         */
+                              float16 or bfloat16; or int32 token ids,
+                              never converted, for a model whose
+                              input_dtype is MPT_INT32 (each id checked
+                              against its Embeddings when fit, evaluate
+                              or predict reads the dataset)               */
     const mpt_tensor *y;   /* NULL: x alone, a dataset that predict reads
                               and fit and evaluate refuse (Keras'
                               model.predict(x)); else (n,) int32 class ids, or one per
@@ -1522,6 +1586,11 @@ typedef struct mpt_dataset_npy_desc {
     float scale;           /* uint8 x becomes x·scale + offset as it is
                               batched; default (0) 1/255                  */
     float offset;          /* default 0                                   */
+    int x_ids;             /* default 0: whole-number x becomes float32;
+                              1: x holds token ids (int32, int64 or uint8),
+                              kept as int32, each in 0..2^31-1, for a
+                              model whose input_dtype is MPT_INT32; float
+                              x is then refused                           */
 } mpt_dataset_npy_desc;
 
 /* Reads NumPy arrays as np.save and np.savez write them: x from x_path, y
@@ -1532,11 +1601,12 @@ typedef struct mpt_dataset_npy_desc {
    little- or big-endian ('>' is converted), C order; Fortran order,
    object and structured arrays are refused, and so are zip64 archives.
    x (n, ...): float32, float16 and uint8 kept, float64, int32 and int64
-   become float32; (n,) is taken as (n, 1). y: whole numbers become int32
-   class ids (each in 0..2^31-1), floats float32 targets, as in
-   mpt_dataset_desc. Checks every header against its file's size (and an
-   .npz member against its CRC-32), the counts of x and y, and NaN/inf;
-   a message names the file, the array and what is wrong. */
+   become float32 (int32 token ids with desc's x_ids); (n,) is taken as
+   (n, 1). y: whole numbers become int32 class ids (each in 0..2^31-1),
+   floats float32 targets, as in mpt_dataset_desc. Checks every header
+   against its file's size (and an .npz member against its CRC-32), the
+   counts of x and y, and NaN/inf; a message names the file, the array
+   and what is wrong. */
 MPTDEF mpt_status mpt_dataset_load_npy(mpt_context *ctx, const char *x_path, const char *y_path,
                                        const mpt_dataset_npy_desc *desc, mpt_dataset **out);
 
@@ -2119,6 +2189,8 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        Average                ADD, then MUL by 1/n       Mean
        Concatenate            CONCATENATION              Concat (its axis in
                                                          the inputs' layout)
+       Embedding,             not yet: MPT_ERR_UNSUPPORTED, naming the layer
+       PositionEmbedding      (quantization too)
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.
@@ -2638,6 +2710,18 @@ typedef struct mpt_backend {
     void (*timer_mark)(void *impl, void *timer, int index);
     mpt_status (*timer_read)(void *impl, void *timer, int count, double *seconds);
     void (*timer_free)(void *impl, void *timer);
+    /* -- Embedding's table. gather_rows: y (n, width) in dtype = the rows
+       ids[0..n) of table (rows, width) in dtype; an id outside [0, rows)
+       gives a row of zeros (the layer refuses such ids before a step; the
+       kernel never reads outside the table). */
+    void (*gather_rows)(void *impl, mpt_dtype dtype, void *y, const void *table, int64_t rows,
+                        int64_t width, const int32_t *ids, int64_t n);
+    /* dtable (rows, width) float32, overwritten: row r the sum of the rows
+       i of dy (n, width, in dtype) whose ids[i] is r, added in the order of
+       i (so the same bits whatever the threads); ids outside [0, rows)
+       are skipped. */
+    void (*scatter_add_rows)(void *impl, mpt_dtype dtype, float *dtable, int64_t rows,
+                             int64_t width, const void *dy, const int32_t *ids, int64_t n);
 } mpt_backend;
 
 #define MPT_COMM_ID_BYTES 128
@@ -3954,6 +4038,8 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_AVERAGE,
     MPT__LAYER_CONCATENATE,
     MPT__LAYER_ZERO_PADDING2D,
+    MPT__LAYER_EMBEDDING,
+    MPT__LAYER_POSITION_EMBEDDING,
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4113,6 +4199,8 @@ union mpt__layer_desc {
     mpt_merge_desc merge;
     mpt_concatenate_desc concatenate;
     mpt_zero_padding2d_desc zero_padding2d;
+    mpt_embedding_desc embedding;
+    mpt_position_embedding_desc position_embedding;
 };
 
 struct mpt__layer {
@@ -7478,6 +7566,332 @@ MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
 }
 
 /* =============================================================================
+   @impl-embedding  Embedding      x: (B, ...) int32 ids     y: (B, ..., D)
+                    PositionEmbedding  x: (B, T, D)          y: (B, T, D)
+   =============================================================================
+
+   Embedding gathers rows of its (input_dim, D) table, one per id;
+   backward adds each row of dy into the gradient's row of its id. Many
+   positions may share an id, so the sum is made per table row in the
+   order of the positions (mpt_backend.scatter_add_rows): each task owns a
+   range of table rows and scans the ids in order, so the bits do not
+   depend on the thread count. The ids come straight from the model's
+   input, which is int32 (mpt_model_desc.input_dtype): the walks never
+   convert it, and a layer that cannot take ids refuses to read it when
+   the model is built (mpt__check_reads_ids). An id outside the table is
+   refused before a step, where the data is still on the host
+   (mpt__check_ids); the kernels still skip one (zeros forward, nothing
+   backward), so a bad id can never make them read or write out of bounds.
+
+   PositionEmbedding's output is its table's first T rows, the same for
+   every sample: one copy_rows with a source plane of 0. Its gradient is
+   dy summed over the batch (column_sums, rows in order); the rows past T
+   get zeros, and the input, which gives only the shape, a zero gradient. */
+
+/* ---- the CPU backend's rows of a table ----------------------------------- */
+
+#define MPT__GATHER_CHUNK ((int64_t)1 << 14) /* elements a gather task copies */
+#define MPT__SCATTER_TASKS 16                /* ranges of table rows, at most */
+
+typedef struct mpt__rows_job {
+    mpt_dtype dtype;
+    unsigned char *y;            /* gather: (n, width) in dtype                */
+    const unsigned char *table;  /* gather: (rows, width) in dtype             */
+    float *dtable;               /* scatter: (rows, width) float32             */
+    const unsigned char *dy;     /* scatter: (n, width) in dtype               */
+    const int32_t *ids;          /* (n)                                        */
+    int64_t rows, width, n, per_task;
+} mpt__rows_job;
+
+static void mpt__gather_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__rows_job *j = (const mpt__rows_job *)arg;
+    const size_t row = (size_t)j->width * mpt_dtype_size(j->dtype);
+    int64_t i, i1 = MPT__MIN(j->n, (task + 1) * j->per_task);
+    (void)thread;
+    for (i = task * j->per_task; i < i1; i++) {
+        int32_t id = j->ids[i];
+        if (id >= 0 && id < j->rows)
+            memcpy(j->y + (size_t)i * row, j->table + (size_t)id * row, row);
+        else
+            memset(j->y + (size_t)i * row, 0, row);
+    }
+}
+
+/* mpt_backend.gather_rows on the CPU: whole rows of y a task. */
+static void mpt__cpu_gather_rows(void *impl, mpt_dtype dtype, void *y, const void *table,
+                                 int64_t rows, int64_t width, const int32_t *ids, int64_t n) {
+    mpt__rows_job j;
+    memset(&j, 0, sizeof j);
+    j.dtype = dtype;
+    j.y = (unsigned char *)y;
+    j.table = (const unsigned char *)table;
+    j.ids = ids;
+    j.rows = rows;
+    j.width = width;
+    j.n = n;
+    j.per_task = MPT__MAX(1, MPT__GATHER_CHUNK / MPT__MAX(width, 1));
+    if (n > 0 && width > 0)
+        mpt__parallel_for((mpt_context *)impl, (n + j.per_task - 1) / j.per_task,
+                          mpt__gather_rows_task, &j);
+}
+
+/* One task's table rows [r0, r1): zeroed, then every dy row whose id
+   falls among them added, in the order of the ids. */
+static void mpt__scatter_add_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__rows_job *j = (const mpt__rows_job *)arg;
+    const int64_t r0 = task * j->per_task, r1 = MPT__MIN(j->rows, r0 + j->per_task);
+    int64_t i, c;
+    (void)thread;
+    memset(j->dtable + r0 * j->width, 0, sizeof(float) * (size_t)((r1 - r0) * j->width));
+    for (i = 0; i < j->n; i++) {
+        int32_t id = j->ids[i];
+        float *d;
+        if (id < r0 || id >= r1) continue;
+        d = j->dtable + (int64_t)id * j->width; /* (width) */
+        if (j->dtype == MPT_FLOAT32) {
+            const float *g = (const float *)j->dy + i * j->width; /* (width) */
+            for (c = 0; c < j->width; c++) d[c] += g[c];
+        } else {
+            for (c = 0; c < j->width; c++) d[c] += mpt__load_f32(j->dtype, j->dy, i * j->width + c);
+        }
+    }
+}
+
+/* mpt_backend.scatter_add_rows on the CPU. */
+static void mpt__cpu_scatter_add_rows(void *impl, mpt_dtype dtype, float *dtable, int64_t rows,
+                                      int64_t width, const void *dy, const int32_t *ids,
+                                      int64_t n) {
+    mpt__rows_job j;
+    memset(&j, 0, sizeof j);
+    j.dtype = dtype;
+    j.dtable = dtable;
+    j.dy = (const unsigned char *)dy;
+    j.ids = ids;
+    j.rows = rows;
+    j.width = width;
+    j.n = n;
+    j.per_task = (rows + MPT__SCATTER_TASKS - 1) / MPT__SCATTER_TASKS;
+    if (rows > 0 && width > 0)
+        mpt__parallel_for((mpt_context *)impl, (rows + j.per_task - 1) / j.per_task,
+                          mpt__scatter_add_rows_task, &j);
+}
+
+/* ---- the model's int32 input ---------------------------------------------- */
+
+/* Whether a layer takes token ids where it reads the model's input. */
+static int mpt__layer_takes_ids(const mpt__layer *L) {
+    return L->ops->kind == MPT__LAYER_EMBEDDING;
+}
+
+/* Whether the model's input is int32 ids (else numbers in a float dtype). */
+static int mpt__input_is_ids(const mpt_model *m) { return m->desc.input_dtype == MPT_INT32; }
+
+/* The dtype fit, evaluate and predict batch the input in: the ids as they
+   are, or numbers in the first layer's compute dtype. */
+static mpt_dtype mpt__input_batch_dtype(const mpt_model *m) {
+    return mpt__input_is_ids(m) ? MPT_INT32 : m->layers[0].dtype;
+}
+
+/* Build: a layer that reads the model's int32 ids must take them (only
+   Embedding does); any other would read the ids' bits as numbers. */
+static mpt_status mpt__check_reads_ids(mpt_model *m, const mpt__layer *L) {
+    int s;
+    if (!mpt__input_is_ids(m) || mpt__layer_takes_ids(L)) return MPT_OK;
+    for (s = 0; s < L->n_in; s++)
+        if (L->in_node[s] == 0)
+            return mpt__fail(m->ctx, MPT_ERR_DTYPE,
+                             "%s '%s' reads the model's input, which is int32 token ids "
+                             "(input_dtype): it takes numbers, not ids; an Embedding turns ids "
+                             "into numbers", L->ops->class_name, L->name);
+    return MPT_OK;
+}
+
+/* n samples of `count` ids each (host memory) checked against every
+   Embedding that reads them: an id outside its table is an error naming
+   the layer, the id, its sample and its place in the sample. */
+static mpt_status mpt__check_ids(mpt_model *m, const int32_t *ids, int64_t n, int64_t count,
+                                 const char *what) {
+    int i;
+    int64_t k;
+    if (!mpt__input_is_ids(m)) return MPT_OK;
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        int64_t dim = L->desc.embedding.input_dim;
+        if (!mpt__layer_takes_ids(L) || L->in_node[0] != 0) continue;
+        for (k = 0; k < n * count; k++)
+            if (ids[k] < 0 || ids[k] >= dim)
+                return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                 "%s: %s '%s' got id %d (sample %lld, position %lld of the "
+                                 "sample), outside its table: ids are 0..%lld (input_dim %lld)",
+                                 what, L->ops->class_name, L->name, (int)ids[k],
+                                 (long long)(k / count), (long long)(k % count),
+                                 (long long)dim - 1, (long long)dim);
+    }
+    return MPT_OK;
+}
+
+/* ---- Embedding ---------------------------------------------------------- */
+
+static mpt_status mpt__embedding_build(struct mpt_model *m, mpt__layer *L) {
+    const mpt_embedding_desc *d = &L->desc.embedding;
+    int64_t shape[2];
+    char s[96];
+    if (L->in_node[0] != 0 || !mpt__input_is_ids(m))
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE,
+                         "Embedding '%s': its input ('%s') must be the model's int32 token ids "
+                         "(mpt_model_desc.input_dtype MPT_INT32)", L->name,
+                         mpt__node_name(m, L->in_node[0]));
+    if (L->in_rank > MPT_MAX_RANK - 2)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                         "Embedding '%s': ids of shape %s would give samples of rank %d (at most "
+                         "%d)", L->name, mpt_shape_format(s, sizeof s, L->in_rank, L->in_shape),
+                         L->in_rank + 1, MPT_MAX_RANK - 1);
+    L->out_rank = L->in_rank + 1;
+    memcpy(L->out_shape, L->in_shape, sizeof(int64_t) * (size_t)L->in_rank);
+    L->out_shape[L->in_rank] = d->output_dim;
+    shape[0] = d->input_dim;
+    shape[1] = d->output_dim;
+    return mpt__layer_add_param(m, L, "embeddings", 2, shape,
+                                d->embeddings_initializer ? d->embeddings_initializer
+                                                          : MPT_INIT_RANDOM_UNIFORM,
+                                d->input_dim, d->output_dim, 1, L->dtype);
+}
+
+static void mpt__embedding_forward(mpt__layer *L, const mpt__pass *p) {
+    const mpt_embedding_desc *d = &L->desc.embedding;
+    p->be->gather_rows(p->impl, L->dtype, p->y, mpt__param_compute_copy(L, 0), d->input_dim,
+                       d->output_dim, (const int32_t *)p->x, p->batch * L->in_count);
+}
+
+/* The table's gradient; the ids have none (dx is never asked of it). */
+static void mpt__embedding_backward(mpt__layer *L, const mpt__pass *p) {
+    const mpt_embedding_desc *d = &L->desc.embedding;
+    p->be->scatter_add_rows(p->impl, L->dtype, mpt__param_grad(L, 0), d->input_dim,
+                            d->output_dim, p->dy, (const int32_t *)p->x,
+                            p->batch * L->in_count);
+}
+
+static mpt_status mpt__embedding_check(mpt_model *m, const mpt__layer_ops *ops,
+                                       const mpt__layer_desc *desc) {
+    const mpt_embedding_desc *d = &desc->embedding;
+    (void)ops;
+    if (d->input_dim <= 0 || d->input_dim > INT32_MAX)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "Embedding: input_dim %lld is not in 1..2^31-1 (required: the number "
+                         "of ids)", (long long)d->input_dim);
+    if (d->output_dim <= 0 || d->output_dim > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "Embedding: output_dim %lld must be > 0 (required)",
+                         (long long)d->output_dim);
+    if (!mpt__initializer_valid(d->embeddings_initializer))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "Embedding: unknown embeddings_initializer %d",
+                         (int)d->embeddings_initializer);
+    return MPT_OK;
+}
+
+static const mpt__field mpt__embedding_fields[] = {
+    MPT__FIELD(mpt_embedding_desc, input_dim, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_embedding_desc, output_dim, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_embedding_desc, embeddings_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__embedding_ops = {
+    "Embedding", "embedding", MPT__LAYER_EMBEDDING, mpt__embedding_build, mpt__embedding_forward,
+    mpt__embedding_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_embedding_desc),
+    mpt__embedding_check, mpt__embedding_fields, 1, 1};
+
+MPTDEF mpt_status mpt_model_add_embedding(mpt_model *m, const mpt_embedding_desc *d) {
+    return mpt__add_layer(m, &mpt__embedding_ops, d);
+}
+
+MPTDEF mpt_node mpt_embedding(mpt_model *m, mpt_node x, const mpt_embedding_desc *d) {
+    return mpt__call_layer(m, &mpt__embedding_ops, 1, &x, d);
+}
+
+/* ---- PositionEmbedding --------------------------------------------------- */
+
+static mpt_status mpt__position_embedding_build(struct mpt_model *m, mpt__layer *L) {
+    const mpt_position_embedding_desc *d = &L->desc.position_embedding;
+    int64_t shape[2];
+    char s[96];
+    if (L->in_rank != 2 || L->in_shape[0] > d->sequence_length)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                         "PositionEmbedding '%s': input %s is not (T, D) with T <= its "
+                         "sequence_length %lld", L->name,
+                         mpt_shape_format(s, sizeof s, L->in_rank, L->in_shape),
+                         (long long)d->sequence_length);
+    L->out_rank = 2;
+    memcpy(L->out_shape, L->in_shape, sizeof L->out_shape);
+    shape[0] = d->sequence_length;
+    shape[1] = L->in_shape[1];
+    MPT__CHECK(mpt__layer_add_param(m, L, "embeddings", 2, shape,
+                                    d->initializer ? d->initializer : MPT_INIT_GLOROT_UNIFORM,
+                                    shape[0], shape[1], 1, L->dtype));
+    /* backward: dy in float32 for the sums (float16 and bfloat16) */
+    return L->dtype == MPT_FLOAT32 ? MPT_OK
+                                   : mpt__layer_set_workspace(m, L, 4 * L->in_count, 0);
+}
+
+/* y (B, T, D): the table's first T rows, once a sample. */
+static void mpt__position_embedding_forward(mpt__layer *L, const mpt__pass *p) {
+    int64_t bytes = mpt__dbytes(L->dtype, L->out_count);
+    p->be->copy_rows(p->impl, p->y, 0, bytes, mpt__param_compute_copy(L, 0), 0, 0, bytes, 1,
+                     p->batch);
+}
+
+/* The table's first T rows get dy summed over the batch, the rest zeros;
+   the input's gradient is zero (the output does not depend on it). */
+static void mpt__position_embedding_backward(mpt__layer *L, const mpt__pass *p) {
+    const mpt_position_embedding_desc *d = &L->desc.position_embedding;
+    float *grad = mpt__param_grad(L, 0), *dyf = (float *)p->workspace; /* (B, T·D) */
+    int64_t used = L->out_count, all = d->sequence_length * L->in_shape[1];
+    if (L->dtype == MPT_FLOAT32)
+        dyf = (float *)p->dy;
+    else
+        p->be->convert(p->impl, MPT_FLOAT32, dyf, L->dtype, p->dy, p->batch * used);
+    p->be->column_sums(p->impl, dyf, p->batch, used, grad, 0);
+    if (all > used) p->be->zero(p->impl, grad + used, sizeof(float) * (size_t)(all - used));
+    if (p->dx) p->be->zero(p->impl, p->dx, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
+}
+
+static mpt_status mpt__position_embedding_check(mpt_model *m, const mpt__layer_ops *ops,
+                                                const mpt__layer_desc *desc) {
+    const mpt_position_embedding_desc *d = &desc->position_embedding;
+    (void)ops;
+    if (d->sequence_length <= 0 || d->sequence_length > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "PositionEmbedding: sequence_length %lld must be > 0 (required)",
+                         (long long)d->sequence_length);
+    if (!mpt__initializer_valid(d->initializer))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "PositionEmbedding: unknown initializer %d", (int)d->initializer);
+    return MPT_OK;
+}
+
+static const mpt__field mpt__position_embedding_fields[] = {
+    MPT__FIELD(mpt_position_embedding_desc, sequence_length, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_position_embedding_desc, initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__position_embedding_ops = {
+    "PositionEmbedding", "position_embedding", MPT__LAYER_POSITION_EMBEDDING,
+    mpt__position_embedding_build, mpt__position_embedding_forward,
+    mpt__position_embedding_backward, NULL, NULL, NULL, NULL, NULL, 0,
+    sizeof(mpt_position_embedding_desc), mpt__position_embedding_check,
+    mpt__position_embedding_fields, 1, 1};
+
+MPTDEF mpt_status mpt_model_add_position_embedding(mpt_model *m,
+                                                   const mpt_position_embedding_desc *d) {
+    return mpt__add_layer(m, &mpt__position_embedding_ops, d);
+}
+
+MPTDEF mpt_node mpt_position_embedding(mpt_model *m, mpt_node x,
+                                       const mpt_position_embedding_desc *d) {
+    return mpt__call_layer(m, &mpt__position_embedding_ops, 1, &x, d);
+}
+
+/* =============================================================================
    @impl-model: the model: create, add, the functional form, initial weights
    ============================================================================= */
 
@@ -7579,6 +7993,10 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "model: memory_limit %lld is negative (0: no limit)",
                          (long long)desc->memory_limit);
+    if (desc->input_dtype != MPT_DTYPE_DEFAULT && desc->input_dtype != MPT_INT32)
+        return mpt__fail(ctx, MPT_ERR_DTYPE,
+                         "model: input_dtype %s is neither 0 (numbers in a float dtype) nor "
+                         "MPT_INT32 (token ids)", mpt_dtype_name(desc->input_dtype));
     m = (mpt_model *)mpt__calloc(ctx, sizeof *m);
     if (!m) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     mpt__context_count_model(ctx, 1);
@@ -7795,6 +8213,21 @@ static void mpt__init_param(const mpt_model *m, int index, float *value) {
         }
         break;
     }
+    case MPT_INIT_RANDOM_UNIFORM:
+        for (i = 0; i < P->count; i++) {
+            mpt_philox4x32(key, 0, (uint64_t)i, r);
+            value[i] = (float)((2.0 * mpt__uniform01(r[0]) - 1.0) * 0.05);
+        }
+        break;
+    case MPT_INIT_GPT2_NORMAL: /* Box-Muller, untruncated */
+        for (i = 0; i < P->count; i++) {
+            double u1, u2;
+            mpt_philox4x32(key, 0, (uint64_t)i, r);
+            u1 = ((double)r[0] + 1.0) / 4294967296.0; /* (0, 1] */
+            u2 = (double)r[1] / 4294967296.0;
+            value[i] = (float)(0.02 * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+        }
+        break;
     case MPT_INIT_HE_NORMAL: {
         /* Keras: a normal truncated at two standard deviations, its stddev
            divided by 0.8796 (the truncated normal's own stddev) so that the
@@ -7884,15 +8317,16 @@ static void *mpt__carve(mpt__carver *c, int64_t bytes) {
    the leaner plan of a Sequential stack (two gradient buffers in turn). */
 
 /* Layer L's buffers of a graph: its inputs converted to its dtype where
-   they are not in it (the model's input always: the caller's dtype is
-   only known at forward time). The gradients w.r.t. the layers' outputs
+   they are not in it (the model's input always, unless it is ids: the
+   caller's dtype is only known at forward time). The gradients w.r.t. the layers' outputs
    come after (mpt__graph_layout_node_grads). */
 static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L) {
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
         int64_t bytes = mpt__dbytes(L->dtype, mpt__node_count(m, j) * m->max_batch);
-        L->xs_cast[s] = j == 0 || m->layers[j - 1].dtype != L->dtype
+        L->xs_cast[s] = (j == 0 && !mpt__input_is_ids(m)) ||
+                                (j > 0 && m->layers[j - 1].dtype != L->dtype)
                             ? mpt__carve(&c[MPT__MEM_ACTIVATIONS], bytes)
                             : NULL;
     }
@@ -8127,9 +8561,11 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
     }
     for (i = 0; i < m->n_layers; i++) {
         mpt__layer *L = &m->layers[i];
-        mpt_dtype in_dtype = i == 0 ? MPT_DTYPE_DEFAULT : m->layers[i - 1].dtype;
+        mpt_dtype in_dtype = i > 0 ? m->layers[i - 1].dtype
+                             : mpt__input_is_ids(m) ? L->dtype /* ids are never cast */
+                                                    : MPT_DTYPE_DEFAULT;
         /* The first layer always gets a cast buffer: the caller's dtype is
-           only known at forward time. */
+           only known at forward time (but for ids). */
         L->x_cast = in_dtype != L->dtype && !L->staged && !m->graph
                         ? mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                      mpt__dbytes(L->dtype, L->in_count * m->max_batch))
@@ -8201,6 +8637,7 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
         L->n_params = L->n_saved = 0;
         L->workspace_bytes = 0;
         L->pools_next = L->ran_next = L->ran_by_prev = 0;
+        MPT__CHECK(mpt__check_reads_ids(m, L));
         MPT__CHECK(L->ops->build(m, L));
         if (L->call_of) MPT__CHECK(mpt__graph_check_call(m, L));
         L->out_count = mpt__shape_count(L->out_rank, L->out_shape);
@@ -8523,9 +8960,13 @@ static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
     if (!x || !x->data)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: NULL input tensor%s",
                          x ? " data" : "");
-    if (!mpt_dtype_is_float(x->dtype))
-        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "model: input dtype %s is not a float dtype",
-                         mpt_dtype_name(x->dtype));
+    if (mpt__input_is_ids(m) ? x->dtype != MPT_INT32 : !mpt_dtype_is_float(x->dtype))
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "model: input dtype %s is not %s",
+                         mpt_dtype_name(x->dtype),
+                         mpt__input_is_ids(m) ? "int32, the model's token ids (input_dtype)"
+                         : x->dtype == MPT_INT32 ? "a float dtype (int32 ids need a model "
+                                                   "whose input_dtype is MPT_INT32)"
+                                                 : "a float dtype");
     if (x->rank < 1 || x->rank > MPT_MAX_RANK || x->shape[0] < 1 || x->shape[0] > m->max_batch)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE,
                          "model: input shape %s is not (batch, sample...) with batch in 1..%lld",
@@ -8533,7 +8974,12 @@ static mpt_status mpt__check_input(mpt_model *m, const mpt_tensor *x) {
                          (long long)m->max_batch);
     snprintf(what, sizeof what, "model: input %s",
              mpt_shape_format(got, sizeof got, x->rank, x->shape));
-    return mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what);
+    MPT__CHECK(mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what));
+    /* ids in the device's memory are not read back: the kernels give
+       zeros for a bad one */
+    if (x->dtype != MPT_INT32 || x->device != MPT_DEVICE_CPU) return MPT_OK;
+    return mpt__check_ids(m, (const int32_t *)x->data, x->shape[0],
+                          mpt_tensor_count(x) / x->shape[0], "model: forward");
 }
 
 /* Copies host memory into the backend's, turning a failure into a status. */
@@ -8631,7 +9077,7 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
         const void *src = j == 0 ? w->input : m->layers[j - 1].y;
         mpt_dtype dtype = j == 0 ? w->input_dtype : m->layers[j - 1].dtype;
         L->xs[s] = src;
-        if (dtype != L->dtype) {
+        if (dtype != L->dtype && dtype != MPT_INT32) { /* ids go as they are */
             m->be->convert(m->impl, L->dtype, L->xs_cast[s], dtype, src,
                            w->p.batch * mpt__node_count(m, j));
             L->xs[s] = L->xs_cast[s];
@@ -8651,7 +9097,7 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
 static mpt__layer *mpt__forward_prepare(mpt_model *m, int i, mpt__forward_walk *w) {
     mpt__layer *L = &m->layers[i];
     if (m->graph) return mpt__graph_forward_prepare(m, i, w);
-    if (w->cur_dtype != L->dtype) {
+    if (w->cur_dtype != L->dtype && w->cur_dtype != MPT_INT32) { /* ids go as they are */
         void *x = L->staged ? (unsigned char *)w->p.workspace + L->stage_x : L->x_cast;
         L->x_src = w->cur;
         L->x_src_dtype = w->cur_dtype;
@@ -8880,6 +9326,10 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
     if (!m->last_batch || !m->last_training)
         return mpt__fail(m->ctx, MPT_ERR_STATE,
                          "model: backward needs a forward pass with training = 1 first");
+    if (dinput && mpt__input_is_ids(m))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "model: the input is int32 token ids, which have no gradient (pass "
+                         "dinput NULL)");
     last = &m->layers[m->n_layers - 1];
     if (dout) {
         mpt_tensor want;
@@ -10300,11 +10750,11 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
    =============================================================================
 
    A dataset is x (n, sample shape...) in uint8, float32, float16 or
-   bfloat16, and y: int32 class ids (n,) or float32 targets (n, ...). uint8
-   images stay uint8 in memory (a quarter of float32) and are normalised
-   (x·scale + offset) only when a batch is gathered, through a 256-entry
-   table per dtype, so every value is rounded exactly once, as mpt__convert
-   rounds it.
+   bfloat16 (or int32 token ids, batched as they are), and y: int32 class
+   ids (n,) or float32 targets (n, ...). uint8 images stay uint8 in memory
+   (a quarter of float32) and are normalised (x·scale + offset) only when
+   a batch is gathered, through a 256-entry table per dtype, so every
+   value is rounded exactly once, as mpt__convert rounds it.
 
    A view (mpt_dataset_split) points into its root's buffers. The root
    counts its live views and frees its buffers when the last of itself and
@@ -10328,7 +10778,7 @@ struct mpt_dataset {
     mpt_dataset *root;            /* owner of the buffers: itself, or a view's root */
     int refs;                     /* root: itself + its live views               */
     int64_t n;                    /* samples                                     */
-    mpt_dtype x_dtype;            /* uint8, float32, float16 or bfloat16         */
+    mpt_dtype x_dtype;            /* uint8, float32, float16, bfloat16 or int32  */
     int x_rank;                   /* one sample's rank, 1..3                     */
     int64_t x_shape[MPT_MAX_RANK - 1];
     int64_t x_count;              /* elements of one sample                      */
@@ -10459,10 +10909,10 @@ static mpt_status mpt__check_dataset_tensor(mpt_context *ctx, const char *what,
 
 static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
     char s[96];
-    if (x->dtype != MPT_UINT8 && !mpt_dtype_is_float(x->dtype))
+    if (x->dtype != MPT_UINT8 && x->dtype != MPT_INT32 && !mpt_dtype_is_float(x->dtype))
         return mpt__fail(ctx, MPT_ERR_DTYPE,
-                         "dataset: x dtype %s is not uint8, float32, float16 or bfloat16",
-                         mpt_dtype_name(x->dtype));
+                         "dataset: x dtype %s is not uint8, float32, float16, bfloat16 or int32 "
+                         "(token ids)", mpt_dtype_name(x->dtype));
     if (x->rank < 2)
         return mpt__fail(ctx, MPT_ERR_SHAPE,
                          "dataset: x shape %s needs rank >= 2: (n, sample...)",
@@ -10850,7 +11300,8 @@ static mpt_status mpt__loader_alloc(mpt__loader *l) {
 }
 
 /* A loader of batches of up to max_batch samples of d, x in x_dtype (a
-   float dtype, or d's own: uint8 samples as stored), with no epoch yet.
+   float dtype, or d's own: uint8 samples as stored, int32 ids always),
+   with no epoch yet.
    d must outlive it. */
 static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
                                             int64_t max_batch, mpt_dtype x_dtype,
@@ -10863,10 +11314,10 @@ static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
     if (max_batch <= 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: max_batch %lld must be > 0",
                          (long long)max_batch);
-    if (!mpt_dtype_is_float(x_dtype) && x_dtype != d->x_dtype)
+    if ((!mpt_dtype_is_float(x_dtype) || d->x_dtype == MPT_INT32) && x_dtype != d->x_dtype)
         return mpt__fail(ctx, MPT_ERR_DTYPE, "loader: batch dtype %s is neither a float dtype "
-                         "nor the dataset's (%s)", mpt_dtype_name(x_dtype),
-                         mpt_dtype_name(d->x_dtype));
+                         "nor the dataset's (%s; int32 ids are never converted)",
+                         mpt_dtype_name(x_dtype), mpt_dtype_name(d->x_dtype));
     l = (mpt__loader *)mpt__calloc(ctx, sizeof *l);
     if (!l) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "loader: out of memory");
     l->ctx = ctx;
@@ -11336,8 +11787,8 @@ static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
     mpt_tensor x;
     mpt_status s;
     if (!m->be->gemm_plan || m->planned_batch == batch) return MPT_OK;
-    mpt__batch_view(&x, m->layers[0].dtype, batch, m->desc.input_rank, m->desc.input_shape,
-                    m->input_buf[0], mpt__model_device(m));
+    mpt__batch_view(&x, mpt__input_batch_dtype(m), batch, m->desc.input_rank,
+                    m->desc.input_shape, m->input_buf[0], mpt__model_device(m));
     m->planning = 1;
     mpt__model_forward(m, &x, 1);
     mpt_model_backward(m, NULL, NULL);
@@ -11674,11 +12125,22 @@ static void mpt__epoch_order(const mpt_model *m, int epoch, int shuffle, int64_t
     }
 }
 
-/* A dataset's samples fit the model (predict needs no more). */
+/* A dataset's samples fit the model (predict needs no more): their
+   shape, and ids for a model of ids (each in its Embeddings' tables),
+   numbers for any other. */
 static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const char *what) {
     int64_t shape[MPT_MAX_RANK] = {0}; /* gcc -O2 cannot see the dataset fill it */
     int rank = mpt_dataset_sample_shape(d, shape);
-    return mpt__check_sample_shape(m, rank, shape, what);
+    MPT__CHECK(mpt__check_sample_shape(m, rank, shape, what));
+    if (mpt__input_is_ids(m) != (d->x_dtype == MPT_INT32))
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE,
+                         "%s: the dataset's x is %s but the model's input is %s", what,
+                         mpt_dtype_name(d->x_dtype),
+                         mpt__input_is_ids(m) ? "int32 token ids (input_dtype)"
+                                              : "numbers (int32 ids need input_dtype MPT_INT32)");
+    return mpt__input_is_ids(m)
+               ? mpt__check_ids(m, (const int32_t *)d->x, d->n, d->x_count, what)
+               : MPT_OK;
 }
 
 /* What fit and evaluate read has targets. */
@@ -11804,7 +12266,7 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n);
     if (!order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     mpt__epoch_order(m, 0, 0, order, n);
-    s = mpt__loader_create(m->ctx, d, batch_size, m->layers[0].dtype, &loader);
+    s = mpt__loader_create(m->ctx, d, batch_size, mpt__input_batch_dtype(m), &loader);
     if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     if (s == MPT_OK) s = mpt__state_reset_evaluation(m);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
@@ -11965,7 +12427,7 @@ static mpt_status mpt__fit_open_batches(mpt__fit_run *r) {
     mpt_model *m = r->m;
     int workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
     mpt_status s = mpt__loader_create(m->ctx, r->train, r->d->batch_size / workers,
-                                      m->layers[0].dtype, &r->loader);
+                                      mpt__input_batch_dtype(m), &r->loader);
     if (s == MPT_OK) s = mpt__feed_open(m, &r->feed);
     if (s == MPT_OK && r->feed.on && !m->strategy)
         s = mpt__plan_gemms(m, MPT__MIN(r->d->batch_size, r->n));
@@ -12610,7 +13072,7 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     }
     mpt__epoch_order(m, 0, 0, order, n);
-    s = mpt__loader_create(m->ctx, data, batch_size, m->layers[0].dtype, &loader);
+    s = mpt__loader_create(m->ctx, data, batch_size, mpt__input_batch_dtype(m), &loader);
     if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         int64_t b = x.shape[0];
@@ -14136,6 +14598,7 @@ typedef struct mpt__npy {
     int64_t shape[MPT__NPY_MAX_DIMS];
     int64_t count;        /* elements                                            */
     int64_t data_bytes;   /* count · size                                        */
+    int ids;              /* x read as token ids (x_ids): named so in messages   */
 } mpt__npy;
 
 /* A header that is not the dict literal NumPy writes: where, and why. */
@@ -14434,8 +14897,8 @@ static mpt_status mpt__npy_convert(const mpt__npy *a, const unsigned char *raw, 
             ((float *)out)[first + i] = (float)v;
         } else if (v < 0 || v > INT32_MAX) {
             return mpt__fail(a->src.ctx, MPT_ERR_INVALID_ARGUMENT, "%s: element %lld is %lld, "
-                             "not a class id (0..2147483647)", a->src.name,
-                             (long long)(first + i), (long long)v);
+                             "not a %s id (0..2147483647)", a->src.name,
+                             (long long)(first + i), (long long)v, a->ids ? "token" : "class");
         } else {
             ((int32_t *)out)[first + i] = (int32_t)v;
         }
@@ -14503,7 +14966,11 @@ static mpt_status mpt__load_npy(mpt_context *ctx, mpt__npy *x, mpt__npy *y, cons
         return mpt__fail(ctx, MPT_ERR_SHAPE, "load_npy: x %s holds %lld samples but y %s holds "
                          "%lld", x->src.name, (long long)x->shape[0], y->src.name,
                          (long long)y->shape[0]);
-    xd = mpt__npy_dtype(x, 0);
+    if (desc && desc->x_ids && x->kind == 'f')
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "load_npy: x %s holds floats, not token ids "
+                         "(x_ids)", x->src.name);
+    x->ids = desc && desc->x_ids;
+    xd = x->ids ? MPT_INT32 : mpt__npy_dtype(x, 0);
     yd = mpt__npy_dtype(y, 1);
     MPT__CHECK(mpt__npy_read_data(x, xd, &xb));
     st = mpt__npy_read_data(y, yd, &yb);
@@ -19651,7 +20118,7 @@ static mpt_status mpt__json_int64s(mpt__json *j, int index, int n, int64_t lo, i
    its table's check, so a file gets exactly the checks a program does. */
 
 static const char *const mpt__initializer_names[MPT_INIT_COUNT_] = {
-    "default", "glorot_uniform", "he_normal", "zeros", "ones"};
+    "default", "glorot_uniform", "he_normal", "zeros", "ones", "random_uniform", "gpt2_normal"};
 
 /* Every layer table a file may name. A new layer's table goes here too. */
 static const mpt__layer_ops *const mpt__file_layers[] = {
@@ -19659,7 +20126,8 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__conv2d_ops,      &mpt__max_pool_ops,       &mpt__avg_pool_ops,
     &mpt__global_pool_ops, &mpt__zero_padding2d_ops, &mpt__bn_ops,
     &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
-    &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops};
+    &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops,
+    &mpt__embedding_ops,   &mpt__position_embedding_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
 static const mpt__field mpt__compile_fields[] = {
@@ -19800,7 +20268,10 @@ static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
         snprintf(num, sizeof num, "%s%lld", i ? "," : "", (long long)m->desc.input_shape[i]);
         mpt__ckpt_puts(t, num);
     }
-    snprintf(num, sizeof num, "],\"policy\":\"%s\",\"seed\":%llu,\"memory_limit\":%lld,"
+    mpt__ckpt_puts(t, "]");
+    /* a model of numbers keeps the files it always had */
+    if (m->desc.input_dtype == MPT_INT32) mpt__ckpt_puts(t, ",\"input_dtype\":\"int32\"");
+    snprintf(num, sizeof num, ",\"policy\":\"%s\",\"seed\":%llu,\"memory_limit\":%lld,"
              "\"max_batch\":%lld,\"layers\":[", mpt_policy_name(m->desc.policy),
              (unsigned long long)m->desc.seed, (long long)m->desc.memory_limit,
              (long long)m->max_batch);
@@ -20040,6 +20511,14 @@ static mpt_status mpt__load_model_desc(mpt__json *j, mpt_model_desc *md, int64_t
     for (k = 0, e = j->v[shape].first; e >= 0; k++, e = j->v[e].next)
         MPT__CHECK(mpt__json_int64(j, e, 1, MPT__MAX_SAMPLE_ELEMENTS, &md->input_shape[k],
                                    "an input size"));
+    if ((e = mpt__json_get(j, 0, "input_dtype")) >= 0) { /* absent: numbers */
+        const char *dtype = mpt__json_str(j, e, "\"input_dtype\"", &s);
+        if (!dtype) return s;
+        if (strcmp(dtype, "int32") != 0)
+            return mpt__json_bad(j, j->v[e].at, "\"input_dtype\" is \"%s\", not \"int32\"",
+                                 dtype);
+        md->input_dtype = MPT_INT32;
+    }
     policy = mpt__json_str(j, mpt__json_get(j, 0, "policy"), "\"policy\"", &s);
     if (!policy) return s;
     for (k = MPT_POLICY_FLOAT32; k <= MPT_POLICY_MIXED_BFLOAT16; k++)
@@ -20055,8 +20534,10 @@ static mpt_status mpt__load_model_desc(mpt__json *j, mpt_model_desc *md, int64_t
 
 /* The whole model from the architecture JSON, built; not yet loaded. */
 static mpt_status mpt__model_from_json(mpt__json *j, mpt_context *ctx, mpt_model **out) {
-    static const char *const known[] = {"format", "version", "input_shape", "policy", "seed",
-                                        "memory_limit", "max_batch", "layers", "compile"};
+    static const char *const known[] = {"format",       "version",   "input_shape",
+                                        "policy",       "seed",      "memory_limit",
+                                        "max_batch",    "layers",    "compile",
+                                        "input_dtype"};
     mpt_model_desc md;
     mpt_model *m = NULL;
     int64_t max_batch = 0;
@@ -31203,6 +31684,7 @@ static uint64_t mpt__model_signature(const mpt_model *m) {
     int i, k;
     const char *c;
     for (i = 0; i < m->desc.input_rank; i++) MPT__MIX(m->desc.input_shape[i]);
+    MPT__MIX(m->desc.input_dtype);
     MPT__MIX(m->desc.policy);
     MPT__MIX(m->desc.seed);
     MPT__MIX(m->max_batch);
@@ -32059,6 +32541,8 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->scale = mpt__cpu_scale;
     t->qgemm = mpt__cpu_qgemm;
     /* no collectives (comm_*, allreduce_sum): the replicas share memory */
+    t->gather_rows = mpt__cpu_gather_rows;
+    t->scatter_add_rows = mpt__cpu_scatter_add_rows;
 }
 
 static mpt_backend mpt__cpu_table;

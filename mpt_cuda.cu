@@ -5092,6 +5092,74 @@ static void mpt__cuda_copy_rows(void *impl, void *dst, int64_t dst_pitch, int64_
                                         width, rows, planes);
 }
 
+/* mpt_backend.gather_rows: one thread an element of y, moved as its bits
+   (U the element's size); an id outside the table gives zeros, as the
+   CPU's, and nothing outside the table is read. */
+template <typename U>
+static __global__ void mpt__cuda_gather_rows_kernel(U *y, const U *table, int64_t rows,
+                                                    int64_t width, const int32_t *ids,
+                                                    int64_t total) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t id = ids[i / width];
+        y[i] = id >= 0 && id < rows ? table[id * width + i % width] : (U)0;
+    }
+}
+
+static void mpt__cuda_gather_rows(void *impl, mpt_dtype dtype, void *y, const void *table,
+                                  int64_t rows, int64_t width, const int32_t *ids, int64_t n) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const int64_t total = n * width;
+    if (total <= 0) return;
+    if (mpt_dtype_size(dtype) == 4)
+        mpt__cuda_gather_rows_kernel<uint32_t><<<mpt__cuda_blocks(total, 256), 256, 0, c->stream>>>(
+            (uint32_t *)y, (const uint32_t *)table, rows, width, ids, total);
+    else
+        mpt__cuda_gather_rows_kernel<uint16_t><<<mpt__cuda_blocks(total, 256), 256, 0, c->stream>>>(
+            (uint16_t *)y, (const uint16_t *)table, rows, width, ids, total);
+    mpt__cuda_launched(c, "gather_rows");
+}
+
+/* mpt_backend.scatter_add_rows: a thread owns one column of a range of
+   table rows (blockIdx.y the range): it zeroes it, then adds the column
+   of every dy row whose id falls in the range, in the order of the ids.
+   So each sum is the CPU's, in its order and bits, with no atomics. */
+template <typename T>
+static __global__ void mpt__cuda_scatter_add_rows_kernel(float *dtable, int64_t rows,
+                                                         int64_t width, const T *dy,
+                                                         const int32_t *ids, int64_t n,
+                                                         int64_t per_range) {
+    const int64_t col = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t r0 = (int64_t)blockIdx.y * per_range;
+    const int64_t r1 = r0 + per_range < rows ? r0 + per_range : rows;
+    if (col >= width) return;
+    for (int64_t r = r0; r < r1; r++) dtable[r * width + col] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        if (id < r0 || id >= r1) continue;
+        float *d = dtable + id * width + col;
+        *d = __fadd_rn(*d, mpt__cuda_layers_widen(dy[i * width + col]));
+    }
+}
+
+/* Ranges of table rows, at most: each range's threads scan every id. */
+#define MPT__CUDA_SCATTER_RANGES 256
+
+static void mpt__cuda_scatter_add_rows(void *impl, mpt_dtype dtype, float *dtable, int64_t rows,
+                                       int64_t width, const void *dy, const int32_t *ids,
+                                       int64_t n) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (rows <= 0 || width <= 0) return;
+    const int64_t per = (rows + MPT__CUDA_SCATTER_RANGES - 1) / MPT__CUDA_SCATTER_RANGES;
+    const dim3 grid((unsigned)((width + 127) / 128), (unsigned)((rows + per - 1) / per));
+    mpt__cuda_layers_dispatch(dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        mpt__cuda_scatter_add_rows_kernel<T>
+            <<<grid, 128, 0, c->stream>>>(dtable, rows, width, (const T *)dy, ids, n, per);
+    });
+    mpt__cuda_launched(c, "scatter_add_rows");
+}
+
 static void mpt__cuda_zero(void *impl, void *dst, size_t bytes) {
     mpt__cuda *c = (mpt__cuda *)impl;
     if (bytes == 0) return;
@@ -5783,6 +5851,8 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.timer_mark = MPT__CUDA_ENTRY(mpt__cuda_timer_mark);
     t.timer_read = MPT__CUDA_ENTRY(mpt__cuda_timer_read);
     t.timer_free = MPT__CUDA_ENTRY(mpt__cuda_timer_free);
+    t.gather_rows = MPT__CUDA_ENTRY(mpt__cuda_gather_rows);
+    t.scatter_add_rows = MPT__CUDA_ENTRY(mpt__cuda_scatter_add_rows);
     return t;
 }
 

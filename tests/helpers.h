@@ -225,6 +225,7 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     REQUIRED(update); REQUIRED(loss_scale_update); REQUIRED(add); REQUIRED(scale);
     REQUIRED(elementwise); REQUIRED(copy_rows);
     REQUIRED(qgemm);
+    REQUIRED(gather_rows); REQUIRED(scatter_add_rows);
 #undef REQUIRED
     named++; /* gemm_plan: optional */
     named++; /* conv_direct: optional */

@@ -1278,6 +1278,70 @@ static void test_copy_rows(void) {
         }
 }
 
+/* ---- Embedding's rows of a table ---------------------------------------------------------- */
+
+/* n ids in [0, rows) with repeats, and ids outside the table (−1, rows,
+   INT32_MAX, INT32_MIN) among them. */
+static int32_t *random_ids(int64_t n, int64_t rows) {
+    static const int32_t bad[4] = {-1, 0, INT32_MAX, INT32_MIN};
+    int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+    int64_t i;
+    for (i = 0; i < n; i++)
+        ids[i] = i % 17 == 5 ? (bad[i % 4] == 0 ? (int32_t)rows : bad[i % 4])
+                             : (int32_t)(test_next() % (unsigned long long)rows);
+    return ids;
+}
+
+/* gather_rows and scatter_add_rows, each dtype, tables of 1 to 300 rows
+   of odd widths, repeated and bad ids: the GPU's bits are the CPU's
+   (gather moves bits; each gradient row adds its dy rows in the ids'
+   order in float32 on both). */
+static void test_gather_scatter_rows(void) {
+    static const int64_t shapes[4][3] = {{1, 1, 5}, {7, 3, 40}, {300, 33, 1000}, {64, 768, 257}};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int di, si;
+    for (di = 0; di < 3; di++)
+        for (si = 0; si < 4; si++) {
+            mpt_dtype dt = float_dtypes[di];
+            int64_t rows = shapes[si][0], width = shapes[si][1], n = shapes[si][2];
+            void *table = random_values(dt, rows * width, -2, 2);
+            void *dy = random_values(dt, n * width, -1, 1);
+            int32_t *ids = random_ids(n, rows);
+            void *y[2], *dt_out[2];
+            int w;
+            for (w = 0; w < 2; w++) {
+                backend *be = w ? gpu : &cpu_be;
+                const void *td = be_upload(be, table, nbytes(dt, rows * width));
+                const void *dyd = be_upload(be, dy, nbytes(dt, n * width));
+                const int32_t *idd =
+                    (const int32_t *)be_upload(be, ids, sizeof(int32_t) * (size_t)n);
+                void *yd = be_poisoned(be, nbytes(dt, n * width));
+                float *gd = (float *)be_poisoned(be, sizeof(float) * (size_t)(rows * width));
+                be->t->gather_rows(be->impl, dt, yd, td, rows, width, idd, n);
+                be->t->scatter_add_rows(be->impl, dt, gd, rows, width, dyd, idd, n);
+                y[w] = be_fetch(be, yd, nbytes(dt, n * width), "gather_rows");
+                dt_out[w] = be_fetch(be, gd, sizeof(float) * (size_t)(rows * width),
+                                     "scatter_add_rows");
+                be_release(be);
+            }
+            CHECK(memcmp(y[0], y[1], nbytes(dt, n * width)) == 0,
+                  "gather_rows %s (%lld, %lld) n %lld: element %lld differs (exact)",
+                  mpt_dtype_name(dt), (long long)rows, (long long)width, (long long)n,
+                  (long long)first_difference(y[1], y[0], n * width, mpt_dtype_size(dt)));
+            CHECK(memcmp(dt_out[0], dt_out[1], sizeof(float) * (size_t)(rows * width)) == 0,
+                  "scatter_add_rows %s (%lld, %lld) n %lld: element %lld differs (exact)",
+                  mpt_dtype_name(dt), (long long)rows, (long long)width, (long long)n,
+                  (long long)first_difference(dt_out[1], dt_out[0], rows * width, 4));
+            for (w = 0; w < 2; w++) {
+                free(y[w]);
+                free(dt_out[w]);
+            }
+            free(table);
+            free(dy);
+            free(ids);
+        }
+}
+
 /* ---- losses ------------------------------------------------------------------------------- */
 
 static const char *loss_name(mpt_loss_type type) {
@@ -2531,6 +2595,131 @@ static void test_model_graphs_and_determinism(void) { check_gpu_determinism(0, "
 /* A model graph on the GPU (fan-out, Add, Concatenate), as a chain. */
 static void test_model_graph_on_the_gpu(void) { check_gpu_determinism(1, "graph_model"); }
 
+/* ---- a model of token ids on the GPU --------------------------------------------------- */
+
+enum { IDS_V = 10, IDS_T = 6, IDS_N = 512 };
+
+/* Samples of 4 distinct ids repeated (a b c d a b); the next id is c. */
+static void ids_pattern(int32_t *x, int32_t *y, int n) {
+    int i, t, k, j;
+    for (i = 0; i < n; i++) {
+        int32_t sym[4];
+        for (k = 0; k < 4; k++)
+            do {
+                sym[k] = test_randint(0, IDS_V - 1);
+                for (j = 0; j < k && sym[j] != sym[k]; j++) continue;
+            } while (j < k);
+        for (t = 0; t < IDS_T; t++) x[i * IDS_T + t] = sym[t % 4];
+        y[i] = sym[IDS_T % 4];
+    }
+}
+
+/* Embedding → PositionEmbedding + Add → Flatten → Dense(softmax) fit on
+   x, y under mixed_float16 (CUDA graphs as `graphs` says); its weights
+   into path; the final accuracy (NaN when fit fails, with the status in
+   *status and the message in why). */
+static double train_ids(const char *graphs, int32_t *x, int32_t *y, const char *path,
+                        mpt_status *status, char *why, size_t why_size) {
+    mpt_context *c = NULL;
+    mpt_context_desc cd;
+    mpt_model_desc md;
+    mpt_embedding_desc ed;
+    mpt_position_embedding_desc pd;
+    mpt_dense_desc dd;
+    mpt_compile_desc comp;
+    mpt_fit_desc fd;
+    mpt_dataset_desc ds;
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_node tok, both[2];
+    int64_t xs[2] = {IDS_N, IDS_T}, ys[1] = {IDS_N};
+    double acc = NAN;
+    if (graphs) setenv("MPT_CUDA_GRAPHS", graphs, 1);
+    else unsetenv("MPT_CUDA_GRAPHS");
+    memset(&cd, 0, sizeof cd);
+    cd.logger.fn = quiet_logger;
+    *status = mpt_context_create(&cd, &c);
+    if (*status != MPT_OK) return NAN;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = IDS_T;
+    md.input_rank = 1;
+    md.input_dtype = MPT_INT32;
+    md.policy = MPT_POLICY_MIXED_FLOAT16;
+    md.seed = 11;
+    memset(&ed, 0, sizeof ed);
+    ed.input_dim = IDS_V;
+    ed.output_dim = 16;
+    memset(&pd, 0, sizeof pd);
+    pd.sequence_length = 8;
+    memset(&dd, 0, sizeof dd);
+    dd.units = IDS_V;
+    dd.activation = MPT_ACT_SOFTMAX;
+    memset(&comp, 0, sizeof comp);
+    comp.optimizer.type = MPT_OPTIMIZER_ADAM;
+    comp.optimizer.learning_rate = 1e-2f;
+    comp.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    comp.metrics = MPT_METRIC_ACCURACY;
+    memset(&fd, 0, sizeof fd);
+    fd.epochs = 15;
+    fd.batch_size = 32;
+    mpt_tensor_wrap(c, &tx, MPT_INT32, 2, xs, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, ys, y);
+    memset(&ds, 0, sizeof ds);
+    ds.x = &tx;
+    ds.y = &ty;
+    *status = mpt_model_create(c, &md, &m);
+    if (*status == MPT_OK) {
+        tok = mpt_embedding(m, mpt_model_input(m), &ed);
+        both[0] = tok;
+        both[1] = mpt_position_embedding(m, tok, &pd);
+        mpt_dense(m, mpt_flatten(m, mpt_add(m, 2, both, NULL), NULL), &dd);
+        *status = mpt_model_compile(m, &comp);
+    }
+    if (*status == MPT_OK) *status = mpt_dataset_create(c, &ds, &d);
+    if (*status == MPT_OK) *status = mpt_model_fit(m, d, &fd);
+    if (*status == MPT_OK) acc = history_value(m, "accuracy", -1);
+    if (*status == MPT_OK && path) *status = mpt_model_save_weights(m, path);
+    snprintf(why, why_size, "%s (%s)", mpt_context_error(c), mpt_context_backend(c, NULL)->name);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(c);
+    unsetenv("MPT_CUDA_GRAPHS");
+    return acc;
+}
+
+/* The ids model on the GPU learns the pattern; CUDA graphs on and off and
+   two runs give the same weights; an id past the table is refused by fit
+   with the layer and the id. */
+static void test_model_of_ids_on_the_gpu(void) {
+    static int32_t x[IDS_N * IDS_T], y[IDS_N];
+    char off[512], on[512], again[512], why[1024];
+    mpt_status st;
+    double acc_off, acc_on;
+    ids_pattern(x, y, IDS_N);
+    temp_path(off, sizeof off, "ids_off");
+    temp_path(on, sizeof on, "ids_on");
+    temp_path(again, sizeof again, "ids_on_again");
+    acc_off = train_ids("0", x, y, off, &st, why, sizeof why);
+    CHECK(st == MPT_OK, "fit without graphs: %s", why);
+    acc_on = train_ids(NULL, x, y, on, &st, why, sizeof why);
+    CHECK(st == MPT_OK && strstr(why, "(cuda)"), "fit with graphs: %s", why);
+    train_ids(NULL, x, y, again, &st, why, sizeof why);
+    CHECK(acc_on >= 0.9, "the pattern is not learnt: accuracy %g", acc_on);
+    CHECK(acc_on == acc_off, "accuracy with CUDA graphs %.9g, without %.9g", acc_on, acc_off);
+    CHECK(same_file(off, on), "weights with CUDA graphs differ from those without");
+    CHECK(same_file(on, again), "two runs on the GPU gave different weights");
+    x[3 * IDS_T + 1] = IDS_V;
+    train_ids(NULL, x, y, NULL, &st, why, sizeof why);
+    CHECK(st == MPT_ERR_INVALID_ARGUMENT && strstr(why, "Embedding 'embedding' got id 10"),
+          "a bad id: status %d, %s", (int)st, why);
+    if (!test__current_failed) {
+        remove(off);
+        remove(on);
+        remove(again);
+    }
+}
+
 /* Occurrences of `needle` in the file `path`'s first MiB; -1 if unreadable. */
 static long count_in_file(const char *path, const char *needle) {
     static char text[1 << 20];
@@ -3692,6 +3881,8 @@ static void run_layer_tests(void) {
     test__run("elementwise: every op, each dtype, in place and unaligned (exact)",
               test_elementwise);
     test__run("copy_rows: planes of rows, every alignment (exact)", test_copy_rows);
+    test__run("gather_rows, scatter_add_rows: each dtype, repeated and bad ids (exact)",
+              test_gather_scatter_rows);
     test__run("loss: every type, logits and probabilities, with metrics", test_loss);
     test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);
     test__run("grad_stats + update over 111 odd-sized tensors, packed unaligned, in tables",
@@ -3790,6 +3981,8 @@ int main(int argc, char **argv) {
                   test_model_graphs_and_determinism);
         test__run("model: a graph (fan-out, Add, Concatenate) learns, CUDA graphs on and off "
                   "and two runs identical", test_model_graph_on_the_gpu);
+        test__run("model: token ids (Embedding, PositionEmbedding) learn; CUDA graphs on and off "
+                  "and two runs identical; a bad id refused", test_model_of_ids_on_the_gpu);
         test__run("model: profiled steps (CUDA events) end where unprofiled ones do, bit for bit",
                   test_model_profiled);
         test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "

@@ -25,6 +25,7 @@ static unsigned char *read_all(const char *path, long *n) {
     fseek(f, 0, SEEK_SET);
     b = (unsigned char *)malloc((size_t)*n + 1);
     if (fread(b, 1, (size_t)*n, f) != (size_t)*n) *n = -1;
+    if (*n >= 0) b[*n] = 0; /* a text's end, for strstr */
     fclose(f);
     return b;
 }
@@ -228,6 +229,87 @@ done:
     mpt_model_destroy(m);
 }
 
+/* ---- a model of token ids: Embedding and PositionEmbedding ------------------------- */
+
+/* Every field of the two layers and the input's dtype come back (the
+   re-saved file is the same file), the outputs bit for bit; a file
+   whose input_dtype is not int32 is refused, naming the byte. */
+static void test_ids_layers_round_trip(void) {
+    static int32_t ids[5 * 4];
+    static float out_a[5 * 3], out_b[5 * 3];
+    char path[600], again[600], bad[600];
+    mpt_model *m = NULL, *loaded = NULL;
+    mpt_node x, two[2];
+    mpt_tensor t, y;
+    int64_t shape[2] = {5, 4};
+    long n = 0;
+    unsigned char *text;
+    int i;
+    mpt_model_create(ctx,
+                     &(mpt_model_desc){.input_shape = {4},
+                                       .input_rank = 1,
+                                       .input_dtype = MPT_INT32,
+                                       .policy = MPT_POLICY_MIXED_FLOAT16,
+                                       .seed = 9},
+                     &m);
+    x = mpt_model_input(m);
+    two[0] = mpt_embedding(m, x,
+                           &(mpt_embedding_desc){.input_dim = 11,
+                                                 .output_dim = 6,
+                                                 .embeddings_initializer = MPT_INIT_GPT2_NORMAL,
+                                                 .name = "tokens",
+                                                 .dtype = MPT_FLOAT32});
+    two[1] = mpt_position_embedding(
+        m, two[0],
+        &(mpt_position_embedding_desc){.sequence_length = 9,
+                                       .initializer = MPT_INIT_RANDOM_UNIFORM});
+    mpt_dense(m, mpt_flatten(m, mpt_add(m, 2, two, NULL), NULL), &(mpt_dense_desc){.units = 3});
+    CHECK(mpt_model_build(m, 5) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    path_in(path, sizeof path, "ids.safetensors");
+    path_in(again, sizeof again, "ids_again.safetensors");
+    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load(ctx, path, &loaded) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (!loaded) goto done;
+    CHECK(mpt_model_save(loaded, again) == MPT_OK, "save again: %s", mpt_context_error(ctx));
+    CHECK(same_files(path, again), "%s and %s differ", path, again);
+    for (i = 0; i < 5 * 4; i++) ids[i] = test_randint(0, 10);
+    mpt_tensor_wrap(ctx, &t, MPT_INT32, 2, shape, ids);
+    CHECK(mpt_model_forward(m, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
+    mpt_convert(ctx, MPT_FLOAT32, out_a, y.dtype, y.data, 15);
+    CHECK(mpt_model_forward(loaded, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
+    mpt_convert(ctx, MPT_FLOAT32, out_b, y.dtype, y.data, 15);
+    CHECK(memcmp(out_a, out_b, sizeof out_a) == 0, "the loaded model predicts other bits");
+    CHECK(!strcmp(mpt_model_layer_name(loaded, 0), "tokens") &&
+              mpt_model_layer_dtype(loaded, 0) == MPT_FLOAT32,
+          "names or dtypes changed: %s %s", mpt_model_layer_name(loaded, 0),
+          mpt_dtype_name(mpt_model_layer_dtype(loaded, 0)));
+    /* the same file with "input_dtype":"float16" */
+    text = read_all(path, &n);
+    if (text && n > 0) {
+        /* the architecture is a string in the header, after the header's
+           length (8 bytes, zeros among them), its quotes escaped */
+        char *at = n > 8 ? strstr((char *)text + 8, "input_dtype") : NULL;
+        FILE *f;
+        at = at ? strstr(at, "int32") : NULL;
+        CHECK(at != NULL, "the file does not say its input is int32");
+        if (at) memcpy(at, "float", 5);
+        path_in(bad, sizeof bad, "ids_float.safetensors");
+        f = fopen(bad, "wb");
+        if (f) {
+            fwrite(text, 1, (size_t)n, f);
+            fclose(f);
+        }
+        mpt_model_destroy(loaded);
+        loaded = NULL;
+        test_expect_error(ctx, mpt_model_load(ctx, bad, &loaded), MPT_ERR_FORMAT,
+                          "\"input_dtype\" is \"float\", not \"int32\"", "load float input_dtype");
+    }
+    free(text);
+done:
+    mpt_model_destroy(loaded);
+    mpt_model_destroy(m);
+}
+
 /* A Sequential stack, never compiled: its weights come back, and a file
    of weights alone (save_weights) is refused with a way out. */
 static void test_uncompiled_and_weights_only(void) {
@@ -387,6 +469,7 @@ static void cases(void) {
     make_blobs();
     TEST_RUN(test_trained_graph_round_trip);
     TEST_RUN(test_every_layer_round_trip);
+    TEST_RUN(test_ids_layers_round_trip);
     TEST_RUN(test_uncompiled_and_weights_only);
     TEST_RUN(test_hostile_architectures);
 }

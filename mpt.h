@@ -985,6 +985,30 @@ typedef struct mpt_zero_padding2d_desc {
 MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *desc);
 MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *desc);
 
+/* LayerNormalization: each vector along the last axis (of a (B, D) or
+   (B, T, D) or any (B, ..., D) batch) normalised on its own, then scaled
+   and shifted: y = gamma · (x − mean) / sqrt(var + epsilon) + beta, with
+   the vector's mean and biased variance; gamma and beta (D). Under a
+   mixed policy x is read in the compute dtype and widened, the statistics
+   and the arithmetic are float32 and y is rounded to the compute dtype;
+   gamma and beta are float32, as in Keras 3. Only Keras' axis=-1. */
+typedef struct mpt_layer_normalization_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    float epsilon;                     /* default (0) 1e-3, as Keras; must be
+                                          > 0 and finite                    */
+    int no_center;                     /* default 0: beta is used (Keras'
+                                          center=True)                      */
+    int no_scale;                      /* default 0: gamma is used (Keras'
+                                          scale=True)                       */
+    mpt_initializer gamma_initializer; /* default ones                      */
+    mpt_initializer beta_initializer;  /* default zeros                     */
+} mpt_layer_normalization_desc;
+
+MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
+                                                    const mpt_layer_normalization_desc *desc);
+MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
+                                        const mpt_layer_normalization_desc *desc);
+
 /* Checks every layer's shapes, plans and allocates every buffer for batches
    of up to max_batch samples, and initialises the weights. After this, a
    forward or backward pass allocates nothing. */
@@ -2347,6 +2371,29 @@ typedef struct mpt_batchnorm_args {
     int64_t total_rows;
 } mpt_batchnorm_args;
 
+/* LayerNormalization over rows of D values (rows = batch · positions, D
+   the last axis), each row on its own. forward: the row's mean and biased
+   variance (sums in double), inv_std = 1 / sqrt(var + eps), both kept per
+   row in mean and inv_std, then y = x̂ · gamma + beta with x̂ = (x − mean)
+   · inv_std. backward, from those: with ĝ = dy · gamma,
+       dx = inv_std · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂))   (means over the row)
+   and dgamma = Σ dy · x̂, dbeta = Σ dy over all rows, summed in an order
+   that depends on rows alone. The per-element steps are @backend-shared's
+   mpt__ln_*, float32 rounded at every step; x, y, dy, dx in dtype. */
+typedef struct mpt_layernorm_args {
+    mpt_dtype dtype;
+    int64_t rows, cols;         /* cols: D                                    */
+    float epsilon;
+    const void *x;              /* (rows, D)                                  */
+    void *y;                    /* forward: (rows, D)                         */
+    const void *dy;             /* backward: (rows, D)                        */
+    void *dx;                   /* backward: (rows, D); NULL: not wanted      */
+    const float *gamma, *beta;  /* (D) each; NULL: 1 and 0                    */
+    float *dgamma, *dbeta;      /* backward: (D) each, overwritten; NULL: none */
+    float *mean, *inv_std;      /* (rows) each: forward writes, backward reads */
+    void *workspace;            /* layernorm_workspace bytes                  */
+} mpt_layernorm_args;
+
 /* The numbers a training step reads and writes in the backend's memory.
    The host reads them back (download) only to print or decide between
    epochs, and writes learning_rate or loss_scale when a callback or a
@@ -2580,6 +2627,12 @@ typedef struct mpt_backend {
     void (*timer_mark)(void *impl, void *timer, int index);
     mpt_status (*timer_read)(void *impl, void *timer, int count, double *seconds);
     void (*timer_free)(void *impl, void *timer);
+
+    /* -- LayerNormalization (mpt_layernorm_args); the workspace bytes for
+       `rows` rows of `cols` at most, non-decreasing in rows; -1 on overflow */
+    void (*layernorm_forward)(void *impl, const mpt_layernorm_args *a);
+    void (*layernorm_backward)(void *impl, const mpt_layernorm_args *a);
+    int64_t (*layernorm_workspace)(void *impl, mpt_dtype dtype, int64_t rows, int64_t cols);
 } mpt_backend;
 
 #define MPT_COMM_ID_BYTES 128
@@ -3050,12 +3103,40 @@ static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g)
     return mpt__dmul_rn((double)d, (double)d);
 }
 
-/* ---- BatchNormalization -----------------------------------------------------
-   1 / sqrt(var + eps) of a channel, in double and rounded to float once:
-   @impl-batchnorm (forward, backward, and the folds of quantization and
-   export) and mpt_cuda.cu's mpt__cuda_bn_scale_kernel. */
+/* ---- BatchNormalization, LayerNormalization ----------------------------------
+   1 / sqrt(var + eps) of a channel or a row, in double and rounded to float
+   once: @impl-batchnorm (forward, backward, and the folds of quantization
+   and export), @impl-layernorm, mpt_cuda.cu's mpt__cuda_bn_scale_kernel and
+   its LayerNormalization kernels. */
 static inline MPT__HD float mpt__bn_inv_std(double var, float epsilon) {
     return (float)(1.0 / sqrt(var + (double)epsilon));
+}
+
+/* LayerNormalization's steps, each float32 rounded as written, so that the
+   CPU (@impl-layernorm) and mpt_cuda.cu give the same bits from the same
+   row statistics. A row's mean is Σ x / D in double, rounded to float; its
+   inv_std mpt__bn_inv_std(Σ (x − mean)² / D), the deviations from that
+   float mean, in double. */
+static inline MPT__HD float mpt__ln_row_mean(double sum, int64_t cols) {
+    return (float)(sum / (double)cols);
+}
+static inline MPT__HD float mpt__ln_row_inv_std(double sum_sq_dev, int64_t cols, float epsilon) {
+    return mpt__bn_inv_std(sum_sq_dev / (double)cols, epsilon);
+}
+/* x̂ = (x − mean) · inv_std */
+static inline MPT__HD float mpt__ln_xhat(float x, float mean, float inv_std) {
+    return mpt__fmul_rn(mpt__fsub_rn(x, mean), inv_std);
+}
+/* y = x̂ · gamma + beta (1 and 0 without them) */
+static inline MPT__HD float mpt__ln_output(float xhat, float gamma, float beta) {
+    return mpt__fadd_rn(mpt__fmul_rn(xhat, gamma), beta);
+}
+/* dx = inv_std · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)), ĝ = dy · gamma; the two
+   means are the row's sums in double divided by D, rounded to float. */
+static inline MPT__HD float mpt__ln_dx(float ghat, float xhat, float mean_g, float mean_gx,
+                                       float inv_std) {
+    return mpt__fmul_rn(inv_std,
+                        mpt__fsub_rn(mpt__fsub_rn(ghat, mean_g), mpt__fmul_rn(xhat, mean_gx)));
 }
 
 /* ---- the int8 GEMM's requantization ----------------------------------------
@@ -4078,6 +4159,7 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_AVERAGE,
     MPT__LAYER_CONCATENATE,
     MPT__LAYER_ZERO_PADDING2D,
+    MPT__LAYER_LAYER_NORMALIZATION,
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4237,6 +4319,7 @@ union mpt__layer_desc {
     mpt_merge_desc merge;
     mpt_concatenate_desc concatenate;
     mpt_zero_padding2d_desc zero_padding2d;
+    mpt_layer_normalization_desc layer_normalization;
 };
 
 struct mpt__layer {
@@ -7648,6 +7731,274 @@ static const mpt__layer_ops mpt__concatenate_ops = {
 MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
                                 const mpt_concatenate_desc *d) {
     return mpt__call_layer(m, &mpt__concatenate_ops, n, inputs, d);
+}
+
+/* =============================================================================
+   @impl-layernorm  LayerNormalization: each vector along the last axis
+   normalised on its own                    x, y: (B, ..., D)   parameters: (D)
+   =============================================================================
+
+   As Keras 3 (ops.layer_normalization): the statistics and the arithmetic
+   are float32 whatever the layer's dtype, x is read in that dtype and
+   widened, and only y is rounded back to it; gamma and beta are float32.
+   The batch is seen as rows of D (B · positions of them), each row
+   normalised with its own mean and biased variance; unlike
+   BatchNormalization nothing depends on the other rows, so inference
+   normalises exactly as training does and there is no moving state.
+
+   A row's statistics take two passes over it: the mean, then the squared
+   deviations from it, summed in double. One pass of Σ x² − D · mean² would
+   cancel away a small variance under a large mean (x = 1000 + noise in
+   float16), and float16 itself could not hold Σ x². Forward keeps each
+   row's mean and inv_std (float32) for backward, which recomputes x̂.
+
+   The rows go to tasks in chunks of whole rows, about MPT__LN_CHUNK
+   elements each, a number that depends only on D. Each row is one task's
+   alone; dgamma and dbeta, sums over every row, are summed per chunk
+   (part) and the chunks added in order, so every result is the same
+   whatever the thread count. The per-element steps are @backend-shared's
+   mpt__ln_*, which mpt_cuda.cu runs too. */
+
+#define MPT__LN_CHUNK ((int64_t)1 << 14) /* elements one task takes (whole rows) */
+
+static int64_t mpt__ln_chunk_rows(int64_t cols) { return MPT__MAX(1, MPT__LN_CHUNK / cols); }
+
+/* One pass of the CPU's LayerNormalization over the rows, chunk by chunk. */
+typedef struct mpt__ln_job {
+    const mpt_layernorm_args *a;
+    int64_t chunk_rows;
+    double *part; /* backward: (n_chunks, 2, D) each chunk's Σ dy and Σ dy · x̂ */
+} mpt__ln_job;
+
+/* Row r's mean and inv_std into a->mean[r] and a->inv_std[r], then its y. */
+static void mpt__ln_forward_row(const mpt_layernorm_args *a, int64_t r) {
+    const int64_t D = a->cols, at = r * D;
+    double sum = 0, sq = 0;
+    float mean, inv_std;
+    int64_t c;
+    for (c = 0; c < D; c++) sum += mpt__load_f32(a->dtype, a->x, at + c);
+    mean = mpt__ln_row_mean(sum, D);
+    for (c = 0; c < D; c++) {
+        double d = (double)mpt__load_f32(a->dtype, a->x, at + c) - (double)mean;
+        sq += d * d;
+    }
+    inv_std = mpt__ln_row_inv_std(sq, D, a->epsilon);
+    a->mean[r] = mean;
+    a->inv_std[r] = inv_std;
+    for (c = 0; c < D; c++) {
+        float xhat = mpt__ln_xhat(mpt__load_f32(a->dtype, a->x, at + c), mean, inv_std);
+        mpt__store_f32(a->dtype, a->y, at + c,
+                       mpt__ln_output(xhat, a->gamma ? a->gamma[c] : 1.0f,
+                                      a->beta ? a->beta[c] : 0.0f));
+    }
+}
+
+/* Row r's dx (when wanted), and its dy and dy · x̂ added to the chunk's
+   column sums s (2, D). */
+static void mpt__ln_backward_row(const mpt_layernorm_args *a, int64_t r, double *s) {
+    const int64_t D = a->cols, at = r * D;
+    const float mean = a->mean[r], inv_std = a->inv_std[r];
+    double sum_g = 0, sum_gx = 0;
+    float mean_g, mean_gx;
+    int64_t c;
+    for (c = 0; c < D; c++) {
+        float xhat = mpt__ln_xhat(mpt__load_f32(a->dtype, a->x, at + c), mean, inv_std);
+        float dy = mpt__load_f32(a->dtype, a->dy, at + c);
+        float g = mpt__fmul_rn(dy, a->gamma ? a->gamma[c] : 1.0f);
+        sum_g += g;
+        sum_gx += (double)g * xhat;
+        s[c] += dy;
+        s[D + c] += (double)dy * xhat;
+    }
+    if (!a->dx) return;
+    mean_g = mpt__ln_row_mean(sum_g, D);
+    mean_gx = mpt__ln_row_mean(sum_gx, D);
+    for (c = 0; c < D; c++) {
+        float xhat = mpt__ln_xhat(mpt__load_f32(a->dtype, a->x, at + c), mean, inv_std);
+        float g = mpt__fmul_rn(mpt__load_f32(a->dtype, a->dy, at + c),
+                               a->gamma ? a->gamma[c] : 1.0f);
+        mpt__store_f32(a->dtype, a->dx, at + c, mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std));
+    }
+}
+
+static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
+    const mpt__ln_job *j = (const mpt__ln_job *)arg;
+    int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r;
+    (void)thread;
+    for (r = r0; r < r1; r++) mpt__ln_forward_row(j->a, r);
+}
+
+static void mpt__ln_backward_task(void *arg, int64_t chunk, int thread) {
+    const mpt__ln_job *j = (const mpt__ln_job *)arg;
+    const int64_t D = j->a->cols;
+    int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r, c;
+    double *s = j->part + 2 * D * chunk;
+    (void)thread;
+    for (c = 0; c < 2 * D; c++) s[c] = 0;
+    for (r = r0; r < r1; r++) mpt__ln_backward_row(j->a, r, s);
+}
+
+static int64_t mpt__ln_chunks(int64_t rows, int64_t cols) {
+    int64_t k = mpt__ln_chunk_rows(cols);
+    return (rows + k - 1) / k;
+}
+
+/* The CPU backend's LayerNormalization forward (mpt_backend.layernorm_forward). */
+static void mpt__cpu_layernorm_forward(void *impl, const mpt_layernorm_args *a) {
+    mpt__ln_job j;
+    j.a = a;
+    j.chunk_rows = mpt__ln_chunk_rows(a->cols);
+    j.part = NULL;
+    mpt__parallel_for((mpt_context *)impl, mpt__ln_chunks(a->rows, a->cols),
+                      mpt__ln_forward_task, &j);
+}
+
+/* Backward: dx row by row, then dbeta = Σ dy and dgamma = Σ dy · x̂ from
+   the chunks' sums, added in chunk order. */
+static void mpt__cpu_layernorm_backward(void *impl, const mpt_layernorm_args *a) {
+    const int64_t D = a->cols, n_chunks = mpt__ln_chunks(a->rows, a->cols);
+    int64_t k, c;
+    mpt__ln_job j;
+    j.a = a;
+    j.chunk_rows = mpt__ln_chunk_rows(D);
+    j.part = (double *)a->workspace;
+    mpt__parallel_for((mpt_context *)impl, n_chunks, mpt__ln_backward_task, &j);
+    for (c = 0; c < D; c++) {
+        double sum_dy = 0, sum_dyx = 0;
+        for (k = 0; k < n_chunks; k++) {
+            sum_dy += j.part[2 * D * k + c];
+            sum_dyx += j.part[2 * D * k + D + c];
+        }
+        if (a->dbeta) a->dbeta[c] = (float)sum_dy;
+        if (a->dgamma) a->dgamma[c] = (float)sum_dyx;
+    }
+}
+
+/* Workspace: backward's chunk sums, (n_chunks, 2, D) doubles; -1 on overflow. */
+static int64_t mpt__cpu_layernorm_workspace(void *impl, mpt_dtype dtype, int64_t rows,
+                                            int64_t cols) {
+    int64_t elems, bytes;
+    (void)impl;
+    (void)dtype;
+    if (cols <= 0 || !mpt__mul_ok(mpt__ln_chunks(rows, cols), 2 * cols, &elems) ||
+        !mpt__mul_ok(elems, 8, &bytes) || !mpt__add_ok(bytes, MPT__ALIGN, &bytes))
+        return -1;
+    return bytes;
+}
+
+/* Parameter slots (Keras order: gamma, beta; each only when used). */
+static int mpt__ln_gamma_slot(const mpt__layer *L) {
+    return L->desc.layer_normalization.no_scale ? -1 : 0;
+}
+static int mpt__ln_beta_slot(const mpt__layer *L) {
+    return L->desc.layer_normalization.no_center ? -1 : !L->desc.layer_normalization.no_scale;
+}
+static float mpt__ln_epsilon(const mpt__layer *L) {
+    return L->desc.layer_normalization.epsilon != 0 ? L->desc.layer_normalization.epsilon : 1e-3f;
+}
+
+/* The arguments of a LayerNormalization layer's pass. */
+static mpt_layernorm_args mpt__ln_args(const mpt__layer *L, const mpt__pass *p) {
+    mpt_layernorm_args a;
+    int gamma = mpt__ln_gamma_slot(L), beta = mpt__ln_beta_slot(L);
+    memset(&a, 0, sizeof a);
+    a.dtype = L->dtype;
+    a.cols = L->in_shape[L->in_rank - 1];
+    a.rows = p->batch * (L->in_count / a.cols);
+    a.epsilon = mpt__ln_epsilon(L);
+    a.x = p->x;
+    a.y = p->y;
+    a.dy = p->dy;
+    a.dx = p->dx;
+    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
+    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
+    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
+    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+    a.mean = (float *)L->saved[0];
+    a.inv_std = (float *)L->saved[1];
+    a.workspace = p->workspace;
+    return a;
+}
+
+static void mpt__ln_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt_layernorm_args a = mpt__ln_args(L, p);
+    p->be->layernorm_forward(p->impl, &a);
+}
+
+static void mpt__ln_backward(mpt__layer *L, const mpt__pass *p) {
+    mpt_layernorm_args a = mpt__ln_args(L, p);
+    p->be->layernorm_backward(p->impl, &a);
+}
+
+static mpt_status mpt__ln_build(mpt_model *m, mpt__layer *L) {
+    const mpt_layer_normalization_desc *d = &L->desc.layer_normalization;
+    int64_t D = L->in_shape[L->in_rank - 1], rows_per_sample = L->in_count / D, rows = 0, fixed;
+    void *impl;
+    const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
+    L->out_rank = L->in_rank;
+    memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
+    /* float32 parameters whatever the compute dtype, as the statistics */
+    if (!d->no_scale)
+        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &D,
+                                        d->gamma_initializer ? d->gamma_initializer
+                                                             : MPT_INIT_ONES,
+                                        D, D, 1, MPT_FLOAT32));
+    if (!d->no_center)
+        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &D,
+                                        d->beta_initializer ? d->beta_initializer
+                                                            : MPT_INIT_ZEROS,
+                                        D, D, 1, MPT_FLOAT32));
+    MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* mean (B · rows) f32    */
+    MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* inv_std (B · rows) f32 */
+    fixed = mpt__mul_ok(m->max_batch, rows_per_sample, &rows)
+                ? be->layernorm_workspace(impl, L->dtype, rows, D)
+                : -1;
+    if (fixed < 0)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                         "LayerNormalization '%s': workspace for a batch of %lld overflows",
+                         L->name, (long long)m->max_batch);
+    return mpt__layer_set_workspace(m, L, 0, fixed);
+}
+
+static mpt_status mpt__ln_check(mpt_model *m, const mpt__layer_ops *ops,
+                                const mpt__layer_desc *desc) {
+    const mpt_layer_normalization_desc *d = &desc->layer_normalization;
+    if (!(d->epsilon >= 0 && d->epsilon < INFINITY))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: epsilon %g must be > 0 and finite (0: 1e-3)", ops->class_name,
+                         (double)d->epsilon);
+    if (!mpt__initializer_valid(d->gamma_initializer) ||
+        !mpt__initializer_valid(d->beta_initializer))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: unknown %s initializer %d",
+                         ops->class_name,
+                         mpt__initializer_valid(d->gamma_initializer) ? "beta" : "gamma",
+                         (int)(mpt__initializer_valid(d->gamma_initializer)
+                                   ? d->beta_initializer
+                                   : d->gamma_initializer));
+    return MPT_OK;
+}
+
+static const mpt__field mpt__ln_fields[] = {
+    MPT__FIELD(mpt_layer_normalization_desc, epsilon, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_layer_normalization_desc, no_center, MPT__FIELD_INT),
+    MPT__FIELD(mpt_layer_normalization_desc, no_scale, MPT__FIELD_INT),
+    MPT__FIELD(mpt_layer_normalization_desc, gamma_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELD(mpt_layer_normalization_desc, beta_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__ln_ops = {
+    "LayerNormalization", "layer_normalization", MPT__LAYER_LAYER_NORMALIZATION, mpt__ln_build,
+    mpt__ln_forward, mpt__ln_backward, NULL, NULL, NULL, NULL, NULL, 0,
+    sizeof(mpt_layer_normalization_desc), mpt__ln_check, mpt__ln_fields, 1, 1};
+
+MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
+                                                    const mpt_layer_normalization_desc *d) {
+    return mpt__add_layer(m, &mpt__ln_ops, d);
+}
+
+MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
+                                        const mpt_layer_normalization_desc *d) {
+    return mpt__call_layer(m, &mpt__ln_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -19605,7 +19956,8 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__conv2d_ops,      &mpt__max_pool_ops,       &mpt__avg_pool_ops,
     &mpt__global_pool_ops, &mpt__zero_padding2d_ops, &mpt__bn_ops,
     &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
-    &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops};
+    &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops,
+    &mpt__ln_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
 static const mpt__field mpt__compile_fields[] = {
@@ -31653,6 +32005,9 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->scale = mpt__cpu_scale;
     t->qgemm = mpt__cpu_qgemm;
     /* no collectives (comm_*, allreduce_sum): the replicas share memory */
+    t->layernorm_forward = mpt__cpu_layernorm_forward;
+    t->layernorm_backward = mpt__cpu_layernorm_backward;
+    t->layernorm_workspace = mpt__cpu_layernorm_workspace;
 }
 
 static mpt_backend mpt__cpu_table;

@@ -223,6 +223,7 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     REQUIRED(update); REQUIRED(loss_scale_update); REQUIRED(add); REQUIRED(scale);
     REQUIRED(elementwise); REQUIRED(copy_rows);
     REQUIRED(qgemm);
+    REQUIRED(layernorm_forward); REQUIRED(layernorm_backward); REQUIRED(layernorm_workspace);
 #undef REQUIRED
     named++; /* gemm_plan: optional */
     named++; /* conv_direct: optional */

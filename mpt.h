@@ -240,7 +240,8 @@
                           every step, the loss's tally, the learning-rate
                           schedule, the optimizers' coefficients and updates,
                           GELU and the sigmoid, the losses' element terms,
-                          BatchNormalization's 1/sqrt(var + eps), int8
+                          BatchNormalization's 1/sqrt(var + eps) and
+                          LayerNormalization's steps (mpt__ln_*), int8
                           requantization, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
@@ -265,6 +266,8 @@
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
        @impl-merge        Add, Subtract, Multiply, Average, Concatenate
+       @impl-layernorm    LayerNormalization: rows of the last axis, each
+                          normalised on its own; the CPU's backend functions
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
@@ -377,6 +380,7 @@
        graph_  a graph's first failure, layout, walks  @impl-model, @impl-graph,
                                                        @impl-passes
        json_   the JSON reader                         @impl-json
+       ln_     LayerNormalization                      @impl-layernorm
        kgrad_  Conv2D's kernel gradient                @impl-conv-kernel-grad
        merge_  Add, Subtract, Multiply, Average        @impl-merge
        node_   a graph's nodes                         @impl-layer-helpers
@@ -2095,6 +2099,12 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        Average                ADD, then MUL by 1/n       Mean
        Concatenate            CONCATENATION              Concat (its axis in
                                                          the inputs' layout)
+       LayerNormalization     MEAN, SUB, MUL, MEAN, ADD  ReduceMean, Sub, Mul,
+                              ε, RSQRT, MUL, then MUL    ReduceMean, Add ε,
+                              gamma, ADD beta (no        Sqrt, Div, then Mul
+                              LAYER_NORM builtin)        gamma, Add beta
+                                                         (LayerNormalization
+                                                         is opset 17's)
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.
@@ -4653,7 +4663,7 @@ static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]
 static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
 
 /* =============================================================================
-   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-merge) share
+   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-layernorm) share
    ============================================================================= */
 
 /* ---- helpers shared by the layers ----------------------------------------- */
@@ -28121,8 +28131,10 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                 read: each Dense and Conv2D with its float32 weights (a
                 BatchNormalization right after it folded in), the pooling
                 layers, Flatten, the activations, an unfolded
-                BatchNormalization as a per-channel scale and shift;
-                Dropout and linear activations leave nothing.
+                BatchNormalization as a per-channel scale and shift,
+                LayerNormalization with its gamma and beta (its statistics
+                made in the file); Dropout and linear activations leave
+                nothing.
      TFLite     a FlatBuffers builder, then the graph as tensors, operators
                 and buffers in arrays, then those serialised.
      ONNX       nodes and initializers through @impl-callbacks' protobuf
@@ -28158,7 +28170,9 @@ typedef enum mpt__export_kind {
                                     a BatchNormalization with nothing to fold into */
     MPT__EXPORT_MERGE,           /* Add, Subtract, Multiply, Average: the layer's kind */
     MPT__EXPORT_CONCATENATE,     /* along the layer's axis                           */
-    MPT__EXPORT_PAD              /* ZeroPadding2D: zeros around the image            */
+    MPT__EXPORT_PAD,             /* ZeroPadding2D: zeros around the image            */
+    MPT__EXPORT_LAYER_NORM       /* LayerNormalization over the last axis: kernel
+                                    gamma, bias beta (D each; 1 and 0 without) */
 } mpt__export_kind;
 
 typedef struct mpt__export_step {
@@ -28313,6 +28327,22 @@ static mpt_status mpt__export_scale_shift(mpt__export_plan *pl, int *cap, const 
     return MPT_OK;
 }
 
+/* LayerNormalization: a step of its own with gamma and beta (ones and
+   zeros where the layer has none); its statistics are the input's, made
+   in the file (mpt__tfl_layer_norm, mpt__onnx_layer_norm). */
+static mpt_status mpt__export_layer_norm(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
+    const float *gamma = mpt__export_param(pl, L, "gamma"), *beta = mpt__export_param(pl, L, "beta");
+    int64_t D = L->in_shape[L->in_rank - 1], c;
+    mpt__export_step *s;
+    MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_LAYER_NORM, L, D, D));
+    s = &pl->steps[pl->n - 1];
+    for (c = 0; c < D; c++) {
+        s->kernel[c] = gamma ? gamma[c] : 1.0f;
+        s->bias[c] = beta ? beta[c] : 0.0f;
+    }
+    return MPT_OK;
+}
+
 /* The step layer L can merge into: the Dense or Conv2D, ending without
    an activation, that gives L's input when nothing else reads it. */
 static mpt__export_step *mpt__export_mergeable(mpt__export_plan *pl, const mpt__layer *L) {
@@ -28416,6 +28446,7 @@ static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__l
     case MPT__LAYER_CONCATENATE:
         return mpt__export_step_add(pl, cap, MPT__EXPORT_CONCATENATE, L, 0, 0);
     case MPT__LAYER_ZERO_PADDING2D: return mpt__export_step_add(pl, cap, MPT__EXPORT_PAD, L, 0, 0);
+    case MPT__LAYER_LAYER_NORMALIZATION: return mpt__export_layer_norm(pl, cap, L);
     default: return mpt__export_unsupported(pl, L, "has no counterpart in the export");
     }
 }
@@ -28702,7 +28733,8 @@ enum { /* BuiltinOperator */
     MPT__TFL_CONV_2D = 3, MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9,
     MPT__TFL_LOGISTIC = 14, MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19,
     MPT__TFL_RESHAPE = 22, MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_PAD = 34,
-    MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150
+    MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150,
+    MPT__TFL_MEAN = 40, MPT__TFL_RSQRT = 76
 };
 enum { /* TensorType */
     MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2, MPT__TFL_UINT8 = 3,
@@ -28713,7 +28745,7 @@ enum { /* BuiltinOptions: the union's type ids */
     MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
     MPT__TFL_CONCATENATION_OPTIONS = 10, MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17,
     MPT__TFL_MUL_OPTIONS = 21, MPT__TFL_PAD_OPTIONS = 22, MPT__TFL_SUB_OPTIONS = 28,
-    MPT__TFL_GELU_OPTIONS = 116
+    MPT__TFL_GELU_OPTIONS = 116, MPT__TFL_REDUCER_OPTIONS = 27
 };
 enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
 enum { MPT__TFL_ACT_NONE = 0, MPT__TFL_ACT_RELU = 1 }; /* ActivationFunctionType */
@@ -29099,6 +29131,65 @@ static int32_t mpt__tfl_pad(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
     return y;
 }
 
+/* LayerNormalization's op(a, b) (b < 0: op(a)) into a new tensor
+   "<layer>/<what>" of a batch and `rank` sample axes `shape`; options:
+   ADD's, SUB's or MUL's (no fused activation), REDUCER's (keep_dims), or
+   none. */
+static int32_t mpt__tfl_ln_op(mpt__tfl *g, const char *layer, const char *what, int code,
+                              int options, int32_t a, int32_t b, int rank, const int64_t *shape) {
+    int32_t y = mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    mpt__tfl_op *op = mpt__tfl_op_add(g, code, a, b, 0, b >= 0 ? 2 : 1, y);
+    if (op && options) {
+        op->options = options;
+        op->opt[0] = options == MPT__TFL_REDUCER_OPTIONS; /* keep_dims; no activation */
+        op->n_opt = 1;
+    }
+    return y;
+}
+
+/* LayerNormalization from TFLite's builtins, which have no such op:
+   MEAN over the last axis (keep_dims), SUB, MUL (the square), MEAN, ADD ε,
+   RSQRT, MUL, then gamma's MUL and beta's ADD. ε stays float32 whatever
+   the weights' dtype: it is part of the op, not a weight. */
+static int32_t mpt__tfl_layer_norm(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    const char *name = s->L->name;
+    int64_t shape[MPT_MAX_RANK], reduced[MPT_MAX_RANK], one = 1, D = s->bias_count;
+    int rank = mpt__export_out_shape(s, shape);
+    int32_t last = rank; /* the batch is axis 0 */
+    float epsilon = mpt__ln_epsilon(s->L);
+    unsigned char *bits = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4);
+    int32_t axes, eps, mean, centred, t;
+    uint32_t u;
+    memcpy(reduced, shape, sizeof(int64_t) * (size_t)rank);
+    reduced[rank - 1] = 1;
+    axes = mpt__tfl_int32_tensor(g, name, "axes", &last, 1, &one);
+    if (!bits) {
+        g->failed = 1;
+        return x;
+    }
+    memcpy(&u, &epsilon, 4);
+    mpt__tb_put_le(bits, u, 4);
+    eps = mpt__tfl_tensor_add(g, name, "epsilon", MPT__TFL_FLOAT32, 1, &one, 0,
+                              mpt__tfl_buffer_add(g, bits, 4));
+    mean = mpt__tfl_ln_op(g, name, "mean", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, x, axes,
+                           rank, reduced);
+    centred = mpt__tfl_ln_op(g, name, "centred", MPT__TFL_SUB, MPT__TFL_SUB_OPTIONS, x, mean,
+                              rank, shape);
+    t = mpt__tfl_ln_op(g, name, "squared", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, centred,
+                        rank, shape);
+    t = mpt__tfl_ln_op(g, name, "variance", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, t, axes,
+                        rank, reduced);
+    t = mpt__tfl_ln_op(g, name, "variance_epsilon", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t, eps,
+                        rank, reduced);
+    t = mpt__tfl_ln_op(g, name, "inv_std", MPT__TFL_RSQRT, 0, t, -1, rank, reduced);
+    t = mpt__tfl_ln_op(g, name, "normalized", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, t,
+                        rank, shape);
+    t = mpt__tfl_ln_op(g, name, "scaled", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, t,
+                        mpt__tfl_constant(g, name, "gamma", 1, &D, s->kernel, D), rank, shape);
+    return mpt__tfl_ln_op(g, name, "output", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t,
+                           mpt__tfl_constant(g, name, "beta", 1, &D, s->bias, D), rank, shape);
+}
+
 /* One step's ops, reading its inputs' tensors (value: each node's);
    returns the step's output tensor. */
 static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32_t *value) {
@@ -29153,6 +29244,7 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32
     case MPT__EXPORT_MERGE: return mpt__tfl_merge(g, s, value);
     case MPT__EXPORT_CONCATENATE: return mpt__tfl_concatenate(g, s, value);
     case MPT__EXPORT_PAD: return mpt__tfl_pad(g, s, x);
+    case MPT__EXPORT_LAYER_NORM: return mpt__tfl_layer_norm(g, s, x);
     }
     return x;
 }
@@ -29551,6 +29643,9 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         mpt__fb_field_scalar(b, 1, (uint64_t)op->opt[1], 1);
         break;
     case MPT__TFL_SOFTMAX_OPTIONS: mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4); break;
+    case MPT__TFL_REDUCER_OPTIONS: /* keep_dims */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        break;
     case MPT__TFL_RESHAPE_OPTIONS: mpt__fb_field_offset(b, 0, new_shape); break;
     default: break;
     }
@@ -30116,6 +30211,43 @@ static void mpt__onnx_pad(mpt__onnx *o, const mpt__export_step *s) {
     mpt__onnx_binary(o, s->L, "Pad", name, "output");
 }
 
+/* A ReduceMean over axis (keepdims, opset 13's attribute) of the running
+   value into "<layer>/<what>". */
+static void mpt__onnx_reduce_mean(mpt__onnx *o, const mpt__layer *L, int64_t axis,
+                                  const char *what) {
+    char y[96];
+    size_t body;
+    mpt__onnx_name(y, sizeof y, L, what);
+    body = mpt__onnx_node(o, "ReduceMean", y, o->x, NULL, NULL);
+    mpt__onnx_attr_ints(&o->nodes, "axes", &axis, 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* LayerNormalization over the last axis (an NCHW value's channels: axis
+   1) from opset 13's operators (LayerNormalization itself comes in opset
+   17): x̂ = (x − mean) / Sqrt(mean((x − mean)²) + ε), then gamma and beta
+   as a scale and shift step's. */
+static void mpt__onnx_layer_norm(mpt__onnx *o, const mpt__export_step *s) {
+    const mpt__layer *L = s->L;
+    int64_t axis = o->nchw ? 1 : -1;
+    char x[96], centred[96], eps[96];
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_reduce_mean(o, L, axis, "mean");
+    mpt__onnx_name(centred, sizeof centred, L, "centred");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Sub", centred, x, o->x, NULL));
+    snprintf(o->x, sizeof o->x, "%s", centred);
+    mpt__onnx_binary(o, L, "Mul", centred, "squared");
+    mpt__onnx_reduce_mean(o, L, axis, "variance");
+    mpt__onnx_scalar(o, L, "epsilon", mpt__ln_epsilon(L), eps, sizeof eps);
+    mpt__onnx_binary(o, L, "Add", eps, "variance_epsilon");
+    mpt__onnx_unary(o, L, "Sqrt", "std");
+    snprintf(x, sizeof x, "%s", o->x);
+    snprintf(o->x, sizeof o->x, "%s", centred);
+    mpt__onnx_binary(o, L, "Div", x, "normalized");
+    mpt__onnx_scale_shift(o, s);
+}
+
 /* One step's nodes, its first input the running value (values: every
    node's, for the merges); the running value becomes its output. */
 static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
@@ -30146,6 +30278,7 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
     case MPT__EXPORT_MERGE: mpt__onnx_merge(o, s, values); break;
     case MPT__EXPORT_CONCATENATE: mpt__onnx_concatenate(o, s, values); break;
     case MPT__EXPORT_PAD: mpt__onnx_pad(o, s); break;
+    case MPT__EXPORT_LAYER_NORM: mpt__onnx_layer_norm(o, s); break;
     }
 }
 

@@ -49,8 +49,9 @@
          @cuda-gemm-choice  engine choice and the table's GEMM functions
          @cuda-colsums    column sums (bias gradients)
        @cuda-layers       dtype conversion, activations, im2col/col2im,
-                          pooling, BatchNormalization, Dropout (mpt.h's
-                          @impl-activations .. @impl-dropout)
+                          pooling, BatchNormalization, LayerNormalization,
+                          Dropout (mpt.h's @impl-activations .. @impl-dropout,
+                          @impl-layernorm)
        @cuda-training     the loss with its metrics, gradient statistics, the
                           fused optimizer update, loss scaling (mpt.h's
                           @impl-losses, @impl-optimizers)

@@ -1128,8 +1128,8 @@ static void test_ln_trains_mixed_float16(void) {
     mpt_dataset_destroy(d);
 }
 
-/* Bad descriptors refused with the layer and the value named; export and
-   quantization refuse it by name. */
+/* Bad descriptors refused with the layer and the value named;
+   quantization, post-training and aware, refuses the layer by name. */
 static void test_ln_refusals(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL, *qm = NULL;
@@ -1163,17 +1163,14 @@ static void test_ln_refusals(void) {
     CHECK(count_errors - before == 6, "%d errors logged", count_errors - before);
     mpt_model_destroy(m);
 
-    /* a well-made one: export and quantization refuse it by name */
+    /* a well-made one: quantization refuses it by name (tests/test_export.c
+       exports it) */
     m = NULL;
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &m);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4});
     mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){.name = "ln"});
     CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(q));
     mpt_model_refresh_weights(m); /* its weights count as given: quantize takes them */
-    test_expect_error(q, mpt_model_export_onnx(m, "/tmp/mpt_ln_refused.onnx", NULL),
-                      MPT_ERR_UNSUPPORTED, "layer 'ln' (LayerNormalization)", "export ONNX");
-    test_expect_error(q, mpt_model_export_tflite(m, "/tmp/mpt_ln_refused.tflite", NULL),
-                      MPT_ERR_UNSUPPORTED, "layer 'ln' (LayerNormalization)", "export TFLite");
     test_expect_error(q, mpt_model_quantize(m, NULL, &qm), MPT_ERR_UNSUPPORTED,
                       "layer 'ln' (LayerNormalization)", "quantize");
     CHECK(qm == NULL, "a quantized model was made");

@@ -1024,8 +1024,11 @@ static void test_ln_mixed_policies(void) {
         ln_run(ctx, MPT_POLICY_FLOAT32, B, T, D, x, dy, 7, ref);
         ln_run(ctx, policies[k], B, T, D, x, dy, 7, half);
         ln_reference_y(x, B * T, D, 7, exact);
+        /* the row's mean, rounded to float32, errs by up to half a step of
+           float32 at 1000 (3.1e-5), which x̂ divides by σ ≈ 4.6 and gamma
+           (< 1.5) scales: up to 1e-5 in y (measured 9.4e-6) */
         for (e = 0, i = 0; i < N; i++) e = fmax(e, fabs(ref[i] - exact[i]));
-        CHECK(e <= 1e-5, "float32 y differs from double's by %.3g > 1e-5", e);
+        CHECK(e <= 2e-5, "float32 y differs from double's by %.3g > 2e-5", e);
         for (e = 0, i = 0; i < N; i++) e = fmax(e, fabs(half[i] - exact[i]));
         CHECK(e <= tol_y[k], "%s y differs from double's by %.3g > %.3g",
               mpt_dtype_name(dtypes[k]), e, tol_y[k]);

@@ -859,6 +859,61 @@ static void test_ln_gradients(void) {
     check_ln(3, 1, one, MPT_FLOAT32, 1, 1, 0); /* D = 1: x̂ = 0, y = beta */
 }
 
+/* One LayerNormalization row by row (D each) in double, gamma and beta. */
+static void ln_rows_ref(const double *x, int64_t rows, int64_t D, const double *gamma,
+                        const double *beta, double *y) {
+    int64_t r, j;
+    for (r = 0; r < rows; r++) {
+        double mean = 0, var = 0;
+        for (j = 0; j < D; j++) mean += x[r * D + j];
+        mean /= (double)D;
+        for (j = 0; j < D; j++) var += (x[r * D + j] - mean) * (x[r * D + j] - mean);
+        var /= (double)D;
+        for (j = 0; j < D; j++)
+            y[r * D + j] = gamma[j] * (x[r * D + j] - mean) / sqrt(var + 1e-3f) + beta[j];
+    }
+}
+
+/* y = ln(ln(x) + x), one layer called twice (mpt_apply_layer). */
+static void ln_graph_ref(const gc_case *c, const double *x, double *const *params, double *y) {
+    const ln_ref *d = (const ln_ref *)c->user;
+    int64_t n = c->batch * d->in_count, i;
+    double *z = (double *)malloc(sizeof(double) * (size_t)n);
+    ln_rows_ref(x, n / d->D, d->D, params[0], params[1], z);
+    for (i = 0; i < n; i++) z[i] += x[i];
+    ln_rows_ref(z, n / d->D, d->D, params[0], params[1], y);
+    free(z);
+}
+
+/* In a graph: a residual around LayerNormalization and the same layer
+   applied again to the sum, its gamma and beta's gradients the sum of
+   both calls'. */
+static void test_ln_graph_shared(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16};
+    int t;
+    for (t = 0; t < 2; t++) {
+        mpt_model *m = NULL;
+        mpt_node x, two[2], y;
+        ln_ref d = {12, 4, 1, 1, 1e-3f};
+        char label[96];
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 4}, .input_rank = 2,
+                                                .policy = t ? MPT_POLICY_MIXED_FLOAT16
+                                                            : MPT_POLICY_FLOAT32}, &m);
+        x = mpt_model_input(m);
+        two[0] = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.name = "ln"});
+        two[1] = x;
+        y = mpt_add(m, 2, two, NULL);
+        y = mpt_apply_layer(m, "ln", 1, &y);
+        CHECK(y != MPT_NODE_FAILED, "graph: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_build(m, 6) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_param_count(m) == 2, "%d parameters", mpt_model_param_count(m));
+        snprintf(label, sizeof label, "layernorm shared in a graph, %s", mpt_dtype_name(dtypes[t]));
+        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1,
+                                 .ref_forward = ln_graph_ref, .user = &d}, label);
+        mpt_model_destroy(m);
+    }
+}
+
 /* Parameters: Keras' names, order, shapes and initial values; the summary
    counts 2·D. */
 static void test_ln_params(void) {
@@ -1241,6 +1296,7 @@ int main(void) {
     TEST_RUN(test_ln_params);
     test_ln_gradients();
     test_ln_mixed_policies();
+    TEST_RUN(test_ln_graph_shared);
     TEST_RUN(test_ln_threads);
     TEST_RUN(test_ln_trains_mixed_float16);
     TEST_RUN(test_ln_refusals);

@@ -7770,64 +7770,104 @@ MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
    mpt__ln_*, which mpt_cuda.cu runs too. */
 
 #define MPT__LN_CHUNK ((int64_t)1 << 14) /* elements one task takes (whole rows) */
+#define MPT__LN_PIECE 256                /* a row's elements widened at a time */
 
 static int64_t mpt__ln_chunk_rows(int64_t cols) { return MPT__MAX(1, MPT__LN_CHUNK / cols); }
 
-/* One pass of the CPU's LayerNormalization over the rows, chunk by chunk. */
+/* One pass of the CPU's LayerNormalization over the rows, chunk by chunk.
+   A row is read in pieces widened to float32 on the stack (and y or dx
+   narrowed from there) by the conversion kernels the CPU allows, which
+   round as mpt_float_to_half and mpt_float_to_bf16 do: the sums and every
+   step are the same, piece by piece, as element by element. */
 typedef struct mpt__ln_job {
     const mpt_layernorm_args *a;
     int64_t chunk_rows;
-    double *part; /* backward: (n_chunks, 2, D) each chunk's Σ dy and Σ dy · x̂ */
+    double *part;                 /* backward: (n_chunks, 2, D) each chunk's
+                                     Σ dy and Σ dy · x̂                        */
+    mpt__convert_fn widen, narrow; /* dtype to float32 and back              */
 } mpt__ln_job;
 
+/* k elements of p (in the job's dtype) from element `at`, as float32 into f. */
+static void mpt__ln_widen(const mpt__ln_job *j, const void *p, int64_t at, int64_t k, float *f) {
+    j->widen(MPT_FLOAT32, f, j->a->dtype,
+             (const char *)p + (size_t)at * mpt_dtype_size(j->a->dtype), k);
+}
+
+static void mpt__ln_narrow(const mpt__ln_job *j, void *p, int64_t at, int64_t k, const float *f) {
+    j->narrow(j->a->dtype, (char *)p + (size_t)at * mpt_dtype_size(j->a->dtype), MPT_FLOAT32, f,
+              k);
+}
+
 /* Row r's mean and inv_std into a->mean[r] and a->inv_std[r], then its y. */
-static void mpt__ln_forward_row(const mpt_layernorm_args *a, int64_t r) {
+static void mpt__ln_forward_row(const mpt__ln_job *j, int64_t r) {
+    const mpt_layernorm_args *a = j->a;
     const int64_t D = a->cols, at = r * D;
+    float f[MPT__LN_PIECE], mean, inv_std;
     double sum = 0, sq = 0;
-    float mean, inv_std;
-    int64_t c;
-    for (c = 0; c < D; c++) sum += mpt__load_f32(a->dtype, a->x, at + c);
+    int64_t c0, c, k;
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, f);
+        for (c = 0; c < k; c++) sum += f[c];
+    }
     mean = mpt__ln_row_mean(sum, D);
-    for (c = 0; c < D; c++) {
-        double d = (double)mpt__load_f32(a->dtype, a->x, at + c) - (double)mean;
-        sq += d * d;
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, f);
+        for (c = 0; c < k; c++) {
+            double d = (double)f[c] - (double)mean;
+            sq += d * d;
+        }
     }
     inv_std = mpt__ln_row_inv_std(sq, D, a->epsilon);
     a->mean[r] = mean;
     a->inv_std[r] = inv_std;
-    for (c = 0; c < D; c++) {
-        float xhat = mpt__ln_xhat(mpt__load_f32(a->dtype, a->x, at + c), mean, inv_std);
-        mpt__store_f32(a->dtype, a->y, at + c,
-                       mpt__ln_output(xhat, a->gamma ? a->gamma[c] : 1.0f,
-                                      a->beta ? a->beta[c] : 0.0f));
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, f);
+        for (c = 0; c < k; c++)
+            f[c] = mpt__ln_output(mpt__ln_xhat(f[c], mean, inv_std),
+                                  a->gamma ? a->gamma[c0 + c] : 1.0f,
+                                  a->beta ? a->beta[c0 + c] : 0.0f);
+        mpt__ln_narrow(j, a->y, at + c0, k, f);
     }
 }
 
 /* Row r's dx (when wanted), and its dy and dy · x̂ added to the chunk's
    column sums s (2, D). */
-static void mpt__ln_backward_row(const mpt_layernorm_args *a, int64_t r, double *s) {
+static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
+    const mpt_layernorm_args *a = j->a;
     const int64_t D = a->cols, at = r * D;
     const float mean = a->mean[r], inv_std = a->inv_std[r];
+    float xf[MPT__LN_PIECE], dyf[MPT__LN_PIECE], mean_g, mean_gx;
     double sum_g = 0, sum_gx = 0;
-    float mean_g, mean_gx;
-    int64_t c;
-    for (c = 0; c < D; c++) {
-        float xhat = mpt__ln_xhat(mpt__load_f32(a->dtype, a->x, at + c), mean, inv_std);
-        float dy = mpt__load_f32(a->dtype, a->dy, at + c);
-        float g = mpt__fmul_rn(dy, a->gamma ? a->gamma[c] : 1.0f);
-        sum_g += g;
-        sum_gx += (double)g * xhat;
-        s[c] += dy;
-        s[D + c] += (double)dy * xhat;
+    int64_t c0, c, k;
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, xf);
+        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        for (c = 0; c < k; c++) {
+            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
+            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+            sum_g += g;
+            sum_gx += (double)g * xhat;
+            s[c0 + c] += dyf[c];
+            s[D + c0 + c] += (double)dyf[c] * xhat;
+        }
     }
     if (!a->dx) return;
     mean_g = mpt__ln_row_mean(sum_g, D);
     mean_gx = mpt__ln_row_mean(sum_gx, D);
-    for (c = 0; c < D; c++) {
-        float xhat = mpt__ln_xhat(mpt__load_f32(a->dtype, a->x, at + c), mean, inv_std);
-        float g = mpt__fmul_rn(mpt__load_f32(a->dtype, a->dy, at + c),
-                               a->gamma ? a->gamma[c] : 1.0f);
-        mpt__store_f32(a->dtype, a->dx, at + c, mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std));
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, xf);
+        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        for (c = 0; c < k; c++) {
+            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
+            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+            xf[c] = mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std);
+        }
+        mpt__ln_narrow(j, a->dx, at + c0, k, xf);
     }
 }
 
@@ -7835,7 +7875,7 @@ static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
     const mpt__ln_job *j = (const mpt__ln_job *)arg;
     int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r;
     (void)thread;
-    for (r = r0; r < r1; r++) mpt__ln_forward_row(j->a, r);
+    for (r = r0; r < r1; r++) mpt__ln_forward_row(j, r);
 }
 
 static void mpt__ln_backward_task(void *arg, int64_t chunk, int thread) {
@@ -7845,7 +7885,7 @@ static void mpt__ln_backward_task(void *arg, int64_t chunk, int thread) {
     double *s = j->part + 2 * D * chunk;
     (void)thread;
     for (c = 0; c < 2 * D; c++) s[c] = 0;
-    for (r = r0; r < r1; r++) mpt__ln_backward_row(j->a, r, s);
+    for (r = r0; r < r1; r++) mpt__ln_backward_row(j, r, s);
 }
 
 static int64_t mpt__ln_chunks(int64_t rows, int64_t cols) {
@@ -7853,26 +7893,43 @@ static int64_t mpt__ln_chunks(int64_t rows, int64_t cols) {
     return (rows + k - 1) / k;
 }
 
-/* The CPU backend's LayerNormalization forward (mpt_backend.layernorm_forward). */
-static void mpt__cpu_layernorm_forward(void *impl, const mpt_layernorm_args *a) {
+/* float32 to float32 (the conversion kernels take only the pairs with a
+   half dtype). */
+static void mpt__ln_copy(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype, const void *src,
+                         int64_t n) {
+    (void)dst_dtype;
+    (void)src_dtype;
+    memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+
+/* A job over a's rows on the CPU of ctx; part: backward's chunk sums. */
+static mpt__ln_job mpt__ln_job_for(const mpt_context *ctx, const mpt_layernorm_args *a,
+                                   double *part) {
     mpt__ln_job j;
+    int half = a->dtype != MPT_FLOAT32;
     j.a = a;
     j.chunk_rows = mpt__ln_chunk_rows(a->cols);
-    j.part = NULL;
-    mpt__parallel_for((mpt_context *)impl, mpt__ln_chunks(a->rows, a->cols),
-                      mpt__ln_forward_task, &j);
+    j.part = part;
+    j.widen = half ? mpt__convert_kernel(ctx->cpu, MPT_FLOAT32, a->dtype) : mpt__ln_copy;
+    j.narrow = half ? mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32) : mpt__ln_copy;
+    return j;
+}
+
+/* The CPU backend's LayerNormalization forward (mpt_backend.layernorm_forward). */
+static void mpt__cpu_layernorm_forward(void *impl, const mpt_layernorm_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__ln_job j = mpt__ln_job_for(ctx, a, NULL);
+    mpt__parallel_for(ctx, mpt__ln_chunks(a->rows, a->cols), mpt__ln_forward_task, &j);
 }
 
 /* Backward: dx row by row, then dbeta = Σ dy and dgamma = Σ dy · x̂ from
    the chunks' sums, added in chunk order. */
 static void mpt__cpu_layernorm_backward(void *impl, const mpt_layernorm_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
     const int64_t D = a->cols, n_chunks = mpt__ln_chunks(a->rows, a->cols);
     int64_t k, c;
-    mpt__ln_job j;
-    j.a = a;
-    j.chunk_rows = mpt__ln_chunk_rows(D);
-    j.part = (double *)a->workspace;
-    mpt__parallel_for((mpt_context *)impl, n_chunks, mpt__ln_backward_task, &j);
+    mpt__ln_job j = mpt__ln_job_for(ctx, a, (double *)a->workspace);
+    mpt__parallel_for(ctx, n_chunks, mpt__ln_backward_task, &j);
     for (c = 0; c < D; c++) {
         double sum_dy = 0, sum_dyx = 0;
         for (k = 0; k < n_chunks; k++) {

@@ -243,7 +243,7 @@
                           schedule, the optimizers' coefficients and updates,
                           GELU (both forms) and the sigmoid, the losses'
                           element terms, BatchNormalization's 1/sqrt(var +
-                          eps), int8
+                          eps) and LayerNormalization's steps (mpt__ln_*), int8
                           requantization, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
        @impl-status       the status codes' strings
@@ -270,6 +270,8 @@
        @impl-merge        Add, Subtract, Multiply, Average, Concatenate
        @impl-embedding    Embedding, PositionEmbedding; the model's int32
                           token ids (checked against the tables)
+       @impl-layernorm    LayerNormalization: rows of the last axis, each
+                          normalised on its own; the CPU's backend functions
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
@@ -385,6 +387,7 @@
        graph_  a graph's first failure, layout, walks  @impl-model, @impl-graph,
                                                        @impl-passes
        json_   the JSON reader                         @impl-json
+       ln_     LayerNormalization                      @impl-layernorm
        kgrad_  Conv2D's kernel gradient                @impl-conv-kernel-grad
        merge_  Add, Subtract, Multiply, Average        @impl-merge
        node_   a graph's nodes                         @impl-layer-helpers
@@ -1051,6 +1054,29 @@ MPTDEF mpt_status mpt_model_add_position_embedding(mpt_model *m,
                                                    const mpt_position_embedding_desc *desc);
 MPTDEF mpt_node mpt_position_embedding(mpt_model *m, mpt_node x,
                                        const mpt_position_embedding_desc *desc);
+/* LayerNormalization: each vector along the last axis (of a (B, D) or
+   (B, T, D) or any (B, ..., D) batch) normalised on its own, then scaled
+   and shifted: y = gamma · (x − mean) / sqrt(var + epsilon) + beta, with
+   the vector's mean and biased variance; gamma and beta (D). Under a
+   mixed policy x is read in the compute dtype and widened, the statistics
+   and the arithmetic are float32 and y is rounded to the compute dtype;
+   gamma and beta are float32, as in Keras 3. Only Keras' axis=-1. */
+typedef struct mpt_layer_normalization_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    float epsilon;                     /* default (0) 1e-3, as Keras; must be
+                                          > 0 and finite                    */
+    int no_center;                     /* default 0: beta is used (Keras'
+                                          center=True)                      */
+    int no_scale;                      /* default 0: gamma is used (Keras'
+                                          scale=True)                       */
+    mpt_initializer gamma_initializer; /* default ones                      */
+    mpt_initializer beta_initializer;  /* default zeros                     */
+} mpt_layer_normalization_desc;
+
+MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
+                                                    const mpt_layer_normalization_desc *desc);
+MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
+                                        const mpt_layer_normalization_desc *desc);
 
 /* Checks every layer's shapes, plans and allocates every buffer for batches
    of up to max_batch samples, and initialises the weights. After this, a
@@ -2191,6 +2217,12 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                                                          the inputs' layout)
        Embedding,             not yet: MPT_ERR_UNSUPPORTED, naming the layer
        PositionEmbedding      (quantization too)
+       LayerNormalization     MEAN, SUB, MUL, MEAN, ADD  ReduceMean, Sub, Mul,
+                              ε, RSQRT, MUL, then MUL    ReduceMean, Add ε,
+                              gamma, ADD beta (no        Sqrt, Div, then Mul
+                              LAYER_NORM builtin)        gamma, Add beta
+                                                         (LayerNormalization
+                                                         is opset 17's)
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.
@@ -2467,6 +2499,29 @@ typedef struct mpt_batchnorm_args {
     int64_t total_rows;
 } mpt_batchnorm_args;
 
+/* LayerNormalization over rows of D values (rows = batch · positions, D
+   the last axis), each row on its own. forward: the row's mean and biased
+   variance (sums in double), inv_std = 1 / sqrt(var + eps), both kept per
+   row in mean and inv_std, then y = x̂ · gamma + beta with x̂ = (x − mean)
+   · inv_std. backward, from those: with ĝ = dy · gamma,
+       dx = inv_std · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂))   (means over the row)
+   and dgamma = Σ dy · x̂, dbeta = Σ dy over all rows, summed in an order
+   that depends on rows alone. The per-element steps are @backend-shared's
+   mpt__ln_*, float32 rounded at every step; x, y, dy, dx in dtype. */
+typedef struct mpt_layernorm_args {
+    mpt_dtype dtype;
+    int64_t rows, cols;         /* cols: D                                    */
+    float epsilon;
+    const void *x;              /* (rows, D)                                  */
+    void *y;                    /* forward: (rows, D)                         */
+    const void *dy;             /* backward: (rows, D)                        */
+    void *dx;                   /* backward: (rows, D); NULL: not wanted      */
+    const float *gamma, *beta;  /* (D) each; NULL: 1 and 0                    */
+    float *dgamma, *dbeta;      /* backward: (D) each, overwritten; NULL: none */
+    float *mean, *inv_std;      /* (rows) each: forward writes, backward reads */
+    void *workspace;            /* layernorm_workspace bytes                  */
+} mpt_layernorm_args;
+
 /* The numbers a training step reads and writes in the backend's memory.
    The host reads them back (download) only to print or decide between
    epochs, and writes learning_rate or loss_scale when a callback or a
@@ -2722,6 +2777,12 @@ typedef struct mpt_backend {
        are skipped. */
     void (*scatter_add_rows)(void *impl, mpt_dtype dtype, float *dtable, int64_t rows,
                              int64_t width, const void *dy, const int32_t *ids, int64_t n);
+
+    /* -- LayerNormalization (mpt_layernorm_args); the workspace bytes for
+       `rows` rows of `cols` at most, non-decreasing in rows; -1 on overflow */
+    void (*layernorm_forward)(void *impl, const mpt_layernorm_args *a);
+    void (*layernorm_backward)(void *impl, const mpt_layernorm_args *a);
+    int64_t (*layernorm_workspace)(void *impl, mpt_dtype dtype, int64_t rows, int64_t cols);
 } mpt_backend;
 
 #define MPT_COMM_ID_BYTES 128
@@ -3277,12 +3338,40 @@ static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g)
     return mpt__dmul_rn((double)d, (double)d);
 }
 
-/* ---- BatchNormalization -----------------------------------------------------
-   1 / sqrt(var + eps) of a channel, in double and rounded to float once:
-   @impl-batchnorm (forward, backward, and the folds of quantization and
-   export) and mpt_cuda.cu's mpt__cuda_bn_scale_kernel. */
+/* ---- BatchNormalization, LayerNormalization ----------------------------------
+   1 / sqrt(var + eps) of a channel or a row, in double and rounded to float
+   once: @impl-batchnorm (forward, backward, and the folds of quantization
+   and export), @impl-layernorm, mpt_cuda.cu's mpt__cuda_bn_scale_kernel and
+   its LayerNormalization kernels. */
 static inline MPT__HD float mpt__bn_inv_std(double var, float epsilon) {
     return (float)(1.0 / sqrt(var + (double)epsilon));
+}
+
+/* LayerNormalization's steps, each float32 rounded as written, so that the
+   CPU (@impl-layernorm) and mpt_cuda.cu give the same bits from the same
+   row statistics. A row's mean is Σ x / D in double, rounded to float; its
+   inv_std mpt__bn_inv_std(Σ (x − mean)² / D), the deviations from that
+   float mean, in double. */
+static inline MPT__HD float mpt__ln_row_mean(double sum, int64_t cols) {
+    return (float)(sum / (double)cols);
+}
+static inline MPT__HD float mpt__ln_row_inv_std(double sum_sq_dev, int64_t cols, float epsilon) {
+    return mpt__bn_inv_std(sum_sq_dev / (double)cols, epsilon);
+}
+/* x̂ = (x − mean) · inv_std */
+static inline MPT__HD float mpt__ln_xhat(float x, float mean, float inv_std) {
+    return mpt__fmul_rn(mpt__fsub_rn(x, mean), inv_std);
+}
+/* y = x̂ · gamma + beta (1 and 0 without them) */
+static inline MPT__HD float mpt__ln_output(float xhat, float gamma, float beta) {
+    return mpt__fadd_rn(mpt__fmul_rn(xhat, gamma), beta);
+}
+/* dx = inv_std · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)), ĝ = dy · gamma; the two
+   means are the row's sums in double divided by D, rounded to float. */
+static inline MPT__HD float mpt__ln_dx(float ghat, float xhat, float mean_g, float mean_gx,
+                                       float inv_std) {
+    return mpt__fmul_rn(inv_std,
+                        mpt__fsub_rn(mpt__fsub_rn(ghat, mean_g), mpt__fmul_rn(xhat, mean_gx)));
 }
 
 /* ---- the int8 GEMM's requantization ----------------------------------------
@@ -4040,6 +4129,7 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_ZERO_PADDING2D,
     MPT__LAYER_EMBEDDING,
     MPT__LAYER_POSITION_EMBEDDING,
+    MPT__LAYER_LAYER_NORMALIZATION,
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4201,6 +4291,7 @@ union mpt__layer_desc {
     mpt_zero_padding2d_desc zero_padding2d;
     mpt_embedding_desc embedding;
     mpt_position_embedding_desc position_embedding;
+    mpt_layer_normalization_desc layer_normalization;
 };
 
 struct mpt__layer {
@@ -4475,7 +4566,7 @@ static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]
 static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
 
 /* =============================================================================
-   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-merge) share
+   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-layernorm) share
    ============================================================================= */
 
 /* ---- helpers shared by the layers ----------------------------------------- */
@@ -7889,6 +7980,331 @@ MPTDEF mpt_status mpt_model_add_position_embedding(mpt_model *m,
 MPTDEF mpt_node mpt_position_embedding(mpt_model *m, mpt_node x,
                                        const mpt_position_embedding_desc *d) {
     return mpt__call_layer(m, &mpt__position_embedding_ops, 1, &x, d);
+}
+
+/* =============================================================================
+   @impl-layernorm  LayerNormalization: each vector along the last axis
+   normalised on its own                    x, y: (B, ..., D)   parameters: (D)
+   =============================================================================
+
+   As Keras 3 (ops.layer_normalization): the statistics and the arithmetic
+   are float32 whatever the layer's dtype, x is read in that dtype and
+   widened, and only y is rounded back to it; gamma and beta are float32.
+   The batch is seen as rows of D (B · positions of them), each row
+   normalised with its own mean and biased variance; unlike
+   BatchNormalization nothing depends on the other rows, so inference
+   normalises exactly as training does and there is no moving state.
+
+   A row's statistics take two passes over it: the mean, then the squared
+   deviations from it, summed in double. One pass of Σ x² − D · mean² would
+   cancel away a small variance under a large mean (x = 1000 + noise in
+   float16), and float16 itself could not hold Σ x². Forward keeps each
+   row's mean and inv_std (float32) for backward, which recomputes x̂.
+
+   The rows go to tasks in chunks of whole rows, about MPT__LN_CHUNK
+   elements each, a number that depends only on D. Each row is one task's
+   alone; dgamma and dbeta, sums over every row, are summed per chunk
+   (part) and the chunks added in order, so every result is the same
+   whatever the thread count. The per-element steps are @backend-shared's
+   mpt__ln_*, which mpt_cuda.cu runs too. */
+
+#define MPT__LN_CHUNK ((int64_t)1 << 14) /* elements one task takes (whole rows) */
+#define MPT__LN_PIECE 256                /* a row's elements widened at a time */
+
+static int64_t mpt__ln_chunk_rows(int64_t cols) { return MPT__MAX(1, MPT__LN_CHUNK / cols); }
+
+/* One pass of the CPU's LayerNormalization over the rows, chunk by chunk.
+   A row is read in pieces widened to float32 on the stack (and y or dx
+   narrowed from there) by the conversion kernels the CPU allows, which
+   round as mpt_float_to_half and mpt_float_to_bf16 do: the sums and every
+   step are the same, piece by piece, as element by element. */
+typedef struct mpt__ln_job {
+    const mpt_layernorm_args *a;
+    int64_t chunk_rows;
+    double *part;                 /* backward: (n_chunks, 2, D) each chunk's
+                                     Σ dy and Σ dy · x̂                        */
+    mpt__convert_fn widen, narrow; /* dtype to float32 and back              */
+} mpt__ln_job;
+
+/* k elements of p (in the job's dtype) from element `at`, as float32 into f. */
+static void mpt__ln_widen(const mpt__ln_job *j, const void *p, int64_t at, int64_t k, float *f) {
+    j->widen(MPT_FLOAT32, f, j->a->dtype,
+             (const char *)p + (size_t)at * mpt_dtype_size(j->a->dtype), k);
+}
+
+static void mpt__ln_narrow(const mpt__ln_job *j, void *p, int64_t at, int64_t k, const float *f) {
+    j->narrow(j->a->dtype, (char *)p + (size_t)at * mpt_dtype_size(j->a->dtype), MPT_FLOAT32, f,
+              k);
+}
+
+/* Row r's mean and inv_std into a->mean[r] and a->inv_std[r], then its y. */
+static void mpt__ln_forward_row(const mpt__ln_job *j, int64_t r) {
+    const mpt_layernorm_args *a = j->a;
+    const int64_t D = a->cols, at = r * D;
+    float f[MPT__LN_PIECE], mean, inv_std;
+    double sum = 0, sq = 0;
+    int64_t c0, c, k;
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, f);
+        for (c = 0; c < k; c++) sum += f[c];
+    }
+    mean = mpt__ln_row_mean(sum, D);
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, f);
+        for (c = 0; c < k; c++) {
+            double d = (double)f[c] - (double)mean;
+            sq += d * d;
+        }
+    }
+    inv_std = mpt__ln_row_inv_std(sq, D, a->epsilon);
+    a->mean[r] = mean;
+    a->inv_std[r] = inv_std;
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, f);
+        for (c = 0; c < k; c++)
+            f[c] = mpt__ln_output(mpt__ln_xhat(f[c], mean, inv_std),
+                                  a->gamma ? a->gamma[c0 + c] : 1.0f,
+                                  a->beta ? a->beta[c0 + c] : 0.0f);
+        mpt__ln_narrow(j, a->y, at + c0, k, f);
+    }
+}
+
+/* Row r's dx (when wanted), and its dy and dy · x̂ added to the chunk's
+   column sums s (2, D). */
+static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
+    const mpt_layernorm_args *a = j->a;
+    const int64_t D = a->cols, at = r * D;
+    const float mean = a->mean[r], inv_std = a->inv_std[r];
+    float xf[MPT__LN_PIECE], dyf[MPT__LN_PIECE], mean_g, mean_gx;
+    double sum_g = 0, sum_gx = 0;
+    int64_t c0, c, k;
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, xf);
+        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        for (c = 0; c < k; c++) {
+            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
+            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+            sum_g += g;
+            sum_gx += (double)g * xhat;
+            s[c0 + c] += dyf[c];
+            s[D + c0 + c] += (double)dyf[c] * xhat;
+        }
+    }
+    if (!a->dx) return;
+    mean_g = mpt__ln_row_mean(sum_g, D);
+    mean_gx = mpt__ln_row_mean(sum_gx, D);
+    for (c0 = 0; c0 < D; c0 += k) {
+        k = MPT__MIN(MPT__LN_PIECE, D - c0);
+        mpt__ln_widen(j, a->x, at + c0, k, xf);
+        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        for (c = 0; c < k; c++) {
+            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
+            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+            xf[c] = mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std);
+        }
+        mpt__ln_narrow(j, a->dx, at + c0, k, xf);
+    }
+}
+
+static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
+    const mpt__ln_job *j = (const mpt__ln_job *)arg;
+    int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r;
+    (void)thread;
+    for (r = r0; r < r1; r++) mpt__ln_forward_row(j, r);
+}
+
+static void mpt__ln_backward_task(void *arg, int64_t chunk, int thread) {
+    const mpt__ln_job *j = (const mpt__ln_job *)arg;
+    const int64_t D = j->a->cols;
+    int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r, c;
+    double *s = j->part + 2 * D * chunk;
+    (void)thread;
+    for (c = 0; c < 2 * D; c++) s[c] = 0;
+    for (r = r0; r < r1; r++) mpt__ln_backward_row(j, r, s);
+}
+
+static int64_t mpt__ln_chunks(int64_t rows, int64_t cols) {
+    int64_t k = mpt__ln_chunk_rows(cols);
+    return (rows + k - 1) / k;
+}
+
+/* float32 to float32 (the conversion kernels take only the pairs with a
+   half dtype). */
+static void mpt__ln_copy(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype, const void *src,
+                         int64_t n) {
+    (void)dst_dtype;
+    (void)src_dtype;
+    memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+
+/* A job over a's rows on the CPU of ctx; part: backward's chunk sums. */
+static mpt__ln_job mpt__ln_job_for(const mpt_context *ctx, const mpt_layernorm_args *a,
+                                   double *part) {
+    mpt__ln_job j;
+    int half = a->dtype != MPT_FLOAT32;
+    j.a = a;
+    j.chunk_rows = mpt__ln_chunk_rows(a->cols);
+    j.part = part;
+    j.widen = half ? mpt__convert_kernel(ctx->cpu, MPT_FLOAT32, a->dtype) : mpt__ln_copy;
+    j.narrow = half ? mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32) : mpt__ln_copy;
+    return j;
+}
+
+/* The CPU backend's LayerNormalization forward (mpt_backend.layernorm_forward). */
+static void mpt__cpu_layernorm_forward(void *impl, const mpt_layernorm_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__ln_job j = mpt__ln_job_for(ctx, a, NULL);
+    mpt__parallel_for(ctx, mpt__ln_chunks(a->rows, a->cols), mpt__ln_forward_task, &j);
+}
+
+/* Backward: dx row by row, then dbeta = Σ dy and dgamma = Σ dy · x̂ from
+   the chunks' sums, added in chunk order. */
+static void mpt__cpu_layernorm_backward(void *impl, const mpt_layernorm_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    const int64_t D = a->cols, n_chunks = mpt__ln_chunks(a->rows, a->cols);
+    int64_t k, c;
+    mpt__ln_job j = mpt__ln_job_for(ctx, a, (double *)a->workspace);
+    mpt__parallel_for(ctx, n_chunks, mpt__ln_backward_task, &j);
+    for (c = 0; c < D; c++) {
+        double sum_dy = 0, sum_dyx = 0;
+        for (k = 0; k < n_chunks; k++) {
+            sum_dy += j.part[2 * D * k + c];
+            sum_dyx += j.part[2 * D * k + D + c];
+        }
+        if (a->dbeta) a->dbeta[c] = (float)sum_dy;
+        if (a->dgamma) a->dgamma[c] = (float)sum_dyx;
+    }
+}
+
+/* Workspace: backward's chunk sums, (n_chunks, 2, D) doubles; -1 on overflow. */
+static int64_t mpt__cpu_layernorm_workspace(void *impl, mpt_dtype dtype, int64_t rows,
+                                            int64_t cols) {
+    int64_t elems, bytes;
+    (void)impl;
+    (void)dtype;
+    if (cols <= 0 || !mpt__mul_ok(mpt__ln_chunks(rows, cols), 2 * cols, &elems) ||
+        !mpt__mul_ok(elems, 8, &bytes) || !mpt__add_ok(bytes, MPT__ALIGN, &bytes))
+        return -1;
+    return bytes;
+}
+
+/* Parameter slots (Keras order: gamma, beta; each only when used). */
+static int mpt__ln_gamma_slot(const mpt__layer *L) {
+    return L->desc.layer_normalization.no_scale ? -1 : 0;
+}
+static int mpt__ln_beta_slot(const mpt__layer *L) {
+    return L->desc.layer_normalization.no_center ? -1 : !L->desc.layer_normalization.no_scale;
+}
+static float mpt__ln_epsilon(const mpt__layer *L) {
+    return L->desc.layer_normalization.epsilon != 0 ? L->desc.layer_normalization.epsilon : 1e-3f;
+}
+
+/* The arguments of a LayerNormalization layer's pass. */
+static mpt_layernorm_args mpt__ln_args(const mpt__layer *L, const mpt__pass *p) {
+    mpt_layernorm_args a;
+    int gamma = mpt__ln_gamma_slot(L), beta = mpt__ln_beta_slot(L);
+    memset(&a, 0, sizeof a);
+    a.dtype = L->dtype;
+    a.cols = L->in_shape[L->in_rank - 1];
+    a.rows = p->batch * (L->in_count / a.cols);
+    a.epsilon = mpt__ln_epsilon(L);
+    a.x = p->x;
+    a.y = p->y;
+    a.dy = p->dy;
+    a.dx = p->dx;
+    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
+    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
+    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
+    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+    a.mean = (float *)L->saved[0];
+    a.inv_std = (float *)L->saved[1];
+    a.workspace = p->workspace;
+    return a;
+}
+
+static void mpt__ln_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt_layernorm_args a = mpt__ln_args(L, p);
+    p->be->layernorm_forward(p->impl, &a);
+}
+
+static void mpt__ln_backward(mpt__layer *L, const mpt__pass *p) {
+    mpt_layernorm_args a = mpt__ln_args(L, p);
+    p->be->layernorm_backward(p->impl, &a);
+}
+
+static mpt_status mpt__ln_build(mpt_model *m, mpt__layer *L) {
+    const mpt_layer_normalization_desc *d = &L->desc.layer_normalization;
+    int64_t D = L->in_shape[L->in_rank - 1], rows_per_sample = L->in_count / D, rows = 0, fixed;
+    void *impl;
+    const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
+    L->out_rank = L->in_rank;
+    memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
+    /* float32 parameters whatever the compute dtype, as the statistics */
+    if (!d->no_scale)
+        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &D,
+                                        d->gamma_initializer ? d->gamma_initializer
+                                                             : MPT_INIT_ONES,
+                                        D, D, 1, MPT_FLOAT32));
+    if (!d->no_center)
+        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &D,
+                                        d->beta_initializer ? d->beta_initializer
+                                                            : MPT_INIT_ZEROS,
+                                        D, D, 1, MPT_FLOAT32));
+    MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* mean (B · rows) f32    */
+    MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* inv_std (B · rows) f32 */
+    fixed = mpt__mul_ok(m->max_batch, rows_per_sample, &rows)
+                ? be->layernorm_workspace(impl, L->dtype, rows, D)
+                : -1;
+    if (fixed < 0)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                         "LayerNormalization '%s': workspace for a batch of %lld overflows",
+                         L->name, (long long)m->max_batch);
+    return mpt__layer_set_workspace(m, L, 0, fixed);
+}
+
+static mpt_status mpt__ln_check(mpt_model *m, const mpt__layer_ops *ops,
+                                const mpt__layer_desc *desc) {
+    const mpt_layer_normalization_desc *d = &desc->layer_normalization;
+    if (!(d->epsilon >= 0 && d->epsilon < INFINITY))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s: epsilon %g must be > 0 and finite (0: 1e-3)", ops->class_name,
+                         (double)d->epsilon);
+    if (!mpt__initializer_valid(d->gamma_initializer) ||
+        !mpt__initializer_valid(d->beta_initializer))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: unknown %s initializer %d",
+                         ops->class_name,
+                         mpt__initializer_valid(d->gamma_initializer) ? "beta" : "gamma",
+                         (int)(mpt__initializer_valid(d->gamma_initializer)
+                                   ? d->beta_initializer
+                                   : d->gamma_initializer));
+    return MPT_OK;
+}
+
+static const mpt__field mpt__ln_fields[] = {
+    MPT__FIELD(mpt_layer_normalization_desc, epsilon, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_layer_normalization_desc, no_center, MPT__FIELD_INT),
+    MPT__FIELD(mpt_layer_normalization_desc, no_scale, MPT__FIELD_INT),
+    MPT__FIELD(mpt_layer_normalization_desc, gamma_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELD(mpt_layer_normalization_desc, beta_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__ln_ops = {
+    "LayerNormalization", "layer_normalization", MPT__LAYER_LAYER_NORMALIZATION, mpt__ln_build,
+    mpt__ln_forward, mpt__ln_backward, NULL, NULL, NULL, NULL, NULL, 0,
+    sizeof(mpt_layer_normalization_desc), mpt__ln_check, mpt__ln_fields, 1, 1};
+
+MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
+                                                    const mpt_layer_normalization_desc *d) {
+    return mpt__add_layer(m, &mpt__ln_ops, d);
+}
+
+MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
+                                        const mpt_layer_normalization_desc *d) {
+    return mpt__call_layer(m, &mpt__ln_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -20127,7 +20543,7 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__global_pool_ops, &mpt__zero_padding2d_ops, &mpt__bn_ops,
     &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
     &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops,
-    &mpt__embedding_ops,   &mpt__position_embedding_ops};
+    &mpt__embedding_ops,   &mpt__position_embedding_ops, &mpt__ln_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
 static const mpt__field mpt__compile_fields[] = {
@@ -28614,8 +29030,10 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                 read: each Dense and Conv2D with its float32 weights (a
                 BatchNormalization right after it folded in), the pooling
                 layers, Flatten, the activations, an unfolded
-                BatchNormalization as a per-channel scale and shift;
-                Dropout and linear activations leave nothing.
+                BatchNormalization as a per-channel scale and shift,
+                LayerNormalization with its gamma and beta (its statistics
+                made in the file); Dropout and linear activations leave
+                nothing.
      TFLite     a FlatBuffers builder, then the graph as tensors, operators
                 and buffers in arrays, then those serialised.
      ONNX       nodes and initializers through @impl-callbacks' protobuf
@@ -28651,7 +29069,9 @@ typedef enum mpt__export_kind {
                                     a BatchNormalization with nothing to fold into */
     MPT__EXPORT_MERGE,           /* Add, Subtract, Multiply, Average: the layer's kind */
     MPT__EXPORT_CONCATENATE,     /* along the layer's axis                           */
-    MPT__EXPORT_PAD              /* ZeroPadding2D: zeros around the image            */
+    MPT__EXPORT_PAD,             /* ZeroPadding2D: zeros around the image            */
+    MPT__EXPORT_LAYER_NORM       /* LayerNormalization over the last axis: kernel
+                                    gamma, bias beta (D each; 1 and 0 without) */
 } mpt__export_kind;
 
 typedef struct mpt__export_step {
@@ -28806,6 +29226,22 @@ static mpt_status mpt__export_scale_shift(mpt__export_plan *pl, int *cap, const 
     return MPT_OK;
 }
 
+/* LayerNormalization: a step of its own with gamma and beta (ones and
+   zeros where the layer has none); its statistics are the input's, made
+   in the file (mpt__tfl_layer_norm, mpt__onnx_layer_norm). */
+static mpt_status mpt__export_layer_norm(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
+    const float *gamma = mpt__export_param(pl, L, "gamma"), *beta = mpt__export_param(pl, L, "beta");
+    int64_t D = L->in_shape[L->in_rank - 1], c;
+    mpt__export_step *s;
+    MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_LAYER_NORM, L, D, D));
+    s = &pl->steps[pl->n - 1];
+    for (c = 0; c < D; c++) {
+        s->kernel[c] = gamma ? gamma[c] : 1.0f;
+        s->bias[c] = beta ? beta[c] : 0.0f;
+    }
+    return MPT_OK;
+}
+
 /* The step layer L can merge into: the Dense or Conv2D, ending without
    an activation, that gives L's input when nothing else reads it. */
 static mpt__export_step *mpt__export_mergeable(mpt__export_plan *pl, const mpt__layer *L) {
@@ -28909,6 +29345,7 @@ static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__l
     case MPT__LAYER_CONCATENATE:
         return mpt__export_step_add(pl, cap, MPT__EXPORT_CONCATENATE, L, 0, 0);
     case MPT__LAYER_ZERO_PADDING2D: return mpt__export_step_add(pl, cap, MPT__EXPORT_PAD, L, 0, 0);
+    case MPT__LAYER_LAYER_NORMALIZATION: return mpt__export_layer_norm(pl, cap, L);
     default: return mpt__export_unsupported(pl, L, "has no counterpart in the export");
     }
 }
@@ -29195,7 +29632,8 @@ enum { /* BuiltinOperator */
     MPT__TFL_CONV_2D = 3, MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9,
     MPT__TFL_LOGISTIC = 14, MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19,
     MPT__TFL_RESHAPE = 22, MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_PAD = 34,
-    MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150
+    MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150,
+    MPT__TFL_MEAN = 40, MPT__TFL_RSQRT = 76
 };
 enum { /* TensorType */
     MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2, MPT__TFL_UINT8 = 3,
@@ -29206,7 +29644,7 @@ enum { /* BuiltinOptions: the union's type ids */
     MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
     MPT__TFL_CONCATENATION_OPTIONS = 10, MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17,
     MPT__TFL_MUL_OPTIONS = 21, MPT__TFL_PAD_OPTIONS = 22, MPT__TFL_SUB_OPTIONS = 28,
-    MPT__TFL_GELU_OPTIONS = 116
+    MPT__TFL_GELU_OPTIONS = 116, MPT__TFL_REDUCER_OPTIONS = 27
 };
 enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
 enum { MPT__TFL_ACT_NONE = 0, MPT__TFL_ACT_RELU = 1 }; /* ActivationFunctionType */
@@ -29604,6 +30042,65 @@ static int32_t mpt__tfl_pad(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
     return y;
 }
 
+/* LayerNormalization's op(a, b) (b < 0: op(a)) into a new tensor
+   "<layer>/<what>" of a batch and `rank` sample axes `shape`; options:
+   ADD's, SUB's or MUL's (no fused activation), REDUCER's (keep_dims), or
+   none. */
+static int32_t mpt__tfl_ln_op(mpt__tfl *g, const char *layer, const char *what, int code,
+                              int options, int32_t a, int32_t b, int rank, const int64_t *shape) {
+    int32_t y = mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    mpt__tfl_op *op = mpt__tfl_op_add(g, code, a, b, 0, b >= 0 ? 2 : 1, y);
+    if (op && options) {
+        op->options = options;
+        op->opt[0] = options == MPT__TFL_REDUCER_OPTIONS; /* keep_dims; no activation */
+        op->n_opt = 1;
+    }
+    return y;
+}
+
+/* LayerNormalization from TFLite's builtins, which have no such op:
+   MEAN over the last axis (keep_dims), SUB, MUL (the square), MEAN, ADD ε,
+   RSQRT, MUL, then gamma's MUL and beta's ADD. ε stays float32 whatever
+   the weights' dtype: it is part of the op, not a weight. */
+static int32_t mpt__tfl_layer_norm(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
+    const char *name = s->L->name;
+    int64_t shape[MPT_MAX_RANK], reduced[MPT_MAX_RANK], one = 1, D = s->bias_count;
+    int rank = mpt__export_out_shape(s, shape);
+    int32_t last = rank; /* the batch is axis 0 */
+    float epsilon = mpt__ln_epsilon(s->L);
+    unsigned char *bits = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4);
+    int32_t axes, eps, mean, centred, t;
+    uint32_t u;
+    memcpy(reduced, shape, sizeof(int64_t) * (size_t)rank);
+    reduced[rank - 1] = 1;
+    axes = mpt__tfl_int32_tensor(g, name, "axes", &last, 1, &one);
+    if (!bits) {
+        g->failed = 1;
+        return x;
+    }
+    memcpy(&u, &epsilon, 4);
+    mpt__tb_put_le(bits, u, 4);
+    eps = mpt__tfl_tensor_add(g, name, "epsilon", MPT__TFL_FLOAT32, 1, &one, 0,
+                              mpt__tfl_buffer_add(g, bits, 4));
+    mean = mpt__tfl_ln_op(g, name, "mean", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, x, axes,
+                           rank, reduced);
+    centred = mpt__tfl_ln_op(g, name, "centred", MPT__TFL_SUB, MPT__TFL_SUB_OPTIONS, x, mean,
+                              rank, shape);
+    t = mpt__tfl_ln_op(g, name, "squared", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, centred,
+                        rank, shape);
+    t = mpt__tfl_ln_op(g, name, "variance", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, t, axes,
+                        rank, reduced);
+    t = mpt__tfl_ln_op(g, name, "variance_epsilon", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t, eps,
+                        rank, reduced);
+    t = mpt__tfl_ln_op(g, name, "inv_std", MPT__TFL_RSQRT, 0, t, -1, rank, reduced);
+    t = mpt__tfl_ln_op(g, name, "normalized", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, t,
+                        rank, shape);
+    t = mpt__tfl_ln_op(g, name, "scaled", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, t,
+                        mpt__tfl_constant(g, name, "gamma", 1, &D, s->kernel, D), rank, shape);
+    return mpt__tfl_ln_op(g, name, "output", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t,
+                           mpt__tfl_constant(g, name, "beta", 1, &D, s->bias, D), rank, shape);
+}
+
 /* One step's ops, reading its inputs' tensors (value: each node's);
    returns the step's output tensor. */
 static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32_t *value) {
@@ -29658,6 +30155,7 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32
     case MPT__EXPORT_MERGE: return mpt__tfl_merge(g, s, value);
     case MPT__EXPORT_CONCATENATE: return mpt__tfl_concatenate(g, s, value);
     case MPT__EXPORT_PAD: return mpt__tfl_pad(g, s, x);
+    case MPT__EXPORT_LAYER_NORM: return mpt__tfl_layer_norm(g, s, x);
     }
     return x;
 }
@@ -30056,6 +30554,9 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         mpt__fb_field_scalar(b, 1, (uint64_t)op->opt[1], 1);
         break;
     case MPT__TFL_SOFTMAX_OPTIONS: mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4); break;
+    case MPT__TFL_REDUCER_OPTIONS: /* keep_dims */
+        mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        break;
     case MPT__TFL_RESHAPE_OPTIONS: mpt__fb_field_offset(b, 0, new_shape); break;
     default: break;
     }
@@ -30651,6 +31152,43 @@ static void mpt__onnx_pad(mpt__onnx *o, const mpt__export_step *s) {
     mpt__onnx_binary(o, s->L, "Pad", name, "output");
 }
 
+/* A ReduceMean over axis (keepdims, opset 13's attribute) of the running
+   value into "<layer>/<what>". */
+static void mpt__onnx_reduce_mean(mpt__onnx *o, const mpt__layer *L, int64_t axis,
+                                  const char *what) {
+    char y[96];
+    size_t body;
+    mpt__onnx_name(y, sizeof y, L, what);
+    body = mpt__onnx_node(o, "ReduceMean", y, o->x, NULL, NULL);
+    mpt__onnx_attr_ints(&o->nodes, "axes", &axis, 1);
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+}
+
+/* LayerNormalization over the last axis (an NCHW value's channels: axis
+   1) from opset 13's operators (LayerNormalization itself comes in opset
+   17): x̂ = (x − mean) / Sqrt(mean((x − mean)²) + ε), then gamma and beta
+   as a scale and shift step's. */
+static void mpt__onnx_layer_norm(mpt__onnx *o, const mpt__export_step *s) {
+    const mpt__layer *L = s->L;
+    int64_t axis = o->nchw ? 1 : -1;
+    char x[96], centred[96], eps[96];
+    snprintf(x, sizeof x, "%s", o->x);
+    mpt__onnx_reduce_mean(o, L, axis, "mean");
+    mpt__onnx_name(centred, sizeof centred, L, "centred");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Sub", centred, x, o->x, NULL));
+    snprintf(o->x, sizeof o->x, "%s", centred);
+    mpt__onnx_binary(o, L, "Mul", centred, "squared");
+    mpt__onnx_reduce_mean(o, L, axis, "variance");
+    mpt__onnx_scalar(o, L, "epsilon", mpt__ln_epsilon(L), eps, sizeof eps);
+    mpt__onnx_binary(o, L, "Add", eps, "variance_epsilon");
+    mpt__onnx_unary(o, L, "Sqrt", "std");
+    snprintf(x, sizeof x, "%s", o->x);
+    snprintf(o->x, sizeof o->x, "%s", centred);
+    mpt__onnx_binary(o, L, "Div", x, "normalized");
+    mpt__onnx_scale_shift(o, s);
+}
+
 /* One step's nodes, its first input the running value (values: every
    node's, for the merges); the running value becomes its output. */
 static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
@@ -30681,6 +31219,7 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
     case MPT__EXPORT_MERGE: mpt__onnx_merge(o, s, values); break;
     case MPT__EXPORT_CONCATENATE: mpt__onnx_concatenate(o, s, values); break;
     case MPT__EXPORT_PAD: mpt__onnx_pad(o, s); break;
+    case MPT__EXPORT_LAYER_NORM: mpt__onnx_layer_norm(o, s); break;
     }
 }
 
@@ -32543,6 +33082,9 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     /* no collectives (comm_*, allreduce_sum): the replicas share memory */
     t->gather_rows = mpt__cpu_gather_rows;
     t->scatter_add_rows = mpt__cpu_scatter_add_rows;
+    t->layernorm_forward = mpt__cpu_layernorm_forward;
+    t->layernorm_backward = mpt__cpu_layernorm_backward;
+    t->layernorm_workspace = mpt__cpu_layernorm_workspace;
 }
 
 static mpt_backend mpt__cpu_table;

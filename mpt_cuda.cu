@@ -49,8 +49,9 @@
          @cuda-gemm-choice  engine choice and the table's GEMM functions
          @cuda-colsums    column sums (bias gradients)
        @cuda-layers       dtype conversion, activations, im2col/col2im,
-                          pooling, BatchNormalization, Dropout (mpt.h's
-                          @impl-activations .. @impl-dropout)
+                          pooling, BatchNormalization, LayerNormalization,
+                          Dropout (mpt.h's @impl-activations .. @impl-dropout,
+                          @impl-layernorm)
        @cuda-training     the loss with its metrics, gradient statistics, the
                           fused optimizer update, loss scaling (mpt.h's
                           @impl-losses, @impl-optimizers)
@@ -3403,6 +3404,202 @@ static void mpt__cuda_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
     mpt__cuda_launched(c, "batchnorm commit");
 }
 
+/* ---- LayerNormalization ------------------------------------------------- */
+
+/* One warp per row, 8 rows to a block of 32 × 8 threads, the rows in a
+   grid-stride loop: each lane takes the row's columns lane, lane + 32, ...
+   in order, summing in double, and a butterfly of shuffles adds the 32
+   lanes' sums (each lane adds the same two numbers, so all hold the same
+   total, whatever the launch). The per-element steps and the statistics'
+   rounding are mpt.h's mpt__ln_* and mpt__bn_inv_std (@backend-shared),
+   as the CPU's; only the order of the row sums differs from the CPU's.
+   dgamma and dbeta, sums over every row, go as BatchNormalization's column
+   sums do: chunks of rows (mpt__cuda_bn_chunks, a function of rows alone)
+   by tiles of 32 columns into part, then the chunks added in order.
+
+   Workspace: part (n_chunks, 2, D) doubles: Σ dy and Σ dy · x̂. */
+
+static const int mpt__cuda_ln_rows_per_block = 8;
+
+static int64_t mpt__cuda_layernorm_workspace(void *impl, mpt_dtype dtype, int64_t rows,
+                                             int64_t cols) {
+    (void)impl;
+    (void)dtype;
+    if (cols <= 0 || cols > INT64_MAX / (16 * mpt__cuda_bn_chunks_max)) return -1;
+    return 16 * mpt__cuda_bn_chunks(rows) * cols;
+}
+
+/* Σ of the 32 lanes' v, in every lane. */
+static __device__ __forceinline__ double mpt__cuda_ln_warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* y, and each row's mean and inv_std. A warp's rows are the same for its
+   32 lanes, so a warp leaves the loop whole (the shuffles need it). */
+template <typename T>
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_ln_forward_kernel(const T *x, T *y, int64_t rows, int64_t D, float eps,
+                                const float *gamma, const float *beta, float *mean_out,
+                                float *inv_std_out) {
+    const int lane = threadIdx.x;
+    for (int64_t r = (int64_t)blockIdx.x * mpt__cuda_ln_rows_per_block + threadIdx.y; r < rows;
+         r += (int64_t)gridDim.x * mpt__cuda_ln_rows_per_block) {
+        const T *xr = x + r * D;
+        T *yr = y + r * D;
+        double sum = 0, sq = 0;
+        for (int64_t c = lane; c < D; c += 32)
+            sum = __dadd_rn(sum, (double)mpt__cuda_layers_widen(xr[c]));
+        const float mean = mpt__ln_row_mean(mpt__cuda_ln_warp_sum(sum), D);
+        for (int64_t c = lane; c < D; c += 32) {
+            const double d = __dsub_rn((double)mpt__cuda_layers_widen(xr[c]), (double)mean);
+            sq = __dadd_rn(sq, __dmul_rn(d, d));
+        }
+        const float inv_std = mpt__ln_row_inv_std(mpt__cuda_ln_warp_sum(sq), D, eps);
+        if (lane == 0) {
+            mean_out[r] = mean;
+            inv_std_out[r] = inv_std;
+        }
+        for (int64_t c = lane; c < D; c += 32) {
+            const float xhat = mpt__ln_xhat(mpt__cuda_layers_widen(xr[c]), mean, inv_std);
+            yr[c] = mpt__cuda_layers_narrow<T>(
+                mpt__ln_output(xhat, gamma ? gamma[c] : 1.0f, beta ? beta[c] : 0.0f));
+        }
+    }
+}
+
+/* dx from the row's Σ ĝ and Σ ĝ · x̂, ĝ = dy · gamma. */
+template <typename T>
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_ln_dx_kernel(const T *x, const T *dy, T *dx, int64_t rows, int64_t D,
+                           const float *gamma, const float *mean, const float *inv_std) {
+    const int lane = threadIdx.x;
+    for (int64_t r = (int64_t)blockIdx.x * mpt__cuda_ln_rows_per_block + threadIdx.y; r < rows;
+         r += (int64_t)gridDim.x * mpt__cuda_ln_rows_per_block) {
+        const T *xr = x + r * D, *dyr = dy + r * D;
+        T *dxr = dx + r * D;
+        const float m = mean[r], is = inv_std[r];
+        double sum_g = 0, sum_gx = 0;
+        for (int64_t c = lane; c < D; c += 32) {
+            const float xhat = mpt__ln_xhat(mpt__cuda_layers_widen(xr[c]), m, is);
+            const float g = mpt__fmul_rn(mpt__cuda_layers_widen(dyr[c]), gamma ? gamma[c] : 1.0f);
+            sum_g = __dadd_rn(sum_g, (double)g);
+            sum_gx = __dadd_rn(sum_gx, __dmul_rn((double)g, (double)xhat));
+        }
+        const float mean_g = mpt__ln_row_mean(mpt__cuda_ln_warp_sum(sum_g), D);
+        const float mean_gx = mpt__ln_row_mean(mpt__cuda_ln_warp_sum(sum_gx), D);
+        for (int64_t c = lane; c < D; c += 32) {
+            const float xhat = mpt__ln_xhat(mpt__cuda_layers_widen(xr[c]), m, is);
+            const float g = mpt__fmul_rn(mpt__cuda_layers_widen(dyr[c]), gamma ? gamma[c] : 1.0f);
+            dxr[c] = mpt__cuda_layers_narrow<T>(mpt__ln_dx(g, xhat, mean_g, mean_gx, is));
+        }
+    }
+}
+
+/* part[chunk][0][c] = Σ dy, part[chunk][1][c] = Σ dy · x̂ over one chunk's
+   rows, for 32 columns: each of 8 row-threads its rows in order, then a
+   tree over the 8 in shared memory. grid (column tiles, chunks). */
+template <typename T>
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_ln_param_partials_kernel(const T *x, const T *dy, int64_t rows, int64_t D,
+                                       int64_t chunk_rows, const float *mean,
+                                       const float *inv_std, double *part) {
+    __shared__ double s0[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
+    __shared__ double s1[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int64_t c = (int64_t)blockIdx.x * mpt__cuda_bn_tile_channels + tx;
+    const int64_t chunk = blockIdx.y;
+    const int64_t r_end = (chunk + 1) * chunk_rows < rows ? (chunk + 1) * chunk_rows : rows;
+    double a0 = 0, a1 = 0;
+    if (c < D) {
+        for (int64_t r = chunk * chunk_rows + ty; r < r_end; r += mpt__cuda_bn_tile_rows) {
+            const float g = mpt__cuda_layers_widen(dy[r * D + c]);
+            const float xhat = mpt__ln_xhat(mpt__cuda_layers_widen(x[r * D + c]), mean[r],
+                                            inv_std[r]);
+            a0 = __dadd_rn(a0, (double)g);
+            a1 = __dadd_rn(a1, __dmul_rn((double)g, (double)xhat));
+        }
+    }
+    s0[ty][tx] = a0;
+    s1[ty][tx] = a1;
+    __syncthreads();
+    for (int half = mpt__cuda_bn_tile_rows / 2; half > 0; half >>= 1) {
+        if (ty < half) {
+            s0[ty][tx] = __dadd_rn(s0[ty][tx], s0[ty + half][tx]);
+            s1[ty][tx] = __dadd_rn(s1[ty][tx], s1[ty + half][tx]);
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && c < D) {
+        part[2 * chunk * D + c] = s0[0][tx];
+        part[2 * chunk * D + D + c] = s1[0][tx];
+    }
+}
+
+/* dbeta = Σ dy, dgamma = Σ dy · x̂: the chunks added in order, one thread
+   per column. */
+static __global__ void __launch_bounds__(256)
+    mpt__cuda_ln_param_grads_kernel(const double *part, int64_t n_chunks, int64_t D,
+                                    float *dgamma, float *dbeta) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= D) return;
+    double sum_dy = 0, sum_dyx = 0;
+    for (int64_t k = 0; k < n_chunks; k++) {
+        sum_dy = __dadd_rn(sum_dy, part[2 * k * D + c]);
+        sum_dyx = __dadd_rn(sum_dyx, part[2 * k * D + D + c]);
+    }
+    if (dbeta) dbeta[c] = (float)sum_dy;
+    if (dgamma) dgamma[c] = (float)sum_dyx;
+}
+
+static unsigned mpt__cuda_ln_row_blocks(int64_t rows) {
+    return mpt__cuda_blocks(rows, mpt__cuda_ln_rows_per_block);
+}
+
+static void mpt__cuda_layernorm_forward(void *impl, const mpt_layernorm_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (a->rows <= 0 || a->cols <= 0) return;
+    mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        mpt__cuda_ln_forward_kernel<T><<<mpt__cuda_ln_row_blocks(a->rows),
+                                         dim3(32, mpt__cuda_ln_rows_per_block), 0, c->stream>>>(
+            (const T *)a->x, (T *)a->y, a->rows, a->cols, a->epsilon, a->gamma, a->beta,
+            a->mean, a->inv_std);
+        mpt__cuda_launched(c, "layernorm forward");
+    });
+}
+
+/* With the rows' mean and inv_std of forward: dx, then dgamma and dbeta. */
+static void mpt__cuda_layernorm_backward(void *impl, const mpt_layernorm_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (a->rows <= 0 || a->cols <= 0) return;
+    mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        const int64_t D = a->cols, n_chunks = mpt__cuda_bn_chunks(a->rows);
+        const int64_t chunk_rows = (a->rows + n_chunks - 1) / n_chunks;
+        const int64_t tiles = (D + mpt__cuda_bn_tile_channels - 1) / mpt__cuda_bn_tile_channels;
+        double *part = (double *)a->workspace;
+        if (a->dx) {
+            mpt__cuda_ln_dx_kernel<T><<<mpt__cuda_ln_row_blocks(a->rows),
+                                        dim3(32, mpt__cuda_ln_rows_per_block), 0, c->stream>>>(
+                (const T *)a->x, (const T *)a->dy, (T *)a->dx, a->rows, D, a->gamma, a->mean,
+                a->inv_std);
+            mpt__cuda_launched(c, "layernorm dx");
+        }
+        if (!a->dgamma && !a->dbeta) return;
+        mpt__cuda_ln_param_partials_kernel<T>
+            <<<dim3((unsigned)tiles, (unsigned)n_chunks),
+               dim3(mpt__cuda_bn_tile_channels, mpt__cuda_bn_tile_rows), 0, c->stream>>>(
+                (const T *)a->x, (const T *)a->dy, a->rows, D, chunk_rows, a->mean, a->inv_std,
+                part);
+        mpt__cuda_launched(c, "layernorm parameter gradient sums");
+        mpt__cuda_ln_param_grads_kernel<<<mpt__cuda_blocks(D, mpt__cuda_layers_threads),
+                                          mpt__cuda_layers_threads, 0, c->stream>>>(
+            part, n_chunks, D, a->dgamma, a->dbeta);
+        mpt__cuda_launched(c, "layernorm parameter gradients");
+    });
+}
+
 /* ---- Dropout ------------------------------------------------------------ */
 
 /* out[i] = in[i] · scale where uniform01(word i%4 of philox(key, step, i/4))
@@ -5853,6 +6050,9 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.timer_free = MPT__CUDA_ENTRY(mpt__cuda_timer_free);
     t.gather_rows = MPT__CUDA_ENTRY(mpt__cuda_gather_rows);
     t.scatter_add_rows = MPT__CUDA_ENTRY(mpt__cuda_scatter_add_rows);
+    t.layernorm_forward = MPT__CUDA_ENTRY(mpt__cuda_layernorm_forward);
+    t.layernorm_backward = MPT__CUDA_ENTRY(mpt__cuda_layernorm_backward);
+    t.layernorm_workspace = MPT__CUDA_ENTRY(mpt__cuda_layernorm_workspace);
     return t;
 }
 

@@ -226,6 +226,7 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     REQUIRED(elementwise); REQUIRED(copy_rows);
     REQUIRED(qgemm);
     REQUIRED(gather_rows); REQUIRED(scatter_add_rows);
+    REQUIRED(layernorm_forward); REQUIRED(layernorm_backward); REQUIRED(layernorm_workspace);
 #undef REQUIRED
     named++; /* gemm_plan: optional */
     named++; /* conv_direct: optional */

@@ -77,7 +77,7 @@ typedef enum emu_op {
     OP_GEMM, OP_CONVERT, OP_ACTIVATION, OP_ACTIVATION_GRAD, OP_COLUMN_SUMS, OP_IM2COL,
     OP_COL2IM, OP_POOL_FORWARD, OP_POOL_BACKWARD, OP_BN_FORWARD, OP_BN_BACKWARD, OP_BN_COMMIT,
     OP_DROPOUT, OP_LOSS, OP_GRAD_STATS, OP_UPDATE, OP_LOSS_SCALE, OP_ADD, OP_SCALE, OP_COPY,
-    OP_ZERO, OP_CONV_DIRECT
+    OP_ZERO, OP_CONV_DIRECT, OP_LN_FORWARD, OP_LN_BACKWARD
 } emu_op;
 
 typedef struct emu_call { /* the arguments of one call; each op uses some */
@@ -85,6 +85,7 @@ typedef struct emu_call { /* the arguments of one call; each op uses some */
     void *impl;
     mpt_gemm_desc gemm;
     mpt_batchnorm_args bn;
+    mpt_layernorm_args ln;
     mpt_loss_args loss;
     mpt_update_args update;
     mpt_loss_scale_desc loss_scale;
@@ -448,6 +449,33 @@ static void emu_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
     cpu()->batchnorm_commit(impl, a, state);
 }
 
+static void expect_layernorm_args(void *impl, const mpt_layernorm_args *a) {
+    const void *p[] = {a->x,      a->y,      a->dy,   a->dx,      a->gamma,    a->beta,
+                       a->dgamma, a->dbeta,  a->mean, a->inv_std, a->workspace};
+    size_t i;
+    for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
+}
+
+static void emu_layernorm_forward(void *impl, const mpt_layernorm_args *a) {
+    expect_layernorm_args(impl, a);
+    if (recording) {
+        emu_call *c = record(OP_LN_FORWARD, impl);
+        if (c) c->ln = *a;
+        return;
+    }
+    cpu()->layernorm_forward(impl, a);
+}
+
+static void emu_layernorm_backward(void *impl, const mpt_layernorm_args *a) {
+    expect_layernorm_args(impl, a);
+    if (recording) {
+        emu_call *c = record(OP_LN_BACKWARD, impl);
+        if (c) c->ln = *a;
+        return;
+    }
+    cpu()->layernorm_backward(impl, a);
+}
+
 static void emu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype, const void *in,
                         void *out, int64_t n, const mpt_step_state *state, int64_t *saved_step,
                         void *ws) {
@@ -597,6 +625,8 @@ static void run_call(const emu_call *c) {
     case OP_SCALE: emu_scale(impl, (float *)c->out[0], c->value, c->n[0]); break;
     case OP_COPY: emu_copy(impl, c->out[0], c->in[0], (size_t)c->n[0]); break;
     case OP_ZERO: emu_zero(impl, c->out[0], (size_t)c->n[0]); break;
+    case OP_LN_FORWARD: emu_layernorm_forward(impl, &c->ln); break;
+    case OP_LN_BACKWARD: emu_layernorm_backward(impl, &c->ln); break;
     }
 }
 
@@ -691,6 +721,8 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.batchnorm_forward = emu_batchnorm_forward;
     emu_table.batchnorm_backward = emu_batchnorm_backward;
     emu_table.batchnorm_commit = emu_batchnorm_commit;
+    emu_table.layernorm_forward = emu_layernorm_forward;
+    emu_table.layernorm_backward = emu_layernorm_backward;
     emu_table.dropout = emu_dropout;
     emu_table.loss = emu_loss;
     emu_table.grad_stats = emu_grad_stats;
@@ -873,11 +905,13 @@ static void test_fit_matches_the_cpu(void) {
     }
 }
 
-/* An output of several positions per sample: Conv2D 'same' -> Conv2D(1×1,
-   softmax) gives (SIDE, SIDE, CLASSES), with a class id per pixel (the
-   quadrant's class where the square is, else 0). The per-position loss,
-   its gradient and the tally of samples and fractional hits go the same
-   way through the device's staging as on the CPU, bit for bit. */
+/* An output of several positions per sample: Conv2D 'same' ->
+   LayerNormalization (each pixel's channels) -> Conv2D(1×1, softmax) gives
+   (SIDE, SIDE, CLASSES), with a class id per pixel (the quadrant's class
+   where the square is, else 0). The per-position loss, its gradient, the
+   tally of samples and fractional hits and LayerNormalization's recorded
+   and replayed calls go the same way through the device's staging as on
+   the CPU, bit for bit. */
 static int32_t pixel_ys[N * SIDE * SIDE];
 
 static mpt_model *pixel_model(mpt_context *c) {
@@ -887,6 +921,7 @@ static mpt_model *pixel_model(mpt_context *c) {
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
                                                .padding = MPT_PADDING_SAME,
                                                .activation = MPT_ACT_RELU});
+    mpt_model_add_layer_normalization(m, NULL); /* each pixel's 6 channels */
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = CLASSES, .kernel_size = {1, 1},
                                                .activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_compile(m, &(mpt_compile_desc){

@@ -1134,6 +1134,124 @@ static void test_batchnorm(void) {
         }
 }
 
+/* ---- layer normalization -------------------------------------------------------------- */
+
+/* What one backend gave for a LayerNormalization forward and backward,
+   on the host. */
+typedef struct ln_result {
+    void *y, *dx;
+    float *mean, *inv_std, *dgamma, *dbeta;
+} ln_result;
+
+static void ln_result_free(ln_result *r) {
+    free(r->y);
+    free(r->dx);
+    free(r->mean);
+    free(r->inv_std);
+    free(r->dgamma);
+    free(r->dbeta);
+}
+
+/* Forward of x, then backward of dy from the row statistics given
+   (stat_mean, stat_inv_std: the CPU's forward's, so that both backends'
+   backward start from the same numbers). Every output poisoned first. */
+static ln_result ln_run(backend *b, mpt_dtype dt, int64_t rows, int64_t D, const void *x,
+                        const void *dy, const float *gamma, const float *beta,
+                        const float *stat_mean, const float *stat_inv_std, int with_dx) {
+    mpt_layernorm_args a;
+    ln_result r;
+    size_t db = nbytes(MPT_FLOAT32, D), rb = nbytes(MPT_FLOAT32, rows), xb = nbytes(dt, rows * D);
+    int64_t wsb = b->t->layernorm_workspace(b->impl, dt, rows, D);
+    memset(&a, 0, sizeof a);
+    memset(&r, 0, sizeof r);
+    CHECK(wsb >= 0, "layernorm_workspace %lld for %lldx%lld", (long long)wsb, (long long)rows,
+          (long long)D);
+    a.dtype = dt;
+    a.rows = rows;
+    a.cols = D;
+    a.epsilon = 1e-3f;
+    a.x = be_upload(b, x, xb);
+    a.y = be_poisoned(b, xb);
+    a.gamma = gamma ? (const float *)be_upload(b, gamma, db) : NULL;
+    a.beta = beta ? (const float *)be_upload(b, beta, db) : NULL;
+    a.mean = (float *)be_poisoned(b, rb);
+    a.inv_std = (float *)be_poisoned(b, rb);
+    a.workspace = be_poisoned(b, (size_t)(wsb > 0 ? wsb : 0));
+    b->t->layernorm_forward(b->impl, &a);
+    r.y = be_fetch(b, a.y, xb, "layernorm_forward");
+    r.mean = (float *)be_fetch(b, a.mean, rb, "layernorm_forward");
+    r.inv_std = (float *)be_fetch(b, a.inv_std, rb, "layernorm_forward");
+    if (stat_mean) {
+        be_put(b, a.mean, stat_mean, rb);
+        be_put(b, a.inv_std, stat_inv_std, rb);
+        a.dy = be_upload(b, dy, xb);
+        a.dx = with_dx ? be_poisoned(b, xb) : NULL;
+        a.dgamma = gamma ? (float *)be_poisoned(b, db) : NULL;
+        a.dbeta = beta ? (float *)be_poisoned(b, db) : NULL;
+        b->t->layernorm_backward(b->impl, &a);
+        if (a.dx) r.dx = be_fetch(b, a.dx, xb, "layernorm_backward");
+        if (a.dgamma) r.dgamma = (float *)be_fetch(b, a.dgamma, db, "layernorm_backward");
+        if (a.dbeta) r.dbeta = (float *)be_fetch(b, a.dbeta, db, "layernorm_backward");
+    }
+    be_release(b);
+    return r;
+}
+
+/* CUDA against the CPU: y and dx within tolerance(dt) (2^-10 float16,
+   2^-7 bfloat16, 1e-5 float32: the same per-element rule, only the order
+   of the row sums differs), each row's mean and inv_std and dgamma, dbeta
+   within 1e-5 (float32 from double sums). Rows of 1 to 1000 columns, one
+   column, a row count over several chunks, x far from 0 (mean 3, and
+   around 500 in one shape), with and without gamma/beta and dx. */
+static void test_layernorm(void) {
+    static const int64_t shapes[7][2] = {{1, 3}, {7, 1}, {128, 32}, {1000, 64}, {4096, 5},
+                                         {33, 1000}, {300, 96}};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int si, di;
+    for (si = 0; si < 7; si++)
+        for (di = 0; di < 3; di++) {
+            mpt_dtype dt = float_dtypes[di];
+            int64_t rows = shapes[si][0], D = shapes[si][1];
+            int affine = si != 1 && si != 5, with_dx = si != 4;
+            double lo = si == 6 ? 490 : 1, hi = si == 6 ? 530 : 5;
+            void *x = random_values(dt, rows * D, lo, hi);
+            void *dy = random_values(dt, rows * D, -1, 1);
+            float *gamma = (float *)random_values(MPT_FLOAT32, D, 0.5, 1.5);
+            float *beta = (float *)random_values(MPT_FLOAT32, D, -1, 1);
+            ln_result c, g;
+            char name[160];
+            snprintf(name, sizeof name, "layernorm %lldx%lld %s%s%s", (long long)rows,
+                     (long long)D, mpt_dtype_name(dt), affine ? "" : " without gamma/beta",
+                     with_dx ? "" : " without dx");
+            c = ln_run(&cpu_be, dt, rows, D, x, dy, affine ? gamma : NULL, affine ? beta : NULL,
+                       NULL, NULL, with_dx);
+            g = ln_run(gpu, dt, rows, D, x, dy, affine ? gamma : NULL, affine ? beta : NULL,
+                       NULL, NULL, with_dx);
+            check_close(name, dt, g.y, c.y, rows * D, tolerance(dt));
+            check_close(name, MPT_FLOAT32, g.mean, c.mean, rows, 1e-5);
+            check_close(name, MPT_FLOAT32, g.inv_std, c.inv_std, rows, 1e-5);
+            {
+                ln_result cb = ln_run(&cpu_be, dt, rows, D, x, dy, affine ? gamma : NULL,
+                                      affine ? beta : NULL, c.mean, c.inv_std, with_dx);
+                ln_result gb = ln_run(gpu, dt, rows, D, x, dy, affine ? gamma : NULL,
+                                      affine ? beta : NULL, c.mean, c.inv_std, with_dx);
+                if (with_dx) check_close(name, dt, gb.dx, cb.dx, rows * D, tolerance(dt));
+                if (affine) {
+                    check_close(name, MPT_FLOAT32, gb.dgamma, cb.dgamma, D, 1e-5);
+                    check_close(name, MPT_FLOAT32, gb.dbeta, cb.dbeta, D, 1e-5);
+                }
+                ln_result_free(&cb);
+                ln_result_free(&gb);
+            }
+            ln_result_free(&c);
+            ln_result_free(&g);
+            free(x);
+            free(dy);
+            free(gamma);
+            free(beta);
+        }
+}
+
 /* ---- dropout --------------------------------------------------------------------------- */
 
 /* Forward (step from the state, saved) and backward (the saved step):
@@ -3893,6 +4011,9 @@ static void run_layer_tests(void) {
               test_hand_step_functions);
     test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
               test_layout_index_paths);
+    test__run("layernorm forward and backward (y, dx <= tolerance(dt); statistics, dgamma, "
+              "dbeta <= 1e-5)",
+              test_layernorm);
 }
 
 /* The int8 GEMM (also `test_cuda qgemm`). */

@@ -25,11 +25,14 @@ static const char *path_of(char *buf, const char *name) {
 
 /* ---- models with every layer the export writes ---------------------------------- */
 
-typedef enum { MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH, SEQ, PIXELS } arch;
+typedef enum {
+    MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH, SEQ, PIXELS, LN_ROWS, LN_CNN
+} arch;
 
 static const char *arch_name(arch a) {
-    static const char *names[] = {"mlp",   "mlp_vectors", "mlp_rows", "cnn",   "cnn_gap",
-                                  "cnn_open", "graph",    "seq",      "pixels"};
+    static const char *names[] = {"mlp",      "mlp_vectors", "mlp_rows", "cnn",
+                                  "cnn_gap",  "cnn_open",    "graph",    "seq",
+                                  "pixels",   "ln_rows",     "ln_cnn"};
     return names[a];
 }
 
@@ -129,14 +132,16 @@ static void add_graph(mpt_model *m, int with_bn) {
 /* Odd sizes throughout; BatchNormalization both folded (after a Dense or
    Conv2D without activation) and on its own (after an activation, or after
    pooling); every activation; 'same' and 'valid', strides, non-square
-   windows. with_bn 0 leaves BatchNormalization out. */
+   windows; LayerNormalization (which neither format has as an op in the
+   versions written) with and without gamma and beta, over rows and over
+   channels. with_bn 0 leaves BatchNormalization out. */
 static mpt_model *make_model(arch a, int with_bn) {
     mpt_model *m = NULL;
     mpt_model_desc desc = {.input_shape = {28, 28, 1}, .input_rank = 3, .seed = 7};
     if (a == MLP_VECTORS) { /* samples (784,) */
         desc.input_shape[0] = 784;
         desc.input_rank = 1;
-    } else if (a == MLP_ROWS || a == SEQ) { /* samples (28, 28) */
+    } else if (a == MLP_ROWS || a == SEQ || a == LN_ROWS) { /* samples (28, 28) */
         desc.input_rank = 2;
     }
     if (mpt_model_create(ctx, &desc, &m) != MPT_OK) return NULL;
@@ -203,6 +208,23 @@ static mpt_model *make_model(arch a, int with_bn) {
         add_dense(m, 10, MPT_ACT_SOFTMAX);
         break;
     case GRAPH: add_graph(m, with_bn); break;
+    case LN_ROWS: /* LayerNormalization over each row of 28, 3-D in the files */
+        mpt_model_add_layer_normalization(m, NULL);
+        mpt_model_add_flatten(m, NULL);
+        add_dense(m, 13, MPT_ACT_RELU);
+        mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){.no_center = 1,
+                                                                             .epsilon = 0.1f});
+        add_dense(m, 10, MPT_ACT_SOFTMAX);
+        break;
+    case LN_CNN: /* over each pixel's channels: NCHW in ONNX, after a Conv2D */
+        add_conv(m, 5, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU);
+        mpt_model_add_layer_normalization(m, NULL);
+        mpt_model_add_max_pooling2d(m, NULL);
+        add_conv(m, 4, 3, 3, 2, 2, MPT_PADDING_SAME, MPT_ACT_NONE);
+        mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){.no_scale = 1});
+        mpt_model_add_flatten(m, NULL);
+        add_dense(m, 10, MPT_ACT_SOFTMAX);
+        break;
     case CNN_OPEN: /* ends 4-D: the output must come back NHWC */
         add_conv(m, 4, 3, 3, 3, 3, MPT_PADDING_VALID, MPT_ACT_NONE);
         add_act(m, MPT_ACT_SIGMOID);
@@ -1560,8 +1582,8 @@ int main(void) {
         printf("FAIL cannot create a temporary directory\n");
         return 1;
     }
-    for (a = MLP; a <= PIXELS; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
-    for (a = MLP; a <= PIXELS; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
+    for (a = MLP; a <= LN_CNN; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
+    for (a = MLP; a <= LN_CNN; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
     TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_tflite_quantization);
     TEST_RUN(test_onnx_qdq);

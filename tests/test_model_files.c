@@ -180,6 +180,14 @@ static mpt_model *every_layer_model(void) {
     two[1] = mpt_average(m, 2, three + 1, NULL);
     a = mpt_add(m, 2, two, &(mpt_merge_desc){.name = "sum"});
     a = mpt_activation_layer(m, a, &(mpt_activation_desc){.activation = MPT_ACT_TANH});
+    a = mpt_layer_normalization(m, a,
+                                &(mpt_layer_normalization_desc){.epsilon = 1e-5f,
+                                                                .no_scale = 1,
+                                                                .gamma_initializer = MPT_INIT_ZEROS,
+                                                                .beta_initializer = MPT_INIT_ONES,
+                                                                .name = "ln"});
+    a = mpt_layer_normalization(
+        m, a, &(mpt_layer_normalization_desc){.no_center = 1, .dtype = MPT_FLOAT32});
     mpt_dense(m, mpt_flatten(m, a, NULL), &(mpt_dense_desc){.units = 3});
     CHECK(mpt_model_build(m, 7) == MPT_OK, "build: %s", mpt_context_error(ctx));
     return m;
@@ -224,6 +232,19 @@ static void test_every_layer_round_trip(void) {
               mpt_model_layer_dtype(loaded, 4) == MPT_FLOAT32,
           "names or dtypes changed: %s %s", mpt_model_layer_name(loaded, 3),
           mpt_dtype_name(mpt_model_layer_dtype(loaded, 4)));
+    {   /* LayerNormalization's descriptor came back field by field */
+        const mpt__layer *ln = mpt__find_layer(loaded, "ln");
+        const mpt__layer *ln1 = mpt__find_layer(loaded, "layer_normalization");
+        CHECK(ln && ln->desc.layer_normalization.epsilon == 1e-5f &&
+                  ln->desc.layer_normalization.no_scale &&
+                  !ln->desc.layer_normalization.no_center &&
+                  ln->desc.layer_normalization.gamma_initializer == MPT_INIT_ZEROS &&
+                  ln->desc.layer_normalization.beta_initializer == MPT_INIT_ONES,
+              "LayerNormalization 'ln' came back otherwise");
+        CHECK(ln1 && ln1->desc.layer_normalization.no_center && ln1->dtype == MPT_FLOAT32 &&
+                  ln1->n_params == 1,
+              "LayerNormalization 'layer_normalization' came back otherwise");
+    }
 done:
     mpt_model_destroy(loaded);
     mpt_model_destroy(m);
@@ -440,6 +461,10 @@ static void test_hostile_architectures(void) {
          "\"seed\":0,\"memory_limit\":0,\"max_batch\":2,\"layers\":[{\"class\":\"Dropout\","
          "\"name\":\"r\",\"inputs\":[0],\"config\":{\"rate\":1e39}}]}",
          "rate 1e39 is not a finite float", MPT_ERR_FORMAT},
+        {"{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[4],\"policy\":\"float32\","
+         "\"seed\":0,\"memory_limit\":0,\"max_batch\":2,\"layers\":[{\"class\":"
+         "\"LayerNormalization\",\"name\":\"n\",\"inputs\":[0],\"config\":{\"epsilon\":-2}}]}",
+         "LayerNormalization: epsilon -2 must be > 0", MPT_ERR_INVALID_ARGUMENT},
         {"{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[4],\"policy\":\"float32\","
          "\"seed\":0,\"memory_limit\":0,\"max_batch\":2,\"layers\":[{\"class\":\"Dense\","
          "\"name\":\"a\",\"inputs\":[0],\"config\":{\"units\":2}},{\"class\":\"Dense\","

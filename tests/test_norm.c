@@ -1,7 +1,8 @@
-/* BatchNormalization and Dropout: gradients against finite differences in
-   double, the moving statistics against a hand computation, known answers,
-   the dropout mask's rule and statistics, thread-count independence, and
-   bad input. */
+/* BatchNormalization, Dropout and LayerNormalization: gradients against
+   finite differences in double, the moving statistics against a hand
+   computation, known answers, the dropout mask's rule and statistics,
+   LayerNormalization's float16 and bfloat16 against float32,
+   thread-count independence, and bad input. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "gradcheck.h"
@@ -775,6 +776,474 @@ static void test_dropout_backward_applies_forward_mask(void) {
     CHECK(ran >= 2, "%d runs", ran);
 }
 
+/* ======================================================================
+   LayerNormalization
+   ====================================================================== */
+
+typedef struct ln_ref {
+    int64_t in_count, D; /* one sample's elements; the normalised (last) axis */
+    int center, scale;
+    double eps;
+} ln_ref;
+
+/* y = gamma·(x − mean)/sqrt(var + eps) + beta along each row of D, with
+   the row's mean and biased variance. Parameters in Keras order, gamma
+   and beta only when used. */
+static void ln_forward_ref(const gc_case *c, const double *x, double *const *params, double *y) {
+    const ln_ref *d = (const ln_ref *)c->user;
+    int64_t D = d->D, rows = c->batch * d->in_count / D, r, j;
+    const double *gamma = d->scale ? params[0] : NULL;
+    const double *beta = d->center ? params[d->scale] : NULL;
+    for (r = 0; r < rows; r++) {
+        const double *xr = x + r * D;
+        double mean = 0, var = 0;
+        for (j = 0; j < D; j++) mean += xr[j];
+        mean /= (double)D;
+        for (j = 0; j < D; j++) var += (xr[j] - mean) * (xr[j] - mean);
+        var /= (double)D;
+        for (j = 0; j < D; j++)
+            y[r * D + j] = (gamma ? gamma[j] : 1) * (xr[j] - mean) / sqrt(var + d->eps) +
+                           (beta ? beta[j] : 0);
+    }
+}
+
+static void check_ln(int64_t batch, int rank, const int64_t *shape, mpt_dtype dtype, int center,
+                     int scale, float eps) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    ln_ref d;
+    char label[160], s[64];
+    int i;
+    test__begin();
+    memset(&md, 0, sizeof md);
+    md.input_rank = rank;
+    memcpy(md.input_shape, shape, sizeof(int64_t) * (size_t)rank);
+    d.in_count = 1;
+    for (i = 0; i < rank; i++) d.in_count *= shape[i];
+    d.D = shape[rank - 1];
+    d.center = center;
+    d.scale = scale;
+    d.eps = eps != 0 ? eps : 1e-3f;
+    snprintf(label, sizeof label, "layernorm B=%lld sample %s %s%s%s eps %g", (long long)batch,
+             mpt_shape_format(s, sizeof s, rank, shape), mpt_dtype_name(dtype),
+             center ? "" : " no-center", scale ? "" : " no-scale", (double)d.eps);
+    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
+    CHECK(mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){
+              .dtype = dtype, .epsilon = eps, .no_center = !center, .no_scale = !scale}) ==
+              MPT_OK,
+          "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, batch + 1) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_param_count(m) == center + scale, "%d parameters", mpt_model_param_count(m));
+    gc_check(ctx, &(gc_case){.model = m, .batch = batch, .training = 1,
+                             .ref_forward = ln_forward_ref, .user = &d}, label);
+    /* inference normalises the same way (no moving state) */
+    gc_check(ctx, &(gc_case){.model = m, .batch = batch, .training = 0,
+                             .ref_forward = ln_forward_ref, .user = &d}, label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+/* (B, D) and (B, T, D), with and without center and scale, each dtype
+   (gradcheck.h's tolerances by dtype: 1e-5/1e-4 float32, 5e-3/1e-2
+   float16, 3e-2/6e-2 bfloat16). */
+static void test_ln_gradients(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    static const int64_t vec[1] = {7}, seq[2] = {3, 6}, img[3] = {2, 3, 5}, one[1] = {1};
+    int t, k;
+    for (t = 0; t < 3; t++) {
+        for (k = 0; k < 4; k++) check_ln(5, 1, vec, dtypes[t], k & 1, k >> 1, 0);
+        for (k = 0; k < 4; k++) check_ln(4, 2, seq, dtypes[t], k & 1, k >> 1, 0);
+        check_ln(3, 3, img, dtypes[t], 1, 1, 0);
+        check_ln(2, 2, seq, dtypes[t], 1, 1, 1e-5f); /* PyTorch's epsilon */
+    }
+    check_ln(3, 1, one, MPT_FLOAT32, 1, 1, 0); /* D = 1: x̂ = 0, y = beta */
+}
+
+/* One LayerNormalization row by row (D each) in double, gamma and beta. */
+static void ln_rows_ref(const double *x, int64_t rows, int64_t D, const double *gamma,
+                        const double *beta, double *y) {
+    int64_t r, j;
+    for (r = 0; r < rows; r++) {
+        double mean = 0, var = 0;
+        for (j = 0; j < D; j++) mean += x[r * D + j];
+        mean /= (double)D;
+        for (j = 0; j < D; j++) var += (x[r * D + j] - mean) * (x[r * D + j] - mean);
+        var /= (double)D;
+        for (j = 0; j < D; j++)
+            y[r * D + j] = gamma[j] * (x[r * D + j] - mean) / sqrt(var + 1e-3f) + beta[j];
+    }
+}
+
+/* y = ln(ln(x) + x), one layer called twice (mpt_apply_layer). */
+static void ln_graph_ref(const gc_case *c, const double *x, double *const *params, double *y) {
+    const ln_ref *d = (const ln_ref *)c->user;
+    int64_t n = c->batch * d->in_count, i;
+    double *z = (double *)malloc(sizeof(double) * (size_t)n);
+    ln_rows_ref(x, n / d->D, d->D, params[0], params[1], z);
+    for (i = 0; i < n; i++) z[i] += x[i];
+    ln_rows_ref(z, n / d->D, d->D, params[0], params[1], y);
+    free(z);
+}
+
+/* In a graph: a residual around LayerNormalization and the same layer
+   applied again to the sum, its gamma and beta's gradients the sum of
+   both calls'. */
+static void test_ln_graph_shared(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16};
+    int t;
+    for (t = 0; t < 2; t++) {
+        mpt_model *m = NULL;
+        mpt_node x, two[2], y;
+        ln_ref d = {12, 4, 1, 1, 1e-3f};
+        char label[96];
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 4}, .input_rank = 2,
+                                                .policy = t ? MPT_POLICY_MIXED_FLOAT16
+                                                            : MPT_POLICY_FLOAT32}, &m);
+        x = mpt_model_input(m);
+        two[0] = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.name = "ln"});
+        two[1] = x;
+        y = mpt_add(m, 2, two, NULL);
+        y = mpt_apply_layer(m, "ln", 1, &y);
+        CHECK(y != MPT_NODE_FAILED, "graph: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_build(m, 6) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_param_count(m) == 2, "%d parameters", mpt_model_param_count(m));
+        snprintf(label, sizeof label, "layernorm shared in a graph, %s", mpt_dtype_name(dtypes[t]));
+        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1,
+                                 .ref_forward = ln_graph_ref, .user = &d}, label);
+        mpt_model_destroy(m);
+    }
+}
+
+/* Parameters: Keras' names, order, shapes and initial values; the summary
+   counts 2·D. */
+static void test_ln_params(void) {
+    mpt_model *m = NULL;
+    mpt_param_info info;
+    char text[2048];
+    float *v;
+    int k;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {5, 12}, .input_rank = 2}, &m);
+    CHECK(mpt_model_add_layer_normalization(m, NULL) == MPT_OK, "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){
+              .gamma_initializer = MPT_INIT_ZEROS, .beta_initializer = MPT_INIT_ONES}) == MPT_OK,
+          "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(strcmp(mpt_model_layer_name(m, 0), "layer_normalization") == 0 &&
+              strcmp(mpt_model_layer_name(m, 1), "layer_normalization_1") == 0,
+          "names %s, %s", mpt_model_layer_name(m, 0), mpt_model_layer_name(m, 1));
+    CHECK(strcmp(mpt_model_layer_class_name(m, 0), "LayerNormalization") == 0, "class %s",
+          mpt_model_layer_class_name(m, 0));
+    CHECK(mpt_model_param_count(m) == 4, "%d parameters", mpt_model_param_count(m));
+    for (k = 0; k < 4; k++) {
+        static const char *names[] = {"layer_normalization/gamma", "layer_normalization/beta",
+                                      "layer_normalization_1/gamma", "layer_normalization_1/beta"};
+        static const float init[] = {1, 0, 0, 1};
+        mpt_model_param(m, k, &info);
+        v = (float *)info.value.data;
+        CHECK(strcmp(info.name, names[k]) == 0, "parameter %d is %s", k, info.name);
+        CHECK(info.trainable && info.value.rank == 1 && info.value.shape[0] == 12,
+              "%s: shape or trainable", info.name);
+        CHECK(v[0] == init[k] && v[11] == init[k], "%s starts at %g", info.name, (double)v[0]);
+    }
+    mpt_model_summary(m, text, sizeof text);
+    CHECK(strstr(text, "LayerNormalization") && strstr(text, "(None, 5, 12)") &&
+              strstr(text, " 24 "),
+          "summary row: %s", text);
+    CHECK(strstr(text, "Total params: 48"), "summary total: %s", text);
+    mpt_model_destroy(m);
+}
+
+/* A known answer by hand: x = (1, 2, 3, 4) has mean 2.5 and biased
+   variance 1.25; with epsilon 0.25 the scale is 1/sqrt(1.5), and gamma =
+   (1, 2, −1, 0.5), beta = (0, 1, 0.5, −2) give y below. A second row of
+   equal values gives beta (x̂ = 0). */
+static void test_ln_known_answer(void) {
+    mpt_model *m = NULL;
+    mpt_param_info g, b;
+    mpt_tensor tx, ty;
+    float x[8] = {1, 2, 3, 4, 7, 7, 7, 7}, y[8];
+    const double s = 1 / sqrt(1.5);
+    const double want[8] = {-1.5 * s,      2 * -0.5 * s + 1, -1 * 0.5 * s + 0.5, 0.5 * 1.5 * s - 2,
+                            0,             1,                0.5,                -2};
+    int i;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){.epsilon = 0.25f});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_model_param(m, 0, &g);
+    mpt_model_param(m, 1, &b);
+    memcpy(g.value.data, (float[]){1, 2, -1, 0.5f}, sizeof(float) * 4);
+    memcpy(b.value.data, (float[]){0, 1, 0.5f, -2}, sizeof(float) * 4);
+    mpt_model_refresh_weights(m);
+    wrap_input(m, 2, x, &tx);
+    CHECK(mpt_model_forward(m, &tx, 0, &ty) == MPT_OK, "forward: %s", mpt_context_error(ctx));
+    output_f32(&ty, y);
+    for (i = 0; i < 8; i++)
+        CHECK(fabs(y[i] - want[i]) <= 1e-6, "y[%d] = %.8g, want %.8g", i, (double)y[i], want[i]);
+    mpt_model_destroy(m);
+}
+
+/* One training forward and backward of a lone LayerNormalization (random
+   gamma and beta from `seed`) on input x (B, T, D) under `policy`, on
+   context c; y and dx (n each) then dgamma and dbeta (D each) as float32. */
+static void ln_run(mpt_context *c, mpt_policy policy, int64_t B, int64_t T, int64_t D,
+                   const float *x, const float *dy, uint64_t seed, float *out) {
+    mpt_model *m = NULL;
+    mpt_tensor tx, ty, tdy, tdx;
+    mpt_param_info g, b;
+    int64_t shape[3] = {B, T, D}, n = B * T * D, i;
+    memset(&tdx, 0, sizeof tdx);
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {T, D}, .input_rank = 2,
+                                          .policy = policy}, &m);
+    mpt_model_add_layer_normalization(m, NULL);
+    CHECK(mpt_model_build(m, B) == MPT_OK, "build: %s", mpt_context_error(c));
+    mpt_model_param(m, 0, &g);
+    mpt_model_param(m, 1, &b);
+    test_seed(seed);
+    for (i = 0; i < D; i++) {
+        ((float *)g.value.data)[i] = (float)test_uniform(0.5, 1.5);
+        ((float *)b.value.data)[i] = (float)test_uniform(-0.5, 0.5);
+    }
+    mpt_model_refresh_weights(m);
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 3, shape, (void *)x);
+    mpt_tensor_wrap(c, &tdy, MPT_FLOAT32, 3, shape, (void *)dy);
+    CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out, ty.dtype, ty.data, n);
+    CHECK(mpt_model_backward(m, &tdy, &tdx) == MPT_OK, "backward: %s", mpt_context_error(c));
+    mpt_convert(c, MPT_FLOAT32, out + n, tdx.dtype, tdx.data, n);
+    memcpy(out + 2 * n, g.grad.data, sizeof(float) * (size_t)D);
+    memcpy(out + 2 * n + D, b.grad.data, sizeof(float) * (size_t)D);
+    mpt_model_destroy(m);
+}
+
+/* The largest |a − b| over n, and where. */
+static double max_abs_diff(const float *a, const float *b, int64_t n, int64_t *at) {
+    double worst = 0;
+    int64_t i;
+    *at = 0;
+    for (i = 0; i < n; i++)
+        if (!(fabs((double)a[i] - b[i]) <= worst)) worst = fabs((double)a[i] - b[i]), *at = i;
+    return worst;
+}
+
+/* y of rows of D in double, with ln_run's gamma and beta (from `seed`). */
+static void ln_reference_y(const float *x, int64_t rows, int64_t D, uint64_t seed, double *y) {
+    double *gamma = (double *)malloc(sizeof(double) * (size_t)D);
+    double *beta = (double *)malloc(sizeof(double) * (size_t)D);
+    int64_t r, j;
+    test_seed(seed);
+    for (j = 0; j < D; j++) {
+        gamma[j] = (float)test_uniform(0.5, 1.5);
+        beta[j] = (float)test_uniform(-0.5, 0.5);
+    }
+    for (r = 0; r < rows; r++) {
+        double mean = 0, var = 0;
+        for (j = 0; j < D; j++) mean += x[r * D + j];
+        mean /= (double)D;
+        for (j = 0; j < D; j++) var += (x[r * D + j] - mean) * (x[r * D + j] - mean);
+        var /= (double)D;
+        for (j = 0; j < D; j++)
+            y[r * D + j] = gamma[j] * (x[r * D + j] - mean) / sqrt(var + 1e-3f) + beta[j];
+    }
+    free(gamma);
+    free(beta);
+}
+
+/* float16 and bfloat16 policies against float32 on the same input (x
+   rounded to the half dtype first, so that only the layer's own
+   arithmetic differs). The input sits far from 0 (x = 1000 + noise for
+   float16, whose Σ x² would overflow and whose Σ x² − D·mean² in float32
+   would lose the variance; 100 + noise for bfloat16, whose steps at 1000
+   are 8): the statistics in float32 still normalise it. y has |y| < 4,
+   so rounding it to float16 errs by at most 2^-9, to bfloat16 by 2^-6;
+   dx and the parameter gradients read dy rounded and the dx rounded. */
+static void test_ln_mixed_policies(void) {
+    enum { B = 6, T = 5, D = 40, N = B * T * D };
+    static const mpt_policy policies[] = {MPT_POLICY_MIXED_FLOAT16, MPT_POLICY_MIXED_BFLOAT16};
+    static const mpt_dtype dtypes[] = {MPT_FLOAT16, MPT_BFLOAT16};
+    static const double centre[] = {1000, 100}, noise[] = {8, 6};
+    static const double tol_y[] = {4e-3, 3e-2}, tol_dx[] = {2e-2, 1.2e-1}, tol_p[] = {2e-2, 1e-1};
+    float *x = (float *)malloc(sizeof(float) * N), *dy = (float *)malloc(sizeof(float) * N);
+    float *ref = (float *)malloc(sizeof(float) * (2 * N + 2 * D));
+    float *half = (float *)malloc(sizeof(float) * (2 * N + 2 * D));
+    double *exact = (double *)malloc(sizeof(double) * N);
+    int k;
+    int64_t i, at;
+    for (k = 0; k < 2; k++) {
+        double e;
+        test__begin();
+        test_seed(40 + (unsigned)k);
+        for (i = 0; i < N; i++) {
+            x[i] = (float)round_to(dtypes[k], centre[k] + test_uniform(-noise[k], noise[k]));
+            dy[i] = (float)round_to(dtypes[k], test_uniform(-1, 1));
+        }
+        ln_run(ctx, MPT_POLICY_FLOAT32, B, T, D, x, dy, 7, ref);
+        ln_run(ctx, policies[k], B, T, D, x, dy, 7, half);
+        ln_reference_y(x, B * T, D, 7, exact);
+        /* the row's mean, rounded to float32, errs by up to half a step of
+           float32 at 1000 (3.1e-5), which x̂ divides by σ ≈ 4.6 and gamma
+           (< 1.5) scales: up to 1e-5 in y (measured 9.4e-6) */
+        for (e = 0, i = 0; i < N; i++) e = fmax(e, fabs(ref[i] - exact[i]));
+        CHECK(e <= 2e-5, "float32 y differs from double's by %.3g > 2e-5", e);
+        for (e = 0, i = 0; i < N; i++) e = fmax(e, fabs(half[i] - exact[i]));
+        CHECK(e <= tol_y[k], "%s y differs from double's by %.3g > %.3g",
+              mpt_dtype_name(dtypes[k]), e, tol_y[k]);
+        for (i = 0; i < 2 * N + 2 * D; i++)
+            CHECK(isfinite(half[i]), "%s: value %lld is not finite", mpt_dtype_name(dtypes[k]),
+                  (long long)i);
+        e = max_abs_diff(half, ref, N, &at);
+        CHECK(e <= tol_y[k], "%s: y differs by %.3g > %.3g at %lld (%g vs %g)",
+              mpt_dtype_name(dtypes[k]), e, tol_y[k], (long long)at, (double)half[at],
+              (double)ref[at]);
+        e = max_abs_diff(half + N, ref + N, N, &at);
+        CHECK(e <= tol_dx[k], "%s: dx differs by %.3g > %.3g at %lld",
+              mpt_dtype_name(dtypes[k]), e, tol_dx[k], (long long)at);
+        e = max_abs_diff(half + 2 * N, ref + 2 * N, 2 * D, &at);
+        CHECK(e <= tol_p[k], "%s: dgamma/dbeta differ by %.3g > %.3g at %lld",
+              mpt_dtype_name(dtypes[k]), e, tol_p[k], (long long)at);
+        /* the statistics normalised: y's spread is gamma's, not 0 or inf */
+        CHECK(fabs(ref[0]) < 4 && fabs(ref[1] - ref[0]) > 1e-3, "float32 y %g %g", (double)ref[0],
+              (double)ref[1]);
+        test__end("layernorm %s vs float32, x = %g + noise", mpt_dtype_name(dtypes[k]),
+                  centre[k]);
+    }
+    free(x), free(dy), free(ref), free(half), free(exact);
+}
+
+/* 1 and 2 threads give the same bits, and so does the portable path
+   (no SIMD conversions) on 2: 900 rows of 300 (a row in two pieces),
+   several chunks. */
+static void test_ln_threads(void) {
+    enum { B = 45, T = 20, D = 300, N = B * T * D, OUT = 2 * N + 2 * D };
+    static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                          MPT_POLICY_MIXED_BFLOAT16};
+    float *x = random_floats(N, -1, 2), *dy = random_floats(N, -1, 1);
+    float *out[3];
+    int t, p;
+    for (p = 0; p < 3; p++) {
+        for (t = 0; t < 3; t++) {
+            mpt_context *c = t < 2 ? threads_ctx(t + 1) : path_ctx(2, ~0);
+            out[t] = (float *)malloc(sizeof(float) * OUT);
+            ln_run(c, policies[p], B, T, D, x, dy, 11, out[t]);
+            mpt_context_destroy(c);
+        }
+        for (t = 1; t < 3; t++) {
+            const char *what = t == 1 ? "2 threads" : "the portable path";
+            CHECK(memcmp(out[0], out[t], sizeof(float) * N) == 0, "%s: y differs on %s",
+                  mpt_policy_name(policies[p]), what);
+            CHECK(memcmp(out[0] + N, out[t] + N, sizeof(float) * N) == 0, "%s: dx differs on %s",
+                  mpt_policy_name(policies[p]), what);
+            CHECK(memcmp(out[0] + 2 * N, out[t] + 2 * N, sizeof(float) * 2 * D) == 0,
+                  "%s: dgamma or dbeta differs on %s", mpt_policy_name(policies[p]), what);
+        }
+        free(out[0]), free(out[1]), free(out[2]);
+    }
+    free(x);
+    free(dy);
+}
+
+/* (T, D) sequences: LayerNormalization → Flatten → Dense(relu) →
+   LayerNormalization → Dense(softmax) learns under mixed_float16, from
+   inputs around 50 that only a per-row normalisation makes readable: the
+   loss falls by half. */
+static void test_ln_trains_mixed_float16(void) {
+    enum { N = 256, T = 4, D = 8, CLASSES = 3 };
+    static float x[N * T * D];
+    static int32_t y[N];
+    int64_t x_shape[3] = {N, T, D}, y_shape[1] = {N}, i, j;
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_history h;
+    test_seed(77);
+    for (i = 0; i < N; i++) {
+        y[i] = (int32_t)(i % CLASSES);
+        for (j = 0; j < T * D; j++) /* the class shows in which feature stands out */
+            x[i * T * D + j] = (float)(50 + test_uniform(-1, 1) + (j % D == y[i] ? 3 : 0));
+    }
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 3, x_shape, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, y_shape, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {T, D}, .input_rank = 2,
+                                            .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 3}, &m);
+    mpt_model_add_layer_normalization(m, NULL);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_layer_normalization(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.learning_rate = 0.01f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 6, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    mpt_model_history(m, &h);
+    CHECK(h.epochs == 6, "%d epochs", h.epochs);
+    if (h.epochs == 6) {
+        double first = -1, last = -1;
+        int k;
+        for (k = 0; k < h.n_keys; k++)
+            if (strcmp(h.keys[k], "loss") == 0) first = h.values[k][0], last = h.values[k][5];
+        CHECK(last < 0.5 * first, "loss %g -> %g: did not fall by half", first, last);
+    }
+    CHECK(mpt_model_layer_dtype(m, 0) == MPT_FLOAT16, "compute dtype %s",
+          mpt_dtype_name(mpt_model_layer_dtype(m, 0)));
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+}
+
+/* Bad descriptors refused with the layer and the value named;
+   quantization, post-training and aware, refuses the layer by name. */
+static void test_ln_refusals(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL, *qm = NULL;
+    int before = count_errors;
+    mpt_node x;
+    CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &m) ==
+              MPT_OK, "create");
+    test_expect_error(q, mpt_model_add_layer_normalization(
+                             m, &(mpt_layer_normalization_desc){.epsilon = -0.5f}),
+                      MPT_ERR_INVALID_ARGUMENT, "LayerNormalization: epsilon -0.5", "epsilon -0.5");
+    test_expect_error(q, mpt_model_add_layer_normalization(
+                             m, &(mpt_layer_normalization_desc){.epsilon = NAN}),
+                      MPT_ERR_INVALID_ARGUMENT, "LayerNormalization: epsilon nan", "epsilon NaN");
+    test_expect_error(q, mpt_model_add_layer_normalization(
+                             m, &(mpt_layer_normalization_desc){.epsilon = INFINITY}),
+                      MPT_ERR_INVALID_ARGUMENT, "LayerNormalization: epsilon inf", "epsilon inf");
+    test_expect_error(q, mpt_model_add_layer_normalization(
+                             m, &(mpt_layer_normalization_desc){
+                                    .gamma_initializer = (mpt_initializer)42}),
+                      MPT_ERR_INVALID_ARGUMENT, "unknown gamma initializer 42", "gamma init");
+    test_expect_error(q, mpt_model_add_layer_normalization(
+                             m, &(mpt_layer_normalization_desc){
+                                    .beta_initializer = (mpt_initializer)-1}),
+                      MPT_ERR_INVALID_ARGUMENT, "unknown beta initializer -1", "beta init");
+    CHECK(mpt_model_add_layer_normalization(NULL, NULL) == MPT_ERR_INVALID_ARGUMENT, "NULL model");
+    x = mpt_layer_normalization(m, mpt_model_input(m),
+                                &(mpt_layer_normalization_desc){.epsilon = -1});
+    CHECK(x == MPT_NODE_FAILED && strstr(mpt_context_error(q), "epsilon -1"),
+          "functional form: node %d, %s", x, mpt_context_error(q));
+    CHECK(mpt_model_layer_count(m) == 0, "%d layers after the failures", mpt_model_layer_count(m));
+    CHECK(count_errors - before == 6, "%d errors logged", count_errors - before);
+    mpt_model_destroy(m);
+
+    /* a well-made one: quantization refuses it by name (tests/test_export.c
+       exports it) */
+    m = NULL;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4});
+    mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){.name = "ln"});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(q));
+    mpt_model_refresh_weights(m); /* its weights count as given: quantize takes them */
+    test_expect_error(q, mpt_model_quantize(m, NULL, &qm), MPT_ERR_UNSUPPORTED,
+                      "layer 'ln' (LayerNormalization)", "quantize");
+    CHECK(qm == NULL, "a quantized model was made");
+    test_expect_error(q, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                      "layer 'ln' (LayerNormalization)", "quantize_aware");
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
 static void test_bad_input(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = NULL;
@@ -829,6 +1298,14 @@ int main(void) {
     TEST_RUN(test_dropout_identity_and_seed);
     TEST_RUN(test_dropout_backward_applies_forward_mask);
     TEST_RUN(test_bad_input);
+    TEST_RUN(test_ln_known_answer);
+    TEST_RUN(test_ln_params);
+    test_ln_gradients();
+    test_ln_mixed_policies();
+    TEST_RUN(test_ln_graph_shared);
+    TEST_RUN(test_ln_threads);
+    TEST_RUN(test_ln_trains_mixed_float16);
+    TEST_RUN(test_ln_refusals);
     mpt_context_destroy(ctx);
     return test_summary("test_norm");
 }

@@ -4238,6 +4238,9 @@ typedef struct mpt__layer_ops {
     const mpt__field *fields;
     /* How many input nodes it takes: 1, or a merge's 2..MPT_MAX_MERGE_INPUTS. */
     int min_inputs, max_inputs;
+    /* 1: it reads the model's int32 token ids (Embedding), which the walks
+       never cast; build refuses any other layer there. */
+    int takes_ids;
 } mpt__layer_ops;
 
 /* The most elements one sample may have at a model's input and at every
@@ -4845,7 +4848,7 @@ static const mpt__field mpt__dense_fields[] = {
 static const mpt__layer_ops mpt__dense_ops = {
     "Dense", "dense", MPT__LAYER_DENSE, mpt__dense_build, mpt__dense_forward, mpt__dense_backward,
     NULL, mpt__dense_activation, mpt__kernel_macs, NULL, NULL, 0, sizeof(mpt_dense_desc),
-    mpt__dense_check, mpt__dense_fields, 1, 1};
+    mpt__dense_check, mpt__dense_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
     return mpt__add_layer(m, &mpt__dense_ops, d);
@@ -4880,7 +4883,7 @@ static void mpt__flatten_backward(mpt__layer *L, const mpt__pass *p) {
 static const mpt__layer_ops mpt__flatten_ops = {
     "Flatten", "flatten", MPT__LAYER_FLATTEN, mpt__flatten_build, mpt__flatten_forward,
     mpt__flatten_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_flatten_desc), NULL,
-    mpt__no_fields, 1, 1};
+    mpt__no_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
     return mpt__add_layer(m, &mpt__flatten_ops, d);
@@ -4941,7 +4944,7 @@ static const mpt__layer_ops mpt__activation_ops = {
     "Activation", "activation", MPT__LAYER_ACTIVATION, mpt__activation_build,
     mpt__activation_layer_forward, mpt__activation_layer_backward, NULL,
     mpt__activation_layer_activation, NULL, NULL, NULL, 0, sizeof(mpt_activation_desc),
-    mpt__activation_check, mpt__activation_fields, 1, 1};
+    mpt__activation_check, mpt__activation_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
     return mpt__add_layer(m, &mpt__activation_ops, d);
@@ -5588,7 +5591,7 @@ static const mpt__field mpt__conv2d_fields[] = {
 static const mpt__layer_ops mpt__conv2d_ops = {
     "Conv2D", "conv2d", MPT__LAYER_CONV2D, mpt__conv2d_build, mpt__conv2d_forward,
     mpt__conv2d_backward, NULL, mpt__conv2d_activation, mpt__kernel_macs, mpt__conv_pool_plan, NULL,
-    0, sizeof(mpt_conv2d_desc), mpt__conv2d_check, mpt__conv2d_fields, 1, 1};
+    0, sizeof(mpt_conv2d_desc), mpt__conv2d_check, mpt__conv2d_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
     return mpt__add_layer(m, &mpt__conv2d_ops, d);
@@ -6165,17 +6168,17 @@ static const mpt__field mpt__pool2d_fields[] = {
 static const mpt__layer_ops mpt__max_pool_ops = {
     "MaxPooling2D", "max_pooling2d", MPT__LAYER_MAX_POOLING2D, mpt__max_pool_build,
     mpt__max_pool_forward, mpt__max_pool_backward, NULL, NULL, NULL, NULL, NULL, 0,
-    sizeof(mpt_pool2d_desc), mpt__pool_check, mpt__pool2d_fields, 1, 1};
+    sizeof(mpt_pool2d_desc), mpt__pool_check, mpt__pool2d_fields, 1, 1, 0};
 
 static const mpt__layer_ops mpt__avg_pool_ops = {
     "AveragePooling2D", "average_pooling2d", MPT__LAYER_AVERAGE_POOLING2D, mpt__avg_pool_build,
     mpt__avg_pool_forward, mpt__avg_pool_backward, NULL, NULL, NULL, NULL, NULL, 0,
-    sizeof(mpt_pool2d_desc), mpt__pool_check, mpt__pool2d_fields, 1, 1};
+    sizeof(mpt_pool2d_desc), mpt__pool_check, mpt__pool2d_fields, 1, 1, 0};
 
 static const mpt__layer_ops mpt__global_pool_ops = {
     "GlobalAveragePooling2D", "global_average_pooling2d", MPT__LAYER_GLOBAL_AVERAGE_POOLING2D,
     mpt__global_pool_build, mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL, NULL,
-    NULL, NULL, 0, sizeof(mpt_global_pool2d_desc), NULL, mpt__no_fields, 1, 1};
+    NULL, NULL, 0, sizeof(mpt_global_pool2d_desc), NULL, mpt__no_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
     return mpt__add_layer(m, &mpt__max_pool_ops, d);
@@ -6416,7 +6419,7 @@ static const mpt__field mpt__zero_padding2d_fields[] = {
 static const mpt__layer_ops mpt__zero_padding2d_ops = {
     "ZeroPadding2D", "zero_padding2d", MPT__LAYER_ZERO_PADDING2D, mpt__zero_padding2d_build,
     mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0,
-    sizeof(mpt_zero_padding2d_desc), mpt__zero_padding2d_check, mpt__zero_padding2d_fields, 1, 1};
+    sizeof(mpt_zero_padding2d_desc), mpt__zero_padding2d_check, mpt__zero_padding2d_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *d) {
     return mpt__add_layer(m, &mpt__zero_padding2d_ops, d);
@@ -7094,7 +7097,7 @@ static const mpt__field mpt__bn_fields[] = {
 static const mpt__layer_ops mpt__bn_ops = {
     "BatchNormalization", "batch_normalization", MPT__LAYER_BATCH_NORMALIZATION, mpt__bn_build,
     mpt__bn_forward, mpt__bn_backward, mpt__bn_commit, NULL, NULL, NULL, mpt__bn_replica_statistics,
-    0, sizeof(mpt_batchnorm_desc), mpt__bn_check, mpt__bn_fields, 1, 1};
+    0, sizeof(mpt_batchnorm_desc), mpt__bn_check, mpt__bn_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
     return mpt__add_layer(m, &mpt__bn_ops, d);
@@ -7348,7 +7351,7 @@ static const mpt__field mpt__dropout_fields[] = {
 static const mpt__layer_ops mpt__dropout_ops = {
     "Dropout", "dropout", MPT__LAYER_DROPOUT, mpt__dropout_build, mpt__dropout_forward,
     mpt__dropout_backward, NULL, NULL, NULL, NULL, NULL, 1, sizeof(mpt_dropout_desc),
-    mpt__dropout_check, mpt__dropout_fields, 1, 1};
+    mpt__dropout_check, mpt__dropout_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
     return mpt__add_layer(m, &mpt__dropout_ops, d);
@@ -7531,22 +7534,22 @@ static void mpt__merge_backward(mpt__layer *L, const mpt__pass *p) {
 static const mpt__layer_ops mpt__add_ops = {
     "Add", "add", MPT__LAYER_ADD, mpt__merge_build, mpt__merge_forward, mpt__merge_backward, NULL,
     NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL, mpt__no_fields, 2,
-    MPT_MAX_MERGE_INPUTS};
+    MPT_MAX_MERGE_INPUTS, 0};
 
 static const mpt__layer_ops mpt__subtract_ops = {
     "Subtract", "subtract", MPT__LAYER_SUBTRACT, mpt__merge_build, mpt__merge_forward,
     mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL,
-    mpt__no_fields, 2, 2};
+    mpt__no_fields, 2, 2, 0};
 
 static const mpt__layer_ops mpt__multiply_ops = {
     "Multiply", "multiply", MPT__LAYER_MULTIPLY, mpt__merge_build, mpt__merge_forward,
     mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL,
-    mpt__no_fields, 2, MPT_MAX_MERGE_INPUTS};
+    mpt__no_fields, 2, MPT_MAX_MERGE_INPUTS, 0};
 
 static const mpt__layer_ops mpt__average_ops = {
     "Average", "average", MPT__LAYER_AVERAGE, mpt__merge_build, mpt__merge_forward,
     mpt__merge_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_merge_desc), NULL,
-    mpt__no_fields, 2, MPT_MAX_MERGE_INPUTS};
+    mpt__no_fields, 2, MPT_MAX_MERGE_INPUTS, 0};
 
 MPTDEF mpt_node mpt_add(mpt_model *m, int n, const mpt_node *inputs, const mpt_merge_desc *d) {
     return mpt__call_layer(m, &mpt__add_ops, n, inputs, d);
@@ -7649,7 +7652,7 @@ static const mpt__field mpt__concatenate_fields[] = {
 static const mpt__layer_ops mpt__concatenate_ops = {
     "Concatenate", "concatenate", MPT__LAYER_CONCATENATE, mpt__concat_build, mpt__concat_forward,
     mpt__concat_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_concatenate_desc), NULL,
-    mpt__concatenate_fields, 2, MPT_MAX_MERGE_INPUTS};
+    mpt__concatenate_fields, 2, MPT_MAX_MERGE_INPUTS, 0};
 
 MPTDEF mpt_node mpt_concatenate(mpt_model *m, int n, const mpt_node *inputs,
                                 const mpt_concatenate_desc *d) {
@@ -7770,9 +7773,7 @@ static void mpt__cpu_scatter_add_rows(void *impl, mpt_dtype dtype, float *dtable
 /* ---- the model's int32 input ---------------------------------------------- */
 
 /* Whether a layer takes token ids where it reads the model's input. */
-static int mpt__layer_takes_ids(const mpt__layer *L) {
-    return L->ops->kind == MPT__LAYER_EMBEDDING;
-}
+static int mpt__layer_takes_ids(const mpt__layer *L) { return L->ops->takes_ids; }
 
 /* Whether the model's input is int32 ids (else numbers in a float dtype). */
 static int mpt__input_is_ids(const mpt_model *m) { return m->desc.input_dtype == MPT_INT32; }
@@ -7890,7 +7891,7 @@ static const mpt__field mpt__embedding_fields[] = {
 static const mpt__layer_ops mpt__embedding_ops = {
     "Embedding", "embedding", MPT__LAYER_EMBEDDING, mpt__embedding_build, mpt__embedding_forward,
     mpt__embedding_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_embedding_desc),
-    mpt__embedding_check, mpt__embedding_fields, 1, 1};
+    mpt__embedding_check, mpt__embedding_fields, 1, 1, 1};
 
 MPTDEF mpt_status mpt_model_add_embedding(mpt_model *m, const mpt_embedding_desc *d) {
     return mpt__add_layer(m, &mpt__embedding_ops, d);
@@ -7970,7 +7971,7 @@ static const mpt__layer_ops mpt__position_embedding_ops = {
     mpt__position_embedding_build, mpt__position_embedding_forward,
     mpt__position_embedding_backward, NULL, NULL, NULL, NULL, NULL, 0,
     sizeof(mpt_position_embedding_desc), mpt__position_embedding_check,
-    mpt__position_embedding_fields, 1, 1};
+    mpt__position_embedding_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_position_embedding(mpt_model *m,
                                                    const mpt_position_embedding_desc *d) {
@@ -8295,7 +8296,7 @@ static const mpt__field mpt__ln_fields[] = {
 static const mpt__layer_ops mpt__ln_ops = {
     "LayerNormalization", "layer_normalization", MPT__LAYER_LAYER_NORMALIZATION, mpt__ln_build,
     mpt__ln_forward, mpt__ln_backward, NULL, NULL, NULL, NULL, NULL, 0,
-    sizeof(mpt_layer_normalization_desc), mpt__ln_check, mpt__ln_fields, 1, 1};
+    sizeof(mpt_layer_normalization_desc), mpt__ln_check, mpt__ln_fields, 1, 1, 0};
 
 MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
                                                     const mpt_layer_normalization_desc *d) {

@@ -251,12 +251,12 @@
                           checked size arithmetic (made: @impl-context-life)
        @impl-dtypes       float16/bfloat16 conversions, scalar
        @impl-tensors      tensors: allocation, wrapping, shapes
-       @impl-activations  the activations the GEMM epilogue and layers share
        @impl-rng          Philox for dropout masks and initial weights
        @impl-layers       the layer interface: a layer's table, its parameters,
                           the model struct
-       @impl-layer-helpers  what the layers share: workspace, dz, GEMM, checks,
-                          the add every layer's entry calls, its input nodes
+       @impl-layer-helpers  what the layers share: activations' names,
+                          workspace, dz, GEMM, checks, the add every layer's
+                          entry calls, its input nodes
        @impl-dense        Dense, over the last axis of any rank
        @impl-flatten      Flatten
        @impl-activation   Activation
@@ -319,6 +319,8 @@
        @impl-devices      the CPU as device 0, then the CUDA devices
        @impl-convert      float conversions: the kernel the CPU allows, over
                           the pool (mpt__convert); AVX2 and AVX-512 kernels
+       @impl-activations  the activations on the CPU, the GEMM epilogue's and
+                          the layers' (their rules: @backend-shared)
        @impl-gemm         the CPU GEMM: blocking, tasks, the driver (the
                           layers reach it through the backend's gemm)
        @impl-gemm-kernels the GEMM's packing and micro-kernels: portable,
@@ -3962,83 +3964,6 @@ MPTDEF size_t mpt_tensor_bytes(const mpt_tensor *t) {
 }
 
 /* =============================================================================
-   @impl-activations (shared by the GEMM epilogue, Dense, Conv2D, Activation)
-   ============================================================================= */
-
-/* ReLU and its gradient, written so that NaN passes through (x <= 0 is
-   false for NaN), as in PyTorch and TensorFlow: a NaN in a weight or an
-   activation must show, not turn into 0. -0 gives +0. Every SIMD path and
-   the CUDA kernels compute the same. */
-static float mpt__relu(float x) { return x <= 0 ? 0.0f : x; }
-static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
-
-/* GELU (and its derivative), the sigmoid and the sigmoid's and tanh's
-   gradients are @backend-shared's mpt__gelu, mpt__gelu_derivative,
-   mpt__sigmoid, mpt__sigmoid_grad and mpt__tanh_grad: the CUDA kernels run
-   them too. */
-
-/* Softmax of each row of x (rows × cols), in place, in float32. */
-static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols) {
-    int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        float *row = x + r * cols, max = row[0], sum = 0;
-        for (c = 1; c < cols; c++) max = row[c] > max ? row[c] : max;
-        for (c = 0; c < cols; c++) sum += (row[c] = expf(row[c] - max));
-        for (c = 0; c < cols; c++) row[c] /= sum;
-    }
-}
-
-/* y = act(x) in place on n floats (elementwise activations only). */
-static void mpt__activation_forward(mpt_activation act, float *x, int64_t n) {
-    int64_t i;
-    switch (act) {
-    case MPT_ACT_RELU: for (i = 0; i < n; i++) x[i] = mpt__relu(x[i]); break;
-    case MPT_ACT_GELU: for (i = 0; i < n; i++) x[i] = mpt__gelu(x[i]); break;
-    case MPT_ACT_GELU_TANH: for (i = 0; i < n; i++) x[i] = mpt__gelu_tanh(x[i]); break;
-    case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) x[i] = mpt__sigmoid(x[i]); break;
-    case MPT_ACT_TANH: for (i = 0; i < n; i++) x[i] = tanhf(x[i]); break;
-    default: break;
-    }
-}
-
-/* dz = dy · act'(z) for n elements. `z` is the pre-activation input (needed
-   by GELU) and `y` the output (enough for the others); either may be NULL
-   where the activation does not need it. Softmax: rows × cols with
-   dz = y ⊙ (dy − Σ dy·y) per row. */
-static void mpt__activation_backward(mpt_activation act, const float *z, const float *y,
-                                     const float *dy, float *dz, int64_t n, int64_t cols) {
-    int64_t i, c;
-    switch (act) {
-    case MPT_ACT_NONE:
-        if (dz != dy) memcpy(dz, dy, sizeof(float) * (size_t)n);
-        break;
-    case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
-    case MPT_ACT_GELU: for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_derivative(z[i]); break;
-    case MPT_ACT_GELU_TANH:
-        for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_tanh_derivative(z[i]);
-        break;
-    case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) dz[i] = mpt__sigmoid_grad(y[i], dy[i]); break;
-    case MPT_ACT_TANH: for (i = 0; i < n; i++) dz[i] = mpt__tanh_grad(y[i], dy[i]); break;
-    case MPT_ACT_SOFTMAX:
-        for (i = 0; i < n; i += cols) {
-            float dot = 0;
-            for (c = 0; c < cols; c++) dot += dy[i + c] * y[i + c];
-            for (c = 0; c < cols; c++) dz[i + c] = y[i + c] * (dy[i + c] - dot);
-        }
-        break;
-    default: break;
-    }
-}
-
-static int mpt__activation_valid(mpt_activation act) { return act >= 0 && act < MPT_ACT_COUNT_; }
-
-MPTDEF const char *mpt_activation_name(mpt_activation act) {
-    static const char *names[] = {"linear", "relu",    "gelu",     "sigmoid",
-                                  "tanh",   "softmax", "gelu_tanh"};
-    return mpt__activation_valid(act) ? names[act] : "?";
-}
-
-/* =============================================================================
    @impl-rng
    ============================================================================= */
 
@@ -4571,6 +4496,15 @@ static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->
 /* =============================================================================
    @impl-layer-helpers: what the layers below (@impl-dense .. @impl-layernorm) share
    ============================================================================= */
+
+/* An activation: valid, and its name as Keras writes it. */
+static int mpt__activation_valid(mpt_activation act) { return act >= 0 && act < MPT_ACT_COUNT_; }
+
+MPTDEF const char *mpt_activation_name(mpt_activation act) {
+    static const char *names[] = {"linear", "relu",    "gelu",     "sigmoid",
+                                  "tanh",   "softmax", "gelu_tanh"};
+    return mpt__activation_valid(act) ? names[act] : "?";
+}
 
 /* ---- helpers shared by the layers ----------------------------------------- */
 
@@ -21834,6 +21768,76 @@ static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *ds
 #pragma GCC diagnostic pop
 #endif
 #endif /* MPT__X86 */
+
+/* =============================================================================
+   @impl-activations: the activations on the CPU: the GEMM epilogue's, the
+   layers' through the backend (the rules both backends share: @backend-shared)
+   ============================================================================= */
+
+/* ReLU and its gradient, written so that NaN passes through (x <= 0 is
+   false for NaN), as in PyTorch and TensorFlow: a NaN in a weight or an
+   activation must show, not turn into 0. -0 gives +0. Every SIMD path and
+   the CUDA kernels compute the same. */
+static float mpt__relu(float x) { return x <= 0 ? 0.0f : x; }
+static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
+
+/* GELU (and its derivative), the sigmoid and the sigmoid's and tanh's
+   gradients are @backend-shared's mpt__gelu, mpt__gelu_derivative,
+   mpt__sigmoid, mpt__sigmoid_grad and mpt__tanh_grad: the CUDA kernels run
+   them too. */
+
+/* Softmax of each row of x (rows × cols), in place, in float32. */
+static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols) {
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        float *row = x + r * cols, max = row[0], sum = 0;
+        for (c = 1; c < cols; c++) max = row[c] > max ? row[c] : max;
+        for (c = 0; c < cols; c++) sum += (row[c] = expf(row[c] - max));
+        for (c = 0; c < cols; c++) row[c] /= sum;
+    }
+}
+
+/* y = act(x) in place on n floats (elementwise activations only). */
+static void mpt__activation_forward(mpt_activation act, float *x, int64_t n) {
+    int64_t i;
+    switch (act) {
+    case MPT_ACT_RELU: for (i = 0; i < n; i++) x[i] = mpt__relu(x[i]); break;
+    case MPT_ACT_GELU: for (i = 0; i < n; i++) x[i] = mpt__gelu(x[i]); break;
+    case MPT_ACT_GELU_TANH: for (i = 0; i < n; i++) x[i] = mpt__gelu_tanh(x[i]); break;
+    case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) x[i] = mpt__sigmoid(x[i]); break;
+    case MPT_ACT_TANH: for (i = 0; i < n; i++) x[i] = tanhf(x[i]); break;
+    default: break;
+    }
+}
+
+/* dz = dy · act'(z) for n elements. `z` is the pre-activation input (needed
+   by GELU) and `y` the output (enough for the others); either may be NULL
+   where the activation does not need it. Softmax: rows × cols with
+   dz = y ⊙ (dy − Σ dy·y) per row. */
+static void mpt__activation_backward(mpt_activation act, const float *z, const float *y,
+                                     const float *dy, float *dz, int64_t n, int64_t cols) {
+    int64_t i, c;
+    switch (act) {
+    case MPT_ACT_NONE:
+        if (dz != dy) memcpy(dz, dy, sizeof(float) * (size_t)n);
+        break;
+    case MPT_ACT_RELU: for (i = 0; i < n; i++) dz[i] = mpt__relu_grad(y[i], dy[i]); break;
+    case MPT_ACT_GELU: for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_derivative(z[i]); break;
+    case MPT_ACT_GELU_TANH:
+        for (i = 0; i < n; i++) dz[i] = dy[i] * mpt__gelu_tanh_derivative(z[i]);
+        break;
+    case MPT_ACT_SIGMOID: for (i = 0; i < n; i++) dz[i] = mpt__sigmoid_grad(y[i], dy[i]); break;
+    case MPT_ACT_TANH: for (i = 0; i < n; i++) dz[i] = mpt__tanh_grad(y[i], dy[i]); break;
+    case MPT_ACT_SOFTMAX:
+        for (i = 0; i < n; i += cols) {
+            float dot = 0;
+            for (c = 0; c < cols; c++) dot += dy[i + c] * y[i + c];
+            for (c = 0; c < cols; c++) dz[i + c] = y[i + c] * (dy[i + c] - dot);
+        }
+        break;
+    default: break;
+    }
+}
 
 /* =============================================================================
    @impl-gemm: the CPU GEMM: blocking, tasks and the driver (packing and

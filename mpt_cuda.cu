@@ -50,8 +50,8 @@
          @cuda-colsums    column sums (bias gradients)
        @cuda-layers       dtype conversion, activations, im2col/col2im,
                           pooling, BatchNormalization, LayerNormalization,
-                          Dropout (mpt.h's @impl-activations .. @impl-dropout,
-                          @impl-layernorm)
+                          Dropout (mpt.h's @impl-activations and the layers'
+                          sections, @impl-dense .. @impl-layernorm)
        @cuda-training     the loss with its metrics, gradient statistics, the
                           fused optimizer update, loss scaling (mpt.h's
                           @impl-losses, @impl-optimizers)

@@ -10,6 +10,10 @@
                        repository's root): x and y .npy files in one input
                        (fuzz_idx_split), and .npz archives alone
        csv             small CSV files whose label column is "y"
+       model           architecture JSON: a conv model, a graph of every
+                       merge, a model of token ids (Embedding,
+                       PositionEmbedding, LayerNormalization, Dense over
+                       positions)
    Usage: seeds DIR (DIR/<harness> must exist). */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #define MPT_IMPLEMENTATION
@@ -187,6 +191,47 @@ static mpt_model *graph_model(mpt_context *ctx) {
     return m;
 }
 
+/* A model of token ids: Embedding, PositionEmbedding added, a
+   LayerNormalization and Dense layers over the positions (the tanh GELU),
+   compiled with regression metrics. */
+static mpt_model *token_model(mpt_context *ctx) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_embedding_desc emb;
+    mpt_position_embedding_desc pos;
+    mpt_layer_normalization_desc ln;
+    mpt_dense_desc dense;
+    mpt_compile_desc cd;
+    mpt_node two[2];
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 5;
+    md.input_rank = 1;
+    md.input_dtype = MPT_INT32;
+    md.policy = MPT_POLICY_MIXED_FLOAT16;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
+    memset(&emb, 0, sizeof emb);
+    emb.input_dim = 11, emb.output_dim = 4, emb.embeddings_initializer = MPT_INIT_GPT2_NORMAL;
+    memset(&pos, 0, sizeof pos);
+    pos.sequence_length = 8;
+    memset(&ln, 0, sizeof ln);
+    ln.epsilon = 1e-5f, ln.no_center = 1;
+    memset(&dense, 0, sizeof dense);
+    dense.units = 6, dense.activation = MPT_ACT_GELU_TANH;
+    two[0] = mpt_embedding(m, mpt_model_input(m), &emb);
+    two[1] = mpt_position_embedding(m, two[0], &pos);
+    two[0] = mpt_layer_normalization(m, mpt_add(m, 2, two, NULL), &ln);
+    dense.units = 6;
+    two[0] = mpt_dense(m, two[0], &dense);
+    dense.units = 2, dense.activation = MPT_ACT_NONE, dense.dtype = MPT_FLOAT32;
+    mpt_dense(m, two[0], &dense);
+    memset(&cd, 0, sizeof cd);
+    cd.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
+    cd.metrics = MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_PRECISION;
+    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
+        fuzz_die(mpt_context_error(ctx));
+    return m;
+}
+
 int main(int argc, char **argv) {
     mpt_context *ctx;
     if (argc != 2) {
@@ -232,6 +277,9 @@ int main(int argc, char **argv) {
         mpt_model_destroy(m);
         m = graph_model(ctx);
         architecture_seed(ctx, m, "merges_graph.json");
+        mpt_model_destroy(m);
+        m = token_model(ctx);
+        architecture_seed(ctx, m, "token_ids.json");
         mpt_model_destroy(m);
     }
     mpt_context_destroy(ctx);

@@ -3015,26 +3015,36 @@ static inline MPT__HD double mpt__dmul_rn(double a, double b) {
 #define MPT__METRICS_CONFUSION (MPT_METRIC_PRECISION | MPT_METRIC_RECALL)
 #define MPT__METRICS_VALUES (MPT__METRICS_ERRORS | MPT__METRICS_CONFUSION)
 
+/* A step state's tallies, loss_sum .. samples: doubles side by side, each
+   summed alike over replicas and workers, and zeroed together. */
+#define MPT__TALLIES                                                                 \
+    ((offsetof(mpt_step_state, sum_squares) - offsetof(mpt_step_state, loss_sum)) / \
+     sizeof(double))
+
 /* A batch's sums over every output value, in double: Σ |y − p|,
    Σ (y − p)² and Σ 100·|y − p| / max(|y|, ε), ε = 1e-7 as Keras'
    epsilon; and the counts of true positives, false positives and false
    negatives (p past the threshold: 0 for logits, 0.5 for probabilities;
    y != 0 a positive label, as Keras casts labels to bool). */
+enum {
+    MPT__SUM_ABS_ERROR, MPT__SUM_SQUARED_ERROR, MPT__SUM_PERCENT_ERROR,
+    MPT__SUM_TRUE_POSITIVES, MPT__SUM_FALSE_POSITIVES, MPT__SUM_FALSE_NEGATIVES,
+    MPT__VALUE_SUMS
+};
 typedef struct mpt__value_sums {
-    double abs, squared, percent;
-    double tp, fp, fn;
+    double sum[MPT__VALUE_SUMS]; /* MPT__SUM_* */
 } mpt__value_sums;
 
 static inline MPT__HD void mpt__value_add(mpt__value_sums *e, float pred, float target,
                                           int from_logits) {
     const double d = (double)target - (double)pred, a = fabs(d), y = fabs((double)target);
     const int predicted = pred > (from_logits ? 0.0f : 0.5f), labelled = target != 0.0f;
-    e->abs += a;
-    e->squared += d * d;
-    e->percent += 100.0 * a / (y > 1e-7 ? y : 1e-7);
-    e->tp += predicted && labelled;
-    e->fp += predicted && !labelled;
-    e->fn += !predicted && labelled;
+    e->sum[MPT__SUM_ABS_ERROR] += a;
+    e->sum[MPT__SUM_SQUARED_ERROR] += d * d;
+    e->sum[MPT__SUM_PERCENT_ERROR] += 100.0 * a / (y > 1e-7 ? y : 1e-7);
+    e->sum[MPT__SUM_TRUE_POSITIVES] += predicted && labelled;
+    e->sum[MPT__SUM_FALSE_POSITIVES] += predicted && !labelled;
+    e->sum[MPT__SUM_FALSE_NEGATIVES] += !predicted && labelled;
 }
 
 /* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
@@ -3056,14 +3066,14 @@ static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, i
         state->correct += correct / (double)per;
     if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
     if (metrics & MPT__METRICS_ERRORS) {
-        state->abs_error += errors->abs / values;
-        state->squared_error += errors->squared / values;
-        state->percent_error += errors->percent / values;
+        state->abs_error += errors->sum[MPT__SUM_ABS_ERROR] / values;
+        state->squared_error += errors->sum[MPT__SUM_SQUARED_ERROR] / values;
+        state->percent_error += errors->sum[MPT__SUM_PERCENT_ERROR] / values;
     }
     if (metrics & MPT__METRICS_CONFUSION) {
-        state->true_positives += errors->tp;
-        state->false_positives += errors->fp;
-        state->false_negatives += errors->fn;
+        state->true_positives += errors->sum[MPT__SUM_TRUE_POSITIVES];
+        state->false_positives += errors->sum[MPT__SUM_FALSE_POSITIVES];
+        state->false_negatives += errors->sum[MPT__SUM_FALSE_NEGATIVES];
     }
 }
 
@@ -10288,7 +10298,7 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     mpt_tensor pred, target, dpred;
     int64_t shape[2], correct = 0, top_k = 0;
-    mpt__value_sums errors = {0, 0, 0, 0, 0, 0};
+    mpt__value_sums errors = {{0}};
     mpt__loss_job j;
     double loss;
     shape[0] = a->rows;
@@ -10391,7 +10401,7 @@ MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc
     mpt__loss_rows(last, m->last_batch, &a);
     a.grad_weight = desc->grad_scale; /* the gradient's multiplier; 0: 1 */
     a.state = &m->state[1];
-    m->be->zero(m->impl, &m->state[1], offsetof(mpt_step_state, sum_squares)); /* the tallies */
+    m->be->zero(m->impl, &m->state[1], MPT__TALLIES * sizeof(double)); /* the tallies */
     m->be->loss(m->impl, &a);
     MPT__CHECK(mpt__download(m, &st, &m->state[1], sizeof st));
     *loss = st.loss_sum / st.samples;
@@ -11876,26 +11886,31 @@ static void mpt__state_to_host(mpt_model *m, const mpt_step_state *st) {
     m->loss_scale = st->loss_scale;
 }
 
+/* The tallies (MPT__TALLIES doubles from loss_sum) as an array, and back. */
+static void mpt__tallies_get(const mpt_step_state *st, double *t) {
+    memcpy(t, (const char *)st + offsetof(mpt_step_state, loss_sum), MPT__TALLIES * sizeof *t);
+}
+
+static void mpt__tallies_set(mpt_step_state *st, const double *t) {
+    memcpy((char *)st + offsetof(mpt_step_state, loss_sum), t, MPT__TALLIES * sizeof *t);
+}
+
 static mpt_status mpt__state_pull(mpt_model *m, mpt_step_state *st) {
     float scale_before = m->loss_scale;
+    double sum[MPT__TALLIES], theirs[MPT__TALLIES];
+    size_t i;
     int k;
     MPT__CHECK(mpt__download(m, st, m->state, sizeof *st));
+    mpt__tallies_get(st, sum);
     for (k = 1; k < m->n_replicas; k++) { /* the same scalars; their tallies add up */
         mpt_model *r = m->replica[k];
         mpt_step_state rs;
         MPT__CHECK(mpt__download(r, &rs, r->state, sizeof rs));
         mpt__state_to_host(r, &rs);
-        st->loss_sum += rs.loss_sum;
-        st->correct += rs.correct;
-        st->top_k += rs.top_k;
-        st->abs_error += rs.abs_error;
-        st->squared_error += rs.squared_error;
-        st->percent_error += rs.percent_error;
-        st->true_positives += rs.true_positives;
-        st->false_positives += rs.false_positives;
-        st->false_negatives += rs.false_negatives;
-        st->samples += rs.samples;
+        mpt__tallies_get(&rs, theirs);
+        for (i = 0; i < MPT__TALLIES; i++) sum[i] += theirs[i];
     }
+    mpt__tallies_set(st, sum);
     mpt__state_to_host(m, st);
     /* Warned on the way down through 1, so once per collapse. */
     if (scale_before >= 1 && m->loss_scale < 1)
@@ -12344,29 +12359,11 @@ static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int b, mpt__step_ti
    training scalars brought up to date. */
 static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     mpt_step_state st;
-    double sum[10];
+    double sum[MPT__TALLIES];
     MPT__CHECK(mpt__state_pull(m, &st)); /* summed over this process's replicas */
-    sum[0] = st.loss_sum;
-    sum[1] = st.correct;
-    sum[2] = st.top_k;
-    sum[3] = st.samples;
-    sum[4] = st.abs_error;
-    sum[5] = st.squared_error;
-    sum[6] = st.percent_error;
-    sum[7] = st.true_positives;
-    sum[8] = st.false_positives;
-    sum[9] = st.false_negatives;
-    MPT__CHECK(mpt__workers_sum(m, sum, 10, 1, "summing the metrics")); /* and the workers' */
-    st.loss_sum = sum[0];
-    st.correct = sum[1];
-    st.top_k = sum[2];
-    st.samples = sum[3];
-    st.abs_error = sum[4];
-    st.squared_error = sum[5];
-    st.percent_error = sum[6];
-    st.true_positives = sum[7];
-    st.false_positives = sum[8];
-    st.false_negatives = sum[9];
+    mpt__tallies_get(&st, sum);
+    MPT__CHECK(mpt__workers_sum(m, sum, (int64_t)MPT__TALLIES, 1, "summing the metrics"));
+    mpt__tallies_set(&st, sum); /* and the workers' */
     mpt__tally_from_state(&st, t);
     return MPT_OK;
 }
@@ -12592,7 +12589,7 @@ static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compil
 
 /* Evaluation's record on the backend: tallies zeroed. */
 static mpt_status mpt__state_reset_evaluation(mpt_model *m) {
-    m->be->zero(m->impl, &m->state[1], offsetof(mpt_step_state, sum_squares)); /* the tallies */
+    m->be->zero(m->impl, &m->state[1], MPT__TALLIES * sizeof(double)); /* the tallies */
     return MPT_OK;
 }
 
@@ -28214,14 +28211,14 @@ static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows,
    as the float model's are (mpt__loss_tally). */
 static void mpt__q_tally_values(const float *pred, const float *target, int64_t b, int64_t per,
                                 int from_logits, mpt__tally *t) {
-    mpt__value_sums e = {0, 0, 0, 0, 0, 0};
+    mpt__value_sums e = {{0}};
     mpt__count_values(MPT_FLOAT32, pred, target, b * per, from_logits, &e);
-    t->abs_error += e.abs / (double)per;
-    t->squared_error += e.squared / (double)per;
-    t->percent_error += e.percent / (double)per;
-    t->tp += e.tp;
-    t->fp += e.fp;
-    t->fn += e.fn;
+    t->abs_error += e.sum[MPT__SUM_ABS_ERROR] / (double)per;
+    t->squared_error += e.sum[MPT__SUM_SQUARED_ERROR] / (double)per;
+    t->percent_error += e.sum[MPT__SUM_PERCENT_ERROR] / (double)per;
+    t->tp += e.sum[MPT__SUM_TRUE_POSITIVES];
+    t->fp += e.sum[MPT__SUM_FALSE_POSITIVES];
+    t->fn += e.sum[MPT__SUM_FALSE_NEGATIVES];
 }
 
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,

@@ -4042,33 +4042,20 @@ static __device__ void mpt__cuda_loss_tally_row(const mpt__cuda_loss_params &p, 
 /* The sums over row r's values (mpt.h's mpt__value_add, each lane its
    every 32nd value, then the lanes' sums added), for lane 0. Reads pred
    only. */
-static __device__ void mpt__cuda_values_warp_sum(mpt__value_sums *e) {
-    e->abs = mpt__cuda_train_warp_sum(e->abs);
-    e->squared = mpt__cuda_train_warp_sum(e->squared);
-    e->percent = mpt__cuda_train_warp_sum(e->percent);
-    e->tp = mpt__cuda_train_warp_sum(e->tp);
-    e->fp = mpt__cuda_train_warp_sum(e->fp);
-    e->fn = mpt__cuda_train_warp_sum(e->fn);
-}
 
 static __device__ mpt__value_sums mpt__cuda_loss_values_row(const mpt__cuda_loss_params &p,
                                                             int64_t r, int lane) {
-    mpt__value_sums e = {0, 0, 0, 0, 0, 0};
+    mpt__value_sums e = {{0}};
     for (int64_t c = lane; c < p.K; c += 32)
         mpt__value_add(&e, mpt__cuda_loss_pred(p, r * p.K + c), mpt__cuda_loss_target(p, r, c, 0),
                        p.from_logits);
-    mpt__cuda_values_warp_sum(&e);
+    for (int i = 0; i < MPT__VALUE_SUMS; i++) e.sum[i] = mpt__cuda_train_warp_sum(e.sum[i]);
     return e;
 }
 
 static __device__ __forceinline__ void mpt__cuda_values_add(mpt__value_sums *to,
                                                             const mpt__value_sums &e) {
-    to->abs += e.abs;
-    to->squared += e.squared;
-    to->percent += e.percent;
-    to->tp += e.tp;
-    to->fp += e.fp;
-    to->fn += e.fn;
+    for (int i = 0; i < MPT__VALUE_SUMS; i++) to->sum[i] += e.sum[i];
 }
 
 /* Row r's class weight (1 without class weights), for every lane: mpt.h's
@@ -4112,7 +4099,7 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
         (float)((scale != 0 ? (double)scale : 1.0) * (double)p.grad_weight / p.count);
     double loss_sum = 0;
     int correct_sum = 0, top_k_sum = 0;
-    mpt__value_sums values_sum = {0, 0, 0, 0, 0, 0};
+    mpt__value_sums values_sum = {{0}};
     for (int64_t r = r0 + warp; r < r1; r += mpt__cuda_train_warps) {
         int label = mpt__cuda_loss_sparse(p) ? ((const int32_t *)p.target)[r] : 0;
         int correct = 0, top_k = 0;
@@ -4137,7 +4124,7 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        mpt__cuda_loss_partial out = {0, 0, 0, {0, 0, 0, 0, 0, 0}};
+        mpt__cuda_loss_partial out = {0, 0, 0, {{0}}};
         for (int w = 0; w < mpt__cuda_train_warps; w++) {
             out.loss += warp_loss[w];
             out.correct += (double)warp_correct[w];
@@ -4154,7 +4141,7 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
 mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
     double loss = 0, correct = 0, top_k = 0;
-    mpt__value_sums e = {0, 0, 0, 0, 0, 0};
+    mpt__value_sums e = {{0}};
     for (int i = threadIdx.x; i < n_partials; i += blockDim.x) {
         loss += p.partials[i].loss;
         correct += p.partials[i].correct;
@@ -4164,12 +4151,7 @@ mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
     loss = mpt__cuda_train_block_sum(loss);
     correct = mpt__cuda_train_block_sum(correct);
     top_k = mpt__cuda_train_block_sum(top_k);
-    e.abs = mpt__cuda_train_block_sum(e.abs);
-    e.squared = mpt__cuda_train_block_sum(e.squared);
-    e.percent = mpt__cuda_train_block_sum(e.percent);
-    e.tp = mpt__cuda_train_block_sum(e.tp);
-    e.fp = mpt__cuda_train_block_sum(e.fp);
-    e.fn = mpt__cuda_train_block_sum(e.fn);
+    for (int k = 0; k < MPT__VALUE_SUMS; k++) e.sum[k] = mpt__cuda_train_block_sum(e.sum[k]);
     if (threadIdx.x == 0)
         mpt__loss_tally(p.state, p.metrics, p.rows, p.rows_per_sample, p.K, loss / p.count,
                         correct, top_k, &e);

@@ -126,6 +126,8 @@
                             the layers read; biases and BatchNormalization's
                             gamma and beta are read as float32
        optimizer moments    float32 (SGD's momentum, Adam's m and v)
+       accumulated sums     float32, unscaled (gradient accumulation: each
+                            batch divided by its own loss scale)
        BatchNormalization   statistics, moving averages and arithmetic in
                             float32; x, y, dy, dx in float16
        the final softmax    float32 (Keras' advice, taken by default), so
@@ -202,6 +204,10 @@
                             mpt__loss_scale_resolve (@impl-optimizers)
        statistics committed mpt__model_commit (@impl-passes), only when the
                             step was finite
+       gradient accumulation  mpt__accum_mode and kin (@backend-shared):
+                            add to the sums or update from their mean,
+                            decided from mpt_step_state; mpt__accum_block
+                            (@impl-optimizers), mpt__cuda_accum_one
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
@@ -1200,7 +1206,10 @@ typedef struct mpt_optimizer_desc {
        with its raw iteration counter (see mpt_lr_schedule). Under dynamic
        loss scaling a batch with inf or NaN gradients is skipped whole, as
        Keras' LossScaleOptimizer skips its inner optimizer: it adds nothing
-       to the sum and does not count toward the N. The sum is optimizer
+       to the sum and does not count toward the N. Each batch's mean
+       gradient weighs the same (a short last batch too, as in Keras);
+       BatchNormalization's moving statistics move with every finite batch,
+       as Keras' do in each training forward pass. The sum is optimizer
        state (mpt_model_memory, memory_limit) and is saved in full
        checkpoints. Negative: refused. */
     int gradient_accumulation_steps;
@@ -19724,6 +19733,8 @@ static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, loss_scale.growth_interval, MPT__FIELD_INT64),
     MPT__FIELD(mpt_compile_desc, loss_scale.growth_factor, MPT__FIELD_FLOAT),
     MPT__FIELD(mpt_compile_desc, loss_scale.backoff_factor, MPT__FIELD_FLOAT),
+    /* last, and written only where it is on (mpt__put_compile) */
+    MPT__FIELD(mpt_compile_desc, optimizer.gradient_accumulation_steps, MPT__FIELD_INT),
     MPT__FIELDS_END};
 
 /* ---- writing ------------------------------------------------------------------- */
@@ -19790,6 +19801,19 @@ static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *
     mpt__ckpt_puts(t, "}");
 }
 
+/* The compile settings; gradient_accumulation_steps (the list's last)
+   only where the model accumulates, so that one that does not writes the
+   file it always did (a field a file lacks reads as 0: off). */
+static void mpt__put_compile(mpt__ckpt_text *t, const mpt_compile_desc *c) {
+    int k;
+    mpt__ckpt_puts(t, "{");
+    for (k = 0; mpt__compile_fields[k + 1].key; k++)
+        mpt__put_field(t, &mpt__compile_fields[k], c, k == 0);
+    if (c->optimizer.gradient_accumulation_steps > 1)
+        mpt__put_field(t, &mpt__compile_fields[k], c, 0);
+    mpt__ckpt_puts(t, "}");
+}
+
 static void mpt__put_inputs(mpt__ckpt_text *t, const mpt__layer *L) {
     char num[32];
     int s;
@@ -19848,7 +19872,7 @@ static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
     mpt__ckpt_puts(t, "]");
     if (m->compiled) {
         mpt__ckpt_puts(t, ",\"compile\":");
-        mpt__put_fields(t, mpt__compile_fields, &m->compile);
+        mpt__put_compile(t, &m->compile);
     }
     mpt__ckpt_puts(t, "}");
 }

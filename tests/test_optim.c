@@ -1044,6 +1044,7 @@ static void test_bad_input(void) {
                        d.optimizer.schedule.decay_steps = 10, d.optimizer.schedule.alpha = 2));
     BAD("alpha", "-0.5", d.optimizer.schedule.alpha = -0.5f);
     BAD("warmup_steps", "-1", d.optimizer.schedule.warmup_steps = -1);
+    BAD("gradient_accumulation_steps", "-1", d.optimizer.gradient_accumulation_steps = -1);
     BAD("loss_scale: mode", "9", d.loss_scale.mode = (mpt_loss_scale_mode)9);
     BAD("initial_scale", "-1", d.loss_scale.initial_scale = -1);
     BAD("initial_scale", "inf", d.loss_scale.initial_scale = INFINITY);

@@ -876,6 +876,14 @@ static void test_threads(void) {
     check_threads("SGD nesterov, l2", (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD,
                                                            .momentum = 0.9f, .nesterov = 1,
                                                            .l2 = 0.01f});
+    /* 3 steps with N = 2: a sum, an update from the mean (clipped: the
+       mean's sum of squares over the ranges), a sum again */
+    check_threads("Adam, clipping, accumulating 2",
+                  (mpt_optimizer_desc){.learning_rate = 0.01f, .clip_global_norm = 3,
+                                       .gradient_accumulation_steps = 2});
+    check_threads("SGD momentum, accumulating 2",
+                  (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .momentum = 0.9f,
+                                       .gradient_accumulation_steps = 2});
 }
 
 /* Non-trainable parameters (BatchNormalization's moving statistics) get

@@ -1446,6 +1446,25 @@ static void test_accumulation_memory(void) {
     CHECK(four.optimizer == 3 * 4 * trainable, "Adam with the sums: %lld bytes, want %lld",
           (long long)four.optimizer, (long long)(3 * 4 * trainable));
     CHECK(a->params[0].accum == NULL && b->params[0].accum != NULL, "sums where N = 1");
+    { /* memory_limit counts them: a limit that holds N = 1's plan refuses N = 4's */
+        mpt_context *q = quiet_ctx();
+        mpt_model *c = NULL;
+        mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                              .seed = 21, .memory_limit = one.total}, &c);
+        mpt_model_add_dense(c, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(c, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+        CHECK(mpt_model_compile(c, &(mpt_compile_desc){
+                  .optimizer = off, .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}}) ==
+                  MPT_OK, "compile: %s", mpt_context_error(q));
+        CHECK(mpt_model_build(c, 8) == MPT_OK, "N = 1 within its own plan's bytes: %s",
+              mpt_context_error(q));
+        test_expect_error(q, mpt_model_compile(c, &(mpt_compile_desc){
+                                  .optimizer = on,
+                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}}),
+                          MPT_ERR_OUT_OF_MEMORY, "memory_limit", "compile N = 4 under the limit");
+        mpt_model_destroy(c);
+        mpt_context_destroy(q);
+    }
     mpt_model_destroy(a);
     mpt_model_destroy(b);
 }

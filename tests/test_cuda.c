@@ -2393,6 +2393,9 @@ static mpt_dataset *blob_dataset(mpt_context *ctx) {
 
 /* 1: blob_model is a graph (test_model_graph_on_the_gpu). */
 static int blobs_graph;
+/* blob_model's gradient_accumulation_steps, its mean clipped at 1 when set
+   (test_model_accumulation_graphs). */
+static int blobs_accumulate;
 
 /* Dense(64, relu) -> BatchNormalization -> Dropout(0.2) -> Dense(4, softmax),
    Adam, built for batches of 64. With blobs_graph: h = Dense(64, relu);
@@ -2436,6 +2439,8 @@ static mpt_model *blob_model(mpt_context *ctx, mpt_policy policy) {
     mpt_model_add_dense(m, &dd);
     memset(&cd, 0, sizeof cd);
     cd.optimizer.learning_rate = 0.01f;
+    cd.optimizer.gradient_accumulation_steps = blobs_accumulate;
+    cd.optimizer.clip_global_norm = blobs_accumulate ? 1.0f : 0.0f;
     cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
     cd.metrics = MPT_METRIC_ACCURACY;
     CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(ctx));
@@ -2548,6 +2553,36 @@ static void test_model_graphs_and_determinism(void) { check_gpu_determinism(0, "
 
 /* A model graph on the GPU (fan-out, Add, Concatenate), as a chain. */
 static void test_model_graph_on_the_gpu(void) { check_gpu_determinism(1, "graph_model"); }
+
+/* Gradient accumulation over 3 batches, the mean clipped: one recorded
+   step serves the accumulating and the applying steps alike (the device
+   decides which from the step's record), so CUDA graphs on and off, and
+   two runs, end on the same bits after 48 batches (16 updates). */
+static void test_model_accumulation_graphs(void) {
+    char off[512], on[512], again[512];
+    const char *dev = "?";
+    double acc_off, acc_on;
+    temp_path(off, sizeof off, "accumulating_off");
+    temp_path(on, sizeof on, "accumulating_on");
+    temp_path(again, sizeof again, "accumulating_on_again");
+    make_blobs();
+    blobs_accumulate = 3;
+    acc_off = train_blobs("0", MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
+    acc_on = train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, &dev);
+    train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, again, NULL);
+    blobs_accumulate = 0;
+    CHECK(!strcmp(dev, "cuda"), "the model trained on '%s'", dev);
+    CHECK(acc_on == acc_off, "accuracy with CUDA graphs %.9g, without %.9g", acc_on, acc_off);
+    CHECK(same_file(off, on), "accumulating: weights with CUDA graphs differ from those without "
+          "(%s, %s)", on, off);
+    CHECK(same_file(on, again), "accumulating: two runs gave different weights (%s, %s)", on,
+          again);
+    if (!test__current_failed) {
+        remove(off);
+        remove(on);
+        remove(again);
+    }
+}
 
 /* Occurrences of `needle` in the file `path`'s first MiB; -1 if unreadable. */
 static long count_in_file(const char *path, const char *needle) {
@@ -3823,6 +3858,8 @@ int main(int argc, char **argv) {
                   test_two_devices_from_one_thread);
         test__run("mirrored: one replica on each of two GPUs (NCCL) as two on one (<= 1e-5)",
                   test_mirrored_on_two_gpus);
+        test__run("model: accumulating 3 batches, CUDA graphs on and off and two runs identical",
+                  test_model_accumulation_graphs);
     }
 #ifdef MPT_NCCL
     test__run("NCCL: a communicator of one GPU, its all-reduce leaves the floats as they are",

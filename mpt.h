@@ -128,6 +128,8 @@
                             the layers read; biases and BatchNormalization's
                             gamma and beta are read as float32
        optimizer moments    float32 (SGD's momentum, Adam's m and v)
+       accumulated sums     float32, unscaled (gradient accumulation: each
+                            batch divided by its own loss scale)
        BatchNormalization   statistics, moving averages and arithmetic in
                             float32; x, y, dy, dx in float16
        the final softmax    float32 (Keras' advice, taken by default), so
@@ -204,6 +206,10 @@
                             mpt__loss_scale_resolve (@impl-optimizers)
        statistics committed mpt__model_commit (@impl-passes), only when the
                             step was finite
+       gradient accumulation  mpt__accum_mode and kin (@backend-shared):
+                            add to the sums or update from their mean,
+                            decided from mpt_step_state; mpt__accum_block
+                            (@impl-optimizers), mpt__cuda_accum_one
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
@@ -1254,7 +1260,11 @@ typedef enum mpt_lr_schedule_type {
     MPT_LR_SCHEDULE_COUNT_
 } mpt_lr_schedule_type;
 
-/* t counts optimizer steps taken (skipped steps do not count). With
+/* t counts optimizer steps taken (skipped steps do not count); with
+   gradient accumulation over N batches, the batches handed to the
+   optimizer (t = N·updates + N − 1 at an update), as Keras 3 evaluates a
+   schedule at its raw iteration counter while Adam's bias correction
+   reads the updates (optimizer.iterations). With
    warmup_steps W > 0 the rate rises linearly from lr/W at t = 0 to lr at
    t = W − 1, and the schedule then runs on t − W. */
 typedef struct mpt_lr_schedule {
@@ -1280,6 +1290,23 @@ typedef struct mpt_optimizer_desc {
                                   scaled so that their global norm is at most
                                   this (after unscaling)                     */
     mpt_lr_schedule schedule;
+    /* Keras 3's gradient_accumulation_steps: default 0 (or 1): every batch
+       updates. N > 1: the first N − 1 batches of a cycle add their
+       gradients (unscaled) to a float32 sum per parameter and change no
+       weight or moment; the N-th updates with (sum + its own) / N, then
+       clips that mean by clip_global_norm, decays and steps, and empties
+       the sum. Adam's t counts updates; the schedule's t counts the
+       batches the optimizer was handed, as Keras 3 calls its schedule
+       with its raw iteration counter (see mpt_lr_schedule). Under dynamic
+       loss scaling a batch with inf or NaN gradients is skipped whole, as
+       Keras' LossScaleOptimizer skips its inner optimizer: it adds nothing
+       to the sum and does not count toward the N. Each batch's mean
+       gradient weighs the same (a short last batch too, as in Keras);
+       BatchNormalization's moving statistics move with every finite batch,
+       as Keras' do in each training forward pass. The sum is optimizer
+       state (mpt_model_memory, memory_limit) and is saved in full
+       checkpoints. Negative: refused. */
+    int gradient_accumulation_steps;
 } mpt_optimizer_desc;
 
 typedef enum mpt_loss_scale_mode {
@@ -2548,6 +2575,11 @@ typedef struct mpt_step_state {
     float loss_scale;         /* 1 when not scaling                         */
     int32_t finite;           /* whether the last step's gradients were     */
     int32_t pad_;
+    /* gradient accumulation (optimizer.gradient_accumulation_steps N > 1) */
+    int64_t accumulated_steps;      /* finite batches in the sum: 0 .. N − 1 */
+    double accumulated_sum_squares; /* Σ of the mean gradient's squares,
+                                       unscaled, at an applying step with
+                                       clipping (grad_stats)               */
 } mpt_step_state;
 
 /* One loss over a batch, its output seen as rows of K values (K its last
@@ -2599,6 +2631,8 @@ typedef struct mpt_update_args {
     const int64_t *count;
     mpt_optimizer_desc optimizer; /* every default resolved                 */
     mpt_step_state *state;
+    float *const *accum; /* gradient accumulation's float32 sums (the
+                            gradients unscaled); NULL: none (N = 1)  */
 } mpt_update_args;
 
 /* The element-wise operations of mpt_backend.elementwise: the merge layers
@@ -2709,7 +2743,11 @@ typedef struct mpt_backend {
     /* Pass 1: state->sum_squares = Σ g² (double, fixed order) and
        state->finite. Pass 2: if finite, the fused update of every
        parameter (unscale, clip, l2, decay, SGD/Adam(W)), the compute copies
-       rewritten, optimizer_steps + 1. */
+       rewritten, optimizer_steps + 1. With u->accum (gradient
+       accumulation), whether a finite step adds to the sums or updates
+       from their mean is decided from state->accumulated_steps where the
+       step runs (mpt__accum_mode, @backend-shared), never by the host;
+       pass 1 then also sets accumulated_sum_squares when clipping. */
     void (*grad_stats)(void *impl, const mpt_update_args *u);
     void (*update)(void *impl, const mpt_update_args *u);
     /* Dynamic or fixed loss scaling after a step, from state->finite; then
@@ -3108,14 +3146,83 @@ static inline MPT__HD double mpt__learning_rate_at(const mpt_optimizer_desc *d, 
     }
 }
 
+/* ---- gradient accumulation (optimizer.gradient_accumulation_steps) -------
+   Keras 3's rule (BaseOptimizer._backend_apply_gradients): the batches of a
+   cycle but the last add their gradients to a sum; the last updates with
+   (its gradients + the sum) / N, clipped, and empties the sum. Under loss
+   scaling the sum holds gradients unscaled by the scale of their own batch
+   (Keras' LossScaleOptimizer unscales before its inner optimizer
+   accumulates), so a scale that changes within a cycle mixes nothing; a
+   non-finite batch never reaches these rules (the update is skipped whole),
+   so it adds nothing and does not count. With N = 1 none of this runs. */
+
+enum {
+    MPT__ACCUM_OFF = 0,  /* N = 1: today's update                          */
+    MPT__ACCUM_ADD = 1,  /* a cycle's batch but the last: the sums only    */
+    MPT__ACCUM_APPLY = 2 /* the last: the update from the mean, sums zeroed */
+};
+
+static inline MPT__HD int64_t mpt__accum_steps(const mpt_optimizer_desc *d) {
+    return d->gradient_accumulation_steps > 1 ? (int64_t)d->gradient_accumulation_steps : 1;
+}
+
+/* What a finite step does, from the count of batches already in the sum
+   (Keras: (iterations + 1) % N == 0 on its raw counter). */
+static inline MPT__HD int mpt__accum_mode(const mpt_optimizer_desc *d, const mpt_step_state *st) {
+    int64_t n = mpt__accum_steps(d);
+    if (n == 1) return MPT__ACCUM_OFF;
+    return st->accumulated_steps + 1 < n ? MPT__ACCUM_ADD : MPT__ACCUM_APPLY;
+}
+
+/* 1/scale as the update multiplies by it (a reciprocal in double, rounded
+   once: exact for a power-of-two scale). */
+static inline MPT__HD float mpt__accum_unscale(const mpt_step_state *st) {
+    return (float)(1.0 / (double)st->loss_scale);
+}
+
+/* One element: the sum with this batch's gradient added, unscaled. */
+static inline MPT__HD float mpt__accum_sum(float unscale, float g, float sum) {
+    return mpt__fadd_rn(mpt__fmul_rn(g, unscale), sum);
+}
+
+/* One element at the applying step: the cycle's mean gradient, divided by
+   N as Keras divides (g + acc_g) / steps. */
+static inline MPT__HD float mpt__accum_mean(float unscale, float steps, float g, float sum) {
+    return mpt__fdiv_rn(mpt__accum_sum(unscale, g, sum), steps);
+}
+
+/* The schedule's t for the next update after `updates` of them: Keras 3
+   evaluates a LearningRateSchedule at its raw counter, which counts every
+   batch handed to the optimizer (accumulating ones too), so at an update
+   it is N·updates + N − 1; with N = 1, updates itself. */
+static inline MPT__HD int64_t mpt__schedule_step(const mpt_optimizer_desc *d, int64_t updates) {
+    int64_t n = mpt__accum_steps(d);
+    return updates * n + (n - 1);
+}
+
+/* The counters after a finite step: one more batch in the sum, or one
+   more update and an empty sum. */
+static inline MPT__HD void mpt__accum_advance(const mpt_optimizer_desc *d, mpt_step_state *st) {
+    if (mpt__accum_mode(d, st) == MPT__ACCUM_ADD) {
+        st->accumulated_steps++;
+        return;
+    }
+    st->accumulated_steps = 0;
+    st->optimizer_steps++;
+}
+
 /* Every number the per-element update uses, in float32 as Keras computes. */
 typedef struct mpt__update_coefs {
-    float gscale;   /* 1 / loss scale × the clipping factor             */
+    float gscale;   /* 1 / loss scale × the clipping factor (accumulating:
+                       the clipping factor alone, the mean being unscaled) */
     float l2;       /* coupled: added to the gradient as l2·w            */
     float decay;    /* decoupled: w −= w·(lr·weight_decay)               */
     float lr;       /* this step's scheduled rate                        */
     float momentum; /* SGD                                               */
     float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)         */
+    float unscale;  /* accumulation: 1 / loss scale (mpt__accum_unscale) */
+    float steps;    /* accumulation: N                                   */
+    int mode;       /* MPT__ACCUM_*                                      */
 } mpt__update_coefs;
 
 /* The step's coefficients: the scheduled rate, Adam's α with its bias
@@ -3125,15 +3232,18 @@ typedef struct mpt__update_coefs {
    each rounded to float once. */
 static inline MPT__HD mpt__update_coefs mpt__update_coefs_at(const mpt_optimizer_desc *d,
                                                              const mpt_step_state *st) {
-    double lr = mpt__learning_rate_at(d, (double)st->learning_rate, st->optimizer_steps);
+    int mode = mpt__accum_mode(d, st);
+    double lr = mpt__learning_rate_at(d, (double)st->learning_rate,
+                                      mpt__schedule_step(d, st->optimizer_steps));
     double inv_scale = 1.0 / (double)st->loss_scale;
     double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
     double t = (double)(st->optimizer_steps + 1);
     double bias1 = 1.0 - pow((double)d->beta_1, t), bias2 = 1.0 - pow((double)d->beta_2, t);
     mpt__update_coefs k;
+    if (mode == MPT__ACCUM_APPLY) norm = sqrt(st->accumulated_sum_squares); /* the mean's */
     if (d->clip_global_norm > 0 && norm > (double)d->clip_global_norm)
         clip = (double)d->clip_global_norm / norm;
-    k.gscale = (float)(inv_scale * clip);
+    k.gscale = (float)((mode == MPT__ACCUM_APPLY ? 1.0 : inv_scale) * clip);
     k.l2 = d->l2;
     k.decay = (float)(lr * (double)d->weight_decay);
     k.lr = (float)lr;
@@ -3142,6 +3252,9 @@ static inline MPT__HD mpt__update_coefs mpt__update_coefs_at(const mpt_optimizer
     k.one_minus_b2 = (float)(1.0 - (double)d->beta_2);
     k.alpha = (float)(lr * sqrt(bias2) / bias1);
     k.epsilon = d->epsilon;
+    k.unscale = mpt__accum_unscale(st);
+    k.steps = (float)mpt__accum_steps(d);
+    k.mode = mode;
     return k;
 }
 
@@ -4203,6 +4316,8 @@ typedef struct mpt__param {
     void *compute;           /* (count) compute_dtype copy; == value if float32 */
     float *slot[2];          /* (count) optimizer state: SGD's momentum, or
                                 Adam's m and v; NULL where unused             */
+    float *accum;            /* (count) gradient accumulation's sum, in the
+                                optimizer's arena; NULL when N = 1           */
     int non_negative;        /* a variance: a file holding a value < 0 is
                                 refused (its square root would be NaN)       */
 } mpt__param;
@@ -4373,6 +4488,7 @@ struct mpt_model {
     float loss_scale;                    /* 1 when not scaling              */
     int64_t good_steps;                  /* finite steps in a row           */
     int64_t skipped_steps;               /* steps skipped for inf/NaN       */
+    int64_t accumulated_steps;           /* batches in the gradients' sum   */
     int epoch;                           /* epochs completed                */
     mpt__history_store history;
     mpt_printer printer;                 /* progress and messages (fit's)   */
@@ -10512,6 +10628,11 @@ static mpt_status mpt__optimizer_resolve(mpt_context *ctx, const mpt_optimizer_d
     MPT__CHECK(mpt__check_nonneg(ctx, "weight_decay", d.weight_decay));
     MPT__CHECK(mpt__check_nonneg(ctx, "l2", d.l2));
     MPT__CHECK(mpt__check_nonneg(ctx, "clip_global_norm", d.clip_global_norm));
+    if (d.gradient_accumulation_steps < 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: gradient_accumulation_steps %d must be >= 0 (0 or 1: "
+                         "every batch updates)",
+                         d.gradient_accumulation_steps);
     if (d.learning_rate == 0) d.learning_rate = d.type == MPT_OPTIMIZER_SGD ? 0.01f : 0.001f;
     if (d.beta_1 == 0) d.beta_1 = 0.9f;
     if (d.beta_2 == 0) d.beta_2 = 0.999f;
@@ -10721,12 +10842,71 @@ static double mpt__gradient_sum_squares(mpt_context *ctx, const mpt_update_args 
     return sum;
 }
 
-/* The CPU backend's first pass (mpt_backend.grad_stats). */
+/* Gradient accumulation's applying step: Σ over every element of the
+   cycle's mean gradient squared (mpt__accum_mean, unscaled), to clip the
+   mean as Keras clips it; the ranges' sums added in range order, as the
+   gradients' own. */
+typedef struct mpt__mean_norm_job {
+    const mpt_update_args *u;
+    mpt__ranges r;
+    float unscale, steps;
+    double partial[MPT__OPT_TASKS]; /* (n_tasks) each range's sum */
+} mpt__mean_norm_job;
+
+typedef struct mpt__mean_norm_acc {
+    const mpt__mean_norm_job *j;
+    double sum;
+} mpt__mean_norm_acc;
+
+static void mpt__mean_norm_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
+                                int64_t end) {
+    mpt__mean_norm_acc *a = (mpt__mean_norm_acc *)arg;
+    const float *g = u->grad[k], *sum = u->accum[k];
+    int64_t i;
+    for (i = begin; i < end; i++) {
+        double v = (double)mpt__accum_mean(a->j->unscale, a->j->steps, g[i], sum[i]);
+        a->sum += v * v;
+    }
+}
+
+static void mpt__mean_norm_task(void *arg, int64_t task, int thread) {
+    mpt__mean_norm_job *j = (mpt__mean_norm_job *)arg;
+    int64_t begin = task * j->r.range;
+    mpt__mean_norm_acc a;
+    (void)thread;
+    a.j = j;
+    a.sum = 0;
+    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__mean_norm_span, &a);
+    j->partial[task] = a.sum;
+}
+
+static double mpt__mean_sum_squares(mpt_context *ctx, const mpt_update_args *u,
+                                    const mpt__ranges *r) {
+    mpt__mean_norm_job j;
+    double sum = 0;
+    int64_t t;
+    j.u = u;
+    j.r = *r;
+    j.unscale = mpt__accum_unscale(u->state);
+    j.steps = (float)mpt__accum_steps(&u->optimizer);
+    mpt__parallel_for(ctx, r->n_tasks, mpt__mean_norm_task, &j);
+    for (t = 0; t < r->n_tasks; t++) sum += j.partial[t];
+    return sum;
+}
+
+/* The CPU backend's first pass (mpt_backend.grad_stats); with gradient
+   accumulation and clipping, at a finite applying step, the mean's sum of
+   squares too. */
 static void mpt__cpu_grad_stats(void *impl, const mpt_update_args *u) {
     mpt__ranges r = mpt__opt_ranges(u);
     double sum = mpt__gradient_sum_squares((mpt_context *)impl, u, &r);
-    u->state->sum_squares = sum;
-    u->state->finite = isfinite(sum) != 0;
+    mpt_step_state *st = u->state;
+    st->sum_squares = sum;
+    st->finite = isfinite(sum) != 0;
+    st->accumulated_sum_squares = 0;
+    if (u->accum && st->finite && u->optimizer.clip_global_norm > 0 &&
+        mpt__accum_mode(&u->optimizer, st) == MPT__ACCUM_APPLY)
+        st->accumulated_sum_squares = mpt__mean_sum_squares((mpt_context *)impl, u, &r);
 }
 
 /* ---- pass 2: the fused update --------------------------------------------- */
@@ -10849,6 +11029,26 @@ MPT__ADAM_BLOCK_SIMD(MPT__TARGET_AVX512, mpt__adam_block_avx512, __m512, _mm512,
 #undef MPT__ADAM_BLOCK_SIMD
 #endif
 
+/* Gradient accumulation on n elements of a parameter from element b:
+   an accumulating step adds the gradients to the sum and returns NULL
+   (nothing else changes); the applying step writes the cycle's mean into
+   mean, empties the sum and returns mean, which the optimizer's loop then
+   takes as its gradient (mpt__update_coefs_at unscaled it already). */
+static const float *mpt__accum_block(const mpt__update_coefs *k, const float *MPT__RESTRICT g,
+                                     float *MPT__RESTRICT sum, float *MPT__RESTRICT mean,
+                                     int64_t n) {
+    int64_t i;
+    if (k->mode == MPT__ACCUM_ADD) {
+        for (i = 0; i < n; i++) sum[i] = mpt__accum_sum(k->unscale, g[i], sum[i]);
+        return NULL;
+    }
+    for (i = 0; i < n; i++) {
+        mean[i] = mpt__accum_mean(k->unscale, k->steps, g[i], sum[i]);
+        sum[i] = 0.0f;
+    }
+    return mean;
+}
+
 /* Updates elements [begin, end) of P, a block at a time, and converts each
    updated block of the master into the compute copy right away. */
 static void mpt__update_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
@@ -10859,10 +11059,14 @@ static void mpt__update_span(void *arg, const mpt_update_args *u, int k, int64_t
     int copy = u->compute[k] != (void *)value;
     mpt__convert_fn convert = mpt__convert_kernel(j->ctx->cpu, cdt, MPT_FLOAT32);
     size_t csize = mpt_dtype_size(cdt);
+    float mean[MPT__OPT_BLOCK]; /* gradient accumulation's applying step */
     int64_t b;
     for (b = begin; b < end; b += MPT__OPT_BLOCK) {
         int64_t n = MPT__MIN((int64_t)MPT__OPT_BLOCK, end - b);
-        j->block(j, value + b, u->grad[k] + b, s0 ? s0 + b : NULL, s1 ? s1 + b : NULL, n);
+        const float *g = u->grad[k] + b;
+        if (j->k.mode != MPT__ACCUM_OFF) g = mpt__accum_block(&j->k, g, u->accum[k] + b, mean, n);
+        if (!g) continue; /* accumulating: weights, slots and copies stay */
+        j->block(j, value + b, g, s0 ? s0 + b : NULL, s1 ? s1 + b : NULL, n);
         if (copy)
             convert(cdt, (char *)u->compute[k] + (size_t)b * csize, MPT_FLOAT32, value + b, n);
     }
@@ -10901,7 +11105,7 @@ static void mpt__cpu_update(void *impl, const mpt_update_args *u) {
     j.r = mpt__opt_ranges(u);
     mpt__update_job_init(u, &j);
     mpt__parallel_for((mpt_context *)impl, j.r.n_tasks, mpt__update_task, &j);
-    u->state->optimizer_steps++;
+    mpt__accum_advance(&u->optimizer, u->state); /* N = 1: optimizer_steps + 1 */
 }
 
 /* ---- loss scaling ----------------------------------------------------------- */
@@ -10914,6 +11118,20 @@ static void mpt__cpu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
 }
 
 /* ---- the optimizer's state, and the arrays of it the backend walks -------- */
+
+/* Whether the model accumulates gradients (N > 1): the sum is one more
+   float32 tensor of optimizer state per trainable parameter, after its
+   slots. */
+static int mpt__accumulates(const mpt_model *m) {
+    return mpt__accum_steps(&m->compile.optimizer) > 1;
+}
+
+static int mpt__state_tensors(const mpt_model *m) { return m->n_slots + mpt__accumulates(m); }
+
+/* State tensor k of a trainable parameter: its slots, then the sum. */
+static float *mpt__state_tensor(const mpt__param *P, int k) {
+    return k < 2 && P->slot[k] ? P->slot[k] : P->accum;
+}
 
 static void mpt__free_update_args(mpt_model *m) {
     mpt__free(m->ctx, (void *)m->update.value);
@@ -10929,13 +11147,14 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
     int i;
     mpt__free_update_args(m);
     for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
-    ptrs = 5 * n * sizeof(void *);
+    ptrs = 6 * n * sizeof(void *);
     block = (unsigned char *)mpt__calloc(m->ctx, ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t)) + 1);
     if (!block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     {
         float **value = (float **)block, **grad = value + n, **slot0 = grad + n;
         float **slot1 = slot0 + n;
         void **compute = (void **)(slot1 + n);
+        float **accum = (float **)(compute + n);
         int64_t *count = (int64_t *)(block + ptrs);
         mpt_dtype *dtype = (mpt_dtype *)(count + n);
         int k = 0;
@@ -10947,6 +11166,7 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
             slot0[k] = P->slot[0];
             slot1[k] = P->slot[1];
             compute[k] = P->compute;
+            accum[k] = P->accum;
             count[k] = P->count;
             dtype[k] = P->compute_dtype;
             k++;
@@ -10959,6 +11179,7 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
         u->compute = compute;
         u->compute_dtype = dtype;
         u->count = count;
+        u->accum = mpt__accumulates(m) ? accum : NULL;
     }
     u->optimizer = m->compile.optimizer;
     u->state = m->state;
@@ -10966,14 +11187,15 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
 }
 
 /* The optimizer's state, m->n_slots float32 tensors per trainable
-   parameter, zero-filled: allocated by build when the model is compiled
-   first, or by compile when it is built first (and again on recompiling,
-   which starts the optimizer afresh, as in Keras). */
+   parameter (and the accumulated gradients' sum), zero-filled: allocated
+   by build when the model is compiled first, or by compile when it is
+   built first (and again on recompiling, which starts the optimizer
+   afresh, as in Keras). */
 static int64_t mpt__optimizer_state_bytes(const mpt_model *m) {
     int64_t floats = 0;
     int i;
     for (i = 0; i < m->n_params; i++)
-        if (m->params[i].trainable) floats += m->params[i].count * m->n_slots;
+        if (m->params[i].trainable) floats += m->params[i].count * mpt__state_tensors(m);
     return floats * (int64_t)sizeof(float);
 }
 
@@ -10985,7 +11207,8 @@ static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
     m->be->free(m->impl, MPT__MEM_OPTIMIZER, m->arena[MPT__MEM_OPTIMIZER]);
     m->arena[MPT__MEM_OPTIMIZER] = NULL;
     m->arena_bytes[MPT__MEM_OPTIMIZER] = 0;
-    for (i = 0; i < m->n_params; i++) m->params[i].slot[0] = m->params[i].slot[1] = NULL;
+    for (i = 0; i < m->n_params; i++)
+        m->params[i].slot[0] = m->params[i].slot[1] = m->params[i].accum = NULL;
     for (i = 0; i < MPT__MEM_COUNT_; i++) held += m->arena_bytes[i];
     MPT__CHECK(mpt__within_memory_limit(m, MPT__MEM_OPTIMIZER, held, floats * 4));
     if (floats == 0) return mpt__build_update_args(m);
@@ -11001,6 +11224,10 @@ static mpt_status mpt__alloc_optimizer_state(mpt_model *m) {
         mpt__param *P = &m->params[i];
         for (s = 0; P->trainable && s < m->n_slots; s++) {
             P->slot[s] = next;
+            next += P->count;
+        }
+        if (P->trainable && mpt__accumulates(m)) {
+            P->accum = next;
             next += P->count;
         }
     }
@@ -11070,7 +11297,7 @@ MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) 
     m->n_slots = mpt__optimizer_slot_count(&r.optimizer);
     m->learning_rate = r.optimizer.learning_rate;
     m->loss_scale = r.loss_scale.mode == MPT_LOSS_SCALE_NONE ? 1.0f : r.loss_scale.initial_scale;
-    m->optimizer_steps = m->good_steps = m->skipped_steps = 0;
+    m->optimizer_steps = m->good_steps = m->skipped_steps = m->accumulated_steps = 0;
     m->compiled = 1;
     /* Recompiling starts the optimizer afresh (zeroed slots), as in Keras. */
     if (m->built && mpt__alloc_optimizer_state(m) != MPT_OK) {
@@ -11866,6 +12093,7 @@ static mpt_status mpt__state_push(mpt_model *m) {
     memset(st, 0, sizeof st);
     st[0].step = (int64_t)m->step;
     st[0].optimizer_steps = m->optimizer_steps;
+    st[0].accumulated_steps = m->accumulated_steps;
     st[0].good_steps = m->good_steps;
     st[0].skipped_steps = m->skipped_steps;
     st[0].learning_rate = m->learning_rate;
@@ -11881,6 +12109,7 @@ static mpt_status mpt__state_push(mpt_model *m) {
 static void mpt__state_to_host(mpt_model *m, const mpt_step_state *st) {
     m->step = (uint64_t)st->step;
     m->optimizer_steps = st->optimizer_steps;
+    m->accumulated_steps = st->accumulated_steps;
     m->good_steps = st->good_steps;
     m->skipped_steps = st->skipped_steps;
     m->loss_scale = st->loss_scale;
@@ -12824,7 +13053,8 @@ static mpt_status mpt__model_replan(mpt_model *m, int64_t max_batch, int64_t fal
     mpt_status s = MPT_OK, rebuilt;
     int i, k;
     for (i = 0; i < m->n_params; i++)
-        floats += (size_t)m->params[i].count * (1 + (m->params[i].trainable ? (size_t)m->n_slots : 0));
+        floats += (size_t)m->params[i].count *
+                  (1 + (m->params[i].trainable ? (size_t)mpt__state_tensors(m) : 0));
     saved = (float *)mpt__alloc(m->ctx, sizeof(float) * (floats ? floats : 1));
     if (!saved) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory saving the "
                                  "weights to plan a smaller batch");
@@ -12833,8 +13063,9 @@ static mpt_status mpt__model_replan(mpt_model *m, int64_t max_batch, int64_t fal
         size_t bytes = sizeof(float) * (size_t)P->count;
         s = mpt__download(m, saved + at, P->value, bytes);
         at += (size_t)P->count;
-        for (k = 0; s == MPT_OK && P->trainable && k < m->n_slots; k++, at += (size_t)P->count)
-            s = mpt__download(m, saved + at, P->slot[k], bytes);
+        for (k = 0; s == MPT_OK && P->trainable && k < mpt__state_tensors(m);
+             k++, at += (size_t)P->count)
+            s = mpt__download(m, saved + at, mpt__state_tensor(P, k), bytes);
     }
     if (s == MPT_OK) s = mpt__download(m, &record, m->state, sizeof record);
     if (s != MPT_OK) {
@@ -12852,8 +13083,9 @@ static mpt_status mpt__model_replan(mpt_model *m, int64_t max_batch, int64_t fal
         size_t bytes = sizeof(float) * (size_t)P->count;
         if (rebuilt == MPT_OK) rebuilt = mpt__upload(m, P->value, saved + at, bytes);
         at += (size_t)P->count;
-        for (k = 0; rebuilt == MPT_OK && P->trainable && k < m->n_slots; k++, at += (size_t)P->count)
-            rebuilt = mpt__upload(m, P->slot[k], saved + at, bytes);
+        for (k = 0; rebuilt == MPT_OK && P->trainable && k < mpt__state_tensors(m);
+             k++, at += (size_t)P->count)
+            rebuilt = mpt__upload(m, mpt__state_tensor(P, k), saved + at, bytes);
     }
     if (rebuilt == MPT_OK) rebuilt = mpt__upload(m, m->state, &record, sizeof record);
     if (rebuilt == MPT_OK) mpt_model_refresh_weights(m);
@@ -12979,7 +13211,8 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     if (d->verbose) mpt__progress(m, d->verbose, batch, r->steps, seconds, logs, 1);
     mpt__logs_set(logs, "learning_rate",
                   mpt__learning_rate_at(&m->compile.optimizer, m->learning_rate,
-                                        m->optimizer_steps));
+                                        mpt__schedule_step(&m->compile.optimizer,
+                                                           m->optimizer_steps)));
     mpt__logs_set(logs, "loss_scale", m->loss_scale);
     mpt__logs_set(logs, "skipped_steps", (double)(m->skipped_steps - skipped_before));
     mpt__logs_set(logs, "epoch_seconds", seconds);
@@ -13184,6 +13417,7 @@ static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
     float value = 0, lo = 0, hi = 0;
     char loss_text[40], value_text[40];
     u.state = &m->state[1];
+    u.accum = NULL; /* the weights' and slots' sums of squares alone */
     for (slot = -1; slot < m->n_slots; slot++) { /* -1: the weights */
         float *const *what = slot < 0 ? u.value : slot == 0 ? u.slot0 : u.slot1;
         u.grad = (const float *const *)what;
@@ -18043,6 +18277,7 @@ static void mpt__profile_update_by_layer(mpt__profile *P, mpt_model *m) {
         u.slot1 = all->slot1 ? all->slot1 + k : NULL;
         u.compute = all->compute ? all->compute + k : NULL;
         u.compute_dtype = all->compute_dtype ? all->compute_dtype + k : NULL;
+        u.accum = all->accum ? all->accum + k : NULL;
         u.count = all->count + k;
         m->be->update(m->impl, &u);
         mpt__profile_mark(P, MPT__PROF_UPDATE, layer);
@@ -19263,7 +19498,15 @@ static const char *mpt__st_meta_get(const mpt__st_file *f, const char *key) {
          qat/<layer>/output/min, .../max                                  } aware models
        <layer>/<param>                  F32   every parameter, trainable or not
        optimizer/<layer>/<param>/<slot> F32   full checkpoints: "momentum" (SGD),
-                                              "m" and "v" (Adam, AdamW)
+                                              "m" and "v" (Adam, AdamW), then
+                                              "accumulated_gradient" (below)
+   With gradient accumulation (N > 1) a full checkpoint also holds
+   train/accumulated_steps (I64, after the other counters) and each
+   trainable parameter's sum, so that a run resumed in the middle of a
+   cycle goes on bit for bit. A file without them (saved before they
+   existed, or by a model that did not accumulate) loads as at the end of a
+   cycle: an empty sum. With N = 1 neither is written (the file is as it
+   always was), and a file holding them is refused.
    The 8-byte scalars come first, then an even number of 4-byte ones, so that
    every tensor starts at a multiple of its element size (the data starts at
    8 + N, a multiple of 8), as a reader that maps the file in place wants.
@@ -19321,6 +19564,7 @@ static const char *mpt__ckpt_slot_name(mpt_optimizer_type type, int k) {
    loading reads and checks them here before any reaches the model. */
 typedef struct mpt__ckpt_train {
     int64_t optimizer_steps, step, epoch, good_steps, skipped_steps;
+    int64_t accumulated_steps; /* gradient accumulation's (N > 1 only) */
     float learning_rate, loss_scale;
 } mpt__ckpt_train;
 
@@ -19337,6 +19581,8 @@ typedef struct mpt__ckpt_entry {
                                        (Adam's second moment, a moving variance) */
     int qat;                        /* a quantization-aware range's: a file holds
                                        all of them or none (staged in plan->qat) */
+    int optional;                   /* gradient accumulation's: a file without
+                                       it loads zeros (an empty sum)         */
 } mpt__ckpt_entry;
 
 /* Every tensor of a weights file (full = 0) or a full checkpoint (full = 1),
@@ -19484,7 +19730,23 @@ static mpt_status mpt__ckpt_add_slots(mpt_model *m, mpt__ckpt_plan *pl) {
             /* Adam's v is a mean of squares: sqrt(v) of a negative one is NaN. */
             pl->e[pl->n - 1].non_negative = type != MPT_OPTIMIZER_SGD && k == 1;
         }
+        if (P->trainable && P->accum) {
+            MPT__CHECK(mpt__ckpt_add(m, pl, "optimizer/", P->name, "/accumulated_gradient",
+                                     MPT__ST_F32, P->rank, P->shape,
+                                     mpt__ckpt_host(m, pl, MPT__MEM_OPTIMIZER, P->accum),
+                                     P->count));
+            pl->e[pl->n - 1].optional = 1;
+        }
     }
+    return MPT_OK;
+}
+
+/* Gradient accumulation's counter, after the other I64 scalars. */
+static mpt_status mpt__ckpt_add_accumulation(mpt_model *m, mpt__ckpt_plan *pl) {
+    MPT__CHECK(mpt__ckpt_add(m, pl, "train/", "accumulated_steps", "", MPT__ST_I64, 0, NULL,
+                             &pl->train.accumulated_steps, 1));
+    mpt__ckpt_stage(pl, pl->n - 1, 0);
+    pl->e[pl->n - 1].optional = 1;
     return MPT_OK;
 }
 
@@ -19497,8 +19759,8 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__
         if (m->n_slots < 0 || m->n_slots > 2)
             return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint: %d optimizer slots per "
                              "parameter (at most 2 are supported)", m->n_slots);
-        for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->n_slots : 0;
-        n += 7; /* the train/ scalars */
+        for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? mpt__state_tensors(m) : 0;
+        n += 8; /* the train/ scalars */
     }
     pl->n_qat = mpt__qat_ranges_out(m, NULL);
     n += 3 * pl->n_qat; /* initialized, min, max */
@@ -19511,6 +19773,7 @@ static mpt_status mpt__ckpt_plan_init(mpt_model *m, int full, int loading, mpt__
     /* Every I64 first, then the F32 scalars (an even number of them), so
        that each tensor starts at a multiple of its element size. */
     if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl, 0));
+    if (full && mpt__accumulates(m)) MPT__CHECK(mpt__ckpt_add_accumulation(m, pl));
     MPT__CHECK(mpt__ckpt_add_qat(m, pl, 0));
     if (full) MPT__CHECK(mpt__ckpt_add_train(m, pl, 1));
     MPT__CHECK(mpt__ckpt_add_qat(m, pl, 1));
@@ -19721,6 +19984,7 @@ static mpt_status mpt__ckpt_save(mpt_model *m, const char *path, int full, const
     pl.train.epoch = m->epoch;
     pl.train.good_steps = m->good_steps;
     pl.train.skipped_steps = m->skipped_steps;
+    pl.train.accumulated_steps = m->accumulated_steps;
     pl.train.learning_rate = m->learning_rate;
     pl.train.loss_scale = m->loss_scale;
     s = mpt__ckpt_plan_init(m, full, 0, &pl);
@@ -19785,6 +20049,10 @@ static mpt_status mpt__ckpt_match(mpt_model *m, mpt__st_file *f, const mpt__ckpt
         mpt__ckpt_describe(want, sizeof want, e->dtype, e->rank, e->shape);
         found[i] = NULL;
         if (e->qat && !qat_in_file) continue;
+        if (!T && e->optional) { /* a file from before the cycle's state was kept */
+            memset(e->data, 0, (size_t)e->bytes);
+            continue;
+        }
         if (!T && e->qat)
             return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' holds quantization-aware "
                              "ranges, but not \"%s\" (%s), which this model's needs: was it "
@@ -19807,6 +20075,14 @@ static mpt_status mpt__ckpt_match(mpt_model *m, mpt__st_file *f, const mpt__ckpt
     return MPT_OK;
 }
 
+/* Whether a tensor's name is gradient accumulation's state. */
+static int mpt__ckpt_is_accumulation(const char *name) {
+    static const char tail[] = "/accumulated_gradient";
+    size_t n = strlen(name), k = sizeof tail - 1;
+    if (strcmp(name, "train/accumulated_steps") == 0) return 1;
+    return strncmp(name, "optimizer/", 10) == 0 && n > 10 + k && strcmp(name + n - k, tail) == 0;
+}
+
 /* Every tensor of the file must be the model's; load_weights passes over
    the optimizer state and training scalars of a full checkpoint. */
 static mpt_status mpt__ckpt_check_unused(mpt_model *m, const mpt__st_file *f, int full) {
@@ -19825,6 +20101,11 @@ static mpt_status mpt__ckpt_check_unused(mpt_model *m, const mpt__st_file *f, in
                              "aware: call mpt_model_quantize_aware before loading it, or load "
                              "the weights alone with mpt_model_load_weights", f->path, T->name,
                              got);
+        if (full && mpt__ckpt_is_accumulation(T->name))
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "checkpoint '%s' holds gradient "
+                             "accumulation's state (\"%s\" %s), but the model's optimizer "
+                             "does not accumulate (gradient_accumulation_steps %d)", f->path,
+                             T->name, got, m->compile.optimizer.gradient_accumulation_steps);
         if (full && strncmp(T->name, "optimizer/", 10) == 0)
             return mpt__fail(m->ctx, MPT_ERR_SHAPE, "checkpoint '%s' has optimizer state \"%s\" "
                              "%s that the model's optimizer (%s, %d slot%s per parameter) "
@@ -19925,6 +20206,8 @@ static mpt_status mpt__ckpt_check_counters(mpt_model *m, const char *path,
                                        MPT__CKPT_MAX_STEPS));
     MPT__CHECK(mpt__ckpt_check_counter(m, path, "skipped_steps", t->skipped_steps,
                                        MPT__CKPT_MAX_STEPS));
+    MPT__CHECK(mpt__ckpt_check_counter(m, path, "accumulated_steps", t->accumulated_steps,
+                                       mpt__accum_steps(&m->compile.optimizer) - 1));
     if (!(t->learning_rate >= 0 && t->learning_rate <= FLT_MAX))
         return mpt__fail(m->ctx, MPT_ERR_FORMAT, "checkpoint '%s': train/learning_rate is %g; it "
                          "must be finite and >= 0", path, (double)t->learning_rate);
@@ -20023,6 +20306,7 @@ static void mpt__ckpt_apply_train(mpt_model *m, const mpt__ckpt_train *t) {
     m->epoch = (int)t->epoch;
     m->good_steps = t->good_steps;
     m->skipped_steps = t->skipped_steps;
+    m->accumulated_steps = t->accumulated_steps;
     m->learning_rate = t->learning_rate;
     m->loss_scale = t->loss_scale;
 }
@@ -20504,6 +20788,8 @@ static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, loss_scale.growth_interval, MPT__FIELD_INT64),
     MPT__FIELD(mpt_compile_desc, loss_scale.growth_factor, MPT__FIELD_FLOAT),
     MPT__FIELD(mpt_compile_desc, loss_scale.backoff_factor, MPT__FIELD_FLOAT),
+    /* last, and written only where it is on (mpt__put_compile) */
+    MPT__FIELD(mpt_compile_desc, optimizer.gradient_accumulation_steps, MPT__FIELD_INT),
     MPT__FIELDS_END};
 
 /* ---- writing ------------------------------------------------------------------- */
@@ -20570,6 +20856,19 @@ static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *
     mpt__ckpt_puts(t, "}");
 }
 
+/* The compile settings; gradient_accumulation_steps (the list's last)
+   only where the model accumulates, so that one that does not writes the
+   file it always did (a field a file lacks reads as 0: off). */
+static void mpt__put_compile(mpt__ckpt_text *t, const mpt_compile_desc *c) {
+    int k;
+    mpt__ckpt_puts(t, "{");
+    for (k = 0; mpt__compile_fields[k + 1].key; k++)
+        mpt__put_field(t, &mpt__compile_fields[k], c, k == 0);
+    if (c->optimizer.gradient_accumulation_steps > 1)
+        mpt__put_field(t, &mpt__compile_fields[k], c, 0);
+    mpt__ckpt_puts(t, "}");
+}
+
 static void mpt__put_inputs(mpt__ckpt_text *t, const mpt__layer *L) {
     char num[32];
     int s;
@@ -20631,7 +20930,7 @@ static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
     mpt__ckpt_puts(t, "]");
     if (m->compiled) {
         mpt__ckpt_puts(t, ",\"compile\":");
-        mpt__put_fields(t, mpt__compile_fields, &m->compile);
+        mpt__put_compile(t, &m->compile);
     }
     mpt__ckpt_puts(t, "}");
 }

@@ -4214,6 +4214,7 @@ static __device__ __forceinline__ int mpt__cuda_table_entry(const int *first_blo
 /* Up to mpt__cuda_tensors_per_launch gradients of one norm launch. */
 typedef struct mpt__cuda_norm_table {
     const float *g[mpt__cuda_tensors_per_launch];
+    const float *acc[mpt__cuda_tensors_per_launch]; /* MEAN: the accumulated sums */
     int64_t n[mpt__cuda_tensors_per_launch];
     int64_t chunk[mpt__cuda_tensors_per_launch]; /* a multiple of 4               */
     int first_block[mpt__cuda_tensors_per_launch + 1];
@@ -4223,71 +4224,103 @@ typedef struct mpt__cuda_norm_table {
 static_assert(sizeof(mpt__cuda_norm_table) + 2 * sizeof(void *) <= 4096,
               "the norm table is a kernel parameter");
 
+/* The value whose square the norm sums: the gradient, or (MEAN, gradient
+   accumulation's applying step) the cycle's mean, mpt.h's mpt__accum_mean
+   from the sum a and the gradient g. */
+template <bool MEAN>
+static __device__ __forceinline__ double mpt__cuda_norm_value(float g, float a, float unscale,
+                                                              float steps) {
+    return MEAN ? (double)mpt__accum_mean(unscale, steps, g, a) : (double)g;
+}
+
 /* Σ g² in double over one chunk of a gradient per block: block j of a
    gradient takes [j·chunk, min(n, (j + 1)·chunk)), thread t every 256th
    float4 of it from the t-th (vec) or every 256th float, then the block's
    fixed tree; the launch's block b writes partials[b]. The same partials,
-   in the same slots, as one launch per gradient would give. */
+   in the same slots, as one launch per gradient would give. MEAN: the
+   squares of the accumulated mean instead, unscaled by the state's scale,
+   steps = N. */
+template <bool MEAN>
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
-mpt__cuda_norm_kernel(mpt__cuda_norm_table T, double *partials) {
+mpt__cuda_norm_kernel(mpt__cuda_norm_table T, double *partials, const mpt_step_state *state,
+                      float steps) {
     const int e = mpt__cuda_table_entry(T.first_block, T.count, (int)blockIdx.x);
-    const float *g = T.g[e];
+    const float *g = T.g[e], *a = T.acc[e];
     const int64_t n = T.n[e];
     const int64_t begin = (int64_t)(blockIdx.x - T.first_block[e]) * T.chunk[e];
     const int64_t end = begin + T.chunk[e] < n ? begin + T.chunk[e] : n;
+    const float unscale = MEAN ? mpt__accum_unscale(state) : 1.0f;
     double sum = 0; /* a float's square is exact in double: fused or not, the same sum */
     int64_t i = begin + threadIdx.x;
     if (T.vec[e] && begin < end) {
         const float4 *g4 = (const float4 *)(g + begin);
         const int64_t n4 = (end - begin) / 4;
         for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
-            float4 v = g4[k];
-            sum += (double)v.x * (double)v.x;
-            sum += (double)v.y * (double)v.y;
-            sum += (double)v.z * (double)v.z;
-            sum += (double)v.w * (double)v.w;
+            float4 v = g4[k], s = MEAN ? ((const float4 *)(a + begin))[k] : v;
+            double x = mpt__cuda_norm_value<MEAN>(v.x, s.x, unscale, steps);
+            double y = mpt__cuda_norm_value<MEAN>(v.y, s.y, unscale, steps);
+            double z = mpt__cuda_norm_value<MEAN>(v.z, s.z, unscale, steps);
+            double w = mpt__cuda_norm_value<MEAN>(v.w, s.w, unscale, steps);
+            sum += x * x;
+            sum += y * y;
+            sum += z * z;
+            sum += w * w;
         }
         i = begin + n4 * 4 + threadIdx.x;
     }
-    for (; i < end; i += blockDim.x) sum += (double)g[i] * (double)g[i];
+    for (; i < end; i += blockDim.x) {
+        double v = mpt__cuda_norm_value<MEAN>(g[i], MEAN ? a[i] : 0.0f, unscale, steps);
+        sum += v * v;
+    }
     sum = mpt__cuda_train_block_sum(sum);
     if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
 
 /* One block: partials[0, n) added in a fixed tree onto what earlier folds
    carried (none when first); the last fold writes the step state's
-   sum_squares and finite. */
+   sum_squares and finite, or (mean, after them) accumulated_sum_squares:
+   the mean's sum at a finite applying step of gradient accumulation, 0
+   otherwise, as the CPU's grad_stats leaves it. */
 static __global__ void __launch_bounds__(mpt__cuda_train_threads)
 mpt__cuda_norm_fold_kernel(const double *partials, int n, double *carry, int first, int last,
-                           mpt_step_state *state) {
+                           int mean, mpt_optimizer_desc d, mpt_step_state *state) {
     double sum = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) sum += partials[i];
     sum = mpt__cuda_train_block_sum(sum);
     if (threadIdx.x == 0) {
         double total = (first ? 0.0 : *carry) + sum;
-        if (last) {
+        if (!last) {
+            *carry = total;
+        } else if (mean) {
+            int applying = state->finite && mpt__accum_mode(&d, state) == MPT__ACCUM_APPLY;
+            state->accumulated_sum_squares = applying ? total : 0.0;
+        } else {
             state->sum_squares = total;
             state->finite = isfinite(total) ? 1 : 0;
-        } else {
-            *carry = total;
         }
     }
 }
 
 static void mpt__cuda_norm_fold(mpt__cuda *c, mpt__cuda_train_scratch *s, int n, int first,
-                                int last, mpt_step_state *state) {
+                                int last, const mpt_update_args *u, int mean) {
     mpt__cuda_norm_fold_kernel<<<1, mpt__cuda_train_threads, 0, c->stream>>>(
-        s->norm_partials, n, s->norm_carry, first, last, state);
+        s->norm_partials, n, s->norm_carry, first, last, mean, u->optimizer, u->state);
     mpt__cuda_launched(c, "mpt__cuda_norm_fold_kernel");
 }
 
 /* The table's gradients into the next slots (from `used`); empties it. */
 static void mpt__cuda_norm_launch(mpt__cuda *c, mpt__cuda_train_scratch *s,
-                                  mpt__cuda_norm_table *T, int *used) {
+                                  mpt__cuda_norm_table *T, int *used, const mpt_update_args *u,
+                                  int mean) {
     int blocks = T->first_block[T->count];
+    float steps = (float)mpt__accum_steps(&u->optimizer);
     if (T->count == 0) return;
-    mpt__cuda_norm_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(
-        *T, s->norm_partials + *used);
+    if (mean)
+        mpt__cuda_norm_kernel<true><<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(
+            *T, s->norm_partials + *used, u->state, steps);
+    else
+        mpt__cuda_norm_kernel<false><<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(
+            *T, s->norm_partials + *used, u->state, steps);
     mpt__cuda_launched(c, "mpt__cuda_norm_kernel");
     *used += blocks;
     T->count = 0;
@@ -4299,12 +4332,10 @@ static void mpt__cuda_norm_launch(mpt__cuda *c, mpt__cuda_train_scratch *s,
    would run out, the ones filled are folded into a carried sum first.
    Each gradient's blocks depend on its count only, so the sum is the same
    whatever the launches. */
-static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
-    mpt__cuda *c = (mpt__cuda *)impl;
-    mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "grad_stats");
+static void mpt__cuda_norm_pass(mpt__cuda *c, mpt__cuda_train_scratch *s,
+                                const mpt_update_args *u, int mean) {
     mpt__cuda_norm_table T;
     int used = 0, first = 1;
-    if (!s) return;
     T.count = 0;
     T.first_block[0] = 0;
     for (int i = 0; i < u->n; i++) {
@@ -4315,35 +4346,52 @@ static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
         chunk = ((n + blocks - 1) / blocks + 3) & ~(int64_t)3;
         blocks = (n + chunk - 1) / chunk;
         if (used + T.first_block[T.count] + blocks > mpt__cuda_norm_slots) {
-            mpt__cuda_norm_launch(c, s, &T, &used);
-            mpt__cuda_norm_fold(c, s, used, first, 0, u->state);
+            mpt__cuda_norm_launch(c, s, &T, &used, u, mean);
+            mpt__cuda_norm_fold(c, s, used, first, 0, u, mean);
             used = 0;
             first = 0;
         }
-        if (T.count == mpt__cuda_tensors_per_launch) mpt__cuda_norm_launch(c, s, &T, &used);
+        if (T.count == mpt__cuda_tensors_per_launch)
+            mpt__cuda_norm_launch(c, s, &T, &used, u, mean);
         T.g[T.count] = u->grad[i];
+        T.acc[T.count] = mean ? u->accum[i] : NULL;
         T.n[T.count] = n;
         T.chunk[T.count] = chunk;
-        T.vec[T.count] = ((uintptr_t)u->grad[i] & 15) == 0;
+        T.vec[T.count] = ((uintptr_t)u->grad[i] & 15) == 0 &&
+                         (!mean || ((uintptr_t)u->accum[i] & 15) == 0);
         T.first_block[T.count + 1] = T.first_block[T.count] + (int)blocks;
         T.count++;
     }
-    mpt__cuda_norm_launch(c, s, &T, &used);
-    mpt__cuda_norm_fold(c, s, used, first, 1, u->state);
+    mpt__cuda_norm_launch(c, s, &T, &used, u, mean);
+    mpt__cuda_norm_fold(c, s, used, first, 1, u, mean);
+}
+
+/* The gradients' sum of squares; with gradient accumulation and clipping,
+   a second pass over the cycle's mean, which its fold keeps only at a
+   finite applying step: the device decides, so one recorded step serves
+   every step of the cycle. */
+static void mpt__cuda_grad_stats(void *impl, const mpt_update_args *u) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "grad_stats");
+    if (!s) return;
+    mpt__cuda_norm_pass(c, s, u, 0);
+    if (u->accum && u->optimizer.clip_global_norm > 0 && mpt__accum_steps(&u->optimizer) > 1)
+        mpt__cuda_norm_pass(c, s, u, 1);
 }
 
 /* ---- pass 2: the fused update ---------------------------------------------- */
 
 /* One thread: the step's coefficients from the state (mpt.h's
    mpt__update_coefs_at, @backend-shared, which the CPU runs too) and, the
-   step being applied, optimizer_steps + 1 (the update kernels after it
-   read only the coefficients, so counting it here saves a launch).
+   step being applied, optimizer_steps + 1, or with gradient accumulation
+   the cycle's count moved on (mpt__accum_advance; the update kernels after
+   it read only the coefficients, so counting it here saves a launch).
    Nothing when the gradients are not finite. */
 static __global__ void mpt__cuda_update_coefs_kernel(mpt_optimizer_desc d, mpt_step_state *state,
                                                      mpt__update_coefs *out) {
     if (!state->finite) return;
     *out = mpt__update_coefs_at(&d, state);
-    state->optimizer_steps += 1;
+    mpt__accum_advance(&d, state);
 }
 
 /* The update rules, chosen per launch. */
@@ -4371,19 +4419,42 @@ typedef struct mpt__cuda_update_tensor {
     float *w;
     const float *g;
     float *s0, *s1;   /* NULL where the rule has none              */
+    float *acc;       /* gradient accumulation's sum; NULL: none   */
     void *compute;    /* NULL: no separate compute copy            */
     mpt_dtype compute_dtype;
     int64_t n;
 } mpt__cuda_update_tensor;
+
+/* Gradient accumulation on one element (mpt.h's rules, as the CPU's
+   mpt__accum_block): accumulating, the sum takes the gradient and false is
+   returned (nothing else changes); applying, g becomes the cycle's mean
+   and the sum is emptied. */
+static __device__ __forceinline__ bool mpt__cuda_accum_one(const mpt__update_coefs &k, float &g,
+                                                           float &sum) {
+    if (k.mode == MPT__ACCUM_ADD) {
+        sum = mpt__accum_sum(k.unscale, g, sum);
+        return false;
+    }
+    g = mpt__accum_mean(k.unscale, k.steps, g, sum);
+    sum = 0.0f;
+    return true;
+}
 
 /* Element i, scalar. */
 template <int RULE>
 static __device__ __forceinline__ void mpt__cuda_update_scalar(const mpt__cuda_update_tensor &T,
                                                                const mpt__update_coefs &k,
                                                                int64_t i) {
+    float g = T.g[i];
+    if (k.mode != MPT__ACCUM_OFF) {
+        float sum = T.acc[i];
+        bool apply = mpt__cuda_accum_one(k, g, sum);
+        T.acc[i] = sum;
+        if (!apply) return;
+    }
     float s0 = RULE == MPT__CUDA_RULE_SGD ? 0.0f : T.s0[i];
     float s1 = RULE == MPT__CUDA_RULE_ADAM ? T.s1[i] : 0.0f;
-    float w = mpt__cuda_update_one<RULE>(k, T.w[i], T.g[i], s0, s1);
+    float w = mpt__cuda_update_one<RULE>(k, T.w[i], g, s0, s1);
     T.w[i] = w;
     if (RULE != MPT__CUDA_RULE_SGD) T.s0[i] = s0;
     if (RULE == MPT__CUDA_RULE_ADAM) T.s1[i] = s1;
@@ -4398,6 +4469,15 @@ static __device__ __forceinline__ void mpt__cuda_update_vec4(const mpt__cuda_upd
                                                              int64_t q) {
     float4 w = ((const float4 *)T.w)[q], g = ((const float4 *)T.g)[q];
     float4 s0 = make_float4(0, 0, 0, 0), s1 = make_float4(0, 0, 0, 0);
+    if (k.mode != MPT__ACCUM_OFF) { /* the mode is the launch's: no lane diverges */
+        float4 sum = ((const float4 *)T.acc)[q];
+        bool apply = mpt__cuda_accum_one(k, g.x, sum.x);
+        mpt__cuda_accum_one(k, g.y, sum.y);
+        mpt__cuda_accum_one(k, g.z, sum.z);
+        mpt__cuda_accum_one(k, g.w, sum.w);
+        ((float4 *)T.acc)[q] = sum;
+        if (!apply) return;
+    }
     if (RULE != MPT__CUDA_RULE_SGD) s0 = ((const float4 *)T.s0)[q];
     if (RULE == MPT__CUDA_RULE_ADAM) s1 = ((const float4 *)T.s1)[q];
     w.x = mpt__cuda_update_one<RULE>(k, w.x, g.x, s0.x, s1.x);
@@ -4443,7 +4523,7 @@ mpt__cuda_update_kernel(mpt__cuda_update_table U, const mpt__update_coefs *coefs
                         const mpt_step_state *state) {
     if (!state->finite) return;
     const int e = mpt__cuda_table_entry(U.first_block, U.count, (int)blockIdx.x);
-    const mpt__cuda_update_tensor T = U.t[e]; /* 56 bytes, into registers */
+    const mpt__cuda_update_tensor T = U.t[e]; /* 64 bytes, into registers */
     const mpt__update_coefs k = *coefs;
     const int blocks = U.first_block[e + 1] - U.first_block[e];
     const int64_t first = (int64_t)(blockIdx.x - U.first_block[e]) * blockDim.x + threadIdx.x;
@@ -4511,6 +4591,7 @@ static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
         T.g = u->grad[i];
         T.s0 = u->slot0 ? u->slot0[i] : NULL;
         T.s1 = u->slot1 ? u->slot1[i] : NULL;
+        T.acc = u->accum ? u->accum[i] : NULL;
         T.compute = u->compute && u->compute[i] != (void *)u->value[i] ? u->compute[i] : NULL;
         T.compute_dtype = u->compute_dtype ? u->compute_dtype[i] : MPT_FLOAT32;
         T.n = u->count[i];
@@ -4519,6 +4600,7 @@ static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
         else rule = d->nesterov ? MPT__CUDA_RULE_NESTEROV : MPT__CUDA_RULE_MOMENTUM;
         vec = mpt__cuda_train_aligned(T.w, 16) && mpt__cuda_train_aligned(T.g, 16) &&
               mpt__cuda_train_aligned(T.s0, 16) && mpt__cuda_train_aligned(T.s1, 16) &&
+              mpt__cuda_train_aligned(T.acc, 16) &&
               mpt__cuda_train_aligned(T.compute, T.compute_dtype == MPT_FLOAT32 ? 16 : 8);
         if (U.count == mpt__cuda_tensors_per_launch || (U.count > 0 && rule != table_rule))
             mpt__cuda_update_launch(c, s, &U, table_rule, u->state);

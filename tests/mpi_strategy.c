@@ -64,8 +64,9 @@ static void discard_text(void *user, const char *text) { (void)user, (void)text;
 /* Two workers, global batch 32 (16 each; the last batch of 8: 4 each):
    identical weights on both, and the same as one process trained on the
    global batch — without BatchNormalization (bn 0) and with a
-   synchronized one (bn 2). */
-static void match(int bn) {
+   synchronized one (bn 2); with gradient accumulation over `accumulate`
+   batches (0: none), each worker accumulating the summed gradients. */
+static void match(int bn, int accumulate) {
     mpt_strategy *s = workers(60);
     mpt_model *m = model(s, 16, bn), *one = model(NULL, 16, bn);
     mpt_dataset *d = blobs();
@@ -73,6 +74,14 @@ static void match(int bn) {
     mpt_status st;
     uint64_t sum = 0, sums[2] = {0, 0};
     int n = mpt_strategy_num_workers(s);
+    if (accumulate) {
+        mpt_compile_desc cd = {.optimizer = {.learning_rate = 0.05f,
+                                             .gradient_accumulation_steps = accumulate},
+                               .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                               .metrics = MPT_METRIC_ACCURACY};
+        CHECK(mpt_model_compile(m, &cd) == MPT_OK && mpt_model_compile(one, &cd) == MPT_OK,
+              "compile: %s", mpt_context_error(ctx));
+    }
     memset(&fit, 0, sizeof fit);
     fit.epochs = 3;
     fit.batch_size = 32;
@@ -99,10 +108,15 @@ static void match(int bn) {
         double diff;
         CHECK(mpt_model_fit(one, d, &fit) == MPT_OK, "fit alone: %s", mpt_context_error(ctx));
         diff = test_weight_diff(m, one);
-        printf("# 2 workers vs 1 process (bn %d): relative norm error of the weights %.3g\n",
-               bn, diff);
-        CHECK(diff <= 1e-5, "2 workers vs 1 process (bn %d): relative norm error %.3g", bn,
-              diff);
+        printf("# 2 workers vs 1 process (bn %d, accumulating %d): relative norm error of the "
+               "weights %.3g\n", bn, accumulate, diff);
+        CHECK(diff <= 1e-5, "2 workers vs 1 process (bn %d, accumulating %d): relative norm "
+              "error %.3g", bn, accumulate, diff);
+        CHECK(m->optimizer_steps == one->optimizer_steps &&
+                  m->accumulated_steps == one->accumulated_steps,
+              "accumulating %d: %lld updates, %lld in the sum; alone %lld, %lld", accumulate,
+              (long long)m->optimizer_steps, (long long)m->accumulated_steps,
+              (long long)one->optimizer_steps, (long long)one->accumulated_steps);
     }
     mpt_model_destroy(m);
     mpt_model_destroy(one);
@@ -152,9 +166,10 @@ static void tensorboard_on_worker_0(void) {
 }
 
 static void test_match(void) {
-    match(0);
-    match(2);
+    match(0, 0);
+    match(2, 0);
     tensorboard_on_worker_0();
+    match(0, 3);
 }
 
 static void test_differ(void) {

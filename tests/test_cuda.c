@@ -1641,6 +1641,9 @@ typedef struct opt_case {
     float weight_decay, l2, clip;
     int cosine; /* a cosine schedule with warm-up */
     int overflow; /* an inf among the gradients: nothing may change */
+    int accumulate; /* gradient_accumulation_steps N: N steps from a sum
+                       holding one batch, so that accumulating steps, the
+                       applying one and the next cycle's first all run */
 } opt_case;
 
 /* Everything an update reads and writes, on the host. */
@@ -1649,6 +1652,7 @@ typedef struct opt_host {
     mpt_dtype dtype[N_PARAMS];
     float *value[N_PARAMS], *grad[N_PARAMS], *slot0[N_PARAMS], *slot1[N_PARAMS];
     void *compute[N_PARAMS]; /* the half copies (float32 parameters have none) */
+    float *accum[N_PARAMS];  /* gradient accumulation's sums; NULL: none */
     mpt_step_state state;
 } opt_host;
 
@@ -1665,6 +1669,7 @@ static mpt_optimizer_desc opt_desc(const opt_case *oc) {
     d.weight_decay = oc->weight_decay;
     d.l2 = oc->l2;
     d.clip_global_norm = oc->clip;
+    d.gradient_accumulation_steps = oc->accumulate;
     if (oc->cosine) {
         d.schedule.type = MPT_LR_COSINE_DECAY;
         d.schedule.decay_steps = 10;
@@ -1677,12 +1682,13 @@ static mpt_optimizer_desc opt_desc(const opt_case *oc) {
 /* Runs two steps (grad_stats, update) on a backend and downloads every
    buffer into *out (which starts as a copy of the inputs' shape). */
 static void opt_run(backend *b, const opt_case *oc, const opt_host *in, opt_host *out) {
-    float *value[N_PARAMS], *slot0[N_PARAMS], *slot1[N_PARAMS];
+    float *value[N_PARAMS], *slot0[N_PARAMS], *slot1[N_PARAMS], *accum[N_PARAMS];
     const float *grad[N_PARAMS];
     void *compute[N_PARAMS];
     mpt_update_args u;
     mpt_step_state *st;
     int i, step, slots = oc->type == MPT_OPTIMIZER_SGD ? (oc->momentum != 0) : 2;
+    int steps = oc->accumulate > 1 ? oc->accumulate : 2;
     for (i = 0; i < N_PARAMS; i++) {
         size_t fb = nbytes(MPT_FLOAT32, in->count[i]);
         value[i] = (float *)be_upload(b, in->value[i], fb);
@@ -1692,6 +1698,7 @@ static void opt_run(backend *b, const opt_case *oc, const opt_host *in, opt_host
         compute[i] = in->dtype[i] == MPT_FLOAT32
                          ? (void *)value[i]
                          : be_upload(b, in->compute[i], nbytes(in->dtype[i], in->count[i]));
+        accum[i] = oc->accumulate > 1 ? (float *)be_upload(b, in->accum[i], fb) : NULL;
     }
     st = (mpt_step_state *)be_upload(b, &in->state, sizeof in->state);
     memset(&u, 0, sizeof u);
@@ -1705,7 +1712,8 @@ static void opt_run(backend *b, const opt_case *oc, const opt_host *in, opt_host
     u.count = in->count;
     u.optimizer = opt_desc(oc);
     u.state = st;
-    for (step = 0; step < 2; step++) {
+    u.accum = oc->accumulate > 1 ? accum : NULL;
+    for (step = 0; step < steps; step++) {
         b->t->grad_stats(b->impl, &u);
         b->t->update(b->impl, &u);
     }
@@ -1719,6 +1727,7 @@ static void opt_run(backend *b, const opt_case *oc, const opt_host *in, opt_host
         out->compute[i] = in->dtype[i] == MPT_FLOAT32
                               ? NULL
                               : be_fetch(b, compute[i], nbytes(in->dtype[i], in->count[i]), "update");
+        out->accum[i] = accum[i] ? (float *)be_fetch(b, accum[i], fb, "update") : NULL;
     }
     {
         mpt_step_state *s = (mpt_step_state *)be_fetch(b, st, sizeof *st, "update");
@@ -1736,11 +1745,12 @@ static void opt_host_free(opt_host *h) {
         free(h->slot0[i]);
         free(h->slot1[i]);
         free(h->compute[i]);
+        free(h->accum[i]);
     }
 }
 
 static void test_update(void) {
-    static const opt_case cases[8] = {
+    static const opt_case cases[11] = {
         {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0},
         {"sgd momentum, weight decay", MPT_OPTIMIZER_SGD, 0.9f, 0, 0.01f, 0, 1.0f, 0, 0},
         {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0},
@@ -1748,13 +1758,17 @@ static void test_update(void) {
         {"adam clipped, cosine schedule", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0.0005f, 0.5f, 1, 0},
         {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0},
         {"adam, an inf gradient", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 1.0f, 0, 1},
-        {"sgd momentum, a NaN gradient", MPT_OPTIMIZER_SGD, 0.9f, 0, 0, 0, 0, 0, 2}};
+        {"sgd momentum, a NaN gradient", MPT_OPTIMIZER_SGD, 0.9f, 0, 0, 0, 0, 0, 2},
+        {"adam clipped, cosine, accumulating 2", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 0.5f, 1, 0, 2},
+        {"sgd nesterov, decay, accumulating 3", MPT_OPTIMIZER_SGD, 0.9f, 1, 0.01f, 0, 0, 0, 0, 3},
+        {"adamw accumulating 2, an inf gradient", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 0, 0, 1,
+         2}};
     static const int64_t counts[N_PARAMS] = {1, 7, 1000, 4099, 65536 + 3};
     static const mpt_dtype dtypes[N_PARAMS] = {MPT_FLOAT32, MPT_FLOAT16, MPT_FLOAT16,
                                                MPT_BFLOAT16, MPT_FLOAT16};
     backend *gpu = &gpu_be[GPU_AUTO];
     int ci, i;
-    for (ci = 0; ci < 8; ci++) {
+    for (ci = 0; ci < 11; ci++) {
         const opt_case *oc = &cases[ci];
         opt_host in, cpu, got;
         int64_t total = 0, differing = 0, worst = 0;
@@ -1773,7 +1787,12 @@ static void test_update(void) {
                 memset(in.compute[i], 0xFF, nbytes(dtypes[i], counts[i]));
             }
             if (oc->overflow && i == 3) in.grad[i][counts[i] / 2] = oc->overflow == 1 ? INFINITY : NAN;
+            /* one batch's gradients already summed, unscaled */
+            in.accum[i] = oc->accumulate > 1
+                              ? (float *)random_values(MPT_FLOAT32, counts[i], -1, 1)
+                              : NULL;
         }
+        in.state.accumulated_steps = oc->accumulate > 1 ? 1 : 0;
         in.state.learning_rate = oc->type == MPT_OPTIMIZER_SGD ? 0.01f : 0.001f;
         in.state.loss_scale = 128;
         in.state.optimizer_steps = 5;
@@ -1791,6 +1810,16 @@ static void test_update(void) {
                       1e-12 * cpu.state.sum_squares,
                   "%s: sum_squares GPU %.17g, CPU %.17g (1e-12 relative)", oc->name,
                   got.state.sum_squares, cpu.state.sum_squares);
+        /* N steps from one batch in the sum: one update, then one in the
+           sum again; skipped steps leave the one they found */
+        CHECK(got.state.accumulated_steps == cpu.state.accumulated_steps &&
+                  cpu.state.accumulated_steps == (oc->accumulate > 1 ? 1 : 0),
+              "%s: accumulated_steps GPU %lld, CPU %lld", oc->name,
+              (long long)got.state.accumulated_steps, (long long)cpu.state.accumulated_steps);
+        CHECK(fabs(got.state.accumulated_sum_squares - cpu.state.accumulated_sum_squares) <=
+                  1e-12 * cpu.state.accumulated_sum_squares,
+              "%s: accumulated_sum_squares GPU %.17g, CPU %.17g", oc->name,
+              got.state.accumulated_sum_squares, cpu.state.accumulated_sum_squares);
         for (i = 0; i < N_PARAMS; i++) {
             char what[160];
             int64_t n = counts[i], ulps;
@@ -1800,9 +1829,16 @@ static void test_update(void) {
                 CHECK(!memcmp(got.value[i], in.value[i], nbytes(MPT_FLOAT32, n)) &&
                           (!got.slot0[i] || !memcmp(got.slot0[i], in.slot0[i], nbytes(MPT_FLOAT32, n))) &&
                           (!got.slot1[i] || !memcmp(got.slot1[i], in.slot1[i], nbytes(MPT_FLOAT32, n))) &&
-                          (!got.compute[i] || !memcmp(got.compute[i], in.compute[i], nbytes(dtypes[i], n))),
+                          (!got.compute[i] || !memcmp(got.compute[i], in.compute[i], nbytes(dtypes[i], n))) &&
+                          (!got.accum[i] || !memcmp(got.accum[i], in.accum[i], nbytes(MPT_FLOAT32, n))),
                       "%s: changed by a step with non-finite gradients", what);
                 continue;
+            }
+            if (got.accum[i]) { /* the sums: the same rule, the same bits */
+                int64_t sum_ulps;
+                CHECK(bit_differences(got.accum[i], cpu.accum[i], n, &sum_ulps) == 0,
+                      "%s: the accumulated sums differ from the CPU's (%lld ulps)", what,
+                      (long long)sum_ulps);
             }
             check_close(what, MPT_FLOAT32, got.value[i], cpu.value[i], n, 1e-5);
             if (got.slot0[i]) check_close(what, MPT_FLOAT32, got.slot0[i], cpu.slot0[i], n, 1e-5);
@@ -2557,6 +2593,9 @@ static mpt_dataset *blob_dataset(mpt_context *ctx) {
 
 /* 1: blob_model is a graph (test_model_graph_on_the_gpu). */
 static int blobs_graph;
+/* blob_model's gradient_accumulation_steps, its mean clipped at 1 when set
+   (test_model_accumulation_graphs). */
+static int blobs_accumulate;
 
 /* Dense(64, relu) -> BatchNormalization -> Dropout(0.2) -> Dense(4, softmax),
    Adam, built for batches of 64. With blobs_graph: h = Dense(64, relu);
@@ -2600,6 +2639,8 @@ static mpt_model *blob_model(mpt_context *ctx, mpt_policy policy) {
     mpt_model_add_dense(m, &dd);
     memset(&cd, 0, sizeof cd);
     cd.optimizer.learning_rate = 0.01f;
+    cd.optimizer.gradient_accumulation_steps = blobs_accumulate;
+    cd.optimizer.clip_global_norm = blobs_accumulate ? 1.0f : 0.0f;
     cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
     cd.metrics = MPT_METRIC_ACCURACY;
     CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(ctx));
@@ -2831,6 +2872,36 @@ static void test_model_of_ids_on_the_gpu(void) {
     train_ids(NULL, x, y, NULL, &st, why, sizeof why);
     CHECK(st == MPT_ERR_INVALID_ARGUMENT && strstr(why, "Embedding 'embedding' got id 10"),
           "a bad id: status %d, %s", (int)st, why);
+    if (!test__current_failed) {
+        remove(off);
+        remove(on);
+        remove(again);
+    }
+}
+
+/* Gradient accumulation over 3 batches, the mean clipped: one recorded
+   step serves the accumulating and the applying steps alike (the device
+   decides which from the step's record), so CUDA graphs on and off, and
+   two runs, end on the same bits after 48 batches (16 updates). */
+static void test_model_accumulation_graphs(void) {
+    char off[512], on[512], again[512];
+    const char *dev = "?";
+    double acc_off, acc_on;
+    temp_path(off, sizeof off, "accumulating_off");
+    temp_path(on, sizeof on, "accumulating_on");
+    temp_path(again, sizeof again, "accumulating_on_again");
+    make_blobs();
+    blobs_accumulate = 3;
+    acc_off = train_blobs("0", MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
+    acc_on = train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, &dev);
+    train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, again, NULL);
+    blobs_accumulate = 0;
+    CHECK(!strcmp(dev, "cuda"), "the model trained on '%s'", dev);
+    CHECK(acc_on == acc_off, "accuracy with CUDA graphs %.9g, without %.9g", acc_on, acc_off);
+    CHECK(same_file(off, on), "accumulating: weights with CUDA graphs differ from those without "
+          "(%s, %s)", on, off);
+    CHECK(same_file(on, again), "accumulating: two runs gave different weights (%s, %s)", on,
+          again);
     if (!test__current_failed) {
         remove(off);
         remove(on);
@@ -4119,6 +4190,8 @@ int main(int argc, char **argv) {
                   test_two_devices_from_one_thread);
         test__run("mirrored: one replica on each of two GPUs (NCCL) as two on one (<= 1e-5)",
                   test_mirrored_on_two_gpus);
+        test__run("model: accumulating 3 batches, CUDA graphs on and off and two runs identical",
+                  test_model_accumulation_graphs);
     }
 #ifdef MPT_NCCL
     test__run("NCCL: a communicator of one GPU, its all-reduce leaves the floats as they are",

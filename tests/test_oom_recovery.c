@@ -255,6 +255,63 @@ static void test_step_halves_mid_epoch(void) {
     mpt_context_destroy(q);
 }
 
+/* With gradient accumulation (3 batches) the halving rebuilds the model
+   in mid-cycle (epoch 1's 7 batches leave one in the sum): the sums and
+   their count come through the rebuild, and training ends bit for bit
+   where a fit at 32 and then one at 16 end. */
+static void accumulate_3(mpt_model *m) {
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f,
+                            .gradient_accumulation_steps = 3},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(m->ctx));
+}
+
+static void test_halving_keeps_accumulated_sums(void) {
+    mpt_context *q = warning_ctx();
+    mpt_dataset *data = blobs_in(q);
+    mpt_model *ref, *m;
+    mpt_fit_desc f;
+    int i, same = 1;
+    feeding = *mpt__cpu_backend();
+    feeding.upload_done = refusing_upload_done;
+    ref = make_model(q, 0, &feeding);
+    m = make_model(q, 0, &feeding);
+    accumulate_3(ref);
+    accumulate_3(m);
+    fail_at = 0;
+    f = fit_for(1, 32);
+    CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
+    CHECK(ref->accumulated_steps == 1, "7 batches leave %lld in the sum",
+          (long long)ref->accumulated_steps);
+    f.initial_epoch = 1;
+    f.epochs = 2;
+    f.batch_size = 16;
+    CHECK(mpt_model_fit(ref, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
+    upload_calls = 0;
+    fail_at = 8; /* before epoch 2's first step */
+    f = fit_for(2, 32);
+    f.on_out_of_memory = MPT_OOM_HALVE_BATCH;
+    warnings = 0;
+    CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
+    CHECK(warnings == 1 && m->max_batch == 16, "one halving (%d warnings) to 16 (%lld)",
+          warnings, (long long)m->max_batch);
+    for (i = 0; i < m->n_params; i++)
+        if (m->params[i].trainable)
+            same &= !memcmp(m->params[i].accum, ref->params[i].accum,
+                            sizeof(float) * (size_t)m->params[i].count);
+    CHECK(same_state(m, ref) && same && m->accumulated_steps == ref->accumulated_steps &&
+              m->optimizer_steps == (7 + 13) / 3,
+          "weights, slots, sums or counters differ from the two fits' (%lld updates, %lld in "
+          "the sum; %lld, %lld)", (long long)m->optimizer_steps, (long long)m->accumulated_steps,
+          (long long)ref->optimizer_steps, (long long)ref->accumulated_steps);
+    mpt_model_destroy(m);
+    mpt_model_destroy(ref);
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(q);
+}
+
 static char printed[8192];
 static void capture(void *user, const char *text) {
     (void)user;
@@ -290,6 +347,7 @@ static void run_cases(void) {
     TEST_RUN(test_allocator_refusing_large_blocks);
     TEST_RUN(test_step_halves_mid_epoch);
     TEST_RUN(test_peak_in_summary);
+    TEST_RUN(test_halving_keeps_accumulated_sums);
 }
 
 int main(void) {

@@ -876,6 +876,14 @@ static void test_threads(void) {
     check_threads("SGD nesterov, l2", (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD,
                                                            .momentum = 0.9f, .nesterov = 1,
                                                            .l2 = 0.01f});
+    /* 3 steps with N = 2: a sum, an update from the mean (clipped: the
+       mean's sum of squares over the ranges), a sum again */
+    check_threads("Adam, clipping, accumulating 2",
+                  (mpt_optimizer_desc){.learning_rate = 0.01f, .clip_global_norm = 3,
+                                       .gradient_accumulation_steps = 2});
+    check_threads("SGD momentum, accumulating 2",
+                  (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .momentum = 0.9f,
+                                       .gradient_accumulation_steps = 2});
 }
 
 /* Non-trainable parameters (BatchNormalization's moving statistics) get
@@ -1044,6 +1052,7 @@ static void test_bad_input(void) {
                        d.optimizer.schedule.decay_steps = 10, d.optimizer.schedule.alpha = 2));
     BAD("alpha", "-0.5", d.optimizer.schedule.alpha = -0.5f);
     BAD("warmup_steps", "-1", d.optimizer.schedule.warmup_steps = -1);
+    BAD("gradient_accumulation_steps", "-1", d.optimizer.gradient_accumulation_steps = -1);
     BAD("loss_scale: mode", "9", d.loss_scale.mode = (mpt_loss_scale_mode)9);
     BAD("initial_scale", "-1", d.loss_scale.initial_scale = -1);
     BAD("initial_scale", "inf", d.loss_scale.initial_scale = INFINITY);

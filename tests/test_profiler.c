@@ -215,6 +215,41 @@ static const char *const tensorboard_py =
 /* The run's trace, read by TensorBoard's profile plugin (a version that
    reads <host>.trace.json.gz: tensorboard-plugin-profile 2.19.0 and
    earlier; later ones read only XSpace protobufs, <host>.xplane.pb). */
+/* Gradient accumulation (3 batches, clipping the mean) under the profiler,
+   whose update runs layer by layer, each on a copy of the step's record:
+   steps 2..6 profiled (accumulating and applying ones) train bit for bit
+   as unprofiled. */
+static void test_accumulation_profiled(void) {
+    mpt_dataset *data = blobs_in(ctx);
+    mpt_model *plain = make_model(ctx), *profiled = make_model(ctx);
+    mpt_compile_desc cd = {.optimizer = {.learning_rate = 0.01f, .clip_global_norm = 0.5f,
+                                         .gradient_accumulation_steps = 3},
+                           .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}};
+    mpt_fit_desc f = fit_desc(1);
+    char dir[300];
+    float *w1, *w2;
+    int64_t n1, n2;
+    CHECK(mpt_model_compile(plain, &cd) == MPT_OK && mpt_model_compile(profiled, &cd) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    profile_steps(&f, dir, sizeof dir, "accumulating", 2, 6);
+    CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    w1 = weights_of(plain, &n1);
+    w2 = weights_of(profiled, &n2);
+    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0,
+          "profiled weights differ from the unprofiled run's");
+    CHECK(plain->optimizer_steps == 2 && profiled->optimizer_steps == 2 &&
+              plain->accumulated_steps == 1 && profiled->accumulated_steps == 1,
+          "7 batches: %lld/%lld updates, %lld/%lld in the sum", (long long)plain->optimizer_steps,
+          (long long)profiled->optimizer_steps, (long long)plain->accumulated_steps,
+          (long long)profiled->accumulated_steps);
+    free(w1);
+    free(w2);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(profiled);
+    mpt_dataset_destroy(data);
+}
+
 static void test_tensorboard_reads_trace(void) {
     mpt_dataset *data = blobs_in(ctx);
     mpt_model *m = make_model(ctx);
@@ -555,6 +590,7 @@ static void run_cases(void) {
     TEST_RUN(test_trace_files_crash_safe);
     TEST_RUN(test_killed_runs_swept);
     TEST_RUN(test_run_ends_early);
+    TEST_RUN(test_accumulation_profiled);
 }
 
 int main(void) {

@@ -1289,6 +1289,496 @@ static void test_fashion_mnist_short_run(void) {
     mpt_dataset_destroy(all);
 }
 
+/* ---- gradient accumulation (Keras 3's gradient_accumulation_steps) ------------------------ */
+
+enum { ACC_N = 4, ACC_SMALL = 8, ACC_LARGE = ACC_N * ACC_SMALL, ACC_UPDATES = 3 };
+
+/* Dense(16, relu) -> Dense(3, softmax): no BatchNormalization or Dropout,
+   whose batch statistics and masks depend on the batch's size. */
+static mpt_model *plain_model(mpt_policy policy, mpt_optimizer_desc opt, int64_t max_batch) {
+    mpt_model *m = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                            .policy = policy, .seed = 21}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = opt, .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}}) ==
+              MPT_OK, "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, max_batch) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    m->emit_logits = mpt__can_fuse_softmax(m); /* as fit */
+    return m;
+}
+
+/* Rows [first, first + rows) of x and y as tensors. */
+static void rows_of(float *x, int32_t *y, int64_t first, int64_t rows, mpt_tensor *tx,
+                    mpt_tensor *ty) {
+    mpt_tensor_wrap(ctx, tx, MPT_FLOAT32, 2, (int64_t[]){rows, FEATURES}, x + first * FEATURES);
+    mpt_tensor_wrap(ctx, ty, MPT_INT32, 1, (int64_t[]){rows}, y + first);
+}
+
+/* Every trainable weight of a and b: bit for bit (max_ulps 0), or within
+   max_ulps units in the last place; the largest difference seen, in ulps. */
+static int64_t weights_ulps(const mpt_model *a, const mpt_model *b) {
+    int64_t worst = 0, e;
+    int i;
+    for (i = 0; i < a->n_params; i++)
+        for (e = 0; e < a->params[i].count; e++) {
+            int32_t u, v;
+            int64_t d;
+            memcpy(&u, &a->params[i].value[e], 4);
+            memcpy(&v, &b->params[i].value[e], 4);
+            if (u < 0) u = INT32_MIN - u; /* sign-magnitude to a monotone integer line */
+            if (v < 0) v = INT32_MIN - v;
+            d = (int64_t)u - (int64_t)v;
+            if (d < 0) d = -d;
+            if (d > worst) worst = d;
+        }
+    return worst;
+}
+
+/* N batches of 8 accumulated against one batch of 32, the same rows in the
+   same order, after several updates. What can and cannot be exact: the
+   per-sample gradients are the same bits (no layer mixes the rows, and the
+   loss's 1/8 and 1/32 are powers of two, so every product and the final
+   division by N = 4 are exact); what differs is where the sums over the
+   rows are rounded: the large batch's GEMM adds 32 rows in one chain, the
+   accumulation adds 4 sums of 8 (as Keras does, and as any framework
+   accumulating separately computed gradients must). Those are different
+   roundings of the same real number, a few ulps apart per update;
+   everything else is the same arithmetic. So the comparison allows a
+   small stated bound, and the exact rule is checked separately
+   (test_accumulation_keras_rule, bit for bit). */
+static void check_large_batch(const char *name, mpt_optimizer_desc opt) {
+    static float x[ACC_LARGE * ACC_UPDATES * FEATURES];
+    static int32_t y[ACC_LARGE * ACC_UPDATES];
+    mpt_optimizer_desc acc = opt;
+    mpt_model *small, *large;
+    mpt_tensor tx, ty;
+    int64_t ulps;
+    int u, b;
+    acc.gradient_accumulation_steps = ACC_N;
+    make_blobs(x, y, ACC_LARGE * ACC_UPDATES, 17);
+    small = plain_model(MPT_POLICY_FLOAT32, acc, ACC_SMALL);
+    large = plain_model(MPT_POLICY_FLOAT32, opt, ACC_LARGE);
+    CHECK(weights_ulps(small, large) == 0, "%s: the two models start apart", name);
+    for (u = 0; u < ACC_UPDATES; u++) {
+        rows_of(x, y, (int64_t)u * ACC_LARGE, ACC_LARGE, &tx, &ty);
+        CHECK(train_step(large, &tx, &ty) == MPT_OK, "large step: %s", mpt_context_error(ctx));
+        for (b = 0; b < ACC_N; b++) {
+            rows_of(x, y, (int64_t)u * ACC_LARGE + b * ACC_SMALL, ACC_SMALL, &tx, &ty);
+            CHECK(train_step(small, &tx, &ty) == MPT_OK, "step: %s", mpt_context_error(ctx));
+        }
+        CHECK(small->optimizer_steps == u + 1 && small->accumulated_steps == 0,
+              "%s: %lld updates, %lld batches in the sum after %d cycles", name,
+              (long long)small->optimizer_steps, (long long)small->accumulated_steps, u + 1);
+    }
+    ulps = weights_ulps(small, large);
+    printf("# %s: accumulated 4 x 8 vs one batch of 32 after %d updates: %lld ulps apart at "
+           "most\n", name, ACC_UPDATES, (long long)ulps);
+    CHECK(ulps <= 16, "%s: %lld ulps from the large batch's weights", name, (long long)ulps);
+    CHECK(test_weight_diff(small, large) < 1e-5, "%s: weights %g apart", name,
+          test_weight_diff(small, large));
+    mpt_model_destroy(small);
+    mpt_model_destroy(large);
+}
+
+static void test_accumulation_equals_large_batch(void) {
+    check_large_batch("sgd",
+                      (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.5f});
+    check_large_batch("adam", (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAM});
+}
+
+/* The float32 sums of every trainable parameter of m, copied. */
+static float *accum_copy(const mpt_model *m) {
+    int64_t total = 0, at = 0;
+    float *c;
+    int i;
+    for (i = 0; i < m->n_params; i++) total += m->params[i].trainable ? m->params[i].count : 0;
+    c = (float *)malloc(sizeof(float) * (size_t)(total + 1));
+    for (i = 0; i < m->n_params; i++) {
+        if (!m->params[i].trainable) continue;
+        memcpy(c + at, m->params[i].accum, sizeof(float) * (size_t)m->params[i].count);
+        at += m->params[i].count;
+    }
+    return c;
+}
+
+/* Keras 3's rule bit for bit, on the model's own gradients: the N − 1
+   accumulating steps leave every weight as it was and add the gradient
+   to the sum (acc + g); the N-th updates with (g + acc) / N and empties
+   the sum; plain SGD, so w − lr·mean is the whole update. With a clip by
+   global norm the mean is what gets clipped. */
+static void check_keras_rule(float clip) {
+    static float x[ACC_SMALL * ACC_N * FEATURES];
+    static int32_t y[ACC_SMALL * ACC_N];
+    const float lr = 0.25f;
+    mpt_model *m = plain_model(MPT_POLICY_FLOAT32,
+                               (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD,
+                                                    .learning_rate = lr,
+                                                    .clip_global_norm = clip,
+                                                    .gradient_accumulation_steps = ACC_N},
+                               ACC_SMALL);
+    mpt_tensor tx, ty;
+    snapshot snap;
+    int b, i, bad = 0;
+    make_blobs(x, y, ACC_SMALL * ACC_N, 23);
+    for (b = 0; b < ACC_N; b++) {
+        float *before = accum_copy(m), *after;
+        double norm2 = 0, factor = 1;
+        int64_t at = 0, e;
+        take(m, &snap);
+        rows_of(x, y, (int64_t)b * ACC_SMALL, ACC_SMALL, &tx, &ty);
+        CHECK(train_step(m, &tx, &ty) == MPT_OK, "step %d: %s", b, mpt_context_error(ctx));
+        after = accum_copy(m);
+        if (b < ACC_N - 1) {
+            CHECK(unchanged(m, &snap), "accumulating step %d changed a weight or slot", b);
+            CHECK(m->accumulated_steps == b + 1, "step %d: %lld in the sum", b,
+                  (long long)m->accumulated_steps);
+            for (i = 0; i < m->n_params; i++)
+                for (e = 0; m->params[i].trainable && e < m->params[i].count; e++, at++)
+                    bad += after[at] != m->params[i].grad[e] + before[at];
+            CHECK(!bad, "step %d: %d sums are not acc + g", b, bad);
+        } else {
+            CHECK(m->optimizer_steps == 1 && m->accumulated_steps == 0,
+                  "applying step: %lld updates, %lld in the sum",
+                  (long long)m->optimizer_steps, (long long)m->accumulated_steps);
+            for (i = 0; i < m->n_params; i++)
+                for (e = 0; m->params[i].trainable && e < m->params[i].count; e++, at++) {
+                    double g = (double)((m->params[i].grad[e] + before[at]) / (float)ACC_N);
+                    norm2 += g * g;
+                }
+            if (clip > 0 && sqrt(norm2) > clip) factor = clip / sqrt(norm2);
+            for (i = 0, at = 0; i < m->n_params; i++)
+                for (e = 0; m->params[i].trainable && e < m->params[i].count; e++, at++) {
+                    float mean = (m->params[i].grad[e] + before[at]) / (float)ACC_N;
+                    float g = mean * (float)factor;
+                    float want = snap.values[i][e] - g * lr;
+                    bad += m->params[i].value[e] != want || after[at] != 0.0f;
+                }
+            CHECK(!bad, "clip %g: %d weights differ from w - lr * clip((g + acc) / N) or sums "
+                  "not emptied", (double)clip, bad);
+            CHECK(clip == 0 || factor < 1, "clip %g never bit: norm %g", (double)clip,
+                  sqrt(norm2));
+            unchanged(m, &snap); /* frees it */
+        }
+        free(before);
+        free(after);
+    }
+    mpt_model_destroy(m);
+}
+
+static void test_accumulation_keras_rule(void) {
+    check_keras_rule(0);
+    check_keras_rule(1e-3f); /* small enough to clip the mean */
+}
+
+/* Adam's t counts updates; the schedule's t counts the batches the
+   optimizer was handed (Keras 3 calls a LearningRateSchedule with its raw
+   iteration counter): at the first update, N − 1. */
+static void test_accumulation_schedule_counts_batches(void) {
+    mpt_optimizer_desc d = {.gradient_accumulation_steps = ACC_N,
+                            .schedule = {.type = MPT_LR_STEP_DECAY, .decay_steps = 2,
+                                         .decay_rate = 0.5f}};
+    mpt_optimizer_desc r;
+    mpt_step_state st;
+    mpt__update_coefs k;
+    double lr;
+    CHECK(mpt__optimizer_resolve(ctx, &d, &r) == MPT_OK, "resolve: %s", mpt_context_error(ctx));
+    memset(&st, 0, sizeof st);
+    st.learning_rate = 0.1f;
+    st.loss_scale = 1;
+    st.finite = 1;
+    st.accumulated_steps = ACC_N - 1;
+    k = mpt__update_coefs_at(&r, &st);
+    CHECK(k.mode == MPT__ACCUM_APPLY, "mode %d", k.mode);
+    /* t = 3: 0.1 · 0.5^floor(3 / 2); Adam's t = 1 */
+    lr = (double)0.1f * 0.5;
+    CHECK(k.lr == (float)lr, "first update's rate %g", (double)k.lr);
+    CHECK(k.alpha == (float)(lr * sqrt(1.0 - (double)0.999f) / (1.0 - (double)0.9f)),
+          "Adam's bias correction is not the first update's: alpha %g", (double)k.alpha);
+    st.optimizer_steps = 1; /* the second update: t = 7 */
+    k = mpt__update_coefs_at(&r, &st);
+    CHECK(k.lr == (float)((double)0.1f * 0.125), "second update's rate %g", (double)k.lr);
+    st.accumulated_steps = 0;
+    CHECK(mpt__update_coefs_at(&r, &st).mode == MPT__ACCUM_ADD, "a cycle's first batch applies");
+}
+
+/* Under mixed_float16's dynamic loss scaling (Keras' LossScaleOptimizer
+   around an optimizer that accumulates): a batch whose gradients overflow
+   is skipped whole: no weight, moment, BatchNormalization statistic or sum
+   changes and it does not count toward the N; the scale backs off. The
+   sums hold unscaled gradients, so batches under different scales add up
+   consistently. */
+static void test_accumulation_overflow_skips(void) {
+    static float x[32 * FEATURES];
+    static int32_t y[32];
+    mpt_model *m = blob_model_for(MPT_POLICY_MIXED_FLOAT16, 9, 0);
+    mpt_model *ref;
+    mpt_tensor tx, ty;
+    snapshot snap;
+    float *sum, *now, scale;
+    int64_t n = 0, e;
+    int i, close = 1;
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.learning_rate = 0.01f, .gradient_accumulation_steps = 3},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    m->emit_logits = mpt__can_fuse_softmax(m);
+    make_blobs(x, y, 32, 4);
+    rows_of(x, y, 0, 32, &tx, &ty);
+    CHECK(train_step(m, &tx, &ty) == MPT_OK, "step");
+    CHECK(m->accumulated_steps == 1 && m->optimizer_steps == 0, "first batch not accumulated");
+    /* overflow: skipped whole */
+    m->loss_scale = 1e38f;
+    scale = m->loss_scale;
+    sum = accum_copy(m);
+    take(m, &snap);
+    CHECK(train_step(m, &tx, &ty) == MPT_OK, "overflowing step");
+    now = accum_copy(m);
+    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->params[i].count : 0;
+    CHECK(!memcmp(sum, now, sizeof(float) * (size_t)n), "a skipped batch changed the sums");
+    CHECK(unchanged(m, &snap), "a skipped batch changed a weight, moment or statistic");
+    CHECK(m->skipped_steps == 1 && m->loss_scale == scale * 0.5f,
+          "skipped %lld, scale %g", (long long)m->skipped_steps, m->loss_scale);
+    CHECK(m->accumulated_steps == 1, "a skipped batch counted toward N: %lld",
+          (long long)m->accumulated_steps);
+    free(now);
+    /* the next two finite batches complete the cycle: one update */
+    m->loss_scale = 1024;
+    CHECK(train_step(m, &tx, &ty) == MPT_OK, "step at 1024");
+    CHECK(m->accumulated_steps == 2 && m->optimizer_steps == 0, "second batch: %lld, %lld",
+          (long long)m->accumulated_steps, (long long)m->optimizer_steps);
+    free(sum);
+    /* the third finite batch applies: one update, the sums emptied */
+    take(m, &snap);
+    CHECK(train_step(m, &tx, &ty) == MPT_OK, "applying step");
+    CHECK(m->optimizer_steps == 1 && m->accumulated_steps == 0, "no update after 3 finite "
+          "batches: %lld, %lld", (long long)m->optimizer_steps, (long long)m->accumulated_steps);
+    CHECK(!unchanged(m, &snap), "the applying step changed nothing");
+    now = accum_copy(m);
+    for (e = 0; e < n; e++) close &= now[e] == 0;
+    CHECK(close, "the sums were not emptied");
+    free(now);
+    /* an N = 1 model has no sums */
+    ref = blob_model(MPT_POLICY_MIXED_FLOAT16, 9);
+    CHECK(ref->params[0].accum == NULL && ref->update.accum == NULL, "N = 1 has sums");
+    m->emit_logits = 0;
+    mpt_model_destroy(ref);
+    mpt_model_destroy(m);
+}
+
+/* The sums hold each batch's gradients unscaled by its own scale: the same
+   batch at 32768 and then at 1024 (no Dropout, so the same gradients) adds
+   up to twice the first's, and the first's is g · 2^-15 exactly. */
+static void test_accumulation_scales_not_mixed(void) {
+    static float x[ACC_SMALL * FEATURES];
+    static int32_t y[ACC_SMALL];
+    mpt_model *m = plain_model(MPT_POLICY_MIXED_FLOAT16,
+                               (mpt_optimizer_desc){.gradient_accumulation_steps = 3}, ACC_SMALL);
+    mpt_tensor tx, ty;
+    float *first, *now;
+    int64_t n = 0, e, at = 0;
+    int i, exact = 1, twice = 1, same = 1;
+    make_blobs(x, y, ACC_SMALL, 31);
+    rows_of(x, y, 0, ACC_SMALL, &tx, &ty);
+    CHECK(m->loss_scale == 32768.0f, "scale %g", m->loss_scale);
+    CHECK(train_step(m, &tx, &ty) == MPT_OK, "step at 32768");
+    first = accum_copy(m);
+    for (i = 0; i < m->n_params; i++)
+        for (e = 0; m->params[i].trainable && e < m->params[i].count; e++, at++)
+            exact &= first[at] == m->params[i].grad[e] * (1.0f / 32768.0f);
+    CHECK(exact, "the first sum is not the gradients unscaled by 32768");
+    for (i = 0; i < m->n_params; i++) n += m->params[i].trainable ? m->params[i].count : 0;
+    m->loss_scale = 1024;
+    CHECK(train_step(m, &tx, &ty) == MPT_OK, "step at 1024");
+    now = accum_copy(m);
+    for (e = 0; e < n; e++) {
+        double want = 2.0 * first[e];
+        same &= now[e] == 2.0f * first[e];
+        twice &= fabs((double)now[e] - want) <= 1e-3 * fabs(want) + 1e-9;
+    }
+    printf("# mixed_float16: one batch at 32768 then at 1024: the sum is %s twice the first\n",
+           same ? "exactly" : "within 1e-3 of");
+    CHECK(twice, "the sums mix the scales: not twice the first batch's unscaled gradients");
+    free(first);
+    free(now);
+    mpt_model_destroy(m);
+}
+
+/* The optimizer's memory holds the sums: one float32 per trainable weight. */
+static void test_accumulation_memory(void) {
+    mpt_memory_report one, four;
+    mpt_optimizer_desc off = {.gradient_accumulation_steps = 1};
+    mpt_optimizer_desc on = {.gradient_accumulation_steps = 4};
+    mpt_model *a = plain_model(MPT_POLICY_FLOAT32, off, 8);
+    mpt_model *b = plain_model(MPT_POLICY_FLOAT32, on, 8);
+    int64_t trainable = 0;
+    int i;
+    for (i = 0; i < a->n_params; i++) trainable += a->params[i].trainable ? a->params[i].count : 0;
+    CHECK(mpt_model_memory(a, &one) == MPT_OK && mpt_model_memory(b, &four) == MPT_OK, "memory");
+    CHECK(one.optimizer == 2 * 4 * trainable, "Adam without accumulation: %lld bytes",
+          (long long)one.optimizer);
+    CHECK(four.optimizer == 3 * 4 * trainable, "Adam with the sums: %lld bytes, want %lld",
+          (long long)four.optimizer, (long long)(3 * 4 * trainable));
+    CHECK(a->params[0].accum == NULL && b->params[0].accum != NULL, "sums where N = 1");
+    { /* memory_limit counts them: a limit that holds N = 1's plan refuses N = 4's */
+        mpt_context *q = quiet_ctx();
+        mpt_model *c = NULL;
+        mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                              .seed = 21, .memory_limit = one.total}, &c);
+        mpt_model_add_dense(c, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(c, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+        CHECK(mpt_model_compile(c, &(mpt_compile_desc){
+                  .optimizer = off, .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}}) ==
+                  MPT_OK, "compile: %s", mpt_context_error(q));
+        CHECK(mpt_model_build(c, 8) == MPT_OK, "N = 1 within its own plan's bytes: %s",
+              mpt_context_error(q));
+        test_expect_error(q, mpt_model_compile(c, &(mpt_compile_desc){
+                                  .optimizer = on,
+                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}}),
+                          MPT_ERR_OUT_OF_MEMORY, "memory_limit", "compile N = 4 under the limit");
+        mpt_model_destroy(c);
+        mpt_context_destroy(q);
+    }
+    mpt_model_destroy(a);
+    mpt_model_destroy(b);
+}
+
+/* A checkpoint in the middle of a cycle (7 batches an epoch, N = 4: every
+   epoch ends inside one) resumes bit for bit: sums and count included. A
+   file without them (saved by a model that did not accumulate) loads as at
+   a cycle's end; a model that does not accumulate refuses a file that
+   holds them. */
+static mpt_model *accum_blob_model(int steps) {
+    mpt_model *m = blob_model_for(MPT_POLICY_MIXED_FLOAT16, 5, 0);
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.learning_rate = 0.01f, .gradient_accumulation_steps = steps},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+static int same_sums(const mpt_model *a, const mpt_model *b) {
+    int i;
+    for (i = 0; i < a->n_params; i++)
+        if (a->params[i].trainable &&
+            memcmp(a->params[i].accum, b->params[i].accum,
+                   sizeof(float) * (size_t)a->params[i].count))
+            return 0;
+    return a->accumulated_steps == b->accumulated_steps;
+}
+
+static void test_accumulation_resume_mid_cycle(void) {
+    static float x[N_SYN * FEATURES];
+    static int32_t y[N_SYN];
+    const char *path = "build/test_train_accum.safetensors";
+    const char *plain = "build/test_train_accum_plain.safetensors";
+    mpt_context *q = quiet_ctx();
+    mpt_dataset *d;
+    mpt_model *a, *b, *c, *old;
+    int i, empty = 1;
+    make_blobs(x, y, N_SYN, 2);
+    d = blob_dataset(x, y, N_SYN);
+    a = accum_blob_model(4);
+    b = accum_blob_model(4);
+    c = accum_blob_model(4);
+    CHECK(mpt_model_fit(a, d, &(mpt_fit_desc){.epochs = 3, .batch_size = 32}) == MPT_OK, "fit a");
+    CHECK(a->optimizer_steps == 5 && a->accumulated_steps == 1, "21 batches: %lld updates, "
+          "%lld in the sum", (long long)a->optimizer_steps, (long long)a->accumulated_steps);
+    CHECK(mpt_model_fit(b, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK, "fit b");
+    CHECK(b->accumulated_steps == 2, "14 batches leave %lld in the sum",
+          (long long)b->accumulated_steps);
+    CHECK(mpt_model_save_checkpoint(b, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load_checkpoint(c, path) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    CHECK(same_sums(b, c), "the sums did not come back from the file");
+    CHECK(mpt_model_fit(c, d, &(mpt_fit_desc){.epochs = 3, .initial_epoch = 2,
+                                              .batch_size = 32}) == MPT_OK, "fit c");
+    CHECK(same_state(a, c) && same_sums(a, c),
+          "resumed in mid-cycle differs from the straight run");
+    /* a file without the sums: an empty sum, count 0 */
+    old = blob_model(MPT_POLICY_MIXED_FLOAT16, 5); /* Adam, N = 1 */
+    CHECK(mpt_model_fit(old, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 32}) == MPT_OK, "fit");
+    CHECK(mpt_model_save_checkpoint(old, plain) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load_checkpoint(c, plain) == MPT_OK, "an older file: %s",
+          mpt_context_error(ctx));
+    for (i = 0; i < c->n_params; i++) {
+        int64_t e;
+        for (e = 0; c->params[i].trainable && e < c->params[i].count; e++)
+            empty &= c->params[i].accum[e] == 0;
+    }
+    CHECK(empty && c->accumulated_steps == 0, "a file without sums left %lld in them",
+          (long long)c->accumulated_steps);
+    CHECK(same_state(old, c), "the older file's state did not load");
+    /* N = 1 refuses the sums */
+    mpt_model_destroy(old);
+    {
+        mpt_model *n1 = NULL;
+        mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                              .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 5}, &n1);
+        mpt_model_add_dense(n1, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+        mpt_model_add_batch_normalization(n1, &(mpt_batchnorm_desc){0});
+        mpt_model_add_dropout(n1, &(mpt_dropout_desc){.rate = 0.2f});
+        mpt_model_add_dense(n1, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+        mpt_model_compile(n1, &(mpt_compile_desc){
+                                  .optimizer = {.learning_rate = 0.01f},
+                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+        CHECK(mpt_model_build(n1, 32) == MPT_OK, "build: %s", mpt_context_error(q));
+        test_expect_error(q, mpt_model_load_checkpoint(n1, path), MPT_ERR_STATE,
+                          "gradient_accumulation_steps 0", "load into N = 1");
+        mpt_model_destroy(n1);
+    }
+    /* a count outside 0 .. N − 1: a model accumulating 2 refuses 2 */
+    {
+        mpt_model *two = NULL;
+        mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                              .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 5}, &two);
+        mpt_model_add_dense(two, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+        mpt_model_add_batch_normalization(two, &(mpt_batchnorm_desc){0});
+        mpt_model_add_dropout(two, &(mpt_dropout_desc){.rate = 0.2f});
+        mpt_model_add_dense(two,
+                            &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+        mpt_model_compile(two, &(mpt_compile_desc){
+                                   .optimizer = {.learning_rate = 0.01f,
+                                                 .gradient_accumulation_steps = 2},
+                                   .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}});
+        CHECK(mpt_model_build(two, 32) == MPT_OK, "build: %s", mpt_context_error(q));
+        test_expect_error(q, mpt_model_load_checkpoint(two, path), MPT_ERR_FORMAT,
+                          "train/accumulated_steps is 2, outside 0..1", "load into N = 2");
+        mpt_model_destroy(two);
+    }
+    remove(path);
+    remove(plain);
+    mpt_model_destroy(a);
+    mpt_model_destroy(b);
+    mpt_model_destroy(c);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(q);
+}
+
+/* A negative count is refused, naming the field and the value; the model
+   stays as it was. 0 and 1 both mean every batch updates. */
+static void test_accumulation_bad_values(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES});
+    test_expect_error(q, mpt_model_compile(m, &(mpt_compile_desc){
+                             .optimizer = {.gradient_accumulation_steps = -3},
+                             .loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR}}),
+                      MPT_ERR_INVALID_ARGUMENT, "gradient_accumulation_steps -3 must be >= 0",
+                      "compile");
+    CHECK(!m->compiled, "a refused compile compiled the model");
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){.optimizer = {.gradient_accumulation_steps = 1},
+                                                  .loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR}}) ==
+              MPT_OK, "N = 1: %s", mpt_context_error(q));
+    CHECK(mpt__accum_steps(&m->compile.optimizer) == 1, "N = 1 accumulates");
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
 static void run_cases(void) {
     TEST_RUN(test_fit_learns_and_reports);
     TEST_RUN(test_regression_metrics);
@@ -1311,6 +1801,14 @@ static void run_cases(void) {
     TEST_RUN(test_batch_size_past_the_data);
     TEST_RUN(test_conv2d_final_softmax);
     TEST_RUN(test_fashion_mnist_short_run);
+    TEST_RUN(test_accumulation_equals_large_batch);
+    TEST_RUN(test_accumulation_keras_rule);
+    TEST_RUN(test_accumulation_schedule_counts_batches);
+    TEST_RUN(test_accumulation_overflow_skips);
+    TEST_RUN(test_accumulation_scales_not_mixed);
+    TEST_RUN(test_accumulation_memory);
+    TEST_RUN(test_accumulation_resume_mid_cycle);
+    TEST_RUN(test_accumulation_bad_values);
 }
 
 int main(void) {

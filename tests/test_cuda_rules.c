@@ -297,24 +297,56 @@ static void test_fastdiv(void) {
 
 /* A batch of 8 samples of 12 positions (96 rows): 8 samples, the mean
    loss × 8, and the hits as fractions of a sample; one position a sample
-   (or 0 given) is the plain count; no metrics, no counts. */
+   (or 0 given) is the plain count; no metrics, no counts. The value sums
+   (rows × K = 96 × 3 values): the errors as a mean over a sample's 36
+   values summed over samples, the confusion counts as they are; each
+   only when its metric is asked for. */
 static void test_loss_tally(void) {
     mpt_step_state st;
     const int both = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K;
+    mpt__value_sums v = {{72, 144, 360, 5, 6, 7}}, none = {{0}};
     memset(&st, 0, sizeof st);
     st.loss_sum = 1, st.samples = 2, st.correct = 1, st.top_k = 2;
-    mpt__loss_tally(&st, both, 96, 12, 1.5, 30, 60);
+    mpt__loss_tally(&st, both, 96, 12, 3, 1.5, 30, 60, &v);
     CHECK(st.samples == 10 && st.loss_sum == 13 && st.correct == 3.5 && st.top_k == 7,
           "positions: samples %g loss_sum %g correct %g top_k %g, not 10 13 3.5 7", st.samples,
           st.loss_sum, st.correct, st.top_k);
+    CHECK(st.abs_error == 0 && st.true_positives == 0, "value sums tallied unasked");
+    mpt__loss_tally(&st, MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_RECALL, 96, 12, 3, 1.5, 30,
+                    60, &v);
+    CHECK(st.abs_error == 2 && st.squared_error == 4 && st.percent_error == 10,
+          "errors %g %g %g, not 2 4 10", st.abs_error, st.squared_error, st.percent_error);
+    CHECK(st.true_positives == 5 && st.false_positives == 6 && st.false_negatives == 7,
+          "confusion %g %g %g, not 5 6 7", st.true_positives, st.false_positives,
+          st.false_negatives);
     memset(&st, 0, sizeof st);
-    mpt__loss_tally(&st, MPT_METRIC_ACCURACY, 7, 0, 0.1, 5, 6);
+    mpt__loss_tally(&st, MPT_METRIC_ACCURACY, 7, 0, 10, 0.1, 5, 6, &none);
     CHECK(st.samples == 7 && st.loss_sum == 0.1 * 7 && st.correct == 5 && st.top_k == 0,
           "one position: samples %g loss_sum %.17g correct %g top_k %g", st.samples, st.loss_sum,
           st.correct, st.top_k);
-    mpt__loss_tally(&st, 0, 7, 1, 0.1, 5, 6);
+    mpt__loss_tally(&st, 0, 7, 1, 10, 0.1, 5, 6, &none);
     CHECK(st.samples == 14 && st.correct == 5 && st.top_k == 0,
           "no metrics: correct %g top_k %g counted", st.correct, st.top_k);
+}
+
+/* A value's errors and confusion counts (mpt__value_add), by hand: the
+   percent error takes max(|y|, 1e-7); a logit is positive past 0, a
+   probability past 0.5; a label is positive when not 0. */
+static void test_value_sums(void) {
+    mpt__value_sums v = {{0}};
+    mpt__value_add(&v, 0.75f, 1.0f, 0); /* TP, |d| 0.25 */
+    mpt__value_add(&v, 0.5f, 0.0f, 0);  /* 0.5 is not past 0.5: TN, |d| 0.5, y 0 → ε */
+    mpt__value_add(&v, 0.25f, 0.0f, 1); /* a logit past 0: FP */
+    mpt__value_add(&v, -1.0f, 2.0f, 1); /* FN, |d| 3 */
+    CHECK(v.sum[MPT__SUM_ABS_ERROR] == 4 && v.sum[MPT__SUM_SQUARED_ERROR] == 9.375,
+          "abs %g squared %g", v.sum[MPT__SUM_ABS_ERROR], v.sum[MPT__SUM_SQUARED_ERROR]);
+    CHECK(fabs(v.sum[MPT__SUM_PERCENT_ERROR] - (25 + 100 * 0.5 / 1e-7 + 100 * 0.25 / 1e-7 + 150)) <
+              1e-3,
+          "percent %.17g", v.sum[MPT__SUM_PERCENT_ERROR]);
+    CHECK(v.sum[MPT__SUM_TRUE_POSITIVES] == 1 && v.sum[MPT__SUM_FALSE_POSITIVES] == 1 &&
+              v.sum[MPT__SUM_FALSE_NEGATIVES] == 1,
+          "TP %g FP %g FN %g", v.sum[MPT__SUM_TRUE_POSITIVES], v.sum[MPT__SUM_FALSE_POSITIVES],
+          v.sum[MPT__SUM_FALSE_NEGATIVES]);
 }
 
 /* ---- the training arithmetic (the optimizers, activations, losses, BN) ---- */
@@ -755,6 +787,7 @@ int main(void) {
     TEST_RUN(test_wgmma_operand_maps);
     TEST_RUN(test_fastdiv);
     TEST_RUN(test_loss_tally);
+    TEST_RUN(test_value_sums);
     TEST_RUN(test_learning_rate_schedule);
     TEST_RUN(test_update_coefs);
     TEST_RUN(test_update_rules);

@@ -2560,6 +2560,12 @@ static unsigned mpt__cuda_layers_row_blocks(int64_t rows) {
     return mpt__cuda_blocks(rows, mpt__cuda_layers_threads / 32); /* a warp per row */
 }
 
+/* One elementwise activation over n floats in place, named as mpt.h names it. */
+template <mpt_activation ACT>
+static void mpt__cuda_act_forward(mpt__cuda *c, float *x, int64_t n, bool vec) {
+    mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<ACT>{x}, n, vec, mpt_activation_name(ACT));
+}
+
 static void mpt__cuda_activation(void *impl, mpt_activation act, float *x, int64_t rows,
                                  int64_t cols) {
     mpt__cuda *c = (mpt__cuda *)impl;
@@ -2567,23 +2573,11 @@ static void mpt__cuda_activation(void *impl, mpt_activation act, float *x, int64
     bool vec = mpt__cuda_layers_aligned(x, 16);
     if (n <= 0) return;
     switch (act) {
-    case MPT_ACT_RELU:
-        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_RELU>{x}, n, vec, "relu");
-        break;
-    case MPT_ACT_GELU:
-        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_GELU>{x}, n, vec, "gelu");
-        break;
-    case MPT_ACT_SIGMOID:
-        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_SIGMOID>{x}, n, vec,
-                                "sigmoid");
-        break;
-    case MPT_ACT_TANH:
-        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_TANH>{x}, n, vec, "tanh");
-        break;
-    case MPT_ACT_GELU_TANH:
-        mpt__cuda_layers_launch(c, mpt__cuda_act_forward_op<MPT_ACT_GELU_TANH>{x}, n, vec,
-                                "gelu_tanh");
-        break;
+    case MPT_ACT_RELU: mpt__cuda_act_forward<MPT_ACT_RELU>(c, x, n, vec); break;
+    case MPT_ACT_GELU: mpt__cuda_act_forward<MPT_ACT_GELU>(c, x, n, vec); break;
+    case MPT_ACT_SIGMOID: mpt__cuda_act_forward<MPT_ACT_SIGMOID>(c, x, n, vec); break;
+    case MPT_ACT_TANH: mpt__cuda_act_forward<MPT_ACT_TANH>(c, x, n, vec); break;
+    case MPT_ACT_GELU_TANH: mpt__cuda_act_forward<MPT_ACT_GELU_TANH>(c, x, n, vec); break;
     case MPT_ACT_SOFTMAX:
         mpt__cuda_act_softmax_kernel<<<mpt__cuda_layers_row_blocks(rows), mpt__cuda_layers_threads,
                                        0, c->stream>>>(x, rows, cols);

@@ -306,9 +306,10 @@ static void round_to_half(mpt_model *m) {
 #define SAMPLE (28 * 28)
 
 /* The script: runs a .tflite in LiteRT or an .onnx in ONNX Runtime (after
-   onnx.checker) on x, writes the outputs as little-endian float32, and
-   checks how the weights are stored (float32, float16, or int8 read by
-   the products themselves: LiteRT's hybrid ops, ONNX's MatMulInteger and
+   onnx.checker) on x (float32 samples, or int32 token ids), writes the
+   outputs as little-endian float32, and checks how the weights (kernels,
+   embedding tables) are stored (float32, float16, or int8 read by the
+   products themselves: LiteRT's hybrid ops, ONNX's MatMulInteger and
    ConvInteger). */
 static const char *write_script(char *buf) {
     FILE *f = fopen(path_of(buf, "run.py"), "w");
@@ -323,6 +324,7 @@ static const char *write_script(char *buf) {
           "    x = np.fromfile(xin, dtype='<i4').reshape(int(n), -1)\n"
           "else:\n"
           "    x = np.fromfile(xin, dtype='<f4').reshape(int(n), 28, 28, 1)\n"
+          "weights = ('/kernel', '/embeddings')  # stored as the file's weights are\n"
           "def shaped(x, sample):  # as the model's input: (n, 28, 28, 1), (n, 784), ...\n"
           "    return np.ascontiguousarray(x.reshape([len(x)] + [int(d) for d in sample]))\n"
           "if fmt == 'tflite':\n"
@@ -336,7 +338,7 @@ static const char *write_script(char *buf) {
           "    it.invoke()\n"
           "    y = it.get_tensor(it.get_output_details()[0]['index'])\n"
           "    kinds = {t['name']: t['dtype'] for t in it.get_tensor_details()}\n"
-          "    kernels = [d for name, d in kinds.items() if name.endswith('/kernel')]\n"
+          "    kernels = [d for name, d in kinds.items() if name.endswith(weights)]\n"
           "    ops = [op['op_name'] for op in it._get_ops_details()]\n"
           "    if wdtype == 'int8':  # hybrid: the products read the int8 kernels themselves\n"
           "        assert 'DEQUANTIZE' not in ops, ops\n"
@@ -348,7 +350,7 @@ static const char *write_script(char *buf) {
           "    x = shaped(x, s.get_inputs()[0].shape[1:])\n"
           "    y = s.run(None, {'input': x})[0]\n"
           "    kernels = [onnx.helper.tensor_dtype_to_np_dtype(t.data_type)\n"
-          "               for t in proto.graph.initializer if t.name.endswith('/kernel')]\n"
+          "               for t in proto.graph.initializer if t.name.endswith(weights)]\n"
           "    ops = set(node.op_type for node in proto.graph.node)\n"
           "    if wdtype == 'int8':  # every product in integers, none in float\n"
           "        assert ops & {'MatMulInteger', 'ConvInteger'}, ops\n"

@@ -2247,6 +2247,8 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                                                          the inputs' layout)
        Embedding              GATHER (axis 0) of the     Gather (axis 0) of
                               table at the int32 ids     the table
+                              (an id outside the table fails the run in
+                              both runtimes, as mpt.h's predict refuses it)
        PositionEmbedding      its table's first T rows as a (T, D) constant,
                               which the Add (Subtract, Multiply, Average)
                               reading it broadcasts over the batch; read by

@@ -2214,8 +2214,9 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    =============================================================================
 
    Both files take what the model takes: float32 samples (N, input shape...),
-   NHWC, scaled as in training, with N free; they return the last layer's
-   float32 outputs. What goes where:
+   NHWC, scaled as in training, or a model's int32 token ids (input_dtype
+   MPT_INT32: an int32 input in both), with N free; they return the last
+   layer's float32 outputs. What goes where:
        Dense                  TFLite FULLY_CONNECTED     ONNX Gemm
        Dense on (N, ..., D)   FULLY_CONNECTED with       MatMul + Add (over
                               keep_num_dims              the last axis, NHWC)
@@ -2244,8 +2245,17 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        Average                ADD, then MUL by 1/n       Mean
        Concatenate            CONCATENATION              Concat (its axis in
                                                          the inputs' layout)
-       Embedding,             not yet: MPT_ERR_UNSUPPORTED, naming the layer
-       PositionEmbedding      (quantization too)
+       Embedding              GATHER (axis 0) of the     Gather (axis 0) of
+                              table at the int32 ids     the table
+                              (an id outside the table fails the run in
+                              both runtimes, as mpt.h's predict refuses it)
+       PositionEmbedding      its table's first T rows as a (T, D) constant,
+                              which the Add (Subtract, Multiply, Average)
+                              reading it broadcasts over the batch; read by
+                              any other layer, or as the model's output:
+                              MPT_ERR_UNSUPPORTED, naming both. Neither has
+                              a quantized form (mpt_model_quantize refuses
+                              them): float32 or float16 weights only
        LayerNormalization     MEAN, SUB, MUL, MEAN, ADD  ReduceMean, Sub, Mul,
                               ε, RSQRT, MUL, then MUL    ReduceMean, Add ε,
                               gamma, ADD beta (no        Sqrt, Div, then Mul
@@ -29333,8 +29343,10 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                 layers, Flatten, the activations, an unfolded
                 BatchNormalization as a per-channel scale and shift,
                 LayerNormalization with its gamma and beta (its statistics
-                made in the file); Dropout and linear activations leave
-                nothing.
+                made in the file), Embedding's table, PositionEmbedding's
+                first T rows (a constant without the batch, which only a
+                merge beside a batched input may read: it broadcasts);
+                Dropout and linear activations leave nothing.
      TFLite     a FlatBuffers builder, then the graph as tensors, operators
                 and buffers in arrays, then those serialised.
      ONNX       nodes and initializers through @impl-callbacks' protobuf
@@ -29371,8 +29383,12 @@ typedef enum mpt__export_kind {
     MPT__EXPORT_MERGE,           /* Add, Subtract, Multiply, Average: the layer's kind */
     MPT__EXPORT_CONCATENATE,     /* along the layer's axis                           */
     MPT__EXPORT_PAD,             /* ZeroPadding2D: zeros around the image            */
-    MPT__EXPORT_LAYER_NORM       /* LayerNormalization over the last axis: kernel
+    MPT__EXPORT_LAYER_NORM,      /* LayerNormalization over the last axis: kernel
                                     gamma, bias beta (D each; 1 and 0 without) */
+    MPT__EXPORT_EMBEDDING,       /* the rows of kernel, the table (input_dim, D),
+                                    at the int32 ids                            */
+    MPT__EXPORT_POSITIONS        /* PositionEmbedding: kernel, the table's first T
+                                    rows (T, D), a constant without the batch   */
 } mpt__export_kind;
 
 typedef struct mpt__export_step {
@@ -29597,6 +29613,64 @@ static mpt_status mpt__export_unsupported(const mpt__export_plan *pl, const mpt_
                      pl->path, L->name, L->ops->class_name, why);
 }
 
+/* Embedding (kind MPT__EXPORT_EMBEDDING): its whole table; PositionEmbedding
+   (MPT__EXPORT_POSITIONS): the table's first T rows, its output for every
+   sample, as its forward copies them. */
+static mpt_status mpt__export_table(mpt__export_plan *pl, int *cap, const mpt__layer *L,
+                                    mpt__export_kind kind) {
+    int64_t count = kind == MPT__EXPORT_EMBEDDING ? L->param[0]->count : L->out_count;
+    MPT__CHECK(mpt__export_step_add(pl, cap, kind, L, count, 0));
+    memcpy(pl->steps[pl->n - 1].kernel, mpt__export_param(pl, L, "embeddings"),
+           sizeof(float) * (size_t)count);
+    return MPT_OK;
+}
+
+/* The layer reading PositionEmbedding P's output that cannot take it as
+   the file holds it, (T, D) without the batch; NULL when none. Only Add,
+   Subtract, Multiply and Average broadcast it over the batch, and only
+   beside an input that has the batch (not another PositionEmbedding's);
+   the model's output must have the batch too (P itself: returned). */
+static const mpt__layer *mpt__export_unbatched_reader(const mpt__export_plan *pl,
+                                                      const mpt__layer *P) {
+    const mpt_model *m = pl->m;
+    int node = (int)(P - m->layers) + 1, i, k;
+    if (pl->alias[m->n_layers] == node) return P;
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        int kind = L->ops->kind, reads = 0, batched = 0;
+        if (mpt__export_passes_through(L)) continue;
+        for (k = 0; k < L->n_in; k++) {
+            int in = pl->alias[L->in_node[k]];
+            if (in == node)
+                reads = 1;
+            else if (in == 0 || m->layers[in - 1].ops->kind != MPT__LAYER_POSITION_EMBEDDING)
+                batched = 1;
+        }
+        if (reads && !(batched && (kind == MPT__LAYER_ADD || kind == MPT__LAYER_SUBTRACT ||
+                                   kind == MPT__LAYER_MULTIPLY || kind == MPT__LAYER_AVERAGE)))
+            return L;
+    }
+    return NULL;
+}
+
+/* PositionEmbedding: its rows as a constant, when whatever reads them
+   broadcasts them over the batch. */
+static mpt_status mpt__export_positions(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
+    const mpt__layer *reader = mpt__export_unbatched_reader(pl, L);
+    char why[256];
+    if (!reader) return mpt__export_table(pl, cap, L, MPT__EXPORT_POSITIONS);
+    if (reader == L)
+        return mpt__export_unsupported(pl, L,
+                                       "is the model's output: the file holds its rows "
+                                       "as a constant without the batch");
+    snprintf(why, sizeof why,
+             "is read by '%.48s' (%.24s): the file holds its rows as a constant "
+             "without the batch, which only an Add, Subtract, Multiply or Average beside a "
+             "batched input broadcasts",
+             reader->name, reader->ops->class_name);
+    return mpt__export_unsupported(pl, L, why);
+}
+
 /* An Activation's step, or its activation merged into the step before. */
 static mpt_status mpt__export_activation(mpt__export_plan *pl, int *cap, const mpt__layer *L,
                                          mpt__export_step *before) {
@@ -29647,6 +29721,8 @@ static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__l
         return mpt__export_step_add(pl, cap, MPT__EXPORT_CONCATENATE, L, 0, 0);
     case MPT__LAYER_ZERO_PADDING2D: return mpt__export_step_add(pl, cap, MPT__EXPORT_PAD, L, 0, 0);
     case MPT__LAYER_LAYER_NORMALIZATION: return mpt__export_layer_norm(pl, cap, L);
+    case MPT__LAYER_EMBEDDING: return mpt__export_table(pl, cap, L, MPT__EXPORT_EMBEDDING);
+    case MPT__LAYER_POSITION_EMBEDDING: return mpt__export_positions(pl, cap, L);
     default: return mpt__export_unsupported(pl, L, "has no counterpart in the export");
     }
 }
@@ -29933,7 +30009,7 @@ enum { /* BuiltinOperator */
     MPT__TFL_CONV_2D = 3, MPT__TFL_DEQUANTIZE = 6, MPT__TFL_FULLY_CONNECTED = 9,
     MPT__TFL_LOGISTIC = 14, MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19,
     MPT__TFL_RESHAPE = 22, MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_PAD = 34,
-    MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150,
+    MPT__TFL_GATHER = 36, MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150,
     MPT__TFL_MEAN = 40, MPT__TFL_RSQRT = 76
 };
 enum { /* TensorType */
@@ -29944,8 +30020,8 @@ enum { /* BuiltinOptions: the union's type ids */
     MPT__TFL_NO_OPTIONS = 0, MPT__TFL_CONV2D_OPTIONS = 1, MPT__TFL_POOL2D_OPTIONS = 5,
     MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
     MPT__TFL_CONCATENATION_OPTIONS = 10, MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17,
-    MPT__TFL_MUL_OPTIONS = 21, MPT__TFL_PAD_OPTIONS = 22, MPT__TFL_SUB_OPTIONS = 28,
-    MPT__TFL_GELU_OPTIONS = 116, MPT__TFL_REDUCER_OPTIONS = 27
+    MPT__TFL_MUL_OPTIONS = 21, MPT__TFL_PAD_OPTIONS = 22, MPT__TFL_GATHER_OPTIONS = 23,
+    MPT__TFL_SUB_OPTIONS = 28, MPT__TFL_GELU_OPTIONS = 116, MPT__TFL_REDUCER_OPTIONS = 27
 };
 enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
 enum { MPT__TFL_ACT_NONE = 0, MPT__TFL_ACT_RELU = 1 }; /* ActivationFunctionType */
@@ -30402,6 +30478,23 @@ static int32_t mpt__tfl_layer_norm(mpt__tfl *g, const mpt__export_step *s, int32
                            mpt__tfl_constant(g, name, "beta", 1, &D, s->bias, D), rank, shape);
 }
 
+/* Embedding: GATHER along axis 0 of the table (a constant) at the int32
+   ids: (N, ...) ids give (N, ..., D). */
+static int32_t mpt__tfl_embedding(mpt__tfl *g, const mpt__export_step *s, int32_t ids) {
+    int64_t shape[MPT_MAX_RANK], table_shape[2];
+    int rank = mpt__export_out_shape(s, shape);
+    int32_t table, y;
+    mpt__tfl_op *op;
+    table_shape[1] = shape[rank - 1];
+    table_shape[0] = s->kernel_count / table_shape[1];
+    table =
+        mpt__tfl_constant(g, s->L->name, "embeddings", 2, table_shape, s->kernel, s->kernel_count);
+    y = mpt__tfl_tensor_add(g, s->L->name, "output", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    op = mpt__tfl_op_add(g, MPT__TFL_GATHER, table, ids, 0, 2, y);
+    if (op) op->options = MPT__TFL_GATHER_OPTIONS, op->opt[0] = 0, op->n_opt = 1;
+    return y;
+}
+
 /* One step's ops, reading its inputs' tensors (value: each node's);
    returns the step's output tensor. */
 static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32_t *value) {
@@ -30457,6 +30550,10 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32
     case MPT__EXPORT_CONCATENATE: return mpt__tfl_concatenate(g, s, value);
     case MPT__EXPORT_PAD: return mpt__tfl_pad(g, s, x);
     case MPT__EXPORT_LAYER_NORM: return mpt__tfl_layer_norm(g, s, x);
+    case MPT__EXPORT_EMBEDDING: return mpt__tfl_embedding(g, s, x);
+    case MPT__EXPORT_POSITIONS: /* (T, D): the merge reading it broadcasts it */
+        return mpt__tfl_constant(g, s->L->name, "embeddings", rank, shape, s->kernel,
+                                 s->kernel_count);
     }
     return x;
 }
@@ -30854,7 +30951,10 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4);
         mpt__fb_field_scalar(b, 1, (uint64_t)op->opt[1], 1);
         break;
-    case MPT__TFL_SOFTMAX_OPTIONS: mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4); break;
+    case MPT__TFL_SOFTMAX_OPTIONS:
+    case MPT__TFL_GATHER_OPTIONS: /* beta; axis */
+        mpt__fb_field_scalar(b, 0, (uint32_t)op->opt[0], 4);
+        break;
     case MPT__TFL_REDUCER_OPTIONS: /* keep_dims */
         mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
         break;
@@ -30981,7 +31081,9 @@ static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
         x = mpt__tfl_quantized_graph(&g, m, &input);
     } else {
         rank = mpt_model_input_shape(m, shape);
-        x = input = mpt__tfl_tensor_add(&g, "input", "", MPT__TFL_FLOAT32, rank, shape, 1, 0);
+        x = input = mpt__tfl_tensor_add(&g, "input", "",
+                                        mpt__input_is_ids(m) ? MPT__TFL_INT32 : MPT__TFL_FLOAT32,
+                                        rank, shape, 1, 0);
         value = (int32_t *)mpt__calloc(m->ctx, sizeof(int32_t) * (size_t)(m->n_layers + 1));
         if (!value) g.failed = 1;
         if (value) value[0] = input;
@@ -31492,6 +31594,32 @@ static void mpt__onnx_layer_norm(mpt__onnx *o, const mpt__export_step *s) {
 
 /* One step's nodes, its first input the running value (values: every
    node's, for the merges); the running value becomes its output. */
+/* Embedding: Gather along axis 0 (its default) of the table at the int32
+   ids, (N, ...) -> (N, ..., D), channels last. */
+static void mpt__onnx_embedding(mpt__onnx *o, const mpt__export_step *s) {
+    char table[128], y[96];
+    int64_t dims[2];
+    dims[1] = s->L->out_shape[s->L->out_rank - 1];
+    dims[0] = s->kernel_count / dims[1];
+    mpt__onnx_constant(o, s->L, "embeddings", 2, dims, s->kernel, s->kernel_count, table,
+                       sizeof table);
+    mpt__onnx_name(y, sizeof y, s->L, "output");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Gather", y, table, o->x, NULL));
+    snprintf(o->x, sizeof o->x, "%s", y);
+    o->rank = 1 + s->L->out_rank;
+    o->nchw = 0;
+}
+
+/* PositionEmbedding: its rows, a (T, D) constant the merge reading it
+   broadcasts over the batch. Its rank counts the batch as every value's
+   does: it is 3 wherever a layout is chosen. */
+static void mpt__onnx_positions(mpt__onnx *o, const mpt__export_step *s) {
+    mpt__onnx_constant(o, s->L, "embeddings", s->L->out_rank, s->L->out_shape, s->kernel,
+                       s->kernel_count, o->x, sizeof o->x);
+    o->rank = 1 + s->L->out_rank;
+    o->nchw = 0;
+}
+
 static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
                            const mpt__onnx_value *values) {
     char y[96];
@@ -31521,6 +31649,8 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
     case MPT__EXPORT_CONCATENATE: mpt__onnx_concatenate(o, s, values); break;
     case MPT__EXPORT_PAD: mpt__onnx_pad(o, s); break;
     case MPT__EXPORT_LAYER_NORM: mpt__onnx_layer_norm(o, s); break;
+    case MPT__EXPORT_EMBEDDING: mpt__onnx_embedding(o, s); break;
+    case MPT__EXPORT_POSITIONS: mpt__onnx_positions(o, s); break;
     }
 }
 
@@ -31550,7 +31680,7 @@ static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int el
 
 /* ModelProto around the nodes and initializers; the running value is the
    output, one sample of shape out_shape (out_rank); input and output of
-   ONNX type io_type. */
+   ONNX type io_type, but int32 token ids in for a model that takes them. */
 static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_t *in_shape,
                             int out_rank, const int64_t *out_shape, mpt__pb *b) {
     size_t graph, opset, body;
@@ -31566,7 +31696,8 @@ static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_
     mpt__pb_bytes(b, o->nodes.data, o->nodes.size);
     mpt__pb_string(b, 2, "mpt");
     mpt__pb_bytes(b, o->inits.data, o->inits.size);
-    mpt__onnx_value_info(b, 11, "input", io_type, in_rank, in_shape);
+    mpt__onnx_value_info(b, 11, "input", mpt__input_is_ids(o->pl->m) ? MPT__ONNX_INT32 : io_type,
+                         in_rank, in_shape);
     mpt__onnx_value_info(b, 12, "output", io_type, out_rank, out_shape);
     mpt__pb_end(b, graph);
     if (o->nodes.failed || o->inits.failed) b->failed = 1;

@@ -26,13 +26,14 @@ static const char *path_of(char *buf, const char *name) {
 /* ---- models with every layer the export writes ---------------------------------- */
 
 typedef enum {
-    MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH, SEQ, PIXELS, LN_ROWS, LN_CNN
+    MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH, SEQ, PIXELS, LN_ROWS, LN_CNN,
+    TOKENS
 } arch;
 
 static const char *arch_name(arch a) {
-    static const char *names[] = {"mlp",      "mlp_vectors", "mlp_rows", "cnn",
-                                  "cnn_gap",  "cnn_open",    "graph",    "seq",
-                                  "pixels",   "ln_rows",     "ln_cnn"};
+    static const char *names[] = {"mlp",     "mlp_vectors", "mlp_rows", "cnn",
+                                  "cnn_gap", "cnn_open",    "graph",    "seq",
+                                  "pixels",  "ln_rows",     "ln_cnn",   "tokens"};
     return names[a];
 }
 
@@ -129,6 +130,23 @@ static void add_graph(mpt_model *m, int with_bn) {
     mpt_dense(m, y, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
 }
 
+#define TOKEN_T 12 /* the token model's ids per sample */
+#define TOKEN_V 37 /* its vocabulary */
+
+/* Token ids: Embedding, PositionEmbedding added to it (its rows a constant
+   the Add broadcasts over the batch), LayerNormalization, Dense over the
+   positions with the tanh GELU, a softmax per position. */
+static void add_tokens(mpt_model *m) {
+    mpt_node in[2], y;
+    in[0] = mpt_embedding(m, mpt_model_input(m),
+                          &(mpt_embedding_desc){.input_dim = TOKEN_V, .output_dim = 8});
+    in[1] = mpt_position_embedding(m, in[0],
+                                   &(mpt_position_embedding_desc){.sequence_length = TOKEN_T});
+    y = mpt_layer_normalization(m, mpt_add(m, 2, in, NULL), NULL);
+    y = mpt_dense(m, y, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_GELU_TANH});
+    mpt_dense(m, y, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_SOFTMAX});
+}
+
 /* Odd sizes throughout; BatchNormalization both folded (after a Dense or
    Conv2D without activation) and on its own (after an activation, or after
    pooling); every activation; 'same' and 'valid', strides, non-square
@@ -143,6 +161,10 @@ static mpt_model *make_model(arch a, int with_bn) {
         desc.input_rank = 1;
     } else if (a == MLP_ROWS || a == SEQ || a == LN_ROWS) { /* samples (28, 28) */
         desc.input_rank = 2;
+    } else if (a == TOKENS) { /* samples (TOKEN_T,) of int32 ids */
+        desc.input_shape[0] = TOKEN_T;
+        desc.input_rank = 1;
+        desc.input_dtype = MPT_INT32;
     }
     if (mpt_model_create(ctx, &desc, &m) != MPT_OK) return NULL;
     switch (a) {
@@ -208,6 +230,7 @@ static mpt_model *make_model(arch a, int with_bn) {
         add_dense(m, 10, MPT_ACT_SOFTMAX);
         break;
     case GRAPH: add_graph(m, with_bn); break;
+    case TOKENS: add_tokens(m); break;
     case LN_ROWS: /* LayerNormalization over each row of 28, 3-D in the files */
         mpt_model_add_layer_normalization(m, NULL);
         mpt_model_add_flatten(m, NULL);
@@ -283,9 +306,10 @@ static void round_to_half(mpt_model *m) {
 #define SAMPLE (28 * 28)
 
 /* The script: runs a .tflite in LiteRT or an .onnx in ONNX Runtime (after
-   onnx.checker) on x, writes the outputs as little-endian float32, and
-   checks how the weights are stored (float32, float16, or int8 read by
-   the products themselves: LiteRT's hybrid ops, ONNX's MatMulInteger and
+   onnx.checker) on x (float32 samples, or int32 token ids), writes the
+   outputs as little-endian float32, and checks how the weights (kernels,
+   embedding tables) are stored (float32, float16, or int8 read by the
+   products themselves: LiteRT's hybrid ops, ONNX's MatMulInteger and
    ConvInteger). */
 static const char *write_script(char *buf) {
     FILE *f = fopen(path_of(buf, "run.py"), "w");
@@ -296,8 +320,11 @@ static const char *write_script(char *buf) {
           "    import gzip\n"
           "    raw = np.frombuffer(gzip.open(xin).read(), dtype=np.uint8, offset=16)\n"
           "    x = raw.reshape(-1, 28, 28, 1).astype(np.float32) * np.float32(1 / 255)\n"
+          "elif xin.endswith('.ids'):  # int32 token ids, (n, T)\n"
+          "    x = np.fromfile(xin, dtype='<i4').reshape(int(n), -1)\n"
           "else:\n"
           "    x = np.fromfile(xin, dtype='<f4').reshape(int(n), 28, 28, 1)\n"
+          "weights = ('/kernel', '/embeddings')  # stored as the file's weights are\n"
           "def shaped(x, sample):  # as the model's input: (n, 28, 28, 1), (n, 784), ...\n"
           "    return np.ascontiguousarray(x.reshape([len(x)] + [int(d) for d in sample]))\n"
           "if fmt == 'tflite':\n"
@@ -311,7 +338,7 @@ static const char *write_script(char *buf) {
           "    it.invoke()\n"
           "    y = it.get_tensor(it.get_output_details()[0]['index'])\n"
           "    kinds = {t['name']: t['dtype'] for t in it.get_tensor_details()}\n"
-          "    kernels = [d for name, d in kinds.items() if name.endswith('/kernel')]\n"
+          "    kernels = [d for name, d in kinds.items() if name.endswith(weights)]\n"
           "    ops = [op['op_name'] for op in it._get_ops_details()]\n"
           "    if wdtype == 'int8':  # hybrid: the products read the int8 kernels themselves\n"
           "        assert 'DEQUANTIZE' not in ops, ops\n"
@@ -323,7 +350,7 @@ static const char *write_script(char *buf) {
           "    x = shaped(x, s.get_inputs()[0].shape[1:])\n"
           "    y = s.run(None, {'input': x})[0]\n"
           "    kernels = [onnx.helper.tensor_dtype_to_np_dtype(t.data_type)\n"
-          "               for t in proto.graph.initializer if t.name.endswith('/kernel')]\n"
+          "               for t in proto.graph.initializer if t.name.endswith(weights)]\n"
           "    ops = set(node.op_type for node in proto.graph.node)\n"
           "    if wdtype == 'int8':  # every product in integers, none in float\n"
           "        assert ops & {'MatMulInteger', 'ConvInteger'}, ops\n"
@@ -360,14 +387,20 @@ static int run_runtime(const char *fmt, const char *model, const char *x_path, c
     return got == count;
 }
 
-/* mpt.h's outputs for x: (N_SAMPLES, output...) floats into *y (owned tensor). */
+static int32_t ids_host[N_SAMPLES * TOKEN_T];
+
+/* mpt.h's outputs for x: (N_SAMPLES, output...) floats into *y (owned
+   tensor); for a model of token ids, on ids_host instead. */
 static int predict(mpt_model *m, float *x, mpt_tensor *y) {
     static int32_t labels[N_SAMPLES];
     mpt_tensor tx, ty;
     mpt_dataset *data = NULL;
     int64_t shape[MPT_MAX_RANK];
     int rank = mpt_model_input_shape(m, shape), ok;
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
+    if (m->desc.input_dtype == MPT_INT32)
+        mpt_tensor_wrap(ctx, &tx, MPT_INT32, 2, (int64_t[]){N_SAMPLES, TOKEN_T}, ids_host);
+    else
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
     mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SAMPLES}, labels);
     ok = mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &data) == MPT_OK &&
          mpt_dataset_reshape(ctx, data, rank, shape) == MPT_OK &&
@@ -433,6 +466,20 @@ static const char *write_inputs(char *buf) {
     return buf;
 }
 
+/* Token ids for the token model, every id of the vocabulary among them
+   (the first and the last included), into ids_host and the file. */
+static const char *write_ids(char *buf) {
+    FILE *f;
+    int i;
+    for (i = 0; i < N_SAMPLES * TOKEN_T; i++)
+        ids_host[i] = i < TOKEN_V ? i : (int32_t)test_uniform(0, TOKEN_V - 1e-9);
+    f = fopen(path_of(buf, "x.ids"), "wb");
+    if (!f) return NULL;
+    fwrite(ids_host, sizeof(int32_t), N_SAMPLES * TOKEN_T, f);
+    fclose(f);
+    return buf;
+}
+
 /* One model in both formats, its weights stored as `weights` (float32 or
    float16), run in both runtimes: outputs within tol of mpt.h's (they are
    probabilities in [0, 1], or of that size), top-1 identical. float32
@@ -459,7 +506,7 @@ static void check_float(arch a, mpt_dtype weights, double tol) {
     m = make_model(a, !half);
     CHECK(m != NULL, "build: %s", mpt_context_error(ctx));
     memset(&want, 0, sizeof want);
-    if (m && write_inputs(x_path)) {
+    if (m && (a == TOKENS ? write_ids(x_path) : write_inputs(x_path))) {
         randomize(m);
         snprintf(name, sizeof name, "%s_%s.tflite", arch_name(a), wname);
         CHECK(mpt_model_export_tflite(m, path_of(tfl, name), &desc) == MPT_OK, "TFLite: %s",
@@ -853,6 +900,104 @@ static void test_unsupported_layer(void) {
     }
     m->layers[2].ops = real;
     mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
+/* The token model, or ids through an Embedding in a chain, has no
+   quantized form: mpt_model_quantize refuses it in every mode (the token
+   model as a graph; the chain naming its Embedding), so no quantized model
+   with one can reach the export; quantization-aware training refuses them
+   too. The float export still takes them. */
+static void test_tokens_not_quantized(void) {
+    static const mpt_quantize_mode modes[3] = {MPT_QUANTIZE_DYNAMIC_RANGE, MPT_QUANTIZE_FLOAT16,
+                                               MPT_QUANTIZE_FULL_INTEGER};
+    mpt_context *q = quiet_ctx();
+    mpt_dataset *data = NULL;
+    mpt_tensor tx;
+    char p[256];
+    int chain, k;
+    memset(ids_host, 0, sizeof ids_host);
+    mpt_tensor_wrap(q, &tx, MPT_INT32, 2, (int64_t[]){N_SAMPLES, TOKEN_T}, ids_host);
+    CHECK(mpt_dataset_create(q, &(mpt_dataset_desc){.x = &tx}, &data) == MPT_OK, "dataset: %s",
+          mpt_context_error(q));
+    for (chain = 0; chain < 2; chain++) {
+        mpt_model *m = NULL, *qm = NULL;
+        CHECK(mpt_model_create(q,
+                               &(mpt_model_desc){.input_shape = {TOKEN_T},
+                                                 .input_rank = 1,
+                                                 .input_dtype = MPT_INT32},
+                               &m) == MPT_OK,
+              "create: %s", mpt_context_error(q));
+        if (chain) {
+            mpt_model_add_embedding(
+                m, &(mpt_embedding_desc){.name = "tokens", .input_dim = TOKEN_V, .output_dim = 4});
+            mpt_model_add_flatten(m, NULL);
+            add_dense(m, 5, MPT_ACT_SOFTMAX);
+        } else {
+            add_tokens(m);
+        }
+        CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
+        randomize(m); /* weights of its own: quantize refuses initial ones first */
+        for (k = 0; k < 3; k++) {
+            mpt_status s = mpt_model_quantize(
+                m, &(mpt_quantize_desc){.mode = modes[k], .representative_data = data}, &qm);
+            CHECK(s == MPT_ERR_UNSUPPORTED && !qm, "quantize mode %d: status %d: %s", (int)modes[k],
+                  (int)s, mpt_context_error(q));
+            CHECK(!chain || strstr(mpt_context_error(q), "'tokens' (Embedding)"),
+                  "the message names the layer: %s", mpt_context_error(q));
+            mpt_model_destroy(qm);
+            qm = NULL;
+        }
+        CHECK(mpt_model_quantize_aware(m, NULL) != MPT_OK, "quantization-aware training took it");
+        CHECK(mpt_model_export_onnx(m, path_of(p, "refused_quantized.onnx"), NULL) == MPT_OK &&
+                  mpt_model_export_tflite(m, path_of(p, "refused_quantized.tflite"), NULL) ==
+                      MPT_OK,
+              "the float export: %s", mpt_context_error(q));
+        mpt_model_destroy(m);
+    }
+    mpt_dataset_destroy(data);
+    mpt_context_destroy(q);
+}
+
+/* PositionEmbedding's rows go to the files as a (T, D) constant, without
+   the batch: read by a layer that does not broadcast it over the batch (a
+   LayerNormalization), or as the model's output, it is refused, naming it
+   (and the reader), and nothing is written. */
+static void test_positions_unbatched(void) {
+    export_fn fns[2] = {mpt_model_export_tflite, mpt_model_export_onnx};
+    const char *names[2] = {"positions.tflite", "positions.onnx"};
+    mpt_context *q = quiet_ctx();
+    int output, k;
+    for (output = 0; output < 2; output++) {
+        mpt_model *m = NULL;
+        mpt_node in[2];
+        mpt_model_create(
+            q,
+            &(mpt_model_desc){.input_shape = {TOKEN_T}, .input_rank = 1, .input_dtype = MPT_INT32},
+            &m);
+        in[0] = mpt_embedding(m, mpt_model_input(m),
+                              &(mpt_embedding_desc){.input_dim = TOKEN_V, .output_dim = 4});
+        in[1] = mpt_position_embedding(
+            m, in[0], &(mpt_position_embedding_desc){.name = "pos", .sequence_length = TOKEN_T});
+        if (!output) {
+            in[1] =
+                mpt_layer_normalization(m, in[1], &(mpt_layer_normalization_desc){.name = "norm"});
+            mpt_add(m, 2, in, NULL);
+        }
+        CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
+        for (k = 0; k < 2; k++) {
+            char p[256];
+            mpt_status s = fns[k](m, path_of(p, names[k]), NULL);
+            const char *e = mpt_context_error(q);
+            CHECK(s == MPT_ERR_UNSUPPORTED, "%s: status %d", names[k], (int)s);
+            CHECK(strstr(e, "'pos' (PositionEmbedding)") &&
+                      (output ? strstr(e, "the model's output") != NULL
+                              : strstr(e, "'norm' (LayerNormalization)") != NULL),
+                  "the message names the layers: %s", e);
+            CHECK(!exists(p), "%s was written", p);
+        }
+        mpt_model_destroy(m);
+    }
     mpt_context_destroy(q);
 }
 
@@ -1582,8 +1727,8 @@ int main(void) {
         printf("FAIL cannot create a temporary directory\n");
         return 1;
     }
-    for (a = MLP; a <= LN_CNN; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
-    for (a = MLP; a <= LN_CNN; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
+    for (a = MLP; a <= TOKENS; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
+    for (a = MLP; a <= TOKENS; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
     TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_tflite_quantization);
     TEST_RUN(test_onnx_qdq);
@@ -1600,6 +1745,8 @@ int main(void) {
     check_quantization_aware(0);
     check_quantization_aware(1);
     TEST_RUN(test_unsupported_layer);
+    TEST_RUN(test_tokens_not_quantized);
+    TEST_RUN(test_positions_unbatched);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_quantized_weight_dtype);
     TEST_RUN(test_unwritable_path);

@@ -210,6 +210,11 @@
                             add to the sums or update from their mean,
                             decided from mpt_step_state; mpt__accum_block
                             (@impl-optimizers), mpt__cuda_accum_one
+       no weight decay      exclude_from_weight_decay: the names matched by
+                            mpt__decay_excluded into mpt_update_args.no_decay
+                            (mpt__build_update_args); mpt__update_coefs_for
+                            (@backend-shared) in mpt__update_span and
+                            mpt__cuda_update_kernel
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
@@ -11258,8 +11263,8 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
     mpt__free_update_args(m);
     for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
     ptrs = 6 * n * sizeof(void *);
-    block = (unsigned char *)mpt__calloc(
-        m->ctx, ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t) + 1) + 1);
+    block = (unsigned char *)mpt__calloc(m->ctx,
+                                         ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t) + 1) + 1);
     if (!block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     {
         float **value = (float **)block, **grad = value + n, **slot0 = grad + n;

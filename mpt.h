@@ -20926,7 +20926,8 @@ static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, optimizer.exclude_from_weight_decay, MPT__FIELD_STRING),
     MPT__FIELDS_END};
 
-/* The compile fields after the first that are written only where on. */
+/* How many of the compile fields, the list's last, are written only
+   where on (mpt__put_compile). */
 #define MPT__COMPILE_FIELDS_OPTIONAL 2
 
 /* ---- writing ------------------------------------------------------------------- */

@@ -210,6 +210,11 @@
                             add to the sums or update from their mean,
                             decided from mpt_step_state; mpt__accum_block
                             (@impl-optimizers), mpt__cuda_accum_one
+       no weight decay      exclude_from_weight_decay: the names matched by
+                            mpt__decay_excluded into mpt_update_args.no_decay
+                            (mpt__build_update_args); mpt__update_coefs_for
+                            (@backend-shared) in mpt__update_span and
+                            mpt__cuda_update_kernel
 
    CONTENTS (each section has a banner; grep for "@section-name")
        @status       status codes, error strings, logging
@@ -1307,7 +1312,26 @@ typedef struct mpt_optimizer_desc {
        state (mpt_model_memory, memory_limit) and is saved in full
        checkpoints. Negative: refused. */
     int gradient_accumulation_steps;
+    /* Keras 3's optimizer.exclude_from_weight_decay(var_names=["bias"]):
+       a comma-separated list of substrings, e.g. "bias,gamma,beta"; a
+       trainable parameter whose full name (as checkpoints name it:
+       "dense/bias", "layer_normalization/gamma") contains any of them gets
+       no decoupled weight_decay (GPT-2's and nanoGPT's recipe: biases and
+       normalization parameters undecayed); every other rule, and the
+       others' decay, unchanged. Plain substrings, not Keras' regular
+       expressions. The coupled l2 still applies to them, as in Keras,
+       where weight_decay alone honours the exclusion (l2 there is a
+       layer's regularizer). Default NULL or "": none excluded. An empty
+       item ("bias,,gamma") or a list longer than
+       MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX characters is refused; an item
+       that matches no parameter is allowed (logged at info level when
+       the update is planned). compile copies the string; model files
+       keep it. */
+    const char *exclude_from_weight_decay;
 } mpt_optimizer_desc;
+
+/* The longest exclude_from_weight_decay list compile takes, in chars. */
+#define MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX 1023
 
 typedef enum mpt_loss_scale_mode {
     MPT_LOSS_SCALE_DEFAULT = 0, /* dynamic when any layer computes in float16,
@@ -2643,6 +2667,9 @@ typedef struct mpt_update_args {
     mpt_step_state *state;
     float *const *accum; /* gradient accumulation's float32 sums (the
                             gradients unscaled); NULL: none (N = 1)  */
+    const unsigned char *no_decay; /* 1: the tensor gets no decoupled decay
+                                      (exclude_from_weight_decay); NULL:
+                                      every tensor decays                 */
 } mpt_update_args;
 
 /* The element-wise operations of mpt_backend.elementwise: the merge layers
@@ -3276,6 +3303,16 @@ static inline MPT__HD float mpt__update_grad(const mpt__update_coefs *k, float w
 }
 static inline MPT__HD float mpt__update_decayed(const mpt__update_coefs *k, float w) {
     return mpt__fsub_rn(w, mpt__fmul_rn(w, k->decay));
+}
+
+/* A tensor's coefficients: those of the step, or for one excluded from
+   weight decay the same with no decay, so that it updates exactly as with
+   weight_decay 0 and every other tensor exactly as before. */
+static inline MPT__HD mpt__update_coefs mpt__update_coefs_for(const mpt__update_coefs *k,
+                                                              int no_decay) {
+    mpt__update_coefs t = *k;
+    if (no_decay) t.decay = 0.0f;
+    return t;
 }
 
 /* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
@@ -4204,7 +4241,9 @@ typedef enum mpt__field_type {
     MPT__FIELD_ACTIVATION,  /* mpt_activation, by name ("relu")            */
     MPT__FIELD_PADDING,     /* mpt_padding: "valid", "same"                */
     MPT__FIELD_INITIALIZER, /* mpt_initializer: "he_normal", ...           */
-    MPT__FIELD_ENUM         /* any other enum, as its number               */
+    MPT__FIELD_ENUM,        /* any other enum, as its number               */
+    MPT__FIELD_STRING       /* const char *, NULL as "": a file's points into
+                               the parsed document (copy it before that goes) */
 } mpt__field_type;
 
 typedef struct mpt__field {
@@ -4492,6 +4531,9 @@ struct mpt_model {
     /* Training: set by compile, advanced by fit, saved in checkpoints. */
     int compiled;
     mpt_compile_desc compile;            /* every default resolved          */
+    char exclude_from_weight_decay[MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX + 1]; /* compile's
+                                            copy, where compile.optimizer's
+                                            points (NULL: none)               */
     int n_slots;                         /* optimizer state per parameter   */
     int64_t optimizer_steps;             /* updates applied (Adam's t)      */
     float learning_rate;                 /* base rate the schedule scales   */
@@ -10615,6 +10657,37 @@ static mpt_status mpt__check_nonneg(mpt_context *ctx, const char *field, float v
     return MPT_OK;
 }
 
+static int mpt__st_utf8_len(const unsigned char *p, int64_t avail);
+
+/* exclude_from_weight_decay: at most MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX
+   chars of UTF-8 (model files keep it as a JSON string), no empty item
+   (an empty substring would match every name: a typo, not a choice). */
+static mpt_status mpt__check_exclusions(mpt_context *ctx, const char *list) {
+    const unsigned char *p = (const unsigned char *)list;
+    int64_t at = 0, item = 0;
+    if (!list) return MPT_OK;
+    while (p[at] && at <= MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX) {
+        int len = mpt__st_utf8_len(p + at, MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX + 1 - at);
+        if (p[at] == ',' && at == item) break; /* an empty item before this comma */
+        if (len == 0)
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "optimizer: exclude_from_weight_decay is not valid UTF-8 (byte "
+                             "0x%02x at %lld)", (unsigned)p[at], (long long)at);
+        if (p[at] == ',') item = at + 1;
+        at += len;
+    }
+    if (at > MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: exclude_from_weight_decay \"%.40s...\" is longer than %d "
+                         "characters", list, MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX);
+    if (p[at] == ',' || (at > 0 && at == item)) /* ",x", "x,,y" or "x," */
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "optimizer: exclude_from_weight_decay \"%.200s\" has an empty item at "
+                         "character %lld (a comma-separated list of name substrings, e.g. "
+                         "\"bias,gamma\")", list, (long long)at);
+    return MPT_OK;
+}
+
 /* Checks an optimizer descriptor and fills in the documented defaults
    (zero fields), so that *out holds every value a step uses. */
 static mpt_status mpt__optimizer_resolve(mpt_context *ctx, const mpt_optimizer_desc *in,
@@ -10638,6 +10711,7 @@ static mpt_status mpt__optimizer_resolve(mpt_context *ctx, const mpt_optimizer_d
     MPT__CHECK(mpt__check_nonneg(ctx, "weight_decay", d.weight_decay));
     MPT__CHECK(mpt__check_nonneg(ctx, "l2", d.l2));
     MPT__CHECK(mpt__check_nonneg(ctx, "clip_global_norm", d.clip_global_norm));
+    MPT__CHECK(mpt__check_exclusions(ctx, d.exclude_from_weight_decay));
     if (d.gradient_accumulation_steps < 0)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "optimizer: gradient_accumulation_steps %d must be >= 0 (0 or 1: "
@@ -11064,6 +11138,7 @@ static const float *mpt__accum_block(const mpt__update_coefs *k, const float *MP
 static void mpt__update_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
                              int64_t end) {
     const mpt__update_job *j = (const mpt__update_job *)arg;
+    mpt__update_job undecayed; /* exclude_from_weight_decay: the step's, no decay */
     float *value = u->value[k], *s0 = u->slot0[k], *s1 = u->slot1[k];
     mpt_dtype cdt = u->compute_dtype[k];
     int copy = u->compute[k] != (void *)value;
@@ -11071,6 +11146,11 @@ static void mpt__update_span(void *arg, const mpt_update_args *u, int k, int64_t
     size_t csize = mpt_dtype_size(cdt);
     float mean[MPT__OPT_BLOCK]; /* gradient accumulation's applying step */
     int64_t b;
+    if (u->no_decay && u->no_decay[k]) {
+        undecayed = *j;
+        undecayed.k = mpt__update_coefs_for(&j->k, 1);
+        j = &undecayed;
+    }
     for (b = begin; b < end; b += MPT__OPT_BLOCK) {
         int64_t n = MPT__MIN((int64_t)MPT__OPT_BLOCK, end - b);
         const float *g = u->grad[k] + b;
@@ -11148,8 +11228,43 @@ static void mpt__free_update_args(mpt_model *m) {
     memset(&m->update, 0, sizeof m->update);
 }
 
+/* Whether the n chars at item occur in name (n > 0). */
+static int mpt__name_contains(const char *name, const char *item, size_t n) {
+    for (; *name; name++)
+        if (strncmp(name, item, n) == 0) return 1;
+    return 0;
+}
+
+/* Whether the parameter called name is excluded from weight decay: its
+   name contains an item of the comma-separated list (NULL: none). */
+static int mpt__decay_excluded(const char *list, const char *name) {
+    while (list && *list) {
+        size_t n = strcspn(list, ",");
+        if (n > 0 && mpt__name_contains(name, list, n)) return 1;
+        list += n + (list[n] == ',');
+    }
+    return 0;
+}
+
+/* Keras allows a name that matches nothing; a typo then decays what it
+   meant to spare, so each such item is said once per plan. */
+static void mpt__log_unmatched_exclusions(const mpt_model *m, const char *list) {
+    while (*list) {
+        size_t n = strcspn(list, ",");
+        int i, hit = 0;
+        for (i = 0; i < m->n_params && !hit; i++)
+            hit = m->params[i].trainable && mpt__name_contains(m->params[i].name, list, n);
+        if (!hit)
+            mpt__log(m->ctx, MPT_LOG_INFO,
+                     "compile: optimizer.exclude_from_weight_decay item \"%.*s\" matches no "
+                     "trainable parameter's name", (int)n, list);
+        list += n + (list[n] == ',');
+    }
+}
+
 /* The arrays of pointers the backend's optimizer walks (one allocation:
-   value, grad, slot0, slot1, compute, then compute_dtype and count). */
+   value, grad, slot0, slot1, compute, then compute_dtype, count and the
+   no-decay flags). */
 static mpt_status mpt__build_update_args(mpt_model *m) {
     mpt_update_args *u = &m->update;
     size_t n = 0, ptrs;
@@ -11158,7 +11273,8 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
     mpt__free_update_args(m);
     for (i = 0; i < m->n_params; i++) n += m->params[i].trainable != 0;
     ptrs = 6 * n * sizeof(void *);
-    block = (unsigned char *)mpt__calloc(m->ctx, ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t)) + 1);
+    block = (unsigned char *)mpt__calloc(m->ctx,
+                                         ptrs + n * (sizeof(mpt_dtype) + sizeof(int64_t) + 1) + 1);
     if (!block) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
     {
         float **value = (float **)block, **grad = value + n, **slot0 = grad + n;
@@ -11167,10 +11283,14 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
         float **accum = (float **)(compute + n);
         int64_t *count = (int64_t *)(block + ptrs);
         mpt_dtype *dtype = (mpt_dtype *)(count + n);
-        int k = 0;
+        unsigned char *no_decay = (unsigned char *)(dtype + n);
+        const char *excluded = m->compile.optimizer.exclude_from_weight_decay;
+        int k = 0, any_excluded = 0;
         for (i = 0; i < m->n_params; i++) {
             const mpt__param *P = &m->params[i];
             if (!P->trainable) continue;
+            no_decay[k] = (unsigned char)mpt__decay_excluded(excluded, P->name);
+            any_excluded |= no_decay[k];
             value[k] = P->value;
             grad[k] = P->grad;
             slot0[k] = P->slot[0];
@@ -11190,6 +11310,8 @@ static mpt_status mpt__build_update_args(mpt_model *m) {
         u->compute_dtype = dtype;
         u->count = count;
         u->accum = mpt__accumulates(m) ? accum : NULL;
+        u->no_decay = any_excluded ? no_decay : NULL; /* NULL: the path as without the list */
+        if (excluded && m->replica_index == 0) mpt__log_unmatched_exclusions(m, excluded);
     }
     u->optimizer = m->compile.optimizer;
     u->state = m->state;
@@ -11288,6 +11410,16 @@ static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
     return MPT_OK;
 }
 
+/* The model's own copy of exclude_from_weight_decay (checked: it fits),
+   d pointed at it; NULL where the list is empty. The source may be the
+   copy itself (compiling again with m->compile). */
+static void mpt__keep_exclusions(mpt_model *m, mpt_optimizer_desc *d) {
+    const char *list = d->exclude_from_weight_decay;
+    size_t n = list ? strlen(list) : 0;
+    memmove(m->exclude_from_weight_decay, n ? list : "", n + 1);
+    d->exclude_from_weight_decay = n ? m->exclude_from_weight_decay : NULL;
+}
+
 MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) {
     mpt_compile_desc r, defaults;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
@@ -11303,6 +11435,7 @@ MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) 
     MPT__CHECK(mpt__optimizer_resolve(m->ctx, &desc->optimizer, &r.optimizer));
     MPT__CHECK(mpt__loss_scale_resolve(m->ctx, &desc->loss_scale, mpt__model_any_float16(m),
                                        &r.loss_scale));
+    mpt__keep_exclusions(m, &r.optimizer);
     m->compile = r;
     m->n_slots = mpt__optimizer_slot_count(&r.optimizer);
     m->learning_rate = r.optimizer.learning_rate;
@@ -20798,9 +20931,14 @@ static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, loss_scale.growth_interval, MPT__FIELD_INT64),
     MPT__FIELD(mpt_compile_desc, loss_scale.growth_factor, MPT__FIELD_FLOAT),
     MPT__FIELD(mpt_compile_desc, loss_scale.backoff_factor, MPT__FIELD_FLOAT),
-    /* last, and written only where it is on (mpt__put_compile) */
+    /* last, and written only where they are on (mpt__put_compile) */
     MPT__FIELD(mpt_compile_desc, optimizer.gradient_accumulation_steps, MPT__FIELD_INT),
+    MPT__FIELD(mpt_compile_desc, optimizer.exclude_from_weight_decay, MPT__FIELD_STRING),
     MPT__FIELDS_END};
+
+/* How many of the compile fields, the list's last, are written only
+   where on (mpt__put_compile). */
+#define MPT__COMPILE_FIELDS_OPTIONAL 2
 
 /* ---- writing ------------------------------------------------------------------- */
 
@@ -20845,6 +20983,12 @@ static void mpt__put_field(mpt__ckpt_text *t, const mpt__field *f, const void *b
         snprintf(num, sizeof num, isfinite(x) ? "%.9g" : "null", (double)x);
         break;
     }
+    case MPT__FIELD_STRING: {
+        const char *str;
+        memcpy((void *)&str, p, sizeof str);
+        mpt__ckpt_put_json(t, str ? str : "");
+        return;
+    }
     default: { /* the named enums, as strings */
         const char *name = "?";
         memcpy(&i, p, sizeof i);
@@ -20866,16 +21010,21 @@ static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *
     mpt__ckpt_puts(t, "}");
 }
 
-/* The compile settings; gradient_accumulation_steps (the list's last)
-   only where the model accumulates, so that one that does not writes the
-   file it always did (a field a file lacks reads as 0: off). */
+/* The compile settings; the list's last ones only where on
+   (gradient_accumulation_steps where the model accumulates,
+   exclude_from_weight_decay where it excludes), so that a model using
+   neither writes the file it always did (a field a file lacks reads as
+   0 or NULL: off). */
 static void mpt__put_compile(mpt__ckpt_text *t, const mpt_compile_desc *c) {
-    int k;
+    const size_t count = sizeof mpt__compile_fields / sizeof mpt__compile_fields[0] - 1;
+    const size_t always = count - MPT__COMPILE_FIELDS_OPTIONAL;
+    size_t k;
     mpt__ckpt_puts(t, "{");
-    for (k = 0; mpt__compile_fields[k + 1].key; k++)
-        mpt__put_field(t, &mpt__compile_fields[k], c, k == 0);
+    for (k = 0; k < always; k++) mpt__put_field(t, &mpt__compile_fields[k], c, k == 0);
     if (c->optimizer.gradient_accumulation_steps > 1)
-        mpt__put_field(t, &mpt__compile_fields[k], c, 0);
+        mpt__put_field(t, &mpt__compile_fields[always], c, 0);
+    if (c->optimizer.exclude_from_weight_decay && c->optimizer.exclude_from_weight_decay[0])
+        mpt__put_field(t, &mpt__compile_fields[always + 1], c, 0);
     mpt__ckpt_puts(t, "}");
 }
 
@@ -21028,6 +21177,13 @@ static mpt_status mpt__json_field(mpt__json *j, int index, const mpt__field *f, 
         MPT__CHECK(mpt__json_float(j, index, &x, what));
         memcpy(p, &x, 4);
         return MPT_OK;
+    case MPT__FIELD_STRING: {
+        mpt_status s = MPT_OK;
+        const char *str = mpt__json_str(j, index, what, &s);
+        if (!str) return s;
+        memcpy(p, (const void *)&str, sizeof str);
+        return MPT_OK;
+    }
     default:
         MPT__CHECK(mpt__json_named(j, index, f->type, &i, what));
         memcpy(p, &i, sizeof i);
@@ -28426,6 +28582,7 @@ MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc
     q->quantized = Q;
     q->compiled = m->compiled;
     q->compile = m->compile;
+    mpt__keep_exclusions(q, &q->compile.optimizer); /* q's own copy, not m's */
     *out = q;
     return MPT_OK;
 }

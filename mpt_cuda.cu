@@ -4416,8 +4416,10 @@ typedef struct mpt__cuda_update_tensor {
     float *acc;       /* gradient accumulation's sum; NULL: none   */
     void *compute;    /* NULL: no separate compute copy            */
     mpt_dtype compute_dtype;
+    int no_decay;     /* exclude_from_weight_decay: no decay       */
     int64_t n;
 } mpt__cuda_update_tensor;
+static_assert(sizeof(mpt__cuda_update_tensor) == 64, "a table entry is read whole into registers");
 
 /* Gradient accumulation on one element (mpt.h's rules, as the CPU's
    mpt__accum_block): accumulating, the sum takes the gradient and false is
@@ -4518,7 +4520,7 @@ mpt__cuda_update_kernel(mpt__cuda_update_table U, const mpt__update_coefs *coefs
     if (!state->finite) return;
     const int e = mpt__cuda_table_entry(U.first_block, U.count, (int)blockIdx.x);
     const mpt__cuda_update_tensor T = U.t[e]; /* 64 bytes, into registers */
-    const mpt__update_coefs k = *coefs;
+    const mpt__update_coefs k = mpt__update_coefs_for(coefs, T.no_decay);
     const int blocks = U.first_block[e + 1] - U.first_block[e];
     const int64_t first = (int64_t)(blockIdx.x - U.first_block[e]) * blockDim.x + threadIdx.x;
     const int64_t stride = (int64_t)blocks * blockDim.x;
@@ -4588,6 +4590,7 @@ static void mpt__cuda_update(void *impl, const mpt_update_args *u) {
         T.acc = u->accum ? u->accum[i] : NULL;
         T.compute = u->compute && u->compute[i] != (void *)u->value[i] ? u->compute[i] : NULL;
         T.compute_dtype = u->compute_dtype ? u->compute_dtype[i] : MPT_FLOAT32;
+        T.no_decay = u->no_decay ? u->no_decay[i] : 0;
         T.n = u->count[i];
         if (d->type != MPT_OPTIMIZER_SGD) rule = MPT__CUDA_RULE_ADAM;
         else if (!T.s0) rule = MPT__CUDA_RULE_SGD;

@@ -1644,7 +1644,12 @@ typedef struct opt_case {
     int accumulate; /* gradient_accumulation_steps N: N steps from a sum
                        holding one batch, so that accumulating steps, the
                        applying one and the next cycle's first all run */
+    int exclude;    /* tensors 1 and 3 excluded from weight decay (no_decay) */
 } opt_case;
+
+/* exclude_from_weight_decay's flags as a model passes them: tensors 1 and
+   3 undecayed (a float16 one and the bfloat16 one, both vector paths). */
+static const unsigned char opt_no_decay[N_PARAMS] = {0, 1, 0, 1, 0};
 
 /* Everything an update reads and writes, on the host. */
 typedef struct opt_host {
@@ -1713,6 +1718,7 @@ static void opt_run(backend *b, const opt_case *oc, const opt_host *in, opt_host
     u.optimizer = opt_desc(oc);
     u.state = st;
     u.accum = oc->accumulate > 1 ? accum : NULL;
+    u.no_decay = oc->exclude ? opt_no_decay : NULL;
     for (step = 0; step < steps; step++) {
         b->t->grad_stats(b->impl, &u);
         b->t->update(b->impl, &u);
@@ -1750,7 +1756,7 @@ static void opt_host_free(opt_host *h) {
 }
 
 static void test_update(void) {
-    static const opt_case cases[11] = {
+    static const opt_case cases[13] = {
         {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0},
         {"sgd momentum, weight decay", MPT_OPTIMIZER_SGD, 0.9f, 0, 0.01f, 0, 1.0f, 0, 0},
         {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0},
@@ -1762,13 +1768,19 @@ static void test_update(void) {
         {"adam clipped, cosine, accumulating 2", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 0.5f, 1, 0, 2},
         {"sgd nesterov, decay, accumulating 3", MPT_OPTIMIZER_SGD, 0.9f, 1, 0.01f, 0, 0, 0, 0, 3},
         {"adamw accumulating 2, an inf gradient", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 0, 0, 1,
-         2}};
+         2},
+        /* weight decay large enough that a tensor decayed where it should
+           not be (or not where it should) is far outside the tolerance */
+        {"adamw, two tensors excluded from decay", MPT_OPTIMIZER_ADAMW, 0, 0, 0.5f, 0, 0, 0, 0, 0,
+         1},
+        {"sgd momentum, decay, two tensors excluded, accumulating 2", MPT_OPTIMIZER_SGD, 0.9f, 0,
+         0.5f, 0, 0, 0, 0, 2, 1}};
     static const int64_t counts[N_PARAMS] = {1, 7, 1000, 4099, 65536 + 3};
     static const mpt_dtype dtypes[N_PARAMS] = {MPT_FLOAT32, MPT_FLOAT16, MPT_FLOAT16,
                                                MPT_BFLOAT16, MPT_FLOAT16};
     backend *gpu = &gpu_be[GPU_AUTO];
     int ci, i;
-    for (ci = 0; ci < 11; ci++) {
+    for (ci = 0; ci < 13; ci++) {
         const opt_case *oc = &cases[ci];
         opt_host in, cpu, got;
         int64_t total = 0, differing = 0, worst = 0;

@@ -62,8 +62,9 @@ static void outputs(mpt_model *m, float *x, int64_t n, int64_t features, float *
 
 /* ---- a trained residual graph, rebuilt and trained on ------------------------------ */
 
-/* accumulate: gradient_accumulation_steps (0: off). */
-static mpt_model *residual_blobs_model(mpt_context *c, int accumulate) {
+/* accumulate: gradient_accumulation_steps (0: off); exclude: AdamW with
+   weight decay sparing these names (NULL: Adam). */
+static mpt_model *residual_blobs_model(mpt_context *c, int accumulate, const char *exclude) {
     mpt_model *m = NULL;
     mpt_node x, h, two[2];
     mpt_model_create(c,
@@ -81,9 +82,12 @@ static mpt_model *residual_blobs_model(mpt_context *c, int accumulate) {
               &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_compile(
               m,
-              &(mpt_compile_desc){.optimizer = {.type = MPT_OPTIMIZER_ADAM,
+              &(mpt_compile_desc){.optimizer = {.type = exclude ? MPT_OPTIMIZER_ADAMW
+                                                                : MPT_OPTIMIZER_ADAM,
                                                 .learning_rate = 0.01f,
-                                                .gradient_accumulation_steps = accumulate},
+                                                .weight_decay = exclude ? 0.1f : 0.0f,
+                                                .gradient_accumulation_steps = accumulate,
+                                                .exclude_from_weight_decay = exclude},
                                   .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
                                   .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
           "compile: %s", mpt_context_error(c));
@@ -92,12 +96,13 @@ static mpt_model *residual_blobs_model(mpt_context *c, int accumulate) {
 
 /* With gradient accumulation over 3 batches the file is saved in the
    middle of a cycle (2 epochs of 7 batches): the setting, the sums and
-   their count come back, and training on matches bit for bit. */
-static void check_graph_round_trip(int accumulate) {
+   their count come back, and training on matches bit for bit; so does
+   exclude_from_weight_decay, the loaded model's own copy. */
+static void check_graph_round_trip(int accumulate, const char *exclude) {
     static float w_a[2048], w_b[2048], out_a[N_SYN * CLASSES], out_b[N_SYN * CLASSES];
     char path[600], again[600], sum_a[8192], sum_b[8192];
     mpt_context *other = NULL;
-    mpt_model *m = residual_blobs_model(ctx, accumulate), *loaded = NULL;
+    mpt_model *m = residual_blobs_model(ctx, accumulate, exclude), *loaded = NULL;
     mpt_dataset *data = blobs_in(ctx), *data2;
     path_in(path, sizeof path, "residual.safetensors");
     path_in(again, sizeof again, "residual_again.safetensors");
@@ -119,6 +124,16 @@ static void check_graph_round_trip(int accumulate) {
           loaded->compile.optimizer.gradient_accumulation_steps,
           (long long)loaded->accumulated_steps, m->compile.optimizer.gradient_accumulation_steps,
           (long long)m->accumulated_steps);
+    {
+        const char *kept = loaded->compile.optimizer.exclude_from_weight_decay;
+        CHECK(exclude ? kept && kept != exclude && strcmp(kept, exclude) == 0 : kept == NULL,
+              "exclude_from_weight_decay \"%s\" after loading, saved \"%s\"",
+              kept ? kept : "(null)", exclude ? exclude : "(null)");
+        CHECK(!exclude || (loaded->update.no_decay && m->update.no_decay &&
+                           memcmp(loaded->update.no_decay, m->update.no_decay,
+                                  (size_t)m->update.n) == 0),
+              "the loaded model's no-decay flags differ");
+    }
     CHECK(!accumulate || m->accumulated_steps == 2, "saved at %lld in the sum, not mid-cycle",
           (long long)m->accumulated_steps);
     predictions(m, data, out_a, N_SYN * CLASSES);
@@ -149,8 +164,9 @@ done:
 }
 
 static void test_trained_graph_round_trip(void) {
-    check_graph_round_trip(0);
-    check_graph_round_trip(3);
+    check_graph_round_trip(0, NULL);
+    check_graph_round_trip(3, NULL);
+    check_graph_round_trip(0, "bias,gamma,beta");
 }
 
 /* ---- every layer kind and field, uncompiled ------------------------------------------ */
@@ -495,6 +511,16 @@ static void test_hostile_architectures(void) {
          "\"name\":\"a\",\"inputs\":[0],\"config\":{\"units\":2}}],\"compile\":{\"loss.type\":"
          "77}}",
          "loss", MPT_ERR_INVALID_ARGUMENT},
+        {"{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[4],\"policy\":\"float32\","
+         "\"seed\":0,\"memory_limit\":0,\"max_batch\":2,\"layers\":[{\"class\":\"Dense\","
+         "\"name\":\"a\",\"inputs\":[0],\"config\":{\"units\":2}}],\"compile\":{\"loss.type\":"
+         "3,\"optimizer.exclude_from_weight_decay\":7}}",
+         "optimizer.exclude_from_weight_decay is not a string", MPT_ERR_FORMAT},
+        {"{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[4],\"policy\":\"float32\","
+         "\"seed\":0,\"memory_limit\":0,\"max_batch\":2,\"layers\":[{\"class\":\"Dense\","
+         "\"name\":\"a\",\"inputs\":[0],\"config\":{\"units\":2}}],\"compile\":{\"loss.type\":"
+         "3,\"optimizer.exclude_from_weight_decay\":\"bias,,gamma\"}}",
+         "exclude_from_weight_decay \"bias,,gamma\" has an empty item", MPT_ERR_INVALID_ARGUMENT},
     };
     char path[600];
     size_t k;

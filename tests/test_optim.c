@@ -881,9 +881,174 @@ static void test_threads(void) {
     check_threads("Adam, clipping, accumulating 2",
                   (mpt_optimizer_desc){.learning_rate = 0.01f, .clip_global_norm = 3,
                                        .gradient_accumulation_steps = 2});
+    check_threads("AdamW excluding biases",
+                  (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAMW, .weight_decay = 0.1f,
+                                       .exclude_from_weight_decay = "bias"});
+    check_threads("SGD momentum, weight decay excluding kernels",
+                  (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .momentum = 0.9f,
+                                       .weight_decay = 0.1f, .exclude_from_weight_decay = "kernel"});
     check_threads("SGD momentum, accumulating 2",
                   (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .momentum = 0.9f,
                                        .gradient_accumulation_steps = 2});
+}
+
+/* ---- exclude_from_weight_decay ---------------------------------------------- */
+
+/* Dense → LayerNormalization → Dense → BatchNormalization: kernels,
+   biases, and the normalizations' gamma and beta. */
+static mpt_model *norm_model(mpt_context *c, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {20}, .input_rank = 1, .policy = policy,
+                                          .seed = 5}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 19});
+    mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){0});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 9});
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    mpt_model_build(m, 1);
+    return m;
+}
+
+/* The same random values in every trainable parameter of models of one
+   shape (biases and betas start at 0, where a decay changes nothing). */
+static void random_weights(mpt_model *m) {
+    int i;
+    int64_t e;
+    test_seed(77);
+    for (i = 0; i < m->n_params; i++)
+        for (e = 0; m->params[i].trainable && e < m->params[i].count; e++)
+            m->params[i].value[e] = (float)test_uniform(-1, 1);
+    mpt_model_refresh_weights(m);
+}
+
+/* Whether parameter P's master and slots hold the same bits in a and b. */
+static int same_param(const mpt__param *a, const mpt__param *b) {
+    size_t bytes = (size_t)a->count * sizeof(float);
+    return memcmp(a->value, b->value, bytes) == 0 && memcmp(a->slot[0], b->slot[0], bytes) == 0 &&
+           memcmp(a->slot[1], b->slot[1], bytes) == 0;
+}
+
+/* Whether name holds one of the comma-separated words. */
+static int name_has_any(const char *name, const char *words) {
+    char copy[64], *w;
+    snprintf(copy, sizeof copy, "%s", words);
+    for (w = strtok(copy, ","); w; w = strtok(NULL, ","))
+        if (strstr(name, w)) return 1;
+    return 0;
+}
+
+/* Random gradients for step s in the trainable parameters. */
+static void trainable_grads(mpt_model *m, int s) {
+    int i;
+    int64_t e;
+    test_seed(200 + (unsigned)s);
+    for (i = 0; i < m->n_params; i++)
+        for (e = 0; m->params[i].trainable && e < m->params[i].count; e++)
+            m->params[i].grad[e] = (float)test_uniform(-1, 1);
+}
+
+/* AdamW (weight_decay 0.1) excluding `list`, against the same model with
+   no list and with Adam at weight_decay 0: after 3 steps each excluded
+   parameter (its name holds one of `words`) is bit for bit Adam's, each other
+   bit for bit AdamW's as without the list, and an excluded one differs
+   from its decayed self (so that the exclusion is what made it equal). */
+static void check_exclusion(mpt_model *(*make)(mpt_context *, mpt_policy), mpt_policy policy,
+                            const char *list, const char *words) {
+    mpt_optimizer_desc with = {.type = MPT_OPTIMIZER_ADAMW, .weight_decay = 0.1f,
+                               .learning_rate = 0.01f, .exclude_from_weight_decay = list};
+    mpt_optimizer_desc decayed = with, undecayed = with;
+    mpt_model *m[3];
+    int k, s, i, excluded = 0, kept = 0, changed = 0;
+    decayed.exclude_from_weight_decay = NULL;
+    undecayed.type = MPT_OPTIMIZER_ADAM;
+    undecayed.weight_decay = 0;
+    undecayed.exclude_from_weight_decay = NULL;
+    for (k = 0; k < 3; k++) {
+        m[k] = make(ctx, policy);
+        CHECK(compile(m[k], k == 0 ? with : k == 1 ? decayed : undecayed,
+                      (mpt_loss_scale_desc){0}) == MPT_OK, "compile: %s", mpt_context_error(ctx));
+        random_weights(m[k]);
+        for (s = 0; s < 3; s++) {
+            trainable_grads(m[k], s);
+            CHECK(apply(m[k]) == 1, "step %d skipped", s);
+        }
+    }
+    CHECK(m[0]->update.no_decay != NULL && m[1]->update.no_decay == NULL,
+          "no-decay flags %p / %p", (const void *)m[0]->update.no_decay,
+          (const void *)m[1]->update.no_decay);
+    for (i = 0; i < m[0]->n_params; i++) {
+        const mpt__param *P = &m[0]->params[i];
+        if (!P->trainable) continue;
+        if (name_has_any(P->name, words)) {
+            excluded++;
+            changed += !same_param(P, &m[1]->params[i]);
+            CHECK(same_param(P, &m[2]->params[i]), "%s is not Adam's without decay", P->name);
+        } else {
+            kept++;
+            CHECK(same_param(P, &m[1]->params[i]), "%s is not decayed as without the list",
+                  P->name);
+        }
+        if (P->compute != (void *)P->value)
+            CHECK(memcmp(P->compute, name_has_any(P->name, words) ? m[2]->params[i].compute
+                                                                   : m[1]->params[i].compute,
+                         (size_t)P->count * mpt_dtype_size(P->compute_dtype)) == 0,
+                  "%s's compute copy", P->name);
+    }
+    CHECK(excluded >= 2 && kept >= 2 && changed == excluded,
+          "%d excluded (%d differ from decayed), %d decayed", excluded, changed, kept);
+    for (k = 0; k < 3; k++) mpt_model_destroy(m[k]);
+}
+
+static void test_exclude_bias(void) {
+    check_exclusion(wide_model, MPT_POLICY_FLOAT32, "bias", "bias");
+    check_exclusion(wide_model, MPT_POLICY_MIXED_FLOAT16, "bias", "bias");
+}
+
+static void test_exclude_norms(void) {
+    check_exclusion(norm_model, MPT_POLICY_FLOAT32, "gamma,beta", "gamma,beta");
+    check_exclusion(norm_model, MPT_POLICY_MIXED_BFLOAT16, "bias,gamma,beta", "bias,gamma,beta");
+}
+
+static int infos;
+static char last_info[1024];
+static void info_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    if (level != MPT_LOG_INFO || !strstr(msg, "exclude_from_weight_decay")) return;
+    infos++;
+    snprintf(last_info, sizeof last_info, "%s", msg);
+}
+
+/* An item that matches nothing is taken (as Keras) and said once at info
+   level; a list that spares nothing leaves the update as without one; an
+   empty list is none; compile keeps its own copy. */
+static void test_exclude_unmatched(void) {
+    mpt_context *c = NULL;
+    mpt_model *m;
+    char list[32] = "bias,nosuch";
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1,
+                                           .logger = {.fn = info_logger, .user_data = NULL}},
+                       &c);
+    m = tiny_model(c, MPT_POLICY_FLOAT32);
+    infos = 0;
+    CHECK(compile(m, (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAMW,
+                                          .exclude_from_weight_decay = list},
+                  (mpt_loss_scale_desc){0}) == MPT_OK, "compile: %s", mpt_context_error(c));
+    CHECK(infos == 1 && strstr(last_info, "\"nosuch\""), "%d infos, last: %s", infos, last_info);
+    list[0] = 'X'; /* the caller's string may change after compile */
+    CHECK(strcmp(m->compile.optimizer.exclude_from_weight_decay, "bias,nosuch") == 0 &&
+              m->update.no_decay && m->update.no_decay[0] == 0 && m->update.no_decay[1] == 1,
+          "kept \"%s\", flags", m->compile.optimizer.exclude_from_weight_decay);
+    CHECK(compile(m, (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAMW,
+                                          .exclude_from_weight_decay = "nosuch"},
+                  (mpt_loss_scale_desc){0}) == MPT_OK, "recompile");
+    CHECK(m->update.no_decay == NULL && infos == 2, "nothing matched: flags %p, %d infos",
+          (const void *)m->update.no_decay, infos);
+    CHECK(compile(m, (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAMW,
+                                          .exclude_from_weight_decay = ""},
+                  (mpt_loss_scale_desc){0}) == MPT_OK, "empty list");
+    CHECK(m->update.no_decay == NULL && m->compile.optimizer.exclude_from_weight_decay == NULL &&
+              infos == 2, "empty list: flags %p, %d infos", (const void *)m->update.no_decay, infos);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
 }
 
 /* Non-trainable parameters (BatchNormalization's moving statistics) get
@@ -1007,8 +1172,11 @@ static void test_bad_input(void) {
     mpt_context *q = quiet_ctx();
     mpt_model *m = tiny_model(q, MPT_POLICY_FLOAT32);
     mpt_compile_desc good, d;
-    bad_case cases[40];
+    bad_case cases[48];
+    char long_list[MPT_EXCLUDE_FROM_WEIGHT_DECAY_MAX + 2];
     int n = 0, i;
+    memset(long_list, 'a', sizeof long_list - 1);
+    long_list[sizeof long_list - 1] = 0;
     memset(&good, 0, sizeof good);
     good.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
     good.optimizer.learning_rate = 0.05f;
@@ -1053,6 +1221,13 @@ static void test_bad_input(void) {
     BAD("alpha", "-0.5", d.optimizer.schedule.alpha = -0.5f);
     BAD("warmup_steps", "-1", d.optimizer.schedule.warmup_steps = -1);
     BAD("gradient_accumulation_steps", "-1", d.optimizer.gradient_accumulation_steps = -1);
+    BAD("exclude_from_weight_decay", "bias,,gamma",
+        d.optimizer.exclude_from_weight_decay = "bias,,gamma");
+    BAD("exclude_from_weight_decay", "bias,", d.optimizer.exclude_from_weight_decay = "bias,");
+    BAD("exclude_from_weight_decay", "\",bias\"", d.optimizer.exclude_from_weight_decay = ",bias");
+    BAD("exclude_from_weight_decay", "\",\"", d.optimizer.exclude_from_weight_decay = ",");
+    BAD("exclude_from_weight_decay", "longer than 1023", d.optimizer.exclude_from_weight_decay = long_list);
+    BAD("exclude_from_weight_decay", "0xff", d.optimizer.exclude_from_weight_decay = "bias,\xff");
     BAD("loss_scale: mode", "9", d.loss_scale.mode = (mpt_loss_scale_mode)9);
     BAD("initial_scale", "-1", d.loss_scale.initial_scale = -1);
     BAD("initial_scale", "inf", d.loss_scale.initial_scale = INFINITY);
@@ -1133,6 +1308,9 @@ int main(void) {
     test_exact_unscale();
     test_compute_copies();
     test_threads();
+    TEST_RUN(test_exclude_bias);
+    TEST_RUN(test_exclude_norms);
+    TEST_RUN(test_exclude_unmatched);
     TEST_RUN(test_non_trainable);
     TEST_RUN(test_no_allocation);
     TEST_RUN(test_compile_defaults);

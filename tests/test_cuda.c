@@ -1757,18 +1757,18 @@ static void opt_host_free(opt_host *h) {
 
 static void test_update(void) {
     static const opt_case cases[13] = {
-        {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0},
-        {"sgd momentum, weight decay", MPT_OPTIMIZER_SGD, 0.9f, 0, 0.01f, 0, 1.0f, 0, 0},
-        {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0},
-        {"adam", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 0, 0, 0},
-        {"adam clipped, cosine schedule", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0.0005f, 0.5f, 1, 0},
-        {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0},
-        {"adam, an inf gradient", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 1.0f, 0, 1},
-        {"sgd momentum, a NaN gradient", MPT_OPTIMIZER_SGD, 0.9f, 0, 0, 0, 0, 0, 2},
-        {"adam clipped, cosine, accumulating 2", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 0.5f, 1, 0, 2},
-        {"sgd nesterov, decay, accumulating 3", MPT_OPTIMIZER_SGD, 0.9f, 1, 0.01f, 0, 0, 0, 0, 3},
+        {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+        {"sgd momentum, weight decay", MPT_OPTIMIZER_SGD, 0.9f, 0, 0.01f, 0, 1.0f, 0, 0, 0, 0},
+        {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0, 0, 0},
+        {"adam", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+        {"adam clipped, cosine schedule", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0.0005f, 0.5f, 1, 0, 0, 0},
+        {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0, 0, 0},
+        {"adam, an inf gradient", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 1.0f, 0, 1, 0, 0},
+        {"sgd momentum, a NaN gradient", MPT_OPTIMIZER_SGD, 0.9f, 0, 0, 0, 0, 0, 2, 0, 0},
+        {"adam clipped, cosine, accumulating 2", MPT_OPTIMIZER_ADAM, 0, 0, 0, 0, 0.5f, 1, 0, 2, 0},
+        {"sgd nesterov, decay, accumulating 3", MPT_OPTIMIZER_SGD, 0.9f, 1, 0.01f, 0, 0, 0, 0, 3, 0},
         {"adamw accumulating 2, an inf gradient", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 0, 0, 1,
-         2},
+         2, 0},
         /* weight decay large enough that a tensor decayed where it should
            not be (or not where it should) is far outside the tolerance */
         {"adamw, two tensors excluded from decay", MPT_OPTIMIZER_ADAMW, 0, 0, 0.5f, 0, 0, 0, 0, 0,
@@ -1946,9 +1946,9 @@ static void many_step(backend *b, const opt_case *oc, const int64_t *count, cons
 
 static void test_update_many_tensors(void) {
     static const opt_case cases[3] = {
-        {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0},
-        {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0},
-        {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0}};
+        {"adamw clipped", MPT_OPTIMIZER_ADAMW, 0, 0, 0.004f, 0, 2.0f, 0, 0, 0, 0},
+        {"sgd nesterov, l2", MPT_OPTIMIZER_SGD, 0.9f, 1, 0, 0.001f, 0, 0, 0, 0, 0},
+        {"sgd", MPT_OPTIMIZER_SGD, 0, 0, 0, 0, 0, 0, 0, 0, 0}};
     static const mpt_dtype kinds[3] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
     int64_t count[MANY_PARAMS], offset[MANY_PARAMS], total = 0;
     size_t coffset[MANY_PARAMS], compute_bytes = 0;

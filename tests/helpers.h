@@ -82,6 +82,18 @@ static inline mpt_context *counting_ctx(counting_alloc *c) {
     return cc;
 }
 
+/* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test
+   classifiers compile. */
+static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
+    mpt_compile_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
+    cd.optimizer.learning_rate = 0.01f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.metrics = MPT_METRIC_ACCURACY;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+}
+
 /* The small classifier the fit tests train on blobs (blobs.h):
    Dense(hidden, relu) [-> Dropout(dropout), when dropout > 0] ->
    Dense(classes, softmax); Adam at 0.01 (an optimizer with state, so that
@@ -101,7 +113,6 @@ static inline mpt_model *small_classifier(mpt_context *c, const classifier_desc 
     mpt_model_desc md;
     mpt_dense_desc hidden, out;
     mpt_dropout_desc drop;
-    mpt_compile_desc cd;
     memset(&md, 0, sizeof md);
     md.input_shape[0] = d->features;
     md.input_rank = 1;
@@ -127,12 +138,7 @@ static inline mpt_model *small_classifier(mpt_context *c, const classifier_desc 
     out.units = d->classes;
     out.activation = MPT_ACT_SOFTMAX;
     mpt_model_add_dense(m, &out);
-    memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 0.01f;
-    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-    cd.metrics = MPT_METRIC_ACCURACY;
-    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    test_compile_classifier(c, m);
     return m;
 }
 

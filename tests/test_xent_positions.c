@@ -360,7 +360,6 @@ static void test_mirrored_per_position(void) {
    per position. */
 static mpt_model *seq_model(mpt_context *c, mpt_strategy *strategy) {
     mpt_model *m = NULL;
-    mpt_compile_desc cd;
     CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {T, D}, .input_rank = 2,
                                                  .seed = 9, .strategy = strategy}, &m) == MPT_OK,
           "create: %s", mpt_context_error(c));
@@ -368,12 +367,7 @@ static mpt_model *seq_model(mpt_context *c, mpt_strategy *strategy) {
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_GELU_TANH});
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = C, .activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_build(m, 16) == MPT_OK, "build: %s", mpt_context_error(c));
-    memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 0.01f;
-    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-    cd.metrics = MPT_METRIC_ACCURACY;
-    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    test_compile_classifier(c, m);
     return m;
 }
 

@@ -283,6 +283,8 @@
                           token ids (checked against the tables)
        @impl-layernorm    LayerNormalization: rows of the last axis, each
                           normalised on its own; the CPU's backend functions
+       @impl-attention    MultiHeadAttention: four projections around the
+                          scaled dot-product attention; the CPU's attention
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
@@ -1090,6 +1092,49 @@ MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
                                                     const mpt_layer_normalization_desc *desc);
 MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
                                         const mpt_layer_normalization_desc *desc);
+
+/* MultiHeadAttention (Keras'): a query sequence (Tq, Dq) attends to a
+   value sequence (Tk, Dv), and to a key sequence (Tk, Dk) that is the value
+   unless given. Each head h projects
+       Q_h = query · Wq_h + bq_h   (Tq, key_dim)
+       K_h = key · Wk_h + bk_h     (Tk, key_dim)
+       V_h = value · Wv_h + bv_h   (Tk, value_dim)
+   then O_h = dropout(softmax(Q_h · K_hᵀ / sqrt(key_dim))) · V_h, and the
+   heads side by side go through the output projection:
+       y = [O_1 ... O_H] · Wo + bo     (Tq, output_dim)
+   With use_causal_mask, query position i sees key positions j <= i only
+   (a GPT's decoder). The softmax is float32 whatever the compute dtype.
+   The weights are Keras': query/kernel (Dq, H, key_dim), query/bias (H,
+   key_dim), key/..., value/... (value_dim), attention_output/kernel (H,
+   value_dim, output_dim), attention_output/bias (output_dim).
+   mpt_model_add_multi_head_attention is self-attention on the layer
+   before (query, key and value all its output); the functional form takes
+   the query and value nodes (the same node for self-attention). */
+typedef struct mpt_multi_head_attention_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    int64_t num_heads;                  /* required, > 0                     */
+    int64_t key_dim;                    /* required, > 0: each head's query
+                                           and key size                     */
+    int64_t value_dim;                  /* default (0): key_dim              */
+    int64_t output_dim;                 /* default (0): the query's last axis
+                                           (Keras' output_shape)             */
+    float dropout;                      /* rate on the attention weights in
+                                           training, in [0, 1); default 0    */
+    int use_causal_mask;                /* 1: position i attends to j <= i   */
+    int no_bias;                        /* default 0: biases (use_bias=True) */
+    mpt_initializer kernel_initializer; /* default glorot_uniform            */
+    mpt_initializer bias_initializer;   /* default zeros                     */
+    uint64_t seed;                      /* dropout's; default 0: the model's */
+} mpt_multi_head_attention_desc;
+
+MPTDEF mpt_status mpt_model_add_multi_head_attention(mpt_model *m,
+                                                     const mpt_multi_head_attention_desc *desc);
+MPTDEF mpt_node mpt_multi_head_attention(mpt_model *m, mpt_node query, mpt_node value,
+                                         const mpt_multi_head_attention_desc *desc);
+/* The same with a key sequence of its own (Keras' key=). */
+MPTDEF mpt_node mpt_multi_head_attention_with_key(mpt_model *m, mpt_node query, mpt_node value,
+                                                  mpt_node key,
+                                                  const mpt_multi_head_attention_desc *desc);
 
 /* Checks every layer's shapes, plans and allocates every buffer for batches
    of up to max_batch samples, and initialises the weights. After this, a
@@ -2585,6 +2630,47 @@ typedef struct mpt_layernorm_args {
     void *workspace;            /* layernorm_workspace bytes                  */
 } mpt_layernorm_args;
 
+/* Scaled dot-product attention (MultiHeadAttention's core), for every
+   sample b and head h at once. q, k, v and o are the projections' rows as
+   they lie: q (B, Tq, H, key_dim), k (B, Tk, H, key_dim), v (B, Tk, H,
+   value_dim), o (B, Tq, H, value_dim), all in dtype. For each (b, h):
+       S = scale · Q · Kᵀ              (Tq, Tk), float32
+       P = softmax of each row of S over the keys it may see (causal: key
+           j <= i + causal_offset for query i), in float32
+       P̃ = P with dropout: each weight kept with probability 1 − rate
+           (then / (1 − rate)), Philox(dropout_key, counter = (step,
+           e / 4)) word e % 4 >= rate for the weight's index
+           e = ((b·H + h)·Tq + i)·Tk + j, as Dropout draws its masks
+       O = P̃ · V
+   Q·Kᵀ, P̃·V and backward's products read their operands in dtype and sum
+   in float32 (P̃ and dS are rounded to dtype as operands); only O is
+   rounded to dtype. backward, from dO (as o): dP̃ = dO · Vᵀ, dP = dP̃ with
+   the same mask and scale, dS = P ∘ (dP − Σ_j P ∘ dP), then dQ = scale ·
+   dS · K, dK = scale · dSᵀ · Q, dV = P̃ᵀ · dO, float32, overwritten.
+   Nothing of size Tq × Tk per (b, h) need be kept: backward computes S
+   and P again. Every result depends on the shapes alone, not on threads. */
+typedef struct mpt_attention_args {
+    mpt_dtype dtype;
+    int64_t batch, heads;
+    int64_t q_len, kv_len;          /* Tq, Tk                                 */
+    int64_t key_dim, value_dim;
+    float scale;                    /* 1 / sqrt(key_dim), as Keras            */
+    int causal;                     /* 1: the causal mask                     */
+    int64_t causal_offset;          /* key positions before query 0's (0 for
+                                       the layer; a cache's length when
+                                       generating)                            */
+    float dropout;                  /* rate; 0: none (always at inference)    */
+    uint64_t dropout_key;
+    const struct mpt_step_state *state; /* forward with dropout: its step keys
+                                           the mask, kept in *saved_step     */
+    int64_t *saved_step;            /* dropout's step, for backward           */
+    const void *q, *k, *v;
+    void *o;                        /* forward                                */
+    const void *d_o;                /* backward: dO, as o                     */
+    float *dq, *dk, *dv;            /* backward: as q, k, v, float32          */
+    void *workspace;                /* attention_workspace bytes              */
+} mpt_attention_args;
+
 /* The numbers a training step reads and writes in the backend's memory.
    The host reads them back (download) only to print or decide between
    epochs, and writes learning_rate or loss_scale when a callback or a
@@ -2860,6 +2946,13 @@ typedef struct mpt_backend {
     void (*layernorm_forward)(void *impl, const mpt_layernorm_args *a);
     void (*layernorm_backward)(void *impl, const mpt_layernorm_args *a);
     int64_t (*layernorm_workspace)(void *impl, mpt_dtype dtype, int64_t rows, int64_t cols);
+
+    /* -- MultiHeadAttention's scaled dot-product attention
+       (mpt_attention_args); the workspace bytes for a's shapes (its
+       pointers unread), non-decreasing in batch; -1 on overflow */
+    void (*attention_forward)(void *impl, const mpt_attention_args *a);
+    void (*attention_backward)(void *impl, const mpt_attention_args *a);
+    int64_t (*attention_workspace)(void *impl, const mpt_attention_args *a);
 } mpt_backend;
 
 #define MPT_COMM_ID_BYTES 128
@@ -3546,6 +3639,31 @@ static inline MPT__HD float mpt__ln_dx(float ghat, float xhat, float mean_g, flo
                         mpt__fsub_rn(mpt__fsub_rn(ghat, mean_g), mpt__fmul_rn(xhat, mean_gx)));
 }
 
+/* ---- MultiHeadAttention's rules (mpt_attention_args) ----------------------- */
+
+/* How many keys query i sees: all Tk, or with the causal mask those at
+   j <= i + offset. */
+static inline MPT__HD int64_t mpt__attn_keys_seen(int64_t i, int64_t kv_len, int causal,
+                                                 int64_t offset) {
+    return causal ? (i + offset + 1 < kv_len ? i + offset + 1 : kv_len) : kv_len;
+}
+/* Whether dropout keeps the weight of element e = ((b·H + h)·Tq + i)·Tk + j,
+   drawn as Dropout draws (word e % 4 of Philox's counter (step, e / 4)). */
+static inline MPT__HD int mpt__attn_keep(uint64_t key, uint64_t step, float rate, uint64_t e) {
+    uint32_t r[4];
+    mpt__philox4x32_10(key, step, e / 4, r);
+    return mpt__uniform01(r[e % 4]) >= rate;
+}
+/* A row's weight from its score s, the row's largest score and the
+   reciprocal of Σ exp(s − max) (summed in double): exp(s − max) · inv_sum. */
+static inline MPT__HD float mpt__attn_weight(float s, float row_max, float inv_sum) {
+    return mpt__fmul_rn(expf(mpt__fsub_rn(s, row_max)), inv_sum);
+}
+/* dS = P · (dP − Σ_j P·dP), Σ in double rounded once. */
+static inline MPT__HD float mpt__attn_dscore(float p, float dp, float row_dot) {
+    return mpt__fmul_rn(p, mpt__fsub_rn(dp, row_dot));
+}
+
 /* ---- the int8 GEMM's requantization ----------------------------------------
    TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm-kernels)
    and the CUDA int8 GEMM both run, so an int8 result has the same bits on
@@ -4225,6 +4343,7 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_EMBEDDING,
     MPT__LAYER_POSITION_EMBEDDING,
     MPT__LAYER_LAYER_NORMALIZATION,
+    MPT__LAYER_MULTI_HEAD_ATTENTION,
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4347,8 +4466,8 @@ typedef struct mpt__layer_ops {
    with the batch. No real sample comes near it (256 PiB in float32). */
 #define MPT__MAX_SAMPLE_ELEMENTS ((int64_t)1 << 56)
 
-#define MPT__MAX_LAYER_PARAMS 4
-#define MPT__MAX_LAYER_SAVED 4
+#define MPT__MAX_LAYER_PARAMS 8
+#define MPT__MAX_LAYER_SAVED 8
 
 typedef struct mpt__param {
     char name[144];          /* "dense/kernel"                                */
@@ -4394,6 +4513,7 @@ union mpt__layer_desc {
     mpt_embedding_desc embedding;
     mpt_position_embedding_desc position_embedding;
     mpt_layer_normalization_desc layer_normalization;
+    mpt_multi_head_attention_desc multi_head_attention;
 };
 
 struct mpt__layer {
@@ -4415,6 +4535,8 @@ struct mpt__layer {
     int64_t in_shape[MPT_MAX_RANK - 1];
     int64_t out_shape[MPT_MAX_RANK - 1];
     int64_t in_count, out_count;            /* elements in one sample        */
+    int64_t kv_len;                         /* MultiHeadAttention: the key's and
+                                               value's positions             */
     int output_is_input;                    /* y is x seen with another shape */
     int n_params;
     int param_index[MPT__MAX_LAYER_PARAMS];
@@ -4672,7 +4794,7 @@ static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]
 static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
 
 /* =============================================================================
-   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-layernorm) share
+   @impl-layer-helpers: what the layers below (@impl-dense .. @impl-attention) share
    ============================================================================= */
 
 /* An activation: valid, and its name as Keras writes it. */
@@ -7235,10 +7357,15 @@ MPTDEF mpt_node mpt_batch_normalization(mpt_model *m, mpt_node x, const mpt_batc
 
 #define MPT__DROPOUT_CHUNK ((int64_t)1 << 14) /* elements per task; a multiple of 64 */
 
-/* Replicas draw different masks: each mixes its index into the key. */
-static uint64_t mpt__dropout_key(const mpt__layer *L, int replica) {
-    uint64_t key = L->desc.dropout.seed ? mpt__mix64(L->desc.dropout.seed) : L->seed;
+/* A layer's random key: its descriptor's seed, else the one the model gave
+   it. Replicas draw different masks: each mixes its index into the key. */
+static uint64_t mpt__layer_random_key(const mpt__layer *L, uint64_t seed, int replica) {
+    uint64_t key = seed ? mpt__mix64(seed) : L->seed;
     return replica ? mpt__mix64(key ^ (uint64_t)replica) : key;
+}
+
+static uint64_t mpt__dropout_key(const mpt__layer *L, int replica) {
+    return mpt__layer_random_key(L, L->desc.dropout.seed, replica);
 }
 
 typedef struct mpt__dropout_job {
@@ -8418,6 +8545,747 @@ MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
 MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
                                         const mpt_layer_normalization_desc *d) {
     return mpt__call_layer(m, &mpt__ln_ops, 1, &x, d);
+}
+
+/* =============================================================================
+   @impl-attention  MultiHeadAttention: a query sequence attends to a value
+   sequence, head by head     query: (B, Tq, Dq)  value, key: (B, Tk, D·)
+                              y: (B, Tq, output_dim)
+   =============================================================================
+
+   Four Dense-like projections around one new piece of math, the scaled
+   dot-product attention of mpt_attention_args (a backend slot). The
+   projections are GEMMs over every position's row, as Dense over a
+   sequence: query · Wq gives (B·Tq, H·key_dim), whose rows already hold
+   each head's query side by side, so the attention reads head h of
+   position i at row i, column h·key_dim, without a transpose; its output
+   lies the same way and is the output projection's input.
+
+   The CPU's attention takes one sample and head at a time, as the
+   attention of one head of one sample needs nothing of another's: forward
+   goes over blocks of MPT__ATTN_BLOCK queries, the block's scores
+   (block × Tk, float32) being the only scratch of size Tk, so the
+   Tq × Tk matrix is never held whole. Each product is the CPU GEMM of
+   @impl-gemm on that thread alone (a parallel-for inside a task runs on
+   its thread), the operands in the compute dtype and the sums in float32,
+   as a Dense layer's. Backward computes the block's scores and weights
+   again instead of keeping them (the forward's memory would grow with
+   Tq·Tk per head) and adds the block's share to dK and dV; a task owns a
+   whole (sample, head), so the blocks are added in order and every result
+   is the same whatever the thread count. */
+
+#define MPT__ATTN_BLOCK 64 /* query rows the CPU takes at a time */
+
+/* Defined in @impl-gemm: the CPU GEMM. */
+static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d);
+
+/* One CPU attention pass: its arguments and each thread's scratch. */
+typedef struct mpt__attn_job {
+    mpt_context *ctx;
+    const mpt_attention_args *a;
+    int64_t blocks;        /* query blocks per (sample, head)          */
+    int64_t scratch_bytes; /* one thread's share of the workspace       */
+    uint64_t step;         /* dropout's                                */
+    int dropout;           /* 1: this pass drops weights               */
+} mpt__attn_job;
+
+/* A thread's scratch, for a block of up to MPT__ATTN_BLOCK queries against
+   Tk keys: the scores and weights, backward's dP (float32, block × Tk
+   each), the weights and dS as GEMM operands (block × Tk, in dtype), and
+   the forward's output rows (block × value_dim, float32). */
+typedef struct mpt__attn_scratch {
+    float *p, *dp;
+    void *p_op, *ds_op;
+    float *o;
+} mpt__attn_scratch;
+
+static int64_t mpt__attn_scratch_bytes(const mpt_attention_args *a) {
+    int64_t block = MPT__MIN(MPT__ATTN_BLOCK, a->q_len), scores, rows, bytes;
+    if (!mpt__mul_ok(block, a->kv_len, &scores) || !mpt__mul_ok(block, a->value_dim, &rows) ||
+        !mpt__mul_ok(scores, 16, &bytes) || !mpt__add_ok(bytes, 4 * rows, &bytes))
+        return -1;
+    return mpt__ws_bytes(bytes, 5);
+}
+
+static mpt__attn_scratch mpt__attn_scratch_for(const mpt__attn_job *j, int thread) {
+    const int64_t scores = MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->kv_len;
+    mpt__ws w;
+    mpt__attn_scratch s;
+    w.next = (unsigned char *)j->a->workspace + (size_t)(thread * j->scratch_bytes);
+    s.p = (float *)mpt__ws_take(&w, 4 * scores);
+    s.dp = (float *)mpt__ws_take(&w, 4 * scores);
+    s.p_op = mpt__ws_take(&w, 4 * scores);
+    s.ds_op = mpt__ws_take(&w, 4 * scores);
+    s.o = (float *)mpt__ws_take(&w, 4 * MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->value_dim);
+    return s;
+}
+
+/* Head h of sample b: where its rows of q (or k, v, o) start, and the
+   distance between two positions' rows (all heads lie between). */
+static const char *mpt__attn_rows(const mpt_attention_args *a, const void *base, int64_t len,
+                                  int64_t width, int64_t b, int64_t h, int64_t position,
+                                  size_t elem) {
+    return (const char *)base + (size_t)(((b * len + position) * a->heads + h) * width) * elem;
+}
+
+/* The product c (m × n) = alpha · op(x) · op(y) + beta · c of row-major
+   operands in dtype (float32 for c), on this thread. */
+static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int trans_b,
+                           int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx,
+                           const void *y, int64_t ldy, float alpha, float beta, float *c,
+                           int64_t ldc) {
+    mpt_gemm_desc g;
+    memset(&g, 0, sizeof g);
+    g.trans_a = trans_a;
+    g.trans_b = trans_b;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.ab_dtype = dtype;
+    g.a = x;
+    g.lda = ldx;
+    g.b = y;
+    g.ldb = ldy;
+    g.c = c;
+    g.ldc = ldc;
+    g.alpha = alpha;
+    g.beta = beta;
+    mpt__gemm(ctx, &g);
+}
+
+/* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
+   stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
+   (dropout applied) in dtype, zero past each row's last key seen. */
+static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    const float keep_scale = 1.0f / (1.0f - a->dropout);
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        float *p = s->p + r * n, row_max = -INFINITY, inv_sum;
+        int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
+        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
+        double sum = 0;
+        for (c = 0; c < seen; c++) {
+            p[c] = mpt__fmul_rn(p[c], a->scale);
+            row_max = p[c] > row_max ? p[c] : row_max;
+        }
+        for (c = 0; c < seen; c++) sum += expf(mpt__fsub_rn(p[c], row_max));
+        inv_sum = (float)(1.0 / sum);
+        for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
+        for (c = 0; c < n; c++) {
+            float kept = p[c];
+            if (j->dropout && c < seen)
+                kept = mpt__attn_keep(a->dropout_key, j->step, a->dropout, e0 + (uint64_t)c)
+                           ? mpt__fmul_rn(p[c], keep_scale)
+                           : 0.0f;
+            s->dp[c] = kept; /* the row's P̃, narrowed below */
+        }
+        mpt__convert(j->ctx, a->dtype, (char *)s->p_op + (size_t)(r * n) * mpt_dtype_size(a->dtype),
+                     MPT_FLOAT32, s->dp, n);
+    }
+}
+
+/* The keys the block's rows see between them: up to the last row's. */
+static int64_t mpt__attn_block_keys(const mpt_attention_args *a, int64_t i0, int64_t rows) {
+    return mpt__attn_keys_seen(i0 + rows - 1, a->kv_len, a->causal, a->causal_offset);
+}
+
+/* S = Q_block · Kᵀ for the keys the block sees, into s->p (rows × n). */
+static void mpt__attn_scores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                             int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    size_t es = mpt_dtype_size(a->dtype);
+    int64_t qk = a->heads * a->key_dim;
+    mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->key_dim,
+                   mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es), qk,
+                   mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es), qk, 1.0f, 0.0f,
+                   s->p, n);
+}
+
+/* Forward, task = (sample, head, query block): O_block = P̃ · V. */
+static void mpt__attn_forward_task(void *arg, int64_t task, int thread) {
+    const mpt__attn_job *j = (const mpt__attn_job *)arg;
+    const mpt_attention_args *a = j->a;
+    const size_t es = mpt_dtype_size(a->dtype);
+    const int64_t bh = task / j->blocks, i0 = task % j->blocks * MPT__ATTN_BLOCK;
+    const int64_t b = bh / a->heads, h = bh % a->heads, v_ld = a->heads * a->value_dim;
+    const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
+    const int64_t n = mpt__attn_block_keys(a, i0, rows);
+    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
+    char *o = (char *)mpt__attn_rows(a, a->o, a->q_len, a->value_dim, b, h, i0, es);
+    int64_t r;
+    mpt__attn_scores(j, b, h, i0, rows, n, &s);
+    mpt__attn_weights(j, b, h, i0, rows, n, &s);
+    if (a->dtype == MPT_FLOAT32) { /* straight into o's rows */
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+                       mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld,
+                       1.0f, 0.0f, (float *)o, v_ld);
+        return;
+    }
+    mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+                   mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld, 1.0f,
+                   0.0f, s.o, a->value_dim);
+    for (r = 0; r < rows; r++)
+        mpt__convert(j->ctx, a->dtype, o + (size_t)(r * v_ld) * es, MPT_FLOAT32,
+                     s.o + r * a->value_dim, a->value_dim);
+}
+
+/* Zeros the (Tk, width) float32 rows of head h of sample b in g. */
+static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t width, int64_t b,
+                                int64_t h) {
+    int64_t t;
+    for (t = 0; t < a->kv_len; t++)
+        memset((float *)mpt__attn_rows(a, g, a->kv_len, width, b, h, t, 4), 0,
+               sizeof(float) * (size_t)width);
+}
+
+/* dS of the block's rows from P (s->p) and dP̃ (s->dp), into s->ds_op in
+   dtype: dP is dP̃ through the forward's mask and scale. */
+static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    const float keep_scale = 1.0f / (1.0f - a->dropout);
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        const float *p = s->p + r * n;
+        float *dp = s->dp + r * n, row_dot;
+        int64_t i = i0 + r;
+        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
+        double dot = 0;
+        if (j->dropout)
+            for (c = 0; c < n; c++)
+                dp[c] = p[c] != 0 && mpt__attn_keep(a->dropout_key, j->step, a->dropout,
+                                                    e0 + (uint64_t)c)
+                            ? mpt__fmul_rn(dp[c], keep_scale)
+                            : 0.0f;
+        for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
+        row_dot = (float)dot;
+        for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
+        mpt__convert(j->ctx, a->dtype,
+                     (char *)s->ds_op + (size_t)(r * n) * mpt_dtype_size(a->dtype), MPT_FLOAT32,
+                     dp, n);
+    }
+}
+
+/* Backward, task = (sample, head): every query block in order, each adding
+   its share to dK and dV. */
+static void mpt__attn_backward_task(void *arg, int64_t task, int thread) {
+    const mpt__attn_job *j = (const mpt__attn_job *)arg;
+    const mpt_attention_args *a = j->a;
+    const size_t es = mpt_dtype_size(a->dtype);
+    const int64_t b = task / a->heads, h = task % a->heads;
+    const int64_t qk = a->heads * a->key_dim, v_ld = a->heads * a->value_dim;
+    const char *k = mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es);
+    const char *v = mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es);
+    float *dk = (float *)mpt__attn_rows(a, a->dk, a->kv_len, a->key_dim, b, h, 0, 4);
+    float *dv = (float *)mpt__attn_rows(a, a->dv, a->kv_len, a->value_dim, b, h, 0, 4);
+    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
+    int64_t i0;
+    mpt__attn_zero_rows(a, a->dk, a->key_dim, b, h);
+    mpt__attn_zero_rows(a, a->dv, a->value_dim, b, h);
+    for (i0 = 0; i0 < a->q_len; i0 += MPT__ATTN_BLOCK) {
+        const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
+        const int64_t n = mpt__attn_block_keys(a, i0, rows);
+        const char *q = mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es);
+        const char *d_o = mpt__attn_rows(a, a->d_o, a->q_len, a->value_dim, b, h, i0, es);
+        float *dq = (float *)mpt__attn_rows(a, a->dq, a->q_len, a->key_dim, b, h, i0, 4);
+        mpt__attn_scores(j, b, h, i0, rows, n, &s);
+        mpt__attn_weights(j, b, h, i0, rows, n, &s);
+        /* dV += P̃ᵀ · dO;  dP̃ = dO · Vᵀ */
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, s.p_op, n, d_o, v_ld, 1.0f,
+                       1.0f, dv, v_ld);
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->value_dim, d_o, v_ld, v, v_ld, 1.0f,
+                       0.0f, s.dp, n);
+        mpt__attn_dscores(j, b, h, i0, rows, n, &s);
+        /* dQ = scale · dS · K;  dK += scale · dSᵀ · Q */
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->key_dim, n, s.ds_op, n, k, qk, a->scale,
+                       0.0f, dq, qk);
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->key_dim, rows, s.ds_op, n, q, qk, a->scale,
+                       1.0f, dk, qk);
+    }
+}
+
+static mpt__attn_job mpt__attn_job_for(mpt_context *ctx, const mpt_attention_args *a) {
+    mpt__attn_job j;
+    j.ctx = ctx;
+    j.a = a;
+    j.blocks = (a->q_len + MPT__ATTN_BLOCK - 1) / MPT__ATTN_BLOCK;
+    j.scratch_bytes = mpt__attn_scratch_bytes(a);
+    j.dropout = a->dropout > 0 && a->saved_step;
+    j.step = j.dropout ? (uint64_t)*a->saved_step : 0;
+    return j;
+}
+
+/* mpt_backend.attention_forward on the CPU. */
+static void mpt__cpu_attention_forward(void *impl, const mpt_attention_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__attn_job j;
+    if (a->dropout > 0 && a->state && a->saved_step) *a->saved_step = (int64_t)a->state->step;
+    j = mpt__attn_job_for(ctx, a);
+    j.dropout = j.dropout && a->state; /* inference: no dropout */
+    mpt__parallel_for(ctx, a->batch * a->heads * j.blocks, mpt__attn_forward_task, &j);
+}
+
+/* mpt_backend.attention_backward on the CPU. */
+static void mpt__cpu_attention_backward(void *impl, const mpt_attention_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__attn_job j = mpt__attn_job_for(ctx, a);
+    mpt__parallel_for(ctx, a->batch * a->heads, mpt__attn_backward_task, &j);
+}
+
+/* Workspace: each thread's scratch (the same for any batch). */
+static int64_t mpt__cpu_attention_workspace(void *impl, const mpt_attention_args *a) {
+    int64_t one = mpt__attn_scratch_bytes(a), all;
+    if (one < 0 || !mpt__mul_ok(one, ((mpt_context *)impl)->num_threads, &all)) return -1;
+    return all;
+}
+
+/* ---- the layer ------------------------------------------------------------------ */
+
+/* Its projections, in Keras' order of weights; each a kernel and, unless
+   no_bias, a bias after it. */
+enum { MPT__MHA_QUERY, MPT__MHA_KEY, MPT__MHA_VALUE, MPT__MHA_OUTPUT, MPT__MHA_PROJECTIONS };
+
+static int mpt__mha_kernel_slot(const mpt__layer *L, int projection) {
+    return L->desc.multi_head_attention.no_bias ? projection : 2 * projection;
+}
+static int mpt__mha_bias_slot(const mpt__layer *L, int projection) {
+    return L->desc.multi_head_attention.no_bias ? -1 : 2 * projection + 1;
+}
+
+static int64_t mpt__mha_value_dim(const mpt__layer *L) {
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    return d->value_dim ? d->value_dim : d->key_dim;
+}
+
+/* Which of L's inputs is the query, the value and the key (Keras' call
+   order query, value, key; one input is all three, two the query and a
+   value that is also the key). */
+static int mpt__mha_input(const mpt__layer *L, int projection) {
+    if (projection == MPT__MHA_QUERY || L->n_in == 1) return 0;
+    return projection == MPT__MHA_KEY && L->n_in == 3 ? 2 : 1;
+}
+
+/* One sample's (T, D) at the node of input s: rank 2 or a clear error. */
+static mpt_status mpt__mha_input_shape(mpt_model *m, const mpt__layer *L, int projection,
+                                       int64_t *T, int64_t *D) {
+    static const char *const names[] = {"query", "key", "value"};
+    int64_t shape[MPT_MAX_RANK - 1];
+    int node = L->in_node[mpt__mha_input(L, projection)], rank = mpt__node_shape(m, node, shape);
+    char s[96];
+    if (rank != 2)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                         "MultiHeadAttention '%s': the %s ('%s') has samples of shape %s; it "
+                         "takes sequences (T, D)",
+                         L->name, names[projection], mpt__node_name(m, node),
+                         mpt_shape_format(s, sizeof s, rank, shape));
+    *T = shape[0];
+    *D = shape[1];
+    return MPT_OK;
+}
+
+/* A projection's weights: kernel (D, H, width) as Keras' EinsumDense
+   keeps it, with Keras' fans for a kernel of rank 3 (the axes before the
+   last two count as the receptive field), bias (H, width). The output's
+   kernel is (H, value_dim, output_dim), its bias (output_dim). */
+static mpt_status mpt__mha_add_projection(mpt_model *m, mpt__layer *L, int projection,
+                                          int64_t D, int64_t heads, int64_t width) {
+    static const char *const kernels[] = {"query/kernel", "key/kernel", "value/kernel",
+                                          "attention_output/kernel"};
+    static const char *const biases[] = {"query/bias", "key/bias", "value/bias",
+                                         "attention_output/bias"};
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    int out = projection == MPT__MHA_OUTPUT;
+    int64_t kshape[3], bshape[2];
+    kshape[0] = out ? heads : D;
+    kshape[1] = out ? mpt__mha_value_dim(L) : heads;
+    kshape[2] = out ? D : width;
+    bshape[0] = out ? D : heads;
+    bshape[1] = width;
+    MPT__CHECK(mpt__layer_add_param(
+        m, L, kernels[projection], 3, kshape,
+        d->kernel_initializer ? d->kernel_initializer : MPT_INIT_GLOROT_UNIFORM,
+        kshape[1] * kshape[0], kshape[2] * kshape[0], 1, L->dtype));
+    if (d->no_bias) return MPT_OK;
+    return mpt__layer_add_param(m, L, biases[projection], out ? 1 : 2, bshape,
+                                d->bias_initializer ? d->bias_initializer : MPT_INIT_ZEROS,
+                                kshape[1] * kshape[0], kshape[2] * kshape[0], 1, MPT_FLOAT32);
+}
+
+/* The attention's arguments for a pass over `batch` samples (pointers
+   are the caller's to set). */
+static mpt_attention_args mpt__mha_attention_args(const mpt__layer *L, int64_t batch,
+                                                  int64_t kv_len) {
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    mpt_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = L->dtype;
+    a.batch = batch;
+    a.heads = d->num_heads;
+    a.q_len = L->in_shape[0];
+    a.kv_len = kv_len;
+    a.key_dim = d->key_dim;
+    a.value_dim = mpt__mha_value_dim(L);
+    a.scale = (float)(1.0 / sqrt((double)d->key_dim));
+    a.causal = d->use_causal_mask;
+    a.dropout = d->dropout;
+    return a;
+}
+
+/* Sizes of one sample's pieces (elements): each input's rows · width, the
+   projections' outputs, the output. */
+typedef struct mpt__mha_sizes {
+    int64_t T[MPT__MHA_PROJECTIONS], D[MPT__MHA_PROJECTIONS]; /* the output's too */
+    int64_t qk, v;        /* H·key_dim, H·value_dim                           */
+    int64_t q_rows, k_rows, v_rows, o_rows; /* Tq·qk, Tk·qk, Tk·v, Tq·v       */
+} mpt__mha_sizes;
+
+static mpt__mha_sizes mpt__mha_sizes_of(const mpt_model *m, const mpt__layer *L) {
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    mpt__mha_sizes z;
+    int pr;
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++) {
+        int64_t shape[MPT_MAX_RANK - 1];
+        (void)mpt__node_shape(m, L->in_node[mpt__mha_input(L, pr)], shape);
+        z.T[pr] = shape[0];
+        z.D[pr] = shape[1];
+    }
+    z.T[MPT__MHA_OUTPUT] = z.T[MPT__MHA_QUERY];
+    z.D[MPT__MHA_OUTPUT] = d->output_dim ? d->output_dim : z.D[MPT__MHA_QUERY];
+    z.qk = d->num_heads * d->key_dim;
+    z.v = d->num_heads * mpt__mha_value_dim(L);
+    z.q_rows = z.T[MPT__MHA_QUERY] * z.qk;
+    z.k_rows = z.T[MPT__MHA_KEY] * z.qk;
+    z.v_rows = z.T[MPT__MHA_KEY] * z.v;
+    z.o_rows = z.T[MPT__MHA_QUERY] * z.v;
+    return z;
+}
+
+/* out (rows, cols) in dtype = x (rows, in) · kernel + bias; acc: float32
+   scratch (rows, cols) where the product cannot land in out directly. */
+static void mpt__mha_project(mpt__layer *L, const mpt__pass *p, int projection, const void *x,
+                             int64_t rows, int64_t in, int64_t cols, void *out, float *acc) {
+    int bias = mpt__mha_bias_slot(L, projection);
+    int rounds_c = L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c;
+    float *c = L->dtype == MPT_FLOAT32 || rounds_c ? (float *)out : acc;
+    mpt_gemm_desc g = mpt__layer_gemm_desc(
+        L, 0, 0, rows, cols, in, x, mpt__param_compute_copy(L, mpt__mha_kernel_slot(L, projection)),
+        c);
+    g.bias = bias >= 0 ? mpt__param_master(L, bias) : NULL;
+    mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
+    if (c != (float *)out) p->be->convert(p->impl, L->dtype, out, MPT_FLOAT32, c, rows * cols);
+}
+
+/* A projection's backward from the gradient at its output, g (rows, cols)
+   in float32 and g_op, the same in dtype: its bias's gradient (g's column
+   sums), its kernel's (xᵀ · g_op) and, unless dx is NULL, dx (rows, in,
+   float32) = beta · dx + g_op · kernelᵀ. */
+static void mpt__mha_project_back(mpt__layer *L, const mpt__pass *p, int projection,
+                                  const void *x, int64_t rows, int64_t in, int64_t cols,
+                                  const float *g, const void *g_op, float *dx, float beta) {
+    int kernel = mpt__mha_kernel_slot(L, projection), bias = mpt__mha_bias_slot(L, projection);
+    mpt_gemm_desc gd;
+    if (bias >= 0) p->be->column_sums(p->impl, g, rows, cols, mpt__param_grad(L, bias), 0);
+    gd = mpt__layer_gemm_desc(L, 1, 0, in, cols, rows, x, g_op, mpt__param_grad(L, kernel));
+    mpt__layer_gemm(p, &gd, MPT_FLOAT32);
+    if (!dx) return;
+    gd = mpt__layer_gemm_desc(L, 0, 1, rows, in, cols, g_op, mpt__param_compute_copy(L, kernel),
+                              dx);
+    gd.beta = beta;
+    mpt__layer_gemm(p, &gd, MPT_FLOAT32);
+}
+
+/* saved: Q, K, V and O in dtype, then dropout's step. */
+enum { MPT__MHA_SAVED_Q, MPT__MHA_SAVED_K, MPT__MHA_SAVED_V, MPT__MHA_SAVED_O,
+       MPT__MHA_SAVED_STEP };
+
+static void mpt__mha_forward(mpt__layer *L, const mpt__pass *p) {
+    const mpt__mha_sizes z = mpt__mha_sizes_of(p->model, L);
+    const int64_t B = p->batch;
+    mpt_attention_args a = mpt__mha_attention_args(L, B, z.T[MPT__MHA_KEY]);
+    unsigned char *ws = (unsigned char *)p->workspace;
+    float *acc = (float *)(ws + mpt__align_up(p->be->attention_workspace(p->impl, &a)));
+    static const int saved[] = {MPT__MHA_SAVED_Q, MPT__MHA_SAVED_K, MPT__MHA_SAVED_V};
+    const int64_t width[] = {z.qk, z.qk, z.v};
+    int pr;
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++)
+        mpt__mha_project(L, p, pr, p->xs[mpt__mha_input(L, pr)], B * z.T[pr], z.D[pr], width[pr],
+                         L->saved[saved[pr]], acc);
+    a.q = L->saved[MPT__MHA_SAVED_Q];
+    a.k = L->saved[MPT__MHA_SAVED_K];
+    a.v = L->saved[MPT__MHA_SAVED_V];
+    a.o = L->saved[MPT__MHA_SAVED_O];
+    a.state = p->training ? p->state : NULL;
+    a.dropout_key = mpt__layer_random_key(L, L->desc.multi_head_attention.seed,
+                                          p->model->replica_index);
+    a.saved_step = (int64_t *)L->saved[MPT__MHA_SAVED_STEP];
+    if (!p->training) a.dropout = 0;
+    a.workspace = ws;
+    p->be->attention_forward(p->impl, &a);
+    mpt__mha_project(L, p, MPT__MHA_OUTPUT, a.o, B * z.T[MPT__MHA_QUERY], z.v,
+                     z.D[MPT__MHA_OUTPUT], p->y, acc);
+}
+
+/* Backward's float32 scratch past the attention's, for a batch of B:
+   the output's gradient, dO (and in dtype), dQ, dK, dV, one of them in
+   dtype at a time, and each input's dx sum. */
+typedef struct mpt__mha_grads {
+    float *gy, *d_o, *dq, *dk, *dv, *dx[3];
+    void *d_o_op, *g_op;
+} mpt__mha_grads;
+
+static mpt__mha_grads mpt__mha_grads_in(const mpt__layer *L, const mpt__pass *p,
+                                        const mpt__mha_sizes *z, void *base) {
+    const int64_t B = p->batch;
+    mpt__ws w;
+    mpt__mha_grads g;
+    int half = L->dtype != MPT_FLOAT32, s;
+    int64_t widest = MPT__MAX(z->q_rows, MPT__MAX(z->k_rows, z->v_rows));
+    w.next = (unsigned char *)base;
+    g.gy = half ? (float *)mpt__ws_take(&w, 4 * B * z->T[MPT__MHA_QUERY] * z->D[MPT__MHA_OUTPUT])
+                : (float *)p->dy;
+    g.d_o = (float *)mpt__ws_take(&w, 4 * B * z->o_rows);
+    g.d_o_op = half ? mpt__ws_take(&w, mpt__dbytes(L->dtype, B * z->o_rows)) : (void *)g.d_o;
+    g.dq = (float *)mpt__ws_take(&w, 4 * B * z->q_rows);
+    g.dk = (float *)mpt__ws_take(&w, 4 * B * z->k_rows);
+    g.dv = (float *)mpt__ws_take(&w, 4 * B * z->v_rows);
+    g.g_op = half ? mpt__ws_take(&w, mpt__dbytes(L->dtype, B * widest)) : NULL;
+    for (s = 0; s < L->n_in; s++) {
+        int pr = s == 0 ? MPT__MHA_QUERY : s == 1 ? MPT__MHA_VALUE : MPT__MHA_KEY;
+        g.dx[s] = half ? (float *)mpt__ws_take(&w, 4 * B * z->T[pr] * z->D[pr])
+                       : (float *)p->dxs[s];
+    }
+    return g;
+}
+
+/* Backward's bytes per sample past the attention's (as mpt__mha_grads_in
+   takes them; 10 pieces' alignment is the fixed part). */
+static int64_t mpt__mha_grads_bytes(const mpt__layer *L, const mpt__mha_sizes *z) {
+    int64_t half = L->dtype != MPT_FLOAT32 ? (int64_t)mpt_dtype_size(L->dtype) : 0, s, bytes;
+    int64_t widest = MPT__MAX(z->q_rows, MPT__MAX(z->k_rows, z->v_rows));
+    bytes = 4 * (z->T[MPT__MHA_QUERY] * z->D[MPT__MHA_OUTPUT] + z->o_rows + z->q_rows +
+                 z->k_rows + z->v_rows) +
+            half * (z->o_rows + widest);
+    for (s = 0; s < L->n_in; s++) {
+        int pr = s == 0 ? MPT__MHA_QUERY : s == 1 ? MPT__MHA_VALUE : MPT__MHA_KEY;
+        bytes += 4 * z->T[pr] * z->D[pr];
+    }
+    return bytes;
+}
+
+/* One projection's backward from its output's float32 gradient g,
+   adding to the dx sum of the input it read (overwriting it first). */
+static void mpt__mha_back_one(mpt__layer *L, const mpt__pass *p, const mpt__mha_sizes *z,
+                              const mpt__mha_grads *g, int projection, const float *gp,
+                              int64_t width, unsigned char *written) {
+    const int s = mpt__mha_input(L, projection);
+    const int64_t rows = p->batch * z->T[projection];
+    const void *op = gp;
+    if (L->dtype != MPT_FLOAT32) {
+        p->be->convert(p->impl, L->dtype, g->g_op, MPT_FLOAT32, gp, rows * width);
+        op = g->g_op;
+    }
+    mpt__mha_project_back(L, p, projection, p->xs[s], rows, z->D[projection], width, gp, op,
+                          p->dxs[s] ? g->dx[s] : NULL, written[s] ? 1.0f : 0.0f);
+    written[s] = 1;
+}
+
+static void mpt__mha_backward(mpt__layer *L, const mpt__pass *p) {
+    const mpt__mha_sizes z = mpt__mha_sizes_of(p->model, L);
+    const int64_t B = p->batch, rows_q = B * z.T[MPT__MHA_QUERY];
+    mpt_attention_args a = mpt__mha_attention_args(L, B, z.T[MPT__MHA_KEY]);
+    unsigned char *ws = (unsigned char *)p->workspace, written[3] = {0, 0, 0};
+    mpt__mha_grads g = mpt__mha_grads_in(
+        L, p, &z, ws + mpt__align_up(p->be->attention_workspace(p->impl, &a)));
+    int s;
+    /* the output projection: dO = dy · Woᵀ */
+    if (L->dtype != MPT_FLOAT32)
+        p->be->convert(p->impl, MPT_FLOAT32, g.gy, L->dtype, p->dy,
+                       rows_q * z.D[MPT__MHA_OUTPUT]);
+    mpt__mha_project_back(L, p, MPT__MHA_OUTPUT, L->saved[MPT__MHA_SAVED_O], rows_q, z.v,
+                          z.D[MPT__MHA_OUTPUT], g.gy, p->dy, g.d_o, 0.0f);
+    if (L->dtype != MPT_FLOAT32)
+        p->be->convert(p->impl, L->dtype, g.d_o_op, MPT_FLOAT32, g.d_o, rows_q * z.v);
+    /* the attention */
+    a.q = L->saved[MPT__MHA_SAVED_Q];
+    a.k = L->saved[MPT__MHA_SAVED_K];
+    a.v = L->saved[MPT__MHA_SAVED_V];
+    a.d_o = g.d_o_op;
+    a.dq = g.dq;
+    a.dk = g.dk;
+    a.dv = g.dv;
+    a.dropout_key = mpt__layer_random_key(L, L->desc.multi_head_attention.seed,
+                                          p->model->replica_index);
+    a.saved_step = (int64_t *)L->saved[MPT__MHA_SAVED_STEP];
+    a.workspace = ws;
+    p->be->attention_backward(p->impl, &a);
+    /* the three input projections, each input's dx summed in float32 */
+    mpt__mha_back_one(L, p, &z, &g, MPT__MHA_QUERY, g.dq, z.qk, written);
+    mpt__mha_back_one(L, p, &z, &g, MPT__MHA_KEY, g.dk, z.qk, written);
+    mpt__mha_back_one(L, p, &z, &g, MPT__MHA_VALUE, g.dv, z.v, written);
+    for (s = 0; s < L->n_in && L->dtype != MPT_FLOAT32; s++) {
+        int pr = s == 0 ? MPT__MHA_QUERY : s == 1 ? MPT__MHA_VALUE : MPT__MHA_KEY;
+        if (p->dxs[s])
+            p->be->convert(p->impl, L->dtype, p->dxs[s], MPT_FLOAT32, g.dx[s],
+                           B * z.T[pr] * z.D[pr]);
+    }
+}
+
+/* Multiply-adds of one sample: the four projections (each row of its
+   input times its kernel) and, for each head, Q·Kᵀ and P̃·V over the keys
+   each query sees. */
+static double mpt__mha_macs(const mpt__layer *L) {
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    const int64_t Tq = L->in_shape[0], Tk = L->kv_len;
+    double macs = 0, keys = 0;
+    int64_t i;
+    int pr;
+    for (pr = 0; pr < MPT__MHA_PROJECTIONS; pr++)
+        macs += (double)(pr == MPT__MHA_KEY || pr == MPT__MHA_VALUE ? Tk : Tq) *
+                (double)L->param[mpt__mha_kernel_slot(L, pr)]->count;
+    for (i = 0; i < Tq; i++) keys += (double)mpt__attn_keys_seen(i, Tk, d->use_causal_mask, 0);
+    return macs + keys * (double)d->num_heads * (double)(d->key_dim + mpt__mha_value_dim(L));
+}
+
+/* Every product of the layer's sizes, checked before any is formed:
+   H·key_dim, H·value_dim, each input's and the output's positions times
+   those and Tq·Tk stay below MPT__MAX_SAMPLE_ELEMENTS, so that nothing
+   after overflows an int64_t. */
+static mpt_status mpt__mha_check_sizes(mpt_model *m, const mpt__layer *L) {
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    const int64_t most = MPT__MAX_SAMPLE_ELEMENTS;
+    int64_t qk = 0, v = 0, t, T[MPT__MHA_OUTPUT], D[MPT__MHA_OUTPUT];
+    int pr, ok = mpt__mul_ok(d->num_heads, d->key_dim, &qk) && qk <= most &&
+                 mpt__mul_ok(d->num_heads, mpt__mha_value_dim(L), &v) && v <= most &&
+                 d->output_dim <= most;
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++) {
+        int64_t shape[MPT_MAX_RANK - 1];
+        (void)mpt__node_shape(m, L->in_node[mpt__mha_input(L, pr)], shape);
+        T[pr] = shape[0];
+        D[pr] = shape[1];
+    }
+    for (pr = 0; ok && pr < MPT__MHA_OUTPUT; pr++)
+        ok = mpt__mul_ok(T[pr], MPT__MAX(qk, v), &t) && t <= most &&
+             mpt__mul_ok(T[pr], T[MPT__MHA_QUERY], &t) && t <= most &&
+             mpt__mul_ok(T[MPT__MHA_QUERY], d->output_dim ? d->output_dim : D[MPT__MHA_QUERY],
+                         &t) &&
+             t <= most;
+    if (!ok)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                         "MultiHeadAttention '%s': %lld heads of %lld and %lld over %lld and "
+                         "%lld positions is too large",
+                         L->name, (long long)d->num_heads, (long long)d->key_dim,
+                         (long long)mpt__mha_value_dim(L), (long long)T[MPT__MHA_QUERY],
+                         (long long)T[MPT__MHA_KEY]);
+    return MPT_OK;
+}
+
+static mpt_status mpt__mha_build(mpt_model *m, mpt__layer *L) {
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    mpt__mha_sizes z;
+    mpt_attention_args a;
+    void *impl;
+    const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
+    int64_t T[MPT__MHA_OUTPUT], D, attention, per_sample, forward;
+    int pr;
+    for (pr = MPT__MHA_QUERY; pr < MPT__MHA_OUTPUT; pr++)
+        MPT__CHECK(mpt__mha_input_shape(m, L, pr, &T[pr], &D));
+    if (T[MPT__MHA_KEY] != T[MPT__MHA_VALUE])
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE,
+                         "MultiHeadAttention '%s': the key has %lld positions, the value %lld: "
+                         "they must match",
+                         L->name, (long long)T[MPT__MHA_KEY], (long long)T[MPT__MHA_VALUE]);
+    MPT__CHECK(mpt__mha_check_sizes(m, L));
+    z = mpt__mha_sizes_of(m, L);
+    L->kv_len = z.T[MPT__MHA_KEY];
+    L->out_rank = 2;
+    L->out_shape[0] = z.T[MPT__MHA_QUERY];
+    L->out_shape[1] = z.D[MPT__MHA_OUTPUT];
+    for (pr = 0; pr < MPT__MHA_PROJECTIONS; pr++)
+        MPT__CHECK(mpt__mha_add_projection(m, L, pr, z.D[pr], d->num_heads,
+                                           pr == MPT__MHA_VALUE || pr == MPT__MHA_OUTPUT
+                                               ? mpt__mha_value_dim(L)
+                                               : d->key_dim));
+    MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.q_rows), 0)); /* Q */
+    MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.k_rows), 0)); /* K */
+    MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.v_rows), 0)); /* V */
+    MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.o_rows), 0)); /* O */
+    MPT__CHECK(mpt__layer_add_saved(m, L, 0, 8)); /* dropout's step */
+    /* the attention's scratch, then forward's float32 product or
+       backward's pieces, whichever is larger */
+    a = mpt__mha_attention_args(L, m->max_batch, z.T[MPT__MHA_KEY]);
+    attention = be->attention_workspace(impl, &a);
+    if (attention < 0)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                         "MultiHeadAttention '%s': the attention's workspace overflows", L->name);
+    forward = 4 * MPT__MAX(MPT__MAX(z.q_rows, z.k_rows),
+                           MPT__MAX(z.v_rows, z.T[MPT__MHA_QUERY] * z.D[MPT__MHA_OUTPUT]));
+    per_sample = MPT__MAX(forward, mpt__mha_grads_bytes(L, &z));
+    return mpt__layer_set_workspace(m, L, per_sample, mpt__align_up(attention) + 11 * MPT__ALIGN);
+}
+
+static mpt_status mpt__mha_check(mpt_model *m, const mpt__layer_ops *ops,
+                                 const mpt__layer_desc *desc) {
+    const mpt_multi_head_attention_desc *d = &desc->multi_head_attention;
+    const char *bad = d->num_heads <= 0  ? "num_heads"
+                      : d->key_dim <= 0  ? "key_dim"
+                      : d->value_dim < 0 ? "value_dim"
+                      : d->output_dim < 0 ? "output_dim"
+                                          : NULL;
+    if (bad)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: %s %lld must be > 0%s",
+                         ops->class_name, bad,
+                         (long long)(bad[0] == 'n'   ? d->num_heads
+                                     : bad[0] == 'k' ? d->key_dim
+                                     : bad[0] == 'v' ? d->value_dim
+                                                     : d->output_dim),
+                         bad[0] == 'v' || bad[0] == 'o' ? " (0: the default)" : "");
+    if (!(d->dropout >= 0 && d->dropout < 1))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: dropout %g is not in [0, 1)",
+                         ops->class_name, (double)d->dropout);
+    return mpt__check_kernel_desc(m, ops, MPT_ACT_NONE, d->kernel_initializer,
+                                  d->bias_initializer);
+}
+
+static const mpt__field mpt__mha_fields[] = {
+    MPT__FIELD(mpt_multi_head_attention_desc, num_heads, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_multi_head_attention_desc, key_dim, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_multi_head_attention_desc, value_dim, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_multi_head_attention_desc, output_dim, MPT__FIELD_INT64),
+    MPT__FIELD(mpt_multi_head_attention_desc, dropout, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_multi_head_attention_desc, use_causal_mask, MPT__FIELD_INT),
+    MPT__FIELD(mpt_multi_head_attention_desc, no_bias, MPT__FIELD_INT),
+    MPT__FIELD(mpt_multi_head_attention_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELD(mpt_multi_head_attention_desc, bias_initializer, MPT__FIELD_INITIALIZER),
+    MPT__FIELD(mpt_multi_head_attention_desc, seed, MPT__FIELD_UINT64),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__mha_ops = {
+    "MultiHeadAttention", "multi_head_attention", MPT__LAYER_MULTI_HEAD_ATTENTION,
+    mpt__mha_build, mpt__mha_forward, mpt__mha_backward, NULL, NULL, mpt__mha_macs, NULL, NULL, 0,
+    sizeof(mpt_multi_head_attention_desc), mpt__mha_check, mpt__mha_fields, 1, 3, 0};
+
+MPTDEF mpt_status mpt_model_add_multi_head_attention(mpt_model *m,
+                                                     const mpt_multi_head_attention_desc *d) {
+    return mpt__add_layer(m, &mpt__mha_ops, d);
+}
+
+/* The same node given twice is one input: self-attention reads x once. */
+MPTDEF mpt_node mpt_multi_head_attention_with_key(mpt_model *m, mpt_node query, mpt_node value,
+                                                  mpt_node key,
+                                                  const mpt_multi_head_attention_desc *d) {
+    mpt_node nodes[3];
+    int n = 1;
+    nodes[0] = query;
+    if (value != query || key != value) nodes[n++] = value;
+    if (key != value) nodes[n++] = key;
+    return mpt__call_layer(m, &mpt__mha_ops, n, nodes, d);
+}
+
+MPTDEF mpt_node mpt_multi_head_attention(mpt_model *m, mpt_node query, mpt_node value,
+                                         const mpt_multi_head_attention_desc *d) {
+    return mpt_multi_head_attention_with_key(m, query, value, value, d);
 }
 
 /* =============================================================================
@@ -20902,7 +21770,8 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__global_pool_ops, &mpt__zero_padding2d_ops, &mpt__bn_ops,
     &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
     &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops,
-    &mpt__embedding_ops,   &mpt__position_embedding_ops, &mpt__ln_ops};
+    &mpt__embedding_ops,   &mpt__position_embedding_ops, &mpt__ln_ops,
+    &mpt__mha_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
 static const mpt__field mpt__compile_fields[] = {
@@ -33674,6 +34543,9 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->layernorm_forward = mpt__cpu_layernorm_forward;
     t->layernorm_backward = mpt__cpu_layernorm_backward;
     t->layernorm_workspace = mpt__cpu_layernorm_workspace;
+    t->attention_forward = mpt__cpu_attention_forward;
+    t->attention_backward = mpt__cpu_attention_backward;
+    t->attention_workspace = mpt__cpu_attention_workspace;
 }
 
 static mpt_backend mpt__cpu_table;

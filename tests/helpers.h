@@ -233,6 +233,7 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     REQUIRED(qgemm);
     REQUIRED(gather_rows); REQUIRED(scatter_add_rows);
     REQUIRED(layernorm_forward); REQUIRED(layernorm_backward); REQUIRED(layernorm_workspace);
+    REQUIRED(attention_forward); REQUIRED(attention_backward); REQUIRED(attention_workspace);
 #undef REQUIRED
     named++; /* gemm_plan: optional */
     named++; /* conv_direct: optional */

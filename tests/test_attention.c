@@ -1,0 +1,765 @@
+/* MultiHeadAttention: the backend's scaled dot-product attention against
+   a double-precision reference (causal or not, a query shorter than the
+   keys, several query blocks, dropout's mask, each dtype; outputs
+   poisoned first), the reference's own gradients against finite
+   differences; the layer's gradients against finite differences in
+   double in all three policies (self-attention in a Sequential stack,
+   cross-attention with a value and a key of their own in a graph,
+   value_dim, output_dim, no biases, dropout); Keras' weights; training
+   that repeats bit for bit on 1 and 2 threads; a small model that learns
+   to copy the token before; model files; bad descriptors and shapes
+   refused with their names; the export refusing the layer. */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "gradcheck.h"
+
+static mpt_context *ctx;
+static char tmpdir[512];
+
+static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                      MPT_POLICY_MIXED_BFLOAT16};
+
+/* The documented dropout rule (Dropout's): word e % 4 of Philox(key, (step,
+   e / 4)) as a 24-bit uniform is ≥ rate. */
+static int ref_keep(uint64_t key, uint64_t step, uint64_t e, float rate) {
+    uint32_t r[4];
+    mpt_philox4x32(key, step, e / 4, r);
+    return (float)(r[e % 4] >> 8) / 16777216.0f >= rate;
+}
+
+/* ---- the attention in double ------------------------------------------------
+
+   q (B, Tq, H, dk), k (B, Tk, H, dk), v (B, Tk, H, dv) → o (B, Tq, H, dv),
+   as mpt_attention_args documents it. */
+typedef struct attn_shape {
+    int64_t B, H, Tq, Tk, dk, dv, offset;
+    int causal;
+    float rate;
+    uint64_t key, step;
+} attn_shape;
+
+static int64_t attn_seen(const attn_shape *s, int64_t i) {
+    int64_t n = i + s->offset + 1;
+    return s->causal ? (n < s->Tk ? n : s->Tk) : s->Tk;
+}
+
+/* The weights P (and P̃ with dropout) of (b, h), Tq × Tk. */
+static void attn_weights_ref(const attn_shape *s, const double *q, const double *k, int64_t b,
+                             int64_t h, double *p, double *pd) {
+    double scale = (float)(1.0 / sqrt((double)s->dk)), keep_scale = 1.0f / (1.0f - s->rate);
+    int64_t i, j, d;
+    for (i = 0; i < s->Tq; i++) {
+        double mx = -INFINITY, sum = 0;
+        int64_t seen = attn_seen(s, i);
+        for (j = 0; j < s->Tk; j++) {
+            double dot = 0;
+            for (d = 0; d < s->dk; d++)
+                dot += q[((b * s->Tq + i) * s->H + h) * s->dk + d] *
+                       k[((b * s->Tk + j) * s->H + h) * s->dk + d];
+            p[i * s->Tk + j] = j < seen ? dot * scale : -INFINITY;
+            if (j < seen && p[i * s->Tk + j] > mx) mx = p[i * s->Tk + j];
+        }
+        for (j = 0; j < s->Tk; j++) sum += j < seen ? exp(p[i * s->Tk + j] - mx) : 0;
+        for (j = 0; j < s->Tk; j++) {
+            uint64_t e = (uint64_t)(((b * s->H + h) * s->Tq + i) * s->Tk + j);
+            p[i * s->Tk + j] = j < seen ? exp(p[i * s->Tk + j] - mx) / sum : 0;
+            pd[i * s->Tk + j] = s->rate > 0 && !ref_keep(s->key, s->step, e, s->rate)
+                                    ? 0
+                                    : p[i * s->Tk + j] * (s->rate > 0 ? keep_scale : 1);
+        }
+    }
+}
+
+static void attn_forward_ref(const attn_shape *s, const double *q, const double *k,
+                             const double *v, double *o) {
+    double *p = (double *)malloc(sizeof(double) * (size_t)(2 * s->Tq * s->Tk)), *pd;
+    int64_t b, h, i, j, e;
+    pd = p + s->Tq * s->Tk;
+    for (b = 0; b < s->B; b++)
+        for (h = 0; h < s->H; h++) {
+            attn_weights_ref(s, q, k, b, h, p, pd);
+            for (i = 0; i < s->Tq; i++)
+                for (e = 0; e < s->dv; e++) {
+                    double acc = 0;
+                    for (j = 0; j < s->Tk; j++)
+                        acc += pd[i * s->Tk + j] * v[((b * s->Tk + j) * s->H + h) * s->dv + e];
+                    o[((b * s->Tq + i) * s->H + h) * s->dv + e] = acc;
+                }
+        }
+    free(p);
+}
+
+/* dq, dk, dv of Σ d_o · o, by the chain rule in double. */
+static void attn_backward_ref(const attn_shape *s, const double *q, const double *k,
+                              const double *v, const double *d_o, double *dq, double *dk,
+                              double *dv) {
+    int64_t n = s->Tq * s->Tk, b, h, i, j, d;
+    double *p = (double *)malloc(sizeof(double) * (size_t)(4 * n)), *pd = p + n, *dp = p + 2 * n;
+    double *ds = p + 3 * n, scale = (float)(1.0 / sqrt((double)s->dk));
+    memset(dq, 0, sizeof(double) * (size_t)(s->B * s->Tq * s->H * s->dk));
+    memset(dk, 0, sizeof(double) * (size_t)(s->B * s->Tk * s->H * s->dk));
+    memset(dv, 0, sizeof(double) * (size_t)(s->B * s->Tk * s->H * s->dv));
+    for (b = 0; b < s->B; b++)
+        for (h = 0; h < s->H; h++) {
+            attn_weights_ref(s, q, k, b, h, p, pd);
+            for (i = 0; i < s->Tq; i++) {
+                double row = 0;
+                for (j = 0; j < s->Tk; j++) {
+                    double g = 0;
+                    for (d = 0; d < s->dv; d++) {
+                        double go = d_o[((b * s->Tq + i) * s->H + h) * s->dv + d];
+                        g += go * v[((b * s->Tk + j) * s->H + h) * s->dv + d];
+                        dv[((b * s->Tk + j) * s->H + h) * s->dv + d] += pd[i * s->Tk + j] * go;
+                    }
+                    /* through the mask: dP = dP̃ · P̃ / P where P ≠ 0 */
+                    dp[i * s->Tk + j] =
+                        p[i * s->Tk + j] != 0 ? g * pd[i * s->Tk + j] / p[i * s->Tk + j] : 0;
+                    row += p[i * s->Tk + j] * dp[i * s->Tk + j];
+                }
+                for (j = 0; j < s->Tk; j++)
+                    ds[i * s->Tk + j] = p[i * s->Tk + j] * (dp[i * s->Tk + j] - row) * scale;
+            }
+            for (i = 0; i < s->Tq; i++)
+                for (j = 0; j < s->Tk; j++)
+                    for (d = 0; d < s->dk; d++) {
+                        dq[((b * s->Tq + i) * s->H + h) * s->dk + d] +=
+                            ds[i * s->Tk + j] * k[((b * s->Tk + j) * s->H + h) * s->dk + d];
+                        dk[((b * s->Tk + j) * s->H + h) * s->dk + d] +=
+                            ds[i * s->Tk + j] * q[((b * s->Tq + i) * s->H + h) * s->dk + d];
+                    }
+        }
+    free(p);
+}
+
+static double *random_doubles(int64_t n, mpt_dtype dtype, double lo, double hi) {
+    double *x = (double *)malloc(sizeof(double) * (size_t)n);
+    int64_t i;
+    for (i = 0; i < n; i++) x[i] = round_to(dtype, test_uniform(lo, hi));
+    return x;
+}
+
+/* The reference's gradients against central differences of Σ d_o · o:
+   the chain rule above is what the library is held to, so it is checked
+   first (no dropout: the mask is not differentiable anyway). */
+static void test_reference_gradients(void) {
+    attn_shape s = {2, 2, 3, 4, 3, 2, 1, 1, 0, 0, 0};
+    int64_t nq = s.B * s.Tq * s.H * s.dk, nk = s.B * s.Tk * s.H * s.dk, nv = s.B * s.Tk * s.H * s.dv;
+    int64_t no = s.B * s.Tq * s.H * s.dv, i, t;
+    double *q = random_doubles(nq, MPT_FLOAT32, -1, 1), *k = random_doubles(nk, MPT_FLOAT32, -1, 1);
+    double *v = random_doubles(nv, MPT_FLOAT32, -1, 1), *d_o = random_doubles(no, MPT_FLOAT32, -1, 1);
+    double *o = (double *)malloc(sizeof(double) * (size_t)no), *g[3], *num, worst = 0;
+    double *in[3];
+    int64_t count[3];
+    test__begin();
+    in[0] = q, in[1] = k, in[2] = v;
+    count[0] = nq, count[1] = nk, count[2] = nv;
+    for (t = 0; t < 3; t++) g[t] = (double *)malloc(sizeof(double) * (size_t)count[t]);
+    attn_backward_ref(&s, q, k, v, d_o, g[0], g[1], g[2]);
+    for (t = 0; t < 3; t++) {
+        num = (double *)malloc(sizeof(double) * (size_t)count[t]);
+        for (i = 0; i < count[t]; i++) {
+            double keep = in[t][i], plus = 0, minus = 0;
+            int64_t j;
+            in[t][i] = keep + 1e-6;
+            attn_forward_ref(&s, q, k, v, o);
+            for (j = 0; j < no; j++) plus += d_o[j] * o[j];
+            in[t][i] = keep - 1e-6;
+            attn_forward_ref(&s, q, k, v, o);
+            for (j = 0; j < no; j++) minus += d_o[j] * o[j];
+            in[t][i] = keep;
+            num[i] = (plus - minus) / 2e-6;
+        }
+        worst = fmax(worst, rel_err(g[t], num, count[t]));
+        free(num);
+    }
+    CHECK(worst < 1e-7, "the reference's gradients differ from finite differences by %.3g", worst);
+    for (t = 0; t < 3; t++) free(g[t]);
+    free(q), free(k), free(v), free(d_o), free(o);
+    test__end("the reference attention's gradients = finite differences");
+}
+
+/* ---- the backend's attention against the reference ---------------------------- */
+
+/* n values of x as dtype into a fresh buffer. */
+static void *as_dtype(mpt_dtype dtype, const double *x, int64_t n) {
+    float *f = (float *)malloc(sizeof(float) * (size_t)n);
+    void *out = malloc((size_t)n * mpt_dtype_size(dtype));
+    int64_t i;
+    for (i = 0; i < n; i++) f[i] = (float)x[i];
+    mpt_convert(ctx, dtype, out, MPT_FLOAT32, f, n);
+    free(f);
+    return out;
+}
+
+static double *to_doubles(mpt_dtype dtype, const void *x, int64_t n) {
+    float *f = (float *)malloc(sizeof(float) * (size_t)n);
+    double *out = (double *)malloc(sizeof(double) * (size_t)n);
+    int64_t i;
+    mpt_convert(ctx, MPT_FLOAT32, f, dtype, x, n);
+    for (i = 0; i < n; i++) out[i] = f[i];
+    free(f);
+    return out;
+}
+
+/* Tolerances (relative norm error): float32 sums; float16 and bfloat16
+   round P̃ and dS to their significands as operands, and O once. */
+static double attn_tolerance(mpt_dtype dtype, int backward) {
+    if (dtype == MPT_FLOAT16) return backward ? 1e-2 : 3e-3;
+    if (dtype == MPT_BFLOAT16) return backward ? 6e-2 : 2e-2;
+    return backward ? 2e-5 : 2e-6;
+}
+
+static void check_backend_attention(mpt_context *c, const attn_shape *s, mpt_dtype dtype) {
+    void *impl;
+    const mpt_backend *be = mpt_context_backend(c, &impl);
+    int64_t nq = s->B * s->Tq * s->H * s->dk, nk = s->B * s->Tk * s->H * s->dk;
+    int64_t nv = s->B * s->Tk * s->H * s->dv, no = s->B * s->Tq * s->H * s->dv, ws_bytes;
+    double *q = random_doubles(nq, dtype, -2, 2), *k = random_doubles(nk, dtype, -2, 2);
+    double *v = random_doubles(nv, dtype, -1, 1), *d_o = random_doubles(no, dtype, -1, 1);
+    double *o_ref = (double *)malloc(sizeof(double) * (size_t)no), *o_lib, e;
+    double *g_ref[3], *g_lib[3];
+    float *g[3];
+    int64_t count[3];
+    mpt_attention_args a;
+    mpt_step_state state;
+    int64_t saved_step = -1;
+    char label[200];
+    int t;
+    snprintf(label, sizeof label,
+             "attention %s B=%lld H=%lld Tq=%lld Tk=%lld dk=%lld dv=%lld%s offset %lld "
+             "dropout %g",
+             mpt_dtype_name(dtype), (long long)s->B, (long long)s->H, (long long)s->Tq,
+             (long long)s->Tk, (long long)s->dk, (long long)s->dv, s->causal ? " causal" : "",
+             (long long)s->offset, (double)s->rate);
+    memset(&a, 0, sizeof a);
+    memset(&state, 0, sizeof state);
+    state.step = s->step;
+    a.dtype = dtype;
+    a.batch = s->B;
+    a.heads = s->H;
+    a.q_len = s->Tq;
+    a.kv_len = s->Tk;
+    a.key_dim = s->dk;
+    a.value_dim = s->dv;
+    a.scale = (float)(1.0 / sqrt((double)s->dk));
+    a.causal = s->causal;
+    a.causal_offset = s->offset;
+    a.dropout = s->rate;
+    a.dropout_key = s->key;
+    a.state = &state;
+    a.saved_step = &saved_step;
+    a.q = as_dtype(dtype, q, nq);
+    a.k = as_dtype(dtype, k, nk);
+    a.v = as_dtype(dtype, v, nv);
+    a.o = malloc((size_t)no * mpt_dtype_size(dtype));
+    memset(a.o, 0xFF, (size_t)no * mpt_dtype_size(dtype)); /* NaN: every element must be written */
+    ws_bytes = be->attention_workspace(impl, &a);
+    CHECK(ws_bytes >= 0, "%s: workspace %lld", label, (long long)ws_bytes);
+    a.workspace = aligned_block((size_t)ws_bytes + 64, 64);
+    be->attention_forward(impl, &a);
+    CHECK(saved_step == (s->rate > 0 ? (int64_t)s->step : -1), "%s: saved step %lld", label,
+          (long long)saved_step);
+    attn_forward_ref(s, q, k, v, o_ref);
+    o_lib = to_doubles(dtype, a.o, no);
+    e = rel_err(o_lib, o_ref, no);
+    CHECK(e <= attn_tolerance(dtype, 0), "%s: forward relative error %.3g > %.3g", label, e,
+          attn_tolerance(dtype, 0));
+    /* backward, from a step that is no longer the state's */
+    state.step = s->step + 5;
+    count[0] = nq, count[1] = nk, count[2] = nv;
+    for (t = 0; t < 3; t++) {
+        g[t] = (float *)malloc(sizeof(float) * (size_t)count[t]);
+        memset(g[t], 0xFF, sizeof(float) * (size_t)count[t]);
+        g_ref[t] = (double *)malloc(sizeof(double) * (size_t)count[t]);
+    }
+    a.d_o = as_dtype(dtype, d_o, no);
+    a.dq = g[0], a.dk = g[1], a.dv = g[2];
+    be->attention_backward(impl, &a);
+    attn_backward_ref(s, q, k, v, d_o, g_ref[0], g_ref[1], g_ref[2]);
+    for (t = 0; t < 3; t++) {
+        static const char *const names[] = {"dq", "dk", "dv"};
+        g_lib[t] = to_doubles(MPT_FLOAT32, g[t], count[t]);
+        e = rel_err(g_lib[t], g_ref[t], count[t]);
+        CHECK(e <= attn_tolerance(dtype, 1), "%s: %s relative error %.3g > %.3g", label,
+              names[t], e, attn_tolerance(dtype, 1));
+        free(g_lib[t]), free(g_ref[t]), free(g[t]);
+    }
+    free((void *)a.q), free((void *)a.k), free((void *)a.v), free(a.o), free((void *)a.d_o);
+    aligned_block_free(a.workspace);
+    free(q), free(k), free(v), free(d_o), free(o_ref), free(o_lib);
+}
+
+static void test_backend_attention(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    /* B, H, Tq, Tk, dk, dv, offset, causal, rate, key, step */
+    static const attn_shape shapes[] = {
+        {2, 3, 5, 5, 4, 4, 0, 0, 0, 0, 0},
+        {2, 2, 6, 6, 8, 3, 0, 1, 0, 0, 0},
+        {1, 2, 3, 7, 5, 6, 4, 1, 0, 0, 0},       /* a query after 4 cached keys */
+        {1, 1, 70, 70, 16, 8, 0, 1, 0, 0, 0},    /* two query blocks of the CPU's */
+        {3, 1, 130, 9, 3, 5, 0, 0, 0, 0, 0},     /* three, against few keys */
+        {2, 2, 9, 9, 4, 4, 0, 1, 0.3f, 77, 12},  /* dropout */
+        {1, 3, 66, 40, 4, 2, 0, 0, 0.5f, 5, 3}};
+    int d, k;
+    for (d = 0; d < 3; d++)
+        for (k = 0; k < (int)(sizeof shapes / sizeof shapes[0]); k++) {
+            test__begin();
+            check_backend_attention(ctx, &shapes[k], dtypes[d]);
+            test__end("backend attention %s, shape %d", mpt_dtype_name(dtypes[d]), k);
+        }
+}
+
+/* ---- the layer's gradients ---------------------------------------------------- */
+
+/* What the model around the layer is: MHA on x alone (Sequential); on x
+   with a value Dense(dv_in)(x) and a key Dense(dk_in)(x) of their own; on
+   x with the value Concatenate(axis 1)(x, Dense(D)(x)), twice as long. */
+enum { MHA_SELF, MHA_KEY_VALUE, MHA_LONGER_VALUE };
+
+typedef struct mha_ref {
+    int kind;
+    int64_t T, D, H, dk, dv, dout, dv_in, dk_in;
+    int causal, bias;
+    float rate;
+    const mpt_model *m; /* for dropout's key and step */
+    int layer;          /* the attention's index */
+} mha_ref;
+
+/* y (rows, n) = x (rows, k) · w (k, n) + b (n, or NULL) */
+static void ref_dense(const double *x, const double *w, const double *b, int64_t rows,
+                      int64_t k, int64_t n, double *y) {
+    int64_t r, i, j;
+    for (r = 0; r < rows; r++)
+        for (j = 0; j < n; j++) {
+            double acc = b ? b[j] : 0;
+            for (i = 0; i < k; i++) acc += x[r * k + i] * w[i * n + j];
+            y[r * n + j] = acc;
+        }
+}
+
+static void mha_forward_ref(const gc_case *c, const double *x, double *const *params, double *y) {
+    const mha_ref *d = (const mha_ref *)c->user;
+    const int64_t B = c->batch, T = d->T, D = d->D, Tk = d->kind == MHA_LONGER_VALUE ? 2 * T : T;
+    int64_t Dv = d->kind == MHA_KEY_VALUE ? d->dv_in : D, Dk = d->kind == MHA_KEY_VALUE ? d->dk_in : D;
+    double *xv = (double *)calloc((size_t)(B * Tk * (Dv + Dk)), sizeof(double)), *xk;
+    double *q = (double *)calloc((size_t)(B * T * d->H * d->dk), sizeof(double));
+    double *k = (double *)calloc((size_t)(B * Tk * d->H * d->dk), sizeof(double));
+    double *v = (double *)calloc((size_t)(B * Tk * d->H * d->dv), sizeof(double));
+    double *o = (double *)calloc((size_t)(B * T * d->H * d->dv), sizeof(double));
+    double *const *w;
+    attn_shape s;
+    int64_t b, t, i, step = d->bias ? 2 : 1;
+    xk = xv + B * Tk * Dv;
+    switch (d->kind) {
+    case MHA_KEY_VALUE:
+        ref_dense(x, params[0], params[1], B * T, D, Dv, xv);
+        ref_dense(x, params[2], params[3], B * T, D, Dk, xk);
+        w = params + 4;
+        break;
+    case MHA_LONGER_VALUE: /* each sample: its T rows of x, then T rows of Dense(x) */
+        ref_dense(x, params[0], params[1], B * T, D, D, xk);
+        for (b = 0; b < B; b++)
+            for (t = 0; t < T; t++)
+                for (i = 0; i < D; i++) {
+                    xv[(b * Tk + t) * D + i] = x[(b * T + t) * D + i];
+                    xv[(b * Tk + T + t) * D + i] = xk[(b * T + t) * D + i];
+                }
+        memcpy(xk, xv, sizeof(double) * (size_t)(B * Tk * D));
+        w = params + 2;
+        break;
+    default:
+        memcpy(xv, x, sizeof(double) * (size_t)(B * T * D));
+        memcpy(xk, x, sizeof(double) * (size_t)(B * T * D));
+        w = params;
+        break;
+    }
+    ref_dense(x, w[0], d->bias ? w[1] : NULL, B * T, D, d->H * d->dk, q);
+    ref_dense(xk, w[step], d->bias ? w[step + 1] : NULL, B * Tk, Dk, d->H * d->dk, k);
+    ref_dense(xv, w[2 * step], d->bias ? w[2 * step + 1] : NULL, B * Tk, Dv, d->H * d->dv, v);
+    memset(&s, 0, sizeof s);
+    s.B = B, s.H = d->H, s.Tq = T, s.Tk = Tk, s.dk = d->dk, s.dv = d->dv, s.causal = d->causal;
+    s.rate = d->rate;
+    if (d->rate > 0) {
+        s.key = d->m->layers[d->layer].seed;
+        s.step = d->m->step;
+    }
+    attn_forward_ref(&s, q, k, v, o);
+    ref_dense(o, w[3 * step], d->bias ? w[3 * step + 1] : NULL, B * T, d->H * d->dv, d->dout, y);
+    free(xv), free(q), free(k), free(v), free(o);
+}
+
+static void check_mha(const mha_ref *shape, mpt_policy policy) {
+    mha_ref d = *shape;
+    mpt_model *m = NULL;
+    mpt_multi_head_attention_desc md;
+    char label[200];
+    test__begin();
+    memset(&md, 0, sizeof md);
+    md.num_heads = d.H;
+    md.key_dim = d.dk;
+    md.value_dim = d.dv == d.dk ? 0 : d.dv;
+    md.output_dim = d.dout == d.D ? 0 : d.dout;
+    md.use_causal_mask = d.causal;
+    md.no_bias = !d.bias;
+    md.dropout = d.rate;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {d.T, d.D}, .input_rank = 2,
+                                                  .policy = policy, .seed = 3}, &m) == MPT_OK,
+          "create");
+    if (d.kind == MHA_SELF) {
+        CHECK(mpt_model_add_multi_head_attention(m, &md) == MPT_OK, "add: %s",
+              mpt_context_error(ctx));
+    } else {
+        mpt_node x = mpt_model_input(m), value, key, y;
+        if (d.kind == MHA_KEY_VALUE) {
+            value = mpt_dense(m, x, &(mpt_dense_desc){.units = d.dv_in});
+            key = mpt_dense(m, x, &(mpt_dense_desc){.units = d.dk_in});
+            y = mpt_multi_head_attention_with_key(m, x, value, key, &md);
+        } else {
+            mpt_node two[2];
+            two[0] = x;
+            two[1] = mpt_dense(m, x, &(mpt_dense_desc){.units = d.D});
+            value = mpt_concatenate(m, 2, two, &(mpt_concatenate_desc){.axis = 1});
+            y = mpt_multi_head_attention(m, x, value, &md);
+        }
+        CHECK(y != MPT_NODE_FAILED, "graph: %s", mpt_context_error(ctx));
+    }
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    d.m = m;
+    d.layer = mpt_model_layer_count(m) - 1;
+    m->step = 17;
+    snprintf(label, sizeof label,
+             "MultiHeadAttention %s kind %d T=%lld D=%lld H=%lld dk=%lld dv=%lld out=%lld%s%s "
+             "dropout %g",
+             mpt_policy_name(policy), d.kind, (long long)d.T, (long long)d.D, (long long)d.H,
+             (long long)d.dk, (long long)d.dv, (long long)d.dout, d.causal ? " causal" : "",
+             d.bias ? "" : " no bias", (double)d.rate);
+    /* the key's bias (and the Dense's that only makes the key) shifts each
+       query's scores alike: its gradient is zero */
+    gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 1,
+                             .ref_forward = mha_forward_ref, .user = &d,
+                             .zero_grads = "key/bias,dense_1/bias"}, label);
+    if (d.rate > 0) { /* inference leaves every weight in */
+        d.rate = 0;
+        gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 0,
+                                 .ref_forward = mha_forward_ref, .user = &d}, label);
+    }
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
+static void test_mha_gradients(void) {
+    /* kind, T, D, H, dk, dv, dout, dv_in, dk_in, causal, bias, rate */
+    static const mha_ref shapes[] = {
+        {MHA_SELF, 5, 6, 2, 3, 3, 6, 0, 0, 1, 1, 0, NULL, 0},
+        {MHA_SELF, 4, 5, 3, 2, 4, 3, 0, 0, 0, 1, 0, NULL, 0},
+        {MHA_SELF, 4, 4, 1, 4, 4, 4, 0, 0, 0, 0, 0, NULL, 0},
+        {MHA_SELF, 6, 4, 2, 2, 2, 4, 0, 0, 1, 1, 0.25f, NULL, 0},
+        {MHA_KEY_VALUE, 3, 4, 2, 3, 2, 5, 6, 7, 0, 1, 0, NULL, 0},
+        {MHA_LONGER_VALUE, 3, 4, 2, 2, 3, 4, 0, 0, 1, 1, 0, NULL, 0}};
+    int k, p;
+    for (p = 0; p < 3; p++)
+        for (k = 0; k < (int)(sizeof shapes / sizeof shapes[0]); k++) check_mha(&shapes[k], policies[p]);
+}
+
+/* ---- Keras' weights ---------------------------------------------------------------- */
+
+static void test_weights_keras(void) {
+    static const char *const names[] = {
+        "multi_head_attention/query/kernel", "multi_head_attention/query/bias",
+        "multi_head_attention/key/kernel",   "multi_head_attention/key/bias",
+        "multi_head_attention/value/kernel", "multi_head_attention/value/bias",
+        "multi_head_attention/attention_output/kernel", "multi_head_attention/attention_output/bias"};
+    /* query (T, 6), value (T, 6): H 2, key_dim 3, value_dim 5, output 4 */
+    static const int64_t shapes[8][3] = {{6, 2, 3}, {2, 3, 0}, {6, 2, 3}, {2, 3, 0},
+                                         {6, 2, 5}, {2, 5, 0}, {2, 5, 4}, {4, 0, 0}};
+    mpt_model *m = NULL;
+    char text[8192];
+    int p, d;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {7, 6}, .input_rank = 2}, &m);
+    CHECK(mpt_model_add_multi_head_attention(m, &(mpt_multi_head_attention_desc){
+              .num_heads = 2, .key_dim = 3, .value_dim = 5, .output_dim = 4}) == MPT_OK,
+          "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_param_count(m) == 8, "%d parameters", mpt_model_param_count(m));
+    for (p = 0; p < 8 && p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        int same;
+        mpt_model_param(m, p, &info);
+        same = strcmp(info.name, names[p]) == 0;
+        for (d = 0; d < 3 && shapes[p][d]; d++) same &= info.value.shape[d] == shapes[p][d];
+        same &= info.value.rank == d;
+        CHECK(same, "parameter %d: %s of rank %d, expected %s", p, info.name, info.value.rank,
+              names[p]);
+    }
+    {
+        int64_t out[4];
+        int rank = mpt_model_layer_output_shape(m, 0, out);
+        CHECK(rank == 2 && out[0] == 7 && out[1] == 4, "output shape rank %d (%lld, %lld)", rank,
+              (long long)out[0], (long long)out[1]);
+    }
+    /* Keras' count: 3·(6·6 + 6) − (6·6 + 6) + (6·10 + 10) + (10·4 + 4) */
+    mpt_model_summary(m, text, sizeof text);
+    CHECK(strstr(text, "multi_head_attention (MultiHeadAttention)") && strstr(text, " 198 "),
+          "no MultiHeadAttention row of 198 parameters:\n%s", text);
+    mpt_model_destroy(m);
+}
+
+/* ---- a small model that learns to copy the token before ------------------------------ */
+
+enum { CP_V = 8, CP_T = 8, CP_N = 512 };
+
+/* Random ids; each position's target is the id before it (position 0's
+   is its own). */
+static void copy_data(int32_t *x, int32_t *y, int64_t n) {
+    int64_t i, t;
+    for (i = 0; i < n; i++)
+        for (t = 0; t < CP_T; t++) {
+            x[i * CP_T + t] = test_randint(0, CP_V - 1);
+            y[i * CP_T + t] = x[i * CP_T + (t ? t - 1 : 0)];
+        }
+}
+
+static mpt_dataset *copy_dataset(mpt_context *c, int32_t *x, int32_t *y, int64_t n) {
+    int64_t shape[2];
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    shape[0] = n;
+    shape[1] = CP_T;
+    mpt_tensor_wrap(c, &tx, MPT_INT32, 2, shape, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 2, shape, y);
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+/* ids → Embedding + PositionEmbedding → x + MHA(x, causal) → Dense(V, softmax) per position */
+static mpt_model *copy_model(mpt_context *c, mpt_policy policy, float dropout) {
+    mpt_model *m = NULL;
+    mpt_node tok, two[2], h;
+    CHECK(mpt_model_create(c,
+                           &(mpt_model_desc){.input_shape = {CP_T},
+                                             .input_rank = 1,
+                                             .input_dtype = MPT_INT32,
+                                             .policy = policy,
+                                             .seed = 21},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(c));
+    tok = mpt_embedding(m, mpt_model_input(m),
+                        &(mpt_embedding_desc){.input_dim = CP_V, .output_dim = 16});
+    two[0] = tok;
+    two[1] = mpt_position_embedding(m, tok, &(mpt_position_embedding_desc){.sequence_length = CP_T});
+    h = mpt_add(m, 2, two, NULL);
+    two[0] = h;
+    two[1] = mpt_multi_head_attention(
+        m, h, h,
+        &(mpt_multi_head_attention_desc){
+            .num_heads = 2, .key_dim = 8, .use_causal_mask = 1, .dropout = dropout});
+    h = mpt_add(m, 2, two, NULL);
+    mpt_dense(m, h, &(mpt_dense_desc){.units = CP_V, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(
+              m,
+              &(mpt_compile_desc){.optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-2f},
+                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                  .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static void test_learns_copy(void) {
+    static int32_t x[CP_N * CP_T], y[CP_N * CP_T], vx[128 * CP_T], vy[128 * CP_T];
+    int k;
+    copy_data(x, y, CP_N);
+    copy_data(vx, vy, 128);
+    for (k = 1; k < 3; k++) {
+        mpt_model *m = copy_model(ctx, policies[k], 0);
+        mpt_dataset *train = copy_dataset(ctx, x, y, CP_N), *val = copy_dataset(ctx, vx, vy, 128);
+        mpt_logs logs;
+        test__begin();
+        CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 12, .batch_size = 32}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_evaluate(m, val, NULL, &logs) == MPT_OK, "evaluate: %s",
+              mpt_context_error(ctx));
+        CHECK(mpt_logs_get(&logs, "accuracy") >= 0.95,
+              "%s: held-out accuracy %.3f < 0.95 (loss %.3f)", mpt_policy_name(policies[k]),
+              mpt_logs_get(&logs, "accuracy"), mpt_logs_get(&logs, "loss"));
+        printf("# %s copy model: held-out accuracy %.3f, loss %.4f\n",
+               mpt_policy_name(policies[k]), mpt_logs_get(&logs, "accuracy"),
+               mpt_logs_get(&logs, "loss"));
+        mpt_dataset_destroy(train);
+        mpt_dataset_destroy(val);
+        mpt_model_destroy(m);
+        test__end("learns to copy the token before, %s", mpt_policy_name(policies[k]));
+    }
+}
+
+/* The same training (with dropout) on 1 and 2 threads: the same bits. */
+static void test_threads_bit_identical(void) {
+    static int32_t x[128 * CP_T], y[128 * CP_T];
+    int k, t;
+    copy_data(x, y, 128);
+    for (k = 0; k < 3; k++) {
+        float *w[2];
+        int64_t size = 0;
+        test__begin();
+        for (t = 0; t < 2; t++) {
+            mpt_context *c = NULL;
+            mpt_model *m;
+            mpt_dataset *d;
+            int p;
+            mpt_context_create(
+                &(mpt_context_desc){.num_threads = t + 1, .logger = {quiet_logger, NULL}}, &c);
+            m = copy_model(c, policies[k], 0.1f);
+            d = copy_dataset(c, x, y, 128);
+            CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
+                  "fit on %d threads: %s", t + 1, mpt_context_error(c));
+            for (size = 0, p = 0; p < mpt_model_param_count(m); p++) {
+                mpt_param_info info;
+                mpt_model_param(m, p, &info);
+                size += mpt_tensor_count(&info.value);
+            }
+            w[t] = (float *)calloc((size_t)size, sizeof(float));
+            test_weights_of(m, w[t], size);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(c);
+        }
+        CHECK(memcmp(w[0], w[1], sizeof(float) * (size_t)size) == 0,
+              "%s: weights after 2 epochs differ between 1 and 2 threads",
+              mpt_policy_name(policies[k]));
+        free(w[0]);
+        free(w[1]);
+        test__end("1 and 2 threads bit-identical %s", mpt_policy_name(policies[k]));
+    }
+}
+
+/* ---- model files ----------------------------------------------------------------------- */
+
+static void test_model_file(void) {
+    static int32_t x[64 * CP_T], y[64 * CP_T];
+    mpt_model *m = copy_model(ctx, MPT_POLICY_MIXED_BFLOAT16, 0.1f), *back = NULL;
+    mpt_dataset *d;
+    mpt_tensor a, b;
+    char path[600];
+    int64_t i;
+    copy_data(x, y, 64);
+    d = copy_dataset(ctx, x, y, 64);
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 16}) == MPT_OK, "fit: %s",
+          mpt_context_error(ctx));
+    snprintf(path, sizeof path, "%s/copy.mpt", tmpdir);
+    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load(ctx, path, &back) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (back) {
+        const mpt_multi_head_attention_desc *d0 = &m->layers[3].desc.multi_head_attention;
+        const mpt_multi_head_attention_desc *d1 = &back->layers[3].desc.multi_head_attention;
+        CHECK(strcmp(mpt_model_layer_class_name(back, 3), "MultiHeadAttention") == 0, "layer 3 %s",
+              mpt_model_layer_class_name(back, 3));
+        CHECK(d1->num_heads == d0->num_heads && d1->key_dim == d0->key_dim &&
+                  d1->use_causal_mask == 1 && d1->dropout == d0->dropout && back->layers[3].n_in == 1,
+              "descriptor not kept");
+        CHECK(mpt_model_predict(m, d, 16, &a) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(back, d, 16, &b) == MPT_OK, "predict loaded: %s",
+              mpt_context_error(ctx));
+        for (i = 0; i < mpt_tensor_count(&a); i++)
+            if (((float *)a.data)[i] != ((float *)b.data)[i]) break;
+        CHECK(i == mpt_tensor_count(&a), "prediction %lld differs after loading", (long long)i);
+        mpt_tensor_free(ctx, &a);
+        mpt_tensor_free(ctx, &b);
+        mpt_model_destroy(back);
+    }
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+}
+
+/* ---- refusals ------------------------------------------------------------------------------- */
+
+static void expect_add(mpt_context *q, const mpt_multi_head_attention_desc *d, const char *words) {
+    mpt_model *m = NULL;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 6}, .input_rank = 2}, &m);
+    test_expect_error(q, mpt_model_add_multi_head_attention(m, d), MPT_ERR_INVALID_ARGUMENT, words,
+                      "add");
+    mpt_model_destroy(m);
+}
+
+static void test_refusals(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = NULL;
+    mpt_node x, v;
+    char path[600];
+    expect_add(q, &(mpt_multi_head_attention_desc){.key_dim = 4}, "num_heads 0");
+    expect_add(q, &(mpt_multi_head_attention_desc){.num_heads = 2}, "key_dim 0");
+    expect_add(q, &(mpt_multi_head_attention_desc){.num_heads = 2, .key_dim = 2, .value_dim = -1},
+               "value_dim -1");
+    expect_add(q, &(mpt_multi_head_attention_desc){.num_heads = 2, .key_dim = 2, .output_dim = -3},
+               "output_dim -3");
+    expect_add(q, &(mpt_multi_head_attention_desc){.num_heads = 2, .key_dim = 2, .dropout = 1},
+               "dropout 1 is not in [0, 1)");
+    expect_add(q, &(mpt_multi_head_attention_desc){.num_heads = 2, .key_dim = 2,
+                                                   .kernel_initializer = (mpt_initializer)99},
+               "unknown initializer 99");
+    /* a vector is not a sequence */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &m);
+    mpt_model_add_multi_head_attention(m, &(mpt_multi_head_attention_desc){.num_heads = 1,
+                                                                          .key_dim = 2});
+    test_expect_error(q, mpt_model_build(m, 2), MPT_ERR_SHAPE,
+                      "'multi_head_attention': the query ('input') has samples of shape (6,)",
+                      "build");
+    mpt_model_destroy(m);
+    /* a value longer than the key */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 6}, .input_rank = 2}, &m);
+    x = mpt_model_input(m);
+    {
+        mpt_node two[2];
+        two[0] = x;
+        two[1] = x;
+        v = mpt_concatenate(m, 2, two, &(mpt_concatenate_desc){.axis = 1});
+    }
+    mpt_multi_head_attention_with_key(m, x, v, x,
+                                      &(mpt_multi_head_attention_desc){.num_heads = 1, .key_dim = 2});
+    test_expect_error(q, mpt_model_build(m, 2), MPT_ERR_SHAPE,
+                      "the key has 4 positions, the value 8", "build");
+    mpt_model_destroy(m);
+    /* huge sizes overflow cleanly */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 6}, .input_rank = 2}, &m);
+    mpt_model_add_multi_head_attention(
+        m, &(mpt_multi_head_attention_desc){.num_heads = (int64_t)1 << 40, .key_dim = (int64_t)1 << 30});
+    test_expect_error(q, mpt_model_build(m, 2), MPT_ERR_OVERFLOW, "is too large", "build");
+    mpt_model_destroy(m);
+    /* the export and quantization have no case for it yet */
+    m = copy_model(q, MPT_POLICY_FLOAT32, 0);
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
+    snprintf(path, sizeof path, "%s/mha.tflite", tmpdir);
+    test_expect_error(q, mpt_model_export_tflite(m, path, NULL), MPT_ERR_UNSUPPORTED,
+                      "multi_head_attention", "export_tflite");
+    CHECK(access(path, F_OK) != 0, "a refused export left %s", path);
+    snprintf(path, sizeof path, "%s/mha.onnx", tmpdir);
+    test_expect_error(q, mpt_model_export_onnx(m, path, NULL), MPT_ERR_UNSUPPORTED,
+                      "multi_head_attention", "export_onnx");
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
+static void cases(void) {
+    test_reference_gradients();
+    test_backend_attention();
+    test_mha_gradients();
+    TEST_RUN(test_weights_keras);
+    test_learns_copy();
+    test_threads_bit_identical();
+    TEST_RUN(test_model_file);
+    TEST_RUN(test_refusals);
+}
+
+int main(void) {
+    test_program p;
+    memset(&p, 0, sizeof p);
+    p.name = "test_attention";
+    p.ctx = &ctx;
+    p.threads = 2;
+    p.logger = quiet_logger;
+    p.seed = 7;
+    p.tmpdir = tmpdir;
+    p.tmpdir_size = sizeof tmpdir;
+    p.keep_env = "MPT_KEEP_TEST_FILES";
+    p.cases = cases;
+    return test_main(&p);
+}

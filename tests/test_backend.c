@@ -77,7 +77,8 @@ typedef enum emu_op {
     OP_GEMM, OP_CONVERT, OP_ACTIVATION, OP_ACTIVATION_GRAD, OP_COLUMN_SUMS, OP_IM2COL,
     OP_COL2IM, OP_POOL_FORWARD, OP_POOL_BACKWARD, OP_BN_FORWARD, OP_BN_BACKWARD, OP_BN_COMMIT,
     OP_DROPOUT, OP_LOSS, OP_GRAD_STATS, OP_UPDATE, OP_LOSS_SCALE, OP_ADD, OP_SCALE, OP_COPY,
-    OP_ZERO, OP_CONV_DIRECT, OP_LN_FORWARD, OP_LN_BACKWARD
+    OP_ZERO, OP_CONV_DIRECT, OP_LN_FORWARD, OP_LN_BACKWARD, OP_ATTN_FORWARD, OP_ATTN_BACKWARD,
+    OP_ELEMENTWISE, OP_COPY_ROWS, OP_GATHER_ROWS, OP_SCATTER_ADD_ROWS
 } emu_op;
 
 typedef struct emu_call { /* the arguments of one call; each op uses some */
@@ -86,6 +87,7 @@ typedef struct emu_call { /* the arguments of one call; each op uses some */
     mpt_gemm_desc gemm;
     mpt_batchnorm_args bn;
     mpt_layernorm_args ln;
+    mpt_attention_args attn;
     mpt_loss_args loss;
     mpt_update_args update;
     mpt_loss_scale_desc loss_scale;
@@ -97,6 +99,7 @@ typedef struct emu_call { /* the arguments of one call; each op uses some */
     const void *in[4];
     void *out[3];
     int64_t n[2];
+    int64_t dims[7];
     float value;
     uint64_t key;
     int flag;
@@ -476,6 +479,93 @@ static void emu_layernorm_backward(void *impl, const mpt_layernorm_args *a) {
     cpu()->layernorm_backward(impl, a);
 }
 
+static void expect_attention_args(void *impl, const mpt_attention_args *a) {
+    const void *p[] = {a->state, a->saved_step, a->q,  a->k,  a->v,        a->o,
+                       a->d_o,   a->dq,         a->dk, a->dv, a->workspace};
+    size_t i;
+    for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
+}
+
+static void emu_attention_forward(void *impl, const mpt_attention_args *a) {
+    expect_attention_args(impl, a);
+    if (recording) {
+        emu_call *c = record(OP_ATTN_FORWARD, impl);
+        if (c) c->attn = *a;
+        return;
+    }
+    cpu()->attention_forward(impl, a);
+}
+
+static void emu_attention_backward(void *impl, const mpt_attention_args *a) {
+    expect_attention_args(impl, a);
+    if (recording) {
+        emu_call *c = record(OP_ATTN_BACKWARD, impl);
+        if (c) c->attn = *a;
+        return;
+    }
+    cpu()->attention_backward(impl, a);
+}
+
+static void emu_elementwise(void *impl, mpt_elementwise_op op, mpt_dtype dtype, void *y,
+                            const void *a, const void *b, float alpha, int64_t n) {
+    expect_device(impl, y);
+    expect_device(impl, a);
+    expect_device(impl, b);
+    if (recording) {
+        emu_call *c = record(OP_ELEMENTWISE, impl);
+        if (c) c->flag = (int)op, c->dtype[0] = dtype, c->out[0] = y, c->in[0] = a,
+               c->in[1] = b, c->value = alpha, c->n[0] = n;
+        return;
+    }
+    cpu()->elementwise(impl, op, dtype, y, a, b, alpha, n);
+}
+
+static void emu_copy_rows(void *impl, void *dst, int64_t dst_pitch, int64_t dst_plane,
+                          const void *src, int64_t src_pitch, int64_t src_plane, int64_t width,
+                          int64_t rows, int64_t planes) {
+    expect_device(impl, dst);
+    expect_device(impl, src);
+    if (recording) {
+        emu_call *c = record(OP_COPY_ROWS, impl);
+        if (c) {
+            int64_t dims[7] = {dst_pitch, dst_plane, src_pitch, src_plane, width, rows, planes};
+            c->out[0] = dst, c->in[0] = src;
+            memcpy(c->dims, dims, sizeof dims);
+        }
+        return;
+    }
+    cpu()->copy_rows(impl, dst, dst_pitch, dst_plane, src, src_pitch, src_plane, width, rows,
+                     planes);
+}
+
+static void emu_gather_rows(void *impl, mpt_dtype dtype, void *y, const void *table,
+                            int64_t rows, int64_t width, const int32_t *ids, int64_t n) {
+    expect_device(impl, y);
+    expect_device(impl, table);
+    expect_device(impl, ids);
+    if (recording) {
+        emu_call *c = record(OP_GATHER_ROWS, impl);
+        if (c) c->dtype[0] = dtype, c->out[0] = y, c->in[0] = table, c->in[1] = ids,
+               c->n[0] = rows, c->n[1] = width, c->dims[0] = n;
+        return;
+    }
+    cpu()->gather_rows(impl, dtype, y, table, rows, width, ids, n);
+}
+
+static void emu_scatter_add_rows(void *impl, mpt_dtype dtype, float *dtable, int64_t rows,
+                                 int64_t width, const void *dy, const int32_t *ids, int64_t n) {
+    expect_device(impl, dtable);
+    expect_device(impl, dy);
+    expect_device(impl, ids);
+    if (recording) {
+        emu_call *c = record(OP_SCATTER_ADD_ROWS, impl);
+        if (c) c->dtype[0] = dtype, c->out[0] = dtable, c->in[0] = dy, c->in[1] = ids,
+               c->n[0] = rows, c->n[1] = width, c->dims[0] = n;
+        return;
+    }
+    cpu()->scatter_add_rows(impl, dtype, dtable, rows, width, dy, ids, n);
+}
+
 static void emu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype, const void *in,
                         void *out, int64_t n, const mpt_step_state *state, int64_t *saved_step,
                         void *ws) {
@@ -627,6 +717,24 @@ static void run_call(const emu_call *c) {
     case OP_ZERO: emu_zero(impl, c->out[0], (size_t)c->n[0]); break;
     case OP_LN_FORWARD: emu_layernorm_forward(impl, &c->ln); break;
     case OP_LN_BACKWARD: emu_layernorm_backward(impl, &c->ln); break;
+    case OP_ATTN_FORWARD: emu_attention_forward(impl, &c->attn); break;
+    case OP_ATTN_BACKWARD: emu_attention_backward(impl, &c->attn); break;
+    case OP_ELEMENTWISE:
+        emu_elementwise(impl, (mpt_elementwise_op)c->flag, c->dtype[0], c->out[0], c->in[0],
+                        c->in[1], c->value, c->n[0]);
+        break;
+    case OP_COPY_ROWS:
+        emu_copy_rows(impl, c->out[0], c->dims[0], c->dims[1], c->in[0], c->dims[2], c->dims[3],
+                      c->dims[4], c->dims[5], c->dims[6]);
+        break;
+    case OP_GATHER_ROWS:
+        emu_gather_rows(impl, c->dtype[0], c->out[0], c->in[0], c->n[0], c->n[1],
+                        (const int32_t *)c->in[1], c->dims[0]);
+        break;
+    case OP_SCATTER_ADD_ROWS:
+        emu_scatter_add_rows(impl, c->dtype[0], (float *)c->out[0], c->n[0], c->n[1], c->in[0],
+                             (const int32_t *)c->in[1], c->dims[0]);
+        break;
     }
 }
 
@@ -723,6 +831,12 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.batchnorm_commit = emu_batchnorm_commit;
     emu_table.layernorm_forward = emu_layernorm_forward;
     emu_table.layernorm_backward = emu_layernorm_backward;
+    emu_table.attention_forward = emu_attention_forward;
+    emu_table.attention_backward = emu_attention_backward;
+    emu_table.elementwise = emu_elementwise;
+    emu_table.copy_rows = emu_copy_rows;
+    emu_table.gather_rows = emu_gather_rows;
+    emu_table.scatter_add_rows = emu_scatter_add_rows;
     emu_table.dropout = emu_dropout;
     emu_table.loss = emu_loss;
     emu_table.grad_stats = emu_grad_stats;
@@ -987,6 +1101,80 @@ static void test_fit_per_position_matches_the_cpu(void) {
     /* accuracy over 64 positions a sample: not a whole number of samples */
     CHECK(mpt_logs_get(&l_cpu, "accuracy") > 0.5, "accuracy %g after 2 epochs",
           mpt_logs_get(&l_cpu, "accuracy"));
+    CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
+    mpt_model_destroy(cpu);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
+/* MultiHeadAttention (causal, with dropout on its weights) over token
+   embeddings, a class per position: its recorded and replayed attention
+   calls, dropout's step read from the device's step state, go the same
+   way through the device as on the CPU, bit for bit. */
+enum { SEQ_T = 6, SEQ_V = 5 };
+static int32_t seq_x[N * SEQ_T], seq_y[N * SEQ_T];
+
+static mpt_model *attention_model(mpt_context *c) {
+    mpt_model *m = NULL;
+    mpt_node h;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {SEQ_T}, .input_rank = 1,
+                                          .input_dtype = MPT_INT32, .seed = 5,
+                                          .policy = MPT_POLICY_MIXED_BFLOAT16}, &m);
+    h = mpt_embedding(m, mpt_model_input(m),
+                      &(mpt_embedding_desc){.input_dim = SEQ_V, .output_dim = 8});
+    h = mpt_multi_head_attention(m, h, h, &(mpt_multi_head_attention_desc){
+                                     .num_heads = 2, .key_dim = 4, .use_causal_mask = 1,
+                                     .dropout = 0.1f});
+    mpt_dense(m, h, &(mpt_dense_desc){.units = SEQ_V, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static mpt_dataset *attention_dataset(mpt_context *c) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_INT32, 2, (int64_t[]){N, SEQ_T}, seq_x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 2, (int64_t[]){N, SEQ_T}, seq_y);
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+static void test_fit_attention_matches_the_cpu(void) {
+    mpt_context *dc = NULL;
+    mpt_model *cpu, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_fit_desc fit;
+    int i, t;
+    for (i = 0; i < N; i++)
+        for (t = 0; t < SEQ_T; t++) {
+            seq_x[i * SEQ_T + t] = test_randint(0, SEQ_V - 1);
+            seq_y[i * SEQ_T + t] = seq_x[i * SEQ_T + (t ? t - 1 : 0)];
+        }
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    d_cpu = attention_dataset(ctx);
+    d_gpu = attention_dataset(dc);
+    cpu = attention_model(ctx);
+    gpu = attention_model(dc);
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH;
+    fit.validation_split = 0.2f;
+    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    CHECK(same_params(cpu, gpu), "weights differ after fit");
+    CHECK(same_history(cpu, gpu), "histories differ");
+    CHECK(dev.replays > 0 && dev.unrecordable == 0, "%ld replays, %ld steps unrecordable",
+          dev.replays, dev.unrecordable);
     CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
     mpt_model_destroy(cpu);
     mpt_model_destroy(gpu);
@@ -1342,6 +1530,7 @@ int main(void) {
     TEST_RUN(test_cpu_table_is_complete);
     TEST_RUN(test_fit_matches_the_cpu);
     TEST_RUN(test_fit_per_position_matches_the_cpu);
+    TEST_RUN(test_fit_attention_matches_the_cpu);
     TEST_RUN(test_checkpoints_cross);
     TEST_RUN(test_early_stopping_restores);
     TEST_RUN(test_public_steps_on_the_device);

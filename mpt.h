@@ -1440,6 +1440,15 @@ typedef struct mpt_compile_desc {
     int metrics;                         /* MPT_METRIC_* bits; default none    */
     int top_k;                           /* default 5                          */
     mpt_loss_scale_desc loss_scale;
+    /* Keras' compile(weighted_metrics=[...]): MPT_METRIC_* bits computed
+       with each sample's weight (the dataset's sample_weight, times the
+       row's class_weight in training, as Keras turns class_weight into
+       sample weights): weighted accuracy Σ w·right / Σ w, the errors'
+       means Σ w·e / Σ w, precision and recall from weighted counts; with
+       no weights, each 1 (the plain metric's value). Logged under the
+       metric's own name, or "weighted_" before it when `metrics` has it
+       too ("weighted_accuracy"), as Keras 3 names them. Default none. */
+    int weighted_metrics;
 } mpt_compile_desc;
 
 /* Sets the optimizer, loss, metrics and loss scaling. May be called before
@@ -1447,7 +1456,7 @@ typedef struct mpt_compile_desc {
 MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc);
 
 /* Up to MPT_MAX_LOGS named values: one epoch's results, or one batch's. */
-#define MPT_MAX_LOGS 32
+#define MPT_MAX_LOGS 64
 typedef struct mpt_logs {
     int count;
     const char *names[MPT_MAX_LOGS];   /* "loss", "accuracy", "val_loss", ... */
@@ -1531,8 +1540,10 @@ typedef struct mpt_fit_desc {
        the weight of its class (its label, the argmax of a one-hot target,
        or a binary target past 0.5: class 1), the mean still over the
        batch's rows (Keras' sum_over_batch_size), so the logged loss is
-       the weighted one. Training only: validation, evaluate and the
-       metrics are unweighted, as Keras' `metrics`. One weight a class
+       the weighted one; times the sample's weight where the dataset has
+       them (mpt_dataset_set_sample_weight). Training only: validation,
+       evaluate and `metrics` are unweighted by it, as in Keras, while
+       `weighted_metrics` see it in training. One weight a class
        (the softmax's classes; 2 for one sigmoid unit), each finite and
        >= 0; crossentropy losses only. */
     const float *class_weight;          /* default NULL: every class 1        */
@@ -1681,6 +1692,10 @@ typedef struct mpt_dataset_desc {
     float offset;          /* default 0                                   */
     int copy;              /* default 0: x and y are borrowed and must
                               outlive the dataset; 1: copied               */
+    const mpt_tensor *sample_weight; /* Keras' fit(x, y, sample_weight=w):
+                              NULL, every sample 1; else (n,) float32 in
+                              CPU memory, each finite and >= 0, always
+                              copied (mpt_dataset_set_sample_weight)       */
 } mpt_dataset_desc;
 
 /* A dataset over caller arrays. Float inputs are checked for NaN and inf,
@@ -1776,6 +1791,20 @@ MPTDEF mpt_status mpt_dataset_targets(mpt_context *ctx, const mpt_dataset *d, in
    destroyed in any order. */
 MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                     mpt_dataset **head, mpt_dataset **tail);
+/* A weight for every sample (Keras' sample_weight), copied: count must be
+   mpt_dataset_count(d), each weight finite and >= 0; weights NULL (count
+   0) removes them. Each weight stays with its sample: the views split from
+   d (before or after this call) read theirs, validation_split's part
+   keeps its own, shuffling moves them together. A view itself is refused
+   (weigh the dataset it was split from). fit multiplies each training
+   row's loss and gradient by its sample's weight (and by class_weight's,
+   when given), the mean still over the batch's rows (Keras'
+   sum_over_batch_size, not over Σ weights); validation and evaluate
+   weigh the loss alike, and the weighted metrics (mpt_compile_desc.
+   weighted_metrics) read them. A sample of several positions weighs each
+   position by its weight. A weight of 1 trains bit for bit as none. */
+MPTDEF mpt_status mpt_dataset_set_sample_weight(mpt_context *ctx, mpt_dataset *d,
+                                                const float *weights, int64_t count);
 MPTDEF void mpt_dataset_destroy(mpt_dataset *d);
 
 /* =============================================================================
@@ -2686,6 +2715,17 @@ typedef struct mpt_step_state {
     double false_positives;   /* wrongly                                   */
     double false_negatives;   /* predicted negative, wrongly               */
     double samples;           /* samples tallied                           */
+    /* weighted_metrics: the tallies above with each row times its weight
+       (its sample's, times its class's in training; mpt__row_weight) */
+    double weight_sum;              /* Σ weights, a sample as its mean    */
+    double weighted_correct;
+    double weighted_top_k;
+    double weighted_abs_error;
+    double weighted_squared_error;
+    double weighted_percent_error;
+    double weighted_true_positives;
+    double weighted_false_positives;
+    double weighted_false_negatives;
     double sum_squares;       /* Σ g² of the last step's gradients (scaled) */
     int64_t step;             /* training steps taken (keys dropout masks)  */
     int64_t optimizer_steps;  /* updates applied (Adam's t, the schedule's) */
@@ -2736,6 +2776,10 @@ typedef struct mpt_loss_args {
     const float *class_weight;  /* (classes) or NULL: each row's loss and
                                    gradient times its class's weight
                                    (mpt__row_class_weight)                  */
+    const float *sample_weight; /* (rows / rows_per_sample) or NULL: and
+                                   times its sample's (mpt__row_weight)     */
+    int weighted_metrics;       /* MPT_METRIC_* bits to tally with each
+                                   row's weight (the weighted_ tallies)     */
 } mpt_loss_args;
 
 /* The trainable parameters, as arrays of n pointers (host arrays of
@@ -3215,17 +3259,59 @@ static inline MPT__HD void mpt__value_add(mpt__value_sums *e, float pred, float 
     e->sum[MPT__SUM_FALSE_NEGATIVES] += !predicted && labelled;
 }
 
+/* A row's weight in the loss and the weighted metrics: its class's
+   (class_weight, 1 without) times its sample's (sample_weight[r /
+   rows_per_sample]: every position of a sample weighs as the sample);
+   exactly class_weight without sample weights. */
+static inline MPT__HD float mpt__row_weight(float class_weight, const float *sample_weight,
+                                            int64_t r, int64_t rows_per_sample) {
+    int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
+    if (!sample_weight) return class_weight;
+    return mpt__fmul_rn(class_weight, sample_weight[r / per]);
+}
+
+/* weighted_metrics' sums over a batch's rows (Keras' metrics updated with
+   sample_weight): Σ w, and the row's hits and value sums each times its
+   weight w, in double. */
+typedef struct mpt__weighted_sums {
+    double weight;             /* Σ w over the rows                       */
+    double correct, top_k;     /* Σ w · hit                               */
+    mpt__value_sums values;    /* Σ w · the row's value sums              */
+} mpt__weighted_sums;
+
+static inline MPT__HD void mpt__weighted_add(mpt__weighted_sums *to, float w, int correct,
+                                             int top_k, const mpt__value_sums *row_values) {
+    int i;
+    to->weight += (double)w;
+    to->correct += (double)w * (double)correct;
+    to->top_k += (double)w * (double)top_k;
+    for (i = 0; i < MPT__VALUE_SUMS; i++) to->values.sum[i] += (double)w * row_values->sum[i];
+}
+
+static inline MPT__HD void mpt__weighted_sums_add(mpt__weighted_sums *to,
+                                                  const mpt__weighted_sums *from) {
+    int i;
+    to->weight += from->weight;
+    to->correct += from->correct;
+    to->top_k += from->top_k;
+    for (i = 0; i < MPT__VALUE_SUMS; i++) to->values.sum[i] += from->values.sum[i];
+}
+
 /* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
    the batch's mean loss, `correct` and `top_k` counts of rows, `errors`
-   the sums over its rows × K values. A sample whose output has several
-   positions (rows_per_sample) counts once, its positions' hits as
-   fractions of it, so the epoch's accuracy is the fraction of positions
-   right, as Keras' mean over positions, and samples_per_second counts
-   samples; its errors likewise count as their mean over its values. */
-static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, int64_t rows,
+   the sums over its rows × K values; `weighted` (NULL without
+   weighted_metrics) the same with each row's weight, and Σ weights. A
+   sample whose output has several positions (rows_per_sample) counts
+   once, its positions' hits as fractions of it, so the epoch's accuracy
+   is the fraction of positions right, as Keras' mean over positions, and
+   samples_per_second counts samples; its errors likewise count as their
+   mean over its values, and its weight as its positions' mean. */
+static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics,
+                                           int weighted_metrics, int64_t rows,
                                            int64_t rows_per_sample, int64_t K, double mean,
                                            double correct, double top_k,
-                                           const mpt__value_sums *errors) {
+                                           const mpt__value_sums *errors,
+                                           const mpt__weighted_sums *weighted) {
     int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
     double samples = (double)(rows / per), values = (double)per * (double)K;
     state->loss_sum += mpt__dmul_rn(mean, samples);
@@ -3242,6 +3328,22 @@ static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics, i
         state->true_positives += errors->sum[MPT__SUM_TRUE_POSITIVES];
         state->false_positives += errors->sum[MPT__SUM_FALSE_POSITIVES];
         state->false_negatives += errors->sum[MPT__SUM_FALSE_NEGATIVES];
+    }
+    if (!weighted_metrics || !weighted) return;
+    state->weight_sum += weighted->weight / (double)per;
+    if (weighted_metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
+        state->weighted_correct += weighted->correct / (double)per;
+    if (weighted_metrics & MPT_METRIC_SPARSE_TOP_K)
+        state->weighted_top_k += weighted->top_k / (double)per;
+    if (weighted_metrics & MPT__METRICS_ERRORS) {
+        state->weighted_abs_error += weighted->values.sum[MPT__SUM_ABS_ERROR] / values;
+        state->weighted_squared_error += weighted->values.sum[MPT__SUM_SQUARED_ERROR] / values;
+        state->weighted_percent_error += weighted->values.sum[MPT__SUM_PERCENT_ERROR] / values;
+    }
+    if (weighted_metrics & MPT__METRICS_CONFUSION) {
+        state->weighted_true_positives += weighted->values.sum[MPT__SUM_TRUE_POSITIVES];
+        state->weighted_false_positives += weighted->values.sum[MPT__SUM_FALSE_POSITIVES];
+        state->weighted_false_negatives += weighted->values.sum[MPT__SUM_FALSE_NEGATIVES];
     }
 }
 
@@ -4581,7 +4683,7 @@ struct mpt__layer {
 /* fit's per-epoch history: values[k][e] for key k, epoch e. */
 typedef struct mpt__history_store {
     int epochs, cap, n_keys;
-    char keys[MPT_MAX_LOGS][40];
+    char keys[MPT_MAX_LOGS][64];         /* "val_weighted_..." fits */
     double *values[MPT_MAX_LOGS];        /* [cap] each */
 } mpt__history_store;
 
@@ -4640,6 +4742,8 @@ struct mpt_model {
                                             the other is read); NULL on the CPU */
     void *target_buf[2];                 /* (max_batch, out) float32 or int32
                                             targets, likewise                */
+    void *weight_buf[2];                 /* (max_batch) float32 sample weights,
+                                            likewise                         */
     mpt_step_state *state;               /* [2] in the backend's memory: the
                                             training step's, evaluation's     */
     mpt_update_args update;              /* the trainable parameters' buffers */
@@ -9989,6 +10093,7 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
                                          4 * m->layers[0].in_count * m->max_batch);
             m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                           4 * last->out_count * m->max_batch);
+            m->weight_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * m->max_batch);
         }
     }
 }
@@ -10923,6 +11028,8 @@ typedef struct mpt__loss_job {
     int64_t rows, K;
     float gscale;             /* grad_scale / the count the loss is a mean over */
     const float *class_weight; /* a row's weight by its class; NULL: 1 each   */
+    const float *sample_weight; /* and by its sample's; NULL: 1 each          */
+    int64_t rows_per_sample;  /* positions of one sample (sample_weight's)  */
     int n_tasks;
     double partial[MPT__LOSS_TASKS]; /* each task's sum of row losses           */
 } mpt__loss_job;
@@ -10948,7 +11055,7 @@ static void mpt__loss_grad(const mpt__loss_job *j, int64_t i, float g, float row
 
 /* Row r's class weight (1 without class weights): its label, the argmax
    of its target, or its binary target. */
-static float mpt__loss_row_weight(const mpt__loss_job *j, int64_t r) {
+static float mpt__loss_row_class_weight(const mpt__loss_job *j, int64_t r) {
     int64_t c, best = 0;
     if (!j->class_weight) return 1.0f;
     if (mpt__loss_sparse(j)) best = ((const int32_t *)j->target->data)[r];
@@ -10956,6 +11063,12 @@ static float mpt__loss_row_weight(const mpt__loss_job *j, int64_t r) {
         for (c = 1; c < j->K; c++)
             best = mpt__loss_target(j, r, c) > mpt__loss_target(j, r, best) ? c : best;
     return mpt__row_class_weight(j->class_weight, j->K, best, mpt__loss_target(j, r, 0));
+}
+
+/* Row r's weight: its class's times its sample's (1 without either). */
+static float mpt__loss_row_weight(const mpt__loss_job *j, int64_t r) {
+    return mpt__row_weight(mpt__loss_row_class_weight(j, r), j->sample_weight, r,
+                           j->rows_per_sample);
 }
 
 /* Crossentropy of softmax(z) for row r: Σ t·(lse − z), lse = log Σ exp z
@@ -11026,7 +11139,7 @@ static void mpt__loss_task(void *arg, int64_t task, int thread) {
     double sum = 0;
     (void)thread;
     for (r = r0; r < r1; r++) {
-        /* times 1 exactly without class weights */
+        /* times 1 exactly without weights */
         const float w = mpt__loss_row_weight(j, r), row_scale = j->gscale * w;
         double loss;
         if (j->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
@@ -11261,34 +11374,44 @@ static int mpt__binary_hit(float prediction, int from_logits, float target) {
     return (prediction > (from_logits ? 0.0f : 0.5f)) == (target > 0.5f);
 }
 
-/* Accuracy as Keras counts it, per row of out (rows, classes): for
+/* Accuracy as Keras counts it, for row b of out (rows, classes): for
    sparse labels argmax == label, for one-hot targets argmax ==
    argmax(target), for one output unit (binary) prediction > threshold
    (0.5 for probabilities, 0 for logits). Top k: fewer than k classes score
    strictly higher than the true one. */
+static void mpt__row_hits(int metrics, int k, int from_logits, const mpt_tensor *out,
+                          const mpt_tensor *y, int64_t b, int *correct, int *top_k) {
+    int64_t classes = mpt_tensor_count(out) / out->shape[0], guess, truth, j, above = 0;
+    *correct = *top_k = 0;
+    if (classes == 1) {
+        float v = mpt__load_f32(out->dtype, out->data, b);
+        float target = y->dtype == MPT_INT32 ? (float)((const int32_t *)y->data)[b]
+                                             : ((const float *)y->data)[b];
+        *correct = mpt__binary_hit(v, from_logits, target);
+        return;
+    }
+    guess = mpt__argmax(out->dtype, out->data, b * classes, classes);
+    truth = y->dtype == MPT_INT32 ? ((const int32_t *)y->data)[b]
+                                  : mpt__argmax(MPT_FLOAT32, y->data, b * classes, classes);
+    *correct = guess == truth;
+    if (metrics & MPT_METRIC_SPARSE_TOP_K) {
+        float tv = mpt__load_f32(out->dtype, out->data, b * classes + truth);
+        for (j = 0; j < classes; j++)
+            above += mpt__load_f32(out->dtype, out->data, b * classes + j) > tv;
+        *top_k = above < k;
+    }
+}
+
+/* The rows' hits of out (rows, classes), counted. */
 static void mpt__count_hits(int metrics, int k, int from_logits, const mpt_tensor *out,
                             const mpt_tensor *y, int64_t *correct, int64_t *top_k) {
-    int64_t b, B = out->shape[0], classes = mpt_tensor_count(out) / B;
+    int64_t b;
     if (!(metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))) return;
-    for (b = 0; b < B; b++) {
-        int64_t guess, truth, j, above = 0;
-        if (classes == 1) {
-            float v = mpt__load_f32(out->dtype, out->data, b);
-            float target = y->dtype == MPT_INT32 ? (float)((const int32_t *)y->data)[b]
-                                                 : ((const float *)y->data)[b];
-            *correct += mpt__binary_hit(v, from_logits, target);
-            continue;
-        }
-        guess = mpt__argmax(out->dtype, out->data, b * classes, classes);
-        truth = y->dtype == MPT_INT32 ? ((const int32_t *)y->data)[b]
-                                      : mpt__argmax(MPT_FLOAT32, y->data, b * classes, classes);
-        *correct += guess == truth;
-        if (metrics & MPT_METRIC_SPARSE_TOP_K) {
-            float tv = mpt__load_f32(out->dtype, out->data, b * classes + truth);
-            for (j = 0; j < classes; j++)
-                above += mpt__load_f32(out->dtype, out->data, b * classes + j) > tv;
-            *top_k += above < k;
-        }
+    for (b = 0; b < out->shape[0]; b++) {
+        int hit, in_top_k;
+        mpt__row_hits(metrics, k, from_logits, out, y, b, &hit, &in_top_k);
+        *correct += hit;
+        *top_k += in_top_k;
     }
 }
 
@@ -11328,6 +11451,25 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
     return MPT_OK;
 }
 
+/* weighted_metrics' sums: each row's hits and value sums times its
+   weight (mpt__weighted_add), rows in order. */
+static void mpt__count_weighted(const mpt__loss_job *j, const mpt_loss_args *a,
+                                mpt__weighted_sums *sums) {
+    int64_t r, c;
+    for (r = 0; r < j->rows; r++) {
+        mpt__value_sums row = {{0}};
+        int hit = 0, in_top_k = 0;
+        if (a->weighted_metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
+            mpt__row_hits(a->weighted_metrics, a->top_k, a->from_logits, j->pred, j->target, r,
+                          &hit, &in_top_k);
+        if (a->weighted_metrics & MPT__METRICS_VALUES)
+            for (c = 0; c < j->K; c++)
+                mpt__value_add(&row, mpt__loss_pred(j, r * j->K + c),
+                               ((const float *)a->target)[r * j->K + c], a->from_logits);
+        mpt__weighted_add(sums, mpt__loss_row_weight(j, r), hit, in_top_k, &row);
+    }
+}
+
 /* The CPU backend's loss (mpt_backend.loss): as mpt_loss_compute without
    the checks (fit made them once), and the batch tallied into the state. */
 static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
@@ -11335,6 +11477,7 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     mpt_tensor pred, target, dpred;
     int64_t shape[2], correct = 0, top_k = 0;
     mpt__value_sums errors = {{0}};
+    mpt__weighted_sums weighted;
     mpt__loss_job j;
     double loss;
     shape[0] = a->rows;
@@ -11352,16 +11495,20 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
     j.K = a->K;
     j.rows = a->rows;
     j.class_weight = a->class_weight;
+    j.sample_weight = a->sample_weight;
+    j.rows_per_sample = a->rows_per_sample;
+    memset(&weighted, 0, sizeof weighted);
     /* counted first: dpred may be pred, which the gradient then replaces */
     mpt__count_hits(a->metrics, a->top_k, a->from_logits, &pred, &target, &correct, &top_k);
     if (a->metrics & MPT__METRICS_VALUES)
         mpt__count_values(a->pred_dtype, a->pred, (const float *)a->target, a->rows * a->K,
                           a->from_logits, &errors);
+    if (a->weighted_metrics) mpt__count_weighted(&j, a, &weighted);
     loss = mpt__loss_run(ctx, &j,
                          (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
                              (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
-    mpt__loss_tally(a->state, a->metrics, a->rows, a->rows_per_sample, a->K, loss,
-                    (double)correct, (double)top_k, &errors);
+    mpt__loss_tally(a->state, a->metrics, a->weighted_metrics, a->rows, a->rows_per_sample, a->K,
+                    loss, (double)correct, (double)top_k, &errors, &weighted);
 }
 
 /* How many of a sample's last-axis values make one row. Classes that share
@@ -12246,35 +12393,45 @@ static int mpt__model_any_float16(const mpt_model *m) {
     return 0;
 }
 
-static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
+/* One list of metrics (`metrics` or `weighted_metrics`, named by `what`):
+   known bits, each metric with a loss whose outputs it can read. */
+static mpt_status mpt__compile_check_metrics(mpt_model *m, const mpt_compile_desc *d,
+                                             const char *what, int metrics) {
     const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K | MPT__METRICS_VALUES;
+    if (metrics & ~known_metrics)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: %s 0x%x has unknown bits 0x%x (known: 0x%x)", what,
+                         (unsigned)metrics, (unsigned)(metrics & ~known_metrics),
+                         (unsigned)known_metrics);
+    /* With a crossentropy the outputs fit sees are class scores (logits
+       where the last activation is fused into the loss), not the values
+       a regression's errors are about. */
+    if ((metrics & MPT__METRICS_ERRORS) && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: %s mean_absolute_error, mean_squared_error, "
+                         "root_mean_squared_error and mean_absolute_percentage_error "
+                         "need the mean_squared_error loss, not %s", what,
+                         mpt__loss_name(d->loss.type));
+    /* A softmax's classes are not each a yes or no against 0.5 here. */
+    if ((metrics & MPT__METRICS_CONFUSION) &&
+        d->loss.type != MPT_LOSS_BINARY_CROSSENTROPY && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: %s precision and recall count binary outputs: they need "
+                         "the binary_crossentropy or mean_squared_error loss, not %s", what,
+                         mpt__loss_name(d->loss.type));
+    return MPT_OK;
+}
+
+static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
     if (d->loss.type == MPT_LOSS_NONE)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: loss.type is required (MPT_LOSS_NONE given)");
     MPT__CHECK(mpt__loss_check_desc(m->ctx, &d->loss));
-    if (d->metrics & ~known_metrics)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "compile: metrics 0x%x has unknown bits 0x%x (known: 0x%x)",
-                         (unsigned)d->metrics, (unsigned)(d->metrics & ~known_metrics),
-                         (unsigned)known_metrics);
+    MPT__CHECK(mpt__compile_check_metrics(m, d, "metrics", d->metrics));
+    MPT__CHECK(mpt__compile_check_metrics(m, d, "weighted_metrics", d->weighted_metrics));
     if (d->top_k < 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: top_k %d must be >= 0 (0: 5)",
                          d->top_k);
-    /* With a crossentropy the outputs fit sees are class scores (logits
-       where the last activation is fused into the loss), not the values
-       a regression's errors are about. */
-    if ((d->metrics & MPT__METRICS_ERRORS) && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "compile: metrics mean_absolute_error, mean_squared_error, "
-                         "root_mean_squared_error and mean_absolute_percentage_error need the "
-                         "mean_squared_error loss, not %s", mpt__loss_name(d->loss.type));
-    /* A softmax's classes are not each a yes or no against 0.5 here. */
-    if ((d->metrics & MPT__METRICS_CONFUSION) &&
-        d->loss.type != MPT_LOSS_BINARY_CROSSENTROPY && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "compile: metrics precision and recall count binary outputs: they need "
-                         "the binary_crossentropy or mean_squared_error loss, not %s",
-                         mpt__loss_name(d->loss.type));
     return MPT_OK;
 }
 
@@ -12388,6 +12545,9 @@ struct mpt_dataset {
     int64_t y_count;              /* elements of one target (class ids: one per
                                      position of the model's output)             */
     const void *y;                /* (n, y_shape) y_dtype; NULL for x alone      */
+    int64_t first;                /* a view: its sample 0's index in the root    */
+    float *sample_weight;         /* root: (n) owned weights, or NULL: each 1;
+                                     a view reads its root's from `first`        */
     int x_only;                   /* 1: no targets (y_count 0): for predict      */
     float scale, offset;          /* uint8 x: x·scale + offset                   */
     float u8_f32[256];            /* uint8 x: each byte value normalised         */
@@ -12424,6 +12584,7 @@ static void mpt__dataset_release(mpt_dataset *root) {
     if (--root->refs > 0) return;
     mpt__free(root->ctx, root->owned_x);
     mpt__free(root->ctx, root->owned_y);
+    mpt__free(root->ctx, root->sample_weight);
     mpt__free(root->ctx, root);
 }
 
@@ -12575,6 +12736,66 @@ static mpt_status mpt__dataset_take(mpt_context *ctx, const mpt_tensor *t, int c
     return MPT_OK;
 }
 
+/* ---- sample weights --------------------------------------------------------- */
+
+/* The weights of d's samples from its sample 0, or NULL when it has none:
+   a view reads its root's, so weights set after a split reach it too. */
+static const float *mpt__dataset_weights(const mpt_dataset *d) {
+    return d->root->sample_weight ? d->root->sample_weight + d->first : NULL;
+}
+
+/* count weights for a dataset of n samples, each finite and >= 0. */
+static mpt_status mpt__check_sample_weight(mpt_context *ctx, const float *weights,
+                                           int64_t count, int64_t n) {
+    int64_t i;
+    if (count != n || (!weights && count > 0))
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "dataset: sample_weight has %lld weights%s but the dataset has %lld "
+                         "samples: one weight a sample", (long long)count,
+                         weights ? "" : " and no array", (long long)n);
+    for (i = 0; i < count; i++)
+        if (!(weights[i] >= 0 && weights[i] < INFINITY))
+            return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "dataset: sample_weight[%lld] = %g must be finite and >= 0",
+                             (long long)i, (double)weights[i]);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_set_sample_weight(mpt_context *ctx, mpt_dataset *d,
+                                                const float *weights, int64_t count) {
+    float *copy = NULL;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL dataset");
+    if (d->root != d)
+        return mpt__fail(ctx, MPT_ERR_STATE, "dataset: sample_weight of a view (split): set "
+                         "the weights of the dataset it was split from");
+    if (weights || count) {
+        MPT__CHECK(mpt__check_sample_weight(ctx, weights, count, d->n));
+        copy = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)count);
+        if (!copy)
+            return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset: out of memory for %lld "
+                             "sample weights", (long long)count);
+        memcpy(copy, weights, sizeof(float) * (size_t)count);
+    }
+    mpt__free(ctx, d->sample_weight);
+    d->sample_weight = copy;
+    return MPT_OK;
+}
+
+/* desc->sample_weight: (n,) or (n, 1) float32 in CPU memory. */
+static mpt_status mpt__dataset_take_weights(mpt_context *ctx, mpt_dataset *d,
+                                            const mpt_tensor *w) {
+    char s[96];
+    MPT__CHECK(mpt__check_dataset_tensor(ctx, "sample_weight", w));
+    if (w->dtype != MPT_FLOAT32)
+        return mpt__fail(ctx, MPT_ERR_DTYPE, "dataset: sample_weight must be float32, not %s",
+                         mpt_dtype_name(w->dtype));
+    if (w->rank > 2 || (w->rank == 2 && w->shape[1] != 1))
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: sample_weight shape %s is not (n,): one "
+                         "weight a sample", mpt_shape_format(s, sizeof s, w->rank, w->shape));
+    return mpt_dataset_set_sample_weight(ctx, d, (const float *)w->data, w->shape[0]);
+}
+
 MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
                                      mpt_dataset **out) {
     mpt_dataset *d;
@@ -12602,6 +12823,8 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     s = mpt__dataset_take(ctx, desc->x, desc->copy, &d->x, &d->owned_x);
     if (s == MPT_OK && desc->y)
         s = mpt__dataset_take(ctx, desc->y, desc->copy, &d->y, &d->owned_y);
+    if (s == MPT_OK && desc->sample_weight)
+        s = mpt__dataset_take_weights(ctx, d, desc->sample_weight);
     if (s != MPT_OK) {
         mpt_dataset_destroy(d);
         return s;
@@ -12621,6 +12844,8 @@ static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, in
     v->ctx = ctx;
     v->refs = 0;
     v->owned_x = v->owned_y = NULL;
+    v->sample_weight = NULL; /* the root's, read from first (mpt__dataset_weights) */
+    v->first = d->first + first;
     v->n = n;
     v->x = (const char *)d->x +
            (size_t)first * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
@@ -12803,6 +13028,15 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
                y_bytes);
 }
 
+/* The sample weights of samples indices[0..n) of d into w (n), in that
+   order: each weight with its sample. Nothing where d has none. */
+static void mpt__dataset_gather_weights(const mpt_dataset *d, const int64_t *indices, int64_t n,
+                                        float *w) {
+    const float *weights = mpt__dataset_weights(d);
+    int64_t i;
+    for (i = 0; weights && i < n; i++) w[i] = weights[indices[i]];
+}
+
 /* ---- files: gzip through zlib, or plain -----------------------------------
 
    A file that starts with gzip's magic bytes (1f 8b) is inflated member
@@ -12821,9 +13055,13 @@ typedef struct mpt__loader {
     const mpt_dataset *d;
     mpt_dtype x_dtype;
     int64_t max_batch;
-    void *block;            /* the one allocation behind the four buffers */
+    void *block;            /* the one allocation behind the six buffers  */
     void *x_buf[2];         /* (max_batch, sample shape) x_dtype          */
     void *y_buf[2];         /* (max_batch, label count) int32 or float32  */
+    float *w_buf[2];        /* (max_batch) sample weights, where d has them */
+    const float *weights;   /* the last batch next() gave: its weights, or
+                               NULL (mpt__loader_weights)                 */
+    int64_t weights_count;
     pthread_t thread;
     int started;            /* the thread runs                            */
     int views;              /* the caller never writes a batch            */
@@ -12864,6 +13102,7 @@ static void *mpt__loader_main(void *arg) {
         pthread_mutex_unlock(&l->mutex);
         mpt__dataset_gather(l->ctx, l->d, indices, count, l->x_dtype, l->x_buf[slot],
                             l->y_buf[slot]);
+        mpt__dataset_gather_weights(l->d, indices, count, l->w_buf[slot]);
         pthread_mutex_lock(&l->mutex);
         l->loading = 0;
         l->slot_batch[slot] = b;
@@ -12874,13 +13113,13 @@ static void *mpt__loader_main(void *arg) {
     return NULL;
 }
 
-/* Carves the four batch buffers out of one block, each 64-byte aligned. */
+/* Carves the six batch buffers out of one block, each 64-byte aligned. */
 static mpt_status mpt__loader_alloc(mpt__loader *l) {
-    int64_t xb, yb, total;
+    int64_t xb, yb, wb = 4 * l->max_batch, total;
     int k;
     if (!mpt__mul_ok(l->max_batch, l->d->x_count * (int64_t)mpt_dtype_size(l->x_dtype), &xb) ||
         !mpt__mul_ok(l->max_batch, l->d->y_count * 4, &yb) ||
-        !mpt__add_ok(xb, yb, &total) || !mpt__add_ok(total, 2 * MPT__ALIGN, &total) ||
+        !mpt__add_ok(xb, yb, &total) || !mpt__add_ok(total, wb + 3 * MPT__ALIGN, &total) ||
         !mpt__mul_ok(total, 2, &total) || (uint64_t)total > (uint64_t)SIZE_MAX)
         return mpt__fail(l->ctx, MPT_ERR_OVERFLOW, "loader: batches of %lld samples are too large",
                          (long long)l->max_batch);
@@ -12891,9 +13130,11 @@ static mpt_status mpt__loader_alloc(mpt__loader *l) {
         return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY,
                          "loader: cannot allocate %lld bytes for two batches of %lld samples",
                          (long long)total, (long long)l->max_batch);
+    wb = (wb + MPT__ALIGN - 1) / MPT__ALIGN * MPT__ALIGN;
     for (k = 0; k < 2; k++) {
-        l->x_buf[k] = (char *)l->block + (size_t)k * (size_t)(xb + yb);
+        l->x_buf[k] = (char *)l->block + (size_t)k * (size_t)(xb + yb + wb);
         l->y_buf[k] = (char *)l->x_buf[k] + (size_t)xb;
+        l->w_buf[k] = (float *)((char *)l->y_buf[k] + (size_t)yb);
     }
     return MPT_OK;
 }
@@ -13009,25 +13250,31 @@ static int mpt__loader_next_inline(mpt__loader *l, mpt_tensor *x, mpt_tensor *y)
     const int64_t b = l->consume++, first = b * l->batch_size;
     const int64_t count = MPT__MIN(l->batch_size, l->n - first);
     const void *xb = l->x_buf[0], *yb = l->y_buf[0];
+    const float *wb = mpt__dataset_weights(d) ? l->w_buf[0] : NULL;
     if (l->view_epoch) {
         const int64_t at = l->order[first];
         xb = (const char *)d->x + (size_t)at * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
         yb = d->x_only ? NULL : (const char *)d->y + (size_t)at * (size_t)d->y_count * 4;
+        wb = mpt__dataset_weights(d) ? mpt__dataset_weights(d) + at : NULL;
     } else {
         mpt__dataset_gather(l->ctx, d, l->order + first, count, l->x_dtype, l->x_buf[0],
                             l->y_buf[0]);
+        mpt__dataset_gather_weights(d, l->order + first, count, l->w_buf[0]);
     }
     /* views are read only (mpt__loader_allow_views); the tensor type has no const */
     mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, (void *)(uintptr_t)xb,
                     MPT_DEVICE_CPU);
     mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, (void *)(uintptr_t)yb,
                     MPT_DEVICE_CPU);
+    l->weights = wb;
+    l->weights_count = count;
     return 1;
 }
 
 /* Waits for the next batch and points x (b, sample shape...) in x_dtype
    and y ((b,) int32 or (b, target shape...) float32) at it: borrowed,
-   valid until the next call. Returns 0 when the epoch has no more. */
+   valid until the next call (its sample weights: mpt__loader_weights).
+   Returns 0 when the epoch has no more. */
 static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     const mpt_dataset *d = l->d;
     int64_t b, count;
@@ -13052,7 +13299,18 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     pthread_mutex_unlock(&l->mutex);
     mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, l->x_buf[slot], MPT_DEVICE_CPU);
     mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, l->y_buf[slot], MPT_DEVICE_CPU);
+    l->weights = mpt__dataset_weights(d) ? l->w_buf[slot] : NULL;
+    l->weights_count = count;
     return 1;
+}
+
+/* The sample weights of the batch next() gave last, (b,) float32 into w,
+   borrowed as that batch is; w->data NULL when the dataset has none. */
+static void mpt__loader_weights(const mpt__loader *l, mpt_tensor *w) {
+    int64_t count = l->weights_count;
+    /* views are read only (mpt__loader_allow_views); the tensor type has no const */
+    mpt__batch_view(w, MPT_FLOAT32, count, 0, &count, (void *)(uintptr_t)l->weights,
+                    MPT_DEVICE_CPU);
 }
 
 /* Stops and joins the thread (at once, also mid-epoch) and frees the loader. */
@@ -13241,6 +13499,10 @@ typedef struct mpt__tally {
     double percent_error; /* 100·|y − p| / max(|y|, ε)                */
     double tp, fp, fn;   /* output values: true positives, false ones,
                             false negatives                           */
+    /* weighted_metrics: Σ weights and the sums above, each sample's times
+       its weight */
+    double weight_sum, weighted_correct, weighted_top_k, weighted_abs_error,
+        weighted_squared_error, weighted_percent_error, weighted_tp, weighted_fp, weighted_fn;
 } mpt__tally;
 
 /* A tally from the backend's record of it. */
@@ -13255,38 +13517,85 @@ static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
     t->tp = st->true_positives;
     t->fp = st->false_positives;
     t->fn = st->false_negatives;
+    t->weight_sum = st->weight_sum;
+    t->weighted_correct = st->weighted_correct;
+    t->weighted_top_k = st->weighted_top_k;
+    t->weighted_abs_error = st->weighted_abs_error;
+    t->weighted_squared_error = st->weighted_squared_error;
+    t->weighted_percent_error = st->weighted_percent_error;
+    t->weighted_tp = st->weighted_true_positives;
+    t->weighted_fp = st->weighted_false_positives;
+    t->weighted_fn = st->weighted_false_negatives;
 }
 
-/* A metric into logs, named as Keras does: "val_" before it in validation
-   (logs keep the name's pointer: NAME is a string literal). */
-#define MPT__METRIC_LOG(logs, validation, NAME, value) \
-    mpt__logs_set(logs, (validation) ? "val_" NAME : NAME, value)
+/* One list of metrics' values into logs: each metric named as Keras
+   does, "val_" before it in validation, `prefix` ("weighted_" or "")
+   before that; the string literals below hold every combination, as
+   logs keep the name's pointer. */
+#define MPT__METRIC_NAME(validation, weighted, NAME)                                  \
+    ((validation) ? ((weighted) ? "val_weighted_" NAME : "val_" NAME)                 \
+                  : ((weighted) ? "weighted_" NAME : NAME))
 
-/* Loss, accuracy, top-k and errors of a tally into logs, names prefixed
-   ("val_"). */
+/* The counts one list of metrics reads: the plain tallies or the weighted
+   ones, over `count` (samples, or Σ weights). */
+typedef struct mpt__metric_counts {
+    double count, correct, top_k, abs_error, squared_error, percent_error, tp, fp, fn;
+} mpt__metric_counts;
+
+static void mpt__metric_logs(const mpt_model *m, int metrics, const mpt__metric_counts *c,
+                             int validation, int prefixed, mpt_logs *logs) {
+    double n = c->count != 0 ? c->count : 1.0;
+#define MPT__LOG(NAME, value) mpt__logs_set(logs, MPT__METRIC_NAME(validation, prefixed, NAME), value)
+    if (metrics & MPT_METRIC_ACCURACY) MPT__LOG("accuracy", c->correct / n);
+    if ((metrics & MPT_METRIC_SPARSE_TOP_K) &&
+        m->compile.loss.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
+        MPT__LOG("sparse_top_k_categorical_accuracy", c->top_k / n);
+    else if (metrics & MPT_METRIC_SPARSE_TOP_K)
+        MPT__LOG("top_k_categorical_accuracy", c->top_k / n);
+    if (metrics & MPT_METRIC_MEAN_ABSOLUTE_ERROR) MPT__LOG("mean_absolute_error", c->abs_error / n);
+    if (metrics & MPT_METRIC_MEAN_SQUARED_ERROR)
+        MPT__LOG("mean_squared_error", c->squared_error / n);
+    if (metrics & MPT_METRIC_ROOT_MEAN_SQUARED_ERROR)
+        MPT__LOG("root_mean_squared_error", sqrt(c->squared_error / n));
+    if (metrics & MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
+        MPT__LOG("mean_absolute_percentage_error", c->percent_error / n);
+    if (metrics & MPT_METRIC_PRECISION)
+        MPT__LOG("precision", c->tp > 0 ? c->tp / (c->tp + c->fp) : 0.0);
+    if (metrics & MPT_METRIC_RECALL) MPT__LOG("recall", c->tp > 0 ? c->tp / (c->tp + c->fn) : 0.0);
+#undef MPT__LOG
+}
+
+/* Loss, metrics and weighted metrics of a tally into logs, names
+   prefixed ("val_"). A weighted metric takes the plain one's name unless
+   `metrics` has it too: then "weighted_" before it (Keras 3's
+   CompileMetrics). */
 static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validation,
                             mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0;
+    const int both = m->compile.metrics & m->compile.weighted_metrics;
+    mpt__metric_counts plain, weighted;
+    plain.count = (double)t->samples;
+    plain.correct = t->correct;
+    plain.top_k = t->top_k;
+    plain.abs_error = t->abs_error;
+    plain.squared_error = t->squared_error;
+    plain.percent_error = t->percent_error;
+    plain.tp = t->tp;
+    plain.fp = t->fp;
+    plain.fn = t->fn;
+    weighted.count = t->weight_sum;
+    weighted.correct = t->weighted_correct;
+    weighted.top_k = t->weighted_top_k;
+    weighted.abs_error = t->weighted_abs_error;
+    weighted.squared_error = t->weighted_squared_error;
+    weighted.percent_error = t->weighted_percent_error;
+    weighted.tp = t->weighted_tp;
+    weighted.fp = t->weighted_fp;
+    weighted.fn = t->weighted_fn;
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
-    if (m->compile.metrics & MPT_METRIC_ACCURACY)
-        mpt__logs_set(logs, validation ? "val_accuracy" : "accuracy", t->correct / n);
-    if ((m->compile.metrics & MPT_METRIC_SPARSE_TOP_K) &&
-        m->compile.loss.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
-        MPT__METRIC_LOG(logs, validation, "sparse_top_k_categorical_accuracy", t->top_k / n);
-    else if (m->compile.metrics & MPT_METRIC_SPARSE_TOP_K)
-        MPT__METRIC_LOG(logs, validation, "top_k_categorical_accuracy", t->top_k / n);
-    if (m->compile.metrics & MPT_METRIC_MEAN_ABSOLUTE_ERROR)
-        MPT__METRIC_LOG(logs, validation, "mean_absolute_error", t->abs_error / n);
-    if (m->compile.metrics & MPT_METRIC_MEAN_SQUARED_ERROR)
-        MPT__METRIC_LOG(logs, validation, "mean_squared_error", t->squared_error / n);
-    if (m->compile.metrics & MPT_METRIC_ROOT_MEAN_SQUARED_ERROR)
-        MPT__METRIC_LOG(logs, validation, "root_mean_squared_error", sqrt(t->squared_error / n));
-    if (m->compile.metrics & MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
-        MPT__METRIC_LOG(logs, validation, "mean_absolute_percentage_error", t->percent_error / n);
-    if (m->compile.metrics & MPT_METRIC_PRECISION)
-        MPT__METRIC_LOG(logs, validation, "precision", t->tp > 0 ? t->tp / (t->tp + t->fp) : 0.0);
-    if (m->compile.metrics & MPT_METRIC_RECALL)
-        MPT__METRIC_LOG(logs, validation, "recall", t->tp > 0 ? t->tp / (t->tp + t->fn) : 0.0);
+    mpt__metric_logs(m, m->compile.metrics, &plain, validation, 0, logs);
+    mpt__metric_logs(m, m->compile.weighted_metrics & ~both, &weighted, validation, 0, logs);
+    mpt__metric_logs(m, both, &weighted, validation, 1, logs);
 }
 
 /* ---- one step ------------------------------------------------------------------ */
@@ -13315,10 +13624,22 @@ static mpt_status mpt__target_on_backend(mpt_model *m, const mpt_tensor *y, mpt_
     return mpt__batch_on_backend(m, y, m->target_buf[0], t);
 }
 
-/* The compiled loss of the last forward's output against y (in the
-   backend's memory), tallied into the training record (with its gradient,
-   times the loss scale) or into evaluation's. */
-static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int training) {
+/* A batch's sample weights, where the backend reads them; none (data
+   NULL) stay none. */
+static mpt_status mpt__weights_on_backend(mpt_model *m, const mpt_tensor *w, mpt_tensor *t) {
+    if (!w->data) {
+        *t = *w;
+        return MPT_OK;
+    }
+    return mpt__batch_on_backend(m, w, m->weight_buf[0], t);
+}
+
+/* The compiled loss of the last forward's output against y, each sample
+   weighted by w (data NULL: by 1), both in the backend's memory, tallied
+   into the training record (with its gradient, times the loss scale) or
+   into evaluation's. */
+static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, const mpt_tensor *w,
+                                    int training) {
     const mpt__layer *last = &m->layers[m->n_layers - 1];
     mpt_loss_args a;
     memset(&a, 0, sizeof a);
@@ -13335,6 +13656,8 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, int train
     a.scale_by_loss_scale = training;
     a.state = &m->state[training ? 0 : 1];
     a.class_weight = training ? m->class_weight : NULL;
+    a.sample_weight = (const float *)w->data;
+    a.weighted_metrics = m->compile.weighted_metrics;
     return a;
 }
 
@@ -13349,17 +13672,17 @@ static void mpt__queue_update(mpt_model *m) {
     mpt__model_commit(m);
 }
 
-/* One training step on a batch, queued on the backend: forward, loss,
-   backward, the finiteness check, the update and the loss-scale
-   bookkeeping, with no decision taken on the host. A step whose forward
-   pass or gradients hold inf or NaN changes nothing but the loss scale
-   and the count of skipped steps. */
+/* One training step on a batch (x, y, its sample weights w), queued on
+   the backend: forward, loss, backward, the finiteness check, the update
+   and the loss-scale bookkeeping, with no decision taken on the host. A
+   step whose forward pass or gradients hold inf or NaN changes nothing
+   but the loss scale and the count of skipped steps. */
 static void mpt__queue_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                            mpt__step_times *times) {
+                            const mpt_tensor *w, mpt__step_times *times) {
     mpt_loss_args loss;
     double t0 = mpt__now(), t1, t2;
     mpt__model_forward(m, x, 1);
-    loss = mpt__loss_args(m, y, 1);
+    loss = mpt__loss_args(m, y, w, 1);
     m->be->loss(m->impl, &loss);
     t1 = mpt__now();
     mpt_model_backward(m, NULL, NULL); /* cannot fail after a training forward */
@@ -13372,11 +13695,12 @@ static void mpt__queue_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor 
 
 /* A step on a batch in host memory (copied in first on a GPU). */
 static mpt_status mpt__train_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                                  mpt__step_times *times) {
-    mpt_tensor in, target;
+                                  const mpt_tensor *w, mpt__step_times *times) {
+    mpt_tensor in, target, weights;
     MPT__CHECK(mpt__input_on_backend(m, x, &in));
     MPT__CHECK(mpt__target_on_backend(m, y, &target));
-    mpt__queue_step(m, &in, &target, times);
+    MPT__CHECK(mpt__weights_on_backend(m, w, &weights));
+    mpt__queue_step(m, &in, &target, &weights, times);
     return MPT_OK;
 }
 
@@ -13417,8 +13741,9 @@ static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
    mpt__replicas_capturable allows.
    MPT_CUDA_GRAPHS=0 in the environment turns the recording off. */
 typedef struct mpt__feed_slot { /* one model's (or replica's) */
-    void *host[2][2];        /* [buffer][x, y] pinned staging, a full batch  */
+    void *host[2][3];        /* [buffer][x, y, w] pinned staging, a full batch */
     mpt_tensor x[2], y[2];   /* [buffer] its rows uploaded there (0: none)   */
+    mpt_tensor w[2];         /* [buffer] their sample weights (data NULL: none) */
 } mpt__feed_slot;
 
 typedef struct mpt__feed {
@@ -13436,9 +13761,11 @@ typedef struct mpt__feed {
    memory; each replica's rows of a batch; whether that step may be
    recorded. */
 static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const mpt_tensor *ys,
-                                     int64_t global_rows, mpt__step_times *times);
+                                     const mpt_tensor *ws, int64_t global_rows,
+                                     mpt__step_times *times);
 static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                              int64_t rows, mpt_tensor *xs, mpt_tensor *ys);
+                              const mpt_tensor *w, int64_t rows, mpt_tensor *xs, mpt_tensor *ys,
+                              mpt_tensor *ws);
 static int mpt__replicas_capturable(const mpt_model *m);
 
 /* The model slot k feeds: replica k, or the model itself. */
@@ -13456,7 +13783,7 @@ static int mpt__feed_device_seen(mpt_model *m, int k) {
 }
 
 static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
-    int k, b;
+    int k, b, j;
     if (!f->on) return;
     for (k = 0; k < f->n; k++) { /* nothing may still read what is freed below */
         mpt_model *r = mpt__feed_model(m, k);
@@ -13464,10 +13791,8 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
     }
     for (k = 0; f->slot && k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
-        for (b = 0; b < 2; b++) {
-            r->be->free_host(r->impl, f->slot[k].host[b][0]);
-            r->be->free_host(r->impl, f->slot[k].host[b][1]);
-        }
+        for (b = 0; b < 2; b++)
+            for (j = 0; j < 3; j++) r->be->free_host(r->impl, f->slot[k].host[b][j]);
     }
     for (b = 0; b < 2; b++)
         if (f->graph[b]) m->be->graph_free(m->impl, f->graph[b]);
@@ -13491,11 +13816,12 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
     }
     for (k = 0; k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
-        size_t bytes[2];
+        size_t bytes[3];
         bytes[0] = (size_t)(4 * r->layers[0].in_count * r->max_batch);
         bytes[1] = (size_t)(4 * r->layers[r->n_layers - 1].out_count * r->max_batch);
+        bytes[2] = (size_t)(4 * r->max_batch);
         for (b = 0; b < 2; b++)
-            for (j = 0; j < 2; j++)
+            for (j = 0; j < 3; j++)
                 if (r->be->alloc_host(r->impl, bytes[j], &f->slot[k].host[b][j]) != MPT_OK) {
                     mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
                                              r->be->error(r->impl));
@@ -13507,25 +13833,35 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
 }
 
 /* Starts copying a batch to the device: each slot's rows (this worker's
-   `rows` of the batch, shared out as the replicas' step shares them)
-   into pinned memory once the upload before last (which read it) is
-   done, then on the copy queue. */
+   `rows` of the batch, shared out as the replicas' step shares them) and
+   their sample weights, which travel with them as the targets do, into
+   pinned memory once the upload before last (which read it) is done,
+   then on the copy queue. */
 static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor *x,
-                                   const mpt_tensor *y, int64_t rows, int64_t global_rows) {
-    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
+                                   const mpt_tensor *y, const mpt_tensor *w, int64_t rows,
+                                   int64_t global_rows) {
+    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS], ws[MPT__MAX_REPLICAS];
     int b = f->next, k;
     for (k = 0; k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
         mpt_status s = mpt__feed_device_seen(m, k) ? MPT_OK : r->be->upload_done(r->impl);
         if (s != MPT_OK) return mpt__fail(m->ctx, s, "fit: %s", r->be->error(r->impl));
     }
-    mpt__replica_rows(m, x, y, rows, xs, ys);
+    mpt__replica_rows(m, x, y, w, rows, xs, ys, ws);
     for (k = 0; k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
         mpt__feed_slot *slot = &f->slot[k];
         slot->x[b] = xs[k];
         slot->y[b] = ys[k];
+        slot->w[b] = ws[k];
         if (xs[k].shape[0] == 0) continue; /* no rows for this replica */
+        if (ws[k].data) {
+            memcpy(slot->host[b][2], ws[k].data, mpt_tensor_bytes(&ws[k]));
+            r->be->upload_async(r->impl, r->weight_buf[b], slot->host[b][2],
+                                mpt_tensor_bytes(&ws[k]));
+            slot->w[b].data = r->weight_buf[b];
+            slot->w[b].device = MPT_DEVICE_CUDA;
+        }
         memcpy(slot->host[b][0], xs[k].data, mpt_tensor_bytes(&xs[k]));
         memcpy(slot->host[b][1], ys[k].data, mpt_tensor_bytes(&ys[k]));
         r->be->upload_async(r->impl, r->input_buf[b], slot->host[b][0], mpt_tensor_bytes(&xs[k]));
@@ -13551,17 +13887,18 @@ static void mpt__feed_wait(mpt_model *m, const mpt__feed *f) {
 /* Queues the step on the batch in buffer b, unrecorded. */
 static mpt_status mpt__feed_queue(mpt_model *m, const mpt__feed *f, int b,
                                   mpt__step_times *times) {
-    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
+    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS], ws[MPT__MAX_REPLICAS];
     int k;
     if (!m->strategy) {
-        mpt__queue_step(m, &f->slot[0].x[b], &f->slot[0].y[b], times);
+        mpt__queue_step(m, &f->slot[0].x[b], &f->slot[0].y[b], &f->slot[0].w[b], times);
         return MPT_OK;
     }
     for (k = 0; k < f->n; k++) {
         xs[k] = f->slot[k].x[b];
         ys[k] = f->slot[k].y[b];
+        ws[k] = f->slot[k].w[b];
     }
-    return mpt__replicas_step(m, xs, ys, f->global_rows[b], times);
+    return mpt__replicas_step(m, xs, ys, ws, f->global_rows[b], times);
 }
 
 /* Whether buffer b holds a full batch for every slot (the shape recorded). */
@@ -13858,13 +14195,15 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     if (s == MPT_OK) s = mpt__state_reset_evaluation(m);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
-        mpt_tensor in, target;
+        mpt_tensor in, target, w, weights;
         mpt_loss_args loss;
+        mpt__loader_weights(loader, &w);
         s = mpt__input_on_backend(m, &x, &in);
         if (s == MPT_OK) s = mpt__target_on_backend(m, &y, &target);
+        if (s == MPT_OK) s = mpt__weights_on_backend(m, &w, &weights);
         if (s != MPT_OK) break;
         mpt__model_forward(m, &in, 0);
-        loss = mpt__loss_args(m, &target, 0);
+        loss = mpt__loss_args(m, &target, &weights, 0);
         m->be->loss(m->impl, &loss);
         done++;
         if (done * batch_size >= n) s = mpt__evaluation_tally(m, t);
@@ -13933,7 +14272,7 @@ typedef struct mpt__fit_run {
 typedef struct mpt__profile mpt__profile;
 static mpt_status mpt__profile_open(mpt_model *m, const mpt_fit_desc *d, int64_t run_steps,
                                     mpt__profile **out);
-static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
+static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tensor *w,
                                  mpt__step_times *times, mpt_status *s);
 static void mpt__profile_loop_end(mpt__fit_run *r);
 static mpt_status mpt__profile_write_pending(mpt__fit_run *r);
@@ -13945,20 +14284,22 @@ static void mpt__fit_totals_add(mpt__fit_totals *t, int64_t steps, int64_t sampl
 static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t);
 
 static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                                       int64_t rows, int64_t global_rows,
+                                       const mpt_tensor *w, int64_t rows, int64_t global_rows,
                                        mpt__step_times *times);
 static int64_t mpt__worker_order(const mpt_model *m, const int64_t *order, int64_t n,
                                  int64_t batch, int64_t *mine);
 
-/* The loader's next batch, 0 at the epoch's end: with a strategy, this
-   worker's rows of the next global batch (there may be none when the last
-   batch is shorter than the workers are many). r->rows and r->global_rows
-   say how many rows it has here and on every worker. */
-static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
+/* The loader's next batch and its sample weights, 0 at the epoch's end:
+   with a strategy, this worker's rows of the next global batch (there may
+   be none when the last batch is shorter than the workers are many).
+   r->rows and r->global_rows say how many rows it has here and on every
+   worker. */
+static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tensor *w) {
     const mpt_strategy *st = r->m->strategy;
     int64_t g;
     if (!st) {
         if (!mpt__loader_next(r->loader, x, y)) return 0;
+        mpt__loader_weights(r->loader, w);
         r->rows = r->global_rows = x->shape[0];
         return 1;
     }
@@ -13970,16 +14311,21 @@ static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
         int64_t w = mpt_strategy_worker(st), W = mpt_strategy_num_workers(st);
         r->rows = g * (w + 1) / W - g * w / W;
     }
-    if (r->rows > 0) return mpt__loader_next(r->loader, x, y);
+    if (r->rows > 0 && mpt__loader_next(r->loader, x, y)) {
+        mpt__loader_weights(r->loader, w);
+        return 1;
+    }
+    if (r->rows > 0) return 0;
     memset(x, 0, sizeof *x);
     memset(y, 0, sizeof *y);
+    memset(w, 0, sizeof *w);
     return 1;
 }
 
 /* The epoch's next batch, 0 at its end: on a GPU the one uploaded, else
    the loader's. */
-static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y) {
-    return r->feed.on ? r->feed.have : mpt__fit_take(r, x, y);
+static int mpt__fit_next(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tensor *w) {
+    return r->feed.on ? r->feed.have : mpt__fit_take(r, x, y, w);
 }
 
 /* Starts an epoch's order on the loader: this worker's share of it. */
@@ -13998,12 +14344,12 @@ static mpt_status mpt__fit_start_epoch(mpt__fit_run *r) {
    the batch after it starts uploading, then the step is queued. */
 static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
     mpt_model *m = r->m;
-    mpt_tensor nx, ny;
+    mpt_tensor nx, ny, nw;
     int b = 1 - r->feed.next; /* the buffer the step's batch is in */
     mpt__feed_wait(m, &r->feed);
     r->feed.have = 0;
-    if (mpt__fit_take(r, &nx, &ny))
-        MPT__CHECK(mpt__feed_upload(m, &r->feed, &nx, &ny, r->rows, r->global_rows));
+    if (mpt__fit_take(r, &nx, &ny, &nw))
+        MPT__CHECK(mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows));
     return mpt__feed_step(m, &r->feed, b, times);
 }
 
@@ -14125,11 +14471,11 @@ static mpt_status mpt__fit_halve(mpt__fit_run *r, int64_t done, const char *when
     }
     if (s != MPT_OK) return s;
     if (done >= 0) {
-        mpt_tensor x, y;
+        mpt_tensor x, y, w;
         s = mpt__loader_start_epoch(r->loader, r->order + done, r->n - done,
                                     r->d->batch_size);
-        if (s == MPT_OK && r->feed.on && mpt__fit_take(r, &x, &y))
-            s = mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows);
+        if (s == MPT_OK && r->feed.on && mpt__fit_take(r, &x, &y, &w))
+            s = mpt__feed_upload(m, &r->feed, &x, &y, &w, r->rows, r->global_rows);
     }
     return s;
 }
@@ -14141,18 +14487,18 @@ static mpt_status mpt__fit_recover(mpt__fit_run *r, mpt_status s, int64_t done) 
 }
 
 /* The epoch's next batch and its step; 0 at the epoch's end. */
-static int mpt__fit_next_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
+static int mpt__fit_next_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tensor *w,
                               mpt__step_times *times, mpt_status *s) {
     mpt_model *m = r->m;
     int64_t rows;
-    if (!mpt__fit_next(r, x, y)) return 0;
+    if (!mpt__fit_next(r, x, y, w)) return 0;
     rows = r->feed.on ? r->feed.slot[0].x[1 - r->feed.next].shape[0] : x->shape[0];
     if (r->feed.on)
         *s = mpt__fit_feed_step(r, times);
     else if (m->strategy)
-        *s = mpt__replicated_step(m, x, y, r->rows, r->global_rows, times);
+        *s = mpt__replicated_step(m, x, y, w, r->rows, r->global_rows, times);
     else
-        *s = mpt__train_step(m, x, y, times);
+        *s = mpt__train_step(m, x, y, w, times);
     if (*s == MPT_OK) r->done += rows;
     return 1;
 }
@@ -14170,7 +14516,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
        workers; the epoch's line still ends every epoch. */
     int live_bar = d->verbose == 1 && mpt_strategy_num_workers(m->strategy) <= 1;
     double start = mpt__now(), last_print = 0, seconds;
-    mpt_tensor x, y;
+    mpt_tensor x, y, w;
     mpt_status s = MPT_OK;
     memset(&tally, 0, sizeof tally);
     memset(logs, 0, sizeof *logs);
@@ -14180,14 +14526,14 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     r->done = 0;
     MPT__CHECK(mpt__fit_start_epoch(r));
     MPT__CHECK(mpt__state_push(m));
-    if (r->feed.on && mpt__fit_take(r, &x, &y))
-        s = mpt__fit_recover(r, mpt__feed_upload(m, &r->feed, &x, &y, r->rows, r->global_rows),
-                             0);
+    if (r->feed.on && mpt__fit_take(r, &x, &y, &w))
+        s = mpt__fit_recover(r, mpt__feed_upload(m, &r->feed, &x, &y, &w, r->rows,
+                                                 r->global_rows), 0);
     while (s == MPT_OK && !*stop) {
         mpt_logs batch_logs;
         int print = live_bar && mpt__now() - last_print > 0.1;
-        int more = r->profile ? mpt__profile_fit_step(r, &x, &y, &times, &s)
-                              : mpt__fit_next_step(r, &x, &y, &times, &s);
+        int more = r->profile ? mpt__profile_fit_step(r, &x, &y, &w, &times, &s)
+                              : mpt__fit_next_step(r, &x, &y, &w, &times, &s);
         if (more && s != MPT_OK && mpt__fit_may_halve(m, d, s)) {
             s = mpt__fit_recover(r, s, r->done); /* this step again, on a smaller batch */
             r->steps = batch + (r->n - r->done + d->batch_size - 1) / d->batch_size;
@@ -19299,7 +19645,8 @@ static void mpt__profile_update_by_layer(mpt__profile *P, mpt_model *m) {
 
 /* mpt__queue_step with a marker after each piece. */
 static void mpt__profile_queue_step(mpt__profile *P, mpt_model *m, const mpt_tensor *x,
-                                    const mpt_tensor *y, mpt__step_times *times) {
+                                    const mpt_tensor *y, const mpt_tensor *w,
+                                    mpt__step_times *times) {
     mpt__forward_walk fw;
     mpt__backward_walk bw;
     mpt_loss_args loss;
@@ -19313,7 +19660,7 @@ static void mpt__profile_queue_step(mpt__profile *P, mpt_model *m, const mpt_ten
         mpt__forward_finish(L, &fw);
         mpt__profile_mark(P, MPT__PROF_FORWARD, i);
     }
-    loss = mpt__loss_args(m, y, 1);
+    loss = mpt__loss_args(m, y, w, 1);
     m->be->loss(m->impl, &loss);
     mpt__profile_mark(P, MPT__PROF_LOSS, -1);
     t1 = mpt__now();
@@ -19345,29 +19692,31 @@ static void mpt__profile_close_host(mpt__profile *P, double when) {
 
 /* A step in the range: fetched, copied in, queued piece by piece. */
 static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, mpt_tensor *y,
-                                 mpt__step_times *times, mpt_status *s) {
+                                 mpt_tensor *w, mpt__step_times *times, mpt_status *s) {
     mpt__profile *P = r->profile;
     mpt_model *m = r->m;
     mpt__profile_step *rec;
-    mpt_tensor in, target;
-    if (!mpt__fit_next(r, x, y)) return 0;
+    mpt_tensor in, target, weights;
+    if (!mpt__fit_next(r, x, y, w)) return 0;
     rec = &P->steps[P->n_steps];
     memset(rec, 0, sizeof *rec);
     rec->step = ++P->step;
     rec->epoch = m->epoch;
     rec->begin = begin;
     if (r->feed.on) { /* as mpt__fit_feed_step, never replayed */
-        mpt_tensor nx, ny;
+        mpt_tensor nx, ny, nw;
         int b = 1 - r->feed.next; /* the buffer the step's batch is in */
         in = r->feed.slot[0].x[b];
         target = r->feed.slot[0].y[b];
+        weights = r->feed.slot[0].w[b];
         mpt__feed_wait(m, &r->feed);
         r->feed.have = 0;
-        if (mpt__fit_take(r, &nx, &ny))
-            *s = mpt__feed_upload(m, &r->feed, &nx, &ny, r->rows, r->global_rows);
+        if (mpt__fit_take(r, &nx, &ny, &nw))
+            *s = mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows);
     } else {
         *s = mpt__input_on_backend(m, x, &in);
         if (*s == MPT_OK) *s = mpt__target_on_backend(m, y, &target);
+        if (*s == MPT_OK) *s = mpt__weights_on_backend(m, w, &weights);
     }
     if (*s != MPT_OK) {
         P->step--; /* not taken: it is run again (out-of-memory recovery) or fit ends */
@@ -19377,7 +19726,7 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
     rec->rows = in.shape[0];
     rec->first_mark = P->n_marks;
     m->be->copy(m->impl, &P->records[2 * P->n_steps], m->state, sizeof(mpt_step_state));
-    mpt__profile_queue_step(P, m, &in, &target, times);
+    mpt__profile_queue_step(P, m, &in, &target, &weights, times);
     m->be->copy(m->impl, &P->records[2 * P->n_steps + 1], m->state, sizeof(mpt_step_state));
     rec->n_marks = P->n_marks - rec->first_mark;
     rec->queued = mpt__clock();
@@ -19397,15 +19746,15 @@ static void mpt__profile_leave_loop(mpt__fit_run *r) {
 /* fit's next step while a profiler is open (the one branch it adds to the
    loop): in the range, timed; else as any step. Returns 0 at the epoch's
    end. */
-static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y,
+static int mpt__profile_fit_step(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tensor *w,
                                  mpt__step_times *times, mpt_status *s) {
     mpt__profile *P = r->profile;
     double begin = mpt__clock();
     int more;
     mpt__profile_close_host(P, begin);
     if (P->step >= P->last) mpt__profile_leave_loop(r);
-    else if (P->step + 1 >= P->first) return mpt__profile_run_step(r, begin, x, y, times, s);
-    more = mpt__fit_next_step(r, x, y, times, s);
+    else if (P->step + 1 >= P->first) return mpt__profile_run_step(r, begin, x, y, w, times, s);
+    more = mpt__fit_next_step(r, x, y, w, times, s);
     P->step += more && *s == MPT_OK;
     return more;
 }
@@ -21803,11 +22152,12 @@ static const mpt__field mpt__compile_fields[] = {
     /* last, and written only where they are on (mpt__put_compile) */
     MPT__FIELD(mpt_compile_desc, optimizer.gradient_accumulation_steps, MPT__FIELD_INT),
     MPT__FIELD(mpt_compile_desc, optimizer.exclude_from_weight_decay, MPT__FIELD_STRING),
+    MPT__FIELD(mpt_compile_desc, weighted_metrics, MPT__FIELD_INT),
     MPT__FIELDS_END};
 
 /* How many of the compile fields, the list's last, are written only
    where on (mpt__put_compile). */
-#define MPT__COMPILE_FIELDS_OPTIONAL 2
+#define MPT__COMPILE_FIELDS_OPTIONAL 3
 
 /* ---- writing ------------------------------------------------------------------- */
 
@@ -21881,9 +22231,9 @@ static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *
 
 /* The compile settings; the list's last ones only where on
    (gradient_accumulation_steps where the model accumulates,
-   exclude_from_weight_decay where it excludes), so that a model using
-   neither writes the file it always did (a field a file lacks reads as
-   0 or NULL: off). */
+   exclude_from_weight_decay where it excludes, weighted_metrics where
+   there are some), so that a model using none writes the file it always
+   did (a field a file lacks reads as 0 or NULL: off). */
 static void mpt__put_compile(mpt__ckpt_text *t, const mpt_compile_desc *c) {
     const size_t count = sizeof mpt__compile_fields / sizeof mpt__compile_fields[0] - 1;
     const size_t always = count - MPT__COMPILE_FIELDS_OPTIONAL;
@@ -21894,6 +22244,7 @@ static void mpt__put_compile(mpt__ckpt_text *t, const mpt_compile_desc *c) {
         mpt__put_field(t, &mpt__compile_fields[always], c, 0);
     if (c->optimizer.exclude_from_weight_decay && c->optimizer.exclude_from_weight_decay[0])
         mpt__put_field(t, &mpt__compile_fields[always + 1], c, 0);
+    if (c->weighted_metrics) mpt__put_field(t, &mpt__compile_fields[always + 2], c, 0);
     mpt__ckpt_puts(t, "}");
 }
 
@@ -34023,18 +34374,22 @@ static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
 }
 
 /* Replica k's rows of this worker's batch of `rows` (a contiguous share:
-   xs[k], ys[k]; none, when the batch has fewer rows than replicas: empty
-   tensors, shape[0] 0). */
+   xs[k], ys[k] and their weights ws[k], data NULL where w has none; none,
+   when the batch has fewer rows than replicas: empty tensors, shape[0]
+   0). */
 static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                              int64_t rows, mpt_tensor *xs, mpt_tensor *ys) {
+                              const mpt_tensor *w, int64_t rows, mpt_tensor *xs, mpt_tensor *ys,
+                              mpt_tensor *ws) {
     int n = m->n_replicas, k;
     for (k = 0; k < n; k++) {
         int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
         memset(&xs[k], 0, sizeof xs[k]);
         memset(&ys[k], 0, sizeof ys[k]);
+        memset(&ws[k], 0, sizeof ws[k]);
         if (b1 > b0) {
             xs[k] = mpt__rows(x, b0, b1);
             ys[k] = mpt__rows(y, b0, b1);
+            if (w->data) ws[k] = mpt__rows(w, b0, b1);
         }
     }
 }
@@ -34044,12 +34399,12 @@ static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt
    synchronized layer needs every replica at the same layer), each loss
    divided by the global batch. */
 static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor *xs,
-                                                 const mpt_tensor *ys, int64_t global_rows,
-                                                 int64_t *had) {
+                                                 const mpt_tensor *ys, const mpt_tensor *ws,
+                                                 int64_t global_rows, int64_t *had) {
     int n = m->n_replicas, k, i, first = m->n_layers;
     mpt__forward_walk fw[MPT__MAX_REPLICAS];
     mpt__backward_walk bw[MPT__MAX_REPLICAS];
-    mpt_tensor target[MPT__MAX_REPLICAS];
+    mpt_tensor target[MPT__MAX_REPLICAS], weights[MPT__MAX_REPLICAS];
     for (k = 0; k < n; k++) {
         mpt_model *r = m->replica[k];
         had[k] = xs[k].shape[0];
@@ -34057,6 +34412,7 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
             mpt_tensor in;
             MPT__CHECK(mpt__input_on_backend(r, &xs[k], &in));
             MPT__CHECK(mpt__target_on_backend(r, &ys[k], &target[k]));
+            MPT__CHECK(mpt__weights_on_backend(r, &ws[k], &weights[k]));
             mpt__forward_begin(r, &in, 1, &fw[k]);
         } else {
             r->be->zero(r->impl, r->arena[MPT__MEM_GRADS], (size_t)r->arena_bytes[MPT__MEM_GRADS]);
@@ -34078,7 +34434,7 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
         mpt_model *r = m->replica[k];
         mpt_loss_args loss;
         if (!had[k]) continue;
-        loss = mpt__loss_args(r, &target[k], 1);
+        loss = mpt__loss_args(r, &target[k], &weights[k], 1);
         loss.grad_weight = (float)((double)had[k] / (double)global_rows);
         r->be->loss(r->impl, &loss);
         mpt__backward_begin(r, 0, &bw[k]);
@@ -34120,12 +34476,13 @@ static mpt_status mpt__local_sum_grads(mpt_model *m, int64_t grads) {
    replica. xs[k], ys[k]: replica k's rows, where it can read them (on a
    GPU, fit's feed uploaded them). */
 static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const mpt_tensor *ys,
-                                     int64_t global_rows, mpt__step_times *times) {
+                                     const mpt_tensor *ws, int64_t global_rows,
+                                     mpt__step_times *times) {
     int n = m->n_replicas, k;
     int64_t grads = m->arena_bytes[MPT__MEM_GRADS], had[MPT__MAX_REPLICAS];
     double t0 = mpt__now(), t1;
     if (m->exchange) mpt__exchange_arm(m);
-    MPT__CHECK(mpt__replicas_forward_backward(m, xs, ys, global_rows, had));
+    MPT__CHECK(mpt__replicas_forward_backward(m, xs, ys, ws, global_rows, had));
     if (m->strategy->comm) { /* GPUs: the communicator sums them, on every device */
         MPT__CHECK(mpt__comm_sum(m, MPT__MEM_GRADS, -1, 0, grads / 4));
     } else {
@@ -34141,10 +34498,11 @@ static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const m
 
 /* The step on this worker's batch of `rows` in host memory. */
 static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
-                                       int64_t rows, int64_t global_rows, mpt__step_times *times) {
-    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS];
-    mpt__replica_rows(m, x, y, rows, xs, ys);
-    return mpt__replicas_step(m, xs, ys, global_rows, times);
+                                       const mpt_tensor *w, int64_t rows, int64_t global_rows,
+                                       mpt__step_times *times) {
+    mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS], ws[MPT__MAX_REPLICAS];
+    mpt__replica_rows(m, x, y, w, rows, xs, ys, ws);
+    return mpt__replicas_step(m, xs, ys, ws, global_rows, times);
 }
 
 /* Whether fit may record the replicas' step in a CUDA graph and replay it:

@@ -3748,6 +3748,7 @@ static constexpr int mpt__cuda_tensors_per_launch = 48;     /* multi-tensor tabl
 typedef struct mpt__cuda_loss_partial {
     double loss, correct, top_k;
     mpt__value_sums values; /* sums over output values (mpt.h's mpt__value_add) */
+    mpt__weighted_sums weighted; /* weighted_metrics' (mpt.h's mpt__weighted_add) */
 } mpt__cuda_loss_partial;
 
 /* Device buffers of the training kernels, allocated once per backend. */
@@ -3899,6 +3900,8 @@ typedef struct mpt__cuda_loss_params {
     mpt_step_state *state; /* loss_scale read, the tallies written        */
     mpt__cuda_loss_partial *partials;
     const float *class_weight; /* NULL, or a row's weight by its class    */
+    const float *sample_weight; /* NULL, or (rows / rows_per_sample)     */
+    int weighted_metrics;      /* MPT_METRIC_* bits tallied with weights */
 } mpt__cuda_loss_params;
 
 static __device__ __forceinline__ bool mpt__cuda_loss_sparse(const mpt__cuda_loss_params &p) {
@@ -4025,7 +4028,7 @@ static __device__ void mpt__cuda_loss_tally_row(const mpt__cuda_loss_params &p, 
     guess = mpt__cuda_train_warp_argmax(best, guess);
     truth = mpt__cuda_loss_sparse(p) ? (int64_t)label : mpt__cuda_train_warp_argmax(best_t, truth);
     *correct = guess == truth;
-    if (p.metrics & MPT_METRIC_SPARSE_TOP_K) {
+    if ((p.metrics | p.weighted_metrics) & MPT_METRIC_SPARSE_TOP_K) {
         float tv = mpt__cuda_loss_pred(p, base + truth);
         int above = 0;
         for (int64_t c = lane; c < K; c += 32) above += mpt__cuda_loss_pred(p, base + c) > tv;
@@ -4055,8 +4058,8 @@ static __device__ __forceinline__ void mpt__cuda_values_add(mpt__value_sums *to,
 /* Row r's class weight (1 without class weights), for every lane: mpt.h's
    mpt__row_class_weight of its label, the argmax of its target (the first
    of equal ones, as the CPU's), or its binary target. */
-static __device__ float mpt__cuda_loss_row_weight(const mpt__cuda_loss_params &p, int64_t r,
-                                                  int label, int lane) {
+static __device__ float mpt__cuda_loss_row_class_weight(const mpt__cuda_loss_params &p,
+                                                        int64_t r, int label, int lane) {
     float best_t = -INFINITY;
     int64_t best = INT64_MAX;
     if (!p.class_weight) return 1.0f;
@@ -4071,6 +4074,14 @@ static __device__ float mpt__cuda_loss_row_weight(const mpt__cuda_loss_params &p
                                  mpt__cuda_loss_target(p, r, 0, label));
 }
 
+/* Row r's weight, for every lane: its class's times its sample's (mpt.h's
+   mpt__row_weight; 1 without either). */
+static __device__ float mpt__cuda_loss_row_weight(const mpt__cuda_loss_params &p, int64_t r,
+                                                  int label, int lane) {
+    return mpt__row_weight(mpt__cuda_loss_row_class_weight(p, r, label, lane), p.sample_weight, r,
+                           p.rows_per_sample);
+}
+
 /* The row losses and gradients. One warp per row; block b takes the rows
    [rows·b/G, rows·(b+1)/G) of a grid of G blocks (G depends on rows only)
    and its warps take every 8th of them. Each warp's lane 0 adds its rows'
@@ -4082,10 +4093,12 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
     __shared__ double warp_loss[mpt__cuda_train_warps];
     __shared__ int warp_correct[mpt__cuda_train_warps], warp_top_k[mpt__cuda_train_warps];
     __shared__ mpt__value_sums warp_values[mpt__cuda_train_warps];
+    __shared__ mpt__weighted_sums warp_weighted[mpt__cuda_train_warps];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r0 = p.rows * blockIdx.x / gridDim.x, r1 = p.rows * (blockIdx.x + 1) / gridDim.x;
-    const bool tally = (p.metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K)) != 0;
-    const bool values = (p.metrics & MPT__METRICS_VALUES) != 0;
+    const int either = p.metrics | p.weighted_metrics;
+    const bool tally = (either & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K)) != 0;
+    const bool values = (either & MPT__METRICS_VALUES) != 0;
     const bool categorical = p.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
                              p.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
     float scale = p.scale_by_loss_scale ? p.state->loss_scale : 1.0f;
@@ -4094,14 +4107,18 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
     double loss_sum = 0;
     int correct_sum = 0, top_k_sum = 0;
     mpt__value_sums values_sum = {{0}};
+    mpt__weighted_sums weighted_sum = {0, 0, 0, {{0}}};
     for (int64_t r = r0 + warp; r < r1; r += mpt__cuda_train_warps) {
         int label = mpt__cuda_loss_sparse(p) ? ((const int32_t *)p.target)[r] : 0;
         int correct = 0, top_k = 0;
+        mpt__value_sums row_values = {{0}};
         double loss;
         if (tally) mpt__cuda_loss_tally_row(p, r, label, lane, &correct, &top_k);
-        if (values) mpt__cuda_values_add(&values_sum, mpt__cuda_loss_values_row(p, r, lane));
-        /* times 1 exactly without class weights */
+        if (values) row_values = mpt__cuda_loss_values_row(p, r, lane);
+        mpt__cuda_values_add(&values_sum, row_values);
+        /* times 1 exactly without weights */
         const float w = mpt__cuda_loss_row_weight(p, r, label, lane), row_scale = __fmul_rn(gscale, w);
+        if (p.weighted_metrics) mpt__weighted_add(&weighted_sum, w, correct, top_k, &row_values);
         __syncwarp(); /* the tally's reads of other lanes' classes come before any write */
         if (!categorical) loss = mpt__cuda_elementwise_row(p, r, lane, row_scale);
         else if (p.from_logits) loss = mpt__cuda_xent_logits_row(p, r, label, lane, row_scale);
@@ -4115,15 +4132,17 @@ mpt__cuda_loss_kernel(mpt__cuda_loss_params p) {
         warp_correct[warp] = correct_sum;
         warp_top_k[warp] = top_k_sum;
         warp_values[warp] = values_sum;
+        warp_weighted[warp] = weighted_sum;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        mpt__cuda_loss_partial out = {0, 0, 0, {{0}}};
+        mpt__cuda_loss_partial out = {0, 0, 0, {{0}}, {0, 0, 0, {{0}}}};
         for (int w = 0; w < mpt__cuda_train_warps; w++) {
             out.loss += warp_loss[w];
             out.correct += (double)warp_correct[w];
             out.top_k += (double)warp_top_k[w];
             mpt__cuda_values_add(&out.values, warp_values[w]);
+            mpt__weighted_sums_add(&out.weighted, &warp_weighted[w]);
         }
         p.partials[blockIdx.x] = out;
     }
@@ -4136,19 +4155,28 @@ static __global__ void __launch_bounds__(mpt__cuda_train_threads)
 mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
     double loss = 0, correct = 0, top_k = 0;
     mpt__value_sums e = {{0}};
+    mpt__weighted_sums weighted = {0, 0, 0, {{0}}};
     for (int i = threadIdx.x; i < n_partials; i += blockDim.x) {
         loss += p.partials[i].loss;
         correct += p.partials[i].correct;
         top_k += p.partials[i].top_k;
         mpt__cuda_values_add(&e, p.partials[i].values);
+        mpt__weighted_sums_add(&weighted, &p.partials[i].weighted);
     }
     loss = mpt__cuda_train_block_sum(loss);
     correct = mpt__cuda_train_block_sum(correct);
     top_k = mpt__cuda_train_block_sum(top_k);
     for (int k = 0; k < MPT__VALUE_SUMS; k++) e.sum[k] = mpt__cuda_train_block_sum(e.sum[k]);
+    if (p.weighted_metrics) { /* each block sum syncs the block: all threads or none */
+        weighted.weight = mpt__cuda_train_block_sum(weighted.weight);
+        weighted.correct = mpt__cuda_train_block_sum(weighted.correct);
+        weighted.top_k = mpt__cuda_train_block_sum(weighted.top_k);
+        for (int k = 0; k < MPT__VALUE_SUMS; k++)
+            weighted.values.sum[k] = mpt__cuda_train_block_sum(weighted.values.sum[k]);
+    }
     if (threadIdx.x == 0)
-        mpt__loss_tally(p.state, p.metrics, p.rows, p.rows_per_sample, p.K, loss / p.count,
-                        correct, top_k, &e);
+        mpt__loss_tally(p.state, p.metrics, p.weighted_metrics, p.rows, p.rows_per_sample, p.K,
+                        loss / p.count, correct, top_k, &e, &weighted);
 }
 
 static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
@@ -4178,6 +4206,8 @@ static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
     p.state = a->state;
     p.partials = s->loss_partials;
     p.class_weight = a->class_weight;
+    p.sample_weight = a->sample_weight;
+    p.weighted_metrics = a->weighted_metrics;
     blocks = (a->rows + mpt__cuda_train_warps - 1) / mpt__cuda_train_warps;
     if (blocks > mpt__cuda_loss_max_blocks) blocks = mpt__cuda_loss_max_blocks;
     mpt__cuda_loss_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(p);

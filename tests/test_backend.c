@@ -590,6 +590,8 @@ static void emu_loss(void *impl, const mpt_loss_args *a) {
     expect_device(impl, a->target);
     expect_device(impl, a->dpred);
     expect_device(impl, a->state);
+    expect_device(impl, a->sample_weight);
+    expect_device(impl, a->class_weight);
     if (recording) {
         emu_call *c = record(OP_LOSS, impl);
         if (c) c->loss = *a;
@@ -1017,6 +1019,69 @@ static void test_fit_matches_the_cpu(void) {
         CHECK(dev.n == 0, "policy %d: %d device blocks leaked", k, dev.n);
         mpt_context_destroy(dc);
     }
+}
+
+/* Sample weights (with class weights and weighted metrics) on the
+   emulated device: each batch's weights go up with its targets, by the
+   asynchronous path and into the recorded steps' buffers, and fit,
+   validation and evaluate end bit for bit where the CPU's do. */
+static void test_sample_weights_match_the_cpu(void) {
+    static float w[N];
+    const float class_weight[CLASSES] = {1.5f, 0.5f, 2.0f, 1.0f};
+    mpt_context *dc = NULL;
+    mpt_model *cpu_model, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_logs l_cpu, l_gpu;
+    mpt_fit_desc fit;
+    int i;
+    for (i = 0; i < N; i++) w[i] = (float)((i * 7) % 11) * 0.25f;
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    d_cpu = image_dataset(ctx);
+    d_gpu = image_dataset(dc);
+    CHECK(mpt_dataset_set_sample_weight(ctx, d_cpu, w, N) == MPT_OK &&
+              mpt_dataset_set_sample_weight(dc, d_gpu, w, N) == MPT_OK,
+          "weights: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    cpu_model = image_model(ctx, MPT_POLICY_MIXED_FLOAT16);
+    gpu = image_model(dc, MPT_POLICY_MIXED_FLOAT16);
+    {   /* compiled again, with weighted accuracy */
+        mpt_compile_desc c = cpu_model->compile;
+        c.weighted_metrics = MPT_METRIC_ACCURACY;
+        CHECK(mpt_model_compile(cpu_model, &c) == MPT_OK && mpt_model_compile(gpu, &c) == MPT_OK,
+              "compile: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    }
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH;
+    fit.validation_split = 0.2f;
+    fit.class_weight = class_weight;
+    fit.class_weight_count = CLASSES;
+    CHECK(mpt_model_fit(cpu_model, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    CHECK(same_params(cpu_model, gpu), "weights differ after a weighted fit");
+    CHECK(same_history(cpu_model, gpu), "histories differ");
+    CHECK(history_value(gpu, "val_weighted_accuracy", 1) >= 0, "no val_weighted_accuracy");
+    CHECK(mpt_model_evaluate(cpu_model, d_cpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_cpu) ==
+                  MPT_OK &&
+              mpt_model_evaluate(gpu, d_gpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_gpu) ==
+                  MPT_OK,
+          "evaluate: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    CHECK(mpt_logs_get(&l_cpu, "loss") == mpt_logs_get(&l_gpu, "loss") &&
+              mpt_logs_get(&l_cpu, "weighted_accuracy") == mpt_logs_get(&l_gpu, "weighted_accuracy"),
+          "evaluate %.17g/%.17g vs %.17g/%.17g", mpt_logs_get(&l_cpu, "loss"),
+          mpt_logs_get(&l_cpu, "weighted_accuracy"), mpt_logs_get(&l_gpu, "loss"),
+          mpt_logs_get(&l_gpu, "weighted_accuracy"));
+    /* 96 training samples = 3 batches per epoch, each uploaded as x, y and w */
+    CHECK(dev.uploads_async == 2 * 3 * 3 && dev.captures == 2 && dev.stray == 0,
+          "%ld asynchronous uploads (want 18), %ld steps recorded (want 2), %ld host pointers "
+          "on the device", dev.uploads_async, dev.captures, dev.stray);
+    mpt_model_destroy(cpu_model);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
 }
 
 /* An output of several positions per sample: Conv2D 'same' ->
@@ -1531,6 +1596,7 @@ int main(void) {
     TEST_RUN(test_fit_matches_the_cpu);
     TEST_RUN(test_fit_per_position_matches_the_cpu);
     TEST_RUN(test_fit_attention_matches_the_cpu);
+    TEST_RUN(test_sample_weights_match_the_cpu);
     TEST_RUN(test_checkpoints_cross);
     TEST_RUN(test_early_stopping_restores);
     TEST_RUN(test_public_steps_on_the_device);

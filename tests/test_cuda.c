@@ -1535,8 +1535,11 @@ static void test_loss(void) {
                     void *pred, *target, *dpred[2] = {NULL, NULL};
                     /* class weights (fit's class_weight) on every fourth case:
                        K of them, 2 for one unit */
-                    float weights[40];
+                    float weights[40], samples_w[1000];
                     int weighted = v % 4 == 3 && lt != MPT_LOSS_MEAN_SQUARED_ERROR;
+                    /* sample weights and the weighted metrics on every
+                       third case (with class weights on some of them) */
+                    int sample_weighted = v % 3 == 1;
                     mpt_step_state st, *res[2];
                     char what[160];
                     int w;
@@ -1544,6 +1547,7 @@ static void test_loss(void) {
                     pred = loss_pred(lt, logits, dt, rows, K);
                     target = loss_target(lt, rows, K);
                     for (w = 0; w < 40; w++) weights[w] = (float)test_uniform(0, 3);
+                    for (w = 0; w < 1000; w++) samples_w[w] = (float)((w * 7) % 11) * 0.25f;
                     memset(&st, 0, sizeof st);
                     st.loss_sum = 5; /* the batch adds to what is there */
                     st.correct = 3;
@@ -1578,14 +1582,20 @@ static void test_loss(void) {
                         if (weighted)
                             a.class_weight = (const float *)be_upload(
                                 b, weights, sizeof(float) * (size_t)(K > 1 ? K : 2));
+                        if (sample_weighted) {
+                            a.sample_weight = (const float *)be_upload(
+                                b, samples_w, sizeof(float) * (size_t)(rows / per));
+                            a.weighted_metrics = a.metrics;
+                        }
                         b->t->loss(b->impl, &a);
                         res[w] = (mpt_step_state *)be_fetch(b, a.state, sizeof st, "loss");
                         if (a.dpred) dpred[w] = be_fetch(b, a.dpred, nbytes(dt, rows * K), "loss");
                         be_release(b);
                     }
-                    snprintf(what, sizeof what, "loss %s%s%s %s %lldx%lld (%lld a sample) dpred %s",
+                    snprintf(what, sizeof what, "loss %s%s%s%s %s %lldx%lld (%lld a sample) dpred %s",
                              loss_name(lt), logits ? " from logits" : "",
-                             weighted ? " class-weighted" : "", mpt_dtype_name(dt),
+                             weighted ? " class-weighted" : "",
+                             sample_weighted ? " sample-weighted" : "", mpt_dtype_name(dt),
                              (long long)rows, (long long)K, (long long)per,
                              grad == 0 ? "apart" : grad == 1 ? "none" : "in pred");
                     CHECK(fabs(res[1]->loss_sum - res[0]->loss_sum) <= 1e-5 * fabs(res[0]->loss_sum),
@@ -1615,6 +1625,21 @@ static void test_loss(void) {
                           res[1]->true_positives, res[1]->false_positives,
                           res[1]->false_negatives, res[0]->true_positives,
                           res[0]->false_positives, res[0]->false_negatives);
+                    /* the weighted tallies: sums of doubles in another order */
+#define WEIGHTED_CLOSE(field)                                                         \
+    CHECK(fabs(res[1]->field - res[0]->field) <= 1e-12 * fabs(res[0]->field),         \
+          "%s: " #field " GPU %.17g, CPU %.17g", what, res[1]->field, res[0]->field)
+                    WEIGHTED_CLOSE(weight_sum);
+                    WEIGHTED_CLOSE(weighted_correct);
+                    WEIGHTED_CLOSE(weighted_top_k);
+                    WEIGHTED_CLOSE(weighted_abs_error);
+                    WEIGHTED_CLOSE(weighted_percent_error);
+                    WEIGHTED_CLOSE(weighted_true_positives);
+                    WEIGHTED_CLOSE(weighted_false_positives);
+                    WEIGHTED_CLOSE(weighted_false_negatives);
+#undef WEIGHTED_CLOSE
+                    CHECK(!sample_weighted || res[0]->weight_sum > 0, "%s: no weight tallied",
+                          what);
                     if (dpred[0]) {
                         double err = rel_error(dt, dpred[1], dt, dpred[0], rows * K);
                         CHECK(err <= tolerance(dt), "%s: dpred relative error %.3g > %g", what, err,

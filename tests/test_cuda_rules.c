@@ -307,24 +307,24 @@ static void test_loss_tally(void) {
     mpt__value_sums v = {{72, 144, 360, 5, 6, 7}}, none = {{0}};
     memset(&st, 0, sizeof st);
     st.loss_sum = 1, st.samples = 2, st.correct = 1, st.top_k = 2;
-    mpt__loss_tally(&st, both, 96, 12, 3, 1.5, 30, 60, &v);
+    mpt__loss_tally(&st, both, 0, 96, 12, 3, 1.5, 30, 60, &v, NULL);
     CHECK(st.samples == 10 && st.loss_sum == 13 && st.correct == 3.5 && st.top_k == 7,
           "positions: samples %g loss_sum %g correct %g top_k %g, not 10 13 3.5 7", st.samples,
           st.loss_sum, st.correct, st.top_k);
     CHECK(st.abs_error == 0 && st.true_positives == 0, "value sums tallied unasked");
-    mpt__loss_tally(&st, MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_RECALL, 96, 12, 3, 1.5, 30,
-                    60, &v);
+    mpt__loss_tally(&st, MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_RECALL, 0, 96, 12, 3, 1.5,
+                    30, 60, &v, NULL);
     CHECK(st.abs_error == 2 && st.squared_error == 4 && st.percent_error == 10,
           "errors %g %g %g, not 2 4 10", st.abs_error, st.squared_error, st.percent_error);
     CHECK(st.true_positives == 5 && st.false_positives == 6 && st.false_negatives == 7,
           "confusion %g %g %g, not 5 6 7", st.true_positives, st.false_positives,
           st.false_negatives);
     memset(&st, 0, sizeof st);
-    mpt__loss_tally(&st, MPT_METRIC_ACCURACY, 7, 0, 10, 0.1, 5, 6, &none);
+    mpt__loss_tally(&st, MPT_METRIC_ACCURACY, 0, 7, 0, 10, 0.1, 5, 6, &none, NULL);
     CHECK(st.samples == 7 && st.loss_sum == 0.1 * 7 && st.correct == 5 && st.top_k == 0,
           "one position: samples %g loss_sum %.17g correct %g top_k %g", st.samples, st.loss_sum,
           st.correct, st.top_k);
-    mpt__loss_tally(&st, 0, 7, 1, 10, 0.1, 5, 6, &none);
+    mpt__loss_tally(&st, 0, 0, 7, 1, 10, 0.1, 5, 6, &none, NULL);
     CHECK(st.samples == 14 && st.correct == 5 && st.top_k == 0,
           "no metrics: correct %g top_k %g counted", st.correct, st.top_k);
 }

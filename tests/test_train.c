@@ -400,6 +400,388 @@ static void test_class_weight(void) {
     for (li = 0; li < 3; li++) mpt_dataset_destroy(data[li]);
 }
 
+/* ---- sample weights and weighted metrics ---------------------------------------- */
+
+/* A weight per sample: 0 .. 2.5 in a pattern that leaves no run of equal
+   ones, and one 0. */
+static void sample_weights(float *w, int n) {
+    int i;
+    for (i = 0; i < n; i++) w[i] = (float)((i * 7) % 11) * 0.25f;
+}
+
+/* The blobs with class ids and sample weights w (copied). */
+static mpt_dataset *weighted_blobs(float *x, int32_t *y, const float *w, int n) {
+    mpt_tensor tx, ty, tw;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){n, FEATURES}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
+    mpt_tensor_wrap(ctx, &tw, MPT_FLOAT32, 1, (int64_t[]){n}, (void *)(uintptr_t)w);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty, .sample_weight = &tw},
+                             &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+/* Σ w·(crossentropy of predict's probabilities) over samples
+   [first, first + n) of a dataset, times cw[label] when cw is given. */
+static double weighted_xent(mpt_model *m, const mpt_dataset *d, const int32_t *y, const float *w,
+                            const float *cw, int64_t first, int64_t n) {
+    mpt_tensor pred;
+    double sum = 0;
+    int64_t i;
+    CHECK(mpt_model_predict(m, d, N_SYN, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+    for (i = 0; i < n; i++) {
+        int32_t label = y[first + i];
+        double p = ((const float *)pred.data)[i * CLASSES + label];
+        sum += (double)w[first + i] * (cw ? cw[label] : 1.0) * -log(p);
+    }
+    mpt_tensor_free(ctx, &pred);
+    return sum;
+}
+
+/* Keras' fit(x, y, sample_weight=w): (1) the first epoch's loss (one
+   batch of every sample, at the initial weights) is Σ w·loss / rows (not
+   / Σ w), with class_weight multiplying in; (2) evaluate, over uneven
+   batches, and validation_split's part (its own weights) weigh the loss
+   alike; (3) weights of 1 train bit for bit as none, weights of 2 as SGD
+   at twice the rate; (4) 1 and 2 threads train the same bits; (5) bad
+   weights are refused, naming them. */
+static void test_sample_weight(void) {
+    static float x[N_SYN * FEATURES], w[N_SYN], ones[N_SYN], twos[N_SYN];
+    static int32_t y[N_SYN];
+    const float cw[CLASSES] = {0.5f, 3.0f, 1.0f};
+    mpt_dataset *d, *d1, *d2, *plain, *tail;
+    mpt_logs logs;
+    int64_t i;
+    make_blobs(x, y, N_SYN, 5);
+    sample_weights(w, N_SYN);
+    for (i = 0; i < N_SYN; i++) ones[i] = 1, twos[i] = 2;
+    d = weighted_blobs(x, y, w, N_SYN);
+    d1 = weighted_blobs(x, y, ones, N_SYN);
+    d2 = weighted_blobs(x, y, twos, N_SYN);
+    plain = blob_dataset(x, y, N_SYN);
+    {   /* (1) */
+        mpt_model *m = weighted_model(MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0.01f),
+                  *c = weighted_model(MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0.01f);
+        double by_hand = weighted_xent(m, d, y, w, NULL, 0, N_SYN) / N_SYN;
+        double with_classes = weighted_xent(c, d, y, w, cw, 0, N_SYN) / N_SYN;
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = N_SYN}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        CHECK(fabs(history_value(m, "loss", 0) - by_hand) <= 1e-5 * by_hand,
+              "weighted loss %.9g, by hand %.9g", history_value(m, "loss", 0), by_hand);
+        CHECK(mpt_model_fit(c, d, &(mpt_fit_desc){.epochs = 1, .batch_size = N_SYN,
+                                                  .class_weight = cw,
+                                                  .class_weight_count = CLASSES}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        CHECK(fabs(history_value(c, "loss", 0) - with_classes) <= 1e-5 * with_classes,
+              "sample × class weights: loss %.9g, by hand %.9g", history_value(c, "loss", 0),
+              with_classes);
+        /* (2) evaluate in batches of 7; a split's tail keeps its weights */
+        by_hand = weighted_xent(m, d, y, w, NULL, 0, N_SYN) / N_SYN;
+        CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(fabs(mpt_logs_get(&logs, "loss") - by_hand) <= 1e-5 * by_hand,
+              "evaluate's loss %.9g, by hand %.9g", mpt_logs_get(&logs, "loss"), by_hand);
+        CHECK(mpt_dataset_split(ctx, d, 150, NULL, &tail) == MPT_OK, "split: %s",
+              mpt_context_error(ctx));
+        by_hand = weighted_xent(m, tail, y, w, NULL, 150, N_SYN - 150) / (N_SYN - 150);
+        CHECK(mpt_model_evaluate(m, tail, &(mpt_evaluate_desc){.batch_size = 7}, &logs) ==
+                      MPT_OK &&
+                  fabs(mpt_logs_get(&logs, "loss") - by_hand) <= 1e-5 * by_hand,
+              "a view's loss %.9g, by hand %.9g", mpt_logs_get(&logs, "loss"), by_hand);
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 16, .no_shuffle = 1,
+                                                  .validation_split = 0.25f}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        by_hand = weighted_xent(m, tail, y, w, NULL, 150, N_SYN - 150) / (N_SYN - 150);
+        CHECK(fabs(history_value(m, "val_loss", 0) - by_hand) <= 1e-5 * by_hand,
+              "validation_split's val_loss %.9g, by hand %.9g", history_value(m, "val_loss", 0),
+              by_hand);
+        mpt_dataset_destroy(tail);
+        mpt_model_destroy(m);
+        mpt_model_destroy(c);
+    }
+    {   /* (3) */
+        mpt_model *a = weighted_model(MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0.02f),
+                  *b = weighted_model(MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0.02f),
+                  *c = weighted_model(MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0.01f);
+        mpt_fit_desc fit = {.epochs = 2, .batch_size = 16};
+        CHECK(mpt_model_fit(a, plain, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(b, d1, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(c, d2, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(same_state(a, b), "sample weights of 1 changed the training");
+        CHECK(same_state(a, c), "sample weights of 2 differ from twice the learning rate");
+        CHECK(history_value(c, "loss", 1) == 2 * history_value(a, "loss", 1),
+              "loss %.17g, not twice %.17g", history_value(c, "loss", 1),
+              history_value(a, "loss", 1));
+        mpt_model_destroy(a);
+        mpt_model_destroy(b);
+        mpt_model_destroy(c);
+    }
+    {   /* (4) a mixed-precision model with dropout, shuffled, in 1 and 2 threads */
+        mpt_context *saved = ctx, *one = path_ctx(1, 0), *two = path_ctx(2, 0);
+        mpt_model *m[2];
+        int t;
+        for (t = 0; t < 2; t++) {
+            mpt_dataset *dt;
+            ctx = t ? two : one;
+            dt = weighted_blobs(x, y, w, N_SYN);
+            m[t] = blob_model(MPT_POLICY_MIXED_FLOAT16, 9);
+            CHECK(mpt_model_fit(m[t], dt, &(mpt_fit_desc){.epochs = 2, .batch_size = 24}) ==
+                      MPT_OK,
+                  "fit: %s", mpt_context_error(ctx));
+            mpt_dataset_destroy(dt);
+        }
+        ctx = saved;
+        CHECK(same_state(m[0], m[1]), "1 and 2 threads trained differently with sample weights");
+        CHECK(history_value(m[0], "loss", 1) == history_value(m[1], "loss", 1),
+              "losses %.17g and %.17g", history_value(m[0], "loss", 1),
+              history_value(m[1], "loss", 1));
+        mpt_model_destroy(m[0]);
+        mpt_model_destroy(m[1]);
+        mpt_context_destroy(one);
+        mpt_context_destroy(two);
+    }
+    {   /* (5) */
+        float bad[N_SYN];
+        mpt_tensor tx, ty, tw;
+        mpt_dataset *v = NULL, *e = NULL;
+        memcpy(bad, w, sizeof bad);
+        bad[17] = -1;
+        CHECK(mpt_dataset_set_sample_weight(ctx, plain, bad, N_SYN) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "sample_weight[17] = -1"),
+              "negative weight: %s", mpt_context_error(ctx));
+        bad[17] = NAN;
+        CHECK(mpt_dataset_set_sample_weight(ctx, plain, bad, N_SYN) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "sample_weight[17] = nan"),
+              "NaN weight: %s", mpt_context_error(ctx));
+        bad[17] = INFINITY;
+        CHECK(mpt_dataset_set_sample_weight(ctx, plain, bad, N_SYN) == MPT_ERR_INVALID_ARGUMENT,
+              "an infinite weight was taken");
+        CHECK(mpt_dataset_set_sample_weight(ctx, plain, w, N_SYN - 1) == MPT_ERR_SHAPE &&
+                  strstr(mpt_context_error(ctx), "has 199 weights but the dataset has 200"),
+              "short weights: %s", mpt_context_error(ctx));
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, y);
+        mpt_tensor_wrap(ctx, &tw, MPT_FLOAT32, 1, (int64_t[]){N_SYN - 1}, w);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty,
+                                                           .sample_weight = &tw}, &e) ==
+                      MPT_ERR_SHAPE && !e,
+              "a dataset with short weights: %s", mpt_context_error(ctx));
+        mpt_tensor_wrap(ctx, &tw, MPT_INT32, 1, (int64_t[]){N_SYN}, y);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty,
+                                                           .sample_weight = &tw}, &e) ==
+                      MPT_ERR_DTYPE && strstr(mpt_context_error(ctx), "must be float32"),
+              "int32 weights: %s", mpt_context_error(ctx));
+        CHECK(mpt_dataset_split(ctx, plain, 100, &v, NULL) == MPT_OK, "split: %s",
+              mpt_context_error(ctx));
+        CHECK(mpt_dataset_set_sample_weight(ctx, v, w, 100) == MPT_ERR_STATE &&
+                  strstr(mpt_context_error(ctx), "of a view"),
+              "weights on a view: %s", mpt_context_error(ctx));
+        /* set on the root after the split: the view reads them; removed: none */
+        CHECK(mpt_dataset_set_sample_weight(ctx, plain, twos, N_SYN) == MPT_OK, "set: %s",
+              mpt_context_error(ctx));
+        {
+            mpt_model *a = weighted_model(MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0.01f);
+            double unweighted, weighted;
+            mpt_model_evaluate(a, v, NULL, &logs);
+            weighted = mpt_logs_get(&logs, "loss");
+            CHECK(mpt_dataset_set_sample_weight(ctx, plain, NULL, 0) == MPT_OK, "remove: %s",
+                  mpt_context_error(ctx));
+            mpt_model_evaluate(a, v, NULL, &logs);
+            unweighted = mpt_logs_get(&logs, "loss");
+            CHECK(weighted == 2 * unweighted, "a view's loss %.17g with weights 2, %.17g without",
+                  weighted, unweighted);
+            mpt_model_destroy(a);
+        }
+        mpt_dataset_destroy(v);
+    }
+    mpt_dataset_destroy(d);
+    mpt_dataset_destroy(d1);
+    mpt_dataset_destroy(d2);
+    mpt_dataset_destroy(plain);
+}
+
+/* Keras' compile(weighted_metrics=...): each value Σ w·metric / Σ w,
+   computed here in double from predict's outputs, over uneven batches,
+   in float32 and mixed_float16: a regression's errors and a classifier's
+   accuracy and precision and recall; a metric in both lists is logged
+   plain and as "weighted_<name>", one in weighted_metrics alone under its
+   own name; a dataset without weights gives the plain values. */
+static void test_weighted_metrics(void) {
+    static float x[N_REG * REG_IN], y[N_REG * REG_OUT], w[N_REG];
+    mpt_policy policies[2] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16};
+    mpt_dataset *d;
+    int64_t i, k;
+    int pi;
+    for (i = 0; i < N_REG; i++) { /* its own draws: the other tests' stay as they were */
+        for (k = 0; k < REG_IN; k++) {
+            uint32_t r[4];
+            mpt_philox4x32(11, (uint64_t)i, (uint64_t)k, r);
+            x[i * REG_IN + k] = (float)(r[0] / 2147483648.0 - 1);
+        }
+        y[i * REG_OUT] = 2 * x[i * REG_IN] - x[i * REG_IN + 1];
+        y[i * REG_OUT + 1] = x[i * REG_IN + 2] * x[i * REG_IN + 3] + 0.5f;
+    }
+    sample_weights(w, N_REG);
+    d = regression_dataset(x, y, N_REG);
+    for (pi = 0; pi < 2; pi++) {
+        mpt_model *m = NULL;
+        mpt_logs logs, plain_logs;
+        mpt_tensor pred;
+        double sw = 0, abs_err = 0, sq = 0, pct = 0, plain_abs = 0;
+        CHECK(mpt_dataset_set_sample_weight(ctx, d, NULL, 0) == MPT_OK, "unset: %s",
+              mpt_context_error(ctx));
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {REG_IN}, .input_rank = 1,
+                                                .policy = policies[pi], .seed = 4}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = REG_OUT});
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .optimizer = {.learning_rate = 0.01f},
+                  .loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR},
+                  .metrics = MPT_METRIC_MEAN_ABSOLUTE_ERROR,
+                  .weighted_metrics = MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |
+                                      MPT_METRIC_ROOT_MEAN_SQUARED_ERROR |
+                                      MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR}) == MPT_OK,
+              "compile: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        /* no weights: each 1, the plain value */
+        CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &plain_logs) ==
+                  MPT_OK, "evaluate: %s", mpt_context_error(ctx));
+        CHECK(fabs(mpt_logs_get(&plain_logs, "weighted_mean_absolute_error") -
+                   mpt_logs_get(&plain_logs, "mean_absolute_error")) <=
+                  1e-12 * mpt_logs_get(&plain_logs, "mean_absolute_error"),
+              "unweighted: weighted mae %.17g, mae %.17g",
+              mpt_logs_get(&plain_logs, "weighted_mean_absolute_error"),
+              mpt_logs_get(&plain_logs, "mean_absolute_error"));
+        CHECK(mpt_dataset_set_sample_weight(ctx, d, w, N_REG) == MPT_OK, "set: %s",
+              mpt_context_error(ctx));
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 16,
+                                                  .validation_split = 0.25f}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        CHECK(!isnan(history_value(m, "val_weighted_mean_absolute_error", 0)) &&
+                  !isnan(history_value(m, "val_mean_squared_error", 0)) &&
+                  !isnan(history_value(m, "weighted_mean_absolute_error", 0)),
+              "the weighted metrics' history keys are missing");
+        CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(m, d, 32, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+        for (i = 0; i < N_REG; i++) {
+            double sa = 0, ss = 0, sp = 0;
+            for (k = 0; k < REG_OUT; k++) {
+                double t = y[i * REG_OUT + k], e = fabs(t - ((const float *)pred.data)[i * REG_OUT + k]);
+                sa += e;
+                ss += e * e;
+                sp += 100 * e / (fabs(t) > 1e-7 ? fabs(t) : 1e-7);
+            }
+            sw += w[i];
+            abs_err += w[i] * sa / REG_OUT;
+            sq += w[i] * ss / REG_OUT;
+            pct += w[i] * sp / REG_OUT;
+            plain_abs += sa / REG_OUT;
+        }
+        mpt_tensor_free(ctx, &pred);
+#define CLOSE(name, want)                                                                  \
+    CHECK(fabs(mpt_logs_get(&logs, name) - (want)) <= 1e-12 * (want), "%s %s %.17g vs %.17g", \
+          mpt_policy_name(policies[pi]), name, mpt_logs_get(&logs, name), (double)(want))
+        CLOSE("mean_absolute_error", plain_abs / N_REG);
+        CLOSE("weighted_mean_absolute_error", abs_err / sw);
+        CLOSE("mean_squared_error", sq / sw);
+        CLOSE("root_mean_squared_error", sqrt(sq / sw));
+        CLOSE("mean_absolute_percentage_error", pct / sw);
+#undef CLOSE
+        mpt_model_destroy(m);
+    }
+    mpt_dataset_destroy(d);
+    {   /* a classifier's weighted accuracy; a binary one's precision and recall */
+        static float bx[N_SYN * FEATURES], bw[N_SYN], t[N_SYN];
+        static int32_t by[N_SYN];
+        mpt_dataset *c, *b;
+        mpt_tensor pred, tx, ty, tw;
+        mpt_model *m = NULL;
+        mpt_logs logs;
+        double right = 0, sw = 0, tp = 0, fp = 0, fn = 0;
+        make_blobs(bx, by, N_SYN, 6);
+        sample_weights(bw, N_SYN);
+        c = weighted_blobs(bx, by, bw, N_SYN);
+        m = blob_model(MPT_POLICY_MIXED_FLOAT16, 5);
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .optimizer = {.learning_rate = 0.01f},
+                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                  .metrics = MPT_METRIC_ACCURACY, .weighted_metrics = MPT_METRIC_ACCURACY}) ==
+                  MPT_OK, "compile: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(m, c, &(mpt_fit_desc){.epochs = 1, .batch_size = 32}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_evaluate(m, c, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(m, c, 32, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+        for (i = 0; i < N_SYN; i++) {
+            const float *p = (const float *)pred.data + i * CLASSES;
+            int best = 0;
+            for (k = 1; k < CLASSES; k++) best = p[k] > p[best] ? (int)k : best;
+            right += bw[i] * (best == by[i]);
+            sw += bw[i];
+        }
+        mpt_tensor_free(ctx, &pred);
+        CHECK(fabs(mpt_logs_get(&logs, "weighted_accuracy") - right / sw) <= 1e-12,
+              "weighted accuracy %.17g vs %.17g", mpt_logs_get(&logs, "weighted_accuracy"),
+              right / sw);
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(c);
+        for (i = 0; i < N_SYN; i++) t[i] = by[i] == 1 ? 1.0f : 0.0f;
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, bx);
+        mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){N_SYN, 1}, t);
+        mpt_tensor_wrap(ctx, &tw, MPT_FLOAT32, 1, (int64_t[]){N_SYN}, bw);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty,
+                                                           .sample_weight = &tw}, &b) == MPT_OK,
+              "dataset: %s", mpt_context_error(ctx));
+        m = NULL;
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                                .seed = 6}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 1, .activation = MPT_ACT_SIGMOID});
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .optimizer = {.learning_rate = 0.05f},
+                  .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
+                  .weighted_metrics = MPT_METRIC_PRECISION | MPT_METRIC_RECALL}) == MPT_OK,
+              "compile: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(m, b, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
+              "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_evaluate(m, b, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(m, b, 32, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+        for (i = 0; i < N_SYN; i++) {
+            int predicted = ((const float *)pred.data)[i] > 0.5f, labelled = t[i] != 0;
+            tp += bw[i] * (predicted && labelled);
+            fp += bw[i] * (predicted && !labelled);
+            fn += bw[i] * (!predicted && labelled);
+        }
+        mpt_tensor_free(ctx, &pred);
+        CHECK(tp > 0, "a degenerate classifier");
+        CHECK(fabs(mpt_logs_get(&logs, "precision") - tp / (tp + fp)) <= 1e-12 &&
+                  fabs(mpt_logs_get(&logs, "recall") - tp / (tp + fn)) <= 1e-12,
+              "weighted precision %.17g vs %.17g, recall %.17g vs %.17g",
+              mpt_logs_get(&logs, "precision"), tp / (tp + fp), mpt_logs_get(&logs, "recall"),
+              tp / (tp + fn));
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(b);
+    }
+    {
+        mpt_model *m = blob_model(MPT_POLICY_FLOAT32, 3);
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                  .weighted_metrics = MPT_METRIC_MEAN_ABSOLUTE_ERROR}) ==
+                      MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "weighted_metrics mean_absolute_error"),
+              "weighted error metrics with a crossentropy: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                  .weighted_metrics = 1 << 20}) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "weighted_metrics 0x100000 has unknown bits"),
+              "unknown weighted metric: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+    }
+}
+
 /* With one-hot targets Keras names the top-k metric
    top_k_categorical_accuracy; it counts as the sparse one does. */
 static void test_top_k_of_one_hot_targets(void) {
@@ -515,8 +897,10 @@ static int unchanged(const mpt_model *m, snapshot *s) {
 static mpt_status train_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y) {
     mpt__step_times times = {0, 0, 0};
     mpt_step_state st;
+    mpt_tensor none; /* no sample weights */
     mpt_status s = mpt__state_push(m);
-    if (s == MPT_OK) s = mpt__train_step(m, x, y, &times);
+    memset(&none, 0, sizeof none);
+    if (s == MPT_OK) s = mpt__train_step(m, x, y, &none, &times);
     if (s == MPT_OK) s = mpt__state_pull(m, &st);
     return s;
 }
@@ -1785,6 +2169,8 @@ static void run_cases(void) {
     TEST_RUN(test_top_k_of_one_hot_targets);
     TEST_RUN(test_precision_and_recall);
     TEST_RUN(test_class_weight);
+    TEST_RUN(test_sample_weight);
+    TEST_RUN(test_weighted_metrics);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
     TEST_RUN(test_default_loss_scale);

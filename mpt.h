@@ -8963,6 +8963,13 @@ static int64_t mpt__mha_value_dim(const mpt__layer *L) {
     return d->value_dim ? d->value_dim : d->key_dim;
 }
 
+/* The columns a projection gives (its bias's length): H·key_dim for the
+   query and key, H·value_dim for the value, output_dim for the output. */
+static int64_t mpt__mha_projection_width(const mpt__layer *L, int projection) {
+    const mpt__param *K = L->param[mpt__mha_kernel_slot(L, projection)];
+    return projection == MPT__MHA_OUTPUT ? K->shape[2] : K->shape[1] * K->shape[2];
+}
+
 /* Which of L's inputs is the query, the value and the key (Keras' call
    order query, value, key; one input is all three, two the query and a
    value that is also the key). */
@@ -30764,8 +30771,11 @@ typedef enum mpt__export_kind {
                                     gamma, bias beta (D each; 1 and 0 without) */
     MPT__EXPORT_EMBEDDING,       /* the rows of kernel, the table (input_dim, D),
                                     at the int32 ids                            */
-    MPT__EXPORT_POSITIONS        /* PositionEmbedding: kernel, the table's first T
+    MPT__EXPORT_POSITIONS,       /* PositionEmbedding: kernel, the table's first T
                                     rows (T, D), a constant without the batch   */
+    MPT__EXPORT_ATTENTION        /* MultiHeadAttention: kernel the query's, key's,
+                                    value's and output's kernels one after the
+                                    other, bias their biases (zeros without)    */
 } mpt__export_kind;
 
 typedef struct mpt__export_step {
@@ -30806,20 +30816,24 @@ typedef struct mpt__export_plan {
     int n_calls;
 } mpt__export_plan;
 
+/* The host copy of layer L's parameter k. */
+static const float *mpt__export_param_at(const mpt__export_plan *pl, const mpt__layer *L, int k) {
+    const mpt__param *P = L->param[k];
+    size_t at;
+    if (!pl->mirror) return P->value;
+    at = (size_t)((const unsigned char *)P->value -
+                  (const unsigned char *)pl->m->arena[MPT__MEM_PARAMS]);
+    return (const float *)(pl->mirror + at);
+}
+
 /* The host copy of a layer's parameter ("kernel", "moving_mean"); NULL if
    the layer has none by that name (a Dense without bias). */
 static const float *mpt__export_param(const mpt__export_plan *pl, const mpt__layer *L,
                                       const char *what) {
     int k;
     for (k = 0; k < L->n_params; k++) {
-        const mpt__param *P = L->param[k];
-        const char *slash = strrchr(P->name, '/');
-        size_t at;
-        if (!slash || strcmp(slash + 1, what) != 0) continue;
-        if (!pl->mirror) return P->value;
-        at = (size_t)((const unsigned char *)P->value -
-                      (const unsigned char *)pl->m->arena[MPT__MEM_PARAMS]);
-        return (const float *)(pl->mirror + at);
+        const char *slash = strrchr(L->param[k]->name, '/');
+        if (slash && strcmp(slash + 1, what) == 0) return mpt__export_param_at(pl, L, k);
     }
     return NULL;
 }
@@ -30932,6 +30946,35 @@ static mpt_status mpt__export_layer_norm(mpt__export_plan *pl, int *cap, const m
     for (c = 0; c < D; c++) {
         s->kernel[c] = gamma ? gamma[c] : 1.0f;
         s->bias[c] = beta ? beta[c] : 0.0f;
+    }
+    return MPT_OK;
+}
+
+/* MultiHeadAttention: one step holding its four kernels and four biases
+   in Keras' order, each as the layer keeps it ((D, H·width) rows, the
+   output's (H·value_dim, output_dim)); the formats write the attention
+   from them (mpt__tfl_attention, mpt__onnx_attention). */
+static mpt_status mpt__export_attention(mpt__export_plan *pl, int *cap, const mpt__layer *L) {
+    int64_t kernels = 0, biases = 0, k_at = 0, b_at = 0;
+    int pr;
+    mpt__export_step *s;
+    for (pr = 0; pr < MPT__MHA_PROJECTIONS; pr++) {
+        kernels += L->param[mpt__mha_kernel_slot(L, pr)]->count;
+        biases += mpt__mha_projection_width(L, pr);
+    }
+    MPT__CHECK(mpt__export_step_add(pl, cap, MPT__EXPORT_ATTENTION, L, kernels, biases));
+    s = &pl->steps[pl->n - 1];
+    for (pr = 0; pr < MPT__MHA_PROJECTIONS; pr++) {
+        int kernel = mpt__mha_kernel_slot(L, pr), bias = mpt__mha_bias_slot(L, pr);
+        const mpt__param *K = L->param[kernel];
+        int64_t width = mpt__mha_projection_width(L, pr);
+        memcpy(s->kernel + k_at, mpt__export_param_at(pl, L, kernel),
+               sizeof(float) * (size_t)K->count);
+        if (bias >= 0)
+            memcpy(s->bias + b_at, mpt__export_param_at(pl, L, bias),
+                   sizeof(float) * (size_t)width);
+        k_at += K->count;
+        b_at += width;
     }
     return MPT_OK;
 }
@@ -31100,6 +31143,7 @@ static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__l
     case MPT__LAYER_LAYER_NORMALIZATION: return mpt__export_layer_norm(pl, cap, L);
     case MPT__LAYER_EMBEDDING: return mpt__export_table(pl, cap, L, MPT__EXPORT_EMBEDDING);
     case MPT__LAYER_POSITION_EMBEDDING: return mpt__export_positions(pl, cap, L);
+    case MPT__LAYER_MULTI_HEAD_ATTENTION: return mpt__export_attention(pl, cap, L);
     default: return mpt__export_unsupported(pl, L, "has no counterpart in the export");
     }
 }
@@ -31387,7 +31431,7 @@ enum { /* BuiltinOperator */
     MPT__TFL_LOGISTIC = 14, MPT__TFL_MAX_POOL_2D = 17, MPT__TFL_MUL = 18, MPT__TFL_RELU = 19,
     MPT__TFL_RESHAPE = 22, MPT__TFL_SOFTMAX = 25, MPT__TFL_TANH = 28, MPT__TFL_PAD = 34,
     MPT__TFL_GATHER = 36, MPT__TFL_SUB = 41, MPT__TFL_QUANTIZE = 114, MPT__TFL_GELU = 150,
-    MPT__TFL_MEAN = 40, MPT__TFL_RSQRT = 76
+    MPT__TFL_MEAN = 40, MPT__TFL_RSQRT = 76, MPT__TFL_TRANSPOSE = 39, MPT__TFL_BATCH_MATMUL = 126
 };
 enum { /* TensorType */
     MPT__TFL_FLOAT32 = 0, MPT__TFL_FLOAT16 = 1, MPT__TFL_INT32 = 2, MPT__TFL_UINT8 = 3,
@@ -31398,7 +31442,8 @@ enum { /* BuiltinOptions: the union's type ids */
     MPT__TFL_FULLY_CONNECTED_OPTIONS = 8, MPT__TFL_SOFTMAX_OPTIONS = 9,
     MPT__TFL_CONCATENATION_OPTIONS = 10, MPT__TFL_ADD_OPTIONS = 11, MPT__TFL_RESHAPE_OPTIONS = 17,
     MPT__TFL_MUL_OPTIONS = 21, MPT__TFL_PAD_OPTIONS = 22, MPT__TFL_GATHER_OPTIONS = 23,
-    MPT__TFL_SUB_OPTIONS = 28, MPT__TFL_GELU_OPTIONS = 116, MPT__TFL_REDUCER_OPTIONS = 27
+    MPT__TFL_SUB_OPTIONS = 28, MPT__TFL_GELU_OPTIONS = 116, MPT__TFL_REDUCER_OPTIONS = 27,
+    MPT__TFL_TRANSPOSE_OPTIONS = 26, MPT__TFL_BATCH_MATMUL_OPTIONS = 101
 };
 enum { MPT__TFL_SAME = 0, MPT__TFL_VALID = 1 }; /* Padding */
 enum { MPT__TFL_ACT_NONE = 0, MPT__TFL_ACT_RELU = 1 }; /* ActivationFunctionType */
@@ -31796,11 +31841,11 @@ static int32_t mpt__tfl_pad(mpt__tfl *g, const mpt__export_step *s, int32_t x) {
     return y;
 }
 
-/* LayerNormalization's op(a, b) (b < 0: op(a)) into a new tensor
-   "<layer>/<what>" of a batch and `rank` sample axes `shape`; options:
-   ADD's, SUB's or MUL's (no fused activation), REDUCER's (keep_dims), or
-   none. */
-static int32_t mpt__tfl_ln_op(mpt__tfl *g, const char *layer, const char *what, int code,
+/* op(a, b) (b < 0: op(a)) into a new tensor "<layer>/<what>" of a batch
+   and `rank` sample axes `shape` (LayerNormalization's and the attention's
+   element-wise steps); options: ADD's, SUB's or MUL's (no fused
+   activation), REDUCER's (keep_dims), or none. */
+static int32_t mpt__tfl_new_op(mpt__tfl *g, const char *layer, const char *what, int code,
                               int options, int32_t a, int32_t b, int rank, const int64_t *shape) {
     int32_t y = mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, rank, shape, 1, 0);
     mpt__tfl_op *op = mpt__tfl_op_add(g, code, a, b, 0, b >= 0 ? 2 : 1, y);
@@ -31836,23 +31881,218 @@ static int32_t mpt__tfl_layer_norm(mpt__tfl *g, const mpt__export_step *s, int32
     mpt__tb_put_le(bits, u, 4);
     eps = mpt__tfl_tensor_add(g, name, "epsilon", MPT__TFL_FLOAT32, 1, &one, 0,
                               mpt__tfl_buffer_add(g, bits, 4));
-    mean = mpt__tfl_ln_op(g, name, "mean", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, x, axes,
+    mean = mpt__tfl_new_op(g, name, "mean", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, x, axes,
                            rank, reduced);
-    centred = mpt__tfl_ln_op(g, name, "centred", MPT__TFL_SUB, MPT__TFL_SUB_OPTIONS, x, mean,
+    centred = mpt__tfl_new_op(g, name, "centred", MPT__TFL_SUB, MPT__TFL_SUB_OPTIONS, x, mean,
                               rank, shape);
-    t = mpt__tfl_ln_op(g, name, "squared", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, centred,
+    t = mpt__tfl_new_op(g, name, "squared", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, centred,
                         rank, shape);
-    t = mpt__tfl_ln_op(g, name, "variance", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, t, axes,
+    t = mpt__tfl_new_op(g, name, "variance", MPT__TFL_MEAN, MPT__TFL_REDUCER_OPTIONS, t, axes,
                         rank, reduced);
-    t = mpt__tfl_ln_op(g, name, "variance_epsilon", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t, eps,
+    t = mpt__tfl_new_op(g, name, "variance_epsilon", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t, eps,
                         rank, reduced);
-    t = mpt__tfl_ln_op(g, name, "inv_std", MPT__TFL_RSQRT, 0, t, -1, rank, reduced);
-    t = mpt__tfl_ln_op(g, name, "normalized", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, t,
+    t = mpt__tfl_new_op(g, name, "inv_std", MPT__TFL_RSQRT, 0, t, -1, rank, reduced);
+    t = mpt__tfl_new_op(g, name, "normalized", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, centred, t,
                         rank, shape);
-    t = mpt__tfl_ln_op(g, name, "scaled", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, t,
+    t = mpt__tfl_new_op(g, name, "scaled", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, t,
                         mpt__tfl_constant(g, name, "gamma", 1, &D, s->kernel, D), rank, shape);
-    return mpt__tfl_ln_op(g, name, "output", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t,
+    return mpt__tfl_new_op(g, name, "output", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t,
                            mpt__tfl_constant(g, name, "beta", 1, &D, s->bias, D), rank, shape);
+}
+
+/* ---- MultiHeadAttention from TFLite's builtins -------------------------------- */
+
+/* A float32 constant that is part of an op, not a weight (the scale, the
+   causal mask): float32 whatever the weights' dtype. */
+static int32_t mpt__tfl_float32_tensor(mpt__tfl *g, const char *layer, const char *what,
+                                       int rank, const int64_t *shape, const float *values) {
+    int64_t n = mpt__shape_count(rank, shape), i;
+    unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4 * (size_t)n + 1);
+    if (!data) {
+        g->failed = 1;
+        return 0;
+    }
+    for (i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &values[i], 4);
+        mpt__tb_put_le(data + 4 * i, bits, 4);
+    }
+    return mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, rank, shape, 0,
+                               mpt__tfl_buffer_add(g, data, 4 * (size_t)n));
+}
+
+/* A projection of the rows of x (T, in) by kernel (in, cols), as the layer
+   keeps it, plus bias: FULLY_CONNECTED with keep_num_dims, into a new
+   tensor (T, cols). */
+static int32_t mpt__tfl_projection(mpt__tfl *g, const char *layer, const char *what, int32_t x,
+                                   int64_t T, int64_t in, int64_t cols, const float *kernel,
+                                   const float *bias) {
+    float *w = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)(in * cols) + 1);
+    int64_t shape[2], r, c;
+    int32_t weights, b, y;
+    char name[64];
+    mpt__tfl_op *op;
+    if (!w) {
+        g->failed = 1;
+        return x;
+    }
+    for (r = 0; r < in; r++) /* TFLite keeps the output channels first */
+        for (c = 0; c < cols; c++) w[c * in + r] = kernel[r * cols + c];
+    shape[0] = cols;
+    shape[1] = in;
+    snprintf(name, sizeof name, "%.40s/kernel", what);
+    weights = mpt__tfl_constant(g, layer, name, 2, shape, w, in * cols);
+    mpt__free(g->pl->m->ctx, w);
+    snprintf(name, sizeof name, "%.40s/bias", what);
+    b = mpt__tfl_constant(g, layer, name, 1, &cols, bias, cols);
+    shape[0] = T;
+    shape[1] = cols;
+    y = mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, 2, shape, 1, 0);
+    op = mpt__tfl_op_add(g, MPT__TFL_FULLY_CONNECTED, x, weights, b, 3, y);
+    if (op) {
+        op->options = MPT__TFL_FULLY_CONNECTED_OPTIONS;
+        op->opt[0] = MPT__TFL_ACT_NONE;
+        op->opt[2] = 1; /* keep_num_dims */
+        op->n_opt = 3;
+    }
+    return y;
+}
+
+/* x (a, b, c, d) with its axes 1 and 2 swapped: TRANSPOSE by (0, 2, 1, 3),
+   into a new tensor of sample shape `to` (3 axes). */
+static int32_t mpt__tfl_swap_axes(mpt__tfl *g, const char *layer, const char *what, int32_t x,
+                                  const int64_t *to) {
+    static const int32_t perm[4] = {0, 2, 1, 3};
+    int64_t four = 4;
+    int32_t y = mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, 3, to, 1, 0);
+    char name[64];
+    mpt__tfl_op *op;
+    snprintf(name, sizeof name, "%.40s_perm", what);
+    op = mpt__tfl_op_add(g, MPT__TFL_TRANSPOSE, x,
+                         mpt__tfl_int32_tensor(g, layer, name, perm, 1, &four), 0, 2, y);
+    if (op) op->options = MPT__TFL_TRANSPOSE_OPTIONS;
+    return y;
+}
+
+/* x reshaped to (batch, sample shape `to`, `rank` axes) into a new tensor. */
+static int32_t mpt__tfl_reshape(mpt__tfl *g, const char *layer, const char *what, int32_t x,
+                                int rank, const int64_t *to) {
+    int32_t dims[4], y = mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, rank, to, 1, 0);
+    char name[64];
+    mpt__tfl_op *op;
+    int i;
+    dims[0] = -1;
+    for (i = 0; i < rank; i++) dims[i + 1] = (int32_t)to[i];
+    snprintf(name, sizeof name, "%.40s_shape", what);
+    op = mpt__tfl_op_add(g, MPT__TFL_RESHAPE, x,
+                         mpt__tfl_int32_constant(g, layer, name, dims, rank + 1), 0, 2, y);
+    if (!op) return y;
+    op->options = MPT__TFL_RESHAPE_OPTIONS; /* new_shape, as the shape input says */
+    memcpy(op->opt, dims, sizeof(int32_t) * (size_t)(rank + 1));
+    op->n_opt = rank + 1;
+    return y;
+}
+
+/* Rows (T, H·width) as heads (H, T, width): RESHAPE, then TRANSPOSE. */
+static int32_t mpt__tfl_heads(mpt__tfl *g, const char *layer, const char *what, int32_t x,
+                              int64_t T, int64_t H, int64_t width) {
+    int64_t split[3], heads[3];
+    char name[64];
+    split[0] = T, split[1] = H, split[2] = width;
+    heads[0] = H, heads[1] = T, heads[2] = width;
+    snprintf(name, sizeof name, "%.40s_split", what);
+    return mpt__tfl_swap_axes(g, layer, what, mpt__tfl_reshape(g, layer, name, x, 3, split),
+                              heads);
+}
+
+/* BATCH_MATMUL(a, b), b transposed when adj_y, into a new tensor (H, m, n). */
+static int32_t mpt__tfl_batch_matmul(mpt__tfl *g, const char *layer, const char *what,
+                                     int32_t a, int32_t b, int adj_y, int64_t H, int64_t m,
+                                     int64_t n) {
+    int64_t shape[3];
+    int32_t y;
+    mpt__tfl_op *op;
+    shape[0] = H, shape[1] = m, shape[2] = n;
+    y = mpt__tfl_tensor_add(g, layer, what, MPT__TFL_FLOAT32, 3, shape, 1, 0);
+    op = mpt__tfl_op_add(g, MPT__TFL_BATCH_MATMUL, a, b, 0, 2, y);
+    if (op) op->options = MPT__TFL_BATCH_MATMUL_OPTIONS, op->opt[1] = adj_y, op->n_opt = 2;
+    return y;
+}
+
+/* The causal mask as scores to add: 0 where query i sees key j, −1e9
+   (Keras' large negative) where it does not, so that the softmax gives
+   those keys no weight. */
+static int32_t mpt__tfl_causal_mask(mpt__tfl *g, const char *layer, int64_t Tq, int64_t Tk) {
+    float *mask = (float *)mpt__alloc(g->pl->m->ctx, sizeof(float) * (size_t)(Tq * Tk) + 1);
+    int64_t shape[2], i, j;
+    int32_t t;
+    if (!mask) {
+        g->failed = 1;
+        return 0;
+    }
+    for (i = 0; i < Tq; i++)
+        for (j = 0; j < Tk; j++) mask[i * Tk + j] = j < mpt__attn_keys_seen(i, Tk, 1, 0) ? 0 : -1e9f;
+    shape[0] = Tq;
+    shape[1] = Tk;
+    t = mpt__tfl_float32_tensor(g, layer, "causal_mask", 2, shape, mask);
+    mpt__free(g->pl->m->ctx, mask);
+    return t;
+}
+
+/* MultiHeadAttention: the projections as FULLY_CONNECTED, the heads split
+   by RESHAPE and TRANSPOSE, S = BATCH_MATMUL(Q, K, adj_y) times the scale
+   (plus the causal mask), SOFTMAX, BATCH_MATMUL by V, the heads joined
+   again, and the output projection. */
+static int32_t mpt__tfl_attention(mpt__tfl *g, const mpt__export_step *s, const int32_t *value) {
+    const mpt__layer *L = s->L;
+    const char *name = L->name;
+    const int64_t H = L->desc.multi_head_attention.num_heads, dk = L->desc.multi_head_attention.key_dim;
+    const int64_t dv = mpt__mha_value_dim(L), Tq = L->in_shape[0], Tk = L->kv_len;
+    const float scale = (float)(1.0 / sqrt((double)dk));
+    static const char *const what[] = {"query", "key", "value", "attention_output"};
+    int32_t rows[MPT__MHA_PROJECTIONS], t, one_t;
+    int64_t k_at = 0, b_at = 0, one = 1, shape[3];
+    int pr;
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++) {
+        const mpt__param *K = L->param[mpt__mha_kernel_slot(L, pr)];
+        int64_t width = mpt__mha_projection_width(L, pr);
+        rows[pr] = mpt__tfl_projection(g, name, what[pr], value[s->in_node[mpt__mha_input(L, pr)]],
+                                       pr == MPT__MHA_QUERY ? Tq : Tk, K->shape[0], width,
+                                       s->kernel + k_at, s->bias + b_at);
+        k_at += K->count;
+        b_at += width;
+    }
+    rows[MPT__MHA_QUERY] = mpt__tfl_heads(g, name, "query_heads", rows[MPT__MHA_QUERY], Tq, H, dk);
+    rows[MPT__MHA_KEY] = mpt__tfl_heads(g, name, "key_heads", rows[MPT__MHA_KEY], Tk, H, dk);
+    rows[MPT__MHA_VALUE] = mpt__tfl_heads(g, name, "value_heads", rows[MPT__MHA_VALUE], Tk, H, dv);
+    t = mpt__tfl_batch_matmul(g, name, "scores", rows[MPT__MHA_QUERY], rows[MPT__MHA_KEY], 1, H,
+                              Tq, Tk);
+    shape[0] = H, shape[1] = Tq, shape[2] = Tk;
+    one_t = mpt__tfl_float32_tensor(g, name, "scale", 1, &one, &scale);
+    t = mpt__tfl_new_op(g, name, "scaled_scores", MPT__TFL_MUL, MPT__TFL_MUL_OPTIONS, t, one_t, 3,
+                        shape);
+    if (L->desc.multi_head_attention.use_causal_mask)
+        t = mpt__tfl_new_op(g, name, "masked_scores", MPT__TFL_ADD, MPT__TFL_ADD_OPTIONS, t,
+                            mpt__tfl_causal_mask(g, name, Tq, Tk), 3, shape);
+    {
+        int32_t p = mpt__tfl_tensor_add(g, name, "weights", MPT__TFL_FLOAT32, 3, shape, 1, 0);
+        mpt__tfl_op *op = mpt__tfl_op_add(g, MPT__TFL_SOFTMAX, t, 0, 0, 1, p);
+        if (op) {
+            float beta = 1.0f;
+            op->options = MPT__TFL_SOFTMAX_OPTIONS;
+            memcpy(&op->opt[0], &beta, 4);
+            op->n_opt = 1;
+        }
+        t = p;
+    }
+    t = mpt__tfl_batch_matmul(g, name, "context", t, rows[MPT__MHA_VALUE], 0, H, Tq, dv);
+    shape[0] = Tq, shape[1] = H, shape[2] = dv;
+    t = mpt__tfl_swap_axes(g, name, "context_rows", t, shape);
+    shape[1] = H * dv;
+    t = mpt__tfl_reshape(g, name, "context_joined", t, 2, shape);
+    return mpt__tfl_projection(g, name, "output", t, Tq, H * dv,
+                               mpt__mha_projection_width(L, MPT__MHA_OUTPUT), s->kernel + k_at,
+                               s->bias + b_at);
 }
 
 /* Embedding: GATHER along axis 0 of the table (a constant) at the int32
@@ -31928,6 +32168,7 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32
     case MPT__EXPORT_PAD: return mpt__tfl_pad(g, s, x);
     case MPT__EXPORT_LAYER_NORM: return mpt__tfl_layer_norm(g, s, x);
     case MPT__EXPORT_EMBEDDING: return mpt__tfl_embedding(g, s, x);
+    case MPT__EXPORT_ATTENTION: return mpt__tfl_attention(g, s, value);
     case MPT__EXPORT_POSITIONS: /* (T, D): the merge reading it broadcasts it */
         return mpt__tfl_constant(g, s->L->name, "embeddings", rank, shape, s->kernel,
                                  s->kernel_count);
@@ -32334,6 +32575,10 @@ static size_t mpt__tfl_write_options(mpt__fb *b, const mpt__tfl_op *op) {
         break;
     case MPT__TFL_REDUCER_OPTIONS: /* keep_dims */
         mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        break;
+    case MPT__TFL_BATCH_MATMUL_OPTIONS: /* adj_x, adj_y */
+        if (op->opt[0]) mpt__fb_field_scalar(b, 0, (uint64_t)op->opt[0], 1);
+        if (op->opt[1]) mpt__fb_field_scalar(b, 1, (uint64_t)op->opt[1], 1);
         break;
     case MPT__TFL_RESHAPE_OPTIONS: mpt__fb_field_offset(b, 0, new_shape); break;
     default: break;
@@ -32997,6 +33242,141 @@ static void mpt__onnx_positions(mpt__onnx *o, const mpt__export_step *s) {
     o->nchw = 0;
 }
 
+/* Defined below, with the quantized graphs' initializers. */
+static void mpt__onnx_floats_shaped(mpt__onnx *o, const char *name, int rank,
+                                    const int64_t *dims, int64_t n, const float *v);
+static void mpt__onnx_ints(mpt__onnx *o, const char *name, int data_type, int elem, int rank,
+                           const int64_t *dims, int64_t n, const int32_t *v);
+
+/* ---- MultiHeadAttention from opset 13's operators ------------------------------- */
+
+/* The rows of input x (N, T, in) projected: MatMul by kernel (in, cols)
+   and Add bias, into "<layer>/<what>". */
+static void mpt__onnx_projection(mpt__onnx *o, const mpt__layer *L, const char *what,
+                                 const char *x, int64_t in, int64_t cols, const float *kernel,
+                                 const float *bias, char *y, size_t size) {
+    char w[128], b[128], name[32], product[96];
+    int64_t dims[2];
+    dims[0] = in;
+    dims[1] = cols;
+    snprintf(name, sizeof name, "%.20s/kernel", what);
+    mpt__onnx_constant(o, L, name, 2, dims, kernel, in * cols, w, sizeof w);
+    snprintf(name, sizeof name, "%.20s/bias", what);
+    mpt__onnx_constant(o, L, name, 1, &cols, bias, cols, b, sizeof b);
+    snprintf(name, sizeof name, "%.20s/product", what);
+    mpt__onnx_name(product, sizeof product, L, name);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "MatMul", product, x, w, NULL));
+    mpt__onnx_name(y, size, L, what);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Add", y, product, b, NULL));
+}
+
+/* x reshaped to (N, dims...) (dims 0 copies the input's axis, as ONNX's
+   Reshape reads it) into "<layer>/<what>". */
+static void mpt__onnx_reshape(mpt__onnx *o, const mpt__layer *L, const char *what, const char *x,
+                              int rank, const int32_t *dims, char *y, size_t size) {
+    char shape[96], name[32];
+    int64_t n = rank;
+    snprintf(name, sizeof name, "%.20s_shape", what);
+    mpt__onnx_name(shape, sizeof shape, L, name);
+    mpt__onnx_ints(o, shape, MPT__ONNX_INT64, 8, 1, &n, n, dims);
+    mpt__onnx_name(y, size, L, what);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Reshape", y, x, shape, NULL));
+}
+
+/* Transpose of x by perm (4 axes) into "<layer>/<what>". */
+static void mpt__onnx_transpose(mpt__onnx *o, const mpt__layer *L, const char *what,
+                                const char *x, const int64_t *perm, char *y, size_t size) {
+    size_t body;
+    mpt__onnx_name(y, size, L, what);
+    body = mpt__onnx_node(o, "Transpose", y, x, NULL, NULL);
+    mpt__onnx_attr_ints(&o->nodes, "perm", perm, 4);
+    mpt__pb_end(&o->nodes, body);
+}
+
+/* Rows (N, T, H·width) as heads: (N, H, T, width), or (N, H, width, T)
+   for the key (perm), by Reshape and Transpose. */
+static void mpt__onnx_heads(mpt__onnx *o, const mpt__layer *L, const char *what, const char *x,
+                            int64_t T, int64_t H, int64_t width, const int64_t *perm, char *y,
+                            size_t size) {
+    int32_t dims[4];
+    char split[96], name[32];
+    dims[0] = 0, dims[1] = (int32_t)T, dims[2] = (int32_t)H, dims[3] = (int32_t)width;
+    snprintf(name, sizeof name, "%.20s_split", what);
+    mpt__onnx_reshape(o, L, name, x, 4, dims, split, sizeof split);
+    mpt__onnx_transpose(o, L, what, split, perm, y, size);
+}
+
+/* MultiHeadAttention: the projections as MatMul and Add, the heads by
+   Reshape and Transpose, MatMul(Q, Kᵀ) times the scale (plus the causal
+   mask, Keras' −1e9 where a key is not seen), Softmax over the keys,
+   MatMul by V, the heads joined again, and the output projection. */
+static void mpt__onnx_attention(mpt__onnx *o, const mpt__export_step *s,
+                                const mpt__onnx_value *values) {
+    static const int64_t to_heads[4] = {0, 2, 1, 3}, to_keys[4] = {0, 2, 3, 1};
+    static const char *const what[] = {"query", "key", "value"};
+    const mpt__layer *L = s->L;
+    const int64_t H = L->desc.multi_head_attention.num_heads, dk = L->desc.multi_head_attention.key_dim;
+    const int64_t dv = mpt__mha_value_dim(L), Tq = L->in_shape[0], Tk = L->kv_len;
+    const float scale = (float)(1.0 / sqrt((double)dk));
+    char rows[MPT__MHA_OUTPUT][96], heads[MPT__MHA_OUTPUT][96], t[96], u[96], c[96];
+    int64_t k_at = 0, b_at = 0;
+    int32_t joined[3];
+    size_t body;
+    int pr;
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++) {
+        const mpt__param *K = L->param[mpt__mha_kernel_slot(L, pr)];
+        int64_t width = mpt__mha_projection_width(L, pr);
+        char name[32];
+        mpt__onnx_projection(o, L, what[pr], values[s->in_node[mpt__mha_input(L, pr)]].x,
+                             K->shape[0], width, s->kernel + k_at, s->bias + b_at, rows[pr],
+                             sizeof rows[pr]);
+        snprintf(name, sizeof name, "%.20s_heads", what[pr]);
+        mpt__onnx_heads(o, L, name, rows[pr], pr == MPT__MHA_QUERY ? Tq : Tk, H,
+                        pr == MPT__MHA_VALUE ? dv : dk,
+                        pr == MPT__MHA_KEY ? to_keys : to_heads, heads[pr], sizeof heads[pr]);
+        k_at += K->count;
+        b_at += width;
+    }
+    mpt__onnx_name(t, sizeof t, L, "scores");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "MatMul", t, heads[MPT__MHA_QUERY],
+                                          heads[MPT__MHA_KEY], NULL));
+    mpt__onnx_name(c, sizeof c, L, "scale");
+    mpt__onnx_floats_shaped(o, c, 0, NULL, 1, &scale);
+    mpt__onnx_name(u, sizeof u, L, "scaled_scores");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Mul", u, t, c, NULL));
+    if (L->desc.multi_head_attention.use_causal_mask) {
+        float *mask = (float *)mpt__alloc(o->pl->m->ctx, sizeof(float) * (size_t)(Tq * Tk) + 1);
+        int64_t dims[2], i, j;
+        if (!mask) {
+            o->nodes.failed = 1;
+            return;
+        }
+        for (i = 0; i < Tq; i++)
+            for (j = 0; j < Tk; j++)
+                mask[i * Tk + j] = j < mpt__attn_keys_seen(i, Tk, 1, 0) ? 0 : -1e9f;
+        dims[0] = Tq, dims[1] = Tk;
+        mpt__onnx_name(c, sizeof c, L, "causal_mask");
+        mpt__onnx_floats_shaped(o, c, 2, dims, Tq * Tk, mask);
+        mpt__free(o->pl->m->ctx, mask);
+        mpt__onnx_name(t, sizeof t, L, "masked_scores");
+        mpt__pb_end(&o->nodes, mpt__onnx_node(o, "Add", t, u, c, NULL));
+        memcpy(u, t, sizeof u);
+    }
+    mpt__onnx_name(t, sizeof t, L, "weights");
+    body = mpt__onnx_node(o, "Softmax", t, u, NULL, NULL);
+    mpt__onnx_attr_int(&o->nodes, "axis", -1);
+    mpt__pb_end(&o->nodes, body);
+    mpt__onnx_name(u, sizeof u, L, "context");
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "MatMul", u, t, heads[MPT__MHA_VALUE], NULL));
+    mpt__onnx_transpose(o, L, "context_rows", u, to_heads, t, sizeof t);
+    joined[0] = 0, joined[1] = (int32_t)Tq, joined[2] = (int32_t)(H * dv);
+    mpt__onnx_reshape(o, L, "context_joined", t, 3, joined, u, sizeof u);
+    mpt__onnx_projection(o, L, "output", u, H * dv, mpt__mha_projection_width(L, MPT__MHA_OUTPUT),
+                         s->kernel + k_at, s->bias + b_at, o->x, sizeof o->x);
+    o->rank = 3;
+    o->nchw = 0;
+}
+
 static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
                            const mpt__onnx_value *values) {
     char y[96];
@@ -33028,6 +33408,7 @@ static void mpt__onnx_step(mpt__onnx *o, const mpt__export_step *s,
     case MPT__EXPORT_LAYER_NORM: mpt__onnx_layer_norm(o, s); break;
     case MPT__EXPORT_EMBEDDING: mpt__onnx_embedding(o, s); break;
     case MPT__EXPORT_POSITIONS: mpt__onnx_positions(o, s); break;
+    case MPT__EXPORT_ATTENTION: mpt__onnx_attention(o, s, values); break;
     }
 }
 

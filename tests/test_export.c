@@ -27,13 +27,14 @@ static const char *path_of(char *buf, const char *name) {
 
 typedef enum {
     MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH, SEQ, PIXELS, LN_ROWS, LN_CNN,
-    TOKENS
+    TOKENS, ATTENTION
 } arch;
 
 static const char *arch_name(arch a) {
     static const char *names[] = {"mlp",     "mlp_vectors", "mlp_rows", "cnn",
                                   "cnn_gap", "cnn_open",    "graph",    "seq",
-                                  "pixels",  "ln_rows",     "ln_cnn",   "tokens"};
+                                  "pixels",  "ln_rows",     "ln_cnn",   "tokens",
+                                  "attention"};
     return names[a];
 }
 
@@ -147,6 +148,33 @@ static void add_tokens(mpt_model *m) {
     mpt_dense(m, y, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_SOFTMAX});
 }
 
+/* A GPT's block and more: causal self-attention on the token and position
+   embeddings with a residual Add, LayerNormalization, then attention of
+   those positions to a value of their own width (a Dense of them) and a
+   key of their own (the sum before the normalization), three heads of
+   other query/key and value sizes, another output width, no biases; a
+   softmax per position. */
+static void add_attention(mpt_model *m) {
+    mpt_node in[2], h, n, v;
+    in[0] = mpt_embedding(m, mpt_model_input(m),
+                          &(mpt_embedding_desc){.input_dim = TOKEN_V, .output_dim = 8});
+    in[1] = mpt_position_embedding(m, in[0],
+                                   &(mpt_position_embedding_desc){.sequence_length = TOKEN_T});
+    h = mpt_add(m, 2, in, NULL);
+    in[0] = h;
+    in[1] = mpt_multi_head_attention(m, h, h, &(mpt_multi_head_attention_desc){
+                                                  .num_heads = 2, .key_dim = 4,
+                                                  .use_causal_mask = 1});
+    h = mpt_add(m, 2, in, NULL);
+    n = mpt_layer_normalization(m, h, NULL);
+    v = mpt_dense(m, n, &(mpt_dense_desc){.units = 6});
+    n = mpt_multi_head_attention_with_key(
+        m, n, v, h,
+        &(mpt_multi_head_attention_desc){.num_heads = 3, .key_dim = 3, .value_dim = 5,
+                                         .output_dim = 7, .no_bias = 1});
+    mpt_dense(m, n, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_SOFTMAX});
+}
+
 /* Odd sizes throughout; BatchNormalization both folded (after a Dense or
    Conv2D without activation) and on its own (after an activation, or after
    pooling); every activation; 'same' and 'valid', strides, non-square
@@ -161,7 +189,7 @@ static mpt_model *make_model(arch a, int with_bn) {
         desc.input_rank = 1;
     } else if (a == MLP_ROWS || a == SEQ || a == LN_ROWS) { /* samples (28, 28) */
         desc.input_rank = 2;
-    } else if (a == TOKENS) { /* samples (TOKEN_T,) of int32 ids */
+    } else if (a == TOKENS || a == ATTENTION) { /* samples (TOKEN_T,) of int32 ids */
         desc.input_shape[0] = TOKEN_T;
         desc.input_rank = 1;
         desc.input_dtype = MPT_INT32;
@@ -231,6 +259,7 @@ static mpt_model *make_model(arch a, int with_bn) {
         break;
     case GRAPH: add_graph(m, with_bn); break;
     case TOKENS: add_tokens(m); break;
+    case ATTENTION: add_attention(m); break;
     case LN_ROWS: /* LayerNormalization over each row of 28, 3-D in the files */
         mpt_model_add_layer_normalization(m, NULL);
         mpt_model_add_flatten(m, NULL);
@@ -506,7 +535,7 @@ static void check_float(arch a, mpt_dtype weights, double tol) {
     m = make_model(a, !half);
     CHECK(m != NULL, "build: %s", mpt_context_error(ctx));
     memset(&want, 0, sizeof want);
-    if (m && (a == TOKENS ? write_ids(x_path) : write_inputs(x_path))) {
+    if (m && (a == TOKENS || a == ATTENTION ? write_ids(x_path) : write_inputs(x_path))) {
         randomize(m);
         snprintf(name, sizeof name, "%s_%s.tflite", arch_name(a), wname);
         CHECK(mpt_model_export_tflite(m, path_of(tfl, name), &desc) == MPT_OK, "TFLite: %s",
@@ -1727,8 +1756,8 @@ int main(void) {
         printf("FAIL cannot create a temporary directory\n");
         return 1;
     }
-    for (a = MLP; a <= TOKENS; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
-    for (a = MLP; a <= TOKENS; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
+    for (a = MLP; a <= ATTENTION; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
+    for (a = MLP; a <= ATTENTION; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
     TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_tflite_quantization);
     TEST_RUN(test_onnx_qdq);

@@ -50,8 +50,9 @@
          @cuda-colsums    column sums (bias gradients)
        @cuda-layers       dtype conversion, activations, im2col/col2im,
                           pooling, BatchNormalization, LayerNormalization,
-                          Dropout (mpt.h's @impl-activations and the layers'
-                          sections, @impl-dense .. @impl-layernorm)
+                          MultiHeadAttention's attention, Dropout (mpt.h's
+                          @impl-activations and the layers' sections,
+                          @impl-dense .. @impl-attention)
        @cuda-training     the loss with its metrics, gradient statistics, the
                           fused optimizer update, loss scaling (mpt.h's
                           @impl-losses, @impl-optimizers)
@@ -2291,7 +2292,8 @@ static void mpt__cuda_column_sums(void *impl, const float *dz, int64_t rows, int
    ============================================================================= */
 
 /* The CUDA backend's layer kernels: dtype conversion, activations and their
-   gradients, im2col/col2im, pooling, BatchNormalization and Dropout.
+   gradients, im2col/col2im, pooling, BatchNormalization, LayerNormalization,
+   MultiHeadAttention's scaled dot-product attention and Dropout.
 
    Each follows the CPU code in mpt.h (same formulas, same rounding points:
    float32 arithmetic, one rounding to the storage dtype at the end).
@@ -3591,6 +3593,489 @@ static void mpt__cuda_layernorm_backward(void *impl, const mpt_layernorm_args *a
                                           mpt__cuda_layers_threads, 0, c->stream>>>(
             part, n_chunks, D, a->dgamma, a->dbeta);
         mpt__cuda_launched(c, "layernorm parameter gradients");
+    });
+}
+
+/* ---- MultiHeadAttention's scaled dot-product attention ----------------------
+
+   mpt_attention_args (mpt.h) for every sample b and head h at once; the
+   CPU's @impl-attention is the reference. Three kernels of 128 threads,
+   no atomics: every sum runs in an order fixed by the shapes alone, so two
+   runs give the same bits. Rows are numbered r = (b·H + h)·Tq + i (query
+   rows) and keys r = (b·H + h)·Tk + j, as dropout numbers the weights.
+
+   forward, a block per query row (a grid-stride loop over them): the
+   row's n scores (n keys seen: all Tk, or j <= i + causal_offset), each a
+   dot product over key_dim taken by a group of G lanes (G the power of two
+   covering max(key_dim, value_dim), at most 32: each lane its strided
+   share with fmaf, then a butterfly of shuffles), times scale; the row's
+   max (float) and Σ exp(s − max) (double), each thread its keys in order,
+   then a butterfly per warp and the 4 warps in order; P from
+   mpt__attn_weight, P̃ with dropout (mpt__attn_keep, the step read on the
+   device from state->step, which one thread saves to *saved_step);
+   O = P̃ · V. O's columns go to the threads; when value_dim < 128 each
+   column's keys are split over 128 / value_dim threads (strided) whose
+   sums are added in order.
+
+   backward A, a block per query row: the scores, max and Σ again; P;
+   dP̃_j = dO_i · V_j (a group's dot product), dP through the mask; the
+   row's Σ P·dP (double); dS = mpt__attn_dscore; dQ_i = scale · dS · K (as
+   O above). The row's max, 1/Σ and Σ P·dP go to the workspace for B.
+
+   backward B, a block per key: the query rows that see key j (all, or
+   i >= j − causal_offset) in order, mpt__cuda_attn_chunk at a time: each
+   group computes P_ij and dS_ij from A's row statistics (the same dot
+   products and rules as A, so the same bits), then each thread adds them
+   into its columns, dK_j += dS_ij · q_i and dV_j += P̃_ij · dO_i, the
+   rows in order; dK_j times scale at the end.
+
+   Rounding, as the CPU's: scores, weights and products in float32 (Σ exp
+   and Σ P·dP in double, rounded once); P̃ and dS rounded to dtype before
+   they multiply (the CPU's GEMM operands); O rounded once to dtype; dQ,
+   dK, dV float32. Only the order of the float32 sums (and CUDA's expf,
+   within 2 ulps of glibc's) differ from the CPU.
+
+   A row's scores (forward) or its P and dP (backward A) stay in shared
+   memory while the last query sees at most mpt__cuda_attn_smem_keys keys;
+   past that they go to the workspace, one slot per block, and the grid
+   has mpt__cuda_attn_slots(c) blocks. Workspace: the row statistics
+   (B·H·Tq × 3 floats), then the slots when needed. Backward reads nothing
+   forward left there. */
+
+static const int mpt__cuda_attn_threads = 128;
+static const int64_t mpt__cuda_attn_smem_keys = 4096; /* two rows of them: 32 KiB */
+static const int mpt__cuda_attn_chunk = 32;           /* backward B's rows at a time */
+
+/* The shapes and constants every attention kernel reads. */
+typedef struct mpt__cuda_attn_shape {
+    int64_t batch, heads, q_len, kv_len, key_dim, value_dim, causal_offset;
+    int64_t most_keys;  /* the keys the last query sees: a row buffer's floats */
+    int causal, dropout;
+    int group;          /* G: lanes per dot product                           */
+    float scale, rate, keep_scale;
+    uint64_t key;
+} mpt__cuda_attn_shape;
+
+/* The keys query i sees (none where a negative offset leaves none). */
+static __host__ __device__ __forceinline__ int64_t mpt__cuda_attn_keys(int64_t i, int64_t kv_len,
+                                                                       int causal, int64_t offset) {
+    const int64_t n = mpt__attn_keys_seen(i, kv_len, causal, offset);
+    return n > 0 ? n : 0;
+}
+
+/* x · y over n elements by a group's G lanes (lane l: l, l + G, ..., with
+   fmaf), then a butterfly inside the group, so each of its lanes holds the
+   same sum. Every lane of the warp calls it; an inactive group adds zeros. */
+template <typename T>
+static __device__ __forceinline__ float mpt__cuda_attn_dot(const T *x, const T *y, int64_t n,
+                                                           bool active, int lane, int G) {
+    float s = 0;
+    if (active)
+        for (int64_t d = lane; d < n; d += G)
+            s = fmaf(mpt__cuda_layers_widen(x[d]), mpt__cuda_layers_widen(y[d]), s);
+    for (int o = G / 2; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    return s;
+}
+
+/* The block's Σ of v (double) and max of v (float, NaN ignored as the
+   CPU's comparison ignores it), in every thread: a butterfly per warp,
+   then the warps in order. The whole block calls them. */
+static __device__ double mpt__cuda_attn_block_sum(double v, double *red) {
+    v = mpt__cuda_ln_warp_sum(v);
+    __syncthreads(); /* red's last readers are done */
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    double total = 0;
+    for (int w = 0; w < mpt__cuda_attn_threads / 32; w++) total = __dadd_rn(total, red[w]);
+    return total;
+}
+static __device__ float mpt__cuda_attn_block_max(float v, float *red) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    float most = -INFINITY;
+    for (int w = 0; w < mpt__cuda_attn_threads / 32; w++) most = fmaxf(most, red[w]);
+    return most;
+}
+
+/* row[j] = scale · (q_i · k_j) for the n keys, each by one group. */
+template <typename T>
+static __device__ void mpt__cuda_attn_scores(const mpt__cuda_attn_shape &s, const T *qi,
+                                             const T *k0, int64_t n, float *row) {
+    const int G = s.group, lane = threadIdx.x % G, group = threadIdx.x / G;
+    const int groups = mpt__cuda_attn_threads / G;
+    const int64_t ld = s.heads * s.key_dim;
+    for (int64_t base = 0; base < n; base += groups) { /* the same trips in every lane */
+        const int64_t j = base + group;
+        const float dot = mpt__cuda_attn_dot(qi, j < n ? k0 + j * ld : k0, s.key_dim, j < n,
+                                             lane, G);
+        if (j < n && lane == 0) row[j] = mpt__fmul_rn(dot, s.scale);
+    }
+}
+
+/* out_d = Σ_{j<n} w[j] · m[j·ld + d] for d < width, in float32, handed to
+   store(d, out_d). width >= 128: a thread per column, the keys in order.
+   Narrower: each column's keys split over parts = 128 / width threads
+   (thread p: j = p, p + parts, ...), their sums added in order through
+   part (128 floats of shared memory). The whole block calls it. */
+template <typename T, typename Store>
+static __device__ void mpt__cuda_attn_row_times(const float *w, int64_t n, const T *m, int64_t ld,
+                                                int64_t width, float *part, const Store &store) {
+    const int t = threadIdx.x;
+    if (width >= mpt__cuda_attn_threads) {
+        for (int64_t d = t; d < width; d += mpt__cuda_attn_threads) {
+            float acc = 0;
+            for (int64_t j = 0; j < n; j++)
+                acc = fmaf(w[j], mpt__cuda_layers_widen(m[j * ld + d]), acc);
+            store(d, acc);
+        }
+        return;
+    }
+    const int parts = mpt__cuda_attn_threads / (int)width, d = t % (int)width, p = t / (int)width;
+    float acc = 0;
+    if (p < parts)
+        for (int64_t j = p; j < n; j += parts)
+            acc = fmaf(w[j], mpt__cuda_layers_widen(m[j * ld + d]), acc);
+    __syncthreads(); /* part's last readers are done */
+    if (p < parts) part[p * width + d] = acc;
+    __syncthreads();
+    if (t < width) {
+        float sum = 0;
+        for (int k = 0; k < parts; k++) sum = __fadd_rn(sum, part[k * width + t]);
+        store(t, sum);
+    }
+}
+
+/* A float32 value rounded to T and back: the CPU's GEMM operand. */
+template <typename T> static __device__ __forceinline__ float mpt__cuda_attn_operand(float v) {
+    return mpt__cuda_layers_widen(mpt__cuda_layers_narrow<T>(v));
+}
+
+template <typename T> struct mpt__cuda_attn_store_o {
+    T *o;
+    __device__ void operator()(int64_t d, float v) const { o[d] = mpt__cuda_layers_narrow<T>(v); }
+};
+struct mpt__cuda_attn_store_dq {
+    float *dq;
+    float scale;
+    __device__ void operator()(int64_t d, float v) const { dq[d] = mpt__fmul_rn(scale, v); }
+};
+
+/* Forward; slots: the workspace's rows (NULL: shared memory holds them). */
+template <typename T>
+static __global__ void __launch_bounds__(128)
+    mpt__cuda_attn_forward_kernel(mpt__cuda_attn_shape s, const T *q, const T *k, const T *v,
+                                  T *o, const int64_t *step_src, int64_t *step_save,
+                                  float *slots) {
+    extern __shared__ float mpt__cuda_attn_rows[];
+    __shared__ float part[mpt__cuda_attn_threads], red_max[mpt__cuda_attn_threads / 32];
+    __shared__ double red[mpt__cuda_attn_threads / 32];
+    const uint64_t step = step_src ? (uint64_t)*step_src : 0;
+    if (step_save && blockIdx.x == 0 && threadIdx.x == 0) *step_save = (int64_t)step;
+    float *row = slots ? slots + (int64_t)blockIdx.x * 2 * s.most_keys : mpt__cuda_attn_rows;
+    const int64_t rows = s.batch * s.heads * s.q_len;
+    const int t = threadIdx.x;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
+        const int64_t q_at = (b * s.q_len + i) * s.heads + h; /* row i of q, o (d_o, dq) */
+        const int64_t kv_at = b * s.kv_len * s.heads + h;     /* row 0 of k, v           */
+        const int64_t n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
+        mpt__cuda_attn_scores(s, q + q_at * s.key_dim, k + kv_at * s.key_dim, n, row);
+        __syncthreads();
+        float most = -INFINITY;
+        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) most = fmaxf(most, row[j]);
+        most = mpt__cuda_attn_block_max(most, red_max);
+        double sum = 0;
+        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
+            sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(row[j], most)));
+        const float inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) {
+            float p = mpt__attn_weight(row[j], most, inv_sum);
+            if (s.dropout)
+                p = mpt__attn_keep(s.key, step, s.rate, (uint64_t)(r * s.kv_len + j))
+                        ? mpt__fmul_rn(p, s.keep_scale)
+                        : 0.0f;
+            row[j] = mpt__cuda_attn_operand<T>(p);
+        }
+        __syncthreads();
+        mpt__cuda_attn_store_o<T> store = {o + q_at * s.value_dim};
+        mpt__cuda_attn_row_times(row, n, v + kv_at * s.value_dim, s.heads * s.value_dim,
+                                 s.value_dim, part, store);
+        __syncthreads(); /* row is the next row's */
+    }
+}
+
+/* Backward A: dQ, and each query row's max, 1/Σ and Σ P·dP into stats. */
+template <typename T>
+static __global__ void __launch_bounds__(128)
+    mpt__cuda_attn_rows_backward_kernel(mpt__cuda_attn_shape s, const T *q, const T *k,
+                                        const T *v, const T *d_o, float *dq,
+                                        const int64_t *step_src, float *stats, float *slots) {
+    extern __shared__ float mpt__cuda_attn_rows[];
+    __shared__ float part[mpt__cuda_attn_threads], red_max[mpt__cuda_attn_threads / 32];
+    __shared__ double red[mpt__cuda_attn_threads / 32];
+    const uint64_t step = step_src ? (uint64_t)*step_src : 0;
+    float *pr = slots ? slots + (int64_t)blockIdx.x * 2 * s.most_keys : mpt__cuda_attn_rows;
+    float *dpr = pr + s.most_keys;
+    const int64_t rows = s.batch * s.heads * s.q_len, vld = s.heads * s.value_dim;
+    const int t = threadIdx.x, G = s.group, lane = t % G, group = t / G;
+    const int groups = mpt__cuda_attn_threads / G;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
+        const int64_t q_at = (b * s.q_len + i) * s.heads + h; /* row i of q, o (d_o, dq) */
+        const int64_t kv_at = b * s.kv_len * s.heads + h;     /* row 0 of k, v           */
+        const int64_t n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
+        const T *doi = d_o + q_at * s.value_dim, *v0 = v + kv_at * s.value_dim;
+        mpt__cuda_attn_scores(s, q + q_at * s.key_dim, k + kv_at * s.key_dim, n, pr);
+        __syncthreads();
+        float most = -INFINITY;
+        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) most = fmaxf(most, pr[j]);
+        most = mpt__cuda_attn_block_max(most, red_max);
+        double sum = 0;
+        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
+            sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(pr[j], most)));
+        const float inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+        /* P, and dP = dO_i · V_j through the forward's mask */
+        for (int64_t base = 0; base < n; base += groups) {
+            const int64_t j = base + group;
+            const float dpt = mpt__cuda_attn_dot(doi, j < n ? v0 + j * vld : v0, s.value_dim,
+                                                 j < n, lane, G);
+            if (j < n && lane == 0) {
+                const float p = mpt__attn_weight(pr[j], most, inv_sum);
+                float dp = dpt;
+                if (s.dropout)
+                    dp = p != 0 && mpt__attn_keep(s.key, step, s.rate, (uint64_t)(r * s.kv_len + j))
+                             ? mpt__fmul_rn(dpt, s.keep_scale)
+                             : 0.0f;
+                pr[j] = p;
+                dpr[j] = dp;
+            }
+        }
+        __syncthreads();
+        double dot = 0;
+        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
+            dot = __dadd_rn(dot, __dmul_rn((double)pr[j], (double)dpr[j]));
+        const float row_dot = (float)mpt__cuda_attn_block_sum(dot, red);
+        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
+            dpr[j] = mpt__cuda_attn_operand<T>(mpt__attn_dscore(pr[j], dpr[j], row_dot));
+        __syncthreads();
+        mpt__cuda_attn_store_dq store = {dq + q_at * s.key_dim, s.scale};
+        mpt__cuda_attn_row_times(dpr, n, k + kv_at * s.key_dim, s.heads * s.key_dim, s.key_dim,
+                                 part, store);
+        if (t == 0) {
+            stats[3 * r] = most;
+            stats[3 * r + 1] = inv_sum;
+            stats[3 * r + 2] = row_dot;
+        }
+        __syncthreads(); /* pr, dpr are the next row's */
+    }
+}
+
+/* Backward B: dK and dV, a key at a time, from A's row statistics. */
+template <typename T>
+static __global__ void __launch_bounds__(128)
+    mpt__cuda_attn_keys_backward_kernel(mpt__cuda_attn_shape s, const T *q, const T *k,
+                                        const T *v, const T *d_o, float *dk, float *dv,
+                                        const int64_t *step_src, const float *stats) {
+    __shared__ float pt[mpt__cuda_attn_chunk], ds[mpt__cuda_attn_chunk];
+    const uint64_t step = step_src ? (uint64_t)*step_src : 0;
+    const int64_t keys = s.batch * s.heads * s.kv_len;
+    const int64_t qld = s.heads * s.key_dim, vld = s.heads * s.value_dim;
+    const int t = threadIdx.x, G = s.group, lane = t % G, group = t / G;
+    const int groups = mpt__cuda_attn_threads / G;
+    for (int64_t r = blockIdx.x; r < keys; r += gridDim.x) {
+        const int64_t j = r % s.kv_len, bh = r / s.kv_len, b = bh / s.heads, h = bh % s.heads;
+        const int64_t kv_at = (b * s.kv_len + j) * s.heads + h;
+        const T *kj = k + kv_at * s.key_dim, *vj = v + kv_at * s.value_dim;
+        const T *q0 = q + (b * s.q_len * s.heads + h) * s.key_dim;
+        const T *do0 = d_o + (b * s.q_len * s.heads + h) * s.value_dim;
+        float *dkj = dk + kv_at * s.key_dim, *dvj = dv + kv_at * s.value_dim;
+        /* the rows that see key j: i + offset + 1 > j */
+        int64_t first = s.causal ? j - s.causal_offset : 0;
+        if (first < 0) first = 0;
+        for (int64_t d = t; d < s.key_dim; d += mpt__cuda_attn_threads) dkj[d] = 0;
+        for (int64_t d = t; d < s.value_dim; d += mpt__cuda_attn_threads) dvj[d] = 0;
+        for (int64_t i0 = first; i0 < s.q_len; i0 += mpt__cuda_attn_chunk) {
+            const int64_t here = s.q_len - i0 < mpt__cuda_attn_chunk ? s.q_len - i0
+                                                                      : mpt__cuda_attn_chunk;
+            for (int c0 = 0; c0 < mpt__cuda_attn_chunk; c0 += groups) {
+                const int c = c0 + group;
+                const bool on = c < here;
+                const int64_t i = i0 + c, row = bh * s.q_len + i;
+                const float sd = mpt__cuda_attn_dot(on ? q0 + i * qld : q0, kj, s.key_dim, on,
+                                                    lane, G);
+                const float dpt = mpt__cuda_attn_dot(on ? do0 + i * vld : do0, vj, s.value_dim,
+                                                     on, lane, G);
+                if (on && lane == 0) {
+                    const float *st = stats + 3 * row;
+                    const float p = mpt__attn_weight(mpt__fmul_rn(sd, s.scale), st[0], st[1]);
+                    float kept = p, dp = dpt;
+                    if (s.dropout) {
+                        const int keep =
+                            mpt__attn_keep(s.key, step, s.rate, (uint64_t)(row * s.kv_len + j));
+                        kept = keep ? mpt__fmul_rn(p, s.keep_scale) : 0.0f;
+                        dp = p != 0 && keep ? mpt__fmul_rn(dpt, s.keep_scale) : 0.0f;
+                    }
+                    pt[c] = mpt__cuda_attn_operand<T>(kept);
+                    ds[c] = mpt__cuda_attn_operand<T>(mpt__attn_dscore(p, dp, st[2]));
+                }
+            }
+            __syncthreads();
+            for (int64_t d = t; d < s.key_dim; d += mpt__cuda_attn_threads) {
+                float acc = dkj[d];
+                for (int c = 0; c < here; c++)
+                    acc = fmaf(ds[c], mpt__cuda_layers_widen(q0[(i0 + c) * qld + d]), acc);
+                dkj[d] = acc;
+            }
+            for (int64_t d = t; d < s.value_dim; d += mpt__cuda_attn_threads) {
+                float acc = dvj[d];
+                for (int c = 0; c < here; c++)
+                    acc = fmaf(pt[c], mpt__cuda_layers_widen(do0[(i0 + c) * vld + d]), acc);
+                dvj[d] = acc;
+            }
+            __syncthreads(); /* pt, ds are the next chunk's */
+        }
+        for (int64_t d = t; d < s.key_dim; d += mpt__cuda_attn_threads)
+            dkj[d] = mpt__fmul_rn(s.scale, dkj[d]);
+    }
+}
+
+/* The slots of the workspace path: blocks in flight, a few per SM. */
+static int64_t mpt__cuda_attn_slots(const mpt__cuda *c) {
+    return 4 * (int64_t)(c->sm_count > 0 ? c->sm_count : 1);
+}
+
+static int64_t mpt__cuda_attn_most_keys(const mpt_attention_args *a) {
+    return a->q_len > 0
+               ? mpt__cuda_attn_keys(a->q_len - 1, a->kv_len, a->causal, a->causal_offset)
+               : 0;
+}
+
+/* x · y into *out unless it overflows (both >= 0). */
+static bool mpt__cuda_attn_mul(int64_t x, int64_t y, int64_t *out) {
+    if (x < 0 || y < 0 || (y > 0 && x > INT64_MAX / y)) return false;
+    *out = x * y;
+    return true;
+}
+
+/* The workspace's parts: the row statistics' bytes (rounded up to 256)
+   and the slots' (0 when shared memory holds the rows); false on
+   overflow. */
+static bool mpt__cuda_attn_plan(const mpt__cuda *c, const mpt_attention_args *a,
+                                int64_t *stats_bytes, int64_t *slot_bytes) {
+    int64_t rows, n = mpt__cuda_attn_most_keys(a);
+    if (!mpt__cuda_attn_mul(a->batch, a->heads, &rows) ||
+        !mpt__cuda_attn_mul(rows, a->q_len, &rows) || !mpt__cuda_attn_mul(rows, 12, &rows) ||
+        rows > INT64_MAX - 255)
+        return false;
+    *stats_bytes = (rows + 255) / 256 * 256;
+    *slot_bytes = 0;
+    return n <= mpt__cuda_attn_smem_keys ||
+           (mpt__cuda_attn_mul(mpt__cuda_attn_slots(c), 8, slot_bytes) &&
+            mpt__cuda_attn_mul(*slot_bytes, n, slot_bytes));
+}
+
+static int64_t mpt__cuda_attention_workspace(void *impl, const mpt_attention_args *a) {
+    int64_t stats, slots;
+    if (!mpt__cuda_attn_plan((const mpt__cuda *)impl, a, &stats, &slots) ||
+        stats > INT64_MAX - slots)
+        return -1;
+    return stats + slots;
+}
+
+static mpt__cuda_attn_shape mpt__cuda_attn_shape_of(const mpt_attention_args *a, int dropout) {
+    mpt__cuda_attn_shape s;
+    int64_t widest = a->key_dim > a->value_dim ? a->key_dim : a->value_dim;
+    memset(&s, 0, sizeof s);
+    s.batch = a->batch;
+    s.heads = a->heads;
+    s.q_len = a->q_len;
+    s.kv_len = a->kv_len;
+    s.key_dim = a->key_dim;
+    s.value_dim = a->value_dim;
+    s.causal_offset = a->causal_offset;
+    s.most_keys = mpt__cuda_attn_most_keys(a);
+    s.causal = a->causal;
+    s.dropout = dropout;
+    for (s.group = 1; s.group < 32 && s.group < widest;) s.group *= 2;
+    s.scale = a->scale;
+    s.rate = a->dropout;
+    s.keep_scale = 1.0f / (1.0f - a->dropout); /* in float, as the CPU */
+    s.key = a->dropout_key;
+    return s;
+}
+
+/* The grid and the rows' home of a kernel over `rows` query rows keeping
+   `buffers` rows of keys each: shared memory (bytes in *smem, *slots
+   NULL), or the workspace's slots past the statistics. */
+static unsigned mpt__cuda_attn_grid(const mpt__cuda *c, const mpt_attention_args *a,
+                                    int64_t rows, int buffers, size_t *smem, float **slots) {
+    const int64_t n = mpt__cuda_attn_most_keys(a);
+    int64_t stats = 0, slot_bytes = 0;
+    *smem = 0;
+    *slots = NULL;
+    if (n <= mpt__cuda_attn_smem_keys) {
+        *smem = (size_t)(buffers * n) * sizeof(float);
+        return mpt__cuda_blocks(rows, 1);
+    }
+    (void)mpt__cuda_attn_plan(c, a, &stats, &slot_bytes);
+    *slots = (float *)((char *)a->workspace + stats);
+    return (unsigned)(rows < mpt__cuda_attn_slots(c) ? rows : mpt__cuda_attn_slots(c));
+}
+
+static void mpt__cuda_attention_forward(void *impl, const mpt_attention_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    /* dropout in training only (state), as the CPU; the step kept for backward */
+    const int dropout = a->dropout > 0 && a->state && a->saved_step;
+    const int64_t rows = a->batch * a->heads * a->q_len;
+    if (rows <= 0 || a->key_dim <= 0 || a->value_dim <= 0) {
+        if (dropout)
+            mpt__cuda_layers_copy(c, a->saved_step, &a->state->step, sizeof(int64_t),
+                                  "attention forward (step)");
+        return;
+    }
+    const mpt__cuda_attn_shape s = mpt__cuda_attn_shape_of(a, dropout);
+    size_t smem;
+    float *slots;
+    const unsigned grid = mpt__cuda_attn_grid(c, a, rows, 1, &smem, &slots);
+    mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        mpt__cuda_attn_forward_kernel<T><<<grid, mpt__cuda_attn_threads, smem, c->stream>>>(
+            s, (const T *)a->q, (const T *)a->k, (const T *)a->v, (T *)a->o,
+            dropout ? &a->state->step : NULL, dropout ? a->saved_step : NULL, slots);
+        mpt__cuda_launched(c, "attention forward");
+    });
+}
+
+/* dQ by query rows (A), then dK and dV by keys (B) from A's statistics. */
+static void mpt__cuda_attention_backward(void *impl, const mpt_attention_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const int dropout = a->dropout > 0 && a->saved_step; /* the forward's mask */
+    const int64_t rows = a->batch * a->heads * a->q_len, keys = a->batch * a->heads * a->kv_len;
+    if (a->key_dim <= 0 || a->value_dim <= 0) return;
+    const mpt__cuda_attn_shape s = mpt__cuda_attn_shape_of(a, dropout);
+    const int64_t *step = dropout ? a->saved_step : NULL;
+    float *stats = (float *)a->workspace;
+    mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        if (rows > 0) {
+            size_t smem;
+            float *slots;
+            const unsigned grid = mpt__cuda_attn_grid(c, a, rows, 2, &smem, &slots);
+            mpt__cuda_attn_rows_backward_kernel<T>
+                <<<grid, mpt__cuda_attn_threads, smem, c->stream>>>(
+                    s, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->d_o,
+                    a->dq, step, stats, slots);
+            mpt__cuda_launched(c, "attention backward (dq)");
+        }
+        if (keys > 0) {
+            mpt__cuda_attn_keys_backward_kernel<T>
+                <<<mpt__cuda_blocks(keys, 1), mpt__cuda_attn_threads, 0, c->stream>>>(
+                    s, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->d_o,
+                    a->dk, a->dv, step, stats);
+            mpt__cuda_launched(c, "attention backward (dk, dv)");
+        }
     });
 }
 
@@ -6144,6 +6629,9 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.layernorm_forward = MPT__CUDA_ENTRY(mpt__cuda_layernorm_forward);
     t.layernorm_backward = MPT__CUDA_ENTRY(mpt__cuda_layernorm_backward);
     t.layernorm_workspace = MPT__CUDA_ENTRY(mpt__cuda_layernorm_workspace);
+    t.attention_forward = MPT__CUDA_ENTRY(mpt__cuda_attention_forward);
+    t.attention_backward = MPT__CUDA_ENTRY(mpt__cuda_attention_backward);
+    t.attention_workspace = MPT__CUDA_ENTRY(mpt__cuda_attention_workspace);
     return t;
 }
 

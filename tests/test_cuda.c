@@ -13,7 +13,9 @@
            still trains) is checked, and the comparisons are one SKIP.
    With MPT_REQUIRE_GPU=1 in the environment (./build.sh gpu sets it), no
    device is one FAIL instead, saying why. `test_cuda wgmma` runs the
-   Hopper GEMM's tests alone, `test_cuda qgemm` the int8 GEMM's.
+   Hopper GEMM's tests alone, `test_cuda qgemm` the int8 GEMM's,
+   `test_cuda attention` MultiHeadAttention's (the backend functions and
+   the model).
    `test_cuda quick` leaves out the
    whole-model trainings (for compute-sanitizer); `test_cuda layers` and
    `test_cuda gemm` are its two halves (racecheck needs more than ten
@@ -1249,6 +1251,184 @@ static void test_layernorm(void) {
             free(dy);
             free(gamma);
             free(beta);
+        }
+}
+
+/* ---- MultiHeadAttention's attention ------------------------------------------------------ */
+
+/* A shape of mpt_attention_args. */
+typedef struct attn_case {
+    int64_t B, H, Tq, Tk, dk, dv, offset;
+    int causal;
+    float rate;
+} attn_case;
+
+/* What one backend gave: O in dtype, dQ, dK, dV in float32, and the step
+   forward saved. */
+typedef struct attn_result {
+    void *o;
+    float *dq, *dk, *dv;
+    int64_t saved_step;
+} attn_result;
+
+static void attn_result_free(attn_result *r) {
+    free(r->o);
+    free(r->dq);
+    free(r->dk);
+    free(r->dv);
+}
+
+/* Forward at `step` (state in backend memory), then backward of d_o, every
+   output poisoned first. Between the two the state's step moves on and the
+   workspace is poisoned: backward must read the saved step and nothing
+   that forward left in the workspace. */
+static attn_result attn_run(backend *b, const attn_case *c, mpt_dtype dt, uint64_t key,
+                            int64_t step, const void *q, const void *k, const void *v,
+                            const void *d_o) {
+    const int64_t nq = c->B * c->Tq * c->H * c->dk, nk = c->B * c->Tk * c->H * c->dk;
+    const int64_t nv = c->B * c->Tk * c->H * c->dv, no = c->B * c->Tq * c->H * c->dv;
+    mpt_attention_args a;
+    mpt_step_state st;
+    attn_result r;
+    int64_t wsb, *saved;
+    mpt_step_state *sd;
+    memset(&a, 0, sizeof a);
+    memset(&r, 0, sizeof r);
+    memset(&st, 0, sizeof st);
+    a.dtype = dt;
+    a.batch = c->B;
+    a.heads = c->H;
+    a.q_len = c->Tq;
+    a.kv_len = c->Tk;
+    a.key_dim = c->dk;
+    a.value_dim = c->dv;
+    a.scale = (float)(1.0 / sqrt((double)c->dk));
+    a.causal = c->causal;
+    a.causal_offset = c->offset;
+    a.dropout = c->rate;
+    a.dropout_key = key;
+    wsb = b->t->attention_workspace(b->impl, &a);
+    CHECK(wsb >= 0, "attention_workspace %lld on %s", (long long)wsb, b->label);
+    st.step = step;
+    st.loss_scale = 1;
+    sd = (mpt_step_state *)be_upload(b, &st, sizeof st);
+    saved = (int64_t *)be_poisoned(b, sizeof(int64_t));
+    a.state = sd;
+    a.saved_step = saved;
+    a.q = be_upload(b, q, nbytes(dt, nq));
+    a.k = be_upload(b, k, nbytes(dt, nk));
+    a.v = be_upload(b, v, nbytes(dt, nv));
+    a.o = be_poisoned(b, nbytes(dt, no));
+    a.workspace = be_poisoned(b, (size_t)(wsb > 0 ? wsb : 0));
+    b->t->attention_forward(b->impl, &a);
+    r.o = be_fetch(b, a.o, nbytes(dt, no), "attention_forward");
+    {
+        int64_t *s = (int64_t *)be_fetch(b, saved, sizeof(int64_t), "attention_forward");
+        r.saved_step = *s;
+        free(s);
+    }
+    st.step = step + 1;
+    be_put(b, sd, &st, sizeof st);
+    be_poison(b, a.workspace, (size_t)(wsb > 0 ? wsb : 0));
+    a.state = NULL;
+    a.o = NULL;
+    a.d_o = be_upload(b, d_o, nbytes(dt, no));
+    a.dq = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, nq));
+    a.dk = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, nk));
+    a.dv = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, nv));
+    b->t->attention_backward(b->impl, &a);
+    r.dq = (float *)be_fetch(b, a.dq, nbytes(MPT_FLOAT32, nq), "attention_backward");
+    r.dk = (float *)be_fetch(b, a.dk, nbytes(MPT_FLOAT32, nk), "attention_backward");
+    r.dv = (float *)be_fetch(b, a.dv, nbytes(MPT_FLOAT32, nv), "attention_backward");
+    be_release(b);
+    return r;
+}
+
+/* CUDA against the CPU (@impl-attention), each dtype: causal or not, one
+   query and key, Tq = 130, Tq != Tk with causal_offset = Tk − Tq, key_dim
+   and value_dim past the kernels' 128 threads, and keys past the 4096 that
+   mpt_cuda.cu keeps in shared memory (then its rows go to the workspace).
+   Both backends round P̃ and dS to dtype as operands and sum in float32 in
+   different orders (CUDA's expf within 2 ulps of glibc's), so O is within
+   tolerance(dt) (1e-5 in float32) and dQ, dK, dV within 1e-4 (float32),
+   2^-9 (float16), 2^-6 (bfloat16): dS = P·(dP − Σ P·dP) loses a few
+   bits to cancellation before its rounding to dtype. With dropout, V is
+   one-hot (value_dim = Tk), so O holds P̃ itself and the weights dropped
+   are O's zeros, which must be the same on both backends; both save the
+   step. Two GPU runs give the same bits. */
+static void test_attention(void) {
+    static const attn_case cases[] = {
+        /* B  H   Tq    Tk   dk    dv  offset causal rate */
+        {1, 1, 1, 1, 1, 1, 0, 0, 0},
+        {2, 3, 7, 7, 8, 8, 0, 1, 0},
+        {2, 2, 130, 130, 16, 8, 0, 1, 0},
+        {1, 2, 130, 200, 8, 16, 0, 0, 0},
+        {2, 2, 5, 9, 8, 8, 4, 1, 0},
+        {1, 1, 9, 17, 200, 130, 8, 1, 0},
+        {1, 1, 3, 5000, 40, 33, 0, 0, 0},
+        {1, 2, 130, 4500, 8, 4, 4370, 1, 0},
+        {2, 2, 33, 40, 8, 40, 0, 1, 0.3f},
+        {1, 2, 3, 4200, 8, 4200, 0, 0, 0.5f},
+    };
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int ci, di;
+    for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++)
+        for (di = 0; di < 3; di++) {
+            const attn_case *c = &cases[ci];
+            const mpt_dtype dt = float_dtypes[di];
+            const int64_t nq = c->B * c->Tq * c->H * c->dk, nk = c->B * c->Tk * c->H * c->dk;
+            const int64_t nv = c->B * c->Tk * c->H * c->dv, no = c->B * c->Tq * c->H * c->dv;
+            const double grad_tol = dt == MPT_FLOAT32 ? 1e-4 : 2 * tolerance(dt);
+            const uint64_t key = test_next();
+            const int64_t step = 777 + ci;
+            void *q = random_values(dt, nq, -1, 1), *k = random_values(dt, nk, -1, 1);
+            void *v = random_values(dt, nv, -1, 1), *d_o = random_values(dt, no, -1, 1);
+            attn_result cr, gr, again;
+            char name[200];
+            int64_t e;
+            if (c->rate > 0) /* one-hot rows: O = P̃ */
+                for (e = 0; e < nv; e++)
+                    store_value(dt, v, e, e % c->dv == e / (c->H * c->dv) % c->Tk ? 1 : 0);
+            snprintf(name, sizeof name,
+                     "attention B %lld H %lld Tq %lld Tk %lld key_dim %lld value_dim %lld%s "
+                     "offset %lld rate %g %s",
+                     (long long)c->B, (long long)c->H, (long long)c->Tq, (long long)c->Tk,
+                     (long long)c->dk, (long long)c->dv, c->causal ? " causal" : "",
+                     (long long)c->offset, (double)c->rate, mpt_dtype_name(dt));
+            cr = attn_run(&cpu_be, c, dt, key, step, q, k, v, d_o);
+            gr = attn_run(gpu, c, dt, key, step, q, k, v, d_o);
+            again = attn_run(gpu, c, dt, key, step, q, k, v, d_o);
+            check_close(name, dt, gr.o, cr.o, no, tolerance(dt));
+            check_close(name, MPT_FLOAT32, gr.dq, cr.dq, nq, grad_tol);
+            check_close(name, MPT_FLOAT32, gr.dk, cr.dk, nk, grad_tol);
+            check_close(name, MPT_FLOAT32, gr.dv, cr.dv, nv, grad_tol);
+            CHECK(!memcmp(gr.o, again.o, nbytes(dt, no)) &&
+                      !memcmp(gr.dq, again.dq, nbytes(MPT_FLOAT32, nq)) &&
+                      !memcmp(gr.dk, again.dk, nbytes(MPT_FLOAT32, nk)) &&
+                      !memcmp(gr.dv, again.dv, nbytes(MPT_FLOAT32, nv)),
+                  "%s: two GPU runs differ", name);
+            if (c->rate > 0) {
+                int64_t zeros = 0, differ = -1;
+                for (e = 0; e < no; e++) {
+                    int cz = load_value(dt, cr.o, e) == 0, gz = load_value(dt, gr.o, e) == 0;
+                    zeros += gz;
+                    if (cz != gz && differ < 0) differ = e;
+                }
+                CHECK(differ < 0, "%s: weight %lld dropped on one backend only", name,
+                      (long long)differ);
+                CHECK(zeros > 0 && zeros < no, "%s: %lld of %lld weights zero", name,
+                      (long long)zeros, (long long)no);
+                CHECK(cr.saved_step == step && gr.saved_step == step,
+                      "%s: saved step CPU %lld, GPU %lld, want %lld", name,
+                      (long long)cr.saved_step, (long long)gr.saved_step, (long long)step);
+            }
+            attn_result_free(&cr);
+            attn_result_free(&gr);
+            attn_result_free(&again);
+            free(q);
+            free(k);
+            free(v);
+            free(d_o);
         }
 }
 
@@ -2810,6 +2990,11 @@ static void ids_pattern(int32_t *x, int32_t *y, int n) {
     }
 }
 
+/* With ids_attention, a MultiHeadAttention (2 heads of 8, causal,
+   dropout 0.1 on the weights) over the sum before Flatten; with
+   ids_on_cpu, the context is the CPU's. */
+static int ids_attention, ids_on_cpu;
+
 /* Embedding → PositionEmbedding + Add → Flatten → Dense(softmax) fit on
    x, y under mixed_float16 (CUDA graphs as `graphs` says); its weights
    into path; the final accuracy (NaN when fit fails, with the status in
@@ -2822,19 +3007,21 @@ static double train_ids(const char *graphs, int32_t *x, int32_t *y, const char *
     mpt_embedding_desc ed;
     mpt_position_embedding_desc pd;
     mpt_dense_desc dd;
+    mpt_multi_head_attention_desc ad;
     mpt_compile_desc comp;
     mpt_fit_desc fd;
     mpt_dataset_desc ds;
     mpt_tensor tx, ty;
     mpt_dataset *d = NULL;
     mpt_model *m = NULL;
-    mpt_node tok, both[2];
+    mpt_node tok, both[2], sum;
     int64_t xs[2] = {IDS_N, IDS_T}, ys[1] = {IDS_N};
     double acc = NAN;
     if (graphs) setenv("MPT_CUDA_GRAPHS", graphs, 1);
     else unsetenv("MPT_CUDA_GRAPHS");
     memset(&cd, 0, sizeof cd);
     cd.logger.fn = quiet_logger;
+    cd.use_cpu = ids_on_cpu;
     *status = mpt_context_create(&cd, &c);
     if (*status != MPT_OK) return NAN;
     memset(&md, 0, sizeof md);
@@ -2851,6 +3038,11 @@ static double train_ids(const char *graphs, int32_t *x, int32_t *y, const char *
     memset(&dd, 0, sizeof dd);
     dd.units = IDS_V;
     dd.activation = MPT_ACT_SOFTMAX;
+    memset(&ad, 0, sizeof ad);
+    ad.num_heads = 2;
+    ad.key_dim = 8;
+    ad.dropout = 0.1f;
+    ad.use_causal_mask = 1;
     memset(&comp, 0, sizeof comp);
     comp.optimizer.type = MPT_OPTIMIZER_ADAM;
     comp.optimizer.learning_rate = 1e-2f;
@@ -2869,7 +3061,9 @@ static double train_ids(const char *graphs, int32_t *x, int32_t *y, const char *
         tok = mpt_embedding(m, mpt_model_input(m), &ed);
         both[0] = tok;
         both[1] = mpt_position_embedding(m, tok, &pd);
-        mpt_dense(m, mpt_flatten(m, mpt_add(m, 2, both, NULL), NULL), &dd);
+        sum = mpt_add(m, 2, both, NULL);
+        if (ids_attention) sum = mpt_multi_head_attention(m, sum, sum, &ad);
+        mpt_dense(m, mpt_flatten(m, sum, NULL), &dd);
         *status = mpt_model_compile(m, &comp);
     }
     if (*status == MPT_OK) *status = mpt_dataset_create(c, &ds, &d);
@@ -2909,6 +3103,42 @@ static void test_model_of_ids_on_the_gpu(void) {
     train_ids(NULL, x, y, NULL, &st, why, sizeof why);
     CHECK(st == MPT_ERR_INVALID_ARGUMENT && strstr(why, "Embedding 'embedding' got id 10"),
           "a bad id: status %d, %s", (int)st, why);
+    if (!test__current_failed) {
+        remove(off);
+        remove(on);
+        remove(again);
+    }
+}
+
+/* The ids model with a MultiHeadAttention (causal, dropout on the weights:
+   the mask keyed by the step in device memory, which a replayed graph
+   reads anew) learns the pattern on the GPU as on the CPU; CUDA graphs on
+   and off and two runs on the GPU give the same weights. */
+static void test_model_attention_on_the_gpu(void) {
+    static int32_t x[IDS_N * IDS_T], y[IDS_N];
+    char off[512], on[512], again[512], why[1024];
+    mpt_status st;
+    double acc_cpu, acc_off, acc_on;
+    ids_pattern(x, y, IDS_N);
+    temp_path(off, sizeof off, "attention_off");
+    temp_path(on, sizeof on, "attention_on");
+    temp_path(again, sizeof again, "attention_on_again");
+    ids_attention = 1;
+    ids_on_cpu = 1;
+    acc_cpu = train_ids("0", x, y, NULL, &st, why, sizeof why);
+    CHECK(st == MPT_OK, "fit on the CPU: %s", why);
+    ids_on_cpu = 0;
+    acc_off = train_ids("0", x, y, off, &st, why, sizeof why);
+    CHECK(st == MPT_OK && strstr(why, "(cuda)"), "fit without graphs: %s", why);
+    acc_on = train_ids(NULL, x, y, on, &st, why, sizeof why);
+    CHECK(st == MPT_OK && strstr(why, "(cuda)"), "fit with graphs: %s", why);
+    train_ids(NULL, x, y, again, &st, why, sizeof why);
+    ids_attention = 0;
+    CHECK(acc_cpu >= 0.9, "the pattern is not learnt on the CPU: accuracy %g", acc_cpu);
+    CHECK(acc_on >= 0.9, "the pattern is not learnt on the GPU: accuracy %g", acc_on);
+    CHECK(acc_on == acc_off, "accuracy with CUDA graphs %.9g, without %.9g", acc_on, acc_off);
+    CHECK(same_file(off, on), "weights with CUDA graphs differ from those without");
+    CHECK(same_file(on, again), "two runs on the GPU gave different weights");
     if (!test__current_failed) {
         remove(off);
         remove(on);
@@ -4085,6 +4315,20 @@ static void run_wgmma_tests(void) {
 
 /* Every function of the table but the GEMM (`test_cuda layers`, a part of
    `quick` that compute-sanitizer's racecheck finishes in minutes). */
+/* MultiHeadAttention's backend functions (also `test_cuda attention`). */
+static void run_attention_test(void) {
+    test__run("attention forward and backward: causal, Tq != Tk, the workspace path, the "
+              "dropout mask (O <= tolerance(dt); dq, dk, dv <= 1e-4, 2^-9, 2^-6)",
+              test_attention);
+}
+
+/* MultiHeadAttention in a model (also `test_cuda attention`). */
+static void run_attention_model_test(void) {
+    test__run("model: token ids through MultiHeadAttention (causal, dropout) learn on the GPU "
+              "as on the CPU; CUDA graphs on and off and two runs identical",
+              test_model_attention_on_the_gpu);
+}
+
 static void run_layer_tests(void) {
     test__run("kernels: all loaded when the context is created (lazy loading)",
               test_kernels_loaded_at_creation);
@@ -4122,6 +4366,7 @@ static void run_layer_tests(void) {
     test__run("layernorm forward and backward (y, dx <= tolerance(dt); statistics, dgamma, "
               "dbeta <= 1e-5)",
               test_layernorm);
+    run_attention_test();
 }
 
 /* The int8 GEMM (also `test_cuda qgemm`). */
@@ -4159,6 +4404,7 @@ int main(int argc, char **argv) {
     int gemm_only = argc > 1 && !strcmp(argv[1], "gemm");
     int layers_only = argc > 1 && !strcmp(argv[1], "layers");
     int qgemm_only = argc > 1 && !strcmp(argv[1], "qgemm");
+    int attention_only = argc > 1 && !strcmp(argv[1], "attention");
     test_seed(2024);
 #ifdef MPT_CUDA
     setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
@@ -4203,6 +4449,14 @@ int main(int argc, char **argv) {
         close_backend(&cpu_be);
         return test_summary(PROGRAM);
     }
+    if (attention_only) {
+        /* `test_cuda attention`: MultiHeadAttention's tests alone */
+        run_attention_test();
+        run_attention_model_test();
+        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
+        close_backend(&cpu_be);
+        return test_summary(PROGRAM);
+    }
     if (!gemm_only) run_layer_tests();
     if (!layers_only) run_gemm_tests();
     if (!quick && !gemm_only && !layers_only) {
@@ -4212,6 +4466,7 @@ int main(int argc, char **argv) {
                   "and two runs identical", test_model_graph_on_the_gpu);
         test__run("model: token ids (Embedding, PositionEmbedding) learn; CUDA graphs on and off "
                   "and two runs identical; a bad id refused", test_model_of_ids_on_the_gpu);
+        run_attention_model_test();
         test__run("model: profiled steps (CUDA events) end where unprofiled ones do, bit for bit",
                   test_model_profiled);
         test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "

@@ -141,7 +141,8 @@ static void test_split_is_the_last_fraction(void) {
         CHECK(mpt_dataset_create_text(ctx, bytes, size, &desc, &train, &val) == MPT_OK,
               "create_text: %s", mpt_context_error(ctx));
         if (train && val) {
-            CHECK(mpt_dataset_count(train) == cut - T && mpt_dataset_count(val) == (size - cut - 1) / T,
+            CHECK(mpt_dataset_count(train) == cut - T &&
+                      mpt_dataset_count(val) == (size - cut - 1) / T,
                   "counts %lld and %lld", (long long)mpt_dataset_count(train),
                   (long long)mpt_dataset_count(val));
             /* the last training window predicts byte cut - 1; validation
@@ -229,7 +230,8 @@ static void test_shuffled_epochs(void) {
     CHECK(mpt_dataset_create_text(ctx, bytes, SIZE, &desc, &train, NULL) == MPT_OK,
           "create_text: %s", mpt_context_error(ctx));
     CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {T}, .input_rank = 1,
-                                                   .input_dtype = MPT_INT32, .seed = 5}, &m) == MPT_OK,
+                                                   .input_dtype = MPT_INT32, .seed = 5},
+                           &m) == MPT_OK,
           "model: %s", mpt_context_error(ctx));
     if (!train || !m) goto done;
     n = mpt_dataset_count(train);
@@ -241,7 +243,8 @@ static void test_shuffled_epochs(void) {
         for (i = 0; i < n; i++)
             if (order[e][i] >= 0 && order[e][i] < n) seen[order[e][i]]++;
         for (i = 0; i < n && seen[i] == 1; i++) {}
-        CHECK(i == n, "epoch %d: start %lld is taken %d times", e, (long long)i, i < n ? seen[i] : 0);
+        CHECK(i == n, "epoch %d: start %lld is taken %d times", e, (long long)i,
+              i < n ? seen[i] : 0);
         for (f = 0; f < e; f++)
             CHECK(memcmp(order[e], order[f], sizeof(int64_t) * (size_t)n) != 0,
                   "epochs %d and %d have the same order", f, e);
@@ -306,10 +309,12 @@ static mpt_model *bigram_model(mpt_context *c, int64_t T, mpt_strategy *strategy
                                                  .strategy = strategy}, &m) == MPT_OK,
           "create: %s", mpt_context_error(c));
     if (!m) return NULL;
-    CHECK(mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = VOCAB, .output_dim = 16}) ==
-              MPT_OK, "embedding: %s", mpt_context_error(c));
-    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = VOCAB, .activation = MPT_ACT_SOFTMAX}) ==
-              MPT_OK, "dense: %s", mpt_context_error(c));
+    CHECK(mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = VOCAB,
+                                                           .output_dim = 16}) == MPT_OK,
+          "embedding: %s", mpt_context_error(c));
+    CHECK(mpt_model_add_dense(m, &(mpt_dense_desc){.units = VOCAB,
+                                                   .activation = MPT_ACT_SOFTMAX}) == MPT_OK,
+          "dense: %s", mpt_context_error(c));
     test_compile_classifier(c, m);
     return m;
 }
@@ -570,8 +575,9 @@ static void test_bad_input(void) {
     CHECK(mpt_dataset_create_text(q, bytes, 0, &d, &train, &val) == MPT_ERR_FORMAT &&
               strstr(mpt_context_error(q), "text in memory") && !train && !val,
           "no bytes: %s", mpt_context_error(q));
-    CHECK(mpt_dataset_create_text(q, bytes, 17, &d, &train, &val) == MPT_ERR_FORMAT,
-          "17 bytes: a window of training and none of validation accepted");
+    CHECK(mpt_dataset_create_text(q, bytes, 100, &d, &train, &val) == MPT_ERR_FORMAT &&
+              strstr(mpt_context_error(q), "validation part, the last 10 of its 100 bytes"),
+          "100 bytes, windows of 16: the 10 of validation accepted (%s)", mpt_context_error(q));
     test__end("test_bad_input: NULL and empty arguments, bytes in memory");
 
     /* The bytes are ids: a table without room for them all is refused, by
@@ -592,15 +598,16 @@ static void test_bad_input(void) {
             mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = 100, .output_dim = 4});
             mpt_model_add_dense(m, &(mpt_dense_desc){.units = 100, .activation = MPT_ACT_SOFTMAX});
             test_compile_classifier(q, m);
-            snprintf(want, sizeof want, "got id %d (byte %lld of the text)", bytes[k], (long long)k);
+            snprintf(want, sizeof want, "got id %d (byte %lld of the text)", bytes[k],
+                     (long long)k);
             CHECK(mpt_model_fit(m, train, NULL) == MPT_ERR_INVALID_ARGUMENT &&
                       strstr(mpt_context_error(q), want),
                   "an id past the table: '%s' does not say '%s'", mpt_context_error(q), want);
         }
         other = bigram_model(q, 24, NULL);
         if (other && train)
-            CHECK(mpt_model_fit(other, train, NULL) == MPT_ERR_SHAPE, "windows of 16 for a model of "
-                  "24 positions: %s", mpt_context_error(q));
+            CHECK(mpt_model_fit(other, train, NULL) == MPT_ERR_SHAPE,
+                  "windows of 16 for a model of 24 positions: %s", mpt_context_error(q));
         mpt_model_destroy(m);
         mpt_model_destroy(other);
         mpt_dataset_destroy(train);

@@ -777,10 +777,10 @@ mpi_tests() {
 # $FUZZ/corpus/<name> for the next run. Inputs that once crashed a harness
 # live in tests/fuzz/findings/<name>/ and are replayed before every run.
 
-FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat model npy csv"
+FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat model npy csv text"
 # The harnesses tests/fuzz/fuzz_loaders.c holds in one binary (one compile
-# of mpt.h under the fuzzer instead of five), linked under each one's name.
-FUZZ_SHARED="idx idx_gzip model npy csv"
+# of mpt.h under the fuzzer instead of six), linked under each one's name.
+FUZZ_SHARED="idx idx_gzip model npy csv text"
 FUZZ=$B/fuzz
 FUZZ_CC=${FUZZ_CC:-clang}
 FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -g -O1"
@@ -792,6 +792,7 @@ fuzz_dict() {
     model) echo tests/fuzz/model.dict ;;
     npy) echo tests/fuzz/npy.dict ;;
     csv) echo tests/fuzz/csv.dict ;;
+    text) echo tests/fuzz/text.dict ;;
     *) echo tests/fuzz/safetensors.dict ;;
     esac
 }

@@ -231,7 +231,8 @@
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
                      evaluate, predict, summary, history and its SVG plot
-       @data         datasets: caller arrays, IDX files, NumPy's .npy/.npz, CSV
+       @data         datasets: caller arrays, IDX files, NumPy's .npy/.npz, CSV,
+                     text as windows over its bytes
        @callbacks    EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger,
                      TensorBoard
        @checkpoints  safetensors weights and full training state
@@ -312,6 +313,7 @@
        @impl-npy          NumPy's .npy files and .npz archives (zip: the
                           central directory, stored and deflated members)
        @impl-csv          a CSV file of numbers
+       @impl-text         text as a dataset of windows over its bytes
        @impl-callbacks    EarlyStopping, ReduceLROnPlateau
        @impl-callbacks-files  ModelCheckpoint, CSVLogger
        @impl-tensorboard  TensorBoard's event files: protobuf (ONNX's encoder
@@ -413,6 +415,7 @@
        qgemm_  the int8 GEMM                           @impl-qgemm
        st_     safetensors                             @impl-safetensors
        tb_     TensorBoard's event files               @impl-tensorboard
+       text_   text datasets (windows over bytes)      @impl-text
        tfl_    the TFLite graph                        @impl-export-tflite
        wino_   Winograd F(2×2, 3×3)                    @impl-winograd
        wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
@@ -1764,6 +1767,41 @@ typedef struct mpt_dataset_csv_desc {
    ("data.csv:17:3: 'abc' is not a number"). */
 MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
                                        const mpt_dataset_csv_desc *desc, mpt_dataset **out);
+
+/* Text as a language model's data: fixed-length windows over a byte
+   stream (a character-level GPT's, nanoGPT's shakespeare_char read as
+   bytes). Sample s of the training part is x = bytes[s, s + T) as int32
+   ids 0..255 and its targets y = bytes[s + 1, s + T + 1), the byte after
+   each (per-position class ids for the sparse categorical crossentropy
+   over a (T, vocabulary) output); every start whose window fits is a
+   sample, so fit's shuffle gives random windows each step. The validation
+   part, the last validation_fraction of the bytes, holds the windows that
+   follow one another without overlap (starts 0, T, 2T, ...), so a held-out
+   loss reads each of its bytes once and is the same every time. The bytes
+   are kept once; the windows are made as batches are gathered. */
+typedef struct mpt_dataset_text_desc {
+    int64_t sequence_length;   /* required: T, the bytes of one window       */
+    float validation_fraction; /* default (0) 0.1: the last tenth of the
+                                  bytes is the validation part (the training
+                                  part keeps int(size · (1 − fraction)),
+                                  nanoGPT's cut); must be in [0, 1)         */
+    int no_validation;         /* default 0; 1: every byte trains and
+                                  *validation is set to NULL               */
+} mpt_dataset_text_desc;
+
+/* Reads the file at path (a regular file, read whole) and makes its two
+   parts, *train and *validation (each needs T + 1 bytes for one window);
+   validation may be NULL when not wanted (the tail is still left out of
+   *train). Each part is a dataset like any other: fit, evaluate, predict,
+   mpt_dataset_labels, split; both share the bytes, and may be destroyed in
+   any order. A message names the file, the size and the value at fault. */
+MPTDEF mpt_status mpt_dataset_load_text(mpt_context *ctx, const char *path,
+                                        const mpt_dataset_text_desc *desc, mpt_dataset **train,
+                                        mpt_dataset **validation);
+/* The same from size bytes in memory, which are copied. */
+MPTDEF mpt_status mpt_dataset_create_text(mpt_context *ctx, const void *bytes, int64_t size,
+                                          const mpt_dataset_text_desc *desc, mpt_dataset **train,
+                                          mpt_dataset **validation);
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
 /* One sample's shape; returns its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
@@ -12508,8 +12546,8 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
 }
 /* =============================================================================
    @impl-data: datasets over caller arrays, views, a batch gathered (IDX
-   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; the
-   batch loader: @impl-loader)
+   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; text:
+   @impl-text; the batch loader: @impl-loader)
    =============================================================================
 
    A dataset is x (n, sample shape...) in uint8, float32, float16 or
@@ -12524,6 +12562,10 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
    its views is destroyed, so destroying them in any order is safe. (The
    count is not atomic: a dataset and its views are split and destroyed on
    one thread at a time, as a context is used.)
+
+   A text dataset (@impl-text) holds bytes, not samples: its windows over
+   them are made as they are gathered, and its views start further on in
+   the bytes.
 
    The loader gathers batch i + 1 on its own thread (not the pool, which
    serves one job at a time and is busy with batch i) into the second of
@@ -12561,6 +12603,16 @@ struct mpt_dataset {
     mpt_half u8_f16[256];         /*   the same, rounded to float16              */
     mpt_bf16 u8_bf16[256];        /*   the same, rounded to bfloat16             */
     void *owned_x, *owned_y;      /* root: buffers freed with it; NULL if borrowed */
+    /* Windows over bytes (mpt_dataset_load_text), made as they are
+       gathered: x and y are then NULL, x_dtype and y_dtype int32, x_shape
+       and y_shape (window). 0 for every other dataset. */
+    int64_t window;               /* T: sample i is x = bytes[i·stride, + T),
+                                     y the same one byte further on          */
+    int64_t stride;               /* bytes between samples' starts: 1 (every
+                                     window) or T (back to back)            */
+    const uint8_t *bytes;         /* sample 0's first byte (root: owned_x)   */
+    int64_t text_at;              /* bytes' offset in the whole text, for
+                                     messages                                */
 };
 
 /* ---- the dataset object --------------------------------------------------- */
@@ -12854,11 +12906,16 @@ static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, in
     v->sample_weight = NULL; /* the root's, read from first (mpt__dataset_weights) */
     v->first = d->first + first;
     v->n = n;
-    v->x = (const char *)d->x +
-           (size_t)first * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
-    v->y = d->x_only ? NULL
-                     : (const char *)d->y +
-                           (size_t)first * (size_t)d->y_count * mpt_dtype_size(d->y_dtype);
+    if (d->window) { /* sample first's window starts first·stride bytes on */
+        v->bytes = d->bytes + (size_t)(first * d->stride);
+        v->text_at = d->text_at + first * d->stride;
+    } else {
+        v->x = (const char *)d->x +
+               (size_t)first * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
+        v->y = d->x_only ? NULL
+                         : (const char *)d->y +
+                               (size_t)first * (size_t)d->y_count * mpt_dtype_size(d->y_dtype);
+    }
     /* The one change split makes to its const argument: the root counts
        the view, so that it outlives it whatever the order of destroys. */
     v->root->refs++;
@@ -12888,6 +12945,38 @@ MPTDEF mpt_status mpt_dataset_split(mpt_context *ctx, const mpt_dataset *d, int6
     if (head) *head = h;
     if (tail) *tail = t;
     return MPT_OK;
+}
+
+/* ---- windows over bytes: a text dataset's samples, made when read -----------
+
+   A text dataset (@impl-text) keeps its bytes once; sample i is the window
+   of T bytes at i·stride as x and the T bytes one further on as y, written
+   out as int32 ids only when a batch or its labels are asked for. Made up
+   front, the windows of every start would take 8·T bytes (x and y, int32)
+   per byte of text: 1 GB for a 1 MB file at T = 128. */
+
+/* count bytes as int32 ids (0..255). */
+static void mpt__bytes_to_ids(int32_t *ids, const uint8_t *bytes, int64_t count) {
+    int64_t k;
+    for (k = 0; k < count; k++) ids[k] = bytes[k];
+}
+
+/* Samples indices[0..n) of a text dataset: x (n, T) and y (n, T) int32,
+   either NULL when not wanted. */
+static void mpt__window_gather(const mpt_dataset *d, const int64_t *indices, int64_t n,
+                               int32_t *x, int32_t *y) {
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        const uint8_t *w = d->bytes + (size_t)(indices[i] * d->stride);
+        if (x) mpt__bytes_to_ids(x + (size_t)(i * d->window), w, d->window);
+        if (y) mpt__bytes_to_ids(y + (size_t)(i * d->window), w + 1, d->window);
+    }
+}
+
+/* The bytes a text dataset's samples read, from d->bytes: the last
+   window's inputs and the byte its last position predicts. */
+static int64_t mpt__window_span(const mpt_dataset *d) {
+    return d->n > 0 ? (d->n - 1) * d->stride + d->window + 1 : 0;
 }
 
 /* ---- reshape, and reading the labels back ---------------------------------- */
@@ -12944,6 +13033,13 @@ static mpt_status mpt__dataset_copy_targets(mpt_context *ctx, const char *what,
                          "dataset %s: %lld samples from sample %lld are not all there (the "
                          "dataset has %lld: 0..%lld)", what, (long long)count, (long long)first,
                          (long long)d->n, (long long)d->n - 1);
+    if (d->window) { /* the targets of a window: its bytes one further on */
+        int64_t k;
+        for (k = 0; k < count; k++)
+            mpt__bytes_to_ids((int32_t *)out + (size_t)(k * d->window),
+                              d->bytes + (size_t)((first + k) * d->stride) + 1, d->window);
+        return MPT_OK;
+    }
     memcpy(out, (const unsigned char *)d->y + mpt__dbytes(dtype, first * d->y_count),
            (size_t)mpt__dbytes(dtype, count * d->y_count));
     return MPT_OK;
@@ -12974,6 +13070,17 @@ static int mpt__dataset_label_range(const mpt_dataset *d, int32_t *min, int32_t 
     int32_t lo, hi;
     int64_t i;
     if (d->y_dtype != MPT_INT32) return 0;
+    if (d->window) { /* a text's targets: the bytes its windows predict */
+        const int64_t span = mpt__window_span(d);
+        lo = hi = span > 1 ? d->bytes[1] : 0;
+        for (i = 2; i < span; i++) {
+            lo = MPT__MIN(lo, (int32_t)d->bytes[i]);
+            hi = MPT__MAX(hi, (int32_t)d->bytes[i]);
+        }
+        if (min) *min = lo;
+        if (max) *max = hi;
+        return 1;
+    }
     lo = hi = d->n * d->y_count > 0 ? y[0] : 0;
     for (i = 1; i < d->n * d->y_count; i++) {
         lo = MPT__MIN(lo, y[i]);
@@ -13008,6 +13115,8 @@ static void mpt__expand_u8(const mpt_dataset *d, mpt_dtype dtype, void *dst, con
    into x (n, sample shape) in x_dtype (float32, float16 or bfloat16, or
    d's own dtype: the samples as stored, uint8 not normalised) and y
    (n, label count) int32 or float32; either may be NULL when not wanted.
+   A text dataset's windows are written out here from its bytes, as int32
+   ids (the only x_dtype the loader asks of an int32 dataset).
    Serial and never uses the pool, so the loader's thread may call it while
    the pool works; ctx only picks the vector conversion (NULL: portable). */
 static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
@@ -13018,6 +13127,10 @@ static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
     size_t y_bytes = (size_t)d->y_count * 4; /* int32 or float32 */
     mpt__convert_fn convert = NULL;
     int64_t i;
+    if (d->window) { /* int32 ids, as the loader asks for int32 datasets */
+        mpt__window_gather(d, indices, n, (int32_t *)x, (int32_t *)y);
+        return;
+    }
     if (d->x_dtype != MPT_UINT8 && d->x_dtype != x_dtype)
         convert = mpt__convert_kernel(ctx ? ctx->cpu : 0, x_dtype, d->x_dtype);
     for (i = 0; x && i < n; i++) {
@@ -13205,7 +13318,8 @@ static mpt_status mpt__loader_epoch_check(mpt__loader *l, const int64_t *order, 
 /* Whether an epoch's batches can be views of the dataset's memory. */
 static int mpt__loader_can_view(const mpt__loader *l, const int64_t *order, int64_t n) {
     int64_t i;
-    if (!l->views || l->d->x_dtype != l->x_dtype) return 0;
+    /* a text's windows overlap, and are bytes: never in the batch's form */
+    if (!l->views || l->d->x_dtype != l->x_dtype || l->d->window) return 0;
     for (i = 1; i < n; i++)
         if (order[i] != order[0] + i) return 0;
     return 1;
@@ -14057,6 +14171,28 @@ static void mpt__epoch_order(const mpt_model *m, int epoch, int shuffle, int64_t
     }
 }
 
+/* A text dataset's ids are its bytes (0..255): the first one that an
+   Embedding's table does not hold, named by its offset in the text. */
+static mpt_status mpt__check_window_ids(mpt_model *m, const mpt_dataset *d, const char *what) {
+    const int64_t inputs = mpt__window_span(d) - 1; /* the last byte is only a target */
+    int64_t k;
+    int i;
+    for (i = 0; i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        int64_t dim = L->desc.embedding.input_dim;
+        if (!mpt__layer_takes_ids(L) || L->in_node[0] != 0 || dim >= 256) continue;
+        for (k = 0; k < inputs; k++)
+            if (d->bytes[k] >= dim)
+                return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                 "%s: %s '%s' got id %d (byte %lld of the text), outside its "
+                                 "table: ids are 0..%lld (input_dim %lld; every byte value "
+                                 "needs 256)", what, L->ops->class_name, L->name,
+                                 (int)d->bytes[k], (long long)(d->text_at + k),
+                                 (long long)dim - 1, (long long)dim);
+    }
+    return MPT_OK;
+}
+
 /* A dataset's samples fit the model (predict needs no more): their
    shape, and ids for a model of ids (each in its Embeddings' tables),
    numbers for any other. */
@@ -14070,6 +14206,7 @@ static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const c
                          mpt_dtype_name(d->x_dtype),
                          mpt__input_is_ids(m) ? "int32 token ids (input_dtype)"
                                               : "numbers (int32 ids need input_dtype MPT_INT32)");
+    if (d->window) return mpt__check_window_ids(m, d, what);
     return mpt__input_is_ids(m)
                ? mpt__check_ids(m, (const int32_t *)d->x, d->n, d->x_count, what)
                : MPT_OK;
@@ -17224,6 +17361,153 @@ MPTDEF mpt_status mpt_dataset_load_csv(mpt_context *ctx, const char *path,
     }
     mpt__free(ctx, text);
     return st;
+}
+
+/* =============================================================================
+   @impl-text: text as a dataset of windows over its bytes (a character-level
+   language model's data)
+   =============================================================================
+
+   The text is its bytes, read whole into one buffer that the training
+   part owns (it is the root) and the validation part views; a window is
+   written out only when a batch is gathered (@impl-data). The training
+   part's samples are every start s whose window fits, s + T + 1 <= its
+   bytes: n = bytes − T. The validation part's are the starts 0, T, 2T, ...
+   of the tail whose window fits, n = (bytes − 1) / T: each byte of the
+   tail but the last is an input once, and each but the first a target
+   once, so that its loss is the tail's mean loss per byte, the same at
+   every evaluation (nanoGPT's estimate_loss samples windows at random
+   instead; a held-out measure should not move with the draw).
+
+   Random windows each step come from fit's shuffle of the training
+   starts: a Fisher–Yates pass over n int64 indices (8 bytes per byte of
+   text: 8 MB and a few milliseconds an epoch for nanoGPT's 1 MB
+   Shakespeare), so an epoch of n / batch steps takes every start once, in
+   an order of the model's seed and the epoch, and resumes alike. */
+
+/* Where the text's bytes part: *train_bytes for the training part, the
+   rest for validation; each part must hold a window (T + 1 bytes: the
+   inputs and the byte after the last). label names the text in messages. */
+static mpt_status mpt__text_cut(mpt_context *ctx, const char *label, int64_t size,
+                                const mpt_dataset_text_desc *d, int64_t *train_bytes) {
+    const int64_t T = d->sequence_length;
+    const float fraction = d->validation_fraction != 0 ? d->validation_fraction : 0.1f;
+    if (T <= 0)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: sequence_length %lld must be > 0 "
+                         "(the bytes of one window; required)", label, (long long)T);
+    if (!(d->validation_fraction >= 0 && d->validation_fraction < 1))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: validation_fraction %g is not in "
+                         "[0, 1)", label, (double)d->validation_fraction);
+    /* nanoGPT's int(n · 0.9), on the fraction as written (Keras' cut) */
+    *train_bytes = d->no_validation ? size : mpt__validation_split_at(size, fraction);
+    if (*train_bytes <= T)
+        return mpt__fail(ctx, MPT_ERR_FORMAT, "%s: its training part, %lld of its %lld bytes, is "
+                         "too short for one window of sequence_length %lld (a window needs "
+                         "sequence_length + 1 bytes: the inputs and the byte after them)", label,
+                         (long long)*train_bytes, (long long)size, (long long)T);
+    if (!d->no_validation && size - *train_bytes <= T)
+        return mpt__fail(ctx, MPT_ERR_FORMAT, "%s: its validation part, the last %lld of its "
+                         "%lld bytes (validation_fraction %g), is too short for one window of "
+                         "sequence_length %lld (a window needs sequence_length + 1 bytes)",
+                         label, (long long)(size - *train_bytes), (long long)size,
+                         (double)mpt__float_as_written(fraction), (long long)T);
+    return MPT_OK;
+}
+
+/* The two parts over `bytes` (size of them, taken over: freed with the
+   training part, or here on failure), cut at train_bytes. */
+static mpt_status mpt__text_parts(mpt_context *ctx, uint8_t *bytes, int64_t size,
+                                  int64_t train_bytes, int64_t T, mpt_dataset **train,
+                                  mpt_dataset **validation) {
+    mpt_dataset *t = mpt__dataset_new(ctx), *v = NULL;
+    if (!t) {
+        mpt__free(ctx, bytes);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "text: out of memory");
+    }
+    t->owned_x = bytes;
+    t->n = train_bytes - T;
+    t->x_dtype = t->y_dtype = MPT_INT32;
+    t->x_rank = t->y_rank = 1;
+    t->x_shape[0] = t->y_shape[0] = T;
+    t->x_count = t->y_count = T;
+    t->window = T;
+    t->stride = 1;
+    t->bytes = bytes;
+    mpt__dataset_set_scale(t, 1.0f / 255.0f, 0.0f); /* unread: the samples are ids */
+    if (validation && train_bytes < size) {
+        /* a view from the tail's first byte (t's stride is 1), back to back */
+        v = mpt__dataset_view(ctx, t, train_bytes, (size - train_bytes - 1) / T);
+        if (!v) {
+            mpt_dataset_destroy(t);
+            return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "text: out of memory");
+        }
+        v->stride = T;
+    }
+    *train = t;
+    if (validation) *validation = v;
+    return MPT_OK;
+}
+
+/* What both entry points check first; *train and *validation are cleared. */
+static mpt_status mpt__text_args(mpt_context *ctx, const char *what,
+                                 const mpt_dataset_text_desc *desc, mpt_dataset **train,
+                                 mpt_dataset **validation) {
+    if (train) *train = NULL;
+    if (validation) *validation = NULL;
+    if (!train) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: NULL train", what);
+    if (!desc)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: sequence_length is required (NULL "
+                         "descriptor)", what);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_dataset_create_text(mpt_context *ctx, const void *bytes, int64_t size,
+                                          const mpt_dataset_text_desc *desc, mpt_dataset **train,
+                                          mpt_dataset **validation) {
+    const char *label = "text in memory";
+    int64_t train_bytes = 0;
+    uint8_t *copy;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__text_args(ctx, "create_text", desc, train, validation));
+    if (size < 0 || (size > 0 && !bytes))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "create_text: %lld bytes at %s",
+                         (long long)size, bytes ? "an address" : "NULL");
+    MPT__CHECK(mpt__text_cut(ctx, label, size, desc, &train_bytes));
+    if ((uint64_t)size > (uint64_t)SIZE_MAX || !(copy = (uint8_t *)mpt__alloc(ctx, (size_t)size)))
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes to copy it",
+                         label, (long long)size);
+    memcpy(copy, bytes, (size_t)size);
+    return mpt__text_parts(ctx, copy, size, train_bytes, desc->sequence_length, train,
+                           validation);
+}
+
+MPTDEF mpt_status mpt_dataset_load_text(mpt_context *ctx, const char *path,
+                                        const mpt_dataset_text_desc *desc, mpt_dataset **train,
+                                        mpt_dataset **validation) {
+    char label[320];
+    int64_t size = 0, train_bytes = 0;
+    uint8_t *bytes = NULL; /* (size) */
+    int fd = -1;
+    mpt_status st;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    MPT__CHECK(mpt__text_args(ctx, "load_text", desc, train, validation));
+    if (!path) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "load_text: NULL path");
+    snprintf(label, sizeof label, "text '%s'", path);
+    MPT__CHECK(mpt__open_regular(ctx, "load_text: ", path, &fd, &size));
+    /* the cut is checked on the file's size before a byte is read */
+    st = mpt__text_cut(ctx, label, size, desc, &train_bytes);
+    if (st == MPT_OK && ((uint64_t)size > (uint64_t)SIZE_MAX ||
+                         !(bytes = (uint8_t *)mpt__alloc(ctx, (size_t)size))))
+        st = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes to read it",
+                       label, (long long)size);
+    if (st == MPT_OK) st = mpt__read_at(ctx, label, fd, 0, bytes, size);
+    close(fd);
+    if (st != MPT_OK) {
+        mpt__free(ctx, bytes);
+        return st;
+    }
+    return mpt__text_parts(ctx, bytes, size, train_bytes, desc->sequence_length, train,
+                           validation);
 }
 
 /* =============================================================================

@@ -49,7 +49,8 @@ static char fuzz__dir[256];
 static inline void fuzz__remove_dir(void) {
     static const char *const names[] = {"images", "labels", "input.safetensors",
                                         "pristine.safetensors", "state.safetensors",
-                                        "trained.safetensors", "npy_x", "npy_y", "csv"};
+                                        "trained.safetensors", "npy_x", "npy_y", "csv",
+                                        "text"};
     char path[512];
     size_t i;
     for (i = 0; i < sizeof names / sizeof *names; i++) {

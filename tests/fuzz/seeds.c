@@ -10,6 +10,7 @@
                        repository's root): x and y .npy files in one input
                        (fuzz_idx_split), and .npz archives alone
        csv             small CSV files whose label column is "y"
+       text            a few lines of text, and the bytes 0..255
        model           architecture JSON: a conv model, a graph of every
                        merge, a model of token ids (Embedding,
                        PositionEmbedding, LayerNormalization, Dense over
@@ -262,6 +263,15 @@ int main(int argc, char **argv) {
             snprintf(name, sizeof name, "rows%zu.csv", k);
             put("csv", name, csv[k], strlen(csv[k]));
         }
+    }
+    {
+        static const char lines[] = "First Citizen:\nBefore we proceed any further, hear me "
+                                    "speak.\n\nAll:\nSpeak, speak.\n";
+        unsigned char every[256];
+        int k;
+        for (k = 0; k < 256; k++) every[k] = (unsigned char)k;
+        put("text", "lines.txt", lines, strlen(lines));
+        put("text", "every_byte.bin", every, sizeof every);
     }
     {
         static const char *const plain[] = {"weights", "checkpoint", "qat", NULL};

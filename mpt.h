@@ -1551,6 +1551,13 @@ typedef struct mpt_fit_desc {
        >= 0; crossentropy losses only. */
     const float *class_weight;          /* default NULL: every class 1        */
     int class_weight_count;             /* its length                         */
+    /* Keras' steps_per_epoch: an epoch is this many batches, the first
+       steps_per_epoch · batch_size samples of the epoch's shuffle (a GPT
+       trained for N steps on random windows: epochs × steps_per_epoch).
+       Keras 3 instead carries its pass over the data on into the next
+       epoch; with shuffling, both draw every batch at random. More samples
+       than the training data has are refused. */
+    int64_t steps_per_epoch;            /* default 0: every sample, each epoch */
 } mpt_fit_desc;
 
 /* mpt_fit_desc.on_out_of_memory. */
@@ -14398,7 +14405,10 @@ typedef struct mpt__fit_run {
     mpt_fit_desc *d;             /* batch_size: halved on running out of memory */
     const mpt_dataset *train, *val;
     int64_t n, steps;            /* samples and batches per epoch */
-    int64_t *order;              /* (n) this epoch's sample order */
+    int64_t n_all;               /* training samples (n, or more with
+                                    steps_per_epoch)                 */
+    int64_t *order;              /* (n_all) this epoch's sample order,
+                                    of which it takes the first n     */
     mpt__loader *loader;
     int batch_callbacks;         /* some callback has on_batch_end */
     mpt__feed feed;              /* a model on a GPU: its uploads  */
@@ -14665,7 +14675,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     memset(&tally, 0, sizeof tally);
     memset(logs, 0, sizeof *logs);
     if (d->verbose) mpt__print(m, "Epoch %d/%d\n", epoch + 1, d->epochs);
-    mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n);
+    mpt__epoch_order(m, epoch, !d->no_shuffle, r->order, r->n_all);
     r->steps = (r->n + d->batch_size - 1) / d->batch_size;
     r->done = 0;
     MPT__CHECK(mpt__fit_start_epoch(r));
@@ -14853,6 +14863,10 @@ static mpt_status mpt__fit_check(mpt_model *m, const mpt_dataset *train, const m
     if (d->verbose < 0 || d->verbose > 2)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: verbose %d is not 0, 1 or 2",
                          d->verbose);
+    if (d->steps_per_epoch < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "fit: steps_per_epoch %lld is negative (0: every batch)",
+                         (long long)d->steps_per_epoch);
     if (d->n_callbacks < 0 || (d->n_callbacks > 0 && !d->callbacks))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "fit: %d callbacks but no array",
                          d->n_callbacks);
@@ -15013,9 +15027,20 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
     }
     s = mpt__check_data(m, r.train, "fit");
     if (s == MPT_OK && r.val) s = mpt__check_data(m, r.val, "fit: validation data");
-    r.n = mpt_dataset_count(r.train);
+    r.n = r.n_all = mpt_dataset_count(r.train);
+    if (s == MPT_OK && d.steps_per_epoch > 0) {
+        int64_t want = 0;
+        if (!mpt__mul_ok(d.steps_per_epoch, d.batch_size, &want) || want > r.n_all)
+            s = mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                          "fit: steps_per_epoch %lld of batches of %lld needs more than the "
+                          "%lld training samples", (long long)d.steps_per_epoch,
+                          (long long)d.batch_size, (long long)r.n_all);
+        else
+            r.n = want;
+    }
     r.steps = r.n / d.batch_size + (r.n % d.batch_size != 0); /* rounded up, no overflow */
-    r.order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n) : NULL;
+    r.order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n_all)
+                          : NULL;
     if (s == MPT_OK && !r.order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: out of memory");
     if (s == MPT_OK && workers > 1) {
         r.mine = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)r.n);

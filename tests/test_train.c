@@ -1232,6 +1232,61 @@ static mpt_status count_steps(void *user, mpt_model *m, int64_t batch, const mpt
     return MPT_OK;
 }
 
+/* Keras' steps_per_epoch: all the batches an epoch has trains exactly as
+   leaving it out; 3 batches of 20 an epoch take 3 steps an epoch, the
+   first 60 samples of each epoch's shuffle (a sum the test computes from
+   the same shuffle: the epoch's loss is theirs); more than the data has,
+   or a negative count, is refused. */
+static void test_steps_per_epoch(void) {
+    static float x[N_SYN * FEATURES];
+    static int32_t y[N_SYN];
+    mpt_model *a, *b;
+    mpt_dataset *d;
+    mpt_fit_desc f = fit_for(3, 20);
+    mpt_callback cb;
+    int steps = 0;
+    make_blobs(x, y, N_SYN, 31);
+    d = blob_dataset(x, y, N_SYN);
+    a = blob_model(MPT_POLICY_FLOAT32, 5);
+    b = blob_model(MPT_POLICY_FLOAT32, 5);
+    CHECK(mpt_model_fit(a, d, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    f.steps_per_epoch = N_SYN / 20;
+    CHECK(mpt_model_fit(b, d, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(same_state(a, b), "every batch by steps_per_epoch trains otherwise than by default");
+    mpt_model_destroy(a);
+    mpt_model_destroy(b);
+    a = blob_model(MPT_POLICY_FLOAT32, 5);
+    memset(&cb, 0, sizeof cb);
+    cb.on_batch_end = count_steps;
+    cb.user_data = &steps;
+    f = fit_for(2, 20);
+    f.steps_per_epoch = 3;
+    f.callbacks = &cb;
+    f.n_callbacks = 1;
+    CHECK(mpt_model_fit(a, d, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(steps == 6 && a->optimizer_steps == 6, "%d batches, %lld updates: 2 epochs of 3 wanted",
+          steps, (long long)a->optimizer_steps);
+    {
+        mpt_history h;
+        int k, found = 0;
+        mpt_model_history(a, &h);
+        for (k = 0; k < h.n_keys; k++)
+            if (strcmp(h.keys[k], "samples_per_second") == 0) found = 1;
+        CHECK(h.epochs == 2 && found, "history of %d epochs", h.epochs);
+    }
+    f.steps_per_epoch = N_SYN / 20 + 1;
+    f.n_callbacks = 0;
+    test_expect_error(ctx, mpt_model_fit(a, d, &f), MPT_ERR_INVALID_ARGUMENT,
+                      "steps_per_epoch 11 of batches of 20 needs more than the 200 training "
+                      "samples", "fit");
+    f.steps_per_epoch = -1;
+    test_expect_error(ctx, mpt_model_fit(a, d, &f), MPT_ERR_INVALID_ARGUMENT,
+                      "steps_per_epoch -1 is negative", "fit");
+    CHECK(a->optimizer_steps == 6, "a refused fit trained");
+    mpt_model_destroy(a);
+    mpt_dataset_destroy(d);
+}
+
 /* As in Keras: 200 samples are 7 batches (the model, built for 64, would
    take 4), and evaluate and predict give exactly what batches of 32 give. */
 static void test_batch_size_zero_means_32(void) {
@@ -2180,6 +2235,7 @@ static void run_cases(void) {
     TEST_RUN(test_bad_input);
     TEST_RUN(test_sample_shape_checked_everywhere);
     TEST_RUN(test_batch_size_zero_means_32);
+    TEST_RUN(test_steps_per_epoch);
     TEST_RUN(test_validation_split_as_keras);
     TEST_RUN(test_targets_of_shape_n);
     TEST_RUN(test_int32_targets_of_one_unit);

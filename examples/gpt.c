@@ -1,0 +1,291 @@
+/* A character-level GPT, written with the functional form: bytes in (a
+   vocabulary of 256), the next byte out at every position.
+       Embedding(256, 256) + PositionEmbedding(128)
+       4 blocks, pre-LayerNormalization (epsilon 1e-5):
+           x = x + MultiHeadAttention(4 heads of 64, causal)(LN(x))
+           x = x + Dense(256)(Dense(1024, gelu)(LN(x)))
+       -> LayerNormalization -> Dense(256, softmax)
+   GPT-2's initialisation (weights N(0, 0.02²), biases 0, gamma 1, beta
+   0), AdamW (learning rate 1e-3, weight decay 0.1, none on biases and
+   normalization parameters), batches of 32 windows of 128 bytes drawn at
+   random, no dropout. The last 10 % of the text is the validation set.
+
+   Build: cc -O2 gpt.c -lpthread -lm -lz -o gpt       (in examples/)
+   Run:   ./gpt [--data FILE] [--steps 1000] [--eval-interval 250]
+                [--batch-size 32] [--policy mixed_bfloat16] [--threads N]
+                [--seed 1] [--sample 300] [--verbose 1]
+   Without --data it reads the English fortunes of Debian's `fortunes`
+   package (every file of /usr/share/games/fortunes but the .dat indexes,
+   in name order: about 2.6 MB). Shows Keras' progress bar per
+   --eval-interval steps with the validation loss, then a sample of
+   generated text (temperature 0.8, the 40 likeliest bytes), then one JSON
+   line: tokens_per_s (training), val_loss in nats per byte (PyTorch's
+   cross-entropy) and bits_per_char. */
+#define MPT_IMPLEMENTATION
+#include "../mpt.h"
+#include "common.h"
+
+#include <dirent.h>
+
+enum { VOCAB = 256, CONTEXT = 128, WIDTH = 256, HEADS = 4, LAYERS = 4 };
+
+typedef struct gpt_options {
+    const char *data;        /* NULL: the fortunes                            */
+    int64_t steps, eval_interval, batch_size;
+    const char *policy_name;
+    mpt_policy policy;
+    int threads, verbose;
+    uint64_t seed;
+    int64_t sample;          /* bytes of text to generate at the end          */
+} gpt_options;
+
+static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
+    int i;
+    for (i = 1; i + 1 < argc; i += 2) {
+        const char *flag = argv[i], *value = argv[i + 1];
+        unsigned long long n;
+        if (!strcmp(flag, "--data")) o->data = value;
+        else if (!strcmp(flag, "--policy")) o->policy_name = value;
+        else if (!strcmp(flag, "--steps") && read_number(argv[0], flag, value, INT32_MAX, &n))
+            o->steps = (int64_t)n;
+        else if (!strcmp(flag, "--eval-interval") &&
+                 read_number(argv[0], flag, value, INT32_MAX, &n) && n > 0)
+            o->eval_interval = (int64_t)n;
+        else if (!strcmp(flag, "--batch-size") &&
+                 read_number(argv[0], flag, value, 1 << 20, &n) && n > 0)
+            o->batch_size = (int64_t)n;
+        else if (!strcmp(flag, "--threads") && read_number(argv[0], flag, value, 1024, &n))
+            o->threads = (int)n;
+        else if (!strcmp(flag, "--verbose") && read_number(argv[0], flag, value, 2, &n))
+            o->verbose = (int)n;
+        else if (!strcmp(flag, "--seed") && read_number(argv[0], flag, value, UINT64_MAX, &n))
+            o->seed = (uint64_t)n;
+        else if (!strcmp(flag, "--sample") && read_number(argv[0], flag, value, 1 << 20, &n))
+            o->sample = (int64_t)n;
+        else break;
+    }
+    if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
+    else if (!strcmp(o->policy_name, "mixed_float16")) o->policy = MPT_POLICY_MIXED_FLOAT16;
+    else if (!strcmp(o->policy_name, "mixed_bfloat16")) o->policy = MPT_POLICY_MIXED_BFLOAT16;
+    else i = -1;
+    if (i != argc) {
+        fprintf(stderr, "usage: %s [--data FILE] [--steps N] [--eval-interval N]\n"
+                        "          [--batch-size N] [--policy float32|mixed_float16|"
+                        "mixed_bfloat16]\n"
+                        "          [--threads N] [--seed N] [--sample N] [--verbose 0|1|2]\n",
+                argv[0]);
+        return 0;
+    }
+    return 1;
+}
+
+/* ---- the text ------------------------------------------------------------------ */
+
+#define FORTUNES "/usr/share/games/fortunes"
+
+static int by_name(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The fortunes as one text: every regular file of FORTUNES but the .dat
+   indexes (the .u8 names are links to the same files), in name order,
+   into *text (malloc'd); 0 when there is none. */
+static int read_fortunes(char **text, int64_t *size) {
+    DIR *dir = opendir(FORTUNES);
+    struct dirent *e;
+    char *names[512], path[1024];
+    int n = 0, i;
+    *text = NULL;
+    *size = 0;
+    if (!dir) return 0;
+    while ((e = readdir(dir)) != NULL && n < 512) {
+        size_t len = strlen(e->d_name);
+        if (e->d_name[0] == '.' || (len > 4 && !strcmp(e->d_name + len - 4, ".dat")) ||
+            (len > 3 && !strcmp(e->d_name + len - 3, ".u8")))
+            continue;
+        names[n++] = strdup(e->d_name);
+    }
+    closedir(dir);
+    qsort(names, (size_t)n, sizeof *names, by_name);
+    for (i = 0; i < n; i++) {
+        FILE *f;
+        long bytes;
+        char *grown;
+        snprintf(path, sizeof path, "%s/%s", FORTUNES, names[i]);
+        f = fopen(path, "rb");
+        if (f && fseek(f, 0, SEEK_END) == 0 && (bytes = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0 &&
+            (grown = (char *)realloc(*text, (size_t)(*size + bytes))) != NULL) {
+            *text = grown;
+            *size += (int64_t)fread(*text + *size, 1, (size_t)bytes, f);
+        }
+        if (f) fclose(f);
+        free(names[i]);
+    }
+    return *size > 0;
+}
+
+/* ---- the model ------------------------------------------------------------------- */
+
+static mpt_node layer_norm(mpt_model *m, mpt_node x) {
+    return mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){ .epsilon = 1e-5f });
+}
+
+static mpt_node residual(mpt_model *m, mpt_node x, mpt_node branch) {
+    mpt_node both[2] = { x, branch };
+    return mpt_add(m, 2, both, NULL);
+}
+
+static mpt_node block(mpt_model *m, mpt_node x) {
+    mpt_node h = layer_norm(m, x);
+    h = mpt_multi_head_attention(m, h, h, &(mpt_multi_head_attention_desc){
+        .num_heads = HEADS, .key_dim = WIDTH / HEADS, .use_causal_mask = 1,
+        .kernel_initializer = MPT_INIT_GPT2_NORMAL });
+    x = residual(m, x, h);
+    h = mpt_dense(m, layer_norm(m, x), &(mpt_dense_desc){
+        .units = 4 * WIDTH, .activation = MPT_ACT_GELU,
+        .kernel_initializer = MPT_INIT_GPT2_NORMAL });
+    h = mpt_dense(m, h, &(mpt_dense_desc){ .units = WIDTH,
+                                           .kernel_initializer = MPT_INIT_GPT2_NORMAL });
+    return residual(m, x, h);
+}
+
+static mpt_status build_gpt(mpt_context *ctx, const gpt_options *o, mpt_model **model) {
+    mpt_model *m;
+    mpt_node tok, x;
+    int l;
+    mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { CONTEXT },
+                                                            .input_rank = 1,
+                                                            .input_dtype = MPT_INT32,
+                                                            .policy = o->policy,
+                                                            .seed = o->seed }, model);
+    if (s != MPT_OK) return s;
+    m = *model;
+    tok = mpt_embedding(m, mpt_model_input(m), &(mpt_embedding_desc){
+        .input_dim = VOCAB, .output_dim = WIDTH,
+        .embeddings_initializer = MPT_INIT_GPT2_NORMAL });
+    x = residual(m, tok, mpt_position_embedding(m, tok, &(mpt_position_embedding_desc){
+        .sequence_length = CONTEXT, .initializer = MPT_INIT_GPT2_NORMAL }));
+    for (l = 0; l < LAYERS; l++) x = block(m, x);
+    mpt_dense(m, layer_norm(m, x), &(mpt_dense_desc){
+        .units = VOCAB, .activation = MPT_ACT_SOFTMAX,
+        .kernel_initializer = MPT_INIT_GPT2_NORMAL });
+    s = mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = { .type = MPT_OPTIMIZER_ADAMW, .learning_rate = 1e-3f,
+                       .weight_decay = 0.1f, .exclude_from_weight_decay = "bias,gamma,beta" },
+        .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY } });
+    if (s == MPT_OK) s = mpt_model_build(m, o->batch_size);
+    return s;
+}
+
+/* ---- generation ------------------------------------------------------------------ */
+
+/* A byte drawn from probabilities p (VOCAB) at temperature t among the k
+   likeliest, with the uniform u in [0, 1). */
+static int draw(const float *p, double t, int k, double u) {
+    double w[VOCAB], total = 0;
+    int order[VOCAB], i, j;
+    for (i = 0; i < VOCAB; i++) order[i] = i;
+    for (i = 0; i < k; i++) /* the k likeliest first */
+        for (j = i + 1; j < VOCAB; j++)
+            if (p[order[j]] > p[order[i]]) {
+                int swap = order[i];
+                order[i] = order[j];
+                order[j] = swap;
+            }
+    for (i = 0; i < k; i++) total += w[i] = pow((double)p[order[i]] + 1e-30, 1.0 / t);
+    for (i = 0, u *= total; i < k - 1 && u >= w[i]; i++) u -= w[i];
+    return order[i];
+}
+
+/* Appends n bytes after the prompt: each from the model's prediction at
+   the last position it holds (the window is the last CONTEXT bytes; a
+   shorter text lies at its start, which the causal mask makes
+   equivalent to a window of its own length). */
+static mpt_status generate(mpt_context *ctx, mpt_model *m, const gpt_options *o,
+                           const char *prompt, int64_t n, char *out) {
+    int32_t window[CONTEXT];
+    int64_t len = (int64_t)strlen(prompt), i, shape[2] = { 1, CONTEXT };
+    mpt_tensor x, y;
+    memcpy(out, prompt, (size_t)len);
+    for (i = 0; i < n; i++) {
+        int64_t have = len + i < CONTEXT ? len + i : CONTEXT, first = len + i - have, t;
+        uint32_t r[4];
+        mpt_status s;
+        memset(window, 0, sizeof window);
+        for (t = 0; t < have; t++) window[t] = (unsigned char)out[first + t];
+        mpt_tensor_wrap(ctx, &x, MPT_INT32, 2, shape, window);
+        s = mpt_model_predict_tensor(m, &x, 1, &y);
+        if (s != MPT_OK) return s;
+        mpt_philox4x32(o->seed, 7, (uint64_t)i, r);
+        out[len + i] = (char)draw((const float *)y.data + (have - 1) * VOCAB, 0.8, 40,
+                                  (r[0] >> 8) / 16777216.0);
+        mpt_tensor_free(ctx, &y);
+    }
+    out[len + n] = 0;
+    return MPT_OK;
+}
+
+int main(int argc, char **argv) {
+    gpt_options o = { .steps = 1000, .eval_interval = 250, .batch_size = 32,
+                      .policy_name = "mixed_bfloat16", .verbose = 1, .seed = 1, .sample = 300 };
+    mpt_context *ctx;
+    mpt_model *model;
+    mpt_dataset *train, *val;
+    mpt_logs result;
+    mpt_history h;
+    double tokens_per_s = 0;
+    char *text = NULL, *sample;
+    int64_t size = 0;
+    int k;
+    mpt_dataset_text_desc td = { .sequence_length = CONTEXT };
+    if (!parse_gpt_options(argc, argv, &o)) return 2;
+    if (mpt_context_create(&(mpt_context_desc){ .num_threads = o.threads }, &ctx) != MPT_OK)
+        return 1;
+    if (o.data) {
+        TRY(mpt_dataset_load_text(ctx, o.data, &td, &train, &val));
+    } else {
+        if (!read_fortunes(&text, &size)) {
+            fprintf(stderr, "%s: no text in %s (apt-get install fortunes, or give --data FILE)\n",
+                    argv[0], FORTUNES);
+            return 1;
+        }
+        TRY(mpt_dataset_create_text(ctx, text, size, &td, &train, &val));
+    }
+    TRY(build_gpt(ctx, &o, &model));
+    if (o.verbose > 1) {
+        char summary[16384];
+        if (mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
+    }
+
+    /* --steps in epochs of --eval-interval random batches, each followed
+       by the validation loss */
+    TRY(mpt_model_fit(model, train, &(mpt_fit_desc){
+        .epochs = (int)((o.steps + o.eval_interval - 1) / o.eval_interval),
+        .steps_per_epoch = o.steps < o.eval_interval ? o.steps : o.eval_interval,
+        .batch_size = o.batch_size, .validation_data = val, .verbose = o.verbose }));
+    TRY(mpt_model_evaluate(model, val, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
+                           &result));
+    mpt_model_history(model, &h);
+    for (k = 0; k < h.n_keys; k++)
+        if (!strcmp(h.keys[k], "samples_per_second") && h.epochs > 0)
+            tokens_per_s = h.values[k][h.epochs - 1] * CONTEXT;
+
+    sample = (char *)malloc((size_t)o.sample + 16);
+    if (o.sample > 0 && sample) {
+        TRY(generate(ctx, model, &o, "\n", o.sample, sample));
+        printf("%s\n%%\n", sample);
+    }
+    printf("{\"model\":\"gpt\",\"policy\":\"%s\",\"steps\":%lld,\"batch_size\":%d,"
+           "\"context\":%d,\"threads\":%d,\"tokens_per_s\":%.0f,\"val_loss\":%.4f,"
+           "\"bits_per_char\":%.4f}\n",
+           o.policy_name, (long long)o.steps, (int)o.batch_size, CONTEXT,
+           mpt_context_num_threads(ctx), tokens_per_s, mpt_logs_get(&result, "loss"),
+           mpt_logs_get(&result, "loss") / log(2.0));
+    free(sample);
+    free(text);
+    mpt_model_destroy(model);
+    mpt_dataset_destroy(train);
+    mpt_dataset_destroy(val);
+    mpt_context_destroy(ctx);
+    return 0;
+}

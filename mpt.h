@@ -1434,7 +1434,26 @@ enum {
        positive prediction being p > 0.5 (a logit > 0), a positive label
        y != 0; 0 where nothing was predicted (labelled) positive. */
     MPT_METRIC_PRECISION = 1 << 6,                     /* "precision": TP / (TP + FP)     */
-    MPT_METRIC_RECALL = 1 << 7                         /* "recall": TP / (TP + FN)        */
+    MPT_METRIC_RECALL = 1 << 7,                        /* "recall": TP / (TP + FN)        */
+    /* Keras 3's R2Score() (class_aggregation "uniform_average",
+       num_regressors 0), with the mean squared error loss: over the
+       epoch, for each output column c (the last axis; each position of
+       an output with several is a row), SS_res = Σ (y − p)² and SS_tot =
+       Σ y² − (Σ y)²/n, r2_c = 1 − SS_res/SS_tot, then their mean. Where
+       SS_tot is 0 and SS_res is not, r2_c is 0 (Keras replaces the
+       infinite quotient); where both are, NaN (as Keras). */
+    MPT_METRIC_R2_SCORE = 1 << 8,                      /* "r2_score"                      */
+    /* Keras' AUC() (num_thresholds 200, curve "ROC", summation_method
+       "interpolation", multi_label false), with the binary crossentropy
+       or mean squared error loss, as precision: every output value a label
+       (y != 0 positive), as precision and recall count them, its
+       probability (the sigmoid of a logit) clipped to [0, 1] and
+       compared with 200 thresholds t_i: −1e-7, i/199 (i = 1..198),
+       1 + 1e-7 (predicted positive where p > t_i); the epoch's counts of
+       true and false positives and negatives at each give the ROC curve
+       (0 for a rate whose denominator is 0), whose area is summed by
+       trapezoids: Σ (FPR_i − FPR_i+1) · (TPR_i + TPR_i+1) / 2. */
+    MPT_METRIC_AUC = 1 << 9                            /* "auc"                           */
 };
 
 typedef struct mpt_compile_desc {
@@ -1447,7 +1466,8 @@ typedef struct mpt_compile_desc {
        with each sample's weight (the dataset's sample_weight, times the
        row's class_weight in training, as Keras turns class_weight into
        sample weights): weighted accuracy Σ w·right / Σ w, the errors'
-       means Σ w·e / Σ w, precision and recall from weighted counts; with
+       means Σ w·e / Σ w, precision, recall and auc from weighted counts,
+       r2_score from Σ w, Σ w·y, Σ w·y² and Σ w·(y − p)²; with
        no weights, each 1 (the plain metric's value). Logged under the
        metric's own name, or "weighted_" before it when `metrics` has it
        too ("weighted_accuracy"), as Keras 3 names them. Default none. */
@@ -2825,6 +2845,13 @@ typedef struct mpt_loss_args {
                                    times its sample's (mpt__row_weight)     */
     int weighted_metrics;       /* MPT_METRIC_* bits to tally with each
                                    row's weight (the weighted_ tallies)     */
+    /* r2_score's and auc's sums over the epoch (mpt__metric_sums_add,
+       @backend-shared): one record, mpt__metric_record_count(K) doubles,
+       added to; NULL: neither is tallied. metric_parts: room for
+       MPT__METRIC_PARTS records, the backend's scratch for the batch's
+       partial sums, which it adds in a fixed order. */
+    double *metric_sums;
+    double *metric_parts;
 } mpt_loss_args;
 
 /* The trainable parameters, as arrays of n pointers (host arrays of
@@ -3390,6 +3417,71 @@ static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics,
         state->weighted_false_positives += weighted->values.sum[MPT__SUM_FALSE_POSITIVES];
         state->weighted_false_negatives += weighted->values.sum[MPT__SUM_FALSE_NEGATIVES];
     }
+}
+
+/* ---- r2_score's and auc's sums -------------------------------------------
+   Neither metric is a mean of per-batch values: both are finished from
+   sums over the whole epoch, kept in a record of doubles beside the step
+   state (mpt_loss_args.metric_sums) and summed like the tallies over
+   replicas and workers. A record holds two lists, the plain metrics' and
+   weighted_metrics' (each value times its row's weight w; 1 in the plain
+   list). A list, for outputs of K columns:
+       [0]                        Σ w over the rows (their count)
+       [1 + c]                    Σ w·y        of column c   (r2_score)
+       [1 + K + c]                Σ w·y²
+       [1 + 2K + c]               Σ w·(y − p)²
+       [1 + 3K + b]               Σ w of the positive values in bucket b (auc)
+       [1 + 3K + 200 + b]         Σ w of the negative values in bucket b
+   A value's bucket b is the last threshold its probability passes (b =
+   ceil(199·p) − 1, at least 0): it counts as predicted positive at the
+   thresholds 0..b, so the true positives at threshold i are the positive
+   buckets b >= i added up, as Keras' bucketed count. A batch's rows are
+   split into MPT__METRIC_PARTS ranges (rows·k/PARTS ..), each summed in
+   row order into a partial record of its own (mpt_loss_args.metric_parts),
+   and the partials added in part order into the epoch's: the same sums in
+   the same order on every backend, whatever its threads. */
+#define MPT__AUC_THRESHOLDS 200
+#define MPT__METRIC_PARTS 64
+#define MPT__METRICS_EPOCH (MPT_METRIC_R2_SCORE | MPT_METRIC_AUC)
+
+static inline MPT__HD int64_t mpt__metric_list_count(int64_t K) {
+    return 1 + 3 * K + 2 * MPT__AUC_THRESHOLDS;
+}
+
+static inline MPT__HD int64_t mpt__metric_record_count(int64_t K) {
+    return 2 * mpt__metric_list_count(K);
+}
+
+/* A value's auc bucket, 0 .. 198: its probability (the sigmoid of a
+   logit, in double) clipped to [0, 1] as Keras clips it, a NaN as 0. The
+   product 199·p is exact for a probability read from a float, so p lies
+   past threshold i/199 exactly when its bucket is >= i. */
+static inline MPT__HD int mpt__auc_bucket(float pred, int from_logits) {
+    double p = from_logits ? 1.0 / (1.0 + exp(-(double)pred)) : (double)pred, b;
+    p = p > 0 ? (p < 1 ? p : 1) : 0;
+    b = ceil(p * (double)(MPT__AUC_THRESHOLDS - 1)) - 1;
+    return b > 0 ? (int)b : 0;
+}
+
+/* Where a value adds its weight in a list: by its label (y != 0
+   positive, as Keras casts labels to bool) and its bucket. */
+static inline MPT__HD int64_t mpt__auc_slot(int64_t K, float pred, float target, int from_logits) {
+    return 1 + 3 * K + (target != 0.0f ? 0 : MPT__AUC_THRESHOLDS) +
+           mpt__auc_bucket(pred, from_logits);
+}
+
+/* r2_score's three terms of a value, each times its row's weight w:
+   w·y, (w·y)·y and (y − p)²·w, as Keras forms them. */
+static inline MPT__HD void mpt__r2_terms(float pred, float target, double w, double out[3]) {
+    const double y = (double)target, d = (double)target - (double)pred;
+    out[0] = mpt__dmul_rn(w, y);
+    out[1] = mpt__dmul_rn(out[0], y);
+    out[2] = mpt__dmul_rn(mpt__dmul_rn(d, d), w);
+}
+
+/* The MPT_METRIC_* bits of the list l (0 plain, 1 weighted) a loss fills. */
+static inline MPT__HD int mpt__metric_list_bits(int l, int metrics, int weighted_metrics) {
+    return (l ? weighted_metrics : metrics) & MPT__METRICS_EPOCH;
 }
 
 /* ---- the learning rate and the optimizers' update -------------------------
@@ -4791,6 +4883,15 @@ struct mpt_model {
                                             likewise                         */
     mpt_step_state *state;               /* [2] in the backend's memory: the
                                             training step's, evaluation's     */
+    double *metric_sums;                 /* r2_score's and auc's records
+                                            (@backend-shared) in the backend's
+                                            memory: the training step's,
+                                            evaluation's, then the loss's
+                                            MPT__METRIC_PARTS partials; NULL
+                                            until a pass needs them         */
+    double *metric_host;                 /* two records on the host: a sum
+                                            and the one read to add to it   */
+    int64_t metric_record;               /* doubles in one record           */
     mpt_update_args update;              /* the trainable parameters' buffers */
     int64_t last_batch;                  /* of the last forward, 0 if none */
     int last_training;
@@ -9567,6 +9668,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
 }
 
 static void mpt__free_update_args(mpt_model *m);
+static void mpt__metric_sums_free(mpt_model *m);
 
 MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt_context *ctx;
@@ -9578,6 +9680,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt__free(m->ctx, m->sync_scratch);
     for (c = 0; c < MPT__MEM_COUNT_; c++) m->be->free(m->impl, c, m->arena[c]);
     m->be->free(m->impl, MPT__MEM_WORKSPACE, m->state);
+    mpt__metric_sums_free(m);
     mpt__free_update_args(m);
     for (c = 0; c < MPT_MAX_LOGS; c++) mpt__free(m->ctx, m->history.values[c]);
     mpt__free(m->ctx, m->layers);
@@ -11522,6 +11625,73 @@ static void mpt__count_weighted(const mpt__loss_job *j, const mpt_loss_args *a,
     }
 }
 
+/* One value's r2_score and auc terms (`bits` of them) added to a list of
+   @backend-shared's layout, its row weighing w. */
+static void mpt__metric_value_add(double *list, int bits, int64_t K, int64_t c, float p, float y,
+                                  double w, int from_logits) {
+    if (bits & MPT_METRIC_R2_SCORE) {
+        double t[3];
+        mpt__r2_terms(p, y, w, t);
+        list[1 + c] += t[0];
+        list[1 + K + c] += t[1];
+        list[1 + 2 * K + c] += t[2];
+    }
+    if (bits & MPT_METRIC_AUC) list[mpt__auc_slot(K, p, y, from_logits)] += w;
+}
+
+/* r2_score's and auc's sums of one part of the rows (@backend-shared's
+   record layout) into its partial record, rows in order. */
+typedef struct mpt__metric_job {
+    const mpt__loss_job *j;
+    const mpt_loss_args *a;
+    int64_t list;               /* doubles in a list (mpt__metric_list_count) */
+} mpt__metric_job;
+
+static void mpt__metric_part(void *arg, int64_t part, int thread) {
+    const mpt__metric_job *mj = (const mpt__metric_job *)arg;
+    const mpt__loss_job *j = mj->j;
+    const int64_t K = j->K, r0 = j->rows * part / MPT__METRIC_PARTS,
+                  r1 = j->rows * (part + 1) / MPT__METRIC_PARTS;
+    int64_t r, c;
+    int l;
+    (void)thread;
+    for (l = 0; l < 2; l++) {
+        const int bits = mpt__metric_list_bits(l, mj->a->metrics, mj->a->weighted_metrics);
+        double *sums = mj->a->metric_parts + (2 * part + l) * mj->list;
+        if (!bits) continue;
+        memset(sums, 0, sizeof(double) * (size_t)mj->list);
+        for (r = r0; r < r1; r++) {
+            const double w = l ? (double)mpt__loss_row_weight(j, r) : 1.0;
+            sums[0] += w;
+            for (c = 0; c < K; c++)
+                mpt__metric_value_add(sums, bits, K, c, mpt__loss_pred(j, r * K + c),
+                                      mpt__loss_target(j, r, c), w, j->from_logits);
+        }
+    }
+}
+
+/* The batch's r2_score and auc sums added to a->metric_sums: the parts
+   over the pool, then their partials in part order. */
+static void mpt__count_metric_sums(mpt_context *ctx, const mpt__loss_job *j,
+                                   const mpt_loss_args *a) {
+    mpt__metric_job mj;
+    int64_t i, k;
+    int l;
+    if (!a->metric_sums || !((a->metrics | a->weighted_metrics) & MPT__METRICS_EPOCH)) return;
+    mj.j = j;
+    mj.a = a;
+    mj.list = mpt__metric_list_count(j->K);
+    mpt__parallel_for(ctx, MPT__METRIC_PARTS, mpt__metric_part, &mj);
+    for (l = 0; l < 2; l++) {
+        if (!mpt__metric_list_bits(l, a->metrics, a->weighted_metrics)) continue;
+        for (i = 0; i < mj.list; i++) {
+            double sum = 0;
+            for (k = 0; k < MPT__METRIC_PARTS; k++) sum += a->metric_parts[(2 * k + l) * mj.list + i];
+            a->metric_sums[l * mj.list + i] += sum;
+        }
+    }
+}
+
 /* The CPU backend's loss (mpt_backend.loss): as mpt_loss_compute without
    the checks (fit made them once), and the batch tallied into the state. */
 static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
@@ -11556,6 +11726,7 @@ static void mpt__cpu_loss(void *impl, const mpt_loss_args *a) {
         mpt__count_values(a->pred_dtype, a->pred, (const float *)a->target, a->rows * a->K,
                           a->from_logits, &errors);
     if (a->weighted_metrics) mpt__count_weighted(&j, a, &weighted);
+    mpt__count_metric_sums(ctx, &j, a);
     loss = mpt__loss_run(ctx, &j,
                          (a->scale_by_loss_scale ? (double)a->state->loss_scale : 1.0) *
                              (a->grad_weight != 0 ? (double)a->grad_weight : 1.0));
@@ -12449,7 +12620,8 @@ static int mpt__model_any_float16(const mpt_model *m) {
    known bits, each metric with a loss whose outputs it can read. */
 static mpt_status mpt__compile_check_metrics(mpt_model *m, const mpt_compile_desc *d,
                                              const char *what, int metrics) {
-    const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K | MPT__METRICS_VALUES;
+    const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K | MPT__METRICS_VALUES |
+                              MPT__METRICS_EPOCH;
     if (metrics & ~known_metrics)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: %s 0x%x has unknown bits 0x%x (known: 0x%x)", what,
@@ -12471,6 +12643,15 @@ static mpt_status mpt__compile_check_metrics(mpt_model *m, const mpt_compile_des
                          "compile: %s precision and recall count binary outputs: they need "
                          "the binary_crossentropy or mean_squared_error loss, not %s", what,
                          mpt__loss_name(d->loss.type));
+    if ((metrics & MPT_METRIC_R2_SCORE) && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: %s r2_score scores a regression's values: it needs the "
+                         "mean_squared_error loss, not %s", what, mpt__loss_name(d->loss.type));
+    if ((metrics & MPT_METRIC_AUC) && d->loss.type != MPT_LOSS_BINARY_CROSSENTROPY &&
+        d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "compile: %s auc ranks binary outputs: it needs the binary_crossentropy "
+                         "or mean_squared_error loss, not %s", what, mpt__loss_name(d->loss.type));
     return MPT_OK;
 }
 
@@ -13484,6 +13665,55 @@ static double mpt__now(void) {
    push copies the host's over both of the backend's records of every
    replica (their tallies zeroed); pull copies the training record back,
    with the tallies summed over the replicas of this process. */
+/* ---- r2_score's and auc's records ------------------------------------------ */
+
+static void mpt__metric_sums_free(mpt_model *m) {
+    if (m->metric_sums) m->be->free(m->impl, MPT__MEM_WORKSPACE, m->metric_sums);
+    mpt__free(m->ctx, m->metric_host);
+    m->metric_sums = NULL;
+    m->metric_host = NULL;
+    m->metric_record = 0;
+}
+
+/* The records of a built model compiled with r2_score or auc, allocated
+   the first time a pass needs them (sized by the output's columns K) and
+   kept until the model goes; nothing where neither is compiled. */
+static mpt_status mpt__metric_sums_open(mpt_model *m) {
+    const mpt__layer *last = &m->layers[m->n_layers - 1];
+    int64_t K, n;
+    size_t bytes;
+    if (!m->compiled || !((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH))
+        return MPT_OK;
+    K = mpt__loss_row_width(m->compile.loss.type, last->out_shape[last->out_rank - 1]);
+    n = mpt__metric_record_count(K);
+    if (m->metric_sums && m->metric_record == n) return MPT_OK;
+    mpt__metric_sums_free(m);
+    bytes = sizeof(double) * (size_t)n;
+    if (m->be->alloc(m->impl, MPT__MEM_WORKSPACE, bytes * (2 + MPT__METRIC_PARTS),
+                     (void **)&m->metric_sums) != MPT_OK) {
+        m->metric_sums = NULL;
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: r2_score's and auc's sums: %s",
+                         m->be->error(m->impl));
+    }
+    m->metric_host = (double *)mpt__alloc(m->ctx, 2 * bytes);
+    if (!m->metric_host) {
+        mpt__metric_sums_free(m);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+    }
+    m->metric_record = n;
+    m->be->zero(m->impl, m->metric_sums, 2 * bytes);
+    return MPT_OK;
+}
+
+/* Record `which` (0 training, 1 evaluation) zeroed, opened first. */
+static mpt_status mpt__metric_sums_reset(mpt_model *m, int which) {
+    MPT__CHECK(mpt__metric_sums_open(m));
+    if (m->metric_sums)
+        m->be->zero(m->impl, m->metric_sums + which * m->metric_record,
+                    sizeof(double) * (size_t)m->metric_record);
+    return MPT_OK;
+}
+
 static mpt_status mpt__state_push(mpt_model *m) {
     mpt_step_state st[2];
     int k;
@@ -13497,8 +13727,11 @@ static mpt_status mpt__state_push(mpt_model *m) {
     st[0].loss_scale = m->compiled ? m->loss_scale : 1.0f;
     st[0].finite = 1;
     st[1] = st[0];
-    for (k = 1; k < m->n_replicas; k++)
+    for (k = 1; k < m->n_replicas; k++) {
         MPT__CHECK(mpt__upload(m->replica[k], m->replica[k]->state, st, sizeof st));
+        MPT__CHECK(mpt__metric_sums_reset(m->replica[k], 0));
+    }
+    MPT__CHECK(mpt__metric_sums_reset(m, 0));
     return mpt__upload(m, m->state, st, sizeof st);
 }
 
@@ -13631,7 +13864,53 @@ typedef struct mpt__tally {
        its weight */
     double weight_sum, weighted_correct, weighted_top_k, weighted_abs_error,
         weighted_squared_error, weighted_percent_error, weighted_tp, weighted_fp, weighted_fn;
+    /* r2_score and auc, finished from their sums (mpt__metric_sums_finish) */
+    double r2, auc, weighted_r2, weighted_auc;
 } mpt__tally;
+
+/* Keras' R2Score.result (uniform_average) from a list's sums over K
+   columns: per column 1 − SS_res / SS_tot with SS_tot = Σ w·y² − Σ w·y ·
+   mean, mean = Σ w·y / Σ w; an infinite quotient (SS_tot 0) gives 0. */
+static double mpt__r2_result(const double *list, int64_t K) {
+    double sum = 0;
+    int64_t c;
+    for (c = 0; c < K; c++) {
+        double mean = list[1 + c] / list[0], total = list[1 + K + c] - list[1 + c] * mean;
+        double raw = 1 - list[1 + 2 * K + c] / total;
+        sum += isinf(raw) ? 0.0 : raw;
+    }
+    return sum / (double)K;
+}
+
+/* Keras' AUC.result (ROC, interpolation) from a list's buckets: the true
+   and false positives at threshold i the buckets from i up added, their
+   rates over the positives and negatives (0 where there are none), and
+   the trapezoids between neighbouring thresholds. */
+static double mpt__auc_result(const double *list, int64_t K) {
+    const double *positive = list + 1 + 3 * K, *negative = positive + MPT__AUC_THRESHOLDS;
+    double tp[MPT__AUC_THRESHOLDS + 1], fp[MPT__AUC_THRESHOLDS + 1], auc = 0;
+    int i;
+    tp[MPT__AUC_THRESHOLDS] = fp[MPT__AUC_THRESHOLDS] = 0;
+    for (i = MPT__AUC_THRESHOLDS - 1; i >= 0; i--) {
+        tp[i] = tp[i + 1] + positive[i];
+        fp[i] = fp[i + 1] + negative[i];
+    }
+    for (i = 0; i + 1 < MPT__AUC_THRESHOLDS; i++) {
+        double tpr0 = tp[0] > 0 ? tp[i] / tp[0] : 0, tpr1 = tp[0] > 0 ? tp[i + 1] / tp[0] : 0;
+        double fpr0 = fp[0] > 0 ? fp[i] / fp[0] : 0, fpr1 = fp[0] > 0 ? fp[i + 1] / fp[0] : 0;
+        auc += (fpr0 - fpr1) * (tpr0 + tpr1) / 2;
+    }
+    return auc;
+}
+
+/* r2_score and auc of both lists from a record's sums into t. */
+static void mpt__metric_sums_finish(const mpt_model *m, const double *record, mpt__tally *t) {
+    const int64_t list = m->metric_record / 2, K = (list - 1 - 2 * MPT__AUC_THRESHOLDS) / 3;
+    t->r2 = mpt__r2_result(record, K);
+    t->auc = mpt__auc_result(record, K);
+    t->weighted_r2 = mpt__r2_result(record + list, K);
+    t->weighted_auc = mpt__auc_result(record + list, K);
+}
 
 /* A tally from the backend's record of it. */
 static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
@@ -13668,6 +13947,7 @@ static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
    ones, over `count` (samples, or Σ weights). */
 typedef struct mpt__metric_counts {
     double count, correct, top_k, abs_error, squared_error, percent_error, tp, fp, fn;
+    double r2, auc; /* finished already */
 } mpt__metric_counts;
 
 static void mpt__metric_logs(const mpt_model *m, int metrics, const mpt__metric_counts *c,
@@ -13690,6 +13970,8 @@ static void mpt__metric_logs(const mpt_model *m, int metrics, const mpt__metric_
     if (metrics & MPT_METRIC_PRECISION)
         MPT__LOG("precision", c->tp > 0 ? c->tp / (c->tp + c->fp) : 0.0);
     if (metrics & MPT_METRIC_RECALL) MPT__LOG("recall", c->tp > 0 ? c->tp / (c->tp + c->fn) : 0.0);
+    if (metrics & MPT_METRIC_R2_SCORE) MPT__LOG("r2_score", c->r2);
+    if (metrics & MPT_METRIC_AUC) MPT__LOG("auc", c->auc);
 #undef MPT__LOG
 }
 
@@ -13711,6 +13993,8 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
     plain.tp = t->tp;
     plain.fp = t->fp;
     plain.fn = t->fn;
+    plain.r2 = t->r2;
+    plain.auc = t->auc;
     weighted.count = t->weight_sum;
     weighted.correct = t->weighted_correct;
     weighted.top_k = t->weighted_top_k;
@@ -13720,6 +14004,8 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
     weighted.tp = t->weighted_tp;
     weighted.fp = t->weighted_fp;
     weighted.fn = t->weighted_fn;
+    weighted.r2 = t->weighted_r2;
+    weighted.auc = t->weighted_auc;
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
     mpt__metric_logs(m, m->compile.metrics, &plain, validation, 0, logs);
     mpt__metric_logs(m, m->compile.weighted_metrics & ~both, &weighted, validation, 0, logs);
@@ -13786,6 +14072,10 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, const mpt
     a.class_weight = training ? m->class_weight : NULL;
     a.sample_weight = (const float *)w->data;
     a.weighted_metrics = m->compile.weighted_metrics;
+    if (m->metric_sums) { /* r2_score or auc: the record, the partials after both */
+        a.metric_sums = m->metric_sums + (training ? 0 : m->metric_record);
+        a.metric_parts = m->metric_sums + 2 * m->metric_record;
+    }
     return a;
 }
 
@@ -14060,6 +14350,26 @@ static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int b, mpt__step_ti
                                         m->be->error(m->impl));
 }
 
+/* r2_score and auc of the steps since the last push: the training
+   records summed over this process's replicas (in replica order), then
+   over the workers. */
+static mpt_status mpt__training_metric_sums(mpt_model *m, mpt__tally *t) {
+    double *sum = m->metric_host, *theirs = m->metric_host + m->metric_record;
+    int64_t i;
+    int k;
+    if (!m->metric_sums) return MPT_OK;
+    MPT__CHECK(mpt__download(m, sum, m->metric_sums, sizeof(double) * (size_t)m->metric_record));
+    for (k = 1; k < m->n_replicas; k++) {
+        mpt_model *r = m->replica[k];
+        MPT__CHECK(mpt__download(r, theirs, r->metric_sums,
+                                 sizeof(double) * (size_t)m->metric_record));
+        for (i = 0; i < m->metric_record; i++) sum[i] += theirs[i];
+    }
+    MPT__CHECK(mpt__workers_sum(m, sum, m->metric_record, 1, "summing r2_score and auc"));
+    mpt__metric_sums_finish(m, sum, t);
+    return MPT_OK;
+}
+
 /* The tally of the steps since the last push, and the host's copy of the
    training scalars brought up to date. */
 static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
@@ -14070,7 +14380,7 @@ static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     MPT__CHECK(mpt__workers_sum(m, sum, (int64_t)MPT__TALLIES, 1, "summing the metrics"));
     mpt__tallies_set(&st, sum); /* and the workers' */
     mpt__tally_from_state(&st, t);
-    return MPT_OK;
+    return mpt__training_metric_sums(m, t);
 }
 
 /* =============================================================================
@@ -14318,13 +14628,18 @@ static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compil
 /* Evaluation's record on the backend: tallies zeroed. */
 static mpt_status mpt__state_reset_evaluation(mpt_model *m) {
     m->be->zero(m->impl, &m->state[1], MPT__TALLIES * sizeof(double)); /* the tallies */
-    return MPT_OK;
+    return mpt__metric_sums_reset(m, 1);
 }
 
 static mpt_status mpt__evaluation_tally(mpt_model *m, mpt__tally *t) {
     mpt_step_state st;
     MPT__CHECK(mpt__download(m, &st, &m->state[1], sizeof st));
     mpt__tally_from_state(&st, t);
+    if (m->metric_sums) {
+        MPT__CHECK(mpt__download(m, m->metric_host, m->metric_sums + m->metric_record,
+                                 sizeof(double) * (size_t)m->metric_record));
+        mpt__metric_sums_finish(m, m->metric_host, t);
+    }
     return MPT_OK;
 }
 
@@ -30223,6 +30538,28 @@ static void mpt__q_tally_values(const float *pred, const float *target, int64_t 
     t->fn += e.sum[MPT__SUM_FALSE_NEGATIVES];
 }
 
+/* A batch's r2_score and auc sums (rows of K values, rows_per_sample a
+   sample, weights NULL or one a sample) added to a record on the host,
+   rows in order, as the float model's (mpt__metric_part). */
+static void mpt__q_tally_metric_sums(const mpt_model *m, const float *pred, const float *target,
+                                     const float *weights, int64_t rows, int64_t K,
+                                     int64_t rows_per_sample, double *record) {
+    const int64_t list = mpt__metric_list_count(K);
+    int64_t r, c;
+    int l;
+    for (l = 0; l < 2; l++) {
+        const int bits = mpt__metric_list_bits(l, m->compile.metrics, m->compile.weighted_metrics);
+        if (!bits) continue;
+        for (r = 0; r < rows; r++) {
+            const double w = l && weights ? (double)weights[r / rows_per_sample] : 1.0;
+            record[l * list] += w;
+            for (c = 0; c < K; c++)
+                mpt__metric_value_add(record + l * list, bits, K, c, pred[r * K + c],
+                                      target[r * K + c], w, m->compile.loss.from_logits);
+        }
+    }
+}
+
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
@@ -30232,6 +30569,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     mpt__qwork *w = NULL;
     mpt__tally t;
     float *pred;
+    double *record = NULL; /* r2_score's and auc's sums, or NULL */
     mpt_tensor x, y;
     mpt_status s;
     if (!data || !logs)
@@ -30254,6 +30592,16 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
     if (s == MPT_OK && !pred)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
+    {
+        int64_t shape[MPT_MAX_RANK + 1];
+        int rank = mpt__q_batch_shape(m, 1, shape);
+        classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
+    }
+    if (s == MPT_OK && ((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH)) {
+        record = (double *)mpt__calloc(m->ctx, sizeof(double) *
+                                                   (size_t)mpt__metric_record_count(classes));
+        if (!record) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
+    }
     if (s == MPT_OK)
         s = mpt__q_loader_open(m, data, batch, "evaluate", byte_table, &order, &loader);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
@@ -30272,10 +30620,24 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         if (m->compile.metrics & MPT__METRICS_VALUES)
             mpt__q_tally_values(pred, (const float *)y.data, b, per,
                                 m->compile.loss.from_logits, &t);
+        if (record) {
+            mpt_tensor w;
+            mpt__loader_weights(loader, &w);
+            mpt__q_tally_metric_sums(m, pred, (const float *)y.data, (const float *)w.data,
+                                     b * (per / classes), classes, per / classes, record);
+        }
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
     mpt__free(m->ctx, pred);
+    if (s == MPT_OK && record) {
+        const int64_t list = mpt__metric_list_count(classes);
+        t.r2 = mpt__r2_result(record, classes);
+        t.auc = mpt__auc_result(record, classes);
+        t.weighted_r2 = mpt__r2_result(record + list, classes);
+        t.weighted_auc = mpt__auc_result(record + list, classes);
+    }
+    mpt__free(m->ctx, record);
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
 }

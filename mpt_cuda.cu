@@ -4664,6 +4664,104 @@ mpt__cuda_loss_finish_kernel(mpt__cuda_loss_params p, int n_partials) {
                         loss / p.count, correct, top_k, &e, &weighted);
 }
 
+/* ---- r2_score's and auc's sums --------------------------------------------
+   mpt.h's @backend-shared record: block k of MPT__METRIC_PARTS takes the
+   rows [rows·k/PARTS, rows·(k+1)/PARTS) and writes the whole of its
+   partial record; a second kernel adds the partials, in part order, into
+   the epoch's record. The rows go through shared memory a tile at a time
+   (each row's weight, each value's auc slot); then thread c sums column c
+   over the tile's rows in order (r2_score: Σ w·y, Σ w·y², Σ w·(y − p)²),
+   and thread b bucket b's weights over the tile's values in order (auc):
+   each sum is added in the CPU's order (mpt.h's mpt__metric_part), with
+   no atomics. Reads pred before the loss kernel, which may write the
+   gradient over it. */
+static constexpr int mpt__cuda_metric_tile = 256; /* values of a tile: rows · K <= this, or one row */
+
+static __device__ float mpt__cuda_metric_row_weight(const mpt__cuda_loss_params &p, int64_t r) {
+    float cw = 1.0f;
+    if (p.class_weight) { /* the first maximum of the target, as the CPU's */
+        int64_t best = 0;
+        for (int64_t c = 1; c < p.K; c++)
+            best = mpt__cuda_loss_target(p, r, c, 0) > mpt__cuda_loss_target(p, r, best, 0) ? c : best;
+        cw = mpt__row_class_weight(p.class_weight, p.K, best, mpt__cuda_loss_target(p, r, 0, 0));
+    }
+    return mpt__row_weight(cw, p.sample_weight, r, p.rows_per_sample);
+}
+
+static __global__ void __launch_bounds__(mpt__cuda_train_threads)
+mpt__cuda_metric_kernel(mpt__cuda_loss_params p, double *parts, int64_t list) {
+    __shared__ double row_w[mpt__cuda_metric_tile];  /* the tile's rows' weights  */
+    __shared__ int slot[mpt__cuda_metric_tile];      /* its values' auc slots − (1 + 3K) */
+    const int64_t K = p.K, r0 = p.rows * blockIdx.x / gridDim.x,
+                  r1 = p.rows * (blockIdx.x + 1) / gridDim.x;
+    const int64_t tile_rows = K <= mpt__cuda_metric_tile ? mpt__cuda_metric_tile / K : 1;
+    for (int l = 0; l < 2; l++) {
+        const int bits = mpt__metric_list_bits(l, p.metrics, p.weighted_metrics);
+        double *out = parts + (2 * (int64_t)blockIdx.x + l) * list;
+        double count = 0, auc[2] = {0, 0}; /* thread b < 200: bucket b's positives, negatives */
+        if (!bits) continue;
+        for (int64_t c = threadIdx.x; c < K; c += blockDim.x) /* r2: thread c, columns c + 256·j */
+            out[1 + c] = out[1 + K + c] = out[1 + 2 * K + c] = 0;
+        for (int64_t t0 = r0; t0 < r1; t0 += tile_rows) {
+            const int64_t t1 = t0 + tile_rows < r1 ? t0 + tile_rows : r1, n = (t1 - t0) * K;
+            __syncthreads(); /* the last tile's reads are done */
+            for (int64_t i = threadIdx.x; i < t1 - t0; i += blockDim.x)
+                row_w[i] = l ? (double)mpt__cuda_metric_row_weight(p, t0 + i) : 1.0;
+            if (bits & MPT_METRIC_AUC)
+                for (int64_t i = threadIdx.x; i < n && i < mpt__cuda_metric_tile; i += blockDim.x)
+                    slot[i] = (int)(mpt__auc_slot(K, mpt__cuda_loss_pred(p, t0 * K + i),
+                                                  mpt__cuda_loss_target(p, t0 + i / K, i % K, 0),
+                                                  p.from_logits) - (1 + 3 * K));
+            __syncthreads();
+            if (threadIdx.x == 0)
+                for (int64_t i = 0; i < t1 - t0; i++) count = __dadd_rn(count, row_w[i]);
+            if (bits & MPT_METRIC_R2_SCORE)
+                for (int64_t c = threadIdx.x; c < K; c += blockDim.x) {
+                    double s0 = out[1 + c], s1 = out[1 + K + c], s2 = out[1 + 2 * K + c], t[3];
+                    for (int64_t r = t0; r < t1; r++) {
+                        mpt__r2_terms(mpt__cuda_loss_pred(p, r * K + c),
+                                      mpt__cuda_loss_target(p, r, c, 0), row_w[r - t0], t);
+                        s0 = __dadd_rn(s0, t[0]);
+                        s1 = __dadd_rn(s1, t[1]);
+                        s2 = __dadd_rn(s2, t[2]);
+                    }
+                    out[1 + c] = s0;
+                    out[1 + K + c] = s1;
+                    out[1 + 2 * K + c] = s2;
+                }
+            if ((bits & MPT_METRIC_AUC) && threadIdx.x < MPT__AUC_THRESHOLDS)
+                for (int64_t i = 0; i < n; i++) { /* a row past the tile (K > 256) reads its own */
+                    int v = i < mpt__cuda_metric_tile
+                                ? slot[i]
+                                : (int)(mpt__auc_slot(K, mpt__cuda_loss_pred(p, t0 * K + i),
+                                                      mpt__cuda_loss_target(p, t0 + i / K, i % K, 0),
+                                                      p.from_logits) - (1 + 3 * K));
+                    const double w = row_w[i / K];
+                    if (v == (int)threadIdx.x) auc[0] = __dadd_rn(auc[0], w);
+                    else if (v == (int)threadIdx.x + MPT__AUC_THRESHOLDS) auc[1] = __dadd_rn(auc[1], w);
+                }
+        }
+        if (threadIdx.x == 0) out[0] = count;
+        if (threadIdx.x < MPT__AUC_THRESHOLDS) { /* zeros without auc, as the CPU's */
+            out[1 + 3 * K + threadIdx.x] = auc[0];
+            out[1 + 3 * K + MPT__AUC_THRESHOLDS + threadIdx.x] = auc[1];
+        }
+    }
+}
+
+/* sums[i] += Σ_k parts[k][i], k in order, for each value i of the lists
+   in use (thread i; two lists of `list` values). */
+static __global__ void __launch_bounds__(mpt__cuda_train_threads)
+mpt__cuda_metric_finish_kernel(mpt__cuda_loss_params p, double *sums, const double *parts,
+                               int64_t list) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int l = i < list ? 0 : 1;
+    double sum = 0;
+    if (i >= 2 * list || !mpt__metric_list_bits(l, p.metrics, p.weighted_metrics)) return;
+    for (int k = 0; k < MPT__METRIC_PARTS; k++) sum = __dadd_rn(sum, parts[k * 2 * list + i]);
+    sums[i] = __dadd_rn(sums[i], sum);
+}
+
 static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
     mpt__cuda *c = (mpt__cuda *)impl;
     mpt__cuda_train_scratch *s = mpt__cuda_train_scratch_of(c, "loss");
@@ -4693,6 +4791,18 @@ static void mpt__cuda_loss(void *impl, const mpt_loss_args *a) {
     p.class_weight = a->class_weight;
     p.sample_weight = a->sample_weight;
     p.weighted_metrics = a->weighted_metrics;
+    if (a->metric_sums && ((a->metrics | a->weighted_metrics) & MPT__METRICS_EPOCH)) {
+        /* before the loss: dpred may be pred */
+        const int64_t list = mpt__metric_list_count(a->K);
+        mpt__cuda_metric_kernel<<<MPT__METRIC_PARTS, mpt__cuda_train_threads, 0, c->stream>>>(
+            p, a->metric_parts, list);
+        mpt__cuda_launched(c, "mpt__cuda_metric_kernel");
+        mpt__cuda_metric_finish_kernel<<<(unsigned)((2 * list + mpt__cuda_train_threads - 1) /
+                                                    mpt__cuda_train_threads),
+                                         mpt__cuda_train_threads, 0, c->stream>>>(
+            p, a->metric_sums, a->metric_parts, list);
+        mpt__cuda_launched(c, "mpt__cuda_metric_finish_kernel");
+    }
     blocks = (a->rows + mpt__cuda_train_warps - 1) / mpt__cuda_train_warps;
     if (blocks > mpt__cuda_loss_max_blocks) blocks = mpt__cuda_loss_max_blocks;
     mpt__cuda_loss_kernel<<<(unsigned)blocks, mpt__cuda_train_threads, 0, c->stream>>>(p);

@@ -151,6 +151,32 @@ static inline mpt_fit_desc fit_for(int epochs, int64_t batch_size) {
     return f;
 }
 
+/* Keras' AUC (200 thresholds, ROC, interpolation) computed directly:
+   each threshold's confusion counts from every value (p the probability,
+   the sigmoid of a logit, clipped to [0, 1]; y != 0 a positive), then
+   the trapezoids. w NULL: each 1; a sample's weight for its `per` values. */
+static inline double auc_direct(const float *pred, const float *y, const float *w, int64_t n,
+                                int64_t per, int from_logits) {
+    double tpr[200], fpr[200], auc = 0;
+    int64_t i;
+    int t;
+    for (t = 0; t < 200; t++) {
+        double threshold = t == 0 ? -1e-7 : t == 199 ? 1 + 1e-7 : t / 199.0;
+        double tp = 0, fp = 0, fn = 0, tn = 0;
+        for (i = 0; i < n * per; i++) {
+            double p = from_logits ? 1 / (1 + exp(-(double)pred[i])) : pred[i];
+            double wi = w ? w[i / per] : 1.0;
+            int positive = (p < 0 ? 0 : p > 1 ? 1 : p) > threshold;
+            if (y[i] != 0) positive ? (tp += wi) : (fn += wi);
+            else positive ? (fp += wi) : (tn += wi);
+        }
+        tpr[t] = tp + fn > 0 ? tp / (tp + fn) : 0;
+        fpr[t] = fp + tn > 0 ? fp / (fp + tn) : 0;
+    }
+    for (t = 0; t < 199; t++) auc += (fpr[t] - fpr[t + 1]) * (tpr[t] + tpr[t + 1]) / 2;
+    return auc;
+}
+
 /* The value of a history key (as Keras' history.history[key][epoch]) after
    fit; epoch −1: the last epoch's. NAN when the key or epoch is missing. */
 static inline double history_value(const mpt_model *m, const char *key, int epoch) {

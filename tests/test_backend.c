@@ -592,6 +592,8 @@ static void emu_loss(void *impl, const mpt_loss_args *a) {
     expect_device(impl, a->state);
     expect_device(impl, a->sample_weight);
     expect_device(impl, a->class_weight);
+    expect_device(impl, a->metric_sums);
+    expect_device(impl, a->metric_parts);
     if (recording) {
         emu_call *c = record(OP_LOSS, impl);
         if (c) c->loss = *a;
@@ -1076,6 +1078,91 @@ static void test_sample_weights_match_the_cpu(void) {
     CHECK(dev.uploads_async == 2 * 3 * 3 && dev.captures == 2 && dev.stray == 0,
           "%ld asynchronous uploads (want 18), %ld steps recorded (want 2), %ld host pointers "
           "on the device", dev.uploads_async, dev.captures, dev.stray);
+    mpt_model_destroy(cpu_model);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
+/* r2_score and auc (plain and weighted) on the emulated device: their
+   records live in its memory, the recorded steps' loss adds to them on
+   replay, and fit, validation and evaluate end bit for bit where the
+   CPU's do. Flatten -> Dense(2, sigmoid) under mean squared error, the
+   targets a class's two yes-or-no answers. */
+static float binary_ys[N * 2];
+
+static mpt_model *binary_model(mpt_context *c) {
+    mpt_model *m = NULL;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
+                                          .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 17}, &m);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2, .activation = MPT_ACT_SIGMOID});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.learning_rate = 0.05f},
+              .loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR},
+              .metrics = MPT_METRIC_R2_SCORE | MPT_METRIC_AUC,
+              .weighted_metrics = MPT_METRIC_R2_SCORE | MPT_METRIC_AUC}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static mpt_dataset *binary_dataset(mpt_context *c, const float *w) {
+    mpt_tensor tx, ty, tw;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, (int64_t[]){N, SIDE, SIDE, 1}, xs);
+    mpt_tensor_wrap(c, &ty, MPT_FLOAT32, 2, (int64_t[]){N, 2}, binary_ys);
+    mpt_tensor_wrap(c, &tw, MPT_FLOAT32, 1, (int64_t[]){N}, (void *)(uintptr_t)w);
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty, .sample_weight = &tw},
+                             &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+static void test_r2_score_and_auc_match_the_cpu(void) {
+    static float w[N];
+    static const char *const keys[4] = {"r2_score", "auc", "weighted_r2_score", "weighted_auc"};
+    mpt_context *dc = NULL;
+    mpt_model *cpu_model, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_logs l_cpu, l_gpu;
+    int i;
+    for (i = 0; i < N; i++) {
+        w[i] = (float)((i * 7) % 11) * 0.25f;
+        binary_ys[2 * i] = ys[i] == 1 ? 1.0f : 0.0f;
+        binary_ys[2 * i + 1] = ys[i] >= 2 ? 1.0f : 0.0f;
+    }
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    d_cpu = binary_dataset(ctx, w);
+    d_gpu = binary_dataset(dc, w);
+    cpu_model = binary_model(ctx);
+    gpu = binary_model(dc);
+    CHECK(mpt_model_fit(cpu_model, d_cpu, &(mpt_fit_desc){.epochs = 2, .batch_size = BATCH,
+                                                          .validation_split = 0.2f}) == MPT_OK,
+          "cpu fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &(mpt_fit_desc){.epochs = 2, .batch_size = BATCH,
+                                                    .validation_split = 0.2f}) == MPT_OK,
+          "device fit: %s", mpt_context_error(dc));
+    CHECK(same_params(cpu_model, gpu), "weights differ");
+    CHECK(same_history(cpu_model, gpu), "histories differ");
+    CHECK(history_value(gpu, "val_weighted_auc", 1) > 0 && history_value(gpu, "auc", 1) > 0,
+          "val_weighted_auc %g, auc %g", history_value(gpu, "val_weighted_auc", 1),
+          history_value(gpu, "auc", 1));
+    CHECK(mpt_model_evaluate(cpu_model, d_cpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_cpu) ==
+                  MPT_OK &&
+              mpt_model_evaluate(gpu, d_gpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_gpu) ==
+                  MPT_OK,
+          "evaluate: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    for (i = 0; i < 4; i++)
+        CHECK(mpt_logs_get(&l_cpu, keys[i]) == mpt_logs_get(&l_gpu, keys[i]) &&
+                  !isnan(mpt_logs_get(&l_cpu, keys[i])),
+              "evaluate's %s: %.17g on the CPU, %.17g on the device", keys[i],
+              mpt_logs_get(&l_cpu, keys[i]), mpt_logs_get(&l_gpu, keys[i]));
+    CHECK(dev.captures == 2 && dev.stray == 0,
+          "%ld steps recorded (want 2), %ld host pointers on the device", dev.captures, dev.stray);
     mpt_model_destroy(cpu_model);
     mpt_model_destroy(gpu);
     mpt_dataset_destroy(d_cpu);
@@ -1597,6 +1684,7 @@ int main(void) {
     TEST_RUN(test_fit_per_position_matches_the_cpu);
     TEST_RUN(test_fit_attention_matches_the_cpu);
     TEST_RUN(test_sample_weights_match_the_cpu);
+    TEST_RUN(test_r2_score_and_auc_match_the_cpu);
     TEST_RUN(test_checkpoints_cross);
     TEST_RUN(test_early_stopping_restores);
     TEST_RUN(test_public_steps_on_the_device);

@@ -1721,9 +1721,15 @@ static void test_loss(void) {
                        third case (with class weights on some of them) */
                     int sample_weighted = v % 3 == 1;
                     mpt_step_state st, *res[2];
+                    /* r2_score's and auc's records, filled before: the batch adds */
+                    const int64_t record = mpt__metric_record_count(K);
+                    double *sums_before, *sums[2] = {NULL, NULL};
                     char what[160];
                     int w;
+                    int64_t i;
                     if (logits && lt == MPT_LOSS_MEAN_SQUARED_ERROR) continue;
+                    sums_before = (double *)malloc(sizeof(double) * (size_t)record);
+                    for (i = 0; i < record; i++) sums_before[i] = (double)(i % 5);
                     pred = loss_pred(lt, logits, dt, rows, K);
                     target = loss_target(lt, rows, K);
                     for (w = 0; w < 40; w++) weights[w] = (float)test_uniform(0, 3);
@@ -1755,7 +1761,14 @@ static void test_loss(void) {
                             a.metrics |= MPT_METRIC_MEAN_ABSOLUTE_ERROR |
                                          MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR;
                         if (lt == MPT_LOSS_MEAN_SQUARED_ERROR || lt == MPT_LOSS_BINARY_CROSSENTROPY)
-                            a.metrics |= MPT_METRIC_PRECISION | MPT_METRIC_RECALL;
+                            a.metrics |= MPT_METRIC_PRECISION | MPT_METRIC_RECALL | MPT_METRIC_AUC;
+                        if (lt == MPT_LOSS_MEAN_SQUARED_ERROR) a.metrics |= MPT_METRIC_R2_SCORE;
+                        if (a.metrics & (MPT_METRIC_R2_SCORE | MPT_METRIC_AUC)) {
+                            a.metric_sums = (double *)be_upload(b, sums_before,
+                                                                sizeof(double) * (size_t)record);
+                            a.metric_parts = (double *)be_poisoned(
+                                b, sizeof(double) * (size_t)(record * MPT__METRIC_PARTS));
+                        }
                         a.top_k = 5;
                         a.scale_by_loss_scale = (int)(v % 2);
                         a.state = (mpt_step_state *)be_upload(b, &st, sizeof st);
@@ -1769,6 +1782,9 @@ static void test_loss(void) {
                         }
                         b->t->loss(b->impl, &a);
                         res[w] = (mpt_step_state *)be_fetch(b, a.state, sizeof st, "loss");
+                        if (a.metric_sums)
+                            sums[w] = (double *)be_fetch(b, a.metric_sums,
+                                                         sizeof(double) * (size_t)record, "loss");
                         if (a.dpred) dpred[w] = be_fetch(b, a.dpred, nbytes(dt, rows * K), "loss");
                         be_release(b);
                     }
@@ -1820,6 +1836,19 @@ static void test_loss(void) {
 #undef WEIGHTED_CLOSE
                     CHECK(!sample_weighted || res[0]->weight_sum > 0, "%s: no weight tallied",
                           what);
+                    /* r2_score's and auc's sums: the CPU's in its order (a
+                       sigmoid's last bit may differ, a bucket hardly ever) */
+                    for (i = 0; sums[0] && i < record; i++)
+                        if (!(fabs(sums[1][i] - sums[0][i]) <= 1e-12 * fabs(sums[0][i]))) {
+                            CHECK(0, "%s: metric sum %lld GPU %.17g, CPU %.17g", what,
+                                  (long long)i, sums[1][i], sums[0][i]);
+                            break;
+                        }
+                    CHECK(!sums[0] || sums[0][0] > 0, "%s: no rows counted for auc/r2_score",
+                          what);
+                    free(sums[0]);
+                    free(sums[1]);
+                    free(sums_before);
                     if (dpred[0]) {
                         double err = rel_error(dt, dpred[1], dt, dpred[0], rows * K);
                         CHECK(err <= tolerance(dt), "%s: dpred relative error %.3g > %g", what, err,

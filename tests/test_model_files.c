@@ -397,6 +397,60 @@ static void test_uncompiled_and_weights_only(void) {
     mpt_model_destroy(m);
 }
 
+/* r2_score and auc are compile settings like the others: a saved
+   regression comes back with both, in both lists, and evaluates to the
+   same values. */
+static void test_r2_score_and_auc_kept(void) {
+    static float x[40 * 3], y[40 * 2];
+    const int metrics = MPT_METRIC_R2_SCORE | MPT_METRIC_AUC | MPT_METRIC_MEAN_SQUARED_ERROR;
+    char path[600];
+    mpt_model *m = NULL, *loaded = NULL;
+    mpt_dataset *d = NULL;
+    mpt_tensor tx, ty;
+    mpt_logs la, lb;
+    int i;
+    path_in(path, sizeof path, "r2_auc.safetensors");
+    for (i = 0; i < 40 * 3; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < 40; i++) {
+        y[2 * i] = x[3 * i] + 0.5f * x[3 * i + 1];
+        y[2 * i + 1] = x[3 * i + 2] > 0 ? 1.0f : 0.0f;
+    }
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){40, 3}, x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){40, 2}, y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1, .seed = 3}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){.loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR},
+                                                   .metrics = metrics,
+                                                   .weighted_metrics = MPT_METRIC_R2_SCORE}) ==
+              MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 16}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load(ctx, path, &loaded) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (loaded) {
+        CHECK(loaded->compile.metrics == metrics &&
+                  loaded->compile.weighted_metrics == MPT_METRIC_R2_SCORE,
+              "metrics 0x%x, weighted 0x%x after loading", (unsigned)loaded->compile.metrics,
+              (unsigned)loaded->compile.weighted_metrics);
+        CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &la) == MPT_OK &&
+                  mpt_model_evaluate(loaded, d, &(mpt_evaluate_desc){.batch_size = 7}, &lb) ==
+                      MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_logs_get(&la, "r2_score") == mpt_logs_get(&lb, "r2_score") &&
+                  mpt_logs_get(&la, "auc") == mpt_logs_get(&lb, "auc") &&
+                  mpt_logs_get(&la, "weighted_r2_score") == mpt_logs_get(&lb, "weighted_r2_score") &&
+                  !isnan(mpt_logs_get(&lb, "auc")),
+              "r2_score %.17g / %.17g, auc %.17g / %.17g", mpt_logs_get(&la, "r2_score"),
+              mpt_logs_get(&lb, "r2_score"), mpt_logs_get(&la, "auc"), mpt_logs_get(&lb, "auc"));
+        mpt_model_destroy(loaded);
+    }
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+}
+
 /* ---- hostile architectures --------------------------------------------------------- */
 
 /* A safetensors file of no tensors whose metadata's architecture is `json`. */
@@ -542,6 +596,7 @@ static void cases(void) {
     TEST_RUN(test_every_layer_round_trip);
     TEST_RUN(test_ids_layers_round_trip);
     TEST_RUN(test_uncompiled_and_weights_only);
+    TEST_RUN(test_r2_score_and_auc_kept);
     TEST_RUN(test_hostile_architectures);
 }
 

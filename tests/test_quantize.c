@@ -934,7 +934,7 @@ static void test_uint8_samples_as_float32(void) {
    binary_accuracy: each probability past 0.5 where its label is 1, the
    mean over every unit; not an argmax over the units. The float model's
    evaluate and every quantized mode's agree with that count from their
-   own predictions. */
+   own predictions, and so does their auc with Keras' AUC of them. */
 static void check_binary_accuracy(mpt_context *ctx, mpt_model *q, const float *targets,
                                   int units, const mpt_dataset *d, const char *what) {
     mpt_tensor p;
@@ -952,6 +952,12 @@ static void check_binary_accuracy(mpt_context *ctx, mpt_model *q, const float *t
     CHECK(fabs(mpt_logs_get(&logs, "accuracy") - (double)hits / n) < 1e-9,
           "%s, %d units: accuracy %g, %d of %d predictions right", what, units,
           mpt_logs_get(&logs, "accuracy"), hits, n);
+    if (p.data) { /* and auc over every unit, as Keras' AUC() flattens them */
+        double want = auc_direct((const float *)p.data, targets, NULL, N_SAMPLES, units, 0);
+        CHECK(fabs(mpt_logs_get(&logs, "auc") - want) <= 1e-9 * want,
+              "%s, %d units: auc %.17g, from the predictions %.17g", what, units,
+              mpt_logs_get(&logs, "auc"), want);
+    }
     mpt_tensor_free(ctx, &p);
 }
 
@@ -979,7 +985,7 @@ static void test_binary_accuracy(void) {
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = units, .activation = MPT_ACT_SIGMOID});
         CHECK(mpt_model_compile(m, &(mpt_compile_desc){
                   .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
-                  .metrics = MPT_METRIC_ACCURACY}) == MPT_OK &&
+                  .metrics = MPT_METRIC_ACCURACY | MPT_METRIC_AUC}) == MPT_OK &&
                   mpt_model_build(m, 32) == MPT_OK, "%s", mpt_context_error(ctx));
         randomize(m, 92);
         for (i = 0; m && i < mpt_model_param_count(m); i++) { /* logits well away from 0 */

@@ -782,6 +782,331 @@ static void test_weighted_metrics(void) {
     }
 }
 
+/* ---- r2_score and auc ------------------------------------------------------------- */
+
+/* Keras' R2Score (uniform_average) computed directly in double: per
+   column the weighted mean first, then Σ w·(y − mean)² (the textbook
+   two-pass form, not the library's sums), the columns' scores averaged;
+   w NULL: each 1. */
+static double r2_direct(const float *pred, const float *y, const float *w, int64_t n, int64_t K) {
+    double score = 0;
+    int64_t i, c;
+    for (c = 0; c < K; c++) {
+        double sw = 0, swy = 0, res = 0, tot = 0, mean;
+        for (i = 0; i < n; i++) {
+            double wi = w ? w[i] : 1.0;
+            sw += wi;
+            swy += wi * y[i * K + c];
+        }
+        mean = swy / sw;
+        for (i = 0; i < n; i++) {
+            double wi = w ? w[i] : 1.0, d = (double)y[i * K + c] - pred[i * K + c];
+            double e = (double)y[i * K + c] - mean;
+            res += wi * d * d;
+            tot += wi * e * e;
+        }
+        score += 1 - res / tot;
+    }
+    return score / (double)K;
+}
+
+static int close_to(double got, double want, double rel) {
+    return fabs(got - want) <= rel * fabs(want) || (got == 0 && want == 0);
+}
+
+/* The regression of test_regression_metrics (Dense(8, relu) -> Dense(2))
+   with r2_score in both lists, in context c, fitted two epochs of
+   uneven batches (16, the last 10) with validation. */
+static mpt_model *r2_model(mpt_context *c, mpt_policy policy, mpt_dataset *d) {
+    mpt_model *m = NULL;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {REG_IN}, .input_rank = 1,
+                                          .policy = policy, .seed = 4}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = REG_OUT});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+              .loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR},
+              .metrics = MPT_METRIC_R2_SCORE | MPT_METRIC_MEAN_SQUARED_ERROR,
+              .weighted_metrics = MPT_METRIC_R2_SCORE}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16,
+                                              .validation_split = 0.25f}) == MPT_OK,
+          "fit: %s", mpt_context_error(c));
+    return m;
+}
+
+/* Two models' histories of `key` hold the same bits. */
+static int same_history(const mpt_model *a, const mpt_model *b, const char *key) {
+    int e;
+    for (e = 0; e < 2; e++) {
+        double x = history_value(a, key, e), y = history_value(b, key, e);
+        if (memcmp(&x, &y, sizeof x) || isnan(x)) return 0;
+    }
+    return 1;
+}
+
+/* Keras' R2Score: evaluate's r2_score and weighted_r2_score (and fit's,
+   with their val_ twins) against a direct double computation from
+   predict's outputs over uneven batches (7), float32 and mixed_float16,
+   1e-9 relative; the same bits on one thread as on two; a constant
+   column scores 0 (SS_tot 0, as Keras); refused with a crossentropy,
+   naming the metric and the loss. */
+static void test_r2_score(void) {
+    static float x[N_REG * REG_IN], y[N_REG * REG_OUT], w[N_REG];
+    mpt_policy policies[2] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16};
+    mpt_dataset *d;
+    int64_t i, k;
+    int pi;
+    for (i = 0; i < N_REG; i++) {
+        for (k = 0; k < REG_IN; k++) {
+            uint32_t r[4];
+            mpt_philox4x32(12, (uint64_t)i, (uint64_t)k, r);
+            x[i * REG_IN + k] = (float)(r[0] / 2147483648.0 - 1);
+        }
+        y[i * REG_OUT] = 2 * x[i * REG_IN] - x[i * REG_IN + 1] + 0.3f;
+        y[i * REG_OUT + 1] = x[i * REG_IN + 2] * x[i * REG_IN + 3] + 0.5f;
+    }
+    sample_weights(w, N_REG);
+    d = regression_dataset(x, y, N_REG);
+    CHECK(mpt_dataset_set_sample_weight(ctx, d, w, N_REG) == MPT_OK, "set: %s",
+          mpt_context_error(ctx));
+    for (pi = 0; pi < 2; pi++) {
+        mpt_model *m = r2_model(ctx, policies[pi], d), *one;
+        mpt_context *single = quiet_ctx(), *saved = ctx;
+        mpt_dataset *d1;
+        mpt_logs logs;
+        mpt_tensor pred;
+        double plain, weighted;
+        CHECK(!isnan(history_value(m, "r2_score", 1)) && !isnan(history_value(m, "val_r2_score", 1)) &&
+                  !isnan(history_value(m, "weighted_r2_score", 1)) &&
+                  !isnan(history_value(m, "val_weighted_r2_score", 1)),
+              "r2_score's history keys are missing");
+        CHECK(history_value(m, "r2_score", 1) > history_value(m, "r2_score", 0),
+              "r2_score did not rise: %g -> %g", history_value(m, "r2_score", 0),
+              history_value(m, "r2_score", 1));
+        CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(m, d, 32, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+        plain = r2_direct((const float *)pred.data, y, NULL, N_REG, REG_OUT);
+        weighted = r2_direct((const float *)pred.data, y, w, N_REG, REG_OUT);
+        CHECK(close_to(mpt_logs_get(&logs, "r2_score"), plain, 1e-9), "%s r2_score %.17g vs %.17g",
+              mpt_policy_name(policies[pi]), mpt_logs_get(&logs, "r2_score"), plain);
+        CHECK(close_to(mpt_logs_get(&logs, "weighted_r2_score"), weighted, 1e-9),
+              "%s weighted_r2_score %.17g vs %.17g", mpt_policy_name(policies[pi]),
+              mpt_logs_get(&logs, "weighted_r2_score"), weighted);
+        CHECK(plain < 1 && fabs(plain - weighted) > 1e-6,
+              "a degenerate regression: r2 %g, weighted %g", plain, weighted);
+        mpt_tensor_free(ctx, &pred);
+        /* one thread: the same bits */
+        ctx = single;
+        d1 = regression_dataset(x, y, N_REG);
+        ctx = saved;
+        CHECK(mpt_dataset_set_sample_weight(single, d1, w, N_REG) == MPT_OK, "set: %s",
+              mpt_context_error(single));
+        one = r2_model(single, policies[pi], d1);
+        CHECK(same_history(m, one, "r2_score") && same_history(m, one, "val_r2_score") &&
+                  same_history(m, one, "weighted_r2_score"),
+              "%s: r2_score on one thread %.17g, on two %.17g", mpt_policy_name(policies[pi]),
+              history_value(one, "r2_score", 1), history_value(m, "r2_score", 1));
+        mpt_model_destroy(one);
+        mpt_dataset_destroy(d1);
+        mpt_context_destroy(single);
+        mpt_model_destroy(m);
+    }
+    mpt_dataset_destroy(d);
+    {   /* a constant target column: SS_tot = 0, its score 0 (Keras'
+           isinf rule), the other column's as computed */
+        static float cy[N_REG * REG_OUT];
+        mpt_model *m = NULL;
+        mpt_logs logs;
+        mpt_tensor pred;
+        double want;
+        for (i = 0; i < N_REG; i++) {
+            cy[i * REG_OUT] = y[i * REG_OUT];
+            cy[i * REG_OUT + 1] = 0.25f;
+        }
+        d = regression_dataset(x, cy, N_REG);
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {REG_IN}, .input_rank = 1,
+                                                .seed = 4}, &m);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = REG_OUT});
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_MEAN_SQUARED_ERROR},
+                  .metrics = MPT_METRIC_R2_SCORE}) == MPT_OK,
+              "compile: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 7}, &logs) == MPT_OK,
+              "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(m, d, 32, &pred) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+        {   /* column 0 alone, then (r2_0 + 0) / 2 */
+            static float p0[N_REG], y0[N_REG];
+            for (i = 0; i < N_REG; i++) {
+                p0[i] = ((const float *)pred.data)[i * REG_OUT];
+                y0[i] = cy[i * REG_OUT];
+            }
+            want = r2_direct(p0, y0, NULL, N_REG, 1) / 2;
+        }
+        CHECK(close_to(mpt_logs_get(&logs, "r2_score"), want, 1e-9),
+              "a constant column: r2_score %.17g, want %.17g", mpt_logs_get(&logs, "r2_score"), want);
+        mpt_tensor_free(ctx, &pred);
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(d);
+    }
+    {
+        mpt_model *m = blob_model(MPT_POLICY_FLOAT32, 3);
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
+                  .metrics = MPT_METRIC_R2_SCORE}) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "metrics r2_score") &&
+                  strstr(mpt_context_error(ctx), "not binary_crossentropy"),
+              "r2_score with a crossentropy: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                  .weighted_metrics = MPT_METRIC_R2_SCORE}) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "weighted_metrics r2_score") &&
+                  strstr(mpt_context_error(ctx), "sparse_categorical_crossentropy"),
+              "weighted r2_score with a crossentropy: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+    }
+}
+
+/* A model of one Activation layer: its outputs are its inputs' sigmoids
+   (or the inputs themselves, read as logits), so that auc's known
+   answers can be set in the data. */
+static double auc_of(const float *in, const float *labels, int64_t n, int logits) {
+    mpt_model *m = NULL;
+    mpt_dataset *d = NULL;
+    mpt_tensor tx, ty;
+    mpt_logs logs;
+    double auc;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){n, 1}, (void *)(uintptr_t)in);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){n, 1}, (void *)(uintptr_t)labels);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {1}, .input_rank = 1}, &m);
+    mpt_model_add_activation(m, &(mpt_activation_desc){.activation = logits ? MPT_ACT_NONE
+                                                                            : MPT_ACT_SIGMOID});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY, .from_logits = logits},
+              .metrics = MPT_METRIC_AUC}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = 3}, &logs) == MPT_OK,
+          "evaluate: %s", mpt_context_error(ctx));
+    auc = mpt_logs_get(&logs, "auc");
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    return auc;
+}
+
+/* Keras' AUC: known answers (positives all above the negatives 1,
+   reversed 0, every score tied 0.5, one pair tied among separated ones
+   in between), from probabilities and from logits; a sigmoid classifier's
+   auc and weighted auc (fit's, with val_, and evaluate's) against a
+   direct double computation of each threshold's counts and Keras'
+   trapezoids from predict's outputs, over uneven batches, float32 and
+   mixed_float16, 1e-9 relative; one thread's bits as two's; refused with
+   a softmax, naming it. */
+static void test_auc(void) {
+    static float bx[N_SYN * FEATURES], bw[N_SYN], t[N_SYN];
+    static int32_t by[N_SYN];
+    const float labels[8] = {0, 1, 0, 1, 1, 0, 0, 1};
+    float in[8];
+    mpt_policy policies[2] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16};
+    mpt_tensor tx, ty, tw;
+    int64_t i;
+    int pi, logits;
+    for (logits = 0; logits < 2; logits++) {
+        double a;
+        for (i = 0; i < 8; i++) in[i] = labels[i] != 0 ? 2.0f + (float)i : -2.0f - (float)i;
+        a = auc_of(in, labels, 8, logits);
+        CHECK(a == 1, "separated (logits %d): auc %.17g, want 1", logits, a);
+        for (i = 0; i < 8; i++) in[i] = -in[i];
+        a = auc_of(in, labels, 8, logits);
+        CHECK(a == 0, "reversed (logits %d): auc %.17g, want 0", logits, a);
+        for (i = 0; i < 8; i++) in[i] = 0.25f;
+        a = auc_of(in, labels, 8, logits);
+        CHECK(a == 0.5, "tied (logits %d): auc %.17g, want 0.5", logits, a);
+        /* one positive tied with one negative: 15 of the 16 pairs ranked
+           right, the tie half: (15 + 0.5) / 16 */
+        for (i = 0; i < 8; i++) in[i] = labels[i] != 0 ? 2.0f + (float)i : -2.0f - (float)i;
+        in[0] = in[1];
+        a = auc_of(in, labels, 8, logits);
+        CHECK(fabs(a - 15.5 / 16) < 1e-15, "a tie (logits %d): auc %.17g, want %.17g", logits, a,
+              15.5 / 16);
+    }
+    make_blobs(bx, by, N_SYN, 9);
+    sample_weights(bw, N_SYN);
+    for (i = 0; i < N_SYN; i++) t[i] = by[i] == 1 ? 1.0f : 0.0f;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, bx);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){N_SYN, 1}, t);
+    mpt_tensor_wrap(ctx, &tw, MPT_FLOAT32, 1, (int64_t[]){N_SYN}, bw);
+    for (pi = 0; pi < 2; pi++) {
+        mpt_context *cs[2];
+        mpt_model *ms[2];
+        mpt_dataset *ds[2];
+        mpt_logs logs;
+        mpt_tensor pred;
+        double plain, weighted;
+        int c;
+        cs[0] = ctx;
+        cs[1] = quiet_ctx(); /* one thread */
+        for (c = 0; c < 2; c++) {
+            ds[c] = NULL;
+            ms[c] = NULL;
+            CHECK(mpt_dataset_create(cs[c], &(mpt_dataset_desc){.x = &tx, .y = &ty,
+                                                                 .sample_weight = &tw},
+                                     &ds[c]) == MPT_OK,
+                  "dataset: %s", mpt_context_error(cs[c]));
+            mpt_model_create(cs[c], &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                                      .policy = policies[pi], .seed = 6}, &ms[c]);
+            mpt_model_add_dense(ms[c], &(mpt_dense_desc){.units = 1,
+                                                         .activation = MPT_ACT_SIGMOID});
+            CHECK(mpt_model_compile(ms[c], &(mpt_compile_desc){
+                      .optimizer = {.learning_rate = 0.02f},
+                      .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
+                      .metrics = MPT_METRIC_AUC | MPT_METRIC_PRECISION,
+                      .weighted_metrics = MPT_METRIC_AUC}) == MPT_OK,
+                  "compile: %s", mpt_context_error(cs[c]));
+            CHECK(mpt_model_fit(ms[c], ds[c], &(mpt_fit_desc){.epochs = 2, .batch_size = 32,
+                                                              .validation_split = 0.25f}) ==
+                      MPT_OK,
+                  "fit: %s", mpt_context_error(cs[c]));
+        }
+        CHECK(same_history(ms[0], ms[1], "auc") && same_history(ms[0], ms[1], "val_auc") &&
+                  same_history(ms[0], ms[1], "weighted_auc") &&
+                  same_history(ms[0], ms[1], "val_weighted_auc"),
+              "%s: auc on one thread %.17g, on two %.17g", mpt_policy_name(policies[pi]),
+              history_value(ms[1], "auc", 1), history_value(ms[0], "auc", 1));
+        CHECK(mpt_model_evaluate(ms[0], ds[0], &(mpt_evaluate_desc){.batch_size = 7}, &logs) ==
+                  MPT_OK, "evaluate: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_predict(ms[0], ds[0], 32, &pred) == MPT_OK, "predict: %s",
+              mpt_context_error(ctx));
+        plain = auc_direct((const float *)pred.data, t, NULL, N_SYN, 1, 0);
+        weighted = auc_direct((const float *)pred.data, t, bw, N_SYN, 1, 0);
+        CHECK(plain > 0.6 && plain < 1 && fabs(plain - weighted) > 1e-6,
+              "a degenerate classifier: auc %g, weighted %g", plain, weighted);
+        CHECK(close_to(mpt_logs_get(&logs, "auc"), plain, 1e-9), "%s auc %.17g vs %.17g",
+              mpt_policy_name(policies[pi]), mpt_logs_get(&logs, "auc"), plain);
+        CHECK(close_to(mpt_logs_get(&logs, "weighted_auc"), weighted, 1e-9),
+              "%s weighted_auc %.17g vs %.17g", mpt_policy_name(policies[pi]),
+              mpt_logs_get(&logs, "weighted_auc"), weighted);
+        mpt_tensor_free(ctx, &pred);
+        for (c = 0; c < 2; c++) {
+            mpt_model_destroy(ms[c]);
+            mpt_dataset_destroy(ds[c]);
+        }
+        mpt_context_destroy(cs[1]);
+    }
+    {
+        mpt_model *m = blob_model(MPT_POLICY_FLOAT32, 3);
+        CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                  .metrics = MPT_METRIC_AUC}) == MPT_ERR_INVALID_ARGUMENT &&
+                  strstr(mpt_context_error(ctx), "metrics auc ranks binary outputs") &&
+                  strstr(mpt_context_error(ctx), "not sparse_categorical_crossentropy"),
+              "auc with a softmax: %s", mpt_context_error(ctx));
+        mpt_model_destroy(m);
+    }
+}
+
 /* With one-hot targets Keras names the top-k metric
    top_k_categorical_accuracy; it counts as the sparse one does. */
 static void test_top_k_of_one_hot_targets(void) {
@@ -2226,6 +2551,8 @@ static void run_cases(void) {
     TEST_RUN(test_class_weight);
     TEST_RUN(test_sample_weight);
     TEST_RUN(test_weighted_metrics);
+    TEST_RUN(test_r2_score);
+    TEST_RUN(test_auc);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
     TEST_RUN(test_default_loss_scale);

@@ -15246,6 +15246,8 @@ static mpt_status mpt__fit_check_finite(mpt_model *m, int epoch, int epochs,
     int64_t element = 0;
     float value = 0, lo = 0, hi = 0;
     char loss_text[40], value_text[40];
+    memset(&st, 0, sizeof st);
+    st.finite = 1; /* (the loop below always reads it back at least once) */
     u.state = &m->state[1];
     u.accum = NULL; /* the weights' and slots' sums of squares alone */
     for (slot = -1; slot < m->n_slots; slot++) { /* -1: the weights */

@@ -103,7 +103,7 @@ static int read_fortunes(char **text, int64_t *size) {
         if (e->d_name[0] == '.' || (len > 4 && !strcmp(e->d_name + len - 4, ".dat")) ||
             (len > 3 && !strcmp(e->d_name + len - 3, ".u8")))
             continue;
-        names[n++] = strdup(e->d_name);
+        if ((names[n] = (char *)malloc(len + 1)) != NULL) memcpy(names[n++], e->d_name, len + 1);
     }
     closedir(dir);
     qsort(names, (size_t)n, sizeof *names, by_name);

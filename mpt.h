@@ -8929,11 +8929,10 @@ static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int6
                 kept = mpt__attn_keep(a->dropout_key, j->step, a->dropout, e0 + (uint64_t)c)
                            ? mpt__fmul_rn(p[c], keep_scale)
                            : 0.0f;
-            s->dp[c] = kept; /* the row's P̃, narrowed below */
+            s->dp[r * n + c] = kept; /* the block's P̃, narrowed below */
         }
-        mpt__convert(j->ctx, a->dtype, (char *)s->p_op + (size_t)(r * n) * mpt_dtype_size(a->dtype),
-                     MPT_FLOAT32, s->dp, n);
     }
+    mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, s->dp, rows * n);
 }
 
 /* The keys the block's rows see between them: up to the last row's. */
@@ -9012,10 +9011,8 @@ static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int6
         for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
         row_dot = (float)dot;
         for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
-        mpt__convert(j->ctx, a->dtype,
-                     (char *)s->ds_op + (size_t)(r * n) * mpt_dtype_size(a->dtype), MPT_FLOAT32,
-                     dp, n);
     }
+    mpt__convert(j->ctx, a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
 }
 
 /* Backward, task = (sample, head): every query block in order, each adding

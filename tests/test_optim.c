@@ -1190,7 +1190,7 @@ static void test_bad_input(void) {
     } while (0)
     BAD("loss.type", "required", d.loss.type = MPT_LOSS_NONE);
     BAD("loss type", "99", d.loss.type = (mpt_loss_type)99);
-    BAD("metrics", "0x100", d.metrics = 0x100);
+    BAD("metrics", "0x400", d.metrics = 0x400); /* the bit after MPT_METRIC_AUC */
     BAD("top_k", "-1", d.top_k = -1);
     BAD("optimizer: type", "7", d.optimizer.type = (mpt_optimizer_type)7);
     BAD("learning_rate", "-0.5", d.optimizer.learning_rate = -0.5f);

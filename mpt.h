@@ -306,6 +306,8 @@
                           recovery
        @impl-predict      evaluate, predict, summary, the end-of-fit summary
      the tools around training:
+       @impl-generate     ids generated one position at a time, with each
+                          attention layer's keys and values cached
        @impl-files        opening files (regular files only), reading one at
                           an offset (mpt__read_at), and the crash-safe writer
                           every file mpt.h writes goes through
@@ -1642,6 +1644,28 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
    place. */
 MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
                                            int64_t batch_size, mpt_tensor *out);
+
+/* Text from a model of (T,) int32 ids that ends in a softmax over each
+   position, (T, vocab), as a GPT: out (n_prompt + max_new_tokens ids)
+   gets the prompt, then each new id drawn from the model's probabilities
+   at the last position. Each new id costs one position, not a window:
+   every MultiHeadAttention (causal self-attention) keeps the keys and
+   values of the positions so far. Runs on the host in float32 from the
+   float32 weights, for a built model on the CPU whose layers act on each
+   position alone but for the attention (Embedding, PositionEmbedding,
+   the merges, LayerNormalization, Dense, Activation, Dropout); others are
+   refused, naming the layer. Past T positions the window starts again
+   from the last T/2 ids. */
+typedef struct mpt_generate_desc {
+    int64_t max_new_tokens;  /* the ids to add                              */
+    float temperature;       /* default 0: the likeliest id each time
+                                (greedy); else drawn from p^(1/temperature) */
+    int top_k;               /* default 0: every id; else the k likeliest   */
+    uint64_t seed;           /* the draws' Philox key                       */
+} mpt_generate_desc;
+
+MPTDEF mpt_status mpt_model_generate(mpt_model *m, const int32_t *prompt, int64_t n_prompt,
+                                     const mpt_generate_desc *desc, int32_t *out);
 
 /* Writes a Keras-like table (the dtype policy, then per layer its output
    shape, parameters and compute dtype, then memory per category, as
@@ -15756,6 +15780,345 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
     else
         mpt__print(m, "Loss scale: none - skipped steps: %lld\n", (long long)skipped);
     mpt__fit_print_memory_peak(m);
+}
+
+/* =============================================================================
+   @impl-generate: text from a trained model of token ids, one position at a
+   time, with a key/value cache
+   =============================================================================
+
+   A model of (T,) ids to (T, vocab) probabilities predicts the next id at
+   every position; a new id only needs the last position. Run as predict,
+   each new id would cost a whole window. Generation instead walks the
+   layers for one position at a time, keeping what later positions need:
+   each MultiHeadAttention's keys and values of the positions so far (the
+   cache), so that the new position's query attends to them and each new
+   id costs one position. Every other layer a GPT is made of acts on each
+   position alone (Embedding, PositionEmbedding at the position's row,
+   the merges, LayerNormalization, Dense, Activation; Dropout is the
+   identity at inference), so one row per node is enough.
+
+   It runs on the host in float32 from the float32 master weights, the
+   reference arithmetic of the model's layers (predict under a mixed
+   policy rounds to the compute dtype between layers; the probabilities
+   then differ by about that rounding). When the cache is full (T
+   positions, the most PositionEmbedding has rows for) it starts again
+   from the last T/2 ids, which it runs through as a prompt: about two
+   positions per new id in all, and the model always sees a window of at
+   least T/2 ids, as a sliding window sees T. */
+
+/* Defined in @impl-activations. */
+static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols);
+static void mpt__activation_forward(mpt_activation act, float *x, int64_t n);
+
+/* The walk's state: a row per node (node 0, the ids, has none: its id
+   is `id`), and each
+   attention layer's cache of keys and values (T rows of H·width each). */
+typedef struct mpt__gen {
+    mpt_model *m;
+    int64_t T;               /* positions the model's input has          */
+    float **row;             /* [n_layers + 1] a node's row              */
+    float **keys, **values;  /* [n_layers] an attention layer's cache    */
+    float *scratch;          /* the widest layer's float32 work          */
+    int64_t t;               /* positions in the cache                   */
+    int32_t id;              /* the id at position t (what Embedding reads) */
+} mpt__gen;
+
+/* Whether generation can walk layer L, and where it cannot, why. */
+static const char *mpt__gen_refusal(const mpt__layer *L) {
+    switch (L->ops->kind) {
+    case MPT__LAYER_EMBEDDING:
+    case MPT__LAYER_POSITION_EMBEDDING:
+    case MPT__LAYER_ADD:
+    case MPT__LAYER_SUBTRACT:
+    case MPT__LAYER_MULTIPLY:
+    case MPT__LAYER_AVERAGE:
+    case MPT__LAYER_LAYER_NORMALIZATION:
+    case MPT__LAYER_DENSE:
+    case MPT__LAYER_ACTIVATION:
+    case MPT__LAYER_DROPOUT: return NULL;
+    case MPT__LAYER_MULTI_HEAD_ATTENTION:
+        return L->n_in == 1 && L->desc.multi_head_attention.use_causal_mask
+                   ? NULL
+                   : "only causal self-attention can be generated from";
+    default: return "acts across positions";
+    }
+}
+
+/* x (1 × in) · kernel (in × cols) + bias into y (cols), float32. */
+static void mpt__gen_project(mpt_context *ctx, const float *x, const float *kernel,
+                             const float *bias, int64_t in, int64_t cols, float *y) {
+    mpt_gemm_desc g;
+    memset(&g, 0, sizeof g);
+    g.m = 1;
+    g.n = cols;
+    g.k = in;
+    g.a = x;
+    g.lda = in;
+    g.b = kernel;
+    g.ldb = cols;
+    g.c = y;
+    g.ldc = cols;
+    g.bias = bias;
+    mpt__gemm(ctx, &g);
+}
+
+/* LayerNormalization of one row of D, as its forward computes it. */
+static void mpt__gen_layer_norm(const mpt__layer *L, const float *x, float *y, int64_t D) {
+    int gamma = mpt__ln_gamma_slot(L), beta = mpt__ln_beta_slot(L);
+    double sum = 0, sq = 0;
+    float mean, inv_std;
+    int64_t c;
+    for (c = 0; c < D; c++) sum += x[c];
+    mean = mpt__ln_row_mean(sum, D);
+    for (c = 0; c < D; c++) sq += ((double)x[c] - mean) * ((double)x[c] - mean);
+    inv_std = mpt__ln_row_inv_std(sq, D, mpt__ln_epsilon(L));
+    for (c = 0; c < D; c++)
+        y[c] = mpt__ln_output(mpt__ln_xhat(x[c], mean, inv_std),
+                              gamma >= 0 ? mpt__param_master(L, gamma)[c] : 1.0f,
+                              beta >= 0 ? mpt__param_master(L, beta)[c] : 0.0f);
+}
+
+/* MultiHeadAttention for position g->t: its key and value join layer i's
+   cache, its query attends to every position so far. */
+static void mpt__gen_attention(mpt__gen *g, int i, const float *x, float *y) {
+    const mpt__layer *L = &g->m->layers[i];
+    const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
+    const int64_t D = L->in_shape[1], H = d->num_heads, dk = d->key_dim;
+    const int64_t dv = mpt__mha_value_dim(L), t = g->t, qk = H * dk;
+    const float scale = (float)(1.0 / sqrt((double)dk));
+    float *q = g->scratch, *o = q + qk, *p = o + H * dv;
+    float *k = g->keys[i] + t * qk, *v = g->values[i] + t * H * dv;
+    int slot[MPT__MHA_PROJECTIONS], pr;
+    int64_t h, j, e;
+    for (pr = 0; pr < MPT__MHA_PROJECTIONS; pr++) slot[pr] = mpt__mha_bias_slot(L, pr);
+#define MPT__GEN_W(pr) mpt__param_master(L, mpt__mha_kernel_slot(L, pr))
+#define MPT__GEN_B(pr) (slot[pr] >= 0 ? mpt__param_master(L, slot[pr]) : NULL)
+    mpt__gen_project(g->m->ctx, x, MPT__GEN_W(MPT__MHA_QUERY), MPT__GEN_B(MPT__MHA_QUERY), D, qk, q);
+    mpt__gen_project(g->m->ctx, x, MPT__GEN_W(MPT__MHA_KEY), MPT__GEN_B(MPT__MHA_KEY), D, qk, k);
+    mpt__gen_project(g->m->ctx, x, MPT__GEN_W(MPT__MHA_VALUE), MPT__GEN_B(MPT__MHA_VALUE), D,
+                     H * dv, v);
+    for (h = 0; h < H; h++) {
+        float row_max = -INFINITY, inv_sum;
+        double sum = 0;
+        for (j = 0; j <= t; j++) {
+            float s = 0;
+            for (e = 0; e < dk; e++) s += q[h * dk + e] * g->keys[i][j * qk + h * dk + e];
+            p[j] = mpt__fmul_rn(s, scale);
+            row_max = p[j] > row_max ? p[j] : row_max;
+        }
+        for (j = 0; j <= t; j++) sum += expf(mpt__fsub_rn(p[j], row_max));
+        inv_sum = (float)(1.0 / sum);
+        for (e = 0; e < dv; e++) o[h * dv + e] = 0;
+        for (j = 0; j <= t; j++) {
+            float w = mpt__attn_weight(p[j], row_max, inv_sum);
+            for (e = 0; e < dv; e++) o[h * dv + e] += w * g->values[i][(j * H + h) * dv + e];
+        }
+    }
+    mpt__gen_project(g->m->ctx, o, MPT__GEN_W(MPT__MHA_OUTPUT), MPT__GEN_B(MPT__MHA_OUTPUT),
+                     H * dv, L->out_shape[1], y);
+#undef MPT__GEN_W
+#undef MPT__GEN_B
+}
+
+/* Layer i for position g->t, from its inputs' rows into its own. */
+static void mpt__gen_layer(mpt__gen *g, int i) {
+    const mpt__layer *L = &g->m->layers[i];
+    const float *x = g->row[L->in_node[0]]; /* NULL for the ids */
+    float *y = g->row[i + 1];
+    const int64_t in = L->in_shape[L->in_rank - 1], out = L->out_shape[L->out_rank - 1];
+    int s;
+    int64_t c;
+    switch (L->ops->kind) {
+    case MPT__LAYER_EMBEDDING:
+        memcpy(y, mpt__param_master(L, 0) + (int64_t)g->id * out, sizeof(float) * (size_t)out);
+        break;
+    case MPT__LAYER_POSITION_EMBEDDING:
+        memcpy(y, mpt__param_master(L, 0) + g->t * out, sizeof(float) * (size_t)out);
+        break;
+    case MPT__LAYER_ADD:
+    case MPT__LAYER_SUBTRACT:
+    case MPT__LAYER_MULTIPLY:
+    case MPT__LAYER_AVERAGE:
+        memcpy(y, x, sizeof(float) * (size_t)out);
+        for (s = 1; s < L->n_in; s++)
+            for (c = 0; c < out; c++) {
+                float b = g->row[L->in_node[s]][c];
+                y[c] = L->ops->kind == MPT__LAYER_SUBTRACT   ? y[c] - b
+                       : L->ops->kind == MPT__LAYER_MULTIPLY ? y[c] * b
+                                                             : y[c] + b;
+            }
+        if (L->ops->kind == MPT__LAYER_AVERAGE)
+            for (c = 0; c < out; c++) y[c] /= (float)L->n_in;
+        break;
+    case MPT__LAYER_LAYER_NORMALIZATION: mpt__gen_layer_norm(L, x, y, out); break;
+    case MPT__LAYER_DENSE:
+        mpt__gen_project(g->m->ctx, x, mpt__param_master(L, 0),
+                         L->desc.dense.no_bias ? NULL : mpt__param_master(L, 1), in, out, y);
+        break;
+    case MPT__LAYER_MULTI_HEAD_ATTENTION: mpt__gen_attention(g, i, x, y); break;
+    default: memcpy(y, x, sizeof(float) * (size_t)out); break; /* Activation, Dropout */
+    }
+    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX)
+        mpt__softmax_rows(y, 1, out);
+    else if (mpt__layer_activation(L) != MPT_ACT_NONE)
+        mpt__activation_forward(mpt__layer_activation(L), y, out);
+}
+
+/* Position g->t of id `id`, through every layer; then the cache holds it. */
+static void mpt__gen_position(mpt__gen *g, int32_t id) {
+    int i;
+    g->id = id;
+    for (i = 0; i < g->m->n_layers; i++) mpt__gen_layer(g, i);
+    g->t++;
+}
+
+static void mpt__gen_free(mpt__gen *g) {
+    mpt_context *ctx = g->m->ctx;
+    int i;
+    for (i = 0; g->row && i <= g->m->n_layers; i++) mpt__free(ctx, g->row[i]);
+    for (i = 0; g->keys && i < g->m->n_layers; i++) {
+        mpt__free(ctx, g->keys[i]);
+        mpt__free(ctx, g->values[i]);
+    }
+    mpt__free(ctx, g->row);
+    mpt__free(ctx, g->keys);
+    mpt__free(ctx, g->values);
+    mpt__free(ctx, g->scratch);
+}
+
+/* The rows, caches and scratch for model m, or why not. */
+static mpt_status mpt__gen_open(mpt_model *m, mpt__gen *g) {
+    mpt_context *ctx = m->ctx;
+    int64_t widest = 1, work = 0;
+    int i, ok;
+    memset(g, 0, sizeof *g);
+    g->m = m;
+    g->T = m->desc.input_shape[0];
+    g->row = (float **)mpt__calloc(ctx, sizeof(float *) * (size_t)(m->n_layers + 1));
+    g->keys = (float **)mpt__calloc(ctx, sizeof(float *) * (size_t)m->n_layers);
+    g->values = (float **)mpt__calloc(ctx, sizeof(float *) * (size_t)m->n_layers);
+    ok = g->row && g->keys && g->values;
+    for (i = 0; ok && i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        widest = MPT__MAX(widest, L->out_shape[L->out_rank - 1]);
+        ok = (g->row[i + 1] = (float *)mpt__calloc(
+                  ctx, sizeof(float) * (size_t)L->out_shape[L->out_rank - 1])) != NULL;
+        if (ok && L->ops->kind == MPT__LAYER_MULTI_HEAD_ATTENTION) {
+            const int64_t H = L->desc.multi_head_attention.num_heads;
+            const int64_t qk = H * L->desc.multi_head_attention.key_dim;
+            const int64_t v = H * mpt__mha_value_dim(L);
+            work = MPT__MAX(work, qk + v + g->T);
+            g->keys[i] = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(g->T * qk));
+            g->values[i] = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(g->T * v));
+            ok = g->keys[i] && g->values[i];
+        }
+    }
+    if (ok) ok = (g->scratch = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(work + widest))) != NULL;
+    if (ok) return MPT_OK;
+    mpt__gen_free(g);
+    return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "generate: out of memory");
+}
+
+/* The checks: a built CPU model of (T,) ids whose every layer generation
+   can walk, ending in (T, vocab) probabilities; a prompt of valid ids. */
+static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_prompt,
+                                 const mpt_generate_desc *d, const int32_t *out) {
+    const mpt__layer *last;
+    int64_t vocab = 0, i;
+    int k;
+    if (!m || !m->built)
+        return m ? mpt__fail(m->ctx, MPT_ERR_STATE, "generate: the model is not built")
+                 : MPT_ERR_INVALID_ARGUMENT;
+    if (!prompt || n_prompt < 1 || !out || !d || d->max_new_tokens < 0 || !(d->temperature >= 0) ||
+        d->top_k < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "generate: needs a prompt of at least one id, an output array and "
+                         "max_new_tokens, temperature and top_k >= 0");
+    if (!mpt__input_is_ids(m) || m->desc.input_rank != 1 || m->graph_status != MPT_OK)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "generate: the model's input must be a sequence of int32 ids (T,)");
+    if (mpt__model_device(m) != MPT_DEVICE_CPU || m->quantized)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "generate: runs on the float model in CPU memory");
+    for (k = 0; k < m->n_layers; k++) {
+        const char *why = mpt__gen_refusal(&m->layers[k]);
+        if (why)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "generate: %s '%s' %s",
+                             m->layers[k].ops->class_name, m->layers[k].name, why);
+    }
+    last = &m->layers[m->n_layers - 1];
+    vocab = last->out_shape[last->out_rank - 1];
+    if (last->out_rank != 2 || mpt__layer_activation(last) != MPT_ACT_SOFTMAX)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "generate: the model must end in a softmax over each position, (T, "
+                         "vocab); '%s' does not", last->name);
+    for (k = 0; k < m->n_layers; k++)
+        if (m->layers[k].ops->kind == MPT__LAYER_EMBEDDING)
+            for (i = 0; i < n_prompt; i++)
+                if (prompt[i] < 0 || prompt[i] >= m->layers[k].desc.embedding.input_dim)
+                    return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                                     "generate: prompt id %d at %lld is outside Embedding "
+                                     "'%s' (input_dim %lld)", (int)prompt[i], (long long)i,
+                                     m->layers[k].name,
+                                     (long long)m->layers[k].desc.embedding.input_dim);
+    (void)vocab;
+    return MPT_OK;
+}
+
+/* The next id from probabilities p (vocab): the likeliest at temperature
+   0; else drawn from p^(1/temperature) over the top_k likeliest (0: all),
+   with the uniform u. */
+static int32_t mpt__gen_draw(const float *p, int64_t vocab, const mpt_generate_desc *d, double u,
+                             float *w) {
+    int64_t i, best = 0, k = d->top_k > 0 && d->top_k < vocab ? d->top_k : vocab;
+    double total = 0, floor = -1;
+    for (i = 1; i < vocab; i++) best = p[i] > p[best] ? i : best;
+    if (d->temperature == 0) return (int32_t)best;
+    if (k < vocab) { /* the k-th largest probability: those below it are out */
+        for (i = 0; i < vocab; i++) w[i] = p[i];
+        for (i = 0; i < k; i++) {
+            int64_t j, top = i;
+            for (j = i + 1; j < vocab; j++) top = w[j] > w[top] ? j : top;
+            floor = w[top];
+            w[top] = w[i];
+            w[i] = (float)floor;
+        }
+    }
+    for (i = 0; i < vocab; i++) {
+        w[i] = p[i] >= floor ? (float)pow((double)p[i] + 1e-30, 1.0 / d->temperature) : 0.0f;
+        total += w[i];
+    }
+    for (i = 0, u *= total; i < vocab - 1 && u >= w[i]; i++) u -= w[i];
+    return (int32_t)i;
+}
+
+MPTDEF mpt_status mpt_model_generate(mpt_model *m, const int32_t *prompt, int64_t n_prompt,
+                                     const mpt_generate_desc *d, int32_t *out) {
+    const mpt__layer *last;
+    mpt__gen g;
+    int64_t n, i, vocab;
+    MPT__CHECK(mpt__gen_check(m, prompt, n_prompt, d, out));
+    MPT__CHECK(mpt__gen_open(m, &g));
+    last = &m->layers[m->n_layers - 1];
+    vocab = last->out_shape[1];
+    n = n_prompt + d->max_new_tokens;
+    memcpy(out, prompt, sizeof(int32_t) * (size_t)n_prompt);
+    /* the prompt: its last T ids */
+    for (i = MPT__MAX(0, n_prompt - g.T); i < n_prompt - 1; i++) mpt__gen_position(&g, out[i]);
+    for (i = n_prompt; i < n; i++) {
+        uint32_t r[4];
+        if (g.t == g.T) { /* full: again from the last T/2 ids */
+            int64_t j;
+            g.t = 0;
+            for (j = i - 1 - g.T / 2; j < i - 1; j++) mpt__gen_position(&g, out[j]);
+        }
+        mpt__gen_position(&g, out[i - 1]);
+        mpt_philox4x32(d->seed, (uint64_t)i, 0, r);
+        out[i] = mpt__gen_draw(g.row[m->n_layers], vocab, d, mpt__uniform01(r[0]), g.scratch);
+    }
+    mpt__gen_free(&g);
+    return MPT_OK;
 }
 
 /* =============================================================================

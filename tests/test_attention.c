@@ -670,6 +670,150 @@ static void test_model_file(void) {
     mpt_model_destroy(m);
 }
 
+/* ---- generation with the key/value cache --------------------------------------------- */
+
+/* The reference: the same draws from predict's probabilities on the
+   window mpt_model_generate documents (the last ids since it last
+   started again: at most T, and T/2 + 1 after starting again). */
+static void generate_ref(mpt_model *m, const int32_t *prompt, int64_t n_prompt,
+                         const mpt_generate_desc *d, int32_t *out) {
+    int64_t T = CP_T, n = n_prompt + d->max_new_tokens, w0 = n_prompt > T ? n_prompt - T : 0, i;
+    memcpy(out, prompt, sizeof(int32_t) * (size_t)n_prompt);
+    for (i = n_prompt; i < n; i++) {
+        int32_t window[CP_T];
+        int64_t shape[2] = {1, CP_T}, len, k, best = 0;
+        mpt_tensor x, y;
+        const float *p;
+        uint32_t r[4];
+        double u, total = 0, w[CP_V];
+        if (i - 1 - w0 == T) w0 = i - 1 - T / 2;
+        len = i - w0;
+        memset(window, 0, sizeof window);
+        memcpy(window, out + w0, sizeof(int32_t) * (size_t)len);
+        mpt_tensor_wrap(ctx, &x, MPT_INT32, 2, shape, window);
+        CHECK(mpt_model_predict_tensor(m, &x, 1, &y) == MPT_OK, "predict: %s",
+              mpt_context_error(ctx));
+        p = (const float *)y.data + (len - 1) * CP_V;
+        for (k = 1; k < CP_V; k++) best = p[k] > p[best] ? k : best;
+        mpt_philox4x32(d->seed, (uint64_t)i, 0, r);
+        u = (r[0] >> 8) / 16777216.0;
+        for (k = 0; k < CP_V; k++) total += w[k] = pow((double)p[k] + 1e-30, 1.0 / d->temperature);
+        for (k = 0, u *= total; k < CP_V - 1 && u >= w[k]; k++) u -= w[k];
+        out[i] = (int32_t)(d->temperature == 0 ? best : k);
+        mpt_tensor_free(ctx, &y);
+    }
+}
+
+/* Greedy and sampled ids from the cache equal those from predict on the
+   whole window, past the context (starting again twice), on a model of
+   random weights (so that the ids vary). */
+static void test_generate_matches_predict(void) {
+    static const float temperatures[] = {0, 0.7f, 1.5f};
+    mpt_model *m = copy_model(ctx, MPT_POLICY_FLOAT32, 0.1f);
+    int32_t prompt[3] = {1, 5, 2}, got[40], want[40];
+    int p, k, t;
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    for (p = 0; p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        float *v;
+        int64_t j;
+        mpt_model_param(m, p, &info);
+        v = (float *)info.value.data;
+        for (j = 0; j < mpt_tensor_count(&info.value); j++)
+            v[j] = (float)test_uniform(-1, 1) * (strstr(info.name, "gamma") ? 0.5f : 1.0f);
+    }
+    mpt_model_refresh_weights(m);
+    for (t = 0; t < 3; t++) {
+        mpt_generate_desc d = {37, temperatures[t], 0, 99};
+        memset(got, 0xFF, sizeof got);
+        CHECK(mpt_model_generate(m, prompt, 3, &d, got) == MPT_OK, "generate: %s",
+              mpt_context_error(ctx));
+        generate_ref(m, prompt, 3, &d, want);
+        for (k = 0; k < 40 && got[k] == want[k]; k++) continue;
+        CHECK(k == 40, "temperature %g: id %d is %d, predict's window gives %d",
+              (double)temperatures[t], k, k < 40 ? got[k] : 0, k < 40 ? want[k] : 0);
+        if (t == 0) { /* the ids vary: the test sees the model */
+            int distinct = 0, seen[CP_V] = {0};
+            for (k = 3; k < 40; k++) distinct += !seen[got[k]]++;
+            CHECK(distinct >= 2, "greedy generation gave %d distinct ids", distinct);
+        }
+    }
+    { /* the probabilities themselves, position by position (internal state) */
+        mpt__gen g;
+        int32_t ids[CP_T];
+        int64_t shape[2] = {1, CP_T}, pos, c;
+        mpt_tensor x, y;
+        double worst = 0;
+        for (k = 0; k < CP_T; k++) ids[k] = test_randint(0, CP_V - 1);
+        mpt_tensor_wrap(ctx, &x, MPT_INT32, 2, shape, ids);
+        CHECK(mpt_model_predict_tensor(m, &x, 1, &y) == MPT_OK, "predict: %s",
+              mpt_context_error(ctx));
+        CHECK(mpt__gen_open(m, &g) == MPT_OK, "open: %s", mpt_context_error(ctx));
+        for (pos = 0; pos < CP_T; pos++) {
+            mpt__gen_position(&g, ids[pos]);
+            for (c = 0; c < CP_V; c++)
+                worst = fmax(worst, fabs(g.row[m->n_layers][c] -
+                                         ((const float *)y.data)[pos * CP_V + c]));
+        }
+        CHECK(worst < 1e-5, "the cache's probabilities differ from predict's by %.3g", worst);
+        mpt__gen_free(&g);
+        mpt_tensor_free(ctx, &y);
+    }
+    { /* a prompt longer than the context: its last T ids */
+        int32_t longer[12], a[20], b[20];
+        mpt_generate_desc d = {8, 0, 0, 1};
+        for (k = 0; k < 12; k++) longer[k] = test_randint(0, CP_V - 1);
+        CHECK(mpt_model_generate(m, longer, 12, &d, a) == MPT_OK, "generate: %s",
+              mpt_context_error(ctx));
+        generate_ref(m, longer, 12, &d, b);
+        CHECK(memcmp(a, b, sizeof a) == 0, "a prompt longer than the context generates otherwise");
+    }
+    mpt_model_destroy(m);
+}
+
+/* What generation cannot walk, or is not given, is refused by name. */
+static void test_generate_refusals(void) {
+    mpt_context *q = quiet_ctx();
+    mpt_model *m = copy_model(q, MPT_POLICY_FLOAT32, 0);
+    int32_t prompt[2] = {1, 9}, out[8];
+    mpt_generate_desc d = {4, 0, 0, 1};
+    test_expect_error(q, mpt_model_generate(m, prompt, 1, &d, out), MPT_ERR_STATE, "not built",
+                      "generate");
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
+    test_expect_error(q, mpt_model_generate(m, prompt, 2, &d, out), MPT_ERR_INVALID_ARGUMENT,
+                      "prompt id 9 at 1 is outside Embedding 'embedding'", "generate");
+    test_expect_error(q, mpt_model_generate(m, prompt, 0, &d, out), MPT_ERR_INVALID_ARGUMENT,
+                      "a prompt of at least one id", "generate");
+    d.max_new_tokens = -1;
+    test_expect_error(q, mpt_model_generate(m, prompt, 1, &d, out), MPT_ERR_INVALID_ARGUMENT,
+                      "max_new_tokens", "generate");
+    mpt_model_destroy(m);
+    /* attention that is not causal sees the future */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1,
+                                          .input_dtype = MPT_INT32}, &m);
+    mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = 10, .output_dim = 4});
+    mpt_model_add_multi_head_attention(m, &(mpt_multi_head_attention_desc){.num_heads = 1,
+                                                                          .key_dim = 2});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(q));
+    d.max_new_tokens = 4;
+    test_expect_error(q, mpt_model_generate(m, prompt, 1, &d, out), MPT_ERR_UNSUPPORTED,
+                      "MultiHeadAttention 'multi_head_attention' only causal self-attention",
+                      "generate");
+    mpt_model_destroy(m);
+    /* a layer across positions */
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1,
+                                          .input_dtype = MPT_INT32}, &m);
+    mpt_model_add_embedding(m, &(mpt_embedding_desc){.input_dim = 10, .output_dim = 4});
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(q));
+    test_expect_error(q, mpt_model_generate(m, prompt, 1, &d, out), MPT_ERR_UNSUPPORTED,
+                      "Flatten 'flatten' acts across positions", "generate");
+    mpt_model_destroy(m);
+    mpt_context_destroy(q);
+}
+
 /* ---- refusals ------------------------------------------------------------------------------- */
 
 static void expect_add(mpt_context *q, const mpt_multi_head_attention_desc *d, const char *words) {
@@ -750,6 +894,8 @@ static void cases(void) {
     test_learns_copy();
     test_threads_bit_identical();
     TEST_RUN(test_model_file);
+    TEST_RUN(test_generate_matches_predict);
+    TEST_RUN(test_generate_refusals);
     TEST_RUN(test_refusals);
 }
 

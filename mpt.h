@@ -8927,6 +8927,21 @@ static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int t
     mpt__gemm(ctx, &g);
 }
 
+/* A row of scores as weights: the first `seen` of p's n scaled and put
+   through the softmax (float32, Σ in double), the rest zero. */
+static void mpt__attn_softmax_row(float *p, int64_t seen, int64_t n, float scale) {
+    float row_max = -INFINITY, inv_sum;
+    double sum = 0;
+    int64_t c;
+    for (c = 0; c < seen; c++) {
+        p[c] = mpt__fmul_rn(p[c], scale);
+        row_max = p[c] > row_max ? p[c] : row_max;
+    }
+    for (c = 0; c < seen; c++) sum += expf(mpt__fsub_rn(p[c], row_max));
+    inv_sum = (float)(1.0 / sum);
+    for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
+}
+
 /* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
    stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
    (dropout applied) in dtype, zero past each row's last key seen. */
@@ -8936,17 +8951,10 @@ static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int6
     const float keep_scale = 1.0f / (1.0f - a->dropout);
     int64_t r, c;
     for (r = 0; r < rows; r++) {
-        float *p = s->p + r * n, row_max = -INFINITY, inv_sum;
+        float *p = s->p + r * n;
         int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
         uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
-        double sum = 0;
-        for (c = 0; c < seen; c++) {
-            p[c] = mpt__fmul_rn(p[c], a->scale);
-            row_max = p[c] > row_max ? p[c] : row_max;
-        }
-        for (c = 0; c < seen; c++) sum += expf(mpt__fsub_rn(p[c], row_max));
-        inv_sum = (float)(1.0 / sum);
-        for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
+        mpt__attn_softmax_row(p, seen, n, a->scale);
         for (c = 0; c < n; c++) {
             float kept = p[c];
             if (j->dropout && c < seen)
@@ -15848,19 +15856,9 @@ static const char *mpt__gen_refusal(const mpt__layer *L) {
 /* x (1 × in) · kernel (in × cols) + bias into y (cols), float32. */
 static void mpt__gen_project(mpt_context *ctx, const float *x, const float *kernel,
                              const float *bias, int64_t in, int64_t cols, float *y) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.m = 1;
-    g.n = cols;
-    g.k = in;
-    g.a = x;
-    g.lda = in;
-    g.b = kernel;
-    g.ldb = cols;
-    g.c = y;
-    g.ldc = cols;
-    g.bias = bias;
-    mpt__gemm(ctx, &g);
+    int64_t c;
+    mpt__attn_gemm(ctx, MPT_FLOAT32, 0, 0, 1, cols, in, x, in, kernel, cols, 1.0f, 0.0f, y, cols);
+    for (c = 0; bias && c < cols; c++) y[c] += bias[c];
 }
 
 /* LayerNormalization of one row of D, as its forward computes it. */
@@ -15899,21 +15897,15 @@ static void mpt__gen_attention(mpt__gen *g, int i, const float *x, float *y) {
     mpt__gen_project(g->m->ctx, x, MPT__GEN_W(MPT__MHA_VALUE), MPT__GEN_B(MPT__MHA_VALUE), D,
                      H * dv, v);
     for (h = 0; h < H; h++) {
-        float row_max = -INFINITY, inv_sum;
-        double sum = 0;
         for (j = 0; j <= t; j++) {
             float s = 0;
             for (e = 0; e < dk; e++) s += q[h * dk + e] * g->keys[i][j * qk + h * dk + e];
-            p[j] = mpt__fmul_rn(s, scale);
-            row_max = p[j] > row_max ? p[j] : row_max;
+            p[j] = s;
         }
-        for (j = 0; j <= t; j++) sum += expf(mpt__fsub_rn(p[j], row_max));
-        inv_sum = (float)(1.0 / sum);
+        mpt__attn_softmax_row(p, t + 1, t + 1, scale);
         for (e = 0; e < dv; e++) o[h * dv + e] = 0;
-        for (j = 0; j <= t; j++) {
-            float w = mpt__attn_weight(p[j], row_max, inv_sum);
-            for (e = 0; e < dv; e++) o[h * dv + e] += w * g->values[i][(j * H + h) * dv + e];
-        }
+        for (j = 0; j <= t; j++)
+            for (e = 0; e < dv; e++) o[h * dv + e] += p[j] * g->values[i][(j * H + h) * dv + e];
     }
     mpt__gen_project(g->m->ctx, o, MPT__GEN_W(MPT__MHA_OUTPUT), MPT__GEN_B(MPT__MHA_OUTPUT),
                      H * dv, L->out_shape[1], y);

@@ -16017,7 +16017,7 @@ static mpt_status mpt__gen_open(mpt_model *m, mpt__gen *g) {
 static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_prompt,
                                  const mpt_generate_desc *d, const int32_t *out) {
     const mpt__layer *last;
-    int64_t vocab = 0, i;
+    int64_t i;
     int k;
     if (!m || !m->built)
         return m ? mpt__fail(m->ctx, MPT_ERR_STATE, "generate: the model is not built")
@@ -16040,7 +16040,6 @@ static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_
                              m->layers[k].ops->class_name, m->layers[k].name, why);
     }
     last = &m->layers[m->n_layers - 1];
-    vocab = last->out_shape[last->out_rank - 1];
     if (last->out_rank != 2 || mpt__layer_activation(last) != MPT_ACT_SOFTMAX)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                          "generate: the model must end in a softmax over each position, (T, "
@@ -16054,7 +16053,6 @@ static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_
                                      "'%s' (input_dim %lld)", (int)prompt[i], (long long)i,
                                      m->layers[k].name,
                                      (long long)m->layers[k].desc.embedding.input_dim);
-    (void)vocab;
     return MPT_OK;
 }
 

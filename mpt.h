@@ -14383,10 +14383,12 @@ static mpt_status mpt__feed_step(mpt_model *m, mpt__feed *f, int b, mpt__step_ti
    records summed over this process's replicas (in replica order), then
    over the workers. */
 static mpt_status mpt__training_metric_sums(mpt_model *m, mpt__tally *t) {
-    double *sum = m->metric_host, *theirs = m->metric_host + m->metric_record;
+    double *sum, *theirs;
     int64_t i;
     int k;
-    if (!m->metric_sums) return MPT_OK;
+    if (!m->metric_sums) return MPT_OK; /* (and metric_host NULL: no offset from it) */
+    sum = m->metric_host;
+    theirs = m->metric_host + m->metric_record;
     MPT__CHECK(mpt__download(m, sum, m->metric_sums, sizeof(double) * (size_t)m->metric_record));
     for (k = 1; k < m->n_replicas; k++) {
         mpt_model *r = m->replica[k];

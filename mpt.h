@@ -295,7 +295,9 @@
        @impl-passes       a batch in, forward and backward (a chain's and a
                           graph's walks), a step by hand
        @impl-losses       the losses, their gradients and metrics
-       @impl-optimizers   descriptors, the fused update, loss scaling, compile
+       @impl-optimizers   descriptors, schedules, the fused update, loss scaling
+       @impl-compile      compile: the optimizer's state and its arrays, the
+                          metrics' checks, the accessors
        @impl-data         datasets over caller arrays, views, a batch gathered
        @impl-loader       the batch loader: batches gathered ahead on a thread
        @impl-training     one training step, the history, the step's tally
@@ -367,7 +369,9 @@
                           the forward and backward walks, ranges for the
                           conversion
        @impl-export       the plan both formats read: layers as steps, BN folded
-       @impl-export-tflite  FlatBuffers, the float TFLite graph
+       @impl-export-tflite  FlatBuffers, built back to front
+       @impl-tflite-graph the float TFLite graph: tensors, operators, buffers;
+                          each step's ops (the attention from BATCH_MATMUL)
        @impl-tflite-quantized  the quantized TFLite graph; the file
        @impl-export-onnx  the float ONNX graph in protobuf
        @impl-onnx-quantized  the quantized ONNX graphs
@@ -418,7 +422,7 @@
        st_     safetensors                             @impl-safetensors
        tb_     TensorBoard's event files               @impl-tensorboard
        text_   text datasets (windows over bytes)      @impl-text
-       tfl_    the TFLite graph                        @impl-export-tflite
+       tfl_    the TFLite graph                        @impl-tflite-graph
        wino_   Winograd F(2×2, 3×3)                    @impl-winograd
        wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
        wkg_    Winograd's kernel gradient              @impl-winograd-grad
@@ -10360,7 +10364,7 @@ static mpt_status mpt__build_layers(mpt_model *m, int64_t *grad_buf_bytes,
     return MPT_OK;
 }
 
-/* In @impl-optimizers, with what uses it: build allocates the state when
+/* In @impl-compile, with what uses it: build allocates the state when
    the model was compiled first, compile when it was built first. */
 static mpt_status mpt__alloc_optimizer_state(mpt_model *m);
 
@@ -11844,7 +11848,7 @@ MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc
 }
 
 /* =============================================================================
-   @impl-optimizers  optimizers, learning-rate schedules, loss scaling, compile
+   @impl-optimizers  optimizers, learning-rate schedules, loss scaling
    =============================================================================
 
    One optimizer step, given the float32 gradients backward left in P->grad
@@ -12474,7 +12478,10 @@ static void mpt__cpu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
     mpt__loss_scale_next(d, st);
 }
 
-/* ---- the optimizer's state, and the arrays of it the backend walks -------- */
+/* =============================================================================
+   @impl-compile: compile: the optimizer's state and the arrays of it the
+   backend walks, the metrics' checks, the public accessors
+   ============================================================================= */
 
 /* Whether the model accumulates gradients (N > 1): the sum is one more
    float32 tensor of optimizer state per trainable parameter, after its
@@ -32281,8 +32288,9 @@ static mpt_status mpt__export(mpt_model *m, const char *format, const char *path
 }
 
 /* =============================================================================
-   @impl-export-tflite  the plan as a TFLite file: FlatBuffers, then the float
-   graph (the quantized graph and the file: @impl-tflite-quantized)
+   @impl-export-tflite  the plan as a TFLite file: FlatBuffers (the float
+   graph: @impl-tflite-graph; the quantized graph and the file:
+   @impl-tflite-quantized)
    =============================================================================
 
    ---- FlatBuffers, built back to front ---------------------------------------------
@@ -32445,7 +32453,9 @@ static void mpt__fb_finish(mpt__fb *b, size_t root, const char identifier[4]) {
     if (!b->failed) mpt__tb_put_le(b->data + b->cap - b->size, (uint32_t)(b->size - root), 4);
 }
 
-/* ---- TFLite: the graph as tensors, operators and buffers --------------------------
+/* =============================================================================
+   @impl-tflite-graph: the float TFLite graph: tensors, operators and buffers, each step's ops
+   =============================================================================
 
    Numbers from tensorflow/lite/schema/schema.fbs (field ids count a union
    as two: its type, then its value). */

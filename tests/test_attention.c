@@ -532,8 +532,10 @@ static mpt_dataset *copy_dataset(mpt_context *c, int32_t *x, int32_t *y, int64_t
     return d;
 }
 
-/* ids → Embedding + PositionEmbedding → x + MHA(x, causal) → Dense(V, softmax) per position */
-static mpt_model *copy_model(mpt_context *c, mpt_policy policy, float dropout) {
+/* ids → Embedding + PositionEmbedding → x + MHA(x, causal) → Dense(V, softmax) per position;
+   on the strategy st when not NULL */
+static mpt_model *copy_model_on(mpt_context *c, mpt_policy policy, float dropout,
+                                mpt_strategy *st) {
     mpt_model *m = NULL;
     mpt_node tok, two[2], h;
     CHECK(mpt_model_create(c,
@@ -541,7 +543,8 @@ static mpt_model *copy_model(mpt_context *c, mpt_policy policy, float dropout) {
                                              .input_rank = 1,
                                              .input_dtype = MPT_INT32,
                                              .policy = policy,
-                                             .seed = 21},
+                                             .seed = 21,
+                                             .strategy = st},
                            &m) == MPT_OK,
           "create: %s", mpt_context_error(c));
     tok = mpt_embedding(m, mpt_model_input(m),
@@ -563,6 +566,35 @@ static mpt_model *copy_model(mpt_context *c, mpt_policy policy, float dropout) {
                                   .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
           "compile: %s", mpt_context_error(c));
     return m;
+}
+
+static mpt_model *copy_model(mpt_context *c, mpt_policy policy, float dropout) {
+    return copy_model_on(c, policy, dropout, NULL);
+}
+
+/* Mirrored over 2 replicas (dropout on the weights, each replica its own
+   mask): it learns the copy too. */
+static void test_mirrored(void) {
+    static int32_t x[CP_N * CP_T], y[CP_N * CP_T];
+    mpt_strategy *st = NULL;
+    mpt_model *m;
+    mpt_dataset *d;
+    mpt_logs logs;
+    CHECK(mpt_strategy_create(
+              ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2}, &st) ==
+              MPT_OK,
+          "strategy: %s", mpt_context_error(ctx));
+    m = copy_model_on(ctx, MPT_POLICY_MIXED_BFLOAT16, 0.1f, st);
+    copy_data(x, y, CP_N);
+    d = copy_dataset(ctx, x, y, CP_N);
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 12, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_evaluate(m, d, NULL, &logs) == MPT_OK, "evaluate: %s", mpt_context_error(ctx));
+    CHECK(mpt_logs_get(&logs, "accuracy") >= 0.95, "accuracy %.3f < 0.95 on 2 replicas",
+          mpt_logs_get(&logs, "accuracy"));
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_strategy_destroy(st);
 }
 
 static void test_learns_copy(void) {
@@ -892,6 +924,7 @@ static void cases(void) {
     test_mha_gradients();
     TEST_RUN(test_weights_keras);
     test_learns_copy();
+    TEST_RUN(test_mirrored);
     test_threads_bit_identical();
     TEST_RUN(test_model_file);
     TEST_RUN(test_generate_matches_predict);

@@ -420,26 +420,6 @@ static void expect_batchnorm_args(void *impl, const mpt_batchnorm_args *a) {
     for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
 }
 
-static void emu_batchnorm_forward(void *impl, const mpt_batchnorm_args *a) {
-    expect_batchnorm_args(impl, a);
-    if (recording) {
-        emu_call *c = record(OP_BN_FORWARD, impl);
-        if (c) c->bn = *a;
-        return;
-    }
-    cpu()->batchnorm_forward(impl, a);
-}
-
-static void emu_batchnorm_backward(void *impl, const mpt_batchnorm_args *a) {
-    expect_batchnorm_args(impl, a);
-    if (recording) {
-        emu_call *c = record(OP_BN_BACKWARD, impl);
-        if (c) c->bn = *a;
-        return;
-    }
-    cpu()->batchnorm_backward(impl, a);
-}
-
 static void emu_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
                                  const mpt_step_state *state) {
     expect_batchnorm_args(impl, a);
@@ -459,51 +439,11 @@ static void expect_layernorm_args(void *impl, const mpt_layernorm_args *a) {
     for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
 }
 
-static void emu_layernorm_forward(void *impl, const mpt_layernorm_args *a) {
-    expect_layernorm_args(impl, a);
-    if (recording) {
-        emu_call *c = record(OP_LN_FORWARD, impl);
-        if (c) c->ln = *a;
-        return;
-    }
-    cpu()->layernorm_forward(impl, a);
-}
-
-static void emu_layernorm_backward(void *impl, const mpt_layernorm_args *a) {
-    expect_layernorm_args(impl, a);
-    if (recording) {
-        emu_call *c = record(OP_LN_BACKWARD, impl);
-        if (c) c->ln = *a;
-        return;
-    }
-    cpu()->layernorm_backward(impl, a);
-}
-
 static void expect_attention_args(void *impl, const mpt_attention_args *a) {
     const void *p[] = {a->state, a->saved_step, a->q,  a->k,  a->v,        a->o,
                        a->d_o,   a->dq,         a->dk, a->dv, a->workspace};
     size_t i;
     for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
-}
-
-static void emu_attention_forward(void *impl, const mpt_attention_args *a) {
-    expect_attention_args(impl, a);
-    if (recording) {
-        emu_call *c = record(OP_ATTN_FORWARD, impl);
-        if (c) c->attn = *a;
-        return;
-    }
-    cpu()->attention_forward(impl, a);
-}
-
-static void emu_attention_backward(void *impl, const mpt_attention_args *a) {
-    expect_attention_args(impl, a);
-    if (recording) {
-        emu_call *c = record(OP_ATTN_BACKWARD, impl);
-        if (c) c->attn = *a;
-        return;
-    }
-    cpu()->attention_backward(impl, a);
 }
 
 static void emu_elementwise(void *impl, mpt_elementwise_op op, mpt_dtype dtype, void *y,
@@ -585,21 +525,11 @@ static void emu_dropout(void *impl, uint64_t key, float rate, mpt_dtype dtype, c
     cpu()->dropout(impl, key, rate, dtype, in, out, n, state, saved_step, ws);
 }
 
-static void emu_loss(void *impl, const mpt_loss_args *a) {
-    expect_device(impl, a->pred);
-    expect_device(impl, a->target);
-    expect_device(impl, a->dpred);
-    expect_device(impl, a->state);
-    expect_device(impl, a->sample_weight);
-    expect_device(impl, a->class_weight);
-    expect_device(impl, a->metric_sums);
-    expect_device(impl, a->metric_parts);
-    if (recording) {
-        emu_call *c = record(OP_LOSS, impl);
-        if (c) c->loss = *a;
-        return;
-    }
-    cpu()->loss(impl, a);
+static void expect_loss_args(void *impl, const mpt_loss_args *a) {
+    const void *p[] = {a->pred,         a->target,       a->dpred,       a->state,
+                       a->sample_weight, a->class_weight, a->metric_sums, a->metric_parts};
+    size_t i;
+    for (i = 0; i < sizeof p / sizeof p[0]; i++) expect_device(impl, p[i]);
 }
 
 static void expect_update_args(void *impl, const mpt_update_args *u) {
@@ -612,25 +542,29 @@ static void expect_update_args(void *impl, const mpt_update_args *u) {
     expect_device(impl, u->state);
 }
 
-static void emu_grad_stats(void *impl, const mpt_update_args *u) {
-    expect_update_args(impl, u);
-    if (recording) {
-        emu_call *c = record(OP_GRAD_STATS, impl);
-        if (c) c->update = *u;
-        return;
+/* The slots whose arguments are one struct: its pointers must be the
+   device's; the call is kept while a graph is captured, else run on the
+   CPU backend. */
+#define EMU_STRUCT_SLOT(slot, args_type, expect_args, op, member)                                 \
+    static void emu_##slot(void *impl, const args_type *a) {                                      \
+        expect_args(impl, a);                                                                     \
+        if (recording) {                                                                          \
+            emu_call *c = record(op, impl);                                                       \
+            if (c) c->member = *a;                                                                \
+            return;                                                                               \
+        }                                                                                         \
+        cpu()->slot(impl, a);                                                                     \
     }
-    cpu()->grad_stats(impl, u);
-}
-
-static void emu_update(void *impl, const mpt_update_args *u) {
-    expect_update_args(impl, u);
-    if (recording) {
-        emu_call *c = record(OP_UPDATE, impl);
-        if (c) c->update = *u;
-        return;
-    }
-    cpu()->update(impl, u);
-}
+EMU_STRUCT_SLOT(batchnorm_forward, mpt_batchnorm_args, expect_batchnorm_args, OP_BN_FORWARD, bn)
+EMU_STRUCT_SLOT(batchnorm_backward, mpt_batchnorm_args, expect_batchnorm_args, OP_BN_BACKWARD, bn)
+EMU_STRUCT_SLOT(layernorm_forward, mpt_layernorm_args, expect_layernorm_args, OP_LN_FORWARD, ln)
+EMU_STRUCT_SLOT(layernorm_backward, mpt_layernorm_args, expect_layernorm_args, OP_LN_BACKWARD, ln)
+EMU_STRUCT_SLOT(attention_forward, mpt_attention_args, expect_attention_args, OP_ATTN_FORWARD, attn)
+EMU_STRUCT_SLOT(attention_backward, mpt_attention_args, expect_attention_args, OP_ATTN_BACKWARD,
+                attn)
+EMU_STRUCT_SLOT(grad_stats, mpt_update_args, expect_update_args, OP_GRAD_STATS, update)
+EMU_STRUCT_SLOT(update, mpt_update_args, expect_update_args, OP_UPDATE, update)
+EMU_STRUCT_SLOT(loss, mpt_loss_args, expect_loss_args, OP_LOSS, loss)
 
 static void emu_loss_scale_update(void *impl, const mpt_loss_scale_desc *d,
                                   mpt_step_state *state) {

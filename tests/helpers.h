@@ -409,6 +409,63 @@ static inline void test_weights_of(mpt_model *m, float *w, int64_t size) {
     CHECK(at <= size, "%lld weights, room for %lld", (long long)at, (long long)size);
 }
 
+/* A training to repeat: its model in a context and policy, its dataset,
+   and fit's epochs and batch size. */
+typedef struct test_training {
+    mpt_model *(*model)(mpt_context *c, mpt_policy policy);
+    mpt_dataset *(*data)(mpt_context *c);
+    int epochs, batch_size;
+} test_training;
+
+/* The training t on 1 and on 2 threads ends with the same weights, bit for
+   bit: one case a policy. */
+static inline void test_threads_bit_identical_fits(const test_training *t) {
+    static const mpt_policy policies[3] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                           MPT_POLICY_MIXED_BFLOAT16};
+    int k, threads;
+    for (k = 0; k < 3; k++) {
+        float *w[2] = {NULL, NULL};
+        int64_t size[2] = {0, 0};
+        test__begin();
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *c = NULL;
+            mpt_model *m;
+            mpt_dataset *d;
+            mpt_context_desc cd;
+            mpt_fit_desc fit;
+            int p;
+            memset(&cd, 0, sizeof cd);
+            cd.num_threads = threads;
+            cd.logger.fn = quiet_logger;
+            mpt_context_create(&cd, &c);
+            m = t->model(c, policies[k]);
+            d = t->data(c);
+            memset(&fit, 0, sizeof fit);
+            fit.epochs = t->epochs;
+            fit.batch_size = t->batch_size;
+            CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit on %d threads: %s", threads,
+                  mpt_context_error(c));
+            for (p = 0; p < mpt_model_param_count(m); p++) {
+                mpt_param_info info;
+                mpt_model_param(m, p, &info);
+                size[threads - 1] += mpt_tensor_count(&info.value);
+            }
+            w[threads - 1] = (float *)calloc((size_t)size[threads - 1], sizeof(float));
+            test_weights_of(m, w[threads - 1], size[threads - 1]);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(c);
+        }
+        CHECK(size[0] == size[1] &&
+                  memcmp(w[0], w[1], sizeof(float) * (size_t)size[0]) == 0,
+              "%s: weights after %d epochs differ between 1 and 2 threads",
+              mpt_policy_name(policies[k]), t->epochs);
+        free(w[0]);
+        free(w[1]);
+        test__end("1 and 2 threads bit-identical %s", mpt_policy_name(policies[k]));
+    }
+}
+
 /* A call's status is want and the context's message (q's) holds words;
    call names it in the failure. */
 static inline void test_expect_error(mpt_context *q, mpt_status got, mpt_status want,

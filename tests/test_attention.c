@@ -625,43 +625,19 @@ static void test_learns_copy(void) {
 }
 
 /* The same training (with dropout) on 1 and 2 threads: the same bits. */
+static int32_t threads_x[128 * CP_T], threads_y[128 * CP_T];
+
+static mpt_model *threads_model(mpt_context *c, mpt_policy policy) {
+    return copy_model(c, policy, 0.1f);
+}
+
+static mpt_dataset *threads_data(mpt_context *c) {
+    return copy_dataset(c, threads_x, threads_y, 128);
+}
+
 static void test_threads_bit_identical(void) {
-    static int32_t x[128 * CP_T], y[128 * CP_T];
-    int k, t;
-    copy_data(x, y, 128);
-    for (k = 0; k < 3; k++) {
-        float *w[2];
-        int64_t size = 0;
-        test__begin();
-        for (t = 0; t < 2; t++) {
-            mpt_context *c = NULL;
-            mpt_model *m;
-            mpt_dataset *d;
-            int p;
-            mpt_context_create(
-                &(mpt_context_desc){.num_threads = t + 1, .logger = {quiet_logger, NULL}}, &c);
-            m = copy_model(c, policies[k], 0.1f);
-            d = copy_dataset(c, x, y, 128);
-            CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
-                  "fit on %d threads: %s", t + 1, mpt_context_error(c));
-            for (size = 0, p = 0; p < mpt_model_param_count(m); p++) {
-                mpt_param_info info;
-                mpt_model_param(m, p, &info);
-                size += mpt_tensor_count(&info.value);
-            }
-            w[t] = (float *)calloc((size_t)size, sizeof(float));
-            test_weights_of(m, w[t], size);
-            mpt_dataset_destroy(d);
-            mpt_model_destroy(m);
-            mpt_context_destroy(c);
-        }
-        CHECK(memcmp(w[0], w[1], sizeof(float) * (size_t)size) == 0,
-              "%s: weights after 2 epochs differ between 1 and 2 threads",
-              mpt_policy_name(policies[k]));
-        free(w[0]);
-        free(w[1]);
-        test__end("1 and 2 threads bit-identical %s", mpt_policy_name(policies[k]));
-    }
+    copy_data(threads_x, threads_y, 128);
+    test_threads_bit_identical_fits(&(test_training){threads_model, threads_data, 2, 32});
 }
 
 /* ---- model files ----------------------------------------------------------------------- */

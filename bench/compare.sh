@@ -75,25 +75,10 @@ mlp|cnn_small|cnn) MODELS=$MODEL ;;
 esac
 
 # ---- what it needs ------------------------------------------------------------
-need=()
-command -v gcc >/dev/null || need+=(gcc libc6-dev)
-for p in zlib1g-dev dataset-fashion-mnist python3 python3-venv python3-numpy python3-torch \
-         libopenblas0-pthread libopenblas0-openmp; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
-done
-if [ ${#need[@]} -gt 0 ]; then
-    if [ "$(id -u)" -eq 0 ]; then
-        echo "compare.sh: installing ${need[*]}" >&2
-        export DEBIAN_FRONTEND=noninteractive
-        if ! { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }; then
-            echo "compare.sh: apt-get install failed" >&2
-            exit 1
-        fi
-    else
-        echo "compare.sh: missing packages: ${need[*]} (run as root to install them)" >&2
-        exit 1
-    fi
-fi
+PEERS_NAME=compare.sh PEERS_DIR=build/compare
+. bench/peers.sh
+peers_install zlib1g-dev dataset-fashion-mnist python3 python3-venv python3-numpy python3-torch \
+    libopenblas0-pthread libopenblas0-openmp
 mkdir -p build build/compare
 if ! "$VENV/bin/python" -c "import tensorflow" 2>/dev/null; then
     echo "compare.sh: installing $TF_SPEC into $VENV (a few minutes)" >&2
@@ -106,113 +91,28 @@ TF_PY=$VENV/bin/python
 gcc -std=c99 -O2 -I. bench/bench_train.c -o build/bench_train -lpthread -lm -lz ||
     { echo "compare.sh: bench_train does not build" >&2; exit 1; }
 
-# ---- measuring a run --------------------------------------------------------------
-# The host may be shared: each run records how many cores other processes
-# kept busy meanwhile ("others_cores", from /proc/stat less this script's
-# children), and with --quiet-wait S a run first waits up to S seconds for
-# the other processes to use less than a quarter of a core.
-log=build/compare/results.jsonl
-busy_jiffies() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
-# user + system seconds of this shell's finished children, from `times` run
-# in this shell (a $(...) subshell would count its own children only)
-children_cpu() {
-    times >build/compare/times.txt
-    awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, "m"); t += a[1] * 60 + a[2] }
-                   print t }' build/compare/times.txt
-}
-now() { date +%s.%N; }
-others_cores() { # busy0 busy1 self0 self1 wall0 wall1 (HZ = getconf CLK_TCK)
-    awk -v b0="$1" -v b1="$2" -v s0="$3" -v s1="$4" -v w0="$5" -v w1="$6" -v hz="$HZ" \
-        'BEGIN { o = ((b1 - b0) / hz - (s1 - s0)) / (w1 - w0); printf "%.2f", o < 0 ? 0 : o }'
-}
-FAILED_RUNS=0 # runs that printed no result: the script then exits 1
-HZ=$(getconf CLK_TCK 2>/dev/null || echo 100)
-wait_quiet() {
-    local waited=0 b0 b1 busy='?'
-    while [ "$waited" -lt "$QUIET_WAIT" ]; do
-        b0=$(busy_jiffies); sleep 2; b1=$(busy_jiffies)
-        busy=$(awk -v a="$b0" -v b="$b1" -v hz="$HZ" 'BEGIN { printf "%.2f", (b - a) / hz / 2 }')
-        awk -v x="$busy" 'BEGIN { exit !(x < 0.25) }' && return 0
-        waited=$((waited + 2))
-    done
-    [ "$QUIET_WAIT" -gt 0 ] && echo "# (the host stayed busy: $busy cores in use after waiting ${QUIET_WAIT}s)"
-}
-# measure NAME ROUND COMMAND...: runs it, appends its JSON lines to $log with
-# the round and others_cores added.
-measure() {
-    local name=$1 round=$2 out b0 b1 s0 s1 w0 w1 oc
-    shift 2
-    out=build/compare/${name}_$round.txt
-    wait_quiet
-    echo "## round $round: $name (load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    children_cpu >build/compare/self.txt; s0=$(cat build/compare/self.txt)
-    b0=$(busy_jiffies); w0=$(now)
-    "$@" 2>build/compare/${name}_$round.err | tee "$out"
-    b1=$(busy_jiffies); w1=$(now)
-    children_cpu >build/compare/self.txt; s1=$(cat build/compare/self.txt)
-    oc=$(others_cores "$b0" "$b1" "$s0" "$s1" "$w0" "$w1")
-    echo "# other processes kept $oc cores busy during this run"
-    grep -q '^{' "$out" || { echo "compare.sh: $name printed no result:" >&2;
-                            tail -n 5 "build/compare/${name}_$round.err" >&2; FAILED_RUNS=$((FAILED_RUNS + 1)); }
-    grep '^{' "$out" | sed "s/}\$/,\"round\":$round,\"others_cores\":$oc}/" >>"$log"
-}
-
 # ---- PyTorch's configuration ------------------------------------------------------
-OPENBLAS_DIR=/usr/lib/x86_64-linux-gnu
-CPU_FLAGS=$(grep -m1 '^flags' /proc/cpuinfo)
-case " $CPU_FLAGS " in
-*" avx512f "*) CORETYPE=SkylakeX ;;
-*" avx2 "*) CORETYPE=Haswell ;;
-*) CORETYPE= ;;
-esac
-PRESET_CORETYPE=${OPENBLAS_CORETYPE:-none}
-MALLOC_ENV=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
-# torch_env BLAS WAIT: the environment for one PyTorch configuration
-# (BLAS: openmp|pthread, WAIT: default|passive) as `env` arguments.
-torch_env() { # env's -u options first: it takes them only before NAME=VALUE
-    local e=(-u OMP_WAIT_POLICY -u OPENBLAS_CORETYPE
-             LD_LIBRARY_PATH="$OPENBLAS_DIR/openblas-$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-             "${MALLOC_ENV[@]}")
-    [ -n "$CORETYPE" ] && e+=(OPENBLAS_CORETYPE="$CORETYPE")
-    [ "$2" = passive ] && e+=(OMP_WAIT_POLICY=PASSIVE)
-    printf '%s\n' "${e[@]}"
+# The probe: the MLP's float32 epoch over 3,840 images (30 steps), twice.
+mlp_rate() {
+    env "$@" "$SYS_PY" bench/torch_train.py --model mlp --mlp-samples 3840 --warmup-samples 256 \
+        --threads "$THREADS" --batch-size "$BATCH" 2>/dev/null |
+        sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p'
 }
-torch_config_name() { echo "openblas-$1 coretype=${CORETYPE:-auto} malloc=fixed omp_wait=$2"; }
-# The probe: the MLP's float32 epoch over 3,840 images (30 steps) in each
-# configuration, twice, interleaved; the fastest best run wins. (Short, as
-# libgomp's spinning threads can make a run 20-100x slower on a busy host.)
-echo "# probing PyTorch's configurations (environment preset OPENBLAS_CORETYPE=$PRESET_CORETYPE)"
-best_sps=0 TORCH_BLAS=openmp TORCH_WAIT=passive
-for pass in 1 2; do
-    for blas in openmp pthread; do
-        for wait in passive default; do
-            mapfile -t e < <(torch_env "$blas" "$wait")
-            sps=$(env "${e[@]}" "$SYS_PY" bench/torch_train.py --model mlp --mlp-samples 3840 \
-                      --warmup-samples 256 --threads "$THREADS" --batch-size "$BATCH" 2>/dev/null |
-                  sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p')
-            echo "#   pass $pass: $(torch_config_name "$blas" "$wait"): ${sps:-failed} samples/s"
-            if awk -v a="${sps:-0}" -v b="$best_sps" 'BEGIN { exit !(a > b) }'; then
-                best_sps=$sps TORCH_BLAS=$blas TORCH_WAIT=$wait
-            fi
-        done
-    done
-done
-mapfile -t TORCH_ENV < <(torch_env "$TORCH_BLAS" "$TORCH_WAIT")
-TORCH_CONFIG=$(torch_config_name "$TORCH_BLAS" "$TORCH_WAIT")
-echo "# PyTorch runs with: $TORCH_CONFIG (${TORCH_ENV[*]})"
+torch_probe 2 mlp_rate
 echo
 
 # ---- the rounds ------------------------------------------------------------------
+log=$PEERS_DIR/results.jsonl
 : >"$log"
 run_mpt() {
-    measure "mpt_$2" "$1" ./build/bench_train --model "$2" --threads "$THREADS" --batch-size "$BATCH"
+    measure "mpt_$2" "$1" '' ./build/bench_train --model "$2" --threads "$THREADS" --batch-size "$BATCH"
 }
 run_tf() {
-    measure "tensorflow_$2" "$1" "$TF_PY" bench/tf_train.py --model "$2" --threads "$THREADS" \
+    measure "tensorflow_$2" "$1" '' "$TF_PY" bench/tf_train.py --model "$2" --threads "$THREADS" \
         --batch-size "$BATCH" --bf16
 }
 run_torch() {
-    measure "pytorch_$2" "$1" env "${TORCH_ENV[@]}" "$SYS_PY" bench/torch_train.py --model "$2" \
+    measure "pytorch_$2" "$1" '' env "${TORCH_ENV[@]}" "$SYS_PY" bench/torch_train.py --model "$2" \
         --threads "$THREADS" --batch-size "$BATCH" --bf16 --config "$TORCH_CONFIG"
 }
 for r in $(seq 1 "$ROUNDS"); do

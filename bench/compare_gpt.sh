@@ -77,25 +77,10 @@ if [ "$TIMED" -le 0 ] || [ "$STEPS" -le "$TIMED" ] || [ $((STEPS % TIMED)) -ne 0
 fi
 
 # ---- what it needs ----------------------------------------------------------------
-need=()
-command -v gcc >/dev/null || need+=(gcc libc6-dev)
-for p in zlib1g-dev fortunes python3 python3-numpy python3-torch \
-         libopenblas0-pthread libopenblas0-openmp; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
-done
-if [ ${#need[@]} -gt 0 ]; then
-    if [ "$(id -u)" -eq 0 ]; then
-        echo "compare_gpt.sh: installing ${need[*]}" >&2
-        export DEBIAN_FRONTEND=noninteractive
-        if ! { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }; then
-            echo "compare_gpt.sh: apt-get install failed" >&2
-            exit 1
-        fi
-    else
-        echo "compare_gpt.sh: missing packages: ${need[*]} (run as root to install them)" >&2
-        exit 1
-    fi
-fi
+PEERS_NAME=compare_gpt.sh PEERS_DIR=$DIR
+. bench/peers.sh
+peers_install zlib1g-dev fortunes python3 python3-numpy python3-torch libopenblas0-pthread \
+    libopenblas0-openmp
 mkdir -p "$DIR"
 # build OUT SOURCE: when OUT is older than SOURCE, mpt.h or the examples' common.h
 build() {
@@ -122,53 +107,7 @@ PY
 fi
 
 # ---- measuring a run ------------------------------------------------------------------
-# others_cores: the cores other processes kept busy during a run, from
-# /proc/stat's busy time less this script's children's CPU time.
 log=$DIR/results.jsonl
-HZ=$(getconf CLK_TCK 2>/dev/null || echo 100)
-busy_jiffies() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
-# user + system seconds of this shell's finished children: `times` must run
-# in this shell (in a $(...) subshell it would count that subshell's only)
-children_cpu() {
-    times >"$DIR/times.txt"
-    awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, "m"); t += a[1] * 60 + a[2] }
-                   print t }' "$DIR/times.txt" >"$DIR/self.txt"
-}
-now() { date +%s.%N; }
-others_cores() { # busy0 busy1 self0 self1 wall0 wall1
-    awk -v b0="$1" -v b1="$2" -v s0="$3" -v s1="$4" -v w0="$5" -v w1="$6" -v hz="$HZ" \
-        'BEGIN { o = ((b1 - b0) / hz - (s1 - s0)) / (w1 - w0); printf "%.2f", o < 0 ? 0 : o }'
-}
-wait_quiet() { # with --quiet-wait S: up to S seconds for others to use < 1/4 core
-    local waited=0 b0 b1 busy='?'
-    while [ "$waited" -lt "$QUIET_WAIT" ]; do
-        b0=$(busy_jiffies); sleep 2; b1=$(busy_jiffies)
-        busy=$(awk -v a="$b0" -v b="$b1" -v hz="$HZ" 'BEGIN { printf "%.2f", (b - a) / hz / 2 }')
-        awk -v x="$busy" 'BEGIN { exit !(x < 0.25) }' && return 0
-        waited=$((waited + 2))
-    done
-    [ "$QUIET_WAIT" -gt 0 ] && echo "# (the host stayed busy: $busy cores in use after waiting ${QUIET_WAIT}s)"
-}
-FAILED_RUNS=0
-# measure NAME ROUND FIELDS COMMAND...: runs it and appends its JSON line to
-# $log with FIELDS (JSON members, may be empty), the round and others_cores.
-measure() {
-    local name=$1 round=$2 fields=$3 out s0 s1 b0 b1 w0 w1 oc
-    shift 3
-    out=$DIR/${name}_$round.txt
-    wait_quiet
-    echo "## round $round: $name (load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    children_cpu; s0=$(cat "$DIR/self.txt"); b0=$(busy_jiffies); w0=$(now)
-    "$@" >"$out" 2>"$DIR/${name}_$round.err"
-    b1=$(busy_jiffies); w1=$(now); children_cpu; s1=$(cat "$DIR/self.txt")
-    oc=$(others_cores "$b0" "$b1" "$s0" "$s1" "$w0" "$w1")
-    grep '^{' "$out"
-    echo "# other processes kept $oc cores busy during this run ($(awk -v a="$w0" -v b="$w1" \
-         'BEGIN { printf "%.0f", b - a }') s)"
-    grep -q '^{' "$out" || { echo "compare_gpt.sh: $name printed no result:" >&2
-                            tail -n 5 "$DIR/${name}_$round.err" >&2; FAILED_RUNS=$((FAILED_RUNS + 1)); }
-    grep '^{' "$out" | sed "s/}\$/,${fields}\"round\":$round,\"others_cores\":$oc}/" >>"$log"
-}
 # peak TAG: bench_gemm's 2-thread fp32 FMA peak line, tagged, into $log
 # (line-buffered, so that it stops there)
 peak() {
@@ -177,43 +116,16 @@ peak() {
 }
 
 # ---- PyTorch's configuration ----------------------------------------------------------
-OPENBLAS_DIR=/usr/lib/x86_64-linux-gnu
-case " $(grep -m1 '^flags' /proc/cpuinfo) " in
-*" avx512f "*) CORETYPE=SkylakeX ;;
-*" avx2 "*) CORETYPE=Haswell ;;
-*) CORETYPE= ;;
-esac
-torch_env() { # BLAS WAIT (openmp|pthread, default|passive): `env` arguments
-    local e=(-u OMP_WAIT_POLICY -u OPENBLAS_CORETYPE
-             LD_LIBRARY_PATH="$OPENBLAS_DIR/openblas-$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-             MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
-    [ -n "$CORETYPE" ] && e+=(OPENBLAS_CORETYPE="$CORETYPE")
-    [ "$2" = passive ] && e+=(OMP_WAIT_POLICY=PASSIVE)
-    printf '%s\n' "${e[@]}"
+# The probe: 3 float32 steps, the last 2 timed, once in each configuration
+# (float32 is where the BLAS works: bfloat16 goes to oneDNN).
+gpt_rate() {
+    env "$@" "$SYS_PY" bench/torch_gpt.py "${DATA_ARGS[@]}" --steps 3 --timed-steps 2 --eval 0 \
+        --threads "$THREADS" 2>/dev/null | sed -n 's/.*"tokens_per_s":\([0-9.]*\).*/\1/p'
 }
-torch_config_name() { echo "openblas-$1 coretype=${CORETYPE:-auto} malloc=fixed omp_wait=$2"; }
-# The probe: 3 float32 steps, the last 2 timed, in each configuration; the
-# fastest wins (float32 is where the BLAS works: bfloat16 goes to oneDNN).
 : >"$log"
 echo "# $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) cores, commit" \
      "$(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date)"
-echo "# probing PyTorch's configurations"
-best=0 TORCH_BLAS=pthread TORCH_WAIT=passive
-for blas in pthread openmp; do
-    for wait in passive default; do
-        mapfile -t e < <(torch_env "$blas" "$wait")
-        tps=$(env "${e[@]}" "$SYS_PY" bench/torch_gpt.py "${DATA_ARGS[@]}" --steps 3 \
-                  --timed-steps 2 --eval 0 --threads "$THREADS" 2>/dev/null |
-              sed -n 's/.*"tokens_per_s":\([0-9.]*\).*/\1/p')
-        echo "#   $(torch_config_name "$blas" "$wait"): ${tps:-failed} tokens/s"
-        if awk -v a="${tps:-0}" -v b="$best" 'BEGIN { exit !(a > b) }'; then
-            best=$tps TORCH_BLAS=$blas TORCH_WAIT=$wait
-        fi
-    done
-done
-mapfile -t TORCH_ENV < <(torch_env "$TORCH_BLAS" "$TORCH_WAIT")
-TORCH_CONFIG=$(torch_config_name "$TORCH_BLAS" "$TORCH_WAIT")
-echo "# PyTorch runs with: $TORCH_CONFIG"
+torch_probe 1 gpt_rate
 echo "# fp32 FMA peak before the rounds:"
 peak before
 echo

@@ -409,6 +409,38 @@ static inline void test_weights_of(mpt_model *m, float *w, int64_t size) {
     CHECK(at <= size, "%lld weights, room for %lld", (long long)at, (long long)size);
 }
 
+/* a and b predict the same bits on d (batches of batch_size): a model and
+   what was loaded from its file. */
+static inline void test_same_predictions(mpt_context *c, mpt_model *a, mpt_model *b,
+                                         mpt_dataset *d, int64_t batch_size) {
+    mpt_tensor pa, pb;
+    int64_t i = 0;
+    memset(&pa, 0, sizeof pa);
+    memset(&pb, 0, sizeof pb);
+    CHECK(mpt_model_predict(a, d, batch_size, &pa) == MPT_OK, "predict: %s",
+          mpt_context_error(c));
+    CHECK(mpt_model_predict(b, d, batch_size, &pb) == MPT_OK, "predict loaded: %s",
+          mpt_context_error(c));
+    if (pa.data && pb.data && mpt_tensor_count(&pa) == mpt_tensor_count(&pb))
+        for (; i < mpt_tensor_count(&pa); i++)
+            if (((const float *)pa.data)[i] != ((const float *)pb.data)[i]) break;
+    CHECK(pa.data && pb.data && i == mpt_tensor_count(&pa),
+          "prediction %lld differs after loading", (long long)i);
+    mpt_tensor_free(c, &pa);
+    mpt_tensor_free(c, &pb);
+}
+
+/* A mirrored strategy of `replicas` logical replicas on c's device. */
+static inline mpt_strategy *test_mirrored_strategy(mpt_context *c, int replicas) {
+    mpt_strategy_desc sd;
+    mpt_strategy *st = NULL;
+    memset(&sd, 0, sizeof sd);
+    sd.type = MPT_STRATEGY_MIRRORED;
+    sd.num_replicas = replicas;
+    CHECK(mpt_strategy_create(c, &sd, &st) == MPT_OK, "strategy: %s", mpt_context_error(c));
+    return st;
+}
+
 /* A training to repeat: its model in a context and policy, its dataset,
    and fit's epochs and batch size. */
 typedef struct test_training {

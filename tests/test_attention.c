@@ -559,12 +559,7 @@ static mpt_model *copy_model_on(mpt_context *c, mpt_policy policy, float dropout
             .num_heads = 2, .key_dim = 8, .use_causal_mask = 1, .dropout = dropout});
     h = mpt_add(m, 2, two, NULL);
     mpt_dense(m, h, &(mpt_dense_desc){.units = CP_V, .activation = MPT_ACT_SOFTMAX});
-    CHECK(mpt_model_compile(
-              m,
-              &(mpt_compile_desc){.optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-2f},
-                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                  .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
-          "compile: %s", mpt_context_error(c));
+    test_compile_classifier(c, m);
     return m;
 }
 
@@ -576,14 +571,10 @@ static mpt_model *copy_model(mpt_context *c, mpt_policy policy, float dropout) {
    mask): it learns the copy too. */
 static void test_mirrored(void) {
     static int32_t x[CP_N * CP_T], y[CP_N * CP_T];
-    mpt_strategy *st = NULL;
+    mpt_strategy *st = test_mirrored_strategy(ctx, 2);
     mpt_model *m;
     mpt_dataset *d;
     mpt_logs logs;
-    CHECK(mpt_strategy_create(
-              ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2}, &st) ==
-              MPT_OK,
-          "strategy: %s", mpt_context_error(ctx));
     m = copy_model_on(ctx, MPT_POLICY_MIXED_BFLOAT16, 0.1f, st);
     copy_data(x, y, CP_N);
     d = copy_dataset(ctx, x, y, CP_N);
@@ -646,9 +637,7 @@ static void test_model_file(void) {
     static int32_t x[64 * CP_T], y[64 * CP_T];
     mpt_model *m = copy_model(ctx, MPT_POLICY_MIXED_BFLOAT16, 0.1f), *back = NULL;
     mpt_dataset *d;
-    mpt_tensor a, b;
     char path[600];
-    int64_t i;
     copy_data(x, y, 64);
     d = copy_dataset(ctx, x, y, 64);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 16}) == MPT_OK, "fit: %s",
@@ -664,14 +653,7 @@ static void test_model_file(void) {
         CHECK(d1->num_heads == d0->num_heads && d1->key_dim == d0->key_dim &&
                   d1->use_causal_mask == 1 && d1->dropout == d0->dropout && back->layers[3].n_in == 1,
               "descriptor not kept");
-        CHECK(mpt_model_predict(m, d, 16, &a) == MPT_OK, "predict: %s", mpt_context_error(ctx));
-        CHECK(mpt_model_predict(back, d, 16, &b) == MPT_OK, "predict loaded: %s",
-              mpt_context_error(ctx));
-        for (i = 0; i < mpt_tensor_count(&a); i++)
-            if (((float *)a.data)[i] != ((float *)b.data)[i]) break;
-        CHECK(i == mpt_tensor_count(&a), "prediction %lld differs after loading", (long long)i);
-        mpt_tensor_free(ctx, &a);
-        mpt_tensor_free(ctx, &b);
+        test_same_predictions(ctx, m, back, d, 16);
         mpt_model_destroy(back);
     }
     mpt_dataset_destroy(d);
@@ -909,16 +891,8 @@ static void cases(void) {
 }
 
 int main(void) {
-    test_program p;
-    memset(&p, 0, sizeof p);
-    p.name = "test_attention";
-    p.ctx = &ctx;
-    p.threads = 2;
-    p.logger = quiet_logger;
-    p.seed = 7;
-    p.tmpdir = tmpdir;
-    p.tmpdir_size = sizeof tmpdir;
-    p.keep_env = "MPT_KEEP_TEST_FILES";
-    p.cases = cases;
-    return test_main(&p);
+    return test_main(&(test_program){.name = "test_attention", .ctx = &ctx, .threads = 2,
+                                      .logger = quiet_logger, .seed = 7, .tmpdir = tmpdir,
+                                      .tmpdir_size = sizeof tmpdir,
+                                      .keep_env = "MPT_KEEP_TEST_FILES", .cases = cases});
 }

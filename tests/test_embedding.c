@@ -358,12 +358,7 @@ static mpt_model *language_model_on(mpt_context *c, mpt_policy policy, mpt_strat
     both[1] = pos;
     mpt_dense(m, mpt_flatten(m, mpt_add(m, 2, both, NULL), NULL),
               &(mpt_dense_desc){.units = LM_V, .activation = MPT_ACT_SOFTMAX});
-    CHECK(mpt_model_compile(
-              m,
-              &(mpt_compile_desc){.optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-2f},
-                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                  .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
-          "compile: %s", mpt_context_error(c));
+    test_compile_classifier(c, m);
     return m;
 }
 
@@ -374,14 +369,10 @@ static mpt_model *language_model(mpt_context *c, mpt_policy policy) {
 /* Mirrored over 2 replicas, each its share of the ids: it learns too. */
 static void test_mirrored(void) {
     static int32_t x[256 * LM_T], y[256];
-    mpt_strategy *st = NULL;
+    mpt_strategy *st = test_mirrored_strategy(ctx, 2);
     mpt_model *m;
     mpt_dataset *d;
     mpt_logs logs;
-    CHECK(mpt_strategy_create(
-              ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2}, &st) ==
-              MPT_OK,
-          "strategy: %s", mpt_context_error(ctx));
     m = language_model_on(ctx, MPT_POLICY_MIXED_FLOAT16, st);
     pattern_data(x, y, 256);
     d = ids_dataset(ctx, x, y, 256, LM_T);
@@ -696,9 +687,7 @@ static void test_model_file(void) {
     static int32_t x[64 * LM_T], y[64];
     mpt_model *m = language_model(ctx, MPT_POLICY_MIXED_BFLOAT16), *back = NULL;
     mpt_dataset *d;
-    mpt_tensor a, b;
     char path[600];
-    int64_t i;
     pattern_data(x, y, 64);
     d = ids_dataset(ctx, x, y, 64, LM_T);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 16}) == MPT_OK, "fit: %s",
@@ -717,14 +706,7 @@ static void test_model_file(void) {
                   back->layers[0].desc.embedding.output_dim == 16 &&
                   back->layers[1].desc.position_embedding.sequence_length == 8,
               "descriptors not kept");
-        CHECK(mpt_model_predict(m, d, 16, &a) == MPT_OK, "predict: %s", mpt_context_error(ctx));
-        CHECK(mpt_model_predict(back, d, 16, &b) == MPT_OK, "predict loaded: %s",
-              mpt_context_error(ctx));
-        for (i = 0; i < mpt_tensor_count(&a); i++)
-            if (((float *)a.data)[i] != ((float *)b.data)[i]) break;
-        CHECK(i == mpt_tensor_count(&a), "prediction %lld differs after loading", (long long)i);
-        mpt_tensor_free(ctx, &a);
-        mpt_tensor_free(ctx, &b);
+        test_same_predictions(ctx, m, back, d, 16);
         mpt_model_destroy(back);
     }
     mpt_dataset_destroy(d);
@@ -828,16 +810,8 @@ static void cases(void) {
 }
 
 int main(void) {
-    test_program p;
-    memset(&p, 0, sizeof p);
-    p.name = "test_embedding";
-    p.ctx = &ctx;
-    p.threads = 2;
-    p.logger = quiet_logger;
-    p.seed = 17;
-    p.tmpdir = tmpdir;
-    p.tmpdir_size = sizeof tmpdir;
-    p.keep_env = "MPT_KEEP_TEST_FILES";
-    p.cases = cases;
-    return test_main(&p);
+    return test_main(&(test_program){.name = "test_embedding", .ctx = &ctx, .threads = 2,
+                                      .logger = quiet_logger, .seed = 17, .tmpdir = tmpdir,
+                                      .tmpdir_size = sizeof tmpdir,
+                                      .keep_env = "MPT_KEEP_TEST_FILES", .cases = cases});
 }

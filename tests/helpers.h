@@ -594,6 +594,20 @@ static inline double test_weight_diff(const mpt_model *a, const mpt_model *b) {
         }
     return sqrt(num / den);
 }
+
+/* Two models trained alike, `two` on a strategy of replicas: each history
+   key (a NULL-ended list: "loss", "val_loss", ...) of the last epoch and
+   the weights (relative norm) agree within rel. */
+static inline void test_replicas_match(const mpt_model *one, const mpt_model *two,
+                                       const char *const *keys, double rel) {
+    int k;
+    for (k = 0; keys[k]; k++) {
+        double a = history_value(one, keys[k], -1), b = history_value(two, keys[k], -1);
+        CHECK(fabs(b - a) <= rel * fabs(a), "%s: 2 replicas %.9g, 1 replica %.9g", keys[k], b, a);
+    }
+    CHECK(test_weight_diff(two, one) <= rel,
+          "weights: 2 replicas differ from 1 by %.3g (relative norm)", test_weight_diff(two, one));
+}
 #endif
 
 #endif

@@ -459,9 +459,6 @@ static void test_mirrored(void) {
     mpt_strategy *st = NULL;
     mpt_model *one = NULL, *two = NULL;
     mpt_fit_desc f = fit_for(2, 32);
-    double num = 0, den = 0;
-    int64_t e;
-    int i;
     CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
                                                         .num_replicas = 2}, &st) == MPT_OK,
           "strategy: %s", mpt_context_error(ctx));
@@ -473,21 +470,7 @@ static void test_mirrored(void) {
     if (one && two && train) {
         CHECK(mpt_model_fit(one, train, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
         CHECK(mpt_model_fit(two, train, &f) == MPT_OK, "fit mirrored: %s", mpt_context_error(ctx));
-        CHECK(fabs(history_value(two, "loss", -1) - history_value(one, "loss", -1)) <=
-                      1e-5 * history_value(one, "loss", -1) &&
-                  fabs(history_value(two, "val_loss", -1) - history_value(one, "val_loss", -1)) <=
-                      1e-5 * history_value(one, "val_loss", -1),
-              "loss: 2 replicas %.9g (val %.9g), 1 replica %.9g (val %.9g)",
-              history_value(two, "loss", -1), history_value(two, "val_loss", -1),
-              history_value(one, "loss", -1), history_value(one, "val_loss", -1));
-        for (i = 0; i < one->n_params; i++)
-            for (e = 0; e < one->params[i].count; e++) {
-                double a = one->params[i].value[e], b = two->params[i].value[e];
-                num += (a - b) * (a - b);
-                den += a * a;
-            }
-        CHECK(den > 0 && sqrt(num / den) <= 1e-5,
-              "weights: 2 replicas differ from 1 by %.3g (relative norm)", sqrt(num / den));
+        test_replicas_match(one, two, (const char *const[]){"loss", "val_loss", NULL}, 1e-5);
     }
     mpt_model_destroy(one);
     mpt_model_destroy(two);

@@ -72,19 +72,25 @@ static void bn_forward_ref(const gc_case *c, const double *x, double *const *par
     }
 }
 
+/* md for samples of `shape` (every other field zero); the elements of one. */
+static int64_t sample_model_desc(mpt_model_desc *md, int rank, const int64_t *shape) {
+    int64_t count = 1;
+    int i;
+    memset(md, 0, sizeof *md);
+    md->input_rank = rank;
+    memcpy(md->input_shape, shape, sizeof(int64_t) * (size_t)rank);
+    for (i = 0; i < rank; i++) count *= shape[i];
+    return count;
+}
+
 static void check_bn(int64_t batch, int rank, const int64_t *shape, mpt_dtype dtype, int center,
                      int scale, int training) {
     mpt_model *m = NULL;
     mpt_model_desc md;
     bn_ref d;
     char label[160], s[64];
-    int i;
     test__begin();
-    memset(&md, 0, sizeof md);
-    md.input_rank = rank;
-    memcpy(md.input_shape, shape, sizeof(int64_t) * (size_t)rank);
-    d.in_count = 1;
-    for (i = 0; i < rank; i++) d.in_count *= shape[i];
+    d.in_count = sample_model_desc(&md, rank, shape);
     d.C = shape[rank - 1];
     d.center = center;
     d.scale = scale;
@@ -813,13 +819,8 @@ static void check_ln(int64_t batch, int rank, const int64_t *shape, mpt_dtype dt
     mpt_model_desc md;
     ln_ref d;
     char label[160], s[64];
-    int i;
     test__begin();
-    memset(&md, 0, sizeof md);
-    md.input_rank = rank;
-    memcpy(md.input_shape, shape, sizeof(int64_t) * (size_t)rank);
-    d.in_count = 1;
-    for (i = 0; i < rank; i++) d.in_count *= shape[i];
+    d.in_count = sample_model_desc(&md, rank, shape);
     d.D = shape[rank - 1];
     d.center = center;
     d.scale = scale;

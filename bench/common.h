@@ -248,7 +248,8 @@ static inline mpt_status make_train_model(mpt_context *ctx, mpt_status (*add_lay
     return s;
 }
 
-/* examples/quantize.c's models ("mlp" or "cnn_small") for 28×28×1 images,
+/* examples/quantize.c's models ("mlp" or "cnn_small"), or the seed cnn
+   ("cnn", examples/cnn.c's layers), for 28×28×1 images,
    seed 1, compiled as there (Adam at Keras' default rate, sparse
    categorical crossentropy, accuracy) and built for batch. */
 static inline mpt_status make_quantize_model(mpt_context *ctx, const char *name, mpt_policy policy,
@@ -257,7 +258,9 @@ static inline mpt_status make_quantize_model(mpt_context *ctx, const char *name,
     mpt_model *m = NULL;
     mpt_status s = create_image_model(ctx, policy, 1, &m);
     if (s != MPT_OK) return s;
-    s = strcmp(name, "cnn_small") ? add_mlp_layers(m) : add_cnn_small_layers(m);
+    s = !strcmp(name, "cnn_small") ? add_cnn_small_layers(m)
+        : !strcmp(name, "cnn")     ? add_cnn_layers(m)
+                                   : add_mlp_layers(m);
     memset(&cd, 0, sizeof cd);
     cd.optimizer.type = MPT_OPTIMIZER_ADAM;
     cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;

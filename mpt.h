@@ -24771,6 +24771,41 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
                                                                  int n, const mpt__gemm_epi *e);
 #endif
 
+/* Products of at most this many rows of A with B not transposed (a Dense
+   on one sample, batch-1 inference) skip packing: see
+   mpt__gemm_few_rows_strip, which holds MPT__GEMM_FEW_COLS columns of C a
+   task in registers. */
+#define MPT__GEMM_FEW_ROWS 4
+#define MPT__GEMM_FEW_COLS 64
+#if MPT__X86
+MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0);
+
+static void mpt__gemm_few_rows_task(void *arg, int64_t task, int thread) {
+    (void)thread;
+    mpt__gemm_few_rows_strip((const mpt__gemm_job *)arg, task * MPT__GEMM_FEW_COLS);
+}
+
+/* Whether the product takes the few-rows path: the AVX-512 float32 kernel's
+   (bfloat16 pairs excepted), few rows, B's rows contiguous. */
+static int mpt__gemm_few_rows(const mpt__gemm_job *job) {
+    return job->path == MPT__GEMM_AVX512 && job->d->m <= MPT__GEMM_FEW_ROWS && !job->d->trans_b;
+}
+
+/* The few-rows product: strips of columns, on the pool when B is large
+   (the same bits either way). Reading B is the cost here, not the FMAs, so
+   the rule is B's size: from 256 KiB, more threads read it faster than
+   one, past what waking them costs. */
+static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
+    const mpt_gemm_desc *d = job->d;
+    int64_t strips = (d->n + MPT__GEMM_FEW_COLS - 1) / MPT__GEMM_FEW_COLS, t;
+    double b_bytes = (double)d->n * (double)d->k * (double)mpt_dtype_size(job->dtype);
+    if (b_bytes < 256.0 * 1024 || job->ctx->num_threads <= 1 || strips < 2)
+        for (t = 0; t < strips; t++) mpt__gemm_few_rows_task(job, t, 0);
+    else
+        mpt__parallel_for(job->ctx, strips, mpt__gemm_few_rows_task, job);
+}
+#endif
+
 static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt__gemm_job job;
     int64_t tasks_m;
@@ -24809,6 +24844,12 @@ static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
 #endif
     job.kc = mpt__gemm_depth_block(d->k);
     job.nc = MPT__GEMM_NC;
+#if MPT__X86
+    if (mpt__gemm_few_rows(&job)) {
+        mpt__gemm_few_rows_run(&job);
+        return;
+    }
+#endif
     mpt__gemm_plan_tasks(&job, ctx->num_threads);
     tasks_m = (d->m + job.task_rows - 1) / job.task_rows;
     mpt__parallel_for(ctx, tasks_m * job.tasks_n, mpt__gemm_task, &job);
@@ -25313,6 +25354,80 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
 }
 #undef MPT__LOAD_BF16_PAIRS
 #undef MPT__GEMM_STORE_ROW
+
+/* A strip of MPT__GEMM_FEW_COLS columns of C from j0, for the few rows of
+   a product with B not transposed (mpt__gemm_few_rows): B's rows read
+   where they lie, four vectors a depth, against each row's element of A
+   broadcast (A widened to float32 a depth block at a time, as packing
+   does). Each element is the packed kernel's FMA chain (per depth block,
+   k in order, from zero) and its epilogue, so the bits are the same. Rows
+   past m repeat the last row and are not stored. */
+#define MPT__FEW_ZERO(i) __m512 c##i##0 = zero, c##i##1 = zero, c##i##2 = zero, c##i##3 = zero;
+#define MPT__FEW_STEP(i)                                                                \
+    {                                                                                   \
+        const __m512 av = _mm512_set1_ps(arow[i][k]);                                   \
+        c##i##0 = _mm512_fmadd_ps(av, b0, c##i##0);                                     \
+        c##i##1 = _mm512_fmadd_ps(av, b1, c##i##1);                                     \
+        c##i##2 = _mm512_fmadd_ps(av, b2, c##i##2);                                     \
+        c##i##3 = _mm512_fmadd_ps(av, b3, c##i##3);                                     \
+    }
+#define MPT__FEW_STORE(i)                                                               \
+    if (i < d->m) {                                                                     \
+        float *ci = d->c + i * d->ldc + j0;                                             \
+        mpt__gemm_store_avx512(ci, c##i##0, k0, bias, &e);                              \
+        if (n > 16) mpt__gemm_store_avx512(ci + 16, c##i##1, k1, bias ? bias + 16 : NULL, &e); \
+        if (n > 32) mpt__gemm_store_avx512(ci + 32, c##i##2, k2, bias ? bias + 32 : NULL, &e); \
+        if (n > 48) mpt__gemm_store_avx512(ci + 48, c##i##3, k3, bias ? bias + 48 : NULL, &e); \
+    }
+#define MPT__FEW_ROWS4(X) X(0) X(1) X(2) X(3)
+MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0) {
+    const mpt_gemm_desc *d = job->d;
+    const mpt_dtype dt = job->dtype;
+    const size_t es = mpt_dtype_size(dt);
+    const int n = (int)MPT__MIN(MPT__GEMM_FEW_COLS, d->n - j0);
+    const int64_t a_ls = d->trans_a ? 1 : d->lda, a_ks = d->trans_a ? d->lda : 1;
+    const __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16),
+                    k2 = mpt__gemm_mask16(n - 32), k3 = mpt__gemm_mask16(n - 48);
+    const __m512 zero = _mm512_setzero_ps();
+    float arow[MPT__GEMM_FEW_ROWS][MPT__GEMM_KC];
+    int64_t pc, k;
+    int i;
+    for (pc = 0; pc < d->k; pc += job->kc) {
+        const int64_t kb = MPT__MIN(job->kc, d->k - pc);
+        const int first = pc == 0, last = pc + kb >= d->k;
+        const char *b = (const char *)d->b + (size_t)(pc * d->ldb + j0) * es;
+        const float *bias = last && d->bias ? d->bias + j0 : NULL;
+        mpt__gemm_epi e;
+        MPT__FEW_ROWS4(MPT__FEW_ZERO)
+        for (i = 0; i < MPT__GEMM_FEW_ROWS; i++) {
+            const int64_t row = MPT__MIN(i, d->m - 1);
+            for (k = 0; k < kb; k++)
+                arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
+                    dt, (const char *)d->a + (size_t)(row * a_ls + (pc + k) * a_ks) * es, 1));
+        }
+        for (k = 0; k < kb; k++) {
+            const char *bk = b + (size_t)k * (size_t)d->ldb * es;
+            const __m512 b0 = mpt__gemm_load16(dt, bk, k0),
+                         b1 = mpt__gemm_load16(dt, bk + 16 * es, k1),
+                         b2 = mpt__gemm_load16(dt, bk + 32 * es, k2),
+                         b3 = mpt__gemm_load16(dt, bk + 48 * es, k3);
+            MPT__FEW_ROWS4(MPT__FEW_STEP)
+        }
+        e.alpha = job->alpha;
+        e.beta = first ? d->beta : 1.0f;
+        e.load_c = !first || d->beta != 0;
+        e.relu = last && d->activation == MPT_ACT_RELU;
+        e.bias = NULL;
+        MPT__FEW_ROWS4(MPT__FEW_STORE)
+    }
+    if (d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU)
+        for (i = 0; i < d->m; i++)
+            mpt__activation_forward(d->activation, d->c + i * d->ldc + j0, n);
+}
+#undef MPT__FEW_ZERO
+#undef MPT__FEW_STEP
+#undef MPT__FEW_STORE
+#undef MPT__FEW_ROWS4
 
 #endif /* MPT__X86 */
 

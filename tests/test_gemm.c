@@ -359,6 +359,90 @@ static void test_determinism(void) {
     }
 }
 
+/* A product of at most 4 rows with B not transposed (batch-1 inference)
+   reads B unpacked (mpt__gemm_few_rows_strip): its rows must be the same
+   bits as the same rows computed inside a 9-row product (the packed
+   kernel): depths of one and several blocks, column tails, both A
+   layouts, float32/float16/bfloat16 (on the float32 kernel), every
+   epilogue, and 2 threads where the product is big enough to split. */
+static void test_few_rows(void) {
+    static const int64_t ks[] = {1, 37, 700, 1100}, ns[] = {1, 10, 17, 64, 100, 257};
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU};
+    mpt_context *ctx = path_ctx(2, MPT_CPU_AVX512_BF16);
+    int ki, ni, di, ta, m, bad = 0, cases = 0;
+    test__begin();
+    if (!ctx || !(mpt_context_cpu_features(ctx) & MPT_CPU_AVX512)) SKIP("this CPU lacks AVX-512");
+    for (ki = 0; ctx && (mpt_context_cpu_features(ctx) & MPT_CPU_AVX512) && ki < 4; ki++)
+        for (ni = 0; ni < 6; ni++)
+            for (di = 0; di < 3; di++)
+                for (ta = 0; ta < 2; ta++) {
+                    const int64_t k = ks[ki], n = ns[ni], lda = (ta ? 9 : k) + 3, ldc = n + 2;
+                    float *av, *bv, *cv, *bias, *full = NULL, *few = NULL;
+                    void *a = rand_matrix(dts[di], ta ? k : 9, lda, &av);
+                    void *b = rand_matrix(dts[di], k, n + 1, &bv);
+                    void *c0 = rand_matrix(MPT_FLOAT32, 9, ldc, &cv);
+                    void *bz = rand_matrix(MPT_FLOAT32, 1, n, &bias);
+                    mpt_gemm_desc d;
+                    memset(&d, 0, sizeof d);
+                    d.trans_a = ta;
+                    d.n = n;
+                    d.k = k;
+                    d.ab_dtype = dts[di];
+                    d.a = a;
+                    d.lda = lda;
+                    d.b = b;
+                    d.ldb = n + 1;
+                    d.ldc = ldc;
+                    d.alpha = (ki + ni) % 2 ? 0.75f : 0;
+                    d.beta = (ni + di) % 2 ? 0.5f : 0;
+                    d.bias = (ki + di) % 2 ? bias : NULL;
+                    d.activation = acts[(ki + ni + di + ta) % 3];
+                    full = (float *)malloc(sizeof(float) * (size_t)(9 * ldc));
+                    few = (float *)malloc(sizeof(float) * (size_t)(9 * ldc));
+                    memcpy(full, c0, sizeof(float) * (size_t)(9 * ldc));
+                    d.m = 9;
+                    d.c = full;
+                    CHECK(mpt_gemm(ctx, &d) == MPT_OK, "9 rows: %s", mpt_context_error(ctx));
+                    for (m = 1; m <= 4; m++) {
+                        int64_t i;
+                        memcpy(few, c0, sizeof(float) * (size_t)(9 * ldc));
+                        d.m = m;
+                        d.c = few;
+                        CHECK(mpt_gemm(ctx, &d) == MPT_OK, "%d rows: %s", m,
+                              mpt_context_error(ctx));
+                        for (i = 0; i < m; i++)
+                            if (memcmp(few + i * ldc, full + i * ldc, sizeof(float) * (size_t)n) &&
+                                bad++ == 0)
+                                CHECK(0, "%d rows of %lldx%lld (%s, %s A, %s): row %lld differs "
+                                      "from the 9-row product's", m, (long long)n, (long long)k,
+                                      mpt_dtype_name(dts[di]), ta ? "transposed" : "plain",
+                                      mpt_activation_name(d.activation), (long long)i);
+                        for (i = 0; i < m; i++)
+                            CHECK(memcmp(few + i * ldc + n, (float *)c0 + i * ldc + n,
+                                         sizeof(float) * 2) == 0,
+                                  "%d rows: C's padding was written", m);
+                        CHECK(memcmp(few + m * ldc, (float *)c0 + m * ldc,
+                                     sizeof(float) * (size_t)((9 - m) * ldc)) == 0,
+                              "%d rows: rows past them were written", m);
+                        cases++;
+                    }
+                    free(full);
+                    free(few);
+                    free(a);
+                    free(b);
+                    free(c0);
+                    free(bz);
+                    free(av);
+                    free(bv);
+                    free(cv);
+                    free(bias);
+                }
+    test__end("gemm: products of 1-4 rows (B read unpacked) equal the packed kernel's rows "
+              "bit for bit (%d cases, %d differ)", cases, bad);
+    mpt_context_destroy(ctx);
+}
+
 /* Bad arguments: a status and a message that names the value. */
 static void expect_error(mpt_context *ctx, const mpt_gemm_desc *d, mpt_status want,
                          const char *needle, const char *what) {
@@ -419,5 +503,6 @@ int main(void) {
     test_large_shapes();
     test_epilogue();
     test_determinism();
+    test_few_rows();
     return test_summary("test_gemm");
 }

@@ -1296,7 +1296,10 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
    and grad_scale · d(loss)/d(output) into the buffer of
    mpt_model_output_grad, ready for mpt_model_backward(m, NULL, NULL). fit
    runs the same loss on the device, with the loss scale read there. A step
-   by hand (see mpt_model_grad_stats); not under a strategy. */
+   by hand (see mpt_model_grad_stats); not under a strategy. The loss alone,
+   unweighted: it tallies none of the compiled metrics (evaluate reports
+   them, r2_score and auc among them), whatever they are, and leaves what
+   evaluate reports unchanged. */
 MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc,
                                          const mpt_tensor *target, double *loss);
 

@@ -2097,17 +2097,22 @@ MPTDEF mpt_status mpt_model_load(mpt_context *ctx, const char *path, mpt_model *
 
    A model created with a strategy is replicated: every replica holds the
    same weights (replica 0's, copied to the others when the model is built)
-   and takes an equal share of each batch that fit, evaluate and predict
-   are given (the global batch). After the backward pass the gradients are
-   summed over the replicas, each replica's loss having been divided by
-   the global batch, so the sum is the gradient of the mean; every replica
+   and takes an equal share of each batch that fit is given (the global
+   batch). Evaluate, predict and fit's validation run on replica 0, on
+   every worker over the whole dataset: their loss and metrics (r2_score's
+   and auc's sums too) are whole on each worker, the same bits on all, and
+   are not summed over workers, which would count each sample once per
+   worker. After the backward pass the gradients are summed over the
+   replicas, each replica's loss having been divided by the global batch,
+   so the sum is the gradient of the mean; every replica
    then applies the same update and the replicas stay identical. A step
    that is not finite on one replica is not finite on any (the check runs
    on the summed gradients), so loss scaling decides the same everywhere.
    BatchNormalization uses each replica's own batch statistics (their
    moving averages averaged over the replicas), or with `synchronized` set
-   those of the whole global batch. Loss and metrics are summed over the replicas before anything reads them, so
-   progress, history and every callback's decision are the same on every
+   those of the whole global batch. Training's loss and metrics are summed
+   over the replicas and workers before anything reads them, so progress,
+   history and every callback's decision are the same on every
    worker; progress is printed and files are written by worker 0 alone.
 
    Mirrored: replicas inside this process — num_replicas logical replicas

@@ -2483,17 +2483,21 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    operation: each operation's results in LiteRT are those of
    mpt_model_quantized_invoke to within one step of its output's scale (its
    kernels round a few sums and tables their own way). Chained through a
-   model those steps add up, and a final softmax's fixed scale (1/256) is
-   fine beside its input's, so end to end an output probability may be
-   several steps off on a few inputs: a small CNN trained for one epoch on
-   Fashion-MNIST gave, on the 10,000 test images, every output within 7
-   steps of mpt.h's (more than one step off on 176 images) and the same
-   top-1 on 9,998, in LiteRT as in ONNX Runtime (tests/test_export.c's
-   export_one_op_* and test_fashion_mnist_full_integer). A float16 quantized model
-   goes to both as its operations in float32, float16 kernels turned into
-   float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
-   mpt.h's float math, its outputs to within 1e-4. A full-integer model
-   goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
+   model those steps add up, and the logits' scale is coarse beside a final
+   softmax's fixed 1/256, so that one step of a logit can move a
+   probability by several: end to end an output may be several steps off
+   on a few inputs. A small CNN trained for one epoch on Fashion-MNIST
+   (its logits at scale 0.085: one step of a logit moves a probability by
+   up to 0.25 · 0.085, 5.5 steps of 1/256) gave, on the 10,000 test
+   images, every output within 7 steps of mpt.h's (more than one step off
+   on 176 images) and the same top-1 on 9,998, in LiteRT as in ONNX
+   Runtime (tests/test_export.c's export_one_op_* and
+   test_fashion_mnist_full_integer). A float16
+   quantized model goes to both as its operations in float32, float16
+   kernels turned into float32 in the graph (TFLite DEQUANTIZE, ONNX Cast)
+   and float32 biases: mpt.h's float math, its outputs to within 1e-4.
+   A full-integer model goes to ONNX in the QDQ form ONNX Runtime fuses
+   into int8 kernels:
    float32 input and output (with io_dtype int8 or uint8: the codes, taken
    in by a DequantizeLinear and given out by a QuantizeLinear at the
    model's io quantization, as mpt_model_quantized_invoke takes them; with

@@ -29544,7 +29544,9 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
             for (ox = 0; ox < g->ow; ox++)
                 for (i = 0; i < g->kh; i++) {
                     const int64_t y = oy * g->sh - g->top + i, x0 = ox * g->sw - g->left;
-                    const unsigned char *row = src + (size_t)((b * g->h + y) * g->w) * pixel;
+                    /* a padding row above or below the image has no pointer */
+                    const unsigned char *row =
+                        y >= 0 && y < g->h ? src + (size_t)((b * g->h + y) * g->w) * pixel : src;
                     if (y >= 0 && y < g->h && x0 >= 0 && x0 + g->kw <= g->w) {
                         const size_t len = (size_t)g->kw * pixel;
                         if (len <= 16) mpt__q_copy_short(dst, row + (size_t)x0 * pixel, len);

@@ -1296,7 +1296,10 @@ MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
    and grad_scale · d(loss)/d(output) into the buffer of
    mpt_model_output_grad, ready for mpt_model_backward(m, NULL, NULL). fit
    runs the same loss on the device, with the loss scale read there. A step
-   by hand (see mpt_model_grad_stats); not under a strategy. */
+   by hand (see mpt_model_grad_stats); not under a strategy. The loss alone,
+   unweighted: it tallies none of the compiled metrics (evaluate reports
+   them, r2_score and auc among them), whatever they are, and leaves what
+   evaluate reports unchanged. */
 MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc,
                                          const mpt_tensor *target, double *loss);
 
@@ -1632,7 +1635,10 @@ typedef struct mpt_evaluate_desc {
     mpt_printer printer;
 } mpt_evaluate_desc;
 
-/* The loss and the compiled metrics over a whole dataset, into *logs. */
+/* The loss and the compiled metrics over a whole dataset, into *logs.
+   The dataset's sample weights weigh the loss and the weighted_metrics as
+   in fit (Keras' evaluate(x, y, sample_weight=w)), on a quantized model
+   too; class_weight is fit's alone. */
 MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
                                      const mpt_evaluate_desc *desc, mpt_logs *logs);
 
@@ -2091,17 +2097,22 @@ MPTDEF mpt_status mpt_model_load(mpt_context *ctx, const char *path, mpt_model *
 
    A model created with a strategy is replicated: every replica holds the
    same weights (replica 0's, copied to the others when the model is built)
-   and takes an equal share of each batch that fit, evaluate and predict
-   are given (the global batch). After the backward pass the gradients are
-   summed over the replicas, each replica's loss having been divided by
-   the global batch, so the sum is the gradient of the mean; every replica
+   and takes an equal share of each batch that fit is given (the global
+   batch). Evaluate, predict and fit's validation run on replica 0, on
+   every worker over the whole dataset: their loss and metrics (r2_score's
+   and auc's sums too) are whole on each worker, the same bits on all, and
+   are not summed over workers, which would count each sample once per
+   worker. After the backward pass the gradients are summed over the
+   replicas, each replica's loss having been divided by the global batch,
+   so the sum is the gradient of the mean; every replica
    then applies the same update and the replicas stay identical. A step
    that is not finite on one replica is not finite on any (the check runs
    on the summed gradients), so loss scaling decides the same everywhere.
    BatchNormalization uses each replica's own batch statistics (their
    moving averages averaged over the replicas), or with `synchronized` set
-   those of the whole global batch. Loss and metrics are summed over the replicas before anything reads them, so
-   progress, history and every callback's decision are the same on every
+   those of the whole global batch. Training's loss and metrics are summed
+   over the replicas and workers before anything reads them, so progress,
+   history and every callback's decision are the same on every
    worker; progress is printed and files are written by worker 0 alone.
 
    Mirrored: replicas inside this process — num_replicas logical replicas
@@ -2468,13 +2479,25 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    and SOFTMAX in int8 at the model's output scales; QUANTIZE at the input
    and DEQUANTIZE at the output for float32 io, the input and output
    tensors themselves in int8 or uint8 with their quantization otherwise
-   (uint8 through a QUANTIZE to and from int8). LiteRT's results are those
-   of mpt_model_quantized_invoke to within one step of the output's scale
-   (its kernels round a few sums their own way). A float16 quantized model
-   goes to both as its operations in float32, float16 kernels turned into
-   float32 in the graph (TFLite DEQUANTIZE, ONNX Cast) and float32 biases:
-   mpt.h's float math, its outputs to within 1e-4. A full-integer model
-   goes to ONNX in the QDQ form ONNX Runtime fuses into int8 kernels:
+   (uint8 through a QUANTIZE to and from int8). What holds is per
+   operation: each operation's results in LiteRT are those of
+   mpt_model_quantized_invoke to within one step of its output's scale (its
+   kernels round a few sums and tables their own way). Chained through a
+   model those steps add up, and the logits' scale is coarse beside a final
+   softmax's fixed 1/256, so that one step of a logit can move a
+   probability by several: end to end an output may be several steps off
+   on a few inputs. A small CNN trained for one epoch on Fashion-MNIST
+   (its logits at scale 0.085: one step of a logit moves a probability by
+   up to 0.25 · 0.085, 5.5 steps of 1/256) gave, on the 10,000 test
+   images, every output within 7 steps of mpt.h's (more than one step off
+   on 176 images) and the same top-1 on 9,998, in LiteRT as in ONNX
+   Runtime (tests/test_export.c's export_one_op_* and
+   test_fashion_mnist_full_integer). A float16
+   quantized model goes to both as its operations in float32, float16
+   kernels turned into float32 in the graph (TFLite DEQUANTIZE, ONNX Cast)
+   and float32 biases: mpt.h's float math, its outputs to within 1e-4.
+   A full-integer model goes to ONNX in the QDQ form ONNX Runtime fuses
+   into int8 kernels:
    float32 input and output (with io_dtype int8 or uint8: the codes, taken
    in by a DequantizeLinear and given out by a QuantizeLinear at the
    model's io quantization, as mpt_model_quantized_invoke takes them; with
@@ -2483,9 +2506,10 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    float op between DequantizeLinear of its int8 inputs
    (weights per output channel, int32 biases at scale input·weight[c]) and
    QuantizeLinear/DequantizeLinear at its output's scale and zero point
-   (after the ReLU); ONNX Runtime's results are mpt_model_quantized_invoke's
-   to within two steps of the output's scale (it rounds in float, or in its
-   own int8 kernels). A dynamic-range model keeps float32 activations and
+   (after the ReLU); ONNX Runtime's results per operation are
+   mpt_model_quantized_invoke's to within one step of its output's scale
+   (it rounds in float, or in its own int8 kernels), and end to end as
+   LiteRT's above. A dynamic-range model keeps float32 activations and
    int8 kernels per output channel (zero points 0), float32 biases:
      TFLite  as the converter writes Optimize.DEFAULT models: "hybrid"
              FULLY_CONNECTED and CONV_2D, a float32 input, the int8 filter
@@ -11612,29 +11636,38 @@ static void mpt__count_values(mpt_dtype dtype, const void *pred, const float *ta
         mpt__value_add(sums, mpt__load_f32(dtype, pred, i), target[i], from_logits);
 }
 
+/* mpt_loss_compute's checks of its arguments (desc not NULL), and the job
+   they describe, in j. */
+static mpt_status mpt__loss_job_checked(mpt_context *ctx, const mpt_loss_desc *desc,
+                                        const mpt_tensor *pred, const mpt_tensor *target,
+                                        const double *loss, mpt_tensor *dpred, mpt__loss_job *j) {
+    int categorical;
+    MPT__CHECK(mpt__loss_check(ctx, desc, pred, target, loss, dpred));
+    memset(j, 0, sizeof *j);
+    j->type = desc->type;
+    j->from_logits = desc->from_logits != 0;
+    j->pred = pred;
+    j->target = target;
+    j->dpred = dpred;
+    j->K = pred->shape[pred->rank - 1];
+    j->rows = mpt_tensor_count(pred) / j->K;
+    categorical = j->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
+                  j->type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
+    if (j->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
+        MPT__CHECK(mpt__loss_check_labels(ctx, j, pred->rank > 1 ? j->rows / pred->shape[0] : 1));
+    if (categorical && !j->from_logits) MPT__CHECK(mpt__loss_check_prob_rows(ctx, j));
+    return MPT_OK;
+}
+
 MPTDEF mpt_status mpt_loss_compute(mpt_context *ctx, const mpt_loss_desc *desc,
                                    const mpt_tensor *pred, const mpt_tensor *target,
                                    double *loss, mpt_tensor *dpred) {
     mpt__loss_job j;
-    int categorical;
     mpt_loss_desc defaults;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     memset(&defaults, 0, sizeof defaults);
     if (!desc) desc = &defaults; /* NULL: every default; type is required */
-    MPT__CHECK(mpt__loss_check(ctx, desc, pred, target, loss, dpred));
-    memset(&j, 0, sizeof j);
-    j.type = desc->type;
-    j.from_logits = desc->from_logits != 0;
-    j.pred = pred;
-    j.target = target;
-    j.dpred = dpred;
-    j.K = pred->shape[pred->rank - 1];
-    j.rows = mpt_tensor_count(pred) / j.K;
-    categorical = j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
-                  j.type == MPT_LOSS_CATEGORICAL_CROSSENTROPY;
-    if (j.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
-        MPT__CHECK(mpt__loss_check_labels(ctx, &j, pred->rank > 1 ? j.rows / pred->shape[0] : 1));
-    if (categorical && !j.from_logits) MPT__CHECK(mpt__loss_check_prob_rows(ctx, &j));
+    MPT__CHECK(mpt__loss_job_checked(ctx, desc, pred, target, loss, dpred, &j));
     *loss = mpt__loss_run(ctx, &j, desc->grad_scale != 0 ? desc->grad_scale : 1.0);
     return MPT_OK;
 }
@@ -29626,7 +29659,9 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
             for (ox = 0; ox < g->ow; ox++)
                 for (i = 0; i < g->kh; i++) {
                     const int64_t y = oy * g->sh - g->top + i, x0 = ox * g->sw - g->left;
-                    const unsigned char *row = src + (size_t)((b * g->h + y) * g->w) * pixel;
+                    /* a padding row above or below the image has no pointer */
+                    const unsigned char *row =
+                        y >= 0 && y < g->h ? src + (size_t)((b * g->h + y) * g->w) * pixel : src;
                     if (y >= 0 && y < g->h && x0 >= 0 && x0 + g->kw <= g->w) {
                         const size_t len = (size_t)g->kw * pixel;
                         if (len <= 16) mpt__q_copy_short(dst, row + (size_t)x0 * pixel, len);
@@ -30969,71 +31004,43 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     return s;
 }
 
-/* Accuracy and top-k of one batch's outputs (rows × classes, a row per
-   position) against class ids or float targets, added to t as the float
-   model's are (mpt__loss_tally): rows_per_sample positions make a sample.
-   One output unit is a binary classifier (mpt__binary_hit). */
-static void mpt__q_tally_batch(const mpt_model *m, const float *p, int64_t rows, int64_t classes,
-                               int64_t rows_per_sample, const mpt_tensor *target, mpt__tally *t) {
-    int64_t r, c, correct = 0, top_k = 0;
-    for (r = 0; r < rows; r++, p += classes) {
-        int64_t best = 0, label, above = 0;
-        if (classes == 1) {
-            const float tr = target->dtype == MPT_INT32 ? (float)((const int32_t *)target->data)[r]
-                                                        : ((const float *)target->data)[r];
-            correct += mpt__binary_hit(p[0], m->compile.loss.from_logits, tr);
-            continue;
-        }
-        for (c = 1; c < classes; c++) best = p[c] > p[best] ? c : best;
-        if (target->dtype == MPT_INT32) {
-            label = ((const int32_t *)target->data)[r];
-        } else {
-            const float *tr = (const float *)target->data + r * classes;
-            for (label = 0, c = 1; c < classes; c++) label = tr[c] > tr[label] ? c : label;
-        }
-        if (label < 0 || label >= classes) continue;
-        correct += best == label;
-        for (c = 0; c < classes; c++) above += p[c] > p[label];
-        top_k += above < m->compile.top_k;
-    }
-    t->correct += (double)correct / (double)rows_per_sample;
-    t->top_k += (double)top_k / (double)rows_per_sample;
-}
-
-/* A batch's sums over its values (b samples of `per` values) added to t
-   as the float model's are (mpt__loss_tally). */
-static void mpt__q_tally_values(const float *pred, const float *target, int64_t b, int64_t per,
-                                int from_logits, mpt__tally *t) {
-    mpt__value_sums e = {{0}};
-    mpt__count_values(MPT_FLOAT32, pred, target, b * per, from_logits, &e);
-    t->abs_error += e.sum[MPT__SUM_ABS_ERROR] / (double)per;
-    t->squared_error += e.sum[MPT__SUM_SQUARED_ERROR] / (double)per;
-    t->percent_error += e.sum[MPT__SUM_PERCENT_ERROR] / (double)per;
-    t->tp += e.sum[MPT__SUM_TRUE_POSITIVES];
-    t->fp += e.sum[MPT__SUM_FALSE_POSITIVES];
-    t->fn += e.sum[MPT__SUM_FALSE_NEGATIVES];
-}
-
-/* A batch's r2_score and auc sums (rows of K values, rows_per_sample a
-   sample, weights NULL or one a sample) added to a record on the host,
-   rows in order, as the float model's (mpt__metric_part). */
-static void mpt__q_tally_metric_sums(const mpt_model *m, const float *pred, const float *target,
-                                     const float *weights, int64_t rows, int64_t K,
-                                     int64_t rows_per_sample, double *record) {
-    const int64_t list = mpt__metric_list_count(K);
-    int64_t r, c;
-    int l;
-    for (l = 0; l < 2; l++) {
-        const int bits = mpt__metric_list_bits(l, m->compile.metrics, m->compile.weighted_metrics);
-        if (!bits) continue;
-        for (r = 0; r < rows; r++) {
-            const double w = l && weights ? (double)weights[r / rows_per_sample] : 1.0;
-            record[l * list] += w;
-            for (c = 0; c < K; c++)
-                mpt__metric_value_add(record + l * list, bits, K, c, pred[r * K + c],
-                                      target[r * K + c], w, m->compile.loss.from_logits);
-        }
-    }
+/* A batch's predictions (b samples of `per` float32 values) against its
+   targets y and sample weights w (data NULL: none), tallied into st and
+   into the r2_score/auc record (NULL: neither metric) by the CPU
+   backend's loss, as the float model's evaluate tallies its batches
+   (mpt__loss_args): the loss and the weighted metrics each row times its
+   sample's weight, rows_per_sample positions a sample. The loss's checks
+   of mpt_loss_compute come first. */
+static mpt_status mpt__q_tally(mpt_model *m, const float *pred, int64_t b, int64_t per,
+                               const mpt_tensor *y, const mpt_tensor *w, mpt_step_state *st,
+                               double *record, double *parts) {
+    mpt_tensor p;
+    mpt_loss_args a;
+    mpt__loss_job j;
+    double unused = 0;
+    int64_t shape[MPT_MAX_RANK + 1];
+    int rank = mpt__q_batch_shape(m, b, shape);
+    MPT__CHECK(mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, (void *)(uintptr_t)pred));
+    MPT__CHECK(mpt__loss_job_checked(m->ctx, &m->compile.loss, &p, y, &unused, NULL, &j));
+    memset(&a, 0, sizeof a);
+    a.type = m->compile.loss.type;
+    a.from_logits = m->compile.loss.from_logits;
+    a.pred_dtype = MPT_FLOAT32;
+    a.pred = pred;
+    a.target_dtype = y->dtype;
+    a.target = y->data;
+    a.K = mpt__loss_row_width(a.type, shape[rank - 1]);
+    a.rows_per_sample = per / a.K;
+    a.rows = b * a.rows_per_sample;
+    a.metrics = m->compile.metrics;
+    a.top_k = m->compile.top_k;
+    a.state = st;
+    a.sample_weight = (const float *)w->data;
+    a.weighted_metrics = m->compile.weighted_metrics;
+    a.metric_sums = record;
+    a.metric_parts = parts;
+    mpt__cpu_loss(m->ctx, &a);
+    return MPT_OK;
 }
 
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
@@ -31044,8 +31051,10 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
     mpt__tally t;
+    mpt_step_state st;
     float *pred;
-    double *record = NULL; /* r2_score's and auc's sums, or NULL */
+    double *record = NULL; /* r2_score's and auc's sums, then the partials'
+                              room (MPT__METRIC_PARTS records), or NULL */
     mpt_tensor x, y;
     mpt_status s;
     if (!data || !logs)
@@ -31053,6 +31062,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                          !data ? "data" : "logs");
     memset(logs, 0, sizeof *logs);
     memset(&t, 0, sizeof t);
+    memset(&st, 0, sizeof st);
     if (!m->compiled)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first (quantizing a "
                          "compiled model keeps its loss and metrics)");
@@ -31074,38 +31084,24 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
     }
     if (s == MPT_OK && ((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH)) {
-        record = (double *)mpt__calloc(m->ctx, sizeof(double) *
+        record = (double *)mpt__calloc(m->ctx, sizeof(double) * (size_t)(1 + MPT__METRIC_PARTS) *
                                                    (size_t)mpt__metric_record_count(classes));
         if (!record) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     }
     if (s == MPT_OK)
         s = mpt__q_loader_open(m, data, batch, "evaluate", byte_table, &order, &loader);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
-        mpt_tensor p;
-        double loss = 0;
-        int64_t b = x.shape[0], shape[MPT_MAX_RANK];
-        int rank = mpt__q_batch_shape(m, b, shape);
+        mpt_tensor weights;
         s = mpt__q_run(m->ctx, Q, &x, byte_table, pred, w);
-        if (s == MPT_OK) s = mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, pred);
-        if (s == MPT_OK) s = mpt_loss_compute(m->ctx, &m->compile.loss, &p, &y, &loss, NULL);
-        if (s != MPT_OK) break;
-        t.loss_sum += loss * (double)b;
-        t.samples += b;
-        classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
-        mpt__q_tally_batch(m, pred, b * (per / classes), classes, per / classes, &y, &t);
-        if (m->compile.metrics & MPT__METRICS_VALUES)
-            mpt__q_tally_values(pred, (const float *)y.data, b, per,
-                                m->compile.loss.from_logits, &t);
-        if (record) {
-            mpt_tensor w;
-            mpt__loader_weights(loader, &w);
-            mpt__q_tally_metric_sums(m, pred, (const float *)y.data, (const float *)w.data,
-                                     b * (per / classes), classes, per / classes, record);
-        }
+        mpt__loader_weights(loader, &weights);
+        if (s == MPT_OK)
+            s = mpt__q_tally(m, pred, x.shape[0], per, &y, &weights, &st, record,
+                             record ? record + mpt__metric_record_count(classes) : NULL);
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
     mpt__free(m->ctx, pred);
+    mpt__tally_from_state(&st, &t);
     if (s == MPT_OK && record) {
         const int64_t list = mpt__metric_list_count(classes);
         t.r2 = mpt__r2_result(record, classes);

@@ -165,11 +165,133 @@ static void tensorboard_on_worker_0(void) {
     if (rank == 0 && system(cmd) != 0) CHECK(0, "could not remove %s", base);
 }
 
+/* r2_score and auc, plain and weighted, in training, validation and
+   evaluate on two workers. Every worker validates and evaluates on the
+   whole dataset (its replica 0), so its r2_score and auc sums are already
+   whole: both workers report the same bits, equal to the metric computed
+   from the worker's own predictions (summing the sums over the workers
+   would count every sample twice), and close to one process trained on
+   the global batch. A binary classifier for auc, a regression for
+   r2_score; sample weights 1, 2, 3 in turn. */
+static void epoch_metrics(int regression) {
+    static float t[N_SYN], w[N_SYN];
+    const int bits = regression ? MPT_METRIC_R2_SCORE : MPT_METRIC_AUC;
+    const char *key = regression ? "r2_score" : "auc";
+    char name[64];
+    mpt_strategy *s = workers(60);
+    mpt_model *m[2] = {NULL, NULL};
+    mpt_dataset *d;
+    mpt_tensor tx, ty, p;
+    mpt_fit_desc fit;
+    mpt_logs logs[2];
+    double got[8], all[16], want[2];
+    int i, k, plain_weighted;
+    for (i = 0; i < N_SYN; i++) {
+        t[i] = regression ? blob_x[i * FEATURES] + 0.5f * blob_x[i * FEATURES + 1]
+                          : (float)(blob_y[i] == 0);
+        w[i] = (float)(1 + i % 3);
+    }
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, blob_x);
+    mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 1, (int64_t[]){N_SYN}, t);
+    d = NULL;
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK &&
+              mpt_dataset_set_sample_weight(ctx, d, w, N_SYN) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    for (k = 0; k < 2; k++) { /* the workers' model, then one process's */
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                                .seed = 5, .strategy = k ? NULL : s}, &m[k]);
+        mpt_model_add_dense(m[k], &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(m[k], &(mpt_dense_desc){
+            .units = 1, .activation = regression ? MPT_ACT_NONE : MPT_ACT_SIGMOID});
+        CHECK(mpt_model_compile(m[k], &(mpt_compile_desc){
+                  .optimizer = {.learning_rate = 0.02f},
+                  .loss = {.type = regression ? MPT_LOSS_MEAN_SQUARED_ERROR
+                                              : MPT_LOSS_BINARY_CROSSENTROPY},
+                  .metrics = bits, .weighted_metrics = bits}) == MPT_OK,
+              "compile: %s", mpt_context_error(ctx));
+    }
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = 32;
+    fit.validation_split = 0.25f;
+    CHECK(mpt_model_fit(m[0], d, &fit) == MPT_OK &&
+              mpt_model_evaluate(m[0], d, &(mpt_evaluate_desc){.batch_size = 32}, &logs[0]) ==
+                  MPT_OK,
+          "fit and evaluate on 2 workers: %s", mpt_context_error(ctx));
+    for (plain_weighted = 0; plain_weighted < 2; plain_weighted++) {
+        snprintf(name, sizeof name, "%s%s", plain_weighted ? "weighted_" : "", key);
+        got[4 * plain_weighted] = history_value(m[0], name, -1);
+        got[4 * plain_weighted + 2] = mpt_logs_get(&logs[0], name);
+        snprintf(name, sizeof name, "val_%s%s", plain_weighted ? "weighted_" : "", key);
+        got[4 * plain_weighted + 1] = history_value(m[0], name, -1);
+    }
+    /* from this worker's own predictions of every sample */
+    memset(&p, 0, sizeof p);
+    CHECK(mpt_model_predict(m[0], d, 32, &p) == MPT_OK, "predict: %s", mpt_context_error(ctx));
+    for (plain_weighted = 0; p.data && plain_weighted < 2; plain_weighted++) {
+        const float *pr = (const float *)p.data, *wt = plain_weighted ? w : NULL;
+        if (regression) {
+            double sw = 0, sy = 0, ss = 0, res = 0, mean;
+            for (i = 0; i < N_SYN; i++) {
+                double wi = wt ? wt[i] : 1.0, di = (double)t[i] - (double)pr[i];
+                sw += wi, sy += wi * t[i], ss += wi * t[i] * t[i];
+                res += wi * di * di;
+            }
+            mean = sy / sw;
+            want[plain_weighted] = 1 - res / (ss - sy * mean);
+        } else {
+            want[plain_weighted] = auc_direct(pr, t, wt, N_SYN, 1, 0);
+        }
+        got[4 * plain_weighted + 3] = want[plain_weighted];
+        CHECK(fabs(got[4 * plain_weighted + 2] - want[plain_weighted]) <=
+                  1e-9 * fabs(want[plain_weighted]),
+              "worker %d: evaluate's %s%s %.17g, from its predictions of every sample %.17g",
+              rank, plain_weighted ? "weighted_" : "", key, got[4 * plain_weighted + 2],
+              want[plain_weighted]);
+    }
+    mpt_tensor_free(ctx, &p);
+    MPI_Allgather(got, 8, MPI_DOUBLE, all, 8, MPI_DOUBLE, MPI_COMM_WORLD);
+    CHECK(memcmp(all, all + 8, sizeof got) == 0,
+          "%s: the workers differ: %s %.17g / %.17g, val %.17g / %.17g, evaluate %.17g / %.17g",
+          key, key, all[0], all[8], all[1], all[9], all[2], all[10]);
+    if (rank == 0) {
+        mpt_logs one;
+        CHECK(mpt_model_fit(m[1], d, &fit) == MPT_OK &&
+                  mpt_model_evaluate(m[1], d, &(mpt_evaluate_desc){.batch_size = 32}, &one) ==
+                      MPT_OK,
+              "fit alone: %s", mpt_context_error(ctx));
+        for (plain_weighted = 0; plain_weighted < 2; plain_weighted++) {
+            double alone[3];
+            snprintf(name, sizeof name, "%s%s", plain_weighted ? "weighted_" : "", key);
+            alone[0] = history_value(m[1], name, -1);
+            alone[2] = mpt_logs_get(&one, name);
+            snprintf(name, sizeof name, "val_%s%s", plain_weighted ? "weighted_" : "", key);
+            alone[1] = history_value(m[1], name, -1);
+            printf("# %s%s on 2 workers / 1 process: fit %.9f / %.9f, validation %.9f / %.9f, "
+                   "evaluate %.9f / %.9f\n", plain_weighted ? "weighted " : "", key,
+                   got[4 * plain_weighted], alone[0], got[4 * plain_weighted + 1], alone[1],
+                   got[4 * plain_weighted + 2], alone[2]);
+            for (i = 0; i < 3; i++)
+                CHECK(!isnan(alone[i]) && fabs(got[4 * plain_weighted + i] - alone[i]) <= 1e-4,
+                      "%s%s (%s): 2 workers %.9f, 1 process %.9f",
+                      plain_weighted ? "weighted " : "", key,
+                      i == 0 ? "fit" : i == 1 ? "validation" : "evaluate",
+                      got[4 * plain_weighted + i], alone[i]);
+        }
+    }
+    mpt_model_destroy(m[0]);
+    mpt_model_destroy(m[1]);
+    mpt_dataset_destroy(d);
+    mpt_strategy_destroy(s);
+}
+
 static void test_match(void) {
     match(0, 0);
     match(2, 0);
     tensorboard_on_worker_0();
     match(0, 3);
+    epoch_metrics(0);
+    epoch_metrics(1);
 }
 
 static void test_differ(void) {

@@ -1011,6 +1011,139 @@ static void test_binary_accuracy(void) {
     mpt_context_destroy(ctx);
 }
 
+/* Sample weights in the quantized model's evaluate, as in the float
+   model's: the loss Σ w·l over the samples' count (Keras'
+   sum_over_batch_size), each weighted metric Σ w·metric / Σ w. Weights
+   of 1 evaluate bit for bit as none; weights of 2 on the even samples
+   (1 on the others) against the same sums in double from the quantized
+   predict's outputs, in every mode, with a partial last batch. */
+static double clipped(double p) { return p < 1e-7 ? 1e-7 : p > 1 - 1e-7 ? 1 - 1e-7 : p; }
+
+static void check_weighted_evaluate(mpt_context *ctx, mpt_model *q, const float *targets,
+                                    int binary, const char *what) {
+    static float ones[N_SAMPLES], w[N_SAMPLES];
+    mpt_dataset *d = NULL;
+    mpt_tensor tx, ty, p;
+    mpt_logs plain, with_ones, weighted;
+    int64_t xs[4] = {N_SAMPLES, H, W, C}, ys[1] = {N_SAMPLES};
+    double loss = 0, sw = 0, hit = 0, in_top2 = 0, tp = 0, fp = 0, fn = 0;
+    int i, c;
+    for (i = 0; i < N_SAMPLES; i++) ones[i] = 1.0f, w[i] = i % 2 ? 1.0f : 2.0f;
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, sample_x);
+    if (binary) mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 1, ys, (void *)targets);
+    else mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, ys, sample_y);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    memset(&p, 0, sizeof p);
+    CHECK(d && mpt_model_predict(q, d, 32, &p) == MPT_OK &&
+              mpt_model_evaluate(q, d, &(mpt_evaluate_desc){.batch_size = 40}, &plain) ==
+                  MPT_OK &&
+              mpt_dataset_set_sample_weight(ctx, d, ones, N_SAMPLES) == MPT_OK &&
+              mpt_model_evaluate(q, d, &(mpt_evaluate_desc){.batch_size = 40}, &with_ones) ==
+                  MPT_OK &&
+              mpt_dataset_set_sample_weight(ctx, d, w, N_SAMPLES) == MPT_OK &&
+              mpt_model_evaluate(q, d, &(mpt_evaluate_desc){.batch_size = 40}, &weighted) ==
+                  MPT_OK,
+          "%s: %s", what, mpt_context_error(ctx));
+    CHECK(memcmp(&plain, &with_ones, sizeof plain) == 0,
+          "%s: weights of 1 evaluate otherwise than none (loss %.17g, %.17g)", what,
+          mpt_logs_get(&plain, "loss"), mpt_logs_get(&with_ones, "loss"));
+    for (i = 0; p.data && i < N_SAMPLES; i++) {
+        const float *row = (const float *)p.data + i * (binary ? 1 : CLASSES);
+        double l;
+        if (binary) {
+            double pc = clipped(row[0]), t = targets[i];
+            int predicted = row[0] > 0.5f;
+            l = -(t * log(pc) + (1 - t) * log(1 - pc));
+            hit += w[i] * (predicted == (t > 0.5));
+            fn += w[i] * (!predicted && t != 0);
+            tp += w[i] * (predicted && t != 0);
+            fp += w[i] * (predicted && t == 0);
+        } else {
+            double sum = 0;
+            int best = 0, above = 0;
+            for (c = 0; c < CLASSES; c++) sum += row[c];
+            l = -log(clipped(row[sample_y[i]] / sum));
+            for (c = 1; c < CLASSES; c++) best = row[c] > row[best] ? c : best;
+            for (c = 0; c < CLASSES; c++) above += row[c] > row[sample_y[i]];
+            hit += w[i] * (best == sample_y[i]);
+            in_top2 += w[i] * (above < 2);
+        }
+        loss += w[i] * l;
+        sw += w[i];
+    }
+#define CLOSE_TO(name, want, tol)                                                              \
+    CHECK(fabs(mpt_logs_get(&weighted, name) - (want)) <= (tol) * fabs(want) + 1e-12,          \
+          "%s: %s %.17g, from the predictions %.17g", what, name,                              \
+          mpt_logs_get(&weighted, name), (double)(want))
+    CLOSE_TO("loss", loss / N_SAMPLES, 1e-5);
+    CHECK(fabs(mpt_logs_get(&weighted, "loss") - mpt_logs_get(&plain, "loss")) > 1e-6,
+          "%s: the weights changed nothing", what);
+    if (binary) {
+        CLOSE_TO("accuracy", hit / sw, 1e-12);
+        CLOSE_TO("precision", tp / (tp + fp), 1e-12);
+        CLOSE_TO("recall", tp / (tp + fn), 1e-12);
+        if (p.data) {
+            CLOSE_TO("weighted_auc", auc_direct((const float *)p.data, targets, w, N_SAMPLES, 1, 0),
+                     1e-9);
+            CLOSE_TO("auc", auc_direct((const float *)p.data, targets, NULL, N_SAMPLES, 1, 0),
+                     1e-9);
+        }
+    } else {
+        CLOSE_TO("weighted_accuracy", hit / sw, 1e-12);
+        CLOSE_TO("sparse_top_k_categorical_accuracy", in_top2 / sw, 1e-12);
+        CHECK(mpt_logs_get(&weighted, "accuracy") == mpt_logs_get(&plain, "accuracy"),
+              "%s: the unweighted accuracy moved with the weights", what);
+    }
+#undef CLOSE_TO
+    mpt_tensor_free(ctx, &p);
+    mpt_dataset_destroy(d);
+}
+
+static void test_weighted_evaluate(void) {
+    mpt_context *ctx = quiet_ctx();
+    static float targets[N_SAMPLES];
+    int binary, mode, i;
+    make_samples(101);
+    for (i = 0; i < N_SAMPLES; i++) targets[i] = (float)(sample_y[i] & 1);
+    for (binary = 0; binary <= 1; binary++) {
+        mpt_model *m = NULL;
+        mpt_dataset *rep = samples_dataset(ctx, N_SAMPLES, sample_x);
+        CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                                      .seed = 5}, &m) == MPT_OK, "create");
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = binary ? 1 : CLASSES,
+                                                 .activation = binary ? MPT_ACT_SIGMOID
+                                                                      : MPT_ACT_SOFTMAX});
+        CHECK(mpt_model_compile(
+                  m, binary ? &(mpt_compile_desc){
+                                  .loss = {.type = MPT_LOSS_BINARY_CROSSENTROPY},
+                                  .metrics = MPT_METRIC_AUC,
+                                  .weighted_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_AUC |
+                                                      MPT_METRIC_PRECISION | MPT_METRIC_RECALL}
+                            : &(mpt_compile_desc){
+                                  .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                  .metrics = MPT_METRIC_ACCURACY,
+                                  .top_k = 2,
+                                  .weighted_metrics = MPT_METRIC_ACCURACY |
+                                                      MPT_METRIC_SPARSE_TOP_K}) == MPT_OK &&
+                  mpt_model_build(m, 32) == MPT_OK,
+              "%s", mpt_context_error(ctx));
+        randomize(m, 102 + binary);
+        for (mode = 0; m && rep && mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+            mpt_model *q = quantize(m, (mpt_quantize_mode)mode, rep, MPT_FLOAT32);
+            char what[64];
+            snprintf(what, sizeof what, "%s, mode %d", binary ? "binary" : "sparse", mode);
+            if (q) check_weighted_evaluate(ctx, q, targets, binary, what);
+            mpt_model_destroy(q);
+        }
+        mpt_dataset_destroy(rep);
+        mpt_model_destroy(m);
+    }
+    mpt_context_destroy(ctx);
+}
+
 /* One output of a full-integer Conv2D from its int8 input (h, w, c), as
    the accessor gives the layer: OHWI weights, 'same' padding TensorFlow's
    (the extra row and column at the bottom and right), pixels outside the
@@ -1744,6 +1877,7 @@ int main(void) {
     TEST_RUN(test_byte_table_lanes);
     TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_binary_accuracy);
+    TEST_RUN(test_weighted_evaluate);
     TEST_RUN(test_small_conv_scalar_reference);
     TEST_RUN(test_calibration_mse);
     TEST_RUN(test_one_channel_conv_from_the_image);

@@ -136,6 +136,62 @@ static void test_compute_loss_is_loss_compute(void) {
         }
 }
 
+/* compute_loss gives the loss alone: the same bits whatever metrics the
+   model was compiled with (r2_score and auc among them), and evaluate,
+   whose metrics those are, reports the same bits before and after it. */
+static void test_compute_loss_leaves_the_metrics(void) {
+    enum { N = 2 * BATCH + 5 };
+    static float x[N * FEATURES], t[N * CLASSES];
+    int binary, i;
+    test_seed(131);
+    for (binary = 0; binary <= 1; binary++) {
+        mpt_model *m = step_model(ctx, MPT_POLICY_FLOAT32);
+        mpt_dataset *d = NULL;
+        mpt_tensor tx, ty, xb, yb;
+        mpt_loss_desc loss = {.type = binary ? MPT_LOSS_BINARY_CROSSENTROPY
+                                             : MPT_LOSS_MEAN_SQUARED_ERROR,
+                              .from_logits = binary};
+        mpt_logs before, after;
+        double uncompiled = 0, compiled = 0;
+        if (!m) return;
+        for (i = 0; i < N * FEATURES; i++) x[i] = (float)test_uniform(-2, 2);
+        for (i = 0; i < N * CLASSES; i++)
+            t[i] = binary ? (float)test_randint(0, 1) : (float)test_uniform(-1, 1);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N, FEATURES}, x);
+        mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){N, CLASSES}, t);
+        mpt_tensor_wrap(ctx, &xb, MPT_FLOAT32, 2, (int64_t[]){BATCH, FEATURES}, x + FEATURES);
+        mpt_tensor_wrap(ctx, &yb, MPT_FLOAT32, 2, (int64_t[]){BATCH, CLASSES}, t + CLASSES);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+              "dataset: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_forward(m, &xb, 0, NULL) == MPT_OK &&
+                  mpt_model_compute_loss(m, &loss, &yb, &uncompiled) == MPT_OK &&
+                  mpt_model_compile(m, &(mpt_compile_desc){
+                      .loss = loss,
+                      .metrics = binary ? MPT_METRIC_AUC | MPT_METRIC_ACCURACY
+                                        : MPT_METRIC_R2_SCORE | MPT_METRIC_MEAN_ABSOLUTE_ERROR,
+                      .weighted_metrics = binary ? MPT_METRIC_AUC : MPT_METRIC_R2_SCORE}) ==
+                      MPT_OK &&
+                  mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = BATCH}, &before) ==
+                      MPT_OK &&
+                  mpt_model_forward(m, &xb, 0, NULL) == MPT_OK &&
+                  mpt_model_compute_loss(m, &loss, &yb, &compiled) == MPT_OK &&
+                  mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = BATCH}, &after) ==
+                      MPT_OK,
+              "%s", mpt_context_error(ctx));
+        CHECK(compiled == uncompiled && compiled > 0,
+              "binary %d: compute_loss %.17g compiled with r2_score/auc, %.17g without", binary,
+              compiled, uncompiled);
+        CHECK(memcmp(&before, &after, sizeof before) == 0 &&
+                  !isnan(mpt_logs_get(&after, binary ? "auc" : "r2_score")) &&
+                  !isnan(mpt_logs_get(&after, binary ? "weighted_auc" : "weighted_r2_score")),
+              "binary %d: evaluate's %s %.17g before compute_loss, %.17g after", binary,
+              binary ? "auc" : "r2_score", mpt_logs_get(&before, binary ? "auc" : "r2_score"),
+              mpt_logs_get(&after, binary ? "auc" : "r2_score"));
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+    }
+}
+
 /* ---- grad_stats --------------------------------------------------------------- */
 
 static void test_grad_stats_is_the_norm(void) {
@@ -346,6 +402,7 @@ static void test_bad_arguments(void) {
 
 static void run_cases(void) {
     TEST_RUN(test_compute_loss_is_loss_compute);
+    TEST_RUN(test_compute_loss_leaves_the_metrics);
     TEST_RUN(test_grad_stats_is_the_norm);
     TEST_RUN(test_grad_stats_finds_inf_and_nan);
     TEST_RUN(test_scale_grads_multiplies_each);

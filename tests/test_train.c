@@ -1107,6 +1107,222 @@ static void test_auc(void) {
     }
 }
 
+/* ---- weighted losses and metrics against Keras' own values --------------------
+
+   The values TensorFlow's Keras gives on a small fixed case, computed once
+   by tests/data/keras_weighted/make.py (whose docstring defines the case:
+   inputs, weights, targets, sample and class weights) and pasted here.
+   mpt.h's models hold the same float32 weights and predict the same values
+   (to 1e-6); its loss and metrics must then be Keras': evaluate with and
+   without sample weights (the metrics compiled as weighted_metrics), and
+   fit's first epoch with class_weight (one batch: the logged values are
+   the weights' before the update). Tolerance: 2e-6 relative (Keras
+   computes in float32; its printed value is float32's), or 1e-6 absolute
+   for values near 0. Keras 3 refuses class_weight with sample_weight
+   together, so their product (which mpt.h allows) has no reference. */
+/* tests/data/keras_weighted/make.py, TensorFlow 2.21.0, Keras 3.15.1 */
+#define KERAS_CLS_EVALUATE_LOSS 1.99257493019104
+#define KERAS_CLS_EVALUATE_ACCURACY 0.27272728085517883
+#define KERAS_CLS_EVALUATE_TOP2 0.86363637447357178
+#define KERAS_CLS_EVALUATE_UNWEIGHTED_LOSS 1.3345303535461426
+#define KERAS_CLS_EVALUATE_UNWEIGHTED_ACCURACY 0.375
+#define KERAS_CLS_EVALUATE_UNWEIGHTED_TOP2 0.875
+#define KERAS_CLS_FIT_CLASS_WEIGHT_LOSS 1.655632495880127
+#define KERAS_CLS_FIT_CLASS_WEIGHT_ACCURACY 0.44999998807907104
+#define KERAS_CLS_FIT_CLASS_WEIGHT_TOP2 0.89999997615814209
+#define KERAS_BIN_EVALUATE_LOSS 0.99807220697402954
+#define KERAS_BIN_EVALUATE_ACCURACY 0.54545456171035767
+#define KERAS_BIN_EVALUATE_AUC 0.55555558204650879
+#define KERAS_BIN_EVALUATE_PRECISION 0.63636362552642822
+#define KERAS_BIN_EVALUATE_RECALL 0.53846156597137451
+#define KERAS_BIN_EVALUATE_UNWEIGHTED_LOSS 0.67762076854705811
+#define KERAS_BIN_EVALUATE_UNWEIGHTED_ACCURACY 0.625
+#define KERAS_BIN_EVALUATE_UNWEIGHTED_AUC 0.5625
+#define KERAS_BIN_EVALUATE_UNWEIGHTED_PRECISION 0.60000002384185791
+#define KERAS_BIN_EVALUATE_UNWEIGHTED_RECALL 0.75
+#define KERAS_BIN_FIT_CLASS_WEIGHT_LOSS 0.70772182941436768
+#define KERAS_BIN_FIT_CLASS_WEIGHT_ACCURACY 0.5625
+#define KERAS_BIN_FIT_CLASS_WEIGHT_AUC 0.5625
+#define KERAS_BIN_FIT_CLASS_WEIGHT_PRECISION 0.3333333432674408
+#define KERAS_BIN_FIT_CLASS_WEIGHT_RECALL 0.75
+#define KERAS_REG_EVALUATE_LOSS 2.1309814453125
+#define KERAS_REG_EVALUATE_MAE 1.015625
+#define KERAS_REG_EVALUATE_MSE 1.5498046875
+#define KERAS_REG_EVALUATE_RMSE 1.2449115514755249
+#define KERAS_REG_EVALUATE_MAPE 184.78895568847656
+#define KERAS_REG_EVALUATE_R2 -0.84212189912796021
+#define KERAS_REG_EVALUATE_UNWEIGHTED_LOSS 1.5615234375
+#define KERAS_REG_EVALUATE_UNWEIGHTED_MAE 0.9765625
+#define KERAS_REG_EVALUATE_UNWEIGHTED_MSE 1.5615234375
+#define KERAS_REG_EVALUATE_UNWEIGHTED_RMSE 1.2496093511581421
+#define KERAS_REG_EVALUATE_UNWEIGHTED_MAPE 164.28570556640625
+#define KERAS_REG_EVALUATE_UNWEIGHTED_R2 -0.60033261775970459
+static const float keras_cls_pred[] = {
+    0.33409825f, 0.428990632f, 0.236911118f, 0.364113659f, 0.138201952f, 0.49768436f,
+    0.463315189f, 0.175854623f, 0.360830247f, 0.135824457f, 0.174402058f, 0.6897735f,
+    0.161312491f, 0.700709581f, 0.137977898f, 0.254275203f, 0.326495856f, 0.419228971f,
+    0.310227722f, 0.398340285f, 0.291431993f, 0.0871874318f, 0.378724873f, 0.534087718f
+};
+static const float keras_bin_pred[] = {
+    0.53120935f, 0.692641973f, 0.665410519f, 0.437823504f, 0.407333434f, 0.577495337f,
+    0.546738207f, 0.320821285f
+};
+static const float keras_reg_pred[] = {
+    1.3125f, 0.3125f, -0.6875f, -0.375f, 0.5625f, -0.25f,
+    -0.625f, 1.5f, 1.4375f, 0.8125f, -0.5625f, 0.125f,
+    0.6875f, 0.25f, -0.5f, 2.0f
+};
+
+enum { KW_N = 8, KW_IN = 3 };
+
+static float kw_x[KW_N * KW_IN];
+
+/* Dense(units, act) on KW_IN features with the weights of make.py's
+   formulas (kind 0 the classifier, 1 the binary one, 2 the regression). */
+static mpt_model *keras_weighted_model(int kind, const mpt_compile_desc *cd) {
+    static const int64_t units[3] = {3, 1, 2};
+    static const mpt_activation act[3] = {MPT_ACT_SOFTMAX, MPT_ACT_SIGMOID, MPT_ACT_NONE};
+    mpt_model *m = NULL;
+    mpt_param_info kernel, bias;
+    int64_t j, c;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {KW_IN}, .input_rank = 1, .seed = 1},
+                     &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = units[kind], .activation = act[kind]});
+    CHECK(mpt_model_compile(m, cd) == MPT_OK && mpt_model_build(m, KW_N) == MPT_OK &&
+              mpt_model_param(m, 0, &kernel) == MPT_OK && mpt_model_param(m, 1, &bias) == MPT_OK,
+          "model %d: %s", kind, mpt_context_error(ctx));
+    for (j = 0; j < KW_IN; j++)
+        for (c = 0; c < units[kind]; c++)
+            ((float *)kernel.value.data)[j * units[kind] + c] =
+                kind == 0   ? (float)((7 * j + 3 * c) % 9 - 4) / 8
+                : kind == 1 ? (float)((3 * j + 1) % 5 - 2) / 4
+                            : (float)((2 * j + 5 * c) % 7 - 3) / 4;
+    for (c = 0; c < units[kind]; c++)
+        ((float *)bias.value.data)[c] = kind == 0   ? (float)(c - 1) / 4
+                                        : kind == 1 ? 0.125f
+                                                    : (float)c / 2;
+    mpt_model_refresh_weights(m);
+    return m;
+}
+
+static void kw_close(const char *what, const char *name, double got, double want) {
+    CHECK(fabs(got - want) <= fmax(2e-6 * fabs(want), 1e-6), "%s: %s %.9g, Keras %.9g", what,
+          name, got, want);
+}
+
+static void test_weighted_against_keras(void) {
+    static const float sample_weight[KW_N] = {1, 2, 0.5f, 3, 1, 0, 2, 1.5f};
+    static const float class_weight[3] = {1, 2, 0.5f}, class_weight_binary[2] = {1.5f, 0.5f};
+    static const float labels_binary[KW_N] = {1, 0, 1, 1, 0, 0, 1, 0};
+    static const float *const keras_pred[3] = {keras_cls_pred, keras_bin_pred, keras_reg_pred};
+    static int32_t y_cls[KW_N];
+    static float y_reg[KW_N * 2];
+    int64_t i, j;
+    int kind;
+    for (i = 0; i < KW_N; i++) {
+        for (j = 0; j < KW_IN; j++) kw_x[i * KW_IN + j] = (float)((7 * i + 3 * j + 2 * i * j) % 13 - 6) / 4;
+        y_cls[i] = (int32_t)((5 * i + 1) % 3);
+        for (j = 0; j < 2; j++) y_reg[i * 2 + j] = (float)((3 * i + 2 * j) % 7 - 3) / 2 + 0.25f;
+    }
+    for (kind = 0; kind < 3; kind++) {
+        static const int64_t units[3] = {3, 1, 2};
+        const int metrics[3] = {
+            MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K,
+            MPT_METRIC_ACCURACY | MPT_METRIC_AUC | MPT_METRIC_PRECISION | MPT_METRIC_RECALL,
+            MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |
+                MPT_METRIC_ROOT_MEAN_SQUARED_ERROR | MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR |
+                MPT_METRIC_R2_SCORE};
+        const mpt_loss_type loss[3] = {MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY,
+                                       MPT_LOSS_BINARY_CROSSENTROPY, MPT_LOSS_MEAN_SQUARED_ERROR};
+        mpt_compile_desc cd = {.loss = {.type = loss[kind]}, .top_k = 2,
+                               .weighted_metrics = metrics[kind]};
+        mpt_model *m = keras_weighted_model(kind, &cd), *f = keras_weighted_model(kind, &cd);
+        mpt_dataset *d = NULL, *dw = NULL;
+        mpt_tensor tx, ty, pred;
+        mpt_logs weighted, plain;
+        double worst = 0;
+        int s;
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){KW_N, KW_IN}, kw_x);
+        if (kind == 0) mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){KW_N}, y_cls);
+        else if (kind == 1)
+            mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 1, (int64_t[]){KW_N}, (void *)labels_binary);
+        else mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){KW_N, 2}, y_reg);
+        memset(&pred, 0, sizeof pred);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK &&
+                  mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &dw) ==
+                      MPT_OK &&
+                  mpt_dataset_set_sample_weight(ctx, dw, sample_weight, KW_N) == MPT_OK &&
+                  mpt_model_predict(m, d, KW_N, &pred) == MPT_OK &&
+                  mpt_model_evaluate(m, dw, &(mpt_evaluate_desc){.batch_size = KW_N}, &weighted) ==
+                      MPT_OK &&
+                  mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = KW_N}, &plain) ==
+                      MPT_OK,
+              "kind %d: %s", kind, mpt_context_error(ctx));
+        for (i = 0; pred.data && i < KW_N * units[kind]; i++)
+            worst = fmax(worst, fabs(((const float *)pred.data)[i] - keras_pred[kind][i]));
+        CHECK(pred.data && worst <= 1e-6, "kind %d: predictions %.3g from Keras'", kind, worst);
+        mpt_tensor_free(ctx, &pred);
+#define KW(LOGS, NAME, VALUE) kw_close(#VALUE, NAME, mpt_logs_get(&LOGS, NAME), VALUE)
+        if (kind == 0) {
+            KW(weighted, "loss", KERAS_CLS_EVALUATE_LOSS);
+            KW(weighted, "accuracy", KERAS_CLS_EVALUATE_ACCURACY);
+            KW(weighted, "sparse_top_k_categorical_accuracy", KERAS_CLS_EVALUATE_TOP2);
+            KW(plain, "loss", KERAS_CLS_EVALUATE_UNWEIGHTED_LOSS);
+            KW(plain, "accuracy", KERAS_CLS_EVALUATE_UNWEIGHTED_ACCURACY);
+            KW(plain, "sparse_top_k_categorical_accuracy", KERAS_CLS_EVALUATE_UNWEIGHTED_TOP2);
+        } else if (kind == 1) {
+            KW(weighted, "loss", KERAS_BIN_EVALUATE_LOSS);
+            KW(weighted, "accuracy", KERAS_BIN_EVALUATE_ACCURACY);
+            KW(weighted, "auc", KERAS_BIN_EVALUATE_AUC);
+            KW(weighted, "precision", KERAS_BIN_EVALUATE_PRECISION);
+            KW(weighted, "recall", KERAS_BIN_EVALUATE_RECALL);
+            KW(plain, "loss", KERAS_BIN_EVALUATE_UNWEIGHTED_LOSS);
+            KW(plain, "accuracy", KERAS_BIN_EVALUATE_UNWEIGHTED_ACCURACY);
+            KW(plain, "auc", KERAS_BIN_EVALUATE_UNWEIGHTED_AUC);
+            KW(plain, "precision", KERAS_BIN_EVALUATE_UNWEIGHTED_PRECISION);
+            KW(plain, "recall", KERAS_BIN_EVALUATE_UNWEIGHTED_RECALL);
+        } else {
+            KW(weighted, "loss", KERAS_REG_EVALUATE_LOSS);
+            KW(weighted, "mean_absolute_error", KERAS_REG_EVALUATE_MAE);
+            KW(weighted, "mean_squared_error", KERAS_REG_EVALUATE_MSE);
+            KW(weighted, "root_mean_squared_error", KERAS_REG_EVALUATE_RMSE);
+            KW(weighted, "mean_absolute_percentage_error", KERAS_REG_EVALUATE_MAPE);
+            KW(weighted, "r2_score", KERAS_REG_EVALUATE_R2);
+            KW(plain, "loss", KERAS_REG_EVALUATE_UNWEIGHTED_LOSS);
+            KW(plain, "mean_absolute_error", KERAS_REG_EVALUATE_UNWEIGHTED_MAE);
+            KW(plain, "mean_squared_error", KERAS_REG_EVALUATE_UNWEIGHTED_MSE);
+            KW(plain, "root_mean_squared_error", KERAS_REG_EVALUATE_UNWEIGHTED_RMSE);
+            KW(plain, "mean_absolute_percentage_error", KERAS_REG_EVALUATE_UNWEIGHTED_MAPE);
+            KW(plain, "r2_score", KERAS_REG_EVALUATE_UNWEIGHTED_R2);
+        }
+#undef KW
+        if (kind < 2) { /* fit(class_weight=...): the first (only) batch's values */
+            s = mpt_model_fit(f, d, &(mpt_fit_desc){
+                                        .epochs = 1, .batch_size = KW_N, .no_shuffle = 1,
+                                        .class_weight = kind ? class_weight_binary : class_weight,
+                                        .class_weight_count = kind ? 2 : 3});
+            CHECK(s == MPT_OK, "kind %d: fit: %s", kind, mpt_context_error(ctx));
+#define KW(NAME, VALUE) kw_close(#VALUE, NAME, history_value(f, NAME, 0), VALUE)
+            if (kind == 0) {
+                KW("loss", KERAS_CLS_FIT_CLASS_WEIGHT_LOSS);
+                KW("accuracy", KERAS_CLS_FIT_CLASS_WEIGHT_ACCURACY);
+                KW("sparse_top_k_categorical_accuracy", KERAS_CLS_FIT_CLASS_WEIGHT_TOP2);
+            } else {
+                KW("loss", KERAS_BIN_FIT_CLASS_WEIGHT_LOSS);
+                KW("accuracy", KERAS_BIN_FIT_CLASS_WEIGHT_ACCURACY);
+                KW("auc", KERAS_BIN_FIT_CLASS_WEIGHT_AUC);
+                KW("precision", KERAS_BIN_FIT_CLASS_WEIGHT_PRECISION);
+                KW("recall", KERAS_BIN_FIT_CLASS_WEIGHT_RECALL);
+            }
+#undef KW
+        }
+        mpt_dataset_destroy(d);
+        mpt_dataset_destroy(dw);
+        mpt_model_destroy(m);
+        mpt_model_destroy(f);
+    }
+}
+
 /* With one-hot targets Keras names the top-k metric
    top_k_categorical_accuracy; it counts as the sparse one does. */
 static void test_top_k_of_one_hot_targets(void) {
@@ -2553,6 +2769,7 @@ static void run_cases(void) {
     TEST_RUN(test_weighted_metrics);
     TEST_RUN(test_r2_score);
     TEST_RUN(test_auc);
+    TEST_RUN(test_weighted_against_keras);
     TEST_RUN(test_reproducible_and_resumable);
     TEST_RUN(test_overflow_skips_the_step);
     TEST_RUN(test_default_loss_scale);

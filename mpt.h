@@ -6296,10 +6296,11 @@ static void mpt__max_window_lanes(const mpt__win *g, const float *x, int64_t r0,
             }
         }
     memcpy(y + e0, best, sizeof best);
-    memcpy(arg + e0, where, sizeof where);
+    if (arg) memcpy(arg + e0, where, sizeof where);
 }
 
-/* y[c] = max of the window's pixels (first wins; NaN wins), arg[c] = where. */
+/* y[c] = max of the window's pixels (first wins; NaN wins), arg[c] = where
+   (arg NULL: not kept, as inference needs). */
 static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64_t r1, int64_t c0,
                             int64_t c1, float *y, int32_t *arg) {
     int64_t r, q, e, e0;
@@ -6307,7 +6308,7 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
         mpt__max_window_lanes(g, x, r0, r1, c0, c1, e0, y, arg);
     for (e = e0; e < g->c; e++) { /* the channels left over */
         y[e] = -INFINITY;
-        arg[e] = (int32_t)((r0 * g->w + c0) * g->c + e);
+        if (arg) arg[e] = (int32_t)((r0 * g->w + c0) * g->c + e);
     }
     for (r = r0; r < r1; r++)
         for (q = c0; q < c1; q++) {
@@ -6315,7 +6316,7 @@ static void mpt__max_window(const mpt__win *g, const float *x, int64_t r0, int64
             for (e = e0; e < g->c; e++) {
                 const int take = mpt__max_takes(x[at + e], y[e]);
                 y[e] = take ? x[at + e] : y[e];
-                arg[e] = take ? (int32_t)(at + e) : arg[e];
+                if (arg && take) arg[e] = (int32_t)(at + e);
             }
         }
 }
@@ -29682,6 +29683,8 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
 /* Max or average pooling of n samples in float32 (padding not counted).
    Each window's pixels are read whole (C contiguous channels) into y,
    row by row: per channel the same order as a loop over the window. */
+/* Float pooling of the float16 and dynamic-range models: max pooling is
+   the float model's (mpt__max_window: NaN wins), without the argmax. */
 static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int64_t n) {
     const mpt__win *g = &op->g;
     const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
@@ -29691,17 +29694,17 @@ static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int6
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
                 float *MPT__RESTRICT out = y;
                 mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
-                for (c = 0; c < g->c; c++) out[c] = max ? -INFINITY : 0.0f;
+                if (max) {
+                    mpt__max_window(g, x, r0, r1, c0, c1, out, NULL);
+                    continue;
+                }
+                for (c = 0; c < g->c; c++) out[c] = 0.0f;
                 for (r = r0; r < r1; r++)
                     for (q = c0; q < c1; q++) {
                         const float *MPT__RESTRICT px = x + (r * g->w + q) * g->c;
-                        if (max)
-                            for (c = 0; c < g->c; c++) out[c] = px[c] > out[c] ? px[c] : out[c];
-                        else
-                            for (c = 0; c < g->c; c++) out[c] += px[c];
+                        for (c = 0; c < g->c; c++) out[c] += px[c];
                     }
-                if (!max)
-                    for (c = 0; c < g->c; c++) out[c] /= (float)((r1 - r0) * (c1 - c0));
+                for (c = 0; c < g->c; c++) out[c] /= (float)((r1 - r0) * (c1 - c0));
             }
 }
 

@@ -24637,7 +24637,9 @@ typedef void (*mpt__gemm_kernel_fn)(int64_t kc, const void *a, const void *b, in
 typedef struct mpt__gemm_job {
     const mpt_gemm_desc *d;
     mpt_context *ctx;
-    mpt_dtype dtype;
+    mpt_dtype dtype;   /* A's and B's                                */
+    mpt_dtype b_dtype; /* B's: dtype, or float16 under a float32 A
+                          (weights kept in half: mpt__gemm_half_b)     */
     mpt__gemm_path path;
     mpt__gemm_kernel_fn kernel;
     int mr, nr;        /* micro-tile                                  */
@@ -24713,6 +24715,8 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const int64_t b_ls = d->trans_b ? d->ldb : 1, b_ks = d->trans_b ? 1 : d->ldb;
     /* In pair mode a packed depth is a pair of halves, two per uint32. */
     int64_t jc, pc, ir, jr;
+    mpt__gemm_job bjob = *job; /* B packed from its own dtype */
+    bjob.dtype = job->b_dtype;
     if (i0 >= i1 || j0 >= j1) return;
     for (jc = j0; jc < j1; jc += job->nc) {
         const int64_t nb = MPT__MIN(job->nc, j1 - jc);
@@ -24730,7 +24734,7 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
             for (jr = 0; jr < nb; jr += nr) {
                 int w = nb - jr <= nr / 2 ? nr / 2 : nr;
                 int lanes = (int)MPT__MIN(nr, nb - jr);
-                mpt__gemm_pack(job, bpack + jr * kstore, w, d->b, (jc + jr) * b_ls + pc * b_ks,
+                mpt__gemm_pack(&bjob, bpack + jr * kstore, w, d->b, (jc + jr) * b_ls + pc * b_ks,
                                b_ls, b_ks, lanes, kb);
             }
             for (ir = i0; ir < i1; ir += mr) {
@@ -24832,7 +24836,7 @@ static int mpt__gemm_few_rows(const mpt__gemm_job *job) {
 static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
     const mpt_gemm_desc *d = job->d;
     int64_t strips = (d->n + MPT__GEMM_FEW_COLS - 1) / MPT__GEMM_FEW_COLS, t;
-    double b_bytes = (double)d->n * (double)d->k * (double)mpt_dtype_size(job->dtype);
+    double b_bytes = (double)d->n * (double)d->k * (double)mpt_dtype_size(job->b_dtype);
     if (b_bytes < 256.0 * 1024 || job->ctx->num_threads <= 1 || strips < 2)
         for (t = 0; t < strips; t++) mpt__gemm_few_rows_task(job, t, 0);
     else
@@ -24840,7 +24844,9 @@ static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
 }
 #endif
 
-static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
+/* The product with B in b_dtype: MPT_DTYPE_DEFAULT for ab_dtype, or
+   MPT_FLOAT16 under a float32 A (mpt__gemm_half_b). */
+static void mpt__gemm_typed(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype b_dtype) {
     mpt__gemm_job job;
     int64_t tasks_m;
     if (d->m <= 0 || d->n <= 0) return;
@@ -24852,6 +24858,7 @@ static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     job.d = d;
     job.ctx = ctx;
     job.dtype = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
+    job.b_dtype = b_dtype ? b_dtype : job.dtype;
     job.alpha = d->alpha == 0 ? 1.0f : d->alpha;
     job.path = MPT__GEMM_SCALAR;
     job.kernel = mpt__gemm_kernel_scalar;
@@ -24887,6 +24894,17 @@ static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt__gemm_plan_tasks(&job, ctx->num_threads);
     tasks_m = (d->m + job.task_rows - 1) / job.task_rows;
     mpt__parallel_for(ctx, tasks_m * job.tasks_n, mpt__gemm_task, &job);
+}
+
+static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
+    mpt__gemm_typed(ctx, d, MPT_DTYPE_DEFAULT);
+}
+
+/* A float32 A times a float16 B (weights kept in half, computed in
+   float32): B is widened as it is packed (or read), exactly, so the bits
+   are those of the product with B widened first, without that copy. */
+static void mpt__gemm_half_b(mpt_context *ctx, const mpt_gemm_desc *d) {
+    mpt__gemm_typed(ctx, d, MPT_FLOAT16);
 }
 
 /* -----------------------------------------------------------------------------
@@ -25416,8 +25434,8 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
 #define MPT__FEW_ROWS4(X) X(0) X(1) X(2) X(3)
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0) {
     const mpt_gemm_desc *d = job->d;
-    const mpt_dtype dt = job->dtype;
-    const size_t es = mpt_dtype_size(dt);
+    const mpt_dtype dt = job->dtype, bt = job->b_dtype;
+    const size_t es = mpt_dtype_size(dt), bes = mpt_dtype_size(bt);
     const int n = (int)MPT__MIN(MPT__GEMM_FEW_COLS, d->n - j0);
     const int64_t a_ls = d->trans_a ? 1 : d->lda, a_ks = d->trans_a ? d->lda : 1;
     const __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16),
@@ -25429,7 +25447,7 @@ MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job
     for (pc = 0; pc < d->k; pc += job->kc) {
         const int64_t kb = MPT__MIN(job->kc, d->k - pc);
         const int first = pc == 0, last = pc + kb >= d->k;
-        const char *b = (const char *)d->b + (size_t)(pc * d->ldb + j0) * es;
+        const char *b = (const char *)d->b + (size_t)(pc * d->ldb + j0) * bes;
         const float *bias = last && d->bias ? d->bias + j0 : NULL;
         mpt__gemm_epi e;
         MPT__FEW_ROWS4(MPT__FEW_ZERO)
@@ -25440,11 +25458,11 @@ MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job
                     dt, (const char *)d->a + (size_t)(row * a_ls + (pc + k) * a_ks) * es, 1));
         }
         for (k = 0; k < kb; k++) {
-            const char *bk = b + (size_t)k * (size_t)d->ldb * es;
-            const __m512 b0 = mpt__gemm_load16(dt, bk, k0),
-                         b1 = mpt__gemm_load16(dt, bk + 16 * es, k1),
-                         b2 = mpt__gemm_load16(dt, bk + 32 * es, k2),
-                         b3 = mpt__gemm_load16(dt, bk + 48 * es, k3);
+            const char *bk = b + (size_t)k * (size_t)d->ldb * bes;
+            const __m512 b0 = mpt__gemm_load16(bt, bk, k0),
+                         b1 = mpt__gemm_load16(bt, bk + 16 * bes, k1),
+                         b2 = mpt__gemm_load16(bt, bk + 32 * bes, k2),
+                         b3 = mpt__gemm_load16(bt, bk + 48 * bes, k3);
             MPT__FEW_ROWS4(MPT__FEW_STEP)
         }
         e.alpha = job->alpha;
@@ -29924,16 +29942,18 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
     if (ex == MPT__QX_REFERENCE || ex == MPT__QX_FLOAT16) {
         mpt_gemm_desc g;
         memset(&g, 0, sizeof g);
-        if (ex == MPT__QX_FLOAT16)
-            MPT__CHECK(mpt_convert(ctx, MPT_FLOAT32, w->weights, MPT_FLOAT16, op->wh, N * K));
         g.trans_b = 1;
         g.m = rows, g.n = N, g.k = K;
         g.ab_dtype = MPT_FLOAT32;
         g.a = a, g.lda = K;
-        g.b = ex == MPT__QX_FLOAT16 ? w->weights : op->w, g.ldb = K;
+        g.b = ex == MPT__QX_FLOAT16 ? (const void *)op->wh : (const void *)op->w, g.ldb = K;
         g.c = (float *)y, g.ldc = N;
         g.bias = op->bias;
         g.activation = relu ? MPT_ACT_RELU : MPT_ACT_NONE;
+        if (ex == MPT__QX_FLOAT16) { /* the half weights widened as they are packed */
+            if (rows > 0) mpt__gemm_half_b(ctx, &g);
+            return MPT_OK;
+        }
         return mpt_gemm(ctx, &g);
     } else {
         mpt_qgemm_desc d;

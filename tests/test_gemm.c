@@ -443,6 +443,53 @@ static void test_few_rows(void) {
     mpt_context_destroy(ctx);
 }
 
+/* A float32 A times a float16 B (the float16 models' weights, widened as
+   B is packed or read: mpt__gemm_half_b) gives the bits of the product
+   with B widened to float32 first, on every path, both B layouts, few
+   rows and many. */
+static void test_half_b(void) {
+    static const struct { int64_t m, n, k; int tb; } shapes[] = {
+        {1, 100, 700, 0}, {3, 257, 37, 0}, {1, 128, 800, 1}, {40, 100, 300, 1}, {129, 10, 600, 0},
+    };
+    int pi, si, bad = 0;
+    for (pi = 0; pi < N_PATHS; pi++) {
+        mpt_context *ctx = path_ctx(2, paths[pi].disable);
+        int have = ctx && (mpt_context_cpu_features(ctx) & paths[pi].needs) == paths[pi].needs;
+        test__begin();
+        if (!have) SKIP("this CPU lacks the path");
+        for (si = 0; have && si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+            const int64_t m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
+            float *av, *bv, *c16, *c32, *bias;
+            void *a = rand_matrix(MPT_FLOAT32, m, k, &av);
+            void *b = rand_matrix(MPT_FLOAT16, shapes[si].tb ? n : k, shapes[si].tb ? k : n, &bv);
+            void *bz = rand_matrix(MPT_FLOAT32, 1, n, &bias);
+            mpt_gemm_desc d;
+            memset(&d, 0, sizeof d);
+            d.trans_b = shapes[si].tb;
+            d.m = m, d.n = n, d.k = k;
+            d.ab_dtype = MPT_FLOAT32;
+            d.a = a, d.lda = k;
+            d.ldb = shapes[si].tb ? k : n;
+            d.ldc = n;
+            d.bias = bias;
+            d.activation = si % 2 ? MPT_ACT_RELU : MPT_ACT_GELU;
+            c16 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+            c32 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+            d.b = b, d.c = c16;
+            mpt__gemm_half_b(ctx, &d);
+            d.b = bv, d.c = c32; /* bv: the half values widened */
+            CHECK(mpt_gemm(ctx, &d) == MPT_OK, "gemm: %s", mpt_context_error(ctx));
+            if (memcmp(c16, c32, sizeof(float) * (size_t)(m * n)) && bad++ == 0)
+                CHECK(0, "%lldx%lldx%lld%s: float16 B differs from B widened first", (long long)m,
+                      (long long)n, (long long)k, shapes[si].tb ? " (B transposed)" : "");
+            free(a), free(b), free(bz), free(av), free(bv), free(bias), free(c16), free(c32);
+        }
+        test__end("gemm: a float16 B under a float32 A equals B widened first, bit for bit, %s",
+                  paths[pi].name);
+        mpt_context_destroy(ctx);
+    }
+}
+
 /* Bad arguments: a status and a message that names the value. */
 static void expect_error(mpt_context *ctx, const mpt_gemm_desc *d, mpt_status want,
                          const char *needle, const char *what) {
@@ -504,5 +551,6 @@ int main(void) {
     test_epilogue();
     test_determinism();
     test_few_rows();
+    test_half_b();
     return test_summary("test_gemm");
 }

@@ -1213,7 +1213,8 @@ MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout);
    in mpt_model_output_grad's buffer) through every layer, overwriting each
    parameter's gradient. Requires a forward pass with training = 1.
    dinput (optional) receives a borrowed view of the gradient w.r.t. x, in
-   the first layer's compute dtype. */
+   the compute dtype of the first layer that reads it (for a model of
+   several inputs: input 0's; the added inputs have none). */
 MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout,
                                      mpt_tensor *dinput);
 
@@ -1811,7 +1812,7 @@ typedef struct mpt_dataset_desc {
 } mpt_dataset_desc;
 
 /* A dataset over caller arrays. Float inputs are checked for NaN and inf,
-   and the counts of x and y must agree. Without y it holds inputs alone:
+   and the counts of x (or of every inputs tensor) and y must agree. Without y it holds inputs alone:
    predict reads it, fit, evaluate and mpt_dataset_labels/_targets refuse
    it, naming what is missing. */
 MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
@@ -10013,6 +10014,11 @@ static mpt_status mpt__input_layer_check(mpt_model *m, const mpt__layer_ops *ops
         if (d->shape[i] <= 0)
             return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s '%s' (input %d): shape %s has a "
                              "dimension <= 0", ops->class_name, name, m->n_inputs, s);
+    for (; i < MPT_MAX_RANK - 1; i++) /* (a file's: the add zeroes them) */
+        if (d->shape[i] != 0)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s '%s' (input %d): shape_%d is %lld, past "
+                             "its rank %d (0 there)", ops->class_name, name, m->n_inputs, i,
+                             (long long)d->shape[i], d->rank);
     count = mpt__shape_count(d->rank, d->shape);
     if (count < 0 || count > MPT__MAX_SAMPLE_ELEMENTS)
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s' (input %d): shape %s has more "
@@ -10089,7 +10095,8 @@ MPTDEF mpt_node mpt_model_add_input(mpt_model *m, const mpt_input_desc *desc) {
                                          desc->name ? desc->name : "(unnamed)", m->n_inputs,
                                          mpt_dtype_name(desc->dtype)));
     memset(&d, 0, sizeof d);
-    memcpy(d.shape, desc->shape, sizeof d.shape);
+    if (desc->rank >= 1 && desc->rank <= MPT_MAX_RANK - 1) /* the places past it stay 0 */
+        memcpy(d.shape, desc->shape, sizeof(int64_t) * (size_t)desc->rank);
     d.rank = desc->rank;
     d.ids = desc->dtype == MPT_INT32;
     d.name = desc->name;

@@ -505,6 +505,77 @@ static void test_ids_input(void) {
     mpt_model_destroy(m);
 }
 
+/* Each input its own dtype: input 1 as uint8 pixels (scaled by 1/255 as
+   they are batched) predicts what the same pixels as float32 x/255 do, bit
+   for bit. A split's tail reads both inputs from its first sample on:
+   what it predicts is what a dataset of those samples alone predicts.
+   validation_split and sample weights ride along. */
+static void test_dataset_of_inputs(void) {
+    enum { N = 96 };
+    static uint8_t px[N * IMG * IMG];
+    static float pf[N * IMG * IMG];
+    int64_t si[4] = {N, IMG, IMG, 1}, sv[2] = {N, VEC}, sy[1] = {N}, sw[1] = {N}, i;
+    int64_t ti_shape[4] = {N - 40, IMG, IMG, 1}, tv_shape[2] = {N - 40, VEC}, ty_shape[1] = {N - 40};
+    static float weights[N];
+    mpt_tensor tpx, tpf, tv, ty, tw, tail_px, tail_v, tail_y, p[4];
+    const mpt_tensor *u8[2], *f32[2], *tail_in[2];
+    mpt_dataset *du8 = NULL, *df = NULL, *head = NULL, *tail = NULL, *alone = NULL;
+    mpt_model *m = two_input_model(ctx, MPT_POLICY_MIXED_FLOAT16, NULL);
+    mpt_fit_desc fit = fit_for(2, 16);
+    for (i = 0; i < N * IMG * IMG; i++) {
+        px[i] = (uint8_t)test_randint(0, 255);
+        pf[i] = (float)px[i] * (1.0f / 255.0f);
+    }
+    for (i = 0; i < N; i++) weights[i] = (float)(i % 3);
+    mpt_tensor_wrap(ctx, &tpx, MPT_UINT8, 4, si, px);
+    mpt_tensor_wrap(ctx, &tpf, MPT_FLOAT32, 4, si, pf);
+    mpt_tensor_wrap(ctx, &tv, MPT_FLOAT32, 2, sv, data.vec);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, sy, data.y);
+    mpt_tensor_wrap(ctx, &tw, MPT_FLOAT32, 1, sw, weights);
+    u8[0] = &tpx, u8[1] = &tv;
+    f32[0] = &tpf, f32[1] = &tv;
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = u8, .input_count = 2, .y = &ty,
+                                                      .sample_weight = &tw, .copy = 1},
+                             &du8) == MPT_OK &&
+              mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = f32, .input_count = 2,
+                                                          .y = &ty},
+                                 &df) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    fit.validation_split = 0.25f;
+    CHECK(mpt_model_fit(m, du8, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(!isnan(history_value(m, "val_loss", -1)), "no val_loss");
+    CHECK(mpt_model_predict(m, du8, 32, &p[0]) == MPT_OK &&
+              mpt_model_predict(m, df, 32, &p[1]) == MPT_OK,
+          "predict: %s", mpt_context_error(ctx));
+    CHECK(memcmp(p[0].data, p[1].data, mpt_tensor_bytes(&p[0])) == 0,
+          "uint8 and float32 pixels predict apart");
+    /* the tail of a split against the same samples alone */
+    mpt_tensor_wrap(ctx, &tail_px, MPT_UINT8, 4, ti_shape, px + 40 * IMG * IMG);
+    mpt_tensor_wrap(ctx, &tail_v, MPT_FLOAT32, 2, tv_shape, data.vec + 40 * VEC);
+    mpt_tensor_wrap(ctx, &tail_y, MPT_INT32, 1, ty_shape, data.y + 40);
+    tail_in[0] = &tail_px, tail_in[1] = &tail_v;
+    CHECK(mpt_dataset_split(ctx, du8, 40, &head, &tail) == MPT_OK &&
+              mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = tail_in, .input_count = 2,
+                                                          .y = &tail_y},
+                                 &alone) == MPT_OK,
+          "split: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_predict(m, tail, 32, &p[2]) == MPT_OK &&
+              mpt_model_predict(m, alone, 32, &p[3]) == MPT_OK,
+          "predict: %s", mpt_context_error(ctx));
+    CHECK(mpt_tensor_bytes(&p[2]) == mpt_tensor_bytes(&p[3]) &&
+              memcmp(p[2].data, p[3].data, mpt_tensor_bytes(&p[2])) == 0,
+          "a split's tail predicts other than its samples alone");
+    CHECK(memcmp(p[2].data, (float *)p[0].data + 40 * 4, mpt_tensor_bytes(&p[2])) == 0,
+          "the tail's predictions are not the whole's from sample 40");
+    for (i = 0; i < 4; i++) mpt_tensor_free(ctx, &p[i]);
+    mpt_dataset_destroy(du8); /* before its views: they keep its inputs */
+    mpt_dataset_destroy(head);
+    mpt_dataset_destroy(tail);
+    mpt_dataset_destroy(alone);
+    mpt_dataset_destroy(df);
+    mpt_model_destroy(m);
+}
+
 static void cases(void) {
     quiet = quiet_ctx();
     make_data();
@@ -516,6 +587,7 @@ static void cases(void) {
     TEST_RUN(test_bad_models);
     TEST_RUN(test_bad_data);
     TEST_RUN(test_ids_input);
+    TEST_RUN(test_dataset_of_inputs);
     mpt_context_destroy(quiet);
 }
 

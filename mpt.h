@@ -8410,12 +8410,12 @@ static mpt_status mpt__check_reads_ids(mpt_model *m, const mpt__layer *L) {
     for (s = 0; s < L->n_in; s++)
         if (mpt__node_is_ids(m, L->in_node[s]))
             return mpt__fail(m->ctx, MPT_ERR_DTYPE,
-                             "%s '%s' reads %s%s%s, which is int32 token ids: it takes "
+                             "%s '%s' reads %s%s%s, which is int32 token ids%s: it takes "
                              "numbers, not ids; an Embedding turns ids into numbers",
                              L->ops->class_name, L->name,
-                             L->in_node[s] ? "the input '" : "the model's input (input_dtype)",
+                             L->in_node[s] ? "the input '" : "the model's input",
                              L->in_node[s] ? mpt__node_name(m, L->in_node[s]) : "",
-                             L->in_node[s] ? "'" : "");
+                             L->in_node[s] ? "'" : "", L->in_node[s] ? "" : " (input_dtype)");
     return MPT_OK;
 }
 
@@ -24047,9 +24047,10 @@ static mpt_status mpt__load_call(mpt__json *j, int index, int i, mpt_model *m, i
     int e;
     snprintf(label, sizeof label, "layer %d (a call)", i);
     MPT__CHECK(mpt__json_int64(j, call_of, 0, i - 1, &owner, "its \"call_of\""));
-    if (m->layers[owner].call_of)
-        return mpt__json_bad(j, j->v[call_of].at, "%s: layer %lld is itself a call", label,
-                             (long long)owner);
+    if (m->layers[owner].call_of || mpt__is_input_layer(&m->layers[owner]))
+        return mpt__json_bad(j, j->v[call_of].at, "%s: layer %lld is %s", label,
+                             (long long)owner, m->layers[owner].call_of ? "itself a call"
+                                                                        : "an input");
     for (e = j->v[index].first; e >= 0; e = j->v[e].next)
         if (strcmp(j->v[e].key, "call_of") && strcmp(j->v[e].key, "inputs"))
             return mpt__json_bad(j, j->v[e].at, "%s has no member \"%s\"", label, j->v[e].key);

@@ -11,6 +11,7 @@
 #include "gradcheck.h"
 
 static mpt_context *ctx;
+static mpt_context *quiet; /* for the refusals: errors counted, not printed */
 static char tmpdir[512];
 
 static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
@@ -302,9 +303,68 @@ done:
     mpt_dataset_destroy(test);
 }
 
-/* ---- refusals ---------------------------------------------------------------------- */
+/* A model file's architecture JSON with InputLayers, read as mpt_model_load
+   reads it: a good one gives two inputs; hostile ones are refused, each
+   with its reason. */
+static void test_file_inputs_refused(void) {
+#define INPUT_LAYER(name, config) \
+    "{\"class\":\"InputLayer\",\"name\":\"" name "\",\"inputs\":[],\"config\":{" config "}}"
+#define GOOD_SHAPE "\"rank\":1,\"shape_0\":2,\"shape_1\":0,\"shape_2\":0,\"ids\":0"
+#define CONCAT(a, b) \
+    "{\"class\":\"Concatenate\",\"name\":\"c\",\"inputs\":[" a "," b "],\"config\":{}}"
+    static const struct {
+        const char *layers, *words;
+    } cases[] = {
+        {INPUT_LAYER("v", GOOD_SHAPE) "," CONCAT("0", "1"), NULL},
+        {INPUT_LAYER("v", "\"rank\":0") "," CONCAT("0", "1"), "rank 0 is not in 1..3"},
+        {INPUT_LAYER("v", "\"rank\":1,\"shape_0\":2,\"shape_1\":5") "," CONCAT("0", "1"),
+         "shape_1 is 5, past its rank 1"},
+        {INPUT_LAYER("v", "\"rank\":1,\"shape_0\":-2") "," CONCAT("0", "1"),
+         "has a dimension <= 0"},
+        {INPUT_LAYER("v", "\"rank\":1,\"shape_0\":2,\"ids\":5") "," CONCAT("0", "1"),
+         "ids is 5"},
+        {"{\"class\":\"InputLayer\",\"name\":\"v\",\"dtype\":\"float16\",\"inputs\":[],"
+         "\"config\":{" GOOD_SHAPE "}}," CONCAT("0", "1"),
+         "no compute dtype of its own"},
+        {"{\"class\":\"InputLayer\",\"name\":\"v\",\"inputs\":[0],\"config\":{" GOOD_SHAPE
+         "}}," CONCAT("0", "1"),
+         "\"inputs\" is not an array of 0..0 nodes"},
+        {INPUT_LAYER("v", GOOD_SHAPE) "," CONCAT("0", "1") ",{\"call_of\":0,\"inputs\":[]}",
+         "layer 0 is an input"},
+        {CONCAT("0", "0") "," INPUT_LAYER("late", GOOD_SHAPE), "is input 1 ('late')"},
+        {INPUT_LAYER("v", GOOD_SHAPE) ",{\"class\":\"Dense\",\"name\":\"d\",\"inputs\":[0],"
+         "\"config\":{\"units\":2}}",
+         "input 1 ('v') does not lead to the output"},
+    };
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char doc[2048];
+        mpt__json j;
+        mpt_model *m = NULL;
+        mpt_status s;
+        snprintf(doc, sizeof doc, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[3],"
+                 "\"policy\":\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":4,"
+                 "\"layers\":[%s]}", cases[k].layers);
+        s = mpt__json_parse(&j, quiet, "test", doc, (int64_t)strlen(doc));
+        if (s == MPT_OK) s = mpt__model_from_json(&j, quiet, &m);
+        mpt__json_free(&j);
+        if (!cases[k].words) {
+            CHECK(s == MPT_OK && mpt_model_input_count(m) == 2, "case %d: %s", (int)k,
+                  mpt_context_error(quiet));
+        } else {
+            CHECK(s != MPT_OK && !m, "case %d: read", (int)k);
+            CHECK(strstr(mpt_context_error(quiet), cases[k].words) != NULL,
+                  "case %d: message '%s' lacks '%s'", (int)k, mpt_context_error(quiet),
+                  cases[k].words);
+        }
+        mpt_model_destroy(m);
+    }
+#undef INPUT_LAYER
+#undef GOOD_SHAPE
+#undef CONCAT
+}
 
-static mpt_context *quiet;
+/* ---- refusals ---------------------------------------------------------------------- */
 
 /* A model of input 0 (3) and whatever `add` adds; its build's status. */
 static mpt_status build_with(void (*add)(mpt_model *m)) {
@@ -585,6 +645,7 @@ static void cases(void) {
     TEST_RUN(test_replicas_match_one);
     TEST_RUN(test_model_file_round_trip);
     TEST_RUN(test_bad_models);
+    TEST_RUN(test_file_inputs_refused);
     TEST_RUN(test_bad_data);
     TEST_RUN(test_ids_input);
     TEST_RUN(test_dataset_of_inputs);

@@ -109,7 +109,8 @@
    MIXED PRECISION IN ONE PAGE
    Under MPT_POLICY_MIXED_FLOAT16 (MIXED_BFLOAT16 alike, with bfloat16 for
    float16), the buffers of one training step and their dtypes:
-       inputs               the first layer's compute dtype: the batch loader
+       inputs               the first layer's compute dtype (each input's
+                            first reader's, for several): the batch loader
                             converts each sample as it gathers it (uint8
                             pixels become x·scale + offset on the way);
                             int32 token ids (input_dtype) stay int32, and
@@ -226,7 +227,7 @@
        @qgemm        the int8 matrix product (quantized inference)
        @rng          the counter-based random numbers
        @layers       layer descriptors, the sequential model and its functional
-                     form (nodes, merge layers)
+                     form (nodes, merge layers, several inputs)
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
@@ -287,7 +288,8 @@
        @impl-attention    MultiHeadAttention: four projections around the
                           scaled dot-product attention; the CPU's attention
        @impl-model        the model: create, add, the functional form (a layer
-                          applied to nodes, shared layers), initial weights
+                          applied to nodes, shared layers, several inputs as
+                          InputLayers), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
                           memory plan, shared calls; its checks
        @impl-build        the model laid out in memory and built; looking
@@ -999,9 +1001,12 @@ MPTDEF mpt_node mpt_model_input(mpt_model *m);
    that does not). An added input is a layer of class InputLayer in the
    model's list (mpt_model_layer_count and kin, the summary, model
    files), as Keras lists its inputs; input 0 is not (its summary row is
-   "input"). Such a model is a graph: the quantization and the export
-   refuse it (MPT_ERR_UNSUPPORTED), as they refuse graphs; mpt_model_
-   forward takes its inputs through mpt_model_forward_inputs. */
+   "input"). Such a model is a graph; the export, the quantization and
+   text generation refuse it for now (MPT_ERR_UNSUPPORTED); a forward
+   pass by hand takes its inputs through mpt_model_forward_inputs, and
+   mpt_model_predict_tensor (one x) refuses it. On a GPU, fit uploads each
+   step's inputs as the step starts (not staged ahead, nor replayed as a
+   CUDA graph). */
 #define MPT_MAX_INPUTS 8
 typedef struct mpt_input_desc {
     int64_t shape[MPT_MAX_RANK - 1]; /* required: one sample's shape       */
@@ -1778,7 +1783,8 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m);
    ============================================================================= */
 
 typedef struct mpt_dataset_desc {
-    const mpt_tensor *x;   /* required unless inputs: (n, sample shape...) uint8, float32,
+    const mpt_tensor *x;   /* required (unless inputs): (n, sample
+                              shape...) uint8, float32,
                               float16 or bfloat16; or int32 token ids,
                               never converted, for a model whose
                               input_dtype is MPT_INT32 (each id checked
@@ -1812,9 +1818,9 @@ typedef struct mpt_dataset_desc {
 } mpt_dataset_desc;
 
 /* A dataset over caller arrays. Float inputs are checked for NaN and inf,
-   and the counts of x (or of every inputs tensor) and y must agree. Without y it holds inputs alone:
-   predict reads it, fit, evaluate and mpt_dataset_labels/_targets refuse
-   it, naming what is missing. */
+   and the counts of x (or of every inputs tensor) and y must agree.
+   Without y it holds inputs alone: predict reads it, fit, evaluate and
+   mpt_dataset_labels/_targets refuse it, naming what is missing. */
 MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
                                      mpt_dataset **out);
 /* Reads an IDX (MNIST-format) image file and label file, plain or gzip

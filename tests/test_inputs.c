@@ -473,6 +473,11 @@ static void test_bad_data(void) {
     test_expect_error(quiet, mpt_dataset_create(quiet, &(mpt_dataset_desc){.inputs = right,
                                                 .input_count = 9, .y = &ty}, &d),
                       MPT_ERR_INVALID_ARGUMENT, "input_count 9", "9 inputs");
+    vec[5] = NAN; /* checked as x is */
+    test_expect_error(quiet, mpt_dataset_create(quiet, &(mpt_dataset_desc){.inputs = right,
+                                                .input_count = 2, .y = &ty}, &d),
+                      MPT_ERR_NUMERIC, "inputs[1] sample 1 holds nan", "a NaN in input 1");
+    vec[5] = 0;
     /* one tensor for two inputs */
     CHECK(mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &ti, .y = &ty}, &d) == MPT_OK,
           "dataset: %s", mpt_context_error(quiet));
@@ -521,6 +526,8 @@ static void test_bad_data(void) {
                           "quantize: not for a model of several inputs", "quantize");
         mpt_model_destroy(q);
     }
+    test_expect_error(quiet, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                      "quantize_aware: not for a model of several inputs", "quantize_aware");
     mpt_model_destroy(m);
 }
 
@@ -575,7 +582,8 @@ static void test_dataset_of_inputs(void) {
     static uint8_t px[N * IMG * IMG];
     static float pf[N * IMG * IMG];
     int64_t si[4] = {N, IMG, IMG, 1}, sv[2] = {N, VEC}, sy[1] = {N}, sw[1] = {N}, i;
-    int64_t ti_shape[4] = {N - 40, IMG, IMG, 1}, tv_shape[2] = {N - 40, VEC}, ty_shape[1] = {N - 40};
+    int64_t ti_shape[4] = {N - 40, IMG, IMG, 1}, tv_shape[2] = {N - 40, VEC};
+    int64_t ty_shape[1] = {N - 40};
     static float weights[N];
     mpt_tensor tpx, tpf, tv, ty, tw, tail_px, tail_v, tail_y, p[4];
     const mpt_tensor *u8[2], *f32[2], *tail_in[2];

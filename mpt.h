@@ -1004,9 +1004,9 @@ MPTDEF mpt_node mpt_model_input(mpt_model *m);
    "input"). Such a model is a graph; the export, the quantization and
    text generation refuse it for now (MPT_ERR_UNSUPPORTED); a forward
    pass by hand takes its inputs through mpt_model_forward_inputs, and
-   mpt_model_predict_tensor (one x) refuses it. On a GPU, fit uploads each
-   step's inputs as the step starts (not staged ahead, nor replayed as a
-   CUDA graph). */
+   mpt_model_predict_tensor (one x) refuses it. On a GPU, fit's feed
+   stages and uploads every input of a batch ahead of its step, as it
+   does input 0. */
 #define MPT_MAX_INPUTS 8
 typedef struct mpt_input_desc {
     int64_t shape[MPT_MAX_RANK - 1]; /* required: one sample's shape       */
@@ -4978,6 +4978,9 @@ struct mpt_model {
     int n_inputs;                        /* 1 + the inputs added            */
     int input_layer[MPT_MAX_INPUTS];     /* [0] unused                      */
     mpt_tensor batch_in[MPT_MAX_INPUTS]; /* [0] unused: input 0 is forward's x */
+    void *added_buf[2][MPT_MAX_INPUTS];  /* on a GPU: fit's feed uploads input k
+                                            of a batch into [b][k], as input 0
+                                            into input_buf[b]; NULL on the CPU */
     int64_t graph_slot_bytes;            /* a graph's scratch per input slot */
     unsigned char *node_written;         /* a graph's backward: which nodes'
                                             gradients hold a sum (host)       */
@@ -10569,6 +10572,11 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
             m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                           4 * last->out_count * m->max_batch);
             m->weight_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * m->max_batch);
+            for (k = 1; k < m->n_inputs; k++) { /* in its InputLayer's dtype */
+                const mpt__layer *L = &m->layers[m->input_layer[k]];
+                m->added_buf[i][k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                                mpt__dbytes(L->dtype, L->out_count * m->max_batch));
+            }
         }
     }
 }
@@ -14693,9 +14701,15 @@ static mpt_status mpt__train_step(mpt_model *m, const mpt_tensor *x, const mpt_t
 static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
     mpt_tensor x;
     mpt_status s;
+    int k;
     if (!m->be->gemm_plan || m->planned_batch == batch) return MPT_OK;
     mpt__batch_view(&x, mpt__input_batch_dtype(m), batch, m->desc.input_rank,
                     m->desc.input_shape, m->input_buf[0], mpt__model_device(m));
+    for (k = 1; k < m->n_inputs; k++) { /* whatever their upload buffers hold */
+        const mpt__layer *L = &m->layers[m->input_layer[k]];
+        mpt__batch_view(&m->batch_in[k], L->dtype, batch, L->out_rank, L->out_shape,
+                        m->added_buf[0][k], mpt__model_device(m));
+    }
     m->planning = 1;
     mpt__model_forward(m, &x, 1);
     mpt_model_backward(m, NULL, NULL);
@@ -14721,6 +14735,9 @@ typedef struct mpt__feed_slot { /* one model's (or replica's) */
     void *host[2][3];        /* [buffer][x, y, w] pinned staging, a full batch */
     mpt_tensor x[2], y[2];   /* [buffer] its rows uploaded there (0: none)   */
     mpt_tensor w[2];         /* [buffer] their sample weights (data NULL: none) */
+    /* A model of several inputs: input k's staging and rows, [b][0] unused. */
+    void *added_host[2][MPT_MAX_INPUTS];
+    mpt_tensor added[2][MPT_MAX_INPUTS];
 } mpt__feed_slot;
 
 typedef struct mpt__feed {
@@ -14768,8 +14785,10 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
     }
     for (k = 0; f->slot && k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
-        for (b = 0; b < 2; b++)
+        for (b = 0; b < 2; b++) {
             for (j = 0; j < 3; j++) r->be->free_host(r->impl, f->slot[k].host[b][j]);
+            for (j = 1; j < r->n_inputs; j++) r->be->free_host(r->impl, f->slot[k].added_host[b][j]);
+        }
     }
     for (b = 0; b < 2; b++)
         if (f->graph[b]) m->be->graph_free(m->impl, f->graph[b]);
@@ -14777,13 +14796,30 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
     memset(f, 0, sizeof *f);
 }
 
+/* Slot k's pinned staging for the added inputs of a model of several:
+   a full batch of each, in its InputLayer's dtype (the loader's). */
+static mpt_status mpt__feed_open_added(mpt_model *m, mpt__feed *f, int k) {
+    mpt_model *r = mpt__feed_model(m, k);
+    int b, j;
+    for (b = 0; b < 2; b++)
+        for (j = 1; j < r->n_inputs; j++) {
+            const mpt__layer *L = &r->layers[r->input_layer[j]];
+            size_t bytes = (size_t)mpt__dbytes(L->dtype, L->out_count * r->max_batch);
+            if (r->be->alloc_host(r->impl, bytes, &f->slot[k].added_host[b][j]) != MPT_OK) {
+                mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
+                                         r->be->error(r->impl));
+                mpt__feed_close(m, f);
+                return s;
+            }
+        }
+    return MPT_OK;
+}
+
 static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
     const char *env = getenv("MPT_CUDA_GRAPHS");
     int k, b, j;
     memset(f, 0, sizeof *f);
-    /* A model of several inputs is not staged ahead yet: each step uploads
-       its batch's inputs before it runs (mpt__input_on_backend). */
-    if (mpt__model_device(m) == MPT_DEVICE_CPU || m->n_inputs > 1) return MPT_OK;
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
     f->on = 1;
     f->graphs = m->be->can_capture && !(env && strcmp(env, "0") == 0) &&
                 (!m->strategy || mpt__replicas_capturable(m));
@@ -14807,8 +14843,36 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
                     mpt__feed_close(m, f);
                     return s;
                 }
+        MPT__CHECK(mpt__feed_open_added(m, f, k));
     }
     return MPT_OK;
+}
+
+/* The added inputs of replica r's rows (r->batch_in, host memory, as
+   mpt__replica_rows shared them out) staged and copied into its
+   added_buf[b], as input 0 into input_buf[b]: slot->added[b] then shows
+   them there, what a step on buffer b reads. */
+static void mpt__feed_upload_added(mpt_model *r, mpt__feed_slot *slot, int b) {
+    int j;
+    for (j = 1; j < r->n_inputs; j++) {
+        const mpt_tensor *t = &r->batch_in[j];
+        size_t bytes = mpt_tensor_bytes(t);
+        memcpy(slot->added_host[b][j], t->data, bytes);
+        r->be->upload_async(r->impl, r->added_buf[b][j], slot->added_host[b][j], bytes);
+        slot->added[b][j] = *t;
+        slot->added[b][j].data = r->added_buf[b][j];
+        slot->added[b][j].device = MPT_DEVICE_CUDA;
+    }
+}
+
+/* Before a step on buffer b: each replica's added inputs are those
+   uploaded there. */
+static void mpt__feed_use_added(mpt_model *m, const mpt__feed *f, int b) {
+    int k, j;
+    for (k = 0; k < f->n; k++) {
+        mpt_model *r = mpt__feed_model(m, k);
+        for (j = 1; j < r->n_inputs; j++) r->batch_in[j] = f->slot[k].added[b][j];
+    }
 }
 
 /* Starts copying a batch to the device: each slot's rows (this worker's
@@ -14841,6 +14905,7 @@ static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor 
             slot->w[b].data = r->weight_buf[b];
             slot->w[b].device = MPT_DEVICE_CUDA;
         }
+        mpt__feed_upload_added(r, slot, b);
         memcpy(slot->host[b][0], xs[k].data, mpt_tensor_bytes(&xs[k]));
         memcpy(slot->host[b][1], ys[k].data, mpt_tensor_bytes(&ys[k]));
         r->be->upload_async(r->impl, r->input_buf[b], slot->host[b][0], mpt_tensor_bytes(&xs[k]));
@@ -14868,6 +14933,7 @@ static mpt_status mpt__feed_queue(mpt_model *m, const mpt__feed *f, int b,
                                   mpt__step_times *times) {
     mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS], ws[MPT__MAX_REPLICAS];
     int k;
+    mpt__feed_use_added(m, f, b);
     if (!m->strategy) {
         mpt__queue_step(m, &f->slot[0].x[b], &f->slot[0].y[b], &f->slot[0].w[b], times);
         return MPT_OK;
@@ -21300,6 +21366,7 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
         r->feed.have = 0;
         if (mpt__fit_take(r, &nx, &ny, &nw))
             *s = mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows);
+        mpt__feed_use_added(m, &r->feed, b); /* the step's, not the next batch's */
     } else {
         *s = mpt__input_on_backend(m, x, &in);
         if (*s == MPT_OK) *s = mpt__target_on_backend(m, y, &target);

@@ -1919,11 +1919,13 @@ MPTDEF mpt_status mpt_dataset_create_text(mpt_context *ctx, const void *bytes, i
                                           const mpt_dataset_text_desc *desc, mpt_dataset **train,
                                           mpt_dataset **validation);
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
-/* One sample's shape; returns its rank. */
+/* One sample's shape (of a dataset of several inputs: input 0's); returns
+   its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
 /* Gives d's samples a new shape (rank 1..3) with the same number of
    elements, e.g. IDX images (28, 28, 1) -> (784,) for a model whose input
-   is (784,). The data is not touched; views split from d keep theirs. */
+   is (784,). The data is not touched; views split from d keep theirs. Of
+   a dataset of several inputs, input 0 (x) is reshaped. */
 MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
                                       const int64_t *shape);
 /* One sample's target shape: its rank, 0 for one class id a sample and

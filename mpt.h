@@ -109,7 +109,8 @@
    MIXED PRECISION IN ONE PAGE
    Under MPT_POLICY_MIXED_FLOAT16 (MIXED_BFLOAT16 alike, with bfloat16 for
    float16), the buffers of one training step and their dtypes:
-       inputs               the first layer's compute dtype: the batch loader
+       inputs               the first layer's compute dtype (each input's
+                            first reader's, for several): the batch loader
                             converts each sample as it gathers it (uint8
                             pixels become x·scale + offset on the way);
                             int32 token ids (input_dtype) stay int32, and
@@ -226,7 +227,7 @@
        @qgemm        the int8 matrix product (quantized inference)
        @rng          the counter-based random numbers
        @layers       layer descriptors, the sequential model and its functional
-                     form (nodes, merge layers)
+                     form (nodes, merge layers, several inputs)
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
@@ -287,7 +288,8 @@
        @impl-attention    MultiHeadAttention: four projections around the
                           scaled dot-product attention; the CPU's attention
        @impl-model        the model: create, add, the functional form (a layer
-                          applied to nodes, shared layers), initial weights
+                          applied to nodes, shared layers, several inputs as
+                          InputLayers), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
                           memory plan, shared calls; its checks
        @impl-build        the model laid out in memory and built; looking
@@ -975,8 +977,54 @@ MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_de
 typedef int mpt_node;
 #define MPT_NODE_FAILED (-1)
 
-/* The model's input (its desc's input_shape). */
+/* The model's input (its desc's input_shape): input 0. */
 MPTDEF mpt_node mpt_model_input(mpt_model *m);
+
+/* ---- several inputs (Keras' functional API with a list of inputs):
+
+       img = keras.Input(shape=(8, 8, 1)); vec = keras.Input(shape=(4,))
+       ... keras.Model(inputs=[img, vec], outputs=out)
+       model.fit([x_img, x_vec], y)
+
+   is, with input 0 the model desc's and the others added:
+
+       mpt_node img = mpt_model_input(m);
+       mpt_node vec = mpt_model_add_input(m, &(mpt_input_desc){
+                          .shape = { 4 }, .rank = 1 });
+       ... mpt_node both[2] = { a, b }; mpt_concatenate(m, 2, both, NULL) ...
+
+   and a dataset of one tensor per input (mpt_dataset_desc.inputs), in
+   the order the inputs were made. Each input is batched in the compute
+   dtype of the first layer that reads it and cast, as input 0 is, for
+   any other layer that reads it; int32 ids go only to layers that take
+   ids (Embedding). Every input must lead to the output (build names one
+   that does not). An added input is a layer of class InputLayer in the
+   model's list (mpt_model_layer_count and kin, the summary, model
+   files), as Keras lists its inputs; input 0 is not (its summary row is
+   "input"). Such a model is a graph; the export, the quantization and
+   text generation refuse it for now (MPT_ERR_UNSUPPORTED); a forward
+   pass by hand takes its inputs through mpt_model_forward_inputs, and
+   mpt_model_predict_tensor (one x) refuses it. On a GPU, fit's feed
+   stages and uploads every input of a batch ahead of its step, as it
+   does input 0. */
+#define MPT_MAX_INPUTS 8
+typedef struct mpt_input_desc {
+    int64_t shape[MPT_MAX_RANK - 1]; /* required: one sample's shape       */
+    int rank;                        /* required: 1..3                     */
+    mpt_dtype dtype;                 /* default 0: numbers in a float dtype;
+                                        MPT_INT32: token ids (Keras'
+                                        Input(dtype="int32"))             */
+    const char *name;                /* default "input_layer_1",
+                                        "input_layer_2", ... (Keras')      */
+} mpt_input_desc;
+
+/* Another input of the model, after those made before it (input 0 is the
+   desc's; so at most MPT_MAX_INPUTS - 1 of these): its node. A bad shape,
+   rank, dtype or name returns MPT_NODE_FAILED, the model keeping the
+   failure for build as the other functional calls do. */
+MPTDEF mpt_node mpt_model_add_input(mpt_model *m, const mpt_input_desc *desc);
+/* The model's inputs: 1, or 1 + those added. */
+MPTDEF int mpt_model_input_count(const mpt_model *m);
 
 MPTDEF mpt_node mpt_dense(mpt_model *m, mpt_node x, const mpt_dense_desc *desc);
 MPTDEF mpt_node mpt_conv2d(mpt_model *m, mpt_node x, const mpt_conv2d_desc *desc);
@@ -1158,6 +1206,11 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch);
    BatchNormalization on batch statistics (updating its moving ones). */
 MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
                                     mpt_tensor *out);
+/* mpt_model_forward for a model of several inputs (Keras' model([a, b])):
+   xs[k] input k's batch, n the model's input count, every batch of the
+   same number of samples. A model of one input takes it too (n = 1). */
+MPTDEF mpt_status mpt_model_forward_inputs(mpt_model *m, int n, const mpt_tensor *xs,
+                                           int training, mpt_tensor *out);
 /* A borrowed view of the buffer that receives the gradient of the loss with
    respect to the output (same shape and dtype as forward's out). */
 MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout);
@@ -1165,7 +1218,8 @@ MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout);
    in mpt_model_output_grad's buffer) through every layer, overwriting each
    parameter's gradient. Requires a forward pass with training = 1.
    dinput (optional) receives a borrowed view of the gradient w.r.t. x, in
-   the first layer's compute dtype. */
+   the compute dtype of the first layer that reads it (for a model of
+   several inputs: input 0's; the added inputs have none). */
 MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout,
                                      mpt_tensor *dinput);
 
@@ -1735,7 +1789,8 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m);
    ============================================================================= */
 
 typedef struct mpt_dataset_desc {
-    const mpt_tensor *x;   /* required: (n, sample shape...) uint8, float32,
+    const mpt_tensor *x;   /* required (unless inputs): (n, sample
+                              shape...) uint8, float32,
                               float16 or bfloat16; or int32 token ids,
                               never converted, for a model whose
                               input_dtype is MPT_INT32 (each id checked
@@ -1760,12 +1815,18 @@ typedef struct mpt_dataset_desc {
                               NULL, every sample 1; else (n,) float32 in
                               CPU memory, each finite and >= 0, always
                               copied (mpt_dataset_set_sample_weight)       */
+    /* Keras' fit(x=[a, b], y): one tensor per input of a model of several
+       (mpt_model_add_input), in the model's input order, each as x may be
+       (its own dtype; uint8 scaled by scale and offset); every count that
+       of y. x must then be NULL. Each is borrowed or copied as copy says. */
+    const mpt_tensor *const *inputs;
+    int input_count;       /* default 0: x alone; else 1..MPT_MAX_INPUTS   */
 } mpt_dataset_desc;
 
 /* A dataset over caller arrays. Float inputs are checked for NaN and inf,
-   and the counts of x and y must agree. Without y it holds inputs alone:
-   predict reads it, fit, evaluate and mpt_dataset_labels/_targets refuse
-   it, naming what is missing. */
+   and the counts of x (or of every inputs tensor) and y must agree.
+   Without y it holds inputs alone: predict reads it, fit, evaluate and
+   mpt_dataset_labels/_targets refuse it, naming what is missing. */
 MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
                                      mpt_dataset **out);
 /* Reads an IDX (MNIST-format) image file and label file, plain or gzip
@@ -1864,11 +1925,13 @@ MPTDEF mpt_status mpt_dataset_create_text(mpt_context *ctx, const void *bytes, i
                                           const mpt_dataset_text_desc *desc, mpt_dataset **train,
                                           mpt_dataset **validation);
 MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d);
-/* One sample's shape; returns its rank. */
+/* One sample's shape (of a dataset of several inputs: input 0's); returns
+   its rank. */
 MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
 /* Gives d's samples a new shape (rank 1..3) with the same number of
    elements, e.g. IDX images (28, 28, 1) -> (784,) for a model whose input
-   is (784,). The data is not touched; views split from d keep theirs. */
+   is (784,). The data is not touched; views split from d keep theirs. Of
+   a dataset of several inputs, input 0 (x) is reshaped. */
 MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
                                       const int64_t *shape);
 /* One sample's target shape: its rank, 0 for one class id a sample and
@@ -4635,6 +4698,7 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_POSITION_EMBEDDING,
     MPT__LAYER_LAYER_NORMALIZATION,
     MPT__LAYER_MULTI_HEAD_ATTENTION,
+    MPT__LAYER_INPUT, /* another input of the model (mpt_model_add_input) */
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4786,6 +4850,16 @@ typedef struct mpt__layer_common_desc {
     MPT_LAYER_COMMON_FIELDS;
 } mpt__layer_common_desc;
 
+/* An added input (mpt_model_add_input) as its InputLayer keeps it: the
+   common fields (its name; dtype unused: it takes its readers'), one
+   sample's shape, and whether it holds int32 ids. */
+typedef struct mpt__input_layer_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    int64_t shape[MPT_MAX_RANK - 1];
+    int rank;
+    int ids;
+} mpt__input_layer_desc;
+
 /* Any layer's descriptor; its name and dtype are read through `common`
    whatever the layer (the members share those first fields). */
 union mpt__layer_desc {
@@ -4805,6 +4879,7 @@ union mpt__layer_desc {
     mpt_position_embedding_desc position_embedding;
     mpt_layer_normalization_desc layer_normalization;
     mpt_multi_head_attention_desc multi_head_attention;
+    mpt__input_layer_desc input;
 };
 
 struct mpt__layer {
@@ -4922,7 +4997,16 @@ struct mpt_model {
     mpt_status graph_status;             /* the first failed functional call */
     char graph_error[1024];              /* and its message                   */
     void *input_grad;                    /* a graph's gradient w.r.t. its input,
-                                            in layers[0]'s dtype              */
+                                            in its first reader's dtype       */
+    /* Several inputs (mpt_model_add_input): input k > 0 is the InputLayer
+       m->layers[input_layer[k]], whose forward copies batch_in[k], the
+       batch's input k where the backend reads it, into its output. */
+    int n_inputs;                        /* 1 + the inputs added            */
+    int input_layer[MPT_MAX_INPUTS];     /* [0] unused                      */
+    mpt_tensor batch_in[MPT_MAX_INPUTS]; /* [0] unused: input 0 is forward's x */
+    void *added_buf[2][MPT_MAX_INPUTS];  /* on a GPU: fit's feed uploads input k
+                                            of a batch into [b][k], as input 0
+                                            into input_buf[b]; NULL on the CPU */
     int64_t graph_slot_bytes;            /* a graph's scratch per input slot */
     unsigned char *node_written;         /* a graph's backward: which nodes'
                                             gradients hold a sum (host)       */
@@ -5257,6 +5341,26 @@ static int mpt__node_call(const mpt_model *m, int node) {
 /* A node's name in messages: the layer that gives it, or "input". */
 static const char *mpt__node_name(const mpt_model *m, int node) {
     return node > 0 ? m->layers[node - 1].name : "input";
+}
+
+/* Whether L is an added input of the model (mpt_model_add_input). */
+static int mpt__is_input_layer(const mpt__layer *L) { return L->ops->kind == MPT__LAYER_INPUT; }
+
+/* The first layer that reads node j: its index, or -1 when none does. */
+static int mpt__node_first_reader(const mpt_model *m, int j) {
+    int i, s;
+    for (i = j; i < m->n_layers; i++)
+        for (s = 0; s < m->layers[i].n_in; s++)
+            if (m->layers[i].in_node[s] == j) return i;
+    return -1;
+}
+
+/* The first layer that reads input 0, whose dtype its batches come in:
+   layers[0] but where an added input comes first (layers[0] where none
+   reads it: build refuses such a model). */
+static const mpt__layer *mpt__input_reader(const mpt_model *m) {
+    int i = m->n_inputs > 1 ? mpt__node_first_reader(m, 0) : 0;
+    return &m->layers[i < 0 ? 0 : i];
 }
 
 /* =============================================================================
@@ -8320,38 +8424,50 @@ static int mpt__layer_takes_ids(const mpt__layer *L) { return L->ops->takes_ids;
 /* Whether the model's input is int32 ids (else numbers in a float dtype). */
 static int mpt__input_is_ids(const mpt_model *m) { return m->desc.input_dtype == MPT_INT32; }
 
-/* The dtype fit, evaluate and predict batch the input in: the ids as they
-   are, or numbers in the first layer's compute dtype. */
-static mpt_dtype mpt__input_batch_dtype(const mpt_model *m) {
-    return mpt__input_is_ids(m) ? MPT_INT32 : m->layers[0].dtype;
+/* Whether node j holds int32 ids: input 0 of a model of ids, or an
+   added input of ids. */
+static int mpt__node_is_ids(const mpt_model *m, int j) {
+    return j == 0 ? mpt__input_is_ids(m)
+                  : mpt__is_input_layer(&m->layers[j - 1]) && m->layers[j - 1].desc.input.ids;
 }
 
-/* Build: a layer that reads the model's int32 ids must take them (only
-   Embedding does); any other would read the ids' bits as numbers. */
+/* The dtype fit, evaluate and predict batch the input in: the ids as they
+   are, or numbers in the compute dtype of the first layer that reads it. */
+static mpt_dtype mpt__input_batch_dtype(const mpt_model *m) {
+    return mpt__input_is_ids(m) ? MPT_INT32 : mpt__input_reader(m)->dtype;
+}
+
+/* Build: a layer that reads int32 ids (the model's input, or an added
+   input of ids) must take them (only Embedding does); any other would
+   read the ids' bits as numbers. */
 static mpt_status mpt__check_reads_ids(mpt_model *m, const mpt__layer *L) {
     int s;
-    if (!mpt__input_is_ids(m) || mpt__layer_takes_ids(L)) return MPT_OK;
+    if (mpt__layer_takes_ids(L)) return MPT_OK;
     for (s = 0; s < L->n_in; s++)
-        if (L->in_node[s] == 0)
+        if (mpt__node_is_ids(m, L->in_node[s]))
             return mpt__fail(m->ctx, MPT_ERR_DTYPE,
-                             "%s '%s' reads the model's input, which is int32 token ids "
-                             "(input_dtype): it takes numbers, not ids; an Embedding turns ids "
-                             "into numbers", L->ops->class_name, L->name);
+                             "%s '%s' reads %s%s%s, which is int32 token ids%s: it takes "
+                             "numbers, not ids; an Embedding turns ids into numbers",
+                             L->ops->class_name, L->name,
+                             L->in_node[s] ? "the input '" : "the model's input",
+                             L->in_node[s] ? mpt__node_name(m, L->in_node[s]) : "",
+                             L->in_node[s] ? "'" : "", L->in_node[s] ? "" : " (input_dtype)");
     return MPT_OK;
 }
 
-/* n samples of `count` ids each (host memory) checked against every
-   Embedding that reads them: an id outside its table is an error naming
-   the layer, the id, its sample and its place in the sample. */
-static mpt_status mpt__check_ids(mpt_model *m, const int32_t *ids, int64_t n, int64_t count,
-                                 const char *what) {
+/* n samples of `count` ids each (host memory) of node j (an input of ids)
+   checked against every Embedding that reads them: an id outside its
+   table is an error naming the layer, the id, its sample and its place in
+   the sample. */
+static mpt_status mpt__check_node_ids(mpt_model *m, int j, const int32_t *ids, int64_t n,
+                                      int64_t count, const char *what) {
     int i;
     int64_t k;
-    if (!mpt__input_is_ids(m)) return MPT_OK;
+    if (!mpt__node_is_ids(m, j)) return MPT_OK;
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
         int64_t dim = L->desc.embedding.input_dim;
-        if (!mpt__layer_takes_ids(L) || L->in_node[0] != 0) continue;
+        if (!mpt__layer_takes_ids(L) || L->in_node[0] != j) continue;
         for (k = 0; k < n * count; k++)
             if (ids[k] < 0 || ids[k] >= dim)
                 return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
@@ -8364,16 +8480,23 @@ static mpt_status mpt__check_ids(mpt_model *m, const int32_t *ids, int64_t n, in
     return MPT_OK;
 }
 
+/* The same for the model's input (node 0). */
+static mpt_status mpt__check_ids(mpt_model *m, const int32_t *ids, int64_t n, int64_t count,
+                                 const char *what) {
+    return mpt__check_node_ids(m, 0, ids, n, count, what);
+}
+
 /* ---- Embedding ---------------------------------------------------------- */
 
 static mpt_status mpt__embedding_build(struct mpt_model *m, mpt__layer *L) {
     const mpt_embedding_desc *d = &L->desc.embedding;
     int64_t shape[2];
     char s[96];
-    if (L->in_node[0] != 0 || !mpt__input_is_ids(m))
+    if (!mpt__node_is_ids(m, L->in_node[0]))
         return mpt__fail(m->ctx, MPT_ERR_DTYPE,
                          "Embedding '%s': its input ('%s') must be the model's int32 token ids "
-                         "(mpt_model_desc.input_dtype MPT_INT32)", L->name,
+                         "(mpt_model_desc.input_dtype MPT_INT32, or an input added with dtype "
+                         "MPT_INT32)", L->name,
                          mpt__node_name(m, L->in_node[0]));
     if (L->in_rank > MPT_MAX_RANK - 2)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE,
@@ -9718,6 +9841,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
     m->desc = *desc;
     m->strategy = desc->strategy;
     m->n_replicas = 1;
+    m->n_inputs = 1;
     m->policy_dtype = desc->policy == MPT_POLICY_MIXED_FLOAT16    ? MPT_FLOAT16
                       : desc->policy == MPT_POLICY_MIXED_BFLOAT16 ? MPT_BFLOAT16
                                                                   : MPT_FLOAT32;
@@ -9763,6 +9887,11 @@ static const mpt__layer *mpt__find_layer(const mpt_model *m, const char *name) {
    else the node before it, as in a Sequential stack. */
 static void mpt__take_inputs(mpt_model *m, mpt__layer *L) {
     int s;
+    if (L->ops->max_inputs == 0) { /* an added input: a node of its own */
+        L->n_in = 0;
+        m->graph = 1;
+        return;
+    }
     if (m->n_pending == 0) {
         L->n_in = 1;
         L->in_node[0] = m->n_layers;
@@ -9795,6 +9924,10 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
     if (name && mpt__find_layer(m, name) && !m->pending_call_of)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "%s: the model already has a layer named \"%s\"", ops->class_name, name);
+    if (ops->kind == MPT__LAYER_INPUT && m->n_inputs >= MPT_MAX_INPUTS)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "InputLayer: the model has %d inputs already, the most "
+                         "(MPT_MAX_INPUTS)", m->n_inputs);
     if (!mpt__grow_array(m->ctx, (void **)&m->layers, &m->cap_layers, m->n_layers,
                          sizeof *m->layers))
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
@@ -9818,6 +9951,7 @@ static mpt_status mpt__model_add(mpt_model *m, const mpt__layer_ops *ops,
             snprintf(L->name, sizeof L->name, "%s_%d", ops->default_name, ++k);
     }
     L->seed = mpt__mix64(m->desc.seed ^ mpt__mix64((uint64_t)m->n_layers + 1));
+    if (ops->kind == MPT__LAYER_INPUT) m->input_layer[m->n_inputs++] = m->n_layers;
     m->n_layers++;
     return MPT_OK;
 }
@@ -9884,6 +10018,134 @@ static mpt_node mpt__call_layer(mpt_model *m, const mpt__layer_ops *ops, int n,
 
 MPTDEF mpt_node mpt_model_input(mpt_model *m) { return m ? 0 : MPT_NODE_FAILED; }
 
+/* ---- several inputs: each added input an InputLayer, a node of its own -------
+   The layer reads nothing (no input nodes, min_inputs = max_inputs = 0);
+   its forward copies the batch's input into its output, in the compute
+   dtype of the first layer that reads it, and the walks then treat it as
+   any layer's output (cast for readers of another dtype). It has no
+   gradient: the backward walk asks none for it. */
+
+/* Which input of the model L is: k in 1..n_inputs - 1. */
+static int mpt__input_index(const mpt_model *m, const mpt__layer *L) {
+    int k;
+    for (k = 1; k < m->n_inputs; k++)
+        if (&m->layers[m->input_layer[k]] == L) return k;
+    return 0;
+}
+
+static mpt_status mpt__input_layer_check(mpt_model *m, const mpt__layer_ops *ops,
+                                         const mpt__layer_desc *desc) {
+    const mpt__input_layer_desc *d = &desc->input;
+    const char *name = desc->common.name ? desc->common.name : "(unnamed)";
+    char s[96];
+    int64_t count;
+    int i;
+    if (d->rank < 1 || d->rank > MPT_MAX_RANK - 1)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "%s '%s' (input %d): rank %d is not in 1..%d (one sample, without the "
+                         "batch; required)", ops->class_name, name, m->n_inputs, d->rank,
+                         MPT_MAX_RANK - 1);
+    mpt_shape_format(s, sizeof s, d->rank, d->shape);
+    for (i = 0; i < d->rank; i++)
+        if (d->shape[i] <= 0)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s '%s' (input %d): shape %s has a "
+                             "dimension <= 0", ops->class_name, name, m->n_inputs, s);
+    for (; i < MPT_MAX_RANK - 1; i++) /* (a file's: the add zeroes them) */
+        if (d->shape[i] != 0)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s '%s' (input %d): shape_%d is %lld, past "
+                             "its rank %d (0 there)", ops->class_name, name, m->n_inputs, i,
+                             (long long)d->shape[i], d->rank);
+    count = mpt__shape_count(d->rank, d->shape);
+    if (count < 0 || count > MPT__MAX_SAMPLE_ELEMENTS)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "%s '%s' (input %d): shape %s has more "
+                         "elements than the 2^56 a sample may have", ops->class_name, name,
+                         m->n_inputs, s);
+    if (d->ids != 0 && d->ids != 1)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s '%s' (input %d): ids is %d, "
+                         "not 0 (numbers) or 1 (int32 ids)", ops->class_name, name,
+                         m->n_inputs, d->ids);
+    if (desc->common.dtype != MPT_DTYPE_DEFAULT)
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s '%s' (input %d): an input has no compute "
+                         "dtype of its own (it takes its readers')", ops->class_name, name,
+                         m->n_inputs);
+    return MPT_OK;
+}
+
+/* Its shape is the desc's; its dtype the first reader's (ids: int32). */
+static mpt_status mpt__input_layer_build(struct mpt_model *m, mpt__layer *L) {
+    const mpt__input_layer_desc *d = &L->desc.input;
+    int reader = mpt__node_first_reader(m, (int)(L - m->layers) + 1);
+    L->out_rank = L->in_rank = d->rank;
+    memcpy(L->out_shape, d->shape, sizeof L->out_shape);
+    memcpy(L->in_shape, d->shape, sizeof L->in_shape);
+    L->in_count = mpt__shape_count(d->rank, d->shape);
+    L->dtype = d->ids ? MPT_INT32 : reader >= 0 ? m->layers[reader].dtype : m->policy_dtype;
+    return MPT_OK;
+}
+
+static void mpt__input_layer_forward(mpt__layer *L, const mpt__pass *p) {
+    const mpt_tensor *t = &p->model->batch_in[mpt__input_index(p->model, L)];
+    int64_t n = p->batch * L->out_count;
+    if (t->data == L->y) return; /* uploaded there (mpt__input_on_backend) */
+    if (t->dtype == L->dtype)
+        p->be->copy(p->impl, L->y, t->data, (size_t)mpt__dbytes(L->dtype, n));
+    else
+        p->be->convert(p->impl, L->dtype, L->y, t->dtype, t->data, n);
+}
+
+static void mpt__input_layer_backward(mpt__layer *L, const mpt__pass *p) {
+    (void)L;
+    (void)p;
+}
+
+/* What a model file keeps: the shape's three places, its rank, ids. */
+static const mpt__field mpt__input_layer_fields[] = {
+    MPT__FIELD(mpt__input_layer_desc, rank, MPT__FIELD_INT),
+    {"shape_0", MPT__FIELD_INT64, offsetof(mpt__input_layer_desc, shape)},
+    {"shape_1", MPT__FIELD_INT64, offsetof(mpt__input_layer_desc, shape) + sizeof(int64_t)},
+    {"shape_2", MPT__FIELD_INT64, offsetof(mpt__input_layer_desc, shape) + 2 * sizeof(int64_t)},
+    MPT__FIELD(mpt__input_layer_desc, ids, MPT__FIELD_INT),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__input_layer_ops = {
+    "InputLayer", "input_layer", MPT__LAYER_INPUT,
+    mpt__input_layer_build, mpt__input_layer_forward, mpt__input_layer_backward,
+    NULL, NULL, NULL, NULL, NULL, 0,
+    sizeof(mpt__input_layer_desc), mpt__input_layer_check, mpt__input_layer_fields,
+    0, 0, 0};
+
+MPTDEF mpt_node mpt_model_add_input(mpt_model *m, const mpt_input_desc *desc) {
+    mpt__input_layer_desc d;
+    char name[64];
+    int k = 0;
+    if (!m || m->graph_status != MPT_OK) return MPT_NODE_FAILED;
+    m->n_pending = 0;
+    if (!desc)
+        return mpt__applied(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "InputLayer (input "
+                                         "%d): NULL descriptor (shape and rank are required)",
+                                         m->n_inputs));
+    if (desc->dtype != MPT_DTYPE_DEFAULT && desc->dtype != MPT_INT32)
+        return mpt__applied(m, mpt__fail(m->ctx, MPT_ERR_DTYPE, "InputLayer '%s' (input %d): "
+                                         "dtype %s is neither 0 (numbers in a float dtype) nor "
+                                         "MPT_INT32 (token ids)",
+                                         desc->name ? desc->name : "(unnamed)", m->n_inputs,
+                                         mpt_dtype_name(desc->dtype)));
+    memset(&d, 0, sizeof d);
+    if (desc->rank >= 1 && desc->rank <= MPT_MAX_RANK - 1) /* the places past it stay 0 */
+        memcpy(d.shape, desc->shape, sizeof(int64_t) * (size_t)desc->rank);
+    d.rank = desc->rank;
+    d.ids = desc->dtype == MPT_INT32;
+    d.name = desc->name;
+    if (!desc->name) { /* Keras': input_layer_1, input_layer_2, ... */
+        do snprintf(name, sizeof name, "input_layer_%d", m->n_inputs + k++);
+        while (mpt__find_layer(m, name));
+        d.name = name;
+    }
+    return mpt__applied(m, mpt__add_layer(m, &mpt__input_layer_ops, &d));
+}
+
+MPTDEF int mpt_model_input_count(const mpt_model *m) { return m ? m->n_inputs : 0; }
+
 /* A shared call of layer O (m->layers[owner]) on the pending inputs. */
 static mpt_status mpt__add_call(mpt_model *m, int owner) {
     const mpt__layer *O = &m->layers[owner];
@@ -9895,9 +10157,11 @@ MPTDEF mpt_node mpt_apply_layer(mpt_model *m, const char *name, int n, const mpt
     const mpt__layer *O;
     if (!m || m->graph_status != MPT_OK) return MPT_NODE_FAILED;
     O = name ? mpt__find_layer(m, name) : NULL;
-    if (!O) {
+    if (!O || mpt__is_input_layer(O)) {
         mpt__graph_keep(m, mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                                     "apply_layer: the model has no layer named \"%s\"",
+                                     O ? "apply_layer: \"%s\" is an input, not a layer to "
+                                         "call again"
+                                       : "apply_layer: the model has no layer named \"%s\"",
                                      name ? name : "(NULL)"));
         return MPT_NODE_FAILED;
     }
@@ -10040,7 +10304,8 @@ static void mpt__graph_layout_layer(mpt_model *m, mpt__carver *c, mpt__layer *L)
         int j = L->in_node[s];
         int64_t bytes = mpt__dbytes(L->dtype, mpt__node_count(m, j) * m->max_batch);
         L->xs_cast[s] = (j == 0 && !mpt__input_is_ids(m)) ||
-                                (j > 0 && m->layers[j - 1].dtype != L->dtype)
+                                (j > 0 && m->layers[j - 1].dtype != L->dtype &&
+                                 m->layers[j - 1].dtype != MPT_INT32)
                             ? mpt__carve(&c[MPT__MEM_ACTIVATIONS], bytes)
                             : NULL;
     }
@@ -10209,9 +10474,32 @@ static void mpt__graph_layout_grads(mpt_model *m, mpt__carver *c) {
                                 mpt__dbytes(last->dtype, last->out_count * m->max_batch));
     m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], slot * slots);
     m->input_grad = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                               mpt__dbytes(m->layers[0].dtype, input * m->max_batch));
+                               mpt__dbytes(mpt__input_reader(m)->dtype, input * m->max_batch));
     last->dy_buf = m->grad_buf[0];
     mpt__graph_layout_node_grads(m, c);
+}
+
+/* A model of several inputs: the output is no input, and every input
+   leads to it (leads[j]: node j does), as keras.Model(inputs, outputs)
+   refuses an input its outputs do not need. */
+static mpt_status mpt__graph_check_inputs(mpt_model *m, const unsigned char *leads) {
+    const mpt__layer *last = &m->layers[m->n_layers - 1];
+    int k;
+    if (m->n_inputs == 1) return MPT_OK;
+    if (mpt__is_input_layer(last))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "model: the output (the last layer added) is input %d ('%s'): add the "
+                         "inputs before the layers that read them", mpt__input_index(m, last),
+                         last->name);
+    for (k = 0; k < m->n_inputs; k++) {
+        int node = k ? m->input_layer[k] + 1 : 0;
+        if (!leads[node])
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "model: input %d ('%s') does not lead to the output, the last "
+                             "layer added ('%s'); every input of a model must", k,
+                             mpt__node_name(m, node), last->name);
+    }
+    return MPT_OK;
 }
 
 /* Before a graph is built: the functional form's first failure, and every
@@ -10229,6 +10517,7 @@ static mpt_status mpt__graph_check(mpt_model *m) {
     leads[m->n_layers] = 1;
     for (i = m->n_layers - 1; i >= 0; i--)
         for (s = 0; s < m->layers[i].n_in && leads[i + 1]; s++) leads[m->layers[i].in_node[s]] = 1;
+    MPT__CHECK(mpt__graph_check_inputs(m, leads));
     /* A shared layer whose own output leads nowhere, while a later call's
        does, is allowed, as Keras leaves such a call out of its model: its
        gradient buffer stays the zeros build wrote (no layer writes it), so
@@ -10250,6 +10539,9 @@ static mpt_status mpt__graph_check(mpt_model *m) {
 /* What reads the layers as a chain (quantization and its training)
    refuses a graph for now, naming what was asked. */
 static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
+    if (m->n_inputs > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several inputs "
+                         "(%d) yet", what, m->n_inputs);
     if (!m->graph) return MPT_OK;
     return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                      "%s: not for a model whose layers are not a chain (a merge, or a layer "
@@ -10303,10 +10595,15 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
         const mpt__layer *last = &m->layers[m->n_layers - 1];
         for (i = 0; i < 2; i++) {
             m->input_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                         4 * m->layers[0].in_count * m->max_batch);
+                                         4 * mpt__node_count(m, 0) * m->max_batch);
             m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                           4 * last->out_count * m->max_batch);
             m->weight_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * m->max_batch);
+            for (k = 1; k < m->n_inputs; k++) { /* in its InputLayer's dtype */
+                const mpt__layer *L = &m->layers[m->input_layer[k]];
+                m->added_buf[i][k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                                mpt__dbytes(L->dtype, L->out_count * m->max_batch));
+            }
         }
     }
 }
@@ -10720,7 +11017,34 @@ static mpt_status mpt__batch_on_backend(mpt_model *m, const mpt_tensor *t, void 
     return mpt__upload(m, buf, t->data, mpt_tensor_bytes(t));
 }
 
+/* An added input's batch (m->batch_in[k], in host memory) copied into its
+   InputLayer's output on a GPU, converted on the host first where its
+   dtype is not the layer's; the layer's forward then has nothing to do. */
+static mpt_status mpt__added_input_on_backend(mpt_model *m, int k) {
+    mpt_tensor *t = &m->batch_in[k];
+    mpt__layer *L = &m->layers[m->input_layer[k]];
+    int64_t n = mpt_tensor_count(t);
+    void *host = NULL;
+    mpt_status s;
+    if (mpt__model_device(m) == MPT_DEVICE_CPU || t->device != MPT_DEVICE_CPU) return MPT_OK;
+    if (t->dtype != L->dtype) {
+        host = mpt__alloc(m->ctx, (size_t)mpt__dbytes(L->dtype, n));
+        if (!host) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
+        mpt__convert(m->ctx, L->dtype, host, t->dtype, t->data, n);
+    }
+    s = mpt__upload(m, L->y, host ? host : t->data, (size_t)mpt__dbytes(L->dtype, n));
+    mpt__free(m->ctx, host);
+    t->data = L->y;
+    t->dtype = L->dtype;
+    t->device = MPT_DEVICE_CUDA;
+    return s;
+}
+
+/* The batch's input 0 where the backend reads it (in), and the added
+   inputs' (m->batch_in, set by the caller) likewise. */
 static mpt_status mpt__input_on_backend(mpt_model *m, const mpt_tensor *x, mpt_tensor *in) {
+    int k;
+    for (k = 1; k < m->n_inputs; k++) MPT__CHECK(mpt__added_input_on_backend(m, k));
     return mpt__batch_on_backend(m, x, m->input_buf[0], in);
 }
 
@@ -10846,19 +11170,61 @@ static void mpt__model_forward(mpt_model *m, const mpt_tensor *x, int training) 
     }
 }
 
-MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
-                                    mpt_tensor *out) {
+/* Forward's checks of an added input's batch xs[k]: dtype, shape, the
+   batch of input 0 (rows), ids in host memory against their tables. */
+static mpt_status mpt__check_added_input(mpt_model *m, int k, const mpt_tensor *t, int64_t rows) {
+    const mpt__layer *L = &m->layers[m->input_layer[k]];
+    const int ids = L->desc.input.ids;
+    char got[96], want[96];
+    int d, ok;
+    if (!t->data)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: input %d ('%s'): NULL data",
+                         k, L->name);
+    if (ids ? t->dtype != MPT_INT32 : !mpt_dtype_is_float(t->dtype))
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "model: input %d ('%s'): dtype %s is not %s", k,
+                         L->name, mpt_dtype_name(t->dtype), ids ? "int32 (its token ids)"
+                                                                : "a float dtype");
+    ok = t->rank == L->out_rank + 1 && t->shape[0] == rows;
+    for (d = 0; ok && d < L->out_rank; d++) ok = t->shape[d + 1] == L->out_shape[d];
+    if (!ok)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "model: input %d ('%s') of shape %s does not fit "
+                         "(%lld, %s): the input's samples, as many as input 0's", k, L->name,
+                         mpt_shape_format(got, sizeof got, t->rank, t->shape), (long long)rows,
+                         mpt_shape_format(want, sizeof want, L->out_rank, L->out_shape));
+    if (!ids || t->device != MPT_DEVICE_CPU) return MPT_OK;
+    return mpt__check_node_ids(m, m->input_layer[k] + 1, (const int32_t *)t->data, rows,
+                               L->in_count, "model: forward");
+}
+
+MPTDEF mpt_status mpt_model_forward_inputs(mpt_model *m, int n, const mpt_tensor *xs,
+                                           int training, mpt_tensor *out) {
     mpt_tensor in;
+    int k;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     MPT__CHECK(mpt__refuse_quantized(m, "forward"));
     if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: forward before build");
-    MPT__CHECK(mpt__check_input(m, x));
-    MPT__CHECK(mpt__input_on_backend(m, x, &in));
+    if (n != m->n_inputs || (!xs && n > 1))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: forward given %d input "
+                         "tensor%s%s, but the model has %d input%s", n, n == 1 ? "" : "s",
+                         xs ? "" : " (NULL)", m->n_inputs, m->n_inputs == 1 ? "" : "s");
+    MPT__CHECK(mpt__check_input(m, xs)); /* (input 0; NULL named there) */
+    for (k = 1; k < n; k++) MPT__CHECK(mpt__check_added_input(m, k, &xs[k], xs[0].shape[0]));
+    for (k = 1; k < n; k++) m->batch_in[k] = xs[k];
+    MPT__CHECK(mpt__input_on_backend(m, &xs[0], &in));
     if (training) MPT__CHECK(mpt__state_push(m)); /* the step keys dropout's masks */
     mpt__model_forward(m, &in, training);
     if (training) mpt__model_commit(m);
     if (out) mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, out);
     return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_forward(mpt_model *m, const mpt_tensor *x, int training,
+                                    mpt_tensor *out) {
+    if (m && m->n_inputs > 1)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: it has %d inputs: "
+                         "mpt_model_forward_inputs takes them all (forward takes one)",
+                         m->n_inputs);
+    return mpt_model_forward_inputs(m, 1, x, training, out);
 }
 
 MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout) {
@@ -10905,7 +11271,8 @@ static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_wal
 /* Whether a graph's backward wants node j's gradient: the input's when
    the caller asks for it, a layer's when that layer runs backward. */
 static int mpt__graph_wants_grad(const mpt__backward_walk *w, int j) {
-    return j == 0 ? w->want_dinput : j - 1 >= w->first;
+    const mpt_model *m = w->p.model; /* an added input has none */
+    return j == 0 ? w->want_dinput : j - 1 >= w->first && !mpt__is_input_layer(&m->layers[j - 1]);
 }
 
 /* A node's gradient buffer in a graph: the input's, or its layer's dy. */
@@ -10913,9 +11280,9 @@ static void *mpt__graph_grad(const mpt_model *m, int j) {
     return j == 0 ? m->input_grad : m->layers[j - 1].dy_buf;
 }
 
-/* ... and its dtype: the input's is the first layer's (mpt__graph_layout_grads). */
+/* ... and its dtype: the input's is its first reader's (mpt__graph_layout_grads). */
 static mpt_dtype mpt__graph_grad_dtype(const mpt_model *m, int j) {
-    return m->layers[j == 0 ? 0 : j - 1].dtype;
+    return j == 0 ? mpt__input_reader(m)->dtype : m->layers[j - 1].dtype;
 }
 
 /* A graph's layer i: dy is its own buffer; each input's gradient goes
@@ -11076,9 +11443,10 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
         L->ops->backward(L, &w.p);
         mpt__backward_finish(m, i, &w);
     }
-    if (dinput)
-        mpt__layer_view(m, &m->layers[0], m->graph ? m->input_grad : m->grad_buf[w.cur], 1,
-                        dinput);
+    if (dinput) /* input 0's, in its first reader's dtype */
+        mpt__batch_view(dinput, mpt__input_reader(m)->dtype, m->last_batch, m->desc.input_rank,
+                        m->desc.input_shape, m->graph ? m->input_grad : m->grad_buf[w.cur],
+                        mpt__model_device(m));
     return MPT_OK;
 }
 
@@ -12836,6 +13204,17 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
 
 
 
+/* An added input's tensor of a dataset of several (mpt_dataset_desc.
+   inputs): as x, without a text's windows. */
+typedef struct mpt__dataset_input {
+    mpt_dtype dtype;              /* uint8, float32, float16, bfloat16 or int32  */
+    int rank;                     /* one sample's, 1..3                          */
+    int64_t shape[MPT_MAX_RANK - 1];
+    int64_t count;                /* elements of one sample                      */
+    const void *data;             /* (n, shape) dtype, this dataset's sample 0   */
+    void *owned;                  /* root: freed with it; NULL if borrowed       */
+} mpt__dataset_input;
+
 struct mpt_dataset {
     mpt_context *ctx;             /* allocated this struct                       */
     mpt_dataset *root;            /* owner of the buffers: itself, or a view's root */
@@ -12871,6 +13250,9 @@ struct mpt_dataset {
     const uint8_t *bytes;         /* sample 0's first byte (root: owned_x)   */
     int64_t text_at;              /* bytes' offset in the whole text, for
                                      messages                                */
+    /* Several inputs (Keras' fit([a, b], y)): x is input 0, in[k] input k. */
+    int n_inputs;                 /* 1, or desc's input_count                */
+    mpt__dataset_input in[MPT_MAX_INPUTS]; /* [0] unused                     */
 };
 
 /* ---- the dataset object --------------------------------------------------- */
@@ -12881,6 +13263,7 @@ static mpt_dataset *mpt__dataset_new(mpt_context *ctx) {
     d->ctx = ctx;
     d->root = d;
     d->refs = 1;
+    d->n_inputs = 1;
     return d;
 }
 
@@ -12898,7 +13281,9 @@ static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
 }
 
 static void mpt__dataset_release(mpt_dataset *root) {
+    int k;
     if (--root->refs > 0) return;
+    for (k = 1; k < root->n_inputs; k++) mpt__free(root->ctx, root->in[k].owned);
     mpt__free(root->ctx, root->owned_x);
     mpt__free(root->ctx, root->owned_y);
     mpt__free(root->ctx, root->sample_weight);
@@ -12984,17 +13369,47 @@ static mpt_status mpt__check_dataset_tensor(mpt_context *ctx, const char *what,
     return MPT_OK;
 }
 
-static mpt_status mpt__check_dataset_x(mpt_context *ctx, const mpt_tensor *x) {
+/* x, or an input of several ("inputs[1]"). */
+static mpt_status mpt__check_dataset_x(mpt_context *ctx, const char *what, const mpt_tensor *x) {
     char s[96];
     if (x->dtype != MPT_UINT8 && x->dtype != MPT_INT32 && !mpt_dtype_is_float(x->dtype))
         return mpt__fail(ctx, MPT_ERR_DTYPE,
-                         "dataset: x dtype %s is not uint8, float32, float16, bfloat16 or int32 "
-                         "(token ids)", mpt_dtype_name(x->dtype));
+                         "dataset: %s dtype %s is not uint8, float32, float16, bfloat16 or int32 "
+                         "(token ids)", what, mpt_dtype_name(x->dtype));
     if (x->rank < 2)
         return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "dataset: x shape %s needs rank >= 2: (n, sample...)",
+                         "dataset: %s shape %s needs rank >= 2: (n, sample...)", what,
                          mpt_shape_format(s, sizeof s, x->rank, x->shape));
-    return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, "x", x) : MPT_OK;
+    return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, what, x) : MPT_OK;
+}
+
+/* desc->inputs: 1..MPT_MAX_INPUTS tensors, each as x may be, of one count;
+   x NULL. */
+static mpt_status mpt__check_dataset_inputs(mpt_context *ctx, const mpt_dataset_desc *desc) {
+    char what[32], s0[96], sk[96];
+    int k;
+    if (desc->x)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x and inputs are both set: "
+                         "a dataset of several inputs has them all in inputs (x NULL)");
+    if (!desc->inputs || desc->input_count < 1 || desc->input_count > MPT_MAX_INPUTS)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: input_count %d is not in "
+                         "1..%d (MPT_MAX_INPUTS)%s", desc->input_count, MPT_MAX_INPUTS,
+                         desc->inputs ? "" : ", or inputs is NULL");
+    for (k = 0; k < desc->input_count; k++) {
+        const mpt_tensor *t = desc->inputs[k];
+        snprintf(what, sizeof what, "inputs[%d]", k);
+        MPT__CHECK(mpt__check_dataset_tensor(ctx, what, t));
+        MPT__CHECK(mpt__check_dataset_x(ctx, what, t));
+        if (t->shape[0] != desc->inputs[0]->shape[0])
+            return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: inputs[%d] %s has %lld samples but "
+                             "inputs[0] %s has %lld", k,
+                             mpt_shape_format(sk, sizeof sk, t->rank, t->shape),
+                             (long long)t->shape[0],
+                             mpt_shape_format(s0, sizeof s0, desc->inputs[0]->rank,
+                                              desc->inputs[0]->shape),
+                             (long long)desc->inputs[0]->shape[0]);
+    }
+    return MPT_OK;
 }
 
 /* y: int32 class ids (n,) or (n, 1), each >= 0, or (n, positions...) for
@@ -13022,6 +13437,14 @@ static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_de
     if (!desc) /* NULL: every default, but x is required */
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x is required (NULL "
                          "descriptor)");
+    if (desc->inputs || desc->input_count) {
+        mpt_dataset_desc first = *desc; /* the rest of the checks on inputs[0] as x */
+        MPT__CHECK(mpt__check_dataset_inputs(ctx, desc));
+        first.x = desc->inputs[0];
+        first.inputs = NULL;
+        first.input_count = 0;
+        return mpt__check_dataset_desc(ctx, &first);
+    }
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "x", desc->x));
     if (desc->y) MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
     if (desc->y && desc->x->shape[0] != desc->y->shape[0])
@@ -13034,7 +13457,7 @@ static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_de
     if (!isfinite(desc->scale) || !isfinite(desc->offset))
         return mpt__fail(ctx, MPT_ERR_NUMERIC, "dataset: scale %g and offset %g must be finite",
                          (double)desc->scale, (double)desc->offset);
-    MPT__CHECK(mpt__check_dataset_x(ctx, desc->x));
+    MPT__CHECK(mpt__check_dataset_x(ctx, "x", desc->x));
     return desc->y ? mpt__check_dataset_y(ctx, desc->y) : MPT_OK;
 }
 
@@ -13113,14 +13536,37 @@ static mpt_status mpt__dataset_take_weights(mpt_context *ctx, mpt_dataset *d,
     return mpt_dataset_set_sample_weight(ctx, d, (const float *)w->data, w->shape[0]);
 }
 
+/* The added inputs' tensors (desc->inputs[1..]), borrowed or copied. */
+static mpt_status mpt__dataset_take_inputs(mpt_context *ctx, mpt_dataset *d,
+                                           const mpt_dataset_desc *desc) {
+    int k;
+    for (k = 1; k < desc->input_count; k++) {
+        const mpt_tensor *t = desc->inputs[k];
+        mpt__dataset_input *in = &d->in[k];
+        in->dtype = t->dtype;
+        in->rank = t->rank - 1;
+        memcpy(in->shape, t->shape + 1, sizeof(int64_t) * (size_t)in->rank);
+        in->count = mpt__shape_count(in->rank, in->shape);
+        d->n_inputs = k + 1; /* what release frees */
+        MPT__CHECK(mpt__dataset_take(ctx, t, desc->copy, &in->data, &in->owned));
+    }
+    return MPT_OK;
+}
+
 MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *desc,
                                      mpt_dataset **out) {
     mpt_dataset *d;
     mpt_status s;
+    mpt_dataset_desc several;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL out");
     *out = NULL;
     MPT__CHECK(mpt__check_dataset_desc(ctx, desc));
+    if (desc->inputs) { /* inputs[0] is x; the others in d->in */
+        several = *desc;
+        several.x = desc->inputs[0];
+        desc = &several;
+    }
     d = mpt__dataset_new(ctx);
     if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset: out of memory");
     d->n = desc->x->shape[0];
@@ -13142,6 +13588,7 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
         s = mpt__dataset_take(ctx, desc->y, desc->copy, &d->y, &d->owned_y);
     if (s == MPT_OK && desc->sample_weight)
         s = mpt__dataset_take_weights(ctx, d, desc->sample_weight);
+    if (s == MPT_OK && desc->inputs) s = mpt__dataset_take_inputs(ctx, d, desc);
     if (s != MPT_OK) {
         mpt_dataset_destroy(d);
         return s;
@@ -13155,6 +13602,7 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
 
 static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, int64_t first,
                                       int64_t n) {
+    int k;
     mpt_dataset *v = (mpt_dataset *)mpt__alloc(ctx, sizeof *v);
     if (!v) return NULL;
     *v = *d;
@@ -13173,6 +13621,11 @@ static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, in
         v->y = d->x_only ? NULL
                          : (const char *)d->y +
                                (size_t)first * (size_t)d->y_count * mpt_dtype_size(d->y_dtype);
+    }
+    for (k = 1; k < d->n_inputs; k++) { /* each added input from the same sample */
+        v->in[k].owned = NULL;
+        v->in[k].data = (const char *)d->in[k].data +
+                        (size_t)first * (size_t)d->in[k].count * mpt_dtype_size(d->in[k].dtype);
     }
     /* The one change split makes to its const argument: the root counts
        the view, so that it outlives it whatever the order of destroys. */
@@ -13377,33 +13830,54 @@ static void mpt__expand_u8(const mpt_dataset *d, mpt_dtype dtype, void *dst, con
    ids (the only x_dtype the loader asks of an int32 dataset).
    Serial and never uses the pool, so the loader's thread may call it while
    the pool works; ctx only picks the vector conversion (NULL: portable). */
+/* Samples indices[0..n) of `data` ((samples, count) in dtype: x, or an
+   added input) into out (n, count) in out_dtype, as mpt__dataset_gather
+   says. */
+static void mpt__gather_samples(mpt_context *ctx, const mpt_dataset *d, const void *data,
+                                mpt_dtype dtype, int64_t count, const int64_t *indices,
+                                int64_t n, mpt_dtype out_dtype, void *out) {
+    size_t in_bytes = (size_t)count * mpt_dtype_size(dtype);
+    size_t out_bytes = (size_t)count * mpt_dtype_size(out_dtype);
+    mpt__convert_fn convert = NULL;
+    int64_t i;
+    if (dtype != MPT_UINT8 && dtype != out_dtype)
+        convert = mpt__convert_kernel(ctx ? ctx->cpu : 0, out_dtype, dtype);
+    for (i = 0; out && i < n; i++) {
+        const char *src = (const char *)data + (size_t)indices[i] * in_bytes;
+        char *dst = (char *)out + (size_t)i * out_bytes;
+        if (dtype == out_dtype)
+            memcpy(dst, src, in_bytes);
+        else if (dtype == MPT_UINT8)
+            mpt__expand_u8(d, out_dtype, dst, (const uint8_t *)src, count);
+        else
+            convert(out_dtype, dst, dtype, src, count);
+    }
+}
+
 static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
                                        const int64_t *indices, int64_t n, mpt_dtype x_dtype,
                                        void *x, void *y) {
-    size_t x_in = (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
-    size_t x_out = (size_t)d->x_count * mpt_dtype_size(x_dtype);
     size_t y_bytes = (size_t)d->y_count * 4; /* int32 or float32 */
-    mpt__convert_fn convert = NULL;
     int64_t i;
     if (d->window) { /* int32 ids, as the loader asks for int32 datasets */
         mpt__window_gather(d, indices, n, (int32_t *)x, (int32_t *)y);
         return;
     }
-    if (d->x_dtype != MPT_UINT8 && d->x_dtype != x_dtype)
-        convert = mpt__convert_kernel(ctx ? ctx->cpu : 0, x_dtype, d->x_dtype);
-    for (i = 0; x && i < n; i++) {
-        const char *src = (const char *)d->x + (size_t)indices[i] * x_in;
-        char *dst = (char *)x + (size_t)i * x_out;
-        if (d->x_dtype == x_dtype)
-            memcpy(dst, src, x_in);
-        else if (d->x_dtype == MPT_UINT8)
-            mpt__expand_u8(d, x_dtype, dst, (const uint8_t *)src, d->x_count);
-        else
-            convert(x_dtype, dst, d->x_dtype, src, d->x_count);
-    }
+    mpt__gather_samples(ctx, d, d->x, d->x_dtype, d->x_count, indices, n, x_dtype, x);
     for (i = 0; y && !d->x_only && i < n; i++)
         memcpy((char *)y + (size_t)i * y_bytes, (const char *)d->y + (size_t)indices[i] * y_bytes,
                y_bytes);
+}
+
+/* The added inputs' samples indices[0..n): input k into out[k] in
+   dtypes[k] (k in 1..d->n_inputs - 1). */
+static void mpt__dataset_gather_inputs(mpt_context *ctx, const mpt_dataset *d,
+                                       const int64_t *indices, int64_t n,
+                                       const mpt_dtype *dtypes, void *const *out) {
+    int k;
+    for (k = 1; k < d->n_inputs; k++)
+        mpt__gather_samples(ctx, d, d->in[k].data, d->in[k].dtype, d->in[k].count, indices, n,
+                            dtypes[k], out[k]);
 }
 
 /* The sample weights of samples indices[0..n) of d into w (n), in that
@@ -13440,6 +13914,13 @@ typedef struct mpt__loader {
     const float *weights;   /* the last batch next() gave: its weights, or
                                NULL (mpt__loader_weights)                 */
     int64_t weights_count;
+    /* A dataset of several inputs: the added ones' batches, in in_dtype
+       (default: the dataset's; mpt__loader_input_dtypes), in a block of
+       their own; [k][0] unused. */
+    mpt_dtype in_dtype[MPT_MAX_INPUTS];
+    void *in_block;
+    void *in_buf[2][MPT_MAX_INPUTS];
+    void *in_last[MPT_MAX_INPUTS]; /* the last batch next() gave          */
     pthread_t thread;
     int started;            /* the thread runs                            */
     int views;              /* the caller never writes a batch            */
@@ -13480,6 +13961,7 @@ static void *mpt__loader_main(void *arg) {
         pthread_mutex_unlock(&l->mutex);
         mpt__dataset_gather(l->ctx, l->d, indices, count, l->x_dtype, l->x_buf[slot],
                             l->y_buf[slot]);
+        mpt__dataset_gather_inputs(l->ctx, l->d, indices, count, l->in_dtype, l->in_buf[slot]);
         mpt__dataset_gather_weights(l->d, indices, count, l->w_buf[slot]);
         pthread_mutex_lock(&l->mutex);
         l->loading = 0;
@@ -13517,6 +13999,30 @@ static mpt_status mpt__loader_alloc(mpt__loader *l) {
     return MPT_OK;
 }
 
+/* The added inputs' two batches, in one block, each 64-byte aligned. */
+static mpt_status mpt__loader_alloc_inputs(mpt__loader *l) {
+    int64_t at[2][MPT_MAX_INPUTS], total = 0, bytes = 0;
+    int b, k;
+    for (b = 0; b < 2; b++)
+        for (k = 1; k < l->d->n_inputs; k++) {
+            at[b][k] = total;
+            if (!mpt__mul_ok(l->max_batch,
+                             l->d->in[k].count * (int64_t)mpt_dtype_size(l->in_dtype[k]), &bytes) ||
+                !mpt__add_ok(total, bytes + MPT__ALIGN, &total) ||
+                (uint64_t)total > (uint64_t)SIZE_MAX)
+                return mpt__fail(l->ctx, MPT_ERR_OVERFLOW, "loader: batches of %lld samples are "
+                                 "too large", (long long)l->max_batch);
+            total = total / MPT__ALIGN * MPT__ALIGN; /* the next starts aligned */
+        }
+    l->in_block = mpt__alloc(l->ctx, (size_t)total + 1);
+    if (!l->in_block)
+        return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot allocate %lld bytes for "
+                         "the inputs of two batches", (long long)total);
+    for (b = 0; b < 2; b++)
+        for (k = 1; k < l->d->n_inputs; k++) l->in_buf[b][k] = (char *)l->in_block + at[b][k];
+    return MPT_OK;
+}
+
 /* A loader of batches of up to max_batch samples of d, x in x_dtype (a
    float dtype, or d's own: uint8 samples as stored, int32 ids always),
    with no epoch yet.
@@ -13525,6 +14031,7 @@ static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
                                             int64_t max_batch, mpt_dtype x_dtype,
                                             mpt__loader **out) {
     mpt__loader *l;
+    int k;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out || !d)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "loader: NULL %s", d ? "out" : "dataset");
@@ -13541,12 +14048,22 @@ static mpt_status mpt__loader_create(mpt_context *ctx, const mpt_dataset *d,
     l->ctx = ctx;
     l->d = d;
     l->x_dtype = x_dtype;
+    for (k = 1; k < d->n_inputs; k++) l->in_dtype[k] = d->in[k].dtype;
     l->max_batch = max_batch;
     l->held = l->slot_batch[0] = l->slot_batch[1] = -1;
     pthread_mutex_init(&l->mutex, NULL);
     pthread_cond_init(&l->cond, NULL);
     *out = l;
     return MPT_OK;
+}
+
+/* The dtypes the added inputs are batched in (dtypes[k], k in
+   1..d->n_inputs - 1), before the first epoch: a float dtype for numbers
+   (uint8 scaled on the way), int32 ids as they are (the caller has
+   checked which each input holds). */
+static void mpt__loader_input_dtypes(mpt__loader *l, const mpt_dtype *dtypes) {
+    int k;
+    for (k = 1; k < l->d->n_inputs; k++) l->in_dtype[k] = dtypes[k];
 }
 
 /* The caller promises to only read the batches next() gives: in-order
@@ -13577,7 +14094,7 @@ static mpt_status mpt__loader_epoch_check(mpt__loader *l, const int64_t *order, 
 static int mpt__loader_can_view(const mpt__loader *l, const int64_t *order, int64_t n) {
     int64_t i;
     /* a text's windows overlap, and are bytes: never in the batch's form */
-    if (!l->views || l->d->x_dtype != l->x_dtype || l->d->window) return 0;
+    if (!l->views || l->d->x_dtype != l->x_dtype || l->d->window || l->d->n_inputs > 1) return 0;
     for (i = 1; i < n; i++)
         if (order[i] != order[0] + i) return 0;
     return 1;
@@ -13586,6 +14103,7 @@ static int mpt__loader_can_view(const mpt__loader *l, const int64_t *order, int6
 /* The buffers and the thread, made the first time an epoch needs them. */
 static mpt_status mpt__loader_prepare(mpt__loader *l, int buffers, int thread) {
     if (buffers && !l->block) MPT__CHECK(mpt__loader_alloc(l));
+    if (buffers && !l->in_block && l->d->n_inputs > 1) MPT__CHECK(mpt__loader_alloc_inputs(l));
     if (thread && !l->started) {
         if (pthread_create(&l->thread, NULL, mpt__loader_main, l) != 0)
             return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot start its thread");
@@ -13638,8 +14156,11 @@ static int mpt__loader_next_inline(mpt__loader *l, mpt_tensor *x, mpt_tensor *y)
     } else {
         mpt__dataset_gather(l->ctx, d, l->order + first, count, l->x_dtype, l->x_buf[0],
                             l->y_buf[0]);
+        mpt__dataset_gather_inputs(l->ctx, d, l->order + first, count, l->in_dtype,
+                                   l->in_buf[0]);
         mpt__dataset_gather_weights(d, l->order + first, count, l->w_buf[0]);
     }
+    memcpy(l->in_last, l->in_buf[0], sizeof l->in_last);
     /* views are read only (mpt__loader_allow_views); the tensor type has no const */
     mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, (void *)(uintptr_t)xb,
                     MPT_DEVICE_CPU);
@@ -13680,6 +14201,7 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, l->y_buf[slot], MPT_DEVICE_CPU);
     l->weights = mpt__dataset_weights(d) ? l->w_buf[slot] : NULL;
     l->weights_count = count;
+    memcpy(l->in_last, l->in_buf[slot], sizeof l->in_last);
     return 1;
 }
 
@@ -13690,6 +14212,16 @@ static void mpt__loader_weights(const mpt__loader *l, mpt_tensor *w) {
     /* views are read only (mpt__loader_allow_views); the tensor type has no const */
     mpt__batch_view(w, MPT_FLOAT32, count, 0, &count, (void *)(uintptr_t)l->weights,
                     MPT_DEVICE_CPU);
+}
+
+/* The added inputs of the batch next() gave last, xs[k] (b, sample
+   shape...) in in_dtype[k] for k in 1..n_inputs - 1, borrowed as that
+   batch is. */
+static void mpt__loader_inputs(const mpt__loader *l, mpt_tensor *xs) {
+    int k;
+    for (k = 1; k < l->d->n_inputs; k++)
+        mpt__batch_view(&xs[k], l->in_dtype[k], l->weights_count, l->d->in[k].rank,
+                        l->d->in[k].shape, l->in_last[k], MPT_DEVICE_CPU);
 }
 
 /* Stops and joins the thread (at once, also mid-epoch) and frees the loader. */
@@ -13703,6 +14235,7 @@ static void mpt__loader_destroy(mpt__loader *l) {
     pthread_mutex_destroy(&l->mutex);
     pthread_cond_destroy(&l->cond);
     mpt__free(l->ctx, l->block);
+    mpt__free(l->ctx, l->in_block);
     mpt__free(l->ctx, l);
 }
 /* =============================================================================
@@ -14204,9 +14737,15 @@ static mpt_status mpt__train_step(mpt_model *m, const mpt_tensor *x, const mpt_t
 static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
     mpt_tensor x;
     mpt_status s;
+    int k;
     if (!m->be->gemm_plan || m->planned_batch == batch) return MPT_OK;
     mpt__batch_view(&x, mpt__input_batch_dtype(m), batch, m->desc.input_rank,
                     m->desc.input_shape, m->input_buf[0], mpt__model_device(m));
+    for (k = 1; k < m->n_inputs; k++) { /* whatever their upload buffers hold */
+        const mpt__layer *L = &m->layers[m->input_layer[k]];
+        mpt__batch_view(&m->batch_in[k], L->dtype, batch, L->out_rank, L->out_shape,
+                        m->added_buf[0][k], mpt__model_device(m));
+    }
     m->planning = 1;
     mpt__model_forward(m, &x, 1);
     mpt_model_backward(m, NULL, NULL);
@@ -14232,6 +14771,9 @@ typedef struct mpt__feed_slot { /* one model's (or replica's) */
     void *host[2][3];        /* [buffer][x, y, w] pinned staging, a full batch */
     mpt_tensor x[2], y[2];   /* [buffer] its rows uploaded there (0: none)   */
     mpt_tensor w[2];         /* [buffer] their sample weights (data NULL: none) */
+    /* A model of several inputs: input k's staging and rows, [b][0] unused. */
+    void *added_host[2][MPT_MAX_INPUTS];
+    mpt_tensor added[2][MPT_MAX_INPUTS];
 } mpt__feed_slot;
 
 typedef struct mpt__feed {
@@ -14279,13 +14821,34 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
     }
     for (k = 0; f->slot && k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
-        for (b = 0; b < 2; b++)
+        for (b = 0; b < 2; b++) {
             for (j = 0; j < 3; j++) r->be->free_host(r->impl, f->slot[k].host[b][j]);
+            for (j = 1; j < r->n_inputs; j++) r->be->free_host(r->impl, f->slot[k].added_host[b][j]);
+        }
     }
     for (b = 0; b < 2; b++)
         if (f->graph[b]) m->be->graph_free(m->impl, f->graph[b]);
     mpt__free(m->ctx, f->slot);
     memset(f, 0, sizeof *f);
+}
+
+/* Slot k's pinned staging for the added inputs of a model of several:
+   a full batch of each, in its InputLayer's dtype (the loader's). */
+static mpt_status mpt__feed_open_added(mpt_model *m, mpt__feed *f, int k) {
+    mpt_model *r = mpt__feed_model(m, k);
+    int b, j;
+    for (b = 0; b < 2; b++)
+        for (j = 1; j < r->n_inputs; j++) {
+            const mpt__layer *L = &r->layers[r->input_layer[j]];
+            size_t bytes = (size_t)mpt__dbytes(L->dtype, L->out_count * r->max_batch);
+            if (r->be->alloc_host(r->impl, bytes, &f->slot[k].added_host[b][j]) != MPT_OK) {
+                mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
+                                         r->be->error(r->impl));
+                mpt__feed_close(m, f);
+                return s;
+            }
+        }
+    return MPT_OK;
 }
 
 static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
@@ -14305,7 +14868,7 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
     for (k = 0; k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
         size_t bytes[3];
-        bytes[0] = (size_t)(4 * r->layers[0].in_count * r->max_batch);
+        bytes[0] = (size_t)(4 * mpt__node_count(r, 0) * r->max_batch);
         bytes[1] = (size_t)(4 * r->layers[r->n_layers - 1].out_count * r->max_batch);
         bytes[2] = (size_t)(4 * r->max_batch);
         for (b = 0; b < 2; b++)
@@ -14316,8 +14879,36 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
                     mpt__feed_close(m, f);
                     return s;
                 }
+        MPT__CHECK(mpt__feed_open_added(m, f, k));
     }
     return MPT_OK;
+}
+
+/* The added inputs of replica r's rows (r->batch_in, host memory, as
+   mpt__replica_rows shared them out) staged and copied into its
+   added_buf[b], as input 0 into input_buf[b]: slot->added[b] then shows
+   them there, what a step on buffer b reads. */
+static void mpt__feed_upload_added(mpt_model *r, mpt__feed_slot *slot, int b) {
+    int j;
+    for (j = 1; j < r->n_inputs; j++) {
+        const mpt_tensor *t = &r->batch_in[j];
+        size_t bytes = mpt_tensor_bytes(t);
+        memcpy(slot->added_host[b][j], t->data, bytes);
+        r->be->upload_async(r->impl, r->added_buf[b][j], slot->added_host[b][j], bytes);
+        slot->added[b][j] = *t;
+        slot->added[b][j].data = r->added_buf[b][j];
+        slot->added[b][j].device = MPT_DEVICE_CUDA;
+    }
+}
+
+/* Before a step on buffer b: each replica's added inputs are those
+   uploaded there. */
+static void mpt__feed_use_added(mpt_model *m, const mpt__feed *f, int b) {
+    int k, j;
+    for (k = 0; k < f->n; k++) {
+        mpt_model *r = mpt__feed_model(m, k);
+        for (j = 1; j < r->n_inputs; j++) r->batch_in[j] = f->slot[k].added[b][j];
+    }
 }
 
 /* Starts copying a batch to the device: each slot's rows (this worker's
@@ -14350,6 +14941,7 @@ static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor 
             slot->w[b].data = r->weight_buf[b];
             slot->w[b].device = MPT_DEVICE_CUDA;
         }
+        mpt__feed_upload_added(r, slot, b);
         memcpy(slot->host[b][0], xs[k].data, mpt_tensor_bytes(&xs[k]));
         memcpy(slot->host[b][1], ys[k].data, mpt_tensor_bytes(&ys[k]));
         r->be->upload_async(r->impl, r->input_buf[b], slot->host[b][0], mpt_tensor_bytes(&xs[k]));
@@ -14377,6 +14969,7 @@ static mpt_status mpt__feed_queue(mpt_model *m, const mpt__feed *f, int b,
                                   mpt__step_times *times) {
     mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS], ws[MPT__MAX_REPLICAS];
     int k;
+    mpt__feed_use_added(m, f, b);
     if (!m->strategy) {
         mpt__queue_step(m, &f->slot[0].x[b], &f->slot[0].y[b], &f->slot[0].w[b], times);
         return MPT_OK;
@@ -14582,12 +15175,71 @@ static mpt_status mpt__check_window_ids(mpt_model *m, const mpt_dataset *d, cons
     return MPT_OK;
 }
 
+/* A loader of d's batches for m: input 0 in mpt__input_batch_dtype, each
+   added input in its InputLayer's dtype (its first reader's, or int32). */
+static mpt_status mpt__model_loader(mpt_model *m, const mpt_dataset *d, int64_t batch_size,
+                                    mpt__loader **out) {
+    mpt_dtype dtypes[MPT_MAX_INPUTS];
+    int k;
+    MPT__CHECK(mpt__loader_create(m->ctx, d, batch_size, mpt__input_batch_dtype(m), out));
+    for (k = 1; k < m->n_inputs && k < d->n_inputs; k++)
+        dtypes[k] = m->layers[m->input_layer[k]].dtype;
+    if (m->n_inputs > 1) mpt__loader_input_dtypes(*out, dtypes);
+    return MPT_OK;
+}
+
+/* A dataset's added input k fits the model's: its samples' shape, ids
+   for an input of ids (each in its Embeddings' tables), numbers for any
+   other. The message names the input by index and name. */
+static mpt_status mpt__check_added_samples(mpt_model *m, const mpt_dataset *d, int k,
+                                           const char *what) {
+    const mpt__layer *L = &m->layers[m->input_layer[k]];
+    const mpt__dataset_input *in = &d->in[k];
+    char got[96], want[96];
+    int i, ok = in->rank == L->out_rank;
+    for (i = 0; ok && i < in->rank; i++) ok = in->shape[i] == L->out_shape[i];
+    if (!ok)
+        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: input %d ('%s'): samples of shape %s do "
+                         "not fit the model's input %s", what, k, L->name,
+                         mpt_shape_format(got, sizeof got, in->rank, in->shape),
+                         mpt_shape_format(want, sizeof want, L->out_rank, L->out_shape));
+    if (L->desc.input.ids != (in->dtype == MPT_INT32))
+        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: input %d ('%s'): the dataset's tensor is %s "
+                         "but the model's input is %s", what, k, L->name,
+                         mpt_dtype_name(in->dtype), L->desc.input.ids ? "int32 token ids"
+                                                   : "numbers (int32 ids need an input of "
+                                                     "dtype MPT_INT32)");
+    return L->desc.input.ids ? mpt__check_node_ids(m, m->input_layer[k] + 1,
+                                                   (const int32_t *)in->data, d->n, in->count,
+                                                   what)
+                             : MPT_OK;
+}
+
+/* A dataset holds a tensor for every input of the model (Keras' fit([a,
+   b], y) for a model of two), each fitting its input. */
+static mpt_status mpt__check_inputs(mpt_model *m, const mpt_dataset *d, const char *what) {
+    int k;
+    if (d->n_inputs != m->n_inputs)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: the dataset holds %d input "
+                         "tensor%s but the model has %d input%s (mpt_dataset_desc.inputs: one "
+                         "a model input, in its order)", what, d->n_inputs,
+                         d->n_inputs == 1 ? "" : "s", m->n_inputs, m->n_inputs == 1 ? "" : "s");
+    for (k = 1; k < m->n_inputs; k++) MPT__CHECK(mpt__check_added_samples(m, d, k, what));
+    return MPT_OK;
+}
+
 /* A dataset's samples fit the model (predict needs no more): their
    shape, and ids for a model of ids (each in its Embeddings' tables),
-   numbers for any other. */
+   numbers for any other; for a model of several inputs, each one's. */
 static mpt_status mpt__check_samples(mpt_model *m, const mpt_dataset *d, const char *what) {
     int64_t shape[MPT_MAX_RANK] = {0}; /* gcc -O2 cannot see the dataset fill it */
     int rank = mpt_dataset_sample_shape(d, shape);
+    char first[160];
+    MPT__CHECK(mpt__check_inputs(m, d, what));
+    if (m->n_inputs > 1) { /* input 0 named too */
+        snprintf(first, sizeof first, "%s: input 0 ('input')", what);
+        what = first;
+    }
     MPT__CHECK(mpt__check_sample_shape(m, rank, shape, what));
     if (mpt__input_is_ids(m) != (d->x_dtype == MPT_INT32))
         return mpt__fail(m->ctx, MPT_ERR_DTYPE,
@@ -14729,13 +15381,14 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n);
     if (!order) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     mpt__epoch_order(m, 0, 0, order, n);
-    s = mpt__loader_create(m->ctx, d, batch_size, mpt__input_batch_dtype(m), &loader);
+    s = mpt__model_loader(m, d, batch_size, &loader);
     if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     if (s == MPT_OK) s = mpt__state_reset_evaluation(m);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor in, target, w, weights;
         mpt_loss_args loss;
         mpt__loader_weights(loader, &w);
+        mpt__loader_inputs(loader, m->batch_in);
         s = mpt__input_on_backend(m, &x, &in);
         if (s == MPT_OK) s = mpt__target_on_backend(m, &y, &target);
         if (s == MPT_OK) s = mpt__weights_on_backend(m, &w, &weights);
@@ -14841,6 +15494,7 @@ static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tens
     if (!st) {
         if (!mpt__loader_next(r->loader, x, y)) return 0;
         mpt__loader_weights(r->loader, w);
+        mpt__loader_inputs(r->loader, r->m->batch_in);
         r->rows = r->global_rows = x->shape[0];
         return 1;
     }
@@ -14854,6 +15508,7 @@ static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tens
     }
     if (r->rows > 0 && mpt__loader_next(r->loader, x, y)) {
         mpt__loader_weights(r->loader, w);
+        mpt__loader_inputs(r->loader, r->m->batch_in);
         return 1;
     }
     if (r->rows > 0) return 0;
@@ -14901,8 +15556,7 @@ static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
 static mpt_status mpt__fit_open_batches(mpt__fit_run *r) {
     mpt_model *m = r->m;
     int workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
-    mpt_status s = mpt__loader_create(m->ctx, r->train, r->d->batch_size / workers,
-                                      mpt__input_batch_dtype(m), &r->loader);
+    mpt_status s = mpt__model_loader(m, r->train, r->d->batch_size / workers, &r->loader);
     if (s == MPT_OK) s = mpt__feed_open(m, &r->feed);
     if (s == MPT_OK && r->feed.on && !m->strategy)
         s = mpt__plan_gemms(m, MPT__MIN(r->d->batch_size, r->n));
@@ -15532,6 +16186,10 @@ MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!x) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL x");
+    if (m->n_inputs > 1)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict_tensor: the model has %d "
+                         "inputs and x is one: predict a dataset of them all "
+                         "(mpt_dataset_desc.inputs, mpt_model_predict)", m->n_inputs);
     memset(&d, 0, sizeof d);
     d.x = x; /* no y: inputs alone */
     MPT__CHECK(mpt_dataset_create(m->ctx, &d, &data));
@@ -15569,11 +16227,12 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     }
     mpt__epoch_order(m, 0, 0, order, n);
-    s = mpt__loader_create(m->ctx, data, batch_size, mpt__input_batch_dtype(m), &loader);
+    s = mpt__model_loader(m, data, batch_size, &loader);
     if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         int64_t b = x.shape[0];
         mpt_tensor in;
+        mpt__loader_inputs(loader, m->batch_in);
         s = mpt__input_on_backend(m, &x, &in);
         if (s != MPT_OK) break;
         mpt__model_forward(m, &in, 0);
@@ -15713,6 +16372,7 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size) {
                             first ? 0 : width, "", mpt__node_name(m, C->in_node[k]),
                             mpt__node_call(m, C->in_node[k]));
         }
+        if (L->n_in == 0) mpt__append(buf, size, &used, "-"); /* an input, as Keras' */
         mpt__append(buf, size, &used, "\n");
     }
     mpt__append(buf, size, &used, "%s\n", bold);
@@ -16076,6 +16736,9 @@ static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_
     if (mpt__model_device(m) != MPT_DEVICE_CPU || m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                          "generate: runs on the float model in CPU memory");
+    if (m->n_inputs > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "generate: not for a model of several inputs (%d)", m->n_inputs);
     for (k = 0; k < m->n_layers; k++) {
         const char *why = mpt__gen_refusal(&m->layers[k]);
         if (why)
@@ -20739,6 +21402,7 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
         r->feed.have = 0;
         if (mpt__fit_take(r, &nx, &ny, &nw))
             *s = mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows);
+        mpt__feed_use_added(m, &r->feed, b); /* the step's, not the next batch's */
     } else {
         *s = mpt__input_on_backend(m, x, &in);
         if (*s == MPT_OK) *s = mpt__target_on_backend(m, y, &target);
@@ -23146,7 +23810,7 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
     &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops,
     &mpt__embedding_ops,   &mpt__position_embedding_ops, &mpt__ln_ops,
-    &mpt__mha_ops};
+    &mpt__mha_ops,         &mpt__input_layer_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
 static const mpt__field mpt__compile_fields[] = {
@@ -23492,9 +24156,10 @@ static mpt_status mpt__load_call(mpt__json *j, int index, int i, mpt_model *m, i
     int e;
     snprintf(label, sizeof label, "layer %d (a call)", i);
     MPT__CHECK(mpt__json_int64(j, call_of, 0, i - 1, &owner, "its \"call_of\""));
-    if (m->layers[owner].call_of)
-        return mpt__json_bad(j, j->v[call_of].at, "%s: layer %lld is itself a call", label,
-                             (long long)owner);
+    if (m->layers[owner].call_of || mpt__is_input_layer(&m->layers[owner]))
+        return mpt__json_bad(j, j->v[call_of].at, "%s: layer %lld is %s", label,
+                             (long long)owner, m->layers[owner].call_of ? "itself a call"
+                                                                        : "an input");
     for (e = j->v[index].first; e >= 0; e = j->v[e].next)
         if (strcmp(j->v[e].key, "call_of") && strcmp(j->v[e].key, "inputs"))
             return mpt__json_bad(j, j->v[e].at, "%s has no member \"%s\"", label, j->v[e].key);
@@ -32411,6 +33076,9 @@ static mpt_status mpt__export(mpt_model *m, const char *format, const char *path
     size_t n = 0;
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (m->n_inputs > 1) /* the plan walks one input */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export %s: not for a model of several "
+                         "inputs (%d) yet", format, m->n_inputs);
     s = mpt__export_plan_init(&pl, m, format, path, desc);
     if (s == MPT_OK && mpt__strategy_is_chief(m->strategy)) {
         s = encode(&pl, &owned, &bytes, &n);
@@ -35930,9 +36598,13 @@ static mpt_tensor mpt__rows(const mpt_tensor *t, int64_t b0, int64_t b1) {
 static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
                               const mpt_tensor *w, int64_t rows, mpt_tensor *xs, mpt_tensor *ys,
                               mpt_tensor *ws) {
-    int n = m->n_replicas, k;
+    int n = m->n_replicas, k, j;
+    mpt_tensor added[MPT_MAX_INPUTS]; /* replica 0 is m: its batch_in is rewritten */
+    memcpy(added, m->batch_in, sizeof added);
     for (k = 0; k < n; k++) {
         int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
+        for (j = 1; m->replica && j < m->n_inputs && b1 > b0; j++) /* every input alike */
+            m->replica[k]->batch_in[j] = mpt__rows(&added[j], b0, b1);
         memset(&xs[k], 0, sizeof xs[k]);
         memset(&ys[k], 0, sizeof ys[k]);
         memset(&ws[k], 0, sizeof ws[k]);

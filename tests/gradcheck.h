@@ -12,7 +12,12 @@
      5. compares, as relative norm errors ‖lib − ref‖ / ‖ref‖, against
         tolerances that depend on the compute dtype.
    Inputs and weights are first rounded to the compute dtype, so the
-   reference sees exactly the values the library computes with. */
+   reference sees exactly the values the library computes with.
+   A model of several inputs (mpt_model_add_input) gets them all through
+   mpt_model_forward_inputs; ref_forward's x is then every input's batch
+   one after the other (input 0's batch × count, then input 1's, ...),
+   and the input gradient checked is input 0's (the one backward gives);
+   the other inputs' branches are checked through their parameters. */
 #ifndef MPT_GRADCHECK_H
 #define MPT_GRADCHECK_H
 
@@ -106,9 +111,23 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
     mpt_tensor tx, ty, tr, tdx;
     mpt_param_info info[GC_MAX_PARAMS];
     const double h = 1e-6;
+    int n_inputs = mpt_model_input_count(m), k;
+    int64_t added_shape[8][4], added_at[8], all_count; /* added inputs: shapes, offsets */
+    int added_rank[8];
 
     in_rank = mpt_model_input_shape(m, in_shape);
     for (i = 0; i < in_rank; i++) in_count *= in_shape[i];
+    all_count = in_count;
+    for (k = 1, i = 0; k < n_inputs && i < n_layers; i++) { /* the InputLayers, in order */
+        int64_t count = 1, d;
+        const char *cls = mpt_model_layer_class_name(m, (int)i);
+        if (strcmp(cls, "InputLayer") != 0) continue;
+        added_rank[k] = mpt_model_layer_output_shape(m, (int)i, added_shape[k]);
+        for (d = 0; d < added_rank[k]; d++) count *= added_shape[k][d];
+        added_at[k] = all_count;
+        all_count += count;
+        k++;
+    }
     out_rank = mpt_model_layer_output_shape(m, n_layers - 1, out_shape);
     for (i = 0; i < out_rank; i++) out_count *= out_shape[i];
     for (i = 0; i < n_layers; i++) {
@@ -122,8 +141,8 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
         CHECK(0, "%s: more than %d parameters", label, GC_MAX_PARAMS);
         return;
     }
-    x = (double *)calloc((size_t)(c->batch * in_count), sizeof(double));
-    xf = (float *)calloc((size_t)(c->batch * in_count), sizeof(float));
+    x = (double *)calloc((size_t)(c->batch * all_count), sizeof(double));
+    xf = (float *)calloc((size_t)(c->batch * all_count), sizeof(float));
     dx_num = (double *)calloc((size_t)(c->batch * in_count), sizeof(double));
     dx_lib = (double *)calloc((size_t)(c->batch * in_count), sizeof(double));
     y_ref = (double *)calloc((size_t)(c->batch * out_count), sizeof(double));
@@ -133,10 +152,10 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
 
     /* 1. Fresh random inputs and parameters, rounded to what the layers see
           (a value rounded to the least precise dtype is exact in the others). */
-    for (i = 0; i < c->batch * in_count; i++) {
+    for (i = 0; i < c->batch * all_count; i++) { /* the added inputs' to the least precise */
         double lo = c->x_lo, hi = c->x_hi;
         if (lo == 0 && hi == 0) lo = -1, hi = 1;
-        x[i] = round_to(in_dtype, test_uniform(lo, hi));
+        x[i] = round_to(i < c->batch * in_count ? in_dtype : worst, test_uniform(lo, hi));
         xf[i] = (float)x[i];
     }
     for (p = 0; p < n_params; p++) {
@@ -160,8 +179,22 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
         memcpy(xs + 1, in_shape, sizeof(int64_t) * (size_t)in_rank);
         mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, in_rank + 1, xs, xf);
     }
-    CHECK(mpt_model_forward(m, &tx, c->training, &ty) == MPT_OK, "%s: forward: %s", label,
-          mpt_context_error(ctx));
+    if (n_inputs == 1) {
+        CHECK(mpt_model_forward(m, &tx, c->training, &ty) == MPT_OK, "%s: forward: %s", label,
+              mpt_context_error(ctx));
+    } else {
+        mpt_tensor all[8];
+        all[0] = tx;
+        for (k = 1; k < n_inputs; k++) {
+            int64_t xs[4];
+            xs[0] = c->batch;
+            memcpy(xs + 1, added_shape[k], sizeof(int64_t) * (size_t)added_rank[k]);
+            mpt_tensor_wrap(ctx, &all[k], MPT_FLOAT32, added_rank[k] + 1, xs,
+                            xf + c->batch * added_at[k]);
+        }
+        CHECK(mpt_model_forward_inputs(m, n_inputs, all, c->training, &ty) == MPT_OK,
+              "%s: forward: %s", label, mpt_context_error(ctx));
+    }
     c->ref_forward(c, x, params, y_ref);
     {
         double *y_lib = (double *)calloc((size_t)(c->batch * out_count), sizeof(double));

@@ -1270,6 +1270,116 @@ static void test_fit_attention_matches_the_cpu(void) {
     mpt_context_destroy(dc);
 }
 
+/* A model of three inputs: the image, a vector (4) whose first number
+   carries the class's low bit, and ids (3) into an Embedding; fit's feed
+   stages and uploads every input ahead of its step on the device, and
+   the recorded steps replay them: the model ends where it ends on the
+   CPU, bit for bit, on one replica and on two logical ones; evaluate and
+   predict (each batch's inputs uploaded as it comes) agree too. */
+static float two_vec[N * 4];
+static int32_t two_ids[N * 3];
+
+static mpt_dataset *inputs_dataset(mpt_context *c) {
+    mpt_tensor tx, tv, ti, ty;
+    const mpt_tensor *in[3];
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, (int64_t[]){N, SIDE, SIDE, 1}, xs);
+    mpt_tensor_wrap(c, &tv, MPT_FLOAT32, 2, (int64_t[]){N, 4}, two_vec);
+    mpt_tensor_wrap(c, &ti, MPT_INT32, 2, (int64_t[]){N, 3}, two_ids);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){N}, ys);
+    in[0] = &tx, in[1] = &tv, in[2] = &ti;
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.inputs = in, .input_count = 3, .y = &ty},
+                             &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+static mpt_model *inputs_model(mpt_context *c, mpt_strategy *s) {
+    mpt_model *m = NULL;
+    mpt_node three[3], v, ids;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
+                                          .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 13,
+                                          .strategy = s}, &m);
+    v = mpt_model_add_input(m, &(mpt_input_desc){.shape = {4}, .rank = 1});
+    ids = mpt_model_add_input(m, &(mpt_input_desc){.shape = {3}, .rank = 1, .dtype = MPT_INT32});
+    three[0] = mpt_flatten(m, mpt_conv2d(m, mpt_model_input(m), &(mpt_conv2d_desc){
+                                             .filters = 2, .kernel_size = {3, 3},
+                                             .activation = MPT_ACT_RELU}), NULL);
+    three[1] = mpt_dense(m, v, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_RELU});
+    three[2] = mpt_flatten(m, mpt_embedding(m, ids, &(mpt_embedding_desc){.input_dim = 6,
+                                                                          .output_dim = 2}),
+                           NULL);
+    mpt_dense(m, mpt_concatenate(m, 3, three, NULL),
+              &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static void fit_inputs_on_the_device(int replicas) {
+    mpt_context *dc = NULL;
+    mpt_strategy *s_cpu = NULL, *s_dev = NULL;
+    mpt_model *cpu, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_logs l_cpu, l_gpu;
+    mpt_tensor p_cpu, p_gpu;
+    int i;
+    for (i = 0; i < N * 4; i++) two_vec[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < N; i++) two_vec[i * 4] = ys[i] % 2 ? 0.8f : -0.8f;
+    for (i = 0; i < N * 3; i++) two_ids[i] = test_randint(0, 5);
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    if (replicas > 1)
+        CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                            .num_replicas = replicas},
+                                  &s_cpu) == MPT_OK &&
+                  mpt_strategy_create(dc, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                               .num_replicas = replicas},
+                                      &s_dev) == MPT_OK,
+              "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    d_cpu = inputs_dataset(ctx);
+    d_gpu = inputs_dataset(dc);
+    cpu = inputs_model(ctx, s_cpu);
+    gpu = inputs_model(dc, s_dev);
+    fit_both_alike(dc, cpu, gpu, d_cpu, d_gpu);
+    CHECK(replicas == 1 || same_params(cpu->replica[1], gpu->replica[1]),
+          "replica 1 differs between the CPU and the device");
+    CHECK(dev.replays > 0 && dev.unrecordable == 0, "%d replicas: %ld replays, %ld calls a graph "
+          "cannot hold", replicas, dev.replays, dev.unrecordable);
+    CHECK(mpt_model_evaluate(cpu, d_cpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_cpu) ==
+                  MPT_OK &&
+              mpt_model_evaluate(gpu, d_gpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_gpu) ==
+                  MPT_OK,
+          "evaluate: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    CHECK(mpt_logs_get(&l_cpu, "loss") == mpt_logs_get(&l_gpu, "loss"), "evaluate %g vs %g",
+          mpt_logs_get(&l_cpu, "loss"), mpt_logs_get(&l_gpu, "loss"));
+    CHECK(mpt_model_predict(cpu, d_cpu, 50, &p_cpu) == MPT_OK &&
+              mpt_model_predict(gpu, d_gpu, 50, &p_gpu) == MPT_OK,
+          "predict: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    CHECK(memcmp(p_cpu.data, p_gpu.data, mpt_tensor_bytes(&p_cpu)) == 0,
+          "predictions differ");
+    mpt_tensor_free(ctx, &p_cpu);
+    mpt_tensor_free(dc, &p_gpu);
+    CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
+    mpt_model_destroy(cpu);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    mpt_strategy_destroy(s_cpu);
+    mpt_strategy_destroy(s_dev);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
+static void test_fit_inputs_matches_the_cpu(void) {
+    fit_inputs_on_the_device(1);
+    fit_inputs_on_the_device(2);
+}
+
 /* A checkpoint saved from the device and loaded on the CPU (and back)
    carries every weight, moment and counter; training on continues alike. */
 static void test_checkpoints_cross(void) {
@@ -1617,6 +1727,7 @@ int main(void) {
     TEST_RUN(test_fit_matches_the_cpu);
     TEST_RUN(test_fit_per_position_matches_the_cpu);
     TEST_RUN(test_fit_attention_matches_the_cpu);
+    TEST_RUN(test_fit_inputs_matches_the_cpu);
     TEST_RUN(test_sample_weights_match_the_cpu);
     TEST_RUN(test_r2_score_and_auc_match_the_cpu);
     TEST_RUN(test_checkpoints_cross);

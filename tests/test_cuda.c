@@ -3139,6 +3139,107 @@ static void test_model_of_ids_on_the_gpu(void) {
     }
 }
 
+/* ---- a model of two inputs on the GPU ------------------------------------------------ */
+
+enum { TWO_N = 256, TWO_F = 6, TWO_V = 3 };
+
+/* Input 0 (6) numbers and input 1 (3) ids into an Embedding: Dense(8,
+   relu) and Flatten(Embedding(5, 2)) joined by a Concatenate, Dense(2,
+   softmax); three epochs in float32 on the context `c` (a dataset of
+   both inputs, each step's inputs uploaded before it runs); its weights
+   into w (room for `room` floats). The status. */
+static mpt_status train_two_inputs(mpt_context *c, float *w, int64_t room) {
+    static float x[TWO_N * TWO_F];
+    static int32_t ids[TWO_N * TWO_V], y[TWO_N];
+    int64_t xs[2] = {TWO_N, TWO_F}, is[2] = {TWO_N, TWO_V}, ys[1] = {TWO_N};
+    mpt_tensor tx, ti, ty;
+    const mpt_tensor *inputs[2];
+    mpt_model_desc md;
+    mpt_input_desc in;
+    mpt_dense_desc hidden, out;
+    mpt_embedding_desc ed;
+    mpt_compile_desc comp;
+    mpt_fit_desc fd;
+    mpt_dataset_desc ds;
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_node both[2];
+    mpt_status st;
+    int64_t i;
+    test_seed(21);
+    for (i = 0; i < TWO_N * TWO_F; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < TWO_N * TWO_V; i++) ids[i] = test_randint(0, 4);
+    for (i = 0; i < TWO_N; i++) y[i] = (x[i * TWO_F] > 0) ^ (ids[i * TWO_V] > 2);
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = TWO_F;
+    md.input_rank = 1;
+    md.seed = 3;
+    memset(&in, 0, sizeof in);
+    in.shape[0] = TWO_V;
+    in.rank = 1;
+    in.dtype = MPT_INT32;
+    memset(&hidden, 0, sizeof hidden);
+    hidden.units = 8;
+    hidden.activation = MPT_ACT_RELU;
+    memset(&out, 0, sizeof out);
+    out.units = 2;
+    out.activation = MPT_ACT_SOFTMAX;
+    memset(&ed, 0, sizeof ed);
+    ed.input_dim = 5;
+    ed.output_dim = 2;
+    memset(&comp, 0, sizeof comp);
+    comp.optimizer.type = MPT_OPTIMIZER_ADAM;
+    comp.optimizer.learning_rate = 1e-2f;
+    comp.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    memset(&fd, 0, sizeof fd);
+    fd.epochs = 3;
+    fd.batch_size = 32;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, xs, x);
+    mpt_tensor_wrap(c, &ti, MPT_INT32, 2, is, ids);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, ys, y);
+    inputs[0] = &tx;
+    inputs[1] = &ti;
+    memset(&ds, 0, sizeof ds);
+    ds.inputs = inputs;
+    ds.input_count = 2;
+    ds.y = &ty;
+    st = mpt_model_create(c, &md, &m);
+    if (st == MPT_OK) {
+        both[1] = mpt_flatten(m, mpt_embedding(m, mpt_model_add_input(m, &in), &ed), NULL);
+        both[0] = mpt_dense(m, mpt_model_input(m), &hidden);
+        mpt_dense(m, mpt_concatenate(m, 2, both, NULL), &out);
+        st = mpt_model_compile(m, &comp);
+    }
+    if (st == MPT_OK) st = mpt_dataset_create(c, &ds, &d);
+    if (st == MPT_OK) st = mpt_model_fit(m, d, &fd);
+    if (st == MPT_OK) test_weights_of(m, w, room);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    return st;
+}
+
+/* The two-input model trains on the GPU to the CPU's weights (1e-4
+   relative: the GEMMs' sums in another order) and, run twice, to the
+   same weights bit for bit. */
+static void test_model_two_inputs_on_the_gpu(void) {
+    static float w[3][256];
+    double num = 0, den = 0;
+    int i;
+    CHECK(train_two_inputs(cpu_be.ctx, w[0], 256) == MPT_OK, "CPU: %s",
+          mpt_context_error(cpu_be.ctx));
+    CHECK(train_two_inputs(gpu_be[GPU_AUTO].ctx, w[1], 256) == MPT_OK, "GPU: %s",
+          mpt_context_error(gpu_be[GPU_AUTO].ctx));
+    CHECK(train_two_inputs(gpu_be[GPU_AUTO].ctx, w[2], 256) == MPT_OK, "GPU again: %s",
+          mpt_context_error(gpu_be[GPU_AUTO].ctx));
+    for (i = 0; i < 256; i++) {
+        num += ((double)w[1][i] - w[0][i]) * ((double)w[1][i] - w[0][i]);
+        den += (double)w[0][i] * w[0][i];
+    }
+    CHECK(den > 0 && sqrt(num / den) <= 1e-4, "GPU against CPU: relative norm error %.3g",
+          sqrt(num / den));
+    CHECK(memcmp(w[1], w[2], sizeof w[1]) == 0, "two runs on the GPU gave different weights");
+}
+
 /* The ids model with a MultiHeadAttention (causal, dropout on the weights:
    the mask keyed by the step in device memory, which a replayed graph
    reads anew) learns the pattern on the GPU as on the CPU; CUDA graphs on
@@ -4496,6 +4597,8 @@ int main(int argc, char **argv) {
         test__run("model: token ids (Embedding, PositionEmbedding) learn; CUDA graphs on and off "
                   "and two runs identical; a bad id refused", test_model_of_ids_on_the_gpu);
         run_attention_model_test();
+        test__run("model: two inputs (numbers, ids) train on the GPU to the CPU's weights "
+                  "(<= 1e-4), two runs identical", test_model_two_inputs_on_the_gpu);
         test__run("model: profiled steps (CUDA events) end where unprofiled ones do, bit for bit",
                   test_model_profiled);
         test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "

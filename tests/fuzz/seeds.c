@@ -14,7 +14,8 @@
        model           architecture JSON: a conv model, a graph of every
                        merge, a model of token ids (Embedding,
                        PositionEmbedding, LayerNormalization, Dense over
-                       positions)
+                       positions), a model of three inputs (numbers,
+                       an image, ids: InputLayers)
    Usage: seeds DIR (DIR/<harness> must exist). */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #define MPT_IMPLEMENTATION
@@ -233,6 +234,42 @@ static mpt_model *token_model(mpt_context *ctx) {
     return m;
 }
 
+/* A model of three inputs (Keras' functional model with a list of
+   inputs): input 0 numbers (3), an image (4, 4, 1) named "image" and ids
+   (2) of another input, joined by a Concatenate; compiled. */
+static mpt_model *inputs_model(mpt_context *ctx) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_input_desc image, ids;
+    mpt_embedding_desc emb;
+    mpt_dense_desc dense;
+    mpt_compile_desc cd;
+    mpt_node three[3];
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 3;
+    md.input_rank = 1;
+    md.policy = MPT_POLICY_MIXED_FLOAT16;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
+    memset(&image, 0, sizeof image);
+    image.shape[0] = image.shape[1] = 4, image.shape[2] = 1, image.rank = 3;
+    image.name = "image";
+    memset(&ids, 0, sizeof ids);
+    ids.shape[0] = 2, ids.rank = 1, ids.dtype = MPT_INT32;
+    memset(&emb, 0, sizeof emb);
+    emb.input_dim = 7, emb.output_dim = 2;
+    memset(&dense, 0, sizeof dense);
+    dense.units = 2;
+    three[1] = mpt_flatten(m, mpt_model_add_input(m, &image), NULL);
+    three[2] = mpt_flatten(m, mpt_embedding(m, mpt_model_add_input(m, &ids), &emb), NULL);
+    three[0] = mpt_dense(m, mpt_model_input(m), &dense);
+    mpt_dense(m, mpt_concatenate(m, 3, three, NULL), &dense);
+    memset(&cd, 0, sizeof cd);
+    cd.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
+    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
+        fuzz_die(mpt_context_error(ctx));
+    return m;
+}
+
 int main(int argc, char **argv) {
     mpt_context *ctx;
     if (argc != 2) {
@@ -290,6 +327,9 @@ int main(int argc, char **argv) {
         mpt_model_destroy(m);
         m = token_model(ctx);
         architecture_seed(ctx, m, "token_ids.json");
+        mpt_model_destroy(m);
+        m = inputs_model(ctx);
+        architecture_seed(ctx, m, "three_inputs.json");
         mpt_model_destroy(m);
     }
     mpt_context_destroy(ctx);

@@ -1223,11 +1223,7 @@ static mpt_model *attention_model(mpt_context *c) {
                                      .num_heads = 2, .key_dim = 4, .use_causal_mask = 1,
                                      .dropout = 0.1f});
     mpt_dense(m, h, &(mpt_dense_desc){.units = SEQ_V, .activation = MPT_ACT_SOFTMAX});
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
-              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
-          "compile: %s", mpt_context_error(c));
+    test_compile_classifier(c, m);
     return m;
 }
 
@@ -1311,11 +1307,7 @@ static mpt_model *inputs_model(mpt_context *c, mpt_strategy *s) {
                            NULL);
     mpt_dense(m, mpt_concatenate(m, 3, three, NULL),
               &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
-              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
-          "compile: %s", mpt_context_error(c));
+    test_compile_classifier(c, m);
     return m;
 }
 

@@ -662,6 +662,22 @@ static void check_trained(mpt_policy policy, double tol, mpt_dataset *train, mpt
     mpt_model_destroy(m);
 }
 
+/* Fashion-MNIST's training set into *all and the Python runtimes present:
+   1; else the case is skipped (no dataset) or test_python_imports says
+   why (a failure where the runtimes are required), and 0. */
+static int fashion_mnist_and_runtimes(const char *data_dir, mpt_dataset **all) {
+    if (mpt_dataset_load_mnist(ctx, data_dir, 0, all) != MPT_OK) {
+        SKIP("no Fashion-MNIST in /usr/share/datasets/fashion-mnist (dataset-fashion-mnist)");
+        return 0;
+    }
+    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) {
+        mpt_dataset_destroy(*all);
+        *all = NULL;
+        return 0;
+    }
+    return 1;
+}
+
 /* float32: outputs within 1e-4 (it gives the same top-1 on every image).
    mixed_float16: mpt.h's predict computes in float16 (each rounding of an
    activation or weight copy off by up to 2^-11 ≈ 4.9e-4, relatively), the
@@ -672,14 +688,7 @@ static void test_fashion_mnist_trained(void) {
     const char *data_dir = "/usr/share/datasets/fashion-mnist";
     mpt_dataset *all = NULL, *head = NULL, *test = NULL;
     char images[256];
-    if (mpt_dataset_load_mnist(ctx, data_dir, 0, &all) != MPT_OK) {
-        SKIP("no Fashion-MNIST in /usr/share/datasets/fashion-mnist (dataset-fashion-mnist)");
-        return;
-    }
-    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) {
-        mpt_dataset_destroy(all);
-        return;
-    }
+    if (!fashion_mnist_and_runtimes(data_dir, &all)) return;
     snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data_dir);
     CHECK(mpt_dataset_load_mnist(ctx, data_dir, 1, &test) == MPT_OK && access(images, R_OK) == 0,
           "test set (%s): %s", images, mpt_context_error(ctx));
@@ -755,14 +764,7 @@ static void test_fashion_mnist_full_integer(void) {
     float *got = NULL;
     int k;
     memset(&want, 0, sizeof want);
-    if (mpt_dataset_load_mnist(ctx, data_dir, 0, &all) != MPT_OK) {
-        SKIP("no Fashion-MNIST in /usr/share/datasets/fashion-mnist (dataset-fashion-mnist)");
-        return;
-    }
-    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) {
-        mpt_dataset_destroy(all);
-        return;
-    }
+    if (!fashion_mnist_and_runtimes(data_dir, &all)) return;
     snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data_dir);
     CHECK(mpt_dataset_load_mnist(ctx, data_dir, 1, &test) == MPT_OK &&
               mpt_dataset_split(ctx, all, 12000, &head, NULL) == MPT_OK &&

@@ -104,17 +104,20 @@ install_packages() {
 #
 # A flavour names a set of flags and a folder:
 #   plain   -O2 -g, warnings as errors: what ./build.sh builds, into build/
-#   asan    AddressSanitizer + UBSan (-Og: with ASan it compiles in 60 % of
-#           -O1's time, 48 s against 82 s for tests/test_inputs.c, and the
-#           ~30 programs that compile the implementation themselves are
-#           most of ./build.sh check), into build/asan/
-#   ubsan   UBSan (-Og: it compiles a third faster than -O1), into
-#           build/ubsan/
+#   asan    AddressSanitizer + UBSan, into build/asan/
+#   ubsan   UBSan, into build/ubsan/
+# The ~30 test programs that compile the implementation themselves are
+# most of ./build.sh check's time, so the sanitizer flavours compile for
+# speed: -Og (with ASan 60 % of -O1's time: 48 s against 82 s for
+# tests/test_inputs.c) and -g1 (line tables only: a sanitizer's report
+# still names every frame's file and line, and the compile takes half of
+# -g's time: 21 s of a core against 41 s for tests/test_context.c; rebuild
+# with -g to see variables in a debugger).
 flavour_flags() {
     case $1 in
     plain) echo "-std=c99 $WARN $OPT" ;;
-    asan) echo "-std=c99 $WARN -Og -g $SAN" ;;
-    ubsan) echo "-std=c99 $WARN -Og -g $UBSAN" ;;
+    asan) echo "-std=c99 $WARN -Og -g1 $SAN" ;;
+    ubsan) echo "-std=c99 $WARN -Og -g1 $UBSAN" ;;
     esac
 }
 flavour_dir() { if [ "$1" = plain ]; then echo "$B"; else echo "$B/$1"; fi; }
@@ -781,12 +784,9 @@ mpi_tests() {
 # live in tests/fuzz/findings/<name>/ and are replayed before every run.
 
 FUZZ_HARNESSES="idx idx_gzip weights checkpoint qat model npy csv text"
-# The harnesses tests/fuzz/fuzz_loaders.c holds in one binary (one compile
-# of mpt.h under the fuzzer instead of six), linked under each one's name.
-FUZZ_SHARED="idx idx_gzip model npy csv text"
 FUZZ=$B/fuzz
 FUZZ_CC=${FUZZ_CC:-clang}
-FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -g -O1"
+FUZZ_FLAGS="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -gline-tables-only -O1"
 FUZZ_TEST_SECONDS=30 # per harness, in ./build.sh check
 
 fuzz_dict() {
@@ -800,56 +800,42 @@ fuzz_dict() {
     esac
 }
 
-# fuzz_build_job NAME: one harness (mpt.h under three sanitizers), the
-# FUZZ_SHARED harnesses' binary for NAME=loaders, or the seed corpora for
-# NAME=seeds.
+# fuzz_build_job loaders|seeds: the binary of every harness
+# (tests/fuzz/fuzz_loaders.c: mpt.h compiled once under the fuzzer's
+# sanitizers, 200 s of a core with line tables only where -g took 235,
+# and one binary per harness cost that four times in ./build.sh check),
+# linked under each harness's name; or the seed corpora.
 fuzz_build_job() {
-    local name=$1 shared
-    if [ "$name" = loaders ]; then
-        if "$FUZZ_CC" -std=c99 $WARN -DMPT_STATIC -Wno-unused-function $FUZZ_FLAGS -I. \
-            tests/fuzz/fuzz_loaders.c -o "$FUZZ/fuzz_loaders" $LIBS >"$FUZZ/loaders.build.log" 2>&1
-        then
-            for shared in $FUZZ_SHARED; do ln -sf fuzz_loaders "$FUZZ/fuzz_$shared"; done
-        else
-            for shared in $FUZZ_SHARED; do
-                cp "$FUZZ/loaders.build.log" "$FUZZ/$shared.build.log"
-                touch "$FUZZ/$shared.build.failed"
-            done
-        fi
-        return
-    fi
-    if [ "$name" = seeds ]; then
+    local name
+    if [ "$1" = seeds ]; then
         $CC -std=c99 $WARN -DMPT_STATIC -Wno-unused-function -O1 -g -I. tests/fuzz/seeds.c \
             -o "$FUZZ/seeds_gen" $LIBS \
             >"$FUZZ/seeds.log" 2>&1 && "./$FUZZ/seeds_gen" "$FUZZ/seeds" >>"$FUZZ/seeds.log" 2>&1 ||
             touch "$FUZZ/seeds.build.failed"
         return
     fi
-    # MPT_STATIC: what the harness does not reach is left out, not compiled
-    "$FUZZ_CC" -std=c99 $WARN -DMPT_STATIC -Wno-unused-function $FUZZ_FLAGS -I. \
-        "tests/fuzz/fuzz_$name.c" -o "$FUZZ/fuzz_$name" $LIBS >"$FUZZ/$name.build.log" 2>&1 ||
-        touch "$FUZZ/$name.build.failed"
+    # MPT_STATIC: what no harness reaches is left out, not compiled
+    if "$FUZZ_CC" -std=c99 $WARN -DMPT_STATIC -Wno-unused-function $FUZZ_FLAGS -I. \
+        tests/fuzz/fuzz_loaders.c -o "$FUZZ/fuzz_loaders" $LIBS >"$FUZZ/loaders.build.log" 2>&1
+    then
+        for name in $FUZZ_HARNESSES; do ln -sf fuzz_loaders "$FUZZ/fuzz_$name"; done
+    else
+        for name in $FUZZ_HARNESSES; do
+            cp "$FUZZ/loaders.build.log" "$FUZZ/$name.build.log"
+            touch "$FUZZ/$name.build.failed"
+        done
+    fi
 }
 
-# The seeds and every harness, as jobs (spawn); fuzz_build_results says
-# what failed.
+# The harnesses' binary and the seeds, as jobs (spawn); fuzz_build_results
+# says what failed.
 fuzz_build_jobs() {
     local name
     mkdir -p "$FUZZ"
     command -v "$FUZZ_CC" >/dev/null || return 0
     rm -rf "$FUZZ/seeds" "$FUZZ"/*.build.failed
     for name in $FUZZ_HARNESSES; do mkdir -p "$FUZZ/seeds/$name" "$FUZZ/corpus/$name"; done
-    # the harnesses that train first: the slowest builds
-    for name in qat checkpoint weights; do
-        case " $FUZZ_HARNESSES " in *" $name "*) spawn fuzz_build_job "$name" ;; esac
-    done
     spawn fuzz_build_job loaders
-    for name in $FUZZ_HARNESSES; do
-        case " qat checkpoint weights $FUZZ_SHARED " in
-        *" $name "*) ;;
-        *) spawn fuzz_build_job "$name" ;;
-        esac
-    done
     spawn fuzz_build_job seeds
 }
 
@@ -867,8 +853,8 @@ fuzz_build_results() {
     for name in $FUZZ_HARNESSES; do
         [ -e "$FUZZ/$name.build.failed" ] || continue
         cat "$FUZZ/$name.build.log"
-        record "build tests/fuzz/fuzz_$name.c with $FUZZ_CC$(case " $FUZZ_SHARED " in
-            *" $name "*) echo " (in tests/fuzz/fuzz_loaders.c)" ;; esac)" fail "compile error (see above)"
+        record "build tests/fuzz/fuzz_$name.c with $FUZZ_CC (in tests/fuzz/fuzz_loaders.c)" fail \
+            "compile error (see above)"
     done
 }
 

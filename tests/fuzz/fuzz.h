@@ -1,8 +1,8 @@
 /* What the fuzz harnesses share, and seeds.c, which writes their first
    corpora from files mpt.h itself writes: a quiet context, a directory of
    this process's own for the files the loaders read, the IDX harnesses'
-   input layout, and the small model the checkpoint harnesses load into,
-   with a snapshot of its whole state. Include after mpt.h (with
+   input layout, the small model the checkpoint harnesses load into,
+   with a snapshot of its whole state, and those harnesses' checks. Include after mpt.h (with
    MPT_IMPLEMENTATION). */
 #ifndef MPT_FUZZ_H
 #define MPT_FUZZ_H
@@ -339,6 +339,111 @@ static inline const char *fuzz_state_diff(const fuzz_state *a, const fuzz_state 
         memcmp(a->checkpoint, b->checkpoint, a->checkpoint_size) != 0)
         return "the saved training state (optimizer moments, step counters, loss scale)";
     return NULL;
+}
+
+/* ---- the model-file harnesses (fuzz_weights.c, fuzz_checkpoint.c, fuzz_qat.c) ----
+
+   The input is written to this process's directory as a file and loaded
+   (load) into a small trained model (make_model). A load that fails must
+   leave the whole model as it was (every master value, the optimizer
+   state, loss scale and counters) and say why. One that succeeds goes on
+   as a user would: one short epoch of fit from what was loaded (in the
+   model's own policy, quantization-aware for fuzz_qat_model), which fails
+   with a known status and a reason or leaves finite state; then the model
+   is saved (save, and its whole checkpoint) and each file must load back.
+   Finally the model's own checkpoint is loaded back, so that every input
+   starts from the same state. The state lives in the descriptor, so the
+   three harnesses can share one binary (fuzz_loaders.c). */
+
+typedef struct fuzz_model_file {
+    mpt_status (*load)(mpt_model *m, const char *path);
+    mpt_status (*save)(mpt_model *m, const char *path); /* load's writer */
+    mpt_model *(*make_model)(mpt_context *ctx, int variant);
+    /* set up by the first input: */
+    mpt_context *ctx;
+    mpt_model *model;
+    fuzz_state before;  /* the model's state before every input */
+    char pristine[512]; /* ... as its checkpoint */
+    mpt_dataset *train; /* what a loaded model trains on */
+} fuzz_model_file;
+
+static inline void fuzz__model_file_setup(fuzz_model_file *h) {
+    h->ctx = fuzz_context();
+    h->model = h->make_model(h->ctx, 0);
+    h->train = fuzz_train_data(h->ctx);
+    fuzz_state_take(h->ctx, h->model, &h->before);
+    fuzz_write(fuzz_path(h->pristine, "pristine.safetensors"), h->before.checkpoint,
+               h->before.checkpoint_size);
+}
+
+/* Aborts, naming what changed, when the model's state is not h->before. */
+static inline void fuzz__expect_unchanged(fuzz_model_file *h, const char *after_what) {
+    fuzz_state now;
+    const char *diff;
+    fuzz_state_take(h->ctx, h->model, &now);
+    diff = fuzz_state_diff(&h->before, &now);
+    if (diff) {
+        fprintf(stderr, "fuzz: %s changed %s (error: %s)\n", after_what, diff,
+                mpt_context_error(h->ctx));
+        abort();
+    }
+    fuzz_state_free(&now);
+}
+
+/* After a successful load: one short epoch, then save and load again. */
+static inline void fuzz__train_save_load(fuzz_model_file *h) {
+    mpt_fit_desc fit;
+    fuzz_state now;
+    const char *bad;
+    char trained[512];
+    mpt_status s;
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 1;
+    fit.batch_size = 2;
+    h->ctx->error[0] = 0;
+    s = mpt_model_fit(h->model, h->train, &fit);
+    if (s != MPT_OK) {
+        if (s < MPT_ERR_NUMERIC || s > MPT_OK) fuzz_die("fit after a load gave an unknown status");
+        if (!mpt_context_error(h->ctx)[0]) fuzz_die("a failed fit after a load gave no reason");
+        return;
+    }
+    fuzz_state_take(h->ctx, h->model, &now); /* saves the whole checkpoint: must work */
+    bad = fuzz_state_nonfinite(&now);
+    if (bad) {
+        fprintf(stderr, "fuzz: fit after a load returned OK with a non-finite %s\n", bad);
+        abort();
+    }
+    if (mpt_model_load_checkpoint(h->model, fuzz_path(trained, "state.safetensors")) != MPT_OK) {
+        fprintf(stderr, "fuzz: the checkpoint saved after fit does not load back: %s\n",
+                mpt_context_error(h->ctx));
+        abort();
+    }
+    fuzz_state_free(&now);
+    if (h->save(h->model, fuzz_path(trained, "trained.safetensors")) != MPT_OK)
+        fuzz_die(mpt_context_error(h->ctx));
+    if (h->load(h->model, trained) != MPT_OK) {
+        fprintf(stderr, "fuzz: the file saved after fit does not load back: %s\n",
+                mpt_context_error(h->ctx));
+        abort();
+    }
+}
+
+/* One input of a model-file harness. */
+static inline int fuzz_model_file_input(fuzz_model_file *h, const uint8_t *data, size_t size) {
+    char input[512];
+    if (!h->ctx) fuzz__model_file_setup(h);
+    fuzz_write(fuzz_path(input, "input.safetensors"), data, size);
+    h->ctx->error[0] = 0;
+    if (h->load(h->model, input) != MPT_OK) {
+        if (!mpt_context_error(h->ctx)[0]) fuzz_die("a failed load gave no reason");
+        fuzz__expect_unchanged(h, "a failed load");
+        return 0;
+    }
+    fuzz__train_save_load(h);
+    if (mpt_model_load_checkpoint(h->model, h->pristine) != MPT_OK)
+        fuzz_die("the model's own checkpoint does not load back");
+    fuzz__expect_unchanged(h, "a successful load and fit undone by the model's own checkpoint");
+    return 0;
 }
 
 #endif

@@ -1,8 +1,18 @@
 /* libFuzzer harness: mpt_model_load_checkpoint, with the checks of
-   fuzz_weights.c (a failed load leaves the model's whole state as it was:
-   master values, optimizer moments, step counters, loss scale; a
-   successful one trains an epoch from what it loaded, whose checkpoint
-   must save and load back). */
-#define FUZZ_LOAD mpt_model_load_checkpoint
-#define FUZZ_SAVE mpt_model_save_checkpoint
-#include "fuzz_weights.c"
+   fuzz.h's model-file harnesses (a failed load leaves the model's whole
+   state as it was: master values, optimizer moments, step counters, loss
+   scale; a successful one trains an epoch from what it loaded, whose
+   checkpoint must save and load back). */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
+#define MPT_IMPLEMENTATION
+#include "../../mpt.h"
+#include "fuzz.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    static fuzz_model_file checkpoint = {.load = mpt_model_load_checkpoint,
+                                         .save = mpt_model_save_checkpoint,
+                                         .make_model = fuzz_model};
+    return fuzz_model_file_input(&checkpoint, data, size);
+}

@@ -1,10 +1,19 @@
 /* libFuzzer harness: mpt_model_load_checkpoint into a quantization-aware
-   model (fuzz_qat_model), with the checks of fuzz_weights.c: a failed load
-   leaves the whole state as it was, the learned ranges included (they are
-   in the checkpoint fuzz_state compares); a successful one trains an
-   epoch, quantization-aware, from what it loaded, whose checkpoint must
-   save and load back. */
-#define FUZZ_LOAD mpt_model_load_checkpoint
-#define FUZZ_SAVE mpt_model_save_checkpoint
-#define FUZZ_MODEL fuzz_qat_model
-#include "fuzz_weights.c"
+   model (fuzz_qat_model), with the checks of fuzz.h's model-file
+   harnesses: a failed load leaves the whole state as it was, the learned
+   ranges included (they are in the checkpoint fuzz_state compares); a
+   successful one trains an epoch, quantization-aware, from what it
+   loaded, whose checkpoint must save and load back. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
+#define MPT_IMPLEMENTATION
+#include "../../mpt.h"
+#include "fuzz.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    static fuzz_model_file qat = {.load = mpt_model_load_checkpoint,
+                                  .save = mpt_model_save_checkpoint,
+                                  .make_model = fuzz_qat_model};
+    return fuzz_model_file_input(&qat, data, size);
+}

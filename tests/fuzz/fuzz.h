@@ -446,4 +446,14 @@ static inline int fuzz_model_file_input(fuzz_model_file *h, const uint8_t *data,
     return 0;
 }
 
+/* The entry point of a model-file harness that loads with load_fn, saves
+   with save_fn, into make_model_fn's model. */
+#define FUZZ_MODEL_FILE_HARNESS(load_fn, save_fn, make_model_fn)                            \
+    int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);                          \
+    int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {                         \
+        static fuzz_model_file harness = {                                                 \
+            .load = load_fn, .save = save_fn, .make_model = make_model_fn};                \
+        return fuzz_model_file_input(&harness, data, size);                                \
+    }
+
 #endif

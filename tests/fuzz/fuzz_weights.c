@@ -8,11 +8,4 @@
 #include "../../mpt.h"
 #include "fuzz.h"
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static fuzz_model_file weights = {.load = mpt_model_load_weights,
-                                      .save = mpt_model_save_weights,
-                                      .make_model = fuzz_model};
-    return fuzz_model_file_input(&weights, data, size);
-}
+FUZZ_MODEL_FILE_HARNESS(mpt_model_load_weights, mpt_model_save_weights, fuzz_model)

@@ -29886,6 +29886,12 @@ typedef struct mpt__qop {
     mpt_qgemm_packed *wpacked; /* wq packed for the context's int8 kernels     */
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
+    mpt_half *wh_kn;           /* (K, N) float16 mode's Dense: wh transposed once, so
+                                  that a product of a few rows (a sample or four)
+                                  reads it in place instead of packing it (not
+                                  counted in size_bytes: what a predict holds) */
+    float *kernel;             /* (kh, kw, C, F) float16 mode's Conv2D: wh widened
+                                  once into the direct convolution's layout    */
     int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
     uint8_t *direct_w;         /* int8 one-channel conv from the image
                                   (mpt__q_direct_prepare): (groups, npad, 4) taps, or NULL */
@@ -29906,7 +29912,6 @@ typedef struct mpt__qwork {
     float *row_scale;   /* (batch · max_count) its scale per im2col row      */
     float *sample_scale; /* (batch) a dynamic conv's scale per sample        */
     void *cols;         /* im2col chunk, up to max(budget, max_cols) float32 */
-    float *weights;     /* (max_weights) float16 weights widened             */
     int64_t batch;
 } mpt__qwork;
 
@@ -29919,7 +29924,6 @@ struct mpt__quantized {
     int64_t in_count;           /* elements of one input sample                  */
     int64_t max_count;          /* of the largest tensor of one sample           */
     int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
-    int64_t max_weights;        /* the largest N·K                               */
     int64_t size_bytes;
     mpt__qwork work;            /* the last call's scratch, kept for the next
                                    (mpt__qwork_reuse); block NULL: none yet   */
@@ -29943,6 +29947,8 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__qgemm_packed_free(ctx, op->wpacked);
     mpt__free(ctx, op->wscale);
     mpt__free(ctx, op->wh);
+    mpt__free(ctx, op->wh_kn);
+    mpt__free(ctx, op->kernel);
     mpt__free(ctx, op->bq);
     mpt__free(ctx, op->mult);
     mpt__free(ctx, op->shift);
@@ -30240,8 +30246,6 @@ static void mpt__q_plan(mpt__quantized *Q, int64_t in_count) {
         Q->max_count = MPT__MAX(Q->max_count, op->out_count);
         if (op->info.op == MPT_QOP_CONV_2D)
             Q->max_cols = MPT__MAX(Q->max_cols, op->g.oh * op->g.ow * op->info.depth);
-        if (mpt__qop_weighted(op))
-            Q->max_weights = MPT__MAX(Q->max_weights, op->info.out_channels * op->info.depth);
     }
 }
 
@@ -30254,8 +30258,7 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
     w->batch = batch;
     cols = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     if (!mpt__mul_ok(batch, Q->max_count, &per) || !mpt__mul_ok(per, 4, &act) ||
-        !mpt__mul_ok(act, 6, &total) || !mpt__add_ok(total, cols + 4 * Q->max_weights + 9 * 64,
-                                                     &total) ||
+        !mpt__mul_ok(act, 6, &total) || !mpt__add_ok(total, cols + 8 * 64, &total) ||
         (uint64_t)total > (uint64_t)SIZE_MAX)
         return mpt__fail(ctx, MPT_ERR_OVERFLOW, "quantized model: batches of %lld samples are "
                          "too large", (long long)batch);
@@ -30273,7 +30276,6 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
         MPT__Q_CARVE(w->row_scale, float *, act);
         MPT__Q_CARVE(w->sample_scale, float *, 4 * batch);
         MPT__Q_CARVE(w->cols, void *, cols);
-        MPT__Q_CARVE(w->weights, float *, 4 * Q->max_weights);
 #undef MPT__Q_CARVE
     }
     return MPT_OK;
@@ -30611,7 +30613,11 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         g.m = rows, g.n = N, g.k = K;
         g.ab_dtype = MPT_FLOAT32;
         g.a = a, g.lda = K;
-        g.b = ex == MPT__QX_FLOAT16 ? (const void *)op->wh : (const void *)op->w, g.ldb = K;
+        g.b = op->w, g.ldb = K;
+        if (ex == MPT__QX_FLOAT16 && op->wh_kn) /* a Dense: (K, N), see mpt__q_float16_prepare */
+            g.trans_b = 0, g.b = op->wh_kn, g.ldb = N;
+        else if (ex == MPT__QX_FLOAT16)
+            g.b = op->wh;
         g.c = (float *)y, g.ldc = N;
         g.bias = op->bias;
         g.activation = relu ? MPT_ACT_RELU : MPT_ACT_NONE;
@@ -30660,30 +30666,27 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
 
 /* A float16 model's Conv2D as the float32 model's runs it, by the CPU's
    direct convolution (a one-channel image's shallow kernel, Winograd for
-   3×3, tiles without im2col), its kernel widened into the (kh, kw, C, F)
-   layout that takes, at the start of the cols buffer, its workspace
-   after; returns whether it ran (no: another activation, a kernel or
-   workspace larger than the buffer, or a case conv_direct declines, which
-   then runs through im2col). The sums' order is conv_direct's, as in the
-   float32 model, not the im2col product's. */
+   3×3, tiles without im2col), on its kernel widened once into the
+   (kh, kw, C, F) layout that takes (mpt__q_float16_prepare), its workspace
+   in the cols buffer; returns whether it ran (no: another activation, a
+   workspace too large, or a case conv_direct declines, which then runs
+   through im2col). The sums' order is conv_direct's, as in the float32
+   model, not the im2col product's. The workspace starts past room for the
+   kernel, as when the kernel was widened there every call, so that the
+   same convolutions take this path as before. */
 static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
                                       const mpt__qop *op, const void *x, void *y, int64_t n,
                                       mpt__qwork *w) {
     const int64_t N = op->info.out_channels, K = op->info.depth;
     const int64_t cols_bytes = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     const int64_t kernel_bytes = (4 * K * N + 63) / 64 * 64;
-    float *kernel = (float *)w->cols;
     mpt_conv_args a;
-    int64_t f, k;
     if ((op->info.activation != MPT_ACT_NONE && op->info.activation != MPT_ACT_RELU) ||
-        kernel_bytes + (int64_t)MPT_CONV_DIRECT_WS_BYTES(K, op->g.c, N) > cols_bytes ||
-        mpt_convert(ctx, MPT_FLOAT32, w->weights, MPT_FLOAT16, op->wh, N * K) != MPT_OK)
+        kernel_bytes + (int64_t)MPT_CONV_DIRECT_WS_BYTES(K, op->g.c, N) > cols_bytes)
         return 0;
-    for (f = 0; f < N; f++) /* (F, kh, kw, C) to (kh, kw, C, F) */
-        for (k = 0; k < K; k++) kernel[k * N + f] = w->weights[f * K + k];
     memset(&a, 0, sizeof a);
     a.g = &op->g, a.dtype = MPT_FLOAT32, a.n = n, a.f = N;
-    a.x = x, a.kernel = kernel, a.bias = op->bias, a.act = op->info.activation, a.y = y;
+    a.x = x, a.kernel = op->kernel, a.bias = op->bias, a.act = op->info.activation, a.y = y;
     a.ws = (unsigned char *)w->cols + kernel_bytes;
     return mpt__cpu_conv_direct(ctx, &a);
 }
@@ -31500,6 +31503,36 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
     return MPT_OK;
 }
 
+/* What a float16 model's predict reads instead of converting its weights
+   every call: a Dense's half weights transposed to (K, N) (mpt__q_product
+   then takes the GEMM's few-rows path at batch 1 to 4, which reads B in
+   place and needs it not transposed; a larger batch packs the same values
+   either way), and a Conv2D's widened into the direct convolution's
+   (kh, kw, C, F) float32 kernel. Both hold wh's values exactly (widening
+   is exact), so the outputs are the bits of converting per call. */
+static mpt_status mpt__q_float16_prepare(mpt_context *ctx, mpt__qop *op) {
+    const int64_t N = op->info.out_channels, K = op->info.depth;
+    float *wide;
+    mpt_status s;
+    int64_t f, k;
+    if (op->info.op == MPT_QOP_FULLY_CONNECTED) {
+        op->wh_kn = (mpt_half *)mpt__alloc(ctx, sizeof(mpt_half) * (size_t)(N * K));
+        if (!op->wh_kn) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+        for (f = 0; f < N; f++)
+            for (k = 0; k < K; k++) op->wh_kn[k * N + f] = op->wh[f * K + k];
+        return MPT_OK;
+    }
+    /* widened by mpt_convert, as the per-call copy was, then reordered */
+    op->kernel = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(N * K));
+    wide = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(N * K));
+    s = op->kernel && wide ? mpt_convert(ctx, MPT_FLOAT32, wide, MPT_FLOAT16, op->wh, N * K)
+                           : mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    for (f = 0; s == MPT_OK && f < N; f++) /* (F, kh, kw, C) to (kh, kw, C, F) */
+        for (k = 0; k < K; k++) op->kernel[k * N + f] = wide[f * K + k];
+    mpt__free(ctx, wide);
+    return s;
+}
+
 /* The weights in the mode's form; the float32 copies go (float16 and
    dynamic keep the float32 bias). */
 static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
@@ -31514,6 +31547,7 @@ static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
             MPT__CHECK(mpt_convert(ctx, MPT_FLOAT16, op->wh, MPT_FLOAT32, op->w, NK));
             op->info.weights_float16 = op->wh;
             Q->size_bytes += 2 * NK + 4 * N;
+            MPT__CHECK(mpt__q_float16_prepare(ctx, op));
         } else {
             MPT__CHECK(mpt__q_weights_int8(ctx, op));
             if (Q->mode == MPT_QUANTIZE_DYNAMIC_RANGE && op->info.op == MPT_QOP_CONV_2D)

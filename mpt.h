@@ -29413,6 +29413,87 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
 #undef MPT__A
     MPT__ROWS12_WITH(MPT__QGEMM_STORE_ROW, _mm512_storeu_si512, void, 16)
 }
+
+/* AVX-512 VNNI for a panel of at most MPT__QGEMM_FEW_ROWS rows (a batch
+   of 1 to 4 samples), where the 12-row kernels would repeat the short
+   panel's last row and do 12 rows' work for one. Row i's group g is the
+   4 bytes at a[i] + g·step, flipped by flip (a packed panel: step 4·MR,
+   flip 0; rows in place: step 4, as mpt__qgemm_kernel_vnni_rows). Even
+   and odd groups go to two sets of sums, added at the end, so that one
+   row still keeps four vpdpbusd chains in flight. The sums are exact
+   integers, so the tile holds the 12-row kernels' values bit for bit. */
+#define MPT__QGEMM_FEW_ROWS 4
+#define MPT__QF_ROWS1(X) X(0)
+#define MPT__QF_ROWS2(X) X(0) X(1)
+#define MPT__QF_ROWS3(X) X(0) X(1) X(2)
+#define MPT__QF_ROWS4(X) X(0) X(1) X(2) X(3)
+#define MPT__QF_ZERO(i) __m512i s##i##0 = z, s##i##1 = z, s##i##2 = z, s##i##3 = z;
+#define MPT__QF_A(i, g) \
+    _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(a[i] + (g) * step)), flip64)
+#define MPT__QF_STEP2(i)                                                                    \
+    {                                                                                       \
+        const __m512i a0 = MPT__QF_A(i, g), a1 = MPT__QF_A(i, g + 1);                        \
+        s##i##0 = _mm512_dpbusd_epi32(s##i##0, a0, b00);                                    \
+        s##i##1 = _mm512_dpbusd_epi32(s##i##1, a0, b01);                                    \
+        s##i##2 = _mm512_dpbusd_epi32(s##i##2, a1, b10);                                    \
+        s##i##3 = _mm512_dpbusd_epi32(s##i##3, a1, b11);                                    \
+    }
+#define MPT__QF_STEP1(i)                                                                    \
+    {                                                                                       \
+        const __m512i a0 = MPT__QF_A(i, g);                                                 \
+        s##i##0 = _mm512_dpbusd_epi32(s##i##0, a0, b00);                                    \
+        s##i##1 = _mm512_dpbusd_epi32(s##i##1, a0, b01);                                    \
+    }
+#define MPT__QF_STORE(i)                                                                    \
+    _mm512_storeu_si512(tile + 32 * i, _mm512_add_epi32(s##i##0, s##i##2));                \
+    _mm512_storeu_si512(tile + 32 * i + 16, _mm512_add_epi32(s##i##1, s##i##3));
+/* A panel bw = 32 columns wide holds a group's 32 columns in 128 bytes
+   (two vectors), a half panel (bw = 16) in 64 bytes (one). */
+#define MPT__QF_LOAD(p, second) \
+    ((second) && !wide ? z : _mm512_loadu_si512((const void *)((p) + ((second) ? 64 : 0))))
+#define MPT__QF_BODY(ROWS)                                                                  \
+    {                                                                                       \
+        ROWS(MPT__QF_ZERO)                                                                  \
+        for (g = 0; g + 2 <= kg; g += 2) {                                                  \
+            const uint8_t *bg = b + g * gb;                                                 \
+            const __m512i b00 = MPT__QF_LOAD(bg, 0), b01 = MPT__QF_LOAD(bg, 1),              \
+                          b10 = MPT__QF_LOAD(bg + gb, 0), b11 = MPT__QF_LOAD(bg + gb, 1);   \
+            ROWS(MPT__QF_STEP2)                                                             \
+        }                                                                                   \
+        if (g < kg) {                                                                       \
+            const uint8_t *bg = b + g * gb;                                                 \
+            const __m512i b00 = MPT__QF_LOAD(bg, 0), b01 = MPT__QF_LOAD(bg, 1);              \
+            ROWS(MPT__QF_STEP1)                                                             \
+        }                                                                                   \
+        ROWS(MPT__QF_STORE)                                                                 \
+    }
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_few(int64_t kg,
+                                                               const uint8_t *const *a,
+                                                               int64_t step, int flip, int rows,
+                                                               const uint8_t *b, int bw,
+                                                               int32_t *tile) {
+    const __m512i flip64 = _mm512_set1_epi8((char)flip), z = _mm512_setzero_si512();
+    const int64_t gb = 4 * (int64_t)bw; /* bytes of B a group */
+    const int wide = bw == 32;
+    int64_t g;
+    switch (rows) {
+    case 1: MPT__QF_BODY(MPT__QF_ROWS1) break;
+    case 2: MPT__QF_BODY(MPT__QF_ROWS2) break;
+    case 3: MPT__QF_BODY(MPT__QF_ROWS3) break;
+    default: MPT__QF_BODY(MPT__QF_ROWS4) break;
+    }
+}
+#undef MPT__QF_ROWS1
+#undef MPT__QF_ROWS2
+#undef MPT__QF_ROWS3
+#undef MPT__QF_ROWS4
+#undef MPT__QF_ZERO
+#undef MPT__QF_A
+#undef MPT__QF_STEP2
+#undef MPT__QF_STEP1
+#undef MPT__QF_STORE
+#undef MPT__QF_LOAD
+#undef MPT__QF_BODY
 #undef MPT__MAC_MADD256
 #undef MPT__MAC_MADD512
 #undef MPT__MAC_VNNI
@@ -29443,6 +29524,9 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
         /* rows read in place: not in the panel of A's last row, whose
            bytes past K would lie past A */
         const int in_place = job->rows_in_place && ir + mb < d->m;
+#if MPT__X86
+        const int few = job->kernel == mpt__qgemm_kernel_vnni && mb <= MPT__QGEMM_FEW_ROWS;
+#endif
         if (in_place) {
             const int flip = d->a_unsigned ? 0 : 0x80;
             for (i = 0; i < mr; i++)
@@ -29453,10 +29537,18 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
         } else {
             mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
         }
+#if MPT__X86
+        if (few) /* the short panel's rows: in place, or packed 4·MR bytes a group */
+            for (i = 0; i < mb; i++) rows[i] = in_place ? rows[i] : apack + 4 * i;
+#endif
         for (jr = j0; jr < j1; jr += nr) {
             const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
 #if MPT__X86
-            if (in_place)
+            if (few)
+                mpt__qgemm_kernel_vnni_few(job->kg, rows, in_place ? 4 : 4 * mr,
+                                           in_place && !d->a_unsigned ? 0x80 : 0, mb,
+                                           job->bpack + jr * job->kg * 4, w, tile);
+            else if (in_place)
                 mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
                                             job->bpack + jr * job->kg * 4, w, tile);
             else

@@ -25476,16 +25476,19 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
 
 /* Products of at most this many rows of A with B not transposed (a Dense
    on one sample, batch-1 inference) skip packing: see
-   mpt__gemm_few_rows_strip, which holds MPT__GEMM_FEW_COLS columns of C a
-   task in registers. */
+   mpt__gemm_few_rows_strip, which holds a strip of MPT__GEMM_FEW_COLS
+   columns of C (twice that for one row: mpt__gemm_few_cols) a task in
+   registers. */
 #define MPT__GEMM_FEW_ROWS 4
 #define MPT__GEMM_FEW_COLS 64
 #if MPT__X86
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0);
+static int64_t mpt__gemm_few_cols(const mpt_gemm_desc *d);
 
 static void mpt__gemm_few_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     (void)thread;
-    mpt__gemm_few_rows_strip((const mpt__gemm_job *)arg, task * MPT__GEMM_FEW_COLS);
+    mpt__gemm_few_rows_strip(job, task * mpt__gemm_few_cols(job->d));
 }
 
 /* Whether the product takes the few-rows path: the AVX-512 float32 kernel's
@@ -25500,7 +25503,7 @@ static int mpt__gemm_few_rows(const mpt__gemm_job *job) {
    one, past what waking them costs. */
 static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
     const mpt_gemm_desc *d = job->d;
-    int64_t strips = (d->n + MPT__GEMM_FEW_COLS - 1) / MPT__GEMM_FEW_COLS, t;
+    int64_t strips = (d->n + mpt__gemm_few_cols(d) - 1) / mpt__gemm_few_cols(d), t;
     double b_bytes = (double)d->n * (double)d->k * (double)mpt_dtype_size(job->b_dtype);
     if (b_bytes < 256.0 * 1024 || job->ctx->num_threads <= 1 || strips < 2)
         for (t = 0; t < strips; t++) mpt__gemm_few_rows_task(job, t, 0);
@@ -26072,79 +26075,97 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
 #undef MPT__LOAD_BF16_PAIRS
 #undef MPT__GEMM_STORE_ROW
 
-/* A strip of MPT__GEMM_FEW_COLS columns of C from j0, for the few rows of
-   a product with B not transposed (mpt__gemm_few_rows): B's rows read
-   where they lie, four vectors a depth, against each row's element of A
-   broadcast (A widened to float32 a depth block at a time, as packing
-   does). Each element is the packed kernel's FMA chain (per depth block,
-   k in order, from zero) and its epilogue, so the bits are the same. Rows
-   past m repeat the last row and are not stored. */
-#define MPT__FEW_ZERO(i) __m512 c##i##0 = zero, c##i##1 = zero, c##i##2 = zero, c##i##3 = zero;
-#define MPT__FEW_STEP(i)                                                                \
+/* A strip of columns of C from j0 (mpt__gemm_few_cols: 64, 128 for one
+   row), for the few rows of a product with B not transposed
+   (mpt__gemm_few_rows): B's rows read where they lie, a depth at a time,
+   against each row's element of A broadcast (A widened to float32 a depth
+   block at a time, as packing does). Each element is the packed kernel's
+   FMA chain (per depth block, k in order, from zero) and its epilogue, so
+   the bits are the same. A chain cannot be split without changing its
+   sum, so what keeps the FMA units busy is how many elements are summed
+   at once: the shapes below, rows × vectors of 16 columns, are the
+   product's rows exactly (no repeated row summed for nothing), with one
+   row 8 vectors wide so that 8 chains are in flight. Cell (i, v) is the
+   sums c##i##v of row i's columns 16·v to 16·v + 15. */
+#define MPT__FEW_VECS4(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3)
+#define MPT__FEW_1x8(X) MPT__FEW_VECS4(X, 0) X(0, 4) X(0, 5) X(0, 6) X(0, 7)
+#define MPT__FEW_2x4(X) MPT__FEW_VECS4(X, 0) MPT__FEW_VECS4(X, 1)
+#define MPT__FEW_3x4(X) MPT__FEW_2x4(X) MPT__FEW_VECS4(X, 2)
+#define MPT__FEW_4x4(X) MPT__FEW_3x4(X) MPT__FEW_VECS4(X, 3)
+#define MPT__FEW_B4(X) X(0) X(1) X(2) X(3)
+#define MPT__FEW_B8(X) MPT__FEW_B4(X) X(4) X(5) X(6) X(7)
+#define MPT__FEW_ZERO(i, v) __m512 c##i##v = zero;
+#define MPT__FEW_LOAD_B(v) const __m512 b##v = mpt__gemm_load16(bt, bk + 16 * v * bes, mask[v]);
+#define MPT__FEW_STEP(i, v) c##i##v = _mm512_fmadd_ps(_mm512_set1_ps(arow[i][k]), b##v, c##i##v);
+#define MPT__FEW_STORE(i, v)                                                            \
+    if (n > 16 * v)                                                                     \
+        mpt__gemm_store_avx512(d->c + i * d->ldc + j0 + 16 * v, c##i##v, mask[v],       \
+                               bias ? bias + 16 * v : NULL, &e);
+/* One depth block of the strip in the shape SHAPE (B's vectors BVECS). */
+#define MPT__FEW_BLOCK(SHAPE, BVECS)                                                    \
     {                                                                                   \
-        const __m512 av = _mm512_set1_ps(arow[i][k]);                                   \
-        c##i##0 = _mm512_fmadd_ps(av, b0, c##i##0);                                     \
-        c##i##1 = _mm512_fmadd_ps(av, b1, c##i##1);                                     \
-        c##i##2 = _mm512_fmadd_ps(av, b2, c##i##2);                                     \
-        c##i##3 = _mm512_fmadd_ps(av, b3, c##i##3);                                     \
+        SHAPE(MPT__FEW_ZERO)                                                            \
+        for (k = 0; k < kb; k++) {                                                      \
+            const char *bk = b + (size_t)k * (size_t)d->ldb * bes;                      \
+            BVECS(MPT__FEW_LOAD_B)                                                      \
+            SHAPE(MPT__FEW_STEP)                                                        \
+        }                                                                               \
+        SHAPE(MPT__FEW_STORE)                                                           \
     }
-#define MPT__FEW_STORE(i)                                                               \
-    if (i < d->m) {                                                                     \
-        float *ci = d->c + i * d->ldc + j0;                                             \
-        mpt__gemm_store_avx512(ci, c##i##0, k0, bias, &e);                              \
-        if (n > 16) mpt__gemm_store_avx512(ci + 16, c##i##1, k1, bias ? bias + 16 : NULL, &e); \
-        if (n > 32) mpt__gemm_store_avx512(ci + 32, c##i##2, k2, bias ? bias + 32 : NULL, &e); \
-        if (n > 48) mpt__gemm_store_avx512(ci + 48, c##i##3, k3, bias ? bias + 48 : NULL, &e); \
-    }
-#define MPT__FEW_ROWS4(X) X(0) X(1) X(2) X(3)
+static int64_t mpt__gemm_few_cols(const mpt_gemm_desc *d) {
+    return d->m == 1 ? 2 * MPT__GEMM_FEW_COLS : MPT__GEMM_FEW_COLS;
+}
+
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0) {
     const mpt_gemm_desc *d = job->d;
     const mpt_dtype dt = job->dtype, bt = job->b_dtype;
     const size_t es = mpt_dtype_size(dt), bes = mpt_dtype_size(bt);
-    const int n = (int)MPT__MIN(MPT__GEMM_FEW_COLS, d->n - j0);
+    const int n = (int)MPT__MIN(mpt__gemm_few_cols(d), d->n - j0);
     const int64_t a_ls = d->trans_a ? 1 : d->lda, a_ks = d->trans_a ? d->lda : 1;
-    const __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16),
-                    k2 = mpt__gemm_mask16(n - 32), k3 = mpt__gemm_mask16(n - 48);
     const __m512 zero = _mm512_setzero_ps();
+    __mmask16 mask[8];
     float arow[MPT__GEMM_FEW_ROWS][MPT__GEMM_KC];
     int64_t pc, k;
     int i;
+    for (i = 0; i < 8; i++) mask[i] = mpt__gemm_mask16(n - 16 * i);
     for (pc = 0; pc < d->k; pc += job->kc) {
         const int64_t kb = MPT__MIN(job->kc, d->k - pc);
         const int first = pc == 0, last = pc + kb >= d->k;
         const char *b = (const char *)d->b + (size_t)(pc * d->ldb + j0) * bes;
         const float *bias = last && d->bias ? d->bias + j0 : NULL;
         mpt__gemm_epi e;
-        MPT__FEW_ROWS4(MPT__FEW_ZERO)
-        for (i = 0; i < MPT__GEMM_FEW_ROWS; i++) {
-            const int64_t row = MPT__MIN(i, d->m - 1);
-            for (k = 0; k < kb; k++)
-                arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
-                    dt, (const char *)d->a + (size_t)(row * a_ls + (pc + k) * a_ks) * es, 1));
-        }
-        for (k = 0; k < kb; k++) {
-            const char *bk = b + (size_t)k * (size_t)d->ldb * bes;
-            const __m512 b0 = mpt__gemm_load16(bt, bk, k0),
-                         b1 = mpt__gemm_load16(bt, bk + 16 * bes, k1),
-                         b2 = mpt__gemm_load16(bt, bk + 32 * bes, k2),
-                         b3 = mpt__gemm_load16(bt, bk + 48 * bes, k3);
-            MPT__FEW_ROWS4(MPT__FEW_STEP)
-        }
         e.alpha = job->alpha;
         e.beta = first ? d->beta : 1.0f;
         e.load_c = !first || d->beta != 0;
         e.relu = last && d->activation == MPT_ACT_RELU;
         e.bias = NULL;
-        MPT__FEW_ROWS4(MPT__FEW_STORE)
+        for (i = 0; i < d->m; i++)
+            for (k = 0; k < kb; k++)
+                arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
+                    dt, (const char *)d->a + (size_t)(i * a_ls + (pc + k) * a_ks) * es, 1));
+        switch (d->m) {
+        case 1: MPT__FEW_BLOCK(MPT__FEW_1x8, MPT__FEW_B8) break;
+        case 2: MPT__FEW_BLOCK(MPT__FEW_2x4, MPT__FEW_B4) break;
+        case 3: MPT__FEW_BLOCK(MPT__FEW_3x4, MPT__FEW_B4) break;
+        default: MPT__FEW_BLOCK(MPT__FEW_4x4, MPT__FEW_B4) break;
+        }
     }
     if (d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU)
         for (i = 0; i < d->m; i++)
             mpt__activation_forward(d->activation, d->c + i * d->ldc + j0, n);
 }
+#undef MPT__FEW_VECS4
+#undef MPT__FEW_1x8
+#undef MPT__FEW_2x4
+#undef MPT__FEW_3x4
+#undef MPT__FEW_4x4
+#undef MPT__FEW_B4
+#undef MPT__FEW_B8
 #undef MPT__FEW_ZERO
+#undef MPT__FEW_LOAD_B
 #undef MPT__FEW_STEP
 #undef MPT__FEW_STORE
-#undef MPT__FEW_ROWS4
+#undef MPT__FEW_BLOCK
 
 #endif /* MPT__X86 */
 

@@ -25483,12 +25483,12 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
 #define MPT__GEMM_FEW_COLS 64
 #if MPT__X86
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0);
-static int64_t mpt__gemm_few_cols(const mpt_gemm_desc *d);
+static int64_t mpt__gemm_few_cols(const mpt__gemm_job *job);
 
 static void mpt__gemm_few_rows_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     (void)thread;
-    mpt__gemm_few_rows_strip(job, task * mpt__gemm_few_cols(job->d));
+    mpt__gemm_few_rows_strip(job, task * mpt__gemm_few_cols(job));
 }
 
 /* Whether the product takes the few-rows path: the AVX-512 float32 kernel's
@@ -25503,7 +25503,7 @@ static int mpt__gemm_few_rows(const mpt__gemm_job *job) {
    one, past what waking them costs. */
 static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
     const mpt_gemm_desc *d = job->d;
-    int64_t strips = (d->n + mpt__gemm_few_cols(d) - 1) / mpt__gemm_few_cols(d), t;
+    int64_t strips = (d->n + mpt__gemm_few_cols(job) - 1) / mpt__gemm_few_cols(job), t;
     double b_bytes = (double)d->n * (double)d->k * (double)mpt_dtype_size(job->b_dtype);
     if (b_bytes < 256.0 * 1024 || job->ctx->num_threads <= 1 || strips < 2)
         for (t = 0; t < strips; t++) mpt__gemm_few_rows_task(job, t, 0);
@@ -26085,9 +26085,11 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
    sum, so what keeps the FMA units busy is how many elements are summed
    at once: the shapes below, rows × vectors of 16 columns, are the
    product's rows exactly (no repeated row summed for nothing), with one
-   row 8 vectors wide so that 8 chains are in flight. Cell (i, v) is the
+   row 8 vectors wide where there are strips enough for the threads, so
+   that 8 chains are in flight. Cell (i, v) is the
    sums c##i##v of row i's columns 16·v to 16·v + 15. */
 #define MPT__FEW_VECS4(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3)
+#define MPT__FEW_1x4(X) MPT__FEW_VECS4(X, 0)
 #define MPT__FEW_1x8(X) MPT__FEW_VECS4(X, 0) X(0, 4) X(0, 5) X(0, 6) X(0, 7)
 #define MPT__FEW_2x4(X) MPT__FEW_VECS4(X, 0) MPT__FEW_VECS4(X, 1)
 #define MPT__FEW_3x4(X) MPT__FEW_2x4(X) MPT__FEW_VECS4(X, 2)
@@ -26112,15 +26114,20 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
         }                                                                               \
         SHAPE(MPT__FEW_STORE)                                                           \
     }
-static int64_t mpt__gemm_few_cols(const mpt_gemm_desc *d) {
-    return d->m == 1 ? 2 * MPT__GEMM_FEW_COLS : MPT__GEMM_FEW_COLS;
+/* One row: 128 columns a strip, unless that leaves fewer strips than the
+   context has threads (a Dense of 128 units on 2 threads reads B faster
+   as two strips of 64 on the pool than as one of 128). */
+static int64_t mpt__gemm_few_cols(const mpt__gemm_job *job) {
+    const int64_t wide = 2 * MPT__GEMM_FEW_COLS;
+    return job->d->m == 1 && job->d->n >= wide * job->ctx->num_threads ? wide
+                                                                       : MPT__GEMM_FEW_COLS;
 }
 
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0) {
     const mpt_gemm_desc *d = job->d;
     const mpt_dtype dt = job->dtype, bt = job->b_dtype;
     const size_t es = mpt_dtype_size(dt), bes = mpt_dtype_size(bt);
-    const int n = (int)MPT__MIN(mpt__gemm_few_cols(d), d->n - j0);
+    const int n = (int)MPT__MIN(mpt__gemm_few_cols(job), d->n - j0);
     const int64_t a_ls = d->trans_a ? 1 : d->lda, a_ks = d->trans_a ? d->lda : 1;
     const __m512 zero = _mm512_setzero_ps();
     __mmask16 mask[8];
@@ -26144,7 +26151,10 @@ MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job
                 arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
                     dt, (const char *)d->a + (size_t)(i * a_ls + (pc + k) * a_ks) * es, 1));
         switch (d->m) {
-        case 1: MPT__FEW_BLOCK(MPT__FEW_1x8, MPT__FEW_B8) break;
+        case 1:
+            if (n > MPT__GEMM_FEW_COLS) MPT__FEW_BLOCK(MPT__FEW_1x8, MPT__FEW_B8)
+            else MPT__FEW_BLOCK(MPT__FEW_1x4, MPT__FEW_B4)
+            break;
         case 2: MPT__FEW_BLOCK(MPT__FEW_2x4, MPT__FEW_B4) break;
         case 3: MPT__FEW_BLOCK(MPT__FEW_3x4, MPT__FEW_B4) break;
         default: MPT__FEW_BLOCK(MPT__FEW_4x4, MPT__FEW_B4) break;
@@ -26155,6 +26165,7 @@ MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job
             mpt__activation_forward(d->activation, d->c + i * d->ldc + j0, n);
 }
 #undef MPT__FEW_VECS4
+#undef MPT__FEW_1x4
 #undef MPT__FEW_1x8
 #undef MPT__FEW_2x4
 #undef MPT__FEW_3x4

@@ -6463,7 +6463,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_window_lanes_avx512(
             }
         /* a maximum is one of the inputs: rounding it back to dtype is exact */
         mpt__avx512_store(dtype, (char *)y + (size_t)e * es, best, m);
-        _mm512_mask_storeu_epi32(arg + e, m, where);
+        if (arg) _mm512_mask_storeu_epi32(arg + e, m, where); /* NULL: inference's */
     }
 }
 
@@ -30493,8 +30493,11 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
    Each window's pixels are read whole (C contiguous channels) into y,
    row by row: per channel the same order as a loop over the window. */
 /* Float pooling of the float16 and dynamic-range models: max pooling is
-   the float model's (mpt__max_window: NaN wins), without the argmax. */
-static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int64_t n) {
+   the float model's (mpt__max_window: NaN wins; its AVX-512 form where
+   the CPU has it, as the float model's forward takes: the same maxima,
+   16 channels a vector where -O2 makes the portable loop 4), without the
+   argmax. */
+static void mpt__q_pool_float(const mpt__qop *op, int cpu, const float *x, float *y, int64_t n) {
     const mpt__win *g = &op->g;
     const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
     int64_t b, oy, ox, c, r, q, r0, r1, c0, c1;
@@ -30503,6 +30506,12 @@ static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int6
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
                 float *MPT__RESTRICT out = y;
                 mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
+#if MPT__X86
+                if (max && (cpu & MPT_CPU_AVX512)) {
+                    mpt__max_window_avx512(MPT_FLOAT32, g, x, r0, r1, c0, c1, out, NULL);
+                    continue;
+                }
+#endif
                 if (max) {
                     mpt__max_window(g, x, r0, r1, c0, c1, out, NULL);
                     continue;
@@ -30595,6 +30604,7 @@ typedef struct mpt__qsample_job {
     const void *fill;         /* im2col: a pixel outside the image          */
     const unsigned char *x;   /* (n, in_count) elements                     */
     unsigned char *y;         /* im2col: (n·OH·OW, K); pooling: (n, out_count) */
+    int cpu;                  /* the context's MPT_CPU_* features           */
 } mpt__qsample_job;
 
 static void mpt__q_im2col_task(void *arg, int64_t b, int thread) {
@@ -30611,13 +30621,14 @@ static void mpt__q_pool_task(void *arg, int64_t b, int thread) {
     const size_t out = (size_t)(b * j->op->out_count) * j->es;
     (void)thread;
     if (j->es == 1) mpt__q_pool_int8(j->op, (const int8_t *)(j->x + in), (int8_t *)(j->y + out), 1);
-    else mpt__q_pool_float(j->op, (const float *)(j->x + in), (float *)(j->y + out), 1);
+    else
+        mpt__q_pool_float(j->op, j->cpu, (const float *)(j->x + in), (float *)(j->y + out), 1);
 }
 
 static void mpt__q_each_sample(mpt_context *ctx, mpt__task_fn fn, const mpt__qop *op, size_t es,
                                const void *fill, const void *x, void *y, int64_t n) {
     mpt__qsample_job j;
-    j.op = op, j.es = es, j.fill = fill;
+    j.op = op, j.es = es, j.fill = fill, j.cpu = ctx->cpu;
     j.x = (const unsigned char *)x;
     j.y = (unsigned char *)y;
     mpt__parallel_for(ctx, n, fn, &j);

@@ -1416,6 +1416,67 @@ static void test_float16_dense_in_place(void) {
     }
 }
 
+/* The float16 and dynamic-range models' max pooling runs in float32 as
+   the float model's does (the AVX-512 window where the CPU has it): the
+   outputs are the float model's bit for bit (a dataset refuses NaN, so
+   test_pool's NaN cases stand for the rule), for channel counts below, at
+   and past a vector of 16, windows that overlap and run past the image,
+   on 1 and 2 threads. */
+static void test_float_max_pool_as_float_model(void) {
+    static const struct { int64_t c, k, stride; mpt_padding pad; } cases[] = {
+        {3, 2, 2, MPT_PADDING_VALID}, {16, 3, 2, MPT_PADDING_SAME}, {20, 2, 1, MPT_PADDING_SAME},
+    };
+    static const mpt_quantize_mode modes[] = {MPT_QUANTIZE_FLOAT16, MPT_QUANTIZE_DYNAMIC_RANGE};
+    enum { N = 5, HH = 9, WW = 7 };
+    int ci, mi, threads;
+    for (ci = 0; ci < 3; ci++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = threads_ctx(threads);
+            mpt_model *m = NULL;
+            mpt_dataset *d = NULL;
+            mpt_tensor tx, ty, a;
+            const int64_t count = N * HH * WW * cases[ci].c;
+            int64_t shape[4] = {N, HH, WW, cases[ci].c}, yshape[1] = {N}, k;
+            float *xs = (float *)malloc(sizeof(float) * (size_t)count);
+            int32_t ys[N] = {0};
+            test_seed(900 + ci);
+            for (k = 0; k < count; k++) xs[k] = (float)test_uniform(-1.0, 1.0);
+            mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {HH, WW, cases[ci].c},
+                                                    .input_rank = 3, .seed = 9}, &m);
+            mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){
+                .pool_size = {cases[ci].k, cases[ci].k},
+                .strides = {cases[ci].stride, cases[ci].stride}, .padding = cases[ci].pad});
+            mpt_model_add_flatten(m, NULL);
+            CHECK(mpt_model_build(m, N) == MPT_OK, "build: %s", mpt_context_error(ctx));
+            mpt_model_refresh_weights(m); /* no weights: none to train */
+            mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+            mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+            CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+                  "dataset: %s", mpt_context_error(ctx));
+            memset(&a, 0, sizeof a);
+            CHECK(mpt_model_predict(m, d, N, &a) == MPT_OK, "float pooling: %s",
+                  mpt_context_error(ctx));
+            for (mi = 0; mi < 2; mi++) {
+                mpt_model *q = quantize(m, modes[mi], NULL, MPT_DTYPE_DEFAULT);
+                mpt_tensor b;
+                memset(&b, 0, sizeof b);
+                CHECK(q && mpt_model_predict(q, d, N, &b) == MPT_OK,
+                      "quantized pooling: %s", mpt_context_error(ctx));
+                CHECK(a.data && b.data && mpt_tensor_bytes(&a) == mpt_tensor_bytes(&b) &&
+                          memcmp(a.data, b.data, mpt_tensor_bytes(&a)) == 0,
+                      "case %d, mode %d, %d threads: the pooled bits differ from the float "
+                      "model's", ci, (int)modes[mi], threads);
+                mpt_tensor_free(ctx, &b);
+                mpt_model_destroy(q);
+            }
+            mpt_tensor_free(ctx, &a);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+            free(xs);
+        }
+}
+
 /* ---- a trained model --------------------------------------------------------------------- */
 
 /* Four classes of 8×8×2 images, each brighter in its own quadrant; a
@@ -1938,6 +1999,7 @@ int main(void) {
     TEST_RUN(test_float16_model);
     TEST_RUN(test_float16_conv_direct);
     TEST_RUN(test_float16_dense_in_place);
+    TEST_RUN(test_float_max_pool_as_float_model);
     TEST_RUN(test_quantized_summary);
     TEST_RUN(test_layer_accessors_per_mode);
     TEST_RUN(test_bit_exact_across_threads);

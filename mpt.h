@@ -2389,7 +2389,9 @@ typedef struct mpt_quantized_info {
                                       tensors the ends quantize to and from */
     int n_layers;                  /* the operations                           */
     /* What a file holds: weights (1 byte each, 2 in float16), biases (4),
-       and per channel scales (4) in the int8 modes. */
+       and per channel scales (4) in the int8 modes. In memory a float16
+       model also keeps, made once for predict, its Dense weights
+       transposed (2 bytes each) and its Conv2D kernels widened (4). */
     int64_t size_bytes;
 } mpt_quantized_info;
 
@@ -29004,8 +29006,11 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
         return;
     }
     for (l = 0; l < lanes; l++) { /* transposed B: its columns are contiguous */
-        const uint8_t *col = (const uint8_t *)d->b + (j0 + l) * d->ldb;
-        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, w, l, col, d->k, 0, 1);
+        const uint8_t *col;
+        job->colsum[j0 + l] = 0;
+        if (!d->k) continue; /* K = 0: B may be NULL, no offset from it */
+        col = (const uint8_t *)d->b + (j0 + l) * d->ldb;
+        mpt__qgemm_pack_lane(dst, job->quads, w, l, col, d->k, 0, 1);
         job->colsum[j0 + l] = mpt__qgemm_lane_sum(col, d->k, 0, 1);
     }
 }
@@ -29043,9 +29048,12 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
         return;
     }
     for (i = 0; i < mb; i++) { /* Σu is needed only against B's zero point */
-        const uint8_t *row = (const uint8_t *)d->a + (ir + i) * d->lda;
-        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);
-        rowsum[i] = d->b_zero_point ? mpt__qgemm_lane_sum(row, d->k, flip, 0) : 0;
+        const uint8_t *row;
+        rowsum[i] = 0;
+        if (!d->k) continue; /* K = 0: A may be NULL, no offset from it */
+        row = (const uint8_t *)d->a + (ir + i) * d->lda;
+        mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);
+        if (d->b_zero_point) rowsum[i] = mpt__qgemm_lane_sum(row, d->k, flip, 0);
     }
 }
 

@@ -2389,7 +2389,9 @@ typedef struct mpt_quantized_info {
                                       tensors the ends quantize to and from */
     int n_layers;                  /* the operations                           */
     /* What a file holds: weights (1 byte each, 2 in float16), biases (4),
-       and per channel scales (4) in the int8 modes. */
+       and per channel scales (4) in the int8 modes. In memory a float16
+       model also keeps, made once for predict, its Dense weights
+       transposed (2 bytes each) and its Conv2D kernels widened (4). */
     int64_t size_bytes;
 } mpt_quantized_info;
 
@@ -6463,7 +6465,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_window_lanes_avx512(
             }
         /* a maximum is one of the inputs: rounding it back to dtype is exact */
         mpt__avx512_store(dtype, (char *)y + (size_t)e * es, best, m);
-        _mm512_mask_storeu_epi32(arg + e, m, where);
+        if (arg) _mm512_mask_storeu_epi32(arg + e, m, where); /* NULL: inference's */
     }
 }
 
@@ -25476,16 +25478,19 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
 
 /* Products of at most this many rows of A with B not transposed (a Dense
    on one sample, batch-1 inference) skip packing: see
-   mpt__gemm_few_rows_strip, which holds MPT__GEMM_FEW_COLS columns of C a
-   task in registers. */
+   mpt__gemm_few_rows_strip, which holds a strip of MPT__GEMM_FEW_COLS
+   columns of C (twice that for one row: mpt__gemm_few_cols) a task in
+   registers. */
 #define MPT__GEMM_FEW_ROWS 4
 #define MPT__GEMM_FEW_COLS 64
 #if MPT__X86
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0);
+static int64_t mpt__gemm_few_cols(const mpt__gemm_job *job);
 
 static void mpt__gemm_few_rows_task(void *arg, int64_t task, int thread) {
+    const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     (void)thread;
-    mpt__gemm_few_rows_strip((const mpt__gemm_job *)arg, task * MPT__GEMM_FEW_COLS);
+    mpt__gemm_few_rows_strip(job, task * mpt__gemm_few_cols(job));
 }
 
 /* Whether the product takes the few-rows path: the AVX-512 float32 kernel's
@@ -25500,7 +25505,7 @@ static int mpt__gemm_few_rows(const mpt__gemm_job *job) {
    one, past what waking them costs. */
 static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
     const mpt_gemm_desc *d = job->d;
-    int64_t strips = (d->n + MPT__GEMM_FEW_COLS - 1) / MPT__GEMM_FEW_COLS, t;
+    int64_t strips = (d->n + mpt__gemm_few_cols(job) - 1) / mpt__gemm_few_cols(job), t;
     double b_bytes = (double)d->n * (double)d->k * (double)mpt_dtype_size(job->b_dtype);
     if (b_bytes < 256.0 * 1024 || job->ctx->num_threads <= 1 || strips < 2)
         for (t = 0; t < strips; t++) mpt__gemm_few_rows_task(job, t, 0);
@@ -26072,79 +26077,108 @@ MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, con
 #undef MPT__LOAD_BF16_PAIRS
 #undef MPT__GEMM_STORE_ROW
 
-/* A strip of MPT__GEMM_FEW_COLS columns of C from j0, for the few rows of
-   a product with B not transposed (mpt__gemm_few_rows): B's rows read
-   where they lie, four vectors a depth, against each row's element of A
-   broadcast (A widened to float32 a depth block at a time, as packing
-   does). Each element is the packed kernel's FMA chain (per depth block,
-   k in order, from zero) and its epilogue, so the bits are the same. Rows
-   past m repeat the last row and are not stored. */
-#define MPT__FEW_ZERO(i) __m512 c##i##0 = zero, c##i##1 = zero, c##i##2 = zero, c##i##3 = zero;
-#define MPT__FEW_STEP(i)                                                                \
+/* A strip of columns of C from j0 (mpt__gemm_few_cols: 64, 128 for one
+   row), for the few rows of a product with B not transposed
+   (mpt__gemm_few_rows): B's rows read where they lie, a depth at a time,
+   against each row's element of A broadcast (A widened to float32 a depth
+   block at a time, as packing does). Each element is the packed kernel's
+   FMA chain (per depth block, k in order, from zero) and its epilogue, so
+   the bits are the same. A chain cannot be split without changing its
+   sum, so what keeps the FMA units busy is how many elements are summed
+   at once: the shapes below, rows × vectors of 16 columns, are the
+   product's rows exactly (no repeated row summed for nothing), with one
+   row 8 vectors wide where there are strips enough for the threads, so
+   that 8 chains are in flight. Cell (i, v) is the
+   sums c##i##v of row i's columns 16·v to 16·v + 15. */
+#define MPT__FEW_VECS4(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3)
+#define MPT__FEW_1x4(X) MPT__FEW_VECS4(X, 0)
+#define MPT__FEW_1x8(X) MPT__FEW_VECS4(X, 0) X(0, 4) X(0, 5) X(0, 6) X(0, 7)
+#define MPT__FEW_2x4(X) MPT__FEW_VECS4(X, 0) MPT__FEW_VECS4(X, 1)
+#define MPT__FEW_3x4(X) MPT__FEW_2x4(X) MPT__FEW_VECS4(X, 2)
+#define MPT__FEW_4x4(X) MPT__FEW_3x4(X) MPT__FEW_VECS4(X, 3)
+#define MPT__FEW_B4(X) X(0) X(1) X(2) X(3)
+#define MPT__FEW_B8(X) MPT__FEW_B4(X) X(4) X(5) X(6) X(7)
+#define MPT__FEW_ZERO(i, v) __m512 c##i##v = zero;
+#define MPT__FEW_LOAD_B(v) const __m512 b##v = mpt__gemm_load16(bt, bk + 16 * v * bes, mask[v]);
+#define MPT__FEW_STEP(i, v) c##i##v = _mm512_fmadd_ps(_mm512_set1_ps(arow[i][k]), b##v, c##i##v);
+#define MPT__FEW_STORE(i, v)                                                            \
+    if (n > 16 * v)                                                                     \
+        mpt__gemm_store_avx512(d->c + i * d->ldc + j0 + 16 * v, c##i##v, mask[v],       \
+                               bias ? bias + 16 * v : NULL, &e);
+/* One depth block of the strip in the shape SHAPE (B's vectors BVECS). */
+#define MPT__FEW_BLOCK(SHAPE, BVECS)                                                    \
     {                                                                                   \
-        const __m512 av = _mm512_set1_ps(arow[i][k]);                                   \
-        c##i##0 = _mm512_fmadd_ps(av, b0, c##i##0);                                     \
-        c##i##1 = _mm512_fmadd_ps(av, b1, c##i##1);                                     \
-        c##i##2 = _mm512_fmadd_ps(av, b2, c##i##2);                                     \
-        c##i##3 = _mm512_fmadd_ps(av, b3, c##i##3);                                     \
+        SHAPE(MPT__FEW_ZERO)                                                            \
+        for (k = 0; k < kb; k++) {                                                      \
+            const char *bk = b + (size_t)k * (size_t)d->ldb * bes;                      \
+            BVECS(MPT__FEW_LOAD_B)                                                      \
+            SHAPE(MPT__FEW_STEP)                                                        \
+        }                                                                               \
+        SHAPE(MPT__FEW_STORE)                                                           \
     }
-#define MPT__FEW_STORE(i)                                                               \
-    if (i < d->m) {                                                                     \
-        float *ci = d->c + i * d->ldc + j0;                                             \
-        mpt__gemm_store_avx512(ci, c##i##0, k0, bias, &e);                              \
-        if (n > 16) mpt__gemm_store_avx512(ci + 16, c##i##1, k1, bias ? bias + 16 : NULL, &e); \
-        if (n > 32) mpt__gemm_store_avx512(ci + 32, c##i##2, k2, bias ? bias + 32 : NULL, &e); \
-        if (n > 48) mpt__gemm_store_avx512(ci + 48, c##i##3, k3, bias ? bias + 48 : NULL, &e); \
-    }
-#define MPT__FEW_ROWS4(X) X(0) X(1) X(2) X(3)
+/* One row: 128 columns a strip, unless that leaves fewer strips than the
+   context has threads (a Dense of 128 units on 2 threads reads B faster
+   as two strips of 64 on the pool than as one of 128). */
+static int64_t mpt__gemm_few_cols(const mpt__gemm_job *job) {
+    const int64_t wide = 2 * MPT__GEMM_FEW_COLS;
+    return job->d->m == 1 && job->d->n >= wide * job->ctx->num_threads ? wide
+                                                                       : MPT__GEMM_FEW_COLS;
+}
+
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0) {
     const mpt_gemm_desc *d = job->d;
     const mpt_dtype dt = job->dtype, bt = job->b_dtype;
     const size_t es = mpt_dtype_size(dt), bes = mpt_dtype_size(bt);
-    const int n = (int)MPT__MIN(MPT__GEMM_FEW_COLS, d->n - j0);
+    const int n = (int)MPT__MIN(mpt__gemm_few_cols(job), d->n - j0);
     const int64_t a_ls = d->trans_a ? 1 : d->lda, a_ks = d->trans_a ? d->lda : 1;
-    const __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16),
-                    k2 = mpt__gemm_mask16(n - 32), k3 = mpt__gemm_mask16(n - 48);
     const __m512 zero = _mm512_setzero_ps();
+    __mmask16 mask[8];
     float arow[MPT__GEMM_FEW_ROWS][MPT__GEMM_KC];
     int64_t pc, k;
     int i;
+    for (i = 0; i < 8; i++) mask[i] = mpt__gemm_mask16(n - 16 * i);
     for (pc = 0; pc < d->k; pc += job->kc) {
         const int64_t kb = MPT__MIN(job->kc, d->k - pc);
         const int first = pc == 0, last = pc + kb >= d->k;
         const char *b = (const char *)d->b + (size_t)(pc * d->ldb + j0) * bes;
         const float *bias = last && d->bias ? d->bias + j0 : NULL;
         mpt__gemm_epi e;
-        MPT__FEW_ROWS4(MPT__FEW_ZERO)
-        for (i = 0; i < MPT__GEMM_FEW_ROWS; i++) {
-            const int64_t row = MPT__MIN(i, d->m - 1);
-            for (k = 0; k < kb; k++)
-                arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
-                    dt, (const char *)d->a + (size_t)(row * a_ls + (pc + k) * a_ks) * es, 1));
-        }
-        for (k = 0; k < kb; k++) {
-            const char *bk = b + (size_t)k * (size_t)d->ldb * bes;
-            const __m512 b0 = mpt__gemm_load16(bt, bk, k0),
-                         b1 = mpt__gemm_load16(bt, bk + 16 * bes, k1),
-                         b2 = mpt__gemm_load16(bt, bk + 32 * bes, k2),
-                         b3 = mpt__gemm_load16(bt, bk + 48 * bes, k3);
-            MPT__FEW_ROWS4(MPT__FEW_STEP)
-        }
         e.alpha = job->alpha;
         e.beta = first ? d->beta : 1.0f;
         e.load_c = !first || d->beta != 0;
         e.relu = last && d->activation == MPT_ACT_RELU;
         e.bias = NULL;
-        MPT__FEW_ROWS4(MPT__FEW_STORE)
+        for (i = 0; i < d->m; i++)
+            for (k = 0; k < kb; k++)
+                arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
+                    dt, (const char *)d->a + (size_t)(i * a_ls + (pc + k) * a_ks) * es, 1));
+        switch (d->m) {
+        case 1:
+            if (n > MPT__GEMM_FEW_COLS) MPT__FEW_BLOCK(MPT__FEW_1x8, MPT__FEW_B8)
+            else MPT__FEW_BLOCK(MPT__FEW_1x4, MPT__FEW_B4)
+            break;
+        case 2: MPT__FEW_BLOCK(MPT__FEW_2x4, MPT__FEW_B4) break;
+        case 3: MPT__FEW_BLOCK(MPT__FEW_3x4, MPT__FEW_B4) break;
+        default: MPT__FEW_BLOCK(MPT__FEW_4x4, MPT__FEW_B4) break;
+        }
     }
     if (d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU)
         for (i = 0; i < d->m; i++)
             mpt__activation_forward(d->activation, d->c + i * d->ldc + j0, n);
 }
+#undef MPT__FEW_VECS4
+#undef MPT__FEW_1x4
+#undef MPT__FEW_1x8
+#undef MPT__FEW_2x4
+#undef MPT__FEW_3x4
+#undef MPT__FEW_4x4
+#undef MPT__FEW_B4
+#undef MPT__FEW_B8
 #undef MPT__FEW_ZERO
+#undef MPT__FEW_LOAD_B
 #undef MPT__FEW_STEP
 #undef MPT__FEW_STORE
-#undef MPT__FEW_ROWS4
+#undef MPT__FEW_BLOCK
 
 #endif /* MPT__X86 */
 
@@ -28972,8 +29006,11 @@ static void mpt__qgemm_pack_b_task(void *arg, int64_t panel, int thread) {
         return;
     }
     for (l = 0; l < lanes; l++) { /* transposed B: its columns are contiguous */
-        const uint8_t *col = (const uint8_t *)d->b + (j0 + l) * d->ldb;
-        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, w, l, col, d->k, 0, 1);
+        const uint8_t *col;
+        job->colsum[j0 + l] = 0;
+        if (!d->k) continue; /* K = 0: B may be NULL, no offset from it */
+        col = (const uint8_t *)d->b + (j0 + l) * d->ldb;
+        mpt__qgemm_pack_lane(dst, job->quads, w, l, col, d->k, 0, 1);
         job->colsum[j0 + l] = mpt__qgemm_lane_sum(col, d->k, 0, 1);
     }
 }
@@ -29011,9 +29048,12 @@ static void mpt__qgemm_pack_a(const mpt__qgemm_job *job, uint8_t *dst, int64_t i
         return;
     }
     for (i = 0; i < mb; i++) { /* Σu is needed only against B's zero point */
-        const uint8_t *row = (const uint8_t *)d->a + (ir + i) * d->lda;
-        if (d->k) mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);
-        rowsum[i] = d->b_zero_point ? mpt__qgemm_lane_sum(row, d->k, flip, 0) : 0;
+        const uint8_t *row;
+        rowsum[i] = 0;
+        if (!d->k) continue; /* K = 0: A may be NULL, no offset from it */
+        row = (const uint8_t *)d->a + (ir + i) * d->lda;
+        mpt__qgemm_pack_lane(dst, job->quads, job->mr, i, row, d->k, flip, 0);
+        if (d->b_zero_point) rowsum[i] = mpt__qgemm_lane_sum(row, d->k, flip, 0);
     }
 }
 
@@ -29413,6 +29453,87 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
 #undef MPT__A
     MPT__ROWS12_WITH(MPT__QGEMM_STORE_ROW, _mm512_storeu_si512, void, 16)
 }
+
+/* AVX-512 VNNI for a panel of at most MPT__QGEMM_FEW_ROWS rows (a batch
+   of 1 to 4 samples), where the 12-row kernels would repeat the short
+   panel's last row and do 12 rows' work for one. Row i's group g is the
+   4 bytes at a[i] + g·step, flipped by flip (a packed panel: step 4·MR,
+   flip 0; rows in place: step 4, as mpt__qgemm_kernel_vnni_rows). Even
+   and odd groups go to two sets of sums, added at the end, so that one
+   row still keeps four vpdpbusd chains in flight. The sums are exact
+   integers, so the tile holds the 12-row kernels' values bit for bit. */
+#define MPT__QGEMM_FEW_ROWS 4
+#define MPT__QF_ROWS1(X) X(0)
+#define MPT__QF_ROWS2(X) X(0) X(1)
+#define MPT__QF_ROWS3(X) X(0) X(1) X(2)
+#define MPT__QF_ROWS4(X) X(0) X(1) X(2) X(3)
+#define MPT__QF_ZERO(i) __m512i s##i##0 = z, s##i##1 = z, s##i##2 = z, s##i##3 = z;
+#define MPT__QF_A(i, g) \
+    _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(a[i] + (g) * step)), flip64)
+#define MPT__QF_STEP2(i)                                                                    \
+    {                                                                                       \
+        const __m512i a0 = MPT__QF_A(i, g), a1 = MPT__QF_A(i, g + 1);                        \
+        s##i##0 = _mm512_dpbusd_epi32(s##i##0, a0, b00);                                    \
+        s##i##1 = _mm512_dpbusd_epi32(s##i##1, a0, b01);                                    \
+        s##i##2 = _mm512_dpbusd_epi32(s##i##2, a1, b10);                                    \
+        s##i##3 = _mm512_dpbusd_epi32(s##i##3, a1, b11);                                    \
+    }
+#define MPT__QF_STEP1(i)                                                                    \
+    {                                                                                       \
+        const __m512i a0 = MPT__QF_A(i, g);                                                 \
+        s##i##0 = _mm512_dpbusd_epi32(s##i##0, a0, b00);                                    \
+        s##i##1 = _mm512_dpbusd_epi32(s##i##1, a0, b01);                                    \
+    }
+#define MPT__QF_STORE(i)                                                                    \
+    _mm512_storeu_si512(tile + 32 * i, _mm512_add_epi32(s##i##0, s##i##2));                \
+    _mm512_storeu_si512(tile + 32 * i + 16, _mm512_add_epi32(s##i##1, s##i##3));
+/* A panel bw = 32 columns wide holds a group's 32 columns in 128 bytes
+   (two vectors), a half panel (bw = 16) in 64 bytes (one). */
+#define MPT__QF_LOAD(p, second) \
+    ((second) && !wide ? z : _mm512_loadu_si512((const void *)((p) + ((second) ? 64 : 0))))
+#define MPT__QF_BODY(ROWS)                                                                  \
+    {                                                                                       \
+        ROWS(MPT__QF_ZERO)                                                                  \
+        for (g = 0; g + 2 <= kg; g += 2) {                                                  \
+            const uint8_t *bg = b + g * gb;                                                 \
+            const __m512i b00 = MPT__QF_LOAD(bg, 0), b01 = MPT__QF_LOAD(bg, 1),              \
+                          b10 = MPT__QF_LOAD(bg + gb, 0), b11 = MPT__QF_LOAD(bg + gb, 1);   \
+            ROWS(MPT__QF_STEP2)                                                             \
+        }                                                                                   \
+        if (g < kg) {                                                                       \
+            const uint8_t *bg = b + g * gb;                                                 \
+            const __m512i b00 = MPT__QF_LOAD(bg, 0), b01 = MPT__QF_LOAD(bg, 1);              \
+            ROWS(MPT__QF_STEP1)                                                             \
+        }                                                                                   \
+        ROWS(MPT__QF_STORE)                                                                 \
+    }
+MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_few(int64_t kg,
+                                                               const uint8_t *const *a,
+                                                               int64_t step, int flip, int rows,
+                                                               const uint8_t *b, int bw,
+                                                               int32_t *tile) {
+    const __m512i flip64 = _mm512_set1_epi8((char)flip), z = _mm512_setzero_si512();
+    const int64_t gb = 4 * (int64_t)bw; /* bytes of B a group */
+    const int wide = bw == 32;
+    int64_t g;
+    switch (rows) {
+    case 1: MPT__QF_BODY(MPT__QF_ROWS1) break;
+    case 2: MPT__QF_BODY(MPT__QF_ROWS2) break;
+    case 3: MPT__QF_BODY(MPT__QF_ROWS3) break;
+    default: MPT__QF_BODY(MPT__QF_ROWS4) break;
+    }
+}
+#undef MPT__QF_ROWS1
+#undef MPT__QF_ROWS2
+#undef MPT__QF_ROWS3
+#undef MPT__QF_ROWS4
+#undef MPT__QF_ZERO
+#undef MPT__QF_A
+#undef MPT__QF_STEP2
+#undef MPT__QF_STEP1
+#undef MPT__QF_STORE
+#undef MPT__QF_LOAD
+#undef MPT__QF_BODY
 #undef MPT__MAC_MADD256
 #undef MPT__MAC_MADD512
 #undef MPT__MAC_VNNI
@@ -29443,6 +29564,9 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
         /* rows read in place: not in the panel of A's last row, whose
            bytes past K would lie past A */
         const int in_place = job->rows_in_place && ir + mb < d->m;
+#if MPT__X86
+        const int few = job->kernel == mpt__qgemm_kernel_vnni && mb <= MPT__QGEMM_FEW_ROWS;
+#endif
         if (in_place) {
             const int flip = d->a_unsigned ? 0 : 0x80;
             for (i = 0; i < mr; i++)
@@ -29453,10 +29577,18 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
         } else {
             mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
         }
+#if MPT__X86
+        if (few) /* the short panel's rows: in place, or packed 4·MR bytes a group */
+            for (i = 0; i < mb; i++) rows[i] = in_place ? rows[i] : apack + 4 * i;
+#endif
         for (jr = j0; jr < j1; jr += nr) {
             const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
 #if MPT__X86
-            if (in_place)
+            if (few)
+                mpt__qgemm_kernel_vnni_few(job->kg, rows, in_place ? 4 : 4 * mr,
+                                           in_place && !d->a_unsigned ? 0x80 : 0, mb,
+                                           job->bpack + jr * job->kg * 4, w, tile);
+            else if (in_place)
                 mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
                                             job->bpack + jr * job->kg * 4, w, tile);
             else
@@ -29886,6 +30018,12 @@ typedef struct mpt__qop {
     mpt_qgemm_packed *wpacked; /* wq packed for the context's int8 kernels     */
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
+    mpt_half *wh_kn;           /* (K, N) float16 mode's Dense: wh transposed once, so
+                                  that a product of a few rows (a sample or four)
+                                  reads it in place instead of packing it (not
+                                  counted in size_bytes: what a predict holds) */
+    float *kernel;             /* (kh, kw, C, F) float16 mode's Conv2D: wh widened
+                                  once into the direct convolution's layout    */
     int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
     uint8_t *direct_w;         /* int8 one-channel conv from the image
                                   (mpt__q_direct_prepare): (groups, npad, 4) taps, or NULL */
@@ -29906,7 +30044,6 @@ typedef struct mpt__qwork {
     float *row_scale;   /* (batch · max_count) its scale per im2col row      */
     float *sample_scale; /* (batch) a dynamic conv's scale per sample        */
     void *cols;         /* im2col chunk, up to max(budget, max_cols) float32 */
-    float *weights;     /* (max_weights) float16 weights widened             */
     int64_t batch;
 } mpt__qwork;
 
@@ -29919,7 +30056,6 @@ struct mpt__quantized {
     int64_t in_count;           /* elements of one input sample                  */
     int64_t max_count;          /* of the largest tensor of one sample           */
     int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
-    int64_t max_weights;        /* the largest N·K                               */
     int64_t size_bytes;
     mpt__qwork work;            /* the last call's scratch, kept for the next
                                    (mpt__qwork_reuse); block NULL: none yet   */
@@ -29943,6 +30079,8 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__qgemm_packed_free(ctx, op->wpacked);
     mpt__free(ctx, op->wscale);
     mpt__free(ctx, op->wh);
+    mpt__free(ctx, op->wh_kn);
+    mpt__free(ctx, op->kernel);
     mpt__free(ctx, op->bq);
     mpt__free(ctx, op->mult);
     mpt__free(ctx, op->shift);
@@ -30240,8 +30378,6 @@ static void mpt__q_plan(mpt__quantized *Q, int64_t in_count) {
         Q->max_count = MPT__MAX(Q->max_count, op->out_count);
         if (op->info.op == MPT_QOP_CONV_2D)
             Q->max_cols = MPT__MAX(Q->max_cols, op->g.oh * op->g.ow * op->info.depth);
-        if (mpt__qop_weighted(op))
-            Q->max_weights = MPT__MAX(Q->max_weights, op->info.out_channels * op->info.depth);
     }
 }
 
@@ -30254,8 +30390,7 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
     w->batch = batch;
     cols = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     if (!mpt__mul_ok(batch, Q->max_count, &per) || !mpt__mul_ok(per, 4, &act) ||
-        !mpt__mul_ok(act, 6, &total) || !mpt__add_ok(total, cols + 4 * Q->max_weights + 9 * 64,
-                                                     &total) ||
+        !mpt__mul_ok(act, 6, &total) || !mpt__add_ok(total, cols + 8 * 64, &total) ||
         (uint64_t)total > (uint64_t)SIZE_MAX)
         return mpt__fail(ctx, MPT_ERR_OVERFLOW, "quantized model: batches of %lld samples are "
                          "too large", (long long)batch);
@@ -30273,7 +30408,6 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
         MPT__Q_CARVE(w->row_scale, float *, act);
         MPT__Q_CARVE(w->sample_scale, float *, 4 * batch);
         MPT__Q_CARVE(w->cols, void *, cols);
-        MPT__Q_CARVE(w->weights, float *, 4 * Q->max_weights);
 #undef MPT__Q_CARVE
     }
     return MPT_OK;
@@ -30367,8 +30501,11 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
    Each window's pixels are read whole (C contiguous channels) into y,
    row by row: per channel the same order as a loop over the window. */
 /* Float pooling of the float16 and dynamic-range models: max pooling is
-   the float model's (mpt__max_window: NaN wins), without the argmax. */
-static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int64_t n) {
+   the float model's (mpt__max_window: NaN wins; its AVX-512 form where
+   the CPU has it, as the float model's forward takes: the same maxima,
+   16 channels a vector where -O2 makes the portable loop 4), without the
+   argmax. */
+static void mpt__q_pool_float(const mpt__qop *op, int cpu, const float *x, float *y, int64_t n) {
     const mpt__win *g = &op->g;
     const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
     int64_t b, oy, ox, c, r, q, r0, r1, c0, c1;
@@ -30377,6 +30514,12 @@ static void mpt__q_pool_float(const mpt__qop *op, const float *x, float *y, int6
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
                 float *MPT__RESTRICT out = y;
                 mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
+#if MPT__X86
+                if (max && (cpu & MPT_CPU_AVX512)) {
+                    mpt__max_window_avx512(MPT_FLOAT32, g, x, r0, r1, c0, c1, out, NULL);
+                    continue;
+                }
+#endif
                 if (max) {
                     mpt__max_window(g, x, r0, r1, c0, c1, out, NULL);
                     continue;
@@ -30469,6 +30612,7 @@ typedef struct mpt__qsample_job {
     const void *fill;         /* im2col: a pixel outside the image          */
     const unsigned char *x;   /* (n, in_count) elements                     */
     unsigned char *y;         /* im2col: (n·OH·OW, K); pooling: (n, out_count) */
+    int cpu;                  /* the context's MPT_CPU_* features           */
 } mpt__qsample_job;
 
 static void mpt__q_im2col_task(void *arg, int64_t b, int thread) {
@@ -30485,13 +30629,14 @@ static void mpt__q_pool_task(void *arg, int64_t b, int thread) {
     const size_t out = (size_t)(b * j->op->out_count) * j->es;
     (void)thread;
     if (j->es == 1) mpt__q_pool_int8(j->op, (const int8_t *)(j->x + in), (int8_t *)(j->y + out), 1);
-    else mpt__q_pool_float(j->op, (const float *)(j->x + in), (float *)(j->y + out), 1);
+    else
+        mpt__q_pool_float(j->op, j->cpu, (const float *)(j->x + in), (float *)(j->y + out), 1);
 }
 
 static void mpt__q_each_sample(mpt_context *ctx, mpt__task_fn fn, const mpt__qop *op, size_t es,
                                const void *fill, const void *x, void *y, int64_t n) {
     mpt__qsample_job j;
-    j.op = op, j.es = es, j.fill = fill;
+    j.op = op, j.es = es, j.fill = fill, j.cpu = ctx->cpu;
     j.x = (const unsigned char *)x;
     j.y = (unsigned char *)y;
     mpt__parallel_for(ctx, n, fn, &j);
@@ -30611,7 +30756,11 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         g.m = rows, g.n = N, g.k = K;
         g.ab_dtype = MPT_FLOAT32;
         g.a = a, g.lda = K;
-        g.b = ex == MPT__QX_FLOAT16 ? (const void *)op->wh : (const void *)op->w, g.ldb = K;
+        g.b = op->w, g.ldb = K;
+        if (ex == MPT__QX_FLOAT16 && op->wh_kn) /* a Dense: (K, N), see mpt__q_float16_prepare */
+            g.trans_b = 0, g.b = op->wh_kn, g.ldb = N;
+        else if (ex == MPT__QX_FLOAT16)
+            g.b = op->wh;
         g.c = (float *)y, g.ldc = N;
         g.bias = op->bias;
         g.activation = relu ? MPT_ACT_RELU : MPT_ACT_NONE;
@@ -30660,30 +30809,27 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
 
 /* A float16 model's Conv2D as the float32 model's runs it, by the CPU's
    direct convolution (a one-channel image's shallow kernel, Winograd for
-   3×3, tiles without im2col), its kernel widened into the (kh, kw, C, F)
-   layout that takes, at the start of the cols buffer, its workspace
-   after; returns whether it ran (no: another activation, a kernel or
-   workspace larger than the buffer, or a case conv_direct declines, which
-   then runs through im2col). The sums' order is conv_direct's, as in the
-   float32 model, not the im2col product's. */
+   3×3, tiles without im2col), on its kernel widened once into the
+   (kh, kw, C, F) layout that takes (mpt__q_float16_prepare), its workspace
+   in the cols buffer; returns whether it ran (no: another activation, a
+   workspace too large, or a case conv_direct declines, which then runs
+   through im2col). The sums' order is conv_direct's, as in the float32
+   model, not the im2col product's. The workspace starts past room for the
+   kernel, as when the kernel was widened there every call, so that the
+   same convolutions take this path as before. */
 static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
                                       const mpt__qop *op, const void *x, void *y, int64_t n,
                                       mpt__qwork *w) {
     const int64_t N = op->info.out_channels, K = op->info.depth;
     const int64_t cols_bytes = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     const int64_t kernel_bytes = (4 * K * N + 63) / 64 * 64;
-    float *kernel = (float *)w->cols;
     mpt_conv_args a;
-    int64_t f, k;
     if ((op->info.activation != MPT_ACT_NONE && op->info.activation != MPT_ACT_RELU) ||
-        kernel_bytes + (int64_t)MPT_CONV_DIRECT_WS_BYTES(K, op->g.c, N) > cols_bytes ||
-        mpt_convert(ctx, MPT_FLOAT32, w->weights, MPT_FLOAT16, op->wh, N * K) != MPT_OK)
+        kernel_bytes + (int64_t)MPT_CONV_DIRECT_WS_BYTES(K, op->g.c, N) > cols_bytes)
         return 0;
-    for (f = 0; f < N; f++) /* (F, kh, kw, C) to (kh, kw, C, F) */
-        for (k = 0; k < K; k++) kernel[k * N + f] = w->weights[f * K + k];
     memset(&a, 0, sizeof a);
     a.g = &op->g, a.dtype = MPT_FLOAT32, a.n = n, a.f = N;
-    a.x = x, a.kernel = kernel, a.bias = op->bias, a.act = op->info.activation, a.y = y;
+    a.x = x, a.kernel = op->kernel, a.bias = op->bias, a.act = op->info.activation, a.y = y;
     a.ws = (unsigned char *)w->cols + kernel_bytes;
     return mpt__cpu_conv_direct(ctx, &a);
 }
@@ -31500,6 +31646,36 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
     return MPT_OK;
 }
 
+/* What a float16 model's predict reads instead of converting its weights
+   every call: a Dense's half weights transposed to (K, N) (mpt__q_product
+   then takes the GEMM's few-rows path at batch 1 to 4, which reads B in
+   place and needs it not transposed; a larger batch packs the same values
+   either way), and a Conv2D's widened into the direct convolution's
+   (kh, kw, C, F) float32 kernel. Both hold wh's values exactly (widening
+   is exact), so the outputs are the bits of converting per call. */
+static mpt_status mpt__q_float16_prepare(mpt_context *ctx, mpt__qop *op) {
+    const int64_t N = op->info.out_channels, K = op->info.depth;
+    float *wide;
+    mpt_status s;
+    int64_t f, k;
+    if (op->info.op == MPT_QOP_FULLY_CONNECTED) {
+        op->wh_kn = (mpt_half *)mpt__alloc(ctx, sizeof(mpt_half) * (size_t)(N * K));
+        if (!op->wh_kn) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+        for (f = 0; f < N; f++)
+            for (k = 0; k < K; k++) op->wh_kn[k * N + f] = op->wh[f * K + k];
+        return MPT_OK;
+    }
+    /* widened by mpt_convert, as the per-call copy was, then reordered */
+    op->kernel = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(N * K));
+    wide = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(N * K));
+    s = op->kernel && wide ? mpt_convert(ctx, MPT_FLOAT32, wide, MPT_FLOAT16, op->wh, N * K)
+                           : mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    for (f = 0; s == MPT_OK && f < N; f++) /* (F, kh, kw, C) to (kh, kw, C, F) */
+        for (k = 0; k < K; k++) op->kernel[k * N + f] = wide[f * K + k];
+    mpt__free(ctx, wide);
+    return s;
+}
+
 /* The weights in the mode's form; the float32 copies go (float16 and
    dynamic keep the float32 bias). */
 static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
@@ -31514,6 +31690,7 @@ static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
             MPT__CHECK(mpt_convert(ctx, MPT_FLOAT16, op->wh, MPT_FLOAT32, op->w, NK));
             op->info.weights_float16 = op->wh;
             Q->size_bytes += 2 * NK + 4 * N;
+            MPT__CHECK(mpt__q_float16_prepare(ctx, op));
         } else {
             MPT__CHECK(mpt__q_weights_int8(ctx, op));
             if (Q->mode == MPT_QUANTIZE_DYNAMIC_RANGE && op->info.op == MPT_QOP_CONV_2D)

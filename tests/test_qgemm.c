@@ -361,6 +361,58 @@ static void test_large(void) {
     }
 }
 
+/* Products of 1 to 4 rows (a batch of 1 to 4 samples) and those whose
+   last panel of 12 rows is that short (14, 16, 28): the VNNI path runs
+   those rows alone (mpt__qgemm_kernel_vnni_few), from packed panels or,
+   before the last panel, in place; every element equals the reference,
+   for K odd and even in groups (its two sets of sums), whole and half
+   panels of B, both orientations, int8 and uint8 A, on 1 and 2 threads. */
+static void test_few_rows(void) {
+    static const int64_t ms[] = {1, 2, 3, 4, 14, 16, 28};
+    static const int64_t ns[] = {1, 16, 17, 32, 33, 100};
+    static const int64_t ks[] = {1, 4, 5, 8, 9, 12, 300};
+    int p, t, mi, ni, ki, cases = 0;
+    for (p = 0; p < N_PATHS; p++) {
+        test__begin();
+        for (t = 1; t <= 2; t++) {
+            mpt_context *ctx = path_ctx(t, paths[p].disable);
+            if (!ctx) {
+                CHECK(0, "context creation failed");
+                break;
+            }
+            if ((mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
+                SKIP("this CPU lacks the path");
+                mpt_context_destroy(ctx);
+                break;
+            }
+            test_seed(600 + (unsigned)t);
+            for (mi = 0; mi < 7; mi++)
+                for (ni = 0; ni < 6; ni++)
+                    for (ki = 0; ki < 7; ki++) {
+                        qcase q;
+                        qdata x;
+                        char w[256];
+                        memset(&q, 0, sizeof q);
+                        q.m = ms[mi], q.n = ns[ni], q.k = ks[ki];
+                        q.int8_out = cases & 1;
+                        q.trans_b = (cases >> 1) & 1;
+                        q.a_unsigned = cases % 3 == 0;
+                        q.bias = cases % 5 != 0;
+                        q.per_channel = (cases >> 2) & 1;
+                        q.pad_a = cases % 7 == 0 ? 3 : 0;
+                        cases++;
+                        make_case(&q, &x);
+                        CHECK(run_and_compare(ctx, cases % 2 ? ctx : NULL, &q, &x, w, sizeof w),
+                              "m %lld n %lld k %lld, %d threads: %s", (long long)q.m,
+                              (long long)q.n, (long long)q.k, t, w);
+                        free_case(&x);
+                    }
+            mpt_context_destroy(ctx);
+        }
+        test__end("qgemm products of few rows bit-exact, 1 and 2 threads, %s", paths[p].name);
+    }
+}
+
 /* Known answers of mpt_quantize_multiplier, derived by hand from
    real = multiplier · 2^(shift − 31), multiplier in [2^30, 2^31). */
 static void test_quantize_multiplier(void) {
@@ -977,5 +1029,6 @@ int main(void) {
     test_packed_reuse();
     test_shapes();
     test_large();
+    test_few_rows();
     return test_summary("test_qgemm");
 }

@@ -1342,6 +1342,141 @@ static void test_float16_conv_direct(void) {
         }
 }
 
+/* A float16 model's Dense reads its weights as (K, N) half values
+   (wh_kn, made once by mpt_model_quantize): batches of 1 to 4 through
+   the GEMM's few-rows strips, larger ones packed. With weights that are
+   float16 values already, every batch size's outputs are the float32
+   model's bit for bit, on 1 and 2 threads (B of 600 × 300 halves: the
+   strips run on the pool from 256 KiB), and wh_kn is wh transposed. */
+static void test_float16_dense_in_place(void) {
+    enum { N = 9, HH = 10, WW = 10, CC = 6, UNITS = 300 };
+    static const int64_t batches[] = {1, 2, 4, 5, 9};
+    int threads, bi, i;
+    for (threads = 1; threads <= 2; threads++) {
+        mpt_context *ctx = threads_ctx(threads);
+        mpt_model *m = NULL, *q = NULL;
+        mpt_dataset *d = NULL;
+        mpt_tensor tx, ty;
+        int64_t shape[4] = {N, HH, WW, CC}, yshape[1] = {N}, k;
+        static float xs[N * HH * WW * CC];
+        int32_t ys[N] = {0};
+        test_seed(700 + threads);
+        for (k = 0; k < N * HH * WW * CC; k++) xs[k] = (float)test_uniform(-1.0, 1.0);
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {HH, WW, CC}, .input_rank = 3,
+                                                .seed = 9}, &m);
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = UNITS, .activation = MPT_ACT_RELU});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10});
+        CHECK(mpt_model_build(m, N) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        randomize(m, 800 + threads);
+        for (i = 0; i < mpt_model_param_count(m); i++) { /* float16 values already */
+            mpt_param_info p;
+            mpt_half *h;
+            mpt_model_param(m, i, &p);
+            h = (mpt_half *)malloc(sizeof(mpt_half) * (size_t)mpt_tensor_count(&p.value));
+            mpt_convert(ctx, MPT_FLOAT16, h, MPT_FLOAT32, p.value.data, mpt_tensor_count(&p.value));
+            mpt_convert(ctx, MPT_FLOAT32, p.value.data, MPT_FLOAT16, h, mpt_tensor_count(&p.value));
+            free(h);
+        }
+        mpt_model_refresh_weights(m);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+        mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+              "dataset: %s", mpt_context_error(ctx));
+        q = quantize(m, MPT_QUANTIZE_FLOAT16, NULL, MPT_DTYPE_DEFAULT);
+        for (i = 0; q && i < q->quantized->n_ops; i++) {
+            const mpt__qop *op = &q->quantized->ops[i];
+            const int64_t on = op->info.out_channels, ok = op->info.depth;
+            int64_t f, moved = 0;
+            if (op->info.op != MPT_QOP_FULLY_CONNECTED) continue;
+            for (f = 0; op->wh_kn && f < on; f++)
+                for (k = 0; k < ok; k++) moved += op->wh_kn[k * on + f] != op->wh[f * ok + k];
+            CHECK(op->wh_kn && moved == 0, "op %d: wh_kn is not wh transposed", i);
+        }
+        for (bi = 0; q && bi < 5; bi++) {
+            mpt_tensor a, b;
+            int diff = 0;
+            memset(&a, 0, sizeof a), memset(&b, 0, sizeof b);
+            CHECK(mpt_model_predict(m, d, batches[bi], &a) == MPT_OK, "predict float32: %s",
+                  mpt_context_error(ctx));
+            CHECK(mpt_model_predict(q, d, batches[bi], &b) == MPT_OK, "predict float16: %s",
+                  mpt_context_error(ctx));
+            for (k = 0; a.data && b.data && k < mpt_tensor_count(&a); k++)
+                diff += ((float *)a.data)[k] != ((float *)b.data)[k];
+            CHECK(a.data && b.data && diff == 0,
+                  "batch %lld, %d threads: %d of %lld outputs differ from the float32 model's",
+                  (long long)batches[bi], threads, diff, (long long)mpt_tensor_count(&a));
+            mpt_tensor_free(ctx, &a);
+            mpt_tensor_free(ctx, &b);
+        }
+        mpt_model_destroy(q);
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+    }
+}
+
+/* The float16 and dynamic-range models' max pooling runs in float32 as
+   the float model's does (the AVX-512 window where the CPU has it): the
+   outputs are the float model's bit for bit (a dataset refuses NaN, so
+   test_pool's NaN cases stand for the rule), for channel counts below, at
+   and past a vector of 16, windows that overlap and run past the image,
+   on 1 and 2 threads. */
+static void test_float_max_pool_as_float_model(void) {
+    static const struct { int64_t c, k, stride; mpt_padding pad; } cases[] = {
+        {3, 2, 2, MPT_PADDING_VALID}, {16, 3, 2, MPT_PADDING_SAME}, {20, 2, 1, MPT_PADDING_SAME},
+    };
+    static const mpt_quantize_mode modes[] = {MPT_QUANTIZE_FLOAT16, MPT_QUANTIZE_DYNAMIC_RANGE};
+    enum { N = 5, HH = 9, WW = 7 };
+    int ci, mi, threads;
+    for (ci = 0; ci < 3; ci++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = threads_ctx(threads);
+            mpt_model *m = NULL;
+            mpt_dataset *d = NULL;
+            mpt_tensor tx, ty, a;
+            const int64_t count = N * HH * WW * cases[ci].c;
+            int64_t shape[4] = {N, HH, WW, cases[ci].c}, yshape[1] = {N}, k;
+            float *xs = (float *)malloc(sizeof(float) * (size_t)count);
+            int32_t ys[N] = {0};
+            test_seed(900 + ci);
+            for (k = 0; k < count; k++) xs[k] = (float)test_uniform(-1.0, 1.0);
+            mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {HH, WW, cases[ci].c},
+                                                    .input_rank = 3, .seed = 9}, &m);
+            mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){
+                .pool_size = {cases[ci].k, cases[ci].k},
+                .strides = {cases[ci].stride, cases[ci].stride}, .padding = cases[ci].pad});
+            mpt_model_add_flatten(m, NULL);
+            CHECK(mpt_model_build(m, N) == MPT_OK, "build: %s", mpt_context_error(ctx));
+            mpt_model_refresh_weights(m); /* no weights: none to train */
+            mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+            mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+            CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
+                  "dataset: %s", mpt_context_error(ctx));
+            memset(&a, 0, sizeof a);
+            CHECK(mpt_model_predict(m, d, N, &a) == MPT_OK, "float pooling: %s",
+                  mpt_context_error(ctx));
+            for (mi = 0; mi < 2; mi++) {
+                mpt_model *q = quantize(m, modes[mi], NULL, MPT_DTYPE_DEFAULT);
+                mpt_tensor b;
+                memset(&b, 0, sizeof b);
+                CHECK(q && mpt_model_predict(q, d, N, &b) == MPT_OK,
+                      "quantized pooling: %s", mpt_context_error(ctx));
+                CHECK(a.data && b.data && mpt_tensor_bytes(&a) == mpt_tensor_bytes(&b) &&
+                          memcmp(a.data, b.data, mpt_tensor_bytes(&a)) == 0,
+                      "case %d, mode %d, %d threads: the pooled bits differ from the float "
+                      "model's", ci, (int)modes[mi], threads);
+                mpt_tensor_free(ctx, &b);
+                mpt_model_destroy(q);
+            }
+            mpt_tensor_free(ctx, &a);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+            free(xs);
+        }
+}
+
 /* ---- a trained model --------------------------------------------------------------------- */
 
 /* Four classes of 8×8×2 images, each brighter in its own quadrant; a
@@ -1863,6 +1998,8 @@ int main(void) {
     TEST_RUN(test_layers_within_steps);
     TEST_RUN(test_float16_model);
     TEST_RUN(test_float16_conv_direct);
+    TEST_RUN(test_float16_dense_in_place);
+    TEST_RUN(test_float_max_pool_as_float_model);
     TEST_RUN(test_quantized_summary);
     TEST_RUN(test_layer_accessors_per_mode);
     TEST_RUN(test_bit_exact_across_threads);

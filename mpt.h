@@ -17429,6 +17429,9 @@ static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "generate: needs a prompt of at least one id, an output array and "
                          "max_new_tokens, temperature and top_k >= 0");
+    if (mpt__several_outputs(m)) /* it samples one softmax */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "generate: not for a model of several outputs (%d)", m->n_outputs);
     if (!mpt__input_is_ids(m) || m->desc.input_rank != 1 || m->graph_status != MPT_OK)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                          "generate: the model's input must be a sequence of int32 ids (T,)");
@@ -17438,9 +17441,6 @@ static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_
     if (m->n_inputs > 1)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                          "generate: not for a model of several inputs (%d)", m->n_inputs);
-    if (mpt__several_outputs(m))
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                         "generate: not for a model of several outputs (%d)", m->n_outputs);
     for (k = 0; k < m->n_layers; k++) {
         const char *why = mpt__gen_refusal(&m->layers[k]);
         if (why)

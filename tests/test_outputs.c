@@ -127,7 +127,7 @@ static void test_two_heads_learn(void) {
         CHECK(mpt_model_fit(m, train, &fit) == MPT_OK, "fit %s: %s", mpt_policy_name(policies[k]),
               mpt_context_error(ctx));
         logs = evaluate(m, test);
-        printf("# %s, weights 1, 1: held out cls_accuracy %.4f, reg_loss %.4f (variance %.4f)\n",
+        printf("# %s, weights 1, 1: held out cls_accuracy %.4f, reg_loss %.6f (variance %.4f)\n",
                mpt_policy_name(policies[k]), mpt_logs_get(&logs, "cls_accuracy"),
                mpt_logs_get(&logs, "reg_loss"), var);
         CHECK(mpt_logs_get(&logs, "cls_accuracy") > 0.9, "%s: cls_accuracy %.4f",
@@ -725,7 +725,7 @@ static void test_bad_data(void) {
     labels[1] = &t2;
     mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &tx, .labels = labels, .label_count = 2}, &d);
     test_expect_error(quiet, mpt_model_fit(m, d, NULL), MPT_ERR_SHAPE,
-                      "output 1 ('reg'): targets of shape (2) for a model output of shape (1)",
+                      "output 1 ('reg'): targets of shape (2,) for a model output of shape (1,)",
                       "output 1's shape");
     mpt_dataset_destroy(d);
     /* output 0's class ids out of range */

@@ -227,7 +227,7 @@
        @qgemm        the int8 matrix product (quantized inference)
        @rng          the counter-based random numbers
        @layers       layer descriptors, the sequential model and its functional
-                     form (nodes, merge layers, several inputs)
+                     form (nodes, merge layers, several inputs and outputs)
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
@@ -289,7 +289,7 @@
                           scaled dot-product attention; the CPU's attention
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers, several inputs as
-                          InputLayers), initial weights
+                          InputLayers, several outputs), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
                           memory plan, shared calls; its checks
        @impl-build        the model laid out in memory and built; looking
@@ -300,9 +300,12 @@
        @impl-optimizers   descriptors, schedules, the fused update, loss scaling
        @impl-compile      compile: the optimizer's state and its arrays, the
                           metrics' checks, the accessors
+       @impl-data-checks  the caller's arrays of a dataset checked: shapes,
+                          counts, dtypes, finite values, class ids
        @impl-data         datasets over caller arrays, views, a batch gathered
        @impl-loader       the batch loader: batches gathered ahead on a thread
-       @impl-training     one training step, the history, the step's tally
+       @impl-training     one training step (each output's loss), the history,
+                          the step's tally
        @impl-feed         the GEMM plan; batches staged and uploaded ahead
        @impl-fit-checks   fit's progress line, the checks of its data,
                           evaluation's tally
@@ -1060,10 +1063,12 @@ MPTDEF int mpt_model_input_count(const mpt_model *m);
    Keras 3 does, by the output's layer: "loss" (the weighted sum),
    "<layer>_loss", "<layer>_<metric>" ("dense_1_accuracy"), and "val_"
    before each in validation. predict gives each output's values
-   (mpt_model_predict_outputs). For now such a model trains on the CPU
-   backend, one replica; a GPU context, a strategy, the export, the
-   quantization, quantization-aware training, text generation, model
-   files and fit's class_weight refuse it (MPT_ERR_UNSUPPORTED). */
+   (mpt_model_predict_outputs). Model files keep the outputs, their
+   losses, loss weights and metrics. For now such a model trains on the
+   CPU backend (a mirrored strategy's replicas of one process too); a GPU
+   context, several MPI workers, the export, the quantization,
+   quantization-aware training, text generation and fit's class_weight
+   (as Keras) refuse it (MPT_ERR_UNSUPPORTED). */
 #define MPT_MAX_OUTPUTS 4
 /* Declares `node` (a layer's output, not an input) the model's next
    output: output 0 at the first call. Before build and compile; each node
@@ -2020,7 +2025,8 @@ MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
 MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
                                       const int64_t *shape);
 /* One sample's target shape: its rank, 0 for one class id a sample and
-   for (n,) float targets. */
+   for (n,) float targets. Of a dataset of several outputs' labels, this
+   and the two below read output 0's (labels[0]). */
 MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
 /* The class ids of samples [first, first + count), e.g. all of them
    (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
@@ -5051,6 +5057,16 @@ enum {
 static const char *const mpt__memory_category[MPT__MEM_COUNT_] = {
     "parameters", "gradients", "optimizer state", "weight copies", "activations", "workspace"};
 
+/* The log slots of one output of several: its loss, then each metric
+   (mpt__output_log_names, @impl-training, writes "<layer>_<name>" for
+   each, kept in the model as logs keep a name's pointer). */
+enum {
+    MPT__LOG_LOSS, MPT__LOG_ACCURACY, MPT__LOG_SPARSE_TOP_K, MPT__LOG_TOP_K, MPT__LOG_MAE,
+    MPT__LOG_MSE, MPT__LOG_RMSE, MPT__LOG_MAPE, MPT__LOG_PRECISION, MPT__LOG_RECALL,
+    MPT__LOG_R2, MPT__LOG_AUC, MPT__LOG_SLOTS
+};
+#define MPT__LOG_NAME_MAX 112 /* "val_", a layer's name (< 64), "_", a metric's */
+
 struct mpt_model {
     mpt_context *ctx;
     const mpt_backend *be;               /* the context's: holds every buffer */
@@ -5102,8 +5118,7 @@ struct mpt_model {
     float loss_weight[MPT_MAX_OUTPUTS];
     mpt_step_state *output_state;        /* [2·(k − 1) + which], k >= 1    */
     mpt_tensor batch_label[MPT_MAX_OUTPUTS]; /* [0] unused: output 0's is y */
-    char output_log[MPT_MAX_OUTPUTS][2][12][112]; /* [k][val][slot]: the log
-                                            names (mpt__output_log_names) */
+    char output_log[MPT_MAX_OUTPUTS][2][MPT__LOG_SLOTS][MPT__LOG_NAME_MAX]; /* [k][val][slot] */
     int64_t graph_slot_bytes;            /* a graph's scratch per input slot */
     unsigned char *node_written;         /* a graph's backward: which nodes'
                                             gradients hold a sum (host)       */
@@ -10739,14 +10754,15 @@ static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
    @impl-build: the model laid out in memory and built; looking inside it
    ============================================================================= */
 
-/* Several outputs train on the CPU backend with one replica for now: the
-   step's losses, one per output, and their logs are the CPU's path; a
-   GPU's feed and the replicas' step carry one target. */
+/* Several outputs train on the CPU backend for now, with the replicas of
+   one process: a GPU's feed uploads one target a batch, and the labels
+   are not yet carried between workers or devices. */
 static mpt_status mpt__outputs_check_backend(mpt_model *m) {
     if (!mpt__several_outputs(m)) return MPT_OK;
-    if (m->strategy)
+    if (mpt_strategy_num_workers(m->strategy) > 1)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "model: several outputs (%d) under a "
-                         "strategy are not supported yet (one replica only)", m->n_outputs);
+                         "strategy of several workers are not supported yet (the replicas of "
+                         "one process on the CPU are)", m->n_outputs);
     if (mpt__model_device(m) != MPT_DEVICE_CPU)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "model: several outputs (%d) are not "
                          "supported on a GPU context yet (the CPU backend only)", m->n_outputs);
@@ -13469,6 +13485,7 @@ MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) 
     }
     {
         int k;
+        if (mpt__several_outputs(m)) r.loss_weights = m->loss_weight; /* compile's copy */
         for (k = 1; k < m->n_replicas; k++) MPT__CHECK(mpt_model_compile(m->replica[k], &r));
     }
     return MPT_OK;
@@ -13495,149 +13512,10 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
     return m->compiled ? m->loss_scale : 1.0f;
 }
 /* =============================================================================
-   @impl-data: datasets over caller arrays, views, a batch gathered (IDX
-   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; text:
-   @impl-text; the batch loader: @impl-loader)
-   =============================================================================
-
-   A dataset is x (n, sample shape...) in uint8, float32, float16 or
-   bfloat16 (or int32 token ids, batched as they are), and y: int32 class
-   ids (n,) or float32 targets (n, ...). uint8 images stay uint8 in memory
-   (a quarter of float32) and are normalised (x·scale + offset) only when
-   a batch is gathered, through a 256-entry table per dtype, so every
-   value is rounded exactly once, as mpt__convert rounds it.
-
-   A view (mpt_dataset_split) points into its root's buffers. The root
-   counts its live views and frees its buffers when the last of itself and
-   its views is destroyed, so destroying them in any order is safe. (The
-   count is not atomic: a dataset and its views are split and destroyed on
-   one thread at a time, as a context is used.)
-
-   A text dataset (@impl-text) holds bytes, not samples: its windows over
-   them are made as they are gathered, and its views start further on in
-   the bytes.
-
-   The loader gathers batch i + 1 on its own thread (not the pool, which
-   serves one job at a time and is busy with batch i) into the second of
-   two buffers allocated up front: fit allocates nothing per batch.
-
-   Internal API for the training loop (train.h):
-     mpt__dataset_label_dtype / _label_range / _label_shape
-     mpt__dataset_gather                   samples in any order, normalised
-     mpt__loader_create / _start_epoch / _next / _destroy   prefetching */
-
-
-
-/* An added input's tensor of a dataset of several (mpt_dataset_desc.
-   inputs): as x, without a text's windows. */
-typedef struct mpt__dataset_input {
-    mpt_dtype dtype;              /* uint8, float32, float16, bfloat16 or int32  */
-    int rank;                     /* one sample's, 1..3                          */
-    int64_t shape[MPT_MAX_RANK - 1];
-    int64_t count;                /* elements of one sample                      */
-    const void *data;             /* (n, shape) dtype, this dataset's sample 0   */
-    void *owned;                  /* root: freed with it; NULL if borrowed       */
-} mpt__dataset_input;
-
-struct mpt_dataset {
-    mpt_context *ctx;             /* allocated this struct                       */
-    mpt_dataset *root;            /* owner of the buffers: itself, or a view's root */
-    int refs;                     /* root: itself + its live views               */
-    int64_t n;                    /* samples                                     */
-    mpt_dtype x_dtype;            /* uint8, float32, float16, bfloat16 or int32  */
-    int x_rank;                   /* one sample's rank, 1..3                     */
-    int64_t x_shape[MPT_MAX_RANK - 1];
-    int64_t x_count;              /* elements of one sample                      */
-    const void *x;                /* (n, x_shape) x_dtype, this dataset's sample 0 */
-    mpt_dtype y_dtype;            /* int32 class ids or float32 targets          */
-    int y_rank;                   /* one target's rank: 0 for one class id       */
-    int64_t y_shape[MPT_MAX_RANK - 1];
-    int64_t y_count;              /* elements of one target (class ids: one per
-                                     position of the model's output)             */
-    const void *y;                /* (n, y_shape) y_dtype; NULL for x alone      */
-    int64_t first;                /* a view: its sample 0's index in the root    */
-    float *sample_weight;         /* root: (n) owned weights, or NULL: each 1;
-                                     a view reads its root's from `first`        */
-    int x_only;                   /* 1: no targets (y_count 0): for predict      */
-    float scale, offset;          /* uint8 x: x·scale + offset                   */
-    float u8_f32[256];            /* uint8 x: each byte value normalised         */
-    mpt_half u8_f16[256];         /*   the same, rounded to float16              */
-    mpt_bf16 u8_bf16[256];        /*   the same, rounded to bfloat16             */
-    void *owned_x, *owned_y;      /* root: buffers freed with it; NULL if borrowed */
-    /* Windows over bytes (mpt_dataset_load_text), made as they are
-       gathered: x and y are then NULL, x_dtype and y_dtype int32, x_shape
-       and y_shape (window). 0 for every other dataset. */
-    int64_t window;               /* T: sample i is x = bytes[i·stride, + T),
-                                     y the same one byte further on          */
-    int64_t stride;               /* bytes between samples' starts: 1 (every
-                                     window) or T (back to back)            */
-    const uint8_t *bytes;         /* sample 0's first byte (root: owned_x)   */
-    int64_t text_at;              /* bytes' offset in the whole text, for
-                                     messages                                */
-    /* Several inputs (Keras' fit([a, b], y)): x is input 0, in[k] input k. */
-    int n_inputs;                 /* 1, or desc's input_count                */
-    mpt__dataset_input in[MPT_MAX_INPUTS]; /* [0] unused                     */
-    /* Several outputs' labels (Keras' fit(x, [y_a, y_b])): y is output 0's,
-       lab[k] output k's (int32 class ids, rank 0 for one a sample, or
-       float32 targets). */
-    int n_labels;                 /* 1, or desc's label_count                */
-    mpt__dataset_input lab[MPT_MAX_OUTPUTS]; /* [0] unused                   */
-};
-
-/* ---- the dataset object --------------------------------------------------- */
-
-static mpt_dataset *mpt__dataset_new(mpt_context *ctx) {
-    mpt_dataset *d = (mpt_dataset *)mpt__calloc(ctx, sizeof *d);
-    if (!d) return NULL;
-    d->ctx = ctx;
-    d->root = d;
-    d->refs = 1;
-    d->n_inputs = 1;
-    d->n_labels = 1;
-    return d;
-}
-
-/* The normalisation tables. fmaf rounds x·scale + offset once, whatever
-   the compiler's contraction settings, so every build agrees. */
-static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
-    int i;
-    d->scale = scale;
-    d->offset = offset;
-    for (i = 0; i < 256; i++) {
-        d->u8_f32[i] = fmaf((float)i, scale, offset);
-        d->u8_f16[i] = mpt_float_to_half(d->u8_f32[i]);
-        d->u8_bf16[i] = mpt_float_to_bf16(d->u8_f32[i]);
-    }
-}
-
-static void mpt__dataset_release(mpt_dataset *root) {
-    int k;
-    if (--root->refs > 0) return;
-    for (k = 1; k < root->n_inputs; k++) mpt__free(root->ctx, root->in[k].owned);
-    for (k = 1; k < root->n_labels; k++) mpt__free(root->ctx, root->lab[k].owned);
-    mpt__free(root->ctx, root->owned_x);
-    mpt__free(root->ctx, root->owned_y);
-    mpt__free(root->ctx, root->sample_weight);
-    mpt__free(root->ctx, root);
-}
-
-MPTDEF void mpt_dataset_destroy(mpt_dataset *d) {
-    mpt_dataset *root;
-    if (!d) return;
-    root = d->root;
-    if (d != root) mpt__free(d->ctx, d);
-    mpt__dataset_release(root);
-}
-
-MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d) { return d ? d->n : 0; }
-
-MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape) {
-    if (!d) return 0;
-    if (shape) memcpy(shape, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
-    return d->x_rank;
-}
-
-/* ---- mpt_dataset_create: checking caller arrays --------------------------- */
+   @impl-data-checks: the caller's arrays a dataset is made of, checked before
+   it is made (mpt_dataset_create, @impl-data): shapes, counts, dtypes, finite
+   values, class ids; the inputs and labels of several
+   ============================================================================= */
 
 /* Index of the first NaN or inf among n elements of a float dtype, or -1. */
 static int64_t mpt__first_nonfinite(mpt_dtype dtype, const void *data, int64_t n) {
@@ -13827,6 +13705,149 @@ static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_de
                          (double)desc->scale, (double)desc->offset);
     MPT__CHECK(mpt__check_dataset_x(ctx, "x", desc->x));
     return desc->y ? mpt__check_dataset_y(ctx, "y", desc->y) : MPT_OK;
+}
+
+/* =============================================================================
+   @impl-data: datasets over caller arrays, views, a batch gathered (IDX
+   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; text:
+   @impl-text; the batch loader: @impl-loader)
+   =============================================================================
+
+   A dataset is x (n, sample shape...) in uint8, float32, float16 or
+   bfloat16 (or int32 token ids, batched as they are), and y: int32 class
+   ids (n,) or float32 targets (n, ...). uint8 images stay uint8 in memory
+   (a quarter of float32) and are normalised (x·scale + offset) only when
+   a batch is gathered, through a 256-entry table per dtype, so every
+   value is rounded exactly once, as mpt__convert rounds it.
+
+   A view (mpt_dataset_split) points into its root's buffers. The root
+   counts its live views and frees its buffers when the last of itself and
+   its views is destroyed, so destroying them in any order is safe. (The
+   count is not atomic: a dataset and its views are split and destroyed on
+   one thread at a time, as a context is used.)
+
+   A text dataset (@impl-text) holds bytes, not samples: its windows over
+   them are made as they are gathered, and its views start further on in
+   the bytes.
+
+   The loader gathers batch i + 1 on its own thread (not the pool, which
+   serves one job at a time and is busy with batch i) into the second of
+   two buffers allocated up front: fit allocates nothing per batch.
+
+   Internal API for the training loop (train.h):
+     mpt__dataset_label_dtype / _label_range / _label_shape
+     mpt__dataset_gather                   samples in any order, normalised
+     mpt__loader_create / _start_epoch / _next / _destroy   prefetching */
+
+
+
+/* An added input's tensor of a dataset of several (mpt_dataset_desc.
+   inputs): as x, without a text's windows. */
+typedef struct mpt__dataset_input {
+    mpt_dtype dtype;              /* uint8, float32, float16, bfloat16 or int32  */
+    int rank;                     /* one sample's, 1..3                          */
+    int64_t shape[MPT_MAX_RANK - 1];
+    int64_t count;                /* elements of one sample                      */
+    const void *data;             /* (n, shape) dtype, this dataset's sample 0   */
+    void *owned;                  /* root: freed with it; NULL if borrowed       */
+} mpt__dataset_input;
+
+struct mpt_dataset {
+    mpt_context *ctx;             /* allocated this struct                       */
+    mpt_dataset *root;            /* owner of the buffers: itself, or a view's root */
+    int refs;                     /* root: itself + its live views               */
+    int64_t n;                    /* samples                                     */
+    mpt_dtype x_dtype;            /* uint8, float32, float16, bfloat16 or int32  */
+    int x_rank;                   /* one sample's rank, 1..3                     */
+    int64_t x_shape[MPT_MAX_RANK - 1];
+    int64_t x_count;              /* elements of one sample                      */
+    const void *x;                /* (n, x_shape) x_dtype, this dataset's sample 0 */
+    mpt_dtype y_dtype;            /* int32 class ids or float32 targets          */
+    int y_rank;                   /* one target's rank: 0 for one class id       */
+    int64_t y_shape[MPT_MAX_RANK - 1];
+    int64_t y_count;              /* elements of one target (class ids: one per
+                                     position of the model's output)             */
+    const void *y;                /* (n, y_shape) y_dtype; NULL for x alone      */
+    int64_t first;                /* a view: its sample 0's index in the root    */
+    float *sample_weight;         /* root: (n) owned weights, or NULL: each 1;
+                                     a view reads its root's from `first`        */
+    int x_only;                   /* 1: no targets (y_count 0): for predict      */
+    float scale, offset;          /* uint8 x: x·scale + offset                   */
+    float u8_f32[256];            /* uint8 x: each byte value normalised         */
+    mpt_half u8_f16[256];         /*   the same, rounded to float16              */
+    mpt_bf16 u8_bf16[256];        /*   the same, rounded to bfloat16             */
+    void *owned_x, *owned_y;      /* root: buffers freed with it; NULL if borrowed */
+    /* Windows over bytes (mpt_dataset_load_text), made as they are
+       gathered: x and y are then NULL, x_dtype and y_dtype int32, x_shape
+       and y_shape (window). 0 for every other dataset. */
+    int64_t window;               /* T: sample i is x = bytes[i·stride, + T),
+                                     y the same one byte further on          */
+    int64_t stride;               /* bytes between samples' starts: 1 (every
+                                     window) or T (back to back)            */
+    const uint8_t *bytes;         /* sample 0's first byte (root: owned_x)   */
+    int64_t text_at;              /* bytes' offset in the whole text, for
+                                     messages                                */
+    /* Several inputs (Keras' fit([a, b], y)): x is input 0, in[k] input k. */
+    int n_inputs;                 /* 1, or desc's input_count                */
+    mpt__dataset_input in[MPT_MAX_INPUTS]; /* [0] unused                     */
+    /* Several outputs' labels (Keras' fit(x, [y_a, y_b])): y is output 0's,
+       lab[k] output k's (int32 class ids, rank 0 for one a sample, or
+       float32 targets). */
+    int n_labels;                 /* 1, or desc's label_count                */
+    mpt__dataset_input lab[MPT_MAX_OUTPUTS]; /* [0] unused                   */
+};
+
+/* ---- the dataset object --------------------------------------------------- */
+
+static mpt_dataset *mpt__dataset_new(mpt_context *ctx) {
+    mpt_dataset *d = (mpt_dataset *)mpt__calloc(ctx, sizeof *d);
+    if (!d) return NULL;
+    d->ctx = ctx;
+    d->root = d;
+    d->refs = 1;
+    d->n_inputs = 1;
+    d->n_labels = 1;
+    return d;
+}
+
+/* The normalisation tables. fmaf rounds x·scale + offset once, whatever
+   the compiler's contraction settings, so every build agrees. */
+static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
+    int i;
+    d->scale = scale;
+    d->offset = offset;
+    for (i = 0; i < 256; i++) {
+        d->u8_f32[i] = fmaf((float)i, scale, offset);
+        d->u8_f16[i] = mpt_float_to_half(d->u8_f32[i]);
+        d->u8_bf16[i] = mpt_float_to_bf16(d->u8_f32[i]);
+    }
+}
+
+static void mpt__dataset_release(mpt_dataset *root) {
+    int k;
+    if (--root->refs > 0) return;
+    for (k = 1; k < root->n_inputs; k++) mpt__free(root->ctx, root->in[k].owned);
+    for (k = 1; k < root->n_labels; k++) mpt__free(root->ctx, root->lab[k].owned);
+    mpt__free(root->ctx, root->owned_x);
+    mpt__free(root->ctx, root->owned_y);
+    mpt__free(root->ctx, root->sample_weight);
+    mpt__free(root->ctx, root);
+}
+
+MPTDEF void mpt_dataset_destroy(mpt_dataset *d) {
+    mpt_dataset *root;
+    if (!d) return;
+    root = d->root;
+    if (d != root) mpt__free(d->ctx, d);
+    mpt__dataset_release(root);
+}
+
+MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d) { return d ? d->n : 0; }
+
+MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape) {
+    if (!d) return 0;
+    if (shape) memcpy(shape, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
+    return d->x_rank;
 }
 
 /* d->x or d->y: the caller's buffer, or an owned copy of it. */
@@ -14417,8 +14438,8 @@ static mpt_status mpt__loader_alloc(mpt__loader *l) {
 static int mpt__loader_room(const mpt__loader *l, int64_t per, int64_t *total, int64_t *at) {
     int64_t bytes;
     *at = *total;
-    if (!mpt__mul_ok(l->max_batch, per, &bytes) || !mpt__add_ok(*total, bytes + MPT__ALIGN, total) ||
-        (uint64_t)*total > (uint64_t)SIZE_MAX)
+    if (!mpt__mul_ok(l->max_batch, per, &bytes) ||
+        !mpt__add_ok(*total, bytes + MPT__ALIGN, total) || (uint64_t)*total > (uint64_t)SIZE_MAX)
         return 0;
     *total = *total / MPT__ALIGN * MPT__ALIGN;
     return 1;
@@ -14778,6 +14799,7 @@ static mpt_status mpt__state_push(mpt_model *m) {
     for (k = 1; k < m->n_replicas; k++) {
         MPT__CHECK(mpt__upload(m->replica[k], m->replica[k]->state, st, sizeof st));
         MPT__CHECK(mpt__metric_sums_reset(m->replica[k], 0));
+        mpt__outputs_reset(m->replica[k], 0);
     }
     MPT__CHECK(mpt__metric_sums_reset(m, 0));
     mpt__outputs_reset(m, 0);
@@ -15002,14 +15024,6 @@ typedef struct mpt__metric_counts {
     double r2, auc; /* finished already */
 } mpt__metric_counts;
 
-/* The log slots of one output of several: its loss, then each metric
-   (mpt__output_log_names writes "<layer>_<name>" for each). */
-enum {
-    MPT__LOG_LOSS, MPT__LOG_ACCURACY, MPT__LOG_SPARSE_TOP_K, MPT__LOG_TOP_K, MPT__LOG_MAE,
-    MPT__LOG_MSE, MPT__LOG_RMSE, MPT__LOG_MAPE, MPT__LOG_PRECISION, MPT__LOG_RECALL,
-    MPT__LOG_R2, MPT__LOG_AUC, MPT__LOG_SLOTS
-};
-
 static const char *const mpt__log_slot_name[MPT__LOG_SLOTS] = {
     "loss", "accuracy", "sparse_top_k_categorical_accuracy", "top_k_categorical_accuracy",
     "mean_absolute_error", "mean_squared_error", "root_mean_squared_error",
@@ -15031,7 +15045,8 @@ static void mpt__output_log_names(mpt_model *m) {
    slot) or, where NULL, their own names (MPT__METRIC_NAME). `loss` is
    the loss they go with (the top-k metric's name follows it). */
 static void mpt__metric_logs(mpt_loss_type loss, int metrics, const mpt__metric_counts *c,
-                             int validation, int prefixed, char (*names)[112], mpt_logs *logs) {
+                             int validation, int prefixed, const char (*names)[MPT__LOG_NAME_MAX],
+                             mpt_logs *logs) {
     double n = c->count != 0 ? c->count : 1.0;
 #define MPT__LOG(SLOT, NAME, value)                                                         \
     mpt__logs_set(logs, names ? names[SLOT] : MPT__METRIC_NAME(validation, prefixed, NAME), \
@@ -15073,7 +15088,7 @@ static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t,
     }
     mpt__logs_set(logs, validation ? "val_loss" : "loss", total);
     for (k = 0; k < m->n_outputs; k++) {
-        char(*names)[112] = (char(*)[112])m->output_log[k][validation != 0];
+        const char(*names)[MPT__LOG_NAME_MAX] = m->output_log[k][validation != 0];
         mpt__metric_counts c = *first;
         if (k) {
             const mpt_step_state *st = &t->output[k];
@@ -15217,7 +15232,7 @@ static mpt_step_state *mpt__output_record(const mpt_model *m, int k, int which) 
    the output's loss weight, into the output's gradient buffer, where the
    backward walk starts from it. */
 static mpt_loss_args mpt__output_loss_args(mpt_model *m, int k, const mpt_tensor *y,
-                                           const mpt_tensor *w, int training) {
+                                           const mpt_tensor *w, int training, double share) {
     const mpt__layer *L = mpt__output_layer(m, k);
     mpt_loss_args a;
     memset(&a, 0, sizeof a);
@@ -15233,20 +15248,22 @@ static mpt_loss_args mpt__output_loss_args(mpt_model *m, int k, const mpt_tensor
     a.metrics = m->compile.output_metrics[k];
     a.top_k = m->compile.top_k;
     a.scale_by_loss_scale = training;
-    a.grad_weight = m->loss_weight[k];
+    a.grad_weight = (float)(share * m->loss_weight[k]); /* share: a replica's rows / all */
     a.state = mpt__output_record(m, k, training ? 0 : 1);
     a.sample_weight = (const float *)w->data;
     return a;
 }
 
 /* Every output's loss, in the outputs' order, on the batch's labels: y
-   output 0's, m->batch_label[k] the others'. */
+   output 0's, m->batch_label[k] the others'. share: under a strategy, the
+   replica's rows / the global batch's (1 alone), as for one output. */
 static void mpt__queue_output_losses(mpt_model *m, const mpt_tensor *y, const mpt_tensor *w,
-                                     int training) {
+                                     int training, double share) {
     int k;
     for (k = 0; k < m->n_outputs; k++) {
         const mpt__layer *L = mpt__output_layer(m, k);
-        mpt_loss_args a = mpt__output_loss_args(m, k, k ? &m->batch_label[k] : y, w, training);
+        mpt_loss_args a = mpt__output_loss_args(m, k, k ? &m->batch_label[k] : y, w, training,
+                                                share);
         if (training && k) /* the loss scale, where output k's loss reads it */
             m->be->copy_rows(m->impl, &a.state->loss_scale, 0, 0, &m->state[0].loss_scale, 0, 0,
                              (int64_t)sizeof(float), 1, 1);
@@ -15263,7 +15280,7 @@ static void mpt__queue_losses(mpt_model *m, const mpt_tensor *y, const mpt_tenso
                               int training) {
     mpt_loss_args loss;
     if (mpt__several_outputs(m)) {
-        mpt__queue_output_losses(m, y, w, training);
+        mpt__queue_output_losses(m, y, w, training, 1.0);
         return;
     }
     loss = mpt__loss_args(m, y, w, training);
@@ -15278,11 +15295,27 @@ static void mpt__outputs_reset(mpt_model *m, int which) {
         m->be->zero(m->impl, mpt__output_record(m, k, which), sizeof(mpt_step_state));
 }
 
+/* In training (which 0) the replicas' records added in replica order,
+   then the workers'; evaluation runs on replica 0 alone. */
 static mpt_status mpt__outputs_tally(mpt_model *m, int which, mpt__tally *t) {
-    int k;
-    for (k = 1; k < m->n_outputs; k++)
+    double sum[MPT__TALLIES], theirs[MPT__TALLIES];
+    int k, r;
+    size_t i;
+    for (k = 1; k < m->n_outputs; k++) {
         MPT__CHECK(mpt__download(m, &t->output[k], mpt__output_record(m, k, which),
                                  sizeof(mpt_step_state)));
+        if (which) continue;
+        mpt__tallies_get(&t->output[k], sum);
+        for (r = 1; r < m->n_replicas; r++) {
+            mpt_step_state rs;
+            MPT__CHECK(mpt__download(m->replica[r], &rs, mpt__output_record(m->replica[r], k, 0),
+                                     sizeof rs));
+            mpt__tallies_get(&rs, theirs);
+            for (i = 0; i < MPT__TALLIES; i++) sum[i] += theirs[i];
+        }
+        MPT__CHECK(mpt__workers_sum(m, sum, (int64_t)MPT__TALLIES, 1, "summing the metrics"));
+        mpt__tallies_set(&t->output[k], sum);
+    }
     return MPT_OK;
 }
 
@@ -16888,7 +16921,8 @@ static mpt_status mpt__predict(mpt_model *m, const mpt_dataset *data, int64_t ba
         s = mpt_tensor_alloc(m->ctx, &outs[k], MPT_FLOAT32, L->out_rank + 1, shape);
     }
     order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n) : NULL;
-    if (s == MPT_OK && !order) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
+    if (s == MPT_OK && !order)
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
     if (s == MPT_OK) {
         mpt__epoch_order(m, 0, 0, order, n);
         s = mpt__model_loader(m, data, batch_size, &loader);
@@ -24513,6 +24547,22 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__mha_ops,         &mpt__input_layer_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
+/* compile's settings as a file keeps them: the descriptor, and for a
+   model of several outputs the loss weights its pointer shows. */
+typedef struct mpt__file_compile {
+    mpt_compile_desc desc;                /* first: the fields' offsets are its */
+    float loss_weights[MPT_MAX_OUTPUTS];
+} mpt__file_compile;
+
+/* An output's fields: its loss, its metrics, its loss weight. */
+#define MPT__OUTPUT_FIELDS(k)                                                                  \
+    MPT__FIELD(mpt_compile_desc, losses[k].type, MPT__FIELD_ENUM),                             \
+        MPT__FIELD(mpt_compile_desc, losses[k].from_logits, MPT__FIELD_INT),                   \
+        MPT__FIELD(mpt_compile_desc, output_metrics[k], MPT__FIELD_INT),                       \
+        {"loss_weights[" #k "]", MPT__FIELD_FLOAT,                                             \
+         offsetof(mpt__file_compile, loss_weights) + (k) * sizeof(float)}
+#define MPT__OUTPUT_FIELD_COUNT 4
+
 static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, optimizer.type, MPT__FIELD_ENUM),
     MPT__FIELD(mpt_compile_desc, optimizer.learning_rate, MPT__FIELD_FLOAT),
@@ -24543,11 +24593,13 @@ static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, optimizer.gradient_accumulation_steps, MPT__FIELD_INT),
     MPT__FIELD(mpt_compile_desc, optimizer.exclude_from_weight_decay, MPT__FIELD_STRING),
     MPT__FIELD(mpt_compile_desc, weighted_metrics, MPT__FIELD_INT),
+    /* a model of several outputs': each output's, written for those it has */
+    MPT__OUTPUT_FIELDS(0), MPT__OUTPUT_FIELDS(1), MPT__OUTPUT_FIELDS(2), MPT__OUTPUT_FIELDS(3),
     MPT__FIELDS_END};
 
 /* How many of the compile fields, the list's last, are written only
-   where on (mpt__put_compile). */
-#define MPT__COMPILE_FIELDS_OPTIONAL 3
+   where on (mpt__put_compile): three, then the outputs'. */
+#define MPT__COMPILE_FIELDS_OPTIONAL (3 + MPT_MAX_OUTPUTS * MPT__OUTPUT_FIELD_COUNT)
 
 /* ---- writing ------------------------------------------------------------------- */
 
@@ -24624,17 +24676,26 @@ static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *
    exclude_from_weight_decay where it excludes, weighted_metrics where
    there are some), so that a model using none writes the file it always
    did (a field a file lacks reads as 0 or NULL: off). */
-static void mpt__put_compile(mpt__ckpt_text *t, const mpt_compile_desc *c) {
+static void mpt__put_compile(mpt__ckpt_text *t, const mpt_model *m) {
     const size_t count = sizeof mpt__compile_fields / sizeof mpt__compile_fields[0] - 1;
     const size_t always = count - MPT__COMPILE_FIELDS_OPTIONAL;
+    const mpt_compile_desc *c = &m->compile;
+    mpt__file_compile fc;
     size_t k;
+    int o;
+    fc.desc = m->compile;
+    memcpy(fc.loss_weights, m->loss_weight, sizeof fc.loss_weights);
     mpt__ckpt_puts(t, "{");
-    for (k = 0; k < always; k++) mpt__put_field(t, &mpt__compile_fields[k], c, k == 0);
+    for (k = 0; k < always; k++) mpt__put_field(t, &mpt__compile_fields[k], &fc, k == 0);
     if (c->optimizer.gradient_accumulation_steps > 1)
-        mpt__put_field(t, &mpt__compile_fields[always], c, 0);
+        mpt__put_field(t, &mpt__compile_fields[always], &fc, 0);
     if (c->optimizer.exclude_from_weight_decay && c->optimizer.exclude_from_weight_decay[0])
-        mpt__put_field(t, &mpt__compile_fields[always + 1], c, 0);
-    if (c->weighted_metrics) mpt__put_field(t, &mpt__compile_fields[always + 2], c, 0);
+        mpt__put_field(t, &mpt__compile_fields[always + 1], &fc, 0);
+    if (c->weighted_metrics) mpt__put_field(t, &mpt__compile_fields[always + 2], &fc, 0);
+    for (o = 0; mpt__several_outputs(m) && o < m->n_outputs; o++)
+        for (k = 0; k < MPT__OUTPUT_FIELD_COUNT; k++)
+            mpt__put_field(t, &mpt__compile_fields[always + 3 + o * MPT__OUTPUT_FIELD_COUNT + k],
+                           &fc, 0);
     mpt__ckpt_puts(t, "}");
 }
 
@@ -24697,9 +24758,17 @@ static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
         mpt__put_layer(t, &m->layers[i]);
     }
     mpt__ckpt_puts(t, "]");
+    if (mpt__several_outputs(m)) { /* the output nodes, in their order */
+        mpt__ckpt_puts(t, ",\"outputs\":[");
+        for (i = 0; i < m->n_outputs; i++) {
+            snprintf(num, sizeof num, "%s%d", i ? "," : "", m->output_node[i]);
+            mpt__ckpt_puts(t, num);
+        }
+        mpt__ckpt_puts(t, "]");
+    }
     if (m->compiled) {
         mpt__ckpt_puts(t, ",\"compile\":");
-        mpt__put_compile(t, &m->compile);
+        mpt__put_compile(t, m);
     }
     mpt__ckpt_puts(t, "}");
 }
@@ -24712,10 +24781,6 @@ MPTDEF mpt_status mpt_model_save(mpt_model *m, const char *path) {
     if (m->qat)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "save: not for a quantization-aware model "
                          "yet (mpt_model_save_checkpoint keeps its ranges)");
-    if (mpt__several_outputs(m)) /* the architecture JSON names one output */
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "save: not for a model of several outputs "
-                         "(%d) yet (mpt_model_save_weights and mpt_model_save_checkpoint keep "
-                         "its weights)", m->n_outputs);
     if (!m->built) return mpt__fail(m->ctx, MPT_ERR_STATE, "save: build the model first");
     memset(&arch, 0, sizeof arch);
     arch.ctx = m->ctx;
@@ -24960,12 +25025,45 @@ static mpt_status mpt__load_model_desc(mpt__json *j, mpt_model_desc *md, int64_t
                            "\"max_batch\"");
 }
 
+/* "outputs": a model of several outputs' nodes, 2..MPT_MAX_OUTPUTS of
+   them, each declared as mpt_model_add_output declares it (which refuses
+   an input, a node past the layers or one given twice). */
+static mpt_status mpt__load_outputs(mpt__json *j, mpt_model *m) {
+    int outputs = mpt__json_get(j, 0, "outputs"), e;
+    if (outputs < 0) return MPT_OK;
+    if (j->v[outputs].type != 'a' || j->v[outputs].count < 2 ||
+        j->v[outputs].count > MPT_MAX_OUTPUTS)
+        return mpt__json_bad(j, j->v[outputs].at, "\"outputs\" is not an array of 2..%d nodes",
+                             MPT_MAX_OUTPUTS);
+    for (e = j->v[outputs].first; e >= 0; e = j->v[e].next) {
+        int64_t node;
+        MPT__CHECK(mpt__json_int64(j, e, 1, m->n_layers, &node, "an output node"));
+        MPT__CHECK(mpt_model_add_output(m, (mpt_node)node));
+    }
+    return MPT_OK;
+}
+
+/* "compile": its fields, and for several outputs their loss weights,
+   each of which the file must give (an absent one is NaN: compile names
+   it). */
+static mpt_status mpt__load_compile(mpt__json *j, int compile, mpt_model *m) {
+    mpt__file_compile fc;
+    int k;
+    memset(&fc, 0, sizeof fc);
+    for (k = 0; k < MPT_MAX_OUTPUTS; k++) fc.loss_weights[k] = NAN;
+    MPT__CHECK(mpt__json_fields(j, compile, mpt__compile_fields, &fc, "\"compile\""));
+    for (k = 0; k < MPT_MAX_OUTPUTS; k++) /* one given to a model of one output is refused */
+        if (mpt__several_outputs(m) || !isnan(fc.loss_weights[k]))
+            fc.desc.loss_weights = fc.loss_weights;
+    return mpt_model_compile(m, &fc.desc);
+}
+
 /* The whole model from the architecture JSON, built; not yet loaded. */
 static mpt_status mpt__model_from_json(mpt__json *j, mpt_context *ctx, mpt_model **out) {
     static const char *const known[] = {"format",       "version",   "input_shape",
                                         "policy",       "seed",      "memory_limit",
                                         "max_batch",    "layers",    "compile",
-                                        "input_dtype"};
+                                        "input_dtype",  "outputs"};
     mpt_model_desc md;
     mpt_model *m = NULL;
     int64_t max_batch = 0;
@@ -24987,12 +25085,8 @@ static mpt_status mpt__model_from_json(mpt__json *j, mpt_context *ctx, mpt_model
     s = MPT_OK;
     for (i = 0, e = j->v[layers].first; s == MPT_OK && e >= 0; i++, e = j->v[e].next)
         s = mpt__load_layer(j, e, i, m);
-    if (s == MPT_OK && compile >= 0) {
-        mpt_compile_desc cd;
-        memset(&cd, 0, sizeof cd);
-        s = mpt__json_fields(j, compile, mpt__compile_fields, &cd, "\"compile\"");
-        if (s == MPT_OK) s = mpt_model_compile(m, &cd);
-    }
+    if (s == MPT_OK) s = mpt__load_outputs(j, m);
+    if (s == MPT_OK && compile >= 0) s = mpt__load_compile(j, compile, m);
     if (s == MPT_OK) s = mpt_model_build(m, max_batch);
     if (s != MPT_OK) {
         mpt_model_destroy(m);
@@ -37073,7 +37167,13 @@ static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
                            m->layers[i].desc.common.dtype);
         r->n_pending = 0;
     }
-    if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
+    for (i = 0; s == MPT_OK && i < m->n_outputs; i++)
+        s = mpt_model_add_output(r, m->output_node[i]);
+    if (s == MPT_OK && m->compiled) {
+        mpt_compile_desc cd = m->compile;
+        if (mpt__several_outputs(m)) cd.loss_weights = m->loss_weight; /* compile's copy */
+        s = mpt_model_compile(r, &cd);
+    }
     if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
     if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */
     if (s != MPT_OK) {
@@ -37307,11 +37407,15 @@ static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt
                               mpt_tensor *ws) {
     int n = m->n_replicas, k, j;
     mpt_tensor added[MPT_MAX_INPUTS]; /* replica 0 is m: its batch_in is rewritten */
+    mpt_tensor labels[MPT_MAX_OUTPUTS]; /* and its batch_label */
     memcpy(added, m->batch_in, sizeof added);
+    memcpy(labels, m->batch_label, sizeof labels);
     for (k = 0; k < n; k++) {
         int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
         for (j = 1; m->replica && j < m->n_inputs && b1 > b0; j++) /* every input alike */
             m->replica[k]->batch_in[j] = mpt__rows(&added[j], b0, b1);
+        for (j = 1; m->replica && j < m->n_outputs && b1 > b0; j++) /* every output's labels */
+            m->replica[k]->batch_label[j] = mpt__rows(&labels[j], b0, b1);
         memset(&xs[k], 0, sizeof xs[k]);
         memset(&ys[k], 0, sizeof ys[k]);
         memset(&ws[k], 0, sizeof ws[k]);
@@ -37363,9 +37467,14 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
         mpt_model *r = m->replica[k];
         mpt_loss_args loss;
         if (!had[k]) continue;
-        loss = mpt__loss_args(r, &target[k], &weights[k], 1);
-        loss.grad_weight = (float)((double)had[k] / (double)global_rows);
-        r->be->loss(r->impl, &loss);
+        if (mpt__several_outputs(r)) {
+            mpt__queue_output_losses(r, &target[k], &weights[k], 1,
+                                     (double)had[k] / (double)global_rows);
+        } else {
+            loss = mpt__loss_args(r, &target[k], &weights[k], 1);
+            loss.grad_weight = (float)((double)had[k] / (double)global_rows);
+            r->be->loss(r->impl, &loss);
+        }
         mpt__backward_begin(r, 0, &bw[k]);
         first = bw[k].first;
     }

@@ -15,6 +15,7 @@
 
 static mpt_context *ctx;
 static mpt_context *quiet; /* for the refusals: errors counted, not printed */
+static char tmpdir[512];
 
 static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
                                       MPT_POLICY_MIXED_BFLOAT16};
@@ -116,7 +117,8 @@ static mpt_logs evaluate(mpt_model *m, mpt_dataset *d) {
    and mixed_float16; a weight of 0 leaves a head where it started while
    the other learns: the weights decide what the trunk serves. */
 static void test_two_heads_learn(void) {
-    mpt_dataset *train = task_dataset(ctx, 0, N_TRAIN, 0), *test = task_dataset(ctx, N_TRAIN, N_TEST, 0);
+    mpt_dataset *train = task_dataset(ctx, 0, N_TRAIN, 0);
+    mpt_dataset *test = task_dataset(ctx, N_TRAIN, N_TEST, 0);
     const float equal[2] = {1, 1}, cls_only[2] = {1, 0}, reg_only[2] = {0, 1};
     const double var = target_variance();
     mpt_fit_desc fit = fit_for(20, 32);
@@ -174,10 +176,19 @@ enum { KN = 6, KIN = 3, KH = 4, KC = 3 };
 static const char *const keras_keys[] = {"loss", "cls_loss", "reg_loss", "cls_accuracy",
                                          "reg_mean_absolute_error"};
 /* what make.py printed (TensorFlow 2.21.0, Keras 3) */
-static const double KERAS_EVALUATE[] = {1.22180223, 0.870358884, 0.70288676, 0.666666687, 0.727049768};
-static const double KERAS_EVALUATE_WEIGHTED[] = {1.16366482, 0.970338643, 0.386652261, 0.666666687, 0.727049768};
-static const double KERAS_FIT[] = {1.22180223, 0.870358884, 0.70288676, 0.666666687, 0.727049768};
-static const double KERAS_AFTER_STEP[] = {-0.382947713, 0.264754087, -0.00338146766, -0.261926591, 0.0174505915, -0.211971477, 0.348202497, 0.112528302, 0.376342386, 0.115192711, -0.136005118, -0.363994956, -0.123458028, -0.00312993093, 0.135417759, 0.249765381, -0.513317585, 0.258247435, -0.244929835, -0.00342312944, -0.505892098, 0.259315223, 0.508394659, 0.00172262604, -0.510117292, -0.240130752, 0.503698826, -0.0135680679, -0.242725, -0.00136402028, 0.244089022, 0.24089551, 0.732680976, -0.724948943, -0.237090319, 0.249733642};
+static const double KERAS_EVALUATE[] = {
+    1.22180223, 0.870358884, 0.70288676, 0.666666687, 0.727049768};
+static const double KERAS_EVALUATE_WEIGHTED[] = {
+    1.16366482, 0.970338643, 0.386652261, 0.666666687, 0.727049768};
+static const double KERAS_FIT[] = {
+    1.22180223, 0.870358884, 0.70288676, 0.666666687, 0.727049768};
+static const double KERAS_AFTER_STEP[] = {
+    -0.382947713, 0.264754087, -0.00338146766, -0.261926591, 0.0174505915, -0.211971477,
+    0.348202497, 0.112528302, 0.376342386, 0.115192711, -0.136005118, -0.363994956,
+    -0.123458028, -0.00312993093, 0.135417759, 0.249765381, -0.513317585, 0.258247435,
+    -0.244929835, -0.00342312944, -0.505892098, 0.259315223, 0.508394659, 0.00172262604,
+    -0.510117292, -0.240130752, 0.503698826, -0.0135680679, -0.242725, -0.00136402028,
+    0.244089022, 0.24089551, 0.732680976, -0.724948943, -0.237090319, 0.249733642};
 static const float KERAS_SAMPLE_WEIGHT[KN] = {1, 2, 0.5f, 0, 1.5f, 1};
 
 typedef struct keras_case {
@@ -189,7 +200,8 @@ typedef struct keras_case {
 static void keras_data(keras_case *k) {
     int i, j;
     for (i = 0; i < KN; i++) {
-        for (j = 0; j < KIN; j++) k->x[i * KIN + j] = (float)(((5 * i + 3 * j + i * j) % 11 - 5) / 4.0);
+        for (j = 0; j < KIN; j++)
+            k->x[i * KIN + j] = (float)(((5 * i + 3 * j + i * j) % 11 - 5) / 4.0);
         k->y[i] = (2 * i + 1) % 3;
         k->t[i] = (float)((i % 4) / 2.0 - 0.5);
     }
@@ -383,6 +395,49 @@ static void test_threads_bit_identical(void) {
     }
 }
 
+/* Two logical replicas of the mirrored strategy, each its half of the
+   global batch and its labels, train as one replica with the whole batch:
+   the same history and weights up to the order of the sums. */
+static void test_replicas_match_one(void) {
+    static const char *const keys[] = {"loss", "cls_loss", "reg_loss", "cls_accuracy",
+                                       "reg_mean_absolute_error", "val_loss", "val_reg_loss",
+                                       NULL};
+    mpt_dataset *train = task_dataset(ctx, 0, 320, 0);
+    mpt_strategy *s = test_mirrored_strategy(ctx, 2);
+    mpt_model *one = task_model(ctx, MPT_POLICY_FLOAT32, (const float[]){1.0f, 0.5f}, NULL);
+    mpt_model *two = NULL;
+    mpt_node h, cls, reg;
+    mpt_fit_desc fit = fit_for(3, 64);
+    fit.validation_split = 0.2f;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {F}, .input_rank = 1,
+                                                  .seed = 7, .strategy = s},
+                           &two) == MPT_OK, "create: %s", mpt_context_error(ctx));
+    h = mpt_dense(two, mpt_model_input(two), &(mpt_dense_desc){.units = 32,
+                                                               .activation = MPT_ACT_RELU});
+    cls = mpt_dense(two, h, &(mpt_dense_desc){.name = "cls", .units = CLASSES,
+                                              .activation = MPT_ACT_SOFTMAX});
+    reg = mpt_dense(two, h, &(mpt_dense_desc){.name = "reg", .units = 1});
+    mpt_model_add_output(two, cls);
+    mpt_model_add_output(two, reg);
+    CHECK(mpt_model_compile(two, &(mpt_compile_desc){
+                                     .optimizer = {.type = MPT_OPTIMIZER_ADAM,
+                                                   .learning_rate = 0.01f},
+                                     .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                                {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
+                                     .loss_weights = (const float[]){1.0f, 0.5f},
+                                     .output_metrics = {MPT_METRIC_ACCURACY,
+                                                        MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(one, train, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(two, train, &fit) == MPT_OK, "fit on 2 replicas: %s",
+          mpt_context_error(ctx));
+    test_replicas_match(one, two, keys, 1e-5);
+    mpt_model_destroy(one);
+    mpt_model_destroy(two);
+    mpt_strategy_destroy(s);
+    mpt_dataset_destroy(train);
+}
+
 /* A model whose one output is declared trains as the same model without. */
 static void test_one_output_declared(void) {
     float w[2][F * 16 + 16 + 16 * CLASSES + CLASSES];
@@ -499,7 +554,8 @@ static void test_logs_and_progress(void) {
 /* predict_outputs gives each output; its classes score as evaluate says;
    the one-tensor predict refuses the model. */
 static void test_predict_outputs(void) {
-    mpt_dataset *train = task_dataset(ctx, 0, 512, 0), *test = task_dataset(ctx, N_TRAIN, N_TEST, 0);
+    mpt_dataset *train = task_dataset(ctx, 0, 512, 0);
+    mpt_dataset *test = task_dataset(ctx, N_TRAIN, N_TEST, 0);
     mpt_model *m = task_model(ctx, MPT_POLICY_FLOAT32, NULL, NULL);
     mpt_tensor outs[2], one;
     mpt_logs logs;
@@ -566,6 +622,123 @@ static void test_labels_through_splits(void) {
     mpt_model_destroy(m);
 }
 
+/* ---- model files ------------------------------------------------------------------ */
+
+/* A trained model of two outputs saved whole (mpt_model_save) and loaded
+   with no code: the same outputs, losses, loss weights and metrics, so the
+   same evaluation bit for bit and the same predictions; a checkpoint of it
+   resumes training as the model itself goes on. */
+static void test_model_file_round_trip(void) {
+    mpt_dataset *train = task_dataset(ctx, 0, 256, 0);
+    mpt_dataset *test = task_dataset(ctx, N_TRAIN, N_TEST, 0);
+    mpt_model *m = task_model(ctx, MPT_POLICY_MIXED_FLOAT16, (const float[]){0.75f, 2.0f}, NULL);
+    mpt_model *back = NULL;
+    mpt_logs a, b;
+    mpt_tensor pa[2], pb[2];
+    char path[600];
+    int k;
+    snprintf(path, sizeof path, "%s/two_outputs.safetensors", tmpdir);
+    CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load(ctx, path, &back) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (!back) goto done;
+    CHECK(mpt_model_output_count(back) == 2 && strcmp(mpt_model_output_name(back, 0), "cls") == 0 &&
+              strcmp(mpt_model_output_name(back, 1), "reg") == 0,
+          "outputs %d loaded", mpt_model_output_count(back));
+    a = evaluate(m, test);
+    b = evaluate(back, test);
+    CHECK(a.count == 5 && b.count == 5, "%d and %d values", a.count, b.count);
+    for (k = 0; k < a.count; k++)
+        CHECK(strcmp(a.names[k], b.names[k]) == 0 && a.values[k] == b.values[k],
+              "%s %.9g, loaded %s %.9g", a.names[k], a.values[k], b.names[k], b.values[k]);
+    CHECK(fabs(mpt_logs_get(&b, "loss") - 0.75 * mpt_logs_get(&b, "cls_loss") -
+               2 * mpt_logs_get(&b, "reg_loss")) < 1e-5, "the loaded loss weights");
+    CHECK(mpt_model_predict_outputs(m, test, 64, 2, pa) == MPT_OK &&
+              mpt_model_predict_outputs(back, test, 64, 2, pb) == MPT_OK,
+          "predict: %s", mpt_context_error(ctx));
+    for (k = 0; k < 2; k++) {
+        CHECK(mpt_tensor_bytes(&pa[k]) == mpt_tensor_bytes(&pb[k]) &&
+                  memcmp(pa[k].data, pb[k].data, mpt_tensor_bytes(&pa[k])) == 0,
+              "output %d's predictions differ after loading", k);
+        mpt_tensor_free(ctx, &pa[k]);
+        mpt_tensor_free(ctx, &pb[k]);
+    }
+done:
+    mpt_model_destroy(back);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(train);
+    mpt_dataset_destroy(test);
+}
+
+/* Architecture JSON of two outputs, read as mpt_model_load reads it: the
+   good one loads; hostile outputs, losses and weights are refused, each
+   with its reason. */
+static void test_file_outputs_refused(void) {
+#define DENSE(name, in, units) \
+    "{\"class\":\"Dense\",\"name\":\"" name "\",\"inputs\":[" in "],"  \
+    "\"config\":{\"units\":" units "}}"
+#define LAYERS DENSE("h", "0", "4") "," DENSE("cls", "1", "3") "," DENSE("reg", "1", "1")
+#define LOSSES "\"losses[0].type\":1,\"losses[1].type\":4"
+    static const struct {
+        const char *outputs, *compile, *words;
+    } cases[] = {
+        {"[2,3]", LOSSES ",\"loss_weights[0]\":1,\"loss_weights[1]\":0.5", NULL},
+        {"[2]", LOSSES, "\"outputs\" is not an array of 2..4 nodes"},
+        {"[2,3,2,3,2]", LOSSES, "\"outputs\" is not an array of 2..4 nodes"},
+        {"{\"a\":2}", LOSSES, "\"outputs\" is not an array"},
+        {"[2,9]", LOSSES, "an output node"},
+        {"[0,3]", LOSSES, "an output node"},
+        {"[2,2.5]", LOSSES, "an output node"},
+        {"[3,3]", LOSSES, "is output 0 already"},
+        {"[1,3]", LOSSES ",\"loss_weights[0]\":1,\"loss_weights[1]\":1",
+         "'cls' (Dense) leads to none of the 2 outputs"},
+        {"[2,3]", LOSSES ",\"loss_weights[0]\":1", "loss_weights[1] ('reg') = nan"},
+        {"[2,3]", LOSSES ",\"loss_weights[0]\":-1,\"loss_weights[1]\":1",
+         "loss_weights[0] ('cls') = -1"},
+        {"[2,3]", "\"losses[0].type\":1,\"loss_weights[0]\":1,\"loss_weights[1]\":1",
+         "output 1 ('reg') has no loss"},
+        {"[2,3]", LOSSES ",\"losses[1].type\":77,\"loss_weights[0]\":1,\"loss_weights[1]\":1",
+         "losses[1].type"},
+        {"[2,3]", LOSSES ",\"losses[3].type\":4,\"loss_weights[0]\":1,\"loss_weights[1]\":1",
+         "losses[3] is set but the model has 2 outputs"},
+        {"[2,3]", LOSSES ",\"loss_weights[4]\":1", "has no field \"loss_weights[4]\""},
+        {"[2,3]", LOSSES ",\"output_metrics[0]\":4096,\"loss_weights[0]\":1,"
+                  "\"loss_weights[1]\":1", "unknown bits"},
+        {NULL, "\"loss.type\":1,\"loss_weights[0]\":1",
+         "loss_weights is for a model of several outputs"},
+    };
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char doc[2048], outputs[64] = "";
+        mpt__json j;
+        mpt_model *m = NULL;
+        mpt_status s;
+        if (cases[k].outputs)
+            snprintf(outputs, sizeof outputs, ",\"outputs\":%s", cases[k].outputs);
+        snprintf(doc, sizeof doc, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[3],"
+                 "\"policy\":\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":4,"
+                 "\"layers\":[%s]%s,\"compile\":{%s}}", cases[k].outputs ? LAYERS :
+                 DENSE("h", "0", "4") "," DENSE("cls", "1", "3"), outputs, cases[k].compile);
+        s = mpt__json_parse(&j, quiet, "test", doc, (int64_t)strlen(doc));
+        if (s == MPT_OK) s = mpt__model_from_json(&j, quiet, &m);
+        mpt__json_free(&j);
+        if (!cases[k].words) {
+            CHECK(s == MPT_OK && mpt_model_output_count(m) == 2, "case %d: %s", (int)k,
+                  mpt_context_error(quiet));
+        } else {
+            CHECK(s != MPT_OK && !m, "case %d: read", (int)k);
+            CHECK(strstr(mpt_context_error(quiet), cases[k].words) != NULL,
+                  "case %d: message '%s' lacks '%s'", (int)k, mpt_context_error(quiet),
+                  cases[k].words);
+        }
+        mpt_model_destroy(m);
+    }
+#undef DENSE
+#undef LAYERS
+#undef LOSSES
+}
+
 /* ---- refusals ------------------------------------------------------------------- */
 
 static mpt_model *two_head_model(mpt_context *c, mpt_node *h, mpt_node *cls, mpt_node *reg) {
@@ -622,7 +795,8 @@ static void test_bad_outputs(void) {
         int k;
         mpt_node nodes[5];
         mpt_model_create(quiet, &(mpt_model_desc){.input_shape = {F}, .input_rank = 1}, &m);
-        for (k = 0; k < 5; k++) nodes[k] = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 1});
+        for (k = 0; k < 5; k++)
+            nodes[k] = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 1});
         for (k = 0; k < 4; k++) mpt_model_add_output(m, nodes[k]);
         test_expect_error(quiet, mpt_model_add_output(m, nodes[4]), MPT_ERR_INVALID_ARGUMENT,
                           "MPT_MAX_OUTPUTS", "a fifth output");
@@ -723,7 +897,8 @@ static void test_bad_data(void) {
     mpt_dataset_destroy(d);
     /* output 1's targets of the wrong shape */
     labels[1] = &t2;
-    mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &tx, .labels = labels, .label_count = 2}, &d);
+    mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &tx, .labels = labels, .label_count = 2},
+                       &d);
     test_expect_error(quiet, mpt_model_fit(m, d, NULL), MPT_ERR_SHAPE,
                       "output 1 ('reg'): targets of shape (2,) for a model output of shape (1,)",
                       "output 1's shape");
@@ -731,13 +906,15 @@ static void test_bad_data(void) {
     /* output 0's class ids out of range */
     labels[0] = &tbad;
     labels[1] = &tt;
-    mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &tx, .labels = labels, .label_count = 2}, &d);
+    mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &tx, .labels = labels, .label_count = 2},
+                       &d);
     test_expect_error(quiet, mpt_model_fit(m, d, NULL), MPT_ERR_INVALID_ARGUMENT,
                       "output 0 ('cls'): labels range over 0..9", "output 0's ids");
     mpt_dataset_destroy(d);
     /* class_weight, as Keras, for one output only */
     labels[0] = &ty;
-    mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &tx, .labels = labels, .label_count = 2}, &d);
+    mpt_dataset_create(quiet, &(mpt_dataset_desc){.x = &tx, .labels = labels, .label_count = 2},
+                       &d);
     test_expect_error(quiet, mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1,
                           .class_weight = (const float[]){1, 1, 1, 1}, .class_weight_count = 4}),
                       MPT_ERR_UNSUPPORTED, "class_weight is for a model of one output",
@@ -750,19 +927,13 @@ static void test_bad_data(void) {
 static void test_unsupported(void) {
     mpt_model *m = task_model(quiet, MPT_POLICY_FLOAT32, NULL, NULL);
     mpt_model *r = NULL;
-    mpt_strategy *s = test_mirrored_strategy(quiet, 2);
     mpt_tensor t, x;
     float xs[2 * F] = {0};
     int64_t shape[2] = {2, F};
     char path[600];
     int32_t ids[4];
-    mpt_node h, cls, reg;
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(quiet));
-    snprintf(path, sizeof path, "/tmp/mpt_test_outputs_%d.safetensors", (int)getpid());
-    test_expect_error(quiet, mpt_model_save(m, path), MPT_ERR_UNSUPPORTED,
-                      "several outputs", "save");
-    CHECK(mpt_model_save_weights(m, path) == MPT_OK, "save_weights: %s", mpt_context_error(quiet));
-    remove(path);
+    snprintf(path, sizeof path, "%s/export.bin", tmpdir);
     test_expect_error(quiet, mpt_model_export_onnx(m, path, NULL), MPT_ERR_UNSUPPORTED,
                       "several outputs", "export onnx");
     test_expect_error(quiet, mpt_model_export_tflite(m, path, NULL), MPT_ERR_UNSUPPORTED,
@@ -790,18 +961,6 @@ static void test_unsupported(void) {
                                                     &t, (double[1]){0}),
                       MPT_ERR_UNSUPPORTED, "outputs", "compute_loss");
     mpt_model_destroy(m);
-    /* under a strategy */
-    mpt_model_create(quiet, &(mpt_model_desc){.input_shape = {F}, .input_rank = 1,
-                                              .strategy = s}, &r);
-    h = mpt_dense(r, mpt_model_input(r), &(mpt_dense_desc){.units = 8});
-    cls = mpt_dense(r, h, &(mpt_dense_desc){.units = 2});
-    reg = mpt_dense(r, h, &(mpt_dense_desc){.units = 1});
-    mpt_model_add_output(r, cls);
-    mpt_model_add_output(r, reg);
-    test_expect_error(quiet, mpt_model_build(r, 8), MPT_ERR_UNSUPPORTED, "under a strategy",
-                      "a strategy");
-    mpt_model_destroy(r);
-    mpt_strategy_destroy(s);
 }
 
 /* The summary of a model of two outputs: its usual table. */
@@ -823,10 +982,13 @@ static void cases(void) {
     TEST_RUN(test_two_heads_learn);
     test_threads_bit_identical();
     TEST_RUN(test_one_output_declared);
+    TEST_RUN(test_replicas_match_one);
     TEST_RUN(test_loss_scaling);
     TEST_RUN(test_logs_and_progress);
     TEST_RUN(test_predict_outputs);
     TEST_RUN(test_labels_through_splits);
+    TEST_RUN(test_model_file_round_trip);
+    TEST_RUN(test_file_outputs_refused);
     TEST_RUN(test_bad_outputs);
     TEST_RUN(test_bad_compile);
     TEST_RUN(test_bad_data);
@@ -836,6 +998,7 @@ static void cases(void) {
 }
 
 int main(void) {
-    test_program p = {"test_outputs", &ctx, 0, quiet_logger, 0, NULL, NULL, 0, NULL, cases};
+    test_program p = {"test_outputs", &ctx, 0, quiet_logger, 0, NULL, tmpdir, sizeof tmpdir,
+                      "MPT_KEEP_TMP", cases};
     return test_main(&p);
 }

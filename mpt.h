@@ -1064,11 +1064,12 @@ MPTDEF int mpt_model_input_count(const mpt_model *m);
    "<layer>_loss", "<layer>_<metric>" ("dense_1_accuracy"), and "val_"
    before each in validation. predict gives each output's values
    (mpt_model_predict_outputs). Model files keep the outputs, their
-   losses, loss weights and metrics. For now such a model trains on the
-   CPU backend (a mirrored strategy's replicas of one process too); a GPU
-   context, several MPI workers, the export, the quantization,
-   quantization-aware training, text generation and fit's class_weight
-   (as Keras) refuse it (MPT_ERR_UNSUPPORTED). */
+   losses, loss weights and metrics. On a GPU, fit's feed stages and
+   uploads every output's labels ahead of its step, as it does y; a
+   mirrored strategy's replicas each take their rows of every label.
+   Several MPI workers, the export, the quantization, quantization-aware
+   training, text generation and fit's class_weight (as Keras) refuse
+   such a model for now (MPT_ERR_UNSUPPORTED). */
 #define MPT_MAX_OUTPUTS 4
 /* Declares `node` (a layer's output, not an input) the model's next
    output: output 0 at the first call. Before build and compile; each node
@@ -5118,6 +5119,8 @@ struct mpt_model {
     float loss_weight[MPT_MAX_OUTPUTS];
     mpt_step_state *output_state;        /* [2·(k − 1) + which], k >= 1    */
     mpt_tensor batch_label[MPT_MAX_OUTPUTS]; /* [0] unused: output 0's is y */
+    void *label_buf[2][MPT_MAX_OUTPUTS]; /* on a GPU: output k's labels of a batch,
+                                            uploaded as y into target_buf[b] */
     char output_log[MPT_MAX_OUTPUTS][2][MPT__LOG_SLOTS][MPT__LOG_NAME_MAX]; /* [k][val][slot] */
     int64_t graph_slot_bytes;            /* a graph's scratch per input slot */
     unsigned char *node_written;         /* a graph's backward: which nodes'
@@ -10754,18 +10757,14 @@ static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
    @impl-build: the model laid out in memory and built; looking inside it
    ============================================================================= */
 
-/* Several outputs train on the CPU backend for now, with the replicas of
-   one process: a GPU's feed uploads one target a batch, and the labels
-   are not yet carried between workers or devices. */
+/* Several outputs train with the replicas of one process (on the CPU or
+   GPUs); the labels are not yet shared out between MPI workers. */
 static mpt_status mpt__outputs_check_backend(mpt_model *m) {
     if (!mpt__several_outputs(m)) return MPT_OK;
     if (mpt_strategy_num_workers(m->strategy) > 1)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "model: several outputs (%d) under a "
                          "strategy of several workers are not supported yet (the replicas of "
-                         "one process on the CPU are)", m->n_outputs);
-    if (mpt__model_device(m) != MPT_DEVICE_CPU)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "model: several outputs (%d) are not "
-                         "supported on a GPU context yet (the CPU backend only)", m->n_outputs);
+                         "one process are)", m->n_outputs);
     return MPT_OK;
 }
 
@@ -10809,18 +10808,23 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
         m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
     }
     if (mpt__model_device(m) != MPT_DEVICE_CPU) { /* the CPU reads the host's batches in place */
-        const mpt__layer *last = &m->layers[m->n_layers - 1];
+        int64_t widest = 0; /* the target buffer also stages any output's float32 values */
+        for (k = 0; k < mpt__output_count(m); k++)
+            widest = MPT__MAX(widest, mpt__output_layer(m, k)->out_count);
         for (i = 0; i < 2; i++) {
             m->input_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                          4 * mpt__node_count(m, 0) * m->max_batch);
-            m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                          4 * last->out_count * m->max_batch);
+            m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * widest * m->max_batch);
             m->weight_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * m->max_batch);
             for (k = 1; k < m->n_inputs; k++) { /* in its InputLayer's dtype */
                 const mpt__layer *L = &m->layers[m->input_layer[k]];
                 m->added_buf[i][k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                                 mpt__dbytes(L->dtype, L->out_count * m->max_batch));
             }
+            for (k = 1; k < m->n_outputs; k++) /* int32 or float32, one a value at most */
+                m->label_buf[i][k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                                4 * mpt__output_layer(m, k)->out_count *
+                                                    m->max_batch);
         }
     }
 }
@@ -15174,7 +15178,14 @@ typedef struct mpt__step_times {
     double forward, backward, update; /* seconds, summed over an epoch */
 } mpt__step_times;
 
+/* The batch's targets where the backend reads them: y (output 0's) into
+   t, and the further outputs' labels (m->batch_label) in place. */
 static mpt_status mpt__target_on_backend(mpt_model *m, const mpt_tensor *y, mpt_tensor *t) {
+    int k;
+    for (k = 1; k < m->n_outputs; k++) {
+        const mpt_tensor host = m->batch_label[k]; /* (the call rewrites its out) */
+        MPT__CHECK(mpt__batch_on_backend(m, &host, m->label_buf[0][k], &m->batch_label[k]));
+    }
     return mpt__batch_on_backend(m, y, m->target_buf[0], t);
 }
 
@@ -15409,6 +15420,9 @@ typedef struct mpt__feed_slot { /* one model's (or replica's) */
     /* A model of several inputs: input k's staging and rows, [b][0] unused. */
     void *added_host[2][MPT_MAX_INPUTS];
     mpt_tensor added[2][MPT_MAX_INPUTS];
+    /* A model of several outputs: output k's labels, alike. */
+    void *label_host[2][MPT_MAX_OUTPUTS];
+    mpt_tensor labels[2][MPT_MAX_OUTPUTS];
 } mpt__feed_slot;
 
 typedef struct mpt__feed {
@@ -15459,6 +15473,7 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
         for (b = 0; b < 2; b++) {
             for (j = 0; j < 3; j++) r->be->free_host(r->impl, f->slot[k].host[b][j]);
             for (j = 1; j < r->n_inputs; j++) r->be->free_host(r->impl, f->slot[k].added_host[b][j]);
+            for (j = 1; j < r->n_outputs; j++) r->be->free_host(r->impl, f->slot[k].label_host[b][j]);
         }
     }
     for (b = 0; b < 2; b++)
@@ -15472,18 +15487,23 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
 static mpt_status mpt__feed_open_added(mpt_model *m, mpt__feed *f, int k) {
     mpt_model *r = mpt__feed_model(m, k);
     int b, j;
-    for (b = 0; b < 2; b++)
-        for (j = 1; j < r->n_inputs; j++) {
+    mpt_status s = MPT_OK;
+    for (b = 0; b < 2; b++) {
+        for (j = 1; s == MPT_OK && j < r->n_inputs; j++) {
             const mpt__layer *L = &r->layers[r->input_layer[j]];
             size_t bytes = (size_t)mpt__dbytes(L->dtype, L->out_count * r->max_batch);
-            if (r->be->alloc_host(r->impl, bytes, &f->slot[k].added_host[b][j]) != MPT_OK) {
-                mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
-                                         r->be->error(r->impl));
-                mpt__feed_close(m, f);
-                return s;
-            }
+            s = r->be->alloc_host(r->impl, bytes, &f->slot[k].added_host[b][j]);
         }
-    return MPT_OK;
+        for (j = 1; s == MPT_OK && j < r->n_outputs; j++) /* and each further output's labels */
+            s = r->be->alloc_host(r->impl, (size_t)(4 * mpt__output_layer(r, j)->out_count *
+                                                    r->max_batch),
+                                  &f->slot[k].label_host[b][j]);
+    }
+    if (s != MPT_OK) {
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s", r->be->error(r->impl));
+        mpt__feed_close(m, f);
+    }
+    return s;
 }
 
 static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
@@ -15523,17 +15543,24 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
    mpt__replica_rows shared them out) staged and copied into its
    added_buf[b], as input 0 into input_buf[b]: slot->added[b] then shows
    them there, what a step on buffer b reads. */
+static void mpt__feed_stage(mpt_model *r, const mpt_tensor *t, void *host, void *dst,
+                            mpt_tensor *uploaded) {
+    size_t bytes = mpt_tensor_bytes(t);
+    memcpy(host, t->data, bytes);
+    r->be->upload_async(r->impl, dst, host, bytes);
+    *uploaded = *t;
+    uploaded->data = dst;
+    uploaded->device = MPT_DEVICE_CUDA;
+}
+
 static void mpt__feed_upload_added(mpt_model *r, mpt__feed_slot *slot, int b) {
     int j;
-    for (j = 1; j < r->n_inputs; j++) {
-        const mpt_tensor *t = &r->batch_in[j];
-        size_t bytes = mpt_tensor_bytes(t);
-        memcpy(slot->added_host[b][j], t->data, bytes);
-        r->be->upload_async(r->impl, r->added_buf[b][j], slot->added_host[b][j], bytes);
-        slot->added[b][j] = *t;
-        slot->added[b][j].data = r->added_buf[b][j];
-        slot->added[b][j].device = MPT_DEVICE_CUDA;
-    }
+    for (j = 1; j < r->n_inputs; j++)
+        mpt__feed_stage(r, &r->batch_in[j], slot->added_host[b][j], r->added_buf[b][j],
+                        &slot->added[b][j]);
+    for (j = 1; j < r->n_outputs; j++) /* the further outputs' labels alike */
+        mpt__feed_stage(r, &r->batch_label[j], slot->label_host[b][j], r->label_buf[b][j],
+                        &slot->labels[b][j]);
 }
 
 /* Before a step on buffer b: each replica's added inputs are those
@@ -15543,6 +15570,7 @@ static void mpt__feed_use_added(mpt_model *m, const mpt__feed *f, int b) {
     for (k = 0; k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
         for (j = 1; j < r->n_inputs; j++) r->batch_in[j] = f->slot[k].added[b][j];
+        for (j = 1; j < r->n_outputs; j++) r->batch_label[j] = f->slot[k].labels[b][j];
     }
 }
 

@@ -165,7 +165,9 @@
                             1/global batch and the replicas' sum is the
                             mean's gradient; 1 without one (a step by
                             hand's mpt_model_compute_loss passes its
-                            grad_scale in it)
+                            grad_scale in it); for a model of several
+                            outputs, times the output's loss weight
+                            (mpt__output_loss_args)
        grad_scale           mpt_loss_desc.grad_scale: what the caller of
                             mpt_loss_compute (or mpt_model_compute_loss)
                             has the gradient multiplied by, e.g. its own
@@ -1047,8 +1049,8 @@ MPTDEF int mpt_model_input_count(const mpt_model *m);
        mpt_model_add_output(m, a);
        mpt_model_add_output(m, b);
        mpt_model_compile(m, &(mpt_compile_desc){
-           .losses = { { MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
-                       { MPT_LOSS_MEAN_SQUARED_ERROR } },
+           .losses = { { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
+                       { .type = MPT_LOSS_MEAN_SQUARED_ERROR } },
            .loss_weights = (const float[]){ 1.0f, 0.5f },
            .output_metrics = { MPT_METRIC_ACCURACY, MPT_METRIC_MEAN_ABSOLUTE_ERROR } });
 
@@ -1062,14 +1064,15 @@ MPTDEF int mpt_model_input_count(const mpt_model *m);
    loss's first). The logs, the history and evaluate name every part as
    Keras 3 does, by the output's layer: "loss" (the weighted sum),
    "<layer>_loss", "<layer>_<metric>" ("dense_1_accuracy"), and "val_"
-   before each in validation. predict gives each output's values
-   (mpt_model_predict_outputs). Model files keep the outputs, their
-   losses, loss weights and metrics. On a GPU, fit's feed stages and
-   uploads every output's labels ahead of its step, as it does y; a
-   mirrored strategy's replicas each take their rows of every label.
-   Several MPI workers, the export, the quantization, quantization-aware
-   training, text generation and fit's class_weight (as Keras) refuse
-   such a model for now (MPT_ERR_UNSUPPORTED). */
+   before each in validation (names that live as long as the model), the
+   progress line in that order: "loss" first, then output by output.
+   predict gives each output's values (mpt_model_predict_outputs). Model
+   files keep the outputs, their losses, loss weights and metrics. On a
+   GPU, fit's feed stages and uploads every output's labels ahead of its
+   step, as it does y; a mirrored strategy's replicas each take their rows
+   of every label. Several MPI workers, the export, the quantization,
+   quantization-aware training, text generation and fit's class_weight
+   (as Keras) refuse such a model for now (MPT_ERR_UNSUPPORTED). */
 #define MPT_MAX_OUTPUTS 4
 /* Declares `node` (a layer's output, not an input) the model's next
    output: output 0 at the first call. Before build and compile; each node
@@ -3043,7 +3046,8 @@ typedef struct mpt_loss_args {
     float grad_weight;          /* and by this: a replica's share of the
                                    global batch (its rows / all rows, so
                                    that the replicas' gradients sum to the
-                                   mean's); default 0: 1                    */
+                                   mean's), times an output's loss weight
+                                   for a model of several; default 0: 1    */
     mpt_step_state *state;
     const float *class_weight;  /* (classes) or NULL: each row's loss and
                                    gradient times its class's weight
@@ -5111,7 +5115,7 @@ struct mpt_model {
                                             into input_buf[b]; NULL on the CPU */
     /* Several outputs (mpt_model_add_output): output k is node
        output_node[k], its loss compile.losses[k] times loss_weight[k];
-       outputs k > 0 tally into records of their own (output_state: two a
+       outputs k > 0 tally into records of their own (output_state: two an
        output, the training's and evaluation's, as m->state), output 0
        into m->state. n_outputs 0: the last layer is the one output. */
     int n_outputs;
@@ -5119,8 +5123,8 @@ struct mpt_model {
     float loss_weight[MPT_MAX_OUTPUTS];
     mpt_step_state *output_state;        /* [2·(k − 1) + which], k >= 1    */
     mpt_tensor batch_label[MPT_MAX_OUTPUTS]; /* [0] unused: output 0's is y */
-    void *label_buf[2][MPT_MAX_OUTPUTS]; /* on a GPU: output k's labels of a batch,
-                                            uploaded as y into target_buf[b] */
+    void *label_buf[2][MPT_MAX_OUTPUTS]; /* on a GPU: output k's labels of a batch
+                                            (as y's go into target_buf[b]) */
     char output_log[MPT_MAX_OUTPUTS][2][MPT__LOG_SLOTS][MPT__LOG_NAME_MAX]; /* [k][val][slot] */
     int64_t graph_slot_bytes;            /* a graph's scratch per input slot */
     unsigned char *node_written;         /* a graph's backward: which nodes'
@@ -13378,6 +13382,22 @@ static mpt_status mpt__compile_check_one_output(mpt_model *m, const mpt_compile_
     return MPT_OK;
 }
 
+/* Every name an epoch of several outputs logs must fit in mpt_logs: the
+   loss and each output's loss and metrics, twice (validation), and fit's
+   eight others (learning_rate, loss_scale, ...). */
+static mpt_status mpt__compile_check_log_room(mpt_model *m, const mpt_compile_desc *d) {
+    int k, bit, names = 1;
+    for (k = 0; k < m->n_outputs; k++) {
+        names += 1;
+        for (bit = 0; bit < 31; bit++) names += (d->output_metrics[k] >> bit) & 1;
+    }
+    if (2 * names + 8 <= MPT_MAX_LOGS) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: the %d outputs' losses and "
+                     "metrics make %d log names with validation's and fit's, more than "
+                     "MPT_MAX_LOGS (%d): give fewer output_metrics", m->n_outputs,
+                     2 * names + 8, MPT_MAX_LOGS);
+}
+
 /* A model of several outputs: a loss for each (losses[k] or `loss`), its
    metrics fitting that loss, a finite weight >= 0 for each, nothing given
    past the outputs, and the lists Keras 3 takes per output only. */
@@ -13413,7 +13433,7 @@ static mpt_status mpt__compile_check_outputs(mpt_model *m, const mpt_compile_des
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: loss_weights[%d] "
                              "('%s') = %g must be finite and >= 0", k, name, (double)w);
     }
-    return MPT_OK;
+    return mpt__compile_check_log_room(m, d);
 }
 
 static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {

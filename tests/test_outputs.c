@@ -852,6 +852,27 @@ static void test_bad_compile(void) {
     test_expect_error(quiet, mpt_model_compile(one, &d), MPT_ERR_INVALID_ARGUMENT,
                       "loss_weights is for a model of several outputs", "loss_weights on one");
     mpt_model_destroy(one);
+    { /* four outputs of six metrics each: more log names than mpt_logs holds */
+        const int six = MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |
+                        MPT_METRIC_ROOT_MEAN_SQUARED_ERROR |
+                        MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR | MPT_METRIC_PRECISION |
+                        MPT_METRIC_RECALL;
+        int k;
+        mpt_model_create(quiet, &(mpt_model_desc){.input_shape = {F}, .input_rank = 1}, &m);
+        memset(&d, 0, sizeof d);
+        d.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
+        for (k = 0; k < 4; k++) {
+            mpt_model_add_output(m, mpt_dense(m, mpt_model_input(m),
+                                              &(mpt_dense_desc){.units = 1}));
+            d.output_metrics[k] = six;
+        }
+        test_expect_error(quiet, mpt_model_compile(m, &d), MPT_ERR_INVALID_ARGUMENT,
+                          "more than MPT_MAX_LOGS", "too many log names");
+        d.output_metrics[3] = MPT_METRIC_MEAN_ABSOLUTE_ERROR;
+        CHECK(mpt_model_compile(m, &d) == MPT_OK, "compile of four outputs: %s",
+              mpt_context_error(quiet));
+        mpt_model_destroy(m);
+    }
 }
 
 static void test_bad_data(void) {

@@ -4,11 +4,14 @@
    losses and metrics of a small fixed case against TensorFlow's Keras;
    gradients from both outputs (one of them also read by a later layer)
    against finite differences in double, in the three policies; training
-   that repeats bit for bit on 1 and 2 threads; a declared single output
-   that trains as an undeclared one; loss scaling through every output;
-   the labels carried through splits; predict per output; the logs' and
-   the progress line's names; and the refusals (outputs, compile, data,
-   what does not take such a model yet). */
+   that repeats bit for bit on 1 and 2 threads; 2 logical replicas of a
+   mirrored strategy against 1 with the global batch; a declared single
+   output that trains as an undeclared one; loss scaling through every
+   output; the labels carried through splits; predict per output; the
+   logs' and the progress line's names; a model file's round trip and
+   hostile architecture JSON; and the refusals (outputs, compile, data,
+   what does not take such a model yet). On the emulated GPU:
+   tests/test_backend.c; on a GPU: tests/test_cuda.c. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "gradcheck.h"

@@ -165,7 +165,9 @@
                             1/global batch and the replicas' sum is the
                             mean's gradient; 1 without one (a step by
                             hand's mpt_model_compute_loss passes its
-                            grad_scale in it)
+                            grad_scale in it); for a model of several
+                            outputs, times the output's loss weight
+                            (mpt__output_loss_args)
        grad_scale           mpt_loss_desc.grad_scale: what the caller of
                             mpt_loss_compute (or mpt_model_compute_loss)
                             has the gradient multiplied by, e.g. its own
@@ -227,7 +229,7 @@
        @qgemm        the int8 matrix product (quantized inference)
        @rng          the counter-based random numbers
        @layers       layer descriptors, the sequential model and its functional
-                     form (nodes, merge layers, several inputs)
+                     form (nodes, merge layers, several inputs and outputs)
        @losses       loss functions
        @optimizers   optimizers, learning-rate schedules, loss scaling
        @training     compile, fit (its profiler, its out-of-memory recovery),
@@ -289,7 +291,7 @@
                           scaled dot-product attention; the CPU's attention
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers, several inputs as
-                          InputLayers), initial weights
+                          InputLayers, several outputs), initial weights
        @impl-graph        a graph's buffers: inputs cast, the node gradients'
                           memory plan, shared calls; its checks
        @impl-build        the model laid out in memory and built; looking
@@ -300,9 +302,12 @@
        @impl-optimizers   descriptors, schedules, the fused update, loss scaling
        @impl-compile      compile: the optimizer's state and its arrays, the
                           metrics' checks, the accessors
+       @impl-data-checks  the caller's arrays of a dataset checked: shapes,
+                          counts, dtypes, finite values, class ids
        @impl-data         datasets over caller arrays, views, a batch gathered
        @impl-loader       the batch loader: batches gathered ahead on a thread
-       @impl-training     one training step, the history, the step's tally
+       @impl-training     one training step (each output's loss), the history,
+                          the step's tally
        @impl-feed         the GEMM plan; batches staged and uploaded ahead
        @impl-fit-checks   fit's progress line, the checks of its data,
                           evaluation's tally
@@ -1026,6 +1031,59 @@ MPTDEF mpt_node mpt_model_add_input(mpt_model *m, const mpt_input_desc *desc);
 /* The model's inputs: 1, or 1 + those added. */
 MPTDEF int mpt_model_input_count(const mpt_model *m);
 
+/* ---- several outputs (Keras' functional API with a list of outputs):
+
+       a = keras.layers.Dense(10, activation="softmax")(h)
+       b = keras.layers.Dense(1)(h)
+       model = keras.Model(inputs=x, outputs=[a, b])
+       model.compile(loss=["sparse_categorical_crossentropy", "mse"],
+                     loss_weights=[1.0, 0.5],
+                     metrics=[["accuracy"], ["mean_absolute_error"]])
+       model.fit(x, [y_class, y_value])
+
+   is, with each output declared in its order:
+
+       mpt_node a = mpt_dense(m, h, &(mpt_dense_desc){ .units = 10,
+                                  .activation = MPT_ACT_SOFTMAX });
+       mpt_node b = mpt_dense(m, h, &(mpt_dense_desc){ .units = 1 });
+       mpt_model_add_output(m, a);
+       mpt_model_add_output(m, b);
+       mpt_model_compile(m, &(mpt_compile_desc){
+           .losses = { { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
+                       { .type = MPT_LOSS_MEAN_SQUARED_ERROR } },
+           .loss_weights = (const float[]){ 1.0f, 0.5f },
+           .output_metrics = { MPT_METRIC_ACCURACY, MPT_METRIC_MEAN_ABSOLUTE_ERROR } });
+
+   and a dataset of one label tensor per output (mpt_dataset_desc.labels).
+   A model that declares none has one output, the last layer added, as
+   before. The training loss is Σ_k loss_weights[k] · loss_k, each loss_k
+   that output's loss as a model of one output computes it (the sample
+   weights applied alike); each output's gradient, times its weight,
+   starts the backward walk where the output is, and a node that is an
+   output and read by later layers sums the two in a fixed order (the
+   loss's first). The logs, the history and evaluate name every part as
+   Keras 3 does, by the output's layer: "loss" (the weighted sum),
+   "<layer>_loss", "<layer>_<metric>" ("dense_1_accuracy"), and "val_"
+   before each in validation (names that live as long as the model), the
+   progress line in that order: "loss" first, then output by output.
+   predict gives each output's values (mpt_model_predict_outputs). Model
+   files keep the outputs, their losses, loss weights and metrics. On a
+   GPU, fit's feed stages and uploads every output's labels ahead of its
+   step, as it does y; a mirrored strategy's replicas each take their rows
+   of every label. Several MPI workers, the export, the quantization,
+   quantization-aware training, text generation and fit's class_weight
+   (as Keras) refuse such a model for now (MPT_ERR_UNSUPPORTED). */
+#define MPT_MAX_OUTPUTS 4
+/* Declares `node` (a layer's output, not an input) the model's next
+   output: output 0 at the first call. Before build and compile; each node
+   once; at most MPT_MAX_OUTPUTS. A failure is kept for build, as the
+   functional calls' are. */
+MPTDEF mpt_status mpt_model_add_output(mpt_model *m, mpt_node node);
+/* The model's outputs: those declared, or 1 (the last layer added). */
+MPTDEF int mpt_model_output_count(const mpt_model *m);
+/* Output k's layer name (its logs' prefix); NULL when there is no output k. */
+MPTDEF const char *mpt_model_output_name(const mpt_model *m, int k);
+
 MPTDEF mpt_node mpt_dense(mpt_model *m, mpt_node x, const mpt_dense_desc *desc);
 MPTDEF mpt_node mpt_conv2d(mpt_model *m, mpt_node x, const mpt_conv2d_desc *desc);
 MPTDEF mpt_node mpt_max_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *desc);
@@ -1214,6 +1272,13 @@ MPTDEF mpt_status mpt_model_forward_inputs(mpt_model *m, int n, const mpt_tensor
 /* A borrowed view of the buffer that receives the gradient of the loss with
    respect to the output (same shape and dtype as forward's out). */
 MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout);
+/* For a model of several outputs, after a forward pass: output k's
+   borrowed view (forward's out is output 0's), and the buffer of its
+   gradient. A backward pass by hand writes each output's gradient there,
+   then calls mpt_model_backward(m, NULL, ...), which starts from all of
+   them (a dout given to backward is refused for such a model). */
+MPTDEF mpt_status mpt_model_output_at(mpt_model *m, int k, mpt_tensor *out);
+MPTDEF mpt_status mpt_model_output_grad_at(mpt_model *m, int k, mpt_tensor *dout);
 /* Backpropagates the output gradient (from dout, or NULL for what is already
    in mpt_model_output_grad's buffer) through every layer, overwriting each
    parameter's gradient. Requires a forward pass with training = 1.
@@ -1535,6 +1600,22 @@ typedef struct mpt_compile_desc {
        metric's own name, or "weighted_" before it when `metrics` has it
        too ("weighted_accuracy"), as Keras 3 names them. Default none. */
     int weighted_metrics;
+    /* A model of several outputs (mpt_model_add_output), as Keras'
+       compile(loss=[...], loss_weights=[...], metrics=[[...], [...]]):
+       output k's loss, its weight in the total, and its metrics. A model
+       of one output leaves these unset (refused otherwise). */
+    mpt_loss_desc losses[MPT_MAX_OUTPUTS]; /* default (type 0): `loss`, the
+                                              same for every output       */
+    const float *loss_weights;           /* NULL: 1 each; else one per
+                                            output, finite and >= 0 (0
+                                            trains nothing through that
+                                            output's loss), copied       */
+    int output_metrics[MPT_MAX_OUTPUTS]; /* MPT_METRIC_* bits per output;
+                                            default none. `metrics`,
+                                            weighted_metrics, r2_score and
+                                            auc are refused for several
+                                            outputs, as Keras 3 wants a
+                                            list per output             */
 } mpt_compile_desc;
 
 /* Sets the optimizer, loss, metrics and loss scaling. May be called before
@@ -1708,6 +1789,13 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
    place. */
 MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
                                            int64_t batch_size, mpt_tensor *out);
+/* mpt_model_predict for a model of several outputs (Keras' predict
+   giving a list): outs[k] (owned, free each with mpt_tensor_free) output
+   k's float32 values (n, its shape...), n the model's output count. A
+   model of one output takes it too (n = 1). On failure every outs[k] is
+   left empty. */
+MPTDEF mpt_status mpt_model_predict_outputs(mpt_model *m, const mpt_dataset *data,
+                                            int64_t batch_size, int n, mpt_tensor *outs);
 
 /* Text from a model of (T,) int32 ids that ends in a softmax over each
    position, (T, vocab), as a GPT: out (n_prompt + max_new_tokens ids)
@@ -1821,6 +1909,12 @@ typedef struct mpt_dataset_desc {
        of y. x must then be NULL. Each is borrowed or copied as copy says. */
     const mpt_tensor *const *inputs;
     int input_count;       /* default 0: x alone; else 1..MPT_MAX_INPUTS   */
+    /* Keras' fit(x, [y_a, y_b]): one label tensor per output of a model
+       of several (mpt_model_add_output), in the model's output order,
+       each as y may be (int32 class ids or float32 targets); every count
+       that of x. y must then be NULL. Borrowed or copied as copy says. */
+    const mpt_tensor *const *labels;
+    int label_count;       /* default 0: y alone; else 1..MPT_MAX_OUTPUTS  */
 } mpt_dataset_desc;
 
 /* A dataset over caller arrays. Float inputs are checked for NaN and inf,
@@ -1935,7 +2029,8 @@ MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape);
 MPTDEF mpt_status mpt_dataset_reshape(mpt_context *ctx, mpt_dataset *d, int rank,
                                       const int64_t *shape);
 /* One sample's target shape: its rank, 0 for one class id a sample and
-   for (n,) float targets. */
+   for (n,) float targets. Of a dataset of several outputs' labels, this
+   and the two below read output 0's (labels[0]). */
 MPTDEF int mpt_dataset_target_shape(const mpt_dataset *d, int64_t *shape);
 /* The class ids of samples [first, first + count), e.g. all of them
    (0, mpt_dataset_count(d)) for a confusion matrix after predict, into
@@ -2953,7 +3048,8 @@ typedef struct mpt_loss_args {
     float grad_weight;          /* and by this: a replica's share of the
                                    global batch (its rows / all rows, so
                                    that the replicas' gradients sum to the
-                                   mean's); default 0: 1                    */
+                                   mean's), times an output's loss weight
+                                   for a model of several; default 0: 1    */
     mpt_step_state *state;
     const float *class_weight;  /* (classes) or NULL: each row's loss and
                                    gradient times its class's weight
@@ -4968,6 +5064,16 @@ enum {
 static const char *const mpt__memory_category[MPT__MEM_COUNT_] = {
     "parameters", "gradients", "optimizer state", "weight copies", "activations", "workspace"};
 
+/* The log slots of one output of several: its loss, then each metric
+   (mpt__output_log_names, @impl-training, writes "<layer>_<name>" for
+   each, kept in the model as logs keep a name's pointer). */
+enum {
+    MPT__LOG_LOSS, MPT__LOG_ACCURACY, MPT__LOG_SPARSE_TOP_K, MPT__LOG_TOP_K, MPT__LOG_MAE,
+    MPT__LOG_MSE, MPT__LOG_RMSE, MPT__LOG_MAPE, MPT__LOG_PRECISION, MPT__LOG_RECALL,
+    MPT__LOG_R2, MPT__LOG_AUC, MPT__LOG_SLOTS
+};
+#define MPT__LOG_NAME_MAX 112 /* "val_", a layer's name (< 64), "_", a metric's */
+
 struct mpt_model {
     mpt_context *ctx;
     const mpt_backend *be;               /* the context's: holds every buffer */
@@ -5009,6 +5115,19 @@ struct mpt_model {
     void *added_buf[2][MPT_MAX_INPUTS];  /* on a GPU: fit's feed uploads input k
                                             of a batch into [b][k], as input 0
                                             into input_buf[b]; NULL on the CPU */
+    /* Several outputs (mpt_model_add_output): output k is node
+       output_node[k], its loss compile.losses[k] times loss_weight[k];
+       outputs k > 0 tally into records of their own (output_state: two an
+       output, the training's and evaluation's, as m->state), output 0
+       into m->state. n_outputs 0: the last layer is the one output. */
+    int n_outputs;
+    int output_node[MPT_MAX_OUTPUTS];
+    float loss_weight[MPT_MAX_OUTPUTS];
+    mpt_step_state *output_state;        /* [2·(k − 1) + which], k >= 1    */
+    mpt_tensor batch_label[MPT_MAX_OUTPUTS]; /* [0] unused: output 0's is y */
+    void *label_buf[2][MPT_MAX_OUTPUTS]; /* on a GPU: output k's labels of a batch
+                                            (as y's go into target_buf[b]) */
+    char output_log[MPT_MAX_OUTPUTS][2][MPT__LOG_SLOTS][MPT__LOG_NAME_MAX]; /* [k][val][slot] */
     int64_t graph_slot_bytes;            /* a graph's scratch per input slot */
     unsigned char *node_written;         /* a graph's backward: which nodes'
                                             gradients hold a sum (host)       */
@@ -10148,6 +10267,76 @@ MPTDEF mpt_node mpt_model_add_input(mpt_model *m, const mpt_input_desc *desc) {
 
 MPTDEF int mpt_model_input_count(const mpt_model *m) { return m ? m->n_inputs : 0; }
 
+/* ---- several outputs: nodes declared the model's outputs ---------------------
+   An output is a node whose values the loss reads and whose gradient the
+   loss writes first. A model with none declared has the last layer as its
+   one output, the form every model had before outputs could be declared;
+   m->n_outputs is then 0, and every path below takes that layer. */
+
+/* The model's outputs: those declared, or the last layer alone. */
+static int mpt__output_count(const mpt_model *m) { return m->n_outputs ? m->n_outputs : 1; }
+
+/* Whether the model has several outputs (the paths of one are unchanged). */
+static int mpt__several_outputs(const mpt_model *m) { return m->n_outputs > 1; }
+
+/* Output k's node: a layer's output, node i + 1 for layer i. */
+static int mpt__output_node(const mpt_model *m, int k) {
+    return m->n_outputs ? m->output_node[k] : m->n_layers;
+}
+
+static mpt__layer *mpt__output_layer(const mpt_model *m, int k) {
+    return &m->layers[mpt__output_node(m, k) - 1];
+}
+
+/* Whether node j is one of the model's outputs. */
+static int mpt__is_output_node(const mpt_model *m, int j) {
+    int k;
+    for (k = 0; k < mpt__output_count(m); k++)
+        if (mpt__output_node(m, k) == j) return 1;
+    return 0;
+}
+
+MPTDEF mpt_status mpt_model_add_output(mpt_model *m, mpt_node node) {
+    mpt_status s = MPT_OK;
+    int k;
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (m->graph_status != MPT_OK) return m->graph_status; /* the first failure stands */
+    if (m->built || m->compiled)
+        s = mpt__fail(m->ctx, MPT_ERR_STATE, "model: add_output after %s: declare the outputs "
+                      "first", m->built ? "build" : "compile");
+    else if (m->n_outputs >= MPT_MAX_OUTPUTS)
+        s = mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: add_output: the model has %d "
+                      "outputs already, the most (MPT_MAX_OUTPUTS)", m->n_outputs);
+    else if (node < 1 || node > m->n_layers)
+        s = mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: add_output: node %d is not a "
+                      "layer's output (1..%d)%s", node, m->n_layers,
+                      node == 0 ? "; node 0 is the model's input" : "");
+    else if (mpt__is_input_layer(&m->layers[node - 1]))
+        s = mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: add_output: node %d is input "
+                      "%d ('%s'), not a layer's output", node,
+                      mpt__input_index(m, &m->layers[node - 1]), m->layers[node - 1].name);
+    for (k = 0; s == MPT_OK && k < m->n_outputs; k++)
+        if (m->output_node[k] == node)
+            s = mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: add_output: node %d ('%s') "
+                          "is output %d already", node, m->layers[node - 1].name, k);
+    if (s != MPT_OK) {
+        mpt__graph_keep(m, s);
+        return s;
+    }
+    m->output_node[m->n_outputs++] = node;
+    if (m->n_outputs > 1) m->graph = 1; /* the walks keep every node's buffers */
+    return MPT_OK;
+}
+
+MPTDEF int mpt_model_output_count(const mpt_model *m) {
+    return m ? mpt__output_count(m) : 0;
+}
+
+MPTDEF const char *mpt_model_output_name(const mpt_model *m, int k) {
+    if (!m || k < 0 || k >= mpt__output_count(m) || m->n_layers == 0) return NULL;
+    return mpt__output_layer(m, k)->name;
+}
+
 /* A shared call of layer O (m->layers[owner]) on the pending inputs. */
 static mpt_status mpt__add_call(mpt_model *m, int owner) {
     const mpt__layer *O = &m->layers[owner];
@@ -10362,7 +10551,10 @@ static void mpt__graph_layout_node_grads(mpt_model *m, mpt__carver *c) {
     }
     free_below = block_of + n + 1;
     last_reader = block_of + 2 * n + 1;
-    for (j = 1; j < n; j++) last_reader[j - 1] = mpt__node_last_reader(m, j);
+    /* An output's gradient is written by its loss before the walk starts:
+       a life from the top, so a block of its own, like an unread node's. */
+    for (j = 1; j < n; j++)
+        last_reader[j - 1] = mpt__is_output_node(m, j) ? -1 : mpt__node_last_reader(m, j);
     for (j = 1; j < n; j++) /* nodes nothing reads first: blocks of their own */
         if (last_reader[j - 1] < 0) free_below[n_blocks] = -1, block_of[j] = n_blocks++;
     for (r = n - 1; r >= 0; r--)
@@ -10380,7 +10572,7 @@ static void mpt__graph_layout_node_grads(mpt_model *m, mpt__carver *c) {
             free_below[best] = j - 1;
             block_of[j] = best;
         }
-    for (j = 1; j < n; j++) /* the unread nodes' blocks, sized now */
+    for (j = 1; j < n; j++) /* the unread nodes' and outputs' blocks, sized now */
         if (last_reader[j - 1] < 0)
             size[block_of[j]] = mpt__dbytes(m->layers[j - 1].dtype,
                                             m->layers[j - 1].out_count * m->max_batch);
@@ -10495,6 +10687,11 @@ static mpt_status mpt__graph_check_inputs(mpt_model *m, const unsigned char *lea
                          last->name);
     for (k = 0; k < m->n_inputs; k++) {
         int node = k ? m->input_layer[k] + 1 : 0;
+        if (!leads[node] && mpt__several_outputs(m))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "model: input %d ('%s') leads to none of the %d outputs declared; "
+                             "every input of a model must lead to one", k,
+                             mpt__node_name(m, node), m->n_outputs);
         if (!leads[node])
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "model: input %d ('%s') does not lead to the output, the last "
@@ -10511,12 +10708,16 @@ static mpt_status mpt__graph_check(mpt_model *m) {
     unsigned char *leads;
     int i, s;
     if (m->graph_status != MPT_OK) return mpt__fail(m->ctx, m->graph_status, "%s", m->graph_error);
+    if (m->n_outputs == 1 && m->output_node[0] != m->n_layers) /* (a chain's too) */
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: the one output declared, "
+                         "'%s', is not the last layer added ('%s'), which then leads nowhere",
+                         mpt__output_layer(m, 0)->name, m->layers[m->n_layers - 1].name);
     if (!m->graph || m->n_layers == 0) return MPT_OK;
     mpt__free(m->ctx, m->node_written);
     m->node_written = (unsigned char *)mpt__calloc(m->ctx, (size_t)m->n_layers + 1);
     leads = m->node_written; /* borrowed until the first backward */
     if (!leads) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: out of memory");
-    leads[m->n_layers] = 1;
+    for (i = 0; i < mpt__output_count(m); i++) leads[mpt__output_node(m, i)] = 1;
     for (i = m->n_layers - 1; i >= 0; i--)
         for (s = 0; s < m->layers[i].n_in && leads[i + 1]; s++) leads[m->layers[i].in_node[s]] = 1;
     MPT__CHECK(mpt__graph_check_inputs(m, leads));
@@ -10528,6 +10729,11 @@ static mpt_status mpt__graph_check(mpt_model *m) {
         int c, called = 0;
         for (c = i + 1; c < m->n_layers && !leads[i + 1]; c++)
             called |= m->layers[c].call_of == i + 1 && leads[c + 1];
+        if (!leads[i + 1] && !called && mpt__several_outputs(m))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "model: layer '%s' (%s) leads to none of the %d outputs declared; "
+                             "a model is what leads from its inputs to its outputs",
+                             m->layers[i].name, m->layers[i].ops->class_name, m->n_outputs);
         if (!leads[i + 1] && !called)
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "model: layer '%s' (%s) does not lead to the output, the last layer "
@@ -10541,6 +10747,9 @@ static mpt_status mpt__graph_check(mpt_model *m) {
 /* What reads the layers as a chain (quantization and its training)
    refuses a graph for now, naming what was asked. */
 static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
+    if (mpt__several_outputs(m))
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several outputs "
+                         "(%d) yet", what, m->n_outputs);
     if (m->n_inputs > 1)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several inputs "
                          "(%d) yet", what, m->n_inputs);
@@ -10553,6 +10762,17 @@ static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
 /* =============================================================================
    @impl-build: the model laid out in memory and built; looking inside it
    ============================================================================= */
+
+/* Several outputs train with the replicas of one process (on the CPU or
+   GPUs); the labels are not yet shared out between MPI workers. */
+static mpt_status mpt__outputs_check_backend(mpt_model *m) {
+    if (!mpt__several_outputs(m)) return MPT_OK;
+    if (mpt_strategy_num_workers(m->strategy) > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "model: several outputs (%d) under a "
+                         "strategy of several workers are not supported yet (the replicas of "
+                         "one process are)", m->n_outputs);
+    return MPT_OK;
+}
 
 /* Lays out every buffer. Run twice: first with NULL bases to measure each
    arena, then with the allocated ones to assign the pointers. */
@@ -10594,18 +10814,23 @@ static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
         m->grad_buf[1] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], grad_buf_bytes);
     }
     if (mpt__model_device(m) != MPT_DEVICE_CPU) { /* the CPU reads the host's batches in place */
-        const mpt__layer *last = &m->layers[m->n_layers - 1];
+        int64_t widest = 0; /* the target buffer also stages any output's float32 values */
+        for (k = 0; k < mpt__output_count(m); k++)
+            widest = MPT__MAX(widest, mpt__output_layer(m, k)->out_count);
         for (i = 0; i < 2; i++) {
             m->input_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                          4 * mpt__node_count(m, 0) * m->max_batch);
-            m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
-                                          4 * last->out_count * m->max_batch);
+            m->target_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * widest * m->max_batch);
             m->weight_buf[i] = mpt__carve(&c[MPT__MEM_ACTIVATIONS], 4 * m->max_batch);
             for (k = 1; k < m->n_inputs; k++) { /* in its InputLayer's dtype */
                 const mpt__layer *L = &m->layers[m->input_layer[k]];
                 m->added_buf[i][k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
                                                 mpt__dbytes(L->dtype, L->out_count * m->max_batch));
             }
+            for (k = 1; k < m->n_outputs; k++) /* int32 or float32, one a value at most */
+                m->label_buf[i][k] = mpt__carve(&c[MPT__MEM_ACTIVATIONS],
+                                                4 * mpt__output_layer(m, k)->out_count *
+                                                    m->max_batch);
         }
     }
 }
@@ -10701,10 +10926,14 @@ static mpt_activation mpt__layer_activation(const mpt__layer *L) {
    softmax computes in float32, so the probabilities (and the logits the
    loss reads) are float32. A dtype given for that layer wins. */
 static void mpt__final_softmax_in_float32(mpt_model *m) {
-    mpt__layer *L = &m->layers[m->n_layers - 1];
-    if (L->call_of) return; /* its layer's dtype, which is not last */
-    if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX && L->desc.common.dtype == MPT_DTYPE_DEFAULT)
-        L->dtype = MPT_FLOAT32;
+    int k;
+    for (k = 0; k < mpt__output_count(m); k++) { /* each output's, as Keras advises */
+        mpt__layer *L = mpt__output_layer(m, k);
+        if (L->call_of) continue; /* its layer's dtype, which is not an output */
+        if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX &&
+            L->desc.common.dtype == MPT_DTYPE_DEFAULT)
+            L->dtype = MPT_FLOAT32;
+    }
 }
 
 static int64_t mpt__optimizer_state_bytes(const mpt_model *m);
@@ -10781,12 +11010,15 @@ static mpt_status mpt__build_one(mpt_model *m, int64_t max_batch) {
         c[i].base = (unsigned char *)m->arena[i];
         c[i].used = 0;
     }
-    if (m->be->alloc(m->impl, MPT__MEM_WORKSPACE, 2 * sizeof(mpt_step_state),
+    /* the training and evaluation records, then two a further output */
+    if (m->be->alloc(m->impl, MPT__MEM_WORKSPACE,
+                     2 * (size_t)mpt__output_count(m) * sizeof(mpt_step_state),
                      (void **)&m->state) != MPT_OK) {
         mpt__free_arenas(m);
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "model: %s", m->be->error(m->impl));
     }
-    m->be->zero(m->impl, m->state, 2 * sizeof(mpt_step_state));
+    m->be->zero(m->impl, m->state, 2 * (size_t)mpt__output_count(m) * sizeof(mpt_step_state));
+    m->output_state = m->state + 2;
     mpt__layout(m, c, grad_buf_bytes);
     if (mpt__init_params(m) != MPT_OK) {
         mpt__free_arenas(m);
@@ -10811,6 +11043,7 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     MPT__CHECK(mpt__refuse_quantized(m, "build"));
     MPT__CHECK(mpt__graph_check(m));
     if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
+    MPT__CHECK(mpt__outputs_check_backend(m));
     if (max_batch <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
                          (long long)max_batch);
@@ -11216,7 +11449,7 @@ MPTDEF mpt_status mpt_model_forward_inputs(mpt_model *m, int n, const mpt_tensor
     if (training) MPT__CHECK(mpt__state_push(m)); /* the step keys dropout's masks */
     mpt__model_forward(m, &in, training);
     if (training) mpt__model_commit(m);
-    if (out) mpt__layer_view(m, &m->layers[m->n_layers - 1], m->layers[m->n_layers - 1].y, 0, out);
+    if (out) mpt__layer_view(m, mpt__output_layer(m, 0), mpt__output_layer(m, 0)->y, 0, out);
     return MPT_OK;
 }
 
@@ -11234,7 +11467,33 @@ MPTDEF mpt_status mpt_model_output_grad(mpt_model *m, mpt_tensor *dout) {
                               : MPT_ERR_INVALID_ARGUMENT;
     if (!m->last_batch)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "model: output_grad before a forward pass");
+    if (mpt__several_outputs(m)) return mpt_model_output_grad_at(m, 0, dout);
     mpt__layer_view(m, &m->layers[m->n_layers - 1], m->grad_buf[0], 0, dout);
+    return MPT_OK;
+}
+
+/* Output k of a forward pass made, for the views below. */
+static mpt_status mpt__output_view_check(mpt_model *m, int k, const void *t, const char *what) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!t) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: %s: NULL tensor", what);
+    if (k < 0 || k >= mpt__output_count(m))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: %s: output %d is not one of "
+                         "the model's %d (0..%d)", what, k, mpt__output_count(m),
+                         mpt__output_count(m) - 1);
+    if (!m->last_batch)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "model: %s before a forward pass", what);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_output_at(mpt_model *m, int k, mpt_tensor *out) {
+    MPT__CHECK(mpt__output_view_check(m, k, out, "output_at"));
+    mpt__layer_view(m, mpt__output_layer(m, k), mpt__output_layer(m, k)->y, 0, out);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_output_grad_at(mpt_model *m, int k, mpt_tensor *dout) {
+    MPT__CHECK(mpt__output_view_check(m, k, dout, "output_grad_at"));
+    mpt__layer_view(m, mpt__output_layer(m, k), mpt__output_layer(m, k)->dy_buf, 0, dout);
     return MPT_OK;
 }
 
@@ -11264,9 +11523,10 @@ static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_wal
     w->cur = 0;
     w->want_dinput = want_dinput;
     mpt__pass_init(m, m->last_batch, 1, &w->p);
-    if (m->graph) { /* only the output's gradient holds anything yet */
+    if (m->graph) { /* only the outputs' gradients hold anything yet */
+        int k;
         memset(m->node_written, 0, (size_t)m->n_layers + 1);
-        m->node_written[m->n_layers] = 1;
+        for (k = 0; k < mpt__output_count(m); k++) m->node_written[mpt__output_node(m, k)] = 1;
     }
 }
 
@@ -11415,6 +11675,10 @@ MPTDEF mpt_status mpt_model_backward(mpt_model *m, const mpt_tensor *dout, mpt_t
                          "model: the input is int32 token ids, which have no gradient (pass "
                          "dinput NULL)");
     last = &m->layers[m->n_layers - 1];
+    if (dout && mpt__several_outputs(m))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: backward: the model has %d "
+                         "outputs; write each one's gradient into mpt_model_output_grad_at's "
+                         "buffer and pass dout NULL", m->n_outputs);
     if (dout) {
         mpt_tensor want;
         int ok, d;
@@ -12228,6 +12492,10 @@ MPTDEF mpt_status mpt_model_compute_loss(mpt_model *m, const mpt_loss_desc *desc
                          !desc ? "desc" : !target ? "target" : "loss");
     if (!m->last_batch)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "compute_loss: before a forward pass");
+    if (mpt__several_outputs(m))
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "compute_loss: the model has %d outputs: "
+                         "compute each one's loss with mpt_loss_compute on mpt_model_output_at "
+                         "and write its gradient to mpt_model_output_grad_at", m->n_outputs);
     MPT__CHECK(mpt__loss_check_desc(m->ctx, desc));
     last = &m->layers[m->n_layers - 1];
     mpt__layer_view(m, last, last->y, 0, &pred);
@@ -13058,7 +13326,7 @@ static int mpt__model_any_float16(const mpt_model *m) {
 
 /* One list of metrics (`metrics` or `weighted_metrics`, named by `what`):
    known bits, each metric with a loss whose outputs it can read. */
-static mpt_status mpt__compile_check_metrics(mpt_model *m, const mpt_compile_desc *d,
+static mpt_status mpt__compile_check_metrics(mpt_model *m, const mpt_loss_desc *loss,
                                              const char *what, int metrics) {
     const int known_metrics = MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K | MPT__METRICS_VALUES |
                               MPT__METRICS_EPOCH;
@@ -13070,42 +13338,134 @@ static mpt_status mpt__compile_check_metrics(mpt_model *m, const mpt_compile_des
     /* With a crossentropy the outputs fit sees are class scores (logits
        where the last activation is fused into the loss), not the values
        a regression's errors are about. */
-    if ((metrics & MPT__METRICS_ERRORS) && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+    if ((metrics & MPT__METRICS_ERRORS) && loss->type != MPT_LOSS_MEAN_SQUARED_ERROR)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: %s mean_absolute_error, mean_squared_error, "
                          "root_mean_squared_error and mean_absolute_percentage_error "
                          "need the mean_squared_error loss, not %s", what,
-                         mpt__loss_name(d->loss.type));
+                         mpt__loss_name(loss->type));
     /* A softmax's classes are not each a yes or no against 0.5 here. */
     if ((metrics & MPT__METRICS_CONFUSION) &&
-        d->loss.type != MPT_LOSS_BINARY_CROSSENTROPY && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+        loss->type != MPT_LOSS_BINARY_CROSSENTROPY && loss->type != MPT_LOSS_MEAN_SQUARED_ERROR)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: %s precision and recall count binary outputs: they need "
                          "the binary_crossentropy or mean_squared_error loss, not %s", what,
-                         mpt__loss_name(d->loss.type));
-    if ((metrics & MPT_METRIC_R2_SCORE) && d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+                         mpt__loss_name(loss->type));
+    if ((metrics & MPT_METRIC_R2_SCORE) && loss->type != MPT_LOSS_MEAN_SQUARED_ERROR)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: %s r2_score scores a regression's values: it needs the "
-                         "mean_squared_error loss, not %s", what, mpt__loss_name(d->loss.type));
-    if ((metrics & MPT_METRIC_AUC) && d->loss.type != MPT_LOSS_BINARY_CROSSENTROPY &&
-        d->loss.type != MPT_LOSS_MEAN_SQUARED_ERROR)
+                         "mean_squared_error loss, not %s", what, mpt__loss_name(loss->type));
+    if ((metrics & MPT_METRIC_AUC) && loss->type != MPT_LOSS_BINARY_CROSSENTROPY &&
+        loss->type != MPT_LOSS_MEAN_SQUARED_ERROR)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: %s auc ranks binary outputs: it needs the binary_crossentropy "
-                         "or mean_squared_error loss, not %s", what, mpt__loss_name(d->loss.type));
+                         "or mean_squared_error loss, not %s", what, mpt__loss_name(loss->type));
     return MPT_OK;
 }
 
+/* Output k's loss: losses[k], or `loss` where that is unset. */
+static const mpt_loss_desc *mpt__compile_output_loss(const mpt_compile_desc *d, int k) {
+    return d->losses[k].type != MPT_LOSS_NONE ? &d->losses[k] : &d->loss;
+}
+
+/* A model of one output leaves the fields of several unset: a loss or a
+   weight given there would otherwise be silently ignored. */
+static mpt_status mpt__compile_check_one_output(mpt_model *m, const mpt_compile_desc *d) {
+    int k;
+    if (d->loss_weights)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: loss_weights is for a model "
+                         "of several outputs (mpt_model_add_output); this one has one");
+    for (k = 0; k < MPT_MAX_OUTPUTS; k++)
+        if (d->losses[k].type != MPT_LOSS_NONE || d->output_metrics[k])
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: %s[%d] is for a model "
+                             "of several outputs (mpt_model_add_output); this one has one: use "
+                             "%s", d->output_metrics[k] ? "output_metrics" : "losses", k,
+                             d->output_metrics[k] ? "metrics" : "loss");
+    return MPT_OK;
+}
+
+/* Every name an epoch of several outputs logs must fit in mpt_logs: the
+   loss and each output's loss and metrics, twice (validation), and fit's
+   eight others (learning_rate, loss_scale, ...). */
+static mpt_status mpt__compile_check_log_room(mpt_model *m, const mpt_compile_desc *d) {
+    int k, bit, names = 1;
+    for (k = 0; k < m->n_outputs; k++) {
+        names += 1;
+        for (bit = 0; bit < 31; bit++) names += (d->output_metrics[k] >> bit) & 1;
+    }
+    if (2 * names + 8 <= MPT_MAX_LOGS) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: the %d outputs' losses and "
+                     "metrics make %d log names with validation's and fit's, more than "
+                     "MPT_MAX_LOGS (%d): give fewer output_metrics", m->n_outputs,
+                     2 * names + 8, MPT_MAX_LOGS);
+}
+
+/* A model of several outputs: a loss for each (losses[k] or `loss`), its
+   metrics fitting that loss, a finite weight >= 0 for each, nothing given
+   past the outputs, and the lists Keras 3 takes per output only. */
+static mpt_status mpt__compile_check_outputs(mpt_model *m, const mpt_compile_desc *d) {
+    char what[128];
+    int k;
+    if (d->metrics || d->weighted_metrics)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: the model has %d outputs: "
+                         "give each one's metrics in output_metrics[k] (%s is for one output, "
+                         "as Keras 3 wants a list per output)", m->n_outputs,
+                         d->metrics ? "metrics" : "weighted_metrics");
+    for (k = m->n_outputs; k < MPT_MAX_OUTPUTS; k++)
+        if (d->losses[k].type != MPT_LOSS_NONE || d->output_metrics[k])
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: %s[%d] is set but the "
+                             "model has %d outputs (0..%d)",
+                             d->output_metrics[k] ? "output_metrics" : "losses", k, m->n_outputs,
+                             m->n_outputs - 1);
+    for (k = 0; k < m->n_outputs; k++) {
+        const mpt_loss_desc *loss = mpt__compile_output_loss(d, k);
+        const char *name = mpt__output_layer(m, k)->name;
+        float w = d->loss_weights ? d->loss_weights[k] : 1.0f;
+        if (loss->type == MPT_LOSS_NONE)
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: output %d ('%s') has "
+                             "no loss: losses[%d].type (or loss.type, for every output) is "
+                             "required", k, name, k);
+        MPT__CHECK(mpt__loss_check_desc(m->ctx, loss));
+        snprintf(what, sizeof what, "output_metrics[%d] ('%s')", k, name);
+        MPT__CHECK(mpt__compile_check_metrics(m, loss, what, d->output_metrics[k]));
+        if (d->output_metrics[k] & MPT__METRICS_EPOCH)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "compile: %s: r2_score and auc are "
+                             "not supported for a model of several outputs yet", what);
+        if (!(w >= 0 && w < INFINITY))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: loss_weights[%d] "
+                             "('%s') = %g must be finite and >= 0", k, name, (double)w);
+    }
+    return mpt__compile_check_log_room(m, d);
+}
+
 static mpt_status mpt__compile_check(mpt_model *m, const mpt_compile_desc *d) {
+    if (d->top_k < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: top_k %d must be >= 0 (0: 5)",
+                         d->top_k);
+    if (mpt__several_outputs(m)) return mpt__compile_check_outputs(m, d);
+    MPT__CHECK(mpt__compile_check_one_output(m, d));
     if (d->loss.type == MPT_LOSS_NONE)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "compile: loss.type is required (MPT_LOSS_NONE given)");
     MPT__CHECK(mpt__loss_check_desc(m->ctx, &d->loss));
-    MPT__CHECK(mpt__compile_check_metrics(m, d, "metrics", d->metrics));
-    MPT__CHECK(mpt__compile_check_metrics(m, d, "weighted_metrics", d->weighted_metrics));
-    if (d->top_k < 0)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "compile: top_k %d must be >= 0 (0: 5)",
-                         d->top_k);
+    MPT__CHECK(mpt__compile_check_metrics(m, &d->loss, "metrics", d->metrics));
+    MPT__CHECK(mpt__compile_check_metrics(m, &d->loss, "weighted_metrics", d->weighted_metrics));
     return MPT_OK;
+}
+
+static void mpt__output_log_names(mpt_model *m);
+
+/* A model of several outputs: each output's loss resolved (losses[k], or
+   `loss`), `loss` output 0's (what the paths of one output read), the
+   weights copied into the model. */
+static void mpt__compile_resolve_outputs(mpt_model *m, mpt_compile_desc *r) {
+    int k;
+    for (k = 0; k < m->n_outputs; k++) {
+        r->losses[k] = *mpt__compile_output_loss(r, k);
+        m->loss_weight[k] = r->loss_weights ? r->loss_weights[k] : 1.0f;
+    }
+    r->loss = r->losses[0];
+    r->loss_weights = NULL; /* the caller's array need not outlive compile */
 }
 
 /* The model's own copy of exclude_from_weight_decay (checked: it fits),
@@ -13134,6 +13494,10 @@ MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) 
     MPT__CHECK(mpt__loss_scale_resolve(m->ctx, &desc->loss_scale, mpt__model_any_float16(m),
                                        &r.loss_scale));
     mpt__keep_exclusions(m, &r.optimizer);
+    if (mpt__several_outputs(m)) {
+        mpt__compile_resolve_outputs(m, &r);
+        mpt__output_log_names(m);
+    }
     m->compile = r;
     m->n_slots = mpt__optimizer_slot_count(&r.optimizer);
     m->learning_rate = r.optimizer.learning_rate;
@@ -13147,6 +13511,7 @@ MPTDEF mpt_status mpt_model_compile(mpt_model *m, const mpt_compile_desc *desc) 
     }
     {
         int k;
+        if (mpt__several_outputs(m)) r.loss_weights = m->loss_weight; /* compile's copy */
         for (k = 1; k < m->n_replicas; k++) MPT__CHECK(mpt_model_compile(m->replica[k], &r));
     }
     return MPT_OK;
@@ -13173,142 +13538,10 @@ MPTDEF float mpt_model_loss_scale(const mpt_model *m) {
     return m->compiled ? m->loss_scale : 1.0f;
 }
 /* =============================================================================
-   @impl-data: datasets over caller arrays, views, a batch gathered (IDX
-   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; text:
-   @impl-text; the batch loader: @impl-loader)
-   =============================================================================
-
-   A dataset is x (n, sample shape...) in uint8, float32, float16 or
-   bfloat16 (or int32 token ids, batched as they are), and y: int32 class
-   ids (n,) or float32 targets (n, ...). uint8 images stay uint8 in memory
-   (a quarter of float32) and are normalised (x·scale + offset) only when
-   a batch is gathered, through a 256-entry table per dtype, so every
-   value is rounded exactly once, as mpt__convert rounds it.
-
-   A view (mpt_dataset_split) points into its root's buffers. The root
-   counts its live views and frees its buffers when the last of itself and
-   its views is destroyed, so destroying them in any order is safe. (The
-   count is not atomic: a dataset and its views are split and destroyed on
-   one thread at a time, as a context is used.)
-
-   A text dataset (@impl-text) holds bytes, not samples: its windows over
-   them are made as they are gathered, and its views start further on in
-   the bytes.
-
-   The loader gathers batch i + 1 on its own thread (not the pool, which
-   serves one job at a time and is busy with batch i) into the second of
-   two buffers allocated up front: fit allocates nothing per batch.
-
-   Internal API for the training loop (train.h):
-     mpt__dataset_label_dtype / _label_range / _label_shape
-     mpt__dataset_gather                   samples in any order, normalised
-     mpt__loader_create / _start_epoch / _next / _destroy   prefetching */
-
-
-
-/* An added input's tensor of a dataset of several (mpt_dataset_desc.
-   inputs): as x, without a text's windows. */
-typedef struct mpt__dataset_input {
-    mpt_dtype dtype;              /* uint8, float32, float16, bfloat16 or int32  */
-    int rank;                     /* one sample's, 1..3                          */
-    int64_t shape[MPT_MAX_RANK - 1];
-    int64_t count;                /* elements of one sample                      */
-    const void *data;             /* (n, shape) dtype, this dataset's sample 0   */
-    void *owned;                  /* root: freed with it; NULL if borrowed       */
-} mpt__dataset_input;
-
-struct mpt_dataset {
-    mpt_context *ctx;             /* allocated this struct                       */
-    mpt_dataset *root;            /* owner of the buffers: itself, or a view's root */
-    int refs;                     /* root: itself + its live views               */
-    int64_t n;                    /* samples                                     */
-    mpt_dtype x_dtype;            /* uint8, float32, float16, bfloat16 or int32  */
-    int x_rank;                   /* one sample's rank, 1..3                     */
-    int64_t x_shape[MPT_MAX_RANK - 1];
-    int64_t x_count;              /* elements of one sample                      */
-    const void *x;                /* (n, x_shape) x_dtype, this dataset's sample 0 */
-    mpt_dtype y_dtype;            /* int32 class ids or float32 targets          */
-    int y_rank;                   /* one target's rank: 0 for one class id       */
-    int64_t y_shape[MPT_MAX_RANK - 1];
-    int64_t y_count;              /* elements of one target (class ids: one per
-                                     position of the model's output)             */
-    const void *y;                /* (n, y_shape) y_dtype; NULL for x alone      */
-    int64_t first;                /* a view: its sample 0's index in the root    */
-    float *sample_weight;         /* root: (n) owned weights, or NULL: each 1;
-                                     a view reads its root's from `first`        */
-    int x_only;                   /* 1: no targets (y_count 0): for predict      */
-    float scale, offset;          /* uint8 x: x·scale + offset                   */
-    float u8_f32[256];            /* uint8 x: each byte value normalised         */
-    mpt_half u8_f16[256];         /*   the same, rounded to float16              */
-    mpt_bf16 u8_bf16[256];        /*   the same, rounded to bfloat16             */
-    void *owned_x, *owned_y;      /* root: buffers freed with it; NULL if borrowed */
-    /* Windows over bytes (mpt_dataset_load_text), made as they are
-       gathered: x and y are then NULL, x_dtype and y_dtype int32, x_shape
-       and y_shape (window). 0 for every other dataset. */
-    int64_t window;               /* T: sample i is x = bytes[i·stride, + T),
-                                     y the same one byte further on          */
-    int64_t stride;               /* bytes between samples' starts: 1 (every
-                                     window) or T (back to back)            */
-    const uint8_t *bytes;         /* sample 0's first byte (root: owned_x)   */
-    int64_t text_at;              /* bytes' offset in the whole text, for
-                                     messages                                */
-    /* Several inputs (Keras' fit([a, b], y)): x is input 0, in[k] input k. */
-    int n_inputs;                 /* 1, or desc's input_count                */
-    mpt__dataset_input in[MPT_MAX_INPUTS]; /* [0] unused                     */
-};
-
-/* ---- the dataset object --------------------------------------------------- */
-
-static mpt_dataset *mpt__dataset_new(mpt_context *ctx) {
-    mpt_dataset *d = (mpt_dataset *)mpt__calloc(ctx, sizeof *d);
-    if (!d) return NULL;
-    d->ctx = ctx;
-    d->root = d;
-    d->refs = 1;
-    d->n_inputs = 1;
-    return d;
-}
-
-/* The normalisation tables. fmaf rounds x·scale + offset once, whatever
-   the compiler's contraction settings, so every build agrees. */
-static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
-    int i;
-    d->scale = scale;
-    d->offset = offset;
-    for (i = 0; i < 256; i++) {
-        d->u8_f32[i] = fmaf((float)i, scale, offset);
-        d->u8_f16[i] = mpt_float_to_half(d->u8_f32[i]);
-        d->u8_bf16[i] = mpt_float_to_bf16(d->u8_f32[i]);
-    }
-}
-
-static void mpt__dataset_release(mpt_dataset *root) {
-    int k;
-    if (--root->refs > 0) return;
-    for (k = 1; k < root->n_inputs; k++) mpt__free(root->ctx, root->in[k].owned);
-    mpt__free(root->ctx, root->owned_x);
-    mpt__free(root->ctx, root->owned_y);
-    mpt__free(root->ctx, root->sample_weight);
-    mpt__free(root->ctx, root);
-}
-
-MPTDEF void mpt_dataset_destroy(mpt_dataset *d) {
-    mpt_dataset *root;
-    if (!d) return;
-    root = d->root;
-    if (d != root) mpt__free(d->ctx, d);
-    mpt__dataset_release(root);
-}
-
-MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d) { return d ? d->n : 0; }
-
-MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape) {
-    if (!d) return 0;
-    if (shape) memcpy(shape, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
-    return d->x_rank;
-}
-
-/* ---- mpt_dataset_create: checking caller arrays --------------------------- */
+   @impl-data-checks: the caller's arrays a dataset is made of, checked before
+   it is made (mpt_dataset_create, @impl-data): shapes, counts, dtypes, finite
+   values, class ids; the inputs and labels of several
+   ============================================================================= */
 
 /* Index of the first NaN or inf among n elements of a float dtype, or -1. */
 static int64_t mpt__first_nonfinite(mpt_dtype dtype, const void *data, int64_t n) {
@@ -13418,19 +13651,48 @@ static mpt_status mpt__check_dataset_inputs(mpt_context *ctx, const mpt_dataset_
    an output of several positions per sample ((n, H, W) for an (H, W, C)
    output); or float32 targets (n, ...), (n,) being one number per sample
    (for an output of one unit). */
-static mpt_status mpt__check_dataset_y(mpt_context *ctx, const mpt_tensor *y) {
+static mpt_status mpt__check_dataset_y(mpt_context *ctx, const char *what, const mpt_tensor *y) {
     int64_t i;
-    if (y->dtype == MPT_FLOAT32) return mpt__check_finite(ctx, "y", y);
+    if (y->dtype == MPT_FLOAT32) return mpt__check_finite(ctx, what, y);
     if (y->dtype != MPT_INT32)
         return mpt__fail(ctx, MPT_ERR_DTYPE,
-                         "dataset: y dtype %s is neither int32 (class ids) nor float32 (targets)",
-                         mpt_dtype_name(y->dtype));
+                         "dataset: %s dtype %s is neither int32 (class ids) nor float32 (targets)",
+                         what, mpt_dtype_name(y->dtype));
     for (i = 0; i < mpt_tensor_count(y); i++)
         if (((const int32_t *)y->data)[i] < 0)
             return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                             "dataset: y sample %lld (element %lld) is class id %d, which is "
-                             "negative", (long long)(i / (mpt_tensor_count(y) / y->shape[0])),
+                             "dataset: %s sample %lld (element %lld) is class id %d, which is "
+                             "negative", what, (long long)(i / (mpt_tensor_count(y) / y->shape[0])),
                              (long long)i, (int)((const int32_t *)y->data)[i]);
+    return MPT_OK;
+}
+
+/* desc->labels: 1..MPT_MAX_OUTPUTS tensors, each as y may be, of x's
+   count (inputs[0]'s); y NULL. Label 0 is then checked as y. */
+static mpt_status mpt__check_dataset_labels(mpt_context *ctx, const mpt_dataset_desc *desc) {
+    const mpt_tensor *x = desc->x ? desc->x : desc->inputs ? desc->inputs[0] : NULL;
+    char what[32], sx[96], sk[96];
+    int k;
+    if (desc->y)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: y and labels are both set: "
+                         "a dataset of several outputs' labels has them all in labels (y NULL)");
+    if (!desc->labels || desc->label_count < 1 || desc->label_count > MPT_MAX_OUTPUTS)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: label_count %d is not in "
+                         "1..%d (MPT_MAX_OUTPUTS)%s", desc->label_count, MPT_MAX_OUTPUTS,
+                         desc->labels ? "" : ", or labels is NULL");
+    for (k = 1; k < desc->label_count; k++) { /* label 0 is checked as y */
+        const mpt_tensor *t = desc->labels[k];
+        snprintf(what, sizeof what, "labels[%d]", k);
+        MPT__CHECK(mpt__check_dataset_tensor(ctx, what, t));
+        if (x && x->rank >= 1 && t->shape[0] != x->shape[0])
+            return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: labels[%d] %s has %lld samples but "
+                             "x %s has %lld", k,
+                             mpt_shape_format(sk, sizeof sk, t->rank, t->shape),
+                             (long long)t->shape[0],
+                             mpt_shape_format(sx, sizeof sx, x->rank, x->shape),
+                             (long long)x->shape[0]);
+        MPT__CHECK(mpt__check_dataset_y(ctx, what, t));
+    }
     return MPT_OK;
 }
 
@@ -13439,6 +13701,14 @@ static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_de
     if (!desc) /* NULL: every default, but x is required */
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x is required (NULL "
                          "descriptor)");
+    if (desc->labels || desc->label_count) {
+        mpt_dataset_desc first = *desc; /* the rest of the checks on labels[0] as y */
+        MPT__CHECK(mpt__check_dataset_labels(ctx, desc));
+        first.y = desc->labels[0];
+        first.labels = NULL;
+        first.label_count = 0;
+        return mpt__check_dataset_desc(ctx, &first);
+    }
     if (desc->inputs || desc->input_count) {
         mpt_dataset_desc first = *desc; /* the rest of the checks on inputs[0] as x */
         MPT__CHECK(mpt__check_dataset_inputs(ctx, desc));
@@ -13460,7 +13730,150 @@ static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_de
         return mpt__fail(ctx, MPT_ERR_NUMERIC, "dataset: scale %g and offset %g must be finite",
                          (double)desc->scale, (double)desc->offset);
     MPT__CHECK(mpt__check_dataset_x(ctx, "x", desc->x));
-    return desc->y ? mpt__check_dataset_y(ctx, desc->y) : MPT_OK;
+    return desc->y ? mpt__check_dataset_y(ctx, "y", desc->y) : MPT_OK;
+}
+
+/* =============================================================================
+   @impl-data: datasets over caller arrays, views, a batch gathered (IDX
+   files: @impl-idx; NumPy's and CSV files: @impl-npy, @impl-csv; text:
+   @impl-text; the batch loader: @impl-loader)
+   =============================================================================
+
+   A dataset is x (n, sample shape...) in uint8, float32, float16 or
+   bfloat16 (or int32 token ids, batched as they are), and y: int32 class
+   ids (n,) or float32 targets (n, ...). uint8 images stay uint8 in memory
+   (a quarter of float32) and are normalised (x·scale + offset) only when
+   a batch is gathered, through a 256-entry table per dtype, so every
+   value is rounded exactly once, as mpt__convert rounds it.
+
+   A view (mpt_dataset_split) points into its root's buffers. The root
+   counts its live views and frees its buffers when the last of itself and
+   its views is destroyed, so destroying them in any order is safe. (The
+   count is not atomic: a dataset and its views are split and destroyed on
+   one thread at a time, as a context is used.)
+
+   A text dataset (@impl-text) holds bytes, not samples: its windows over
+   them are made as they are gathered, and its views start further on in
+   the bytes.
+
+   The loader gathers batch i + 1 on its own thread (not the pool, which
+   serves one job at a time and is busy with batch i) into the second of
+   two buffers allocated up front: fit allocates nothing per batch.
+
+   Internal API for the training loop (train.h):
+     mpt__dataset_label_dtype / _label_range / _label_shape
+     mpt__dataset_gather                   samples in any order, normalised
+     mpt__loader_create / _start_epoch / _next / _destroy   prefetching */
+
+
+
+/* An added input's tensor of a dataset of several (mpt_dataset_desc.
+   inputs): as x, without a text's windows. */
+typedef struct mpt__dataset_input {
+    mpt_dtype dtype;              /* uint8, float32, float16, bfloat16 or int32  */
+    int rank;                     /* one sample's, 1..3                          */
+    int64_t shape[MPT_MAX_RANK - 1];
+    int64_t count;                /* elements of one sample                      */
+    const void *data;             /* (n, shape) dtype, this dataset's sample 0   */
+    void *owned;                  /* root: freed with it; NULL if borrowed       */
+} mpt__dataset_input;
+
+struct mpt_dataset {
+    mpt_context *ctx;             /* allocated this struct                       */
+    mpt_dataset *root;            /* owner of the buffers: itself, or a view's root */
+    int refs;                     /* root: itself + its live views               */
+    int64_t n;                    /* samples                                     */
+    mpt_dtype x_dtype;            /* uint8, float32, float16, bfloat16 or int32  */
+    int x_rank;                   /* one sample's rank, 1..3                     */
+    int64_t x_shape[MPT_MAX_RANK - 1];
+    int64_t x_count;              /* elements of one sample                      */
+    const void *x;                /* (n, x_shape) x_dtype, this dataset's sample 0 */
+    mpt_dtype y_dtype;            /* int32 class ids or float32 targets          */
+    int y_rank;                   /* one target's rank: 0 for one class id       */
+    int64_t y_shape[MPT_MAX_RANK - 1];
+    int64_t y_count;              /* elements of one target (class ids: one per
+                                     position of the model's output)             */
+    const void *y;                /* (n, y_shape) y_dtype; NULL for x alone      */
+    int64_t first;                /* a view: its sample 0's index in the root    */
+    float *sample_weight;         /* root: (n) owned weights, or NULL: each 1;
+                                     a view reads its root's from `first`        */
+    int x_only;                   /* 1: no targets (y_count 0): for predict      */
+    float scale, offset;          /* uint8 x: x·scale + offset                   */
+    float u8_f32[256];            /* uint8 x: each byte value normalised         */
+    mpt_half u8_f16[256];         /*   the same, rounded to float16              */
+    mpt_bf16 u8_bf16[256];        /*   the same, rounded to bfloat16             */
+    void *owned_x, *owned_y;      /* root: buffers freed with it; NULL if borrowed */
+    /* Windows over bytes (mpt_dataset_load_text), made as they are
+       gathered: x and y are then NULL, x_dtype and y_dtype int32, x_shape
+       and y_shape (window). 0 for every other dataset. */
+    int64_t window;               /* T: sample i is x = bytes[i·stride, + T),
+                                     y the same one byte further on          */
+    int64_t stride;               /* bytes between samples' starts: 1 (every
+                                     window) or T (back to back)            */
+    const uint8_t *bytes;         /* sample 0's first byte (root: owned_x)   */
+    int64_t text_at;              /* bytes' offset in the whole text, for
+                                     messages                                */
+    /* Several inputs (Keras' fit([a, b], y)): x is input 0, in[k] input k. */
+    int n_inputs;                 /* 1, or desc's input_count                */
+    mpt__dataset_input in[MPT_MAX_INPUTS]; /* [0] unused                     */
+    /* Several outputs' labels (Keras' fit(x, [y_a, y_b])): y is output 0's,
+       lab[k] output k's (int32 class ids, rank 0 for one a sample, or
+       float32 targets). */
+    int n_labels;                 /* 1, or desc's label_count                */
+    mpt__dataset_input lab[MPT_MAX_OUTPUTS]; /* [0] unused                   */
+};
+
+/* ---- the dataset object --------------------------------------------------- */
+
+static mpt_dataset *mpt__dataset_new(mpt_context *ctx) {
+    mpt_dataset *d = (mpt_dataset *)mpt__calloc(ctx, sizeof *d);
+    if (!d) return NULL;
+    d->ctx = ctx;
+    d->root = d;
+    d->refs = 1;
+    d->n_inputs = 1;
+    d->n_labels = 1;
+    return d;
+}
+
+/* The normalisation tables. fmaf rounds x·scale + offset once, whatever
+   the compiler's contraction settings, so every build agrees. */
+static void mpt__dataset_set_scale(mpt_dataset *d, float scale, float offset) {
+    int i;
+    d->scale = scale;
+    d->offset = offset;
+    for (i = 0; i < 256; i++) {
+        d->u8_f32[i] = fmaf((float)i, scale, offset);
+        d->u8_f16[i] = mpt_float_to_half(d->u8_f32[i]);
+        d->u8_bf16[i] = mpt_float_to_bf16(d->u8_f32[i]);
+    }
+}
+
+static void mpt__dataset_release(mpt_dataset *root) {
+    int k;
+    if (--root->refs > 0) return;
+    for (k = 1; k < root->n_inputs; k++) mpt__free(root->ctx, root->in[k].owned);
+    for (k = 1; k < root->n_labels; k++) mpt__free(root->ctx, root->lab[k].owned);
+    mpt__free(root->ctx, root->owned_x);
+    mpt__free(root->ctx, root->owned_y);
+    mpt__free(root->ctx, root->sample_weight);
+    mpt__free(root->ctx, root);
+}
+
+MPTDEF void mpt_dataset_destroy(mpt_dataset *d) {
+    mpt_dataset *root;
+    if (!d) return;
+    root = d->root;
+    if (d != root) mpt__free(d->ctx, d);
+    mpt__dataset_release(root);
+}
+
+MPTDEF int64_t mpt_dataset_count(const mpt_dataset *d) { return d ? d->n : 0; }
+
+MPTDEF int mpt_dataset_sample_shape(const mpt_dataset *d, int64_t *shape) {
+    if (!d) return 0;
+    if (shape) memcpy(shape, d->x_shape, sizeof(int64_t) * (size_t)d->x_rank);
+    return d->x_rank;
 }
 
 /* d->x or d->y: the caller's buffer, or an owned copy of it. */
@@ -13538,6 +13951,30 @@ static mpt_status mpt__dataset_take_weights(mpt_context *ctx, mpt_dataset *d,
     return mpt_dataset_set_sample_weight(ctx, d, (const float *)w->data, w->shape[0]);
 }
 
+/* One sample's label shape from a (n, ...) tensor: rank 0 for one class
+   id a sample, (n) or (n, 1), the rank of an output of one axis without
+   it. */
+static int mpt__label_rank(const mpt_tensor *y) {
+    return y->dtype == MPT_INT32 && mpt_tensor_count(y) == y->shape[0] ? 0 : y->rank - 1;
+}
+
+/* The labels of outputs 1.. (desc->labels[1..]), borrowed or copied. */
+static mpt_status mpt__dataset_take_labels(mpt_context *ctx, mpt_dataset *d,
+                                           const mpt_dataset_desc *desc) {
+    int k;
+    for (k = 1; k < desc->label_count; k++) {
+        const mpt_tensor *t = desc->labels[k];
+        mpt__dataset_input *lab = &d->lab[k];
+        lab->dtype = t->dtype;
+        lab->rank = mpt__label_rank(t);
+        memcpy(lab->shape, t->shape + 1, sizeof(int64_t) * (size_t)lab->rank);
+        lab->count = mpt__shape_count(lab->rank, lab->shape);
+        d->n_labels = k + 1; /* what release frees */
+        MPT__CHECK(mpt__dataset_take(ctx, t, desc->copy, &lab->data, &lab->owned));
+    }
+    return MPT_OK;
+}
+
 /* The added inputs' tensors (desc->inputs[1..]), borrowed or copied. */
 static mpt_status mpt__dataset_take_inputs(mpt_context *ctx, mpt_dataset *d,
                                            const mpt_dataset_desc *desc) {
@@ -13564,11 +14001,10 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL out");
     *out = NULL;
     MPT__CHECK(mpt__check_dataset_desc(ctx, desc));
-    if (desc->inputs) { /* inputs[0] is x; the others in d->in */
-        several = *desc;
-        several.x = desc->inputs[0];
-        desc = &several;
-    }
+    several = *desc;
+    if (desc->inputs) several.x = desc->inputs[0]; /* inputs[0] is x; the others in d->in */
+    if (desc->labels) several.y = desc->labels[0]; /* labels[0] is y; the others in d->lab */
+    desc = &several;
     d = mpt__dataset_new(ctx);
     if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset: out of memory");
     d->n = desc->x->shape[0];
@@ -13579,9 +14015,7 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     d->y_dtype = desc->y ? desc->y->dtype : MPT_INT32;
     /* one class id a sample, (n) or (n, 1), has rank 0: the rank of an
        output of one axis without it */
-    d->y_rank = !desc->y || (d->y_dtype == MPT_INT32 && mpt_tensor_count(desc->y) == d->n)
-                    ? 0
-                    : desc->y->rank - 1;
+    d->y_rank = desc->y ? mpt__label_rank(desc->y) : 0;
     if (desc->y) memcpy(d->y_shape, desc->y->shape + 1, sizeof(int64_t) * (size_t)d->y_rank);
     d->y_count = desc->y ? mpt__shape_count(d->y_rank, d->y_shape) : 0;
     d->x_only = !desc->y;
@@ -13591,6 +14025,7 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     if (s == MPT_OK && desc->sample_weight)
         s = mpt__dataset_take_weights(ctx, d, desc->sample_weight);
     if (s == MPT_OK && desc->inputs) s = mpt__dataset_take_inputs(ctx, d, desc);
+    if (s == MPT_OK && desc->labels) s = mpt__dataset_take_labels(ctx, d, desc);
     if (s != MPT_OK) {
         mpt_dataset_destroy(d);
         return s;
@@ -13628,6 +14063,10 @@ static mpt_dataset *mpt__dataset_view(mpt_context *ctx, const mpt_dataset *d, in
         v->in[k].owned = NULL;
         v->in[k].data = (const char *)d->in[k].data +
                         (size_t)first * (size_t)d->in[k].count * mpt_dtype_size(d->in[k].dtype);
+    }
+    for (k = 1; k < d->n_labels; k++) { /* and each output's label */
+        v->lab[k].owned = NULL;
+        v->lab[k].data = (const char *)d->lab[k].data + (size_t)first * (size_t)d->lab[k].count * 4;
     }
     /* The one change split makes to its const argument: the root counts
        the view, so that it outlives it whatever the order of destroys. */
@@ -13882,6 +14321,20 @@ static void mpt__dataset_gather_inputs(mpt_context *ctx, const mpt_dataset *d,
                             dtypes[k], out[k]);
 }
 
+/* The labels of outputs 1.. of samples indices[0..n): output k's into
+   out[k] (n, its count), int32 or float32 as stored. */
+static void mpt__dataset_gather_labels(const mpt_dataset *d, const int64_t *indices, int64_t n,
+                                       void *const *out) {
+    int64_t i;
+    int k;
+    for (k = 1; k < d->n_labels; k++) {
+        size_t bytes = (size_t)d->lab[k].count * 4; /* int32 or float32 */
+        for (i = 0; i < n; i++)
+            memcpy((char *)out[k] + (size_t)i * bytes,
+                   (const char *)d->lab[k].data + (size_t)indices[i] * bytes, bytes);
+    }
+}
+
 /* The sample weights of samples indices[0..n) of d into w (n), in that
    order: each weight with its sample. Nothing where d has none. */
 static void mpt__dataset_gather_weights(const mpt_dataset *d, const int64_t *indices, int64_t n,
@@ -13923,6 +14376,10 @@ typedef struct mpt__loader {
     void *in_block;
     void *in_buf[2][MPT_MAX_INPUTS];
     void *in_last[MPT_MAX_INPUTS]; /* the last batch next() gave          */
+    /* A dataset of several outputs' labels: outputs 1..'s batches, in the
+       same block; [k][0] unused. */
+    void *lab_buf[2][MPT_MAX_OUTPUTS];
+    void *lab_last[MPT_MAX_OUTPUTS];
     pthread_t thread;
     int started;            /* the thread runs                            */
     int views;              /* the caller never writes a batch            */
@@ -13964,6 +14421,7 @@ static void *mpt__loader_main(void *arg) {
         mpt__dataset_gather(l->ctx, l->d, indices, count, l->x_dtype, l->x_buf[slot],
                             l->y_buf[slot]);
         mpt__dataset_gather_inputs(l->ctx, l->d, indices, count, l->in_dtype, l->in_buf[slot]);
+        mpt__dataset_gather_labels(l->d, indices, count, l->lab_buf[slot]);
         mpt__dataset_gather_weights(l->d, indices, count, l->w_buf[slot]);
         pthread_mutex_lock(&l->mutex);
         l->loading = 0;
@@ -14001,27 +14459,41 @@ static mpt_status mpt__loader_alloc(mpt__loader *l) {
     return MPT_OK;
 }
 
-/* The added inputs' two batches, in one block, each 64-byte aligned. */
+/* Room for one more batch buffer of `per` bytes a sample at *total: its
+   offset into *at, the next one's start 64-byte aligned. 0 on overflow. */
+static int mpt__loader_room(const mpt__loader *l, int64_t per, int64_t *total, int64_t *at) {
+    int64_t bytes;
+    *at = *total;
+    if (!mpt__mul_ok(l->max_batch, per, &bytes) ||
+        !mpt__add_ok(*total, bytes + MPT__ALIGN, total) || (uint64_t)*total > (uint64_t)SIZE_MAX)
+        return 0;
+    *total = *total / MPT__ALIGN * MPT__ALIGN;
+    return 1;
+}
+
+/* The added inputs' two batches and the further outputs' labels', in one
+   block, each 64-byte aligned. */
 static mpt_status mpt__loader_alloc_inputs(mpt__loader *l) {
-    int64_t at[2][MPT_MAX_INPUTS], total = 0, bytes = 0;
-    int b, k;
-    for (b = 0; b < 2; b++)
-        for (k = 1; k < l->d->n_inputs; k++) {
-            at[b][k] = total;
-            if (!mpt__mul_ok(l->max_batch,
-                             l->d->in[k].count * (int64_t)mpt_dtype_size(l->in_dtype[k]), &bytes) ||
-                !mpt__add_ok(total, bytes + MPT__ALIGN, &total) ||
-                (uint64_t)total > (uint64_t)SIZE_MAX)
-                return mpt__fail(l->ctx, MPT_ERR_OVERFLOW, "loader: batches of %lld samples are "
-                                 "too large", (long long)l->max_batch);
-            total = total / MPT__ALIGN * MPT__ALIGN; /* the next starts aligned */
-        }
+    int64_t at[2][MPT_MAX_INPUTS], lab_at[2][MPT_MAX_OUTPUTS], total = 0;
+    int b, k, ok = 1;
+    for (b = 0; b < 2; b++) {
+        for (k = 1; ok && k < l->d->n_inputs; k++)
+            ok = mpt__loader_room(l, l->d->in[k].count * (int64_t)mpt_dtype_size(l->in_dtype[k]),
+                                  &total, &at[b][k]);
+        for (k = 1; ok && k < l->d->n_labels; k++)
+            ok = mpt__loader_room(l, l->d->lab[k].count * 4, &total, &lab_at[b][k]);
+    }
+    if (!ok)
+        return mpt__fail(l->ctx, MPT_ERR_OVERFLOW, "loader: batches of %lld samples are too large",
+                         (long long)l->max_batch);
     l->in_block = mpt__alloc(l->ctx, (size_t)total + 1);
     if (!l->in_block)
         return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot allocate %lld bytes for "
                          "the inputs of two batches", (long long)total);
-    for (b = 0; b < 2; b++)
+    for (b = 0; b < 2; b++) {
         for (k = 1; k < l->d->n_inputs; k++) l->in_buf[b][k] = (char *)l->in_block + at[b][k];
+        for (k = 1; k < l->d->n_labels; k++) l->lab_buf[b][k] = (char *)l->in_block + lab_at[b][k];
+    }
     return MPT_OK;
 }
 
@@ -14096,7 +14568,9 @@ static mpt_status mpt__loader_epoch_check(mpt__loader *l, const int64_t *order, 
 static int mpt__loader_can_view(const mpt__loader *l, const int64_t *order, int64_t n) {
     int64_t i;
     /* a text's windows overlap, and are bytes: never in the batch's form */
-    if (!l->views || l->d->x_dtype != l->x_dtype || l->d->window || l->d->n_inputs > 1) return 0;
+    if (!l->views || l->d->x_dtype != l->x_dtype || l->d->window || l->d->n_inputs > 1 ||
+        l->d->n_labels > 1)
+        return 0;
     for (i = 1; i < n; i++)
         if (order[i] != order[0] + i) return 0;
     return 1;
@@ -14105,7 +14579,8 @@ static int mpt__loader_can_view(const mpt__loader *l, const int64_t *order, int6
 /* The buffers and the thread, made the first time an epoch needs them. */
 static mpt_status mpt__loader_prepare(mpt__loader *l, int buffers, int thread) {
     if (buffers && !l->block) MPT__CHECK(mpt__loader_alloc(l));
-    if (buffers && !l->in_block && l->d->n_inputs > 1) MPT__CHECK(mpt__loader_alloc_inputs(l));
+    if (buffers && !l->in_block && (l->d->n_inputs > 1 || l->d->n_labels > 1))
+        MPT__CHECK(mpt__loader_alloc_inputs(l));
     if (thread && !l->started) {
         if (pthread_create(&l->thread, NULL, mpt__loader_main, l) != 0)
             return mpt__fail(l->ctx, MPT_ERR_OUT_OF_MEMORY, "loader: cannot start its thread");
@@ -14160,9 +14635,11 @@ static int mpt__loader_next_inline(mpt__loader *l, mpt_tensor *x, mpt_tensor *y)
                             l->y_buf[0]);
         mpt__dataset_gather_inputs(l->ctx, d, l->order + first, count, l->in_dtype,
                                    l->in_buf[0]);
+        mpt__dataset_gather_labels(d, l->order + first, count, l->lab_buf[0]);
         mpt__dataset_gather_weights(d, l->order + first, count, l->w_buf[0]);
     }
     memcpy(l->in_last, l->in_buf[0], sizeof l->in_last);
+    memcpy(l->lab_last, l->lab_buf[0], sizeof l->lab_last);
     /* views are read only (mpt__loader_allow_views); the tensor type has no const */
     mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, (void *)(uintptr_t)xb,
                     MPT_DEVICE_CPU);
@@ -14204,6 +14681,7 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     l->weights = mpt__dataset_weights(d) ? l->w_buf[slot] : NULL;
     l->weights_count = count;
     memcpy(l->in_last, l->in_buf[slot], sizeof l->in_last);
+    memcpy(l->lab_last, l->lab_buf[slot], sizeof l->lab_last);
     return 1;
 }
 
@@ -14224,6 +14702,16 @@ static void mpt__loader_inputs(const mpt__loader *l, mpt_tensor *xs) {
     for (k = 1; k < l->d->n_inputs; k++)
         mpt__batch_view(&xs[k], l->in_dtype[k], l->weights_count, l->d->in[k].rank,
                         l->d->in[k].shape, l->in_last[k], MPT_DEVICE_CPU);
+}
+
+/* The further outputs' labels of the batch next() gave last, ys[k] (b,
+   label shape...) int32 or float32 for k in 1..n_labels - 1, borrowed as
+   that batch is. */
+static void mpt__loader_labels(const mpt__loader *l, mpt_tensor *ys) {
+    int k;
+    for (k = 1; k < l->d->n_labels; k++)
+        mpt__batch_view(&ys[k], l->d->lab[k].dtype, l->weights_count, l->d->lab[k].rank,
+                        l->d->lab[k].shape, l->lab_last[k], MPT_DEVICE_CPU);
 }
 
 /* Stops and joins the thread (at once, also mid-epoch) and frees the loader. */
@@ -14319,6 +14807,8 @@ static mpt_status mpt__metric_sums_reset(mpt_model *m, int which) {
     return MPT_OK;
 }
 
+static void mpt__outputs_reset(mpt_model *m, int which);
+
 static mpt_status mpt__state_push(mpt_model *m) {
     mpt_step_state st[2];
     int k;
@@ -14335,8 +14825,10 @@ static mpt_status mpt__state_push(mpt_model *m) {
     for (k = 1; k < m->n_replicas; k++) {
         MPT__CHECK(mpt__upload(m->replica[k], m->replica[k]->state, st, sizeof st));
         MPT__CHECK(mpt__metric_sums_reset(m->replica[k], 0));
+        mpt__outputs_reset(m->replica[k], 0);
     }
     MPT__CHECK(mpt__metric_sums_reset(m, 0));
+    mpt__outputs_reset(m, 0);
     return mpt__upload(m, m->state, st, sizeof st);
 }
 
@@ -14471,6 +14963,9 @@ typedef struct mpt__tally {
         weighted_squared_error, weighted_percent_error, weighted_tp, weighted_fp, weighted_fn;
     /* r2_score and auc, finished from their sums (mpt__metric_sums_finish) */
     double r2, auc, weighted_r2, weighted_auc;
+    /* A model of several outputs: outputs 1..'s records (the fields above
+       are output 0's); [0] unused. */
+    mpt_step_state output[MPT_MAX_OUTPUTS];
 } mpt__tally;
 
 /* Keras' R2Score.result (uniform_average) from a list's sums over K
@@ -14555,29 +15050,89 @@ typedef struct mpt__metric_counts {
     double r2, auc; /* finished already */
 } mpt__metric_counts;
 
-static void mpt__metric_logs(const mpt_model *m, int metrics, const mpt__metric_counts *c,
-                             int validation, int prefixed, mpt_logs *logs) {
+static const char *const mpt__log_slot_name[MPT__LOG_SLOTS] = {
+    "loss", "accuracy", "sparse_top_k_categorical_accuracy", "top_k_categorical_accuracy",
+    "mean_absolute_error", "mean_squared_error", "root_mean_squared_error",
+    "mean_absolute_percentage_error", "precision", "recall", "r2_score", "auc"};
+
+/* The names of every output's logs, as Keras 3 names them by the output's
+   layer ("dense_1_loss", "val_dense_1_accuracy"), kept in the model as
+   logs keep a name's pointer. */
+static void mpt__output_log_names(mpt_model *m) {
+    int k, v, i;
+    for (k = 0; k < mpt__output_count(m); k++)
+        for (v = 0; v < 2; v++)
+            for (i = 0; i < MPT__LOG_SLOTS; i++)
+                snprintf(m->output_log[k][v][i], sizeof m->output_log[k][v][i], "%s%s_%s",
+                         v ? "val_" : "", mpt__output_layer(m, k)->name, mpt__log_slot_name[i]);
+}
+
+/* A list of metrics' values into logs, under `names` (an output's, by
+   slot) or, where NULL, their own names (MPT__METRIC_NAME). `loss` is
+   the loss they go with (the top-k metric's name follows it). */
+static void mpt__metric_logs(mpt_loss_type loss, int metrics, const mpt__metric_counts *c,
+                             int validation, int prefixed, const char (*names)[MPT__LOG_NAME_MAX],
+                             mpt_logs *logs) {
     double n = c->count != 0 ? c->count : 1.0;
-#define MPT__LOG(NAME, value) mpt__logs_set(logs, MPT__METRIC_NAME(validation, prefixed, NAME), value)
-    if (metrics & MPT_METRIC_ACCURACY) MPT__LOG("accuracy", c->correct / n);
-    if ((metrics & MPT_METRIC_SPARSE_TOP_K) &&
-        m->compile.loss.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
-        MPT__LOG("sparse_top_k_categorical_accuracy", c->top_k / n);
+#define MPT__LOG(SLOT, NAME, value)                                                         \
+    mpt__logs_set(logs, names ? names[SLOT] : MPT__METRIC_NAME(validation, prefixed, NAME), \
+                  value)
+    if (metrics & MPT_METRIC_ACCURACY) MPT__LOG(MPT__LOG_ACCURACY, "accuracy", c->correct / n);
+    if ((metrics & MPT_METRIC_SPARSE_TOP_K) && loss == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY)
+        MPT__LOG(MPT__LOG_SPARSE_TOP_K, "sparse_top_k_categorical_accuracy", c->top_k / n);
     else if (metrics & MPT_METRIC_SPARSE_TOP_K)
-        MPT__LOG("top_k_categorical_accuracy", c->top_k / n);
-    if (metrics & MPT_METRIC_MEAN_ABSOLUTE_ERROR) MPT__LOG("mean_absolute_error", c->abs_error / n);
+        MPT__LOG(MPT__LOG_TOP_K, "top_k_categorical_accuracy", c->top_k / n);
+    if (metrics & MPT_METRIC_MEAN_ABSOLUTE_ERROR)
+        MPT__LOG(MPT__LOG_MAE, "mean_absolute_error", c->abs_error / n);
     if (metrics & MPT_METRIC_MEAN_SQUARED_ERROR)
-        MPT__LOG("mean_squared_error", c->squared_error / n);
+        MPT__LOG(MPT__LOG_MSE, "mean_squared_error", c->squared_error / n);
     if (metrics & MPT_METRIC_ROOT_MEAN_SQUARED_ERROR)
-        MPT__LOG("root_mean_squared_error", sqrt(c->squared_error / n));
+        MPT__LOG(MPT__LOG_RMSE, "root_mean_squared_error", sqrt(c->squared_error / n));
     if (metrics & MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
-        MPT__LOG("mean_absolute_percentage_error", c->percent_error / n);
+        MPT__LOG(MPT__LOG_MAPE, "mean_absolute_percentage_error", c->percent_error / n);
     if (metrics & MPT_METRIC_PRECISION)
-        MPT__LOG("precision", c->tp > 0 ? c->tp / (c->tp + c->fp) : 0.0);
-    if (metrics & MPT_METRIC_RECALL) MPT__LOG("recall", c->tp > 0 ? c->tp / (c->tp + c->fn) : 0.0);
-    if (metrics & MPT_METRIC_R2_SCORE) MPT__LOG("r2_score", c->r2);
-    if (metrics & MPT_METRIC_AUC) MPT__LOG("auc", c->auc);
+        MPT__LOG(MPT__LOG_PRECISION, "precision", c->tp > 0 ? c->tp / (c->tp + c->fp) : 0.0);
+    if (metrics & MPT_METRIC_RECALL)
+        MPT__LOG(MPT__LOG_RECALL, "recall", c->tp > 0 ? c->tp / (c->tp + c->fn) : 0.0);
+    if (metrics & MPT_METRIC_R2_SCORE) MPT__LOG(MPT__LOG_R2, "r2_score", c->r2);
+    if (metrics & MPT_METRIC_AUC) MPT__LOG(MPT__LOG_AUC, "auc", c->auc);
 #undef MPT__LOG
+}
+
+/* A model of several outputs: "loss", the weighted sum Σ w_k · loss_k of
+   the outputs' mean losses, then each output's loss and metrics under
+   its names. Output 0's counts are `first` (the tally's own fields), the
+   others' come from their records in t->output. The outputs' records
+   count the same samples. */
+static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t,
+                              const mpt__metric_counts *first, int validation, mpt_logs *logs) {
+    double n = t->samples ? (double)t->samples : 1.0, total = 0;
+    int k;
+    for (k = 0; k < m->n_outputs; k++) {
+        const double loss_sum = k ? t->output[k].loss_sum : t->loss_sum;
+        total += (double)m->loss_weight[k] * (loss_sum / n);
+    }
+    mpt__logs_set(logs, validation ? "val_loss" : "loss", total);
+    for (k = 0; k < m->n_outputs; k++) {
+        const char(*names)[MPT__LOG_NAME_MAX] = m->output_log[k][validation != 0];
+        mpt__metric_counts c = *first;
+        if (k) {
+            const mpt_step_state *st = &t->output[k];
+            memset(&c, 0, sizeof c);
+            c.count = (double)t->samples;
+            c.correct = st->correct;
+            c.top_k = st->top_k;
+            c.abs_error = st->abs_error;
+            c.squared_error = st->squared_error;
+            c.percent_error = st->percent_error;
+            c.tp = st->true_positives;
+            c.fp = st->false_positives;
+            c.fn = st->false_negatives;
+        }
+        mpt__logs_set(logs, names[MPT__LOG_LOSS], (k ? t->output[k].loss_sum : t->loss_sum) / n);
+        mpt__metric_logs(m->compile.losses[k].type, m->compile.output_metrics[k], &c, validation,
+                         0, names, logs);
+    }
 }
 
 /* Loss, metrics and weighted metrics of a tally into logs, names
@@ -14611,10 +15166,15 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
     weighted.fn = t->weighted_fn;
     weighted.r2 = t->weighted_r2;
     weighted.auc = t->weighted_auc;
+    if (mpt__several_outputs(m)) {
+        mpt__outputs_logs(m, t, &plain, validation, logs);
+        return;
+    }
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
-    mpt__metric_logs(m, m->compile.metrics, &plain, validation, 0, logs);
-    mpt__metric_logs(m, m->compile.weighted_metrics & ~both, &weighted, validation, 0, logs);
-    mpt__metric_logs(m, both, &weighted, validation, 1, logs);
+    mpt__metric_logs(m->compile.loss.type, m->compile.metrics, &plain, validation, 0, NULL, logs);
+    mpt__metric_logs(m->compile.loss.type, m->compile.weighted_metrics & ~both, &weighted,
+                     validation, 0, NULL, logs);
+    mpt__metric_logs(m->compile.loss.type, both, &weighted, validation, 1, NULL, logs);
 }
 
 /* ---- one step ------------------------------------------------------------------ */
@@ -14629,7 +15189,8 @@ static void mpt__set_emit_logits(mpt_model *m, int on) {
 /* Whether the final softmax can be fused into the compiled loss. */
 static int mpt__can_fuse_softmax(const mpt_model *m) {
     const mpt_loss_desc *l = &m->compile.loss;
-    return !l->from_logits &&
+    /* several outputs: each loss reads its output's probabilities */
+    return !mpt__several_outputs(m) && !l->from_logits &&
            (l->type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY ||
             l->type == MPT_LOSS_CATEGORICAL_CROSSENTROPY) &&
            mpt__layer_activation(&m->layers[m->n_layers - 1]) == MPT_ACT_SOFTMAX;
@@ -14639,7 +15200,14 @@ typedef struct mpt__step_times {
     double forward, backward, update; /* seconds, summed over an epoch */
 } mpt__step_times;
 
+/* The batch's targets where the backend reads them: y (output 0's) into
+   t, and the further outputs' labels (m->batch_label) in place. */
 static mpt_status mpt__target_on_backend(mpt_model *m, const mpt_tensor *y, mpt_tensor *t) {
+    int k;
+    for (k = 1; k < m->n_outputs; k++) {
+        const mpt_tensor host = m->batch_label[k]; /* (the call rewrites its out) */
+        MPT__CHECK(mpt__batch_on_backend(m, &host, m->label_buf[0][k], &m->batch_label[k]));
+    }
     return mpt__batch_on_backend(m, y, m->target_buf[0], t);
 }
 
@@ -14684,6 +15252,106 @@ static mpt_loss_args mpt__loss_args(mpt_model *m, const mpt_tensor *y, const mpt
     return a;
 }
 
+/* ---- the losses of a model of several outputs -------------------------------- */
+
+/* Output k's record (which: 0 training, 1 evaluation): m->state's for
+   output 0, as a model of one output has it; its own for the others. */
+static mpt_step_state *mpt__output_record(const mpt_model *m, int k, int which) {
+    return k ? &m->output_state[2 * (k - 1) + which] : &m->state[which];
+}
+
+/* Output k's compiled loss against its labels y, each sample weighted by
+   w, into its record; in training its gradient, times the loss scale and
+   the output's loss weight, into the output's gradient buffer, where the
+   backward walk starts from it. */
+static mpt_loss_args mpt__output_loss_args(mpt_model *m, int k, const mpt_tensor *y,
+                                           const mpt_tensor *w, int training, double share) {
+    const mpt__layer *L = mpt__output_layer(m, k);
+    mpt_loss_args a;
+    memset(&a, 0, sizeof a);
+    a.type = m->compile.losses[k].type;
+    a.from_logits = m->compile.losses[k].from_logits;
+    a.pred_dtype = L->dtype;
+    a.pred = L->y;
+    a.target_dtype = y->dtype;
+    a.target = y->data;
+    /* a weight of 0 (which grad_weight would read as 1) gives no gradient */
+    a.dpred = training && m->loss_weight[k] != 0 ? L->dy_buf : NULL;
+    mpt__loss_rows(L, m->last_batch, &a);
+    a.metrics = m->compile.output_metrics[k];
+    a.top_k = m->compile.top_k;
+    a.scale_by_loss_scale = training;
+    a.grad_weight = (float)(share * m->loss_weight[k]); /* share: a replica's rows / all */
+    a.state = mpt__output_record(m, k, training ? 0 : 1);
+    a.sample_weight = (const float *)w->data;
+    return a;
+}
+
+/* Every output's loss, in the outputs' order, on the batch's labels: y
+   output 0's, m->batch_label[k] the others'. share: under a strategy, the
+   replica's rows / the global batch's (1 alone), as for one output. */
+static void mpt__queue_output_losses(mpt_model *m, const mpt_tensor *y, const mpt_tensor *w,
+                                     int training, double share) {
+    int k;
+    for (k = 0; k < m->n_outputs; k++) {
+        const mpt__layer *L = mpt__output_layer(m, k);
+        mpt_loss_args a = mpt__output_loss_args(m, k, k ? &m->batch_label[k] : y, w, training,
+                                                share);
+        if (training && k) /* the loss scale, where output k's loss reads it */
+            m->be->copy_rows(m->impl, &a.state->loss_scale, 0, 0, &m->state[0].loss_scale, 0, 0,
+                             (int64_t)sizeof(float), 1, 1);
+        if (training && !a.dpred) /* its gradient is 0, not last step's */
+            m->be->zero(m->impl, L->dy_buf,
+                        (size_t)mpt__dbytes(L->dtype, L->out_count * m->last_batch));
+        m->be->loss(m->impl, &a);
+    }
+}
+
+/* The compiled loss of the last forward, queued: the one output's, as
+   ever, or every output's. */
+static void mpt__queue_losses(mpt_model *m, const mpt_tensor *y, const mpt_tensor *w,
+                              int training) {
+    mpt_loss_args loss;
+    if (mpt__several_outputs(m)) {
+        mpt__queue_output_losses(m, y, w, training, 1.0);
+        return;
+    }
+    loss = mpt__loss_args(m, y, w, training);
+    m->be->loss(m->impl, &loss);
+}
+
+/* The outputs' records (outputs 1..; which: 0 training, 1 evaluation)
+   zeroed, or read into t->output. Nothing for a model of one output. */
+static void mpt__outputs_reset(mpt_model *m, int which) {
+    int k;
+    for (k = 1; k < m->n_outputs; k++)
+        m->be->zero(m->impl, mpt__output_record(m, k, which), sizeof(mpt_step_state));
+}
+
+/* In training (which 0) the replicas' records added in replica order,
+   then the workers'; evaluation runs on replica 0 alone. */
+static mpt_status mpt__outputs_tally(mpt_model *m, int which, mpt__tally *t) {
+    double sum[MPT__TALLIES], theirs[MPT__TALLIES];
+    int k, r;
+    size_t i;
+    for (k = 1; k < m->n_outputs; k++) {
+        MPT__CHECK(mpt__download(m, &t->output[k], mpt__output_record(m, k, which),
+                                 sizeof(mpt_step_state)));
+        if (which) continue;
+        mpt__tallies_get(&t->output[k], sum);
+        for (r = 1; r < m->n_replicas; r++) {
+            mpt_step_state rs;
+            MPT__CHECK(mpt__download(m->replica[r], &rs, mpt__output_record(m->replica[r], k, 0),
+                                     sizeof rs));
+            mpt__tallies_get(&rs, theirs);
+            for (i = 0; i < MPT__TALLIES; i++) sum[i] += theirs[i];
+        }
+        MPT__CHECK(mpt__workers_sum(m, sum, (int64_t)MPT__TALLIES, 1, "summing the metrics"));
+        mpt__tallies_set(&t->output[k], sum);
+    }
+    return MPT_OK;
+}
+
 /* The tail of every training step, after backward, queued on the backend:
    the gradients' finiteness and Σg², the update (skipped unless finite),
    the loss-scale bookkeeping, and the layers' state committed (only if the
@@ -14702,11 +15370,9 @@ static void mpt__queue_update(mpt_model *m) {
    but the loss scale and the count of skipped steps. */
 static void mpt__queue_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y,
                             const mpt_tensor *w, mpt__step_times *times) {
-    mpt_loss_args loss;
     double t0 = mpt__now(), t1, t2;
     mpt__model_forward(m, x, 1);
-    loss = mpt__loss_args(m, y, w, 1);
-    m->be->loss(m->impl, &loss);
+    mpt__queue_losses(m, y, w, 1);
     t1 = mpt__now();
     mpt_model_backward(m, NULL, NULL); /* cannot fail after a training forward */
     t2 = mpt__now();
@@ -14776,6 +15442,9 @@ typedef struct mpt__feed_slot { /* one model's (or replica's) */
     /* A model of several inputs: input k's staging and rows, [b][0] unused. */
     void *added_host[2][MPT_MAX_INPUTS];
     mpt_tensor added[2][MPT_MAX_INPUTS];
+    /* A model of several outputs: output k's labels, alike. */
+    void *label_host[2][MPT_MAX_OUTPUTS];
+    mpt_tensor labels[2][MPT_MAX_OUTPUTS];
 } mpt__feed_slot;
 
 typedef struct mpt__feed {
@@ -14826,6 +15495,7 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
         for (b = 0; b < 2; b++) {
             for (j = 0; j < 3; j++) r->be->free_host(r->impl, f->slot[k].host[b][j]);
             for (j = 1; j < r->n_inputs; j++) r->be->free_host(r->impl, f->slot[k].added_host[b][j]);
+            for (j = 1; j < r->n_outputs; j++) r->be->free_host(r->impl, f->slot[k].label_host[b][j]);
         }
     }
     for (b = 0; b < 2; b++)
@@ -14839,18 +15509,23 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
 static mpt_status mpt__feed_open_added(mpt_model *m, mpt__feed *f, int k) {
     mpt_model *r = mpt__feed_model(m, k);
     int b, j;
-    for (b = 0; b < 2; b++)
-        for (j = 1; j < r->n_inputs; j++) {
+    mpt_status s = MPT_OK;
+    for (b = 0; b < 2; b++) {
+        for (j = 1; s == MPT_OK && j < r->n_inputs; j++) {
             const mpt__layer *L = &r->layers[r->input_layer[j]];
             size_t bytes = (size_t)mpt__dbytes(L->dtype, L->out_count * r->max_batch);
-            if (r->be->alloc_host(r->impl, bytes, &f->slot[k].added_host[b][j]) != MPT_OK) {
-                mpt_status s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s",
-                                         r->be->error(r->impl));
-                mpt__feed_close(m, f);
-                return s;
-            }
+            s = r->be->alloc_host(r->impl, bytes, &f->slot[k].added_host[b][j]);
         }
-    return MPT_OK;
+        for (j = 1; s == MPT_OK && j < r->n_outputs; j++) /* and each further output's labels */
+            s = r->be->alloc_host(r->impl, (size_t)(4 * mpt__output_layer(r, j)->out_count *
+                                                    r->max_batch),
+                                  &f->slot[k].label_host[b][j]);
+    }
+    if (s != MPT_OK) {
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "fit: %s", r->be->error(r->impl));
+        mpt__feed_close(m, f);
+    }
+    return s;
 }
 
 static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
@@ -14890,17 +15565,24 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
    mpt__replica_rows shared them out) staged and copied into its
    added_buf[b], as input 0 into input_buf[b]: slot->added[b] then shows
    them there, what a step on buffer b reads. */
+static void mpt__feed_stage(mpt_model *r, const mpt_tensor *t, void *host, void *dst,
+                            mpt_tensor *uploaded) {
+    size_t bytes = mpt_tensor_bytes(t);
+    memcpy(host, t->data, bytes);
+    r->be->upload_async(r->impl, dst, host, bytes);
+    *uploaded = *t;
+    uploaded->data = dst;
+    uploaded->device = MPT_DEVICE_CUDA;
+}
+
 static void mpt__feed_upload_added(mpt_model *r, mpt__feed_slot *slot, int b) {
     int j;
-    for (j = 1; j < r->n_inputs; j++) {
-        const mpt_tensor *t = &r->batch_in[j];
-        size_t bytes = mpt_tensor_bytes(t);
-        memcpy(slot->added_host[b][j], t->data, bytes);
-        r->be->upload_async(r->impl, r->added_buf[b][j], slot->added_host[b][j], bytes);
-        slot->added[b][j] = *t;
-        slot->added[b][j].data = r->added_buf[b][j];
-        slot->added[b][j].device = MPT_DEVICE_CUDA;
-    }
+    for (j = 1; j < r->n_inputs; j++)
+        mpt__feed_stage(r, &r->batch_in[j], slot->added_host[b][j], r->added_buf[b][j],
+                        &slot->added[b][j]);
+    for (j = 1; j < r->n_outputs; j++) /* the further outputs' labels alike */
+        mpt__feed_stage(r, &r->batch_label[j], slot->label_host[b][j], r->label_buf[b][j],
+                        &slot->labels[b][j]);
 }
 
 /* Before a step on buffer b: each replica's added inputs are those
@@ -14910,6 +15592,7 @@ static void mpt__feed_use_added(mpt_model *m, const mpt__feed *f, int b) {
     for (k = 0; k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
         for (j = 1; j < r->n_inputs; j++) r->batch_in[j] = f->slot[k].added[b][j];
+        for (j = 1; j < r->n_outputs; j++) r->batch_label[j] = f->slot[k].labels[b][j];
     }
 }
 
@@ -15047,6 +15730,7 @@ static mpt_status mpt__training_tally(mpt_model *m, mpt__tally *t) {
     MPT__CHECK(mpt__workers_sum(m, sum, (int64_t)MPT__TALLIES, 1, "summing the metrics"));
     mpt__tallies_set(&st, sum); /* and the workers' */
     mpt__tally_from_state(&st, t);
+    MPT__CHECK(mpt__outputs_tally(m, 0, t));
     return mpt__training_metric_sums(m, t);
 }
 
@@ -15276,20 +15960,24 @@ static int mpt__labels_fit(int rank, const int64_t *shape, int out_rank, const i
     return 1;
 }
 
-/* Checks that data fits the model: sample shape, target kind and labels. */
-static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
-    int64_t shape[MPT_MAX_RANK];
+/* One output's labels, as the dataset holds them: their dtype, one
+   sample's shape, and the smallest and largest class id (int32). */
+typedef struct mpt__labels_seen {
+    mpt_dtype dtype;
     int rank;
+    int64_t shape[MPT_MAX_RANK];
     int32_t lo, hi;
-    const mpt__layer *last = &m->layers[m->n_layers - 1];
+} mpt__labels_seen;
+
+/* Labels fit an output L under its loss: class ids one per position (in
+   range for the sparse crossentropy), or targets of its shape. `what`
+   names the call and, for several outputs, the output. */
+static mpt_status mpt__check_labels(mpt_model *m, const mpt__layer *L, mpt_loss_type loss,
+                                    const mpt__labels_seen *y, const char *what) {
     char a[96], b[96], c[96];
-    MPT__CHECK(mpt__check_samples(m, d, what));
-    MPT__CHECK(mpt__check_has_targets(m, d, what));
-    rank = mpt__dataset_label_shape(d, shape);
-    if (mpt__dataset_label_dtype(d) == MPT_INT32) {
-        int64_t classes = last->out_shape[last->out_rank - 1];
-        int sparse = m->compile.loss.type == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-        mpt__dataset_label_range(d, &lo, &hi);
+    if (y->dtype == MPT_INT32) {
+        int64_t classes = L->out_shape[L->out_rank - 1];
+        int sparse = loss == MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
         /* Under another loss, integers are targets that the loss converts
            to float (mpt__load_f32), as Keras casts them: one per position
            of a last axis of 1 (a binary classifier's 0/1). Beyond 2^24 a
@@ -15298,30 +15986,84 @@ static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: integer class labels need the sparse categorical "
                              "crossentropy loss (or one-hot float targets)", what);
-        if (!sparse && hi > (1 << 24))
+        if (!sparse && y->hi > (1 << 24))
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: integer target %d is not exact in float32 (%s takes "
-                             "integers up to 2^24 = %d)", what, (int)hi,
-                             mpt__loss_name(m->compile.loss.type), 1 << 24);
-        if (!mpt__labels_fit(rank, shape, last->out_rank, last->out_shape))
+                             "integers up to 2^24 = %d)", what, (int)y->hi, mpt__loss_name(loss),
+                             1 << 24);
+        if (!mpt__labels_fit(y->rank, y->shape, L->out_rank, L->out_shape))
             return mpt__fail(m->ctx, MPT_ERR_SHAPE,
                              "%s: class ids of shape %s for a model output of shape %s: one "
                              "class id per position over the last axis, shape %s", what,
-                             mpt_shape_format(a, sizeof a, rank, shape),
-                             mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape),
-                             mpt_shape_format(c, sizeof c, last->out_rank - 1, last->out_shape));
-        if (sparse && (lo < 0 || hi >= classes))
+                             mpt_shape_format(a, sizeof a, y->rank, y->shape),
+                             mpt_shape_format(b, sizeof b, L->out_rank, L->out_shape),
+                             mpt_shape_format(c, sizeof c, L->out_rank - 1, L->out_shape));
+        if (sparse && (y->lo < 0 || y->hi >= classes))
             return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                              "%s: labels range over %d..%d but the model has %lld classes "
-                             "(0..%lld)", what, (int)lo, (int)hi, (long long)classes,
+                             "(0..%lld)", what, (int)y->lo, (int)y->hi, (long long)classes,
                              (long long)classes - 1);
         return MPT_OK;
     }
-    if (!mpt__target_shape_fits(rank, shape, last->out_rank, last->out_shape))
+    if (!mpt__target_shape_fits(y->rank, y->shape, L->out_rank, L->out_shape))
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: targets of shape %s for a model output of "
-                         "shape %s", what, mpt_shape_format(a, sizeof a, rank, shape),
-                         mpt_shape_format(b, sizeof b, last->out_rank, last->out_shape));
+                         "shape %s", what, mpt_shape_format(a, sizeof a, y->rank, y->shape),
+                         mpt_shape_format(b, sizeof b, L->out_rank, L->out_shape));
     return MPT_OK;
+}
+
+/* Output k's labels of a dataset of several outputs' (d->lab[k], k >= 1). */
+static void mpt__labels_of(const mpt_dataset *d, int k, mpt__labels_seen *y) {
+    const mpt__dataset_input *lab = &d->lab[k];
+    int64_t i, n = d->n * lab->count;
+    y->dtype = lab->dtype;
+    y->rank = lab->rank;
+    memcpy(y->shape, lab->shape, sizeof(int64_t) * (size_t)lab->rank);
+    y->lo = y->hi = 0;
+    if (lab->dtype != MPT_INT32 || n == 0) return;
+    y->lo = y->hi = ((const int32_t *)lab->data)[0];
+    for (i = 1; i < n; i++) {
+        y->lo = MPT__MIN(y->lo, ((const int32_t *)lab->data)[i]);
+        y->hi = MPT__MAX(y->hi, ((const int32_t *)lab->data)[i]);
+    }
+}
+
+/* A dataset of several outputs' labels holds one for each output, each
+   fitting its output's shape and loss; the message names the output. */
+static mpt_status mpt__check_output_labels(mpt_model *m, const mpt_dataset *d,
+                                           const mpt__labels_seen *first, const char *what) {
+    char named[192];
+    int k;
+    if (d->n_labels != mpt__output_count(m))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: the dataset holds %d label "
+                         "tensor%s but the model has %d output%s (mpt_dataset_desc.labels: one "
+                         "an output, in its order)", what, d->n_labels,
+                         d->n_labels == 1 ? "" : "s", mpt__output_count(m),
+                         mpt__output_count(m) == 1 ? "" : "s");
+    for (k = 0; k < m->n_outputs; k++) {
+        mpt__labels_seen y;
+        if (k) mpt__labels_of(d, k, &y);
+        snprintf(named, sizeof named, "%s: output %d ('%s')", what, k,
+                 mpt__output_layer(m, k)->name);
+        MPT__CHECK(mpt__check_labels(m, mpt__output_layer(m, k), m->compile.losses[k].type,
+                                     k ? &y : first, named));
+    }
+    return MPT_OK;
+}
+
+/* Checks that data fits the model: sample shape, target kind and labels
+   (of each output, for several). */
+static mpt_status mpt__check_data(mpt_model *m, const mpt_dataset *d, const char *what) {
+    mpt__labels_seen y;
+    MPT__CHECK(mpt__check_samples(m, d, what));
+    MPT__CHECK(mpt__check_has_targets(m, d, what));
+    memset(&y, 0, sizeof y);
+    y.dtype = mpt__dataset_label_dtype(d);
+    y.rank = mpt__dataset_label_shape(d, y.shape);
+    if (y.dtype == MPT_INT32) mpt__dataset_label_range(d, &y.lo, &y.hi);
+    if (mpt__several_outputs(m) || d->n_labels > 1)
+        return mpt__check_output_labels(m, d, &y, what);
+    return mpt__check_labels(m, &m->layers[m->n_layers - 1], m->compile.loss.type, &y, what);
 }
 
 /* batch_size 0 means Keras' default, 32, in fit, evaluate and predict. */
@@ -15354,6 +16096,7 @@ static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compil
 /* Evaluation's record on the backend: tallies zeroed. */
 static mpt_status mpt__state_reset_evaluation(mpt_model *m) {
     m->be->zero(m->impl, &m->state[1], MPT__TALLIES * sizeof(double)); /* the tallies */
+    mpt__outputs_reset(m, 1);
     return mpt__metric_sums_reset(m, 1);
 }
 
@@ -15361,6 +16104,7 @@ static mpt_status mpt__evaluation_tally(mpt_model *m, mpt__tally *t) {
     mpt_step_state st;
     MPT__CHECK(mpt__download(m, &st, &m->state[1], sizeof st));
     mpt__tally_from_state(&st, t);
+    MPT__CHECK(mpt__outputs_tally(m, 1, t));
     if (m->metric_sums) {
         MPT__CHECK(mpt__download(m, m->metric_host, m->metric_sums + m->metric_record,
                                  sizeof(double) * (size_t)m->metric_record));
@@ -15388,16 +16132,15 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     if (s == MPT_OK) s = mpt__state_reset_evaluation(m);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         mpt_tensor in, target, w, weights;
-        mpt_loss_args loss;
         mpt__loader_weights(loader, &w);
         mpt__loader_inputs(loader, m->batch_in);
+        mpt__loader_labels(loader, m->batch_label);
         s = mpt__input_on_backend(m, &x, &in);
         if (s == MPT_OK) s = mpt__target_on_backend(m, &y, &target);
         if (s == MPT_OK) s = mpt__weights_on_backend(m, &w, &weights);
         if (s != MPT_OK) break;
         mpt__model_forward(m, &in, 0);
-        loss = mpt__loss_args(m, &target, &weights, 0);
-        m->be->loss(m->impl, &loss);
+        mpt__queue_losses(m, &target, &weights, 0);
         done++;
         if (done * batch_size >= n) s = mpt__evaluation_tally(m, t);
         if (s == MPT_OK && verbose == 1 &&
@@ -15497,6 +16240,7 @@ static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tens
         if (!mpt__loader_next(r->loader, x, y)) return 0;
         mpt__loader_weights(r->loader, w);
         mpt__loader_inputs(r->loader, r->m->batch_in);
+        mpt__loader_labels(r->loader, r->m->batch_label);
         r->rows = r->global_rows = x->shape[0];
         return 1;
     }
@@ -15511,6 +16255,7 @@ static int mpt__fit_take(mpt__fit_run *r, mpt_tensor *x, mpt_tensor *y, mpt_tens
     if (r->rows > 0 && mpt__loader_next(r->loader, x, y)) {
         mpt__loader_weights(r->loader, w);
         mpt__loader_inputs(r->loader, r->m->batch_in);
+        mpt__loader_labels(r->loader, r->m->batch_label);
         return 1;
     }
     if (r->rows > 0) return 0;
@@ -15837,6 +16582,10 @@ static mpt_status mpt__check_class_weight(mpt_model *m, const mpt_dataset *train
                                           const mpt_fit_desc *d) {
     int64_t classes = mpt__class_weight_classes(m), i;
     if (!d->class_weight && d->class_weight_count == 0) return MPT_OK;
+    if (mpt__several_outputs(m)) /* Keras refuses it alike */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "fit: class_weight is for a model of one "
+                         "output; this one has %d (weigh the samples instead: sample_weight)",
+                         m->n_outputs);
     if (classes == 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "fit: class_weight needs a crossentropy over classes (a softmax's, or "
@@ -16170,8 +16919,8 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
 }
 
 /* The last forward's first n outputs, as float32, into host memory. */
-static mpt_status mpt__output_to_host(mpt_model *m, float *dst, int64_t n) {
-    const mpt__layer *last = &m->layers[m->n_layers - 1];
+static mpt_status mpt__output_to_host(mpt_model *m, const mpt__layer *last, float *dst,
+                                      int64_t n) {
     if (mpt__model_device(m) == MPT_DEVICE_CPU) { /* in place */
         mpt__convert(m->ctx, MPT_FLOAT32, dst, last->dtype, last->y, n);
         return MPT_OK;
@@ -16200,36 +16949,34 @@ MPTDEF mpt_status mpt_model_predict_tensor(mpt_model *m, const mpt_tensor *x,
     return s;
 }
 
-MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64_t batch_size,
-                                    mpt_tensor *out) {
-    const mpt__layer *last;
+/* Each output's float32 values (n_out of them: 1, or the model's
+   outputs) for every sample of data, in order, into outs (allocated
+   here; on failure every one empty). */
+static mpt_status mpt__predict(mpt_model *m, const mpt_dataset *data, int64_t batch_size,
+                               int n_out, mpt_tensor *outs) {
     mpt__loader *loader = NULL;
-    int64_t n, shape[MPT_MAX_RANK], per_sample, done = 0, *order;
+    int64_t n, shape[MPT_MAX_RANK], done = 0, *order;
     mpt_tensor x, y;
-    mpt_status s;
-    if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, out);
-    if (!data || !out)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
-                         data ? "out" : "data");
-    memset(out, 0, sizeof *out);
+    mpt_status s = MPT_OK;
+    int k;
     batch_size = mpt__batch_size_or_default(batch_size);
     MPT__CHECK(mpt__prepare(m, batch_size, 0, "predict"));
     MPT__CHECK(mpt__check_samples(m, data, "predict"));
     batch_size = MPT__MIN(batch_size, m->max_batch); /* in pieces, as evaluate */
-    last = &m->layers[m->n_layers - 1];
     n = mpt_dataset_count(data);
     shape[0] = n;
-    memcpy(shape + 1, last->out_shape, sizeof(int64_t) * (size_t)last->out_rank);
-    per_sample = last->out_count;
-    MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, last->out_rank + 1, shape));
-    order = (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n);
-    if (!order) {
-        mpt_tensor_free(m->ctx, out);
-        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
+    for (k = 0; s == MPT_OK && k < n_out; k++) {
+        const mpt__layer *L = mpt__output_layer(m, k);
+        memcpy(shape + 1, L->out_shape, sizeof(int64_t) * (size_t)L->out_rank);
+        s = mpt_tensor_alloc(m->ctx, &outs[k], MPT_FLOAT32, L->out_rank + 1, shape);
     }
-    mpt__epoch_order(m, 0, 0, order, n);
-    s = mpt__model_loader(m, data, batch_size, &loader);
+    order = s == MPT_OK ? (int64_t *)mpt__alloc(m->ctx, sizeof(int64_t) * (size_t)n) : NULL;
+    if (s == MPT_OK && !order)
+        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "predict: out of memory");
+    if (s == MPT_OK) {
+        mpt__epoch_order(m, 0, 0, order, n);
+        s = mpt__model_loader(m, data, batch_size, &loader);
+    }
     if (s == MPT_OK) s = mpt__loader_start_epoch(loader, order, n, batch_size);
     while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
         int64_t b = x.shape[0];
@@ -16238,13 +16985,47 @@ MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64
         s = mpt__input_on_backend(m, &x, &in);
         if (s != MPT_OK) break;
         mpt__model_forward(m, &in, 0);
-        s = mpt__output_to_host(m, (float *)out->data + done * per_sample, b * per_sample);
+        for (k = 0; s == MPT_OK && k < n_out; k++) {
+            const mpt__layer *L = mpt__output_layer(m, k);
+            s = mpt__output_to_host(m, L, (float *)outs[k].data + done * L->out_count,
+                                    b * L->out_count);
+        }
         done += b;
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
-    if (s != MPT_OK) mpt_tensor_free(m->ctx, out);
+    for (k = 0; s != MPT_OK && k < n_out; k++) mpt_tensor_free(m->ctx, &outs[k]);
     return s;
+}
+
+MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64_t batch_size,
+                                    mpt_tensor *out) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, out);
+    if (!data || !out)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
+                         data ? "out" : "data");
+    memset(out, 0, sizeof *out);
+    if (mpt__several_outputs(m))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: the model has %d outputs "
+                         "and out is one tensor: mpt_model_predict_outputs gives them all",
+                         m->n_outputs);
+    return mpt__predict(m, data, batch_size, 1, out);
+}
+
+MPTDEF mpt_status mpt_model_predict_outputs(mpt_model *m, const mpt_dataset *data,
+                                            int64_t batch_size, int n, mpt_tensor *outs) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!data || !outs)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict_outputs: NULL %s",
+                         data ? "outs" : "data");
+    if (n != mpt__output_count(m))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict_outputs: given room for %d "
+                         "output%s, but the model has %d", n, n == 1 ? "" : "s",
+                         mpt__output_count(m));
+    memset(outs, 0, sizeof *outs * (size_t)n);
+    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, outs);
+    return mpt__predict(m, data, batch_size, n, outs);
 }
 
 /* ---- summary -------------------------------------------------------------------------- */
@@ -16732,6 +17513,9 @@ static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "generate: needs a prompt of at least one id, an output array and "
                          "max_new_tokens, temperature and top_k >= 0");
+    if (mpt__several_outputs(m)) /* it samples one softmax */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "generate: not for a model of several outputs (%d)", m->n_outputs);
     if (!mpt__input_is_ids(m) || m->desc.input_rank != 1 || m->graph_status != MPT_OK)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                          "generate: the model's input must be a sequence of int32 ids (T,)");
@@ -21340,7 +22124,6 @@ static void mpt__profile_queue_step(mpt__profile *P, mpt_model *m, const mpt_ten
                                     mpt__step_times *times) {
     mpt__forward_walk fw;
     mpt__backward_walk bw;
-    mpt_loss_args loss;
     double t0 = mpt__now(), t1, t2;
     int i;
     mpt__profile_mark(P, MPT__PROF_BEGIN, -1);
@@ -21351,8 +22134,7 @@ static void mpt__profile_queue_step(mpt__profile *P, mpt_model *m, const mpt_ten
         mpt__forward_finish(L, &fw);
         mpt__profile_mark(P, MPT__PROF_FORWARD, i);
     }
-    loss = mpt__loss_args(m, y, w, 1);
-    m->be->loss(m->impl, &loss);
+    mpt__queue_losses(m, y, w, 1);
     mpt__profile_mark(P, MPT__PROF_LOSS, -1);
     t1 = mpt__now();
     mpt__backward_begin(m, 0, &bw); /* mpt_model_backward(m, NULL, NULL)'s walk */
@@ -23815,6 +24597,22 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__mha_ops,         &mpt__input_layer_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
+/* compile's settings as a file keeps them: the descriptor, and for a
+   model of several outputs the loss weights its pointer shows. */
+typedef struct mpt__file_compile {
+    mpt_compile_desc desc;                /* first: the fields' offsets are its */
+    float loss_weights[MPT_MAX_OUTPUTS];
+} mpt__file_compile;
+
+/* An output's fields: its loss, its metrics, its loss weight. */
+#define MPT__OUTPUT_FIELDS(k)                                                                  \
+    MPT__FIELD(mpt_compile_desc, losses[k].type, MPT__FIELD_ENUM),                             \
+        MPT__FIELD(mpt_compile_desc, losses[k].from_logits, MPT__FIELD_INT),                   \
+        MPT__FIELD(mpt_compile_desc, output_metrics[k], MPT__FIELD_INT),                       \
+        {"loss_weights[" #k "]", MPT__FIELD_FLOAT,                                             \
+         offsetof(mpt__file_compile, loss_weights) + (k) * sizeof(float)}
+#define MPT__OUTPUT_FIELD_COUNT 4
+
 static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, optimizer.type, MPT__FIELD_ENUM),
     MPT__FIELD(mpt_compile_desc, optimizer.learning_rate, MPT__FIELD_FLOAT),
@@ -23845,11 +24643,13 @@ static const mpt__field mpt__compile_fields[] = {
     MPT__FIELD(mpt_compile_desc, optimizer.gradient_accumulation_steps, MPT__FIELD_INT),
     MPT__FIELD(mpt_compile_desc, optimizer.exclude_from_weight_decay, MPT__FIELD_STRING),
     MPT__FIELD(mpt_compile_desc, weighted_metrics, MPT__FIELD_INT),
+    /* a model of several outputs': each output's, written for those it has */
+    MPT__OUTPUT_FIELDS(0), MPT__OUTPUT_FIELDS(1), MPT__OUTPUT_FIELDS(2), MPT__OUTPUT_FIELDS(3),
     MPT__FIELDS_END};
 
 /* How many of the compile fields, the list's last, are written only
-   where on (mpt__put_compile). */
-#define MPT__COMPILE_FIELDS_OPTIONAL 3
+   where on (mpt__put_compile): three, then the outputs'. */
+#define MPT__COMPILE_FIELDS_OPTIONAL (3 + MPT_MAX_OUTPUTS * MPT__OUTPUT_FIELD_COUNT)
 
 /* ---- writing ------------------------------------------------------------------- */
 
@@ -23926,17 +24726,26 @@ static void mpt__put_fields(mpt__ckpt_text *t, const mpt__field *f, const void *
    exclude_from_weight_decay where it excludes, weighted_metrics where
    there are some), so that a model using none writes the file it always
    did (a field a file lacks reads as 0 or NULL: off). */
-static void mpt__put_compile(mpt__ckpt_text *t, const mpt_compile_desc *c) {
+static void mpt__put_compile(mpt__ckpt_text *t, const mpt_model *m) {
     const size_t count = sizeof mpt__compile_fields / sizeof mpt__compile_fields[0] - 1;
     const size_t always = count - MPT__COMPILE_FIELDS_OPTIONAL;
+    const mpt_compile_desc *c = &m->compile;
+    mpt__file_compile fc;
     size_t k;
+    int o;
+    fc.desc = m->compile;
+    memcpy(fc.loss_weights, m->loss_weight, sizeof fc.loss_weights);
     mpt__ckpt_puts(t, "{");
-    for (k = 0; k < always; k++) mpt__put_field(t, &mpt__compile_fields[k], c, k == 0);
+    for (k = 0; k < always; k++) mpt__put_field(t, &mpt__compile_fields[k], &fc, k == 0);
     if (c->optimizer.gradient_accumulation_steps > 1)
-        mpt__put_field(t, &mpt__compile_fields[always], c, 0);
+        mpt__put_field(t, &mpt__compile_fields[always], &fc, 0);
     if (c->optimizer.exclude_from_weight_decay && c->optimizer.exclude_from_weight_decay[0])
-        mpt__put_field(t, &mpt__compile_fields[always + 1], c, 0);
-    if (c->weighted_metrics) mpt__put_field(t, &mpt__compile_fields[always + 2], c, 0);
+        mpt__put_field(t, &mpt__compile_fields[always + 1], &fc, 0);
+    if (c->weighted_metrics) mpt__put_field(t, &mpt__compile_fields[always + 2], &fc, 0);
+    for (o = 0; mpt__several_outputs(m) && o < m->n_outputs; o++)
+        for (k = 0; k < MPT__OUTPUT_FIELD_COUNT; k++)
+            mpt__put_field(t, &mpt__compile_fields[always + 3 + o * MPT__OUTPUT_FIELD_COUNT + k],
+                           &fc, 0);
     mpt__ckpt_puts(t, "}");
 }
 
@@ -23999,9 +24808,17 @@ static void mpt__put_architecture(mpt__ckpt_text *t, const mpt_model *m) {
         mpt__put_layer(t, &m->layers[i]);
     }
     mpt__ckpt_puts(t, "]");
+    if (mpt__several_outputs(m)) { /* the output nodes, in their order */
+        mpt__ckpt_puts(t, ",\"outputs\":[");
+        for (i = 0; i < m->n_outputs; i++) {
+            snprintf(num, sizeof num, "%s%d", i ? "," : "", m->output_node[i]);
+            mpt__ckpt_puts(t, num);
+        }
+        mpt__ckpt_puts(t, "]");
+    }
     if (m->compiled) {
         mpt__ckpt_puts(t, ",\"compile\":");
-        mpt__put_compile(t, &m->compile);
+        mpt__put_compile(t, m);
     }
     mpt__ckpt_puts(t, "}");
 }
@@ -24258,12 +25075,45 @@ static mpt_status mpt__load_model_desc(mpt__json *j, mpt_model_desc *md, int64_t
                            "\"max_batch\"");
 }
 
+/* "outputs": a model of several outputs' nodes, 2..MPT_MAX_OUTPUTS of
+   them, each declared as mpt_model_add_output declares it (which refuses
+   an input, a node past the layers or one given twice). */
+static mpt_status mpt__load_outputs(mpt__json *j, mpt_model *m) {
+    int outputs = mpt__json_get(j, 0, "outputs"), e;
+    if (outputs < 0) return MPT_OK;
+    if (j->v[outputs].type != 'a' || j->v[outputs].count < 2 ||
+        j->v[outputs].count > MPT_MAX_OUTPUTS)
+        return mpt__json_bad(j, j->v[outputs].at, "\"outputs\" is not an array of 2..%d nodes",
+                             MPT_MAX_OUTPUTS);
+    for (e = j->v[outputs].first; e >= 0; e = j->v[e].next) {
+        int64_t node;
+        MPT__CHECK(mpt__json_int64(j, e, 1, m->n_layers, &node, "an output node"));
+        MPT__CHECK(mpt_model_add_output(m, (mpt_node)node));
+    }
+    return MPT_OK;
+}
+
+/* "compile": its fields, and for several outputs their loss weights,
+   each of which the file must give (an absent one is NaN: compile names
+   it). */
+static mpt_status mpt__load_compile(mpt__json *j, int compile, mpt_model *m) {
+    mpt__file_compile fc;
+    int k;
+    memset(&fc, 0, sizeof fc);
+    for (k = 0; k < MPT_MAX_OUTPUTS; k++) fc.loss_weights[k] = NAN;
+    MPT__CHECK(mpt__json_fields(j, compile, mpt__compile_fields, &fc, "\"compile\""));
+    for (k = 0; k < MPT_MAX_OUTPUTS; k++) /* one given to a model of one output is refused */
+        if (mpt__several_outputs(m) || !isnan(fc.loss_weights[k]))
+            fc.desc.loss_weights = fc.loss_weights;
+    return mpt_model_compile(m, &fc.desc);
+}
+
 /* The whole model from the architecture JSON, built; not yet loaded. */
 static mpt_status mpt__model_from_json(mpt__json *j, mpt_context *ctx, mpt_model **out) {
     static const char *const known[] = {"format",       "version",   "input_shape",
                                         "policy",       "seed",      "memory_limit",
                                         "max_batch",    "layers",    "compile",
-                                        "input_dtype"};
+                                        "input_dtype",  "outputs"};
     mpt_model_desc md;
     mpt_model *m = NULL;
     int64_t max_batch = 0;
@@ -24285,12 +25135,8 @@ static mpt_status mpt__model_from_json(mpt__json *j, mpt_context *ctx, mpt_model
     s = MPT_OK;
     for (i = 0, e = j->v[layers].first; s == MPT_OK && e >= 0; i++, e = j->v[e].next)
         s = mpt__load_layer(j, e, i, m);
-    if (s == MPT_OK && compile >= 0) {
-        mpt_compile_desc cd;
-        memset(&cd, 0, sizeof cd);
-        s = mpt__json_fields(j, compile, mpt__compile_fields, &cd, "\"compile\"");
-        if (s == MPT_OK) s = mpt_model_compile(m, &cd);
-    }
+    if (s == MPT_OK) s = mpt__load_outputs(j, m);
+    if (s == MPT_OK && compile >= 0) s = mpt__load_compile(j, compile, m);
     if (s == MPT_OK) s = mpt_model_build(m, max_batch);
     if (s != MPT_OK) {
         mpt_model_destroy(m);
@@ -33256,6 +34102,9 @@ static mpt_status mpt__export(mpt_model *m, const char *format, const char *path
     if (m->n_inputs > 1) /* the plan walks one input */
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export %s: not for a model of several "
                          "inputs (%d) yet", format, m->n_inputs);
+    if (mpt__several_outputs(m)) /* ... to one output */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export %s: not for a model of several "
+                         "outputs (%d) yet", format, m->n_outputs);
     s = mpt__export_plan_init(&pl, m, format, path, desc);
     if (s == MPT_OK && mpt__strategy_is_chief(m->strategy)) {
         s = encode(&pl, &owned, &bytes, &n);
@@ -36543,7 +37392,13 @@ static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {
                            m->layers[i].desc.common.dtype);
         r->n_pending = 0;
     }
-    if (s == MPT_OK && m->compiled) s = mpt_model_compile(r, &m->compile);
+    for (i = 0; s == MPT_OK && i < m->n_outputs; i++)
+        s = mpt_model_add_output(r, m->output_node[i]);
+    if (s == MPT_OK && m->compiled) {
+        mpt_compile_desc cd = m->compile;
+        if (mpt__several_outputs(m)) cd.loss_weights = m->loss_weight; /* compile's copy */
+        s = mpt_model_compile(r, &cd);
+    }
     if (s == MPT_OK) s = mpt__build_one(r, m->max_batch);
     if (s == MPT_OK) s = mpt__copy_params(r, m); /* replica 0's weights */
     if (s != MPT_OK) {
@@ -36777,11 +37632,15 @@ static void mpt__replica_rows(const mpt_model *m, const mpt_tensor *x, const mpt
                               mpt_tensor *ws) {
     int n = m->n_replicas, k, j;
     mpt_tensor added[MPT_MAX_INPUTS]; /* replica 0 is m: its batch_in is rewritten */
+    mpt_tensor labels[MPT_MAX_OUTPUTS]; /* and its batch_label */
     memcpy(added, m->batch_in, sizeof added);
+    memcpy(labels, m->batch_label, sizeof labels);
     for (k = 0; k < n; k++) {
         int64_t b0 = rows * k / n, b1 = rows * (k + 1) / n;
         for (j = 1; m->replica && j < m->n_inputs && b1 > b0; j++) /* every input alike */
             m->replica[k]->batch_in[j] = mpt__rows(&added[j], b0, b1);
+        for (j = 1; m->replica && j < m->n_outputs && b1 > b0; j++) /* every output's labels */
+            m->replica[k]->batch_label[j] = mpt__rows(&labels[j], b0, b1);
         memset(&xs[k], 0, sizeof xs[k]);
         memset(&ys[k], 0, sizeof ys[k]);
         memset(&ws[k], 0, sizeof ws[k]);
@@ -36833,9 +37692,14 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
         mpt_model *r = m->replica[k];
         mpt_loss_args loss;
         if (!had[k]) continue;
-        loss = mpt__loss_args(r, &target[k], &weights[k], 1);
-        loss.grad_weight = (float)((double)had[k] / (double)global_rows);
-        r->be->loss(r->impl, &loss);
+        if (mpt__several_outputs(r)) {
+            mpt__queue_output_losses(r, &target[k], &weights[k], 1,
+                                     (double)had[k] / (double)global_rows);
+        } else {
+            loss = mpt__loss_args(r, &target[k], &weights[k], 1);
+            loss.grad_weight = (float)((double)had[k] / (double)global_rows);
+            r->be->loss(r->impl, &loss);
+        }
         mpt__backward_begin(r, 0, &bw[k]);
         first = bw[k].first;
     }

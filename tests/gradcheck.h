@@ -17,7 +17,12 @@
    mpt_model_forward_inputs; ref_forward's x is then every input's batch
    one after the other (input 0's batch × count, then input 1's, ...),
    and the input gradient checked is input 0's (the one backward gives);
-   the other inputs' branches are checked through their parameters. */
+   the other inputs' branches are checked through their parameters.
+   A model of several outputs (mpt_model_add_output) gives them all:
+   ref_forward's y is every output's batch one after the other (output
+   0's batch × its count, then output 1's, ...), each output gets its own
+   random upstream gradient in mpt_model_output_grad_at's buffer, and the
+   backward walk starts from all of them (Σ_k r_k·y_k). */
 #ifndef MPT_GRADCHECK_H
 #define MPT_GRADCHECK_H
 
@@ -114,6 +119,8 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
     int n_inputs = mpt_model_input_count(m), k;
     int64_t added_shape[8][4], added_at[8], all_count; /* added inputs: shapes, offsets */
     int added_rank[8];
+    int n_out = mpt_model_output_count(m), out_layer[8]; /* several outputs: each one's */
+    int64_t out_at[8], out_n[8];
 
     in_rank = mpt_model_input_shape(m, in_shape);
     for (i = 0; i < in_rank; i++) in_count *= in_shape[i];
@@ -130,6 +137,24 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
     }
     out_rank = mpt_model_layer_output_shape(m, n_layers - 1, out_shape);
     for (i = 0; i < out_rank; i++) out_count *= out_shape[i];
+    out_layer[0] = n_layers - 1;
+    out_at[0] = 0;
+    out_n[0] = out_count;
+    if (n_out > 1) { /* every output's values, one after the other */
+        out_count = 0;
+        for (k = 0; k < n_out; k++) {
+            int64_t shape[4], d;
+            int rank;
+            for (i = 0; i < n_layers; i++)
+                if (strcmp(mpt_model_layer_name(m, (int)i), mpt_model_output_name(m, k)) == 0)
+                    out_layer[k] = (int)i;
+            rank = mpt_model_layer_output_shape(m, out_layer[k], shape);
+            out_n[k] = 1;
+            for (d = 0; d < rank; d++) out_n[k] *= shape[d];
+            out_at[k] = out_count;
+            out_count += out_n[k];
+        }
+    }
     for (i = 0; i < n_layers; i++) {
         mpt_dtype d = mpt_model_layer_dtype(m, (int)i);
         if (d == MPT_BFLOAT16 || (d == MPT_FLOAT16 && worst == MPT_FLOAT32)) worst = d;
@@ -200,7 +225,13 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
         double *y_lib = (double *)calloc((size_t)(c->batch * out_count), sizeof(double));
         float *yf = (float *)calloc((size_t)(c->batch * out_count), sizeof(float));
         double e;
-        mpt_convert(ctx, MPT_FLOAT32, yf, ty.dtype, ty.data, c->batch * out_count);
+        if (n_out == 1) mpt_convert(ctx, MPT_FLOAT32, yf, ty.dtype, ty.data, c->batch * out_count);
+        for (k = 0; n_out > 1 && k < n_out; k++) {
+            CHECK(mpt_model_output_at(m, k, &ty) == MPT_OK, "%s: output_at: %s", label,
+                  mpt_context_error(ctx));
+            mpt_convert(ctx, MPT_FLOAT32, yf + c->batch * out_at[k], ty.dtype, ty.data,
+                        c->batch * out_n[k]);
+        }
         for (i = 0; i < c->batch * out_count; i++) y_lib[i] = yf[i];
         e = rel_err(y_lib, y_ref, c->batch * out_count);
         CHECK(e <= tol_fwd, "%s: forward relative error %.3g > %.3g", label, e, tol_fwd);
@@ -210,18 +241,27 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
     if (!c->training) goto done;
 
     /* 3. Backward with a random upstream gradient. */
-    for (i = 0; i < c->batch * out_count; i++) {
-        r[i] = round_to(out_dtype, test_uniform(-1, 1));
-        rf[i] = (float)r[i];
-    }
+    for (k = 0; k < n_out; k++) /* each output's in its dtype */
+        for (i = c->batch * out_at[k]; i < c->batch * (out_at[k] + out_n[k]); i++) {
+            r[i] = round_to(n_out > 1 ? mpt_model_layer_dtype(m, out_layer[k]) : out_dtype,
+                            test_uniform(-1, 1));
+            rf[i] = (float)r[i];
+        }
     {
         int64_t ys[4];
         ys[0] = c->batch;
         memcpy(ys + 1, out_shape, sizeof(int64_t) * (size_t)out_rank);
         mpt_tensor_wrap(ctx, &tr, MPT_FLOAT32, out_rank + 1, ys, rf);
     }
-    CHECK(mpt_model_backward(m, &tr, &tdx) == MPT_OK, "%s: backward: %s", label,
-          mpt_context_error(ctx));
+    for (k = 0; n_out > 1 && k < n_out; k++) { /* each output's gradient in its buffer */
+        mpt_tensor g;
+        CHECK(mpt_model_output_grad_at(m, k, &g) == MPT_OK, "%s: output_grad_at: %s", label,
+              mpt_context_error(ctx));
+        mpt_convert(ctx, g.dtype, g.data, MPT_FLOAT32, rf + c->batch * out_at[k],
+                    c->batch * out_n[k]);
+    }
+    CHECK(mpt_model_backward(m, n_out > 1 ? NULL : &tr, &tdx) == MPT_OK, "%s: backward: %s",
+          label, mpt_context_error(ctx));
     {
         float *f = (float *)calloc((size_t)(c->batch * in_count), sizeof(float));
         mpt_convert(ctx, MPT_FLOAT32, f, tdx.dtype, tdx.data, c->batch * in_count);

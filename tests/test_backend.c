@@ -1372,6 +1372,119 @@ static void test_fit_inputs_matches_the_cpu(void) {
     fit_inputs_on_the_device(2);
 }
 
+/* A model of two outputs (the class, and the image's mean brightness as a
+   number): fit's feed stages and uploads output 1's targets ahead of each
+   step beside y, the recorded steps replay them, and each output's loss
+   tallies into its own record on the device: the model ends where it
+   ends on the CPU, bit for bit, on one replica and on two logical ones;
+   evaluate (each batch's labels uploaded as it comes) and
+   predict_outputs agree too. */
+static float brightness[N];
+
+static mpt_dataset *outputs_dataset(mpt_context *c) {
+    mpt_tensor tx, ty, tt;
+    const mpt_tensor *labels[2];
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, (int64_t[]){N, SIDE, SIDE, 1}, xs);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){N}, ys);
+    mpt_tensor_wrap(c, &tt, MPT_FLOAT32, 2, (int64_t[]){N, 1}, brightness);
+    labels[0] = &ty, labels[1] = &tt;
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .labels = labels,
+                                                    .label_count = 2},
+                             &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+static mpt_model *outputs_model(mpt_context *c, mpt_strategy *s) {
+    mpt_model *m = NULL;
+    mpt_node h;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
+                                          .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 17,
+                                          .strategy = s}, &m);
+    h = mpt_flatten(m, mpt_conv2d(m, mpt_model_input(m), &(mpt_conv2d_desc){
+                                         .filters = 2, .kernel_size = {3, 3},
+                                         .activation = MPT_ACT_RELU}), NULL);
+    h = mpt_dense(m, h, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = CLASSES,
+                                                              .activation = MPT_ACT_SOFTMAX}));
+    mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = 1}));
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+                                   .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                              {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
+                                   .loss_weights = (const float[]){1.0f, 0.5f},
+                                   .output_metrics = {MPT_METRIC_ACCURACY,
+                                                      MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) == MPT_OK,
+          "compile: %s", mpt_context_error(c));
+    return m;
+}
+
+static void fit_outputs_on_the_device(int replicas) {
+    mpt_context *dc = NULL;
+    mpt_strategy *s_cpu = NULL, *s_dev = NULL;
+    mpt_model *cpu, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_logs l_cpu, l_gpu;
+    mpt_tensor p_cpu[2], p_gpu[2];
+    int i, k;
+    for (i = 0; i < N; i++) {
+        double sum = 0;
+        for (k = 0; k < SIDE * SIDE; k++) sum += xs[i * SIDE * SIDE + k];
+        brightness[i] = (float)(sum / (SIDE * SIDE));
+    }
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    if (replicas > 1)
+        CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                            .num_replicas = replicas},
+                                  &s_cpu) == MPT_OK &&
+                  mpt_strategy_create(dc, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                               .num_replicas = replicas},
+                                      &s_dev) == MPT_OK,
+              "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    d_cpu = outputs_dataset(ctx);
+    d_gpu = outputs_dataset(dc);
+    cpu = outputs_model(ctx, s_cpu);
+    gpu = outputs_model(dc, s_dev);
+    fit_both_alike(dc, cpu, gpu, d_cpu, d_gpu);
+    CHECK(dev.replays > 0 && dev.unrecordable == 0, "%d replicas: %ld replays, %ld calls a graph "
+          "cannot hold", replicas, dev.replays, dev.unrecordable);
+    CHECK(mpt_model_evaluate(cpu, d_cpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_cpu) ==
+                  MPT_OK &&
+              mpt_model_evaluate(gpu, d_gpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_gpu) ==
+                  MPT_OK,
+          "evaluate: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    CHECK(l_cpu.count == 5 && l_gpu.count == 5 &&
+              memcmp(l_cpu.values, l_gpu.values, sizeof(double) * 5) == 0,
+          "evaluate: loss %g vs %g, dense_2_loss %g vs %g", mpt_logs_get(&l_cpu, "loss"),
+          mpt_logs_get(&l_gpu, "loss"), mpt_logs_get(&l_cpu, "dense_2_loss"),
+          mpt_logs_get(&l_gpu, "dense_2_loss"));
+    CHECK(mpt_model_predict_outputs(cpu, d_cpu, 50, 2, p_cpu) == MPT_OK &&
+              mpt_model_predict_outputs(gpu, d_gpu, 50, 2, p_gpu) == MPT_OK,
+          "predict: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    for (k = 0; k < 2; k++) {
+        CHECK(memcmp(p_cpu[k].data, p_gpu[k].data, mpt_tensor_bytes(&p_cpu[k])) == 0,
+              "output %d's predictions differ", k);
+        mpt_tensor_free(ctx, &p_cpu[k]);
+        mpt_tensor_free(dc, &p_gpu[k]);
+    }
+    CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
+    mpt_model_destroy(cpu);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    mpt_strategy_destroy(s_cpu);
+    mpt_strategy_destroy(s_dev);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
+static void test_fit_outputs_matches_the_cpu(void) {
+    fit_outputs_on_the_device(1);
+    fit_outputs_on_the_device(2);
+}
+
 /* A checkpoint saved from the device and loaded on the CPU (and back)
    carries every weight, moment and counter; training on continues alike. */
 static void test_checkpoints_cross(void) {
@@ -1720,6 +1833,7 @@ int main(void) {
     TEST_RUN(test_fit_per_position_matches_the_cpu);
     TEST_RUN(test_fit_attention_matches_the_cpu);
     TEST_RUN(test_fit_inputs_matches_the_cpu);
+    TEST_RUN(test_fit_outputs_matches_the_cpu);
     TEST_RUN(test_sample_weights_match_the_cpu);
     TEST_RUN(test_r2_score_and_auc_match_the_cpu);
     TEST_RUN(test_checkpoints_cross);

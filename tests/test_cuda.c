@@ -3240,6 +3240,115 @@ static void test_model_two_inputs_on_the_gpu(void) {
     CHECK(memcmp(w[1], w[2], sizeof w[1]) == 0, "two runs on the GPU gave different weights");
 }
 
+/* ---- a model of two outputs on the GPU ----------------------------------------------- */
+
+/* x (6) -> Dense(8, relu) -> a classifier Dense(2, softmax) and a
+   regression Dense(1), both outputs, loss weights 1 and 0.5; three epochs
+   in float32 on the context `c` (fit's feed uploading both labels ahead
+   of each step); its weights into w (room for `room` floats) and
+   evaluate's values of the training data under `keys` into values (the
+   logs' names live with the model). The status. */
+static const char *const two_output_keys[] = {"loss", "dense_1_loss", "dense_2_loss",
+                                              "dense_1_accuracy", "dense_2_mean_absolute_error"};
+
+static mpt_status train_two_outputs(mpt_context *c, float *w, int64_t room, double *values) {
+    static float x[TWO_N * TWO_F], t[TWO_N];
+    static int32_t y[TWO_N];
+    static const float weights[2] = {1.0f, 0.5f};
+    int64_t xs[2] = {TWO_N, TWO_F}, ys[1] = {TWO_N}, ts[2] = {TWO_N, 1};
+    mpt_tensor tx, ty, tt;
+    const mpt_tensor *labels[2];
+    mpt_model_desc md;
+    mpt_dense_desc hidden, cls, reg;
+    mpt_compile_desc comp;
+    mpt_fit_desc fd;
+    mpt_dataset_desc ds;
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_node h;
+    mpt_logs logs;
+    mpt_status st;
+    int64_t i;
+    test_seed(23);
+    for (i = 0; i < TWO_N * TWO_F; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < TWO_N; i++) {
+        y[i] = x[i * TWO_F] + x[i * TWO_F + 1] > 0;
+        t[i] = x[i * TWO_F + 2] * x[i * TWO_F + 3];
+    }
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = TWO_F;
+    md.input_rank = 1;
+    md.seed = 5;
+    memset(&hidden, 0, sizeof hidden);
+    hidden.units = 8;
+    hidden.activation = MPT_ACT_RELU;
+    memset(&cls, 0, sizeof cls);
+    cls.units = 2;
+    cls.activation = MPT_ACT_SOFTMAX;
+    memset(&reg, 0, sizeof reg);
+    reg.units = 1;
+    memset(&comp, 0, sizeof comp);
+    comp.optimizer.type = MPT_OPTIMIZER_ADAM;
+    comp.optimizer.learning_rate = 1e-2f;
+    comp.losses[0].type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    comp.losses[1].type = MPT_LOSS_MEAN_SQUARED_ERROR;
+    comp.loss_weights = weights;
+    comp.output_metrics[0] = MPT_METRIC_ACCURACY;
+    comp.output_metrics[1] = MPT_METRIC_MEAN_ABSOLUTE_ERROR;
+    memset(&fd, 0, sizeof fd);
+    fd.epochs = 3;
+    fd.batch_size = 32;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, xs, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, ys, y);
+    mpt_tensor_wrap(c, &tt, MPT_FLOAT32, 2, ts, t);
+    labels[0] = &ty;
+    labels[1] = &tt;
+    memset(&ds, 0, sizeof ds);
+    ds.x = &tx;
+    ds.labels = labels;
+    ds.label_count = 2;
+    st = mpt_model_create(c, &md, &m);
+    if (st == MPT_OK) {
+        h = mpt_dense(m, mpt_model_input(m), &hidden);
+        mpt_model_add_output(m, mpt_dense(m, h, &cls));
+        st = mpt_model_add_output(m, mpt_dense(m, h, &reg));
+    }
+    if (st == MPT_OK) st = mpt_model_compile(m, &comp);
+    if (st == MPT_OK) st = mpt_dataset_create(c, &ds, &d);
+    if (st == MPT_OK) st = mpt_model_fit(m, d, &fd);
+    if (st == MPT_OK) st = mpt_model_evaluate(m, d, NULL, &logs);
+    for (i = 0; st == MPT_OK && i < 5; i++) values[i] = mpt_logs_get(&logs, two_output_keys[i]);
+    if (st == MPT_OK) test_weights_of(m, w, room);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    return st;
+}
+
+/* The two-output model trains on the GPU to the CPU's weights and logs
+   (1e-4 relative: the GEMMs' sums in another order) and, run twice, to
+   the same weights bit for bit. */
+static void test_model_two_outputs_on_the_gpu(void) {
+    static float w[3][256];
+    double logs[3][5], num = 0, den = 0;
+    int i;
+    CHECK(train_two_outputs(cpu_be.ctx, w[0], 256, logs[0]) == MPT_OK, "CPU: %s",
+          mpt_context_error(cpu_be.ctx));
+    CHECK(train_two_outputs(gpu_be[GPU_AUTO].ctx, w[1], 256, logs[1]) == MPT_OK, "GPU: %s",
+          mpt_context_error(gpu_be[GPU_AUTO].ctx));
+    CHECK(train_two_outputs(gpu_be[GPU_AUTO].ctx, w[2], 256, logs[2]) == MPT_OK, "GPU again: %s",
+          mpt_context_error(gpu_be[GPU_AUTO].ctx));
+    for (i = 0; i < 256; i++) {
+        num += ((double)w[1][i] - w[0][i]) * ((double)w[1][i] - w[0][i]);
+        den += (double)w[0][i] * w[0][i];
+    }
+    CHECK(den > 0 && sqrt(num / den) <= 1e-4, "GPU against CPU: relative norm error %.3g",
+          sqrt(num / den));
+    CHECK(memcmp(w[1], w[2], sizeof w[1]) == 0, "two runs on the GPU gave different weights");
+    for (i = 0; i < 5; i++)
+        CHECK(fabs(logs[1][i] - logs[0][i]) <= 1e-4 * fabs(logs[0][i]) + 1e-6,
+              "%s: GPU %.7g, CPU %.7g", two_output_keys[i], logs[1][i], logs[0][i]);
+}
+
 /* The ids model with a MultiHeadAttention (causal, dropout on the weights:
    the mask keyed by the step in device memory, which a replayed graph
    reads anew) learns the pattern on the GPU as on the CPU; CUDA graphs on
@@ -4599,6 +4708,9 @@ int main(int argc, char **argv) {
         run_attention_model_test();
         test__run("model: two inputs (numbers, ids) train on the GPU to the CPU's weights "
                   "(<= 1e-4), two runs identical", test_model_two_inputs_on_the_gpu);
+        test__run("model: two outputs (a classifier, a regression) train on the GPU to the "
+                  "CPU's weights and logs (<= 1e-4), two runs identical",
+                  test_model_two_outputs_on_the_gpu);
         test__run("model: profiled steps (CUDA events) end where unprofiled ones do, bit for bit",
                   test_model_profiled);
         test__run("model: examples/mlp.c mixed_float16 on Fashion-MNIST within 0.5 points of "

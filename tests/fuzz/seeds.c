@@ -15,7 +15,8 @@
                        merge, a model of token ids (Embedding,
                        PositionEmbedding, LayerNormalization, Dense over
                        positions), a model of three inputs (numbers,
-                       an image, ids: InputLayers)
+                       an image, ids: InputLayers), a model of two
+                       outputs (their losses, loss weights and metrics)
    Usage: seeds DIR (DIR/<harness> must exist). */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #define MPT_IMPLEMENTATION
@@ -270,6 +271,44 @@ static mpt_model *inputs_model(mpt_context *ctx) {
     return m;
 }
 
+/* A model of two outputs (Keras' functional model with a list of
+   outputs): a classifier and a regression on one Dense, each its loss,
+   loss weight and metrics; compiled. */
+static mpt_model *outputs_model(mpt_context *ctx) {
+    static const float weights[2] = {1.0f, 0.5f};
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_dense_desc dense, cls, reg;
+    mpt_compile_desc cd;
+    mpt_node h;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 3;
+    md.input_rank = 1;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
+    memset(&dense, 0, sizeof dense);
+    dense.units = 4;
+    dense.activation = MPT_ACT_RELU;
+    memset(&cls, 0, sizeof cls);
+    cls.name = "cls";
+    cls.units = 3;
+    cls.activation = MPT_ACT_SOFTMAX;
+    memset(&reg, 0, sizeof reg);
+    reg.name = "reg";
+    reg.units = 1;
+    h = mpt_dense(m, mpt_model_input(m), &dense);
+    mpt_model_add_output(m, mpt_dense(m, h, &cls));
+    mpt_model_add_output(m, mpt_dense(m, h, &reg));
+    memset(&cd, 0, sizeof cd);
+    cd.losses[0].type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.losses[1].type = MPT_LOSS_MEAN_SQUARED_ERROR;
+    cd.loss_weights = weights;
+    cd.output_metrics[0] = MPT_METRIC_ACCURACY;
+    cd.output_metrics[1] = MPT_METRIC_MEAN_ABSOLUTE_ERROR;
+    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
+        fuzz_die(mpt_context_error(ctx));
+    return m;
+}
+
 int main(int argc, char **argv) {
     mpt_context *ctx;
     if (argc != 2) {
@@ -330,6 +369,9 @@ int main(int argc, char **argv) {
         mpt_model_destroy(m);
         m = inputs_model(ctx);
         architecture_seed(ctx, m, "three_inputs.json");
+        mpt_model_destroy(m);
+        m = outputs_model(ctx);
+        architecture_seed(ctx, m, "two_outputs.json");
         mpt_model_destroy(m);
     }
     mpt_context_destroy(ctx);

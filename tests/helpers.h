@@ -212,6 +212,18 @@ static inline void ref_softmax_rows(double *y, int64_t rows, int64_t cols) {
     }
 }
 
+/* x · kernel + bias (bias may be NULL) for one sample of a Dense (in →
+   out, params in Keras order), in double. */
+static inline void ref_dense_sample(const double *x, const double *kernel, const double *bias,
+                                    int64_t in, int64_t out, double *y) {
+    int64_t i, o;
+    for (o = 0; o < out; o++) {
+        double s = bias ? bias[o] : 0;
+        for (i = 0; i < in; i++) s += x[i] * kernel[i * out + o];
+        y[o] = s;
+    }
+}
+
 /* Relative norm error ‖a − b‖ / max(‖b‖, 1e-30). */
 static inline double rel_err(const double *a, const double *b, int64_t n) {
     double num = 0, den = 0;
@@ -593,6 +605,26 @@ static inline double test_weight_diff(const mpt_model *a, const mpt_model *b) {
             den += y * y;
         }
     return sqrt(num / den);
+}
+
+/* Reads architecture JSON text as mpt_model_load reads a file's (parse,
+   then rebuild): *m the model, or NULL and the status of the refusal. */
+static inline mpt_status test_model_from_json(mpt_context *c, const char *doc, mpt_model **m) {
+    mpt__json j;
+    mpt_status s = mpt__json_parse(&j, c, "test", doc, (int64_t)strlen(doc));
+    *m = NULL;
+    if (s == MPT_OK) s = mpt__model_from_json(&j, c, m);
+    mpt__json_free(&j);
+    return s;
+}
+
+/* Case k of a table of hostile architecture JSON: refused (status s, no
+   model m) with a message (q's) that holds words. */
+static inline void test_json_refused(mpt_context *q, int k, mpt_status s, const mpt_model *m,
+                                     const char *words) {
+    CHECK(s != MPT_OK && !m, "case %d: read", k);
+    CHECK(strstr(mpt_context_error(q), words) != NULL, "case %d: message '%s' lacks '%s'", k,
+          mpt_context_error(q), words);
 }
 
 /* Two models trained alike, `two` on a strategy of replicas: each history

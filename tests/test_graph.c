@@ -25,17 +25,6 @@ static mpt_model *new_model(int64_t features, mpt_policy policy) {
     return m;
 }
 
-/* x · kernel + bias for one sample of a Dense (in → out, params in Keras order). */
-static void ref_dense(const double *x, const double *kernel, const double *bias, int64_t in,
-                      int64_t out, double *y) {
-    int64_t i, o;
-    for (o = 0; o < out; o++) {
-        double s = bias ? bias[o] : 0;
-        for (i = 0; i < in; i++) s += x[i] * kernel[i * out + o];
-        y[o] = s;
-    }
-}
-
 /* ---- a residual block: y = Dense(Add(tanh(Dense(x)), x)) --------------------- */
 
 enum { RES_F = 6, RES_OUT = 3 };
@@ -44,9 +33,9 @@ static void residual_ref(const gc_case *c, const double *x, double *const *p, do
     int64_t b, i;
     for (b = 0; b < c->batch; b++) {
         double h[RES_F];
-        ref_dense(x + b * RES_F, p[0], p[1], RES_F, RES_F, h);
+        ref_dense_sample(x + b * RES_F, p[0], p[1], RES_F, RES_F, h);
         for (i = 0; i < RES_F; i++) h[i] = tanh(h[i]) + x[b * RES_F + i];
-        ref_dense(h, p[2], p[3], RES_F, RES_OUT, y + b * RES_OUT);
+        ref_dense_sample(h, p[2], p[3], RES_F, RES_OUT, y + b * RES_OUT);
     }
 }
 
@@ -92,7 +81,7 @@ static void merge_forward_ref(const gc_case *c, const double *x, double *const *
             if (d->source[s] < 0)
                 memcpy(in[s], xb, sizeof in[s]);
             else
-                ref_dense(xb, p[2 * d->source[s]], p[2 * d->source[s] + 1], MERGE_F, MERGE_F,
+                ref_dense_sample(xb, p[2 * d->source[s]], p[2 * d->source[s] + 1], MERGE_F, MERGE_F,
                           in[s]);
         }
         for (i = 0; i < MERGE_F; i++) {
@@ -168,12 +157,12 @@ static void fan_out_ref(const gc_case *c, const double *x, double *const *p, dou
     (void)c;
     for (b = 0; b < c->batch; b++) {
         double h[4], u[4], v[4];
-        ref_dense(x + b * F, p[0], p[1], F, F, h);
+        ref_dense_sample(x + b * F, p[0], p[1], F, F, h);
         for (i = 0; i < F; i++) h[i] = h[i] > 0 ? h[i] : 0;
-        ref_dense(h, p[2], p[3], F, F, u);
-        ref_dense(h, p[4], p[5], F, F, v);
+        ref_dense_sample(h, p[2], p[3], F, F, u);
+        ref_dense_sample(h, p[4], p[5], F, F, v);
         for (i = 0; i < F; i++) u[i] += v[i];
-        ref_dense(u, p[6], p[7], F, 2, y + b * 2);
+        ref_dense_sample(u, p[6], p[7], F, 2, y + b * 2);
     }
 }
 
@@ -218,10 +207,10 @@ static void shared_ref(const gc_case *c, const double *x, double *const *p, doub
     int64_t b, i;
     for (b = 0; b < c->batch; b++) {
         double a1[4], h[4], a2[4];
-        ref_dense(x + b * F, p[0], p[1], F, F, a1);
-        ref_dense(x + b * F, p[2], p[3], F, F, h);
+        ref_dense_sample(x + b * F, p[0], p[1], F, F, a1);
+        ref_dense_sample(x + b * F, p[2], p[3], F, F, h);
         for (i = 0; i < F; i++) h[i] = h[i] > 0 ? h[i] : 0;
-        ref_dense(h, p[0], p[1], F, F, a2);
+        ref_dense_sample(h, p[0], p[1], F, F, a2);
         for (i = 0; i < F; i++) y[b * F + i] = tanh(a1[i]) + tanh(a2[i]);
     }
 }
@@ -266,9 +255,9 @@ static void unused_first_call_ref(const gc_case *c, const double *x, double *con
     int64_t b, i;
     for (b = 0; b < c->batch; b++) {
         double h[4];
-        ref_dense(x + b * F, p[2], p[3], F, F, h);
+        ref_dense_sample(x + b * F, p[2], p[3], F, F, h);
         for (i = 0; i < F; i++) h[i] = h[i] > 0 ? h[i] : 0;
-        ref_dense(h, p[0], p[1], F, F, y + b * F);
+        ref_dense_sample(h, p[0], p[1], F, F, y + b * F);
         for (i = 0; i < F; i++) y[b * F + i] = tanh(y[b * F + i]);
     }
 }

@@ -144,28 +144,18 @@ static void test_two_inputs_learn(void) {
 
 enum { G0 = 5, G1 = 4, GH = 3, GO = 2 };
 
-static void ref_dense(const double *x, const double *kernel, const double *bias, int64_t in,
-                      int64_t out, double *y) {
-    int64_t i, o;
-    for (o = 0; o < out; o++) {
-        double s = bias[o];
-        for (i = 0; i < in; i++) s += x[i] * kernel[i * out + o];
-        y[o] = s;
-    }
-}
-
 static void two_branch_ref(const gc_case *c, const double *x, double *const *p, double *y) {
     const double *x1 = x + c->batch * G0; /* input 1's batch follows input 0's */
     int64_t b, i;
     for (b = 0; b < c->batch; b++) {
         double h[2 * GH];
-        ref_dense(x + b * G0, p[0], p[1], G0, GH, h);
-        ref_dense(x1 + b * G1, p[2], p[3], G1, GH, h + GH);
+        ref_dense_sample(x + b * G0, p[0], p[1], G0, GH, h);
+        ref_dense_sample(x1 + b * G1, p[2], p[3], G1, GH, h + GH);
         for (i = 0; i < GH; i++) {
             h[i] = tanh(h[i]);
             h[GH + i] = 1 / (1 + exp(-h[GH + i]));
         }
-        ref_dense(h, p[4], p[5], 2 * GH, GO, y + b * GO);
+        ref_dense_sample(h, p[4], p[5], 2 * GH, GO, y + b * GO);
     }
 }
 
@@ -339,24 +329,17 @@ static void test_file_inputs_refused(void) {
     size_t k;
     for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char doc[2048];
-        mpt__json j;
-        mpt_model *m = NULL;
+        mpt_model *m;
         mpt_status s;
         snprintf(doc, sizeof doc, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[3],"
                  "\"policy\":\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":4,"
                  "\"layers\":[%s]}", cases[k].layers);
-        s = mpt__json_parse(&j, quiet, "test", doc, (int64_t)strlen(doc));
-        if (s == MPT_OK) s = mpt__model_from_json(&j, quiet, &m);
-        mpt__json_free(&j);
-        if (!cases[k].words) {
+        s = test_model_from_json(quiet, doc, &m);
+        if (!cases[k].words)
             CHECK(s == MPT_OK && mpt_model_input_count(m) == 2, "case %d: %s", (int)k,
                   mpt_context_error(quiet));
-        } else {
-            CHECK(s != MPT_OK && !m, "case %d: read", (int)k);
-            CHECK(strstr(mpt_context_error(quiet), cases[k].words) != NULL,
-                  "case %d: message '%s' lacks '%s'", (int)k, mpt_context_error(quiet),
-                  cases[k].words);
-        }
+        else
+            test_json_refused(quiet, (int)k, s, m, cases[k].words);
         mpt_model_destroy(m);
     }
 #undef INPUT_LAYER

@@ -315,26 +315,16 @@ static void test_keras_reference(void) {
 
 enum { G_IN = 5, G_H = 4, G_A = 3, G_B = 2 };
 
-static void ref_dense(const double *x, const double *kernel, const double *bias, int64_t in,
-                      int64_t out, double *y) {
-    int64_t i, o;
-    for (o = 0; o < out; o++) {
-        double s = bias[o];
-        for (i = 0; i < in; i++) s += x[i] * kernel[i * out + o];
-        y[o] = s;
-    }
-}
-
 static void two_output_ref(const gc_case *c, const double *x, double *const *p, double *y) {
     double *yb = y + c->batch * G_A; /* output 1's batch follows output 0's */
     int64_t n, i;
     for (n = 0; n < c->batch; n++) {
         double ha[G_H + G_A], z[G_B];
-        ref_dense(x + n * G_IN, p[0], p[1], G_IN, G_H, ha);
+        ref_dense_sample(x + n * G_IN, p[0], p[1], G_IN, G_H, ha);
         for (i = 0; i < G_H; i++) ha[i] = tanh(ha[i]);
-        ref_dense(ha, p[2], p[3], G_H, G_A, ha + G_H);
+        ref_dense_sample(ha, p[2], p[3], G_H, G_A, ha + G_H);
         for (i = 0; i < G_A; i++) y[n * G_A + i] = ha[G_H + i];
-        ref_dense(ha, p[4], p[5], G_H + G_A, G_B, z);
+        ref_dense_sample(ha, p[4], p[5], G_H + G_A, G_B, z);
         for (i = 0; i < G_B; i++) yb[n * G_B + i] = 1 / (1 + exp(-z[i]));
     }
 }
@@ -714,8 +704,7 @@ static void test_file_outputs_refused(void) {
     size_t k;
     for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char doc[2048], outputs[64] = "";
-        mpt__json j;
-        mpt_model *m = NULL;
+        mpt_model *m;
         mpt_status s;
         if (cases[k].outputs)
             snprintf(outputs, sizeof outputs, ",\"outputs\":%s", cases[k].outputs);
@@ -723,18 +712,12 @@ static void test_file_outputs_refused(void) {
                  "\"policy\":\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":4,"
                  "\"layers\":[%s]%s,\"compile\":{%s}}", cases[k].outputs ? LAYERS :
                  DENSE("h", "0", "4") "," DENSE("cls", "1", "3"), outputs, cases[k].compile);
-        s = mpt__json_parse(&j, quiet, "test", doc, (int64_t)strlen(doc));
-        if (s == MPT_OK) s = mpt__model_from_json(&j, quiet, &m);
-        mpt__json_free(&j);
-        if (!cases[k].words) {
+        s = test_model_from_json(quiet, doc, &m);
+        if (!cases[k].words)
             CHECK(s == MPT_OK && mpt_model_output_count(m) == 2, "case %d: %s", (int)k,
                   mpt_context_error(quiet));
-        } else {
-            CHECK(s != MPT_OK && !m, "case %d: read", (int)k);
-            CHECK(strstr(mpt_context_error(quiet), cases[k].words) != NULL,
-                  "case %d: message '%s' lacks '%s'", (int)k, mpt_context_error(quiet),
-                  cases[k].words);
-        }
+        else
+            test_json_refused(quiet, (int)k, s, m, cases[k].words);
         mpt_model_destroy(m);
     }
 #undef DENSE

@@ -57,6 +57,22 @@ static void randomize(mpt_model *m, unsigned long long seed) {
     mpt_model_refresh_weights(m);
 }
 
+/* Rounds every weight of m to the nearest float16 value (so that a float16
+   model of it computes with the very same weights). */
+static void round_weights_to_half(mpt_context *ctx, mpt_model *m) {
+    int i;
+    for (i = 0; i < mpt_model_param_count(m); i++) {
+        mpt_param_info p;
+        mpt_half *h;
+        mpt_model_param(m, i, &p);
+        h = (mpt_half *)malloc(sizeof(mpt_half) * (size_t)mpt_tensor_count(&p.value));
+        mpt_convert(ctx, MPT_FLOAT16, h, MPT_FLOAT32, p.value.data, mpt_tensor_count(&p.value));
+        mpt_convert(ctx, MPT_FLOAT32, p.value.data, MPT_FLOAT16, h, mpt_tensor_count(&p.value));
+        free(h);
+    }
+    mpt_model_refresh_weights(m);
+}
+
 enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE };
 
 /* CNN: Conv2D → BatchNormalization → ReLU → MaxPooling2D → Conv2D(tanh)
@@ -1292,7 +1308,7 @@ static void test_float16_conv_direct(void) {
             int64_t shape[4] = {N, cases[ci].h, cases[ci].w, cases[ci].c}, yshape[1] = {N}, k;
             float *xs = (float *)malloc(sizeof(float) * (size_t)count);
             int32_t ys[N] = {0};
-            int i, diff = 0;
+            int diff = 0;
             memset(&a, 0, sizeof a), memset(&b, 0, sizeof b);
             test_seed(400 + ci);
             for (k = 0; k < count; k++) xs[k] = (float)test_uniform(-1.0, 1.0);
@@ -1306,18 +1322,7 @@ static void test_float16_conv_direct(void) {
             mpt_model_add_flatten(m, NULL);
             CHECK(mpt_model_build(m, N) == MPT_OK, "build: %s", mpt_context_error(ctx));
             randomize(m, 500 + ci);
-            for (i = 0; i < mpt_model_param_count(m); i++) { /* float16 values already */
-                mpt_param_info p;
-                mpt_half *h;
-                mpt_model_param(m, i, &p);
-                h = (mpt_half *)malloc(sizeof(mpt_half) * (size_t)mpt_tensor_count(&p.value));
-                mpt_convert(ctx, MPT_FLOAT16, h, MPT_FLOAT32, p.value.data,
-                            mpt_tensor_count(&p.value));
-                mpt_convert(ctx, MPT_FLOAT32, p.value.data, MPT_FLOAT16, h,
-                            mpt_tensor_count(&p.value));
-                free(h);
-            }
-            mpt_model_refresh_weights(m);
+            round_weights_to_half(ctx, m);
             mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
             mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
             CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
@@ -1369,16 +1374,7 @@ static void test_float16_dense_in_place(void) {
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = 10});
         CHECK(mpt_model_build(m, N) == MPT_OK, "build: %s", mpt_context_error(ctx));
         randomize(m, 800 + threads);
-        for (i = 0; i < mpt_model_param_count(m); i++) { /* float16 values already */
-            mpt_param_info p;
-            mpt_half *h;
-            mpt_model_param(m, i, &p);
-            h = (mpt_half *)malloc(sizeof(mpt_half) * (size_t)mpt_tensor_count(&p.value));
-            mpt_convert(ctx, MPT_FLOAT16, h, MPT_FLOAT32, p.value.data, mpt_tensor_count(&p.value));
-            mpt_convert(ctx, MPT_FLOAT32, p.value.data, MPT_FLOAT16, h, mpt_tensor_count(&p.value));
-            free(h);
-        }
-        mpt_model_refresh_weights(m);
+        round_weights_to_half(ctx, m);
         mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
         mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
         CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,

@@ -30,6 +30,18 @@ static int on_path(mpt_context *ctx, int p) {
     return ctx && (mpt_context_cpu_features(ctx) & paths[p].needs) == paths[p].needs;
 }
 
+/* A context of `threads` threads on path p for the running test; NULL
+   when it cannot be made (the test fails) or this CPU lacks the path (the
+   test skips). */
+static mpt_context *path_ctx_for_test(int p, int threads) {
+    mpt_context *ctx = path_ctx(threads, paths[p].disable);
+    if (!ctx) CHECK(0, "context creation failed");
+    else if (!on_path(ctx, p)) SKIP("this CPU lacks the path");
+    else return ctx;
+    mpt_context_destroy(ctx);
+    return NULL;
+}
+
 #define POISON8 ((int8_t)0x5a)
 #define POISON32 ((int32_t)0x5a5a5a5a)
 
@@ -333,16 +345,8 @@ static void test_large(void) {
     for (p = 0; p < N_PATHS; p++) {
         test__begin();
         for (t = 1; t <= 3; t++) {
-            mpt_context *ctx = path_ctx(t, paths[p].disable);
-            if (!ctx) {
-                CHECK(0, "context creation failed");
-                break;
-            }
-            if ((mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
-                SKIP("this CPU lacks the path");
-                mpt_context_destroy(ctx);
-                break;
-            }
+            mpt_context *ctx = path_ctx_for_test(p, t);
+            if (!ctx) break;
             for (c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
                 qdata x;
                 char w[256];
@@ -375,16 +379,8 @@ static void test_few_rows(void) {
     for (p = 0; p < N_PATHS; p++) {
         test__begin();
         for (t = 1; t <= 2; t++) {
-            mpt_context *ctx = path_ctx(t, paths[p].disable);
-            if (!ctx) {
-                CHECK(0, "context creation failed");
-                break;
-            }
-            if ((mpt_context_cpu_features(ctx) & paths[p].needs) != paths[p].needs) {
-                SKIP("this CPU lacks the path");
-                mpt_context_destroy(ctx);
-                break;
-            }
+            mpt_context *ctx = path_ctx_for_test(p, t);
+            if (!ctx) break;
             test_seed(600 + (unsigned)t);
             for (mi = 0; mi < 7; mi++)
                 for (ni = 0; ni < 6; ni++)

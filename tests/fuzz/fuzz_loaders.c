@@ -1,5 +1,5 @@
 /* Every harness in one binary, so that mpt.h is compiled once under the
-   fuzzer and its sanitizers (four to five minutes of a core for each
+   fuzzer and its sanitizers (200 to 260 s of a core for each
    compile on the 2-core machine) instead of once per harness. build.sh
    links the binary under each harness's name (fuzz_idx, fuzz_csv,
    fuzz_weights, ...), and the name it runs by picks the harness:

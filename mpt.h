@@ -31355,6 +31355,7 @@ static void mpt__q_pool_float(const mpt__qop *op, int cpu, const float *x, float
     const mpt__win *g = &op->g;
     const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
     int64_t b, oy, ox, c, r, q, r0, r1, c0, c1;
+    (void)cpu; /* read only where the AVX-512 window is compiled */
     for (b = 0; b < n; b++, x += g->h * g->w * g->c)
         for (oy = 0; oy < g->oh; oy++)
             for (ox = 0; ox < g->ow; ox++, y += g->c) {

@@ -3,14 +3,18 @@
 # batch size, optimizer and thread count, run interleaved, and the samples/s
 # ratio of mpt.h to the fastest peer at equal precision.
 #
-#   bench/compare.sh                               # every model, 3 rounds, 2 threads
+#   bench/compare.sh                               # mlp, cnn_small, cnn; 3 rounds, 2 threads
 #   bench/compare.sh --model mlp --rounds 5
+#   bench/compare.sh --model resnet --rounds 3     # ResNet-20 (~6 min a round on 2 cores)
 #   bench/compare.sh --rounds 5 --quiet-wait 120   # on a shared host
 #
-# Models: mlp (examples/mlp.c), cnn_small (examples/cnn_small.c) and cnn
-# (examples/cnn.c), Fashion-MNIST, batch 128, Adam; each measured epoch runs
-# the same number of steps in all three after a warm-up fit (mlp 469 steps,
-# cnn_small 100, cnn 50). Each round runs, per model, build/bench_train
+# Models: mlp (examples/mlp.c), cnn_small (examples/cnn_small.c), cnn
+# (examples/cnn.c) and resnet (examples/resnet.c's ResNet-20,
+# examples/resnet20.h), Fashion-MNIST, batch 128, Adam; each measured epoch
+# runs the same number of steps in all three after a warm-up fit (mlp 469
+# steps, cnn_small 100, cnn 50, resnet 50). --model all is the first three,
+# as in bench_train: a round of resnet takes longer than the three together.
+# Each round runs, per model, build/bench_train
 # (every policy), bench/tf_train.py (float32, mixed_bfloat16) and
 # bench/torch_train.py (float32, bfloat16 autocast), rotating which goes
 # first, so that a noisy host hurts all of them alike.
@@ -24,7 +28,7 @@
 #
 # The peers get their fastest configuration:
 #   - TensorFlow: intra-op threads 2, inter-op 1, oneDNN as the wheel ships it,
-#     data from tf.data with prefetching.
+#     data from tf.data with prefetching, images NHWC (Keras' CPU layout).
 #   - PyTorch: OpenBLAS with the core type the CPU has (OPENBLAS_CORETYPE=
 #     SkylakeX with AVX-512, Haswell with AVX2; the environment may preset a
 #     slower one), glibc's malloc thresholds fixed (MALLOC_MMAP_THRESHOLD_,
@@ -34,7 +38,10 @@
 #     threads spin; OMP_WAIT_POLICY=PASSIVE: they sleep) is fastest here: a
 #     short probe before the rounds tries the four and keeps the fastest (the
 #     OpenBLAS build is picked with LD_LIBRARY_PATH; the system's alternative
-#     is left alone). The header says which it used.
+#     is left alone). The header says which it used. ResNet-20 runs
+#     channels last (torch.channels_last: oneDNN's convolutions without
+#     reorders; in a short run here 206 against 160 samples/s NCHW in
+#     float32, 205 against 178 in bfloat16), the other models NCHW.
 #
 # Output: a Markdown table of the medians over the rounds, one JSON line per
 # result ("train_result") and one per model and precision ("train_ratio":
@@ -63,14 +70,14 @@ while [ $# -gt 0 ]; do
     --batch-size) BATCH=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --quiet-wait) QUIET_WAIT=$2; shift 2 ;;
-    *) echo "usage: $0 [--model mlp|cnn_small|cnn|all] [--rounds N] [--threads N]" \
+    *) echo "usage: $0 [--model mlp|cnn_small|cnn|resnet|all] [--rounds N] [--threads N]" \
             "[--batch-size N] [--quiet-wait SECONDS]" >&2
        exit 2 ;;
     esac
 done
 case $MODEL in
 all) MODELS="mlp cnn_small cnn" ;;
-mlp|cnn_small|cnn) MODELS=$MODEL ;;
+mlp|cnn_small|cnn|resnet) MODELS=$MODEL ;;
 *) echo "compare.sh: unknown model $MODEL" >&2; exit 2 ;;
 esac
 
@@ -138,7 +145,7 @@ PRECISION = {"float32": {"mpt": "float32", "tensorflow": "float32", "pytorch": "
 groups = {}
 for r in rows:
     groups.setdefault((r["model"], r["framework"], r["policy"]), []).append(r)
-models = [m for m in ("mlp", "cnn_small", "cnn") if any(k[0] == m for k in groups)]
+models = [m for m in ("mlp", "cnn_small", "cnn", "resnet") if any(k[0] == m for k in groups)]
 versions = {r["framework"]: r["version"] + (" (" + r["config"] + ")" if "config" in r else "")
             for r in rows}
 for fw in ("mpt", "tensorflow", "pytorch"):

@@ -2,9 +2,8 @@
    Fashion-MNIST, for the seed MLP, the small CNN (examples/cnn_small.c),
    the CNN (examples/cnn.c) and, when asked for, ResNet-20
    (examples/resnet.c's layers, examples/resnet20.h) under each precision
-   policy,
-   and the time per step split into forward (with the loss), backward and
-   update, as fit records them in the model's history.
+   policy, and the time per step split into forward (with the loss),
+   backward and update, as fit records them in the model's history.
 
        gcc -std=c99 -O2 -I. bench/bench_train.c -o build/bench_train -lpthread -lm -lz
        ./build/bench_train                       (the three seed models, every policy; ~1 min)
@@ -26,8 +25,8 @@
        --cnn-samples N     [6400]  the first N training images (50 batches),
                                    to keep the CNN's run short
        --resnet-samples N  [6400]  the first N training images (50 batches)
-                                   for resnet: ~15 s an epoch in mixed
-                                   precision on 2 cores
+                                   for resnet: 13-15 s an epoch on 2
+                                   idle cores
        --warmup-samples N  [1280]  a short fit of the same model before the
                                    measured one (builds it, warms caches)
        --repeat N          [1]    measured one-epoch fits per result; the
@@ -35,8 +34,9 @@
        --data DIR          [/usr/share/datasets/fashion-mnist]
 
    Every model: batch 128, Adam 1e-3 (Keras' epsilon 1e-7), sparse
-   categorical crossentropy on a final softmax (fit fuses the softmax into the loss), shuffled every epoch,
-   no metrics (the PyTorch twin, bench/torch_train.py, computes none either).
+   categorical crossentropy on a final softmax (fit fuses the softmax into
+   the loss), shuffled every epoch, no metrics (the PyTorch twin,
+   bench/torch_train.py, computes none either).
 
    Prints a Markdown table and one JSON line per result. samples_per_s is
    the history's "samples_per_second" (samples / wall time of the epoch,
@@ -46,6 +46,9 @@
    batch, bookkeeping). */
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
 #include "mpt.h"
 #include "common.h"
 #include "../examples/resnet20.h"
@@ -71,20 +74,36 @@ typedef struct result {
     double samples_per_s, forward_ms, backward_ms, update_ms, other_ms;
 } result;
 
+/* A flag's value as a whole number from 0 to max, all of it, or -1 (which
+   the checks below refuse): atoi would read "5x" as 5 and "x" as 0. */
+static int64_t whole_number(const char *value, int64_t max) {
+    char *end;
+    long long n;
+    errno = 0;
+    n = strtoll(value, &end, 10);
+    if (!isdigit((unsigned char)value[0]) || *end || errno == ERANGE || n > max) return -1;
+    return n;
+}
+
 static int parse_options(int argc, char **argv, options *o) {
     int i;
     for (i = 1; i + 1 < argc; i += 2) {
         const char *flag = argv[i], *value = argv[i + 1];
         if (!strcmp(flag, "--model")) o->model = value;
         else if (!strcmp(flag, "--policy")) o->policy = value;
-        else if (!strcmp(flag, "--threads")) o->threads = atoi(value);
-        else if (!strcmp(flag, "--batch-size")) o->batch_size = atoll(value);
-        else if (!strcmp(flag, "--mlp-samples")) o->mlp_samples = atoll(value);
-        else if (!strcmp(flag, "--cnn-small-samples")) o->cnn_small_samples = atoll(value);
-        else if (!strcmp(flag, "--cnn-samples")) o->cnn_samples = atoll(value);
-        else if (!strcmp(flag, "--resnet-samples")) o->resnet_samples = atoll(value);
-        else if (!strcmp(flag, "--warmup-samples")) o->warmup_samples = atoll(value);
-        else if (!strcmp(flag, "--repeat")) o->repeat = atoi(value);
+        else if (!strcmp(flag, "--threads")) o->threads = (int)whole_number(value, INT_MAX);
+        else if (!strcmp(flag, "--batch-size")) o->batch_size = whole_number(value, INT64_MAX);
+        else if (!strcmp(flag, "--mlp-samples"))
+            o->mlp_samples = whole_number(value, INT64_MAX);
+        else if (!strcmp(flag, "--cnn-small-samples"))
+            o->cnn_small_samples = whole_number(value, INT64_MAX);
+        else if (!strcmp(flag, "--cnn-samples"))
+            o->cnn_samples = whole_number(value, INT64_MAX);
+        else if (!strcmp(flag, "--resnet-samples"))
+            o->resnet_samples = whole_number(value, INT64_MAX);
+        else if (!strcmp(flag, "--warmup-samples"))
+            o->warmup_samples = whole_number(value, INT64_MAX);
+        else if (!strcmp(flag, "--repeat")) o->repeat = (int)whole_number(value, INT_MAX);
         else if (!strcmp(flag, "--data")) o->data = value;
         else break;
     }

@@ -48,7 +48,9 @@
 # mpt.h float32 / the fastest peer's float32, mpt.h mixed_bfloat16 / the
 # fastest peer's bfloat16), from the medians ("ratio"), the best runs
 # ("ratio_best": interference only ever slows a run down) and round by round
-# ("ratio_per_round": runs adjacent in time, so under similar load), with
+# ("ratio_per_round": runs adjacent in time, and "others_cores_per_round",
+# the cores other processes kept busy during mpt.h's run and the peer's:
+# a round of resnet lasts minutes, and the load can change within it), with
 # "met" for the >= 1.5 target and "moonshot_met" for >= 2. Every run records
 # how many cores other processes kept busy meanwhile ("others_cores"). Raw
 # JSON lines are kept in build/compare/.
@@ -63,18 +65,27 @@ QUIET_WAIT=0
 VENV=build/venv-peers
 TF_SPEC=${TF_SPEC:-tensorflow-cpu==2.21.*}
 SYS_PY=/usr/bin/python3
+usage() {
+    echo "usage: $0 [--model mlp|cnn_small|cnn|resnet|all] [--rounds N] [--threads N]" \
+         "[--batch-size N] [--quiet-wait SECONDS]" >&2
+    exit 2
+}
 while [ $# -gt 0 ]; do
+    [ $# -ge 2 ] || usage # every option takes a value (set -u would stop at $2 unset)
     case $1 in
     --rounds) ROUNDS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --batch-size) BATCH=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --quiet-wait) QUIET_WAIT=$2; shift 2 ;;
-    *) echo "usage: $0 [--model mlp|cnn_small|cnn|resnet|all] [--rounds N] [--threads N]" \
-            "[--batch-size N] [--quiet-wait SECONDS]" >&2
-       exit 2 ;;
+    *) usage ;;
     esac
 done
+# whole numbers, or seq would run no round and the summary would be empty
+for n in "$ROUNDS" "$THREADS" "$BATCH" "$QUIET_WAIT"; do
+    case $n in '' | *[!0-9]*) usage ;; esac
+done
+[ "$ROUNDS" -ge 1 ] && [ "$THREADS" -ge 1 ] && [ "$BATCH" -ge 1 ] || usage
 case $MODEL in
 all) MODELS="mlp cnn_small cnn" ;;
 mlp|cnn_small|cnn|resnet) MODELS=$MODEL ;;
@@ -178,8 +189,8 @@ for (model, fw, policy), rs in sorted(groups.items(), key=lambda kv: (
                     "runs": len(s), "others_cores": med(rs, "others_cores")})
 print()
 
-def per_round(model, fw, policy):
-    return {r["round"]: r["samples_per_s"] for r in groups.get((model, fw, policy), [])}
+def per_round(model, fw, policy, key="samples_per_s"):
+    return {r["round"]: r[key] for r in groups.get((model, fw, policy), [])}
 
 ratios = []
 print("| model | precision | mpt.h samples/s | fastest peer | peer samples/s | ratio "
@@ -198,18 +209,25 @@ for model in models:
         m_best = max(r["samples_per_s"] for r in mine)
         p_best = max(max(r["samples_per_s"] for r in rs) for rs in peers.values())
         a = per_round(model, "mpt", policy["mpt"])
-        b = {}
+        a_load = per_round(model, "mpt", policy["mpt"], "others_cores")
+        b, b_load = {}, {}  # the round's fastest peer run, and its load
         for fw in peers:
+            load = per_round(model, fw, policy[fw], "others_cores")
             for k, v in per_round(model, fw, policy[fw]).items():
-                b[k] = max(b.get(k, 0), v)
+                if v > b.get(k, 0):
+                    b[k], b_load[k] = v, load[k]
         paired = [round(a[k] / b[k], 3) for k in sorted(a) if b.get(k)]
+        # a round's runs are minutes apart: the load each had says whether
+        # the pair is fair
+        paired_load = [[a_load[k], b_load[k]] for k in sorted(a) if b.get(k)]
         ratio = m_med / peer_med[fastest]
         line = {"bench": "train_ratio", "model": model, "precision": precision,
                 "mpt_policy": policy["mpt"], "peer": fastest, "peer_policy": policy[fastest],
                 "mpt_samples_per_s": round(m_med, 1),
                 "peer_samples_per_s": round(peer_med[fastest], 1),
                 "ratio": round(ratio, 3), "ratio_best": round(m_best / p_best, 3),
-                "ratio_per_round": paired, "target": 1.5, "met": bool(ratio >= 1.5),
+                "ratio_per_round": paired, "others_cores_per_round": paired_load,
+                "target": 1.5, "met": bool(ratio >= 1.5),
                 "moonshot_met": bool(ratio >= 2.0)}
         ratios.append(line)
         print(f"| {model} | {precision} | {m_med:,.0f} | {NAMES[fastest]} {policy[fastest]} "

@@ -3,14 +3,18 @@
 # batch size, optimizer and thread count, run interleaved, and the samples/s
 # ratio of mpt.h to the fastest peer at equal precision.
 #
-#   bench/compare.sh                               # every model, 3 rounds, 2 threads
+#   bench/compare.sh                               # mlp, cnn_small, cnn; 3 rounds, 2 threads
 #   bench/compare.sh --model mlp --rounds 5
+#   bench/compare.sh --model resnet --rounds 3     # ResNet-20 (~6 min a round on 2 cores)
 #   bench/compare.sh --rounds 5 --quiet-wait 120   # on a shared host
 #
-# Models: mlp (examples/mlp.c), cnn_small (examples/cnn_small.c) and cnn
-# (examples/cnn.c), Fashion-MNIST, batch 128, Adam; each measured epoch runs
-# the same number of steps in all three after a warm-up fit (mlp 469 steps,
-# cnn_small 100, cnn 50). Each round runs, per model, build/bench_train
+# Models: mlp (examples/mlp.c), cnn_small (examples/cnn_small.c), cnn
+# (examples/cnn.c) and resnet (examples/resnet.c's ResNet-20,
+# examples/resnet20.h), Fashion-MNIST, batch 128, Adam; each measured epoch
+# runs the same number of steps in all three after a warm-up fit (mlp 469
+# steps, cnn_small 100, cnn 50, resnet 50). --model all is the first three,
+# as in bench_train: a round of resnet takes longer than the three together.
+# Each round runs, per model, build/bench_train
 # (every policy), bench/tf_train.py (float32, mixed_bfloat16) and
 # bench/torch_train.py (float32, bfloat16 autocast), rotating which goes
 # first, so that a noisy host hurts all of them alike.
@@ -24,7 +28,7 @@
 #
 # The peers get their fastest configuration:
 #   - TensorFlow: intra-op threads 2, inter-op 1, oneDNN as the wheel ships it,
-#     data from tf.data with prefetching.
+#     data from tf.data with prefetching, images NHWC (Keras' CPU layout).
 #   - PyTorch: OpenBLAS with the core type the CPU has (OPENBLAS_CORETYPE=
 #     SkylakeX with AVX-512, Haswell with AVX2; the environment may preset a
 #     slower one), glibc's malloc thresholds fixed (MALLOC_MMAP_THRESHOLD_,
@@ -34,14 +38,19 @@
 #     threads spin; OMP_WAIT_POLICY=PASSIVE: they sleep) is fastest here: a
 #     short probe before the rounds tries the four and keeps the fastest (the
 #     OpenBLAS build is picked with LD_LIBRARY_PATH; the system's alternative
-#     is left alone). The header says which it used.
+#     is left alone). The header says which it used. ResNet-20 runs
+#     channels last (torch.channels_last: oneDNN's convolutions without
+#     reorders; in a short run here 206 against 160 samples/s NCHW in
+#     float32, 205 against 178 in bfloat16), the other models NCHW.
 #
 # Output: a Markdown table of the medians over the rounds, one JSON line per
 # result ("train_result") and one per model and precision ("train_ratio":
 # mpt.h float32 / the fastest peer's float32, mpt.h mixed_bfloat16 / the
 # fastest peer's bfloat16), from the medians ("ratio"), the best runs
 # ("ratio_best": interference only ever slows a run down) and round by round
-# ("ratio_per_round": runs adjacent in time, so under similar load), with
+# ("ratio_per_round": runs adjacent in time, and "others_cores_per_round",
+# the cores other processes kept busy during mpt.h's run and the peer's:
+# a round of resnet lasts minutes, and the load can change within it), with
 # "met" for the >= 1.5 target and "moonshot_met" for >= 2. Every run records
 # how many cores other processes kept busy meanwhile ("others_cores"). Raw
 # JSON lines are kept in build/compare/.
@@ -56,21 +65,30 @@ QUIET_WAIT=0
 VENV=build/venv-peers
 TF_SPEC=${TF_SPEC:-tensorflow-cpu==2.21.*}
 SYS_PY=/usr/bin/python3
+usage() {
+    echo "usage: $0 [--model mlp|cnn_small|cnn|resnet|all] [--rounds N] [--threads N]" \
+         "[--batch-size N] [--quiet-wait SECONDS]" >&2
+    exit 2
+}
 while [ $# -gt 0 ]; do
+    [ $# -ge 2 ] || usage # every option takes a value (set -u would stop at $2 unset)
     case $1 in
     --rounds) ROUNDS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --batch-size) BATCH=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --quiet-wait) QUIET_WAIT=$2; shift 2 ;;
-    *) echo "usage: $0 [--model mlp|cnn_small|cnn|all] [--rounds N] [--threads N]" \
-            "[--batch-size N] [--quiet-wait SECONDS]" >&2
-       exit 2 ;;
+    *) usage ;;
     esac
 done
+# whole numbers, or seq would run no round and the summary would be empty
+for n in "$ROUNDS" "$THREADS" "$BATCH" "$QUIET_WAIT"; do
+    case $n in '' | *[!0-9]*) usage ;; esac
+done
+[ "$ROUNDS" -ge 1 ] && [ "$THREADS" -ge 1 ] && [ "$BATCH" -ge 1 ] || usage
 case $MODEL in
 all) MODELS="mlp cnn_small cnn" ;;
-mlp|cnn_small|cnn) MODELS=$MODEL ;;
+mlp|cnn_small|cnn|resnet) MODELS=$MODEL ;;
 *) echo "compare.sh: unknown model $MODEL" >&2; exit 2 ;;
 esac
 
@@ -138,7 +156,7 @@ PRECISION = {"float32": {"mpt": "float32", "tensorflow": "float32", "pytorch": "
 groups = {}
 for r in rows:
     groups.setdefault((r["model"], r["framework"], r["policy"]), []).append(r)
-models = [m for m in ("mlp", "cnn_small", "cnn") if any(k[0] == m for k in groups)]
+models = [m for m in ("mlp", "cnn_small", "cnn", "resnet") if any(k[0] == m for k in groups)]
 versions = {r["framework"]: r["version"] + (" (" + r["config"] + ")" if "config" in r else "")
             for r in rows}
 for fw in ("mpt", "tensorflow", "pytorch"):
@@ -171,8 +189,8 @@ for (model, fw, policy), rs in sorted(groups.items(), key=lambda kv: (
                     "runs": len(s), "others_cores": med(rs, "others_cores")})
 print()
 
-def per_round(model, fw, policy):
-    return {r["round"]: r["samples_per_s"] for r in groups.get((model, fw, policy), [])}
+def per_round(model, fw, policy, key="samples_per_s"):
+    return {r["round"]: r[key] for r in groups.get((model, fw, policy), [])}
 
 ratios = []
 print("| model | precision | mpt.h samples/s | fastest peer | peer samples/s | ratio "
@@ -191,18 +209,25 @@ for model in models:
         m_best = max(r["samples_per_s"] for r in mine)
         p_best = max(max(r["samples_per_s"] for r in rs) for rs in peers.values())
         a = per_round(model, "mpt", policy["mpt"])
-        b = {}
+        a_load = per_round(model, "mpt", policy["mpt"], "others_cores")
+        b, b_load = {}, {}  # the round's fastest peer run, and its load
         for fw in peers:
+            load = per_round(model, fw, policy[fw], "others_cores")
             for k, v in per_round(model, fw, policy[fw]).items():
-                b[k] = max(b.get(k, 0), v)
+                if v > b.get(k, 0):
+                    b[k], b_load[k] = v, load[k]
         paired = [round(a[k] / b[k], 3) for k in sorted(a) if b.get(k)]
+        # a round's runs are minutes apart: the load each had says whether
+        # the pair is fair
+        paired_load = [[a_load[k], b_load[k]] for k in sorted(a) if b.get(k)]
         ratio = m_med / peer_med[fastest]
         line = {"bench": "train_ratio", "model": model, "precision": precision,
                 "mpt_policy": policy["mpt"], "peer": fastest, "peer_policy": policy[fastest],
                 "mpt_samples_per_s": round(m_med, 1),
                 "peer_samples_per_s": round(peer_med[fastest], 1),
                 "ratio": round(ratio, 3), "ratio_best": round(m_best / p_best, 3),
-                "ratio_per_round": paired, "target": 1.5, "met": bool(ratio >= 1.5),
+                "ratio_per_round": paired, "others_cores_per_round": paired_load,
+                "target": 1.5, "met": bool(ratio >= 1.5),
                 "moonshot_met": bool(ratio >= 2.0)}
         ratios.append(line)
         print(f"| {model} | {precision} | {m_med:,.0f} | {NAMES[fastest]} {policy[fastest]} "

@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """TensorFlow twin of bench/bench_train.c: samples/s of one training epoch of
-the seed MLP, the small CNN and the CNN on Fashion-MNIST on the CPU, for
-comparison with mpt.h.
+the seed MLP, the small CNN, the CNN and ResNet-20 on Fashion-MNIST on the
+CPU, for comparison with mpt.h.
 
-    build/venv-peers/bin/python bench/tf_train.py                 # every model, float32
+    build/venv-peers/bin/python bench/tf_train.py                 # mlp, cnn_small, cnn; float32
     build/venv-peers/bin/python bench/tf_train.py --model mlp --repeat 3 --bf16
+    build/venv-peers/bin/python bench/tf_train.py --model resnet --bf16
 
 Same models (Keras layers, as the seeds wrote them), data, batch size (128),
 optimizer (Adam, lr 1e-3, Keras' eps 1e-7), loss (sparse categorical
 crossentropy on logits: the softmax fused into the loss, as mpt.h's fit fuses
 it), shuffling every epoch and thread count (intra-op parallelism 2, inter-op
 1) as bench_train. The MLP trains on all 60,000 training images, the small CNN
-on the first 12,800 and the CNN on the first 6,400. Each measured epoch
+on the first 12,800, the CNN and ResNet-20 on the first 6,400. Each measured epoch
 follows a warm-up fit over the first 1,280 images of the same model (it
 traces and builds the training function).
 
@@ -22,7 +23,8 @@ new pass over a finite tf.data pipeline stalled about 1.8 s at the start of
 every second epoch or so, outside the training steps: 35 % of a 6,400-image
 cnn epoch. A repeated dataset with steps_per_epoch keeps one pass going.)
 Keras does not split a step into forward, backward and update, so those
-fields are null.
+fields are null. Images are NHWC (channels last): the layout Keras' Conv2D
+takes on the CPU, and the one oneDNN's kernels run without a transpose.
 
 --bf16 also measures the Keras "mixed_bfloat16" policy (float32 variables,
 bfloat16 compute; the last Dense layer in float32 as Keras advises). Prints a
@@ -56,16 +58,21 @@ def logits():
     return layers.Dense(10, dtype="float32")
 
 
+def sequential(*stack):
+    """A Sequential model of the layers, for 28×28×1 images."""
+    return keras.Sequential([keras.Input((28, 28, 1)), *stack])
+
+
 def mlp():
     """Flatten -> Dense(1024, relu) -> Dense(10)."""
-    return [layers.Flatten(), layers.Dense(1024, activation="relu"), logits()]
+    return sequential(layers.Flatten(), layers.Dense(1024, activation="relu"), logits())
 
 
 def cnn_small():
     """examples/cnn_small.c: Conv2D(32, 3, relu) -> MaxPool(2) -> Flatten ->
     Dense(128, relu) -> Dense(10)."""
-    return [layers.Conv2D(32, 3, activation="relu"), layers.MaxPooling2D(2), layers.Flatten(),
-            layers.Dense(128, activation="relu"), logits()]
+    return sequential(layers.Conv2D(32, 3, activation="relu"), layers.MaxPooling2D(2),
+                      layers.Flatten(), layers.Dense(128, activation="relu"), logits())
 
 
 def cnn():
@@ -75,8 +82,39 @@ def cnn():
         return [layers.Conv2D(filters, 3, activation="relu"), layers.BatchNormalization(),
                 layers.Conv2D(filters, 3, activation="relu"), layers.MaxPooling2D(2),
                 layers.Dropout(0.25)]
-    return [*block(32), *block(64), layers.Flatten(), layers.Dense(512, activation="relu"),
-            layers.BatchNormalization(), layers.Dropout(0.5), logits()]
+    return sequential(*block(32), *block(64), layers.Flatten(),
+                      layers.Dense(512, activation="relu"), layers.BatchNormalization(),
+                      layers.Dropout(0.5), logits())
+
+
+def resnet():
+    """examples/resnet20.h's ResNet-20, in the functional API as there:
+    Conv2D(16, 3, same, no bias) -> BN -> ReLU, 3 stages of 3 basic blocks
+    (16, 32, 64 filters; Conv2D -> BN -> ReLU -> Conv2D -> BN, Add with the
+    shortcut, ReLU; the first block of stages 2 and 3 with stride 2 and a
+    1×1 Conv2D + BN shortcut), GlobalAveragePooling2D, Dense(10).
+    he_normal kernels, Keras' BatchNormalization defaults."""
+    def conv(x, filters, size, stride):
+        return layers.Conv2D(filters, size, strides=stride, padding="same", use_bias=False,
+                             kernel_initializer="he_normal")(x)
+
+    def bn(x):
+        return layers.BatchNormalization()(x)
+
+    def relu(x):
+        return layers.Activation("relu")(x)
+
+    inputs = keras.Input((28, 28, 1))
+    x = relu(bn(conv(inputs, 16, 3, 1)))
+    for stage, filters in enumerate((16, 32, 64)):
+        for block in range(3):
+            stride = 2 if stage > 0 and block == 0 else 1
+            y = relu(bn(conv(x, filters, 3, stride)))
+            y = bn(conv(y, filters, 3, 1))
+            shortcut = x if stride == 1 else bn(conv(x, filters, 1, stride))
+            x = relu(layers.Add()([y, shortcut]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, logits()(x))
 
 
 def dataset(x, y, batch, seed):
@@ -116,12 +154,12 @@ def main():
     framework = {"framework": "tensorflow", "version": tf.__version__, "config": config}
     lines = []
     for name, build, samples in train_peers.selected_models(
-            args, {"mlp": mlp, "cnn_small": cnn_small, "cnn": cnn}):
+            args, {"mlp": mlp, "cnn_small": cnn_small, "cnn": cnn, "resnet": resnet}):
         samples = min(samples, x.shape[0])
         for policy in policies:
             keras.mixed_precision.set_global_policy(policy)
             keras.utils.set_random_seed(42)
-            model = keras.Sequential([keras.Input((28, 28, 1)), *build()])
+            model = build()
             model.compile(optimizer=keras.optimizers.Adam(1e-3),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             w = args.warmup_samples

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """PyTorch twin of bench/bench_train.c: samples/s of one training epoch of the
-seed MLP, the small CNN and the CNN on Fashion-MNIST on the CPU, for comparison with mpt.h.
+seed MLP, the small CNN, the CNN and ResNet-20 on Fashion-MNIST on the CPU,
+for comparison with mpt.h.
 
-    /usr/bin/python3 bench/torch_train.py                 # every model, float32
+    /usr/bin/python3 bench/torch_train.py                 # mlp, cnn_small, cnn; float32
     /usr/bin/python3 bench/torch_train.py --model mlp --repeat 3 --bf16
+    /usr/bin/python3 bench/torch_train.py --model resnet --bf16
 
 Same models, data, batch size (128), optimizer (Adam, lr 1e-3, eps 1e-7 as
 Keras), loss (CrossEntropyLoss on logits: the softmax fused into the loss, as
 mpt.h's fit fuses it), shuffling every epoch, and thread count
 (torch.set_num_threads(2), one inter-op thread). The MLP trains on all
-60,000 training images, the small CNN on the first 12,800 and the CNN on the
-first 6,400, as bench_train does.
+60,000 training images, the small CNN on the first 12,800, the CNN and
+ResNet-20 on the first 6,400, as bench_train does.
 Each measured epoch follows a warm-up pass over the first 1,280 images.
 
 The time per step is split as bench_train splits it: forward = the model and
@@ -22,7 +24,13 @@ a batch is gathered by indexing with the epoch's permutation.
 --bf16 also measures torch.autocast("cpu", dtype=torch.bfloat16) where the
 installed torch supports it (the model's weights stay float32, as mpt.h's
 mixed_bfloat16). Prints a Markdown table and one JSON line per result.
+
+ResNet-20 runs channels last (torch.channels_last: the weights, and each
+batch of images, so oneDNN's convolutions take and give NHWC without
+reordering); --memory-format contiguous runs it NCHW instead. The other
+models stay NCHW, as they were measured.
 """
+import math
 import os
 import re
 import statistics
@@ -69,7 +77,54 @@ def cnn():
                          nn.Linear(512, 10))
 
 
-def epoch(model, opt, loss_fn, x, y, batch, autocast, generator):
+def he_normal_(weight):
+    """Keras' he_normal: a normal of stddev sqrt(2 / fan_in) truncated at two
+    standard deviations (the stddev corrected for the truncation)."""
+    fan_in = weight[0].numel()
+    std = math.sqrt(2.0 / fan_in) / 0.87962566103423978
+    nn.init.trunc_normal_(weight, 0.0, std, -2 * std, 2 * std)
+
+
+def conv_bn(cin, cout, size, stride):
+    """Conv2D(cout, size, stride, same, no bias, he_normal) -> BatchNormalization
+    (Keras' defaults). Keras' "same" pads a stride-2 convolution of an even
+    image by one at the bottom and right only; padding=size // 2 pads both
+    sides and gives the same output size."""
+    conv = nn.Conv2d(cin, cout, size, stride=stride, padding=size // 2, bias=False)
+    he_normal_(conv.weight)
+    return nn.Sequential(conv, nn.BatchNorm2d(cout, eps=1e-3, momentum=0.01))
+
+
+class BasicBlock(nn.Module):
+    """Conv -> BN -> ReLU -> Conv -> BN, plus the shortcut (a 1×1 Conv + BN
+    where the block has stride 2), then ReLU."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.first = conv_bn(cin, cout, 3, stride)
+        self.second = conv_bn(cout, cout, 3, 1)
+        self.shortcut = conv_bn(cin, cout, 1, stride) if stride != 1 else nn.Identity()
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        y = self.second(self.relu(self.first(x)))
+        return self.relu(y + self.shortcut(x))
+
+
+def resnet():
+    """examples/resnet20.h's ResNet-20: Conv2D(16, 3, same, no bias) -> BN ->
+    ReLU, 3 stages of 3 basic blocks (16, 32, 64 filters; the first block of
+    stages 2 and 3 with stride 2), global average pooling, Dense(10)."""
+    stack = [conv_bn(1, 16, 3, 1), nn.ReLU()]
+    cin = 16
+    for stage, filters in enumerate((16, 32, 64)):
+        for block in range(3):
+            stack.append(BasicBlock(cin, filters, 2 if stage > 0 and block == 0 else 1))
+            cin = filters
+    return nn.Sequential(*stack, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
+def epoch(model, opt, loss_fn, x, y, batch, autocast, generator, memory_format):
     """One shuffled epoch; returns (seconds, forward, backward, update seconds, steps)."""
     n = x.shape[0]
     order = torch.randperm(n, generator=generator)
@@ -79,7 +134,7 @@ def epoch(model, opt, loss_fn, x, y, batch, autocast, generator):
     start = time.perf_counter()
     for i in range(0, n, batch):
         idx = order[i:i + batch]
-        xb, yb = x[idx], y[idx]
+        xb, yb = x[idx].contiguous(memory_format=memory_format), y[idx]
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         if autocast is not None:
@@ -138,11 +193,15 @@ def matmul_gflops():
 
 
 def main():
-    args = train_peers.parse_args(
-        __doc__.split("\n")[0], "also bfloat16 autocast, if supported",
-        lambda ap: ap.add_argument(
-            "--config", default=None,
-            help="how the caller set PyTorch up (BLAS, environment), for the JSON lines"))
+    def options(ap):
+        ap.add_argument("--config", default=None,
+                        help="how the caller set PyTorch up (BLAS, environment), for the JSON lines")
+        ap.add_argument("--memory-format", default="channels_last",
+                        choices=["channels_last", "contiguous"],
+                        help="ResNet-20's layout (the other models run contiguous, NCHW)")
+
+    args = train_peers.parse_args(__doc__.split("\n")[0], "also bfloat16 autocast, if supported",
+                                  options)
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
@@ -172,25 +231,28 @@ def main():
                  "config": config, "matmul_gflops": round(gflops, 1)}
     lines = []
     for name, build, samples in train_peers.selected_models(
-            args, {"mlp": mlp, "cnn_small": cnn_small, "cnn": cnn}):
+            args, {"mlp": mlp, "cnn_small": cnn_small, "cnn": cnn, "resnet": resnet}):
         xs, ys = x[:samples], y[:samples]
+        layout = args.memory_format if name == "resnet" else "contiguous"
+        memory_format = getattr(torch, f"{layout}_format" if layout == "contiguous" else layout)
         for policy, dtype in policies:
             torch.manual_seed(42)
             gen = torch.Generator().manual_seed(42)
-            model = build()
+            model = build().to(memory_format=memory_format)
             model.train()
             opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
             loss_fn = nn.CrossEntropyLoss()
             epoch(model, opt, loss_fn, x[:args.warmup_samples], y[:args.warmup_samples],
-                  args.batch_size, dtype, gen)
-            runs = [epoch(model, opt, loss_fn, xs, ys, args.batch_size, dtype, gen)
+                  args.batch_size, dtype, gen, memory_format)
+            runs = [epoch(model, opt, loss_fn, xs, ys, args.batch_size, dtype, gen, memory_format)
                     for _ in range(args.repeat)]
             rate = train_peers.rates(samples, [r[0] for r in runs])
             med = lambda k: statistics.median(1e3 * r[k] / r[4] for r in runs)  # noqa: E731
             other = statistics.median(1e3 * (r[0] - r[1] - r[2] - r[3]) / r[4] for r in runs)
             step_ms = (med(1), med(2), med(3), other)
             train_peers.table_row(name, policy, rate, [f"{ms:.2f}" for ms in step_ms])
-            lines.append(train_peers.result_line(framework, name, policy, torch.get_num_threads(),
+            lines.append(train_peers.result_line({**framework, "memory_format": layout}, name,
+                                                 policy, torch.get_num_threads(),
                                                  args.batch_size, samples, args.repeat, rate,
                                                  step_ms))
     train_peers.print_lines(lines)

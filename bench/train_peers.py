@@ -7,7 +7,8 @@ import argparse
 import json
 import statistics
 
-MODELS = ("mlp", "cnn_small", "cnn")  # bench_train's order
+MODELS = ("mlp", "cnn_small", "cnn", "resnet")  # bench_train's order
+ALL = ("mlp", "cnn_small", "cnn")  # what --model all runs, as in bench_train (not resnet)
 
 
 def parse_args(description, bf16_help, add_extra=None):
@@ -20,6 +21,7 @@ def parse_args(description, bf16_help, add_extra=None):
     ap.add_argument("--mlp-samples", type=int, default=60000)
     ap.add_argument("--cnn-small-samples", type=int, default=12800)
     ap.add_argument("--cnn-samples", type=int, default=6400)
+    ap.add_argument("--resnet-samples", type=int, default=6400)
     ap.add_argument("--warmup-samples", type=int, default=1280)
     ap.add_argument("--repeat", type=int, default=1, help="measured epochs; the median is reported")
     ap.add_argument("--bf16", action="store_true", help=bf16_help)
@@ -33,9 +35,9 @@ def selected_models(args, builders):
     """(name, builder, samples) for each model that --model selects, in
     bench_train's order; builders maps each name to its builder."""
     samples = {"mlp": args.mlp_samples, "cnn_small": args.cnn_small_samples,
-               "cnn": args.cnn_samples}
+               "cnn": args.cnn_samples, "resnet": args.resnet_samples}
     return [(name, builders[name], samples[name]) for name in MODELS
-            if args.model in ("all", name)]
+            if args.model == name or (args.model == "all" and name in ALL)]
 
 
 def rates(samples, seconds):

@@ -1,5 +1,6 @@
 /* ResNet-20 (He et al. 2016, the CIFAR variant) on Fashion-MNIST, written
-   with the functional form, as Keras' functional API writes it:
+   with the functional form, as Keras' functional API writes it (the layers
+   are in resnet20.h, which bench/bench_train.c times too):
        Conv2D(16, 3, same, no bias) -> BatchNormalization -> ReLU
        3 stages of 3 basic blocks, 16, 32 and 64 filters:
            Conv2D(3, same) -> BN -> ReLU -> Conv2D(3, same) -> BN,
@@ -24,49 +25,14 @@
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
-
-/* Conv2D without a bias (the BatchNormalization after it has one), he_normal. */
-static mpt_node conv(mpt_model *m, mpt_node x, int64_t filters, int64_t size, int64_t stride) {
-    return mpt_conv2d(m, x, &(mpt_conv2d_desc){ .filters = filters,
-                                                 .kernel_size = { size, size },
-                                                 .strides = { stride, stride },
-                                                 .padding = MPT_PADDING_SAME, .no_bias = 1,
-                                                 .kernel_initializer = MPT_INIT_HE_NORMAL });
-}
-
-static mpt_node bn(mpt_model *m, mpt_node x) { return mpt_batch_normalization(m, x, NULL); }
-
-static mpt_node relu(mpt_model *m, mpt_node x) {
-    return mpt_activation_layer(m, x, &(mpt_activation_desc){ .activation = MPT_ACT_RELU });
-}
-
-/* One basic block; stride 2 halves the image and takes a projection shortcut. */
-static mpt_node basic_block(mpt_model *m, mpt_node x, int64_t filters, int64_t stride) {
-    mpt_node y = relu(m, bn(m, conv(m, x, filters, 3, stride)));
-    mpt_node sum[2];
-    sum[0] = bn(m, conv(m, y, filters, 3, 1));
-    sum[1] = stride == 1 ? x : bn(m, conv(m, x, filters, 1, stride));
-    return relu(m, mpt_add(m, 2, sum, NULL));
-}
+#include "resnet20.h" /* the layers, shared with bench/bench_train.c */
 
 static mpt_status build_resnet20(mpt_context *ctx, const options *o, mpt_model **out) {
-    static const int64_t filters[3] = { 16, 32, 64 };
-    mpt_model *m;
-    mpt_node x;
-    int stage, block;
     mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 },
                                                             .input_rank = 3, .policy = o->policy,
-                                                            .seed = o->seed }, &m);
-    if (s != MPT_OK) return s;
-    x = relu(m, bn(m, conv(m, mpt_model_input(m), 16, 3, 1)));
-    for (stage = 0; stage < 3; stage++)
-        for (block = 0; block < 3; block++)
-            x = basic_block(m, x, filters[stage], stage > 0 && block == 0 ? 2 : 1);
-    x = mpt_global_average_pooling2d(m, x, NULL);
-    mpt_dense(m, x, &(mpt_dense_desc){ .units = 10, .activation = MPT_ACT_SOFTMAX });
-    /* a failed call above is kept by the model; build (below) returns it */
-    *out = m;
-    return MPT_OK;
+                                                            .seed = o->seed }, out);
+    if (s == MPT_OK) s = add_resnet20_layers(*out);
+    return s;
 }
 
 int main(int argc, char **argv) {

@@ -98,9 +98,9 @@ install_packages() {
 # -DMPT_NO_IMPLEMENTATION, and sets no MPT_ option of its own) is compiled
 # so and linked with one implementation object per set of flags; any other
 # program compiles the implementation itself. Every object is rebuilt only
-# when a checksum of its inputs (the flags, its source, mpt.h and its
-# folder's headers) changed: taken before the compiler reads them, so an
-# edit during a build is not lost.
+# when a checksum of its inputs (the flags, its source, mpt.h, its
+# folder's headers and examples/'s, which bench/ shares) changed: taken
+# before the compiler reads them, so an edit during a build is not lost.
 #
 # A flavour names a set of flags and a folder:
 #   plain   -O2 -g, warnings as errors: what ./build.sh builds, into build/
@@ -129,7 +129,8 @@ flavour_dir() { if [ "$1" = plain ]; then echo "$B"; else echo "$B/$1"; fi; }
 uses_public_api_only() {
     local src=$1 name answer
     name=$(basename "$src" .c)
-    answer=$B/api/$name.$(cat "$src" mpt.h "$(dirname "$src")"/*.h 2>/dev/null | md5sum | cut -c1-32)
+    answer=$B/api/$name.$(cat "$src" mpt.h "$(dirname "$src")"/*.h examples/*.h 2>/dev/null |
+        md5sum | cut -c1-32)
     if [ ! -e "$answer" ]; then
         mkdir -p "$B/api" && rm -f "$B/api/$name".*
         if ! grep -qE '^#define MPT_(NO_|STATIC|CUDA|MPI)' "$src" &&
@@ -143,7 +144,7 @@ uses_public_api_only() {
 }
 
 # inputs_sum FLAGS SOURCE: the checksum that decides a rebuild.
-inputs_sum() { { echo "$1"; cat "$2" mpt.h "$(dirname "$2")"/*.h 2>/dev/null; } | md5sum; }
+inputs_sum() { { echo "$1"; cat "$2" mpt.h "$(dirname "$2")"/*.h examples/*.h 2>/dev/null; } | md5sum; }
 
 # impl_object FLAVOUR: DIR/obj/mpt.o, the implementation, when stale.
 impl_object() {

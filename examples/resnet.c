@@ -1,15 +1,8 @@
 /* ResNet-20 (He et al. 2016, the CIFAR variant) on Fashion-MNIST, written
-   with the functional form, as Keras' functional API writes it (the layers
-   are in resnet20.h, which bench/bench_train.c times too):
-       Conv2D(16, 3, same, no bias) -> BatchNormalization -> ReLU
-       3 stages of 3 basic blocks, 16, 32 and 64 filters:
-           Conv2D(3, same) -> BN -> ReLU -> Conv2D(3, same) -> BN,
-           Add with the shortcut, ReLU
-       (the first block of stages 2 and 3 has stride 2, and a 1x1 Conv2D
-       of stride 2 + BN on its shortcut)
-       -> GlobalAveragePooling2D -> Dense(10, softmax)
-   he_normal kernels, Adam 1e-3, batch 128, validation on the last 10,000
-   training images.
+   with the functional form, as Keras' functional API writes it: the
+   layers (drawn there) are in resnet20.h, which bench/bench_train.c times
+   too. he_normal kernels, Adam 1e-3, batch 128, validation on the last
+   10,000 training images.
 
    Build: cc -O2 resnet.c -lpthread -lm -lz -o resnet       (in examples/)
    Run:   ./resnet [--policy ...] [--epochs 15] [--batch-size 128] [--threads N]

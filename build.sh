@@ -213,6 +213,17 @@ build_program() {
         { cat "$o.link.log"; return 1; }
 }
 
+# timed COMMAND...: COMMAND, then a line saying how long it took (the
+# jobs of the check's first queue: which one to make cheaper next).
+timed() {
+    local t0 rc
+    t0=$(date +%s)
+    "$@"
+    rc=$?
+    echo "  $*: $(($(date +%s) - t0)) s"
+    return $rc
+}
+
 # spawn COMMAND...: COMMAND in the background, at most JOBS at a time.
 spawn() {
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
@@ -836,8 +847,8 @@ fuzz_build_jobs() {
     command -v "$FUZZ_CC" >/dev/null || return 0
     rm -rf "$FUZZ/seeds" "$FUZZ"/*.build.failed
     for name in $FUZZ_HARNESSES; do mkdir -p "$FUZZ/seeds/$name" "$FUZZ/corpus/$name"; done
-    spawn fuzz_build_job loaders
-    spawn fuzz_build_job seeds
+    spawn timed fuzz_build_job loaders
+    spawn timed fuzz_build_job seeds
 }
 
 fuzz_build_results() {
@@ -1403,11 +1414,11 @@ run_check() {
         "nvcc, MPI ($(elapsed))"
     compile_sources
     fuzz_build_jobs
-    spawn gpu_pack_job
-    for kind in c99 c11 portable cxx; do spawn compile_job $kind; done
-    spawn cuda_compile_job
-    spawn mpi_build_job cuda
-    spawn mpi_build_job strategy
+    spawn timed gpu_pack_job
+    for kind in c99 c11 portable cxx; do spawn timed compile_job $kind; done
+    spawn timed cuda_compile_job
+    spawn timed mpi_build_job cuda
+    spawn timed mpi_build_job strategy
     wait
     fuzz_build_results
     compile_results

@@ -254,13 +254,15 @@
      it is defined is declared where it is used ("Defined below, in ...").
        @backend-shared    the rules both backends run: NaNs and bfloat16
                           rounding, Philox, loss scaling, arithmetic rounded at
-                          every step, the loss's tally, the learning-rate
-                          schedule, the optimizers' coefficients and updates,
-                          GELU (both forms) and the sigmoid, the losses'
-                          element terms, BatchNormalization's 1/sqrt(var +
-                          eps) and LayerNormalization's steps (mpt__ln_*), int8
-                          requantization, tested on the host (internal;
+                          every step, the loss's tally, r2_score's and AUC's
+                          sums, tested on the host (internal;
                           MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
+       @backend-shared-training  the learning-rate schedule, the
+                          optimizers' coefficients and updates, gradient
+                          accumulation, GELU (both forms) and the sigmoid, the
+                          losses' element terms, BatchNormalization's
+                          1/sqrt(var + eps) and LayerNormalization's steps
+                          (mpt__ln_*), attention's rules, int8 requantization
        @impl-status       the status codes' strings
        @impl-context      the context: allocator, logging and errors,
                           checked size arithmetic (made: @impl-context-life)
@@ -3696,6 +3698,13 @@ static inline MPT__HD void mpt__r2_terms(float pred, float target, double w, dou
 static inline MPT__HD int mpt__metric_list_bits(int l, int metrics, int weighted_metrics) {
     return (l ? weighted_metrics : metrics) & MPT__METRICS_EPOCH;
 }
+
+/* =============================================================================
+   @backend-shared-training: a step's shared rules: updates, activations, losses, norms (internal)
+   =============================================================================
+
+   The second half of @backend-shared: what a training step computes per
+   element on either backend. */
 
 /* ---- the learning rate and the optimizers' update -------------------------
    mpt__cpu_update (@impl-optimizers) and mpt__cuda_update run these: the

@@ -1311,6 +1311,27 @@ static mpt_model *inputs_model(mpt_context *c, mpt_strategy *s) {
     return m;
 }
 
+/* A fresh emulated device (its counters zeroed) on a context of 2 threads,
+   and for replicas > 1 a mirrored strategy of that many on the CPU's
+   context and on the device's (else both NULL). */
+static mpt_context *device_and_strategies(int replicas, mpt_strategy **s_cpu,
+                                          mpt_strategy **s_dev) {
+    mpt_context *dc = NULL;
+    *s_cpu = *s_dev = NULL;
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    if (replicas > 1)
+        CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                            .num_replicas = replicas},
+                                  s_cpu) == MPT_OK &&
+                  mpt_strategy_create(dc, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
+                                                               .num_replicas = replicas},
+                                      s_dev) == MPT_OK,
+              "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    return dc;
+}
+
 static void fit_inputs_on_the_device(int replicas) {
     mpt_context *dc = NULL;
     mpt_strategy *s_cpu = NULL, *s_dev = NULL;
@@ -1322,17 +1343,7 @@ static void fit_inputs_on_the_device(int replicas) {
     for (i = 0; i < N * 4; i++) two_vec[i] = (float)test_uniform(-1, 1);
     for (i = 0; i < N; i++) two_vec[i * 4] = ys[i] % 2 ? 0.8f : -0.8f;
     for (i = 0; i < N * 3; i++) two_ids[i] = test_randint(0, 5);
-    memset(&dev, 0, sizeof dev);
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
-    use_emulated_device(dc);
-    if (replicas > 1)
-        CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
-                                                            .num_replicas = replicas},
-                                  &s_cpu) == MPT_OK &&
-                  mpt_strategy_create(dc, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
-                                                               .num_replicas = replicas},
-                                      &s_dev) == MPT_OK,
-              "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    dc = device_and_strategies(replicas, &s_cpu, &s_dev);
     d_cpu = inputs_dataset(ctx);
     d_gpu = inputs_dataset(dc);
     cpu = inputs_model(ctx, s_cpu);
@@ -1432,17 +1443,7 @@ static void fit_outputs_on_the_device(int replicas) {
         for (k = 0; k < SIDE * SIDE; k++) sum += xs[i * SIDE * SIDE + k];
         brightness[i] = (float)(sum / (SIDE * SIDE));
     }
-    memset(&dev, 0, sizeof dev);
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
-    use_emulated_device(dc);
-    if (replicas > 1)
-        CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
-                                                            .num_replicas = replicas},
-                                  &s_cpu) == MPT_OK &&
-                  mpt_strategy_create(dc, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
-                                                               .num_replicas = replicas},
-                                      &s_dev) == MPT_OK,
-              "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    dc = device_and_strategies(replicas, &s_cpu, &s_dev);
     d_cpu = outputs_dataset(ctx);
     d_gpu = outputs_dataset(dc);
     cpu = outputs_model(ctx, s_cpu);

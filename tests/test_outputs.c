@@ -657,6 +657,20 @@ static void test_model_file_round_trip(void) {
         mpt_tensor_free(ctx, &pa[k]);
         mpt_tensor_free(ctx, &pb[k]);
     }
+    /* the trained model goes on an epoch and saves a checkpoint; the
+       loaded one (an epoch behind) resumes from it: the next epoch ends on
+       the same weights in both */
+    snprintf(path, sizeof path, "%s/two_outputs_state.safetensors", tmpdir);
+    CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 3, .batch_size = 32}) == MPT_OK &&
+              mpt_model_save_checkpoint(m, path) == MPT_OK &&
+              mpt_model_load_checkpoint(back, path) == MPT_OK,
+          "checkpoint: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 4, .batch_size = 32}) == MPT_OK &&
+              mpt_model_fit(back, train, &(mpt_fit_desc){.epochs = 4, .batch_size = 32}) ==
+                  MPT_OK,
+          "fit after the checkpoint: %s", mpt_context_error(ctx));
+    CHECK(test_weight_diff(back, m) == 0, "resumed from the checkpoint: weights differ by %.3g "
+          "(relative norm)", test_weight_diff(back, m));
 done:
     mpt_model_destroy(back);
     mpt_model_destroy(m);

@@ -8,9 +8,11 @@
    mirrored strategy against 1 with the global batch; a declared single
    output that trains as an undeclared one; loss scaling through every
    output; the labels carried through splits; predict per output; the
-   logs' and the progress line's names; a model file's round trip and
-   hostile architecture JSON; and the refusals (outputs, compile, data,
-   what does not take such a model yet). On the emulated GPU:
+   logs' and the progress line's names; a profiled fit with TensorBoard
+   (the per-layer table's heads, each output's tags in the events) and
+   out-of-memory halving, both ending where a plain run ends; a model
+   file's round trip and hostile architecture JSON; and the refusals
+   (outputs, compile, data, what does not take such a model yet). On the emulated GPU:
    tests/test_backend.c; on a GPU: tests/test_cuda.c. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
@@ -37,6 +39,7 @@ typedef struct task_data {
 } task_data;
 
 static task_data data;
+static int64_t task_memory_limit; /* task_model's memory_limit (0: none) */
 
 static void make_data(void) {
     int64_t i, j;
@@ -74,7 +77,8 @@ static mpt_model *task_model(mpt_context *c, mpt_policy policy, const float *los
     mpt_model *m = NULL;
     mpt_node h, cls, reg;
     CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {F}, .input_rank = 1,
-                                                .policy = policy, .seed = 7},
+                                                .policy = policy, .seed = 7,
+                                                .memory_limit = task_memory_limit},
                            &m) == MPT_OK,
           "create: %s", mpt_context_error(c));
     h = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 32,
@@ -984,6 +988,118 @@ static void test_unsupported(void) {
     mpt_model_destroy(m);
 }
 
+/* ---- the tools around fit: the profiler, TensorBoard, out-of-memory halving -------- */
+
+/* Whether the file at path holds the bytes of text (an event file's tags
+   are stored as they are, inside its records). */
+static int file_holds(const char *path, const char *text) {
+    static char bytes[1 << 20];
+    FILE *f = fopen(path, "rb");
+    size_t n = f ? fread(bytes, 1, sizeof bytes - 1, f) : 0, len = strlen(text), i;
+    if (f) fclose(f);
+    for (i = 0; i + len <= n; i++)
+        if (memcmp(bytes + i, text, len) == 0) return 1;
+    return 0;
+}
+
+/* The one events file fit wrote into dir (its name: where fit put it). */
+static int events_file(const char *dir, char *path, size_t size) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int found = 0;
+    while (d && (e = readdir(d)) != NULL)
+        if (strncmp(e->d_name, "events.out.tfevents.", 20) == 0) {
+            snprintf(path, size, "%s/%s", dir, e->d_name);
+            found++;
+        }
+    if (d) closedir(d);
+    return found == 1;
+}
+
+/* A profiled fit with TensorBoard's callback: training ends bit for bit
+   where the plain fit ends; the per-layer table has a row for each head;
+   the events hold each output's loss and metric under Keras' names. */
+static void test_profiler_and_tensorboard(void) {
+    static float plain_w[1024], profiled_w[1024];
+    static char printed[16384];
+    static const char *const tags[] = {"epoch_loss", "epoch_cls_loss", "epoch_reg_loss",
+                                       "epoch_cls_accuracy", "epoch_reg_mean_absolute_error"};
+    mpt_dataset *train = task_dataset(ctx, 0, N_TRAIN, 0);
+    mpt_model *plain = task_model(ctx, MPT_POLICY_MIXED_FLOAT16, NULL, NULL);
+    mpt_model *profiled = task_model(ctx, MPT_POLICY_MIXED_FLOAT16, NULL, NULL);
+    test_text out = {printed, sizeof printed, 0};
+    mpt_callback tb;
+    mpt_fit_desc f = fit_for(2, 32);
+    char profile_dir[600], tb_dir[600], train_dir[700], events[1000];
+    size_t k;
+    CHECK(mpt_model_fit(plain, train, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    snprintf(profile_dir, sizeof profile_dir, "%s/profile", tmpdir);
+    snprintf(tb_dir, sizeof tb_dir, "%s/tb", tmpdir);
+    CHECK(mpt_callback_tensorboard(ctx, &(mpt_tensorboard_desc){.log_dir = tb_dir}, &tb) ==
+              MPT_OK,
+          "tensorboard: %s", mpt_context_error(ctx));
+    f.profile_batch[0] = 20;
+    f.profile_batch[1] = 40; /* 32 steps an epoch: into the second */
+    f.profile_dir = profile_dir;
+    f.callbacks = &tb;
+    f.n_callbacks = 1;
+    f.verbose = 2;
+    f.printer = (mpt_printer){test_text_append, &out};
+    test_text_clear(&out);
+    CHECK(mpt_model_fit(profiled, train, &f) == MPT_OK, "profiled fit: %s",
+          mpt_context_error(ctx));
+    test_weights_of(plain, plain_w, 1024);
+    test_weights_of(profiled, profiled_w, 1024);
+    CHECK(memcmp(plain_w, profiled_w, sizeof plain_w) == 0, "profiling changed the weights");
+    CHECK(strstr(printed, "\n cls ") || strstr(printed, "\ncls "), "no row for cls in:\n%s",
+          printed);
+    CHECK(strstr(printed, "\n reg ") || strstr(printed, "\nreg "), "no row for reg in:\n%s",
+          printed);
+    snprintf(train_dir, sizeof train_dir, "%s/train", tb_dir);
+    CHECK(events_file(train_dir, events, sizeof events), "one events file in %s", train_dir);
+    for (k = 0; k < sizeof tags / sizeof tags[0]; k++)
+        CHECK(file_holds(events, tags[k]), "%s lacks the tag %s", events, tags[k]);
+    mpt_callback_destroy(&tb);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(profiled);
+    mpt_dataset_destroy(train);
+}
+
+/* fit's out-of-memory recovery plans every output's buffers: a model that
+   fits batches of 16 but not 64 is halved twice and ends, bit for bit,
+   where a run at 16 ends. */
+static void test_out_of_memory_halves(void) {
+    static float ref_w[1024], got_w[1024];
+    mpt_dataset *train = task_dataset(ctx, 0, N_TRAIN / 4, 0);
+    mpt_model *probe = task_model(ctx, MPT_POLICY_FLOAT32, NULL, NULL), *ref, *m;
+    mpt_memory_report mem;
+    mpt_fit_desc f = fit_for(2, 16);
+    CHECK(mpt_model_build(probe, 16) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    mpt_model_memory(probe, &mem);
+    ref = task_model(ctx, MPT_POLICY_FLOAT32, NULL, NULL);
+    CHECK(mpt_model_fit(ref, train, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    task_memory_limit = mem.total; /* batches of 16 fit exactly; 32 and 64 do not */
+    m = task_model(quiet, MPT_POLICY_FLOAT32, NULL, NULL);
+    task_memory_limit = 0;
+    f.batch_size = 64;
+    test_expect_error(quiet, mpt_model_fit(m, train, &f), MPT_ERR_OUT_OF_MEMORY, "memory",
+                      "fit at 64 without recovery");
+    f.on_out_of_memory = MPT_OOM_HALVE_BATCH;
+    CHECK(mpt_model_fit(m, train, &f) == MPT_OK, "fit: %s", mpt_context_error(quiet));
+    CHECK(m->max_batch == 16, "halved to 16, not %lld", (long long)m->max_batch);
+    test_weights_of(ref, ref_w, 1024);
+    test_weights_of(m, got_w, 1024);
+    CHECK(memcmp(ref_w, got_w, sizeof ref_w) == 0, "the weights of a run at 16");
+    CHECK(history_value(m, "reg_loss", 1) == history_value(ref, "reg_loss", 1) &&
+              history_value(m, "cls_accuracy", 1) == history_value(ref, "cls_accuracy", 1),
+          "the history of a run at 16: reg_loss %.9g vs %.9g",
+          history_value(m, "reg_loss", 1), history_value(ref, "reg_loss", 1));
+    mpt_model_destroy(probe);
+    mpt_model_destroy(ref);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(train);
+}
+
 /* The summary of a model of two outputs: its usual table. */
 static void test_model_summary(void) {
     mpt_model *m = task_model(ctx, MPT_POLICY_FLOAT32, NULL, NULL);
@@ -1008,6 +1124,8 @@ static void cases(void) {
     TEST_RUN(test_logs_and_progress);
     TEST_RUN(test_predict_outputs);
     TEST_RUN(test_labels_through_splits);
+    TEST_RUN(test_profiler_and_tensorboard);
+    TEST_RUN(test_out_of_memory_halves);
     TEST_RUN(test_model_file_round_trip);
     TEST_RUN(test_file_outputs_refused);
     TEST_RUN(test_bad_outputs);

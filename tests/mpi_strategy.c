@@ -9,6 +9,7 @@
               with a TensorBoard callback on each, only worker 0 creates
               its log_dir;
      differ   worker 1 builds another model: both fail, naming worker 1;
+              a model of two outputs: both refuse it at build;
      stuck    worker 1 stops answering mid-epoch: worker 0 fails with a
               clear error after the strategy's timeout (2 s) instead of
               waiting forever (then leaves without MPI_Finalize, so that
@@ -294,6 +295,35 @@ static void test_match(void) {
     epoch_metrics(1);
 }
 
+/* A model of two outputs: refused by build on every worker, naming why
+   (the labels are not yet shared out between workers), before any
+   collective could wait for a worker that refused. */
+static void several_outputs_refused(mpt_context *q) {
+    mpt_strategy *s = workers(30);
+    mpt_model *m = NULL;
+    mpt_node h;
+    int refused[2] = {0, 0}, mine;
+    mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                          .seed = 5, .strategy = s}, &m);
+    h = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 8,
+                                                           .activation = MPT_ACT_RELU});
+    mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = CLASSES,
+                                                               .activation = MPT_ACT_SOFTMAX}));
+    mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = 1}));
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = {.learning_rate = 0.05f},
+        .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                   {.type = MPT_LOSS_MEAN_SQUARED_ERROR}}});
+    mine = mpt_model_build(m, 32) == MPT_ERR_UNSUPPORTED &&
+           strstr(mpt_context_error(q), "several outputs (2) under a strategy of several workers");
+    MPI_Allgather(&mine, 1, MPI_INT, refused, 1, MPI_INT, MPI_COMM_WORLD);
+    CHECK(refused[0] && refused[1], "two outputs on two workers: worker 0 %s, worker 1 %s (%s)",
+          refused[0] ? "refused" : "accepted", refused[1] ? "refused" : "accepted",
+          mpt_context_error(q));
+    mpt_model_destroy(m);
+    mpt_strategy_destroy(s);
+}
+
 static void test_differ(void) {
     mpt_context *q = quiet_ctx();
     mpt_context *keep = ctx;
@@ -313,6 +343,7 @@ static void test_differ(void) {
           mpt_context_error(q));
     mpt_model_destroy(m);
     mpt_strategy_destroy(s);
+    several_outputs_refused(q);
     ctx = keep;
     mpt_context_destroy(q);
 }

@@ -3332,6 +3332,13 @@ extern int mpt_cuda_kernels_unloaded(void);
    MPT_GEMM_CUBLASLT, else MPT_LOG_INFO). */
 extern int64_t mpt_cuda_lt_refusals(const void *impl);
 
+/* Whether cuBLASLt's float32 GEMMs on a CUDA backend round their operands
+   to TF32 (10 mantissa bits, products summed in float32): only when the
+   environment had MPT_ALLOW_TF32=1 as the context was made, an opt-in as
+   PyTorch's allow_tf32; by default float32 is true float32. The
+   hand-written engine's products are not affected. */
+extern int mpt_cuda_allows_tf32(const void *impl);
+
 /* How many GEMMs `engine` (MPT_GEMM_MPT, MPT_GEMM_WGMMA or
    MPT_GEMM_CUBLASLT) ran so far on a CUDA backend, AUTO's timing runs
    included; a shape that engine could not run counts for the one that ran

@@ -103,6 +103,7 @@ typedef struct mpt__cuda {
     mpt_gemm_engine gemm_engine;        /* from the context desc / $MPT_GEMM */
     struct mpt__gemm_cache *gemm_cache; /* the GEMM part's                  */
     int index64;                /* $MPT_CUDA_INDEX64=1: im2col/col2im index in 64 bits */
+    int allow_tf32;             /* $MPT_ALLOW_TF32=1: cuBLASLt's float32 products in TF32 */
     int64_t used[MPT_MEMORY_COUNT_];    /* bytes allocated per category     */
     int64_t peak[MPT_MEMORY_COUNT_];
     int64_t limit;                      /* 0: none                          */
@@ -1520,7 +1521,12 @@ static mpt_status mpt__cuda_gemm_lt_build(mpt__cuda *c, mpt__cuda_gemm_lt *lt,
             break;                                                                          \
         }                                                                                   \
     }
-        MPT__LT_TRY(cublasLtMatmulDescCreate(&lt->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        /* float32 is true float32 unless the user opted in to TF32 (its
+           operands rounded to 10 mantissa bits, as PyTorch's allow_tf32) */
+        MPT__LT_TRY(cublasLtMatmulDescCreate(
+            &lt->op, ab == MPT_FLOAT32 && c->allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                          : CUBLAS_COMPUTE_32F,
+            CUDA_R_32F));
         MPT__LT_TRY(cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_POINTER_MODE,
                                                    &host, sizeof host));
         MPT__LT_TRY(cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_b,
@@ -6239,6 +6245,7 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
     c->gemm_engine = engine;
     c->limit = desc->device_memory_limit;
     c->index64 = getenv("MPT_CUDA_INDEX64") && !strcmp(getenv("MPT_CUDA_INDEX64"), "1");
+    c->allow_tf32 = getenv("MPT_ALLOW_TF32") && !strcmp(getenv("MPT_ALLOW_TF32"), "1");
     c->logger = desc->logger;
     if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
@@ -6797,6 +6804,10 @@ mpt_status mpt_cuda_backend_create(const mpt_context_desc *desc, const mpt_backe
     *table = mpt__cuda_backend();
     *impl = c;
     return MPT_OK;
+}
+
+int mpt_cuda_allows_tf32(const void *impl) {
+    return impl ? ((const mpt__cuda *)impl)->allow_tf32 : 0;
 }
 
 int64_t mpt_cuda_lt_refusals(const void *impl) {

@@ -561,6 +561,72 @@ static void test_lt_refusals_are_logged(void) {
 }
 #endif
 
+#ifdef MPT_CUDA
+/* MPT_ALLOW_TF32=1 opts cuBLASLt's float32 products in to TF32: a context
+   made with it says so (mpt_cuda_allows_tf32), one made without it does
+   not, and both are right within their precision against the CPU: true
+   float32 to 1e-5, TF32 (operands rounded to 10 mantissa bits) to 2e-3. */
+static void tf32_context(backend *b, int allow) {
+    mpt_context_desc d;
+    memset(b, 0, sizeof *b);
+    memset(&d, 0, sizeof d);
+    d.gemm = MPT_GEMM_CUBLASLT;
+    if (allow) setenv("MPT_ALLOW_TF32", "1", 1);
+    else unsetenv("MPT_ALLOW_TF32");
+    b->label = allow ? "cuda (cublaslt, MPT_ALLOW_TF32=1)" : "cuda (cublaslt)";
+    CHECK(mpt_context_create(&d, &b->ctx) == MPT_OK, "context: %s", mpt_context_error(b->ctx));
+    unsetenv("MPT_ALLOW_TF32");
+    if (b->ctx) b->t = mpt_context_backend(b->ctx, &b->impl);
+}
+
+static void test_tf32_opt_in(void) {
+    backend plain, tf32;
+    gemm_case g;
+    gemm_inputs in;
+    void *ref, *got[2];
+    double err[2];
+    int64_t i, j;
+    memset(&g, 0, sizeof g);
+    g.m = 192;
+    g.n = 160;
+    g.k = 1024;
+    g.ab = MPT_FLOAT32;
+    g.c_dtype = MPT_FLOAT32;
+    g.alpha = 1;
+    tf32_context(&plain, 0);
+    tf32_context(&tf32, 1);
+    if (!plain.t || !tf32.t) goto done;
+    CHECK(!mpt_cuda_allows_tf32(plain.impl) && mpt_cuda_allows_tf32(tf32.impl),
+          "allows_tf32: %d without the variable, %d with it", mpt_cuda_allows_tf32(plain.impl),
+          mpt_cuda_allows_tf32(tf32.impl));
+    in = gemm_make_inputs(&g);
+    ref = gemm_run(&cpu_be, &g, MPT_FLOAT32, &in);
+    got[0] = gemm_run(&plain, &g, MPT_FLOAT32, &in);
+    got[1] = gemm_run(&tf32, &g, MPT_FLOAT32, &in);
+    for (i = 0; i < 2; i++) { /* C's rows are ldc apart: compare row by row */
+        double num = 0, den = 0;
+        for (j = 0; j < g.m * g.n; j++) {
+            int64_t at = (j / g.n) * in.ldc + j % g.n;
+            double r = load_value(MPT_FLOAT32, ref, at), o = load_value(MPT_FLOAT32, got[i], at);
+            num += (o - r) * (o - r);
+            den += r * r;
+        }
+        err[i] = sqrt(num) / sqrt(den > 0 ? den : 1);
+    }
+    printf("# float32 gemm 192x160x1024 against the CPU: %.3g true float32, %.3g with TF32\n",
+           err[0], err[1]);
+    CHECK(err[0] <= 1e-5, "true float32: relative error %.3g > 1e-5", err[0]);
+    CHECK(err[1] <= 2e-3, "TF32: relative error %.3g > 2e-3", err[1]);
+    free(ref);
+    free(got[0]);
+    free(got[1]);
+    gemm_free_inputs(&in);
+done:
+    close_backend(&plain);
+    close_backend(&tf32);
+}
+#endif
+
 /* The elementwise ReLU and its gradient give the CPU's bits on special
    values: NaN passes, ±0 gives +0, a NaN y or dy passes dy. */
 static void test_relu_special_values(void) {
@@ -4623,6 +4689,8 @@ static void run_gemm_tests(void) {
 #ifdef MPT_CUDA
     test__run("gemm: a shape cuBLASLt refuses is counted, logged once, and still right",
               test_lt_refusals_are_logged);
+    test__run("gemm: MPT_ALLOW_TF32=1 opts float32 in to TF32 (<= 2e-3; off: <= 1e-5)",
+              test_tf32_opt_in);
 #endif
     test__run("gemm: 128x128 and 64x64 tiles, chosen and forced, 1536x1600x200 (<= 1e-2)",
               test_gemm_tiles);

@@ -972,7 +972,8 @@ find_torch_gpu_python() {
 #             `test_cuda quick`, initcheck on one epoch of examples/mlp.c at
 #             batch 1024 (--tools memcheck,initcheck picks some)
 #   bench     bench/bench_cuda.c
-#   torch     bench/torch_gpu_train.py where PyTorch sees the GPU
+#   torch     bench/torch_gpu_train.py where PyTorch sees the GPU ($TORCH_COMPILE=MODE
+#             adds its torch.compile rows, e.g. max-autotune)
 #   all       test, bench and torch (the default)
 # --data: Fashion-MNIST (the four IDX files, .gz or not); default
 # /usr/share/datasets/fashion-mnist, else data/fashion-mnist (what
@@ -1081,6 +1082,22 @@ gpu_compile() {
       else echo $? >"$out.failed"; rm -f "$out"; fi; } &
 }
 
+# The commit the benchmarks' JSON lines name: git's (with "-dirty" when the
+# tree has uncommitted changes), else the prebuilt pack's BUILD note's
+# (the GPU machine's copy of the tree has no .git), else "unknown".
+bench_commit() {
+    local c
+    if c=$(git rev-parse --short HEAD 2>/dev/null); then
+        git diff --quiet HEAD 2>/dev/null || c="$c-dirty"
+        echo "$c"
+    elif [ -n "${GPU_PREBUILT:-}" ] && c=$(sed -n 's/.* at \([0-9a-f]*\).*/\1/p' "$GPU_PREBUILT/BUILD" 2>/dev/null) &&
+        [ -n "$c" ]; then
+        echo "$c"
+    else
+        echo unknown
+    fi
+}
+
 # Builds the GPU programs into build/: test_cuda_gpu, bench_cuda_gpu,
 # mlp_gpu, and test_cuda_nccl where NCCL is. Prints what failed.
 gpu_build() {
@@ -1097,6 +1114,7 @@ gpu_build() {
     gpu_compile "$B/test_cuda_gpu.o" tests/test_cuda.c "$nvcc" $flags -x cu -c tests/test_cuda.c \
         -o "$B/test_cuda_gpu.o"
     gpu_compile "$B/bench_cuda_gpu.o" bench/bench_cuda.c "$nvcc" $flags -x cu -c bench/bench_cuda.c \
+        -DMPT_BENCH_COMMIT="\"$(bench_commit)\"" -DMPT_BENCH_ARCH="\"$GPU_ARCH\"" \
         -o "$B/bench_cuda_gpu.o"
     gpu_compile "$B/mlp_gpu.o" examples/mlp.c $CC -std=c99 $WARN $OPT -DMPT_CUDA $zflags -I. \
         -c examples/mlp.c -o "$B/mlp_gpu.o"
@@ -1250,7 +1268,9 @@ gpu_step_bench() { gpu_bench_program bench_cuda "$GPU_BENCH_SECONDS" "$GPU_BIN/b
 gpu_step_torch() {
     local py
     if py=$(find_torch_gpu_python); then
-        gpu_bench_program torch_gpu_train "$GPU_BENCH_SECONDS" "$py" bench/torch_gpu_train.py
+        MPT_BENCH_COMMIT=$(bench_commit) \
+            gpu_bench_program torch_gpu_train "$GPU_BENCH_SECONDS" "$py" bench/torch_gpu_train.py \
+            --compile "${TORCH_COMPILE:-none}"
     else
         record "bench/torch_gpu_train.py" fail "no Python whose torch sees a CUDA device"
         gpu_row torch_gpu_train "not run: no Python whose torch sees a CUDA device"

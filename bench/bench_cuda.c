@@ -19,8 +19,10 @@
        "hopper_kernel" says 0) and MPT_GEMM_CUBLASLT, run the same products
        one after another: 4096³ and the shapes the mlp and cnn train with
        (batch 128), for float16 and bfloat16 operands.
-       C is in the operands' dtype where training stores it so (forward and
-       input gradients), float32 for the weight gradients. Each product is
+       C is in the dtype training stores it in: the operands' dtype for the
+       forward products, float32 for the input gradients (Dense's dx and
+       Conv2D's dcols are float32 before any conversion) and the weight
+       gradients. Each product is
        planned (gemm_plan), run 3 times to warm up, then N times between two
        syncs, timed with clock_gettime; N is chosen so that the timed run
        takes about 0.2 s. TFLOP/s = 2·M·N·K / seconds per product. One
@@ -43,7 +45,14 @@
        output (zero points, bias, per-channel requantization), which
        cuBLASLt has no int8 form for. TOPS = 2·M·N·K / seconds.
 
-   Prints Markdown tables and one JSON line per result. */
+   Prints Markdown tables and one JSON line per result. Every JSON line
+   opens with where it came from: "commit" and "arch" (the build's:
+   -DMPT_BENCH_COMMIT and -DMPT_BENCH_ARCH, which ./build.sh gpu passes;
+   "unknown" otherwise), "device", "compute", "driver" and "runtime" (the
+   GPU's, as the driver reports them) and "date" (UTC, when the run
+   began). Each GEMM shape cuBLASLt refused gets a line of its own
+   ("bench":"cuda_lt_refused", with the shape as the library logged it),
+   and a last line counts them. */
 #define _POSIX_C_SOURCE 200809L
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
@@ -54,10 +63,50 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#ifndef MPT_BENCH_COMMIT
+#define MPT_BENCH_COMMIT "unknown"
+#endif
+#ifndef MPT_BENCH_ARCH
+#define MPT_BENCH_ARCH "unknown"
+#endif
+
+/* "commit":...,"date":... : what every JSON line opens with (main fills it). */
+static char provenance[512] = "\"commit\":\"" MPT_BENCH_COMMIT "\",\"arch\":\"" MPT_BENCH_ARCH "\"";
+
+/* A JSON line as the program built it ("{\"bench\":..."), printed with the
+   provenance first. */
+static void print_json(const char *line) {
+    printf("{%s,%s\n", provenance, line + 1);
+}
+
+/* The shapes cuBLASLt refused, from the library's log message (said once
+   per shape and context): "cuBLASLt refused gemm m=.. n=.. k=.. (...)". */
+enum { MAX_REFUSED = 64 };
+static char refused[MAX_REFUSED][256];
+static int n_refused;
+
+static void refusal_logger(void *user, mpt_log_level level, const char *msg) {
+    static const char head[] = "cuBLASLt refused gemm ";
+    const char *end;
+    size_t n;
+    (void)user;
+    if (strncmp(msg, head, sizeof head - 1) != 0) {
+        if (level <= MPT_LOG_WARNING) /* as the default logger would */
+            fprintf(stderr, "mpt %s: %s\n", level == MPT_LOG_ERROR ? "error" : "warning", msg);
+        return;
+    }
+    msg += sizeof head - 1;
+    end = strstr(msg, "):"); /* the shape, up to the reason */
+    n = end ? (size_t)(end - msg) + 1 : strlen(msg);
+    if (n_refused < MAX_REFUSED)
+        snprintf(refused[n_refused++], sizeof refused[0], "%.*s", (int)n, msg);
+}
+
 static int open_context(mpt_gemm_engine gemm, mpt_context **ctx) {
     mpt_context_desc d;
     memset(&d, 0, sizeof d);
     d.gemm = gemm;
+    d.logger.fn = refusal_logger;
     *ctx = NULL;
     if (mpt_context_create(&d, ctx) != MPT_OK) return 0;
     return !strcmp(mpt_context_backend(*ctx, NULL)->name, "cuda");
@@ -72,6 +121,23 @@ static void device_name(mpt_context *ctx, char *buf, size_t size) {
     snprintf(buf, size, "%s (sm_%d%d, %d SMs, %.1f GiB, driver %d, runtime %d)", d.name,
              d.compute_major, d.compute_minor, d.sm_count, (double)d.memory_total / (1 << 30),
              d.driver_version, d.runtime_version);
+}
+
+/* The rest of the provenance: the GPU (mpt device 1) and the date. */
+static void record_provenance(mpt_context *ctx) {
+    mpt_device_info d;
+    char date[32];
+    time_t now = time(NULL);
+    size_t n = strlen(provenance);
+    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+    if (mpt_device_query(ctx, 1, &d) != MPT_OK) {
+        memset(&d, 0, sizeof d);
+        snprintf(d.name, sizeof d.name, "?");
+    }
+    snprintf(provenance + n, sizeof provenance - n,
+             ",\"device\":\"%s\",\"compute\":\"sm_%d%d\",\"driver\":%d,\"runtime\":%d,"
+             "\"date\":\"%s\"", d.name, d.compute_major, d.compute_minor, d.driver_version,
+             d.runtime_version, date);
 }
 
 /* GEMM shapes cuBLASLt refused on ctx's CUDA backend (each logged once
@@ -93,26 +159,26 @@ typedef struct shape {
     const char *what;
     int64_t m, n, k;
     int ta, tb;
-    int c_half; /* C in the operands' dtype (else float32) */
+    int c_half; /* C in the operands' dtype (else float32, as training's dx) */
 } shape;
 
 static const shape gemm_shapes[] = {
     {"square", 4096, 4096, 4096, 0, 0, 1},
     {"mlp fwd 1", 128, 1024, 784, 0, 0, 1},
-    {"mlp bwd 1 dX", 128, 784, 1024, 0, 1, 1},
+    {"mlp bwd 1 dX", 128, 784, 1024, 0, 1, 0},
     {"mlp bwd 1 dW", 784, 1024, 128, 1, 0, 0},
     {"mlp fwd 2", 128, 10, 1024, 0, 0, 1},
-    {"mlp bwd 2 dX", 128, 1024, 10, 0, 1, 1},
+    {"mlp bwd 2 dX", 128, 1024, 10, 0, 1, 0},
     {"mlp bwd 2 dW", 1024, 10, 128, 1, 0, 0},
     {"mlp fwd 1, batch 1024", 1024, 1024, 784, 0, 0, 1},
     {"cnn conv1 fwd", 128 * 26 * 26, 32, 9, 0, 0, 1},
     {"cnn conv1 bwd dW", 9, 32, 128 * 26 * 26, 1, 0, 0},
     {"cnn conv2 fwd", 128 * 24 * 24, 32, 288, 0, 0, 1},
-    {"cnn conv2 bwd dX", 128 * 24 * 24, 288, 32, 0, 1, 1},
+    {"cnn conv2 bwd dX", 128 * 24 * 24, 288, 32, 0, 1, 0},
     {"cnn conv2 bwd dW", 288, 32, 128 * 24 * 24, 1, 0, 0},
     {"cnn conv3 fwd", 128 * 10 * 10, 64, 288, 0, 0, 1},
     {"cnn conv4 fwd", 128 * 8 * 8, 64, 576, 0, 0, 1},
-    {"cnn conv4 bwd dX", 128 * 8 * 8, 576, 64, 0, 1, 1},
+    {"cnn conv4 bwd dX", 128 * 8 * 8, 576, 64, 0, 1, 0},
     {"cnn dense fwd", 128, 512, 1024, 0, 0, 1},
     {"cnn dense bwd dW", 1024, 512, 128, 1, 0, 0},
     {"large mlp fwd", 4096, 4096, 4096, 0, 0, 1},
@@ -220,7 +286,7 @@ static void bench_gemm(mpt_context *ctxs[3]) {
                          tf[2] > 0 ? tf[e] / tf[2] : 0, e == 1 ? (int)hopper : 0);
         }
     printf("\n");
-    for (si = 0; si < n_json; si++) printf("%s\n", json[si]);
+    for (si = 0; si < n_json; si++) print_json(json[si]);
 }
 
 /* ---- (d) the int8 GEMM: mma.sync s8 against cuBLASLt's int8 ------------------------ */
@@ -445,7 +511,7 @@ static void bench_qgemm(mpt_context *ctx) {
         if (scale) t->free(impl, MPT_MEMORY_WORKSPACE, scale);
     }
     printf("\n");
-    for (si = 0; si < n_json; si++) printf("%s\n", json[si]);
+    for (si = 0; si < n_json; si++) print_json(json[si]);
 }
 #endif /* MPT_CUDA */
 
@@ -572,7 +638,7 @@ static void bench_train(mpt_context *ctx, const mpt_dataset *all, int synthetic)
                 mpt_dataset_destroy(warm_view);
             }
     printf("\n");
-    for (j = 0; j < n_json; j++) printf("%s\n", json[j]);
+    for (j = 0; j < n_json; j++) print_json(json[j]);
 }
 
 /* ---- (c) the large MLP: speed and memory ------------------------------------------------- */
@@ -642,10 +708,10 @@ static void bench_large(mpt_context *ctx, const mpt_dataset *all) {
         printf("| device memory: %s | %s | %s | |\n", names[0][i], sizes[0][i], sizes[1][i]);
     printf("\n");
     for (pi = 0; pi < 2; pi++) {
-        printf("{\"bench\":\"cuda_large_mlp\",\"policy\":\"%s\",\"batch\":%lld,"
+        printf("{%s,\"bench\":\"cuda_large_mlp\",\"policy\":\"%s\",\"batch\":%lld,"
                "\"samples_per_s\":%.1f,\"samples_per_s_min\":%.1f,\"samples_per_s_max\":%.1f,"
                "\"speedup_vs_float32\":%.3f,\"memory\":{",
-               policy_names[pi], (long long)batch, sps[pi][REPEATS / 2], sps[pi][0],
+               provenance, policy_names[pi], (long long)batch, sps[pi][REPEATS / 2], sps[pi][0],
                sps[pi][REPEATS - 1],
                sps[0][REPEATS / 2] > 0 ? sps[pi][REPEATS / 2] / sps[0][REPEATS / 2] : 0);
         for (i = 0; i < n_lines[pi]; i++)
@@ -666,7 +732,7 @@ int main(int argc, char **argv) {
     mpt_dataset *all = NULL;
     long long refused_gemm = 0;
     char dev[512];
-    int synthetic = 0;
+    int synthetic = 0, i;
     if (strcmp(part, "all") && strcmp(part, "gemm") && strcmp(part, "train") &&
         strcmp(part, "large") && strcmp(part, "int8")) {
         fprintf(stderr, "usage: %s [all|gemm|train|large|int8]\n", argv[0]);
@@ -687,7 +753,9 @@ int main(int argc, char **argv) {
         return 0;
     }
     device_name(ctx, dev, sizeof dev);
+    record_provenance(ctx);
     printf("# mpt.h %s CUDA benchmarks: %s\n", MPT_VERSION, dev);
+    printf("# built at commit %s for %s\n", MPT_BENCH_COMMIT, MPT_BENCH_ARCH);
     if (!strcmp(part, "all") || !strcmp(part, "gemm")) {
         if (open_context(MPT_GEMM_MPT, &gemm_ctx[0]) &&
             open_context(MPT_GEMM_WGMMA, &gemm_ctx[1]) &&
@@ -715,8 +783,19 @@ int main(int argc, char **argv) {
         if (!strcmp(part, "all") || !strcmp(part, "large")) bench_large(ctx, all);
     }
     /* a shape cuBLASLt refused ran on the hand-written engine instead */
-    printf("{\"bench\":\"cuda_lt_refusals\",\"part\":\"%s\",\"gemm_contexts\":%lld,"
-           "\"training_context\":%lld}\n", part, refused_gemm, lt_refusals(ctx));
+    for (i = 0; i < n_refused; i++) {
+        char line[512];
+        snprintf(line, sizeof line, "{\"bench\":\"cuda_lt_refused\",\"part\":\"%s\","
+                 "\"gemm\":\"%s\"}", part, refused[i]);
+        print_json(line);
+    }
+    {
+        char line[512];
+        snprintf(line, sizeof line, "{\"bench\":\"cuda_lt_refusals\",\"part\":\"%s\","
+                 "\"gemm_contexts\":%lld,\"training_context\":%lld,\"logged\":%d}", part,
+                 refused_gemm, lt_refusals(ctx), n_refused);
+        print_json(line);
+    }
     mpt_dataset_destroy(all);
     mpt_context_destroy(ctx);
     return 0;

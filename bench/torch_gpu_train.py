@@ -28,7 +28,13 @@ launch cost off the host, as mpt.h's graphs do:
                            inf check and scale update need a host sync and
                            cannot be captured, so this row skips no step and
                            never adapts its scale, unlike autocast_float16
-A capture that fails prints a '#' line and the other rows go on.
+With --compile MODE (e.g. max-autotune; none by default: inductor's
+autotuning takes minutes), two more rows run the model through
+torch.compile(model, mode=MODE) (inductor; max-autotune and reduce-overhead
+also replay CUDA graphs), eager Adam and GradScaler around it:
+  float32_compiled, autocast_float16_compiled
+their "compile_seconds" is the warm-up's time, compilation included.
+A capture or compilation that fails prints a '#' line and the other rows go on.
 The data is synthetic (uniform pixels, random labels), generated on the GPU
 and resident there: nothing is read or downloaded. Each epoch draws a
 random permutation on the GPU and gathers its batches from it. Sample counts
@@ -36,12 +42,17 @@ are whole batches, as bench_cuda's: mlp 59,392, cnn 25,600. After
 --warmup-steps steps (cuDNN's autotuner, allocator, kernels), each measured
 epoch is timed with torch.cuda.synchronize() on both ends; the median of
 --repeat epochs is reported, with the min and max. Prints a Markdown table
-and one JSON line per result ("graphs": true on the graph rows).
+and one JSON line per result ("graphs": true on the graph rows), each
+opening with where it came from: "commit" ($MPT_BENCH_COMMIT, which
+./build.sh gpu sets; else git's; else "unknown"), "arch" (the GPU's
+compute capability), "device", "driver" (nvidia-smi's, where it runs),
+"runtime" (PyTorch's CUDA) and "date" (UTC, when the run began).
 """
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -60,6 +71,28 @@ def make_scaler():
     if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
         return torch.amp.GradScaler("cuda")
     return torch.cuda.amp.GradScaler()
+
+
+def provenance(device):
+    """Where the results came from: the first keys of every JSON line."""
+    commit = os.environ.get("MPT_BENCH_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=10,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        driver = ""
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"commit": commit or "unknown", "arch": f"sm_{major}{minor}",
+            "device": torch.cuda.get_device_name(device), "driver": driver.strip() or "unknown",
+            "runtime": torch.version.cuda,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast, steps=None):
@@ -139,8 +172,9 @@ def run_graph_epoch(graph, xs, ys, x, y, steps=None):
     return time.perf_counter() - start, count * batch
 
 
-def measure(model_name, build, x, y, batch, autocast, graphs, args):
-    """The runs of one row: [(seconds, samples)] of --repeat epochs after the warm-up."""
+def measure(model_name, build, x, y, batch, autocast, graphs, args, compiled=False):
+    """The runs of one row: [(seconds, samples)] of --repeat epochs after the
+    warm-up, and the warm-up's seconds."""
     torch.manual_seed(42)
     model = build().to(x.device)
     model.train()
@@ -148,17 +182,19 @@ def measure(model_name, build, x, y, batch, autocast, graphs, args):
     if not graphs:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
         scaler = make_scaler() if autocast else None
-        run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast, steps=args.warmup_steps)
-        return [run_epoch(model, opt, scaler, loss_fn, x, y, batch, autocast)
-                for _ in range(args.repeat)]
+        step_model = torch.compile(model, mode=args.compile) if compiled else model
+        warmup = run_epoch(step_model, opt, scaler, loss_fn, x, y, batch, autocast,
+                           steps=args.warmup_steps)[0]
+        return [run_epoch(step_model, opt, scaler, loss_fn, x, y, batch, autocast)
+                for _ in range(args.repeat)], warmup
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7, capturable=True)
     xs, ys = x[:batch].clone(), y[:batch].clone()  # the static input and labels
     graph, loss = capture(model, opt, loss_fn, xs, ys, autocast)
-    run_graph_epoch(graph, xs, ys, x, y, steps=args.warmup_steps)
+    warmup = run_graph_epoch(graph, xs, ys, x, y, steps=args.warmup_steps)[0]
     runs = [run_graph_epoch(graph, xs, ys, x, y) for _ in range(args.repeat)]
     if not torch.isfinite(loss).item():  # after the timing: a fixed scale can overflow
         print(f"# {model_name} batch {batch}: the graph's last loss is {loss.item()}", flush=True)
-    return runs
+    return runs, warmup
 
 
 def main():
@@ -172,6 +208,9 @@ def main():
                     help="also the rows with the step in one CUDA graph (the default)")
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                     help="only the eager rows")
+    ap.add_argument("--compile", default="none", metavar="MODE",
+                    help="also rows through torch.compile(mode=MODE): default, reduce-overhead, "
+                         "max-autotune, ...; none (the default) leaves them out")
     args = ap.parse_args()
 
     if not torch.cuda.is_available():
@@ -182,17 +221,28 @@ def main():
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
+    origin = provenance(device)
     print(f"# PyTorch {torch.__version__} on {name}, CUDA {torch.version.cuda}, "
           f"cuDNN {torch.backends.cudnn.version()}, TF32 {'on' if args.tf32 else 'off'}, "
           f"synthetic data on the GPU, median of {args.repeat}")
-    policies = [("float32", False, False), ("autocast_float16", True, False)]
+    print(f"# commit {origin['commit']}, {origin['arch']}, driver {origin['driver']}, "
+          f"{origin['date']}")
+    policies = [("float32", False, False, False), ("autocast_float16", True, False, False)]
     if args.cuda_graphs and hasattr(torch.cuda, "CUDAGraph"):
-        policies += [("float32_graphs", False, True), ("autocast_float16_graphs", True, True)]
+        policies += [("float32_graphs", False, True, False),
+                     ("autocast_float16_graphs", True, True, False)]
         print("# *_graphs: the whole step in one CUDA graph replayed per batch; "
               f"autocast_float16_graphs has a FIXED loss scale {LOSS_SCALE:.0f}, no "
               "GradScaler (its inf check syncs with the host and cannot be captured)")
     elif args.cuda_graphs:
         print("# this PyTorch has no torch.cuda.CUDAGraph: no *_graphs rows")
+    if args.compile != "none" and hasattr(torch, "compile"):
+        policies += [("float32_compiled", False, False, True),
+                     ("autocast_float16_compiled", True, False, True)]
+        print(f"# *_compiled: torch.compile(model, mode={args.compile!r}); compile_seconds is "
+              "the warm-up's time, compilation included")
+    elif args.compile != "none":
+        print("# this PyTorch has no torch.compile: no *_compiled rows")
 
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     print("\n| model | policy | batch | samples | samples/s | min..max |")
@@ -206,28 +256,34 @@ def main():
         x = torch.rand(samples, 1, 28, 28, device=device, generator=gen)
         y = torch.randint(0, 10, (samples,), device=device, generator=gen)
         for batch in batches:
-            for policy, autocast, graphs in policies:
+            for policy, autocast, graphs, compiled in policies:
                 try:
-                    runs = measure(model_name, build, x, y, batch, autocast, graphs, args)
+                    runs, warmup = measure(model_name, build, x, y, batch, autocast, graphs, args,
+                                           compiled)
                 except Exception as e:  # noqa: BLE001  (a failed capture must not end the table)
-                    if not graphs:
+                    if not graphs and not compiled:
                         raise
-                    print(f"# {model_name} {policy} batch {batch}: capture failed: "
+                    print(f"# {model_name} {policy} batch {batch}: "
+                          f"{'compilation' if compiled else 'capture'} failed: "
                           f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
                     continue
                 sps = [count / seconds for seconds, count in runs]
                 med = statistics.median(sps)
                 print(f"| {model_name} | {policy} | {batch} | {runs[0][1]} | {med:.0f} "
                       f"| {min(sps):.0f}..{max(sps):.0f} |", flush=True)
-                row = {
+                row = dict(origin)
+                row.update({
                     "bench": "cuda_train", "framework": "pytorch", "version": torch.__version__,
                     "device": name, "model": model_name, "policy": policy, "batch": batch,
                     "samples": runs[0][1], "data": "synthetic", "tf32": args.tf32,
                     "repeats": args.repeat, "samples_per_s": round(med, 1),
                     "samples_per_s_min": round(min(sps), 1),
-                    "samples_per_s_max": round(max(sps), 1)}
+                    "samples_per_s_max": round(max(sps), 1)})
                 if graphs:
                     row["graphs"] = True
+                if compiled:
+                    row["compile_mode"] = args.compile
+                    row["compile_seconds"] = round(warmup, 1)
                 lines.append(json.dumps(row, separators=(",", ":")))
                 torch.cuda.empty_cache()
     print()

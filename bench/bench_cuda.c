@@ -123,7 +123,20 @@ static void device_name(mpt_context *ctx, char *buf, size_t size) {
              d.driver_version, d.runtime_version);
 }
 
-/* The rest of the provenance: the GPU (mpt device 1) and the date. */
+/* Whether float32 products ran in TF32 (MPT_ALLOW_TF32=1; else true float32). */
+static int allows_tf32(const mpt_context *ctx) {
+#ifdef MPT_CUDA
+    void *impl = NULL;
+    const mpt_backend *t = mpt_context_backend(ctx, &impl);
+    return t && !strcmp(t->name, "cuda") ? mpt_cuda_allows_tf32(impl) : 0;
+#else
+    (void)ctx;
+    return 0;
+#endif
+}
+
+/* The rest of the provenance: the GPU (mpt device 1), the date, and
+   whether float32 ran in TF32. */
 static void record_provenance(mpt_context *ctx) {
     mpt_device_info d;
     char date[32];
@@ -136,8 +149,8 @@ static void record_provenance(mpt_context *ctx) {
     }
     snprintf(provenance + n, sizeof provenance - n,
              ",\"device\":\"%s\",\"compute\":\"sm_%d%d\",\"driver\":%d,\"runtime\":%d,"
-             "\"date\":\"%s\"", d.name, d.compute_major, d.compute_minor, d.driver_version,
-             d.runtime_version, date);
+             "\"date\":\"%s\",\"tf32\":%d", d.name, d.compute_major, d.compute_minor,
+             d.driver_version, d.runtime_version, date, allows_tf32(ctx));
 }
 
 /* GEMM shapes cuBLASLt refused on ctx's CUDA backend (each logged once

@@ -49,8 +49,9 @@
    opens with where it came from: "commit" and "arch" (the build's:
    -DMPT_BENCH_COMMIT and -DMPT_BENCH_ARCH, which ./build.sh gpu passes;
    "unknown" otherwise), "device", "compute", "driver" and "runtime" (the
-   GPU's, as the driver reports them) and "date" (UTC, when the run
-   began). Each GEMM shape cuBLASLt refused gets a line of its own
+   GPU's, as the driver reports them), "date" (UTC, when the run began)
+   and "tf32" (1 when MPT_ALLOW_TF32=1 let float32 products run in TF32).
+   Each GEMM shape cuBLASLt refused gets a line of its own
    ("bench":"cuda_lt_refused", with the shape as the library logged it),
    and a last line counts them. */
 #define _POSIX_C_SOURCE 200809L

@@ -3140,6 +3140,12 @@ typedef struct mpt_backend {
     mpt_status (*gemm_plan)(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype);
     void (*convert)(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
                     const void *src, int64_t n);
+    /* dst[i] = table[src[i]] for n bytes, table holding 256 values of
+       dtype: uint8 images normalised where they are, by the dataset's own
+       table, so that the values are the host's bits. May be NULL: the host
+       then normalises the images before their upload. */
+    void (*lookup_u8)(void *impl, mpt_dtype dtype, void *dst, const void *table,
+                      const uint8_t *src, int64_t n);
     /* x (rows, cols) float32, in place: act(x); softmax over each row. */
     void (*activation)(void *impl, mpt_activation act, float *x, int64_t rows, int64_t cols);
     /* dz = dy · act'(z) in float32 for n = rows·cols elements; dy, y and
@@ -15450,7 +15456,11 @@ static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
    replicas of a replicated model are fed their rows the same way, each on
    its own device, and their step is recorded where
    mpt__replicas_capturable allows.
-   MPT_CUDA_GRAPHS=0 in the environment turns the recording off. */
+   MPT_CUDA_GRAPHS=0 in the environment turns the recording off.
+   uint8 images go up as they are (a quarter of float32's bytes, and no
+   host time normalising them): the step first looks each byte up in the
+   dataset's table, uploaded once, so the input holds the values the host
+   would have made (mpt__feed_takes_bytes says when). */
 typedef struct mpt__feed_slot { /* one model's (or replica's) */
     void *host[2][3];        /* [buffer][x, y, w] pinned staging, a full batch */
     mpt_tensor x[2], y[2];   /* [buffer] its rows uploaded there (0: none)   */
@@ -15461,6 +15471,9 @@ typedef struct mpt__feed_slot { /* one model's (or replica's) */
     /* A model of several outputs: output k's labels, alike. */
     void *label_host[2][MPT_MAX_OUTPUTS];
     mpt_tensor labels[2][MPT_MAX_OUTPUTS];
+    /* Uploaded bytes (mpt__feed.bytes): [buffer] the batch's uint8 images
+       on the device, and the dataset's table there (256 values). */
+    void *bytes[2], *table;
 } mpt__feed_slot;
 
 typedef struct mpt__feed {
@@ -15472,6 +15485,8 @@ typedef struct mpt__feed {
     void *graph[2];          /* the step recorded over buffer k, or NULL     */
     int next;                /* the buffer the next upload fills            */
     int have;                /* whether there is one                        */
+    int bytes;               /* uint8 images go up as they are, normalised
+                                on the device inside the step              */
 } mpt__feed;
 
 /* In @impl-strategy: the replicas' step over their rows, already in their
@@ -15512,7 +15527,9 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
             for (j = 0; j < 3; j++) r->be->free_host(r->impl, f->slot[k].host[b][j]);
             for (j = 1; j < r->n_inputs; j++) r->be->free_host(r->impl, f->slot[k].added_host[b][j]);
             for (j = 1; j < r->n_outputs; j++) r->be->free_host(r->impl, f->slot[k].label_host[b][j]);
+            if (f->slot[k].bytes[b]) r->be->free(r->impl, MPT_MEMORY_WORKSPACE, f->slot[k].bytes[b]);
         }
+        if (f->slot[k].table) r->be->free(r->impl, MPT_MEMORY_WORKSPACE, f->slot[k].table);
     }
     for (b = 0; b < 2; b++)
         if (f->graph[b]) m->be->graph_free(m->impl, f->graph[b]);
@@ -15544,12 +15561,49 @@ static mpt_status mpt__feed_open_added(mpt_model *m, mpt__feed *f, int k) {
     return s;
 }
 
-static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
+/* Whether fit feeds a GPU d's uint8 images as they are (a quarter of
+   float32's bytes, nothing normalised on the host): a model on a device
+   whose backend looks bytes up, numbers in input 0 (not ids), and
+   MPT_UPLOAD_BYTES not 0 in the environment (0: the host normalises, as
+   the loader does for the CPU). */
+static int mpt__feed_takes_bytes(const mpt_model *m, const mpt_dataset *d) {
+    const char *env = getenv("MPT_UPLOAD_BYTES");
+    return mpt__model_device(m) != MPT_DEVICE_CPU && m->be->lookup_u8 &&
+           d->x_dtype == MPT_UINT8 && !d->window && !mpt__input_is_ids(m) &&
+           !(env && strcmp(env, "0") == 0);
+}
+
+/* Slot k's device memory for uploaded bytes: two batches of images and
+   d's table in the input's dtype (the loader's values, uploaded once). */
+static mpt_status mpt__feed_open_bytes(mpt_model *m, mpt__feed *f, int k, const mpt_dataset *d) {
+    uint8_t every_byte[256];
+    mpt_model *r = mpt__feed_model(m, k);
+    mpt_dtype dtype = mpt__input_batch_dtype(r);
+    union { float f32[256]; uint16_t f16[256]; } table;
+    size_t table_bytes = 256 * mpt_dtype_size(dtype);
+    int i, b;
+    mpt_status s = MPT_OK;
+    for (i = 0; i < 256; i++) every_byte[i] = (uint8_t)i;
+    mpt__expand_u8(d, dtype, &table, every_byte, 256);
+    for (b = 0; s == MPT_OK && b < 2; b++)
+        s = r->be->alloc(r->impl, MPT_MEMORY_WORKSPACE,
+                         (size_t)(mpt__node_count(r, 0) * r->max_batch), &f->slot[k].bytes[b]);
+    if (s == MPT_OK) s = r->be->alloc(r->impl, MPT_MEMORY_WORKSPACE, table_bytes, &f->slot[k].table);
+    if (s == MPT_OK) s = r->be->upload(r->impl, f->slot[k].table, &table, table_bytes);
+    if (s != MPT_OK) {
+        s = mpt__fail(m->ctx, s, "fit: the images' device buffers: %s", r->be->error(r->impl));
+        mpt__feed_close(m, f);
+    }
+    return s;
+}
+
+static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f, const mpt_dataset *train) {
     const char *env = getenv("MPT_CUDA_GRAPHS");
     int k, b, j;
     memset(f, 0, sizeof *f);
     if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
     f->on = 1;
+    f->bytes = mpt__feed_takes_bytes(m, train);
     f->graphs = m->be->can_capture && !(env && strcmp(env, "0") == 0) &&
                 (!m->strategy || mpt__replicas_capturable(m));
     f->n = m->n_replicas;
@@ -15573,6 +15627,7 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f) {
                     return s;
                 }
         MPT__CHECK(mpt__feed_open_added(m, f, k));
+        if (f->bytes) MPT__CHECK(mpt__feed_open_bytes(m, f, k, train));
     }
     return MPT_OK;
 }
@@ -15645,9 +15700,9 @@ static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor 
         mpt__feed_upload_added(r, slot, b);
         memcpy(slot->host[b][0], xs[k].data, mpt_tensor_bytes(&xs[k]));
         memcpy(slot->host[b][1], ys[k].data, mpt_tensor_bytes(&ys[k]));
-        r->be->upload_async(r->impl, r->input_buf[b], slot->host[b][0], mpt_tensor_bytes(&xs[k]));
+        slot->x[b].data = f->bytes ? slot->bytes[b] : r->input_buf[b];
+        r->be->upload_async(r->impl, slot->x[b].data, slot->host[b][0], mpt_tensor_bytes(&xs[k]));
         r->be->upload_async(r->impl, r->target_buf[b], slot->host[b][1], mpt_tensor_bytes(&ys[k]));
-        slot->x[b].data = r->input_buf[b];
         slot->y[b].data = r->target_buf[b];
         slot->x[b].device = slot->y[b].device = MPT_DEVICE_CUDA;
     }
@@ -15665,20 +15720,34 @@ static void mpt__feed_wait(mpt_model *m, const mpt__feed *f) {
             mpt__feed_model(m, k)->be->upload_wait(mpt__feed_model(m, k)->impl);
 }
 
+/* Slot k's input in buffer b as the step reads it: uploaded bytes are
+   first looked up in the dataset's table into the input buffer (part of
+   the step, so a recorded step does it on every replay). */
+static mpt_tensor mpt__feed_input(mpt_model *m, const mpt__feed *f, int k, int b) {
+    mpt_model *r = mpt__feed_model(m, k);
+    mpt_tensor x = f->slot[k].x[b];
+    if (!f->bytes || x.shape[0] == 0) return x;
+    x.dtype = mpt__input_batch_dtype(r);
+    x.data = r->input_buf[b];
+    r->be->lookup_u8(r->impl, x.dtype, x.data, f->slot[k].table,
+                     (const uint8_t *)f->slot[k].bytes[b], mpt_tensor_count(&x));
+    return x;
+}
+
 /* Queues the step on the batch in buffer b, unrecorded. */
 static mpt_status mpt__feed_queue(mpt_model *m, const mpt__feed *f, int b,
                                   mpt__step_times *times) {
     mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS], ws[MPT__MAX_REPLICAS];
     int k;
     mpt__feed_use_added(m, f, b);
-    if (!m->strategy) {
-        mpt__queue_step(m, &f->slot[0].x[b], &f->slot[0].y[b], &f->slot[0].w[b], times);
-        return MPT_OK;
-    }
     for (k = 0; k < f->n; k++) {
-        xs[k] = f->slot[k].x[b];
+        xs[k] = mpt__feed_input(m, f, k, b);
         ys[k] = f->slot[k].y[b];
         ws[k] = f->slot[k].w[b];
+    }
+    if (!m->strategy) {
+        mpt__queue_step(m, &xs[0], &ys[0], &ws[0], times);
+        return MPT_OK;
     }
     return mpt__replicas_step(m, xs, ys, ws, f->global_rows[b], times);
 }
@@ -15877,17 +15946,23 @@ static mpt_status mpt__check_window_ids(mpt_model *m, const mpt_dataset *d, cons
     return MPT_OK;
 }
 
-/* A loader of d's batches for m: input 0 in mpt__input_batch_dtype, each
-   added input in its InputLayer's dtype (its first reader's, or int32). */
-static mpt_status mpt__model_loader(mpt_model *m, const mpt_dataset *d, int64_t batch_size,
-                                    mpt__loader **out) {
+/* A loader of d's batches for m: input 0 in x_dtype, each added input in
+   its InputLayer's dtype (its first reader's, or int32). */
+static mpt_status mpt__model_loader_as(mpt_model *m, const mpt_dataset *d, int64_t batch_size,
+                                       mpt_dtype x_dtype, mpt__loader **out) {
     mpt_dtype dtypes[MPT_MAX_INPUTS];
     int k;
-    MPT__CHECK(mpt__loader_create(m->ctx, d, batch_size, mpt__input_batch_dtype(m), out));
+    MPT__CHECK(mpt__loader_create(m->ctx, d, batch_size, x_dtype, out));
     for (k = 1; k < m->n_inputs && k < d->n_inputs; k++)
         dtypes[k] = m->layers[m->input_layer[k]].dtype;
     if (m->n_inputs > 1) mpt__loader_input_dtypes(*out, dtypes);
     return MPT_OK;
+}
+
+/* ... with input 0 in mpt__input_batch_dtype, as every pass reads it. */
+static mpt_status mpt__model_loader(mpt_model *m, const mpt_dataset *d, int64_t batch_size,
+                                    mpt__loader **out) {
+    return mpt__model_loader_as(m, d, batch_size, mpt__input_batch_dtype(m), out);
 }
 
 /* A dataset's added input k fits the model's: its samples' shape, ids
@@ -16319,8 +16394,10 @@ static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
 static mpt_status mpt__fit_open_batches(mpt__fit_run *r) {
     mpt_model *m = r->m;
     int workers = m->strategy ? mpt_strategy_num_workers(m->strategy) : 1;
-    mpt_status s = mpt__model_loader(m, r->train, r->d->batch_size / workers, &r->loader);
-    if (s == MPT_OK) s = mpt__feed_open(m, &r->feed);
+    mpt_dtype x_dtype = mpt__feed_takes_bytes(m, r->train) ? MPT_UINT8 : mpt__input_batch_dtype(m);
+    mpt_status s = mpt__model_loader_as(m, r->train, r->d->batch_size / workers, x_dtype,
+                                        &r->loader);
+    if (s == MPT_OK) s = mpt__feed_open(m, &r->feed, r->train);
     if (s == MPT_OK && r->feed.on && !m->strategy)
         s = mpt__plan_gemms(m, MPT__MIN(r->d->batch_size, r->n));
     return s;
@@ -22195,10 +22272,10 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
     if (r->feed.on) { /* as mpt__fit_feed_step, never replayed */
         mpt_tensor nx, ny, nw;
         int b = 1 - r->feed.next; /* the buffer the step's batch is in */
-        in = r->feed.slot[0].x[b];
+        mpt__feed_wait(m, &r->feed);
+        in = mpt__feed_input(m, &r->feed, 0, b); /* (uploaded bytes looked up) */
         target = r->feed.slot[0].y[b];
         weights = r->feed.slot[0].w[b];
-        mpt__feed_wait(m, &r->feed);
         r->feed.have = 0;
         if (mpt__fit_take(r, &nx, &ny, &nw))
             *s = mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows);
@@ -37938,6 +38015,16 @@ static void mpt__cpu_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dty
     mpt__convert((const mpt_context *)impl, dst_dtype, dst, src_dtype, src, n);
 }
 
+static void mpt__cpu_lookup_u8(void *impl, mpt_dtype dtype, void *dst, const void *table,
+                               const uint8_t *src, int64_t n) {
+    int64_t i;
+    (void)impl;
+    if (dtype == MPT_FLOAT32)
+        for (i = 0; i < n; i++) ((float *)dst)[i] = ((const float *)table)[src[i]];
+    else
+        for (i = 0; i < n; i++) ((uint16_t *)dst)[i] = ((const uint16_t *)table)[src[i]];
+}
+
 static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
                                 int64_t cols) {
     (void)impl;
@@ -38151,6 +38238,7 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->gemm = mpt__cpu_gemm;
     t->gemm_plan = NULL; /* nothing to choose */
     t->convert = mpt__cpu_convert;
+    t->lookup_u8 = mpt__cpu_lookup_u8;
     t->activation = mpt__cpu_activation;
     t->activation_grad = mpt__cpu_activation_grad;
     t->column_sums = mpt__cpu_column_sums;

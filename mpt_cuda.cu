@@ -2470,6 +2470,34 @@ static void mpt__cuda_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dt
     });
 }
 
+/* ---- bytes looked up ----------------------------------------------------- */
+
+/* dst[i] = table[src[i]]: a batch of uint8 images normalised on the device
+   by the dataset's own table (256 values in D, made on the host), so the
+   values are the bits the host would have uploaded. */
+template <typename D> struct mpt__cuda_lookup_u8_op {
+    D *dst;
+    const D *table;
+    const uint8_t *src;
+    template <int N> __device__ __forceinline__ void run(int64_t i) const {
+        mpt__cuda_layers_pack<D, N> out;
+#pragma unroll
+        for (int e = 0; e < N; e++) out.v[e] = table[src[i + e]];
+        mpt__cuda_layers_store<N>(dst + i, out);
+    }
+};
+
+static void mpt__cuda_lookup_u8(void *impl, mpt_dtype dtype, void *dst, const void *table,
+                                const uint8_t *src, int64_t n) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    if (n <= 0) return;
+    mpt__cuda_layers_dispatch(dtype, [&](auto d) {
+        typedef decltype(d) D;
+        mpt__cuda_lookup_u8_op<D> op = {(D *)dst, (const D *)table, src};
+        mpt__cuda_layers_launch(c, op, n, mpt__cuda_layers_aligned(dst, 16), "lookup_u8");
+    });
+}
+
 /* ---- activations -------------------------------------------------------- */
 
 /* dy · act'(.) where `kept` is z for the GELUs and y for the others. */
@@ -6708,6 +6736,7 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.gemm = MPT__CUDA_ENTRY(mpt__cuda_gemm);
     t.gemm_plan = MPT__CUDA_ENTRY(mpt__cuda_gemm_plan);
     t.convert = MPT__CUDA_ENTRY(mpt__cuda_convert);
+    t.lookup_u8 = MPT__CUDA_ENTRY(mpt__cuda_lookup_u8);
     t.activation = MPT__CUDA_ENTRY(mpt__cuda_activation);
     t.activation_grad = MPT__CUDA_ENTRY(mpt__cuda_activation_grad);
     t.column_sums = MPT__CUDA_ENTRY(mpt__cuda_column_sums);

@@ -274,6 +274,7 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     REQUIRED(attention_forward); REQUIRED(attention_backward); REQUIRED(attention_workspace);
 #undef REQUIRED
     named++; /* gemm_plan: optional */
+    named++; /* lookup_u8: optional */
     named++; /* conv_direct: optional */
     named++; /* dz_and_bias_grad: optional */
     collectives = !!t->comm_id + !!t->comm_create + !!t->comm_destroy + !!t->allreduce_sum +

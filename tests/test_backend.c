@@ -18,6 +18,7 @@
    a failure). A second emulated device holds a second replica, as a
    mirrored model on two GPUs does: every call must then pass the memory
    of the device it goes to (on a GPU, the device the call makes current). */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
@@ -35,6 +36,8 @@ typedef struct device_memory {
     } block[MAX_BLOCKS];
     int n;
     long uploads_async, waits, plans, allreduces, gemms;
+    long lookups; /* lookup_u8 calls run (recorded ones each time replayed) */
+    long upload_bytes; /* bytes uploaded asynchronously */
     long captures, replays, unrecordable; /* graphs recorded and replayed */
     long stray; /* pointers given to a device's functions that are not its memory */
 } device_memory;
@@ -78,7 +81,7 @@ typedef enum emu_op {
     OP_COL2IM, OP_POOL_FORWARD, OP_POOL_BACKWARD, OP_BN_FORWARD, OP_BN_BACKWARD, OP_BN_COMMIT,
     OP_DROPOUT, OP_LOSS, OP_GRAD_STATS, OP_UPDATE, OP_LOSS_SCALE, OP_ADD, OP_SCALE, OP_COPY,
     OP_ZERO, OP_CONV_DIRECT, OP_LN_FORWARD, OP_LN_BACKWARD, OP_ATTN_FORWARD, OP_ATTN_BACKWARD,
-    OP_ELEMENTWISE, OP_COPY_ROWS, OP_GATHER_ROWS, OP_SCATTER_ADD_ROWS
+    OP_ELEMENTWISE, OP_COPY_ROWS, OP_GATHER_ROWS, OP_SCATTER_ADD_ROWS, OP_LOOKUP_U8
 } emu_op;
 
 typedef struct emu_call { /* the arguments of one call; each op uses some */
@@ -179,6 +182,7 @@ static void emu_upload_async(void *impl, void *dst, const void *src, size_t byte
     not_while_recording();
     expect_device(impl, dst);
     memory_of(impl)->uploads_async++;
+    memory_of(impl)->upload_bytes += (long)bytes;
     cpu()->upload_async(impl, dst, src, bytes);
 }
 
@@ -271,6 +275,20 @@ static void emu_convert(void *impl, mpt_dtype dd, void *dst, mpt_dtype sd, const
         return;
     }
     cpu()->convert(impl, dd, dst, sd, src, n);
+}
+
+static void emu_lookup_u8(void *impl, mpt_dtype dtype, void *dst, const void *table,
+                          const uint8_t *src, int64_t n) {
+    expect_device(impl, dst);
+    expect_device(impl, table);
+    expect_device(impl, src);
+    if (recording) {
+        emu_call *c = record(OP_LOOKUP_U8, impl);
+        if (c) c->dtype[0] = dtype, c->out[0] = dst, c->in[0] = table, c->in[1] = src, c->n[0] = n;
+        return;
+    }
+    memory_of(impl)->lookups++;
+    cpu()->lookup_u8(impl, dtype, dst, table, src, n);
 }
 
 static void emu_activation(void *impl, mpt_activation act, float *x, int64_t rows, int64_t cols) {
@@ -606,6 +624,9 @@ static void run_call(const emu_call *c) {
     case OP_CONVERT:
         emu_convert(impl, c->dtype[0], c->out[0], c->dtype[1], c->in[0], c->n[0]);
         break;
+    case OP_LOOKUP_U8:
+        emu_lookup_u8(impl, c->dtype[0], c->out[0], c->in[0], (const uint8_t *)c->in[1], c->n[0]);
+        break;
     case OP_ACTIVATION: emu_activation(impl, c->act, (float *)c->out[0], c->n[0], c->n[1]); break;
     case OP_ACTIVATION_GRAD:
         emu_activation_grad(impl, c->act, c->dtype[0], c->in[0], c->in[1], c->in[2],
@@ -755,6 +776,7 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.gemm = emu_gemm;
     emu_table.gemm_plan = emu_gemm_plan;
     emu_table.convert = emu_convert;
+    emu_table.lookup_u8 = emu_lookup_u8;
     emu_table.activation = emu_activation;
     emu_table.activation_grad = emu_activation_grad;
     emu_table.column_sums = emu_column_sums;
@@ -955,6 +977,93 @@ static void test_fit_matches_the_cpu(void) {
         CHECK(dev.n == 0, "policy %d: %d device blocks leaked", k, dev.n);
         mpt_context_destroy(dc);
     }
+}
+
+/* ---- uint8 images: uploaded as bytes, normalised on the device ------------------ */
+
+static uint8_t pixels[N * SIDE * SIDE];
+
+/* The image data as uint8 pixels (x/255 as the IDX loader scales them). */
+static mpt_dataset *byte_dataset(mpt_context *c) {
+    mpt_tensor tx, ty;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(c, &tx, MPT_UINT8, 4, (int64_t[]){N, SIDE, SIDE, 1}, pixels);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){N}, ys);
+    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty, .scale = 1.0f / 255},
+                             &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
+/* A uint8 dataset's batches go up as they are, a quarter of float32's
+   bytes, and the step looks them up in the dataset's own table on the
+   device (recorded with the step, so each replay does it again): fit
+   ends bit for bit where the CPU's ends, in every policy, for one model
+   and for two replicas; MPT_UPLOAD_BYTES=0 uploads the host's values
+   instead, to the same end. */
+static void fit_bytes(mpt_policy policy, int replicas, int bytes_off) {
+    mpt_context *dc = NULL;
+    mpt_strategy *s_cpu = NULL, *s_dev = NULL;
+    mpt_model *cpu, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_fit_desc fit;
+    const mpt_strategy_desc sd = {.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2};
+    /* 96 training samples: 3 batches an epoch, 2 epochs; each uploads its
+       images and its int32 labels */
+    const long steps = 6, labels = 4 * BATCH;
+    long images = SIDE * SIDE * BATCH;
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    if (replicas)
+        CHECK(mpt_strategy_create(ctx, &sd, &s_cpu) == MPT_OK &&
+                  mpt_strategy_create(dc, &sd, &s_dev) == MPT_OK,
+              "strategy: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+    d_cpu = byte_dataset(ctx);
+    d_gpu = byte_dataset(dc);
+    cpu = image_model_with(ctx, policy, s_cpu, 0);
+    gpu = image_model_with(dc, policy, s_dev, 0);
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH;
+    fit.validation_split = 0.2f;
+    if (bytes_off) setenv("MPT_UPLOAD_BYTES", "0", 1);
+    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    unsetenv("MPT_UPLOAD_BYTES");
+    CHECK(same_params(cpu, gpu) && (!replicas || same_params(cpu->replica[1], gpu->replica[1])),
+          "policy %d, replicas %d, bytes off %d: weights differ from the CPU's", (int)policy,
+          replicas, bytes_off);
+    CHECK(same_history(cpu, gpu), "policy %d, replicas %d: histories differ", (int)policy,
+          replicas);
+    if (bytes_off) images *= (long)mpt_dtype_size(mpt__input_batch_dtype(gpu));
+    CHECK(dev.upload_bytes == steps * (images + labels),
+          "policy %d, replicas %d, bytes off %d: %ld bytes uploaded, want %ld", (int)policy,
+          replicas, bytes_off, dev.upload_bytes, steps * (images + labels));
+    CHECK(dev.lookups == (bytes_off ? 0 : steps * (replicas ? 2 : 1)),
+          "policy %d, replicas %d, bytes off %d: %ld lookups on the device", (int)policy, replicas,
+          bytes_off, dev.lookups);
+    CHECK(dev.captures == 2 && dev.unrecordable == 0 && dev.stray == 0,
+          "%ld steps recorded (want 2), %ld calls a graph cannot hold, %ld host pointers on "
+          "the device", dev.captures, dev.unrecordable, dev.stray);
+    mpt_model_destroy(cpu);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    mpt_strategy_destroy(s_cpu);
+    mpt_strategy_destroy(s_dev);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
+static void test_fit_bytes_match_the_cpu(void) {
+    int64_t i;
+    for (i = 0; i < N * SIDE * SIDE; i++) pixels[i] = (uint8_t)((i * 37 + i / 61) % 256);
+    fit_bytes(MPT_POLICY_FLOAT32, 0, 0);
+    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 0, 0);
+    fit_bytes(MPT_POLICY_MIXED_BFLOAT16, 0, 0);
+    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 1, 0);
+    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 0, 1);
 }
 
 /* Sample weights (with class weights and weighted metrics) on the
@@ -1831,6 +1940,7 @@ int main(void) {
     TEST_RUN(test_philox_known_answers);
     TEST_RUN(test_cpu_table_is_complete);
     TEST_RUN(test_fit_matches_the_cpu);
+    TEST_RUN(test_fit_bytes_match_the_cpu);
     TEST_RUN(test_fit_per_position_matches_the_cpu);
     TEST_RUN(test_fit_attention_matches_the_cpu);
     TEST_RUN(test_fit_inputs_matches_the_cpu);

@@ -766,6 +766,41 @@ static void test_convert(void) {
                 }
 }
 
+/* lookup_u8: fresh random bytes through a fresh random table of each float
+   dtype, odd counts, the destination one element in (unaligned): the
+   CPU's bits exactly, nothing outside the destination written. */
+static void test_lookup_u8(void) {
+    static const int64_t counts[5] = {1, 7, 33, 1000, 65536 + 5};
+    backend *gpu = &gpu_be[GPU_AUTO];
+    int di, ci, off;
+    for (di = 0; di < 3; di++)
+        for (ci = 0; ci < 5; ci++)
+            for (off = 0; off < 2; off++) {
+                mpt_dtype dt = float_dtypes[di];
+                int64_t n = counts[ci], i, bad;
+                void *table = random_values(dt, 256, -3, 3), *res[2];
+                uint8_t *src = (uint8_t *)malloc((size_t)n);
+                int w;
+                for (i = 0; i < n; i++) src[i] = (uint8_t)(test_uniform(0, 256));
+                for (w = 0; w < 2; w++) {
+                    backend *b = w ? gpu : &cpu_be;
+                    const void *t = be_upload(b, table, nbytes(dt, 256));
+                    const uint8_t *s = (const uint8_t *)be_upload(b, src, (size_t)n);
+                    char *d = (char *)be_poisoned(b, nbytes(dt, n + off + 1));
+                    b->t->lookup_u8(b->impl, dt, d + nbytes(dt, off), t, s, n);
+                    res[w] = be_fetch(b, d, nbytes(dt, n + off + 1), "lookup_u8");
+                    be_release(b);
+                }
+                bad = first_difference(res[1], res[0], n + off + 1, mpt_dtype_size(dt));
+                CHECK(bad < 0, "lookup_u8 %s n %lld offset %d: element %lld differs from the CPU's",
+                      mpt_dtype_name(dt), (long long)n, off, (long long)bad - off);
+                free(table);
+                free(src);
+                free(res[0]);
+                free(res[1]);
+            }
+}
+
 /* ---- activations ---------------------------------------------------------------------- */
 
 static const int64_t act_shapes[5][2] = {{1, 1}, {7, 33}, {128, 10}, {33, 1000}, {255, 127}};
@@ -4646,6 +4681,7 @@ static void run_layer_tests(void) {
               test_relu_special_values);
     test__run("column_sums (float32 <= 1e-5)", test_column_sums);
     test__run("convert: every pair of float dtypes (exact)", test_convert);
+    test__run("lookup_u8: bytes through a table, each float dtype (exact)", test_lookup_u8);
     test__run("activation: each one incl. softmax (<= 1e-5)", test_activation);
     test__run("activation_grad: each one, each dtype (<= 1e-5)", test_activation_grad);
     test__run("im2col (exact)", test_im2col);

@@ -37035,6 +37035,16 @@ static mpt_status mpt__strategy_mirror_devices(mpt_strategy *s, const mpt_strate
 }
 #endif
 
+/* For tests of the collectives on a machine of one GPU:
+   MPT_NCCL_ONE_GPU=1 in the environment gives a mirrored strategy of one
+   device (one replica) a communicator of one member anyway, so its
+   all-reduces run (sums over one member: nothing changes). */
+static int mpt__one_member_comm(const mpt_strategy *s, const mpt_strategy_desc *desc) {
+    const char *env = getenv("MPT_NCCL_ONE_GPU");
+    return env && strcmp(env, "1") == 0 && s->type == MPT_STRATEGY_MIRRORED &&
+           desc->num_replicas == 0;
+}
+
 /* On a GPU context: a mirrored strategy puts one replica on each of its
    devices (unless num_replicas asks for logical replicas on the context's
    one), a multi-worker one joins the workers' devices; either way a
@@ -37055,7 +37065,8 @@ static mpt_status mpt__strategy_open_devices(mpt_strategy *s, const mpt_strategy
         s->local = s->n_backends;
     }
 #endif
-    if (s->n_backends == 1 && s->workers == 1) return MPT_OK; /* one device: nothing to join */
+    if (s->n_backends == 1 && s->workers == 1 && !mpt__one_member_comm(s, desc))
+        return MPT_OK; /* one device: nothing to join */
     if (!be->comm_create)
         return mpt__fail(s->ctx, MPT_ERR_UNSUPPORTED,
                          "strategy: replicas on %d GPUs need mpt_cuda.cu built with -DMPT_NCCL "
@@ -37866,10 +37877,11 @@ static mpt_status mpt__replicated_step(mpt_model *m, const mpt_tensor *x, const 
    when they share one device and one worker. Collectives between devices
    stay out (NCCL's, replayed in graphs of several devices from one thread,
    can deadlock), as do MPI's between workers and a synchronized
-   BatchNormalization (both pass through the host every step). */
+   BatchNormalization (both pass through the host every step); a
+   communicator of one device (MPT_NCCL_ONE_GPU) is recorded with the step. */
 static int mpt__replicas_capturable(const mpt_model *m) {
     int i;
-    if (m->strategy->comm || m->strategy->workers > 1) return 0;
+    if ((m->strategy->comm && m->strategy->n_backends > 1) || m->strategy->workers > 1) return 0;
     for (i = 0; i < m->n_layers; i++)
         if (mpt__is_sync_bn(&m->layers[i])) return 0;
     return 1;

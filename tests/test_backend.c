@@ -81,7 +81,8 @@ typedef enum emu_op {
     OP_COL2IM, OP_POOL_FORWARD, OP_POOL_BACKWARD, OP_BN_FORWARD, OP_BN_BACKWARD, OP_BN_COMMIT,
     OP_DROPOUT, OP_LOSS, OP_GRAD_STATS, OP_UPDATE, OP_LOSS_SCALE, OP_ADD, OP_SCALE, OP_COPY,
     OP_ZERO, OP_CONV_DIRECT, OP_LN_FORWARD, OP_LN_BACKWARD, OP_ATTN_FORWARD, OP_ATTN_BACKWARD,
-    OP_ELEMENTWISE, OP_COPY_ROWS, OP_GATHER_ROWS, OP_SCATTER_ADD_ROWS, OP_LOOKUP_U8
+    OP_ELEMENTWISE, OP_COPY_ROWS, OP_GATHER_ROWS, OP_SCATTER_ADD_ROWS, OP_LOOKUP_U8,
+    OP_ALLREDUCE
 } emu_op;
 
 typedef struct emu_call { /* the arguments of one call; each op uses some */
@@ -101,6 +102,8 @@ typedef struct emu_call { /* the arguments of one call; each op uses some */
     mpt_pool_kind pool;
     const void *in[4];
     void *out[3];
+    void *comm;
+    float *bufs[MPT__MAX_REPLICAS];
     int64_t n[2];
     int64_t dims[7];
     float value;
@@ -616,6 +619,8 @@ static void emu_scale(void *impl, float *x, float alpha, int64_t n) {
     cpu()->scale(impl, x, alpha, n);
 }
 
+static mpt_status emu_allreduce_sum(void *comm, float *const *bufs, int64_t count);
+
 /* Runs one kept call as it was made. */
 static void run_call(const emu_call *c) {
     void *impl = c->impl;
@@ -624,6 +629,7 @@ static void run_call(const emu_call *c) {
     case OP_CONVERT:
         emu_convert(impl, c->dtype[0], c->out[0], c->dtype[1], c->in[0], c->n[0]);
         break;
+    case OP_ALLREDUCE: (void)emu_allreduce_sum(c->comm, c->bufs, c->n[0]); break;
     case OP_LOOKUP_U8:
         emu_lookup_u8(impl, c->dtype[0], c->out[0], c->in[0], (const uint8_t *)c->in[1], c->n[0]);
         break;
@@ -738,6 +744,15 @@ static mpt_status emu_allreduce_sum(void *comm, float *const *bufs, int64_t coun
     int64_t i;
     int k;
     for (k = 0; k < c->n; k++) expect_device(c->impls[k], bufs[k]);
+    if (recording) { /* a recorded step holds its collective, as NCCL's in a CUDA graph */
+        emu_call *r = record(OP_ALLREDUCE, c->impls[0]);
+        if (r) {
+            r->comm = comm;
+            r->n[0] = count;
+            memcpy(r->bufs, bufs, sizeof(float *) * (size_t)c->n);
+        }
+        return MPT_OK;
+    }
     for (i = 0; i < count; i++) {
         float sum = bufs[0][i];
         for (k = 1; k < c->n; k++) sum += bufs[k][i];
@@ -1786,6 +1801,56 @@ static void test_mirrored_on_the_device(void) {
     mirrored_on_the_device(1);
 }
 
+/* MPT_NCCL_ONE_GPU=1: a mirrored strategy of the one device gets a
+   communicator of one member; its step's gradient sum and the averaged
+   BatchNormalization statistics go through it (recorded with the step,
+   as NCCL's in a CUDA graph) and fit ends bit for bit where the CPU's
+   ends with no strategy. */
+static void test_one_member_communicator(void) {
+    mpt_context *dc = NULL;
+    mpt_strategy *s = NULL;
+    mpt_model *cpu, *gpu;
+    mpt_dataset *d_cpu, *d_gpu;
+    mpt_fit_desc fit;
+    memset(&dev, 0, sizeof dev);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
+    use_emulated_device(dc);
+    setenv("MPT_NCCL_ONE_GPU", "1", 1);
+    CHECK(mpt_strategy_create(dc, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED}, &s) ==
+              MPT_OK,
+          "strategy: %s", mpt_context_error(dc));
+    unsetenv("MPT_NCCL_ONE_GPU");
+    CHECK(s && s->comm && s->n_backends == 1, "no communicator of one member");
+    d_cpu = image_dataset(ctx);
+    d_gpu = image_dataset(dc);
+    cpu = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, NULL, 0);
+    gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s, 0);
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH;
+    fit.validation_split = 0.2f;
+    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    CHECK(gpu->n_replicas == 1, "%d replicas, want 1", gpu->n_replicas);
+    CHECK(same_params(cpu, gpu), "weights through a one-member communicator differ from the "
+                                 "CPU's with no strategy");
+    CHECK(same_history(cpu, gpu), "histories differ");
+    /* 3 steps an epoch, 2 epochs: each sums the gradients and averages the
+       statistics (2 of BatchNormalization's saved buffers) */
+    CHECK(dev.captures == 2 && dev.replays == 6 && dev.allreduces == 6 * 3,
+          "%ld steps recorded (want 2), %ld replayed (want 6), %ld all-reduces run (want 18)",
+          dev.captures, dev.replays, dev.allreduces);
+    CHECK(dev.unrecordable == 0 && dev.stray == 0, "%ld calls a graph cannot hold, %ld host "
+          "pointers on the device", dev.unrecordable, dev.stray);
+    mpt_model_destroy(cpu);
+    mpt_model_destroy(gpu);
+    mpt_dataset_destroy(d_cpu);
+    mpt_dataset_destroy(d_gpu);
+    mpt_strategy_destroy(s);
+    CHECK(dev.n == 0, "%d device blocks leaked", dev.n);
+    mpt_context_destroy(dc);
+}
+
 /* Two replicas on two emulated devices, run from one thread as a mirrored
    model on two GPUs runs them: every call that passes a replica's buffers
    goes to that replica's device (on a GPU, the device its call enters),
@@ -1952,6 +2017,7 @@ int main(void) {
     TEST_RUN(test_public_steps_on_the_device);
     TEST_RUN(test_mirrored_on_the_device);
     TEST_RUN(test_mirrored_on_two_devices);
+    TEST_RUN(test_one_member_communicator);
     TEST_RUN(test_conv_chunk_follows_the_backend);
     mpt_context_destroy(ctx);
     return test_summary("test_backend");

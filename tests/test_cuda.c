@@ -4340,6 +4340,65 @@ static void test_nccl_one_member(void) {
     free(host);
     be_release(b);
 }
+
+/* The collectives on one GPU: MPT_NCCL_ONE_GPU=1 gives a mirrored strategy
+   of this GPU a communicator of one member, so the step's gradient sum
+   and BatchNormalization's averaged statistics go through NCCL (sums over
+   one member) inside the recorded step; the weights equal, bit for bit,
+   those of the same fit with no strategy. One GEMM engine, so that no
+   timing picks another between the two runs. */
+static void test_one_member_strategy(void) {
+    char path[2][512];
+    int pass;
+    temp_path(path[0], sizeof path[0], "no_strategy");
+    temp_path(path[1], sizeof path[1], "one_member_comm");
+    for (pass = 0; pass < 2; pass++) {
+        mpt_context *ctx = NULL;
+        mpt_context_desc cd;
+        mpt_strategy *s = NULL;
+        mpt_strategy_desc sd;
+        mpt_dataset *data;
+        mpt_model *m;
+        mpt_fit_desc fd;
+        memset(&cd, 0, sizeof cd);
+        cd.logger.fn = quiet_logger;
+        cd.gemm = MPT_GEMM_MPT;
+        if (mpt_context_create(&cd, &ctx) != MPT_OK) {
+            CHECK(0, "context: cannot be created");
+            break;
+        }
+        if (pass == 1) {
+            memset(&sd, 0, sizeof sd);
+            sd.type = MPT_STRATEGY_MIRRORED;
+            setenv("MPT_NCCL_ONE_GPU", "1", 1);
+            CHECK(mpt_strategy_create(ctx, &sd, &s) == MPT_OK, "strategy: %s",
+                  mpt_context_error(ctx));
+            unsetenv("MPT_NCCL_ONE_GPU");
+            CHECK(s && s->comm, "no communicator under MPT_NCCL_ONE_GPU=1");
+        }
+        data = blob_dataset(ctx);
+        m = mirrored_model(ctx, s);
+        memset(&fd, 0, sizeof fd);
+        fd.epochs = 2;
+        fd.batch_size = 64;
+        CHECK(m && mpt_model_fit(m, data, &fd) == MPT_OK, "fit (%s): %s",
+              pass ? "one-member communicator" : "no strategy", mpt_context_error(ctx));
+        if (m)
+            CHECK(mpt_model_save_weights(m, path[pass]) == MPT_OK, "save_weights: %s",
+                  mpt_context_error(ctx));
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(data);
+        mpt_strategy_destroy(s);
+        mpt_context_destroy(ctx);
+    }
+    CHECK(same_file(path[0], path[1]),
+          "weights through a one-member communicator differ from those with no strategy (%s, "
+          "%s)", path[1], path[0]);
+    if (!test__current_failed) {
+        remove(path[0]);
+        remove(path[1]);
+    }
+}
 #endif
 
 /* mpt_device_query on the GPU this test runs on: device 1 is CUDA device
@@ -4836,6 +4895,9 @@ int main(int argc, char **argv) {
 #ifdef MPT_NCCL
     test__run("NCCL: a communicator of one GPU, its all-reduce leaves the floats as they are",
               test_nccl_one_member);
+    test__run("NCCL: a mirrored strategy of one GPU through a one-member communicator "
+              "(MPT_NCCL_ONE_GPU=1) trains to the weights of no strategy (same bits)",
+              test_one_member_strategy);
 #endif
 #ifdef MPT_CUDA
     printf("# cuBLASLt refusals: gemm auto %lld, mpt %lld, cublaslt %lld (each logged once)\n",

@@ -3266,9 +3266,11 @@ typedef struct mpt_backend {
     mpt_status (*timer_read)(void *impl, void *timer, int count, double *seconds);
     void (*timer_free)(void *impl, void *timer);
     /* -- Embedding's table. gather_rows: y (n, width) in dtype = the rows
-       ids[0..n) of table (rows, width) in dtype; an id outside [0, rows)
-       gives a row of zeros (the layer refuses such ids before a step; the
-       kernel never reads outside the table). */
+       ids[0..n) of table (rows, width) in dtype (any dtype: the elements
+       are moved as their bits; a resident dataset's uint8 images and int32
+       labels go through it too); an id outside [0, rows) gives a row of
+       zeros (the layer refuses such ids before a step; the kernel never
+       reads outside the table). */
     void (*gather_rows)(void *impl, mpt_dtype dtype, void *y, const void *table, int64_t rows,
                         int64_t width, const int32_t *ids, int64_t n);
     /* dtable (rows, width) float32, overwritten: row r the sum of the rows
@@ -14418,10 +14420,22 @@ typedef struct mpt__loader {
     int64_t held;           /* batch the consumer holds, -1 if none       */
     int64_t slot_batch[2];  /* batch ready in each slot, -1 if free       */
     int loading;            /* the thread is filling slot produce % 2     */
+    int indices_only;       /* batches are their sample indices alone (the
+                               data is already where the step reads it)  */
+    const int64_t *last;    /* the indices of the batch next() gave last  */
 } mpt__loader;
 
 static int mpt__loader_can_load(const mpt__loader *l) {
     return l->produce < l->n_batches && l->slot_batch[l->produce & 1] < 0;
+}
+
+/* Batch `slot`'s samples indices[0..count): x, y, the added inputs, the
+   further outputs' labels and the sample weights. */
+static void mpt__loader_gather(mpt__loader *l, const int64_t *indices, int64_t count, int slot) {
+    mpt__dataset_gather(l->ctx, l->d, indices, count, l->x_dtype, l->x_buf[slot], l->y_buf[slot]);
+    mpt__dataset_gather_inputs(l->ctx, l->d, indices, count, l->in_dtype, l->in_buf[slot]);
+    mpt__dataset_gather_labels(l->d, indices, count, l->lab_buf[slot]);
+    mpt__dataset_gather_weights(l->d, indices, count, l->w_buf[slot]);
 }
 
 static void *mpt__loader_main(void *arg) {
@@ -14440,11 +14454,7 @@ static void *mpt__loader_main(void *arg) {
         indices = l->order + first;
         l->loading = 1; /* start_epoch waits for this to clear */
         pthread_mutex_unlock(&l->mutex);
-        mpt__dataset_gather(l->ctx, l->d, indices, count, l->x_dtype, l->x_buf[slot],
-                            l->y_buf[slot]);
-        mpt__dataset_gather_inputs(l->ctx, l->d, indices, count, l->in_dtype, l->in_buf[slot]);
-        mpt__dataset_gather_labels(l->d, indices, count, l->lab_buf[slot]);
-        mpt__dataset_gather_weights(l->d, indices, count, l->w_buf[slot]);
+        if (!l->indices_only) mpt__loader_gather(l, indices, count, slot);
         pthread_mutex_lock(&l->mutex);
         l->loading = 0;
         l->slot_batch[slot] = b;
@@ -14652,14 +14662,10 @@ static int mpt__loader_next_inline(mpt__loader *l, mpt_tensor *x, mpt_tensor *y)
         xb = (const char *)d->x + (size_t)at * (size_t)d->x_count * mpt_dtype_size(d->x_dtype);
         yb = d->x_only ? NULL : (const char *)d->y + (size_t)at * (size_t)d->y_count * 4;
         wb = mpt__dataset_weights(d) ? mpt__dataset_weights(d) + at : NULL;
-    } else {
-        mpt__dataset_gather(l->ctx, d, l->order + first, count, l->x_dtype, l->x_buf[0],
-                            l->y_buf[0]);
-        mpt__dataset_gather_inputs(l->ctx, d, l->order + first, count, l->in_dtype,
-                                   l->in_buf[0]);
-        mpt__dataset_gather_labels(d, l->order + first, count, l->lab_buf[0]);
-        mpt__dataset_gather_weights(d, l->order + first, count, l->w_buf[0]);
+    } else if (!l->indices_only) {
+        mpt__loader_gather(l, l->order + first, count, 0);
     }
+    l->last = l->order + first;
     memcpy(l->in_last, l->in_buf[0], sizeof l->in_last);
     memcpy(l->lab_last, l->lab_buf[0], sizeof l->lab_last);
     /* views are read only (mpt__loader_allow_views); the tensor type has no const */
@@ -14697,6 +14703,7 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     while (l->slot_batch[slot] != b) pthread_cond_wait(&l->cond, &l->mutex);
     l->held = b;
     count = MPT__MIN(l->batch_size, l->n - b * l->batch_size);
+    l->last = l->order + b * l->batch_size;
     pthread_mutex_unlock(&l->mutex);
     mpt__batch_view(x, l->x_dtype, count, d->x_rank, d->x_shape, l->x_buf[slot], MPT_DEVICE_CPU);
     mpt__batch_view(y, d->y_dtype, count, d->y_rank, d->y_shape, l->y_buf[slot], MPT_DEVICE_CPU);
@@ -14706,6 +14713,14 @@ static int mpt__loader_next(mpt__loader *l, mpt_tensor *x, mpt_tensor *y) {
     memcpy(l->lab_last, l->lab_buf[slot], sizeof l->lab_last);
     return 1;
 }
+
+/* From now on, batches are their indices alone (mpt__loader_indices):
+   nothing is gathered. Before the first epoch. */
+static void mpt__loader_indices_only(mpt__loader *l) { l->indices_only = 1; }
+
+/* The sample indices of the batch next() gave last (as many as its rows),
+   borrowed from the epoch's order. */
+static const int64_t *mpt__loader_indices(const mpt__loader *l) { return l->last; }
 
 /* The sample weights of the batch next() gave last, (b,) float32 into w,
    borrowed as that batch is; w->data NULL when the dataset has none. */
@@ -15460,7 +15475,9 @@ static mpt_status mpt__plan_gemms(mpt_model *m, int64_t batch) {
    uint8 images go up as they are (a quarter of float32's bytes, and no
    host time normalising them): the step first looks each byte up in the
    dataset's table, uploaded once, so the input holds the values the host
-   would have made (mpt__feed_takes_bytes says when). */
+   would have made (mpt__feed_takes_bytes says when). Where such a dataset
+   fits on the device it stays there whole (mpt__feed_open_resident): a
+   batch is then its sample indices, and the step gathers its rows. */
 typedef struct mpt__feed_slot { /* one model's (or replica's) */
     void *host[2][3];        /* [buffer][x, y, w] pinned staging, a full batch */
     mpt_tensor x[2], y[2];   /* [buffer] its rows uploaded there (0: none)   */
@@ -15474,6 +15491,9 @@ typedef struct mpt__feed_slot { /* one model's (or replica's) */
     /* Uploaded bytes (mpt__feed.bytes): [buffer] the batch's uint8 images
        on the device, and the dataset's table there (256 values). */
     void *bytes[2], *table;
+    /* A resident dataset (mpt__feed.resident): its images and labels on
+       the device, and [buffer] the batch's sample indices there. */
+    void *data_x, *data_y, *indices[2];
 } mpt__feed_slot;
 
 typedef struct mpt__feed {
@@ -15487,6 +15507,9 @@ typedef struct mpt__feed {
     int have;                /* whether there is one                        */
     int bytes;               /* uint8 images go up as they are, normalised
                                 on the device inside the step              */
+    int resident;            /* ... and all of them are on the device: a
+                                batch is its sample indices                */
+    const mpt_dataset *train; /* resident: the dataset that is (borrowed) */
 } mpt__feed;
 
 /* In @impl-strategy: the replicas' step over their rows, already in their
@@ -15514,6 +15537,14 @@ static int mpt__feed_device_seen(mpt_model *m, int k) {
     return 0;
 }
 
+static void mpt__feed_free_resident(mpt_model *r, mpt__feed_slot *slot) {
+    void **blocks[4] = {&slot->data_x, &slot->data_y, &slot->indices[0], &slot->indices[1]};
+    int i;
+    for (i = 0; i < 4; i++)
+        if (*blocks[i]) r->be->free(r->impl, MPT_MEMORY_WORKSPACE, *blocks[i]);
+    for (i = 0; i < 4; i++) *blocks[i] = NULL;
+}
+
 static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
     int k, b, j;
     if (!f->on) return;
@@ -15530,6 +15561,7 @@ static void mpt__feed_close(mpt_model *m, mpt__feed *f) {
             if (f->slot[k].bytes[b]) r->be->free(r->impl, MPT_MEMORY_WORKSPACE, f->slot[k].bytes[b]);
         }
         if (f->slot[k].table) r->be->free(r->impl, MPT_MEMORY_WORKSPACE, f->slot[k].table);
+        mpt__feed_free_resident(r, &f->slot[k]);
     }
     for (b = 0; b < 2; b++)
         if (f->graph[b]) m->be->graph_free(m->impl, f->graph[b]);
@@ -15597,6 +15629,37 @@ static mpt_status mpt__feed_open_bytes(mpt_model *m, mpt__feed *f, int k, const 
     return s;
 }
 
+/* Keras' cache() on the device: a dataset fed as bytes whose images and
+   labels fit in the device's memory goes there whole, once, for a model
+   of one replica, one input and one output, with no sample weights; each
+   step then uploads its sample indices alone and gathers its rows on the
+   device. Where they do not fit (or MPT_RESIDENT=0) the batches go up as
+   bytes. Returns whether the dataset is resident. */
+static int mpt__feed_open_resident(mpt_model *m, mpt__feed *f, const mpt_dataset *d) {
+    const char *env = getenv("MPT_RESIDENT");
+    mpt__feed_slot *slot = &f->slot[0];
+    const int64_t n = mpt_dataset_count(d);
+    size_t x_bytes, y_bytes;
+    if (!f->bytes || f->n != 1 || d->n_inputs > 1 || d->n_labels > 1 || mpt__dataset_weights(d) ||
+        d->x_only || n > INT32_MAX || (env && strcmp(env, "0") == 0))
+        return 0;
+    x_bytes = (size_t)(n * d->x_count);
+    y_bytes = (size_t)(n * d->y_count * 4);
+    if (m->be->alloc(m->impl, MPT_MEMORY_WORKSPACE, x_bytes, &slot->data_x) != MPT_OK ||
+        m->be->alloc(m->impl, MPT_MEMORY_WORKSPACE, y_bytes, &slot->data_y) != MPT_OK ||
+        m->be->alloc(m->impl, MPT_MEMORY_WORKSPACE, (size_t)(4 * m->max_batch),
+                     &slot->indices[0]) != MPT_OK ||
+        m->be->alloc(m->impl, MPT_MEMORY_WORKSPACE, (size_t)(4 * m->max_batch),
+                     &slot->indices[1]) != MPT_OK ||
+        m->be->upload(m->impl, slot->data_x, d->x, x_bytes) != MPT_OK ||
+        m->be->upload(m->impl, slot->data_y, d->y, y_bytes) != MPT_OK) {
+        mpt__feed_free_resident(m, slot); /* it does not fit: batches go up as bytes */
+        return 0;
+    }
+    f->train = d;
+    return 1;
+}
+
 static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f, const mpt_dataset *train) {
     const char *env = getenv("MPT_CUDA_GRAPHS");
     int k, b, j;
@@ -15629,6 +15692,7 @@ static mpt_status mpt__feed_open(mpt_model *m, mpt__feed *f, const mpt_dataset *
         MPT__CHECK(mpt__feed_open_added(m, f, k));
         if (f->bytes) MPT__CHECK(mpt__feed_open_bytes(m, f, k, train));
     }
+    f->resident = mpt__feed_open_resident(m, f, train);
     return MPT_OK;
 }
 
@@ -15672,9 +15736,26 @@ static void mpt__feed_use_added(mpt_model *m, const mpt__feed *f, int b) {
    their sample weights, which travel with them as the targets do, into
    pinned memory once the upload before last (which read it) is done,
    then on the copy queue. */
+/* A resident dataset's batch: its sample indices (as int32) staged and
+   uploaded; the step gathers its rows (mpt__feed_input). */
+static void mpt__feed_upload_indices(mpt_model *m, mpt__feed *f, int b, const int64_t *indices,
+                                     const mpt_tensor *x, const mpt_tensor *y) {
+    mpt__feed_slot *slot = &f->slot[0];
+    int32_t *staged = (int32_t *)slot->host[b][0];
+    int64_t i;
+    for (i = 0; i < x->shape[0]; i++) staged[i] = (int32_t)indices[i];
+    m->be->upload_async(m->impl, slot->indices[b], staged, (size_t)(4 * x->shape[0]));
+    slot->x[b] = *x;
+    slot->y[b] = *y;
+    slot->x[b].data = slot->bytes[b];
+    slot->y[b].data = m->target_buf[b];
+    slot->x[b].device = slot->y[b].device = MPT_DEVICE_CUDA;
+    memset(&slot->w[b], 0, sizeof slot->w[b]);
+}
+
 static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor *x,
                                    const mpt_tensor *y, const mpt_tensor *w, int64_t rows,
-                                   int64_t global_rows) {
+                                   int64_t global_rows, const int64_t *indices) {
     mpt_tensor xs[MPT__MAX_REPLICAS], ys[MPT__MAX_REPLICAS], ws[MPT__MAX_REPLICAS];
     int b = f->next, k;
     for (k = 0; k < f->n; k++) {
@@ -15682,8 +15763,14 @@ static mpt_status mpt__feed_upload(mpt_model *m, mpt__feed *f, const mpt_tensor 
         mpt_status s = mpt__feed_device_seen(m, k) ? MPT_OK : r->be->upload_done(r->impl);
         if (s != MPT_OK) return mpt__fail(m->ctx, s, "fit: %s", r->be->error(r->impl));
     }
-    mpt__replica_rows(m, x, y, w, rows, xs, ys, ws);
-    for (k = 0; k < f->n; k++) {
+    if (f->resident) {
+        mpt__feed_upload_indices(m, f, b, indices, x, y);
+        k = f->n; /* nothing else goes up */
+    } else {
+        mpt__replica_rows(m, x, y, w, rows, xs, ys, ws);
+        k = 0;
+    }
+    for (; k < f->n; k++) {
         mpt_model *r = mpt__feed_model(m, k);
         mpt__feed_slot *slot = &f->slot[k];
         slot->x[b] = xs[k];
@@ -15727,6 +15814,14 @@ static mpt_tensor mpt__feed_input(mpt_model *m, const mpt__feed *f, int k, int b
     mpt_model *r = mpt__feed_model(m, k);
     mpt_tensor x = f->slot[k].x[b];
     if (!f->bytes || x.shape[0] == 0) return x;
+    if (f->resident) { /* the batch's rows of the dataset on the device: images, labels */
+        const mpt_dataset *d = f->train;
+        const int32_t *ids = (const int32_t *)f->slot[0].indices[b];
+        r->be->gather_rows(r->impl, MPT_UINT8, f->slot[0].bytes[b], f->slot[0].data_x,
+                           mpt_dataset_count(d), d->x_count, ids, x.shape[0]);
+        r->be->gather_rows(r->impl, d->y_dtype, r->target_buf[b], f->slot[0].data_y,
+                           mpt_dataset_count(d), d->y_count, ids, x.shape[0]);
+    }
     x.dtype = mpt__input_batch_dtype(r);
     x.data = r->input_buf[b];
     r->be->lookup_u8(r->impl, x.dtype, x.data, f->slot[k].table,
@@ -16383,7 +16478,8 @@ static mpt_status mpt__fit_feed_step(mpt__fit_run *r, mpt__step_times *times) {
     mpt__feed_wait(m, &r->feed);
     r->feed.have = 0;
     if (mpt__fit_take(r, &nx, &ny, &nw))
-        MPT__CHECK(mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows));
+        MPT__CHECK(mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows,
+                                    mpt__loader_indices(r->loader)));
     return mpt__feed_step(m, &r->feed, b, times);
 }
 
@@ -16398,6 +16494,7 @@ static mpt_status mpt__fit_open_batches(mpt__fit_run *r) {
     mpt_status s = mpt__model_loader_as(m, r->train, r->d->batch_size / workers, x_dtype,
                                         &r->loader);
     if (s == MPT_OK) s = mpt__feed_open(m, &r->feed, r->train);
+    if (s == MPT_OK && r->feed.resident) mpt__loader_indices_only(r->loader);
     if (s == MPT_OK && r->feed.on && !m->strategy)
         s = mpt__plan_gemms(m, MPT__MIN(r->d->batch_size, r->n));
     return s;
@@ -16510,7 +16607,8 @@ static mpt_status mpt__fit_halve(mpt__fit_run *r, int64_t done, const char *when
         s = mpt__loader_start_epoch(r->loader, r->order + done, r->n - done,
                                     r->d->batch_size);
         if (s == MPT_OK && r->feed.on && mpt__fit_take(r, &x, &y, &w))
-            s = mpt__feed_upload(m, &r->feed, &x, &y, &w, r->rows, r->global_rows);
+            s = mpt__feed_upload(m, &r->feed, &x, &y, &w, r->rows, r->global_rows,
+                                 mpt__loader_indices(r->loader));
     }
     return s;
 }
@@ -16563,7 +16661,8 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     MPT__CHECK(mpt__state_push(m));
     if (r->feed.on && mpt__fit_take(r, &x, &y, &w))
         s = mpt__fit_recover(r, mpt__feed_upload(m, &r->feed, &x, &y, &w, r->rows,
-                                                 r->global_rows), 0);
+                                                 r->global_rows, mpt__loader_indices(r->loader)),
+                             0);
     while (s == MPT_OK && !*stop) {
         mpt_logs batch_logs;
         int print = live_bar && mpt__now() - last_print > 0.1;
@@ -22278,7 +22377,8 @@ static int mpt__profile_run_step(mpt__fit_run *r, double begin, mpt_tensor *x, m
         weights = r->feed.slot[0].w[b];
         r->feed.have = 0;
         if (mpt__fit_take(r, &nx, &ny, &nw))
-            *s = mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows);
+            *s = mpt__feed_upload(m, &r->feed, &nx, &ny, &nw, r->rows, r->global_rows,
+                                  mpt__loader_indices(r->loader));
         mpt__feed_use_added(m, &r->feed, b); /* the step's, not the next batch's */
     } else {
         *s = mpt__input_on_backend(m, x, &in);

@@ -6031,9 +6031,12 @@ static void mpt__cuda_gather_rows(void *impl, mpt_dtype dtype, void *y, const vo
     if (mpt_dtype_size(dtype) == 4)
         mpt__cuda_gather_rows_kernel<uint32_t><<<mpt__cuda_blocks(total, 256), 256, 0, c->stream>>>(
             (uint32_t *)y, (const uint32_t *)table, rows, width, ids, total);
-    else
+    else if (mpt_dtype_size(dtype) == 2)
         mpt__cuda_gather_rows_kernel<uint16_t><<<mpt__cuda_blocks(total, 256), 256, 0, c->stream>>>(
             (uint16_t *)y, (const uint16_t *)table, rows, width, ids, total);
+    else /* a resident dataset's uint8 images */
+        mpt__cuda_gather_rows_kernel<uint8_t><<<mpt__cuda_blocks(total, 256), 256, 0, c->stream>>>(
+            (uint8_t *)y, (const uint8_t *)table, rows, width, ids, total);
     mpt__cuda_launched(c, "gather_rows");
 }
 

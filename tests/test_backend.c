@@ -1010,13 +1010,21 @@ static mpt_dataset *byte_dataset(mpt_context *c) {
     return d;
 }
 
-/* A uint8 dataset's batches go up as they are, a quarter of float32's
-   bytes, and the step looks them up in the dataset's own table on the
-   device (recorded with the step, so each replay does it again): fit
-   ends bit for bit where the CPU's ends, in every policy, for one model
-   and for two replicas; MPT_UPLOAD_BYTES=0 uploads the host's values
-   instead, to the same end. */
-static void fit_bytes(mpt_policy policy, int replicas, int bytes_off) {
+/* How fit_bytes feeds the device. */
+typedef enum feed_mode {
+    FEED_RESIDENT, /* the default: the dataset on the device, indices go up */
+    FEED_BYTES,    /* MPT_RESIDENT=0: each batch's bytes go up             */
+    FEED_HOST      /* MPT_UPLOAD_BYTES=0: the host's normalised values      */
+} feed_mode;
+
+/* A uint8 dataset stays on the device whole (Keras' cache()): each step
+   uploads its sample indices alone, gathers its images and labels there,
+   and looks the bytes up in the dataset's own table (all recorded with
+   the step, so each replay does it again); with two replicas, or
+   MPT_RESIDENT=0, each batch's bytes go up instead, a quarter of
+   float32's; MPT_UPLOAD_BYTES=0 uploads the host's values. Every way, fit
+   ends bit for bit where the CPU's ends, in every policy. */
+static void fit_bytes(mpt_policy policy, int replicas, feed_mode mode) {
     mpt_context *dc = NULL;
     mpt_strategy *s_cpu = NULL, *s_dev = NULL;
     mpt_model *cpu, *gpu;
@@ -1025,7 +1033,8 @@ static void fit_bytes(mpt_policy policy, int replicas, int bytes_off) {
     const mpt_strategy_desc sd = {.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2};
     /* 96 training samples: 3 batches an epoch, 2 epochs; each uploads its
        images and its int32 labels */
-    const long steps = 6, labels = 4 * BATCH;
+    const long steps = 6;
+    long labels = 4 * BATCH;
     long images = SIDE * SIDE * BATCH;
     memset(&dev, 0, sizeof dev);
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
@@ -1042,22 +1051,25 @@ static void fit_bytes(mpt_policy policy, int replicas, int bytes_off) {
     fit.epochs = 2;
     fit.batch_size = BATCH;
     fit.validation_split = 0.2f;
-    if (bytes_off) setenv("MPT_UPLOAD_BYTES", "0", 1);
+    if (mode == FEED_BYTES) setenv("MPT_RESIDENT", "0", 1);
+    if (mode == FEED_HOST) setenv("MPT_UPLOAD_BYTES", "0", 1);
     CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    unsetenv("MPT_RESIDENT");
     unsetenv("MPT_UPLOAD_BYTES");
     CHECK(same_params(cpu, gpu) && (!replicas || same_params(cpu->replica[1], gpu->replica[1])),
-          "policy %d, replicas %d, bytes off %d: weights differ from the CPU's", (int)policy,
-          replicas, bytes_off);
+          "policy %d, replicas %d, mode %d: weights differ from the CPU's", (int)policy, replicas,
+          (int)mode);
     CHECK(same_history(cpu, gpu), "policy %d, replicas %d: histories differ", (int)policy,
           replicas);
-    if (bytes_off) images *= (long)mpt_dtype_size(mpt__input_batch_dtype(gpu));
+    if (mode == FEED_HOST) images *= (long)mpt_dtype_size(mpt__input_batch_dtype(gpu));
+    if (mode == FEED_RESIDENT && !replicas) images = 0, labels = 4 * BATCH; /* the indices */
     CHECK(dev.upload_bytes == steps * (images + labels),
-          "policy %d, replicas %d, bytes off %d: %ld bytes uploaded, want %ld", (int)policy,
-          replicas, bytes_off, dev.upload_bytes, steps * (images + labels));
-    CHECK(dev.lookups == (bytes_off ? 0 : steps * (replicas ? 2 : 1)),
-          "policy %d, replicas %d, bytes off %d: %ld lookups on the device", (int)policy, replicas,
-          bytes_off, dev.lookups);
+          "policy %d, replicas %d, mode %d: %ld bytes uploaded a step, want %ld", (int)policy,
+          replicas, (int)mode, dev.upload_bytes / steps, images + labels);
+    CHECK(dev.lookups == (mode == FEED_HOST ? 0 : steps * (replicas ? 2 : 1)),
+          "policy %d, replicas %d, mode %d: %ld lookups on the device", (int)policy, replicas,
+          (int)mode, dev.lookups);
     CHECK(dev.captures == 2 && dev.unrecordable == 0 && dev.stray == 0,
           "%ld steps recorded (want 2), %ld calls a graph cannot hold, %ld host pointers on "
           "the device", dev.captures, dev.unrecordable, dev.stray);
@@ -1074,11 +1086,13 @@ static void fit_bytes(mpt_policy policy, int replicas, int bytes_off) {
 static void test_fit_bytes_match_the_cpu(void) {
     int64_t i;
     for (i = 0; i < N * SIDE * SIDE; i++) pixels[i] = (uint8_t)((i * 37 + i / 61) % 256);
-    fit_bytes(MPT_POLICY_FLOAT32, 0, 0);
-    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 0, 0);
-    fit_bytes(MPT_POLICY_MIXED_BFLOAT16, 0, 0);
-    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 1, 0);
-    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 0, 1);
+    fit_bytes(MPT_POLICY_FLOAT32, 0, FEED_RESIDENT);
+    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 0, FEED_RESIDENT);
+    fit_bytes(MPT_POLICY_MIXED_BFLOAT16, 0, FEED_RESIDENT);
+    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 1, FEED_RESIDENT); /* replicas: bytes go up */
+    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 0, FEED_BYTES);
+    fit_bytes(MPT_POLICY_MIXED_BFLOAT16, 0, FEED_BYTES);
+    fit_bytes(MPT_POLICY_MIXED_FLOAT16, 0, FEED_HOST);
 }
 
 /* Sample weights (with class weights and weighted metrics) on the

@@ -1739,6 +1739,29 @@ static void test_gather_scatter_rows(void) {
             free(dy);
             free(ids);
         }
+    for (si = 0; si < 4; si++) { /* uint8 rows (a resident dataset's images) */
+        int64_t rows = shapes[si][0], width = shapes[si][1], n = shapes[si][2], i;
+        uint8_t *table = (uint8_t *)malloc((size_t)(rows * width)), *y[2];
+        int32_t *ids = random_ids(n, rows);
+        int w;
+        for (i = 0; i < rows * width; i++) table[i] = (uint8_t)test_uniform(0, 256);
+        for (w = 0; w < 2; w++) {
+            backend *be = w ? gpu : &cpu_be;
+            const void *td = be_upload(be, table, (size_t)(rows * width));
+            const int32_t *idd = (const int32_t *)be_upload(be, ids, sizeof(int32_t) * (size_t)n);
+            void *yd = be_poisoned(be, (size_t)(n * width));
+            be->t->gather_rows(be->impl, MPT_UINT8, yd, td, rows, width, idd, n);
+            y[w] = (uint8_t *)be_fetch(be, yd, (size_t)(n * width), "gather_rows");
+            be_release(be);
+        }
+        CHECK(memcmp(y[0], y[1], (size_t)(n * width)) == 0,
+              "gather_rows uint8 (%lld, %lld) n %lld: byte %lld differs (exact)", (long long)rows,
+              (long long)width, (long long)n, (long long)first_difference(y[1], y[0], n * width, 1));
+        free(y[0]);
+        free(y[1]);
+        free(table);
+        free(ids);
+    }
 }
 
 /* ---- losses ------------------------------------------------------------------------------- */
@@ -4751,7 +4774,8 @@ static void run_layer_tests(void) {
     test__run("elementwise: every op, each dtype, in place and unaligned (exact)",
               test_elementwise);
     test__run("copy_rows: planes of rows, every alignment (exact)", test_copy_rows);
-    test__run("gather_rows, scatter_add_rows: each dtype, repeated and bad ids (exact)",
+    test__run("gather_rows, scatter_add_rows: each dtype (gather: uint8 too), repeated and bad "
+              "ids (exact)",
               test_gather_scatter_rows);
     test__run("loss: every type, logits and probabilities, with metrics", test_loss);
     test__run("grad_stats + update: SGD, momentum, nesterov, Adam, AdamW, clipping", test_update);

@@ -15629,12 +15629,29 @@ static mpt_status mpt__feed_open_bytes(mpt_model *m, mpt__feed *f, int k, const 
     return s;
 }
 
+/* Whether `bytes` more leave room on the model's GPU: at most half of
+   what is free there now (on a backend that is not CUDA's, its alloc
+   alone decides). */
+static int mpt__device_has_room(const mpt_model *m, size_t bytes) {
+#ifdef MPT_CUDA
+    mpt_device_info info;
+    char message[256];
+    memset(&info, 0, sizeof info);
+    if (strcmp(m->be->name, "cuda") == 0 &&
+        mpt_cuda_device_query(m->ctx->desc.cuda_device, &info, message, sizeof message) == MPT_OK)
+        return (double)bytes <= 0.5 * (double)info.memory_free;
+#endif
+    (void)m;
+    (void)bytes;
+    return 1;
+}
+
 /* Keras' cache() on the device: a dataset fed as bytes whose images and
-   labels fit in the device's memory goes there whole, once, for a model
-   of one replica, one input and one output, with no sample weights; each
-   step then uploads its sample indices alone and gathers its rows on the
-   device. Where they do not fit (or MPT_RESIDENT=0) the batches go up as
-   bytes. Returns whether the dataset is resident. */
+   labels fit in half the device's free memory goes there whole, once,
+   for a model of one replica, one input and one output, with no sample
+   weights; each step then uploads its sample indices alone and gathers
+   its rows on the device. Where they do not fit (or MPT_RESIDENT=0) the
+   batches go up as bytes. Returns whether the dataset is resident. */
 static int mpt__feed_open_resident(mpt_model *m, mpt__feed *f, const mpt_dataset *d) {
     const char *env = getenv("MPT_RESIDENT");
     mpt__feed_slot *slot = &f->slot[0];
@@ -15645,6 +15662,7 @@ static int mpt__feed_open_resident(mpt_model *m, mpt__feed *f, const mpt_dataset
         return 0;
     x_bytes = (size_t)(n * d->x_count);
     y_bytes = (size_t)(n * d->y_count * 4);
+    if (!mpt__device_has_room(m, x_bytes + y_bytes)) return 0;
     if (m->be->alloc(m->impl, MPT_MEMORY_WORKSPACE, x_bytes, &slot->data_x) != MPT_OK ||
         m->be->alloc(m->impl, MPT_MEMORY_WORKSPACE, y_bytes, &slot->data_y) != MPT_OK ||
         m->be->alloc(m->impl, MPT_MEMORY_WORKSPACE, (size_t)(4 * m->max_batch),

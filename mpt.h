@@ -9908,6 +9908,8 @@ static float mpt__qat_decay(const mpt_model *m);
 static int mpt__strategy_total(const mpt_strategy *s);
 static int mpt__strategy_is_chief(const mpt_strategy *s);
 static mpt_status mpt__replicas_build(mpt_model *m);
+static mpt_status mpt__replicas_take_params(mpt_model *m);
+static mpt_status mpt__replicas_take_optimizer(mpt_model *m);
 static mpt_status mpt__workers_agree(mpt_model *m);
 static void mpt__exchange_layer_done(mpt_model *m, int layer);
 static mpt_status mpt__workers_sum(mpt_model *m, void *v, int64_t n, int doubles,
@@ -10481,6 +10483,9 @@ MPTDEF void mpt_model_refresh_weights(mpt_model *m) {
     if (!m || !m->built) return;
     mpt__copy_masters(m);
     m->weights_given = 1;
+    if (mpt__replicas_take_params(m) != MPT_OK) /* only copies between devices can fail */
+        mpt__log(m->ctx, MPT_LOG_WARNING, "refresh_weights: the other replicas kept their "
+                 "weights: %s", mpt_context_error(m->ctx));
 }
 
 /* Hands out 64-byte-aligned pieces of one arena. */
@@ -24386,8 +24391,8 @@ static mpt_status mpt__ckpt_load_checked(mpt_model *m, mpt__st_file *f, const mp
         mpt__log(m->ctx, MPT_LOG_INFO, "checkpoint '%s' holds no quantization-aware ranges: "
                  "the model's are learned again from its next training batch", f->path);
     if (m->qat) mpt__qat_ranges_in(m, qat_in_file ? pl->qat : NULL);
-    mpt_model_refresh_weights(m);
-    return MPT_OK;
+    mpt_model_refresh_weights(m); /* every replica's, as replica 0's */
+    return full ? mpt__replicas_take_optimizer(m) : MPT_OK;
 }
 
 static mpt_status mpt__ckpt_load(mpt_model *m, const char *path, int full, const char *what) {
@@ -37575,24 +37580,69 @@ static mpt_status mpt__workers_agree(mpt_model *m) {
     return MPT_OK;
 }
 
-/* to's parameters (values and moving statistics) become from's: in place
-   on one device, through the host between devices. */
-static mpt_status mpt__copy_params(mpt_model *to, mpt_model *from) {
-    size_t bytes = (size_t)from->arena_bytes[MPT__MEM_PARAMS];
+/* to's arena `arena` becomes from's: in place on one device, through the
+   host between devices. */
+static mpt_status mpt__copy_arena(mpt_model *to, mpt_model *from, int arena) {
+    size_t bytes = (size_t)from->arena_bytes[arena];
     void *host;
     mpt_status s;
     if (to->impl == from->impl) {
-        to->be->copy(to->impl, to->arena[MPT__MEM_PARAMS], from->arena[MPT__MEM_PARAMS], bytes);
-        mpt_model_refresh_weights(to);
+        to->be->copy(to->impl, to->arena[arena], from->arena[arena], bytes);
         return MPT_OK;
     }
     host = mpt__alloc(to->ctx, bytes + 1);
     if (!host) return mpt__fail(to->ctx, MPT_ERR_OUT_OF_MEMORY, "strategy: out of memory");
-    s = mpt__download(from, host, from->arena[MPT__MEM_PARAMS], bytes);
-    if (s == MPT_OK) s = mpt__upload(to, to->arena[MPT__MEM_PARAMS], host, bytes);
+    s = mpt__download(from, host, from->arena[arena], bytes);
+    if (s == MPT_OK) s = mpt__upload(to, to->arena[arena], host, bytes);
     mpt__free(to->ctx, host);
-    if (s == MPT_OK) mpt_model_refresh_weights(to);
     return s;
+}
+
+/* to's parameters (values and moving statistics) become from's. */
+static mpt_status mpt__copy_params(mpt_model *to, mpt_model *from) {
+    MPT__CHECK(mpt__copy_arena(to, from, MPT__MEM_PARAMS));
+    mpt_model_refresh_weights(to);
+    return MPT_OK;
+}
+
+/* The replicas of this process built so far (1..), each of which has no
+   replicas of its own. */
+static mpt_model *mpt__other_replica(const mpt_model *m, int k) {
+    return m->replica && k < m->n_replicas && m->replica[k] && m->replica[k]->built
+               ? m->replica[k]
+               : NULL;
+}
+
+/* Replica 0's parameters given to the others: after anything but a step
+   put them there (a load, masters edited by hand, EarlyStopping's best
+   weights, worker 0's); each step keeps them equal from then on. */
+static mpt_status mpt__replicas_take_params(mpt_model *m) {
+    int k;
+    for (k = 1; k < m->n_replicas; k++)
+        if (mpt__other_replica(m, k)) MPT__CHECK(mpt__copy_params(m->replica[k], m));
+    return MPT_OK;
+}
+
+/* ... and its optimizer state (the moments, gradient accumulation's sums)
+   and counters: after a checkpoint's load. (The step records on the
+   devices take the counters at the next fit's start, mpt__state_push.) */
+static mpt_status mpt__replicas_take_optimizer(mpt_model *m) {
+    int k;
+    for (k = 1; k < m->n_replicas; k++) {
+        mpt_model *r = mpt__other_replica(m, k);
+        if (!r) continue;
+        if (m->arena_bytes[MPT__MEM_OPTIMIZER])
+            MPT__CHECK(mpt__copy_arena(r, m, MPT__MEM_OPTIMIZER));
+        r->optimizer_steps = m->optimizer_steps;
+        r->step = m->step;
+        r->epoch = m->epoch;
+        r->good_steps = m->good_steps;
+        r->skipped_steps = m->skipped_steps;
+        r->accumulated_steps = m->accumulated_steps;
+        r->learning_rate = m->learning_rate;
+        r->loss_scale = m->loss_scale;
+    }
+    return MPT_OK;
 }
 
 static mpt_status mpt__replica_new(mpt_model *m, int k, mpt_model **out) {

@@ -386,6 +386,53 @@ static void test_accumulation_across_replicas(void) {
     mpt_dataset_destroy(d);
 }
 
+/* What puts weights into a built replicated model puts them into every
+   replica: a checkpoint (weights, optimizer state, counters), weights
+   alone, masters edited and refreshed, EarlyStopping's best weights. The
+   next epoch then goes on from them bit for bit as the saved run does. */
+static void test_loading_reaches_every_replica(void) {
+    const char *path = "build/test_strategy_replicas.safetensors";
+    mpt_dataset *d = blobs();
+    mpt_strategy *s = mirrored(2);
+    mpt_model *a = model(s, MPT_POLICY_MIXED_FLOAT16, 1, MPT_OPTIMIZER_ADAM);
+    mpt_model *b = model(s, MPT_POLICY_MIXED_FLOAT16, 1, MPT_OPTIMIZER_ADAM);
+    mpt_fit_desc fit = fit_for(2, 40);
+    mpt_param_info info;
+    int k;
+    CHECK(mpt_model_fit(a, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_save_checkpoint(a, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    fit.epochs = 1;
+    fit.no_shuffle = 1; /* b elsewhere: other weights, moments and counters */
+    CHECK(mpt_model_fit(b, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load_checkpoint(b, path) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    CHECK(replicas_identical(b), "a checkpoint reached replica 0 only");
+    for (k = 1; k < b->n_replicas; k++)
+        CHECK(b->replica[k]->optimizer_steps == a->optimizer_steps &&
+                  b->replica[k]->loss_scale == a->loss_scale,
+              "replica %d: %lld optimizer steps, scale %g; the file's %lld, %g", k,
+              (long long)b->replica[k]->optimizer_steps, b->replica[k]->loss_scale,
+              (long long)a->optimizer_steps, a->loss_scale);
+    fit = fit_for(3, 40);
+    fit.initial_epoch = 2;
+    CHECK(mpt_model_fit(a, d, &fit) == MPT_OK && mpt_model_fit(b, d, &fit) == MPT_OK,
+          "fit on: %s", mpt_context_error(ctx));
+    CHECK(test_weight_diff(a, b) == 0 && replicas_identical(b),
+          "after the loaded checkpoint's next epoch: relative difference %.3g",
+          test_weight_diff(a, b));
+    /* weights alone, and a master edited by hand */
+    CHECK(mpt_model_load_weights(b, path) == MPT_OK, "load_weights: %s", mpt_context_error(ctx));
+    CHECK(replicas_identical(b), "load_weights reached replica 0 only");
+    mpt_model_param(b, 0, &info);
+    ((float *)info.value.data)[0] += 0.5f;
+    mpt_model_refresh_weights(b);
+    CHECK(replicas_identical(b), "refresh_weights reached replica 0 only");
+    remove(path);
+    mpt_model_destroy(a);
+    mpt_model_destroy(b);
+    mpt_strategy_destroy(s);
+    mpt_dataset_destroy(d);
+}
+
 static void run_cases(void) {
     TEST_RUN(test_replicas_match_one);
     TEST_RUN(test_r2_score_and_auc_over_replicas);
@@ -396,6 +443,7 @@ static void run_cases(void) {
     TEST_RUN(test_evaluate_predict_checkpoint);
     TEST_RUN(test_bad_input);
     TEST_RUN(test_accumulation_across_replicas);
+    TEST_RUN(test_loading_reaches_every_replica);
 }
 
 int main(void) {

@@ -4589,7 +4589,7 @@ MPTDEF mpt_bf16 mpt_float_to_bf16(float f) {
 MPTDEF float mpt_bf16_to_float(mpt_bf16 b) { return mpt__bits_f32((uint32_t)b << 16); }
 
 /* A conversion kernel: n elements from src to dst. The dtypes are any two
-   different float dtypes. The kernels, the one the CPU allows chosen
+   float dtypes (the same one twice: a copy). The kernels, the one the CPU allows chosen
    (mpt__convert_kernel), and mpt__convert over the pool: @impl-convert. */
 typedef void (*mpt__convert_fn)(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
                                 const void *src, int64_t n);
@@ -25946,8 +25946,17 @@ static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *ds
                                                   int64_t n);
 #endif
 
+/* The same dtype on both sides: the values as they are (a kernel that
+   narrows would round float32 to float32 through float16's path). */
+static void mpt__convert_copy(mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
+                              const void *src, int64_t n) {
+    (void)src_dtype;
+    if (dst != src) memmove(dst, src, (size_t)n * mpt_dtype_size(dst_dtype));
+}
+
 /* The fastest kernel the CPU bits allow for this dtype pair. */
 static mpt__convert_fn mpt__convert_kernel(int cpu, mpt_dtype dst_dtype, mpt_dtype src_dtype) {
+    if (dst_dtype == src_dtype) return mpt__convert_copy;
 #if MPT__X86
     int f16 = dst_dtype == MPT_FLOAT16 || src_dtype == MPT_FLOAT16;
     /* The EVEX vcvtps2ph/vcvtph2ps belong to AVX-512F: no F16C bit needed. */

@@ -468,6 +468,17 @@ static void test_kernel_choice(void) {
           "bfloat16 needs only AVX2");
 #endif
     CHECK(mpt__convert_kernel(0, MPT_FLOAT16, MPT_FLOAT32) == mpt__convert_scalar, "portable");
+    { /* the same dtype twice: the values as they are, on every path */
+        const float v[3] = {1.0f + 1.0f / 4096, 65520.0f, -3e-8f}; /* none a float16 */
+        int paths[3] = {0, MPT_CPU_AVX2 | MPT_CPU_F16C, MPT_CPU_AVX512}, i;
+        for (i = 0; i < 3; i++) {
+            float out[3] = {0, 0, 0};
+            mpt__convert_kernel(paths[i], MPT_FLOAT32, MPT_FLOAT32)(MPT_FLOAT32, out, MPT_FLOAT32,
+                                                                    v, 3);
+            CHECK(!memcmp(out, v, sizeof v), "float32 to float32 on path %d changed a value",
+                  paths[i]);
+        }
+    }
 }
 
 /* Layers call mpt__convert from inside their own parallel tasks: a large

@@ -374,22 +374,28 @@ test_sources() {
 # those that compile it themselves. Then their counts, and the failures and
 # last lines of each program that failed.
 run_test_programs() {
-    local public=$1 internal=$2 dir src name rc flavour
+    local public=$1 internal=$2 dir src name rc flavour sources
+    # Each program's flavour as it was built, so that a source edited while
+    # the tests run is counted from its own output, not a stale one of the
+    # other flavour.
+    local -A flavour_of
     mkdir -p "$(flavour_dir "$public")/obj" "$(flavour_dir "$internal")/obj"
     echo "build.sh: building and running the tests, $JOBS at a time ($public: those that use" \
         "only the public API; $internal: the others) ($(elapsed))"
     impl_prepare "$public"
     spawn impl_job "$public"
-    for src in $(test_sources); do
-        spawn test_job "$(test_flavour "$src" "$public" "$internal")" "$src"
+    sources=$(test_sources)
+    for src in $sources; do
+        flavour_of[$src]=$(test_flavour "$src" "$public" "$internal")
+        spawn test_job "${flavour_of[$src]}" "$src"
     done
     for name in hand_sgd hand_loss_scaling; do
         spawn hand_loop_job "$(test_flavour "examples/$name.c" "$public" "$internal")" "$name"
     done
     wait
-    for src in $(test_sources); do
+    for src in $sources; do
         name=$(basename "$src" .c)
-        dir=$(flavour_dir "$(test_flavour "$src" "$public" "$internal")")
+        dir=$(flavour_dir "${flavour_of[$src]}")
         rc=$(cat "$dir/$name.rc" 2>/dev/null || echo 1)
         [ -e "$dir/$name.out" ] || echo "FAIL $name: no output" >"$dir/$name.out"
         if [ "$rc" -ne 0 ] || grep -q '^FAIL ' "$dir/$name.out"; then

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""TensorFlow (Keras 3) twin of examples/gpt.c: training tokens/s and validation
+loss of the same character-level GPT on the CPU, for comparison with mpt.h.
+
+    build/venv-peers/bin/python bench/tf_gpt.py                  # float32, 40 steps
+    build/venv-peers/bin/python bench/tf_gpt.py --policy mixed_bfloat16 --steps 40 --timed-steps 20
+    build/venv-peers/bin/python bench/tf_gpt.py --data FILE --eval 0
+
+The model, built as gpt.c builds it, from Keras' own layers:
+    Embedding(256, 256) + a learned position embedding (128, 256)
+    4 blocks, pre-LayerNormalization (epsilon 1e-5):
+        x = x + MultiHeadAttention(num_heads=4, key_dim=64)(LN(x), LN(x),
+                                   use_causal_mask=True)
+        x = x + Dense(256)(Dense(1024, activation="gelu")(LN(x)))   exact GELU
+    -> LayerNormalization -> Dense(256) logits, sparse cross-entropy from the
+    logits over every position (nats per byte).
+Every projection has a bias (Keras' MultiHeadAttention keeps q, k, v and the
+output as four kernels, as mpt.h does). GPT-2's initialisation: kernels and
+embeddings N(0, 0.02²), biases 0, LayerNormalization's gamma 1 and beta 0.
+AdamW: learning rate 1e-3, beta_1 0.9, beta_2 0.999, epsilon 1e-7, weight
+decay 0.1, none on biases and LayerNormalization's parameters
+(exclude_from_weight_decay, as gpt.c asks mpt.h). No dropout.
+
+mixed_bfloat16: Keras' policy of that name (float32 variables, bfloat16
+compute); the logits are cast to float32 for the loss, as the final layer's
+float32 output is in mpt.h; no loss scaling (bfloat16 needs none).
+
+Data: gpt.c's. The text is every file of /usr/share/games/fortunes but the .dat
+indexes and the .u8 links, in name order (or --data FILE); the first
+int(size · 0.9) bytes train, the rest validate. A training batch is 32
+windows of 129 bytes at random starts (inputs the first 128, targets the
+last 128); the validation loss reads the tail's windows back to back.
+
+The step: one tf.function (forward, loss, gradients, AdamW) traced once, the
+Keras way of writing a custom training step. Timing: --steps optimizer steps
+in all, the last --timed-steps of them timed (batch gathering included); the
+steps before warm up (the first traces the function). Threads: intra-op
+--threads, inter-op 1. Prints one JSON line like gpt.c's and torch_gpt.py's.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
+FORTUNES = "/usr/share/games/fortunes"
+
+
+# ---- the text (as bench/torch_gpt.py reads it) ------------------------------------------
+
+def read_fortunes():
+    """gpt.c's default text: the fortunes' files, in name (byte) order."""
+    names = sorted(n for n in os.listdir(os.fsencode(FORTUNES))
+                   if not n.startswith(b".") and not n.endswith(b".dat")
+                   and not n.endswith(b".u8"))
+    parts = []
+    for n in names:
+        with open(os.path.join(os.fsencode(FORTUNES), n), "rb") as f:
+            parts.append(f.read())
+    return b"".join(parts)
+
+
+def split(text):
+    """(train, validation) as uint8 arrays: mpt.h's cut, int(size · (1 - 0.1))."""
+    data = np.frombuffer(text, dtype=np.uint8)
+    cut = int(len(text) * (1.0 - 0.1))
+    return data[:cut], data[cut:]
+
+
+def windows(data, starts):
+    """Inputs (B, T) and targets (B, T), int32, of the windows at starts."""
+    xy = data[starts[:, None] + np.arange(CONTEXT + 1)].astype(np.int32)
+    return xy[:, :-1], xy[:, 1:]
+
+
+# ---- the model ---------------------------------------------------------------------------
+
+def build_model(keras):
+    normal = keras.initializers.RandomNormal(0.0, 0.02)
+
+    class PositionEmbedding(keras.layers.Layer):
+        """A learned (T, C) table added to the token embedding."""
+
+        def build(self, input_shape):
+            self.table = self.add_weight(name="embeddings", shape=(CONTEXT, WIDTH),
+                                         initializer=normal)
+
+        def call(self, x):
+            return x + keras.ops.cast(self.table, x.dtype)
+
+    def dense(units, **kw):
+        return keras.layers.Dense(units, kernel_initializer=normal, **kw)
+
+    def norm():
+        return keras.layers.LayerNormalization(epsilon=1e-5)
+
+    ids = keras.Input((CONTEXT,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, WIDTH, embeddings_initializer=normal)(ids)
+    x = PositionEmbedding()(x)
+    for _ in range(LAYERS):
+        h = norm()(x)
+        h = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS,
+                                            kernel_initializer=normal)(h, h,
+                                                                      use_causal_mask=True)
+        x = x + h
+        h = dense(4 * WIDTH, activation="gelu")(norm()(x))
+        x = x + dense(WIDTH)(h)
+    logits = dense(VOCAB, dtype="float32")(norm()(x))   # float32 out, as mpt.h's last layer
+    return keras.Model(ids, logits)
+
+
+# ---- main --------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=None, help="a text file (default: the fortunes)")
+    ap.add_argument("--policy", default="float32", choices=("float32", "mixed_bfloat16"))
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
+    ap.add_argument("--timed-steps", type=int, default=20, help="the last steps, timed")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--eval", type=int, default=1, help="0: no validation loss")
+    args = ap.parse_args()
+    if not 0 < args.timed_steps <= args.steps:
+        ap.error("--timed-steps must be in 1..--steps")
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import keras
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    keras.utils.set_random_seed(args.seed)
+    keras.mixed_precision.set_global_policy(args.policy)
+
+    if args.data:
+        with open(args.data, "rb") as f:
+            text = f.read()
+    else:
+        text = read_fortunes()
+    train, val = split(text)
+    model = build_model(keras)
+    opt = keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.1, beta_1=0.9,
+                                 beta_2=0.999, epsilon=1e-7)
+    opt.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def eval_step(x, y):
+        return loss_fn(y, model(x, training=False))
+
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    print(f"# TensorFlow {tf.__version__}, Keras {keras.__version__}, {args.threads} threads, "
+          f"{args.policy}, {params:,} parameters, text {len(text):,} bytes "
+          f"({train.size:,} train), python {sys.version.split()[0]}", flush=True)
+
+    rng = np.random.default_rng(args.seed)
+    step_s, losses = [], []
+    first_timed = args.steps - args.timed_steps
+    start = None
+    for step in range(args.steps):
+        if step == first_timed:
+            start = time.perf_counter()
+        t0 = time.perf_counter()
+        x, y = windows(train, rng.integers(0, train.size - CONTEXT, args.batch_size))
+        losses.append(float(train_step(x, y)))
+        step_s.append(time.perf_counter() - t0)
+    seconds = time.perf_counter() - start
+    tokens_per_s = args.timed_steps * args.batch_size * CONTEXT / seconds
+
+    val_loss = None
+    if args.eval:
+        n = (val.size - 1) // CONTEXT
+        total = 0.0
+        for i in range(0, n, args.batch_size):
+            starts = np.arange(i, min(i + args.batch_size, n)) * CONTEXT
+            x, y = windows(val, starts)
+            total += float(eval_step(x, y)) * starts.size
+        val_loss = total / n
+    line = {"model": "gpt", "framework": "tensorflow", "version": tf.__version__,
+            "policy": args.policy, "steps": args.steps, "timed_steps": args.timed_steps,
+            "batch_size": args.batch_size, "context": CONTEXT, "threads": args.threads,
+            "params": params, "tokens_per_s": round(tokens_per_s),
+            "step_ms": round(1e3 * statistics.median(step_s[first_timed:]), 1),
+            "train_loss": round(losses[-1], 4),
+            "val_loss": None if val_loss is None else round(val_loss, 4),
+            "bits_per_char": None if val_loss is None else round(val_loss / math.log(2), 4)}
+    print(json.dumps(line, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()

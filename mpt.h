@@ -1071,8 +1071,8 @@ MPTDEF int mpt_model_input_count(const mpt_model *m);
    predict gives each output's values (mpt_model_predict_outputs). Model
    files keep the outputs, their losses, loss weights and metrics. On a
    GPU, fit's feed stages and uploads every output's labels ahead of its
-   step, as it does y; a mirrored strategy's replicas each take their rows
-   of every label. Several MPI workers, the export, the quantization,
+   step, as it does y; a mirrored strategy's replicas and MPI workers each
+   take their rows of every label. The export, the quantization,
    quantization-aware training, text generation and fit's class_weight
    (as Keras) refuse such a model for now (MPT_ERR_UNSUPPORTED). */
 #define MPT_MAX_OUTPUTS 4
@@ -10792,17 +10792,6 @@ static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
    @impl-build: the model laid out in memory and built; looking inside it
    ============================================================================= */
 
-/* Several outputs train with the replicas of one process (on the CPU or
-   GPUs); the labels are not yet shared out between MPI workers. */
-static mpt_status mpt__outputs_check_backend(mpt_model *m) {
-    if (!mpt__several_outputs(m)) return MPT_OK;
-    if (mpt_strategy_num_workers(m->strategy) > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "model: several outputs (%d) under a "
-                         "strategy of several workers are not supported yet (the replicas of "
-                         "one process are)", m->n_outputs);
-    return MPT_OK;
-}
-
 /* Lays out every buffer. Run twice: first with NULL bases to measure each
    arena, then with the allocated ones to assign the pointers. */
 static void mpt__layout(mpt_model *m, mpt__carver *c, int64_t grad_buf_bytes) {
@@ -11072,7 +11061,6 @@ MPTDEF mpt_status mpt_model_build(mpt_model *m, int64_t max_batch) {
     MPT__CHECK(mpt__refuse_quantized(m, "build"));
     MPT__CHECK(mpt__graph_check(m));
     if (m->n_layers == 0) return mpt__fail(m->ctx, MPT_ERR_STATE, "model: no layers to build");
-    MPT__CHECK(mpt__outputs_check_backend(m));
     if (max_batch <= 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: max_batch %lld must be > 0",
                          (long long)max_batch);

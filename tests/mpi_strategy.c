@@ -7,9 +7,8 @@
               relative norm error) to one process given the global batch,
               while worker 0 shows the progress bar (as examples/mirrored.c);
               with a TensorBoard callback on each, only worker 0 creates
-              its log_dir;
+              its log_dir; a model of two outputs as well;
      differ   worker 1 builds another model: both fail, naming worker 1;
-              a model of two outputs: both refuse it at build;
      stuck    worker 1 stops answering mid-epoch: worker 0 fails with a
               clear error after the strategy's timeout (2 s) instead of
               waiting forever (then leaves without MPI_Finalize, so that
@@ -286,6 +285,83 @@ static void epoch_metrics(int regression) {
     mpt_strategy_destroy(s);
 }
 
+/* A model of two outputs (a class and a number from one trunk) on two
+   workers: identical weights on both, the same as one process trained on
+   the global batch (1e-5), and the same per-output logs. */
+static void match_two_outputs(void) {
+    static float target[N_SYN];
+    mpt_strategy *s = workers(60);
+    mpt_model *m[2] = {NULL, NULL};
+    mpt_dataset *d = NULL;
+    mpt_tensor tx, ty, tt;
+    const mpt_tensor *labels[2] = {&ty, &tt};
+    mpt_fit_desc fit;
+    uint64_t sum = 0, sums[2] = {0, 0};
+    int i, k;
+    for (i = 0; i < N_SYN; i++) target[i] = blob_x[i * FEATURES] * blob_x[i * FEATURES + 1];
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){N_SYN, FEATURES}, blob_x);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SYN}, blob_y);
+    mpt_tensor_wrap(ctx, &tt, MPT_FLOAT32, 2, (int64_t[]){N_SYN, 1}, target);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .labels = labels,
+                                                      .label_count = 2}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    for (k = 0; k < 2; k++) { /* m[0] on the workers, m[1] alone */
+        mpt_node h;
+        mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
+                                                .seed = 5, .strategy = k ? NULL : s}, &m[k]);
+        h = mpt_dense(m[k], mpt_model_input(m[k]), &(mpt_dense_desc){.units = 16,
+                                                                     .activation = MPT_ACT_RELU});
+        mpt_model_add_output(m[k], mpt_dense(m[k], h, &(mpt_dense_desc){
+                                                          .name = "cls", .units = CLASSES,
+                                                          .activation = MPT_ACT_SOFTMAX}));
+        mpt_model_add_output(m[k], mpt_dense(m[k], h, &(mpt_dense_desc){.name = "reg",
+                                                                        .units = 1}));
+        CHECK(mpt_model_compile(m[k], &(mpt_compile_desc){
+                  .optimizer = {.learning_rate = 0.05f},
+                  .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                             {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
+                  .loss_weights = (const float[]){1.0f, 0.5f},
+                  .output_metrics = {MPT_METRIC_ACCURACY, MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) ==
+                  MPT_OK,
+              "compile: %s", mpt_context_error(ctx));
+    }
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 3;
+    fit.batch_size = 32;
+    CHECK(mpt_model_fit(m[0], d, &fit) == MPT_OK, "fit on two workers: %s",
+          mpt_context_error(ctx));
+    for (i = 0; i < m[0]->n_params; i++) {
+        int64_t e;
+        for (e = 0; e < m[0]->params[i].count; e++) {
+            uint32_t bits;
+            memcpy(&bits, &m[0]->params[i].value[e], 4);
+            sum = mpt__mix64(sum ^ bits);
+        }
+    }
+    MPI_Allgather(&sum, 1, MPI_UINT64_T, sums, 1, MPI_UINT64_T, MPI_COMM_WORLD);
+    CHECK(sums[0] == sums[1] && sums[0] != 0, "two outputs: the workers' weights differ");
+    if (rank == 0) {
+        static const char *const keys[] = {"loss", "cls_loss", "reg_loss", "cls_accuracy",
+                                           "reg_mean_absolute_error"};
+        double diff;
+        CHECK(mpt_model_fit(m[1], d, &fit) == MPT_OK, "fit alone: %s", mpt_context_error(ctx));
+        diff = test_weight_diff(m[0], m[1]);
+        printf("# two outputs, 2 workers vs 1 process: relative norm error of the weights "
+               "%.3g\n", diff);
+        CHECK(diff <= 1e-5, "two outputs, 2 workers vs 1 process: relative norm error %.3g",
+              diff);
+        for (k = 0; k < 5; k++) {
+            double a = history_value(m[0], keys[k], -1), b = history_value(m[1], keys[k], -1);
+            CHECK(fabs(a - b) <= 1e-5 * fabs(b) + 1e-7, "%s: %.9g on 2 workers, %.9g alone",
+                  keys[k], a, b);
+        }
+    }
+    mpt_model_destroy(m[0]);
+    mpt_model_destroy(m[1]);
+    mpt_dataset_destroy(d);
+    mpt_strategy_destroy(s);
+}
+
 static void test_match(void) {
     match(0, 0);
     match(2, 0);
@@ -293,35 +369,7 @@ static void test_match(void) {
     match(0, 3);
     epoch_metrics(0);
     epoch_metrics(1);
-}
-
-/* A model of two outputs: refused by build on every worker, naming why
-   (the labels are not yet shared out between workers), before any
-   collective could wait for a worker that refused. */
-static void several_outputs_refused(mpt_context *q) {
-    mpt_strategy *s = workers(30);
-    mpt_model *m = NULL;
-    mpt_node h;
-    int refused[2] = {0, 0}, mine;
-    mpt_model_create(q, &(mpt_model_desc){.input_shape = {FEATURES}, .input_rank = 1,
-                                          .seed = 5, .strategy = s}, &m);
-    h = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 8,
-                                                           .activation = MPT_ACT_RELU});
-    mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = CLASSES,
-                                                               .activation = MPT_ACT_SOFTMAX}));
-    mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = 1}));
-    mpt_model_compile(m, &(mpt_compile_desc){
-        .optimizer = {.learning_rate = 0.05f},
-        .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                   {.type = MPT_LOSS_MEAN_SQUARED_ERROR}}});
-    mine = mpt_model_build(m, 32) == MPT_ERR_UNSUPPORTED &&
-           strstr(mpt_context_error(q), "several outputs (2) under a strategy of several workers");
-    MPI_Allgather(&mine, 1, MPI_INT, refused, 1, MPI_INT, MPI_COMM_WORLD);
-    CHECK(refused[0] && refused[1], "two outputs on two workers: worker 0 %s, worker 1 %s (%s)",
-          refused[0] ? "refused" : "accepted", refused[1] ? "refused" : "accepted",
-          mpt_context_error(q));
-    mpt_model_destroy(m);
-    mpt_strategy_destroy(s);
+    match_two_outputs();
 }
 
 static void test_differ(void) {
@@ -343,7 +391,6 @@ static void test_differ(void) {
           mpt_context_error(q));
     mpt_model_destroy(m);
     mpt_strategy_destroy(s);
-    several_outputs_refused(q);
     ctx = keep;
     mpt_context_destroy(q);
 }

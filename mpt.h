@@ -1805,8 +1805,9 @@ MPTDEF mpt_status mpt_model_predict_outputs(mpt_model *m, const mpt_dataset *dat
    at the last position. Each new id costs one position, not a window:
    every MultiHeadAttention (causal self-attention) keeps the keys and
    values of the positions so far. Runs on the host in float32 from the
-   float32 weights, for a built model on the CPU whose layers act on each
-   position alone but for the attention (Embedding, PositionEmbedding,
+   float32 weights (a model on a GPU: its weights downloaded once), for a
+   built float model whose layers act on each position alone but for the
+   attention (Embedding, PositionEmbedding,
    the merges, LayerNormalization, Dense, Activation, Dropout); others are
    refused, naming the layer. Past T positions the window starts again
    from the last T/2 ids. */
@@ -17530,7 +17531,15 @@ typedef struct mpt__gen {
     float *scratch;          /* the widest layer's float32 work          */
     int64_t t;               /* positions in the cache                   */
     int32_t id;              /* the id at position t (what Embedding reads) */
+    const float **master;    /* [n_params] each parameter's float32 values
+                                in host memory (a GPU model's downloaded)  */
+    float *downloaded;       /* a GPU model's parameters, or NULL         */
 } mpt__gen;
+
+/* Layer L's parameter k as the walk reads it: in host memory. */
+static const float *mpt__gen_w(const mpt__gen *g, const mpt__layer *L, int k) {
+    return g->master[L->param[k] - g->m->params];
+}
 
 /* Whether generation can walk layer L, and where it cannot, why. */
 static const char *mpt__gen_refusal(const mpt__layer *L) {
@@ -17562,7 +17571,8 @@ static void mpt__gen_project(mpt_context *ctx, const float *x, const float *kern
 }
 
 /* LayerNormalization of one row of D, as its forward computes it. */
-static void mpt__gen_layer_norm(const mpt__layer *L, const float *x, float *y, int64_t D) {
+static void mpt__gen_layer_norm(const mpt__gen *g, const mpt__layer *L, const float *x, float *y,
+                                int64_t D) {
     int gamma = mpt__ln_gamma_slot(L), beta = mpt__ln_beta_slot(L);
     double sum = 0, sq = 0;
     float mean, inv_std;
@@ -17573,8 +17583,8 @@ static void mpt__gen_layer_norm(const mpt__layer *L, const float *x, float *y, i
     inv_std = mpt__ln_row_inv_std(sq, D, mpt__ln_epsilon(L));
     for (c = 0; c < D; c++)
         y[c] = mpt__ln_output(mpt__ln_xhat(x[c], mean, inv_std),
-                              gamma >= 0 ? mpt__param_master(L, gamma)[c] : 1.0f,
-                              beta >= 0 ? mpt__param_master(L, beta)[c] : 0.0f);
+                              gamma >= 0 ? mpt__gen_w(g, L, gamma)[c] : 1.0f,
+                              beta >= 0 ? mpt__gen_w(g, L, beta)[c] : 0.0f);
 }
 
 /* MultiHeadAttention for position g->t: its key and value join layer i's
@@ -17590,8 +17600,8 @@ static void mpt__gen_attention(mpt__gen *g, int i, const float *x, float *y) {
     int slot[MPT__MHA_PROJECTIONS], pr;
     int64_t h, j, e;
     for (pr = 0; pr < MPT__MHA_PROJECTIONS; pr++) slot[pr] = mpt__mha_bias_slot(L, pr);
-#define MPT__GEN_W(pr) mpt__param_master(L, mpt__mha_kernel_slot(L, pr))
-#define MPT__GEN_B(pr) (slot[pr] >= 0 ? mpt__param_master(L, slot[pr]) : NULL)
+#define MPT__GEN_W(pr) mpt__gen_w(g, L, mpt__mha_kernel_slot(L, pr))
+#define MPT__GEN_B(pr) (slot[pr] >= 0 ? mpt__gen_w(g, L, slot[pr]) : NULL)
     mpt__gen_project(g->m->ctx, x, MPT__GEN_W(MPT__MHA_QUERY), MPT__GEN_B(MPT__MHA_QUERY), D, qk, q);
     mpt__gen_project(g->m->ctx, x, MPT__GEN_W(MPT__MHA_KEY), MPT__GEN_B(MPT__MHA_KEY), D, qk, k);
     mpt__gen_project(g->m->ctx, x, MPT__GEN_W(MPT__MHA_VALUE), MPT__GEN_B(MPT__MHA_VALUE), D,
@@ -17623,10 +17633,10 @@ static void mpt__gen_layer(mpt__gen *g, int i) {
     int64_t c;
     switch (L->ops->kind) {
     case MPT__LAYER_EMBEDDING:
-        memcpy(y, mpt__param_master(L, 0) + (int64_t)g->id * out, sizeof(float) * (size_t)out);
+        memcpy(y, mpt__gen_w(g, L, 0) + (int64_t)g->id * out, sizeof(float) * (size_t)out);
         break;
     case MPT__LAYER_POSITION_EMBEDDING:
-        memcpy(y, mpt__param_master(L, 0) + g->t * out, sizeof(float) * (size_t)out);
+        memcpy(y, mpt__gen_w(g, L, 0) + g->t * out, sizeof(float) * (size_t)out);
         break;
     case MPT__LAYER_ADD:
     case MPT__LAYER_SUBTRACT:
@@ -17643,10 +17653,10 @@ static void mpt__gen_layer(mpt__gen *g, int i) {
         if (L->ops->kind == MPT__LAYER_AVERAGE)
             for (c = 0; c < out; c++) y[c] /= (float)L->n_in;
         break;
-    case MPT__LAYER_LAYER_NORMALIZATION: mpt__gen_layer_norm(L, x, y, out); break;
+    case MPT__LAYER_LAYER_NORMALIZATION: mpt__gen_layer_norm(g, L, x, y, out); break;
     case MPT__LAYER_DENSE:
-        mpt__gen_project(g->m->ctx, x, mpt__param_master(L, 0),
-                         L->desc.dense.no_bias ? NULL : mpt__param_master(L, 1), in, out, y);
+        mpt__gen_project(g->m->ctx, x, mpt__gen_w(g, L, 0),
+                         L->desc.dense.no_bias ? NULL : mpt__gen_w(g, L, 1), in, out, y);
         break;
     case MPT__LAYER_MULTI_HEAD_ATTENTION: mpt__gen_attention(g, i, x, y); break;
     default: memcpy(y, x, sizeof(float) * (size_t)out); break; /* Activation, Dropout */
@@ -17677,6 +17687,29 @@ static void mpt__gen_free(mpt__gen *g) {
     mpt__free(ctx, g->keys);
     mpt__free(ctx, g->values);
     mpt__free(ctx, g->scratch);
+    mpt__free(ctx, (void *)g->master);
+    mpt__free(ctx, g->downloaded);
+}
+
+/* Each parameter's values in host memory: where they are on the CPU; a
+   GPU model's masters downloaded once, the walk then runs on the host. */
+static mpt_status mpt__gen_masters(mpt_model *m, mpt__gen *g) {
+    const size_t bytes = (size_t)m->arena_bytes[MPT__MEM_PARAMS];
+    int i;
+    g->master = (const float **)mpt__calloc(m->ctx, sizeof(float *) * (size_t)(m->n_params + 1));
+    if (!g->master) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "generate: out of memory");
+    if (mpt__model_device(m) != MPT_DEVICE_CPU) {
+        g->downloaded = (float *)mpt__alloc(m->ctx, bytes + 1);
+        if (!g->downloaded)
+            return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "generate: out of memory");
+        MPT__CHECK(mpt__download(m, g->downloaded, m->arena[MPT__MEM_PARAMS], bytes));
+    }
+    for (i = 0; i < m->n_params; i++)
+        g->master[i] = g->downloaded ? (const float *)((const char *)g->downloaded +
+                                                       ((const char *)m->params[i].value -
+                                                        (const char *)m->arena[MPT__MEM_PARAMS]))
+                                     : m->params[i].value;
+    return MPT_OK;
 }
 
 /* The rows, caches and scratch for model m, or why not. */
@@ -17707,7 +17740,11 @@ static mpt_status mpt__gen_open(mpt_model *m, mpt__gen *g) {
         }
     }
     if (ok) ok = (g->scratch = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)(work + widest))) != NULL;
-    if (ok) return MPT_OK;
+    if (ok) {
+        mpt_status s = mpt__gen_masters(m, g);
+        if (s != MPT_OK) mpt__gen_free(g);
+        return s;
+    }
     mpt__gen_free(g);
     return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "generate: out of memory");
 }
@@ -17733,9 +17770,9 @@ static mpt_status mpt__gen_check(mpt_model *m, const int32_t *prompt, int64_t n_
     if (!mpt__input_is_ids(m) || m->desc.input_rank != 1 || m->graph_status != MPT_OK)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                          "generate: the model's input must be a sequence of int32 ids (T,)");
-    if (mpt__model_device(m) != MPT_DEVICE_CPU || m->quantized)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                         "generate: runs on the float model in CPU memory");
+    if (m->quantized)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "generate: runs on the float model, not "
+                         "a quantized one");
     if (m->n_inputs > 1)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
                          "generate: not for a model of several inputs (%d)", m->n_inputs);

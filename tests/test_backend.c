@@ -1396,6 +1396,16 @@ static void test_fit_attention_matches_the_cpu(void) {
     CHECK(dev.replays > 0 && dev.unrecordable == 0, "%ld replays, %ld steps unrecordable",
           dev.replays, dev.unrecordable);
     CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
+    { /* generation from the device's model (its weights downloaded): the CPU's ids */
+        const int32_t prompt[3] = {1, 4, 2};
+        const mpt_generate_desc gd = {.max_new_tokens = 2 * SEQ_T, .temperature = 0.8f,
+                                      .top_k = 3, .seed = 11};
+        int32_t a[3 + 2 * SEQ_T], b[3 + 2 * SEQ_T];
+        CHECK(mpt_model_generate(cpu, prompt, 3, &gd, a) == MPT_OK &&
+                  mpt_model_generate(gpu, prompt, 3, &gd, b) == MPT_OK,
+              "generate: %s / %s", mpt_context_error(ctx), mpt_context_error(dc));
+        CHECK(memcmp(a, b, sizeof a) == 0, "ids generated from the device's model differ");
+    }
     mpt_model_destroy(cpu);
     mpt_model_destroy(gpu);
     mpt_dataset_destroy(d_cpu);

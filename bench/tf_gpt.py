@@ -47,29 +47,18 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_text import cut, read_text  # noqa: E402  (gpt.c's text, shared with torch_gpt.py)
+
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
-FORTUNES = "/usr/share/games/fortunes"
 
 
-# ---- the text (as bench/torch_gpt.py reads it) ------------------------------------------
-
-def read_fortunes():
-    """gpt.c's default text: the fortunes' files, in name (byte) order."""
-    names = sorted(n for n in os.listdir(os.fsencode(FORTUNES))
-                   if not n.startswith(b".") and not n.endswith(b".dat")
-                   and not n.endswith(b".u8"))
-    parts = []
-    for n in names:
-        with open(os.path.join(os.fsencode(FORTUNES), n), "rb") as f:
-            parts.append(f.read())
-    return b"".join(parts)
-
+# ---- the text ---------------------------------------------------------------------------
 
 def split(text):
-    """(train, validation) as uint8 arrays: mpt.h's cut, int(size · (1 - 0.1))."""
-    data = np.frombuffer(text, dtype=np.uint8)
-    cut = int(len(text) * (1.0 - 0.1))
-    return data[:cut], data[cut:]
+    """(train, validation) as uint8 arrays (gpt_text.cut)."""
+    train, val = cut(text)
+    return np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8)
 
 
 def windows(data, starts):
@@ -138,11 +127,7 @@ def main():
     keras.utils.set_random_seed(args.seed)
     keras.mixed_precision.set_global_policy(args.policy)
 
-    if args.data:
-        with open(args.data, "rb") as f:
-            text = f.read()
-    else:
-        text = read_fortunes()
+    text = read_text(args.data)
     train, val = split(text)
     model = build_model(keras)
     opt = keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.1, beta_1=0.9,

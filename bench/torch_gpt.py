@@ -54,29 +54,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_text import cut, read_text  # noqa: E402  (gpt.c's text, shared with tf_gpt.py)
+
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
-FORTUNES = "/usr/share/games/fortunes"
 
 
 # ---- the text ----------------------------------------------------------------------
 
-def read_fortunes():
-    """gpt.c's default text: the fortunes' files, in name (byte) order."""
-    names = sorted(n for n in os.listdir(os.fsencode(FORTUNES))
-                   if not n.startswith(b".") and not n.endswith(b".dat")
-                   and not n.endswith(b".u8"))
-    parts = []
-    for n in names:
-        with open(os.path.join(os.fsencode(FORTUNES), n), "rb") as f:
-            parts.append(f.read())
-    return b"".join(parts)
-
-
 def split(text):
-    """(train, validation) as uint8 tensors: mpt.h's cut, int(size · (1 - 0.1))."""
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    cut = int(len(text) * (1.0 - 0.1))
-    return data[:cut], data[cut:]
+    """(train, validation) as uint8 tensors (gpt_text.cut)."""
+    train, val = cut(text)
+    return (torch.frombuffer(bytearray(train), dtype=torch.uint8),
+            torch.frombuffer(bytearray(val), dtype=torch.uint8))
 
 
 def train_batch(train, batch, generator):
@@ -200,11 +190,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     torch.manual_seed(args.seed)
-    if args.data:
-        with open(args.data, "rb") as f:
-            text = f.read()
-    else:
-        text = read_fortunes()
+    text = read_text(args.data)
     train, val = split(text)
     model = GPT()
     model.train()

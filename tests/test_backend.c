@@ -994,6 +994,22 @@ static void test_fit_matches_the_cpu(void) {
     }
 }
 
+/* The same fit (2 epochs of BATCH, a fifth held out) of the same model on
+   the CPU and on the device: the same weights, optimizer state and
+   history, bit for bit. */
+static void fit_both_alike(mpt_context *dc, mpt_model *cpu, mpt_model *gpu,
+                           const mpt_dataset *d_cpu, const mpt_dataset *d_gpu) {
+    mpt_fit_desc fit;
+    memset(&fit, 0, sizeof fit);
+    fit.epochs = 2;
+    fit.batch_size = BATCH;
+    fit.validation_split = 0.2f;
+    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    CHECK(same_params(cpu, gpu), "weights differ after fit");
+    CHECK(same_history(cpu, gpu), "histories differ");
+}
+
 /* ---- uint8 images: uploaded as bytes, normalised on the device ------------------ */
 
 static uint8_t pixels[N * SIDE * SIDE];
@@ -1029,7 +1045,6 @@ static void fit_bytes(mpt_policy policy, int replicas, feed_mode mode) {
     mpt_strategy *s_cpu = NULL, *s_dev = NULL;
     mpt_model *cpu, *gpu;
     mpt_dataset *d_cpu, *d_gpu;
-    mpt_fit_desc fit;
     const mpt_strategy_desc sd = {.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2};
     /* 96 training samples: 3 batches an epoch, 2 epochs; each uploads its
        images and its int32 labels */
@@ -1047,21 +1062,13 @@ static void fit_bytes(mpt_policy policy, int replicas, feed_mode mode) {
     d_gpu = byte_dataset(dc);
     cpu = image_model_with(ctx, policy, s_cpu, 0);
     gpu = image_model_with(dc, policy, s_dev, 0);
-    memset(&fit, 0, sizeof fit);
-    fit.epochs = 2;
-    fit.batch_size = BATCH;
-    fit.validation_split = 0.2f;
     if (mode == FEED_BYTES) setenv("MPT_RESIDENT", "0", 1);
     if (mode == FEED_HOST) setenv("MPT_UPLOAD_BYTES", "0", 1);
-    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    fit_both_alike(dc, cpu, gpu, d_cpu, d_gpu);
     unsetenv("MPT_RESIDENT");
     unsetenv("MPT_UPLOAD_BYTES");
-    CHECK(same_params(cpu, gpu) && (!replicas || same_params(cpu->replica[1], gpu->replica[1])),
-          "policy %d, replicas %d, mode %d: weights differ from the CPU's", (int)policy, replicas,
-          (int)mode);
-    CHECK(same_history(cpu, gpu), "policy %d, replicas %d: histories differ", (int)policy,
-          replicas);
+    CHECK(!replicas || same_params(cpu->replica[1], gpu->replica[1]),
+          "policy %d, mode %d: replica 1's weights differ from the CPU's", (int)policy, (int)mode);
     if (mode == FEED_HOST) images *= (long)mpt_dtype_size(mpt__input_batch_dtype(gpu));
     if (mode == FEED_RESIDENT && !replicas) images = 0, labels = 4 * BATCH; /* the indices */
     CHECK(dev.upload_bytes == steps * (images + labels),
@@ -1278,22 +1285,6 @@ static mpt_dataset *pixel_dataset(mpt_context *c) {
     CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
           "dataset: %s", mpt_context_error(c));
     return d;
-}
-
-/* The same fit (2 epochs of BATCH, a fifth held out) of the same model on
-   the CPU and on the device: the same weights, optimizer state and
-   history, bit for bit. */
-static void fit_both_alike(mpt_context *dc, mpt_model *cpu, mpt_model *gpu,
-                           const mpt_dataset *d_cpu, const mpt_dataset *d_gpu) {
-    mpt_fit_desc fit;
-    memset(&fit, 0, sizeof fit);
-    fit.epochs = 2;
-    fit.batch_size = BATCH;
-    fit.validation_split = 0.2f;
-    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
-    CHECK(same_params(cpu, gpu), "weights differ after fit");
-    CHECK(same_history(cpu, gpu), "histories differ");
 }
 
 static void test_fit_per_position_matches_the_cpu(void) {
@@ -1835,7 +1826,6 @@ static void test_one_member_communicator(void) {
     mpt_strategy *s = NULL;
     mpt_model *cpu, *gpu;
     mpt_dataset *d_cpu, *d_gpu;
-    mpt_fit_desc fit;
     memset(&dev, 0, sizeof dev);
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &dc);
     use_emulated_device(dc);
@@ -1849,16 +1839,8 @@ static void test_one_member_communicator(void) {
     d_gpu = image_dataset(dc);
     cpu = image_model_with(ctx, MPT_POLICY_MIXED_FLOAT16, NULL, 0);
     gpu = image_model_with(dc, MPT_POLICY_MIXED_FLOAT16, s, 0);
-    memset(&fit, 0, sizeof fit);
-    fit.epochs = 2;
-    fit.batch_size = BATCH;
-    fit.validation_split = 0.2f;
-    CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
+    fit_both_alike(dc, cpu, gpu, d_cpu, d_gpu); /* with no strategy on the CPU */
     CHECK(gpu->n_replicas == 1, "%d replicas, want 1", gpu->n_replicas);
-    CHECK(same_params(cpu, gpu), "weights through a one-member communicator differ from the "
-                                 "CPU's with no strategy");
-    CHECK(same_history(cpu, gpu), "histories differ");
     /* 3 steps an epoch, 2 epochs: each sums the gradients and averages the
        statistics (2 of BatchNormalization's saved buffers) */
     CHECK(dev.captures == 2 && dev.replays == 6 && dev.allreduces == 6 * 3,

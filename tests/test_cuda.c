@@ -3897,52 +3897,59 @@ static void test_mirrored_on_the_gpu(void) {
     }
 }
 
+/* A fresh context on the GPU (one GEMM engine, so that no timing picks
+   another between two runs) fits mirrored_model on the blobs, 2 epochs of
+   64 (16 full batches: every step but the first two replayed), under a
+   strategy of sd (NULL: none), and saves the weights to path. Returns
+   whether the strategy has a communicator. */
+static int fit_blobs_to_file(const mpt_strategy_desc *sd, const char *path) {
+    mpt_context *ctx = NULL;
+    mpt_context_desc cd;
+    mpt_strategy *s = NULL;
+    mpt_dataset *data;
+    mpt_model *m;
+    mpt_fit_desc fd;
+    int comm;
+    memset(&cd, 0, sizeof cd);
+    cd.logger.fn = quiet_logger;
+    cd.gemm = MPT_GEMM_MPT;
+    if (mpt_context_create(&cd, &ctx) != MPT_OK) {
+        CHECK(0, "context: cannot be created");
+        return 0;
+    }
+    if (sd) CHECK(mpt_strategy_create(ctx, sd, &s) == MPT_OK, "strategy: %s", mpt_context_error(ctx));
+    comm = s && s->comm;
+    data = blob_dataset(ctx);
+    m = !sd || s ? mirrored_model(ctx, s) : NULL;
+    memset(&fd, 0, sizeof fd);
+    fd.epochs = 2;
+    fd.batch_size = 64;
+    CHECK(m && mpt_model_fit(m, data, &fd) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+    if (m)
+        CHECK(mpt_model_save_weights(m, path) == MPT_OK, "save_weights: %s",
+              mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(data);
+    mpt_strategy_destroy(s);
+    mpt_context_destroy(ctx);
+    return comm;
+}
+
 /* Two logical replicas on the GPU: fit records their step (one device, no
    collectives) in CUDA graphs and replays it, BatchNormalization's
    averaged statistics included; the weights equal, bit for bit, those of
-   the same fit unrecorded (MPT_CUDA_GRAPHS=0). One GEMM engine, so that
-   no timing picks another between the two runs. */
+   the same fit unrecorded (MPT_CUDA_GRAPHS=0). */
 static void test_mirrored_graphs_change_nothing(void) {
+    const mpt_strategy_desc sd = {.type = MPT_STRATEGY_MIRRORED, .num_replicas = 2};
     char path[2][512];
     int pass;
     temp_path(path[0], sizeof path[0], "mirrored_graphs_off");
     temp_path(path[1], sizeof path[1], "mirrored_graphs_on");
     make_blobs();
     for (pass = 0; pass < 2; pass++) {
-        mpt_context *ctx = NULL;
-        mpt_context_desc cd;
-        mpt_strategy *s = NULL;
-        mpt_strategy_desc sd;
-        mpt_dataset *data;
-        mpt_model *m;
-        mpt_fit_desc fd;
         if (pass == 0) setenv("MPT_CUDA_GRAPHS", "0", 1);
         else unsetenv("MPT_CUDA_GRAPHS");
-        memset(&cd, 0, sizeof cd);
-        cd.logger.fn = quiet_logger;
-        cd.gemm = MPT_GEMM_MPT;
-        if (mpt_context_create(&cd, &ctx) != MPT_OK) {
-            CHECK(0, "context: cannot be created");
-            break;
-        }
-        memset(&sd, 0, sizeof sd);
-        sd.type = MPT_STRATEGY_MIRRORED;
-        sd.num_replicas = 2;
-        CHECK(mpt_strategy_create(ctx, &sd, &s) == MPT_OK, "strategy: %s", mpt_context_error(ctx));
-        data = blob_dataset(ctx);
-        m = s ? mirrored_model(ctx, s) : NULL;
-        memset(&fd, 0, sizeof fd);
-        fd.epochs = 2;
-        fd.batch_size = 64; /* 16 full batches: every step but the first two replayed */
-        CHECK(m && mpt_model_fit(m, data, &fd) == MPT_OK, "fit with graphs %s: %s",
-              pass ? "on" : "off", mpt_context_error(ctx));
-        if (m)
-            CHECK(mpt_model_save_weights(m, path[pass]) == MPT_OK, "save_weights: %s",
-                  mpt_context_error(ctx));
-        mpt_model_destroy(m);
-        mpt_dataset_destroy(data);
-        mpt_strategy_destroy(s);
-        mpt_context_destroy(ctx);
+        fit_blobs_to_file(&sd, path[pass]);
     }
     unsetenv("MPT_CUDA_GRAPHS");
     CHECK(same_file(path[0], path[1]),
@@ -4368,52 +4375,17 @@ static void test_nccl_one_member(void) {
    of this GPU a communicator of one member, so the step's gradient sum
    and BatchNormalization's averaged statistics go through NCCL (sums over
    one member) inside the recorded step; the weights equal, bit for bit,
-   those of the same fit with no strategy. One GEMM engine, so that no
-   timing picks another between the two runs. */
+   those of the same fit with no strategy. */
 static void test_one_member_strategy(void) {
+    const mpt_strategy_desc sd = {.type = MPT_STRATEGY_MIRRORED};
     char path[2][512];
-    int pass;
     temp_path(path[0], sizeof path[0], "no_strategy");
     temp_path(path[1], sizeof path[1], "one_member_comm");
-    for (pass = 0; pass < 2; pass++) {
-        mpt_context *ctx = NULL;
-        mpt_context_desc cd;
-        mpt_strategy *s = NULL;
-        mpt_strategy_desc sd;
-        mpt_dataset *data;
-        mpt_model *m;
-        mpt_fit_desc fd;
-        memset(&cd, 0, sizeof cd);
-        cd.logger.fn = quiet_logger;
-        cd.gemm = MPT_GEMM_MPT;
-        if (mpt_context_create(&cd, &ctx) != MPT_OK) {
-            CHECK(0, "context: cannot be created");
-            break;
-        }
-        if (pass == 1) {
-            memset(&sd, 0, sizeof sd);
-            sd.type = MPT_STRATEGY_MIRRORED;
-            setenv("MPT_NCCL_ONE_GPU", "1", 1);
-            CHECK(mpt_strategy_create(ctx, &sd, &s) == MPT_OK, "strategy: %s",
-                  mpt_context_error(ctx));
-            unsetenv("MPT_NCCL_ONE_GPU");
-            CHECK(s && s->comm, "no communicator under MPT_NCCL_ONE_GPU=1");
-        }
-        data = blob_dataset(ctx);
-        m = mirrored_model(ctx, s);
-        memset(&fd, 0, sizeof fd);
-        fd.epochs = 2;
-        fd.batch_size = 64;
-        CHECK(m && mpt_model_fit(m, data, &fd) == MPT_OK, "fit (%s): %s",
-              pass ? "one-member communicator" : "no strategy", mpt_context_error(ctx));
-        if (m)
-            CHECK(mpt_model_save_weights(m, path[pass]) == MPT_OK, "save_weights: %s",
-                  mpt_context_error(ctx));
-        mpt_model_destroy(m);
-        mpt_dataset_destroy(data);
-        mpt_strategy_destroy(s);
-        mpt_context_destroy(ctx);
-    }
+    make_blobs();
+    fit_blobs_to_file(NULL, path[0]);
+    setenv("MPT_NCCL_ONE_GPU", "1", 1);
+    CHECK(fit_blobs_to_file(&sd, path[1]), "no communicator under MPT_NCCL_ONE_GPU=1");
+    unsetenv("MPT_NCCL_ONE_GPU");
     CHECK(same_file(path[0], path[1]),
           "weights through a one-member communicator differ from those with no strategy (%s, "
           "%s)", path[1], path[0]);

@@ -28833,7 +28833,9 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         else
             mpt__wino2_patch_transform(at, c, dtype, es, k, (__mmask16)0xffff, dst, j->v_plane);
     }
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+    /* dM = A dY Aᵀ; with 16 filters or fewer the products read only the
+       first 16 of each tile's 32 (mpt__wkg_products16) */
+    for (o = 0; o < (F <= 16 ? 16 : j->fb * 32); o += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
         float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
         if (tile == 4)
@@ -28861,11 +28863,52 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         _mm512_mask_storeu_ps(out + (c0 + i) * F, k0, c##i##0);                    \
         _mm512_mask_storeu_ps(out + (c0 + i) * F + 16, k1, c##i##1);               \
     }
+/* 16 filters or fewer (a ResNet's first stage): 16 channels by one vector
+   of filters at a time, as the 8 × 32 block would spend half its
+   multiply-adds on the empty second vector. Each sum takes the same
+   products in the same order (the tiles', from 0 or du's sum): the same
+   bits. */
+#define MPT__WKG16_ROWS(X) \
+    X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define MPT__WKG16_ACC(i)                                                         \
+    __m512 r##i = !first && c0 + i < C ? _mm512_maskz_loadu_ps(k, out + (c0 + i) * F) \
+                                       : _mm512_setzero_ps();
+#define MPT__WKG16_FMA(i) r##i = _mm512_fmadd_ps(_mm512_set1_ps(vt[i]), b, r##i);
+#define MPT__WKG16_OUT(i) \
+    if (c0 + i < C) _mm512_mask_storeu_ps(out + (c0 + i) * F, k, r##i);
+MPT__TARGET_AVX512 static void mpt__wkg_products16(const mpt__wkg_job *j, const float *v,
+                                                   const float *dm, int64_t n, int first,
+                                                   float *du) {
+    const int64_t C = j->g->c, F = j->a->f;
+    const __mmask16 k = mpt__gemm_mask16((int)F);
+    int64_t xi, c0, t;
+    for (xi = 0; xi < j->points; xi++)
+        for (c0 = 0; c0 < C; c0 += 16) {
+            const float *vt = v + xi * j->v_plane + c0 / 16 * j->span * 16;
+            const float *d = dm + xi * j->dm_plane;
+            float *out = du + xi * C * F;
+            MPT__WKG16_ROWS(MPT__WKG16_ACC)
+            for (t = 0; t < n; t++, vt += 16, d += 32) {
+                const __m512 b = _mm512_loadu_ps(d);
+                MPT__WKG16_ROWS(MPT__WKG16_FMA)
+            }
+            MPT__WKG16_ROWS(MPT__WKG16_OUT)
+        }
+}
+#undef MPT__WKG16_ROWS
+#undef MPT__WKG16_ACC
+#undef MPT__WKG16_FMA
+#undef MPT__WKG16_OUT
+
 MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const float *v,
                                                  const float *dm, int64_t n, int first,
                                                  float *du) {
     const int64_t C = j->g->c, F = j->a->f;
     int64_t xi, cbi, fbi, t;
+    if (F <= 16) {
+        mpt__wkg_products16(j, v, dm, n, first, du);
+        return;
+    }
     for (xi = 0; xi < j->points; xi++)
         for (cbi = 0; cbi < j->cb; cbi++)
             for (fbi = 0; fbi < j->fb; fbi++) {

@@ -5049,6 +5049,10 @@ struct mpt__layer {
     void *dy_buf;                            /* the gradient w.r.t. y: the sum
                                                 of what the layers it feeds give
                                                 back (the last layer's: grad_buf[0]) */
+    const void *dy_handed;                   /* backward: dy where an Add after
+                                                this layer handed it its own dy
+                                                (mpt__graph_hands_dy); NULL:
+                                                dy_buf                          */
 };
 
 /* fit's per-epoch history: values[k][e] for key k, epoch e. */
@@ -10597,6 +10601,34 @@ static int mpt__better_block(int64_t size, int64_t best, int64_t need) {
     return size >= need ? size < best : size > best;
 }
 
+/* Whether Add layer i hands its dy, as it is, to the layer just before it
+   as that layer's dy (input s is node i, the output of layer i − 1),
+   instead of copying it into node i's buffer: where node i is read by
+   that one input alone (so nothing else adds to its gradient) and is no
+   output. The memory plan then keeps the Add's dy buffer until layer
+   i − 1's backward is done (mpt__graph_layout_node_grads), so that no
+   node's gradient written in between shares it. In a residual block
+   (Conv2D, BN, Add with the shortcut) the BN then reads the Add's dy,
+   and only the shortcut's gradient is copied. */
+static int mpt__graph_add_hands(const mpt_model *m, int i, int s) {
+    const mpt__layer *L = &m->layers[i];
+    int k, t, reads = 0;
+    if (L->ops->kind != MPT__LAYER_ADD || L->in_node[s] != i || i < 1 ||
+        mpt__is_output_node(m, i) || m->layers[i - 1].dtype != L->dtype)
+        return 0;
+    for (k = 0; k < m->n_layers; k++)
+        for (t = 0; t < m->layers[k].n_in; t++) reads += m->layers[k].in_node[t] == i;
+    return reads == 1;
+}
+
+/* ... for any of its inputs. */
+static int mpt__graph_add_hands_any(const mpt_model *m, int i) {
+    int s;
+    for (s = 0; s < m->layers[i].n_in; s++)
+        if (mpt__graph_add_hands(m, i, s)) return 1;
+    return 0;
+}
+
 /* The gradients w.r.t. the layers' outputs (each layer's dy_buf; the
    last layer's is the loss's grad_buf[0]) share memory where their lives
    in the backward walk do not overlap. The walk runs from the last layer
@@ -10647,7 +10679,9 @@ static void mpt__graph_layout_node_grads(mpt_model *m, mpt__carver *c) {
                     best = b;
             if (best < 0) size[best = n_blocks++] = 0;
             size[best] = MPT__MAX(size[best], need);
-            free_below[best] = j - 1;
+            /* (an Add that hands its dy to the layer before it keeps the
+               block until that layer's backward: mpt__graph_add_hands) */
+            free_below[best] = j - 1 - (j >= 2 && mpt__graph_add_hands_any(m, j - 1));
             block_of[j] = best;
         }
     for (j = 1; j < n; j++) /* the unread nodes' and outputs' blocks, sized now */
@@ -11603,6 +11637,7 @@ static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_wal
     mpt__pass_init(m, m->last_batch, 1, &w->p);
     if (m->graph) { /* only the outputs' gradients hold anything yet */
         int k;
+        for (k = 0; k < m->n_layers; k++) m->layers[k].dy_handed = NULL;
         memset(m->node_written, 0, (size_t)m->n_layers + 1);
         for (k = 0; k < mpt__output_count(m); k++) m->node_written[mpt__output_node(m, k)] = 1;
     }
@@ -11625,18 +11660,36 @@ static mpt_dtype mpt__graph_grad_dtype(const mpt_model *m, int j) {
     return j == 0 ? mpt__input_reader(m)->dtype : m->layers[j - 1].dtype;
 }
 
-/* A graph's layer i: dy is its own buffer; each input's gradient goes
-   straight into the node's buffer where it is the first to arrive there
-   in the node's dtype, else into a scratch slot, to be converted or added
-   by mpt__graph_backward_finish. */
+/* The hand-off at backward time, dy the Add's: also that layer i − 1
+   writes no input gradient into it (what the plan ensures; a plan made
+   without its scratch, a block per node, ensures it too). */
+static int mpt__graph_hands_dy(const mpt_model *m, int i, int s, const void *dy) {
+    int t;
+    if (!mpt__graph_add_hands(m, i, s)) return 0;
+    for (t = 0; t < m->layers[i - 1].n_in; t++)
+        if (mpt__graph_grad(m, m->layers[i - 1].in_node[t]) == dy) return 0;
+    return 1;
+}
+
+/* A graph's layer i: dy is its own buffer (or what an Add after it handed
+   it); each input's gradient goes straight into the node's buffer where
+   it is the first to arrive there in the node's dtype, else into a
+   scratch slot, to be converted or added by mpt__graph_backward_finish. */
 static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
+    const void *dy = L->dy_handed ? L->dy_handed : L->dy_buf;
     int s;
+    L->dy_handed = NULL;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
         mpt_dtype dtype = mpt__graph_grad_dtype(m, j);
         if (!mpt__graph_wants_grad(w, j)) {
             L->dxs[s] = NULL;
+        } else if (!m->node_written[j] && dtype == L->dtype &&
+                   mpt__graph_hands_dy(m, i, s, dy)) {
+            L->dxs[s] = NULL; /* nothing to copy: layer i − 1 reads dy */
+            m->layers[i - 1].dy_handed = dy;
+            m->node_written[j] = 1;
         } else if (!m->node_written[j] && dtype == L->dtype) {
             L->dxs[s] = mpt__graph_grad(m, j);
             m->node_written[j] = 2; /* taken: a second input of the same node adds */
@@ -11648,7 +11701,7 @@ static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backwar
     w->p.y = L->y;
     w->p.n_x = L->n_in;
     w->p.xs = L->xs;
-    w->p.dy = L->dy_buf;
+    w->p.dy = dy;
     w->p.dx = L->dxs[0];
     w->p.dxs = L->dxs;
     w->p.logits_only = m->emit_logits && i == m->n_layers - 1;

@@ -703,6 +703,33 @@ static void test_gradient_memory_plan(void) {
     }
 }
 
+/* An Add hands its dy to the layer just before it where that layer's
+   output is the Add's input and read by nothing else (deep_residual's
+   second Dense, and test_residual_gradients' tanh Dense, whose
+   finite-difference checks then run through the hand-off), never the
+   shortcut (read twice) nor a node the Add reads twice. */
+static void test_add_hands_dy(void) {
+    mpt_model *m = deep_residual(3), *twice = new_model(4, MPT_POLICY_FLOAT32);
+    mpt_node d, both[2];
+    int i, adds = 0;
+    for (i = 0; m && i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        if (L->ops->kind != MPT__LAYER_ADD) continue;
+        adds++;
+        CHECK(mpt__graph_hands_dy(m, i, 1, L->dy_buf), "Add %d keeps its copy", i);
+        CHECK(!mpt__graph_hands_dy(m, i, 0, L->dy_buf), "Add %d hands dy to its shortcut", i);
+    }
+    CHECK(adds == 3, "%d Adds", adds);
+    d = mpt_dense(twice, mpt_model_input(twice), &(mpt_dense_desc){.units = 4});
+    both[0] = both[1] = d;
+    mpt_dense(twice, mpt_add(twice, 2, both, NULL), &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_build(twice, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(!mpt__graph_hands_dy(twice, 1, 0, twice->layers[1].dy_buf),
+          "Add(d, d) hands dy to d");
+    mpt_model_destroy(m);
+    mpt_model_destroy(twice);
+}
+
 /* What still reads the layers as a chain refuses a graph, saying so: the
    quantizations. (The export writes graphs, shared layers too:
    tests/test_export.c runs them in LiteRT and ONNX Runtime.) */
@@ -775,6 +802,7 @@ static void cases(void) {
     TEST_RUN(test_gradient_memory_plan);
     TEST_RUN(test_refused_for_graphs);
     TEST_RUN(test_elementwise_simd_matches_portable);
+    TEST_RUN(test_add_hands_dy);
     test_residual_gradients();
     test_merge_gradients();
     test_fan_out_across_dtypes();

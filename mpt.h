@@ -5065,6 +5065,10 @@ struct mpt__layer {
     void *dy_buf;                            /* the gradient w.r.t. y: the sum
                                                 of what the layers it feeds give
                                                 back (the last layer's: grad_buf[0]) */
+    const void *dy_handed;                   /* backward: dy where an Add after
+                                                this layer handed it its own dy
+                                                (mpt__graph_hands_dy); NULL:
+                                                dy_buf                          */
 };
 
 /* fit's per-epoch history: values[k][e] for key k, epoch e. */
@@ -5689,10 +5693,27 @@ static mpt_status mpt__activation_build(mpt_model *m, mpt__layer *L) {
     return mpt__layer_set_workspace(m, L, 8 * L->in_count, 2 * MPT__ALIGN);
 }
 
+/* ReLU in one pass over memory, in the layer's dtype, where the backend
+   has dz_and_bias_grad: ReLU is its own gradient's mask, relu(x) =
+   x · relu'(x), so that pass with y = dy = x writes y = relu(x) (NaN passes,
+   -0 gives +0, as mpt__relu). The values are exact in dtype, so the bits
+   are those of the three passes below (widen, activate, round), which a
+   ResNet's forward spent a fifth of its time in. The same one pass is
+   ReLU's backward: dx = dy · relu'(y) in dtype. Returns 0 where the
+   backend cannot (another activation, or no such pass). */
+static int mpt__activation_relu_pass(mpt__layer *L, const mpt__pass *p, mpt_activation act,
+                                     const void *y, const void *dy, void *out) {
+    int64_t cols = L->in_shape[L->in_rank - 1];
+    if (act != MPT_ACT_RELU || !p->be->dz_and_bias_grad) return 0;
+    return p->be->dz_and_bias_grad(p->impl, act, L->dtype, y, dy, out, NULL, 0,
+                                   p->batch * L->in_count / cols, cols, (float *)p->workspace);
+}
+
 static void mpt__activation_layer_forward(mpt__layer *L, const mpt__pass *p) {
     int64_t n = p->batch * L->in_count, cols = L->in_shape[L->in_rank - 1];
     float *t = (float *)p->workspace;
     mpt_activation act = mpt__pass_activation(p, L->desc.activation.activation);
+    if (mpt__activation_relu_pass(L, p, act, p->x, p->x, p->y)) return;
     p->be->convert(p->impl, MPT_FLOAT32, t, L->dtype, p->x, n);
     p->be->activation(p->impl, act, t, n / cols, cols);
     p->be->convert(p->impl, L->dtype, p->y, MPT_FLOAT32, t, n);
@@ -5704,6 +5725,9 @@ static void mpt__activation_layer_backward(mpt__layer *L, const mpt__pass *p) {
     float *dz = (float *)mpt__ws_take(&w, 4 * n);
     float *tmp = (float *)mpt__ws_take(&w, 4 * n);
     if (!p->dx) return;
+    if (mpt__activation_relu_pass(L, p, mpt__pass_activation(p, L->desc.activation.activation),
+                                  p->y, p->dy, p->dx))
+        return;
     p->be->activation_grad(p->impl, mpt__pass_activation(p, L->desc.activation.activation),
                            L->dtype, p->x, p->y, p->dy, dz, tmp, n / cols, cols);
     p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dz, n);
@@ -8194,11 +8218,60 @@ static void mpt__elementwise_half(const mpt__elementwise_job *j, int64_t i0, int
     narrow(j->dtype, (char *)j->y + at, MPT_FLOAT32, a, k);
 }
 
+#if MPT__X86
+/* Elements [i0, i1) 16 lanes at a time, the tail masked: each lane the
+   rule's one float32 operation on the widened (exact) operands, rounded
+   to dtype as mpt__convert rounds, so the same bits as the loops below.
+   A residual network's Add spent ten times a memory pass in those. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__elementwise_lanes(
+    mpt_dtype dt, mpt_elementwise_op op, void *y, const void *a, const void *b, float alpha,
+    int64_t i0, int64_t i1) {
+    const size_t es = dt == MPT_FLOAT32 ? 4 : 2;
+    const __m512 divisor = _mm512_set1_ps(alpha);
+    int64_t i;
+    for (i = i0; i < i1; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, i1 - i));
+        const __m512 va = mpt__avx512_load(dt, (const char *)a + (size_t)i * es, m);
+        const __m512 vb = b ? mpt__avx512_load(dt, (const char *)b + (size_t)i * es, m)
+                            : _mm512_setzero_ps();
+        __m512 v;
+        switch (op) {
+        case MPT_ELEMENTWISE_ADD: v = _mm512_add_ps(va, vb); break;
+        case MPT_ELEMENTWISE_SUBTRACT: v = _mm512_sub_ps(va, vb); break;
+        case MPT_ELEMENTWISE_MULTIPLY: v = _mm512_mul_ps(va, vb); break;
+        case MPT_ELEMENTWISE_DIVIDE: v = _mm512_div_ps(va, divisor); break;
+        default: /* NEGATE: the sign flipped, as -a */
+            v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(va),
+                                                     _mm512_set1_epi32((int)0x80000000u)));
+            break;
+        }
+        mpt__avx512_store(dt, (char *)y + (size_t)i * es, v, m);
+    }
+}
+
+/* One loop per dtype, so that its loads and stores are decided once. */
+MPT__TARGET_AVX512 static void mpt__elementwise_avx512(const mpt__elementwise_job *j, int64_t i0,
+                                                       int64_t i1) {
+    if (j->dtype == MPT_BFLOAT16)
+        mpt__elementwise_lanes(MPT_BFLOAT16, j->op, j->y, j->a, j->b, j->alpha, i0, i1);
+    else if (j->dtype == MPT_FLOAT16)
+        mpt__elementwise_lanes(MPT_FLOAT16, j->op, j->y, j->a, j->b, j->alpha, i0, i1);
+    else
+        mpt__elementwise_lanes(MPT_FLOAT32, j->op, j->y, j->a, j->b, j->alpha, i0, i1);
+}
+#endif
+
 static void mpt__elementwise_task(void *arg, int64_t chunk, int thread) {
     const mpt__elementwise_job *j = (const mpt__elementwise_job *)arg;
     int64_t i0 = chunk * MPT__ELEMENTWISE_CHUNK;
     int64_t i1 = MPT__MIN(j->n, i0 + MPT__ELEMENTWISE_CHUNK), i;
     (void)thread;
+#if MPT__X86
+    if (j->ctx->cpu & MPT_CPU_AVX512) {
+        mpt__elementwise_avx512(j, i0, i1);
+        return;
+    }
+#endif
     if (j->dtype == MPT_FLOAT32) {
         const float *a = (const float *)j->a, *b = (const float *)j->b;
         float *y = (float *)j->y;
@@ -10549,6 +10622,34 @@ static int mpt__better_block(int64_t size, int64_t best, int64_t need) {
     return size >= need ? size < best : size > best;
 }
 
+/* Whether Add layer i hands its dy, as it is, to the layer just before it
+   as that layer's dy (input s is node i, the output of layer i − 1),
+   instead of copying it into node i's buffer: where node i is read by
+   that one input alone (so nothing else adds to its gradient) and is no
+   output. The memory plan then keeps the Add's dy buffer until layer
+   i − 1's backward is done (mpt__graph_layout_node_grads), so that no
+   node's gradient written in between shares it. In a residual block
+   (Conv2D, BN, Add with the shortcut) the BN then reads the Add's dy,
+   and only the shortcut's gradient is copied. */
+static int mpt__graph_add_hands(const mpt_model *m, int i, int s) {
+    const mpt__layer *L = &m->layers[i];
+    int k, t, reads = 0;
+    if (L->ops->kind != MPT__LAYER_ADD || L->in_node[s] != i || i < 1 ||
+        mpt__is_output_node(m, i) || m->layers[i - 1].dtype != L->dtype)
+        return 0;
+    for (k = 0; k < m->n_layers; k++)
+        for (t = 0; t < m->layers[k].n_in; t++) reads += m->layers[k].in_node[t] == i;
+    return reads == 1;
+}
+
+/* ... for any of its inputs. */
+static int mpt__graph_add_hands_any(const mpt_model *m, int i) {
+    int s;
+    for (s = 0; s < m->layers[i].n_in; s++)
+        if (mpt__graph_add_hands(m, i, s)) return 1;
+    return 0;
+}
+
 /* The gradients w.r.t. the layers' outputs (each layer's dy_buf; the
    last layer's is the loss's grad_buf[0]) share memory where their lives
    in the backward walk do not overlap. The walk runs from the last layer
@@ -10599,7 +10700,9 @@ static void mpt__graph_layout_node_grads(mpt_model *m, mpt__carver *c) {
                     best = b;
             if (best < 0) size[best = n_blocks++] = 0;
             size[best] = MPT__MAX(size[best], need);
-            free_below[best] = j - 1;
+            /* (an Add that hands its dy to the layer before it keeps the
+               block until that layer's backward: mpt__graph_add_hands) */
+            free_below[best] = j - 1 - (j >= 2 && mpt__graph_add_hands_any(m, j - 1));
             block_of[j] = best;
         }
     for (j = 1; j < n; j++) /* the unread nodes' and outputs' blocks, sized now */
@@ -11543,6 +11646,7 @@ static void mpt__backward_begin(mpt_model *m, int want_dinput, mpt__backward_wal
     mpt__pass_init(m, m->last_batch, 1, &w->p);
     if (m->graph) { /* only the outputs' gradients hold anything yet */
         int k;
+        for (k = 0; k < m->n_layers; k++) m->layers[k].dy_handed = NULL;
         memset(m->node_written, 0, (size_t)m->n_layers + 1);
         for (k = 0; k < mpt__output_count(m); k++) m->node_written[mpt__output_node(m, k)] = 1;
     }
@@ -11565,18 +11669,36 @@ static mpt_dtype mpt__graph_grad_dtype(const mpt_model *m, int j) {
     return j == 0 ? mpt__input_reader(m)->dtype : m->layers[j - 1].dtype;
 }
 
-/* A graph's layer i: dy is its own buffer; each input's gradient goes
-   straight into the node's buffer where it is the first to arrive there
-   in the node's dtype, else into a scratch slot, to be converted or added
-   by mpt__graph_backward_finish. */
+/* The hand-off at backward time, dy the Add's: also that layer i − 1
+   writes no input gradient into it (what the plan ensures; a plan made
+   without its scratch, a block per node, ensures it too). */
+static int mpt__graph_hands_dy(const mpt_model *m, int i, int s, const void *dy) {
+    int t;
+    if (!mpt__graph_add_hands(m, i, s)) return 0;
+    for (t = 0; t < m->layers[i - 1].n_in; t++)
+        if (mpt__graph_grad(m, m->layers[i - 1].in_node[t]) == dy) return 0;
+    return 1;
+}
+
+/* A graph's layer i: dy is its own buffer (or what an Add after it handed
+   it); each input's gradient goes straight into the node's buffer where
+   it is the first to arrive there in the node's dtype, else into a
+   scratch slot, to be converted or added by mpt__graph_backward_finish. */
 static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backward_walk *w) {
     mpt__layer *L = &m->layers[i];
+    const void *dy = L->dy_handed ? L->dy_handed : L->dy_buf;
     int s;
+    L->dy_handed = NULL;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
         mpt_dtype dtype = mpt__graph_grad_dtype(m, j);
         if (!mpt__graph_wants_grad(w, j)) {
             L->dxs[s] = NULL;
+        } else if (!m->node_written[j] && dtype == L->dtype &&
+                   mpt__graph_hands_dy(m, i, s, dy)) {
+            L->dxs[s] = NULL; /* nothing to copy: layer i − 1 reads dy */
+            m->layers[i - 1].dy_handed = dy;
+            m->node_written[j] = 1;
         } else if (!m->node_written[j] && dtype == L->dtype) {
             L->dxs[s] = mpt__graph_grad(m, j);
             m->node_written[j] = 2; /* taken: a second input of the same node adds */
@@ -11588,7 +11710,7 @@ static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backwar
     w->p.y = L->y;
     w->p.n_x = L->n_in;
     w->p.xs = L->xs;
-    w->p.dy = L->dy_buf;
+    w->p.dy = dy;
     w->p.dx = L->dxs[0];
     w->p.dxs = L->dxs;
     w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
@@ -29016,7 +29138,9 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         else
             mpt__wino2_patch_transform(at, c, dtype, es, k, (__mmask16)0xffff, dst, j->v_plane);
     }
-    for (o = 0; o < j->fb * 32; o += 16) { /* dM = A dY Aᵀ */
+    /* dM = A dY Aᵀ; with 16 filters or fewer the products read only the
+       first 16 of each tile's 32 (mpt__wkg_products16) */
+    for (o = 0; o < (F <= 16 ? 16 : j->fb * 32); o += 16) {
         const __mmask16 k = mpt__gemm_mask16((int)MPT__MIN(16, F - o));
         float *dst = dm + (o / 32 * j->span + i) * 32 + o % 32;
         if (tile == 4)
@@ -29044,11 +29168,52 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wkg_transform(
         _mm512_mask_storeu_ps(out + (c0 + i) * F, k0, c##i##0);                    \
         _mm512_mask_storeu_ps(out + (c0 + i) * F + 16, k1, c##i##1);               \
     }
+/* 16 filters or fewer (a ResNet's first stage): 16 channels by one vector
+   of filters at a time, as the 8 × 32 block would spend half its
+   multiply-adds on the empty second vector. Each sum takes the same
+   products in the same order (the tiles', from 0 or du's sum): the same
+   bits. */
+#define MPT__WKG16_ROWS(X) \
+    X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define MPT__WKG16_ACC(i)                                                         \
+    __m512 r##i = !first && c0 + i < C ? _mm512_maskz_loadu_ps(k, out + (c0 + i) * F) \
+                                       : _mm512_setzero_ps();
+#define MPT__WKG16_FMA(i) r##i = _mm512_fmadd_ps(_mm512_set1_ps(vt[i]), b, r##i);
+#define MPT__WKG16_OUT(i) \
+    if (c0 + i < C) _mm512_mask_storeu_ps(out + (c0 + i) * F, k, r##i);
+MPT__TARGET_AVX512 static void mpt__wkg_products16(const mpt__wkg_job *j, const float *v,
+                                                   const float *dm, int64_t n, int first,
+                                                   float *du) {
+    const int64_t C = j->g->c, F = j->a->f;
+    const __mmask16 k = mpt__gemm_mask16((int)F);
+    int64_t xi, c0, t;
+    for (xi = 0; xi < j->points; xi++)
+        for (c0 = 0; c0 < C; c0 += 16) {
+            const float *vt = v + xi * j->v_plane + c0 / 16 * j->span * 16;
+            const float *d = dm + xi * j->dm_plane;
+            float *out = du + xi * C * F;
+            MPT__WKG16_ROWS(MPT__WKG16_ACC)
+            for (t = 0; t < n; t++, vt += 16, d += 32) {
+                const __m512 b = _mm512_loadu_ps(d);
+                MPT__WKG16_ROWS(MPT__WKG16_FMA)
+            }
+            MPT__WKG16_ROWS(MPT__WKG16_OUT)
+        }
+}
+#undef MPT__WKG16_ROWS
+#undef MPT__WKG16_ACC
+#undef MPT__WKG16_FMA
+#undef MPT__WKG16_OUT
+
 MPT__TARGET_AVX512 static void mpt__wkg_products(const mpt__wkg_job *j, const float *v,
                                                  const float *dm, int64_t n, int first,
                                                  float *du) {
     const int64_t C = j->g->c, F = j->a->f;
     int64_t xi, cbi, fbi, t;
+    if (F <= 16) {
+        mpt__wkg_products16(j, v, dm, n, first, du);
+        return;
+    }
     for (xi = 0; xi < j->points; xi++)
         for (cbi = 0; cbi < j->cb; cbi++)
             for (fbi = 0; fbi < j->fb; fbi++) {

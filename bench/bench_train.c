@@ -31,6 +31,13 @@
                                    measured one (builds it, warms caches)
        --repeat N          [1]    measured one-epoch fits per result; the
                                    median is reported, with the min and max
+       --profile DIR       [none] the first measured fit's steps 5 to 20
+                                   (fewer where the epoch has fewer) timed
+                                   layer by layer (fit's profile_batch):
+                                   the per-layer table goes to
+                                   DIR/plugins/profile/<run>/<host>.layers.txt,
+                                   one run per model and policy; that fit's
+                                   numbers include the profiler's cost
        --data DIR          [/usr/share/datasets/fashion-mnist]
 
    Every model: batch 128, Adam 1e-3 (Keras' epsilon 1e-7), sparse
@@ -63,6 +70,7 @@ typedef struct options {
     int64_t mlp_samples, cnn_small_samples, cnn_samples, resnet_samples, warmup_samples;
     int repeat;
     const char *data;
+    const char *profile; /* --profile DIR, or NULL */
 } options;
 
 static const char *const policy_names[3] = {"float32", "mixed_float16", "mixed_bfloat16"};
@@ -105,6 +113,7 @@ static int parse_options(int argc, char **argv, options *o) {
             o->warmup_samples = whole_number(value, INT64_MAX);
         else if (!strcmp(flag, "--repeat")) o->repeat = (int)whole_number(value, INT_MAX);
         else if (!strcmp(flag, "--data")) o->data = value;
+        else if (!strcmp(flag, "--profile")) o->profile = value;
         else break;
     }
     if (i != argc || o->threads < 1 || o->batch_size < 1 || o->mlp_samples < 1 ||
@@ -119,7 +128,8 @@ static int parse_options(int argc, char **argv, options *o) {
                 "mixed_float16|mixed_bfloat16|all]\n"
                 "          [--threads N] [--batch-size N] [--mlp-samples N]\n"
                 "          [--cnn-small-samples N] [--cnn-samples N] [--resnet-samples N]\n"
-                "          [--warmup-samples N] [--repeat 1..%d] [--data DIR]\n",
+                "          [--warmup-samples N] [--repeat 1..%d] [--data DIR] "
+                "[--profile DIR]\n",
                 argv[0], MAX_REPEAT);
         return 0;
     }
@@ -152,8 +162,16 @@ static mpt_status measure(mpt_context *ctx, int model, mpt_policy policy, const 
     s = make_train_model(ctx, add_model[model], policy, o->batch_size, &m);
     if (s == MPT_OK) s = mpt_model_fit(m, warmup, &fit);
     for (i = 0; s == MPT_OK && i < o->repeat; i++) {
+        mpt_fit_desc measured = fit;
         double step_ms;
-        s = mpt_model_fit(m, train, &fit);
+        if (o->profile && i == 0) { /* steps 5..20, or what the epoch has */
+            measured.profile_batch[0] = steps >= 5 ? 5 : 1;
+            measured.profile_batch[1] = steps < measured.profile_batch[0] + 15
+                                            ? steps
+                                            : measured.profile_batch[0] + 15;
+            measured.profile_dir = o->profile;
+        }
+        s = mpt_model_fit(m, train, &measured);
         if (s != MPT_OK) break;
         r[i].samples_per_s = history_last(m, "samples_per_second");
         r[i].forward_ms = history_last(m, "forward_ms_per_step");
@@ -190,7 +208,7 @@ static result summarize(const result *r, int n, double *min_sps, double *max_sps
 
 int main(int argc, char **argv) {
     options o = {"all", "all", 2, 128, 60000, 12800, 6400, 6400, 1280, 1,
-                 "/usr/share/datasets/fashion-mnist"};
+                 "/usr/share/datasets/fashion-mnist", NULL};
     mpt_context *ctx = NULL;
     mpt_dataset *all = NULL, *parts[1 + N_MODELS][2] = {{NULL, NULL}};
     char cpu[256], json[N_MODELS][3][512];

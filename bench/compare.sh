@@ -36,7 +36,8 @@
 #     unmapped every step and page faults dominate), and whichever of OpenBLAS's
 #     OpenMP or pthread build and of libgomp's wait policies (default: idle
 #     threads spin; OMP_WAIT_POLICY=PASSIVE: they sleep) is fastest here: a
-#     short probe before the rounds tries the four and keeps the fastest (the
+#     short probe before the rounds tries the four and keeps the fastest (it
+#     trains the MLP, or ResNet-20 for --model resnet alone; the
 #     OpenBLAS build is picked with LD_LIBRARY_PATH; the system's alternative
 #     is left alone). The header says which it used. ResNet-20 runs
 #     channels last (torch.channels_last: oneDNN's convolutions without
@@ -110,13 +111,18 @@ gcc -std=c99 -O2 -I. bench/bench_train.c -o build/bench_train -lpthread -lm -lz 
     { echo "compare.sh: bench_train does not build" >&2; exit 1; }
 
 # ---- PyTorch's configuration ------------------------------------------------------
-# The probe: the MLP's float32 epoch over 3,840 images (30 steps), twice.
-mlp_rate() {
-    env "$@" "$SYS_PY" bench/torch_train.py --model mlp --mlp-samples 3840 --warmup-samples 256 \
+# The probe: the MLP's float32 epoch over 3,840 images (30 steps), twice;
+# for --model resnet alone, ResNet-20's over 640 images (5 steps), whose
+# convolutions run in oneDNN, not in the BLAS the MLP's products run in,
+# so the MLP's choice need not be the fastest for it.
+probe_rate() {
+    local what=(--model mlp --mlp-samples 3840)
+    [ "$MODELS" = resnet ] && what=(--model resnet --resnet-samples 640)
+    env "$@" "$SYS_PY" bench/torch_train.py "${what[@]}" --warmup-samples 256 \
         --threads "$THREADS" --batch-size "$BATCH" 2>/dev/null |
         sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p'
 }
-torch_probe 2 mlp_rate
+torch_probe 2 probe_rate
 echo
 
 # ---- the rounds ------------------------------------------------------------------

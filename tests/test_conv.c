@@ -1640,7 +1640,9 @@ static void test_winograd(void) {
    Channel counts off the 8-channel blocks and the 16-lane vectors,
    filters off the 32-filter blocks, odd output sizes (half tiles), tile
    counts that leave the last span short, more spans than groups,
-   paddings of 0, 1 and 2. */
+   paddings of 0, 1 and 2; 16 filters (one vector: ResNet-20's first
+   stage) with 16 channels, with 9 and with 24 (a block of 16 partly
+   empty). */
 static void test_winograd_kernel_grad(void) {
     static const wino_case cases[] = {
         {3, 26, 26, 32, 32, 0, 0, 0, 0, 0, 0, 0}, /* the seed cnn's second layer */
@@ -1651,6 +1653,9 @@ static void test_winograd_kernel_grad(void) {
         {2, 10, 10, 64, 64, 1, 1, 1, 1, 0, 0, 0},
         /* 34 spans of 64 tiles in 8 groups: tasks sum 4 or 5 spans each */
         {15, 26, 26, 32, 32, 0, 0, 0, 0, 0, 0, 0},
+        {3, 28, 28, 16, 16, 1, 1, 1, 1, 0, 0, 0}, /* ResNet-20's first stage */
+        {2, 9, 11, 9, 16, 0, 1, 2, 1, 0, 0, 0},
+        {2, 12, 10, 24, 16, 1, 1, 1, 1, 0, 0, 0},
     };
     mpt_context *one = NULL;
     size_t q;

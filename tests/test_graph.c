@@ -144,6 +144,76 @@ static void test_merge_gradients(void) {
         for (k = 0; k < 3; k++) check_merge(&cases[c], policies[k]);
 }
 
+/* The backend's elementwise pass (the merges' arithmetic and the sums of a
+   node's gradients) with AVX-512 gives the portable loop's bits: every
+   op, every float dtype, n over several tasks with a tail (3 · 2^14 + 21)
+   and below one vector (7), 1 and 2 threads, special values among the
+   operands (NaN, ±inf, ±0, a subnormal, sums that overflow float16). */
+static void test_elementwise_simd_matches_portable(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    static const float specials[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e-40f, 60000.0f};
+    static const int64_t sizes[] = {3 * (1 << 14) + 21, 7};
+    const int64_t most = sizes[0];
+    float *a = (float *)malloc(sizeof(float) * (size_t)most);
+    float *b = (float *)malloc(sizeof(float) * (size_t)most);
+    unsigned char *in = (unsigned char *)malloc(8 * (size_t)most);
+    unsigned char *out[2];
+    int d, op, z, t, k, ran = 0;
+    int64_t i;
+    out[0] = (unsigned char *)malloc(4 * (size_t)most);
+    out[1] = (unsigned char *)malloc(4 * (size_t)most);
+    for (i = 0; i < most; i++) {
+        a[i] = (float)test_uniform(-3, 3);
+        b[i] = (float)test_uniform(-3, 3);
+    }
+    for (k = 0; k < 7; k++) { /* each special against each, at the start and the end */
+        for (t = 0; t < 7; t++) {
+            a[k * 7 + t] = a[most - 1 - k * 7 - t] = specials[k];
+            b[k * 7 + t] = b[most - 1 - k * 7 - t] = specials[t];
+        }
+    }
+    for (t = 1; t <= 2; t++) {
+        mpt_context *portable = path_ctx(t, ~0), *simd = path_ctx(3 - t, 0);
+        void *pi, *si;
+        const mpt_backend *pb = portable ? mpt_context_backend(portable, &pi) : NULL;
+        const mpt_backend *sb = simd ? mpt_context_backend(simd, &si) : NULL;
+        if (!pb || !sb || !(mpt_context_cpu_features(simd) & MPT_CPU_AVX512)) {
+            mpt_context_destroy(portable);
+            mpt_context_destroy(simd);
+            continue;
+        }
+        ran++;
+        for (d = 0; d < 3; d++)
+            for (z = 0; z < 2; z++)
+                for (op = MPT_ELEMENTWISE_ADD; op <= MPT_ELEMENTWISE_NEGATE; op++) {
+                    const int64_t n = sizes[z];
+                    const size_t es = mpt_dtype_size(dtypes[d]);
+                    unsigned char *ia = in, *ib = in + 4 * (size_t)most;
+                    mpt_convert(simd, dtypes[d], ia, MPT_FLOAT32, a, n);
+                    mpt_convert(simd, dtypes[d], ib, MPT_FLOAT32, b, n);
+                    pb->elementwise(pi, (mpt_elementwise_op)op, dtypes[d], out[0], ia, ib, 3.0f,
+                                    n);
+                    sb->elementwise(si, (mpt_elementwise_op)op, dtypes[d], out[1], ia, ib, 3.0f,
+                                    n);
+                    for (i = 0; i < n; i++)
+                        if (memcmp(out[0] + i * es, out[1] + i * es, es) != 0) break;
+                    CHECK(i == n, "%s op %d n %lld: element %lld differs from the portable loop's",
+                          mpt_dtype_name(dtypes[d]), op, (long long)n, (long long)i);
+                    /* in place, as a node's gradient sum runs (y is a) */
+                    memcpy(out[0], ia, (size_t)n * es);
+                    sb->elementwise(si, (mpt_elementwise_op)op, dtypes[d], out[0], out[0], ib,
+                                    3.0f, n);
+                    CHECK(memcmp(out[0], out[1], (size_t)n * es) == 0,
+                          "%s op %d n %lld: in place differs", mpt_dtype_name(dtypes[d]), op,
+                          (long long)n);
+                }
+        mpt_context_destroy(portable);
+        mpt_context_destroy(simd);
+    }
+    free(a), free(b), free(in), free(out[0]), free(out[1]);
+    if (!ran) SKIP("this CPU has no AVX-512");
+}
+
 /* ---- fan-out across dtypes: h feeds two Dense layers of other dtypes ---------------- */
 
 typedef struct fan_ref {
@@ -633,6 +703,33 @@ static void test_gradient_memory_plan(void) {
     }
 }
 
+/* An Add hands its dy to the layer just before it where that layer's
+   output is the Add's input and read by nothing else (deep_residual's
+   second Dense, and test_residual_gradients' tanh Dense, whose
+   finite-difference checks then run through the hand-off), never the
+   shortcut (read twice) nor a node the Add reads twice. */
+static void test_add_hands_dy(void) {
+    mpt_model *m = deep_residual(3), *twice = new_model(4, MPT_POLICY_FLOAT32);
+    mpt_node d, both[2];
+    int i, adds = 0;
+    for (i = 0; m && i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        if (L->ops->kind != MPT__LAYER_ADD) continue;
+        adds++;
+        CHECK(mpt__graph_hands_dy(m, i, 1, L->dy_buf), "Add %d keeps its copy", i);
+        CHECK(!mpt__graph_hands_dy(m, i, 0, L->dy_buf), "Add %d hands dy to its shortcut", i);
+    }
+    CHECK(adds == 3, "%d Adds", adds);
+    d = mpt_dense(twice, mpt_model_input(twice), &(mpt_dense_desc){.units = 4});
+    both[0] = both[1] = d;
+    mpt_dense(twice, mpt_add(twice, 2, both, NULL), &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_build(twice, 2) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    CHECK(!mpt__graph_hands_dy(twice, 1, 0, twice->layers[1].dy_buf),
+          "Add(d, d) hands dy to d");
+    mpt_model_destroy(m);
+    mpt_model_destroy(twice);
+}
+
 /* What still reads the layers as a chain refuses a graph, saying so: the
    quantizations. (The export writes graphs, shared layers too:
    tests/test_export.c runs them in LiteRT and ONNX Runtime.) */
@@ -704,6 +801,8 @@ static void cases(void) {
     TEST_RUN(test_bad_graphs);
     TEST_RUN(test_gradient_memory_plan);
     TEST_RUN(test_refused_for_graphs);
+    TEST_RUN(test_elementwise_simd_matches_portable);
+    TEST_RUN(test_add_hands_dy);
     test_residual_gradients();
     test_merge_gradients();
     test_fan_out_across_dtypes();

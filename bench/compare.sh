@@ -63,8 +63,6 @@ THREADS=2
 BATCH=128
 MODEL=all
 QUIET_WAIT=0
-VENV=build/venv-peers
-TF_SPEC=${TF_SPEC:-tensorflow-cpu==2.21.*}
 SYS_PY=/usr/bin/python3
 usage() {
     echo "usage: $0 [--model mlp|cnn_small|cnn|resnet|all] [--rounds N] [--threads N]" \
@@ -99,13 +97,7 @@ PEERS_NAME=compare.sh PEERS_DIR=build/compare
 peers_install zlib1g-dev dataset-fashion-mnist python3 python3-venv python3-numpy python3-torch \
     libopenblas0-pthread libopenblas0-openmp
 mkdir -p build build/compare
-if ! "$VENV/bin/python" -c "import tensorflow" 2>/dev/null; then
-    echo "compare.sh: installing $TF_SPEC into $VENV (a few minutes)" >&2
-    { [ -x "$VENV/bin/python" ] || "$SYS_PY" -m venv "$VENV"; } &&
-        "$VENV/bin/pip" install -q "$TF_SPEC" ||
-        { echo "compare.sh: cannot install $TF_SPEC into $VENV" >&2; exit 1; }
-fi
-TF_PY=$VENV/bin/python
+peers_tensorflow
 
 gcc -std=c99 -O2 -I. bench/bench_train.c -o build/bench_train -lpthread -lm -lz ||
     { echo "compare.sh: bench_train does not build" >&2; exit 1; }

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# examples/gpt.c against PyTorch on the CPU: the same character-level GPT
-# (3.3 M parameters, context 128, batch 32), data, optimizer and thread
-# count, run interleaved, and the training tokens/s ratio of mpt.h to the
-# peer at equal precision, with the share of the CPU's fp32 FMA peak each
-# reaches.
+# examples/gpt.c against PyTorch and TensorFlow on the CPU: the same
+# character-level GPT (3.3 M parameters, context 128, batch 32), data,
+# optimizer and thread count, run interleaved, and the training tokens/s
+# ratio of mpt.h to the fastest peer at equal precision, with the share of
+# the CPU's fp32 FMA peak each reaches.
 #
 #   bench/compare_gpt.sh                          # 2 rounds, 40 steps, 20 timed (~9 min)
 #   bench/compare_gpt.sh --rounds 3 --steps 30 --timed-steps 15
@@ -12,10 +12,11 @@
 # Each run trains --steps optimizer steps from the same initialisation
 # scheme and times the last --timed-steps: build/gpt trains epochs of
 # --timed-steps steps (its tokens_per_s is its last epoch's), and
-# bench/torch_gpt.py times its last --timed-steps steps; then both report
-# the validation loss. Precisions: mpt.h float32 against PyTorch float32,
-# mpt.h mixed_bfloat16 against torch.autocast("cpu", dtype=torch.bfloat16).
-# Each round runs the four, rotating which framework goes first.
+# bench/torch_gpt.py and bench/tf_gpt.py time their last --timed-steps
+# steps; then each reports the validation loss. Precisions: mpt.h float32
+# against PyTorch's and TensorFlow's float32, mpt.h mixed_bfloat16 against
+# torch.autocast("cpu", dtype=torch.bfloat16) and Keras' mixed_bfloat16.
+# Each round runs the six, rotating which framework goes first.
 #
 # The data: by default the first 300,000 bytes of gpt.c's text (the fortunes
 # in name order), so that its validation part (the last 10 %, 234 windows)
@@ -29,7 +30,10 @@
 # bench/compare.sh sets it up: OpenBLAS with the CPU's core type, glibc's
 # malloc thresholds fixed, and whichever of OpenBLAS's OpenMP and pthread
 # builds and libgomp's wait policies a short probe finds fastest. Its bfloat16
-# matmuls go to oneDNN (on a CPU with AMX, its AMX kernels).
+# matmuls go to oneDNN (on a CPU with AMX, its AMX kernels). TensorFlow is
+# 2.21 from PyPI in build/venv-peers (as bench/compare.sh installs it):
+# Keras 3's own layers, a tf.function step, intra-op threads as mpt.h's,
+# inter-op 1.
 #
 # The peak: bench/bench_gemm.c's fp32 FMA probe (2 threads, zmm and ymm, the
 # better of the two), run before and after the rounds; the best reading is
@@ -79,8 +83,9 @@ fi
 # ---- what it needs ----------------------------------------------------------------
 PEERS_NAME=compare_gpt.sh PEERS_DIR=$DIR
 . bench/peers.sh
-peers_install zlib1g-dev fortunes python3 python3-numpy python3-torch libopenblas0-pthread \
-    libopenblas0-openmp
+peers_install zlib1g-dev fortunes python3 python3-venv python3-numpy python3-torch \
+    libopenblas0-pthread libopenblas0-openmp
+peers_tensorflow
 mkdir -p "$DIR"
 # build OUT SOURCE: when OUT is older than SOURCE, mpt.h or the examples' common.h
 build() {
@@ -96,12 +101,10 @@ build "$DIR/bench_gemm" bench/bench_gemm.c
 DATA_ARGS=()
 if [ "$FULL_DATA" -eq 0 ]; then
     "$SYS_PY" - "$DIR/fortunes_head.txt" <<'PY' || exit 1
-import os, sys
-d = b"/usr/share/games/fortunes"
-names = sorted(n for n in os.listdir(d) if not n.startswith(b".")
-               and not n.endswith(b".dat") and not n.endswith(b".u8"))
-text = b"".join(open(os.path.join(d, n), "rb").read() for n in names)
-open(sys.argv[1], "wb").write(text[:300000])
+import sys
+sys.path.insert(0, "bench")
+from gpt_text import read_fortunes
+open(sys.argv[1], "wb").write(read_fortunes()[:300000])
 PY
     DATA_ARGS=(--data "$DIR/fortunes_head.txt")
 fi
@@ -140,13 +143,17 @@ run_torch() { # ROUND POLICY
         "${DATA_ARGS[@]}" --steps "$STEPS" --timed-steps "$TIMED" --threads "$THREADS" \
         --policy "$2" --config "$TORCH_CONFIG"
 }
+run_tf() { # ROUND POLICY
+    measure "tensorflow_$2" "$1" '' "$TF_PY" bench/tf_gpt.py "${DATA_ARGS[@]}" --steps "$STEPS" \
+        --timed-steps "$TIMED" --threads "$THREADS" --policy "$2"
+}
 for r in $(seq 1 "$ROUNDS"); do
     if [ $((r % 2)) -eq 1 ]; then
-        run_mpt "$r" float32; run_torch "$r" float32
-        run_mpt "$r" mixed_bfloat16; run_torch "$r" autocast_bfloat16
+        run_mpt "$r" float32; run_torch "$r" float32; run_tf "$r" float32
+        run_mpt "$r" mixed_bfloat16; run_torch "$r" autocast_bfloat16; run_tf "$r" mixed_bfloat16
     else
-        run_torch "$r" autocast_bfloat16; run_mpt "$r" mixed_bfloat16
-        run_torch "$r" float32; run_mpt "$r" float32
+        run_tf "$r" mixed_bfloat16; run_torch "$r" autocast_bfloat16; run_mpt "$r" mixed_bfloat16
+        run_tf "$r" float32; run_torch "$r" float32; run_mpt "$r" float32
     fi
     echo
 done
@@ -167,15 +174,20 @@ VOCAB, CONTEXT, WIDTH, LAYERS = 256, 128, 256, 4
 params = 3323648
 matmul_params = params - VOCAB * WIDTH - CONTEXT * WIDTH
 flops_per_token = 6 * matmul_params + 12 * LAYERS * CONTEXT * WIDTH
-NAMES = {"mpt": "mpt.h", "pytorch": "PyTorch"}
-PRECISION = {"float32": {"mpt": "float32", "pytorch": "float32"},
-             "bfloat16": {"mpt": "mixed_bfloat16", "pytorch": "autocast_bfloat16"}}
+NAMES = {"mpt": "mpt.h", "pytorch": "PyTorch", "tensorflow": "TensorFlow"}
+PEERS = ("pytorch", "tensorflow")
+PRECISION = {"float32": {"mpt": "float32", "pytorch": "float32", "tensorflow": "float32"},
+             "bfloat16": {"mpt": "mixed_bfloat16", "pytorch": "autocast_bfloat16",
+                          "tensorflow": "mixed_bfloat16"}}
 groups = {}
 for r in runs:
     groups.setdefault((r["framework"], r["policy"]), []).append(r)
 if "pytorch" in {k[0] for k in groups}:
     t = next(r for r in runs if r["framework"] == "pytorch")
     print(f"# PyTorch {t['version']} ({t.get('config', '?')}), attention {t['attention']}")
+if "tensorflow" in {k[0] for k in groups}:
+    t = next(r for r in runs if r["framework"] == "tensorflow")
+    print(f"# TensorFlow {t['version']}")
 print(f"# {flops_per_token / 1e6:.2f} MFLOP per training token; fp32 FMA peak (2 threads, best "
       f"of {len(peaks)} probes): " + (f"{peak:.1f} GFLOP/s" if peak else "not measured") +
       " (a bfloat16 share past 100 % is AMX's doing)")
@@ -188,7 +200,7 @@ print("| framework | policy | tokens/s (median) | min..max | runs | GFLOP/s "
       "| share of fp32 FMA peak | val_loss (nats/byte) | others' cores |")
 print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
 results = []
-for fw in ("mpt", "pytorch"):
+for fw in ("mpt",) + PEERS:
     for precision in PRECISION.values():
         rs = groups.get((fw, precision[fw]))
         if not rs:
@@ -209,23 +221,28 @@ for fw in ("mpt", "pytorch"):
                         "peak_fraction": None if f is None else round(f, 4),
                         "val_loss": vl, "steps": rs[0]["steps"], "others_cores": oc})
 print()
-print("| precision | mpt.h tokens/s | PyTorch tokens/s | ratio (medians) | best/best | per round |")
-print("|---|---:|---:|---:|---:|---|")
+print("| precision | mpt.h tokens/s | fastest peer | peer tokens/s | ratio (medians) "
+      "| best/best | per round |")
+print("|---|---:|---|---:|---:|---:|---|")
 ratios = []
 for precision, policy in PRECISION.items():
-    mine, peer = groups.get(("mpt", policy["mpt"])), groups.get(("pytorch", policy["pytorch"]))
-    if not mine or not peer:
+    mine = groups.get(("mpt", policy["mpt"]))
+    peers = {fw: groups[(fw, policy[fw])] for fw in PEERS if (fw, policy[fw]) in groups}
+    if not mine or not peers:
         continue
+    medians = {fw: statistics.median(r["tokens_per_s"] for r in rs) for fw, rs in peers.items()}
+    fastest = max(medians, key=medians.get)
+    peer = peers[fastest]
     m = statistics.median(r["tokens_per_s"] for r in mine)
-    p = statistics.median(r["tokens_per_s"] for r in peer)
+    p = medians[fastest]
     best = max(r["tokens_per_s"] for r in mine) / max(r["tokens_per_s"] for r in peer)
     a = {r["round"]: r["tokens_per_s"] for r in mine}
     b = {r["round"]: r["tokens_per_s"] for r in peer}
     paired = [round(a[k] / b[k], 3) for k in sorted(a) if b.get(k)]
-    print(f"| {precision} | {m:,.0f} | {p:,.0f} | **{m / p:.2f}** | {best:.2f} "
-          f"| {', '.join(f'{x:.2f}' for x in paired)} |")
+    print(f"| {precision} | {m:,.0f} | {NAMES[fastest]} {policy[fastest]} | {p:,.0f} "
+          f"| **{m / p:.2f}** | {best:.2f} | {', '.join(f'{x:.2f}' for x in paired)} |")
     ratios.append({"bench": "gpt_ratio", "precision": precision, "mpt_policy": policy["mpt"],
-                   "peer": "pytorch", "peer_policy": policy["pytorch"],
+                   "peer": fastest, "peer_policy": policy[fastest],
                    "mpt_tokens_per_s": round(m), "peer_tokens_per_s": round(p),
                    "ratio": round(m / p, 3), "ratio_best": round(best, 3),
                    "ratio_per_round": paired,

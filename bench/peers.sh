@@ -26,6 +26,20 @@ peers_install() {
     fi
 }
 
+# peers_tensorflow: TensorFlow ($TF_SPEC, default 2.21 for the CPU) from PyPI
+# in the virtual environment build/venv-peers (pip only, not as root);
+# TF_PY is its python.
+peers_tensorflow() {
+    local venv=build/venv-peers spec=${TF_SPEC:-tensorflow-cpu==2.21.*}
+    if ! "$venv/bin/python" -c "import tensorflow" 2>/dev/null; then
+        echo "$PEERS_NAME: installing $spec into $venv (a few minutes)" >&2
+        { [ -x "$venv/bin/python" ] || "${SYS_PY:-/usr/bin/python3}" -m venv "$venv"; } &&
+            "$venv/bin/pip" install -q "$spec" ||
+            { echo "$PEERS_NAME: cannot install $spec into $venv" >&2; exit 1; }
+    fi
+    TF_PY=$venv/bin/python
+}
+
 # ---- measuring a run --------------------------------------------------------------
 # The host may be shared: each run records how many cores other processes
 # kept busy meanwhile ("others_cores", from /proc/stat less this script's

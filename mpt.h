@@ -241,8 +241,8 @@
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
        @quantize     post-training quantization: dynamic-range, full-integer
-                     (calibrated), float16; the quantized model's layers;
-                     quantization-aware training
+                     (calibrated), float16, of chains and graphs; the
+                     quantized model's layers; quantization-aware training
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
@@ -366,9 +366,10 @@
        @impl-qgemm-kernels  its micro-kernels (VNNI/AVX-512/AVX2), tasks,
                           plan, mpt_qgemm
        @impl-quantize     the quantized model's operations from the float
-                          layers, BatchNormalization folded
+                          layers (a graph's: each reading its inputs' tensors),
+                          BatchNormalization folded; where each tensor lives
        @impl-quantized-passes  a batch through them: float32, float16,
-                          dynamic-range, int8
+                          dynamic-range, int8; a graph's merges and padding
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
                           and its MaxPooling2D from the image), int8 softmax,
                           the batch's run
@@ -2362,7 +2363,32 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    SOFTMAX). A layer that has no quantized form, or a BatchNormalization
    that does not follow a Dense or Conv2D without activation, is refused
    with MPT_ERR_UNSUPPORTED naming it. Every step is deterministic: the
-   results are the same bit for bit on every thread count. */
+   results are the same bit for bit on every thread count.
+   A graph (@layers' functional form: one input, one output; several of
+   either are refused) quantizes too: each operation reads the operations
+   its layer's input nodes became (mpt_quantized_layer's inputs), a
+   BatchNormalization folds (and a ReLU fuses) where the Dense or Conv2D
+   before it has no other reader, a shared layer's later call is an
+   operation of the same weights. The merges, in full integer as TFLite's
+   int8 kernels compute them, their outputs calibrated as any tensor:
+     Add, Subtract  ADD, SUB of two inputs (Add of n: n − 1 ADDs, the ones
+                    before the last named "<layer>/<k>", each calibrated):
+                    each input less its zero point, shifted left 20 bits,
+                    brought to the scale 2·max(s0, s1) by its multiplier,
+                    the two added or subtracted, then the output's
+                    multiplier and zero point (TFLite's reference ADD)
+     Multiply       MUL: (a − za)(b − zb) times s0·s1/s_out, plus z_out
+     Concatenate    CONCATENATION along its axis. TFLite's int8 kernel
+                    takes only inputs of the output's scale and zero
+                    point; as its converter does, the output keeps its
+                    calibrated range (the union of the inputs') and each
+                    input of other parameters is requantized to the
+                    output's on the way (TFLite's int8-to-int8 QUANTIZE:
+                    (q − z_in) times s_in/s_out, plus z_out)
+     ZeroPadding2D  PAD: in and out share their quantization, the padding
+                    the zero point (real 0)
+   Average has no quantized form yet (MPT_ERR_UNSUPPORTED). The float16 and
+   dynamic-range models compute the merges in float32. */
 
 typedef enum mpt_quantize_mode {
     MPT_QUANTIZE_DYNAMIC_RANGE = 0, /* the default */
@@ -2441,6 +2467,13 @@ typedef enum mpt_quantized_op {
     MPT_QOP_RESHAPE,             /* Flatten; likewise                        */
     MPT_QOP_ACTIVATION,          /* activation: relu, gelu, sigmoid, tanh,
                                     softmax (over the last axis)            */
+    /* A graph's (@layers' functional form): */
+    MPT_QOP_ADD,                 /* two inputs (an Add of n: n − 1 of them) */
+    MPT_QOP_SUB,                 /* input 0 − input 1                       */
+    MPT_QOP_MUL,                 /* two inputs (a Multiply of n: n − 1)     */
+    MPT_QOP_CONCATENATION,       /* n inputs joined along axis              */
+    MPT_QOP_PAD,                 /* ZeroPadding2D: pads by the zero point;
+                                    in and out share their quantization    */
     MPT_QOP_COUNT_
 } mpt_quantized_op;
 
@@ -2475,6 +2508,15 @@ typedef struct mpt_quantized_layer {
                                       output.scale (mpt_quantize_multiplier)  */
     const int32_t *shift;
     mpt_quant_params input, output; /* full integer: the int8 tensors         */
+    /* What it reads: the operations whose outputs are its inputs (−1: the
+       model's input), in order; one for every op but the merges. In a
+       Sequential model operation i reads i − 1. `input` above is input
+       0's quantization; each other's is its producer's output. */
+    int n_inputs;
+    int inputs[MPT_MAX_MERGE_INPUTS];
+    int axis;                      /* CONCATENATION: the axis of (batch, shape...)
+                                      joined, 1..out_rank                      */
+    int64_t pads[2][2];            /* PAD: ((top, bottom), (left, right))      */
 } mpt_quantized_layer;
 
 typedef struct mpt_quantized_info {
@@ -30887,13 +30929,29 @@ typedef struct mpt__qop {
     int direct_groups;         /* kernel rows × groups of 4 taps in a row       */
     int8_t lut[256];           /* full-integer activation: out for in + 128    */
     float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
+    /* The tensors it reads (0: the model's input, j + 1: op j's output);
+       info.inputs says the same in ops. */
+    int in_t[MPT_MAX_MERGE_INPUTS];
+    int fuse_pool;             /* a Conv2D whose output only the MaxPooling2D
+                                  right after it reads: they may run as one
+                                  (mpt__q_direct_conv)                       */
+    /* Full-integer merges (mpt__q_integer_merge): ADD/SUB each input's
+       multiplier and shift onto a common scale, then the output's
+       (out_mult); MUL only out_mult; CONCATENATION each input's
+       requantization to the output (in_mult[k] 0: the same parameters). */
+    int32_t in_mult[MPT_MAX_MERGE_INPUTS], in_shift[MPT_MAX_MERGE_INPUTS];
+    int32_t in_zero[MPT_MAX_MERGE_INPUTS]; /* each input's zero point        */
+    int32_t out_mult, out_shift;
+    int64_t outer, inner[MPT_MAX_MERGE_INPUTS]; /* CONCATENATION: each sample is
+                                  outer rows, input k giving inner[k] of each */
 } mpt__qop;
 
 /* A batch's scratch, one block: two activation buffers and what the
    products need. Sized for `batch` samples by mpt__qwork_alloc. */
 typedef struct mpt__qwork {
     void *block;
-    void *act[2];       /* (batch, max_count) float32 (int8 in integer)     */
+    void **act;         /* [n_slots] (batch, max_count) float32 (int8 in
+                           integer): the tensors' buffers (mpt__q_plan)     */
     int32_t *acc;       /* (batch, max_count) the dynamic products           */
     int8_t *xq;         /* (batch, max_count) a dynamic product's input      */
     float *row_scale;   /* (batch · max_count) its scale per im2col row      */
@@ -30908,6 +30966,13 @@ struct mpt__quantized {
     int n_ops;
     mpt__qop *ops;              /* [n_ops]                                      */
     mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
+    int out_t;                  /* the tensor that is the model's output         */
+    /* Where each tensor lives in a batch (mpt__q_plan): a reshape's output
+       is its input's bytes (root, the tensor that holds them); every other
+       tensor is a slot of the work block, taken when it is written and
+       given back after its last reader, so that a chain uses two. */
+    int *root, *slot;           /* [n_ops + 1] each                              */
+    int n_slots;
     int64_t in_count;           /* elements of one input sample                  */
     int64_t max_count;          /* of the largest tensor of one sample           */
     int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
@@ -30924,7 +30989,14 @@ static int mpt__qop_weighted(const mpt__qop *op) {
    for pooling and reshape): no range of their own. */
 static int mpt__qop_passes_params(const mpt__qop *op) {
     return op->info.op == MPT_QOP_MAX_POOL_2D || op->info.op == MPT_QOP_AVERAGE_POOL_2D ||
-           op->info.op == MPT_QOP_GLOBAL_AVERAGE_POOL_2D || op->info.op == MPT_QOP_RESHAPE;
+           op->info.op == MPT_QOP_GLOBAL_AVERAGE_POOL_2D || op->info.op == MPT_QOP_RESHAPE ||
+           op->info.op == MPT_QOP_PAD;
+}
+
+/* The operations only a graph has (@layers' functional form). */
+static int mpt__qop_is_merge(const mpt__qop *op) {
+    return op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB ||
+           op->info.op == MPT_QOP_MUL || op->info.op == MPT_QOP_CONCATENATION;
 }
 
 static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
@@ -30949,6 +31021,8 @@ static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q
     mpt__free(ctx, Q->work.block);
     mpt__free(ctx, Q->ops);
     mpt__free(ctx, Q->tensor);
+    mpt__free(ctx, Q->root);
+    mpt__free(ctx, Q->slot);
     mpt__free(ctx, Q);
 }
 
@@ -31033,9 +31107,14 @@ static mpt_status mpt__q_param_read(mpt_model *m, const mpt__param *P, float *ds
     return mpt__download(m, dst, P->value, sizeof(float) * (size_t)P->count);
 }
 
-static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind) {
+/* A new operation for layer L, reading tensor in_t. */
+static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind,
+                               int in_t) {
     mpt__qop *op = &Q->ops[Q->n_ops++];
     memset(op, 0, sizeof *op);
+    op->info.n_inputs = 1;
+    op->in_t[0] = in_t;
+    op->info.inputs[0] = in_t - 1;
     snprintf(op->name, sizeof op->name, "%s", L->name);
     op->info.name = op->name;
     op->last = L;
@@ -31049,9 +31128,11 @@ static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quant
     return op;
 }
 
-/* An activation of its own after layer L (a Dense's softmax, an Activation). */
-static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt_activation act) {
-    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_ACTIVATION);
+/* An activation of its own after layer L (a Dense's softmax, an
+   Activation), reading tensor in_t. */
+static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt_activation act,
+                                     int in_t) {
+    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_ACTIVATION, in_t);
     op->info.in_rank = L->out_rank;
     memcpy(op->info.in_shape, L->out_shape, sizeof op->info.in_shape);
     op->in_count = L->out_count;
@@ -31060,9 +31141,10 @@ static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt
 
 /* Dense or Conv2D: the kernel transposed into (N, K) rows, one per output
    channel, and the bias (zeros without one), checked finite. */
-static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const mpt__layer *L) {
+static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                         int in_t) {
     int conv = L->ops->kind == MPT__LAYER_CONV2D;
-    mpt__qop *op = mpt__q_append(Q, L, conv ? MPT_QOP_CONV_2D : MPT_QOP_FULLY_CONNECTED);
+    mpt__qop *op = mpt__q_append(Q, L, conv ? MPT_QOP_CONV_2D : MPT_QOP_FULLY_CONNECTED, in_t);
     const mpt__param *kernel = mpt__q_layer_param(L, "kernel"), *bias = mpt__q_layer_param(L, "bias");
     mpt_activation act = conv ? L->desc.conv2d.activation : L->desc.dense.activation;
     int64_t N, K, n, k;
@@ -31119,7 +31201,7 @@ static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const 
                           "finite", L->ops->class_name, L->name, n < N * K ? "weight" : "bias");
     if (s != MPT_OK) return s;
     if (act == MPT_ACT_NONE || act == MPT_ACT_RELU) op->info.activation = act;
-    else mpt__q_append_activation(Q, L, act);
+    else mpt__q_append_activation(Q, L, act, Q->n_ops);
     return MPT_OK;
 }
 
@@ -31157,8 +31239,9 @@ static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__l
     return MPT_OK;
 }
 
-static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind) {
-    mpt__qop *op = mpt__q_append(Q, L, kind);
+static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind,
+                               int in_t) {
+    mpt__qop *op = mpt__q_append(Q, L, kind, in_t);
     if (kind == MPT_QOP_GLOBAL_AVERAGE_POOL_2D) mpt__global_pool_win(&op->g, L);
     else mpt__pool_win(&op->g, L);
     op->info.kernel_size[0] = op->g.kh;
@@ -31169,71 +31252,216 @@ static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quant
                                                               : L->desc.pool2d.padding;
 }
 
-/* The last operation, if it is a Dense or Conv2D that ends without an
-   activation and nothing but Dropout has come since: what a
-   BatchNormalization folds into and a ReLU fuses with. */
-static mpt__qop *mpt__q_open_product(mpt__quantized *Q, int open) {
-    mpt__qop *op = Q->n_ops ? &Q->ops[Q->n_ops - 1] : NULL;
-    return open && op && mpt__qop_weighted(op) && op->info.activation == MPT_ACT_NONE ? op : NULL;
+/* The Dense or Conv2D whose output node `node` is, seen through the
+   layers that left its tensor as it was (Dropout, an activation none, a
+   folded BatchNormalization, a fused ReLU), if it ends without an
+   activation and no other layer reads that tensor on the way: what a
+   BatchNormalization folds into and a ReLU fuses with. readers[k]: the
+   layers reading node k (+1 for the model's output). */
+static mpt__qop *mpt__q_open_product(const mpt_model *m, mpt__quantized *Q, const int *node_t,
+                                     const int *readers, int node) {
+    const int t = node_t[node];
+    mpt__qop *op;
+    if (t == 0) return NULL;
+    for (;;) {
+        const mpt__layer *L = &m->layers[node - 1];
+        if (readers[node] != 1) return NULL;
+        if (node_t[L->in_node[0]] != t) break; /* L made t */
+        node = L->in_node[0];
+    }
+    op = &Q->ops[t - 1];
+    return mpt__qop_weighted(op) && op->info.activation == MPT_ACT_NONE ? op : NULL;
 }
 
-/* Walks the float model's layers into operations. */
-static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
-    int i, open = 0; /* the last op is a product a BatchNormalization may follow */
-    Q->ops = (mpt__qop *)mpt__calloc(m->ctx, sizeof(mpt__qop) * (size_t)(2 * m->n_layers + 1));
-    if (!Q->ops) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
-    for (i = 0; i < m->n_layers; i++) {
-        const mpt__layer *L = &m->layers[i];
-        if (L->ops->identity_at_inference) continue;
-        switch (L->ops->kind) {
-        case MPT__LAYER_DENSE:
-        case MPT__LAYER_CONV2D:
-            MPT__CHECK(mpt__q_append_weighted(m, Q, L));
-            open = 1;
-            continue;
-        case MPT__LAYER_BATCH_NORMALIZATION: {
-            mpt__qop *op = mpt__q_open_product(Q, open);
-            if (!op || op->info.folded_batchnorm)
-                return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                                 "quantize: BatchNormalization '%s' does not directly follow a "
-                                 "Dense or Conv2D without activation, so it cannot be folded",
-                                 L->name);
-            MPT__CHECK(mpt__q_fold_batchnorm(m, op, L));
-            continue;
+/* A merge layer: Add, Subtract and Multiply as binary operations, left to
+   right (TFLite's ADD, SUB and MUL take two), each of n − 1 reading the
+   one before; Concatenate as one. The last carries the layer's name, the
+   ones before "<name>/<k>" (their own tensors: calibrated as any). */
+static mpt_status mpt__q_append_merge(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                      const int *node_t) {
+    const int kind = L->ops->kind;
+    int k;
+    if (kind == MPT__LAYER_CONCATENATE) {
+        mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_CONCATENATION, node_t[L->in_node[0]]);
+        op->info.n_inputs = L->n_in;
+        for (k = 0; k < L->n_in; k++) {
+            op->in_t[k] = node_t[L->in_node[k]];
+            op->info.inputs[k] = op->in_t[k] - 1;
         }
-        case MPT__LAYER_ACTIVATION: {
-            mpt_activation act = L->desc.activation.activation;
-            mpt__qop *op = mpt__q_open_product(Q, open);
-            if (act == MPT_ACT_NONE) continue;
-            if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU, op->last = L;
-            else mpt__q_append_activation(Q, L, act);
-            break;
+        op->info.axis = mpt__concat_axis(L->desc.concatenate.axis, L->in_rank) + 1;
+        for (op->outer = 1, k = 1; k < op->info.axis; k++) op->outer *= L->out_shape[k - 1];
+        for (k = 0; k < L->n_in; k++) {
+            int64_t shape[MPT_MAX_RANK - 1], d;
+            int rank = mpt__node_shape(m, L->in_node[k], shape);
+            for (op->inner[k] = 1, d = op->info.axis - 1; d < rank; d++) op->inner[k] *= shape[d];
         }
-        case MPT__LAYER_MAX_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D); break;
-        case MPT__LAYER_AVERAGE_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_AVERAGE_POOL_2D); break;
-        case MPT__LAYER_GLOBAL_AVERAGE_POOLING2D:
-            mpt__q_append_pool(Q, L, MPT_QOP_GLOBAL_AVERAGE_POOL_2D);
-            break;
-        case MPT__LAYER_FLATTEN: mpt__q_append(Q, L, MPT_QOP_RESHAPE); break;
-        default:
-            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
-                             "quantized form", L->name, L->ops->class_name);
+        return MPT_OK;
+    }
+    if (kind != MPT__LAYER_ADD && kind != MPT__LAYER_SUBTRACT && kind != MPT__LAYER_MULTIPLY)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
+                         "quantized form", L->name, L->ops->class_name);
+    for (k = 1; k < L->n_in; k++) {
+        mpt__qop *op = mpt__q_append(Q, L, kind == MPT__LAYER_ADD        ? MPT_QOP_ADD
+                                           : kind == MPT__LAYER_SUBTRACT ? MPT_QOP_SUB
+                                                                         : MPT_QOP_MUL,
+                                     k == 1 ? node_t[L->in_node[0]] : Q->n_ops);
+        op->info.n_inputs = 2;
+        op->in_t[1] = node_t[L->in_node[k]];
+        op->info.inputs[1] = op->in_t[1] - 1;
+        if (k + 1 < L->n_in) { /* no layer's output: no trained range */
+            snprintf(op->name, sizeof op->name, "%.56s/%c", L->name, (char)('0' + k));
+            op->last = NULL;
         }
-        open = 0;
     }
     return MPT_OK;
 }
 
-/* The largest buffers one sample needs, for mpt__qwork_alloc. */
-static void mpt__q_plan(mpt__quantized *Q, int64_t in_count) {
-    int i;
+static void mpt__q_append_pad(mpt__quantized *Q, const mpt__layer *L, int in_t) {
+    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_PAD, in_t);
+    mpt__zero_padding2d_sides(L, op->info.pads);
+}
+
+/* Layer L (of node node = its index + 1) into operations, or into nothing:
+   node_t[node] is then the tensor it leaves as it was. */
+static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
+                                   const int *readers, int node) {
+    const mpt__layer *L = &m->layers[node - 1];
+    const int in = node_t[L->in_node[0]];
+    node_t[node] = in;
+    if (L->ops->identity_at_inference) return MPT_OK;
+    switch (L->ops->kind) {
+    case MPT__LAYER_DENSE:
+    case MPT__LAYER_CONV2D: MPT__CHECK(mpt__q_append_weighted(m, Q, L, in)); break;
+    case MPT__LAYER_BATCH_NORMALIZATION: {
+        mpt__qop *op = mpt__q_open_product(m, Q, node_t, readers, L->in_node[0]);
+        if (!op || op->info.folded_batchnorm)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                             "quantize: BatchNormalization '%s' does not directly follow a "
+                             "Dense or Conv2D without activation (read by nothing else), so it "
+                             "cannot be folded", L->name);
+        return mpt__q_fold_batchnorm(m, op, L);
+    }
+    case MPT__LAYER_ACTIVATION: {
+        mpt_activation act = L->desc.activation.activation;
+        mpt__qop *op = mpt__q_open_product(m, Q, node_t, readers, L->in_node[0]);
+        if (act == MPT_ACT_NONE) return MPT_OK;
+        if (act == MPT_ACT_RELU && op) {
+            op->info.activation = MPT_ACT_RELU, op->last = L;
+            return MPT_OK;
+        }
+        mpt__q_append_activation(Q, L, act, in);
+        break;
+    }
+    case MPT__LAYER_MAX_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D, in); break;
+    case MPT__LAYER_AVERAGE_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_AVERAGE_POOL_2D, in); break;
+    case MPT__LAYER_GLOBAL_AVERAGE_POOLING2D:
+        mpt__q_append_pool(Q, L, MPT_QOP_GLOBAL_AVERAGE_POOL_2D, in);
+        break;
+    case MPT__LAYER_FLATTEN: mpt__q_append(Q, L, MPT_QOP_RESHAPE, in); break;
+    case MPT__LAYER_ZERO_PADDING2D: mpt__q_append_pad(Q, L, in); break;
+    case MPT__LAYER_ADD:
+    case MPT__LAYER_SUBTRACT:
+    case MPT__LAYER_MULTIPLY:
+    case MPT__LAYER_CONCATENATE: MPT__CHECK(mpt__q_append_merge(m, Q, L, node_t)); break;
+    default:
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
+                         "quantized form", L->name, L->ops->class_name);
+    }
+    node_t[node] = Q->n_ops;
+    return MPT_OK;
+}
+
+/* Walks the float model's layers (a graph's in its order, which puts every
+   layer after its inputs) into operations; Q->out_t is the output's
+   tensor. */
+static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
+    const int out_node = mpt__several_outputs(m) || m->n_outputs == 0 ? m->n_layers
+                                                                       : m->output_node[0];
+    int *node_t = (int *)mpt__calloc(m->ctx, sizeof(int) * 2 * (size_t)(m->n_layers + 1));
+    int *readers = node_t ? node_t + m->n_layers + 1 : NULL, i, k;
+    mpt_status s = MPT_OK;
+    /* a merge of n inputs is n − 1 operations, any other layer at most 2 */
+    Q->ops = (mpt__qop *)mpt__calloc(m->ctx, sizeof(mpt__qop) *
+                                                 (size_t)(MPT_MAX_MERGE_INPUTS * m->n_layers + 1));
+    if (!Q->ops || !node_t) {
+        mpt__free(m->ctx, node_t);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    }
+    for (i = 0; i < m->n_layers; i++)
+        for (k = 0; k < m->layers[i].n_in; k++) readers[m->layers[i].in_node[k]]++;
+    readers[out_node]++;
+    for (i = 0; s == MPT_OK && i < m->n_layers; i++) s = mpt__q_layer_ops(m, Q, node_t, readers, i + 1);
+    Q->out_t = node_t[out_node];
+    mpt__free(m->ctx, node_t);
+    return s;
+}
+
+/* Whether op i is a Conv2D the MaxPooling2D after it may run with: that
+   pooling is op i + 1, and reads op i's output, which nothing else reads
+   nor is the model's output. */
+static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
+    int j, k;
+    if (Q->ops[i].info.op != MPT_QOP_CONV_2D || i + 1 >= Q->n_ops ||
+        Q->ops[i + 1].info.op != MPT_QOP_MAX_POOL_2D || Q->ops[i + 1].in_t[0] != i + 1 ||
+        Q->out_t == i + 1)
+        return 0;
+    for (j = i + 2; j < Q->n_ops; j++)
+        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+            if (Q->ops[j].in_t[k] == i + 1) return 0;
+    return 1;
+}
+
+/* The largest buffers one sample needs, for mpt__qwork_alloc, and where
+   each tensor lives: its root (a reshape's is its input's) and the slot
+   of the work block that holds the root, the lowest one free when it is
+   written; a slot is free again after the last operation reading its
+   tensor (the output's never is). A Conv2D that may run with its pooling
+   keeps its input alive through the pooling, which then writes from it.
+   The input is tensor 0 in slot 0 (the integer pass quantizes it there;
+   the float passes read the caller's batch). */
+static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_count) {
+    const int n = Q->n_ops + 1;
+    int *last = (int *)mpt__alloc(ctx, sizeof(int) * 2 * (size_t)n), *busy, i, k, t;
+    Q->root = (int *)mpt__alloc(ctx, sizeof(int) * (size_t)n);
+    Q->slot = (int *)mpt__alloc(ctx, sizeof(int) * (size_t)n);
+    if (!last || !Q->root || !Q->slot) {
+        mpt__free(ctx, last);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    }
+    busy = last + n; /* the root each slot holds, or −1 */
     Q->in_count = Q->max_count = in_count;
-    for (i = 0; i < Q->n_ops; i++) {
-        const mpt__qop *op = &Q->ops[i];
-        Q->max_count = MPT__MAX(Q->max_count, op->out_count);
-        if (op->info.op == MPT_QOP_CONV_2D)
+    for (t = 0; t < n; t++) {
+        const mpt__qop *op = t ? &Q->ops[t - 1] : NULL;
+        Q->root[t] = op && op->info.op == MPT_QOP_RESHAPE ? Q->root[op->in_t[0]] : t;
+        last[t] = -1, busy[t] = -1;
+        if (op) Q->max_count = MPT__MAX(Q->max_count, op->out_count);
+        if (op && op->info.op == MPT_QOP_CONV_2D)
             Q->max_cols = MPT__MAX(Q->max_cols, op->g.oh * op->g.ow * op->info.depth);
     }
+    for (i = 0; i < Q->n_ops; i++) {
+        Q->ops[i].fuse_pool = mpt__q_pool_follows(Q, i);
+        for (k = 0; k < Q->ops[i].info.n_inputs; k++) {
+            const int r = Q->root[Q->ops[i].in_t[k]];
+            last[r] = MPT__MAX(last[r], i + Q->ops[i].fuse_pool);
+        }
+    }
+    last[Q->root[Q->out_t]] = n; /* never given back */
+    Q->n_slots = 1;
+    Q->slot[0] = 0, busy[0] = 0;
+    for (i = 0; i < Q->n_ops; i++) {
+        t = i + 1;
+        if (Q->root[t] != t) {
+            Q->slot[t] = Q->slot[Q->root[t]];
+        } else {
+            for (k = 0; busy[k] >= 0; k++) continue;
+            Q->slot[t] = k, busy[k] = t;
+            Q->n_slots = MPT__MAX(Q->n_slots, k + 1);
+        }
+        for (k = 0; k < Q->n_slots; k++)
+            if (busy[k] >= 0 && last[busy[k]] <= i) busy[k] = -1;
+    }
+    mpt__free(ctx, last);
+    return MPT_OK;
 }
 
 /* ---- the batch's work block ------------------------------------------------------------- */
@@ -31241,11 +31469,13 @@ static void mpt__q_plan(mpt__quantized *Q, int64_t in_count) {
 static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, int64_t batch,
                                    mpt__qwork *w) {
     int64_t per = 0, act, cols, total = 0;
+    int k;
     memset(w, 0, sizeof *w);
     w->batch = batch;
     cols = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     if (!mpt__mul_ok(batch, Q->max_count, &per) || !mpt__mul_ok(per, 4, &act) ||
-        !mpt__mul_ok(act, 6, &total) || !mpt__add_ok(total, cols + 8 * 64, &total) ||
+        !mpt__mul_ok(act, 4 + Q->n_slots, &total) ||
+        !mpt__add_ok(total, cols + 8 * 64 + 8 * (int64_t)Q->n_slots + 64 * Q->n_slots, &total) ||
         (uint64_t)total > (uint64_t)SIZE_MAX)
         return mpt__fail(ctx, MPT_ERR_OVERFLOW, "quantized model: batches of %lld samples are "
                          "too large", (long long)batch);
@@ -31256,8 +31486,8 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
     {
         unsigned char *p = (unsigned char *)w->block;
 #define MPT__Q_CARVE(dst, type, bytes) (dst = (type)(void *)p, p += ((bytes) + 63) / 64 * 64)
-        MPT__Q_CARVE(w->act[0], void *, act);
-        MPT__Q_CARVE(w->act[1], void *, act);
+        MPT__Q_CARVE(w->act, void **, sizeof(void *) * (size_t)Q->n_slots);
+        for (k = 0; k < Q->n_slots; k++) MPT__Q_CARVE(w->act[k], void *, act);
         MPT__Q_CARVE(w->acc, int32_t *, act);
         MPT__Q_CARVE(w->xq, int8_t *, act);
         MPT__Q_CARVE(w->row_scale, float *, act);
@@ -31289,8 +31519,10 @@ static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t 
    @impl-quantized-passes  one batch through the operations, in each mode
    =============================================================================
 
-   Each operation writes into one of two buffers of the batch's work block
-   in turn (a reshape writes nothing: the next reads its input).
+   Each operation writes its output tensor into its slot of the batch's
+   work block, two in turn for a chain, more where a graph keeps tensors
+   alive for later readers (mpt__q_plan; a reshape writes nothing: its
+   readers read its input).
    Convolutions run as products over im2col rows, a chunk of samples at a
    time (as Conv2D does); in the int8 passes a one-channel Conv2D, and the
    MaxPooling2D after it, run straight from the image instead where the
@@ -31722,6 +31954,100 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     return MPT_OK;
 }
 
+/* ---- a graph's operations: merges and padding ------------------------------------------ */
+
+/* TFLite's ADD and SUB in int8 (its reference kernel's arithmetic): each
+   input, less its zero point, shifted left by 20 bits and brought to a
+   common scale 2·max(s0, s1) by its multiplier, the two added (or
+   subtracted), then the sum brought to the output's scale by the output
+   multiplier, the output's zero point added and saturated. MUL: the
+   product of the two inputs less their zero points, times s0·s1/s_out. */
+#define MPT__Q_ADD_LEFT_SHIFT 20
+
+static int8_t mpt__q_add_int8(const mpt__qop *op, int8_t a, int8_t b) {
+    const int32_t za = op->in_zero[0], zb = op->in_zero[1];
+    const int32_t sa = mpt__multiply_by_quantized_multiplier(
+        (a - za) * (1 << MPT__Q_ADD_LEFT_SHIFT), op->in_mult[0], op->in_shift[0]);
+    const int32_t sb = mpt__multiply_by_quantized_multiplier(
+        (b - zb) * (1 << MPT__Q_ADD_LEFT_SHIFT), op->in_mult[1], op->in_shift[1]);
+    const int32_t raw = op->info.op == MPT_QOP_SUB ? sa - sb : sa + sb;
+    return mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(raw, op->out_mult,
+                                                                       op->out_shift) +
+                         op->info.output.zero_point);
+}
+
+static int8_t mpt__q_mul_int8(const mpt__qop *op, int8_t a, int8_t b) {
+    const int32_t za = op->in_zero[0], zb = op->in_zero[1];
+    return mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(
+                             (a - za) * (b - zb), op->out_mult, op->out_shift) +
+                         op->info.output.zero_point);
+}
+
+/* ADD, SUB or MUL of `count` elements, float32 or int8. */
+static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const void *b, void *y,
+                          int64_t count) {
+    int64_t k;
+    if (integer) {
+        const int8_t *x0 = (const int8_t *)a, *x1 = (const int8_t *)b;
+        int8_t *out = (int8_t *)y;
+        if (op->info.op == MPT_QOP_MUL)
+            for (k = 0; k < count; k++) out[k] = mpt__q_mul_int8(op, x0[k], x1[k]);
+        else
+            for (k = 0; k < count; k++) out[k] = mpt__q_add_int8(op, x0[k], x1[k]);
+    } else {
+        const float *x0 = (const float *)a, *x1 = (const float *)b;
+        float *out = (float *)y;
+        for (k = 0; k < count; k++)
+            out[k] = op->info.op == MPT_QOP_ADD   ? x0[k] + x1[k]
+                     : op->info.op == MPT_QOP_SUB ? x0[k] - x1[k]
+                                                  : x0[k] * x1[k];
+    }
+}
+
+/* CONCATENATION of n samples: input k's rows side by side in each of the
+   outer rows of a sample. In int8 an input whose quantization is not the
+   output's is requantized to it on the way (TFLite's QUANTIZE from int8 to
+   int8, which its converter puts before such an input: its kernel takes
+   only inputs of the output's scale and zero point). */
+static void mpt__q_concat(const mpt__qop *op, int integer, const void *const *xs, void *y,
+                          int64_t n) {
+    const size_t es = integer ? 1 : 4;
+    const int64_t width = op->out_count / op->outer;
+    int64_t r, at = 0, c;
+    int k;
+    for (k = 0; k < op->info.n_inputs; at += op->inner[k], k++)
+        for (r = 0; r < n * op->outer; r++) {
+            const unsigned char *src = (const unsigned char *)xs[k] + (size_t)(r * op->inner[k]) * es;
+            unsigned char *dst = (unsigned char *)y + (size_t)(r * width + at) * es;
+            if (!integer || !op->in_mult[k]) {
+                memcpy(dst, src, (size_t)op->inner[k] * es);
+                continue;
+            }
+            for (c = 0; c < op->inner[k]; c++)
+                ((int8_t *)dst)[c] = mpt__q_clamp8(
+                    (double)mpt__multiply_by_quantized_multiplier(
+                        ((const int8_t *)src)[c] - op->in_zero[k],
+                        op->in_mult[k], op->in_shift[k]) + op->info.output.zero_point);
+        }
+}
+
+/* ZeroPadding2D: the padding holds 0.0f, or in int8 the zero point (real 0). */
+static void mpt__q_pad(const mpt__qop *op, int integer, const void *x, void *y, int64_t n) {
+    const size_t es = integer ? 1 : 4;
+    const int64_t h = op->info.in_shape[0], w = op->info.in_shape[1], c = op->info.in_shape[2];
+    const int64_t ow = op->info.out_shape[1];
+    const size_t row = (size_t)(w * c) * es;
+    int64_t b, r;
+    if (integer) memset(y, (int)(int8_t)op->info.output.zero_point, (size_t)(n * op->out_count));
+    else memset(y, 0, (size_t)(n * op->out_count) * 4); /* all-zero bytes: 0.0f */
+    for (b = 0; b < n; b++)
+        for (r = 0; r < h; r++)
+            memcpy((unsigned char *)y + (size_t)(b * op->out_count +
+                                                 ((op->info.pads[0][0] + r) * ow +
+                                                  op->info.pads[1][0]) * c) * es,
+                   (const unsigned char *)x + (size_t)(b * op->in_count + r * w * c) * es, row);
+}
+
 /* =============================================================================
    @impl-quantized-direct: the direct int8 Conv2D, the int8 softmax, and a batch through the operations
    ============================================================================= */
@@ -31995,7 +32321,7 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     memset(&j, 0, sizeof j);
     j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y;
     j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
-    j.pool = next && next->info.op == MPT_QOP_MAX_POOL_2D ? next : NULL;
+    j.pool = op->fuse_pool ? next : NULL;
     j.npad = (op->info.out_channels + 15) / 16 * 16;
     j.owp = (g->ow + MPT__QD_PIX - 1) / MPT__QD_PIX * MPT__QD_PIX;
     j.hp = (g->oh - 1) * g->sh + g->kh;
@@ -32114,31 +32440,56 @@ static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
     }
 }
 
-/* n samples through every operation: returns the last output (x itself
-   when there is none, or only reshapes, which copy nothing). The integer
-   pass reads int8 x. The int8 passes run a one-channel Conv2D (with the
-   MaxPooling2D after it) from the image where they can. With calib,
-   every tensor is observed (reference only). */
+/* Where tensor t of a batch lies: the bytes of its root, x for the
+   input's (mpt__q_plan). */
+static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, const void *x, int t) {
+    const int r = Q->root[t];
+    return r == 0 ? (void *)(uintptr_t)x : w->act[Q->slot[r]];
+}
+
+/* Operation i of a graph that reads several tensors, or pads. */
+static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, const void *x,
+                                void *y, int64_t n, const mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    const int integer = ex == MPT__QX_INTEGER;
+    const void *xs[MPT_MAX_MERGE_INPUTS];
+    int k;
+    for (k = 0; k < op->info.n_inputs; k++) xs[k] = mpt__q_tensor_at(Q, w, x, op->in_t[k]);
+    if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, integer, xs[0], y, n);
+    else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, integer, xs, y, n);
+    else mpt__q_binary(op, integer, xs[0], xs[1], y, n * op->out_count);
+}
+
+/* n samples through every operation: returns the output's bytes (x itself
+   when the output is the input, or a reshape of it, which copies
+   nothing). Each operation reads its input tensors' bytes and writes its
+   own (mpt__q_plan). The integer pass reads int8 x. The int8 passes run a
+   one-channel Conv2D (with the MaxPooling2D after it) from the image
+   where they can. With calib, every tensor is observed (reference only). */
 static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt__qexec ex,
                                  const void *x, int64_t n, mpt__qwork *w, mpt__qcalib *calib,
                                  const void **out) {
-    const void *cur = x;
     int i, pooled;
     if (calib) mpt__q_observe(calib, 0, (const float *)x, n * Q->in_count);
     for (i = 0; i < Q->n_ops; i++) {
-        void *y = w->act[i & 1];
-        if (cur == y) y = w->act[(i + 1) & 1];
-        if (mpt__q_direct_conv(ctx, Q, i, ex, cur, y, n, w, &pooled)) {
+        const mpt__qop *op = &Q->ops[i];
+        const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
+        void *y = mpt__q_tensor_at(Q, w, x, i + 1);
+        if (mpt__q_direct_conv(ctx, Q, i, ex, in,
+                               op->fuse_pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w,
+                               &pooled)) {
             i += pooled;
-            cur = y;
             continue;
         }
-        if (Q->ops[i].info.op == MPT_QOP_RESHAPE && !calib) continue; /* the same bytes */
-        MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, cur, y, n, w));
-        if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * Q->ops[i].out_count);
-        cur = y;
+        if (op->info.op == MPT_QOP_RESHAPE) { /* the same bytes */
+        } else if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
+            mpt__q_run_graph_op(Q, i, ex, x, y, n, w);
+        } else {
+            MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, in, y, n, w));
+        }
+        if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * op->out_count);
     }
-    *out = cur;
+    *out = mpt__q_tensor_at(Q, w, x, Q->out_t);
     return MPT_OK;
 }
 
@@ -32149,15 +32500,15 @@ static mpt__qexec mpt__q_exec(const mpt__quantized *Q) {
 }
 
 static int64_t mpt__q_out_count(const mpt__quantized *Q) {
-    return Q->n_ops ? Q->ops[Q->n_ops - 1].out_count : Q->in_count;
+    return Q->out_t ? Q->ops[Q->out_t - 1].out_count : Q->in_count;
 }
 
 /* (n, one output's shape...) into shape; returns its rank. */
 static int mpt__q_batch_shape(const mpt_model *m, int64_t n, int64_t *shape) {
     const mpt__quantized *Q = m->quantized;
-    int rank = Q->n_ops ? Q->ops[Q->n_ops - 1].info.out_rank : m->desc.input_rank;
+    int rank = Q->out_t ? Q->ops[Q->out_t - 1].info.out_rank : m->desc.input_rank;
     shape[0] = n;
-    memcpy(shape + 1, Q->n_ops ? Q->ops[Q->n_ops - 1].info.out_shape : m->desc.input_shape,
+    memcpy(shape + 1, Q->out_t ? Q->ops[Q->out_t - 1].info.out_shape : m->desc.input_shape,
            sizeof(int64_t) * (size_t)rank);
     return rank + 1;
 }
@@ -32257,7 +32608,7 @@ static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
 static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mpt_tensor *x,
                              const int8_t *byte_table, float *y, mpt__qwork *w) {
     const int64_t n = x->shape[0], count = n * mpt__q_out_count(Q);
-    const mpt_quant_params *o = &Q->tensor[Q->n_ops];
+    const mpt_quant_params *o = &Q->tensor[Q->out_t];
     mpt__qinput_job j;
     const void *out;
     int64_t k;
@@ -32269,7 +32620,7 @@ static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mp
     memset(&j, 0, sizeof j);
     if (x->dtype == MPT_UINT8) j.bytes = (const uint8_t *)x->data, j.table = byte_table;
     else j.x = (const float *)x->data;
-    j.q = (int8_t *)w->act[1]; /* op 0 writes act[0] */
+    j.q = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
     j.n = n, j.count = Q->in_count, j.p = &Q->tensor[0];
     j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
     j.vbmi = j.avx512 && (ctx->cpu & MPT_CPU_AVX512_VBMI);
@@ -32477,6 +32828,46 @@ static void mpt__q_integer_activation(mpt__qop *op) {
     }
 }
 
+/* A ratio of scales as a multiplier and shift, or an error naming the op. */
+static mpt_status mpt__q_merge_multiplier(mpt_context *ctx, const mpt__qop *op, double real,
+                                          int32_t *mult, int32_t *shift) {
+    if (mpt_quantize_multiplier(ctx, real, mult, shift) == MPT_OK) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_NUMERIC, "quantize: '%s': the scale ratio %g has no int32 "
+                     "multiplier", op->name, real);
+}
+
+/* A merge's multipliers as TFLite's kernels derive them from the scales
+   (mpt__q_add_int8, mpt__q_mul_int8, mpt__q_concat). */
+static mpt_status mpt__q_integer_merge(mpt_context *ctx, const mpt__quantized *Q, mpt__qop *op) {
+    const double so = op->info.output.scale;
+    double s[MPT_MAX_MERGE_INPUTS], twice_max;
+    int k;
+    for (k = 0; k < op->info.n_inputs; k++) {
+        s[k] = Q->tensor[op->in_t[k]].scale;
+        op->in_zero[k] = Q->tensor[op->in_t[k]].zero_point;
+    }
+    switch (op->info.op) {
+    case MPT_QOP_ADD:
+    case MPT_QOP_SUB:
+        twice_max = 2 * MPT__MAX(s[0], s[1]);
+        for (k = 0; k < 2; k++)
+            MPT__CHECK(mpt__q_merge_multiplier(ctx, op, s[k] / twice_max, &op->in_mult[k],
+                                               &op->in_shift[k]));
+        return mpt__q_merge_multiplier(ctx, op,
+                                       twice_max / ((double)(1 << MPT__Q_ADD_LEFT_SHIFT) * so),
+                                       &op->out_mult, &op->out_shift);
+    case MPT_QOP_MUL:
+        return mpt__q_merge_multiplier(ctx, op, s[0] * s[1] / so, &op->out_mult, &op->out_shift);
+    default: /* CONCATENATION: in_mult 0 where an input is the output's already */
+        for (k = 0; k < op->info.n_inputs; k++)
+            if ((float)s[k] != op->info.output.scale ||
+                op->in_zero[k] != op->info.output.zero_point)
+                MPT__CHECK(mpt__q_merge_multiplier(ctx, op, s[k] / so, &op->in_mult[k],
+                                                   &op->in_shift[k]));
+        return MPT_OK;
+    }
+}
+
 /* Every tensor's quantization from its range, then what each operation
    needs in integer. */
 static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const float *lo,
@@ -32487,14 +32878,15 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
         mpt__qop *op = &Q->ops[i];
         mpt_activation act = op->info.activation;
         mpt_quant_params *out = &Q->tensor[i + 1];
-        if (mpt__qop_passes_params(op)) *out = Q->tensor[i];
+        if (mpt__qop_passes_params(op)) *out = Q->tensor[op->in_t[0]];
         else if (op->info.op == MPT_QOP_ACTIVATION && (act == MPT_ACT_SOFTMAX || act == MPT_ACT_SIGMOID))
             *out = mpt__q_fixed_params(1.0f / 256, -128);
         else if (op->info.op == MPT_QOP_ACTIVATION && act == MPT_ACT_TANH)
             *out = mpt__q_fixed_params(1.0f / 128, 0);
         else *out = mpt__q_params(lo[i + 1], hi[i + 1]);
-        op->info.input = Q->tensor[i];
+        op->info.input = Q->tensor[op->in_t[0]];
         op->info.output = *out;
+        if (mpt__qop_is_merge(op)) MPT__CHECK(mpt__q_integer_merge(ctx, Q, op));
         if (mpt__qop_weighted(op)) MPT__CHECK(mpt__q_integer_product(ctx, op));
         if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op, 1));
         if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
@@ -32570,9 +32962,19 @@ static void mpt__q_drop_float_weights(mpt_context *ctx, mpt__quantized *Q) {
 
 static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi);
 
+/* A graph quantizes (its operations read their input nodes' tensors);
+   one of several inputs or outputs does not yet. */
+static mpt_status mpt__q_refuse_several(mpt_model *m, const char *what) {
+    if (mpt__several_outputs(m) || m->n_inputs > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several %s (%d) "
+                         "yet", what, m->n_inputs > 1 ? "inputs" : "outputs",
+                         m->n_inputs > 1 ? m->n_inputs : m->n_outputs);
+    return MPT_OK;
+}
+
 static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     mpt_context *ctx = m->ctx;
-    MPT__CHECK(mpt__refuse_graph(m, "quantize"));
+    MPT__CHECK(mpt__q_refuse_several(m, "quantize"));
     if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: unknown mode %d", (int)d->mode);
     if (d->calibration < 0 || d->calibration >= MPT_CALIBRATION_COUNT_)
@@ -32620,7 +33022,7 @@ static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
     Q->mode = d->mode;
     Q->io_dtype = d->io_dtype;
     MPT__CHECK(mpt__q_build_ops(m, Q));
-    mpt__q_plan(Q, m->layers[0].in_count);
+    MPT__CHECK(mpt__q_plan(m->ctx, Q, m->layers[0].in_count));
     Q->tensor = (mpt_quant_params *)mpt__calloc(m->ctx, sizeof(mpt_quant_params) *
                                                             (size_t)(Q->n_ops + 1));
     if (!Q->tensor) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
@@ -32840,7 +33242,8 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
 static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size) {
     static const char *const mode[] = {"dynamic-range", "full integer", "float16"};
     static const char *const op_name[] = {"FULLY_CONNECTED", "CONV_2D", "MAX_POOL_2D",
-                                          "AVERAGE_POOL_2D", "MEAN", "RESHAPE", "ACTIVATION"};
+                                          "AVERAGE_POOL_2D", "MEAN", "RESHAPE", "ACTIVATION",
+                                          "ADD", "SUB", "MUL", "CONCATENATION", "PAD"};
     const mpt__quantized *Q = m->quantized;
     size_t used = 0;
     int i;
@@ -32872,7 +33275,7 @@ static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size)
 /* The model's input or output quantization in io_dtype: uint8's zero
    point is int8's + 128 (the same reals, shifted codes). */
 static mpt_quant_params mpt__q_io_params(const mpt__quantized *Q, int output) {
-    mpt_quant_params p = Q->tensor[output ? Q->n_ops : 0];
+    mpt_quant_params p = Q->tensor[output ? Q->out_t : 0];
     if (Q->io_dtype == MPT_UINT8) p.zero_point += 128;
     return p;
 }
@@ -32939,7 +33342,7 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
         s = mpt__q_run(m->ctx, Q, x, NULL, (float *)y->data, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
-        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
+        int8_t *xq = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
         const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
         for (k = 0; k < n * Q->in_count; k++)
             xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
@@ -34028,6 +34431,22 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
+/* The quantized writers take a chain of operations, each reading the one
+   before; a quantized graph's merges are refused until they are written. */
+static mpt_status mpt__export_quantized_chain(mpt_model *m, const char *format,
+                                              const char *path) {
+    const mpt__quantized *Q = m->quantized;
+    int i;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qop *op = &Q->ops[i];
+        if (op->info.n_inputs != 1 || op->in_t[0] != i || op->info.op == MPT_QOP_PAD)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': quantized "
+                             "operation %d ('%s') is part of a graph, which the quantized export "
+                             "does not write yet", format, path, i, op->name);
+    }
+    return MPT_OK;
+}
+
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -34054,7 +34473,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
                              "weights are stored: leave it at its default%s", format, path,
                              mpt_dtype_name(d.weight_dtype), (int)d.weight_dtype,
                              pl->weight_dtype == MPT_FLOAT16 ? " (or float16)" : "");
-        return MPT_OK;
+        return mpt__export_quantized_chain(m, format, path);
     }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "

@@ -2387,8 +2387,11 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                     (q − z_in) times s_in/s_out, plus z_out)
      ZeroPadding2D  PAD: in and out share their quantization, the padding
                     the zero point (real 0)
-   Average has no quantized form yet (MPT_ERR_UNSUPPORTED). The float16 and
-   dynamic-range models compute the merges in float32. */
+   A ReLU right after an ADD, SUB or MUL (nothing else reading the merge)
+   fuses into it, as TFLite's converter fuses it: the output calibrated
+   after it, clamped at its zero point. Average has no quantized form yet
+   (MPT_ERR_UNSUPPORTED). The float16 and dynamic-range models compute the
+   merges in float32. */
 
 typedef enum mpt_quantize_mode {
     MPT_QUANTIZE_DYNAMIC_RANGE = 0, /* the default */
@@ -2668,6 +2671,17 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                               LAYER_NORM builtin)        gamma, Add beta
                                                          (LayerNormalization
                                                          is opset 17's)
+   A quantized graph goes to both files as its operations connect: TFLite
+   ADD, SUB, MUL (a fused ReLU as the op's fused activation),
+   CONCATENATION (in int8 a QUANTIZE from int8 to int8 before each input
+   at other parameters than the output's, which its kernel requires) and
+   PAD, with their tensors' int8 parameters; ONNX Add, Sub, Mul (then
+   Relu), Concat and Pad between each input's DequantizeLinear and the
+   output's QuantizeLinear, which ONNX Runtime fuses into its int8 ops.
+   Each merge's results are mpt_model_quantized_invoke's to within one
+   step in both runtimes (tests/test_export.c's export_one_op_*); through
+   a whole graph those steps pass on further than along a chain (an ADD of
+   two inputs a step off each is two off).
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.
@@ -31258,8 +31272,8 @@ static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quant
    activation and no other layer reads that tensor on the way: what a
    BatchNormalization folds into and a ReLU fuses with. readers[k]: the
    layers reading node k (+1 for the model's output). */
-static mpt__qop *mpt__q_open_product(const mpt_model *m, mpt__quantized *Q, const int *node_t,
-                                     const int *readers, int node) {
+static mpt__qop *mpt__q_open_op(const mpt_model *m, mpt__quantized *Q, const int *node_t,
+                                const int *readers, int node) {
     const int t = node_t[node];
     mpt__qop *op;
     if (t == 0) return NULL;
@@ -31270,7 +31284,22 @@ static mpt__qop *mpt__q_open_product(const mpt_model *m, mpt__quantized *Q, cons
         node = L->in_node[0];
     }
     op = &Q->ops[t - 1];
-    return mpt__qop_weighted(op) && op->info.activation == MPT_ACT_NONE ? op : NULL;
+    return op->info.activation == MPT_ACT_NONE ? op : NULL;
+}
+
+static mpt__qop *mpt__q_open_product(const mpt_model *m, mpt__quantized *Q, const int *node_t,
+                                     const int *readers, int node) {
+    mpt__qop *op = mpt__q_open_op(m, Q, node_t, readers, node);
+    return op && mpt__qop_weighted(op) ? op : NULL;
+}
+
+/* Likewise an ADD, SUB or MUL, which a ReLU fuses with as TFLite's
+   converter fuses it (the op's fused activation: the output calibrated
+   after it, clamped at its zero point in int8). */
+static mpt__qop *mpt__q_open_merge(const mpt_model *m, mpt__quantized *Q, const int *node_t,
+                                   const int *readers, int node) {
+    mpt__qop *op = mpt__q_open_op(m, Q, node_t, readers, node);
+    return op && mpt__qop_is_merge(op) && op->info.op != MPT_QOP_CONCATENATION ? op : NULL;
 }
 
 /* A merge layer: Add, Subtract and Multiply as binary operations, left to
@@ -31345,6 +31374,7 @@ static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
         mpt_activation act = L->desc.activation.activation;
         mpt__qop *op = mpt__q_open_product(m, Q, node_t, readers, L->in_node[0]);
         if (act == MPT_ACT_NONE) return MPT_OK;
+        if (!op) op = mpt__q_open_merge(m, Q, node_t, readers, L->in_node[0]);
         if (act == MPT_ACT_RELU && op) {
             op->info.activation = MPT_ACT_RELU, op->last = L;
             return MPT_OK;
@@ -31964,6 +31994,12 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
    product of the two inputs less their zero points, times s0·s1/s_out. */
 #define MPT__Q_ADD_LEFT_SHIFT 20
 
+/* A fused ReLU in int8: nothing below the zero point (real 0). */
+static int8_t mpt__q_relu8(const mpt__qop *op, int8_t v) {
+    return op->info.activation == MPT_ACT_RELU && v < op->info.output.zero_point
+               ? (int8_t)op->info.output.zero_point : v;
+}
+
 static int8_t mpt__q_add_int8(const mpt__qop *op, int8_t a, int8_t b) {
     const int32_t za = op->in_zero[0], zb = op->in_zero[1];
     const int32_t sa = mpt__multiply_by_quantized_multiplier(
@@ -31971,16 +32007,16 @@ static int8_t mpt__q_add_int8(const mpt__qop *op, int8_t a, int8_t b) {
     const int32_t sb = mpt__multiply_by_quantized_multiplier(
         (b - zb) * (1 << MPT__Q_ADD_LEFT_SHIFT), op->in_mult[1], op->in_shift[1]);
     const int32_t raw = op->info.op == MPT_QOP_SUB ? sa - sb : sa + sb;
-    return mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(raw, op->out_mult,
-                                                                       op->out_shift) +
-                         op->info.output.zero_point);
+    return mpt__q_relu8(op, mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(
+                                              raw, op->out_mult, op->out_shift) +
+                                          op->info.output.zero_point));
 }
 
 static int8_t mpt__q_mul_int8(const mpt__qop *op, int8_t a, int8_t b) {
     const int32_t za = op->in_zero[0], zb = op->in_zero[1];
-    return mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(
-                             (a - za) * (b - zb), op->out_mult, op->out_shift) +
-                         op->info.output.zero_point);
+    return mpt__q_relu8(op, mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(
+                                              (a - za) * (b - zb), op->out_mult, op->out_shift) +
+                                          op->info.output.zero_point));
 }
 
 /* ADD, SUB or MUL of `count` elements, float32 or int8. */
@@ -32001,6 +32037,8 @@ static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const 
             out[k] = op->info.op == MPT_QOP_ADD   ? x0[k] + x1[k]
                      : op->info.op == MPT_QOP_SUB ? x0[k] - x1[k]
                                                   : x0[k] * x1[k];
+        if (op->info.activation == MPT_ACT_RELU)
+            for (k = 0; k < count; k++) out[k] = out[k] < 0 ? 0.0f : out[k];
     }
 }
 
@@ -34431,22 +34469,6 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
-/* The quantized writers take a chain of operations, each reading the one
-   before; a quantized graph's merges are refused until they are written. */
-static mpt_status mpt__export_quantized_chain(mpt_model *m, const char *format,
-                                              const char *path) {
-    const mpt__quantized *Q = m->quantized;
-    int i;
-    for (i = 0; i < Q->n_ops; i++) {
-        const mpt__qop *op = &Q->ops[i];
-        if (op->info.n_inputs != 1 || op->in_t[0] != i || op->info.op == MPT_QOP_PAD)
-            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': quantized "
-                             "operation %d ('%s') is part of a graph, which the quantized export "
-                             "does not write yet", format, path, i, op->name);
-    }
-    return MPT_OK;
-}
-
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -34473,7 +34495,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
                              "weights are stored: leave it at its default%s", format, path,
                              mpt_dtype_name(d.weight_dtype), (int)d.weight_dtype,
                              pl->weight_dtype == MPT_FLOAT16 ? " (or float16)" : "");
-        return mpt__export_quantized_chain(m, format, path);
+        return MPT_OK;
     }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "
@@ -35735,6 +35757,68 @@ static int32_t mpt__tfl_q_op(mpt__tfl *g, const mpt_quantized_layer *L, int32_t 
     }
 }
 
+/* A graph's operation L, its inputs tens[L->inputs[k] + 1]: ADD, SUB, MUL
+   (no fused activation), CONCATENATION along L's axis, whose int8 kernel
+   takes only inputs at its output's scale and zero point (an input at
+   others goes through a QUANTIZE from int8 to int8 first, as TFLite's
+   converter writes it, which mpt.h's requantization matches), PAD of
+   ((0, 0), (top, bottom), (left, right), (0, 0)), whose int8 padding is
+   the zero point the input and output share. */
+static int32_t mpt__tfl_q_graph_op(mpt__tfl *g, const mpt_quantized_layer *L, const int32_t *tens) {
+    const mpt__quantized *Q = g->pl->m->quantized;
+    const int32_t y = mpt__tfl_q_output(g, L);
+    int32_t paddings[8] = {0}, ins[MPT_MAX_MERGE_INPUTS];
+    int64_t dims[2] = {4, 2}, shape[MPT_MAX_RANK - 1];
+    mpt__tfl_op *op;
+    char what[32];
+    int k;
+    switch (L->op) {
+    case MPT_QOP_ADD:
+    case MPT_QOP_SUB:
+    case MPT_QOP_MUL:
+        op = mpt__tfl_op_add(g, L->op == MPT_QOP_ADD ? MPT__TFL_ADD : L->op == MPT_QOP_SUB ? MPT__TFL_SUB : MPT__TFL_MUL,
+                             tens[L->inputs[0] + 1], tens[L->inputs[1] + 1], 0, 2, y);
+        if (!op) return y;
+        op->options = L->op == MPT_QOP_ADD   ? MPT__TFL_ADD_OPTIONS
+                      : L->op == MPT_QOP_SUB ? MPT__TFL_SUB_OPTIONS
+                                             : MPT__TFL_MUL_OPTIONS;
+        op->opt[0] = L->activation == MPT_ACT_RELU ? MPT__TFL_ACT_RELU : MPT__TFL_ACT_NONE;
+        op->n_opt = 1;
+        return y;
+    case MPT_QOP_PAD:
+        paddings[2] = (int32_t)L->pads[0][0], paddings[3] = (int32_t)L->pads[0][1];
+        paddings[4] = (int32_t)L->pads[1][0], paddings[5] = (int32_t)L->pads[1][1];
+        op = mpt__tfl_op_add(g, MPT__TFL_PAD, tens[L->inputs[0] + 1],
+                             mpt__tfl_int32_tensor(g, L->name, "paddings", paddings, 2, dims), 0,
+                             2, y);
+        if (op) op->options = MPT__TFL_PAD_OPTIONS;
+        return y;
+    default: break; /* CONCATENATION */
+    }
+    for (k = 0; k < L->n_inputs; k++) { /* the QUANTIZEs first: ops run in order */
+        const mpt_quant_params *p = &Q->tensor[L->inputs[k] + 1];
+        const mpt_quantized_layer *from = L->inputs[k] < 0 ? NULL : &Q->ops[L->inputs[k]].info;
+        ins[k] = tens[L->inputs[k] + 1];
+        if (mpt__tfl_q_type(g) != MPT__TFL_INT8 ||
+            (p->scale == L->output.scale && p->zero_point == L->output.zero_point))
+            continue;
+        memcpy(shape, from ? from->out_shape : Q->ops[0].info.in_shape, sizeof shape);
+        snprintf(what, sizeof what, "input_%d_requantized", k);
+        ins[k] = mpt__tfl_quantized_tensor(g, L->name, what, MPT__TFL_INT8,
+                                           from ? from->out_rank : Q->ops[0].info.in_rank, shape,
+                                           &L->output);
+        mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, tens[L->inputs[k] + 1], 0, 0, 1, ins[k]);
+    }
+    op = mpt__tfl_op_add(g, MPT__TFL_CONCATENATION, 0, 0, 0, L->n_inputs, y);
+    for (k = 0; op && k < L->n_inputs; k++) op->inputs[k] = ins[k];
+    if (g->failed || !op) return y;
+    op->options = MPT__TFL_CONCATENATION_OPTIONS;
+    op->opt[0] = L->axis;
+    op->opt[1] = MPT__TFL_ACT_NONE;
+    op->n_opt = 2;
+    return y;
+}
+
 /* The whole model: its input tensor into *input, its output returned. */
 static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *input) {
     mpt_quantized_info info;
@@ -35744,7 +35828,7 @@ static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *inpu
     int io = m->quantized->io_dtype == MPT_UINT8  ? MPT__TFL_UINT8
              : m->quantized->io_dtype == MPT_INT8 ? MPT__TFL_INT8
                                                   : MPT__TFL_FLOAT32;
-    int32_t x, y;
+    int32_t x, y, *tens;
     mpt_model_quantized_info(m, &info);
     if (io == MPT__TFL_FLOAT32)
         *input = mpt__tfl_tensor_add(g, "input", "", io, rank, shape, 1, 0);
@@ -35756,10 +35840,21 @@ static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *inpu
         x = mpt__tfl_quantized_tensor(g, "input", "int8", MPT__TFL_INT8, rank, shape, &L.input);
         mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, *input, 0, 0, 1, x);
     }
+    /* each operation's output tensor, [0] the input's: what later ones read */
+    tens = (int32_t *)mpt__alloc(m->ctx, sizeof(int32_t) * (size_t)(info.n_layers + 1));
+    if (!tens) {
+        g->failed = 1;
+        return x;
+    }
+    tens[0] = x;
     for (i = 0; i < info.n_layers; i++) {
         mpt_model_quantized_layer(m, i, &L);
-        x = mpt__tfl_q_op(g, &L, x);
+        tens[i + 1] = L.n_inputs > 1 || L.op == MPT_QOP_PAD ? mpt__tfl_q_graph_op(g, &L, tens)
+                                                          : mpt__tfl_q_op(g, &L, tens[L.inputs[0] + 1]);
     }
+    x = tens[m->quantized->out_t];
+    mpt__free(m->ctx, tens);
+    if (m->quantized->out_t) mpt_model_quantized_layer(m, m->quantized->out_t - 1, &L);
     if (io == MPT__TFL_INT8 || mpt__tfl_q_type(g) == MPT__TFL_FLOAT32) return x;
     if (io == MPT__TFL_FLOAT32) {
         y = mpt__tfl_tensor_add(g, "output", "", io, L.out_rank, L.out_shape, 1, 0);
@@ -37176,6 +37271,58 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     }
 }
 
+/* A graph's operation: each input's value brought to input 0's layout
+   (a Transpose between its own DequantizeLinear and QuantizeLinear, as
+   mpt__onnx_q_layout), then Add, Sub or Mul of two (a fused ReLU after),
+   Concat along the axis in that layout, or Pad by the pads in it; then
+   QuantizeLinear/DequantizeLinear at the output's scale, which ONNX
+   Runtime fuses with the inputs' DequantizeLinear into its int8 ops.
+   values[t]: tensor t's value (0 the model's input). */
+static void mpt__onnx_q_graph_op(mpt__onnx *o, const mpt__qop *op, mpt__onnx_value *values) {
+    static const int nchw_axis[4] = {0, 2, 3, 1}; /* NHWC's axis -> NCHW's */
+    const mpt_quantized_layer *L = &op->info;
+    const mpt__quantized *Q = o->pl->m->quantized;
+    const int nchw = values[op->in_t[0]].nchw;
+    char names[MPT_MAX_MERGE_INPUTS][96], y[96], pads_name[96];
+    const char *inputs[MPT_MAX_MERGE_INPUTS];
+    mpt__layer named;
+    size_t body;
+    int k;
+    memset(&named, 0, sizeof named);
+    for (k = 0; k < L->n_inputs; k++) {
+        snprintf(named.name, sizeof named.name, "%.50s/input%c", L->name, (char)('0' + k));
+        mpt__onnx_load(o, &values[op->in_t[k]]);
+        mpt__onnx_q_layout(o, &named, nchw, &Q->tensor[op->in_t[k]]);
+        memcpy(names[k], o->x, sizeof o->x);
+        inputs[k] = names[k];
+    }
+    snprintf(named.name, sizeof named.name, "%s", L->name);
+    mpt__onnx_name(y, sizeof y, &named, L->activation == MPT_ACT_RELU ? "sum" : "result");
+    if (L->op == MPT_QOP_CONCATENATION) {
+        body = mpt__onnx_node_of(o, "Concat", y, inputs, L->n_inputs);
+        mpt__onnx_attr_int(&o->nodes, "axis", nchw ? nchw_axis[L->axis] : L->axis);
+    } else if (L->op == MPT_QOP_PAD) {
+        int64_t pads[8] = {0}, count = 8;
+        const int h = nchw ? 2 : 1; /* the height's axis; the width's follows */
+        unsigned char *data;
+        size_t init;
+        pads[h] = L->pads[0][0], pads[h + 1] = L->pads[1][0];
+        pads[4 + h] = L->pads[0][1], pads[4 + h + 1] = L->pads[1][1];
+        mpt__onnx_name(pads_name, sizeof pads_name, &named, "pads");
+        data = mpt__onnx_initializer(o, pads_name, MPT__ONNX_INT64, 1, &count, 64, &init);
+        for (k = 0; data && k < 8; k++) mpt__tb_put_le(data + 8 * k, (uint64_t)pads[k], 8);
+        mpt__pb_end(&o->inits, init);
+        body = mpt__onnx_node(o, "Pad", y, names[0], pads_name, NULL);
+    } else {
+        body = mpt__onnx_node(o, L->op == MPT_QOP_ADD ? "Add" : L->op == MPT_QOP_SUB ? "Sub" : "Mul",
+                              y, names[0], names[1], NULL);
+    }
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, &named, "Relu", "result");
+    mpt__onnx_q_requantize(o, L->name, "output", &L->output);
+}
+
 /* The ONNX type of a quantized model's input and output. */
 static int mpt__onnx_io_type(const mpt_model *m) {
     mpt_dtype io = m->quantized ? m->quantized->io_dtype : MPT_FLOAT32;
@@ -37208,17 +37355,37 @@ static void mpt__onnx_io_codes(mpt__onnx *o, int output) {
 static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     const mpt__quantized *Q = o->pl->m->quantized;
     const int codes = mpt__onnx_io_type(o->pl->m) != MPT__ONNX_FLOAT;
+    const mpt__qop *last = &Q->ops[Q->out_t - 1]; /* quantize made at least one */
+    mpt__onnx_value *values;
     mpt__layer named;
     int i;
     if (codes) mpt__onnx_io_codes(o, 0);
     mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
-    for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
+    /* each operation's value, [0] the input's: what later ones read */
+    values = (mpt__onnx_value *)mpt__alloc(o->pl->m->ctx, sizeof *values * (size_t)(Q->n_ops + 1));
+    if (!values) {
+        o->nodes.failed = 1;
+        return 0;
+    }
+    mpt__onnx_save(o, &values[0]);
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qop *op = &Q->ops[i];
+        if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
+            mpt__onnx_q_graph_op(o, op, values);
+        } else {
+            mpt__onnx_load(o, &values[op->in_t[0]]);
+            mpt__onnx_q_op(o, op);
+        }
+        mpt__onnx_save(o, &values[i + 1]);
+    }
+    mpt__onnx_load(o, &values[Q->out_t]);
+    mpt__free(o->pl->m->ctx, values);
     memset(&named, 0, sizeof named);
-    snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);
+    snprintf(named.name, sizeof named.name, "%s", last->info.name);
     mpt__onnx_layout(o, &named, 0);
     if (codes) mpt__onnx_io_codes(o, 1);
-    memcpy(out_shape, Q->ops[Q->n_ops - 1].info.out_shape, sizeof Q->ops[0].info.out_shape);
-    return Q->ops[Q->n_ops - 1].info.out_rank;
+    memcpy(out_shape, last->info.out_shape, sizeof last->info.out_shape);
+    return last->info.out_rank;
 }
 
 /* The ONNX file (mpt__export_encode_fn). */

@@ -31352,6 +31352,21 @@ static void mpt__q_append_pad(mpt__quantized *Q, const mpt__layer *L, int in_t) 
 
 /* Layer L (of node node = its index + 1) into operations, or into nothing:
    node_t[node] is then the tensor it leaves as it was. */
+/* A shared layer's later call: its operations named "<name>/call<k>" (as
+   the float export names it), so that every tensor of a file has a name
+   of its own. */
+static void mpt__q_name_call(const mpt_model *m, mpt__quantized *Q, int first, int node) {
+    const mpt__layer *L = &m->layers[node - 1];
+    const size_t len = strlen(L->name);
+    int i;
+    for (i = first; L->call_of && i < Q->n_ops; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "%.40s/call%d%.8s", L->name, mpt__node_call(m, node),
+                 strncmp(Q->ops[i].name, L->name, len) == 0 ? Q->ops[i].name + len : "");
+        memcpy(Q->ops[i].name, name, sizeof name);
+    }
+}
+
 static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
                                    const int *readers, int node) {
     const mpt__layer *L = &m->layers[node - 1];
@@ -31420,7 +31435,11 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
     for (i = 0; i < m->n_layers; i++)
         for (k = 0; k < m->layers[i].n_in; k++) readers[m->layers[i].in_node[k]]++;
     readers[out_node]++;
-    for (i = 0; s == MPT_OK && i < m->n_layers; i++) s = mpt__q_layer_ops(m, Q, node_t, readers, i + 1);
+    for (i = 0; s == MPT_OK && i < m->n_layers; i++) {
+        const int first = Q->n_ops;
+        s = mpt__q_layer_ops(m, Q, node_t, readers, i + 1);
+        mpt__q_name_call(m, Q, first, i + 1);
+    }
     Q->out_t = node_t[out_node];
     mpt__free(m->ctx, node_t);
     return s;
@@ -33276,7 +33295,9 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
 }
 
 /* mpt_model_summary of a quantized model: its mode, then per operation
-   the float layer it came from, its output shape and its quantization. */
+   the float layer it came from, its output shape and its quantization
+   (and in a graph, after "<-", the operations it reads where that is not
+   just the one before). */
 static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size) {
     static const char *const mode[] = {"dynamic-range", "full integer", "float16"};
     static const char *const op_name[] = {"FULLY_CONNECTED", "CONV_2D", "MAX_POOL_2D",
@@ -33304,6 +33325,13 @@ static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size)
         if (Q->mode == MPT_QUANTIZE_FULL_INTEGER)
             mpt__append(buf, size, &used, " %.6g, %d", (double)L->output.scale,
                         (int)L->output.zero_point);
+        if (L->n_inputs > 1 || L->inputs[0] != i - 1) { /* a graph's: what it reads */
+            int k;
+            mpt__append(buf, size, &used, "  <-");
+            for (k = 0; k < L->n_inputs; k++)
+                mpt__append(buf, size, &used, " %s", L->inputs[k] < 0 ? "input"
+                                                                      : Q->ops[L->inputs[k]].name);
+        }
         mpt__append(buf, size, &used, "\n");
     }
     mpt__append(buf, size, &used, "Weights as stored: %lld bytes\n", (long long)Q->size_bytes);

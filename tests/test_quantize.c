@@ -562,6 +562,13 @@ static void test_graph_ops_within_steps(void) {
                 ranges++;
             }
         }
+        for (i = 0; qi && i < qi->quantized->n_ops; i++) { /* a file's names are its own */
+            int j;
+            for (j = 0; j < i; j++)
+                CHECK(strcmp(qi->quantized->ops[i].name, qi->quantized->ops[j].name) != 0 ||
+                          qi->quantized->ops[i].info.op == MPT_QOP_ACTIVATION,
+                      "ops %d and %d are both named '%s'", j, i, qi->quantized->ops[i].name);
+        }
         /* residual: ZeroPadding2D and two ADDs; merges: SUB, MUL, two ADDs
            of the Add of three, three CONCATENATIONs and an ADD */
         CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : 8) && ranges == merges - (kind == MODEL_RESIDUAL),

@@ -2389,9 +2389,11 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                     the zero point (real 0)
    A ReLU right after an ADD, SUB or MUL (nothing else reading the merge)
    fuses into it, as TFLite's converter fuses it: the output calibrated
-   after it, clamped at its zero point. Average has no quantized form yet
-   (MPT_ERR_UNSUPPORTED). The float16 and dynamic-range models compute the
-   merges in float32. */
+   after it, clamped at its zero point. Average is its ADDs (the sum
+   calibrated as any tensor) then a MUL by the constant 1/n, held as the
+   int8 code 127 at scale (1/n)/127, so exactly 1/n (as the float export
+   writes it: ADD, then MUL by 1/n). The float16 and dynamic-range models
+   compute the merges in float32. */
 
 typedef enum mpt_quantize_mode {
     MPT_QUANTIZE_DYNAMIC_RANGE = 0, /* the default */
@@ -2473,7 +2475,8 @@ typedef enum mpt_quantized_op {
     /* A graph's (@layers' functional form): */
     MPT_QOP_ADD,                 /* two inputs (an Add of n: n − 1 of them) */
     MPT_QOP_SUB,                 /* input 0 − input 1                       */
-    MPT_QOP_MUL,                 /* two inputs (a Multiply of n: n − 1)     */
+    MPT_QOP_MUL,                 /* two inputs (a Multiply of n: n − 1), or
+                                    one and a constant (an Average's last)  */
     MPT_QOP_CONCATENATION,       /* n inputs joined along axis              */
     MPT_QOP_PAD,                 /* ZeroPadding2D: pads by the zero point;
                                     in and out share their quantization    */
@@ -2520,6 +2523,10 @@ typedef struct mpt_quantized_layer {
     int axis;                      /* CONCATENATION: the axis of (batch, shape...)
                                       joined, 1..out_rank                      */
     int64_t pads[2][2];            /* PAD: ((top, bottom), (left, right))      */
+    float constant;                /* MUL of one input (an Average's last op):
+                                      the other operand, 1/n; in full integer
+                                      the int8 code 127 at scale constant/127,
+                                      zero point 0 (so exactly 1/n)           */
 } mpt_quantized_layer;
 
 typedef struct mpt_quantized_info {
@@ -31326,21 +31333,27 @@ static mpt_status mpt__q_append_merge(mpt_model *m, mpt__quantized *Q, const mpt
         }
         return MPT_OK;
     }
-    if (kind != MPT__LAYER_ADD && kind != MPT__LAYER_SUBTRACT && kind != MPT__LAYER_MULTIPLY)
+    if (kind != MPT__LAYER_ADD && kind != MPT__LAYER_SUBTRACT && kind != MPT__LAYER_MULTIPLY &&
+        kind != MPT__LAYER_AVERAGE)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
                          "quantized form", L->name, L->ops->class_name);
     for (k = 1; k < L->n_in; k++) {
-        mpt__qop *op = mpt__q_append(Q, L, kind == MPT__LAYER_ADD        ? MPT_QOP_ADD
-                                           : kind == MPT__LAYER_SUBTRACT ? MPT_QOP_SUB
-                                                                         : MPT_QOP_MUL,
+        const int last = k + 1 == L->n_in && kind != MPT__LAYER_AVERAGE;
+        mpt__qop *op = mpt__q_append(Q, L, kind == MPT__LAYER_SUBTRACT   ? MPT_QOP_SUB
+                                           : kind == MPT__LAYER_MULTIPLY ? MPT_QOP_MUL
+                                                                         : MPT_QOP_ADD,
                                      k == 1 ? node_t[L->in_node[0]] : Q->n_ops);
         op->info.n_inputs = 2;
         op->in_t[1] = node_t[L->in_node[k]];
         op->info.inputs[1] = op->in_t[1] - 1;
-        if (k + 1 < L->n_in) { /* no layer's output: no trained range */
+        if (!last) { /* no layer's output: no trained range */
             snprintf(op->name, sizeof op->name, "%.56s/%c", L->name, (char)('0' + k));
             op->last = NULL;
         }
+    }
+    if (kind == MPT__LAYER_AVERAGE) { /* the sum times 1/n, as the float export writes it */
+        mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_MUL, Q->n_ops);
+        op->info.constant = 1.0f / (float)L->n_in;
     }
     return MPT_OK;
 }
@@ -31407,6 +31420,7 @@ static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
     case MPT__LAYER_ADD:
     case MPT__LAYER_SUBTRACT:
     case MPT__LAYER_MULTIPLY:
+    case MPT__LAYER_AVERAGE:
     case MPT__LAYER_CONCATENATE: MPT__CHECK(mpt__q_append_merge(m, Q, L, node_t)); break;
     default:
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
@@ -32039,6 +32053,7 @@ static int8_t mpt__q_mul_int8(const mpt__qop *op, int8_t a, int8_t b) {
 }
 
 /* ADD, SUB or MUL of `count` elements, float32 or int8. */
+/* b NULL: a MUL by op's constant (an Average's 1/n). */
 static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const void *b, void *y,
                           int64_t count) {
     int64_t k;
@@ -32046,7 +32061,7 @@ static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const 
         const int8_t *x0 = (const int8_t *)a, *x1 = (const int8_t *)b;
         int8_t *out = (int8_t *)y;
         if (op->info.op == MPT_QOP_MUL)
-            for (k = 0; k < count; k++) out[k] = mpt__q_mul_int8(op, x0[k], x1[k]);
+            for (k = 0; k < count; k++) out[k] = mpt__q_mul_int8(op, x0[k], x1 ? x1[k] : 127);
         else
             for (k = 0; k < count; k++) out[k] = mpt__q_add_int8(op, x0[k], x1[k]);
     } else {
@@ -32055,7 +32070,8 @@ static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const 
         for (k = 0; k < count; k++)
             out[k] = op->info.op == MPT_QOP_ADD   ? x0[k] + x1[k]
                      : op->info.op == MPT_QOP_SUB ? x0[k] - x1[k]
-                                                  : x0[k] * x1[k];
+                     : x1                         ? x0[k] * x1[k]
+                                                  : x0[k] * op->info.constant;
         if (op->info.activation == MPT_ACT_RELU)
             for (k = 0; k < count; k++) out[k] = out[k] < 0 ? 0.0f : out[k];
     }
@@ -32514,7 +32530,8 @@ static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, c
     for (k = 0; k < op->info.n_inputs; k++) xs[k] = mpt__q_tensor_at(Q, w, x, op->in_t[k]);
     if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, integer, xs[0], y, n);
     else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, integer, xs, y, n);
-    else mpt__q_binary(op, integer, xs[0], xs[1], y, n * op->out_count);
+    else mpt__q_binary(op, integer, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, y,
+                       n * op->out_count);
 }
 
 /* n samples through every operation: returns the output's bytes (x itself
@@ -32893,6 +32910,9 @@ static mpt_status mpt__q_merge_multiplier(mpt_context *ctx, const mpt__qop *op, 
                      "multiplier", op->name, real);
 }
 
+/* A MUL's constant operand's scale: the constant as the int8 code 127. */
+static float mpt__q_constant_scale(const mpt__qop *op) { return op->info.constant / 127.0f; }
+
 /* A merge's multipliers as TFLite's kernels derive them from the scales
    (mpt__q_add_int8, mpt__q_mul_int8, mpt__q_concat). */
 static mpt_status mpt__q_integer_merge(mpt_context *ctx, const mpt__quantized *Q, mpt__qop *op) {
@@ -32903,6 +32923,8 @@ static mpt_status mpt__q_integer_merge(mpt_context *ctx, const mpt__quantized *Q
         s[k] = Q->tensor[op->in_t[k]].scale;
         op->in_zero[k] = Q->tensor[op->in_t[k]].zero_point;
     }
+    if (op->info.n_inputs == 1) /* MUL by the constant: code 127, zero point 0 */
+        s[1] = mpt__q_constant_scale(op), op->in_zero[1] = 0;
     switch (op->info.op) {
     case MPT_QOP_ADD:
     case MPT_QOP_SUB:
@@ -35785,6 +35807,29 @@ static int32_t mpt__tfl_q_op(mpt__tfl *g, const mpt_quantized_layer *L, int32_t 
     }
 }
 
+/* A MUL's constant operand (an Average's 1/n), broadcast: float32, or in
+   int8 the code 127 at scale constant/127 (mpt__q_constant_scale). */
+static int32_t mpt__tfl_q_constant(mpt__tfl *g, const mpt_quantized_layer *L) {
+    const int int8 = mpt__tfl_q_type(g) == MPT__TFL_INT8;
+    const float scale = L->constant / 127.0f;
+    const int32_t zero = 0;
+    unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4);
+    int64_t one = 1;
+    int32_t t;
+    uint32_t bits;
+    if (!data) {
+        g->failed = 1;
+        return 0;
+    }
+    memcpy(&bits, &L->constant, 4);
+    if (int8) data[0] = 127;
+    else mpt__tb_put_le(data, bits, 4);
+    t = mpt__tfl_tensor_add(g, L->name, "constant", int8 ? MPT__TFL_INT8 : MPT__TFL_FLOAT32, 1,
+                            &one, 0, mpt__tfl_buffer_add(g, data, int8 ? 1 : 4));
+    if (int8 && !g->failed) mpt__tfl_set_quant(g, t, 1, 0, &scale, &zero);
+    return t;
+}
+
 /* A graph's operation L, its inputs tens[L->inputs[k] + 1]: ADD, SUB, MUL
    (no fused activation), CONCATENATION along L's axis, whose int8 kernel
    takes only inputs at its output's scale and zero point (an input at
@@ -35805,7 +35850,9 @@ static int32_t mpt__tfl_q_graph_op(mpt__tfl *g, const mpt_quantized_layer *L, co
     case MPT_QOP_SUB:
     case MPT_QOP_MUL:
         op = mpt__tfl_op_add(g, L->op == MPT_QOP_ADD ? MPT__TFL_ADD : L->op == MPT_QOP_SUB ? MPT__TFL_SUB : MPT__TFL_MUL,
-                             tens[L->inputs[0] + 1], tens[L->inputs[1] + 1], 0, 2, y);
+                             tens[L->inputs[0] + 1],
+                             L->n_inputs > 1 ? tens[L->inputs[1] + 1] : mpt__tfl_q_constant(g, L),
+                             0, 2, y);
         if (!op) return y;
         op->options = L->op == MPT_QOP_ADD   ? MPT__TFL_ADD_OPTIONS
                       : L->op == MPT_QOP_SUB ? MPT__TFL_SUB_OPTIONS
@@ -35877,8 +35924,8 @@ static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *inpu
     tens[0] = x;
     for (i = 0; i < info.n_layers; i++) {
         mpt_model_quantized_layer(m, i, &L);
-        tens[i + 1] = L.n_inputs > 1 || L.op == MPT_QOP_PAD ? mpt__tfl_q_graph_op(g, &L, tens)
-                                                          : mpt__tfl_q_op(g, &L, tens[L.inputs[0] + 1]);
+        tens[i + 1] = L.op >= MPT_QOP_ADD ? mpt__tfl_q_graph_op(g, &L, tens) /* a graph's */
+                                          : mpt__tfl_q_op(g, &L, tens[L.inputs[0] + 1]);
     }
     x = tens[m->quantized->out_t];
     mpt__free(m->ctx, tens);
@@ -37299,6 +37346,27 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     }
 }
 
+/* A MUL's constant operand (an Average's 1/n) into name: a float32
+   scalar, or in full integer the int8 code 127 and its DequantizeLinear
+   at scale constant/127 (mpt__q_constant_scale). */
+static void mpt__onnx_q_constant_operand(mpt__onnx *o, const mpt_quantized_layer *L, char *name) {
+    char q[128], scale[128], zero[128];
+    const float s = L->constant / 127.0f;
+    const int32_t code = 127, zp = 0;
+    snprintf(name, 96, "%.80s/constant", L->name);
+    if (o->pl->m->quantized->mode != MPT_QUANTIZE_FULL_INTEGER) {
+        mpt__onnx_floats(o, name, 0, 1, &L->constant);
+        return;
+    }
+    snprintf(q, sizeof q, "%s_int8", name);
+    snprintf(scale, sizeof scale, "%s_scale", name);
+    snprintf(zero, sizeof zero, "%s_zero_point", name);
+    mpt__onnx_ints(o, q, MPT__ONNX_INT8, 1, 0, NULL, 1, &code);
+    mpt__onnx_floats(o, scale, 0, 1, &s);
+    mpt__onnx_ints(o, zero, MPT__ONNX_INT8, 1, 0, NULL, 1, &zp);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "DequantizeLinear", name, q, scale, zero));
+}
+
 /* A graph's operation: each input's value brought to input 0's layout
    (a Transpose between its own DequantizeLinear and QuantizeLinear, as
    mpt__onnx_q_layout), then Add, Sub or Mul of two (a fused ReLU after),
@@ -37342,6 +37410,7 @@ static void mpt__onnx_q_graph_op(mpt__onnx *o, const mpt__qop *op, mpt__onnx_val
         mpt__pb_end(&o->inits, init);
         body = mpt__onnx_node(o, "Pad", y, names[0], pads_name, NULL);
     } else {
+        if (L->n_inputs == 1) mpt__onnx_q_constant_operand(o, L, names[1]);
         body = mpt__onnx_node(o, L->op == MPT_QOP_ADD ? "Add" : L->op == MPT_QOP_SUB ? "Sub" : "Mul",
                               y, names[0], names[1], NULL);
     }

@@ -1541,19 +1541,21 @@ static void check_full_integer_onnx(arch a, mpt_dtype io) {
 typedef enum {
     OP_DENSE, OP_DENSE_RELU, OP_CONV, OP_CONV_STRIDED, OP_MAX_POOL, OP_AVERAGE_POOL,
     OP_GLOBAL_POOL, OP_RELU, OP_SIGMOID, OP_TANH, OP_GELU, OP_GELU_TANH, OP_SOFTMAX,
-    OP_PAD, OP_ADD, OP_SUB, OP_MUL, OP_CONCAT, OP_SHARED, OP_COUNT
+    OP_PAD, OP_ADD, OP_SUB, OP_MUL, OP_CONCAT, OP_AVERAGE, OP_SHARED, OP_COUNT
 } one_op_kind;
 
 static const char *const one_op_names[OP_COUNT] = {
     "dense", "dense_relu", "conv2d", "conv2d_strided", "max_pooling2d", "average_pooling2d",
     "global_average_pooling2d", "relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "softmax",
-    "zero_padding2d", "add", "subtract", "multiply", "concatenate", "shared_conv2d_add"};
+    "zero_padding2d", "add", "subtract", "multiply", "concatenate", "average",
+    "shared_conv2d_add"};
 
 /* A merge of the image and a 1×1 Conv2D of it (3 filters for Concatenate,
    which then joins the image's channel, at the input's scale, requantized
    to the output's, to the Conv2D's; 1 for the others): the merge's inputs
    at two scales. A Conv2D's int8 results are the runtimes' to the bit but
-   for an odd tie, so the merge is what is measured. SHARED: the Conv2D
+   for an odd tie, so the merge is what is measured (AVERAGE: its ADD, then
+   its MUL by the constant 1/2). SHARED: the Conv2D
    called again on its own output (a shared layer: its operations named
    "<name>/call1" in both files, whose names must be their own), the two
    added. */
@@ -1567,6 +1569,7 @@ static void one_merge(mpt_model *m, one_op_kind op) {
     if (op == OP_ADD || op == OP_SHARED) mpt_add(m, 2, two, NULL);
     else if (op == OP_SUB) mpt_subtract(m, 2, two, NULL);
     else if (op == OP_MUL) mpt_multiply(m, 2, two, NULL);
+    else if (op == OP_AVERAGE) mpt_average(m, 2, two, NULL); /* ADD, then MUL by 1/2 */
     else mpt_concatenate(m, 2, two, NULL);
 }
 
@@ -1600,6 +1603,7 @@ static mpt_model *one_op_model(one_op_kind op) {
     case OP_SUB:
     case OP_MUL:
     case OP_CONCAT:
+    case OP_AVERAGE:
     case OP_SHARED: one_merge(m, op); break;
     default: add_act(m, acts[op - OP_RELU]); break;
     }

@@ -135,8 +135,8 @@ static void add_layers(mpt_model *m, int kind) {
    1/128 against c1's calibrated one), Subtract, Multiply, an Add of
    three, a Concatenate of four on the channels (inputs at four scales)
    read by a shared 1×1 Conv2D called twice (the second call on another
-   Concatenate), their Add beside c1 concatenated along the rows (axis 1),
-   MaxPooling2D → Flatten → Dense(softmax). */
+   Concatenate), the Average of the two and c1 beside c1 concatenated along
+   the rows (axis 1), MaxPooling2D → Flatten → Dense(softmax). */
 static void add_graph(mpt_model *m, int kind) {
     mpt_node x = mpt_model_input(m), a, b, r, c, d, two[2], four[4];
     const mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
@@ -177,8 +177,11 @@ static void add_graph(mpt_model *m, int kind) {
                    &(mpt_conv2d_desc){.name = "shared", .filters = 4, .kernel_size = {1, 1}});
     four[3] = four[0], four[0] = a;
     d = mpt_apply_layer(m, "shared", 1, (mpt_node[]){mpt_concatenate(m, 4, four, NULL)});
-    two[0] = c, two[1] = d;
-    two[0] = mpt_add(m, 2, two, NULL), two[1] = a;
+    {
+        mpt_node three[3];
+        three[0] = c, three[1] = d, three[2] = a;
+        two[0] = mpt_average(m, 3, three, NULL), two[1] = a;
+    }
     r = mpt_concatenate(m, 2, two, &(mpt_concatenate_desc){.axis = 1});
     r = mpt_flatten(m, mpt_max_pooling2d(m, r, NULL), NULL);
     mpt_dense(m, r, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
@@ -330,12 +333,14 @@ static void check_integer_graph_op(mpt__quantized *Q, int i, float **ref, int64_
     }
     if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, 1, xs[0], yq, n);
     else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, 1, xs, yq, n);
-    else mpt__q_binary(op, 1, xs[0], xs[1], yq, count);
+    else mpt__q_binary(op, 1, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, yq, count);
     for (k = 0; k < count; k++) {
         const double got = (yq[k] - o->zero_point) * (double)o->scale, want = ref[i + 1][k];
         double bound = o->scale + 1e-6;
         if (op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB) {
             bound += 0.5 * (Q->tensor[op->in_t[0]].scale + Q->tensor[op->in_t[1]].scale);
+        } else if (op->info.op == MPT_QOP_MUL && op->info.n_inputs == 1) { /* by 1/n, exact */
+            bound += 0.5 * Q->tensor[op->in_t[0]].scale * op->info.constant;
         } else if (op->info.op == MPT_QOP_MUL) {
             const double sa = Q->tensor[op->in_t[0]].scale, sb = Q->tensor[op->in_t[1]].scale;
             bound += 0.5 * fabs(ref[op->in_t[0]][k]) * sb + 0.5 * fabs(ref[op->in_t[1]][k]) * sa +
@@ -513,7 +518,8 @@ static void graph_reference(mpt_context *ctx, mpt__quantized *R, float **ref, in
         if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, 0, xs[0], ref[i + 1], n);
         else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, 0, xs, ref[i + 1], n);
         else if (mpt__qop_is_merge(op))
-            mpt__q_binary(op, 0, xs[0], xs[1], ref[i + 1], n * op->out_count);
+            mpt__q_binary(op, 0, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, ref[i + 1],
+                          n * op->out_count);
         else
             CHECK(mpt__q_run_op(ctx, R, i, MPT__QX_REFERENCE, xs[0], ref[i + 1], n, w) == MPT_OK,
                   "reference op %d", i);
@@ -570,8 +576,9 @@ static void test_graph_ops_within_steps(void) {
                       "ops %d and %d are both named '%s'", j, i, qi->quantized->ops[i].name);
         }
         /* residual: ZeroPadding2D and two ADDs; merges: SUB, MUL, two ADDs
-           of the Add of three, three CONCATENATIONs and an ADD */
-        CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : 8) && ranges == merges - (kind == MODEL_RESIDUAL),
+           of the Add of three, three CONCATENATIONs, the Average's two
+           ADDs and MUL by 1/3 */
+        CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : 10) && ranges == merges - (kind == MODEL_RESIDUAL),
               "model %d: %d graph operations checked, %d ranges", kind, merges, ranges);
         for (i = 0; i < R.n_ops; i++) {
             free(ref[i + 1]);
@@ -641,7 +648,11 @@ static void test_graph_merge_scalar_reference(void) {
         const mpt_quant_params *o = &op->info.output;
         int a, b, k;
         if (op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB || op->info.op == MPT_QOP_MUL) {
-            const mpt_quant_params *pa = &Q->tensor[op->in_t[0]], *pb = &Q->tensor[op->in_t[1]];
+            /* an Average's MUL by 1/n: the constant as code 127 at (1/n)/127 */
+            const mpt_quant_params constant = {op->info.constant / 127.0f, 0, 0, 0};
+            const int by_constant = op->info.n_inputs == 1;
+            const mpt_quant_params *pa = &Q->tensor[op->in_t[0]];
+            const mpt_quant_params *pb = by_constant ? &constant : &Q->tensor[op->in_t[1]];
             const double twice = 2.0 * fmax(pa->scale, pb->scale);
             int32_t ma, mb, mo;
             int sa, sb, so;
@@ -652,10 +663,10 @@ static void test_graph_merge_scalar_reference(void) {
             else
                 ref_multiplier(twice / ((double)(1 << 20) * o->scale), &mo, &so);
             for (a = -128; a < 128; a++)
-                for (b = -128; b < 128; b++) {
+                for (b = by_constant ? 127 : -128; b < 128; b++) {
                     int8_t x0 = (int8_t)a, x1 = (int8_t)b, got, want;
                     int32_t raw;
-                    mpt__q_binary(op, 1, &x0, &x1, &got, 1);
+                    mpt__q_binary(op, 1, &x0, by_constant ? NULL : &x1, &got, 1);
                     if (op->info.op == MPT_QOP_MUL) {
                         raw = ref_mbqm((a - pa->zero_point) * (b - pb->zero_point), mo, so);
                     } else {
@@ -691,7 +702,7 @@ static void test_graph_merge_scalar_reference(void) {
             checked++;
         }
     }
-    CHECK(checked == 8, "%d merges checked, want 8", checked);
+    CHECK(checked == 10, "%d merges checked, want 10", checked);
     CHECK(requantized >= 3, "only %d concatenated inputs at another scale than their output's",
           requantized);
     CHECK(off == 0, "%lld codes differ from TFLite's arithmetic", off);

@@ -30900,8 +30900,10 @@ MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t
 
    A quantized model is an mpt_model without layers of its own that holds
    an mpt__quantized: the operations (mpt__qop) made from the float model's
-   layers with BatchNormalization folded in, the quantization of every
-   tensor between them, and what each mode stores. One batch runs through
+   layers with BatchNormalization folded in, each reading the tensors its
+   layer's input nodes became (in a chain, the one before; in a graph, any
+   earlier ones: mpt__q_build_ops), the quantization of every tensor, and
+   what each mode stores. One batch runs through
    the operations in one of four ways (mpt__qexec):
      reference  the folded model in float32, from the float32 weights kept
                 while quantizing (calibration runs it)
@@ -33101,6 +33103,9 @@ static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
     Q->mode = d->mode;
     Q->io_dtype = d->io_dtype;
     MPT__CHECK(mpt__q_build_ops(m, Q));
+    if (Q->out_t == 0) /* the files' writers need an operation to write */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: the model's output is its input "
+                         "(its layers, such as Dropout, leave nothing at inference)");
     MPT__CHECK(mpt__q_plan(m->ctx, Q, m->layers[0].in_count));
     Q->tensor = (mpt_quant_params *)mpt__calloc(m->ctx, sizeof(mpt_quant_params) *
                                                             (size_t)(Q->n_ops + 1));

@@ -775,6 +775,23 @@ static void test_graph_predict_modes(void) {
     }
 }
 
+/* A model whose output is its input (a Dropout alone: nothing runs at
+   inference) has no operation to quantize or to write: refused, saying
+   so, with no model made. */
+static void test_nothing_to_quantize(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL, *q = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.5f});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    m->weights_given = 1; /* past the check for initial weights, which it has none of */
+    test_expect_error(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
+                      "the model's output is its input", "quantize");
+    CHECK(!q, "a quantized model came back");
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
 /* float16: every output within float16's rounding of the weights. */
 static void test_float16_model(void) {
     mpt_context *ctx = quiet_ctx();
@@ -2434,5 +2451,6 @@ int main(void) {
     TEST_RUN(test_graph_ops_within_steps);
     TEST_RUN(test_graph_merge_scalar_reference);
     TEST_RUN(test_graph_predict_modes);
+    TEST_RUN(test_nothing_to_quantize);
     return test_summary("test_quantize");
 }

@@ -2601,10 +2601,15 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    mpt_model_quantize in full-integer mode then takes these ranges:
    representative_data is optional and not read. Under mixed precision the
    fake quantization computes in float32 and the result is stored in the
-   layer's dtype. Refused (MPT_ERR_UNSUPPORTED): a CUDA context, a
-   strategy, a layer the full-integer model has no form for, and a Dense
-   or Conv2D ending in an activation other than ReLU, unless it is the
-   model's final softmax (use activation none and an Activation layer).
+   layer's dtype. A graph trains so too: a merge's output (after the ReLU
+   fused into it) is fake-quantized with a range of its own, and every
+   layer reading a node reads its fake-quantized value. Refused
+   (MPT_ERR_UNSUPPORTED): a CUDA context, a strategy, a layer the
+   full-integer model has no form for, a Dense or Conv2D ending in an
+   activation other than ReLU, unless it is the model's final softmax
+   (use activation none and an Activation layer), a merge of more than
+   two inputs or an Average (the int8 model's partial sums are no layer's
+   output), and several inputs or outputs.
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -9939,6 +9944,7 @@ static void mpt__qat_free(mpt_model *m);
 static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
                                    int training);
 static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
+static const void *mpt__qat_output(const mpt_model *m, int i);
 static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
 static void mpt__qat_commit(mpt_model *m);
 /* A learned range as checkpoints hold it (@impl-checkpoints), in the order
@@ -10816,21 +10822,6 @@ static mpt_status mpt__graph_check(mpt_model *m) {
     return MPT_OK;
 }
 
-/* What reads the layers as a chain (quantization and its training)
-   refuses a graph for now, naming what was asked. */
-static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
-    if (mpt__several_outputs(m))
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several outputs "
-                         "(%d) yet", what, m->n_outputs);
-    if (m->n_inputs > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several inputs "
-                         "(%d) yet", what, m->n_inputs);
-    if (!m->graph) return MPT_OK;
-    return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                     "%s: not for a model whose layers are not a chain (a merge, or a layer "
-                     "applied to an earlier node) yet", what);
-}
-
 /* =============================================================================
    @impl-build: the model laid out in memory and built; looking inside it
    ============================================================================= */
@@ -11411,6 +11402,7 @@ static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
     m->last_batch = w->p.batch;
     m->last_training = w->p.training;
     if (m->qat) mpt__qat_forward_begin(m, &w->cur, w->cur_dtype, w->p.batch, w->p.training);
+    w->input = w->cur; /* a graph's node 0: fake-quantized too */
 }
 
 /* A graph's layer i: each input node's output, converted where its dtype
@@ -11420,7 +11412,7 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
-        const void *src = j == 0 ? w->input : m->layers[j - 1].y;
+        const void *src = j == 0 ? w->input : m->qat ? mpt__qat_output(m, j - 1) : m->layers[j - 1].y;
         mpt_dtype dtype = j == 0 ? w->input_dtype : m->layers[j - 1].dtype;
         L->xs[s] = src;
         if (dtype != L->dtype && dtype != MPT_INT32) { /* ids go as they are */
@@ -11435,7 +11427,7 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
     w->p.y = L->y;
     w->p.n_x = L->n_in;
     w->p.xs = L->xs;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     return L;
 }
 
@@ -11645,7 +11637,8 @@ static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backwar
     w->p.dy = L->dy_buf;
     w->p.dx = L->dxs[0];
     w->p.dxs = L->dxs;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    if (m->qat) mpt__qat_backward_mask(m, i, L->dy_buf);
     return L;
 }
 
@@ -33460,7 +33453,8 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    rules): each operation's output is some layer's output (mpt__qop's
    `last`), and that layer gets a point (mpt__qat_point) that quantizes
    its output after its forward (mpt__qat_forward_end). The quantized
-   tensor goes into the point's buffer, which the next layer reads; the
+   tensor goes into the point's buffer, which the next layer reads (in a
+   graph, every layer reading that node: mpt__qat_output); the
    layer's own output stays as computed, for its backward (a ReLU's
    gradient reads it) and for the mask of the gradient
    (mpt__qat_backward_mask). The last layer's output is the model's, so
@@ -33764,6 +33758,13 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
     if (Q->input.active) *x = Q->input.out;
 }
 
+/* What a graph's readers of layer i's output read: its fake-quantized
+   copy where it has one (the last layer's is in place). */
+static const void *mpt__qat_output(const mpt_model *m, int i) {
+    const mpt__qat_point *P = &m->qat->point[i];
+    return i < m->n_layers - 1 && P->active ? P->out : m->layers[i].y;
+}
+
 /* mpt__forward_finish's, after layer i: its output quantized for the next
    layer (*next), or in place for the last, whose softmax (left out of
    the layer's forward) runs here on the quantized logits unless the loss
@@ -33930,7 +33931,7 @@ static float mpt__qat_decay(const mpt_model *m) { return m->qat ? m->qat->decay 
 
 static mpt_status mpt__qat_check(mpt_model *m, const mpt_qat_desc *d) {
     MPT__CHECK(mpt__refuse_quantized(m, "quantize_aware"));
-    MPT__CHECK(mpt__refuse_graph(m, "quantize_aware"));
+    MPT__CHECK(mpt__q_refuse_several(m, "quantize_aware"));
     if (m->qat)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: the model is quantization-aware "
                          "already");
@@ -33985,6 +33986,8 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
         } else {
             P->kind = MPT__QAT_LEARNED;
         }
+    } else if (mpt__qop_is_merge(op)) { /* a graph's: its output calibrated as any */
+        P->kind = MPT__QAT_LEARNED;
     }
     return MPT_OK;
 }
@@ -33998,7 +34001,13 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
     mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
                                                                           "of memory");
     if (s == MPT_OK) s = mpt__q_build_ops(m, Q);
-    for (i = 0; s == MPT_OK && i < Q->n_ops; i++) s = mpt__qat_plan_op(m, &Q->ops[i]);
+    for (i = 0; s == MPT_OK && i < Q->n_ops; i++)
+        s = Q->ops[i].last ? mpt__qat_plan_op(m, &Q->ops[i])
+                           : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: '%s' is a "
+                                       "step of a merge of more than two inputs (or of an "
+                                       "Average), whose partial result no layer outputs for "
+                                       "training to fake-quantize: merge two at a time",
+                                       Q->ops[i].name);
     mpt__quantized_free(m->ctx, Q);
     T->input.kind = MPT__QAT_LEARNED;
     T->input.out = s == MPT_OK ? mpt__alloc(m->ctx, sizeof(float) * (size_t)(m->max_batch *

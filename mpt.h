@@ -11412,7 +11412,9 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
-        const void *src = j == 0 ? w->input : m->qat ? mpt__qat_output(m, j - 1) : m->layers[j - 1].y;
+        const void *src = j == 0   ? w->input
+                          : m->qat ? mpt__qat_output(m, j - 1) /* fake-quantized */
+                                   : m->layers[j - 1].y;
         mpt_dtype dtype = j == 0 ? w->input_dtype : m->layers[j - 1].dtype;
         L->xs[s] = src;
         if (dtype != L->dtype && dtype != MPT_INT32) { /* ids go as they are */
@@ -32085,7 +32087,8 @@ static void mpt__q_concat(const mpt__qop *op, int integer, const void *const *xs
     int k;
     for (k = 0; k < op->info.n_inputs; at += op->inner[k], k++)
         for (r = 0; r < n * op->outer; r++) {
-            const unsigned char *src = (const unsigned char *)xs[k] + (size_t)(r * op->inner[k]) * es;
+            const unsigned char *src =
+                (const unsigned char *)xs[k] + (size_t)(r * op->inner[k]) * es;
             unsigned char *dst = (unsigned char *)y + (size_t)(r * width + at) * es;
             if (!integer || !op->in_mult[k]) {
                 memcpy(dst, src, (size_t)op->inner[k] * es);
@@ -35863,7 +35866,10 @@ static int32_t mpt__tfl_q_graph_op(mpt__tfl *g, const mpt_quantized_layer *L, co
     case MPT_QOP_ADD:
     case MPT_QOP_SUB:
     case MPT_QOP_MUL:
-        op = mpt__tfl_op_add(g, L->op == MPT_QOP_ADD ? MPT__TFL_ADD : L->op == MPT_QOP_SUB ? MPT__TFL_SUB : MPT__TFL_MUL,
+        op = mpt__tfl_op_add(g,
+                             L->op == MPT_QOP_ADD   ? MPT__TFL_ADD
+                             : L->op == MPT_QOP_SUB ? MPT__TFL_SUB
+                                                    : MPT__TFL_MUL,
                              tens[L->inputs[0] + 1],
                              L->n_inputs > 1 ? tens[L->inputs[1] + 1] : mpt__tfl_q_constant(g, L),
                              0, 2, y);
@@ -37425,7 +37431,9 @@ static void mpt__onnx_q_graph_op(mpt__onnx *o, const mpt__qop *op, mpt__onnx_val
         body = mpt__onnx_node(o, "Pad", y, names[0], pads_name, NULL);
     } else {
         if (L->n_inputs == 1) mpt__onnx_q_constant_operand(o, L, names[1]);
-        body = mpt__onnx_node(o, L->op == MPT_QOP_ADD ? "Add" : L->op == MPT_QOP_SUB ? "Sub" : "Mul",
+        body = mpt__onnx_node(o, L->op == MPT_QOP_ADD   ? "Add"
+                                 : L->op == MPT_QOP_SUB ? "Sub"
+                                                        : "Mul",
                               y, names[0], names[1], NULL);
     }
     mpt__pb_end(&o->nodes, body);

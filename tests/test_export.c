@@ -1454,7 +1454,8 @@ static void runtime_matches(const runtime *rt, mpt_model *qm, mpt_dtype io, cons
         within += d <= rt->within;
         if (d > worst) worst = d;
     }
-    if (one_op != WHOLE_MODEL && one_op != WHOLE_GRAPH) { /* one operation: every output within one step, in both runtimes */
+    if (one_op != WHOLE_MODEL && one_op != WHOLE_GRAPH) {
+        /* one operation: every output within one step, in both runtimes */
         printf("# %s: %s within one step of mpt.h on %lld of %lld outputs (largest %.3g "
                "steps)\n", name, rt->name, (long long)within, (long long)count, worst);
         CHECK(worst <= 1.001, "%s: an output %.3g steps from mpt.h's in %s", name, worst,

@@ -554,7 +554,8 @@ static void test_graph_ops_within_steps(void) {
         for (i = 0; qi && qd && i < R.n_ops; i++) {
             const mpt__qop *op = &qi->quantized->ops[i];
             check_integer_op(ctx, qi->quantized, i, ref, N_SAMPLES, &w);
-            if (mpt__qop_weighted(&R.ops[i])) check_dynamic_op(ctx, qd->quantized, i, ref, N_SAMPLES, &w);
+            if (mpt__qop_weighted(&R.ops[i]))
+                check_dynamic_op(ctx, qd->quantized, i, ref, N_SAMPLES, &w);
             merges += mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD;
             if (mpt__qop_is_merge(op)) {
                 float lo = INFINITY, hi = -INFINITY;
@@ -562,7 +563,8 @@ static void test_graph_ops_within_steps(void) {
                 for (k = 0; k < N_SAMPLES * op->out_count; k++)
                     lo = fminf(lo, ref[i + 1][k]), hi = fmaxf(hi, ref[i + 1][k]);
                 tol = 1e-5 * (fabs(lo) + fabs(hi)); /* batches of 32 against one of 96 */
-                CHECK(fabs(op->info.output.min - lo) <= tol && fabs(op->info.output.max - hi) <= tol,
+                CHECK(fabs(op->info.output.min - lo) <= tol &&
+                          fabs(op->info.output.max - hi) <= tol,
                       "op %d (%s): calibrated [%g, %g], the reference's values [%g, %g]", i,
                       op->name, op->info.output.min, op->info.output.max, lo, hi);
                 ranges++;
@@ -578,7 +580,8 @@ static void test_graph_ops_within_steps(void) {
         /* residual: ZeroPadding2D and two ADDs; merges: SUB, MUL, two ADDs
            of the Add of three, three CONCATENATIONs, the Average's two
            ADDs and MUL by 1/3 */
-        CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : 10) && ranges == merges - (kind == MODEL_RESIDUAL),
+        CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : 10) &&
+                  ranges == merges - (kind == MODEL_RESIDUAL),
               "model %d: %d graph operations checked, %d ranges", kind, merges, ranges);
         for (i = 0; i < R.n_ops; i++) {
             free(ref[i + 1]);
@@ -647,7 +650,8 @@ static void test_graph_merge_scalar_reference(void) {
         const mpt__qop *op = &Q->ops[i];
         const mpt_quant_params *o = &op->info.output;
         int a, b, k;
-        if (op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB || op->info.op == MPT_QOP_MUL) {
+        if (op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB ||
+            op->info.op == MPT_QOP_MUL) {
             /* an Average's MUL by 1/n: the constant as code 127 at (1/n)/127 */
             const mpt_quant_params constant = {op->info.constant / 127.0f, 0, 0, 0};
             const int by_constant = op->info.n_inputs == 1;
@@ -694,9 +698,12 @@ static void test_graph_merge_scalar_reference(void) {
                     mpt__qop one = *op; /* one sample of one element per input */
                     int j;
                     one.outer = 1, one.out_count = op->info.n_inputs;
-                    for (j = 0; j < op->info.n_inputs; j++) one.inner[j] = 1, in[j] = (int8_t)a, xs[j] = &in[j];
+                    for (j = 0; j < op->info.n_inputs; j++)
+                        one.inner[j] = 1, in[j] = (int8_t)a, xs[j] = &in[j];
                     mpt__q_concat(&one, 1, xs, out, 1);
-                    off += out[k] != (same ? (int8_t)a : ref_sat8(ref_mbqm(a - p->zero_point, mq, sq) + o->zero_point));
+                    off += out[k] != (same ? (int8_t)a
+                                           : ref_sat8(ref_mbqm(a - p->zero_point, mq, sq) +
+                                                      o->zero_point));
                 }
             }
             checked++;
@@ -754,8 +761,9 @@ static void test_graph_predict_modes(void) {
                 }
                 top_off += tf != tq;
             }
-            CHECK(b.data && worst <= bound[mode], "kind %d mode %d: outputs differ by %g (bound %g)",
-                  kind, mode, worst, bound[mode]);
+            CHECK(b.data && worst <= bound[mode],
+                  "kind %d mode %d: outputs differ by %g (bound %g)", kind, mode, worst,
+                  bound[mode]);
             CHECK(q && mpt_model_evaluate(q, d, NULL, &lq) == MPT_OK, "evaluate");
             CHECK(fabs(mpt_logs_get(&lq, "accuracy") - mpt_logs_get(&lf, "accuracy")) <=
                       (double)top_off / N_SAMPLES + 1e-9,

@@ -241,8 +241,8 @@
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
        @quantize     post-training quantization: dynamic-range, full-integer
-                     (calibrated), float16; the quantized model's layers;
-                     quantization-aware training
+                     (calibrated), float16, of chains and graphs; the
+                     quantized model's layers; quantization-aware training
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
@@ -366,9 +366,10 @@
        @impl-qgemm-kernels  its micro-kernels (VNNI/AVX-512/AVX2), tasks,
                           plan, mpt_qgemm
        @impl-quantize     the quantized model's operations from the float
-                          layers, BatchNormalization folded
+                          layers (a graph's: each reading its inputs' tensors),
+                          BatchNormalization folded; where each tensor lives
        @impl-quantized-passes  a batch through them: float32, float16,
-                          dynamic-range, int8
+                          dynamic-range, int8; a graph's merges and padding
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
                           and its MaxPooling2D from the image), int8 softmax,
                           the batch's run
@@ -2363,7 +2364,37 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    SOFTMAX). A layer that has no quantized form, or a BatchNormalization
    that does not follow a Dense or Conv2D without activation, is refused
    with MPT_ERR_UNSUPPORTED naming it. Every step is deterministic: the
-   results are the same bit for bit on every thread count. */
+   results are the same bit for bit on every thread count.
+   A graph (@layers' functional form: one input, one output; several of
+   either are refused) quantizes too: each operation reads the operations
+   its layer's input nodes became (mpt_quantized_layer's inputs), a
+   BatchNormalization folds (and a ReLU fuses) where the Dense or Conv2D
+   before it has no other reader, a shared layer's later call is an
+   operation of the same weights. The merges, in full integer as TFLite's
+   int8 kernels compute them, their outputs calibrated as any tensor:
+     Add, Subtract  ADD, SUB of two inputs (Add of n: n − 1 ADDs, the ones
+                    before the last named "<layer>/<k>", each calibrated):
+                    each input less its zero point, shifted left 20 bits,
+                    brought to the scale 2·max(s0, s1) by its multiplier,
+                    the two added or subtracted, then the output's
+                    multiplier and zero point (TFLite's reference ADD)
+     Multiply       MUL: (a − za)(b − zb) times s0·s1/s_out, plus z_out
+     Concatenate    CONCATENATION along its axis. TFLite's int8 kernel
+                    takes only inputs of the output's scale and zero
+                    point; as its converter does, the output keeps its
+                    calibrated range (the union of the inputs') and each
+                    input of other parameters is requantized to the
+                    output's on the way (TFLite's int8-to-int8 QUANTIZE:
+                    (q − z_in) times s_in/s_out, plus z_out)
+     ZeroPadding2D  PAD: in and out share their quantization, the padding
+                    the zero point (real 0)
+   A ReLU right after an ADD, SUB or MUL (nothing else reading the merge)
+   fuses into it, as TFLite's converter fuses it: the output calibrated
+   after it, clamped at its zero point. Average is its ADDs (the sum
+   calibrated as any tensor) then a MUL by the constant 1/n, held as the
+   int8 code 127 at scale (1/n)/127, so exactly 1/n (as the float export
+   writes it: ADD, then MUL by 1/n). The float16 and dynamic-range models
+   compute the merges in float32. */
 
 typedef enum mpt_quantize_mode {
     MPT_QUANTIZE_DYNAMIC_RANGE = 0, /* the default */
@@ -2442,6 +2473,14 @@ typedef enum mpt_quantized_op {
     MPT_QOP_RESHAPE,             /* Flatten; likewise                        */
     MPT_QOP_ACTIVATION,          /* activation: relu, gelu, sigmoid, tanh,
                                     softmax (over the last axis)            */
+    /* A graph's (@layers' functional form): */
+    MPT_QOP_ADD,                 /* two inputs (an Add of n: n − 1 of them) */
+    MPT_QOP_SUB,                 /* input 0 − input 1                       */
+    MPT_QOP_MUL,                 /* two inputs (a Multiply of n: n − 1), or
+                                    one and a constant (an Average's last)  */
+    MPT_QOP_CONCATENATION,       /* n inputs joined along axis              */
+    MPT_QOP_PAD,                 /* ZeroPadding2D: pads by the zero point;
+                                    in and out share their quantization    */
     MPT_QOP_COUNT_
 } mpt_quantized_op;
 
@@ -2476,6 +2515,19 @@ typedef struct mpt_quantized_layer {
                                       output.scale (mpt_quantize_multiplier)  */
     const int32_t *shift;
     mpt_quant_params input, output; /* full integer: the int8 tensors         */
+    /* What it reads: the operations whose outputs are its inputs (−1: the
+       model's input), in order; one for every op but the merges. In a
+       Sequential model operation i reads i − 1. `input` above is input
+       0's quantization; each other's is its producer's output. */
+    int n_inputs;
+    int inputs[MPT_MAX_MERGE_INPUTS];
+    int axis;                      /* CONCATENATION: the axis of (batch, shape...)
+                                      joined, 1..out_rank                      */
+    int64_t pads[2][2];            /* PAD: ((top, bottom), (left, right))      */
+    float constant;                /* MUL of one input (an Average's last op):
+                                      the other operand, 1/n; in full integer
+                                      the int8 code 127 at scale constant/127,
+                                      zero point 0 (so exactly 1/n)           */
 } mpt_quantized_layer;
 
 typedef struct mpt_quantized_info {
@@ -2550,10 +2602,15 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    mpt_model_quantize in full-integer mode then takes these ranges:
    representative_data is optional and not read. Under mixed precision the
    fake quantization computes in float32 and the result is stored in the
-   layer's dtype. Refused (MPT_ERR_UNSUPPORTED): a CUDA context, a
-   strategy, a layer the full-integer model has no form for, and a Dense
-   or Conv2D ending in an activation other than ReLU, unless it is the
-   model's final softmax (use activation none and an Activation layer).
+   layer's dtype. A graph trains so too: a merge's output (after the ReLU
+   fused into it) is fake-quantized with a range of its own, and every
+   layer reading a node reads its fake-quantized value. Refused
+   (MPT_ERR_UNSUPPORTED): a CUDA context, a strategy, a layer the
+   full-integer model has no form for, a Dense or Conv2D ending in an
+   activation other than ReLU, unless it is the model's final softmax
+   (use activation none and an Activation layer), a merge of more than
+   two inputs or an Average (the int8 model's partial sums are no layer's
+   output), and several inputs or outputs.
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -2627,6 +2684,17 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                               LAYER_NORM builtin)        gamma, Add beta
                                                          (LayerNormalization
                                                          is opset 17's)
+   A quantized graph goes to both files as its operations connect: TFLite
+   ADD, SUB, MUL (a fused ReLU as the op's fused activation),
+   CONCATENATION (in int8 a QUANTIZE from int8 to int8 before each input
+   at other parameters than the output's, which its kernel requires) and
+   PAD, with their tensors' int8 parameters; ONNX Add, Sub, Mul (then
+   Relu), Concat and Pad between each input's DequantizeLinear and the
+   output's QuantizeLinear, which ONNX Runtime fuses into its int8 ops.
+   Each merge's results are mpt_model_quantized_invoke's to within one
+   step in both runtimes (tests/test_export.c's export_one_op_*); through
+   a whole graph those steps pass on further than along a chain (an ADD of
+   two inputs a step off each is two off).
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.
@@ -9965,6 +10033,7 @@ static void mpt__qat_free(mpt_model *m);
 static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
                                    int training);
 static void mpt__qat_forward_end(mpt_model *m, int i, const void **next);
+static const void *mpt__qat_output(const mpt_model *m, int i);
 static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy);
 static void mpt__qat_commit(mpt_model *m);
 /* A learned range as checkpoints hold it (@impl-checkpoints), in the order
@@ -10877,21 +10946,6 @@ static mpt_status mpt__graph_check(mpt_model *m) {
     return MPT_OK;
 }
 
-/* What reads the layers as a chain (quantization and its training)
-   refuses a graph for now, naming what was asked. */
-static mpt_status mpt__refuse_graph(mpt_model *m, const char *what) {
-    if (mpt__several_outputs(m))
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several outputs "
-                         "(%d) yet", what, m->n_outputs);
-    if (m->n_inputs > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several inputs "
-                         "(%d) yet", what, m->n_inputs);
-    if (!m->graph) return MPT_OK;
-    return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                     "%s: not for a model whose layers are not a chain (a merge, or a layer "
-                     "applied to an earlier node) yet", what);
-}
-
 /* =============================================================================
    @impl-build: the model laid out in memory and built; looking inside it
    ============================================================================= */
@@ -11460,6 +11514,7 @@ static void mpt__forward_begin(mpt_model *m, const mpt_tensor *x, int training,
     m->last_batch = w->p.batch;
     m->last_training = w->p.training;
     if (m->qat) mpt__qat_forward_begin(m, &w->cur, w->cur_dtype, w->p.batch, w->p.training);
+    w->input = w->cur; /* a graph's node 0: fake-quantized too */
 }
 
 /* A graph's layer i: each input node's output, converted where its dtype
@@ -11469,7 +11524,9 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
     int s;
     for (s = 0; s < L->n_in; s++) {
         int j = L->in_node[s];
-        const void *src = j == 0 ? w->input : m->layers[j - 1].y;
+        const void *src = j == 0   ? w->input
+                          : m->qat ? mpt__qat_output(m, j - 1) /* fake-quantized */
+                                   : m->layers[j - 1].y;
         mpt_dtype dtype = j == 0 ? w->input_dtype : m->layers[j - 1].dtype;
         L->xs[s] = src;
         if (dtype != L->dtype && dtype != MPT_INT32) { /* ids go as they are */
@@ -11484,7 +11541,7 @@ static mpt__layer *mpt__graph_forward_prepare(mpt_model *m, int i, mpt__forward_
     w->p.y = L->y;
     w->p.n_x = L->n_in;
     w->p.xs = L->xs;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
     return L;
 }
 
@@ -11713,7 +11770,8 @@ static mpt__layer *mpt__graph_backward_prepare(mpt_model *m, int i, mpt__backwar
     w->p.dy = dy;
     w->p.dx = L->dxs[0];
     w->p.dxs = L->dxs;
-    w->p.logits_only = m->emit_logits && i == m->n_layers - 1;
+    w->p.logits_only = (m->emit_logits || m->qat) && i == m->n_layers - 1;
+    if (m->qat) mpt__qat_backward_mask(m, i, L->dy_buf);
     return L;
 }
 
@@ -31254,8 +31312,10 @@ MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t
 
    A quantized model is an mpt_model without layers of its own that holds
    an mpt__quantized: the operations (mpt__qop) made from the float model's
-   layers with BatchNormalization folded in, the quantization of every
-   tensor between them, and what each mode stores. One batch runs through
+   layers with BatchNormalization folded in, each reading the tensors its
+   layer's input nodes became (in a chain, the one before; in a graph, any
+   earlier ones: mpt__q_build_ops), the quantization of every tensor, and
+   what each mode stores. One batch runs through
    the operations in one of four ways (mpt__qexec):
      reference  the folded model in float32, from the float32 weights kept
                 while quantizing (calibration runs it)
@@ -31304,13 +31364,29 @@ typedef struct mpt__qop {
     int direct_groups;         /* kernel rows × groups of 4 taps in a row       */
     int8_t lut[256];           /* full-integer activation: out for in + 128    */
     float exp_table[256];      /* full-integer softmax: exp(−in_scale · d), d = max − q */
+    /* The tensors it reads (0: the model's input, j + 1: op j's output);
+       info.inputs says the same in ops. */
+    int in_t[MPT_MAX_MERGE_INPUTS];
+    int fuse_pool;             /* a Conv2D whose output only the MaxPooling2D
+                                  right after it reads: they may run as one
+                                  (mpt__q_direct_conv)                       */
+    /* Full-integer merges (mpt__q_integer_merge): ADD/SUB each input's
+       multiplier and shift onto a common scale, then the output's
+       (out_mult); MUL only out_mult; CONCATENATION each input's
+       requantization to the output (in_mult[k] 0: the same parameters). */
+    int32_t in_mult[MPT_MAX_MERGE_INPUTS], in_shift[MPT_MAX_MERGE_INPUTS];
+    int32_t in_zero[MPT_MAX_MERGE_INPUTS]; /* each input's zero point        */
+    int32_t out_mult, out_shift;
+    int64_t outer, inner[MPT_MAX_MERGE_INPUTS]; /* CONCATENATION: each sample is
+                                  outer rows, input k giving inner[k] of each */
 } mpt__qop;
 
 /* A batch's scratch, one block: two activation buffers and what the
    products need. Sized for `batch` samples by mpt__qwork_alloc. */
 typedef struct mpt__qwork {
     void *block;
-    void *act[2];       /* (batch, max_count) float32 (int8 in integer)     */
+    void **act;         /* [n_slots] (batch, max_count) float32 (int8 in
+                           integer): the tensors' buffers (mpt__q_plan)     */
     int32_t *acc;       /* (batch, max_count) the dynamic products           */
     int8_t *xq;         /* (batch, max_count) a dynamic product's input      */
     float *row_scale;   /* (batch · max_count) its scale per im2col row      */
@@ -31325,6 +31401,13 @@ struct mpt__quantized {
     int n_ops;
     mpt__qop *ops;              /* [n_ops]                                      */
     mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
+    int out_t;                  /* the tensor that is the model's output         */
+    /* Where each tensor lives in a batch (mpt__q_plan): a reshape's output
+       is its input's bytes (root, the tensor that holds them); every other
+       tensor is a slot of the work block, taken when it is written and
+       given back after its last reader, so that a chain uses two. */
+    int *root, *slot;           /* [n_ops + 1] each                              */
+    int n_slots;
     int64_t in_count;           /* elements of one input sample                  */
     int64_t max_count;          /* of the largest tensor of one sample           */
     int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
@@ -31341,7 +31424,14 @@ static int mpt__qop_weighted(const mpt__qop *op) {
    for pooling and reshape): no range of their own. */
 static int mpt__qop_passes_params(const mpt__qop *op) {
     return op->info.op == MPT_QOP_MAX_POOL_2D || op->info.op == MPT_QOP_AVERAGE_POOL_2D ||
-           op->info.op == MPT_QOP_GLOBAL_AVERAGE_POOL_2D || op->info.op == MPT_QOP_RESHAPE;
+           op->info.op == MPT_QOP_GLOBAL_AVERAGE_POOL_2D || op->info.op == MPT_QOP_RESHAPE ||
+           op->info.op == MPT_QOP_PAD;
+}
+
+/* The operations only a graph has (@layers' functional form). */
+static int mpt__qop_is_merge(const mpt__qop *op) {
+    return op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB ||
+           op->info.op == MPT_QOP_MUL || op->info.op == MPT_QOP_CONCATENATION;
 }
 
 static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
@@ -31366,6 +31456,8 @@ static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q
     mpt__free(ctx, Q->work.block);
     mpt__free(ctx, Q->ops);
     mpt__free(ctx, Q->tensor);
+    mpt__free(ctx, Q->root);
+    mpt__free(ctx, Q->slot);
     mpt__free(ctx, Q);
 }
 
@@ -31450,9 +31542,14 @@ static mpt_status mpt__q_param_read(mpt_model *m, const mpt__param *P, float *ds
     return mpt__download(m, dst, P->value, sizeof(float) * (size_t)P->count);
 }
 
-static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind) {
+/* A new operation for layer L, reading tensor in_t. */
+static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind,
+                               int in_t) {
     mpt__qop *op = &Q->ops[Q->n_ops++];
     memset(op, 0, sizeof *op);
+    op->info.n_inputs = 1;
+    op->in_t[0] = in_t;
+    op->info.inputs[0] = in_t - 1;
     snprintf(op->name, sizeof op->name, "%s", L->name);
     op->info.name = op->name;
     op->last = L;
@@ -31466,9 +31563,11 @@ static mpt__qop *mpt__q_append(mpt__quantized *Q, const mpt__layer *L, mpt_quant
     return op;
 }
 
-/* An activation of its own after layer L (a Dense's softmax, an Activation). */
-static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt_activation act) {
-    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_ACTIVATION);
+/* An activation of its own after layer L (a Dense's softmax, an
+   Activation), reading tensor in_t. */
+static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt_activation act,
+                                     int in_t) {
+    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_ACTIVATION, in_t);
     op->info.in_rank = L->out_rank;
     memcpy(op->info.in_shape, L->out_shape, sizeof op->info.in_shape);
     op->in_count = L->out_count;
@@ -31477,9 +31576,10 @@ static void mpt__q_append_activation(mpt__quantized *Q, const mpt__layer *L, mpt
 
 /* Dense or Conv2D: the kernel transposed into (N, K) rows, one per output
    channel, and the bias (zeros without one), checked finite. */
-static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const mpt__layer *L) {
+static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                         int in_t) {
     int conv = L->ops->kind == MPT__LAYER_CONV2D;
-    mpt__qop *op = mpt__q_append(Q, L, conv ? MPT_QOP_CONV_2D : MPT_QOP_FULLY_CONNECTED);
+    mpt__qop *op = mpt__q_append(Q, L, conv ? MPT_QOP_CONV_2D : MPT_QOP_FULLY_CONNECTED, in_t);
     const mpt__param *kernel = mpt__q_layer_param(L, "kernel"), *bias = mpt__q_layer_param(L, "bias");
     mpt_activation act = conv ? L->desc.conv2d.activation : L->desc.dense.activation;
     int64_t N, K, n, k;
@@ -31536,7 +31636,7 @@ static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const 
                           "finite", L->ops->class_name, L->name, n < N * K ? "weight" : "bias");
     if (s != MPT_OK) return s;
     if (act == MPT_ACT_NONE || act == MPT_ACT_RELU) op->info.activation = act;
-    else mpt__q_append_activation(Q, L, act);
+    else mpt__q_append_activation(Q, L, act, Q->n_ops);
     return MPT_OK;
 }
 
@@ -31574,8 +31674,9 @@ static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__l
     return MPT_OK;
 }
 
-static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind) {
-    mpt__qop *op = mpt__q_append(Q, L, kind);
+static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind,
+                               int in_t) {
+    mpt__qop *op = mpt__q_append(Q, L, kind, in_t);
     if (kind == MPT_QOP_GLOBAL_AVERAGE_POOL_2D) mpt__global_pool_win(&op->g, L);
     else mpt__pool_win(&op->g, L);
     op->info.kernel_size[0] = op->g.kh;
@@ -31586,71 +31687,258 @@ static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quant
                                                               : L->desc.pool2d.padding;
 }
 
-/* The last operation, if it is a Dense or Conv2D that ends without an
-   activation and nothing but Dropout has come since: what a
-   BatchNormalization folds into and a ReLU fuses with. */
-static mpt__qop *mpt__q_open_product(mpt__quantized *Q, int open) {
-    mpt__qop *op = Q->n_ops ? &Q->ops[Q->n_ops - 1] : NULL;
-    return open && op && mpt__qop_weighted(op) && op->info.activation == MPT_ACT_NONE ? op : NULL;
+/* The Dense or Conv2D whose output node `node` is, seen through the
+   layers that left its tensor as it was (Dropout, an activation none, a
+   folded BatchNormalization, a fused ReLU), if it ends without an
+   activation and no other layer reads that tensor on the way: what a
+   BatchNormalization folds into and a ReLU fuses with. readers[k]: the
+   layers reading node k (+1 for the model's output). */
+static mpt__qop *mpt__q_open_op(const mpt_model *m, mpt__quantized *Q, const int *node_t,
+                                const int *readers, int node) {
+    const int t = node_t[node];
+    mpt__qop *op;
+    if (t == 0) return NULL;
+    for (;;) {
+        const mpt__layer *L = &m->layers[node - 1];
+        if (readers[node] != 1) return NULL;
+        if (node_t[L->in_node[0]] != t) break; /* L made t */
+        node = L->in_node[0];
+    }
+    op = &Q->ops[t - 1];
+    return op->info.activation == MPT_ACT_NONE ? op : NULL;
 }
 
-/* Walks the float model's layers into operations. */
-static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
-    int i, open = 0; /* the last op is a product a BatchNormalization may follow */
-    Q->ops = (mpt__qop *)mpt__calloc(m->ctx, sizeof(mpt__qop) * (size_t)(2 * m->n_layers + 1));
-    if (!Q->ops) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
-    for (i = 0; i < m->n_layers; i++) {
-        const mpt__layer *L = &m->layers[i];
-        if (L->ops->identity_at_inference) continue;
-        switch (L->ops->kind) {
-        case MPT__LAYER_DENSE:
-        case MPT__LAYER_CONV2D:
-            MPT__CHECK(mpt__q_append_weighted(m, Q, L));
-            open = 1;
-            continue;
-        case MPT__LAYER_BATCH_NORMALIZATION: {
-            mpt__qop *op = mpt__q_open_product(Q, open);
-            if (!op || op->info.folded_batchnorm)
-                return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                                 "quantize: BatchNormalization '%s' does not directly follow a "
-                                 "Dense or Conv2D without activation, so it cannot be folded",
-                                 L->name);
-            MPT__CHECK(mpt__q_fold_batchnorm(m, op, L));
-            continue;
+static mpt__qop *mpt__q_open_product(const mpt_model *m, mpt__quantized *Q, const int *node_t,
+                                     const int *readers, int node) {
+    mpt__qop *op = mpt__q_open_op(m, Q, node_t, readers, node);
+    return op && mpt__qop_weighted(op) ? op : NULL;
+}
+
+/* Likewise an ADD, SUB or MUL, which a ReLU fuses with as TFLite's
+   converter fuses it (the op's fused activation: the output calibrated
+   after it, clamped at its zero point in int8). */
+static mpt__qop *mpt__q_open_merge(const mpt_model *m, mpt__quantized *Q, const int *node_t,
+                                   const int *readers, int node) {
+    mpt__qop *op = mpt__q_open_op(m, Q, node_t, readers, node);
+    return op && mpt__qop_is_merge(op) && op->info.op != MPT_QOP_CONCATENATION ? op : NULL;
+}
+
+/* A merge layer: Add, Subtract and Multiply as binary operations, left to
+   right (TFLite's ADD, SUB and MUL take two), each of n − 1 reading the
+   one before; Concatenate as one. The last carries the layer's name, the
+   ones before "<name>/<k>" (their own tensors: calibrated as any). */
+static mpt_status mpt__q_append_merge(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                      const int *node_t) {
+    const int kind = L->ops->kind;
+    int k;
+    if (kind == MPT__LAYER_CONCATENATE) {
+        mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_CONCATENATION, node_t[L->in_node[0]]);
+        op->info.n_inputs = L->n_in;
+        for (k = 0; k < L->n_in; k++) {
+            op->in_t[k] = node_t[L->in_node[k]];
+            op->info.inputs[k] = op->in_t[k] - 1;
         }
-        case MPT__LAYER_ACTIVATION: {
-            mpt_activation act = L->desc.activation.activation;
-            mpt__qop *op = mpt__q_open_product(Q, open);
-            if (act == MPT_ACT_NONE) continue;
-            if (act == MPT_ACT_RELU && op) op->info.activation = MPT_ACT_RELU, op->last = L;
-            else mpt__q_append_activation(Q, L, act);
-            break;
+        op->info.axis = mpt__concat_axis(L->desc.concatenate.axis, L->in_rank) + 1;
+        for (op->outer = 1, k = 1; k < op->info.axis; k++) op->outer *= L->out_shape[k - 1];
+        for (k = 0; k < L->n_in; k++) {
+            int64_t shape[MPT_MAX_RANK - 1], d;
+            int rank = mpt__node_shape(m, L->in_node[k], shape);
+            for (op->inner[k] = 1, d = op->info.axis - 1; d < rank; d++) op->inner[k] *= shape[d];
         }
-        case MPT__LAYER_MAX_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D); break;
-        case MPT__LAYER_AVERAGE_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_AVERAGE_POOL_2D); break;
-        case MPT__LAYER_GLOBAL_AVERAGE_POOLING2D:
-            mpt__q_append_pool(Q, L, MPT_QOP_GLOBAL_AVERAGE_POOL_2D);
-            break;
-        case MPT__LAYER_FLATTEN: mpt__q_append(Q, L, MPT_QOP_RESHAPE); break;
-        default:
-            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
-                             "quantized form", L->name, L->ops->class_name);
+        return MPT_OK;
+    }
+    if (kind != MPT__LAYER_ADD && kind != MPT__LAYER_SUBTRACT && kind != MPT__LAYER_MULTIPLY &&
+        kind != MPT__LAYER_AVERAGE)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
+                         "quantized form", L->name, L->ops->class_name);
+    for (k = 1; k < L->n_in; k++) {
+        const int last = k + 1 == L->n_in && kind != MPT__LAYER_AVERAGE;
+        mpt__qop *op = mpt__q_append(Q, L, kind == MPT__LAYER_SUBTRACT   ? MPT_QOP_SUB
+                                           : kind == MPT__LAYER_MULTIPLY ? MPT_QOP_MUL
+                                                                         : MPT_QOP_ADD,
+                                     k == 1 ? node_t[L->in_node[0]] : Q->n_ops);
+        op->info.n_inputs = 2;
+        op->in_t[1] = node_t[L->in_node[k]];
+        op->info.inputs[1] = op->in_t[1] - 1;
+        if (!last) { /* no layer's output: no trained range */
+            snprintf(op->name, sizeof op->name, "%.56s/%c", L->name, (char)('0' + k));
+            op->last = NULL;
         }
-        open = 0;
+    }
+    if (kind == MPT__LAYER_AVERAGE) { /* the sum times 1/n, as the float export writes it */
+        mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_MUL, Q->n_ops);
+        op->info.constant = 1.0f / (float)L->n_in;
     }
     return MPT_OK;
 }
 
-/* The largest buffers one sample needs, for mpt__qwork_alloc. */
-static void mpt__q_plan(mpt__quantized *Q, int64_t in_count) {
+static void mpt__q_append_pad(mpt__quantized *Q, const mpt__layer *L, int in_t) {
+    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_PAD, in_t);
+    mpt__zero_padding2d_sides(L, op->info.pads);
+}
+
+/* Layer L (of node node = its index + 1) into operations, or into nothing:
+   node_t[node] is then the tensor it leaves as it was. */
+/* A shared layer's later call: its operations named "<name>/call<k>" (as
+   the float export names it), so that every tensor of a file has a name
+   of its own. */
+static void mpt__q_name_call(const mpt_model *m, mpt__quantized *Q, int first, int node) {
+    const mpt__layer *L = &m->layers[node - 1];
+    const size_t len = strlen(L->name);
     int i;
+    for (i = first; L->call_of && i < Q->n_ops; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "%.40s/call%d%.8s", L->name, mpt__node_call(m, node),
+                 strncmp(Q->ops[i].name, L->name, len) == 0 ? Q->ops[i].name + len : "");
+        memcpy(Q->ops[i].name, name, sizeof name);
+    }
+}
+
+static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
+                                   const int *readers, int node) {
+    const mpt__layer *L = &m->layers[node - 1];
+    const int in = node_t[L->in_node[0]];
+    node_t[node] = in;
+    if (L->ops->identity_at_inference) return MPT_OK;
+    switch (L->ops->kind) {
+    case MPT__LAYER_DENSE:
+    case MPT__LAYER_CONV2D: MPT__CHECK(mpt__q_append_weighted(m, Q, L, in)); break;
+    case MPT__LAYER_BATCH_NORMALIZATION: {
+        mpt__qop *op = mpt__q_open_product(m, Q, node_t, readers, L->in_node[0]);
+        if (!op || op->info.folded_batchnorm)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                             "quantize: BatchNormalization '%s' does not directly follow a "
+                             "Dense or Conv2D without activation (read by nothing else), so it "
+                             "cannot be folded", L->name);
+        return mpt__q_fold_batchnorm(m, op, L);
+    }
+    case MPT__LAYER_ACTIVATION: {
+        mpt_activation act = L->desc.activation.activation;
+        mpt__qop *op = mpt__q_open_product(m, Q, node_t, readers, L->in_node[0]);
+        if (act == MPT_ACT_NONE) return MPT_OK;
+        if (!op) op = mpt__q_open_merge(m, Q, node_t, readers, L->in_node[0]);
+        if (act == MPT_ACT_RELU && op) {
+            op->info.activation = MPT_ACT_RELU, op->last = L;
+            return MPT_OK;
+        }
+        mpt__q_append_activation(Q, L, act, in);
+        break;
+    }
+    case MPT__LAYER_MAX_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_MAX_POOL_2D, in); break;
+    case MPT__LAYER_AVERAGE_POOLING2D: mpt__q_append_pool(Q, L, MPT_QOP_AVERAGE_POOL_2D, in); break;
+    case MPT__LAYER_GLOBAL_AVERAGE_POOLING2D:
+        mpt__q_append_pool(Q, L, MPT_QOP_GLOBAL_AVERAGE_POOL_2D, in);
+        break;
+    case MPT__LAYER_FLATTEN: mpt__q_append(Q, L, MPT_QOP_RESHAPE, in); break;
+    case MPT__LAYER_ZERO_PADDING2D: mpt__q_append_pad(Q, L, in); break;
+    case MPT__LAYER_ADD:
+    case MPT__LAYER_SUBTRACT:
+    case MPT__LAYER_MULTIPLY:
+    case MPT__LAYER_AVERAGE:
+    case MPT__LAYER_CONCATENATE: MPT__CHECK(mpt__q_append_merge(m, Q, L, node_t)); break;
+    default:
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
+                         "quantized form", L->name, L->ops->class_name);
+    }
+    node_t[node] = Q->n_ops;
+    return MPT_OK;
+}
+
+/* Walks the float model's layers (a graph's in its order, which puts every
+   layer after its inputs) into operations; Q->out_t is the output's
+   tensor. */
+static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
+    const int out_node = mpt__several_outputs(m) || m->n_outputs == 0 ? m->n_layers
+                                                                       : m->output_node[0];
+    int *node_t = (int *)mpt__calloc(m->ctx, sizeof(int) * 2 * (size_t)(m->n_layers + 1));
+    int *readers = node_t ? node_t + m->n_layers + 1 : NULL, i, k;
+    mpt_status s = MPT_OK;
+    /* a merge of n inputs is n − 1 operations, any other layer at most 2 */
+    Q->ops = (mpt__qop *)mpt__calloc(m->ctx, sizeof(mpt__qop) *
+                                                 (size_t)(MPT_MAX_MERGE_INPUTS * m->n_layers + 1));
+    if (!Q->ops || !node_t) {
+        mpt__free(m->ctx, node_t);
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    }
+    for (i = 0; i < m->n_layers; i++)
+        for (k = 0; k < m->layers[i].n_in; k++) readers[m->layers[i].in_node[k]]++;
+    readers[out_node]++;
+    for (i = 0; s == MPT_OK && i < m->n_layers; i++) {
+        const int first = Q->n_ops;
+        s = mpt__q_layer_ops(m, Q, node_t, readers, i + 1);
+        mpt__q_name_call(m, Q, first, i + 1);
+    }
+    Q->out_t = node_t[out_node];
+    mpt__free(m->ctx, node_t);
+    return s;
+}
+
+/* Whether op i is a Conv2D the MaxPooling2D after it may run with: that
+   pooling is op i + 1, and reads op i's output, which nothing else reads
+   nor is the model's output. */
+static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
+    int j, k;
+    if (Q->ops[i].info.op != MPT_QOP_CONV_2D || i + 1 >= Q->n_ops ||
+        Q->ops[i + 1].info.op != MPT_QOP_MAX_POOL_2D || Q->ops[i + 1].in_t[0] != i + 1 ||
+        Q->out_t == i + 1)
+        return 0;
+    for (j = i + 2; j < Q->n_ops; j++)
+        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+            if (Q->ops[j].in_t[k] == i + 1) return 0;
+    return 1;
+}
+
+/* The largest buffers one sample needs, for mpt__qwork_alloc, and where
+   each tensor lives: its root (a reshape's is its input's) and the slot
+   of the work block that holds the root, the lowest one free when it is
+   written; a slot is free again after the last operation reading its
+   tensor (the output's never is). A Conv2D that may run with its pooling
+   keeps its input alive through the pooling, which then writes from it.
+   The input is tensor 0 in slot 0 (the integer pass quantizes it there;
+   the float passes read the caller's batch). */
+static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_count) {
+    const int n = Q->n_ops + 1;
+    int *last = (int *)mpt__alloc(ctx, sizeof(int) * 2 * (size_t)n), *busy, i, k, t;
+    Q->root = (int *)mpt__alloc(ctx, sizeof(int) * (size_t)n);
+    Q->slot = (int *)mpt__alloc(ctx, sizeof(int) * (size_t)n);
+    if (!last || !Q->root || !Q->slot) {
+        mpt__free(ctx, last);
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    }
+    busy = last + n; /* the root each slot holds, or −1 */
     Q->in_count = Q->max_count = in_count;
-    for (i = 0; i < Q->n_ops; i++) {
-        const mpt__qop *op = &Q->ops[i];
-        Q->max_count = MPT__MAX(Q->max_count, op->out_count);
-        if (op->info.op == MPT_QOP_CONV_2D)
+    for (t = 0; t < n; t++) {
+        const mpt__qop *op = t ? &Q->ops[t - 1] : NULL;
+        Q->root[t] = op && op->info.op == MPT_QOP_RESHAPE ? Q->root[op->in_t[0]] : t;
+        last[t] = -1, busy[t] = -1;
+        if (op) Q->max_count = MPT__MAX(Q->max_count, op->out_count);
+        if (op && op->info.op == MPT_QOP_CONV_2D)
             Q->max_cols = MPT__MAX(Q->max_cols, op->g.oh * op->g.ow * op->info.depth);
     }
+    for (i = 0; i < Q->n_ops; i++) {
+        Q->ops[i].fuse_pool = mpt__q_pool_follows(Q, i);
+        for (k = 0; k < Q->ops[i].info.n_inputs; k++) {
+            const int r = Q->root[Q->ops[i].in_t[k]];
+            last[r] = MPT__MAX(last[r], i + Q->ops[i].fuse_pool);
+        }
+    }
+    last[Q->root[Q->out_t]] = n; /* never given back */
+    Q->n_slots = 1;
+    Q->slot[0] = 0, busy[0] = 0;
+    for (i = 0; i < Q->n_ops; i++) {
+        t = i + 1;
+        if (Q->root[t] != t) {
+            Q->slot[t] = Q->slot[Q->root[t]];
+        } else {
+            for (k = 0; busy[k] >= 0; k++) continue;
+            Q->slot[t] = k, busy[k] = t;
+            Q->n_slots = MPT__MAX(Q->n_slots, k + 1);
+        }
+        for (k = 0; k < Q->n_slots; k++)
+            if (busy[k] >= 0 && last[busy[k]] <= i) busy[k] = -1;
+    }
+    mpt__free(ctx, last);
+    return MPT_OK;
 }
 
 /* ---- the batch's work block ------------------------------------------------------------- */
@@ -31658,11 +31946,13 @@ static void mpt__q_plan(mpt__quantized *Q, int64_t in_count) {
 static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, int64_t batch,
                                    mpt__qwork *w) {
     int64_t per = 0, act, cols, total = 0;
+    int k;
     memset(w, 0, sizeof *w);
     w->batch = batch;
     cols = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     if (!mpt__mul_ok(batch, Q->max_count, &per) || !mpt__mul_ok(per, 4, &act) ||
-        !mpt__mul_ok(act, 6, &total) || !mpt__add_ok(total, cols + 8 * 64, &total) ||
+        !mpt__mul_ok(act, 4 + Q->n_slots, &total) ||
+        !mpt__add_ok(total, cols + 8 * 64 + 8 * (int64_t)Q->n_slots + 64 * Q->n_slots, &total) ||
         (uint64_t)total > (uint64_t)SIZE_MAX)
         return mpt__fail(ctx, MPT_ERR_OVERFLOW, "quantized model: batches of %lld samples are "
                          "too large", (long long)batch);
@@ -31673,8 +31963,8 @@ static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, in
     {
         unsigned char *p = (unsigned char *)w->block;
 #define MPT__Q_CARVE(dst, type, bytes) (dst = (type)(void *)p, p += ((bytes) + 63) / 64 * 64)
-        MPT__Q_CARVE(w->act[0], void *, act);
-        MPT__Q_CARVE(w->act[1], void *, act);
+        MPT__Q_CARVE(w->act, void **, sizeof(void *) * (size_t)Q->n_slots);
+        for (k = 0; k < Q->n_slots; k++) MPT__Q_CARVE(w->act[k], void *, act);
         MPT__Q_CARVE(w->acc, int32_t *, act);
         MPT__Q_CARVE(w->xq, int8_t *, act);
         MPT__Q_CARVE(w->row_scale, float *, act);
@@ -31706,8 +31996,10 @@ static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t 
    @impl-quantized-passes  one batch through the operations, in each mode
    =============================================================================
 
-   Each operation writes into one of two buffers of the batch's work block
-   in turn (a reshape writes nothing: the next reads its input).
+   Each operation writes its output tensor into its slot of the batch's
+   work block, two in turn for a chain, more where a graph keeps tensors
+   alive for later readers (mpt__q_plan; a reshape writes nothing: its
+   readers read its input).
    Convolutions run as products over im2col rows, a chunk of samples at a
    time (as Conv2D does); in the int8 passes a one-channel Conv2D, and the
    MaxPooling2D after it, run straight from the image instead where the
@@ -32139,6 +32431,111 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     return MPT_OK;
 }
 
+/* ---- a graph's operations: merges and padding ------------------------------------------ */
+
+/* TFLite's ADD and SUB in int8 (its reference kernel's arithmetic): each
+   input, less its zero point, shifted left by 20 bits and brought to a
+   common scale 2·max(s0, s1) by its multiplier, the two added (or
+   subtracted), then the sum brought to the output's scale by the output
+   multiplier, the output's zero point added and saturated. MUL: the
+   product of the two inputs less their zero points, times s0·s1/s_out. */
+#define MPT__Q_ADD_LEFT_SHIFT 20
+
+/* A fused ReLU in int8: nothing below the zero point (real 0). */
+static int8_t mpt__q_relu8(const mpt__qop *op, int8_t v) {
+    return op->info.activation == MPT_ACT_RELU && v < op->info.output.zero_point
+               ? (int8_t)op->info.output.zero_point : v;
+}
+
+static int8_t mpt__q_add_int8(const mpt__qop *op, int8_t a, int8_t b) {
+    const int32_t za = op->in_zero[0], zb = op->in_zero[1];
+    const int32_t sa = mpt__multiply_by_quantized_multiplier(
+        (a - za) * (1 << MPT__Q_ADD_LEFT_SHIFT), op->in_mult[0], op->in_shift[0]);
+    const int32_t sb = mpt__multiply_by_quantized_multiplier(
+        (b - zb) * (1 << MPT__Q_ADD_LEFT_SHIFT), op->in_mult[1], op->in_shift[1]);
+    const int32_t raw = op->info.op == MPT_QOP_SUB ? sa - sb : sa + sb;
+    return mpt__q_relu8(op, mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(
+                                              raw, op->out_mult, op->out_shift) +
+                                          op->info.output.zero_point));
+}
+
+static int8_t mpt__q_mul_int8(const mpt__qop *op, int8_t a, int8_t b) {
+    const int32_t za = op->in_zero[0], zb = op->in_zero[1];
+    return mpt__q_relu8(op, mpt__q_clamp8((double)mpt__multiply_by_quantized_multiplier(
+                                              (a - za) * (b - zb), op->out_mult, op->out_shift) +
+                                          op->info.output.zero_point));
+}
+
+/* ADD, SUB or MUL of `count` elements, float32 or int8. */
+/* b NULL: a MUL by op's constant (an Average's 1/n). */
+static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const void *b, void *y,
+                          int64_t count) {
+    int64_t k;
+    if (integer) {
+        const int8_t *x0 = (const int8_t *)a, *x1 = (const int8_t *)b;
+        int8_t *out = (int8_t *)y;
+        if (op->info.op == MPT_QOP_MUL)
+            for (k = 0; k < count; k++) out[k] = mpt__q_mul_int8(op, x0[k], x1 ? x1[k] : 127);
+        else
+            for (k = 0; k < count; k++) out[k] = mpt__q_add_int8(op, x0[k], x1[k]);
+    } else {
+        const float *x0 = (const float *)a, *x1 = (const float *)b;
+        float *out = (float *)y;
+        for (k = 0; k < count; k++)
+            out[k] = op->info.op == MPT_QOP_ADD   ? x0[k] + x1[k]
+                     : op->info.op == MPT_QOP_SUB ? x0[k] - x1[k]
+                     : x1                         ? x0[k] * x1[k]
+                                                  : x0[k] * op->info.constant;
+        if (op->info.activation == MPT_ACT_RELU)
+            for (k = 0; k < count; k++) out[k] = out[k] < 0 ? 0.0f : out[k];
+    }
+}
+
+/* CONCATENATION of n samples: input k's rows side by side in each of the
+   outer rows of a sample. In int8 an input whose quantization is not the
+   output's is requantized to it on the way (TFLite's QUANTIZE from int8 to
+   int8, which its converter puts before such an input: its kernel takes
+   only inputs of the output's scale and zero point). */
+static void mpt__q_concat(const mpt__qop *op, int integer, const void *const *xs, void *y,
+                          int64_t n) {
+    const size_t es = integer ? 1 : 4;
+    const int64_t width = op->out_count / op->outer;
+    int64_t r, at = 0, c;
+    int k;
+    for (k = 0; k < op->info.n_inputs; at += op->inner[k], k++)
+        for (r = 0; r < n * op->outer; r++) {
+            const unsigned char *src =
+                (const unsigned char *)xs[k] + (size_t)(r * op->inner[k]) * es;
+            unsigned char *dst = (unsigned char *)y + (size_t)(r * width + at) * es;
+            if (!integer || !op->in_mult[k]) {
+                memcpy(dst, src, (size_t)op->inner[k] * es);
+                continue;
+            }
+            for (c = 0; c < op->inner[k]; c++)
+                ((int8_t *)dst)[c] = mpt__q_clamp8(
+                    (double)mpt__multiply_by_quantized_multiplier(
+                        ((const int8_t *)src)[c] - op->in_zero[k],
+                        op->in_mult[k], op->in_shift[k]) + op->info.output.zero_point);
+        }
+}
+
+/* ZeroPadding2D: the padding holds 0.0f, or in int8 the zero point (real 0). */
+static void mpt__q_pad(const mpt__qop *op, int integer, const void *x, void *y, int64_t n) {
+    const size_t es = integer ? 1 : 4;
+    const int64_t h = op->info.in_shape[0], w = op->info.in_shape[1], c = op->info.in_shape[2];
+    const int64_t ow = op->info.out_shape[1];
+    const size_t row = (size_t)(w * c) * es;
+    int64_t b, r;
+    if (integer) memset(y, (int)(int8_t)op->info.output.zero_point, (size_t)(n * op->out_count));
+    else memset(y, 0, (size_t)(n * op->out_count) * 4); /* all-zero bytes: 0.0f */
+    for (b = 0; b < n; b++)
+        for (r = 0; r < h; r++)
+            memcpy((unsigned char *)y + (size_t)(b * op->out_count +
+                                                 ((op->info.pads[0][0] + r) * ow +
+                                                  op->info.pads[1][0]) * c) * es,
+                   (const unsigned char *)x + (size_t)(b * op->in_count + r * w * c) * es, row);
+}
+
 /* =============================================================================
    @impl-quantized-direct: the direct int8 Conv2D, the int8 softmax, and a batch through the operations
    ============================================================================= */
@@ -32412,7 +32809,7 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     memset(&j, 0, sizeof j);
     j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y;
     j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
-    j.pool = next && next->info.op == MPT_QOP_MAX_POOL_2D ? next : NULL;
+    j.pool = op->fuse_pool ? next : NULL;
     j.npad = (op->info.out_channels + 15) / 16 * 16;
     j.owp = (g->ow + MPT__QD_PIX - 1) / MPT__QD_PIX * MPT__QD_PIX;
     j.hp = (g->oh - 1) * g->sh + g->kh;
@@ -32531,31 +32928,57 @@ static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
     }
 }
 
-/* n samples through every operation: returns the last output (x itself
-   when there is none, or only reshapes, which copy nothing). The integer
-   pass reads int8 x. The int8 passes run a one-channel Conv2D (with the
-   MaxPooling2D after it) from the image where they can. With calib,
-   every tensor is observed (reference only). */
+/* Where tensor t of a batch lies: the bytes of its root, x for the
+   input's (mpt__q_plan). */
+static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, const void *x, int t) {
+    const int r = Q->root[t];
+    return r == 0 ? (void *)(uintptr_t)x : w->act[Q->slot[r]];
+}
+
+/* Operation i of a graph that reads several tensors, or pads. */
+static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, const void *x,
+                                void *y, int64_t n, const mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    const int integer = ex == MPT__QX_INTEGER;
+    const void *xs[MPT_MAX_MERGE_INPUTS];
+    int k;
+    for (k = 0; k < op->info.n_inputs; k++) xs[k] = mpt__q_tensor_at(Q, w, x, op->in_t[k]);
+    if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, integer, xs[0], y, n);
+    else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, integer, xs, y, n);
+    else mpt__q_binary(op, integer, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, y,
+                       n * op->out_count);
+}
+
+/* n samples through every operation: returns the output's bytes (x itself
+   when the output is the input, or a reshape of it, which copies
+   nothing). Each operation reads its input tensors' bytes and writes its
+   own (mpt__q_plan). The integer pass reads int8 x. The int8 passes run a
+   one-channel Conv2D (with the MaxPooling2D after it) from the image
+   where they can. With calib, every tensor is observed (reference only). */
 static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt__qexec ex,
                                  const void *x, int64_t n, mpt__qwork *w, mpt__qcalib *calib,
                                  const void **out) {
-    const void *cur = x;
     int i, pooled;
     if (calib) mpt__q_observe(calib, 0, (const float *)x, n * Q->in_count);
     for (i = 0; i < Q->n_ops; i++) {
-        void *y = w->act[i & 1];
-        if (cur == y) y = w->act[(i + 1) & 1];
-        if (mpt__q_direct_conv(ctx, Q, i, ex, cur, y, n, w, &pooled)) {
+        const mpt__qop *op = &Q->ops[i];
+        const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
+        void *y = mpt__q_tensor_at(Q, w, x, i + 1);
+        if (mpt__q_direct_conv(ctx, Q, i, ex, in,
+                               op->fuse_pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w,
+                               &pooled)) {
             i += pooled;
-            cur = y;
             continue;
         }
-        if (Q->ops[i].info.op == MPT_QOP_RESHAPE && !calib) continue; /* the same bytes */
-        MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, cur, y, n, w));
-        if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * Q->ops[i].out_count);
-        cur = y;
+        if (op->info.op == MPT_QOP_RESHAPE) { /* the same bytes */
+        } else if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
+            mpt__q_run_graph_op(Q, i, ex, x, y, n, w);
+        } else {
+            MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, in, y, n, w));
+        }
+        if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * op->out_count);
     }
-    *out = cur;
+    *out = mpt__q_tensor_at(Q, w, x, Q->out_t);
     return MPT_OK;
 }
 
@@ -32566,15 +32989,15 @@ static mpt__qexec mpt__q_exec(const mpt__quantized *Q) {
 }
 
 static int64_t mpt__q_out_count(const mpt__quantized *Q) {
-    return Q->n_ops ? Q->ops[Q->n_ops - 1].out_count : Q->in_count;
+    return Q->out_t ? Q->ops[Q->out_t - 1].out_count : Q->in_count;
 }
 
 /* (n, one output's shape...) into shape; returns its rank. */
 static int mpt__q_batch_shape(const mpt_model *m, int64_t n, int64_t *shape) {
     const mpt__quantized *Q = m->quantized;
-    int rank = Q->n_ops ? Q->ops[Q->n_ops - 1].info.out_rank : m->desc.input_rank;
+    int rank = Q->out_t ? Q->ops[Q->out_t - 1].info.out_rank : m->desc.input_rank;
     shape[0] = n;
-    memcpy(shape + 1, Q->n_ops ? Q->ops[Q->n_ops - 1].info.out_shape : m->desc.input_shape,
+    memcpy(shape + 1, Q->out_t ? Q->ops[Q->out_t - 1].info.out_shape : m->desc.input_shape,
            sizeof(int64_t) * (size_t)rank);
     return rank + 1;
 }
@@ -32674,7 +33097,7 @@ static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
 static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mpt_tensor *x,
                              const int8_t *byte_table, float *y, mpt__qwork *w) {
     const int64_t n = x->shape[0], count = n * mpt__q_out_count(Q);
-    const mpt_quant_params *o = &Q->tensor[Q->n_ops];
+    const mpt_quant_params *o = &Q->tensor[Q->out_t];
     mpt__qinput_job j;
     const void *out;
     int64_t k;
@@ -32686,7 +33109,7 @@ static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mp
     memset(&j, 0, sizeof j);
     if (x->dtype == MPT_UINT8) j.bytes = (const uint8_t *)x->data, j.table = byte_table;
     else j.x = (const float *)x->data;
-    j.q = (int8_t *)w->act[1]; /* op 0 writes act[0] */
+    j.q = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
     j.n = n, j.count = Q->in_count, j.p = &Q->tensor[0];
     j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
     j.vbmi = j.avx512 && (ctx->cpu & MPT_CPU_AVX512_VBMI);
@@ -32894,6 +33317,51 @@ static void mpt__q_integer_activation(mpt__qop *op) {
     }
 }
 
+/* A ratio of scales as a multiplier and shift, or an error naming the op. */
+static mpt_status mpt__q_merge_multiplier(mpt_context *ctx, const mpt__qop *op, double real,
+                                          int32_t *mult, int32_t *shift) {
+    if (mpt_quantize_multiplier(ctx, real, mult, shift) == MPT_OK) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_NUMERIC, "quantize: '%s': the scale ratio %g has no int32 "
+                     "multiplier", op->name, real);
+}
+
+/* A MUL's constant operand's scale: the constant as the int8 code 127. */
+static float mpt__q_constant_scale(const mpt__qop *op) { return op->info.constant / 127.0f; }
+
+/* A merge's multipliers as TFLite's kernels derive them from the scales
+   (mpt__q_add_int8, mpt__q_mul_int8, mpt__q_concat). */
+static mpt_status mpt__q_integer_merge(mpt_context *ctx, const mpt__quantized *Q, mpt__qop *op) {
+    const double so = op->info.output.scale;
+    double s[MPT_MAX_MERGE_INPUTS], twice_max;
+    int k;
+    for (k = 0; k < op->info.n_inputs; k++) {
+        s[k] = Q->tensor[op->in_t[k]].scale;
+        op->in_zero[k] = Q->tensor[op->in_t[k]].zero_point;
+    }
+    if (op->info.n_inputs == 1) /* MUL by the constant: code 127, zero point 0 */
+        s[1] = mpt__q_constant_scale(op), op->in_zero[1] = 0;
+    switch (op->info.op) {
+    case MPT_QOP_ADD:
+    case MPT_QOP_SUB:
+        twice_max = 2 * MPT__MAX(s[0], s[1]);
+        for (k = 0; k < 2; k++)
+            MPT__CHECK(mpt__q_merge_multiplier(ctx, op, s[k] / twice_max, &op->in_mult[k],
+                                               &op->in_shift[k]));
+        return mpt__q_merge_multiplier(ctx, op,
+                                       twice_max / ((double)(1 << MPT__Q_ADD_LEFT_SHIFT) * so),
+                                       &op->out_mult, &op->out_shift);
+    case MPT_QOP_MUL:
+        return mpt__q_merge_multiplier(ctx, op, s[0] * s[1] / so, &op->out_mult, &op->out_shift);
+    default: /* CONCATENATION: in_mult 0 where an input is the output's already */
+        for (k = 0; k < op->info.n_inputs; k++)
+            if ((float)s[k] != op->info.output.scale ||
+                op->in_zero[k] != op->info.output.zero_point)
+                MPT__CHECK(mpt__q_merge_multiplier(ctx, op, s[k] / so, &op->in_mult[k],
+                                                   &op->in_shift[k]));
+        return MPT_OK;
+    }
+}
+
 /* Every tensor's quantization from its range, then what each operation
    needs in integer. */
 static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const float *lo,
@@ -32904,14 +33372,15 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
         mpt__qop *op = &Q->ops[i];
         mpt_activation act = op->info.activation;
         mpt_quant_params *out = &Q->tensor[i + 1];
-        if (mpt__qop_passes_params(op)) *out = Q->tensor[i];
+        if (mpt__qop_passes_params(op)) *out = Q->tensor[op->in_t[0]];
         else if (op->info.op == MPT_QOP_ACTIVATION && (act == MPT_ACT_SOFTMAX || act == MPT_ACT_SIGMOID))
             *out = mpt__q_fixed_params(1.0f / 256, -128);
         else if (op->info.op == MPT_QOP_ACTIVATION && act == MPT_ACT_TANH)
             *out = mpt__q_fixed_params(1.0f / 128, 0);
         else *out = mpt__q_params(lo[i + 1], hi[i + 1]);
-        op->info.input = Q->tensor[i];
+        op->info.input = Q->tensor[op->in_t[0]];
         op->info.output = *out;
+        if (mpt__qop_is_merge(op)) MPT__CHECK(mpt__q_integer_merge(ctx, Q, op));
         if (mpt__qop_weighted(op)) MPT__CHECK(mpt__q_integer_product(ctx, op));
         if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op, 1));
         if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
@@ -32987,9 +33456,19 @@ static void mpt__q_drop_float_weights(mpt_context *ctx, mpt__quantized *Q) {
 
 static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi);
 
+/* A graph quantizes (its operations read their input nodes' tensors);
+   one of several inputs or outputs does not yet. */
+static mpt_status mpt__q_refuse_several(mpt_model *m, const char *what) {
+    if (mpt__several_outputs(m) || m->n_inputs > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several %s (%d) "
+                         "yet", what, m->n_inputs > 1 ? "inputs" : "outputs",
+                         m->n_inputs > 1 ? m->n_inputs : m->n_outputs);
+    return MPT_OK;
+}
+
 static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     mpt_context *ctx = m->ctx;
-    MPT__CHECK(mpt__refuse_graph(m, "quantize"));
+    MPT__CHECK(mpt__q_refuse_several(m, "quantize"));
     if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: unknown mode %d", (int)d->mode);
     if (d->calibration < 0 || d->calibration >= MPT_CALIBRATION_COUNT_)
@@ -33037,7 +33516,10 @@ static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
     Q->mode = d->mode;
     Q->io_dtype = d->io_dtype;
     MPT__CHECK(mpt__q_build_ops(m, Q));
-    mpt__q_plan(Q, m->layers[0].in_count);
+    if (Q->out_t == 0) /* the files' writers need an operation to write */
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: the model's output is its input "
+                         "(its layers, such as Dropout, leave nothing at inference)");
+    MPT__CHECK(mpt__q_plan(m->ctx, Q, m->layers[0].in_count));
     Q->tensor = (mpt_quant_params *)mpt__calloc(m->ctx, sizeof(mpt_quant_params) *
                                                             (size_t)(Q->n_ops + 1));
     if (!Q->tensor) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
@@ -33253,11 +33735,14 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
 }
 
 /* mpt_model_summary of a quantized model: its mode, then per operation
-   the float layer it came from, its output shape and its quantization. */
+   the float layer it came from, its output shape and its quantization
+   (and in a graph, after "<-", the operations it reads where that is not
+   just the one before). */
 static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size) {
     static const char *const mode[] = {"dynamic-range", "full integer", "float16"};
     static const char *const op_name[] = {"FULLY_CONNECTED", "CONV_2D", "MAX_POOL_2D",
-                                          "AVERAGE_POOL_2D", "MEAN", "RESHAPE", "ACTIVATION"};
+                                          "AVERAGE_POOL_2D", "MEAN", "RESHAPE", "ACTIVATION",
+                                          "ADD", "SUB", "MUL", "CONCATENATION", "PAD"};
     const mpt__quantized *Q = m->quantized;
     size_t used = 0;
     int i;
@@ -33280,6 +33765,13 @@ static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size)
         if (Q->mode == MPT_QUANTIZE_FULL_INTEGER)
             mpt__append(buf, size, &used, " %.6g, %d", (double)L->output.scale,
                         (int)L->output.zero_point);
+        if (L->n_inputs > 1 || L->inputs[0] != i - 1) { /* a graph's: what it reads */
+            int k;
+            mpt__append(buf, size, &used, "  <-");
+            for (k = 0; k < L->n_inputs; k++)
+                mpt__append(buf, size, &used, " %s", L->inputs[k] < 0 ? "input"
+                                                                      : Q->ops[L->inputs[k]].name);
+        }
         mpt__append(buf, size, &used, "\n");
     }
     mpt__append(buf, size, &used, "Weights as stored: %lld bytes\n", (long long)Q->size_bytes);
@@ -33289,7 +33781,7 @@ static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size)
 /* The model's input or output quantization in io_dtype: uint8's zero
    point is int8's + 128 (the same reals, shifted codes). */
 static mpt_quant_params mpt__q_io_params(const mpt__quantized *Q, int output) {
-    mpt_quant_params p = Q->tensor[output ? Q->n_ops : 0];
+    mpt_quant_params p = Q->tensor[output ? Q->out_t : 0];
     if (Q->io_dtype == MPT_UINT8) p.zero_point += 128;
     return p;
 }
@@ -33356,7 +33848,7 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
         s = mpt__q_run(m->ctx, Q, x, NULL, (float *)y->data, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
-        int8_t *xq = (int8_t *)w->act[1]; /* op 0 writes act[0] */
+        int8_t *xq = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
         const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
         for (k = 0; k < n * Q->in_count; k++)
             xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
@@ -33381,7 +33873,8 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    rules): each operation's output is some layer's output (mpt__qop's
    `last`), and that layer gets a point (mpt__qat_point) that quantizes
    its output after its forward (mpt__qat_forward_end). The quantized
-   tensor goes into the point's buffer, which the next layer reads; the
+   tensor goes into the point's buffer, which the next layer reads (in a
+   graph, every layer reading that node: mpt__qat_output); the
    layer's own output stays as computed, for its backward (a ReLU's
    gradient reads it) and for the mask of the gradient
    (mpt__qat_backward_mask). The last layer's output is the model's, so
@@ -33685,6 +34178,13 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
     if (Q->input.active) *x = Q->input.out;
 }
 
+/* What a graph's readers of layer i's output read: its fake-quantized
+   copy where it has one (the last layer's is in place). */
+static const void *mpt__qat_output(const mpt_model *m, int i) {
+    const mpt__qat_point *P = &m->qat->point[i];
+    return i < m->n_layers - 1 && P->active ? P->out : m->layers[i].y;
+}
+
 /* mpt__forward_finish's, after layer i: its output quantized for the next
    layer (*next), or in place for the last, whose softmax (left out of
    the layer's forward) runs here on the quantized logits unless the loss
@@ -33851,7 +34351,7 @@ static float mpt__qat_decay(const mpt_model *m) { return m->qat ? m->qat->decay 
 
 static mpt_status mpt__qat_check(mpt_model *m, const mpt_qat_desc *d) {
     MPT__CHECK(mpt__refuse_quantized(m, "quantize_aware"));
-    MPT__CHECK(mpt__refuse_graph(m, "quantize_aware"));
+    MPT__CHECK(mpt__q_refuse_several(m, "quantize_aware"));
     if (m->qat)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: the model is quantization-aware "
                          "already");
@@ -33906,6 +34406,8 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
         } else {
             P->kind = MPT__QAT_LEARNED;
         }
+    } else if (mpt__qop_is_merge(op)) { /* a graph's: its output calibrated as any */
+        P->kind = MPT__QAT_LEARNED;
     }
     return MPT_OK;
 }
@@ -33919,7 +34421,13 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
     mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
                                                                           "of memory");
     if (s == MPT_OK) s = mpt__q_build_ops(m, Q);
-    for (i = 0; s == MPT_OK && i < Q->n_ops; i++) s = mpt__qat_plan_op(m, &Q->ops[i]);
+    for (i = 0; s == MPT_OK && i < Q->n_ops; i++)
+        s = Q->ops[i].last ? mpt__qat_plan_op(m, &Q->ops[i])
+                           : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: '%s' is a "
+                                       "step of a merge of more than two inputs (or of an "
+                                       "Average), whose partial result no layer outputs for "
+                                       "training to fake-quantize: merge two at a time",
+                                       Q->ops[i].name);
     mpt__quantized_free(m->ctx, Q);
     T->input.kind = MPT__QAT_LEARNED;
     T->input.out = s == MPT_OK ? mpt__alloc(m->ctx, sizeof(float) * (size_t)(m->max_batch *
@@ -35733,6 +36241,96 @@ static int32_t mpt__tfl_q_op(mpt__tfl *g, const mpt_quantized_layer *L, int32_t 
     }
 }
 
+/* A MUL's constant operand (an Average's 1/n), broadcast: float32, or in
+   int8 the code 127 at scale constant/127 (mpt__q_constant_scale). */
+static int32_t mpt__tfl_q_constant(mpt__tfl *g, const mpt_quantized_layer *L) {
+    const int int8 = mpt__tfl_q_type(g) == MPT__TFL_INT8;
+    const float scale = L->constant / 127.0f;
+    const int32_t zero = 0;
+    unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4);
+    int64_t one = 1;
+    int32_t t;
+    uint32_t bits;
+    if (!data) {
+        g->failed = 1;
+        return 0;
+    }
+    memcpy(&bits, &L->constant, 4);
+    if (int8) data[0] = 127;
+    else mpt__tb_put_le(data, bits, 4);
+    t = mpt__tfl_tensor_add(g, L->name, "constant", int8 ? MPT__TFL_INT8 : MPT__TFL_FLOAT32, 1,
+                            &one, 0, mpt__tfl_buffer_add(g, data, int8 ? 1 : 4));
+    if (int8 && !g->failed) mpt__tfl_set_quant(g, t, 1, 0, &scale, &zero);
+    return t;
+}
+
+/* A graph's operation L, its inputs tens[L->inputs[k] + 1]: ADD, SUB, MUL
+   (no fused activation), CONCATENATION along L's axis, whose int8 kernel
+   takes only inputs at its output's scale and zero point (an input at
+   others goes through a QUANTIZE from int8 to int8 first, as TFLite's
+   converter writes it, which mpt.h's requantization matches), PAD of
+   ((0, 0), (top, bottom), (left, right), (0, 0)), whose int8 padding is
+   the zero point the input and output share. */
+static int32_t mpt__tfl_q_graph_op(mpt__tfl *g, const mpt_quantized_layer *L, const int32_t *tens) {
+    const mpt__quantized *Q = g->pl->m->quantized;
+    const int32_t y = mpt__tfl_q_output(g, L);
+    int32_t paddings[8] = {0}, ins[MPT_MAX_MERGE_INPUTS];
+    int64_t dims[2] = {4, 2}, shape[MPT_MAX_RANK - 1];
+    mpt__tfl_op *op;
+    char what[32];
+    int k;
+    switch (L->op) {
+    case MPT_QOP_ADD:
+    case MPT_QOP_SUB:
+    case MPT_QOP_MUL:
+        op = mpt__tfl_op_add(g,
+                             L->op == MPT_QOP_ADD   ? MPT__TFL_ADD
+                             : L->op == MPT_QOP_SUB ? MPT__TFL_SUB
+                                                    : MPT__TFL_MUL,
+                             tens[L->inputs[0] + 1],
+                             L->n_inputs > 1 ? tens[L->inputs[1] + 1] : mpt__tfl_q_constant(g, L),
+                             0, 2, y);
+        if (!op) return y;
+        op->options = L->op == MPT_QOP_ADD   ? MPT__TFL_ADD_OPTIONS
+                      : L->op == MPT_QOP_SUB ? MPT__TFL_SUB_OPTIONS
+                                             : MPT__TFL_MUL_OPTIONS;
+        op->opt[0] = L->activation == MPT_ACT_RELU ? MPT__TFL_ACT_RELU : MPT__TFL_ACT_NONE;
+        op->n_opt = 1;
+        return y;
+    case MPT_QOP_PAD:
+        paddings[2] = (int32_t)L->pads[0][0], paddings[3] = (int32_t)L->pads[0][1];
+        paddings[4] = (int32_t)L->pads[1][0], paddings[5] = (int32_t)L->pads[1][1];
+        op = mpt__tfl_op_add(g, MPT__TFL_PAD, tens[L->inputs[0] + 1],
+                             mpt__tfl_int32_tensor(g, L->name, "paddings", paddings, 2, dims), 0,
+                             2, y);
+        if (op) op->options = MPT__TFL_PAD_OPTIONS;
+        return y;
+    default: break; /* CONCATENATION */
+    }
+    for (k = 0; k < L->n_inputs; k++) { /* the QUANTIZEs first: ops run in order */
+        const mpt_quant_params *p = &Q->tensor[L->inputs[k] + 1];
+        const mpt_quantized_layer *from = L->inputs[k] < 0 ? NULL : &Q->ops[L->inputs[k]].info;
+        ins[k] = tens[L->inputs[k] + 1];
+        if (mpt__tfl_q_type(g) != MPT__TFL_INT8 ||
+            (p->scale == L->output.scale && p->zero_point == L->output.zero_point))
+            continue;
+        memcpy(shape, from ? from->out_shape : Q->ops[0].info.in_shape, sizeof shape);
+        snprintf(what, sizeof what, "input_%d_requantized", k);
+        ins[k] = mpt__tfl_quantized_tensor(g, L->name, what, MPT__TFL_INT8,
+                                           from ? from->out_rank : Q->ops[0].info.in_rank, shape,
+                                           &L->output);
+        mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, tens[L->inputs[k] + 1], 0, 0, 1, ins[k]);
+    }
+    op = mpt__tfl_op_add(g, MPT__TFL_CONCATENATION, 0, 0, 0, L->n_inputs, y);
+    for (k = 0; op && k < L->n_inputs; k++) op->inputs[k] = ins[k];
+    if (g->failed || !op) return y;
+    op->options = MPT__TFL_CONCATENATION_OPTIONS;
+    op->opt[0] = L->axis;
+    op->opt[1] = MPT__TFL_ACT_NONE;
+    op->n_opt = 2;
+    return y;
+}
+
 /* The whole model: its input tensor into *input, its output returned. */
 static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *input) {
     mpt_quantized_info info;
@@ -35742,7 +36340,7 @@ static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *inpu
     int io = m->quantized->io_dtype == MPT_UINT8  ? MPT__TFL_UINT8
              : m->quantized->io_dtype == MPT_INT8 ? MPT__TFL_INT8
                                                   : MPT__TFL_FLOAT32;
-    int32_t x, y;
+    int32_t x, y, *tens;
     mpt_model_quantized_info(m, &info);
     if (io == MPT__TFL_FLOAT32)
         *input = mpt__tfl_tensor_add(g, "input", "", io, rank, shape, 1, 0);
@@ -35754,10 +36352,21 @@ static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *inpu
         x = mpt__tfl_quantized_tensor(g, "input", "int8", MPT__TFL_INT8, rank, shape, &L.input);
         mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, *input, 0, 0, 1, x);
     }
+    /* each operation's output tensor, [0] the input's: what later ones read */
+    tens = (int32_t *)mpt__alloc(m->ctx, sizeof(int32_t) * (size_t)(info.n_layers + 1));
+    if (!tens) {
+        g->failed = 1;
+        return x;
+    }
+    tens[0] = x;
     for (i = 0; i < info.n_layers; i++) {
         mpt_model_quantized_layer(m, i, &L);
-        x = mpt__tfl_q_op(g, &L, x);
+        tens[i + 1] = L.op >= MPT_QOP_ADD ? mpt__tfl_q_graph_op(g, &L, tens) /* a graph's */
+                                          : mpt__tfl_q_op(g, &L, tens[L.inputs[0] + 1]);
     }
+    x = tens[m->quantized->out_t];
+    mpt__free(m->ctx, tens);
+    if (m->quantized->out_t) mpt_model_quantized_layer(m, m->quantized->out_t - 1, &L);
     if (io == MPT__TFL_INT8 || mpt__tfl_q_type(g) == MPT__TFL_FLOAT32) return x;
     if (io == MPT__TFL_FLOAT32) {
         y = mpt__tfl_tensor_add(g, "output", "", io, L.out_rank, L.out_shape, 1, 0);
@@ -37174,6 +37783,82 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
     }
 }
 
+/* A MUL's constant operand (an Average's 1/n) into name: a float32
+   scalar, or in full integer the int8 code 127 and its DequantizeLinear
+   at scale constant/127 (mpt__q_constant_scale). */
+static void mpt__onnx_q_constant_operand(mpt__onnx *o, const mpt_quantized_layer *L, char *name) {
+    char q[128], scale[128], zero[128];
+    const float s = L->constant / 127.0f;
+    const int32_t code = 127, zp = 0;
+    snprintf(name, 96, "%.80s/constant", L->name);
+    if (o->pl->m->quantized->mode != MPT_QUANTIZE_FULL_INTEGER) {
+        mpt__onnx_floats(o, name, 0, 1, &L->constant);
+        return;
+    }
+    snprintf(q, sizeof q, "%s_int8", name);
+    snprintf(scale, sizeof scale, "%s_scale", name);
+    snprintf(zero, sizeof zero, "%s_zero_point", name);
+    mpt__onnx_ints(o, q, MPT__ONNX_INT8, 1, 0, NULL, 1, &code);
+    mpt__onnx_floats(o, scale, 0, 1, &s);
+    mpt__onnx_ints(o, zero, MPT__ONNX_INT8, 1, 0, NULL, 1, &zp);
+    mpt__pb_end(&o->nodes, mpt__onnx_node(o, "DequantizeLinear", name, q, scale, zero));
+}
+
+/* A graph's operation: each input's value brought to input 0's layout
+   (a Transpose between its own DequantizeLinear and QuantizeLinear, as
+   mpt__onnx_q_layout), then Add, Sub or Mul of two (a fused ReLU after),
+   Concat along the axis in that layout, or Pad by the pads in it; then
+   QuantizeLinear/DequantizeLinear at the output's scale, which ONNX
+   Runtime fuses with the inputs' DequantizeLinear into its int8 ops.
+   values[t]: tensor t's value (0 the model's input). */
+static void mpt__onnx_q_graph_op(mpt__onnx *o, const mpt__qop *op, mpt__onnx_value *values) {
+    static const int nchw_axis[4] = {0, 2, 3, 1}; /* NHWC's axis -> NCHW's */
+    const mpt_quantized_layer *L = &op->info;
+    const mpt__quantized *Q = o->pl->m->quantized;
+    const int nchw = values[op->in_t[0]].nchw;
+    char names[MPT_MAX_MERGE_INPUTS][96], y[96], pads_name[96];
+    const char *inputs[MPT_MAX_MERGE_INPUTS];
+    mpt__layer named;
+    size_t body;
+    int k;
+    memset(&named, 0, sizeof named);
+    for (k = 0; k < L->n_inputs; k++) {
+        snprintf(named.name, sizeof named.name, "%.50s/input%c", L->name, (char)('0' + k));
+        mpt__onnx_load(o, &values[op->in_t[k]]);
+        mpt__onnx_q_layout(o, &named, nchw, &Q->tensor[op->in_t[k]]);
+        memcpy(names[k], o->x, sizeof o->x);
+        inputs[k] = names[k];
+    }
+    snprintf(named.name, sizeof named.name, "%s", L->name);
+    mpt__onnx_name(y, sizeof y, &named, L->activation == MPT_ACT_RELU ? "sum" : "result");
+    if (L->op == MPT_QOP_CONCATENATION) {
+        body = mpt__onnx_node_of(o, "Concat", y, inputs, L->n_inputs);
+        mpt__onnx_attr_int(&o->nodes, "axis", nchw ? nchw_axis[L->axis] : L->axis);
+    } else if (L->op == MPT_QOP_PAD) {
+        int64_t pads[8] = {0}, count = 8;
+        const int h = nchw ? 2 : 1; /* the height's axis; the width's follows */
+        unsigned char *data;
+        size_t init;
+        pads[h] = L->pads[0][0], pads[h + 1] = L->pads[1][0];
+        pads[4 + h] = L->pads[0][1], pads[4 + h + 1] = L->pads[1][1];
+        mpt__onnx_name(pads_name, sizeof pads_name, &named, "pads");
+        data = mpt__onnx_initializer(o, pads_name, MPT__ONNX_INT64, 1, &count, 64, &init);
+        for (k = 0; data && k < 8; k++) mpt__tb_put_le(data + 8 * k, (uint64_t)pads[k], 8);
+        mpt__pb_end(&o->inits, init);
+        body = mpt__onnx_node(o, "Pad", y, names[0], pads_name, NULL);
+    } else {
+        if (L->n_inputs == 1) mpt__onnx_q_constant_operand(o, L, names[1]);
+        body = mpt__onnx_node(o, L->op == MPT_QOP_ADD   ? "Add"
+                                 : L->op == MPT_QOP_SUB ? "Sub"
+                                                        : "Mul",
+                              y, names[0], names[1], NULL);
+    }
+    mpt__pb_end(&o->nodes, body);
+    snprintf(o->x, sizeof o->x, "%s", y);
+    if (L->activation == MPT_ACT_RELU) mpt__onnx_unary(o, &named, "Relu", "result");
+    mpt__onnx_q_requantize(o, L->name, "output", &L->output);
+}
+
 /* The ONNX type of a quantized model's input and output. */
 static int mpt__onnx_io_type(const mpt_model *m) {
     mpt_dtype io = m->quantized ? m->quantized->io_dtype : MPT_FLOAT32;
@@ -37206,17 +37891,37 @@ static void mpt__onnx_io_codes(mpt__onnx *o, int output) {
 static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
     const mpt__quantized *Q = o->pl->m->quantized;
     const int codes = mpt__onnx_io_type(o->pl->m) != MPT__ONNX_FLOAT;
+    const mpt__qop *last = &Q->ops[Q->out_t - 1]; /* quantize made at least one */
+    mpt__onnx_value *values;
     mpt__layer named;
     int i;
     if (codes) mpt__onnx_io_codes(o, 0);
     mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
-    for (i = 0; i < Q->n_ops; i++) mpt__onnx_q_op(o, &Q->ops[i]);
+    /* each operation's value, [0] the input's: what later ones read */
+    values = (mpt__onnx_value *)mpt__alloc(o->pl->m->ctx, sizeof *values * (size_t)(Q->n_ops + 1));
+    if (!values) {
+        o->nodes.failed = 1;
+        return 0;
+    }
+    mpt__onnx_save(o, &values[0]);
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qop *op = &Q->ops[i];
+        if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
+            mpt__onnx_q_graph_op(o, op, values);
+        } else {
+            mpt__onnx_load(o, &values[op->in_t[0]]);
+            mpt__onnx_q_op(o, op);
+        }
+        mpt__onnx_save(o, &values[i + 1]);
+    }
+    mpt__onnx_load(o, &values[Q->out_t]);
+    mpt__free(o->pl->m->ctx, values);
     memset(&named, 0, sizeof named);
-    snprintf(named.name, sizeof named.name, "%s", Q->ops[Q->n_ops - 1].info.name);
+    snprintf(named.name, sizeof named.name, "%s", last->info.name);
     mpt__onnx_layout(o, &named, 0);
     if (codes) mpt__onnx_io_codes(o, 1);
-    memcpy(out_shape, Q->ops[Q->n_ops - 1].info.out_shape, sizeof Q->ops[0].info.out_shape);
-    return Q->ops[Q->n_ops - 1].info.out_rank;
+    memcpy(out_shape, last->info.out_shape, sizeof last->info.out_shape);
+    return last->info.out_rank;
 }
 
 /* The ONNX file (mpt__export_encode_fn). */

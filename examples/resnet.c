@@ -13,8 +13,10 @@
    rebuilds it with mpt_model_load instead of building it in code (with
    --epochs 0 it is only evaluated; a larger --epochs trains it on from
    the epochs it has). --export STEM writes STEM.tflite and STEM.onnx
-   (float32 weights), which bench/run_exported.py runs in LiteRT and ONNX
-   Runtime on the test images. */
+   (float32 weights), and the model quantized to full integer (calibrated
+   on 500 training images) as STEM_full_int8.tflite and .onnx, whose test
+   accuracy in mpt.h it reports too; bench/run_exported.py runs each pair
+   in LiteRT and ONNX Runtime on the test images. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -65,6 +67,19 @@ int main(int argc, char **argv) {
         TRY(mpt_model_export_onnx(model, path, NULL));
     }
     TRY(evaluate_and_report(ctx, &o, model, "resnet", test));
+    if (o.export_stem) { /* as TFLiteConverter with a representative dataset */
+        char path[1024];
+        mpt_model *q;
+        TRY(mpt_model_quantize(model, &(mpt_quantize_desc){
+            .mode = MPT_QUANTIZE_FULL_INTEGER, .representative_data = train,
+            .calibration_samples = 500 }, &q));
+        snprintf(path, sizeof path, "%s_full_int8.tflite", o.export_stem);
+        TRY(mpt_model_export_tflite(q, path, NULL));
+        snprintf(path, sizeof path, "%s_full_int8.onnx", o.export_stem);
+        TRY(mpt_model_export_onnx(q, path, NULL));
+        TRY(evaluate_and_report(ctx, &o, q, "resnet_full_int8", test));
+        mpt_model_destroy(q);
+    }
 
     mpt_model_destroy(model);
     mpt_dataset_destroy(validation);

@@ -730,20 +730,39 @@ static void test_add_hands_dy(void) {
     mpt_model_destroy(twice);
 }
 
-/* What still reads the layers as a chain refuses a graph, saying so: the
-   quantizations. (The export writes graphs, shared layers too:
-   tests/test_export.c runs them in LiteRT and ONNX Runtime.) */
+/* Quantization-aware training takes a graph whose merges have two inputs
+   (tests/test_qat.c trains one), not an Add of three, whose partial sum
+   no layer outputs, saying so; post-training quantization takes a graph
+   (tests/test_quantize.c) but not yet one of several inputs or outputs. */
 static void test_refused_for_graphs(void) {
     mpt_model *m = new_model(4, MPT_POLICY_FLOAT32), *q = NULL;
-    mpt_node x = mpt_model_input(m), two[2];
+    mpt_node x = mpt_model_input(m), two[2], three[3];
     two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4});
     two[1] = x;
     mpt_dense(m, mpt_add(m, 2, two, NULL), &(mpt_dense_desc){.units = 2});
     CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    test_expect_error(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
-                      "quantize: not for a model", "quantize");
+    CHECK(mpt_model_quantize_aware(m, NULL) == MPT_OK, "quantize_aware: %s",
+          mpt_context_error(ctx));
+    mpt_model_destroy(m);
+    m = new_model(4, MPT_POLICY_FLOAT32);
+    x = mpt_model_input(m);
+    three[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4});
+    three[1] = x, three[2] = x;
+    mpt_dense(m, mpt_add(m, 3, three, NULL), &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
     test_expect_error(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "quantize_aware: not for a model", "quantize_aware");
+                      "'add/1' is a step of a merge of more than two inputs", "quantize_aware");
+    mpt_model_destroy(m);
+    m = new_model(4, MPT_POLICY_FLOAT32);
+    x = mpt_model_input(m);
+    two[0] = mpt_dense(m, x, &(mpt_dense_desc){.units = 4});
+    two[1] = mpt_dense(m, x, &(mpt_dense_desc){.units = 2});
+    CHECK(mpt_model_add_output(m, two[0]) == MPT_OK && mpt_model_add_output(m, two[1]) == MPT_OK,
+          "outputs: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    test_expect_error(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
+                      "quantize: not for a model of several outputs (2)", "quantize");
+    CHECK(!q, "a quantized model came back");
     mpt_model_destroy(m);
 }
 

@@ -384,9 +384,63 @@ static double steps_apart(const float *a, const float *b, int64_t n, double step
     return worst;
 }
 
-static void fit_convert_compare(mpt_policy policy, int softmax) {
+/* The same as a graph (@layers' functional form): a residual block
+   Conv2D → BatchNormalization → ReLU (a) → Conv2D → BatchNormalization,
+   Add with a, ReLU (fused into the ADD), Concatenate with a, then as
+   small_cnn from the pooling on, logits out: the merges' outputs are
+   fake-quantized with ranges of their own. */
+static mpt_model *small_graph(mpt_context *ctx) {
+    mpt_model *m = NULL;
+    mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
+    mpt_conv2d_desc conv = {.filters = 4, .kernel_size = {3, 3}, .padding = MPT_PADDING_SAME};
+    mpt_node a, two[2];
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {S, S, CH}, .input_rank = 3, .seed = 5},
+                     &m);
+    a = mpt_conv2d(m, mpt_model_input(m), &conv);
+    a = mpt_activation_layer(m, mpt_batch_normalization(m, a, NULL), &relu);
+    two[0] = mpt_batch_normalization(m, mpt_conv2d(m, a, &conv), NULL), two[1] = a;
+    two[0] = mpt_activation_layer(m, mpt_add(m, 2, two, NULL), &relu);
+    a = mpt_concatenate(m, 2, two, NULL);
+    a = mpt_flatten(m, mpt_max_pooling2d(m, a, &(mpt_pool2d_desc){.pool_size = {2, 2}}), NULL);
+    a = mpt_dense(m, a, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    mpt_dense(m, a, &(mpt_dense_desc){.units = CLASSES});
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = 1},
+        .metrics = MPT_METRIC_ACCURACY});
+    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* After a predict of small_graph: what its Add (layer 5) and Concatenate
+   (layer 7) read in the last batch is on the grid of each input's learned
+   range (fake-quantizing it again changes nothing): the graph's readers
+   take the fake-quantized outputs, not the layers' own. */
+static void graph_reads_quantized(mpt_model *m) {
+    static const int merges[2] = {5, 7};
+    int k, s;
+    for (k = 0; k < 2; k++) {
+        const mpt__layer *L = &m->layers[merges[k]];
+        for (s = 0; s < L->n_in; s++) {
+            const int from = L->in_node[s] - 1;
+            const float *x = (const float *)L->xs[s];
+            float lo = 0, hi = 0;
+            double scale;
+            int zero_point;
+            int64_t i, off = 0, n = m->last_batch * L->in_count;
+            CHECK(mpt_model_qat_range(m, from, &lo, &hi) == MPT_OK, "layer %d: no range: %s",
+                  from, mpt_context_error(m->ctx));
+            ref_params(lo, hi, &scale, &zero_point);
+            for (i = 0; i < n; i++) off += ref_fake_quant(x[i], scale, zero_point) != x[i];
+            CHECK(off == 0, "'%s' input %d ('%s'): %lld of %lld values off the grid of its range",
+                  L->name, s, m->layers[from].name, (long long)off, (long long)n);
+        }
+    }
+}
+
+static void fit_convert_compare(mpt_policy policy, int softmax, int graph) {
     mpt_context *ctx = quiet_ctx();
-    mpt_model *m = small_cnn(ctx, policy, softmax), *q = NULL;
+    mpt_model *m = graph ? small_graph(ctx) : small_cnn(ctx, policy, softmax), *q = NULL;
     int64_t sample[3] = {S, S, CH};
     mpt_dataset *d;
     mpt_logs before, after, converted;
@@ -415,9 +469,12 @@ static void fit_convert_compare(mpt_policy policy, int softmax) {
     CHECK(mpt_model_predict(q, d, 32, &int_out) == MPT_OK, "predict: %s", mpt_context_error(ctx));
     apart = steps_apart((const float *)fq_out.data, (const float *)int_out.data,
                         mpt_tensor_count(&fq_out), info.output.scale);
+    if (graph) graph_reads_quantized(m);
     if (!softmax) {
         CHECK(apart <= 1.0 + 1e-3, "logits: the int8 model is %.3f output steps from the "
               "fake-quantized one (step %g)", apart, (double)info.output.scale);
+        if (getenv("MPT_TEST_VERBOSE")) printf("  %s: %.3f output steps apart\n",
+                                                graph ? "graph" : "chain", apart);
     } else {
         /* A logit one step off (scale s) moves a probability by up to s
            (softmax's slope is at most 1/2 per logit, two logits move),
@@ -440,8 +497,9 @@ static void fit_convert_compare(mpt_policy policy, int softmax) {
     mpt_context_destroy(ctx);
 }
 
-static void test_fit_and_conversion_logits(void) { fit_convert_compare(MPT_POLICY_FLOAT32, 0); }
-static void test_fit_and_conversion_softmax(void) { fit_convert_compare(MPT_POLICY_FLOAT32, 1); }
+static void test_fit_and_conversion_logits(void) { fit_convert_compare(MPT_POLICY_FLOAT32, 0, 0); }
+static void test_fit_and_conversion_softmax(void) { fit_convert_compare(MPT_POLICY_FLOAT32, 1, 0); }
+static void test_fit_and_conversion_graph(void) { fit_convert_compare(MPT_POLICY_FLOAT32, 0, 1); }
 
 /* Mixed precision: the kernels the layers read in float16 are the
    float32 fake-quantized ones rounded once; training goes on. */
@@ -699,6 +757,7 @@ int main(void) {
     TEST_RUN(test_gradients_finite_differences);
     TEST_RUN(test_fit_and_conversion_logits);
     TEST_RUN(test_fit_and_conversion_softmax);
+    TEST_RUN(test_fit_and_conversion_graph);
     TEST_RUN(test_mixed_precision);
     TEST_RUN(test_save_and_load);
     TEST_RUN(test_bad_input);

@@ -73,7 +73,7 @@ static void round_weights_to_half(mpt_context *ctx, mpt_model *m) {
     mpt_model_refresh_weights(m);
 }
 
-enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE };
+enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL, MODEL_MERGES };
 
 /* CNN: Conv2D → BatchNormalization → ReLU → MaxPooling2D → Conv2D(tanh)
    → AveragePooling2D('same') → Flatten → Dense(gelu) → Dropout →
@@ -82,8 +82,12 @@ enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE };
    BatchNormalization → Dense(4, relu). WIDE: Conv2D(300, 1×1) →
    MaxPooling2D → AveragePooling2D → Flatten → Dense(softmax): pooling
    over more channels than a block of its int32 sums. */
+static void add_graph(mpt_model *m, int kind);
+
 static void add_layers(mpt_model *m, int kind) {
-    if (kind == MODEL_CNN) {
+    if (kind >= MODEL_RESIDUAL) {
+        add_graph(m, kind);
+    } else if (kind == MODEL_CNN) {
         mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
                                                    .padding = MPT_PADDING_SAME});
         mpt_model_add_batch_normalization(m, NULL);
@@ -120,6 +124,67 @@ static void add_layers(mpt_model *m, int kind) {
         mpt_model_add_batch_normalization(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_RELU});
     }
+}
+
+/* The graphs (@layers' functional form). RESIDUAL, two blocks of
+   ResNet's: Conv2D → BatchNormalization → ReLU (a) → Conv2D → BatchNormalization,
+   Add with a, ReLU (r); then ZeroPadding2D → Conv2D(stride 2) →
+   BatchNormalization → ReLU beside a 1×1 Conv2D(stride 2, 'same') of r,
+   Add, ReLU, GlobalAveragePooling2D → Dense(softmax). MERGES: every other
+   merge: c1 = Conv2D(relu), c2 = Conv2D(1×1, tanh) (a fixed scale of
+   1/128 against c1's calibrated one), Subtract, Multiply, an Add of
+   three, a Concatenate of four on the channels (inputs at four scales)
+   read by a shared 1×1 Conv2D called twice (the second call on another
+   Concatenate), the Average of the two and c1 beside c1 concatenated along
+   the rows (axis 1), MaxPooling2D → Flatten → Dense(softmax). */
+static void add_graph(mpt_model *m, int kind) {
+    mpt_node x = mpt_model_input(m), a, b, r, c, d, two[2], four[4];
+    const mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
+    if (kind == MODEL_RESIDUAL) {
+        a = mpt_conv2d(m, x, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
+                                                .padding = MPT_PADDING_SAME});
+        a = mpt_activation_layer(m, mpt_batch_normalization(m, a, NULL), &relu);
+        b = mpt_conv2d(m, a, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
+                                                .padding = MPT_PADDING_SAME});
+        two[0] = mpt_batch_normalization(m, b, NULL), two[1] = a;
+        r = mpt_activation_layer(m, mpt_add(m, 2, two, NULL), &relu);
+        c = mpt_conv2d(m, mpt_zero_padding2d(m, r, NULL),
+                       &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3}, .strides = {2, 2}});
+        c = mpt_activation_layer(m, mpt_batch_normalization(m, c, NULL), &relu);
+        d = mpt_conv2d(m, r, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {1, 1},
+                                                .strides = {2, 2}, .padding = MPT_PADDING_SAME});
+        two[0] = c, two[1] = d;
+        r = mpt_activation_layer(m, mpt_add(m, 2, two, NULL), &relu);
+        mpt_dense(m, mpt_global_average_pooling2d(m, r, NULL),
+                  &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+        return;
+    }
+    a = mpt_conv2d(m, x, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
+                                            .padding = MPT_PADDING_SAME,
+                                            .activation = MPT_ACT_RELU});
+    b = mpt_conv2d(m, x, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {1, 1},
+                                            .activation = MPT_ACT_TANH});
+    two[0] = a, two[1] = b;
+    four[0] = mpt_subtract(m, 2, two, NULL);
+    four[1] = mpt_multiply(m, 2, two, NULL);
+    {
+        mpt_node three[3];
+        three[0] = a, three[1] = b, three[2] = four[0];
+        four[2] = mpt_add(m, 3, three, NULL);
+    }
+    four[3] = b;
+    c = mpt_conv2d(m, mpt_concatenate(m, 4, four, NULL),
+                   &(mpt_conv2d_desc){.name = "shared", .filters = 4, .kernel_size = {1, 1}});
+    four[3] = four[0], four[0] = a;
+    d = mpt_apply_layer(m, "shared", 1, (mpt_node[]){mpt_concatenate(m, 4, four, NULL)});
+    {
+        mpt_node three[3];
+        three[0] = c, three[1] = d, three[2] = a;
+        two[0] = mpt_average(m, 3, three, NULL), two[1] = a;
+    }
+    r = mpt_concatenate(m, 2, two, &(mpt_concatenate_desc){.axis = 1});
+    r = mpt_flatten(m, mpt_max_pooling2d(m, r, NULL), NULL);
+    mpt_dense(m, r, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
 }
 
 /* A model of that kind, built for batches of 32, its weights random from seed. */
@@ -169,9 +234,11 @@ static void test_rounding_ties_away_from_zero(void) {
 /* The folded operations in float32 against the float model's own predict:
    the same function, up to float32 rounding. */
 static void test_batchnorm_folding_float(void) {
-    int kind;
+    static const int kinds[] = {MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_RESIDUAL, MODEL_MERGES};
+    int ki;
     make_samples(11);
-    for (kind = MODEL_CNN; kind <= MODEL_DENSE; kind++) {
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++) {
+        const int kind = kinds[ki];
         mpt_context *ctx = quiet_ctx();
         mpt_model *m = make_model(ctx, kind, 100 + (unsigned)kind);
         mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
@@ -185,10 +252,15 @@ static void test_batchnorm_folding_float(void) {
         memset(&w, 0, sizeof w);
         CHECK(mpt_model_predict(m, d, 32, &ref) == MPT_OK, "predict");
         CHECK(mpt__q_build_ops(m, &Q) == MPT_OK, "ops: %s", mpt_context_error(ctx));
-        mpt__q_plan(&Q, H * W * C);
+        CHECK(mpt__q_plan(ctx, &Q, H * W * C) == MPT_OK, "plan");
         CHECK(mpt__qwork_alloc(ctx, &Q, N_SAMPLES, &w) == MPT_OK, "work");
-        CHECK(kind == MODEL_GAP || Q.ops[0].info.folded_batchnorm ||
+        CHECK(kind == MODEL_GAP || kind == MODEL_MERGES || Q.ops[0].info.folded_batchnorm ||
                   Q.ops[1].info.folded_batchnorm, "model %d: no BatchNormalization folded", kind);
+        if (kind == MODEL_RESIDUAL) { /* all three, a graph's too */
+            int i, folded = 0;
+            for (i = 0; i < Q.n_ops; i++) folded += Q.ops[i].info.folded_batchnorm != NULL;
+            CHECK(folded == 3, "residual: %d BatchNormalizations folded, want 3", folded);
+        }
         if (w.block)
             CHECK(mpt__q_forward(ctx, &Q, MPT__QX_REFERENCE, sample_x, N_SAMPLES, &w, NULL,
                                  &out) == MPT_OK, "forward");
@@ -209,6 +281,8 @@ static void test_batchnorm_folding_float(void) {
             int i;
             for (i = 0; i < Q.n_ops; i++) mpt__qop_free(ctx, &Q.ops[i]);
             mpt__free(ctx, Q.ops);
+            mpt__free(ctx, Q.root);
+            mpt__free(ctx, Q.slot);
         }
         mpt_dataset_destroy(d);
         mpt_model_destroy(m);
@@ -234,21 +308,87 @@ static double largest_abs_row(const float *x, int64_t rows, int64_t cols) {
     return best;
 }
 
+/* A graph's operation i (a merge, or ZeroPadding2D) in full integer on
+   its reference inputs quantized, against the reference output. Each
+   input's rounding is half its step; ADD and SUB add the two, MUL takes
+   each times the other's magnitude (|a|·s_b/2 + |b|·s_a/2 + s_a·s_b/4),
+   a CONCATENATION input requantized to the output's scale rounds once
+   more; then the output's own rounding: within its step with the
+   fixed-point multipliers'. */
+static void check_integer_graph_op(mpt__quantized *Q, int i, float **ref, int64_t n) {
+    const mpt__qop *op = &Q->ops[i];
+    const mpt_quant_params *o = &op->info.output;
+    const int64_t count = n * op->out_count;
+    int8_t *xq[MPT_MAX_MERGE_INPUTS], *yq = (int8_t *)malloc((size_t)count);
+    const void *xs[MPT_MAX_MERGE_INPUTS];
+    double worst = 0;
+    int64_t k, r, c, at = 0;
+    int j;
+    for (j = 0; j < op->info.n_inputs; j++) {
+        const int t = op->in_t[j];
+        const int64_t in_count = t ? Q->ops[t - 1].out_count : Q->in_count;
+        xq[j] = (int8_t *)malloc((size_t)(n * in_count));
+        for (k = 0; k < n * in_count; k++) xq[j][k] = mpt__q_quantize(ref[t][k], &Q->tensor[t]);
+        xs[j] = xq[j];
+    }
+    if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, 1, xs[0], yq, n);
+    else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, 1, xs, yq, n);
+    else mpt__q_binary(op, 1, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, yq, count);
+    for (k = 0; k < count; k++) {
+        const double got = (yq[k] - o->zero_point) * (double)o->scale, want = ref[i + 1][k];
+        double bound = o->scale + 1e-6;
+        if (op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB) {
+            bound += 0.5 * (Q->tensor[op->in_t[0]].scale + Q->tensor[op->in_t[1]].scale);
+        } else if (op->info.op == MPT_QOP_MUL && op->info.n_inputs == 1) { /* by 1/n, exact */
+            bound += 0.5 * Q->tensor[op->in_t[0]].scale * op->info.constant;
+        } else if (op->info.op == MPT_QOP_MUL) {
+            const double sa = Q->tensor[op->in_t[0]].scale, sb = Q->tensor[op->in_t[1]].scale;
+            bound += 0.5 * fabs(ref[op->in_t[0]][k]) * sb + 0.5 * fabs(ref[op->in_t[1]][k]) * sa +
+                     0.25 * sa * sb;
+        } else if (op->info.op == MPT_QOP_PAD) {
+            bound = 0.5 * o->scale + 1e-6; /* the padding is exactly 0 */
+        }
+        if (fabs(got - want) > bound * 1.0001 && fabs(got - want) / bound > worst)
+            worst = fabs(got - want) / bound;
+    }
+    if (op->info.op == MPT_QOP_CONCATENATION) /* each input's half step, by where it went */
+        for (j = 0; j < op->info.n_inputs; at += op->inner[j], j++)
+            for (r = 0; r < n * op->outer; r++)
+                for (c = 0; c < op->inner[j]; c++) {
+                    const int64_t e = r * (op->out_count / op->outer) + at + c;
+                    const double got = (yq[e] - o->zero_point) * (double)o->scale;
+                    const double bound = 0.5 * Q->tensor[op->in_t[j]].scale +
+                                         (op->in_mult[j] ? o->scale : 0) + 1e-6;
+                    if (fabs(got - ref[i + 1][e]) > bound * 1.0001)
+                        worst = fmax(worst, fabs(got - ref[i + 1][e]) / bound);
+                }
+    CHECK(worst == 0, "op %d (%s, kind %d): %g times its bound", i, op->name, (int)op->info.op,
+          worst);
+    for (j = 0; j < op->info.n_inputs; j++) free(xq[j]);
+    free(yq);
+}
+
 /* Operation i in full integer on the reference input quantized, against
    the reference output (both in `ref`, one buffer per tensor). */
 static void check_integer_op(mpt_context *ctx, mpt__quantized *Q, int i, float **ref, int64_t n,
                              mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
     const mpt_quant_params *in = &op->info.input, *o = &op->info.output;
+    const float *x = ref[op->in_t[0]]; /* in a chain, ref[i] */
     int64_t k, count = n * op->out_count, c;
-    int8_t *xq = (int8_t *)malloc((size_t)(n * op->in_count)), *yq = (int8_t *)malloc((size_t)count);
+    int8_t *xq, *yq;
     double worst = 0, x_sum = 0;
-    for (k = 0; k < n * op->in_count; k++) xq[k] = mpt__q_quantize(ref[i][k], in);
+    if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
+        check_integer_graph_op(Q, i, ref, n);
+        return;
+    }
+    xq = (int8_t *)malloc((size_t)(n * op->in_count)), yq = (int8_t *)malloc((size_t)count);
+    for (k = 0; k < n * op->in_count; k++) xq[k] = mpt__q_quantize(x[k], in);
     CHECK(mpt__q_run_op(ctx, Q, i, MPT__QX_INTEGER, xq, yq, n, w) == MPT_OK, "op %d", i);
     if (op->info.op == MPT_QOP_CONV_2D)
         x_sum = (double)op->info.depth * (in->max > -in->min ? in->max : -in->min);
     else if (op->info.op == MPT_QOP_FULLY_CONNECTED)
-        x_sum = largest_abs_row(ref[i], n, op->in_count);
+        x_sum = largest_abs_row(x, n, op->in_count);
     for (k = 0; k < count; k++) {
         double got = (yq[k] - o->zero_point) * (double)o->scale, want = ref[i + 1][k], bound;
         c = k % (op->info.out_channels ? op->info.out_channels : 1);
@@ -295,13 +435,14 @@ static void check_integer_op(mpt_context *ctx, mpt__quantized *Q, int i, float *
 static void check_dynamic_op(mpt_context *ctx, mpt__quantized *Q, int i, float **ref, int64_t n,
                              mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
+    const float *x = ref[op->in_t[0]]; /* in a chain, ref[i] */
     int64_t k, count = n * op->out_count;
     float *y = (float *)malloc(sizeof(float) * (size_t)count);
     double worst = 0, amax = 0, x_sum;
-    for (k = 0; k < n * op->in_count; k++) amax = fabs(ref[i][k]) > amax ? fabs(ref[i][k]) : amax;
+    for (k = 0; k < n * op->in_count; k++) amax = fabs(x[k]) > amax ? fabs(x[k]) : amax;
     x_sum = op->info.op == MPT_QOP_CONV_2D ? op->info.depth * amax
-                                           : largest_abs_row(ref[i], n, op->in_count);
-    CHECK(mpt__q_run_op(ctx, Q, i, MPT__QX_DYNAMIC, ref[i], y, n, w) == MPT_OK, "op %d", i);
+                                           : largest_abs_row(x, n, op->in_count);
+    CHECK(mpt__q_run_op(ctx, Q, i, MPT__QX_DYNAMIC, x, y, n, w) == MPT_OK, "op %d", i);
     for (k = 0; k < count; k++) {
         int64_t c = k % op->info.out_channels, j;
         double w_sum = 0, bound, want = ref[i + 1][k];
@@ -332,7 +473,7 @@ static void test_layers_within_steps(void) {
         memset(&R, 0, sizeof R);
         /* the reference: the folded float32 operations, every tensor kept */
         CHECK(mpt__q_build_ops(m, &R) == MPT_OK, "ops");
-        mpt__q_plan(&R, H * W * C);
+        CHECK(mpt__q_plan(ctx, &R, H * W * C) == MPT_OK, "plan");
         CHECK(mpt__qwork_alloc(ctx, &R, N_SAMPLES, &w) == MPT_OK, "work");
         ref[0] = sample_x;
         for (i = 0; i < R.n_ops; i++) {
@@ -350,6 +491,8 @@ static void test_layers_within_steps(void) {
             mpt__qop_free(ctx, &R.ops[i]);
         }
         mpt__free(ctx, R.ops);
+        mpt__free(ctx, R.root);
+        mpt__free(ctx, R.slot);
         mpt__free(ctx, w.block);
         mpt_model_destroy(qi);
         mpt_model_destroy(qd);
@@ -357,6 +500,304 @@ static void test_layers_within_steps(void) {
         mpt_model_destroy(m);
         mpt_context_destroy(ctx);
     }
+}
+
+/* ---- graphs ----------------------------------------------------------------------------- */
+
+/* The folded float32 reference of every tensor of a graph, each operation
+   run on its own inputs' tensors: ref[0] the samples, ref[i + 1] op i's
+   output (allocated here). */
+static void graph_reference(mpt_context *ctx, mpt__quantized *R, float **ref, int64_t n,
+                            mpt__qwork *w) {
+    int i, k;
+    for (i = 0; i < R->n_ops; i++) {
+        const mpt__qop *op = &R->ops[i];
+        const void *xs[MPT_MAX_MERGE_INPUTS];
+        ref[i + 1] = (float *)malloc(sizeof(float) * (size_t)(n * op->out_count));
+        for (k = 0; k < op->info.n_inputs; k++) xs[k] = ref[op->in_t[k]];
+        if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, 0, xs[0], ref[i + 1], n);
+        else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, 0, xs, ref[i + 1], n);
+        else if (mpt__qop_is_merge(op))
+            mpt__q_binary(op, 0, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, ref[i + 1],
+                          n * op->out_count);
+        else
+            CHECK(mpt__q_run_op(ctx, R, i, MPT__QX_REFERENCE, xs[0], ref[i + 1], n, w) == MPT_OK,
+                  "reference op %d", i);
+    }
+}
+
+/* Each operation of the two graphs in full integer (and each product in
+   dynamic range) within its bound of the folded float32 reference, on its
+   own inputs (the merges' bounds: check_integer_graph_op); and each
+   merge's output range calibrated (min/max) on the samples is the range
+   of the reference's values there. */
+static void test_graph_ops_within_steps(void) {
+    int kind;
+    make_samples(16);
+    for (kind = MODEL_RESIDUAL; kind <= MODEL_MERGES; kind++) {
+        mpt_context *ctx = quiet_ctx();
+        mpt_model *m = make_model(ctx, kind, 210 + (unsigned)kind);
+        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        mpt_model *qi = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+        mpt_model *qd = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
+        mpt__quantized R;
+        mpt__qwork w;
+        float *ref[64];
+        int i, merges = 0, ranges = 0;
+        int64_t k;
+        memset(&R, 0, sizeof R);
+        CHECK(mpt__q_build_ops(m, &R) == MPT_OK, "ops");
+        CHECK(R.n_ops < 63 && mpt__q_plan(ctx, &R, H * W * C) == MPT_OK, "plan");
+        CHECK(mpt__qwork_alloc(ctx, &R, N_SAMPLES, &w) == MPT_OK, "work");
+        ref[0] = sample_x;
+        graph_reference(ctx, &R, ref, N_SAMPLES, &w);
+        for (i = 0; qi && qd && i < R.n_ops; i++) {
+            const mpt__qop *op = &qi->quantized->ops[i];
+            check_integer_op(ctx, qi->quantized, i, ref, N_SAMPLES, &w);
+            if (mpt__qop_weighted(&R.ops[i]))
+                check_dynamic_op(ctx, qd->quantized, i, ref, N_SAMPLES, &w);
+            merges += mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD;
+            if (mpt__qop_is_merge(op)) {
+                float lo = INFINITY, hi = -INFINITY;
+                double tol;
+                for (k = 0; k < N_SAMPLES * op->out_count; k++)
+                    lo = fminf(lo, ref[i + 1][k]), hi = fmaxf(hi, ref[i + 1][k]);
+                tol = 1e-5 * (fabs(lo) + fabs(hi)); /* batches of 32 against one of 96 */
+                CHECK(fabs(op->info.output.min - lo) <= tol &&
+                          fabs(op->info.output.max - hi) <= tol,
+                      "op %d (%s): calibrated [%g, %g], the reference's values [%g, %g]", i,
+                      op->name, op->info.output.min, op->info.output.max, lo, hi);
+                ranges++;
+            }
+        }
+        for (i = 0; qi && i < qi->quantized->n_ops; i++) { /* a file's names are its own */
+            int j;
+            for (j = 0; j < i; j++)
+                CHECK(strcmp(qi->quantized->ops[i].name, qi->quantized->ops[j].name) != 0 ||
+                          qi->quantized->ops[i].info.op == MPT_QOP_ACTIVATION,
+                      "ops %d and %d are both named '%s'", j, i, qi->quantized->ops[i].name);
+        }
+        /* residual: ZeroPadding2D and two ADDs; merges: SUB, MUL, two ADDs
+           of the Add of three, three CONCATENATIONs, the Average's two
+           ADDs and MUL by 1/3 */
+        CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : 10) &&
+                  ranges == merges - (kind == MODEL_RESIDUAL),
+              "model %d: %d graph operations checked, %d ranges", kind, merges, ranges);
+        for (i = 0; i < R.n_ops; i++) {
+            free(ref[i + 1]);
+            mpt__qop_free(ctx, &R.ops[i]);
+        }
+        mpt__free(ctx, R.ops);
+        mpt__free(ctx, R.root);
+        mpt__free(ctx, R.slot);
+        mpt__free(ctx, w.block);
+        mpt_model_destroy(qi);
+        mpt_model_destroy(qd);
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+    }
+}
+
+/* TFLite's fixed-point helpers, written out from their definitions (for
+   the scalar references): SaturatingRoundingDoublingHighMul, then
+   RoundingDivideByPOT as gemmlowp writes it (mask and threshold). */
+static int32_t ref_high_mul(int32_t a, int32_t b) {
+    long long ab = (long long)a * b, nudge = ab >= 0 ? (1LL << 30) : 1 - (1LL << 30);
+    if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
+    return (int32_t)((ab + nudge) / (1LL << 31));
+}
+
+static int32_t ref_divide_pot(int32_t x, int e) {
+    const int32_t mask = (int32_t)((1LL << e) - 1), rem = x & mask;
+    const int32_t threshold = (mask >> 1) + (x < 0);
+    return (x >> e) + (rem > threshold);
+}
+
+static int32_t ref_mbqm(int32_t x, int32_t m, int shift) {
+    const int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
+    return ref_divide_pot(ref_high_mul((int32_t)(x * (1LL << left)), m), right);
+}
+
+/* QuantizeMultiplier: q·2^shift = real, q in [0.5, 1) as Q31. */
+static void ref_multiplier(double real, int32_t *m, int *shift) {
+    long long q = llround(frexp(real, shift) * (double)(1LL << 31));
+    if (q == (1LL << 31)) q /= 2, ++*shift;
+    *m = (int32_t)q;
+}
+
+static int8_t ref_sat8(int32_t v) { return (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v); }
+
+/* The int8 ADD, SUB and MUL of the merges graph on every pair of input
+   codes, and its CONCATENATIONs' requantized inputs on every code, bit for
+   bit against TFLite's reference kernels written from their arithmetic:
+   ADD/SUB ((a − za)·2^20 and (b − zb)·2^20 each times its multiplier of
+   s/(2·max(sa, sb)), added or subtracted, times 2·max/(2^20·so), plus zo),
+   MUL ((a − za)(b − zb) times sa·sb/so, plus zo), QUANTIZE int8 to int8
+   ((a − za) times sa/so, plus zo). */
+static void test_graph_merge_scalar_reference(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m, *q;
+    mpt_dataset *d;
+    int i, checked = 0, requantized = 0;
+    long long off = 0;
+    make_samples(17);
+    m = make_model(ctx, MODEL_MERGES, 230);
+    d = samples_dataset(ctx, N_SAMPLES, sample_x);
+    q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+    for (i = 0; q && i < q->quantized->n_ops; i++) {
+        const mpt__quantized *Q = q->quantized;
+        const mpt__qop *op = &Q->ops[i];
+        const mpt_quant_params *o = &op->info.output;
+        int a, b, k;
+        if (op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB ||
+            op->info.op == MPT_QOP_MUL) {
+            /* an Average's MUL by 1/n: the constant as code 127 at (1/n)/127 */
+            const mpt_quant_params constant = {op->info.constant / 127.0f, 0, 0, 0};
+            const int by_constant = op->info.n_inputs == 1;
+            const mpt_quant_params *pa = &Q->tensor[op->in_t[0]];
+            const mpt_quant_params *pb = by_constant ? &constant : &Q->tensor[op->in_t[1]];
+            const double twice = 2.0 * fmax(pa->scale, pb->scale);
+            int32_t ma, mb, mo;
+            int sa, sb, so;
+            ref_multiplier(pa->scale / twice, &ma, &sa);
+            ref_multiplier(pb->scale / twice, &mb, &sb);
+            if (op->info.op == MPT_QOP_MUL)
+                ref_multiplier((double)pa->scale * pb->scale / o->scale, &mo, &so);
+            else
+                ref_multiplier(twice / ((double)(1 << 20) * o->scale), &mo, &so);
+            for (a = -128; a < 128; a++)
+                for (b = by_constant ? 127 : -128; b < 128; b++) {
+                    int8_t x0 = (int8_t)a, x1 = (int8_t)b, got, want;
+                    int32_t raw;
+                    mpt__q_binary(op, 1, &x0, by_constant ? NULL : &x1, &got, 1);
+                    if (op->info.op == MPT_QOP_MUL) {
+                        raw = ref_mbqm((a - pa->zero_point) * (b - pb->zero_point), mo, so);
+                    } else {
+                        const int32_t va = ref_mbqm((a - pa->zero_point) * (1 << 20), ma, sa);
+                        const int32_t vb = ref_mbqm((b - pb->zero_point) * (1 << 20), mb, sb);
+                        raw = ref_mbqm(op->info.op == MPT_QOP_SUB ? va - vb : va + vb, mo, so);
+                    }
+                    want = ref_sat8(raw + o->zero_point);
+                    if (op->info.activation == MPT_ACT_RELU && want < o->zero_point)
+                        want = (int8_t)o->zero_point; /* a fused ReLU */
+                    off += got != want;
+                }
+            checked++;
+        } else if (op->info.op == MPT_QOP_CONCATENATION) {
+            for (k = 0; k < op->info.n_inputs; k++) {
+                const mpt_quant_params *p = &Q->tensor[op->in_t[k]];
+                const int same = p->scale == o->scale && p->zero_point == o->zero_point;
+                int32_t mq;
+                int sq;
+                ref_multiplier((double)p->scale / o->scale, &mq, &sq);
+                requantized += !same;
+                for (a = -128; a < 128; a++) {
+                    int8_t in[MPT_MAX_MERGE_INPUTS], out[64 * MPT_MAX_MERGE_INPUTS];
+                    const void *xs[MPT_MAX_MERGE_INPUTS];
+                    mpt__qop one = *op; /* one sample of one element per input */
+                    int j;
+                    one.outer = 1, one.out_count = op->info.n_inputs;
+                    for (j = 0; j < op->info.n_inputs; j++)
+                        one.inner[j] = 1, in[j] = (int8_t)a, xs[j] = &in[j];
+                    mpt__q_concat(&one, 1, xs, out, 1);
+                    off += out[k] != (same ? (int8_t)a
+                                           : ref_sat8(ref_mbqm(a - p->zero_point, mq, sq) +
+                                                      o->zero_point));
+                }
+            }
+            checked++;
+        }
+    }
+    CHECK(checked == 10, "%d merges checked, want 10", checked);
+    CHECK(requantized >= 3, "only %d concatenated inputs at another scale than their output's",
+          requantized);
+    CHECK(off == 0, "%lld codes differ from TFLite's arithmetic", off);
+    mpt_model_destroy(q);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* The graphs quantized in each mode, through mpt_model_predict and
+   mpt_model_evaluate, against the float model's: float16 with the weights
+   rounded to half first is the float model's arithmetic but for the
+   BatchNormalizations folded and the sums' order (float32 rounding of the
+   logits: within 1e-4); dynamic range and full integer within the bounds below
+   on the softmax outputs, and evaluate's accuracy apart from the float
+   model's by at most the share of samples whose top-1 differs. */
+static void test_graph_predict_modes(void) {
+    static const double bound[3] = {0.05, 0.1, 1e-4}; /* dynamic, full integer, float16 */
+    int kind, mode;
+    make_samples(18);
+    for (kind = MODEL_RESIDUAL; kind <= MODEL_MERGES; kind++) {
+        mpt_context *ctx = quiet_ctx();
+        mpt_model *m = make_model(ctx, kind, 240 + (unsigned)kind);
+        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        mpt_tensor a;
+        mpt_logs lf, lq;
+        round_weights_to_half(ctx, m);
+        mpt_model_compile(m, &(mpt_compile_desc){
+            .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+            .metrics = MPT_METRIC_ACCURACY});
+        CHECK(mpt_model_predict(m, d, 32, &a) == MPT_OK, "predict float");
+        CHECK(mpt_model_evaluate(m, d, NULL, &lf) == MPT_OK, "evaluate float");
+        for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+            mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+            mpt_tensor b;
+            double worst = 0;
+            int64_t r, c, top_off = 0;
+            memset(&b, 0, sizeof b);
+            CHECK(q && mpt_model_predict(q, d, 40, &b) == MPT_OK, "kind %d mode %d: predict",
+                  kind, mode);
+            for (r = 0; b.data && r < N_SAMPLES; r++) {
+                const float *pf = (const float *)a.data + r * CLASSES;
+                const float *pq = (const float *)b.data + r * CLASSES;
+                int tf = 0, tq = 0;
+                for (c = 0; c < CLASSES; c++) {
+                    worst = fmax(worst, fabs(pf[c] - pq[c]));
+                    tf = pf[c] > pf[tf] ? (int)c : tf;
+                    tq = pq[c] > pq[tq] ? (int)c : tq;
+                }
+                top_off += tf != tq;
+            }
+            CHECK(b.data && worst <= bound[mode],
+                  "kind %d mode %d: outputs differ by %g (bound %g)", kind, mode, worst,
+                  bound[mode]);
+            CHECK(q && mpt_model_evaluate(q, d, NULL, &lq) == MPT_OK, "evaluate");
+            CHECK(fabs(mpt_logs_get(&lq, "accuracy") - mpt_logs_get(&lf, "accuracy")) <=
+                      (double)top_off / N_SAMPLES + 1e-9,
+                  "kind %d mode %d: accuracy %g, float %g, %lld top-1 differ", kind, mode,
+                  mpt_logs_get(&lq, "accuracy"), mpt_logs_get(&lf, "accuracy"),
+                  (long long)top_off);
+            if (getenv("MPT_TEST_VERBOSE"))
+                printf("  kind %d mode %d: worst %g, top-1 differs on %lld of %d\n", kind, mode,
+                       worst, (long long)top_off, N_SAMPLES);
+            mpt_tensor_free(ctx, &b);
+            mpt_model_destroy(q);
+        }
+        mpt_tensor_free(ctx, &a);
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+    }
+}
+
+/* A model whose output is its input (a Dropout alone: nothing runs at
+   inference) has no operation to quantize or to write: refused, saying
+   so, with no model made. */
+static void test_nothing_to_quantize(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = NULL, *q = NULL;
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.5f});
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    m->weights_given = 1; /* past the check for initial weights, which it has none of */
+    test_expect_error(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
+                      "the model's output is its input", "quantize");
+    CHECK(!q, "a quantized model came back");
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
 }
 
 /* float16: every output within float16's rounding of the weights. */
@@ -493,10 +934,11 @@ static mpt_context *threads_ctx(int threads) {
 }
 
 static void test_bit_exact_across_threads(void) {
-    int mode, threads, kind;
+    static const int kinds[] = {MODEL_CNN, MODEL_GAP, MODEL_RESIDUAL, MODEL_MERGES};
+    int mode, threads, kind, ki;
     make_samples(14);
-    for (kind = MODEL_CNN; kind <= MODEL_GAP; kind++)
-        for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (kind = kinds[ki], mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
             mpt_tensor first;
             memset(&first, 0, sizeof first);
             for (threads = 1; threads <= 3; threads++) {
@@ -2014,5 +2456,9 @@ int main(void) {
     TEST_RUN(test_small_conv_scalar_reference);
     TEST_RUN(test_calibration_mse);
     TEST_RUN(test_one_channel_conv_from_the_image);
+    TEST_RUN(test_graph_ops_within_steps);
+    TEST_RUN(test_graph_merge_scalar_reference);
+    TEST_RUN(test_graph_predict_modes);
+    TEST_RUN(test_nothing_to_quantize);
     return test_summary("test_quantize");
 }

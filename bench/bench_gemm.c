@@ -5,6 +5,7 @@
        gcc -std=c99 -O2 -I. bench/bench_gemm.c -o build/bench_gemm -lpthread -lm -lz
        ./build/bench_gemm            (all shapes; about a minute)
        ./build/bench_gemm quick      (1024³ only)
+       ./build/bench_gemm gpt        (examples/gpt.c's products only)
 
    Prints a Markdown table and one JSON line per result. Each result is the
    best of several timed runs after a warm-up (the best, not the mean:
@@ -139,6 +140,16 @@ static const shape shapes[] = {
     {"conv4 bwd dX", 128 * 8 * 8, 576, 64, 0, 1},
     {"square", 1024, 1024, 1024, 0, 0},
     {"square", 2048, 2048, 2048, 0, 0},
+    /* examples/gpt.c: 32 windows of 128 positions, width 256, MLP 1024 */
+    {"gpt proj fwd", 4096, 256, 256, 0, 0},
+    {"gpt proj bwd dX", 4096, 256, 256, 0, 1},
+    {"gpt proj bwd dW", 256, 256, 4096, 1, 0},
+    {"gpt mlp up fwd", 4096, 1024, 256, 0, 0},
+    {"gpt mlp up bwd dX", 4096, 256, 1024, 0, 1},
+    {"gpt mlp up bwd dW", 256, 1024, 4096, 1, 0},
+    {"gpt mlp down fwd", 4096, 256, 1024, 0, 0},
+    {"gpt mlp down bwd dX", 4096, 1024, 256, 0, 1},
+    {"gpt mlp down bwd dW", 1024, 256, 4096, 1, 0},
 };
 
 static void run_gemm(mpt_context *ctx, const void *desc) {
@@ -148,6 +159,7 @@ static void run_gemm(mpt_context *ctx, const void *desc) {
 int main(int argc, char **argv) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
     int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    int gpt = argc > 1 && strcmp(argv[1], "gpt") == 0;
     mpt_context *ctx[2];
     double ghz, peak512[2] = {0, 0}, peak256[2] = {0, 0}, sq_f32[2] = {0, 0};
     int t, si, di;
@@ -181,6 +193,7 @@ int main(int argc, char **argv) {
     for (si = 0; si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
         const shape *s = &shapes[si];
         if (quick && (s->m != 1024 || s->n != 1024)) continue;
+        if (gpt != (strncmp(s->what, "gpt", 3) == 0)) continue;
         for (di = 0; di < 3; di++) {
             mpt_dtype dt = dts[di];
             void *a = random_values(dt, s->m * s->k), *b = random_values(dt, s->k * s->n);

@@ -9209,12 +9209,66 @@ static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int t
     mpt__gemm(ctx, &g);
 }
 
+#if MPT__X86
+/* Defined below, in @impl-activations. */
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
+
+/* mpt__attn_softmax_row 16 keys at a time: the same steps (the scores
+   scaled, the row's largest, Σ exp(s − max) in double, each weight
+   exp(s − max)·(1/Σ)), with mpt__exp_avx512 for expf, evaluated once a
+   key and kept in p, and the double sum taken in 16 lanes, then added
+   across. So the weights differ from the scalar rule's (@backend-shared-
+   training's mpt__attn_weight, which CUDA runs) in the last bits: each
+   is within 3.6e-7 relative of the softmax in double (test_attention's
+   test_softmax_row_vector holds it to 5e-7). NaN scores give NaN weights,
+   as the scalar rule's; -inf ones (s − max below -104) give 0. */
+MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t seen, int64_t n,
+                                                           float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-104.0f);
+    __m512 vmax = _mm512_set1_ps(-INFINITY), vinv;
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
+    int64_t c;
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + c), vscale);
+        _mm512_mask_storeu_ps(p + c, m, v);
+        vmax = _mm512_mask_max_ps(vmax, m, v, vmax); /* a NaN score is passed over */
+    }
+    vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + c), vmax);
+        const __m512 e = _mm512_maskz_mov_ps(m, mpt__exp_avx512(_mm512_max_ps(floor, d)));
+        _mm512_mask_storeu_ps(p + c, m, e);
+        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                      _mm512_castps_pd(e), 1))));
+    }
+    vinv = _mm512_set1_ps((float)(1.0 / _mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1))));
+    for (c = 0; c < n; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - c));
+        const __mmask16 in = c < seen ? mpt__gemm_mask16((int)MPT__MIN(16, seen - c)) : 0;
+        _mm512_mask_storeu_ps(p + c, m,
+                              _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
+    }
+}
+#endif
+
 /* A row of scores as weights: the first `seen` of p's n scaled and put
-   through the softmax (float32, Σ in double), the rest zero. */
-static void mpt__attn_softmax_row(float *p, int64_t seen, int64_t n, float scale) {
+   through the softmax (float32, Σ in double), the rest zero. cpu: the
+   context's features (the AVX-512 form above where it has them). */
+static void mpt__attn_softmax_row(int cpu, float *p, int64_t seen, int64_t n, float scale) {
     float row_max = -INFINITY, inv_sum;
     double sum = 0;
     int64_t c;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__attn_softmax_row_avx512(p, seen, n, scale);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
     for (c = 0; c < seen; c++) {
         p[c] = mpt__fmul_rn(p[c], scale);
         row_max = p[c] > row_max ? p[c] : row_max;
@@ -9236,7 +9290,7 @@ static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int6
         float *p = s->p + r * n;
         int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
         uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
-        mpt__attn_softmax_row(p, seen, n, a->scale);
+        mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
         for (c = 0; c < n; c++) {
             float kept = p[c];
             if (j->dropout && c < seen)
@@ -17398,7 +17452,7 @@ static void mpt__gen_attention(mpt__gen *g, int i, const float *x, float *y) {
             for (e = 0; e < dk; e++) s += q[h * dk + e] * g->keys[i][j * qk + h * dk + e];
             p[j] = s;
         }
-        mpt__attn_softmax_row(p, t + 1, t + 1, scale);
+        mpt__attn_softmax_row(g->m->ctx->cpu, p, t + 1, t + 1, scale);
         for (e = 0; e < dv; e++) o[h * dv + e] = 0;
         for (j = 0; j <= t; j++)
             for (e = 0; e < dv; e++) o[h * dv + e] += p[j] * g->values[i][(j * H + h) * dv + e];

@@ -348,7 +348,8 @@
        @impl-convert      float conversions: the kernel the CPU allows, over
                           the pool (mpt__convert); AVX2 and AVX-512 kernels
        @impl-activations  the activations on the CPU, the GEMM epilogue's and
-                          the layers' (their rules: @backend-shared)
+                          the layers' (their rules: @backend-shared); GELU
+                          and exp in AVX-512
        @impl-gemm         the CPU GEMM: blocking, tasks, the driver (the
                           layers reach it through the backend's gemm)
        @impl-gemm-kernels the GEMM's packing and micro-kernels: portable,

@@ -8821,6 +8821,7 @@ typedef struct mpt__ln_job {
     double *part;                 /* backward: (n_chunks, 2, D) each chunk's
                                      Σ dy and Σ dy · x̂                        */
     mpt__convert_fn widen, narrow; /* dtype to float32 and back              */
+    int cpu;                      /* the context's features                  */
 } mpt__ln_job;
 
 /* k elements of p (in the job's dtype) from element `at`, as float32 into f. */
@@ -8907,10 +8908,90 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     }
 }
 
+#if MPT__X86
+/* mpt__ln_forward_row in AVX-512, 16 elements a step (the tail masked), x
+   widened and y narrowed in registers. The same steps, but the row's two
+   sums in double are taken in 16 lanes (two vectors of 8, the squared
+   deviations added by FMAs) and then added across: another order than
+   the scalar loop's, as mpt_cuda.cu's is, so a row's mean and inv_std may
+   differ from it in the last bit. x̂ and y are @backend-shared's
+   mpt__ln_xhat and mpt__ln_output lane by lane, each step rounded on its
+   own (the explicit rounding forms, which no compiler contracts into an
+   FMA). The scalar loop's sums are chains of dependent double additions,
+   a few cycles an element; here a row of 256 takes 16 steps a pass. */
+#define MPT__LN_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__ln_forward_row_loop(
+    mpt_dtype dtype, const mpt_layernorm_args *a, int64_t r) {
+    const int64_t D = a->cols;
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
+    const char *x = (const char *)a->x + (size_t)(r * D) * es;
+    char *y = (char *)a->y + (size_t)(r * D) * es;
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd(), mean_d;
+    __m512 vmean, vinv;
+    float mean, inv_std;
+    int64_t c;
+    for (c = 0; c < D; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+        const __m512 v = mpt__avx512_load(dtype, x + (size_t)c * es, m); /* 0 past D */
+        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+    }
+    mean = mpt__ln_row_mean(_mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1)), D);
+    mean_d = _mm512_set1_pd((double)mean);
+    sum0 = sum1 = _mm512_setzero_pd();
+    for (c = 0; c < D; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+        const __m512 v = mpt__avx512_load(dtype, x + (size_t)c * es, m);
+        const __m512d d0 = _mm512_maskz_sub_pd((__mmask8)m, _mm512_cvtps_pd(
+                                                   _mm512_castps512_ps256(v)), mean_d);
+        const __m512d d1 = _mm512_maskz_sub_pd((__mmask8)(m >> 8), _mm512_cvtps_pd(
+                                                   _mm512_extractf32x8_ps(v, 1)), mean_d);
+        sum0 = _mm512_fmadd_pd(d0, d0, sum0);
+        sum1 = _mm512_fmadd_pd(d1, d1, sum1);
+    }
+    inv_std = mpt__ln_row_inv_std(_mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1)), D,
+                                  a->epsilon);
+    a->mean[r] = mean;
+    a->inv_std[r] = inv_std;
+    vmean = _mm512_set1_ps(mean);
+    vinv = _mm512_set1_ps(inv_std);
+    for (c = 0; c < D; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+        const __m512 v = mpt__avx512_load(dtype, x + (size_t)c * es, m);
+        const __m512 xhat = _mm512_mul_round_ps(_mm512_sub_round_ps(v, vmean, MPT__LN_RN), vinv,
+                                                MPT__LN_RN);
+        const __m512 g = a->gamma ? _mm512_maskz_loadu_ps(m, a->gamma + c) : _mm512_set1_ps(1.0f);
+        const __m512 b = a->beta ? _mm512_maskz_loadu_ps(m, a->beta + c) : _mm512_setzero_ps();
+        mpt__avx512_store(dtype, y + (size_t)c * es,
+                          _mm512_add_round_ps(_mm512_mul_round_ps(xhat, g, MPT__LN_RN), b,
+                                              MPT__LN_RN),
+                          m);
+    }
+}
+#undef MPT__LN_RN
+
+MPT__TARGET_AVX512 static void mpt__ln_forward_rows_avx512(const mpt_layernorm_args *a, int64_t r0,
+                                                          int64_t r1) {
+    int64_t r;
+    if (a->dtype == MPT_BFLOAT16)
+        for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_BFLOAT16, a, r);
+    else if (a->dtype == MPT_FLOAT16)
+        for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT16, a, r);
+    else
+        for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT32, a, r);
+}
+#endif
+
 static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
     const mpt__ln_job *j = (const mpt__ln_job *)arg;
     int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r;
     (void)thread;
+#if MPT__X86
+    if (j->cpu & MPT_CPU_AVX512) {
+        mpt__ln_forward_rows_avx512(j->a, r0, r1);
+        return;
+    }
+#endif
     for (r = r0; r < r1; r++) mpt__ln_forward_row(j, r);
 }
 
@@ -8948,6 +9029,7 @@ static mpt__ln_job mpt__ln_job_for(const mpt_context *ctx, const mpt_layernorm_a
     j.part = part;
     j.widen = half ? mpt__convert_kernel(ctx->cpu, MPT_FLOAT32, a->dtype) : mpt__ln_copy;
     j.narrow = half ? mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32) : mpt__ln_copy;
+    j.cpu = ctx->cpu;
     return j;
 }
 
